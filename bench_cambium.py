@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Speed figures for cambium, printed, never asserted (tests do not time things).
+
+    python3 bench_cambium.py            # everything
+    python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency import
+
+Each section builds throwaway git repos in a temp dir and uses the real code.
+Figures are medians of warm calls unless said otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import cambium_server as cs  # noqa: E402
+
+WORDS = ("cache retry backoff deploy schema migration tenant queue webhook token session "
+         "index shard replica latency budget flag rollout canary alert pager runbook "
+         "timeout pool connection worker thread lock mutex journal snapshot ledger invoice "
+         "payment refund audit policy secret rotation certificate proxy gateway router "
+         "frontend backend styling bundle build pipeline artifact registry container image "
+         "kernel memory leak profile trace metric dashboard quota limit throttle burst "
+         "compression encoding utf json yaml parser lexer grammar compiler linker").split()
+
+
+def _pseudo_words(n: int, seed: int = 11) -> list[str]:
+    rng = random.Random(seed)
+    syll = ["ka", "to", "mi", "ra", "sen", "lo", "vek", "du", "pra", "zil", "mon", "tri",
+            "gal", "bor", "fen", "qui", "nas", "hel", "jor", "wex"]
+    out = set()
+    while len(out) < n:
+        out.add("".join(rng.choice(syll) for _ in range(rng.randint(2, 4))))
+    return sorted(out)
+
+
+#: A Zipf-shaped vocabulary: the real-ish WORDS are common, 5,000 pseudo-words
+#: form the long tail, as in real notes (a uniform 100-word vocabulary would make
+#: every term match a third of the store, which no real store does).
+VOCAB = WORDS + _pseudo_words(5_000)
+ZIPF = [1 / (r + 1) ** 1.07 for r in range(len(VOCAB))]
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choices(VOCAB, weights=ZIPF, k=n)).capitalize() + "."
+
+
+def synth_items(n: int, seed: int = 7) -> list[cs.Item]:
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        it = cs.new_item(f"{_sentence(rng, 18)} Case {i}.", why=_sentence(rng, 14),
+                         tags=rng.sample(WORDS, 3), agent="bench", project="bench")
+        items.append(it)
+    return items
+
+
+def make_env(root: Path) -> dict:
+    repo = root / "repo"
+    repo.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    env = {"CAMBIUM_REPO": str(repo), "CAMBIUM_AGENT_ID": "bench",
+           "CAMBIUM_CONFIG_FILE": str(root / "config.json"), "HOME": str(root)}
+    os.environ.update(env)
+    cs._STORES.clear()
+    return env
+
+
+def seed_store(repo: Path, n: int) -> None:
+    d = repo / ".cambium"
+    d.mkdir(exist_ok=True)
+    cs.atomic_write(d / "knowledge.json", cs.render_store(cs.Doc(items=synth_items(n))))
+
+
+def median_ms(fn, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def bench_recall() -> None:
+    rng = random.Random(1)
+    for n, target in ((10_000, 20), (50_000, 80)):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = make_env(Path(tmp))
+            seed_store(Path(env["CAMBIUM_REPO"]), n)
+            cs.recall("warm up the cache")
+            queries = [" ".join(rng.choices(VOCAB, weights=ZIPF, k=4)) for _ in range(40)]
+            it = iter(queries * 3)
+            ms = median_ms(lambda: cs.recall(next(it)), 40)
+            print(f"recall, {n:>6,} local items, distinct queries: median {ms:6.1f} ms "
+                  f"(target <= {target} ms)")
+
+
+def bench_capture() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = make_env(Path(tmp))
+        seed_store(Path(env["CAMBIUM_REPO"]), 10_000)
+        cs.capture("warm up")
+        rng = random.Random(2)
+        ms = median_ms(lambda: cs.capture(_sentence(rng, 20), tags="bench"), 30)
+        print(f"capture into 10,000 local items: median {ms:6.1f} ms (target <= 40 ms)")
+
+
+def bench_cli() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, **make_env(Path(tmp))}
+        seed_store(Path(env["CAMBIUM_REPO"]), 1_000)
+        runs = {"python3 cambium_server.py status": [sys.executable, str(HERE / "cambium_server.py"),
+                                                     "status"]}
+        script = shutil.which("cambium-mcp")
+        if script:
+            runs["cambium-mcp status (console script)"] = [script, "status"]
+        for label, cmd in runs.items():
+            subprocess.run(cmd, env=env, capture_output=True)
+            times = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                subprocess.run(cmd, env=env, capture_output=True, check=True)
+                times.append(time.perf_counter() - t0)
+            print(f"{label}: median {statistics.median(times):.3f} s")
+        if not script:
+            print("cambium-mcp not on PATH (pip install -e . to measure the console script)")
+
+
+def bench_memory() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, **make_env(Path(tmp))}
+        seed_store(Path(env["CAMBIUM_REPO"]), 10_000)
+        probe = textwrap.dedent(f"""
+            import sys; sys.path.insert(0, {str(HERE)!r})
+            import cambium_server as cs
+            cs.build_server()
+            cs.recall("cache retry backoff")
+            cs.capture("one more thing for the peak")
+            cs.recall("tenant queue webhook")
+            # VmHWM: this process's own peak (ru_maxrss would include the parent's
+            # size at fork time)
+            hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+            print(int(hwm.split()[1]) / 1024)
+        """)
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, check=True)
+        print(f"peak RSS, server built, 10,000 items recalled and captured: "
+              f"{float(out.stdout.strip()):.0f} MB (target <= 150 MB)")
+
+
+def bench_concurrency() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, **make_env(Path(tmp))}
+        script = textwrap.dedent(f"""
+            import sys; sys.path.insert(0, {str(HERE)!r})
+            import cambium_server as cs
+            for i in range(50):
+                cs.capture(f"process {{sys.argv[1]}} item {{i}}")
+        """)
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(p)], env=env)
+                 for p in range(4)]
+        for p in procs:
+            p.wait()
+        dt = time.perf_counter() - t0
+        data = json.loads((Path(env["CAMBIUM_REPO"]) / ".cambium" / "knowledge.json").read_text())
+        print(f"4 processes x 50 captures into one store: {len(data['items'])} of 200 present "
+              f"({dt:.1f} s)")
+
+
+def bench_import() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        make_env(Path(tmp))
+        rng = random.Random(3)
+        export = Path(tmp) / "export.jsonl"
+        with open(export, "w") as f:
+            for i in range(10_000):
+                f.write(json.dumps({"id": f"r{i}", "content": _sentence(rng, 20),
+                                    "why": _sentence(rng, 10), "tags": rng.sample(WORDS, 2),
+                                    "created_at": "2025-06-01T00:00:00Z"}) + "\n")
+        t0 = time.perf_counter()
+        res = cs.import_memory("json", str(export))
+        dt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = cs.import_memory("json", str(export))
+        dt2 = time.perf_counter() - t0
+        print(f"import_memory 10,000 JSONL records: {dt:.2f} s ({res['imported']} imported); "
+              f"re-import {dt2:.2f} s ({again['duplicates']} duplicates)")
+
+
+SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
+            "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import}
+
+
+def main(argv: list[str]) -> None:
+    chosen = argv or list(SECTIONS)
+    print(f"cambium {cs.__version__} on Python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} CPUs")
+    for name in chosen:
+        SECTIONS[name]()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
