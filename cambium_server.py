@@ -1061,6 +1061,259 @@ def mutate_local(cfg: Config, fn: Callable[[Doc], Doc | None], message: str = ""
 
 
 # =============================================================================
+# Storage: shared scopes (git)
+# Team scope is knowledge.json on a branch of the project's remote; org scope is
+# knowledge.json on the default branch of the org repo's remote. Both are
+# written the same way, without touching any checkout or index: the new file is
+# hashed into the object store, a commit is built on the remote tip with
+# commit-tree, and `git push` publishes it. The push is the compare-and-swap: it
+# only fast-forwards, so a peer who wrote first makes it fail, and we replay the
+# pure change on the new tip. Success is reported only once the remote is seen
+# to hold the commit.
+# =============================================================================
+
+PUSH_RETRIES = 6            #: CAS attempts before giving up with ConflictError
+PUSH_BACKOFF_S = 0.15       #: first retry delay; doubles each attempt, plus jitter
+
+
+@dataclass
+class Write:
+    """What a shared-scope write did: the resulting doc, commit, and PR if any."""
+    doc: Doc
+    commit: str | None = None
+    pr_url: str | None = None
+    branch: str | None = None
+
+
+def _push_outcome(out: str) -> str:
+    """Classify `git push --porcelain` output: ok | race | refused."""
+    for line in out.splitlines():
+        if line.startswith("!"):
+            # "[rejected] (fetch first)", "(non-fast-forward)", "(stale info)" mean a
+            # peer moved the branch; "[remote rejected]" is a hook or policy: final.
+            return "refused" if "[remote rejected]" in line else "race"
+        if line[:1] in ("*", " ", "+", "-", "=") and "\t" in line:
+            return "ok"
+    return "refused"
+
+
+class GitStore(Store):
+    """knowledge.json on `branch` of `remote`, in the clone at `repo`.
+
+    Reads fetch at most once per `fetch_interval_s` (shared across processes by
+    a stamp file) and re-parse only when the tip changed. Writes run
+    fetch -> fn -> commit -> push (CAS) -> verify, replaying fn on a lost race.
+    """
+
+    def __init__(self, scope: str, repo: Path, remote: str, branch: str, *,
+                 timeout_s: float, fetch_interval_s: float, agent: str,
+                 extra_files: Callable[[Doc], dict[str, str]] | None = None,
+                 usage_path: Path | None = None):
+        self.scope, self.repo, self.remote, self.branch = scope, repo, remote, branch
+        self.timeout_s, self.fetch_interval_s, self.agent = timeout_s, fetch_interval_s, agent
+        self.extra_files = extra_files
+        self.usage_path = usage_path
+        self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
+        self._warnings: list[str] = []
+        self._state = _GIT_CACHE.setdefault((str(repo), remote, branch), {})
+
+    # -- plumbing ---------------------------------------------------------------
+    def git(self, *args: str, check: bool = True, input: str | None = None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+        if env:
+            return _run(["git", *args], self.repo, self.timeout_s, check=check, input=input,
+                        env={**_git_env(), **env})
+        return _git(list(args), self.repo, self.timeout_s, check=check, input=input)
+
+    def _stamp(self) -> Path:
+        gitdir = self.repo / ".git"
+        base = gitdir if gitdir.is_dir() else self.repo
+        return base / "cambium" / f"fetched-{self.scope}"
+
+    def fetch(self, force: bool = False) -> str | None:
+        """Fetch the branch into our private ref if due; return the tip (None: no branch)."""
+        now = time.time()
+        stamp = self._stamp()
+        last = self._state.get("fetched_at", 0.0)
+        with contextlib.suppress(OSError):
+            last = max(last, stamp.stat().st_mtime)
+        if force or now - last >= self.fetch_interval_s or "tip" not in self._state:
+            proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+                            f"+refs/heads/{self.branch}:{self.ref}", check=False)
+            if proc.returncode != 0:
+                err = proc.stderr or ""
+                if "couldn't find remote ref" in err or "could not find remote ref" in err:
+                    self.git("update-ref", "-d", self.ref, check=False)
+                else:
+                    raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
+            self._state["fetched_at"] = now
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.touch()
+            self._state.pop("tip", None)
+        if "tip" not in self._state:
+            proc = self.git("rev-parse", "--verify", "--quiet", self.ref + "^{commit}", check=False)
+            self._state["tip"] = proc.stdout.strip() or None
+        return self._state["tip"]
+
+    def _doc_at(self, commit: str | None) -> Doc:
+        """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
+        if commit is None:
+            return Doc(items=[])
+        cached = self._state.get("doc")
+        if cached and cached[0] == commit:
+            return cached[1]
+        proc = self.git("cat-file", "blob", f"{commit}:{STORE_FILE}", check=False)
+        text = proc.stdout if proc.returncode == 0 else ""
+        doc = parse_store(text, f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} "
+                                f"at {commit[:10]})")
+        for it in doc.items:
+            if it.scope != self.scope:
+                it.scope = self.scope       # a copy made by hand keeps its true scope
+        self._state["doc"] = (commit, doc)
+        return doc
+
+    def read(self) -> Doc:
+        """The scope's items; raises GitError (unreachable) or CorruptStore."""
+        return self._doc_at(self.fetch())
+
+    def default_tip(self) -> str | None:
+        """The remote default branch's tip (fetched), the parent of a new branch."""
+        proc = self.git("ls-remote", "--symref", "--", self.remote, "HEAD")
+        head = None
+        for line in proc.stdout.splitlines():
+            if line.startswith("ref: ") and line.endswith("\tHEAD"):
+                head = line[5:-5]
+        if head is None:
+            return None
+        ref = f"refs/cambium/{self.scope}/{self.remote}/__default"
+        self.git("fetch", "--quiet", "--no-tags", "--", self.remote, f"+{head}:{ref}")
+        return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
+
+    def _commit(self, parent: str | None, files: dict[str, str], message: str) -> str:
+        """A commit = parent's tree with `files` replaced at the root."""
+        entries: dict[str, str] = {}
+        if parent:
+            for line in self.git("ls-tree", "-z", parent).stdout.split("\0"):
+                if line:
+                    meta, name = line.split("\t", 1)
+                    entries[name] = meta
+        for name, text in files.items():
+            blob = self.git("hash-object", "-w", "--stdin", input=text).stdout.strip()
+            entries[name] = f"100644 blob {blob}"
+        tree_in = "".join(f"{meta}\t{name}\0" for name, meta in sorted(entries.items()))
+        tree = self.git("mktree", "-z", input=tree_in).stdout.strip()
+        who = {"GIT_AUTHOR_NAME": f"cambium ({self.agent})",
+               "GIT_AUTHOR_EMAIL": f"{self.agent}@cambium.invalid",
+               "GIT_COMMITTER_NAME": f"cambium ({self.agent})",
+               "GIT_COMMITTER_EMAIL": f"{self.agent}@cambium.invalid"}
+        args = ["commit-tree", tree, "-m", message] + (["-p", parent] if parent else [])
+        return self.git(*args, env=who).stdout.strip()
+
+    def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
+        args = ["push", "--porcelain", "--quiet"]
+        if lease is not None:
+            args.append(f"--force-with-lease=refs/heads/{branch}:{lease}")
+        proc = self.git(*args, "--", self.remote, f"{commit}:refs/heads/{branch}", check=False)
+        outcome = _push_outcome(proc.stdout)
+        if outcome == "ok" and proc.returncode != 0:
+            outcome = "refused"
+        if outcome == "refused":
+            if proc.returncode == 0 and not proc.stdout.strip():
+                return "ok"
+            tail = (proc.stdout + proc.stderr).strip()
+            raise GitError(["git", "push", self.remote, branch], proc.returncode,
+                           tail or "push refused")
+        return outcome
+
+    def verify(self, commit: str, branch: str) -> None:
+        """Raise unless the remote's branch holds `commit` (at the tip or below it)."""
+        proc = self.git("ls-remote", "--", self.remote, f"refs/heads/{branch}")
+        remote_tip = proc.stdout.split("\t", 1)[0].strip() if proc.stdout.strip() else ""
+        if remote_tip == commit:
+            return
+        if remote_tip:
+            self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+                     f"+refs/heads/{branch}:{self.ref}-verify")
+            ok = self.git("merge-base", "--is-ancestor", commit, remote_tip, check=False)
+            if ok.returncode == 0:
+                return
+        raise GitError(["git", "ls-remote", self.remote, branch], 1,
+                       f"the remote does not hold commit {commit[:10]} after the push")
+
+    # -- the CAS loop -----------------------------------------------------------
+    def mutate(self, fn: Callable[[Doc], Doc | None], message: str, *,
+               branch: str | None = None) -> Write:
+        """Apply pure fn to the remote doc and publish it; replay on a lost race.
+
+        branch: push to this side branch (a pull request's) instead: it starts
+        from the scope's tip, or continues its own tip if it exists. Raises
+        CorruptStore (nothing written), GitError, ConflictError.
+        """
+        import random
+        target = branch or self.branch
+        with file_lock(self._stamp().with_name(f"write-{self.scope}")):
+            for attempt in range(PUSH_RETRIES):
+                if attempt:
+                    time.sleep(PUSH_BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random()))
+                tip = self.fetch(force=True)
+                side = branch is not None and branch != self.branch
+                side_tip = self._remote_branch_tip(branch) if side else None
+                base = side_tip or tip
+                doc = self._doc_at(base)
+                pending, commit_usage = (take_usage(self.usage_path, self.scope)
+                                         if self.usage_path and not side else ([], lambda: None))
+                folded = fold_usage(doc, pending) or doc
+                new = fn(folded)
+                if new is None:
+                    if folded is doc:
+                        return Write(doc=doc, commit=base, branch=target)
+                    new = folded
+                files = {STORE_FILE: render_store(new)}
+                if self.extra_files:
+                    files.update(self.extra_files(new))
+                parent = base if base is not None else self.default_tip()
+                commit = self._commit(parent, files, message)
+                outcome = self._push(commit, target, lease=(side_tip or "") if side else None)
+                if outcome == "race":
+                    continue
+                self.verify(commit, target)
+                commit_usage()
+                if target == self.branch:
+                    self.git("update-ref", self.ref, commit)
+                    self._state["tip"] = commit
+                    self._state["doc"] = (commit, new)
+                return Write(doc=new, commit=commit, branch=target)
+        raise ConflictError(f"{self.scope} scope: lost the push race {PUSH_RETRIES} times on "
+                            f"{self.remote}/{target}; other writers are busy. Try again.")
+
+    def _remote_branch_tip(self, branch: str) -> str | None:
+        ref = f"refs/cambium/{self.scope}/{self.remote}/side/{branch}"
+        proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+                        f"+refs/heads/{branch}:{ref}", check=False)
+        if proc.returncode != 0:
+            return None
+        return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
+
+    def sync_checkout(self) -> None:
+        """Hard-sync a dedicated clone's checkout to the scope tip (the org clone)."""
+        tip = self._state.get("tip")
+        if tip and self._state.get("checked_out") != tip:
+            self.git("checkout", "--quiet", "--force", "-B", self.branch, tip)
+            self._state["checked_out"] = tip
+
+    def reachable(self) -> tuple[bool, str]:
+        """(reachable, detail) from a bounded ls-remote."""
+        try:
+            self.git("ls-remote", "--heads", "--", self.remote, self.branch)
+            return True, "ok"
+        except GitError as e:
+            return False, str(e)
+
+
+_GIT_CACHE: dict[tuple, dict] = {}
+
+
+# =============================================================================
 # Ingest: the one path items take into the local store
 # Every source (capture, import adapters, distill readers) yields Drafts; ingest
 # normalizes each through new_item() and dedupes on a watermark key kept in
@@ -1504,13 +1757,156 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 
 
 # =============================================================================
-# Lifecycle: trust and staleness decisions (pure)
+# Lifecycle: trust, promotion gates and staleness decisions (pure)
+# Functions of their inputs only (items, trust, thresholds, now): no file, env
+# or clock. The tools below do the I/O around them.
 # =============================================================================
 
 
 def endorsement_notes(item: Item) -> list[str]:
     return [e.get("note", "") for e in item.trust.get("endorsements", [])
             if isinstance(e, dict) and e.get("note")]
+
+
+def latest_endorsement_note(item: Item) -> str | None:
+    """The newest non-empty endorsement note: the draft for a general restatement."""
+    ends = [e for e in item.trust.get("endorsements", []) if isinstance(e, dict) and e.get("note")]
+    ends.sort(key=lambda e: str(e.get("at", "")))
+    return ends[-1]["note"] if ends else None
+
+
+def team_eligibility(item: Item, trust: dict, recalls_needed: int) -> str | None:
+    """Why a local item may go to team (None: not eligible)."""
+    if not item.active or item.scope != "local":
+        return None
+    if trust.get("endorsements"):
+        return "endorsed"
+    if int(trust.get("recalls", 0)) >= recalls_needed:
+        return f"recalled {trust.get('recalls')} times (>= {recalls_needed})"
+    return None
+
+
+_FILE_EXTS = ("py|js|jsx|ts|tsx|go|rs|java|kt|rb|php|cs|c|h|cc|cpp|hpp|swift|m|scala|sh|bash|"
+              "ps1|sql|json|jsonl|ya?ml|toml|ini|cfg|conf|env|md|rst|txt|html|css|scss|vue|"
+              "svelte|lock|gradle|xml|proto|tf|dockerfile|ipynb|csv")
+_TELLS = (
+    ("names a file", re.compile(
+        rf"(?<![\w@])(?:[\w.\-]+/)*[\w\-]+\.(?:{_FILE_EXTS})\b"
+        r"|(?<![\w@])(?:[\w.\-]+/)+[\w.\-]+/?(?=\s|$|[,;:)])", re.IGNORECASE)),
+    ("names a test", re.compile(r"\btest_\w+|\bTest[A-Z]\w*")),
+    ("cites a context-keeper id", re.compile(r"\b(?:dec|con|pipe)-\d{3,}(?:-[0-9a-f]{4})?\b",
+                                             re.IGNORECASE)),
+)
+
+
+def generalization_tells(text: str, project: str) -> list[str]:
+    """What makes a body read project-specific: files, test ids, dec-/con- refs,
+    its origin project's name. Empty when it reads as a cross-project rule."""
+    found: list[str] = []
+    for label, rx in _TELLS:
+        for m in rx.finditer(text or ""):
+            token = m.group(0).strip()
+            if label == "names a file" and ("://" in text[max(0, m.start() - 8):m.start() + 3]
+                                            or token.count("/") == 1 and token.endswith("/")):
+                continue
+            tell = f"{label}: {token}"
+            if tell not in found:
+                found.append(tell)
+    if project and len(project) >= 3 and re.search(rf"(?<![\w-]){re.escape(project)}(?![\w-])",
+                                                   text or "", re.IGNORECASE):
+        found.append(f"names its origin project: {project}")
+    return found
+
+
+@dataclass
+class Verdict:
+    """A gate's decision: allowed, or refused with the reason and what to do."""
+    allowed: bool
+    status: str                       # promotable | needs_endorsement | needs_generalization
+    reason: str = ""
+    tells: list = field(default_factory=list)
+    draft: str | None = None
+
+
+def org_verdict(item: Item, *, org_content: str | None, force: bool) -> Verdict:
+    """May `item` enter org scope? Requires an endorsement; then the body that
+    would land (org_content or the item's own) must read cross-project, unless
+    forced."""
+    if not item.trust.get("endorsements"):
+        return Verdict(False, "needs_endorsement",
+                       f"org scope needs an endorsement; endorse({item.id!r}, note=...) "
+                       "saying why it holds beyond this project, then promote again.")
+    body = org_content if org_content else item.content
+    tells = generalization_tells(body, item.project)
+    if tells and not force:
+        draft = latest_endorsement_note(item)
+        return Verdict(False, "needs_generalization",
+                       "org scope is read by every project, and this body reads "
+                       "project-specific. Restate it as the cross-project rule with "
+                       "org_content=... (the concrete body is kept as `example`), or pass "
+                       "force=True to promote it as it is.", tells, draft)
+    return Verdict(True, "promotable")
+
+
+def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
+                  org_content: str | None = None) -> Item:
+    """The item as it lands in a higher scope. Promotion is a verification."""
+    checks = list(item.verifications or []) + [{"by": agent, "at": now,
+                                                 "note": f"promoted to {scope}"}]
+    changes: dict[str, Any] = dict(scope=scope, trust=trust, promoted_at=now,
+                                   last_verified=now, verifications=checks, updated_at=now,
+                                   pr_url=None)
+    if org_content and org_content != item.content:
+        changes.update(content=org_content, example=item.example or item.content)
+    return dataclasses.replace(item, **changes)
+
+
+def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
+    """KNOWLEDGE.md text: by scope, then project; provenance and trust per item."""
+    out = ["# Knowledge", "", "_Rendered by cambium. Edit knowledge through cambium, "
+           "not this file._", ""]
+    for scope in reversed(SCOPES):
+        pairs = groups.get(scope)
+        if not pairs:
+            continue
+        out += [f"## {scope.capitalize()}", ""]
+        by_project: dict[str, list] = {}
+        for it, trust in pairs:
+            by_project.setdefault(it.project or "(no project)", []).append((it, trust))
+        for project in sorted(by_project):
+            out += [f"### {project}", ""]
+            for it, trust in sorted(by_project[project], key=lambda p: p[0].created_at):
+                summary = repair_mojibake(it.content).replace("\n", " ")
+                bits = [f"kind: {it.kind}", f"provenance: {_provenance(it)}",
+                        f"recalls: {trust.get('recalls', 0)}"]
+                if it.promoted_at:
+                    bits.append(f"promoted: {it.promoted_at[:10]}")
+                out.append(f"- **{summary}**")
+                out.append(f"  - {' · '.join(bits)}")
+                if it.why:
+                    out.append(f"  - why: {repair_mojibake(it.why).replace(chr(10), ' ')}")
+                if it.example:
+                    out.append(f"  - example: {repair_mojibake(it.example).replace(chr(10), ' ')}")
+                for note in endorsement_notes(it):
+                    out.append(f"  - endorsed as: {repair_mojibake(note).replace(chr(10), ' ')}")
+            out.append("")
+    if len(out) == 4:
+        out.append("_No knowledge in this scope yet._")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _provenance(it: Item) -> str:
+    src = it.source or {}
+    system = src.get("system", "capture")
+    ref = src.get("ref")
+    who = f" by {it.created_by}" if it.created_by else ""
+    return f"{system} {ref}{who}" if ref else f"{system}{who}"
+
+
+def org_markdown(doc: Doc) -> dict[str, str]:
+    """The files an org write publishes beside knowledge.json."""
+    return {"KNOWLEDGE.md": render_markdown({"org": [(it, it.trust) for it in doc.items
+                                                     if it.active]})}
 
 
 # =============================================================================
@@ -1797,7 +2193,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     store = local_store(cfg)
     doc = store.read()
     index = store_index(str(store.path), doc.items)
-    ranking = score_query(index, repair_mojibake(query), limit)
+    ranking = rank(index, query, limit)
     hits, confidence = ranking.hits, ranking.confidence
     warnings = store.warnings
     out: dict[str, Any] = {"query": query, "scope": scope, "mode": "lexical",
@@ -1818,6 +2214,12 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def rank(index: Index, query: str, limit: int) -> Ranking:
+    """The recall ranking for a query over an index: lexical BM25 today; the one
+    place a semantic scorer blends in (the tool contract does not change)."""
+    return score_query(index, repair_mojibake(query), limit)
 
 
 _INDEXES: dict[str, Index] = {}
@@ -1942,46 +2344,6 @@ def export_markdown(scope: Literal["local", "team", "org", "all"] = "local") -> 
     md = render_markdown(groups if scope in ("local", "all") else {})
     return {"scope": scope, "markdown": md,
             "items": sum(len(v) for v in groups.values()) if scope in ("local", "all") else 0}
-
-
-def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
-    """KNOWLEDGE.md text: by scope, then project; provenance and trust per item (pure)."""
-    out = ["# Knowledge", "", "_Rendered by cambium. Edit knowledge through cambium, "
-           "not this file._", ""]
-    for scope in SCOPES:
-        pairs = groups.get(scope)
-        if not pairs:
-            continue
-        out += [f"## {scope.capitalize()}", ""]
-        by_project: dict[str, list] = {}
-        for it, trust in pairs:
-            by_project.setdefault(it.project or "(no project)", []).append((it, trust))
-        for project in sorted(by_project):
-            out += [f"### {project}", ""]
-            for it, trust in sorted(by_project[project], key=lambda p: p[0].created_at):
-                summary = repair_mojibake(it.content).replace("\n", " ")
-                bits = [f"kind: {it.kind}", f"provenance: {_provenance(it)}",
-                        f"recalls: {trust.get('recalls', 0)}"]
-                if it.promoted_at:
-                    bits.append(f"promoted: {it.promoted_at[:10]}")
-                out.append(f"- **{summary}**")
-                out.append(f"  - {' · '.join(bits)}")
-                if it.why:
-                    out.append(f"  - why: {repair_mojibake(it.why).replace(chr(10), ' ')}")
-                if it.example:
-                    out.append(f"  - example: {repair_mojibake(it.example).replace(chr(10), ' ')}")
-            out.append("")
-    if len(out) == 4:
-        out.append("_No knowledge in this scope yet._")
-    return "\n".join(out).rstrip() + "\n"
-
-
-def _provenance(it: Item) -> str:
-    src = it.source or {}
-    system = src.get("system", "capture")
-    ref = src.get("ref")
-    who = f" by {it.created_by}" if it.created_by else ""
-    return f"{system} {ref}{who}" if ref else f"{system}{who}"
 
 
 # =============================================================================
