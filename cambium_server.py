@@ -153,6 +153,12 @@ class ConflictError(CambiumError):
     """Lost the compare-and-swap race on every retry."""
 
 
+def _noted(err: CambiumError, note: str) -> CambiumError:
+    """The same error with a note on what it means for the caller appended."""
+    err.args = (f"{err} — {note}",)
+    return err
+
+
 # =============================================================================
 # Records
 # `Item` is one knowledge item. Only from_dict/to_dict know the JSON shape;
@@ -1090,8 +1096,12 @@ def _push_outcome(out: str) -> str:
     for line in out.splitlines():
         if line.startswith("!"):
             # "[rejected] (fetch first)", "(non-fast-forward)", "(stale info)" mean a
-            # peer moved the branch; "[remote rejected]" is a hook or policy: final.
-            return "refused" if "[remote rejected]" in line else "race"
+            # peer moved the branch. "[remote rejected]" is a hook or a policy (final)
+            # unless the remote lost a ref-lock race with a simultaneous push.
+            if "[remote rejected]" in line:
+                racy = ("lock", "already exists", "failed to update ref", "incorrect old value")
+                return "race" if any(r in line for r in racy) else "refused"
+            return "race"
         if line[:1] in ("*", " ", "+", "-", "=") and "\t" in line:
             return "ok"
     return "refused"
@@ -1210,7 +1220,7 @@ class GitStore(Store):
         return self.git(*args, env=who).stdout.strip()
 
     def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
-        args = ["push", "--porcelain", "--quiet"]
+        args = ["push", "--porcelain"]
         if lease is not None:
             args.append(f"--force-with-lease=refs/heads/{branch}:{lease}")
         proc = self.git(*args, "--", self.remote, f"{commit}:refs/heads/{branch}", check=False)
@@ -1242,12 +1252,13 @@ class GitStore(Store):
 
     # -- the CAS loop -----------------------------------------------------------
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str, *,
-               branch: str | None = None) -> Write:
+               branch: str | None = None, ensure_files: bool = False) -> Write:
         """Apply pure fn to the remote doc and publish it; replay on a lost race.
 
         branch: push to this side branch (a pull request's) instead: it starts
-        from the scope's tip, or continues its own tip if it exists. Raises
-        CorruptStore (nothing written), GitError, ConflictError.
+        from the scope's tip, or continues its own tip if it exists.
+        ensure_files: also write when only the rendered extra files are stale.
+        Raises CorruptStore (nothing written), GitError, ConflictError.
         """
         import random
         target = branch or self.branch
@@ -1265,8 +1276,8 @@ class GitStore(Store):
                 folded = fold_usage(doc, pending) or doc
                 new = fn(folded)
                 if new is None:
-                    if folded is doc:
-                        return Write(doc=doc, commit=base, branch=target)
+                    if folded is doc and not (ensure_files and self._files_stale(base, doc)):
+                        return Write(doc=doc, commit=None, branch=target)
                     new = folded
                 files = {STORE_FILE: render_store(new)}
                 if self.extra_files:
@@ -1285,6 +1296,15 @@ class GitStore(Store):
                 return Write(doc=new, commit=commit, branch=target)
         raise ConflictError(f"{self.scope} scope: lost the push race {PUSH_RETRIES} times on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
+
+    def _files_stale(self, commit: str | None, doc: Doc) -> bool:
+        """Whether the extra files rendered from doc differ from those at commit."""
+        for name, text in (self.extra_files(doc) if self.extra_files else {}).items():
+            have = self.git("cat-file", "blob", f"{commit}:{name}", check=False).stdout \
+                if commit else ""
+            if have != text:
+                return True
+        return False
 
     def _remote_branch_tip(self, branch: str) -> str | None:
         ref = f"refs/cambium/{self.scope}/{self.remote}/side/{branch}"
@@ -1960,6 +1980,201 @@ def _today() -> str:
 
 
 # =============================================================================
+# Tools: the three scopes together
+# Accessors for each scope's store, a federated read that skips (and reports)
+# a scope it cannot read, and one way to change an item wherever it lives.
+# =============================================================================
+
+_REMOTE_CACHE: dict[tuple[str, str], bool] = {}
+ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements etc.
+ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
+
+
+def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
+    key = (str(repo), remote)
+    if key not in _REMOTE_CACHE:
+        proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
+        _REMOTE_CACHE[key] = proc.returncode == 0
+    return _REMOTE_CACHE[key]
+
+
+def team_store(cfg: Config) -> GitStore | None:
+    """The team scope's store, or None when the project repo has no such remote."""
+    if not _has_remote(cfg.repo, cfg.remote, cfg.git_timeout_s):
+        return None
+    return GitStore("team", cfg.repo, cfg.remote, cfg.team_branch,
+                    timeout_s=cfg.git_timeout_s, fetch_interval_s=cfg.fetch_interval_s,
+                    agent=cfg.agent, usage_path=_usage_path(cfg))
+
+
+def org_store(cfg: Config) -> GitStore | None:
+    """The org scope's store (default branch of the org clone's origin), or None if off."""
+    org = cfg.org_repo
+    if org is None:
+        return None
+    if not (org / ".git").exists():
+        raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
+                          "knowledge repo there or fix the setting (status() shows it).")
+    if not _has_remote(org, "origin", cfg.git_timeout_s):
+        raise ConfigError(f"the org clone {org} has no 'origin' remote to publish to.")
+    key = ("org-default", str(org))
+    branch = _GIT_CACHE.setdefault(key, {}).get("branch")
+    if branch is None:
+        proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
+                    cfg.git_timeout_s, check=False)
+        branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
+        if not branch:
+            proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org,
+                        cfg.git_timeout_s)
+            heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
+            branch = heads[0].removeprefix("refs/heads/") if heads else "main"
+        _GIT_CACHE[key]["branch"] = branch
+    return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
+                    fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
+                    extra_files=org_markdown)
+
+
+def shared_store(cfg: Config, scope: str) -> GitStore:
+    """team_store/org_store, or a ConfigError saying how to turn the scope on."""
+    store = team_store(cfg) if scope == "team" else org_store(cfg)
+    if store is None:
+        if scope == "team":
+            raise ConfigError(f"team scope needs a git remote {cfg.remote!r} in {cfg.repo}; "
+                              "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
+        raise ConfigError("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
+    return store
+
+
+def read_scopes(cfg: Config, scopes: Iterable[str]) -> tuple[dict[str, Doc], list[str]]:
+    """Docs of the readable scopes among `scopes`; an unreadable one is skipped
+    with a warning (a corrupt file or an unreachable remote never hides the rest)."""
+    docs: dict[str, Doc] = {}
+    warnings: list[str] = []
+    for scope in scopes:
+        if scope == "local":
+            store = local_store(cfg)
+            docs["local"] = store.read()
+            warnings += store.warnings
+            continue
+        try:
+            store = team_store(cfg) if scope == "team" else org_store(cfg)
+            if store is None:
+                continue
+            docs[scope] = store.read()
+            if scope == "org":
+                store.sync_checkout()
+        except CorruptStore as e:
+            warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
+                            "by hand (writes to that scope are refused until then).")
+        except (GitError, ConfigError) as e:
+            warnings.append(f"{scope} scope skipped: {e}")
+    return docs, warnings
+
+
+def federated_items(docs: dict[str, Doc]) -> list[Item]:
+    """Active items across scopes, org first; an id present in two scopes (a
+    move in flight) is shown once, from the higher scope."""
+    present = [s for s in reversed(SCOPES) if s in docs]
+    if len(present) == 1:
+        return docs[present[0]].items
+    seen: set[str] = set()
+    out: list[Item] = []
+    for scope in present:
+        for it in docs[scope].items:
+            if it.id not in seen:
+                seen.add(it.id)
+                out.append(it)
+    return out
+
+
+def locate(cfg: Config, item_id: str) -> tuple[str, Item]:
+    """(scope, item) for an id, searching local, then team, then org."""
+    docs, warnings = read_scopes(cfg, SCOPES)
+    for scope in SCOPES:
+        hit = _find_item(docs[scope], item_id) if scope in docs else None
+        if hit:
+            return scope, hit[1]
+    extra = f" ({'; '.join(warnings)})" if warnings else ""
+    raise NotFound(f"No item {item_id} in any readable scope{extra}; recall lists ids.")
+
+
+def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], Item | None],
+                message: str, *, org_branch: str | None = None) -> tuple[Item, Write | None]:
+    """Apply change(item) -> new item (None: nothing to do) where the item lives.
+
+    Local writes go through the lock; team and org through the CAS push; org in
+    PR mode onto `org_branch` (a shared PR branch). Returns the new item and
+    the shared-scope write (None for local).
+    """
+    result: dict[str, Item] = {}
+
+    def apply(doc: Doc) -> Doc | None:
+        hit = _find_item(doc, item_id)
+        if hit is None:
+            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+        i, it = hit
+        new = change(it)
+        result["item"] = new or it
+        return None if new is None else _replace_item(doc, i, new)
+
+    if scope == "local":
+        mutate_local(cfg, apply, message)
+        return result["item"], None
+    store = shared_store(cfg, scope)
+    branch = org_branch if scope == "org" and cfg.org_pr else None
+    write = store.mutate(apply, f"cambium: {message}", branch=branch)
+    if branch and write.commit:
+        write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
+                               "Opened by cambium. Review is the gate; merge to publish.")
+    return result["item"], write
+
+
+def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
+    """The URL of the open pull request for `branch`, opening one with gh if needed."""
+    timeout = cfg.git_timeout_s
+    env = {**_git_env(), "GH_PROMPT_DISABLED": "1", "GH_NO_UPDATE_NOTIFIER": "1"}
+    listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
+                   "--jq", ".[0].url"], store.repo, timeout, env=env)
+    url = listed.stdout.strip()
+    if url:
+        return url
+    made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
+                 "--title", title, "--body", body], store.repo, timeout, env=env)
+    urls = re.findall(r"https?://\S+", made.stdout)
+    if not urls:
+        raise GitError(["gh", "pr", "create"], made.returncode,
+                       f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
+    return urls[-1]
+
+
+def settle_org_prs(cfg: Config) -> list[str]:
+    """Finish moves whose org pull request has merged: once org scope holds the
+    item, drop the source copy that waited (annotated with pr_url). Returns ids."""
+    if cfg.org_repo is None:
+        return []
+    docs, _ = read_scopes(cfg, SCOPES)
+    if "org" not in docs:
+        return []
+    in_org = {it.id for it in docs["org"].items}
+    settled: list[str] = []
+    for scope in ("local", "team"):
+        if scope not in docs:
+            continue
+        done = {it.id for it in docs[scope].items if it.pr_url and it.id in in_org}
+        if not done:
+            continue
+        drop = lambda d, done=done: dataclasses.replace(  # noqa: E731
+            d, items=[i for i in d.items if i.id not in done]) \
+            if any(i.id in done for i in d.items) else None
+        if scope == "local":
+            mutate_local(cfg, drop, "settle merged org PRs")
+        else:
+            shared_store(cfg, "team").mutate(drop, "cambium: settle merged org PRs")
+        settled += sorted(done)
+    return settled
+
+
+# =============================================================================
 # Tools
 # Thin adapters: typed arguments, one call into the core, a dict answer. The
 # docstring is the manual the model reads. Registered in build_server().
@@ -1997,7 +2212,7 @@ def status() -> dict:
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
                      if v is not None},
         "scopes": {"local": {"path": str(store.path), "items": len(doc.items),
-                             "by_type": counts}},
+                             "by_type": counts}, **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_usage(_usage_path(cfg))),
         "watermarks": systems,
         "recall_mode": "lexical",
@@ -2009,6 +2224,44 @@ def status() -> dict:
         warnings.append(cfg.file_error)
     if warnings:
         out["warnings"] = warnings
+    return out
+
+
+def _count(doc: Doc) -> dict:
+    counts: dict[str, int] = {}
+    for it in doc.items:
+        key = it.type if it.active else "deprecated"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _shared_scope_status(cfg: Config) -> dict:
+    """Team and org: configured?, where, reachable?, counts. Never raises."""
+    out: dict[str, Any] = {}
+    for scope in ("team", "org"):
+        info: dict[str, Any] = {}
+        try:
+            store = team_store(cfg) if scope == "team" else org_store(cfg)
+        except CambiumError as e:
+            out[scope] = {"enabled": False, "reachable": False, "error": str(e)}
+            continue
+        if store is None:
+            out[scope] = {"enabled": False, "reachable": False,
+                          "why": (f"no git remote {cfg.remote!r} in the project repo"
+                                  if scope == "team" else "CAMBIUM_ORG_REPO is not set")}
+            continue
+        info.update(enabled=True, repo=str(store.repo), remote=store.remote,
+                    branch=store.branch)
+        if scope == "org":
+            info["mode"] = "pull request" if cfg.org_pr else "direct push"
+        try:
+            doc = store.read()
+            info.update(reachable=True, items=len(doc.items), by_type=_count(doc))
+        except CorruptStore as e:
+            info.update(reachable=True, error=f"{e}; writes to {scope} scope are refused")
+        except GitError as e:
+            info.update(reachable=False, error=str(e))
+        out[scope] = info
     return out
 
 
@@ -2190,14 +2443,19 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
         raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
     if not isinstance(limit, int) or not 1 <= limit <= MAX_RECALL_LIMIT:
         raise InputError(f"limit must be between 1 and {MAX_RECALL_LIMIT}.")
-    store = local_store(cfg)
-    doc = store.read()
-    index = store_index(str(store.path), doc.items)
+    scopes = SCOPES if scope == "auto" else (scope,)
+    if scope in ("team", "org"):
+        shared_store(cfg, scope)                   # asked for a scope that is off: say so
+    docs, warnings = read_scopes(cfg, scopes)
+    if scope in ("team", "org") and scope not in docs:
+        raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
+    items = federated_items(docs)
+    key = str(local_store(cfg).path) + ("" if list(docs) == ["local"] else "|" + "+".join(docs))
+    index = store_index(key, items)
     ranking = rank(index, query, limit)
     hits, confidence = ranking.hits, ranking.confidence
-    warnings = store.warnings
     out: dict[str, Any] = {"query": query, "scope": scope, "mode": "lexical",
-                           "top_relevance": round(confidence, 3)}
+                           "scopes_searched": list(docs), "top_relevance": round(confidence, 3)}
     if ranking.abstains():
         out.update(results=[], no_confident_match=True,
                    guidance="Nothing cambium holds matches this confidently. Treat the "
@@ -2207,10 +2465,13 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
             out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                                     "relevance": round(h.confidence, 3)} for h in hits[:3]]
     else:
-        pending = _credit_hits(cfg, [h.item for h in hits])
+        # org items have finished climbing: their use is not counted (spec)
+        pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
         out["results"] = [{**item_view(h.item, trust=effective_trust(h.item, pending)),
                            "relevance": round(h.confidence, 3)} for h in hits]
         out["no_confident_match"] = False
+        if any(h.item.scope == "team" for h in hits):
+            _schedule_credit_flush(cfg)
     if warnings:
         out["warnings"] = warnings
     return out
@@ -2254,6 +2515,42 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     return pending + new
 
 
+_FLUSH_DELAY_S = 3.0                 #: batch window for publishing team recall credits
+_FLUSH = {"enabled": False, "timer": None}
+_FLUSH_GUARD = threading.Lock()
+
+
+def flush_credits(cfg: Config) -> int:
+    """Publish pending team recall credits with one team write; returns how many."""
+    pending, _ = take_usage(_usage_path(cfg), "team")
+    store = team_store(cfg) if pending else None
+    if store is None:
+        return 0
+    store.mutate(lambda doc: None, f"cambium: publish {len(pending)} recall credits")
+    return len(pending)
+
+
+def _schedule_credit_flush(cfg: Config) -> None:
+    """In the long-running server, publish team credits shortly after, in the
+    background. The CLI leaves them in the journal for the next team write."""
+    with _FLUSH_GUARD:
+        if not _FLUSH["enabled"] or _FLUSH["timer"] is not None:
+            return
+
+        def run() -> None:
+            with _FLUSH_GUARD:
+                _FLUSH["timer"] = None
+            try:
+                flush_credits(cfg)
+            except CambiumError as e:      # stays journaled; next team write retries
+                print(f"cambium: recall credits not yet published: {e}", file=sys.stderr)
+
+        timer = threading.Timer(_FLUSH_DELAY_S, run)
+        timer.daemon = True
+        _FLUSH["timer"] = timer
+        timer.start()
+
+
 def endorse(item_id: str, note: str = "") -> dict:
     """Vouch for an item: it helped, it is right, it holds beyond this project.
 
@@ -2266,28 +2563,264 @@ def endorse(item_id: str, note: str = "") -> dict:
     cfg = require_config()
     item_id = _check_id(item_id)
     note = _clean_text(note, "note", MAX_WHY_CHARS)
-    found: dict[str, Item] = {}
+    scope, _ = locate(cfg, item_id)
+    now = _now()
 
-    def apply(doc: Doc) -> Doc | None:
-        hit = _find_item(doc, item_id)
-        if hit is None:
-            return None
-        i, it = hit
+    def apply(it: Item) -> Item:
         if not it.active:
             raise Refused(f"item {item_id} is deprecated ({(it.deprecated or {}).get('reason')})"
                           "; it cannot be endorsed.")
         ends = [e for e in it.trust.get("endorsements", [])
                 if not (isinstance(e, dict) and e.get("by") == cfg.agent)]
-        ends.append({"by": cfg.agent, "note": note, "at": _now()})
-        new = dataclasses.replace(it, trust={**it.trust, "endorsements": ends},
-                                  updated_at=_now())
-        found["item"] = new
-        return _replace_item(doc, i, new)
+        ends.append({"by": cfg.agent, "note": note, "at": now})
+        return dataclasses.replace(it, trust={**it.trust, "endorsements": ends}, updated_at=now)
 
-    mutate_local(cfg, apply, f"endorse {item_id}")
-    if "item" not in found:
-        raise NotFound(f"No item {item_id} in local scope; recall lists ids.")
-    return {"status": "endorsed", "item": item_view(found["item"])}
+    item, write = change_item(cfg, scope, item_id, apply, f"{cfg.agent} endorses {item_id}",
+                              org_branch=ORG_UPDATES_BRANCH)
+    out = {"status": "endorsed", "scope": scope, "item": item_view(item)}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
+def promote(item_id: str | None = None, to_scope: Literal["team", "org"] = "team",
+            force: bool = False, org_content: str | None = None) -> dict:
+    """Move knowledge up a scope once it has earned trust.
+
+    With no arguments: promote every eligible local item to team (recalled by
+    at least CAMBIUM_PROMOTE_RECALLS agent-days, or endorsed). With item_id and
+    to_scope="team": that one item (force=True skips the eligibility check).
+    With to_scope="org": needs an endorsement, and the body must read as a
+    cross-project rule: one that names a file, a test, a dec-/con- id or its
+    project is refused with the tells found and a ready draft; restate it with
+    org_content=... (the concrete body is kept as `example`) or pass force=True.
+    Org promotion pushes to the org repo, or opens a pull request when
+    CAMBIUM_ORG_PR=1 (the source copy stays, annotated with pr_url, until the PR
+    merges). An item leaves its old scope only after the new copy is verified
+    on the remote; on any failure it stays where it was. Promotion stamps
+    last_verified.
+    """
+    cfg = require_config()
+    if to_scope not in ("team", "org"):
+        raise InputError(f"to_scope must be team or org; got {to_scope!r}.")
+    if item_id is not None:
+        item_id = _check_id(item_id)
+    if org_content is not None:
+        org_content = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) or None
+    settled = settle_org_prs(cfg) if cfg.org_repo else []
+    if to_scope == "team":
+        out = _promote_to_team(cfg, item_id, force)
+    else:
+        if item_id is None:
+            raise InputError("promote to org names one item: promote(item_id, to_scope='org').")
+        out = _promote_to_org(cfg, item_id, force, org_content)
+    if settled:
+        out["settled_org_prs"] = settled
+    return out
+
+
+def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
+    doc = local_store(cfg).read()
+    pending = read_usage(_usage_path(cfg))
+    chosen: list[tuple[Item, dict, str]] = []
+    for it in doc.items:
+        if item_id is not None and it.id != item_id:
+            continue
+        trust = effective_trust(it, pending)
+        why = team_eligibility(it, trust, cfg.promote_recalls)
+        if why is None and item_id is not None and force and it.active:
+            why = "forced"
+        if why:
+            chosen.append((it, trust, why))
+        elif item_id is not None:
+            if not it.active:
+                raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+            return {"status": "not_eligible", "item": item_view(it, trust=trust),
+                    "reason": f"needs {cfg.promote_recalls} recalls (has "
+                              f"{trust.get('recalls', 0)}) or an endorsement; endorse() it "
+                              "or pass force=True"}
+    if item_id is not None and not chosen:
+        scope, it = locate(cfg, item_id)
+        return {"status": "already_promoted" if scope != "local" else "not_eligible",
+                "scope": scope, "item": item_view(it)}
+    if not chosen:
+        return {"status": "nothing_eligible", "promoted": [],
+                "rule": f"local items need {cfg.promote_recalls} recalls or an endorsement"}
+    store = shared_store(cfg, "team")
+    now = _now()
+    copies = {it.id: promoted_copy(it, "team", trust=trust, agent=cfg.agent, now=now)
+              for it, trust, _ in chosen}
+
+    def add(d: Doc) -> Doc | None:
+        have = {i.id for i in d.items}
+        new = [c for c in copies.values() if c.id not in have]
+        return dataclasses.replace(d, items=d.items + new) if new else None
+
+    try:
+        write = store.mutate(add, f"cambium: {cfg.agent} promotes {len(copies)} item(s) to team")
+    except CambiumError as e:
+        raise _noted(e, "nothing moved: the item(s) stay local.")
+    landed = {i.id for i in write.doc.items} & set(copies)
+    _drop_local(cfg, landed)
+    return {"status": "promoted", "to_scope": "team", "commit": write.commit,
+            "promoted": [{**item_view(copies[i]), "because": why}
+                         for it, _, why in chosen if (i := it.id) in landed]}
+
+
+def _drop_local(cfg: Config, ids: set[str]) -> None:
+    """Remove items from local scope (only ever after their copy is verified elsewhere)."""
+    if ids:
+        mutate_local(cfg, lambda d: dataclasses.replace(
+            d, items=[i for i in d.items if i.id not in ids]), "moved up")
+
+
+def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None) -> dict:
+    scope, item = locate(cfg, item_id)
+    if scope == "org":
+        return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
+    if not item.active:
+        raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+    if item.pr_url:
+        return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
+                "note": "merge that pull request; the next promote or review_promotions "
+                        "finishes the move."}
+    verdict = org_verdict(item, org_content=org_content, force=force)
+    if not verdict.allowed:
+        out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
+        if verdict.tells:
+            out["tells"] = verdict.tells
+            out["draft"] = verdict.draft
+            out["retry"] = (f"promote({item_id!r}, to_scope='org', org_content=<the rule in "
+                            "general terms>)")
+        return out
+    org = shared_store(cfg, "org")
+    pending = read_usage(_usage_path(cfg))
+    now = _now()
+    copy = promoted_copy(item, "org", trust=effective_trust(item, pending), agent=cfg.agent,
+                         now=now, org_content=org_content)
+
+    def add(d: Doc) -> Doc | None:
+        if any(i.id == copy.id for i in d.items):
+            return None
+        return dataclasses.replace(d, items=d.items + [copy])
+
+    msg = f"cambium: {cfg.agent} promotes {item_id} to org"
+    try:
+        if cfg.org_pr:
+            branch = f"cambium/promote-{item_id}"
+            write = org.mutate(add, msg, branch=branch)
+            body = (f"Promotes knowledge item {item_id} from {scope} scope of {item.project}.\n\n"
+                    f"> {copy.content}\n\nEndorsed as: "
+                    f"{latest_endorsement_note(item) or '(no note)'}\n\n"
+                    "Review is the gate: merge to publish to every project; close to decline.")
+            url = open_pr(cfg, org, branch, msg, body)
+            change_item(cfg, scope, item_id,
+                        lambda it: dataclasses.replace(it, pr_url=url, updated_at=now),
+                        f"annotate {item_id} with its org PR")
+            return {"status": "pr_opened", "pr_url": url, "branch": branch,
+                    "item": item_view(copy), "source_scope": scope,
+                    "note": f"the {scope} copy stays until the PR merges"}
+        write = org.mutate(add, msg)
+    except CambiumError as e:
+        raise _noted(e, f"nothing moved: the item stays in {scope} scope.")
+    if any(i.id == item_id for i in write.doc.items):
+        if scope == "local":
+            _drop_local(cfg, {item_id})
+        else:
+            shared_store(cfg, scope).mutate(lambda d: dataclasses.replace(
+                d, items=[i for i in d.items if i.id != item_id]),
+                f"cambium: {item_id} moved to org")
+    return {"status": "promoted", "to_scope": "org", "commit": write.commit,
+            "item": item_view(copy), "published": ["knowledge.json", "KNOWLEDGE.md"]}
+
+
+def generalize(item_id: str, org_content: str | None = None, note: str = "") -> dict:
+    """Restate an org item's body as the cross-project rule, in place.
+
+    For org items that crossed before the generalization gate or were forced
+    past it (review_promotions lists them under org_needs_generalization). The
+    concrete body is kept as `example`. org_content: the general restatement;
+    omitted, the item's latest endorsement note is used. note: why. Writes
+    through the org path: a direct push, or one shared `cambium/generalize`
+    pull request when CAMBIUM_ORG_PR=1 (repeated calls batch into it).
+    Idempotent: restating to the same text changes nothing.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    org = shared_store(cfg, "org")
+    doc = org.read()
+    hit = _find_item(doc, item_id)
+    if hit is None:
+        raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
+                       "(review_promotions lists the ones that need it).")
+    item = hit[1]
+    text = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else \
+        latest_endorsement_note(item)
+    if not text:
+        raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
+                         "org_content= with the rule stated in general terms.")
+    note = _clean_text(note, "note", MAX_WHY_CHARS)
+    now = _now()
+
+    def apply(it: Item) -> Item | None:
+        if it.content == text:
+            return None
+        return dataclasses.replace(it, content=text, example=it.example or it.content,
+                                   updated_at=now, extra={**it.extra, "generalized": {
+                                       "by": cfg.agent, "at": now, "note": note}})
+
+    new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes {item_id}",
+                             org_branch=ORG_GENERALIZE_BRANCH)
+    changed = write is not None and write.commit is not None and new.content == text \
+        and item.content != text
+    out = {"status": "generalized" if changed else "unchanged", "item": item_view(new),
+           "tells_left": generalization_tells(new.content, new.project)}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
+def review_promotions() -> dict:
+    """What is ready to move, and what needs a person.
+
+    Returns team_eligible (local items that promote() would move now),
+    endorsed_for_org (team items endorsed and ready for promote(to_scope="org")),
+    pending_org_prs (items waiting on an org pull request), and
+    org_needs_generalization (org items whose body still reads project-specific,
+    each with the tells and a suggested restatement for generalize()). Also
+    finishes moves whose org pull request has merged.
+    """
+    cfg = require_config()
+    settled = settle_org_prs(cfg) if cfg.org_repo else []
+    docs, warnings = read_scopes(cfg, SCOPES)
+    pending = read_usage(_usage_path(cfg))
+    out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
+                           "org_needs_generalization": []}
+    for it in docs["local"].items:
+        trust = effective_trust(it, pending)
+        why = team_eligibility(it, trust, cfg.promote_recalls)
+        if why:
+            out["team_eligible"].append({**item_view(it, trust=trust), "because": why})
+    for scope in ("local", "team"):
+        for it in docs.get(scope, Doc(items=[])).items:
+            if it.pr_url:
+                out["pending_org_prs"].append({"id": it.id, "scope": scope, "pr_url": it.pr_url,
+                                               "content": it.content})
+            elif scope == "team" and it.active and it.trust.get("endorsements"):
+                out["endorsed_for_org"].append({**item_view(it), "tells": generalization_tells(
+                    it.content, it.project), "draft": latest_endorsement_note(it)})
+    for it in docs.get("org", Doc(items=[])).items:
+        tells = generalization_tells(it.content, it.project) if it.active else []
+        if tells:
+            out["org_needs_generalization"].append({
+                "id": it.id, "content": it.content, "project": it.project, "tells": tells,
+                "suggested": latest_endorsement_note(it),
+                "fix": f"generalize({it.id!r}, org_content=<the rule in general terms>)"})
+    if settled:
+        out["settled_org_prs"] = settled
+    if warnings:
+        out["warnings"] = warnings
+    return out
 
 
 def import_memory(source: str, path: str) -> dict:
@@ -2329,21 +2862,45 @@ def import_memory(source: str, path: str) -> dict:
 
 
 def export_markdown(scope: Literal["local", "team", "org", "all"] = "local") -> dict:
-    """Render knowledge as human-readable Markdown (KNOWLEDGE.md style).
+    """Render knowledge as human-readable Markdown (KNOWLEDGE.md).
 
     scope: local (default), team, org, or all. Items are grouped by scope then
-    project; each shows its summary, kind, provenance, recall count and
-    promoted date. Returns the markdown text; nothing is published.
+    project; each shows its summary, kind, provenance, recall count, promoted
+    date, why and endorsement notes. scope="org" also publishes the render as
+    KNOWLEDGE.md beside the org repo's knowledge.json (a direct push, or a pull
+    request in PR mode) when it changed; the others only return the text.
+    (Every org promotion republishes it automatically.)
     """
     cfg = require_config()
     if scope not in ("local", "team", "org", "all"):
         raise InputError(f"scope must be local, team, org or all; got {scope!r}.")
-    doc = local_store(cfg).read()
+    wanted = SCOPES if scope == "all" else (scope,)
+    if scope in ("team", "org"):
+        shared_store(cfg, scope)
+    docs, warnings = read_scopes(cfg, wanted)
     pending = read_usage(_usage_path(cfg))
-    groups = {"local": [(it, effective_trust(it, pending)) for it in doc.items if it.active]}
-    md = render_markdown(groups if scope in ("local", "all") else {})
-    return {"scope": scope, "markdown": md,
-            "items": sum(len(v) for v in groups.values()) if scope in ("local", "all") else 0}
+    groups = {s: [(it, effective_trust(it, pending)) for it in d.items if it.active]
+              for s, d in docs.items()}
+    out: dict[str, Any] = {"scope": scope, "markdown": render_markdown(groups),
+                           "items": sum(len(v) for v in groups.values())}
+    if scope == "org" and "org" in docs:
+        out["published"] = _publish_org_markdown(cfg)
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def _publish_org_markdown(cfg: Config) -> dict:
+    """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's."""
+    org = shared_store(cfg, "org")
+    branch = "cambium/knowledge-md" if cfg.org_pr else None
+    write = org.mutate(lambda d: None, "cambium: re-render KNOWLEDGE.md", branch=branch,
+                       ensure_files=True)
+    out = {"file": "KNOWLEDGE.md", "changed": write.commit is not None, "commit": write.commit}
+    if branch and write.commit:
+        out["pr_url"] = open_pr(cfg, org, branch, "cambium: re-render KNOWLEDGE.md",
+                                "KNOWLEDGE.md re-rendered from knowledge.json by cambium.")
+    return out
 
 
 # =============================================================================
@@ -2375,8 +2932,9 @@ ARG_DOCS = {
 
 _TOOLS: list[tuple[Callable, str]] = [
     (status, "read"), (setup, "write"), (capture, "write"), (record_need, "write"),
-    (recall, "write_idempotent"), (endorse, "write_idempotent"),
-    (import_memory, "write_idempotent"), (export_markdown, "read"),
+    (recall, "write_idempotent"), (endorse, "remote"), (promote, "remote"),
+    (generalize, "remote"), (review_promotions, "remote"),
+    (import_memory, "write_idempotent"), (export_markdown, "remote"),
 ]
 
 
@@ -2489,6 +3047,16 @@ def _cli_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("endorse", parents=[fmt], help="vouch for an item")
     p.add_argument("item_id")
     p.add_argument("--note", default="")
+    p = sub.add_parser("promote", parents=[fmt], help="promote eligible items (or one) up a scope")
+    p.add_argument("item_id", nargs="?")
+    p.add_argument("--to", dest="to_scope", default="team", choices=("team", "org"))
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--org-content")
+    p = sub.add_parser("generalize", parents=[fmt], help="restate an org item as a general rule")
+    p.add_argument("item_id")
+    p.add_argument("--org-content")
+    p.add_argument("--note", default="")
+    sub.add_parser("review", parents=[fmt], help="what can be promoted, and what needs a person")
     p = sub.add_parser("import", parents=[fmt], help="import an external memory export")
     p.add_argument("path")
     p.add_argument("--source", default="json")
@@ -2515,6 +3083,13 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
         return recall(args.query, scope=args.scope, limit=args.limit)
     if c == "endorse":
         return endorse(args.item_id, note=args.note)
+    if c == "promote":
+        return promote(args.item_id, to_scope=args.to_scope, force=args.force,
+                       org_content=args.org_content)
+    if c == "generalize":
+        return generalize(args.item_id, org_content=args.org_content, note=args.note)
+    if c == "review":
+        return review_promotions()
     if c == "import":
         return import_memory(args.source, os.path.abspath(args.path))
     if c == "export":
@@ -2532,7 +3107,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] == "serve":
-        build_server().run("stdio")
+        _FLUSH["enabled"] = True
+        try:
+            build_server().run("stdio")
+        finally:
+            _FLUSH["enabled"] = False
+            _flush_on_shutdown()
         return 0
     args = _cli_parser().parse_args(argv)
     if args.command is None:
@@ -2549,6 +3129,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _emit(result, as_text)
     return 0
+
+
+def _flush_on_shutdown() -> None:
+    """Publish journaled team recall credits on a clean server shutdown."""
+    try:
+        cfg = resolve_config()
+        if cfg.configured:
+            flush_credits(cfg)
+    except CambiumError as e:
+        print(f"cambium: recall credits stay journaled: {e}", file=sys.stderr)
 
 
 def _emit(result: Any, as_text: bool) -> None:

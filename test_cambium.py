@@ -468,6 +468,455 @@ def test_import_unknown_source_lists_known(repo, tmp_path):
 
 
 # =============================================================================
+# Storage: shared scopes (team branch, org repo) against real bare remotes
+# =============================================================================
+
+
+def make_origin(tmp: Path, name: str = "origin") -> Path:
+    """A bare repo on `main` holding one commit (what GitHub would hold)."""
+    bare = tmp / f"{name}.git"
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(bare)], check=True)
+    seed = tmp / f"{name}-seed"
+    subprocess.run(["git", "clone", "-q", str(bare), str(seed)], check=True,
+                   capture_output=True)
+    (seed / "README.md").write_text("project\n")
+    git(seed, "add", "README.md")
+    git(seed, "commit", "-q", "-m", "init")
+    git(seed, "push", "-q", "origin", "HEAD:main")
+    return bare
+
+
+def clone(bare: Path, dest: Path) -> Path:
+    subprocess.run(["git", "clone", "-q", str(bare), str(dest)], check=True, capture_output=True)
+    return dest
+
+
+def remote_json(bare: Path, ref: str, path: str = "knowledge.json"):
+    out = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=bare, text=True,
+                         capture_output=True)
+    if out.returncode != 0:
+        return None
+    return json.loads(out.stdout) if path.endswith(".json") else out.stdout
+
+
+def team_ids(bare: Path, branch: str = "cambium") -> set:
+    data = remote_json(bare, branch)
+    return {i["id"] for i in data["items"]} if data else set()
+
+
+@pytest.fixture
+def shared(tmp_path, monkeypatch):
+    """Project origin + clone A (configured as agent ada) + clone B, and an org
+    repo (bare + cambium-managed clone). Team/org fetches are never throttled."""
+    origin = make_origin(tmp_path, "project")
+    a = clone(origin, tmp_path / "shop")
+    b = clone(origin, tmp_path / "peer" / "shop")
+    org_bare = make_origin(tmp_path, "org")
+    org_clone = clone(org_bare, tmp_path / "org-clone")
+    monkeypatch.setenv("CAMBIUM_REPO", str(a))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "0.001")
+    cs._GIT_CACHE.clear()
+    cs._REMOTE_CACHE.clear()
+    return {"origin": origin, "a": a, "b": b, "org_bare": org_bare, "org": org_clone,
+            "tmp": tmp_path}
+
+
+def as_agent(monkeypatch, repo: Path, agent: str) -> None:
+    monkeypatch.setenv("CAMBIUM_REPO", str(repo))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+
+
+def test_push_outcome_tells_race_from_refusal():
+    race = "To /x\n!\tHEAD:refs/heads/cambium\t[rejected] (fetch first)\nDone\n"
+    hook = "To /x\n!\tabc:refs/heads/cambium\t[remote rejected] (pre-receive hook declined)\n"
+    ok = "To /x\n \tabc:refs/heads/cambium\t1111..2222\nDone\n"
+    new = "To /x\n*\tabc:refs/heads/cambium\t[new branch]\nDone\n"
+    assert cs._push_outcome(race) == "race"
+    assert cs._push_outcome(hook) == "refused"
+    assert cs._push_outcome(ok) == "ok" and cs._push_outcome(new) == "ok"
+    lock = "!\tabc:refs/heads/cambium\t[remote rejected] (cannot lock ref 'refs/heads/cambium')"
+    assert cs._push_outcome(lock) == "race"
+
+
+def test_git_calls_are_bounded_and_never_prompt():
+    env = cs._git_env()
+    assert env["GIT_TERMINAL_PROMPT"] == "0"
+    assert "GIT_DIR" not in env and "GIT_INDEX_FILE" not in env
+    import time as _t
+    t0 = _t.time()
+    with pytest.raises(cs.GitError, match="timed out"):
+        cs._run(["sleep", "5"], None, 0.3)
+    assert _t.time() - t0 < 3
+
+
+def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
+    a = shared["a"]
+    (a / "wip.txt").write_text("uncommitted user work\n")
+    git(a, "checkout", "-q", "-b", "feature")
+    item = cs.capture("Keep webhook handlers idempotent", tags="webhooks")["item"]
+    cs.endorse(item["id"], note="Webhook handlers must be idempotent")
+    before_status = git(a, "status", "--porcelain")
+    res = cs.promote()
+    assert res["status"] == "promoted" and res["promoted"][0]["id"] == item["id"]
+    assert team_ids(shared["origin"]) == {item["id"]}
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert stored["scope"] == "team" and stored["last_verified"] and stored["promoted_at"]
+    assert not any(i.id == item["id"] for i in cs.local_store(cs.resolve_config()).read().items)
+    # the user's branch, index and working tree are exactly as they were
+    assert git(a, "rev-parse", "--abbrev-ref", "HEAD").strip() == "feature"
+    assert git(a, "status", "--porcelain") == before_status
+    assert (a / "wip.txt").read_text() == "uncommitted user work\n"
+    # the team branch grew from the default branch
+    assert remote_json(shared["origin"], "cambium", "README.md") is not None
+    res = cs.recall("webhook handlers idempotent")
+    assert res["results"][0]["scope"] == "team"
+
+
+def test_promote_without_trust_is_not_eligible_and_threshold_works(shared, monkeypatch):
+    item = cs.capture("Cache tenant lookups for sixty seconds", tags="cache")["item"]
+    assert cs.promote()["status"] == "nothing_eligible"
+    assert cs.promote(item["id"])["status"] == "not_eligible"
+    for agent in ("ada", "bob", "cy"):
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+        cs.recall("tenant lookup cache")
+    res = cs.promote()
+    assert res["status"] == "promoted" and "recalled 3 times" in res["promoted"][0]["because"]
+    assert team_ids(shared["origin"]) == {item["id"]}
+
+
+def _endorsed(text: str, note: str = "holds everywhere") -> str:
+    item = cs.capture(text)["item"]
+    cs.endorse(item["id"], note=note)
+    return item["id"]
+
+
+def test_two_agents_promoting_at_once_both_land_creating_the_branch(shared, monkeypatch):
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        item = cs.capture(sys.argv[1])["item"]
+        cs.endorse(item["id"], note="n")
+        print(cs.promote()["status"])
+    """)
+    procs = []
+    for repo, agent in ((shared["a"], "ada"), (shared["b"], "bob")):
+        env = child_env(CAMBIUM_REPO=str(repo), CAMBIUM_AGENT_ID=agent)
+        procs.append(subprocess.Popen([sys.executable, "-c", script, f"fact from {agent}"],
+                                      env=env, stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["promoted", "promoted"]
+    contents = {i["content"] for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert contents == {"fact from ada", "fact from bob"}
+
+
+def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch):
+    """Deterministic race: while A's change is being applied (after A fetched),
+    B promotes. A's push is rejected and replayed on B's tip; both survive."""
+    as_agent(monkeypatch, shared["b"], "bob")
+    _endorsed("bob's fact")
+    assert cs.promote()["status"] == "promoted"          # the team branch exists now
+    as_agent(monkeypatch, shared["a"], "ada")
+    mine = _endorsed("ada's fact")
+    as_agent(monkeypatch, shared["b"], "bob")
+    _endorsed("bob's second fact")
+    as_agent(monkeypatch, shared["a"], "ada")
+    calls = {"n": 0}
+    real_mutate = cs.GitStore.mutate
+
+    def racing_mutate(self, fn, message, **kw):
+        def fn_with_peer(doc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                peer = subprocess.run(
+                    [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
+                    env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
+                assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
+            return fn(doc)
+        return real_mutate(self, fn_with_peer, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
+    assert cs.promote()["status"] == "promoted"
+    assert calls["n"] >= 2                                # replayed after the lost race
+    contents = {i["content"] for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert contents == {"bob's fact", "bob's second fact", "ada's fact"}
+    assert mine in team_ids(shared["origin"])
+
+
+def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'policy: no pushes' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    item_id = _endorsed("Never deploy on Fridays")
+    with pytest.raises(cs.GitError, match="nothing moved"):
+        cs.promote()
+    assert any(i.id == item_id for i in cs.local_store(cs.resolve_config()).read().items)
+    assert team_ids(shared["origin"]) == set()
+
+
+def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path):
+    _endorsed("first team fact")
+    cs.promote()
+    work = clone(shared["origin"], tmp_path / "vandal")
+    git(work, "checkout", "-q", "cambium")
+    (work / "knowledge.json").write_text('{"items": [ {"id": "x", ')
+    git(work, "commit", "-q", "-am", "bad hand edit")
+    git(work, "push", "-q", "origin", "cambium")
+    broken = remote_json(shared["origin"], "cambium", "knowledge.md") or \
+        subprocess.run(["git", "show", "cambium:knowledge.json"], cwd=shared["origin"],
+                       text=True, capture_output=True).stdout
+    item_id = _endorsed("second team fact")
+    with pytest.raises(cs.CorruptStore):
+        cs.promote()
+    after = subprocess.run(["git", "show", "cambium:knowledge.json"], cwd=shared["origin"],
+                           text=True, capture_output=True).stdout
+    assert after == broken
+    assert any(i.id == item_id for i in cs.local_store(cs.resolve_config()).read().items)
+    res = cs.recall("second team fact")
+    assert any("team scope skipped" in w for w in res["warnings"])
+    assert res["results"][0]["id"] == item_id
+
+
+def test_usage_credits_from_recall_reach_the_team_branch(shared, monkeypatch):
+    item_id = _endorsed("Rotate signing keys every ninety days", "rotate keys on a schedule")
+    cs.promote()
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    res = cs.recall("rotate signing keys")
+    assert res["results"][0]["scope"] == "team" and res["results"][0]["recalls"] == 1
+    journal = (shared["a"] / ".cambium" / "usage.jsonl").read_text()
+    assert item_id in journal and '"scope":"team"' in journal
+    assert remote_json(shared["origin"], "cambium")["items"][0]["trust"]["recalls"] == 0
+    assert cs.flush_credits(cs.resolve_config()) == 1
+    stored = remote_json(shared["origin"], "cambium")["items"][0]["trust"]
+    assert stored["recalls"] == 1 and stored["recalled_by"] == {"bob": cs._today()}
+    assert not (shared["a"] / ".cambium" / "usage.jsonl").read_text().strip()
+    assert cs.flush_credits(cs.resolve_config()) == 0     # exactly once
+
+
+def test_team_credits_also_land_with_the_next_team_write(shared, monkeypatch):
+    _endorsed("Alpha rule about queues", "queues")
+    cs.promote()
+    cs.recall("alpha queues rule")
+    _endorsed("Beta rule about caches", "caches")
+    cs.promote()                                         # the next team write folds them
+    items = {i["content"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert items["Alpha rule about queues"]["trust"]["recalls"] == 1
+
+
+def test_endorse_works_at_team_scope(shared, monkeypatch):
+    item_id = _endorsed("Pin dependencies in lock files", "pin deps")
+    cs.promote()
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    res = cs.endorse(item_id, note="Lock files make builds repeatable")
+    assert res["scope"] == "team"
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert {e["by"] for e in stored["trust"]["endorsements"]} == {"ada", "bob"}
+
+
+def test_status_reports_scopes_and_reachability(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    _endorsed("A team fact", "x")
+    cs.promote()
+    st = cs.status()
+    assert st["scopes"]["team"]["reachable"] is True and st["scopes"]["team"]["items"] == 1
+    assert st["scopes"]["org"]["reachable"] is True and st["scopes"]["org"]["items"] == 0
+    git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    st = cs.status()
+    assert st["scopes"]["team"]["reachable"] is False and "error" in st["scopes"]["team"]
+
+
+# =============================================================================
+# Lifecycle: the org gate, promotion to org, PR mode, generalize, review
+# =============================================================================
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Edit src/billing/invoice.py before release", ["names a file: src/billing/invoice.py"]),
+    ("Run test_refund_rounding after changes", ["names a test: test_refund_rounding"]),
+    ("TestRefunds covers this", ["names a test: TestRefunds"]),
+    ("As decided in dec-004, keep it", ["cites a context-keeper id: dec-004"]),
+    ("See con-012-ab12 for the rule", ["cites a context-keeper id: con-012-ab12"]),
+    ("The shop service retries twice", ["names its origin project: shop"]),
+    ("Retry idempotent requests with exponential backoff and jitter", []),
+    ("Pin major versions of every SDK you build on", []),
+    ("Document the why, e.g. 2.5 seconds is fine", []),
+])
+def test_generalization_tells(text, expected):
+    assert cs.generalization_tells(text, "shop") == expected
+
+
+def test_org_verdict_requires_endorsement_then_generality():
+    it = cs.new_item("Retry requests in src/http/client.py with backoff", project="shop")
+    v = cs.org_verdict(it, org_content=None, force=False)
+    assert (v.allowed, v.status) == (False, "needs_endorsement")
+    it = cs.dataclasses.replace(it, trust={**it.trust, "endorsements": [
+        {"by": "bob", "note": "Retry with backoff", "at": "2026-01-01T00:00:00Z"},
+        {"by": "cy", "note": "Retry transient failures with exponential backoff",
+         "at": "2026-02-01T00:00:00Z"}]})
+    v = cs.org_verdict(it, org_content=None, force=False)
+    assert v.status == "needs_generalization"
+    assert v.tells == ["names a file: src/http/client.py"]
+    assert v.draft == "Retry transient failures with exponential backoff"
+    assert cs.org_verdict(it, org_content="Retry transient failures", force=False).allowed
+    assert not cs.org_verdict(it, org_content="Edit client.py", force=False).allowed
+    assert cs.org_verdict(it, org_content=None, force=True).allowed
+    copy = cs.promoted_copy(it, "org", trust=it.trust, agent="ada", now="2026-03-01T00:00:00Z",
+                            org_content="Retry transient failures")
+    assert copy.content == "Retry transient failures"
+    assert copy.example == "Retry requests in src/http/client.py with backoff"
+    assert copy.last_verified == "2026-03-01T00:00:00Z" and copy.scope == "org"
+
+
+def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Retry calls in src/pay/client.py with backoff",
+                        "Retry transient failures with exponential backoff and jitter")
+    cs.promote()
+    assert cs.promote(item_id, to_scope="org")["status"] == "needs_generalization"
+    refused = cs.promote(item_id, to_scope="org")
+    assert refused["tells"] == ["names a file: src/pay/client.py"]
+    assert refused["draft"] == "Retry transient failures with exponential backoff and jitter"
+    res = cs.promote(item_id, to_scope="org", org_content=refused["draft"])
+    assert res["status"] == "promoted"
+    org_items = remote_json(shared["org_bare"], "main")["items"]
+    assert org_items[0]["content"] == refused["draft"]
+    assert org_items[0]["example"] == "Retry calls in src/pay/client.py with backoff"
+    md = remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
+    assert "## Org" in md and refused["draft"] in md and "### shop" in md
+    assert team_ids(shared["origin"]) == set()          # moved, not copied
+    # the managed org clone is hard-synced to what was published
+    cs.recall("retry transient failures")
+    assert json.loads((shared["org"] / "knowledge.json").read_text())["items"][0]["id"] == item_id
+
+
+def test_org_requires_endorsement_and_force_overrides_gate(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    plain = cs.capture("Edit config.yaml before deploys")["item"]["id"]
+    assert cs.promote(plain, to_scope="org")["status"] == "needs_endorsement"
+    cs.endorse(plain, note="check config first")
+    assert cs.promote(plain, to_scope="org", force=True)["status"] == "promoted"
+    review = cs.review_promotions()
+    flagged = review["org_needs_generalization"]
+    assert flagged[0]["id"] == plain and flagged[0]["tells"] == ["names a file: config.yaml"]
+    assert flagged[0]["suggested"] == "check config first"
+    res = cs.generalize(plain, org_content="Review configuration changes before deploying")
+    assert res["status"] == "generalized" and res["tells_left"] == []
+    stored = remote_json(shared["org_bare"], "main")["items"][0]
+    assert stored["content"] == "Review configuration changes before deploying"
+    assert stored["example"] == "Edit config.yaml before deploys"
+    head = git(shared["org_bare"], "rev-parse", "main")
+    again = cs.generalize(plain, org_content="Review configuration changes before deploying")
+    assert again["status"] == "unchanged"
+    assert git(shared["org_bare"], "rev-parse", "main") == head
+    assert cs.review_promotions()["org_needs_generalization"] == []
+
+
+def test_clean_universal_body_passes_the_gate(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
+
+
+def make_stub_gh(tmp: Path, merged_url: str = "https://github.com/acme/knowledge/pull/7") -> Path:
+    """A `gh` on PATH that records its arguments and answers like GitHub would."""
+    bindir = tmp / "bin"
+    bindir.mkdir(exist_ok=True)
+    log = tmp / "gh-calls.jsonl"
+    (bindir / "gh").write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import json, sys
+        with open({str(log)!r}, "a") as f:
+            f.write(json.dumps(sys.argv[1:]) + "\\n")
+        if sys.argv[1:3] == ["pr", "list"]:
+            print("")
+        elif sys.argv[1:3] == ["pr", "create"]:
+            print({merged_url!r})
+        else:
+            sys.exit("stub gh: unexpected " + " ".join(sys.argv[1:]))
+        """))
+    (bindir / "gh").chmod(0o755)
+    return log
+
+
+def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monkeypatch,
+                                                                      tmp_path):
+    log = make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    item_id = _endorsed("Feature flags get an owner and an expiry date")
+    cs.promote()
+    res = cs.promote(item_id, to_scope="org")
+    assert res["status"] == "pr_opened" and res["pr_url"].endswith("/pull/7")
+    calls = [json.loads(l) for l in log.read_text().splitlines()]
+    create = next(c for c in calls if c[:2] == ["pr", "create"])
+    assert create[create.index("--head") + 1] == f"cambium/promote-{item_id}"
+    assert create[create.index("--base") + 1] == "main"
+    branch_doc = remote_json(shared["org_bare"], f"cambium/promote-{item_id}")
+    assert [i["id"] for i in branch_doc["items"]] == [item_id]
+    assert "Feature flags get an owner" in remote_json(
+        shared["org_bare"], f"cambium/promote-{item_id}", "KNOWLEDGE.md")
+    assert remote_json(shared["org_bare"], "main") is None      # nothing on main yet
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert team[0]["id"] == item_id and team[0]["pr_url"] == res["pr_url"]
+    assert cs.review_promotions()["pending_org_prs"][0]["pr_url"] == res["pr_url"]
+    # a reviewer merges the PR
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{item_id}")
+    git(merger, "push", "-q", "origin", "main")
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [item_id] and review["pending_org_prs"] == []
+    assert team_ids(shared["origin"]) == set()
+    assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
+
+
+def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "gh").write_text("#!/bin/sh\necho 'gh: not logged in' >&2\nexit 4\n")
+    (bindir / "gh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    item_id = _endorsed("Every alert links to a runbook")
+    cs.promote()
+    with pytest.raises(cs.GitError, match="not logged in"):
+        cs.promote(item_id, to_scope="org")
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert team[0]["id"] == item_id and "pr_url" not in team[0]
+
+
+def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeypatch,
+                                                                   tmp_path):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Time out every outbound HTTP call")
+    cs.promote(item_id, to_scope="org")
+    other = clone(make_origin(tmp_path, "billing"), tmp_path / "billing")
+    as_agent(monkeypatch, other, "zed")
+    res = cs.recall("timeout outbound http calls")
+    top = res["results"][0]
+    assert top["id"] == item_id and top["scope"] == "org" and top["project"] == "shop"
+    assert "org" in res["scopes_searched"]
+    org_only = cs.recall("timeout outbound http calls", scope="org")
+    assert org_only["results"][0]["id"] == item_id
+
+
+def test_export_org_publishes_knowledge_md(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Keep secrets out of logs")
+    cs.promote(item_id, to_scope="org")
+    first = cs.export_markdown("org")
+    assert first["published"]["changed"] is False        # already current after promotion
+    assert "Keep secrets out of logs" in first["markdown"]
+    cs.endorse(item_id, note="Scrub secrets before logging")
+    res = cs.export_markdown("org")
+    assert "Scrub secrets before logging" in remote_json(shared["org_bare"], "main",
+                                                         "KNOWLEDGE.md")
+    all_md = cs.export_markdown("all")["markdown"]
+    assert "## Org" in all_md
+
+
+# =============================================================================
 # MCP server: real stdio transport
 # =============================================================================
 
