@@ -1537,14 +1537,19 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
 
 
 def _looks_like_jsonl(path: Path) -> bool:
-    """True when the first non-empty line is a complete JSON object on its own."""
+    """True when the first non-empty line is a complete JSON object on its own
+    that is a record (a one-line wrapper object is a document, not JSONL)."""
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line in f:
             if line.strip():
                 try:
-                    return isinstance(json.loads(line), dict)
+                    first = json.loads(line)
                 except (ValueError, RecursionError):
                     return False
+                if not isinstance(first, dict):
+                    return False
+                wrapper = any(isinstance(first.get(k), list) for k in _WRAPPER_KEYS)
+                return not wrapper or _first(first, _BODY_KEYS) is not None
     return False
 
 
@@ -1879,6 +1884,34 @@ def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
     if org_content and org_content != item.content:
         changes.update(content=org_content, example=item.example or item.content)
     return dataclasses.replace(item, **changes)
+
+
+def age_days(item: Item, now: datetime) -> int | None:
+    """Whole days since the item was last verified (else promoted, else created)."""
+    stamp = _parse_ts(item.last_verified or item.promoted_at or item.created_at)
+    return None if stamp is None else max(0, (now - stamp).days)
+
+
+def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None = None,
+                  older_than_days: int | None = None) -> list[dict]:
+    """Promoted (team/org) active items, never-verified first, then oldest-verified
+    first. Reports only: nothing is downgraded."""
+    rows = []
+    for it in items:
+        if not it.active or it.scope not in ("team", "org"):
+            continue
+        if project and it.project != project:
+            continue
+        age = age_days(it, now)
+        if older_than_days is not None and (age is None or age < older_than_days):
+            continue
+        rows.append((it, age))
+    rows.sort(key=lambda r: (r[0].last_verified is not None, r[0].last_verified or "",
+                             -(r[1] or 0), r[0].id))
+    return [{"id": it.id, "scope": it.scope, "project": it.project, "content": it.content,
+             "valid_while": it.valid_while, "last_verified": it.last_verified,
+             "never_verified": it.last_verified is None, "age_days": age,
+             "recalls": it.trust.get("recalls", 0)} for it, age in rows]
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
@@ -2823,6 +2856,85 @@ def review_promotions() -> dict:
     return out
 
 
+def verify_entry(item_id: str, note: str = "") -> dict:
+    """Confirm an item still holds: stamps last_verified to now, with your note.
+
+    Call it when you have checked a recalled item against reality (the code,
+    the system, the people) and it is still true, especially entries that
+    stale_report lists. Works at any scope; team and org are written through
+    the same pushes as everything else (org in PR mode: the shared
+    cambium/updates pull request). note: what you checked.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    note = _clean_text(note, "note", MAX_WHY_CHARS)
+    scope, _ = locate(cfg, item_id)
+    now = _now()
+
+    def apply(it: Item) -> Item:
+        checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
+        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now)
+
+    item, write = change_item(cfg, scope, item_id, apply, f"{cfg.agent} verifies {item_id}",
+                              org_branch=ORG_UPDATES_BRANCH)
+    out = {"status": "verified", "scope": scope, "item": item_view(item)}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
+def stale_report(project: str | None = None, older_than_days: int | None = None) -> dict:
+    """List promoted (team and org) knowledge by how long since anyone checked it.
+
+    Never-verified entries come first (flagged), then the oldest-verified. Each
+    shows its age in days and its valid_while premise, so a dead assumption is
+    easy to spot. project: only entries from that project. older_than_days:
+    only entries at least that old. It only reports: re-check an entry and call
+    verify_entry, or deprecate it; nothing is downgraded automatically.
+    """
+    cfg = require_config()
+    if older_than_days is not None and (not isinstance(older_than_days, int)
+                                        or older_than_days < 0):
+        raise InputError("older_than_days must be a whole number >= 0.")
+    docs, warnings = read_scopes(cfg, ("team", "org"))
+    items = [it for d in docs.values() for it in d.items]
+    rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
+                         older_than_days=older_than_days)
+    out: dict[str, Any] = {"entries": rows, "count": len(rows),
+                           "never_verified": sum(1 for r in rows if r["never_verified"]),
+                           "scopes_read": list(docs)}
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def deprecate(item_id: str, reason: str) -> dict:
+    """Retire an item at any scope without deleting it.
+
+    Use when an item is wrong or its premise died. It drops out of recall,
+    promotion and export, but stays in its store with who retired it, when and
+    why (nothing in cambium is ever deleted). reason: why it no longer holds.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    reason = _clean_text(reason, "reason", MAX_WHY_CHARS, required=True)
+    scope, _ = locate(cfg, item_id)
+    now = _now()
+
+    def apply(it: Item) -> Item | None:
+        if not it.active:
+            return None
+        return dataclasses.replace(it, status="deprecated", updated_at=now,
+                                   deprecated={"by": cfg.agent, "at": now, "reason": reason})
+
+    item, write = change_item(cfg, scope, item_id, apply, f"{cfg.agent} deprecates {item_id}",
+                              org_branch=ORG_UPDATES_BRANCH)
+    out = {"status": "deprecated", "scope": scope, "item": item_view(item)}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
 def import_memory(source: str, path: str) -> dict:
     """Import an external memory export into local scope, with provenance.
 
@@ -2928,12 +3040,20 @@ ARG_DOCS = {
     "org_repo": "Local clone path of the org knowledge repo, or a GitHub owner/name.",
     "org_pr": "True: org promotion opens a pull request instead of pushing.",
     "team_branch": "Branch that holds team scope (default cambium).",
+    "to_scope": "team (default) or org.",
+    "force": "team: skip the eligibility check; org: pass the generalization gate as is.",
+    "org_content": "The body restated as a cross-project rule (the concrete one is kept "
+                   "as `example`).",
+    "reason": "Why the item no longer holds.",
+    "project": "Only entries that came from this project (repo directory name).",
+    "older_than_days": "Only entries not verified for at least this many days.",
 }
 
 _TOOLS: list[tuple[Callable, str]] = [
     (status, "read"), (setup, "write"), (capture, "write"), (record_need, "write"),
     (recall, "write_idempotent"), (endorse, "remote"), (promote, "remote"),
     (generalize, "remote"), (review_promotions, "remote"),
+    (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
     (import_memory, "write_idempotent"), (export_markdown, "remote"),
 ]
 
@@ -3057,6 +3177,15 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--org-content")
     p.add_argument("--note", default="")
     sub.add_parser("review", parents=[fmt], help="what can be promoted, and what needs a person")
+    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds")
+    p.add_argument("item_id")
+    p.add_argument("--note", default="")
+    p = sub.add_parser("stale", parents=[fmt], help="promoted items, oldest-verified first")
+    p.add_argument("--project")
+    p.add_argument("--older-than-days", type=int)
+    p = sub.add_parser("deprecate", parents=[fmt], help="retire an item (never deleted)")
+    p.add_argument("item_id")
+    p.add_argument("--reason", required=True)
     p = sub.add_parser("import", parents=[fmt], help="import an external memory export")
     p.add_argument("path")
     p.add_argument("--source", default="json")
@@ -3090,6 +3219,12 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
         return generalize(args.item_id, org_content=args.org_content, note=args.note)
     if c == "review":
         return review_promotions()
+    if c == "verify":
+        return verify_entry(args.item_id, note=args.note)
+    if c == "stale":
+        return stale_report(project=args.project, older_than_days=args.older_than_days)
+    if c == "deprecate":
+        return deprecate(args.item_id, reason=args.reason)
     if c == "import":
         return import_memory(args.source, os.path.abspath(args.path))
     if c == "export":

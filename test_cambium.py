@@ -917,6 +917,173 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
 
 
 # =============================================================================
+# Import, staleness and retirement
+# =============================================================================
+
+
+def test_import_json_array_and_wrapper_object(repo, tmp_path):
+    arr = tmp_path / "arr.json"
+    arr.write_text(json.dumps([
+        {"_id": "a1", "title": "Queues", "body": "drain queues before deploys",
+         "rationale": "lost messages", "category": "procedure", "tags": ["ops", "queues"],
+         "ts": 1700000000},
+        {"key": "a2", "memory": "freeze schema changes in december"}]))
+    res = cs.import_memory("json", str(arr))
+    assert (res["imported"], res["skipped"], res["duplicates"]) == (2, 0, 0)
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"exported_by": "x", "memories": [
+        {"uuid": "w1", "note": "rotate api tokens quarterly", "reason": "leaks"}]}))
+    assert cs.import_memory("json", str(wrapped))["imported"] == 1
+    items = {i.source["ref"]: i for i in cs.local_store(cs.resolve_config()).read().items}
+    a1 = items["a1"]
+    assert a1.content == "Queues: drain queues before deploys"
+    assert (a1.why, a1.kind) == ("lost messages", "procedure")
+    assert a1.tags == ["ops", "queues", "imported", "json"]
+    assert a1.source == {"system": "json", "ref": "a1", "imported": True,
+                         "source_ts": "1700000000"}
+    assert items["w1"].why == "leaks" and items["a2"].kind == "note"
+
+
+def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
+    f = tmp_path / "noids.jsonl"
+    f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
+                 json.dumps({"text": "always set a statement timeout"}) + "\n" +
+                 json.dumps({"text": "use read replicas for reports"}) + "\n")
+    res = cs.import_memory("json", str(f))
+    assert (res["imported"], res["duplicates"]) == (2, 1)
+    again = cs.import_memory("json", str(f))
+    assert (again["imported"], again["duplicates"]) == (0, 3)
+
+
+def test_imported_items_start_untrusted_and_import_promotes_nothing(repo, tmp_path):
+    f = tmp_path / "e.jsonl"
+    f.write_text(json.dumps({"id": "z", "content": "imported knowledge item"}) + "\n")
+    res = cs.import_memory("json", str(f))
+    item = cs.local_store(cs.resolve_config()).read().items[0]
+    assert item.scope == "local" and item.trust["recalls"] == 0
+    assert item.trust["endorsements"] == [] and item.promoted_at is None
+    assert res["items"][0]["id"] == item.id
+    assert cs.review_promotions()["team_eligible"] == []
+
+
+def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(cs.InputError, match="not a regular file"):
+        cs.import_memory("json", str(fifo))
+    with pytest.raises(cs.InputError, match="absolute"):
+        cs.import_memory("json", "relative.json")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(cs.InputError, match="not valid JSON"):
+        cs.import_memory("json", str(deep))
+
+
+def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
+    legacy = {"items": [{"id": "k-old", "type": "memory", "kind": "note",
+                         "content": "legacy items keep working", "why": "", "tags": ["legacy"],
+                         "scope": "local", "project": "proj", "source": {},
+                         "created_by": "ada", "created_at": "2024-01-01T00:00:00Z",
+                         "status": "active",
+                         "trust": {"recalls": 1, "endorsements": [], "projects": []}}]}
+    path = repo / ".cambium" / "knowledge.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(legacy, indent=2))
+    res = cs.recall("legacy items working")
+    assert res["results"][0]["id"] == "k-old" and "last_verified" not in res["results"][0]
+    cs.verify_entry("k-old", note="still true")
+    stored = json.loads(path.read_text())["items"][0]
+    assert stored["last_verified"] and stored["verifications"][0]["note"] == "still true"
+
+
+def test_capture_with_valid_while_round_trips(repo):
+    item = cs.capture("Staging DB caps at 90 connections",
+                      valid_while="staging runs on the small instance")["item"]
+    assert item["valid_while"] == "staging runs on the small instance"
+    assert cs.recall("staging db connections")["results"][0]["valid_while"] == \
+        "staging runs on the small instance"
+
+
+def test_verify_entry_at_team_scope_round_trips(shared, monkeypatch):
+    item_id = _endorsed("Billing runs on NetSuite", "billing system")
+    cs.promote()
+    first = remote_json(shared["origin"], "cambium")["items"][0]["last_verified"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    res = cs.verify_entry(item_id, note="checked with finance")
+    assert res["scope"] == "team"
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert stored["last_verified"] >= first
+    assert stored["verifications"][-1]["by"] == "bob"
+    assert stored["verifications"][-1]["note"] == "checked with finance"
+    assert stored["verifications"][0]["note"] == "promoted to team"
+
+
+def _team_item(content: str, project: str, last_verified: str | None,
+               created: str = "2026-01-01T00:00:00Z") -> cs.Item:
+    it = cs.new_item(content, project=project, now=created)
+    return cs.dataclasses.replace(it, scope="team", last_verified=last_verified,
+                                  promoted_at=created, valid_while=f"premise of {content}")
+
+
+def test_stale_entries_order_flags_and_filters():
+    now = cs.datetime(2026, 11, 29, tzinfo=cs.timezone.utc)
+    items = [
+        _team_item("recent", "shop", "2026-11-20T00:00:00Z"),
+        _team_item("old", "shop", "2026-03-01T00:00:00Z"),
+        _team_item("never", "billing", None, created="2026-06-01T00:00:00Z"),
+        _team_item("middle", "billing", "2026-08-01T00:00:00Z"),
+        cs.dataclasses.replace(_team_item("retired", "shop", None), status="deprecated"),
+        cs.new_item("local only"),
+    ]
+    rows = cs.stale_entries(items, now=now)
+    assert [r["content"] for r in rows] == ["never", "old", "middle", "recent"]
+    assert [r["never_verified"] for r in rows] == [True, False, False, False]
+    assert rows[1]["age_days"] == 273 and rows[0]["age_days"] == 181
+    assert rows[1]["valid_while"] == "premise of old"
+    assert [r["content"] for r in cs.stale_entries(items, now=now, project="billing")] == \
+        ["never", "middle"]
+    assert [r["content"] for r in cs.stale_entries(items, now=now, older_than_days=100)] == \
+        ["never", "old", "middle"]
+
+
+def test_stale_report_reads_team_and_org(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    a = _endorsed("Team level fact about queues", "queues")
+    b = _endorsed("Org level fact about retries", "retries with backoff")
+    cs.promote()
+    cs.promote(b, to_scope="org")
+    rep = cs.stale_report()
+    assert {r["id"] for r in rep["entries"]} == {a, b}
+    assert all(not r["never_verified"] and r["age_days"] == 0 for r in rep["entries"])
+    assert cs.stale_report(older_than_days=1)["entries"] == []
+    assert cs.stale_report(project="elsewhere")["entries"] == []
+
+
+def test_deprecated_item_is_not_recalled_promoted_or_exported(repo):
+    item = cs.capture("Use the legacy payments gateway", tags="payments")["item"]
+    cs.endorse(item["id"], note="was true")
+    res = cs.deprecate(item["id"], reason="gateway retired in 2026")
+    assert res["item"]["status"] == "deprecated"
+    assert res["item"]["deprecated"]["reason"] == "gateway retired in 2026"
+    assert cs.recall("legacy payments gateway")["no_confident_match"] is True
+    assert cs.review_promotions()["team_eligible"] == []
+    assert "legacy payments" not in cs.export_markdown("local")["markdown"]
+    stored = json.loads((repo / ".cambium" / "knowledge.json").read_text())["items"]
+    assert stored[0]["status"] == "deprecated" and stored[0]["deprecated"]["by"] == "ada"
+    with pytest.raises(cs.InputError, match="reason"):
+        cs.deprecate(item["id"], reason=" ")
+
+
+def test_deprecate_works_at_team_scope(shared):
+    item_id = _endorsed("Old team convention", "x")
+    cs.promote()
+    cs.deprecate(item_id, reason="superseded by the style guide")
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert stored["status"] == "deprecated" and stored["id"] == item_id
+    assert cs.recall("old team convention")["no_confident_match"] is True
+
+
+# =============================================================================
 # MCP server: real stdio transport
 # =============================================================================
 
