@@ -198,8 +198,41 @@ def bench_import() -> None:
               f"re-import {dt2:.2f} s ({again['duplicates']} duplicates)")
 
 
+def bench_team() -> None:
+    """Recall with 1,000 team items on a local bare remote, against local-only."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        bare = root / "origin.git"
+        subprocess.run(["git", "init", "-q", "--bare", str(bare)], check=True)
+        env = make_env(root)
+        repo = Path(env["CAMBIUM_REPO"])
+        ident = ["-c", "user.name=b", "-c", "user.email=b@example.invalid"]
+        subprocess.run(["git", "-C", str(repo), *ident, "commit", "-q", "--allow-empty",
+                        "-m", "init"], check=True)
+        subprocess.run(["git", "-C", str(repo), "remote", "add", "origin", str(bare)], check=True)
+        subprocess.run(["git", "-C", str(repo), "push", "-q", "origin", "HEAD:main"], check=True)
+        cfg = cs.resolve_config()
+        team_items = [cs.dataclasses.replace(it, scope="team") for it in synth_items(1_000, 5)]
+        cs.shared_store(cfg, "team").mutate(
+            lambda d: cs.Doc(items=team_items), "bench: seed 1,000 team items")
+        seed_store(repo, 1_000)
+        rng = random.Random(4)
+        queries = [" ".join(rng.choices(VOCAB, weights=ZIPF, k=4)) for _ in range(60)]
+        for label, scope in (("local only", "local"), ("local + team (auto)", "auto")):
+            cs.recall("warm up", scope=scope)
+            it = iter(queries)
+            ms = median_ms(lambda: cs.recall(next(it), scope=scope), 60)
+            print(f"recall, 1,000 local + 1,000 team items on a local bare remote, "
+                  f"{label}: median {ms:5.1f} ms")
+        t0 = time.perf_counter()
+        n = cs.flush_credits(cfg)
+        print(f"publishing {n} journaled team recall credits in one push: "
+              f"{(time.perf_counter() - t0) * 1000:.0f} ms")
+
+
 SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
-            "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import}
+            "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import,
+            "team": bench_team}
 
 
 def main(argv: list[str]) -> None:

@@ -3291,49 +3291,97 @@ def _emit(result: Any, as_text: bool) -> None:
 # =============================================================================
 
 
+def _demo_origin(root: Path, name: str) -> Path:
+    """A bare 'remote' with one commit, and a clone of it: what GitHub would hold."""
+    bare, work = root / f"{name}.git", root / name
+    _git(["init", "-q", "--bare", str(bare)], root)
+    _git(["clone", "-q", str(bare), str(work)], root)
+    (work / "README.md").write_text(f"{name}\n", encoding="utf-8")
+    ident = ["-c", "user.name=demo", "-c", "user.email=demo@example.invalid"]
+    _git([*ident, "add", "README.md"], work)
+    _git([*ident, "commit", "-q", "-m", "init"], work)
+    _git(["push", "-q", "origin", "HEAD"], work)
+    return work
+
+
 def run_demo() -> dict:
-    """Run capture -> recall -> abstention on a throwaway repo; narrate to stderr."""
+    """The whole loop on throwaway repos, narrated to stderr; returns what happened."""
     steps: list[dict] = []
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - narration goes to stderr
+
+    def step(name: str, text: str, **facts: Any) -> None:
+        steps.append({"step": name, **facts})
+        say(f"{len(steps)}. {text}")
+        for k, v in facts.items():
+            say(f"   {k}: {v}")
+
+    saved = {k: os.environ.get(k) for k in [*DEFAULTS, "CAMBIUM_CONFIG_FILE"]}
+    cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="cambium-demo-") as tmp:
         root = Path(tmp)
-        repo = root / "shop-api"
-        repo.mkdir()
-        _git(["init", "-q"], repo)
-        saved = {k: os.environ.get(k) for k in DEFAULTS} | \
-            {"CAMBIUM_CONFIG_FILE": os.environ.get("CAMBIUM_CONFIG_FILE")}
+        os.chdir(root)
         try:
             for k in DEFAULTS:
                 os.environ.pop(k, None)
             os.environ["CAMBIUM_CONFIG_FILE"] = str(root / "config.json")
-            say("1. A fresh machine: status() explains what is missing.")
+            repo = _demo_origin(root, "shop-api")
+            org = _demo_origin(root, "org-knowledge")
             st = status()
-            steps.append({"step": "status (unconfigured)", "next_step": st.get("next_step")})
-            say(f"   configured={st['configured']}; next_step: {st.get('next_step')}")
-            say(f"2. setup(project_repo={repo}, agent_id='ada')")
-            setup(str(repo), "ada")
-            steps.append({"step": "setup", "configured": status()["configured"]})
-            say("3. capture() two things the agent learned.")
-            a = capture("Retry payment webhooks with exponential backoff capped at 5 minutes; "
-                        "the provider rate-limits bursts.", kind="decision",
+            step("status (unconfigured)", "A fresh machine: status() says what is missing.",
+                 configured=st["configured"], next_step=st["next_step"])
+            setup(str(repo), "ada", org_repo=str(org))
+            step("setup", "setup(project_repo, agent_id, org_repo) configures it, no restart.",
+                 configured=status()["configured"])
+            a = capture("Retry payment webhooks in webhooks/retry.py with exponential "
+                        "backoff capped at 5 minutes.", kind="decision",
                         why="Bursty retries got our webhook endpoint throttled for an hour.",
-                        tags="payments, webhooks, retries")
-            b = capture("Run database migrations before deploying the API containers.",
-                        kind="procedure", why="New code reads columns the old schema lacks.",
-                        tags="deploy, migrations")
-            steps.append({"step": "capture", "ids": [a["item"]["id"], b["item"]["id"]]})
-            say(f"   captured {a['item']['id']} and {b['item']['id']}")
-            say("4. recall('how should webhook retries back off?')")
+                        tags="payments, webhooks, retries")["item"]
+            capture("Run database migrations before deploying the API containers.",
+                    kind="procedure", why="New code reads columns the old schema lacks.",
+                    tags="deploy, migrations")
+            step("capture", "capture() saves what the agent learned (local scope).",
+                 id=a["id"])
             r = recall("how should webhook retries back off?")
-            top = r["results"][0] if r["results"] else None
-            steps.append({"step": "recall", "top": top and top["content"],
-                          "relevance": r["top_relevance"]})
-            say(f"   -> {top and top['content']} (relevance {r['top_relevance']})")
-            say("5. recall('kubernetes pod autoscaling thresholds') knows it does not know.")
+            step("recall", "recall() finds it by topic.",
+                 top=r["results"][0]["content"] if r["results"] else None,
+                 relevance=r["top_relevance"])
             r2 = recall("kubernetes pod autoscaling thresholds")
-            steps.append({"step": "abstain", "no_confident_match": r2["no_confident_match"]})
-            say(f"   -> no_confident_match={r2['no_confident_match']}")
+            step("abstain", "recall() on something nobody wrote down abstains honestly.",
+                 no_confident_match=r2["no_confident_match"])
+            export = root / "notes-export.jsonl"
+            export.write_text(json.dumps({"id": "n-1", "title": "Logs", "text": "Never log "
+                                          "full card numbers; mask all but the last four.",
+                                          "created_at": "2025-05-01"}) + "\n",
+                              encoding="utf-8")
+            imp = import_memory("json", str(export))
+            step("import", "import_memory() brings in another tool's export, with provenance.",
+                 imported=imp["imported"], source=imp["items"][0]["source"])
+            endorse(a["id"], note="Retry transient failures with exponential backoff, "
+                                  "capped, with jitter")
+            p = promote()
+            step("promote to team", "endorse() + promote(): it climbs to the team branch "
+                 "of the shared repo (a git push, compare-and-swap).",
+                 promoted=[i["id"] for i in p["promoted"]], commit=p["commit"][:10])
+            refused = promote(a["id"], to_scope="org")
+            step("org gate", "promote(to_scope='org') refuses a body that reads "
+                 "project-specific, and hands back the endorsement note as a draft.",
+                 status=refused["status"], tells=refused.get("tells"), draft=refused.get("draft"))
+            done = promote(a["id"], to_scope="org", org_content=refused.get("draft"))
+            step("promote to org", "With the rule restated, it lands in the org repo "
+                 "(knowledge.json + KNOWLEDGE.md in one commit).", status=done["status"],
+                 published=done.get("published"))
+            billing = _demo_origin(root, "billing-api")
+            os.environ["CAMBIUM_REPO"], os.environ["CAMBIUM_AGENT_ID"] = str(billing), "bo"
+            r3 = recall("retry transient failures backoff")
+            hit = r3["results"][0] if r3["results"] else {}
+            step("cross-project recall", "Another project's agent recalls it from org scope.",
+                 scope=hit.get("scope"), origin_project=hit.get("project"))
+            rep = stale_report()
+            step("stale report", "stale_report() lists promoted knowledge oldest-verified "
+                 "first, so re-checking rides an existing beat.",
+                 entries=[(e["id"], e["scope"], e["age_days"]) for e in rep["entries"]])
         finally:
+            os.chdir(cwd)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -1110,8 +1110,11 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
     async def body(session, init):
         assert "recall" in (init.instructions or "")
         tools = {t.name: t for t in (await session.list_tools()).tools}
-        assert {"status", "setup", "capture", "record_need", "recall", "endorse",
-                "import_memory", "export_markdown"} <= set(tools)
+        assert {"status", "setup", "capture", "record_need", "recall", "endorse", "promote",
+                "generalize", "review_promotions", "verify_entry", "stale_report",
+                "deprecate", "import_memory", "export_markdown"} <= set(tools)
+        assert tools["promote"].annotations.open_world_hint is True
+        assert tools["recall"].annotations.destructive_hint is False
         for t in tools.values():
             assert t.annotations is not None and t.annotations.open_world_hint is not None
             assert t.output_schema is not None
@@ -1205,8 +1208,17 @@ def test_cli_demo_runs_the_loop():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     steps = {s["step"]: s for s in result["steps"]}
+    assert steps["status (unconfigured)"]["configured"] is False
     assert steps["recall"]["top"].startswith("Retry payment webhooks")
     assert steps["abstain"]["no_confident_match"] is True
+    assert steps["import"]["source"]["ref"] == "n-1"
+    assert steps["promote to team"]["promoted"]
+    assert steps["org gate"]["status"] == "needs_generalization"
+    assert steps["org gate"]["tells"] == ["names a file: webhooks/retry.py"]
+    assert steps["promote to org"]["status"] == "promoted"
+    assert steps["cross-project recall"] == {"step": "cross-project recall", "scope": "org",
+                                             "origin_project": "shop-api"}
+    assert steps["stale report"]["entries"][0][1] == "org"
     assert "capture()" in out.stderr
 
 
