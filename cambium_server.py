@@ -1138,16 +1138,20 @@ class GitStore(Store):
     def _stamp(self) -> Path:
         gitdir = self.repo / ".git"
         base = gitdir if gitdir.is_dir() else self.repo
-        return base / "cambium" / f"fetched-{self.scope}"
+        return base / "cambium" / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
 
     def fetch(self, force: bool = False) -> str | None:
         """Fetch the branch into our private ref if due; return the tip (None: no branch)."""
+        with self._state.setdefault("lock", threading.Lock()):
+            return self._fetch(force)
+
+    def _fetch(self, force: bool) -> str | None:
         now = time.time()
         stamp = self._stamp()
         last = self._state.get("fetched_at", 0.0)
         with contextlib.suppress(OSError):
-            last = max(last, stamp.stat().st_mtime)
-        if force or now - last >= self.fetch_interval_s or "tip" not in self._state:
+            last = max(last, stamp.stat().st_mtime)      # another process fetched
+        if force or now - last >= self.fetch_interval_s:
             proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
                             f"+refs/heads/{self.branch}:{self.ref}", check=False)
             if proc.returncode != 0:
@@ -1262,7 +1266,7 @@ class GitStore(Store):
         """
         import random
         target = branch or self.branch
-        with file_lock(self._stamp().with_name(f"write-{self.scope}")):
+        with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
             for attempt in range(PUSH_RETRIES):
                 if attempt:
                     time.sleep(PUSH_BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random()))
