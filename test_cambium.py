@@ -7,11 +7,14 @@ transport, no mocks of git. Sections follow cambium_server.py's order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -863,6 +866,288 @@ def test_mcp_distill_sends_progress_for_a_large_source(tmp_path):
     assert out["imported"] == 600 and out["sources"]["context-keeper"]["imported"] == 600
     assert seen and seen[-1][0] == seen[-1][1] and "imported 600" in seen[-1][2]
     assert len(seen) >= 3
+
+
+# =============================================================================
+# Distill against the REAL peers: agentsync-mcp 0.2.0 and context-keeper-mcp
+# 0.19.0 (requirements-test.txt), driven over MCP stdio as their users run them.
+# =============================================================================
+
+PEER_GIT_ID = {"GIT_AUTHOR_NAME": "peer", "GIT_AUTHOR_EMAIL": "peer@example.invalid",
+               "GIT_COMMITTER_NAME": "peer", "GIT_COMMITTER_EMAIL": "peer@example.invalid"}
+MANGLED_EM_DASH = "\u2014".encode("utf-8").decode("cp1252")      # "â€\u201d"
+
+
+def _peer_cmd(script: str) -> list[str]:
+    """The peer's console script next to this interpreter (never `python -m server`:
+    context-keeper installs a top-level module named `server`)."""
+    cand = Path(sys.executable).parent / script
+    found = str(cand) if cand.exists() else shutil.which(script)
+    if not found:
+        pytest.fail(f"{script} is not installed; pip install -r requirements-test.txt")
+    return [found]
+
+
+class Peer:
+    """One live peer MCP session; call(tool, **args) -> parsed JSON result."""
+
+    def __init__(self, session, name: str):
+        self.session, self.name = session, name
+
+    async def call(self, tool: str, **args):
+        res = await self.session.call_tool(tool, args, read_timeout_seconds=60)
+        text = "".join(getattr(c, "text", "") for c in res.content)
+        payload = json.loads(text) if text.startswith(("{", "[")) else text
+        assert not res.is_error, f"{self.name}.{tool}: {text[:400]}"
+        assert not (isinstance(payload, dict) and payload.get("error")), \
+            f"{self.name}.{tool}: {payload}"
+        return payload
+
+
+@contextlib.asynccontextmanager
+async def peer_session(argv: list[str], env: dict, cwd: Path, name: str):
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    # stdio_client passes on only HOME/PATH/...; everything else goes in env=
+    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(cwd), env={
+        "HOME": os.environ["HOME"], "PATH": os.environ.get("PATH", ""),
+        "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+        "XYLEM_ACTIVE_PROJECT_FILE": os.path.join(os.environ["HOME"], "no-xylem.json"),
+        **PEER_GIT_ID, **env})
+    with tempfile.TemporaryFile("w+") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                yield Peer(session, name)
+
+
+def agentsync(board: Path, agent: str):
+    """agentsync-mcp for one agent on `board` (a clone with a real bare origin)."""
+    return peer_session(_peer_cmd("agentsync-mcp"), {
+        "AGENTSYNC_BOARD_REPO": str(board), "AGENTSYNC_AGENT_ID": agent,
+        "AGENTSYNC_REMOTE": "origin", "AGENTSYNC_BRANCH": "agentsync"}, board, f"agentsync[{agent}]")
+
+
+def context_keeper(project: Path):
+    return peer_session(_peer_cmd("context-keeper"), {"CONTEXT_KEEPER_PROJECT": str(project)},
+                        project, "context-keeper")
+
+
+def peer_origin(tmp_path: Path) -> tuple[Path, Path]:
+    """A bare origin and the agents' clone, set up the way agentsync expects:
+    origin/HEAD -> main (it diffs done branches against it), local identity."""
+    bare, clone = make_origin(tmp_path, "agents")
+    git(clone, "remote", "set-head", "origin", "main")
+    git(clone, "config", "user.name", "peer")
+    git(clone, "config", "user.email", "peer@example.invalid")
+    return bare, clone
+
+
+def cambium_clone(bare: Path, tmp_path: Path, name: str, monkeypatch, **env: str) -> Path:
+    """A separate clone for cambium (its own local store); no AGENTSYNC_* set, so
+    the board is found by asking the remote for the branch."""
+    dest = tmp_path / name
+    git(tmp_path, "clone", "-q", str(bare), str(dest))
+    monkeypatch.setenv("CAMBIUM_REPO", str(dest))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return dest
+
+
+def use_repo(monkeypatch, repo: Path, release_capture: bool) -> None:
+    monkeypatch.setenv("CAMBIUM_REPO", str(repo))
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1" if release_capture else "0")
+
+
+def local_items(repo: Path) -> list[dict]:
+    return json.loads((repo / ".cambium" / "knowledge.json").read_text())["items"]
+
+
+def test_distill_real_agentsync_claim_done_with_note_imported_once(tmp_path, monkeypatch):
+    bare, board = peer_origin(tmp_path)
+    git(board, "checkout", "-q", "-B", "feat/parser")
+    (board / "parser.py").write_text("def parse(): ...\n")
+    git(board, "add", "parser.py")
+    git(board, "commit", "-q", "-m", "parser")
+    git(board, "push", "-q", "-u", "origin", "feat/parser")
+    git(board, "checkout", "-q", "main")
+    mine = cambium_clone(bare, tmp_path, "mine", monkeypatch)
+
+    async def body():
+        async with agentsync(board, "alice") as a:
+            claimed = await a.call("claim", task="build the parser", touches=["parser.py"],
+                                   branch="feat/parser")
+            assert claimed["status"] == "claimed"
+            early = cs.distill()
+            assert early["sources"]["agentsync"]["status"] == "nothing_done"
+            await a.call("update_status", status="done",
+                         note="parser landed \u2014 error recovery still naive")
+            first, second = cs.distill(), cs.distill()
+            return early, first, second
+
+    early, first, second = asyncio.run(body())
+    a1 = first["sources"]["agentsync"]
+    assert (a1["status"], a1["imported"], a1["done_claims"]) == ("imported", 1, 1)
+    assert a1["board_source"] == "CAMBIUM_REPO" and a1["board_repo"] == str(mine)
+    assert second["imported"] == 0 and second["sources"]["agentsync"]["status"] == "up_to_date"
+    outcomes = [i for i in local_items(mine) if i["source"]["system"] == "agentsync"]
+    assert len(outcomes) == 1
+    item = outcomes[0]
+    assert item["kind"] == "outcome"
+    assert item["content"] == ("build the parser. Note: parser landed \u2014 error recovery "
+                               "still naive Changed files: A parser.py.")
+    assert {"agentsync", "agent:alice", "branch:feat/parser"} <= set(item["tags"])
+    hit = cs.recall("parser error recovery")["results"][0]
+    assert hit["id"] == item["id"]
+    assert not (mine / ".git" / "agentsync-wt").exists()          # cambium never checks out
+    assert git(mine, "branch", "--list", "agentsync") == ""
+
+
+def test_distill_real_agentsync_reclaim_and_release_capture(tmp_path, monkeypatch):
+    """Four cambium clones watch one real board: two with release capture, two without."""
+    bare, board = peer_origin(tmp_path)
+    repos = {name: cambium_clone(bare, tmp_path, name, monkeypatch)
+             for name in ("late_off", "late_on", "watch_off", "watch_on")}
+
+    def sweep(name: str) -> dict:
+        use_repo(monkeypatch, repos[name], release_capture=name.endswith("_on"))
+        return cs.distill()
+
+    async def body():
+        out = {}
+        async with agentsync(board, "bob") as bob, agentsync(board, "cara") as cara:
+            # bob: claim -> done -> re-claim, before any distill
+            await bob.call("claim", task="migrate the queue", touches=["queue.py"])
+            await bob.call("update_status", status="done", note="queue moved to streams")
+            await bob.call("claim", task="tune the workers", touches=["workers.py"])
+            out["late_off"], out["late_on"] = sweep("late_off"), sweep("late_on")
+            # bob again: done observed by a sweep, then re-claimed
+            await bob.call("update_status", status="done", note="workers tuned to 8 per core")
+            # cara: a noted claim, seen by a sweep, released before done
+            await cara.call("claim", task="investigate the flaky deploy", touches=["ci.yml"])
+            await cara.call("update_status", status="in-progress",
+                            note="flake is the registry rate limit, not our script")
+            out["watch_off_1"], out["watch_on_1"] = sweep("watch_off"), sweep("watch_on")
+            await bob.call("claim", task="write the runbook", touches=["RUNBOOK.md"])
+            await cara.call("release", note="handing over")
+            out["watch_off_2"], out["watch_on_2"] = sweep("watch_off"), sweep("watch_on")
+            out["watch_on_3"] = sweep("watch_on")
+        return out
+
+    out = asyncio.run(body())
+    # Before any distill, a done state that churned was never observed: lost with or
+    # without release capture (the documented residual gap; only agentsync's git log has it).
+    for name in ("late_off", "late_on"):
+        assert out[name]["sources"]["agentsync"]["status"] == "nothing_done"
+        assert out[name]["imported"] == 0
+    assert out["late_on"]["sources"]["agentsync"]["release_capture"] == \
+        {"churned": [], "captured": 0}
+    # A sweep that saw bob's done claim imported it, with or without capture ...
+    for name in ("watch_off_1", "watch_on_1"):
+        assert out[name]["sources"]["agentsync"]["imported"] == 1
+    # ... and after the re-claim, release capture does not import it a second time,
+    # while cara's noted claim (released before done) is kept only with capture on.
+    assert out["watch_off_2"]["imported"] == 0
+    rc = out["watch_on_2"]["sources"]["agentsync"]["release_capture"]
+    assert sorted(rc["churned"]) == ["bob", "cara"] and rc["captured"] == 1
+    assert out["watch_on_2"]["imported"] == 1 and "verify_prompt" in out["watch_on_2"]
+    assert out["watch_on_3"]["imported"] == 0
+    on_items = [i for i in local_items(repos["watch_on"]) if i["source"]["system"] == "agentsync"]
+    off_items = [i for i in local_items(repos["watch_off"])
+                 if i["source"]["system"] == "agentsync"]
+    assert sorted(i["kind"] for i in on_items) == ["outcome", "progress"]
+    assert [i["kind"] for i in off_items] == ["outcome"]
+    workers = [i for i in on_items if "workers tuned" in i["content"]]
+    assert len(workers) == 1
+    progress = next(i for i in on_items if i["kind"] == "progress")
+    assert "registry rate limit" in progress["content"]
+    assert "released-before-done" in progress["tags"] and progress["source"]["captured"] == \
+        "release"
+
+
+def test_distill_real_context_keeper_decisions_constraints_supersede_and_mojibake(
+        tmp_path, monkeypatch):
+    proj = make_repo(tmp_path, "proj")
+    monkeypatch.setenv("CAMBIUM_REPO", str(proj))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    problem = "Two agents need a lock-free way to coordinate on one shared repository."
+    why = ("A git branch acts as compare-and-swap through push rejection, so no extra "
+           "coordination server is needed at all.")
+
+    async def body():
+        out = {}
+        async with context_keeper(proj) as ck:
+            dec = await ck.call("record_entry", kind="decision",
+                                summary=f"Store claims in git {MANGLED_EM_DASH} one branch",
+                                problem=problem, why_chosen=why,
+                                tradeoffs="Pushes cost a network round trip.",
+                                alternatives=[{"option": "Redis lock",
+                                               "reason_rejected": "an extra service to run"}],
+                                tags=["coordination"])
+            con = await ck.call("record_entry", kind="constraint",
+                                rule="Never push to main from the board worktree",
+                                reason="main is branch-protected and board commits would "
+                                       "pollute its history.", hardness="advisory")
+            pipe = await ck.call("record_entry", kind="pipeline", name="release",
+                                 purpose="Cut a release so users always get a tagged, "
+                                         "tested build.",
+                                 steps=[{"order": 1, "action": "run the tests"},
+                                        {"order": 2, "action": "tag", "output": "vX.Y.Z"}])
+            out["ids"] = (dec["id"], con["id"], pipe["id"])
+            out["first"] = cs.distill()
+            out["recall"] = cs.recall("store claims git branch")
+            new = await ck.call("record_entry", kind="decision",
+                                summary="Store claims in a dedicated coordination service",
+                                problem=problem, why_chosen=why + " It now also scales.",
+                                supersedes=[dec["id"]])
+            await ck.call("deprecate_entry", id=con["id"], reason="main is no longer protected")
+            out["new"] = new["id"]
+            out["second"] = cs.distill()
+            out["third"] = cs.distill()
+        return out
+
+    out = asyncio.run(body())
+    dec_id, con_id, pipe_id = out["ids"]
+    first = out["first"]["sources"]["context-keeper"]
+    assert (first["status"], first["imported"], first["decisions_seen"],
+            first["constraints_seen"]) == ("imported", 3, 1, 1)
+    on_disk = json.loads((proj / ".context" / "decisions.json").read_text())
+    assert MANGLED_EM_DASH in on_disk[0]["summary"]              # the peer kept the mangling
+    hit = out["recall"]["results"][0]
+    assert hit["content"] == "Store claims in git \u2014 one branch"
+    assert hit["source"]["ref"] == dec_id and dec_id in hit["tags"]
+    assert why in hit["why"] and "Redis lock (rejected: an extra service to run)" in hit["why"]
+    second = out["second"]["sources"]["context-keeper"]
+    assert (second["imported"], second["retired"]) == (1, 2)
+    items = {i["source"].get("ref"): i for i in local_items(proj)}
+    assert items[dec_id]["status"] == "deprecated"
+    assert items[dec_id]["deprecated"]["reason"] == \
+        f"context-keeper {dec_id} is superseded by {out['new']}"
+    assert items[con_id]["deprecated"]["reason"] == \
+        f"context-keeper {con_id} is deprecated: main is no longer protected"
+    assert items[pipe_id]["status"] == "active" and items[pipe_id]["kind"] == "procedure"
+    assert items[out["new"]]["status"] == "active"
+    assert out["third"]["imported"] == 0 and out["third"]["retired"] == 0
+    assert out["third"]["sources"]["context-keeper"]["status"] == "up_to_date"
+    top = cs.recall("store claims")["results"]
+    assert dec_id not in [r["source"].get("ref") for r in top]
+
+
+def test_distill_hand_written_pre_current_decision_keeps_rationale(repo):
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([{
+        "id": "dec-001", "decision": "ignored when summary exists",
+        "summary": "Use UTC timestamps in every log line",
+        "rationale": "Local times broke the incident timeline across regions.",
+        "status": "active", "created_at": "2024-03-01T10:00:00Z"}]))
+    res = cs.distill()
+    assert res["sources"]["context-keeper"]["imported"] == 1
+    hit = cs.recall("log timestamps utc")["results"][0]
+    assert hit["content"] == "Use UTC timestamps in every log line"
+    assert hit["why"] == "Local times broke the incident timeline across regions."
+    assert hit["source"] == {"system": "context-keeper", "ref": "dec-001", "kind": "decision",
+                             "source_ts": "2024-03-01T10:00:00Z"}
 
 
 # =============================================================================
