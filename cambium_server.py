@@ -1129,14 +1129,19 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
 
     def apply(doc: Doc) -> Doc | None:
         marks = doc.meta.get("watermarks") or {}
-        index = store_index(store_key, doc.items)
+        index: Index | None = None           # built only if a draft passes the watermarks
         live: set[str] = set()
         fresh: list[Item] = []
         new_marks = dict(marks)
         dups = 0
         for key, item in prepared:
+            if key and key in new_marks:
+                dups += 1
+                continue
             ckey = content_key(item)
-            if (key and key in new_marks) or ckey in live or index.says(ckey):
+            if index is None and ckey not in live:
+                index = store_index(store_key, doc.items)
+            if ckey in live or (index is not None and index.says(ckey)):
                 dups += 1
                 continue
             if key:
@@ -3111,7 +3116,7 @@ def _emit(result: Any, as_text: bool) -> None:
 
 
 def run_demo() -> dict:
-    """Run capture -> recall -> abstention on a throwaway repo; narrate to stderr."""
+    """Run capture -> recall -> abstention -> distill on throwaway repos; narrate to stderr."""
     steps: list[dict] = []
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - narration goes to stderr
     with tempfile.TemporaryDirectory(prefix="cambium-demo-") as tmp:
@@ -3152,6 +3157,20 @@ def run_demo() -> dict:
             r2 = recall("kubernetes pod autoscaling thresholds")
             steps.append({"step": "abstain", "no_confident_match": r2["no_confident_match"]})
             say(f"   -> no_confident_match={r2['no_confident_match']}")
+            say("6. A teammate's agent finished work on the agentsync board, and the repo "
+                "records decisions with context-keeper: distill() imports both.")
+            _demo_substrates(root, repo)
+            d = distill()
+            again = distill()
+            r3 = recall("why are invoice totals computed in cents?")
+            steps.append({"step": "distill", "imported": d["imported"],
+                          "sources": {k: v["status"] for k, v in d["sources"].items()},
+                          "again_imported": again["imported"],
+                          "recall_top": r3["results"][0]["content"] if r3["results"] else None})
+            say(f"   -> {distill_summary(d)}")
+            say(f"   -> again: {distill_summary(again)} (idempotent)")
+            say(f"   -> recall('why are invoice totals computed in cents?'): "
+                f"{steps[-1]['recall_top']}")
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -3160,6 +3179,40 @@ def run_demo() -> dict:
                     os.environ[k] = v
     say("Done. Everything above ran the real code on throwaway git repos.")
     return {"demo": "ok", "steps": steps}
+
+
+def _demo_substrates(root: Path, repo: Path) -> None:
+    """A bare remote with an agentsync-format board (plain git plumbing, no
+    checkout) and a hand-written .context/decisions.json in the demo repo."""
+    ident = ["-c", "user.name=demo", "-c", "user.email=demo@example.invalid"]
+    bare = root / "origin.git"
+    _git(["init", "-q", "--bare", str(bare)], root)
+    _git(["remote", "add", "origin", str(bare)], repo)
+    board = {"claims": {"grace": {
+        "task": "Move invoice totals to integer cents", "touches": ["billing/totals.py"],
+        "requires": [], "branch": "feat/cents", "status": "done",
+        "updated_at": "2026-01-05T10:00:00+00:00", "instance": "demo0001",
+        "note": "Float rounding lost a cent on 3-way splits; totals are now int cents.",
+        "changed_files": [{"status": "M", "path": "billing/totals.py"}]},
+        "hal": {"task": "Add a refunds endpoint", "touches": ["api/refunds.py"],
+                "requires": [], "branch": "feat/refunds", "status": "in-progress",
+                "updated_at": "2026-01-05T11:00:00+00:00", "instance": "demo0002",
+                "note": None}}}
+    blob = _git(["hash-object", "-w", "--stdin"], repo, input=json.dumps(board, indent=2)
+                ).stdout.strip()
+    tree = _git(["mktree"], repo, input=f"100644 blob {blob}\t{CLAIMS_FILE}\n").stdout.strip()
+    commit = _git([*ident, "commit-tree", tree, "-m", "agentsync: grace -> done"], repo
+                  ).stdout.strip()
+    _git(["push", "-q", "origin", f"{commit}:refs/heads/agentsync"], repo)
+    ctx = repo / CONTEXT_DIR
+    ctx.mkdir()
+    atomic_write(ctx / "decisions.json", json.dumps([{
+        "id": "dec-001", "summary": "Compute money in integer cents, never floats",
+        "problem": "Invoice totals drifted by a cent when split three ways.",
+        "why_chosen": "Integer cents make rounding explicit and totals reproducible.",
+        "alternatives": [{"option": "Decimal everywhere", "reason_rejected": "slow in the "
+                          "hot path"}], "tags": ["billing"], "status": "active",
+        "superseded_by": None, "created_at": "2026-01-05T09:00:00+00:00"}], indent=2))
 
 
 if __name__ == "__main__":

@@ -1178,7 +1178,7 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         assert "recall" in (init.instructions or "")
         tools = {t.name: t for t in (await session.list_tools()).tools}
         assert {"status", "setup", "capture", "record_need", "recall", "endorse",
-                "import_memory", "export_markdown"} <= set(tools)
+                "import_memory", "export_markdown", "distill"} <= set(tools)
         for t in tools.values():
             assert t.annotations is not None and t.annotations.open_world_hint is not None
             assert t.output_schema is not None
@@ -1243,7 +1243,8 @@ def test_cli_does_not_import_the_sdk(repo):
 def test_cli_help_lists_commands():
     out = cli("--help")
     assert out.returncode == 0
-    for c in ("status", "setup", "capture", "recall", "endorse", "export", "import", "demo"):
+    for c in ("status", "setup", "capture", "recall", "endorse", "export", "import", "demo",
+              "distill"):
         assert c in out.stdout
 
 
@@ -1274,7 +1275,10 @@ def test_cli_demo_runs_the_loop():
     steps = {s["step"]: s for s in result["steps"]}
     assert steps["recall"]["top"].startswith("Retry payment webhooks")
     assert steps["abstain"]["no_confident_match"] is True
-    assert "capture()" in out.stderr
+    assert steps["distill"]["sources"] == {"agentsync": "imported", "context-keeper": "imported"}
+    assert steps["distill"]["imported"] == 2 and steps["distill"]["again_imported"] == 0
+    assert "integer cents" in steps["distill"]["recall_top"]
+    assert "capture()" in out.stderr and "distill()" in out.stderr
 
 
 if __name__ == "__main__":
