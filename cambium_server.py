@@ -25,9 +25,15 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_RELEASE_CAPTURE   "1": distill also captures churned agentsync claims
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
+    AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
+
+distill() reads, never writes, two substrates: the agentsync board
+(claims.json on <remote>/<CAMBIUM_AGENTSYNC_BRANCH> of AGENTSYNC_BOARD_REPO, else
+AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
+<CAMBIUM_REPO>/.context/*.json.
 
 The same file is the MCP server (no arguments: stdio) and a CLI for hooks and
-shells (`python3 cambium_server.py --help`). The CLI path never imports the MCP
+shells (`python3 cambium_server.py --help`; `distill --hook` for session-end). The CLI path never imports the MCP
 SDK: hooks run it at every session end and the SDK costs about a second.
 """
 from __future__ import annotations
