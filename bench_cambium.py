@@ -2,7 +2,7 @@
 """Speed figures for cambium, printed, never asserted (tests do not time things).
 
     python3 bench_cambium.py            # everything
-    python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency import
+    python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency import distill
 
 Each section builds throwaway git repos in a temp dir and uses the real code.
 Figures are medians of warm calls unless said otherwise.
@@ -230,9 +230,61 @@ def bench_team() -> None:
               f"{(time.perf_counter() - t0) * 1000:.0f} ms")
 
 
+def bench_distill() -> None:
+    """A board of 200 claims (half done) in a bare remote, written by plain git,
+    plus 2,000 context-keeper entries: first distill imports, second is a no-op."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        env = make_env(root)
+        repo = Path(env["CAMBIUM_REPO"])
+        ident = ["-c", "user.name=bench", "-c", "user.email=bench@example.invalid"]
+        run = lambda *a: subprocess.run(["git", *ident, *a], cwd=repo, check=True,  # noqa: E731
+                                        capture_output=True, text=True)
+        subprocess.run(["git", "init", "-q", "--bare", str(root / "origin.git")], check=True)
+        run("remote", "add", "origin", str(root / "origin.git"))
+        run("commit", "-q", "--allow-empty", "-m", "init")
+        run("checkout", "-q", "-b", "agentsync")
+        rng = random.Random(5)
+        claims = {f"agent-{i:03d}": {
+            "task": _sentence(rng, 8), "touches": [f"src/m{i}.py"], "requires": [],
+            "branch": f"feat/t{i}", "status": "done" if i % 2 else "in-progress",
+            "updated_at": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}+00:00",
+            "instance": f"{i:08x}", "note": _sentence(rng, 12) if i % 3 else None,
+            "changed_files": [{"status": "M", "path": f"src/m{i}.py"}]} for i in range(200)}
+        (repo / "claims.json").write_text(json.dumps({"claims": claims}, indent=2))
+        run("add", "claims.json")
+        run("commit", "-q", "-m", "board")
+        run("push", "-q", "origin", "agentsync")
+        run("checkout", "-q", "--detach")
+        run("branch", "-q", "-D", "agentsync")
+        ctx = repo / ".context"
+        ctx.mkdir()
+        decisions = [{"id": f"dec-{i:04d}", "summary": _sentence(rng, 10),
+                      "problem": _sentence(rng, 14), "why_chosen": _sentence(rng, 16),
+                      "alternatives": [{"option": _sentence(rng, 3), "reason_rejected":
+                                        _sentence(rng, 5)}], "tags": rng.sample(WORDS, 2),
+                      "status": "superseded" if i % 10 == 0 else "active",
+                      "superseded_by": f"dec-{i + 1:04d}" if i % 10 == 0 else None}
+                     for i in range(1_500)]
+        constraints = [{"id": f"con-{i:04d}", "rule": _sentence(rng, 9),
+                        "reason": _sentence(rng, 14), "hardness": "absolute",
+                        "scope": "global", "status": "active"} for i in range(500)]
+        (ctx / "decisions.json").write_text(json.dumps(decisions, indent=2))
+        (ctx / "constraints.json").write_text(json.dumps(constraints, indent=2))
+        t0 = time.perf_counter()
+        first = cs.distill()
+        dt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = cs.distill()
+        dt2 = time.perf_counter() - t0
+        print(f"distill, board of 200 claims (100 done) + 2,000 context entries: {dt:.2f} s "
+              f"({first['imported']} imported); again {dt2:.2f} s ({again['imported']} "
+              "imported)")
+
+
 SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
             "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import,
-            "team": bench_team}
+            "team": bench_team, "distill": bench_distill}
 
 
 def main(argv: list[str]) -> None:

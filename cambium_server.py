@@ -25,9 +25,15 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_RELEASE_CAPTURE   "1": distill also captures churned agentsync claims
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
+    AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
+
+distill() reads, never writes, two substrates: the agentsync board
+(claims.json on <remote>/<CAMBIUM_AGENTSYNC_BRANCH> of AGENTSYNC_BOARD_REPO, else
+AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
+<CAMBIUM_REPO>/.context/*.json.
 
 The same file is the MCP server (no arguments: stdio) and a CLI for hooks and
-shells (`python3 cambium_server.py --help`). The CLI path never imports the MCP
+shells (`python3 cambium_server.py --help`; `distill --hook` for session-end). The CLI path never imports the MCP
 SDK: hooks run it at every session end and the SDK costs about a second.
 """
 from __future__ import annotations
@@ -157,6 +163,14 @@ def _noted(err: CambiumError, note: str) -> CambiumError:
     """The same error with a note on what it means for the caller appended."""
     err.args = (f"{err} — {note}",)
     return err
+
+
+class SubstrateError(CambiumError):
+    """A substrate file (claims.json, .context/*.json) exists but cannot be read.
+
+    An absent substrate is not an error (distill reports it as a warning); an
+    unreadable one is, because somebody has to repair it.
+    """
 
 
 # =============================================================================
@@ -1359,6 +1373,13 @@ class Draft:
 
 
 @dataclass
+class Skip:
+    """A record a source (adapter or reader) could not use, with where and why."""
+    where: str
+    reason: str
+
+
+@dataclass
 class IngestResult:
     imported: list = field(default_factory=list)     # new Items
     duplicates: int = 0
@@ -1391,14 +1412,19 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
 
     def apply(doc: Doc) -> Doc | None:
         marks = doc.meta.get("watermarks") or {}
-        index = store_index(store_key, doc.items)
+        index: Index | None = None           # built only if a draft passes the watermarks
         live: set[str] = set()
         fresh: list[Item] = []
         new_marks = dict(marks)
         dups = 0
         for key, item in prepared:
+            if key and key in new_marks:
+                dups += 1
+                continue
             ckey = content_key(item)
-            if (key and key in new_marks) or ckey in live or index.says(ckey):
+            if index is None and ckey not in live:
+                index = store_index(store_key, doc.items)
+            if ckey in live or (index is not None and index.says(ckey)):
                 dups += 1
                 continue
             if key:
@@ -1417,6 +1443,418 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
 
 
 # =============================================================================
+# Readers for the two external substrates (read-only)
+# agentsync's board (claims.json on a branch, read by `git fetch` + `git show`,
+# never checked out) and context-keeper's .context/*.json. Pure functions map
+# parsed JSON to Drafts; thin I/O around them. cambium never writes to either.
+# Watermark keys: agentsync:<agent>:<updated_at>, context-keeper:<entry id>.
+# =============================================================================
+
+CLAIMS_FILE = "claims.json"
+CONTEXT_DIR = ".context"
+CONTEXT_FILES = ("decisions", "constraints", "pipelines")
+MAX_SUBSTRATE_BYTES = 64 * 1024 * 1024   #: a substrate file above this is refused
+MAX_CHANGED_FILES_LISTED = 40            #: an outcome names at most this many paths
+_ENTRY_ID = re.compile(r"[A-Za-z0-9][\w.\-]{0,79}")
+
+
+@dataclass
+class Board:
+    """Where the agentsync board lives, and how that was decided."""
+    repo: Path | None
+    source: str                      # which setting (or fallback) chose it
+    branch: str
+    remote: str
+    status: str = "found"            # found | absent | misconfigured | unreachable
+    reason: str = ""
+    fix: str | None = None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def _str(value: Any) -> str:
+    return value.strip() if isinstance(value, str) else ""
+
+
+def parse_board(data: Any) -> dict[str, dict]:
+    """The claims of a parsed claims.json, agent id -> claim (pure).
+
+    Raises SubstrateError when the document is not agentsync's shape; claims
+    that are not objects are dropped (a claim is agentsync's to validate).
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("claims"), dict):
+        raise SubstrateError('claims.json is not an agentsync board (expected '
+                             '{"claims": {"<agent id>": {...}}})')
+    return {str(agent): c for agent, c in data["claims"].items() if isinstance(c, dict)}
+
+
+def claim_key(agent: str, claim: dict) -> str:
+    """The watermark key of one version of a claim: agent + updated_at (or a hash)."""
+    stamp = _str(claim.get("updated_at"))
+    if not stamp:
+        stamp = "h" + hashlib.sha256("\0".join(
+            _str(claim.get(k)) for k in ("task", "branch", "status", "note")
+        ).encode()).hexdigest()[:16]
+    return f"agentsync:{agent}:{stamp}"
+
+
+def is_capture_worthy(claim: dict) -> bool:
+    """Release capture keeps a claim that was done or carried a note."""
+    return claim.get("status") == "done" or bool(_str(claim.get("note")))
+
+
+def claim_churned(prev: dict, cur: dict | None) -> bool:
+    """Whether the claim last seen as `prev` has been released or re-claimed (pure).
+
+    agentsync deletes a released claim and replaces a re-claimed one wholesale
+    (new task or branch, note reset to null); a status update keeps task, branch
+    and a non-empty note, so it is the same claim moving on, not churn.
+    """
+    if cur is None:
+        return True
+    if _str(cur.get("task")) != _str(prev.get("task")):
+        return True
+    if _str(cur.get("branch")) != _str(prev.get("branch")):
+        return True
+    return bool(_str(prev.get("note"))) and cur.get("note") is None
+
+
+def _changed_files_text(changed: Any) -> str:
+    if not isinstance(changed, list):
+        return ""
+    parts = []
+    for c in changed:
+        if isinstance(c, dict) and _str(c.get("path")):
+            parts.append(f"{_str(c.get('status')) or '?'} {_str(c.get('path'))}")
+    if not parts:
+        return ""
+    more = len(parts) - MAX_CHANGED_FILES_LISTED
+    shown = ", ".join(parts[:MAX_CHANGED_FILES_LISTED])
+    return f"Changed files: {shown}" + (f" (+{more} more)" if more > 0 else "") + "."
+
+
+def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
+    """One claim version as an item draft (pure). Done: an `outcome` memory;
+    a noted claim captured at release before done: a `progress` note."""
+    task = _str(claim.get("task"))
+    if not task:
+        return Skip(f"agentsync claim of {agent}", "no task")
+    status = _str(claim.get("status")) or "unknown"
+    note = _str(claim.get("note"))
+    branch = _str(claim.get("branch"))
+    done = status == "done"
+    body = task if task.endswith((".", "!", "?")) else task + "."
+    if note:
+        body += f" Note: {note}"
+    files = _changed_files_text(claim.get("changed_files"))
+    if files:
+        body += f" {files}"
+    where = f" on branch {branch}" if branch else ""
+    stamp = _str(claim.get("updated_at"))
+    if done:
+        why = f"agentsync: {agent} marked this claim done{where}" + (f" at {stamp}" if stamp else "")
+    else:
+        why = (f"agentsync: {agent} left this note while the claim was {status}{where}; "
+               "the claim was released or re-claimed before it was marked done")
+    why += "." + (" Captured at release time from cambium's last-seen snapshot." if released
+                  else "")
+    tags = ["agentsync", f"agent:{agent}"[:MAX_TAG_CHARS]]
+    if branch:
+        tags.append(f"branch:{branch}"[:MAX_TAG_CHARS])
+    if not done:
+        tags.append("released-before-done")
+    source = {"system": "agentsync", "ref": f"{agent}@{stamp or 'unstamped'}",
+              "agent": agent, "branch": branch or None, "status": status}
+    if stamp:
+        source["source_ts"] = stamp
+    if released:
+        source["captured"] = "release"
+    return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
+                 kind="outcome" if done else "progress", tags=tags, source=source,
+                 key=claim_key(agent, claim))
+
+
+def _entry_tags(entry: dict, extra: list[str]) -> list[str]:
+    raw = entry.get("tags") if isinstance(entry.get("tags"), list) else []
+    ok = [t for t in raw if isinstance(t, str) and 0 < len(t.strip()) <= MAX_TAG_CHARS]
+    try:
+        tags = normalize_tags(ok)
+    except InputError:
+        tags = []
+    return (extra + [t for t in tags if t not in extra])[:MAX_TAGS]
+
+
+def _alternatives_text(alts: Any) -> str:
+    if not isinstance(alts, list):
+        return _str(alts)
+    parts = []
+    for a in alts:
+        if isinstance(a, dict) and _str(a.get("option")):
+            why_not = _str(a.get("reason_rejected"))
+            parts.append(_str(a["option"]) + (f" (rejected: {why_not})" if why_not else ""))
+        elif _str(a):
+            parts.append(_str(a))
+    return "; ".join(parts)
+
+
+def context_entry_id(entry: Any) -> str | None:
+    """A context-keeper entry's id (dec-001, con-003, dec-001-bb93, ...), if usable."""
+    if not isinstance(entry, dict):
+        return None
+    eid = entry.get("id")
+    return eid if isinstance(eid, str) and _ENTRY_ID.fullmatch(eid) else None
+
+
+def retirement_reason(entry: dict) -> str | None:
+    """Why a context-keeper entry no longer stands, or None if it is live (pure)."""
+    status = _str(entry.get("status")).lower()
+    if status not in ("superseded", "deprecated"):
+        return None
+    eid = context_entry_id(entry) or "entry"
+    by = _str(entry.get("superseded_by"))
+    text = f"context-keeper {eid} is {status}" + (f" by {by}" if by else "")
+    why = _str(entry.get("deprecated_reason"))
+    return text + (f": {why}" if why else "")
+
+
+def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
+    """One context-keeper entry as a draft (pure). None: superseded or
+    deprecated (see retirement_reason), so nothing to import.
+
+    Decisions keep their WHY: why_chosen (current schema) or rationale (older
+    entries), with the problem, tradeoffs and rejected alternatives after it.
+    """
+    eid = context_entry_id(entry)
+    if eid is None:
+        return Skip(f"context-keeper {kind}", "entry without a usable id")
+    status = _str(entry.get("status")).lower() or "active"
+    if status in ("superseded", "deprecated"):
+        return None
+    if status != "active":
+        return Skip(f"context-keeper {eid}", f"status {status!r} is not active, superseded "
+                                             "or deprecated")
+    why_parts: list[str] = []
+    if kind == "decision":
+        content = _str(entry.get("summary")) or _str(entry.get("decision")) \
+            or _str(entry.get("title"))
+        why_parts.append(_str(entry.get("why_chosen")) or _str(entry.get("rationale")))
+        for label, key in (("Problem", "problem"), ("What we tried", "what_we_tried"),
+                           ("Tradeoffs", "tradeoffs")):
+            if _str(entry.get(key)):
+                why_parts.append(f"{label}: {_str(entry.get(key))}")
+        alts = _alternatives_text(entry.get("alternatives"))
+        if alts:
+            why_parts.append(f"Alternatives considered: {alts}")
+    elif kind == "constraint":
+        content = _str(entry.get("rule"))
+        why_parts.append(_str(entry.get("reason")) or _str(entry.get("rationale")))
+        bits = [f"{k}: {_str(entry.get(k))}" for k in ("hardness", "scope")
+                if _str(entry.get(k))]
+        if bits:
+            why_parts.append("(" + "; ".join(bits) + ")")
+        if _str(entry.get("triggering_incident")):
+            why_parts.append(f"Incident: {_str(entry.get('triggering_incident'))}")
+    elif kind == "pipeline":
+        name = _str(entry.get("name"))
+        steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
+        ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
+                         key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
+        lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
+                                                  if _str(s.get("output")) else "")
+                 for i, s in enumerate(ordered, 1)]
+        content = f"{name}: " + "; ".join(lines) if name and lines else ""
+        why_parts.append(_str(entry.get("purpose")))
+        if _str(entry.get("when_to_invoke")):
+            why_parts.append(f"When: {_str(entry.get('when_to_invoke'))}")
+    else:  # pragma: no cover - callers pass one of the three kinds
+        raise ValueError(kind)
+    if not content:
+        return Skip(f"context-keeper {eid}", f"{kind} without text")
+    source = {"system": "context-keeper", "ref": eid, "kind": kind}
+    if _str(entry.get("created_at")):
+        source["source_ts"] = _str(entry.get("created_at"))
+    return Draft(content=_clip(content, MAX_CONTENT_CHARS),
+                 why=_clip(" ".join(p for p in why_parts if p), MAX_WHY_CHARS),
+                 kind="procedure" if kind == "pipeline" else kind,
+                 tags=_entry_tags(entry, ["context-keeper", eid.lower()]),
+                 source=source, key=f"context-keeper:{eid}")
+
+
+def _entries_of(data: Any, name: str, where: Path) -> list:
+    """A context-keeper file's entry list: a plain list (current) or wrapped."""
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict):
+        for key in (name, "entries", "items"):
+            if isinstance(data.get(key), list):
+                return data[key]
+    raise SubstrateError(f"{where} holds a JSON {type(data).__name__}, not a list of "
+                         f"{name}; fix or move the file aside (cambium did not change it).")
+
+
+def read_context_dir(path: Path) -> dict[str, list] | None:
+    """decisions/constraints/pipelines entry lists from a .context/ directory;
+    None when the directory does not exist. Raises SubstrateError if a file
+    exists but is not readable JSON."""
+    if not path.is_dir():
+        return None
+    out: dict[str, list] = {}
+    for name in CONTEXT_FILES:
+        f = path / f"{name}.json"
+        try:
+            if f.stat().st_size > MAX_SUBSTRATE_BYTES:
+                raise SubstrateError(f"{f} is larger than {MAX_SUBSTRATE_BYTES // 2**20} MB; "
+                                     "cambium will not read it.")
+            text = f.read_text(encoding="utf-8-sig", errors="replace")
+        except FileNotFoundError:
+            out[name] = []
+            continue
+        except OSError as e:
+            raise SubstrateError(f"cannot read {f}: {e}") from None
+        if not text.strip():
+            out[name] = []
+            continue
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise SubstrateError(f"{f} is not valid JSON ({str(e)[:100]}); fix it or move it "
+                                 "aside (cambium did not change it).") from None
+        out[name] = _entries_of(data, name, f)
+    return out
+
+
+def _has_ref(repo: Path, ref: str, timeout_s: float) -> bool:
+    proc = _git(["rev-parse", "--verify", "--quiet", ref + "^{commit}", "--"], repo, timeout_s,
+                check=False)
+    return proc.returncode == 0
+
+
+def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
+    proc = _git(["remote"], repo, timeout_s, check=False)
+    return remote in proc.stdout.split()
+
+
+def resolve_board(cfg: Config, *, network: bool = True) -> Board:
+    """Which repo holds the agentsync board: AGENTSYNC_BOARD_REPO, else
+    AGENTSYNC_REPO (env or config file), else CAMBIUM_REPO only if it really has
+    the branch (local head, remote-tracking ref, or `ls-remote` when network).
+    The same order agentsync itself uses (minus its session pointer)."""
+    branch, remote, t = cfg.get("CAMBIUM_AGENTSYNC_BRANCH") or "agentsync", cfg.remote, \
+        cfg.git_timeout_s
+    fix_set = ("set AGENTSYNC_BOARD_REPO=/abs/path/to/the/board/clone (environment or "
+               f"{cfg.config_file})")
+    for key in ("AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
+        value = cfg.get(key)
+        if not value:
+            continue
+        source = f"{key} ({cfg.origins.get(key)})"
+        path = Path(value)
+        if not (path / ".git").exists():
+            return Board(None, source, branch, remote, "misconfigured",
+                         f"{key}={path} is not a git clone, so there is no board to read",
+                         f"point {key} at a clone of the repo agentsync coordinates through")
+        return Board(path, source, branch, remote)
+    repo = cfg.repo
+    assert repo is not None
+    if _has_ref(repo, f"refs/heads/{branch}", t) or \
+            _has_ref(repo, f"refs/remotes/{remote}/{branch}", t):
+        return Board(repo, "CAMBIUM_REPO", branch, remote)
+    absent = Board(None, "none", branch, remote, "absent",
+                   f"no agentsync board: AGENTSYNC_BOARD_REPO and AGENTSYNC_REPO are unset and "
+                   f"{repo} has no '{branch}' branch", "if agents coordinate through agentsync, "
+                   f"{fix_set}; otherwise nothing is missing")
+    if not network:
+        absent.reason += f" locally (distill also asks '{remote}')"
+        return absent
+    if not _has_remote(repo, remote, t):
+        absent.reason += f" and no remote '{remote}'"
+        return absent
+    try:
+        proc = _git(["ls-remote", "--exit-code", "--heads", remote, f"refs/heads/{branch}"],
+                    repo, t, check=False)
+    except GitError as e:
+        if e.code == 127:
+            raise
+        proc = None
+    if proc is not None and proc.returncode == 0 and proc.stdout.strip():
+        return Board(repo, "CAMBIUM_REPO", branch, remote)
+    if proc is not None and proc.returncode == 2:
+        absent.reason += f" (neither locally nor on '{remote}')"
+        return absent
+    detail = (proc.stderr.strip().splitlines() or ["timed out"])[-1] if proc else "timed out"
+    return Board(None, "CAMBIUM_REPO", branch, remote, "unreachable",
+                 f"could not ask '{remote}' whether it has a '{branch}' board ({detail})",
+                 f"check the network or the remote; or {fix_set}")
+
+
+def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list[str], Board]:
+    """Read claims.json from <remote>/<branch> of the board repo: `git fetch`
+    into the remote-tracking ref, then `git show`. Never a checkout or worktree.
+
+    Returns (claims or None, warnings, board with its final status). An
+    unreachable remote falls back to the last fetched copy with a warning;
+    a failing local git command raises GitError; bad JSON raises SubstrateError.
+    """
+    assert board.repo is not None
+    repo, t, b, remote = board.repo, cfg.git_timeout_s, board.branch, board.remote
+    tracking = f"refs/remotes/{remote}/{b}"
+    warnings: list[str] = []
+    fetched = False
+    detail = f"no remote '{remote}'"
+    if _has_remote(repo, remote, t):
+        try:
+            proc = _git(["fetch", "--quiet", "--no-tags", remote, f"+refs/heads/{b}:{tracking}"],
+                        repo, t, check=False)
+            fetched = proc.returncode == 0
+            detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            if not fetched and "couldn't find remote ref" in proc.stderr.lower():
+                if not _has_ref(repo, f"refs/heads/{b}", t):
+                    return None, warnings, dataclasses.replace(
+                        board, status="absent",
+                        reason=f"{repo} has no '{b}' board on '{remote}' yet (agentsync "
+                               "creates it on the first claim)",
+                        fix="nothing to do until an agent claims work through agentsync")
+        except GitError as e:
+            if e.code == 127:
+                raise
+            detail = str(e)
+    ref = tracking if _has_ref(repo, tracking, t) else None
+    if ref is None and _has_ref(repo, f"refs/heads/{b}", t):
+        ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
+    if ref is None:
+        return None, warnings, dataclasses.replace(
+            board, status="unreachable",
+            reason=f"could not fetch '{b}' from '{remote}' in {repo} ({detail}) and there is "
+                   "no earlier copy", fix="check the network or the remote, then run distill again")
+    if not fetched:
+        warnings.append(f"agentsync: could not fetch '{b}' from '{remote}' ({detail}); read the "
+                        f"board as last fetched ({ref}), which may be behind.")
+    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
+    if proc.returncode != 0:
+        return None, warnings, dataclasses.replace(
+            board, status="absent", reason=f"'{b}' in {repo} has no {CLAIMS_FILE}, so it is not "
+                                           "an agentsync board",
+            fix="set CAMBIUM_AGENTSYNC_BRANCH to the branch agentsync writes")
+    if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
+                             f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
+    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
+                             f"({str(e)[:100]})") from None
+    try:
+        claims = parse_board(data)
+    except SubstrateError as e:
+        raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
+    return claims, warnings, board
+
+
+
+# =============================================================================
 # Import adapters
 # An adapter is a generator: adapter(path) yields Draft or Skip records read
 # from a local file. Register new formats in IMPORT_ADAPTERS; core is unchanged.
@@ -1424,13 +1862,6 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
 
 MAX_IMPORT_BYTES = 200 * 1024 * 1024     #: a whole-document JSON export above this is refused
 MAX_IMPORT_JSONL_BYTES = 2 * 1024 ** 3  #: JSONL streams, so the bound is higher
-
-
-@dataclass
-class Skip:
-    """A record an adapter could not use, with where and why."""
-    where: str
-    reason: str
 
 
 _BODY_KEYS = ("content", "text", "body", "memory", "note")
@@ -1966,6 +2397,359 @@ def org_markdown(doc: Doc) -> dict[str, str]:
                                                      if it.active]})}
 
 
+def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
+                 limit: int = 3) -> list[dict]:
+    """Promoted items worth re-checking now that related work completed (pure).
+
+    Considers active items in team or org scope that share at least two terms
+    (one, for an item with a single term) with the captured texts; returns the
+    `limit` oldest-verified first, never-verified before any verified one,
+    more shared terms first among equals. Reports; never changes an item.
+    """
+    captured: set[str] = set()
+    for text in captured_texts:
+        captured.update(tokenize(text))
+    if not captured or limit < 1:
+        return []
+    ranked = []
+    for it in promoted_items:
+        if not it.active or it.scope not in ("team", "org"):
+            continue
+        terms = set(item_terms(it))
+        shared = terms & captured
+        if not shared or len(shared) < min(2, len(terms)):
+            continue
+        verified = _parse_ts(it.last_verified)
+        age_key = verified.timestamp() if verified else float("-inf")
+        ranked.append((age_key, -len(shared), it.id, it, sorted(shared)))
+    ranked.sort(key=lambda r: r[:3])
+    return [{"id": it.id, "scope": it.scope, "content": it.content[:200],
+             "last_verified": it.last_verified, "never_verified": it.last_verified is None,
+             "shared_terms": shared[:8],
+             "next_step": f'verify_entry("{it.id}") if it still holds'}
+            for _, _, _, it, shared in ranked[:limit]]
+
+
+# =============================================================================
+# Distill: the sweep
+# Both substrates -> retire items whose source entry was superseded -> ingest
+# drafts through the one chokepoint -> record the release-capture snapshot and
+# this result in the local store's meta. The snapshot is written after the
+# ingest, so a crash in between re-captures (idempotently), never forgets.
+# =============================================================================
+
+PROGRESS_MIN_RECORDS = 500      #: sources with fewer records report no progress
+SNAPSHOT_FIELDS = ("task", "branch", "status", "note", "updated_at", "changed_files")
+MAX_LISTED_ITEMS = 50           #: a distill result lists at most this many new items
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
+                     ) -> tuple[Doc | None, list[dict], list[dict]]:
+    """Deprecate local items whose source entry no longer stands (pure).
+
+    reasons: watermark key -> reason. Returns (new doc or None when nothing
+    changes, retired, elsewhere). `elsewhere` lists items that were imported
+    but are no longer active in local scope under that id (promoted on, or
+    removed): the scope that holds them now must retire them.
+    """
+    marks = doc.meta.get("watermarks") or {}
+    wanted = {marks[k]: (k, r) for k, r in reasons.items() if k in marks}
+    if not wanted:
+        return None, [], []
+    items = list(doc.items)
+    retired: list[dict] = []
+    handled: set[str] = set()
+    for i, it in enumerate(items):
+        hit = wanted.get(it.id)
+        if hit is None or it.scope != "local":
+            continue
+        handled.add(it.id)
+        if not it.active:
+            continue
+        items[i] = dataclasses.replace(it, status="deprecated", updated_at=now,
+                                       deprecated={"by": "distill", "at": now, "reason": hit[1]})
+        retired.append({"id": it.id, "ref": hit[0].split(":", 1)[1], "reason": hit[1]})
+    elsewhere = [{"id": iid, "ref": key.split(":", 1)[1], "reason": reason}
+                 for iid, (key, reason) in wanted.items() if iid not in handled]
+    new = dataclasses.replace(doc, items=items) if retired else None
+    return new, retired, elsewhere
+
+
+def _snapshot_of(claims: dict[str, dict]) -> dict[str, dict]:
+    """The capture-worthy claims, trimmed to what rebuilding a draft needs."""
+    return {agent: {k: c.get(k) for k in SNAPSHOT_FIELDS if k in c}
+            for agent, c in sorted(claims.items()) if is_capture_worthy(c)}
+
+
+def _agentsync_part(cfg: Config, doc: Doc, stamp: str) -> dict:
+    """Read the board; drafts for done claims (and churned ones, if enabled)."""
+    board = resolve_board(cfg)
+    claims, warnings = None, []
+    if board.repo is not None:
+        claims, warnings, board = fetch_board(cfg, board)
+    drafts: list[Draft] = []
+    skips: list[Skip] = []
+    done = {a: c for a, c in (claims or {}).items() if c.get("status") == "done"}
+    for agent in sorted(done):
+        d = claim_to_draft(agent, done[agent])
+        (skips if isinstance(d, Skip) else drafts).append(d)
+    churned: list[str] = []
+    snapshot = None
+    if cfg.release_capture and claims is not None:
+        prev_snap = doc.meta.get("agentsync_snapshot") or {}
+        same = prev_snap.get("board") == str(board.repo) and \
+            prev_snap.get("branch") == board.branch
+        prev = prev_snap.get("claims") if same and isinstance(prev_snap.get("claims"), dict) \
+            else {}
+        for agent in sorted(prev):
+            p = prev[agent]
+            if isinstance(p, dict) and claim_churned(p, claims.get(agent)):
+                churned.append(agent)
+                d = claim_to_draft(agent, p, released=True)
+                (skips if isinstance(d, Skip) else drafts).append(d)
+        snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
+                    "claims": _snapshot_of(claims)}
+    info = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
+            "board_source": board.source, "branch": board.branch,
+            "claims_seen": len(claims or {}), "done_claims": len(done), "imported": 0,
+            "reason": board.reason, "fix": board.fix}
+    if cfg.release_capture:
+        info["release_capture"] = {"churned": churned, "captured": 0}
+    return {"info": info, "drafts": drafts, "skips": skips, "warnings": warnings,
+            "snapshot": snapshot, "found": claims is not None}
+
+
+def _context_part(cfg: Config) -> dict:
+    """Read .context/; drafts for live entries, retirement reasons for the rest."""
+    assert cfg.repo is not None
+    path = cfg.repo / CONTEXT_DIR
+    entries = read_context_dir(path)
+    drafts: list[Draft] = []
+    skips: list[Skip] = []
+    reasons: dict[str, str] = {}
+    for name, kind in (("decisions", "decision"), ("constraints", "constraint"),
+                       ("pipelines", "pipeline")):
+        for n, e in enumerate((entries or {}).get(name, [])):
+            d = context_entry_to_draft(kind, e)
+            if isinstance(d, Draft):
+                drafts.append(d)
+            elif isinstance(d, Skip):
+                skips.append(Skip(f"{name}.json[{n}]", d.reason) if d.where.endswith(kind)
+                             else d)
+            else:
+                reasons[f"context-keeper:{context_entry_id(e)}"] = retirement_reason(e) or ""
+    info = {"status": "absent" if entries is None else "empty",
+            "path": str(path), "decisions_seen": len((entries or {}).get("decisions", [])),
+            "constraints_seen": len((entries or {}).get("constraints", [])),
+            "pipelines_seen": len((entries or {}).get("pipelines", [])),
+            "imported": 0, "retired": 0,
+            "reason": f"no {CONTEXT_DIR}/ directory in {cfg.repo}" if entries is None else ""}
+    if entries is None:
+        info["fix"] = ("if this project records decisions with context-keeper, run it with "
+                       f"{cfg.repo} as its project; otherwise nothing is missing")
+    return {"info": info, "drafts": drafts, "skips": skips, "reasons": reasons,
+            "found": entries is not None}
+
+
+def _finish_agentsync(info: dict, found: bool, imported: int, released: int) -> None:
+    if not found:
+        return
+    info["imported"] = imported
+    if "release_capture" in info:
+        info["release_capture"]["captured"] = released
+    seen, done = info["claims_seen"], info["done_claims"]
+    if imported:
+        info["status"] = "imported"
+        info["reason"] = (f"imported {imported} claim(s) from {done} done of {seen} on the "
+                          "board" + (f", {released} captured at release" if released else ""))
+    elif not done:
+        info["status"] = "nothing_done"
+        info["reason"] = (f"the board has {seen} claim(s) and none is done" if seen
+                          else "the board has no claims")
+    else:
+        info["status"] = "up_to_date"
+        info["reason"] = f"all {done} done claim(s) were imported earlier"
+    info["fix"] = None
+
+
+def _finish_context(info: dict, found: bool, imported: int, retired: int) -> None:
+    if not found:
+        return
+    info["imported"], info["retired"] = imported, retired
+    seen = info["decisions_seen"] + info["constraints_seen"] + info["pipelines_seen"]
+    if imported or retired:
+        info["status"] = "imported" if imported else "retired"
+        info["reason"] = f"imported {imported}, retired {retired} of {seen} entries"
+    elif not seen:
+        info["status"] = "empty"
+        info["reason"] = f"{info['path']} holds no decisions, constraints or pipelines"
+    else:
+        info["status"] = "up_to_date"
+        info["reason"] = f"all {seen} entries were imported earlier (or are retired)"
+
+
+def _skip_warning(source: str, skips: list[Skip]) -> str:
+    shown = "; ".join(f"{s.where}: {s.reason}" for s in skips[:3])
+    more = f" (+{len(skips) - 3} more)" if len(skips) > 3 else ""
+    return f"{source}: {len(skips)} record(s) skipped ({shown}{more})."
+
+
+def substrate_state(cfg: Config, doc: Doc) -> dict:
+    """What distill would read and what it last found, without network (status())."""
+    assert cfg.repo is not None
+    board = resolve_board(cfg, network=False)
+    last = doc.meta.get("distill_last") if isinstance(doc.meta.get("distill_last"), dict) \
+        else {}
+    last_sources = last.get("sources") or {}
+    ck = cfg.repo / CONTEXT_DIR
+    agentsync = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
+                 "board_source": board.source, "branch": board.branch,
+                 "reason": board.reason or None, "fix": board.fix,
+                 "release_capture": cfg.release_capture,
+                 "last_distill": last_sources.get("agentsync")}
+    if cfg.release_capture:
+        snap = doc.meta.get("agentsync_snapshot") or {}
+        agentsync["snapshot"] = {"at": snap.get("at"), "claims": len(snap.get("claims") or {})}
+    return {
+        "agentsync": agentsync,
+        "context-keeper": {"status": "present" if ck.is_dir() else "absent", "path": str(ck),
+                           "last_distill": last_sources.get("context-keeper")},
+        "last_distill": {k: last[k] for k in ("at", "status", "imported", "retired", "errors")
+                         if k in last} or None,
+    }
+
+
+def distill_sweep(cfg: Config, *, now: str | None = None,
+                  on_progress: ProgressFn | None = None) -> dict:
+    """One distill: read both substrates, import new records, retire dead ones.
+
+    Returns the result dict distill() documents. A missing or unreachable
+    source is a warning in the result; an unreadable one (bad JSON, a failing
+    local git command) raises after the other source has been imported.
+    """
+    stamp = now or _now()
+    store = local_store(cfg)
+    seen_warnings = len(store.warnings)
+    doc = store.read()
+    errors: list[tuple[str, CambiumError]] = []
+    parts: dict[str, dict] = {}
+    for name, read in (("agentsync", lambda: _agentsync_part(cfg, doc, stamp)),
+                       ("context-keeper", lambda: _context_part(cfg))):
+        try:
+            parts[name] = read()
+        except CambiumError as e:
+            errors.append((name, e))
+    as_part, ck_part = parts.get("agentsync"), parts.get("context-keeper")
+
+    retired: list[dict] = []
+    elsewhere: list[dict] = []
+    if ck_part and ck_part["reasons"]:
+        box: dict = {}
+
+        def retire(d: Doc) -> Doc | None:
+            new, box["retired"], box["elsewhere"] = plan_retirements(d, ck_part["reasons"],
+                                                                     now=stamp)
+            return new
+
+        mutate_local(cfg, retire, "distill: retire superseded items")
+        retired, elsewhere = box.get("retired", []), box.get("elsewhere", [])
+
+    drafts = (as_part["drafts"] if as_part else []) + (ck_part["drafts"] if ck_part else [])
+    records = as_part["info"]["claims_seen"] if as_part else 0
+    if ck_part:
+        records += sum(ck_part["info"][k]
+                       for k in ("decisions_seen", "constraints_seen", "pipelines_seen"))
+    report = on_progress if on_progress and records >= PROGRESS_MIN_RECORDS else None
+    total = len(drafts) + 1
+    if report:
+        report(0, total, f"read {records} source records; importing {len(drafts)}")
+    res = ingest(cfg, drafts, now=stamp,
+                 on_progress=(lambda n: report(n, total, f"normalized {n} of {len(drafts)}"))
+                 if report else None)
+    by_system: dict[str, int] = {}
+    released = 0
+    for it in res.imported:
+        sysname = it.source.get("system", "")
+        by_system[sysname] = by_system.get(sysname, 0) + 1
+        released += it.source.get("captured") == "release"
+
+    warnings: list[str] = []
+    sources: dict[str, dict] = {}
+    if as_part:
+        info = as_part["info"]
+        _finish_agentsync(info, as_part["found"], by_system.get("agentsync", 0), released)
+        if not as_part["found"]:
+            warnings.append(f"agentsync skipped ({info['status']}): {info['reason']}.")
+        warnings += as_part["warnings"]
+        if as_part["skips"]:
+            warnings.append(_skip_warning("agentsync", as_part["skips"]))
+        sources["agentsync"] = info
+    if ck_part:
+        info = ck_part["info"]
+        _finish_context(info, ck_part["found"], by_system.get("context-keeper", 0), len(retired))
+        if not ck_part["found"]:
+            warnings.append(f"context-keeper skipped (absent): {info['reason']}.")
+        if ck_part["skips"]:
+            warnings.append(_skip_warning("context-keeper", ck_part["skips"]))
+        if elsewhere:
+            info["retire_elsewhere"] = elsewhere
+            warnings.append(f"context-keeper: {len(elsewhere)} retired entr(y/ies) were "
+                            "imported into items no longer active in local scope "
+                            f"({', '.join(e['ref'] for e in elsewhere[:5])}); retire them "
+                            "where they live now.")
+        sources["context-keeper"] = info
+    skipped_in_ingest = [Skip(w, r) for w, r in res.skipped]
+    if skipped_in_ingest:
+        warnings.append(_skip_warning("ingest", skipped_in_ingest))
+    store_warnings = store.warnings[seen_warnings:]
+    warnings += store_warnings
+
+    result: dict[str, Any] = {
+        "status": "distilled_with_warnings" if warnings else "distilled",
+        "imported": len(res.imported), "retired": len(retired),
+        "duplicates": res.duplicates, "sources": sources, "warnings": warnings,
+        "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
+                   "content": it.content[:120]} for it in res.imported[:MAX_LISTED_ITEMS]],
+    }
+    if retired:
+        result["retired_items"] = retired
+    if store_warnings:
+        result["store_warnings"] = store_warnings
+    if cfg.release_capture:
+        done_texts = [f"{it.content} {' '.join(it.tags)}" for it in res.imported
+                      if it.source.get("system") == "agentsync"]
+        if done_texts:
+            promoted = [it for it in local_store(cfg).read().items
+                        if it.scope in ("team", "org")]
+            result["verify_prompt"] = stale_prompt(promoted, done_texts)
+
+    last = {"at": stamp, "status": result["status"] if not errors else "failed",
+            "imported": result["imported"], "retired": result["retired"],
+            "sources": {k: {"status": v["status"], "imported": v["imported"],
+                            "reason": v["reason"]} for k, v in sources.items()},
+            **({"errors": [f"{n}: {e}" for n, e in errors]} if errors else {})}
+    snapshot = as_part["snapshot"] if as_part else None
+
+    def record(d: Doc) -> Doc:
+        meta = {**d.meta, "distill_last": last}
+        if snapshot is not None:
+            meta["agentsync_snapshot"] = snapshot
+        return dataclasses.replace(d, meta=meta)
+
+    mutate_local(cfg, record, "distill: snapshot")
+    if report:
+        report(total, total, f"imported {result['imported']}, retired {result['retired']}")
+    if errors:
+        done = "; ".join(f"{k} {v['status']} (imported {v['imported']})"
+                         for k, v in sources.items()) or "nothing else to read"
+        name, err = errors[0]
+        raise SubstrateError(f"{name} could not be read: {type(err).__name__}: {err}. "
+                             f"The rest of the sweep completed: {done}.")
+    return result
+
+
 # =============================================================================
 # Tools: shared helpers
 # =============================================================================
@@ -2224,7 +3008,9 @@ def status() -> dict:
     Call this first, or whenever another tool answers `configured: false`. When
     unconfigured it lists each gap (setting, what it costs, the exact fix) and
     the `next_step` to run. When configured it reports per-scope item counts by
-    type, pending recall credits, import watermarks and the wired substrates.
+    type, pending recall credits, import watermarks and `substrates`: where
+    distill would read agentsync and context-keeper (no fetch) and what the
+    last distill found in each.
     """
     cfg = resolve_config()
     if not cfg.configured:
@@ -2252,6 +3038,7 @@ def status() -> dict:
                              "by_type": counts}, **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_usage(_usage_path(cfg))),
         "watermarks": systems,
+        "substrates": substrate_state(cfg, doc),
         "recall_mode": "lexical",
         "gaps": gaps,
     }
@@ -2977,6 +3764,28 @@ def import_memory(source: str, path: str) -> dict:
     }
 
 
+def distill(on_progress: ProgressFn | None = None) -> dict:
+    """Turn finished agentsync claims and context-keeper decisions into memory.
+
+    Call at session end (or wire it to a hook; it is idempotent, so calling it
+    again imports nothing new). Reads, never writes, two substrates: the
+    agentsync board (claims.json on the agentsync branch of the board repo,
+    fetched from the remote) -> one `outcome` item per done claim (task, note,
+    changed files); and this repo's .context/ -> one item per active
+    decision, constraint and pipeline, keeping its dec-/con-/pipe- id and its
+    why. Items land in local scope. A source entry that was superseded or
+    deprecated retires the item imported from it. With
+    CAMBIUM_RELEASE_CAPTURE=1, claims that were done or noted and have since
+    been released or re-claimed are captured from the last-seen snapshot.
+    Returns status `distilled` or `distilled_with_warnings`, plain-language
+    `warnings` (a skipped source is always a warning), and per source its
+    status (imported | up_to_date | nothing_done | empty | absent |
+    unreachable | misconfigured) with counts and the reason.
+    """
+    cfg = require_config()
+    return distill_sweep(cfg, on_progress=on_progress)
+
+
 def export_markdown(scope: Literal["local", "team", "org", "all"] = "local") -> dict:
     """Render knowledge as human-readable Markdown (KNOWLEDGE.md).
 
@@ -3059,6 +3868,7 @@ _TOOLS: list[tuple[Callable, str]] = [
     (generalize, "remote"), (review_promotions, "remote"),
     (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
     (import_memory, "write_idempotent"), (export_markdown, "remote"),
+    (distill, "remote"),
 ]
 
 
@@ -3083,13 +3893,44 @@ def _surface_errors(fn: Callable) -> Callable:
     hints = typing.get_type_hints(fn)
     params = []
     for p in inspect.signature(fn).parameters.values():
+        if p.name == "on_progress":              # core-only: fed from the MCP Context
+            continue
         ann = hints.get(p.name, Any)
         doc = ARG_DOCS.get(p.name)
         if doc:
             ann = typing.Annotated[ann, Field(description=doc)]
         params.append(p.replace(annotation=ann, kind=inspect.Parameter.KEYWORD_ONLY))
+    if "on_progress" in inspect.signature(fn).parameters:
+        wrapper = _with_progress(fn, wrapper)
+        params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=wrapper.__annotations__["ctx"]))
     wrapper.__signature__ = inspect.Signature(params, return_annotation=dict[str, Any])
-    del wrapper.__wrapped__
+    if hasattr(wrapper, "__wrapped__"):
+        del wrapper.__wrapped__
+    return wrapper
+
+
+def _with_progress(fn: Callable, sync_wrapper: Callable) -> Callable:
+    """An async tool that runs `sync_wrapper` in a worker thread and forwards its
+    on_progress(done, total, message) calls as MCP progress notifications (the
+    SDK sends them only when the client's request carried a progress token)."""
+    import functools
+
+    import anyio
+    import anyio.from_thread
+    import anyio.to_thread
+    from mcp.server.mcpserver import Context
+
+    async def wrapper(ctx: Context, **kwargs: Any) -> dict[str, Any]:
+        def report(done: int, total: int, message: str) -> None:
+            with contextlib.suppress(Exception):     # progress is advisory, never fatal
+                anyio.from_thread.run(ctx.report_progress, done, total, message)
+
+        return await anyio.to_thread.run_sync(
+            functools.partial(sync_wrapper, on_progress=report, **kwargs))
+
+    functools.update_wrapper(wrapper, fn)
+    wrapper.__annotations__ = {"ctx": Context, "return": dict[str, Any]}
     return wrapper
 
 
@@ -3196,6 +4037,13 @@ def _cli_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", parents=[fmt], help="render knowledge as Markdown")
     p.add_argument("--scope", default="local", choices=("local", "team", "org", "all"))
     p.add_argument("--output", "-o", help="write the markdown to this file")
+    p = sub.add_parser("distill", help="import done agentsync claims and context-keeper "
+                       "entries; quiet, for hooks (exit 0 unless a real error)")
+    p.add_argument("--format", choices=("summary", "json", "text"), default="summary",
+                   help="summary (default): one line; json/text: the full result")
+    p.add_argument("--hook", action="store_true",
+                   help="run as a Claude Code hook: read its JSON from stdin (uses its cwd), "
+                        "print nothing on stdout, skip quietly where cambium is unconfigured")
     sub.add_parser("demo", parents=[fmt], help="run the loop on throwaway repos and narrate")
     return ap
 
@@ -3257,6 +4105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         _cli_parser().print_help()
         return 2
+    if args.command == "distill":
+        return _cli_distill(args)
     as_text = getattr(args, "format", "json") == "text"
     try:
         result = _cli_dispatch(args)
@@ -3278,6 +4128,73 @@ def _flush_on_shutdown() -> None:
             flush_credits(cfg)
     except CambiumError as e:
         print(f"cambium: recall credits stay journaled: {e}", file=sys.stderr)
+
+
+def distill_summary(result: dict) -> str:
+    """The one line a hook prints: counts, then each source's status."""
+    per = "; ".join(f"{name} {info['status']}" + (f" ({info['imported']} new)"
+                                                   if info.get("imported") else "")
+                    for name, info in result["sources"].items())
+    n = len(result["warnings"])
+    return (f"cambium distill: imported {result['imported']}, retired {result['retired']}; "
+            f"{per}" + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
+
+
+def _read_hook_input() -> None:
+    """Drain a Claude Code hook's JSON from stdin (bounded wait) and move to its
+    cwd, so the hook resolves the session's repo."""
+    import select
+    with contextlib.suppress(OSError, ValueError):
+        if sys.stdin is None or sys.stdin.isatty():
+            return
+        ready, _, _ = select.select([sys.stdin], [], [], 2.0)
+        if not ready:
+            return
+        payload = json.loads(sys.stdin.read(1 << 20) or "{}")
+        cwd = payload.get("cwd") if isinstance(payload, dict) else None
+        if isinstance(cwd, str) and os.path.isdir(cwd):
+            os.chdir(cwd)
+
+
+def _cli_distill(args: argparse.Namespace) -> int:
+    """`distill` for hooks: exit 0 on success, with or without warnings (a
+    missing or unreachable source); 1 on a real error (an unreadable substrate,
+    a failing git command, a corrupt local store that had to be moved aside).
+    --hook: nothing on stdout, and an unconfigured directory is skipped, exit 0."""
+    if args.hook:
+        _read_hook_input()
+    out = sys.stderr if args.hook else sys.stdout
+    shown = {"progress": False}
+
+    def progress(done: int, total: int, message: str) -> None:
+        shown["progress"] = True
+        print(f"\rcambium distill: {done}/{total} {message}"[:100].ljust(100), end="",
+              file=sys.stderr, flush=True)
+
+    try:
+        result = distill(on_progress=progress if sys.stderr.isatty() else None)
+    except Unconfigured as u:
+        if args.hook:
+            print("cambium: not configured here; distill skipped "
+                  f"({u.guidance.get('next_step')})", file=sys.stderr)
+            return 0
+        _emit(u.guidance, args.format == "text")
+        return 1
+    except CambiumError as e:
+        print(f"cambium distill: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if shown["progress"]:
+            print(file=sys.stderr)
+    if args.format == "summary":
+        print(distill_summary(result), file=out)
+        for w in result["warnings"]:
+            print(f"cambium: warning: {w}", file=sys.stderr)
+    elif args.format == "json":
+        print(json.dumps(result, indent=2, ensure_ascii=False), file=out)
+    else:
+        print(_text(result), file=out)
+    return 1 if result.get("store_warnings") else 0
 
 
 def _emit(result: Any, as_text: bool) -> None:
@@ -3360,6 +4277,16 @@ def run_demo() -> dict:
             imp = import_memory("json", str(export))
             step("import", "import_memory() brings in another tool's export, with provenance.",
                  imported=imp["imported"], source=imp["items"][0]["source"])
+            _demo_substrates(repo)
+            d = distill()
+            again = distill()
+            r4 = recall("why are invoice totals computed in cents?")
+            step("distill", "A teammate's agent finished work on the agentsync board and the "
+                 "repo records decisions with context-keeper: distill() imports both, once.",
+                 imported=d["imported"],
+                 sources={k: v["status"] for k, v in d["sources"].items()},
+                 again_imported=again["imported"],
+                 recall_top=r4["results"][0]["content"] if r4["results"] else None)
             endorse(a["id"], note="Retry transient failures with exponential backoff, "
                                   "capped, with jitter")
             p = promote()
@@ -3393,6 +4320,37 @@ def run_demo() -> dict:
                     os.environ[k] = v
     say("Done. Everything above ran the real code on throwaway git repos.")
     return {"demo": "ok", "steps": steps}
+
+
+def _demo_substrates(repo: Path) -> None:
+    """An agentsync-format board on the demo remote (plain git plumbing, no
+    checkout) and a hand-written .context/decisions.json in the demo repo."""
+    ident = ["-c", "user.name=demo", "-c", "user.email=demo@example.invalid"]
+    board = {"claims": {"grace": {
+        "task": "Move invoice totals to integer cents", "touches": ["billing/totals.py"],
+        "requires": [], "branch": "feat/cents", "status": "done",
+        "updated_at": "2026-01-05T10:00:00+00:00", "instance": "demo0001",
+        "note": "Float rounding lost a cent on 3-way splits; totals are now int cents.",
+        "changed_files": [{"status": "M", "path": "billing/totals.py"}]},
+        "hal": {"task": "Add a refunds endpoint", "touches": ["api/refunds.py"],
+                "requires": [], "branch": "feat/refunds", "status": "in-progress",
+                "updated_at": "2026-01-05T11:00:00+00:00", "instance": "demo0002",
+                "note": None}}}
+    blob = _git(["hash-object", "-w", "--stdin"], repo, input=json.dumps(board, indent=2)
+                ).stdout.strip()
+    tree = _git(["mktree"], repo, input=f"100644 blob {blob}\t{CLAIMS_FILE}\n").stdout.strip()
+    commit = _git([*ident, "commit-tree", tree, "-m", "agentsync: grace -> done"], repo
+                  ).stdout.strip()
+    _git(["push", "-q", "origin", f"{commit}:refs/heads/agentsync"], repo)
+    ctx = repo / CONTEXT_DIR
+    ctx.mkdir()
+    atomic_write(ctx / "decisions.json", json.dumps([{
+        "id": "dec-001", "summary": "Compute money in integer cents, never floats",
+        "problem": "Invoice totals drifted by a cent when split three ways.",
+        "why_chosen": "Integer cents make rounding explicit and totals reproducible.",
+        "alternatives": [{"option": "Decimal everywhere", "reason_rejected": "slow in the "
+                          "hot path"}], "tags": ["billing"], "status": "active",
+        "superseded_by": None, "created_at": "2026-01-05T09:00:00+00:00"}], indent=2))
 
 
 if __name__ == "__main__":

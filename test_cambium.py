@@ -7,10 +7,14 @@ transport, no mocks of git. Sections follow cambium_server.py's order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -1083,6 +1087,684 @@ def test_deprecate_works_at_team_scope(shared):
     assert cs.recall("old team convention")["no_confident_match"] is True
 
 
+# Readers for the two external substrates (pure)
+# =============================================================================
+
+DONE_CLAIM = {"task": "build the parser", "touches": ["src/parser.py"], "requires": [],
+              "branch": "feat/parser", "status": "done",
+              "updated_at": "2026-11-29T15:23:17.617926+00:00", "instance": "ce2f2e17",
+              "note": "parser landed \u2014 see PR",
+              "changed_files": [{"status": "M", "path": "README.md"},
+                                {"status": "A", "path": "src/parser.py"}],
+              "changed_files_repo": "origin"}
+
+
+@pytest.mark.parametrize("data, needle", [
+    ([], "not an agentsync board"), ({"claims": []}, "not an agentsync board"),
+    ({"agents": {}}, "not an agentsync board"), ("x", "not an agentsync board"),
+])
+def test_parse_board_rejects_other_shapes(data, needle):
+    with pytest.raises(cs.SubstrateError, match=needle):
+        cs.parse_board(data)
+
+
+def test_parse_board_drops_non_object_claims():
+    assert cs.parse_board({"claims": {"a": DONE_CLAIM, "b": "junk", "c": None}}) == \
+        {"a": DONE_CLAIM}
+
+
+def test_claim_to_draft_done_is_an_outcome_with_note_files_agent_and_branch():
+    d = cs.claim_to_draft("alice", DONE_CLAIM)
+    assert d.kind == "outcome" and d.key == "agentsync:alice:2026-11-29T15:23:17.617926+00:00"
+    assert d.content == ("build the parser. Note: parser landed \u2014 see PR Changed files: "
+                         "M README.md, A src/parser.py.")
+    assert d.tags == ["agentsync", "agent:alice", "branch:feat/parser"]
+    assert d.source["system"] == "agentsync" and d.source["branch"] == "feat/parser"
+    assert "marked this claim done on branch feat/parser" in d.why
+
+
+@pytest.mark.parametrize("claim, kind, tag, needle", [
+    ({"task": "spike", "status": "in-progress", "note": "found the leak in pool.py",
+      "updated_at": "t1", "branch": ""}, "progress", "released-before-done",
+     "released or re-claimed before it was marked done"),
+    ({"task": "spike", "status": "done", "note": None, "updated_at": "t2"}, "outcome", None,
+     "marked this claim done at t2"),
+])
+def test_claim_to_draft_kinds(claim, kind, tag, needle):
+    d = cs.claim_to_draft("bob", claim, released=True)
+    assert d.kind == kind and needle in d.why and "Captured at release time" in d.why
+    assert d.source["captured"] == "release"
+    assert (tag in d.tags) if tag else ("released-before-done" not in d.tags)
+
+
+def test_claim_to_draft_without_task_is_skipped_and_keys_fall_back_to_a_hash():
+    assert isinstance(cs.claim_to_draft("a", {"status": "done"}), cs.Skip)
+    k1 = cs.claim_key("a", {"task": "t", "status": "done", "note": "n"})
+    k2 = cs.claim_key("a", {"task": "t", "status": "done", "note": "other"})
+    assert k1.startswith("agentsync:a:h") and k1 != k2
+
+
+def test_changed_files_are_capped():
+    claim = {**DONE_CLAIM, "changed_files": [{"status": "A", "path": f"f{i}.py"}
+                                             for i in range(cs.MAX_CHANGED_FILES_LISTED + 5)]}
+    assert "(+5 more)" in cs.claim_to_draft("a", claim).content
+
+
+@pytest.mark.parametrize("prev, cur, churned", [
+    (DONE_CLAIM, None, True),                                              # released
+    (DONE_CLAIM, {**DONE_CLAIM, "task": "next thing", "note": None}, True),  # re-claimed
+    (DONE_CLAIM, {**DONE_CLAIM, "branch": "feat/other"}, True),
+    (DONE_CLAIM, {**DONE_CLAIM, "note": None, "status": "in-progress"}, True),  # same task again
+    (DONE_CLAIM, {**DONE_CLAIM, "updated_at": "later"}, False),            # a status update
+    ({**DONE_CLAIM, "status": "in-progress"}, DONE_CLAIM, False),         # it progressed
+])
+def test_claim_churned(prev, cur, churned):
+    assert cs.claim_churned(prev, cur) is churned
+
+
+CURRENT_DECISION = {
+    "id": "dec-001", "summary": "Store claims in git",
+    "problem": "We need a lock-free way for two agents to coordinate on one repository.",
+    "why_chosen": "A git branch acts as compare-and-swap via push rejection.",
+    "what_we_tried": "", "tradeoffs": "Pushes cost a network round trip.",
+    "alternatives": [{"option": "Redis lock", "reason_rejected": "extra service"},
+                     {"option": "file lock", "reason_rejected": ""}],
+    "tags": ["coordination", "git"], "status": "active", "superseded_by": None,
+    "created_at": "2026-11-29T15:23:21.709342+00:00"}
+
+
+@pytest.mark.parametrize("kind, entry, content, why_parts, tags", [
+    ("decision", CURRENT_DECISION, "Store claims in git",
+     ["A git branch acts as compare-and-swap", "Problem: We need a lock-free",
+      "Tradeoffs: Pushes cost", "Alternatives considered: Redis lock (rejected: extra "
+      "service); file lock"], ["context-keeper", "dec-001", "coordination", "git"]),
+    ("decision", {"id": "dec-007-bb93", "summary": "Use UTC in logs",
+                  "rationale": "Local times broke the incident timeline."},
+     "Use UTC in logs", ["Local times broke the incident timeline."],
+     ["context-keeper", "dec-007-bb93"]),
+    ("constraint", {"id": "con-001", "rule": "Never write main from the board worktree",
+                    "reason": "main is branch-protected.", "hardness": "advisory",
+                    "scope": "src/", "status": "active", "tags": ["Git"]},
+     "Never write main from the board worktree",
+     ["main is branch-protected.", "(hardness: advisory; scope: src/)"],
+     ["context-keeper", "con-001", "git"]),
+    ("pipeline", {"id": "pipe-001", "name": "release", "purpose": "Cut a tested release.",
+                  "steps": [{"order": 2, "action": "tag", "output": "vX.Y.Z"},
+                            {"order": 1, "action": "run tests"}]},
+     "release: 1. run tests; 2. tag -> vX.Y.Z", ["Cut a tested release."],
+     ["context-keeper", "pipe-001"]),
+])
+def test_context_entry_to_draft(kind, entry, content, why_parts, tags):
+    d = cs.context_entry_to_draft(kind, entry)
+    assert d.content == content and d.tags == tags
+    for part in why_parts:
+        assert part in d.why
+    assert d.key == f"context-keeper:{entry['id']}" and d.source["ref"] == entry["id"]
+    assert d.kind == {"pipeline": "procedure"}.get(kind, kind)
+
+
+@pytest.mark.parametrize("entry, expect", [
+    ({**CURRENT_DECISION, "status": "superseded", "superseded_by": "dec-004"}, None),
+    ({**CURRENT_DECISION, "status": "deprecated"}, None),
+    ({**CURRENT_DECISION, "status": "draft"}, "status 'draft'"),
+    ({**CURRENT_DECISION, "id": 7}, "without a usable id"),
+    ({**CURRENT_DECISION, "id": "-rf"}, "without a usable id"),
+    ({"id": "dec-009", "problem": "no summary here"}, "without text"),
+    ("not an object", "without a usable id"),
+])
+def test_context_entry_to_draft_skips_and_retirements(entry, expect):
+    d = cs.context_entry_to_draft("decision", entry)
+    if expect is None:
+        assert d is None
+    else:
+        assert isinstance(d, cs.Skip) and expect in d.reason
+
+
+@pytest.mark.parametrize("entry, reason", [
+    ({"id": "dec-001", "status": "superseded", "superseded_by": "dec-004"},
+     "context-keeper dec-001 is superseded by dec-004"),
+    ({"id": "con-002", "status": "deprecated", "deprecated_reason": "no longer relevant"},
+     "context-keeper con-002 is deprecated: no longer relevant"),
+    ({"id": "dec-003", "status": "active"}, None),
+    ({"id": "dec-003"}, None),
+])
+def test_retirement_reason(entry, reason):
+    assert cs.retirement_reason(entry) == reason
+
+
+def test_read_context_dir_absent_empty_wrapped_and_corrupt(tmp_path):
+    assert cs.read_context_dir(tmp_path / "nope") is None
+    d = tmp_path / ".context"
+    d.mkdir()
+    assert cs.read_context_dir(d) == {"decisions": [], "constraints": [], "pipelines": []}
+    (d / "constraints.json").write_text(json.dumps({"constraints": [{"id": "con-001"}]}))
+    assert cs.read_context_dir(d)["constraints"] == [{"id": "con-001"}]
+    (d / "decisions.json").write_text("[{not json")
+    with pytest.raises(cs.SubstrateError, match="decisions.json is not valid JSON"):
+        cs.read_context_dir(d)
+
+
+def _item(id, content, scope="team", last_verified=None, status="active", tags=()):
+    return cs.Item(id=id, content=content, scope=scope, last_verified=last_verified,
+                   status=status, tags=list(tags))
+
+
+def test_stale_prompt_orders_never_verified_then_oldest_and_filters():
+    items = [
+        _item("k-new", "parser tokens are cached per file", last_verified="2026-09-01T00:00:00Z"),
+        _item("k-old", "parser error recovery skips to the next token",
+              last_verified="2025-01-01T00:00:00Z", scope="org"),
+        _item("k-never", "the parser emits tokens lazily"),
+        _item("k-local", "parser tokens local only", scope="local"),
+        _item("k-dead", "parser tokens retired", status="deprecated"),
+        _item("k-other", "billing runs on netsuite"),
+        _item("k-one", "parser internals"),                  # one shared term of two: no
+    ]
+    got = cs.stale_prompt(items, ["build the parser token cache"], limit=3)
+    assert [g["id"] for g in got] == ["k-never", "k-old", "k-new"]
+    assert got[0]["never_verified"] is True and got[1]["never_verified"] is False
+    assert "parser" in got[0]["shared_terms"]
+    assert cs.stale_prompt(items, ["build the parser token cache"], limit=1)[0]["id"] == "k-never"
+    assert cs.stale_prompt(items, [""]) == [] and cs.stale_prompt([], ["parser"]) == []
+
+
+def test_plan_retirements_deprecates_local_and_lists_elsewhere():
+    local = cs.new_item("store claims in git")
+    team = dataclasses.replace(cs.new_item("constraint text"), scope="team")
+    doc = cs.Doc(items=[local, team], meta={"watermarks": {
+        "context-keeper:dec-001": local.id, "context-keeper:con-001": team.id,
+        "context-keeper:dec-002": "k-gone"}})
+    reasons = {"context-keeper:dec-001": "context-keeper dec-001 is superseded by dec-004",
+               "context-keeper:con-001": "context-keeper con-001 is deprecated",
+               "context-keeper:dec-002": "context-keeper dec-002 is deprecated",
+               "context-keeper:dec-999": "never imported"}
+    new, retired, elsewhere = cs.plan_retirements(doc, reasons, now="2026-01-01T00:00:00Z")
+    assert new.items[0].status == "deprecated"
+    assert new.items[0].deprecated == {"by": "distill", "at": "2026-01-01T00:00:00Z",
+                                       "reason": "context-keeper dec-001 is superseded by dec-004"}
+    assert new.items[1] is team
+    assert retired == [{"id": local.id, "ref": "dec-001", "reason": reasons[
+        "context-keeper:dec-001"]}]
+    assert {e["ref"] for e in elsewhere} == {"con-001", "dec-002"}
+    again, retired2, _ = cs.plan_retirements(new, reasons, now="2026-01-02T00:00:00Z")
+    assert again is None and retired2 == []
+
+
+# =============================================================================
+# Distill: sources written by plain git (no peers), statuses, CLI, MCP
+# =============================================================================
+
+
+def make_origin_and_clone(tmp_path: Path, name: str = "work") -> tuple[Path, Path]:
+    """A bare origin (default branch main) and a clone with one pushed commit."""
+    bare = tmp_path / f"{name}-origin.git"
+    git(tmp_path, "init", "-q", "--bare", "-b", "main", str(bare))
+    clone = tmp_path / name
+    git(tmp_path, "clone", "-q", str(bare), str(clone))
+    git(clone, "checkout", "-q", "-B", "main")
+    (clone / "README.md").write_text("# demo\n")
+    git(clone, "add", "README.md")
+    git(clone, "commit", "-q", "-m", "init")
+    git(clone, "push", "-q", "-u", "origin", "main")
+    return bare, clone
+
+
+def write_board(clone: Path, claims: dict, branch: str = "agentsync") -> None:
+    """Commit an agentsync-format claims.json on `branch` and push it (plain git)."""
+    git(clone, "checkout", "-q", "-B", branch)
+    (clone / "claims.json").write_text(json.dumps({"claims": claims}, indent=2))
+    git(clone, "add", "claims.json")
+    git(clone, "commit", "-q", "--allow-empty", "-m", "board")
+    git(clone, "push", "-q", "-f", "origin", branch)
+    git(clone, "checkout", "-q", "main")
+
+
+def test_distill_no_board_no_context_reads_as_skipped(repo):
+    res = cs.distill()
+    assert res["status"] == "distilled_with_warnings" and res["imported"] == 0
+    a, c = res["sources"]["agentsync"], res["sources"]["context-keeper"]
+    assert a["status"] == "absent" and a["board_repo"] is None and a["fix"]
+    assert "no agentsync board" in a["reason"] and "no remote 'origin'" in a["reason"]
+    assert c["status"] == "absent" and c["path"] == str(repo / ".context")
+    assert set(a) >= {"status", "board_repo", "board_source", "branch", "claims_seen",
+                      "done_claims", "imported", "reason", "fix"}
+    assert set(c) >= {"status", "path", "decisions_seen", "constraints_seen", "imported",
+                      "retired", "reason"}
+    assert any(w.startswith("agentsync skipped (absent)") for w in res["warnings"])
+    assert any(w.startswith("context-keeper skipped (absent)") for w in res["warnings"])
+
+
+def test_distill_board_nothing_done_then_imported_then_up_to_date(tmp_path, monkeypatch):
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": {**DONE_CLAIM, "status": "in-progress", "note": None}})
+    (clone / ".context").mkdir()
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    first = cs.distill()
+    a = first["sources"]["agentsync"]
+    assert (a["status"], a["claims_seen"], a["done_claims"]) == ("nothing_done", 1, 0)
+    assert a["board_source"] == "CAMBIUM_REPO" and a["board_repo"] == str(clone)
+    assert first["sources"]["context-keeper"]["status"] == "empty"
+    assert first["status"] == "distilled" and first["warnings"] == []
+    write_board(clone, {"ann": DONE_CLAIM, "ben": {**DONE_CLAIM, "task": "write docs",
+                                                   "updated_at": "x2"}})
+    second = cs.distill()
+    assert second["sources"]["agentsync"]["status"] == "imported"
+    assert second["sources"]["agentsync"]["imported"] == second["imported"] == 2
+    third = cs.distill()
+    assert third["sources"]["agentsync"]["status"] == "up_to_date" and third["imported"] == 0
+    readings = {first["sources"]["agentsync"]["reason"], second["sources"]["agentsync"]["reason"],
+                third["sources"]["agentsync"]["reason"]}
+    assert len(readings) == 3
+    st = cs.status()["substrates"]
+    assert st["agentsync"]["status"] == "found" and st["agentsync"]["board_source"] == \
+        "CAMBIUM_REPO"
+    assert st["agentsync"]["last_distill"]["status"] == "up_to_date"
+    assert st["context-keeper"]["status"] == "present"
+    assert st["last_distill"]["status"] == "distilled"
+
+
+def test_distill_board_repo_setting_wins_and_bad_setting_is_reported(tmp_path, monkeypatch):
+    _, board = make_origin_and_clone(tmp_path, "board")
+    write_board(board, {"ann": DONE_CLAIM})
+    proj = make_repo(tmp_path, "proj")
+    monkeypatch.setenv("CAMBIUM_REPO", str(proj))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.setenv("AGENTSYNC_REPO", str(board))
+    res = cs.distill()
+    assert res["sources"]["agentsync"]["board_source"] == "AGENTSYNC_REPO (env)"
+    assert res["sources"]["agentsync"]["imported"] == 1
+    monkeypatch.setenv("AGENTSYNC_BOARD_REPO", str(tmp_path / "board-origin.git"))
+    res = cs.distill()
+    a = res["sources"]["agentsync"]
+    assert a["status"] == "misconfigured" and "not a git clone" in a["reason"]
+    assert a["board_source"] == "AGENTSYNC_BOARD_REPO (env)"
+
+
+def test_distill_unreachable_remote_warns_and_falls_back_to_last_fetch(tmp_path, monkeypatch):
+    bare, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    git(clone, "branch", "-q", "-D", "agentsync")
+    git(clone, "remote", "set-url", "origin", str(tmp_path / "moved-away.git"))
+    git(clone, "fetch", "-q", str(bare), "+refs/heads/agentsync:refs/remotes/origin/agentsync")
+    res = cs.distill()
+    assert res["sources"]["agentsync"]["imported"] == 1
+    assert any("could not fetch" in w and "as last fetched" in w for w in res["warnings"])
+    git(clone, "update-ref", "-d", "refs/remotes/origin/agentsync")
+    monkeypatch.setenv("AGENTSYNC_BOARD_REPO", str(clone))
+    res = cs.distill()
+    a = res["sources"]["agentsync"]
+    assert a["status"] == "unreachable" and "could not fetch" in a["reason"] and a["fix"]
+    out = cli("distill")
+    assert out.returncode == 0 and "agentsync unreachable" in out.stdout
+    assert "warning: agentsync skipped (unreachable)" in out.stderr
+
+
+def test_distill_corrupt_substrate_is_a_real_error_after_the_other_source(tmp_path, monkeypatch):
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    (clone / ".context").mkdir()
+    (clone / ".context" / "decisions.json").write_text('[{"id": "dec-001",')
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    with pytest.raises(cs.SubstrateError, match=r"context-keeper could not be read.*"
+                       r"decisions.json is not valid JSON.*agentsync imported \(imported 1\)"):
+        cs.distill()
+    assert cs.status()["substrates"]["last_distill"]["status"] == "failed"
+    out = cli("distill")
+    assert out.returncode == 1 and not out.stdout
+    assert "SubstrateError" in out.stderr and "decisions.json" in out.stderr
+
+
+def test_distill_corrupt_board_json_is_a_real_error(tmp_path, monkeypatch):
+    _, clone = make_origin_and_clone(tmp_path)
+    git(clone, "checkout", "-q", "-B", "agentsync")
+    (clone / "claims.json").write_text("{oops")
+    git(clone, "add", "claims.json")
+    git(clone, "commit", "-q", "-m", "bad board")
+    git(clone, "push", "-q", "origin", "agentsync")
+    git(clone, "checkout", "-q", "main")
+    out = cli("distill", CAMBIUM_REPO=str(clone), CAMBIUM_AGENT_ID="ada")
+    assert out.returncode == 1 and "claims.json" in out.stderr and "not valid JSON" in out.stderr
+
+
+def test_cli_distill_quiet_summary_json_and_hook_mode(tmp_path, monkeypatch):
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    env = {"CAMBIUM_REPO": str(clone), "CAMBIUM_AGENT_ID": "ada"}
+    out = cli("distill", **env)
+    assert out.returncode == 0
+    assert out.stdout.splitlines() == ["cambium distill: imported 1, retired 0; agentsync "
+                                       "imported (1 new); context-keeper absent; 1 warning"]
+    assert out.stderr.startswith("cambium: warning: context-keeper skipped (absent)")
+    out = cli("distill", "--format", "json", **env)
+    assert json.loads(out.stdout)["sources"]["agentsync"]["status"] == "up_to_date"
+    hook_input = json.dumps({"session_id": "s1", "cwd": str(clone), "reason": "exit",
+                             "hook_event_name": "SessionEnd", "transcript_path": "/dev/null"})
+    out = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"], input=hook_input,
+                         text=True, capture_output=True, env=child_env(CAMBIUM_AGENT_ID="ada"),
+                         cwd=tmp_path, timeout=60)
+    assert out.returncode == 0 and out.stdout == ""
+    assert "cambium distill: imported 0" in out.stderr and "agentsync up_to_date" in out.stderr
+    plain = tmp_path / "not-a-repo"
+    plain.mkdir()
+    out = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"],
+                         input=json.dumps({"cwd": str(plain)}), text=True, capture_output=True,
+                         env=child_env(), cwd=plain, timeout=60)
+    assert out.returncode == 0 and out.stdout == "" and "not configured here" in out.stderr
+    out = cli("distill", cwd=plain)
+    assert out.returncode == 1 and json.loads(out.stdout)["configured"] is False
+
+
+def test_mcp_distill_sends_progress_for_a_large_source(tmp_path):
+    r = make_repo(tmp_path)
+    (r / ".context").mkdir()
+    entries = [{"id": f"dec-{i:03d}", "summary": f"Decision number {i} about shard {i % 17}",
+                "rationale": f"Because reason {i}.", "status": "active"} for i in range(600)]
+    (r / ".context" / "decisions.json").write_text(json.dumps(entries))
+    seen = []
+
+    async def on_progress(progress, total, message):
+        seen.append((progress, total, message))
+
+    async def body(session, init):
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert tools["distill"].annotations.open_world_hint is True
+        assert tools["distill"].input_schema.get("properties", {}) == {}
+        res = await session.call_tool("distill", {}, progress_callback=on_progress)
+        assert not res.is_error, res.content
+        return res.structured_content
+
+    out = asyncio.run(_mcp_session(_mcp_env(r), body))
+    assert out["imported"] == 600 and out["sources"]["context-keeper"]["imported"] == 600
+    assert seen and seen[-1][0] == seen[-1][1] and "imported 600" in seen[-1][2]
+    assert len(seen) >= 3
+
+
+# =============================================================================
+# Distill against the REAL peers: agentsync-mcp 0.2.0 and context-keeper-mcp
+# 0.19.0 (requirements-test.txt), driven over MCP stdio as their users run them.
+# =============================================================================
+
+PEER_GIT_ID = {"GIT_AUTHOR_NAME": "peer", "GIT_AUTHOR_EMAIL": "peer@example.invalid",
+               "GIT_COMMITTER_NAME": "peer", "GIT_COMMITTER_EMAIL": "peer@example.invalid"}
+MANGLED_EM_DASH = "\u2014".encode("utf-8").decode("cp1252")      # "â€\u201d"
+
+
+def _peer_cmd(script: str) -> list[str]:
+    """The peer's console script next to this interpreter (never `python -m server`:
+    context-keeper installs a top-level module named `server`)."""
+    cand = Path(sys.executable).parent / script
+    found = str(cand) if cand.exists() else shutil.which(script)
+    if not found:
+        pytest.fail(f"{script} is not installed; pip install -r requirements-test.txt")
+    return [found]
+
+
+class Peer:
+    """One live peer MCP session; call(tool, **args) -> parsed JSON result."""
+
+    def __init__(self, session, name: str):
+        self.session, self.name = session, name
+
+    async def call(self, tool: str, **args):
+        res = await self.session.call_tool(tool, args, read_timeout_seconds=60)
+        text = "".join(getattr(c, "text", "") for c in res.content)
+        payload = json.loads(text) if text.startswith(("{", "[")) else text
+        assert not res.is_error, f"{self.name}.{tool}: {text[:400]}"
+        assert not (isinstance(payload, dict) and payload.get("error")), \
+            f"{self.name}.{tool}: {payload}"
+        return payload
+
+
+@contextlib.asynccontextmanager
+async def peer_session(argv: list[str], env: dict, cwd: Path, name: str):
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    # stdio_client passes on only HOME/PATH/...; everything else goes in env=
+    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(cwd), env={
+        "HOME": os.environ["HOME"], "PATH": os.environ.get("PATH", ""),
+        "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+        "XYLEM_ACTIVE_PROJECT_FILE": os.path.join(os.environ["HOME"], "no-xylem.json"),
+        **PEER_GIT_ID, **env})
+    with tempfile.TemporaryFile("w+") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                yield Peer(session, name)
+
+
+def agentsync(board: Path, agent: str):
+    """agentsync-mcp for one agent on `board` (a clone with a real bare origin)."""
+    return peer_session(_peer_cmd("agentsync-mcp"), {
+        "AGENTSYNC_BOARD_REPO": str(board), "AGENTSYNC_AGENT_ID": agent,
+        "AGENTSYNC_REMOTE": "origin", "AGENTSYNC_BRANCH": "agentsync"}, board, f"agentsync[{agent}]")
+
+
+def context_keeper(project: Path):
+    return peer_session(_peer_cmd("context-keeper"), {"CONTEXT_KEEPER_PROJECT": str(project)},
+                        project, "context-keeper")
+
+
+def peer_origin(tmp_path: Path) -> tuple[Path, Path]:
+    """A bare origin and the agents' clone, set up the way agentsync expects:
+    origin/HEAD -> main (it diffs done branches against it), local identity."""
+    bare, clone = make_origin_and_clone(tmp_path, "agents")
+    git(clone, "remote", "set-head", "origin", "main")
+    git(clone, "config", "user.name", "peer")
+    git(clone, "config", "user.email", "peer@example.invalid")
+    return bare, clone
+
+
+def cambium_clone(bare: Path, tmp_path: Path, name: str, monkeypatch, **env: str) -> Path:
+    """A separate clone for cambium (its own local store); no AGENTSYNC_* set, so
+    the board is found by asking the remote for the branch."""
+    dest = tmp_path / name
+    git(tmp_path, "clone", "-q", str(bare), str(dest))
+    monkeypatch.setenv("CAMBIUM_REPO", str(dest))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return dest
+
+
+def use_repo(monkeypatch, repo: Path, release_capture: bool) -> None:
+    monkeypatch.setenv("CAMBIUM_REPO", str(repo))
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1" if release_capture else "0")
+
+
+def local_items(repo: Path) -> list[dict]:
+    return json.loads((repo / ".cambium" / "knowledge.json").read_text())["items"]
+
+
+def test_distill_real_agentsync_claim_done_with_note_imported_once(tmp_path, monkeypatch):
+    bare, board = peer_origin(tmp_path)
+    git(board, "checkout", "-q", "-B", "feat/parser")
+    (board / "parser.py").write_text("def parse(): ...\n")
+    git(board, "add", "parser.py")
+    git(board, "commit", "-q", "-m", "parser")
+    git(board, "push", "-q", "-u", "origin", "feat/parser")
+    git(board, "checkout", "-q", "main")
+    mine = cambium_clone(bare, tmp_path, "mine", monkeypatch)
+
+    async def body():
+        async with agentsync(board, "alice") as a:
+            claimed = await a.call("claim", task="build the parser", touches=["parser.py"],
+                                   branch="feat/parser")
+            assert claimed["status"] == "claimed"
+            early = cs.distill()
+            assert early["sources"]["agentsync"]["status"] == "nothing_done"
+            await a.call("update_status", status="done",
+                         note="parser landed \u2014 error recovery still naive")
+            first, second = cs.distill(), cs.distill()
+            return early, first, second
+
+    early, first, second = asyncio.run(body())
+    a1 = first["sources"]["agentsync"]
+    assert (a1["status"], a1["imported"], a1["done_claims"]) == ("imported", 1, 1)
+    assert a1["board_source"] == "CAMBIUM_REPO" and a1["board_repo"] == str(mine)
+    assert second["imported"] == 0 and second["sources"]["agentsync"]["status"] == "up_to_date"
+    outcomes = [i for i in local_items(mine) if i["source"]["system"] == "agentsync"]
+    assert len(outcomes) == 1
+    item = outcomes[0]
+    assert item["kind"] == "outcome"
+    assert item["content"] == ("build the parser. Note: parser landed \u2014 error recovery "
+                               "still naive Changed files: A parser.py.")
+    assert {"agentsync", "agent:alice", "branch:feat/parser"} <= set(item["tags"])
+    hit = cs.recall("parser error recovery")["results"][0]
+    assert hit["id"] == item["id"]
+    assert not (mine / ".git" / "agentsync-wt").exists()          # cambium never checks out
+    assert git(mine, "branch", "--list", "agentsync") == ""
+
+
+def test_distill_real_agentsync_reclaim_and_release_capture(tmp_path, monkeypatch):
+    """Four cambium clones watch one real board: two with release capture, two without."""
+    bare, board = peer_origin(tmp_path)
+    repos = {name: cambium_clone(bare, tmp_path, name, monkeypatch)
+             for name in ("late_off", "late_on", "watch_off", "watch_on")}
+
+    def sweep(name: str) -> dict:
+        use_repo(monkeypatch, repos[name], release_capture=name.endswith("_on"))
+        return cs.distill()
+
+    async def body():
+        out = {}
+        async with agentsync(board, "bob") as bob, agentsync(board, "cara") as cara:
+            # bob: claim -> done -> re-claim, before any distill
+            await bob.call("claim", task="migrate the queue", touches=["queue.py"])
+            await bob.call("update_status", status="done", note="queue moved to streams")
+            await bob.call("claim", task="tune the workers", touches=["workers.py"])
+            out["late_off"], out["late_on"] = sweep("late_off"), sweep("late_on")
+            # bob again: done observed by a sweep, then re-claimed
+            await bob.call("update_status", status="done", note="workers tuned to 8 per core")
+            # cara: a noted claim, seen by a sweep, released before done
+            await cara.call("claim", task="investigate the flaky deploy", touches=["ci.yml"])
+            await cara.call("update_status", status="in-progress",
+                            note="flake is the registry rate limit, not our script")
+            out["watch_off_1"], out["watch_on_1"] = sweep("watch_off"), sweep("watch_on")
+            await bob.call("claim", task="write the runbook", touches=["RUNBOOK.md"])
+            await cara.call("release", note="handing over")
+            out["watch_off_2"], out["watch_on_2"] = sweep("watch_off"), sweep("watch_on")
+            out["watch_on_3"] = sweep("watch_on")
+        return out
+
+    out = asyncio.run(body())
+    # Before any distill, a done state that churned was never observed: lost with or
+    # without release capture (the documented residual gap; only agentsync's git log has it).
+    for name in ("late_off", "late_on"):
+        assert out[name]["sources"]["agentsync"]["status"] == "nothing_done"
+        assert out[name]["imported"] == 0
+    assert out["late_on"]["sources"]["agentsync"]["release_capture"] == \
+        {"churned": [], "captured": 0}
+    # A sweep that saw bob's done claim imported it, with or without capture ...
+    for name in ("watch_off_1", "watch_on_1"):
+        assert out[name]["sources"]["agentsync"]["imported"] == 1
+    # ... and after the re-claim, release capture does not import it a second time,
+    # while cara's noted claim (released before done) is kept only with capture on.
+    assert out["watch_off_2"]["imported"] == 0
+    rc = out["watch_on_2"]["sources"]["agentsync"]["release_capture"]
+    assert sorted(rc["churned"]) == ["bob", "cara"] and rc["captured"] == 1
+    assert out["watch_on_2"]["imported"] == 1 and "verify_prompt" in out["watch_on_2"]
+    assert out["watch_on_3"]["imported"] == 0
+    on_items = [i for i in local_items(repos["watch_on"]) if i["source"]["system"] == "agentsync"]
+    off_items = [i for i in local_items(repos["watch_off"])
+                 if i["source"]["system"] == "agentsync"]
+    assert sorted(i["kind"] for i in on_items) == ["outcome", "progress"]
+    assert [i["kind"] for i in off_items] == ["outcome"]
+    workers = [i for i in on_items if "workers tuned" in i["content"]]
+    assert len(workers) == 1
+    progress = next(i for i in on_items if i["kind"] == "progress")
+    assert "registry rate limit" in progress["content"]
+    assert "released-before-done" in progress["tags"] and progress["source"]["captured"] == \
+        "release"
+
+
+def test_distill_real_context_keeper_decisions_constraints_supersede_and_mojibake(
+        tmp_path, monkeypatch):
+    proj = make_repo(tmp_path, "proj")
+    monkeypatch.setenv("CAMBIUM_REPO", str(proj))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    problem = "Two agents need a lock-free way to coordinate on one shared repository."
+    why = ("A git branch acts as compare-and-swap through push rejection, so no extra "
+           "coordination server is needed at all.")
+
+    async def body():
+        out = {}
+        async with context_keeper(proj) as ck:
+            dec = await ck.call("record_entry", kind="decision",
+                                summary=f"Store claims in git {MANGLED_EM_DASH} one branch",
+                                problem=problem, why_chosen=why,
+                                tradeoffs="Pushes cost a network round trip.",
+                                alternatives=[{"option": "Redis lock",
+                                               "reason_rejected": "an extra service to run"}],
+                                tags=["coordination"])
+            con = await ck.call("record_entry", kind="constraint",
+                                rule="Never push to main from the board worktree",
+                                reason="main is branch-protected and board commits would "
+                                       "pollute its history.", hardness="advisory")
+            pipe = await ck.call("record_entry", kind="pipeline", name="release",
+                                 purpose="Cut a release so users always get a tagged, "
+                                         "tested build.",
+                                 steps=[{"order": 1, "action": "run the tests"},
+                                        {"order": 2, "action": "tag", "output": "vX.Y.Z"}])
+            out["ids"] = (dec["id"], con["id"], pipe["id"])
+            out["first"] = cs.distill()
+            out["recall"] = cs.recall("store claims git branch")
+            new = await ck.call("record_entry", kind="decision",
+                                summary="Store claims in a dedicated coordination service",
+                                problem=problem, why_chosen=why + " It now also scales.",
+                                supersedes=[dec["id"]])
+            await ck.call("deprecate_entry", id=con["id"], reason="main is no longer protected")
+            out["new"] = new["id"]
+            out["second"] = cs.distill()
+            out["third"] = cs.distill()
+        return out
+
+    out = asyncio.run(body())
+    dec_id, con_id, pipe_id = out["ids"]
+    first = out["first"]["sources"]["context-keeper"]
+    assert (first["status"], first["imported"], first["decisions_seen"],
+            first["constraints_seen"]) == ("imported", 3, 1, 1)
+    on_disk = json.loads((proj / ".context" / "decisions.json").read_text())
+    assert MANGLED_EM_DASH in on_disk[0]["summary"]              # the peer kept the mangling
+    hit = out["recall"]["results"][0]
+    assert hit["content"] == "Store claims in git \u2014 one branch"
+    assert hit["source"]["ref"] == dec_id and dec_id in hit["tags"]
+    assert why in hit["why"] and "Redis lock (rejected: an extra service to run)" in hit["why"]
+    second = out["second"]["sources"]["context-keeper"]
+    assert (second["imported"], second["retired"]) == (1, 2)
+    items = {i["source"].get("ref"): i for i in local_items(proj)}
+    assert items[dec_id]["status"] == "deprecated"
+    assert items[dec_id]["deprecated"]["reason"] == \
+        f"context-keeper {dec_id} is superseded by {out['new']}"
+    assert items[con_id]["deprecated"]["reason"] == \
+        f"context-keeper {con_id} is deprecated: main is no longer protected"
+    assert items[pipe_id]["status"] == "active" and items[pipe_id]["kind"] == "procedure"
+    assert items[out["new"]]["status"] == "active"
+    assert out["third"]["imported"] == 0 and out["third"]["retired"] == 0
+    assert out["third"]["sources"]["context-keeper"]["status"] == "up_to_date"
+    top = cs.recall("store claims")["results"]
+    assert dec_id not in [r["source"].get("ref") for r in top]
+
+
+def test_distill_hand_written_pre_current_decision_keeps_rationale(repo):
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([{
+        "id": "dec-001", "decision": "ignored when summary exists",
+        "summary": "Use UTC timestamps in every log line",
+        "rationale": "Local times broke the incident timeline across regions.",
+        "status": "active", "created_at": "2024-03-01T10:00:00Z"}]))
+    res = cs.distill()
+    assert res["sources"]["context-keeper"]["imported"] == 1
+    hit = cs.recall("log timestamps utc")["results"][0]
+    assert hit["content"] == "Use UTC timestamps in every log line"
+    assert hit["why"] == "Local times broke the incident timeline across regions."
+    assert hit["source"] == {"system": "context-keeper", "ref": "dec-001", "kind": "decision",
+                             "source_ts": "2024-03-01T10:00:00Z"}
+
+
 # =============================================================================
 # MCP server: real stdio transport
 # =============================================================================
@@ -1112,7 +1794,7 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         tools = {t.name: t for t in (await session.list_tools()).tools}
         assert {"status", "setup", "capture", "record_need", "recall", "endorse", "promote",
                 "generalize", "review_promotions", "verify_entry", "stale_report",
-                "deprecate", "import_memory", "export_markdown"} <= set(tools)
+                "deprecate", "import_memory", "export_markdown", "distill"} <= set(tools)
         assert tools["promote"].annotations.open_world_hint is True
         assert tools["recall"].annotations.destructive_hint is False
         for t in tools.values():
@@ -1179,7 +1861,8 @@ def test_cli_does_not_import_the_sdk(repo):
 def test_cli_help_lists_commands():
     out = cli("--help")
     assert out.returncode == 0
-    for c in ("status", "setup", "capture", "recall", "endorse", "export", "import", "demo"):
+    for c in ("status", "setup", "capture", "recall", "endorse", "export", "import", "demo",
+              "distill"):
         assert c in out.stdout
 
 
@@ -1219,7 +1902,10 @@ def test_cli_demo_runs_the_loop():
     assert steps["cross-project recall"] == {"step": "cross-project recall", "scope": "org",
                                              "origin_project": "shop-api"}
     assert steps["stale report"]["entries"][0][1] == "org"
-    assert "capture()" in out.stderr
+    assert steps["distill"]["sources"] == {"agentsync": "imported", "context-keeper": "imported"}
+    assert steps["distill"]["imported"] == 2 and steps["distill"]["again_imported"] == 0
+    assert "integer cents" in steps["distill"]["recall_top"]
+    assert "capture()" in out.stderr and "distill()" in out.stderr
 
 
 if __name__ == "__main__":
