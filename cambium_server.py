@@ -2596,6 +2596,42 @@ def _skip_warning(source: str, skips: list[Skip]) -> str:
     return f"{source}: {len(skips)} record(s) skipped ({shown}{more})."
 
 
+def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
+                      ) -> tuple[list[dict], list[dict], list[str]]:
+    """Retire items that moved up to team/org after their source entry died.
+
+    Returns (retired now, still pending, warnings). A scope that cannot be
+    written leaves its items pending (reported), to be retried next distill.
+    """
+    docs, warnings = read_scopes(cfg, ("team", "org"))
+    retired, pending = [], []
+    for entry in entries:
+        where = next((s for s in ("org", "team") if s in docs
+                      and _find_item(docs[s], entry["id"])), None)
+        if where is None:
+            pending.append(entry)
+            continue
+        item = _find_item(docs[where], entry["id"])[1]
+        if not item.active:
+            continue
+
+        def retire(it: Item, reason: str = entry["reason"]) -> Item | None:
+            if not it.active:
+                return None
+            return dataclasses.replace(it, status="deprecated", updated_at=now, deprecated={
+                "by": "distill", "at": now, "reason": reason})
+
+        try:
+            change_item(cfg, where, entry["id"], retire, f"distill retires {entry['id']}",
+                        org_branch=ORG_UPDATES_BRANCH)
+            retired.append({**entry, "scope": where})
+        except CambiumError as e:
+            pending.append(entry)
+            warnings.append(f"context-keeper {entry['ref']} is retired at its source but "
+                            f"its {where} item {entry['id']} could not be retired: {e}")
+    return retired, pending, warnings
+
+
 def substrate_state(cfg: Config, doc: Doc) -> dict:
     """What distill would read and what it last found, without network (status())."""
     assert cfg.repo is not None
@@ -2688,17 +2724,17 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
         sources["agentsync"] = info
     if ck_part:
         info = ck_part["info"]
+        if elsewhere:
+            moved_retired, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp)
+            retired += moved_retired
+            warnings += problems
+            if pending:
+                info["retire_elsewhere"] = pending
         _finish_context(info, ck_part["found"], by_system.get("context-keeper", 0), len(retired))
         if not ck_part["found"]:
             warnings.append(f"context-keeper skipped (absent): {info['reason']}.")
         if ck_part["skips"]:
             warnings.append(_skip_warning("context-keeper", ck_part["skips"]))
-        if elsewhere:
-            info["retire_elsewhere"] = elsewhere
-            warnings.append(f"context-keeper: {len(elsewhere)} retired entr(y/ies) were "
-                            "imported into items no longer active in local scope "
-                            f"({', '.join(e['ref'] for e in elsewhere[:5])}); retire them "
-                            "where they live now.")
         sources["context-keeper"] = info
     skipped_in_ingest = [Skip(w, r) for w, r in res.skipped]
     if skipped_in_ingest:
@@ -2721,9 +2757,10 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
         done_texts = [f"{it.content} {' '.join(it.tags)}" for it in res.imported
                       if it.source.get("system") == "agentsync"]
         if done_texts:
-            promoted = [it for it in local_store(cfg).read().items
-                        if it.scope in ("team", "org")]
+            docs, scope_warnings = read_scopes(cfg, ("team", "org"))
+            promoted = [it for d in docs.values() for it in d.items]
             result["verify_prompt"] = stale_prompt(promoted, done_texts)
+            warnings += scope_warnings
 
     last = {"at": stamp, "status": result["status"] if not errors else "failed",
             "imported": result["imported"], "retired": result["retired"],

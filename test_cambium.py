@@ -1765,6 +1765,54 @@ def test_distill_hand_written_pre_current_decision_keeps_rationale(repo):
                              "source_ts": "2024-03-01T10:00:00Z"}
 
 
+def _decision(dec_id: str, summary: str, status: str = "active",
+              superseded_by: str | None = None) -> dict:
+    return {"id": dec_id, "summary": summary, "problem": "p" * 40,
+            "why_chosen": "Because it keeps every environment reproducible and boring.",
+            "status": status, "superseded_by": superseded_by, "tags": ["deploy"],
+            "created_at": "2026-01-01T00:00:00+00:00"}
+
+
+def test_distill_retires_a_promoted_item_when_its_decision_is_superseded(shared):
+    ctx = shared["a"] / ".context"
+    ctx.mkdir()
+    (ctx / "decisions.json").write_text(json.dumps(
+        [_decision("dec-001", "Deploy with blue-green switches")]))
+    res = cs.distill()
+    item_id = res["items"][0]["id"]
+    cs.endorse(item_id, note="blue-green")
+    cs.promote()
+    assert team_ids(shared["origin"]) == {item_id}
+    (ctx / "decisions.json").write_text(json.dumps([
+        _decision("dec-001", "Deploy with blue-green switches", "superseded", "dec-002"),
+        _decision("dec-002", "Deploy with rolling canaries")]))
+    res = cs.distill()
+    assert res["sources"]["context-keeper"]["retired"] == 1
+    assert res["retired_items"][0]["scope"] == "team"
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert stored["status"] == "deprecated"
+    assert "dec-001" in stored["deprecated"]["reason"] and stored["deprecated"]["by"] == "distill"
+    assert "retire_elsewhere" not in res["sources"]["context-keeper"]
+    again = cs.distill()                                 # nothing left to do
+    assert again["retired"] == 0 and again["imported"] == 0
+
+
+def test_release_capture_prompts_to_reverify_related_promoted_entries(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
+    old = _endorsed("Invoice totals are computed in integer cents", "money in cents")
+    other = _endorsed("Feature flags expire after ninety days", "flags expire")
+    cs.promote()
+    write_board(shared["b"], {"bob": {
+        "task": "Fix invoice totals rounding in cents", "touches": [], "requires": [],
+        "branch": "fix/cents", "status": "done", "updated_at": "2026-11-29T10:00:00+00:00",
+        "instance": "i1", "note": "invoice totals now round half-even in cents",
+        "changed_files": []}})
+    res = cs.distill()
+    assert res["sources"]["agentsync"]["imported"] == 1
+    prompted = [p["id"] for p in res["verify_prompt"]]
+    assert prompted == [old] and other not in prompted
+
+
 # =============================================================================
 # MCP server: real stdio transport
 # =============================================================================
