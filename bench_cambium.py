@@ -118,10 +118,12 @@ def bench_capture() -> None:
 def bench_cli() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, **make_env(Path(tmp))}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)    # measure what users get: cached bytecode
         seed_store(Path(env["CAMBIUM_REPO"]), 1_000)
         runs = {"python3 cambium_server.py status": [sys.executable, str(HERE / "cambium_server.py"),
                                                      "status"]}
-        script = shutil.which("cambium-mcp")
+        beside = Path(sys.executable).parent / "cambium-mcp"
+        script = str(beside) if beside.exists() else shutil.which("cambium-mcp")
         if script:
             runs["cambium-mcp status (console script)"] = [script, "status"]
         for label, cmd in runs.items():

@@ -707,6 +707,23 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
     return _run(["git", *args], cwd, timeout_s, check=check, input=input)
 
 
+_REMOTE_CACHE: dict[tuple[str, str], tuple[float, bool]] = {}
+
+
+def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
+    """Whether `repo` has the remote; cached until its .git/config changes."""
+    try:
+        stamp = (repo / ".git" / "config").stat().st_mtime
+    except OSError:
+        stamp = -1.0
+    key = (str(repo), remote)
+    hit = _REMOTE_CACHE.get(key)
+    if hit is None or hit[0] != stamp:
+        proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
+        hit = _REMOTE_CACHE[key] = (stamp, proc.returncode == 0)
+    return hit[1]
+
+
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
     """The work-tree root containing `path`, or None if it is not in a git repo."""
     proc = _git(["rev-parse", "--show-toplevel"], path, timeout_s, check=False)
@@ -1726,14 +1743,19 @@ def read_context_dir(path: Path) -> dict[str, list] | None:
 
 
 def _has_ref(repo: Path, ref: str, timeout_s: float) -> bool:
+    """Whether a ref exists, read from .git without spawning git when possible."""
+    gitdir = repo / ".git"
+    if gitdir.is_dir() and ref.startswith("refs/"):
+        if (gitdir / ref).is_file():
+            return True
+        try:
+            packed = (gitdir / "packed-refs").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return False
+        return any(line.endswith(" " + ref) for line in packed.splitlines())
     proc = _git(["rev-parse", "--verify", "--quiet", ref + "^{commit}", "--"], repo, timeout_s,
                 check=False)
     return proc.returncode == 0
-
-
-def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
-    proc = _git(["remote"], repo, timeout_s, check=False)
-    return remote in proc.stdout.split()
 
 
 def resolve_board(cfg: Config, *, network: bool = True) -> Board:
@@ -2843,17 +2865,8 @@ def _today() -> str:
 # a scope it cannot read, and one way to change an item wherever it lives.
 # =============================================================================
 
-_REMOTE_CACHE: dict[tuple[str, str], bool] = {}
 ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements etc.
 ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
-
-
-def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
-    key = (str(repo), remote)
-    if key not in _REMOTE_CACHE:
-        proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
-        _REMOTE_CACHE[key] = proc.returncode == 0
-    return _REMOTE_CACHE[key]
 
 
 def team_store(cfg: Config) -> GitStore | None:
