@@ -3437,7 +3437,6 @@ def endorse(item_id: str, note: str = "") -> dict:
     cfg = require_config()
     item_id = _check_id(item_id)
     note = _clean_text(note, "note", MAX_WHY_CHARS)
-    scope, _ = locate(cfg, item_id)
     now = _now()
 
     def apply(it: Item) -> Item:
@@ -3449,9 +3448,16 @@ def endorse(item_id: str, note: str = "") -> dict:
         ends.append({"by": cfg.agent, "note": note, "at": now})
         return dataclasses.replace(it, trust={**it.trust, "endorsements": ends}, updated_at=now)
 
-    item, write = change_item(cfg, scope, item_id, apply, f"{cfg.agent} endorses {item_id}",
+    return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} endorses {item_id}", "endorsed")
+
+
+def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | None],
+                     message: str, status: str) -> dict:
+    """Apply a change to an item in whichever scope holds it; the tool's answer."""
+    scope, _ = locate(cfg, item_id)
+    item, write = change_item(cfg, scope, item_id, change, message,
                               org_branch=ORG_UPDATES_BRANCH)
-    out = {"status": "endorsed", "scope": scope, "item": item_view(item)}
+    out = {"status": status, "scope": scope, "item": item_view(item)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
     return out
@@ -3709,19 +3715,13 @@ def verify_entry(item_id: str, note: str = "") -> dict:
     cfg = require_config()
     item_id = _check_id(item_id)
     note = _clean_text(note, "note", MAX_WHY_CHARS)
-    scope, _ = locate(cfg, item_id)
     now = _now()
 
     def apply(it: Item) -> Item:
         checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
         return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now)
 
-    item, write = change_item(cfg, scope, item_id, apply, f"{cfg.agent} verifies {item_id}",
-                              org_branch=ORG_UPDATES_BRANCH)
-    out = {"status": "verified", "scope": scope, "item": item_view(item)}
-    if write and write.pr_url:
-        out["pr_url"] = write.pr_url
-    return out
+    return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
 
 
 def stale_report(project: str | None = None, older_than_days: int | None = None) -> dict:
@@ -3759,7 +3759,6 @@ def deprecate(item_id: str, reason: str) -> dict:
     cfg = require_config()
     item_id = _check_id(item_id)
     reason = _clean_text(reason, "reason", MAX_WHY_CHARS, required=True)
-    scope, _ = locate(cfg, item_id)
     now = _now()
 
     def apply(it: Item) -> Item | None:
@@ -3768,12 +3767,8 @@ def deprecate(item_id: str, reason: str) -> dict:
         return dataclasses.replace(it, status="deprecated", updated_at=now,
                                    deprecated={"by": cfg.agent, "at": now, "reason": reason})
 
-    item, write = change_item(cfg, scope, item_id, apply, f"{cfg.agent} deprecates {item_id}",
-                              org_branch=ORG_UPDATES_BRANCH)
-    out = {"status": "deprecated", "scope": scope, "item": item_view(item)}
-    if write and write.pr_url:
-        out["pr_url"] = write.pr_url
-    return out
+    return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} deprecates {item_id}",
+                            "deprecated")
 
 
 def import_memory(source: str, path: str) -> dict:
