@@ -1881,6 +1881,22 @@ def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
     assert asyncio.run(_mcp_session(env, body))
 
 
+def test_mcp_server_publishes_team_credits_on_clean_shutdown(shared):
+    item_id = _endorsed("Page the on-call owner for sev-1 incidents", "page owners")
+    cs.promote()
+    env = {**_mcp_env(shared["a"]), "CAMBIUM_AGENT_ID": "carol",
+           "CAMBIUM_FETCH_INTERVAL": "0.001", "GIT_CONFIG_NOSYSTEM": "1"}
+
+    async def body(session, init):
+        res = await session.call_tool("recall", {"query": "page on-call sev-1"})
+        assert res.structured_content["results"][0]["id"] == item_id
+        return True
+
+    assert asyncio.run(_mcp_session(env, body))
+    stored = remote_json(shared["origin"], "cambium")["items"][0]["trust"]
+    assert stored["recalls"] == 1 and "carol" in stored["recalled_by"]
+
+
 # =============================================================================
 # CLI
 # =============================================================================
