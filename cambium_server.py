@@ -1155,7 +1155,7 @@ class GitStore(Store):
         self.extra_files = extra_files
         self.usage_path = usage_path
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
-        self._warnings: list[str] = []
+        self._warnings: list[str] = []            # this instance's read notes
         self._state = _GIT_CACHE.setdefault((str(repo), remote, branch), {})
 
     # -- plumbing ---------------------------------------------------------------
@@ -1171,36 +1171,69 @@ class GitStore(Store):
         base = gitdir if gitdir.is_dir() else self.repo
         return base / "cambium" / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
 
-    def fetch(self, force: bool = False) -> str | None:
-        """Fetch the branch into our private ref if due; return the tip (None: no branch)."""
-        with self._state.setdefault("lock", threading.Lock()):
-            return self._fetch(force)
+    def fetch(self, force: bool = False, background: bool = False) -> str | None:
+        """The scope's tip (None: no branch yet), fetching first when due.
 
-    def _fetch(self, force: bool) -> str | None:
-        now = time.time()
+        force: fetch now (writes). background: when a fetch is due but a tip is
+        already known, refresh in a background thread and answer with the known
+        tip at once, so a slow or unreachable remote never stalls a read. A read
+        that fails to fetch falls back to the last fetched tip with a warning.
+        """
+        state = self._state
+        with state.setdefault("lock", threading.Lock()):
+            last = state.get("fetched_at", 0.0)
+            with contextlib.suppress(OSError):
+                last = max(last, self._stamp().stat().st_mtime)   # another process fetched
+            due = force or time.time() - last >= self.fetch_interval_s
+            if due and background and "tip" in state:
+                if not state.get("refreshing"):
+                    state["refreshing"] = True
+                    threading.Thread(target=self._refresh, daemon=True).start()
+                due = False
+            if due:
+                try:
+                    self._fetch_now()
+                except GitError as e:
+                    state["fetched_at"] = time.time()       # don't hammer a dead remote
+                    if force or self.local_tip() is None:
+                        raise
+                    self._warnings.append(f"{self.scope} scope may be behind: {e}")
+            if "tip" not in state:
+                state["tip"] = self.local_tip()
+            return state["tip"]
+
+    def _refresh(self) -> None:
+        try:
+            with self._state["lock"]:
+                self._fetch_now()
+                self._state["tip"] = self.local_tip()
+        except GitError as e:
+            self._state["fetch_error"] = str(e)
+        finally:
+            self._state["refreshing"] = False
+
+    def local_tip(self) -> str | None:
+        proc = self.git("rev-parse", "--verify", "--quiet", self.ref + "^{commit}", check=False)
+        return proc.stdout.strip() or None
+
+    def _fetch_now(self) -> None:
+        """Fetch the branch into the private ref (a missing branch clears it)."""
+        proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+                        f"+refs/heads/{self.branch}:{self.ref}", check=False)
+        if proc.returncode != 0:
+            err = proc.stderr or ""
+            if "couldn't find remote ref" in err or "could not find remote ref" in err:
+                self.git("update-ref", "-d", self.ref, check=False)
+            else:
+                raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
+        self._state["fetched_at"] = time.time()
+        self._state.pop("fetch_error", None)
         stamp = self._stamp()
-        last = self._state.get("fetched_at", 0.0)
-        with contextlib.suppress(OSError):
-            last = max(last, stamp.stat().st_mtime)      # another process fetched
-        if force or now - last >= self.fetch_interval_s:
-            proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
-                            f"+refs/heads/{self.branch}:{self.ref}", check=False)
-            if proc.returncode != 0:
-                err = proc.stderr or ""
-                if "couldn't find remote ref" in err or "could not find remote ref" in err:
-                    self.git("update-ref", "-d", self.ref, check=False)
-                else:
-                    raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
-            self._state["fetched_at"] = now
-            stamp.parent.mkdir(parents=True, exist_ok=True)
-            stamp.touch()
-            self._state.pop("tip", None)
-        if "tip" not in self._state:
-            proc = self.git("rev-parse", "--verify", "--quiet", self.ref + "^{commit}", check=False)
-            self._state["tip"] = proc.stdout.strip() or None
-        return self._state["tip"]
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+        self._state.pop("tip", None)
 
-    def _doc_at(self, commit: str | None) -> Doc:
+    def doc_at(self, commit: str | None) -> Doc:
         """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
         if commit is None:
             return Doc(items=[])
@@ -1217,9 +1250,14 @@ class GitStore(Store):
         self._state["doc"] = (commit, doc)
         return doc
 
-    def read(self) -> Doc:
-        """The scope's items; raises GitError (unreachable) or CorruptStore."""
-        return self._doc_at(self.fetch())
+    def read(self, background: bool = False) -> Doc:
+        """The scope's items; raises GitError (unreachable, nothing fetched before)
+        or CorruptStore. background: see fetch()."""
+        doc = self.doc_at(self.fetch(background=background))
+        if self._state.get("fetch_error"):
+            self._warnings.append(f"{self.scope} scope may be behind: "
+                                  f"{self._state['fetch_error']}")
+        return doc
 
     def default_tip(self) -> str | None:
         """The remote default branch's tip (fetched), the parent of a new branch."""
@@ -1305,7 +1343,7 @@ class GitStore(Store):
                 side = branch is not None and branch != self.branch
                 side_tip = self._remote_branch_tip(branch) if side else None
                 base = side_tip or tip
-                doc = self._doc_at(base)
+                doc = self.doc_at(base)
                 pending, commit_usage = (take_usage(self.usage_path, self.scope)
                                          if self.usage_path and not side else ([], lambda: None))
                 folded = fold_usage(doc, pending) or doc
@@ -1348,6 +1386,10 @@ class GitStore(Store):
         if proc.returncode != 0:
             return None
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
+
+    @property
+    def warnings(self) -> list[str]:
+        return list(self._warnings)
 
     def sync_checkout(self) -> None:
         """Hard-sync a dedicated clone's checkout to the scope tip (the org clone)."""
@@ -2916,9 +2958,11 @@ def shared_store(cfg: Config, scope: str) -> GitStore:
     return store
 
 
-def read_scopes(cfg: Config, scopes: Iterable[str]) -> tuple[dict[str, Doc], list[str]]:
+def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
+                ) -> tuple[dict[str, Doc], list[str]]:
     """Docs of the readable scopes among `scopes`; an unreadable one is skipped
-    with a warning (a corrupt file or an unreachable remote never hides the rest)."""
+    with a warning (a corrupt file or an unreachable remote never hides the rest).
+    background: refresh remote scopes in the background (recall's hot path)."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     for scope in scopes:
@@ -2931,7 +2975,8 @@ def read_scopes(cfg: Config, scopes: Iterable[str]) -> tuple[dict[str, Doc], lis
             store = team_store(cfg) if scope == "team" else org_store(cfg)
             if store is None:
                 continue
-            docs[scope] = store.read()
+            docs[scope] = store.read(background=background)
+            warnings += store.warnings
             if scope == "org":
                 store.sync_checkout()
         except CorruptStore as e:
@@ -3129,12 +3174,18 @@ def _shared_scope_status(cfg: Config) -> dict:
         if scope == "org":
             info["mode"] = "pull request" if cfg.org_pr else "direct push"
         try:
-            doc = store.read()
-            info.update(reachable=True, items=len(doc.items), by_type=_count(doc))
-        except CorruptStore as e:
-            info.update(reachable=True, error=f"{e}; writes to {scope} scope are refused")
+            tip = store.fetch(force=True)
+            info["reachable"] = True
         except GitError as e:
+            tip = store.local_tip()
             info.update(reachable=False, error=str(e))
+        try:
+            doc = store.doc_at(tip)
+            info.update(items=len(doc.items), by_type=_count(doc))
+            if not info["reachable"] and tip:
+                info["note"] = "counts from the last successful fetch"
+        except CorruptStore as e:
+            info["error"] = f"{e}; writes to {scope} scope are refused"
         out[scope] = info
     return out
 
@@ -3320,7 +3371,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
         shared_store(cfg, scope)                   # asked for a scope that is off: say so
-    docs, warnings = read_scopes(cfg, scopes)
+    docs, warnings = read_scopes(cfg, scopes, background=_FLUSH["enabled"])
     if scope in ("team", "org") and scope not in docs:
         raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
     items = federated_items(docs)

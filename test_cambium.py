@@ -729,6 +729,18 @@ def test_status_reports_scopes_and_reachability(shared, monkeypatch):
     assert st["scopes"]["team"]["reachable"] is False and "error" in st["scopes"]["team"]
 
 
+def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared):
+    item_id = _endorsed("Cache invalidation goes through the event bus", "bus")
+    cs.promote()
+    cs._GIT_CACHE.clear()                                # a new process, same clone
+    git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    res = cs.recall("cache invalidation event bus")
+    assert res["results"][0]["id"] == item_id and res["results"][0]["scope"] == "team"
+    assert any("team scope may be behind" in w for w in res["warnings"])
+    with pytest.raises(cs.GitError):                     # a write still needs the remote
+        cs.endorse(item_id, note="x")
+
+
 # =============================================================================
 # Lifecycle: the org gate, promotion to org, PR mode, generalize, review
 # =============================================================================
