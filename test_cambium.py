@@ -47,6 +47,9 @@ def hermetic(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_AUTHOR_EMAIL", "test@example.invalid")
     monkeypatch.setenv("GIT_COMMITTER_NAME", "Test")
     monkeypatch.setenv("GIT_COMMITTER_EMAIL", "test@example.invalid")
+    # The suite pins lexical recall (deterministic BM25 properties); the semantic
+    # tests opt back in with the `semantic` fixture.
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
     monkeypatch.chdir(tmp_path)
     cs._STORES.clear()
     yield
