@@ -1572,8 +1572,10 @@ ABSTAIN_FOREIGN = 0.4  #: share of query terms absent from the store that signal
 ABSTAIN_FOREIGN_FLOOR = 0.36  #: ...then the top item must cover at least this much
 SEM_LEXICAL_WEIGHT = 0.1  #: semantic score = cosine + this x BM25 / the query's best BM25
 SEM_TAIL_DISCOUNT = 0.08  #: a tail window's cosine counts this much less than the first's
-SEM_ABSTAIN = 0.34        #: semantic mode abstains when the best score is below this
-                          #: (tuned on ../shared/quality/dev: <= 5% of answerable queries)
+SEM_BASELINE_PRIOR = 0.1  #: a query's similarity to an arbitrary item, before the store says
+SEM_BASELINE_ITEMS = 20   #: ...and how many items that prior weighs
+SEM_ABSTAIN = 0.225       #: semantic mode abstains when the best score beats the query's
+                          #: baseline by less (tuned on ../shared/quality/dev)
 
 
 def stem(word: str) -> str:
@@ -1733,8 +1735,8 @@ class Ranking:
     note: str | None = None              # why recall is lexical, said once
 
     def abstains(self) -> bool:
-        """Honest abstention. Semantic: the best blended similarity is below
-        SEM_ABSTAIN. Lexical: too little of the query matched, or the query is
+        """Honest abstention. Semantic: the best score beats the query's baseline
+        (its mean score over the store) by less than SEM_ABSTAIN. Lexical: too little of the query matched, or the query is
         mostly about words the store has never seen and the match is thin."""
         if self.mode == "semantic":
             return not self.hits or self.confidence < SEM_ABSTAIN
@@ -2409,7 +2411,8 @@ class Semantic:
         An item's similarity is the best of its windows' cosines (tail windows
         discounted by SEM_TAIL_DISCOUNT); score = similarity + SEM_LEXICAL_WEIGHT
         x BM25 / the query's best BM25. Items without vectors yet are left out,
-        except lexical top hits, which are embedded on the spot. Raises
+        except lexical top hits, which are embedded on the spot. A hit's
+        confidence is its score minus the query's baseline (see abstains()). Raises
         SemanticUnavailable when the model cannot be used."""
         emb = self.ready()
         np = emb.np
@@ -2438,13 +2441,19 @@ class Semantic:
             slots = np.fromiter(lex.keys(), np.int64, len(lex))
             vals = np.fromiter(lex.values(), np.float32, len(lex))
             score[slots] += SEM_LEXICAL_WEIGHT * vals / vals.max()
-        k = min(limit, int(np.isfinite(score).sum()))
+        finite = np.isfinite(score)
+        k = min(limit, int(finite.sum()))
         if k == 0:
             return Ranking([], 0.0, foreign, mode="semantic")
+        # Calibrate: some queries resemble everything in a store (generic
+        # engineering words), some nothing. Relevance is the margin over the
+        # query's mean score, shrunk toward a prior so a small store works too.
+        baseline = ((float(score[finite].sum()) + SEM_BASELINE_PRIOR * SEM_BASELINE_ITEMS)
+                    / (int(finite.sum()) + SEM_BASELINE_ITEMS))
         top = np.argpartition(-score, k - 1)[:k]
         top = top[np.lexsort((top, -score[top]))]
         hits = [Hit(index.items[i], float(lex.get(int(i), 0.0)),
-                    max(0.0, min(1.0, float(score[i])))) for i in top]
+                    max(0.0, min(1.0, float(score[i]) - baseline))) for i in top]
         return Ranking(hits, hits[0].confidence, foreign, mode="semantic")
 
 
