@@ -2191,19 +2191,22 @@ class Index:
         """Whether a live item already has this content key."""
         return key in self.keys
 
-    def sync(self, items: list) -> Index:
-        """Bring the index in line with `items`; returns self (or a rebuilt index)."""
+    def sync(self, items: list, *, fresh: bool = False) -> Index:
+        """Bring the index in line with `items`; returns self, or a rebuilt index
+        when dead slots pile up or the average length drifts from the one the
+        precomputed norms assume (fresh: this is that rebuild; don't recurse)."""
         if items is self.source:
             return self
         src = self.source
-        if src is not None and len(items) >= len(src) and all(map(operator.is_, items, src)):
+        if src is not None and self.norm_avg and len(items) >= len(src) \
+                and all(map(operator.is_, items, src)):
             for it in items[len(src):]:                # appended only: the common case
                 if it.active:
                     if it.id in self.slot_of:
                         self._kill(self.slot_of[it.id])
                     self._add(it)
             self.source = items
-            return self
+            return Index().sync(items, fresh=True) if self._drifted() else self
         if not self.live:                              # norms assume a sampled average
             sample = [it for it in items[:: max(1, len(items) // 512)] if it.active]
             lens = [sum(item_terms(it).values()) for it in sample]
@@ -2225,13 +2228,15 @@ class Index:
                 if self.items[slot] is not None:
                     self._kill(slot)
                 del self.slot_of[item_id]
-        drifted = self.live and abs(self.avg_len - self.norm_avg) > 0.15 * self.norm_avg
-        if (len(self.items) > 64 and self.live < len(self.items) // 2) or drifted:
-            fresh = Index()
-            fresh.sync(items)
-            return fresh
         self.source = items
+        if fresh:
+            return self
+        if (len(self.items) > 64 and self.live < len(self.items) // 2) or self._drifted():
+            return Index().sync(items, fresh=True)
         return self
+
+    def _drifted(self) -> bool:
+        return bool(self.live) and abs(self.avg_len - self.norm_avg) > 0.15 * self.norm_avg
 
     @property
     def dead(self) -> int:

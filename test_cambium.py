@@ -385,6 +385,21 @@ def test_recall_tags_weigh_more_than_body(repo):
     assert body["item"]["id"] in [r["id"] for r in res["results"]]
 
 
+def test_index_grown_from_empty_scores_like_a_fresh_build():
+    items = [cs.new_item(f"note {i} about " + " ".join(["caching"] * (i % 7 + 1)) +
+                         (" with a very long tail of words" * (i % 3)), tags="x")
+             for i in range(40)]
+    grown = cs.Index().sync([])
+    for n in range(1, len(items) + 1):
+        grown = grown.sync(items[:n])
+    fresh = cs.build_index(items)
+    a = cs.score_query(grown, "caching tail", 10)
+    b = cs.score_query(fresh, "caching tail", 10)
+    assert [h.item.id for h in a.hits] == [h.item.id for h in b.hits]
+    for x, y in zip(a.hits, b.hits):
+        assert abs(x.score - y.score) < 0.15 * y.score
+
+
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     a = cs.capture("feature flags live in the flags service", tags="flags")
     for _ in range(3):
