@@ -308,6 +308,26 @@ class Doc:
     raw: dict = field(default_factory=dict)          # unknown top-level keys, kept
 
 
+@dataclass
+class Draft:
+    """An item a source wants to create, with its dedupe key (None: content hash)."""
+    content: Any
+    why: Any = ""
+    type: str = "memory"
+    kind: str = "note"
+    tags: Any = None
+    source: dict | None = None
+    valid_while: Any = None
+    key: str | None = None
+
+
+@dataclass
+class Skip:
+    """A record a source (adapter or reader) could not use, with where and why."""
+    where: str
+    reason: str
+
+
 # =============================================================================
 # Write-time normalization
 # Every item enters through new_item(): mojibake repaired once, whitespace
@@ -1423,97 +1443,6 @@ class GitStore(Store):
 
 
 _GIT_CACHE: dict[tuple, dict] = {}
-
-
-# =============================================================================
-# Ingest: the one path items take into the local store
-# Every source (capture, import adapters, distill readers) yields Drafts; ingest
-# normalizes each through new_item() and dedupes on a watermark key kept in
-# the local store's meta, so a source record lands at most once, ever.
-# =============================================================================
-
-
-@dataclass
-class Draft:
-    """An item a source wants to create, with its dedupe key (None: content hash)."""
-    content: Any
-    why: Any = ""
-    type: str = "memory"
-    kind: str = "note"
-    tags: Any = None
-    source: dict | None = None
-    valid_while: Any = None
-    key: str | None = None
-
-
-@dataclass
-class Skip:
-    """A record a source (adapter or reader) could not use, with where and why."""
-    where: str
-    reason: str
-
-
-@dataclass
-class IngestResult:
-    imported: list = field(default_factory=list)     # new Items
-    duplicates: int = 0
-    skipped: list = field(default_factory=list)      # (label, reason)
-
-
-def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
-           on_progress: Callable[[int], None] | None = None) -> IngestResult:
-    """Create items from drafts in one locked write; skip watermarked duplicates.
-
-    A draft that fails validation is skipped with its reason, not fatal, unless
-    it is the only one (capture wants the error).
-    """
-    stamp = now or _now()
-    prepared: list[tuple[str, Item]] = []
-    result = IngestResult()
-    for n, d in enumerate(drafts, 1):
-        try:
-            item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
-                            project=cfg.project, agent=cfg.agent, source=d.source,
-                            valid_while=d.valid_while, now=stamp)
-        except InputError as e:
-            result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
-            continue
-        prepared.append((d.key, item))
-        if on_progress and n % 500 == 0:
-            on_progress(n)
-
-    store_key = str(local_store(cfg).path)
-
-    def apply(doc: Doc) -> Doc | None:
-        marks = doc.meta.get("watermarks") or {}
-        index: Index | None = None           # built only if a draft passes the watermarks
-        live: set[str] = set()
-        fresh: list[Item] = []
-        new_marks = dict(marks)
-        dups = 0
-        for key, item in prepared:
-            if key and key in new_marks:
-                dups += 1
-                continue
-            ckey = content_key(item)
-            if index is None and ckey not in live:
-                index = store_index(store_key, doc.items)
-            if ckey in live or (index is not None and index.says(ckey)):
-                dups += 1
-                continue
-            if key:
-                new_marks[key] = item.id
-            live.add(ckey)
-            fresh.append(item)
-        result.imported, result.duplicates = fresh, dups
-        if not fresh:
-            return None
-        return Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
-                   raw=doc.raw)
-
-    if prepared:
-        mutate_local(cfg, apply, f"ingest {len(prepared)} items")
-    return result
 
 
 # =============================================================================
@@ -3015,6 +2944,157 @@ def _save_vector_caches() -> None:
 
 
 # =============================================================================
+# Recall: ranking
+# One entry point for every recall: semantic when the extra loads, lexical
+# otherwise, over an index kept in step with each store (or scope set).
+# =============================================================================
+
+
+def rank(index: Index, query: str, limit: int, *, engine: Semantic | None = None) -> Ranking:
+    """The recall ranking for a query over an index, whatever its scope.
+
+    Semantic (cosine blended with BM25, vectors cached in this repo's
+    .cambium/vectors/) when CAMBIUM_RECALL_MODE is auto or semantic and the
+    extra loads; else lexical BM25, with a note saying why the first time
+    (every time when semantic was asked for explicitly). `engine` overrides
+    the configured one (tests)."""
+    query = repair_mojibake(query)
+    cfg = resolve_config()
+    mode = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
+    note = None
+    if engine is None and mode != "lexical":
+        engine = semantic_engine(cfg.local_dir / VECTORS_DIR if cfg.repo else None)
+    if engine is not None:
+        try:
+            return engine.rank(index, query, limit)
+        except SemanticUnavailable as e:
+            note = _fallback_note(str(e), always=mode == "semantic")
+    ranking = score_query(index, query, limit)
+    ranking.note = note
+    return ranking
+
+
+_NOTED: set[str] = set()
+
+
+def _fallback_note(reason: str, *, always: bool) -> str | None:
+    """'recall is lexical because ...', the first time per reason (or always)."""
+    if reason in _NOTED and not always:
+        return None
+    _NOTED.add(reason)
+    extra = f" To add it: {SEMANTIC_PITCH}." if "not installed" in reason else ""
+    return f"Recall is lexical (shared words only): {reason}.{extra}"
+
+
+def recall_mode_report(cfg: Config) -> dict:
+    """status()'s account of recall: the mode, why, and what the extra adds.
+    Never loads the model (status must stay fast and stdlib-only)."""
+    setting = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
+    missing = semantic_extra_missing()
+    if setting == "lexical" or missing or _EMBEDDER_ERROR:
+        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else _EMBEDDER_ERROR
+               or "the semantic extra is not installed (missing: " + ", ".join(missing) + ")")
+        return {"recall_mode": "lexical", "recall_mode_reason": why,
+                "semantic_extra": SEMANTIC_PITCH if missing else "installed"}
+    eng = _ENGINES.get(str(cfg.local_dir / VECTORS_DIR))
+    info: dict[str, Any] = {"model": "all-MiniLM-L6-v2 (int8 ONNX, offline)",
+                            "loaded": _EMBEDDER is not None,
+                            "vector_cache": str(cfg.local_dir / VECTORS_DIR)}
+    if _EMBEDDER is None:
+        info["note"] = "the model loads on the first recall (about 0.3 s)"
+    if eng is not None and eng.cache is not None:
+        info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
+                    embedded_this_process=eng.embedded)
+        if eng.cache.discarded:
+            info["cache_discarded"] = eng.cache.discarded
+    return {"recall_mode": "semantic", "semantic": info}
+
+
+_INDEXES: dict[str, Index] = {}
+_INDEX_GUARD = threading.Lock()
+
+
+def store_index(key: str, items: list) -> Index:
+    """The live index for one store, synced to its current items."""
+    with _INDEX_GUARD:
+        index = _INDEXES.get(key) or Index()
+        index = index.sync(items)
+        _INDEXES[key] = index
+        return index
+
+
+# =============================================================================
+# Ingest: the one path items take into the local store
+# Every source (capture, import adapters, distill readers) yields Drafts; ingest
+# normalizes each through new_item() and dedupes on a watermark key kept in
+# the local store's meta, so a source record lands at most once, ever.
+# =============================================================================
+
+
+@dataclass
+class IngestResult:
+    imported: list = field(default_factory=list)     # new Items
+    duplicates: int = 0
+    skipped: list = field(default_factory=list)      # (label, reason)
+
+
+def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
+           on_progress: Callable[[int], None] | None = None) -> IngestResult:
+    """Create items from drafts in one locked write; skip watermarked duplicates.
+
+    A draft that fails validation is skipped with its reason, not fatal, unless
+    it is the only one (capture wants the error).
+    """
+    stamp = now or _now()
+    prepared: list[tuple[str, Item]] = []
+    result = IngestResult()
+    for n, d in enumerate(drafts, 1):
+        try:
+            item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
+                            project=cfg.project, agent=cfg.agent, source=d.source,
+                            valid_while=d.valid_while, now=stamp)
+        except InputError as e:
+            result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
+            continue
+        prepared.append((d.key, item))
+        if on_progress and n % 500 == 0:
+            on_progress(n)
+
+    store_key = str(local_store(cfg).path)
+
+    def apply(doc: Doc) -> Doc | None:
+        marks = doc.meta.get("watermarks") or {}
+        index: Index | None = None           # built only if a draft passes the watermarks
+        live: set[str] = set()
+        fresh: list[Item] = []
+        new_marks = dict(marks)
+        dups = 0
+        for key, item in prepared:
+            if key and key in new_marks:
+                dups += 1
+                continue
+            ckey = content_key(item)
+            if index is None and ckey not in live:
+                index = store_index(store_key, doc.items)
+            if ckey in live or (index is not None and index.says(ckey)):
+                dups += 1
+                continue
+            if key:
+                new_marks[key] = item.id
+            live.add(ckey)
+            fresh.append(item)
+        result.imported, result.duplicates = fresh, dups
+        if not fresh:
+            return None
+        return Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
+                   raw=doc.raw)
+
+    if prepared:
+        mutate_local(cfg, apply, f"ingest {len(prepared)} items")
+    return result
+
+
+# =============================================================================
 # Lifecycle: trust, promotion gates and staleness decisions (pure)
 # Functions of their inputs only (items, trust, thresholds, now): no file, env
 # or clock. The tools below do the I/O around them.
@@ -3226,6 +3306,245 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
              "shared_terms": shared[:8],
              "next_step": f'verify_entry("{it.id}") if it still holds'}
             for _, _, _, it, shared in ranked[:limit]]
+
+
+# =============================================================================
+# Scopes: shared helpers
+# =============================================================================
+
+
+def _find_item(doc: Doc, item_id: str) -> tuple[int, Item] | None:
+    for i, it in enumerate(doc.items):
+        if it.id == item_id:
+            return i, it
+    return None
+
+
+def _replace_item(doc: Doc, index: int, item: Item) -> Doc:
+    items = list(doc.items)
+    items[index] = item
+    return dataclasses.replace(doc, items=items)
+
+
+def _check_id(item_id: Any) -> str:
+    if not isinstance(item_id, str) or not re.fullmatch(r"[\w.\-:]{1,80}", item_id or ""):
+        raise InputError(f"item_id {item_id!r} is not a cambium id (like k-1a2b3c4d5e6f); "
+                         "recall lists ids.")
+    return item_id
+
+
+def item_view(item: Item, *, trust: dict | None = None) -> dict:
+    """The public JSON of an item in tool results."""
+    trust = trust or item.trust
+    out = {
+        "id": item.id, "type": item.type, "kind": item.kind, "content": item.content,
+        "why": item.why, "tags": item.tags, "scope": item.scope, "project": item.project,
+        "source": item.source, "created_by": item.created_by, "created_at": item.created_at,
+        "status": item.status, "recalls": trust.get("recalls", 0),
+        "endorsements": len(trust.get("endorsements", [])),
+        "projects": trust.get("projects", []),
+    }
+    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated"):
+        v = getattr(item, k)
+        if v is not None:
+            out[k] = v
+    notes = endorsement_notes(item)
+    if notes:
+        out["endorsed_as"] = notes
+    return out
+
+
+def _today() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d")
+
+
+# =============================================================================
+# Scopes: the three together
+# Accessors for each scope's store, a federated read that skips (and reports)
+# a scope it cannot read, and one way to change an item wherever it lives.
+# =============================================================================
+
+ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements etc.
+ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
+
+
+def team_store(cfg: Config) -> GitStore | None:
+    """The team scope's store, or None when the project repo has no such remote."""
+    if not _has_remote(cfg.repo, cfg.remote, cfg.git_timeout_s):
+        return None
+    return GitStore("team", cfg.repo, cfg.remote, cfg.team_branch,
+                    timeout_s=cfg.git_timeout_s, fetch_interval_s=cfg.fetch_interval_s,
+                    agent=cfg.agent, usage_path=_usage_path(cfg))
+
+
+def org_store(cfg: Config) -> GitStore | None:
+    """The org scope's store (default branch of the org clone's origin), or None if off."""
+    org = cfg.org_repo
+    if org is None:
+        return None
+    if not (org / ".git").exists():
+        raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
+                          "knowledge repo there or fix the setting (status() shows it).")
+    if not _has_remote(org, "origin", cfg.git_timeout_s):
+        raise ConfigError(f"the org clone {org} has no 'origin' remote to publish to.")
+    key = ("org-default", str(org))
+    branch = _GIT_CACHE.setdefault(key, {}).get("branch")
+    if branch is None:
+        proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
+                    cfg.git_timeout_s, check=False)
+        branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
+        if not branch:
+            proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org,
+                        cfg.git_timeout_s)
+            heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
+            branch = heads[0].removeprefix("refs/heads/") if heads else "main"
+        _GIT_CACHE[key]["branch"] = branch
+    return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
+                    fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
+                    extra_files=org_markdown)
+
+
+def shared_store(cfg: Config, scope: str) -> GitStore:
+    """team_store/org_store, or a ConfigError saying how to turn the scope on."""
+    store = team_store(cfg) if scope == "team" else org_store(cfg)
+    if store is None:
+        if scope == "team":
+            raise ConfigError(f"team scope needs a git remote {cfg.remote!r} in {cfg.repo}; "
+                              "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
+        raise ConfigError("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
+    return store
+
+
+def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
+                ) -> tuple[dict[str, Doc], list[str]]:
+    """Docs of the readable scopes among `scopes`; an unreadable one is skipped
+    with a warning (a corrupt file or an unreachable remote never hides the rest).
+    background: refresh remote scopes in the background (recall's hot path)."""
+    docs: dict[str, Doc] = {}
+    warnings: list[str] = []
+    for scope in scopes:
+        if scope == "local":
+            store = local_store(cfg)
+            docs["local"] = store.read()
+            warnings += store.warnings
+            continue
+        try:
+            store = team_store(cfg) if scope == "team" else org_store(cfg)
+            if store is None:
+                continue
+            docs[scope] = store.read(background=background)
+            warnings += store.warnings
+            if scope == "org":
+                store.sync_checkout()
+        except CorruptStore as e:
+            warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
+                            "by hand (writes to that scope are refused until then).")
+        except (GitError, ConfigError) as e:
+            warnings.append(f"{scope} scope skipped: {e}")
+    return docs, warnings
+
+
+def federated_items(docs: dict[str, Doc]) -> list[Item]:
+    """Active items across scopes, org first; an id present in two scopes (a
+    move in flight) is shown once, from the higher scope."""
+    present = [s for s in reversed(SCOPES) if s in docs]
+    if len(present) == 1:
+        return docs[present[0]].items
+    seen: set[str] = set()
+    out: list[Item] = []
+    for scope in present:
+        for it in docs[scope].items:
+            if it.id not in seen:
+                seen.add(it.id)
+                out.append(it)
+    return out
+
+
+def locate(cfg: Config, item_id: str) -> tuple[str, Item]:
+    """(scope, item) for an id, searching local, then team, then org."""
+    docs, warnings = read_scopes(cfg, SCOPES)
+    for scope in SCOPES:
+        hit = _find_item(docs[scope], item_id) if scope in docs else None
+        if hit:
+            return scope, hit[1]
+    extra = f" ({'; '.join(warnings)})" if warnings else ""
+    raise NotFound(f"No item {item_id} in any readable scope{extra}; recall lists ids.")
+
+
+def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], Item | None],
+                message: str, *, org_branch: str | None = None) -> tuple[Item, Write | None]:
+    """Apply change(item) -> new item (None: nothing to do) where the item lives.
+
+    Local writes go through the lock; team and org through the CAS push; org in
+    PR mode onto `org_branch` (a shared PR branch). Returns the new item and
+    the shared-scope write (None for local).
+    """
+    result: dict[str, Item] = {}
+
+    def apply(doc: Doc) -> Doc | None:
+        hit = _find_item(doc, item_id)
+        if hit is None:
+            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+        i, it = hit
+        new = change(it)
+        result["item"] = new or it
+        return None if new is None else _replace_item(doc, i, new)
+
+    if scope == "local":
+        mutate_local(cfg, apply, message)
+        return result["item"], None
+    store = shared_store(cfg, scope)
+    branch = org_branch if scope == "org" and cfg.org_pr else None
+    write = store.mutate(apply, f"cambium: {message}", branch=branch)
+    if branch and write.commit:
+        write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
+                               "Opened by cambium. Review is the gate; merge to publish.")
+    return result["item"], write
+
+
+def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
+    """The URL of the open pull request for `branch`, opening one with gh if needed."""
+    timeout = cfg.git_timeout_s
+    env = {**_git_env(), "GH_PROMPT_DISABLED": "1", "GH_NO_UPDATE_NOTIFIER": "1"}
+    listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
+                   "--jq", ".[0].url"], store.repo, timeout, env=env)
+    url = listed.stdout.strip()
+    if url:
+        return url
+    made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
+                 "--title", title, "--body", body], store.repo, timeout, env=env)
+    urls = re.findall(r"https?://\S+", made.stdout)
+    if not urls:
+        raise GitError(["gh", "pr", "create"], made.returncode,
+                       f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
+    return urls[-1]
+
+
+def settle_org_prs(cfg: Config) -> list[str]:
+    """Finish moves whose org pull request has merged: once org scope holds the
+    item, drop the source copy that waited (annotated with pr_url). Returns ids."""
+    if cfg.org_repo is None:
+        return []
+    docs, _ = read_scopes(cfg, SCOPES)
+    if "org" not in docs:
+        return []
+    in_org = {it.id for it in docs["org"].items}
+    settled: list[str] = []
+    for scope in ("local", "team"):
+        if scope not in docs:
+            continue
+        done = {it.id for it in docs[scope].items if it.pr_url and it.id in in_org}
+        if not done:
+            continue
+        drop = lambda d, done=done: dataclasses.replace(  # noqa: E731
+            d, items=[i for i in d.items if i.id not in done]) \
+            if any(i.id in done for i in d.items) else None
+        if scope == "local":
+            mutate_local(cfg, drop, "settle merged org PRs")
+        else:
+            shared_store(cfg, "team").mutate(drop, "cambium: settle merged org PRs")
+        settled += sorted(done)
+    return settled
 
 
 # =============================================================================
@@ -3586,245 +3905,6 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
 
 
 # =============================================================================
-# Tools: shared helpers
-# =============================================================================
-
-
-def _find_item(doc: Doc, item_id: str) -> tuple[int, Item] | None:
-    for i, it in enumerate(doc.items):
-        if it.id == item_id:
-            return i, it
-    return None
-
-
-def _replace_item(doc: Doc, index: int, item: Item) -> Doc:
-    items = list(doc.items)
-    items[index] = item
-    return dataclasses.replace(doc, items=items)
-
-
-def _check_id(item_id: Any) -> str:
-    if not isinstance(item_id, str) or not re.fullmatch(r"[\w.\-:]{1,80}", item_id or ""):
-        raise InputError(f"item_id {item_id!r} is not a cambium id (like k-1a2b3c4d5e6f); "
-                         "recall lists ids.")
-    return item_id
-
-
-def item_view(item: Item, *, trust: dict | None = None) -> dict:
-    """The public JSON of an item in tool results."""
-    trust = trust or item.trust
-    out = {
-        "id": item.id, "type": item.type, "kind": item.kind, "content": item.content,
-        "why": item.why, "tags": item.tags, "scope": item.scope, "project": item.project,
-        "source": item.source, "created_by": item.created_by, "created_at": item.created_at,
-        "status": item.status, "recalls": trust.get("recalls", 0),
-        "endorsements": len(trust.get("endorsements", [])),
-        "projects": trust.get("projects", []),
-    }
-    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated"):
-        v = getattr(item, k)
-        if v is not None:
-            out[k] = v
-    notes = endorsement_notes(item)
-    if notes:
-        out["endorsed_as"] = notes
-    return out
-
-
-def _today() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d")
-
-
-# =============================================================================
-# Tools: the three scopes together
-# Accessors for each scope's store, a federated read that skips (and reports)
-# a scope it cannot read, and one way to change an item wherever it lives.
-# =============================================================================
-
-ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements etc.
-ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
-
-
-def team_store(cfg: Config) -> GitStore | None:
-    """The team scope's store, or None when the project repo has no such remote."""
-    if not _has_remote(cfg.repo, cfg.remote, cfg.git_timeout_s):
-        return None
-    return GitStore("team", cfg.repo, cfg.remote, cfg.team_branch,
-                    timeout_s=cfg.git_timeout_s, fetch_interval_s=cfg.fetch_interval_s,
-                    agent=cfg.agent, usage_path=_usage_path(cfg))
-
-
-def org_store(cfg: Config) -> GitStore | None:
-    """The org scope's store (default branch of the org clone's origin), or None if off."""
-    org = cfg.org_repo
-    if org is None:
-        return None
-    if not (org / ".git").exists():
-        raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
-                          "knowledge repo there or fix the setting (status() shows it).")
-    if not _has_remote(org, "origin", cfg.git_timeout_s):
-        raise ConfigError(f"the org clone {org} has no 'origin' remote to publish to.")
-    key = ("org-default", str(org))
-    branch = _GIT_CACHE.setdefault(key, {}).get("branch")
-    if branch is None:
-        proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
-                    cfg.git_timeout_s, check=False)
-        branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
-        if not branch:
-            proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org,
-                        cfg.git_timeout_s)
-            heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
-            branch = heads[0].removeprefix("refs/heads/") if heads else "main"
-        _GIT_CACHE[key]["branch"] = branch
-    return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
-                    fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
-                    extra_files=org_markdown)
-
-
-def shared_store(cfg: Config, scope: str) -> GitStore:
-    """team_store/org_store, or a ConfigError saying how to turn the scope on."""
-    store = team_store(cfg) if scope == "team" else org_store(cfg)
-    if store is None:
-        if scope == "team":
-            raise ConfigError(f"team scope needs a git remote {cfg.remote!r} in {cfg.repo}; "
-                              "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
-        raise ConfigError("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
-    return store
-
-
-def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
-                ) -> tuple[dict[str, Doc], list[str]]:
-    """Docs of the readable scopes among `scopes`; an unreadable one is skipped
-    with a warning (a corrupt file or an unreachable remote never hides the rest).
-    background: refresh remote scopes in the background (recall's hot path)."""
-    docs: dict[str, Doc] = {}
-    warnings: list[str] = []
-    for scope in scopes:
-        if scope == "local":
-            store = local_store(cfg)
-            docs["local"] = store.read()
-            warnings += store.warnings
-            continue
-        try:
-            store = team_store(cfg) if scope == "team" else org_store(cfg)
-            if store is None:
-                continue
-            docs[scope] = store.read(background=background)
-            warnings += store.warnings
-            if scope == "org":
-                store.sync_checkout()
-        except CorruptStore as e:
-            warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
-                            "by hand (writes to that scope are refused until then).")
-        except (GitError, ConfigError) as e:
-            warnings.append(f"{scope} scope skipped: {e}")
-    return docs, warnings
-
-
-def federated_items(docs: dict[str, Doc]) -> list[Item]:
-    """Active items across scopes, org first; an id present in two scopes (a
-    move in flight) is shown once, from the higher scope."""
-    present = [s for s in reversed(SCOPES) if s in docs]
-    if len(present) == 1:
-        return docs[present[0]].items
-    seen: set[str] = set()
-    out: list[Item] = []
-    for scope in present:
-        for it in docs[scope].items:
-            if it.id not in seen:
-                seen.add(it.id)
-                out.append(it)
-    return out
-
-
-def locate(cfg: Config, item_id: str) -> tuple[str, Item]:
-    """(scope, item) for an id, searching local, then team, then org."""
-    docs, warnings = read_scopes(cfg, SCOPES)
-    for scope in SCOPES:
-        hit = _find_item(docs[scope], item_id) if scope in docs else None
-        if hit:
-            return scope, hit[1]
-    extra = f" ({'; '.join(warnings)})" if warnings else ""
-    raise NotFound(f"No item {item_id} in any readable scope{extra}; recall lists ids.")
-
-
-def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], Item | None],
-                message: str, *, org_branch: str | None = None) -> tuple[Item, Write | None]:
-    """Apply change(item) -> new item (None: nothing to do) where the item lives.
-
-    Local writes go through the lock; team and org through the CAS push; org in
-    PR mode onto `org_branch` (a shared PR branch). Returns the new item and
-    the shared-scope write (None for local).
-    """
-    result: dict[str, Item] = {}
-
-    def apply(doc: Doc) -> Doc | None:
-        hit = _find_item(doc, item_id)
-        if hit is None:
-            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
-        i, it = hit
-        new = change(it)
-        result["item"] = new or it
-        return None if new is None else _replace_item(doc, i, new)
-
-    if scope == "local":
-        mutate_local(cfg, apply, message)
-        return result["item"], None
-    store = shared_store(cfg, scope)
-    branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = store.mutate(apply, f"cambium: {message}", branch=branch)
-    if branch and write.commit:
-        write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
-                               "Opened by cambium. Review is the gate; merge to publish.")
-    return result["item"], write
-
-
-def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
-    """The URL of the open pull request for `branch`, opening one with gh if needed."""
-    timeout = cfg.git_timeout_s
-    env = {**_git_env(), "GH_PROMPT_DISABLED": "1", "GH_NO_UPDATE_NOTIFIER": "1"}
-    listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
-                   "--jq", ".[0].url"], store.repo, timeout, env=env)
-    url = listed.stdout.strip()
-    if url:
-        return url
-    made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
-                 "--title", title, "--body", body], store.repo, timeout, env=env)
-    urls = re.findall(r"https?://\S+", made.stdout)
-    if not urls:
-        raise GitError(["gh", "pr", "create"], made.returncode,
-                       f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
-    return urls[-1]
-
-
-def settle_org_prs(cfg: Config) -> list[str]:
-    """Finish moves whose org pull request has merged: once org scope holds the
-    item, drop the source copy that waited (annotated with pr_url). Returns ids."""
-    if cfg.org_repo is None:
-        return []
-    docs, _ = read_scopes(cfg, SCOPES)
-    if "org" not in docs:
-        return []
-    in_org = {it.id for it in docs["org"].items}
-    settled: list[str] = []
-    for scope in ("local", "team"):
-        if scope not in docs:
-            continue
-        done = {it.id for it in docs[scope].items if it.pr_url and it.id in in_org}
-        if not done:
-            continue
-        drop = lambda d, done=done: dataclasses.replace(  # noqa: E731
-            d, items=[i for i in d.items if i.id not in done]) \
-            if any(i.id in done for i in d.items) else None
-        if scope == "local":
-            mutate_local(cfg, drop, "settle merged org PRs")
-        else:
-            shared_store(cfg, "team").mutate(drop, "cambium: settle merged org PRs")
-        settled += sorted(done)
-    return settled
-
-
-# =============================================================================
 # Tools
 # Thin adapters: typed arguments, one call into the core, a dict answer. The
 # docstring is the manual the model reads. Registered in build_server().
@@ -4136,79 +4216,6 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     if warnings:
         out["warnings"] = warnings
     return out
-
-
-def rank(index: Index, query: str, limit: int, *, engine: Semantic | None = None) -> Ranking:
-    """The recall ranking for a query over an index, whatever its scope.
-
-    Semantic (cosine blended with BM25, vectors cached in this repo's
-    .cambium/vectors/) when CAMBIUM_RECALL_MODE is auto or semantic and the
-    extra loads; else lexical BM25, with a note saying why the first time
-    (every time when semantic was asked for explicitly). `engine` overrides
-    the configured one (tests)."""
-    query = repair_mojibake(query)
-    cfg = resolve_config()
-    mode = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
-    note = None
-    if engine is None and mode != "lexical":
-        engine = semantic_engine(cfg.local_dir / VECTORS_DIR if cfg.repo else None)
-    if engine is not None:
-        try:
-            return engine.rank(index, query, limit)
-        except SemanticUnavailable as e:
-            note = _fallback_note(str(e), always=mode == "semantic")
-    ranking = score_query(index, query, limit)
-    ranking.note = note
-    return ranking
-
-
-_NOTED: set[str] = set()
-
-
-def _fallback_note(reason: str, *, always: bool) -> str | None:
-    """'recall is lexical because ...', the first time per reason (or always)."""
-    if reason in _NOTED and not always:
-        return None
-    _NOTED.add(reason)
-    extra = f" To add it: {SEMANTIC_PITCH}." if "not installed" in reason else ""
-    return f"Recall is lexical (shared words only): {reason}.{extra}"
-
-
-def recall_mode_report(cfg: Config) -> dict:
-    """status()'s account of recall: the mode, why, and what the extra adds.
-    Never loads the model (status must stay fast and stdlib-only)."""
-    setting = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
-    missing = semantic_extra_missing()
-    if setting == "lexical" or missing or _EMBEDDER_ERROR:
-        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else _EMBEDDER_ERROR
-               or "the semantic extra is not installed (missing: " + ", ".join(missing) + ")")
-        return {"recall_mode": "lexical", "recall_mode_reason": why,
-                "semantic_extra": SEMANTIC_PITCH if missing else "installed"}
-    eng = _ENGINES.get(str(cfg.local_dir / VECTORS_DIR))
-    info: dict[str, Any] = {"model": "all-MiniLM-L6-v2 (int8 ONNX, offline)",
-                            "loaded": _EMBEDDER is not None,
-                            "vector_cache": str(cfg.local_dir / VECTORS_DIR)}
-    if _EMBEDDER is None:
-        info["note"] = "the model loads on the first recall (about 0.3 s)"
-    if eng is not None and eng.cache is not None:
-        info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
-                    embedded_this_process=eng.embedded)
-        if eng.cache.discarded:
-            info["cache_discarded"] = eng.cache.discarded
-    return {"recall_mode": "semantic", "semantic": info}
-
-
-_INDEXES: dict[str, Index] = {}
-_INDEX_GUARD = threading.Lock()
-
-
-def store_index(key: str, items: list) -> Index:
-    """The live index for one store, synced to its current items."""
-    with _INDEX_GUARD:
-        index = _INDEXES.get(key) or Index()
-        index = index.sync(items)
-        _INDEXES[key] = index
-        return index
 
 
 def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
