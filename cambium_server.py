@@ -38,13 +38,21 @@ AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
 <CAMBIUM_REPO>/.context/*.json.
 
 The same file is the MCP server (no arguments: stdio) and a CLI for hooks and
-shells (`python3 cambium_server.py --help`; `distill --hook` for session-end). The CLI path never imports the MCP
-SDK: hooks run it at every session end and the SDK costs about a second.
+shells, one command per tool: status, setup, capture, record-need, recall,
+endorse, promote, generalize, review, verify, stale, deprecate, import, export,
+distill (`distill --hook` for a session-end hook), demo. The CLI path never
+imports the MCP SDK: hooks run it at every session end and the SDK costs about
+a second.
+
+Sections, in the order data flows: constants, errors, records, write-time
+normalization, config, git plumbing, storage (files, the scope interface, the
+usage journal, the shared git scopes), substrate readers, import adapters,
+recall (lexical, semantic, ranking), ingest, lifecycle decisions, scope
+helpers, distill, tools, MCP server, CLI, demo.
 """
 from __future__ import annotations
 
 import argparse
-from array import array
 import atexit
 import collections
 import contextlib
@@ -58,7 +66,6 @@ import math
 import operator
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,8 +73,9 @@ import threading
 import time
 import unicodedata
 import weakref
+from array import array
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal
 

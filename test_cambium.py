@@ -944,6 +944,7 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     assert "Keep secrets out of logs" in first["markdown"]
     cs.endorse(item_id, note="Scrub secrets before logging")
     res = cs.export_markdown("org")
+    assert res["published"]["changed"] is True
     assert "Scrub secrets before logging" in remote_json(shared["org_bare"], "main",
                                                          "KNOWLEDGE.md")
     all_md = cs.export_markdown("all")["markdown"]
