@@ -943,6 +943,12 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     assert first["published"]["changed"] is False        # already current after promotion
     assert "Keep secrets out of logs" in first["markdown"]
     cs.endorse(item_id, note="Scrub secrets before logging")
+    assert "Scrub secrets before logging" in remote_json(shared["org_bare"], "main",
+                                                         "KNOWLEDGE.md")   # every org write
+    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
+    (editor / "KNOWLEDGE.md").write_text("# stale hand edit\n")
+    git(editor, "commit", "-q", "-am", "hand edit")
+    git(editor, "push", "-q", "origin", "HEAD:main")
     res = cs.export_markdown("org")
     assert res["published"]["changed"] is True
     assert "Scrub secrets before logging" in remote_json(shared["org_bare"], "main",
