@@ -3056,10 +3056,17 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
     stamp = now or _now()
     prepared: list[tuple[str, Item]] = []
     result = IngestResult()
+    project, agent = cfg.project, cfg.agent
+    # a cheap pre-check outside the lock; the locked write below re-checks
+    seen_marks = local_store(cfg).read().meta.get("watermarks") or {}
+    early_dups = 0
     for n, d in enumerate(drafts, 1):
+        if d.key and d.key in seen_marks:
+            early_dups += 1
+            continue
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
-                            project=cfg.project, agent=cfg.agent, source=d.source,
+                            project=project, agent=agent, source=d.source,
                             valid_while=d.valid_while, now=stamp)
         except InputError as e:
             result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
@@ -3091,12 +3098,13 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
                 new_marks[key] = item.id
             live.add(ckey)
             fresh.append(item)
-        result.imported, result.duplicates = fresh, dups
+        result.imported, result.duplicates = fresh, dups + early_dups
         if not fresh:
             return None
         return Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
                    raw=doc.raw)
 
+    result.duplicates = early_dups
     if prepared:
         mutate_local(cfg, apply, f"ingest {len(prepared)} items")
     return result
