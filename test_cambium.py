@@ -220,7 +220,11 @@ def test_status_unconfigured_gives_gaps_costs_and_next_step(tmp_path):
 @pytest.mark.parametrize("call", [
     lambda: cs.capture("x"), lambda: cs.record_need("x"), lambda: cs.recall("x"),
     lambda: cs.endorse("k-1"), lambda: cs.export_markdown(),
-    lambda: cs.import_memory("json", "/nonexistent.json"),
+    lambda: cs.import_memory("json", "/nonexistent.json"), lambda: cs.promote(),
+    lambda: cs.promote("k-1", to_scope="org"), lambda: cs.generalize("k-1"),
+    lambda: cs.review_promotions(), lambda: cs.verify_entry("k-1"),
+    lambda: cs.stale_report(), lambda: cs.deprecate("k-1", reason="r"),
+    lambda: cs.distill(),
 ])
 def test_every_tool_unconfigured_returns_guidance(call):
     with pytest.raises(cs.Unconfigured) as exc:
@@ -613,7 +617,11 @@ def _endorsed(text: str, note: str = "holds everywhere") -> str:
     return item["id"]
 
 
-def test_two_agents_promoting_at_once_both_land_creating_the_branch(shared, monkeypatch):
+@pytest.mark.parametrize("branch_exists", [False, True])
+def test_two_agents_promoting_at_once_both_land(shared, monkeypatch, branch_exists):
+    if branch_exists:
+        _endorsed("an earlier team fact")
+        cs.promote()
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
         import cambium_server as cs
@@ -629,7 +637,8 @@ def test_two_agents_promoting_at_once_both_land_creating_the_branch(shared, monk
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert outs == ["promoted", "promoted"]
     contents = {i["content"] for i in remote_json(shared["origin"], "cambium")["items"]}
-    assert contents == {"fact from ada", "fact from bob"}
+    assert contents == {"fact from ada", "fact from bob"} | (
+        {"an earlier team fact"} if branch_exists else set())
 
 
 def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch):
