@@ -119,6 +119,11 @@ DEFAULTS: dict[str, str | None] = {
     "AGENTSYNC_REPO": None,
 }
 DEFAULT_CONFIG_FILE = "~/.cambium/config.json"
+
+#: Set while serving MCP: background work (publishing credits, refreshing remote
+#: scopes, embedding new items) is only started by the long-running server; a
+#: CLI process exits right after its one call.
+LONG_RUNNING = threading.Event()
 RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
 
 SERVER_INSTRUCTIONS = """\
@@ -2931,6 +2936,25 @@ _ENGINES: dict[str, Semantic] = {}
 _ENGINES_GUARD = threading.Lock()
 
 
+def embed_soon(cfg: Config, items: list[Item]) -> None:
+    """In the server, start embedding freshly ingested items in the background,
+    so the next recall finds them embedded instead of waiting for a backlog."""
+    if not items or not LONG_RUNNING.is_set() or cfg.repo is None \
+            or (cfg.get("CAMBIUM_RECALL_MODE") or "auto") == "lexical" or semantic_extra_missing():
+        return
+    eng = semantic_engine(cfg.local_dir / VECTORS_DIR)
+
+    def start() -> None:
+        try:
+            eng.ready()
+        except SemanticUnavailable:
+            return                      # recall reports the fallback once
+        with eng.cv:
+            eng._enqueue([it for it in items if eng.cache.get(vector_key(it)) is None])
+
+    threading.Thread(target=start, name="cambium-embed-soon", daemon=True).start()
+
+
 def semantic_engine(cache_dir: Path | None) -> Semantic:
     """The process-wide engine for one vector cache directory."""
     with _ENGINES_GUARD:
@@ -3107,6 +3131,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
     result.duplicates = early_dups
     if prepared:
         mutate_local(cfg, apply, f"ingest {len(prepared)} items")
+        embed_soon(cfg, result.imported)
     return result
 
 
@@ -4201,7 +4226,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
         shared_store(cfg, scope)                   # asked for a scope that is off: say so
-    docs, warnings = read_scopes(cfg, scopes, background=_FLUSH["enabled"])
+    docs, warnings = read_scopes(cfg, scopes, background=LONG_RUNNING.is_set())
     if scope in ("team", "org") and scope not in docs:
         raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
     items = federated_items(docs)
@@ -4254,7 +4279,7 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
 
 
 _FLUSH_DELAY_S = 3.0                 #: batch window for publishing team recall credits
-_FLUSH = {"enabled": False, "timer": None}
+_FLUSH: dict[str, Any] = {"timer": None}
 _FLUSH_GUARD = threading.Lock()
 
 
@@ -4272,7 +4297,7 @@ def _schedule_credit_flush(cfg: Config) -> None:
     """In the long-running server, publish team credits shortly after, in the
     background. The CLI leaves them in the journal for the next team write."""
     with _FLUSH_GUARD:
-        if not _FLUSH["enabled"] or _FLUSH["timer"] is not None:
+        if not LONG_RUNNING.is_set() or _FLUSH["timer"] is not None:
             return
 
         def run() -> None:
@@ -5003,11 +5028,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] == "serve":
-        _FLUSH["enabled"] = True
+        LONG_RUNNING.set()
         try:
             build_server().run("stdio")
         finally:
-            _FLUSH["enabled"] = False
+            LONG_RUNNING.clear()
             _flush_on_shutdown()
         return 0
     args = _cli_parser().parse_args(argv)

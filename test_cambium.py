@@ -2302,5 +2302,26 @@ def test_semantic_mcp_recall_contract_unchanged(repo):
     assert 0 <= hit["results"][0]["relevance"] <= 1 and 0 <= hit["top_relevance"] <= 1
 
 
+def test_server_starts_embedding_at_capture_not_at_next_recall(semantic, monkeypatch):
+    monkeypatch.setattr(cs, "LONG_RUNNING", cs.threading.Event())
+    cs.LONG_RUNNING.set()
+    ids = {cs.capture(content, why=why, tags=tags)["item"]["id"] for content, why, tags in NOTES}
+
+    def embedded() -> set:
+        eng = cs._ENGINES.get(str(semantic / ".cambium" / cs.VECTORS_DIR))
+        rows = dict(eng.cache.rows) if eng is not None and eng.cache is not None else {}
+        return {key.split(":")[0] for key in rows}
+
+    deadline = cs.time.time() + 60
+    while cs.time.time() < deadline and not ids <= embedded():
+        cs.time.sleep(0.05)
+    assert ids <= embedded()                 # embedded with no recall having happened
+
+
+def test_cli_process_does_not_start_background_embedding(semantic):
+    cs.capture("A note captured outside the server")
+    assert str(semantic / ".cambium" / cs.VECTORS_DIR) not in cs._ENGINES
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
