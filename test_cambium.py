@@ -641,12 +641,15 @@ def test_two_agents_promoting_at_once_both_land(shared, monkeypatch, branch_exis
         {"an earlier team fact"} if branch_exists else set())
 
 
-def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch):
+@pytest.mark.parametrize("branch_exists", [True, False])
+def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branch_exists):
     """Deterministic race: while A's change is being applied (after A fetched),
-    B promotes. A's push is rejected and replayed on B's tip; both survive."""
+    B promotes. A's push is rejected and replayed on B's tip; both survive.
+    Without a team branch, B's push is the one that creates it, under A."""
     as_agent(monkeypatch, shared["b"], "bob")
     _endorsed("bob's fact")
-    assert cs.promote()["status"] == "promoted"          # the team branch exists now
+    if branch_exists:
+        assert cs.promote()["status"] == "promoted"      # the team branch exists now
     as_agent(monkeypatch, shared["a"], "ada")
     mine = _endorsed("ada's fact")
     as_agent(monkeypatch, shared["b"], "bob")
