@@ -4823,6 +4823,9 @@ def _surface_errors(fn: Callable) -> Callable:
             return u.guidance
         except CambiumError as e:
             raise ToolError(f"{type(e).__name__}: {e}") from e
+        except OSError as e:       # disk full, permissions: say so, don't hide it
+            raise ToolError(f"{type(e).__name__}: {e} (stores are only ever replaced "
+                            "whole; fix the file system problem and retry)") from e
 
     hints = typing.get_type_hints(fn)
     params = []
@@ -5047,10 +5050,11 @@ def main(argv: list[str] | None = None) -> int:
     except Unconfigured as u:
         _emit(u.guidance, as_text)
         return 1
-    except CambiumError as e:
+    except (CambiumError, OSError) as e:
         print(f"cambium: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    _emit(result, as_text)
+    with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
+        _emit(result, as_text)
     return 0
 
 

@@ -1977,6 +1977,21 @@ def test_cli_does_not_import_the_sdk(repo):
     assert heavy == [] and st["configured"] is True
 
 
+def test_os_errors_reach_the_client_as_clear_tool_errors(repo):
+    store = repo / ".cambium"
+    store.mkdir(exist_ok=True)
+    (store / "knowledge.json").mkdir()              # a directory where the file should be
+
+    async def body(session, init):
+        res = await session.call_tool("capture", {"content": "x"})
+        assert res.is_error and "IsADirectoryError" in res.content[0].text
+        return True
+
+    assert asyncio.run(_mcp_session(_mcp_env(repo), body))
+    out = cli("capture", "x")
+    assert out.returncode == 1 and "IsADirectoryError" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_cli_help_lists_commands():
     out = cli("--help")
     assert out.returncode == 0
