@@ -377,12 +377,27 @@ def repair_mojibake(text: str) -> str:
     return _MOJIBAKE_RUN.sub(fix, text)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_unicode(text: str) -> str:
+    """Text with lone surrogates (undecodable argv bytes, broken JSON escapes)
+    replaced by U+FFFD, so it can always be written as UTF-8."""
+    if not _SURROGATE.search(text):
+        return text
+    try:        # bytes an OS could not decode come back as the bytes, then replaced
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "surrogatepass")
+    return raw.decode("utf-8", "replace")
+
+
 def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) -> str:
     if value is None:
         value = ""
     if not isinstance(value, str):
         raise InputError(f"{name} must be text, got {type(value).__name__}.")
-    text = repair_mojibake(value.replace("\x00", "")).strip()
+    text = repair_mojibake(valid_unicode(value.replace("\x00", ""))).strip()
     if required and not text:
         raise InputError(f"{name} is empty; say what should be remembered.")
     if len(text) > limit:
@@ -407,7 +422,7 @@ def normalize_tags(tags: Any) -> list[str]:
         raise InputError("tags must be a list of strings or a comma/space separated string.")
     out: list[str] = []
     for p in parts:
-        p = repair_mojibake(p).strip().lower().lstrip("#")
+        p = repair_mojibake(valid_unicode(p)).strip().lower().lstrip("#")
         if not p:
             continue
         if len(p) > MAX_TAG_CHARS:
@@ -4217,6 +4232,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     cfg = require_config()
     if not isinstance(query, str) or not query.strip():
         raise InputError("query is empty; say what you are looking for.")
+    query = valid_unicode(query)
     if len(query) > MAX_QUERY_CHARS:
         raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
     if scope not in ("auto", "local", "team", "org"):

@@ -1992,6 +1992,16 @@ def test_os_errors_reach_the_client_as_clear_tool_errors(repo):
     assert out.returncode == 1 and "IsADirectoryError" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_undecodable_cli_bytes_are_stored_not_crashed_on(repo):
+    raw = [sys.executable, str(SERVER), "capture", b"caf\xe9 latte notes".decode(
+        "utf-8", "surrogateescape")]
+    out = subprocess.run(raw, capture_output=True, text=True, env=child_env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["item"]["content"] == "caf\ufffd latte notes"
+    res = cs.recall("caf\udce9 latte")
+    assert res["results"][0]["content"] == "caf\ufffd latte notes"
+
+
 def test_cli_help_lists_commands():
     out = cli("--help")
     assert out.returncode == 0
