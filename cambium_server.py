@@ -1090,11 +1090,16 @@ def take_usage(path: Path, scope: str) -> tuple[list[dict], Callable[[], None]]:
         if not mine:
             return
         with file_lock(path):
-            current = read_usage(path)
             taken = {json.dumps(r, sort_keys=True) for r in mine}
-            keep = [r for r in current if json.dumps(r, sort_keys=True) not in taken]
-            atomic_write(path, "".join(json.dumps(r, ensure_ascii=False,
-                                                  separators=(",", ":")) + "\n" for r in keep))
+            keep = []
+            for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None          # not ours to judge: a line we cannot parse is kept
+                if rec is None or json.dumps(rec, sort_keys=True) not in taken:
+                    keep.append(line + "\n")
+            atomic_write(path, valid_unicode("".join(keep)))
     return mine, commit
 
 
@@ -4161,12 +4166,12 @@ def _scaffold_local(root: Path) -> None:
     if not store.exists():
         atomic_write(store, render_store(Doc(items=[])))
     gi = root / ".gitignore"
-    lines = gi.read_text(encoding="utf-8").splitlines() if gi.exists() else []
-    if not any(line.strip().rstrip("/") in (LOCAL_DIR, "/" + LOCAL_DIR) for line in lines):
-        text = gi.read_text(encoding="utf-8") if gi.exists() else ""
-        if text and not text.endswith("\n"):
-            text += "\n"
-        atomic_write(gi, text + LOCAL_DIR + "/\n")
+    raw = gi.read_bytes() if gi.exists() else b""
+    entries = {line.strip().rstrip(b"/") for line in raw.splitlines()}
+    if not entries & {LOCAL_DIR.encode(), b"/" + LOCAL_DIR.encode()}:
+        with open(gi, "ab") as f:                   # append: the user's lines stay as they are
+            f.write((b"\n" if raw and not raw.endswith(b"\n") else b"") +
+                    LOCAL_DIR.encode() + b"/\n")
 
 
 def capture(content: str, type: str = "memory", kind: str = "note", why: str = "",

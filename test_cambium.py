@@ -248,6 +248,15 @@ def test_setup_cold_start_takes_effect_in_process(tmp_path):
     assert (r / ".gitignore").read_text().count(".cambium/") == 1
 
 
+def test_setup_appends_to_gitignore_without_rewriting_it(tmp_path):
+    r = make_repo(tmp_path)
+    original = b"build/\n# caf\xe9 (latin-1 comment)\n*.log"
+    (r / ".gitignore").write_bytes(original)
+    cs.setup(str(r), "ada")
+    cs.setup(str(r), "ada")
+    assert (r / ".gitignore").read_bytes() == original + b"\n.cambium/\n"
+
+
 def test_setup_rejects_missing_and_non_git_paths(tmp_path):
     with pytest.raises(cs.InputError, match="does not exist"):
         cs.setup(str(tmp_path / "nope"), "ada")
@@ -419,6 +428,16 @@ def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     assert stored["trust"]["recalls"] == 2
     assert stored["trust"]["projects"] == [repo.name]
     assert not (repo / ".cambium" / "usage.jsonl").read_text().strip()
+
+
+def test_usage_journal_keeps_lines_it_cannot_parse(repo):
+    cs.capture("journal test item about queues", tags="queues")
+    cs.recall("queues journal")
+    journal = repo / ".cambium" / "usage.jsonl"
+    with open(journal, "a") as f:
+        f.write('{"item": "k-torn", "sco\n')             # a torn append from a crash
+    cs.capture("another item to fold the credits")
+    assert journal.read_text() == '{"item": "k-torn", "sco\n'
 
 
 def test_endorse_surfaces_endorsed_as_in_recall(repo):
