@@ -470,9 +470,14 @@ def derived(item: Item, name: str, compute: Callable[[Item], Any]) -> Any:
     return value
 
 
+def text_key(type: str, content: str) -> str:
+    """A stable hash of what a (normalized) body says, for duplicate detection."""
+    norm = " ".join(content.lower().split())
+    return hashlib.sha256(f"{type}\0{norm}".encode()).hexdigest()[:24]
+
+
 def _content_key(item: Item) -> str:
-    norm = " ".join(item.content.lower().split())
-    return hashlib.sha256(f"{item.type}\0{norm}".encode()).hexdigest()[:24]
+    return text_key(item.type, item.content)
 
 
 def content_key(item: Item) -> str:
@@ -4202,8 +4207,7 @@ def capture(content: str, type: str = "memory", kind: str = "note", why: str = "
 
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:
-    probe = new_item(content, type=type)
-    key = content_key(probe)
+    key = text_key(type, _clean_text(content, "content", MAX_CONTENT_CHARS))
     for it in local_store(cfg).read().items:
         if it.active and content_key(it) == key:
             return it
