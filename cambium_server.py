@@ -1471,13 +1471,6 @@ class GitStore(Store):
             self.git("checkout", "--quiet", "--force", "-B", self.branch, tip)
             self._state["checked_out"] = tip
 
-    def reachable(self) -> tuple[bool, str]:
-        """(reachable, detail) from a bounded ls-remote."""
-        try:
-            self.git("ls-remote", "--heads", "--", self.remote, self.branch)
-            return True, "ok"
-        except GitError as e:
-            return False, str(e)
 
 
 _GIT_CACHE: dict[tuple, dict] = {}

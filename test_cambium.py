@@ -1377,14 +1377,19 @@ def make_origin_and_clone(tmp_path: Path, name: str = "work") -> tuple[Path, Pat
     return bare, clone
 
 
+def push_file(clone: Path, branch: str, name: str, text: str, message: str = "board") -> None:
+    """Commit one file on `branch` of a clone, push it, and go back to main."""
+    git(clone, "checkout", "-q", "-B", branch)
+    (clone / name).write_text(text)
+    git(clone, "add", name)
+    git(clone, "commit", "-q", "--allow-empty", "-m", message)
+    git(clone, "push", "-q", "-f", "-u", "origin", branch)
+    git(clone, "checkout", "-q", "main")
+
+
 def write_board(clone: Path, claims: dict, branch: str = "agentsync") -> None:
     """Commit an agentsync-format claims.json on `branch` and push it (plain git)."""
-    git(clone, "checkout", "-q", "-B", branch)
-    (clone / "claims.json").write_text(json.dumps({"claims": claims}, indent=2))
-    git(clone, "add", "claims.json")
-    git(clone, "commit", "-q", "--allow-empty", "-m", "board")
-    git(clone, "push", "-q", "-f", "origin", branch)
-    git(clone, "checkout", "-q", "main")
+    push_file(clone, branch, "claims.json", json.dumps({"claims": claims}, indent=2))
 
 
 def test_distill_no_board_no_context_reads_as_skipped(repo):
@@ -1488,12 +1493,7 @@ def test_distill_corrupt_substrate_is_a_real_error_after_the_other_source(tmp_pa
 
 def test_distill_corrupt_board_json_is_a_real_error(tmp_path, monkeypatch):
     _, clone = make_origin_and_clone(tmp_path)
-    git(clone, "checkout", "-q", "-B", "agentsync")
-    (clone / "claims.json").write_text("{oops")
-    git(clone, "add", "claims.json")
-    git(clone, "commit", "-q", "-m", "bad board")
-    git(clone, "push", "-q", "origin", "agentsync")
-    git(clone, "checkout", "-q", "main")
+    push_file(clone, "agentsync", "claims.json", "{oops", "bad board")
     out = cli("distill", CAMBIUM_REPO=str(clone), CAMBIUM_AGENT_ID="ada")
     assert out.returncode == 1 and "claims.json" in out.stderr and "not valid JSON" in out.stderr
 
@@ -1649,12 +1649,7 @@ def local_items(repo: Path) -> list[dict]:
 
 def test_distill_real_agentsync_claim_done_with_note_imported_once(tmp_path, monkeypatch):
     bare, board = peer_origin(tmp_path)
-    git(board, "checkout", "-q", "-B", "feat/parser")
-    (board / "parser.py").write_text("def parse(): ...\n")
-    git(board, "add", "parser.py")
-    git(board, "commit", "-q", "-m", "parser")
-    git(board, "push", "-q", "-u", "origin", "feat/parser")
-    git(board, "checkout", "-q", "main")
+    push_file(board, "feat/parser", "parser.py", "def parse(): ...\n", "parser")
     mine = cambium_clone(bare, tmp_path, "mine", monkeypatch)
 
     async def body():
