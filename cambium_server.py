@@ -942,6 +942,16 @@ def render_store(doc: Doc, cache: _ItemsText | None = None) -> str:
 # =============================================================================
 
 
+@dataclass
+class Write:
+    """What a write did: the resulting doc, and for a shared scope the commit
+    (None when nothing changed) and the pull request, if any."""
+    doc: Doc
+    commit: str | None = None
+    pr_url: str | None = None
+    branch: str | None = None
+
+
 class Store:
     """Interface shared by the local, team and org stores."""
     scope: str = ""
@@ -949,7 +959,7 @@ class Store:
     def read(self) -> Doc:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def mutate(self, fn: Callable[[Doc], Doc | None], message: str) -> Doc:  # pragma: no cover
+    def mutate(self, fn: Callable[[Doc], Doc | None], message: str) -> Write:  # pragma: no cover
         raise NotImplementedError
 
     @property
@@ -1019,10 +1029,10 @@ class LocalStore(Store):
                 doc = self._quarantine(err)
             new = fn(doc)
             if new is None or new is doc:
-                return doc
+                return Write(doc=doc)
             atomic_write(self.path, render_store(new, self._text))
             self._cache = (self._stat_key(), new)
-            return new
+            return Write(doc=new)
 
 
 _STORES: dict[str, LocalStore] = {}
@@ -1165,7 +1175,7 @@ def mutate_local(cfg: Config, fn: Callable[[Doc], Doc | None], message: str = ""
         new = fn(folded)
         return new if new is not None else (folded if folded is not doc else None)
 
-    new = store.mutate(apply, message)
+    new = store.mutate(apply, message).doc
     commit()
     return new
 
@@ -1184,15 +1194,6 @@ def mutate_local(cfg: Config, fn: Callable[[Doc], Doc | None], message: str = ""
 
 PUSH_RETRIES = 6            #: CAS attempts before giving up with ConflictError
 PUSH_BACKOFF_S = 0.15       #: first retry delay; doubles each attempt, plus jitter
-
-
-@dataclass
-class Write:
-    """What a shared-scope write did: the resulting doc, commit, and PR if any."""
-    doc: Doc
-    commit: str | None = None
-    pr_url: str | None = None
-    branch: str | None = None
 
 
 def _push_outcome(out: str) -> str:
@@ -3000,16 +3001,17 @@ def _save_vector_caches() -> None:
 # =============================================================================
 
 
-def rank(index: Index, query: str, limit: int, *, engine: Semantic | None = None) -> Ranking:
+def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
+         engine: Semantic | None = None) -> Ranking:
     """The recall ranking for a query over an index, whatever its scope.
 
     Semantic (cosine blended with BM25, vectors cached in this repo's
     .cambium/vectors/) when CAMBIUM_RECALL_MODE is auto or semantic and the
     extra loads; else lexical BM25, with a note saying why the first time
     (every time when semantic was asked for explicitly). `engine` overrides
-    the configured one (tests)."""
+    the configured one (tests); `cfg` saves resolving the config again."""
     query = repair_mojibake(query)
-    cfg = resolve_config()
+    cfg = cfg or resolve_config()
     mode = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
     note = None
     if engine is None and mode != "lexical":
@@ -3970,6 +3972,14 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
 # =============================================================================
 
 
+def _count(doc: Doc) -> dict:
+    counts: dict[str, int] = {}
+    for it in doc.items:
+        key = it.type if it.active else "deprecated"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def status() -> dict:
     """Show cambium's configuration and the state of every scope. Never fails.
 
@@ -3985,17 +3995,12 @@ def status() -> dict:
         return unconfigured_guidance(cfg)
     store = local_store(cfg)
     doc = store.read()
-    counts: dict[str, int] = {}
-    for it in doc.items:
-        key = it.type if it.active else "deprecated"
-        counts[key] = counts.get(key, 0) + 1
     marks = doc.meta.get("watermarks") or {}
     systems: dict[str, int] = {}
     for k in marks:
         sysname = k.split(":")[1] if k.startswith("import:") else k.split(":")[0]
         systems[sysname] = systems.get(sysname, 0) + 1
     corrupt = sorted(p.name for p in cfg.local_dir.glob(STORE_FILE + ".corrupt-*"))
-    gaps = [g for g in config_gaps(cfg)]
     out = {
         "configured": True, "status": "ok", "version": __version__,
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
@@ -4003,12 +4008,12 @@ def status() -> dict:
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
                      if v is not None},
         "scopes": {"local": {"path": str(store.path), "items": len(doc.items),
-                             "by_type": counts}, **_shared_scope_status(cfg)},
+                             "by_type": _count(doc)}, **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_usage(_usage_path(cfg))),
         "watermarks": systems,
         "substrates": substrate_state(cfg, doc),
         **recall_mode_report(cfg),
-        "gaps": gaps,
+        "gaps": config_gaps(cfg),
     }
     warnings = store.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
                                   + ", ".join(corrupt)] if corrupt else [])
@@ -4017,14 +4022,6 @@ def status() -> dict:
     if warnings:
         out["warnings"] = warnings
     return out
-
-
-def _count(doc: Doc) -> dict:
-    counts: dict[str, int] = {}
-    for it in doc.items:
-        key = it.type if it.active else "deprecated"
-        counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 def _shared_scope_status(cfg: Config) -> dict:
@@ -4250,7 +4247,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     items = federated_items(docs)
     key = str(local_store(cfg).path) + ("" if list(docs) == ["local"] else "|" + "+".join(docs))
     index = store_index(key, items)
-    ranking = rank(index, query, limit)
+    ranking = rank(index, query, limit, cfg=cfg)
     hits, confidence = ranking.hits, ranking.confidence
     out: dict[str, Any] = {"query": query, "scope": scope, "mode": ranking.mode,
                            "scopes_searched": list(docs), "top_relevance": round(confidence, 3)}
