@@ -746,6 +746,47 @@ def test_usage_credits_from_recall_reach_the_team_branch(shared, monkeypatch):
     assert cs.flush_credits(cs.resolve_config()) == 0     # exactly once
 
 
+def test_server_publishes_team_credits_shortly_after_in_the_background(shared, monkeypatch):
+    item_id = _endorsed("Deploys pause during the quarterly freeze", "freeze")
+    cs.promote()
+    monkeypatch.setattr(cs, "LONG_RUNNING", cs.threading.Event())
+    cs.LONG_RUNNING.set()
+    monkeypatch.setattr(cs, "_FLUSH_DELAY_S", 0.2)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "dan")
+    assert cs.recall("quarterly deploy freeze")["results"][0]["id"] == item_id
+    deadline = cs.time.time() + 30
+    while cs.time.time() < deadline and \
+            remote_json(shared["origin"], "cambium")["items"][0]["trust"]["recalls"] == 0:
+        cs.time.sleep(0.1)
+    assert remote_json(shared["origin"], "cambium")["items"][0]["trust"]["recalls"] == 1
+
+
+def test_server_refreshes_a_remote_scope_in_the_background(shared, monkeypatch):
+    _endorsed("First team fact about rollouts", "rollouts")
+    cs.promote()
+    monkeypatch.setattr(cs, "LONG_RUNNING", cs.threading.Event())
+    cs.LONG_RUNNING.set()
+    assert cs.recall("team fact rollouts")["results"]     # the tip is known now
+    peer = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys; sys.path.insert(0, {str(HERE)!r})
+            import cambium_server as cs
+            i = cs.capture("Second team fact about canaries")["item"]["id"]
+            cs.endorse(i, note="canaries")
+            cs.promote()
+        """)], env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"),
+        capture_output=True, text=True)
+    assert peer.returncode == 0, peer.stderr
+    first = cs.recall("second team fact canaries")         # answers from the known tip
+    assert first["no_confident_match"] is True
+    deadline = cs.time.time() + 30
+    found = False
+    while cs.time.time() < deadline and not found:
+        cs.time.sleep(0.1)
+        found = not cs.recall("second team fact canaries")["no_confident_match"]
+    assert found                                           # the background fetch landed
+
+
 def test_team_credits_also_land_with_the_next_team_write(shared, monkeypatch):
     _endorsed("Alpha rule about queues", "queues")
     cs.promote()
@@ -892,9 +933,16 @@ def make_stub_gh(tmp: Path, merged_url: str = "https://github.com/acme/knowledge
         import json, sys
         with open({str(log)!r}, "a") as f:
             f.write(json.dumps(sys.argv[1:]) + "\\n")
-        if sys.argv[1:3] == ["pr", "list"]:
-            print("")
-        elif sys.argv[1:3] == ["pr", "create"]:
+        args = sys.argv[1:]
+        opened = {str(tmp / "gh-open")!r} + "-" + (args[args.index("--head") + 1]
+                                                   if "--head" in args else "").replace("/", "_")
+        if args[:2] == ["pr", "list"]:                  # an open PR for the branch?
+            try:
+                print(open(opened).read())
+            except OSError:
+                print("")
+        elif args[:2] == ["pr", "create"]:
+            open(opened, "w").write({merged_url!r})
             print({merged_url!r})
         else:
             sys.exit("stub gh: unexpected " + " ".join(sys.argv[1:]))
@@ -933,6 +981,29 @@ def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monke
     assert review["settled_org_prs"] == [item_id] and review["pending_org_prs"] == []
     assert team_ids(shared["origin"]) == set()
     assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
+
+
+def test_pr_mode_generalize_batches_into_one_shared_pr(shared, monkeypatch, tmp_path):
+    log = make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    a = _endorsed("Edit app.yaml for timeouts", "set timeouts in config")
+    b = _endorsed("Run test_payments before release", "run the payment tests")
+    cs.promote(a, to_scope="org", force=True)        # direct push: they are in org now
+    cs.promote(b, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    first = cs.generalize(a)
+    second = cs.generalize(b)
+    again = cs.generalize(b)
+    assert first["pr_url"] == second["pr_url"] and again["status"] == "unchanged"
+    creates = [c for c in map(json.loads, log.read_text().splitlines()) if c[:2] == ["pr", "create"]]
+    assert len(creates) == 1 and creates[0][creates[0].index("--head") + 1] == "cambium/generalize"
+    branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/generalize")["items"]}
+    assert branch[a]["content"] == "set timeouts in config"
+    assert branch[b]["content"] == "run the payment tests"
+    assert branch[b]["example"] == "Run test_payments before release"
+    main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert main[a]["content"] == "Edit app.yaml for timeouts"   # unchanged until merged
 
 
 def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
