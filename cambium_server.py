@@ -1367,20 +1367,16 @@ class GitStore(Store):
         return self.git(*args, env=who).stdout.strip()
 
     def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
+        """Push commit to branch: "ok", "race" (replay), or GitError (final)."""
         args = ["push", "--porcelain"]
         if lease is not None:
             args.append(f"--force-with-lease=refs/heads/{branch}:{lease}")
         proc = self.git(*args, "--", self.remote, f"{commit}:refs/heads/{branch}", check=False)
         outcome = _push_outcome(proc.stdout)
-        if outcome == "ok" and proc.returncode != 0:
-            outcome = "refused"
-        if outcome == "refused":
-            if proc.returncode == 0 and not proc.stdout.strip():
-                return "ok"
-            tail = (proc.stdout + proc.stderr).strip()
-            raise GitError(["git", "push", self.remote, branch], proc.returncode,
-                           tail or "push refused")
-        return outcome
+        if outcome == "race" or (outcome == "ok" and proc.returncode == 0):
+            return outcome
+        raise GitError(["git", "push", self.remote, branch], proc.returncode,
+                       (proc.stdout + proc.stderr).strip() or "push refused")
 
     def verify(self, commit: str, branch: str) -> None:
         """Raise unless the remote's branch holds `commit` (at the tip or below it)."""
