@@ -2061,7 +2061,7 @@ BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
-LEXICAL_FLOOR = 6.0     #: raw BM25 a lexical hit needs: its relevance is then 0.5
+LEXICAL_FLOOR = 5.75    #: raw BM25 a lexical hit needs: its relevance is then 0.5
 
 
 def fold(text: str) -> str:
@@ -2343,10 +2343,10 @@ EMBED_WAIT_MAX_S = 60.0             #: ...but never longer than this
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
-SEM_LEXICAL_WEIGHT = 0.15           #: ranking score = cosine + this x BM25 / the query's best
-SEM_TAIL_DISCOUNT = 0.04            #: a tail window's cosine counts this much less
+SEM_LEXICAL_WEIGHT = 0.05           #: ranking score = cosine + this x BM25 / the query's best
+SEM_TAIL_DISCOUNT = 0.08            #: a tail window's cosine counts this much less
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.4                     #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_FLOOR = 0.30                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -2654,6 +2654,7 @@ class VectorCache:
         self.rows: dict[str, Any] = {}       # key -> float32 array (windows, EMBED_DIM)
         self.dirty = False
         self.discarded: str | None = None    # why the on-disk cache was thrown away
+        self.version = 0                     # bumped by every put()
         self._load()
 
     def _load(self) -> None:
@@ -2687,6 +2688,7 @@ class VectorCache:
     def put(self, key: str, rows: Any) -> None:
         self.rows[key] = rows
         self.dirty = True
+        self.version += 1
 
     def save(self, keep: set[str] | None = None) -> None:
         """Write the cache (only `keep`'s keys when given) atomically."""
@@ -2742,6 +2744,7 @@ class _SlotVectors:
         self.filled = 0                      # slots looked at so far
         self.dead_seen = -1                  # index.dead when `alive` was computed
         self.missing: set[int] = set()       # live slots without vectors yet
+        self.version_seen = -1               # cache.version when `missing` was checked
         self.tail_parts: list = []           # [(slot, rows)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
@@ -2771,6 +2774,7 @@ class _SlotVectors:
         that still have none (to be embedded)."""
         items = index.items
         self._grow(len(items))
+        fresh = []
         for slot in range(self.filled, len(items)):
             it = items[slot]
             if it is None:
@@ -2779,6 +2783,7 @@ class _SlotVectors:
             rows = cache.get(vector_key(it))
             if rows is None:
                 self.missing.add(slot)
+                fresh.append(it)
             else:
                 self._place(slot, rows)
         self.filled = len(items)
@@ -2788,6 +2793,9 @@ class _SlotVectors:
                     self.alive[slot] = False
                     self.missing.discard(slot)
             self.dead_seen = index.dead
+        if cache.version == self.version_seen:     # nothing embedded since: a cheap no-op
+            return fresh
+        self.version_seen = cache.version
         todo = []
         for slot in list(self.missing):
             it = items[slot]
