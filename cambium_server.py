@@ -232,7 +232,9 @@ def _empty_trust() -> dict:
 _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "project",
                 "source", "created_by", "created_at", "updated_at", "status", "trust")
 _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
-                    "promoted_at", "pr_url", "deprecated")
+                    "promoted_at", "pr_url", "deprecated", "authority", "superseded_by",
+                    "corrects", "supersedes", "check", "failing")
+AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
 @dataclass
@@ -254,7 +256,7 @@ class Item:
     created_by: str = ""
     created_at: str = ""
     updated_at: str = ""
-    status: str = "active"                           # active | deprecated
+    status: str = "active"                           # active | deprecated | superseded
     trust: dict = field(default_factory=_empty_trust)
     valid_while: str | None = None                   # the premise the item depends on
     last_verified: str | None = None
@@ -263,6 +265,12 @@ class Item:
     promoted_at: str | None = None
     pr_url: str | None = None                        # pending org PR (PR mode)
     deprecated: dict | None = None                   # {by, at, reason}
+    authority: str | None = None                     # None (agent) | verified | human
+    superseded_by: dict | None = None                # {id, by, at, why}: status superseded
+    corrects: str | None = None                      # id of the item a human corrected
+    supersedes: str | None = None                    # id an agent's counter-claim disputes
+    check: dict | None = None                        # {cmd, by, at}: operator-attached check
+    failing: dict | None = None                      # {at, exit, output}: last check failed
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -310,7 +318,13 @@ class Item:
 
     @property
     def active(self) -> bool:
+        """Recallable and promotable: neither deprecated nor superseded."""
         return self.status == "active"
+
+    @property
+    def authority_rank(self) -> int:
+        """Authority as a number: agent 0 < verified 1 < human 2."""
+        return AUTHORITIES.index(self.authority) if self.authority in AUTHORITIES else 0
 
 
 @dataclass
@@ -332,6 +346,7 @@ class Draft:
     source: dict | None = None
     valid_while: Any = None
     key: str | None = None
+    supersedes: str | None = None     # an agent's counter-claim to this item id
 
 
 @dataclass
@@ -2267,7 +2282,8 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     slots = index.items
     scores, idf, df = bm25_scores(index, terms)
     total_idf = sum(idf.values()) or 1.0
-    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-scores[i], i))
+    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-round(scores[i], 6),
+                                                           -slots[i].authority_rank, i))
     hits = []
     for i in ranked:
         tf = item_terms(slots[i])
@@ -2940,11 +2956,22 @@ class Semantic:
         # query's mean score, shrunk toward a prior so a small store works too.
         baseline = ((float(score[finite].sum()) + SEM_BASELINE_PRIOR * SEM_BASELINE_ITEMS)
                     / (int(finite.sum()) + SEM_BASELINE_ITEMS))
-        top = np.argpartition(-score, k - 1)[:k]
-        top = top[np.lexsort((top, -score[top]))]
+        top = _authority_tiebreak(index, score, k)
         hits = [Hit(index.items[i], float(lex.get(int(i), 0.0)),
                     max(0.0, min(1.0, float(score[i]) - baseline))) for i in top]
         return Ranking(hits, hits[0].confidence, foreign, mode="semantic")
+
+
+def _authority_tiebreak(index: Index, score: Any, k: int) -> Any:
+    """The k best slots by score; on a tie (equal to 6 places) higher authority
+    first, then the older slot."""
+    np = sys.modules["numpy"]
+    finite = np.isfinite(score)
+    cut = np.partition(score[finite], -k)[-k] if k < int(finite.sum()) else -np.inf
+    top = np.flatnonzero(finite & (score >= cut))
+    auth = np.fromiter((index.items[i].authority_rank for i in top), np.int64, len(top))
+    top = top[np.lexsort((top, -auth, -np.round(score[top], 6)))]
+    return top[:k]
 
 
 _ENGINES: dict[str, Semantic] = {}
@@ -3111,6 +3138,8 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         except InputError as e:
             result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
             continue
+        if d.supersedes:
+            item = dataclasses.replace(item, supersedes=d.supersedes)
         prepared.append((d.key, item))
         if on_progress and n % 500 == 0:
             on_progress(n)
@@ -3256,6 +3285,29 @@ def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
     return dataclasses.replace(item, **changes)
 
 
+def raised(item: Item, authority: str) -> str | None:
+    """The item's authority after a signal worth `authority`: never lowered;
+    the default (agent) is stored as None."""
+    level = max(item.authority_rank, AUTHORITIES.index(authority))
+    return AUTHORITIES[level] if level else None
+
+
+def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str,
+                  now: str) -> Item:
+    """A person's correction of `old`: a new human-authority item in old's scope
+    that links back to it (old gets superseded_by; see supersede())."""
+    new = new_item(content, type=old.type, kind=old.kind, why=why, tags=old.tags,
+                   project=project, agent=agent, now=now,
+                   source={"system": "correction", "ref": old.id})
+    return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id)
+
+
+def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:
+    """`item` retired in favour of item `by`: kept, linked, never recalled again."""
+    return dataclasses.replace(item, status="superseded", updated_at=now,
+                               superseded_by={"id": by, "by": agent, "at": now, "why": why})
+
+
 def age_days(item: Item, now: datetime) -> int | None:
     """Whole days since the item was last verified (else promoted, else created)."""
     stamp = _parse_ts(item.last_verified or item.promoted_at or item.created_at)
@@ -3397,11 +3449,13 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
         "id": item.id, "type": item.type, "kind": item.kind, "content": item.content,
         "why": item.why, "tags": item.tags, "scope": item.scope, "project": item.project,
         "source": item.source, "created_by": item.created_by, "created_at": item.created_at,
-        "status": item.status, "recalls": trust.get("recalls", 0),
+        "status": item.status, "authority": AUTHORITIES[item.authority_rank],
+        "recalls": trust.get("recalls", 0),
         "endorsements": len(trust.get("endorsements", [])),
         "projects": trust.get("projects", []),
     }
-    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated"):
+    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated",
+              "superseded_by", "corrects", "supersedes", "check", "failing"):
         v = getattr(item, k)
         if v is not None:
             out[k] = v
@@ -3547,16 +3601,25 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
         result["item"] = new or it
         return None if new is None else _replace_item(doc, i, new)
 
+    write = mutate_scope(cfg, scope, apply, message, org_branch=org_branch)
+    return result["item"], write
+
+
+def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
+                 *, org_branch: str | None = None) -> Write | None:
+    """One write to one scope: local under the lock, team and org as a CAS push,
+    org in PR mode onto `org_branch` with its pull request opened (pr_url set).
+    Returns the shared-scope write (None for local)."""
     if scope == "local":
-        mutate_local(cfg, apply, message)
-        return result["item"], None
+        mutate_local(cfg, fn, message)
+        return None
     store = shared_store(cfg, scope)
     branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = store.mutate(apply, f"cambium: {message}", branch=branch)
+    write = store.mutate(fn, f"cambium: {message}", branch=branch)
     if branch and write.commit:
         write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
                                "Opened by cambium. Review is the gate; merge to publish.")
-    return result["item"], write
+    return write
 
 
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
@@ -4166,7 +4229,8 @@ def _scaffold_local(root: Path) -> None:
 
 
 def capture(content: str, type: str = "memory", kind: str = "note", why: str = "",
-            tags: list[str] | str | None = None, valid_while: str | None = None) -> dict:
+            tags: list[str] | str | None = None, valid_while: str | None = None,
+            supersedes: str | None = None) -> dict:
     """Save a knowledge item to local scope (this repo's .cambium/knowledge.json).
 
     Call when you learn something a later agent should know: a decision and its
@@ -4176,12 +4240,18 @@ def capture(content: str, type: str = "memory", kind: str = "note", why: str = "
     decision, pitfall, procedure. why: the reason or evidence (recall searches
     it too). tags: list or comma/space separated string; tags weigh most in
     recall. valid_while: the premise the item depends on ("while billing runs on
-    NetSuite"), so a dead assumption can be spotted later. Returns the stored
+    NetSuite"), so a dead assumption can be spotted later. supersedes: the id
+    of an item you believe is wrong; yours is recorded as a counter-claim linked
+    to it, with no more authority than the item it disputes (both stay
+    recallable until a person corrects or deprecates one). Returns the stored
     item; capturing the same content twice returns the existing item.
     """
     cfg = require_config()
+    if supersedes is not None:
+        _require_active(locate(cfg, _check_id(supersedes))[1], "disputed")
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
-                             valid_while=valid_while, source={"system": "capture"})])
+                             valid_while=valid_while, source={"system": "capture"},
+                             supersedes=supersedes)])
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
@@ -4340,9 +4410,7 @@ def endorse(item_id: str, note: str = "") -> dict:
     now = _now()
 
     def apply(it: Item) -> Item:
-        if not it.active:
-            raise Refused(f"item {item_id} is deprecated ({(it.deprecated or {}).get('reason')})"
-                          "; it cannot be endorsed.")
+        _require_active(it, "endorsed")
         ends = [e for e in it.trust.get("endorsements", [])
                 if not (isinstance(e, dict) and e.get("by") == cfg.agent)]
         ends.append({"by": cfg.agent, "note": note, "at": now})
@@ -4414,7 +4482,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
             chosen.append((it, trust, why))
         elif item_id is not None:
             if not it.active:
-                raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+                _require_active(it, "promoted")
             return {"status": "not_eligible", "item": item_view(it, trust=trust),
                     "reason": f"needs {cfg.promote_recalls} recalls (has "
                               f"{trust.get('recalls', 0)}) or an endorsement; endorse() it "
@@ -4459,7 +4527,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
     if not item.active:
-        raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+        _require_active(item, "promoted")
     if item.pr_url:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
@@ -4619,7 +4687,9 @@ def verify_entry(item_id: str, note: str = "") -> dict:
 
     def apply(it: Item) -> Item:
         checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
-        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now)
+        peer = it.created_by != cfg.agent           # self-verification earns no authority
+        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now,
+                                   authority=raised(it, "verified") if peer else it.authority)
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
 
@@ -4669,6 +4739,62 @@ def deprecate(item_id: str, reason: str) -> dict:
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} deprecates {item_id}",
                             "deprecated")
+
+
+def correct(item_id: str, content: str, why: str = "", force: bool = False) -> dict:
+    """Record a PERSON's correction of an item. Only for what a human told you.
+
+    The correction becomes a new item with human authority in the corrected
+    item's scope (team and org through the same pushes as every write; org
+    through its generalization gate, and as a pull request in PR mode); the old
+    item is marked superseded, linked both ways, and never recalled again;
+    nothing is deleted. A human correction outranks any agent item, however
+    often recalled or endorsed. If YOU think an item is wrong, do not use this:
+    capture(content, supersedes=item_id) offers your counter-claim instead.
+    content: the right statement. why: what the person said, or why.
+    force: org only, pass the generalization gate as is.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    scope, old = locate(cfg, item_id)
+    _require_active(old, "corrected")
+    now = _now()
+    new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
+    tells = generalization_tells(new.content, new.project) if scope == "org" else []
+    if tells and not force:
+        return {"status": "needs_generalization", "scope": scope, "tells": tells,
+                "reason": "org scope is read by every project and this correction reads "
+                          "project-specific: restate it as the cross-project rule, or pass "
+                          "force=True to record it as it is."}
+
+    def apply(doc: Doc) -> Doc:
+        hit = _find_item(doc, item_id)
+        if hit is None:
+            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+        _require_active(hit[1], "corrected")
+        doc = _replace_item(doc, hit[0], supersede(hit[1], new.id, agent=cfg.agent, now=now,
+                                                   why="corrected by a person"))
+        return dataclasses.replace(doc, items=doc.items + [new])
+
+    write = mutate_scope(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
+                         org_branch=ORG_UPDATES_BRANCH)
+    embed_soon(cfg, [new])
+    out = {"status": "corrected", "scope": scope, "item": item_view(new),
+           "superseded": item_id}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
+def _require_active(item: Item, verb: str) -> None:
+    """Refuse to act on a retired item, saying what replaced it if anything."""
+    if item.active:
+        return
+    if item.status == "superseded":
+        by = (item.superseded_by or {}).get("id") if isinstance(item.superseded_by, dict) \
+            else item.superseded_by
+        raise Refused(f"item {item.id} is superseded by {by}; that one can be {verb}.")
+    raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
 
 
 def import_memory(source: str, path: str) -> dict:
@@ -4803,6 +4929,9 @@ ARG_DOCS = {
     "org_content": "The body restated as a cross-project rule (the concrete one is kept "
                    "as `example`).",
     "reason": "Why the item no longer holds.",
+    "supersedes": "Id of an item you believe is wrong: records yours as a counter-claim to it "
+                  "(outranks nothing; only a person's correct() does).",
+    "why_correct": "",
     "project": "Only entries that came from this project (repo directory name).",
     "older_than_days": "Only entries not verified for at least this many days.",
 }
@@ -4812,6 +4941,7 @@ _TOOLS: list[tuple[Callable, str]] = [
     (recall, "write_idempotent"), (endorse, "remote"), (promote, "remote"),
     (generalize, "remote"), (review_promotions, "remote"),
     (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
+    (correct, "remote"),
     (import_memory, "write_idempotent"), (export_markdown, "remote"),
     (distill, "remote"),
 ]
@@ -4949,6 +5079,7 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--why", default="")
     p.add_argument("--tags", default="")
     p.add_argument("--valid-while")
+    p.add_argument("--supersedes", help="id of an item this counter-claim disputes")
     p = sub.add_parser("record-need", parents=[fmt], help="record a need")
     p.add_argument("content")
     p.add_argument("--why", default="")
@@ -4979,6 +5110,11 @@ def _cli_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("deprecate", parents=[fmt], help="retire an item (never deleted)")
     p.add_argument("item_id")
     p.add_argument("--reason", required=True)
+    p = sub.add_parser("correct", parents=[fmt], help="record a person's correction of an item")
+    p.add_argument("item_id")
+    p.add_argument("content")
+    p.add_argument("--why", default="")
+    p.add_argument("--force", action="store_true")
     p = sub.add_parser("import", parents=[fmt], help="import an external memory export")
     p.add_argument("path")
     p.add_argument("--source", default="json")
@@ -5005,7 +5141,7 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
                      org_pr=args.org_pr, team_branch=args.team_branch)
     if c == "capture":
         return capture(args.content, type=args.type, kind=args.kind, why=args.why,
-                       tags=args.tags, valid_while=args.valid_while)
+                       tags=args.tags, valid_while=args.valid_while, supersedes=args.supersedes)
     if c == "record-need":
         return record_need(args.content, why=args.why, tags=args.tags)
     if c == "recall":
@@ -5025,6 +5161,8 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
         return stale_report(project=args.project, older_than_days=args.older_than_days)
     if c == "deprecate":
         return deprecate(args.item_id, reason=args.reason)
+    if c == "correct":
+        return correct(args.item_id, args.content, why=args.why, force=args.force)
     if c == "import":
         return import_memory(args.source, os.path.abspath(args.path))
     if c == "export":

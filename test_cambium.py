@@ -1062,6 +1062,95 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
 # =============================================================================
 # Import, staleness and retirement
 # =============================================================================
+# Memory hygiene: authority and correct, consolidate, usage, operator checks
+# =============================================================================
+
+
+def _trusted(text: str, recalls: int = 10, endorsers: tuple = ("bob", "cy")) -> str:
+    """A local agent item with `recalls` recall credits and endorsements."""
+    item_id = cs.capture(text)["item"]["id"]
+    ends = [{"by": b, "note": "helped", "at": "2026-01-01T00:00:00Z"} for b in endorsers]
+
+    def bump(doc):
+        i, it = cs._find_item(doc, item_id)
+        return cs._replace_item(doc, i, dataclasses.replace(
+            it, trust={**it.trust, "recalls": recalls, "endorsements": ends}))
+
+    cs.mutate_local(cs.resolve_config(), bump)
+    return item_id
+
+
+def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
+    wrong = _trusted("Release builds are cut from the main branch every Friday")
+    rival = _trusted("Release builds are cut from the release branch every Thursday")
+    res = cs.correct(wrong, "Release builds are cut from the release branch every Thursday")
+    fixed = res["item"]
+    assert res["status"] == "corrected" and fixed["authority"] == "human"
+    assert fixed["corrects"] == wrong and fixed["scope"] == "local"
+    hits = cs.recall("when are release builds cut", limit=1)["results"]
+    assert [h["id"] for h in hits] == [fixed["id"]]          # tie on relevance: human first
+    hits = cs.recall("release builds cut branch", limit=5)["results"]
+    assert [h["id"] for h in hits] == [fixed["id"], rival]   # the corrected one is gone
+    assert hits[1]["authority"] == "agent" and hits[1]["recalls"] >= 10
+    stored = {i["id"]: i for i in json.loads(
+        (repo / ".cambium" / "knowledge.json").read_text())["items"]}
+    assert len(stored) == 3                                  # nothing deleted
+    assert stored[wrong]["status"] == "superseded"
+    assert stored[wrong]["superseded_by"]["id"] == fixed["id"]
+    with pytest.raises(cs.Refused, match=f"superseded by {fixed['id']}"):
+        cs.correct(wrong, "again")
+    with pytest.raises(cs.NotFound):
+        cs.correct("k-000000000000", "anything")
+    with pytest.raises(cs.InputError, match="content"):
+        cs.correct(rival, "  ")
+
+
+def test_agent_counter_claim_outranks_nothing_and_peer_verification_raises_authority(
+        repo, monkeypatch):
+    old = cs.capture("Cache invalidation runs nightly at midnight")["item"]["id"]
+    counter = cs.capture("Cache invalidation runs on every deploy", supersedes=old)["item"]
+    assert counter["supersedes"] == old and counter["authority"] == "agent"
+    ids = {h["id"] for h in cs.recall("cache invalidation runs")["results"]}
+    assert ids == {old, counter["id"]}                       # both stay until a person decides
+    with pytest.raises(cs.NotFound):
+        cs.capture("x y z", supersedes="k-000000000000")
+    assert cs.verify_entry(old)["item"]["authority"] == "agent"    # its own author
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    assert cs.verify_entry(old)["item"]["authority"] == "verified"
+
+
+def test_correct_at_team_scope_goes_through_the_cas_push(shared):
+    wrong = _endorsed("Team standup is at nine", "x")
+    cs.promote()
+    res = cs.correct(wrong, "Team standup is at ten", why="the lead said so")
+    assert res["scope"] == "team"
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[wrong]["status"] == "superseded"
+    assert team[res["item"]["id"]]["authority"] == "human"
+    assert team[res["item"]["id"]]["scope"] == "team"
+    assert [h["id"] for h in cs.recall("team standup time")["results"]] == [res["item"]["id"]]
+
+
+def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch, tmp_path):
+    log = make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    wrong = _endorsed("Prefer retries without backoff")
+    cs.promote(wrong, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    gate = cs.correct(wrong, "Set retries in config/retry.yaml")
+    assert gate["status"] == "needs_generalization" and gate["tells"]
+    res = cs.correct(wrong, "Retry with exponential backoff and jitter")
+    assert res["status"] == "corrected" and res["pr_url"].endswith("/pull/7")
+    branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    assert branch[wrong]["superseded_by"]["id"] == res["item"]["id"]
+    assert branch[res["item"]["id"]]["authority"] == "human"
+    main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert main[wrong]["status"] == "active"                 # until the PR merges
+    assert any(c[:2] == ["pr", "create"] for c in map(json.loads, log.read_text().splitlines()))
+
+
+# =============================================================================
 
 
 def test_import_json_array_and_wrapper_object(repo, tmp_path):
