@@ -3308,6 +3308,24 @@ def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:
                                superseded_by={"id": by, "by": agent, "at": now, "why": why})
 
 
+def check_cmd(item: Item) -> str | None:
+    """The shell check an operator attached to an item, if any (malformed: none)."""
+    cmd = item.check.get("cmd") if isinstance(item.check, dict) else None
+    return cmd if isinstance(cmd, str) and cmd.strip() else None
+
+
+def checked(item: Item, outcome: dict, *, now: str) -> Item:
+    """The item after its check ran: a pass stamps last_verified, raises authority
+    to verified and clears `failing`; a failure marks it failing (kept, flagged)."""
+    if outcome["passed"]:
+        runs = list(item.verifications or []) + [{"by": "check", "at": now,
+                                                   "note": f"check passed: {outcome['cmd']}"}]
+        return dataclasses.replace(item, last_verified=now, verifications=runs, failing=None,
+                                   authority=raised(item, "verified"), updated_at=now)
+    return dataclasses.replace(item, updated_at=now, failing={
+        "at": now, "exit": outcome["exit"], "output": outcome["output"]})
+
+
 def age_days(item: Item, now: datetime) -> int | None:
     """Whole days since the item was last verified (else promoted, else created)."""
     stamp = _parse_ts(item.last_verified or item.promoted_at or item.created_at)
@@ -3320,7 +3338,7 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
     first. Reports only: nothing is downgraded."""
     rows = []
     for it in items:
-        if not it.active or it.scope not in ("team", "org"):
+        if not it.active or (it.scope not in ("team", "org") and not it.failing):
             continue
         if project and it.project != project:
             continue
@@ -3328,12 +3346,13 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
         if older_than_days is not None and (age is None or age < older_than_days):
             continue
         rows.append((it, age))
-    rows.sort(key=lambda r: (r[0].last_verified is not None, r[0].last_verified or "",
-                             -(r[1] or 0), r[0].id))
+    rows.sort(key=lambda r: (not r[0].failing, r[0].last_verified is not None,
+                             r[0].last_verified or "", -(r[1] or 0), r[0].id))
     return [{"id": it.id, "scope": it.scope, "project": it.project, "content": it.content,
              "valid_while": it.valid_while, "last_verified": it.last_verified,
              "never_verified": it.last_verified is None, "age_days": age,
-             "recalls": it.trust.get("recalls", 0)} for it, age in rows]
+             "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
+            for it, age in rows]
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
@@ -4025,6 +4044,101 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
 
 
 # =============================================================================
+# Hygiene: operator checks
+# Shell checks a person attached from the CLI (never through MCP), run in the
+# project repo with a timeout; results are written back where each item lives.
+# =============================================================================
+
+CHECK_TIMEOUT_S = 120          #: default seconds per check (verify --run --timeout)
+CHECK_OUTPUT_CHARS = 2_000     #: tail of a failing check's output kept on the item
+
+
+def attach_check(item_id: str, cmd: str) -> dict:
+    """CLI `verify-cmd`: attach (or with an empty cmd, remove) an item's check."""
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    cmd = _clean_text(cmd, "cmd", 2_000)
+    now = _now()
+    check = {"cmd": cmd, "by": cfg.agent, "at": now, "project": cfg.project} if cmd else None
+
+    def apply(it: Item) -> Item | None:
+        if (check_cmd(it) or "") == cmd:
+            return None
+        return dataclasses.replace(it, check=check, failing=None if not cmd else it.failing,
+                                   updated_at=now)
+
+    out = _update_anywhere(cfg, item_id, apply, f"{cfg.agent} sets the check of {item_id}",
+                           "check_set" if cmd else "check_removed")
+    out["note"] = "run it with: cambium_server.py verify --run"
+    return out
+
+
+def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
+    """Run one shell check; exit 0 within the timeout is a pass."""
+    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS})
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):          # the whole group: no orphan holds the pipe
+            os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        code, output = None, output + f"\n[timed out after {timeout_s:g} s]".encode()
+    text = output.decode("utf-8", "replace")[-CHECK_OUTPUT_CHARS:]
+    return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
+
+
+def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> dict:
+    """CLI `verify --run`: run the checks attached in this project, in its repo,
+    and record each outcome on its item (through each scope's usual write)."""
+    cfg = require_config()
+    if item_id is not None:
+        item_id = _check_id(item_id)
+    docs, warnings = read_scopes(cfg, SCOPES)
+    results: list[dict] = []
+    skipped: list[dict] = []
+    for scope, doc in docs.items():
+        outcomes = {}
+        for it in doc.items:
+            cmd = check_cmd(it)
+            if not cmd or not it.active or (item_id and it.id != item_id):
+                continue
+            if it.check.get("project") not in (None, cfg.project):
+                skipped.append({"id": it.id, "reason": "attached in project "
+                                f"{it.check.get('project')}; it runs there"})
+                continue
+            outcomes[it.id] = run_check(cmd, cfg.repo, timeout_s)
+            results.append({"id": it.id, "scope": scope, **outcomes[it.id]})
+        _record_checks(cfg, scope, outcomes)
+    out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in results),
+                           "failed": [r["id"] for r in results if not r["passed"]],
+                           "results": results}
+    if skipped:
+        out["skipped"] = skipped
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
+    """Write check outcomes onto their items in one write to `scope`."""
+    if not outcomes:
+        return
+    now = _now()
+
+    def apply(doc: Doc) -> Doc | None:
+        items = [checked(it, outcomes[it.id], now=now) if it.id in outcomes else it
+                 for it in doc.items]
+        return dataclasses.replace(doc, items=items)
+
+    mutate_scope(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
+                 org_branch=ORG_UPDATES_BRANCH)
+
+
+# =============================================================================
 # Tools
 # Thin adapters: typed arguments, one call into the core, a dict answer. The
 # docstring is the manual the model reads. Registered in build_server().
@@ -4697,7 +4811,8 @@ def verify_entry(item_id: str, note: str = "") -> dict:
 def stale_report(project: str | None = None, older_than_days: int | None = None) -> dict:
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
-    Never-verified entries come first (flagged), then the oldest-verified. Each
+    Items whose attached check fails come first (failing: true, any scope),
+    then never-verified entries (flagged), then the oldest-verified. Each
     shows its age in days and its valid_while premise, so a dead assumption is
     easy to spot. project: only entries from that project. older_than_days:
     only entries at least that old. It only reports: re-check an entry and call
@@ -4707,7 +4822,7 @@ def stale_report(project: str | None = None, older_than_days: int | None = None)
     if older_than_days is not None and (not isinstance(older_than_days, int)
                                         or older_than_days < 0):
         raise InputError("older_than_days must be a whole number >= 0.")
-    docs, warnings = read_scopes(cfg, ("team", "org"))
+    docs, warnings = read_scopes(cfg, SCOPES)
     items = [it for d in docs.values() for it in d.items]
     rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
@@ -5101,9 +5216,19 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--org-content")
     p.add_argument("--note", default="")
     sub.add_parser("review", parents=[fmt], help="what can be promoted, and what needs a person")
-    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds")
-    p.add_argument("item_id")
+    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds; --run: "
+                       "run the attached checks (operator only)")
+    p.add_argument("item_id", nargs="?")
     p.add_argument("--note", default="")
+    p.add_argument("--run", action="store_true",
+                   help="run the shell checks attached with verify-cmd (all, or item_id's)")
+    p.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S,
+                   help=f"seconds per check (default {CHECK_TIMEOUT_S})")
+    p = sub.add_parser("verify-cmd", parents=[fmt], help="attach a shell check to an item "
+                       "(operator only; never settable through MCP)")
+    p.add_argument("item_id")
+    p.add_argument("cmd", help="shell command run in the repo; exit 0 = the item holds; "
+                               "'' removes the check")
     p = sub.add_parser("stale", parents=[fmt], help="promoted items, oldest-verified first")
     p.add_argument("--project")
     p.add_argument("--older-than-days", type=int)
@@ -5156,7 +5281,9 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
     if c == "review":
         return review_promotions()
     if c == "verify":
-        return verify_entry(args.item_id, note=args.note)
+        return _cli_verify(args)
+    if c == "verify-cmd":
+        return attach_check(args.item_id, args.cmd)
     if c == "stale":
         return stale_report(project=args.project, older_than_days=args.older_than_days)
     if c == "deprecate":
@@ -5174,6 +5301,17 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
     if c == "demo":
         return run_demo()
     raise InputError(f"unknown command {c!r}")
+
+
+def _cli_verify(args: argparse.Namespace) -> dict:
+    """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
+    if args.run:
+        if not 0 < args.timeout <= 86_400:
+            raise InputError("--timeout must be between 0 and 86400 seconds.")
+        return run_checks(args.item_id, timeout_s=args.timeout)
+    if args.item_id is None:
+        raise InputError("verify needs an item id, or --run to run the attached checks.")
+    return verify_entry(args.item_id, note=args.note)
 
 
 def main(argv: list[str] | None = None) -> int:

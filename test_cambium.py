@@ -1150,6 +1150,40 @@ def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch
     assert any(c[:2] == ["pr", "create"] for c in map(json.loads, log.read_text().splitlines()))
 
 
+def test_operator_check_fails_then_passes_through_the_cli(repo):
+    item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
+    set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
+    assert set_.returncode == 0, set_.stderr
+    assert json.loads(set_.stdout)["item"]["check"]["cmd"].startswith("test -f")
+    run = json.loads(cli("verify", "--run").stdout)
+    assert run["ran"] == 1 and run["failed"] == [item_id]
+    hit = cs.recall("build artifact dist")["results"][0]
+    assert hit["failing"]["exit"] == 1 and hit["authority"] == "agent"
+    assert cs.stale_report()["entries"][0] == {**cs.stale_report()["entries"][0],
+                                               "id": item_id, "failing": True}
+    (repo / "dist").mkdir()
+    (repo / "dist" / "ok.txt").write_text("x")
+    run = json.loads(cli("verify", "--run", item_id).stdout)
+    assert run["passed"] == 1 and run["results"][0]["output"].strip() == "found"
+    hit = cs.recall("build artifact dist")["results"][0]
+    assert "failing" not in hit and hit["authority"] == "verified" and hit["last_verified"]
+    assert cs.stale_report()["count"] == 0
+
+
+def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
+    item_id = cs.capture("The smoke test finishes quickly")["item"]["id"]
+    assert cli("verify-cmd", item_id, "echo started; sleep 5; echo never").returncode == 0
+    run = cli("verify", "--run", "--timeout", "0.3")
+    assert run.returncode == 0, run.stderr
+    res = json.loads(run.stdout)["results"][0]
+    assert not res["passed"] and res["exit"] is None and "timed out" in res["output"]
+    assert cli("verify").returncode == 1                     # neither an id nor --run
+    assert cli("verify-cmd", "k-000000000000", "true").returncode == 1
+    cleared = json.loads(cli("verify-cmd", item_id, "").stdout)
+    assert cleared["status"] == "check_removed" and "check" not in cleared["item"]
+    assert json.loads(cli("verify", "--run").stdout)["ran"] == 0
+
+
 # =============================================================================
 
 
