@@ -30,6 +30,7 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
+    CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
     AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
 
 distill() reads, never writes, two substrates: the agentsync board
@@ -39,8 +40,10 @@ AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
 
 The same file is the MCP server (no arguments: stdio) and a CLI for hooks and
 shells, one command per tool: status, setup, capture, record-need, recall,
-endorse, promote, generalize, review, verify, stale, deprecate, import, export,
-distill (`distill --hook` for a session-end hook), demo. The CLI path never
+endorse, promote, generalize, review, verify, stale, deprecate, correct, usage,
+import, export, distill (`distill --hook` for a session-end hook), demo; and two
+operator-only commands no MCP tool can reach: verify-cmd (attach a shell check)
+and verify --run (run the checks). The CLI path never
 imports the MCP SDK: hooks run it at every session end and the SDK costs about
 a second.
 
@@ -48,7 +51,8 @@ Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, git plumbing, storage (files, the scope interface, the
 usage journal, the shared git scopes), substrate readers, import adapters,
 recall (lexical, semantic, ranking), ingest, lifecycle decisions, scope
-helpers, distill, tools, MCP server, CLI, demo.
+helpers, distill, hygiene (usage attribution, operator checks), tools, MCP
+server, CLI, demo.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ import argparse
 import atexit
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import fcntl
 import hashlib
@@ -452,7 +457,7 @@ def normalize_tags(tags: Any) -> list[str]:
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
              tags: Any = None, project: str = "", agent: str = "",
              source: dict | None = None, valid_while: Any = None,
-             now: str | None = None) -> Item:
+             now: str | None = None, supersedes: str | None = None) -> Item:
     """The one chokepoint that creates items: normalize, validate, stamp.
 
     Raises InputError naming the bad argument.
@@ -469,7 +474,7 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
         type=type, kind=kind.lower(), why=_clean_text(why, "why", MAX_WHY_CHARS),
         tags=normalize_tags(tags), scope="local", project=project,
         source=dict(source or {"system": "capture"}), created_by=agent,
-        created_at=stamp, updated_at=stamp, valid_while=premise,
+        created_at=stamp, updated_at=stamp, valid_while=premise, supersedes=supersedes,
     )
 
 
@@ -3134,12 +3139,10 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
-                            valid_while=d.valid_while, now=stamp)
+                            valid_while=d.valid_while, now=stamp, supersedes=d.supersedes)
         except InputError as e:
             result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
             continue
-        if d.supersedes:
-            item = dataclasses.replace(item, supersedes=d.supersedes)
         prepared.append((d.key, item))
         if on_progress and n % 500 == 0:
             on_progress(n)
@@ -4044,6 +4047,80 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
 
 
 # =============================================================================
+# Hygiene: usage attribution
+# Which items each session was shown (recall results, primer entries, expand),
+# in its own append-only local journal .cambium/shown.jsonl, rotated to
+# shown.jsonl.1 past SHOWN_MAX_BYTES: bounded, and never a knowledge.json write.
+# =============================================================================
+
+SHOWN_FILE = "shown.jsonl"
+SHOWN_MAX_BYTES = 4 << 20      #: rotate the shown journal past this size (two files kept)
+SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_session",
+                                                                    default=None)
+
+
+def current_session() -> str | None:
+    """The session a call belongs to: the MCP session (set per call by the
+    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
+    return _clip(valid_unicode(sid), 200) if sid else None
+
+
+def _shown_path(cfg: Config) -> Path:
+    return cfg.local_dir / SHOWN_FILE
+
+
+def note_shown(cfg: Config, ids: list[str], via: str) -> None:
+    """Journal that the current session was shown `ids` (no session: nothing)."""
+    sid = current_session()
+    if not sid or not ids:
+        return
+    at = _now()
+    lines = "".join(json.dumps({"session": sid, "item": i, "via": via, "at": at,
+                                "agent": cfg.agent}, ensure_ascii=False) + "\n" for i in ids)
+    path = _shown_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size > SHOWN_MAX_BYTES:
+                os.replace(path, path.with_name(SHOWN_FILE + ".1"))
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+
+
+def read_shown(cfg: Config) -> list[dict]:
+    """Every readable record, oldest first (the rotated file, then the live one);
+    a torn or foreign line is skipped, never rewritten."""
+    out: list[dict] = []
+    path = _shown_path(cfg)
+    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+        with contextlib.suppress(FileNotFoundError):
+            for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
+                            and isinstance(rec.get("session"), str):
+                        out.append(rec)
+    return out
+
+
+def shown_by(records: list[dict], key: str, value: str, group: str) -> list[dict]:
+    """Records where rec[key] == value, grouped by rec[group]: first/last seen,
+    how many times, and through which calls."""
+    rows: dict[str, dict] = {}
+    for rec in records:
+        if rec.get(key) != value:
+            continue
+        row = rows.setdefault(rec[group], {group: rec[group], "first_at": rec.get("at"),
+                                           "times": 0, "via": []})
+        row["times"] += 1
+        row["last_at"] = rec.get("at")
+        if rec.get("via") not in row["via"]:
+            row["via"].append(rec.get("via"))
+    return sorted(rows.values(), key=lambda r: str(r.get("first_at")))
+
+
+# =============================================================================
 # Hygiene: operator checks
 # Shell checks a person attached from the CLI (never through MCP), run in the
 # project repo with a timeout; results are written back where each item lives.
@@ -4446,6 +4523,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
         pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
         out["results"] = [{**item_view(h.item, trust=effective_trust(h.item, pending)),
                            "relevance": round(h.confidence, 3)} for h in hits]
+        note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
         if any(h.item.scope == "team" for h in hits):
             _schedule_credit_flush(cfg)
@@ -4912,6 +4990,45 @@ def _require_active(item: Item, verb: str) -> None:
     raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
 
 
+def usage(session: str | None = None, item_id: str | None = None) -> dict:
+    """Which knowledge a session was shown, or which sessions saw an item.
+
+    Every recall result (and primer entry and expand) is journaled per session
+    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    the items that session was shown, with how often and through which call.
+    item_id: list the sessions that were shown that item. Neither: the most
+    recent sessions with how many items each saw. Read-only.
+    """
+    cfg = require_config()
+    if session and item_id:
+        raise InputError("pass session or item_id, not both.")
+    records = read_shown(cfg)
+    if item_id:
+        item_id = _check_id(item_id)
+        rows = shown_by(records, "item", item_id, "session")
+        return {"item_id": item_id, "sessions": rows, "count": len(rows)}
+    if session:
+        session = _clean_text(session, "session", 200)
+        rows = shown_by(records, "session", session, "item")
+        docs, warnings = read_scopes(cfg, SCOPES, background=LONG_RUNNING.is_set())
+        known = {it.id: it for it in federated_items(docs)}
+        for row in rows:
+            it = known.get(row["item"])
+            row.update(content=_clip(it.content, 160), status=it.status) if it else \
+                row.update(status="unknown")
+        out = {"session": session, "items": rows, "count": len(rows)}
+        return {**out, "warnings": warnings} if warnings else out
+    sessions: dict[str, dict] = {}
+    for rec in records:
+        row = sessions.setdefault(rec["session"], {"session": rec["session"], "items": set(),
+                                                   "first_at": rec.get("at")})
+        row["items"].add(rec["item"])
+        row["last_at"] = rec.get("at")
+    recent = sorted(sessions.values(), key=lambda r: str(r.get("last_at")))[-20:][::-1]
+    return {"sessions": [{**r, "items": len(r["items"])} for r in recent],
+            "count": len(sessions)}
+
+
 def import_memory(source: str, path: str) -> dict:
     """Import an external memory export into local scope, with provenance.
 
@@ -5044,6 +5161,7 @@ ARG_DOCS = {
     "org_content": "The body restated as a cross-project rule (the concrete one is kept "
                    "as `example`).",
     "reason": "Why the item no longer holds.",
+    "session": "A session id, as usage() lists them (the MCP session or a hook's session_id).",
     "supersedes": "Id of an item you believe is wrong: records yours as a counter-claim to it "
                   "(outranks nothing; only a person's correct() does).",
     "why_correct": "",
@@ -5056,7 +5174,7 @@ _TOOLS: list[tuple[Callable, str]] = [
     (recall, "write_idempotent"), (endorse, "remote"), (promote, "remote"),
     (generalize, "remote"), (review_promotions, "remote"),
     (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
-    (correct, "remote"),
+    (correct, "remote"), (usage, "read"),
     (import_memory, "write_idempotent"), (export_markdown, "remote"),
     (distill, "remote"),
 ]
@@ -5072,7 +5190,8 @@ def _surface_errors(fn: Callable) -> Callable:
     from pydantic import Field
 
     @functools.wraps(fn)
-    def wrapper(**kwargs: Any) -> dict[str, Any]:
+    def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
+        token = SESSION.set(mcp_session_id(ctx))
         try:
             return fn(**kwargs)
         except Unconfigured as u:
@@ -5082,6 +5201,8 @@ def _surface_errors(fn: Callable) -> Callable:
         except OSError as e:       # disk full, permissions: say so, don't hide it
             raise ToolError(f"{type(e).__name__}: {e} (stores are only ever replaced "
                             "whole; fix the file system problem and retry)") from e
+        finally:
+            SESSION.reset(token)
 
     hints = typing.get_type_hints(fn)
     params = []
@@ -5095,9 +5216,11 @@ def _surface_errors(fn: Callable) -> Callable:
         params.append(p.replace(annotation=ann, kind=inspect.Parameter.KEYWORD_ONLY))
     if "on_progress" in inspect.signature(fn).parameters:
         wrapper = _with_progress(fn, wrapper)
-        params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
-                                        annotation=wrapper.__annotations__["ctx"]))
+    params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
+                                    annotation=_context_class()))
     wrapper.__signature__ = inspect.Signature(params, return_annotation=dict[str, Any])
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in params},
+                               "return": dict[str, Any]}
     if hasattr(wrapper, "__wrapped__"):
         del wrapper.__wrapped__
     return wrapper
@@ -5120,11 +5243,38 @@ def _with_progress(fn: Callable, sync_wrapper: Callable) -> Callable:
                 anyio.from_thread.run(ctx.report_progress, done, total, message)
 
         return await anyio.to_thread.run_sync(
-            functools.partial(sync_wrapper, on_progress=report, **kwargs))
+            functools.partial(sync_wrapper, ctx=ctx, on_progress=report, **kwargs))
 
     functools.update_wrapper(wrapper, fn)
     wrapper.__annotations__ = {"ctx": Context, "return": dict[str, Any]}
     return wrapper
+
+
+def _context_class() -> type:
+    from mcp.server.mcpserver import Context
+    return Context
+
+
+_SESSION_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SESSION_GUARD = threading.Lock()
+
+
+def mcp_session_id(ctx: Any) -> str | None:
+    """The id usage attribution files a tool call under: the transport's
+    Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
+    try:
+        req = ctx.request_context
+    except Exception:                        # no request in flight (direct calls)
+        return None
+    headers = getattr(req.request, "headers", None) or {}
+    sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
+    if sid:
+        return str(sid)
+    with _SESSION_GUARD:
+        try:
+            return _SESSION_IDS.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
+        except TypeError:                    # a session object that cannot be weakly keyed
+            return None
 
 
 def build_server() -> MCPServer:
@@ -5240,6 +5390,10 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("content")
     p.add_argument("--why", default="")
     p.add_argument("--force", action="store_true")
+    p = sub.add_parser("usage", parents=[fmt], help="which items a session was shown, or "
+                       "which sessions saw an item")
+    p.add_argument("--session")
+    p.add_argument("--item", dest="item_id")
     p = sub.add_parser("import", parents=[fmt], help="import an external memory export")
     p.add_argument("path")
     p.add_argument("--source", default="json")
@@ -5290,6 +5444,8 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
         return deprecate(args.item_id, reason=args.reason)
     if c == "correct":
         return correct(args.item_id, args.content, why=args.why, force=args.force)
+    if c == "usage":
+        return usage(session=args.session, item_id=args.item_id)
     if c == "import":
         return import_memory(args.source, os.path.abspath(args.path))
     if c == "export":

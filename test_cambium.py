@@ -1184,6 +1184,31 @@ def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
     assert json.loads(cli("verify", "--run").stdout)["ran"] == 0
 
 
+def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
+    seen = cs.capture("Rotate API tokens every ninety days", tags="security")["item"]["id"]
+    cs.capture("Unrelated fact about office plants")
+    assert cli("recall", "rotate api tokens", CAMBIUM_SESSION_ID="run-1").returncode == 0
+    assert cli("recall", "api token rotation", CAMBIUM_SESSION_ID="run-2").returncode == 0
+    cs.recall("rotate api tokens")                 # no session known: nothing attributed
+    by_session = json.loads(cli("usage", "--session", "run-1").stdout)
+    assert [r["item"] for r in by_session["items"]] == [seen]
+    assert by_session["items"][0]["via"] == ["recall"] and "Rotate API" in \
+        by_session["items"][0]["content"]
+    by_item = json.loads(cli("usage", "--item", seen).stdout)
+    assert [r["session"] for r in by_item["sessions"]] == ["run-1", "run-2"]
+    assert cli("usage", "--session", "x", "--item", seen).returncode == 1
+    store = repo / ".cambium" / "knowledge.json"
+    before = store.stat().st_mtime_ns
+    monkeypatch.setattr(cs, "SHOWN_MAX_BYTES", 400)
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "run-3")
+    for _ in range(30):
+        cs.recall("rotate api tokens")
+    journal = repo / ".cambium" / "shown.jsonl"
+    assert journal.stat().st_size < 800 and journal.with_name("shown.jsonl.1").exists()
+    assert cs.usage(session="run-3")["items"][0]["times"] >= 2
+    assert store.stat().st_mtime_ns == before      # recall never rewrites the store
+
+
 # =============================================================================
 
 
@@ -2121,6 +2146,43 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         return True
 
     assert asyncio.run(_mcp_session(_mcp_env(repo), body))
+
+
+def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
+    wrong = cs.capture("Staging deploys need a manual approval")["item"]["id"]
+
+    async def session_one(session, init):
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert "person" in tools["correct"].description and "supersedes" in \
+            tools["capture"].input_schema["properties"]
+        for t in tools.values():                   # checks are operator-only (CLI)
+            props = set(t.input_schema.get("properties", {}))
+            assert not props & {"cmd", "check", "command", "verify_cmd"}, t.name
+            assert "ctx" not in props
+        cap = await session.call_tool("capture", {"content": "Office plants need water",
+                                                  "check": "touch pwned"})
+        assert cap.is_error or "check" not in cap.structured_content["item"]
+        fixed = await session.call_tool("correct", {"item_id": wrong, "content":
+                                                    "Staging deploys need no approval"})
+        assert fixed.structured_content["item"]["authority"] == "human"
+        rec = await session.call_tool("recall", {"query": "staging deploy approval"})
+        hits = rec.structured_content["results"]
+        assert hits[0]["id"] == fixed.structured_content["item"]["id"]
+        assert hits[0]["authority"] == "human" and wrong not in {h["id"] for h in hits}
+        mine = (await session.call_tool("usage", {})).structured_content["sessions"][0]
+        seen = await session.call_tool("usage", {"session": mine["session"]})
+        assert [r["item"] for r in seen.structured_content["items"]] == [h["id"] for h in hits]
+        return mine["session"], hits[0]["id"]
+
+    async def session_two(session, init):
+        await session.call_tool("recall", {"query": "staging deploy approval"})
+        return (await session.call_tool("usage", {})).structured_content["sessions"][0]
+
+    sid1, fixed_id = asyncio.run(_mcp_session(_mcp_env(repo), session_one))
+    sid2 = asyncio.run(_mcp_session(_mcp_env(repo), session_two))["session"]
+    assert sid1 != sid2
+    assert not (repo / "pwned").exists()
+    assert {r["session"] for r in cs.usage(item_id=fixed_id)["sessions"]} == {sid1, sid2}
 
 
 def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
