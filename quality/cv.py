@@ -129,13 +129,19 @@ def lexical_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     return top, [cs.lexical_relevance(lex[i], params["floor"]) for i in top]
 
 
-def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
+def item_sims(p: Prepared, qi: int, params: dict):
+    """Each item's similarity: the best of its vectors' cosines, discounted by kind."""
     np = cs_np()
-    sim = p.sims["full_first"][qi].copy()
-    sim = np.maximum(sim, p.sims["full_tail"][qi] - params["tail"])
+    sim = np.maximum(p.sims["full_first"][qi], p.sims["full_tail"][qi] - params["tail"])
     for kind in ("content_tags", "why"):
         if params.get(kind) is not None:
             sim = np.maximum(sim, p.sims[kind][qi] - params[kind])
+    return sim
+
+
+def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
+    np = cs_np()
+    sim = item_sims(p, qi, params)
     score, rel = cs.semantic_blend(np, sim, np.ones(len(sim), bool), p.lex[qi],
                                    weight=params["weight"], boost=params["boost"],
                                    floor=params["floor"])
@@ -209,12 +215,7 @@ def raw_top(p: Prepared, qi, run, params) -> float:
     if run is lexical_run:
         lex = p.lex[qi]
         return max(lex.values()) if lex else 0.0
-    np = cs_np()
-    sim = p.sims["full_first"][qi].copy()
-    sim = np.maximum(sim, p.sims["full_tail"][qi] - params["tail"])
-    for kind in ("content_tags", "why"):
-        if params.get(kind) is not None:
-            sim = np.maximum(sim, p.sims[kind][qi] - params[kind])
+    sim = item_sims(p, qi, params)
     ranked, _ = run(p, qi, params)
     lex = p.lex[qi]
     return max(float(sim[i]) + params["boost"] * lex.get(i, 0.0) for i in ranked)
