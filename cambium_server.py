@@ -4600,17 +4600,17 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
     except CambiumError as e:
         raise _noted(e, "nothing moved: the item(s) stay local.")
     landed = {i.id for i in write.doc.items} & set(copies)
-    _drop_local(cfg, landed)
+    _drop(cfg, "local", landed, "moved up to team")
     return {"status": "promoted", "to_scope": "team", "commit": write.commit,
             "promoted": [{**item_view(copies[i]), "because": why}
                          for it, _, why in chosen if (i := it.id) in landed]}
 
 
-def _drop_local(cfg: Config, ids: set[str]) -> None:
-    """Remove items from local scope (only ever after their copy is verified elsewhere)."""
+def _drop(cfg: Config, scope: str, ids: set[str], message: str) -> None:
+    """Remove items from a scope (only ever after their copy is verified elsewhere)."""
     if ids:
-        store(cfg, "local").mutate(lambda d: dataclasses.replace(
-            d, items=[i for i in d.items if i.id not in ids]), "moved up")
+        store(cfg, scope).mutate(lambda d: dataclasses.replace(
+            d, items=[i for i in d.items if i.id not in ids]), message)
 
 
 def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None) -> dict:
@@ -4663,12 +4663,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     except CambiumError as e:
         raise _noted(e, f"nothing moved: the item stays in {scope} scope.")
     if any(i.id == item_id for i in write.doc.items):
-        if scope == "local":
-            _drop_local(cfg, {item_id})
-        else:
-            store(cfg, scope).mutate(lambda d: dataclasses.replace(
-                d, items=[i for i in d.items if i.id != item_id]),
-                f"cambium: {item_id} moved to org")
+        _drop(cfg, scope, {item_id}, f"cambium: {item_id} moved to org")
     return {"status": "promoted", "to_scope": "org", "commit": write.commit,
             "item": item_view(copy), "published": ["knowledge.json", "KNOWLEDGE.md"]}
 
