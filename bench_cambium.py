@@ -231,7 +231,7 @@ def bench_team() -> None:
             print(f"recall, 1,000 local + 1,000 team items on a local bare remote, "
                   f"{label}: median {ms:5.1f} ms")
         t0 = time.perf_counter()
-        n = cs.flush_credits(cfg)
+        n = cs.fold_credits_now(cfg, ("team",))
         print(f"publishing {n} journaled team recall credits in one push: "
               f"{(time.perf_counter() - t0) * 1000:.0f} ms")
 

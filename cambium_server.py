@@ -17,7 +17,8 @@ are a cache in <repo>/.cambium/vectors/, never part of any knowledge.json.
 Configuration (environment wins per key over the config file, which wins over
 the defaults; resolved on every call so `setup()` applies without a restart):
 
-    CAMBIUM_REPO              project clone (default: git root of the cwd)
+    CAMBIUM_REPO              project clone (env only; else the git root of the cwd,
+                              else the repo setup() recorded: see resolve_config)
     CAMBIUM_AGENT_ID          your agent id (required)
     CAMBIUM_REMOTE            git remote, default "origin"
     CAMBIUM_GIT_TIMEOUT       seconds per git/gh call, default 25
@@ -30,6 +31,7 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
+    CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
     AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
 
 distill() reads, never writes, two substrates: the agentsync board
@@ -39,8 +41,10 @@ AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
 
 The same file is the MCP server (no arguments: stdio) and a CLI for hooks and
 shells, one command per tool: status, setup, capture, record-need, recall,
-endorse, promote, generalize, review, verify, stale, deprecate, import, export,
-distill (`distill --hook` for a session-end hook), demo. The CLI path never
+endorse, promote, generalize, review, verify, stale, deprecate, correct, usage,
+import, export, distill (`distill --hook` for a session-end hook), demo; and two
+operator-only commands no MCP tool can reach: verify-cmd (attach a shell check)
+and verify --run (run the checks). The CLI path never
 imports the MCP SDK: hooks run it at every session end and the SDK costs about
 a second.
 
@@ -49,7 +53,8 @@ normalization, config, process state (the Runtime), git plumbing, storage
 (files, the scope interface, the credit journal, the shared git scopes),
 substrate readers, import adapters,
 recall (lexical, semantic, ranking), ingest, lifecycle decisions, scope
-helpers, distill, tools, MCP server, CLI, demo.
+helpers, distill, hygiene (usage attribution, operator checks), tools, MCP
+server, CLI, demo.
 """
 from __future__ import annotations
 
@@ -235,7 +240,9 @@ def _empty_trust() -> dict:
 _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "project",
                 "source", "created_by", "created_at", "updated_at", "status", "trust")
 _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
-                    "promoted_at", "pr_url", "deprecated")
+                    "promoted_at", "pr_url", "deprecated", "authority", "superseded_by",
+                    "corrects", "supersedes", "check", "failing")
+AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
 @dataclass
@@ -257,7 +264,7 @@ class Item:
     created_by: str = ""
     created_at: str = ""
     updated_at: str = ""
-    status: str = "active"                           # active | deprecated
+    status: str = "active"                           # active | deprecated | superseded
     trust: dict = field(default_factory=_empty_trust)
     valid_while: str | None = None                   # the premise the item depends on
     last_verified: str | None = None
@@ -266,6 +273,12 @@ class Item:
     promoted_at: str | None = None
     pr_url: str | None = None                        # pending org PR (PR mode)
     deprecated: dict | None = None                   # {by, at, reason}
+    authority: str | None = None                     # None (agent) | verified | human
+    superseded_by: dict | None = None                # {id, by, at, why}: status superseded
+    corrects: str | None = None                      # id of the item a human corrected
+    supersedes: str | None = None                    # id an agent's counter-claim disputes
+    check: dict | None = None                        # {cmd, by, at}: operator-attached check
+    failing: dict | None = None                      # {at, exit, output}: last check failed
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -313,7 +326,13 @@ class Item:
 
     @property
     def active(self) -> bool:
+        """Recallable and promotable: neither deprecated nor superseded."""
         return self.status == "active"
+
+    @property
+    def authority_rank(self) -> int:
+        """Authority as a number: agent 0 < verified 1 < human 2."""
+        return AUTHORITIES.index(self.authority) if self.authority in AUTHORITIES else 0
 
 
 @dataclass
@@ -335,6 +354,7 @@ class Draft:
     source: dict | None = None
     valid_while: Any = None
     key: str | None = None
+    supersedes: str | None = None     # an agent's counter-claim to this item id
 
 
 @dataclass
@@ -440,7 +460,7 @@ def normalize_tags(tags: Any) -> list[str]:
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
              tags: Any = None, project: str = "", agent: str = "",
              source: dict | None = None, valid_while: Any = None,
-             now: str | None = None) -> Item:
+             now: str | None = None, supersedes: str | None = None) -> Item:
     """The one chokepoint that creates items: normalize, validate, stamp.
 
     Raises InputError naming the bad argument.
@@ -457,7 +477,7 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
         type=type, kind=kind.lower(), why=_clean_text(why, "why", MAX_WHY_CHARS),
         tags=normalize_tags(tags), scope="local", project=project,
         source=dict(source or {"system": "capture"}), created_by=agent,
-        created_at=stamp, updated_at=stamp, valid_while=premise,
+        created_at=stamp, updated_at=stamp, valid_while=premise, supersedes=supersedes,
     )
 
 
@@ -579,7 +599,9 @@ class Config:
 
     @property
     def project(self) -> str:
-        return self.repo.name if self.repo else ""
+        """The project's name: its remote's repository name, else the clone's
+        directory name (two clones of one repo are one project)."""
+        return project_name(self.repo, self.remote, self.git_timeout_s) if self.repo else ""
 
     @property
     def local_dir(self) -> Path:
@@ -642,8 +664,19 @@ def _normalize_value(key: str, value: Any) -> str:
     return value
 
 
+#: Where a setting's value came from (Config.origins, status()'s `from`).
+ORIGINS = {"env": "the environment", "cwd": "the git root of the working directory",
+           "file": "the config file", "default": "cambium's default"}
+
+
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
-    """Resolve every setting: env (non-empty) > config file > default."""
+    """Resolve every setting: env (non-empty) > config file > default.
+
+    The project binding is the exception: CAMBIUM_REPO from the env, else the
+    git root of `cwd` (the process's working directory), else the repo setup()
+    recorded in the config file, which only a process outside any git repo
+    uses. The person's settings (agent id, org repo, ...) stay user-wide.
+    """
     env = os.environ if env is None else env
     path = config_file_path(env)
     file_values: dict = {}
@@ -661,10 +694,13 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     values: dict = {}
     origins: dict = {}
     problems: list = []
+    root = None if env.get("CAMBIUM_REPO") else _find_git_root(cwd or Path.cwd())
     for key, default in DEFAULTS.items():
         raw = env.get(key)
         if raw not in (None, ""):
             value, origin = _normalize_value(key, raw), "env"
+        elif key == "CAMBIUM_REPO" and root is not None:
+            value, origin = str(root), "cwd"
         elif file_values.get(key) not in (None, ""):
             value, origin = _normalize_value(key, file_values[key]), "file"
         else:
@@ -674,10 +710,6 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
-    if not values["CAMBIUM_REPO"]:
-        root = _find_git_root(cwd or Path.cwd())
-        if root:
-            values["CAMBIUM_REPO"], origins["CAMBIUM_REPO"] = str(root), "derived"
     return Config(values, origins, path, problems, file_error)
 
 
@@ -933,8 +965,9 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
     return _run(["git", *args], cwd, timeout_s, check=check, input=input)
 
 
-def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
-    """Whether `repo` has the remote; cached until its .git/config changes."""
+def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
+    """The URL of `repo`'s remote (None: no such remote); cached until its
+    .git/config changes."""
     try:
         stamp = (repo / ".git" / "config").stat().st_mtime
     except OSError:
@@ -943,8 +976,28 @@ def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
     hit = remotes.get(key)
     if hit is None or hit[0] != stamp:
         proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
-        hit = remotes[key] = (stamp, proc.returncode == 0)   # one atomic dict store
+        url = proc.stdout.strip() if proc.returncode == 0 else None
+        hit = remotes[key] = (stamp, url)           # one atomic dict store
     return hit[1]
+
+
+def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
+    return remote_url(repo, remote, timeout_s) is not None
+
+
+def repo_name(url: str) -> str:
+    """The repository name in a remote URL ('' if none): `name` of
+    https://host/owner/name.git, git@host:owner/name, /srv/git/name.git."""
+    path = re.sub(r"(/\.git)?[/\\]*$", "", url.strip())
+    name = re.split(r"[/:\\]", path)[-1]
+    name = name[:-4] if name.lower().endswith(".git") else name
+    return "" if name in ("", ".", "..") else name
+
+
+def project_name(repo: Path, remote: str, timeout_s: float) -> str:
+    """The project remote's repository name, else the clone's directory name."""
+    url = remote_url(repo, remote, timeout_s)
+    return (repo_name(url) if url else "") or repo.name
 
 
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
@@ -2449,7 +2502,8 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     slots = index.items
     scores, idf, df = bm25_scores(index, terms)
     total_idf = sum(idf.values()) or 1.0
-    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-scores[i], i))
+    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-round(scores[i], 6),
+                                                           -slots[i].authority_rank, i))
     hits = []
     for i in ranked:
         tf = item_terms(slots[i])
@@ -3116,11 +3170,22 @@ class Semantic:
         # query's mean score, shrunk toward a prior so a small store works too.
         baseline = ((float(score[finite].sum()) + SEM_BASELINE_PRIOR * SEM_BASELINE_ITEMS)
                     / (int(finite.sum()) + SEM_BASELINE_ITEMS))
-        top = np.argpartition(-score, k - 1)[:k]
-        top = top[np.lexsort((top, -score[top]))]
+        top = _authority_tiebreak(index, score, k)
         hits = [Hit(index.items[i], float(lex.get(int(i), 0.0)),
                     max(0.0, min(1.0, float(score[i]) - baseline))) for i in top]
         return Ranking(hits, hits[0].confidence, foreign, mode="semantic")
+
+
+def _authority_tiebreak(index: Index, score: Any, k: int) -> Any:
+    """The k best slots by score; on a tie (equal to 6 places) higher authority
+    first, then the older slot."""
+    np = sys.modules["numpy"]
+    finite = np.isfinite(score)
+    cut = np.partition(score[finite], -k)[-k] if k < int(finite.sum()) else -np.inf
+    top = np.flatnonzero(finite & (score >= cut))
+    auth = np.fromiter((index.items[i].authority_rank for i in top), np.int64, len(top))
+    top = top[np.lexsort((top, -auth, -np.round(score[top], 6)))]
+    return top[:k]
 
 
 def embed_soon(cfg: Config, items: list[Item]) -> None:
@@ -3257,7 +3322,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
-                            valid_while=d.valid_while, now=stamp)
+                            valid_while=d.valid_while, now=stamp, supersedes=d.supersedes)
         except InputError as e:
             result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
             continue
@@ -3406,6 +3471,47 @@ def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
     return dataclasses.replace(item, **changes)
 
 
+def raised(item: Item, authority: str) -> str | None:
+    """The item's authority after a signal worth `authority`: never lowered;
+    the default (agent) is stored as None."""
+    level = max(item.authority_rank, AUTHORITIES.index(authority))
+    return AUTHORITIES[level] if level else None
+
+
+def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str,
+                  now: str) -> Item:
+    """A person's correction of `old`: a new human-authority item in old's scope
+    that links back to it (old gets superseded_by; see supersede())."""
+    new = new_item(content, type=old.type, kind=old.kind, why=why, tags=old.tags,
+                   project=project, agent=agent, now=now,
+                   source={"system": "correction", "ref": old.id})
+    return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id)
+
+
+def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:
+    """`item` retired in favour of item `by`: kept, linked, never recalled again."""
+    return dataclasses.replace(item, status="superseded", updated_at=now,
+                               superseded_by={"id": by, "by": agent, "at": now, "why": why})
+
+
+def check_cmd(item: Item) -> str | None:
+    """The shell check an operator attached to an item, if any (malformed: none)."""
+    cmd = item.check.get("cmd") if isinstance(item.check, dict) else None
+    return cmd if isinstance(cmd, str) and cmd.strip() else None
+
+
+def checked(item: Item, outcome: dict, *, now: str) -> Item:
+    """The item after its check ran: a pass stamps last_verified, raises authority
+    to verified and clears `failing`; a failure marks it failing (kept, flagged)."""
+    if outcome["passed"]:
+        runs = list(item.verifications or []) + [{"by": "check", "at": now,
+                                                   "note": f"check passed: {outcome['cmd']}"}]
+        return dataclasses.replace(item, last_verified=now, verifications=runs, failing=None,
+                                   authority=raised(item, "verified"), updated_at=now)
+    return dataclasses.replace(item, updated_at=now, failing={
+        "at": now, "exit": outcome["exit"], "output": outcome["output"]})
+
+
 def age_days(item: Item, now: datetime) -> int | None:
     """Whole days since the item was last verified (else promoted, else created)."""
     stamp = _parse_ts(item.last_verified or item.promoted_at or item.created_at)
@@ -3418,7 +3524,7 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
     first. Reports only: nothing is downgraded."""
     rows = []
     for it in items:
-        if not it.active or it.scope not in ("team", "org"):
+        if not it.active or (it.scope not in ("team", "org") and not it.failing):
             continue
         if project and it.project != project:
             continue
@@ -3426,12 +3532,13 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
         if older_than_days is not None and (age is None or age < older_than_days):
             continue
         rows.append((it, age))
-    rows.sort(key=lambda r: (r[0].last_verified is not None, r[0].last_verified or "",
-                             -(r[1] or 0), r[0].id))
+    rows.sort(key=lambda r: (not r[0].failing, r[0].last_verified is not None,
+                             r[0].last_verified or "", -(r[1] or 0), r[0].id))
     return [{"id": it.id, "scope": it.scope, "project": it.project, "content": it.content,
              "valid_while": it.valid_while, "last_verified": it.last_verified,
              "never_verified": it.last_verified is None, "age_days": age,
-             "recalls": it.trust.get("recalls", 0)} for it, age in rows]
+             "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
+            for it, age in rows]
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
@@ -3547,11 +3654,13 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
         "id": item.id, "type": item.type, "kind": item.kind, "content": item.content,
         "why": item.why, "tags": item.tags, "scope": item.scope, "project": item.project,
         "source": item.source, "created_by": item.created_by, "created_at": item.created_at,
-        "status": item.status, "recalls": trust.get("recalls", 0),
+        "status": item.status, "authority": AUTHORITIES[item.authority_rank],
+        "recalls": trust.get("recalls", 0),
         "endorsements": len(trust.get("endorsements", [])),
         "projects": trust.get("projects", []),
     }
-    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated"):
+    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated",
+              "superseded_by", "corrects", "supersedes", "check", "failing"):
         v = getattr(item, k)
         if v is not None:
             out[k] = v
@@ -3697,13 +3806,21 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
         result["item"] = new or it
         return None if new is None else _replace_item(doc, i, new)
 
+    write = mutate_scope(cfg, scope, apply, message, org_branch=org_branch)
+    return result["item"], write
+
+
+def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
+                 *, org_branch: str | None = None) -> Write:
+    """One write to one scope: local under the lock, team and org as a CAS push,
+    org in PR mode onto `org_branch` with its pull request opened (pr_url set)."""
     st = store(cfg, scope)
     branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = st.mutate(apply, f"cambium: {message}", branch=branch)
+    write = st.mutate(fn, f"cambium: {message}", branch=branch)
     if branch and write.commit:
         write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}",
                                "Opened by cambium. Review is the gate; merge to publish.")
-    return result["item"], write
+    return write
 
 
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
@@ -4106,6 +4223,175 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
 
 
 # =============================================================================
+# Hygiene: usage attribution
+# Which items each session was shown (recall results, primer entries, expand),
+# in its own append-only local journal .cambium/shown.jsonl, rotated to
+# shown.jsonl.1 past SHOWN_MAX_BYTES: bounded, and never a knowledge.json write.
+# =============================================================================
+
+SHOWN_FILE = "shown.jsonl"
+SHOWN_MAX_BYTES = 4 << 20      #: rotate the shown journal past this size (two files kept)
+SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_session",
+                                                                    default=None)
+
+
+def current_session() -> str | None:
+    """The session a call belongs to: the MCP session (set per call by the
+    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
+    return _clip(valid_unicode(sid), 200) if sid else None
+
+
+def _shown_path(cfg: Config) -> Path:
+    return cfg.local_dir / SHOWN_FILE
+
+
+def note_shown(cfg: Config, ids: list[str], via: str) -> None:
+    """Journal that the current session was shown `ids` (no session: nothing)."""
+    sid = current_session()
+    if not sid or not ids:
+        return
+    at = _now()
+    lines = "".join(json.dumps({"session": sid, "item": i, "via": via, "at": at,
+                                "agent": cfg.agent}, ensure_ascii=False) + "\n" for i in ids)
+    path = _shown_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size > SHOWN_MAX_BYTES:
+                os.replace(path, path.with_name(SHOWN_FILE + ".1"))
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+
+
+def read_shown(cfg: Config) -> list[dict]:
+    """Every readable record, oldest first (the rotated file, then the live one);
+    a torn or foreign line is skipped, never rewritten."""
+    out: list[dict] = []
+    path = _shown_path(cfg)
+    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+        with contextlib.suppress(FileNotFoundError):
+            for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
+                            and isinstance(rec.get("session"), str):
+                        out.append(rec)
+    return out
+
+
+def shown_by(records: list[dict], key: str, value: str, group: str) -> list[dict]:
+    """Records where rec[key] == value, grouped by rec[group]: first/last seen,
+    how many times, and through which calls."""
+    rows: dict[str, dict] = {}
+    for rec in records:
+        if rec.get(key) != value:
+            continue
+        row = rows.setdefault(rec[group], {group: rec[group], "first_at": rec.get("at"),
+                                           "times": 0, "via": []})
+        row["times"] += 1
+        row["last_at"] = rec.get("at")
+        if rec.get("via") not in row["via"]:
+            row["via"].append(rec.get("via"))
+    return sorted(rows.values(), key=lambda r: str(r.get("first_at")))
+
+
+# =============================================================================
+# Hygiene: operator checks
+# Shell checks a person attached from the CLI (never through MCP), run in the
+# project repo with a timeout; results are written back where each item lives.
+# =============================================================================
+
+CHECK_TIMEOUT_S = 120          #: default seconds per check (verify --run --timeout)
+CHECK_OUTPUT_CHARS = 2_000     #: tail of a failing check's output kept on the item
+
+
+def attach_check(item_id: str, cmd: str) -> dict:
+    """CLI `verify-cmd`: attach (or with an empty cmd, remove) an item's check."""
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    cmd = _clean_text(cmd, "cmd", 2_000)
+    now = _now()
+    check = {"cmd": cmd, "by": cfg.agent, "at": now, "project": cfg.project} if cmd else None
+
+    def apply(it: Item) -> Item | None:
+        if (check_cmd(it) or "") == cmd:
+            return None
+        return dataclasses.replace(it, check=check, failing=None if not cmd else it.failing,
+                                   updated_at=now)
+
+    out = _update_anywhere(cfg, item_id, apply, f"{cfg.agent} sets the check of {item_id}",
+                           "check_set" if cmd else "check_removed")
+    out["note"] = "run it with: cambium_server.py verify --run"
+    return out
+
+
+def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
+    """Run one shell check; exit 0 within the timeout is a pass."""
+    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS})
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):          # the whole group: no orphan holds the pipe
+            os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        code, output = None, output + f"\n[timed out after {timeout_s:g} s]".encode()
+    text = output.decode("utf-8", "replace")[-CHECK_OUTPUT_CHARS:]
+    return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
+
+
+def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> dict:
+    """CLI `verify --run`: run the checks attached in this project, in its repo,
+    and record each outcome on its item (through each scope's usual write)."""
+    cfg = require_config()
+    if item_id is not None:
+        item_id = _check_id(item_id)
+    docs, warnings = read_scopes(cfg, SCOPES)
+    results: list[dict] = []
+    skipped: list[dict] = []
+    for scope, doc in docs.items():
+        outcomes = {}
+        for it in doc.items:
+            cmd = check_cmd(it)
+            if not cmd or not it.active or (item_id and it.id != item_id):
+                continue
+            if it.check.get("project") not in (None, cfg.project):
+                skipped.append({"id": it.id, "reason": "attached in project "
+                                f"{it.check.get('project')}; it runs there"})
+                continue
+            outcomes[it.id] = run_check(cmd, cfg.repo, timeout_s)
+            results.append({"id": it.id, "scope": scope, **outcomes[it.id]})
+        _record_checks(cfg, scope, outcomes)
+    out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in results),
+                           "failed": [r["id"] for r in results if not r["passed"]],
+                           "results": results}
+    if skipped:
+        out["skipped"] = skipped
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
+    """Write check outcomes onto their items in one write to `scope`."""
+    if not outcomes:
+        return
+    now = _now()
+
+    def apply(doc: Doc) -> Doc | None:
+        items = [checked(it, outcomes[it.id], now=now) if it.id in outcomes else it
+                 for it in doc.items]
+        return dataclasses.replace(doc, items=items)
+
+    mutate_scope(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
+                 org_branch=ORG_UPDATES_BRANCH)
+
+
+# =============================================================================
 # Tools
 # Thin adapters: typed arguments, one call into the core, a dict answer. The
 # docstring is the manual the model reads. Registered in build_server().
@@ -4145,8 +4431,10 @@ def status() -> dict:
         "configured": True, "status": "ok", "version": __version__,
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
         "config_file": str(cfg.config_file),
+        "binding": repo_binding(cfg),
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
                      if v is not None},
+        "sources": ORIGINS,
         "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
                              "by_type": _count(doc)}, **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_credits(credits_path(cfg))),
@@ -4204,7 +4492,9 @@ def setup(project_repo: str, agent_id: str, org_repo: str | None = None,
     """Configure cambium from a cold start; takes effect immediately, no restart.
 
     Use when status() reports `configured: false`. project_repo: absolute path
-    of your project's git clone (local scope lives in its .cambium/). agent_id:
+    of your project's git clone (local scope lives in its .cambium/); recorded
+    for processes started outside any git repo, since inside one the working
+    directory's repo is the project (`binding` says which applies). agent_id:
     your unique id (letters, digits, . _ - @). org_repo: absolute path of a
     local clone of the org knowledge repo, or a GitHub owner/name (then the
     exact gh/git commands to stand it up are returned and org scope stays off;
@@ -4255,14 +4545,31 @@ def setup(project_repo: str, agent_id: str, org_repo: str | None = None,
         os.chmod(cfg_path.parent, 0o700)
     atomic_write(cfg_path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
-           "status": status()}
-    shadowed = [k for k in updates if env.get(k) not in (None, "") and env.get(k) != updates[k]]
-    if shadowed:
-        out["warnings"] = [f"{k} is also set in the environment, which wins over the config "
-                           "file; unset it to use the value just written." for k in shadowed]
+           "binding": repo_binding(resolve_config(env)), "status": status()}
+    shadowed = [k for k in updates if k != "CAMBIUM_REPO" and env.get(k) not in (None, "")
+                and env.get(k) != updates[k]]
+    warnings = [f"{k} is also set in the environment, which wins over the config file; "
+                "unset it to use the value just written." for k in shadowed]
+    if out["binding"]["repo"] != str(root):
+        warnings.append(f"this process works in {out['binding']['repo']} "
+                        f"({out['binding']['because']}); {root} is used only by processes "
+                        "started outside any git repo.")
+    if warnings:
+        out["warnings"] = warnings
     if org_offer:
         out["org_setup"] = org_offer
     return out
+
+
+def repo_binding(cfg: Config) -> dict:
+    """Which project this process reads and writes, and why (setup, status)."""
+    origin = cfg.origins.get("CAMBIUM_REPO", "default")
+    because = {"env": "CAMBIUM_REPO is set in the environment",
+               "cwd": "it is the git root of the working directory",
+               "file": "the working directory is in no git repo, so the repo setup "
+                       "recorded applies"}.get(origin, "no project repo is known")
+    return {"repo": str(cfg.repo) if cfg.repo else None, "from": origin, "because": because,
+            "project": cfg.project}
 
 
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
@@ -4309,7 +4616,8 @@ def _scaffold_local(root: Path) -> None:
 
 
 def capture(content: str, type: str = "memory", kind: str = "note", why: str = "",
-            tags: list[str] | str | None = None, valid_while: str | None = None) -> dict:
+            tags: list[str] | str | None = None, valid_while: str | None = None,
+            supersedes: str | None = None) -> dict:
     """Save a knowledge item to local scope (this repo's .cambium/knowledge.json).
 
     Call when you learn something a later agent should know: a decision and its
@@ -4319,12 +4627,18 @@ def capture(content: str, type: str = "memory", kind: str = "note", why: str = "
     decision, pitfall, procedure. why: the reason or evidence (recall searches
     it too). tags: list or comma/space separated string; tags weigh most in
     recall. valid_while: the premise the item depends on ("while billing runs on
-    NetSuite"), so a dead assumption can be spotted later. Returns the stored
+    NetSuite"), so a dead assumption can be spotted later. supersedes: the id
+    of an item you believe is wrong; yours is recorded as a counter-claim linked
+    to it, with no more authority than the item it disputes (both stay
+    recallable until a person corrects or deprecates one). Returns the stored
     item; capturing the same content twice returns the existing item.
     """
     cfg = require_config()
+    if supersedes is not None:
+        _require_active(locate(cfg, _check_id(supersedes))[1], "disputed")
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
-                             valid_while=valid_while, source={"system": "capture"})])
+                             valid_while=valid_while, source={"system": "capture"},
+                             supersedes=supersedes)])
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
@@ -4406,6 +4720,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
         pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
         out["results"] = [{**item_view(h.item, trust=effective_trust(h.item, pending)),
                            "relevance": round(h.confidence, 3)} for h in hits]
+        note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
         _schedule_credit_fold(cfg)
     if warnings:
@@ -4499,9 +4814,7 @@ def endorse(item_id: str, note: str = "") -> dict:
     now = _now()
 
     def apply(it: Item) -> Item:
-        if not it.active:
-            raise Refused(f"item {item_id} is deprecated ({(it.deprecated or {}).get('reason')})"
-                          "; it cannot be endorsed.")
+        _require_active(it, "endorsed")
         ends = [e for e in it.trust.get("endorsements", [])
                 if not (isinstance(e, dict) and e.get("by") == cfg.agent)]
         ends.append({"by": cfg.agent, "note": note, "at": now})
@@ -4573,7 +4886,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
             chosen.append((it, trust, why))
         elif item_id is not None:
             if not it.active:
-                raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+                _require_active(it, "promoted")
             return {"status": "not_eligible", "item": item_view(it, trust=trust),
                     "reason": f"needs {cfg.promote_recalls} recalls (has "
                               f"{trust.get('recalls', 0)}) or an endorsement; endorse() it "
@@ -4618,7 +4931,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
     if not item.active:
-        raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+        _require_active(item, "promoted")
     if item.pr_url:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
@@ -4773,7 +5086,9 @@ def verify_entry(item_id: str, note: str = "") -> dict:
 
     def apply(it: Item) -> Item:
         checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
-        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now)
+        peer = it.created_by != cfg.agent           # self-verification earns no authority
+        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now,
+                                   authority=raised(it, "verified") if peer else it.authority)
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
 
@@ -4781,7 +5096,8 @@ def verify_entry(item_id: str, note: str = "") -> dict:
 def stale_report(project: str | None = None, older_than_days: int | None = None) -> dict:
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
-    Never-verified entries come first (flagged), then the oldest-verified. Each
+    Items whose attached check fails come first (failing: true, any scope),
+    then never-verified entries (flagged), then the oldest-verified. Each
     shows its age in days and its valid_while premise, so a dead assumption is
     easy to spot. project: only entries from that project. older_than_days:
     only entries at least that old. It only reports: re-check an entry and call
@@ -4791,7 +5107,7 @@ def stale_report(project: str | None = None, older_than_days: int | None = None)
     if older_than_days is not None and (not isinstance(older_than_days, int)
                                         or older_than_days < 0):
         raise InputError("older_than_days must be a whole number >= 0.")
-    docs, warnings = read_scopes(cfg, ("team", "org"))
+    docs, warnings = read_scopes(cfg, SCOPES)
     items = [it for d in docs.values() for it in d.items]
     rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
@@ -4823,6 +5139,101 @@ def deprecate(item_id: str, reason: str) -> dict:
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} deprecates {item_id}",
                             "deprecated")
+
+
+def correct(item_id: str, content: str, why: str = "", force: bool = False) -> dict:
+    """Record a PERSON's correction of an item. Only for what a human told you.
+
+    The correction becomes a new item with human authority in the corrected
+    item's scope (team and org through the same pushes as every write; org
+    through its generalization gate, and as a pull request in PR mode); the old
+    item is marked superseded, linked both ways, and never recalled again;
+    nothing is deleted. A human correction outranks any agent item, however
+    often recalled or endorsed. If YOU think an item is wrong, do not use this:
+    capture(content, supersedes=item_id) offers your counter-claim instead.
+    content: the right statement. why: what the person said, or why.
+    force: org only, pass the generalization gate as is.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    scope, old = locate(cfg, item_id)
+    _require_active(old, "corrected")
+    now = _now()
+    new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
+    tells = generalization_tells(new.content, new.project) if scope == "org" else []
+    if tells and not force:
+        return {"status": "needs_generalization", "scope": scope, "tells": tells,
+                "reason": "org scope is read by every project and this correction reads "
+                          "project-specific: restate it as the cross-project rule, or pass "
+                          "force=True to record it as it is."}
+
+    def apply(doc: Doc) -> Doc:
+        hit = _find_item(doc, item_id)
+        if hit is None:
+            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+        _require_active(hit[1], "corrected")
+        doc = _replace_item(doc, hit[0], supersede(hit[1], new.id, agent=cfg.agent, now=now,
+                                                   why="corrected by a person"))
+        return dataclasses.replace(doc, items=doc.items + [new])
+
+    write = mutate_scope(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
+                         org_branch=ORG_UPDATES_BRANCH)
+    embed_soon(cfg, [new])
+    out = {"status": "corrected", "scope": scope, "item": item_view(new),
+           "superseded": item_id}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
+def _require_active(item: Item, verb: str) -> None:
+    """Refuse to act on a retired item, saying what replaced it if anything."""
+    if item.active:
+        return
+    if item.status == "superseded":
+        by = (item.superseded_by or {}).get("id") if isinstance(item.superseded_by, dict) \
+            else item.superseded_by
+        raise Refused(f"item {item.id} is superseded by {by}; that one can be {verb}.")
+    raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
+
+
+def usage(session: str | None = None, item_id: str | None = None) -> dict:
+    """Which knowledge a session was shown, or which sessions saw an item.
+
+    Every recall result (and primer entry and expand) is journaled per session
+    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    the items that session was shown, with how often and through which call.
+    item_id: list the sessions that were shown that item. Neither: the most
+    recent sessions with how many items each saw. Read-only.
+    """
+    cfg = require_config()
+    if session and item_id:
+        raise InputError("pass session or item_id, not both.")
+    records = read_shown(cfg)
+    if item_id:
+        item_id = _check_id(item_id)
+        rows = shown_by(records, "item", item_id, "session")
+        return {"item_id": item_id, "sessions": rows, "count": len(rows)}
+    if session:
+        session = _clean_text(session, "session", 200)
+        rows = shown_by(records, "session", session, "item")
+        docs, warnings = read_scopes(cfg, SCOPES, background=runtime().long_running.is_set())
+        known = {it.id: it for it in federated_items(docs)}
+        for row in rows:
+            it = known.get(row["item"])
+            row.update(content=_clip(it.content, 160), status=it.status) if it else \
+                row.update(status="unknown")
+        out = {"session": session, "items": rows, "count": len(rows)}
+        return {**out, "warnings": warnings} if warnings else out
+    sessions: dict[str, dict] = {}
+    for rec in records:
+        row = sessions.setdefault(rec["session"], {"session": rec["session"], "items": set(),
+                                                   "first_at": rec.get("at")})
+        row["items"].add(rec["item"])
+        row["last_at"] = rec.get("at")
+    recent = sorted(sessions.values(), key=lambda r: str(r.get("last_at")))[-20:][::-1]
+    return {"sessions": [{**r, "items": len(r["items"])} for r in recent],
+            "count": len(sessions)}
 
 
 def import_memory(source: str, path: str) -> dict:
@@ -4957,6 +5368,10 @@ ARG_DOCS = {
     "org_content": "The body restated as a cross-project rule (the concrete one is kept "
                    "as `example`).",
     "reason": "Why the item no longer holds.",
+    "session": "A session id, as usage() lists them (the MCP session or a hook's session_id).",
+    "supersedes": "Id of an item you believe is wrong: records yours as a counter-claim to it "
+                  "(outranks nothing; only a person's correct() does).",
+    "why_correct": "",
     "project": "Only entries that came from this project (repo directory name).",
     "older_than_days": "Only entries not verified for at least this many days.",
 }
@@ -4966,6 +5381,7 @@ _TOOLS: list[tuple[Callable, str]] = [
     (recall, "write_idempotent"), (endorse, "remote"), (promote, "remote"),
     (generalize, "remote"), (review_promotions, "remote"),
     (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
+    (correct, "remote"), (usage, "read"),
     (import_memory, "write_idempotent"), (export_markdown, "remote"),
     (distill, "remote"),
 ]
@@ -4981,7 +5397,8 @@ def _surface_errors(fn: Callable) -> Callable:
     from pydantic import Field
 
     @functools.wraps(fn)
-    def wrapper(**kwargs: Any) -> dict[str, Any]:
+    def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
+        token = SESSION.set(mcp_session_id(ctx))
         try:
             return fn(**kwargs)
         except Unconfigured as u:
@@ -4991,6 +5408,8 @@ def _surface_errors(fn: Callable) -> Callable:
         except OSError as e:       # disk full, permissions: say so, don't hide it
             raise ToolError(f"{type(e).__name__}: {e} (stores are only ever replaced "
                             "whole; fix the file system problem and retry)") from e
+        finally:
+            SESSION.reset(token)
 
     hints = typing.get_type_hints(fn)
     params = []
@@ -5004,9 +5423,11 @@ def _surface_errors(fn: Callable) -> Callable:
         params.append(p.replace(annotation=ann, kind=inspect.Parameter.KEYWORD_ONLY))
     if "on_progress" in inspect.signature(fn).parameters:
         wrapper = _with_progress(fn, wrapper)
-        params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
-                                        annotation=wrapper.__annotations__["ctx"]))
+    params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
+                                    annotation=_context_class()))
     wrapper.__signature__ = inspect.Signature(params, return_annotation=dict[str, Any])
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in params},
+                               "return": dict[str, Any]}
     if hasattr(wrapper, "__wrapped__"):
         del wrapper.__wrapped__
     return wrapper
@@ -5029,11 +5450,38 @@ def _with_progress(fn: Callable, sync_wrapper: Callable) -> Callable:
                 anyio.from_thread.run(ctx.report_progress, done, total, message)
 
         return await anyio.to_thread.run_sync(
-            functools.partial(sync_wrapper, on_progress=report, **kwargs))
+            functools.partial(sync_wrapper, ctx=ctx, on_progress=report, **kwargs))
 
     functools.update_wrapper(wrapper, fn)
     wrapper.__annotations__ = {"ctx": Context, "return": dict[str, Any]}
     return wrapper
+
+
+def _context_class() -> type:
+    from mcp.server.mcpserver import Context
+    return Context
+
+
+_SESSION_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SESSION_GUARD = threading.Lock()
+
+
+def mcp_session_id(ctx: Any) -> str | None:
+    """The id usage attribution files a tool call under: the transport's
+    Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
+    try:
+        req = ctx.request_context
+    except Exception:                        # no request in flight (direct calls)
+        return None
+    headers = getattr(req.request, "headers", None) or {}
+    sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
+    if sid:
+        return str(sid)
+    with _SESSION_GUARD:
+        try:
+            return _SESSION_IDS.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
+        except TypeError:                    # a session object that cannot be weakly keyed
+            return None
 
 
 def build_server() -> MCPServer:
@@ -5103,6 +5551,7 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--why", default="")
     p.add_argument("--tags", default="")
     p.add_argument("--valid-while")
+    p.add_argument("--supersedes", help="id of an item this counter-claim disputes")
     p = sub.add_parser("record-need", parents=[fmt], help="record a need")
     p.add_argument("content")
     p.add_argument("--why", default="")
@@ -5124,15 +5573,34 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--org-content")
     p.add_argument("--note", default="")
     sub.add_parser("review", parents=[fmt], help="what can be promoted, and what needs a person")
-    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds")
-    p.add_argument("item_id")
+    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds; --run: "
+                       "run the attached checks (operator only)")
+    p.add_argument("item_id", nargs="?")
     p.add_argument("--note", default="")
+    p.add_argument("--run", action="store_true",
+                   help="run the shell checks attached with verify-cmd (all, or item_id's)")
+    p.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S,
+                   help=f"seconds per check (default {CHECK_TIMEOUT_S})")
+    p = sub.add_parser("verify-cmd", parents=[fmt], help="attach a shell check to an item "
+                       "(operator only; never settable through MCP)")
+    p.add_argument("item_id")
+    p.add_argument("cmd", help="shell command run in the repo; exit 0 = the item holds; "
+                               "'' removes the check")
     p = sub.add_parser("stale", parents=[fmt], help="promoted items, oldest-verified first")
     p.add_argument("--project")
     p.add_argument("--older-than-days", type=int)
     p = sub.add_parser("deprecate", parents=[fmt], help="retire an item (never deleted)")
     p.add_argument("item_id")
     p.add_argument("--reason", required=True)
+    p = sub.add_parser("correct", parents=[fmt], help="record a person's correction of an item")
+    p.add_argument("item_id")
+    p.add_argument("content")
+    p.add_argument("--why", default="")
+    p.add_argument("--force", action="store_true")
+    p = sub.add_parser("usage", parents=[fmt], help="which items a session was shown, or "
+                       "which sessions saw an item")
+    p.add_argument("--session")
+    p.add_argument("--item", dest="item_id")
     p = sub.add_parser("import", parents=[fmt], help="import an external memory export")
     p.add_argument("path")
     p.add_argument("--source", default="json")
@@ -5159,7 +5627,7 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
                      org_pr=args.org_pr, team_branch=args.team_branch)
     if c == "capture":
         return capture(args.content, type=args.type, kind=args.kind, why=args.why,
-                       tags=args.tags, valid_while=args.valid_while)
+                       tags=args.tags, valid_while=args.valid_while, supersedes=args.supersedes)
     if c == "record-need":
         return record_need(args.content, why=args.why, tags=args.tags)
     if c == "recall":
@@ -5174,11 +5642,17 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
     if c == "review":
         return review_promotions()
     if c == "verify":
-        return verify_entry(args.item_id, note=args.note)
+        return _cli_verify(args)
+    if c == "verify-cmd":
+        return attach_check(args.item_id, args.cmd)
     if c == "stale":
         return stale_report(project=args.project, older_than_days=args.older_than_days)
     if c == "deprecate":
         return deprecate(args.item_id, reason=args.reason)
+    if c == "correct":
+        return correct(args.item_id, args.content, why=args.why, force=args.force)
+    if c == "usage":
+        return usage(session=args.session, item_id=args.item_id)
     if c == "import":
         return import_memory(args.source, os.path.abspath(args.path))
     if c == "export":
@@ -5190,6 +5664,17 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
     if c == "demo":
         return run_demo()
     raise InputError(f"unknown command {c!r}")
+
+
+def _cli_verify(args: argparse.Namespace) -> dict:
+    """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
+    if args.run:
+        if not 0 < args.timeout <= 86_400:
+            raise InputError("--timeout must be between 0 and 86400 seconds.")
+        return run_checks(args.item_id, timeout_s=args.timeout)
+    if args.item_id is None:
+        raise InputError("verify needs an item id, or --run to run the attached checks.")
+    return verify_entry(args.item_id, note=args.note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -5246,20 +5731,27 @@ def distill_summary(result: dict) -> str:
             f"{per}" + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
 
 
-def _read_hook_input() -> None:
-    """Drain a Claude Code hook's JSON from stdin (bounded wait) and move to its
-    cwd, so the hook resolves the session's repo."""
+def bind_hook() -> dict:
+    """Read a hook's JSON from stdin (bounded wait) and bind this process to the
+    project of its `cwd`, as a server started there would be (resolve_config:
+    env, else that directory's git root, else the repo setup recorded). Every
+    `--hook` command calls this first. Returns the payload ({} when none)."""
     import select
+    payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
         if sys.stdin is None or sys.stdin.isatty():
-            return
+            return {}
         ready, _, _ = select.select([sys.stdin], [], [], 2.0)
         if not ready:
-            return
+            return {}
         payload = json.loads(sys.stdin.read(1 << 20) or "{}")
-        cwd = payload.get("cwd") if isinstance(payload, dict) else None
-        if isinstance(cwd, str) and os.path.isdir(cwd):
+    if not isinstance(payload, dict):
+        return {}
+    cwd = payload.get("cwd")
+    if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
+        with contextlib.suppress(OSError):
             os.chdir(cwd)
+    return payload
 
 
 def _cli_distill(args: argparse.Namespace) -> int:
@@ -5268,7 +5760,7 @@ def _cli_distill(args: argparse.Namespace) -> int:
     a failing git command, a corrupt local store that had to be moved aside).
     --hook: nothing on stdout, and an unconfigured directory is skipped, exit 0."""
     if args.hook:
-        _read_hook_input()
+        bind_hook()
     out = sys.stderr if args.hook else sys.stdout
     shown = {"progress": False}
 
