@@ -17,7 +17,8 @@ are a cache in <repo>/.cambium/vectors/, never part of any knowledge.json.
 Configuration (environment wins per key over the config file, which wins over
 the defaults; resolved on every call so `setup()` applies without a restart):
 
-    CAMBIUM_REPO              project clone (default: git root of the cwd)
+    CAMBIUM_REPO              project clone (env only; else the git root of the cwd,
+                              else the repo setup() recorded: see resolve_config)
     CAMBIUM_AGENT_ID          your agent id (required)
     CAMBIUM_REMOTE            git remote, default "origin"
     CAMBIUM_GIT_TIMEOUT       seconds per git/gh call, default 25
@@ -30,6 +31,7 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
+    CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
     AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
 
 distill() reads, never writes, two substrates: the agentsync board
@@ -41,15 +43,17 @@ The same file is the MCP server (no arguments, or `serve`: stdio) and a CLI for
 hooks and shells. Both are built from one table, api_table(): a command per
 tool (its name with dashes, plus short aliases: review, verify, stale, import,
 export), its arguments, defaults and bounds read from the tool's signature, and
-CLI-only commands (serve, demo, `distill --hook` for a session-end hook). The
-CLI path never imports the MCP SDK: hooks run it at every session end and the
-SDK costs about a second.
+CLI-only commands and options: serve, demo, `distill --hook` for a session-end
+hook, and two operator-only ones no MCP tool can reach: verify-cmd (attach a
+shell check) and verify --run (run the checks). The CLI path never imports the
+MCP SDK: hooks run it at every session end and the SDK costs about a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, git plumbing, storage (files, the scope interface, the
 usage journal, the shared git scopes), substrate readers, import adapters,
 recall (lexical, semantic, ranking), ingest, lifecycle decisions, scope
-helpers, distill, tools (ending in the API table), MCP server, CLI, demo.
+helpers, distill, hygiene (usage attribution, operator checks), tools (ending
+in the API table), MCP server, CLI, demo.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ import argparse
 import atexit
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import fcntl
 import functools
@@ -203,6 +208,114 @@ class SubstrateError(CambiumError):
 
 
 # =============================================================================
+# API arguments
+# A tool's arguments are described once, in its signature: a type (Literal for
+# a closed set) and `Annotated[int, Field("what it is", ge=1, le=50)]`. Field is
+# stdlib data: the CLI reads it as is, build_server() hands the SDK pydantic's
+# equivalent, and Python callers get the same check through check_arg().
+# =============================================================================
+
+
+@dataclass(frozen=True)
+class Field:
+    """One argument's description and bounds, as data (pydantic's Field, minus pydantic)."""
+    description: str = ""
+    ge: int | None = None
+    le: int | None = None
+
+
+REQUIRED = object()   #: placeholder default: callers must pass the argument
+
+
+@dataclass(frozen=True)
+class Param:
+    """One API argument of a tool, read from its signature (see api_params)."""
+    name: str
+    type: Any                  #: the annotation without Annotated[...]
+    default: Any               #: REQUIRED when the caller must pass it
+    doc: str
+    ge: int | None = None
+    le: int | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    @property
+    def choices(self) -> tuple | None:
+        """The allowed values of a Literal (or optional Literal) argument."""
+        for t in (self.type, *get_args(self.type)):
+            if get_origin(t) is Literal:
+                return get_args(t)
+        return None
+
+    @property
+    def base(self) -> type:
+        """int, bool or str: what the CLI parses the value as."""
+        if self.choices:
+            return str
+        kinds = set(get_args(self.type) or (self.type,)) - {type(None)}
+        return int if kinds == {int} else bool if kinds == {bool} else str
+
+    def allowed(self) -> str:
+        """What the argument accepts, as the end of "<name> must be ..."."""
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        if self.base is int:
+            if self.ge is not None and self.le is not None:
+                return f"a whole number from {self.ge} to {self.le}"
+            if self.ge is not None:
+                return f"a whole number of at least {self.ge}"
+            return "a whole number"
+        return "true or false" if self.base is bool else "text"
+
+    def check(self, value: Any) -> Any:
+        """The value if it is allowed, else InputError naming the argument (for
+        Python callers; over MCP the schema has already said the same)."""
+        ok = value is None and not self.required and self.default is None
+        if not ok and self.base is int:
+            ok = isinstance(value, int) and not isinstance(value, bool) and \
+                (self.ge is None or value >= self.ge) and (self.le is None or value <= self.le)
+        elif not ok and self.choices:
+            ok = value in self.choices
+        if not ok:
+            raise InputError(f"{self.name} must be {self.allowed()}; got {value!r}.")
+        return value
+
+
+def api_params(fn: Callable) -> list[Param]:
+    """The API arguments of a tool: every parameter annotated with a Field, in
+    order. A parameter without one (on_progress) is internal to the core."""
+    return _api_params(fn)
+
+
+@functools.cache
+def _api_params(fn: Callable) -> list[Param]:
+    hints = get_type_hints(fn, include_extras=True)
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        hint = hints.get(p.name)
+        meta = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Field)]
+        if not meta:
+            continue
+        default = REQUIRED if p.default in (inspect.Parameter.empty, ...) else p.default
+        out.append(Param(p.name, get_args(hint)[0], default, meta[0].description,
+                         meta[0].ge, meta[0].le))
+    return out
+
+
+def check_arg(fn: Callable, name: str, value: Any) -> Any:
+    """`value` if `fn`'s argument `name` allows it, else InputError."""
+    return next(p for p in api_params(fn) if p.name == name).check(value)
+
+
+ItemId = Annotated[str, Field("A cambium item id (k-...), as recall and capture return it.")]
+Tags = Annotated[list[str] | str | None, Field(
+    "Topic tags, as a list or a comma/space separated string; they weigh most in recall.")]
+Why = Annotated[str, Field("The reason or evidence behind it; recall searches it too.")]
+
+
+# =============================================================================
 # Records
 # `Item` is one knowledge item. Only from_dict/to_dict know the JSON shape;
 # unknown keys ride along in `extra` so newer files survive older code.
@@ -236,7 +349,9 @@ def _empty_trust() -> dict:
 _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "project",
                 "source", "created_by", "created_at", "updated_at", "status", "trust")
 _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
-                    "promoted_at", "pr_url", "deprecated")
+                    "promoted_at", "pr_url", "deprecated", "authority", "superseded_by",
+                    "corrects", "supersedes", "check", "failing")
+AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
 @dataclass
@@ -258,7 +373,7 @@ class Item:
     created_by: str = ""
     created_at: str = ""
     updated_at: str = ""
-    status: str = "active"                           # active | deprecated
+    status: str = "active"                           # active | deprecated | superseded
     trust: dict = field(default_factory=_empty_trust)
     valid_while: str | None = None                   # the premise the item depends on
     last_verified: str | None = None
@@ -267,6 +382,12 @@ class Item:
     promoted_at: str | None = None
     pr_url: str | None = None                        # pending org PR (PR mode)
     deprecated: dict | None = None                   # {by, at, reason}
+    authority: str | None = None                     # None (agent) | verified | human
+    superseded_by: dict | None = None                # {id, by, at, why}: status superseded
+    corrects: str | None = None                      # id of the item a human corrected
+    supersedes: str | None = None                    # id an agent's counter-claim disputes
+    check: dict | None = None                        # {cmd, by, at}: operator-attached check
+    failing: dict | None = None                      # {at, exit, output}: last check failed
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -314,7 +435,13 @@ class Item:
 
     @property
     def active(self) -> bool:
+        """Recallable and promotable: neither deprecated nor superseded."""
         return self.status == "active"
+
+    @property
+    def authority_rank(self) -> int:
+        """Authority as a number: agent 0 < verified 1 < human 2."""
+        return AUTHORITIES.index(self.authority) if self.authority in AUTHORITIES else 0
 
 
 @dataclass
@@ -336,6 +463,7 @@ class Draft:
     source: dict | None = None
     valid_while: Any = None
     key: str | None = None
+    supersedes: str | None = None     # an agent's counter-claim to this item id
 
 
 @dataclass
@@ -441,7 +569,7 @@ def normalize_tags(tags: Any) -> list[str]:
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
              tags: Any = None, project: str = "", agent: str = "",
              source: dict | None = None, valid_while: Any = None,
-             now: str | None = None) -> Item:
+             now: str | None = None, supersedes: str | None = None) -> Item:
     """The one chokepoint that creates items: normalize, validate, stamp.
 
     Raises InputError naming the bad argument.
@@ -458,7 +586,7 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
         type=type, kind=kind.lower(), why=_clean_text(why, "why", MAX_WHY_CHARS),
         tags=normalize_tags(tags), scope="local", project=project,
         source=dict(source or {"system": "capture"}), created_by=agent,
-        created_at=stamp, updated_at=stamp, valid_while=premise,
+        created_at=stamp, updated_at=stamp, valid_while=premise, supersedes=supersedes,
     )
 
 
@@ -580,7 +708,9 @@ class Config:
 
     @property
     def project(self) -> str:
-        return self.repo.name if self.repo else ""
+        """The project's name: its remote's repository name, else the clone's
+        directory name (two clones of one repo are one project)."""
+        return project_name(self.repo, self.remote, self.git_timeout_s) if self.repo else ""
 
     @property
     def local_dir(self) -> Path:
@@ -643,8 +773,19 @@ def _normalize_value(key: str, value: Any) -> str:
     return value
 
 
+#: Where a setting's value came from (Config.origins, status()'s `from`).
+ORIGINS = {"env": "the environment", "cwd": "the git root of the working directory",
+           "file": "the config file", "default": "cambium's default"}
+
+
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
-    """Resolve every setting: env (non-empty) > config file > default."""
+    """Resolve every setting: env (non-empty) > config file > default.
+
+    The project binding is the exception: CAMBIUM_REPO from the env, else the
+    git root of `cwd` (the process's working directory), else the repo setup()
+    recorded in the config file, which only a process outside any git repo
+    uses. The person's settings (agent id, org repo, ...) stay user-wide.
+    """
     env = os.environ if env is None else env
     path = config_file_path(env)
     file_values: dict = {}
@@ -662,10 +803,13 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     values: dict = {}
     origins: dict = {}
     problems: list = []
+    root = None if env.get("CAMBIUM_REPO") else _find_git_root(cwd or Path.cwd())
     for key, default in DEFAULTS.items():
         raw = env.get(key)
         if raw not in (None, ""):
             value, origin = _normalize_value(key, raw), "env"
+        elif key == "CAMBIUM_REPO" and root is not None:
+            value, origin = str(root), "cwd"
         elif file_values.get(key) not in (None, ""):
             value, origin = _normalize_value(key, file_values[key]), "file"
         else:
@@ -675,10 +819,6 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
-    if not values["CAMBIUM_REPO"]:
-        root = _find_git_root(cwd or Path.cwd())
-        if root:
-            values["CAMBIUM_REPO"], origins["CAMBIUM_REPO"] = str(root), "derived"
     return Config(values, origins, path, problems, file_error)
 
 
@@ -779,11 +919,12 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
     return _run(["git", *args], cwd, timeout_s, check=check, input=input)
 
 
-_REMOTE_CACHE: dict[tuple[str, str], tuple[float, bool]] = {}
+_REMOTE_CACHE: dict[tuple[str, str], tuple[float, str | None]] = {}
 
 
-def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
-    """Whether `repo` has the remote; cached until its .git/config changes."""
+def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
+    """The URL of `repo`'s remote (None: no such remote); cached until its
+    .git/config changes."""
     try:
         stamp = (repo / ".git" / "config").stat().st_mtime
     except OSError:
@@ -792,8 +933,28 @@ def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
     hit = _REMOTE_CACHE.get(key)
     if hit is None or hit[0] != stamp:
         proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
-        hit = _REMOTE_CACHE[key] = (stamp, proc.returncode == 0)
+        url = proc.stdout.strip() if proc.returncode == 0 else None
+        hit = _REMOTE_CACHE[key] = (stamp, url)
     return hit[1]
+
+
+def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
+    return remote_url(repo, remote, timeout_s) is not None
+
+
+def repo_name(url: str) -> str:
+    """The repository name in a remote URL ('' if none): `name` of
+    https://host/owner/name.git, git@host:owner/name, /srv/git/name.git."""
+    path = re.sub(r"(/\.git)?[/\\]*$", "", url.strip())
+    name = re.split(r"[/:\\]", path)[-1]
+    name = name[:-4] if name.lower().endswith(".git") else name
+    return "" if name in ("", ".", "..") else name
+
+
+def project_name(repo: Path, remote: str, timeout_s: float) -> str:
+    """The project remote's repository name, else the clone's directory name."""
+    url = remote_url(repo, remote, timeout_s)
+    return (repo_name(url) if url else "") or repo.name
 
 
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
@@ -2271,7 +2432,8 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     slots = index.items
     scores, idf, df = bm25_scores(index, terms)
     total_idf = sum(idf.values()) or 1.0
-    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-scores[i], i))
+    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-round(scores[i], 6),
+                                                           -slots[i].authority_rank, i))
     hits = []
     for i in ranked:
         tf = item_terms(slots[i])
@@ -2944,11 +3106,22 @@ class Semantic:
         # query's mean score, shrunk toward a prior so a small store works too.
         baseline = ((float(score[finite].sum()) + SEM_BASELINE_PRIOR * SEM_BASELINE_ITEMS)
                     / (int(finite.sum()) + SEM_BASELINE_ITEMS))
-        top = np.argpartition(-score, k - 1)[:k]
-        top = top[np.lexsort((top, -score[top]))]
+        top = _authority_tiebreak(index, score, k)
         hits = [Hit(index.items[i], float(lex.get(int(i), 0.0)),
                     max(0.0, min(1.0, float(score[i]) - baseline))) for i in top]
         return Ranking(hits, hits[0].confidence, foreign, mode="semantic")
+
+
+def _authority_tiebreak(index: Index, score: Any, k: int) -> Any:
+    """The k best slots by score; on a tie (equal to 6 places) higher authority
+    first, then the older slot."""
+    np = sys.modules["numpy"]
+    finite = np.isfinite(score)
+    cut = np.partition(score[finite], -k)[-k] if k < int(finite.sum()) else -np.inf
+    top = np.flatnonzero(finite & (score >= cut))
+    auth = np.fromiter((index.items[i].authority_rank for i in top), np.int64, len(top))
+    top = top[np.lexsort((top, -auth, -np.round(score[top], 6)))]
+    return top[:k]
 
 
 _ENGINES: dict[str, Semantic] = {}
@@ -3111,7 +3284,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
-                            valid_while=d.valid_while, now=stamp)
+                            valid_while=d.valid_while, now=stamp, supersedes=d.supersedes)
         except InputError as e:
             result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
             continue
@@ -3260,6 +3433,47 @@ def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
     return dataclasses.replace(item, **changes)
 
 
+def raised(item: Item, authority: str) -> str | None:
+    """The item's authority after a signal worth `authority`: never lowered;
+    the default (agent) is stored as None."""
+    level = max(item.authority_rank, AUTHORITIES.index(authority))
+    return AUTHORITIES[level] if level else None
+
+
+def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str,
+                  now: str) -> Item:
+    """A person's correction of `old`: a new human-authority item in old's scope
+    that links back to it (old gets superseded_by; see supersede())."""
+    new = new_item(content, type=old.type, kind=old.kind, why=why, tags=old.tags,
+                   project=project, agent=agent, now=now,
+                   source={"system": "correction", "ref": old.id})
+    return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id)
+
+
+def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:
+    """`item` retired in favour of item `by`: kept, linked, never recalled again."""
+    return dataclasses.replace(item, status="superseded", updated_at=now,
+                               superseded_by={"id": by, "by": agent, "at": now, "why": why})
+
+
+def check_cmd(item: Item) -> str | None:
+    """The shell check an operator attached to an item, if any (malformed: none)."""
+    cmd = item.check.get("cmd") if isinstance(item.check, dict) else None
+    return cmd if isinstance(cmd, str) and cmd.strip() else None
+
+
+def checked(item: Item, outcome: dict, *, now: str) -> Item:
+    """The item after its check ran: a pass stamps last_verified, raises authority
+    to verified and clears `failing`; a failure marks it failing (kept, flagged)."""
+    if outcome["passed"]:
+        runs = list(item.verifications or []) + [{"by": "check", "at": now,
+                                                   "note": f"check passed: {outcome['cmd']}"}]
+        return dataclasses.replace(item, last_verified=now, verifications=runs, failing=None,
+                                   authority=raised(item, "verified"), updated_at=now)
+    return dataclasses.replace(item, updated_at=now, failing={
+        "at": now, "exit": outcome["exit"], "output": outcome["output"]})
+
+
 def age_days(item: Item, now: datetime) -> int | None:
     """Whole days since the item was last verified (else promoted, else created)."""
     stamp = _parse_ts(item.last_verified or item.promoted_at or item.created_at)
@@ -3272,7 +3486,7 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
     first. Reports only: nothing is downgraded."""
     rows = []
     for it in items:
-        if not it.active or it.scope not in ("team", "org"):
+        if not it.active or (it.scope not in ("team", "org") and not it.failing):
             continue
         if project and it.project != project:
             continue
@@ -3280,12 +3494,13 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
         if older_than_days is not None and (age is None or age < older_than_days):
             continue
         rows.append((it, age))
-    rows.sort(key=lambda r: (r[0].last_verified is not None, r[0].last_verified or "",
-                             -(r[1] or 0), r[0].id))
+    rows.sort(key=lambda r: (not r[0].failing, r[0].last_verified is not None,
+                             r[0].last_verified or "", -(r[1] or 0), r[0].id))
     return [{"id": it.id, "scope": it.scope, "project": it.project, "content": it.content,
              "valid_while": it.valid_while, "last_verified": it.last_verified,
              "never_verified": it.last_verified is None, "age_days": age,
-             "recalls": it.trust.get("recalls", 0)} for it, age in rows]
+             "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
+            for it, age in rows]
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
@@ -3401,11 +3616,13 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
         "id": item.id, "type": item.type, "kind": item.kind, "content": item.content,
         "why": item.why, "tags": item.tags, "scope": item.scope, "project": item.project,
         "source": item.source, "created_by": item.created_by, "created_at": item.created_at,
-        "status": item.status, "recalls": trust.get("recalls", 0),
+        "status": item.status, "authority": AUTHORITIES[item.authority_rank],
+        "recalls": trust.get("recalls", 0),
         "endorsements": len(trust.get("endorsements", [])),
         "projects": trust.get("projects", []),
     }
-    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated"):
+    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated",
+              "superseded_by", "corrects", "supersedes", "check", "failing"):
         v = getattr(item, k)
         if v is not None:
             out[k] = v
@@ -3551,16 +3768,25 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
         result["item"] = new or it
         return None if new is None else _replace_item(doc, i, new)
 
+    write = mutate_scope(cfg, scope, apply, message, org_branch=org_branch)
+    return result["item"], write
+
+
+def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
+                 *, org_branch: str | None = None) -> Write | None:
+    """One write to one scope: local under the lock, team and org as a CAS push,
+    org in PR mode onto `org_branch` with its pull request opened (pr_url set).
+    Returns the shared-scope write (None for local)."""
     if scope == "local":
-        mutate_local(cfg, apply, message)
-        return result["item"], None
+        mutate_local(cfg, fn, message)
+        return None
     store = shared_store(cfg, scope)
     branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = store.mutate(apply, f"cambium: {message}", branch=branch)
+    write = store.mutate(fn, f"cambium: {message}", branch=branch)
     if branch and write.commit:
         write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
                                "Opened by cambium. Review is the gate; merge to publish.")
-    return result["item"], write
+    return write
 
 
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
@@ -3966,113 +4192,186 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
 
 
 # =============================================================================
-# Tools
-# Thin adapters: typed arguments, one call into the core, a dict answer. The
-# docstring is the manual the model reads; each argument's own description and
-# bounds sit in its annotation, `Annotated[int, Field("...", ge=1, le=50)]`.
-# Field is stdlib data here: the CLI reads it as is, and build_server() hands
-# the SDK the pydantic equivalent. The table at the end of this section lists
-# every tool and CLI command once; the MCP server and the CLI are built from it.
+# Hygiene: usage attribution
+# Which items each session was shown (recall results, primer entries, expand),
+# in its own append-only local journal .cambium/shown.jsonl, rotated to
+# shown.jsonl.1 past SHOWN_MAX_BYTES: bounded, and never a knowledge.json write.
 # =============================================================================
 
-
-@dataclass(frozen=True)
-class Field:
-    """One argument's description and bounds, as data (pydantic's Field, minus pydantic)."""
-    description: str = ""
-    ge: int | None = None
-    le: int | None = None
+SHOWN_FILE = "shown.jsonl"
+SHOWN_MAX_BYTES = 4 << 20      #: rotate the shown journal past this size (two files kept)
+SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_session",
+                                                                    default=None)
 
 
-REQUIRED = object()   #: placeholder default: callers must pass the argument
+def current_session() -> str | None:
+    """The session a call belongs to: the MCP session (set per call by the
+    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
+    return _clip(valid_unicode(sid), 200) if sid else None
 
 
-@dataclass(frozen=True)
-class Param:
-    """One API argument of a tool, read from its signature (see api_params)."""
-    name: str
-    type: Any                  #: the annotation without Annotated[...]
-    default: Any               #: REQUIRED when the caller must pass it
-    doc: str
-    ge: int | None = None
-    le: int | None = None
-
-    @property
-    def required(self) -> bool:
-        return self.default is REQUIRED
-
-    @property
-    def choices(self) -> tuple | None:
-        """The allowed values of a Literal (or optional Literal) argument."""
-        for t in (self.type, *get_args(self.type)):
-            if get_origin(t) is Literal:
-                return get_args(t)
-        return None
-
-    @property
-    def base(self) -> type:
-        """int, bool or str: what the CLI parses the value as."""
-        if self.choices:
-            return str
-        kinds = set(get_args(self.type) or (self.type,)) - {type(None)}
-        return int if kinds == {int} else bool if kinds == {bool} else str
-
-    def allowed(self) -> str:
-        """What the argument accepts, as the end of "<name> must be ..."."""
-        if self.choices:
-            return "one of " + ", ".join(map(str, self.choices))
-        if self.base is int:
-            if self.ge is not None and self.le is not None:
-                return f"a whole number from {self.ge} to {self.le}"
-            if self.ge is not None:
-                return f"a whole number of at least {self.ge}"
-            return "a whole number"
-        return "true or false" if self.base is bool else "text"
-
-    def check(self, value: Any) -> Any:
-        """The value if it is allowed, else InputError naming the argument (for
-        Python callers; over MCP the schema has already said the same)."""
-        ok = value is None and not self.required and self.default is None
-        if not ok and self.base is int:
-            ok = isinstance(value, int) and not isinstance(value, bool) and \
-                (self.ge is None or value >= self.ge) and (self.le is None or value <= self.le)
-        elif not ok and self.choices:
-            ok = value in self.choices
-        if not ok:
-            raise InputError(f"{self.name} must be {self.allowed()}; got {value!r}.")
-        return value
+def _shown_path(cfg: Config) -> Path:
+    return cfg.local_dir / SHOWN_FILE
 
 
-def api_params(fn: Callable) -> list[Param]:
-    """The API arguments of a tool: every parameter annotated with a Field, in
-    order. A parameter without one (on_progress) is internal to the core."""
-    return _api_params(fn)
+def note_shown(cfg: Config, ids: list[str], via: str) -> None:
+    """Journal that the current session was shown `ids` (no session: nothing)."""
+    sid = current_session()
+    if not sid or not ids:
+        return
+    at = _now()
+    lines = "".join(json.dumps({"session": sid, "item": i, "via": via, "at": at,
+                                "agent": cfg.agent}, ensure_ascii=False) + "\n" for i in ids)
+    path = _shown_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size > SHOWN_MAX_BYTES:
+                os.replace(path, path.with_name(SHOWN_FILE + ".1"))
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
 
 
-@functools.cache
-def _api_params(fn: Callable) -> list[Param]:
-    hints = get_type_hints(fn, include_extras=True)
-    out = []
-    for p in inspect.signature(fn).parameters.values():
-        hint = hints.get(p.name)
-        meta = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Field)]
-        if not meta:
-            continue
-        default = REQUIRED if p.default in (inspect.Parameter.empty, ...) else p.default
-        out.append(Param(p.name, get_args(hint)[0], default, meta[0].description,
-                         meta[0].ge, meta[0].le))
+def read_shown(cfg: Config) -> list[dict]:
+    """Every readable record, oldest first (the rotated file, then the live one);
+    a torn or foreign line is skipped, never rewritten."""
+    out: list[dict] = []
+    path = _shown_path(cfg)
+    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+        with contextlib.suppress(FileNotFoundError):
+            for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
+                            and isinstance(rec.get("session"), str):
+                        out.append(rec)
     return out
 
 
-def check_arg(fn: Callable, name: str, value: Any) -> Any:
-    """`value` if `fn`'s argument `name` allows it, else InputError."""
-    return next(p for p in api_params(fn) if p.name == name).check(value)
+def shown_by(records: list[dict], key: str, value: str, group: str) -> list[dict]:
+    """Records where rec[key] == value, grouped by rec[group]: first/last seen,
+    how many times, and through which calls."""
+    rows: dict[str, dict] = {}
+    for rec in records:
+        if rec.get(key) != value:
+            continue
+        row = rows.setdefault(rec[group], {group: rec[group], "first_at": rec.get("at"),
+                                           "times": 0, "via": []})
+        row["times"] += 1
+        row["last_at"] = rec.get("at")
+        if rec.get("via") not in row["via"]:
+            row["via"].append(rec.get("via"))
+    return sorted(rows.values(), key=lambda r: str(r.get("first_at")))
 
 
-ItemId = Annotated[str, Field("A cambium item id (k-...), as recall and capture return it.")]
-Tags = Annotated[list[str] | str | None, Field(
-    "Topic tags, as a list or a comma/space separated string; they weigh most in recall.")]
-Why = Annotated[str, Field("The reason or evidence behind it; recall searches it too.")]
+# =============================================================================
+# Hygiene: operator checks
+# Shell checks a person attached from the CLI (never through MCP), run in the
+# project repo with a timeout; results are written back where each item lives.
+# =============================================================================
+
+CHECK_TIMEOUT_S = 120          #: default seconds per check (verify --run --timeout)
+CHECK_OUTPUT_CHARS = 2_000     #: tail of a failing check's output kept on the item
+
+
+def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
+        "Shell command run in the repo; exit 0 = the item holds; '' removes the check.")],
+                 ) -> dict:
+    """CLI `verify-cmd`: attach (or with an empty cmd, remove) an item's check."""
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    cmd = _clean_text(cmd, "cmd", 2_000)
+    now = _now()
+    check = {"cmd": cmd, "by": cfg.agent, "at": now, "project": cfg.project} if cmd else None
+
+    def apply(it: Item) -> Item | None:
+        if (check_cmd(it) or "") == cmd:
+            return None
+        return dataclasses.replace(it, check=check, failing=None if not cmd else it.failing,
+                                   updated_at=now)
+
+    out = _update_anywhere(cfg, item_id, apply, f"{cfg.agent} sets the check of {item_id}",
+                           "check_set" if cmd else "check_removed")
+    out["note"] = "run it with: cambium_server.py verify --run"
+    return out
+
+
+def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
+    """Run one shell check; exit 0 within the timeout is a pass."""
+    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS})
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):          # the whole group: no orphan holds the pipe
+            os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        code, output = None, output + f"\n[timed out after {timeout_s:g} s]".encode()
+    text = output.decode("utf-8", "replace")[-CHECK_OUTPUT_CHARS:]
+    return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
+
+
+def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> dict:
+    """CLI `verify --run`: run the checks attached in this project, in its repo,
+    and record each outcome on its item (through each scope's usual write)."""
+    cfg = require_config()
+    if item_id is not None:
+        item_id = _check_id(item_id)
+    docs, warnings = read_scopes(cfg, SCOPES)
+    results: list[dict] = []
+    skipped: list[dict] = []
+    for scope, doc in docs.items():
+        outcomes = {}
+        for it in doc.items:
+            cmd = check_cmd(it)
+            if not cmd or not it.active or (item_id and it.id != item_id):
+                continue
+            if it.check.get("project") not in (None, cfg.project):
+                skipped.append({"id": it.id, "reason": "attached in project "
+                                f"{it.check.get('project')}; it runs there"})
+                continue
+            outcomes[it.id] = run_check(cmd, cfg.repo, timeout_s)
+            results.append({"id": it.id, "scope": scope, **outcomes[it.id]})
+        _record_checks(cfg, scope, outcomes)
+    out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in results),
+                           "failed": [r["id"] for r in results if not r["passed"]],
+                           "results": results}
+    if skipped:
+        out["skipped"] = skipped
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
+    """Write check outcomes onto their items in one write to `scope`."""
+    if not outcomes:
+        return
+    now = _now()
+
+    def apply(doc: Doc) -> Doc | None:
+        items = [checked(it, outcomes[it.id], now=now) if it.id in outcomes else it
+                 for it in doc.items]
+        return dataclasses.replace(doc, items=items)
+
+    mutate_scope(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
+                 org_branch=ORG_UPDATES_BRANCH)
+
+
+# =============================================================================
+# Tools
+# Thin adapters: typed arguments, one call into the core, a dict answer. The
+# docstring is the manual the model reads; each argument's own description and
+# bounds sit in its annotation (see "API arguments"). The table at the end of
+# this section lists every tool and CLI command once; the MCP server and the
+# CLI are built from it.
+# =============================================================================
+
+
 
 
 def _count(doc: Doc) -> dict:
@@ -4108,8 +4407,10 @@ def status() -> dict:
         "configured": True, "status": "ok", "version": __version__,
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
         "config_file": str(cfg.config_file),
+        "binding": repo_binding(cfg),
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
                      if v is not None},
+        "sources": ORIGINS,
         "scopes": {"local": {"path": str(store.path), "items": len(doc.items),
                              "by_type": _count(doc)}, **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_usage(_usage_path(cfg))),
@@ -4174,7 +4475,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     """Configure cambium from a cold start; takes effect immediately, no restart.
 
     Use when status() reports `configured: false`. project_repo: absolute path
-    of your project's git clone (local scope lives in its .cambium/). agent_id:
+    of your project's git clone (local scope lives in its .cambium/); recorded
+    for processes started outside any git repo, since inside one the working
+    directory's repo is the project (`binding` says which applies). agent_id:
     your unique id (letters, digits, . _ - @). org_repo: absolute path of a
     local clone of the org knowledge repo, or a GitHub owner/name (then the
     exact gh/git commands to stand it up are returned and org scope stays off;
@@ -4225,14 +4528,31 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         os.chmod(cfg_path.parent, 0o700)
     atomic_write(cfg_path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
-           "status": status()}
-    shadowed = [k for k in updates if env.get(k) not in (None, "") and env.get(k) != updates[k]]
-    if shadowed:
-        out["warnings"] = [f"{k} is also set in the environment, which wins over the config "
-                           "file; unset it to use the value just written." for k in shadowed]
+           "binding": repo_binding(resolve_config(env)), "status": status()}
+    shadowed = [k for k in updates if k != "CAMBIUM_REPO" and env.get(k) not in (None, "")
+                and env.get(k) != updates[k]]
+    warnings = [f"{k} is also set in the environment, which wins over the config file; "
+                "unset it to use the value just written." for k in shadowed]
+    if out["binding"]["repo"] != str(root):
+        warnings.append(f"this process works in {out['binding']['repo']} "
+                        f"({out['binding']['because']}); {root} is used only by processes "
+                        "started outside any git repo.")
+    if warnings:
+        out["warnings"] = warnings
     if org_offer:
         out["org_setup"] = org_offer
     return out
+
+
+def repo_binding(cfg: Config) -> dict:
+    """Which project this process reads and writes, and why (setup, status)."""
+    origin = cfg.origins.get("CAMBIUM_REPO", "default")
+    because = {"env": "CAMBIUM_REPO is set in the environment",
+               "cwd": "it is the git root of the working directory",
+               "file": "the working directory is in no git repo, so the repo setup "
+                       "recorded applies"}.get(origin, "no project repo is known")
+    return {"repo": str(cfg.repo) if cfg.repo else None, "from": origin, "because": because,
+            "project": cfg.project}
 
 
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
@@ -4287,7 +4607,9 @@ def capture(content: Annotated[str, Field(
             why: Why = "", tags: Tags = None,
             valid_while: Annotated[str | None, Field(
                 "The premise the item depends on, e.g. 'while billing runs on NetSuite'.")] = None,
-            ) -> dict:
+            supersedes: Annotated[str | None, Field(
+                "Id of an item you believe is wrong: records yours as a counter-claim to it "
+                "(outranks nothing; only a person's correct() does).")] = None) -> dict:
     """Save a knowledge item to local scope (this repo's .cambium/knowledge.json).
 
     Call when you learn something a later agent should know: a decision and its
@@ -4297,12 +4619,18 @@ def capture(content: Annotated[str, Field(
     decision, pitfall, procedure. why: the reason or evidence (recall searches
     it too). tags: list or comma/space separated string; tags weigh most in
     recall. valid_while: the premise the item depends on ("while billing runs on
-    NetSuite"), so a dead assumption can be spotted later. Returns the stored
+    NetSuite"), so a dead assumption can be spotted later. supersedes: the id
+    of an item you believe is wrong; yours is recorded as a counter-claim linked
+    to it, with no more authority than the item it disputes (both stay
+    recallable until a person corrects or deprecates one). Returns the stored
     item; capturing the same content twice returns the existing item.
     """
     cfg = require_config()
+    if supersedes is not None:
+        _require_active(locate(cfg, _check_id(supersedes))[1], "disputed")
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
-                             valid_while=valid_while, source={"system": "capture"})])
+                             valid_while=valid_while, source={"system": "capture"},
+                             supersedes=supersedes)])
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
@@ -4387,6 +4715,7 @@ def recall(query: Annotated[str, Field(
         pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
         out["results"] = [{**item_view(h.item, trust=effective_trust(h.item, pending)),
                            "relevance": round(h.confidence, 3)} for h in hits]
+        note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
         if any(h.item.scope == "team" for h in hits):
             _schedule_credit_flush(cfg)
@@ -4466,9 +4795,7 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
     now = _now()
 
     def apply(it: Item) -> Item:
-        if not it.active:
-            raise Refused(f"item {item_id} is deprecated ({(it.deprecated or {}).get('reason')})"
-                          "; it cannot be endorsed.")
+        _require_active(it, "endorsed")
         ends = [e for e in it.trust.get("endorsements", [])
                 if not (isinstance(e, dict) and e.get("by") == cfg.agent)]
         ends.append({"by": cfg.agent, "note": note, "at": now})
@@ -4546,7 +4873,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
             chosen.append((it, trust, why))
         elif item_id is not None:
             if not it.active:
-                raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+                _require_active(it, "promoted")
             return {"status": "not_eligible", "item": item_view(it, trust=trust),
                     "reason": f"needs {cfg.promote_recalls} recalls (has "
                               f"{trust.get('recalls', 0)}) or an endorsement; endorse() it "
@@ -4591,7 +4918,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
     if not item.active:
-        raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+        _require_active(item, "promoted")
     if item.pr_url:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
@@ -4754,7 +5081,9 @@ def verify_entry(item_id: ItemId,
 
     def apply(it: Item) -> Item:
         checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
-        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now)
+        peer = it.created_by != cfg.agent           # self-verification earns no authority
+        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now,
+                                   authority=raised(it, "verified") if peer else it.authority)
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
 
@@ -4766,7 +5095,8 @@ def stale_report(project: Annotated[str | None, Field(
                  ) -> dict:
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
-    Never-verified entries come first (flagged), then the oldest-verified. Each
+    Items whose attached check fails come first (failing: true, any scope),
+    then never-verified entries (flagged), then the oldest-verified. Each
     shows its age in days and its valid_while premise, so a dead assumption is
     easy to spot. project: only entries from that project. older_than_days:
     only entries at least that old. It only reports: re-check an entry and call
@@ -4774,7 +5104,7 @@ def stale_report(project: Annotated[str | None, Field(
     """
     cfg = require_config()
     check_arg(stale_report, "older_than_days", older_than_days)
-    docs, warnings = read_scopes(cfg, ("team", "org"))
+    docs, warnings = read_scopes(cfg, SCOPES)
     items = [it for d in docs.values() for it in d.items]
     rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
@@ -4807,6 +5137,109 @@ def deprecate(item_id: ItemId,
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} deprecates {item_id}",
                             "deprecated")
+
+
+def correct(item_id: ItemId,
+            content: Annotated[str, Field("The right statement, as the person gave it.")],
+            why: Annotated[str, Field("What the person said, or why.")] = "",
+            force: Annotated[bool, Field(
+                "org only: pass the generalization gate as is.")] = False) -> dict:
+    """Record a PERSON's correction of an item. Only for what a human told you.
+
+    The correction becomes a new item with human authority in the corrected
+    item's scope (team and org through the same pushes as every write; org
+    through its generalization gate, and as a pull request in PR mode); the old
+    item is marked superseded, linked both ways, and never recalled again;
+    nothing is deleted. A human correction outranks any agent item, however
+    often recalled or endorsed. If YOU think an item is wrong, do not use this:
+    capture(content, supersedes=item_id) offers your counter-claim instead.
+    content: the right statement. why: what the person said, or why.
+    force: org only, pass the generalization gate as is.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    scope, old = locate(cfg, item_id)
+    _require_active(old, "corrected")
+    now = _now()
+    new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
+    tells = generalization_tells(new.content, new.project) if scope == "org" else []
+    if tells and not force:
+        return {"status": "needs_generalization", "scope": scope, "tells": tells,
+                "reason": "org scope is read by every project and this correction reads "
+                          "project-specific: restate it as the cross-project rule, or pass "
+                          "force=True to record it as it is."}
+
+    def apply(doc: Doc) -> Doc:
+        hit = _find_item(doc, item_id)
+        if hit is None:
+            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+        _require_active(hit[1], "corrected")
+        doc = _replace_item(doc, hit[0], supersede(hit[1], new.id, agent=cfg.agent, now=now,
+                                                   why="corrected by a person"))
+        return dataclasses.replace(doc, items=doc.items + [new])
+
+    write = mutate_scope(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
+                         org_branch=ORG_UPDATES_BRANCH)
+    embed_soon(cfg, [new])
+    out = {"status": "corrected", "scope": scope, "item": item_view(new),
+           "superseded": item_id}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
+def _require_active(item: Item, verb: str) -> None:
+    """Refuse to act on a retired item, saying what replaced it if anything."""
+    if item.active:
+        return
+    if item.status == "superseded":
+        by = (item.superseded_by or {}).get("id") if isinstance(item.superseded_by, dict) \
+            else item.superseded_by
+        raise Refused(f"item {item.id} is superseded by {by}; that one can be {verb}.")
+    raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
+
+
+def usage(session: Annotated[str | None, Field(
+              "A session id, as usage() lists them (the MCP session or a hook's "
+              "session_id).")] = None,
+          item_id: Annotated[str | None, Field(
+              "An item id: list the sessions that were shown it.")] = None) -> dict:
+    """Which knowledge a session was shown, or which sessions saw an item.
+
+    Every recall result (and primer entry and expand) is journaled per session
+    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    the items that session was shown, with how often and through which call.
+    item_id: list the sessions that were shown that item. Neither: the most
+    recent sessions with how many items each saw. Read-only.
+    """
+    cfg = require_config()
+    if session and item_id:
+        raise InputError("pass session or item_id, not both.")
+    records = read_shown(cfg)
+    if item_id:
+        item_id = _check_id(item_id)
+        rows = shown_by(records, "item", item_id, "session")
+        return {"item_id": item_id, "sessions": rows, "count": len(rows)}
+    if session:
+        session = _clean_text(session, "session", 200)
+        rows = shown_by(records, "session", session, "item")
+        docs, warnings = read_scopes(cfg, SCOPES, background=LONG_RUNNING.is_set())
+        known = {it.id: it for it in federated_items(docs)}
+        for row in rows:
+            it = known.get(row["item"])
+            row.update(content=_clip(it.content, 160), status=it.status) if it else \
+                row.update(status="unknown")
+        out = {"session": session, "items": rows, "count": len(rows)}
+        return {**out, "warnings": warnings} if warnings else out
+    sessions: dict[str, dict] = {}
+    for rec in records:
+        row = sessions.setdefault(rec["session"], {"session": rec["session"], "items": set(),
+                                                   "first_at": rec.get("at")})
+        row["items"].add(rec["item"])
+        row["last_at"] = rec.get("at")
+    recent = sorted(sessions.values(), key=lambda r: str(r.get("last_at")))[-20:][::-1]
+    return {"sessions": [{**r, "items": len(r["items"])} for r in recent],
+            "count": len(sessions)}
 
 
 def import_memory(source: Annotated[str, Field(
@@ -4953,6 +5386,8 @@ class Tool:
     formats: tuple[str, ...] = ("json", "text")   #: CLI --format choices, default first
     name: str = ""                   #: default: the function's name
     cli: bool = True                 #: False: MCP only
+    cli_optional: tuple[str, ...] = ()   #: required over MCP, optional on the CLI (its
+                                         #: runner decides: `verify --run` needs no id)
 
     @property
     def tool_name(self) -> str:
@@ -4999,9 +5434,17 @@ def api_table() -> tuple[Tool, ...]:
         Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",)),
         Tool(generalize, "remote"),
         Tool(review_promotions, "remote", aliases=("review",)),
-        Tool(verify_entry, "remote", aliases=("verify",)),
+        Tool(verify_entry, "remote", aliases=("verify",), run=_cli_verify,
+             cli_optional=("item_id",), cli_args=(
+                 (("--run",), {"action": "store_true", "help": "operator only: run the shell "
+                               "checks attached with verify-cmd (all, or ITEM_ID's)"}),
+                 (("--timeout",), {"type": float, "default": CHECK_TIMEOUT_S, "help":
+                                   f"seconds per check (default {CHECK_TIMEOUT_S})"}))),
+        Tool(attach_check, name="verify_cmd"),
         Tool(stale_report, "read_remote", aliases=("stale",)),
         Tool(deprecate, "remote", positional=("item_id",)),
+        Tool(correct, "remote"),
+        Tool(usage, "read", flags={"item_id": "--item"}),
         Tool(import_memory, "write_idempotent", aliases=("import",), positional=("path",),
              cli_types={"path": os.path.abspath}),
         Tool(export_markdown, "remote", aliases=("export",), run=_cli_export, cli_args=(
@@ -5105,13 +5548,16 @@ def _mcp_tool(fn: Callable) -> Callable:
     from pydantic import Field as SchemaField
 
     @functools.wraps(fn)
-    def wrapper(**kwargs: Any) -> dict[str, Any]:
+    def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
+        token = SESSION.set(mcp_session_id(ctx))
         try:
             return fn(**kwargs)
         except Unconfigured as u:
             return u.guidance
         except (CambiumError, OSError) as e:
             raise ToolError(error_text(e)) from e
+        finally:
+            SESSION.reset(token)
 
     params = []
     for p in api_params(fn):
@@ -5122,9 +5568,11 @@ def _mcp_tool(fn: Callable) -> Callable:
             annotation=Annotated[p.type, SchemaField(description=p.doc, **bounds)]))
     if "on_progress" in inspect.signature(fn).parameters:
         wrapper = _with_progress(fn, wrapper)
-        params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
-                                        annotation=wrapper.__annotations__["ctx"]))
+    params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
+                                    annotation=_context_class()))
     wrapper.__signature__ = inspect.Signature(params, return_annotation=dict[str, Any])
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in params},
+                               "return": dict[str, Any]}
     if hasattr(wrapper, "__wrapped__"):
         del wrapper.__wrapped__
     return wrapper
@@ -5145,11 +5593,38 @@ def _with_progress(fn: Callable, sync_wrapper: Callable) -> Callable:
                 anyio.from_thread.run(ctx.report_progress, done, total, message)
 
         return await anyio.to_thread.run_sync(
-            functools.partial(sync_wrapper, on_progress=report, **kwargs))
+            functools.partial(sync_wrapper, ctx=ctx, on_progress=report, **kwargs))
 
     functools.update_wrapper(wrapper, fn)
     wrapper.__annotations__ = {"ctx": Context, "return": dict[str, Any]}
     return wrapper
+
+
+def _context_class() -> type:
+    from mcp.server.mcpserver import Context
+    return Context
+
+
+_SESSION_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SESSION_GUARD = threading.Lock()
+
+
+def mcp_session_id(ctx: Any) -> str | None:
+    """The id usage attribution files a tool call under: the transport's
+    Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
+    try:
+        req = ctx.request_context
+    except Exception:                        # no request in flight (direct calls)
+        return None
+    headers = getattr(req.request, "headers", None) or {}
+    sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
+    if sid:
+        return str(sid)
+    with _SESSION_GUARD:
+        try:
+            return _SESSION_IDS.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
+        except TypeError:                    # a session object that cannot be weakly keyed
+            return None
 
 
 def build_server() -> MCPServer:
@@ -5252,10 +5727,11 @@ def _cli_spec(tool: Tool, param: Param, option: bool = False) -> dict:
     shown = param.default not in (REQUIRED, None, "", False)
     spec: dict[str, Any] = {"help": param.doc + (f" (default: {param.default})" if shown
                                                  else "")}
-    if param.required:
+    if param.required and param.name not in tool.cli_optional:
         spec.update(required=True) if option else None
     else:
-        spec.update(default=param.default, **({} if option else {"nargs": "?"}))
+        default = None if param.required else param.default
+        spec.update(default=default, **({} if option else {"nargs": "?"}))
     if param.base is bool:
         spec["action"] = "store_true" if param.default is False else \
             argparse.BooleanOptionalAction
@@ -5278,6 +5754,18 @@ def _cli_int(param: Param) -> Callable[[str], int]:
     return parse
 
 
+def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
+    """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
+    if args.run:
+        if not 0 < args.timeout <= 86_400:
+            raise InputError("--timeout must be between 0 and 86400 seconds.")
+        return _cli_print(args, {"item_id": args.item_id, "timeout_s": args.timeout},
+                          run_checks)
+    if args.item_id is None:
+        raise InputError("verify needs an item id, or --run to run the attached checks.")
+    return _cli_print(args, kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
@@ -5298,9 +5786,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _cli_print(args: argparse.Namespace, kwargs: dict) -> int:
-    """The default command: run the tool once and print its answer."""
-    result = args.tool.fn(**kwargs)
+def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
+    """The default command: run the tool (or `fn`) once and print its answer."""
+    result = (fn or args.tool.fn)(**kwargs)
     with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
         _emit(result, getattr(args, "format", "json"))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
@@ -5436,20 +5924,27 @@ def distill_summary(result: dict) -> str:
             f"{per}" + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
 
 
-def _read_hook_input() -> None:
-    """Drain a Claude Code hook's JSON from stdin (bounded wait) and move to its
-    cwd, so the hook resolves the session's repo."""
+def bind_hook() -> dict:
+    """Read a hook's JSON from stdin (bounded wait) and bind this process to the
+    project of its `cwd`, as a server started there would be (resolve_config:
+    env, else that directory's git root, else the repo setup recorded). Every
+    `--hook` command calls this first. Returns the payload ({} when none)."""
     import select
+    payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
         if sys.stdin is None or sys.stdin.isatty():
-            return
+            return {}
         ready, _, _ = select.select([sys.stdin], [], [], 2.0)
         if not ready:
-            return
+            return {}
         payload = json.loads(sys.stdin.read(1 << 20) or "{}")
-        cwd = payload.get("cwd") if isinstance(payload, dict) else None
-        if isinstance(cwd, str) and os.path.isdir(cwd):
+    if not isinstance(payload, dict):
+        return {}
+    cwd = payload.get("cwd")
+    if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
+        with contextlib.suppress(OSError):
             os.chdir(cwd)
+    return payload
 
 
 def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
@@ -5458,7 +5953,7 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     a failing git command, a corrupt local store that had to be moved aside).
     --hook: nothing on stdout, and an unconfigured directory is skipped, exit 0."""
     if args.hook:
-        _read_hook_input()
+        bind_hook()
     out = sys.stderr if args.hook else sys.stdout
     shown = {"progress": False}
 

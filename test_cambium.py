@@ -175,7 +175,67 @@ def test_repo_defaults_to_git_root_of_cwd(tmp_path, monkeypatch):
     (r / "sub" / "dir").mkdir(parents=True)
     monkeypatch.chdir(r / "sub" / "dir")
     cfg = cs.resolve_config()
-    assert cfg.repo == r.resolve() and cfg.origins["CAMBIUM_REPO"] == "derived"
+    assert cfg.repo == r.resolve() and cfg.origins["CAMBIUM_REPO"] == "cwd"
+
+
+def _items_in(repo: Path) -> list[str]:
+    path = repo / ".cambium" / "knowledge.json"
+    return [i["content"] for i in json.loads(path.read_text())["items"]] if path.exists() else []
+
+
+def test_one_setup_binds_each_repo_to_itself(tmp_path):
+    """Issue 9.1: setup is user-wide, the project binding is per working directory."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = cli("setup", str(a), "ada", cwd=b)
+    assert out.returncode == 0, out.stderr
+    told = json.loads(out.stdout)
+    assert told["binding"]["repo"] == str(b) and told["binding"]["from"] == "cwd"
+    assert any("outside any git repo" in w for w in told["warnings"])
+    for repo, text in ((a, "alpha knows retries"), (b, "beta knows caching")):
+        (repo / "sub").mkdir()
+        res = cli("capture", text, cwd=repo / "sub")
+        assert json.loads(res.stdout)["item"]["project"] == repo.name
+    assert _items_in(a) == ["alpha knows retries"] and _items_in(b) == ["beta knows caching"]
+    for repo in (a, b):
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").write_text(json.dumps([{
+            "id": "dec-001", "summary": f"{repo.name} decided to log in JSON",
+            "rationale": "grep-able", "status": "active"}]))
+        hook = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"],
+                              input=json.dumps({"cwd": str(repo / "sub")}), text=True,
+                              capture_output=True, env=child_env(), cwd=outside, timeout=60)
+        assert hook.returncode == 0 and "imported 1" in hook.stderr, hook.stderr
+    assert _items_in(a)[-1] == "alpha decided to log in JSON"
+    assert _items_in(b)[-1] == "beta decided to log in JSON"
+    st = json.loads(cli("status", cwd=outside).stdout)
+    assert st["binding"]["repo"] == str(a) and st["settings"]["CAMBIUM_REPO"]["from"] == "file"
+    assert st["settings"]["CAMBIUM_AGENT_ID"]["from"] == "file"
+    cli("capture", "recorded repo wins outside any repo", cwd=outside)
+    assert _items_in(a)[-1] == "recorded repo wins outside any repo"
+    assert len(_items_in(b)) == 2
+    env_bound = cli("capture", "env wins", cwd=a, CAMBIUM_REPO=str(b))
+    assert json.loads(env_bound.stdout)["item"]["project"] == "beta"
+
+
+@pytest.mark.parametrize("url, name", [
+    ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
+    ("ssh://git@host:2222/acme/shop.git/", "shop"), ("/srv/git/shop.git", "shop"),
+    ("/srv/git/shop/.git", "shop"), ("file:///srv/shop", "shop"), (".", ""), ("", "")])
+def test_repo_name_from_remote_url(url, name):
+    assert cs.repo_name(url) == name
+
+
+def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
+    """Issue 9.11: the name comes from the project remote, the directory is the fallback."""
+    bare = make_origin(tmp_path, "storefront")
+    for where in ("checkout-1", "work/sf"):
+        monkeypatch.setenv("CAMBIUM_REPO", str(clone(bare, tmp_path / where)))
+        assert cs.resolve_config().project == "storefront"
+    lone = make_repo(tmp_path, "no-remote-here")
+    monkeypatch.setenv("CAMBIUM_REPO", str(lone))
+    assert cs.resolve_config().project == "no-remote-here"
 
 
 @pytest.mark.parametrize("key, value", [
@@ -554,7 +614,7 @@ def team_ids(bare: Path, branch: str = "cambium") -> set:
 def shared(tmp_path, monkeypatch):
     """Project origin + clone A (configured as agent ada) + clone B, and an org
     repo (bare + cambium-managed clone). Team/org fetches are never throttled."""
-    origin = make_origin(tmp_path, "project")
+    origin = make_origin(tmp_path, "shop")
     a = clone(origin, tmp_path / "shop")
     b = clone(origin, tmp_path / "peer" / "shop")
     org_bare = make_origin(tmp_path, "org")
@@ -1062,6 +1122,154 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
 
 # =============================================================================
 # Import, staleness and retirement
+# =============================================================================
+# Memory hygiene: authority and correct, consolidate, usage, operator checks
+# =============================================================================
+
+
+def _trusted(text: str, recalls: int = 10, endorsers: tuple = ("bob", "cy")) -> str:
+    """A local agent item with `recalls` recall credits and endorsements."""
+    item_id = cs.capture(text)["item"]["id"]
+    ends = [{"by": b, "note": "helped", "at": "2026-01-01T00:00:00Z"} for b in endorsers]
+
+    def bump(doc):
+        i, it = cs._find_item(doc, item_id)
+        return cs._replace_item(doc, i, dataclasses.replace(
+            it, trust={**it.trust, "recalls": recalls, "endorsements": ends}))
+
+    cs.mutate_local(cs.resolve_config(), bump)
+    return item_id
+
+
+def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
+    wrong = _trusted("Release builds are cut from the main branch every Friday")
+    rival = _trusted("Release builds are cut from the release branch every Thursday")
+    res = cs.correct(wrong, "Release builds are cut from the release branch every Thursday")
+    fixed = res["item"]
+    assert res["status"] == "corrected" and fixed["authority"] == "human"
+    assert fixed["corrects"] == wrong and fixed["scope"] == "local"
+    hits = cs.recall("when are release builds cut", limit=1)["results"]
+    assert [h["id"] for h in hits] == [fixed["id"]]          # tie on relevance: human first
+    hits = cs.recall("release builds cut branch", limit=5)["results"]
+    assert [h["id"] for h in hits] == [fixed["id"], rival]   # the corrected one is gone
+    assert hits[1]["authority"] == "agent" and hits[1]["recalls"] >= 10
+    stored = {i["id"]: i for i in json.loads(
+        (repo / ".cambium" / "knowledge.json").read_text())["items"]}
+    assert len(stored) == 3                                  # nothing deleted
+    assert stored[wrong]["status"] == "superseded"
+    assert stored[wrong]["superseded_by"]["id"] == fixed["id"]
+    with pytest.raises(cs.Refused, match=f"superseded by {fixed['id']}"):
+        cs.correct(wrong, "again")
+    with pytest.raises(cs.NotFound):
+        cs.correct("k-000000000000", "anything")
+    with pytest.raises(cs.InputError, match="content"):
+        cs.correct(rival, "  ")
+
+
+def test_agent_counter_claim_outranks_nothing_and_peer_verification_raises_authority(
+        repo, monkeypatch):
+    old = cs.capture("Cache invalidation runs nightly at midnight")["item"]["id"]
+    counter = cs.capture("Cache invalidation runs on every deploy", supersedes=old)["item"]
+    assert counter["supersedes"] == old and counter["authority"] == "agent"
+    ids = {h["id"] for h in cs.recall("cache invalidation runs")["results"]}
+    assert ids == {old, counter["id"]}                       # both stay until a person decides
+    with pytest.raises(cs.NotFound):
+        cs.capture("x y z", supersedes="k-000000000000")
+    assert cs.verify_entry(old)["item"]["authority"] == "agent"    # its own author
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    assert cs.verify_entry(old)["item"]["authority"] == "verified"
+
+
+def test_correct_at_team_scope_goes_through_the_cas_push(shared):
+    wrong = _endorsed("Team standup is at nine", "x")
+    cs.promote()
+    res = cs.correct(wrong, "Team standup is at ten", why="the lead said so")
+    assert res["scope"] == "team"
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[wrong]["status"] == "superseded"
+    assert team[res["item"]["id"]]["authority"] == "human"
+    assert team[res["item"]["id"]]["scope"] == "team"
+    assert [h["id"] for h in cs.recall("team standup time")["results"]] == [res["item"]["id"]]
+
+
+def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch, tmp_path):
+    log = make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    wrong = _endorsed("Prefer retries without backoff")
+    cs.promote(wrong, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    gate = cs.correct(wrong, "Set retries in config/retry.yaml")
+    assert gate["status"] == "needs_generalization" and gate["tells"]
+    res = cs.correct(wrong, "Retry with exponential backoff and jitter")
+    assert res["status"] == "corrected" and res["pr_url"].endswith("/pull/7")
+    branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    assert branch[wrong]["superseded_by"]["id"] == res["item"]["id"]
+    assert branch[res["item"]["id"]]["authority"] == "human"
+    main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert main[wrong]["status"] == "active"                 # until the PR merges
+    assert any(c[:2] == ["pr", "create"] for c in map(json.loads, log.read_text().splitlines()))
+
+
+def test_operator_check_fails_then_passes_through_the_cli(repo):
+    item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
+    set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
+    assert set_.returncode == 0, set_.stderr
+    assert json.loads(set_.stdout)["item"]["check"]["cmd"].startswith("test -f")
+    run = json.loads(cli("verify", "--run").stdout)
+    assert run["ran"] == 1 and run["failed"] == [item_id]
+    hit = cs.recall("build artifact dist")["results"][0]
+    assert hit["failing"]["exit"] == 1 and hit["authority"] == "agent"
+    assert cs.stale_report()["entries"][0] == {**cs.stale_report()["entries"][0],
+                                               "id": item_id, "failing": True}
+    (repo / "dist").mkdir()
+    (repo / "dist" / "ok.txt").write_text("x")
+    run = json.loads(cli("verify", "--run", item_id).stdout)
+    assert run["passed"] == 1 and run["results"][0]["output"].strip() == "found"
+    hit = cs.recall("build artifact dist")["results"][0]
+    assert "failing" not in hit and hit["authority"] == "verified" and hit["last_verified"]
+    assert cs.stale_report()["count"] == 0
+
+
+def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
+    item_id = cs.capture("The smoke test finishes quickly")["item"]["id"]
+    assert cli("verify-cmd", item_id, "echo started; sleep 5; echo never").returncode == 0
+    run = cli("verify", "--run", "--timeout", "0.3")
+    assert run.returncode == 0, run.stderr
+    res = json.loads(run.stdout)["results"][0]
+    assert not res["passed"] and res["exit"] is None and "timed out" in res["output"]
+    assert cli("verify").returncode == 1                     # neither an id nor --run
+    assert cli("verify-cmd", "k-000000000000", "true").returncode == 1
+    cleared = json.loads(cli("verify-cmd", item_id, "").stdout)
+    assert cleared["status"] == "check_removed" and "check" not in cleared["item"]
+    assert json.loads(cli("verify", "--run").stdout)["ran"] == 0
+
+
+def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
+    seen = cs.capture("Rotate API tokens every ninety days", tags="security")["item"]["id"]
+    cs.capture("Unrelated fact about office plants")
+    assert cli("recall", "rotate api tokens", CAMBIUM_SESSION_ID="run-1").returncode == 0
+    assert cli("recall", "api token rotation", CAMBIUM_SESSION_ID="run-2").returncode == 0
+    cs.recall("rotate api tokens")                 # no session known: nothing attributed
+    by_session = json.loads(cli("usage", "--session", "run-1").stdout)
+    assert [r["item"] for r in by_session["items"]] == [seen]
+    assert by_session["items"][0]["via"] == ["recall"] and "Rotate API" in \
+        by_session["items"][0]["content"]
+    by_item = json.loads(cli("usage", "--item", seen).stdout)
+    assert [r["session"] for r in by_item["sessions"]] == ["run-1", "run-2"]
+    assert cli("usage", "--session", "x", "--item", seen).returncode == 1
+    store = repo / ".cambium" / "knowledge.json"
+    before = store.stat().st_mtime_ns
+    monkeypatch.setattr(cs, "SHOWN_MAX_BYTES", 400)
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "run-3")
+    for _ in range(30):
+        cs.recall("rotate api tokens")
+    journal = repo / ".cambium" / "shown.jsonl"
+    assert journal.stat().st_size < 800 and journal.with_name("shown.jsonl.1").exists()
+    assert cs.usage(session="run-3")["items"][0]["times"] >= 2
+    assert store.stat().st_mtime_ns == before      # recall never rewrites the store
+
+
 # =============================================================================
 
 
@@ -2029,6 +2237,43 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
                                                         "type"]
 
 
+def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
+    wrong = cs.capture("Staging deploys need a manual approval")["item"]["id"]
+
+    async def session_one(session, init):
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert "person" in tools["correct"].description and "supersedes" in \
+            tools["capture"].input_schema["properties"]
+        for t in tools.values():                   # checks are operator-only (CLI)
+            props = set(t.input_schema.get("properties", {}))
+            assert not props & {"cmd", "check", "command", "verify_cmd"}, t.name
+            assert "ctx" not in props
+        cap = await session.call_tool("capture", {"content": "Office plants need water",
+                                                  "check": "touch pwned"})
+        assert cap.is_error or "check" not in cap.structured_content["item"]
+        fixed = await session.call_tool("correct", {"item_id": wrong, "content":
+                                                    "Staging deploys need no approval"})
+        assert fixed.structured_content["item"]["authority"] == "human"
+        rec = await session.call_tool("recall", {"query": "staging deploy approval"})
+        hits = rec.structured_content["results"]
+        assert hits[0]["id"] == fixed.structured_content["item"]["id"]
+        assert hits[0]["authority"] == "human" and wrong not in {h["id"] for h in hits}
+        mine = (await session.call_tool("usage", {})).structured_content["sessions"][0]
+        seen = await session.call_tool("usage", {"session": mine["session"]})
+        assert [r["item"] for r in seen.structured_content["items"]] == [h["id"] for h in hits]
+        return mine["session"], hits[0]["id"]
+
+    async def session_two(session, init):
+        await session.call_tool("recall", {"query": "staging deploy approval"})
+        return (await session.call_tool("usage", {})).structured_content["sessions"][0]
+
+    sid1, fixed_id = asyncio.run(_mcp_session(_mcp_env(repo), session_one))
+    sid2 = asyncio.run(_mcp_session(_mcp_env(repo), session_two))["session"]
+    assert sid1 != sid2
+    assert not (repo / "pwned").exists()
+    assert {r["session"] for r in cs.usage(item_id=fixed_id)["sessions"]} == {sid1, sid2}
+
+
 def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
     env = _mcp_env(tmp_path)
     env.pop("CAMBIUM_REPO")
@@ -2161,7 +2406,8 @@ def test_cli_and_mcp_describe_the_same_tools_arguments_and_defaults():
         for arg, prop in props.items():
             a, facts = actions[arg], _schema_facts(prop)
             positional = not a.option_strings
-            assert (arg in required) == (a.required if not positional else a.nargs is None)
+            cli_required = a.required if not positional else a.nargs is None
+            assert (arg in required) == (cli_required or arg in entry.cli_optional)
             if arg not in required:
                 assert a.default == prop["default"], (name, arg)
             assert list(a.choices or []) == list(facts.get("enum", [])), (name, arg)
