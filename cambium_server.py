@@ -1132,6 +1132,22 @@ class Store:
         return []
 
 
+def mutate_plan(mutate: Callable[..., Any], plan: Callable[[Doc], Any], message: str,
+                **kwargs: Any) -> tuple[Any, Any]:
+    """A store's mutate() with a planning function: plan(doc) decides everything
+    a write does and returns it, with the doc to store as `.doc` (None: nothing).
+    Returns what mutate returned and the plan made on the doc the write applied
+    to (a shared scope may replay it after losing a race: the last plan counts)."""
+    plans: list = []
+
+    def apply(doc: Doc) -> Doc | None:
+        plans.append(plan(doc))
+        return plans[-1].doc
+
+    written = mutate(apply, message, **kwargs)
+    return written, plans[-1]
+
+
 class LocalStore(Store):
     """<repo>/.cambium/knowledge.json. A parsed copy is cached per file version
     (mtime, size, inode), so a hand edit is picked up on the next call."""
@@ -3263,67 +3279,86 @@ class IngestResult:
     skipped: list = field(default_factory=list)      # (label, reason)
 
 
-def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
-           on_progress: Callable[[int], None] | None = None) -> IngestResult:
-    """Create items from drafts in one locked write; skip watermarked duplicates.
+@dataclass
+class Prepared:
+    """Drafts normalized into items outside the store's lock, ready to admit."""
+    items: list = field(default_factory=list)        # (watermark key, Item)
+    skipped: list = field(default_factory=list)      # (label, reason)
+    duplicates: int = 0                              # watermarked already when prepared
 
-    A draft that fails validation is skipped with its reason, not fatal, unless
-    it is the only one (capture wants the error).
-    """
-    stamp = now or _now()
-    prepared: list[tuple[str, Item]] = []
-    result = IngestResult()
+
+@dataclass
+class Admission:
+    """admit()'s decision: the doc to store (None: nothing new) and what it added."""
+    doc: Doc | None
+    fresh: list
+    duplicates: int
+
+
+def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
+                   on_progress: Callable[[int], None] | None = None) -> Prepared:
+    """Normalize drafts through new_item(); a cheap watermark pre-check outside
+    the lock (admit() re-checks under it). A draft that fails validation is
+    skipped with its reason."""
+    out = Prepared()
     project, agent = cfg.project, cfg.agent
-    # a cheap pre-check outside the lock; the locked write below re-checks
     seen_marks = local_store(cfg).read().meta.get("watermarks") or {}
-    early_dups = 0
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
-            early_dups += 1
+            out.duplicates += 1
             continue
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
-                            valid_while=d.valid_while, now=stamp, supersedes=d.supersedes)
+                            valid_while=d.valid_while, now=now, supersedes=d.supersedes)
         except InputError as e:
-            result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
+            out.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
             continue
-        prepared.append((d.key, item))
+        out.items.append((d.key, item))
         if on_progress and n % 500 == 0:
             on_progress(n)
+    return out
 
-    store_key = str(local_store(cfg).path)
 
-    def apply(doc: Doc) -> Doc | None:
-        marks = doc.meta.get("watermarks") or {}
-        index: Index | None = None           # built only if a draft passes the watermarks
-        live: set[str] = set()
-        fresh: list[Item] = []
-        new_marks = dict(marks)
-        dups = 0
-        for key, item in prepared:
-            if key and key in new_marks:
-                dups += 1
-                continue
-            ckey = content_key(item)
-            if index is None and ckey not in live:
-                index = store_index(store_key, doc.items)
-            if ckey in live or (index is not None and index.says(ckey)):
-                dups += 1
-                continue
-            if key:
-                new_marks[key] = item.id
-            live.add(ckey)
-            fresh.append(item)
-        result.imported, result.duplicates = fresh, dups + early_dups
-        if not fresh:
-            return None
-        return Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
-                   raw=doc.raw)
+def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
+    """Add the prepared items that are new to `doc`: neither watermarked nor
+    already stored with the same text (pure, but for the cached index)."""
+    new_marks = dict(doc.meta.get("watermarks") or {})
+    index: Index | None = None               # built only if a draft passes the watermarks
+    live: set[str] = set()
+    fresh: list[Item] = []
+    dups = 0
+    for key, item in prepared.items:
+        if key and key in new_marks:
+            dups += 1
+            continue
+        ckey = content_key(item)
+        if index is None and ckey not in live:
+            index = store_index(index_key, doc.items)
+        if ckey in live or (index is not None and index.says(ckey)):
+            dups += 1
+            continue
+        if key:
+            new_marks[key] = item.id
+        live.add(ckey)
+        fresh.append(item)
+    if not fresh:
+        return Admission(None, [], dups)
+    return Admission(Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
+                         raw=doc.raw), fresh, dups)
 
-    result.duplicates = early_dups
-    if prepared:
-        mutate_local(cfg, apply, f"ingest {len(prepared)} items")
+
+def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
+           on_progress: Callable[[int], None] | None = None) -> IngestResult:
+    """Create items from drafts in one locked write; skip watermarked duplicates."""
+    prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
+    result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
+    if prepared.items:
+        key = str(local_store(cfg).path)
+        _, adm = mutate_plan(functools.partial(mutate_local, cfg),
+                             lambda d: admit(d, prepared, key),
+                             f"ingest {len(prepared.items)} items")
+        result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         embed_soon(cfg, result.imported)
     return result
 
@@ -3887,111 +3922,127 @@ def _snapshot_of(claims: dict[str, dict]) -> dict[str, dict]:
             for agent, c in sorted(claims.items()) if is_capture_worthy(c)}
 
 
-def _agentsync_part(cfg: Config, doc: Doc, stamp: str) -> dict:
-    """Read the board; drafts for done claims (and churned ones, if enabled)."""
+@dataclass
+class SourceRead:
+    """What one substrate reader found, before anything is judged or written."""
+    name: str                                     # "agentsync" | "context-keeper"
+    found: bool                                   # False: absent, unreachable, misconfigured
+    info: dict                                    # where it was read, what was seen, why not
+    drafts: list = field(default_factory=list)
+    skips: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    retire: dict = field(default_factory=dict)    # watermark key -> why its entry died
+    snapshot: dict | None = None                  # claims to remember (release capture)
+
+    @property
+    def records(self) -> int:
+        return sum(v for k, v in self.info.items() if k.endswith("_seen"))
+
+
+def _split_drafts(made: Iterable[Draft | Skip]) -> tuple[list[Draft], list[Skip]]:
+    made = list(made)
+    return ([d for d in made if isinstance(d, Draft)], [d for d in made if isinstance(d, Skip)])
+
+
+def _churned_claims(doc: Doc, board: Board, claims: dict) -> dict[str, dict]:
+    """Claims of the last snapshot of this board that were released or re-claimed."""
+    snap = doc.meta.get("agentsync_snapshot") or {}
+    same = snap.get("board") == str(board.repo) and snap.get("branch") == board.branch
+    prev = snap.get("claims") if same and isinstance(snap.get("claims"), dict) else {}
+    return {a: prev[a] for a in sorted(prev)
+            if isinstance(prev[a], dict) and claim_churned(prev[a], claims.get(a))}
+
+
+def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
+    """Read the board: drafts for done claims (and churned ones, if enabled)."""
     board = resolve_board(cfg)
     claims, warnings = None, []
     if board.repo is not None:
         claims, warnings, board = fetch_board(cfg, board)
-    drafts: list[Draft] = []
-    skips: list[Skip] = []
     done = {a: c for a, c in (claims or {}).items() if c.get("status") == "done"}
-    for agent in sorted(done):
-        d = claim_to_draft(agent, done[agent])
-        (skips if isinstance(d, Skip) else drafts).append(d)
-    churned: list[str] = []
-    snapshot = None
-    if cfg.release_capture and claims is not None:
-        prev_snap = doc.meta.get("agentsync_snapshot") or {}
-        same = prev_snap.get("board") == str(board.repo) and \
-            prev_snap.get("branch") == board.branch
-        prev = prev_snap.get("claims") if same and isinstance(prev_snap.get("claims"), dict) \
-            else {}
-        for agent in sorted(prev):
-            p = prev[agent]
-            if isinstance(p, dict) and claim_churned(p, claims.get(agent)):
-                churned.append(agent)
-                d = claim_to_draft(agent, p, released=True)
-                (skips if isinstance(d, Skip) else drafts).append(d)
-        snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
-                    "claims": _snapshot_of(claims)}
+    made = [claim_to_draft(a, done[a]) for a in sorted(done)]
     info = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
             "board_source": board.source, "branch": board.branch,
-            "claims_seen": len(claims or {}), "done_claims": len(done), "imported": 0,
+            "claims_seen": len(claims or {}), "done_claims": len(done),
             "reason": board.reason, "fix": board.fix}
+    snapshot = None
     if cfg.release_capture:
-        info["release_capture"] = {"churned": churned, "captured": 0}
-    return {"info": info, "drafts": drafts, "skips": skips, "warnings": warnings,
-            "snapshot": snapshot, "found": claims is not None}
+        churned = _churned_claims(doc, board, claims) if claims is not None else {}
+        made += [claim_to_draft(a, c, released=True) for a, c in churned.items()]
+        info["release_capture"] = {"churned": list(churned)}
+        if claims is not None:
+            snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
+                        "claims": _snapshot_of(claims)}
+    drafts, skips = _split_drafts(made)
+    return SourceRead("agentsync", claims is not None, info, drafts, skips, warnings,
+                      snapshot=snapshot)
 
 
-def _context_part(cfg: Config) -> dict:
-    """Read .context/; drafts for live entries, retirement reasons for the rest."""
+def read_context(cfg: Config) -> SourceRead:
+    """Read .context/: drafts for live entries, retirement reasons for the rest."""
     assert cfg.repo is not None
     path = cfg.repo / CONTEXT_DIR
-    entries = read_context_dir(path)
-    drafts: list[Draft] = []
-    skips: list[Skip] = []
-    reasons: dict[str, str] = {}
-    for name, kind in (("decisions", "decision"), ("constraints", "constraint"),
-                       ("pipelines", "pipeline")):
-        for n, e in enumerate((entries or {}).get(name, [])):
+    found = read_context_dir(path)
+    entries = found or {}
+    read = SourceRead("context-keeper", found is not None, {
+        "status": "empty", "path": str(path), "reason": "",
+        **{f"{name}_seen": len(entries.get(name, [])) for name in CONTEXT_FILES}})
+    for name in CONTEXT_FILES:
+        kind = name[:-1]
+        for n, e in enumerate(entries.get(name, [])):
             d = context_entry_to_draft(kind, e)
             if isinstance(d, Draft):
-                drafts.append(d)
+                read.drafts.append(d)
             elif isinstance(d, Skip):
-                skips.append(Skip(f"{name}.json[{n}]", d.reason) if d.where.endswith(kind)
-                             else d)
+                read.skips.append(Skip(f"{name}.json[{n}]", d.reason)
+                                  if d.where.endswith(kind) else d)
             else:
-                reasons[f"context-keeper:{context_entry_id(e)}"] = retirement_reason(e) or ""
-    info = {"status": "absent" if entries is None else "empty",
-            "path": str(path), "decisions_seen": len((entries or {}).get("decisions", [])),
-            "constraints_seen": len((entries or {}).get("constraints", [])),
-            "pipelines_seen": len((entries or {}).get("pipelines", [])),
-            "imported": 0, "retired": 0,
-            "reason": f"no {CONTEXT_DIR}/ directory in {cfg.repo}" if entries is None else ""}
-    if entries is None:
-        info["fix"] = ("if this project records decisions with context-keeper, run it with "
-                       f"{cfg.repo} as its project; otherwise nothing is missing")
-    return {"info": info, "drafts": drafts, "skips": skips, "reasons": reasons,
-            "found": entries is not None}
+                read.retire[f"context-keeper:{context_entry_id(e)}"] = \
+                    retirement_reason(e) or ""
+    if not read.found:
+        read.info.update(status="absent", reason=f"no {CONTEXT_DIR}/ directory in {cfg.repo}",
+                         fix="if this project records decisions with context-keeper, run it "
+                             f"with {cfg.repo} as its project; otherwise nothing is missing")
+    return read
 
 
-def _finish_agentsync(info: dict, found: bool, imported: int, released: int) -> None:
-    if not found:
-        return
-    info["imported"] = imported
+def judge_agentsync(read: SourceRead, imported: list[Item]) -> dict:
+    """The board's status line after the write: what it held and what came in."""
+    mine = [it for it in imported if it.source.get("system") == "agentsync"]
+    released = sum(it.source.get("captured") == "release" for it in mine)
+    info = {**read.info, "imported": len(mine)}
     if "release_capture" in info:
-        info["release_capture"]["captured"] = released
-    seen, done = info["claims_seen"], info["done_claims"]
-    if imported:
-        info["status"] = "imported"
-        info["reason"] = (f"imported {imported} claim(s) from {done} done of {seen} on the "
-                          "board" + (f", {released} captured at release" if released else ""))
+        info["release_capture"] = {**info["release_capture"], "captured": released}
+    if not read.found:
+        return info
+    seen, done, n = info["claims_seen"], info["done_claims"], len(mine)
+    if n:
+        status, reason = "imported", (f"imported {n} claim(s) from {done} done of {seen} on "
+                                      "the board" + (f", {released} captured at release"
+                                                     if released else ""))
     elif not done:
-        info["status"] = "nothing_done"
-        info["reason"] = (f"the board has {seen} claim(s) and none is done" if seen
-                          else "the board has no claims")
+        status, reason = "nothing_done", (f"the board has {seen} claim(s) and none is done"
+                                          if seen else "the board has no claims")
     else:
-        info["status"] = "up_to_date"
-        info["reason"] = f"all {done} done claim(s) were imported earlier"
-    info["fix"] = None
+        status, reason = "up_to_date", f"all {done} done claim(s) were imported earlier"
+    return {**info, "status": status, "reason": reason, "fix": None}
 
 
-def _finish_context(info: dict, found: bool, imported: int, retired: int) -> None:
-    if not found:
-        return
-    info["imported"], info["retired"] = imported, retired
-    seen = info["decisions_seen"] + info["constraints_seen"] + info["pipelines_seen"]
-    if imported or retired:
-        info["status"] = "imported" if imported else "retired"
-        info["reason"] = f"imported {imported}, retired {retired} of {seen} entries"
+def judge_context(read: SourceRead, imported: list[Item], retired: int) -> dict:
+    """.context/'s status line after the write: what came in, what retired."""
+    n = sum(it.source.get("system") == "context-keeper" for it in imported)
+    info = {**read.info, "imported": n, "retired": retired}
+    if not read.found:
+        return info
+    seen = read.records
+    if n or retired:
+        status, reason = ("imported" if n else "retired",
+                          f"imported {n}, retired {retired} of {seen} entries")
     elif not seen:
-        info["status"] = "empty"
-        info["reason"] = f"{info['path']} holds no decisions, constraints or pipelines"
+        status, reason = "empty", f"{info['path']} holds no decisions, constraints or pipelines"
     else:
-        info["status"] = "up_to_date"
-        info["reason"] = f"all {seen} entries were imported earlier (or are retired)"
+        status, reason = "up_to_date", f"all {seen} entries were imported earlier (or are retired)"
+    return {**info, "status": status, "reason": reason}
 
 
 def _skip_warning(source: str, skips: list[Skip]) -> str:
@@ -4061,130 +4112,164 @@ def substrate_state(cfg: Config, doc: Doc) -> dict:
     }
 
 
+@dataclass
+class Sweep:
+    """Everything a distill knows before its one local write (the plan's input)."""
+    stamp: str
+    reads: list                                   # SourceRead, per readable source
+    prepared: Prepared
+    warnings: list                                # what the result will warn about
+    errors: list                                  # (source, CambiumError): unreadable sources
+    retired_elsewhere: list = field(default_factory=list)   # moved-up items retired now
+    pending_elsewhere: list = field(default_factory=list)   # ... and those still waiting
+
+    def read(self, name: str) -> SourceRead | None:
+        return next((r for r in self.reads if r.name == name), None)
+
+    @property
+    def status(self) -> str:
+        return "distilled_with_warnings" if self.warnings else "distilled"
+
+
+@dataclass
+class DistillPlan:
+    """plan_distill()'s decision: the local doc to store and the report of it."""
+    doc: Doc
+    imported: list
+    duplicates: int
+    retired: list                                 # all retirements, local and moved-up
+    sources: dict                                 # name -> judged status line
+    last: dict                                    # what status() shows of this distill
+
+
+def _retire_reasons(reads: list[SourceRead]) -> dict[str, str]:
+    return {k: v for r in reads for k, v in r.retire.items()}
+
+
+def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
+    """Retire, admit and judge on `doc`, and record the result in its meta (pure,
+    but for the cached index): the one local write a distill makes."""
+    retiring, retired, _ = plan_retirements(doc, _retire_reasons(sweep.reads), now=sweep.stamp)
+    adm = admit(retiring or doc, sweep.prepared, index_key)
+    base = adm.doc or retiring or doc
+    retired = retired + sweep.retired_elsewhere
+    sources: dict[str, dict] = {}
+    if (board := sweep.read("agentsync")) is not None:
+        sources["agentsync"] = judge_agentsync(board, adm.fresh)
+    if (ctx := sweep.read("context-keeper")) is not None:
+        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired))
+        if sweep.pending_elsewhere:
+            sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
+    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else sweep.status,
+            "imported": len(adm.fresh), "retired": len(retired),
+            "sources": {k: {"status": v["status"], "imported": v["imported"],
+                            "reason": v["reason"]} for k, v in sources.items()},
+            **({"errors": [f"{n}: {e}" for n, e in sweep.errors]} if sweep.errors else {})}
+    meta = {**base.meta, "distill_last": last}
+    if board is not None and board.snapshot is not None:
+        meta["agentsync_snapshot"] = board.snapshot
+    return DistillPlan(dataclasses.replace(base, meta=meta), adm.fresh,
+                       adm.duplicates + sweep.prepared.duplicates, retired, sources, last)
+
+
+def _read_sources(cfg: Config, doc: Doc, stamp: str
+                  ) -> tuple[list[SourceRead], list[tuple[str, CambiumError]]]:
+    """Both substrates; an unreadable one is an error kept for after the write."""
+    reads, errors = [], []
+    for name, reader in (("agentsync", lambda: read_agentsync(cfg, doc, stamp)),
+                         ("context-keeper", lambda: read_context(cfg))):
+        try:
+            reads.append(reader())
+        except CambiumError as e:
+            errors.append((name, e))
+    return reads, errors
+
+
+def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[str],
+                   store_warnings: list[str]) -> list[str]:
+    """Every warning a distill reports, per source in order (pure)."""
+    out: list[str] = []
+    for r in reads:
+        if r.name == "context-keeper":
+            out += problems
+        if not r.found:
+            out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}.")
+        out += r.warnings
+        if r.skips:
+            out.append(_skip_warning(r.name, r.skips))
+    if prepared.skipped:
+        out.append(_skip_warning("ingest", [Skip(w, r) for w, r in prepared.skipped]))
+    return out + store_warnings
+
+
+def distill_result(plan: DistillPlan, sweep: Sweep, store_warnings: list[str]) -> dict:
+    """The answer distill() documents, from the plan that was written."""
+    result: dict[str, Any] = {
+        "status": sweep.status,
+        "imported": len(plan.imported), "retired": len(plan.retired),
+        "duplicates": plan.duplicates, "sources": plan.sources,
+        "warnings": list(sweep.warnings),
+        "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
+                   "content": it.content[:120]} for it in plan.imported[:MAX_LISTED_ITEMS]],
+    }
+    if plan.retired:
+        result["retired_items"] = plan.retired
+    if store_warnings:
+        result["store_warnings"] = store_warnings
+    return result
+
+
+def _verify_prompt(cfg: Config, result: dict, imported: list[Item]) -> None:
+    """Release capture: promoted items worth re-checking after the work just done."""
+    done_texts = [f"{it.content} {' '.join(it.tags)}" for it in imported
+                  if it.source.get("system") == "agentsync"]
+    if done_texts:
+        docs, scope_warnings = read_scopes(cfg, ("team", "org"))
+        result["verify_prompt"] = stale_prompt([it for d in docs.values() for it in d.items],
+                                               done_texts)
+        result["warnings"] += scope_warnings
+
+
 def distill_sweep(cfg: Config, *, now: str | None = None,
                   on_progress: ProgressFn | None = None) -> dict:
     """One distill: read both substrates, import new records, retire dead ones.
 
-    Returns the result dict distill() documents. A missing or unreachable
-    source is a warning in the result; an unreadable one (bad JSON, a failing
-    local git command) raises after the other source has been imported.
+    read -> prepare drafts -> retire moved-up items in their scope -> plan and
+    apply the one local write -> report. A missing or unreachable source is a
+    warning in the result; an unreadable one (bad JSON, a failing local git
+    command) raises after the other source has been imported.
     """
     stamp = now or _now()
     store = local_store(cfg)
     seen_warnings = len(store.warnings)
     doc = store.read()
-    errors: list[tuple[str, CambiumError]] = []
-    parts: dict[str, dict] = {}
-    for name, read in (("agentsync", lambda: _agentsync_part(cfg, doc, stamp)),
-                       ("context-keeper", lambda: _context_part(cfg))):
-        try:
-            parts[name] = read()
-        except CambiumError as e:
-            errors.append((name, e))
-    as_part, ck_part = parts.get("agentsync"), parts.get("context-keeper")
-
-    retired: list[dict] = []
-    elsewhere: list[dict] = []
-    if ck_part and ck_part["reasons"]:
-        box: dict = {}
-
-        def retire(d: Doc) -> Doc | None:
-            new, box["retired"], box["elsewhere"] = plan_retirements(d, ck_part["reasons"],
-                                                                     now=stamp)
-            return new
-
-        mutate_local(cfg, retire, "distill: retire superseded items")
-        retired, elsewhere = box.get("retired", []), box.get("elsewhere", [])
-
-    drafts = (as_part["drafts"] if as_part else []) + (ck_part["drafts"] if ck_part else [])
-    records = as_part["info"]["claims_seen"] if as_part else 0
-    if ck_part:
-        records += sum(ck_part["info"][k]
-                       for k in ("decisions_seen", "constraints_seen", "pipelines_seen"))
+    reads, errors = _read_sources(cfg, doc, stamp)
+    drafts = [d for r in reads for d in r.drafts]
+    records = sum(r.records for r in reads)
     report = on_progress if on_progress and records >= PROGRESS_MIN_RECORDS else None
     total = len(drafts) + 1
     if report:
         report(0, total, f"read {records} source records; importing {len(drafts)}")
-    res = ingest(cfg, drafts, now=stamp,
-                 on_progress=(lambda n: report(n, total, f"normalized {n} of {len(drafts)}"))
-                 if report else None)
-    by_system: dict[str, int] = {}
-    released = 0
-    for it in res.imported:
-        sysname = it.source.get("system", "")
-        by_system[sysname] = by_system.get(sysname, 0) + 1
-        released += it.source.get("captured") == "release"
-
-    warnings: list[str] = []
-    sources: dict[str, dict] = {}
-    if as_part:
-        info = as_part["info"]
-        _finish_agentsync(info, as_part["found"], by_system.get("agentsync", 0), released)
-        if not as_part["found"]:
-            warnings.append(f"agentsync skipped ({info['status']}): {info['reason']}.")
-        warnings += as_part["warnings"]
-        if as_part["skips"]:
-            warnings.append(_skip_warning("agentsync", as_part["skips"]))
-        sources["agentsync"] = info
-    if ck_part:
-        info = ck_part["info"]
-        if elsewhere:
-            moved_retired, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp)
-            retired += moved_retired
-            warnings += problems
-            if pending:
-                info["retire_elsewhere"] = pending
-        _finish_context(info, ck_part["found"], by_system.get("context-keeper", 0), len(retired))
-        if not ck_part["found"]:
-            warnings.append(f"context-keeper skipped (absent): {info['reason']}.")
-        if ck_part["skips"]:
-            warnings.append(_skip_warning("context-keeper", ck_part["skips"]))
-        sources["context-keeper"] = info
-    skipped_in_ingest = [Skip(w, r) for w, r in res.skipped]
-    if skipped_in_ingest:
-        warnings.append(_skip_warning("ingest", skipped_in_ingest))
+    prepared = prepare_drafts(cfg, drafts, now=stamp, on_progress=(
+        lambda n: report(n, total, f"normalized {n} of {len(drafts)}")) if report else None)
+    elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp)[2]
+    moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
+        else ([], [], [])
     store_warnings = store.warnings[seen_warnings:]
-    warnings += store_warnings
-
-    result: dict[str, Any] = {
-        "status": "distilled_with_warnings" if warnings else "distilled",
-        "imported": len(res.imported), "retired": len(retired),
-        "duplicates": res.duplicates, "sources": sources, "warnings": warnings,
-        "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
-                   "content": it.content[:120]} for it in res.imported[:MAX_LISTED_ITEMS]],
-    }
-    if retired:
-        result["retired_items"] = retired
-    if store_warnings:
-        result["store_warnings"] = store_warnings
+    sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
+                                                         store_warnings),
+                  errors, moved, pending)
+    _, plan = mutate_plan(functools.partial(mutate_local, cfg),
+                          lambda d: plan_distill(d, sweep, str(store.path)), "distill")
+    embed_soon(cfg, plan.imported)
+    result = distill_result(plan, sweep, store_warnings)
     if cfg.release_capture:
-        done_texts = [f"{it.content} {' '.join(it.tags)}" for it in res.imported
-                      if it.source.get("system") == "agentsync"]
-        if done_texts:
-            docs, scope_warnings = read_scopes(cfg, ("team", "org"))
-            promoted = [it for d in docs.values() for it in d.items]
-            result["verify_prompt"] = stale_prompt(promoted, done_texts)
-            warnings += scope_warnings
-
-    last = {"at": stamp, "status": result["status"] if not errors else "failed",
-            "imported": result["imported"], "retired": result["retired"],
-            "sources": {k: {"status": v["status"], "imported": v["imported"],
-                            "reason": v["reason"]} for k, v in sources.items()},
-            **({"errors": [f"{n}: {e}" for n, e in errors]} if errors else {})}
-    snapshot = as_part["snapshot"] if as_part else None
-
-    def record(d: Doc) -> Doc:
-        meta = {**d.meta, "distill_last": last}
-        if snapshot is not None:
-            meta["agentsync_snapshot"] = snapshot
-        return dataclasses.replace(d, meta=meta)
-
-    mutate_local(cfg, record, "distill: snapshot")
+        _verify_prompt(cfg, result, plan.imported)
     if report:
         report(total, total, f"imported {result['imported']}, retired {result['retired']}")
     if errors:
         done = "; ".join(f"{k} {v['status']} (imported {v['imported']})"
-                         for k, v in sources.items()) or "nothing else to read"
+                         for k, v in plan.sources.items()) or "nothing else to read"
         name, err = errors[0]
         raise SubstrateError(f"{name} could not be read: {type(err).__name__}: {err}. "
                              f"The rest of the sweep completed: {done}.")

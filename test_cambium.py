@@ -1672,6 +1672,28 @@ def write_board(clone: Path, claims: dict, branch: str = "agentsync") -> None:
     push_file(clone, branch, "claims.json", json.dumps({"claims": claims}, indent=2))
 
 
+def test_distill_writes_the_local_store_once(repo, monkeypatch):
+    """Issue 10.4: retirements, new items and the distill record land in one write."""
+    (repo / ".context").mkdir()
+    decisions = [{"id": "dec-001", "summary": "Store money as integer cents",
+                  "rationale": "floats drift", "status": "active"}]
+    (repo / ".context" / "decisions.json").write_text(json.dumps(decisions))
+    first = cs.distill()["items"][0]["id"]
+    decisions[0].update(status="superseded", superseded_by="dec-002")
+    decisions.append({"id": "dec-002", "summary": "Store money as Decimal strings",
+                      "rationale": "cents cannot hold fractional tax", "status": "active"})
+    (repo / ".context" / "decisions.json").write_text(json.dumps(decisions))
+    writes = []
+    real = cs.atomic_write
+    monkeypatch.setattr(cs, "atomic_write", lambda path, *a, **k: (
+        writes.append(Path(path).name), real(path, *a, **k))[1])
+    res = cs.distill()
+    assert res["imported"] == 1 and [r["id"] for r in res["retired_items"]] == [first]
+    assert writes == ["knowledge.json"]
+    doc = cs.local_store(cs.resolve_config()).read()
+    assert doc.meta["distill_last"]["retired"] == 1 and len(doc.meta["watermarks"]) == 2
+
+
 def test_distill_no_board_no_context_reads_as_skipped(repo):
     res = cs.distill()
     assert res["status"] == "distilled_with_warnings" and res["imported"] == 0
