@@ -4559,28 +4559,15 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
               "Branch that holds team scope (default cambium).")] = None) -> dict:
     """Configure cambium from a cold start; takes effect immediately, no restart.
 
-    Use when status() reports `configured: false`. project_repo: absolute path
-    of your project's git clone (local scope lives in its .cambium/); recorded
-    for processes started outside any git repo, since inside one the working
-    directory's repo is the project (`binding` says which applies). agent_id:
-    your unique id (letters, digits, . _ - @). org_repo: absolute path of a
-    local clone of the org knowledge repo, or a GitHub owner/name (then the
-    exact gh/git commands to stand it up are returned and org scope stays off;
-    nothing is created for you). org_pr: true = org promotion opens a pull
-    request. team_branch: team scope branch (default cambium). Writes only
+    Use when status() reports `configured: false`. Local scope lives in
+    project_repo's .cambium/; the repo is recorded for processes started outside
+    any git repo, since inside one the working directory's repo is the project
+    (`binding` says which applies). An org_repo given as owner/name returns the
+    exact gh/git commands to stand it up, and org scope stays off. Writes only
     paths, ids and flags (no secrets) to the config file, owner-only.
     """
     env = os.environ
-    path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
-    if path is None or not path.exists():
-        raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
-                         "path of your project's git clone.")
-    if not path.is_dir():
-        raise InputError(f"project_repo {path} is not a directory.")
-    root = git_toplevel(path)
-    if root is None:
-        raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
-                         "or pass your clone's path.")
+    root = _project_root(project_repo)
     agent_id = (agent_id or "").strip()
     problem = _validate("CAMBIUM_AGENT_ID", agent_id) if agent_id else "agent_id is required"
     if problem:
@@ -4638,6 +4625,21 @@ def repo_binding(cfg: Config) -> dict:
                        "recorded applies"}.get(origin, "no project repo is known")
     return {"repo": str(cfg.repo) if cfg.repo else None, "from": origin, "because": because,
             "project": cfg.project}
+
+
+def _project_root(project_repo: str) -> Path:
+    """The git root of setup's project_repo, or InputError saying what is wrong."""
+    path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
+    if path is None or not path.exists():
+        raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
+                         "path of your project's git clone.")
+    if not path.is_dir():
+        raise InputError(f"project_repo {path} is not a directory.")
+    root = git_toplevel(path)
+    if root is None:
+        raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
+                         "or pass your clone's path.")
+    return root
 
 
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
@@ -4754,9 +4756,7 @@ def recall(query: Annotated[str, Field(
                                        ge=1, le=MAX_RECALL_LIMIT)] = 5) -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
-    query: what you are about to do or want to know, in plain words. scope:
-    auto (default: every readable scope), or one of local, team, org. limit:
-    how many results (1-50). Returns `results` best first, each with id,
+    Returns `results` best first, each with id,
     content, why, scope, project, provenance (`source`), recall count and
     `endorsed_as` (endorsement notes, often the cross-project meaning). When
     nothing is relevant enough it returns `no_confident_match: true` and no
