@@ -49,8 +49,9 @@ shell check) and verify --run (run the checks). The CLI path never imports the
 MCP SDK: hooks run it at every session end and the SDK costs about a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
-normalization, config, git plumbing, storage (files, the scope interface, the
-usage journal, the shared git scopes), substrate readers, import adapters,
+normalization, config, process state (the Runtime), git plumbing, storage
+(files, the scope interface, the credit journal, the shared git scopes),
+substrate readers, import adapters,
 recall (lexical, semantic, ranking), ingest, lifecycle decisions, scope
 helpers, distill, hygiene (usage attribution, operator checks), tools (ending
 in the API table), MCP server, CLI, demo.
@@ -108,7 +109,8 @@ MAX_QUERY_CHARS = 2_000
 MAX_RECALL_LIMIT = 50
 LOCAL_DIR = ".cambium"
 STORE_FILE = "knowledge.json"
-USAGE_FILE = "usage.jsonl"          #: recall credits not yet folded into a store
+CREDITS_FILE = "credits.jsonl"      #: recall credits not yet folded into a store
+LEGACY_CREDITS_FILE = "usage.jsonl" #: the credit journal's name before 0.2
 STORE_FORMAT = 1
 
 DEFAULTS: dict[str, str | None] = {
@@ -129,10 +131,6 @@ DEFAULTS: dict[str, str | None] = {
 }
 DEFAULT_CONFIG_FILE = "~/.cambium/config.json"
 
-#: Set while serving MCP: background work (publishing credits, refreshing remote
-#: scopes, embedding new items) is only started by the long-running server; a
-#: CLI process exits right after its one call.
-LONG_RUNNING = threading.Event()
 RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
 
 SERVER_INSTRUCTIONS = """\
@@ -177,6 +175,10 @@ class Refused(CambiumError):
 
 class CorruptStore(CambiumError):
     """A knowledge.json could not be parsed; it is preserved, never overwritten."""
+
+
+class ScopeOff(ConfigError):
+    """The scope is not set up here (a federated read just leaves it out)."""
 
 
 class GitError(CambiumError):
@@ -878,6 +880,161 @@ def require_config(env: dict | None = None) -> Config:
 
 
 # =============================================================================
+# Process state: the Runtime
+# Everything a process remembers between calls lives in one Runtime: the parsed
+# local stores, what it knows of each shared scope, recall indexes, semantic
+# engines and the embedder, notes already given once, the credit-fold timer
+# and the per-path thread locks. runtime() is the current one: a context
+# variable whose default is the process's own, so tests (reset()) and a server
+# with several sessions can run runtimes side by side, each with its caches.
+#
+# Lock discipline, the only one in this module, outermost first:
+#   1. file_lock(path): a per-path RLock of the runtime plus flock on
+#      <path>.lock; guards a file across threads and processes, held across
+#      read-modify-write. Never taken while holding 2 or 3.
+#   2. An object's own lock guards that object's fields, held across the I/O
+#      that fills them: GitScope.lock, LocalStore.lock, Semantic.cv, and
+#      Runtime.index_lock for the recall indexes (updated in place).
+#   3. Runtime.lock guards only the runtime's tables (get-or-create, the timer
+#      slot); held for a few statements, never across I/O or another lock.
+# Items and Docs handed out are never changed in place: a change builds a new
+# one (dataclasses.replace), so a reader needs no lock to use them.
+# =============================================================================
+
+
+@dataclass
+class GitScope:
+    """What a process knows of one shared scope (repo, remote, branch).
+    Every field is read and written under `lock`."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    tip: str | None = None
+    tip_known: bool = False             # `tip` is the last fetched tip (None: no branch)
+    fetched_at: float = 0.0
+    refreshing: bool = False            # a background fetch is running
+    fetch_error: str | None = None      # the last background fetch failed with this
+    doc: tuple[str, Doc] | None = None  # (commit, parsed knowledge.json at it)
+    checked_out: str | None = None      # the org clone's checkout is at this commit
+
+
+class Runtime:
+    """All mutable process state; see the section comment for its lock order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.index_lock = threading.Lock()
+        #: set while serving MCP: background work (folding credits, refreshing
+        #: remote scopes, embedding new items) is only started by a long-running
+        #: server; a CLI process exits right after its one call.
+        self.long_running = threading.Event()
+        self.embedder: Embedder | None = None
+        self.embedder_lock = threading.Lock()
+        self._clear()
+        _LIVE_RUNTIMES.add(self)
+
+    def _clear(self) -> None:
+        self.stores: dict[str, LocalStore] = {}
+        self.git_scopes: dict[tuple[str, str, str], GitScope] = {}
+        self.org_branches: dict[str, str] = {}
+        self.remotes: dict[tuple[str, str], tuple[float, bool]] = {}
+        self.indexes: dict[str, Index] = {}
+        self.engines: dict[str, Semantic] = {}
+        self.embedder_error: str | None = None
+        self.noted: set[str] = set()
+        self.fold_timer: threading.Timer | None = None
+        self.file_locks: dict[str, threading.RLock] = {}
+
+    def reset(self) -> None:
+        """Forget everything (tests): cancel a pending credit fold, drop every
+        cache. A loaded embedding model is kept: it is read-only, the same for
+        every store, and costly to load again."""
+        self.cancel_fold()
+        self.long_running.clear()
+        with self.lock:
+            self._clear()
+
+    def cancel_fold(self) -> None:
+        """Drop the pending background credit fold (its credits stay journaled)."""
+        with self.lock:
+            timer, self.fold_timer = self.fold_timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _get(self, table: dict, key: Any, make: Callable[[], Any]) -> Any:
+        with self.lock:
+            obj = table.get(key)
+            if obj is None:
+                obj = table[key] = make()
+            return obj
+
+    def local_store(self, path: Path, credits: Path | None) -> LocalStore:
+        return self._get(self.stores, str(path), lambda: LocalStore(path, credits))
+
+    def git_scope(self, repo: Path, remote: str, branch: str) -> GitScope:
+        return self._get(self.git_scopes, (str(repo), remote, branch), GitScope)
+
+    def engine(self, cache_dir: Path | None) -> Semantic:
+        return self._get(self.engines, str(cache_dir), lambda: Semantic(cache_dir, self))
+
+    def thread_lock(self, path: str) -> threading.RLock:
+        return self._get(self.file_locks, path, threading.RLock)
+
+    def first_time(self, note: str) -> bool:
+        """True the first time this runtime sees `note` (say a thing once)."""
+        with self.lock:
+            if note in self.noted:
+                return False
+            self.noted.add(note)
+            return True
+
+    def spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Start a daemon thread that runs `target` with this runtime current."""
+        def run() -> None:
+            with use_runtime(self):
+                target()
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def save_vectors(self) -> None:
+        """Keep what was embedded when the process ends mid-backlog."""
+        with self.lock:
+            engines = list(self.engines.values())
+        for eng in engines:
+            if eng.cache is not None and eng.cv.acquire(timeout=2):
+                try:
+                    eng._save_locked()
+                finally:
+                    eng.cv.release()
+
+
+_LIVE_RUNTIMES: weakref.WeakSet = weakref.WeakSet()
+_PROCESS_RUNTIME = Runtime()
+_CURRENT_RUNTIME: contextvars.ContextVar[Runtime] = contextvars.ContextVar(
+    "cambium_runtime", default=_PROCESS_RUNTIME)
+
+
+def runtime() -> Runtime:
+    """The current runtime (the process's own unless use_runtime() says otherwise)."""
+    return _CURRENT_RUNTIME.get()
+
+
+@contextlib.contextmanager
+def use_runtime(rt: Runtime) -> Iterator[Runtime]:
+    """Make `rt` current in this thread for the duration of the block."""
+    token = _CURRENT_RUNTIME.set(rt)
+    try:
+        yield rt
+    finally:
+        _CURRENT_RUNTIME.reset(token)
+
+
+@atexit.register
+def _save_vector_caches() -> None:
+    for rt in list(_LIVE_RUNTIMES):
+        rt.save_vectors()
+
+
+# =============================================================================
 # Git plumbing
 # One door to git: bounded by a timeout, never prompting, never inheriting the
 # GIT_DIR family a hook may carry, stdin closed (MCP speaks on ours).
@@ -919,9 +1076,6 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
     return _run(["git", *args], cwd, timeout_s, check=check, input=input)
 
 
-_REMOTE_CACHE: dict[tuple[str, str], tuple[float, str | None]] = {}
-
-
 def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
     """The URL of `repo`'s remote (None: no such remote); cached until its
     .git/config changes."""
@@ -929,12 +1083,12 @@ def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
         stamp = (repo / ".git" / "config").stat().st_mtime
     except OSError:
         stamp = -1.0
-    key = (str(repo), remote)
-    hit = _REMOTE_CACHE.get(key)
+    key, remotes = (str(repo), remote), runtime().remotes
+    hit = remotes.get(key)
     if hit is None or hit[0] != stamp:
         proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
         url = proc.stdout.strip() if proc.returncode == 0 else None
-        hit = _REMOTE_CACHE[key] = (stamp, url)
+        hit = remotes[key] = (stamp, url)           # one atomic dict store
     return hit[1]
 
 
@@ -969,17 +1123,10 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
 # read-modify-write, so concurrent processes never lose each other's update.
 # =============================================================================
 
-_THREAD_LOCKS: dict[str, threading.RLock] = {}
-_THREAD_LOCKS_GUARD = threading.Lock()
-
-
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock on `<path>.lock`, across threads and processes."""
-    key = str(path)
-    with _THREAD_LOCKS_GUARD:
-        tlock = _THREAD_LOCKS.setdefault(key, threading.RLock())
-    with tlock:
+    with runtime().thread_lock(str(path)):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -1150,18 +1297,22 @@ def mutate_plan(mutate: Callable[..., Any], plan: Callable[[Doc], Any], message:
 
 class LocalStore(Store):
     """<repo>/.cambium/knowledge.json. A parsed copy is cached per file version
-    (mtime, size, inode), so a hand edit is picked up on the next call."""
+    (mtime, size, inode), so a hand edit is picked up on the next call. Every
+    write first folds the recall credits pending in the `credits` journal."""
     scope = "local"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, credits: Path | None = None):
         self.path = path
+        self.credits = credits
+        self.lock = threading.Lock()           # guards _cache and _warnings
         self._cache: tuple[tuple, Doc] | None = None
         self._text = _ItemsText()
         self._warnings: list[str] = []
 
     @property
     def warnings(self) -> list[str]:
-        return list(self._warnings)
+        with self.lock:
+            return list(self._warnings)
 
     def _stat_key(self) -> tuple | None:
         try:
@@ -1174,25 +1325,31 @@ class LocalStore(Store):
         key = self._stat_key()
         if key is None:
             return Doc(items=[])
-        if self._cache and self._cache[0] == key:
-            return self._cache[1]
+        with self.lock:
+            if self._cache and self._cache[0] == key:
+                return self._cache[1]
         text = self.path.read_text(encoding="utf-8", errors="surrogateescape")
         doc = parse_store(text, str(self.path))
-        self._cache = (key, doc)
+        self._remember(key, doc)
         return doc
+
+    def _remember(self, key: tuple | None, doc: Doc) -> None:
+        with self.lock:
+            self._cache = (key, doc) if key is not None else None
 
     def _quarantine(self, err: CorruptStore) -> Doc:
         """Move an unparseable file aside (never overwrite it) and start empty."""
         aside = self.path.with_name(f"{self.path.name}.corrupt-"
                                     f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}")
         os.replace(self.path, aside)
-        self._warnings.append(f"{err}. It was moved to {aside} (nothing deleted); "
-                              "cambium started a fresh local store. Repair that file and "
-                              "import its items, or copy them back by hand.")
-        self._cache = None
+        with self.lock:
+            self._warnings.append(f"{err}. It was moved to {aside} (nothing deleted); "
+                                  "cambium started a fresh local store. Repair that file "
+                                  "and import its items, or copy them back by hand.")
+            self._cache = None
         return Doc(items=[])
 
-    def read(self) -> Doc:
+    def read(self, background: bool = False) -> Doc:
         try:
             return self._load()
         except CorruptStore as err:
@@ -1202,47 +1359,67 @@ class LocalStore(Store):
                 except CorruptStore:
                     return self._quarantine(err)
 
-    def mutate(self, fn: Callable[[Doc], Doc | None], message: str = "") -> Doc:
+    def mutate(self, fn: Callable[[Doc], Doc | None], message: str = "", *,
+               branch: str | None = None, ensure_files: bool = False) -> Write:
+        """Apply fn under the file lock; durable (fsync + rename) before it returns."""
+        pending, commit = take_credits(self.credits, self.scope)
         with file_lock(self.path):
             try:
                 doc = self._load()
             except CorruptStore as err:
                 doc = self._quarantine(err)
-            new = fn(doc)
-            if new is None or new is doc:
+            new = with_credits(fn, pending)(doc)
+            if new is None:
                 return Write(doc=doc)
             atomic_write(self.path, render_store(new, self._text))
-            self._cache = (self._stat_key(), new)
-            return Write(doc=new)
-
-
-_STORES: dict[str, LocalStore] = {}
-
-
-def local_store(cfg: Config) -> LocalStore:
-    """The process-wide LocalStore for cfg's repo (one cache per file)."""
-    path = cfg.local_dir / STORE_FILE
-    key = str(path)
-    store = _STORES.get(key)
-    if store is None:
-        store = _STORES.setdefault(key, LocalStore(path))
-    return store
+            self._remember(self._stat_key(), new)
+        commit()
+        return Write(doc=new)
 
 
 # =============================================================================
-# Storage: usage journal
+# Storage: the credit journal
 # A recall must not wait on rewriting a store. Credits are appended (fsync'd)
-# to .cambium/usage.jsonl and folded into the item's own store on its next
-# write. A credit counts once per agent per item per day, wherever it lands.
+# to .cambium/credits.jsonl (a legacy usage.jsonl is adopted into it) and
+# folded into the item's own store by that store's next write, whatever the
+# scope. A credit counts once per agent per item per day, wherever it lands.
 # =============================================================================
 
 
-def _usage_path(cfg: Config) -> Path:
-    return cfg.local_dir / USAGE_FILE
+def credits_path(cfg: Config) -> Path:
+    return cfg.local_dir / CREDITS_FILE
 
 
-def read_usage(path: Path) -> list[dict]:
+def _append_durably(path: Path, data: bytes) -> None:
+    """Append bytes to a file and fsync them (the caller holds its lock)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _adopt_legacy_journal(path: Path) -> None:
+    """Move the credits of a journal written under its old name into `path`."""
+    legacy = path.with_name(LEGACY_CREDITS_FILE)
+    if not legacy.exists():
+        return
+    with file_lock(path):
+        try:
+            data = legacy.read_bytes()
+        except FileNotFoundError:
+            return                          # another thread adopted it first
+        if data.strip():
+            _append_durably(path, data if data.endswith(b"\n") else data + b"\n")
+        os.unlink(legacy)                   # a crash before this repeats credits: harmless
+
+
+def read_credits(path: Path | None) -> list[dict]:
     """Pending credits; malformed lines are skipped (a torn append)."""
+    if path is None:
+        return []
+    _adopt_legacy_journal(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -1258,33 +1435,31 @@ def read_usage(path: Path) -> list[dict]:
     return out
 
 
-def append_usage(path: Path, records: list[dict]) -> None:
+def append_credits(path: Path, records: list[dict]) -> None:
     """Durably append credit records (one line each)."""
     if not records:
         return
     data = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
                    for r in records)
     with file_lock(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, data.encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _append_durably(path, data.encode("utf-8"))
 
 
-def take_usage(path: Path, scope: str) -> tuple[list[dict], Callable[[], None]]:
+def _nothing() -> None:
+    return None
+
+
+def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[], None]]:
     """Pending credits for `scope`, and a commit() that drops them from the journal.
 
     Call commit() only after the credits are durably in their store; until then
     they stay in the journal (applying a credit twice is harmless: see credit()).
     """
-    recs = read_usage(path)
-    mine = [r for r in recs if r.get("scope", "local") == scope]
+    mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
+    if not mine or path is None:
+        return mine, _nothing
 
     def commit() -> None:
-        if not mine:
-            return
         with file_lock(path):
             taken = {json.dumps(r, sort_keys=True) for r in mine}
             keep = []
@@ -1316,7 +1491,7 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     return dataclasses.replace(item, trust=trust) if changed else item
 
 
-def fold_usage(doc: Doc, records: list[dict]) -> Doc | None:
+def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
     """Apply pending credits to a doc; None when nothing changes (pure)."""
     if not records:
         return None
@@ -1334,6 +1509,17 @@ def fold_usage(doc: Doc, records: list[dict]) -> Doc | None:
     return dataclasses.replace(doc, items=items) if changed else None
 
 
+def with_credits(fn: Callable[[Doc], Doc | None], pending: list[dict]
+                 ) -> Callable[[Doc], Doc | None]:
+    """fn with the pending credits folded in first: what every store's mutate runs.
+    None still means "nothing to write" (no credit applied and fn changed nothing)."""
+    def apply(doc: Doc) -> Doc | None:
+        folded = fold_credits(doc, pending) or doc
+        new = fn(folded)
+        return new if new is not None else (folded if folded is not doc else None)
+    return apply
+
+
 def effective_trust(item: Item, pending: list[dict]) -> dict:
     """An item's trust with its not-yet-folded credits applied (read side)."""
     mine = [r for r in pending if r["item"] == item.id]
@@ -1343,22 +1529,6 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
         item = credit(item, str(r.get("agent", "")), str(r.get("day", "")),
                       str(r.get("project", "")))
     return item.trust
-
-
-def mutate_local(cfg: Config, fn: Callable[[Doc], Doc | None], message: str = "") -> Doc:
-    """Mutate the local store, folding pending local recall credits in first."""
-    store = local_store(cfg)
-    path = _usage_path(cfg)
-    pending, commit = take_usage(path, "local")
-
-    def apply(doc: Doc) -> Doc | None:
-        folded = fold_usage(doc, pending) or doc
-        new = fn(folded)
-        return new if new is not None else (folded if folded is not doc else None)
-
-    new = store.mutate(apply, message).doc
-    commit()
-    return new
 
 
 # =============================================================================
@@ -1404,14 +1574,16 @@ class GitStore(Store):
     def __init__(self, scope: str, repo: Path, remote: str, branch: str, *,
                  timeout_s: float, fetch_interval_s: float, agent: str,
                  extra_files: Callable[[Doc], dict[str, str]] | None = None,
-                 usage_path: Path | None = None):
+                 credits: Path | None = None, checkout: bool = False):
         self.scope, self.repo, self.remote, self.branch = scope, repo, remote, branch
         self.timeout_s, self.fetch_interval_s, self.agent = timeout_s, fetch_interval_s, agent
         self.extra_files = extra_files
-        self.usage_path = usage_path
+        self.credits = credits                    # the journal whose credits this scope folds
+        self.checkout = checkout                  # keep the clone's checkout at the tip (org)
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
-        self._state = _GIT_CACHE.setdefault((str(repo), remote, branch), {})
+        self._rt = runtime()
+        self._state = self._rt.git_scope(repo, remote, branch)
 
     # -- plumbing ---------------------------------------------------------------
     def git(self, *args: str, check: bool = True, input: str | None = None,
@@ -1435,37 +1607,38 @@ class GitStore(Store):
         that fails to fetch falls back to the last fetched tip with a warning.
         """
         state = self._state
-        with state.setdefault("lock", threading.Lock()):
-            last = state.get("fetched_at", 0.0)
+        with state.lock:
+            last = state.fetched_at
             with contextlib.suppress(OSError):
                 last = max(last, self._stamp().stat().st_mtime)   # another process fetched
             due = force or time.time() - last >= self.fetch_interval_s
-            if due and background and "tip" in state:
-                if not state.get("refreshing"):
-                    state["refreshing"] = True
-                    threading.Thread(target=self._refresh, daemon=True).start()
+            if due and background and state.tip_known:
+                if not state.refreshing:
+                    state.refreshing = True
+                    self._rt.spawn(self._refresh, f"cambium-fetch-{self.scope}")
                 due = False
             if due:
                 try:
                     self._fetch_now()
                 except GitError as e:
-                    state["fetched_at"] = time.time()       # don't hammer a dead remote
+                    state.fetched_at = time.time()          # don't hammer a dead remote
                     if force or self.local_tip() is None:
                         raise
                     self._warnings.append(f"{self.scope} scope may be behind: {e}")
-            if "tip" not in state:
-                state["tip"] = self.local_tip()
-            return state["tip"]
+            if not state.tip_known:
+                state.tip, state.tip_known = self.local_tip(), True
+            return state.tip
 
     def _refresh(self) -> None:
-        try:
-            with self._state["lock"]:
+        state = self._state
+        with state.lock:
+            try:
                 self._fetch_now()
-                self._state["tip"] = self.local_tip()
-        except GitError as e:
-            self._state["fetch_error"] = str(e)
-        finally:
-            self._state["refreshing"] = False
+                state.tip, state.tip_known = self.local_tip(), True
+            except GitError as e:
+                state.fetch_error = str(e)
+            finally:
+                state.refreshing = False
 
     def local_tip(self) -> str | None:
         proc = self.git("rev-parse", "--verify", "--quiet", self.ref + "^{commit}", check=False)
@@ -1481,37 +1654,49 @@ class GitStore(Store):
                 self.git("update-ref", "-d", self.ref, check=False)
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
-        self._state["fetched_at"] = time.time()
-        self._state.pop("fetch_error", None)
+        self._state.fetched_at = time.time()      # the caller holds the scope's lock
+        self._state.fetch_error = None
         stamp = self._stamp()
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.touch()
-        self._state.pop("tip", None)
+        self._state.tip_known = False
 
     def doc_at(self, commit: str | None) -> Doc:
         """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
         if commit is None:
             return Doc(items=[])
-        cached = self._state.get("doc")
-        if cached and cached[0] == commit:
-            return cached[1]
+        state = self._state
+        with state.lock:
+            if state.doc and state.doc[0] == commit:
+                return state.doc[1]
         proc = self.git("cat-file", "blob", f"{commit}:{STORE_FILE}", check=False)
         text = proc.stdout if proc.returncode == 0 else ""
         doc = parse_store(text, f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} "
                                 f"at {commit[:10]})")
-        for it in doc.items:
-            if it.scope != self.scope:
-                it.scope = self.scope       # a copy made by hand keeps its true scope
-        self._state["doc"] = (commit, doc)
+        if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
+            doc = dataclasses.replace(doc, items=[              # keeps its true scope
+                it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)
+                for it in doc.items])
+        self._remember(commit, doc)
         return doc
+
+    def _remember(self, commit: str, doc: Doc, *, tip: bool = False) -> None:
+        """Cache the parsed doc at a commit (and make it the known tip)."""
+        with self._state.lock:
+            self._state.doc = (commit, doc)
+            if tip:
+                self._state.tip, self._state.tip_known = commit, True
 
     def read(self, background: bool = False) -> Doc:
         """The scope's items; raises GitError (unreachable, nothing fetched before)
         or CorruptStore. background: see fetch()."""
         doc = self.doc_at(self.fetch(background=background))
-        if self._state.get("fetch_error"):
-            self._warnings.append(f"{self.scope} scope may be behind: "
-                                  f"{self._state['fetch_error']}")
+        with self._state.lock:
+            error = self._state.fetch_error
+        if error:
+            self._warnings.append(f"{self.scope} scope may be behind: {error}")
+        if self.checkout:
+            self.sync_checkout()
         return doc
 
     def default_tip(self) -> str | None:
@@ -1595,14 +1780,13 @@ class GitStore(Store):
                 side_tip = self._remote_branch_tip(branch) if side else None
                 base = side_tip or tip
                 doc = self.doc_at(base)
-                pending, commit_usage = (take_usage(self.usage_path, self.scope)
-                                         if self.usage_path and not side else ([], lambda: None))
-                folded = fold_usage(doc, pending) or doc
-                new = fn(folded)
+                pending, commit_credits = take_credits(None if side else self.credits,
+                                                       self.scope)
+                new = with_credits(fn, pending)(doc)
                 if new is None:
-                    if folded is doc and not (ensure_files and self._files_stale(base, doc)):
+                    if not (ensure_files and self._files_stale(base, doc)):
                         return Write(doc=doc, commit=None, branch=target)
-                    new = folded
+                    new = doc
                 files = {STORE_FILE: render_store(new)}
                 if self.extra_files:
                     files.update(self.extra_files(new))
@@ -1612,11 +1796,10 @@ class GitStore(Store):
                 if outcome == "race":
                     continue
                 self.verify(commit, target)
-                commit_usage()
+                commit_credits()
                 if target == self.branch:
                     self.git("update-ref", self.ref, commit)
-                    self._state["tip"] = commit
-                    self._state["doc"] = (commit, new)
+                    self._remember(commit, new, tip=True)
                 return Write(doc=new, commit=commit, branch=target)
         raise ConflictError(f"{self.scope} scope: lost the push race {PUSH_RETRIES} times on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
@@ -1644,14 +1827,12 @@ class GitStore(Store):
 
     def sync_checkout(self) -> None:
         """Hard-sync a dedicated clone's checkout to the scope tip (the org clone)."""
-        tip = self._state.get("tip")
-        if tip and self._state.get("checked_out") != tip:
-            self.git("checkout", "--quiet", "--force", "-B", self.branch, tip)
-            self._state["checked_out"] = tip
-
-
-
-_GIT_CACHE: dict[tuple, dict] = {}
+        state = self._state
+        with state.lock:
+            tip = state.tip
+            if tip and state.checked_out != tip:
+                self.git("checkout", "--quiet", "--force", "-B", self.branch, tip)
+                state.checked_out = tip
 
 
 # =============================================================================
@@ -2742,32 +2923,27 @@ class Embedder:
         return self.embed_ids([self.windows(t)[0] for t in texts])
 
 
-_EMBEDDER: Embedder | None = None
-_EMBEDDER_ERROR: str | None = None
-_EMBEDDER_GUARD = threading.Lock()
-
-
-def load_embedder() -> Embedder:
-    """The process's embedder, loaded once on first semantic use; a failure is
+def load_embedder(rt: Runtime | None = None) -> Embedder:
+    """The runtime's embedder, loaded once on first semantic use; a failure is
     remembered (and reported) rather than retried on every recall."""
-    global _EMBEDDER, _EMBEDDER_ERROR
-    with _EMBEDDER_GUARD:
-        if _EMBEDDER is not None:
-            return _EMBEDDER
-        if _EMBEDDER_ERROR is not None:
-            raise SemanticUnavailable(_EMBEDDER_ERROR)
+    rt = rt or runtime()
+    with rt.embedder_lock:
+        if rt.embedder is not None:
+            return rt.embedder
+        if rt.embedder_error is not None:
+            raise SemanticUnavailable(rt.embedder_error)
         missing = semantic_extra_missing()
         try:
             if missing:
                 raise SemanticUnavailable("the semantic extra is not installed (missing: "
                                           + ", ".join(missing) + ")")
-            _EMBEDDER = Embedder.from_packages()
+            rt.embedder = Embedder.from_packages()
         except Exception as e:  # noqa: BLE001 - any load failure means: recall lexically
-            _EMBEDDER_ERROR = (str(e) if isinstance(e, SemanticUnavailable)
-                               else f"the embedding model failed to load: "
-                                    f"{type(e).__name__}: {e}")
-            raise SemanticUnavailable(_EMBEDDER_ERROR) from None
-        return _EMBEDDER
+            rt.embedder_error = (str(e) if isinstance(e, SemanticUnavailable)
+                                 else f"the embedding model failed to load: "
+                                      f"{type(e).__name__}: {e}")
+            raise SemanticUnavailable(rt.embedder_error) from None
+        return rt.embedder
 
 
 class VectorCache:
@@ -2946,8 +3122,9 @@ class Semantic:
     items are cached there too, keyed like any item). Thread-safe: tools run in
     worker threads, and a background thread embeds the backlog in batches."""
 
-    def __init__(self, cache_dir: Path | None):
+    def __init__(self, cache_dir: Path | None, rt: Runtime | None = None):
         self.cache_dir = cache_dir
+        self.rt = rt or runtime()
         self.cache: VectorCache | None = None
         self.slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cv = threading.Condition()
@@ -2960,7 +3137,7 @@ class Semantic:
 
     def ready(self) -> Embedder:
         """Load the model (once per process) and this cache (once per engine)."""
-        emb = load_embedder()
+        emb = load_embedder(self.rt)
         with self.cv:
             if self.cache is None:
                 self.cache = VectorCache(self.cache_dir)
@@ -2974,9 +3151,7 @@ class Semantic:
                 self.queued.add(key)
                 self.queue.append(it)
         if self.queue and (self.worker is None or not self.worker.is_alive()):
-            self.worker = threading.Thread(target=self._work, name="cambium-embed",
-                                           daemon=True)
-            self.worker.start()
+            self.worker = self.rt.spawn(self._work, "cambium-embed")
 
     def _embed_items(self, emb: Embedder, items: list[Item]) -> dict[str, Any]:
         inputs, spans = [], []
@@ -2988,7 +3163,7 @@ class Semantic:
         return {k: vecs[s:s + n] for k, s, n in spans}
 
     def _work(self) -> None:
-        emb = load_embedder()
+        emb = load_embedder(self.rt)
         while True:
             with self.cv:
                 chunk = []
@@ -3140,14 +3315,10 @@ def _authority_tiebreak(index: Index, score: Any, k: int) -> Any:
     return top[:k]
 
 
-_ENGINES: dict[str, Semantic] = {}
-_ENGINES_GUARD = threading.Lock()
-
-
 def embed_soon(cfg: Config, items: list[Item]) -> None:
     """In the server, start embedding freshly ingested items in the background,
     so the next recall finds them embedded instead of waiting for a backlog."""
-    if not items or not LONG_RUNNING.is_set() or cfg.repo is None \
+    if not items or not runtime().long_running.is_set() or cfg.repo is None \
             or (cfg.get("CAMBIUM_RECALL_MODE") or "auto") == "lexical" or semantic_extra_missing():
         return
     eng = semantic_engine(cfg.local_dir / VECTORS_DIR)
@@ -3160,27 +3331,12 @@ def embed_soon(cfg: Config, items: list[Item]) -> None:
         with eng.cv:
             eng._enqueue([it for it in items if eng.cache.get(vector_key(it)) is None])
 
-    threading.Thread(target=start, name="cambium-embed-soon", daemon=True).start()
+    runtime().spawn(start, "cambium-embed-soon")
 
 
 def semantic_engine(cache_dir: Path | None) -> Semantic:
-    """The process-wide engine for one vector cache directory."""
-    with _ENGINES_GUARD:
-        eng = _ENGINES.get(str(cache_dir))
-        if eng is None:
-            eng = _ENGINES[str(cache_dir)] = Semantic(cache_dir)
-        return eng
-
-
-@atexit.register
-def _save_vector_caches() -> None:
-    """Keep what was embedded when the process ends mid-backlog."""
-    for eng in list(_ENGINES.values()):
-        if eng.cache is not None and eng.cv.acquire(timeout=2):
-            try:
-                eng._save_locked()
-            finally:
-                eng.cv.release()
+    """The runtime's engine for one vector cache directory."""
+    return runtime().engine(cache_dir)
 
 
 # =============================================================================
@@ -3215,14 +3371,10 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
     return ranking
 
 
-_NOTED: set[str] = set()
-
-
 def _fallback_note(reason: str, *, always: bool) -> str | None:
     """'recall is lexical because ...', the first time per reason (or always)."""
-    if reason in _NOTED and not always:
+    if not runtime().first_time(reason) and not always:
         return None
-    _NOTED.add(reason)
     extra = f" To add it: {SEMANTIC_PITCH}." if "not installed" in reason else ""
     return f"Recall is lexical (shared words only): {reason}.{extra}"
 
@@ -3232,16 +3384,17 @@ def recall_mode_report(cfg: Config) -> dict:
     Never loads the model (status must stay fast and stdlib-only)."""
     setting = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
     missing = semantic_extra_missing()
-    if setting == "lexical" or missing or _EMBEDDER_ERROR:
-        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else _EMBEDDER_ERROR
+    rt = runtime()
+    if setting == "lexical" or missing or rt.embedder_error:
+        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else rt.embedder_error
                or "the semantic extra is not installed (missing: " + ", ".join(missing) + ")")
         return {"recall_mode": "lexical", "recall_mode_reason": why,
                 "semantic_extra": SEMANTIC_PITCH if missing else "installed"}
-    eng = _ENGINES.get(str(cfg.local_dir / VECTORS_DIR))
+    eng = rt.engines.get(str(cfg.local_dir / VECTORS_DIR))
     info: dict[str, Any] = {"model": "all-MiniLM-L6-v2 (int8 ONNX, offline)",
-                            "loaded": _EMBEDDER is not None,
+                            "loaded": rt.embedder is not None,
                             "vector_cache": str(cfg.local_dir / VECTORS_DIR)}
-    if _EMBEDDER is None:
+    if rt.embedder is None:
         info["note"] = "the model loads on the first recall (about 0.3 s)"
     if eng is not None and eng.cache is not None:
         info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
@@ -3251,16 +3404,12 @@ def recall_mode_report(cfg: Config) -> dict:
     return {"recall_mode": "semantic", "semantic": info}
 
 
-_INDEXES: dict[str, Index] = {}
-_INDEX_GUARD = threading.Lock()
-
-
 def store_index(key: str, items: list) -> Index:
-    """The live index for one store, synced to its current items."""
-    with _INDEX_GUARD:
-        index = _INDEXES.get(key) or Index()
-        index = index.sync(items)
-        _INDEXES[key] = index
+    """The live index for one store (or scope set), synced to its current items."""
+    rt = runtime()
+    with rt.index_lock:
+        index = (rt.indexes.get(key) or Index()).sync(items)
+        rt.indexes[key] = index
         return index
 
 
@@ -3302,7 +3451,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     skipped with its reason."""
     out = Prepared()
     project, agent = cfg.project, cfg.agent
-    seen_marks = local_store(cfg).read().meta.get("watermarks") or {}
+    seen_marks = store(cfg, "local").read().meta.get("watermarks") or {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
             out.duplicates += 1
@@ -3354,9 +3503,8 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
-        key = str(local_store(cfg).path)
-        _, adm = mutate_plan(functools.partial(mutate_local, cfg),
-                             lambda d: admit(d, prepared, key),
+        local = store(cfg, "local")
+        _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path)),
                              f"ingest {len(prepared.items)} items")
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         embed_soon(cfg, result.imported)
@@ -3681,51 +3829,58 @@ ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements
 ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
 
 
-def team_store(cfg: Config) -> GitStore | None:
-    """The team scope's store, or None when the project repo has no such remote."""
+def store(cfg: Config, scope: str) -> Store:
+    """The store of one scope, with one contract for all three: read() -> Doc,
+    mutate(fn, message) -> Write (pending credits folded in, durable where it
+    went before it returns), warnings. Raises ScopeOff (a ConfigError saying how
+    to turn it on) for a scope that is not set up, ConfigError if misconfigured."""
+    if scope == "local":
+        return runtime().local_store(cfg.local_dir / STORE_FILE, credits_path(cfg))
+    if scope == "team":
+        return _team_store(cfg)
+    if scope == "org":
+        return _org_store(cfg)
+    raise InputError(f"scope must be local, team or org; got {scope!r}.")
+
+
+def _team_store(cfg: Config) -> GitStore:
+    """The team branch of the project remote."""
     if not _has_remote(cfg.repo, cfg.remote, cfg.git_timeout_s):
-        return None
+        raise ScopeOff(f"team scope needs a git remote {cfg.remote!r} in {cfg.repo}; "
+                       "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
     return GitStore("team", cfg.repo, cfg.remote, cfg.team_branch,
                     timeout_s=cfg.git_timeout_s, fetch_interval_s=cfg.fetch_interval_s,
-                    agent=cfg.agent, usage_path=_usage_path(cfg))
+                    agent=cfg.agent, credits=credits_path(cfg))
 
 
-def org_store(cfg: Config) -> GitStore | None:
-    """The org scope's store (default branch of the org clone's origin), or None if off."""
+def _org_store(cfg: Config) -> GitStore:
+    """The default branch of the org clone's origin."""
     org = cfg.org_repo
     if org is None:
-        return None
+        raise ScopeOff("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
     if not (org / ".git").exists():
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")
     if not _has_remote(org, "origin", cfg.git_timeout_s):
         raise ConfigError(f"the org clone {org} has no 'origin' remote to publish to.")
-    key = ("org-default", str(org))
-    branch = _GIT_CACHE.setdefault(key, {}).get("branch")
+    branches = runtime().org_branches
+    branch = branches.get(str(org))
     if branch is None:
-        proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
-                    cfg.git_timeout_s, check=False)
-        branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
-        if not branch:
-            proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org,
-                        cfg.git_timeout_s)
-            heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
-            branch = heads[0].removeprefix("refs/heads/") if heads else "main"
-        _GIT_CACHE[key]["branch"] = branch
+        branch = branches[str(org)] = _org_default_branch(org, cfg.git_timeout_s)
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
-                    extra_files=org_markdown)
+                    extra_files=org_markdown, checkout=True)
 
 
-def shared_store(cfg: Config, scope: str) -> GitStore:
-    """team_store/org_store, or a ConfigError saying how to turn the scope on."""
-    store = team_store(cfg) if scope == "team" else org_store(cfg)
-    if store is None:
-        if scope == "team":
-            raise ConfigError(f"team scope needs a git remote {cfg.remote!r} in {cfg.repo}; "
-                              "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
-        raise ConfigError("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
-    return store
+def _org_default_branch(org: Path, timeout_s: float) -> str:
+    proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
+                timeout_s, check=False)
+    branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
+    if not branch:
+        proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org, timeout_s)
+        heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
+        branch = heads[0].removeprefix("refs/heads/") if heads else "main"
+    return branch
 
 
 def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
@@ -3736,19 +3891,12 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     for scope in scopes:
-        if scope == "local":
-            store = local_store(cfg)
-            docs["local"] = store.read()
-            warnings += store.warnings
-            continue
         try:
-            store = team_store(cfg) if scope == "team" else org_store(cfg)
-            if store is None:
-                continue
-            docs[scope] = store.read(background=background)
-            warnings += store.warnings
-            if scope == "org":
-                store.sync_checkout()
+            st = store(cfg, scope)
+            docs[scope] = st.read(background=background)
+            warnings += st.warnings
+        except ScopeOff:
+            continue
         except CorruptStore as e:
             warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
                             "by hand (writes to that scope are refused until then).")
@@ -3808,18 +3956,14 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
 
 
 def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
-                 *, org_branch: str | None = None) -> Write | None:
+                 *, org_branch: str | None = None) -> Write:
     """One write to one scope: local under the lock, team and org as a CAS push,
-    org in PR mode onto `org_branch` with its pull request opened (pr_url set).
-    Returns the shared-scope write (None for local)."""
-    if scope == "local":
-        mutate_local(cfg, fn, message)
-        return None
-    store = shared_store(cfg, scope)
+    org in PR mode onto `org_branch` with its pull request opened (pr_url set)."""
+    st = store(cfg, scope)
     branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = store.mutate(fn, f"cambium: {message}", branch=branch)
+    write = st.mutate(fn, f"cambium: {message}", branch=branch)
     if branch and write.commit:
-        write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
+        write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}",
                                "Opened by cambium. Review is the gate; merge to publish.")
     return write
 
@@ -3861,10 +4005,7 @@ def settle_org_prs(cfg: Config) -> list[str]:
         drop = lambda d, done=done: dataclasses.replace(  # noqa: E731
             d, items=[i for i in d.items if i.id not in done]) \
             if any(i.id in done for i in d.items) else None
-        if scope == "local":
-            mutate_local(cfg, drop, "settle merged org PRs")
-        else:
-            shared_store(cfg, "team").mutate(drop, "cambium: settle merged org PRs")
+        store(cfg, scope).mutate(drop, "cambium: settle merged org PRs")
         settled += sorted(done)
     return settled
 
@@ -4240,9 +4381,9 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     command) raises after the other source has been imported.
     """
     stamp = now or _now()
-    store = local_store(cfg)
-    seen_warnings = len(store.warnings)
-    doc = store.read()
+    local = store(cfg, "local")
+    seen_warnings = len(local.warnings)
+    doc = local.read()
     reads, errors = _read_sources(cfg, doc, stamp)
     drafts = [d for r in reads for d in r.drafts]
     records = sum(r.records for r in reads)
@@ -4255,12 +4396,12 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp)[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
-    store_warnings = store.warnings[seen_warnings:]
+    store_warnings = local.warnings[seen_warnings:]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
                   errors, moved, pending)
-    _, plan = mutate_plan(functools.partial(mutate_local, cfg),
-                          lambda d: plan_distill(d, sweep, str(store.path)), "distill")
+    _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
+                          "distill")
     embed_soon(cfg, plan.imported)
     result = distill_result(plan, sweep, store_warnings)
     if cfg.release_capture:
@@ -4480,8 +4621,8 @@ def status() -> dict:
     cfg = resolve_config()
     if not cfg.configured:
         return unconfigured_guidance(cfg)
-    store = local_store(cfg)
-    doc = store.read()
+    local = store(cfg, "local")
+    doc = local.read()
     marks = doc.meta.get("watermarks") or {}
     systems: dict[str, int] = {}
     for k in marks:
@@ -4496,15 +4637,15 @@ def status() -> dict:
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
                      if v is not None},
         "sources": ORIGINS,
-        "scopes": {"local": {"path": str(store.path), "items": len(doc.items),
+        "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
                              "by_type": _count(doc)}, **_shared_scope_status(cfg)},
-        "pending_recall_credits": len(read_usage(_usage_path(cfg))),
+        "pending_recall_credits": len(read_credits(credits_path(cfg))),
         "watermarks": systems,
         "substrates": substrate_state(cfg, doc),
         **recall_mode_report(cfg),
         "gaps": config_gaps(cfg),
     }
-    warnings = store.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
+    warnings = local.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
                                   + ", ".join(corrupt)] if corrupt else [])
     if cfg.file_error:
         warnings.append(cfg.file_error)
@@ -4519,27 +4660,26 @@ def _shared_scope_status(cfg: Config) -> dict:
     for scope in ("team", "org"):
         info: dict[str, Any] = {}
         try:
-            store = team_store(cfg) if scope == "team" else org_store(cfg)
-        except CambiumError as e:
-            out[scope] = {"enabled": False, "reachable": False, "error": str(e)}
-            continue
-        if store is None:
+            st = store(cfg, scope)
+        except ScopeOff:
             out[scope] = {"enabled": False, "reachable": False,
                           "why": (f"no git remote {cfg.remote!r} in the project repo"
                                   if scope == "team" else "CAMBIUM_ORG_REPO is not set")}
             continue
-        info.update(enabled=True, repo=str(store.repo), remote=store.remote,
-                    branch=store.branch)
+        except CambiumError as e:
+            out[scope] = {"enabled": False, "reachable": False, "error": str(e)}
+            continue
+        info.update(enabled=True, repo=str(st.repo), remote=st.remote, branch=st.branch)
         if scope == "org":
             info["mode"] = "pull request" if cfg.org_pr else "direct push"
         try:
-            tip = store.fetch(force=True)
+            tip = st.fetch(force=True)
             info["reachable"] = True
         except GitError as e:
-            tip = store.local_tip()
+            tip = st.local_tip()
             info.update(reachable=False, error=str(e))
         try:
-            doc = store.doc_at(tip)
+            doc = st.doc_at(tip)
             info.update(items=len(doc.items), by_type=_count(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"
@@ -4730,7 +4870,7 @@ def capture(content: Annotated[str, Field(
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:
     key = text_key(type, _clean_text(content, "content", MAX_CONTENT_CHARS))
-    for it in local_store(cfg).read().items:
+    for it in store(cfg, "local").read().items:
         if it.active and content_key(it) == key:
             return it
     return None
@@ -4774,12 +4914,13 @@ def recall(query: Annotated[str, Field(
     check_arg(recall, "limit", limit)
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
-        shared_store(cfg, scope)                   # asked for a scope that is off: say so
-    docs, warnings = read_scopes(cfg, scopes, background=LONG_RUNNING.is_set())
+        store(cfg, scope)                   # asked for a scope that is off: say so
+    docs, warnings = read_scopes(cfg, scopes, background=runtime().long_running.is_set())
     if scope in ("team", "org") and scope not in docs:
         raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
     items = federated_items(docs)
-    key = str(local_store(cfg).path) + ("" if list(docs) == ["local"] else "|" + "+".join(docs))
+    key = str(cfg.local_dir / STORE_FILE) + ("" if list(docs) == ["local"] else
+                                             "|" + "+".join(docs))
     index = store_index(key, items)
     ranking = rank(index, query, limit, cfg=cfg)
     hits, confidence = ranking.hits, ranking.confidence
@@ -4802,8 +4943,7 @@ def recall(query: Annotated[str, Field(
                            "relevance": round(h.confidence, 3)} for h in hits]
         note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
-        if any(h.item.scope == "team" for h in hits):
-            _schedule_credit_flush(cfg)
+        _schedule_credit_fold(cfg)
     if warnings:
         out["warnings"] = warnings
     return out
@@ -4811,9 +4951,9 @@ def recall(query: Annotated[str, Field(
 
 def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     """Journal one credit per (item, agent, day) not yet credited; return pending."""
-    path = _usage_path(cfg)
+    path = credits_path(cfg)
     day = _today()
-    pending = read_usage(path)
+    pending = read_credits(path)
     seen = {(r["item"], r.get("agent"), r.get("day")) for r in pending}
     new = []
     for it in items:
@@ -4824,44 +4964,60 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
             continue
         new.append({"item": it.id, "scope": it.scope, "agent": cfg.agent, "day": day,
                     "project": cfg.project, "at": _now()})
-    append_usage(path, new)
+    append_credits(path, new)
     return pending + new
 
 
-_FLUSH_DELAY_S = 3.0                 #: batch window for publishing team recall credits
-_FLUSH: dict[str, Any] = {"timer": None}
-_FLUSH_GUARD = threading.Lock()
+CREDIT_FOLD_DELAY_S = 2.0     #: the server folds journaled recall credits this soon after
 
 
-def flush_credits(cfg: Config) -> int:
-    """Publish pending team recall credits with one team write; returns how many."""
-    pending, _ = take_usage(_usage_path(cfg), "team")
-    store = team_store(cfg) if pending else None
-    if store is None:
-        return 0
-    store.mutate(lambda doc: None, f"cambium: publish {len(pending)} recall credits")
-    return len(pending)
+def fold_credits_now(cfg: Config, scopes: Iterable[str] = ("local", "team")) -> int:
+    """Fold the journaled credits of `scopes` into their stores (a team credit is
+    one team write for all of them); returns how many credits were pending."""
+    pending = read_credits(credits_path(cfg))
+    total = 0
+    for scope in scopes:
+        mine = [r for r in pending if r.get("scope", "local") == scope]
+        if not mine:
+            continue
+        try:
+            st = store(cfg, scope)
+        except ScopeOff:
+            continue                      # nothing to fold them into: they wait
+        st.mutate(lambda doc: None, f"cambium: fold {len(mine)} recall credits")
+        total += len(mine)
+    return total
 
 
-def _schedule_credit_flush(cfg: Config) -> None:
-    """In the long-running server, publish team credits shortly after, in the
-    background. The CLI leaves them in the journal for the next team write."""
-    with _FLUSH_GUARD:
-        if not LONG_RUNNING.is_set() or _FLUSH["timer"] is not None:
+def _schedule_credit_fold(cfg: Config) -> None:
+    """In the long-running server, fold the credits a recall journaled into
+    their stores shortly after, in the background (one write for a burst of
+    recalls). The CLI folds its local credits before it exits instead."""
+    rt = runtime()
+    if not rt.long_running.is_set():
+        return
+
+    def run() -> None:
+        with rt.lock:
+            rt.fold_timer = None
+        with use_runtime(rt):
+            _fold_quietly(cfg, "not yet folded")
+
+    with rt.lock:
+        if rt.fold_timer is not None:
             return
+        rt.fold_timer = threading.Timer(CREDIT_FOLD_DELAY_S, run)
+        rt.fold_timer.daemon = True
+        rt.fold_timer.start()
 
-        def run() -> None:
-            with _FLUSH_GUARD:
-                _FLUSH["timer"] = None
-            try:
-                flush_credits(cfg)
-            except CambiumError as e:      # stays journaled; next team write retries
-                print(f"cambium: recall credits not yet published: {e}", file=sys.stderr)
 
-        timer = threading.Timer(_FLUSH_DELAY_S, run)
-        timer.daemon = True
-        _FLUSH["timer"] = timer
-        timer.start()
+def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = ("local", "team")) -> None:
+    """fold_credits_now, reporting a failure on stderr: the credits stay journaled
+    and the next write to their store folds them."""
+    try:
+        fold_credits_now(cfg, scopes)
+    except (CambiumError, OSError) as e:
+        print(f"cambium: recall credits {what}: {e}", file=sys.stderr)
 
 
 def endorse(item_id: ItemId, note: Annotated[str, Field(
@@ -4944,8 +5100,8 @@ def promote(item_id: Annotated[str | None, Field(
 
 
 def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
-    doc = local_store(cfg).read()
-    pending = read_usage(_usage_path(cfg))
+    doc = store(cfg, "local").read()
+    pending = read_credits(credits_path(cfg))
     chosen: list[tuple[Item, dict, str]] = []
     for it in doc.items:
         if item_id is not None and it.id != item_id:
@@ -4970,7 +5126,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
     if not chosen:
         return {"status": "nothing_eligible", "promoted": [],
                 "rule": f"local items need {cfg.promote_recalls} recalls or an endorsement"}
-    store = shared_store(cfg, "team")
+    team = store(cfg, "team")
     now = _now()
     copies = {it.id: promoted_copy(it, "team", trust=trust, agent=cfg.agent, now=now)
               for it, trust, _ in chosen}
@@ -4981,21 +5137,21 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
         return dataclasses.replace(d, items=d.items + new) if new else None
 
     try:
-        write = store.mutate(add, f"cambium: {cfg.agent} promotes {len(copies)} item(s) to team")
+        write = team.mutate(add, f"cambium: {cfg.agent} promotes {len(copies)} item(s) to team")
     except CambiumError as e:
         raise _noted(e, "nothing moved: the item(s) stay local.")
     landed = {i.id for i in write.doc.items} & set(copies)
-    _drop_local(cfg, landed)
+    _drop(cfg, "local", landed, "moved up to team")
     return {"status": "promoted", "to_scope": "team", "commit": write.commit,
             "promoted": [{**item_view(copies[i]), "because": why}
                          for it, _, why in chosen if (i := it.id) in landed]}
 
 
-def _drop_local(cfg: Config, ids: set[str]) -> None:
-    """Remove items from local scope (only ever after their copy is verified elsewhere)."""
+def _drop(cfg: Config, scope: str, ids: set[str], message: str) -> None:
+    """Remove items from a scope (only ever after their copy is verified elsewhere)."""
     if ids:
-        mutate_local(cfg, lambda d: dataclasses.replace(
-            d, items=[i for i in d.items if i.id not in ids]), "moved up")
+        store(cfg, scope).mutate(lambda d: dataclasses.replace(
+            d, items=[i for i in d.items if i.id not in ids]), message)
 
 
 def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None) -> dict:
@@ -5017,8 +5173,8 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
             out["retry"] = (f"promote({item_id!r}, to_scope='org', org_content=<the rule in "
                             "general terms>)")
         return out
-    org = shared_store(cfg, "org")
-    pending = read_usage(_usage_path(cfg))
+    org = store(cfg, "org")
+    pending = read_credits(credits_path(cfg))
     now = _now()
     copy = promoted_copy(item, "org", trust=effective_trust(item, pending), agent=cfg.agent,
                          now=now, org_content=org_content)
@@ -5048,12 +5204,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     except CambiumError as e:
         raise _noted(e, f"nothing moved: the item stays in {scope} scope.")
     if any(i.id == item_id for i in write.doc.items):
-        if scope == "local":
-            _drop_local(cfg, {item_id})
-        else:
-            shared_store(cfg, scope).mutate(lambda d: dataclasses.replace(
-                d, items=[i for i in d.items if i.id != item_id]),
-                f"cambium: {item_id} moved to org")
+        _drop(cfg, scope, {item_id}, f"cambium: {item_id} moved to org")
     return {"status": "promoted", "to_scope": "org", "commit": write.commit,
             "item": item_view(copy), "published": ["knowledge.json", "KNOWLEDGE.md"]}
 
@@ -5073,7 +5224,7 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    org = shared_store(cfg, "org")
+    org = store(cfg, "org")
     doc = org.read()
     hit = _find_item(doc, item_id)
     if hit is None:
@@ -5119,7 +5270,7 @@ def review_promotions() -> dict:
     cfg = require_config()
     settled = settle_org_prs(cfg) if cfg.org_repo else []
     docs, warnings = read_scopes(cfg, SCOPES)
-    pending = read_usage(_usage_path(cfg))
+    pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
     for it in docs["local"].items:
@@ -5308,7 +5459,7 @@ def usage(session: Annotated[str | None, Field(
     if session:
         session = _clean_text(session, "session", 200)
         rows = shown_by(records, "session", session, "item")
-        docs, warnings = read_scopes(cfg, SCOPES, background=LONG_RUNNING.is_set())
+        docs, warnings = read_scopes(cfg, SCOPES, background=runtime().long_running.is_set())
         known = {it.id: it for it in federated_items(docs)}
         for row in rows:
             it = known.get(row["item"])
@@ -5412,9 +5563,9 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
                                 "scope; setup(org_repo=...) turns org on.")
     wanted = SCOPES if scope == "all" else (scope,)
     if scope in ("team", "org"):
-        shared_store(cfg, scope)
+        store(cfg, scope)
     docs, warnings = read_scopes(cfg, wanted)
-    pending = read_usage(_usage_path(cfg))
+    pending = read_credits(credits_path(cfg))
     groups = {s: [(it, effective_trust(it, pending)) for it in d.items if it.active]
               for s, d in docs.items()}
     out: dict[str, Any] = {"scope": scope, "markdown": render_markdown(groups),
@@ -5430,7 +5581,7 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
 
 def _publish_org_markdown(cfg: Config) -> dict:
     """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's."""
-    org = shared_store(cfg, "org")
+    org = store(cfg, "org")
     branch = "cambium/knowledge-md" if cfg.org_pr else None
     write = org.mutate(lambda d: None, "cambium: re-render KNOWLEDGE.md", branch=branch,
                        ensure_files=True)
@@ -5514,7 +5665,7 @@ def api_table() -> tuple[Tool, ...]:
         Tool(setup, "write_idempotent"),
         Tool(capture, "write"),
         Tool(record_need, "write"),
-        Tool(recall, "write_idempotent"),
+        Tool(recall, "write_idempotent", run=_cli_recall),
         Tool(endorse, "remote"),
         Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",)),
         Tool(generalize, "remote"),
@@ -5741,23 +5892,24 @@ def serve() -> int:
         print("cambium: serving MCP needs the MCP SDK, which is not installed here: "
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
-    LONG_RUNNING.set()
+    rt = runtime()
+    rt.long_running.set()
     try:
         build_server().run("stdio")
     finally:
-        LONG_RUNNING.clear()
-        _flush_on_shutdown()
+        rt.long_running.clear()
+        rt.cancel_fold()
+        _fold_on_exit()
     return 0
 
 
-def _flush_on_shutdown() -> None:
-    """Publish journaled team recall credits on a clean server shutdown."""
-    try:
+def _fold_on_exit(scopes: Iterable[str] = ("local", "team")) -> None:
+    """Fold journaled recall credits into their stores as a process ends cleanly
+    (the server: local and team; the CLI: local, its own recall's)."""
+    with contextlib.suppress(CambiumError, OSError):
         cfg = resolve_config()
         if cfg.configured:
-            flush_credits(cfg)
-    except CambiumError as e:
-        print(f"cambium: recall credits stay journaled: {e}", file=sys.stderr)
+            _fold_quietly(cfg, "stay journaled", scopes)
 
 
 # =============================================================================
@@ -5878,6 +6030,13 @@ def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = Non
         _emit(result, getattr(args, "format", "json"))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
     return 1 if failed else 0
+
+
+def _cli_recall(args: argparse.Namespace, kwargs: dict) -> int:
+    """`recall`: print, then fold its credits into knowledge.json before exiting."""
+    code = _cli_print(args, kwargs)
+    _fold_on_exit(("local",))
+    return code
 
 
 def _cli_serve(args: argparse.Namespace, kwargs: dict) -> int:
