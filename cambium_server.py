@@ -3530,17 +3530,6 @@ def latest_endorsement_note(item: Item) -> str | None:
     return ends[-1]["note"] if ends else None
 
 
-def team_eligibility(item: Item, trust: dict, recalls_needed: int) -> str | None:
-    """Why a local item may go to team (None: not eligible)."""
-    if not item.active or item.scope != "local":
-        return None
-    if trust.get("endorsements"):
-        return "endorsed"
-    if int(trust.get("recalls", 0)) >= recalls_needed:
-        return f"recalled {trust.get('recalls')} times (>= {recalls_needed})"
-    return None
-
-
 _FILE_EXTS = ("py|js|jsx|ts|tsx|go|rs|java|kt|rb|php|cs|c|h|cc|cpp|hpp|swift|m|scala|sh|bash|"
               "ps1|sql|json|jsonl|ya?ml|toml|ini|cfg|conf|env|md|rst|txt|html|css|scss|vue|"
               "svelte|lock|gradle|xml|proto|tf|dockerfile|ipynb|csv")
@@ -3573,47 +3562,103 @@ def generalization_tells(text: str, project: str) -> list[str]:
     return found
 
 
+def org_tells(item: Item) -> list[str]:
+    """What reads project-specific in the prose org publishes of `item`: its
+    content, its why and its endorsement notes, everything KNOWLEDGE.md renders
+    as text. Exempt: `example` (the concrete version's home) and provenance
+    (which states where the item came from, by design)."""
+    tells = generalization_tells(item.content, item.project)
+    tells += [f"why {t}" for t in generalization_tells(item.why, item.project)]
+    for e in item.trust.get("endorsements", []):
+        if isinstance(e, dict) and e.get("note"):
+            tells += [f"endorsement note by {e.get('by')} {t}"
+                      for t in generalization_tells(str(e["note"]), item.project)]
+    return tells
+
+
+def restated(item: Item, *, content: str | None = None, why: str | None = None) -> Item:
+    """The item with its content and/or why restated in general terms; each
+    concrete version it replaces moves to `example`, so nothing is lost (pure)."""
+    changes: dict[str, Any] = {}
+    concrete: list[str] = []
+    if content and content != item.content:
+        changes["content"] = content
+        concrete.append(item.content)
+    if why and why != item.why:
+        changes["why"] = why
+        if item.why:
+            concrete.append(f"why: {item.why}")
+    if not changes:
+        return item
+    kept = item.example or ""
+    added = [c for c in concrete if c not in kept]
+    changes["example"] = "\n".join([kept, *added] if kept else added) or None
+    return dataclasses.replace(item, **changes)
+
+
 @dataclass
 class Verdict:
-    """A gate's decision: allowed, or refused with the reason and what to do."""
+    """A gate's decision: allowed (and whether only because it was forced), or
+    refused with the reason and what to do."""
     allowed: bool
-    status: str                       # promotable | needs_endorsement | needs_generalization
-    reason: str = ""
+    status: str                 # promotable | not_eligible | deprecated | needs_endorsement
+    reason: str = ""            # | needs_generalization
     tells: list = field(default_factory=list)
     draft: str | None = None
+    forced: bool = False
 
 
-def org_verdict(item: Item, *, org_content: str | None, force: bool) -> Verdict:
-    """May `item` enter org scope? Requires an endorsement; then the body that
-    would land (org_content or the item's own) must read cross-project, unless
-    forced."""
+def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = False
+                 ) -> Verdict:
+    """May local `item` go to team? Endorsed, or recalled on enough agent-days;
+    force=True lets any active item through (forced)."""
+    if not item.active:
+        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
+                                            "promoted.")
+    if trust.get("endorsements"):
+        return Verdict(True, "promotable", "endorsed")
+    if int(trust.get("recalls", 0)) >= recalls_needed:
+        return Verdict(True, "promotable",
+                       f"recalled {trust.get('recalls')} times (>= {recalls_needed})")
+    if force:
+        return Verdict(True, "promotable", "forced", forced=True)
+    return Verdict(False, "not_eligible", f"needs {recalls_needed} recalls (has "
+                                          f"{trust.get('recalls', 0)}) or an endorsement; "
+                                          "endorse() it or pass force=True")
+
+
+def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | None = None,
+                force: bool = False) -> Verdict:
+    """May `item` enter org scope? Requires an endorsement; then the prose that
+    would land (with org_content / org_why restating content / why) must read
+    cross-project, unless forced."""
+    if not item.active:
+        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
+                                            "promoted.")
     if not item.trust.get("endorsements"):
         return Verdict(False, "needs_endorsement",
                        f"org scope needs an endorsement; endorse({item.id!r}, note=...) "
                        "saying why it holds beyond this project, then promote again.")
-    body = org_content if org_content else item.content
-    tells = generalization_tells(body, item.project)
+    tells = org_tells(restated(item, content=org_content, why=org_why))
     if tells and not force:
-        draft = latest_endorsement_note(item)
         return Verdict(False, "needs_generalization",
-                       "org scope is read by every project, and this body reads "
-                       "project-specific. Restate it as the cross-project rule with "
-                       "org_content=... (the concrete body is kept as `example`), or pass "
-                       "force=True to promote it as it is.", tells, draft)
-    return Verdict(True, "promotable")
+                       "org scope is read by every project, and what it would publish of this "
+                       "item reads project-specific. Restate the content with org_content=... "
+                       "and the why with org_why=... (the concrete versions are kept as "
+                       "`example`), re-endorse with a general note, or pass force=True to "
+                       "promote it as it is.", tells, latest_endorsement_note(item))
+    return Verdict(True, "promotable", "forced past the generalization gate" if tells
+                   else "endorsed", tells, forced=bool(tells))
 
 
 def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
-                  org_content: str | None = None) -> Item:
+                  org_content: str | None = None, org_why: str | None = None) -> Item:
     """The item as it lands in a higher scope. Promotion is a verification."""
     checks = list(item.verifications or []) + [{"by": agent, "at": now,
                                                  "note": f"promoted to {scope}"}]
-    changes: dict[str, Any] = dict(scope=scope, trust=trust, promoted_at=now,
-                                   last_verified=now, verifications=checks, updated_at=now,
-                                   pr_url=None)
-    if org_content and org_content != item.content:
-        changes.update(content=org_content, example=item.example or item.content)
-    return dataclasses.replace(item, **changes)
+    return dataclasses.replace(restated(item, content=org_content, why=org_why), scope=scope,
+                               trust=trust, promoted_at=now, last_verified=now,
+                               verifications=checks, updated_at=now, pr_url=None)
 
 
 def raised(item: Item, authority: str) -> str | None:
@@ -5064,17 +5109,22 @@ def promote(item_id: Annotated[str | None, Field(
             force: Annotated[bool, Field("team: skip the eligibility check; org: pass the "
                                          "generalization gate as is.")] = False,
             org_content: Annotated[str | None, Field(
-                "The body restated as a cross-project rule (the concrete one is kept "
-                "as `example`).")] = None) -> dict:
+                "org: the body restated as a cross-project rule (the concrete one is kept "
+                "as `example`).")] = None,
+            org_why: Annotated[str | None, Field(
+                "org: the why restated in cross-project terms (the concrete one is kept "
+                "in `example`).")] = None) -> dict:
     """Move knowledge up a scope once it has earned trust.
 
     With no arguments: promote every eligible local item to team (recalled by
     at least CAMBIUM_PROMOTE_RECALLS agent-days, or endorsed). With item_id and
     to_scope="team": that one item (force=True skips the eligibility check).
-    With to_scope="org": needs an endorsement, and the body must read as a
-    cross-project rule: one that names a file, a test, a dec-/con- id or its
-    project is refused with the tells found and a ready draft; restate it with
-    org_content=... (the concrete body is kept as `example`) or pass force=True.
+    With to_scope="org": needs an endorsement, and everything org publishes of
+    it (content, why, endorsement notes) must read as a cross-project rule:
+    text that names a file, a test, a dec-/con- id or its project is refused
+    with the tells found and a ready draft; restate the content with
+    org_content=... and the why with org_why=... (the concrete versions are
+    kept as `example`) or pass force=True.
     Org promotion pushes to the org repo, or opens a pull request when
     CAMBIUM_ORG_PR=1 (the source copy stays, annotated with pr_url, until the PR
     merges). An item leaves its old scope only after the new copy is verified
@@ -5087,13 +5137,15 @@ def promote(item_id: Annotated[str | None, Field(
         item_id = _check_id(item_id)
     if org_content is not None:
         org_content = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) or None
+    if org_why is not None:
+        org_why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) or None
     settled = settle_org_prs(cfg) if cfg.org_repo else []
     if to_scope == "team":
         out = _promote_to_team(cfg, item_id, force)
     else:
         if item_id is None:
             raise InputError("promote to org names one item: promote(item_id, to_scope='org').")
-        out = _promote_to_org(cfg, item_id, force, org_content)
+        out = _promote_to_org(cfg, item_id, force, org_content, org_why)
     if settled:
         out["settled_org_prs"] = settled
     return out
@@ -5107,18 +5159,14 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
         if item_id is not None and it.id != item_id:
             continue
         trust = effective_trust(it, pending)
-        why = team_eligibility(it, trust, cfg.promote_recalls)
-        if why is None and item_id is not None and force and it.active:
-            why = "forced"
-        if why:
-            chosen.append((it, trust, why))
+        verdict = team_verdict(it, trust, cfg.promote_recalls,
+                               force=force and item_id is not None)
+        if verdict.allowed:
+            chosen.append((it, trust, verdict.reason))
         elif item_id is not None:
-            if not it.active:
-                _require_active(it, "promoted")
-            return {"status": "not_eligible", "item": item_view(it, trust=trust),
-                    "reason": f"needs {cfg.promote_recalls} recalls (has "
-                              f"{trust.get('recalls', 0)}) or an endorsement; endorse() it "
-                              "or pass force=True"}
+            _require_active(it, "promoted")
+            return {"status": verdict.status, "item": item_view(it, trust=trust),
+                    "reason": verdict.reason}
     if item_id is not None and not chosen:
         scope, it = locate(cfg, item_id)
         return {"status": "already_promoted" if scope != "local" else "not_eligible",
@@ -5154,7 +5202,8 @@ def _drop(cfg: Config, scope: str, ids: set[str], message: str) -> None:
             d, items=[i for i in d.items if i.id not in ids]), message)
 
 
-def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None) -> dict:
+def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None,
+                    org_why: str | None) -> dict:
     scope, item = locate(cfg, item_id)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
@@ -5164,20 +5213,20 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
                         "finishes the move."}
-    verdict = org_verdict(item, org_content=org_content, force=force)
+    verdict = org_verdict(item, org_content=org_content, org_why=org_why, force=force)
     if not verdict.allowed:
         out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
         if verdict.tells:
             out["tells"] = verdict.tells
             out["draft"] = verdict.draft
             out["retry"] = (f"promote({item_id!r}, to_scope='org', org_content=<the rule in "
-                            "general terms>)")
+                            "general terms>, org_why=<why it holds, in general terms>)")
         return out
     org = store(cfg, "org")
     pending = read_credits(credits_path(cfg))
     now = _now()
     copy = promoted_copy(item, "org", trust=effective_trust(item, pending), agent=cfg.agent,
-                         now=now, org_content=org_content)
+                         now=now, org_content=org_content, org_why=org_why)
 
     def add(d: Doc) -> Doc | None:
         if any(i.id == copy.id for i in d.items):
@@ -5210,48 +5259,49 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
 
 
 def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
-                   "The general restatement; omitted: the latest endorsement note.")] = None,
+                   "The content restated in general terms; with neither this nor org_why: "
+                   "the latest endorsement note.")] = None,
+               org_why: Annotated[str | None, Field(
+                   "The why restated in general terms.")] = None,
                note: Annotated[str, Field("Why it was restated.")] = "") -> dict:
-    """Restate an org item's body as the cross-project rule, in place.
+    """Restate an org item as the cross-project rule, in place.
 
     For org items that crossed before the generalization gate or were forced
     past it (review_promotions lists them under org_needs_generalization). The
-    concrete body is kept as `example`. org_content: the general restatement;
-    omitted, the item's latest endorsement note is used. note: why. Writes
-    through the org path: a direct push, or one shared `cambium/generalize`
-    pull request when CAMBIUM_ORG_PR=1 (repeated calls batch into it).
-    Idempotent: restating to the same text changes nothing.
+    concrete versions are kept as `example`. org_content: the general
+    restatement of the content; org_why: of the why. With neither, the item's
+    latest endorsement note restates the content. note: why. Writes through
+    the org path: a direct push, or one shared `cambium/generalize` pull
+    request when CAMBIUM_ORG_PR=1 (repeated calls batch into it). Idempotent:
+    restating to the same text changes nothing.
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    org = store(cfg, "org")
-    doc = org.read()
-    hit = _find_item(doc, item_id)
+    hit = _find_item(store(cfg, "org").read(), item_id)
     if hit is None:
         raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
                        "(review_promotions lists the ones that need it).")
-    item = hit[1]
+    why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) if org_why else None
     text = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else \
-        latest_endorsement_note(item)
-    if not text:
+        None if why else latest_endorsement_note(hit[1])
+    if not text and not why:
         raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
-                         "org_content= with the rule stated in general terms.")
+                         "org_content= (and/or org_why=) with the rule stated in general terms.")
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
 
     def apply(it: Item) -> Item | None:
-        if it.content == text:
-            return None
-        return dataclasses.replace(it, content=text, example=it.example or it.content,
-                                   updated_at=now, extra={**it.extra, "generalized": {
-                                       "by": cfg.agent, "at": now, "note": note}})
+        new = restated(it, content=text, why=why)
+        return None if new is it else dataclasses.replace(
+            new, updated_at=now, extra={**it.extra, "generalized": {
+                "by": cfg.agent, "at": now, "note": note}})
 
     new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes {item_id}",
                              org_branch=ORG_GENERALIZE_BRANCH)
-    changed = write is not None and write.commit is not None and new.content == text \
-        and item.content != text
+    changed = write is not None and write.commit is not None and restated(
+        hit[1], content=text, why=why) is not hit[1]
     out = {"status": "generalized" if changed else "unchanged", "item": item_view(new),
-           "tells_left": generalization_tells(new.content, new.project)}
+           "tells_left": org_tells(new)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
     return out
@@ -5275,24 +5325,26 @@ def review_promotions() -> dict:
                            "org_needs_generalization": []}
     for it in docs["local"].items:
         trust = effective_trust(it, pending)
-        why = team_eligibility(it, trust, cfg.promote_recalls)
-        if why:
-            out["team_eligible"].append({**item_view(it, trust=trust), "because": why})
+        verdict = team_verdict(it, trust, cfg.promote_recalls)
+        if verdict.allowed:
+            out["team_eligible"].append({**item_view(it, trust=trust),
+                                         "because": verdict.reason})
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
             if it.pr_url:
                 out["pending_org_prs"].append({"id": it.id, "scope": scope, "pr_url": it.pr_url,
                                                "content": it.content})
             elif scope == "team" and it.active and it.trust.get("endorsements"):
-                out["endorsed_for_org"].append({**item_view(it), "tells": generalization_tells(
-                    it.content, it.project), "draft": latest_endorsement_note(it)})
+                out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
+                                                "draft": latest_endorsement_note(it)})
     for it in docs.get("org", Doc(items=[])).items:
-        tells = generalization_tells(it.content, it.project) if it.active else []
+        tells = org_tells(it) if it.active else []
         if tells:
             out["org_needs_generalization"].append({
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": latest_endorsement_note(it),
-                "fix": f"generalize({it.id!r}, org_content=<the rule in general terms>)"})
+                "fix": f"generalize({it.id!r}, org_content=<the rule in general terms>, "
+                       "org_why=<why, in general terms>)"})
     if settled:
         out["settled_org_prs"] = settled
     if warnings:
@@ -5398,7 +5450,7 @@ def correct(item_id: ItemId,
     _require_active(old, "corrected")
     now = _now()
     new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
-    tells = generalization_tells(new.content, new.project) if scope == "org" else []
+    tells = org_tells(new) if scope == "org" else []
     if tells and not force:
         return {"status": "needs_generalization", "scope": scope, "tells": tells,
                 "reason": "org scope is read by every project and this correction reads "

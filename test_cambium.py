@@ -988,6 +988,56 @@ def test_org_verdict_requires_endorsement_then_generality():
     assert copy.last_verified == "2026-03-01T00:00:00Z" and copy.scope == "org"
 
 
+def test_org_gate_reads_why_and_endorsement_notes_too():
+    """Issue 9.10: every text field KNOWLEDGE.md renders passes the gate."""
+    it = cs.new_item("Retry transient failures with backoff", project="shop",
+                     why="test_refund_retry flaked until src/pay/retry.py backed off")
+    it = cs.dataclasses.replace(it, trust={**it.trust, "endorsements": [
+        {"by": "bob", "note": "as in TestPayments", "at": "2026-01-01T00:00:00Z"}]})
+    v = cs.org_verdict(it)
+    assert v.status == "needs_generalization" and not v.forced
+    assert v.tells == ["why names a file: src/pay/retry.py",
+                       "why names a test: test_refund_retry",
+                       "endorsement note by bob names a test: TestPayments"]
+    forced = cs.org_verdict(it, force=True)
+    assert forced.allowed and forced.forced and forced.tells == v.tells
+    it = cs.dataclasses.replace(it, trust={**it.trust, "endorsements": [
+        {"by": "bob", "note": "holds for any remote call", "at": "2026-01-01T00:00:00Z"}]})
+    general = "Unbounded retries turn a blip into an outage"
+    assert cs.org_verdict(it, org_why=general).allowed
+    copy = cs.promoted_copy(it, "org", trust=it.trust, agent="ada", now="2026-03-01T00:00:00Z",
+                            org_why=general)
+    assert copy.why == general and copy.content == it.content
+    assert copy.example == "why: test_refund_retry flaked until src/pay/retry.py backed off"
+    both = cs.restated(it, content="Back off on retries", why=general)
+    assert both.example.splitlines() == [it.content, f"why: {it.why}"]
+    assert cs.restated(both, content="Back off on retries") is both
+
+
+def test_org_promotion_restates_a_project_specific_why(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = cs.capture("Time out every outbound HTTP call",
+                      why="shop/billing.py hung for an hour on a dead peer")["item"]["id"]
+    cs.endorse(item, note="Any call without a deadline can hang forever")
+    refused = cs.promote(item, to_scope="org")
+    assert refused["status"] == "needs_generalization"
+    assert refused["tells"] == ["why names a file: shop/billing.py",
+                                "why names its origin project: shop"]
+    assert "org_why=" in refused["retry"]
+    res = cs.promote(item, to_scope="org", org_why="A call without a deadline can hang forever")
+    assert res["status"] == "promoted"
+    md = remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
+    assert "why: A call without a deadline can hang forever" in md
+    assert "- example: why: shop/billing.py hung" in md
+    assert "billing.py" not in md.split("- example:")[0]
+    stored = remote_json(shared["org_bare"], "main")["items"][0]
+    assert stored["why"] == "A call without a deadline can hang forever"
+    out = cs.generalize(item, org_why="Deadlines bound the damage of a dead peer")
+    assert out["status"] == "generalized" and out["tells_left"] == []
+    assert out["item"]["why"] == "Deadlines bound the damage of a dead peer"
+    assert out["item"]["content"] == "Time out every outbound HTTP call"
+
+
 def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Retry calls in src/pay/client.py with backoff",
