@@ -3279,7 +3279,7 @@ class Semantic:
 
     def backlog(self) -> int:
         with self.cv:
-            return len(self.queue)
+            return len(self.queued)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until the backlog is embedded (True) or the timeout passes."""
@@ -3303,7 +3303,7 @@ class Semantic:
                 sv = self.slots[index] = _SlotVectors(emb.np)
             todo = sv.sync(index, self.cache)
             self._enqueue(todo)
-            backlog = len(self.queue)
+            backlog = len(self.queued)         # waiting or being embedded
         if backlog and backlog <= self.rate * EMBED_WAIT_S:
             self.wait_idle(EMBED_WAIT_MAX_S)
             with self.cv:
