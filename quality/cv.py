@@ -310,8 +310,12 @@ def fmt_single(m: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dev", default=str(ROOT.parent / "shared" / "quality" / "dev"),
-                    help="dev set folder (corpus.jsonl + queries.jsonl)")
+    dev = next((up / "shared" / "quality" / "dev" for up in (ROOT.parent, ROOT.parent.parent)
+                if (up / "shared" / "quality" / "dev").is_dir()),
+               ROOT.parent / "shared" / "quality" / "dev")
+    ap.add_argument("--dev", default=str(dev),
+                    help="dev set folder (corpus.jsonl + queries.jsonl); default: "
+                         "../shared/quality/dev beside the clone")
     ap.add_argument("--held", default=str(ROOT / "quality" / "held"))
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--false-target", type=float, default=0.03,
