@@ -6548,7 +6548,8 @@ def bind_hook() -> dict:
     """Read a hook's JSON from stdin (bounded wait) and bind this process to the
     project of its `cwd`, as a server started there would be (resolve_config:
     env, else that directory's git root, else the repo setup recorded). Every
-    `--hook` command calls this first. Returns the payload ({} when none)."""
+    `--hook` command calls this first; its `session_id` becomes the session
+    usage attribution files this call under. Returns the payload ({} when none)."""
     import select
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
@@ -6560,6 +6561,9 @@ def bind_hook() -> dict:
         payload = json.loads(sys.stdin.read(1 << 20) or "{}")
     if not isinstance(payload, dict):
         return {}
+    sid = payload.get("session_id")
+    if isinstance(sid, str) and sid.strip():
+        SESSION.set(sid.strip())             # usage attribution: what this session was shown
     cwd = payload.get("cwd")
     if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
         with contextlib.suppress(OSError):
