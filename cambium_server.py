@@ -4650,7 +4650,8 @@ SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_se
 
 def current_session() -> str | None:
     """The session a call belongs to: the MCP session (set per call by the
-    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    server) or a hook payload's session_id (bind_hook), else CAMBIUM_SESSION_ID,
+    else None."""
     sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
     return _clip(valid_unicode(sid), 200) if sid else None
 
@@ -5818,7 +5819,7 @@ def usage(session: Annotated[str | None, Field(
     """Which knowledge a session was shown, or which sessions saw an item.
 
     Every recall result (and primer entry and expand) is journaled per session
-    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    (the MCP session, a hook's session_id, or CAMBIUM_SESSION_ID). session: list
     the items that session was shown, with how often and through which call.
     item_id: list the sessions that were shown that item. Neither: the most
     recent sessions with how many items each saw. Read-only.
