@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1384,6 +1385,110 @@ def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch
     assert any(c[:2] == ["pr", "create"] for c in map(json.loads, log.read_text().splitlines()))
 
 
+def test_duplicate_groups_pick_the_survivor_and_never_chain_different_decisions():
+    items = [cs.new_item(t) for t in (
+        "Use Bottlerocket as the EKS worker node AMI and install brupop on every cluster",
+        "EKS worker nodes use the Bottlerocket AMI; brupop is installed on every cluster",
+        "use bottlerocket as the EKS worker-node AMI, and install brupop on every cluster!",
+        "Use Flatcar as the EKS worker node AMI and install its update operator everywhere",
+        "Page the on-call owner for sev-1 incidents")]
+    items[2] = dataclasses.replace(items[2], authority="human")
+    groups = cs.duplicate_groups(items, {})
+    assert len(groups) == 1
+    survivor, members = groups[0]
+    assert survivor == 2                                     # authority first
+    assert sorted((m, how) for m, _, how in members) == [(0, "same text"), (1, "lexical")]
+    trusts = {items[0].id: {"endorsements": [{"by": "bob"}], "recalls": 1}}
+    items[2] = dataclasses.replace(items[2], authority=None)
+    items[1] = dataclasses.replace(items[1], scope="team")
+    assert cs.duplicate_groups(items, trusts)[0][0] == 1     # then scope
+    items[1] = dataclasses.replace(items[1], scope="local")
+    assert cs.duplicate_groups(items, trusts)[0][0] == 0     # then trust
+
+
+def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
+    keep = _trusted("Retry idempotent requests with exponential backoff and jitter",
+                    recalls=2, endorsers=("bob",))
+    dup = _trusted("Retry idempotent requests with jitter and exponential backoff!",
+                   recalls=5, endorsers=("cy",))
+    near = cs.capture("Retry idempotent requests with a fixed delay and no jitter")["item"]["id"]
+    store = repo / ".cambium" / "knowledge.json"
+    before = store.read_bytes()
+    plan = cs.consolidate()
+    assert plan["applied"] is False and plan["count"] == 1 and store.read_bytes() == before
+    assert {plan["groups"][0]["survivor"]["id"]} | {
+        d["id"] for d in plan["groups"][0]["duplicates"]} == {keep, dup}
+    done = cs.consolidate(apply=True)
+    survivor = done["groups"][0]["survivor"]["id"]
+    loser = ({keep, dup} - {survivor}).pop()
+    assert done["superseded"] == [loser]
+    items = {i["id"]: i for i in json.loads(store.read_text())["items"]}
+    assert items[loser]["status"] == "superseded"
+    assert items[loser]["superseded_by"]["id"] == survivor
+    assert items[survivor]["trust"]["recalls"] == 7
+    assert {e["by"] for e in items[survivor]["trust"]["endorsements"]} == {"bob", "cy"}
+    assert items[survivor]["merged_from"][0]["id"] == loser and items[near]["status"] == "active"
+    again = store.read_bytes()
+    assert cs.consolidate(apply=True)["count"] == 0 and store.read_bytes() == again
+    assert {h["id"] for h in cs.recall("retry idempotent requests backoff")["results"]} == \
+        {survivor, near}
+
+
+def test_consolidate_across_team_and_local_writes_the_survivor_first(shared):
+    team_id = _endorsed("Every service exposes a health endpoint at /healthz")
+    cs.promote()
+    local_id = cs.capture("Every service exposes a health endpoint at /healthz.")["item"]["id"]
+    res = cs.consolidate(apply=True)
+    assert res["groups"][0]["survivor"] == {**res["groups"][0]["survivor"], "id": team_id,
+                                            "scope": "team"}
+    assert res["superseded"] == [local_id]
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert team[0]["merged_from"][0]["id"] == local_id      # pushed and verified first
+    local = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert local[local_id].status == "superseded"
+    assert cs.consolidate(scope="team")["count"] == 0
+
+
+def test_consolidate_in_org_pr_mode_opens_a_pr_and_lower_copies_wait(shared, monkeypatch,
+                                                                     tmp_path):
+    make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    a = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    b = _endorsed("Prefer idempotent retries with exponential backoff and jitter.")
+    cs.promote(a, to_scope="org")
+    cs.promote(b, to_scope="org")
+    low = cs.capture("prefer idempotent retries, with exponential backoff and jitter")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    res = cs.consolidate(apply=True)
+    assert res["pr_urls"] == ["https://github.com/acme/knowledge/pull/7"]
+    assert res["waiting"] and low["item"]["id"] in res["waiting"]
+    branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    survivor = res["groups"][0]["survivor"]["id"]
+    assert branch[({a, b} - {survivor}).pop()]["status"] == "superseded"
+    assert branch[survivor]["merged_from"]
+    main = remote_json(shared["org_bare"], "main")["items"]
+    assert all(i["status"] == "active" for i in main)        # until the PR merges
+    local = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert local[low["item"]["id"]].status == "active"       # waits for the merge
+
+
+def test_cli_correct_and_consolidate(repo):
+    wrong = cs.capture("The nightly backup runs at two")["item"]["id"]
+    fixed = json.loads(cli("correct", wrong, "The nightly backup runs at three",
+                           "--why", "ops lead").stdout)
+    assert fixed["item"]["authority"] == "human" and fixed["superseded"] == wrong
+    assert cli("correct", wrong, "again").returncode == 1
+    cs.capture("Run database migrations before deploying the app")
+    cs.capture("Run database migrations before deploying the app.")
+    plan = json.loads(cli("consolidate").stdout)
+    assert plan["applied"] is False and plan["count"] == 1
+    assert json.loads(cli("consolidate", "--apply").stdout)["superseded"]
+    assert json.loads(cli("consolidate", "--apply").stdout)["count"] == 0
+    text = cli("recall", "nightly backup", "--format", "text").stdout
+    assert "authority: human" in text
+
+
 def test_operator_check_fails_then_passes_through_the_cli(repo):
     item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
     set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
@@ -2398,13 +2503,41 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         rec = await session.call_tool("recall", {"query": "log timestamps utc"})
         assert rec.structured_content["results"][0]["content"] == "Use UTC in every log line"
         bad = await session.call_tool("endorse", {"item_id": "k-missing"})
-        assert bad.is_error and "NotFound" in bad.content[0].text
+        assert bad.is_error and bad.content[0].text.startswith("No item k-missing")
+        assert bad.structured_content["error"] == "not_found"
         return True
 
     assert asyncio.run(_mcp_session(_mcp_env(repo), body))
 
 
-def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
+def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
+    async def body(session, init):
+        out = {}
+        for args in ({"query": "x", "limit": 99}, {"query": "x", "scope": "galaxy"},
+                     {"query": "x", "limit": "many"}, {}):
+            res = await session.call_tool("recall", args)
+            assert res.is_error
+            out[json.dumps(args)] = (res.content[0].text, res.structured_content)
+        cap = await session.call_tool("capture", {"content": "x", "type": "rumour"})
+        out["capture"] = (cap.content[0].text, cap.structured_content)
+        return out
+
+    out = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    texts = [t for t, _ in out.values()]
+    assert texts[0] == "limit must be a whole number from 1 to 50; got 99."
+    assert texts[1] == "scope must be one of auto, local, team, org; got 'galaxy'."
+    assert texts[2].startswith("limit must be a whole number")
+    assert texts[3].startswith("query is required: what you want to know")
+    assert texts[4] == "type must be one of memory, need, skill; got 'rumour'."
+    for text, structured in out.values():
+        assert "pydantic" not in text and "http" not in text and "Error" not in text
+        assert text.count(". ") == 0 and text.endswith((".", "words."))
+        assert structured["error"] == "invalid_argument" and structured["message"] == text
+    assert [s["argument"] for _, s in out.values()] == ["limit", "scope", "limit", "query",
+                                                        "type"]
+
+
+def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
     wrong = cs.capture("Staging deploys need a manual approval")["item"]["id"]
 
     async def session_one(session, init):
@@ -2432,6 +2565,14 @@ def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
 
     async def session_two(session, init):
         await session.call_tool("recall", {"query": "staging deploy approval"})
+        for text in ("Office plants need water weekly", "office plants need water, weekly"):
+            await session.call_tool("capture", {"content": text})
+        plan = (await session.call_tool("consolidate", {})).structured_content
+        assert plan["applied"] is False and plan["count"] == 1
+        done = (await session.call_tool("consolidate", {"apply": True})).structured_content
+        assert len(done["superseded"]) == 1
+        bad = await session.call_tool("consolidate", {"scope": "nowhere"})
+        assert bad.is_error
         return (await session.call_tool("usage", {})).structured_content["sessions"][0]
 
     sid1, fixed_id = asyncio.run(_mcp_session(_mcp_env(repo), session_one))
@@ -2558,12 +2699,14 @@ def test_os_errors_reach_the_client_as_clear_tool_errors(repo):
 
     async def body(session, init):
         res = await session.call_tool("capture", {"content": "x"})
-        assert res.is_error and "IsADirectoryError" in res.content[0].text
+        assert res.is_error and "Is a directory" in res.content[0].text
+        assert "Error" not in res.content[0].text
+        assert res.structured_content["error"] == "file_system"
         return True
 
     assert asyncio.run(_mcp_session(_mcp_env(repo), body))
     out = cli("capture", "x")
-    assert out.returncode == 1 and "IsADirectoryError" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 1 and "Is a directory" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_undecodable_cli_bytes_are_stored_not_crashed_on(repo):
@@ -2584,6 +2727,87 @@ def test_cli_help_lists_commands():
         assert c in out.stdout
 
 
+def _subparsers() -> dict:
+    """{command or alias: its argparse subparser}, from the real CLI parser."""
+    import argparse
+    ap = cs._cli_parser()
+    return next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _schema_facts(prop: dict) -> dict:
+    """enum/minimum/maximum of a JSON-schema property, looking inside anyOf."""
+    facts = {}
+    for part in [prop, *prop.get("anyOf", [])]:
+        for key in ("enum", "minimum", "maximum"):
+            if key in part:
+                facts[key] = part[key]
+        if "const" in part:
+            facts.setdefault("enum", []).append(part["const"])
+    return facts
+
+
+def test_cli_and_mcp_describe_the_same_tools_arguments_and_defaults():
+    tools = {t.name: t for t in asyncio.run(cs.build_server().list_tools())}
+    commands = _subparsers()
+    entries = {t.tool_name: t for t in cs.api_table()}
+    assert set(tools) == {n for n, t in entries.items() if t.mcp}
+    for name, tool in tools.items():
+        sub, entry = commands[name.replace("_", "-")], entries[name]
+        cli_only = {a.dest for a in sub._actions if any(f in a.option_strings for flags, _ in
+                                                        entry.cli_args for f in flags)}
+        actions = {a.dest: a for a in sub._actions
+                   if a.dest not in ("help", "format", *cli_only)}
+        props, required = tool.input_schema["properties"], tool.input_schema.get("required", [])
+        assert set(props) == set(actions), name
+        for arg, prop in props.items():
+            a, facts = actions[arg], _schema_facts(prop)
+            positional = not a.option_strings
+            cli_required = a.required if not positional else a.nargs is None
+            assert (arg in required) == (cli_required or arg in entry.cli_optional)
+            if arg not in required:
+                assert a.default == prop["default"], (name, arg)
+            assert list(a.choices or []) == list(facts.get("enum", [])), (name, arg)
+            assert prop["description"] and a.help.startswith(prop["description"])
+            if "minimum" in facts:
+                assert a.type(str(facts["minimum"])) == facts["minimum"]
+                with pytest.raises(Exception, match="must be"):
+                    a.type(str(facts["minimum"] - 1))
+            if "maximum" in facts:
+                with pytest.raises(Exception, match="must be"):
+                    a.type(str(facts["maximum"] + 1))
+    assert tools["recall"].input_schema["properties"]["limit"]["maximum"] == cs.MAX_RECALL_LIMIT
+    for alias in ("review", "verify", "stale", "import", "export"):
+        assert alias in commands
+    assert "--to" in commands["promote"]._option_string_actions
+
+
+def test_each_tool_describes_its_own_arguments():
+    tools = {t.name: t for t in asyncio.run(cs.build_server().list_tools())}
+    note = {n: tools[n].input_schema["properties"]["note"]["description"]
+            for n in ("endorse", "verify_entry", "generalize")}
+    assert len(set(note.values())) == 3
+    assert "trust" in note["endorse"] and "trust" not in note["verify_entry"]
+    for t in tools.values():
+        for arg, prop in t.input_schema["properties"].items():
+            assert prop.get("description"), (t.name, arg)
+
+
+def test_readme_has_one_tools_table_naming_every_tool_argument_and_command():
+    readme = (HERE / "README.md").read_text()
+    tables = [block for block in readme.split("\n\n") if block.startswith("| tool |")]
+    assert len(tables) == 1
+    rows = re.findall(r"^\| `(\w+)\(([^)]*)\)` \|", tables[0], re.M)
+    assert [n for n, _ in rows] == [t.tool_name for t in cs.mcp_tools()]
+    for (name, args), tool in zip(rows, cs.mcp_tools()):
+        named = {re.match(r"\s*(\w+)", a).group(1) for a in args.split(",") if a.strip()}
+        assert named == {p.name for p in tool.params}, name
+    cli_block = readme.split("## CLI", 1)[1].split("```")[1]
+    for tool in cs.api_table():
+        if tool.cli:
+            spelled = {tool.command, *tool.aliases}
+            assert any(f"cambium_server.py {c}" in cli_block for c in spelled), tool.command
+
+
 def test_cli_capture_recall_json_and_text(repo):
     out = cli("capture", "Keep secrets out of the config file", "--tags", "security")
     assert out.returncode == 0, out.stderr
@@ -2594,7 +2818,8 @@ def test_cli_capture_recall_json_and_text(repo):
 
 def test_cli_error_exits_nonzero_with_message(repo):
     out = cli("endorse", "k-nope")
-    assert out.returncode == 1 and "NotFound" in out.stderr and not out.stdout
+    assert out.returncode == 1 and not out.stdout
+    assert out.stderr.startswith("cambium_server.py endorse: No item k-nope")
 
 
 def test_cli_unconfigured_exits_nonzero_with_guidance(tmp_path):
