@@ -4893,8 +4893,8 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
                                               for g in groups for m, _, _ in g.members)]
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         fn = _merge_into(scope, groups, trusts, cfg.agent, now, done)
-        write = mutate_scope(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
-                             org_branch=ORG_UPDATES_BRANCH)
+        write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
+                       pr_branch=pr_branch(cfg, scope, "updates"))
         if write is not None and write.pr_url:
             pr_urls.append(write.pr_url)
             for sid in [k for k, v in done.items() if v == scope]:
