@@ -4735,7 +4735,8 @@ SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_se
 
 def current_session() -> str | None:
     """The session a call belongs to: the MCP session (set per call by the
-    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    server) or a hook payload's session_id (bind_hook), else CAMBIUM_SESSION_ID,
+    else None."""
     sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
     return _clip(valid_unicode(sid), 200) if sid else None
 
@@ -5888,7 +5889,7 @@ def usage(session: Annotated[str | None, Field(
     """Which knowledge a session was shown, or which sessions saw an item.
 
     Every recall result (and primer entry and expand) is journaled per session
-    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    (the MCP session, a hook's session_id, or CAMBIUM_SESSION_ID). session: list
     the items that session was shown, with how often and through which call.
     item_id: list the sessions that were shown that item. Neither: the most
     recent sessions with how many items each saw. Read-only.
@@ -6616,7 +6617,8 @@ def bind_hook() -> dict:
     """Read a hook's JSON from stdin (bounded wait) and bind this process to the
     project of its `cwd`, as a server started there would be (resolve_config:
     env, else that directory's git root, else the repo setup recorded). Every
-    `--hook` command calls this first. Returns the payload ({} when none)."""
+    `--hook` command calls this first; its `session_id` becomes the session
+    usage attribution files this call under. Returns the payload ({} when none)."""
     import select
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
@@ -6628,6 +6630,9 @@ def bind_hook() -> dict:
         payload = json.loads(sys.stdin.read(1 << 20) or "{}")
     if not isinstance(payload, dict):
         return {}
+    sid = payload.get("session_id")
+    if isinstance(sid, str) and sid.strip():
+        SESSION.set(sid.strip())             # usage attribution: what this session was shown
     cwd = payload.get("cwd")
     if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
         with contextlib.suppress(OSError):

@@ -1489,6 +1489,23 @@ def test_cli_correct_and_consolidate(repo):
     assert "authority: human" in text
 
 
+def test_hook_session_id_attributes_what_the_hook_was_shown(repo, monkeypatch):
+    item_id = cs.capture("Rotate API tokens every ninety days")["item"]["id"]
+    r, w = os.pipe()
+    os.write(w, json.dumps({"session_id": "hook-7", "cwd": str(repo)}).encode())
+    os.close(w)
+    monkeypatch.setattr(sys, "stdin", os.fdopen(r))
+
+    def hooked():
+        cs.bind_hook()
+        cs.recall("rotate api tokens")
+
+    import contextvars
+    contextvars.copy_context().run(hooked)            # the session stays in that context
+    assert [r["item"] for r in cs.usage(session="hook-7")["items"]] == [item_id]
+    assert cs.current_session() is None
+
+
 def test_operator_check_fails_then_passes_through_the_cli(repo):
     item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
     set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
@@ -1507,6 +1524,18 @@ def test_operator_check_fails_then_passes_through_the_cli(repo):
     hit = cs.recall("build artifact dist")["results"][0]
     assert "failing" not in hit and hit["authority"] == "verified" and hit["last_verified"]
     assert cs.stale_report()["count"] == 0
+
+
+def test_operator_check_on_a_team_item_is_recorded_through_the_push(shared):
+    item_id = _endorsed("The shop repository has a README")
+    cs.promote()
+    assert cli("verify-cmd", item_id, "test -f README.md").returncode == 0
+    assert remote_json(shared["origin"], "cambium")["items"][0]["check"]["cmd"] == \
+        "test -f README.md"
+    run = json.loads(cli("verify", "--run").stdout)
+    assert run["passed"] == 1
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert stored["authority"] == "verified" and stored["last_verified"]
 
 
 def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
