@@ -219,6 +219,15 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
     env_bound = cli("capture", "env wins", cwd=a, CAMBIUM_REPO=str(b))
     assert json.loads(env_bound.stdout)["item"]["project"] == "beta"
 
+    async def server_in(repo: Path):                # one user-level MCP entry, started per repo
+        async with peer_session([sys.executable, str(SERVER)], {
+                "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
+                "CAMBIUM_RECALL_MODE": "lexical"}, repo / "sub", "cambium") as server:
+            return await server.call("capture", content=f"served in {repo.name}")
+
+    assert asyncio.run(server_in(b))["item"]["project"] == "beta"
+    assert _items_in(b)[-1] == "served in beta" and "served in beta" not in _items_in(a)
+
 
 @pytest.mark.parametrize("url, name", [
     ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
