@@ -1068,6 +1068,8 @@ def test_org_gate_reads_why_and_endorsement_notes_too():
     both = cs.restated(it, content="Back off on retries", why=general)
     assert both.example.splitlines() == [it.content, f"why: {it.why}"]
     assert cs.restated(both, content="Back off on retries") is both
+    odd_kind = cs.dataclasses.replace(copy, kind="billing.py")
+    assert cs.org_tells(odd_kind) == ["kind names a file: billing.py"]
 
 
 def test_org_promotion_restates_a_project_specific_why(shared, monkeypatch):
