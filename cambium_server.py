@@ -1680,6 +1680,33 @@ class LocalStore(Store):
         self._remember(_Seen(key, new, spans, key[1] - len(STORE_TAIL) if new.items else None))
 
 
+def merge_restored(doc: Doc, back: Doc) -> tuple[Doc | None, dict[str, int]]:
+    """The store with the items of a set-aside file brought back as they were
+    (ids, status, trust, provenance): an id not in the store is added, one the
+    store holds is replaced only by a later version (updated_at); meta and
+    watermarks are united, the store's winning a conflict. None: nothing to do.
+    Pure and idempotent."""
+    at = {it.id: i for i, it in enumerate(doc.items)}
+    items = list(doc.items)
+    counts = {"restored": 0, "updated": 0, "already_here": 0}
+    for it in back.items:
+        i = at.get(it.id)
+        if i is None:
+            at[it.id] = len(items)
+            items.append(it)
+            counts["restored"] += 1
+        elif it.updated_at > items[i].updated_at and it.to_dict() != items[i].to_dict():
+            items[i] = it
+            counts["updated"] += 1
+        else:
+            counts["already_here"] += 1
+    marks = {**(back.meta.get("watermarks") or {}), **(doc.meta.get("watermarks") or {})}
+    meta = {**back.meta, **doc.meta, "watermarks": marks} if marks else {**back.meta, **doc.meta}
+    if not counts["restored"] and not counts["updated"] and meta == doc.meta:
+        return None, counts
+    return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
+
+
 def set_aside_warnings(path: Path) -> list[str]:
     """What is set aside beside the store and not yet restored, and what to do."""
     try:
@@ -4983,6 +5010,19 @@ def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
 
 
 
+def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
+    """A tool's answer with what lies set aside beside the local store added to
+    its `warnings`: every tool says so until `restore` brings it back."""
+    if not isinstance(result, dict) or result.get("configured") is False:
+        return result
+    cfg = cfg or resolve_config()
+    if not cfg.configured:
+        return result
+    have = result.get("warnings") or []
+    extra = [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE) if w not in have]
+    return {**result, "warnings": [*have, *extra]} if extra else result
+
+
 def _count(doc: Doc) -> dict:
     counts: dict[str, int] = {}
     for it in doc.items:
@@ -5242,11 +5282,13 @@ def capture(content: Annotated[str, Field(
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
-        return {"status": "captured", "item": item_view(res.imported[0])}
+        return with_store_warnings({"status": "captured", "item": item_view(res.imported[0])},
+                                   cfg)
     dup = _find_duplicate(cfg, content, type)
-    return {"status": "duplicate", "item": item_view(dup) if dup else None,
-            "note": "an active item with this content already exists; endorse it instead "
-                    "of capturing it again"}
+    return with_store_warnings({
+        "status": "duplicate", "item": item_view(dup) if dup else None,
+        "note": "an active item with this content already exists; endorse it instead of "
+                "capturing it again"}, cfg)
 
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:
@@ -5878,7 +5920,8 @@ def import_memory(source: Annotated[str, Field(
     Items land local, tagged `imported`, stamped source {system, ref,
     imported, source_ts}, and are never auto-promoted. Re-importing adds
     nothing (dedupe by record id, else content hash). Returns counts of
-    imported / skipped (with the first reasons) / duplicates, and the new items.
+    imported / skipped (with the first reasons) / duplicates, the first new
+    items, and `id_map`: a JSONL file mapping every record to its new item id.
     """
     cfg = require_config()
     adapter = IMPORT_ADAPTERS.get(source)
@@ -5901,12 +5944,79 @@ def import_memory(source: Annotated[str, Field(
 
     res = ingest(cfg, drafts())
     skips = [(s.where, s.reason) for s in skipped] + res.skipped
-    return {
+    out = {
         "status": "imported", "source": source, "path": str(p),
         "imported": len(res.imported), "skipped": len(skips), "duplicates": res.duplicates,
-        "skipped_reasons": [{"where": w, "reason": r} for w, r in skips[:5]],
-        "items": [{"id": it.id, "source": it.source} for it in res.imported],
+        "skipped_reasons": [{"where": _clip(w, 200), "reason": _clip(r, 300)}
+                            for w, r in skips[:5]],
+        "items": [{"id": it.id, "source": {k: _clip(v, 200) if isinstance(v, str) else v
+                                           for k, v in it.source.items()}}
+                  for it in res.imported[:IMPORT_LISTED]],
     }
+    if res.imported:
+        out["id_map"] = str(write_id_map(cfg, source, res.imported))
+    return with_store_warnings(out, cfg)
+
+
+IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
+
+
+def restore(path: Annotated[str, Field(
+        "A file set aside beside the store: knowledge.json.quarantine-<time> (repair its "
+        "lines first) or knowledge.json.corrupt-<time>.")]) -> dict:
+    """CLI `restore`: bring items set aside from the local store back as they were.
+
+    Merges the items of a quarantine file or of a moved-aside knowledge.json
+    into the local store with their ids, status, type, trust, endorsements and
+    provenance, beside what was captured since; an item the store already holds
+    is replaced only by a later version of it. Idempotent. When every line came
+    back, the file is renamed *.restored and the warnings about it stop.
+    """
+    cfg = require_config()
+    p = Path(os.path.expanduser(path))
+    if not p.is_absolute():
+        raise InputError(f"path {path!r} must be absolute.")
+    _regular_file(p)
+    try:
+        with open(p, "rb") as f:
+            parsed = parse_file(f, str(p))
+    except CorruptStore as e:
+        raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "
+                         "item per line) and run restore again.") from None
+    counts: dict[str, int] = {}
+
+    def apply(doc: Doc) -> Doc | None:
+        new, done = merge_restored(doc, parsed.doc)
+        counts.update(done)
+        return new
+
+    store(cfg, "local").mutate(apply, f"restore {p.name}")
+    out: dict[str, Any] = {"status": "restored" if counts["restored"] or counts["updated"]
+                           else "nothing_to_restore", "file": str(p), **counts,
+                           "unparseable_lines": len(parsed.bad)}
+    if parsed.bad:
+        out["note"] = (f"{len(parsed.bad)} line(s) still do not parse; repair them and run "
+                       "restore again (what came back is not duplicated), or delete the file.")
+    elif not p.name.endswith(RESTORED_SUFFIX):
+        done_path = p.with_name(p.name + RESTORED_SUFFIX)
+        os.replace(p, done_path)
+        out["moved_to"] = str(done_path)
+    return with_store_warnings(out, cfg)
+
+
+def write_id_map(cfg: Config, source: str, items: list[Item]) -> Path:
+    """.cambium/imports/<time>-<source>.jsonl: one {ref, id, system} per new item,
+    so an answer stays small (under 100 KB) whatever the size of the import."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", source)[:40] or "import"
+    path = cfg.local_dir / "imports" / f"{_stamp()}-{name}.jsonl"
+
+    def write(out: Any) -> None:
+        for it in items:
+            out.write((json.dumps({"ref": it.source.get("ref"), "id": it.id,
+                                   "system": it.source.get("system")},
+                                  ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape"))
+    atomic_write(path, write)
+    return path
 
 
 def distill(on_progress: ProgressFn | None = None) -> dict:
@@ -6078,6 +6188,7 @@ def api_table() -> tuple[Tool, ...]:
              cli_args=((("--hook",), {"action": "store_true", "help": (
                  "run as a Claude Code hook: read its JSON from stdin (uses its cwd), print "
                  "nothing on stdout, skip quietly where cambium is unconfigured")}),)),
+        Tool(restore, cli_types={"path": os.path.abspath}),
         Tool(serve, run=_cli_serve, formats=()),
         Tool(run_demo, name="demo"),
     )
@@ -6175,7 +6286,7 @@ def _mcp_tool(fn: Callable) -> Callable:
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
         token = SESSION.set(mcp_session_id(ctx))
         try:
-            return fn(**kwargs)
+            return with_store_warnings(fn(**kwargs))
         except Unconfigured as u:
             return u.guidance
         except (CambiumError, OSError) as e:
@@ -6413,7 +6524,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
     """The default command: run the tool (or `fn`) once and print its answer."""
-    result = (fn or args.tool.fn)(**kwargs)
+    result = with_store_warnings((fn or args.tool.fn)(**kwargs))
     with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
         _emit(result, getattr(args, "format", "json"))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
