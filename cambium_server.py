@@ -5801,14 +5801,13 @@ def recall(query: Annotated[str, Field(
                                        ge=1, le=MAX_RECALL_LIMIT)] = 5) -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
-    Returns `results` best first, each with id,
-    content, why, scope, project, provenance (`source`), recall count and
-    `endorsed_as` (endorsement notes, often the cross-project meaning); only
-    items at relevance 0.5 or more are results. When none is, it returns
-    `no_confident_match: true` and no results: then nothing is known.
-    `weak_matches` lists near misses below that floor: never treat them as
-    facts. Each result earns one recall credit per agent per day (the trust
-    signal promotion uses); a weak match earns none.
+    Returns `results` best first, each with id, content, why, scope, project,
+    provenance (`source`), recall count and `endorsed_as` (endorsement notes,
+    often the cross-project meaning); only items at relevance >= 0.5 are
+    results. When none is: `no_confident_match: true`, nothing is known.
+    `weak_matches` are near misses below that floor: never treat them as facts.
+    Each result earns one recall credit per agent per day (the trust signal
+    promotion uses); a weak match earns none.
     """
     cfg = require_config()
     if not isinstance(query, str) or not query.strip():
@@ -5848,7 +5847,6 @@ def recall(query: Annotated[str, Field(
         note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
         _schedule_credit_fold(cfg)
-    # near misses (below the floor): shown for judgement, never results, never credited
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
     if warnings:
