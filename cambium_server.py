@@ -5828,6 +5828,38 @@ def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
                           structured_content={"error": code, "message": text, **extra})
 
 
+_JSON_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                          r"|\\u[0-9a-fA-F]{4}|\\.")
+
+
+def repair_surrogate_escapes(line: str) -> str:
+    """A JSON text with every lone UTF-16 surrogate escape (`\\ud800` without its
+    pair) replaced by `\\ufffd`, so it parses to U+FFFD instead of failing (pure).
+    Escapes are read left to right, so an escaped backslash (`\\\\ud800`) stays text."""
+    if "\\u" not in line:
+        return line
+
+    def fix(m: re.Match) -> str:
+        esc = m.group(0)
+        if len(esc) == 6 and 0xD800 <= int(esc[2:], 16) <= 0xDFFF:
+            return "\\ufffd"
+        return esc
+
+    return _JSON_ESCAPE.sub(fix, line)
+
+
+class _RepairedStdin:
+    """The stdio transport's stdin: UTF-8 lines (bad bytes become U+FFFD), lone
+    surrogate escapes repaired. The SDK drops a request it cannot parse without
+    answering it, so this is where such a request is made answerable."""
+
+    def __init__(self, buffer: Any):
+        self._buffer = buffer
+
+    def readline(self, *_: Any) -> str:
+        return repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+
+
 def _mcp_tool(fn: Callable) -> Callable:
     """Wrap a tool for the SDK: its API arguments with pydantic Fields (the schema
     states docs and bounds), unconfigured -> the guidance as a result, a
@@ -5922,6 +5954,14 @@ def build_server() -> MCPServer:
     from mcp.types import ToolAnnotations
 
     class CambiumServer(MCPServer):
+        async def run_stdio_async(self) -> None:
+            import anyio
+            from mcp.server.stdio import stdio_server
+            stdin = anyio.wrap_file(_RepairedStdin(sys.stdin.buffer))
+            async with stdio_server(stdin=stdin) as (read, write):
+                low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
+                await low.run(read, write, low.create_initialization_options())
+
         async def call_tool(self, name: str, arguments: dict[str, Any],
                             context: Any = None) -> Any:
             try:

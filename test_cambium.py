@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -2398,6 +2399,50 @@ def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
     assert sid1 != sid2
     assert not (repo / "pwned").exists()
     assert {r["session"] for r in cs.usage(item_id=fixed_id)["sessions"]} == {sid1, sid2}
+
+
+def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30) -> dict:
+    """Write JSON-RPC lines to a real stdio server as raw bytes (a client library
+    would refuse to encode some of them); {id: response} for the ids in `want`."""
+    import selectors
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}}
+    lines = [json.dumps(init), '{"jsonrpc": "2.0", "method": "notifications/initialized"}',
+             *lines]
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    proc.stdin.write("".join(line + "\n" for line in lines).encode())
+    proc.stdin.flush()
+    answers, buf, sel = {}, b"", selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while not want <= set(answers) and sel.select(max(0.0, deadline - time.monotonic())):
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                answers[msg.get("id")] = msg
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    return answers
+
+
+def test_mcp_lone_surrogate_escape_gets_an_answer(repo):
+    call = (r'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": '
+            r'"capture", "arguments": {"content": "a \ud800 b, kept \\ud800 and \ud83d\ude00"}}}')
+    answers = _raw_stdio(_mcp_env(repo), [call], {1})
+    assert 1 in answers, "the request went unanswered"
+    item = answers[1]["result"]["structuredContent"]["item"]
+    assert item["content"] == "a \ufffd b, kept \\ud800 and \U0001f600"
+    assert cs.repair_surrogate_escapes(r'"\udc00\ud800"') == r'"\ufffd\ufffd"'
+    assert cs.repair_surrogate_escapes(r'"\\\ud800x"') == r'"\\\ufffdx"'
 
 
 def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
