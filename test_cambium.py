@@ -1401,6 +1401,54 @@ def test_import_json_array_and_wrapper_object(repo, tmp_path):
     assert items["w1"].why == "leaks" and items["a2"].kind == "note"
 
 
+def _jsonl(path: Path, *records: dict) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_import_identity_is_system_and_id_and_changed_records_are_reported(repo, tmp_path):
+    a = _jsonl(tmp_path / "tool-a.jsonl", {"id": "m1", "content": "alpha: retry with jitter"})
+    b = _jsonl(tmp_path / "tool-b.jsonl", {"id": "m1", "content": "beta: pin base images"})
+    assert cs.import_memory("json", a)["imported"] == 1
+    assert cs.import_memory("json", b)["imported"] == 1       # another tool's m1
+    named = _jsonl(tmp_path / "mixed.jsonl",
+                   {"id": "x1", "system": "mem0", "content": "gamma: rotate keys"},
+                   {"id": "x1", "source": "zep", "content": "delta: cap queue depth"})
+    res = cs.import_memory("json", named)
+    assert (res["imported"], res["duplicates"]) == (2, 0)
+    assert [i["source"]["system"] for i in res["items"]] == ["mem0", "zep"]
+    moved = _jsonl(tmp_path / "renamed.jsonl",
+                   {"id": "x1", "system": "mem0", "content": "gamma: rotate keys"})
+    again = cs.import_memory("json", moved)                   # same system, same id
+    assert (again["status"], again["imported"], again["duplicates"]) == ("imported", 0, 1)
+    first = cs.store(cs.resolve_config(), "local").read().items[0]
+    edited = _jsonl(tmp_path / "tool-a.jsonl", {"title": "no body"},
+                    {"id": "m1", "content": "alpha: retry with jitter and a cap"})
+    res = cs.import_memory("json", edited)
+    assert (res["imported"], res["duplicates"]) == (0, 0)
+    assert res["changed"] == [{"id": first.id, "ref": "m1", "where": "line 2"}]
+    assert "keep theirs" in res["note"]
+    assert cs.store(cs.resolve_config(), "local").read().items[0].content == first.content
+    same = _jsonl(tmp_path / "tool-c.jsonl", {"id": "z9", "content": "beta: pin base images"})
+    assert cs.import_memory("json", same)["same_content"] == 1
+
+
+def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_path):
+    arr = tmp_path / "arr.json"
+    arr.write_text(json.dumps([{"title": "no body"}, {"content": "ok"}, 7]))
+    res = cs.import_memory("json", str(arr))
+    assert [r["where"] for r in res["skipped_reasons"]] == ["record 1", "record 3"]
+    empty, prose = tmp_path / "empty.jsonl", tmp_path / "notes.txt"
+    empty.write_text("")
+    prose.write_text("just some notes\nnot json at all\n")
+    for path, reason in ((empty, "empty"), (prose, "line 1: malformed JSON")):
+        res = cs.import_memory("json", str(path))
+        assert res["status"] == "nothing_imported" and reason in res["reasons"][0], res
+        out = cli("import", str(path))
+        assert out.returncode == 1 and json.loads(out.stdout)["status"] == "nothing_imported"
+    assert cli("import", str(arr)).returncode == 0
+
+
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
     f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
@@ -1432,8 +1480,8 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
         cs.import_memory("json", "relative.json")
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(cs.InputError, match="not valid JSON"):
-        cs.import_memory("json", str(deep))
+    res = cs.import_memory("json", str(deep))
+    assert res["status"] == "nothing_imported" and "not valid JSON" in res["reasons"][0]
 
 
 def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
