@@ -6044,14 +6044,16 @@ def build_server() -> MCPServer:
 
 def serve() -> int:
     """Serve MCP over stdio (what running with no command does)."""
-    if importlib.util.find_spec("mcp") is None:
-        print("cambium: serving MCP needs the MCP SDK, which is not installed here: "
+    try:
+        server = build_server()
+    except ImportError as e:                        # the SDK is an install away: say so
+        print(f"cambium: serving MCP needs the MCP SDK ({e.name or 'mcp'} is missing): "
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
     rt = runtime()
     rt.long_running.set()
     try:
-        build_server().run("stdio")
+        server.run("stdio")
     finally:
         rt.long_running.clear()
         rt.cancel_fold()

@@ -2493,6 +2493,33 @@ def test_mcp_lone_surrogate_escape_gets_an_answer(repo):
     assert cs.repair_surrogate_escapes(r'"\\\ud800x"') == r'"\\\ufffdx"'
 
 
+def _tree_state(*roots: Path) -> dict:
+    """Every file under `roots` with its bytes, and every ref of each git dir."""
+    state = {}
+    for root in roots:
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and not f.name.endswith(".lock"):
+                state[str(f)] = f.read_bytes()
+    return state
+
+
+def test_tools_annotated_read_only_never_write(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Page the on-call owner for sev-1 incidents", "page owners")
+    cs.promote()
+    cs.capture("Local note about flaky CI runners")
+    cs.recall("page on-call sev-1")                   # journals a credit: pending work
+    cs.recall("flaky CI runners")
+    reads = [t for t in cs.mcp_tools() if cs.EFFECTS[t.effect]["read_only_hint"]]
+    assert {t.tool_name for t in reads} >= {"status", "stale_report"}
+    roots = (shared["a"] / ".cambium", shared["origin"], shared["org_bare"])
+    before = _tree_state(*roots)
+    for tool in reads:
+        tool.fn()
+    assert _tree_state(*roots) == before
+    assert cs.find_tool("recall").effect != "read" and item
+
+
 def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
     env = _mcp_env(tmp_path)
     env.pop("CAMBIUM_REPO")
@@ -2717,6 +2744,68 @@ def test_readme_has_one_tools_table_naming_every_tool_argument_and_command():
         if tool.cli:
             spelled = {tool.command, *tool.aliases}
             assert any(f"cambium_server.py {c}" in cli_block for c in spelled), tool.command
+
+
+def test_cli_answers_speak_cli_and_mcp_answers_speak_calls(repo, tmp_path):
+    item = cs.capture("Keep the release notes in the changelog")["item"]["id"]
+    out = cli("promote", item)
+    reason = json.loads(out.stdout)["reason"]
+    assert "--force" in reason and "force=True" not in reason
+    assert "force=True" in cs.promote(item)["reason"]                 # the tool's own words
+    out = cli("recall", "x", cwd=tmp_path, CAMBIUM_REPO="", CAMBIUM_AGENT_ID="")
+    step = json.loads(out.stdout)["next_step"]
+    assert step.startswith("cambium_server.py setup ") and "project_repo=" not in step
+    assert cs.cli_syntax("restate with org_content=... or pass force=True") == \
+        "restate with --org-content ... or pass --force"
+    assert cs.cli_syntax("generalize('k-1', org_content=<the rule>)").endswith(
+        "generalize k-1 --org-content '<the rule>'")
+    assert cs.cli_syntax("promote(item_id, to_scope='org')").endswith("promote item_id --to org")
+    assert cs.cli_syntax("status=ok, version(2)") == "status=ok, version(2)"
+
+
+def test_cli_text_format_has_no_python_literals(repo):
+    cs.capture("Deploy freezes start on Fridays", tags="deploy")
+    for args in (("status",), ("recall", "deploy freezes fridays"), ("recall", "quantum"),
+                 ("promote",)):
+        out = cli(*args, "--format", "text")
+        assert out.returncode == 0, out.stderr
+        assert not re.search(r"\b(None|True|False)\b|\[\]|\{\}", out.stdout), out.stdout
+    assert "no_confident_match: yes" in cli("recall", "quantum", "--format", "text").stdout
+
+
+def test_cli_usage_names_the_program_as_invoked(tmp_path):
+    out = cli("recall")
+    assert out.returncode == 2 and out.stderr.startswith("usage: cambium_server.py recall")
+    link = tmp_path / "kb"
+    link.symlink_to(SERVER)
+    run = subprocess.run([sys.executable, str(link), "recall", "x", "--limit", "0"],
+                         capture_output=True, text=True, env=child_env(), timeout=60)
+    assert run.returncode == 2 and run.stderr.startswith("usage: kb recall")
+    assert "--limit: must be a whole number from 1 to 50; got '0'" in run.stderr
+
+
+def test_cli_export_to_a_file_prints_one_summary_line(repo, tmp_path):
+    cs.capture("Tag every release in git", tags="release")
+    target = tmp_path / "KNOWLEDGE.md"
+    out = cli("export", "-o", str(target))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\n") == 1 and str(target) in out.stdout
+    assert "1 item" in out.stdout and "org scope is off" in out.stdout
+    assert "Tag every release in git" in target.read_text()
+
+
+def test_serving_without_the_sdk_prints_an_install_hint_and_exits_2(repo):
+    probe = textwrap.dedent(f"""
+        import sys, runpy
+        sys.modules['mcp'] = None
+        sys.argv = ["cambium_server.py"]
+        runpy.run_path({str(SERVER)!r}, run_name="__main__")
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=child_env(), timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "pip install" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_cli_capture_recall_json_and_text(repo):
