@@ -51,10 +51,10 @@ MCP SDK: hooks run it at every session end and the SDK costs about a second.
 Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, process state (the Runtime), git plumbing, storage
 (files, the scope interface, the credit journal, the shared git scopes),
-substrate readers, import adapters,
-recall (lexical, semantic, ranking), ingest, lifecycle decisions, scope
-helpers, distill, hygiene (usage attribution, operator checks), tools (ending
-in the API table), MCP server, CLI, demo.
+substrate readers, import adapters, recall (lexical, semantic, ranking),
+ingest, lifecycle decisions, consolidation (pure), scope helpers, distill,
+hygiene (consolidation writes, usage attribution, operator checks), tools
+(ending in the API table), MCP server, CLI, demo.
 """
 from __future__ import annotations
 
@@ -3856,6 +3856,176 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
 
 
 # =============================================================================
+# Consolidation: near-duplicate groups (pure)
+# Active items that say the same thing: the same normalised text, or a TF-IDF
+# cosine of their bodies of at least CONSOLIDATE_LEXICAL (chosen by
+# cross-validation on quality/duplicates.jsonl; bench_cambium.py reports it).
+# Only pairs sharing a term of both items' rare-term prefixes are scored
+# (prefix filtering), so cost grows about linearly. Each group keeps one survivor (authority, then scope, then
+# trust, then recency); the merge carries every credit, endorsement and origin.
+# =============================================================================
+
+CONSOLIDATE_LEXICAL = 0.86     #: body cosine at which two items say the same thing
+CONSOLIDATE_SEMANTIC = 0.87    #: with the extra: mean of lexical and MiniLM cosine
+CONSOLIDATE_SEMANTIC_FLOOR = 0.6  #: ...asked only for pairs at least this lexically close
+SCOPE_RANK = {"local": 0, "team": 1, "org": 2}
+
+
+def normalized_text(item: Item) -> str:
+    """Type plus the body's words, lowercased: punctuation and spacing ignored."""
+    return item.type + "\0" + " ".join(re.findall(r"\w+", item.content.lower()))
+
+
+def dup_vectors(items: list[Item]) -> list[dict[str, float]]:
+    """Unit TF-IDF vectors of the items' bodies, IDF taken over these items."""
+    terms = [derived(it, "body_terms", lambda i: collections.Counter(tokenize(i.content)))
+             for it in items]
+    df: collections.Counter = collections.Counter()
+    for tf in terms:
+        df.update(tf.keys())
+    n = len(items)
+    vecs = []
+    for tf in terms:
+        v = {w: (1 + math.log(c)) * math.log(1 + n / df[w]) for w, c in tf.items()}
+        norm = math.sqrt(sum(x * x for x in v.values())) or 1.0
+        vecs.append({w: x / norm for w, x in v.items()})
+    return vecs
+
+
+def cosine(a: dict[str, float], b: dict[str, float]) -> float:
+    if len(a) > len(b):
+        a, b = b, a
+    return sum(x * b.get(w, 0.0) for w, x in a.items())
+
+
+def _prefix(v: dict[str, float], df: dict[str, int], floor: float) -> list[str]:
+    """v's rarest terms (df, then the term), up to where the rest weighs less
+    than `floor`: a vector sharing none of them has cosine < floor with v."""
+    rest = 1.0
+    out = []
+    for w in sorted(v, key=lambda t: (df[t], t)):
+        if rest < floor * floor:
+            break
+        out.append(w)
+        rest -= v[w] * v[w]
+    return out
+
+
+def candidate_pairs(items: list[Item], vecs: list[dict[str, float]], floor: float
+                    ) -> dict[tuple[int, int], float]:
+    """(i, j) -> cosine for every same-type pair that may reach `floor` (prefix
+    filtering: with one global rarest-first order, such a pair shares a term of
+    both prefixes), and 1.0 for the same normalised text."""
+    df: collections.Counter = collections.Counter()
+    for v in vecs:
+        df.update(v.keys())
+    postings: dict[str, list[int]] = collections.defaultdict(list)
+    pairs: dict[tuple[int, int], float] = {}
+    for i, v in enumerate(vecs):
+        for w in _prefix(v, df, floor):
+            for j in postings[w]:
+                if (j, i) not in pairs and items[i].type == items[j].type:
+                    pairs[(j, i)] = cosine(v, vecs[j])
+            postings[w].append(i)
+    same: dict[str, int] = {}
+    for i, it in enumerate(items):
+        j = same.setdefault(normalized_text(it), i)
+        if j != i:
+            pairs[(j, i)] = 1.0
+    return pairs
+
+
+def survivor_key(item: Item, trust: dict) -> tuple:
+    """Who survives a group: authority, then scope (org > team > local), then
+    trust (endorsements, then recalls), then recency."""
+    return (item.authority_rank, SCOPE_RANK.get(item.scope, 0),
+            len(trust.get("endorsements") or []), int(trust.get("recalls") or 0),
+            item.updated_at or item.created_at, item.id)
+
+
+def _components(n: int, edges: Iterable[tuple[int, int]]) -> list[list[int]]:
+    parent = list(range(n))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        parent[root(a)] = root(b)
+    comps: dict[int, list[int]] = collections.defaultdict(list)
+    for x in range(n):
+        comps[root(x)].append(x)
+    return [c for c in comps.values() if len(c) > 1]
+
+
+def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
+                     threshold: float = CONSOLIDATE_LEXICAL,
+                     semantic: Callable[[list[tuple[int, int]]], dict] | None = None,
+                     sem_threshold: float = CONSOLIDATE_SEMANTIC,
+                     ) -> list[tuple[int, list[tuple[int, float, str]]]]:
+    """[(survivor, [(member, similarity, how)])] over `items` (all active).
+
+    A pair is a duplicate at `threshold` lexically; `semantic(pairs) -> {pair:
+    cosine}` (the extra) may vouch for closer-than-the-floor pairs whose mean
+    with the lexical score reaches sem_threshold. A member joins its
+    group's survivor only if it is itself a duplicate of the survivor, so a
+    chain of look-alikes never merges its two ends."""
+    vecs = dup_vectors(items)
+    pairs = candidate_pairs(items, vecs, min(threshold, CONSOLIDATE_SEMANTIC_FLOOR)
+                            if semantic is not None else threshold)
+    accepted = {(a, b): (s, "same text" if normalized_text(items[a]) == normalized_text(
+        items[b]) else "lexical") for (a, b), s in pairs.items() if s >= threshold}
+    ask = [p for p, s in pairs.items() if CONSOLIDATE_SEMANTIC_FLOOR <= s < threshold]
+    if semantic is not None and ask:
+        for p, cos in semantic(ask).items():
+            mixed = (pairs[p] + cos) / 2
+            if mixed >= sem_threshold:
+                accepted[p] = (mixed, "semantic")
+    groups = []
+    for comp in _components(len(items), accepted):
+        best = max(comp, key=lambda i: survivor_key(items[i], trusts.get(items[i].id, {})))
+        members = [(m, *accepted[(min(m, best), max(m, best))]) for m in comp
+                   if m != best and (min(m, best), max(m, best)) in accepted]
+        if members:
+            groups.append((best, members))
+    return groups
+
+
+def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,
+                    now: str) -> Item:
+    """The survivor carrying its duplicates' recall credits, endorsements,
+    projects and provenance (`merged_from`); a member already merged (a rerun
+    after a partial failure) is not counted twice."""
+    done = {m.get("id") for m in survivor.extra.get("merged_from") or [] if isinstance(m, dict)}
+    fresh = [(m, t) for m, t in members if m.id not in done]
+    if not fresh:
+        return survivor
+    ends = {e.get("by"): e for e in trust.get("endorsements") or [] if isinstance(e, dict)}
+    recalled = dict(trust.get("recalled_by") or {})
+    projects = list(trust.get("projects") or [])
+    recalls = int(trust.get("recalls") or 0)
+    for _, t in fresh:
+        recalls += int(t.get("recalls") or 0)
+        for e in t.get("endorsements") or []:
+            if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
+                                                                   .get("at", "")):
+                ends[e.get("by")] = e
+        for agent, day in (t.get("recalled_by") or {}).items():
+            recalled[agent] = max(str(day), str(recalled.get(agent, "")))
+        projects += [p for p in t.get("projects") or [] if p not in projects]
+    origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
+                "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
+    return dataclasses.replace(
+        survivor, updated_at=now,
+        trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
+               "projects": projects, **({"recalled_by": recalled} if recalled else {})},
+        extra={**survivor.extra, "merged_from": list(survivor.extra.get("merged_from") or [])
+               + origins})
+
+
+# =============================================================================
 # Scopes: shared helpers
 # =============================================================================
 
@@ -3900,6 +4070,9 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
     notes = endorsement_notes(item)
     if notes:
         out["endorsed_as"] = notes
+    merged = item.extra.get("merged_from")
+    if isinstance(merged, list) and merged:
+        out["merged_from"] = [m.get("id") for m in merged if isinstance(m, dict)]
     return out
 
 
@@ -4520,7 +4693,8 @@ SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_se
 
 def current_session() -> str | None:
     """The session a call belongs to: the MCP session (set per call by the
-    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    server) or a hook payload's session_id (bind_hook), else CAMBIUM_SESSION_ID,
+    else None."""
     sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
     return _clip(valid_unicode(sid), 200) if sid else None
 
@@ -4577,6 +4751,121 @@ def shown_by(records: list[dict], key: str, value: str, group: str) -> list[dict
         if rec.get("via") not in row["via"]:
             row["via"].append(rec.get("via"))
     return sorted(rows.values(), key=lambda r: str(r.get("first_at")))
+
+
+# =============================================================================
+# Hygiene: consolidation
+# Plan groups over every readable scope, then write: each survivor's merged copy
+# first (its scope's own write: lock or CAS push), and only once that copy is
+# verified, the supersession of its duplicates in the other scopes.
+# =============================================================================
+
+
+@dataclass
+class Group:
+    survivor: Item
+    members: list                 # [(Item, similarity, how)]
+
+
+def plan_consolidation(cfg: Config, scopes: Iterable[str]
+                       ) -> tuple[list[Group], dict[str, dict], list[str]]:
+    """Duplicate groups among the active items of `scopes` (an item on its way
+    to org through a pull request stays out), with every item's trust."""
+    docs, warnings = read_scopes(cfg, scopes)
+    pool = [it for it in federated_items(docs) if it.active and not it.pr_url]
+    pending = read_credits(credits_path(cfg))
+    trusts = {it.id: effective_trust(it, pending) for it in pool}
+    found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))
+    groups = [Group(pool[s], [(pool[m], sim, how) for m, sim, how in members])
+              for s, members in found]
+    return groups, trusts, warnings
+
+
+def _semantic_opinion(cfg: Config, pool: list[Item]
+                      ) -> Callable[[list[tuple[int, int]]], dict] | None:
+    """MiniLM cosine for candidate pairs when the extra is in use, else None."""
+    if (cfg.get("CAMBIUM_RECALL_MODE") or "auto") == "lexical" or semantic_extra_missing():
+        return None
+
+    def opinion(pairs: list[tuple[int, int]]) -> dict:
+        try:
+            emb = load_embedder()
+        except SemanticUnavailable:
+            return {}
+        idx = sorted({i for p in pairs for i in p})
+        rows = emb.embed([pool[i].content for i in idx])
+        vec = {i: rows[k] / (float((rows[k] ** 2).sum()) ** 0.5 or 1.0)
+               for k, i in enumerate(idx)}
+        return {(a, b): float(vec[a] @ vec[b]) for a, b in pairs}
+
+    return opinion
+
+
+def group_view(g: Group) -> dict:
+    def short(it: Item) -> dict:
+        return {"id": it.id, "scope": it.scope, "authority": AUTHORITIES[it.authority_rank],
+                "content": _clip(it.content, 160)}
+    return {"survivor": short(g.survivor),
+            "duplicates": [{**short(m), "similarity": round(sim, 3), "how": how}
+                           for m, sim, how in g.members]}
+
+
+def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent: str,
+                now: str, done: dict[str, str]) -> Callable[[Doc], Doc | None]:
+    """The write to `scope`: merge each survivor living there, and supersede
+    members living there whose survivor is `done` (verified) or in this write.
+    `done` collects survivor id -> scope for every survivor merged."""
+    def apply(doc: Doc) -> Doc | None:
+        items, at = list(doc.items), {it.id: i for i, it in enumerate(doc.items)}
+        changed = False
+        for g in groups:
+            s = at.get(g.survivor.id)
+            here = g.survivor.scope == scope and s is not None and items[s].active
+            if here:
+                merged = merged_survivor(items[s], items[s].trust,
+                                         [(m, trusts.get(m.id, m.trust)) for m, _, _ in
+                                          g.members], now=now)
+                changed |= merged is not items[s]
+                items[s] = merged
+                done[g.survivor.id] = scope
+            if not here and g.survivor.id not in done:
+                continue
+            for m, sim, how in g.members:
+                i = at.get(m.id)
+                if m.scope == scope and i is not None and items[i].active:
+                    items[i] = supersede(items[i], g.survivor.id, agent=agent, now=now,
+                                         why=f"consolidated: says the same ({how}, "
+                                             f"{sim:.2f})")
+                    changed = True
+        return dataclasses.replace(doc, items=items) if changed else None
+    return apply
+
+
+def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict]) -> dict:
+    """Write the plan: survivors' scopes first (org, team, local), then every
+    scope losing members to a survivor elsewhere. A survivor headed for a pull
+    request (org in PR mode) is not verified on org yet: its members in other
+    scopes wait for a rerun after the merge."""
+    now, done, pr_urls = _now(), {}, []
+    survivor_scopes = [s for s in reversed(SCOPES) if any(g.survivor.scope == s for g in groups)]
+    member_scopes = [s for s in SCOPES if any(m.scope == s and g.survivor.scope != s
+                                              for g in groups for m, _, _ in g.members)]
+    for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
+        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done)
+        write = mutate_scope(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
+                             org_branch=ORG_UPDATES_BRANCH)
+        if write is not None and write.pr_url:
+            pr_urls.append(write.pr_url)
+            for sid in [k for k, v in done.items() if v == scope]:
+                del done[sid]                # on a PR branch only, not verified on org
+    superseded = [m.id for g in groups if g.survivor.id in done for m, _, _ in g.members]
+    waiting = [m.id for g in groups if g.survivor.id not in done for m, _, _ in g.members]
+    out: dict[str, Any] = {"superseded": superseded}
+    if waiting:
+        out["waiting"] = waiting
+    if pr_urls:
+        out["pr_urls"] = sorted(set(pr_urls))
+    return out
 
 
 # =============================================================================
@@ -5530,6 +5819,41 @@ def _require_active(item: Item, verb: str) -> None:
     raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
 
 
+def consolidate(apply: Annotated[bool, Field(
+                    "False (default): only show the plan. True: carry it out.")] = False,
+                scope: Annotated[Literal["auto", "local", "team", "org"], Field(
+                    "auto (every readable scope, and across them) or one scope.")] = "auto"
+                ) -> dict:
+    """Find items that say the same thing and fold each group into one.
+
+    Groups active items with the same normalised text or near-identical
+    wording (and, with the semantic extra, near-identical meaning), within a
+    scope and across scopes. The survivor of each group is chosen by authority,
+    then scope (org > team > local), then trust, then recency; the others are
+    superseded by it (kept, never recalled again) and their recall credits,
+    endorsements and provenance move to it. Without apply it only returns the
+    plan; with apply it carries it out (team and org through their usual
+    pushes, org as a pull request in PR mode). Safe to repeat.
+    """
+    cfg = require_config()
+    if scope not in ("auto",) + SCOPES:
+        raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
+    if not isinstance(apply, bool):
+        raise InputError("apply must be true or false.")
+    if scope in ("team", "org"):
+        store(cfg, scope)                          # a scope that is off: say so
+    groups, trusts, warnings = plan_consolidation(cfg, SCOPES if scope == "auto" else (scope,))
+    out: dict[str, Any] = {"applied": apply, "groups": [group_view(g) for g in groups],
+                           "count": len(groups)}
+    if apply and groups:
+        out.update(apply_consolidation(cfg, groups, trusts))
+    elif not apply and groups:
+        out["next_step"] = "review the groups, then consolidate(apply=True)"
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
 def usage(session: Annotated[str | None, Field(
               "A session id, as usage() lists them (the MCP session or a hook's "
               "session_id).")] = None,
@@ -5538,7 +5862,7 @@ def usage(session: Annotated[str | None, Field(
     """Which knowledge a session was shown, or which sessions saw an item.
 
     Every recall result (and primer entry and expand) is journaled per session
-    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    (the MCP session, a hook's session_id, or CAMBIUM_SESSION_ID). session: list
     the items that session was shown, with how often and through which call.
     item_id: list the sessions that were shown that item. Neither: the most
     recent sessions with how many items each saw. Read-only.
@@ -5796,6 +6120,7 @@ def api_table() -> tuple[Tool, ...]:
         Tool(stale_report, "read_remote", aliases=("stale",)),
         Tool(deprecate, "remote", positional=("item_id",)),
         Tool(correct, "remote"),
+        Tool(consolidate, "remote"),
         Tool(usage, "read", flags={"item_id": "--item"}),
         Tool(import_memory, "write_idempotent", aliases=("import",), positional=("path",),
              cli_types={"path": os.path.abspath}),
@@ -6330,7 +6655,8 @@ def bind_hook() -> dict:
     """Read a hook's JSON from stdin (bounded wait) and bind this process to the
     project of its `cwd`, as a server started there would be (resolve_config:
     env, else that directory's git root, else the repo setup recorded). Every
-    `--hook` command calls this first. Returns the payload ({} when none)."""
+    `--hook` command calls this first; its `session_id` becomes the session
+    usage attribution files this call under. Returns the payload ({} when none)."""
     import select
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
@@ -6342,6 +6668,9 @@ def bind_hook() -> dict:
         payload = json.loads(sys.stdin.read(1 << 20) or "{}")
     if not isinstance(payload, dict):
         return {}
+    sid = payload.get("session_id")
+    if isinstance(sid, str) and sid.strip():
+        SESSION.set(sid.strip())             # usage attribution: what this session was shown
     cwd = payload.get("cwd")
     if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
         with contextlib.suppress(OSError):

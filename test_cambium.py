@@ -1316,6 +1316,127 @@ def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch
     assert any(c[:2] == ["pr", "create"] for c in map(json.loads, log.read_text().splitlines()))
 
 
+def test_duplicate_groups_pick_the_survivor_and_never_chain_different_decisions():
+    items = [cs.new_item(t) for t in (
+        "Use Bottlerocket as the EKS worker node AMI and install brupop on every cluster",
+        "EKS worker nodes use the Bottlerocket AMI; brupop is installed on every cluster",
+        "use bottlerocket as the EKS worker-node AMI, and install brupop on every cluster!",
+        "Use Flatcar as the EKS worker node AMI and install its update operator everywhere",
+        "Page the on-call owner for sev-1 incidents")]
+    items[2] = dataclasses.replace(items[2], authority="human")
+    groups = cs.duplicate_groups(items, {})
+    assert len(groups) == 1
+    survivor, members = groups[0]
+    assert survivor == 2                                     # authority first
+    assert sorted((m, how) for m, _, how in members) == [(0, "same text"), (1, "lexical")]
+    trusts = {items[0].id: {"endorsements": [{"by": "bob"}], "recalls": 1}}
+    items[2] = dataclasses.replace(items[2], authority=None)
+    items[1] = dataclasses.replace(items[1], scope="team")
+    assert cs.duplicate_groups(items, trusts)[0][0] == 1     # then scope
+    items[1] = dataclasses.replace(items[1], scope="local")
+    assert cs.duplicate_groups(items, trusts)[0][0] == 0     # then trust
+
+
+def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
+    keep = _trusted("Retry idempotent requests with exponential backoff and jitter",
+                    recalls=2, endorsers=("bob",))
+    dup = _trusted("Retry idempotent requests with jitter and exponential backoff!",
+                   recalls=5, endorsers=("cy",))
+    near = cs.capture("Retry idempotent requests with a fixed delay and no jitter")["item"]["id"]
+    store = repo / ".cambium" / "knowledge.json"
+    before = store.read_bytes()
+    plan = cs.consolidate()
+    assert plan["applied"] is False and plan["count"] == 1 and store.read_bytes() == before
+    assert {plan["groups"][0]["survivor"]["id"]} | {
+        d["id"] for d in plan["groups"][0]["duplicates"]} == {keep, dup}
+    done = cs.consolidate(apply=True)
+    survivor = done["groups"][0]["survivor"]["id"]
+    loser = ({keep, dup} - {survivor}).pop()
+    assert done["superseded"] == [loser]
+    items = {i["id"]: i for i in json.loads(store.read_text())["items"]}
+    assert items[loser]["status"] == "superseded"
+    assert items[loser]["superseded_by"]["id"] == survivor
+    assert items[survivor]["trust"]["recalls"] == 7
+    assert {e["by"] for e in items[survivor]["trust"]["endorsements"]} == {"bob", "cy"}
+    assert items[survivor]["merged_from"][0]["id"] == loser and items[near]["status"] == "active"
+    again = store.read_bytes()
+    assert cs.consolidate(apply=True)["count"] == 0 and store.read_bytes() == again
+    assert {h["id"] for h in cs.recall("retry idempotent requests backoff")["results"]} == \
+        {survivor, near}
+
+
+def test_consolidate_across_team_and_local_writes_the_survivor_first(shared):
+    team_id = _endorsed("Every service exposes a health endpoint at /healthz")
+    cs.promote()
+    local_id = cs.capture("Every service exposes a health endpoint at /healthz.")["item"]["id"]
+    res = cs.consolidate(apply=True)
+    assert res["groups"][0]["survivor"] == {**res["groups"][0]["survivor"], "id": team_id,
+                                            "scope": "team"}
+    assert res["superseded"] == [local_id]
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert team[0]["merged_from"][0]["id"] == local_id      # pushed and verified first
+    local = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert local[local_id].status == "superseded"
+    assert cs.consolidate(scope="team")["count"] == 0
+
+
+def test_consolidate_in_org_pr_mode_opens_a_pr_and_lower_copies_wait(shared, monkeypatch,
+                                                                     tmp_path):
+    make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    a = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    b = _endorsed("Prefer idempotent retries with exponential backoff and jitter.")
+    cs.promote(a, to_scope="org")
+    cs.promote(b, to_scope="org")
+    low = cs.capture("prefer idempotent retries, with exponential backoff and jitter")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    res = cs.consolidate(apply=True)
+    assert res["pr_urls"] == ["https://github.com/acme/knowledge/pull/7"]
+    assert res["waiting"] and low["item"]["id"] in res["waiting"]
+    branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    survivor = res["groups"][0]["survivor"]["id"]
+    assert branch[({a, b} - {survivor}).pop()]["status"] == "superseded"
+    assert branch[survivor]["merged_from"]
+    main = remote_json(shared["org_bare"], "main")["items"]
+    assert all(i["status"] == "active" for i in main)        # until the PR merges
+    local = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert local[low["item"]["id"]].status == "active"       # waits for the merge
+
+
+def test_cli_correct_and_consolidate(repo):
+    wrong = cs.capture("The nightly backup runs at two")["item"]["id"]
+    fixed = json.loads(cli("correct", wrong, "The nightly backup runs at three",
+                           "--why", "ops lead").stdout)
+    assert fixed["item"]["authority"] == "human" and fixed["superseded"] == wrong
+    assert cli("correct", wrong, "again").returncode == 1
+    cs.capture("Run database migrations before deploying the app")
+    cs.capture("Run database migrations before deploying the app.")
+    plan = json.loads(cli("consolidate").stdout)
+    assert plan["applied"] is False and plan["count"] == 1
+    assert json.loads(cli("consolidate", "--apply").stdout)["superseded"]
+    assert json.loads(cli("consolidate", "--apply").stdout)["count"] == 0
+    text = cli("recall", "nightly backup", "--format", "text").stdout
+    assert "authority: human" in text
+
+
+def test_hook_session_id_attributes_what_the_hook_was_shown(repo, monkeypatch):
+    item_id = cs.capture("Rotate API tokens every ninety days")["item"]["id"]
+    r, w = os.pipe()
+    os.write(w, json.dumps({"session_id": "hook-7", "cwd": str(repo)}).encode())
+    os.close(w)
+    monkeypatch.setattr(sys, "stdin", os.fdopen(r))
+
+    def hooked():
+        cs.bind_hook()
+        cs.recall("rotate api tokens")
+
+    import contextvars
+    contextvars.copy_context().run(hooked)            # the session stays in that context
+    assert [r["item"] for r in cs.usage(session="hook-7")["items"]] == [item_id]
+    assert cs.current_session() is None
+
+
 def test_operator_check_fails_then_passes_through_the_cli(repo):
     item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
     set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
@@ -1334,6 +1455,18 @@ def test_operator_check_fails_then_passes_through_the_cli(repo):
     hit = cs.recall("build artifact dist")["results"][0]
     assert "failing" not in hit and hit["authority"] == "verified" and hit["last_verified"]
     assert cs.stale_report()["count"] == 0
+
+
+def test_operator_check_on_a_team_item_is_recorded_through_the_push(shared):
+    item_id = _endorsed("The shop repository has a README")
+    cs.promote()
+    assert cli("verify-cmd", item_id, "test -f README.md").returncode == 0
+    assert remote_json(shared["origin"], "cambium")["items"][0]["check"]["cmd"] == \
+        "test -f README.md"
+    run = json.loads(cli("verify", "--run").stdout)
+    assert run["passed"] == 1
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert stored["authority"] == "verified" and stored["last_verified"]
 
 
 def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
@@ -2412,7 +2545,7 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
                                                         "type"]
 
 
-def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
+def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
     wrong = cs.capture("Staging deploys need a manual approval")["item"]["id"]
 
     async def session_one(session, init):
@@ -2440,6 +2573,14 @@ def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
 
     async def session_two(session, init):
         await session.call_tool("recall", {"query": "staging deploy approval"})
+        for text in ("Office plants need water weekly", "office plants need water, weekly"):
+            await session.call_tool("capture", {"content": text})
+        plan = (await session.call_tool("consolidate", {})).structured_content
+        assert plan["applied"] is False and plan["count"] == 1
+        done = (await session.call_tool("consolidate", {"apply": True})).structured_content
+        assert len(done["superseded"]) == 1
+        bad = await session.call_tool("consolidate", {"scope": "nowhere"})
+        assert bad.is_error
         return (await session.call_tool("usage", {})).structured_content["sessions"][0]
 
     sid1, fixed_id = asyncio.run(_mcp_session(_mcp_env(repo), session_one))
