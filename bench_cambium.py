@@ -6,6 +6,7 @@
                                         # import team distill consolidate duplicates
     python3 bench_cambium.py semantic   # needs the [semantic] extra; embeds 10,000 items
                                         # first (several minutes on 2 cores)
+    python3 bench_cambium.py quality    # recall quality, both modes, held-out + dev sets
 
 Each section builds throwaway git repos in a temp dir and uses the real code.
 Figures are medians of warm calls unless said otherwise.
@@ -319,6 +320,13 @@ def bench_semantic() -> None:
               f"{(time.perf_counter() - t0) * 1000:.0f} ms (mode {first['mode']}; "
               f"lexical for the backlog meanwhile)")
         eng = cs.runtime().engines[str(repo / ".cambium" / cs.VECTORS_DIR)]
+        rng = random.Random(5)
+        during = iter([" ".join(rng.choices(VOCAB, weights=ZIPF, k=4)) for _ in range(60)])
+        before = eng.backlog()
+        ms = median_ms(lambda: cs.recall(next(during)), 40)
+        print(f"semantic: recall while the backlog embeds ({before:,} -> {eng.backlog():,} "
+              f"items to go): median {ms:.1f} ms (target <= 30 ms); answers say: "
+              f"{cs.recall('cache retry backoff').get('note', '-')}")
         eng.wait_idle(3600)
         dt = time.perf_counter() - t0
         print(f"semantic: first-time embedding of {n:,} items: {dt:.0f} s "
@@ -341,6 +349,35 @@ def bench_semantic() -> None:
         print(f"semantic: first recall of a new process, cache on disk: "
               f"{(time.perf_counter() - t0) * 1000:.0f} ms")
 
+
+
+def bench_quality() -> None:
+    """Recall quality through the real MCP server (quality/eval.py), both modes,
+    on the held-out set (in the repo) and the dev set (../shared/quality/dev,
+    when that folder is beside the clone). Cross-validated dev figures and the
+    parameter choice: python3 quality/cv.py."""
+    sets = [("held", "held")]
+    dev = next((up / "shared" / "quality" / "dev" for up in (HERE.parent, HERE.parent.parent)
+                if (up / "shared" / "quality" / "dev").is_dir()), None)
+    if dev is not None:
+        sets.append(("dev", str(dev)))
+    modes = ["lexical"] + ([] if cs.semantic_extra_missing() else ["semantic"])
+    for label, where in sets:
+        for mode in modes:
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                subprocess.run([sys.executable, str(HERE / "quality" / "eval.py"), "--py",
+                                sys.executable, "--server", str(HERE / "cambium_server.py"),
+                                "--set", where, "--mode", mode, "--out", out.name],
+                               check=True, stdout=subprocess.DEVNULL)
+                q = json.load(open(out.name))["summary"]
+            a, c, p = q["abstention"], q["control"], q["paraphrase"]
+            print(f"quality {label:<4} {mode:<8}: control hit@1 {c['hit@1']:.3f} (>= 0.98), "
+                  f"paraphrase hit@1 {p['hit@1']:.3f} hit@5 {p['hit@5']:.3f}"
+                  + (" (>= 0.45, >= 0.75)" if mode == "semantic" else "")
+                  + f", no-answer abstained {a['recall']:.2f} "
+                  f"(>= {0.35 if mode == 'semantic' else 0.15}), answerable wrongly "
+                  f"abstained {a['answerable_wrongly_abstained']}/{a['answerable_n']} (<= 5%), "
+                  f"median {q['latency_ms']['median']} ms")
 
 
 #: the quality corpus beside the checkout (../shared/quality; worktrees sit one
@@ -486,8 +523,9 @@ def bench_consolidate() -> None:
 SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
             "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import,
             "team": bench_team, "distill": bench_distill, "semantic": bench_semantic,
-            "consolidate": bench_consolidate, "duplicates": bench_duplicates}
-DEFAULT_SECTIONS = [s for s in SECTIONS if s != "semantic"]   # semantic takes minutes
+            "consolidate": bench_consolidate, "duplicates": bench_duplicates,
+            "quality": bench_quality}
+DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("semantic", "quality")]  # minutes each
 
 
 def main(argv: list[str]) -> None:
