@@ -28,7 +28,8 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_ORG_PR            "1": org promotion opens a pull request
     CAMBIUM_PROMOTE_RECALLS   recalls needed for local -> team, default 3
     CAMBIUM_RELEASE_CAPTURE   "1": distill also captures churned agentsync claims
-    CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
+    CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope by recall and
+                              other read-only digests, default 30 (decisions fetch)
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
     CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
@@ -1258,7 +1259,8 @@ def render_store(doc: Doc, cache: _ItemsText | None = None) -> str:
 @dataclass
 class Write:
     """What a write did: the resulting doc, and for a shared scope the commit
-    (None when nothing changed) and the pull request, if any."""
+    (None when nothing changed), the branch that holds `doc` (None: it does not
+    exist yet) and the pull request, if any."""
     doc: Doc
     commit: str | None = None
     pr_url: str | None = None
@@ -1269,7 +1271,10 @@ class Store:
     """Interface shared by the local, team and org stores."""
     scope: str = ""
 
-    def read(self) -> Doc:  # pragma: no cover - interface
+    def read(self, digest: bool = False) -> Doc:  # pragma: no cover - interface
+        """The scope's doc. A shared scope fetches its tip first, unless `digest`
+        (a read-only digest such as recall): then at most every
+        CAMBIUM_FETCH_INTERVAL seconds, refreshed in the background while serving."""
         raise NotImplementedError
 
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str) -> Write:  # pragma: no cover
@@ -1350,7 +1355,7 @@ class LocalStore(Store):
             self._cache = None
         return Doc(items=[])
 
-    def read(self, background: bool = False) -> Doc:
+    def read(self, digest: bool = False) -> Doc:
         try:
             return self._load()
         except CorruptStore as err:
@@ -1599,20 +1604,23 @@ class GitStore(Store):
         base = gitdir if gitdir.is_dir() else self.repo
         return base / "cambium" / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
 
-    def fetch(self, force: bool = False, background: bool = False) -> str | None:
+    def fetch(self, force: bool = False, background: bool = False,
+              fresh: bool = False) -> str | None:
         """The scope's tip (None: no branch yet), fetching first when due.
 
-        force: fetch now (writes). background: when a fetch is due but a tip is
-        already known, refresh in a background thread and answer with the known
-        tip at once, so a slow or unreachable remote never stalls a read. A read
-        that fails to fetch falls back to the last fetched tip with a warning.
+        force: fetch now, and fail if the remote cannot be reached (writes).
+        fresh: fetch now (decisions and reports). Otherwise a fetch is due once
+        per fetch_interval_s (digests). background: when a fetch is due but a tip
+        is already known, refresh in a background thread and answer with the
+        known tip at once, so a slow or unreachable remote never stalls a read. A
+        read that fails to fetch falls back to the last fetched tip with a warning.
         """
         state = self._state
         with state.lock:
             last = state.fetched_at
             with contextlib.suppress(OSError):
                 last = max(last, self._stamp().stat().st_mtime)   # another process fetched
-            due = force or time.time() - last >= self.fetch_interval_s
+            due = force or fresh or time.time() - last >= self.fetch_interval_s
             if due and background and state.tip_known:
                 if not state.refreshing:
                     state.refreshing = True
@@ -1688,10 +1696,13 @@ class GitStore(Store):
             if tip:
                 self._state.tip, self._state.tip_known = commit, True
 
-    def read(self, background: bool = False) -> Doc:
-        """The scope's items; raises GitError (unreachable, nothing fetched before)
-        or CorruptStore. background: see fetch()."""
-        doc = self.doc_at(self.fetch(background=background))
+    def read(self, digest: bool = False) -> Doc:
+        """The scope's items at its freshly fetched tip, or for a digest at the tip
+        fetched within fetch_interval_s (refreshed in the background while
+        serving); raises GitError (unreachable, nothing fetched before) or
+        CorruptStore."""
+        doc = self.doc_at(self.fetch(fresh=not digest,
+                                     background=digest and self._rt.long_running.is_set()))
         with self._state.lock:
             error = self._state.fetch_error
         if error:
@@ -1786,7 +1797,8 @@ class GitStore(Store):
                 new = with_credits(fn, pending)(doc)
                 if new is None:
                     if not (ensure_files and self._files_stale(base, doc)):
-                        return Write(doc=doc, commit=None, branch=target)
+                        held = side_tip if side else tip       # does `target` exist?
+                        return Write(doc=doc, commit=None, branch=target if held else None)
                     new = doc
                 files = {STORE_FILE: render_store(new)}
                 if self.extra_files:
@@ -4158,10 +4170,6 @@ def _today() -> str:
 # a scope it cannot read, and one way to change an item wherever it lives.
 # =============================================================================
 
-ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements etc.
-ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
-
-
 def store(cfg: Config, scope: str) -> Store:
     """The store of one scope, with one contract for all three: read() -> Doc,
     mutate(fn, message) -> Write (pending credits folded in, durable where it
@@ -4216,17 +4224,19 @@ def _org_default_branch(org: Path, timeout_s: float) -> str:
     return branch
 
 
-def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
+def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
                 ) -> tuple[dict[str, Doc], list[str]]:
     """Docs of the readable scopes among `scopes`; an unreadable one is skipped
     with a warning (a corrupt file or an unreachable remote never hides the rest).
-    background: refresh remote scopes in the background (recall's hot path)."""
+    Shared scopes are read at their freshly fetched tip, for every tool that
+    decides or reports; digest=True (recall and other read-only digests) lets
+    CAMBIUM_FETCH_INTERVAL apply instead (Store.read)."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     for scope in scopes:
         try:
             st = store(cfg, scope)
-            docs[scope] = st.read(background=background)
+            docs[scope] = st.read(digest=digest)
             warnings += st.warnings
         except ScopeOff:
             continue
@@ -4265,38 +4275,52 @@ def locate(cfg: Config, item_id: str) -> tuple[str, Item]:
     raise NotFound(f"No item {item_id} in any readable scope{extra}; recall lists ids.")
 
 
+@dataclass
+class Changed:
+    """change_item()'s plan: the doc to store (None: nothing) and the item after."""
+    doc: Doc | None
+    item: Item
+
+
 def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], Item | None],
-                message: str, *, org_branch: str | None = None) -> tuple[Item, Write | None]:
-    """Apply change(item) -> new item (None: nothing to do) where the item lives.
-
-    Local writes go through the lock; team and org through the CAS push; org in
-    PR mode onto `org_branch` (a shared PR branch). Returns the new item and
-    the shared-scope write (None for local).
-    """
-    result: dict[str, Item] = {}
-
-    def apply(doc: Doc) -> Doc | None:
+                message: str, *, topic: str = "updates") -> tuple[Item, Write]:
+    """Apply change(item) -> new item (None: nothing to do) where the item lives,
+    through mutate(); in org PR mode onto the `topic` pull request (pr_branch).
+    Returns the item after the change and the write."""
+    def plan(doc: Doc) -> Changed:
         hit = _find_item(doc, item_id)
         if hit is None:
             raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
-        i, it = hit
-        new = change(it)
-        result["item"] = new or it
-        return None if new is None else _replace_item(doc, i, new)
+        new = change(hit[1])
+        return Changed(None if new is None else _replace_item(doc, hit[0], new), new or hit[1])
 
-    write = mutate_scope(cfg, scope, apply, message, org_branch=org_branch)
-    return result["item"], write
+    write, done = mutate_plan(functools.partial(mutate, cfg, scope), plan, message,
+                              pr_branch=pr_branch(cfg, scope, topic))
+    return done.item, write
 
 
-def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
-                 *, org_branch: str | None = None) -> Write:
-    """One write to one scope: local under the lock, team and org as a CAS push,
-    org in PR mode onto `org_branch` with its pull request opened (pr_url set)."""
+def pr_branch(cfg: Config, scope: str, topic: str) -> str | None:
+    """The pull-request branch a write to `scope` goes to, or None for a direct
+    write: the one place PR branch names are chosen. Only org scope in PR mode
+    (CAMBIUM_ORG_PR=1) writes through pull requests, one branch per topic:
+    `updates` (endorsements, verifications, retirements, checks, corrections),
+    `generalize`, `knowledge-md`, and `promote-<item id>` (one per promotion)."""
+    return f"cambium/{topic}" if scope == "org" and cfg.org_pr else None
+
+
+def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str, *,
+           pr_branch: str | None = None, pr_body: str | None = None,
+           ensure_files: bool = False, ensure_pr: bool = False) -> Write:
+    """One write to one scope: local under the lock, team and org as a CAS push.
+
+    pr_branch (see pr_branch()): write onto that branch instead and open, or
+    reuse, its pull request (write.pr_url); ensure_pr: also when this write
+    changed nothing but the branch exists (a retry). The only caller of open_pr.
+    ensure_files: org also writes when only KNOWLEDGE.md is stale."""
     st = store(cfg, scope)
-    branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = st.mutate(fn, f"cambium: {message}", branch=branch)
-    if branch and write.commit:
-        write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}",
+    write = st.mutate(fn, f"cambium: {message}", branch=pr_branch, ensure_files=ensure_files)
+    if pr_branch and write.branch == pr_branch and (write.commit or ensure_pr):
+        write.pr_url = open_pr(cfg, st, pr_branch, f"cambium: {message}", pr_body or
                                "Opened by cambium. Review is the gate; merge to publish.")
     return write
 
@@ -4319,27 +4343,89 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
     return urls[-1]
 
 
+@dataclass
+class MovePlan:
+    """move()'s plan on one tip of the destination."""
+    doc: Doc | None                   # the destination doc to store (None: nothing to add)
+    refused: dict                     # id -> the gate's Verdict, judged on this tip
+
+
+@dataclass
+class Moved:
+    """What a move did: the destination write, the copies the destination holds
+    now (so they left the source), and the items the gate turned away."""
+    write: Write
+    landed: list
+    refused: dict
+
+
+def move(cfg: Config, items: list[Item], src: str, dst: str, *,
+         gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
+         pr_branch: str | None = None, pr_body: str | None = None) -> Moved:
+    """Move items from scope src up to scope dst: copy up, verify, drop the source.
+
+    Every (re)played write to dst re-reads each item as it now stands in src and
+    re-judges it with gate(); copy(item) is what lands. An item dst already
+    holds counts as landed without a new copy (a retry, a merged pull request).
+    Only what dst is verified to hold leaves src. With pr_branch the copies go
+    to that pull request and the src items are annotated with its URL instead;
+    they leave src once it merges (settle_org_prs).
+    """
+    ids = {it.id for it in items}
+
+    def plan(doc: Doc) -> MovePlan:
+        waiting = ids - {it.id for it in doc.items}
+        current = [it for it in store(cfg, src).read().items if it.id in waiting]
+        verdicts = {it.id: gate(it) for it in current}
+        copies = [copy(it) for it in current if verdicts[it.id].allowed]
+        return MovePlan(dataclasses.replace(doc, items=doc.items + copies) if copies else None,
+                        {i: v for i, v in verdicts.items() if not v.allowed})
+
+    write, planned = mutate_plan(functools.partial(mutate, cfg, dst), plan, message,
+                                 pr_branch=pr_branch, pr_body=pr_body, ensure_pr=True)
+    landed = [it for it in write.doc.items if it.id in ids]
+    held = {it.id for it in landed}
+    if pr_branch:
+        _annotate_pr(cfg, src, held, write.pr_url)
+    elif held:
+        mutate(cfg, src, lambda d: dataclasses.replace(
+            d, items=[i for i in d.items if i.id not in held]), f"{len(held)} item(s) moved to "
+            f"{dst}: {', '.join(sorted(held))}")
+    return Moved(write, landed, planned.refused)
+
+
+def _annotate_pr(cfg: Config, scope: str, ids: set[str], url: str | None) -> None:
+    """Mark items whose copy waits in a pull request with its URL."""
+    now = _now()
+
+    def apply(doc: Doc) -> Doc | None:
+        if not any(it.id in ids and it.pr_url != url for it in doc.items):
+            return None
+        return dataclasses.replace(doc, items=[
+            dataclasses.replace(it, pr_url=url, updated_at=now) if it.id in ids else it
+            for it in doc.items])
+
+    if url and ids:
+        mutate(cfg, scope, apply, f"annotate {', '.join(sorted(ids))} with its org PR")
+
+
+def _awaiting_merge(item: Item) -> Verdict:
+    return Verdict(False, "pr_pending", f"waits for {item.pr_url} to merge")
+
+
 def settle_org_prs(cfg: Config) -> list[str]:
     """Finish moves whose org pull request has merged: once org scope holds the
     item, drop the source copy that waited (annotated with pr_url). Returns ids."""
     if cfg.org_repo is None:
         return []
-    docs, _ = read_scopes(cfg, SCOPES)
-    if "org" not in docs:
-        return []
-    in_org = {it.id for it in docs["org"].items}
+    docs, _ = read_scopes(cfg, ("local", "team"))
     settled: list[str] = []
-    for scope in ("local", "team"):
-        if scope not in docs:
-            continue
-        done = {it.id for it in docs[scope].items if it.pr_url and it.id in in_org}
-        if not done:
-            continue
-        drop = lambda d, done=done: dataclasses.replace(  # noqa: E731
-            d, items=[i for i in d.items if i.id not in done]) \
-            if any(i.id in done for i in d.items) else None
-        store(cfg, scope).mutate(drop, "cambium: settle merged org PRs")
-        settled += sorted(done)
+    for scope, doc in docs.items():
+        waiting = [it for it in doc.items if it.pr_url]
+        if waiting:
+            moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
+                         message="settle merged org PRs")
+            settled += sorted(it.id for it in moved.landed)
     return settled
 
 
@@ -4551,8 +4637,7 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
                 "by": "distill", "at": now, "reason": reason})
 
         try:
-            change_item(cfg, where, entry["id"], retire, f"distill retires {entry['id']}",
-                        org_branch=ORG_UPDATES_BRANCH)
+            change_item(cfg, where, entry["id"], retire, f"distill retires {entry['id']}")
             retired.append({**entry, "scope": where})
         except CambiumError as e:
             pending.append(entry)
@@ -4924,8 +5009,8 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
                                               for g in groups for m, _, _ in g.members)]
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         fn = _merge_into(scope, groups, trusts, cfg.agent, now, done)
-        write = mutate_scope(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
-                             org_branch=ORG_UPDATES_BRANCH)
+        write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
+                       pr_branch=pr_branch(cfg, scope, "updates"))
         if write is not None and write.pr_url:
             pr_urls.append(write.pr_url)
             for sid in [k for k, v in done.items() if v == scope]:
@@ -5033,8 +5118,8 @@ def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
                  for it in doc.items]
         return dataclasses.replace(doc, items=items)
 
-    mutate_scope(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
-                 org_branch=ORG_UPDATES_BRANCH)
+    mutate(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
+           pr_branch=pr_branch(cfg, scope, "updates"))
 
 
 # =============================================================================
@@ -5175,34 +5260,37 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
     _scaffold_local(root)
     cfg_path = config_file_path(env)
-    current: dict = {}
-    if cfg_path.exists():
-        try:
-            loaded = json.loads(cfg_path.read_text(encoding="utf-8"))
-            current = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            aside = cfg_path.with_name(cfg_path.name + ".bad")
-            os.replace(cfg_path, aside)
-    current.update(updates)
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        os.chmod(cfg_path.parent, 0o700)
-    atomic_write(cfg_path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
+    _write_config(cfg_path, updates)
+    binding = repo_binding(resolve_config(env))
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
-           "binding": repo_binding(resolve_config(env)), "status": status()}
+           "binding": binding, "status": status()}
     shadowed = [k for k in updates if k != "CAMBIUM_REPO" and env.get(k) not in (None, "")
                 and env.get(k) != updates[k]]
     warnings = [f"{k} is also set in the environment, which wins over the config file; "
                 "unset it to use the value just written." for k in shadowed]
-    if out["binding"]["repo"] != str(root):
-        warnings.append(f"this process works in {out['binding']['repo']} "
-                        f"({out['binding']['because']}); {root} is used only by processes "
-                        "started outside any git repo.")
-    if warnings:
-        out["warnings"] = warnings
-    if org_offer:
-        out["org_setup"] = org_offer
-    return out
+    if binding["repo"] != str(root):
+        warnings.append(f"this process works in {binding['repo']} ({binding['because']}); "
+                        f"{root} is used only by processes started outside any git repo.")
+    return {**out, **({"warnings": warnings} if warnings else {}),
+            **({"org_setup": org_offer} if org_offer else {})}
+
+
+def _write_config(path: Path, updates: dict[str, str]) -> None:
+    """Merge updates into the config file, owner-only; an unreadable one is moved aside."""
+    current: dict = {}
+    if path.exists():
+        try:
+            current = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            current = None
+        if not isinstance(current, dict):
+            os.replace(path, path.with_name(path.name + ".bad"))
+            current = {}
+    current.update(updates)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        os.chmod(path.parent, 0o700)
+    atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
 
 
 def repo_binding(cfg: Config) -> dict:
@@ -5364,7 +5452,7 @@ def recall(query: Annotated[str, Field(
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
         store(cfg, scope)                   # asked for a scope that is off: say so
-    docs, warnings = read_scopes(cfg, scopes, background=runtime().long_running.is_set())
+    docs, warnings = read_scopes(cfg, scopes, digest=True)
     if scope in ("team", "org") and scope not in docs:
         raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
     items = federated_items(docs)
@@ -5499,8 +5587,7 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
                      message: str, status: str) -> dict:
     """Apply a change to an item in whichever scope holds it; the tool's answer."""
     scope, _ = locate(cfg, item_id)
-    item, write = change_item(cfg, scope, item_id, change, message,
-                              org_branch=ORG_UPDATES_BRANCH)
+    item, write = change_item(cfg, scope, item_id, change, message)
     out = {"status": status, "scope": scope, "item": item_view(item)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
@@ -5557,54 +5644,47 @@ def promote(item_id: Annotated[str | None, Field(
 
 
 def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
-    doc = store(cfg, "local").read()
     pending = read_credits(credits_path(cfg))
-    chosen: list[tuple[Item, dict, str]] = []
-    for it in doc.items:
-        if item_id is not None and it.id != item_id:
-            continue
-        trust = effective_trust(it, pending)
-        verdict = team_verdict(it, trust, cfg.promote_recalls,
-                               force=force and item_id is not None)
-        if verdict.allowed:
-            chosen.append((it, trust, verdict.reason))
-        elif item_id is not None:
-            _require_active(it, "promoted")
-            return {"status": verdict.status, "item": item_view(it, trust=trust),
-                    "reason": verdict.reason}
-    if item_id is not None and not chosen:
+
+    def gate(it: Item) -> Verdict:
+        return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
+                            force=force and item_id is not None)
+
+    local = [it for it in store(cfg, "local").read().items if item_id in (None, it.id)]
+    verdicts = {it.id: gate(it) for it in local}
+    if item_id is not None and not local:
         scope, it = locate(cfg, item_id)
         return {"status": "already_promoted" if scope != "local" else "not_eligible",
                 "scope": scope, "item": item_view(it)}
+    if item_id is not None and not verdicts[item_id].allowed:
+        _require_active(local[0], "promoted")
+        return {"status": verdicts[item_id].status, "reason": verdicts[item_id].reason,
+                "item": item_view(local[0], trust=effective_trust(local[0], pending))}
+    chosen = [it for it in local if verdicts[it.id].allowed]
     if not chosen:
         return {"status": "nothing_eligible", "promoted": [],
                 "rule": f"local items need {cfg.promote_recalls} recalls or an endorsement"}
-    team = store(cfg, "team")
     now = _now()
-    copies = {it.id: promoted_copy(it, "team", trust=trust, agent=cfg.agent, now=now)
-              for it, trust, _ in chosen}
-
-    def add(d: Doc) -> Doc | None:
-        have = {i.id for i in d.items}
-        new = [c for c in copies.values() if c.id not in have]
-        return dataclasses.replace(d, items=d.items + new) if new else None
-
     try:
-        write = team.mutate(add, f"cambium: {cfg.agent} promotes {len(copies)} item(s) to team")
+        moved = move(cfg, chosen, "local", "team", gate=gate, message=f"{cfg.agent} promotes "
+                     f"{len(chosen)} item(s) to team", copy=lambda it: promoted_copy(
+                         it, "team", trust=effective_trust(it, pending), agent=cfg.agent,
+                         now=now))
     except CambiumError as e:
         raise _noted(e, "nothing moved: the item(s) stay local.")
-    landed = {i.id for i in write.doc.items} & set(copies)
-    _drop(cfg, "local", landed, "moved up to team")
-    return {"status": "promoted", "to_scope": "team", "commit": write.commit,
-            "promoted": [{**item_view(copies[i]), "because": why}
-                         for it, _, why in chosen if (i := it.id) in landed]}
+    return {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
+            "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
+                         for c in moved.landed]}
 
 
-def _drop(cfg: Config, scope: str, ids: set[str], message: str) -> None:
-    """Remove items from a scope (only ever after their copy is verified elsewhere)."""
-    if ids:
-        store(cfg, scope).mutate(lambda d: dataclasses.replace(
-            d, items=[i for i in d.items if i.id not in ids]), message)
+def _org_refusal(item: Item, verdict: Verdict) -> dict:
+    """The answer for an item the org gate turned away."""
+    out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
+    if verdict.tells:
+        out.update(tells=verdict.tells, draft=verdict.draft,
+                   retry=f"promote({item.id!r}, to_scope='org', org_content=<the rule in "
+                         "general terms>, org_why=<why it holds, in general terms>)")
+    return out
 
 
 def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None,
@@ -5612,55 +5692,45 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     scope, item = locate(cfg, item_id)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
-    if not item.active:
-        _require_active(item, "promoted")
+    _require_active(item, "promoted")
     if item.pr_url:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
                         "finishes the move."}
-    verdict = org_verdict(item, org_content=org_content, org_why=org_why, force=force)
-    if not verdict.allowed:
-        out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
-        if verdict.tells:
-            out["tells"] = verdict.tells
-            out["draft"] = verdict.draft
-            out["retry"] = (f"promote({item_id!r}, to_scope='org', org_content=<the rule in "
-                            "general terms>, org_why=<why it holds, in general terms>)")
-        return out
-    org = store(cfg, "org")
+
+    def gate(it: Item) -> Verdict:
+        return org_verdict(it, org_content=org_content, org_why=org_why, force=force)
+
+    if not (verdict := gate(item)).allowed:
+        return _org_refusal(item, verdict)
     pending = read_credits(credits_path(cfg))
     now = _now()
-    copy = promoted_copy(item, "org", trust=effective_trust(item, pending), agent=cfg.agent,
-                         now=now, org_content=org_content, org_why=org_why)
 
-    def add(d: Doc) -> Doc | None:
-        if any(i.id == copy.id for i in d.items):
-            return None
-        return dataclasses.replace(d, items=d.items + [copy])
+    def copy(it: Item) -> Item:
+        return promoted_copy(it, "org", trust=effective_trust(it, pending), agent=cfg.agent,
+                             now=now, org_content=org_content, org_why=org_why)
 
-    msg = f"cambium: {cfg.agent} promotes {item_id} to org"
+    branch = pr_branch(cfg, "org", f"promote-{item_id}")
+    body = (f"Promotes knowledge item {item_id} from {scope} scope of {item.project}.\n\n"
+            f"> {copy(item).content}\n\nEndorsed as: "
+            f"{latest_endorsement_note(item) or '(no note)'}\n\n"
+            "Review is the gate: merge to publish to every project; close to decline.")
     try:
-        if cfg.org_pr:
-            branch = f"cambium/promote-{item_id}"
-            write = org.mutate(add, msg, branch=branch)
-            body = (f"Promotes knowledge item {item_id} from {scope} scope of {item.project}.\n\n"
-                    f"> {copy.content}\n\nEndorsed as: "
-                    f"{latest_endorsement_note(item) or '(no note)'}\n\n"
-                    "Review is the gate: merge to publish to every project; close to decline.")
-            url = open_pr(cfg, org, branch, msg, body)
-            change_item(cfg, scope, item_id,
-                        lambda it: dataclasses.replace(it, pr_url=url, updated_at=now),
-                        f"annotate {item_id} with its org PR")
-            return {"status": "pr_opened", "pr_url": url, "branch": branch,
-                    "item": item_view(copy), "source_scope": scope,
-                    "note": f"the {scope} copy stays until the PR merges"}
-        write = org.mutate(add, msg)
+        moved = move(cfg, [item], scope, "org", gate=gate, copy=copy, pr_branch=branch,
+                     pr_body=body, message=f"{cfg.agent} promotes {item_id} to org")
     except CambiumError as e:
         raise _noted(e, f"nothing moved: the item stays in {scope} scope.")
-    if any(i.id == item_id for i in write.doc.items):
-        _drop(cfg, scope, {item_id}, f"cambium: {item_id} moved to org")
-    return {"status": "promoted", "to_scope": "org", "commit": write.commit,
-            "item": item_view(copy), "published": ["knowledge.json", "KNOWLEDGE.md"]}
+    if item_id in moved.refused:                  # the item changed under us: judged again
+        return _org_refusal(item, moved.refused[item_id])
+    if not moved.landed:
+        raise NotFound(f"item {item_id} left {scope} scope while it was being promoted; "
+                       "recall shows where it is now.")
+    out = {"item": item_view(moved.landed[0]), **({"forced": True} if verdict.forced else {})}
+    if branch:
+        return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
+                "source_scope": scope, "note": f"the {scope} copy stays until the PR merges"}
+    return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit, **out,
+            "published": ["knowledge.json", "KNOWLEDGE.md"]}
 
 
 def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
@@ -5702,7 +5772,7 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
                 "by": cfg.agent, "at": now, "note": note}})
 
     new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes {item_id}",
-                             org_branch=ORG_GENERALIZE_BRANCH)
+                             topic="generalize")
     changed = write is not None and write.commit is not None and restated(
         hit[1], content=text, why=why) is not hit[1]
     out = {"status": "generalized" if changed else "unchanged", "item": item_view(new),
@@ -5871,8 +5941,8 @@ def correct(item_id: ItemId,
                                                    why="corrected by a person"))
         return dataclasses.replace(doc, items=doc.items + [new])
 
-    write = mutate_scope(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
-                         org_branch=ORG_UPDATES_BRANCH)
+    write = mutate(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
+                   pr_branch=pr_branch(cfg, scope, "updates"))
     embed_soon(cfg, [new])
     out = {"status": "corrected", "scope": scope, "item": item_view(new),
            "superseded": item_id}
@@ -5951,7 +6021,7 @@ def usage(session: Annotated[str | None, Field(
     if session:
         session = _clean_text(session, "session", 200)
         rows = shown_by(records, "session", session, "item")
-        docs, warnings = read_scopes(cfg, SCOPES, background=runtime().long_running.is_set())
+        docs, warnings = read_scopes(cfg, SCOPES, digest=True)
         known = {it.id: it for it in federated_items(docs)}
         for row in rows:
             it = known.get(row["item"])
@@ -6094,14 +6164,12 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
 
 def _publish_org_markdown(cfg: Config) -> dict:
     """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's."""
-    org = store(cfg, "org")
-    branch = "cambium/knowledge-md" if cfg.org_pr else None
-    write = org.mutate(lambda d: None, "cambium: re-render KNOWLEDGE.md", branch=branch,
-                       ensure_files=True)
+    write = mutate(cfg, "org", lambda d: None, "re-render KNOWLEDGE.md", ensure_files=True,
+                   pr_branch=pr_branch(cfg, "org", "knowledge-md"),
+                   pr_body="KNOWLEDGE.md re-rendered from knowledge.json by cambium.")
     out = {"file": "KNOWLEDGE.md", "changed": write.commit is not None, "commit": write.commit}
-    if branch and write.commit:
-        out["pr_url"] = open_pr(cfg, org, branch, "cambium: re-render KNOWLEDGE.md",
-                                "KNOWLEDGE.md re-rendered from knowledge.json by cambium.")
+    if write.pr_url:
+        out["pr_url"] = write.pr_url
     return out
 
 

@@ -1086,6 +1086,76 @@ def test_org_promotion_restates_a_project_specific_why(shared, monkeypatch):
     assert out["item"]["content"] == "Time out every outbound HTTP call"
 
 
+def test_decisions_use_the_current_tip_not_the_fetch_interval(shared, monkeypatch):
+    """Issue 9.2: a peer endorses through its own server and promote to org from
+    this one succeeds at once; a peer's edit of the team file shows in stale_report
+    at once; only recall waits for CAMBIUM_FETCH_INTERVAL."""
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "3600")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    rule = cs.capture("Prefer idempotent retries with exponential backoff")["item"]["id"]
+    other = cs.capture("Keep release notes short and dated")["item"]["id"]
+    cs.promote(rule, force=True)
+    cs.promote(other, force=True)
+    assert cs.promote(rule, to_scope="org")["status"] == "needs_endorsement"
+    assert cs.stale_report()["count"] == 2 and cs.recall("release notes dated")["results"]
+    peer_env = {"CAMBIUM_REPO": str(shared["b"]), "CAMBIUM_AGENT_ID": "bob",
+                "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
+                "CAMBIUM_FETCH_INTERVAL": "3600", "CAMBIUM_RECALL_MODE": "lexical"}
+
+    async def peer_endorses():
+        async with peer_session([sys.executable, str(SERVER)], peer_env, shared["b"],
+                                "bob") as bob:
+            return await bob.call("endorse", item_id=rule, note="holds for any remote call")
+
+    assert asyncio.run(peer_endorses())["scope"] == "team"
+    res = cs.promote(rule, to_scope="org")
+    assert res["status"] == "promoted", res
+    editor = clone(shared["origin"], shared["tmp"] / "editor")
+    git(editor, "checkout", "-q", "cambium")
+    data = json.loads((editor / "knowledge.json").read_text())
+    data["items"][0]["content"] = "Keep release notes short, dated and linked"
+    (editor / "knowledge.json").write_text(json.dumps(data))
+    git(editor, "commit", "-qam", "a peer edits the team file")
+    git(editor, "push", "-q", "origin", "cambium")
+    lagging = cs.recall("release notes dated", scope="team")["results"][0]   # a digest may lag
+    assert lagging["content"] == "Keep release notes short and dated"
+    rows = {r["id"]: r for r in cs.stale_report()["entries"]}
+    assert rows[other]["content"] == "Keep release notes short, dated and linked"
+    assert rows[rule]["scope"] == "org"
+
+
+def test_org_gate_is_judged_again_on_the_tip_a_retry_writes_on(shared, monkeypatch):
+    """Issue 9.2: after a lost race the replayed change re-judges the item as it now
+    stands: a peer deprecated it meanwhile, so the retry does not publish it."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer idempotent retries with exponential backoff")
+    cs.promote()
+    peer_org = clone(shared["org_bare"], shared["tmp"] / "peer-org")
+    calls = {"n": 0}
+    real_mutate = cs.GitStore.mutate
+
+    def racing_mutate(self, fn, message, **kw):
+        def fn_then_peer(doc):
+            out = fn(doc)
+            calls["n"] += 1
+            if self.scope == "org" and calls["n"] == 1:     # after our plan, before our push
+                gone = cli("deprecate", item, "--reason", "superseded by a retry budget",
+                           CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob")
+                assert gone.returncode == 0, gone.stderr
+                (peer_org / "NOTES.md").write_text("peer\n")
+                git(peer_org, "add", "NOTES.md")
+                git(peer_org, "commit", "-qm", "a peer moves the org tip")
+                git(peer_org, "push", "-q", "origin", "HEAD:main")
+            return out
+        return real_mutate(self, fn_then_peer, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
+    res = cs.promote(item, to_scope="org")
+    assert res["status"] == "deprecated" and "deprecated" in res["reason"]
+    assert remote_json(shared["org_bare"], "main") is None   # nothing published
+    assert item in team_ids(shared["origin"])                 # nothing moved
+
+
 def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Retry calls in src/pay/client.py with backoff",
