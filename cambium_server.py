@@ -71,6 +71,7 @@ import hashlib
 import heapq
 import importlib.util
 import inspect
+import io
 import json
 import math
 import operator
@@ -357,7 +358,14 @@ _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
 AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
-@dataclass
+def _shared_str(value: Any) -> str:
+    """A short repeated value (type, tag, project...) as one shared string
+    object: 100k items hold a few hundred distinct ones, not 100k copies."""
+    text = str(value)
+    return sys.intern(text) if len(text) <= 64 else text
+
+
+@dataclass(slots=True)
 class Item:
     """One knowledge item, as stored in a scope's knowledge.json.
 
@@ -392,6 +400,8 @@ class Item:
     check: dict | None = None                        # {cmd, by, at}: operator-attached check
     failing: dict | None = None                      # {at, exit, output}: last check failed
     extra: dict = field(default_factory=dict)
+    #: values derived() from this object; not copied by dataclasses.replace
+    memo: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> Item:
@@ -413,12 +423,14 @@ class Item:
             item_id = "k-" + hashlib.sha1(content.encode()).hexdigest()[:12]
         return cls(
             id=item_id, content=content,
-            type=str(d.get("type") or "memory"), kind=str(d.get("kind") or "note"),
+            type=_shared_str(d.get("type") or "memory"),
+            kind=_shared_str(d.get("kind") or "note"),
             why=d.get("why") if isinstance(d.get("why"), str) else "",
-            tags=[str(t) for t in tags] if isinstance(tags, list) else [],
-            scope=str(d.get("scope") or "local"), project=str(d.get("project") or ""),
+            tags=[_shared_str(t) for t in tags] if isinstance(tags, list) else [],
+            scope=_shared_str(d.get("scope") or "local"),
+            project=_shared_str(d.get("project") or ""),
             source=d.get("source") if isinstance(d.get("source"), dict) else {},
-            created_by=str(d.get("created_by") or ""),
+            created_by=_shared_str(d.get("created_by") or ""),
             created_at=str(d.get("created_at") or ""),
             updated_at=str(d.get("updated_at") or d.get("created_at") or ""),
             status=str(d.get("status") or "active"), trust=trust,
@@ -598,11 +610,12 @@ def derived(item: Item, name: str, compute: Callable[[Item], Any]) -> Any:
     """compute(item), memoized on the item object itself. Items are immutable
     once stored (changes make a new object via dataclasses.replace, which does
     not carry the memo), so a memo is valid for the object's whole life."""
-    memo = item.__dict__
-    key = "_memo_" + name
-    value = memo.get(key)
+    memo = item.memo
+    if memo is None:
+        memo = item.memo = {}
+    value = memo.get(name)
     if value is None:
-        value = memo[key] = compute(item)
+        value = memo[name] = compute(item)
     return value
 
 
@@ -1121,9 +1134,18 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
 
 # =============================================================================
 # Storage: files
-# Atomic replace (temp file, fsync, rename) under an exclusive lock held across
-# read-modify-write, so concurrent processes never lose each other's update.
+# knowledge.json keeps one item per line between a head (format, meta) and a
+# closing `]}`: readable JSON that is cheap to append to, diff and merge. Files
+# are replaced atomically (temp file, fsync, rename) under an exclusive lock
+# held across read-modify-write, so concurrent processes never lose an update.
+# Reading keeps every line that parses; the ones that do not are returned
+# verbatim, for the caller to set aside (never to drop).
 # =============================================================================
+
+STORE_TAIL = b"\n]}\n"      #: how a store with items ends; an append writes over it
+_STRUCTURAL = frozenset((b"", b"{", b"}", b"[", b"]", b"]}", b"],", b'"items": [',
+                         b'"items": []}'))
+
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
@@ -1139,13 +1161,18 @@ def file_lock(path: Path) -> Iterator[None]:
             os.close(fd)
 
 
-def atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
-    """Replace `path` with `text` atomically and durably."""
+def atomic_write(path: Path, data: str | bytes | Callable[[Any], None],
+                 mode: int = 0o644) -> None:
+    """Replace `path` atomically and durably with text, bytes, or whatever
+    data(binary file) writes (streamed: a large store is never joined in memory)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
@@ -1162,51 +1189,143 @@ def atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
             os.close(dfd)
 
 
-def _parse_lines(text: str) -> dict | None:
-    """Fast path for the layout render_store writes (one item per line): parse
-    item by item, so peak memory holds one raw dict, not all of them. None when
-    the text has any other layout (then the whole document is parsed)."""
-    lines = text.split("\n")
-    if len(lines) < 4 or not lines[0].startswith('{"cambium"') or lines[2] != '"items": [':
-        return None
+@dataclass
+class Parsed:
+    """A knowledge.json read line by line: the doc, the lines that did not
+    parse (verbatim), each item's JSON as a byte range of the file (spans[2i],
+    spans[2i+1]: line-layout files only), and where STORE_TAIL starts when the
+    file is exactly as render_store writes it (then an append may go there)."""
+    doc: Doc
+    bad: list[bytes] = field(default_factory=list)
+    spans: array | None = None
+    tail_at: int | None = None
+    closed: bool = True          # False: a line-layout file whose end is torn
+
+
+def _json(raw: bytes) -> Any:
     try:
-        head = json.loads(lines[0][:-1] + "}")
-        meta = json.loads(lines[1][len('"meta": '):-1])
-        if lines[-1] != "" or lines[-2] != "]}":
-            return None
-        body = lines[3:-2]
-        if any(not ln.endswith(",") for ln in body[:-1]) or (body and body[-1].endswith(",")):
-            return None
-        items = [Item.from_dict(json.loads(ln[:-1] if ln.endswith(",") else ln))
-                 for ln in body]
-    except (ValueError, RecursionError, AttributeError, TypeError):
+        return json.loads(raw)
+    except (ValueError, RecursionError):
         return None
-    return {**head, "meta": meta, "_items": items}
+
+
+def _head_of(first: list[bytes]) -> tuple[dict, dict, list[bytes]] | None:
+    """(raw keys, meta, bad lines) of a line-layout file's first three lines;
+    None when the file has another layout."""
+    lines = [ln.rstrip(b"\r\n") for ln in first]
+    if len(lines) < 3 or not lines[0].startswith(b'{"cambium"') or lines[2] != b'"items": [':
+        return None
+    bad = []
+    head = _json(lines[0][:-1] + b"}") if lines[0].endswith(b",") else None
+    meta = _json(lines[1][len(b'"meta": '):-1]) \
+        if lines[1].startswith(b'"meta": ') and lines[1].endswith(b",") else None
+    if not isinstance(head, dict):
+        bad.append(lines[0])
+    if not isinstance(meta, dict):
+        bad.append(lines[1])
+    raw = {k: v for k, v in head.items() if k != "cambium"} if isinstance(head, dict) else {}
+    return raw, meta if isinstance(meta, dict) else {}, bad
+
+
+def _item_lines(stream: Iterable[bytes], offset: int, out: Parsed) -> None:
+    """Parse item lines (the file from byte `offset` on) into out: items and
+    their spans, bad lines, and whether the file ends exactly in STORE_TAIL."""
+    items, spans, bad = out.doc.items, out.spans, out.bad
+    tail_at, end, canonical, comma = None, None, True, False
+    for raw in stream:
+        line = raw.rstrip(b"\r\n")
+        start, offset = offset, offset + len(raw)
+        if end is not None:
+            canonical = False
+            if line.strip():
+                bad.append(line)
+            continue
+        if line == b"]}":
+            end = start
+            tail_at = start - 1 if raw == b"]}\n" and items else None
+            continue
+        body = line[:-1] if line.endswith(b",") else line
+        d = _json(body)
+        if isinstance(d, dict):
+            canonical = canonical and (comma or not items) and raw.endswith(b"\n")
+            items.append(Item.from_dict(d))
+            spans.extend((start, start + len(body)))
+            comma = line.endswith(b",")
+        else:
+            canonical = False
+            if line.strip() not in _STRUCTURAL:
+                bad.append(line)
+    out.closed = end is not None
+    out.tail_at = tail_at if canonical and not bad and not comma else None
+
+
+def parse_file(stream: Any, where: str) -> Parsed:
+    """Parse a knowledge.json from a binary stream. Raises CorruptStore only
+    when nothing in it parses."""
+    first = [stream.readline() for _ in range(3)]
+    head = _head_of(first)
+    if head is None:
+        return _parse_whole(b"".join(first) + stream.read(), where)
+    raw, meta, bad = head
+    out = Parsed(Doc(items=[], meta=meta, raw=raw), bad, array("q"))
+    _item_lines(stream, sum(map(len, first)), out)
+    if not out.doc.items and (out.bad or not out.closed):
+        raise CorruptStore(f"{where} has no line that parses as an item")
+    return out
+
+
+def _parse_whole(data: bytes, where: str) -> Parsed:
+    """A file in another layout (hand-formatted JSON, a bare list, one item)."""
+    if not data.strip():
+        return Parsed(Doc(items=[]))
+    obj = _json(data)
+    if obj is None:
+        return _salvage(data, where)
+    if isinstance(obj, dict) and "items" not in obj and isinstance(obj.get("content"), str):
+        obj = [obj]                                  # a single item
+    if isinstance(obj, list):
+        obj = {"items": obj}
+    if not isinstance(obj, dict) or not isinstance(obj.get("items", []), list):
+        raise CorruptStore(f"{where} must be an object with an 'items' list")
+    entries = obj.get("items", [])
+    meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else {}
+    rest = {k: v for k, v in obj.items() if k not in ("items", "meta", "cambium")}
+    return Parsed(Doc(items=[Item.from_dict(d) for d in entries if isinstance(d, dict)],
+                      meta=meta, raw=rest),
+                  bad=[json.dumps(d, ensure_ascii=False).encode("utf-8")
+                       for d in entries if not isinstance(d, dict)])
+
+
+def _salvage(data: bytes, where: str) -> Parsed:
+    """Not JSON as a whole: keep every line that is an item (or the meta line)."""
+    out = Parsed(Doc(items=[]))
+    for line in data.split(b"\n"):
+        line = line.rstrip(b"\r")
+        body = line.strip().rstrip(b",")
+        if body.startswith(b'"meta": '):
+            meta = _json(body[len(b'"meta": '):])
+            if isinstance(meta, dict):
+                out.doc.meta = meta
+                continue
+        d = _json(body)
+        if isinstance(d, dict) and isinstance(d.get("content"), str):
+            out.doc.items.append(Item.from_dict(d))
+        elif body not in _STRUCTURAL:
+            out.bad.append(line)
+    if not out.doc.items:
+        raise CorruptStore(f"{where} is not valid JSON and no line of it is an item")
+    return out
 
 
 def parse_store(text: str, where: str) -> Doc:
-    """Parse knowledge.json text; raise CorruptStore rather than guess."""
-    if not text.strip():
-        return Doc(items=[])
-    fast = _parse_lines(text)
-    if fast is not None and isinstance(fast.get("meta"), dict):
-        rest = {k: v for k, v in fast.items() if k not in ("_items", "meta", "cambium")}
-        return Doc(items=fast["_items"], meta=fast["meta"], raw=rest)
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise CorruptStore(f"{where} is not valid JSON ({str(e)[:120]})") from None
-    if isinstance(data, list):
-        data = {"items": data}
-    if not isinstance(data, dict) or not isinstance(data.get("items", []), list):
-        raise CorruptStore(f"{where} must be an object with an 'items' list")
-    raw_items = data.get("items", [])
-    bad = [i for i, d in enumerate(raw_items) if not isinstance(d, dict)]
-    if bad:
-        raise CorruptStore(f"{where}: items[{bad[0]}] is not an object")
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
-    rest = {k: v for k, v in data.items() if k not in ("items", "meta", "cambium")}
-    return Doc(items=[Item.from_dict(d) for d in raw_items], meta=meta, raw=rest)
+    """Parse knowledge.json text strictly: CorruptStore if any line is damaged
+    (a shared scope's file is fixed by hand, never half-read)."""
+    parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogateescape")), where)
+    if parsed.bad or not parsed.closed:
+        first = parsed.bad[0][:80] if parsed.bad else b"(the file ends early)"
+        raise CorruptStore(f"{where}: {len(parsed.bad) or 1} line(s) do not parse "
+                           f"(first: {first.decode('utf-8', 'replace')!r})")
+    return parsed.doc
 
 
 def _item_line(item: Item) -> str:
@@ -1215,37 +1334,21 @@ def _item_line(item: Item) -> str:
                                                        separators=(",", ":")))
 
 
-class _ItemsText:
-    """The joined item lines of the last rendered list, so appending an item to
-    a large store costs one line, not a re-join of every line."""
-
-    def __init__(self) -> None:
-        self.items: list = []
-        self.text = ""
-
-    def render(self, items: list) -> str:
-        old = self.items
-        if old and len(items) >= len(old) and all(map(operator.is_, items, old)):
-            tail = ",\n".join(_item_line(i) for i in items[len(old):])
-            text = self.text + (",\n" + tail if tail else "")
-        else:
-            text = ",\n".join(_item_line(i) for i in items)
-        self.items, self.text = items, text
-        return text
-
-
-def render_store(doc: Doc, cache: _ItemsText | None = None) -> str:
-    """knowledge.json text: readable, one item per line (cheap to write, diff, merge)."""
+def store_head(doc: Doc) -> bytes:
+    """The lines before the items: format and unknown keys, meta, the items key."""
     head = {"cambium": STORE_FORMAT, **doc.raw}
-    lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ","]
-    lines.append('"meta": ' + json.dumps(doc.meta, ensure_ascii=False, sort_keys=True) + ",")
+    lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ",",
+             '"meta": ' + json.dumps(doc.meta, ensure_ascii=False, sort_keys=True) + ",",
+             '"items": [' if doc.items else '"items": []}']
+    return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
+
+
+def render_store(doc: Doc) -> str:
+    """knowledge.json text: readable, one item per line (cheap to write, diff, merge)."""
+    head = store_head(doc).decode("utf-8", "surrogateescape")
     if not doc.items:
-        lines.append('"items": []}')
-    else:
-        lines.append('"items": [')
-        lines.append((cache or _ItemsText()).render(doc.items))
-        lines.append("]}")
-    return "\n".join(lines) + "\n"
+        return head
+    return head + ",\n".join(_item_line(i) for i in doc.items) + STORE_TAIL.decode()
 
 
 # =============================================================================
@@ -1301,86 +1404,334 @@ def mutate_plan(mutate: Callable[..., Any], plan: Callable[[Doc], Any], message:
     return written, plans[-1]
 
 
+# =============================================================================
+# Storage: the local file
+# A capture is an append under the lock: its line and the closing bracket are
+# written over the old closing bracket and fsynced, so a store of any size costs
+# one line per capture. Every append is recorded in knowledge.json.appends
+# (inode, size and mtime before and after), so a reader holding a parsed copy
+# that finds the same file grown by recorded appends parses only the new tail;
+# anything else (a hand edit, an unrecorded change) is parsed whole. Rarer
+# changes rewrite the file, copying unchanged items' bytes from the old one.
+# Lines that do not parse (a torn tail after a crash, a bad hand edit) are set
+# aside verbatim in knowledge.json.quarantine-<time> and the rest keeps
+# serving; only a file where nothing parses is moved aside whole (.corrupt-).
+# `restore` brings either back.
+# =============================================================================
+
+APPENDS_SUFFIX = ".appends"          #: the append record beside the store
+QUARANTINE_TAG = ".quarantine-"      #: knowledge.json.quarantine-<time>: lines set aside
+CORRUPT_TAG = ".corrupt-"            #: knowledge.json.corrupt-<time>: a whole file set aside
+RESTORED_SUFFIX = ".restored"        #: what restore renames a file it brought back whole
+APPENDS_READ_MAX = 256 * 1024        #: bytes of the append record a reader looks at
+
+
+@dataclass
+class _Seen:
+    """One version of the local file as this process parsed it."""
+    key: tuple                  # (inode, size, mtime_ns)
+    doc: Doc
+    spans: array                # items[i]'s JSON is at bytes spans[2i]:spans[2i+1]
+    tail_at: int | None         # STORE_TAIL starts here (None: not appendable)
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _stamp() -> str:
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
+
+
+def appended_items(old: Doc, new: Doc) -> list | None:
+    """The items `new` adds at the end of `old`, if that is all it changes."""
+    n = len(old.items)
+    if len(new.items) <= n or new.raw != old.raw or \
+            not (new.meta is old.meta or new.meta == old.meta):
+        return None
+    if not all(map(operator.is_, new.items, old.items)):
+        return None
+    return new.items[n:]
+
+
+def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, array]:
+    """The items part of a file: pieces to write (bytes, or a (start, end) range
+    of the old file for an item unchanged since it was parsed there; adjacent
+    ones merged when the old file was canonical) and each item's new span,
+    counting from byte `base`."""
+    where = {id(it): i for i, it in enumerate(seen.doc.items)} if seen else {}
+    merge = seen is not None and seen.tail_at is not None
+    pieces: list = []
+    spans = array("q")
+    pos = base
+    for n, it in enumerate(items):
+        i = where.get(id(it))
+        if n:
+            pos += 2
+        if i is not None:
+            start, end = seen.spans[2 * i], seen.spans[2 * i + 1]
+            last = pieces[-1] if pieces else None
+            if n and merge and isinstance(last, tuple) and last[1] + 2 == start:
+                pieces[-1] = (last[0], end)
+            else:
+                pieces += [b",\n", (start, end)] if n else [(start, end)]
+        else:
+            line = _item_line(it).encode("utf-8", "surrogateescape")
+            start, end = 0, len(line)
+            pieces += [b",\n", line] if n else [line]
+        spans.extend((pos, pos + end - start))
+        pos += end - start
+    return pieces, spans
+
+
+def _copy_range(src: Any, out: Any, start: int, end: int) -> None:
+    src.seek(start)
+    while start < end:
+        chunk = src.read(min(end - start, 1 << 22))
+        if not chunk:
+            raise OSError(f"{src.name} changed while it was being rewritten")
+        out.write(chunk)
+        start += len(chunk)
+
+
 class LocalStore(Store):
-    """<repo>/.cambium/knowledge.json. A parsed copy is cached per file version
-    (mtime, size, inode), so a hand edit is picked up on the next call. Every
-    write first folds the recall credits pending in the `credits` journal."""
+    """<repo>/.cambium/knowledge.json. The parsed copy is cached per file
+    version and extended by recorded appends, so a hand edit is picked up on
+    the next call. Every write first folds the credits pending in `credits`."""
     scope = "local"
 
     def __init__(self, path: Path, credits: Path | None = None):
         self.path = path
         self.credits = credits
-        self.lock = threading.Lock()           # guards _cache and _warnings
-        self._cache: tuple[tuple, Doc] | None = None
-        self._text = _ItemsText()
-        self._warnings: list[str] = []
+        self.appends = path.with_name(path.name + APPENDS_SUFFIX)
+        self.lock = threading.Lock()           # guards _seen
+        self._seen: _Seen | None = None
 
     @property
     def warnings(self) -> list[str]:
-        with self.lock:
-            return list(self._warnings)
+        return set_aside_warnings(self.path)
 
-    def _stat_key(self) -> tuple | None:
+    # -- reading ----------------------------------------------------------------
+    def read(self, digest: bool = False) -> Doc:
+        doc = self._current(locked=False)
+        if doc is not None:
+            return doc
+        with file_lock(self.path):             # damaged, or a writer is mid-append
+            return self._current(locked=True)
+
+    def _current(self, *, locked: bool) -> Doc | None:
+        """The doc as the file now stands; None (unlocked only) when that takes
+        the lock: the file grew by an append not yet recorded, or is damaged."""
         try:
-            st = os.stat(self.path)
+            key = _stat_key(os.stat(self.path))
         except FileNotFoundError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def _load(self) -> Doc:
-        key = self._stat_key()
-        if key is None:
+            self._remember(None)
             return Doc(items=[])
         with self.lock:
-            if self._cache and self._cache[0] == key:
-                return self._cache[1]
-        text = self.path.read_text(encoding="utf-8", errors="surrogateescape")
-        doc = parse_store(text, str(self.path))
-        self._remember(key, doc)
+            seen = self._seen
+        if seen is not None and seen.key == key:
+            return seen.doc
+        grown = seen is not None and seen.tail_at is not None and key[0] == seen.key[0] \
+            and key[1] > seen.key[1]
+        if grown and self._appends_lead(seen.key, key):
+            doc = self._read_tail(seen, key)
+            if doc is not None:
+                return doc
+        if grown and not locked:
+            return None
+        return self._parse(locked=locked)
+
+    def _appends_lead(self, old: tuple, new: tuple) -> bool:
+        """Whether recorded appends lead from file version `old` to `new`."""
+        try:
+            with open(self.appends, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - APPENDS_READ_MAX))
+                text = f.read().decode("ascii", "replace")
+        except FileNotFoundError:
+            return False
+        step: dict[tuple, tuple] = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 5 and parts[0] == str(old[0]):
+                step[(parts[1], parts[2])] = (parts[3], parts[4])
+        at, goal = (str(old[1]), str(old[2])), (str(new[1]), str(new[2]))
+        for _ in range(len(step)):
+            at = step.get(at)
+            if at is None or at == goal:
+                return at == goal
+        return False
+
+    def _read_tail(self, seen: _Seen, key: tuple) -> Doc | None:
+        """Extend the parsed copy by the appended lines; None if they do not parse."""
+        with open(self.path, "rb") as f:
+            f.seek(seen.tail_at)
+            data = f.read(key[1] - seen.tail_at)
+        if not data.startswith(b",\n") or not data.endswith(STORE_TAIL):
+            return None
+        items, spans, pos = [], array("q"), seen.tail_at + 2
+        for line in data[2:-len(STORE_TAIL)].split(b"\n"):
+            body = line[:-1] if line.endswith(b",") else line
+            d = _json(body)
+            if not isinstance(d, dict):
+                return None
+            items.append(Item.from_dict(d))
+            spans.extend((pos, pos + len(body)))
+            pos += len(line) + 1
+        doc = Doc(items=seen.doc.items + items, meta=seen.doc.meta, raw=seen.doc.raw)
+        self._remember(_Seen(key, doc, seen.spans + spans, key[1] - len(STORE_TAIL)))
         return doc
 
-    def _remember(self, key: tuple | None, doc: Doc) -> None:
-        with self.lock:
-            self._cache = (key, doc) if key is not None else None
+    def _parse(self, *, locked: bool) -> Doc | None:
+        """Parse the whole file; damage is set aside under the lock."""
+        try:
+            with open(self.path, "rb") as f:
+                key = _stat_key(os.fstat(f.fileno()))
+                parsed = parse_file(f, str(self.path))
+                stable = _stat_key(os.fstat(f.fileno())) == key
+        except CorruptStore:
+            return self._move_aside() if locked else None
+        if parsed.bad or not parsed.closed:
+            return self._set_aside(parsed, key) if locked else None
+        if stable:                              # else a writer was busy: parse again next time
+            self._remember(_Seen(key, parsed.doc, parsed.spans or array("q"), parsed.tail_at))
+        return parsed.doc
 
-    def _quarantine(self, err: CorruptStore) -> Doc:
-        """Move an unparseable file aside (never overwrite it) and start empty."""
-        aside = self.path.with_name(f"{self.path.name}.corrupt-"
-                                    f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}")
-        os.replace(self.path, aside)
+    def _remember(self, seen: _Seen | None) -> None:
         with self.lock:
-            self._warnings.append(f"{err}. It was moved to {aside} (nothing deleted); "
-                                  "cambium started a fresh local store. Repair that file "
-                                  "and import its items, or copy them back by hand.")
-            self._cache = None
+            self._seen = seen
+
+    # -- damage -----------------------------------------------------------------
+    def _set_aside(self, parsed: Parsed, key: tuple) -> Doc:
+        """Keep the bad lines verbatim beside the store, then rewrite it with
+        every line that parsed (copied byte for byte)."""
+        if parsed.bad:
+            aside = self.path.with_name(self.path.name + QUARANTINE_TAG + _stamp())
+            atomic_write(aside, b"\n".join(parsed.bad) + b"\n")
+        seen = _Seen(key, parsed.doc, parsed.spans or array("q"), None) \
+            if parsed.spans is not None else None
+        self._remember(seen)
+        self._rewrite(parsed.doc)
+        return parsed.doc
+
+    def _move_aside(self) -> Doc:
+        """Nothing parses: move the whole file aside (never overwrite it), start empty."""
+        os.replace(self.path, self.path.with_name(self.path.name + CORRUPT_TAG + _stamp()))
+        self._remember(None)
         return Doc(items=[])
 
-    def read(self, digest: bool = False) -> Doc:
-        try:
-            return self._load()
-        except CorruptStore as err:
-            with file_lock(self.path):
-                try:
-                    return self._load()
-                except CorruptStore:
-                    return self._quarantine(err)
-
+    # -- writing ----------------------------------------------------------------
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str = "", *,
                branch: str | None = None, ensure_files: bool = False) -> Write:
-        """Apply fn under the file lock; durable (fsync + rename) before it returns."""
+        """Apply fn under the file lock: an append when fn only adds items at
+        the end, else a rewrite. Durable (fsynced) before it returns."""
         pending, commit = take_credits(self.credits, self.scope)
         with file_lock(self.path):
-            try:
-                doc = self._load()
-            except CorruptStore as err:
-                doc = self._quarantine(err)
+            doc = self._current(locked=True)
             new = with_credits(fn, pending)(doc)
             if new is None:
                 return Write(doc=doc)
-            atomic_write(self.path, render_store(new, self._text))
-            self._remember(self._stat_key(), new)
+            with self.lock:
+                seen = self._seen
+            added = appended_items(doc, new)
+            if added and seen is not None and seen.doc is doc and seen.tail_at is not None:
+                self._append(seen, added, new)
+            else:
+                self._rewrite(new)
         commit()
         return Write(doc=new)
+
+    def _append(self, seen: _Seen, added: list, new: Doc) -> None:
+        lines = [_item_line(it).encode("utf-8", "surrogateescape") for it in added]
+        data = b",\n" + b",\n".join(lines) + STORE_TAIL
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], seen.tail_at + done)
+            os.fsync(fd)
+            key = _stat_key(os.fstat(fd))
+        finally:
+            os.close(fd)
+        with open(self.appends, "a", encoding="ascii") as f:      # a hint: no fsync
+            f.write(f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n")
+        spans, pos = array("q"), seen.tail_at + 2
+        for line in lines:
+            spans.extend((pos, pos + len(line)))
+            pos += len(line) + 2
+        self._remember(_Seen(key, new, seen.spans + spans, key[1] - len(STORE_TAIL)))
+
+    def _rewrite(self, new: Doc) -> None:
+        """Replace the file whole, copying unchanged items from the old one."""
+        with self.lock:
+            seen = self._seen
+        head = store_head(new)
+        pieces, spans = _item_pieces(new.items, seen, len(head))
+
+        def write(out: Any) -> None:
+            out.write(head)
+            with contextlib.ExitStack() as stack:
+                src = stack.enter_context(open(self.path, "rb")) if seen else None
+                for piece in pieces:
+                    if isinstance(piece, tuple):
+                        _copy_range(src, out, *piece)
+                    else:
+                        out.write(piece)
+            if new.items:
+                out.write(STORE_TAIL)
+
+        atomic_write(self.path, write)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.appends)            # records of the old inode: no use now
+        key = _stat_key(os.stat(self.path))
+        self._remember(_Seen(key, new, spans, key[1] - len(STORE_TAIL) if new.items else None))
+
+
+def merge_restored(doc: Doc, back: Doc) -> tuple[Doc | None, dict[str, int]]:
+    """The store with the items of a set-aside file brought back as they were
+    (ids, status, trust, provenance): an id not in the store is added, one the
+    store holds is replaced only by a later version (updated_at); meta and
+    watermarks are united, the store's winning a conflict. None: nothing to do.
+    Pure and idempotent."""
+    at = {it.id: i for i, it in enumerate(doc.items)}
+    items = list(doc.items)
+    counts = {"restored": 0, "updated": 0, "already_here": 0}
+    for it in back.items:
+        i = at.get(it.id)
+        if i is None:
+            at[it.id] = len(items)
+            items.append(it)
+            counts["restored"] += 1
+        elif it.updated_at > items[i].updated_at and it.to_dict() != items[i].to_dict():
+            items[i] = it
+            counts["updated"] += 1
+        else:
+            counts["already_here"] += 1
+    marks = {**(back.meta.get("watermarks") or {}), **(doc.meta.get("watermarks") or {})}
+    meta = {**back.meta, **doc.meta, "watermarks": marks} if marks else {**back.meta, **doc.meta}
+    if not counts["restored"] and not counts["updated"] and meta == doc.meta:
+        return None, counts
+    return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
+
+
+def set_aside_warnings(path: Path) -> list[str]:
+    """What is set aside beside the store and not yet restored, and what to do."""
+    try:
+        names = sorted(os.listdir(path.parent))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.startswith(path.name + ".") or name.endswith(RESTORED_SUFFIX):
+            continue
+        if name.startswith(path.name + QUARANTINE_TAG):
+            out.append(f"lines of {path.name} that did not parse were set aside verbatim in "
+                       f"{path.parent / name} (every other item is served). Repair them and "
+                       f"run `cambium restore {path.parent / name}`, or delete the file.")
+        elif name.startswith(path.name + CORRUPT_TAG):
+            out.append(f"{path.name} did not parse at all and was moved to "
+                       f"{path.parent / name}; cambium started a fresh store. Repair it and "
+                       f"run `cambium restore {path.parent / name}`.")
+    return out
 
 
 # =============================================================================
@@ -1396,12 +1747,13 @@ def credits_path(cfg: Config) -> Path:
     return cfg.local_dir / CREDITS_FILE
 
 
-def _append_durably(path: Path, data: bytes) -> None:
+def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Append bytes to a file and fsync them (the caller holds its lock)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -1441,14 +1793,15 @@ def read_credits(path: Path | None) -> list[dict]:
     return out
 
 
-def append_credits(path: Path, records: list[dict]) -> None:
-    """Durably append credit records (one line each)."""
+def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> None:
+    """Append credit records (one line each), fsynced unless `durable` is off:
+    the server folds them into their (fsynced) store within seconds anyway."""
     if not records:
         return
     data = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
                    for r in records)
     with file_lock(path):
-        _append_durably(path, data.encode("utf-8"))
+        _append_durably(path, data.encode("utf-8"), sync=durable)
 
 
 def _nothing() -> None:
@@ -2674,8 +3027,14 @@ def _order(score: float, item: Item) -> tuple:
 
 
 def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
-    """The best `limit` slots in ranking order (see _order)."""
-    return heapq.nsmallest(limit, scores, key=lambda i: _order(scores[i], items[i]))
+    """The best `limit` slots in ranking order (see _order). The order's key is
+    computed only for the slots that can make the cut: common words match
+    thousands of items, and the key costs far more than the score."""
+    if not scores:
+        return []
+    cut = heapq.nlargest(limit, scores.values())[-1] - 1e-6
+    near = [i for i, s in scores.items() if s >= cut]
+    return sorted(near, key=lambda i: _order(scores[i], items[i]))[:limit]
 
 
 def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
@@ -3618,8 +3977,9 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
         live_keys.add(ckey)
         fresh.append(item)
     if fresh:
-        adm.doc = Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
-                      raw=doc.raw)
+        marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
+        meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta  # same: an append
+        adm.doc = Doc(items=doc.items + fresh, meta=meta, raw=doc.raw)
     return adm
 
 
@@ -5134,6 +5494,19 @@ def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
 
 
 
+def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
+    """A tool's answer with what lies set aside beside the local store added to
+    its `warnings`: every tool says so until `restore` brings it back."""
+    if not isinstance(result, dict) or result.get("configured") is False:
+        return result
+    cfg = cfg or resolve_config()
+    if not cfg.configured:
+        return result
+    have = result.get("warnings") or []
+    extra = [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE) if w not in have]
+    return {**result, "warnings": [*have, *extra]} if extra else result
+
+
 def _count(doc: Doc) -> dict:
     counts: dict[str, int] = {}
     for it in doc.items:
@@ -5162,7 +5535,6 @@ def status() -> dict:
     for k in marks:
         sysname = k.split(":")[1] if k.startswith("import:") else k.split(":")[0]
         systems[sysname] = systems.get(sysname, 0) + 1
-    corrupt = sorted(p.name for p in cfg.local_dir.glob(STORE_FILE + ".corrupt-*"))
     out = {
         "configured": True, "status": "ok", "version": __version__,
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
@@ -5179,8 +5551,7 @@ def status() -> dict:
         **recall_mode_report(cfg),
         "gaps": config_gaps(cfg),
     }
-    warnings = local.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
-                                  + ", ".join(corrupt)] if corrupt else [])
+    warnings = local.warnings
     if cfg.file_error:
         warnings.append(cfg.file_error)
     if warnings:
@@ -5398,11 +5769,13 @@ def capture(content: Annotated[str, Field(
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
-        return {"status": "captured", "item": item_view(res.imported[0])}
+        return with_store_warnings({"status": "captured", "item": item_view(res.imported[0])},
+                                   cfg)
     dup = _find_duplicate(cfg, content, type)
-    return {"status": "duplicate", "item": item_view(dup) if dup else None,
-            "note": "an active item with this content already exists; endorse it instead "
-                    "of capturing it again"}
+    return with_store_warnings({
+        "status": "duplicate", "item": item_view(dup) if dup else None,
+        "note": "an active item with this content already exists; endorse it instead of "
+                "capturing it again"}, cfg)
 
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:
@@ -5502,7 +5875,7 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
             continue
         new.append({"item": it.id, "scope": it.scope, "agent": cfg.agent, "day": day,
                     "project": cfg.project, "at": _now()})
-    append_credits(path, new)
+    append_credits(path, new, durable=not runtime().long_running.is_set())
     return pending + new
 
 
@@ -6056,7 +6429,8 @@ def import_memory(source: Annotated[str, Field(
     nothing. Returns counts of imported / skipped (with the first reasons, by
     1-based position) / duplicates / same_content (a new record whose text an
     item already has), `changed` (known id, other text: the stored item keeps
-    its own; with both ids) and the new items. A file with no importable record
+    its own; with both ids), the first new items, and `id_map`: a JSONL file
+    mapping every record to its new item id. A file with no importable record
     answers status `nothing_imported` with the `reasons`.
     """
     cfg = require_config()
@@ -6079,29 +6453,96 @@ def import_memory(source: Annotated[str, Field(
                 yield rec
 
     res = ingest(cfg, drafts())
-    return import_report(source, p, res, [(s.where, s.reason) for s in skipped] + res.skipped)
+    out = import_report(source, p, res, [(s.where, s.reason) for s in skipped] + res.skipped)
+    if res.imported:
+        out["id_map"] = str(write_id_map(cfg, source, res.imported))
+    return with_store_warnings(out, cfg)
 
 
 def import_report(source: str, path: Path, res: IngestResult,
                   skips: list[tuple[str, str]]) -> dict:
-    """What an import did, for the caller (pure)."""
+    """What an import did, for the caller, under 100 KB whatever its size (pure)."""
     recognized = len(res.imported) + res.duplicates
     out: dict[str, Any] = {
         "status": "imported" if recognized else "nothing_imported", "source": source,
         "path": str(path), "imported": len(res.imported), "skipped": len(skips),
         "duplicates": res.duplicates - len(res.changed) - res.same_content,
-        "same_content": res.same_content, "changed": res.changed[:MAX_LISTED_ITEMS],
-        "skipped_reasons": [{"where": w, "reason": r} for w, r in skips[:5]],
-        "items": [{"id": it.id, "source": it.source} for it in res.imported],
+        "same_content": res.same_content, "changed": res.changed[:IMPORT_LISTED],
+        "skipped_reasons": [{"where": _clip(w, 200), "reason": _clip(r, 300)}
+                            for w, r in skips[:5]],
+        "items": [{"id": it.id, "source": {k: _clip(v, 200) if isinstance(v, str) else v
+                                           for k, v in it.source.items()}}
+                  for it in res.imported[:IMPORT_LISTED]],
     }
     if res.changed:
         out["note"] = (f"{len(res.changed)} record(s) were imported before with other text; "
                        "the stored items keep theirs: correct or deprecate them to take "
                        "the new text.")
     if not recognized:
-        out["reasons"] = [f"{w}: {r}" for w, r in skips[:5]] or [
+        out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips[:5]] or [
             "the file holds no records (it is empty)"]
     return out
+
+
+IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
+
+
+def restore(path: Annotated[str, Field(
+        "A file set aside beside the store: knowledge.json.quarantine-<time> (repair its "
+        "lines first) or knowledge.json.corrupt-<time>.")]) -> dict:
+    """CLI `restore`: bring items set aside from the local store back as they were.
+
+    Merges the items of a quarantine file or of a moved-aside knowledge.json
+    into the local store with their ids, status, type, trust, endorsements and
+    provenance, beside what was captured since; an item the store already holds
+    is replaced only by a later version of it. Idempotent. When every line came
+    back, the file is renamed *.restored and the warnings about it stop.
+    """
+    cfg = require_config()
+    p = Path(os.path.expanduser(path))
+    if not p.is_absolute():
+        raise InputError(f"path {path!r} must be absolute.")
+    _regular_file(p)
+    try:
+        with open(p, "rb") as f:
+            parsed = parse_file(f, str(p))
+    except CorruptStore as e:
+        raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "
+                         "item per line) and run restore again.") from None
+    counts: dict[str, int] = {}
+
+    def apply(doc: Doc) -> Doc | None:
+        new, done = merge_restored(doc, parsed.doc)
+        counts.update(done)
+        return new
+
+    store(cfg, "local").mutate(apply, f"restore {p.name}")
+    out: dict[str, Any] = {"status": "restored" if counts["restored"] or counts["updated"]
+                           else "nothing_to_restore", "file": str(p), **counts,
+                           "unparseable_lines": len(parsed.bad)}
+    if parsed.bad:
+        out["note"] = (f"{len(parsed.bad)} line(s) still do not parse; repair them and run "
+                       "restore again (what came back is not duplicated), or delete the file.")
+    elif not p.name.endswith(RESTORED_SUFFIX):
+        done_path = p.with_name(p.name + RESTORED_SUFFIX)
+        os.replace(p, done_path)
+        out["moved_to"] = str(done_path)
+    return with_store_warnings(out, cfg)
+
+
+def write_id_map(cfg: Config, source: str, items: list[Item]) -> Path:
+    """.cambium/imports/<time>-<source>.jsonl: one {ref, id, system} per new item,
+    so an answer stays small (under 100 KB) whatever the size of the import."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", source)[:40] or "import"
+    path = cfg.local_dir / "imports" / f"{_stamp()}-{name}.jsonl"
+
+    def write(out: Any) -> None:
+        for it in items:
+            out.write((json.dumps({"ref": it.source.get("ref"), "id": it.id,
+                                   "system": it.source.get("system")},
+                                  ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape"))
+    atomic_write(path, write)
+    return path
 
 
 def distill(on_progress: ProgressFn | None = None) -> dict:
@@ -6272,6 +6713,7 @@ def api_table() -> tuple[Tool, ...]:
              cli_args=((("--hook",), {"action": "store_true", "help": (
                  "run as a Claude Code hook: read its JSON from stdin (uses its cwd), print "
                  "nothing on stdout, skip quietly where cambium is unconfigured")}),)),
+        Tool(restore, cli_types={"path": os.path.abspath}),
         Tool(serve, run=_cli_serve, formats=()),
         Tool(run_demo, name="demo"),
     )
@@ -6401,7 +6843,7 @@ def _mcp_tool(fn: Callable) -> Callable:
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
         token = SESSION.set(mcp_session_id(ctx))
         try:
-            return fn(**kwargs)
+            return with_store_warnings(fn(**kwargs))
         except Unconfigured as u:
             return u.guidance
         except (CambiumError, OSError) as e:
@@ -6649,7 +7091,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
     """The default command: run the tool (or `fn`) once and print its answer."""
-    result = (fn or args.tool.fn)(**kwargs)
+    result = with_store_warnings((fn or args.tool.fn)(**kwargs))
     with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
         _emit(result, getattr(args, "format", "json"))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
