@@ -4305,8 +4305,9 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
 # cosine of their bodies of at least CONSOLIDATE_LEXICAL (chosen by
 # cross-validation on quality/duplicates.jsonl; bench_cambium.py reports it).
 # Only pairs sharing a term of both items' rare-term prefixes are scored
-# (prefix filtering), so cost grows about linearly. Each group keeps one survivor (authority, then scope, then
-# trust, then recency); the merge carries every credit, endorsement and origin.
+# (prefix filtering), so cost grows about linearly. Each group keeps one
+# survivor (authority, then scope, then trust, then recency); the merge carries
+# every credit, endorsement and origin.
 # =============================================================================
 
 CONSOLIDATE_LEXICAL = 0.86     #: body cosine at which two items say the same thing

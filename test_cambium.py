@@ -1622,6 +1622,23 @@ def test_duplicate_groups_pick_the_survivor_and_never_chain_different_decisions(
     assert cs.duplicate_groups(items, trusts)[0][0] == 0     # then trust
 
 
+def test_consolidate_asks_the_semantic_extra_about_close_pairs(semantic, monkeypatch):
+    labelled = HERE / "quality" / "duplicates.jsonl"
+    cs.import_memory("json", str(labelled))
+    label = {r["content"]: r["label"] for r in map(json.loads, labelled.read_text().splitlines())}
+    label = {it.id: label[it.content] for it in cs.store(cs.resolve_config(), "local").read().items}
+
+    def found() -> dict:
+        groups = cs.consolidate()["groups"]
+        for g in groups:                   # never a different decision in a group
+            assert {label[d["id"]] for d in [g["survivor"], *g["duplicates"]]} == {"duplicate"}
+        return {d["how"] for g in groups for d in g["duplicates"]}
+
+    assert "semantic" in found()
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
+    assert found() == {"lexical"}
+
+
 def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
     keep = _trusted("Retry idempotent requests with exponential backoff and jitter",
                     recalls=2, endorsers=("bob",))
