@@ -1122,7 +1122,7 @@ def repo_name(url: str) -> str:
 
 def project_name(repo: Path, remote: str, timeout_s: float) -> str:
     """The project remote's repository name, else the clone's directory name."""
-    url = remote_url(repo, remote, timeout_s)
+    url = remote_url(repo, remote, timeout_s) if (repo / ".git").exists() else None
     return (repo_name(url) if url else "") or repo.name
 
 
@@ -4050,12 +4050,13 @@ def generalization_tells(text: str, project: str) -> list[str]:
 
 
 def org_tells(item: Item) -> list[str]:
-    """What reads project-specific in the prose org publishes of `item`: its
-    content, its why and its endorsement notes, everything KNOWLEDGE.md renders
-    as text. Exempt: `example` (the concrete version's home) and provenance
-    (which states where the item came from, by design)."""
+    """What reads project-specific in the text org publishes of `item`: its
+    content, why, kind and endorsement notes, everything KNOWLEDGE.md renders
+    that a person wrote. Exempt: `example` (the concrete version's home) and
+    provenance (which states where the item came from, by design)."""
     tells = generalization_tells(item.content, item.project)
-    tells += [f"why {t}" for t in generalization_tells(item.why, item.project)]
+    for name in ("why", "kind"):
+        tells += [f"{name} {t}" for t in generalization_tells(getattr(item, name), item.project)]
     for e in item.trust.get("endorsements", []):
         if isinstance(e, dict) and e.get("note"):
             tells += [f"endorsement note by {e.get('by')} {t}"
@@ -5986,7 +5987,7 @@ def promote(item_id: Annotated[str | None, Field(
     at least CAMBIUM_PROMOTE_RECALLS agent-days, or endorsed). With item_id and
     to_scope="team": that one item (force=True skips the eligibility check).
     With to_scope="org": needs an endorsement, and everything org publishes of
-    it (content, why, endorsement notes) must read as a cross-project rule:
+    it (content, why, kind, endorsement notes) must read as a cross-project rule:
     text that names a file, a test, a dec-/con- id or its project is refused
     with the tells found and a ready draft; restate the content with
     org_content=... and the why with org_why=... (the concrete versions are
