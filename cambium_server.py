@@ -4087,10 +4087,11 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None) 
 @dataclass
 class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
-    refused with the reason and what to do."""
+    refused with the reason and what to do. status: promotable, not_eligible,
+    deprecated, needs_endorsement, needs_generalization or pr_pending."""
     allowed: bool
-    status: str                 # promotable | not_eligible | deprecated | needs_endorsement
-    reason: str = ""            # | needs_generalization
+    status: str
+    reason: str = ""
     tells: list = field(default_factory=list)
     draft: str | None = None
     forced: bool = False
