@@ -957,6 +957,8 @@ class Runtime:
         self.noted: set[str] = set()
         self.fold_timer: threading.Timer | None = None
         self.file_locks: dict[str, threading.RLock] = {}
+        #: MCP client connection -> the session id usage attribution files it under
+        self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def reset(self) -> None:
         """Forget everything (tests): cancel a pending credit fold, drop every
@@ -6900,10 +6902,6 @@ def _context_class() -> type:
     return Context
 
 
-_SESSION_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SESSION_GUARD = threading.Lock()
-
-
 def mcp_session_id(ctx: Any) -> str | None:
     """The id usage attribution files a tool call under: the transport's
     Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
@@ -6915,9 +6913,10 @@ def mcp_session_id(ctx: Any) -> str | None:
     sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
     if sid:
         return str(sid)
-    with _SESSION_GUARD:
+    rt = runtime()
+    with rt.lock:
         try:
-            return _SESSION_IDS.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
+            return rt.sessions.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
         except TypeError:                    # a session object that cannot be weakly keyed
             return None
 
