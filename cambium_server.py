@@ -951,6 +951,8 @@ class Runtime:
         self.org_branches: dict[str, str] = {}
         self.remotes: dict[tuple[str, str], tuple[float, bool]] = {}
         self.indexes: dict[str, Index] = {}
+        self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
+        self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
@@ -2992,12 +2994,13 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     norms = index.norms()
     scores: dict[int, float] = {}
     k1 = BM25_K1 + 1
-    for t in terms:
-        plist = index.postings.get(t)
-        if plist is None:
-            continue
+    found = [p for p in map(index.postings.get, terms) if p is not None]
+    for n_term, plist in enumerate(sorted(found, key=lambda p: -len(p[0]))):
         df = len(plist[0]) - (sum(1 for i in plist[0] if slots[i] is None) if dead else 0)
         w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
+        if not n_term:                  # the longest list fills the dict: no lookups
+            scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
+            continue
         get = scores.get
         for i, v in zip(*plist):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
@@ -3847,6 +3850,27 @@ def recall_mode_report(cfg: Config) -> dict:
     return {"recall_mode": "semantic", "semantic": info}
 
 
+def live_keys(key: str, items: list) -> Callable[[str], bool]:
+    """Whether an active item of the store says a content key: its recall index
+    when this process has one, else a plain set of keys (a hook's capture must
+    not build a BM25 index to find a duplicate)."""
+    rt = runtime()
+    with rt.index_lock:
+        indexed = key in rt.indexes
+        if indexed:
+            rt.key_sets.pop(key, None)
+        else:
+            src, keys = rt.key_sets.get(key, (None, set()))
+            if src is not items:
+                if src is not None and len(items) >= len(src) and \
+                        all(map(operator.is_, items, src)):
+                    keys.update(content_key(it) for it in items[len(src):] if it.active)
+                else:
+                    keys = {content_key(it) for it in items if it.active}
+                rt.key_sets[key] = (items, keys)
+    return store_index(key, items).says if indexed else keys.__contains__
+
+
 def store_index(key: str, items: list) -> Index:
     """The live index for one store (or scope set), synced to its current items."""
     rt = runtime()
@@ -3916,7 +3940,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index)."""
     new_marks = dict(doc.meta.get("watermarks") or {})
-    index: Index | None = None               # built only if a draft passes the watermarks
+    says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: set[str] = set()
     fresh: list[Item] = []
     dups = 0
@@ -3925,9 +3949,9 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
             dups += 1
             continue
         ckey = content_key(item)
-        if index is None and ckey not in live:
-            index = store_index(index_key, doc.items)
-        if ckey in live or (index is not None and index.says(ckey)):
+        if says is None and ckey not in live:
+            says = live_keys(index_key, doc.items)
+        if ckey in live or (says is not None and says(ckey)):
             dups += 1
             continue
         if key:
@@ -4568,16 +4592,24 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
 def federated_items(docs: dict[str, Doc]) -> list[Item]:
     """Active items across scopes, org first; an id present in two scopes (a
     move in flight) is shown once, from the higher scope."""
-    present = [s for s in reversed(SCOPES) if s in docs]
+    present = tuple(s for s in reversed(SCOPES) if s in docs)
     if len(present) == 1:
         return docs[present[0]].items
+    lists = tuple(docs[s].items for s in present)
+    rt = runtime()
+    with rt.lock:                        # the same lists as last time: the same answer,
+        hit = rt.federated.get(present)  # so a recall does no O(N) work when none changed
+    if hit is not None and all(map(operator.is_, hit[0], lists)):
+        return hit[1]
     seen: set[str] = set()
     out: list[Item] = []
-    for scope in present:
-        for it in docs[scope].items:
+    for items in lists:
+        for it in items:
             if it.id not in seen:
                 seen.add(it.id)
                 out.append(it)
+    with rt.lock:
+        rt.federated[present] = (lists, out)
     return out
 
 
