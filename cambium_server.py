@@ -1903,8 +1903,25 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 # to hold the commit.
 # =============================================================================
 
-PUSH_RETRIES = 6            #: CAS attempts before giving up with ConflictError
-PUSH_BACKOFF_S = 0.15       #: first retry delay; doubles each attempt, plus jitter
+PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
+PUSH_BACKOFF_S = 0.05       #: first retry delay; doubles each attempt, jittered...
+PUSH_BACKOFF_MAX_S = 1.0    #: ...up to this (many writers: each keeps a fair chance)
+
+
+def _cas_attempts() -> Iterator[int]:
+    """Attempt numbers for a CAS loop: the first at once, each later one after a
+    jittered, doubling, capped pause, until PUSH_RETRY_S have passed."""
+    import random
+    deadline = time.monotonic() + PUSH_RETRY_S
+    attempt = 0
+    while True:
+        yield attempt
+        attempt += 1
+        pause = min(PUSH_BACKOFF_MAX_S, PUSH_BACKOFF_S * 2 ** (attempt - 1))
+        pause *= 0.5 + random.random()
+        if time.monotonic() + pause > deadline:
+            return
+        time.sleep(pause)
 
 
 def _push_outcome(out: str) -> str:
@@ -2079,24 +2096,28 @@ class GitStore(Store):
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
     def _commit(self, parent: str | None, files: dict[str, str], message: str) -> str:
-        """A commit = parent's tree with `files` replaced at the root."""
-        entries: dict[str, str] = {}
+        """A commit = parent's tree with `files` replaced at the root, made by one
+        `git fast-import` (a CAS attempt under contention should be short)."""
+        who = re.sub(r"[<>\s]+", " ", f"cambium ({self.agent})").strip()
+        email = re.sub(r"[<>\s]+", "-", self.agent) + "@cambium.invalid"
+        stamp = f"{who} <{email}> {int(time.time())} +0000"
+        msg = message.encode("utf-8")
+        out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
+               f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
         if parent:
-            for line in self.git("ls-tree", "-z", parent).stdout.split("\0"):
-                if line:
-                    meta, name = line.split("\t", 1)
-                    entries[name] = meta
+            out.append(f"from {parent}\n".encode())
         for name, text in files.items():
-            blob = self.git("hash-object", "-w", "--stdin", input=text).stdout.strip()
-            entries[name] = f"100644 blob {blob}"
-        tree_in = "".join(f"{meta}\t{name}\0" for name, meta in sorted(entries.items()))
-        tree = self.git("mktree", "-z", input=tree_in).stdout.strip()
-        who = {"GIT_AUTHOR_NAME": f"cambium ({self.agent})",
-               "GIT_AUTHOR_EMAIL": f"{self.agent}@cambium.invalid",
-               "GIT_COMMITTER_NAME": f"cambium ({self.agent})",
-               "GIT_COMMITTER_EMAIL": f"{self.agent}@cambium.invalid"}
-        args = ["commit-tree", tree, "-m", message] + (["-p", parent] if parent else [])
-        return self.git(*args, env=who).stdout.strip()
+            data = text.encode("utf-8")
+            out += [f"M 100644 inline {name}\ndata {len(data)}\n".encode(), data, b"\n"]
+        out.append(b"get-mark :1\n")
+        proc = subprocess.run(["git", "fast-import", "--quiet", "--force", "--done"],
+                              cwd=self.repo, env=_git_env(), input=b"".join(out) + b"done\n",
+                              capture_output=True, timeout=self.timeout_s)
+        commit = proc.stdout.decode("ascii", "replace").strip()
+        if proc.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40,64}", commit):
+            raise GitError(["git", "fast-import"], proc.returncode,
+                           proc.stderr.decode("utf-8", "replace"))
+        return commit
 
     def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
         """Push commit to branch: "ok", "race" (replay), or GitError (final)."""
@@ -2135,12 +2156,9 @@ class GitStore(Store):
         ensure_files: also write when only the rendered extra files are stale.
         Raises CorruptStore (nothing written), GitError, ConflictError.
         """
-        import random
         target = branch or self.branch
         with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
-            for attempt in range(PUSH_RETRIES):
-                if attempt:
-                    time.sleep(PUSH_BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random()))
+            for _ in _cas_attempts():
                 tip = self.fetch(force=True)
                 side = branch is not None and branch != self.branch
                 side_tip = self._remote_branch_tip(branch) if side else None
@@ -2168,7 +2186,7 @@ class GitStore(Store):
                     self.git("update-ref", self.ref, commit)
                     self._remember(commit, new, tip=True)
                 return Write(doc=new, commit=commit, branch=target)
-        raise ConflictError(f"{self.scope} scope: lost the push race {PUSH_RETRIES} times on "
+        raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 
     def _files_stale(self, commit: str | None, doc: Doc) -> bool:
