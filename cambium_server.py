@@ -958,6 +958,8 @@ class Runtime:
         self.noted: set[str] = set()
         self.fold_timer: threading.Timer | None = None
         self.file_locks: dict[str, threading.RLock] = {}
+        #: MCP client connection -> the session id usage attribution files it under
+        self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def reset(self) -> None:
         """Forget everything (tests): cancel a pending credit fold, drop every
@@ -1123,7 +1125,7 @@ def repo_name(url: str) -> str:
 
 def project_name(repo: Path, remote: str, timeout_s: float) -> str:
     """The project remote's repository name, else the clone's directory name."""
-    url = remote_url(repo, remote, timeout_s)
+    url = remote_url(repo, remote, timeout_s) if (repo / ".git").exists() else None
     return (repo_name(url) if url else "") or repo.name
 
 
@@ -2397,13 +2399,54 @@ def retirement_reason(entry: dict) -> str | None:
     return text + (f": {why}" if why else "")
 
 
+def _decision_text(entry: dict) -> tuple[str, list[str]]:
+    """A decision keeps its WHY: why_chosen (current schema) or rationale (older
+    entries), with the problem, tradeoffs and rejected alternatives after it."""
+    content = _str(entry.get("summary")) or _str(entry.get("decision")) \
+        or _str(entry.get("title"))
+    why = [_str(entry.get("why_chosen")) or _str(entry.get("rationale"))]
+    for label, key in (("Problem", "problem"), ("What we tried", "what_we_tried"),
+                       ("Tradeoffs", "tradeoffs")):
+        if _str(entry.get(key)):
+            why.append(f"{label}: {_str(entry.get(key))}")
+    alts = _alternatives_text(entry.get("alternatives"))
+    if alts:
+        why.append(f"Alternatives considered: {alts}")
+    return content, why
+
+
+def _constraint_text(entry: dict) -> tuple[str, list[str]]:
+    why = [_str(entry.get("reason")) or _str(entry.get("rationale"))]
+    bits = [f"{k}: {_str(entry.get(k))}" for k in ("hardness", "scope") if _str(entry.get(k))]
+    if bits:
+        why.append("(" + "; ".join(bits) + ")")
+    if _str(entry.get("triggering_incident")):
+        why.append(f"Incident: {_str(entry.get('triggering_incident'))}")
+    return _str(entry.get("rule")), why
+
+
+def _pipeline_text(entry: dict) -> tuple[str, list[str]]:
+    name = _str(entry.get("name"))
+    steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
+    ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
+                     key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
+    lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
+                                              if _str(s.get("output")) else "")
+             for i, s in enumerate(ordered, 1)]
+    why = [_str(entry.get("purpose"))]
+    if _str(entry.get("when_to_invoke")):
+        why.append(f"When: {_str(entry.get('when_to_invoke'))}")
+    return (f"{name}: " + "; ".join(lines) if name and lines else ""), why
+
+
+#: context-keeper entry kind -> (content, why parts) of one entry
+_CONTEXT_TEXT = {"decision": _decision_text, "constraint": _constraint_text,
+                 "pipeline": _pipeline_text}
+
+
 def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     """One context-keeper entry as a draft (pure). None: superseded or
-    deprecated (see retirement_reason), so nothing to import.
-
-    Decisions keep their WHY: why_chosen (current schema) or rationale (older
-    entries), with the problem, tradeoffs and rejected alternatives after it.
-    """
+    deprecated (see retirement_reason), so nothing to import."""
     eid = context_entry_id(entry)
     if eid is None:
         return Skip(f"context-keeper {kind}", "entry without a usable id")
@@ -2413,41 +2456,7 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     if status != "active":
         return Skip(f"context-keeper {eid}", f"status {status!r} is not active, superseded "
                                              "or deprecated")
-    why_parts: list[str] = []
-    if kind == "decision":
-        content = _str(entry.get("summary")) or _str(entry.get("decision")) \
-            or _str(entry.get("title"))
-        why_parts.append(_str(entry.get("why_chosen")) or _str(entry.get("rationale")))
-        for label, key in (("Problem", "problem"), ("What we tried", "what_we_tried"),
-                           ("Tradeoffs", "tradeoffs")):
-            if _str(entry.get(key)):
-                why_parts.append(f"{label}: {_str(entry.get(key))}")
-        alts = _alternatives_text(entry.get("alternatives"))
-        if alts:
-            why_parts.append(f"Alternatives considered: {alts}")
-    elif kind == "constraint":
-        content = _str(entry.get("rule"))
-        why_parts.append(_str(entry.get("reason")) or _str(entry.get("rationale")))
-        bits = [f"{k}: {_str(entry.get(k))}" for k in ("hardness", "scope")
-                if _str(entry.get(k))]
-        if bits:
-            why_parts.append("(" + "; ".join(bits) + ")")
-        if _str(entry.get("triggering_incident")):
-            why_parts.append(f"Incident: {_str(entry.get('triggering_incident'))}")
-    elif kind == "pipeline":
-        name = _str(entry.get("name"))
-        steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
-        ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
-                         key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
-        lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
-                                                  if _str(s.get("output")) else "")
-                 for i, s in enumerate(ordered, 1)]
-        content = f"{name}: " + "; ".join(lines) if name and lines else ""
-        why_parts.append(_str(entry.get("purpose")))
-        if _str(entry.get("when_to_invoke")):
-            why_parts.append(f"When: {_str(entry.get('when_to_invoke'))}")
-    else:  # pragma: no cover - callers pass one of the three kinds
-        raise ValueError(kind)
+    content, why_parts = _CONTEXT_TEXT[kind](entry)
     if not content:
         return Skip(f"context-keeper {eid}", f"{kind} without text")
     source = {"system": "context-keeper", "ref": eid, "kind": kind}
@@ -2572,6 +2581,45 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
                  f"check the network or the remote; or {fix_set}")
 
 
+def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: float
+                       ) -> tuple[bool, str, bool]:
+    """Fetch the board branch into its remote-tracking ref: (fetched, why not,
+    the remote has no such branch). A missing git raises GitError."""
+    if not _has_remote(repo, remote, t):
+        return False, f"no remote '{remote}'", False
+    try:
+        proc = _git(["fetch", "--quiet", "--no-tags", remote,
+                     f"+refs/heads/{branch}:{tracking}"], repo, t, check=False)
+    except GitError as e:
+        if e.code == 127:
+            raise
+        return False, str(e), False
+    detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    missing = proc.returncode != 0 and "couldn't find remote ref" in proc.stderr.lower()
+    return proc.returncode == 0, detail, missing
+
+
+def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
+    """Parse claims.json at `ref` (None: there is none); SubstrateError when it is
+    too large or not a board."""
+    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
+    if proc.returncode != 0:
+        return None
+    if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
+                             f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
+    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
+                             f"({str(e)[:100]})") from None
+    try:
+        return parse_board(data)
+    except SubstrateError as e:
+        raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
+
+
 def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list[str], Board]:
     """Read claims.json from <remote>/<branch> of the board repo: `git fetch`
     into the remote-tracking ref, then `git show`. Never a checkout or worktree.
@@ -2583,58 +2631,30 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
     assert board.repo is not None
     repo, t, b, remote = board.repo, cfg.git_timeout_s, board.branch, board.remote
     tracking = f"refs/remotes/{remote}/{b}"
-    warnings: list[str] = []
-    fetched = False
-    detail = f"no remote '{remote}'"
-    if _has_remote(repo, remote, t):
-        try:
-            proc = _git(["fetch", "--quiet", "--no-tags", remote, f"+refs/heads/{b}:{tracking}"],
-                        repo, t, check=False)
-            fetched = proc.returncode == 0
-            detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            if not fetched and "couldn't find remote ref" in proc.stderr.lower():
-                if not _has_ref(repo, f"refs/heads/{b}", t):
-                    return None, warnings, dataclasses.replace(
-                        board, status="absent",
-                        reason=f"{repo} has no '{b}' board on '{remote}' yet (agentsync "
-                               "creates it on the first claim)",
-                        fix="nothing to do until an agent claims work through agentsync")
-        except GitError as e:
-            if e.code == 127:
-                raise
-            detail = str(e)
+    fetched, detail, missing = _fetch_board_branch(repo, remote, b, tracking, t)
+    if missing and not _has_ref(repo, f"refs/heads/{b}", t):
+        return None, [], dataclasses.replace(
+            board, status="absent", reason=f"{repo} has no '{b}' board on '{remote}' yet "
+                                           "(agentsync creates it on the first claim)",
+            fix="nothing to do until an agent claims work through agentsync")
     ref = tracking if _has_ref(repo, tracking, t) else None
     if ref is None and _has_ref(repo, f"refs/heads/{b}", t):
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
     if ref is None:
-        return None, warnings, dataclasses.replace(
+        return None, [], dataclasses.replace(
             board, status="unreachable",
             reason=f"could not fetch '{b}' from '{remote}' in {repo} ({detail}) and there is "
                    "no earlier copy", fix="check the network or the remote, then run distill again")
-    if not fetched:
-        warnings.append(f"agentsync: could not fetch '{b}' from '{remote}' ({detail}); read the "
-                        f"board as last fetched ({ref}), which may be behind.")
-    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
-    if proc.returncode != 0:
+    warnings = [] if fetched else [
+        f"agentsync: could not fetch '{b}' from '{remote}' ({detail}); read the board as last "
+        f"fetched ({ref}), which may be behind."]
+    claims = _read_claims(repo, ref, t)
+    if claims is None:
         return None, warnings, dataclasses.replace(
             board, status="absent", reason=f"'{b}' in {repo} has no {CLAIMS_FILE}, so it is not "
                                            "an agentsync board",
             fix="set CAMBIUM_AGENTSYNC_BRANCH to the branch agentsync writes")
-    if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
-        raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
-                             f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
-    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
-                             f"({str(e)[:100]})") from None
-    try:
-        claims = parse_board(data)
-    except SubstrateError as e:
-        raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
     return claims, warnings, board
-
 
 
 # =============================================================================
@@ -4049,12 +4069,13 @@ def generalization_tells(text: str, project: str) -> list[str]:
 
 
 def org_tells(item: Item) -> list[str]:
-    """What reads project-specific in the prose org publishes of `item`: its
-    content, its why and its endorsement notes, everything KNOWLEDGE.md renders
-    as text. Exempt: `example` (the concrete version's home) and provenance
-    (which states where the item came from, by design)."""
+    """What reads project-specific in the text org publishes of `item`: its
+    content, why, kind and endorsement notes, everything KNOWLEDGE.md renders
+    that a person wrote. Exempt: `example` (the concrete version's home) and
+    provenance (which states where the item came from, by design)."""
     tells = generalization_tells(item.content, item.project)
-    tells += [f"why {t}" for t in generalization_tells(item.why, item.project)]
+    for name in ("why", "kind"):
+        tells += [f"{name} {t}" for t in generalization_tells(getattr(item, name), item.project)]
     for e in item.trust.get("endorsements", []):
         if isinstance(e, dict) and e.get("note"):
             tells += [f"endorsement note by {e.get('by')} {t}"
@@ -4085,10 +4106,11 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None) 
 @dataclass
 class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
-    refused with the reason and what to do."""
+    refused with the reason and what to do. status: promotable, not_eligible,
+    deprecated, needs_endorsement, needs_generalization or pr_pending."""
     allowed: bool
-    status: str                 # promotable | not_eligible | deprecated | needs_endorsement
-    reason: str = ""            # | needs_generalization
+    status: str
+    reason: str = ""
     tells: list = field(default_factory=list)
     draft: str | None = None
     forced: bool = False
@@ -4304,8 +4326,9 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
 # cosine of their bodies of at least CONSOLIDATE_LEXICAL (chosen by
 # cross-validation on quality/duplicates.jsonl; bench_cambium.py reports it).
 # Only pairs sharing a term of both items' rare-term prefixes are scored
-# (prefix filtering), so cost grows about linearly. Each group keeps one survivor (authority, then scope, then
-# trust, then recency); the merge carries every credit, endorsement and origin.
+# (prefix filtering), so cost grows about linearly. Each group keeps one
+# survivor (authority, then scope, then trust, then recency); the merge carries
+# every credit, endorsement and origin.
 # =============================================================================
 
 CONSOLIDATE_LEXICAL = 0.86     #: body cosine at which two items say the same thing
@@ -5992,7 +6015,7 @@ def promote(item_id: Annotated[str | None, Field(
     at least CAMBIUM_PROMOTE_RECALLS agent-days, or endorsed). With item_id and
     to_scope="team": that one item (force=True skips the eligibility check).
     With to_scope="org": needs an endorsement, and everything org publishes of
-    it (content, why, endorsement notes) must read as a cross-project rule:
+    it (content, why, kind, endorsement notes) must read as a cross-project rule:
     text that names a file, a test, a dec-/con- id or its project is refused
     with the tells found and a ready draft; restate the content with
     org_content=... and the why with org_why=... (the concrete versions are
@@ -6851,10 +6874,6 @@ def _context_class() -> type:
     return Context
 
 
-_SESSION_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SESSION_GUARD = threading.Lock()
-
-
 def mcp_session_id(ctx: Any) -> str | None:
     """The id usage attribution files a tool call under: the transport's
     Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
@@ -6866,9 +6885,10 @@ def mcp_session_id(ctx: Any) -> str | None:
     sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
     if sid:
         return str(sid)
-    with _SESSION_GUARD:
+    rt = runtime()
+    with rt.lock:
         try:
-            return _SESSION_IDS.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
+            return rt.sessions.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
         except TypeError:                    # a session object that cannot be weakly keyed
             return None
 

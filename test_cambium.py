@@ -220,6 +220,15 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
     env_bound = cli("capture", "env wins", cwd=a, CAMBIUM_REPO=str(b))
     assert json.loads(env_bound.stdout)["item"]["project"] == "beta"
 
+    async def server_in(repo: Path):                # one user-level MCP entry, started per repo
+        async with peer_session([sys.executable, str(SERVER)], {
+                "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
+                "CAMBIUM_RECALL_MODE": "lexical"}, repo / "sub", "cambium") as server:
+            return await server.call("capture", content=f"served in {repo.name}")
+
+    assert asyncio.run(server_in(b))["item"]["project"] == "beta"
+    assert _items_in(b)[-1] == "served in beta" and "served in beta" not in _items_in(a)
+
 
 @pytest.mark.parametrize("url, name", [
     ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
@@ -1227,6 +1236,8 @@ def test_org_gate_reads_why_and_endorsement_notes_too():
     both = cs.restated(it, content="Back off on retries", why=general)
     assert both.example.splitlines() == [it.content, f"why: {it.why}"]
     assert cs.restated(both, content="Back off on retries") is both
+    odd_kind = cs.dataclasses.replace(copy, kind="billing.py")
+    assert cs.org_tells(odd_kind) == ["kind names a file: billing.py"]
 
 
 def test_org_promotion_restates_a_project_specific_why(shared, monkeypatch):
@@ -1619,6 +1630,23 @@ def test_duplicate_groups_pick_the_survivor_and_never_chain_different_decisions(
     assert cs.duplicate_groups(items, trusts)[0][0] == 1     # then scope
     items[1] = dataclasses.replace(items[1], scope="local")
     assert cs.duplicate_groups(items, trusts)[0][0] == 0     # then trust
+
+
+def test_consolidate_asks_the_semantic_extra_about_close_pairs(semantic, monkeypatch):
+    labelled = HERE / "quality" / "duplicates.jsonl"
+    cs.import_memory("json", str(labelled))
+    label = {r["content"]: r["label"] for r in map(json.loads, labelled.read_text().splitlines())}
+    label = {it.id: label[it.content] for it in cs.store(cs.resolve_config(), "local").read().items}
+
+    def found() -> dict:
+        groups = cs.consolidate()["groups"]
+        for g in groups:                   # never a different decision in a group
+            assert {label[d["id"]] for d in [g["survivor"], *g["duplicates"]]} == {"duplicate"}
+        return {d["how"] for g in groups for d in g["duplicates"]}
+
+    assert "semantic" in found()
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
+    assert found() == {"lexical"}
 
 
 def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
