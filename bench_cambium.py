@@ -117,15 +117,20 @@ def _queries(rng: random.Random, k: int) -> list[str]:
     return [" ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=4)) for _ in range(k)]
 
 
+def _warm_server(tmp: str, n: int) -> None:
+    """A store of n items, served warm as the MCP server serves it."""
+    env = make_env(Path(tmp))
+    seed_store(Path(env["CAMBIUM_REPO"]), n)
+    _server_mode()
+    cs.recall("warm up the cache")
+
+
 def bench_recall() -> None:
     """recall(scope="auto") with only local configured, beside scope="local"."""
     rng = random.Random(1)
     for n in SIZES:
         with tempfile.TemporaryDirectory() as tmp:
-            env = make_env(Path(tmp))
-            seed_store(Path(env["CAMBIUM_REPO"]), n)
-            _server_mode()
-            cs.recall("warm up the cache")
+            _warm_server(tmp, n)
             it = iter(_queries(rng, 40) * 3)
             auto = median_ms(lambda: cs.recall(next(it)), 40)
             local = median_ms(lambda: cs.recall(next(it), scope="local"), 40)
@@ -144,10 +149,7 @@ def _written() -> int:
 def bench_capture() -> None:
     for n in SIZES:
         with tempfile.TemporaryDirectory() as tmp:
-            env = make_env(Path(tmp))
-            seed_store(Path(env["CAMBIUM_REPO"]), n)
-            _server_mode()
-            cs.recall("warm up")
+            _warm_server(tmp, n)
             cs.capture("warm up")
             rng = random.Random(2)
             times = []
