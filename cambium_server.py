@@ -479,6 +479,7 @@ class Draft:
     valid_while: Any = None
     key: str | None = None
     supersedes: str | None = None     # an agent's counter-claim to this item id
+    where: str | None = None          # its 1-based position in the source ("line 3")
 
 
 @dataclass
@@ -663,7 +664,7 @@ def _find_git_root(start: Path) -> Path | None:
 class Config:
     """Resolved settings for one call. `problems` lists invalid values."""
     values: dict
-    origins: dict                                    # key -> env | file | default | derived
+    origins: dict                                    # key -> env | cwd | file | default (ORIGINS)
     config_file: Path
     problems: list = field(default_factory=list)
     file_error: str | None = None
@@ -951,6 +952,8 @@ class Runtime:
         self.org_branches: dict[str, str] = {}
         self.remotes: dict[tuple[str, str], tuple[float, bool]] = {}
         self.indexes: dict[str, Index] = {}
+        self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
+        self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
@@ -1903,8 +1906,25 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 # to hold the commit.
 # =============================================================================
 
-PUSH_RETRIES = 6            #: CAS attempts before giving up with ConflictError
-PUSH_BACKOFF_S = 0.15       #: first retry delay; doubles each attempt, plus jitter
+PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
+PUSH_BACKOFF_S = 0.05       #: first retry delay; doubles each attempt, jittered...
+PUSH_BACKOFF_MAX_S = 1.0    #: ...up to this (many writers: each keeps a fair chance)
+
+
+def _cas_attempts() -> Iterator[int]:
+    """Attempt numbers for a CAS loop: the first at once, each later one after a
+    jittered, doubling, capped pause, until PUSH_RETRY_S have passed."""
+    import random
+    deadline = time.monotonic() + PUSH_RETRY_S
+    attempt = 0
+    while True:
+        yield attempt
+        attempt += 1
+        pause = min(PUSH_BACKOFF_MAX_S, PUSH_BACKOFF_S * 2 ** (attempt - 1))
+        pause *= 0.5 + random.random()
+        if time.monotonic() + pause > deadline:
+            return
+        time.sleep(pause)
 
 
 def _push_outcome(out: str) -> str:
@@ -2079,24 +2099,28 @@ class GitStore(Store):
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
     def _commit(self, parent: str | None, files: dict[str, str], message: str) -> str:
-        """A commit = parent's tree with `files` replaced at the root."""
-        entries: dict[str, str] = {}
+        """A commit = parent's tree with `files` replaced at the root, made by one
+        `git fast-import` (a CAS attempt under contention should be short)."""
+        who = re.sub(r"[<>\s]+", " ", f"cambium ({self.agent})").strip()
+        email = re.sub(r"[<>\s]+", "-", self.agent) + "@cambium.invalid"
+        stamp = f"{who} <{email}> {int(time.time())} +0000"
+        msg = message.encode("utf-8")
+        out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
+               f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
         if parent:
-            for line in self.git("ls-tree", "-z", parent).stdout.split("\0"):
-                if line:
-                    meta, name = line.split("\t", 1)
-                    entries[name] = meta
+            out.append(f"from {parent}\n".encode())
         for name, text in files.items():
-            blob = self.git("hash-object", "-w", "--stdin", input=text).stdout.strip()
-            entries[name] = f"100644 blob {blob}"
-        tree_in = "".join(f"{meta}\t{name}\0" for name, meta in sorted(entries.items()))
-        tree = self.git("mktree", "-z", input=tree_in).stdout.strip()
-        who = {"GIT_AUTHOR_NAME": f"cambium ({self.agent})",
-               "GIT_AUTHOR_EMAIL": f"{self.agent}@cambium.invalid",
-               "GIT_COMMITTER_NAME": f"cambium ({self.agent})",
-               "GIT_COMMITTER_EMAIL": f"{self.agent}@cambium.invalid"}
-        args = ["commit-tree", tree, "-m", message] + (["-p", parent] if parent else [])
-        return self.git(*args, env=who).stdout.strip()
+            data = text.encode("utf-8")
+            out += [f"M 100644 inline {name}\ndata {len(data)}\n".encode(), data, b"\n"]
+        out.append(b"get-mark :1\n")
+        proc = subprocess.run(["git", "fast-import", "--quiet", "--force", "--done"],
+                              cwd=self.repo, env=_git_env(), input=b"".join(out) + b"done\n",
+                              capture_output=True, timeout=self.timeout_s)
+        commit = proc.stdout.decode("ascii", "replace").strip()
+        if proc.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40,64}", commit):
+            raise GitError(["git", "fast-import"], proc.returncode,
+                           proc.stderr.decode("utf-8", "replace"))
+        return commit
 
     def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
         """Push commit to branch: "ok", "race" (replay), or GitError (final)."""
@@ -2135,12 +2159,9 @@ class GitStore(Store):
         ensure_files: also write when only the rendered extra files are stale.
         Raises CorruptStore (nothing written), GitError, ConflictError.
         """
-        import random
         target = branch or self.branch
         with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
-            for attempt in range(PUSH_RETRIES):
-                if attempt:
-                    time.sleep(PUSH_BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random()))
+            for _ in _cas_attempts():
                 tip = self.fetch(force=True)
                 side = branch is not None and branch != self.branch
                 side_tip = self._remote_branch_tip(branch) if side else None
@@ -2168,7 +2189,7 @@ class GitStore(Store):
                     self.git("update-ref", self.ref, commit)
                     self._remember(commit, new, tip=True)
                 return Write(doc=new, commit=commit, branch=target)
-        raise ConflictError(f"{self.scope} scope: lost the push race {PUSH_RETRIES} times on "
+        raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 
     def _files_stale(self, commit: str | None, doc: Doc) -> bool:
@@ -2379,13 +2400,54 @@ def retirement_reason(entry: dict) -> str | None:
     return text + (f": {why}" if why else "")
 
 
+def _decision_text(entry: dict) -> tuple[str, list[str]]:
+    """A decision keeps its WHY: why_chosen (current schema) or rationale (older
+    entries), with the problem, tradeoffs and rejected alternatives after it."""
+    content = _str(entry.get("summary")) or _str(entry.get("decision")) \
+        or _str(entry.get("title"))
+    why = [_str(entry.get("why_chosen")) or _str(entry.get("rationale"))]
+    for label, key in (("Problem", "problem"), ("What we tried", "what_we_tried"),
+                       ("Tradeoffs", "tradeoffs")):
+        if _str(entry.get(key)):
+            why.append(f"{label}: {_str(entry.get(key))}")
+    alts = _alternatives_text(entry.get("alternatives"))
+    if alts:
+        why.append(f"Alternatives considered: {alts}")
+    return content, why
+
+
+def _constraint_text(entry: dict) -> tuple[str, list[str]]:
+    why = [_str(entry.get("reason")) or _str(entry.get("rationale"))]
+    bits = [f"{k}: {_str(entry.get(k))}" for k in ("hardness", "scope") if _str(entry.get(k))]
+    if bits:
+        why.append("(" + "; ".join(bits) + ")")
+    if _str(entry.get("triggering_incident")):
+        why.append(f"Incident: {_str(entry.get('triggering_incident'))}")
+    return _str(entry.get("rule")), why
+
+
+def _pipeline_text(entry: dict) -> tuple[str, list[str]]:
+    name = _str(entry.get("name"))
+    steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
+    ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
+                     key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
+    lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
+                                              if _str(s.get("output")) else "")
+             for i, s in enumerate(ordered, 1)]
+    why = [_str(entry.get("purpose"))]
+    if _str(entry.get("when_to_invoke")):
+        why.append(f"When: {_str(entry.get('when_to_invoke'))}")
+    return (f"{name}: " + "; ".join(lines) if name and lines else ""), why
+
+
+#: context-keeper entry kind -> (content, why parts) of one entry
+_CONTEXT_TEXT = {"decision": _decision_text, "constraint": _constraint_text,
+                 "pipeline": _pipeline_text}
+
+
 def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     """One context-keeper entry as a draft (pure). None: superseded or
-    deprecated (see retirement_reason), so nothing to import.
-
-    Decisions keep their WHY: why_chosen (current schema) or rationale (older
-    entries), with the problem, tradeoffs and rejected alternatives after it.
-    """
+    deprecated (see retirement_reason), so nothing to import."""
     eid = context_entry_id(entry)
     if eid is None:
         return Skip(f"context-keeper {kind}", "entry without a usable id")
@@ -2395,41 +2457,7 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     if status != "active":
         return Skip(f"context-keeper {eid}", f"status {status!r} is not active, superseded "
                                              "or deprecated")
-    why_parts: list[str] = []
-    if kind == "decision":
-        content = _str(entry.get("summary")) or _str(entry.get("decision")) \
-            or _str(entry.get("title"))
-        why_parts.append(_str(entry.get("why_chosen")) or _str(entry.get("rationale")))
-        for label, key in (("Problem", "problem"), ("What we tried", "what_we_tried"),
-                           ("Tradeoffs", "tradeoffs")):
-            if _str(entry.get(key)):
-                why_parts.append(f"{label}: {_str(entry.get(key))}")
-        alts = _alternatives_text(entry.get("alternatives"))
-        if alts:
-            why_parts.append(f"Alternatives considered: {alts}")
-    elif kind == "constraint":
-        content = _str(entry.get("rule"))
-        why_parts.append(_str(entry.get("reason")) or _str(entry.get("rationale")))
-        bits = [f"{k}: {_str(entry.get(k))}" for k in ("hardness", "scope")
-                if _str(entry.get(k))]
-        if bits:
-            why_parts.append("(" + "; ".join(bits) + ")")
-        if _str(entry.get("triggering_incident")):
-            why_parts.append(f"Incident: {_str(entry.get('triggering_incident'))}")
-    elif kind == "pipeline":
-        name = _str(entry.get("name"))
-        steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
-        ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
-                         key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
-        lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
-                                                  if _str(s.get("output")) else "")
-                 for i, s in enumerate(ordered, 1)]
-        content = f"{name}: " + "; ".join(lines) if name and lines else ""
-        why_parts.append(_str(entry.get("purpose")))
-        if _str(entry.get("when_to_invoke")):
-            why_parts.append(f"When: {_str(entry.get('when_to_invoke'))}")
-    else:  # pragma: no cover - callers pass one of the three kinds
-        raise ValueError(kind)
+    content, why_parts = _CONTEXT_TEXT[kind](entry)
     if not content:
         return Skip(f"context-keeper {eid}", f"{kind} without text")
     source = {"system": "context-keeper", "ref": eid, "kind": kind}
@@ -2554,6 +2582,45 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
                  f"check the network or the remote; or {fix_set}")
 
 
+def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: float
+                       ) -> tuple[bool, str, bool]:
+    """Fetch the board branch into its remote-tracking ref: (fetched, why not,
+    the remote has no such branch). A missing git raises GitError."""
+    if not _has_remote(repo, remote, t):
+        return False, f"no remote '{remote}'", False
+    try:
+        proc = _git(["fetch", "--quiet", "--no-tags", remote,
+                     f"+refs/heads/{branch}:{tracking}"], repo, t, check=False)
+    except GitError as e:
+        if e.code == 127:
+            raise
+        return False, str(e), False
+    detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    missing = proc.returncode != 0 and "couldn't find remote ref" in proc.stderr.lower()
+    return proc.returncode == 0, detail, missing
+
+
+def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
+    """Parse claims.json at `ref` (None: there is none); SubstrateError when it is
+    too large or not a board."""
+    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
+    if proc.returncode != 0:
+        return None
+    if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
+                             f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
+    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
+                             f"({str(e)[:100]})") from None
+    try:
+        return parse_board(data)
+    except SubstrateError as e:
+        raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
+
+
 def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list[str], Board]:
     """Read claims.json from <remote>/<branch> of the board repo: `git fetch`
     into the remote-tracking ref, then `git show`. Never a checkout or worktree.
@@ -2565,58 +2632,30 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
     assert board.repo is not None
     repo, t, b, remote = board.repo, cfg.git_timeout_s, board.branch, board.remote
     tracking = f"refs/remotes/{remote}/{b}"
-    warnings: list[str] = []
-    fetched = False
-    detail = f"no remote '{remote}'"
-    if _has_remote(repo, remote, t):
-        try:
-            proc = _git(["fetch", "--quiet", "--no-tags", remote, f"+refs/heads/{b}:{tracking}"],
-                        repo, t, check=False)
-            fetched = proc.returncode == 0
-            detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            if not fetched and "couldn't find remote ref" in proc.stderr.lower():
-                if not _has_ref(repo, f"refs/heads/{b}", t):
-                    return None, warnings, dataclasses.replace(
-                        board, status="absent",
-                        reason=f"{repo} has no '{b}' board on '{remote}' yet (agentsync "
-                               "creates it on the first claim)",
-                        fix="nothing to do until an agent claims work through agentsync")
-        except GitError as e:
-            if e.code == 127:
-                raise
-            detail = str(e)
+    fetched, detail, missing = _fetch_board_branch(repo, remote, b, tracking, t)
+    if missing and not _has_ref(repo, f"refs/heads/{b}", t):
+        return None, [], dataclasses.replace(
+            board, status="absent", reason=f"{repo} has no '{b}' board on '{remote}' yet "
+                                           "(agentsync creates it on the first claim)",
+            fix="nothing to do until an agent claims work through agentsync")
     ref = tracking if _has_ref(repo, tracking, t) else None
     if ref is None and _has_ref(repo, f"refs/heads/{b}", t):
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
     if ref is None:
-        return None, warnings, dataclasses.replace(
+        return None, [], dataclasses.replace(
             board, status="unreachable",
             reason=f"could not fetch '{b}' from '{remote}' in {repo} ({detail}) and there is "
                    "no earlier copy", fix="check the network or the remote, then run distill again")
-    if not fetched:
-        warnings.append(f"agentsync: could not fetch '{b}' from '{remote}' ({detail}); read the "
-                        f"board as last fetched ({ref}), which may be behind.")
-    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
-    if proc.returncode != 0:
+    warnings = [] if fetched else [
+        f"agentsync: could not fetch '{b}' from '{remote}' ({detail}); read the board as last "
+        f"fetched ({ref}), which may be behind."]
+    claims = _read_claims(repo, ref, t)
+    if claims is None:
         return None, warnings, dataclasses.replace(
             board, status="absent", reason=f"'{b}' in {repo} has no {CLAIMS_FILE}, so it is not "
                                            "an agentsync board",
             fix="set CAMBIUM_AGENTSYNC_BRANCH to the branch agentsync writes")
-    if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
-        raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
-                             f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
-    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
-                             f"({str(e)[:100]})") from None
-    try:
-        claims = parse_board(data)
-    except SubstrateError as e:
-        raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
     return claims, warnings, board
-
 
 
 # =============================================================================
@@ -2646,8 +2685,11 @@ def _first(rec: dict, keys: tuple) -> Any:
     return None
 
 
-def json_record_to_draft(rec: Any, where: str, system: str = "json") -> Draft | Skip:
-    """Map one export record to a Draft by the spec's field table (pure)."""
+def json_record_to_draft(rec: Any, where: str, system: str = "json",
+                         origin: str | None = None) -> Draft | Skip:
+    """Map one export record to a Draft by the spec's field table (pure). Its
+    identity, for dedupe, is (system, id): the system the record names in its own
+    `system`/`source` field, else `origin` (the file's name), else `system`."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({type(rec).__name__})")
     body = _first(rec, _BODY_KEYS)
@@ -2668,13 +2710,16 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json") -> Draft | 
     ref = _first(rec, _REF_KEYS)
     ref = str(ref) if isinstance(ref, (str, int)) and not isinstance(ref, bool) else None
     ts = _first(rec, _TS_KEYS)
-    source = {"system": system, "ref": ref, "imported": True,
+    own = _first(rec, ("system", "source"))
+    own = own.strip() if isinstance(own, str) and own.strip() else None
+    source = {"system": own or system, "ref": ref, "imported": True,
               "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
-                 tags=tags[:MAX_TAGS], source=source,
-                 key=f"import:{system}:" + (f"id:{ref}" if ref else "hash:" + hashlib.sha256(
-                     (body + "\0" + (why if isinstance(why, str) else "")).encode()
-                 ).hexdigest()[:24]))
+                 tags=tags[:MAX_TAGS], source=source, where=where,
+                 key=f"import:{own or origin or system}:" + (
+                     f"id:{ref}" if ref else "hash:" + hashlib.sha256(
+                         (body + "\0" + (why if isinstance(why, str) else "")).encode()
+                     ).hexdigest()[:24]))
 
 
 def _regular_file(path: Path) -> None:
@@ -2691,7 +2736,8 @@ def _regular_file(path: Path) -> None:
 
 
 def json_adapter(path: Path) -> Iterator[Draft | Skip]:
-    """Generic JSON/JSONL memory export: array, wrapper object, or one object per line."""
+    """Generic JSON/JSONL memory export: array, wrapper object, or one object per
+    line. Positions are 1-based: `record 3` of a document, `line 3` of JSONL."""
     _regular_file(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -2702,24 +2748,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             raise InputError(f"{path} is {size // 2**20} MB; a single JSON document is "
                              f"limited to {MAX_IMPORT_BYTES // 2**20} MB. Export it as JSONL "
                              "(one object per line), which is read as a stream.")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
-        except (ValueError, RecursionError) as e:
-            raise InputError(f"{path} is not valid JSON ({str(e)[:100]}); for JSONL put "
-                             "one object per line.") from None
-        if isinstance(data, dict):
-            key = next((k for k in _WRAPPER_KEYS if isinstance(data.get(k), list)), None)
-            if key is None:
-                records: list = [data]
-            else:
-                records = data[key]
-        elif isinstance(data, list):
-            records = data
-        else:
-            raise InputError(f"{path} holds a JSON {type(data).__name__}; expected an array "
-                             "or an object wrapping one.")
-        for i, rec in enumerate(records):
-            yield json_record_to_draft(rec, f"record {i}")
+        yield from _json_document(path)
         return
     if size > MAX_IMPORT_JSONL_BYTES:
         raise InputError(f"{path} is {size // 2**20} MB; the JSONL limit is "
@@ -2733,7 +2762,28 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             except (ValueError, RecursionError) as e:
                 yield Skip(f"line {n}", f"malformed JSON ({str(e)[:60]})")
                 continue
-            yield json_record_to_draft(rec, f"line {n}")
+            yield json_record_to_draft(rec, f"line {n}", origin=path.name)
+
+
+def _json_document(path: Path) -> Iterator[Draft | Skip]:
+    """The records of one JSON document: an array, or an object wrapping one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+    except (ValueError, RecursionError) as e:
+        yield Skip("file", f"not valid JSON ({str(e)[:100]}); for JSONL put one object "
+                           "per line")
+        return
+    if isinstance(data, dict):
+        key = next((k for k in _WRAPPER_KEYS if isinstance(data.get(k), list)), None)
+        records = [data] if key is None else data[key]
+    elif isinstance(data, list):
+        records = data
+    else:
+        yield Skip("file", f"holds a JSON {type(data).__name__}; expected an array or an "
+                           "object wrapping one")
+        return
+    for i, rec in enumerate(records, 1):
+        yield json_record_to_draft(rec, f"record {i}", origin=path.name)
 
 
 def _looks_like_jsonl(path: Path) -> bool:
@@ -2994,12 +3044,13 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     norms = index.norms()
     scores: dict[int, float] = {}
     k1 = BM25_K1 + 1
-    for t in terms:
-        plist = index.postings.get(t)
-        if plist is None:
-            continue
+    found = [p for p in map(index.postings.get, terms) if p is not None]
+    for n_term, plist in enumerate(sorted(found, key=lambda p: -len(p[0]))):
         df = len(plist[0]) - (sum(1 for i in plist[0] if slots[i] is None) if dead else 0)
         w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
+        if not n_term:                  # the longest list fills the dict: no lookups
+            scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
+            continue
         get = scores.get
         for i, v in zip(*plist):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
@@ -3849,6 +3900,27 @@ def recall_mode_report(cfg: Config) -> dict:
     return {"recall_mode": "semantic", "semantic": info}
 
 
+def known_keys(key: str, items: list) -> Callable[[str], bool]:
+    """Whether an active item of the store says a content key: its recall index
+    when this process has one, else a plain set of keys (a hook's capture must
+    not build a BM25 index to find a duplicate)."""
+    rt = runtime()
+    with rt.index_lock:
+        indexed = key in rt.indexes
+        if indexed:
+            rt.key_sets.pop(key, None)
+        else:
+            src, keys = rt.key_sets.get(key, (None, set()))
+            if src is not items:
+                if src is not None and len(items) >= len(src) and \
+                        all(map(operator.is_, items, src)):
+                    keys.update(content_key(it) for it in items[len(src):] if it.active)
+                else:
+                    keys = {content_key(it) for it in items if it.active}
+                rt.key_sets[key] = (items, keys)
+    return store_index(key, items).says if indexed else keys.__contains__
+
+
 def store_index(key: str, items: list) -> Index:
     """The live index for one store (or scope set), synced to its current items."""
     rt = runtime()
@@ -3869,8 +3941,10 @@ def store_index(key: str, items: list) -> Index:
 @dataclass
 class IngestResult:
     imported: list = field(default_factory=list)     # new Items
-    duplicates: int = 0
+    duplicates: int = 0                              # every draft not stored, as below
     skipped: list = field(default_factory=list)      # (label, reason)
+    changed: list = field(default_factory=list)      # known key, other text: {id, ref, where}
+    same_content: int = 0                            # a new key whose text is stored already
 
 
 @dataclass
@@ -3879,6 +3953,7 @@ class Prepared:
     items: list = field(default_factory=list)        # (watermark key, Item)
     skipped: list = field(default_factory=list)      # (label, reason)
     duplicates: int = 0                              # watermarked already when prepared
+    where: dict = field(default_factory=dict)        # item id -> position in its source
 
 
 @dataclass
@@ -3886,7 +3961,9 @@ class Admission:
     """admit()'s decision: the doc to store (None: nothing new) and what it added."""
     doc: Doc | None
     fresh: list
-    duplicates: int
+    duplicates: int                   #: not stored, all reasons (changed, same_content too)
+    changed: list = field(default_factory=list)      #: {id, ref, where}
+    same_content: int = 0
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
@@ -3896,51 +3973,76 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     skipped with its reason."""
     out = Prepared()
     project, agent = cfg.project, cfg.agent
-    seen_marks = store(cfg, "local").read().meta.get("watermarks") or {}
+    doc = store(cfg, "local").read()
+    seen_marks = doc.meta.get("watermarks") or {}
+    by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
-            out.duplicates += 1
-            continue
+            by_id = by_id or {it.id: it for it in doc.items}
+            if _same_text(by_id.get(seen_marks[d.key]), d):
+                out.duplicates += 1
+                continue
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
                             valid_while=d.valid_while, now=now, supersedes=d.supersedes)
         except InputError as e:
-            out.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
+            out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
+        if d.where:
+            out.where[item.id] = d.where
         if on_progress and n % 500 == 0:
             on_progress(n)
     return out
 
 
+def _same_text(stored: Item | None, draft: Draft) -> bool:
+    """Whether a watermarked draft still says what its stored item says (an item
+    that left this store, promoted, is taken as unchanged)."""
+    if stored is None:
+        return True
+    content = draft.content if isinstance(draft.content, str) else ""
+    return content_key(stored) == text_key(draft.type, content.strip())
+
+
 def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
-    already stored with the same text (pure, but for the cached index)."""
+    already stored with the same text (pure, but for the cached index). A
+    watermarked key whose text changed is reported, and the stored item kept."""
     new_marks = dict(doc.meta.get("watermarks") or {})
-    index: Index | None = None               # built only if a draft passes the watermarks
-    live: set[str] = set()
+    says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
+    live: dict[str, Item] = {}               # admitted here, by id
+    live_keys: set[str] = set()
     fresh: list[Item] = []
-    dups = 0
+    adm = Admission(None, fresh, 0)
+    by_id: dict[str, Item] = {}
     for key, item in prepared.items:
-        if key and key in new_marks:
-            dups += 1
-            continue
         ckey = content_key(item)
-        if index is None and ckey not in live:
-            index = store_index(index_key, doc.items)
-        if ckey in live or (index is not None and index.says(ckey)):
-            dups += 1
+        if key and key in new_marks:
+            by_id = by_id or {it.id: it for it in doc.items}
+            known = by_id.get(new_marks[key]) or live.get(new_marks[key])
+            if known is not None and content_key(known) != ckey:
+                adm.changed.append({"id": known.id, "ref": item.source.get("ref"),
+                                    "where": prepared.where.get(item.id)})
+            adm.duplicates += 1
+            continue
+        if says is None and ckey not in live_keys:
+            says = known_keys(index_key, doc.items)
+        if ckey in live_keys or (says is not None and says(ckey)):
+            adm.duplicates += 1
+            adm.same_content += 1
             continue
         if key:
             new_marks[key] = item.id
-        live.add(ckey)
+        live[item.id] = item
+        live_keys.add(ckey)
         fresh.append(item)
-    if not fresh:
-        return Admission(None, [], dups)
-    marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
-    meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta   # same: an append
-    return Admission(Doc(items=doc.items + fresh, meta=meta, raw=doc.raw), fresh, dups)
+    if fresh:
+        marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
+        meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta  # same: an append
+        adm.doc = Doc(items=doc.items + fresh, meta=meta, raw=doc.raw)
+    return adm
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
@@ -3953,6 +4055,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path)),
                              f"ingest {len(prepared.items)} items")
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
+        result.changed, result.same_content = adm.changed, adm.same_content
         embed_soon(cfg, result.imported)
     return result
 
@@ -4573,16 +4676,24 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
 def federated_items(docs: dict[str, Doc]) -> list[Item]:
     """Active items across scopes, org first; an id present in two scopes (a
     move in flight) is shown once, from the higher scope."""
-    present = [s for s in reversed(SCOPES) if s in docs]
+    present = tuple(s for s in reversed(SCOPES) if s in docs)
     if len(present) == 1:
         return docs[present[0]].items
+    lists = tuple(docs[s].items for s in present)
+    rt = runtime()
+    with rt.lock:                        # the same lists as last time: the same answer,
+        hit = rt.federated.get(present)  # so a recall does no O(N) work when none changed
+    if hit is not None and all(map(operator.is_, hit[0], lists)):
+        return hit[1]
     seen: set[str] = set()
     out: list[Item] = []
-    for scope in present:
-        for it in docs[scope].items:
+    for items in lists:
+        for it in items:
             if it.id not in seen:
                 seen.add(it.id)
                 out.append(it)
+    with rt.lock:
+        rt.federated[present] = (lists, out)
     return out
 
 
@@ -6385,10 +6496,15 @@ def import_memory(source: Annotated[str, Field(
     object wrapping a list under memories/items/records/data/entries, or JSONL).
     path: absolute path of the export file; it is only read, never changed.
     Items land local, tagged `imported`, stamped source {system, ref,
-    imported, source_ts}, and are never auto-promoted. Re-importing adds
-    nothing (dedupe by record id, else content hash). Returns counts of
-    imported / skipped (with the first reasons) / duplicates, the first new
-    items, and `id_map`: a JSONL file mapping every record to its new item id.
+    imported, source_ts}, and are never auto-promoted. A record is a duplicate
+    when the same system (its own `system`/`source` field, else the file's name)
+    gave the same id before (without an id: the same text); re-importing adds
+    nothing. Returns counts of imported / skipped (with the first reasons, by
+    1-based position) / duplicates / same_content (a new record whose text an
+    item already has), `changed` (known id, other text: the stored item keeps
+    its own; with both ids), the first new items, and `id_map`: a JSONL file
+    mapping every record to its new item id. A file with no importable record
+    answers status `nothing_imported` with the `reasons`.
     """
     cfg = require_config()
     adapter = IMPORT_ADAPTERS.get(source)
@@ -6410,19 +6526,35 @@ def import_memory(source: Annotated[str, Field(
                 yield rec
 
     res = ingest(cfg, drafts())
-    skips = [(s.where, s.reason) for s in skipped] + res.skipped
-    out = {
-        "status": "imported", "source": source, "path": str(p),
-        "imported": len(res.imported), "skipped": len(skips), "duplicates": res.duplicates,
+    out = import_report(source, p, res, [(s.where, s.reason) for s in skipped] + res.skipped)
+    if res.imported:
+        out["id_map"] = str(write_id_map(cfg, source, res.imported))
+    return with_store_warnings(out, cfg)
+
+
+def import_report(source: str, path: Path, res: IngestResult,
+                  skips: list[tuple[str, str]]) -> dict:
+    """What an import did, for the caller, under 100 KB whatever its size (pure)."""
+    recognized = len(res.imported) + res.duplicates
+    out: dict[str, Any] = {
+        "status": "imported" if recognized else "nothing_imported", "source": source,
+        "path": str(path), "imported": len(res.imported), "skipped": len(skips),
+        "duplicates": res.duplicates - len(res.changed) - res.same_content,
+        "same_content": res.same_content, "changed": res.changed[:IMPORT_LISTED],
         "skipped_reasons": [{"where": _clip(w, 200), "reason": _clip(r, 300)}
                             for w, r in skips[:5]],
         "items": [{"id": it.id, "source": {k: _clip(v, 200) if isinstance(v, str) else v
                                            for k, v in it.source.items()}}
                   for it in res.imported[:IMPORT_LISTED]],
     }
-    if res.imported:
-        out["id_map"] = str(write_id_map(cfg, source, res.imported))
-    return with_store_warnings(out, cfg)
+    if res.changed:
+        out["note"] = (f"{len(res.changed)} record(s) were imported before with other text; "
+                       "the stored items keep theirs: correct or deprecate them to take "
+                       "the new text.")
+    if not recognized:
+        out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips[:5]] or [
+            "the file holds no records (it is empty)"]
+    return out
 
 
 IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
@@ -6741,6 +6873,38 @@ def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
                           structured_content={"error": code, "message": text, **extra})
 
 
+_JSON_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                          r"|\\u[0-9a-fA-F]{4}|\\.")
+
+
+def repair_surrogate_escapes(line: str) -> str:
+    """A JSON text with every lone UTF-16 surrogate escape (`\\ud800` without its
+    pair) replaced by `\\ufffd`, so it parses to U+FFFD instead of failing (pure).
+    Escapes are read left to right, so an escaped backslash (`\\\\ud800`) stays text."""
+    if "\\u" not in line:
+        return line
+
+    def fix(m: re.Match) -> str:
+        esc = m.group(0)
+        if len(esc) == 6 and 0xD800 <= int(esc[2:], 16) <= 0xDFFF:
+            return "\\ufffd"
+        return esc
+
+    return _JSON_ESCAPE.sub(fix, line)
+
+
+class _RepairedStdin:
+    """The stdio transport's stdin: UTF-8 lines (bad bytes become U+FFFD), lone
+    surrogate escapes repaired. The SDK drops a request it cannot parse without
+    answering it, so this is where such a request is made answerable."""
+
+    def __init__(self, buffer: Any):
+        self._buffer = buffer
+
+    def readline(self, *_: Any) -> str:
+        return repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+
+
 def _mcp_tool(fn: Callable) -> Callable:
     """Wrap a tool for the SDK: its API arguments with pydantic Fields (the schema
     states docs and bounds), unconfigured -> the guidance as a result, a
@@ -6832,6 +6996,14 @@ def build_server() -> MCPServer:
     from mcp.types import ToolAnnotations
 
     class CambiumServer(MCPServer):
+        async def run_stdio_async(self) -> None:
+            import anyio
+            from mcp.server.stdio import stdio_server
+            stdin = anyio.wrap_file(_RepairedStdin(sys.stdin.buffer))
+            async with stdio_server(stdin=stdin) as (read, write):
+                low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
+                await low.run(read, write, low.create_initialization_options())
+
         async def call_tool(self, name: str, arguments: dict[str, Any],
                             context: Any = None) -> Any:
             try:
@@ -6850,14 +7022,16 @@ def build_server() -> MCPServer:
 
 def serve() -> int:
     """Serve MCP over stdio (what running with no command does)."""
-    if importlib.util.find_spec("mcp") is None:
-        print("cambium: serving MCP needs the MCP SDK, which is not installed here: "
+    try:
+        server = build_server()
+    except ImportError as e:                        # the SDK is an install away: say so
+        print(f"cambium: serving MCP needs the MCP SDK ({e.name or 'mcp'} is missing): "
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
     rt = runtime()
     rt.long_running.set()
     try:
-        build_server().run("stdio")
+        server.run("stdio")
     finally:
         rt.long_running.clear()
         rt.cancel_fold()
