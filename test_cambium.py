@@ -708,8 +708,11 @@ def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
     res = cs.recall("feature flags service")
     assert res["results"][0]["recalls"] == 2
-    # credits are durable: folded into the store by the next write
-    cs.capture("an unrelated note to trigger a write")
+    # a capture appends and leaves credits journaled; the next rewrite folds them
+    other = cs.capture("an unrelated note, appended")["item"]
+    data = json.loads((repo / ".cambium" / "knowledge.json").read_text())
+    assert next(i for i in data["items"] if i["id"] == a["item"]["id"])["trust"]["recalls"] == 0
+    cs.endorse(other["id"], note="a rewrite")
     data = json.loads((repo / ".cambium" / "knowledge.json").read_text())
     stored = next(i for i in data["items"] if i["id"] == a["item"]["id"])
     assert stored["trust"]["recalls"] == 2
@@ -723,7 +726,7 @@ def test_usage_journal_keeps_lines_it_cannot_parse(repo):
     journal = repo / ".cambium" / "credits.jsonl"
     with open(journal, "a") as f:
         f.write('{"item": "k-torn", "sco\n')             # a torn append from a crash
-    cs.capture("another item to fold the credits")
+    cs.endorse(cs.capture("another item")["item"]["id"], note="a rewrite folds the credits")
     assert journal.read_text() == '{"item": "k-torn", "sco\n'
 
 
@@ -734,7 +737,7 @@ def test_legacy_usage_journal_is_adopted_and_folded(repo):
                                   "day": "2026-01-02", "project": repo.name}) + "\n")
     assert cs.status()["pending_recall_credits"] == 1
     assert not legacy.exists()
-    cs.capture("another note, whose write folds the credit")
+    cs.deprecate(cs.capture("another note")["item"]["id"], reason="a rewrite folds credits")
     stored = next(i for i in json.loads((repo / ".cambium" / "knowledge.json").read_text())
                   ["items"] if i["id"] == item["id"])
     assert stored["trust"]["recalled_by"] == {"old": "2026-01-02"}
