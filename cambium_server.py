@@ -45,13 +45,15 @@ hooks and shells. Both are built from one table, api_table(): a command per
 tool (its name with dashes, plus short aliases: review, verify, stale, import,
 export), its arguments, defaults and bounds read from the tool's signature, and
 CLI-only commands and options: serve, demo, `distill --hook` for a session-end
-hook, and two operator-only ones no MCP tool can reach: verify-cmd (attach a
-shell check) and verify --run (run the checks). The CLI path never imports the
+hook, restore (bring back items set aside from a damaged local store), and
+two operator-only ones no MCP tool can reach: verify-cmd (attach a shell check)
+and verify --run (run the checks). The CLI path never imports the
 MCP SDK: hooks run it at every session end and the SDK costs about a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, process state (the Runtime), git plumbing, storage
-(files, the scope interface, the credit journal, the shared git scopes),
+(files, the scope interface, the local file, the credit journal, the shared
+git scopes),
 substrate readers, import adapters, recall (lexical, semantic, ranking),
 ingest, lifecycle decisions, consolidation (pure), scope helpers, distill,
 hygiene (consolidation writes, usage attribution, operator checks), tools
@@ -1388,7 +1390,7 @@ def render_store(doc: Doc) -> str:
 
 # =============================================================================
 # Storage: the scope interface
-# Every scope is a Store: read() -> Doc, mutate(fn, message) -> Doc. `fn` is a
+# Every scope is a Store: read() -> Doc, mutate(fn, message) -> Write. `fn` is a
 # pure function Doc -> Doc | None (None: nothing to change); a store may call it
 # more than once (a shared scope replays it after losing a push race).
 # =============================================================================
