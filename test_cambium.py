@@ -1539,12 +1539,21 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     (editor / "KNOWLEDGE.md").write_text("# stale hand edit\n")
     git(editor, "commit", "-q", "-am", "hand edit")
     git(editor, "push", "-q", "origin", "HEAD:main")
-    res = cs.export_markdown("org")
-    assert res["published"]["changed"] is True
+    res = cs.export_markdown()                           # the default is org
+    assert res["scope"] == "org" and res["published"]["changed"] is True
+    assert "note" not in res
     assert "Scrub secrets before logging" in remote_json(shared["org_bare"], "main",
                                                          "KNOWLEDGE.md")
     all_md = cs.export_markdown("all")["markdown"]
     assert "## Org" in all_md
+
+
+def test_export_default_with_org_off_renders_local_and_says_so(repo):
+    cs.capture("Name migrations after the ticket they serve")
+    res = cs.export_markdown()
+    assert res["scope"] == "local" and "published" not in res
+    assert "org scope is off" in res["note"] and "setup(org_repo=" in res["note"]
+    assert "Name migrations after the ticket" in res["markdown"]
 
 
 # =============================================================================
@@ -1700,6 +1709,7 @@ def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
     assert items[survivor]["merged_from"][0]["id"] == loser and items[near]["status"] == "active"
     again = store.read_bytes()
     assert cs.consolidate(apply=True)["count"] == 0 and store.read_bytes() == again
+    assert cs.status()["scopes"]["local"]["by_type"] == {"memory": 2, "superseded": 1}
     assert {h["id"] for h in cs.recall("retry idempotent requests backoff")["results"]} == \
         {survivor, near}
 
@@ -2002,7 +2012,7 @@ def _team_item(content: str, project: str, last_verified: str | None,
                                   promoted_at=created, valid_while=f"premise of {content}")
 
 
-def test_stale_entries_order_flags_and_filters():
+def test_stale_items_order_flags_and_filters():
     now = cs.datetime(2026, 11, 29, tzinfo=cs.timezone.utc)
     items = [
         _team_item("recent", "shop", "2026-11-20T00:00:00Z"),
@@ -2012,14 +2022,14 @@ def test_stale_entries_order_flags_and_filters():
         cs.dataclasses.replace(_team_item("retired", "shop", None), status="deprecated"),
         cs.new_item("local only"),
     ]
-    rows = cs.stale_entries(items, now=now)
+    rows = cs.stale_items(items, now=now)
     assert [r["content"] for r in rows] == ["never", "old", "middle", "recent"]
     assert [r["never_verified"] for r in rows] == [True, False, False, False]
     assert rows[1]["age_days"] == 273 and rows[0]["age_days"] == 181
     assert rows[1]["valid_while"] == "premise of old"
-    assert [r["content"] for r in cs.stale_entries(items, now=now, project="billing")] == \
+    assert [r["content"] for r in cs.stale_items(items, now=now, project="billing")] == \
         ["never", "middle"]
-    assert [r["content"] for r in cs.stale_entries(items, now=now, older_than_days=100)] == \
+    assert [r["content"] for r in cs.stale_items(items, now=now, older_than_days=100)] == \
         ["never", "old", "middle"]
 
 
@@ -2867,9 +2877,16 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
             out[json.dumps(args)] = (res.content[0].text, res.structured_content)
         cap = await session.call_tool("capture", {"content": "x", "type": "rumour"})
         out["capture"] = (cap.content[0].text, cap.structured_content)
-        return out
+        long = await session.call_tool("capture", {"content": "x" * 20_001})
+        promote = await session.call_tool("promote", {"to_scope": "org"})
+        return out, [(r.content[0].text, r.structured_content) for r in (long, promote)]
 
-    out = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    out, core = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    assert core[0][0] == ("content is 20001 characters, over the limit of 20000: capture the "
+                          "durable point, not the whole document.")
+    assert core[1][0].startswith("item_id is required with to_scope='org'")
+    for text, structured in core:
+        assert structured["error"] == "invalid_argument" and "Error" not in text
     texts = [t for t, _ in out.values()]
     assert texts[0] == "limit must be a whole number from 1 to 50; got 99."
     assert texts[1] == "scope must be one of auto, local, team, org; got 'galaxy'."
@@ -3232,6 +3249,9 @@ def test_cli_answers_speak_cli_and_mcp_answers_speak_calls(repo, tmp_path):
     reason = json.loads(out.stdout)["reason"]
     assert "--force" in reason and "force=True" not in reason
     assert "force=True" in cs.promote(item)["reason"]                 # the tool's own words
+    out = cli("capture", "Call recall(query) before promote(force=True) in scripts")
+    assert json.loads(out.stdout)["item"]["content"] == \
+        "Call recall(query) before promote(force=True) in scripts"   # item text stays
     out = cli("recall", "x", cwd=tmp_path, CAMBIUM_REPO="", CAMBIUM_AGENT_ID="")
     step = json.loads(out.stdout)["next_step"]
     assert step.startswith("cambium_server.py setup ") and "project_repo=" not in step
@@ -3286,6 +3306,27 @@ def test_serving_without_the_sdk_prints_an_install_hint_and_exits_2(repo):
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "pip install" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_readme_cites_no_path_outside_the_repository():
+    readme = (HERE / "README.md").read_text()
+    assert "../" not in readme and "/work/" not in readme
+    quality = readme.split("### Recall quality", 1)[1].split("\n### ")[0]
+    for cmd in re.findall(r"python3 (quality/\S+|bench_cambium\.py)", quality):
+        assert (HERE / cmd).is_file(), cmd
+    assert "--set held" in quality and (HERE / "quality" / "held" / "queries.jsonl").is_file()
+
+
+def test_test_install_includes_the_semantic_extra_and_readme_says_so():
+    import tomllib
+    extra = tomllib.loads((HERE / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["semantic"]
+    pins = {line.split("#")[0].strip().replace(" ", "").replace('"', "'")
+            for line in (HERE / "requirements-test.txt").read_text().splitlines()}
+    assert extra and {e.replace(" ", "") for e in extra} <= pins
+    test_section = (HERE / "README.md").read_text().split("## Test", 1)[1].split("\n## ")[0]
+    assert "requirements-test.txt" in test_section and "semantic extra" in test_section
+    assert re.search(r"about \d+ MB installed", test_section)
 
 
 def test_cli_capture_recall_json_and_text(repo):
@@ -3415,6 +3456,28 @@ def test_semantic_recall_never_pads_nor_credits_near_misses(semantic):
     for content, item_id in ids.items():      # only what was shown earned a credit
         hit = next(r for r in cs.recall(content, limit=10)["results"] if r["id"] == item_id)
         assert hit["recalls"] == 1 + (0 if item_id not in shown else 0)
+
+
+@needs_extra
+def test_semantic_ranking_of_a_grown_index_equals_a_fresh_one(tmp_path):
+    items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t]) for i, (c, w, t) in enumerate(NOTES)]
+    eng = cs.Semantic(None)
+    grown = cs.Index().sync([])
+    for n in range(1, len(items) + 1):
+        grown = grown.sync(items[:n])
+        cs.rank(grown, PARAPHRASE, 3, engine=eng)         # vectors picked up as it grows
+    edited = dataclasses.replace(items[1], content="Schema migrations run before deploys")
+    final = [edited if it is items[1] else it for it in items[1:]]
+    grown = grown.sync(final)
+    fresh = cs.build_index(final)
+    for query in (PARAPHRASE, UNRELATED, "when do migrations run"):
+        a = cs.rank(grown, query, 5, engine=eng)
+        b = cs.rank(fresh, query, 5, engine=eng)
+        assert [h.item.id for h in a.hits] == [h.item.id for h in b.hits]
+        assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
+        # float32 products over matrices of different shapes agree to ~1e-7
+        assert [h.confidence for h in a.hits + a.weak] == \
+            pytest.approx([h.confidence for h in b.hits + b.weak], abs=1e-6)
 
 
 @needs_extra
