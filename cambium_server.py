@@ -7150,14 +7150,17 @@ def _prog() -> str:
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "cambium"
 
 
-def _cli_parser() -> argparse.ArgumentParser:
+def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI parser: every command, or only `command`'s when it names one (a hook
+    runs one command, and building the rest costs it milliseconds)."""
     ap = argparse.ArgumentParser(
         description="cambium knowledge server. With no command it serves MCP over stdio; "
         "with a command it runs that tool once and prints JSON.")
     ap.add_argument("--version", action="version", version=__version__)
     sub = ap.add_subparsers(dest="command", metavar="command")
+    only = find_tool(command) if command else None
     for tool in api_table():
-        if tool.cli:
+        if tool.cli and (only is None or tool is only):
             _add_command(sub, tool)
     return ap
 
@@ -7227,7 +7230,8 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
-    args = _cli_parser().parse_args(argv or ["serve"])
+    argv = argv or ["serve"]
+    args = _cli_parser(argv[0]).parse_args(argv)
     if args.command is None:
         _cli_parser().print_help()
         return 2
