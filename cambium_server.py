@@ -3002,6 +3002,8 @@ class Index:
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
         self._norms: tuple | None = None           # (total_len, live, slot -> norm)
+        self.dead_slots: set[int] = set()          # slots killed (their postings stay)
+        self.dead_df: dict[str, int] = {}          # term -> dead slots in its postings
 
     def _add(self, it: Item) -> None:
         slot = len(self.items)
@@ -3030,6 +3032,9 @@ class Index:
         self.total_len -= self.lens[slot]
         self.items[slot] = None
         self.live -= 1
+        self.dead_slots.add(slot)
+        for t in item_terms(it):
+            self.dead_df[t] = self.dead_df.get(t, 0) + 1
 
     def says(self, key: str) -> bool:
         """Whether a live item already has this content key."""
@@ -3144,14 +3149,12 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     """BM25 of every live slot matching a term (slot -> score). `terms` are
     tokenize()d and unique; idf counts at least BM25_MIN_DOCS documents."""
     n = max(index.live, BM25_MIN_DOCS)
-    slots = index.items
-    dead = index.dead
     norms = index.norms()
     scores: dict[int, float] = {}
     k1 = BM25_K1 + 1
-    found = [p for p in map(index.postings.get, terms) if p is not None]
-    for n_term, plist in enumerate(sorted(found, key=lambda p: -len(p[0]))):
-        df = len(plist[0]) - (sum(1 for i in plist[0] if slots[i] is None) if dead else 0)
+    found = [(t, index.postings[t]) for t in terms if t in index.postings]
+    for n_term, (t, plist) in enumerate(sorted(found, key=lambda tp: -len(tp[1][0]))):
+        df = len(plist[0]) - index.dead_df.get(t, 0)
         w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
         if not n_term:                  # the longest list fills the dict: no lookups
             scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
@@ -3159,9 +3162,8 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
         get = scores.get
         for i, v in zip(*plist):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
-    if dead:
-        for i in [i for i in scores if slots[i] is None]:
-            del scores[i]
+    for i in index.dead_slots:
+        scores.pop(i, None)
     return scores
 
 
