@@ -58,6 +58,7 @@ import collections
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import heapq
 import importlib.util
@@ -97,6 +98,8 @@ MAX_TAGS = 32
 MAX_TAG_CHARS = 64
 MAX_QUERY_CHARS = 2_000
 MAX_RECALL_LIMIT = 50
+MAX_CODE_REFS = 20                  #: code anchors per item
+MAX_CODE_PATH_CHARS = 300
 LOCAL_DIR = ".cambium"
 STORE_FILE = "knowledge.json"
 USAGE_FILE = "usage.jsonl"          #: recall credits not yet folded into a store
@@ -129,12 +132,17 @@ RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
 SERVER_INSTRUCTIONS = """\
 cambium is the team's memory: knowledge items other agents (and you, earlier)
 captured, with the reason behind each one. The loop:
-1. Before non-trivial work, call recall("<what you are about to touch>"). If it
-   answers no_confident_match, nothing relevant is known: do not invent it.
-2. When you learn something durable (a decision and its why, a pitfall, a
-   procedure), call capture(content, why=...). Record missing things with
-   record_need. Vouch for items that helped with endorse(item_id, note).
-3. At session end, call distill() to turn finished agentsync claims and
+1. At session start, call session_primer() once (or read the cambium://primer
+   resource): the project's pitfalls, settled decisions and most trusted notes,
+   one line each with its id.
+2. Before non-trivial work, call recall("<what you are about to touch>"). Each
+   result is one line; expand(id) gives the one you act on whole. If it answers
+   no_confident_match, nothing relevant is known: do not invent it.
+3. When you learn something durable (a decision and its why, a pitfall, a
+   procedure), call capture(content, why=..., code_refs=[{"path": ...}]).
+   Record missing things with record_need. Vouch for items that helped with
+   endorse(item_id, note).
+4. At session end, call distill() to turn finished agentsync claims and
    context-keeper decisions into memory.
 Call status() first if anything reports configured: false; it says how to fix it.
 """
@@ -232,7 +240,7 @@ def _empty_trust() -> dict:
 _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "project",
                 "source", "created_by", "created_at", "updated_at", "status", "trust")
 _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
-                    "promoted_at", "pr_url", "deprecated")
+                    "promoted_at", "pr_url", "deprecated", "code_refs")
 
 
 @dataclass
@@ -263,6 +271,7 @@ class Item:
     promoted_at: str | None = None
     pr_url: str | None = None                        # pending org PR (PR mode)
     deprecated: dict | None = None                   # {by, at, reason}
+    code_refs: list | None = None                    # [{path, symbol?}] code anchors
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -332,6 +341,7 @@ class Draft:
     source: dict | None = None
     valid_while: Any = None
     key: str | None = None
+    code_refs: Any = None
 
 
 @dataclass
@@ -434,10 +444,66 @@ def normalize_tags(tags: Any) -> list[str]:
     return out
 
 
+_SYMBOL = re.compile(r"[A-Za-z_$][\w$]*(?:(?:\.|::)[A-Za-z_$][\w$]*){0,7}")
+
+
+def code_path_problem(path: str) -> str | None:
+    """Why `path` cannot be a code anchor (relative, inside the repo), or None."""
+    if not path or len(path) > MAX_CODE_PATH_CHARS or "\x00" in path:
+        return f"must be a relative path of 1-{MAX_CODE_PATH_CHARS} characters"
+    if path.startswith(("/", "~")) or re.match(r"[A-Za-z]:[\\/]", path):
+        return "must be relative to the repo root, not absolute"
+    if ".." in path.replace("\\", "/").split("/"):
+        return "must not leave the repo (no '..')"
+    return None
+
+
+def _one_code_ref(ref: Any) -> dict:
+    """{path, symbol?} from a dict or a "path" / "path#symbol" string."""
+    if isinstance(ref, str):
+        path, _, symbol = ref.partition("#")
+        ref = {"path": path, "symbol": symbol or None}
+    if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
+        raise InputError(f"code_refs entries are {{path, symbol?}} objects; got {ref!r:.60}.")
+    path = ref["path"].strip().replace("\\", "/")
+    while path.startswith("./"):
+        path = path[2:]
+    problem = code_path_problem(path)
+    if problem:
+        raise InputError(f"code_refs path {ref['path']!r:.80} {problem}.")
+    out = {"path": path.rstrip("/") or path}
+    symbol = ref.get("symbol")
+    if symbol not in (None, ""):
+        if not isinstance(symbol, str) or not _SYMBOL.fullmatch(symbol.strip()):
+            raise InputError(f"code_refs symbol {symbol!r:.60} should be an identifier such "
+                             "as parse_store or Item.from_dict.")
+        out["symbol"] = symbol.strip()
+    return out
+
+
+def normalize_code_refs(refs: Any) -> list[dict] | None:
+    """Code anchors from a list of {path, symbol?} (or "path#symbol" strings):
+    validated, deduplicated, at most MAX_CODE_REFS. None when there are none."""
+    if refs in (None, "", []):
+        return None
+    if isinstance(refs, (str, dict)):
+        refs = [refs]
+    if not isinstance(refs, (list, tuple)):
+        raise InputError("code_refs must be a list of {path, symbol?} objects.")
+    out: list[dict] = []
+    for ref in refs:
+        one = _one_code_ref(ref)
+        if one not in out:
+            out.append(one)
+    if len(out) > MAX_CODE_REFS:
+        raise InputError(f"{len(out)} code_refs; at most {MAX_CODE_REFS}.")
+    return out or None
+
+
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
              tags: Any = None, project: str = "", agent: str = "",
              source: dict | None = None, valid_while: Any = None,
-             now: str | None = None) -> Item:
+             now: str | None = None, code_refs: Any = None) -> Item:
     """The one chokepoint that creates items: normalize, validate, stamp.
 
     Raises InputError naming the bad argument.
@@ -455,6 +521,7 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
         tags=normalize_tags(tags), scope="local", project=project,
         source=dict(source or {"system": "capture"}), created_by=agent,
         created_at=stamp, updated_at=stamp, valid_while=premise,
+        code_refs=normalize_code_refs(code_refs),
     )
 
 
@@ -1566,6 +1633,46 @@ def _changed_files_text(changed: Any) -> str:
     return f"Changed files: {shown}" + (f" (+{more} more)" if more > 0 else "") + "."
 
 
+def changed_files_refs(changed: Any) -> list[dict] | None:
+    """Code anchors for a claim's changed_files (pure): every path that is still
+    meant to exist (deletions are skipped), usable ones only, at most MAX_CODE_REFS."""
+    paths = [_str(c.get("path")) for c in changed if isinstance(c, dict)
+             and not _str(c.get("status")).upper().startswith("D")] \
+        if isinstance(changed, list) else []
+    return _usable_refs(paths)
+
+
+def _usable_refs(paths: Iterable[str]) -> list[dict] | None:
+    refs: list[dict] = []
+    for p in paths:
+        p = p.strip().removeprefix("./").rstrip("/")
+        if p and code_path_problem(p) is None and {"path": p} not in refs:
+            refs.append({"path": p})
+    return refs[:MAX_CODE_REFS] or None
+
+
+#: context-keeper scope values that name a policy domain, not a path
+_NON_PATH_SCOPES = {"global", "all", "*", "", "repo", "project", "org", "team"}
+_FILE_MENTION = re.compile(r"(?<![\w/.@:-])((?:[\w.-]+/)*[\w-][\w.-]*\.(?:py|pyi|js|jsx|ts|"
+                           r"tsx|go|rs|java|kt|rb|php|c|h|cc|cpp|hpp|cs|swift|scala|sh|sql|"
+                           r"toml|ya?ml|json|md|ini|cfg))(?![\w/-])")
+
+
+def context_entry_refs(entry: dict, texts: Iterable[str]) -> list[dict] | None:
+    """Code anchors named by a context-keeper entry (pure): its `scope` when that
+    is a path, its `files`/`paths` lists, and file paths mentioned in its text."""
+    named: list[str] = []
+    scope = _str(entry.get("scope"))
+    if scope.lower() not in _NON_PATH_SCOPES and " " not in scope:
+        named.append(scope)
+    for key in ("files", "paths", "affected_files"):
+        if isinstance(entry.get(key), list):
+            named += [_str(v) for v in entry[key] if _str(v)]
+    for text in texts:
+        named += _FILE_MENTION.findall(text)
+    return _usable_refs(named)
+
+
 def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
     """One claim version as an item draft (pure). Done: an `outcome` memory;
     a noted claim captured at release before done: a `progress` note."""
@@ -1604,7 +1711,8 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
         source["captured"] = "release"
     return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="outcome" if done else "progress", tags=tags, source=source,
-                 key=claim_key(agent, claim))
+                 key=claim_key(agent, claim),
+                 code_refs=changed_files_refs(claim.get("changed_files")))
 
 
 def _entry_tags(entry: dict, extra: list[str]) -> list[str]:
@@ -1706,11 +1814,12 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     source = {"system": "context-keeper", "ref": eid, "kind": kind}
     if _str(entry.get("created_at")):
         source["source_ts"] = _str(entry.get("created_at"))
-    return Draft(content=_clip(content, MAX_CONTENT_CHARS),
-                 why=_clip(" ".join(p for p in why_parts if p), MAX_WHY_CHARS),
+    why = " ".join(p for p in why_parts if p)
+    return Draft(content=_clip(content, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="procedure" if kind == "pipeline" else kind,
                  tags=_entry_tags(entry, ["context-keeper", eid.lower()]),
-                 source=source, key=f"context-keeper:{eid}")
+                 source=source, key=f"context-keeper:{eid}",
+                 code_refs=context_entry_refs(entry, (content, why)))
 
 
 def _entries_of(data: Any, name: str, where: Path) -> list:
@@ -3107,7 +3216,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
-                            valid_while=d.valid_while, now=stamp)
+                            valid_while=d.valid_while, now=stamp, code_refs=d.code_refs)
         except InputError as e:
             result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
             continue
@@ -3366,6 +3475,153 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
 
 
 # =============================================================================
+# Code anchors
+# An item's code_refs resolve against the current working tree to live
+# path:line pointers: the symbol's definition in that file, else the file. No
+# file content ever leaves here. Results are cached per HEAD (and per file
+# version); a path that leaves the repo (.., absolute, a symlink pointing out,
+# .git) never resolves.
+# =============================================================================
+
+MAX_ANCHOR_FILE_BYTES = 2 * 1024 * 1024   #: larger files resolve to the file, unscanned
+_DEF_PREFIX = (r"^[ \t]*(?:(?:export|pub(?:\([\w:]+\))?|public|private|protected|static|"
+               r"async|default|abstract|final|unsafe|extern|inline|override|open)\s+)*"
+               r"(?:def|class|function\*?|func|fn|struct|enum|interface|trait|type|const|let|"
+               r"var|val|module|object|impl|record|protocol|macro|sub)\s+(?:\([^)\n]*\)\s*)?")
+
+
+@functools.lru_cache(maxsize=512)
+def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
+    """(a keyword definition of `name`, an assignment to it at line start)."""
+    n = re.escape(name)
+    return (re.compile(_DEF_PREFIX + n + r"\b", re.M),
+            re.compile(r"^[ \t]*(?:export\s+)?" + n + r"\s*(?::[^=\n]*)?=(?!=)", re.M))
+
+
+def find_definition(text: str, symbol: str) -> int | None:
+    """1-based line where `symbol` is defined in `text` (pure). A dotted name
+    (Item.from_dict) looks for its last part after its first part's line."""
+    parts = re.split(r"\.|::", symbol)
+    start = 0
+    if len(parts) > 1:
+        outer = _first_match(text, parts[0], 0)
+        start = outer if outer is not None else 0
+    at = _first_match(text, parts[-1], start)
+    if at is None and start:
+        at = _first_match(text, parts[-1], 0)
+    return None if at is None else text.count("\n", 0, at) + 1
+
+
+def _first_match(text: str, name: str, start: int) -> int | None:
+    for pattern in _definition_patterns(name):
+        m = pattern.search(text, start)
+        if m:
+            return m.start()
+    return None
+
+
+def _inside_repo(root_real: str, rel: str) -> str | None:
+    """The real path of `rel` under the repo root, or None if it would leave it."""
+    if code_path_problem(rel) or rel.split("/", 1)[0] == ".git":
+        return None
+    full = os.path.realpath(os.path.join(root_real, rel))
+    return full if full.startswith(root_real + os.sep) else None
+
+
+def _resolve_one(root_real: str, ref: dict) -> dict:
+    """One anchor -> {path, symbol?, resolved, at, line?} (reads the file only)."""
+    path, symbol = ref["path"], ref.get("symbol")
+    out: dict[str, Any] = {"path": path, **({"symbol": symbol} if symbol else {})}
+    full = _inside_repo(root_real, path)
+    if full is None or not os.path.exists(full):
+        return {**out, "resolved": False, "at": None,
+                "why": "outside the repo" if full is None else "not in the working tree"}
+    out.update(resolved=True, at=path)
+    if not symbol or not os.path.isfile(full) or os.path.getsize(full) > MAX_ANCHOR_FILE_BYTES:
+        return out
+    with open(full, "rb") as f:
+        line = find_definition(f.read().decode("utf-8", "replace"), symbol)
+    if line is None:
+        return {**out, "symbol_found": False}
+    return {**out, "at": f"{path}:{line}", "line": line}
+
+
+def _git_head(root: Path) -> str | None:
+    """The commit HEAD points at, read from .git without spawning git (None:
+    not readable that way; then nothing is cached across calls)."""
+    try:
+        dotgit = root / ".git"
+        gitdir = dotgit if dotgit.is_dir() else \
+            (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
+        head = (gitdir / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        common = gitdir / (gitdir / "commondir").read_text().strip() \
+            if (gitdir / "commondir").exists() else gitdir
+        for base in (gitdir, common):
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip()
+        packed = (common / "packed-refs").read_text()
+        return next((ln.split()[0] for ln in packed.splitlines() if ln.endswith(" " + ref)),
+                    head)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_ANCHOR_CACHE: dict[str, tuple[str, dict]] = {}   #: root -> (HEAD, {(path, symbol): (stamp, result)})
+_ANCHOR_GUARD = threading.Lock()
+
+
+def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
+    """Each of an item's code_refs resolved against the working tree at `root`."""
+    refs = [r for r in refs if isinstance(r, dict) and isinstance(r.get("path"), str)] \
+        if isinstance(refs, list) and root else []
+    if not refs:
+        return []
+    root_real = os.path.realpath(root)
+    head = _git_head(root)
+    with _ANCHOR_GUARD:
+        held = _ANCHOR_CACHE.get(root_real)
+        if head is None or held is None or held[0] != head:
+            held = _ANCHOR_CACHE[root_real] = (head or "", {})
+    out = []
+    for ref in refs:
+        key = (ref["path"], ref.get("symbol") if isinstance(ref.get("symbol"), str) else None)
+        try:
+            st = os.stat(os.path.join(root_real, key[0]))
+            stamp: tuple = (st.st_mtime_ns, st.st_size)
+        except (OSError, ValueError):
+            stamp = ()
+        hit = held[1].get(key)
+        if hit is None or hit[0] != stamp:
+            hit = held[1][key] = (stamp, _safe_resolve(root_real, key))
+        out.append(hit[1])
+    return out
+
+
+def _safe_resolve(root_real: str, key: tuple) -> dict:
+    ref = {"path": key[0], **({"symbol": key[1]} if key[1] else {})}
+    try:
+        return _resolve_one(root_real, ref)
+    except (OSError, ValueError) as e:      # unreadable file, bad bytes in a path
+        return {**ref, "resolved": False, "at": None, "why": f"unreadable ({e.__class__.__name__})"}
+
+
+def is_stale_code(anchors: list[dict]) -> bool:
+    """Advisory: the item names code and none of it resolves any more."""
+    return bool(anchors) and not any(a["resolved"] for a in anchors)
+
+
+def code_pointer(anchors: list[dict]) -> str:
+    """The one-line code pointer: the first live anchor (+N more), or the stale path."""
+    live = [a["at"] for a in anchors if a["resolved"]]
+    if live:
+        return live[0] + (f" (+{len(live) - 1})" if len(live) > 1 else "")
+    return f"stale code: {anchors[0]['path']}" if anchors else ""
+
+
+# =============================================================================
 # Scopes: shared helpers
 # =============================================================================
 
@@ -3401,7 +3657,8 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
         "endorsements": len(trust.get("endorsements", [])),
         "projects": trust.get("projects", []),
     }
-    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated"):
+    for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated",
+              "code_refs"):
         v = getattr(item, k)
         if v is not None:
             out[k] = v
@@ -3411,8 +3668,223 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
     return out
 
 
+LINE_CONTENT_CHARS = 160        #: content shown in a one-line result, then "…"
+
+
+def one_line(text: str, limit: int) -> str:
+    """Text on one line (whitespace collapsed), clipped to `limit` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
+
+
+def trust_marks(item: Item, trust: dict) -> list[str]:
+    """Short trust marks for a one-line result: endorsed, verified, recalled by
+    several agents, and the scope when it is shared."""
+    marks = []
+    ends = len(trust.get("endorsements") or [])
+    if ends:
+        marks.append("endorsed" + (f"×{ends}" if ends > 1 else ""))
+    if item.last_verified:
+        marks.append("verified")
+    agents = len(trust.get("recalled_by") or {})
+    if agents > 1:
+        marks.append(f"recalled×{agents}")
+    if item.scope != "local":
+        marks.append(item.scope)
+    return marks
+
+
+def item_line(item: Item, *, trust: dict | None = None, anchors: list[dict] | None = None
+              ) -> str:
+    """One item as one line: id, type/kind, [trust marks], content clipped to
+    one line, and → the live code pointer when it names code."""
+    marks = trust_marks(item, trust or item.trust)
+    kind = item.type if item.kind == item.type else f"{item.type}/{item.kind}"
+    head = f"{item.id} {kind}" + (f" [{' '.join(marks)}]" if marks else "")
+    pointer = code_pointer(anchors or [])
+    return f"{head} {one_line(item.content, LINE_CONTENT_CHARS)}" + \
+        (f" → {pointer}" if pointer else "")
+
+
+def item_history(item: Item) -> list[dict]:
+    """What happened to an item, oldest first, read from its own record (pure)."""
+    events = [{"at": item.created_at, "event": "created", "by": item.created_by,
+               "via": (item.source or {}).get("system", "capture")}]
+    for e in item.trust.get("endorsements") or []:
+        if isinstance(e, dict):
+            events.append({"at": e.get("at"), "event": "endorsed", "by": e.get("by"),
+                           "note": e.get("note")})
+    for v in item.verifications if isinstance(item.verifications, list) else []:
+        if isinstance(v, dict):
+            events.append({"at": v.get("at"), "event": "verified", "by": v.get("by"),
+                           "note": v.get("note")})
+    if item.promoted_at:
+        events.append({"at": item.promoted_at, "event": f"promoted to {item.scope}"})
+    gen = item.extra.get("generalized")
+    if isinstance(gen, dict):
+        events.append({"at": gen.get("at"), "event": "generalized", "by": gen.get("by"),
+                       "note": gen.get("note")})
+    if item.pr_url:
+        events.append({"at": item.updated_at, "event": "org pull request open",
+                       "note": item.pr_url})
+    if isinstance(item.deprecated, dict):
+        events.append({"at": item.deprecated.get("at"), "event": "deprecated",
+                       "by": item.deprecated.get("by"), "note": item.deprecated.get("reason")})
+    events = [{k: v for k, v in e.items() if v not in (None, "")} for e in events]
+    return sorted(events, key=lambda e: str(e.get("at", "")))
+
+
 def _today() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d")
+
+
+# =============================================================================
+# Primer: the session-start digest (pure)
+# What an agent should know before its first query, one line per item with its
+# id, in a fixed order: pitfalls and constraints, settled decisions, the most
+# trusted notes, premises that look stale, open needs. Bounded by an entry
+# limit and a token budget, and it says its own size.
+# =============================================================================
+
+PRIMER_LIMIT = 20                  #: entries in a primer by default
+MAX_PRIMER_LIMIT = 100
+PRIMER_TOKEN_BUDGET = 1500         #: ~4 characters a token
+PREMISE_STALE_DAYS = 30            #: a valid_while unchecked this long deserves a re-check
+RECENTLY_VERIFIED_DAYS = 90
+PITFALL_KINDS = frozenset({"pitfall", "constraint", "gotcha", "warning", "trap", "caveat"})
+#: (section, heading, share of the entry limit it is sure to get)
+PRIMER_SECTIONS = (("pitfalls", "Pitfalls and constraints", 0.35),
+                   ("decisions", "Settled decisions", 0.25),
+                   ("trusted", "Most trusted notes", 0.2),
+                   ("premises", "Premises to re-check", 0.1),
+                   ("needs", "Open needs", 0.1))
+_MACHINE_TAGS = re.compile(r"^(agentsync|context-keeper|imported|released-before-done|"
+                           r"(agent|branch):.*|(dec|con|pipe)-[\w.-]+)$")
+
+
+def approx_tokens(text: str) -> int:
+    """A model-independent token estimate: about four characters a token."""
+    return (len(text) + 3) // 4
+
+
+def trust_score(item: Item, trust: dict, now: datetime) -> float:
+    """How much the team has vouched for an item: endorsements, distinct agents
+    who recalled it, projects that used it, a recent verification."""
+    verified = _parse_ts(item.last_verified)
+    recent = verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS
+    return (3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
+            + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
+            + 0.1 * min(int(trust.get("recalls") or 0), 20))
+
+
+def premise_age(item: Item, now: datetime) -> int | None:
+    """Days a valid_while premise has gone unchecked, when that looks stale."""
+    if not item.valid_while:
+        return None
+    age = age_days(item, now)
+    return age if age is not None and age >= PREMISE_STALE_DAYS else None
+
+
+def primer_section(item: Item, now: datetime) -> str | None:
+    if item.type == "need":
+        return "needs"
+    if premise_age(item, now) is not None:
+        return "premises"
+    if item.kind in PITFALL_KINDS or PITFALL_KINDS & set(item.tags):
+        return "pitfalls"
+    if item.kind == "decision":
+        return "decisions"
+    return "trusted"
+
+
+def project_tags(items: Iterable[Item]) -> set[str]:
+    """The project's own topic tags (bookkeeping tags left out)."""
+    return {t for it in items if it.active for t in it.tags if not _MACHINE_TAGS.match(t)}
+
+
+def org_item_relevant(item: Item, project: str, tags: set[str]) -> bool:
+    """An org item belongs in a project's primer if the project used it or its
+    tags match the project's."""
+    return item.project == project or project in (item.trust.get("projects") or []) \
+        or bool(tags & set(item.tags))
+
+
+@dataclass
+class PrimerEntry:
+    """A primer candidate: the item, its trust (pending credits applied), its
+    section and score."""
+    item: Item
+    trust: dict
+    section: str
+    score: float
+
+
+def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project: str,
+                      now: datetime) -> list[PrimerEntry]:
+    """Every active item a primer may show (pure): local and team items, and
+    org items this project used or whose tags match the project's.
+    pending: not-yet-folded credits by item id."""
+    tags = project_tags(it for s in ("local", "team") if s in docs for it in docs[s].items)
+    out = []
+    for it in federated_items(docs):
+        if not it.active or (it.scope == "org" and not org_item_relevant(it, project, tags)):
+            continue
+        trust = effective_trust(it, pending.get(it.id, []))
+        out.append(PrimerEntry(it, trust, primer_section(it, now), trust_score(it, trust, now)))
+    return out
+
+
+def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
+    """Entries per section: each section's share of `limit` first, then the
+    slots left over in section order."""
+    picked = {name: ranked[name][:int(limit * share)] for name, _, share in PRIMER_SECTIONS}
+    room = limit - sum(map(len, picked.values()))
+    for name, _, _ in PRIMER_SECTIONS:
+        extra = ranked[name][len(picked[name]):len(picked[name]) + max(room, 0)]
+        picked[name] += extra
+        room -= len(extra)
+    return picked
+
+
+def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str:
+    body = []
+    for name, heading, _ in PRIMER_SECTIONS:
+        if lines[name]:
+            body += [f"{heading}:"] + [f"- {line}" for line in lines[name]]
+    shown = sum(map(len, lines.values()))
+    omitted = total - shown
+    tail = (f"{omitted} more not shown: recall(<topic>) finds them. " if omitted else "") + \
+        "expand(id) gives one item whole; capture() what you learn; distill() at the end."
+    size = approx_tokens("\n".join(body + [tail])) + 16
+    head = f"cambium primer for {project}: {shown} of {total} items, ~{size} tokens."
+    return "\n".join([head] + body + [tail])
+
+
+def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
+                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET) -> dict:
+    """The digest (pure but for line_of, which renders one chosen entry).
+
+    Within a section higher score first, then newer. Lines are dropped from the
+    fullest section (the later one on a tie) until the text fits `budget`.
+    """
+    if not entries:
+        return {"primer": f"cambium: nothing known yet for {project}; capture() what you "
+                          "learn and it will show here.", "entries": 0, "candidates": 0,
+                "tokens": 0, "budget_tokens": budget, "sections": {}}
+    ranked: dict[str, list] = {name: [] for name, _, _ in PRIMER_SECTIONS}
+    newest = sorted(entries, key=lambda e: e.item.created_at, reverse=True)
+    for e in sorted(newest, key=lambda e: -e.score):
+        ranked[e.section].append(e)
+    picked = _quota_pick(ranked, limit)
+    lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
+    names = [name for name, _, _ in PRIMER_SECTIONS]
+    text = _render_primer(lines, project, len(entries))
+    while approx_tokens(text) > budget and any(lines.values()):
+        lines[max(reversed(names), key=lambda n: len(lines[n]))].pop()
+        text = _render_primer(lines, project, len(entries))
+    return {"primer": text, "entries": sum(map(len, lines.values())),
+            "candidates": len(entries), "tokens": approx_tokens(text),
+            "budget_tokens": budget, "sections": {n: len(v) for n, v in lines.items() if v}}
 
 
 # =============================================================================
@@ -3497,6 +3969,26 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
             warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
                             "by hand (writes to that scope are refused until then).")
         except (GitError, ConfigError) as e:
+            warnings.append(f"{scope} scope skipped: {e}")
+    return docs, warnings
+
+
+def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
+    """Every scope as last seen, with no fetch and no write: local as on disk
+    (an unparseable file is reported, not moved aside), team and org at their
+    last fetched tip. For the primer, which must never stall or change a thing."""
+    docs: dict[str, Doc] = {}
+    warnings: list[str] = []
+    try:
+        docs["local"] = local_store(cfg)._load()
+    except CorruptStore as e:
+        warnings.append(f"local scope skipped: {e}")
+    for scope in ("team", "org"):
+        try:
+            store = team_store(cfg) if scope == "team" else org_store(cfg)
+            if store is not None:
+                docs[scope] = store.doc_at(store.local_tip())
+        except CambiumError as e:
             warnings.append(f"{scope} scope skipped: {e}")
     return docs, warnings
 
@@ -4166,7 +4658,8 @@ def _scaffold_local(root: Path) -> None:
 
 
 def capture(content: str, type: str = "memory", kind: str = "note", why: str = "",
-            tags: list[str] | str | None = None, valid_while: str | None = None) -> dict:
+            tags: list[str] | str | None = None, valid_while: str | None = None,
+            code_refs: list[dict[str, str]] | None = None) -> dict:
     """Save a knowledge item to local scope (this repo's .cambium/knowledge.json).
 
     Call when you learn something a later agent should know: a decision and its
@@ -4176,12 +4669,16 @@ def capture(content: str, type: str = "memory", kind: str = "note", why: str = "
     decision, pitfall, procedure. why: the reason or evidence (recall searches
     it too). tags: list or comma/space separated string; tags weigh most in
     recall. valid_while: the premise the item depends on ("while billing runs on
-    NetSuite"), so a dead assumption can be spotted later. Returns the stored
-    item; capturing the same content twice returns the existing item.
+    NetSuite"), so a dead assumption can be spotted later. code_refs: the code
+    it is about, as [{"path": "src/billing.py", "symbol": "total"}] (path
+    relative to the repo root; symbol optional); recall points at the live
+    path:line. Returns the stored item; capturing the same content twice
+    returns the existing item.
     """
     cfg = require_config()
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
-                             valid_while=valid_while, source={"system": "capture"})])
+                             valid_while=valid_while, source={"system": "capture"},
+                             code_refs=code_refs)])
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
@@ -4211,18 +4708,21 @@ def record_need(content: str, why: str = "", tags: list[str] | str | None = None
 
 
 def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
-           limit: int = 5) -> dict:
+           limit: int = 5, detail: Literal["lines", "full"] = "lines") -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
     query: what you are about to do or want to know, in plain words. scope:
     auto (default: every readable scope), or one of local, team, org. limit:
-    how many results (1-50). Returns `results` best first, each with id,
-    content, why, scope, project, provenance (`source`), recall count and
-    `endorsed_as` (endorsement notes, often the cross-project meaning). When
+    how many results (1-50). detail: "lines" (default) gives each result as
+    id, relevance and one `line` (id, type/kind, trust marks, the content on
+    one line, → the live code path:line); call expand(id) for the one you act
+    on. "full" gives whole items: content, why, scope, project, provenance
+    (`source`), recall count, `endorsed_as` and resolved `code` anchors. When
     nothing is relevant enough it returns `no_confident_match: true` and no
     results: then nothing is known, so do not treat weak matches as facts.
     Each returned item earns one recall credit per agent per day (the trust
-    signal promotion uses).
+    signal promotion uses). An item whose code anchors all fail to resolve
+    carries `stale_code: true` (advisory: re-check it).
     """
     cfg = require_config()
     if not isinstance(query, str) or not query.strip():
@@ -4234,6 +4734,8 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
         raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
     if not isinstance(limit, int) or not 1 <= limit <= MAX_RECALL_LIMIT:
         raise InputError(f"limit must be between 1 and {MAX_RECALL_LIMIT}.")
+    if detail not in ("lines", "full"):
+        raise InputError(f"detail must be lines or full; got {detail!r}.")
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
         shared_store(cfg, scope)                   # asked for a scope that is off: say so
@@ -4260,13 +4762,97 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     else:
         # org items have finished climbing: their use is not counted (spec)
         pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
-        out["results"] = [{**item_view(h.item, trust=effective_trust(h.item, pending)),
-                           "relevance": round(h.confidence, 3)} for h in hits]
+        out["results"] = [result_view(cfg, h.item, effective_trust(h.item, pending),
+                                      round(h.confidence, 3), detail) for h in hits]
         out["no_confident_match"] = False
         if any(h.item.scope == "team" for h in hits):
             _schedule_credit_flush(cfg)
     if warnings:
         out["warnings"] = warnings
+    return out
+
+
+def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
+                detail: str = "lines") -> dict:
+    """One recall result: id, relevance and its one-line `line`; with
+    detail="full" also the whole item and its resolved code anchors."""
+    anchors = resolve_anchors(cfg.repo, item.code_refs)
+    out: dict[str, Any] = {"id": item.id, "relevance": relevance,
+                           "line": item_line(item, trust=trust, anchors=anchors)}
+    if detail == "full":
+        out = {**item_view(item, trust=trust), **out}
+        if anchors:
+            out["code"] = anchors
+    if is_stale_code(anchors):
+        out["stale_code"] = True
+    return out
+
+
+def session_primer(limit: int = PRIMER_LIMIT) -> dict:
+    """What to know before your first query here: call once at session start.
+
+    A digest of this project's knowledge, one line per item with its id:
+    pitfalls and constraints first, then settled decisions, then the most
+    trusted notes (endorsed, recalled by several agents, recently verified;
+    team items, and org items this project used or whose tags match), then
+    premises (valid_while) unchecked for a while, then open needs. limit: at
+    most this many entries (1-100, default 20); the text also fits about 1,500
+    tokens and states its size. Read-only: no recall credit, no write, no
+    fetch (shared scopes as last fetched). expand(id) gives one item whole.
+    """
+    cfg = require_config()
+    if not isinstance(limit, int) or isinstance(limit, bool) \
+            or not 1 <= limit <= MAX_PRIMER_LIMIT:
+        raise InputError(f"limit must be a whole number between 1 and {MAX_PRIMER_LIMIT}.")
+    return primer_for(cfg, limit)
+
+
+def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
+    """The primer of cfg's project (tool, resource and SessionStart hook)."""
+    docs, warnings = read_scopes_offline(cfg)
+    now = datetime.now(timezone.utc)
+    pending: dict[str, list] = {}
+    for rec in read_usage(_usage_path(cfg)):
+        pending.setdefault(rec["item"], []).append(rec)
+    entries = primer_candidates(docs, pending, project=cfg.project, now=now)
+
+    def line_of(e: PrimerEntry) -> str:
+        line = item_line(e.item, trust=e.trust, anchors=resolve_anchors(cfg.repo,
+                                                                        e.item.code_refs))
+        if e.section == "premises":
+            line += (f" · premise “{one_line(e.item.valid_while or '', 80)}” unchecked "
+                     f"{premise_age(e.item, now)}d")
+        return line
+
+    out = {**build_primer(entries, line_of, project=cfg.project, limit=limit),
+           "project": cfg.project, "scopes_read": list(docs)}
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def expand(item_id: str) -> dict:
+    """One item whole, by id (from recall, the primer or capture).
+
+    Returns its content, why, provenance (source, author, project), trust
+    (recall count, which agents recalled it, projects, every endorsement with
+    its note), history (created, endorsed, verified, promoted, deprecated...),
+    and its code anchors resolved against the working tree to live path:line
+    (never the file content; `stale_code: true` when none resolves). Reads
+    only: expanding an item earns it no recall credit.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    scope, item = locate(cfg, item_id)
+    trust = effective_trust(item, read_usage(_usage_path(cfg)))
+    anchors = resolve_anchors(cfg.repo, item.code_refs)
+    out = {**item_view(item, trust=trust), "scope": scope,
+           "line": item_line(item, trust=trust, anchors=anchors),
+           "provenance": _provenance(item), "trust": trust,
+           "endorsements": [e for e in trust.get("endorsements") or [] if isinstance(e, dict)],
+           "history": item_history(item), "code": anchors}
+    if is_stale_code(anchors):
+        out["stale_code"] = True
     return out
 
 
@@ -4788,7 +5374,10 @@ ARG_DOCS = {
     "valid_while": "Optional premise the item depends on, e.g. 'while billing runs on NetSuite'.",
     "query": "What you want to know or are about to touch, in plain words.",
     "scope": "Which scope(s) to use.",
-    "limit": "Maximum number of results (1-50).",
+    "limit": "Maximum number of results (recall: 1-50) or entries (session_primer: 1-100).",
+    "detail": "lines (default): one line per result, expand(id) for more; full: whole items.",
+    "code_refs": "Code the item is about: [{\"path\": \"src/x.py\", \"symbol\": \"fn\"}], "
+                 "paths relative to the repo root, symbol optional.",
     "item_id": "A cambium item id (k-...), as returned by recall or capture.",
     "note": "Free-text note, e.g. why the item is worth trusting.",
     "source": "Import adapter name; 'json' is bundled.",
@@ -4808,8 +5397,8 @@ ARG_DOCS = {
 }
 
 _TOOLS: list[tuple[Callable, str]] = [
-    (status, "read"), (setup, "write"), (capture, "write"), (record_need, "write"),
-    (recall, "write_idempotent"), (endorse, "remote"), (promote, "remote"),
+    (status, "read"), (setup, "write"), (session_primer, "read"), (capture, "write"),
+    (record_need, "write"), (recall, "write_idempotent"), (expand, "read"), (endorse, "remote"), (promote, "remote"),
     (generalize, "remote"), (review_promotions, "remote"),
     (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
     (import_memory, "write_idempotent"), (export_markdown, "remote"),
@@ -4900,7 +5489,82 @@ def build_server() -> MCPServer:
     server = MCPServer("cambium", instructions=SERVER_INSTRUCTIONS, version=__version__)
     for fn, kind in _TOOLS:
         server.add_tool(_surface_errors(fn), name=fn.__name__, annotations=hints[kind])
+    server.resource(PRIMER_URI, name="primer", mime_type="text/plain",
+                    description="The session-start digest (what session_primer returns), "
+                                "as text.")(primer_resource)
     return server
+
+
+PRIMER_URI = "cambium://primer"
+
+
+def primer_resource() -> str:
+    """cambium://primer: the primer text, or what to do when it cannot be built."""
+    try:
+        return primer_for(require_config())["primer"]
+    except Unconfigured as u:
+        return f"cambium is not configured here; next step: {u.guidance.get('next_step')}"
+    except (CambiumError, OSError) as e:
+        return f"cambium primer unavailable: {type(e).__name__}: {e}"
+
+
+HTTP_DEFAULT_HOST = "127.0.0.1"
+HTTP_DEFAULT_PORT = 7077
+HTTP_TOKEN_ENV = "CAMBIUM_HTTP_TOKEN"   #: required for a non-loopback bind; then every request
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def http_bind_problem(host: str, port: int, token: str | None) -> str | None:
+    """Why `serve --http` must not start with these settings, or None (pure)."""
+    if not 0 < port < 65536:
+        return f"--port {port} is not a TCP port (1-65535)."
+    if not is_loopback(host) and not token:
+        return (f"refusing to serve on {host}: a non-loopback bind is reachable from other "
+                f"machines, so it needs {HTTP_TOKEN_ENV} set (then every request must send "
+                f"'Authorization: Bearer <token>'). Use --host 127.0.0.1 to stay local.")
+    return None
+
+
+def require_bearer(app: Callable, token: str) -> Callable:
+    """ASGI wrapper: every HTTP request must carry `Authorization: Bearer <token>`
+    (compared in constant time); anything else gets 401 before reaching MCP."""
+    import hmac
+    expected = f"Bearer {token}".encode()
+    body = json.dumps({"error": f"unauthorized: send 'Authorization: Bearer "
+                                f"<{HTTP_TOKEN_ENV}>'"}).encode()
+
+    async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "lifespan":
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, expected):
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+def serve_http(host: str, port: int, token: str | None) -> None:
+    """The same server over the SDK's streamable HTTP transport at /mcp. The
+    SDK guards a loopback bind against DNS rebinding; a token guards the rest."""
+    import anyio
+    import uvicorn
+    app = build_server().streamable_http_app(host=host)
+    if token:
+        app = require_bearer(app, token)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    print(f"cambium: serving MCP on http://{host}:{port}/mcp"
+          + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
+    anyio.run(uvicorn.Server(config).serve)
 
 
 # =============================================================================
@@ -4934,8 +5598,20 @@ def _cli_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentParser(add_help=False)
     fmt.add_argument("--format", choices=("json", "text"), default="json")
     sub = ap.add_subparsers(dest="command", metavar="command")
-    sub.add_parser("serve", parents=[fmt], help="serve MCP over stdio (the default)")
+    p = sub.add_parser("serve", help="serve MCP over stdio (the default), or over HTTP")
+    p.add_argument("--http", action="store_true",
+                   help="streamable HTTP instead of stdio (one server, several agents)")
+    p.add_argument("--host", default=HTTP_DEFAULT_HOST,
+                   help="bind address (default loopback; anything else needs "
+                        f"{HTTP_TOKEN_ENV})")
+    p.add_argument("--port", type=int, default=HTTP_DEFAULT_PORT)
     sub.add_parser("status", parents=[fmt], help="configuration and per-scope counts")
+    p = sub.add_parser("primer", parents=[fmt], help="the session-start digest")
+    p.add_argument("--limit", type=int, default=PRIMER_LIMIT)
+    p.add_argument("--hook", action="store_true",
+                   help="run as a Claude Code SessionStart hook: read its JSON on stdin, "
+                        "print the digest as additionalContext; on any problem print "
+                        "nothing and exit 0")
     p = sub.add_parser("setup", parents=[fmt], help="write the config file")
     p.add_argument("project_repo")
     p.add_argument("agent_id")
@@ -4949,6 +5625,8 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--why", default="")
     p.add_argument("--tags", default="")
     p.add_argument("--valid-while")
+    p.add_argument("--code-ref", action="append", dest="code_refs", metavar="PATH[#SYMBOL]",
+                   help="code the item is about (repeatable)")
     p = sub.add_parser("record-need", parents=[fmt], help="record a need")
     p.add_argument("content")
     p.add_argument("--why", default="")
@@ -4957,6 +5635,9 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("query")
     p.add_argument("--scope", default="auto", choices=("auto",) + SCOPES)
     p.add_argument("--limit", type=int, default=5)
+    p.add_argument("--detail", default="lines", choices=("lines", "full"))
+    p = sub.add_parser("show", parents=[fmt], help="one item whole (expand)")
+    p.add_argument("item_id")
     p = sub.add_parser("endorse", parents=[fmt], help="vouch for an item")
     p.add_argument("item_id")
     p.add_argument("--note", default="")
@@ -5005,11 +5686,15 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
                      org_pr=args.org_pr, team_branch=args.team_branch)
     if c == "capture":
         return capture(args.content, type=args.type, kind=args.kind, why=args.why,
-                       tags=args.tags, valid_while=args.valid_while)
+                       tags=args.tags, valid_while=args.valid_while, code_refs=args.code_refs)
     if c == "record-need":
         return record_need(args.content, why=args.why, tags=args.tags)
     if c == "recall":
-        return recall(args.query, scope=args.scope, limit=args.limit)
+        return recall(args.query, scope=args.scope, limit=args.limit, detail=args.detail)
+    if c == "show":
+        return expand(args.item_id)
+    if c == "primer":
+        return session_primer(args.limit)
     if c == "endorse":
         return endorse(args.item_id, note=args.note)
     if c == "promote":
@@ -5041,18 +5726,14 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] == "serve":
-        LONG_RUNNING.set()
-        try:
-            build_server().run("stdio")
-        finally:
-            LONG_RUNNING.clear()
-            _flush_on_shutdown()
-        return 0
-    args = _cli_parser().parse_args(argv)
+    if argv[:1] == ["primer"] and "--hook" in argv:
+        return primer_hook(argv)                # before argparse: it must never fail
+    args = _cli_parser().parse_args(argv or ["serve"])
     if args.command is None:
         _cli_parser().print_help()
         return 2
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "distill":
         return _cli_distill(args)
     as_text = getattr(args, "format", "json") == "text"
@@ -5066,6 +5747,52 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
         _emit(result, as_text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Serve MCP until stopped: stdio, or streamable HTTP with --http."""
+    token = os.environ.get(HTTP_TOKEN_ENV) or None
+    if args.http:
+        problem = http_bind_problem(args.host, args.port, token)
+        if problem:
+            print(f"cambium: {problem}", file=sys.stderr)
+            return 2
+    LONG_RUNNING.set()
+    try:
+        if args.http:
+            serve_http(args.host, args.port, token)
+        else:
+            build_server().run("stdio")
+    finally:
+        LONG_RUNNING.clear()
+        _flush_on_shutdown()
+    return 0
+
+
+def primer_hook(argv: list[str]) -> int:
+    """`primer --hook`, Claude Code's SessionStart hook: the digest of the
+    session's project as JSON hookSpecificOutput.additionalContext. A failing
+    SessionStart hook can block a session, so on any problem (unconfigured, no
+    repo, a corrupt store, bad input) it prints nothing and exits 0."""
+    try:
+        args = [a for a in argv if a != "--hook"]
+        limit = _cli_parser().parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
+        _read_hook_input()
+        cfg = resolve_config()
+        if not cfg.configured or not 1 <= limit <= MAX_PRIMER_LIMIT:
+            return 0
+        out = primer_for(cfg, limit)
+        if out.get("warnings"):             # a scope it could not read: say nothing
+            raise CambiumError("; ".join(out["warnings"]))
+        text = out["primer"]
+        sys.stdout.write(json.dumps({"hookSpecificOutput": {
+            "hookEventName": "SessionStart", "additionalContext": text}},
+            ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    except BaseException as e:      # noqa: BLE001 - a SessionStart hook must never fail
+        with contextlib.suppress(BaseException):
+            print(f"cambium primer: skipped ({type(e).__name__}: {e})", file=sys.stderr)
     return 0
 
 
@@ -5148,8 +5875,9 @@ def _cli_distill(args: argparse.Namespace) -> int:
 
 def _emit(result: Any, as_text: bool) -> None:
     if as_text:
-        text = result.get("markdown") if isinstance(result, dict) and "markdown" in result \
-            else _text(result)
+        text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
+            if isinstance(result, dict) else None
+        text = _text(result) if text is None else text
         print(text)
     else:
         print(json.dumps(result, indent=2, ensure_ascii=False))
