@@ -17,7 +17,8 @@ are a cache in <repo>/.cambium/vectors/, never part of any knowledge.json.
 Configuration (environment wins per key over the config file, which wins over
 the defaults; resolved on every call so `setup()` applies without a restart):
 
-    CAMBIUM_REPO              project clone (default: git root of the cwd)
+    CAMBIUM_REPO              project clone (env only; else the git root of the cwd,
+                              else the repo setup() recorded: see resolve_config)
     CAMBIUM_AGENT_ID          your agent id (required)
     CAMBIUM_REMOTE            git remote, default "origin"
     CAMBIUM_GIT_TIMEOUT       seconds per git/gh call, default 25
@@ -643,7 +644,9 @@ class Config:
 
     @property
     def project(self) -> str:
-        return self.repo.name if self.repo else ""
+        """The project's name: its remote's repository name, else the clone's
+        directory name (two clones of one repo are one project)."""
+        return project_name(self.repo, self.remote, self.git_timeout_s) if self.repo else ""
 
     @property
     def local_dir(self) -> Path:
@@ -706,8 +709,19 @@ def _normalize_value(key: str, value: Any) -> str:
     return value
 
 
+#: Where a setting's value came from (Config.origins, status()'s `from`).
+ORIGINS = {"env": "the environment", "cwd": "the git root of the working directory",
+           "file": "the config file", "default": "cambium's default"}
+
+
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
-    """Resolve every setting: env (non-empty) > config file > default."""
+    """Resolve every setting: env (non-empty) > config file > default.
+
+    The project binding is the exception: CAMBIUM_REPO from the env, else the
+    git root of `cwd` (the process's working directory), else the repo setup()
+    recorded in the config file, which only a process outside any git repo
+    uses. The person's settings (agent id, org repo, ...) stay user-wide.
+    """
     env = os.environ if env is None else env
     path = config_file_path(env)
     file_values: dict = {}
@@ -725,10 +739,13 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     values: dict = {}
     origins: dict = {}
     problems: list = []
+    root = None if env.get("CAMBIUM_REPO") else _find_git_root(cwd or Path.cwd())
     for key, default in DEFAULTS.items():
         raw = env.get(key)
         if raw not in (None, ""):
             value, origin = _normalize_value(key, raw), "env"
+        elif key == "CAMBIUM_REPO" and root is not None:
+            value, origin = str(root), "cwd"
         elif file_values.get(key) not in (None, ""):
             value, origin = _normalize_value(key, file_values[key]), "file"
         else:
@@ -738,10 +755,6 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
-    if not values["CAMBIUM_REPO"]:
-        root = _find_git_root(cwd or Path.cwd())
-        if root:
-            values["CAMBIUM_REPO"], origins["CAMBIUM_REPO"] = str(root), "derived"
     return Config(values, origins, path, problems, file_error)
 
 
@@ -842,11 +855,12 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
     return _run(["git", *args], cwd, timeout_s, check=check, input=input)
 
 
-_REMOTE_CACHE: dict[tuple[str, str], tuple[float, bool]] = {}
+_REMOTE_CACHE: dict[tuple[str, str], tuple[float, str | None]] = {}
 
 
-def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
-    """Whether `repo` has the remote; cached until its .git/config changes."""
+def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
+    """The URL of `repo`'s remote (None: no such remote); cached until its
+    .git/config changes."""
     try:
         stamp = (repo / ".git" / "config").stat().st_mtime
     except OSError:
@@ -855,8 +869,28 @@ def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
     hit = _REMOTE_CACHE.get(key)
     if hit is None or hit[0] != stamp:
         proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
-        hit = _REMOTE_CACHE[key] = (stamp, proc.returncode == 0)
+        url = proc.stdout.strip() if proc.returncode == 0 else None
+        hit = _REMOTE_CACHE[key] = (stamp, url)
     return hit[1]
+
+
+def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
+    return remote_url(repo, remote, timeout_s) is not None
+
+
+def repo_name(url: str) -> str:
+    """The repository name in a remote URL ('' if none): `name` of
+    https://host/owner/name.git, git@host:owner/name, /srv/git/name.git."""
+    path = re.sub(r"(/\.git)?[/\\]*$", "", url.strip())
+    name = re.split(r"[/:\\]", path)[-1]
+    name = name[:-4] if name.lower().endswith(".git") else name
+    return "" if name in ("", ".", "..") else name
+
+
+def project_name(repo: Path, remote: str, timeout_s: float) -> str:
+    """The project remote's repository name, else the clone's directory name."""
+    url = remote_url(repo, remote, timeout_s)
+    return (repo_name(url) if url else "") or repo.name
 
 
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
@@ -4493,8 +4527,10 @@ def status() -> dict:
         "configured": True, "status": "ok", "version": __version__,
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
         "config_file": str(cfg.config_file),
+        "binding": repo_binding(cfg),
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
                      if v is not None},
+        "sources": ORIGINS,
         "scopes": {"local": {"path": str(store.path), "items": len(doc.items),
                              "by_type": _count(doc)}, **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_usage(_usage_path(cfg))),
@@ -4553,7 +4589,9 @@ def setup(project_repo: str, agent_id: str, org_repo: str | None = None,
     """Configure cambium from a cold start; takes effect immediately, no restart.
 
     Use when status() reports `configured: false`. project_repo: absolute path
-    of your project's git clone (local scope lives in its .cambium/). agent_id:
+    of your project's git clone (local scope lives in its .cambium/); recorded
+    for processes started outside any git repo, since inside one the working
+    directory's repo is the project (`binding` says which applies). agent_id:
     your unique id (letters, digits, . _ - @). org_repo: absolute path of a
     local clone of the org knowledge repo, or a GitHub owner/name (then the
     exact gh/git commands to stand it up are returned and org scope stays off;
@@ -4604,14 +4642,31 @@ def setup(project_repo: str, agent_id: str, org_repo: str | None = None,
         os.chmod(cfg_path.parent, 0o700)
     atomic_write(cfg_path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
-           "status": status()}
-    shadowed = [k for k in updates if env.get(k) not in (None, "") and env.get(k) != updates[k]]
-    if shadowed:
-        out["warnings"] = [f"{k} is also set in the environment, which wins over the config "
-                           "file; unset it to use the value just written." for k in shadowed]
+           "binding": repo_binding(resolve_config(env)), "status": status()}
+    shadowed = [k for k in updates if k != "CAMBIUM_REPO" and env.get(k) not in (None, "")
+                and env.get(k) != updates[k]]
+    warnings = [f"{k} is also set in the environment, which wins over the config file; "
+                "unset it to use the value just written." for k in shadowed]
+    if out["binding"]["repo"] != str(root):
+        warnings.append(f"this process works in {out['binding']['repo']} "
+                        f"({out['binding']['because']}); {root} is used only by processes "
+                        "started outside any git repo.")
+    if warnings:
+        out["warnings"] = warnings
     if org_offer:
         out["org_setup"] = org_offer
     return out
+
+
+def repo_binding(cfg: Config) -> dict:
+    """Which project this process reads and writes, and why (setup, status)."""
+    origin = cfg.origins.get("CAMBIUM_REPO", "default")
+    because = {"env": "CAMBIUM_REPO is set in the environment",
+               "cwd": "it is the git root of the working directory",
+               "file": "the working directory is in no git repo, so the repo setup "
+                       "recorded applies"}.get(origin, "no project repo is known")
+    return {"repo": str(cfg.repo) if cfg.repo else None, "from": origin, "because": because,
+            "project": cfg.project}
 
 
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
@@ -5816,20 +5871,27 @@ def distill_summary(result: dict) -> str:
             f"{per}" + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
 
 
-def _read_hook_input() -> None:
-    """Drain a Claude Code hook's JSON from stdin (bounded wait) and move to its
-    cwd, so the hook resolves the session's repo."""
+def bind_hook() -> dict:
+    """Read a hook's JSON from stdin (bounded wait) and bind this process to the
+    project of its `cwd`, as a server started there would be (resolve_config:
+    env, else that directory's git root, else the repo setup recorded). Every
+    `--hook` command calls this first. Returns the payload ({} when none)."""
     import select
+    payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
         if sys.stdin is None or sys.stdin.isatty():
-            return
+            return {}
         ready, _, _ = select.select([sys.stdin], [], [], 2.0)
         if not ready:
-            return
+            return {}
         payload = json.loads(sys.stdin.read(1 << 20) or "{}")
-        cwd = payload.get("cwd") if isinstance(payload, dict) else None
-        if isinstance(cwd, str) and os.path.isdir(cwd):
+    if not isinstance(payload, dict):
+        return {}
+    cwd = payload.get("cwd")
+    if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
+        with contextlib.suppress(OSError):
             os.chdir(cwd)
+    return payload
 
 
 def _cli_distill(args: argparse.Namespace) -> int:
@@ -5838,7 +5900,7 @@ def _cli_distill(args: argparse.Namespace) -> int:
     a failing git command, a corrupt local store that had to be moved aside).
     --hook: nothing on stdout, and an unconfigured directory is skipped, exit 0."""
     if args.hook:
-        _read_hook_input()
+        bind_hook()
     out = sys.stderr if args.hook else sys.stdout
     shown = {"progress": False}
 

@@ -174,7 +174,67 @@ def test_repo_defaults_to_git_root_of_cwd(tmp_path, monkeypatch):
     (r / "sub" / "dir").mkdir(parents=True)
     monkeypatch.chdir(r / "sub" / "dir")
     cfg = cs.resolve_config()
-    assert cfg.repo == r.resolve() and cfg.origins["CAMBIUM_REPO"] == "derived"
+    assert cfg.repo == r.resolve() and cfg.origins["CAMBIUM_REPO"] == "cwd"
+
+
+def _items_in(repo: Path) -> list[str]:
+    path = repo / ".cambium" / "knowledge.json"
+    return [i["content"] for i in json.loads(path.read_text())["items"]] if path.exists() else []
+
+
+def test_one_setup_binds_each_repo_to_itself(tmp_path):
+    """Issue 9.1: setup is user-wide, the project binding is per working directory."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = cli("setup", str(a), "ada", cwd=b)
+    assert out.returncode == 0, out.stderr
+    told = json.loads(out.stdout)
+    assert told["binding"]["repo"] == str(b) and told["binding"]["from"] == "cwd"
+    assert any("outside any git repo" in w for w in told["warnings"])
+    for repo, text in ((a, "alpha knows retries"), (b, "beta knows caching")):
+        (repo / "sub").mkdir()
+        res = cli("capture", text, cwd=repo / "sub")
+        assert json.loads(res.stdout)["item"]["project"] == repo.name
+    assert _items_in(a) == ["alpha knows retries"] and _items_in(b) == ["beta knows caching"]
+    for repo in (a, b):
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").write_text(json.dumps([{
+            "id": "dec-001", "summary": f"{repo.name} decided to log in JSON",
+            "rationale": "grep-able", "status": "active"}]))
+        hook = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"],
+                              input=json.dumps({"cwd": str(repo / "sub")}), text=True,
+                              capture_output=True, env=child_env(), cwd=outside, timeout=60)
+        assert hook.returncode == 0 and "imported 1" in hook.stderr, hook.stderr
+    assert _items_in(a)[-1] == "alpha decided to log in JSON"
+    assert _items_in(b)[-1] == "beta decided to log in JSON"
+    st = json.loads(cli("status", cwd=outside).stdout)
+    assert st["binding"]["repo"] == str(a) and st["settings"]["CAMBIUM_REPO"]["from"] == "file"
+    assert st["settings"]["CAMBIUM_AGENT_ID"]["from"] == "file"
+    cli("capture", "recorded repo wins outside any repo", cwd=outside)
+    assert _items_in(a)[-1] == "recorded repo wins outside any repo"
+    assert len(_items_in(b)) == 2
+    env_bound = cli("capture", "env wins", cwd=a, CAMBIUM_REPO=str(b))
+    assert json.loads(env_bound.stdout)["item"]["project"] == "beta"
+
+
+@pytest.mark.parametrize("url, name", [
+    ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
+    ("ssh://git@host:2222/acme/shop.git/", "shop"), ("/srv/git/shop.git", "shop"),
+    ("/srv/git/shop/.git", "shop"), ("file:///srv/shop", "shop"), (".", ""), ("", "")])
+def test_repo_name_from_remote_url(url, name):
+    assert cs.repo_name(url) == name
+
+
+def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
+    """Issue 9.11: the name comes from the project remote, the directory is the fallback."""
+    bare = make_origin(tmp_path, "storefront")
+    for where in ("checkout-1", "work/sf"):
+        monkeypatch.setenv("CAMBIUM_REPO", str(clone(bare, tmp_path / where)))
+        assert cs.resolve_config().project == "storefront"
+    lone = make_repo(tmp_path, "no-remote-here")
+    monkeypatch.setenv("CAMBIUM_REPO", str(lone))
+    assert cs.resolve_config().project == "no-remote-here"
 
 
 @pytest.mark.parametrize("key, value", [
@@ -553,7 +613,7 @@ def team_ids(bare: Path, branch: str = "cambium") -> set:
 def shared(tmp_path, monkeypatch):
     """Project origin + clone A (configured as agent ada) + clone B, and an org
     repo (bare + cambium-managed clone). Team/org fetches are never throttled."""
-    origin = make_origin(tmp_path, "project")
+    origin = make_origin(tmp_path, "shop")
     a = clone(origin, tmp_path / "shop")
     b = clone(origin, tmp_path / "peer" / "shop")
     org_bare = make_origin(tmp_path, "org")
