@@ -242,6 +242,7 @@ _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "projec
                 "source", "created_by", "created_at", "updated_at", "status", "trust")
 _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
                     "promoted_at", "pr_url", "deprecated", "code_refs")
+_KNOWN_FIELDS = frozenset(_ITEM_FIELDS + _OPTIONAL_FIELDS)
 
 
 @dataclass
@@ -289,7 +290,7 @@ class Item:
         if not isinstance(trust.get("recalls"), int):
             trust["recalls"] = 0
         tags = d.get("tags")
-        known = set(_ITEM_FIELDS) | set(_OPTIONAL_FIELDS)
+        known = _KNOWN_FIELDS
         item_id = d.get("id")
         if not isinstance(item_id, str) or not item_id:
             item_id = "k-" + hashlib.sha1(content.encode()).hexdigest()[:12]
@@ -3833,7 +3834,8 @@ def primer_section(item: Item, now: datetime) -> str | None:
 
 def project_tags(items: Iterable[Item]) -> set[str]:
     """The project's own topic tags (bookkeeping tags left out)."""
-    return {t for it in items if it.active for t in it.tags if not _MACHINE_TAGS.match(t)}
+    seen = {t for it in items if it.active for t in it.tags}
+    return {t for t in seen if not _MACHINE_TAGS.match(t)}
 
 
 def org_item_relevant(item: Item, project: str, tags: set[str]) -> bool:
@@ -5833,7 +5835,7 @@ def primer_hook(argv: list[str]) -> int:
     try:
         args = [a for a in argv if a != "--hook"]
         limit = _cli_parser().parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
-        _read_hook_input()
+        bind_hook()
         cfg = resolve_config()
         if not cfg.configured or not 1 <= limit <= MAX_PRIMER_LIMIT:
             return 0
@@ -6002,8 +6004,8 @@ def run_demo() -> dict:
             step("capture", "capture() saves what the agent learned (local scope).",
                  id=a["id"])
             r = recall("how should webhook retries back off?")
-            step("recall", "recall() finds it by topic.",
-                 top=r["results"][0]["content"] if r["results"] else None,
+            step("recall", "recall() finds it by topic: one line per result (expand(id) "
+                 "for the whole item).", top=r["results"][0]["line"] if r["results"] else None,
                  relevance=r["top_relevance"])
             r2 = recall("kubernetes pod autoscaling thresholds")
             step("abstain", "recall() on something nobody wrote down abstains honestly.",
@@ -6025,7 +6027,11 @@ def run_demo() -> dict:
                  imported=d["imported"],
                  sources={k: v["status"] for k, v in d["sources"].items()},
                  again_imported=again["imported"],
-                 recall_top=r4["results"][0]["content"] if r4["results"] else None)
+                 recall_top=r4["results"][0]["line"] if r4["results"] else None)
+            pr = session_primer()
+            step("primer", "session_primer() (or the SessionStart hook) hands the next "
+                 "session the digest before its first query: pitfalls and decisions first.",
+                 entries=pr["entries"], tokens=pr["tokens"], sections=pr["sections"])
             endorse(a["id"], note="Retry transient failures with exponential backoff, "
                                   "capped, with jitter")
             p = promote()
@@ -6042,7 +6048,7 @@ def run_demo() -> dict:
                  published=done.get("published"))
             billing = _demo_origin(root, "billing-api")
             os.environ["CAMBIUM_REPO"], os.environ["CAMBIUM_AGENT_ID"] = str(billing), "bo"
-            r3 = recall("retry transient failures backoff")
+            r3 = recall("retry transient failures backoff", detail="full")
             hit = r3["results"][0] if r3["results"] else {}
             step("cross-project recall", "Another project's agent recalls it from org scope.",
                  scope=hit.get("scope"), origin_project=hit.get("project"))

@@ -365,12 +365,12 @@ def test_store_file_is_json_one_item_per_line(repo):
 
 def test_hand_edit_is_picked_up_on_next_call(repo):
     cs.capture("the cache ttl is five minutes", tags="cache")
-    assert cs.recall("cache ttl")["results"]
+    assert cs.recall("cache ttl", detail="full")["results"]
     path = repo / ".cambium" / "knowledge.json"
     data = json.loads(path.read_text())
     data["items"][0]["content"] = "the cache ttl is ten minutes"
     path.write_text(json.dumps(data))
-    res = cs.recall("cache ttl")
+    res = cs.recall("cache ttl", detail="full")
     assert res["results"][0]["content"] == "the cache ttl is ten minutes"
 
 
@@ -422,7 +422,7 @@ def test_capture_then_recall_round_trip(repo):
     a = cs.capture("Retry payment webhooks with exponential backoff capped at five minutes",
                    kind="decision", why="the provider throttles bursts", tags="payments,webhooks")
     cs.capture("Run migrations before deploying API containers", tags="deploy")
-    res = cs.recall("webhook retry backoff")
+    res = cs.recall("webhook retry backoff", detail="full")
     assert res["no_confident_match"] is False
     top = res["results"][0]
     assert top["id"] == a["item"]["id"]
@@ -476,10 +476,10 @@ def test_index_grown_from_empty_scores_like_a_fresh_build():
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     a = cs.capture("feature flags live in the flags service", tags="flags")
     for _ in range(3):
-        res = cs.recall("feature flags service")
+        res = cs.recall("feature flags service", detail="full")
     assert res["results"][0]["recalls"] == 1
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
-    res = cs.recall("feature flags service")
+    res = cs.recall("feature flags service", detail="full")
     assert res["results"][0]["recalls"] == 2
     # credits are durable: folded into the store by the next write
     cs.capture("an unrelated note to trigger a write")
@@ -503,11 +503,11 @@ def test_usage_journal_keeps_lines_it_cannot_parse(repo):
 def test_endorse_surfaces_endorsed_as_in_recall(repo):
     a = cs.capture("Pin the SDK major version in requirements", tags="deps")
     cs.endorse(a["item"]["id"], note="Pin major versions of every SDK you build on")
-    res = cs.recall("pin sdk version")
+    res = cs.recall("pin sdk version", detail="full")
     assert res["results"][0]["endorsed_as"] == ["Pin major versions of every SDK you build on"]
     assert res["results"][0]["endorsements"] == 1
     cs.endorse(a["item"]["id"], note="updated note")     # same agent: updates, no double count
-    assert cs.recall("pin sdk version")["results"][0]["endorsements"] == 1
+    assert cs.recall("pin sdk version", detail="full")["results"][0]["endorsements"] == 1
 
 
 def test_endorse_unknown_id_is_not_found(repo):
@@ -561,7 +561,7 @@ def test_import_jsonl_with_provenance_and_reimport_noop(repo, tmp_path):
     again = cs.import_memory("json", str(export))
     assert (again["imported"], again["duplicates"]) == (0, 2)
     assert export.read_bytes() == before
-    hit = cs.recall("tenant cache keys")["results"][0]
+    hit = cs.recall("tenant cache keys", detail="full")["results"][0]
     assert hit["source"] == {"system": "json", "ref": "m1", "imported": True,
                              "source_ts": "2025-01-01"}
     assert "imported" in hit["tags"] and "json" in hit["tags"]
@@ -674,7 +674,7 @@ def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     assert (a / "wip.txt").read_text() == "uncommitted user work\n"
     # the team branch grew from the default branch
     assert remote_json(shared["origin"], "cambium", "README.md") is not None
-    res = cs.recall("webhook handlers idempotent")
+    res = cs.recall("webhook handlers idempotent", detail="full")
     assert res["results"][0]["scope"] == "team"
 
 
@@ -794,7 +794,7 @@ def test_usage_credits_from_recall_reach_the_team_branch(shared, monkeypatch):
     item_id = _endorsed("Rotate signing keys every ninety days", "rotate keys on a schedule")
     cs.promote()
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
-    res = cs.recall("rotate signing keys")
+    res = cs.recall("rotate signing keys", detail="full")
     assert res["results"][0]["scope"] == "team" and res["results"][0]["recalls"] == 1
     journal = (shared["a"] / ".cambium" / "usage.jsonl").read_text()
     assert item_id in journal and '"scope":"team"' in journal
@@ -884,7 +884,7 @@ def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared
     cs.promote()
     cs._GIT_CACHE.clear()                                # a new process, same clone
     git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
-    res = cs.recall("cache invalidation event bus")
+    res = cs.recall("cache invalidation event bus", detail="full")
     assert res["results"][0]["id"] == item_id and res["results"][0]["scope"] == "team"
     assert any("team scope may be behind" in w for w in res["warnings"])
     with pytest.raises(cs.GitError):                     # a write still needs the remote
@@ -1089,11 +1089,11 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     cs.promote(item_id, to_scope="org")
     other = clone(make_origin(tmp_path, "billing"), tmp_path / "billing")
     as_agent(monkeypatch, other, "zed")
-    res = cs.recall("timeout outbound http calls")
+    res = cs.recall("timeout outbound http calls", detail="full")
     top = res["results"][0]
     assert top["id"] == item_id and top["scope"] == "org" and top["project"] == "shop"
     assert "org" in res["scopes_searched"]
-    org_only = cs.recall("timeout outbound http calls", scope="org")
+    org_only = cs.recall("timeout outbound http calls", scope="org", detail="full")
     assert org_only["results"][0]["id"] == item_id
 
 
@@ -1203,7 +1203,7 @@ def test_capture_with_valid_while_round_trips(repo):
     item = cs.capture("Staging DB caps at 90 connections",
                       valid_while="staging runs on the small instance")["item"]
     assert item["valid_while"] == "staging runs on the small instance"
-    assert cs.recall("staging db connections")["results"][0]["valid_while"] == \
+    assert cs.recall("staging db connections", detail="full")["results"][0]["valid_while"] == \
         "staging runs on the small instance"
 
 
@@ -1905,7 +1905,7 @@ def test_distill_real_context_keeper_decisions_constraints_supersede_and_mojibak
                                         {"order": 2, "action": "tag", "output": "vX.Y.Z"}])
             out["ids"] = (dec["id"], con["id"], pipe["id"])
             out["first"] = cs.distill()
-            out["recall"] = cs.recall("store claims git branch")
+            out["recall"] = cs.recall("store claims git branch", detail="full")
             new = await ck.call("record_entry", kind="decision",
                                 summary="Store claims in a dedicated coordination service",
                                 problem=problem, why_chosen=why + " It now also scales.",
@@ -1939,7 +1939,7 @@ def test_distill_real_context_keeper_decisions_constraints_supersede_and_mojibak
     assert items[out["new"]]["status"] == "active"
     assert out["third"]["imported"] == 0 and out["third"]["retired"] == 0
     assert out["third"]["sources"]["context-keeper"]["status"] == "up_to_date"
-    top = cs.recall("store claims")["results"]
+    top = cs.recall("store claims", detail="full")["results"]
     assert dec_id not in [r["source"].get("ref") for r in top]
 
 
@@ -1952,7 +1952,7 @@ def test_distill_hand_written_pre_current_decision_keeps_rationale(repo):
         "status": "active", "created_at": "2024-03-01T10:00:00Z"}]))
     res = cs.distill()
     assert res["sources"]["context-keeper"]["imported"] == 1
-    hit = cs.recall("log timestamps utc")["results"][0]
+    hit = cs.recall("log timestamps utc", detail="full")["results"][0]
     assert hit["content"] == "Use UTC timestamps in every log line"
     assert hit["why"] == "Local times broke the incident timeline across regions."
     assert hit["source"] == {"system": "context-keeper", "ref": "dec-001", "kind": "decision",
@@ -2051,7 +2051,7 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         cap = await session.call_tool("capture", {"content": "Use UTC in every log line",
                                                   "tags": ["logging"]})
         assert cap.structured_content["status"] == "captured"
-        rec = await session.call_tool("recall", {"query": "log timestamps utc"})
+        rec = await session.call_tool("recall", {"query": "log timestamps utc", "detail": "full"})
         assert rec.structured_content["results"][0]["content"] == "Use UTC in every log line"
         bad = await session.call_tool("endorse", {"item_id": "k-missing"})
         assert bad.is_error and "NotFound" in bad.content[0].text
@@ -2143,7 +2143,7 @@ def test_undecodable_cli_bytes_are_stored_not_crashed_on(repo):
     out = subprocess.run(raw, capture_output=True, text=True, env=child_env(), timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["item"]["content"] == "caf\ufffd latte notes"
-    res = cs.recall("caf\udce9 latte")
+    res = cs.recall("caf\udce9 latte", detail="full")
     assert res["results"][0]["content"] == "caf\ufffd latte notes"
 
 
@@ -2181,7 +2181,8 @@ def test_cli_demo_runs_the_loop():
     result = json.loads(out.stdout)
     steps = {s["step"]: s for s in result["steps"]}
     assert steps["status (unconfigured)"]["configured"] is False
-    assert steps["recall"]["top"].startswith("Retry payment webhooks")
+    assert "Retry payment webhooks" in steps["recall"]["top"]
+    assert steps["primer"]["entries"] >= 3 and "decisions" in steps["primer"]["sections"]
     assert steps["abstain"]["no_confident_match"] is True
     assert steps["import"]["source"]["ref"] == "n-1"
     assert steps["promote to team"]["promoted"]
@@ -2450,7 +2451,8 @@ def test_semantic_mcp_recall_contract_unchanged(repo):
         async def body(session, init):
             for c, w, t in NOTES:
                 await session.call_tool("capture", {"content": c, "why": w, "tags": [t]})
-            hit = (await session.call_tool("recall", {"query": "log timestamps utc"}))
+            hit = (await session.call_tool("recall", {"query": "log timestamps utc",
+                                                      "detail": "full"}))
             miss = (await session.call_tool("recall", {"query": UNRELATED}))
             return hit.structured_content, miss.structured_content
         return asyncio.run(_mcp_session(env, body))
