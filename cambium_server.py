@@ -3541,17 +3541,24 @@ def find_definition(text: str, symbol: str) -> int | None:
     if len(parts) > 1:
         outer = _first_match(text, parts[0], 0)
         start = outer if outer is not None else 0
-    at = _first_match(text, parts[-1], start)
+    at = _first_match(text, parts[-1], start, top_level_first=len(parts) == 1)
     if at is None and start:
         at = _first_match(text, parts[-1], 0)
     return None if at is None else text.count("\n", 0, at) + 1
 
 
-def _first_match(text: str, name: str, start: int) -> int | None:
+def _first_match(text: str, name: str, start: int, *, top_level_first: bool = False
+                 ) -> int | None:
+    """Offset of the first definition of `name` at or after `start`; with
+    top_level_first, an unindented one wins over a nested one (a method)."""
     for pattern in _definition_patterns(name):
-        m = pattern.search(text, start)
-        if m:
-            return m.start()
+        first = None
+        for m in pattern.finditer(text, start):
+            if not top_level_first or text[m.start()] not in " \t":
+                return m.start()
+            first = m.start() if first is None else first
+        if first is not None:
+            return first
     return None
 
 

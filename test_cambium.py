@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -2487,6 +2488,424 @@ def test_server_starts_embedding_at_capture_not_at_next_recall(semantic, monkeyp
 def test_cli_process_does_not_start_background_embedding(semantic):
     cs.capture("A note captured outside the server")
     assert str(semantic / ".cambium" / cs.VECTORS_DIR) not in cs._ENGINES
+
+
+# =============================================================================
+# Read side: code anchors, one-line results, expand, the session primer, HTTP
+# =============================================================================
+
+BILLING_PY = textwrap.dedent("""\
+    import os
+
+
+    class Ledger:
+        def total(self, rows):
+            return sum(rows)
+
+
+    def total(rows):
+        return 0
+
+
+    TAX_RATE = 0.2
+""")
+
+
+@pytest.mark.parametrize("refs, expect", [
+    ([{"path": "./src/a.py", "symbol": "f"}], [{"path": "src/a.py", "symbol": "f"}]),
+    (["src/a.py#Ledger.total", "src/a.py#Ledger.total"],
+     [{"path": "src/a.py", "symbol": "Ledger.total"}]),
+    ([{"path": "docs/"}], [{"path": "docs"}]),
+    (None, None), ([], None),
+])
+def test_normalize_code_refs(refs, expect):
+    assert cs.normalize_code_refs(refs) == expect
+
+
+@pytest.mark.parametrize("refs, needle", [
+    ([{"path": "/etc/passwd"}], "not absolute"),
+    ([{"path": "src/../../x.py"}], "no '..'"),
+    ([{"path": "a.py", "symbol": "rm -rf"}], "identifier"),
+    ([{"symbol": "f"}], "{path, symbol?}"),
+    ([{"path": f"f{i}.py"} for i in range(cs.MAX_CODE_REFS + 1)], "at most"),
+    ("x" * 400, "relative path"),
+])
+def test_normalize_code_refs_rejects_clearly(refs, needle):
+    with pytest.raises(cs.InputError, match=re.escape(needle)):
+        cs.normalize_code_refs(refs)
+
+
+@pytest.mark.parametrize("text, symbol, line", [
+    (BILLING_PY, "total", 9),                        # the top-level one before a method
+    ("class A:\n    def run(self): pass\n", "run", 2),
+    (BILLING_PY, "Ledger.total", 5),
+    (BILLING_PY, "Ledger", 4),
+    (BILLING_PY, "TAX_RATE", 13),
+    (BILLING_PY, "missing", None),
+    ("// x\nexport async function handler(req) {}\n", "handler", 2),
+    ("package p\n\nfunc (s *Srv) Serve() {}\n", "Srv.Serve", 3),
+    ("pub(crate) fn parse(x: u8) {}\n", "parse", 1),
+    ("const retries = 3;\n", "retries", 1),
+    ("x = total(1)\nif total == 2: pass\n", "total", None),   # uses are not definitions
+])
+def test_find_definition(text, symbol, line):
+    assert cs.find_definition(text, symbol) == line
+
+
+@pytest.fixture
+def coderepo(repo) -> Path:
+    (repo / "src").mkdir()
+    (repo / "src" / "billing.py").write_text(BILLING_PY)
+    git(repo, "add", "src")
+    git(repo, "commit", "-q", "-m", "billing")
+    return repo
+
+
+def test_anchors_resolve_to_live_lines_and_never_leave_the_repo(coderepo, tmp_path):
+    refs = [{"path": "src/billing.py", "symbol": "TAX_RATE"}, {"path": "src/billing.py"},
+            {"path": "src/billing.py", "symbol": "nowhere"}, {"path": "gone.py"}]
+    got = cs.resolve_anchors(coderepo, refs)
+    assert [a["at"] for a in got] == ["src/billing.py:13", "src/billing.py",
+                                      "src/billing.py", None]
+    assert got[2]["symbol_found"] is False and got[3]["resolved"] is False
+    assert "sum(rows)" not in json.dumps(got)              # content is never inlined
+    (coderepo / "src" / "billing.py").write_text("# moved\n\n" + BILLING_PY)
+    git(coderepo, "commit", "-qam", "shift")               # a new HEAD: resolved afresh
+    assert cs.resolve_anchors(coderepo, refs[:1])[0]["at"] == "src/billing.py:15"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.py").write_text("def key(): pass\n")
+    (coderepo / "link").symlink_to(outside)
+    hostile = [{"path": "../outside/secret.py"}, {"path": str(outside / "secret.py")},
+               {"path": "link/secret.py", "symbol": "key"}, {"path": ".git/config"}]
+    escaped = cs.resolve_anchors(coderepo, hostile)
+    assert [a["resolved"] for a in escaped] == [False] * 4
+    assert {a["why"] for a in escaped} == {"outside the repo"}
+    assert cs.is_stale_code(escaped) and not cs.is_stale_code(got)
+
+
+def test_item_line_carries_id_kind_marks_one_line_content_and_pointer():
+    it = cs.new_item("Money is integer cents.\n  Never   floats. " + "x" * 300, kind="pitfall")
+    it = dataclasses.replace(it, last_verified="2026-01-01T00:00:00Z", scope="team", trust={
+        "recalls": 4, "projects": ["a"], "recalled_by": {"ada": "d", "bo": "d"},
+        "endorsements": [{"by": "ada"}, {"by": "bo"}]})
+    line = cs.item_line(it, anchors=[{"path": "b.py", "resolved": True, "at": "b.py:9"},
+                                     {"path": "c.py", "resolved": True, "at": "c.py"}])
+    assert line.startswith(f"{it.id} memory/pitfall [endorsed×2 verified recalled×2 team] "
+                           "Money is integer cents. Never floats. xxx")
+    assert line.endswith("… → b.py:9 (+1)") and "\n" not in line
+    need = cs.new_item("no runbook", type="need", kind="need")
+    assert cs.item_line(need, anchors=[{"path": "a.py", "resolved": False, "at": None}]) == \
+        f"{need.id} need no runbook → stale code: a.py"
+
+
+def test_recall_lines_by_default_full_on_request_with_anchors(coderepo):
+    cap = cs.capture("Invoice totals are integer cents", kind="pitfall", tags="billing",
+                     code_refs=[{"path": "src/billing.py", "symbol": "total"}])
+    assert cap["item"]["code_refs"] == [{"path": "src/billing.py", "symbol": "total"}]
+    cs.capture("Ledger rounding lives in the old module", tags="billing",
+               code_refs=["src/old_ledger.py"])
+    lines = cs.recall("invoice totals cents billing")["results"]
+    assert set(lines[0]) == {"id", "relevance", "line"}
+    assert lines[0]["line"].endswith("→ src/billing.py:9")
+    full = cs.recall("invoice totals cents billing", detail="full")["results"]
+    assert full[0]["content"] == "Invoice totals are integer cents"
+    assert full[0]["code"][0]["at"] == "src/billing.py:9"
+    stale = cs.recall("ledger rounding old module")["results"][0]
+    assert stale["stale_code"] is True and "stale code: src/old_ledger.py" in stale["line"]
+    with pytest.raises(cs.InputError, match="detail"):
+        cs.recall("x", detail="everything")
+    with pytest.raises(cs.InputError, match="no '..'"):
+        cs.capture("escape", code_refs=[{"path": "../x.py"}])
+
+
+def test_expand_returns_the_whole_item_and_earns_no_credit(coderepo):
+    iid = cs.capture("Ledger totals are summed per row", why="rounding per line drifted",
+                     code_refs=[{"path": "src/billing.py", "symbol": "Ledger.total"}]
+                     )["item"]["id"]
+    cs.endorse(iid, note="holds for every ledger")
+    cs.verify_entry(iid, note="checked against the code")
+    journal = coderepo / ".cambium" / "usage.jsonl"
+    before = journal.read_bytes() if journal.exists() else b""
+    store = (coderepo / ".cambium" / "knowledge.json").read_bytes()
+    out = cs.expand(iid)
+    assert out["content"] == "Ledger totals are summed per row"
+    assert out["why"] == "rounding per line drifted" and out["scope"] == "local"
+    assert out["endorsements"][0]["note"] == "holds for every ledger"
+    assert [e["event"] for e in out["history"]] == ["created", "endorsed", "verified"]
+    assert out["code"][0]["at"] == "src/billing.py:5" and "stale_code" not in out
+    assert out["line"].startswith(f"{iid} memory/note [endorsed verified]")
+    assert out["recalls"] == 0 and out["provenance"] == "capture by ada"
+    after = journal.read_bytes() if journal.exists() else b""
+    assert after == before and (coderepo / ".cambium" / "knowledge.json").read_bytes() == store
+    with pytest.raises(cs.NotFound):
+        cs.expand("k-000000000000")
+
+
+def test_distill_drafts_carry_code_refs_from_changed_files_and_entries():
+    claim = {"task": "fix totals", "status": "done", "updated_at": "2026-01-01T00:00:00Z",
+             "changed_files": [{"status": "M", "path": "src/billing.py"},
+                               {"status": "D", "path": "src/old.py"},
+                               {"status": "A", "path": "../../etc/passwd"}]}
+    assert cs.claim_to_draft("ada", claim).code_refs == [{"path": "src/billing.py"}]
+    con = {"id": "con-001", "rule": "Never import server from hooks/guard.py",
+           "reason": "startup cost", "scope": "hooks/", "status": "active"}
+    assert cs.context_entry_to_draft("constraint", con).code_refs == [
+        {"path": "hooks"}, {"path": "hooks/guard.py"}]
+    dec = {"id": "dec-002", "summary": "Use JSON files", "why_chosen": "simple",
+           "status": "active", "scope": "global"}
+    assert cs.context_entry_to_draft("decision", dec).code_refs is None
+
+
+def _hand_edit(repo: Path, change) -> None:
+    path = repo / ".cambium" / "knowledge.json"
+    doc = cs.parse_store(path.read_text(), str(path))
+    path.write_text(cs.render_store(dataclasses.replace(doc, items=[change(i) for i in doc.items])))
+
+
+def test_primer_orders_sections_states_its_size_and_changes_nothing(coderepo):
+    cs.capture("Old note nobody vouched for", tags="misc")
+    trusted = cs.capture("Deploys go out on Tuesdays", tags="deploy")["item"]["id"]
+    cs.endorse(trusted, note="team rule")
+    cs.capture("Schema changes need a migration first", kind="decision", tags="db")
+    pit = cs.capture("Never call total() with floats", kind="pitfall", tags="billing",
+                     code_refs=[{"path": "src/billing.py", "symbol": "total"}])["item"]["id"]
+    cs.record_need("no runbook for the billing export")
+    old = cs.capture("Exports read the NetSuite feed", valid_while="while billing runs on "
+                     "NetSuite")["item"]["id"]
+    _hand_edit(coderepo, lambda i: dataclasses.replace(i, created_at="2020-01-01T00:00:00Z")
+               if i.id == old else i)
+    before = {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()}
+    out = cs.session_primer()
+    text = out["primer"]
+    heads = ["Pitfalls and constraints:", "Settled decisions:", "Most trusted notes:",
+             "Premises to re-check:", "Open needs:"]
+    assert [text.index(h) for h in heads] == sorted(text.index(h) for h in heads)
+    assert f"- {pit} memory/pitfall Never call total() with floats → src/billing.py:9" in text
+    notes = text[text.index("Most trusted notes:"):text.index("Premises")]
+    assert notes.index(trusted) < notes.index("Old note")        # trust first
+    assert "while billing runs on NetSuite" in text and "unchecked" in text
+    assert text.splitlines()[0] == (f"cambium primer for {coderepo.name}: 6 of 6 items, "
+                                    f"~{out['tokens']} tokens.") or "~" in text.splitlines()[0]
+    assert out["entries"] == 6 and out["tokens"] <= cs.PRIMER_TOKEN_BUDGET
+    after = {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()}
+    assert after == before                                        # no credit, no write
+
+
+def test_primer_is_bounded_by_limit_and_token_budget(repo):
+    items = [cs.new_item(f"Pitfall {i}: " + "word " * 60, kind="pitfall", project="proj")
+             for i in range(150)] + \
+            [cs.new_item(f"Decision {i}", kind="decision", project="proj") for i in range(5)]
+    d = repo / ".cambium"
+    d.mkdir(exist_ok=True)
+    cs.atomic_write(d / "knowledge.json", cs.render_store(cs.Doc(items=items)))
+    out = cs.session_primer(limit=100)
+    assert out["tokens"] <= cs.PRIMER_TOKEN_BUDGET < cs.approx_tokens("x" * 4 * 1600)
+    assert out["sections"]["decisions"] == 5                      # not crowded out
+    assert f"of 155 items" in out["primer"] and "more not shown" in out["primer"]
+    assert cs.session_primer(limit=3)["entries"] == 3
+    with pytest.raises(cs.InputError, match="limit"):
+        cs.session_primer(limit=0)
+
+
+def test_primer_empty_store_is_one_line(repo):
+    out = cs.session_primer()
+    assert out["entries"] == 0 and "\n" not in out["primer"]
+    assert "nothing known yet" in out["primer"]
+
+
+def test_primer_org_items_only_when_used_or_tags_match():
+    now = cs.datetime.now(cs.timezone.utc)
+    local = cs.dataclasses.replace(cs.new_item("Local", tags="billing"), id="k-l")
+    used = cs.dataclasses.replace(cs.new_item("Used", project="other"), id="k-u", scope="org",
+                                  trust={"recalls": 1, "endorsements": [], "projects": ["shop"]})
+    tagged = cs.dataclasses.replace(cs.new_item("Tagged", tags="billing", project="other"),
+                                    id="k-t", scope="org")
+    alien = cs.dataclasses.replace(cs.new_item("Alien", tags="kernel", project="other"),
+                                   id="k-a", scope="org")
+    team = cs.dataclasses.replace(cs.new_item("Team", tags="rollout", project="x"),
+                                  id="k-m", scope="team")
+    docs = {"local": cs.Doc(items=[local]), "team": cs.Doc(items=[team]),
+            "org": cs.Doc(items=[used, tagged, alien])}
+    got = {e.item.id for e in cs.primer_candidates(docs, {}, project="shop", now=now)}
+    assert got == {"k-l", "k-u", "k-t", "k-m"}
+
+
+def test_primer_reads_shared_scopes_at_the_last_fetched_tip(shared, monkeypatch):
+    cs.promote(_endorsed("Team rule: rotate signing keys monthly"), to_scope="team")
+    as_agent(monkeypatch, shared["b"], "bo")
+    cs.promote(_endorsed("Team rule: peers push later"), to_scope="team")
+    as_agent(monkeypatch, shared["a"], "ada")
+    refs = git(shared["a"], "for-each-ref")
+    text = cs.session_primer()["primer"]
+    assert "rotate signing keys" in text and "peers push later" not in text   # no fetch
+    assert git(shared["a"], "for-each-ref") == refs
+
+
+def _hook(cwd: Path, stdin: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    probe = textwrap.dedent(f"""
+        import sys, runpy
+        sys.argv = ["cambium_server.py", "primer", "--hook", *{list(args)!r}]
+        try:
+            runpy.run_path({str(SERVER)!r}, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        heavy = [m for m in ("mcp", "pydantic", "uvicorn") if m in sys.modules]
+        sys.stderr.write("HEAVY=" + ",".join(heavy) + "\\n")
+        sys.exit(code)
+    """)
+    return subprocess.run([sys.executable, "-c", probe], cwd=cwd, input=stdin, text=True,
+                          capture_output=True, env=child_env(**env), timeout=60)
+
+
+def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path, monkeypatch):
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")                   # the hook's cwd binds the project
+    payload = json.dumps({"cwd": str(repo), "session_id": "s1", "source": "startup",
+                          "hook_event_name": "SessionStart"})
+    out = _hook(tmp_path, payload)
+    assert out.returncode == 0 and "HEAVY=\n" in out.stderr     # no SDK on this path
+    ctx = json.loads(out.stdout)["hookSpecificOutput"]
+    assert ctx["hookEventName"] == "SessionStart"
+    assert "Never deploy on Fridays" in ctx["additionalContext"]
+    nowhere = tmp_path / "not-a-repo"
+    nowhere.mkdir()
+    for stdin, args in ((json.dumps({"cwd": str(nowhere)}), ()), ("{not json", ()),
+                        ("[1, 2]", ()), (payload, ("--limit", "0")), (payload, ("--bogus",))):
+        res = _hook(tmp_path, stdin, *args)
+        assert (res.returncode, res.stdout) == (0, ""), (stdin, args, res.stderr)
+    store = repo / ".cambium" / "knowledge.json"
+    store.write_text("{ corrupt")
+    res = _hook(tmp_path, payload)
+    assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
+
+
+def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
+    out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
+              "--kind", "decision")
+    iid = json.loads(out.stdout)["item"]["id"]
+    shown = json.loads(cli("show", iid).stdout)
+    assert shown["code"][0]["at"] == "src/billing.py:5" and shown["id"] == iid
+    res = json.loads(cli("recall", "ledger totals", "--detail", "full").stdout)["results"]
+    assert res[0]["content"] == "Ledger totals sum rows"
+    text = cli("primer", "--format", "text").stdout
+    assert text.startswith("cambium primer for") and f"{iid} memory/decision" in text
+    bad = cli("capture", "x", "--code-ref", "/etc/passwd")
+    assert bad.returncode == 1 and "absolute" in bad.stderr
+
+
+def test_mcp_primer_tool_resource_expand_and_instructions(coderepo):
+    async def body(session, init):
+        for step in ("session_primer", "recall", "capture", "distill", "cambium://primer"):
+            assert step in init.instructions
+        cap = await session.call_tool("capture", {
+            "content": "Use UTC in every log line", "kind": "pitfall",
+            "code_refs": [{"path": "src/billing.py", "symbol": "Ledger"}]})
+        iid = cap.structured_content["item"]["id"]
+        prim = (await session.call_tool("session_primer", {})).structured_content
+        assert f"{iid} memory/pitfall Use UTC in every log line → src/billing.py:4" in \
+            prim["primer"]
+        res = await session.read_resource("cambium://primer")
+        assert res.contents[0].text == prim["primer"]
+        exp = (await session.call_tool("expand", {"item_id": iid})).structured_content
+        assert exp["code"][0]["at"] == "src/billing.py:4"
+        rec = (await session.call_tool("recall", {"query": "utc log line"})).structured_content
+        assert rec["results"][0]["line"].startswith(iid)
+        bad = await session.call_tool("session_primer", {"limit": 0})
+        assert bad.is_error
+        return True
+
+    assert asyncio.run(_mcp_session(_mcp_env(coderepo), body))
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server(repo: Path, token: str | None):
+    port = _free_port()
+    env = {**_mcp_env(repo), **({"CAMBIUM_HTTP_TOKEN": token} if token else {})}
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
+                             str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        import socket
+        deadline = cs.time.time() + 30
+        while cs.time.time() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            cs.time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+async def _http_session(url: str, token: str | None, body):
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    async with create_mcp_http_client(headers=headers) as client:
+        async with streamable_http_client(url, http_client=client) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return await body(session)
+
+
+def _http_status(url: str, token: str | None) -> int:
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=b"{}", method="POST", headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+        **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_http_serve_requires_the_token_and_keeps_every_capture(repo):
+    async def capture_many(session, who: str):
+        for i in range(8):
+            res = await session.call_tool("capture", {"content": f"{who} learned fact {i}"})
+            assert res.structured_content["status"] == "captured"
+        return True
+
+    async def clients(url: str):
+        return await asyncio.gather(*(_http_session(url, "s3cret", lambda s, w=w:
+                                                    capture_many(s, w))
+                                      for w in ("ann", "bob", "cy")))
+
+    with http_server(repo, "s3cret") as url:
+        for token in (None, "wrong"):
+            with pytest.raises(BaseException):
+                asyncio.run(_http_session(url, token, lambda s: s.list_tools()))
+            assert _http_status(url, token) == 401
+        assert _http_status(url, "s3cret") != 401
+        assert all(asyncio.run(clients(url)))
+    doc = cs.local_store(cs.require_config()).read()
+    assert len({i.content for i in doc.items}) == 24
+
+
+def test_http_serve_without_token_binds_loopback_only(repo):
+    async def names(session):
+        return {t.name for t in (await session.list_tools()).tools}
+
+    with http_server(repo, None) as url:
+        assert {"session_primer", "expand", "recall"} <= asyncio.run(
+            _http_session(url, None, names))
+    out = cli("serve", "--http", "--host", "0.0.0.0", "--port", str(_free_port()))
+    assert out.returncode == 2 and "CAMBIUM_HTTP_TOKEN" in out.stderr
+    assert cs.http_bind_problem("::1", 7077, None) is None
+    assert cs.http_bind_problem("10.0.0.5", 7077, "t") is None
+    assert "port" in cs.http_bind_problem("127.0.0.1", 0, None)
 
 
 if __name__ == "__main__":
