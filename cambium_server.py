@@ -31,6 +31,8 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
+    CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
+    CAMBIUM_HTTP_TOKEN        bearer token for `serve --http` (needed off loopback; env only)
     AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
 
 distill() reads, never writes, two substrates: the agentsync board
@@ -39,17 +41,23 @@ AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
 <CAMBIUM_REPO>/.context/*.json.
 
 The same file is the MCP server (no arguments: stdio) and a CLI for hooks and
-shells, one command per tool: status, setup, capture, record-need, recall,
-endorse, promote, generalize, review, verify, stale, deprecate, import, export,
-distill (`distill --hook` for a session-end hook), demo. The CLI path never
+shells, one command per tool: status, setup, primer, capture, record-need,
+recall, show (expand), endorse, promote, generalize, review, verify, stale,
+deprecate, correct, usage, import, export, distill (`distill --hook` for a
+session-end hook), demo; `primer --hook` for a session-start hook; `serve
+[--http]` (stdio, or streamable HTTP for several agents); and two
+operator-only commands no MCP tool can reach: verify-cmd (attach a shell check)
+and verify --run (run the checks). The CLI path never
 imports the MCP SDK: hooks run it at every session end and the SDK costs about
 a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, git plumbing, storage (files, the scope interface, the
 usage journal, the shared git scopes), substrate readers, import adapters,
-recall (lexical, semantic, ranking), ingest, lifecycle decisions, scope
-helpers, distill, tools, MCP server, CLI, demo.
+recall (lexical, semantic, ranking), ingest, lifecycle decisions, code
+anchors, scope helpers (item views and one-line results), scope reads, the
+primer digest, distill, hygiene (usage attribution, operator checks), tools, MCP
+server, CLI, demo.
 """
 from __future__ import annotations
 
@@ -57,6 +65,7 @@ import argparse
 import atexit
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import fcntl
 import functools
@@ -241,8 +250,10 @@ def _empty_trust() -> dict:
 _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "project",
                 "source", "created_by", "created_at", "updated_at", "status", "trust")
 _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
-                    "promoted_at", "pr_url", "deprecated", "code_refs")
+                    "promoted_at", "pr_url", "deprecated", "authority", "superseded_by",
+                    "corrects", "supersedes", "check", "failing", "code_refs")
 _KNOWN_FIELDS = frozenset(_ITEM_FIELDS + _OPTIONAL_FIELDS)
+AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
 @dataclass
@@ -264,7 +275,7 @@ class Item:
     created_by: str = ""
     created_at: str = ""
     updated_at: str = ""
-    status: str = "active"                           # active | deprecated
+    status: str = "active"                           # active | deprecated | superseded
     trust: dict = field(default_factory=_empty_trust)
     valid_while: str | None = None                   # the premise the item depends on
     last_verified: str | None = None
@@ -273,6 +284,12 @@ class Item:
     promoted_at: str | None = None
     pr_url: str | None = None                        # pending org PR (PR mode)
     deprecated: dict | None = None                   # {by, at, reason}
+    authority: str | None = None                     # None (agent) | verified | human
+    superseded_by: dict | None = None                # {id, by, at, why}: status superseded
+    corrects: str | None = None                      # id of the item a human corrected
+    supersedes: str | None = None                    # id an agent's counter-claim disputes
+    check: dict | None = None                        # {cmd, by, at}: operator-attached check
+    failing: dict | None = None                      # {at, exit, output}: last check failed
     code_refs: list | None = None                    # [{path, symbol?}] code anchors
     extra: dict = field(default_factory=dict)
 
@@ -321,7 +338,13 @@ class Item:
 
     @property
     def active(self) -> bool:
+        """Recallable and promotable: neither deprecated nor superseded."""
         return self.status == "active"
+
+    @property
+    def authority_rank(self) -> int:
+        """Authority as a number: agent 0 < verified 1 < human 2."""
+        return AUTHORITIES.index(self.authority) if self.authority in AUTHORITIES else 0
 
 
 @dataclass
@@ -343,6 +366,7 @@ class Draft:
     source: dict | None = None
     valid_while: Any = None
     key: str | None = None
+    supersedes: str | None = None     # an agent's counter-claim to this item id
     code_refs: Any = None
 
 
@@ -505,7 +529,8 @@ def normalize_code_refs(refs: Any) -> list[dict] | None:
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
              tags: Any = None, project: str = "", agent: str = "",
              source: dict | None = None, valid_while: Any = None,
-             now: str | None = None, code_refs: Any = None) -> Item:
+             now: str | None = None, supersedes: str | None = None,
+             code_refs: Any = None) -> Item:
     """The one chokepoint that creates items: normalize, validate, stamp.
 
     Raises InputError naming the bad argument.
@@ -522,7 +547,7 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
         type=type, kind=kind.lower(), why=_clean_text(why, "why", MAX_WHY_CHARS),
         tags=normalize_tags(tags), scope="local", project=project,
         source=dict(source or {"system": "capture"}), created_by=agent,
-        created_at=stamp, updated_at=stamp, valid_while=premise,
+        created_at=stamp, updated_at=stamp, valid_while=premise, supersedes=supersedes,
         code_refs=normalize_code_refs(code_refs),
     )
 
@@ -1067,6 +1092,22 @@ class Store:
     @property
     def warnings(self) -> list[str]:
         return []
+
+
+def mutate_plan(mutate: Callable[..., Any], plan: Callable[[Doc], Any], message: str,
+                **kwargs: Any) -> tuple[Any, Any]:
+    """A store's mutate() with a planning function: plan(doc) decides everything
+    a write does and returns it, with the doc to store as `.doc` (None: nothing).
+    Returns what mutate returned and the plan made on the doc the write applied
+    to (a shared scope may replay it after losing a race: the last plan counts)."""
+    plans: list = []
+
+    def apply(doc: Doc) -> Doc | None:
+        plans.append(plan(doc))
+        return plans[-1].doc
+
+    written = mutate(apply, message, **kwargs)
+    return written, plans[-1]
 
 
 class LocalStore(Store):
@@ -2411,7 +2452,8 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     slots = index.items
     scores, idf, df = bm25_scores(index, terms)
     total_idf = sum(idf.values()) or 1.0
-    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-scores[i], i))
+    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-round(scores[i], 6),
+                                                           -slots[i].authority_rank, i))
     hits = []
     for i in ranked:
         tf = item_terms(slots[i])
@@ -3084,11 +3126,22 @@ class Semantic:
         # query's mean score, shrunk toward a prior so a small store works too.
         baseline = ((float(score[finite].sum()) + SEM_BASELINE_PRIOR * SEM_BASELINE_ITEMS)
                     / (int(finite.sum()) + SEM_BASELINE_ITEMS))
-        top = np.argpartition(-score, k - 1)[:k]
-        top = top[np.lexsort((top, -score[top]))]
+        top = _authority_tiebreak(index, score, k)
         hits = [Hit(index.items[i], float(lex.get(int(i), 0.0)),
                     max(0.0, min(1.0, float(score[i]) - baseline))) for i in top]
         return Ranking(hits, hits[0].confidence, foreign, mode="semantic")
+
+
+def _authority_tiebreak(index: Index, score: Any, k: int) -> Any:
+    """The k best slots by score; on a tie (equal to 6 places) higher authority
+    first, then the older slot."""
+    np = sys.modules["numpy"]
+    finite = np.isfinite(score)
+    cut = np.partition(score[finite], -k)[-k] if k < int(finite.sum()) else -np.inf
+    top = np.flatnonzero(finite & (score >= cut))
+    auth = np.fromiter((index.items[i].authority_rank for i in top), np.int64, len(top))
+    top = top[np.lexsort((top, -auth, -np.round(score[top], 6)))]
+    return top[:k]
 
 
 _ENGINES: dict[str, Semantic] = {}
@@ -3230,67 +3283,87 @@ class IngestResult:
     skipped: list = field(default_factory=list)      # (label, reason)
 
 
-def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
-           on_progress: Callable[[int], None] | None = None) -> IngestResult:
-    """Create items from drafts in one locked write; skip watermarked duplicates.
+@dataclass
+class Prepared:
+    """Drafts normalized into items outside the store's lock, ready to admit."""
+    items: list = field(default_factory=list)        # (watermark key, Item)
+    skipped: list = field(default_factory=list)      # (label, reason)
+    duplicates: int = 0                              # watermarked already when prepared
 
-    A draft that fails validation is skipped with its reason, not fatal, unless
-    it is the only one (capture wants the error).
-    """
-    stamp = now or _now()
-    prepared: list[tuple[str, Item]] = []
-    result = IngestResult()
+
+@dataclass
+class Admission:
+    """admit()'s decision: the doc to store (None: nothing new) and what it added."""
+    doc: Doc | None
+    fresh: list
+    duplicates: int
+
+
+def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
+                   on_progress: Callable[[int], None] | None = None) -> Prepared:
+    """Normalize drafts through new_item(); a cheap watermark pre-check outside
+    the lock (admit() re-checks under it). A draft that fails validation is
+    skipped with its reason."""
+    out = Prepared()
     project, agent = cfg.project, cfg.agent
-    # a cheap pre-check outside the lock; the locked write below re-checks
     seen_marks = local_store(cfg).read().meta.get("watermarks") or {}
-    early_dups = 0
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
-            early_dups += 1
+            out.duplicates += 1
             continue
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
-                            valid_while=d.valid_while, now=stamp, code_refs=d.code_refs)
+                            valid_while=d.valid_while, now=now, supersedes=d.supersedes,
+                            code_refs=d.code_refs)
         except InputError as e:
-            result.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
+            out.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
             continue
-        prepared.append((d.key, item))
+        out.items.append((d.key, item))
         if on_progress and n % 500 == 0:
             on_progress(n)
+    return out
 
-    store_key = str(local_store(cfg).path)
 
-    def apply(doc: Doc) -> Doc | None:
-        marks = doc.meta.get("watermarks") or {}
-        index: Index | None = None           # built only if a draft passes the watermarks
-        live: set[str] = set()
-        fresh: list[Item] = []
-        new_marks = dict(marks)
-        dups = 0
-        for key, item in prepared:
-            if key and key in new_marks:
-                dups += 1
-                continue
-            ckey = content_key(item)
-            if index is None and ckey not in live:
-                index = store_index(store_key, doc.items)
-            if ckey in live or (index is not None and index.says(ckey)):
-                dups += 1
-                continue
-            if key:
-                new_marks[key] = item.id
-            live.add(ckey)
-            fresh.append(item)
-        result.imported, result.duplicates = fresh, dups + early_dups
-        if not fresh:
-            return None
-        return Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
-                   raw=doc.raw)
+def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
+    """Add the prepared items that are new to `doc`: neither watermarked nor
+    already stored with the same text (pure, but for the cached index)."""
+    new_marks = dict(doc.meta.get("watermarks") or {})
+    index: Index | None = None               # built only if a draft passes the watermarks
+    live: set[str] = set()
+    fresh: list[Item] = []
+    dups = 0
+    for key, item in prepared.items:
+        if key and key in new_marks:
+            dups += 1
+            continue
+        ckey = content_key(item)
+        if index is None and ckey not in live:
+            index = store_index(index_key, doc.items)
+        if ckey in live or (index is not None and index.says(ckey)):
+            dups += 1
+            continue
+        if key:
+            new_marks[key] = item.id
+        live.add(ckey)
+        fresh.append(item)
+    if not fresh:
+        return Admission(None, [], dups)
+    return Admission(Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
+                         raw=doc.raw), fresh, dups)
 
-    result.duplicates = early_dups
-    if prepared:
-        mutate_local(cfg, apply, f"ingest {len(prepared)} items")
+
+def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
+           on_progress: Callable[[int], None] | None = None) -> IngestResult:
+    """Create items from drafts in one locked write; skip watermarked duplicates."""
+    prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
+    result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
+    if prepared.items:
+        key = str(local_store(cfg).path)
+        _, adm = mutate_plan(functools.partial(mutate_local, cfg),
+                             lambda d: admit(d, prepared, key),
+                             f"ingest {len(prepared.items)} items")
+        result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         embed_soon(cfg, result.imported)
     return result
 
@@ -3400,6 +3473,47 @@ def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
     return dataclasses.replace(item, **changes)
 
 
+def raised(item: Item, authority: str) -> str | None:
+    """The item's authority after a signal worth `authority`: never lowered;
+    the default (agent) is stored as None."""
+    level = max(item.authority_rank, AUTHORITIES.index(authority))
+    return AUTHORITIES[level] if level else None
+
+
+def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str,
+                  now: str) -> Item:
+    """A person's correction of `old`: a new human-authority item in old's scope
+    that links back to it (old gets superseded_by; see supersede())."""
+    new = new_item(content, type=old.type, kind=old.kind, why=why, tags=old.tags,
+                   project=project, agent=agent, now=now,
+                   source={"system": "correction", "ref": old.id})
+    return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id)
+
+
+def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:
+    """`item` retired in favour of item `by`: kept, linked, never recalled again."""
+    return dataclasses.replace(item, status="superseded", updated_at=now,
+                               superseded_by={"id": by, "by": agent, "at": now, "why": why})
+
+
+def check_cmd(item: Item) -> str | None:
+    """The shell check an operator attached to an item, if any (malformed: none)."""
+    cmd = item.check.get("cmd") if isinstance(item.check, dict) else None
+    return cmd if isinstance(cmd, str) and cmd.strip() else None
+
+
+def checked(item: Item, outcome: dict, *, now: str) -> Item:
+    """The item after its check ran: a pass stamps last_verified, raises authority
+    to verified and clears `failing`; a failure marks it failing (kept, flagged)."""
+    if outcome["passed"]:
+        runs = list(item.verifications or []) + [{"by": "check", "at": now,
+                                                   "note": f"check passed: {outcome['cmd']}"}]
+        return dataclasses.replace(item, last_verified=now, verifications=runs, failing=None,
+                                   authority=raised(item, "verified"), updated_at=now)
+    return dataclasses.replace(item, updated_at=now, failing={
+        "at": now, "exit": outcome["exit"], "output": outcome["output"]})
+
+
 def age_days(item: Item, now: datetime) -> int | None:
     """Whole days since the item was last verified (else promoted, else created)."""
     stamp = _parse_ts(item.last_verified or item.promoted_at or item.created_at)
@@ -3412,7 +3526,7 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
     first. Reports only: nothing is downgraded."""
     rows = []
     for it in items:
-        if not it.active or it.scope not in ("team", "org"):
+        if not it.active or (it.scope not in ("team", "org") and not it.failing):
             continue
         if project and it.project != project:
             continue
@@ -3420,12 +3534,13 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
         if older_than_days is not None and (age is None or age < older_than_days):
             continue
         rows.append((it, age))
-    rows.sort(key=lambda r: (r[0].last_verified is not None, r[0].last_verified or "",
-                             -(r[1] or 0), r[0].id))
+    rows.sort(key=lambda r: (not r[0].failing, r[0].last_verified is not None,
+                             r[0].last_verified or "", -(r[1] or 0), r[0].id))
     return [{"id": it.id, "scope": it.scope, "project": it.project, "content": it.content,
              "valid_while": it.valid_while, "last_verified": it.last_verified,
              "never_verified": it.last_verified is None, "age_days": age,
-             "recalls": it.trust.get("recalls", 0)} for it, age in rows]
+             "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
+            for it, age in rows]
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
@@ -3695,12 +3810,13 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
         "id": item.id, "type": item.type, "kind": item.kind, "content": item.content,
         "why": item.why, "tags": item.tags, "scope": item.scope, "project": item.project,
         "source": item.source, "created_by": item.created_by, "created_at": item.created_at,
-        "status": item.status, "recalls": trust.get("recalls", 0),
+        "status": item.status, "authority": AUTHORITIES[item.authority_rank],
+        "recalls": trust.get("recalls", 0),
         "endorsements": len(trust.get("endorsements", [])),
         "projects": trust.get("projects", []),
     }
     for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated",
-              "code_refs"):
+              "superseded_by", "corrects", "supersedes", "check", "failing", "code_refs"):
         v = getattr(item, k)
         if v is not None:
             out[k] = v
@@ -3778,156 +3894,6 @@ def item_history(item: Item) -> list[dict]:
 
 def _today() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d")
-
-
-# =============================================================================
-# Primer: the session-start digest (pure)
-# What an agent should know before its first query, one line per item with its
-# id, in a fixed order: pitfalls and constraints, settled decisions, the most
-# trusted notes, premises that look stale, open needs. Bounded by an entry
-# limit and a token budget, and it says its own size.
-# =============================================================================
-
-PRIMER_LIMIT = 20                  #: entries in a primer by default
-MAX_PRIMER_LIMIT = 100
-PRIMER_TOKEN_BUDGET = 1500         #: ~4 characters a token
-PREMISE_STALE_DAYS = 30            #: a valid_while unchecked this long deserves a re-check
-RECENTLY_VERIFIED_DAYS = 90
-PITFALL_KINDS = frozenset({"pitfall", "constraint", "gotcha", "warning", "trap", "caveat"})
-#: (section, heading, share of the entry limit it is sure to get)
-PRIMER_SECTIONS = (("pitfalls", "Pitfalls and constraints", 0.35),
-                   ("decisions", "Settled decisions", 0.25),
-                   ("trusted", "Most trusted notes", 0.2),
-                   ("premises", "Premises to re-check", 0.1),
-                   ("needs", "Open needs", 0.1))
-_MACHINE_TAGS = re.compile(r"^(agentsync|context-keeper|imported|released-before-done|"
-                           r"(agent|branch):.*|(dec|con|pipe)-[\w.-]+)$")
-
-
-def approx_tokens(text: str) -> int:
-    """A model-independent token estimate: about four characters a token."""
-    return (len(text) + 3) // 4
-
-
-def trust_score(item: Item, trust: dict, now: datetime) -> float:
-    """How much the team has vouched for an item: endorsements, distinct agents
-    who recalled it, projects that used it, a recent verification."""
-    verified = _parse_ts(item.last_verified)
-    recent = verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS
-    return (3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
-            + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
-            + 0.1 * min(int(trust.get("recalls") or 0), 20))
-
-
-def premise_age(item: Item, now: datetime) -> int | None:
-    """Days a valid_while premise has gone unchecked, when that looks stale."""
-    if not item.valid_while:
-        return None
-    age = age_days(item, now)
-    return age if age is not None and age >= PREMISE_STALE_DAYS else None
-
-
-def primer_section(item: Item, now: datetime) -> str | None:
-    if item.type == "need":
-        return "needs"
-    if premise_age(item, now) is not None:
-        return "premises"
-    if item.kind in PITFALL_KINDS or PITFALL_KINDS & set(item.tags):
-        return "pitfalls"
-    if item.kind == "decision":
-        return "decisions"
-    return "trusted"
-
-
-def project_tags(items: Iterable[Item]) -> set[str]:
-    """The project's own topic tags (bookkeeping tags left out)."""
-    seen = {t for it in items if it.active for t in it.tags}
-    return {t for t in seen if not _MACHINE_TAGS.match(t)}
-
-
-def org_item_relevant(item: Item, project: str, tags: set[str]) -> bool:
-    """An org item belongs in a project's primer if the project used it or its
-    tags match the project's."""
-    return item.project == project or project in (item.trust.get("projects") or []) \
-        or bool(tags & set(item.tags))
-
-
-@dataclass
-class PrimerEntry:
-    """A primer candidate: the item, its trust (pending credits applied), its
-    section and score."""
-    item: Item
-    trust: dict
-    section: str
-    score: float
-
-
-def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project: str,
-                      now: datetime) -> list[PrimerEntry]:
-    """Every active item a primer may show (pure): local and team items, and
-    org items this project used or whose tags match the project's.
-    pending: not-yet-folded credits by item id."""
-    tags = project_tags(it for s in ("local", "team") if s in docs for it in docs[s].items)
-    out = []
-    for it in federated_items(docs):
-        if not it.active or (it.scope == "org" and not org_item_relevant(it, project, tags)):
-            continue
-        trust = effective_trust(it, pending.get(it.id, []))
-        out.append(PrimerEntry(it, trust, primer_section(it, now), trust_score(it, trust, now)))
-    return out
-
-
-def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
-    """Entries per section: each section's share of `limit` first, then the
-    slots left over in section order."""
-    picked = {name: ranked[name][:int(limit * share)] for name, _, share in PRIMER_SECTIONS}
-    room = limit - sum(map(len, picked.values()))
-    for name, _, _ in PRIMER_SECTIONS:
-        extra = ranked[name][len(picked[name]):len(picked[name]) + max(room, 0)]
-        picked[name] += extra
-        room -= len(extra)
-    return picked
-
-
-def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str:
-    body = []
-    for name, heading, _ in PRIMER_SECTIONS:
-        if lines[name]:
-            body += [f"{heading}:"] + [f"- {line}" for line in lines[name]]
-    shown = sum(map(len, lines.values()))
-    omitted = total - shown
-    tail = (f"{omitted} more not shown: recall(<topic>) finds them. " if omitted else "") + \
-        "expand(id) gives one item whole; capture() what you learn; distill() at the end."
-    size = approx_tokens("\n".join(body + [tail])) + 16
-    head = f"cambium primer for {project}: {shown} of {total} items, ~{size} tokens."
-    return "\n".join([head] + body + [tail])
-
-
-def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
-                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET) -> dict:
-    """The digest (pure but for line_of, which renders one chosen entry).
-
-    Within a section higher score first, then newer. Lines are dropped from the
-    fullest section (the later one on a tie) until the text fits `budget`.
-    """
-    if not entries:
-        return {"primer": f"cambium: nothing known yet for {project}; capture() what you "
-                          "learn and it will show here.", "entries": 0, "candidates": 0,
-                "tokens": 0, "budget_tokens": budget, "sections": {}}
-    ranked: dict[str, list] = {name: [] for name, _, _ in PRIMER_SECTIONS}
-    newest = sorted(entries, key=lambda e: e.item.created_at, reverse=True)
-    for e in sorted(newest, key=lambda e: -e.score):
-        ranked[e.section].append(e)
-    picked = _quota_pick(ranked, limit)
-    lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
-    names = [name for name, _, _ in PRIMER_SECTIONS]
-    text = _render_primer(lines, project, len(entries))
-    while approx_tokens(text) > budget and any(lines.values()):
-        lines[max(reversed(names), key=lambda n: len(lines[n]))].pop()
-        text = _render_primer(lines, project, len(entries))
-    return {"primer": text, "entries": sum(map(len, lines.values())),
-            "candidates": len(entries), "tokens": approx_tokens(text),
-            "budget_tokens": budget, "sections": {n: len(v) for n, v in lines.items() if v}}
 
 
 # =============================================================================
@@ -4082,16 +4048,25 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
         result["item"] = new or it
         return None if new is None else _replace_item(doc, i, new)
 
+    write = mutate_scope(cfg, scope, apply, message, org_branch=org_branch)
+    return result["item"], write
+
+
+def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
+                 *, org_branch: str | None = None) -> Write | None:
+    """One write to one scope: local under the lock, team and org as a CAS push,
+    org in PR mode onto `org_branch` with its pull request opened (pr_url set).
+    Returns the shared-scope write (None for local)."""
     if scope == "local":
-        mutate_local(cfg, apply, message)
-        return result["item"], None
+        mutate_local(cfg, fn, message)
+        return None
     store = shared_store(cfg, scope)
     branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = store.mutate(apply, f"cambium: {message}", branch=branch)
+    write = store.mutate(fn, f"cambium: {message}", branch=branch)
     if branch and write.commit:
         write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
                                "Opened by cambium. Review is the gate; merge to publish.")
-    return result["item"], write
+    return write
 
 
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
@@ -4137,6 +4112,157 @@ def settle_org_prs(cfg: Config) -> list[str]:
             shared_store(cfg, "team").mutate(drop, "cambium: settle merged org PRs")
         settled += sorted(done)
     return settled
+
+
+# =============================================================================
+# Primer: the session-start digest (pure)
+# What an agent should know before its first query, one line per item with its
+# id, in a fixed order: pitfalls and constraints, settled decisions, the most
+# trusted notes, premises that look stale, open needs. Bounded by an entry
+# limit and a token budget, and it says its own size.
+# =============================================================================
+
+PRIMER_LIMIT = 20                  #: entries in a primer by default
+MAX_PRIMER_LIMIT = 100
+PRIMER_TOKEN_BUDGET = 1500         #: ~4 characters a token
+PREMISE_STALE_DAYS = 30            #: a valid_while unchecked this long deserves a re-check
+RECENTLY_VERIFIED_DAYS = 90
+PITFALL_KINDS = frozenset({"pitfall", "constraint", "gotcha", "warning", "trap", "caveat"})
+#: (section, heading, share of the entry limit it is sure to get)
+PRIMER_SECTIONS = (("pitfalls", "Pitfalls and constraints", 0.35),
+                   ("decisions", "Settled decisions", 0.25),
+                   ("trusted", "Most trusted notes", 0.2),
+                   ("premises", "Premises to re-check", 0.1),
+                   ("needs", "Open needs", 0.1))
+_MACHINE_TAGS = re.compile(r"^(agentsync|context-keeper|imported|released-before-done|"
+                           r"(agent|branch):.*|(dec|con|pipe)-[\w.-]+)$")
+
+
+def approx_tokens(text: str) -> int:
+    """A model-independent token estimate: about four characters a token."""
+    return (len(text) + 3) // 4
+
+
+def trust_score(item: Item, trust: dict, now: datetime) -> float:
+    """How much the team has vouched for an item: endorsements, distinct agents
+    who recalled it, projects that used it, a recent verification."""
+    verified = _parse_ts(item.last_verified)
+    recent = verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS
+    return (3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
+            + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
+            + 0.1 * min(int(trust.get("recalls") or 0), 20))
+
+
+def premise_age(item: Item, now: datetime) -> int | None:
+    """Days a valid_while premise has gone unchecked, when that looks stale."""
+    if not item.valid_while:
+        return None
+    age = age_days(item, now)
+    return age if age is not None and age >= PREMISE_STALE_DAYS else None
+
+
+def primer_section(item: Item, now: datetime) -> str | None:
+    if item.type == "need":
+        return "needs"
+    if premise_age(item, now) is not None:
+        return "premises"
+    if item.kind in PITFALL_KINDS or PITFALL_KINDS & set(item.tags):
+        return "pitfalls"
+    if item.kind == "decision":
+        return "decisions"
+    return "trusted"
+
+
+def project_tags(items: Iterable[Item]) -> set[str]:
+    """The project's own topic tags (bookkeeping tags left out)."""
+    seen = {t for it in items if it.active for t in it.tags}
+    return {t for t in seen if not _MACHINE_TAGS.match(t)}
+
+
+def org_item_relevant(item: Item, project: str, tags: set[str]) -> bool:
+    """An org item belongs in a project's primer if the project used it or its
+    tags match the project's."""
+    return item.project == project or project in (item.trust.get("projects") or []) \
+        or bool(tags & set(item.tags))
+
+
+@dataclass
+class PrimerEntry:
+    """A primer candidate: the item, its trust (pending credits applied), its
+    section and score."""
+    item: Item
+    trust: dict
+    section: str
+    score: float
+
+
+def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project: str,
+                      now: datetime) -> list[PrimerEntry]:
+    """Every active item a primer may show (pure): local and team items, and
+    org items this project used or whose tags match the project's.
+    pending: not-yet-folded credits by item id."""
+    tags = project_tags(it for s in ("local", "team") if s in docs for it in docs[s].items)
+    out = []
+    for it in federated_items(docs):
+        if not it.active or it.failing or \
+                (it.scope == "org" and not org_item_relevant(it, project, tags)):
+            continue
+        trust = effective_trust(it, pending.get(it.id, []))
+        out.append(PrimerEntry(it, trust, primer_section(it, now), trust_score(it, trust, now)))
+    return out
+
+
+def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
+    """Entries per section: each section's share of `limit` first, then the
+    slots left over in section order."""
+    picked = {name: ranked[name][:int(limit * share)] for name, _, share in PRIMER_SECTIONS}
+    room = limit - sum(map(len, picked.values()))
+    for name, _, _ in PRIMER_SECTIONS:
+        extra = ranked[name][len(picked[name]):len(picked[name]) + max(room, 0)]
+        picked[name] += extra
+        room -= len(extra)
+    return picked
+
+
+def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str:
+    body = []
+    for name, heading, _ in PRIMER_SECTIONS:
+        if lines[name]:
+            body += [f"{heading}:"] + [f"- {line}" for line in lines[name]]
+    shown = sum(map(len, lines.values()))
+    omitted = total - shown
+    tail = (f"{omitted} more not shown: recall(<topic>) finds them. " if omitted else "") + \
+        "expand(id) gives one item whole; capture() what you learn; distill() at the end."
+    size = approx_tokens("\n".join(body + [tail])) + 16
+    head = f"cambium primer for {project}: {shown} of {total} items, ~{size} tokens."
+    return "\n".join([head] + body + [tail])
+
+
+def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
+                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET) -> dict:
+    """The digest (pure but for line_of, which renders one chosen entry).
+
+    Within a section higher score first, then newer. Lines are dropped from the
+    fullest section (the later one on a tie) until the text fits `budget`.
+    """
+    if not entries:
+        return {"primer": f"cambium: nothing known yet for {project}; capture() what you "
+                          "learn and it will show here.", "entries": 0, "candidates": 0,
+                "tokens": 0, "budget_tokens": budget, "sections": {}}
+    ranked: dict[str, list] = {name: [] for name, _, _ in PRIMER_SECTIONS}
+    newest = sorted(entries, key=lambda e: e.item.created_at, reverse=True)
+    for e in sorted(newest, key=lambda e: -e.score):
+        ranked[e.section].append(e)
+    picked = _quota_pick(ranked, limit)
+    lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
+    names = [name for name, _, _ in PRIMER_SECTIONS]
+    text = _render_primer(lines, project, len(entries))
+    while approx_tokens(text) > budget and any(lines.values()):
+        lines[max(reversed(names), key=lambda n: len(lines[n]))].pop()
+        text = _render_primer(lines, project, len(entries))
+    return {"primer": text, "entries": sum(map(len, lines.values())),
+            "candidates": len(entries), "tokens": approx_tokens(text),
+            "budget_tokens": budget, "sections": {n: len(v) for n, v in lines.items() if v}}
 
 
 # =============================================================================
@@ -4192,111 +4318,127 @@ def _snapshot_of(claims: dict[str, dict]) -> dict[str, dict]:
             for agent, c in sorted(claims.items()) if is_capture_worthy(c)}
 
 
-def _agentsync_part(cfg: Config, doc: Doc, stamp: str) -> dict:
-    """Read the board; drafts for done claims (and churned ones, if enabled)."""
+@dataclass
+class SourceRead:
+    """What one substrate reader found, before anything is judged or written."""
+    name: str                                     # "agentsync" | "context-keeper"
+    found: bool                                   # False: absent, unreachable, misconfigured
+    info: dict                                    # where it was read, what was seen, why not
+    drafts: list = field(default_factory=list)
+    skips: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    retire: dict = field(default_factory=dict)    # watermark key -> why its entry died
+    snapshot: dict | None = None                  # claims to remember (release capture)
+
+    @property
+    def records(self) -> int:
+        return sum(v for k, v in self.info.items() if k.endswith("_seen"))
+
+
+def _split_drafts(made: Iterable[Draft | Skip]) -> tuple[list[Draft], list[Skip]]:
+    made = list(made)
+    return ([d for d in made if isinstance(d, Draft)], [d for d in made if isinstance(d, Skip)])
+
+
+def _churned_claims(doc: Doc, board: Board, claims: dict) -> dict[str, dict]:
+    """Claims of the last snapshot of this board that were released or re-claimed."""
+    snap = doc.meta.get("agentsync_snapshot") or {}
+    same = snap.get("board") == str(board.repo) and snap.get("branch") == board.branch
+    prev = snap.get("claims") if same and isinstance(snap.get("claims"), dict) else {}
+    return {a: prev[a] for a in sorted(prev)
+            if isinstance(prev[a], dict) and claim_churned(prev[a], claims.get(a))}
+
+
+def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
+    """Read the board: drafts for done claims (and churned ones, if enabled)."""
     board = resolve_board(cfg)
     claims, warnings = None, []
     if board.repo is not None:
         claims, warnings, board = fetch_board(cfg, board)
-    drafts: list[Draft] = []
-    skips: list[Skip] = []
     done = {a: c for a, c in (claims or {}).items() if c.get("status") == "done"}
-    for agent in sorted(done):
-        d = claim_to_draft(agent, done[agent])
-        (skips if isinstance(d, Skip) else drafts).append(d)
-    churned: list[str] = []
-    snapshot = None
-    if cfg.release_capture and claims is not None:
-        prev_snap = doc.meta.get("agentsync_snapshot") or {}
-        same = prev_snap.get("board") == str(board.repo) and \
-            prev_snap.get("branch") == board.branch
-        prev = prev_snap.get("claims") if same and isinstance(prev_snap.get("claims"), dict) \
-            else {}
-        for agent in sorted(prev):
-            p = prev[agent]
-            if isinstance(p, dict) and claim_churned(p, claims.get(agent)):
-                churned.append(agent)
-                d = claim_to_draft(agent, p, released=True)
-                (skips if isinstance(d, Skip) else drafts).append(d)
-        snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
-                    "claims": _snapshot_of(claims)}
+    made = [claim_to_draft(a, done[a]) for a in sorted(done)]
     info = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
             "board_source": board.source, "branch": board.branch,
-            "claims_seen": len(claims or {}), "done_claims": len(done), "imported": 0,
+            "claims_seen": len(claims or {}), "done_claims": len(done),
             "reason": board.reason, "fix": board.fix}
+    snapshot = None
     if cfg.release_capture:
-        info["release_capture"] = {"churned": churned, "captured": 0}
-    return {"info": info, "drafts": drafts, "skips": skips, "warnings": warnings,
-            "snapshot": snapshot, "found": claims is not None}
+        churned = _churned_claims(doc, board, claims) if claims is not None else {}
+        made += [claim_to_draft(a, c, released=True) for a, c in churned.items()]
+        info["release_capture"] = {"churned": list(churned)}
+        if claims is not None:
+            snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
+                        "claims": _snapshot_of(claims)}
+    drafts, skips = _split_drafts(made)
+    return SourceRead("agentsync", claims is not None, info, drafts, skips, warnings,
+                      snapshot=snapshot)
 
 
-def _context_part(cfg: Config) -> dict:
-    """Read .context/; drafts for live entries, retirement reasons for the rest."""
+def read_context(cfg: Config) -> SourceRead:
+    """Read .context/: drafts for live entries, retirement reasons for the rest."""
     assert cfg.repo is not None
     path = cfg.repo / CONTEXT_DIR
-    entries = read_context_dir(path)
-    drafts: list[Draft] = []
-    skips: list[Skip] = []
-    reasons: dict[str, str] = {}
-    for name, kind in (("decisions", "decision"), ("constraints", "constraint"),
-                       ("pipelines", "pipeline")):
-        for n, e in enumerate((entries or {}).get(name, [])):
+    found = read_context_dir(path)
+    entries = found or {}
+    read = SourceRead("context-keeper", found is not None, {
+        "status": "empty", "path": str(path), "reason": "",
+        **{f"{name}_seen": len(entries.get(name, [])) for name in CONTEXT_FILES}})
+    for name in CONTEXT_FILES:
+        kind = name[:-1]
+        for n, e in enumerate(entries.get(name, [])):
             d = context_entry_to_draft(kind, e)
             if isinstance(d, Draft):
-                drafts.append(d)
+                read.drafts.append(d)
             elif isinstance(d, Skip):
-                skips.append(Skip(f"{name}.json[{n}]", d.reason) if d.where.endswith(kind)
-                             else d)
+                read.skips.append(Skip(f"{name}.json[{n}]", d.reason)
+                                  if d.where.endswith(kind) else d)
             else:
-                reasons[f"context-keeper:{context_entry_id(e)}"] = retirement_reason(e) or ""
-    info = {"status": "absent" if entries is None else "empty",
-            "path": str(path), "decisions_seen": len((entries or {}).get("decisions", [])),
-            "constraints_seen": len((entries or {}).get("constraints", [])),
-            "pipelines_seen": len((entries or {}).get("pipelines", [])),
-            "imported": 0, "retired": 0,
-            "reason": f"no {CONTEXT_DIR}/ directory in {cfg.repo}" if entries is None else ""}
-    if entries is None:
-        info["fix"] = ("if this project records decisions with context-keeper, run it with "
-                       f"{cfg.repo} as its project; otherwise nothing is missing")
-    return {"info": info, "drafts": drafts, "skips": skips, "reasons": reasons,
-            "found": entries is not None}
+                read.retire[f"context-keeper:{context_entry_id(e)}"] = \
+                    retirement_reason(e) or ""
+    if not read.found:
+        read.info.update(status="absent", reason=f"no {CONTEXT_DIR}/ directory in {cfg.repo}",
+                         fix="if this project records decisions with context-keeper, run it "
+                             f"with {cfg.repo} as its project; otherwise nothing is missing")
+    return read
 
 
-def _finish_agentsync(info: dict, found: bool, imported: int, released: int) -> None:
-    if not found:
-        return
-    info["imported"] = imported
+def judge_agentsync(read: SourceRead, imported: list[Item]) -> dict:
+    """The board's status line after the write: what it held and what came in."""
+    mine = [it for it in imported if it.source.get("system") == "agentsync"]
+    released = sum(it.source.get("captured") == "release" for it in mine)
+    info = {**read.info, "imported": len(mine)}
     if "release_capture" in info:
-        info["release_capture"]["captured"] = released
-    seen, done = info["claims_seen"], info["done_claims"]
-    if imported:
-        info["status"] = "imported"
-        info["reason"] = (f"imported {imported} claim(s) from {done} done of {seen} on the "
-                          "board" + (f", {released} captured at release" if released else ""))
+        info["release_capture"] = {**info["release_capture"], "captured": released}
+    if not read.found:
+        return info
+    seen, done, n = info["claims_seen"], info["done_claims"], len(mine)
+    if n:
+        status, reason = "imported", (f"imported {n} claim(s) from {done} done of {seen} on "
+                                      "the board" + (f", {released} captured at release"
+                                                     if released else ""))
     elif not done:
-        info["status"] = "nothing_done"
-        info["reason"] = (f"the board has {seen} claim(s) and none is done" if seen
-                          else "the board has no claims")
+        status, reason = "nothing_done", (f"the board has {seen} claim(s) and none is done"
+                                          if seen else "the board has no claims")
     else:
-        info["status"] = "up_to_date"
-        info["reason"] = f"all {done} done claim(s) were imported earlier"
-    info["fix"] = None
+        status, reason = "up_to_date", f"all {done} done claim(s) were imported earlier"
+    return {**info, "status": status, "reason": reason, "fix": None}
 
 
-def _finish_context(info: dict, found: bool, imported: int, retired: int) -> None:
-    if not found:
-        return
-    info["imported"], info["retired"] = imported, retired
-    seen = info["decisions_seen"] + info["constraints_seen"] + info["pipelines_seen"]
-    if imported or retired:
-        info["status"] = "imported" if imported else "retired"
-        info["reason"] = f"imported {imported}, retired {retired} of {seen} entries"
+def judge_context(read: SourceRead, imported: list[Item], retired: int) -> dict:
+    """.context/'s status line after the write: what came in, what retired."""
+    n = sum(it.source.get("system") == "context-keeper" for it in imported)
+    info = {**read.info, "imported": n, "retired": retired}
+    if not read.found:
+        return info
+    seen = read.records
+    if n or retired:
+        status, reason = ("imported" if n else "retired",
+                          f"imported {n}, retired {retired} of {seen} entries")
     elif not seen:
-        info["status"] = "empty"
-        info["reason"] = f"{info['path']} holds no decisions, constraints or pipelines"
+        status, reason = "empty", f"{info['path']} holds no decisions, constraints or pipelines"
     else:
-        info["status"] = "up_to_date"
-        info["reason"] = f"all {seen} entries were imported earlier (or are retired)"
+        status, reason = "up_to_date", f"all {seen} entries were imported earlier (or are retired)"
+    return {**info, "status": status, "reason": reason}
 
 
 def _skip_warning(source: str, skips: list[Skip]) -> str:
@@ -4366,134 +4508,337 @@ def substrate_state(cfg: Config, doc: Doc) -> dict:
     }
 
 
+@dataclass
+class Sweep:
+    """Everything a distill knows before its one local write (the plan's input)."""
+    stamp: str
+    reads: list                                   # SourceRead, per readable source
+    prepared: Prepared
+    warnings: list                                # what the result will warn about
+    errors: list                                  # (source, CambiumError): unreadable sources
+    retired_elsewhere: list = field(default_factory=list)   # moved-up items retired now
+    pending_elsewhere: list = field(default_factory=list)   # ... and those still waiting
+
+    def read(self, name: str) -> SourceRead | None:
+        return next((r for r in self.reads if r.name == name), None)
+
+    @property
+    def status(self) -> str:
+        return "distilled_with_warnings" if self.warnings else "distilled"
+
+
+@dataclass
+class DistillPlan:
+    """plan_distill()'s decision: the local doc to store and the report of it."""
+    doc: Doc
+    imported: list
+    duplicates: int
+    retired: list                                 # all retirements, local and moved-up
+    sources: dict                                 # name -> judged status line
+    last: dict                                    # what status() shows of this distill
+
+
+def _retire_reasons(reads: list[SourceRead]) -> dict[str, str]:
+    return {k: v for r in reads for k, v in r.retire.items()}
+
+
+def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
+    """Retire, admit and judge on `doc`, and record the result in its meta (pure,
+    but for the cached index): the one local write a distill makes."""
+    retiring, retired, _ = plan_retirements(doc, _retire_reasons(sweep.reads), now=sweep.stamp)
+    adm = admit(retiring or doc, sweep.prepared, index_key)
+    base = adm.doc or retiring or doc
+    retired = retired + sweep.retired_elsewhere
+    sources: dict[str, dict] = {}
+    if (board := sweep.read("agentsync")) is not None:
+        sources["agentsync"] = judge_agentsync(board, adm.fresh)
+    if (ctx := sweep.read("context-keeper")) is not None:
+        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired))
+        if sweep.pending_elsewhere:
+            sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
+    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else sweep.status,
+            "imported": len(adm.fresh), "retired": len(retired),
+            "sources": {k: {"status": v["status"], "imported": v["imported"],
+                            "reason": v["reason"]} for k, v in sources.items()},
+            **({"errors": [f"{n}: {e}" for n, e in sweep.errors]} if sweep.errors else {})}
+    meta = {**base.meta, "distill_last": last}
+    if board is not None and board.snapshot is not None:
+        meta["agentsync_snapshot"] = board.snapshot
+    return DistillPlan(dataclasses.replace(base, meta=meta), adm.fresh,
+                       adm.duplicates + sweep.prepared.duplicates, retired, sources, last)
+
+
+def _read_sources(cfg: Config, doc: Doc, stamp: str
+                  ) -> tuple[list[SourceRead], list[tuple[str, CambiumError]]]:
+    """Both substrates; an unreadable one is an error kept for after the write."""
+    reads, errors = [], []
+    for name, reader in (("agentsync", lambda: read_agentsync(cfg, doc, stamp)),
+                         ("context-keeper", lambda: read_context(cfg))):
+        try:
+            reads.append(reader())
+        except CambiumError as e:
+            errors.append((name, e))
+    return reads, errors
+
+
+def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[str],
+                   store_warnings: list[str]) -> list[str]:
+    """Every warning a distill reports, per source in order (pure)."""
+    out: list[str] = []
+    for r in reads:
+        if r.name == "context-keeper":
+            out += problems
+        if not r.found:
+            out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}.")
+        out += r.warnings
+        if r.skips:
+            out.append(_skip_warning(r.name, r.skips))
+    if prepared.skipped:
+        out.append(_skip_warning("ingest", [Skip(w, r) for w, r in prepared.skipped]))
+    return out + store_warnings
+
+
+def distill_result(plan: DistillPlan, sweep: Sweep, store_warnings: list[str]) -> dict:
+    """The answer distill() documents, from the plan that was written."""
+    result: dict[str, Any] = {
+        "status": sweep.status,
+        "imported": len(plan.imported), "retired": len(plan.retired),
+        "duplicates": plan.duplicates, "sources": plan.sources,
+        "warnings": list(sweep.warnings),
+        "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
+                   "content": it.content[:120]} for it in plan.imported[:MAX_LISTED_ITEMS]],
+    }
+    if plan.retired:
+        result["retired_items"] = plan.retired
+    if store_warnings:
+        result["store_warnings"] = store_warnings
+    return result
+
+
+def _verify_prompt(cfg: Config, result: dict, imported: list[Item]) -> None:
+    """Release capture: promoted items worth re-checking after the work just done."""
+    done_texts = [f"{it.content} {' '.join(it.tags)}" for it in imported
+                  if it.source.get("system") == "agentsync"]
+    if done_texts:
+        docs, scope_warnings = read_scopes(cfg, ("team", "org"))
+        result["verify_prompt"] = stale_prompt([it for d in docs.values() for it in d.items],
+                                               done_texts)
+        result["warnings"] += scope_warnings
+
+
 def distill_sweep(cfg: Config, *, now: str | None = None,
                   on_progress: ProgressFn | None = None) -> dict:
     """One distill: read both substrates, import new records, retire dead ones.
 
-    Returns the result dict distill() documents. A missing or unreachable
-    source is a warning in the result; an unreadable one (bad JSON, a failing
-    local git command) raises after the other source has been imported.
+    read -> prepare drafts -> retire moved-up items in their scope -> plan and
+    apply the one local write -> report. A missing or unreachable source is a
+    warning in the result; an unreadable one (bad JSON, a failing local git
+    command) raises after the other source has been imported.
     """
     stamp = now or _now()
     store = local_store(cfg)
     seen_warnings = len(store.warnings)
     doc = store.read()
-    errors: list[tuple[str, CambiumError]] = []
-    parts: dict[str, dict] = {}
-    for name, read in (("agentsync", lambda: _agentsync_part(cfg, doc, stamp)),
-                       ("context-keeper", lambda: _context_part(cfg))):
-        try:
-            parts[name] = read()
-        except CambiumError as e:
-            errors.append((name, e))
-    as_part, ck_part = parts.get("agentsync"), parts.get("context-keeper")
-
-    retired: list[dict] = []
-    elsewhere: list[dict] = []
-    if ck_part and ck_part["reasons"]:
-        box: dict = {}
-
-        def retire(d: Doc) -> Doc | None:
-            new, box["retired"], box["elsewhere"] = plan_retirements(d, ck_part["reasons"],
-                                                                     now=stamp)
-            return new
-
-        mutate_local(cfg, retire, "distill: retire superseded items")
-        retired, elsewhere = box.get("retired", []), box.get("elsewhere", [])
-
-    drafts = (as_part["drafts"] if as_part else []) + (ck_part["drafts"] if ck_part else [])
-    records = as_part["info"]["claims_seen"] if as_part else 0
-    if ck_part:
-        records += sum(ck_part["info"][k]
-                       for k in ("decisions_seen", "constraints_seen", "pipelines_seen"))
+    reads, errors = _read_sources(cfg, doc, stamp)
+    drafts = [d for r in reads for d in r.drafts]
+    records = sum(r.records for r in reads)
     report = on_progress if on_progress and records >= PROGRESS_MIN_RECORDS else None
     total = len(drafts) + 1
     if report:
         report(0, total, f"read {records} source records; importing {len(drafts)}")
-    res = ingest(cfg, drafts, now=stamp,
-                 on_progress=(lambda n: report(n, total, f"normalized {n} of {len(drafts)}"))
-                 if report else None)
-    by_system: dict[str, int] = {}
-    released = 0
-    for it in res.imported:
-        sysname = it.source.get("system", "")
-        by_system[sysname] = by_system.get(sysname, 0) + 1
-        released += it.source.get("captured") == "release"
-
-    warnings: list[str] = []
-    sources: dict[str, dict] = {}
-    if as_part:
-        info = as_part["info"]
-        _finish_agentsync(info, as_part["found"], by_system.get("agentsync", 0), released)
-        if not as_part["found"]:
-            warnings.append(f"agentsync skipped ({info['status']}): {info['reason']}.")
-        warnings += as_part["warnings"]
-        if as_part["skips"]:
-            warnings.append(_skip_warning("agentsync", as_part["skips"]))
-        sources["agentsync"] = info
-    if ck_part:
-        info = ck_part["info"]
-        if elsewhere:
-            moved_retired, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp)
-            retired += moved_retired
-            warnings += problems
-            if pending:
-                info["retire_elsewhere"] = pending
-        _finish_context(info, ck_part["found"], by_system.get("context-keeper", 0), len(retired))
-        if not ck_part["found"]:
-            warnings.append(f"context-keeper skipped (absent): {info['reason']}.")
-        if ck_part["skips"]:
-            warnings.append(_skip_warning("context-keeper", ck_part["skips"]))
-        sources["context-keeper"] = info
-    skipped_in_ingest = [Skip(w, r) for w, r in res.skipped]
-    if skipped_in_ingest:
-        warnings.append(_skip_warning("ingest", skipped_in_ingest))
+    prepared = prepare_drafts(cfg, drafts, now=stamp, on_progress=(
+        lambda n: report(n, total, f"normalized {n} of {len(drafts)}")) if report else None)
+    elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp)[2]
+    moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
+        else ([], [], [])
     store_warnings = store.warnings[seen_warnings:]
-    warnings += store_warnings
-
-    result: dict[str, Any] = {
-        "status": "distilled_with_warnings" if warnings else "distilled",
-        "imported": len(res.imported), "retired": len(retired),
-        "duplicates": res.duplicates, "sources": sources, "warnings": warnings,
-        "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
-                   "content": it.content[:120]} for it in res.imported[:MAX_LISTED_ITEMS]],
-    }
-    if retired:
-        result["retired_items"] = retired
-    if store_warnings:
-        result["store_warnings"] = store_warnings
+    sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
+                                                         store_warnings),
+                  errors, moved, pending)
+    _, plan = mutate_plan(functools.partial(mutate_local, cfg),
+                          lambda d: plan_distill(d, sweep, str(store.path)), "distill")
+    embed_soon(cfg, plan.imported)
+    result = distill_result(plan, sweep, store_warnings)
     if cfg.release_capture:
-        done_texts = [f"{it.content} {' '.join(it.tags)}" for it in res.imported
-                      if it.source.get("system") == "agentsync"]
-        if done_texts:
-            docs, scope_warnings = read_scopes(cfg, ("team", "org"))
-            promoted = [it for d in docs.values() for it in d.items]
-            result["verify_prompt"] = stale_prompt(promoted, done_texts)
-            warnings += scope_warnings
-
-    last = {"at": stamp, "status": result["status"] if not errors else "failed",
-            "imported": result["imported"], "retired": result["retired"],
-            "sources": {k: {"status": v["status"], "imported": v["imported"],
-                            "reason": v["reason"]} for k, v in sources.items()},
-            **({"errors": [f"{n}: {e}" for n, e in errors]} if errors else {})}
-    snapshot = as_part["snapshot"] if as_part else None
-
-    def record(d: Doc) -> Doc:
-        meta = {**d.meta, "distill_last": last}
-        if snapshot is not None:
-            meta["agentsync_snapshot"] = snapshot
-        return dataclasses.replace(d, meta=meta)
-
-    mutate_local(cfg, record, "distill: snapshot")
+        _verify_prompt(cfg, result, plan.imported)
     if report:
         report(total, total, f"imported {result['imported']}, retired {result['retired']}")
     if errors:
         done = "; ".join(f"{k} {v['status']} (imported {v['imported']})"
-                         for k, v in sources.items()) or "nothing else to read"
+                         for k, v in plan.sources.items()) or "nothing else to read"
         name, err = errors[0]
         raise SubstrateError(f"{name} could not be read: {type(err).__name__}: {err}. "
                              f"The rest of the sweep completed: {done}.")
     return result
+
+
+# =============================================================================
+# Hygiene: usage attribution
+# Which items each session was shown (recall results, primer entries, expand),
+# in its own append-only local journal .cambium/shown.jsonl, rotated to
+# shown.jsonl.1 past SHOWN_MAX_BYTES: bounded, and never a knowledge.json write.
+# =============================================================================
+
+SHOWN_FILE = "shown.jsonl"
+SHOWN_MAX_BYTES = 4 << 20      #: rotate the shown journal past this size (two files kept)
+SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_session",
+                                                                    default=None)
+
+
+def current_session() -> str | None:
+    """The session a call belongs to: the MCP session (set per call by the
+    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
+    return _clip(valid_unicode(sid), 200) if sid else None
+
+
+def _shown_path(cfg: Config) -> Path:
+    return cfg.local_dir / SHOWN_FILE
+
+
+def note_shown(cfg: Config, ids: list[str], via: str) -> None:
+    """Journal that the current session was shown `ids` (no session: nothing)."""
+    sid = current_session()
+    if not sid or not ids:
+        return
+    at = _now()
+    lines = "".join(json.dumps({"session": sid, "item": i, "via": via, "at": at,
+                                "agent": cfg.agent}, ensure_ascii=False) + "\n" for i in ids)
+    path = _shown_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size > SHOWN_MAX_BYTES:
+                os.replace(path, path.with_name(SHOWN_FILE + ".1"))
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+
+
+def read_shown(cfg: Config) -> list[dict]:
+    """Every readable record, oldest first (the rotated file, then the live one);
+    a torn or foreign line is skipped, never rewritten."""
+    out: list[dict] = []
+    path = _shown_path(cfg)
+    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+        with contextlib.suppress(FileNotFoundError):
+            for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
+                            and isinstance(rec.get("session"), str):
+                        out.append(rec)
+    return out
+
+
+def shown_by(records: list[dict], key: str, value: str, group: str) -> list[dict]:
+    """Records where rec[key] == value, grouped by rec[group]: first/last seen,
+    how many times, and through which calls."""
+    rows: dict[str, dict] = {}
+    for rec in records:
+        if rec.get(key) != value:
+            continue
+        row = rows.setdefault(rec[group], {group: rec[group], "first_at": rec.get("at"),
+                                           "times": 0, "via": []})
+        row["times"] += 1
+        row["last_at"] = rec.get("at")
+        if rec.get("via") not in row["via"]:
+            row["via"].append(rec.get("via"))
+    return sorted(rows.values(), key=lambda r: str(r.get("first_at")))
+
+
+# =============================================================================
+# Hygiene: operator checks
+# Shell checks a person attached from the CLI (never through MCP), run in the
+# project repo with a timeout; results are written back where each item lives.
+# =============================================================================
+
+CHECK_TIMEOUT_S = 120          #: default seconds per check (verify --run --timeout)
+CHECK_OUTPUT_CHARS = 2_000     #: tail of a failing check's output kept on the item
+
+
+def attach_check(item_id: str, cmd: str) -> dict:
+    """CLI `verify-cmd`: attach (or with an empty cmd, remove) an item's check."""
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    cmd = _clean_text(cmd, "cmd", 2_000)
+    now = _now()
+    check = {"cmd": cmd, "by": cfg.agent, "at": now, "project": cfg.project} if cmd else None
+
+    def apply(it: Item) -> Item | None:
+        if (check_cmd(it) or "") == cmd:
+            return None
+        return dataclasses.replace(it, check=check, failing=None if not cmd else it.failing,
+                                   updated_at=now)
+
+    out = _update_anywhere(cfg, item_id, apply, f"{cfg.agent} sets the check of {item_id}",
+                           "check_set" if cmd else "check_removed")
+    out["note"] = "run it with: cambium_server.py verify --run"
+    return out
+
+
+def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
+    """Run one shell check; exit 0 within the timeout is a pass."""
+    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS})
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):          # the whole group: no orphan holds the pipe
+            os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        code, output = None, output + f"\n[timed out after {timeout_s:g} s]".encode()
+    text = output.decode("utf-8", "replace")[-CHECK_OUTPUT_CHARS:]
+    return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
+
+
+def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> dict:
+    """CLI `verify --run`: run the checks attached in this project, in its repo,
+    and record each outcome on its item (through each scope's usual write)."""
+    cfg = require_config()
+    if item_id is not None:
+        item_id = _check_id(item_id)
+    docs, warnings = read_scopes(cfg, SCOPES)
+    results: list[dict] = []
+    skipped: list[dict] = []
+    for scope, doc in docs.items():
+        outcomes = {}
+        for it in doc.items:
+            cmd = check_cmd(it)
+            if not cmd or not it.active or (item_id and it.id != item_id):
+                continue
+            if it.check.get("project") not in (None, cfg.project):
+                skipped.append({"id": it.id, "reason": "attached in project "
+                                f"{it.check.get('project')}; it runs there"})
+                continue
+            outcomes[it.id] = run_check(cmd, cfg.repo, timeout_s)
+            results.append({"id": it.id, "scope": scope, **outcomes[it.id]})
+        _record_checks(cfg, scope, outcomes)
+    out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in results),
+                           "failed": [r["id"] for r in results if not r["passed"]],
+                           "results": results}
+    if skipped:
+        out["skipped"] = skipped
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
+    """Write check outcomes onto their items in one write to `scope`."""
+    if not outcomes:
+        return
+    now = _now()
+
+    def apply(doc: Doc) -> Doc | None:
+        items = [checked(it, outcomes[it.id], now=now) if it.id in outcomes else it
+                 for it in doc.items]
+        return dataclasses.replace(doc, items=items)
+
+    mutate_scope(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
+                 org_branch=ORG_UPDATES_BRANCH)
 
 
 # =============================================================================
@@ -4723,6 +5068,7 @@ def _scaffold_local(root: Path) -> None:
 
 def capture(content: str, type: str = "memory", kind: str = "note", why: str = "",
             tags: list[str] | str | None = None, valid_while: str | None = None,
+            supersedes: str | None = None,
             code_refs: list[dict[str, str]] | None = None) -> dict:
     """Save a knowledge item to local scope (this repo's .cambium/knowledge.json).
 
@@ -4733,16 +5079,21 @@ def capture(content: str, type: str = "memory", kind: str = "note", why: str = "
     decision, pitfall, procedure. why: the reason or evidence (recall searches
     it too). tags: list or comma/space separated string; tags weigh most in
     recall. valid_while: the premise the item depends on ("while billing runs on
-    NetSuite"), so a dead assumption can be spotted later. code_refs: the code
+    NetSuite"), so a dead assumption can be spotted later. supersedes: the id
+    of an item you believe is wrong; yours is recorded as a counter-claim linked
+    to it, with no more authority than the item it disputes (both stay
+    recallable until a person corrects or deprecates one). code_refs: the code
     it is about, as [{"path": "src/billing.py", "symbol": "total"}] (path
     relative to the repo root; symbol optional); recall points at the live
     path:line. Returns the stored item; capturing the same content twice
     returns the existing item.
     """
     cfg = require_config()
+    if supersedes is not None:
+        _require_active(locate(cfg, _check_id(supersedes))[1], "disputed")
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
-                             code_refs=code_refs)])
+                             supersedes=supersedes, code_refs=code_refs)])
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
@@ -4828,6 +5179,7 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
         pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
         out["results"] = [result_view(cfg, h.item, effective_trust(h.item, pending),
                                       round(h.confidence, 3), detail) for h in hits]
+        note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
         if any(h.item.scope == "team" for h in hits):
             _schedule_credit_flush(cfg)
@@ -4990,9 +5342,7 @@ def endorse(item_id: str, note: str = "") -> dict:
     now = _now()
 
     def apply(it: Item) -> Item:
-        if not it.active:
-            raise Refused(f"item {item_id} is deprecated ({(it.deprecated or {}).get('reason')})"
-                          "; it cannot be endorsed.")
+        _require_active(it, "endorsed")
         ends = [e for e in it.trust.get("endorsements", [])
                 if not (isinstance(e, dict) and e.get("by") == cfg.agent)]
         ends.append({"by": cfg.agent, "note": note, "at": now})
@@ -5064,7 +5414,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
             chosen.append((it, trust, why))
         elif item_id is not None:
             if not it.active:
-                raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+                _require_active(it, "promoted")
             return {"status": "not_eligible", "item": item_view(it, trust=trust),
                     "reason": f"needs {cfg.promote_recalls} recalls (has "
                               f"{trust.get('recalls', 0)}) or an endorsement; endorse() it "
@@ -5109,7 +5459,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
     if not item.active:
-        raise Refused(f"item {item_id} is deprecated; it cannot be promoted.")
+        _require_active(item, "promoted")
     if item.pr_url:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
@@ -5269,7 +5619,9 @@ def verify_entry(item_id: str, note: str = "") -> dict:
 
     def apply(it: Item) -> Item:
         checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
-        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now)
+        peer = it.created_by != cfg.agent           # self-verification earns no authority
+        return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now,
+                                   authority=raised(it, "verified") if peer else it.authority)
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
 
@@ -5277,7 +5629,8 @@ def verify_entry(item_id: str, note: str = "") -> dict:
 def stale_report(project: str | None = None, older_than_days: int | None = None) -> dict:
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
-    Never-verified entries come first (flagged), then the oldest-verified. Each
+    Items whose attached check fails come first (failing: true, any scope),
+    then never-verified entries (flagged), then the oldest-verified. Each
     shows its age in days and its valid_while premise, so a dead assumption is
     easy to spot. project: only entries from that project. older_than_days:
     only entries at least that old. It only reports: re-check an entry and call
@@ -5287,7 +5640,7 @@ def stale_report(project: str | None = None, older_than_days: int | None = None)
     if older_than_days is not None and (not isinstance(older_than_days, int)
                                         or older_than_days < 0):
         raise InputError("older_than_days must be a whole number >= 0.")
-    docs, warnings = read_scopes(cfg, ("team", "org"))
+    docs, warnings = read_scopes(cfg, SCOPES)
     items = [it for d in docs.values() for it in d.items]
     rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
@@ -5319,6 +5672,101 @@ def deprecate(item_id: str, reason: str) -> dict:
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} deprecates {item_id}",
                             "deprecated")
+
+
+def correct(item_id: str, content: str, why: str = "", force: bool = False) -> dict:
+    """Record a PERSON's correction of an item. Only for what a human told you.
+
+    The correction becomes a new item with human authority in the corrected
+    item's scope (team and org through the same pushes as every write; org
+    through its generalization gate, and as a pull request in PR mode); the old
+    item is marked superseded, linked both ways, and never recalled again;
+    nothing is deleted. A human correction outranks any agent item, however
+    often recalled or endorsed. If YOU think an item is wrong, do not use this:
+    capture(content, supersedes=item_id) offers your counter-claim instead.
+    content: the right statement. why: what the person said, or why.
+    force: org only, pass the generalization gate as is.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    scope, old = locate(cfg, item_id)
+    _require_active(old, "corrected")
+    now = _now()
+    new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
+    tells = generalization_tells(new.content, new.project) if scope == "org" else []
+    if tells and not force:
+        return {"status": "needs_generalization", "scope": scope, "tells": tells,
+                "reason": "org scope is read by every project and this correction reads "
+                          "project-specific: restate it as the cross-project rule, or pass "
+                          "force=True to record it as it is."}
+
+    def apply(doc: Doc) -> Doc:
+        hit = _find_item(doc, item_id)
+        if hit is None:
+            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+        _require_active(hit[1], "corrected")
+        doc = _replace_item(doc, hit[0], supersede(hit[1], new.id, agent=cfg.agent, now=now,
+                                                   why="corrected by a person"))
+        return dataclasses.replace(doc, items=doc.items + [new])
+
+    write = mutate_scope(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
+                         org_branch=ORG_UPDATES_BRANCH)
+    embed_soon(cfg, [new])
+    out = {"status": "corrected", "scope": scope, "item": item_view(new),
+           "superseded": item_id}
+    if write and write.pr_url:
+        out["pr_url"] = write.pr_url
+    return out
+
+
+def _require_active(item: Item, verb: str) -> None:
+    """Refuse to act on a retired item, saying what replaced it if anything."""
+    if item.active:
+        return
+    if item.status == "superseded":
+        by = (item.superseded_by or {}).get("id") if isinstance(item.superseded_by, dict) \
+            else item.superseded_by
+        raise Refused(f"item {item.id} is superseded by {by}; that one can be {verb}.")
+    raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
+
+
+def usage(session: str | None = None, item_id: str | None = None) -> dict:
+    """Which knowledge a session was shown, or which sessions saw an item.
+
+    Every recall result (and primer entry and expand) is journaled per session
+    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    the items that session was shown, with how often and through which call.
+    item_id: list the sessions that were shown that item. Neither: the most
+    recent sessions with how many items each saw. Read-only.
+    """
+    cfg = require_config()
+    if session and item_id:
+        raise InputError("pass session or item_id, not both.")
+    records = read_shown(cfg)
+    if item_id:
+        item_id = _check_id(item_id)
+        rows = shown_by(records, "item", item_id, "session")
+        return {"item_id": item_id, "sessions": rows, "count": len(rows)}
+    if session:
+        session = _clean_text(session, "session", 200)
+        rows = shown_by(records, "session", session, "item")
+        docs, warnings = read_scopes(cfg, SCOPES, background=LONG_RUNNING.is_set())
+        known = {it.id: it for it in federated_items(docs)}
+        for row in rows:
+            it = known.get(row["item"])
+            row.update(content=_clip(it.content, 160), status=it.status) if it else \
+                row.update(status="unknown")
+        out = {"session": session, "items": rows, "count": len(rows)}
+        return {**out, "warnings": warnings} if warnings else out
+    sessions: dict[str, dict] = {}
+    for rec in records:
+        row = sessions.setdefault(rec["session"], {"session": rec["session"], "items": set(),
+                                                   "first_at": rec.get("at")})
+        row["items"].add(rec["item"])
+        row["last_at"] = rec.get("at")
+    recent = sorted(sessions.values(), key=lambda r: str(r.get("last_at")))[-20:][::-1]
+    return {"sessions": [{**r, "items": len(r["items"])} for r in recent],
+            "count": len(sessions)}
 
 
 def import_memory(source: str, path: str) -> dict:
@@ -5456,6 +5904,10 @@ ARG_DOCS = {
     "org_content": "The body restated as a cross-project rule (the concrete one is kept "
                    "as `example`).",
     "reason": "Why the item no longer holds.",
+    "session": "A session id, as usage() lists them (the MCP session or a hook's session_id).",
+    "supersedes": "Id of an item you believe is wrong: records yours as a counter-claim to it "
+                  "(outranks nothing; only a person's correct() does).",
+    "why_correct": "",
     "project": "Only entries that came from this project (repo directory name).",
     "older_than_days": "Only entries not verified for at least this many days.",
 }
@@ -5465,6 +5917,7 @@ _TOOLS: list[tuple[Callable, str]] = [
     (record_need, "write"), (recall, "write_idempotent"), (expand, "read"), (endorse, "remote"), (promote, "remote"),
     (generalize, "remote"), (review_promotions, "remote"),
     (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
+    (correct, "remote"), (usage, "read"),
     (import_memory, "write_idempotent"), (export_markdown, "remote"),
     (distill, "remote"),
 ]
@@ -5480,7 +5933,8 @@ def _surface_errors(fn: Callable) -> Callable:
     from pydantic import Field
 
     @functools.wraps(fn)
-    def wrapper(**kwargs: Any) -> dict[str, Any]:
+    def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
+        token = SESSION.set(mcp_session_id(ctx))
         try:
             return fn(**kwargs)
         except Unconfigured as u:
@@ -5490,6 +5944,8 @@ def _surface_errors(fn: Callable) -> Callable:
         except OSError as e:       # disk full, permissions: say so, don't hide it
             raise ToolError(f"{type(e).__name__}: {e} (stores are only ever replaced "
                             "whole; fix the file system problem and retry)") from e
+        finally:
+            SESSION.reset(token)
 
     hints = typing.get_type_hints(fn)
     params = []
@@ -5503,9 +5959,11 @@ def _surface_errors(fn: Callable) -> Callable:
         params.append(p.replace(annotation=ann, kind=inspect.Parameter.KEYWORD_ONLY))
     if "on_progress" in inspect.signature(fn).parameters:
         wrapper = _with_progress(fn, wrapper)
-        params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
-                                        annotation=wrapper.__annotations__["ctx"]))
+    params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
+                                    annotation=_context_class()))
     wrapper.__signature__ = inspect.Signature(params, return_annotation=dict[str, Any])
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in params},
+                               "return": dict[str, Any]}
     if hasattr(wrapper, "__wrapped__"):
         del wrapper.__wrapped__
     return wrapper
@@ -5528,11 +5986,38 @@ def _with_progress(fn: Callable, sync_wrapper: Callable) -> Callable:
                 anyio.from_thread.run(ctx.report_progress, done, total, message)
 
         return await anyio.to_thread.run_sync(
-            functools.partial(sync_wrapper, on_progress=report, **kwargs))
+            functools.partial(sync_wrapper, ctx=ctx, on_progress=report, **kwargs))
 
     functools.update_wrapper(wrapper, fn)
     wrapper.__annotations__ = {"ctx": Context, "return": dict[str, Any]}
     return wrapper
+
+
+def _context_class() -> type:
+    from mcp.server.mcpserver import Context
+    return Context
+
+
+_SESSION_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SESSION_GUARD = threading.Lock()
+
+
+def mcp_session_id(ctx: Any) -> str | None:
+    """The id usage attribution files a tool call under: the transport's
+    Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
+    try:
+        req = ctx.request_context
+    except Exception:                        # no request in flight (direct calls)
+        return None
+    headers = getattr(req.request, "headers", None) or {}
+    sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
+    if sid:
+        return str(sid)
+    with _SESSION_GUARD:
+        try:
+            return _SESSION_IDS.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
+        except TypeError:                    # a session object that cannot be weakly keyed
+            return None
 
 
 def build_server() -> MCPServer:
@@ -5689,6 +6174,7 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--why", default="")
     p.add_argument("--tags", default="")
     p.add_argument("--valid-while")
+    p.add_argument("--supersedes", help="id of an item this counter-claim disputes")
     p.add_argument("--code-ref", action="append", dest="code_refs", metavar="PATH[#SYMBOL]",
                    help="code the item is about (repeatable)")
     p = sub.add_parser("record-need", parents=[fmt], help="record a need")
@@ -5715,15 +6201,34 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--org-content")
     p.add_argument("--note", default="")
     sub.add_parser("review", parents=[fmt], help="what can be promoted, and what needs a person")
-    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds")
-    p.add_argument("item_id")
+    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds; --run: "
+                       "run the attached checks (operator only)")
+    p.add_argument("item_id", nargs="?")
     p.add_argument("--note", default="")
+    p.add_argument("--run", action="store_true",
+                   help="run the shell checks attached with verify-cmd (all, or item_id's)")
+    p.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S,
+                   help=f"seconds per check (default {CHECK_TIMEOUT_S})")
+    p = sub.add_parser("verify-cmd", parents=[fmt], help="attach a shell check to an item "
+                       "(operator only; never settable through MCP)")
+    p.add_argument("item_id")
+    p.add_argument("cmd", help="shell command run in the repo; exit 0 = the item holds; "
+                               "'' removes the check")
     p = sub.add_parser("stale", parents=[fmt], help="promoted items, oldest-verified first")
     p.add_argument("--project")
     p.add_argument("--older-than-days", type=int)
     p = sub.add_parser("deprecate", parents=[fmt], help="retire an item (never deleted)")
     p.add_argument("item_id")
     p.add_argument("--reason", required=True)
+    p = sub.add_parser("correct", parents=[fmt], help="record a person's correction of an item")
+    p.add_argument("item_id")
+    p.add_argument("content")
+    p.add_argument("--why", default="")
+    p.add_argument("--force", action="store_true")
+    p = sub.add_parser("usage", parents=[fmt], help="which items a session was shown, or "
+                       "which sessions saw an item")
+    p.add_argument("--session")
+    p.add_argument("--item", dest="item_id")
     p = sub.add_parser("import", parents=[fmt], help="import an external memory export")
     p.add_argument("path")
     p.add_argument("--source", default="json")
@@ -5750,7 +6255,8 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
                      org_pr=args.org_pr, team_branch=args.team_branch)
     if c == "capture":
         return capture(args.content, type=args.type, kind=args.kind, why=args.why,
-                       tags=args.tags, valid_while=args.valid_while, code_refs=args.code_refs)
+                       tags=args.tags, valid_while=args.valid_while, supersedes=args.supersedes,
+                       code_refs=args.code_refs)
     if c == "record-need":
         return record_need(args.content, why=args.why, tags=args.tags)
     if c == "recall":
@@ -5769,11 +6275,17 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
     if c == "review":
         return review_promotions()
     if c == "verify":
-        return verify_entry(args.item_id, note=args.note)
+        return _cli_verify(args)
+    if c == "verify-cmd":
+        return attach_check(args.item_id, args.cmd)
     if c == "stale":
         return stale_report(project=args.project, older_than_days=args.older_than_days)
     if c == "deprecate":
         return deprecate(args.item_id, reason=args.reason)
+    if c == "correct":
+        return correct(args.item_id, args.content, why=args.why, force=args.force)
+    if c == "usage":
+        return usage(session=args.session, item_id=args.item_id)
     if c == "import":
         return import_memory(args.source, os.path.abspath(args.path))
     if c == "export":
@@ -5785,6 +6297,17 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
     if c == "demo":
         return run_demo()
     raise InputError(f"unknown command {c!r}")
+
+
+def _cli_verify(args: argparse.Namespace) -> dict:
+    """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
+    if args.run:
+        if not 0 < args.timeout <= 86_400:
+            raise InputError("--timeout must be between 0 and 86400 seconds.")
+        return run_checks(args.item_id, timeout_s=args.timeout)
+    if args.item_id is None:
+        raise InputError("verify needs an item id, or --run to run the attached checks.")
+    return verify_entry(args.item_id, note=args.note)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1123,6 +1123,154 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
 # =============================================================================
 # Import, staleness and retirement
 # =============================================================================
+# Memory hygiene: authority and correct, consolidate, usage, operator checks
+# =============================================================================
+
+
+def _trusted(text: str, recalls: int = 10, endorsers: tuple = ("bob", "cy")) -> str:
+    """A local agent item with `recalls` recall credits and endorsements."""
+    item_id = cs.capture(text)["item"]["id"]
+    ends = [{"by": b, "note": "helped", "at": "2026-01-01T00:00:00Z"} for b in endorsers]
+
+    def bump(doc):
+        i, it = cs._find_item(doc, item_id)
+        return cs._replace_item(doc, i, dataclasses.replace(
+            it, trust={**it.trust, "recalls": recalls, "endorsements": ends}))
+
+    cs.mutate_local(cs.resolve_config(), bump)
+    return item_id
+
+
+def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
+    wrong = _trusted("Release builds are cut from the main branch every Friday")
+    rival = _trusted("Release builds are cut from the release branch every Thursday")
+    res = cs.correct(wrong, "Release builds are cut from the release branch every Thursday")
+    fixed = res["item"]
+    assert res["status"] == "corrected" and fixed["authority"] == "human"
+    assert fixed["corrects"] == wrong and fixed["scope"] == "local"
+    hits = cs.recall("when are release builds cut", limit=1, detail="full")["results"]
+    assert [h["id"] for h in hits] == [fixed["id"]]          # tie on relevance: human first
+    hits = cs.recall("release builds cut branch", limit=5, detail="full")["results"]
+    assert [h["id"] for h in hits] == [fixed["id"], rival]   # the corrected one is gone
+    assert hits[1]["authority"] == "agent" and hits[1]["recalls"] >= 10
+    stored = {i["id"]: i for i in json.loads(
+        (repo / ".cambium" / "knowledge.json").read_text())["items"]}
+    assert len(stored) == 3                                  # nothing deleted
+    assert stored[wrong]["status"] == "superseded"
+    assert stored[wrong]["superseded_by"]["id"] == fixed["id"]
+    with pytest.raises(cs.Refused, match=f"superseded by {fixed['id']}"):
+        cs.correct(wrong, "again")
+    with pytest.raises(cs.NotFound):
+        cs.correct("k-000000000000", "anything")
+    with pytest.raises(cs.InputError, match="content"):
+        cs.correct(rival, "  ")
+
+
+def test_agent_counter_claim_outranks_nothing_and_peer_verification_raises_authority(
+        repo, monkeypatch):
+    old = cs.capture("Cache invalidation runs nightly at midnight")["item"]["id"]
+    counter = cs.capture("Cache invalidation runs on every deploy", supersedes=old)["item"]
+    assert counter["supersedes"] == old and counter["authority"] == "agent"
+    ids = {h["id"] for h in cs.recall("cache invalidation runs")["results"]}
+    assert ids == {old, counter["id"]}                       # both stay until a person decides
+    with pytest.raises(cs.NotFound):
+        cs.capture("x y z", supersedes="k-000000000000")
+    assert cs.verify_entry(old)["item"]["authority"] == "agent"    # its own author
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    assert cs.verify_entry(old)["item"]["authority"] == "verified"
+
+
+def test_correct_at_team_scope_goes_through_the_cas_push(shared):
+    wrong = _endorsed("Team standup is at nine", "x")
+    cs.promote()
+    res = cs.correct(wrong, "Team standup is at ten", why="the lead said so")
+    assert res["scope"] == "team"
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[wrong]["status"] == "superseded"
+    assert team[res["item"]["id"]]["authority"] == "human"
+    assert team[res["item"]["id"]]["scope"] == "team"
+    assert [h["id"] for h in cs.recall("team standup time")["results"]] == [res["item"]["id"]]
+
+
+def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch, tmp_path):
+    log = make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    wrong = _endorsed("Prefer retries without backoff")
+    cs.promote(wrong, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    gate = cs.correct(wrong, "Set retries in config/retry.yaml")
+    assert gate["status"] == "needs_generalization" and gate["tells"]
+    res = cs.correct(wrong, "Retry with exponential backoff and jitter")
+    assert res["status"] == "corrected" and res["pr_url"].endswith("/pull/7")
+    branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    assert branch[wrong]["superseded_by"]["id"] == res["item"]["id"]
+    assert branch[res["item"]["id"]]["authority"] == "human"
+    main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert main[wrong]["status"] == "active"                 # until the PR merges
+    assert any(c[:2] == ["pr", "create"] for c in map(json.loads, log.read_text().splitlines()))
+
+
+def test_operator_check_fails_then_passes_through_the_cli(repo):
+    item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
+    set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
+    assert set_.returncode == 0, set_.stderr
+    assert json.loads(set_.stdout)["item"]["check"]["cmd"].startswith("test -f")
+    run = json.loads(cli("verify", "--run").stdout)
+    assert run["ran"] == 1 and run["failed"] == [item_id]
+    hit = cs.recall("build artifact dist", detail="full")["results"][0]
+    assert hit["failing"]["exit"] == 1 and hit["authority"] == "agent"
+    assert cs.stale_report()["entries"][0] == {**cs.stale_report()["entries"][0],
+                                               "id": item_id, "failing": True}
+    (repo / "dist").mkdir()
+    (repo / "dist" / "ok.txt").write_text("x")
+    run = json.loads(cli("verify", "--run", item_id).stdout)
+    assert run["passed"] == 1 and run["results"][0]["output"].strip() == "found"
+    hit = cs.recall("build artifact dist", detail="full")["results"][0]
+    assert "failing" not in hit and hit["authority"] == "verified" and hit["last_verified"]
+    assert cs.stale_report()["count"] == 0
+
+
+def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
+    item_id = cs.capture("The smoke test finishes quickly")["item"]["id"]
+    assert cli("verify-cmd", item_id, "echo started; sleep 5; echo never").returncode == 0
+    run = cli("verify", "--run", "--timeout", "0.3")
+    assert run.returncode == 0, run.stderr
+    res = json.loads(run.stdout)["results"][0]
+    assert not res["passed"] and res["exit"] is None and "timed out" in res["output"]
+    assert cli("verify").returncode == 1                     # neither an id nor --run
+    assert cli("verify-cmd", "k-000000000000", "true").returncode == 1
+    cleared = json.loads(cli("verify-cmd", item_id, "").stdout)
+    assert cleared["status"] == "check_removed" and "check" not in cleared["item"]
+    assert json.loads(cli("verify", "--run").stdout)["ran"] == 0
+
+
+def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
+    seen = cs.capture("Rotate API tokens every ninety days", tags="security")["item"]["id"]
+    cs.capture("Unrelated fact about office plants")
+    assert cli("recall", "rotate api tokens", CAMBIUM_SESSION_ID="run-1").returncode == 0
+    assert cli("recall", "api token rotation", CAMBIUM_SESSION_ID="run-2").returncode == 0
+    cs.recall("rotate api tokens")                 # no session known: nothing attributed
+    by_session = json.loads(cli("usage", "--session", "run-1").stdout)
+    assert [r["item"] for r in by_session["items"]] == [seen]
+    assert by_session["items"][0]["via"] == ["recall"] and "Rotate API" in \
+        by_session["items"][0]["content"]
+    by_item = json.loads(cli("usage", "--item", seen).stdout)
+    assert [r["session"] for r in by_item["sessions"]] == ["run-1", "run-2"]
+    assert cli("usage", "--session", "x", "--item", seen).returncode == 1
+    store = repo / ".cambium" / "knowledge.json"
+    before = store.stat().st_mtime_ns
+    monkeypatch.setattr(cs, "SHOWN_MAX_BYTES", 400)
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "run-3")
+    for _ in range(30):
+        cs.recall("rotate api tokens")
+    journal = repo / ".cambium" / "shown.jsonl"
+    assert journal.stat().st_size < 800 and journal.with_name("shown.jsonl.1").exists()
+    assert cs.usage(session="run-3")["items"][0]["times"] >= 2
+    assert store.stat().st_mtime_ns == before      # recall never rewrites the store
+
+
+# =============================================================================
 
 
 def test_import_json_array_and_wrapper_object(repo, tmp_path):
@@ -1522,6 +1670,28 @@ def push_file(clone: Path, branch: str, name: str, text: str, message: str = "bo
 def write_board(clone: Path, claims: dict, branch: str = "agentsync") -> None:
     """Commit an agentsync-format claims.json on `branch` and push it (plain git)."""
     push_file(clone, branch, "claims.json", json.dumps({"claims": claims}, indent=2))
+
+
+def test_distill_writes_the_local_store_once(repo, monkeypatch):
+    """Issue 10.4: retirements, new items and the distill record land in one write."""
+    (repo / ".context").mkdir()
+    decisions = [{"id": "dec-001", "summary": "Store money as integer cents",
+                  "rationale": "floats drift", "status": "active"}]
+    (repo / ".context" / "decisions.json").write_text(json.dumps(decisions))
+    first = cs.distill()["items"][0]["id"]
+    decisions[0].update(status="superseded", superseded_by="dec-002")
+    decisions.append({"id": "dec-002", "summary": "Store money as Decimal strings",
+                      "rationale": "cents cannot hold fractional tax", "status": "active"})
+    (repo / ".context" / "decisions.json").write_text(json.dumps(decisions))
+    writes = []
+    real = cs.atomic_write
+    monkeypatch.setattr(cs, "atomic_write", lambda path, *a, **k: (
+        writes.append(Path(path).name), real(path, *a, **k))[1])
+    res = cs.distill()
+    assert res["imported"] == 1 and [r["id"] for r in res["retired_items"]] == [first]
+    assert writes == ["knowledge.json"]
+    doc = cs.local_store(cs.resolve_config()).read()
+    assert doc.meta["distill_last"]["retired"] == 1 and len(doc.meta["watermarks"]) == 2
 
 
 def test_distill_no_board_no_context_reads_as_skipped(repo):
@@ -2059,6 +2229,44 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         return True
 
     assert asyncio.run(_mcp_session(_mcp_env(repo), body))
+
+
+def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
+    wrong = cs.capture("Staging deploys need a manual approval")["item"]["id"]
+
+    async def session_one(session, init):
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert "person" in tools["correct"].description and "supersedes" in \
+            tools["capture"].input_schema["properties"]
+        for t in tools.values():                   # checks are operator-only (CLI)
+            props = set(t.input_schema.get("properties", {}))
+            assert not props & {"cmd", "check", "command", "verify_cmd"}, t.name
+            assert "ctx" not in props
+        cap = await session.call_tool("capture", {"content": "Office plants need water",
+                                                  "check": "touch pwned"})
+        assert cap.is_error or "check" not in cap.structured_content["item"]
+        fixed = await session.call_tool("correct", {"item_id": wrong, "content":
+                                                    "Staging deploys need no approval"})
+        assert fixed.structured_content["item"]["authority"] == "human"
+        rec = await session.call_tool("recall", {"query": "staging deploy approval",
+                                                 "detail": "full"})
+        hits = rec.structured_content["results"]
+        assert hits[0]["id"] == fixed.structured_content["item"]["id"]
+        assert hits[0]["authority"] == "human" and wrong not in {h["id"] for h in hits}
+        mine = (await session.call_tool("usage", {})).structured_content["sessions"][0]
+        seen = await session.call_tool("usage", {"session": mine["session"]})
+        assert [r["item"] for r in seen.structured_content["items"]] == [h["id"] for h in hits]
+        return mine["session"], hits[0]["id"]
+
+    async def session_two(session, init):
+        await session.call_tool("recall", {"query": "staging deploy approval"})
+        return (await session.call_tool("usage", {})).structured_content["sessions"][0]
+
+    sid1, fixed_id = asyncio.run(_mcp_session(_mcp_env(repo), session_one))
+    sid2 = asyncio.run(_mcp_session(_mcp_env(repo), session_two))["session"]
+    assert sid1 != sid2
+    assert not (repo / "pwned").exists()
+    assert {r["session"] for r in cs.usage(item_id=fixed_id)["sessions"]} == {sid1, sid2}
 
 
 def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
