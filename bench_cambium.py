@@ -76,7 +76,7 @@ def make_env(root: Path) -> dict:
            "CAMBIUM_CONFIG_FILE": str(root / "config.json"), "HOME": str(root),
            "CAMBIUM_RECALL_MODE": "lexical"}   # bench_semantic opts in
     os.environ.update(env)
-    cs._STORES.clear()
+    cs.runtime().reset()
     return env
 
 
@@ -219,7 +219,7 @@ def bench_team() -> None:
         subprocess.run(["git", "-C", str(repo), "push", "-q", "origin", "HEAD:main"], check=True)
         cfg = cs.resolve_config()
         team_items = [cs.dataclasses.replace(it, scope="team") for it in synth_items(1_000, 5)]
-        cs.shared_store(cfg, "team").mutate(
+        cs.store(cfg, "team").mutate(
             lambda d: cs.Doc(items=team_items), "bench: seed 1,000 team items")
         seed_store(repo, 1_000)
         rng = random.Random(4)
@@ -231,7 +231,7 @@ def bench_team() -> None:
             print(f"recall, 1,000 local + 1,000 team items on a local bare remote, "
                   f"{label}: median {ms:5.1f} ms")
         t0 = time.perf_counter()
-        n = cs.flush_credits(cfg)
+        n = cs.fold_credits_now(cfg, ("team",))
         print(f"publishing {n} journaled team recall credits in one push: "
               f"{(time.perf_counter() - t0) * 1000:.0f} ms")
 
@@ -318,7 +318,7 @@ def bench_semantic() -> None:
         print(f"semantic: first recall with {n:,} items not yet embedded: "
               f"{(time.perf_counter() - t0) * 1000:.0f} ms (mode {first['mode']}; "
               f"lexical for the backlog meanwhile)")
-        eng = cs._ENGINES[str(repo / ".cambium" / cs.VECTORS_DIR)]
+        eng = cs.runtime().engines[str(repo / ".cambium" / cs.VECTORS_DIR)]
         eng.wait_idle(3600)
         dt = time.perf_counter() - t0
         print(f"semantic: first-time embedding of {n:,} items: {dt:.0f} s "
@@ -335,7 +335,7 @@ def bench_semantic() -> None:
               f"(peak {hwm:.0f} MB; target <= 400 MB)")
         size = sum(f.stat().st_size for f in (repo / ".cambium" / cs.VECTORS_DIR).iterdir())
         print(f"semantic: vector cache on disk {size / 1e6:.1f} MB")
-        cs._ENGINES.clear()
+        cs.runtime().engines.clear()
         t0 = time.perf_counter()
         cs.recall("cache retry backoff")
         print(f"semantic: first recall of a new process, cache on disk: "

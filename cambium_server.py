@@ -52,11 +52,12 @@ imports the MCP SDK: hooks run it at every session end and the SDK costs about
 a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
-normalization, config, git plumbing, storage (files, the scope interface, the
-usage journal, the shared git scopes), substrate readers, import adapters,
-recall (lexical, semantic, ranking), ingest, lifecycle decisions, code
-anchors, scope helpers (item views and one-line results), scope reads, the
-primer digest, distill, hygiene (usage attribution, operator checks), tools, MCP
+normalization, config, process state (the Runtime), git plumbing, storage
+(files, the scope interface, the credit journal, the shared git scopes),
+substrate readers, import adapters, recall (lexical, semantic, ranking),
+ingest, lifecycle decisions, code anchors, scope helpers (item views and
+one-line results), scope reads, the primer digest, distill, hygiene (usage
+attribution, operator checks), tools, MCP
 server, CLI, demo.
 """
 from __future__ import annotations
@@ -112,7 +113,8 @@ MAX_CODE_REFS = 20                  #: code anchors per item
 MAX_CODE_PATH_CHARS = 300
 LOCAL_DIR = ".cambium"
 STORE_FILE = "knowledge.json"
-USAGE_FILE = "usage.jsonl"          #: recall credits not yet folded into a store
+CREDITS_FILE = "credits.jsonl"      #: recall credits not yet folded into a store
+LEGACY_CREDITS_FILE = "usage.jsonl" #: the credit journal's name before 0.2
 STORE_FORMAT = 1
 
 DEFAULTS: dict[str, str | None] = {
@@ -133,10 +135,6 @@ DEFAULTS: dict[str, str | None] = {
 }
 DEFAULT_CONFIG_FILE = "~/.cambium/config.json"
 
-#: Set while serving MCP: background work (publishing credits, refreshing remote
-#: scopes, embedding new items) is only started by the long-running server; a
-#: CLI process exits right after its one call.
-LONG_RUNNING = threading.Event()
 RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
 
 SERVER_INSTRUCTIONS = """\
@@ -186,6 +184,10 @@ class Refused(CambiumError):
 
 class CorruptStore(CambiumError):
     """A knowledge.json could not be parsed; it is preserved, never overwritten."""
+
+
+class ScopeOff(ConfigError):
+    """The scope is not set up here (a federated read just leaves it out)."""
 
 
 class GitError(CambiumError):
@@ -840,6 +842,162 @@ def require_config(env: dict | None = None) -> Config:
 
 
 # =============================================================================
+# Process state: the Runtime
+# Everything a process remembers between calls lives in one Runtime: the parsed
+# local stores, what it knows of each shared scope, recall indexes, semantic
+# engines and the embedder, notes already given once, the credit-fold timer
+# and the per-path thread locks. runtime() is the current one: a context
+# variable whose default is the process's own, so tests (reset()) and a server
+# with several sessions can run runtimes side by side, each with its caches.
+#
+# Lock discipline, the only one in this module, outermost first:
+#   1. file_lock(path): a per-path RLock of the runtime plus flock on
+#      <path>.lock; guards a file across threads and processes, held across
+#      read-modify-write. Never taken while holding 2 or 3.
+#   2. An object's own lock guards that object's fields, held across the I/O
+#      that fills them: GitScope.lock, LocalStore.lock, Semantic.cv, and
+#      Runtime.index_lock for the recall indexes (updated in place).
+#   3. Runtime.lock guards only the runtime's tables (get-or-create, the timer
+#      slot); held for a few statements, never across I/O or another lock.
+# Items and Docs handed out are never changed in place: a change builds a new
+# one (dataclasses.replace), so a reader needs no lock to use them.
+# =============================================================================
+
+
+@dataclass
+class GitScope:
+    """What a process knows of one shared scope (repo, remote, branch).
+    Every field is read and written under `lock`."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    tip: str | None = None
+    tip_known: bool = False             # `tip` is the last fetched tip (None: no branch)
+    fetched_at: float = 0.0
+    refreshing: bool = False            # a background fetch is running
+    fetch_error: str | None = None      # the last background fetch failed with this
+    doc: tuple[str, Doc] | None = None  # (commit, parsed knowledge.json at it)
+    checked_out: str | None = None      # the org clone's checkout is at this commit
+
+
+class Runtime:
+    """All mutable process state; see the section comment for its lock order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.index_lock = threading.Lock()
+        #: set while serving MCP: background work (folding credits, refreshing
+        #: remote scopes, embedding new items) is only started by a long-running
+        #: server; a CLI process exits right after its one call.
+        self.long_running = threading.Event()
+        self.embedder: Embedder | None = None
+        self.embedder_lock = threading.Lock()
+        self._clear()
+        _LIVE_RUNTIMES.add(self)
+
+    def _clear(self) -> None:
+        self.stores: dict[str, LocalStore] = {}
+        self.git_scopes: dict[tuple[str, str, str], GitScope] = {}
+        self.org_branches: dict[str, str] = {}
+        self.remotes: dict[tuple[str, str], tuple[float, bool]] = {}
+        self.indexes: dict[str, Index] = {}
+        self.engines: dict[str, Semantic] = {}
+        self.embedder_error: str | None = None
+        self.noted: set[str] = set()
+        self.fold_timer: threading.Timer | None = None
+        self.file_locks: dict[str, threading.RLock] = {}
+        self.anchors: dict[str, tuple[str, dict]] = {}    #: code anchors per repo, per HEAD
+
+    def reset(self) -> None:
+        """Forget everything (tests): cancel a pending credit fold, drop every
+        cache. A loaded embedding model is kept: it is read-only, the same for
+        every store, and costly to load again."""
+        self.cancel_fold()
+        self.long_running.clear()
+        with self.lock:
+            self._clear()
+
+    def cancel_fold(self) -> None:
+        """Drop the pending background credit fold (its credits stay journaled)."""
+        with self.lock:
+            timer, self.fold_timer = self.fold_timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _get(self, table: dict, key: Any, make: Callable[[], Any]) -> Any:
+        with self.lock:
+            obj = table.get(key)
+            if obj is None:
+                obj = table[key] = make()
+            return obj
+
+    def local_store(self, path: Path, credits: Path | None) -> LocalStore:
+        return self._get(self.stores, str(path), lambda: LocalStore(path, credits))
+
+    def git_scope(self, repo: Path, remote: str, branch: str) -> GitScope:
+        return self._get(self.git_scopes, (str(repo), remote, branch), GitScope)
+
+    def engine(self, cache_dir: Path | None) -> Semantic:
+        return self._get(self.engines, str(cache_dir), lambda: Semantic(cache_dir, self))
+
+    def thread_lock(self, path: str) -> threading.RLock:
+        return self._get(self.file_locks, path, threading.RLock)
+
+    def first_time(self, note: str) -> bool:
+        """True the first time this runtime sees `note` (say a thing once)."""
+        with self.lock:
+            if note in self.noted:
+                return False
+            self.noted.add(note)
+            return True
+
+    def spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
+        """Start a daemon thread that runs `target` with this runtime current."""
+        def run() -> None:
+            with use_runtime(self):
+                target()
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def save_vectors(self) -> None:
+        """Keep what was embedded when the process ends mid-backlog."""
+        with self.lock:
+            engines = list(self.engines.values())
+        for eng in engines:
+            if eng.cache is not None and eng.cv.acquire(timeout=2):
+                try:
+                    eng._save_locked()
+                finally:
+                    eng.cv.release()
+
+
+_LIVE_RUNTIMES: weakref.WeakSet = weakref.WeakSet()
+_PROCESS_RUNTIME = Runtime()
+_CURRENT_RUNTIME: contextvars.ContextVar[Runtime] = contextvars.ContextVar(
+    "cambium_runtime", default=_PROCESS_RUNTIME)
+
+
+def runtime() -> Runtime:
+    """The current runtime (the process's own unless use_runtime() says otherwise)."""
+    return _CURRENT_RUNTIME.get()
+
+
+@contextlib.contextmanager
+def use_runtime(rt: Runtime) -> Iterator[Runtime]:
+    """Make `rt` current in this thread for the duration of the block."""
+    token = _CURRENT_RUNTIME.set(rt)
+    try:
+        yield rt
+    finally:
+        _CURRENT_RUNTIME.reset(token)
+
+
+@atexit.register
+def _save_vector_caches() -> None:
+    for rt in list(_LIVE_RUNTIMES):
+        rt.save_vectors()
+
+
+# =============================================================================
 # Git plumbing
 # One door to git: bounded by a timeout, never prompting, never inheriting the
 # GIT_DIR family a hook may carry, stdin closed (MCP speaks on ours).
@@ -881,9 +1039,6 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
     return _run(["git", *args], cwd, timeout_s, check=check, input=input)
 
 
-_REMOTE_CACHE: dict[tuple[str, str], tuple[float, str | None]] = {}
-
-
 def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
     """The URL of `repo`'s remote (None: no such remote); cached until its
     .git/config changes."""
@@ -891,12 +1046,12 @@ def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
         stamp = (repo / ".git" / "config").stat().st_mtime
     except OSError:
         stamp = -1.0
-    key = (str(repo), remote)
-    hit = _REMOTE_CACHE.get(key)
+    key, remotes = (str(repo), remote), runtime().remotes
+    hit = remotes.get(key)
     if hit is None or hit[0] != stamp:
         proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
         url = proc.stdout.strip() if proc.returncode == 0 else None
-        hit = _REMOTE_CACHE[key] = (stamp, url)
+        hit = remotes[key] = (stamp, url)           # one atomic dict store
     return hit[1]
 
 
@@ -931,17 +1086,10 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
 # read-modify-write, so concurrent processes never lose each other's update.
 # =============================================================================
 
-_THREAD_LOCKS: dict[str, threading.RLock] = {}
-_THREAD_LOCKS_GUARD = threading.Lock()
-
-
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock on `<path>.lock`, across threads and processes."""
-    key = str(path)
-    with _THREAD_LOCKS_GUARD:
-        tlock = _THREAD_LOCKS.setdefault(key, threading.RLock())
-    with tlock:
+    with runtime().thread_lock(str(path)):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -1112,18 +1260,22 @@ def mutate_plan(mutate: Callable[..., Any], plan: Callable[[Doc], Any], message:
 
 class LocalStore(Store):
     """<repo>/.cambium/knowledge.json. A parsed copy is cached per file version
-    (mtime, size, inode), so a hand edit is picked up on the next call."""
+    (mtime, size, inode), so a hand edit is picked up on the next call. Every
+    write first folds the recall credits pending in the `credits` journal."""
     scope = "local"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, credits: Path | None = None):
         self.path = path
+        self.credits = credits
+        self.lock = threading.Lock()           # guards _cache and _warnings
         self._cache: tuple[tuple, Doc] | None = None
         self._text = _ItemsText()
         self._warnings: list[str] = []
 
     @property
     def warnings(self) -> list[str]:
-        return list(self._warnings)
+        with self.lock:
+            return list(self._warnings)
 
     def _stat_key(self) -> tuple | None:
         try:
@@ -1136,25 +1288,31 @@ class LocalStore(Store):
         key = self._stat_key()
         if key is None:
             return Doc(items=[])
-        if self._cache and self._cache[0] == key:
-            return self._cache[1]
+        with self.lock:
+            if self._cache and self._cache[0] == key:
+                return self._cache[1]
         text = self.path.read_text(encoding="utf-8", errors="surrogateescape")
         doc = parse_store(text, str(self.path))
-        self._cache = (key, doc)
+        self._remember(key, doc)
         return doc
+
+    def _remember(self, key: tuple | None, doc: Doc) -> None:
+        with self.lock:
+            self._cache = (key, doc) if key is not None else None
 
     def _quarantine(self, err: CorruptStore) -> Doc:
         """Move an unparseable file aside (never overwrite it) and start empty."""
         aside = self.path.with_name(f"{self.path.name}.corrupt-"
                                     f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}")
         os.replace(self.path, aside)
-        self._warnings.append(f"{err}. It was moved to {aside} (nothing deleted); "
-                              "cambium started a fresh local store. Repair that file and "
-                              "import its items, or copy them back by hand.")
-        self._cache = None
+        with self.lock:
+            self._warnings.append(f"{err}. It was moved to {aside} (nothing deleted); "
+                                  "cambium started a fresh local store. Repair that file "
+                                  "and import its items, or copy them back by hand.")
+            self._cache = None
         return Doc(items=[])
 
-    def read(self) -> Doc:
+    def read(self, background: bool = False) -> Doc:
         try:
             return self._load()
         except CorruptStore as err:
@@ -1164,51 +1322,73 @@ class LocalStore(Store):
                 except CorruptStore:
                     return self._quarantine(err)
 
-    def mutate(self, fn: Callable[[Doc], Doc | None], message: str = "") -> Doc:
+    def mutate(self, fn: Callable[[Doc], Doc | None], message: str = "", *,
+               branch: str | None = None, ensure_files: bool = False) -> Write:
+        """Apply fn under the file lock; durable (fsync + rename) before it returns."""
+        pending, commit = take_credits(self.credits, self.scope)
         with file_lock(self.path):
             try:
                 doc = self._load()
             except CorruptStore as err:
                 doc = self._quarantine(err)
-            new = fn(doc)
-            if new is None or new is doc:
+            new = with_credits(fn, pending)(doc)
+            if new is None:
                 return Write(doc=doc)
             atomic_write(self.path, render_store(new, self._text))
-            self._cache = (self._stat_key(), new)
-            return Write(doc=new)
-
-
-_STORES: dict[str, LocalStore] = {}
-
-
-def local_store(cfg: Config) -> LocalStore:
-    """The process-wide LocalStore for cfg's repo (one cache per file)."""
-    path = cfg.local_dir / STORE_FILE
-    key = str(path)
-    store = _STORES.get(key)
-    if store is None:
-        store = _STORES.setdefault(key, LocalStore(path))
-    return store
+            self._remember(self._stat_key(), new)
+        commit()
+        return Write(doc=new)
 
 
 # =============================================================================
-# Storage: usage journal
+# Storage: the credit journal
 # A recall must not wait on rewriting a store. Credits are appended (fsync'd)
-# to .cambium/usage.jsonl and folded into the item's own store on its next
-# write. A credit counts once per agent per item per day, wherever it lands.
+# to .cambium/credits.jsonl (a legacy usage.jsonl is adopted into it) and
+# folded into the item's own store by that store's next write, whatever the
+# scope. A credit counts once per agent per item per day, wherever it lands.
 # =============================================================================
 
 
-def _usage_path(cfg: Config) -> Path:
-    return cfg.local_dir / USAGE_FILE
+def credits_path(cfg: Config) -> Path:
+    return cfg.local_dir / CREDITS_FILE
 
 
-def read_usage(path: Path) -> list[dict]:
-    """Pending credits; malformed lines are skipped (a torn append)."""
+def _append_durably(path: Path, data: bytes) -> None:
+    """Append bytes to a file and fsync them (the caller holds its lock)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _adopt_legacy_journal(path: Path) -> None:
+    """Move the credits of a journal written under its old name into `path`."""
+    legacy = path.with_name(LEGACY_CREDITS_FILE)
+    if not legacy.exists():
+        return
+    with file_lock(path):
+        try:
+            data = legacy.read_bytes()
+        except FileNotFoundError:
+            return                          # another thread adopted it first
+        if data.strip():
+            _append_durably(path, data if data.endswith(b"\n") else data + b"\n")
+        os.unlink(legacy)                   # a crash before this repeats credits: harmless
+
+
+def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
+    """Pending credits; malformed lines are skipped (a torn append). adopt=False
+    reads a legacy journal where it lies instead of moving it (a pure read)."""
+    if path is None:
         return []
+    if adopt:
+        _adopt_legacy_journal(path)
+    text = ""
+    for p in (path,) if adopt else (path, path.with_name(LEGACY_CREDITS_FILE)):
+        with contextlib.suppress(FileNotFoundError):
+            text += p.read_text(encoding="utf-8") + "\n"
     out = []
     for line in text.splitlines():
         try:
@@ -1220,33 +1400,31 @@ def read_usage(path: Path) -> list[dict]:
     return out
 
 
-def append_usage(path: Path, records: list[dict]) -> None:
+def append_credits(path: Path, records: list[dict]) -> None:
     """Durably append credit records (one line each)."""
     if not records:
         return
     data = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
                    for r in records)
     with file_lock(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, data.encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _append_durably(path, data.encode("utf-8"))
 
 
-def take_usage(path: Path, scope: str) -> tuple[list[dict], Callable[[], None]]:
+def _nothing() -> None:
+    return None
+
+
+def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[], None]]:
     """Pending credits for `scope`, and a commit() that drops them from the journal.
 
     Call commit() only after the credits are durably in their store; until then
     they stay in the journal (applying a credit twice is harmless: see credit()).
     """
-    recs = read_usage(path)
-    mine = [r for r in recs if r.get("scope", "local") == scope]
+    mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
+    if not mine or path is None:
+        return mine, _nothing
 
     def commit() -> None:
-        if not mine:
-            return
         with file_lock(path):
             taken = {json.dumps(r, sort_keys=True) for r in mine}
             keep = []
@@ -1278,7 +1456,7 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     return dataclasses.replace(item, trust=trust) if changed else item
 
 
-def fold_usage(doc: Doc, records: list[dict]) -> Doc | None:
+def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
     """Apply pending credits to a doc; None when nothing changes (pure)."""
     if not records:
         return None
@@ -1296,6 +1474,17 @@ def fold_usage(doc: Doc, records: list[dict]) -> Doc | None:
     return dataclasses.replace(doc, items=items) if changed else None
 
 
+def with_credits(fn: Callable[[Doc], Doc | None], pending: list[dict]
+                 ) -> Callable[[Doc], Doc | None]:
+    """fn with the pending credits folded in first: what every store's mutate runs.
+    None still means "nothing to write" (no credit applied and fn changed nothing)."""
+    def apply(doc: Doc) -> Doc | None:
+        folded = fold_credits(doc, pending) or doc
+        new = fn(folded)
+        return new if new is not None else (folded if folded is not doc else None)
+    return apply
+
+
 def effective_trust(item: Item, pending: list[dict]) -> dict:
     """An item's trust with its not-yet-folded credits applied (read side)."""
     mine = [r for r in pending if r["item"] == item.id]
@@ -1305,22 +1494,6 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
         item = credit(item, str(r.get("agent", "")), str(r.get("day", "")),
                       str(r.get("project", "")))
     return item.trust
-
-
-def mutate_local(cfg: Config, fn: Callable[[Doc], Doc | None], message: str = "") -> Doc:
-    """Mutate the local store, folding pending local recall credits in first."""
-    store = local_store(cfg)
-    path = _usage_path(cfg)
-    pending, commit = take_usage(path, "local")
-
-    def apply(doc: Doc) -> Doc | None:
-        folded = fold_usage(doc, pending) or doc
-        new = fn(folded)
-        return new if new is not None else (folded if folded is not doc else None)
-
-    new = store.mutate(apply, message).doc
-    commit()
-    return new
 
 
 # =============================================================================
@@ -1366,14 +1539,16 @@ class GitStore(Store):
     def __init__(self, scope: str, repo: Path, remote: str, branch: str, *,
                  timeout_s: float, fetch_interval_s: float, agent: str,
                  extra_files: Callable[[Doc], dict[str, str]] | None = None,
-                 usage_path: Path | None = None):
+                 credits: Path | None = None, checkout: bool = False):
         self.scope, self.repo, self.remote, self.branch = scope, repo, remote, branch
         self.timeout_s, self.fetch_interval_s, self.agent = timeout_s, fetch_interval_s, agent
         self.extra_files = extra_files
-        self.usage_path = usage_path
+        self.credits = credits                    # the journal whose credits this scope folds
+        self.checkout = checkout                  # keep the clone's checkout at the tip (org)
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
-        self._state = _GIT_CACHE.setdefault((str(repo), remote, branch), {})
+        self._rt = runtime()
+        self._state = self._rt.git_scope(repo, remote, branch)
 
     # -- plumbing ---------------------------------------------------------------
     def git(self, *args: str, check: bool = True, input: str | None = None,
@@ -1397,37 +1572,38 @@ class GitStore(Store):
         that fails to fetch falls back to the last fetched tip with a warning.
         """
         state = self._state
-        with state.setdefault("lock", threading.Lock()):
-            last = state.get("fetched_at", 0.0)
+        with state.lock:
+            last = state.fetched_at
             with contextlib.suppress(OSError):
                 last = max(last, self._stamp().stat().st_mtime)   # another process fetched
             due = force or time.time() - last >= self.fetch_interval_s
-            if due and background and "tip" in state:
-                if not state.get("refreshing"):
-                    state["refreshing"] = True
-                    threading.Thread(target=self._refresh, daemon=True).start()
+            if due and background and state.tip_known:
+                if not state.refreshing:
+                    state.refreshing = True
+                    self._rt.spawn(self._refresh, f"cambium-fetch-{self.scope}")
                 due = False
             if due:
                 try:
                     self._fetch_now()
                 except GitError as e:
-                    state["fetched_at"] = time.time()       # don't hammer a dead remote
+                    state.fetched_at = time.time()          # don't hammer a dead remote
                     if force or self.local_tip() is None:
                         raise
                     self._warnings.append(f"{self.scope} scope may be behind: {e}")
-            if "tip" not in state:
-                state["tip"] = self.local_tip()
-            return state["tip"]
+            if not state.tip_known:
+                state.tip, state.tip_known = self.local_tip(), True
+            return state.tip
 
     def _refresh(self) -> None:
-        try:
-            with self._state["lock"]:
+        state = self._state
+        with state.lock:
+            try:
                 self._fetch_now()
-                self._state["tip"] = self.local_tip()
-        except GitError as e:
-            self._state["fetch_error"] = str(e)
-        finally:
-            self._state["refreshing"] = False
+                state.tip, state.tip_known = self.local_tip(), True
+            except GitError as e:
+                state.fetch_error = str(e)
+            finally:
+                state.refreshing = False
 
     def local_tip(self) -> str | None:
         proc = self.git("rev-parse", "--verify", "--quiet", self.ref + "^{commit}", check=False)
@@ -1443,37 +1619,49 @@ class GitStore(Store):
                 self.git("update-ref", "-d", self.ref, check=False)
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
-        self._state["fetched_at"] = time.time()
-        self._state.pop("fetch_error", None)
+        self._state.fetched_at = time.time()      # the caller holds the scope's lock
+        self._state.fetch_error = None
         stamp = self._stamp()
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.touch()
-        self._state.pop("tip", None)
+        self._state.tip_known = False
 
     def doc_at(self, commit: str | None) -> Doc:
         """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
         if commit is None:
             return Doc(items=[])
-        cached = self._state.get("doc")
-        if cached and cached[0] == commit:
-            return cached[1]
+        state = self._state
+        with state.lock:
+            if state.doc and state.doc[0] == commit:
+                return state.doc[1]
         proc = self.git("cat-file", "blob", f"{commit}:{STORE_FILE}", check=False)
         text = proc.stdout if proc.returncode == 0 else ""
         doc = parse_store(text, f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} "
                                 f"at {commit[:10]})")
-        for it in doc.items:
-            if it.scope != self.scope:
-                it.scope = self.scope       # a copy made by hand keeps its true scope
-        self._state["doc"] = (commit, doc)
+        if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
+            doc = dataclasses.replace(doc, items=[              # keeps its true scope
+                it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)
+                for it in doc.items])
+        self._remember(commit, doc)
         return doc
+
+    def _remember(self, commit: str, doc: Doc, *, tip: bool = False) -> None:
+        """Cache the parsed doc at a commit (and make it the known tip)."""
+        with self._state.lock:
+            self._state.doc = (commit, doc)
+            if tip:
+                self._state.tip, self._state.tip_known = commit, True
 
     def read(self, background: bool = False) -> Doc:
         """The scope's items; raises GitError (unreachable, nothing fetched before)
         or CorruptStore. background: see fetch()."""
         doc = self.doc_at(self.fetch(background=background))
-        if self._state.get("fetch_error"):
-            self._warnings.append(f"{self.scope} scope may be behind: "
-                                  f"{self._state['fetch_error']}")
+        with self._state.lock:
+            error = self._state.fetch_error
+        if error:
+            self._warnings.append(f"{self.scope} scope may be behind: {error}")
+        if self.checkout:
+            self.sync_checkout()
         return doc
 
     def default_tip(self) -> str | None:
@@ -1557,14 +1745,13 @@ class GitStore(Store):
                 side_tip = self._remote_branch_tip(branch) if side else None
                 base = side_tip or tip
                 doc = self.doc_at(base)
-                pending, commit_usage = (take_usage(self.usage_path, self.scope)
-                                         if self.usage_path and not side else ([], lambda: None))
-                folded = fold_usage(doc, pending) or doc
-                new = fn(folded)
+                pending, commit_credits = take_credits(None if side else self.credits,
+                                                       self.scope)
+                new = with_credits(fn, pending)(doc)
                 if new is None:
-                    if folded is doc and not (ensure_files and self._files_stale(base, doc)):
+                    if not (ensure_files and self._files_stale(base, doc)):
                         return Write(doc=doc, commit=None, branch=target)
-                    new = folded
+                    new = doc
                 files = {STORE_FILE: render_store(new)}
                 if self.extra_files:
                     files.update(self.extra_files(new))
@@ -1574,11 +1761,10 @@ class GitStore(Store):
                 if outcome == "race":
                     continue
                 self.verify(commit, target)
-                commit_usage()
+                commit_credits()
                 if target == self.branch:
                     self.git("update-ref", self.ref, commit)
-                    self._state["tip"] = commit
-                    self._state["doc"] = (commit, new)
+                    self._remember(commit, new, tip=True)
                 return Write(doc=new, commit=commit, branch=target)
         raise ConflictError(f"{self.scope} scope: lost the push race {PUSH_RETRIES} times on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
@@ -1606,14 +1792,12 @@ class GitStore(Store):
 
     def sync_checkout(self) -> None:
         """Hard-sync a dedicated clone's checkout to the scope tip (the org clone)."""
-        tip = self._state.get("tip")
-        if tip and self._state.get("checked_out") != tip:
-            self.git("checkout", "--quiet", "--force", "-B", self.branch, tip)
-            self._state["checked_out"] = tip
-
-
-
-_GIT_CACHE: dict[tuple, dict] = {}
+        state = self._state
+        with state.lock:
+            tip = state.tip
+            if tip and state.checked_out != tip:
+                self.git("checkout", "--quiet", "--force", "-B", self.branch, tip)
+                state.checked_out = tip
 
 
 # =============================================================================
@@ -1887,9 +2071,8 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
         raise ValueError(kind)
     if not content:
         return Skip(f"context-keeper {eid}", f"{kind} without text")
-    source = {"system": "context-keeper", "ref": eid, "kind": kind}
-    if _str(entry.get("created_at")):
-        source["source_ts"] = _str(entry.get("created_at"))
+    source = {"system": "context-keeper", "ref": eid, "kind": kind,
+              **({"source_ts": _str(entry["created_at"])} if _str(entry.get("created_at")) else {})}
     why = " ".join(p for p in why_parts if p)
     return Draft(content=_clip(content, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="procedure" if kind == "pipeline" else kind,
@@ -2746,32 +2929,27 @@ class Embedder:
         return self.embed_ids([self.windows(t)[0] for t in texts])
 
 
-_EMBEDDER: Embedder | None = None
-_EMBEDDER_ERROR: str | None = None
-_EMBEDDER_GUARD = threading.Lock()
-
-
-def load_embedder() -> Embedder:
-    """The process's embedder, loaded once on first semantic use; a failure is
+def load_embedder(rt: Runtime | None = None) -> Embedder:
+    """The runtime's embedder, loaded once on first semantic use; a failure is
     remembered (and reported) rather than retried on every recall."""
-    global _EMBEDDER, _EMBEDDER_ERROR
-    with _EMBEDDER_GUARD:
-        if _EMBEDDER is not None:
-            return _EMBEDDER
-        if _EMBEDDER_ERROR is not None:
-            raise SemanticUnavailable(_EMBEDDER_ERROR)
+    rt = rt or runtime()
+    with rt.embedder_lock:
+        if rt.embedder is not None:
+            return rt.embedder
+        if rt.embedder_error is not None:
+            raise SemanticUnavailable(rt.embedder_error)
         missing = semantic_extra_missing()
         try:
             if missing:
                 raise SemanticUnavailable("the semantic extra is not installed (missing: "
                                           + ", ".join(missing) + ")")
-            _EMBEDDER = Embedder.from_packages()
+            rt.embedder = Embedder.from_packages()
         except Exception as e:  # noqa: BLE001 - any load failure means: recall lexically
-            _EMBEDDER_ERROR = (str(e) if isinstance(e, SemanticUnavailable)
-                               else f"the embedding model failed to load: "
-                                    f"{type(e).__name__}: {e}")
-            raise SemanticUnavailable(_EMBEDDER_ERROR) from None
-        return _EMBEDDER
+            rt.embedder_error = (str(e) if isinstance(e, SemanticUnavailable)
+                                 else f"the embedding model failed to load: "
+                                      f"{type(e).__name__}: {e}")
+            raise SemanticUnavailable(rt.embedder_error) from None
+        return rt.embedder
 
 
 class VectorCache:
@@ -2950,8 +3128,9 @@ class Semantic:
     items are cached there too, keyed like any item). Thread-safe: tools run in
     worker threads, and a background thread embeds the backlog in batches."""
 
-    def __init__(self, cache_dir: Path | None):
+    def __init__(self, cache_dir: Path | None, rt: Runtime | None = None):
         self.cache_dir = cache_dir
+        self.rt = rt or runtime()
         self.cache: VectorCache | None = None
         self.slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cv = threading.Condition()
@@ -2964,7 +3143,7 @@ class Semantic:
 
     def ready(self) -> Embedder:
         """Load the model (once per process) and this cache (once per engine)."""
-        emb = load_embedder()
+        emb = load_embedder(self.rt)
         with self.cv:
             if self.cache is None:
                 self.cache = VectorCache(self.cache_dir)
@@ -2978,9 +3157,7 @@ class Semantic:
                 self.queued.add(key)
                 self.queue.append(it)
         if self.queue and (self.worker is None or not self.worker.is_alive()):
-            self.worker = threading.Thread(target=self._work, name="cambium-embed",
-                                           daemon=True)
-            self.worker.start()
+            self.worker = self.rt.spawn(self._work, "cambium-embed")
 
     def _embed_items(self, emb: Embedder, items: list[Item]) -> dict[str, Any]:
         inputs, spans = [], []
@@ -2992,7 +3169,7 @@ class Semantic:
         return {k: vecs[s:s + n] for k, s, n in spans}
 
     def _work(self) -> None:
-        emb = load_embedder()
+        emb = load_embedder(self.rt)
         while True:
             with self.cv:
                 chunk = []
@@ -3144,14 +3321,10 @@ def _authority_tiebreak(index: Index, score: Any, k: int) -> Any:
     return top[:k]
 
 
-_ENGINES: dict[str, Semantic] = {}
-_ENGINES_GUARD = threading.Lock()
-
-
 def embed_soon(cfg: Config, items: list[Item]) -> None:
     """In the server, start embedding freshly ingested items in the background,
     so the next recall finds them embedded instead of waiting for a backlog."""
-    if not items or not LONG_RUNNING.is_set() or cfg.repo is None \
+    if not items or not runtime().long_running.is_set() or cfg.repo is None \
             or (cfg.get("CAMBIUM_RECALL_MODE") or "auto") == "lexical" or semantic_extra_missing():
         return
     eng = semantic_engine(cfg.local_dir / VECTORS_DIR)
@@ -3164,27 +3337,12 @@ def embed_soon(cfg: Config, items: list[Item]) -> None:
         with eng.cv:
             eng._enqueue([it for it in items if eng.cache.get(vector_key(it)) is None])
 
-    threading.Thread(target=start, name="cambium-embed-soon", daemon=True).start()
+    runtime().spawn(start, "cambium-embed-soon")
 
 
 def semantic_engine(cache_dir: Path | None) -> Semantic:
-    """The process-wide engine for one vector cache directory."""
-    with _ENGINES_GUARD:
-        eng = _ENGINES.get(str(cache_dir))
-        if eng is None:
-            eng = _ENGINES[str(cache_dir)] = Semantic(cache_dir)
-        return eng
-
-
-@atexit.register
-def _save_vector_caches() -> None:
-    """Keep what was embedded when the process ends mid-backlog."""
-    for eng in list(_ENGINES.values()):
-        if eng.cache is not None and eng.cv.acquire(timeout=2):
-            try:
-                eng._save_locked()
-            finally:
-                eng.cv.release()
+    """The runtime's engine for one vector cache directory."""
+    return runtime().engine(cache_dir)
 
 
 # =============================================================================
@@ -3219,14 +3377,10 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
     return ranking
 
 
-_NOTED: set[str] = set()
-
-
 def _fallback_note(reason: str, *, always: bool) -> str | None:
     """'recall is lexical because ...', the first time per reason (or always)."""
-    if reason in _NOTED and not always:
+    if not runtime().first_time(reason) and not always:
         return None
-    _NOTED.add(reason)
     extra = f" To add it: {SEMANTIC_PITCH}." if "not installed" in reason else ""
     return f"Recall is lexical (shared words only): {reason}.{extra}"
 
@@ -3236,16 +3390,17 @@ def recall_mode_report(cfg: Config) -> dict:
     Never loads the model (status must stay fast and stdlib-only)."""
     setting = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
     missing = semantic_extra_missing()
-    if setting == "lexical" or missing or _EMBEDDER_ERROR:
-        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else _EMBEDDER_ERROR
+    rt = runtime()
+    if setting == "lexical" or missing or rt.embedder_error:
+        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else rt.embedder_error
                or "the semantic extra is not installed (missing: " + ", ".join(missing) + ")")
         return {"recall_mode": "lexical", "recall_mode_reason": why,
                 "semantic_extra": SEMANTIC_PITCH if missing else "installed"}
-    eng = _ENGINES.get(str(cfg.local_dir / VECTORS_DIR))
+    eng = rt.engines.get(str(cfg.local_dir / VECTORS_DIR))
     info: dict[str, Any] = {"model": "all-MiniLM-L6-v2 (int8 ONNX, offline)",
-                            "loaded": _EMBEDDER is not None,
+                            "loaded": rt.embedder is not None,
                             "vector_cache": str(cfg.local_dir / VECTORS_DIR)}
-    if _EMBEDDER is None:
+    if rt.embedder is None:
         info["note"] = "the model loads on the first recall (about 0.3 s)"
     if eng is not None and eng.cache is not None:
         info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
@@ -3255,16 +3410,12 @@ def recall_mode_report(cfg: Config) -> dict:
     return {"recall_mode": "semantic", "semantic": info}
 
 
-_INDEXES: dict[str, Index] = {}
-_INDEX_GUARD = threading.Lock()
-
-
 def store_index(key: str, items: list) -> Index:
-    """The live index for one store, synced to its current items."""
-    with _INDEX_GUARD:
-        index = _INDEXES.get(key) or Index()
-        index = index.sync(items)
-        _INDEXES[key] = index
+    """The live index for one store (or scope set), synced to its current items."""
+    rt = runtime()
+    with rt.index_lock:
+        index = (rt.indexes.get(key) or Index()).sync(items)
+        rt.indexes[key] = index
         return index
 
 
@@ -3306,7 +3457,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     skipped with its reason."""
     out = Prepared()
     project, agent = cfg.project, cfg.agent
-    seen_marks = local_store(cfg).read().meta.get("watermarks") or {}
+    seen_marks = store(cfg, "local").read().meta.get("watermarks") or {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
             out.duplicates += 1
@@ -3359,9 +3510,8 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
-        key = str(local_store(cfg).path)
-        _, adm = mutate_plan(functools.partial(mutate_local, cfg),
-                             lambda d: admit(d, prepared, key),
+        local = store(cfg, "local")
+        _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path)),
                              f"ingest {len(prepared.items)} items")
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         embed_soon(cfg, result.imported)
@@ -3385,17 +3535,6 @@ def latest_endorsement_note(item: Item) -> str | None:
     ends = [e for e in item.trust.get("endorsements", []) if isinstance(e, dict) and e.get("note")]
     ends.sort(key=lambda e: str(e.get("at", "")))
     return ends[-1]["note"] if ends else None
-
-
-def team_eligibility(item: Item, trust: dict, recalls_needed: int) -> str | None:
-    """Why a local item may go to team (None: not eligible)."""
-    if not item.active or item.scope != "local":
-        return None
-    if trust.get("endorsements"):
-        return "endorsed"
-    if int(trust.get("recalls", 0)) >= recalls_needed:
-        return f"recalled {trust.get('recalls')} times (>= {recalls_needed})"
-    return None
 
 
 _FILE_EXTS = ("py|js|jsx|ts|tsx|go|rs|java|kt|rb|php|cs|c|h|cc|cpp|hpp|swift|m|scala|sh|bash|"
@@ -3430,47 +3569,103 @@ def generalization_tells(text: str, project: str) -> list[str]:
     return found
 
 
+def org_tells(item: Item) -> list[str]:
+    """What reads project-specific in the prose org publishes of `item`: its
+    content, its why and its endorsement notes, everything KNOWLEDGE.md renders
+    as text. Exempt: `example` (the concrete version's home) and provenance
+    (which states where the item came from, by design)."""
+    tells = generalization_tells(item.content, item.project)
+    tells += [f"why {t}" for t in generalization_tells(item.why, item.project)]
+    for e in item.trust.get("endorsements", []):
+        if isinstance(e, dict) and e.get("note"):
+            tells += [f"endorsement note by {e.get('by')} {t}"
+                      for t in generalization_tells(str(e["note"]), item.project)]
+    return tells
+
+
+def restated(item: Item, *, content: str | None = None, why: str | None = None) -> Item:
+    """The item with its content and/or why restated in general terms; each
+    concrete version it replaces moves to `example`, so nothing is lost (pure)."""
+    changes: dict[str, Any] = {}
+    concrete: list[str] = []
+    if content and content != item.content:
+        changes["content"] = content
+        concrete.append(item.content)
+    if why and why != item.why:
+        changes["why"] = why
+        if item.why:
+            concrete.append(f"why: {item.why}")
+    if not changes:
+        return item
+    kept = item.example or ""
+    added = [c for c in concrete if c not in kept]
+    changes["example"] = "\n".join([kept, *added] if kept else added) or None
+    return dataclasses.replace(item, **changes)
+
+
 @dataclass
 class Verdict:
-    """A gate's decision: allowed, or refused with the reason and what to do."""
+    """A gate's decision: allowed (and whether only because it was forced), or
+    refused with the reason and what to do."""
     allowed: bool
-    status: str                       # promotable | needs_endorsement | needs_generalization
-    reason: str = ""
+    status: str                 # promotable | not_eligible | deprecated | needs_endorsement
+    reason: str = ""            # | needs_generalization
     tells: list = field(default_factory=list)
     draft: str | None = None
+    forced: bool = False
 
 
-def org_verdict(item: Item, *, org_content: str | None, force: bool) -> Verdict:
-    """May `item` enter org scope? Requires an endorsement; then the body that
-    would land (org_content or the item's own) must read cross-project, unless
-    forced."""
+def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = False
+                 ) -> Verdict:
+    """May local `item` go to team? Endorsed, or recalled on enough agent-days;
+    force=True lets any active item through (forced)."""
+    if not item.active:
+        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
+                                            "promoted.")
+    if trust.get("endorsements"):
+        return Verdict(True, "promotable", "endorsed")
+    if int(trust.get("recalls", 0)) >= recalls_needed:
+        return Verdict(True, "promotable",
+                       f"recalled {trust.get('recalls')} times (>= {recalls_needed})")
+    if force:
+        return Verdict(True, "promotable", "forced", forced=True)
+    return Verdict(False, "not_eligible", f"needs {recalls_needed} recalls (has "
+                                          f"{trust.get('recalls', 0)}) or an endorsement; "
+                                          "endorse() it or pass force=True")
+
+
+def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | None = None,
+                force: bool = False) -> Verdict:
+    """May `item` enter org scope? Requires an endorsement; then the prose that
+    would land (with org_content / org_why restating content / why) must read
+    cross-project, unless forced."""
+    if not item.active:
+        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
+                                            "promoted.")
     if not item.trust.get("endorsements"):
         return Verdict(False, "needs_endorsement",
                        f"org scope needs an endorsement; endorse({item.id!r}, note=...) "
                        "saying why it holds beyond this project, then promote again.")
-    body = org_content if org_content else item.content
-    tells = generalization_tells(body, item.project)
+    tells = org_tells(restated(item, content=org_content, why=org_why))
     if tells and not force:
-        draft = latest_endorsement_note(item)
         return Verdict(False, "needs_generalization",
-                       "org scope is read by every project, and this body reads "
-                       "project-specific. Restate it as the cross-project rule with "
-                       "org_content=... (the concrete body is kept as `example`), or pass "
-                       "force=True to promote it as it is.", tells, draft)
-    return Verdict(True, "promotable")
+                       "org scope is read by every project, and what it would publish of this "
+                       "item reads project-specific. Restate the content with org_content=... "
+                       "and the why with org_why=... (the concrete versions are kept as "
+                       "`example`), re-endorse with a general note, or pass force=True to "
+                       "promote it as it is.", tells, latest_endorsement_note(item))
+    return Verdict(True, "promotable", "forced past the generalization gate" if tells
+                   else "endorsed", tells, forced=bool(tells))
 
 
 def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
-                  org_content: str | None = None) -> Item:
+                  org_content: str | None = None, org_why: str | None = None) -> Item:
     """The item as it lands in a higher scope. Promotion is a verification."""
     checks = list(item.verifications or []) + [{"by": agent, "at": now,
                                                  "note": f"promoted to {scope}"}]
-    changes: dict[str, Any] = dict(scope=scope, trust=trust, promoted_at=now,
-                                   last_verified=now, verifications=checks, updated_at=now,
-                                   pr_url=None)
-    if org_content and org_content != item.content:
-        changes.update(content=org_content, example=item.example or item.content)
-    return dataclasses.replace(item, **changes)
+    return dataclasses.replace(restated(item, content=org_content, why=org_why), scope=scope,
+                               trust=trust, promoted_at=now, last_verified=now,
+                               verifications=checks, updated_at=now, pr_url=None)
 
 
 def raised(item: Item, authority: str) -> str | None:
@@ -3726,10 +3921,6 @@ def _git_head(root: Path) -> str | None:
         return None
 
 
-_ANCHOR_CACHE: dict[str, tuple[str, dict]] = {}   #: root -> (HEAD, {(path, symbol): (stamp, result)})
-_ANCHOR_GUARD = threading.Lock()
-
-
 def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
     """Each of an item's code_refs resolved against the working tree at `root`."""
     refs = [r for r in refs if isinstance(r, dict) and isinstance(r.get("path"), str)] \
@@ -3738,10 +3929,11 @@ def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
         return []
     root_real = os.path.realpath(root)
     head = _git_head(root)
-    with _ANCHOR_GUARD:
-        held = _ANCHOR_CACHE.get(root_real)
+    rt = runtime()
+    with rt.lock:               # root -> (HEAD, {(path, symbol): (file stamp, result)})
+        held = rt.anchors.get(root_real)
         if head is None or held is None or held[0] != head:
-            held = _ANCHOR_CACHE[root_real] = (head or "", {})
+            held = rt.anchors[root_real] = (head or "", {})
     out = []
     for ref in refs:
         key = (ref["path"], ref.get("symbol") if isinstance(ref.get("symbol"), str) else None)
@@ -3906,51 +4098,58 @@ ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements
 ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
 
 
-def team_store(cfg: Config) -> GitStore | None:
-    """The team scope's store, or None when the project repo has no such remote."""
+def store(cfg: Config, scope: str) -> Store:
+    """The store of one scope, with one contract for all three: read() -> Doc,
+    mutate(fn, message) -> Write (pending credits folded in, durable where it
+    went before it returns), warnings. Raises ScopeOff (a ConfigError saying how
+    to turn it on) for a scope that is not set up, ConfigError if misconfigured."""
+    if scope == "local":
+        return runtime().local_store(cfg.local_dir / STORE_FILE, credits_path(cfg))
+    if scope == "team":
+        return _team_store(cfg)
+    if scope == "org":
+        return _org_store(cfg)
+    raise InputError(f"scope must be local, team or org; got {scope!r}.")
+
+
+def _team_store(cfg: Config) -> GitStore:
+    """The team branch of the project remote."""
     if not _has_remote(cfg.repo, cfg.remote, cfg.git_timeout_s):
-        return None
+        raise ScopeOff(f"team scope needs a git remote {cfg.remote!r} in {cfg.repo}; "
+                       "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
     return GitStore("team", cfg.repo, cfg.remote, cfg.team_branch,
                     timeout_s=cfg.git_timeout_s, fetch_interval_s=cfg.fetch_interval_s,
-                    agent=cfg.agent, usage_path=_usage_path(cfg))
+                    agent=cfg.agent, credits=credits_path(cfg))
 
 
-def org_store(cfg: Config) -> GitStore | None:
-    """The org scope's store (default branch of the org clone's origin), or None if off."""
+def _org_store(cfg: Config) -> GitStore:
+    """The default branch of the org clone's origin."""
     org = cfg.org_repo
     if org is None:
-        return None
+        raise ScopeOff("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
     if not (org / ".git").exists():
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")
     if not _has_remote(org, "origin", cfg.git_timeout_s):
         raise ConfigError(f"the org clone {org} has no 'origin' remote to publish to.")
-    key = ("org-default", str(org))
-    branch = _GIT_CACHE.setdefault(key, {}).get("branch")
+    branches = runtime().org_branches
+    branch = branches.get(str(org))
     if branch is None:
-        proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
-                    cfg.git_timeout_s, check=False)
-        branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
-        if not branch:
-            proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org,
-                        cfg.git_timeout_s)
-            heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
-            branch = heads[0].removeprefix("refs/heads/") if heads else "main"
-        _GIT_CACHE[key]["branch"] = branch
+        branch = branches[str(org)] = _org_default_branch(org, cfg.git_timeout_s)
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
-                    extra_files=org_markdown)
+                    extra_files=org_markdown, checkout=True)
 
 
-def shared_store(cfg: Config, scope: str) -> GitStore:
-    """team_store/org_store, or a ConfigError saying how to turn the scope on."""
-    store = team_store(cfg) if scope == "team" else org_store(cfg)
-    if store is None:
-        if scope == "team":
-            raise ConfigError(f"team scope needs a git remote {cfg.remote!r} in {cfg.repo}; "
-                              "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
-        raise ConfigError("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
-    return store
+def _org_default_branch(org: Path, timeout_s: float) -> str:
+    proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
+                timeout_s, check=False)
+    branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
+    if not branch:
+        proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org, timeout_s)
+        heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
+        branch = heads[0].removeprefix("refs/heads/") if heads else "main"
+    return branch
 
 
 def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
@@ -3961,19 +4160,12 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     for scope in scopes:
-        if scope == "local":
-            store = local_store(cfg)
-            docs["local"] = store.read()
-            warnings += store.warnings
-            continue
         try:
-            store = team_store(cfg) if scope == "team" else org_store(cfg)
-            if store is None:
-                continue
-            docs[scope] = store.read(background=background)
-            warnings += store.warnings
-            if scope == "org":
-                store.sync_checkout()
+            st = store(cfg, scope)
+            docs[scope] = st.read(background=background)
+            warnings += st.warnings
+        except ScopeOff:
+            continue
         except CorruptStore as e:
             warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
                             "by hand (writes to that scope are refused until then).")
@@ -3988,15 +4180,13 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
     last fetched tip. For the primer, which must never stall or change a thing."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
-    try:
-        docs["local"] = local_store(cfg)._load()
-    except CorruptStore as e:
-        warnings.append(f"local scope skipped: {e}")
-    for scope in ("team", "org"):
+    for scope in SCOPES:
         try:
-            store = team_store(cfg) if scope == "team" else org_store(cfg)
-            if store is not None:
-                docs[scope] = store.doc_at(store.local_tip())
+            st = store(cfg, scope)
+            docs[scope] = st._load() if isinstance(st, LocalStore) else \
+                st.doc_at(st.local_tip())
+        except ScopeOff:
+            continue
         except CambiumError as e:
             warnings.append(f"{scope} scope skipped: {e}")
     return docs, warnings
@@ -4053,18 +4243,14 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
 
 
 def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
-                 *, org_branch: str | None = None) -> Write | None:
+                 *, org_branch: str | None = None) -> Write:
     """One write to one scope: local under the lock, team and org as a CAS push,
-    org in PR mode onto `org_branch` with its pull request opened (pr_url set).
-    Returns the shared-scope write (None for local)."""
-    if scope == "local":
-        mutate_local(cfg, fn, message)
-        return None
-    store = shared_store(cfg, scope)
+    org in PR mode onto `org_branch` with its pull request opened (pr_url set)."""
+    st = store(cfg, scope)
     branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = store.mutate(fn, f"cambium: {message}", branch=branch)
+    write = st.mutate(fn, f"cambium: {message}", branch=branch)
     if branch and write.commit:
-        write.pr_url = open_pr(cfg, store, branch, f"cambium: {message}",
+        write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}",
                                "Opened by cambium. Review is the gate; merge to publish.")
     return write
 
@@ -4106,10 +4292,7 @@ def settle_org_prs(cfg: Config) -> list[str]:
         drop = lambda d, done=done: dataclasses.replace(  # noqa: E731
             d, items=[i for i in d.items if i.id not in done]) \
             if any(i.id in done for i in d.items) else None
-        if scope == "local":
-            mutate_local(cfg, drop, "settle merged org PRs")
-        else:
-            shared_store(cfg, "team").mutate(drop, "cambium: settle merged org PRs")
+        store(cfg, scope).mutate(drop, "cambium: settle merged org PRs")
         settled += sorted(done)
     return settled
 
@@ -4636,9 +4819,9 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     command) raises after the other source has been imported.
     """
     stamp = now or _now()
-    store = local_store(cfg)
-    seen_warnings = len(store.warnings)
-    doc = store.read()
+    local = store(cfg, "local")
+    seen_warnings = len(local.warnings)
+    doc = local.read()
     reads, errors = _read_sources(cfg, doc, stamp)
     drafts = [d for r in reads for d in r.drafts]
     records = sum(r.records for r in reads)
@@ -4651,12 +4834,12 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp)[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
-    store_warnings = store.warnings[seen_warnings:]
+    store_warnings = local.warnings[seen_warnings:]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
                   errors, moved, pending)
-    _, plan = mutate_plan(functools.partial(mutate_local, cfg),
-                          lambda d: plan_distill(d, sweep, str(store.path)), "distill")
+    _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
+                          "distill")
     embed_soon(cfg, plan.imported)
     result = distill_result(plan, sweep, store_warnings)
     if cfg.release_capture:
@@ -4869,8 +5052,8 @@ def status() -> dict:
     cfg = resolve_config()
     if not cfg.configured:
         return unconfigured_guidance(cfg)
-    store = local_store(cfg)
-    doc = store.read()
+    local = store(cfg, "local")
+    doc = local.read()
     marks = doc.meta.get("watermarks") or {}
     systems: dict[str, int] = {}
     for k in marks:
@@ -4885,15 +5068,15 @@ def status() -> dict:
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
                      if v is not None},
         "sources": ORIGINS,
-        "scopes": {"local": {"path": str(store.path), "items": len(doc.items),
+        "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
                              "by_type": _count(doc)}, **_shared_scope_status(cfg)},
-        "pending_recall_credits": len(read_usage(_usage_path(cfg))),
+        "pending_recall_credits": len(read_credits(credits_path(cfg))),
         "watermarks": systems,
         "substrates": substrate_state(cfg, doc),
         **recall_mode_report(cfg),
         "gaps": config_gaps(cfg),
     }
-    warnings = store.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
+    warnings = local.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
                                   + ", ".join(corrupt)] if corrupt else [])
     if cfg.file_error:
         warnings.append(cfg.file_error)
@@ -4908,27 +5091,26 @@ def _shared_scope_status(cfg: Config) -> dict:
     for scope in ("team", "org"):
         info: dict[str, Any] = {}
         try:
-            store = team_store(cfg) if scope == "team" else org_store(cfg)
-        except CambiumError as e:
-            out[scope] = {"enabled": False, "reachable": False, "error": str(e)}
-            continue
-        if store is None:
+            st = store(cfg, scope)
+        except ScopeOff:
             out[scope] = {"enabled": False, "reachable": False,
                           "why": (f"no git remote {cfg.remote!r} in the project repo"
                                   if scope == "team" else "CAMBIUM_ORG_REPO is not set")}
             continue
-        info.update(enabled=True, repo=str(store.repo), remote=store.remote,
-                    branch=store.branch)
+        except CambiumError as e:
+            out[scope] = {"enabled": False, "reachable": False, "error": str(e)}
+            continue
+        info.update(enabled=True, repo=str(st.repo), remote=st.remote, branch=st.branch)
         if scope == "org":
             info["mode"] = "pull request" if cfg.org_pr else "direct push"
         try:
-            tip = store.fetch(force=True)
+            tip = st.fetch(force=True)
             info["reachable"] = True
         except GitError as e:
-            tip = store.local_tip()
+            tip = st.local_tip()
             info.update(reachable=False, error=str(e))
         try:
-            doc = store.doc_at(tip)
+            doc = st.doc_at(tip)
             info.update(items=len(doc.items), by_type=_count(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"
@@ -5106,7 +5288,7 @@ def capture(content: str, type: str = "memory", kind: str = "note", why: str = "
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:
     key = text_key(type, _clean_text(content, "content", MAX_CONTENT_CHARS))
-    for it in local_store(cfg).read().items:
+    for it in store(cfg, "local").read().items:
         if it.active and content_key(it) == key:
             return it
     return None
@@ -5140,25 +5322,16 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     carries `stale_code: true` (advisory: re-check it).
     """
     cfg = require_config()
-    if not isinstance(query, str) or not query.strip():
-        raise InputError("query is empty; say what you are looking for.")
-    query = valid_unicode(query)
-    if len(query) > MAX_QUERY_CHARS:
-        raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
-    if scope not in ("auto", "local", "team", "org"):
-        raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
-    if not isinstance(limit, int) or not 1 <= limit <= MAX_RECALL_LIMIT:
-        raise InputError(f"limit must be between 1 and {MAX_RECALL_LIMIT}.")
-    if detail not in ("lines", "full"):
-        raise InputError(f"detail must be lines or full; got {detail!r}.")
+    query = _checked_recall_args(query, scope, limit, detail)
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
-        shared_store(cfg, scope)                   # asked for a scope that is off: say so
-    docs, warnings = read_scopes(cfg, scopes, background=LONG_RUNNING.is_set())
+        store(cfg, scope)                   # asked for a scope that is off: say so
+    docs, warnings = read_scopes(cfg, scopes, background=runtime().long_running.is_set())
     if scope in ("team", "org") and scope not in docs:
         raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
     items = federated_items(docs)
-    key = str(local_store(cfg).path) + ("" if list(docs) == ["local"] else "|" + "+".join(docs))
+    key = str(cfg.local_dir / STORE_FILE) + ("" if list(docs) == ["local"] else
+                                             "|" + "+".join(docs))
     index = store_index(key, items)
     ranking = rank(index, query, limit, cfg=cfg)
     hits, confidence = ranking.hits, ranking.confidence
@@ -5181,11 +5354,26 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
                                       round(h.confidence, 3), detail) for h in hits]
         note_shown(cfg, [h.item.id for h in hits], "recall")
         out["no_confident_match"] = False
-        if any(h.item.scope == "team" for h in hits):
-            _schedule_credit_flush(cfg)
+        _schedule_credit_fold(cfg)
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def _checked_recall_args(query: Any, scope: Any, limit: Any, detail: Any) -> str:
+    """The query, once every recall argument is known good; InputError if not."""
+    if not isinstance(query, str) or not query.strip():
+        raise InputError("query is empty; say what you are looking for.")
+    query = valid_unicode(query)
+    if len(query) > MAX_QUERY_CHARS:
+        raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
+    if scope not in ("auto", "local", "team", "org"):
+        raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
+    if not isinstance(limit, int) or not 1 <= limit <= MAX_RECALL_LIMIT:
+        raise InputError(f"limit must be between 1 and {MAX_RECALL_LIMIT}.")
+    if detail not in ("lines", "full"):
+        raise InputError(f"detail must be lines or full; got {detail!r}.")
+    return query
 
 
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
@@ -5228,7 +5416,7 @@ def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
     docs, warnings = read_scopes_offline(cfg)
     now = datetime.now(timezone.utc)
     pending: dict[str, list] = {}
-    for rec in read_usage(_usage_path(cfg)):
+    for rec in read_credits(credits_path(cfg), adopt=False):
         pending.setdefault(rec["item"], []).append(rec)
     entries = primer_candidates(docs, pending, project=cfg.project, now=now)
 
@@ -5260,7 +5448,7 @@ def expand(item_id: str) -> dict:
     cfg = require_config()
     item_id = _check_id(item_id)
     scope, item = locate(cfg, item_id)
-    trust = effective_trust(item, read_usage(_usage_path(cfg)))
+    trust = effective_trust(item, read_credits(credits_path(cfg), adopt=False))
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out = {**item_view(item, trust=trust), "scope": scope,
            "line": item_line(item, trust=trust, anchors=anchors),
@@ -5274,9 +5462,9 @@ def expand(item_id: str) -> dict:
 
 def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     """Journal one credit per (item, agent, day) not yet credited; return pending."""
-    path = _usage_path(cfg)
+    path = credits_path(cfg)
     day = _today()
-    pending = read_usage(path)
+    pending = read_credits(path)
     seen = {(r["item"], r.get("agent"), r.get("day")) for r in pending}
     new = []
     for it in items:
@@ -5287,44 +5475,60 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
             continue
         new.append({"item": it.id, "scope": it.scope, "agent": cfg.agent, "day": day,
                     "project": cfg.project, "at": _now()})
-    append_usage(path, new)
+    append_credits(path, new)
     return pending + new
 
 
-_FLUSH_DELAY_S = 3.0                 #: batch window for publishing team recall credits
-_FLUSH: dict[str, Any] = {"timer": None}
-_FLUSH_GUARD = threading.Lock()
+CREDIT_FOLD_DELAY_S = 2.0     #: the server folds journaled recall credits this soon after
 
 
-def flush_credits(cfg: Config) -> int:
-    """Publish pending team recall credits with one team write; returns how many."""
-    pending, _ = take_usage(_usage_path(cfg), "team")
-    store = team_store(cfg) if pending else None
-    if store is None:
-        return 0
-    store.mutate(lambda doc: None, f"cambium: publish {len(pending)} recall credits")
-    return len(pending)
+def fold_credits_now(cfg: Config, scopes: Iterable[str] = ("local", "team")) -> int:
+    """Fold the journaled credits of `scopes` into their stores (a team credit is
+    one team write for all of them); returns how many credits were pending."""
+    pending = read_credits(credits_path(cfg))
+    total = 0
+    for scope in scopes:
+        mine = [r for r in pending if r.get("scope", "local") == scope]
+        if not mine:
+            continue
+        try:
+            st = store(cfg, scope)
+        except ScopeOff:
+            continue                      # nothing to fold them into: they wait
+        st.mutate(lambda doc: None, f"cambium: fold {len(mine)} recall credits")
+        total += len(mine)
+    return total
 
 
-def _schedule_credit_flush(cfg: Config) -> None:
-    """In the long-running server, publish team credits shortly after, in the
-    background. The CLI leaves them in the journal for the next team write."""
-    with _FLUSH_GUARD:
-        if not LONG_RUNNING.is_set() or _FLUSH["timer"] is not None:
+def _schedule_credit_fold(cfg: Config) -> None:
+    """In the long-running server, fold the credits a recall journaled into
+    their stores shortly after, in the background (one write for a burst of
+    recalls). The CLI folds its local credits before it exits instead."""
+    rt = runtime()
+    if not rt.long_running.is_set():
+        return
+
+    def run() -> None:
+        with rt.lock:
+            rt.fold_timer = None
+        with use_runtime(rt):
+            _fold_quietly(cfg, "not yet folded")
+
+    with rt.lock:
+        if rt.fold_timer is not None:
             return
+        rt.fold_timer = threading.Timer(CREDIT_FOLD_DELAY_S, run)
+        rt.fold_timer.daemon = True
+        rt.fold_timer.start()
 
-        def run() -> None:
-            with _FLUSH_GUARD:
-                _FLUSH["timer"] = None
-            try:
-                flush_credits(cfg)
-            except CambiumError as e:      # stays journaled; next team write retries
-                print(f"cambium: recall credits not yet published: {e}", file=sys.stderr)
 
-        timer = threading.Timer(_FLUSH_DELAY_S, run)
-        timer.daemon = True
-        _FLUSH["timer"] = timer
-        timer.start()
+def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = ("local", "team")) -> None:
+    """fold_credits_now, reporting a failure on stderr: the credits stay journaled
+    and the next write to their store folds them."""
+    try:
+        fold_credits_now(cfg, scopes)
+    except (CambiumError, OSError) as e:
+        print(f"cambium: recall credits {what}: {e}", file=sys.stderr)
 
 
 def endorse(item_id: str, note: str = "") -> dict:
@@ -5364,16 +5568,19 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
 
 
 def promote(item_id: str | None = None, to_scope: Literal["team", "org"] = "team",
-            force: bool = False, org_content: str | None = None) -> dict:
+            force: bool = False, org_content: str | None = None,
+            org_why: str | None = None) -> dict:
     """Move knowledge up a scope once it has earned trust.
 
     With no arguments: promote every eligible local item to team (recalled by
     at least CAMBIUM_PROMOTE_RECALLS agent-days, or endorsed). With item_id and
     to_scope="team": that one item (force=True skips the eligibility check).
-    With to_scope="org": needs an endorsement, and the body must read as a
-    cross-project rule: one that names a file, a test, a dec-/con- id or its
-    project is refused with the tells found and a ready draft; restate it with
-    org_content=... (the concrete body is kept as `example`) or pass force=True.
+    With to_scope="org": needs an endorsement, and everything org publishes of
+    it (content, why, endorsement notes) must read as a cross-project rule:
+    text that names a file, a test, a dec-/con- id or its project is refused
+    with the tells found and a ready draft; restate the content with
+    org_content=... and the why with org_why=... (the concrete versions are
+    kept as `example`) or pass force=True.
     Org promotion pushes to the org repo, or opens a pull request when
     CAMBIUM_ORG_PR=1 (the source copy stays, annotated with pr_url, until the PR
     merges). An item leaves its old scope only after the new copy is verified
@@ -5387,38 +5594,36 @@ def promote(item_id: str | None = None, to_scope: Literal["team", "org"] = "team
         item_id = _check_id(item_id)
     if org_content is not None:
         org_content = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) or None
+    if org_why is not None:
+        org_why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) or None
     settled = settle_org_prs(cfg) if cfg.org_repo else []
     if to_scope == "team":
         out = _promote_to_team(cfg, item_id, force)
     else:
         if item_id is None:
             raise InputError("promote to org names one item: promote(item_id, to_scope='org').")
-        out = _promote_to_org(cfg, item_id, force, org_content)
+        out = _promote_to_org(cfg, item_id, force, org_content, org_why)
     if settled:
         out["settled_org_prs"] = settled
     return out
 
 
 def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
-    doc = local_store(cfg).read()
-    pending = read_usage(_usage_path(cfg))
+    doc = store(cfg, "local").read()
+    pending = read_credits(credits_path(cfg))
     chosen: list[tuple[Item, dict, str]] = []
     for it in doc.items:
         if item_id is not None and it.id != item_id:
             continue
         trust = effective_trust(it, pending)
-        why = team_eligibility(it, trust, cfg.promote_recalls)
-        if why is None and item_id is not None and force and it.active:
-            why = "forced"
-        if why:
-            chosen.append((it, trust, why))
+        verdict = team_verdict(it, trust, cfg.promote_recalls,
+                               force=force and item_id is not None)
+        if verdict.allowed:
+            chosen.append((it, trust, verdict.reason))
         elif item_id is not None:
-            if not it.active:
-                _require_active(it, "promoted")
-            return {"status": "not_eligible", "item": item_view(it, trust=trust),
-                    "reason": f"needs {cfg.promote_recalls} recalls (has "
-                              f"{trust.get('recalls', 0)}) or an endorsement; endorse() it "
-                              "or pass force=True"}
+            _require_active(it, "promoted")
+            return {"status": verdict.status, "item": item_view(it, trust=trust),
+                    "reason": verdict.reason}
     if item_id is not None and not chosen:
         scope, it = locate(cfg, item_id)
         return {"status": "already_promoted" if scope != "local" else "not_eligible",
@@ -5426,7 +5631,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
     if not chosen:
         return {"status": "nothing_eligible", "promoted": [],
                 "rule": f"local items need {cfg.promote_recalls} recalls or an endorsement"}
-    store = shared_store(cfg, "team")
+    team = store(cfg, "team")
     now = _now()
     copies = {it.id: promoted_copy(it, "team", trust=trust, agent=cfg.agent, now=now)
               for it, trust, _ in chosen}
@@ -5437,24 +5642,25 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
         return dataclasses.replace(d, items=d.items + new) if new else None
 
     try:
-        write = store.mutate(add, f"cambium: {cfg.agent} promotes {len(copies)} item(s) to team")
+        write = team.mutate(add, f"cambium: {cfg.agent} promotes {len(copies)} item(s) to team")
     except CambiumError as e:
         raise _noted(e, "nothing moved: the item(s) stay local.")
     landed = {i.id for i in write.doc.items} & set(copies)
-    _drop_local(cfg, landed)
+    _drop(cfg, "local", landed, "moved up to team")
     return {"status": "promoted", "to_scope": "team", "commit": write.commit,
             "promoted": [{**item_view(copies[i]), "because": why}
                          for it, _, why in chosen if (i := it.id) in landed]}
 
 
-def _drop_local(cfg: Config, ids: set[str]) -> None:
-    """Remove items from local scope (only ever after their copy is verified elsewhere)."""
+def _drop(cfg: Config, scope: str, ids: set[str], message: str) -> None:
+    """Remove items from a scope (only ever after their copy is verified elsewhere)."""
     if ids:
-        mutate_local(cfg, lambda d: dataclasses.replace(
-            d, items=[i for i in d.items if i.id not in ids]), "moved up")
+        store(cfg, scope).mutate(lambda d: dataclasses.replace(
+            d, items=[i for i in d.items if i.id not in ids]), message)
 
 
-def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None) -> dict:
+def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None,
+                    org_why: str | None) -> dict:
     scope, item = locate(cfg, item_id)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
@@ -5464,20 +5670,20 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
                         "finishes the move."}
-    verdict = org_verdict(item, org_content=org_content, force=force)
+    verdict = org_verdict(item, org_content=org_content, org_why=org_why, force=force)
     if not verdict.allowed:
         out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
         if verdict.tells:
             out["tells"] = verdict.tells
             out["draft"] = verdict.draft
             out["retry"] = (f"promote({item_id!r}, to_scope='org', org_content=<the rule in "
-                            "general terms>)")
+                            "general terms>, org_why=<why it holds, in general terms>)")
         return out
-    org = shared_store(cfg, "org")
-    pending = read_usage(_usage_path(cfg))
+    org = store(cfg, "org")
+    pending = read_credits(credits_path(cfg))
     now = _now()
     copy = promoted_copy(item, "org", trust=effective_trust(item, pending), agent=cfg.agent,
-                         now=now, org_content=org_content)
+                         now=now, org_content=org_content, org_why=org_why)
 
     def add(d: Doc) -> Doc | None:
         if any(i.id == copy.id for i in d.items):
@@ -5504,57 +5710,51 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     except CambiumError as e:
         raise _noted(e, f"nothing moved: the item stays in {scope} scope.")
     if any(i.id == item_id for i in write.doc.items):
-        if scope == "local":
-            _drop_local(cfg, {item_id})
-        else:
-            shared_store(cfg, scope).mutate(lambda d: dataclasses.replace(
-                d, items=[i for i in d.items if i.id != item_id]),
-                f"cambium: {item_id} moved to org")
+        _drop(cfg, scope, {item_id}, f"cambium: {item_id} moved to org")
     return {"status": "promoted", "to_scope": "org", "commit": write.commit,
             "item": item_view(copy), "published": ["knowledge.json", "KNOWLEDGE.md"]}
 
 
-def generalize(item_id: str, org_content: str | None = None, note: str = "") -> dict:
-    """Restate an org item's body as the cross-project rule, in place.
+def generalize(item_id: str, org_content: str | None = None, org_why: str | None = None,
+               note: str = "") -> dict:
+    """Restate an org item as the cross-project rule, in place.
 
     For org items that crossed before the generalization gate or were forced
     past it (review_promotions lists them under org_needs_generalization). The
-    concrete body is kept as `example`. org_content: the general restatement;
-    omitted, the item's latest endorsement note is used. note: why. Writes
-    through the org path: a direct push, or one shared `cambium/generalize`
-    pull request when CAMBIUM_ORG_PR=1 (repeated calls batch into it).
-    Idempotent: restating to the same text changes nothing.
+    concrete versions are kept as `example`. org_content: the general
+    restatement of the content; org_why: of the why. With neither, the item's
+    latest endorsement note restates the content. note: why. Writes through
+    the org path: a direct push, or one shared `cambium/generalize` pull
+    request when CAMBIUM_ORG_PR=1 (repeated calls batch into it). Idempotent:
+    restating to the same text changes nothing.
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    org = shared_store(cfg, "org")
-    doc = org.read()
-    hit = _find_item(doc, item_id)
+    hit = _find_item(store(cfg, "org").read(), item_id)
     if hit is None:
         raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
                        "(review_promotions lists the ones that need it).")
-    item = hit[1]
+    why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) if org_why else None
     text = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else \
-        latest_endorsement_note(item)
-    if not text:
+        None if why else latest_endorsement_note(hit[1])
+    if not text and not why:
         raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
-                         "org_content= with the rule stated in general terms.")
+                         "org_content= (and/or org_why=) with the rule stated in general terms.")
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
 
     def apply(it: Item) -> Item | None:
-        if it.content == text:
-            return None
-        return dataclasses.replace(it, content=text, example=it.example or it.content,
-                                   updated_at=now, extra={**it.extra, "generalized": {
-                                       "by": cfg.agent, "at": now, "note": note}})
+        new = restated(it, content=text, why=why)
+        return None if new is it else dataclasses.replace(
+            new, updated_at=now, extra={**it.extra, "generalized": {
+                "by": cfg.agent, "at": now, "note": note}})
 
     new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes {item_id}",
                              org_branch=ORG_GENERALIZE_BRANCH)
-    changed = write is not None and write.commit is not None and new.content == text \
-        and item.content != text
+    changed = write is not None and write.commit is not None and restated(
+        hit[1], content=text, why=why) is not hit[1]
     out = {"status": "generalized" if changed else "unchanged", "item": item_view(new),
-           "tells_left": generalization_tells(new.content, new.project)}
+           "tells_left": org_tells(new)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
     return out
@@ -5573,29 +5773,31 @@ def review_promotions() -> dict:
     cfg = require_config()
     settled = settle_org_prs(cfg) if cfg.org_repo else []
     docs, warnings = read_scopes(cfg, SCOPES)
-    pending = read_usage(_usage_path(cfg))
+    pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
     for it in docs["local"].items:
         trust = effective_trust(it, pending)
-        why = team_eligibility(it, trust, cfg.promote_recalls)
-        if why:
-            out["team_eligible"].append({**item_view(it, trust=trust), "because": why})
+        verdict = team_verdict(it, trust, cfg.promote_recalls)
+        if verdict.allowed:
+            out["team_eligible"].append({**item_view(it, trust=trust),
+                                         "because": verdict.reason})
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
             if it.pr_url:
                 out["pending_org_prs"].append({"id": it.id, "scope": scope, "pr_url": it.pr_url,
                                                "content": it.content})
             elif scope == "team" and it.active and it.trust.get("endorsements"):
-                out["endorsed_for_org"].append({**item_view(it), "tells": generalization_tells(
-                    it.content, it.project), "draft": latest_endorsement_note(it)})
+                out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
+                                                "draft": latest_endorsement_note(it)})
     for it in docs.get("org", Doc(items=[])).items:
-        tells = generalization_tells(it.content, it.project) if it.active else []
+        tells = org_tells(it) if it.active else []
         if tells:
             out["org_needs_generalization"].append({
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": latest_endorsement_note(it),
-                "fix": f"generalize({it.id!r}, org_content=<the rule in general terms>)"})
+                "fix": f"generalize({it.id!r}, org_content=<the rule in general terms>, "
+                       "org_why=<why, in general terms>)"})
     if settled:
         out["settled_org_prs"] = settled
     if warnings:
@@ -5693,7 +5895,7 @@ def correct(item_id: str, content: str, why: str = "", force: bool = False) -> d
     _require_active(old, "corrected")
     now = _now()
     new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
-    tells = generalization_tells(new.content, new.project) if scope == "org" else []
+    tells = org_tells(new) if scope == "org" else []
     if tells and not force:
         return {"status": "needs_generalization", "scope": scope, "tells": tells,
                 "reason": "org scope is read by every project and this correction reads "
@@ -5750,7 +5952,7 @@ def usage(session: str | None = None, item_id: str | None = None) -> dict:
     if session:
         session = _clean_text(session, "session", 200)
         rows = shown_by(records, "session", session, "item")
-        docs, warnings = read_scopes(cfg, SCOPES, background=LONG_RUNNING.is_set())
+        docs, warnings = read_scopes(cfg, SCOPES, background=runtime().long_running.is_set())
         known = {it.id: it for it in federated_items(docs)}
         for row in rows:
             it = known.get(row["item"])
@@ -5844,9 +6046,9 @@ def export_markdown(scope: Literal["local", "team", "org", "all"] = "local") -> 
         raise InputError(f"scope must be local, team, org or all; got {scope!r}.")
     wanted = SCOPES if scope == "all" else (scope,)
     if scope in ("team", "org"):
-        shared_store(cfg, scope)
+        store(cfg, scope)
     docs, warnings = read_scopes(cfg, wanted)
-    pending = read_usage(_usage_path(cfg))
+    pending = read_credits(credits_path(cfg))
     groups = {s: [(it, effective_trust(it, pending)) for it in d.items if it.active]
               for s, d in docs.items()}
     out: dict[str, Any] = {"scope": scope, "markdown": render_markdown(groups),
@@ -5860,7 +6062,7 @@ def export_markdown(scope: Literal["local", "team", "org", "all"] = "local") -> 
 
 def _publish_org_markdown(cfg: Config) -> dict:
     """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's."""
-    org = shared_store(cfg, "org")
+    org = store(cfg, "org")
     branch = "cambium/knowledge-md" if cfg.org_pr else None
     write = org.mutate(lambda d: None, "cambium: re-render KNOWLEDGE.md", branch=branch,
                        ensure_files=True)
@@ -5903,6 +6105,8 @@ ARG_DOCS = {
     "force": "team: skip the eligibility check; org: pass the generalization gate as is.",
     "org_content": "The body restated as a cross-project rule (the concrete one is kept "
                    "as `example`).",
+    "org_why": "The why restated in cross-project terms (the concrete one is kept in "
+               "`example`).",
     "reason": "Why the item no longer holds.",
     "session": "A session id, as usage() lists them (the MCP session or a hook's session_id).",
     "supersedes": "Id of an item you believe is wrong: records yours as a counter-claim to it "
@@ -6196,9 +6400,11 @@ def _cli_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="to_scope", default="team", choices=("team", "org"))
     p.add_argument("--force", action="store_true")
     p.add_argument("--org-content")
+    p.add_argument("--org-why")
     p = sub.add_parser("generalize", parents=[fmt], help="restate an org item as a general rule")
     p.add_argument("item_id")
     p.add_argument("--org-content")
+    p.add_argument("--org-why")
     p.add_argument("--note", default="")
     sub.add_parser("review", parents=[fmt], help="what can be promoted, and what needs a person")
     p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds; --run: "
@@ -6269,9 +6475,10 @@ def _cli_dispatch(args: argparse.Namespace) -> dict:
         return endorse(args.item_id, note=args.note)
     if c == "promote":
         return promote(args.item_id, to_scope=args.to_scope, force=args.force,
-                       org_content=args.org_content)
+                       org_content=args.org_content, org_why=args.org_why)
     if c == "generalize":
-        return generalize(args.item_id, org_content=args.org_content, note=args.note)
+        return generalize(args.item_id, org_content=args.org_content, org_why=args.org_why,
+                          note=args.note)
     if c == "review":
         return review_promotions()
     if c == "verify":
@@ -6334,6 +6541,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
         _emit(result, as_text)
+    if args.command == "recall":
+        _fold_on_exit(("local",))                   # its credits reach knowledge.json now
     return 0
 
 
@@ -6345,15 +6554,17 @@ def _serve(args: argparse.Namespace) -> int:
         if problem:
             print(f"cambium: {problem}", file=sys.stderr)
             return 2
-    LONG_RUNNING.set()
+    rt = runtime()
+    rt.long_running.set()
     try:
         if args.http:
             serve_http(args.host, args.port, token)
         else:
             build_server().run("stdio")
     finally:
-        LONG_RUNNING.clear()
-        _flush_on_shutdown()
+        rt.long_running.clear()
+        rt.cancel_fold()
+        _fold_on_exit()
     return 0
 
 
@@ -6372,9 +6583,8 @@ def primer_hook(argv: list[str]) -> int:
         out = primer_for(cfg, limit)
         if out.get("warnings"):             # a scope it could not read: say nothing
             raise CambiumError("; ".join(out["warnings"]))
-        text = out["primer"]
         sys.stdout.write(json.dumps({"hookSpecificOutput": {
-            "hookEventName": "SessionStart", "additionalContext": text}},
+            "hookEventName": "SessionStart", "additionalContext": out["primer"]}},
             ensure_ascii=False) + "\n")
         sys.stdout.flush()
     except BaseException as e:      # noqa: BLE001 - a SessionStart hook must never fail
@@ -6383,14 +6593,13 @@ def primer_hook(argv: list[str]) -> int:
     return 0
 
 
-def _flush_on_shutdown() -> None:
-    """Publish journaled team recall credits on a clean server shutdown."""
-    try:
+def _fold_on_exit(scopes: Iterable[str] = ("local", "team")) -> None:
+    """Fold journaled recall credits into their stores as a process ends cleanly
+    (the server: local and team; the CLI: local, its own recall's)."""
+    with contextlib.suppress(CambiumError, OSError):
         cfg = resolve_config()
         if cfg.configured:
-            flush_credits(cfg)
-    except CambiumError as e:
-        print(f"cambium: recall credits stay journaled: {e}", file=sys.stderr)
+            _fold_quietly(cfg, "stay journaled", scopes)
 
 
 def distill_summary(result: dict) -> str:
