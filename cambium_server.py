@@ -40,16 +40,15 @@ distill() reads, never writes, two substrates: the agentsync board
 AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
 <CAMBIUM_REPO>/.context/*.json.
 
-The same file is the MCP server (no arguments: stdio) and a CLI for hooks and
-shells, one command per tool: status, setup, primer, capture, record-need,
-recall, show (expand), endorse, promote, generalize, review, verify, stale,
-deprecate, correct, usage, import, export, distill (`distill --hook` for a
-session-end hook), demo; `primer --hook` for a session-start hook; `serve
-[--http]` (stdio, or streamable HTTP for several agents); and two
-operator-only commands no MCP tool can reach: verify-cmd (attach a shell check)
-and verify --run (run the checks). The CLI path never
-imports the MCP SDK: hooks run it at every session end and the SDK costs about
-a second.
+The same file is the MCP server (no arguments, or `serve`: stdio) and a CLI for
+hooks and shells. Both are built from one table, api_table(): a command per
+tool (its name with dashes, plus short aliases: review, verify, stale, import,
+export), its arguments, defaults and bounds read from the tool's signature, and
+CLI-only commands and options: serve (stdio, or `--http` for several agents),
+demo, `distill --hook` for a session-end hook, `primer --hook` for a
+session-start hook, and two operator-only ones no MCP tool can reach:
+verify-cmd (attach a shell check) and verify --run (run the checks). The CLI path never imports the
+MCP SDK: hooks run it at every session end and the SDK costs about a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, process state (the Runtime), git plumbing, storage
@@ -57,8 +56,8 @@ normalization, config, process state (the Runtime), git plumbing, storage
 substrate readers, import adapters, recall (lexical, semantic, ranking),
 ingest, lifecycle decisions, code anchors, scope helpers (item views and
 one-line results), scope reads, the primer digest, distill, hygiene (usage
-attribution, operator checks), tools, MCP
-server, CLI, demo.
+attribution, operator checks), tools (ending in the API table), MCP server
+(stdio and HTTP), CLI, demo.
 """
 from __future__ import annotations
 
@@ -73,6 +72,7 @@ import functools
 import hashlib
 import heapq
 import importlib.util
+import inspect
 import json
 import math
 import operator
@@ -89,7 +89,8 @@ from array import array
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal
+from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Iterator, Literal,
+                    get_args, get_origin, get_type_hints)
 
 if TYPE_CHECKING:  # pragma: no cover
     from mcp.server.mcpserver import MCPServer
@@ -216,6 +217,114 @@ class SubstrateError(CambiumError):
     An absent substrate is not an error (distill reports it as a warning); an
     unreadable one is, because somebody has to repair it.
     """
+
+
+# =============================================================================
+# API arguments
+# A tool's arguments are described once, in its signature: a type (Literal for
+# a closed set) and `Annotated[int, Field("what it is", ge=1, le=50)]`. Field is
+# stdlib data: the CLI reads it as is, build_server() hands the SDK pydantic's
+# equivalent, and Python callers get the same check through check_arg().
+# =============================================================================
+
+
+@dataclass(frozen=True)
+class Field:
+    """One argument's description and bounds, as data (pydantic's Field, minus pydantic)."""
+    description: str = ""
+    ge: int | None = None
+    le: int | None = None
+
+
+REQUIRED = object()   #: placeholder default: callers must pass the argument
+
+
+@dataclass(frozen=True)
+class Param:
+    """One API argument of a tool, read from its signature (see api_params)."""
+    name: str
+    type: Any                  #: the annotation without Annotated[...]
+    default: Any               #: REQUIRED when the caller must pass it
+    doc: str
+    ge: int | None = None
+    le: int | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    @property
+    def choices(self) -> tuple | None:
+        """The allowed values of a Literal (or optional Literal) argument."""
+        for t in (self.type, *get_args(self.type)):
+            if get_origin(t) is Literal:
+                return get_args(t)
+        return None
+
+    @property
+    def base(self) -> type:
+        """int, bool or str: what the CLI parses the value as."""
+        if self.choices:
+            return str
+        kinds = set(get_args(self.type) or (self.type,)) - {type(None)}
+        return int if kinds == {int} else bool if kinds == {bool} else str
+
+    def allowed(self) -> str:
+        """What the argument accepts, as the end of "<name> must be ..."."""
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        if self.base is int:
+            if self.ge is not None and self.le is not None:
+                return f"a whole number from {self.ge} to {self.le}"
+            if self.ge is not None:
+                return f"a whole number of at least {self.ge}"
+            return "a whole number"
+        return "true or false" if self.base is bool else "text"
+
+    def check(self, value: Any) -> Any:
+        """The value if it is allowed, else InputError naming the argument (for
+        Python callers; over MCP the schema has already said the same)."""
+        ok = value is None and not self.required and self.default is None
+        if not ok and self.base is int:
+            ok = isinstance(value, int) and not isinstance(value, bool) and \
+                (self.ge is None or value >= self.ge) and (self.le is None or value <= self.le)
+        elif not ok and self.choices:
+            ok = value in self.choices
+        if not ok:
+            raise InputError(f"{self.name} must be {self.allowed()}; got {value!r}.")
+        return value
+
+
+def api_params(fn: Callable) -> list[Param]:
+    """The API arguments of a tool: every parameter annotated with a Field, in
+    order. A parameter without one (on_progress) is internal to the core."""
+    return _api_params(fn)
+
+
+@functools.cache
+def _api_params(fn: Callable) -> list[Param]:
+    hints = get_type_hints(fn, include_extras=True)
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        hint = hints.get(p.name)
+        meta = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Field)]
+        if not meta:
+            continue
+        default = REQUIRED if p.default in (inspect.Parameter.empty, ...) else p.default
+        out.append(Param(p.name, get_args(hint)[0], default, meta[0].description,
+                         meta[0].ge, meta[0].le))
+    return out
+
+
+def check_arg(fn: Callable, name: str, value: Any) -> Any:
+    """`value` if `fn`'s argument `name` allows it, else InputError."""
+    return next(p for p in api_params(fn) if p.name == name).check(value)
+
+
+ItemId = Annotated[str, Field("A cambium item id (k-...), as recall and capture return it.")]
+Tags = Annotated[list[str] | str | None, Field(
+    "Topic tags, as a list or a comma/space separated string; they weigh most in recall.")]
+Why = Annotated[str, Field("The reason or evidence behind it; recall searches it too.")]
 
 
 # =============================================================================
@@ -514,7 +623,9 @@ def normalize_code_refs(refs: Any) -> list[dict] | None:
     validated, deduplicated, at most MAX_CODE_REFS. None when there are none."""
     if refs in (None, "", []):
         return None
-    if isinstance(refs, (str, dict)):
+    if isinstance(refs, str):
+        refs = [r for r in refs.split(",") if r.strip()]
+    elif isinstance(refs, dict):
         refs = [refs]
     if not isinstance(refs, (list, tuple)):
         raise InputError("code_refs must be a list of {path, symbol?} objects.")
@@ -4939,7 +5050,9 @@ CHECK_TIMEOUT_S = 120          #: default seconds per check (verify --run --time
 CHECK_OUTPUT_CHARS = 2_000     #: tail of a failing check's output kept on the item
 
 
-def attach_check(item_id: str, cmd: str) -> dict:
+def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
+        "Shell command run in the repo; exit 0 = the item holds; '' removes the check.")],
+                 ) -> dict:
     """CLI `verify-cmd`: attach (or with an empty cmd, remove) an item's check."""
     cfg = require_config()
     item_id = _check_id(item_id)
@@ -5027,8 +5140,13 @@ def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
 # =============================================================================
 # Tools
 # Thin adapters: typed arguments, one call into the core, a dict answer. The
-# docstring is the manual the model reads. Registered in build_server().
+# docstring is the manual the model reads; each argument's own description and
+# bounds sit in its annotation (see "API arguments"). The table at the end of
+# this section lists every tool and CLI command once; the MCP server and the
+# CLI are built from it.
 # =============================================================================
+
+
 
 
 def _count(doc: Doc) -> dict:
@@ -5120,32 +5238,25 @@ def _shared_scope_status(cfg: Config) -> dict:
     return out
 
 
-def setup(project_repo: str, agent_id: str, org_repo: str | None = None,
-          org_pr: bool | None = None, team_branch: str | None = None) -> dict:
+def setup(project_repo: Annotated[str, Field("Absolute path of your project's git clone.")],
+          agent_id: Annotated[str, Field("Your unique agent id (letters, digits, . _ - @).")],
+          org_repo: Annotated[str | None, Field(
+              "Local clone path of the org knowledge repo, or a GitHub owner/name.")] = None,
+          org_pr: Annotated[bool | None, Field(
+              "True: org promotion opens a pull request instead of pushing.")] = None,
+          team_branch: Annotated[str | None, Field(
+              "Branch that holds team scope (default cambium).")] = None) -> dict:
     """Configure cambium from a cold start; takes effect immediately, no restart.
 
-    Use when status() reports `configured: false`. project_repo: absolute path
-    of your project's git clone (local scope lives in its .cambium/); recorded
-    for processes started outside any git repo, since inside one the working
-    directory's repo is the project (`binding` says which applies). agent_id:
-    your unique id (letters, digits, . _ - @). org_repo: absolute path of a
-    local clone of the org knowledge repo, or a GitHub owner/name (then the
-    exact gh/git commands to stand it up are returned and org scope stays off;
-    nothing is created for you). org_pr: true = org promotion opens a pull
-    request. team_branch: team scope branch (default cambium). Writes only
+    Use when status() reports `configured: false`. Local scope lives in
+    project_repo's .cambium/; the repo is recorded for processes started outside
+    any git repo, since inside one the working directory's repo is the project
+    (`binding` says which applies). An org_repo given as owner/name returns the
+    exact gh/git commands to stand it up, and org scope stays off. Writes only
     paths, ids and flags (no secrets) to the config file, owner-only.
     """
     env = os.environ
-    path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
-    if path is None or not path.exists():
-        raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
-                         "path of your project's git clone.")
-    if not path.is_dir():
-        raise InputError(f"project_repo {path} is not a directory.")
-    root = git_toplevel(path)
-    if root is None:
-        raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
-                         "or pass your clone's path.")
+    root = _project_root(project_repo)
     agent_id = (agent_id or "").strip()
     problem = _validate("CAMBIUM_AGENT_ID", agent_id) if agent_id else "agent_id is required"
     if problem:
@@ -5205,6 +5316,21 @@ def repo_binding(cfg: Config) -> dict:
             "project": cfg.project}
 
 
+def _project_root(project_repo: str) -> Path:
+    """The git root of setup's project_repo, or InputError saying what is wrong."""
+    path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
+    if path is None or not path.exists():
+        raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
+                         "path of your project's git clone.")
+    if not path.is_dir():
+        raise InputError(f"project_repo {path} is not a directory.")
+    root = git_toplevel(path)
+    if root is None:
+        raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
+                         "or pass your clone's path.")
+    return root
+
+
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
     """(offer of commands, None) for an owner/name; (None, path) for a local clone."""
     candidate = Path(os.path.expanduser(org_repo))
@@ -5248,10 +5374,22 @@ def _scaffold_local(root: Path) -> None:
                     LOCAL_DIR.encode() + b"/\n")
 
 
-def capture(content: str, type: str = "memory", kind: str = "note", why: str = "",
-            tags: list[str] | str | None = None, valid_while: str | None = None,
-            supersedes: str | None = None,
-            code_refs: list[dict[str, str]] | None = None) -> dict:
+def capture(content: Annotated[str, Field(
+                "The knowledge itself: the durable point in one or a few sentences.")],
+            type: Annotated[Literal["memory", "need", "skill"], Field(
+                "memory (default), need (something missing) or skill (a how-to).")] = "memory",
+            kind: Annotated[str, Field(
+                "Short label: note, decision, pitfall, procedure, outcome...")] = "note",
+            why: Why = "", tags: Tags = None,
+            valid_while: Annotated[str | None, Field(
+                "The premise the item depends on, e.g. 'while billing runs on NetSuite'.")] = None,
+            supersedes: Annotated[str | None, Field(
+                "Id of an item you believe is wrong: records yours as a counter-claim to it "
+                "(outranks nothing; only a person's correct() does).")] = None,
+            code_refs: Annotated[list[dict[str, str]] | str | None, Field(
+                "The code it is about: [{\"path\": \"src/x.py\", \"symbol\": \"fn\"}] "
+                "(path relative to the repo root, symbol optional), or \"src/x.py#fn\" "
+                "strings, comma separated.")] = None) -> dict:
     """Save a knowledge item to local scope (this repo's .cambium/knowledge.json).
 
     Call when you learn something a later agent should know: a decision and its
@@ -5294,7 +5432,9 @@ def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:
     return None
 
 
-def record_need(content: str, why: str = "", tags: list[str] | str | None = None) -> dict:
+def record_need(content: Annotated[str, Field("What is missing, e.g. 'no runbook for X'.")],
+                why: Annotated[str, Field("Why it is needed; recall searches it too.")] = "",
+                tags: Tags = None) -> dict:
     """Record a need: something the team is missing ("no runbook for X").
 
     Needs are promotable like any item, so a want that recurs across agents and
@@ -5304,17 +5444,22 @@ def record_need(content: str, why: str = "", tags: list[str] | str | None = None
     return capture(content=content, type="need", kind="need", why=why, tags=tags)
 
 
-def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
-           limit: int = 5, detail: Literal["lines", "full"] = "lines") -> dict:
+def recall(query: Annotated[str, Field(
+               "What you want to know or are about to touch, in plain words.")],
+           scope: Annotated[Literal["auto", "local", "team", "org"], Field(
+               "auto (every readable scope) or one scope.")] = "auto",
+           limit: Annotated[int, Field("Maximum number of results.",
+                                       ge=1, le=MAX_RECALL_LIMIT)] = 5,
+           detail: Annotated[Literal["lines", "full"], Field(
+               "lines: one line per result (expand(id) for more); full: whole items."
+               )] = "lines") -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
-    query: what you are about to do or want to know, in plain words. scope:
-    auto (default: every readable scope), or one of local, team, org. limit:
-    how many results (1-50). detail: "lines" (default) gives each result as
-    id, relevance and one `line` (id, type/kind, trust marks, the content on
-    one line, → the live code path:line); call expand(id) for the one you act
-    on. "full" gives whole items: content, why, scope, project, provenance
-    (`source`), recall count, `endorsed_as` and resolved `code` anchors. When
+    Returns `results` best first. detail="lines" (default): each result is its
+    id, relevance and one `line` (id, type/kind, trust marks, the content on one
+    line, → the live code path:line); call expand(id) for the one you act on.
+    detail="full": whole items (content, why, scope, project, provenance
+    `source`, recall count, `endorsed_as`, resolved `code` anchors). When
     nothing is relevant enough it returns `no_confident_match: true` and no
     results: then nothing is known, so do not treat weak matches as facts.
     Each returned item earns one recall credit per agent per day (the trust
@@ -5322,7 +5467,14 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     carries `stale_code: true` (advisory: re-check it).
     """
     cfg = require_config()
-    query = _checked_recall_args(query, scope, limit, detail)
+    if not isinstance(query, str) or not query.strip():
+        raise InputError("query is empty; say what you are looking for.")
+    query = valid_unicode(query)
+    if len(query) > MAX_QUERY_CHARS:
+        raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
+    check_arg(recall, "scope", scope)
+    check_arg(recall, "limit", limit)
+    check_arg(recall, "detail", detail)
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
         store(cfg, scope)                   # asked for a scope that is off: say so
@@ -5360,22 +5512,6 @@ def recall(query: str, scope: Literal["auto", "local", "team", "org"] = "auto",
     return out
 
 
-def _checked_recall_args(query: Any, scope: Any, limit: Any, detail: Any) -> str:
-    """The query, once every recall argument is known good; InputError if not."""
-    if not isinstance(query, str) or not query.strip():
-        raise InputError("query is empty; say what you are looking for.")
-    query = valid_unicode(query)
-    if len(query) > MAX_QUERY_CHARS:
-        raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
-    if scope not in ("auto", "local", "team", "org"):
-        raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
-    if not isinstance(limit, int) or not 1 <= limit <= MAX_RECALL_LIMIT:
-        raise InputError(f"limit must be between 1 and {MAX_RECALL_LIMIT}.")
-    if detail not in ("lines", "full"):
-        raise InputError(f"detail must be lines or full; got {detail!r}.")
-    return query
-
-
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
                 detail: str = "lines") -> dict:
     """One recall result: id, relevance and its one-line `line`; with
@@ -5392,7 +5528,9 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
     return out
 
 
-def session_primer(limit: int = PRIMER_LIMIT) -> dict:
+def session_primer(limit: Annotated[int, Field(
+        "At most this many entries; the text also fits about 1,500 tokens.",
+        ge=1, le=MAX_PRIMER_LIMIT)] = PRIMER_LIMIT) -> dict:
     """What to know before your first query here: call once at session start.
 
     A digest of this project's knowledge, one line per item with its id:
@@ -5405,10 +5543,7 @@ def session_primer(limit: int = PRIMER_LIMIT) -> dict:
     fetch (shared scopes as last fetched). expand(id) gives one item whole.
     """
     cfg = require_config()
-    if not isinstance(limit, int) or isinstance(limit, bool) \
-            or not 1 <= limit <= MAX_PRIMER_LIMIT:
-        raise InputError(f"limit must be a whole number between 1 and {MAX_PRIMER_LIMIT}.")
-    return primer_for(cfg, limit)
+    return primer_for(cfg, check_arg(session_primer, "limit", limit))
 
 
 def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
@@ -5435,7 +5570,7 @@ def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
     return out
 
 
-def expand(item_id: str) -> dict:
+def expand(item_id: ItemId) -> dict:
     """One item whole, by id (from recall, the primer or capture).
 
     Returns its content, why, provenance (source, author, project), trust
@@ -5531,7 +5666,8 @@ def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = ("local", "tea
         print(f"cambium: recall credits {what}: {e}", file=sys.stderr)
 
 
-def endorse(item_id: str, note: str = "") -> dict:
+def endorse(item_id: ItemId, note: Annotated[str, Field(
+        "Why the item is worth trusting, ideally as the cross-project rule.")] = "") -> dict:
     """Vouch for an item: it helped, it is right, it holds beyond this project.
 
     An endorsement fast-tracks local -> team promotion and is required for
@@ -5567,9 +5703,18 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
     return out
 
 
-def promote(item_id: str | None = None, to_scope: Literal["team", "org"] = "team",
-            force: bool = False, org_content: str | None = None,
-            org_why: str | None = None) -> dict:
+def promote(item_id: Annotated[str | None, Field(
+                "One item to promote; omitted: every eligible local item to team.")] = None,
+            to_scope: Annotated[Literal["team", "org"], Field(
+                "The scope to move it to.")] = "team",
+            force: Annotated[bool, Field("team: skip the eligibility check; org: pass the "
+                                         "generalization gate as is.")] = False,
+            org_content: Annotated[str | None, Field(
+                "org: the body restated as a cross-project rule (the concrete one is kept "
+                "as `example`).")] = None,
+            org_why: Annotated[str | None, Field(
+                "org: the why restated in cross-project terms (the concrete one is kept "
+                "in `example`).")] = None) -> dict:
     """Move knowledge up a scope once it has earned trust.
 
     With no arguments: promote every eligible local item to team (recalled by
@@ -5588,8 +5733,7 @@ def promote(item_id: str | None = None, to_scope: Literal["team", "org"] = "team
     last_verified.
     """
     cfg = require_config()
-    if to_scope not in ("team", "org"):
-        raise InputError(f"to_scope must be team or org; got {to_scope!r}.")
+    check_arg(promote, "to_scope", to_scope)
     if item_id is not None:
         item_id = _check_id(item_id)
     if org_content is not None:
@@ -5715,8 +5859,12 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
             "item": item_view(copy), "published": ["knowledge.json", "KNOWLEDGE.md"]}
 
 
-def generalize(item_id: str, org_content: str | None = None, org_why: str | None = None,
-               note: str = "") -> dict:
+def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
+                   "The content restated in general terms; with neither this nor org_why: "
+                   "the latest endorsement note.")] = None,
+               org_why: Annotated[str | None, Field(
+                   "The why restated in general terms.")] = None,
+               note: Annotated[str, Field("Why it was restated.")] = "") -> dict:
     """Restate an org item as the cross-project rule, in place.
 
     For org items that crossed before the generalization gate or were forced
@@ -5805,7 +5953,8 @@ def review_promotions() -> dict:
     return out
 
 
-def verify_entry(item_id: str, note: str = "") -> dict:
+def verify_entry(item_id: ItemId,
+                 note: Annotated[str, Field("What you checked it against.")] = "") -> dict:
     """Confirm an item still holds: stamps last_verified to now, with your note.
 
     Call it when you have checked a recalled item against reality (the code,
@@ -5828,7 +5977,11 @@ def verify_entry(item_id: str, note: str = "") -> dict:
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
 
 
-def stale_report(project: str | None = None, older_than_days: int | None = None) -> dict:
+def stale_report(project: Annotated[str | None, Field(
+                     "Only items that came from this project.")] = None,
+                 older_than_days: Annotated[int | None, Field(
+                     "Only items not verified for at least this many days.", ge=0)] = None,
+                 ) -> dict:
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
     Items whose attached check fails come first (failing: true, any scope),
@@ -5839,9 +5992,7 @@ def stale_report(project: str | None = None, older_than_days: int | None = None)
     verify_entry, or deprecate it; nothing is downgraded automatically.
     """
     cfg = require_config()
-    if older_than_days is not None and (not isinstance(older_than_days, int)
-                                        or older_than_days < 0):
-        raise InputError("older_than_days must be a whole number >= 0.")
+    check_arg(stale_report, "older_than_days", older_than_days)
     docs, warnings = read_scopes(cfg, SCOPES)
     items = [it for d in docs.values() for it in d.items]
     rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
@@ -5854,7 +6005,8 @@ def stale_report(project: str | None = None, older_than_days: int | None = None)
     return out
 
 
-def deprecate(item_id: str, reason: str) -> dict:
+def deprecate(item_id: ItemId,
+              reason: Annotated[str, Field("Why the item no longer holds.")]) -> dict:
     """Retire an item at any scope without deleting it.
 
     Use when an item is wrong or its premise died. It drops out of recall,
@@ -5876,7 +6028,11 @@ def deprecate(item_id: str, reason: str) -> dict:
                             "deprecated")
 
 
-def correct(item_id: str, content: str, why: str = "", force: bool = False) -> dict:
+def correct(item_id: ItemId,
+            content: Annotated[str, Field("The right statement, as the person gave it.")],
+            why: Annotated[str, Field("What the person said, or why.")] = "",
+            force: Annotated[bool, Field(
+                "org only: pass the generalization gate as is.")] = False) -> dict:
     """Record a PERSON's correction of an item. Only for what a human told you.
 
     The correction becomes a new item with human authority in the corrected
@@ -5932,7 +6088,11 @@ def _require_active(item: Item, verb: str) -> None:
     raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
 
 
-def usage(session: str | None = None, item_id: str | None = None) -> dict:
+def usage(session: Annotated[str | None, Field(
+              "A session id, as usage() lists them (the MCP session or a hook's "
+              "session_id).")] = None,
+          item_id: Annotated[str | None, Field(
+              "An item id: list the sessions that were shown it.")] = None) -> dict:
     """Which knowledge a session was shown, or which sessions saw an item.
 
     Every recall result (and primer entry and expand) is journaled per session
@@ -5971,7 +6131,10 @@ def usage(session: str | None = None, item_id: str | None = None) -> dict:
             "count": len(sessions)}
 
 
-def import_memory(source: str, path: str) -> dict:
+def import_memory(source: Annotated[str, Field(
+                      "Import adapter name; 'json' is bundled.")] = "json",
+                  path: Annotated[str, Field(
+                      "Absolute path of the export file (only read).")] = ...) -> dict:
     """Import an external memory export into local scope, with provenance.
 
     source: the adapter name (bundled: "json", which reads a JSON array, an
@@ -5987,7 +6150,9 @@ def import_memory(source: str, path: str) -> dict:
     if adapter is None:
         raise InputError(f"unknown import source {source!r}; known: "
                          f"{', '.join(sorted(IMPORT_ADAPTERS))}.")
-    p = Path(os.path.expanduser(path or ""))
+    if not isinstance(path, str) or not path:
+        raise InputError("path is required: the absolute path of the export file.")
+    p = Path(os.path.expanduser(path))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     skipped: list[Skip] = []
@@ -6031,19 +6196,24 @@ def distill(on_progress: ProgressFn | None = None) -> dict:
     return distill_sweep(cfg, on_progress=on_progress)
 
 
-def export_markdown(scope: Literal["local", "team", "org", "all"] = "local") -> dict:
+def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Field(
+        "Which scope to render; org also publishes KNOWLEDGE.md.")] = "org") -> dict:
     """Render knowledge as human-readable Markdown (KNOWLEDGE.md).
 
-    scope: local (default), team, org, or all. Items are grouped by scope then
+    scope: org (default), local, team, or all. Items are grouped by scope then
     project; each shows its summary, kind, provenance, recall count, promoted
     date, why and endorsement notes. scope="org" also publishes the render as
     KNOWLEDGE.md beside the org repo's knowledge.json (a direct push, or a pull
     request in PR mode) when it changed; the others only return the text.
-    (Every org promotion republishes it automatically.)
+    (Every org promotion republishes it automatically.) With the org scope off,
+    the default renders local scope instead and says so in `note`.
     """
     cfg = require_config()
-    if scope not in ("local", "team", "org", "all"):
-        raise InputError(f"scope must be local, team, org or all; got {scope!r}.")
+    check_arg(export_markdown, "scope", scope)
+    note = None
+    if scope == "org" and not cfg.org_repo:
+        scope, note = "local", ("org scope is off (no CAMBIUM_ORG_REPO), so this is local "
+                                "scope; setup(org_repo=...) turns org on.")
     wanted = SCOPES if scope == "all" else (scope,)
     if scope in ("team", "org"):
         store(cfg, scope)
@@ -6055,6 +6225,8 @@ def export_markdown(scope: Literal["local", "team", "org", "all"] = "local") -> 
                            "items": sum(len(v) for v in groups.values())}
     if scope == "org" and "org" in docs:
         out["published"] = _publish_org_markdown(cfg)
+    if note:
+        out["note"] = note
     if warnings:
         out["warnings"] = warnings
     return out
@@ -6073,68 +6245,202 @@ def _publish_org_markdown(cfg: Config) -> dict:
     return out
 
 
-# =============================================================================
-# MCP server
-# The registration table shows the whole API on one screen. The SDK is
-# imported here only, never on the CLI path.
-# =============================================================================
-
-ARG_DOCS = {
-    "content": "The knowledge itself: the durable point in one or a few sentences.",
-    "type": "memory (default), need, or skill.",
-    "kind": "Short label: note, decision, pitfall, procedure, outcome...",
-    "why": "The reason or evidence behind it. Recall searches it too.",
-    "tags": "Topic tags, as a list or a comma/space separated string. Weigh most in recall.",
-    "valid_while": "Optional premise the item depends on, e.g. 'while billing runs on NetSuite'.",
-    "query": "What you want to know or are about to touch, in plain words.",
-    "scope": "Which scope(s) to use.",
-    "limit": "Maximum number of results (recall: 1-50) or entries (session_primer: 1-100).",
-    "detail": "lines (default): one line per result, expand(id) for more; full: whole items.",
-    "code_refs": "Code the item is about: [{\"path\": \"src/x.py\", \"symbol\": \"fn\"}], "
-                 "paths relative to the repo root, symbol optional.",
-    "item_id": "A cambium item id (k-...), as returned by recall or capture.",
-    "note": "Free-text note, e.g. why the item is worth trusting.",
-    "source": "Import adapter name; 'json' is bundled.",
-    "path": "Absolute path of the export file (only read).",
-    "project_repo": "Absolute path of your project's git clone.",
-    "agent_id": "Your unique agent id (letters, digits, . _ - @).",
-    "org_repo": "Local clone path of the org knowledge repo, or a GitHub owner/name.",
-    "org_pr": "True: org promotion opens a pull request instead of pushing.",
-    "team_branch": "Branch that holds team scope (default cambium).",
-    "to_scope": "team (default) or org.",
-    "force": "team: skip the eligibility check; org: pass the generalization gate as is.",
-    "org_content": "The body restated as a cross-project rule (the concrete one is kept "
-                   "as `example`).",
-    "org_why": "The why restated in cross-project terms (the concrete one is kept in "
-               "`example`).",
-    "reason": "Why the item no longer holds.",
-    "session": "A session id, as usage() lists them (the MCP session or a hook's session_id).",
-    "supersedes": "Id of an item you believe is wrong: records yours as a counter-claim to it "
-                  "(outranks nothing; only a person's correct() does).",
-    "why_correct": "",
-    "project": "Only entries that came from this project (repo directory name).",
-    "older_than_days": "Only entries not verified for at least this many days.",
+#: MCP tool annotations by what a tool may change: ToolAnnotations keyword arguments.
+EFFECTS: dict[str, dict[str, bool]] = {
+    "read": dict(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
+    "read_remote": dict(read_only_hint=True, idempotent_hint=True, open_world_hint=True),
+    "write": dict(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+                  open_world_hint=False),
+    "write_idempotent": dict(read_only_hint=False, destructive_hint=False,
+                             idempotent_hint=True, open_world_hint=False),
+    "remote": dict(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
+                   open_world_hint=True),
 }
 
-_TOOLS: list[tuple[Callable, str]] = [
-    (status, "read"), (setup, "write"), (session_primer, "read"), (capture, "write"),
-    (record_need, "write"), (recall, "write_idempotent"), (expand, "read"), (endorse, "remote"), (promote, "remote"),
-    (generalize, "remote"), (review_promotions, "remote"),
-    (verify_entry, "remote"), (stale_report, "remote"), (deprecate, "remote"),
-    (correct, "remote"), (usage, "read"),
-    (import_memory, "write_idempotent"), (export_markdown, "remote"),
-    (distill, "remote"),
-]
+
+@dataclass(frozen=True)
+class Tool:
+    """One entry of the API table: an MCP tool, a CLI command, or both.
+
+    The arguments (names, types, defaults, docs, bounds) come from the function's
+    signature; the entry adds only what a signature cannot say."""
+    fn: Callable[..., Any]
+    effect: str | None = None        #: EFFECTS key; None: a CLI-only command
+    aliases: tuple[str, ...] = ()    #: short CLI command names
+    flags: dict[str, str] = field(default_factory=dict)   #: argument -> short CLI flag
+    positional: tuple[str, ...] | None = None   #: CLI positionals (default: the required)
+    cli_types: dict[str, Callable] = field(default_factory=dict)  #: argument -> CLI parser
+    cli_args: tuple = ()             #: CLI-only options: ((flag, ...), add_argument kwargs)
+    run: Callable | None = None      #: CLI runner(args, kwargs) -> exit code; default prints
+    formats: tuple[str, ...] = ("json", "text")   #: CLI --format choices, default first
+    name: str = ""                   #: default: the function's name
+    cli: bool = True                 #: False: MCP only
+    cli_optional: tuple[str, ...] = ()   #: required over MCP, optional on the CLI (its
+                                         #: runner decides: `verify --run` needs no id)
+
+    @property
+    def tool_name(self) -> str:
+        return self.name or self.fn.__name__
+
+    @property
+    def command(self) -> str:
+        return self.tool_name.replace("_", "-")
+
+    @property
+    def mcp(self) -> bool:
+        return self.effect is not None
+
+    @property
+    def params(self) -> list[Param]:
+        return api_params(self.fn)
+
+    @property
+    def summary(self) -> str:
+        return (self.fn.__doc__ or "").strip().splitlines()[0].rstrip(".")
+
+    def cli_positional(self) -> tuple[str, ...]:
+        if self.positional is not None:
+            return self.positional
+        return tuple(p.name for p in self.params if p.required)
+
+    def cli_flags(self, name: str) -> list[str]:
+        """The option spellings of argument `name`: --long-name, then the short one."""
+        return ["--" + name.replace("_", "-")] + ([self.flags[name]] if name in self.flags
+                                                  else [])
 
 
-def _surface_errors(fn: Callable) -> Callable:
-    """Wrap a tool: unconfigured -> guidance result, CambiumError -> ToolError."""
-    import functools
-    import inspect
-    import typing
+@functools.cache
+def api_table() -> tuple[Tool, ...]:
+    """The whole API on one screen: every MCP tool and CLI command, in help order.
+    (A function, so an entry may name anything in the module, CLI runners included.)"""
+    return (
+        Tool(status, "read_remote"),
+        Tool(setup, "write_idempotent"),
+        Tool(session_primer, "read", aliases=("primer",), run=_cli_primer, cli_args=(
+            (("--hook",), {"action": "store_true", "help": (
+                "run as a Claude Code SessionStart hook: read its JSON on stdin (uses its "
+                "cwd), print the digest as hookSpecificOutput.additionalContext; on any "
+                "problem print nothing and exit 0")}),)),
+        Tool(capture, "write", flags={"code_refs": "--code-ref"}),
+        Tool(record_need, "write"),
+        Tool(recall, "write_idempotent", run=_cli_recall),
+        Tool(expand, "read_remote", aliases=("show",)),
+        Tool(endorse, "remote"),
+        Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",)),
+        Tool(generalize, "remote"),
+        Tool(review_promotions, "remote", aliases=("review",)),
+        Tool(verify_entry, "remote", aliases=("verify",), run=_cli_verify,
+             cli_optional=("item_id",), cli_args=(
+                 (("--run",), {"action": "store_true", "help": "operator only: run the shell "
+                               "checks attached with verify-cmd (all, or ITEM_ID's)"}),
+                 (("--timeout",), {"type": float, "default": CHECK_TIMEOUT_S, "help":
+                                   f"seconds per check (default {CHECK_TIMEOUT_S})"}))),
+        Tool(attach_check, name="verify_cmd"),
+        Tool(stale_report, "read_remote", aliases=("stale",)),
+        Tool(deprecate, "remote", positional=("item_id",)),
+        Tool(correct, "remote"),
+        Tool(usage, "read", flags={"item_id": "--item"}),
+        Tool(import_memory, "write_idempotent", aliases=("import",), positional=("path",),
+             cli_types={"path": os.path.abspath}),
+        Tool(export_markdown, "remote", aliases=("export",), run=_cli_export, cli_args=(
+            (("-o", "--output"), {"metavar": "FILE", "help": "write the markdown to FILE "
+                                  "and print one summary line"}),)),
+        Tool(distill, "remote", run=_cli_distill, formats=("summary", "json", "text"),
+             cli_args=((("--hook",), {"action": "store_true", "help": (
+                 "run as a Claude Code hook: read its JSON from stdin (uses its cwd), print "
+                 "nothing on stdout, skip quietly where cambium is unconfigured")}),)),
+        Tool(serve, run=_cli_serve, formats=()),
+        Tool(run_demo, name="demo"),
+    )
 
+
+def mcp_tools() -> list[Tool]:
+    return [t for t in api_table() if t.mcp]
+
+
+def find_tool(name: str) -> Tool | None:
+    """The table entry of a tool or CLI command (by name, command or alias)."""
+    return next((t for t in api_table() if name in (t.tool_name, t.command, *t.aliases)),
+                None)
+
+
+# =============================================================================
+# MCP server
+# Registers the table's tools. The SDK is imported here only, never on the CLI
+# path. Every failure answers as one tool error: the message a person or model
+# can act on, plus a short `error` code in structuredContent.
+# =============================================================================
+
+#: A CambiumError subclass's machine-readable code; OSError is "file_system".
+ERROR_CODES = {"ConfigError": "config", "InputError": "invalid_argument",
+               "NotFound": "not_found", "Refused": "refused", "CorruptStore": "corrupt_store",
+               "GitError": "git_failed", "ConflictError": "conflict",
+               "SubstrateError": "substrate_unreadable"}
+
+
+def error_code(err: BaseException) -> str:
+    """The code of an error: its class's, else the nearest base class's."""
+    if isinstance(err, OSError):
+        return "file_system"
+    for cls in type(err).__mro__:
+        if cls.__name__ in ERROR_CODES:
+            return ERROR_CODES[cls.__name__]
+    return "error"
+
+
+def error_text(err: BaseException) -> str:
+    """What went wrong, for a person or a model: no Python class names."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return (f"{err.strerror}{where} (stores are only ever replaced whole; fix the file "
+                "system problem and retry).")
+    return str(err)
+
+
+def argument_error(tool: str, errors: list[dict], arguments: dict) -> tuple[str, str | None]:
+    """One sentence for a call whose arguments the schema refused, from the first of
+    pydantic's `errors()`: the argument, and what it allows (pure)."""
+    err = errors[0] if errors else {}
+    name = str((err.get("loc") or ("?",))[0])
+    entry = find_tool(tool)
+    param = next((p for p in entry.params if p.name == name), None) if entry else None
+    if param is None:
+        known = ", ".join(p.name for p in entry.params) if entry else ""
+        return f"{tool} takes no argument {name!r}; it takes: {known or 'none'}.", name
+    if err.get("type") == "missing":
+        return f"{name} is required: {param.doc[:1].lower()}{param.doc[1:]}", name
+    return f"{name} must be {param.allowed()}; got {arguments.get(name)!r}.", name
+
+
+def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
+    """The tool error a client sees, from whatever the SDK raised."""
+    from mcp.types import CallToolResult, TextContent
+    from pydantic import ValidationError
+
+    chain, e = [], exc
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__
+    cause = next((c for c in chain if isinstance(c, (ValidationError, CambiumError, OSError))),
+                 None)
+    extra: dict[str, Any] = {}
+    if isinstance(cause, ValidationError):
+        text, extra["argument"] = argument_error(tool, cause.errors(), arguments)
+        code = "invalid_argument"
+    elif isinstance(cause, (CambiumError, OSError)):
+        text, code = error_text(cause), error_code(cause)
+    else:
+        text, code = str(exc).removeprefix(f"Error executing tool {tool}: "), "error"
+    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True,
+                          structured_content={"error": code, "message": text, **extra})
+
+
+def _mcp_tool(fn: Callable) -> Callable:
+    """Wrap a tool for the SDK: its API arguments with pydantic Fields (the schema
+    states docs and bounds), unconfigured -> the guidance as a result, a
+    CambiumError or OSError -> a ToolError (see _error_result)."""
     from mcp.server.mcpserver.exceptions import ToolError
-    from pydantic import Field
+    from pydantic import Field as SchemaField
 
     @functools.wraps(fn)
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -6143,24 +6449,18 @@ def _surface_errors(fn: Callable) -> Callable:
             return fn(**kwargs)
         except Unconfigured as u:
             return u.guidance
-        except CambiumError as e:
-            raise ToolError(f"{type(e).__name__}: {e}") from e
-        except OSError as e:       # disk full, permissions: say so, don't hide it
-            raise ToolError(f"{type(e).__name__}: {e} (stores are only ever replaced "
-                            "whole; fix the file system problem and retry)") from e
+        except (CambiumError, OSError) as e:
+            raise ToolError(error_text(e)) from e
         finally:
             SESSION.reset(token)
 
-    hints = typing.get_type_hints(fn)
     params = []
-    for p in inspect.signature(fn).parameters.values():
-        if p.name == "on_progress":              # core-only: fed from the MCP Context
-            continue
-        ann = hints.get(p.name, Any)
-        doc = ARG_DOCS.get(p.name)
-        if doc:
-            ann = typing.Annotated[ann, Field(description=doc)]
-        params.append(p.replace(annotation=ann, kind=inspect.Parameter.KEYWORD_ONLY))
+    for p in api_params(fn):
+        bounds = {k: v for k, v in (("ge", p.ge), ("le", p.le)) if v is not None}
+        params.append(inspect.Parameter(
+            p.name, inspect.Parameter.KEYWORD_ONLY,
+            default=inspect.Parameter.empty if p.required else p.default,
+            annotation=Annotated[p.type, SchemaField(description=p.doc, **bounds)]))
     if "on_progress" in inspect.signature(fn).parameters:
         wrapper = _with_progress(fn, wrapper)
     params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,
@@ -6177,8 +6477,6 @@ def _with_progress(fn: Callable, sync_wrapper: Callable) -> Callable:
     """An async tool that runs `sync_wrapper` in a worker thread and forwards its
     on_progress(done, total, message) calls as MCP progress notifications (the
     SDK sends them only when the client's request carried a progress token)."""
-    import functools
-
     import anyio
     import anyio.from_thread
     import anyio.to_thread
@@ -6225,23 +6523,25 @@ def mcp_session_id(ctx: Any) -> str | None:
 
 
 def build_server() -> MCPServer:
-    """The MCP server with every tool registered and annotated."""
+    """The MCP server with every tool of the API table registered and annotated."""
     from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
     from mcp.types import ToolAnnotations
 
-    hints = {
-        "read": ToolAnnotations(read_only_hint=True, idempotent_hint=True,
-                                open_world_hint=False),
-        "write": ToolAnnotations(read_only_hint=False, destructive_hint=False,
-                                 idempotent_hint=False, open_world_hint=False),
-        "write_idempotent": ToolAnnotations(read_only_hint=False, destructive_hint=False,
-                                            idempotent_hint=True, open_world_hint=False),
-        "remote": ToolAnnotations(read_only_hint=False, destructive_hint=False,
-                                  idempotent_hint=True, open_world_hint=True),
-    }
-    server = MCPServer("cambium", instructions=SERVER_INSTRUCTIONS, version=__version__)
-    for fn, kind in _TOOLS:
-        server.add_tool(_surface_errors(fn), name=fn.__name__, annotations=hints[kind])
+    class CambiumServer(MCPServer):
+        async def call_tool(self, name: str, arguments: dict[str, Any],
+                            context: Any = None) -> Any:
+            try:
+                return await super().call_tool(name, arguments, context)
+            except ToolError as e:
+                if isinstance(e, UnexpectedToolError):   # a bug: the SDK logs it, says little
+                    raise
+                return _error_result(name, arguments, e)
+
+    server = CambiumServer("cambium", instructions=SERVER_INSTRUCTIONS, version=__version__)
+    for tool in mcp_tools():
+        server.add_tool(_mcp_tool(tool.fn), name=tool.tool_name,
+                        annotations=ToolAnnotations(**EFFECTS[tool.effect]))
     server.resource(PRIMER_URI, name="primer", mime_type="text/plain",
                     description="The session-start digest (what session_primer returns), "
                                 "as text.")(primer_resource)
@@ -6258,12 +6558,43 @@ def primer_resource() -> str:
     except Unconfigured as u:
         return f"cambium is not configured here; next step: {u.guidance.get('next_step')}"
     except (CambiumError, OSError) as e:
-        return f"cambium primer unavailable: {type(e).__name__}: {e}"
+        return f"cambium primer unavailable: {error_text(e)}"
 
 
-HTTP_DEFAULT_HOST = "127.0.0.1"
 HTTP_DEFAULT_PORT = 7077
-HTTP_TOKEN_ENV = "CAMBIUM_HTTP_TOKEN"   #: required for a non-loopback bind; then every request
+HTTP_TOKEN_ENV = "CAMBIUM_HTTP_TOKEN"   #: needed off loopback; when set, on every request
+
+
+def serve(http: Annotated[bool, Field(
+              "Serve over streamable HTTP (one server, several agents) instead of stdio."
+              )] = False,
+          host: Annotated[str, Field(
+              f"HTTP bind address; anything but loopback needs {HTTP_TOKEN_ENV}.")
+              ] = "127.0.0.1",
+          port: Annotated[int, Field("HTTP port.", ge=1, le=65535)] = HTTP_DEFAULT_PORT
+          ) -> int:
+    """Serve MCP over stdio (what running with no command does), or over HTTP."""
+    if importlib.util.find_spec("mcp") is None:
+        print("cambium: serving MCP needs the MCP SDK, which is not installed here: "
+              "pip install 'mcp>=2.3,<3'", file=sys.stderr)
+        return 2
+    token = os.environ.get(HTTP_TOKEN_ENV) or None
+    problem = http_bind_problem(host, port, token) if http else None
+    if problem:
+        print(f"cambium: {problem}", file=sys.stderr)
+        return 2
+    rt = runtime()
+    rt.long_running.set()
+    try:
+        if http:
+            serve_http(host, port, token)
+        else:
+            build_server().run("stdio")
+    finally:
+        rt.long_running.clear()
+        rt.cancel_fold()
+        _fold_on_exit()
+    return 0
 
 
 def is_loopback(host: str) -> bool:
@@ -6320,252 +6651,151 @@ def serve_http(host: str, port: int, token: str | None) -> None:
     anyio.run(uvicorn.Server(config).serve)
 
 
+def _fold_on_exit(scopes: Iterable[str] = ("local", "team")) -> None:
+    """Fold journaled recall credits into their stores as a process ends cleanly
+    (the server: local and team; the CLI: local, its own recall's)."""
+    with contextlib.suppress(CambiumError, OSError):
+        cfg = resolve_config()
+        if cfg.configured:
+            _fold_quietly(cfg, "stay journaled", scopes)
+
+
 # =============================================================================
 # CLI
-# `python3 cambium_server.py <command>`: JSON out (or --format text), exit 0 on
-# success, 1 on error, 2 on bad usage. No MCP import on this path.
+# `python3 cambium_server.py <command>`: one command per table entry, built from
+# the same signatures as the MCP schema. JSON out (or --format text), exit 0 on
+# success, 1 on error, 2 on bad usage. Answers speak CLI (`--force`, `endorse
+# ID`) where the MCP answers speak calls. No MCP import on this path.
 # =============================================================================
 
+#: A result whose status is one of these is a failure: the CLI exits 1.
+FAILURE_STATUSES = ("nothing_imported",)
 
-def _text(value: Any, indent: str = "") -> str:
-    """A readable rendering of a JSON-like result for people."""
-    if isinstance(value, dict):
-        lines = []
-        for k, v in value.items():
-            if isinstance(v, (dict, list)) and v:
-                lines.append(f"{indent}{k}:")
-                lines.append(_text(v, indent + "  "))
-            else:
-                lines.append(f"{indent}{k}: {v}")
-        return "\n".join(lines)
-    if isinstance(value, list):
-        return "\n".join(f"{indent}- " + _text(v, indent + "  ").lstrip() for v in value)
-    return f"{indent}{value}"
+
+def _prog() -> str:
+    """The program as it was invoked, as argparse names it in the usage line."""
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "cambium"
 
 
 def _cli_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="cambium", description="cambium knowledge server. With no command it serves "
-        "MCP over stdio; with a command it runs that tool once and prints JSON.")
+        description="cambium knowledge server. With no command it serves MCP over stdio; "
+        "with a command it runs that tool once and prints JSON.")
     ap.add_argument("--version", action="version", version=__version__)
-    fmt = argparse.ArgumentParser(add_help=False)
-    fmt.add_argument("--format", choices=("json", "text"), default="json")
     sub = ap.add_subparsers(dest="command", metavar="command")
-    p = sub.add_parser("serve", help="serve MCP over stdio (the default), or over HTTP")
-    p.add_argument("--http", action="store_true",
-                   help="streamable HTTP instead of stdio (one server, several agents)")
-    p.add_argument("--host", default=HTTP_DEFAULT_HOST,
-                   help="bind address (default loopback; anything else needs "
-                        f"{HTTP_TOKEN_ENV})")
-    p.add_argument("--port", type=int, default=HTTP_DEFAULT_PORT)
-    sub.add_parser("status", parents=[fmt], help="configuration and per-scope counts")
-    p = sub.add_parser("primer", parents=[fmt], help="the session-start digest")
-    p.add_argument("--limit", type=int, default=PRIMER_LIMIT)
-    p.add_argument("--hook", action="store_true",
-                   help="run as a Claude Code SessionStart hook: read its JSON on stdin, "
-                        "print the digest as additionalContext; on any problem print "
-                        "nothing and exit 0")
-    p = sub.add_parser("setup", parents=[fmt], help="write the config file")
-    p.add_argument("project_repo")
-    p.add_argument("agent_id")
-    p.add_argument("--org-repo")
-    p.add_argument("--org-pr", action="store_true", default=None)
-    p.add_argument("--team-branch")
-    p = sub.add_parser("capture", parents=[fmt], help="save an item to local scope")
-    p.add_argument("content")
-    p.add_argument("--type", default="memory", choices=ITEM_TYPES)
-    p.add_argument("--kind", default="note")
-    p.add_argument("--why", default="")
-    p.add_argument("--tags", default="")
-    p.add_argument("--valid-while")
-    p.add_argument("--supersedes", help="id of an item this counter-claim disputes")
-    p.add_argument("--code-ref", action="append", dest="code_refs", metavar="PATH[#SYMBOL]",
-                   help="code the item is about (repeatable)")
-    p = sub.add_parser("record-need", parents=[fmt], help="record a need")
-    p.add_argument("content")
-    p.add_argument("--why", default="")
-    p.add_argument("--tags", default="")
-    p = sub.add_parser("recall", parents=[fmt], help="search memory")
-    p.add_argument("query")
-    p.add_argument("--scope", default="auto", choices=("auto",) + SCOPES)
-    p.add_argument("--limit", type=int, default=5)
-    p.add_argument("--detail", default="lines", choices=("lines", "full"))
-    p = sub.add_parser("show", parents=[fmt], help="one item whole (expand)")
-    p.add_argument("item_id")
-    p = sub.add_parser("endorse", parents=[fmt], help="vouch for an item")
-    p.add_argument("item_id")
-    p.add_argument("--note", default="")
-    p = sub.add_parser("promote", parents=[fmt], help="promote eligible items (or one) up a scope")
-    p.add_argument("item_id", nargs="?")
-    p.add_argument("--to", dest="to_scope", default="team", choices=("team", "org"))
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--org-content")
-    p.add_argument("--org-why")
-    p = sub.add_parser("generalize", parents=[fmt], help="restate an org item as a general rule")
-    p.add_argument("item_id")
-    p.add_argument("--org-content")
-    p.add_argument("--org-why")
-    p.add_argument("--note", default="")
-    sub.add_parser("review", parents=[fmt], help="what can be promoted, and what needs a person")
-    p = sub.add_parser("verify", parents=[fmt], help="confirm an item still holds; --run: "
-                       "run the attached checks (operator only)")
-    p.add_argument("item_id", nargs="?")
-    p.add_argument("--note", default="")
-    p.add_argument("--run", action="store_true",
-                   help="run the shell checks attached with verify-cmd (all, or item_id's)")
-    p.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S,
-                   help=f"seconds per check (default {CHECK_TIMEOUT_S})")
-    p = sub.add_parser("verify-cmd", parents=[fmt], help="attach a shell check to an item "
-                       "(operator only; never settable through MCP)")
-    p.add_argument("item_id")
-    p.add_argument("cmd", help="shell command run in the repo; exit 0 = the item holds; "
-                               "'' removes the check")
-    p = sub.add_parser("stale", parents=[fmt], help="promoted items, oldest-verified first")
-    p.add_argument("--project")
-    p.add_argument("--older-than-days", type=int)
-    p = sub.add_parser("deprecate", parents=[fmt], help="retire an item (never deleted)")
-    p.add_argument("item_id")
-    p.add_argument("--reason", required=True)
-    p = sub.add_parser("correct", parents=[fmt], help="record a person's correction of an item")
-    p.add_argument("item_id")
-    p.add_argument("content")
-    p.add_argument("--why", default="")
-    p.add_argument("--force", action="store_true")
-    p = sub.add_parser("usage", parents=[fmt], help="which items a session was shown, or "
-                       "which sessions saw an item")
-    p.add_argument("--session")
-    p.add_argument("--item", dest="item_id")
-    p = sub.add_parser("import", parents=[fmt], help="import an external memory export")
-    p.add_argument("path")
-    p.add_argument("--source", default="json")
-    p = sub.add_parser("export", parents=[fmt], help="render knowledge as Markdown")
-    p.add_argument("--scope", default="local", choices=("local", "team", "org", "all"))
-    p.add_argument("--output", "-o", help="write the markdown to this file")
-    p = sub.add_parser("distill", help="import done agentsync claims and context-keeper "
-                       "entries; quiet, for hooks (exit 0 unless a real error)")
-    p.add_argument("--format", choices=("summary", "json", "text"), default="summary",
-                   help="summary (default): one line; json/text: the full result")
-    p.add_argument("--hook", action="store_true",
-                   help="run as a Claude Code hook: read its JSON from stdin (uses its cwd), "
-                        "print nothing on stdout, skip quietly where cambium is unconfigured")
-    sub.add_parser("demo", parents=[fmt], help="run the loop on throwaway repos and narrate")
+    for tool in api_table():
+        if tool.cli:
+            _add_command(sub, tool)
     return ap
 
 
-def _cli_dispatch(args: argparse.Namespace) -> dict:
-    c = args.command
-    if c == "status":
-        return status()
-    if c == "setup":
-        return setup(args.project_repo, args.agent_id, org_repo=args.org_repo,
-                     org_pr=args.org_pr, team_branch=args.team_branch)
-    if c == "capture":
-        return capture(args.content, type=args.type, kind=args.kind, why=args.why,
-                       tags=args.tags, valid_while=args.valid_while, supersedes=args.supersedes,
-                       code_refs=args.code_refs)
-    if c == "record-need":
-        return record_need(args.content, why=args.why, tags=args.tags)
-    if c == "recall":
-        return recall(args.query, scope=args.scope, limit=args.limit, detail=args.detail)
-    if c == "show":
-        return expand(args.item_id)
-    if c == "primer":
-        return session_primer(args.limit)
-    if c == "endorse":
-        return endorse(args.item_id, note=args.note)
-    if c == "promote":
-        return promote(args.item_id, to_scope=args.to_scope, force=args.force,
-                       org_content=args.org_content, org_why=args.org_why)
-    if c == "generalize":
-        return generalize(args.item_id, org_content=args.org_content, org_why=args.org_why,
-                          note=args.note)
-    if c == "review":
-        return review_promotions()
-    if c == "verify":
-        return _cli_verify(args)
-    if c == "verify-cmd":
-        return attach_check(args.item_id, args.cmd)
-    if c == "stale":
-        return stale_report(project=args.project, older_than_days=args.older_than_days)
-    if c == "deprecate":
-        return deprecate(args.item_id, reason=args.reason)
-    if c == "correct":
-        return correct(args.item_id, args.content, why=args.why, force=args.force)
-    if c == "usage":
-        return usage(session=args.session, item_id=args.item_id)
-    if c == "import":
-        return import_memory(args.source, os.path.abspath(args.path))
-    if c == "export":
-        res = export_markdown(scope=args.scope)
-        if args.output:
-            atomic_write(Path(args.output), res["markdown"])
-            res = {**res, "written": os.path.abspath(args.output)}
-        return res
-    if c == "demo":
-        return run_demo()
-    raise InputError(f"unknown command {c!r}")
+def _add_command(sub: Any, tool: Tool) -> None:
+    p = sub.add_parser(tool.command, aliases=list(tool.aliases), help=tool.summary,
+                       description=tool.summary + ".")
+    p.set_defaults(tool=tool)
+    if tool.formats:
+        p.add_argument("--format", choices=tool.formats, default=tool.formats[0],
+                       help=f"output format (default: {tool.formats[0]})")
+    positional = tool.cli_positional()
+    for param in tool.params:
+        if param.name in positional:
+            p.add_argument(param.name, metavar=param.name.upper(), **_cli_spec(tool, param))
+        else:
+            p.add_argument(*tool.cli_flags(param.name), dest=param.name,
+                           **_cli_spec(tool, param, option=True))
+    for flags, spec in tool.cli_args:
+        p.add_argument(*flags, **spec)
 
 
-def _cli_verify(args: argparse.Namespace) -> dict:
+def _cli_spec(tool: Tool, param: Param, option: bool = False) -> dict:
+    """add_argument keywords for one API argument (pure)."""
+    shown = param.default not in (REQUIRED, None, "", False)
+    spec: dict[str, Any] = {"help": param.doc + (f" (default: {param.default})" if shown
+                                                 else "")}
+    if param.required and param.name not in tool.cli_optional:
+        spec.update(required=True) if option else None
+    else:
+        default = None if param.required else param.default
+        spec.update(default=default, **({} if option else {"nargs": "?"}))
+    if param.base is bool:
+        spec["action"] = "store_true" if param.default is False else \
+            argparse.BooleanOptionalAction
+        return spec
+    spec["type"] = tool.cli_types.get(param.name) or (
+        _cli_int(param) if param.base is int else str)
+    if param.choices:
+        spec["choices"] = param.choices
+    return spec
+
+
+def _cli_int(param: Param) -> Callable[[str], int]:
+    """argparse type for a whole-number argument, holding it to the schema's bounds."""
+    def parse(text: str) -> int:
+        try:
+            return param.check(int(text))
+        except (ValueError, InputError):
+            raise argparse.ArgumentTypeError(
+                f"must be {param.allowed()}; got {text!r}") from None
+    return parse
+
+
+def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
     """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
     if args.run:
         if not 0 < args.timeout <= 86_400:
             raise InputError("--timeout must be between 0 and 86400 seconds.")
-        return run_checks(args.item_id, timeout_s=args.timeout)
+        return _cli_print(args, {"item_id": args.item_id, "timeout_s": args.timeout},
+                          run_checks)
     if args.item_id is None:
         raise InputError("verify needs an item id, or --run to run the attached checks.")
-    return verify_entry(args.item_id, note=args.note)
+    return _cli_print(args, kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["primer"] and "--hook" in argv:
+    if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
         return primer_hook(argv)                # before argparse: it must never fail
     args = _cli_parser().parse_args(argv or ["serve"])
     if args.command is None:
         _cli_parser().print_help()
         return 2
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "distill":
-        return _cli_distill(args)
-    as_text = getattr(args, "format", "json") == "text"
+    tool: Tool = args.tool
+    kwargs = {p.name: getattr(args, p.name) for p in tool.params}
+    fmt = getattr(args, "format", "json")
     try:
-        result = _cli_dispatch(args)
+        return (tool.run or _cli_print)(args, kwargs)
     except Unconfigured as u:
-        _emit(u.guidance, as_text)
+        _emit(u.guidance, fmt)
         return 1
     except (CambiumError, OSError) as e:
-        print(f"cambium: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{_prog()} {args.command}: {cli_syntax(error_text(e))}", file=sys.stderr)
         return 1
+
+
+def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
+    """The default command: run the tool (or `fn`) once and print its answer."""
+    result = (fn or args.tool.fn)(**kwargs)
     with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
-        _emit(result, as_text)
-    if args.command == "recall":
-        _fold_on_exit(("local",))                   # its credits reach knowledge.json now
-    return 0
+        _emit(result, getattr(args, "format", "json"))
+    failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
+    return 1 if failed else 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    """Serve MCP until stopped: stdio, or streamable HTTP with --http."""
-    token = os.environ.get(HTTP_TOKEN_ENV) or None
-    if args.http:
-        problem = http_bind_problem(args.host, args.port, token)
-        if problem:
-            print(f"cambium: {problem}", file=sys.stderr)
-            return 2
-    rt = runtime()
-    rt.long_running.set()
-    try:
-        if args.http:
-            serve_http(args.host, args.port, token)
-        else:
-            build_server().run("stdio")
-    finally:
-        rt.long_running.clear()
-        rt.cancel_fold()
-        _fold_on_exit()
-    return 0
+def _cli_recall(args: argparse.Namespace, kwargs: dict) -> int:
+    """`recall`: print, then fold its credits into knowledge.json before exiting."""
+    code = _cli_print(args, kwargs)
+    _fold_on_exit(("local",))
+    return code
+
+
+def _cli_serve(args: argparse.Namespace, kwargs: dict) -> int:
+    return serve(**kwargs)
+
+
+def _cli_primer(args: argparse.Namespace, kwargs: dict) -> int:
+    """`primer`: the digest (`primer --hook` never gets here: see primer_hook)."""
+    return _cli_print(args, kwargs)
 
 
 def primer_hook(argv: list[str]) -> int:
@@ -6593,13 +6823,121 @@ def primer_hook(argv: list[str]) -> int:
     return 0
 
 
-def _fold_on_exit(scopes: Iterable[str] = ("local", "team")) -> None:
-    """Fold journaled recall credits into their stores as a process ends cleanly
-    (the server: local and team; the CLI: local, its own recall's)."""
-    with contextlib.suppress(CambiumError, OSError):
-        cfg = resolve_config()
-        if cfg.configured:
-            _fold_quietly(cfg, "stay journaled", scopes)
+def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
+    """`export`: the markdown on stdout, or with -o written to the file and one
+    summary line printed."""
+    if not args.output:
+        return _cli_print(args, kwargs)
+    res = export_markdown(**kwargs)
+    path = os.path.abspath(args.output)
+    atomic_write(Path(path), res["markdown"])
+    note = f"; {cli_syntax(res['note'])}" if res.get("note") else ""
+    n = res["items"]
+    print(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
+          f"{res['scope']}{note})")
+    for w in res.get("warnings", []):
+        print(f"{_prog()}: warning: {w}", file=sys.stderr)
+    return 0
+
+
+_CALL = re.compile(r"\b([a-z][a-z_]*)\(([^()]*)\)")
+_CALL_ARG = re.compile(r"\s*(?:([a-z_]+)=)?('[^']*'|\"[^\"]*\"|<[^<>]*>|[^,]*)\s*(?:,|$)")
+_KWARG = re.compile(r"(?<![\w.-])([a-z][a-z_]*)=(True\b|'[^']*'|\"[^\"]*\"|<[^<>]*>|\.\.\.|…)?")
+
+
+def cli_syntax(text: str) -> str:
+    """Rewrite the call syntax in an answer as CLI syntax, from the API table:
+    `endorse('k-1', note=...)` -> `cambium endorse k-1 --note ...`, and a bare
+    `force=True` -> `--force` (pure apart from the program name)."""
+    def call(m: re.Match) -> str:
+        tool = find_tool(m.group(1))
+        if tool is None or not tool.cli or m.group(1) != tool.tool_name:
+            return m.group(0)
+        return " ".join([_prog(), tool.command, *_cli_words(tool, m.group(2))])
+
+    def kwarg(m: re.Match) -> str:
+        tool = next((t for t in api_table() for p in t.params if p.name == m.group(1)), None)
+        if tool is None:
+            return m.group(0)
+        flag = tool.cli_flags(m.group(1))[-1]
+        value = m.group(2)
+        return flag if value in (None, "True") else f"{flag} {_cli_value(value)}"
+
+    return _KWARG.sub(kwarg, _CALL.sub(call, text))
+
+
+def _cli_words(tool: Tool, arg_text: str) -> list[str]:
+    """The CLI words for one call's argument list: positionals in the CLI's order,
+    then options."""
+    names = [p.name for p in tool.params]
+    given: dict[str, str] = {}
+    for n, m in enumerate(_CALL_ARG.finditer(arg_text.strip())):
+        if not m.group(0).strip():
+            break
+        key = m.group(1) or (names[n] if n < len(names) else f"arg{n}")
+        given[key] = m.group(2).strip()
+    words = [_cli_value(given.pop(p)) for p in tool.cli_positional() if p in given]
+    for key, value in given.items():
+        flag = tool.cli_flags(key)[-1] if key in names else "--" + key.replace("_", "-")
+        words += [flag] if value == "True" else [flag, _cli_value(value)]
+    return words
+
+
+def _cli_value(value: str) -> str:
+    """A call's literal as a shell word: quotes dropped, quoted again only if needed."""
+    import shlex
+    if value[:1] in "'\"" and value[-1:] == value[:1] and len(value) > 1:
+        value = value[1:-1]
+    return value if value in ("...", "…") else shlex.quote(value)
+
+
+def _text(value: Any, indent: str = "") -> str:
+    """A readable rendering of a JSON-like result for people: no Python literals."""
+    if isinstance(value, dict):
+        lines = []
+        for k, v in value.items():
+            if isinstance(v, (dict, list)) and v:
+                lines.append(f"{indent}{k}:")
+                lines.append(_text(v, indent + "  "))
+            else:
+                lines.append(f"{indent}{k}: {_word(v)}")
+        return "\n".join(lines)
+    if isinstance(value, list):
+        return "\n".join(f"{indent}- " + _text(v, indent + "  ").lstrip() for v in value)
+    return f"{indent}{_word(value)}"
+
+
+def _word(value: Any) -> str:
+    """One scalar for people: yes/no, none for nothing."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None or value == [] or value == {}:
+        return "none"
+    return str(value)
+
+
+def _emit(result: Any, fmt: str) -> None:
+    """Print a result as JSON or as text, its hints in CLI syntax."""
+    result = _cli_answer(result)
+    if fmt == "text":
+        text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
+            if isinstance(result, dict) else None
+        text = _text(result) if text is None else text
+        print(text)
+    else:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+
+
+def _cli_answer(value: Any) -> Any:
+    """Every string of a result with its call syntax rewritten (cli_syntax)."""
+    if isinstance(value, str):
+        return cli_syntax(value) if "(" in value or "=" in value else value
+    if isinstance(value, dict):
+        return {k: v if k in ("markdown", "primer", "line") else _cli_answer(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cli_answer(v) for v in value]
+    return value
 
 
 def distill_summary(result: dict) -> str:
@@ -6635,7 +6973,7 @@ def bind_hook() -> dict:
     return payload
 
 
-def _cli_distill(args: argparse.Namespace) -> int:
+def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     """`distill` for hooks: exit 0 on success, with or without warnings (a
     missing or unreachable source); 1 on a real error (an unreadable substrate,
     a failing git command, a corrupt local store that had to be moved aside).
@@ -6655,12 +6993,12 @@ def _cli_distill(args: argparse.Namespace) -> int:
     except Unconfigured as u:
         if args.hook:
             print("cambium: not configured here; distill skipped "
-                  f"({u.guidance.get('next_step')})", file=sys.stderr)
+                  f"({cli_syntax(u.guidance.get('next_step') or '')})", file=sys.stderr)
             return 0
-        _emit(u.guidance, args.format == "text")
+        _emit(u.guidance, "json" if args.format == "summary" else args.format)
         return 1
     except CambiumError as e:
-        print(f"cambium distill: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"cambium distill: {cli_syntax(error_text(e))}", file=sys.stderr)
         return 1
     finally:
         if shown["progress"]:
@@ -6668,22 +7006,12 @@ def _cli_distill(args: argparse.Namespace) -> int:
     if args.format == "summary":
         print(distill_summary(result), file=out)
         for w in result["warnings"]:
-            print(f"cambium: warning: {w}", file=sys.stderr)
+            print(f"cambium: warning: {cli_syntax(w)}", file=sys.stderr)
     elif args.format == "json":
-        print(json.dumps(result, indent=2, ensure_ascii=False), file=out)
+        print(json.dumps(_cli_answer(result), indent=2, ensure_ascii=False), file=out)
     else:
-        print(_text(result), file=out)
+        print(_text(_cli_answer(result)), file=out)
     return 1 if result.get("store_warnings") else 0
-
-
-def _emit(result: Any, as_text: bool) -> None:
-    if as_text:
-        text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
-            if isinstance(result, dict) else None
-        text = _text(result) if text is None else text
-        print(text)
-    else:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
 
 
 # =============================================================================

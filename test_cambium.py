@@ -2329,10 +2329,38 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         rec = await session.call_tool("recall", {"query": "log timestamps utc", "detail": "full"})
         assert rec.structured_content["results"][0]["content"] == "Use UTC in every log line"
         bad = await session.call_tool("endorse", {"item_id": "k-missing"})
-        assert bad.is_error and "NotFound" in bad.content[0].text
+        assert bad.is_error and bad.content[0].text.startswith("No item k-missing")
+        assert bad.structured_content["error"] == "not_found"
         return True
 
     assert asyncio.run(_mcp_session(_mcp_env(repo), body))
+
+
+def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
+    async def body(session, init):
+        out = {}
+        for args in ({"query": "x", "limit": 99}, {"query": "x", "scope": "galaxy"},
+                     {"query": "x", "limit": "many"}, {}):
+            res = await session.call_tool("recall", args)
+            assert res.is_error
+            out[json.dumps(args)] = (res.content[0].text, res.structured_content)
+        cap = await session.call_tool("capture", {"content": "x", "type": "rumour"})
+        out["capture"] = (cap.content[0].text, cap.structured_content)
+        return out
+
+    out = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    texts = [t for t, _ in out.values()]
+    assert texts[0] == "limit must be a whole number from 1 to 50; got 99."
+    assert texts[1] == "scope must be one of auto, local, team, org; got 'galaxy'."
+    assert texts[2].startswith("limit must be a whole number")
+    assert texts[3].startswith("query is required: what you want to know")
+    assert texts[4] == "type must be one of memory, need, skill; got 'rumour'."
+    for text, structured in out.values():
+        assert "pydantic" not in text and "http" not in text and "Error" not in text
+        assert text.count(". ") == 0 and text.endswith((".", "words."))
+        assert structured["error"] == "invalid_argument" and structured["message"] == text
+    assert [s["argument"] for _, s in out.values()] == ["limit", "scope", "limit", "query",
+                                                        "type"]
 
 
 def test_mcp_correct_usage_and_no_way_to_set_a_check(repo):
@@ -2490,12 +2518,14 @@ def test_os_errors_reach_the_client_as_clear_tool_errors(repo):
 
     async def body(session, init):
         res = await session.call_tool("capture", {"content": "x"})
-        assert res.is_error and "IsADirectoryError" in res.content[0].text
+        assert res.is_error and "Is a directory" in res.content[0].text
+        assert "Error" not in res.content[0].text
+        assert res.structured_content["error"] == "file_system"
         return True
 
     assert asyncio.run(_mcp_session(_mcp_env(repo), body))
     out = cli("capture", "x")
-    assert out.returncode == 1 and "IsADirectoryError" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 1 and "Is a directory" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_undecodable_cli_bytes_are_stored_not_crashed_on(repo):
@@ -2516,6 +2546,87 @@ def test_cli_help_lists_commands():
         assert c in out.stdout
 
 
+def _subparsers() -> dict:
+    """{command or alias: its argparse subparser}, from the real CLI parser."""
+    import argparse
+    ap = cs._cli_parser()
+    return next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _schema_facts(prop: dict) -> dict:
+    """enum/minimum/maximum of a JSON-schema property, looking inside anyOf."""
+    facts = {}
+    for part in [prop, *prop.get("anyOf", [])]:
+        for key in ("enum", "minimum", "maximum"):
+            if key in part:
+                facts[key] = part[key]
+        if "const" in part:
+            facts.setdefault("enum", []).append(part["const"])
+    return facts
+
+
+def test_cli_and_mcp_describe_the_same_tools_arguments_and_defaults():
+    tools = {t.name: t for t in asyncio.run(cs.build_server().list_tools())}
+    commands = _subparsers()
+    entries = {t.tool_name: t for t in cs.api_table()}
+    assert set(tools) == {n for n, t in entries.items() if t.mcp}
+    for name, tool in tools.items():
+        sub, entry = commands[name.replace("_", "-")], entries[name]
+        cli_only = {a.dest for a in sub._actions if any(f in a.option_strings for flags, _ in
+                                                        entry.cli_args for f in flags)}
+        actions = {a.dest: a for a in sub._actions
+                   if a.dest not in ("help", "format", *cli_only)}
+        props, required = tool.input_schema["properties"], tool.input_schema.get("required", [])
+        assert set(props) == set(actions), name
+        for arg, prop in props.items():
+            a, facts = actions[arg], _schema_facts(prop)
+            positional = not a.option_strings
+            cli_required = a.required if not positional else a.nargs is None
+            assert (arg in required) == (cli_required or arg in entry.cli_optional)
+            if arg not in required:
+                assert a.default == prop["default"], (name, arg)
+            assert list(a.choices or []) == list(facts.get("enum", [])), (name, arg)
+            assert prop["description"] and a.help.startswith(prop["description"])
+            if "minimum" in facts:
+                assert a.type(str(facts["minimum"])) == facts["minimum"]
+                with pytest.raises(Exception, match="must be"):
+                    a.type(str(facts["minimum"] - 1))
+            if "maximum" in facts:
+                with pytest.raises(Exception, match="must be"):
+                    a.type(str(facts["maximum"] + 1))
+    assert tools["recall"].input_schema["properties"]["limit"]["maximum"] == cs.MAX_RECALL_LIMIT
+    for alias in ("review", "verify", "stale", "import", "export"):
+        assert alias in commands
+    assert "--to" in commands["promote"]._option_string_actions
+
+
+def test_each_tool_describes_its_own_arguments():
+    tools = {t.name: t for t in asyncio.run(cs.build_server().list_tools())}
+    note = {n: tools[n].input_schema["properties"]["note"]["description"]
+            for n in ("endorse", "verify_entry", "generalize")}
+    assert len(set(note.values())) == 3
+    assert "trust" in note["endorse"] and "trust" not in note["verify_entry"]
+    for t in tools.values():
+        for arg, prop in t.input_schema["properties"].items():
+            assert prop.get("description"), (t.name, arg)
+
+
+def test_readme_has_one_tools_table_naming_every_tool_argument_and_command():
+    readme = (HERE / "README.md").read_text()
+    tables = [block for block in readme.split("\n\n") if block.startswith("| tool |")]
+    assert len(tables) == 1
+    rows = re.findall(r"^\| `(\w+)\(([^)]*)\)` \|", tables[0], re.M)
+    assert [n for n, _ in rows] == [t.tool_name for t in cs.mcp_tools()]
+    for (name, args), tool in zip(rows, cs.mcp_tools()):
+        named = {re.match(r"\s*(\w+)", a).group(1) for a in args.split(",") if a.strip()}
+        assert named == {p.name for p in tool.params}, name
+    cli_block = readme.split("## CLI", 1)[1].split("```")[1]
+    for tool in cs.api_table():
+        if tool.cli:
+            spelled = {tool.command, *tool.aliases}
+            assert any(f"cambium_server.py {c}" in cli_block for c in spelled), tool.command
+
+
 def test_cli_capture_recall_json_and_text(repo):
     out = cli("capture", "Keep secrets out of the config file", "--tags", "security")
     assert out.returncode == 0, out.stderr
@@ -2526,7 +2637,8 @@ def test_cli_capture_recall_json_and_text(repo):
 
 def test_cli_error_exits_nonzero_with_message(repo):
     out = cli("endorse", "k-nope")
-    assert out.returncode == 1 and "NotFound" in out.stderr and not out.stdout
+    assert out.returncode == 1 and not out.stdout
+    assert out.stderr.startswith("cambium_server.py endorse: No item k-nope")
 
 
 def test_cli_unconfigured_exits_nonzero_with_guidance(tmp_path):
