@@ -2184,12 +2184,11 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
         return Skip(f"context-keeper {eid}", f"{kind} without text")
     source = {"system": "context-keeper", "ref": eid, "kind": kind,
               **({"source_ts": _str(entry["created_at"])} if _str(entry.get("created_at")) else {})}
-    why = " ".join(p for p in why_parts if p)
+    why = " ".join(filter(None, why_parts))
     return Draft(content=_clip(content, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
-                 kind="procedure" if kind == "pipeline" else kind,
+                 kind="procedure" if kind == "pipeline" else kind, source=source,
                  tags=_entry_tags(entry, ["context-keeper", eid.lower()]),
-                 source=source, key=f"context-keeper:{eid}",
-                 code_refs=context_entry_refs(entry, (content, why)))
+                 key=f"context-keeper:{eid}", code_refs=context_entry_refs(entry, (content, why)))
 
 
 def _entries_of(data: Any, name: str, where: Path) -> list:
@@ -5486,30 +5485,38 @@ def recall(query: Annotated[str, Field(
                                              "|" + "+".join(docs))
     index = store_index(key, items)
     ranking = rank(index, query, limit, cfg=cfg)
-    hits, confidence = ranking.hits, ranking.confidence
     out: dict[str, Any] = {"query": query, "scope": scope, "mode": ranking.mode,
-                           "scopes_searched": list(docs), "top_relevance": round(confidence, 3)}
+                           "scopes_searched": list(docs),
+                           "top_relevance": round(ranking.confidence, 3)}
     if ranking.note:
         out["note"] = ranking.note
-    if ranking.abstains():
-        out.update(results=[], no_confident_match=True,
-                   guidance="Nothing cambium holds matches this confidently. Treat the "
-                            "topic as unknown: do not cite a weak match as team knowledge. "
-                            "If you work it out, capture() it so the next agent knows.")
-        if hits:
-            out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
-                                    "relevance": round(h.confidence, 3)} for h in hits[:3]]
-    else:
-        # org items have finished climbing: their use is not counted (spec)
-        pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
-        out["results"] = [result_view(cfg, h.item, effective_trust(h.item, pending),
-                                      round(h.confidence, 3), detail) for h in hits]
-        note_shown(cfg, [h.item.id for h in hits], "recall")
-        out["no_confident_match"] = False
-        _schedule_credit_fold(cfg)
+    out.update(_recall_results(cfg, ranking, detail))
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
+    """The results part of a recall answer: an abstention with its guidance, or
+    the hits (each credited, shown in the usage journal) in the `detail` asked."""
+    hits = ranking.hits
+    if ranking.abstains():
+        out: dict[str, Any] = {
+            "results": [], "no_confident_match": True,
+            "guidance": "Nothing cambium holds matches this confidently. Treat the topic as "
+                        "unknown: do not cite a weak match as team knowledge. If you work "
+                        "it out, capture() it so the next agent knows."}
+        if hits:
+            out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
+                                    "relevance": round(h.confidence, 3)} for h in hits[:3]]
+        return out
+    # org items have finished climbing: their use is not counted (spec)
+    pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
+    note_shown(cfg, [h.item.id for h in hits], "recall")
+    _schedule_credit_fold(cfg)
+    return {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
+                                    round(h.confidence, 3), detail) for h in hits],
+            "no_confident_match": False}
 
 
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
