@@ -3,9 +3,11 @@
 
     python3 bench_cambium.py            # everything but `semantic`
     python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency
-                                        # import team distill tokens primer anchors
+                                        # import team distill consolidate duplicates
+                                        # tokens primer anchors
     python3 bench_cambium.py semantic   # needs the [semantic] extra; embeds 10,000 items
                                         # first (several minutes on 2 cores)
+    python3 bench_cambium.py quality    # recall quality, both modes, held-out + dev sets
 
 Each section builds throwaway git repos in a temp dir and uses the real code.
 Figures are medians of warm calls unless said otherwise.
@@ -319,6 +321,13 @@ def bench_semantic() -> None:
               f"{(time.perf_counter() - t0) * 1000:.0f} ms (mode {first['mode']}; "
               f"lexical for the backlog meanwhile)")
         eng = cs.runtime().engines[str(repo / ".cambium" / cs.VECTORS_DIR)]
+        rng = random.Random(5)
+        during = iter([" ".join(rng.choices(VOCAB, weights=ZIPF, k=4)) for _ in range(60)])
+        before = eng.backlog()
+        ms = median_ms(lambda: cs.recall(next(during)), 40)
+        print(f"semantic: recall while the backlog embeds ({before:,} -> {eng.backlog():,} "
+              f"items to go): median {ms:.1f} ms (target <= 30 ms); answers say: "
+              f"{cs.recall('cache retry backoff').get('note', '-')}")
         eng.wait_idle(3600)
         dt = time.perf_counter() - t0
         print(f"semantic: first-time embedding of {n:,} items: {dt:.0f} s "
@@ -343,7 +352,10 @@ def bench_semantic() -> None:
 
 
 
-QUALITY_DEV = Path("/work/shared/quality/dev")   #: the shared dev set (measured, never tuned on)
+#: the shared dev set beside the checkout (measured on, never tuned on)
+QUALITY_DEV = next((up / "shared" / "quality" / "dev" for up in (HERE.parent, HERE.parent.parent)
+                    if (up / "shared" / "quality" / "dev").is_dir()),
+                   HERE.parent / "shared" / "quality" / "dev")
 
 
 def _answer_tokens(answers: list[dict]) -> tuple[float, float]:
@@ -425,11 +437,182 @@ def bench_anchors() -> None:
               f"(new HEAD), median {ms:.2f} ms cached (target <= 10 ms)")
 
 
+def bench_quality() -> None:
+    """Recall quality through the real MCP server (quality/eval.py), both modes,
+    on the held-out set (in the repo) and the dev set (../shared/quality/dev,
+    when that folder is beside the clone). Cross-validated dev figures and the
+    parameter choice: python3 quality/cv.py."""
+    sets = [("held", "held")]
+    dev = next((up / "shared" / "quality" / "dev" for up in (HERE.parent, HERE.parent.parent)
+                if (up / "shared" / "quality" / "dev").is_dir()), None)
+    if dev is not None:
+        sets.append(("dev", str(dev)))
+    modes = ["lexical"] + ([] if cs.semantic_extra_missing() else ["semantic"])
+    for label, where in sets:
+        for mode in modes:
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                subprocess.run([sys.executable, str(HERE / "quality" / "eval.py"), "--py",
+                                sys.executable, "--server", str(HERE / "cambium_server.py"),
+                                "--set", where, "--mode", mode, "--out", out.name],
+                               check=True, stdout=subprocess.DEVNULL)
+                q = json.load(open(out.name))["summary"]
+            a, c, p = q["abstention"], q["control"], q["paraphrase"]
+            print(f"quality {label:<4} {mode:<8}: control hit@1 {c['hit@1']:.3f} (>= 0.98), "
+                  f"paraphrase hit@1 {p['hit@1']:.3f} hit@5 {p['hit@5']:.3f}"
+                  + (" (>= 0.45, >= 0.75)" if mode == "semantic" else "")
+                  + f", no-answer abstained {a['recall']:.2f} "
+                  f"(>= {0.35 if mode == 'semantic' else 0.15}), answerable wrongly "
+                  f"abstained {a['answerable_wrongly_abstained']}/{a['answerable_n']} (<= 5%), "
+                  f"median {q['latency_ms']['median']} ms")
+
+
+#: the quality corpus beside the checkout (../shared/quality; worktrees sit one
+#: level deeper), or BENCH_CORPUS
+CORPUS = next((p for p in [Path(os.environ.get("BENCH_CORPUS", "/nonexistent"))] +
+               [up / "shared" / "quality" / "full" / "corpus.jsonl"
+                for up in (HERE.parent, HERE.parent.parent)] if p.is_file()),
+              HERE.parent / "shared" / "quality" / "full" / "corpus.jsonl")
+DUPLICATES = HERE / "quality" / "duplicates.jsonl"
+THRESHOLDS = [round(0.50 + 0.01 * i, 2) for i in range(50)]
+MIN_PRECISION = 1.0       #: the rule: the lowest threshold with no false merge in training,
+MARGIN = 0.02             #: ...plus this margin (a false merge is the costly error)
+
+
+def _dup_pool() -> tuple[list, dict, list]:
+    """Corpus items plus the labelled rows, each row's true cluster, the rows."""
+    import dataclasses
+    rows = [json.loads(line) for line in DUPLICATES.read_text().splitlines() if line.strip()]
+    items, truth = [], {}
+    for line in CORPUS.read_text().splitlines():
+        rec = json.loads(line)
+        items.append(dataclasses.replace(cs.new_item(rec["content"]), id=rec["id"]))
+        truth[rec["id"]] = rec["id"]
+    for r in rows:
+        items.append(dataclasses.replace(cs.new_item(r["content"]), id=r["id"]))
+        truth[r["id"]] = r["of"] if r["label"] == "duplicate" else r["id"]
+    return items, truth, rows
+
+
+def _pairs_of(groups, items) -> set:
+    out = set()
+    for s, members in groups:
+        ids = sorted([items[s].id] + [items[m].id for m, _, _ in members])
+        out |= {(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]}
+    return out
+
+
+def _score(pred: set, truth: dict, rows: set) -> tuple[int, int, int]:
+    """(true positives, false positives, false negatives) over pairs touching `rows`."""
+    true = {tuple(sorted((a, b))) for a in rows for b in truth
+            if a != b and truth[a] == truth[b]}
+    pred = {p for p in pred if p[0] in rows or p[1] in rows}
+    return len(pred & true), len(pred - true), len(true - pred)
+
+
+def _pick(curves: dict, rows: set, truth: dict) -> float:
+    """The lowest threshold whose precision on `rows` is >= MIN_PRECISION, plus
+    MARGIN (the nearest threshold measured)."""
+    grid = sorted(curves)
+    for t in grid:
+        tp, fp, _ = _score(curves[t], truth, rows)
+        if tp + fp and tp / (tp + fp) >= MIN_PRECISION:
+            return min(grid, key=lambda g: abs(g - t - MARGIN))
+    return grid[-1]
+
+
+def _cross_validate(curves: dict, truth: dict, rows: list, folds: int = 5) -> dict:
+    sources = sorted({r["of"] for r in rows})
+    random.Random(5).shuffle(sources)
+    fold_of = {src: i % folds for i, src in enumerate(sources)}
+    tp = fp = fn = 0
+    chosen = []
+    corpus = {k for k in truth if k == truth[k]} - {r["id"] for r in rows}
+    for k in range(folds):
+        test = {r["id"] for r in rows if fold_of[r["of"]] == k}
+        train = ({r["id"] for r in rows} - test) | corpus     # corpus pairs: all negatives
+        t = _pick(curves, train, truth)
+        chosen.append(t)
+        a, b, c = _score(curves[t], truth, test)
+        tp, fp, fn = tp + a, fp + b, fn + c
+    return {"precision": tp / ((tp + fp) or 1), "recall": tp / ((tp + fn) or 1),
+            "thresholds": chosen, "false_merges": fp}
+
+
+def bench_duplicates() -> None:
+    """Grouping quality on quality/duplicates.jsonl: 5-fold cross-validated
+    threshold (folds by source item), held-out pairwise precision and recall."""
+    items, truth, rows = _dup_pool()
+    trusts = {it.id: it.trust for it in items}
+    curves = {t: _pairs_of(cs.duplicate_groups(items, trusts, threshold=t), items)
+              for t in THRESHOLDS}
+    cv = _cross_validate(curves, truth, rows)
+    ids = {r["id"] for r in rows}
+    print(f"duplicates: {len(rows)} labelled rows ({sum(r['label'] == 'duplicate' for r in rows)}"
+          f" paraphrases, {sum(r['label'] == 'different' for r in rows)} same-topic different "
+          f"decisions) among {len(items) - len(rows)} corpus items")
+    print(f"  lexical, 5-fold CV: held-out precision {cv['precision']:.3f} (target >= 0.95), "
+          f"recall {cv['recall']:.3f}; thresholds chosen {cv['thresholds']}")
+    t = cs.CONSOLIDATE_LEXICAL
+    tp, fp, fn = _score(curves[t], truth, ids)
+    corpus_fp = sum(1 for a, b in curves[t] if a not in ids and b not in ids)
+    print(f"  product threshold {t}: precision {tp / ((tp + fp) or 1):.3f}, recall "
+          f"{tp / ((tp + fn) or 1):.3f}; false merges among corpus items alone: {corpus_fp}")
+    if not cs.semantic_extra_missing():
+        _bench_duplicates_semantic(items, trusts, truth, rows)
+
+
+def _bench_duplicates_semantic(items, trusts, truth, rows) -> None:
+    emb = cs.load_embedder()
+    vecs = emb.embed([it.content for it in items])
+    vecs = vecs / (vecs ** 2).sum(axis=1, keepdims=True) ** 0.5
+
+    def opinion(pairs):
+        return {(a, b): float(vecs[a] @ vecs[b]) for a, b in pairs}
+
+    curves = {t: _pairs_of(cs.duplicate_groups(items, trusts, semantic=opinion,
+                                               sem_threshold=t), items)
+              for t in [round(0.80 + 0.01 * i, 2) for i in range(20)]}
+    cv = _cross_validate(curves, truth, rows)
+    print(f"  lexical + semantic (extra installed), 5-fold CV on the semantic threshold: "
+          f"precision {cv['precision']:.3f}, recall {cv['recall']:.3f}; "
+          f"thresholds chosen {cv['thresholds']}")
+
+
+def _near_copy(rng: random.Random, it) -> str:
+    words = it.content.split()
+    i = rng.randrange(len(words))
+    return " ".join(words[:i] + [rng.choice(WORDS)] + words[i:])
+
+
+def bench_consolidate() -> None:
+    import dataclasses
+    with tempfile.TemporaryDirectory() as tmp:
+        env = make_env(Path(tmp))
+        rng = random.Random(3)
+        items = synth_items(10_000)
+        for i in rng.sample(range(len(items)), 100):      # 100 planted near-copies
+            items[i] = dataclasses.replace(items[i], content=_near_copy(rng, items[i - 1]))
+        d = Path(env["CAMBIUM_REPO"]) / ".cambium"
+        d.mkdir()
+        cs.atomic_write(d / "knowledge.json", cs.render_store(cs.Doc(items=items)))
+        t0 = time.perf_counter()
+        plan = cs.consolidate()
+        dry = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        done = cs.consolidate(apply=True)
+        wet = time.perf_counter() - t0
+        print(f"consolidate over 10,000 local items: plan {dry:.2f} s, apply {wet:.2f} s "
+              f"(target <= 10 s); {plan['count']} groups found for 100 planted near-copies, "
+              f"{len(done.get('superseded', []))} superseded")
+
+
 SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
             "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import,
-            "team": bench_team, "distill": bench_distill, "tokens": bench_tokens,
-            "primer": bench_primer, "anchors": bench_anchors, "semantic": bench_semantic}
-DEFAULT_SECTIONS = [s for s in SECTIONS if s != "semantic"]   # semantic takes minutes
+            "team": bench_team, "distill": bench_distill, "semantic": bench_semantic,
+            "consolidate": bench_consolidate, "duplicates": bench_duplicates,
+            "quality": bench_quality, "tokens": bench_tokens, "primer": bench_primer,
+            "anchors": bench_anchors}
+DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("semantic", "quality")]  # minutes each
 
 
 def main(argv: list[str]) -> None:

