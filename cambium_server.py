@@ -4383,13 +4383,16 @@ def one_line(text: str, limit: int) -> str:
 
 
 def trust_marks(item: Item, trust: dict) -> list[str]:
-    """Short trust marks for a one-line result: endorsed, verified, recalled by
-    several agents, and the scope when it is shared."""
-    marks = []
+    """Short trust marks for a one-line result: a person's word (human), a
+    failing check, endorsed, verified, recalled by several agents, and the
+    scope when it is shared."""
+    marks = ["human"] if item.authority == "human" else []
+    if item.failing:
+        marks.append("failing")
     ends = len(trust.get("endorsements") or [])
     if ends:
         marks.append("endorsed" + (f"×{ends}" if ends > 1 else ""))
-    if item.last_verified:
+    if item.last_verified or item.authority == "verified":
         marks.append("verified")
     agents = len(trust.get("recalled_by") or {})
     if agents > 1:

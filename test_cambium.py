@@ -485,17 +485,17 @@ def test_recall_never_returns_or_credits_below_the_floor(repo):
     strong = cs.capture("Invoice totals are stored as integer cents in the ledger",
                         tags="ledger")["item"]["id"]
     weak = cs.capture("The ledger dashboard loads slowly on Mondays")["item"]["id"]
-    res = cs.recall("invoice totals integer cents")
+    res = cs.recall("invoice totals integer cents", detail="full")
     assert [r["id"] for r in res["results"]] == [strong]
     assert all(r["relevance"] >= cs.RELEVANCE_FLOOR for r in res["results"])
-    thin = cs.recall("Mondays")                  # one word of a longer note: a near miss
+    thin = cs.recall("Mondays", detail="full")                  # one word of a longer note: a near miss
     assert thin["no_confident_match"] is True and thin["results"] == []
     assert [w["id"] for w in thin["weak_matches"]] == [weak]
     assert thin["weak_matches"][0]["relevance"] < cs.RELEVANCE_FLOOR
-    both = cs.recall("ledger")                   # the tagged note is a result, the other not
+    both = cs.recall("ledger", detail="full")                   # the tagged note is a result, the other not
     assert [r["id"] for r in both["results"]] == [strong]
     assert [w["id"] for w in both["weak_matches"]] == [weak]
-    again = cs.recall("ledger dashboard loads slowly on Mondays")
+    again = cs.recall("ledger dashboard loads slowly on Mondays", detail="full")
     assert again["results"][0]["id"] == weak
     assert again["results"][0]["recalls"] == 1   # the near misses earned nothing
 
@@ -1463,6 +1463,8 @@ def test_cli_correct_and_consolidate(repo):
     assert json.loads(cli("consolidate", "--apply").stdout)["superseded"]
     assert json.loads(cli("consolidate", "--apply").stdout)["count"] == 0
     text = cli("recall", "nightly backup", "--format", "text").stdout
+    assert "[human]" in text                                # the line's authority mark
+    text = cli("recall", "nightly backup", "--detail", "full", "--format", "text").stdout
     assert "authority: human" in text
 
 
@@ -2935,13 +2937,13 @@ def test_semantic_abstains_on_an_unrelated_query(semantic):
 @needs_extra
 def test_semantic_recall_never_pads_nor_credits_near_misses(semantic):
     ids = _capture_notes()
-    res = cs.recall("how do we represent prices")
+    res = cs.recall("how do we represent prices", detail="full")
     shown = {r["id"] for r in res["results"]}
     assert all(r["relevance"] >= cs.RELEVANCE_FLOOR for r in res["results"])
     assert all(w["relevance"] < cs.RELEVANCE_FLOOR for w in res.get("weak_matches", []))
     assert len(shown) < len(ids)
     for content, item_id in ids.items():      # only what was shown earned a credit
-        hit = next(r for r in cs.recall(content, limit=10)["results"] if r["id"] == item_id)
+        hit = next(r for r in cs.recall(content, limit=10, detail="full")["results"] if r["id"] == item_id)
         assert hit["recalls"] == 1 + (0 if item_id not in shown else 0)
 
 
@@ -3265,6 +3267,9 @@ def test_item_line_carries_id_kind_marks_one_line_content_and_pointer():
     assert line.startswith(f"{it.id} memory/pitfall [endorsed×2 verified recalled×2 team] "
                            "Money is integer cents. Never floats. xxx")
     assert line.endswith("… → b.py:9 (+1)") and "\n" not in line
+    human = dataclasses.replace(cs.new_item("Backups run at three"), authority="human",
+                                failing={"at": "2026-01-01T00:00:00Z", "exit": 1})
+    assert cs.item_line(human) == f"{human.id} memory/note [human failing] Backups run at three"
     need = cs.new_item("no runbook", type="need", kind="need")
     assert cs.item_line(need, anchors=[{"path": "a.py", "resolved": False, "at": None}]) == \
         f"{need.id} need no runbook → stale code: a.py"
