@@ -28,7 +28,8 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_ORG_PR            "1": org promotion opens a pull request
     CAMBIUM_PROMOTE_RECALLS   recalls needed for local -> team, default 3
     CAMBIUM_RELEASE_CAPTURE   "1": distill also captures churned agentsync claims
-    CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope, default 30
+    CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope by recall and
+                              other read-only digests, default 30 (decisions fetch)
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
     CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
@@ -73,6 +74,7 @@ import hashlib
 import heapq
 import importlib.util
 import inspect
+import io
 import json
 import math
 import operator
@@ -367,7 +369,14 @@ _KNOWN_FIELDS = frozenset(_ITEM_FIELDS + _OPTIONAL_FIELDS)
 AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
-@dataclass
+def _shared_str(value: Any) -> str:
+    """A short repeated value (type, tag, project...) as one shared string
+    object: 100k items hold a few hundred distinct ones, not 100k copies."""
+    text = str(value)
+    return sys.intern(text) if len(text) <= 64 else text
+
+
+@dataclass(slots=True)
 class Item:
     """One knowledge item, as stored in a scope's knowledge.json.
 
@@ -403,6 +412,8 @@ class Item:
     failing: dict | None = None                      # {at, exit, output}: last check failed
     code_refs: list | None = None                    # [{path, symbol?}] code anchors
     extra: dict = field(default_factory=dict)
+    #: values derived() from this object; not copied by dataclasses.replace
+    memo: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> Item:
@@ -424,12 +435,14 @@ class Item:
             item_id = "k-" + hashlib.sha1(content.encode()).hexdigest()[:12]
         return cls(
             id=item_id, content=content,
-            type=str(d.get("type") or "memory"), kind=str(d.get("kind") or "note"),
+            type=_shared_str(d.get("type") or "memory"),
+            kind=_shared_str(d.get("kind") or "note"),
             why=d.get("why") if isinstance(d.get("why"), str) else "",
-            tags=[str(t) for t in tags] if isinstance(tags, list) else [],
-            scope=str(d.get("scope") or "local"), project=str(d.get("project") or ""),
+            tags=[_shared_str(t) for t in tags] if isinstance(tags, list) else [],
+            scope=_shared_str(d.get("scope") or "local"),
+            project=_shared_str(d.get("project") or ""),
             source=d.get("source") if isinstance(d.get("source"), dict) else {},
-            created_by=str(d.get("created_by") or ""),
+            created_by=_shared_str(d.get("created_by") or ""),
             created_at=str(d.get("created_at") or ""),
             updated_at=str(d.get("updated_at") or d.get("created_at") or ""),
             status=str(d.get("status") or "active"), trust=trust,
@@ -669,11 +682,12 @@ def derived(item: Item, name: str, compute: Callable[[Item], Any]) -> Any:
     """compute(item), memoized on the item object itself. Items are immutable
     once stored (changes make a new object via dataclasses.replace, which does
     not carry the memo), so a memo is valid for the object's whole life."""
-    memo = item.__dict__
-    key = "_memo_" + name
-    value = memo.get(key)
+    memo = item.memo
+    if memo is None:
+        memo = item.memo = {}
+    value = memo.get(name)
     if value is None:
-        value = memo[key] = compute(item)
+        value = memo[name] = compute(item)
     return value
 
 
@@ -1193,9 +1207,18 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
 
 # =============================================================================
 # Storage: files
-# Atomic replace (temp file, fsync, rename) under an exclusive lock held across
-# read-modify-write, so concurrent processes never lose each other's update.
+# knowledge.json keeps one item per line between a head (format, meta) and a
+# closing `]}`: readable JSON that is cheap to append to, diff and merge. Files
+# are replaced atomically (temp file, fsync, rename) under an exclusive lock
+# held across read-modify-write, so concurrent processes never lose an update.
+# Reading keeps every line that parses; the ones that do not are returned
+# verbatim, for the caller to set aside (never to drop).
 # =============================================================================
+
+STORE_TAIL = b"\n]}\n"      #: how a store with items ends; an append writes over it
+_STRUCTURAL = frozenset((b"", b"{", b"}", b"[", b"]", b"]}", b"],", b'"items": [',
+                         b'"items": []}'))
+
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
@@ -1211,13 +1234,18 @@ def file_lock(path: Path) -> Iterator[None]:
             os.close(fd)
 
 
-def atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
-    """Replace `path` with `text` atomically and durably."""
+def atomic_write(path: Path, data: str | bytes | Callable[[Any], None],
+                 mode: int = 0o644) -> None:
+    """Replace `path` atomically and durably with text, bytes, or whatever
+    data(binary file) writes (streamed: a large store is never joined in memory)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
@@ -1234,51 +1262,143 @@ def atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
             os.close(dfd)
 
 
-def _parse_lines(text: str) -> dict | None:
-    """Fast path for the layout render_store writes (one item per line): parse
-    item by item, so peak memory holds one raw dict, not all of them. None when
-    the text has any other layout (then the whole document is parsed)."""
-    lines = text.split("\n")
-    if len(lines) < 4 or not lines[0].startswith('{"cambium"') or lines[2] != '"items": [':
-        return None
+@dataclass
+class Parsed:
+    """A knowledge.json read line by line: the doc, the lines that did not
+    parse (verbatim), each item's JSON as a byte range of the file (spans[2i],
+    spans[2i+1]: line-layout files only), and where STORE_TAIL starts when the
+    file is exactly as render_store writes it (then an append may go there)."""
+    doc: Doc
+    bad: list[bytes] = field(default_factory=list)
+    spans: array | None = None
+    tail_at: int | None = None
+    closed: bool = True          # False: a line-layout file whose end is torn
+
+
+def _json(raw: bytes) -> Any:
     try:
-        head = json.loads(lines[0][:-1] + "}")
-        meta = json.loads(lines[1][len('"meta": '):-1])
-        if lines[-1] != "" or lines[-2] != "]}":
-            return None
-        body = lines[3:-2]
-        if any(not ln.endswith(",") for ln in body[:-1]) or (body and body[-1].endswith(",")):
-            return None
-        items = [Item.from_dict(json.loads(ln[:-1] if ln.endswith(",") else ln))
-                 for ln in body]
-    except (ValueError, RecursionError, AttributeError, TypeError):
+        return json.loads(raw)
+    except (ValueError, RecursionError):
         return None
-    return {**head, "meta": meta, "_items": items}
+
+
+def _head_of(first: list[bytes]) -> tuple[dict, dict, list[bytes]] | None:
+    """(raw keys, meta, bad lines) of a line-layout file's first three lines;
+    None when the file has another layout."""
+    lines = [ln.rstrip(b"\r\n") for ln in first]
+    if len(lines) < 3 or not lines[0].startswith(b'{"cambium"') or lines[2] != b'"items": [':
+        return None
+    bad = []
+    head = _json(lines[0][:-1] + b"}") if lines[0].endswith(b",") else None
+    meta = _json(lines[1][len(b'"meta": '):-1]) \
+        if lines[1].startswith(b'"meta": ') and lines[1].endswith(b",") else None
+    if not isinstance(head, dict):
+        bad.append(lines[0])
+    if not isinstance(meta, dict):
+        bad.append(lines[1])
+    raw = {k: v for k, v in head.items() if k != "cambium"} if isinstance(head, dict) else {}
+    return raw, meta if isinstance(meta, dict) else {}, bad
+
+
+def _item_lines(stream: Iterable[bytes], offset: int, out: Parsed) -> None:
+    """Parse item lines (the file from byte `offset` on) into out: items and
+    their spans, bad lines, and whether the file ends exactly in STORE_TAIL."""
+    items, spans, bad = out.doc.items, out.spans, out.bad
+    tail_at, end, canonical, comma = None, None, True, False
+    for raw in stream:
+        line = raw.rstrip(b"\r\n")
+        start, offset = offset, offset + len(raw)
+        if end is not None:
+            canonical = False
+            if line.strip():
+                bad.append(line)
+            continue
+        if line == b"]}":
+            end = start
+            tail_at = start - 1 if raw == b"]}\n" and items else None
+            continue
+        body = line[:-1] if line.endswith(b",") else line
+        d = _json(body)
+        if isinstance(d, dict):
+            canonical = canonical and (comma or not items) and raw.endswith(b"\n")
+            items.append(Item.from_dict(d))
+            spans.extend((start, start + len(body)))
+            comma = line.endswith(b",")
+        else:
+            canonical = False
+            if line.strip() not in _STRUCTURAL:
+                bad.append(line)
+    out.closed = end is not None
+    out.tail_at = tail_at if canonical and not bad and not comma else None
+
+
+def parse_file(stream: Any, where: str) -> Parsed:
+    """Parse a knowledge.json from a binary stream. Raises CorruptStore only
+    when nothing in it parses."""
+    first = [stream.readline() for _ in range(3)]
+    head = _head_of(first)
+    if head is None:
+        return _parse_whole(b"".join(first) + stream.read(), where)
+    raw, meta, bad = head
+    out = Parsed(Doc(items=[], meta=meta, raw=raw), bad, array("q"))
+    _item_lines(stream, sum(map(len, first)), out)
+    if not out.doc.items and (out.bad or not out.closed):
+        raise CorruptStore(f"{where} has no line that parses as an item")
+    return out
+
+
+def _parse_whole(data: bytes, where: str) -> Parsed:
+    """A file in another layout (hand-formatted JSON, a bare list, one item)."""
+    if not data.strip():
+        return Parsed(Doc(items=[]))
+    obj = _json(data)
+    if obj is None:
+        return _salvage(data, where)
+    if isinstance(obj, dict) and "items" not in obj and isinstance(obj.get("content"), str):
+        obj = [obj]                                  # a single item
+    if isinstance(obj, list):
+        obj = {"items": obj}
+    if not isinstance(obj, dict) or not isinstance(obj.get("items", []), list):
+        raise CorruptStore(f"{where} must be an object with an 'items' list")
+    entries = obj.get("items", [])
+    meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else {}
+    rest = {k: v for k, v in obj.items() if k not in ("items", "meta", "cambium")}
+    return Parsed(Doc(items=[Item.from_dict(d) for d in entries if isinstance(d, dict)],
+                      meta=meta, raw=rest),
+                  bad=[json.dumps(d, ensure_ascii=False).encode("utf-8")
+                       for d in entries if not isinstance(d, dict)])
+
+
+def _salvage(data: bytes, where: str) -> Parsed:
+    """Not JSON as a whole: keep every line that is an item (or the meta line)."""
+    out = Parsed(Doc(items=[]))
+    for line in data.split(b"\n"):
+        line = line.rstrip(b"\r")
+        body = line.strip().rstrip(b",")
+        if body.startswith(b'"meta": '):
+            meta = _json(body[len(b'"meta": '):])
+            if isinstance(meta, dict):
+                out.doc.meta = meta
+                continue
+        d = _json(body)
+        if isinstance(d, dict) and isinstance(d.get("content"), str):
+            out.doc.items.append(Item.from_dict(d))
+        elif body not in _STRUCTURAL:
+            out.bad.append(line)
+    if not out.doc.items:
+        raise CorruptStore(f"{where} is not valid JSON and no line of it is an item")
+    return out
 
 
 def parse_store(text: str, where: str) -> Doc:
-    """Parse knowledge.json text; raise CorruptStore rather than guess."""
-    if not text.strip():
-        return Doc(items=[])
-    fast = _parse_lines(text)
-    if fast is not None and isinstance(fast.get("meta"), dict):
-        rest = {k: v for k, v in fast.items() if k not in ("_items", "meta", "cambium")}
-        return Doc(items=fast["_items"], meta=fast["meta"], raw=rest)
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise CorruptStore(f"{where} is not valid JSON ({str(e)[:120]})") from None
-    if isinstance(data, list):
-        data = {"items": data}
-    if not isinstance(data, dict) or not isinstance(data.get("items", []), list):
-        raise CorruptStore(f"{where} must be an object with an 'items' list")
-    raw_items = data.get("items", [])
-    bad = [i for i, d in enumerate(raw_items) if not isinstance(d, dict)]
-    if bad:
-        raise CorruptStore(f"{where}: items[{bad[0]}] is not an object")
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
-    rest = {k: v for k, v in data.items() if k not in ("items", "meta", "cambium")}
-    return Doc(items=[Item.from_dict(d) for d in raw_items], meta=meta, raw=rest)
+    """Parse knowledge.json text strictly: CorruptStore if any line is damaged
+    (a shared scope's file is fixed by hand, never half-read)."""
+    parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogateescape")), where)
+    if parsed.bad or not parsed.closed:
+        first = parsed.bad[0][:80] if parsed.bad else b"(the file ends early)"
+        raise CorruptStore(f"{where}: {len(parsed.bad) or 1} line(s) do not parse "
+                           f"(first: {first.decode('utf-8', 'replace')!r})")
+    return parsed.doc
 
 
 def _item_line(item: Item) -> str:
@@ -1287,37 +1407,21 @@ def _item_line(item: Item) -> str:
                                                        separators=(",", ":")))
 
 
-class _ItemsText:
-    """The joined item lines of the last rendered list, so appending an item to
-    a large store costs one line, not a re-join of every line."""
-
-    def __init__(self) -> None:
-        self.items: list = []
-        self.text = ""
-
-    def render(self, items: list) -> str:
-        old = self.items
-        if old and len(items) >= len(old) and all(map(operator.is_, items, old)):
-            tail = ",\n".join(_item_line(i) for i in items[len(old):])
-            text = self.text + (",\n" + tail if tail else "")
-        else:
-            text = ",\n".join(_item_line(i) for i in items)
-        self.items, self.text = items, text
-        return text
-
-
-def render_store(doc: Doc, cache: _ItemsText | None = None) -> str:
-    """knowledge.json text: readable, one item per line (cheap to write, diff, merge)."""
+def store_head(doc: Doc) -> bytes:
+    """The lines before the items: format and unknown keys, meta, the items key."""
     head = {"cambium": STORE_FORMAT, **doc.raw}
-    lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ","]
-    lines.append('"meta": ' + json.dumps(doc.meta, ensure_ascii=False, sort_keys=True) + ",")
+    lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ",",
+             '"meta": ' + json.dumps(doc.meta, ensure_ascii=False, sort_keys=True) + ",",
+             '"items": [' if doc.items else '"items": []}']
+    return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
+
+
+def render_store(doc: Doc) -> str:
+    """knowledge.json text: readable, one item per line (cheap to write, diff, merge)."""
+    head = store_head(doc).decode("utf-8", "surrogateescape")
     if not doc.items:
-        lines.append('"items": []}')
-    else:
-        lines.append('"items": [')
-        lines.append((cache or _ItemsText()).render(doc.items))
-        lines.append("]}")
-    return "\n".join(lines) + "\n"
+        return head
+    return head + ",\n".join(_item_line(i) for i in doc.items) + STORE_TAIL.decode()
 
 
 # =============================================================================
@@ -1331,7 +1435,8 @@ def render_store(doc: Doc, cache: _ItemsText | None = None) -> str:
 @dataclass
 class Write:
     """What a write did: the resulting doc, and for a shared scope the commit
-    (None when nothing changed) and the pull request, if any."""
+    (None when nothing changed), the branch that holds `doc` (None: it does not
+    exist yet) and the pull request, if any."""
     doc: Doc
     commit: str | None = None
     pr_url: str | None = None
@@ -1342,7 +1447,10 @@ class Store:
     """Interface shared by the local, team and org stores."""
     scope: str = ""
 
-    def read(self) -> Doc:  # pragma: no cover - interface
+    def read(self, digest: bool = False) -> Doc:  # pragma: no cover - interface
+        """The scope's doc. A shared scope fetches its tip first, unless `digest`
+        (a read-only digest such as recall): then at most every
+        CAMBIUM_FETCH_INTERVAL seconds, refreshed in the background while serving."""
         raise NotImplementedError
 
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str) -> Write:  # pragma: no cover
@@ -1369,86 +1477,334 @@ def mutate_plan(mutate: Callable[..., Any], plan: Callable[[Doc], Any], message:
     return written, plans[-1]
 
 
+# =============================================================================
+# Storage: the local file
+# A capture is an append under the lock: its line and the closing bracket are
+# written over the old closing bracket and fsynced, so a store of any size costs
+# one line per capture. Every append is recorded in knowledge.json.appends
+# (inode, size and mtime before and after), so a reader holding a parsed copy
+# that finds the same file grown by recorded appends parses only the new tail;
+# anything else (a hand edit, an unrecorded change) is parsed whole. Rarer
+# changes rewrite the file, copying unchanged items' bytes from the old one.
+# Lines that do not parse (a torn tail after a crash, a bad hand edit) are set
+# aside verbatim in knowledge.json.quarantine-<time> and the rest keeps
+# serving; only a file where nothing parses is moved aside whole (.corrupt-).
+# `restore` brings either back.
+# =============================================================================
+
+APPENDS_SUFFIX = ".appends"          #: the append record beside the store
+QUARANTINE_TAG = ".quarantine-"      #: knowledge.json.quarantine-<time>: lines set aside
+CORRUPT_TAG = ".corrupt-"            #: knowledge.json.corrupt-<time>: a whole file set aside
+RESTORED_SUFFIX = ".restored"        #: what restore renames a file it brought back whole
+APPENDS_READ_MAX = 256 * 1024        #: bytes of the append record a reader looks at
+
+
+@dataclass
+class _Seen:
+    """One version of the local file as this process parsed it."""
+    key: tuple                  # (inode, size, mtime_ns)
+    doc: Doc
+    spans: array                # items[i]'s JSON is at bytes spans[2i]:spans[2i+1]
+    tail_at: int | None         # STORE_TAIL starts here (None: not appendable)
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _stamp() -> str:
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
+
+
+def appended_items(old: Doc, new: Doc) -> list | None:
+    """The items `new` adds at the end of `old`, if that is all it changes."""
+    n = len(old.items)
+    if len(new.items) <= n or new.raw != old.raw or \
+            not (new.meta is old.meta or new.meta == old.meta):
+        return None
+    if not all(map(operator.is_, new.items, old.items)):
+        return None
+    return new.items[n:]
+
+
+def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, array]:
+    """The items part of a file: pieces to write (bytes, or a (start, end) range
+    of the old file for an item unchanged since it was parsed there; adjacent
+    ones merged when the old file was canonical) and each item's new span,
+    counting from byte `base`."""
+    where = {id(it): i for i, it in enumerate(seen.doc.items)} if seen else {}
+    merge = seen is not None and seen.tail_at is not None
+    pieces: list = []
+    spans = array("q")
+    pos = base
+    for n, it in enumerate(items):
+        i = where.get(id(it))
+        if n:
+            pos += 2
+        if i is not None:
+            start, end = seen.spans[2 * i], seen.spans[2 * i + 1]
+            last = pieces[-1] if pieces else None
+            if n and merge and isinstance(last, tuple) and last[1] + 2 == start:
+                pieces[-1] = (last[0], end)
+            else:
+                pieces += [b",\n", (start, end)] if n else [(start, end)]
+        else:
+            line = _item_line(it).encode("utf-8", "surrogateescape")
+            start, end = 0, len(line)
+            pieces += [b",\n", line] if n else [line]
+        spans.extend((pos, pos + end - start))
+        pos += end - start
+    return pieces, spans
+
+
+def _copy_range(src: Any, out: Any, start: int, end: int) -> None:
+    src.seek(start)
+    while start < end:
+        chunk = src.read(min(end - start, 1 << 22))
+        if not chunk:
+            raise OSError(f"{src.name} changed while it was being rewritten")
+        out.write(chunk)
+        start += len(chunk)
+
+
 class LocalStore(Store):
-    """<repo>/.cambium/knowledge.json. A parsed copy is cached per file version
-    (mtime, size, inode), so a hand edit is picked up on the next call. Every
-    write first folds the recall credits pending in the `credits` journal."""
+    """<repo>/.cambium/knowledge.json. The parsed copy is cached per file
+    version and extended by recorded appends, so a hand edit is picked up on
+    the next call. Every write first folds the credits pending in `credits`."""
     scope = "local"
 
     def __init__(self, path: Path, credits: Path | None = None):
         self.path = path
         self.credits = credits
-        self.lock = threading.Lock()           # guards _cache and _warnings
-        self._cache: tuple[tuple, Doc] | None = None
-        self._text = _ItemsText()
-        self._warnings: list[str] = []
+        self.appends = path.with_name(path.name + APPENDS_SUFFIX)
+        self.lock = threading.Lock()           # guards _seen
+        self._seen: _Seen | None = None
 
     @property
     def warnings(self) -> list[str]:
-        with self.lock:
-            return list(self._warnings)
+        return set_aside_warnings(self.path)
 
-    def _stat_key(self) -> tuple | None:
+    # -- reading ----------------------------------------------------------------
+    def read(self, digest: bool = False) -> Doc:
+        doc = self._current(locked=False)
+        if doc is not None:
+            return doc
+        with file_lock(self.path):             # damaged, or a writer is mid-append
+            return self._current(locked=True)
+
+    def _current(self, *, locked: bool) -> Doc | None:
+        """The doc as the file now stands; None (unlocked only) when that takes
+        the lock: the file grew by an append not yet recorded, or is damaged."""
         try:
-            st = os.stat(self.path)
+            key = _stat_key(os.stat(self.path))
         except FileNotFoundError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def _load(self) -> Doc:
-        key = self._stat_key()
-        if key is None:
+            self._remember(None)
             return Doc(items=[])
         with self.lock:
-            if self._cache and self._cache[0] == key:
-                return self._cache[1]
-        text = self.path.read_text(encoding="utf-8", errors="surrogateescape")
-        doc = parse_store(text, str(self.path))
-        self._remember(key, doc)
+            seen = self._seen
+        if seen is not None and seen.key == key:
+            return seen.doc
+        grown = seen is not None and seen.tail_at is not None and key[0] == seen.key[0] \
+            and key[1] > seen.key[1]
+        if grown and self._appends_lead(seen.key, key):
+            doc = self._read_tail(seen, key)
+            if doc is not None:
+                return doc
+        if grown and not locked:
+            return None
+        return self._parse(locked=locked)
+
+    def _appends_lead(self, old: tuple, new: tuple) -> bool:
+        """Whether recorded appends lead from file version `old` to `new`."""
+        try:
+            with open(self.appends, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - APPENDS_READ_MAX))
+                text = f.read().decode("ascii", "replace")
+        except FileNotFoundError:
+            return False
+        step: dict[tuple, tuple] = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 5 and parts[0] == str(old[0]):
+                step[(parts[1], parts[2])] = (parts[3], parts[4])
+        at, goal = (str(old[1]), str(old[2])), (str(new[1]), str(new[2]))
+        for _ in range(len(step)):
+            at = step.get(at)
+            if at is None or at == goal:
+                return at == goal
+        return False
+
+    def _read_tail(self, seen: _Seen, key: tuple) -> Doc | None:
+        """Extend the parsed copy by the appended lines; None if they do not parse."""
+        with open(self.path, "rb") as f:
+            f.seek(seen.tail_at)
+            data = f.read(key[1] - seen.tail_at)
+        if not data.startswith(b",\n") or not data.endswith(STORE_TAIL):
+            return None
+        items, spans, pos = [], array("q"), seen.tail_at + 2
+        for line in data[2:-len(STORE_TAIL)].split(b"\n"):
+            body = line[:-1] if line.endswith(b",") else line
+            d = _json(body)
+            if not isinstance(d, dict):
+                return None
+            items.append(Item.from_dict(d))
+            spans.extend((pos, pos + len(body)))
+            pos += len(line) + 1
+        doc = Doc(items=seen.doc.items + items, meta=seen.doc.meta, raw=seen.doc.raw)
+        self._remember(_Seen(key, doc, seen.spans + spans, key[1] - len(STORE_TAIL)))
         return doc
 
-    def _remember(self, key: tuple | None, doc: Doc) -> None:
-        with self.lock:
-            self._cache = (key, doc) if key is not None else None
+    def _parse(self, *, locked: bool) -> Doc | None:
+        """Parse the whole file; damage is set aside under the lock."""
+        try:
+            with open(self.path, "rb") as f:
+                key = _stat_key(os.fstat(f.fileno()))
+                parsed = parse_file(f, str(self.path))
+                stable = _stat_key(os.fstat(f.fileno())) == key
+        except CorruptStore:
+            return self._move_aside() if locked else None
+        if parsed.bad or not parsed.closed:
+            return self._set_aside(parsed, key) if locked else None
+        if stable:                              # else a writer was busy: parse again next time
+            self._remember(_Seen(key, parsed.doc, parsed.spans or array("q"), parsed.tail_at))
+        return parsed.doc
 
-    def _quarantine(self, err: CorruptStore) -> Doc:
-        """Move an unparseable file aside (never overwrite it) and start empty."""
-        aside = self.path.with_name(f"{self.path.name}.corrupt-"
-                                    f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}")
-        os.replace(self.path, aside)
+    def _remember(self, seen: _Seen | None) -> None:
         with self.lock:
-            self._warnings.append(f"{err}. It was moved to {aside} (nothing deleted); "
-                                  "cambium started a fresh local store. Repair that file "
-                                  "and import its items, or copy them back by hand.")
-            self._cache = None
+            self._seen = seen
+
+    # -- damage -----------------------------------------------------------------
+    def _set_aside(self, parsed: Parsed, key: tuple) -> Doc:
+        """Keep the bad lines verbatim beside the store, then rewrite it with
+        every line that parsed (copied byte for byte)."""
+        if parsed.bad:
+            aside = self.path.with_name(self.path.name + QUARANTINE_TAG + _stamp())
+            atomic_write(aside, b"\n".join(parsed.bad) + b"\n")
+        seen = _Seen(key, parsed.doc, parsed.spans or array("q"), None) \
+            if parsed.spans is not None else None
+        self._remember(seen)
+        self._rewrite(parsed.doc)
+        return parsed.doc
+
+    def _move_aside(self) -> Doc:
+        """Nothing parses: move the whole file aside (never overwrite it), start empty."""
+        os.replace(self.path, self.path.with_name(self.path.name + CORRUPT_TAG + _stamp()))
+        self._remember(None)
         return Doc(items=[])
 
-    def read(self, background: bool = False) -> Doc:
-        try:
-            return self._load()
-        except CorruptStore as err:
-            with file_lock(self.path):
-                try:
-                    return self._load()
-                except CorruptStore:
-                    return self._quarantine(err)
-
+    # -- writing ----------------------------------------------------------------
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str = "", *,
                branch: str | None = None, ensure_files: bool = False) -> Write:
-        """Apply fn under the file lock; durable (fsync + rename) before it returns."""
+        """Apply fn under the file lock: an append when fn only adds items at
+        the end, else a rewrite. Durable (fsynced) before it returns."""
         pending, commit = take_credits(self.credits, self.scope)
         with file_lock(self.path):
-            try:
-                doc = self._load()
-            except CorruptStore as err:
-                doc = self._quarantine(err)
+            doc = self._current(locked=True)
             new = with_credits(fn, pending)(doc)
             if new is None:
                 return Write(doc=doc)
-            atomic_write(self.path, render_store(new, self._text))
-            self._remember(self._stat_key(), new)
+            with self.lock:
+                seen = self._seen
+            added = appended_items(doc, new)
+            if added and seen is not None and seen.doc is doc and seen.tail_at is not None:
+                self._append(seen, added, new)
+            else:
+                self._rewrite(new)
         commit()
         return Write(doc=new)
+
+    def _append(self, seen: _Seen, added: list, new: Doc) -> None:
+        lines = [_item_line(it).encode("utf-8", "surrogateescape") for it in added]
+        data = b",\n" + b",\n".join(lines) + STORE_TAIL
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], seen.tail_at + done)
+            os.fsync(fd)
+            key = _stat_key(os.fstat(fd))
+        finally:
+            os.close(fd)
+        with open(self.appends, "a", encoding="ascii") as f:      # a hint: no fsync
+            f.write(f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n")
+        spans, pos = array("q"), seen.tail_at + 2
+        for line in lines:
+            spans.extend((pos, pos + len(line)))
+            pos += len(line) + 2
+        self._remember(_Seen(key, new, seen.spans + spans, key[1] - len(STORE_TAIL)))
+
+    def _rewrite(self, new: Doc) -> None:
+        """Replace the file whole, copying unchanged items from the old one."""
+        with self.lock:
+            seen = self._seen
+        head = store_head(new)
+        pieces, spans = _item_pieces(new.items, seen, len(head))
+
+        def write(out: Any) -> None:
+            out.write(head)
+            with contextlib.ExitStack() as stack:
+                src = stack.enter_context(open(self.path, "rb")) if seen else None
+                for piece in pieces:
+                    if isinstance(piece, tuple):
+                        _copy_range(src, out, *piece)
+                    else:
+                        out.write(piece)
+            if new.items:
+                out.write(STORE_TAIL)
+
+        atomic_write(self.path, write)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.appends)            # records of the old inode: no use now
+        key = _stat_key(os.stat(self.path))
+        self._remember(_Seen(key, new, spans, key[1] - len(STORE_TAIL) if new.items else None))
+
+
+def merge_restored(doc: Doc, back: Doc) -> tuple[Doc | None, dict[str, int]]:
+    """The store with the items of a set-aside file brought back as they were
+    (ids, status, trust, provenance): an id not in the store is added, one the
+    store holds is replaced only by a later version (updated_at); meta and
+    watermarks are united, the store's winning a conflict. None: nothing to do.
+    Pure and idempotent."""
+    at = {it.id: i for i, it in enumerate(doc.items)}
+    items = list(doc.items)
+    counts = {"restored": 0, "updated": 0, "already_here": 0}
+    for it in back.items:
+        i = at.get(it.id)
+        if i is None:
+            at[it.id] = len(items)
+            items.append(it)
+            counts["restored"] += 1
+        elif it.updated_at > items[i].updated_at and it.to_dict() != items[i].to_dict():
+            items[i] = it
+            counts["updated"] += 1
+        else:
+            counts["already_here"] += 1
+    marks = {**(back.meta.get("watermarks") or {}), **(doc.meta.get("watermarks") or {})}
+    meta = {**back.meta, **doc.meta, "watermarks": marks} if marks else {**back.meta, **doc.meta}
+    if not counts["restored"] and not counts["updated"] and meta == doc.meta:
+        return None, counts
+    return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
+
+
+def set_aside_warnings(path: Path) -> list[str]:
+    """What is set aside beside the store and not yet restored, and what to do."""
+    try:
+        names = sorted(os.listdir(path.parent))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.startswith(path.name + ".") or name.endswith(RESTORED_SUFFIX):
+            continue
+        if name.startswith(path.name + QUARANTINE_TAG):
+            out.append(f"lines of {path.name} that did not parse were set aside verbatim in "
+                       f"{path.parent / name} (every other item is served). Repair them and "
+                       f"run `cambium restore {path.parent / name}`, or delete the file.")
+        elif name.startswith(path.name + CORRUPT_TAG):
+            out.append(f"{path.name} did not parse at all and was moved to "
+                       f"{path.parent / name}; cambium started a fresh store. Repair it and "
+                       f"run `cambium restore {path.parent / name}`.")
+    return out
 
 
 # =============================================================================
@@ -1464,12 +1820,13 @@ def credits_path(cfg: Config) -> Path:
     return cfg.local_dir / CREDITS_FILE
 
 
-def _append_durably(path: Path, data: bytes) -> None:
+def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Append bytes to a file and fsync them (the caller holds its lock)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -1511,14 +1868,15 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
     return out
 
 
-def append_credits(path: Path, records: list[dict]) -> None:
-    """Durably append credit records (one line each)."""
+def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> None:
+    """Append credit records (one line each), fsynced unless `durable` is off:
+    the server folds them into their (fsynced) store within seconds anyway."""
     if not records:
         return
     data = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
                    for r in records)
     with file_lock(path):
-        _append_durably(path, data.encode("utf-8"))
+        _append_durably(path, data.encode("utf-8"), sync=durable)
 
 
 def _nothing() -> None:
@@ -1674,20 +2032,23 @@ class GitStore(Store):
         base = gitdir if gitdir.is_dir() else self.repo
         return base / "cambium" / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
 
-    def fetch(self, force: bool = False, background: bool = False) -> str | None:
+    def fetch(self, force: bool = False, background: bool = False,
+              fresh: bool = False) -> str | None:
         """The scope's tip (None: no branch yet), fetching first when due.
 
-        force: fetch now (writes). background: when a fetch is due but a tip is
-        already known, refresh in a background thread and answer with the known
-        tip at once, so a slow or unreachable remote never stalls a read. A read
-        that fails to fetch falls back to the last fetched tip with a warning.
+        force: fetch now, and fail if the remote cannot be reached (writes).
+        fresh: fetch now (decisions and reports). Otherwise a fetch is due once
+        per fetch_interval_s (digests). background: when a fetch is due but a tip
+        is already known, refresh in a background thread and answer with the
+        known tip at once, so a slow or unreachable remote never stalls a read. A
+        read that fails to fetch falls back to the last fetched tip with a warning.
         """
         state = self._state
         with state.lock:
             last = state.fetched_at
             with contextlib.suppress(OSError):
                 last = max(last, self._stamp().stat().st_mtime)   # another process fetched
-            due = force or time.time() - last >= self.fetch_interval_s
+            due = force or fresh or time.time() - last >= self.fetch_interval_s
             if due and background and state.tip_known:
                 if not state.refreshing:
                     state.refreshing = True
@@ -1763,10 +2124,13 @@ class GitStore(Store):
             if tip:
                 self._state.tip, self._state.tip_known = commit, True
 
-    def read(self, background: bool = False) -> Doc:
-        """The scope's items; raises GitError (unreachable, nothing fetched before)
-        or CorruptStore. background: see fetch()."""
-        doc = self.doc_at(self.fetch(background=background))
+    def read(self, digest: bool = False) -> Doc:
+        """The scope's items at its freshly fetched tip, or for a digest at the tip
+        fetched within fetch_interval_s (refreshed in the background while
+        serving); raises GitError (unreachable, nothing fetched before) or
+        CorruptStore."""
+        doc = self.doc_at(self.fetch(fresh=not digest,
+                                     background=digest and self._rt.long_running.is_set()))
         with self._state.lock:
             error = self._state.fetch_error
         if error:
@@ -1861,7 +2225,8 @@ class GitStore(Store):
                 new = with_credits(fn, pending)(doc)
                 if new is None:
                     if not (ensure_files and self._files_stale(base, doc)):
-                        return Write(doc=doc, commit=None, branch=target)
+                        held = side_tip if side else tip       # does `target` exist?
+                        return Write(doc=doc, commit=None, branch=target if held else None)
                     new = doc
                 files = {STORE_FILE: render_store(new)}
                 if self.extra_files:
@@ -2766,8 +3131,14 @@ def _order(score: float, item: Item) -> tuple:
 
 
 def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
-    """The best `limit` slots in ranking order (see _order)."""
-    return heapq.nsmallest(limit, scores, key=lambda i: _order(scores[i], items[i]))
+    """The best `limit` slots in ranking order (see _order). The order's key is
+    computed only for the slots that can make the cut: common words match
+    thousands of items, and the key costs far more than the score."""
+    if not scores:
+        return []
+    cut = heapq.nlargest(limit, scores.values())[-1] - 1e-6
+    near = [i for i, s in scores.items() if s >= cut]
+    return sorted(near, key=lambda i: _order(scores[i], items[i]))[:limit]
 
 
 def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
@@ -3682,8 +4053,9 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
         fresh.append(item)
     if not fresh:
         return Admission(None, [], dups)
-    return Admission(Doc(items=doc.items + fresh, meta={**doc.meta, "watermarks": new_marks},
-                         raw=doc.raw), fresh, dups)
+    marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
+    meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta   # same: an append
+    return Admission(Doc(items=doc.items + fresh, meta=meta, raw=doc.raw), fresh, dups)
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
@@ -4007,8 +4379,9 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
 # cosine of their bodies of at least CONSOLIDATE_LEXICAL (chosen by
 # cross-validation on quality/duplicates.jsonl; bench_cambium.py reports it).
 # Only pairs sharing a term of both items' rare-term prefixes are scored
-# (prefix filtering), so cost grows about linearly. Each group keeps one survivor (authority, then scope, then
-# trust, then recency); the merge carries every credit, endorsement and origin.
+# (prefix filtering), so cost grows about linearly. Each group keeps one
+# survivor (authority, then scope, then trust, then recency); the merge carries
+# every credit, endorsement and origin.
 # =============================================================================
 
 CONSOLIDATE_LEXICAL = 0.86     #: body cosine at which two items say the same thing
@@ -4452,10 +4825,6 @@ def _today() -> str:
 # a scope it cannot read, and one way to change an item wherever it lives.
 # =============================================================================
 
-ORG_UPDATES_BRANCH = "cambium/updates"         #: PR branch for org endorsements etc.
-ORG_GENERALIZE_BRANCH = "cambium/generalize"   #: one shared PR branch for generalize()
-
-
 def store(cfg: Config, scope: str) -> Store:
     """The store of one scope, with one contract for all three: read() -> Doc,
     mutate(fn, message) -> Write (pending credits folded in, durable where it
@@ -4510,17 +4879,19 @@ def _org_default_branch(org: Path, timeout_s: float) -> str:
     return branch
 
 
-def read_scopes(cfg: Config, scopes: Iterable[str], *, background: bool = False
+def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
                 ) -> tuple[dict[str, Doc], list[str]]:
     """Docs of the readable scopes among `scopes`; an unreadable one is skipped
     with a warning (a corrupt file or an unreachable remote never hides the rest).
-    background: refresh remote scopes in the background (recall's hot path)."""
+    Shared scopes are read at their freshly fetched tip, for every tool that
+    decides or reports; digest=True (recall and other read-only digests) lets
+    CAMBIUM_FETCH_INTERVAL apply instead (Store.read)."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     for scope in scopes:
         try:
             st = store(cfg, scope)
-            docs[scope] = st.read(background=background)
+            docs[scope] = st.read(digest=digest)
             warnings += st.warnings
         except ScopeOff:
             continue
@@ -4577,38 +4948,52 @@ def locate(cfg: Config, item_id: str) -> tuple[str, Item]:
     raise NotFound(f"No item {item_id} in any readable scope{extra}; recall lists ids.")
 
 
+@dataclass
+class Changed:
+    """change_item()'s plan: the doc to store (None: nothing) and the item after."""
+    doc: Doc | None
+    item: Item
+
+
 def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], Item | None],
-                message: str, *, org_branch: str | None = None) -> tuple[Item, Write | None]:
-    """Apply change(item) -> new item (None: nothing to do) where the item lives.
-
-    Local writes go through the lock; team and org through the CAS push; org in
-    PR mode onto `org_branch` (a shared PR branch). Returns the new item and
-    the shared-scope write (None for local).
-    """
-    result: dict[str, Item] = {}
-
-    def apply(doc: Doc) -> Doc | None:
+                message: str, *, topic: str = "updates") -> tuple[Item, Write]:
+    """Apply change(item) -> new item (None: nothing to do) where the item lives,
+    through mutate(); in org PR mode onto the `topic` pull request (pr_branch).
+    Returns the item after the change and the write."""
+    def plan(doc: Doc) -> Changed:
         hit = _find_item(doc, item_id)
         if hit is None:
             raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
-        i, it = hit
-        new = change(it)
-        result["item"] = new or it
-        return None if new is None else _replace_item(doc, i, new)
+        new = change(hit[1])
+        return Changed(None if new is None else _replace_item(doc, hit[0], new), new or hit[1])
 
-    write = mutate_scope(cfg, scope, apply, message, org_branch=org_branch)
-    return result["item"], write
+    write, done = mutate_plan(functools.partial(mutate, cfg, scope), plan, message,
+                              pr_branch=pr_branch(cfg, scope, topic))
+    return done.item, write
 
 
-def mutate_scope(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str,
-                 *, org_branch: str | None = None) -> Write:
-    """One write to one scope: local under the lock, team and org as a CAS push,
-    org in PR mode onto `org_branch` with its pull request opened (pr_url set)."""
+def pr_branch(cfg: Config, scope: str, topic: str) -> str | None:
+    """The pull-request branch a write to `scope` goes to, or None for a direct
+    write: the one place PR branch names are chosen. Only org scope in PR mode
+    (CAMBIUM_ORG_PR=1) writes through pull requests, one branch per topic:
+    `updates` (endorsements, verifications, retirements, checks, corrections),
+    `generalize`, `knowledge-md`, and `promote-<item id>` (one per promotion)."""
+    return f"cambium/{topic}" if scope == "org" and cfg.org_pr else None
+
+
+def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str, *,
+           pr_branch: str | None = None, pr_body: str | None = None,
+           ensure_files: bool = False, ensure_pr: bool = False) -> Write:
+    """One write to one scope: local under the lock, team and org as a CAS push.
+
+    pr_branch (see pr_branch()): write onto that branch instead and open, or
+    reuse, its pull request (write.pr_url); ensure_pr: also when this write
+    changed nothing but the branch exists (a retry). The only caller of open_pr.
+    ensure_files: org also writes when only KNOWLEDGE.md is stale."""
     st = store(cfg, scope)
-    branch = org_branch if scope == "org" and cfg.org_pr else None
-    write = st.mutate(fn, f"cambium: {message}", branch=branch)
-    if branch and write.commit:
-        write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}",
+    write = st.mutate(fn, f"cambium: {message}", branch=pr_branch, ensure_files=ensure_files)
+    if pr_branch and write.branch == pr_branch and (write.commit or ensure_pr):
+        write.pr_url = open_pr(cfg, st, pr_branch, f"cambium: {message}", pr_body or
                                "Opened by cambium. Review is the gate; merge to publish.")
     return write
 
@@ -4631,27 +5016,89 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
     return urls[-1]
 
 
+@dataclass
+class MovePlan:
+    """move()'s plan on one tip of the destination."""
+    doc: Doc | None                   # the destination doc to store (None: nothing to add)
+    refused: dict                     # id -> the gate's Verdict, judged on this tip
+
+
+@dataclass
+class Moved:
+    """What a move did: the destination write, the copies the destination holds
+    now (so they left the source), and the items the gate turned away."""
+    write: Write
+    landed: list
+    refused: dict
+
+
+def move(cfg: Config, items: list[Item], src: str, dst: str, *,
+         gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
+         pr_branch: str | None = None, pr_body: str | None = None) -> Moved:
+    """Move items from scope src up to scope dst: copy up, verify, drop the source.
+
+    Every (re)played write to dst re-reads each item as it now stands in src and
+    re-judges it with gate(); copy(item) is what lands. An item dst already
+    holds counts as landed without a new copy (a retry, a merged pull request).
+    Only what dst is verified to hold leaves src. With pr_branch the copies go
+    to that pull request and the src items are annotated with its URL instead;
+    they leave src once it merges (settle_org_prs).
+    """
+    ids = {it.id for it in items}
+
+    def plan(doc: Doc) -> MovePlan:
+        waiting = ids - {it.id for it in doc.items}
+        current = [it for it in store(cfg, src).read().items if it.id in waiting]
+        verdicts = {it.id: gate(it) for it in current}
+        copies = [copy(it) for it in current if verdicts[it.id].allowed]
+        return MovePlan(dataclasses.replace(doc, items=doc.items + copies) if copies else None,
+                        {i: v for i, v in verdicts.items() if not v.allowed})
+
+    write, planned = mutate_plan(functools.partial(mutate, cfg, dst), plan, message,
+                                 pr_branch=pr_branch, pr_body=pr_body, ensure_pr=True)
+    landed = [it for it in write.doc.items if it.id in ids]
+    held = {it.id for it in landed}
+    if pr_branch:
+        _annotate_pr(cfg, src, held, write.pr_url)
+    elif held:
+        mutate(cfg, src, lambda d: dataclasses.replace(
+            d, items=[i for i in d.items if i.id not in held]), f"{len(held)} item(s) moved to "
+            f"{dst}: {', '.join(sorted(held))}")
+    return Moved(write, landed, planned.refused)
+
+
+def _annotate_pr(cfg: Config, scope: str, ids: set[str], url: str | None) -> None:
+    """Mark items whose copy waits in a pull request with its URL."""
+    now = _now()
+
+    def apply(doc: Doc) -> Doc | None:
+        if not any(it.id in ids and it.pr_url != url for it in doc.items):
+            return None
+        return dataclasses.replace(doc, items=[
+            dataclasses.replace(it, pr_url=url, updated_at=now) if it.id in ids else it
+            for it in doc.items])
+
+    if url and ids:
+        mutate(cfg, scope, apply, f"annotate {', '.join(sorted(ids))} with its org PR")
+
+
+def _awaiting_merge(item: Item) -> Verdict:
+    return Verdict(False, "pr_pending", f"waits for {item.pr_url} to merge")
+
+
 def settle_org_prs(cfg: Config) -> list[str]:
     """Finish moves whose org pull request has merged: once org scope holds the
     item, drop the source copy that waited (annotated with pr_url). Returns ids."""
     if cfg.org_repo is None:
         return []
-    docs, _ = read_scopes(cfg, SCOPES)
-    if "org" not in docs:
-        return []
-    in_org = {it.id for it in docs["org"].items}
+    docs, _ = read_scopes(cfg, ("local", "team"))
     settled: list[str] = []
-    for scope in ("local", "team"):
-        if scope not in docs:
-            continue
-        done = {it.id for it in docs[scope].items if it.pr_url and it.id in in_org}
-        if not done:
-            continue
-        drop = lambda d, done=done: dataclasses.replace(  # noqa: E731
-            d, items=[i for i in d.items if i.id not in done]) \
-            if any(i.id in done for i in d.items) else None
-        store(cfg, scope).mutate(drop, "cambium: settle merged org PRs")
-        settled += sorted(done)
+    for scope, doc in docs.items():
+        waiting = [it for it in doc.items if it.pr_url]
+        if waiting:
+            moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
+                         message="settle merged org PRs")
+            settled += sorted(it.id for it in moved.landed)
     return settled
 
 
@@ -5014,8 +5461,7 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
                 "by": "distill", "at": now, "reason": reason})
 
         try:
-            change_item(cfg, where, entry["id"], retire, f"distill retires {entry['id']}",
-                        org_branch=ORG_UPDATES_BRANCH)
+            change_item(cfg, where, entry["id"], retire, f"distill retires {entry['id']}")
             retired.append({**entry, "scope": where})
         except CambiumError as e:
             pending.append(entry)
@@ -5387,8 +5833,8 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
                                               for g in groups for m, _, _ in g.members)]
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         fn = _merge_into(scope, groups, trusts, cfg.agent, now, done)
-        write = mutate_scope(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
-                             org_branch=ORG_UPDATES_BRANCH)
+        write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
+                       pr_branch=pr_branch(cfg, scope, "updates"))
         if write is not None and write.pr_url:
             pr_urls.append(write.pr_url)
             for sid in [k for k, v in done.items() if v == scope]:
@@ -5496,8 +5942,8 @@ def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
                  for it in doc.items]
         return dataclasses.replace(doc, items=items)
 
-    mutate_scope(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
-                 org_branch=ORG_UPDATES_BRANCH)
+    mutate(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
+           pr_branch=pr_branch(cfg, scope, "updates"))
 
 
 # =============================================================================
@@ -5510,6 +5956,19 @@ def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
 # =============================================================================
 
 
+
+
+def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
+    """A tool's answer with what lies set aside beside the local store added to
+    its `warnings`: every tool says so until `restore` brings it back."""
+    if not isinstance(result, dict) or result.get("configured") is False:
+        return result
+    cfg = cfg or resolve_config()
+    if not cfg.configured:
+        return result
+    have = result.get("warnings") or []
+    extra = [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE) if w not in have]
+    return {**result, "warnings": [*have, *extra]} if extra else result
 
 
 def _count(doc: Doc) -> dict:
@@ -5540,7 +5999,6 @@ def status() -> dict:
     for k in marks:
         sysname = k.split(":")[1] if k.startswith("import:") else k.split(":")[0]
         systems[sysname] = systems.get(sysname, 0) + 1
-    corrupt = sorted(p.name for p in cfg.local_dir.glob(STORE_FILE + ".corrupt-*"))
     out = {
         "configured": True, "status": "ok", "version": __version__,
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
@@ -5557,8 +6015,7 @@ def status() -> dict:
         **recall_mode_report(cfg),
         "gaps": config_gaps(cfg),
     }
-    warnings = local.warnings + ([f"preserved unparseable store copies in {cfg.local_dir}: "
-                                  + ", ".join(corrupt)] if corrupt else [])
+    warnings = local.warnings
     if cfg.file_error:
         warnings.append(cfg.file_error)
     if warnings:
@@ -5638,34 +6095,37 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
     _scaffold_local(root)
     cfg_path = config_file_path(env)
-    current: dict = {}
-    if cfg_path.exists():
-        try:
-            loaded = json.loads(cfg_path.read_text(encoding="utf-8"))
-            current = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            aside = cfg_path.with_name(cfg_path.name + ".bad")
-            os.replace(cfg_path, aside)
-    current.update(updates)
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        os.chmod(cfg_path.parent, 0o700)
-    atomic_write(cfg_path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
+    _write_config(cfg_path, updates)
+    binding = repo_binding(resolve_config(env))
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
-           "binding": repo_binding(resolve_config(env)), "status": status()}
+           "binding": binding, "status": status()}
     shadowed = [k for k in updates if k != "CAMBIUM_REPO" and env.get(k) not in (None, "")
                 and env.get(k) != updates[k]]
     warnings = [f"{k} is also set in the environment, which wins over the config file; "
                 "unset it to use the value just written." for k in shadowed]
-    if out["binding"]["repo"] != str(root):
-        warnings.append(f"this process works in {out['binding']['repo']} "
-                        f"({out['binding']['because']}); {root} is used only by processes "
-                        "started outside any git repo.")
-    if warnings:
-        out["warnings"] = warnings
-    if org_offer:
-        out["org_setup"] = org_offer
-    return out
+    if binding["repo"] != str(root):
+        warnings.append(f"this process works in {binding['repo']} ({binding['because']}); "
+                        f"{root} is used only by processes started outside any git repo.")
+    return {**out, **({"warnings": warnings} if warnings else {}),
+            **({"org_setup": org_offer} if org_offer else {})}
+
+
+def _write_config(path: Path, updates: dict[str, str]) -> None:
+    """Merge updates into the config file, owner-only; an unreadable one is moved aside."""
+    current: dict = {}
+    if path.exists():
+        try:
+            current = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            current = None
+        if not isinstance(current, dict):
+            os.replace(path, path.with_name(path.name + ".bad"))
+            current = {}
+    current.update(updates)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        os.chmod(path.parent, 0o700)
+    atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
 
 
 def repo_binding(cfg: Config) -> dict:
@@ -5780,11 +6240,13 @@ def capture(content: Annotated[str, Field(
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
-        return {"status": "captured", "item": item_view(res.imported[0])}
+        return with_store_warnings({"status": "captured", "item": item_view(res.imported[0])},
+                                   cfg)
     dup = _find_duplicate(cfg, content, type)
-    return {"status": "duplicate", "item": item_view(dup) if dup else None,
-            "note": "an active item with this content already exists; endorse it instead "
-                    "of capturing it again"}
+    return with_store_warnings({
+        "status": "duplicate", "item": item_view(dup) if dup else None,
+        "note": "an active item with this content already exists; endorse it instead of "
+                "capturing it again"}, cfg)
 
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:
@@ -5841,7 +6303,7 @@ def recall(query: Annotated[str, Field(
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
         store(cfg, scope)                   # asked for a scope that is off: say so
-    docs, warnings = read_scopes(cfg, scopes, background=runtime().long_running.is_set())
+    docs, warnings = read_scopes(cfg, scopes, digest=True)
     if scope in ("team", "org") and scope not in docs:
         raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
     items = federated_items(docs)
@@ -5982,7 +6444,7 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
             continue
         new.append({"item": it.id, "scope": it.scope, "agent": cfg.agent, "day": day,
                     "project": cfg.project, "at": _now()})
-    append_credits(path, new)
+    append_credits(path, new, durable=not runtime().long_running.is_set())
     return pending + new
 
 
@@ -6067,8 +6529,7 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
                      message: str, status: str) -> dict:
     """Apply a change to an item in whichever scope holds it; the tool's answer."""
     scope, _ = locate(cfg, item_id)
-    item, write = change_item(cfg, scope, item_id, change, message,
-                              org_branch=ORG_UPDATES_BRANCH)
+    item, write = change_item(cfg, scope, item_id, change, message)
     out = {"status": status, "scope": scope, "item": item_view(item)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
@@ -6125,54 +6586,47 @@ def promote(item_id: Annotated[str | None, Field(
 
 
 def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
-    doc = store(cfg, "local").read()
     pending = read_credits(credits_path(cfg))
-    chosen: list[tuple[Item, dict, str]] = []
-    for it in doc.items:
-        if item_id is not None and it.id != item_id:
-            continue
-        trust = effective_trust(it, pending)
-        verdict = team_verdict(it, trust, cfg.promote_recalls,
-                               force=force and item_id is not None)
-        if verdict.allowed:
-            chosen.append((it, trust, verdict.reason))
-        elif item_id is not None:
-            _require_active(it, "promoted")
-            return {"status": verdict.status, "item": item_view(it, trust=trust),
-                    "reason": verdict.reason}
-    if item_id is not None and not chosen:
+
+    def gate(it: Item) -> Verdict:
+        return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
+                            force=force and item_id is not None)
+
+    local = [it for it in store(cfg, "local").read().items if item_id in (None, it.id)]
+    verdicts = {it.id: gate(it) for it in local}
+    if item_id is not None and not local:
         scope, it = locate(cfg, item_id)
         return {"status": "already_promoted" if scope != "local" else "not_eligible",
                 "scope": scope, "item": item_view(it)}
+    if item_id is not None and not verdicts[item_id].allowed:
+        _require_active(local[0], "promoted")
+        return {"status": verdicts[item_id].status, "reason": verdicts[item_id].reason,
+                "item": item_view(local[0], trust=effective_trust(local[0], pending))}
+    chosen = [it for it in local if verdicts[it.id].allowed]
     if not chosen:
         return {"status": "nothing_eligible", "promoted": [],
                 "rule": f"local items need {cfg.promote_recalls} recalls or an endorsement"}
-    team = store(cfg, "team")
     now = _now()
-    copies = {it.id: promoted_copy(it, "team", trust=trust, agent=cfg.agent, now=now)
-              for it, trust, _ in chosen}
-
-    def add(d: Doc) -> Doc | None:
-        have = {i.id for i in d.items}
-        new = [c for c in copies.values() if c.id not in have]
-        return dataclasses.replace(d, items=d.items + new) if new else None
-
     try:
-        write = team.mutate(add, f"cambium: {cfg.agent} promotes {len(copies)} item(s) to team")
+        moved = move(cfg, chosen, "local", "team", gate=gate, message=f"{cfg.agent} promotes "
+                     f"{len(chosen)} item(s) to team", copy=lambda it: promoted_copy(
+                         it, "team", trust=effective_trust(it, pending), agent=cfg.agent,
+                         now=now))
     except CambiumError as e:
         raise _noted(e, "nothing moved: the item(s) stay local.")
-    landed = {i.id for i in write.doc.items} & set(copies)
-    _drop(cfg, "local", landed, "moved up to team")
-    return {"status": "promoted", "to_scope": "team", "commit": write.commit,
-            "promoted": [{**item_view(copies[i]), "because": why}
-                         for it, _, why in chosen if (i := it.id) in landed]}
+    return {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
+            "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
+                         for c in moved.landed]}
 
 
-def _drop(cfg: Config, scope: str, ids: set[str], message: str) -> None:
-    """Remove items from a scope (only ever after their copy is verified elsewhere)."""
-    if ids:
-        store(cfg, scope).mutate(lambda d: dataclasses.replace(
-            d, items=[i for i in d.items if i.id not in ids]), message)
+def _org_refusal(item: Item, verdict: Verdict) -> dict:
+    """The answer for an item the org gate turned away."""
+    out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
+    if verdict.tells:
+        out.update(tells=verdict.tells, draft=verdict.draft,
+                   retry=f"promote({item.id!r}, to_scope='org', org_content=<the rule in "
+                         "general terms>, org_why=<why it holds, in general terms>)")
+    return out
 
 
 def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None,
@@ -6180,55 +6634,45 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     scope, item = locate(cfg, item_id)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
-    if not item.active:
-        _require_active(item, "promoted")
+    _require_active(item, "promoted")
     if item.pr_url:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request; the next promote or review_promotions "
                         "finishes the move."}
-    verdict = org_verdict(item, org_content=org_content, org_why=org_why, force=force)
-    if not verdict.allowed:
-        out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
-        if verdict.tells:
-            out["tells"] = verdict.tells
-            out["draft"] = verdict.draft
-            out["retry"] = (f"promote({item_id!r}, to_scope='org', org_content=<the rule in "
-                            "general terms>, org_why=<why it holds, in general terms>)")
-        return out
-    org = store(cfg, "org")
+
+    def gate(it: Item) -> Verdict:
+        return org_verdict(it, org_content=org_content, org_why=org_why, force=force)
+
+    if not (verdict := gate(item)).allowed:
+        return _org_refusal(item, verdict)
     pending = read_credits(credits_path(cfg))
     now = _now()
-    copy = promoted_copy(item, "org", trust=effective_trust(item, pending), agent=cfg.agent,
-                         now=now, org_content=org_content, org_why=org_why)
 
-    def add(d: Doc) -> Doc | None:
-        if any(i.id == copy.id for i in d.items):
-            return None
-        return dataclasses.replace(d, items=d.items + [copy])
+    def copy(it: Item) -> Item:
+        return promoted_copy(it, "org", trust=effective_trust(it, pending), agent=cfg.agent,
+                             now=now, org_content=org_content, org_why=org_why)
 
-    msg = f"cambium: {cfg.agent} promotes {item_id} to org"
+    branch = pr_branch(cfg, "org", f"promote-{item_id}")
+    body = (f"Promotes knowledge item {item_id} from {scope} scope of {item.project}.\n\n"
+            f"> {copy(item).content}\n\nEndorsed as: "
+            f"{latest_endorsement_note(item) or '(no note)'}\n\n"
+            "Review is the gate: merge to publish to every project; close to decline.")
     try:
-        if cfg.org_pr:
-            branch = f"cambium/promote-{item_id}"
-            write = org.mutate(add, msg, branch=branch)
-            body = (f"Promotes knowledge item {item_id} from {scope} scope of {item.project}.\n\n"
-                    f"> {copy.content}\n\nEndorsed as: "
-                    f"{latest_endorsement_note(item) or '(no note)'}\n\n"
-                    "Review is the gate: merge to publish to every project; close to decline.")
-            url = open_pr(cfg, org, branch, msg, body)
-            change_item(cfg, scope, item_id,
-                        lambda it: dataclasses.replace(it, pr_url=url, updated_at=now),
-                        f"annotate {item_id} with its org PR")
-            return {"status": "pr_opened", "pr_url": url, "branch": branch,
-                    "item": item_view(copy), "source_scope": scope,
-                    "note": f"the {scope} copy stays until the PR merges"}
-        write = org.mutate(add, msg)
+        moved = move(cfg, [item], scope, "org", gate=gate, copy=copy, pr_branch=branch,
+                     pr_body=body, message=f"{cfg.agent} promotes {item_id} to org")
     except CambiumError as e:
         raise _noted(e, f"nothing moved: the item stays in {scope} scope.")
-    if any(i.id == item_id for i in write.doc.items):
-        _drop(cfg, scope, {item_id}, f"cambium: {item_id} moved to org")
-    return {"status": "promoted", "to_scope": "org", "commit": write.commit,
-            "item": item_view(copy), "published": ["knowledge.json", "KNOWLEDGE.md"]}
+    if item_id in moved.refused:                  # the item changed under us: judged again
+        return _org_refusal(item, moved.refused[item_id])
+    if not moved.landed:
+        raise NotFound(f"item {item_id} left {scope} scope while it was being promoted; "
+                       "recall shows where it is now.")
+    out = {"item": item_view(moved.landed[0]), **({"forced": True} if verdict.forced else {})}
+    if branch:
+        return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
+                "source_scope": scope, "note": f"the {scope} copy stays until the PR merges"}
+    return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit, **out,
+            "published": ["knowledge.json", "KNOWLEDGE.md"]}
 
 
 def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
@@ -6270,7 +6714,7 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
                 "by": cfg.agent, "at": now, "note": note}})
 
     new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes {item_id}",
-                             org_branch=ORG_GENERALIZE_BRANCH)
+                             topic="generalize")
     changed = write is not None and write.commit is not None and restated(
         hit[1], content=text, why=why) is not hit[1]
     out = {"status": "generalized" if changed else "unchanged", "item": item_view(new),
@@ -6439,8 +6883,8 @@ def correct(item_id: ItemId,
                                                    why="corrected by a person"))
         return dataclasses.replace(doc, items=doc.items + [new])
 
-    write = mutate_scope(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
-                         org_branch=ORG_UPDATES_BRANCH)
+    write = mutate(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
+                   pr_branch=pr_branch(cfg, scope, "updates"))
     embed_soon(cfg, [new])
     out = {"status": "corrected", "scope": scope, "item": item_view(new),
            "superseded": item_id}
@@ -6519,7 +6963,7 @@ def usage(session: Annotated[str | None, Field(
     if session:
         session = _clean_text(session, "session", 200)
         rows = shown_by(records, "session", session, "item")
-        docs, warnings = read_scopes(cfg, SCOPES, background=runtime().long_running.is_set())
+        docs, warnings = read_scopes(cfg, SCOPES, digest=True)
         known = {it.id: it for it in federated_items(docs)}
         for row in rows:
             it = known.get(row["item"])
@@ -6550,7 +6994,8 @@ def import_memory(source: Annotated[str, Field(
     Items land local, tagged `imported`, stamped source {system, ref,
     imported, source_ts}, and are never auto-promoted. Re-importing adds
     nothing (dedupe by record id, else content hash). Returns counts of
-    imported / skipped (with the first reasons) / duplicates, and the new items.
+    imported / skipped (with the first reasons) / duplicates, the first new
+    items, and `id_map`: a JSONL file mapping every record to its new item id.
     """
     cfg = require_config()
     adapter = IMPORT_ADAPTERS.get(source)
@@ -6573,12 +7018,79 @@ def import_memory(source: Annotated[str, Field(
 
     res = ingest(cfg, drafts())
     skips = [(s.where, s.reason) for s in skipped] + res.skipped
-    return {
+    out = {
         "status": "imported", "source": source, "path": str(p),
         "imported": len(res.imported), "skipped": len(skips), "duplicates": res.duplicates,
-        "skipped_reasons": [{"where": w, "reason": r} for w, r in skips[:5]],
-        "items": [{"id": it.id, "source": it.source} for it in res.imported],
+        "skipped_reasons": [{"where": _clip(w, 200), "reason": _clip(r, 300)}
+                            for w, r in skips[:5]],
+        "items": [{"id": it.id, "source": {k: _clip(v, 200) if isinstance(v, str) else v
+                                           for k, v in it.source.items()}}
+                  for it in res.imported[:IMPORT_LISTED]],
     }
+    if res.imported:
+        out["id_map"] = str(write_id_map(cfg, source, res.imported))
+    return with_store_warnings(out, cfg)
+
+
+IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
+
+
+def restore(path: Annotated[str, Field(
+        "A file set aside beside the store: knowledge.json.quarantine-<time> (repair its "
+        "lines first) or knowledge.json.corrupt-<time>.")]) -> dict:
+    """CLI `restore`: bring items set aside from the local store back as they were.
+
+    Merges the items of a quarantine file or of a moved-aside knowledge.json
+    into the local store with their ids, status, type, trust, endorsements and
+    provenance, beside what was captured since; an item the store already holds
+    is replaced only by a later version of it. Idempotent. When every line came
+    back, the file is renamed *.restored and the warnings about it stop.
+    """
+    cfg = require_config()
+    p = Path(os.path.expanduser(path))
+    if not p.is_absolute():
+        raise InputError(f"path {path!r} must be absolute.")
+    _regular_file(p)
+    try:
+        with open(p, "rb") as f:
+            parsed = parse_file(f, str(p))
+    except CorruptStore as e:
+        raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "
+                         "item per line) and run restore again.") from None
+    counts: dict[str, int] = {}
+
+    def apply(doc: Doc) -> Doc | None:
+        new, done = merge_restored(doc, parsed.doc)
+        counts.update(done)
+        return new
+
+    store(cfg, "local").mutate(apply, f"restore {p.name}")
+    out: dict[str, Any] = {"status": "restored" if counts["restored"] or counts["updated"]
+                           else "nothing_to_restore", "file": str(p), **counts,
+                           "unparseable_lines": len(parsed.bad)}
+    if parsed.bad:
+        out["note"] = (f"{len(parsed.bad)} line(s) still do not parse; repair them and run "
+                       "restore again (what came back is not duplicated), or delete the file.")
+    elif not p.name.endswith(RESTORED_SUFFIX):
+        done_path = p.with_name(p.name + RESTORED_SUFFIX)
+        os.replace(p, done_path)
+        out["moved_to"] = str(done_path)
+    return with_store_warnings(out, cfg)
+
+
+def write_id_map(cfg: Config, source: str, items: list[Item]) -> Path:
+    """.cambium/imports/<time>-<source>.jsonl: one {ref, id, system} per new item,
+    so an answer stays small (under 100 KB) whatever the size of the import."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", source)[:40] or "import"
+    path = cfg.local_dir / "imports" / f"{_stamp()}-{name}.jsonl"
+
+    def write(out: Any) -> None:
+        for it in items:
+            out.write((json.dumps({"ref": it.source.get("ref"), "id": it.id,
+                                   "system": it.source.get("system")},
+                                  ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape"))
+    atomic_write(path, write)
+    return path
 
 
 def distill(on_progress: ProgressFn | None = None) -> dict:
@@ -6641,14 +7153,12 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
 
 def _publish_org_markdown(cfg: Config) -> dict:
     """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's."""
-    org = store(cfg, "org")
-    branch = "cambium/knowledge-md" if cfg.org_pr else None
-    write = org.mutate(lambda d: None, "cambium: re-render KNOWLEDGE.md", branch=branch,
-                       ensure_files=True)
+    write = mutate(cfg, "org", lambda d: None, "re-render KNOWLEDGE.md", ensure_files=True,
+                   pr_branch=pr_branch(cfg, "org", "knowledge-md"),
+                   pr_body="KNOWLEDGE.md re-rendered from knowledge.json by cambium.")
     out = {"file": "KNOWLEDGE.md", "changed": write.commit is not None, "commit": write.commit}
-    if branch and write.commit:
-        out["pr_url"] = open_pr(cfg, org, branch, "cambium: re-render KNOWLEDGE.md",
-                                "KNOWLEDGE.md re-rendered from knowledge.json by cambium.")
+    if write.pr_url:
+        out["pr_url"] = write.pr_url
     return out
 
 
@@ -6757,6 +7267,7 @@ def api_table() -> tuple[Tool, ...]:
              cli_args=((("--hook",), {"action": "store_true", "help": (
                  "run as a Claude Code hook: read its JSON from stdin (uses its cwd), print "
                  "nothing on stdout, skip quietly where cambium is unconfigured")}),)),
+        Tool(restore, cli_types={"path": os.path.abspath}),
         Tool(serve, run=_cli_serve, formats=()),
         Tool(run_demo, name="demo"),
     )
@@ -6854,7 +7365,7 @@ def _mcp_tool(fn: Callable) -> Callable:
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
         token = SESSION.set(mcp_session_id(ctx))
         try:
-            return fn(**kwargs)
+            return with_store_warnings(fn(**kwargs))
         except Unconfigured as u:
             return u.guidance
         except (CambiumError, OSError) as e:
@@ -7183,7 +7694,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
     """The default command: run the tool (or `fn`) once and print its answer."""
-    result = (fn or args.tool.fn)(**kwargs)
+    result = with_store_warnings((fn or args.tool.fn)(**kwargs))
     with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
         _emit(result, getattr(args, "format", "json"))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES

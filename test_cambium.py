@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import random
 import os
 import re
 import shutil
@@ -404,6 +405,173 @@ def test_two_processes_capture_concurrently_lose_nothing(repo):
     data = json.loads((repo / ".cambium" / "knowledge.json").read_text())
     contents = {i["content"] for i in data["items"]}
     assert len(contents) == 100
+
+
+def _store_path(repo: Path) -> Path:
+    return repo / ".cambium" / "knowledge.json"
+
+
+def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypatch):
+    for n in range(3):
+        cs.capture(f"seed fact number {n} about appends", tags="seed")
+    path = _store_path(repo)
+    other = cs.Runtime()                       # another process's view of the same file
+    with cs.use_runtime(other):
+        assert len(cs.store(cs.resolve_config(), "local").read().items) == 3
+    before, ino = path.read_bytes(), path.stat().st_ino
+    new = cs.capture("appended fact about the tail", tags="tail")["item"]
+    after = path.read_bytes()
+    assert path.stat().st_ino == ino                            # appended in place
+    assert after[:len(before) - len(cs.STORE_TAIL)] == before[:-len(cs.STORE_TAIL)]
+    assert after.endswith(cs.STORE_TAIL) and json.loads(after)["items"][-1]["id"] == new["id"]
+    assert (repo / ".cambium" / "knowledge.json.appends").read_text().count("\n") >= 1
+    parsed = []
+    real = cs.parse_file
+    monkeypatch.setattr(cs, "parse_file", lambda *a: parsed.append(1) or real(*a))
+    with cs.use_runtime(other):
+        items = cs.store(cs.resolve_config(), "local").read().items
+    assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
+
+
+def test_in_place_hand_edit_that_grows_the_file_is_parsed_whole(repo):
+    cs.capture("the retry budget is three attempts", tags="retry")
+    path = _store_path(repo)
+    text = path.read_text().replace("three attempts", "five attempts, then page someone")
+    with open(path, "r+") as f:                  # an editor writing in place: same inode
+        f.write(text)
+    assert cs.recall("retry budget")["results"][0]["content"].endswith("page someone")
+
+
+def test_reader_seeing_a_writer_mid_append_waits_for_the_whole_line(repo):
+    cs.capture("first fact about torn tails", tags="torn")
+    cs.capture("second fact about torn tails", tags="torn")
+    path = _store_path(repo)
+    reader, writer = cs.Runtime(), cs.Runtime()
+    with cs.use_runtime(reader):
+        assert len(cs.store(cs.resolve_config(), "local").read().items) == 2
+    line = cs._item_line(cs.new_item("third fact written slowly", project="p", agent="w"))
+    data = b",\n" + line.encode() + cs.STORE_TAIL
+    tail_at = path.stat().st_size - len(cs.STORE_TAIL)
+    started = cs.threading.Event()
+
+    def slow_writer() -> None:
+        with cs.use_runtime(writer), cs.file_lock(path):
+            with open(path, "r+b") as f:
+                f.seek(tail_at)
+                f.write(data[:25])                # torn: half a line, no closing bracket
+                f.flush()
+                started.set()
+                cs.time.sleep(0.3)
+                f.seek(tail_at)
+                f.write(data)
+
+    thread = cs.threading.Thread(target=slow_writer)
+    thread.start()
+    started.wait(5)
+    with cs.use_runtime(reader):
+        items = cs.store(cs.resolve_config(), "local").read().items
+    thread.join()
+    assert [i.content for i in items][-1] == "third fact written slowly"
+    assert not list(path.parent.glob("knowledge.json.quarantine-*"))
+
+
+def test_torn_tail_after_a_crash_keeps_serving_and_can_be_restored(repo):
+    keep = cs.capture("Deploys need a green canary first", tags="deploy")["item"]
+    cs.endorse(keep["id"], note="canary before deploy everywhere")
+    gone = cs.capture("Feature flags default to off", tags="flags")["item"]
+    path = _store_path(repo)
+    text = path.read_bytes()
+    lines = text.split(b"\n")
+    damaged = next(i for i, ln in enumerate(lines) if gone["id"].encode() in ln)
+    original = lines[damaged]
+    lines[damaged] = original[:40]             # the last append torn by a crash
+    path.write_bytes(b"\n".join(lines[:damaged + 1]))
+    res = cs.capture("A capture after the crash", tags="after")
+    assert res["status"] == "captured"
+    aside = list(path.parent.glob("knowledge.json.quarantine-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == original[:40] + b"\n"
+    assert any("set aside" in w for w in res["warnings"])
+    assert cs.recall("green canary deploys")["results"][0]["id"] == keep["id"]
+    assert json.loads(path.read_text())                          # plain JSON again
+    imp = tmp_json = path.parent / "one.jsonl"
+    tmp_json.write_text(json.dumps({"content": "imported while damaged"}) + "\n")
+    assert any("set aside" in w for w in cs.import_memory("json", str(imp))["warnings"])
+    aside[0].write_bytes(original.rstrip(b",") + b"\n")        # the person repairs the line
+    out = cli("restore", str(aside[0]))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["restored"] == 1
+    back = {i["id"]: i for i in json.loads(path.read_text())["items"]}
+    assert back[gone["id"]]["content"] == "Feature flags default to off"
+    assert back[keep["id"]]["trust"]["endorsements"][0]["note"] == "canary before deploy everywhere"
+    assert "warnings" not in cs.capture("all clear now")
+    again = cli("restore", str(aside[0]) + ".restored")
+    assert json.loads(again.stdout)["status"] == "nothing_to_restore"
+    assert len(json.loads(path.read_text())["items"]) == len(back) + 1
+
+
+def test_store_where_nothing_parses_is_moved_aside_and_restored_faithfully(repo):
+    a = cs.capture("Rotate the signing keys yearly", tags="keys")["item"]
+    cs.endorse(a["id"], note="rotate keys on a schedule")
+    b = cs.capture("Old build cache path", tags="build")["item"]
+    cs.deprecate(b["id"], reason="the cache moved")
+    cs.capture("Imported note", tags="x")
+    path = _store_path(repo)
+    good = path.read_bytes()
+    path.write_bytes(good.replace(b"{", b"("))     # nothing in it parses any more
+    new = cs.capture("Captured after the damage", tags="after")
+    assert new["status"] == "captured"
+    (aside,) = path.parent.glob("knowledge.json.corrupt-*")
+    assert aside.read_bytes() == good.replace(b"{", b"(")
+    aside.write_bytes(good)                        # repaired by hand
+    res = cs.restore(str(aside))
+    assert res["restored"] == 3 and res["moved_to"].endswith(".restored")
+    items = {i["id"]: i for i in json.loads(path.read_text())["items"]}
+    assert items[a["id"]]["trust"]["endorsements"][0]["by"] == "ada"
+    assert items[b["id"]]["status"] == "deprecated"
+    assert items[new["item"]["id"]]["content"] == "Captured after the damage"
+    assert {i["id"] for i in json.loads(good)["items"]} | {new["item"]["id"]} == set(items)
+    assert cs.restore(res["moved_to"])["status"] == "nothing_to_restore"
+
+
+def test_kill_9_at_random_points_loses_no_acknowledged_capture(repo):
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        for i in range(10_000):
+            item = cs.capture(f"run {{sys.argv[1]}} capture {{i}} survives", tags="kill")
+            print(item["item"]["id"], flush=True)
+    """)
+    rng = random.Random(9)
+    acked: list[str] = []
+    for run in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(run)], env=child_env(),
+                                stdout=subprocess.PIPE, text=True)
+        deadline = cs.time.monotonic() + rng.uniform(0.4, 1.2)
+        while cs.time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line:
+                acked.append(line.strip())
+        proc.kill()                                  # SIGKILL, wherever it is
+        acked += [ln.strip() for ln in proc.stdout.read().splitlines() if ln.strip()]
+        proc.wait()
+    rt = cs.Runtime()
+    with cs.use_runtime(rt):
+        ids = {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert acked and set(acked) <= ids
+    assert json.loads(_store_path(repo).read_text())["items"]
+
+
+def test_import_answer_stays_small_and_writes_the_id_map(repo, tmp_path):
+    export = tmp_path / "big.jsonl"
+    export.write_text("".join(json.dumps({"id": f"r{i}", "content": f"imported fact {i} "
+                                          + "x" * 300}) + "\n" for i in range(400)))
+    res = cs.import_memory("json", str(export))
+    assert res["imported"] == 400 and len(res["items"]) == cs.IMPORT_LISTED
+    assert len(json.dumps(res)) < 100_000
+    rows = [json.loads(ln) for ln in Path(res["id_map"]).read_text().splitlines()]
+    assert len(rows) == 400 and rows[7]["ref"] == "r7"
+    stored = {i["id"]: i for i in json.loads(_store_path(repo).read_text())["items"]}
+    assert stored[rows[7]["id"]]["source"]["ref"] == "r7"
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
@@ -1085,6 +1253,76 @@ def test_org_promotion_restates_a_project_specific_why(shared, monkeypatch):
     assert out["item"]["content"] == "Time out every outbound HTTP call"
 
 
+def test_decisions_use_the_current_tip_not_the_fetch_interval(shared, monkeypatch):
+    """Issue 9.2: a peer endorses through its own server and promote to org from
+    this one succeeds at once; a peer's edit of the team file shows in stale_report
+    at once; only recall waits for CAMBIUM_FETCH_INTERVAL."""
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "3600")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    rule = cs.capture("Prefer idempotent retries with exponential backoff")["item"]["id"]
+    other = cs.capture("Keep release notes short and dated")["item"]["id"]
+    cs.promote(rule, force=True)
+    cs.promote(other, force=True)
+    assert cs.promote(rule, to_scope="org")["status"] == "needs_endorsement"
+    assert cs.stale_report()["count"] == 2 and cs.recall("release notes dated")["results"]
+    peer_env = {"CAMBIUM_REPO": str(shared["b"]), "CAMBIUM_AGENT_ID": "bob",
+                "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
+                "CAMBIUM_FETCH_INTERVAL": "3600", "CAMBIUM_RECALL_MODE": "lexical"}
+
+    async def peer_endorses():
+        async with peer_session([sys.executable, str(SERVER)], peer_env, shared["b"],
+                                "bob") as bob:
+            return await bob.call("endorse", item_id=rule, note="holds for any remote call")
+
+    assert asyncio.run(peer_endorses())["scope"] == "team"
+    res = cs.promote(rule, to_scope="org")
+    assert res["status"] == "promoted", res
+    editor = clone(shared["origin"], shared["tmp"] / "editor")
+    git(editor, "checkout", "-q", "cambium")
+    data = json.loads((editor / "knowledge.json").read_text())
+    data["items"][0]["content"] = "Keep release notes short, dated and linked"
+    (editor / "knowledge.json").write_text(json.dumps(data))
+    git(editor, "commit", "-qam", "a peer edits the team file")
+    git(editor, "push", "-q", "origin", "cambium")
+    lagging = cs.recall("release notes dated", scope="team")["results"][0]   # a digest may lag
+    assert lagging["content"] == "Keep release notes short and dated"
+    rows = {r["id"]: r for r in cs.stale_report()["entries"]}
+    assert rows[other]["content"] == "Keep release notes short, dated and linked"
+    assert rows[rule]["scope"] == "org"
+
+
+def test_org_gate_is_judged_again_on_the_tip_a_retry_writes_on(shared, monkeypatch):
+    """Issue 9.2: after a lost race the replayed change re-judges the item as it now
+    stands: a peer deprecated it meanwhile, so the retry does not publish it."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer idempotent retries with exponential backoff")
+    cs.promote()
+    peer_org = clone(shared["org_bare"], shared["tmp"] / "peer-org")
+    calls = {"n": 0}
+    real_mutate = cs.GitStore.mutate
+
+    def racing_mutate(self, fn, message, **kw):
+        def fn_then_peer(doc):
+            out = fn(doc)
+            calls["n"] += 1
+            if self.scope == "org" and calls["n"] == 1:     # after our plan, before our push
+                gone = cli("deprecate", item, "--reason", "superseded by a retry budget",
+                           CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob")
+                assert gone.returncode == 0, gone.stderr
+                (peer_org / "NOTES.md").write_text("peer\n")
+                git(peer_org, "add", "NOTES.md")
+                git(peer_org, "commit", "-qm", "a peer moves the org tip")
+                git(peer_org, "push", "-q", "origin", "HEAD:main")
+            return out
+        return real_mutate(self, fn_then_peer, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
+    res = cs.promote(item, to_scope="org")
+    assert res["status"] == "deprecated" and "deprecated" in res["reason"]
+    assert remote_json(shared["org_bare"], "main") is None   # nothing published
+    assert item in team_ids(shared["origin"])                 # nothing moved
+
+
 def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Retry calls in src/pay/client.py with backoff",
@@ -1381,6 +1619,23 @@ def test_duplicate_groups_pick_the_survivor_and_never_chain_different_decisions(
     assert cs.duplicate_groups(items, trusts)[0][0] == 1     # then scope
     items[1] = dataclasses.replace(items[1], scope="local")
     assert cs.duplicate_groups(items, trusts)[0][0] == 0     # then trust
+
+
+def test_consolidate_asks_the_semantic_extra_about_close_pairs(semantic, monkeypatch):
+    labelled = HERE / "quality" / "duplicates.jsonl"
+    cs.import_memory("json", str(labelled))
+    label = {r["content"]: r["label"] for r in map(json.loads, labelled.read_text().splitlines())}
+    label = {it.id: label[it.content] for it in cs.store(cs.resolve_config(), "local").read().items}
+
+    def found() -> dict:
+        groups = cs.consolidate()["groups"]
+        for g in groups:                   # never a different decision in a group
+            assert {label[d["id"]] for d in [g["survivor"], *g["duplicates"]]} == {"duplicate"}
+        return {d["how"] for g in groups for d in g["duplicates"]}
+
+    assert "semantic" in found()
+    monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
+    assert found() == {"lexical"}
 
 
 def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
