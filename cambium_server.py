@@ -1592,6 +1592,13 @@ class LocalStore(Store):
         with file_lock(self.path):             # damaged, or a writer is mid-append
             return self._current(locked=True)
 
+    def peek(self) -> Doc | None:
+        """The doc as the file stands, read without the lock and without
+        repairing anything (a reader that must not write: the primer); None
+        when the file is damaged."""
+        doc = self._current(locked=False)
+        return doc if doc is not None else self._parse(locked=False)
+
     def _current(self, *, locked: bool) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
         the lock: the file grew by an append not yet recorded, or is damaged."""
@@ -4912,8 +4919,11 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
     for scope in SCOPES:
         try:
             st = store(cfg, scope)
-            docs[scope] = st._load() if isinstance(st, LocalStore) else \
-                st.doc_at(st.local_tip())
+            doc = st.peek() if isinstance(st, LocalStore) else st.doc_at(st.local_tip())
+            if doc is None:
+                raise CorruptStore(f"{st.path} has damaged lines; the next recall or capture "
+                                   "sets them aside")
+            docs[scope] = doc
         except ScopeOff:
             continue
         except CambiumError as e:
