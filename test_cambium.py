@@ -439,7 +439,8 @@ def test_in_place_hand_edit_that_grows_the_file_is_parsed_whole(repo):
     text = path.read_text().replace("three attempts", "five attempts, then page someone")
     with open(path, "r+") as f:                  # an editor writing in place: same inode
         f.write(text)
-    assert cs.recall("retry budget")["results"][0]["content"].endswith("page someone")
+    top = cs.recall("retry budget", detail="full")["results"][0]
+    assert top["content"].endswith("page someone")
 
 
 def test_reader_seeing_a_writer_mid_append_waits_for_the_whole_line(repo):
@@ -1264,7 +1265,7 @@ def test_decisions_use_the_current_tip_not_the_fetch_interval(shared, monkeypatc
     cs.promote(rule, force=True)
     cs.promote(other, force=True)
     assert cs.promote(rule, to_scope="org")["status"] == "needs_endorsement"
-    assert cs.stale_report()["count"] == 2 and cs.recall("release notes dated")["results"]
+    assert cs.stale_report()["count"] == 2 and cs.recall("release notes dated", detail="full")["results"]
     peer_env = {"CAMBIUM_REPO": str(shared["b"]), "CAMBIUM_AGENT_ID": "bob",
                 "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
                 "CAMBIUM_FETCH_INTERVAL": "3600", "CAMBIUM_RECALL_MODE": "lexical"}
@@ -1284,7 +1285,7 @@ def test_decisions_use_the_current_tip_not_the_fetch_interval(shared, monkeypatc
     (editor / "knowledge.json").write_text(json.dumps(data))
     git(editor, "commit", "-qam", "a peer edits the team file")
     git(editor, "push", "-q", "origin", "cambium")
-    lagging = cs.recall("release notes dated", scope="team")["results"][0]   # a digest may lag
+    lagging = cs.recall("release notes dated", scope="team", detail="full")["results"][0]   # a digest may lag
     assert lagging["content"] == "Keep release notes short and dated"
     rows = {r["id"]: r for r in cs.stale_report()["entries"]}
     assert rows[other]["content"] == "Keep release notes short, dated and linked"
