@@ -1029,6 +1029,8 @@ class Runtime:
         self.noted: set[str] = set()
         self.fold_timer: threading.Timer | None = None
         self.file_locks: dict[str, threading.RLock] = {}
+        #: MCP client connection -> the session id usage attribution files it under
+        self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.anchors: dict[str, tuple[str, dict]] = {}    #: code anchors per repo, per HEAD
 
     def reset(self) -> None:
@@ -1195,7 +1197,7 @@ def repo_name(url: str) -> str:
 
 def project_name(repo: Path, remote: str, timeout_s: float) -> str:
     """The project remote's repository name, else the clone's directory name."""
-    url = remote_url(repo, remote, timeout_s)
+    url = remote_url(repo, remote, timeout_s) if (repo / ".git").exists() else None
     return (repo_name(url) if url else "") or repo.name
 
 
@@ -4131,12 +4133,13 @@ def generalization_tells(text: str, project: str) -> list[str]:
 
 
 def org_tells(item: Item) -> list[str]:
-    """What reads project-specific in the prose org publishes of `item`: its
-    content, its why and its endorsement notes, everything KNOWLEDGE.md renders
-    as text. Exempt: `example` (the concrete version's home) and provenance
-    (which states where the item came from, by design)."""
+    """What reads project-specific in the text org publishes of `item`: its
+    content, why, kind and endorsement notes, everything KNOWLEDGE.md renders
+    that a person wrote. Exempt: `example` (the concrete version's home) and
+    provenance (which states where the item came from, by design)."""
     tells = generalization_tells(item.content, item.project)
-    tells += [f"why {t}" for t in generalization_tells(item.why, item.project)]
+    for name in ("why", "kind"):
+        tells += [f"{name} {t}" for t in generalization_tells(getattr(item, name), item.project)]
     for e in item.trust.get("endorsements", []):
         if isinstance(e, dict) and e.get("note"):
             tells += [f"endorsement note by {e.get('by')} {t}"
@@ -4167,10 +4170,11 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None) 
 @dataclass
 class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
-    refused with the reason and what to do."""
+    refused with the reason and what to do. status: promotable, not_eligible,
+    deprecated, needs_endorsement, needs_generalization or pr_pending."""
     allowed: bool
-    status: str                 # promotable | not_eligible | deprecated | needs_endorsement
-    reason: str = ""            # | needs_generalization
+    status: str
+    reason: str = ""
     tells: list = field(default_factory=list)
     draft: str | None = None
     forced: bool = False
@@ -6564,7 +6568,7 @@ def promote(item_id: Annotated[str | None, Field(
     at least CAMBIUM_PROMOTE_RECALLS agent-days, or endorsed). With item_id and
     to_scope="team": that one item (force=True skips the eligibility check).
     With to_scope="org": needs an endorsement, and everything org publishes of
-    it (content, why, endorsement notes) must read as a cross-project rule:
+    it (content, why, kind, endorsement notes) must read as a cross-project rule:
     text that names a file, a test, a dec-/con- id or its project is refused
     with the tells found and a ready draft; restate the content with
     org_content=... and the why with org_why=... (the concrete versions are
@@ -7429,10 +7433,6 @@ def _context_class() -> type:
     return Context
 
 
-_SESSION_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SESSION_GUARD = threading.Lock()
-
-
 def mcp_session_id(ctx: Any) -> str | None:
     """The id usage attribution files a tool call under: the transport's
     Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
@@ -7444,9 +7444,10 @@ def mcp_session_id(ctx: Any) -> str | None:
     sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
     if sid:
         return str(sid)
-    with _SESSION_GUARD:
+    rt = runtime()
+    with rt.lock:
         try:
-            return _SESSION_IDS.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
+            return rt.sessions.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
         except TypeError:                    # a session object that cannot be weakly keyed
             return None
 

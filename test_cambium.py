@@ -220,6 +220,15 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
     env_bound = cli("capture", "env wins", cwd=a, CAMBIUM_REPO=str(b))
     assert json.loads(env_bound.stdout)["item"]["project"] == "beta"
 
+    async def server_in(repo: Path):                # one user-level MCP entry, started per repo
+        async with peer_session([sys.executable, str(SERVER)], {
+                "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
+                "CAMBIUM_RECALL_MODE": "lexical"}, repo / "sub", "cambium") as server:
+            return await server.call("capture", content=f"served in {repo.name}")
+
+    assert asyncio.run(server_in(b))["item"]["project"] == "beta"
+    assert _items_in(b)[-1] == "served in beta" and "served in beta" not in _items_in(a)
+
 
 @pytest.mark.parametrize("url, name", [
     ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
@@ -1228,6 +1237,8 @@ def test_org_gate_reads_why_and_endorsement_notes_too():
     both = cs.restated(it, content="Back off on retries", why=general)
     assert both.example.splitlines() == [it.content, f"why: {it.why}"]
     assert cs.restated(both, content="Back off on retries") is both
+    odd_kind = cs.dataclasses.replace(copy, kind="billing.py")
+    assert cs.org_tells(odd_kind) == ["kind names a file: billing.py"]
 
 
 def test_org_promotion_restates_a_project_specific_why(shared, monkeypatch):
