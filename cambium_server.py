@@ -2503,13 +2503,54 @@ def retirement_reason(entry: dict) -> str | None:
     return text + (f": {why}" if why else "")
 
 
+def _decision_text(entry: dict) -> tuple[str, list[str]]:
+    """A decision keeps its WHY: why_chosen (current schema) or rationale (older
+    entries), with the problem, tradeoffs and rejected alternatives after it."""
+    content = _str(entry.get("summary")) or _str(entry.get("decision")) \
+        or _str(entry.get("title"))
+    why = [_str(entry.get("why_chosen")) or _str(entry.get("rationale"))]
+    for label, key in (("Problem", "problem"), ("What we tried", "what_we_tried"),
+                       ("Tradeoffs", "tradeoffs")):
+        if _str(entry.get(key)):
+            why.append(f"{label}: {_str(entry.get(key))}")
+    alts = _alternatives_text(entry.get("alternatives"))
+    if alts:
+        why.append(f"Alternatives considered: {alts}")
+    return content, why
+
+
+def _constraint_text(entry: dict) -> tuple[str, list[str]]:
+    why = [_str(entry.get("reason")) or _str(entry.get("rationale"))]
+    bits = [f"{k}: {_str(entry.get(k))}" for k in ("hardness", "scope") if _str(entry.get(k))]
+    if bits:
+        why.append("(" + "; ".join(bits) + ")")
+    if _str(entry.get("triggering_incident")):
+        why.append(f"Incident: {_str(entry.get('triggering_incident'))}")
+    return _str(entry.get("rule")), why
+
+
+def _pipeline_text(entry: dict) -> tuple[str, list[str]]:
+    name = _str(entry.get("name"))
+    steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
+    ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
+                     key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
+    lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
+                                              if _str(s.get("output")) else "")
+             for i, s in enumerate(ordered, 1)]
+    why = [_str(entry.get("purpose"))]
+    if _str(entry.get("when_to_invoke")):
+        why.append(f"When: {_str(entry.get('when_to_invoke'))}")
+    return (f"{name}: " + "; ".join(lines) if name and lines else ""), why
+
+
+#: context-keeper entry kind -> (content, why parts) of one entry
+_CONTEXT_TEXT = {"decision": _decision_text, "constraint": _constraint_text,
+                 "pipeline": _pipeline_text}
+
+
 def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     """One context-keeper entry as a draft (pure). None: superseded or
-    deprecated (see retirement_reason), so nothing to import.
-
-    Decisions keep their WHY: why_chosen (current schema) or rationale (older
-    entries), with the problem, tradeoffs and rejected alternatives after it.
-    """
+    deprecated (see retirement_reason), so nothing to import."""
     eid = context_entry_id(entry)
     if eid is None:
         return Skip(f"context-keeper {kind}", "entry without a usable id")
@@ -2519,41 +2560,7 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     if status != "active":
         return Skip(f"context-keeper {eid}", f"status {status!r} is not active, superseded "
                                              "or deprecated")
-    why_parts: list[str] = []
-    if kind == "decision":
-        content = _str(entry.get("summary")) or _str(entry.get("decision")) \
-            or _str(entry.get("title"))
-        why_parts.append(_str(entry.get("why_chosen")) or _str(entry.get("rationale")))
-        for label, key in (("Problem", "problem"), ("What we tried", "what_we_tried"),
-                           ("Tradeoffs", "tradeoffs")):
-            if _str(entry.get(key)):
-                why_parts.append(f"{label}: {_str(entry.get(key))}")
-        alts = _alternatives_text(entry.get("alternatives"))
-        if alts:
-            why_parts.append(f"Alternatives considered: {alts}")
-    elif kind == "constraint":
-        content = _str(entry.get("rule"))
-        why_parts.append(_str(entry.get("reason")) or _str(entry.get("rationale")))
-        bits = [f"{k}: {_str(entry.get(k))}" for k in ("hardness", "scope")
-                if _str(entry.get(k))]
-        if bits:
-            why_parts.append("(" + "; ".join(bits) + ")")
-        if _str(entry.get("triggering_incident")):
-            why_parts.append(f"Incident: {_str(entry.get('triggering_incident'))}")
-    elif kind == "pipeline":
-        name = _str(entry.get("name"))
-        steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
-        ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
-                         key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
-        lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
-                                                  if _str(s.get("output")) else "")
-                 for i, s in enumerate(ordered, 1)]
-        content = f"{name}: " + "; ".join(lines) if name and lines else ""
-        why_parts.append(_str(entry.get("purpose")))
-        if _str(entry.get("when_to_invoke")):
-            why_parts.append(f"When: {_str(entry.get('when_to_invoke'))}")
-    else:  # pragma: no cover - callers pass one of the three kinds
-        raise ValueError(kind)
+    content, why_parts = _CONTEXT_TEXT[kind](entry)
     if not content:
         return Skip(f"context-keeper {eid}", f"{kind} without text")
     source = {"system": "context-keeper", "ref": eid, "kind": kind,
@@ -2677,6 +2684,45 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
                  f"check the network or the remote; or {fix_set}")
 
 
+def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: float
+                       ) -> tuple[bool, str, bool]:
+    """Fetch the board branch into its remote-tracking ref: (fetched, why not,
+    the remote has no such branch). A missing git raises GitError."""
+    if not _has_remote(repo, remote, t):
+        return False, f"no remote '{remote}'", False
+    try:
+        proc = _git(["fetch", "--quiet", "--no-tags", remote,
+                     f"+refs/heads/{branch}:{tracking}"], repo, t, check=False)
+    except GitError as e:
+        if e.code == 127:
+            raise
+        return False, str(e), False
+    detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    missing = proc.returncode != 0 and "couldn't find remote ref" in proc.stderr.lower()
+    return proc.returncode == 0, detail, missing
+
+
+def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
+    """Parse claims.json at `ref` (None: there is none); SubstrateError when it is
+    too large or not a board."""
+    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
+    if proc.returncode != 0:
+        return None
+    if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
+                             f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
+    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
+                             f"({str(e)[:100]})") from None
+    try:
+        return parse_board(data)
+    except SubstrateError as e:
+        raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
+
+
 def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list[str], Board]:
     """Read claims.json from <remote>/<branch> of the board repo: `git fetch`
     into the remote-tracking ref, then `git show`. Never a checkout or worktree.
@@ -2688,58 +2734,30 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
     assert board.repo is not None
     repo, t, b, remote = board.repo, cfg.git_timeout_s, board.branch, board.remote
     tracking = f"refs/remotes/{remote}/{b}"
-    warnings: list[str] = []
-    fetched = False
-    detail = f"no remote '{remote}'"
-    if _has_remote(repo, remote, t):
-        try:
-            proc = _git(["fetch", "--quiet", "--no-tags", remote, f"+refs/heads/{b}:{tracking}"],
-                        repo, t, check=False)
-            fetched = proc.returncode == 0
-            detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            if not fetched and "couldn't find remote ref" in proc.stderr.lower():
-                if not _has_ref(repo, f"refs/heads/{b}", t):
-                    return None, warnings, dataclasses.replace(
-                        board, status="absent",
-                        reason=f"{repo} has no '{b}' board on '{remote}' yet (agentsync "
-                               "creates it on the first claim)",
-                        fix="nothing to do until an agent claims work through agentsync")
-        except GitError as e:
-            if e.code == 127:
-                raise
-            detail = str(e)
+    fetched, detail, missing = _fetch_board_branch(repo, remote, b, tracking, t)
+    if missing and not _has_ref(repo, f"refs/heads/{b}", t):
+        return None, [], dataclasses.replace(
+            board, status="absent", reason=f"{repo} has no '{b}' board on '{remote}' yet "
+                                           "(agentsync creates it on the first claim)",
+            fix="nothing to do until an agent claims work through agentsync")
     ref = tracking if _has_ref(repo, tracking, t) else None
     if ref is None and _has_ref(repo, f"refs/heads/{b}", t):
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
     if ref is None:
-        return None, warnings, dataclasses.replace(
+        return None, [], dataclasses.replace(
             board, status="unreachable",
             reason=f"could not fetch '{b}' from '{remote}' in {repo} ({detail}) and there is "
                    "no earlier copy", fix="check the network or the remote, then run distill again")
-    if not fetched:
-        warnings.append(f"agentsync: could not fetch '{b}' from '{remote}' ({detail}); read the "
-                        f"board as last fetched ({ref}), which may be behind.")
-    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
-    if proc.returncode != 0:
+    warnings = [] if fetched else [
+        f"agentsync: could not fetch '{b}' from '{remote}' ({detail}); read the board as last "
+        f"fetched ({ref}), which may be behind."]
+    claims = _read_claims(repo, ref, t)
+    if claims is None:
         return None, warnings, dataclasses.replace(
             board, status="absent", reason=f"'{b}' in {repo} has no {CLAIMS_FILE}, so it is not "
                                            "an agentsync board",
             fix="set CAMBIUM_AGENTSYNC_BRANCH to the branch agentsync writes")
-    if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
-        raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
-                             f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
-    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
-                             f"({str(e)[:100]})") from None
-    try:
-        claims = parse_board(data)
-    except SubstrateError as e:
-        raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
     return claims, warnings, board
-
 
 
 # =============================================================================
