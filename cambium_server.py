@@ -492,6 +492,7 @@ class Draft:
     key: str | None = None
     supersedes: str | None = None     # an agent's counter-claim to this item id
     code_refs: Any = None
+    where: str | None = None          # its 1-based position in the source ("line 3")
 
 
 @dataclass
@@ -2787,8 +2788,11 @@ def _first(rec: dict, keys: tuple) -> Any:
     return None
 
 
-def json_record_to_draft(rec: Any, where: str, system: str = "json") -> Draft | Skip:
-    """Map one export record to a Draft by the spec's field table (pure)."""
+def json_record_to_draft(rec: Any, where: str, system: str = "json",
+                         origin: str | None = None) -> Draft | Skip:
+    """Map one export record to a Draft by the spec's field table (pure). Its
+    identity, for dedupe, is (system, id): the system the record names in its own
+    `system`/`source` field, else `origin` (the file's name), else `system`."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({type(rec).__name__})")
     body = _first(rec, _BODY_KEYS)
@@ -2809,13 +2813,16 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json") -> Draft | 
     ref = _first(rec, _REF_KEYS)
     ref = str(ref) if isinstance(ref, (str, int)) and not isinstance(ref, bool) else None
     ts = _first(rec, _TS_KEYS)
-    source = {"system": system, "ref": ref, "imported": True,
+    own = _first(rec, ("system", "source"))
+    own = own.strip() if isinstance(own, str) and own.strip() else None
+    source = {"system": own or system, "ref": ref, "imported": True,
               "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
-                 tags=tags[:MAX_TAGS], source=source,
-                 key=f"import:{system}:" + (f"id:{ref}" if ref else "hash:" + hashlib.sha256(
-                     (body + "\0" + (why if isinstance(why, str) else "")).encode()
-                 ).hexdigest()[:24]))
+                 tags=tags[:MAX_TAGS], source=source, where=where,
+                 key=f"import:{own or origin or system}:" + (
+                     f"id:{ref}" if ref else "hash:" + hashlib.sha256(
+                         (body + "\0" + (why if isinstance(why, str) else "")).encode()
+                     ).hexdigest()[:24]))
 
 
 def _regular_file(path: Path) -> None:
@@ -2832,7 +2839,8 @@ def _regular_file(path: Path) -> None:
 
 
 def json_adapter(path: Path) -> Iterator[Draft | Skip]:
-    """Generic JSON/JSONL memory export: array, wrapper object, or one object per line."""
+    """Generic JSON/JSONL memory export: array, wrapper object, or one object per
+    line. Positions are 1-based: `record 3` of a document, `line 3` of JSONL."""
     _regular_file(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -2843,24 +2851,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             raise InputError(f"{path} is {size // 2**20} MB; a single JSON document is "
                              f"limited to {MAX_IMPORT_BYTES // 2**20} MB. Export it as JSONL "
                              "(one object per line), which is read as a stream.")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
-        except (ValueError, RecursionError) as e:
-            raise InputError(f"{path} is not valid JSON ({str(e)[:100]}); for JSONL put "
-                             "one object per line.") from None
-        if isinstance(data, dict):
-            key = next((k for k in _WRAPPER_KEYS if isinstance(data.get(k), list)), None)
-            if key is None:
-                records: list = [data]
-            else:
-                records = data[key]
-        elif isinstance(data, list):
-            records = data
-        else:
-            raise InputError(f"{path} holds a JSON {type(data).__name__}; expected an array "
-                             "or an object wrapping one.")
-        for i, rec in enumerate(records):
-            yield json_record_to_draft(rec, f"record {i}")
+        yield from _json_document(path)
         return
     if size > MAX_IMPORT_JSONL_BYTES:
         raise InputError(f"{path} is {size // 2**20} MB; the JSONL limit is "
@@ -2874,7 +2865,28 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             except (ValueError, RecursionError) as e:
                 yield Skip(f"line {n}", f"malformed JSON ({str(e)[:60]})")
                 continue
-            yield json_record_to_draft(rec, f"line {n}")
+            yield json_record_to_draft(rec, f"line {n}", origin=path.name)
+
+
+def _json_document(path: Path) -> Iterator[Draft | Skip]:
+    """The records of one JSON document: an array, or an object wrapping one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+    except (ValueError, RecursionError) as e:
+        yield Skip("file", f"not valid JSON ({str(e)[:100]}); for JSONL put one object "
+                           "per line")
+        return
+    if isinstance(data, dict):
+        key = next((k for k in _WRAPPER_KEYS if isinstance(data.get(k), list)), None)
+        records = [data] if key is None else data[key]
+    elif isinstance(data, list):
+        records = data
+    else:
+        yield Skip("file", f"holds a JSON {type(data).__name__}; expected an array or an "
+                           "object wrapping one")
+        return
+    for i, rec in enumerate(records, 1):
+        yield json_record_to_draft(rec, f"record {i}", origin=path.name)
 
 
 def _looks_like_jsonl(path: Path) -> bool:
@@ -4010,8 +4022,10 @@ def store_index(key: str, items: list) -> Index:
 @dataclass
 class IngestResult:
     imported: list = field(default_factory=list)     # new Items
-    duplicates: int = 0
+    duplicates: int = 0                              # every draft not stored, as below
     skipped: list = field(default_factory=list)      # (label, reason)
+    changed: list = field(default_factory=list)      # known key, other text: {id, ref, where}
+    same_content: int = 0                            # a new key whose text is stored already
 
 
 @dataclass
@@ -4020,6 +4034,7 @@ class Prepared:
     items: list = field(default_factory=list)        # (watermark key, Item)
     skipped: list = field(default_factory=list)      # (label, reason)
     duplicates: int = 0                              # watermarked already when prepared
+    where: dict = field(default_factory=dict)        # item id -> position in its source
 
 
 @dataclass
@@ -4027,7 +4042,9 @@ class Admission:
     """admit()'s decision: the doc to store (None: nothing new) and what it added."""
     doc: Doc | None
     fresh: list
-    duplicates: int
+    duplicates: int                   #: not stored, all reasons (changed, same_content too)
+    changed: list = field(default_factory=list)      #: {id, ref, where}
+    same_content: int = 0
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
@@ -4037,52 +4054,77 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     skipped with its reason."""
     out = Prepared()
     project, agent = cfg.project, cfg.agent
-    seen_marks = store(cfg, "local").read().meta.get("watermarks") or {}
+    doc = store(cfg, "local").read()
+    seen_marks = doc.meta.get("watermarks") or {}
+    by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
-            out.duplicates += 1
-            continue
+            by_id = by_id or {it.id: it for it in doc.items}
+            if _same_text(by_id.get(seen_marks[d.key]), d):
+                out.duplicates += 1
+                continue
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
                             valid_while=d.valid_while, now=now, supersedes=d.supersedes,
                             code_refs=d.code_refs)
         except InputError as e:
-            out.skipped.append((str((d.source or {}).get("ref") or n), str(e)))
+            out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
+        if d.where:
+            out.where[item.id] = d.where
         if on_progress and n % 500 == 0:
             on_progress(n)
     return out
 
 
+def _same_text(stored: Item | None, draft: Draft) -> bool:
+    """Whether a watermarked draft still says what its stored item says (an item
+    that left this store, promoted, is taken as unchanged)."""
+    if stored is None:
+        return True
+    content = draft.content if isinstance(draft.content, str) else ""
+    return content_key(stored) == text_key(draft.type, content.strip())
+
+
 def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
-    already stored with the same text (pure, but for the cached index)."""
+    already stored with the same text (pure, but for the cached index). A
+    watermarked key whose text changed is reported, and the stored item kept."""
     new_marks = dict(doc.meta.get("watermarks") or {})
     index: Index | None = None               # built only if a draft passes the watermarks
-    live: set[str] = set()
+    live: dict[str, Item] = {}               # admitted here, by id
+    live_keys: set[str] = set()
     fresh: list[Item] = []
-    dups = 0
+    adm = Admission(None, fresh, 0)
+    by_id: dict[str, Item] = {}
     for key, item in prepared.items:
-        if key and key in new_marks:
-            dups += 1
-            continue
         ckey = content_key(item)
-        if index is None and ckey not in live:
+        if key and key in new_marks:
+            by_id = by_id or {it.id: it for it in doc.items}
+            known = by_id.get(new_marks[key]) or live.get(new_marks[key])
+            if known is not None and content_key(known) != ckey:
+                adm.changed.append({"id": known.id, "ref": item.source.get("ref"),
+                                    "where": prepared.where.get(item.id)})
+            adm.duplicates += 1
+            continue
+        if index is None and ckey not in live_keys:
             index = store_index(index_key, doc.items)
-        if ckey in live or (index is not None and index.says(ckey)):
-            dups += 1
+        if ckey in live_keys or (index is not None and index.says(ckey)):
+            adm.duplicates += 1
+            adm.same_content += 1
             continue
         if key:
             new_marks[key] = item.id
-        live.add(ckey)
+        live[item.id] = item
+        live_keys.add(ckey)
         fresh.append(item)
-    if not fresh:
-        return Admission(None, [], dups)
-    marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
-    meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta   # same: an append
-    return Admission(Doc(items=doc.items + fresh, meta=meta, raw=doc.raw), fresh, dups)
+    if fresh:
+        marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
+        meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta  # same: an append
+        adm.doc = Doc(items=doc.items + fresh, meta=meta, raw=doc.raw)
+    return adm
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
@@ -4095,6 +4137,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path)),
                              f"ingest {len(prepared.items)} items")
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
+        result.changed, result.same_content = adm.changed, adm.same_content
         embed_soon(cfg, result.imported)
     return result
 
@@ -7024,10 +7067,15 @@ def import_memory(source: Annotated[str, Field(
     object wrapping a list under memories/items/records/data/entries, or JSONL).
     path: absolute path of the export file; it is only read, never changed.
     Items land local, tagged `imported`, stamped source {system, ref,
-    imported, source_ts}, and are never auto-promoted. Re-importing adds
-    nothing (dedupe by record id, else content hash). Returns counts of
-    imported / skipped (with the first reasons) / duplicates, the first new
-    items, and `id_map`: a JSONL file mapping every record to its new item id.
+    imported, source_ts}, and are never auto-promoted. A record is a duplicate
+    when the same system (its own `system`/`source` field, else the file's name)
+    gave the same id before (without an id: the same text); re-importing adds
+    nothing. Returns counts of imported / skipped (with the first reasons, by
+    1-based position) / duplicates / same_content (a new record whose text an
+    item already has), `changed` (known id, other text: the stored item keeps
+    its own; with both ids), the first new items, and `id_map`: a JSONL file
+    mapping every record to its new item id. A file with no importable record
+    answers status `nothing_imported` with the `reasons`.
     """
     cfg = require_config()
     adapter = IMPORT_ADAPTERS.get(source)
@@ -7049,19 +7097,35 @@ def import_memory(source: Annotated[str, Field(
                 yield rec
 
     res = ingest(cfg, drafts())
-    skips = [(s.where, s.reason) for s in skipped] + res.skipped
-    out = {
-        "status": "imported", "source": source, "path": str(p),
-        "imported": len(res.imported), "skipped": len(skips), "duplicates": res.duplicates,
+    out = import_report(source, p, res, [(s.where, s.reason) for s in skipped] + res.skipped)
+    if res.imported:
+        out["id_map"] = str(write_id_map(cfg, source, res.imported))
+    return with_store_warnings(out, cfg)
+
+
+def import_report(source: str, path: Path, res: IngestResult,
+                  skips: list[tuple[str, str]]) -> dict:
+    """What an import did, for the caller, under 100 KB whatever its size (pure)."""
+    recognized = len(res.imported) + res.duplicates
+    out: dict[str, Any] = {
+        "status": "imported" if recognized else "nothing_imported", "source": source,
+        "path": str(path), "imported": len(res.imported), "skipped": len(skips),
+        "duplicates": res.duplicates - len(res.changed) - res.same_content,
+        "same_content": res.same_content, "changed": res.changed[:IMPORT_LISTED],
         "skipped_reasons": [{"where": _clip(w, 200), "reason": _clip(r, 300)}
                             for w, r in skips[:5]],
         "items": [{"id": it.id, "source": {k: _clip(v, 200) if isinstance(v, str) else v
                                            for k, v in it.source.items()}}
                   for it in res.imported[:IMPORT_LISTED]],
     }
-    if res.imported:
-        out["id_map"] = str(write_id_map(cfg, source, res.imported))
-    return with_store_warnings(out, cfg)
+    if res.changed:
+        out["note"] = (f"{len(res.changed)} record(s) were imported before with other text; "
+                       "the stored items keep theirs: correct or deprecate them to take "
+                       "the new text.")
+    if not recognized:
+        out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips[:5]] or [
+            "the file holds no records (it is empty)"]
+    return out
 
 
 IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
@@ -7386,6 +7450,38 @@ def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
                           structured_content={"error": code, "message": text, **extra})
 
 
+_JSON_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                          r"|\\u[0-9a-fA-F]{4}|\\.")
+
+
+def repair_surrogate_escapes(line: str) -> str:
+    """A JSON text with every lone UTF-16 surrogate escape (`\\ud800` without its
+    pair) replaced by `\\ufffd`, so it parses to U+FFFD instead of failing (pure).
+    Escapes are read left to right, so an escaped backslash (`\\\\ud800`) stays text."""
+    if "\\u" not in line:
+        return line
+
+    def fix(m: re.Match) -> str:
+        esc = m.group(0)
+        if len(esc) == 6 and 0xD800 <= int(esc[2:], 16) <= 0xDFFF:
+            return "\\ufffd"
+        return esc
+
+    return _JSON_ESCAPE.sub(fix, line)
+
+
+class _RepairedStdin:
+    """The stdio transport's stdin: UTF-8 lines (bad bytes become U+FFFD), lone
+    surrogate escapes repaired. The SDK drops a request it cannot parse without
+    answering it, so this is where such a request is made answerable."""
+
+    def __init__(self, buffer: Any):
+        self._buffer = buffer
+
+    def readline(self, *_: Any) -> str:
+        return repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+
+
 def _mcp_tool(fn: Callable) -> Callable:
     """Wrap a tool for the SDK: its API arguments with pydantic Fields (the schema
     states docs and bounds), unconfigured -> the guidance as a result, a
@@ -7477,6 +7573,14 @@ def build_server() -> MCPServer:
     from mcp.types import ToolAnnotations
 
     class CambiumServer(MCPServer):
+        async def run_stdio_async(self) -> None:
+            import anyio
+            from mcp.server.stdio import stdio_server
+            stdin = anyio.wrap_file(_RepairedStdin(sys.stdin.buffer))
+            async with stdio_server(stdin=stdin) as (read, write):
+                low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
+                await low.run(read, write, low.create_initialization_options())
+
         async def call_tool(self, name: str, arguments: dict[str, Any],
                             context: Any = None) -> Any:
             try:
@@ -7522,8 +7626,10 @@ def serve(http: Annotated[bool, Field(
           port: Annotated[int, Field("HTTP port.", ge=1, le=65535)] = HTTP_DEFAULT_PORT
           ) -> int:
     """Serve MCP over stdio (what running with no command does), or over HTTP."""
-    if importlib.util.find_spec("mcp") is None:
-        print("cambium: serving MCP needs the MCP SDK, which is not installed here: "
+    try:
+        server = build_server()
+    except ImportError as e:                        # the SDK is an install away: say so
+        print(f"cambium: serving MCP needs the MCP SDK ({e.name or 'mcp'} is missing): "
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
     token = os.environ.get(HTTP_TOKEN_ENV) or None
@@ -7535,9 +7641,9 @@ def serve(http: Annotated[bool, Field(
     rt.long_running.set()
     try:
         if http:
-            serve_http(host, port, token)
+            serve_http(server, host, port, token)
         else:
-            build_server().run("stdio")
+            server.run("stdio")
     finally:
         rt.long_running.clear()
         rt.cancel_fold()
@@ -7585,12 +7691,12 @@ def require_bearer(app: Callable, token: str) -> Callable:
     return guarded
 
 
-def serve_http(host: str, port: int, token: str | None) -> None:
-    """The same server over the SDK's streamable HTTP transport at /mcp. The
-    SDK guards a loopback bind against DNS rebinding; a token guards the rest."""
+def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> None:
+    """The server over the SDK's streamable HTTP transport at /mcp. The SDK
+    guards a loopback bind against DNS rebinding; a token guards the rest."""
     import anyio
     import uvicorn
-    app = build_server().streamable_http_app(host=host)
+    app = server.streamable_http_app(host=host)
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -1849,6 +1850,54 @@ def test_import_json_array_and_wrapper_object(repo, tmp_path):
     assert items["w1"].why == "leaks" and items["a2"].kind == "note"
 
 
+def _jsonl(path: Path, *records: dict) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_import_identity_is_system_and_id_and_changed_records_are_reported(repo, tmp_path):
+    a = _jsonl(tmp_path / "tool-a.jsonl", {"id": "m1", "content": "alpha: retry with jitter"})
+    b = _jsonl(tmp_path / "tool-b.jsonl", {"id": "m1", "content": "beta: pin base images"})
+    assert cs.import_memory("json", a)["imported"] == 1
+    assert cs.import_memory("json", b)["imported"] == 1       # another tool's m1
+    named = _jsonl(tmp_path / "mixed.jsonl",
+                   {"id": "x1", "system": "mem0", "content": "gamma: rotate keys"},
+                   {"id": "x1", "source": "zep", "content": "delta: cap queue depth"})
+    res = cs.import_memory("json", named)
+    assert (res["imported"], res["duplicates"]) == (2, 0)
+    assert [i["source"]["system"] for i in res["items"]] == ["mem0", "zep"]
+    moved = _jsonl(tmp_path / "renamed.jsonl",
+                   {"id": "x1", "system": "mem0", "content": "gamma: rotate keys"})
+    again = cs.import_memory("json", moved)                   # same system, same id
+    assert (again["status"], again["imported"], again["duplicates"]) == ("imported", 0, 1)
+    first = cs.store(cs.resolve_config(), "local").read().items[0]
+    edited = _jsonl(tmp_path / "tool-a.jsonl", {"title": "no body"},
+                    {"id": "m1", "content": "alpha: retry with jitter and a cap"})
+    res = cs.import_memory("json", edited)
+    assert (res["imported"], res["duplicates"]) == (0, 0)
+    assert res["changed"] == [{"id": first.id, "ref": "m1", "where": "line 2"}]
+    assert "keep theirs" in res["note"]
+    assert cs.store(cs.resolve_config(), "local").read().items[0].content == first.content
+    same = _jsonl(tmp_path / "tool-c.jsonl", {"id": "z9", "content": "beta: pin base images"})
+    assert cs.import_memory("json", same)["same_content"] == 1
+
+
+def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_path):
+    arr = tmp_path / "arr.json"
+    arr.write_text(json.dumps([{"title": "no body"}, {"content": "ok"}, 7]))
+    res = cs.import_memory("json", str(arr))
+    assert [r["where"] for r in res["skipped_reasons"]] == ["record 1", "record 3"]
+    empty, prose = tmp_path / "empty.jsonl", tmp_path / "notes.txt"
+    empty.write_text("")
+    prose.write_text("just some notes\nnot json at all\n")
+    for path, reason in ((empty, "empty"), (prose, "line 1: malformed JSON")):
+        res = cs.import_memory("json", str(path))
+        assert res["status"] == "nothing_imported" and reason in res["reasons"][0], res
+        out = cli("import", str(path))
+        assert out.returncode == 1 and json.loads(out.stdout)["status"] == "nothing_imported"
+    assert cli("import", str(arr)).returncode == 0
+
+
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
     f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
@@ -1880,8 +1929,8 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
         cs.import_memory("json", "relative.json")
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(cs.InputError, match="not valid JSON"):
-        cs.import_memory("json", str(deep))
+    res = cs.import_memory("json", str(deep))
+    assert res["status"] == "nothing_imported" and "not valid JSON" in res["reasons"][0]
 
 
 def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
@@ -2858,6 +2907,77 @@ def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
     assert {r["session"] for r in cs.usage(item_id=fixed_id)["sessions"]} == {sid1, sid2}
 
 
+def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30) -> dict:
+    """Write JSON-RPC lines to a real stdio server as raw bytes (a client library
+    would refuse to encode some of them); {id: response} for the ids in `want`."""
+    import selectors
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}}
+    lines = [json.dumps(init), '{"jsonrpc": "2.0", "method": "notifications/initialized"}',
+             *lines]
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    proc.stdin.write("".join(line + "\n" for line in lines).encode())
+    proc.stdin.flush()
+    answers, buf, sel = {}, b"", selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while not want <= set(answers) and sel.select(max(0.0, deadline - time.monotonic())):
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                answers[msg.get("id")] = msg
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    return answers
+
+
+def test_mcp_lone_surrogate_escape_gets_an_answer(repo):
+    call = (r'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": '
+            r'"capture", "arguments": {"content": "a \ud800 b, kept \\ud800 and \ud83d\ude00"}}}')
+    answers = _raw_stdio(_mcp_env(repo), [call], {1})
+    assert 1 in answers, "the request went unanswered"
+    item = answers[1]["result"]["structuredContent"]["item"]
+    assert item["content"] == "a \ufffd b, kept \\ud800 and \U0001f600"
+    assert cs.repair_surrogate_escapes(r'"\udc00\ud800"') == r'"\ufffd\ufffd"'
+    assert cs.repair_surrogate_escapes(r'"\\\ud800x"') == r'"\\\ufffdx"'
+
+
+def _tree_state(*roots: Path) -> dict:
+    """Every file under `roots` with its bytes, and every ref of each git dir."""
+    state = {}
+    for root in roots:
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and not f.name.endswith(".lock"):
+                state[str(f)] = f.read_bytes()
+    return state
+
+
+def test_tools_annotated_read_only_never_write(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Page the on-call owner for sev-1 incidents", "page owners")
+    cs.promote()
+    cs.capture("Local note about flaky CI runners")
+    cs.recall("page on-call sev-1")                   # journals a credit: pending work
+    cs.recall("flaky CI runners")
+    reads = [t for t in cs.mcp_tools() if cs.EFFECTS[t.effect]["read_only_hint"]]
+    assert {t.tool_name for t in reads} >= {"status", "stale_report"}
+    roots = (shared["a"] / ".cambium", shared["origin"], shared["org_bare"])
+    before = _tree_state(*roots)
+    for tool in reads:
+        tool.fn()
+    assert _tree_state(*roots) == before
+    assert cs.find_tool("recall").effect != "read" and item
+
+
 def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
     env = _mcp_env(tmp_path)
     env.pop("CAMBIUM_REPO")
@@ -3082,6 +3202,68 @@ def test_readme_has_one_tools_table_naming_every_tool_argument_and_command():
         if tool.cli:
             spelled = {tool.command, *tool.aliases}
             assert any(f"cambium_server.py {c}" in cli_block for c in spelled), tool.command
+
+
+def test_cli_answers_speak_cli_and_mcp_answers_speak_calls(repo, tmp_path):
+    item = cs.capture("Keep the release notes in the changelog")["item"]["id"]
+    out = cli("promote", item)
+    reason = json.loads(out.stdout)["reason"]
+    assert "--force" in reason and "force=True" not in reason
+    assert "force=True" in cs.promote(item)["reason"]                 # the tool's own words
+    out = cli("recall", "x", cwd=tmp_path, CAMBIUM_REPO="", CAMBIUM_AGENT_ID="")
+    step = json.loads(out.stdout)["next_step"]
+    assert step.startswith("cambium_server.py setup ") and "project_repo=" not in step
+    assert cs.cli_syntax("restate with org_content=... or pass force=True") == \
+        "restate with --org-content ... or pass --force"
+    assert cs.cli_syntax("generalize('k-1', org_content=<the rule>)").endswith(
+        "generalize k-1 --org-content '<the rule>'")
+    assert cs.cli_syntax("promote(item_id, to_scope='org')").endswith("promote item_id --to org")
+    assert cs.cli_syntax("status=ok, version(2)") == "status=ok, version(2)"
+
+
+def test_cli_text_format_has_no_python_literals(repo):
+    cs.capture("Deploy freezes start on Fridays", tags="deploy")
+    for args in (("status",), ("recall", "deploy freezes fridays"), ("recall", "quantum"),
+                 ("promote",)):
+        out = cli(*args, "--format", "text")
+        assert out.returncode == 0, out.stderr
+        assert not re.search(r"\b(None|True|False)\b|\[\]|\{\}", out.stdout), out.stdout
+    assert "no_confident_match: yes" in cli("recall", "quantum", "--format", "text").stdout
+
+
+def test_cli_usage_names_the_program_as_invoked(tmp_path):
+    out = cli("recall")
+    assert out.returncode == 2 and out.stderr.startswith("usage: cambium_server.py recall")
+    link = tmp_path / "kb"
+    link.symlink_to(SERVER)
+    run = subprocess.run([sys.executable, str(link), "recall", "x", "--limit", "0"],
+                         capture_output=True, text=True, env=child_env(), timeout=60)
+    assert run.returncode == 2 and run.stderr.startswith("usage: kb recall")
+    assert "--limit: must be a whole number from 1 to 50; got '0'" in run.stderr
+
+
+def test_cli_export_to_a_file_prints_one_summary_line(repo, tmp_path):
+    cs.capture("Tag every release in git", tags="release")
+    target = tmp_path / "KNOWLEDGE.md"
+    out = cli("export", "-o", str(target))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\n") == 1 and str(target) in out.stdout
+    assert "1 item" in out.stdout and "org scope is off" in out.stdout
+    assert "Tag every release in git" in target.read_text()
+
+
+def test_serving_without_the_sdk_prints_an_install_hint_and_exits_2(repo):
+    probe = textwrap.dedent(f"""
+        import sys, runpy
+        sys.modules['mcp'] = None
+        sys.argv = ["cambium_server.py"]
+        runpy.run_path({str(SERVER)!r}, run_name="__main__")
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=child_env(), timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "pip install" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_cli_capture_recall_json_and_text(repo):
