@@ -2972,8 +2972,8 @@ def test_tools_annotated_read_only_never_write(shared, monkeypatch):
     assert {t.tool_name for t in reads} >= {"status", "stale_report"}
     roots = (shared["a"] / ".cambium", shared["origin"], shared["org_bare"])
     before = _tree_state(*roots)
-    for tool in reads:
-        tool.fn()
+    for tool in reads:                                # an id where one is required (expand)
+        tool.fn(**{p.name: item for p in tool.params if p.required})
     assert _tree_state(*roots) == before
     assert cs.find_tool("recall").effect != "read" and item
 
