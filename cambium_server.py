@@ -737,7 +737,7 @@ def _find_git_root(start: Path) -> Path | None:
 class Config:
     """Resolved settings for one call. `problems` lists invalid values."""
     values: dict
-    origins: dict                                    # key -> env | file | default | derived
+    origins: dict                                    # key -> env | cwd | file | default (ORIGINS)
     config_file: Path
     problems: list = field(default_factory=list)
     file_error: str | None = None
