@@ -1025,6 +1025,8 @@ class Runtime:
         self.org_branches: dict[str, str] = {}
         self.remotes: dict[tuple[str, str], tuple[float, bool]] = {}
         self.indexes: dict[str, Index] = {}
+        self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
+        self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
@@ -1987,8 +1989,25 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 # to hold the commit.
 # =============================================================================
 
-PUSH_RETRIES = 6            #: CAS attempts before giving up with ConflictError
-PUSH_BACKOFF_S = 0.15       #: first retry delay; doubles each attempt, plus jitter
+PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
+PUSH_BACKOFF_S = 0.05       #: first retry delay; doubles each attempt, jittered...
+PUSH_BACKOFF_MAX_S = 1.0    #: ...up to this (many writers: each keeps a fair chance)
+
+
+def _cas_attempts() -> Iterator[int]:
+    """Attempt numbers for a CAS loop: the first at once, each later one after a
+    jittered, doubling, capped pause, until PUSH_RETRY_S have passed."""
+    import random
+    deadline = time.monotonic() + PUSH_RETRY_S
+    attempt = 0
+    while True:
+        yield attempt
+        attempt += 1
+        pause = min(PUSH_BACKOFF_MAX_S, PUSH_BACKOFF_S * 2 ** (attempt - 1))
+        pause *= 0.5 + random.random()
+        if time.monotonic() + pause > deadline:
+            return
+        time.sleep(pause)
 
 
 def _push_outcome(out: str) -> str:
@@ -2163,24 +2182,28 @@ class GitStore(Store):
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
     def _commit(self, parent: str | None, files: dict[str, str], message: str) -> str:
-        """A commit = parent's tree with `files` replaced at the root."""
-        entries: dict[str, str] = {}
+        """A commit = parent's tree with `files` replaced at the root, made by one
+        `git fast-import` (a CAS attempt under contention should be short)."""
+        who = re.sub(r"[<>\s]+", " ", f"cambium ({self.agent})").strip()
+        email = re.sub(r"[<>\s]+", "-", self.agent) + "@cambium.invalid"
+        stamp = f"{who} <{email}> {int(time.time())} +0000"
+        msg = message.encode("utf-8")
+        out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
+               f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
         if parent:
-            for line in self.git("ls-tree", "-z", parent).stdout.split("\0"):
-                if line:
-                    meta, name = line.split("\t", 1)
-                    entries[name] = meta
+            out.append(f"from {parent}\n".encode())
         for name, text in files.items():
-            blob = self.git("hash-object", "-w", "--stdin", input=text).stdout.strip()
-            entries[name] = f"100644 blob {blob}"
-        tree_in = "".join(f"{meta}\t{name}\0" for name, meta in sorted(entries.items()))
-        tree = self.git("mktree", "-z", input=tree_in).stdout.strip()
-        who = {"GIT_AUTHOR_NAME": f"cambium ({self.agent})",
-               "GIT_AUTHOR_EMAIL": f"{self.agent}@cambium.invalid",
-               "GIT_COMMITTER_NAME": f"cambium ({self.agent})",
-               "GIT_COMMITTER_EMAIL": f"{self.agent}@cambium.invalid"}
-        args = ["commit-tree", tree, "-m", message] + (["-p", parent] if parent else [])
-        return self.git(*args, env=who).stdout.strip()
+            data = text.encode("utf-8")
+            out += [f"M 100644 inline {name}\ndata {len(data)}\n".encode(), data, b"\n"]
+        out.append(b"get-mark :1\n")
+        proc = subprocess.run(["git", "fast-import", "--quiet", "--force", "--done"],
+                              cwd=self.repo, env=_git_env(), input=b"".join(out) + b"done\n",
+                              capture_output=True, timeout=self.timeout_s)
+        commit = proc.stdout.decode("ascii", "replace").strip()
+        if proc.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40,64}", commit):
+            raise GitError(["git", "fast-import"], proc.returncode,
+                           proc.stderr.decode("utf-8", "replace"))
+        return commit
 
     def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
         """Push commit to branch: "ok", "race" (replay), or GitError (final)."""
@@ -2219,12 +2242,9 @@ class GitStore(Store):
         ensure_files: also write when only the rendered extra files are stale.
         Raises CorruptStore (nothing written), GitError, ConflictError.
         """
-        import random
         target = branch or self.branch
         with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
-            for attempt in range(PUSH_RETRIES):
-                if attempt:
-                    time.sleep(PUSH_BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random()))
+            for _ in _cas_attempts():
                 tip = self.fetch(force=True)
                 side = branch is not None and branch != self.branch
                 side_tip = self._remote_branch_tip(branch) if side else None
@@ -2252,7 +2272,7 @@ class GitStore(Store):
                     self.git("update-ref", self.ref, commit)
                     self._remember(commit, new, tip=True)
                 return Write(doc=new, commit=commit, branch=target)
-        raise ConflictError(f"{self.scope} scope: lost the push race {PUSH_RETRIES} times on "
+        raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 
     def _files_stale(self, commit: str | None, doc: Doc) -> bool:
@@ -3147,12 +3167,13 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     norms = index.norms()
     scores: dict[int, float] = {}
     k1 = BM25_K1 + 1
-    for t in terms:
-        plist = index.postings.get(t)
-        if plist is None:
-            continue
+    found = [p for p in map(index.postings.get, terms) if p is not None]
+    for n_term, plist in enumerate(sorted(found, key=lambda p: -len(p[0]))):
         df = len(plist[0]) - (sum(1 for i in plist[0] if slots[i] is None) if dead else 0)
         w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
+        if not n_term:                  # the longest list fills the dict: no lookups
+            scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
+            continue
         get = scores.get
         for i, v in zip(*plist):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
@@ -4002,6 +4023,27 @@ def recall_mode_report(cfg: Config) -> dict:
     return {"recall_mode": "semantic", "semantic": info}
 
 
+def known_keys(key: str, items: list) -> Callable[[str], bool]:
+    """Whether an active item of the store says a content key: its recall index
+    when this process has one, else a plain set of keys (a hook's capture must
+    not build a BM25 index to find a duplicate)."""
+    rt = runtime()
+    with rt.index_lock:
+        indexed = key in rt.indexes
+        if indexed:
+            rt.key_sets.pop(key, None)
+        else:
+            src, keys = rt.key_sets.get(key, (None, set()))
+            if src is not items:
+                if src is not None and len(items) >= len(src) and \
+                        all(map(operator.is_, items, src)):
+                    keys.update(content_key(it) for it in items[len(src):] if it.active)
+                else:
+                    keys = {content_key(it) for it in items if it.active}
+                rt.key_sets[key] = (items, keys)
+    return store_index(key, items).says if indexed else keys.__contains__
+
+
 def store_index(key: str, items: list) -> Index:
     """The live index for one store (or scope set), synced to its current items."""
     rt = runtime()
@@ -4093,7 +4135,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
     already stored with the same text (pure, but for the cached index). A
     watermarked key whose text changed is reported, and the stored item kept."""
     new_marks = dict(doc.meta.get("watermarks") or {})
-    index: Index | None = None               # built only if a draft passes the watermarks
+    says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: dict[str, Item] = {}               # admitted here, by id
     live_keys: set[str] = set()
     fresh: list[Item] = []
@@ -4109,9 +4151,9 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
                                     "where": prepared.where.get(item.id)})
             adm.duplicates += 1
             continue
-        if index is None and ckey not in live_keys:
-            index = store_index(index_key, doc.items)
-        if ckey in live_keys or (index is not None and index.says(ckey)):
+        if says is None and ckey not in live_keys:
+            says = known_keys(index_key, doc.items)
+        if ckey in live_keys or (says is not None and says(ckey)):
             adm.duplicates += 1
             adm.same_content += 1
             continue
@@ -4999,16 +5041,24 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
 def federated_items(docs: dict[str, Doc]) -> list[Item]:
     """Active items across scopes, org first; an id present in two scopes (a
     move in flight) is shown once, from the higher scope."""
-    present = [s for s in reversed(SCOPES) if s in docs]
+    present = tuple(s for s in reversed(SCOPES) if s in docs)
     if len(present) == 1:
         return docs[present[0]].items
+    lists = tuple(docs[s].items for s in present)
+    rt = runtime()
+    with rt.lock:                        # the same lists as last time: the same answer,
+        hit = rt.federated.get(present)  # so a recall does no O(N) work when none changed
+    if hit is not None and all(map(operator.is_, hit[0], lists)):
+        return hit[1]
     seen: set[str] = set()
     out: list[Item] = []
-    for scope in present:
-        for it in docs[scope].items:
+    for items in lists:
+        for it in items:
             if it.id not in seen:
                 seen.add(it.id)
                 out.append(it)
+    with rt.lock:
+        rt.federated[present] = (lists, out)
     return out
 
 
