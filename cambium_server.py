@@ -4383,8 +4383,8 @@ def age_days(item: Item, now: datetime) -> int | None:
     return None if stamp is None else max(0, (now - stamp).days)
 
 
-def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None = None,
-                  older_than_days: int | None = None) -> list[dict]:
+def stale_items(items: Iterable[Item], *, now: datetime, project: str | None = None,
+                older_than_days: int | None = None) -> list[dict]:
     """Promoted (team/org) active items, never-verified first, then oldest-verified
     first. Reports only: nothing is downgraded."""
     rows = []
@@ -4404,6 +4404,9 @@ def stale_entries(items: Iterable[Item], *, now: datetime, project: str | None =
              "never_verified": it.last_verified is None, "age_days": age,
              "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
             for it, age in rows]
+
+
+stale_entries = stale_items          #: its name before items were called items everywhere
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
@@ -6899,7 +6902,7 @@ def verify_entry(item_id: ItemId,
     """Confirm an item still holds: stamps last_verified to now, with your note.
 
     Call it when you have checked a recalled item against reality (the code,
-    the system, the people) and it is still true, especially entries that
+    the system, the people) and it is still true, especially items that
     stale_report lists. Works at any scope; team and org are written through
     the same pushes as everything else (org in PR mode: the shared
     cambium/updates pull request). note: what you checked.
@@ -6926,17 +6929,17 @@ def stale_report(project: Annotated[str | None, Field(
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
     Items whose attached check fails come first (failing: true, any scope),
-    then never-verified entries (flagged), then the oldest-verified. Each
+    then never-verified items (flagged), then the oldest-verified. Each
     shows its age in days and its valid_while premise, so a dead assumption is
-    easy to spot. project: only entries from that project. older_than_days:
-    only entries at least that old. It only reports: re-check an entry and call
+    easy to spot. project: only items from that project. older_than_days:
+    only items at least that old. It only reports: re-check an item and call
     verify_entry, or deprecate it; nothing is downgraded automatically.
     """
     cfg = require_config()
     check_arg(stale_report, "older_than_days", older_than_days)
     docs, warnings = read_scopes(cfg, SCOPES)
     items = [it for d in docs.values() for it in d.items]
-    rows = stale_entries(items, now=datetime.now(timezone.utc), project=project or None,
+    rows = stale_items(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
     out: dict[str, Any] = {"entries": rows, "count": len(rows),
                            "never_verified": sum(1 for r in rows if r["never_verified"]),

@@ -1979,7 +1979,7 @@ def _team_item(content: str, project: str, last_verified: str | None,
                                   promoted_at=created, valid_while=f"premise of {content}")
 
 
-def test_stale_entries_order_flags_and_filters():
+def test_stale_items_order_flags_and_filters():
     now = cs.datetime(2026, 11, 29, tzinfo=cs.timezone.utc)
     items = [
         _team_item("recent", "shop", "2026-11-20T00:00:00Z"),
@@ -1989,14 +1989,14 @@ def test_stale_entries_order_flags_and_filters():
         cs.dataclasses.replace(_team_item("retired", "shop", None), status="deprecated"),
         cs.new_item("local only"),
     ]
-    rows = cs.stale_entries(items, now=now)
+    rows = cs.stale_items(items, now=now)
     assert [r["content"] for r in rows] == ["never", "old", "middle", "recent"]
     assert [r["never_verified"] for r in rows] == [True, False, False, False]
     assert rows[1]["age_days"] == 273 and rows[0]["age_days"] == 181
     assert rows[1]["valid_while"] == "premise of old"
-    assert [r["content"] for r in cs.stale_entries(items, now=now, project="billing")] == \
+    assert [r["content"] for r in cs.stale_items(items, now=now, project="billing")] == \
         ["never", "middle"]
-    assert [r["content"] for r in cs.stale_entries(items, now=now, older_than_days=100)] == \
+    assert [r["content"] for r in cs.stale_items(items, now=now, older_than_days=100)] == \
         ["never", "old", "middle"]
 
 
@@ -3264,6 +3264,18 @@ def test_serving_without_the_sdk_prints_an_install_hint_and_exits_2(repo):
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "pip install" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_test_install_includes_the_semantic_extra_and_readme_says_so():
+    import tomllib
+    extra = tomllib.loads((HERE / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["semantic"]
+    pins = {line.split("#")[0].strip().replace(" ", "").replace('"', "'")
+            for line in (HERE / "requirements-test.txt").read_text().splitlines()}
+    assert extra and {e.replace(" ", "") for e in extra} <= pins
+    test_section = (HERE / "README.md").read_text().split("## Test", 1)[1].split("\n## ")[0]
+    assert "requirements-test.txt" in test_section and "semantic extra" in test_section
+    assert re.search(r"about \d+ MB installed", test_section)
 
 
 def test_cli_capture_recall_json_and_text(repo):
