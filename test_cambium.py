@@ -3409,6 +3409,28 @@ def test_semantic_recall_never_pads_nor_credits_near_misses(semantic):
 
 
 @needs_extra
+def test_semantic_ranking_of_a_grown_index_equals_a_fresh_one(tmp_path):
+    items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t]) for i, (c, w, t) in enumerate(NOTES)]
+    eng = cs.Semantic(None)
+    grown = cs.Index().sync([])
+    for n in range(1, len(items) + 1):
+        grown = grown.sync(items[:n])
+        cs.rank(grown, PARAPHRASE, 3, engine=eng)         # vectors picked up as it grows
+    edited = dataclasses.replace(items[1], content="Schema migrations run before deploys")
+    final = [edited if it is items[1] else it for it in items[1:]]
+    grown = grown.sync(final)
+    fresh = cs.build_index(final)
+    for query in (PARAPHRASE, UNRELATED, "when do migrations run"):
+        a = cs.rank(grown, query, 5, engine=eng)
+        b = cs.rank(fresh, query, 5, engine=eng)
+        assert [h.item.id for h in a.hits] == [h.item.id for h in b.hits]
+        assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
+        # float32 products over matrices of different shapes agree to ~1e-7
+        assert [h.confidence for h in a.hits + a.weak] == \
+            pytest.approx([h.confidence for h in b.hits + b.weak], abs=1e-6)
+
+
+@needs_extra
 def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
     ids = _capture_notes()
     cs.recall(PARAPHRASE)

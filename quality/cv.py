@@ -2,7 +2,7 @@
 """Cross-validated recall quality, in process, with cambium_server's own scoring.
 
     python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held]
-                          [--folds 5] [--cache DIR] [--explore]
+                          [--folds 5] [--cache DIR]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -17,8 +17,11 @@ What it does:
 
 Parameters chosen this way (both modes): the relevance floor (the largest
 whose false-abstention on the training folds stays <= --false-target) and, in
-semantic mode, the BM25 blend weight and the discount of the extra vectors.
---explore adds the candidates that were tried and dropped.
+semantic mode, the BM25 blend weight, the discount of tail windows, whether an
+item also gets a vector of its content + tags alone and of its why alone (and
+their discounts), pseudo-relevance feedback (Rocchio weight, top 3 items) and
+a raw-BM25 boost of relevance. What cambium_server ships is the choice this
+script makes on all of dev (printed last for each mode).
 """
 from __future__ import annotations
 
@@ -102,6 +105,8 @@ class Prepared:
             np = vec.np
             kinds = [item_vector_rows(vec, it) for it in self.index.items]
             qv = np.concatenate([vec.rows(q["query"], False) for q in queries])
+            first = np.stack([k["full"][0] for k in kinds])
+            self.item_item = first @ first.T          # for pseudo-relevance feedback
             self.sims = {}
             for kind in ("full_first", "full_tail", "content_tags", "why"):
                 mat = np.full((len(queries), len(kinds)), -np.inf, np.float32)
@@ -145,6 +150,15 @@ def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     score, rel = cs.semantic_blend(np, sim, np.ones(len(sim), bool), p.lex[qi],
                                    weight=params["weight"], boost=params["boost"],
                                    floor=params["floor"])
+    if params.get("prf"):                    # Rocchio: query + beta x mean of the top 3
+        beta = params["prf"]
+        top = np.argsort(-score)[:3]
+        q_dot_mean = float(p.sims["full_first"][qi][top].mean())
+        norm = (1 + 2 * beta * q_dot_mean + beta ** 2 * float(
+            p.item_item[np.ix_(top, top)].mean())) ** 0.5
+        expanded = (sim + beta * p.item_item[top].mean(axis=0)) / norm
+        score, _ = cs.semantic_blend(np, expanded, np.ones(len(sim), bool), p.lex[qi],
+                                     weight=params["weight"], boost=0.0, floor=params["floor"])
     top = cs.best_slots(np, score, p.index.items, LIMIT)
     return top, [float(rel[i]) for i in top]
 
@@ -221,28 +235,30 @@ def raw_top(p: Prepared, qi, run, params) -> float:
     return max(float(sim[i]) + params["boost"] * lex.get(i, 0.0) for i in ranked)
 
 
-def grid(mode: str, explore: bool) -> list[dict]:
+def grid(mode: str) -> list[dict]:
     if mode == "lexical":
         return [{}]
     out = []
     for w in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3):
         for tail in (0.0, 0.04, 0.08):
-            for ct in ((None, 0.0, 0.03) if explore else (None,)):
-                for why in ((None, 0.0, 0.05) if explore else (None,)):
-                    out.append({"weight": w, "tail": tail, "content_tags": ct, "why": why})
+            for ct in (None, 0.0, 0.03):
+                for why in (None, 0.0, 0.05):
+                    for prf in (0.0, 0.3, 0.6):
+                        out.append({"weight": w, "tail": tail, "content_tags": ct, "why": why,
+                                    "prf": prf})
     return out
 
 
 BOOSTS = (0.0, 0.004, 0.008, 0.012, 0.016, 0.02)
 
 
-def select(p: Prepared, qids, mode: str, false_target: float, explore: bool) -> dict:
+def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
     """Ranking parameters by MRR on answerable training queries (ties: the
     simpler, earlier grid point), then the floor by calibration."""
     run = lexical_run if mode == "lexical" else semantic_run
     ans = [q for q in qids if p.queries[q]["kind"] != "none"]
     best, best_mrr = None, -1.0
-    for params in grid(mode, explore):
+    for params in grid(mode):
         params = dict(params, floor=1e-9, boost=0.0)
         m = evaluate(p, ans, run, params)
         mrr = (m["control"]["mrr"] * m["control"]["n"] + m["paraphrase"]["mrr"]
@@ -278,13 +294,13 @@ def folds(queries: list, k: int, seed: int = 13) -> list[list[int]]:
     return out
 
 
-def cross_validate(p: Prepared, mode: str, k: int, false_target: float, explore: bool):
+def cross_validate(p: Prepared, mode: str, k: int, false_target: float):
     run = lexical_run if mode == "lexical" else semantic_run
     per_fold, chosen = [], []
     allq = list(range(len(p.queries)))
     for test in folds(p.queries, k):
         train = [q for q in allq if q not in set(test)]
-        params = select(p, train, mode, false_target, explore)
+        params = select(p, train, mode, false_target)
         chosen.append(params)
         per_fold.append(evaluate(p, test, run, params))
     # pooled counts over the k test folds (each query scored exactly once)
@@ -322,7 +338,6 @@ def main() -> int:
                     help="share of answerable training queries the floor may abstain on")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "cambium-cv"))
     ap.add_argument("--mode", choices=("lexical", "semantic", "both"), default="both")
-    ap.add_argument("--explore", action="store_true", help="also try the dropped candidates")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     modes = ("lexical", "semantic") if a.mode == "both" else (a.mode,)
@@ -332,8 +347,8 @@ def main() -> int:
     report = {}
     for mode in modes:
         run = lexical_run if mode == "lexical" else semantic_run
-        per_fold, chosen = cross_validate(dev, mode, a.folds, a.false_target, a.explore)
-        final = select(dev, list(range(len(dev.queries))), mode, a.false_target, a.explore)
+        per_fold, chosen = cross_validate(dev, mode, a.folds, a.false_target)
+        final = select(dev, list(range(len(dev.queries))), mode, a.false_target)
         report[mode] = {"cv": summary(per_fold), "fold_params": chosen, "params": final,
                         "held": fmt_single(evaluate(held, list(range(len(held.queries))),
                                                     run, final))}
