@@ -553,17 +553,26 @@ def valid_unicode(text: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (for messages: no Python type names)."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a list" if isinstance(value, (list, tuple)) else "an object"
+
+
 def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) -> str:
     if value is None:
         value = ""
     if not isinstance(value, str):
-        raise InputError(f"{name} must be text, got {type(value).__name__}.")
+        raise InputError(f"{name} must be text; got {json_kind(value)}.")
     text = repair_mojibake(valid_unicode(value.replace("\x00", ""))).strip()
     if required and not text:
         raise InputError(f"{name} is empty; say what should be remembered.")
     if len(text) > limit:
-        raise InputError(f"{name} is {len(text)} characters; the limit is {limit}. "
-                         "Capture the durable point, not the whole document.")
+        raise InputError(f"{name} is {len(text)} characters, over the limit of {limit}: "
+                         "capture the durable point, not the whole document.")
     return text
 
 
@@ -591,7 +600,7 @@ def normalize_tags(tags: Any) -> list[str]:
         if p not in out:
             out.append(p)
     if len(out) > MAX_TAGS:
-        raise InputError(f"{len(out)} tags; at most {MAX_TAGS}.")
+        raise InputError(f"tags has {len(out)} tags; at most {MAX_TAGS} are allowed.")
     return out
 
 
@@ -2868,14 +2877,14 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
     first = head[:1]
     if first == b"[" or (first == b"{" and not _looks_like_jsonl(path)):
         if size > MAX_IMPORT_BYTES:
-            raise InputError(f"{path} is {size // 2**20} MB; a single JSON document is "
-                             f"limited to {MAX_IMPORT_BYTES // 2**20} MB. Export it as JSONL "
-                             "(one object per line), which is read as a stream.")
+            raise InputError(f"path {path} is {size // 2**20} MB, over the "
+                             f"{MAX_IMPORT_BYTES // 2**20} MB limit of a single JSON document: "
+                             "export it as JSONL (one object per line), which is streamed.")
         yield from _json_document(path)
         return
     if size > MAX_IMPORT_JSONL_BYTES:
-        raise InputError(f"{path} is {size // 2**20} MB; the JSONL limit is "
-                         f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB. Split the file.")
+        raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
+                         f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -6739,7 +6748,8 @@ def promote(item_id: Annotated[str | None, Field(
         out = _promote_to_team(cfg, item_id, force)
     else:
         if item_id is None:
-            raise InputError("promote to org names one item: promote(item_id, to_scope='org').")
+            raise InputError("item_id is required with to_scope='org': "
+                             "promote(item_id, to_scope='org').")
         out = _promote_to_org(cfg, item_id, force, org_content, org_why)
     if settled:
         out["settled_org_prs"] = settled

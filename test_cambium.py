@@ -1514,12 +1514,21 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     (editor / "KNOWLEDGE.md").write_text("# stale hand edit\n")
     git(editor, "commit", "-q", "-am", "hand edit")
     git(editor, "push", "-q", "origin", "HEAD:main")
-    res = cs.export_markdown("org")
-    assert res["published"]["changed"] is True
+    res = cs.export_markdown()                           # the default is org
+    assert res["scope"] == "org" and res["published"]["changed"] is True
+    assert "note" not in res
     assert "Scrub secrets before logging" in remote_json(shared["org_bare"], "main",
                                                          "KNOWLEDGE.md")
     all_md = cs.export_markdown("all")["markdown"]
     assert "## Org" in all_md
+
+
+def test_export_default_with_org_off_renders_local_and_says_so(repo):
+    cs.capture("Name migrations after the ticket they serve")
+    res = cs.export_markdown()
+    assert res["scope"] == "local" and "published" not in res
+    assert "org scope is off" in res["note"] and "setup(org_repo=" in res["note"]
+    assert "Name migrations after the ticket" in res["markdown"]
 
 
 # =============================================================================
@@ -2844,9 +2853,16 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
             out[json.dumps(args)] = (res.content[0].text, res.structured_content)
         cap = await session.call_tool("capture", {"content": "x", "type": "rumour"})
         out["capture"] = (cap.content[0].text, cap.structured_content)
-        return out
+        long = await session.call_tool("capture", {"content": "x" * 20_001})
+        promote = await session.call_tool("promote", {"to_scope": "org"})
+        return out, [(r.content[0].text, r.structured_content) for r in (long, promote)]
 
-    out = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    out, core = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    assert core[0][0] == ("content is 20001 characters, over the limit of 20000: capture the "
+                          "durable point, not the whole document.")
+    assert core[1][0].startswith("item_id is required with to_scope='org'")
+    for text, structured in core:
+        assert structured["error"] == "invalid_argument" and "Error" not in text
     texts = [t for t, _ in out.values()]
     assert texts[0] == "limit must be a whole number from 1 to 50; got 99."
     assert texts[1] == "scope must be one of auto, local, team, org; got 'galaxy'."
