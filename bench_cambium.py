@@ -625,12 +625,9 @@ def bench_quality() -> None:
                   f"median {q['latency_ms']['median']} ms")
 
 
-#: the quality corpus beside the checkout (../shared/quality; worktrees sit one
-#: level deeper), or BENCH_CORPUS
-CORPUS = next((p for p in [Path(os.environ.get("BENCH_CORPUS", "/nonexistent"))] +
-               [up / "shared" / "quality" / "full" / "corpus.jsonl"
-                for up in (HERE.parent, HERE.parent.parent)] if p.is_file()),
-              HERE.parent / "shared" / "quality" / "full" / "corpus.jsonl")
+#: the 408-item corpus, in the repository (the held recall set's), or BENCH_CORPUS
+CORPUS = next((p for p in [Path(os.environ.get("BENCH_CORPUS", "/nonexistent"))]
+               if p.is_file()), HERE / "quality" / "held" / "corpus.jsonl")
 DUPLICATES = HERE / "quality" / "duplicates.jsonl"
 THRESHOLDS = [round(0.50 + 0.01 * i, 2) for i in range(50)]
 MIN_PRECISION = 1.0       #: the rule: the lowest threshold with no false merge in training,

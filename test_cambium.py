@@ -3282,6 +3282,15 @@ def test_serving_without_the_sdk_prints_an_install_hint_and_exits_2(repo):
     assert "Traceback" not in out.stderr
 
 
+def test_readme_cites_no_path_outside_the_repository():
+    readme = (HERE / "README.md").read_text()
+    assert "../" not in readme and "/work/" not in readme
+    quality = readme.split("### Recall quality", 1)[1].split("\n### ")[0]
+    for cmd in re.findall(r"python3 (quality/\S+|bench_cambium\.py)", quality):
+        assert (HERE / cmd).is_file(), cmd
+    assert "--set held" in quality and (HERE / "quality" / "held" / "queries.jsonl").is_file()
+
+
 def test_test_install_includes_the_semantic_extra_and_readme_says_so():
     import tomllib
     extra = tomllib.loads((HERE / "pyproject.toml").read_text())["project"][
