@@ -6144,7 +6144,7 @@ def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
 def _count(doc: Doc) -> dict:
     counts: dict[str, int] = {}
     for it in doc.items:
-        key = it.type if it.active else "deprecated"
+        key = it.type if it.active else it.status      # deprecated | superseded
         counts[key] = counts.get(key, 0) + 1
     return counts
 

@@ -1684,6 +1684,7 @@ def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
     assert items[survivor]["merged_from"][0]["id"] == loser and items[near]["status"] == "active"
     again = store.read_bytes()
     assert cs.consolidate(apply=True)["count"] == 0 and store.read_bytes() == again
+    assert cs.status()["scopes"]["local"]["by_type"] == {"memory": 2, "superseded": 1}
     assert {h["id"] for h in cs.recall("retry idempotent requests backoff")["results"]} == \
         {survivor, near}
 
