@@ -8078,15 +8078,20 @@ def _emit(result: Any, fmt: str) -> None:
         print(json.dumps(result, indent=2, ensure_ascii=False))
 
 
-def _cli_answer(value: Any) -> Any:
-    """Every string of a result with its call syntax rewritten (cli_syntax)."""
+#: Answer fields that speak to the caller (hints, reasons, next steps): the CLI
+#: rewrites their call syntax. Item text (content, why, drafts) is never touched.
+HINT_KEYS = frozenset({"reason", "note", "next_step", "fix", "retry", "then", "guidance",
+                       "warnings", "hint", "cost", "message"})
+
+
+def _cli_answer(value: Any, key: str | None = None) -> Any:
+    """A result with the call syntax in its hint fields rewritten (cli_syntax)."""
     if isinstance(value, str):
-        return cli_syntax(value) if "(" in value or "=" in value else value
+        return cli_syntax(value) if key in HINT_KEYS else value
     if isinstance(value, dict):
-        return {k: v if k in ("markdown", "primer", "line") else _cli_answer(v)
-                for k, v in value.items()}
+        return {k: _cli_answer(v, k) for k, v in value.items()}
     if isinstance(value, list):
-        return [_cli_answer(v) for v in value]
+        return [_cli_answer(v, key) for v in value]
     return value
 
 

@@ -3227,6 +3227,9 @@ def test_cli_answers_speak_cli_and_mcp_answers_speak_calls(repo, tmp_path):
     reason = json.loads(out.stdout)["reason"]
     assert "--force" in reason and "force=True" not in reason
     assert "force=True" in cs.promote(item)["reason"]                 # the tool's own words
+    out = cli("capture", "Call recall(query) before promote(force=True) in scripts")
+    assert json.loads(out.stdout)["item"]["content"] == \
+        "Call recall(query) before promote(force=True) in scripts"   # item text stays
     out = cli("recall", "x", cwd=tmp_path, CAMBIUM_REPO="", CAMBIUM_AGENT_ID="")
     step = json.loads(out.stdout)["next_step"]
     assert step.startswith("cambium_server.py setup ") and "project_repo=" not in step
