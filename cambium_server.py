@@ -7827,14 +7827,17 @@ def _prog() -> str:
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "cambium"
 
 
-def _cli_parser() -> argparse.ArgumentParser:
+def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI parser: every command, or only `command`'s when it names one (a hook
+    runs one command, and building the rest costs it milliseconds)."""
     ap = argparse.ArgumentParser(
         description="cambium knowledge server. With no command it serves MCP over stdio; "
         "with a command it runs that tool once and prints JSON.")
     ap.add_argument("--version", action="version", version=__version__)
     sub = ap.add_subparsers(dest="command", metavar="command")
+    only = find_tool(command) if command else None
     for tool in api_table():
-        if tool.cli:
+        if tool.cli and (only is None or tool is only):
             _add_command(sub, tool)
     return ap
 
@@ -7906,7 +7909,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
         return primer_hook(argv)                # before argparse: it must never fail
-    args = _cli_parser().parse_args(argv or ["serve"])
+    argv = argv or ["serve"]
+    args = _cli_parser(argv[0]).parse_args(argv)
     if args.command is None:
         _cli_parser().print_help()
         return 2
@@ -7955,7 +7959,7 @@ def primer_hook(argv: list[str]) -> int:
     repo, a corrupt store, bad input) it prints nothing and exits 0."""
     try:
         args = [a for a in argv if a != "--hook"]
-        limit = _cli_parser().parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
+        limit = _cli_parser(args[0]).parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
         bind_hook()
         cfg = resolve_config()
         if not cfg.configured or not 1 <= limit <= MAX_PRIMER_LIMIT:
