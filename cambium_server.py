@@ -47,13 +47,15 @@ tool (its name with dashes, plus short aliases: review, verify, stale, import,
 export), its arguments, defaults and bounds read from the tool's signature, and
 CLI-only commands and options: serve (stdio, or `--http` for several agents),
 demo, `distill --hook` for a session-end hook, `primer --hook` for a
-session-start hook, and two operator-only ones no MCP tool can reach:
-verify-cmd (attach a shell check) and verify --run (run the checks). The CLI path never imports the
+session-start hook, restore (bring back items set aside from a damaged local
+store), and two operator-only ones no MCP tool can reach: verify-cmd (attach a
+shell check) and verify --run (run the checks). The CLI path never imports the
 MCP SDK: hooks run it at every session end and the SDK costs about a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
 normalization, config, process state (the Runtime), git plumbing, storage
-(files, the scope interface, the credit journal, the shared git scopes),
+(files, the scope interface, the local file, the credit journal, the shared
+git scopes),
 substrate readers, import adapters, recall (lexical, semantic, ranking),
 ingest, lifecycle decisions, consolidation (pure), code anchors, scope helpers
 (item views and one-line results), scope reads, the primer digest, distill,
@@ -1036,6 +1038,7 @@ class Runtime:
         self.indexes: dict[str, Index] = {}
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
+        self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
@@ -1128,6 +1131,36 @@ def use_runtime(rt: Runtime) -> Iterator[Runtime]:
         yield rt
     finally:
         _CURRENT_RUNTIME.reset(token)
+
+
+EXTENSIONS_KEPT = 32     #: item lists remembered as extensions of another
+
+
+def extended(base: list, added: list) -> list:
+    """base + added, remembered as an extension of base, so that a check that a
+    list still starts with a store's items costs nothing at 100k items."""
+    items = base + added
+    rt = runtime()
+    with rt.lock:
+        rt.extensions[id(items)] = (items, base)
+        while len(rt.extensions) > EXTENSIONS_KEPT:
+            del rt.extensions[next(iter(rt.extensions))]
+    return items
+
+
+def extends(items: list, base: list) -> bool:
+    """Whether `items` starts with every item of `base` (the same objects)."""
+    rt = runtime()
+    with rt.lock:
+        child = items
+        while child is not base:
+            link = rt.extensions.get(id(child))
+            if link is None or link[0] is not child:
+                break
+            child = link[1]
+    if child is base:
+        return True
+    return len(items) >= len(base) and all(map(operator.is_, items, base))
 
 
 @atexit.register
@@ -1440,7 +1473,7 @@ def render_store(doc: Doc) -> str:
 
 # =============================================================================
 # Storage: the scope interface
-# Every scope is a Store: read() -> Doc, mutate(fn, message) -> Doc. `fn` is a
+# Every scope is a Store: read() -> Doc, mutate(fn, message) -> Write. `fn` is a
 # pure function Doc -> Doc | None (None: nothing to change); a store may call it
 # more than once (a shared scope replays it after losing a push race).
 # =============================================================================
@@ -1536,9 +1569,7 @@ def appended_items(old: Doc, new: Doc) -> list | None:
     if len(new.items) <= n or new.raw != old.raw or \
             not (new.meta is old.meta or new.meta == old.meta):
         return None
-    if not all(map(operator.is_, new.items, old.items)):
-        return None
-    return new.items[n:]
+    return new.items[n:] if extends(new.items, old.items) else None
 
 
 def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, array]:
@@ -1671,7 +1702,7 @@ class LocalStore(Store):
             items.append(Item.from_dict(d))
             spans.extend((pos, pos + len(body)))
             pos += len(line) + 1
-        doc = Doc(items=seen.doc.items + items, meta=seen.doc.meta, raw=seen.doc.raw)
+        doc = Doc(items=extended(seen.doc.items, items), meta=seen.doc.meta, raw=seen.doc.raw)
         self._remember(_Seen(key, doc, seen.spans + spans, key[1] - len(STORE_TAIL)))
         return doc
 
@@ -1717,20 +1748,23 @@ class LocalStore(Store):
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str = "", *,
                branch: str | None = None, ensure_files: bool = False) -> Write:
         """Apply fn under the file lock: an append when fn only adds items at
-        the end, else a rewrite. Durable (fsynced) before it returns."""
-        pending, commit = take_credits(self.credits, self.scope)
+        the end (pending credits wait for the next rewrite), else a rewrite with
+        the pending credits folded in. Durable (fsynced) before it returns."""
         with file_lock(self.path):
             doc = self._current(locked=True)
-            new = with_credits(fn, pending)(doc)
-            if new is None:
-                return Write(doc=doc)
+            new = fn(doc)
             with self.lock:
                 seen = self._seen
-            added = appended_items(doc, new)
+            added = appended_items(doc, new) if new is not None else None
             if added and seen is not None and seen.doc is doc and seen.tail_at is not None:
                 self._append(seen, added, new)
-            else:
-                self._rewrite(new)
+                return Write(doc=new)
+            pending, commit = take_credits(self.credits, self.scope)
+            if pending:                                # fn again, on the credited doc
+                new = with_credits(fn, pending)(doc)
+            if new is None:
+                return Write(doc=doc)
+            self._rewrite(new)
         commit()
         return Write(doc=new)
 
@@ -1746,8 +1780,12 @@ class LocalStore(Store):
             key = _stat_key(os.fstat(fd))
         finally:
             os.close(fd)
+        record = f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n"
         with open(self.appends, "a", encoding="ascii") as f:      # a hint: no fsync
-            f.write(f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n")
+            f.write(record)
+            full = f.tell() > 4 * APPENDS_READ_MAX
+        if full:                         # a reader that far behind parses whole anyway
+            atomic_write(self.appends, record)
         spans, pos = array("q"), seen.tail_at + 2
         for line in lines:
             spans.extend((pos, pos + len(line)))
@@ -1758,6 +1796,9 @@ class LocalStore(Store):
         """Replace the file whole, copying unchanged items from the old one."""
         with self.lock:
             seen = self._seen
+        with contextlib.suppress(FileNotFoundError):
+            if seen is not None and _stat_key(os.stat(self.path)) != seen.key:
+                seen = None                  # not the file those spans describe: render all
         head = store_head(new)
         pieces, spans = _item_pieces(new.items, seen, len(head))
 
@@ -3089,7 +3130,7 @@ class Index:
         if items is self.source:
             return self
         src = self.source
-        if src is not None and len(items) >= len(src) and all(map(operator.is_, items, src)):
+        if src is not None and extends(items, src):
             for it in items[len(src):]:                # appended only: the common case
                 if it.active:
                     if it.id in self.slot_of:
@@ -4077,8 +4118,7 @@ def known_keys(key: str, items: list) -> Callable[[str], bool]:
         else:
             src, keys = rt.key_sets.get(key, (None, set()))
             if src is not items:
-                if src is not None and len(items) >= len(src) and \
-                        all(map(operator.is_, items, src)):
+                if src is not None and extends(items, src):
                     keys.update(content_key(it) for it in items[len(src):] if it.active)
                 else:
                     keys = {content_key(it) for it in items if it.active}
@@ -4207,7 +4247,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
     if fresh:
         marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
         meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta  # same: an append
-        adm.doc = Doc(items=doc.items + fresh, meta=meta, raw=doc.raw)
+        adm.doc = Doc(items=extended(doc.items, fresh), meta=meta, raw=doc.raw)
     return adm
 
 

@@ -507,6 +507,8 @@ def test_torn_tail_after_a_crash_keeps_serving_and_can_be_restored(repo):
     imp = tmp_json = path.parent / "one.jsonl"
     tmp_json.write_text(json.dumps({"content": "imported while damaged"}) + "\n")
     assert any("set aside" in w for w in cs.import_memory("json", str(imp))["warnings"])
+    stale = cli("stale")                                       # any tool, CLI too
+    assert any("set aside" in w for w in json.loads(stale.stdout)["warnings"])
     aside[0].write_bytes(original.rstrip(b",") + b"\n")        # the person repairs the line
     out = cli("restore", str(aside[0]))
     assert out.returncode == 0, out.stderr
@@ -709,8 +711,11 @@ def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
     res = cs.recall("feature flags service", detail="full")
     assert res["results"][0]["recalls"] == 2
-    # credits are durable: folded into the store by the next write
-    cs.capture("an unrelated note to trigger a write")
+    # a capture appends and leaves credits journaled; the next rewrite folds them
+    other = cs.capture("an unrelated note, appended")["item"]
+    data = json.loads((repo / ".cambium" / "knowledge.json").read_text())
+    assert next(i for i in data["items"] if i["id"] == a["item"]["id"])["trust"]["recalls"] == 0
+    cs.endorse(other["id"], note="a rewrite")
     data = json.loads((repo / ".cambium" / "knowledge.json").read_text())
     stored = next(i for i in data["items"] if i["id"] == a["item"]["id"])
     assert stored["trust"]["recalls"] == 2
@@ -724,7 +729,7 @@ def test_usage_journal_keeps_lines_it_cannot_parse(repo):
     journal = repo / ".cambium" / "credits.jsonl"
     with open(journal, "a") as f:
         f.write('{"item": "k-torn", "sco\n')             # a torn append from a crash
-    cs.capture("another item to fold the credits")
+    cs.endorse(cs.capture("another item")["item"]["id"], note="a rewrite folds the credits")
     assert journal.read_text() == '{"item": "k-torn", "sco\n'
 
 
@@ -735,7 +740,7 @@ def test_legacy_usage_journal_is_adopted_and_folded(repo):
                                   "day": "2026-01-02", "project": repo.name}) + "\n")
     assert cs.status()["pending_recall_credits"] == 1
     assert not legacy.exists()
-    cs.capture("another note, whose write folds the credit")
+    cs.deprecate(cs.capture("another note")["item"]["id"], reason="a rewrite folds credits")
     stored = next(i for i in json.loads((repo / ".cambium" / "knowledge.json").read_text())
                   ["items"] if i["id"] == item["id"])
     assert stored["trust"]["recalled_by"] == {"old": "2026-01-02"}
@@ -1071,6 +1076,27 @@ def test_runtimes_keep_separate_shared_scope_state_and_items_are_not_changed(sha
     with cs.use_runtime(rt2):
         again = cs.store(cfg, "team").read()
     assert again is not doc and again.items[0].id == item.id
+
+
+def test_store_accessor_gives_every_scope_one_contract(shared, monkeypatch):
+    cfg = cs.resolve_config()
+    with pytest.raises(cs.ScopeOff):
+        cs.store(cfg, "org")                          # off: says how to turn it on
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cfg = cs.resolve_config()
+    for scope in cs.SCOPES:
+        st = cs.store(cfg, scope)
+        item = cs.dataclasses.replace(cs.new_item(f"A fact kept in {scope} scope", project="p",
+                                                  agent="ada"), scope=scope)
+        add = lambda d, item=item: cs.Doc(items=d.items + [item], meta=d.meta, raw=d.raw)  # noqa: E731
+        write = st.mutate(add, f"add to {scope}")
+        assert isinstance(write, cs.Write) and write.doc.items[-1].id == item.id
+        cs.append_credits(cs.credits_path(cfg), [{"item": item.id, "scope": scope,
+                                                   "agent": "bob", "day": "2026-01-01"}])
+        st.mutate(lambda d: None, "fold")             # credits fold inside every mutate
+        stored = next(i for i in cs.store(cfg, scope).read().items if i.id == item.id)
+        assert stored.trust.get("recalled_by") == {"bob": "2026-01-01"} or scope == "org", scope
+    assert not [r for r in cs.read_credits(cs.credits_path(cfg)) if r["scope"] != "org"]
 
 
 def test_usage_credits_from_recall_reach_the_team_branch(shared, monkeypatch):
