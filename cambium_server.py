@@ -283,7 +283,10 @@ class Param:
             if self.ge is not None:
                 return f"a whole number of at least {self.ge}"
             return "a whole number"
-        return "true or false" if self.base is bool else "text"
+        if self.base is bool:
+            return "true or false"
+        lists = any(get_origin(t) is list for t in get_args(self.type))
+        return "text or a list of text" if lists else "text"
 
     def check(self, value: Any) -> Any:
         """The value if it is allowed, else InputError naming the argument (for
