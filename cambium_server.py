@@ -3316,6 +3316,7 @@ SEM_TAIL_DISCOUNT = 0.08            #: a tail window's cosine counts this much l
 SEM_WHY_DISCOUNT = 0.0              #: an item's why, embedded alone, counts this much less
 SEM_FEEDBACK = 0.3                  #: pseudo-relevance feedback: query + this x top items' mean
 SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
+SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>= MAX_RECALL_LIMIT)
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
 SEM_FLOOR = 0.33                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
@@ -3944,10 +3945,12 @@ class Semantic:
             tmat, tslot, tdisc = sv.tails()
             waiting = len(sv.missing)
         sim = first @ q
-        if len(tmat):
-            np.maximum.at(sim, tslot, tmat @ q - tdisc)
+        if len(tmat):                        # rows of one slot are contiguous: reduceat
+            starts = np.flatnonzero(np.r_[True, tslot[1:] != tslot[:-1]])
+            best = np.maximum.reduceat(tmat @ q - tdisc, starts)
+            sim[tslot[starts]] = np.maximum(sim[tslot[starts]], best)
         score, rel = semantic_blend(np, sim, usable, lex)
-        score = feedback_scores(np, first, q, sim, score, usable, lex)
+        score = feedback_scores(np, first, q, sim, score, usable)
         top = best_slots(np, score, index.items, limit)
         hits = [Hit(index.items[i], float(score[i]), float(rel[i])) for i in top]
         results, weak = split_at_floor(hits)
@@ -3969,21 +3972,25 @@ def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
     return sorted(cand.tolist(), key=lambda i: _order(float(score[i]), items[i]))[:limit]
 
 
-def feedback_scores(np: Any, first: Any, q: Any, sim: Any, score: Any, usable: Any,
-                    lex: dict[int, float], *, beta: float = SEM_FEEDBACK,
-                    k: int = SEM_FEEDBACK_ITEMS) -> Any:
-    """Pseudo-relevance feedback (Rocchio) for the ranking only: the query
-    moved toward the mean first vector of its k best embedded items, and
-    scored again; relevance (the floor) stays the original cosine's."""
+def feedback_scores(np: Any, first: Any, q: Any, sim: Any, score: Any, usable: Any, *,
+                    beta: float = SEM_FEEDBACK, k: int = SEM_FEEDBACK_ITEMS,
+                    pool: int = SEM_FEEDBACK_POOL) -> Any:
+    """Pseudo-relevance feedback (Rocchio) for the ordering only: the query
+    moved toward the mean first vector of its k best embedded items, and the
+    best `pool` embedded items scored again (the rest fall behind them; the
+    not yet embedded keep their scores). Relevance stays the original cosine's."""
     cand = np.flatnonzero(usable & np.isfinite(score))
     if not beta or not len(cand):
         return score
+    if len(cand) > pool:
+        cand = cand[np.argpartition(-score[cand], pool - 1)[:pool]]
     top = cand[np.argsort(-score[cand], kind="stable")[:k]]
     mean = first[top].mean(axis=0)
     norm = math.sqrt(max(1e-12, 1 + 2 * beta * float((first[top] @ q).mean())
                          + beta * beta * float(mean @ mean)))
-    expanded = (sim + beta * (first @ mean)) / norm
-    return semantic_blend(np, expanded, usable, lex, boost=0.0)[0]
+    out = np.where(usable, -np.inf, score)
+    out[cand] = (sim[cand] + beta * (first[cand] @ mean)) / norm + (score[cand] - sim[cand])
+    return out
 
 
 def semantic_relevance(np: Any, sim: Any, floor: float = SEM_FLOOR) -> Any:

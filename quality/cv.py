@@ -105,8 +105,7 @@ class Prepared:
             np = vec.np
             kinds = [item_vector_rows(vec, it) for it in self.index.items]
             qv = np.concatenate([vec.rows(q["query"], False) for q in queries])
-            first = np.stack([k["full"][0] for k in kinds])
-            self.item_item = first @ first.T          # for pseudo-relevance feedback
+            self.first, self.qv = np.stack([k["full"][0] for k in kinds]), qv
             self.sims = {}
             for kind in ("full_first", "full_tail", "content_tags", "why"):
                 mat = np.full((len(queries), len(kinds)), -np.inf, np.float32)
@@ -150,15 +149,9 @@ def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     score, rel = cs.semantic_blend(np, sim, np.ones(len(sim), bool), p.lex[qi],
                                    weight=params["weight"], boost=params["boost"],
                                    floor=params["floor"])
-    if params.get("prf"):                    # Rocchio: query + beta x mean of the top 3
-        beta = params["prf"]
-        top = np.argsort(-score)[:3]
-        q_dot_mean = float(p.sims["full_first"][qi][top].mean())
-        norm = (1 + 2 * beta * q_dot_mean + beta ** 2 * float(
-            p.item_item[np.ix_(top, top)].mean())) ** 0.5
-        expanded = (sim + beta * p.item_item[top].mean(axis=0)) / norm
-        score, _ = cs.semantic_blend(np, expanded, np.ones(len(sim), bool), p.lex[qi],
-                                     weight=params["weight"], boost=0.0, floor=params["floor"])
+    if params.get("prf"):                    # cambium's own Rocchio feedback
+        score = cs.feedback_scores(np, p.first, p.qv[qi], sim, score, np.ones(len(sim), bool),
+                                   beta=params["prf"])
     top = cs.best_slots(np, score, p.index.items, LIMIT)
     return top, [float(rel[i]) for i in top]
 
