@@ -77,6 +77,7 @@ import heapq
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import math
 import operator
@@ -1580,6 +1581,8 @@ def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, arra
     of the old file for an item unchanged since it was parsed there; adjacent
     ones merged when the old file was canonical) and each item's new span,
     counting from byte `base`."""
+    if seen is not None and seen.tail_at is not None and len(items) == len(seen.doc.items):
+        return _pieces_in_place(items, seen, base)
     where = {id(it): i for i, it in enumerate(seen.doc.items)} if seen else {}
     merge = seen is not None and seen.tail_at is not None
     pieces: list = []
@@ -1603,6 +1606,36 @@ def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, arra
         spans.extend((pos, pos + end - start))
         pos += end - start
     return pieces, spans
+
+
+def _pieces_in_place(items: list, seen: _Seen, base: int) -> tuple[list, array]:
+    """_item_pieces for the same items with some replaced in place (a credit
+    fold, an endorsement) in a canonical file: each unchanged run is one range."""
+    spans = seen.spans
+    changed = list(itertools.compress(range(len(items)),
+                                      map(operator.is_not, items, seen.doc.items)))
+    pieces: list = []
+    new_spans = array("q")
+    pos, start = base, 0
+    for stop in changed + [len(items)]:
+        if start < stop:                              # items start..stop-1 are unchanged
+            if start:
+                pieces.append(b",\n")
+                pos += 2
+            first, end = spans[2 * start], spans[2 * stop - 1]
+            new_spans.extend(x + pos - first for x in spans[2 * start:2 * stop])
+            pieces.append((first, end))
+            pos += end - first
+        if stop < len(items):
+            line = _item_line(items[stop]).encode("utf-8", "surrogateescape")
+            if stop:
+                pieces.append(b",\n")
+                pos += 2
+            new_spans.extend((pos, pos + len(line)))
+            pieces.append(line)
+            pos += len(line)
+        start = stop + 1
+    return pieces, new_spans
 
 
 def _copy_range(src: Any, out: Any, start: int, end: int) -> None:
@@ -1994,7 +2027,8 @@ def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
     """Apply pending credits to a doc; None when nothing changes (pure)."""
     if not records:
         return None
-    by_id = {it.id: i for i, it in enumerate(doc.items)}
+    ids = {r["item"] for r in records}
+    by_id = {it.id: i for i, it in enumerate(doc.items) if it.id in ids}
     items = list(doc.items)
     changed = False
     for r in records:
@@ -3094,6 +3128,8 @@ class Index:
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
         self._norms: tuple | None = None           # (total_len, live, slot -> norm)
+        self.dead_slots: set[int] = set()          # slots killed (their postings stay)
+        self.dead_df: dict[str, int] = {}          # term -> dead slots in its postings
 
     def _add(self, it: Item) -> None:
         slot = len(self.items)
@@ -3122,6 +3158,9 @@ class Index:
         self.total_len -= self.lens[slot]
         self.items[slot] = None
         self.live -= 1
+        self.dead_slots.add(slot)
+        for t in item_terms(it):
+            self.dead_df[t] = self.dead_df.get(t, 0) + 1
 
     def says(self, key: str) -> bool:
         """Whether a live item already has this content key."""
@@ -3141,6 +3180,8 @@ class Index:
                     self._add(it)
             self.source = items
             return self
+        if src is not None and len(items) == len(src):
+            return self._replace_in_place(items, src, fresh)
         seen: set[int] = set()
         for it in items:
             if not it.active:
@@ -3158,6 +3199,25 @@ class Index:
                 if self.items[slot] is not None:
                     self._kill(slot)
                 del self.slot_of[item_id]
+        self.source = items
+        if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
+            return Index().sync(items, fresh=True)
+        return self
+
+    def _replace_in_place(self, items: list, src: list, fresh: bool) -> Index:
+        """sync() for the same list with some items replaced (a credit fold):
+        only the replaced positions are looked at, found at C speed."""
+        for i in itertools.compress(range(len(items)), map(operator.is_not, items, src)):
+            old, new = src[i], items[i]
+            slot = self.slot_of.get(old.id)
+            if slot is not None and self.items[slot] is old:
+                self._kill(slot)
+                del self.slot_of[old.id]
+            if new.active:
+                slot = self.slot_of.get(new.id)
+                if slot is not None and self.items[slot] is not None:
+                    self._kill(slot)
+                self._add(new)
         self.source = items
         if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
             return Index().sync(items, fresh=True)
@@ -3215,14 +3275,12 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     """BM25 of every live slot matching a term (slot -> score). `terms` are
     tokenize()d and unique; idf counts at least BM25_MIN_DOCS documents."""
     n = max(index.live, BM25_MIN_DOCS)
-    slots = index.items
-    dead = index.dead
     norms = index.norms()
     scores: dict[int, float] = {}
     k1 = BM25_K1 + 1
-    found = [p for p in map(index.postings.get, terms) if p is not None]
-    for n_term, plist in enumerate(sorted(found, key=lambda p: -len(p[0]))):
-        df = len(plist[0]) - (sum(1 for i in plist[0] if slots[i] is None) if dead else 0)
+    found = [(t, index.postings[t]) for t in terms if t in index.postings]
+    for n_term, (t, plist) in enumerate(sorted(found, key=lambda tp: -len(tp[1][0]))):
+        df = len(plist[0]) - index.dead_df.get(t, 0)
         w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
         if not n_term:                  # the longest list fills the dict: no lookups
             scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
@@ -3230,9 +3288,8 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
         get = scores.get
         for i, v in zip(*plist):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
-    if dead:
-        for i in [i for i in scores if slots[i] is None]:
-            del scores[i]
+    for i in index.dead_slots:
+        scores.pop(i, None)
     return scores
 
 

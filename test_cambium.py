@@ -443,6 +443,24 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
 
 
+def test_rewrite_in_place_copies_unchanged_lines_and_index_follows(repo):
+    ids = [cs.capture(f"fact {n} about ledgers and invoices", tags="ledger")["item"]["id"]
+           for n in range(6)]
+    cs.recall("ledgers invoices")                              # the index exists
+    cs.endorse(ids[2], note="checked")                         # a rewrite, one item changed
+    cs.deprecate(ids[4], reason="gone")
+    path = _store_path(repo)
+    doc = cs.parse_store(path.read_text(), "test")
+    assert path.read_text() == cs.render_store(doc)             # canonical, byte for byte
+    assert doc.items[2].trust["endorsements"][0]["note"] == "checked"
+    cfg = cs.resolve_config()
+    live = cs.store_index(str(path), cs.store(cfg, "local").read().items)
+    fresh = cs.Index().sync(doc.items)
+    assert live.live == fresh.live == 5
+    got = [h.item.id for h in cs.score_query(live, "fact ledgers", 6).hits]
+    assert got == [h.item.id for h in cs.score_query(fresh, "fact ledgers", 6).hits]
+
+
 def test_in_place_hand_edit_that_grows_the_file_is_parsed_whole(repo):
     cs.capture("the retry budget is three attempts", tags="retry")
     path = _store_path(repo)
