@@ -524,23 +524,24 @@ def _answer_tokens(answers: list[dict]) -> tuple[float, float]:
 
 def bench_tokens() -> None:
     """Tokens per recall answer (the JSON a client gets), detail=lines vs full,
-    over the dev set's corpus and queries; abstentions counted apart."""
-    corpus = QUALITY_DEV / "corpus.jsonl"
-    if not corpus.exists():
-        print(f"tokens: {corpus} not found; skipped")
-        return
-    queries = [json.loads(ln)["query"] for ln in
-               (QUALITY_DEV / "queries.jsonl").read_text().splitlines() if ln.strip()]
-    with tempfile.TemporaryDirectory() as tmp:
-        make_env(Path(tmp))
-        cs.import_memory("json", str(corpus))
-        for detail in ("lines", "full"):
-            answers = [cs.recall(q, scope="local", limit=5, detail=detail) for q in queries]
-            hits = [a for a in answers if a["results"]]
-            mean, median = _answer_tokens(hits)
-            print(f"recall answer, detail={detail:5}: mean {mean:6.0f} tokens, median "
-                  f"{median:6.0f} ({len(hits)} of {len(answers)} dev queries answered, "
-                  "~4 chars/token)")
+    over a quality set's corpus and queries: the held set in the repository, and
+    the dev set when it sits beside the checkout. Abstentions are left out."""
+    sets = [("held", HERE / "quality" / "held")] + \
+        ([("dev", QUALITY_DEV)] if (QUALITY_DEV / "corpus.jsonl").exists() else [])
+    for label, where in sets:
+        queries = [json.loads(ln)["query"] for ln in
+                   (where / "queries.jsonl").read_text().splitlines() if ln.strip()]
+        with tempfile.TemporaryDirectory() as tmp:
+            make_env(Path(tmp))
+            cs.import_memory("json", str(where / "corpus.jsonl"))
+            for detail in ("lines", "full"):
+                answers = [cs.recall(q, scope="local", limit=5, detail=detail)
+                           for q in queries]
+                hits = [a for a in answers if a["results"]]
+                mean, median = _answer_tokens(hits)
+                print(f"recall answer, {label} set, detail={detail:5}: mean {mean:5.0f} "
+                      f"tokens, median {median:5.0f} ({len(hits)} of {len(answers)} queries "
+                      "answered, ~4 chars/token)")
 
 
 def bench_primer() -> None:
