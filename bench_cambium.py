@@ -5,6 +5,7 @@
     python3 bench_cambium.py --big      # ...with the scale figures at 100,000 items too
     python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency
                                         # import team distill consolidate duplicates
+                                        # tokens primer anchors
     python3 bench_cambium.py semantic   # needs the [semantic] extra; embeds 10,000 items
                                         # first (several minutes on 2 cores)
     python3 bench_cambium.py quality    # recall quality, both modes, held-out + dev sets
@@ -510,6 +511,92 @@ def bench_semantic() -> None:
 
 
 
+#: the shared dev set beside the checkout (measured on, never tuned on)
+QUALITY_DEV = next((up / "shared" / "quality" / "dev" for up in (HERE.parent, HERE.parent.parent)
+                    if (up / "shared" / "quality" / "dev").is_dir()),
+                   HERE.parent / "shared" / "quality" / "dev")
+
+
+def _answer_tokens(answers: list[dict]) -> tuple[float, float]:
+    sizes = [cs.approx_tokens(json.dumps(a, ensure_ascii=False)) for a in answers]
+    return statistics.mean(sizes), statistics.median(sizes)
+
+
+def bench_tokens() -> None:
+    """Tokens per recall answer (the JSON a client gets), detail=lines vs full,
+    over a quality set's corpus and queries: the held set in the repository, and
+    the dev set when it sits beside the checkout. Abstentions are left out."""
+    sets = [("held", HERE / "quality" / "held")] + \
+        ([("dev", QUALITY_DEV)] if (QUALITY_DEV / "corpus.jsonl").exists() else [])
+    for label, where in sets:
+        queries = [json.loads(ln)["query"] for ln in
+                   (where / "queries.jsonl").read_text().splitlines() if ln.strip()]
+        with tempfile.TemporaryDirectory() as tmp:
+            make_env(Path(tmp))
+            cs.import_memory("json", str(where / "corpus.jsonl"))
+            for detail in ("lines", "full"):
+                answers = [cs.recall(q, scope="local", limit=5, detail=detail)
+                           for q in queries]
+                hits = [a for a in answers if a["results"]]
+                mean, median = _answer_tokens(hits)
+                print(f"recall answer, {label} set, detail={detail:5}: mean {mean:5.0f} "
+                      f"tokens, median {median:5.0f} ({len(hits)} of {len(answers)} queries "
+                      "answered, ~4 chars/token)")
+
+
+def bench_primer() -> None:
+    """The SessionStart hook end to end (a new process, stdin JSON, digest out)
+    and primer_for in-process, on a 10,000-item local store."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, **make_env(Path(tmp))}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        repo = Path(env["CAMBIUM_REPO"])
+        items = synth_items(10_000)
+        kinds = ("pitfall", "decision", "note", "constraint")
+        items = [cs.dataclasses.replace(it, kind=kinds[i % 4]) for i, it in enumerate(items)]
+        (repo / ".cambium").mkdir(exist_ok=True)
+        cs.atomic_write(repo / ".cambium" / "knowledge.json",
+                        cs.render_store(cs.Doc(items=items)))
+        cfg = cs.require_config()
+        ms = median_ms(lambda: cs.primer_for(cfg), 5)
+        out = cs.primer_for(cfg)
+        print(f"primer, 10,000 local items, in-process: median {ms:6.1f} ms; "
+              f"{out['entries']} entries, ~{out['tokens']} tokens (budget {out['budget_tokens']})")
+        stdin = json.dumps({"cwd": str(repo), "session_id": "b", "source": "startup"})
+        cmd = [sys.executable, str(HERE / "cambium_server.py"), "primer", "--hook"]
+        subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True)
+            times.append(time.perf_counter() - t0)
+        ok = proc.stdout.startswith('{"hookSpecificOutput"')
+        print(f"primer --hook, 10,000 local items, end to end: median "
+              f"{statistics.median(times):.3f} s (target <= 0.3 s){'' if ok else ' NO OUTPUT'}")
+
+
+def bench_anchors() -> None:
+    """Code anchor resolution for a recall of 5 results (2 anchors each, one
+    with a symbol) on a 5,000-file repo: first call after a new HEAD, then cached."""
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / "repo"
+        for i in range(5_000):
+            f = repo / f"pkg{i % 50}" / f"mod{i}.py"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text("import os\n\n" + "".join(f"def f{j}(x):\n    return x\n\n"
+                                                    for j in range(40)))
+        subprocess.run(["git", "init", "-q", str(repo)], check=True)
+        refs = [[{"path": f"pkg{k}/mod{k * 7}.py", "symbol": "f33"},
+                 {"path": f"pkg{k}/mod{k}.py"}] for k in range(5)]
+        t0 = time.perf_counter()
+        for r in refs:
+            cs.resolve_anchors(repo, r)
+        cold = (time.perf_counter() - t0) * 1000
+        ms = median_ms(lambda: [cs.resolve_anchors(repo, r) for r in refs], 50)
+        print(f"code anchors, recall of 5 results on a 5,000-file repo: {cold:.2f} ms cold "
+              f"(new HEAD), median {ms:.2f} ms cached (target <= 10 ms)")
+
+
 def bench_quality() -> None:
     """Recall quality through the real MCP server (quality/eval.py), both modes,
     on the held-out set (in the repo) and the dev set (../shared/quality/dev,
@@ -681,7 +768,8 @@ SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
             "team": bench_team, "promote": bench_promote, "distill": bench_distill,
             "semantic": bench_semantic,
             "consolidate": bench_consolidate, "duplicates": bench_duplicates,
-            "quality": bench_quality}
+            "quality": bench_quality, "tokens": bench_tokens, "primer": bench_primer,
+            "anchors": bench_anchors}
 DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("semantic", "quality")]  # minutes each
 
 

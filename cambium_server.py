@@ -33,6 +33,7 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
     CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
+    CAMBIUM_HTTP_TOKEN        bearer token for `serve --http` (needed off loopback; env only)
     AGENTSYNC_BOARD_REPO      clone holding the agentsync board (AGENTSYNC_REPO: legacy)
 
 distill() reads, never writes, two substrates: the agentsync board
@@ -44,10 +45,11 @@ The same file is the MCP server (no arguments, or `serve`: stdio) and a CLI for
 hooks and shells. Both are built from one table, api_table(): a command per
 tool (its name with dashes, plus short aliases: review, verify, stale, import,
 export), its arguments, defaults and bounds read from the tool's signature, and
-CLI-only commands and options: serve, demo, `distill --hook` for a session-end
-hook, restore (bring back items set aside from a damaged local store), and
-two operator-only ones no MCP tool can reach: verify-cmd (attach a shell check)
-and verify --run (run the checks). The CLI path never imports the
+CLI-only commands and options: serve (stdio, or `--http` for several agents),
+demo, `distill --hook` for a session-end hook, `primer --hook` for a
+session-start hook, restore (bring back items set aside from a damaged local
+store), and two operator-only ones no MCP tool can reach: verify-cmd (attach a
+shell check) and verify --run (run the checks). The CLI path never imports the
 MCP SDK: hooks run it at every session end and the SDK costs about a second.
 
 Sections, in the order data flows: constants, errors, records, write-time
@@ -55,9 +57,10 @@ normalization, config, process state (the Runtime), git plumbing, storage
 (files, the scope interface, the local file, the credit journal, the shared
 git scopes),
 substrate readers, import adapters, recall (lexical, semantic, ranking),
-ingest, lifecycle decisions, consolidation (pure), scope helpers, distill,
+ingest, lifecycle decisions, consolidation (pure), code anchors, scope helpers
+(item views and one-line results), scope reads, the primer digest, distill,
 hygiene (consolidation writes, usage attribution, operator checks), tools
-(ending in the API table), MCP server, CLI, demo.
+(ending in the API table), MCP server (stdio and HTTP), CLI, demo.
 """
 from __future__ import annotations
 
@@ -112,6 +115,8 @@ MAX_TAGS = 32
 MAX_TAG_CHARS = 64
 MAX_QUERY_CHARS = 2_000
 MAX_RECALL_LIMIT = 50
+MAX_CODE_REFS = 20                  #: code anchors per item
+MAX_CODE_PATH_CHARS = 300
 LOCAL_DIR = ".cambium"
 STORE_FILE = "knowledge.json"
 CREDITS_FILE = "credits.jsonl"      #: recall credits not yet folded into a store
@@ -141,12 +146,17 @@ RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
 SERVER_INSTRUCTIONS = """\
 cambium is the team's memory: knowledge items other agents (and you, earlier)
 captured, with the reason behind each one. The loop:
-1. Before non-trivial work, call recall("<what you are about to touch>"). If it
-   answers no_confident_match, nothing relevant is known: do not invent it.
-2. When you learn something durable (a decision and its why, a pitfall, a
-   procedure), call capture(content, why=...). Record missing things with
-   record_need. Vouch for items that helped with endorse(item_id, note).
-3. At session end, call distill() to turn finished agentsync claims and
+1. At session start, call session_primer() once (or read the cambium://primer
+   resource): the project's pitfalls, settled decisions and most trusted notes,
+   one line each with its id.
+2. Before non-trivial work, call recall("<what you are about to touch>"). Each
+   result is one line; expand(id) gives the one you act on whole. If it answers
+   no_confident_match, nothing relevant is known: do not invent it.
+3. When you learn something durable (a decision and its why, a pitfall, a
+   procedure), call capture(content, why=..., code_refs=[{"path": ...}]).
+   Record missing things with record_need. Vouch for items that helped with
+   endorse(item_id, note).
+4. At session end, call distill() to turn finished agentsync claims and
    context-keeper decisions into memory.
 Call status() first if anything reports configured: false; it says how to fix it.
 """
@@ -360,7 +370,8 @@ _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "projec
                 "source", "created_by", "created_at", "updated_at", "status", "trust")
 _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
                     "promoted_at", "pr_url", "deprecated", "authority", "superseded_by",
-                    "corrects", "supersedes", "check", "failing")
+                    "corrects", "supersedes", "check", "failing", "code_refs")
+_KNOWN_FIELDS = frozenset(_ITEM_FIELDS + _OPTIONAL_FIELDS)
 AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
@@ -405,6 +416,7 @@ class Item:
     supersedes: str | None = None                    # id an agent's counter-claim disputes
     check: dict | None = None                        # {cmd, by, at}: operator-attached check
     failing: dict | None = None                      # {at, exit, output}: last check failed
+    code_refs: list | None = None                    # [{path, symbol?}] code anchors
     extra: dict = field(default_factory=dict)
     #: values derived() from this object; not copied by dataclasses.replace
     memo: dict | None = field(default=None, init=False, repr=False, compare=False)
@@ -423,7 +435,7 @@ class Item:
         if not isinstance(trust.get("recalls"), int):
             trust["recalls"] = 0
         tags = d.get("tags")
-        known = set(_ITEM_FIELDS) | set(_OPTIONAL_FIELDS)
+        known = _KNOWN_FIELDS
         item_id = d.get("id")
         if not isinstance(item_id, str) or not item_id:
             item_id = "k-" + hashlib.sha1(content.encode()).hexdigest()[:12]
@@ -485,6 +497,7 @@ class Draft:
     valid_while: Any = None
     key: str | None = None
     supersedes: str | None = None     # an agent's counter-claim to this item id
+    code_refs: Any = None
     where: str | None = None          # its 1-based position in the source ("line 3")
 
 
@@ -597,10 +610,69 @@ def normalize_tags(tags: Any) -> list[str]:
     return out
 
 
+_SYMBOL = re.compile(r"[A-Za-z_$][\w$]*(?:(?:\.|::)[A-Za-z_$][\w$]*){0,7}")
+
+
+def code_path_problem(path: str) -> str | None:
+    """Why `path` cannot be a code anchor (relative, inside the repo), or None."""
+    if not path or len(path) > MAX_CODE_PATH_CHARS or "\x00" in path:
+        return f"must be a relative path of 1-{MAX_CODE_PATH_CHARS} characters"
+    if path.startswith(("/", "~")) or re.match(r"[A-Za-z]:[\\/]", path):
+        return "must be relative to the repo root, not absolute"
+    if ".." in path.replace("\\", "/").split("/"):
+        return "must not leave the repo (no '..')"
+    return None
+
+
+def _one_code_ref(ref: Any) -> dict:
+    """{path, symbol?} from a dict or a "path" / "path#symbol" string."""
+    if isinstance(ref, str):
+        path, _, symbol = ref.partition("#")
+        ref = {"path": path, "symbol": symbol or None}
+    if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
+        raise InputError(f"code_refs entries are {{path, symbol?}} objects; got {ref!r:.60}.")
+    path = ref["path"].strip().replace("\\", "/")
+    while path.startswith("./"):
+        path = path[2:]
+    problem = code_path_problem(path)
+    if problem:
+        raise InputError(f"code_refs path {ref['path']!r:.80} {problem}.")
+    out = {"path": path.rstrip("/") or path}
+    symbol = ref.get("symbol")
+    if symbol not in (None, ""):
+        if not isinstance(symbol, str) or not _SYMBOL.fullmatch(symbol.strip()):
+            raise InputError(f"code_refs symbol {symbol!r:.60} should be an identifier such "
+                             "as parse_store or Item.from_dict.")
+        out["symbol"] = symbol.strip()
+    return out
+
+
+def normalize_code_refs(refs: Any) -> list[dict] | None:
+    """Code anchors from a list of {path, symbol?} (or "path#symbol" strings):
+    validated, deduplicated, at most MAX_CODE_REFS. None when there are none."""
+    if refs in (None, "", []):
+        return None
+    if isinstance(refs, str):
+        refs = [r for r in refs.split(",") if r.strip()]
+    elif isinstance(refs, dict):
+        refs = [refs]
+    if not isinstance(refs, (list, tuple)):
+        raise InputError("code_refs must be a list of {path, symbol?} objects.")
+    out: list[dict] = []
+    for ref in refs:
+        one = _one_code_ref(ref)
+        if one not in out:
+            out.append(one)
+    if len(out) > MAX_CODE_REFS:
+        raise InputError(f"{len(out)} code_refs; at most {MAX_CODE_REFS}.")
+    return out or None
+
+
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
              tags: Any = None, project: str = "", agent: str = "",
              source: dict | None = None, valid_while: Any = None,
-             now: str | None = None, supersedes: str | None = None) -> Item:
+             now: str | None = None, supersedes: str | None = None,
+             code_refs: Any = None) -> Item:
     """The one chokepoint that creates items: normalize, validate, stamp.
 
     Raises InputError naming the bad argument.
@@ -618,6 +690,7 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
         tags=normalize_tags(tags), scope="local", project=project,
         source=dict(source or {"system": "capture"}), created_by=agent,
         created_at=stamp, updated_at=stamp, valid_while=premise, supersedes=supersedes,
+        code_refs=normalize_code_refs(code_refs),
     )
 
 
@@ -977,6 +1050,7 @@ class Runtime:
         self.file_locks: dict[str, threading.RLock] = {}
         #: MCP client connection -> the session id usage attribution files it under
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.anchors: dict[str, tuple[str, dict]] = {}    #: code anchors per repo, per HEAD
 
     def reset(self) -> None:
         """Forget everything (tests): cancel a pending credit fold, drop every
@@ -1599,6 +1673,13 @@ class LocalStore(Store):
         with file_lock(self.path):             # damaged, or a writer is mid-append
             return self._current(locked=True)
 
+    def peek(self) -> Doc | None:
+        """The doc as the file stands, read without the lock and without
+        repairing anything (a reader that must not write: the primer); None
+        when the file is damaged."""
+        doc = self._current(locked=False)
+        return doc if doc is not None else self._parse(locked=False)
+
     def _current(self, *, locked: bool) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
         the lock: the file grew by an append not yet recorded, or is damaged."""
@@ -1863,15 +1944,17 @@ def _adopt_legacy_journal(path: Path) -> None:
         os.unlink(legacy)                   # a crash before this repeats credits: harmless
 
 
-def read_credits(path: Path | None) -> list[dict]:
-    """Pending credits; malformed lines are skipped (a torn append)."""
+def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
+    """Pending credits; malformed lines are skipped (a torn append). adopt=False
+    reads a legacy journal where it lies instead of moving it (a pure read)."""
     if path is None:
         return []
-    _adopt_legacy_journal(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
+    if adopt:
+        _adopt_legacy_journal(path)
+    text = ""
+    for p in (path,) if adopt else (path, path.with_name(LEGACY_CREDITS_FILE)):
+        with contextlib.suppress(FileNotFoundError):
+            text += p.read_text(encoding="utf-8") + "\n"
     out = []
     for line in text.splitlines():
         try:
@@ -2403,6 +2486,46 @@ def _changed_files_text(changed: Any) -> str:
     return f"Changed files: {shown}" + (f" (+{more} more)" if more > 0 else "") + "."
 
 
+def changed_files_refs(changed: Any) -> list[dict] | None:
+    """Code anchors for a claim's changed_files (pure): every path that is still
+    meant to exist (deletions are skipped), usable ones only, at most MAX_CODE_REFS."""
+    paths = [_str(c.get("path")) for c in changed if isinstance(c, dict)
+             and not _str(c.get("status")).upper().startswith("D")] \
+        if isinstance(changed, list) else []
+    return _usable_refs(paths)
+
+
+def _usable_refs(paths: Iterable[str]) -> list[dict] | None:
+    refs: list[dict] = []
+    for p in paths:
+        p = p.strip().removeprefix("./").rstrip("/")
+        if p and code_path_problem(p) is None and {"path": p} not in refs:
+            refs.append({"path": p})
+    return refs[:MAX_CODE_REFS] or None
+
+
+#: context-keeper scope values that name a policy domain, not a path
+_NON_PATH_SCOPES = {"global", "all", "*", "", "repo", "project", "org", "team"}
+_FILE_MENTION = re.compile(r"(?<![\w/.@:-])((?:[\w.-]+/)*[\w-][\w.-]*\.(?:py|pyi|js|jsx|ts|"
+                           r"tsx|go|rs|java|kt|rb|php|c|h|cc|cpp|hpp|cs|swift|scala|sh|sql|"
+                           r"toml|ya?ml|json|md|ini|cfg))(?![\w/-])")
+
+
+def context_entry_refs(entry: dict, texts: Iterable[str]) -> list[dict] | None:
+    """Code anchors named by a context-keeper entry (pure): its `scope` when that
+    is a path, its `files`/`paths` lists, and file paths mentioned in its text."""
+    named: list[str] = []
+    scope = _str(entry.get("scope"))
+    if scope.lower() not in _NON_PATH_SCOPES and " " not in scope:
+        named.append(scope)
+    for key in ("files", "paths", "affected_files"):
+        if isinstance(entry.get(key), list):
+            named += [_str(v) for v in entry[key] if _str(v)]
+    for text in texts:
+        named += _FILE_MENTION.findall(text)
+    return _usable_refs(named)
+
+
 def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
     """One claim version as an item draft (pure). Done: an `outcome` memory;
     a noted claim captured at release before done: a `progress` note."""
@@ -2441,7 +2564,8 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
         source["captured"] = "release"
     return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="outcome" if done else "progress", tags=tags, source=source,
-                 key=claim_key(agent, claim))
+                 key=claim_key(agent, claim),
+                 code_refs=changed_files_refs(claim.get("changed_files")))
 
 
 def _entry_tags(entry: dict, extra: list[str]) -> list[str]:
@@ -2547,14 +2671,13 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     content, why_parts = _CONTEXT_TEXT[kind](entry)
     if not content:
         return Skip(f"context-keeper {eid}", f"{kind} without text")
-    source = {"system": "context-keeper", "ref": eid, "kind": kind}
-    if _str(entry.get("created_at")):
-        source["source_ts"] = _str(entry.get("created_at"))
-    return Draft(content=_clip(content, MAX_CONTENT_CHARS),
-                 why=_clip(" ".join(p for p in why_parts if p), MAX_WHY_CHARS),
-                 kind="procedure" if kind == "pipeline" else kind,
+    source = {"system": "context-keeper", "ref": eid, "kind": kind,
+              **({"source_ts": _str(entry["created_at"])} if _str(entry.get("created_at")) else {})}
+    why = " ".join(filter(None, why_parts))
+    return Draft(content=_clip(content, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
+                 kind="procedure" if kind == "pipeline" else kind, source=source,
                  tags=_entry_tags(entry, ["context-keeper", eid.lower()]),
-                 source=source, key=f"context-keeper:{eid}")
+                 key=f"context-keeper:{eid}", code_refs=context_entry_refs(entry, (content, why)))
 
 
 def _entries_of(data: Any, name: str, where: Path) -> list:
@@ -4134,7 +4257,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
                             project=project, agent=agent, source=d.source,
-                            valid_while=d.valid_while, now=now, supersedes=d.supersedes)
+                            valid_while=d.valid_while, now=now, supersedes=d.supersedes,
+                            code_refs=d.code_refs)
         except InputError as e:
             out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
@@ -4687,6 +4811,157 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
 
 
 # =============================================================================
+# Code anchors
+# An item's code_refs resolve against the current working tree to live
+# path:line pointers: the symbol's definition in that file, else the file. No
+# file content ever leaves here. Results are cached per HEAD (and per file
+# version); a path that leaves the repo (.., absolute, a symlink pointing out,
+# .git) never resolves.
+# =============================================================================
+
+MAX_ANCHOR_FILE_BYTES = 2 * 1024 * 1024   #: larger files resolve to the file, unscanned
+_DEF_PREFIX = (r"^[ \t]*(?:(?:export|pub(?:\([\w:]+\))?|public|private|protected|static|"
+               r"async|default|abstract|final|unsafe|extern|inline|override|open)\s+)*"
+               r"(?:def|class|function\*?|func|fn|struct|enum|interface|trait|type|const|let|"
+               r"var|val|module|object|impl|record|protocol|macro|sub)\s+(?:\([^)\n]*\)\s*)?")
+
+
+@functools.lru_cache(maxsize=512)
+def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
+    """(a keyword definition of `name`, an assignment to it at line start)."""
+    n = re.escape(name)
+    return (re.compile(_DEF_PREFIX + n + r"\b", re.M),
+            re.compile(r"^[ \t]*(?:export\s+)?" + n + r"\s*(?::[^=\n]*)?=(?!=)", re.M))
+
+
+def find_definition(text: str, symbol: str) -> int | None:
+    """1-based line where `symbol` is defined in `text` (pure). A dotted name
+    (Item.from_dict) looks for its last part after its first part's line."""
+    parts = re.split(r"\.|::", symbol)
+    start = 0
+    if len(parts) > 1:
+        outer = _first_match(text, parts[0], 0)
+        start = outer if outer is not None else 0
+    at = _first_match(text, parts[-1], start, top_level_first=len(parts) == 1)
+    if at is None and start:
+        at = _first_match(text, parts[-1], 0)
+    return None if at is None else text.count("\n", 0, at) + 1
+
+
+def _first_match(text: str, name: str, start: int, *, top_level_first: bool = False
+                 ) -> int | None:
+    """Offset of the first definition of `name` at or after `start`; with
+    top_level_first, an unindented one wins over a nested one (a method)."""
+    for pattern in _definition_patterns(name):
+        first = None
+        for m in pattern.finditer(text, start):
+            if not top_level_first or text[m.start()] not in " \t":
+                return m.start()
+            first = m.start() if first is None else first
+        if first is not None:
+            return first
+    return None
+
+
+def _inside_repo(root_real: str, rel: str) -> str | None:
+    """The real path of `rel` under the repo root, or None if it would leave it."""
+    if code_path_problem(rel) or rel.split("/", 1)[0] == ".git":
+        return None
+    full = os.path.realpath(os.path.join(root_real, rel))
+    return full if full.startswith(root_real + os.sep) else None
+
+
+def _resolve_one(root_real: str, ref: dict) -> dict:
+    """One anchor -> {path, symbol?, resolved, at, line?} (reads the file only)."""
+    path, symbol = ref["path"], ref.get("symbol")
+    out: dict[str, Any] = {"path": path, **({"symbol": symbol} if symbol else {})}
+    full = _inside_repo(root_real, path)
+    if full is None or not os.path.exists(full):
+        return {**out, "resolved": False, "at": None,
+                "why": "outside the repo" if full is None else "not in the working tree"}
+    out.update(resolved=True, at=path)
+    if not symbol or not os.path.isfile(full) or os.path.getsize(full) > MAX_ANCHOR_FILE_BYTES:
+        return out
+    with open(full, "rb") as f:
+        line = find_definition(f.read().decode("utf-8", "replace"), symbol)
+    if line is None:
+        return {**out, "symbol_found": False}
+    return {**out, "at": f"{path}:{line}", "line": line}
+
+
+def _git_head(root: Path) -> str | None:
+    """The commit HEAD points at, read from .git without spawning git (None:
+    not readable that way; then nothing is cached across calls)."""
+    try:
+        dotgit = root / ".git"
+        gitdir = dotgit if dotgit.is_dir() else \
+            (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
+        head = (gitdir / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        common = gitdir / (gitdir / "commondir").read_text().strip() \
+            if (gitdir / "commondir").exists() else gitdir
+        for base in (gitdir, common):
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip()
+        packed = (common / "packed-refs").read_text()
+        return next((ln.split()[0] for ln in packed.splitlines() if ln.endswith(" " + ref)),
+                    head)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
+    """Each of an item's code_refs resolved against the working tree at `root`."""
+    refs = [r for r in refs if isinstance(r, dict) and isinstance(r.get("path"), str)] \
+        if isinstance(refs, list) and root else []
+    if not refs:
+        return []
+    root_real = os.path.realpath(root)
+    head = _git_head(root)
+    rt = runtime()
+    with rt.lock:               # root -> (HEAD, {(path, symbol): (file stamp, result)})
+        held = rt.anchors.get(root_real)
+        if head is None or held is None or held[0] != head:
+            held = rt.anchors[root_real] = (head or "", {})
+    out = []
+    for ref in refs:
+        key = (ref["path"], ref.get("symbol") if isinstance(ref.get("symbol"), str) else None)
+        try:
+            st = os.stat(os.path.join(root_real, key[0]))
+            stamp: tuple = (st.st_mtime_ns, st.st_size)
+        except (OSError, ValueError):
+            stamp = ()
+        hit = held[1].get(key)
+        if hit is None or hit[0] != stamp:
+            hit = held[1][key] = (stamp, _safe_resolve(root_real, key))
+        out.append(hit[1])
+    return out
+
+
+def _safe_resolve(root_real: str, key: tuple) -> dict:
+    ref = {"path": key[0], **({"symbol": key[1]} if key[1] else {})}
+    try:
+        return _resolve_one(root_real, ref)
+    except (OSError, ValueError) as e:      # unreadable file, bad bytes in a path
+        return {**ref, "resolved": False, "at": None, "why": f"unreadable ({e.__class__.__name__})"}
+
+
+def is_stale_code(anchors: list[dict]) -> bool:
+    """Advisory: the item names code and none of it resolves any more."""
+    return bool(anchors) and not any(a["resolved"] for a in anchors)
+
+
+def code_pointer(anchors: list[dict]) -> str:
+    """The one-line code pointer: the first live anchor (+N more), or the stale path."""
+    live = [a["at"] for a in anchors if a["resolved"]]
+    if live:
+        return live[0] + (f" (+{len(live) - 1})" if len(live) > 1 else "")
+    return f"stale code: {anchors[0]['path']}" if anchors else ""
+
+
+# =============================================================================
 # Scopes: shared helpers
 # =============================================================================
 
@@ -4724,7 +4999,7 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
         "projects": trust.get("projects", []),
     }
     for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated",
-              "superseded_by", "corrects", "supersedes", "check", "failing"):
+              "superseded_by", "corrects", "supersedes", "check", "failing", "code_refs"):
         v = getattr(item, k)
         if v is not None:
             out[k] = v
@@ -4735,6 +5010,75 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
     if isinstance(merged, list) and merged:
         out["merged_from"] = [m.get("id") for m in merged if isinstance(m, dict)]
     return out
+
+
+LINE_CONTENT_CHARS = 160        #: content shown in a one-line result, then "…"
+
+
+def one_line(text: str, limit: int) -> str:
+    """Text on one line (whitespace collapsed), clipped to `limit` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
+
+
+def trust_marks(item: Item, trust: dict) -> list[str]:
+    """Short trust marks for a one-line result: a person's word (human), a
+    failing check, endorsed, verified, recalled by several agents, and the
+    scope when it is shared."""
+    marks = ["human"] if item.authority == "human" else []
+    if item.failing:
+        marks.append("failing")
+    ends = len(trust.get("endorsements") or [])
+    if ends:
+        marks.append("endorsed" + (f"×{ends}" if ends > 1 else ""))
+    if item.last_verified or item.authority == "verified":
+        marks.append("verified")
+    agents = len(trust.get("recalled_by") or {})
+    if agents > 1:
+        marks.append(f"recalled×{agents}")
+    if item.scope != "local":
+        marks.append(item.scope)
+    return marks
+
+
+def item_line(item: Item, *, trust: dict | None = None, anchors: list[dict] | None = None
+              ) -> str:
+    """One item as one line: id, type/kind, [trust marks], content clipped to
+    one line, and → the live code pointer when it names code."""
+    marks = trust_marks(item, trust or item.trust)
+    kind = item.type if item.kind == item.type else f"{item.type}/{item.kind}"
+    head = f"{item.id} {kind}" + (f" [{' '.join(marks)}]" if marks else "")
+    pointer = code_pointer(anchors or [])
+    return f"{head} {one_line(item.content, LINE_CONTENT_CHARS)}" + \
+        (f" → {pointer}" if pointer else "")
+
+
+def item_history(item: Item) -> list[dict]:
+    """What happened to an item, oldest first, read from its own record (pure)."""
+    events = [{"at": item.created_at, "event": "created", "by": item.created_by,
+               "via": (item.source or {}).get("system", "capture")}]
+    for e in item.trust.get("endorsements") or []:
+        if isinstance(e, dict):
+            events.append({"at": e.get("at"), "event": "endorsed", "by": e.get("by"),
+                           "note": e.get("note")})
+    for v in item.verifications if isinstance(item.verifications, list) else []:
+        if isinstance(v, dict):
+            events.append({"at": v.get("at"), "event": "verified", "by": v.get("by"),
+                           "note": v.get("note")})
+    if item.promoted_at:
+        events.append({"at": item.promoted_at, "event": f"promoted to {item.scope}"})
+    gen = item.extra.get("generalized")
+    if isinstance(gen, dict):
+        events.append({"at": gen.get("at"), "event": "generalized", "by": gen.get("by"),
+                       "note": gen.get("note")})
+    if item.pr_url:
+        events.append({"at": item.updated_at, "event": "org pull request open",
+                       "note": item.pr_url})
+    if isinstance(item.deprecated, dict):
+        events.append({"at": item.deprecated.get("at"), "event": "deprecated",
+                       "by": item.deprecated.get("by"), "note": item.deprecated.get("reason")})
+    events = [{k: v for k, v in e.items() if v not in (None, "")} for e in events]
+    return sorted(events, key=lambda e: str(e.get("at", "")))
 
 
 def _today() -> str:
@@ -4821,6 +5165,27 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
             warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
                             "by hand (writes to that scope are refused until then).")
         except (GitError, ConfigError) as e:
+            warnings.append(f"{scope} scope skipped: {e}")
+    return docs, warnings
+
+
+def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
+    """Every scope as last seen, with no fetch and no write: local as on disk
+    (an unparseable file is reported, not moved aside), team and org at their
+    last fetched tip. For the primer, which must never stall or change a thing."""
+    docs: dict[str, Doc] = {}
+    warnings: list[str] = []
+    for scope in SCOPES:
+        try:
+            st = store(cfg, scope)
+            doc = st.peek() if isinstance(st, LocalStore) else st.doc_at(st.local_tip())
+            if doc is None:
+                raise CorruptStore(f"{st.path} has damaged lines; the next recall or capture "
+                                   "sets them aside")
+            docs[scope] = doc
+        except ScopeOff:
+            continue
+        except CambiumError as e:
             warnings.append(f"{scope} scope skipped: {e}")
     return docs, warnings
 
@@ -5012,6 +5377,157 @@ def settle_org_prs(cfg: Config) -> list[str]:
                          message="settle merged org PRs")
             settled += sorted(it.id for it in moved.landed)
     return settled
+
+
+# =============================================================================
+# Primer: the session-start digest (pure)
+# What an agent should know before its first query, one line per item with its
+# id, in a fixed order: pitfalls and constraints, settled decisions, the most
+# trusted notes, premises that look stale, open needs. Bounded by an entry
+# limit and a token budget, and it says its own size.
+# =============================================================================
+
+PRIMER_LIMIT = 20                  #: entries in a primer by default
+MAX_PRIMER_LIMIT = 100
+PRIMER_TOKEN_BUDGET = 1500         #: ~4 characters a token
+PREMISE_STALE_DAYS = 30            #: a valid_while unchecked this long deserves a re-check
+RECENTLY_VERIFIED_DAYS = 90
+PITFALL_KINDS = frozenset({"pitfall", "constraint", "gotcha", "warning", "trap", "caveat"})
+#: (section, heading, share of the entry limit it is sure to get)
+PRIMER_SECTIONS = (("pitfalls", "Pitfalls and constraints", 0.35),
+                   ("decisions", "Settled decisions", 0.25),
+                   ("trusted", "Most trusted notes", 0.2),
+                   ("premises", "Premises to re-check", 0.1),
+                   ("needs", "Open needs", 0.1))
+_MACHINE_TAGS = re.compile(r"^(agentsync|context-keeper|imported|released-before-done|"
+                           r"(agent|branch):.*|(dec|con|pipe)-[\w.-]+)$")
+
+
+def approx_tokens(text: str) -> int:
+    """A model-independent token estimate: about four characters a token."""
+    return (len(text) + 3) // 4
+
+
+def trust_score(item: Item, trust: dict, now: datetime) -> float:
+    """How much the team has vouched for an item: endorsements, distinct agents
+    who recalled it, projects that used it, a recent verification."""
+    verified = _parse_ts(item.last_verified)
+    recent = verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS
+    return (3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
+            + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
+            + 0.1 * min(int(trust.get("recalls") or 0), 20))
+
+
+def premise_age(item: Item, now: datetime) -> int | None:
+    """Days a valid_while premise has gone unchecked, when that looks stale."""
+    if not item.valid_while:
+        return None
+    age = age_days(item, now)
+    return age if age is not None and age >= PREMISE_STALE_DAYS else None
+
+
+def primer_section(item: Item, now: datetime) -> str | None:
+    if item.type == "need":
+        return "needs"
+    if premise_age(item, now) is not None:
+        return "premises"
+    if item.kind in PITFALL_KINDS or PITFALL_KINDS & set(item.tags):
+        return "pitfalls"
+    if item.kind == "decision":
+        return "decisions"
+    return "trusted"
+
+
+def project_tags(items: Iterable[Item]) -> set[str]:
+    """The project's own topic tags (bookkeeping tags left out)."""
+    seen = {t for it in items if it.active for t in it.tags}
+    return {t for t in seen if not _MACHINE_TAGS.match(t)}
+
+
+def org_item_relevant(item: Item, project: str, tags: set[str]) -> bool:
+    """An org item belongs in a project's primer if the project used it or its
+    tags match the project's."""
+    return item.project == project or project in (item.trust.get("projects") or []) \
+        or bool(tags & set(item.tags))
+
+
+@dataclass
+class PrimerEntry:
+    """A primer candidate: the item, its trust (pending credits applied), its
+    section and score."""
+    item: Item
+    trust: dict
+    section: str
+    score: float
+
+
+def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project: str,
+                      now: datetime) -> list[PrimerEntry]:
+    """Every active item a primer may show (pure): local and team items, and
+    org items this project used or whose tags match the project's.
+    pending: not-yet-folded credits by item id."""
+    tags = project_tags(it for s in ("local", "team") if s in docs for it in docs[s].items)
+    out = []
+    for it in federated_items(docs):
+        if not it.active or it.failing or \
+                (it.scope == "org" and not org_item_relevant(it, project, tags)):
+            continue
+        trust = effective_trust(it, pending.get(it.id, []))
+        out.append(PrimerEntry(it, trust, primer_section(it, now), trust_score(it, trust, now)))
+    return out
+
+
+def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
+    """Entries per section: each section's share of `limit` first, then the
+    slots left over in section order."""
+    picked = {name: ranked[name][:int(limit * share)] for name, _, share in PRIMER_SECTIONS}
+    room = limit - sum(map(len, picked.values()))
+    for name, _, _ in PRIMER_SECTIONS:
+        extra = ranked[name][len(picked[name]):len(picked[name]) + max(room, 0)]
+        picked[name] += extra
+        room -= len(extra)
+    return picked
+
+
+def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str:
+    body = []
+    for name, heading, _ in PRIMER_SECTIONS:
+        if lines[name]:
+            body += [f"{heading}:"] + [f"- {line}" for line in lines[name]]
+    shown = sum(map(len, lines.values()))
+    omitted = total - shown
+    tail = (f"{omitted} more not shown: recall(<topic>) finds them. " if omitted else "") + \
+        "expand(id) gives one item whole; capture() what you learn; distill() at the end."
+    size = approx_tokens("\n".join(body + [tail])) + 16
+    head = f"cambium primer for {project}: {shown} of {total} items, ~{size} tokens."
+    return "\n".join([head] + body + [tail])
+
+
+def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
+                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET) -> dict:
+    """The digest (pure but for line_of, which renders one chosen entry).
+
+    Within a section higher score first, then newer. Lines are dropped from the
+    fullest section (the later one on a tie) until the text fits `budget`.
+    """
+    if not entries:
+        return {"primer": f"cambium: nothing known yet for {project}; capture() what you "
+                          "learn and it will show here.", "entries": 0, "candidates": 0,
+                "tokens": 0, "budget_tokens": budget, "sections": {}}
+    ranked: dict[str, list] = {name: [] for name, _, _ in PRIMER_SECTIONS}
+    newest = sorted(entries, key=lambda e: e.item.created_at, reverse=True)
+    for e in sorted(newest, key=lambda e: -e.score):
+        ranked[e.section].append(e)
+    picked = _quota_pick(ranked, limit)
+    lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
+    names = [name for name, _, _ in PRIMER_SECTIONS]
+    text = _render_primer(lines, project, len(entries))
+    while approx_tokens(text) > budget and any(lines.values()):
+        lines[max(reversed(names), key=lambda n: len(lines[n]))].pop()
+        text = _render_primer(lines, project, len(entries))
+    return {"primer": text, "entries": sum(map(len, lines.values())),
+            "candidates": len(entries), "tokens": approx_tokens(text),
+            "budget_tokens": budget, "sections": {n: len(v) for n, v in lines.items() if v}}
 
 
 # =============================================================================
@@ -5969,7 +6485,11 @@ def capture(content: Annotated[str, Field(
                 "The premise the item depends on, e.g. 'while billing runs on NetSuite'.")] = None,
             supersedes: Annotated[str | None, Field(
                 "Id of an item you believe is wrong: records yours as a counter-claim to it "
-                "(outranks nothing; only a person's correct() does).")] = None) -> dict:
+                "(outranks nothing; only a person's correct() does).")] = None,
+            code_refs: Annotated[list[dict[str, str]] | str | None, Field(
+                "The code it is about: [{\"path\": \"src/x.py\", \"symbol\": \"fn\"}] "
+                "(path relative to the repo root, symbol optional), or \"src/x.py#fn\" "
+                "strings, comma separated.")] = None) -> dict:
     """Save a knowledge item to local scope (this repo's .cambium/knowledge.json).
 
     Call when you learn something a later agent should know: a decision and its
@@ -5982,15 +6502,18 @@ def capture(content: Annotated[str, Field(
     NetSuite"), so a dead assumption can be spotted later. supersedes: the id
     of an item you believe is wrong; yours is recorded as a counter-claim linked
     to it, with no more authority than the item it disputes (both stay
-    recallable until a person corrects or deprecates one). Returns the stored
-    item; capturing the same content twice returns the existing item.
+    recallable until a person corrects or deprecates one). code_refs: the code
+    it is about, as [{"path": "src/billing.py", "symbol": "total"}] (path
+    relative to the repo root; symbol optional); recall points at the live
+    path:line. Returns the stored item; capturing the same content twice
+    returns the existing item.
     """
     cfg = require_config()
     if supersedes is not None:
         _require_active(locate(cfg, _check_id(supersedes))[1], "disputed")
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
-                             supersedes=supersedes)])
+                             supersedes=supersedes, code_refs=code_refs)])
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
@@ -6028,16 +6551,23 @@ def recall(query: Annotated[str, Field(
            scope: Annotated[Literal["auto", "local", "team", "org"], Field(
                "auto (every readable scope) or one scope.")] = "auto",
            limit: Annotated[int, Field("Maximum number of results.",
-                                       ge=1, le=MAX_RECALL_LIMIT)] = 5) -> dict:
+                                       ge=1, le=MAX_RECALL_LIMIT)] = 5,
+           detail: Annotated[Literal["lines", "full"], Field(
+               "lines: one line per result (expand(id) for more); full: whole items."
+               )] = "lines") -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
-    Returns `results` best first, each with id, content, why, scope, project,
-    provenance (`source`), recall count and `endorsed_as` (endorsement notes,
-    often the cross-project meaning); only items at relevance >= 0.5 are
-    results. When none is: `no_confident_match: true`, nothing is known.
-    `weak_matches` are near misses below that floor: never treat them as facts.
-    Each result earns one recall credit per agent per day (the trust signal
-    promotion uses); a weak match earns none.
+    Returns `results` best first; only items at relevance >= 0.5 are results.
+    detail="lines" (default): each result is its id, relevance and one `line`
+    (id, type/kind, trust marks, the content on one line, → the live code
+    path:line); call expand(id) for the one you act on. detail="full": whole
+    items (content, why, scope, project, provenance `source`, recall count,
+    `endorsed_as`, resolved `code` anchors). When no item reaches the floor:
+    `no_confident_match: true`, nothing is known. `weak_matches` are near
+    misses below that floor: never treat them as facts. Each result earns one
+    recall credit per agent per day (the trust signal promotion uses); a weak
+    match earns none. An item whose code anchors all fail to resolve carries
+    `stale_code: true` (advisory: re-check it).
     """
     cfg = require_config()
     if not isinstance(query, str) or not query.strip():
@@ -6047,6 +6577,7 @@ def recall(query: Annotated[str, Field(
         raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
     check_arg(recall, "scope", scope)
     check_arg(recall, "limit", limit)
+    check_arg(recall, "detail", detail)
     scopes = SCOPES if scope == "auto" else (scope,)
     if scope in ("team", "org"):
         store(cfg, scope)                   # asked for a scope that is off: say so
@@ -6058,29 +6589,120 @@ def recall(query: Annotated[str, Field(
                                              "|" + "+".join(docs))
     index = store_index(key, items)
     ranking = rank(index, query, limit, cfg=cfg)
-    hits = ranking.hits                            # only items at or above the floor
     out: dict[str, Any] = {"query": query, "scope": scope, "mode": ranking.mode,
                            "scopes_searched": list(docs),
                            "top_relevance": round(ranking.confidence, 3)}
     if ranking.note:
         out["note"] = ranking.note
+    out.update(_recall_results(cfg, ranking, detail))
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
+    """The results part of a recall answer: an abstention with its guidance, or
+    the hits (each credited, shown in the usage journal) in the `detail` asked."""
+    hits = ranking.hits
     if ranking.abstains():
-        out.update(results=[], no_confident_match=True,
-                   guidance="Nothing cambium holds matches this confidently. Treat the "
-                            "topic as unknown: do not cite a weak match as team knowledge. "
-                            "If you work it out, capture() it so the next agent knows.")
+        out: dict[str, Any] = {
+            "results": [], "no_confident_match": True,
+            "guidance": "Nothing cambium holds matches this confidently. Treat the topic as "
+                        "unknown: do not cite a weak match as team knowledge. If you work "
+                        "it out, capture() it so the next agent knows."}
     else:
         # org items have finished climbing: their use is not counted (spec)
         pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
-        out["results"] = [{**item_view(h.item, trust=effective_trust(h.item, pending)),
-                           "relevance": round(h.confidence, 3)} for h in hits]
         note_shown(cfg, [h.item.id for h in hits], "recall")
-        out["no_confident_match"] = False
         _schedule_credit_fold(cfg)
+        out = {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
+                                       round(h.confidence, 3), detail) for h in hits],
+               "no_confident_match": False}
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
+    return out
+
+
+def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
+                detail: str = "lines") -> dict:
+    """One recall result: id, relevance and its one-line `line`; with
+    detail="full" also the whole item and its resolved code anchors."""
+    anchors = resolve_anchors(cfg.repo, item.code_refs)
+    out: dict[str, Any] = {"id": item.id, "relevance": relevance,
+                           "line": item_line(item, trust=trust, anchors=anchors)}
+    if detail == "full":
+        out = {**item_view(item, trust=trust), **out}
+        if anchors:
+            out["code"] = anchors
+    if is_stale_code(anchors):
+        out["stale_code"] = True
+    return out
+
+
+def session_primer(limit: Annotated[int, Field(
+        "At most this many entries; the text also fits about 1,500 tokens.",
+        ge=1, le=MAX_PRIMER_LIMIT)] = PRIMER_LIMIT) -> dict:
+    """What to know before your first query here: call once at session start.
+
+    A digest of this project's knowledge, one line per item with its id:
+    pitfalls and constraints first, then settled decisions, then the most
+    trusted notes (endorsed, recalled by several agents, recently verified;
+    team items, and org items this project used or whose tags match), then
+    premises (valid_while) unchecked for a while, then open needs. limit: at
+    most this many entries (1-100, default 20); the text also fits about 1,500
+    tokens and states its size. Read-only: no recall credit, no write, no
+    fetch (shared scopes as last fetched). expand(id) gives one item whole.
+    """
+    cfg = require_config()
+    return primer_for(cfg, check_arg(session_primer, "limit", limit))
+
+
+def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
+    """The primer of cfg's project (tool, resource and SessionStart hook)."""
+    docs, warnings = read_scopes_offline(cfg)
+    now = datetime.now(timezone.utc)
+    pending: dict[str, list] = {}
+    for rec in read_credits(credits_path(cfg), adopt=False):
+        pending.setdefault(rec["item"], []).append(rec)
+    entries = primer_candidates(docs, pending, project=cfg.project, now=now)
+
+    def line_of(e: PrimerEntry) -> str:
+        line = item_line(e.item, trust=e.trust, anchors=resolve_anchors(cfg.repo,
+                                                                        e.item.code_refs))
+        if e.section == "premises":
+            line += (f" · premise “{one_line(e.item.valid_while or '', 80)}” unchecked "
+                     f"{premise_age(e.item, now)}d")
+        return line
+
+    out = {**build_primer(entries, line_of, project=cfg.project, limit=limit),
+           "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings
+    return out
+
+
+def expand(item_id: ItemId) -> dict:
+    """One item whole, by id (from recall, the primer or capture).
+
+    Returns its content, why, provenance (source, author, project), trust
+    (recall count, which agents recalled it, projects, every endorsement with
+    its note), history (created, endorsed, verified, promoted, deprecated...),
+    and its code anchors resolved against the working tree to live path:line
+    (never the file content; `stale_code: true` when none resolves). Reads
+    only: expanding an item earns it no recall credit.
+    """
+    cfg = require_config()
+    item_id = _check_id(item_id)
+    scope, item = locate(cfg, item_id)
+    trust = effective_trust(item, read_credits(credits_path(cfg), adopt=False))
+    anchors = resolve_anchors(cfg.repo, item.code_refs)
+    out = {**item_view(item, trust=trust), "scope": scope,
+           "line": item_line(item, trust=trust, anchors=anchors),
+           "provenance": _provenance(item), "trust": trust,
+           "endorsements": [e for e in trust.get("endorsements") or [] if isinstance(e, dict)],
+           "history": item_history(item), "code": anchors}
+    if is_stale_code(anchors):
+        out["stale_code"] = True
     return out
 
 
@@ -6910,9 +7532,15 @@ def api_table() -> tuple[Tool, ...]:
     return (
         Tool(status, "read_remote"),
         Tool(setup, "write_idempotent"),
-        Tool(capture, "write"),
+        Tool(session_primer, "read", aliases=("primer",), run=_cli_primer, cli_args=(
+            (("--hook",), {"action": "store_true", "help": (
+                "run as a Claude Code SessionStart hook: read its JSON on stdin (uses its "
+                "cwd), print the digest as hookSpecificOutput.additionalContext; on any "
+                "problem print nothing and exit 0")}),)),
+        Tool(capture, "write", flags={"code_refs": "--code-ref"}),
         Tool(record_need, "write"),
         Tool(recall, "write_idempotent", run=_cli_recall),
+        Tool(expand, "read_remote", aliases=("show",)),
         Tool(endorse, "remote"),
         Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",)),
         Tool(generalize, "remote"),
@@ -7169,26 +7797,115 @@ def build_server() -> MCPServer:
     for tool in mcp_tools():
         server.add_tool(_mcp_tool(tool.fn), name=tool.tool_name,
                         annotations=ToolAnnotations(**EFFECTS[tool.effect]))
+    server.resource(PRIMER_URI, name="primer", mime_type="text/plain",
+                    description="The session-start digest (what session_primer returns), "
+                                "as text.")(primer_resource)
     return server
 
 
-def serve() -> int:
-    """Serve MCP over stdio (what running with no command does)."""
+PRIMER_URI = "cambium://primer"
+
+
+def primer_resource() -> str:
+    """cambium://primer: the primer text, or what to do when it cannot be built."""
+    try:
+        return primer_for(require_config())["primer"]
+    except Unconfigured as u:
+        return f"cambium is not configured here; next step: {u.guidance.get('next_step')}"
+    except (CambiumError, OSError) as e:
+        return f"cambium primer unavailable: {error_text(e)}"
+
+
+HTTP_DEFAULT_PORT = 7077
+HTTP_TOKEN_ENV = "CAMBIUM_HTTP_TOKEN"   #: needed off loopback; when set, on every request
+
+
+def serve(http: Annotated[bool, Field(
+              "Serve over streamable HTTP (one server, several agents) instead of stdio."
+              )] = False,
+          host: Annotated[str, Field(
+              f"HTTP bind address; anything but loopback needs {HTTP_TOKEN_ENV}.")
+              ] = "127.0.0.1",
+          port: Annotated[int, Field("HTTP port.", ge=1, le=65535)] = HTTP_DEFAULT_PORT
+          ) -> int:
+    """Serve MCP over stdio (what running with no command does), or over HTTP."""
     try:
         server = build_server()
     except ImportError as e:                        # the SDK is an install away: say so
         print(f"cambium: serving MCP needs the MCP SDK ({e.name or 'mcp'} is missing): "
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
+    token = os.environ.get(HTTP_TOKEN_ENV) or None
+    problem = http_bind_problem(host, port, token) if http else None
+    if problem:
+        print(f"cambium: {problem}", file=sys.stderr)
+        return 2
     rt = runtime()
     rt.long_running.set()
     try:
-        server.run("stdio")
+        if http:
+            serve_http(server, host, port, token)
+        else:
+            server.run("stdio")
     finally:
         rt.long_running.clear()
         rt.cancel_fold()
         _fold_on_exit()
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def http_bind_problem(host: str, port: int, token: str | None) -> str | None:
+    """Why `serve --http` must not start with these settings, or None (pure)."""
+    if not 0 < port < 65536:
+        return f"--port {port} is not a TCP port (1-65535)."
+    if not is_loopback(host) and not token:
+        return (f"refusing to serve on {host}: a non-loopback bind is reachable from other "
+                f"machines, so it needs {HTTP_TOKEN_ENV} set (then every request must send "
+                f"'Authorization: Bearer <token>'). Use --host 127.0.0.1 to stay local.")
+    return None
+
+
+def require_bearer(app: Callable, token: str) -> Callable:
+    """ASGI wrapper: every HTTP request must carry `Authorization: Bearer <token>`
+    (compared in constant time); anything else gets 401 before reaching MCP."""
+    import hmac
+    expected = f"Bearer {token}".encode()
+    body = json.dumps({"error": f"unauthorized: send 'Authorization: Bearer "
+                                f"<{HTTP_TOKEN_ENV}>'"}).encode()
+
+    async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "lifespan":
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, expected):
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> None:
+    """The server over the SDK's streamable HTTP transport at /mcp. The SDK
+    guards a loopback bind against DNS rebinding; a token guards the rest."""
+    import anyio
+    import uvicorn
+    app = server.streamable_http_app(host=host)
+    if token:
+        app = require_bearer(app, token)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    print(f"cambium: serving MCP on http://{host}:{port}/mcp"
+          + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
+    anyio.run(uvicorn.Server(config).serve)
 
 
 def _fold_on_exit(scopes: Iterable[str] = ("local", "team")) -> None:
@@ -7297,6 +8014,8 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
+        return primer_hook(argv)                # before argparse: it must never fail
     argv = argv or ["serve"]
     args = _cli_parser(argv[0]).parse_args(argv)
     if args.command is None:
@@ -7333,6 +8052,36 @@ def _cli_recall(args: argparse.Namespace, kwargs: dict) -> int:
 
 def _cli_serve(args: argparse.Namespace, kwargs: dict) -> int:
     return serve(**kwargs)
+
+
+def _cli_primer(args: argparse.Namespace, kwargs: dict) -> int:
+    """`primer`: the digest (`primer --hook` never gets here: see primer_hook)."""
+    return _cli_print(args, kwargs)
+
+
+def primer_hook(argv: list[str]) -> int:
+    """`primer --hook`, Claude Code's SessionStart hook: the digest of the
+    session's project as JSON hookSpecificOutput.additionalContext. A failing
+    SessionStart hook can block a session, so on any problem (unconfigured, no
+    repo, a corrupt store, bad input) it prints nothing and exits 0."""
+    try:
+        args = [a for a in argv if a != "--hook"]
+        limit = _cli_parser(args[0]).parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
+        bind_hook()
+        cfg = resolve_config()
+        if not cfg.configured or not 1 <= limit <= MAX_PRIMER_LIMIT:
+            return 0
+        out = primer_for(cfg, limit)
+        if out.get("warnings"):             # a scope it could not read: say nothing
+            raise CambiumError("; ".join(out["warnings"]))
+        sys.stdout.write(json.dumps({"hookSpecificOutput": {
+            "hookEventName": "SessionStart", "additionalContext": out["primer"]}},
+            ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    except BaseException as e:      # noqa: BLE001 - a SessionStart hook must never fail
+        with contextlib.suppress(BaseException):
+            print(f"cambium primer: skipped ({type(e).__name__}: {e})", file=sys.stderr)
+    return 0
 
 
 def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
@@ -7432,8 +8181,9 @@ def _emit(result: Any, fmt: str) -> None:
     """Print a result as JSON or as text, its hints in CLI syntax."""
     result = _cli_answer(result)
     if fmt == "text":
-        text = result.get("markdown") if isinstance(result, dict) and "markdown" in result \
-            else _text(result)
+        text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
+            if isinstance(result, dict) else None
+        text = _text(result) if text is None else text
         print(text)
     else:
         print(json.dumps(result, indent=2, ensure_ascii=False))
@@ -7591,8 +8341,8 @@ def run_demo() -> dict:
             step("capture", "capture() saves what the agent learned (local scope).",
                  id=a["id"])
             r = recall("how should webhook retries back off?")
-            step("recall", "recall() finds it by topic.",
-                 top=r["results"][0]["content"] if r["results"] else None,
+            step("recall", "recall() finds it by topic: one line per result (expand(id) "
+                 "for the whole item).", top=r["results"][0]["line"] if r["results"] else None,
                  relevance=r["top_relevance"])
             r2 = recall("kubernetes pod autoscaling thresholds")
             step("abstain", "recall() on something nobody wrote down abstains honestly.",
@@ -7614,7 +8364,11 @@ def run_demo() -> dict:
                  imported=d["imported"],
                  sources={k: v["status"] for k, v in d["sources"].items()},
                  again_imported=again["imported"],
-                 recall_top=r4["results"][0]["content"] if r4["results"] else None)
+                 recall_top=r4["results"][0]["line"] if r4["results"] else None)
+            pr = session_primer()
+            step("primer", "session_primer() (or the SessionStart hook) hands the next "
+                 "session the digest before its first query: pitfalls and decisions first.",
+                 entries=pr["entries"], tokens=pr["tokens"], sections=pr["sections"])
             endorse(a["id"], note="Retry transient failures with exponential backoff, "
                                   "capped, with jitter")
             p = promote()
@@ -7631,7 +8385,7 @@ def run_demo() -> dict:
                  published=done.get("published"))
             billing = _demo_origin(root, "billing-api")
             os.environ["CAMBIUM_REPO"], os.environ["CAMBIUM_AGENT_ID"] = str(billing), "bo"
-            r3 = recall("retry transient failures backoff")
+            r3 = recall("retry transient failures backoff", detail="full")
             hit = r3["results"][0] if r3["results"] else {}
             step("cross-project recall", "Another project's agent recalls it from org scope.",
                  scope=hit.get("scope"), origin_project=hit.get("project"))

@@ -378,12 +378,12 @@ def test_store_file_is_json_one_item_per_line(repo):
 
 def test_hand_edit_is_picked_up_on_next_call(repo):
     cs.capture("the cache ttl is five minutes", tags="cache")
-    assert cs.recall("cache ttl")["results"]
+    assert cs.recall("cache ttl", detail="full")["results"]
     path = repo / ".cambium" / "knowledge.json"
     data = json.loads(path.read_text())
     data["items"][0]["content"] = "the cache ttl is ten minutes"
     path.write_text(json.dumps(data))
-    res = cs.recall("cache ttl")
+    res = cs.recall("cache ttl", detail="full")
     assert res["results"][0]["content"] == "the cache ttl is ten minutes"
 
 
@@ -467,7 +467,8 @@ def test_in_place_hand_edit_that_grows_the_file_is_parsed_whole(repo):
     text = path.read_text().replace("three attempts", "five attempts, then page someone")
     with open(path, "r+") as f:                  # an editor writing in place: same inode
         f.write(text)
-    assert cs.recall("retry budget")["results"][0]["content"].endswith("page someone")
+    top = cs.recall("retry budget", detail="full")["results"][0]
+    assert top["content"].endswith("page someone")
 
 
 def test_reader_seeing_a_writer_mid_append_waits_for_the_whole_line(repo):
@@ -622,7 +623,7 @@ def test_capture_then_recall_round_trip(repo):
     a = cs.capture("Retry payment webhooks with exponential backoff capped at five minutes",
                    kind="decision", why="the provider throttles bursts", tags="payments,webhooks")
     cs.capture("Run migrations before deploying API containers", tags="deploy")
-    res = cs.recall("webhook retry backoff")
+    res = cs.recall("webhook retry backoff", detail="full")
     assert res["no_confident_match"] is False
     top = res["results"][0]
     assert top["id"] == a["item"]["id"]
@@ -683,17 +684,17 @@ def test_recall_never_returns_or_credits_below_the_floor(repo):
     strong = cs.capture("Invoice totals are stored as integer cents in the ledger",
                         tags="ledger")["item"]["id"]
     weak = cs.capture("The ledger dashboard loads slowly on Mondays")["item"]["id"]
-    res = cs.recall("invoice totals integer cents")
+    res = cs.recall("invoice totals integer cents", detail="full")
     assert [r["id"] for r in res["results"]] == [strong]
     assert all(r["relevance"] >= cs.RELEVANCE_FLOOR for r in res["results"])
-    thin = cs.recall("Mondays")                  # one word of a longer note: a near miss
+    thin = cs.recall("Mondays", detail="full")                  # one word of a longer note: a near miss
     assert thin["no_confident_match"] is True and thin["results"] == []
     assert [w["id"] for w in thin["weak_matches"]] == [weak]
     assert thin["weak_matches"][0]["relevance"] < cs.RELEVANCE_FLOOR
-    both = cs.recall("ledger")                   # the tagged note is a result, the other not
+    both = cs.recall("ledger", detail="full")                   # the tagged note is a result, the other not
     assert [r["id"] for r in both["results"]] == [strong]
     assert [w["id"] for w in both["weak_matches"]] == [weak]
-    again = cs.recall("ledger dashboard loads slowly on Mondays")
+    again = cs.recall("ledger dashboard loads slowly on Mondays", detail="full")
     assert again["results"][0]["id"] == weak
     assert again["results"][0]["recalls"] == 1   # the near misses earned nothing
 
@@ -723,10 +724,10 @@ def test_lexical_recall_finds_japanese_text(repo, monkeypatch):
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     a = cs.capture("feature flags live in the flags service", tags="flags")
     for _ in range(3):
-        res = cs.recall("feature flags service")
+        res = cs.recall("feature flags service", detail="full")
     assert res["results"][0]["recalls"] == 1
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
-    res = cs.recall("feature flags service")
+    res = cs.recall("feature flags service", detail="full")
     assert res["results"][0]["recalls"] == 2
     # a capture appends and leaves credits journaled; the next rewrite folds them
     other = cs.capture("an unrelated note, appended")["item"]
@@ -788,11 +789,11 @@ def test_two_runtimes_side_by_side_keep_their_own_caches(repo):
 def test_endorse_surfaces_endorsed_as_in_recall(repo):
     a = cs.capture("Pin the SDK major version in requirements", tags="deps")
     cs.endorse(a["item"]["id"], note="Pin major versions of every SDK you build on")
-    res = cs.recall("pin sdk version")
+    res = cs.recall("pin sdk version", detail="full")
     assert res["results"][0]["endorsed_as"] == ["Pin major versions of every SDK you build on"]
     assert res["results"][0]["endorsements"] == 1
     cs.endorse(a["item"]["id"], note="updated note")     # same agent: updates, no double count
-    assert cs.recall("pin sdk version")["results"][0]["endorsements"] == 1
+    assert cs.recall("pin sdk version", detail="full")["results"][0]["endorsements"] == 1
 
 
 def test_endorse_unknown_id_is_not_found(repo):
@@ -846,7 +847,7 @@ def test_import_jsonl_with_provenance_and_reimport_noop(repo, tmp_path):
     again = cs.import_memory("json", str(export))
     assert (again["imported"], again["duplicates"]) == (0, 2)
     assert export.read_bytes() == before
-    hit = cs.recall("tenant cache keys")["results"][0]
+    hit = cs.recall("tenant cache keys", detail="full")["results"][0]
     assert hit["source"] == {"system": "json", "ref": "m1", "imported": True,
                              "source_ts": "2025-01-01"}
     assert "imported" in hit["tags"] and "json" in hit["tags"]
@@ -958,7 +959,7 @@ def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     assert (a / "wip.txt").read_text() == "uncommitted user work\n"
     # the team branch grew from the default branch
     assert remote_json(shared["origin"], "cambium", "README.md") is not None
-    res = cs.recall("webhook handlers idempotent")
+    res = cs.recall("webhook handlers idempotent", detail="full")
     assert res["results"][0]["scope"] == "team"
 
 
@@ -1120,7 +1121,7 @@ def test_usage_credits_from_recall_reach_the_team_branch(shared, monkeypatch):
     item_id = _endorsed("Rotate signing keys every ninety days", "rotate keys on a schedule")
     cs.promote()
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
-    res = cs.recall("rotate signing keys")
+    res = cs.recall("rotate signing keys", detail="full")
     assert res["results"][0]["scope"] == "team" and res["results"][0]["recalls"] == 1
     journal = (shared["a"] / ".cambium" / "credits.jsonl").read_text()
     assert item_id in journal and '"scope":"team"' in journal
@@ -1208,7 +1209,7 @@ def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared
     cs.promote()
     cs.runtime().reset()                                 # a new process, same clone
     git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
-    res = cs.recall("cache invalidation event bus")
+    res = cs.recall("cache invalidation event bus", detail="full")
     assert res["results"][0]["id"] == item_id and res["results"][0]["scope"] == "team"
     assert any("team scope may be behind" in w for w in res["warnings"])
     with pytest.raises(cs.GitError):                     # a write still needs the remote
@@ -1320,7 +1321,7 @@ def test_decisions_use_the_current_tip_not_the_fetch_interval(shared, monkeypatc
     cs.promote(rule, force=True)
     cs.promote(other, force=True)
     assert cs.promote(rule, to_scope="org")["status"] == "needs_endorsement"
-    assert cs.stale_report()["count"] == 2 and cs.recall("release notes dated")["results"]
+    assert cs.stale_report()["count"] == 2 and cs.recall("release notes dated", detail="full")["results"]
     peer_env = {"CAMBIUM_REPO": str(shared["b"]), "CAMBIUM_AGENT_ID": "bob",
                 "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
                 "CAMBIUM_FETCH_INTERVAL": "3600", "CAMBIUM_RECALL_MODE": "lexical"}
@@ -1340,7 +1341,7 @@ def test_decisions_use_the_current_tip_not_the_fetch_interval(shared, monkeypatc
     (editor / "knowledge.json").write_text(json.dumps(data))
     git(editor, "commit", "-qam", "a peer edits the team file")
     git(editor, "push", "-q", "origin", "cambium")
-    lagging = cs.recall("release notes dated", scope="team")["results"][0]   # a digest may lag
+    lagging = cs.recall("release notes dated", scope="team", detail="full")["results"][0]   # a digest may lag
     assert lagging["content"] == "Keep release notes short and dated"
     rows = {r["id"]: r for r in cs.stale_report()["entries"]}
     assert rows[other]["content"] == "Keep release notes short, dated and linked"
@@ -1535,11 +1536,11 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     cs.promote(item_id, to_scope="org")
     other = clone(make_origin(tmp_path, "billing"), tmp_path / "billing")
     as_agent(monkeypatch, other, "zed")
-    res = cs.recall("timeout outbound http calls")
+    res = cs.recall("timeout outbound http calls", detail="full")
     top = res["results"][0]
     assert top["id"] == item_id and top["scope"] == "org" and top["project"] == "shop"
     assert "org" in res["scopes_searched"]
-    org_only = cs.recall("timeout outbound http calls", scope="org")
+    org_only = cs.recall("timeout outbound http calls", scope="org", detail="full")
     assert org_only["results"][0]["id"] == item_id
 
 
@@ -1602,9 +1603,9 @@ def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
     fixed = res["item"]
     assert res["status"] == "corrected" and fixed["authority"] == "human"
     assert fixed["corrects"] == wrong and fixed["scope"] == "local"
-    hits = cs.recall("when are release builds cut", limit=1)["results"]
+    hits = cs.recall("when are release builds cut", limit=1, detail="full")["results"]
     assert [h["id"] for h in hits] == [fixed["id"]]          # tie on relevance: human first
-    hits = cs.recall("release builds cut branch", limit=5)["results"]
+    hits = cs.recall("release builds cut branch", limit=5, detail="full")["results"]
     assert [h["id"] for h in hits] == [fixed["id"], rival]   # the corrected one is gone
     assert hits[1]["authority"] == "agent" and hits[1]["recalls"] >= 10
     stored = {i["id"]: i for i in json.loads(
@@ -1784,6 +1785,8 @@ def test_cli_correct_and_consolidate(repo):
     assert json.loads(cli("consolidate", "--apply").stdout)["superseded"]
     assert json.loads(cli("consolidate", "--apply").stdout)["count"] == 0
     text = cli("recall", "nightly backup", "--format", "text").stdout
+    assert "[human]" in text                                # the line's authority mark
+    text = cli("recall", "nightly backup", "--detail", "full", "--format", "text").stdout
     assert "authority: human" in text
 
 
@@ -1811,7 +1814,7 @@ def test_operator_check_fails_then_passes_through_the_cli(repo):
     assert json.loads(set_.stdout)["item"]["check"]["cmd"].startswith("test -f")
     run = json.loads(cli("verify", "--run").stdout)
     assert run["ran"] == 1 and run["failed"] == [item_id]
-    hit = cs.recall("build artifact dist")["results"][0]
+    hit = cs.recall("build artifact dist", detail="full")["results"][0]
     assert hit["failing"]["exit"] == 1 and hit["authority"] == "agent"
     assert cs.stale_report()["entries"][0] == {**cs.stale_report()["entries"][0],
                                                "id": item_id, "failing": True}
@@ -1819,7 +1822,7 @@ def test_operator_check_fails_then_passes_through_the_cli(repo):
     (repo / "dist" / "ok.txt").write_text("x")
     run = json.loads(cli("verify", "--run", item_id).stdout)
     assert run["passed"] == 1 and run["results"][0]["output"].strip() == "found"
-    hit = cs.recall("build artifact dist")["results"][0]
+    hit = cs.recall("build artifact dist", detail="full")["results"][0]
     assert "failing" not in hit and hit["authority"] == "verified" and hit["last_verified"]
     assert cs.stale_report()["count"] == 0
 
@@ -2005,7 +2008,7 @@ def test_capture_with_valid_while_round_trips(repo):
     item = cs.capture("Staging DB caps at 90 connections",
                       valid_while="staging runs on the small instance")["item"]
     assert item["valid_while"] == "staging runs on the small instance"
-    assert cs.recall("staging db connections")["results"][0]["valid_while"] == \
+    assert cs.recall("staging db connections", detail="full")["results"][0]["valid_while"] == \
         "staging runs on the small instance"
 
 
@@ -2729,7 +2732,7 @@ def test_distill_real_context_keeper_decisions_constraints_supersede_and_mojibak
                                         {"order": 2, "action": "tag", "output": "vX.Y.Z"}])
             out["ids"] = (dec["id"], con["id"], pipe["id"])
             out["first"] = cs.distill()
-            out["recall"] = cs.recall("store claims git branch")
+            out["recall"] = cs.recall("store claims git branch", detail="full")
             new = await ck.call("record_entry", kind="decision",
                                 summary="Store claims in a dedicated coordination service",
                                 problem=problem, why_chosen=why + " It now also scales.",
@@ -2763,7 +2766,7 @@ def test_distill_real_context_keeper_decisions_constraints_supersede_and_mojibak
     assert items[out["new"]]["status"] == "active"
     assert out["third"]["imported"] == 0 and out["third"]["retired"] == 0
     assert out["third"]["sources"]["context-keeper"]["status"] == "up_to_date"
-    top = cs.recall("store claims")["results"]
+    top = cs.recall("store claims", detail="full")["results"]
     assert dec_id not in [r["source"].get("ref") for r in top]
 
 
@@ -2776,7 +2779,7 @@ def test_distill_hand_written_pre_current_decision_keeps_rationale(repo):
         "status": "active", "created_at": "2024-03-01T10:00:00Z"}]))
     res = cs.distill()
     assert res["sources"]["context-keeper"]["imported"] == 1
-    hit = cs.recall("log timestamps utc")["results"][0]
+    hit = cs.recall("log timestamps utc", detail="full")["results"][0]
     assert hit["content"] == "Use UTC timestamps in every log line"
     assert hit["why"] == "Local times broke the incident timeline across regions."
     assert hit["source"] == {"system": "context-keeper", "ref": "dec-001", "kind": "decision",
@@ -2875,7 +2878,7 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         cap = await session.call_tool("capture", {"content": "Use UTC in every log line",
                                                   "tags": ["logging"]})
         assert cap.structured_content["status"] == "captured"
-        rec = await session.call_tool("recall", {"query": "log timestamps utc"})
+        rec = await session.call_tool("recall", {"query": "log timestamps utc", "detail": "full"})
         assert rec.structured_content["results"][0]["content"] == "Use UTC in every log line"
         bad = await session.call_tool("endorse", {"item_id": "k-missing"})
         assert bad.is_error and bad.content[0].text.startswith("No item k-missing")
@@ -2936,7 +2939,8 @@ def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
         fixed = await session.call_tool("correct", {"item_id": wrong, "content":
                                                     "Staging deploys need no approval"})
         assert fixed.structured_content["item"]["authority"] == "human"
-        rec = await session.call_tool("recall", {"query": "staging deploy approval"})
+        rec = await session.call_tool("recall", {"query": "staging deploy approval",
+                                                 "detail": "full"})
         hits = rec.structured_content["results"]
         assert hits[0]["id"] == fixed.structured_content["item"]["id"]
         assert hits[0]["authority"] == "human" and wrong not in {h["id"] for h in hits}
@@ -3029,8 +3033,8 @@ def test_tools_annotated_read_only_never_write(shared, monkeypatch):
     assert {t.tool_name for t in reads} >= {"status", "stale_report"}
     roots = (shared["a"] / ".cambium", shared["origin"], shared["org_bare"])
     before = _tree_state(*roots)
-    for tool in reads:
-        tool.fn()
+    for tool in reads:                                # an id where one is required (expand)
+        tool.fn(**{p.name: item for p in tool.params if p.required})
     assert _tree_state(*roots) == before
     assert cs.find_tool("recall").effect != "read" and item
 
@@ -3168,7 +3172,7 @@ def test_undecodable_cli_bytes_are_stored_not_crashed_on(repo):
     out = subprocess.run(raw, capture_output=True, text=True, env=child_env(), timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["item"]["content"] == "caf\ufffd latte notes"
-    res = cs.recall("caf\udce9 latte")
+    res = cs.recall("caf\udce9 latte", detail="full")
     assert res["results"][0]["content"] == "caf\ufffd latte notes"
 
 
@@ -3374,7 +3378,8 @@ def test_cli_demo_runs_the_loop():
     result = json.loads(out.stdout)
     steps = {s["step"]: s for s in result["steps"]}
     assert steps["status (unconfigured)"]["configured"] is False
-    assert steps["recall"]["top"].startswith("Retry payment webhooks")
+    assert "Retry payment webhooks" in steps["recall"]["top"]
+    assert steps["primer"]["entries"] >= 3 and "decisions" in steps["primer"]["sections"]
     assert steps["abstain"]["no_confident_match"] is True
     assert steps["import"]["source"]["ref"] == "n-1"
     assert steps["promote to team"]["promoted"]
@@ -3466,13 +3471,13 @@ def test_semantic_abstains_on_an_unrelated_query(semantic):
 @needs_extra
 def test_semantic_recall_never_pads_nor_credits_near_misses(semantic):
     ids = _capture_notes()
-    res = cs.recall("how do we represent prices")
+    res = cs.recall("how do we represent prices", detail="full")
     shown = {r["id"] for r in res["results"]}
     assert all(r["relevance"] >= cs.RELEVANCE_FLOOR for r in res["results"])
     assert all(w["relevance"] < cs.RELEVANCE_FLOOR for w in res.get("weak_matches", []))
     assert len(shown) < len(ids)
     for content, item_id in ids.items():      # only what was shown earned a credit
-        hit = next(r for r in cs.recall(content, limit=10)["results"] if r["id"] == item_id)
+        hit = next(r for r in cs.recall(content, limit=10, detail="full")["results"] if r["id"] == item_id)
         assert hit["recalls"] == 1 + (0 if item_id not in shown else 0)
 
 
@@ -3677,7 +3682,8 @@ def test_semantic_mcp_recall_contract_unchanged(repo):
         async def body(session, init):
             for c, w, t in NOTES:
                 await session.call_tool("capture", {"content": c, "why": w, "tags": [t]})
-            hit = (await session.call_tool("recall", {"query": "log timestamps utc"}))
+            hit = (await session.call_tool("recall", {"query": "log timestamps utc",
+                                                      "detail": "full"}))
             miss = (await session.call_tool("recall", {"query": UNRELATED}))
             return hit.structured_content, miss.structured_content
         return asyncio.run(_mcp_session(env, body))
@@ -3711,6 +3717,424 @@ def test_server_starts_embedding_at_capture_not_at_next_recall(semantic, monkeyp
 def test_cli_process_does_not_start_background_embedding(semantic):
     cs.capture("A note captured outside the server")
     assert str(semantic / ".cambium" / cs.VECTORS_DIR) not in cs.runtime().engines
+
+
+# =============================================================================
+# Read side: code anchors, one-line results, expand, the session primer, HTTP
+# =============================================================================
+
+BILLING_PY = textwrap.dedent("""\
+    import os
+
+
+    class Ledger:
+        def total(self, rows):
+            return sum(rows)
+
+
+    def total(rows):
+        return 0
+
+
+    TAX_RATE = 0.2
+""")
+
+
+@pytest.mark.parametrize("refs, expect", [
+    ([{"path": "./src/a.py", "symbol": "f"}], [{"path": "src/a.py", "symbol": "f"}]),
+    (["src/a.py#Ledger.total", "src/a.py#Ledger.total"],
+     [{"path": "src/a.py", "symbol": "Ledger.total"}]),
+    ([{"path": "docs/"}], [{"path": "docs"}]),
+    (None, None), ([], None),
+])
+def test_normalize_code_refs(refs, expect):
+    assert cs.normalize_code_refs(refs) == expect
+
+
+@pytest.mark.parametrize("refs, needle", [
+    ([{"path": "/etc/passwd"}], "not absolute"),
+    ([{"path": "src/../../x.py"}], "no '..'"),
+    ([{"path": "a.py", "symbol": "rm -rf"}], "identifier"),
+    ([{"symbol": "f"}], "{path, symbol?}"),
+    ([{"path": f"f{i}.py"} for i in range(cs.MAX_CODE_REFS + 1)], "at most"),
+    ("x" * 400, "relative path"),
+])
+def test_normalize_code_refs_rejects_clearly(refs, needle):
+    with pytest.raises(cs.InputError, match=re.escape(needle)):
+        cs.normalize_code_refs(refs)
+
+
+@pytest.mark.parametrize("text, symbol, line", [
+    (BILLING_PY, "total", 9),                        # the top-level one before a method
+    ("class A:\n    def run(self): pass\n", "run", 2),
+    (BILLING_PY, "Ledger.total", 5),
+    (BILLING_PY, "Ledger", 4),
+    (BILLING_PY, "TAX_RATE", 13),
+    (BILLING_PY, "missing", None),
+    ("// x\nexport async function handler(req) {}\n", "handler", 2),
+    ("package p\n\nfunc (s *Srv) Serve() {}\n", "Srv.Serve", 3),
+    ("pub(crate) fn parse(x: u8) {}\n", "parse", 1),
+    ("const retries = 3;\n", "retries", 1),
+    ("x = total(1)\nif total == 2: pass\n", "total", None),   # uses are not definitions
+])
+def test_find_definition(text, symbol, line):
+    assert cs.find_definition(text, symbol) == line
+
+
+@pytest.fixture
+def coderepo(repo) -> Path:
+    (repo / "src").mkdir()
+    (repo / "src" / "billing.py").write_text(BILLING_PY)
+    git(repo, "add", "src")
+    git(repo, "commit", "-q", "-m", "billing")
+    return repo
+
+
+def test_anchors_resolve_to_live_lines_and_never_leave_the_repo(coderepo, tmp_path):
+    refs = [{"path": "src/billing.py", "symbol": "TAX_RATE"}, {"path": "src/billing.py"},
+            {"path": "src/billing.py", "symbol": "nowhere"}, {"path": "gone.py"}]
+    got = cs.resolve_anchors(coderepo, refs)
+    assert [a["at"] for a in got] == ["src/billing.py:13", "src/billing.py",
+                                      "src/billing.py", None]
+    assert got[2]["symbol_found"] is False and got[3]["resolved"] is False
+    assert "sum(rows)" not in json.dumps(got)              # content is never inlined
+    (coderepo / "src" / "billing.py").write_text("# moved\n\n" + BILLING_PY)
+    git(coderepo, "commit", "-qam", "shift")               # a new HEAD: resolved afresh
+    assert cs.resolve_anchors(coderepo, refs[:1])[0]["at"] == "src/billing.py:15"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.py").write_text("def key(): pass\n")
+    (coderepo / "link").symlink_to(outside)
+    hostile = [{"path": "../outside/secret.py"}, {"path": str(outside / "secret.py")},
+               {"path": "link/secret.py", "symbol": "key"}, {"path": ".git/config"}]
+    escaped = cs.resolve_anchors(coderepo, hostile)
+    assert [a["resolved"] for a in escaped] == [False] * 4
+    assert {a["why"] for a in escaped} == {"outside the repo"}
+    assert cs.is_stale_code(escaped) and not cs.is_stale_code(got)
+
+
+def test_item_line_carries_id_kind_marks_one_line_content_and_pointer():
+    it = cs.new_item("Money is integer cents.\n  Never   floats. " + "x" * 300, kind="pitfall")
+    it = dataclasses.replace(it, last_verified="2026-01-01T00:00:00Z", scope="team", trust={
+        "recalls": 4, "projects": ["a"], "recalled_by": {"ada": "d", "bo": "d"},
+        "endorsements": [{"by": "ada"}, {"by": "bo"}]})
+    line = cs.item_line(it, anchors=[{"path": "b.py", "resolved": True, "at": "b.py:9"},
+                                     {"path": "c.py", "resolved": True, "at": "c.py"}])
+    assert line.startswith(f"{it.id} memory/pitfall [endorsed×2 verified recalled×2 team] "
+                           "Money is integer cents. Never floats. xxx")
+    assert line.endswith("… → b.py:9 (+1)") and "\n" not in line
+    human = dataclasses.replace(cs.new_item("Backups run at three"), authority="human",
+                                failing={"at": "2026-01-01T00:00:00Z", "exit": 1})
+    assert cs.item_line(human) == f"{human.id} memory/note [human failing] Backups run at three"
+    need = cs.new_item("no runbook", type="need", kind="need")
+    assert cs.item_line(need, anchors=[{"path": "a.py", "resolved": False, "at": None}]) == \
+        f"{need.id} need no runbook → stale code: a.py"
+
+
+def test_recall_lines_by_default_full_on_request_with_anchors(coderepo):
+    cap = cs.capture("Invoice totals are integer cents", kind="pitfall", tags="billing",
+                     code_refs=[{"path": "src/billing.py", "symbol": "total"}])
+    assert cap["item"]["code_refs"] == [{"path": "src/billing.py", "symbol": "total"}]
+    cs.capture("Ledger rounding lives in the old module", tags="billing",
+               code_refs=["src/old_ledger.py"])
+    lines = cs.recall("invoice totals cents billing")["results"]
+    assert set(lines[0]) == {"id", "relevance", "line"}
+    assert lines[0]["line"].endswith("→ src/billing.py:9")
+    full = cs.recall("invoice totals cents billing", detail="full")["results"]
+    assert full[0]["content"] == "Invoice totals are integer cents"
+    assert full[0]["code"][0]["at"] == "src/billing.py:9"
+    stale = cs.recall("ledger rounding old module")["results"][0]
+    assert stale["stale_code"] is True and "stale code: src/old_ledger.py" in stale["line"]
+    with pytest.raises(cs.InputError, match="detail"):
+        cs.recall("x", detail="everything")
+    with pytest.raises(cs.InputError, match="no '..'"):
+        cs.capture("escape", code_refs=[{"path": "../x.py"}])
+
+
+def test_expand_returns_the_whole_item_and_earns_no_credit(coderepo):
+    iid = cs.capture("Ledger totals are summed per row", why="rounding per line drifted",
+                     code_refs=[{"path": "src/billing.py", "symbol": "Ledger.total"}]
+                     )["item"]["id"]
+    cs.endorse(iid, note="holds for every ledger")
+    cs.verify_entry(iid, note="checked against the code")
+    before = {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()}
+    out = cs.expand(iid)
+    assert out["content"] == "Ledger totals are summed per row"
+    assert out["why"] == "rounding per line drifted" and out["scope"] == "local"
+    assert out["endorsements"][0]["note"] == "holds for every ledger"
+    assert [e["event"] for e in out["history"]] == ["created", "endorsed", "verified"]
+    assert out["code"][0]["at"] == "src/billing.py:5" and "stale_code" not in out
+    assert out["line"].startswith(f"{iid} memory/note [endorsed verified]")
+    assert out["recalls"] == 0 and out["provenance"] == "capture by ada"
+    assert {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()} == before
+    with pytest.raises(cs.NotFound):
+        cs.expand("k-000000000000")
+
+
+def test_distill_drafts_carry_code_refs_from_changed_files_and_entries():
+    claim = {"task": "fix totals", "status": "done", "updated_at": "2026-01-01T00:00:00Z",
+             "changed_files": [{"status": "M", "path": "src/billing.py"},
+                               {"status": "D", "path": "src/old.py"},
+                               {"status": "A", "path": "../../etc/passwd"}]}
+    assert cs.claim_to_draft("ada", claim).code_refs == [{"path": "src/billing.py"}]
+    con = {"id": "con-001", "rule": "Never import server from hooks/guard.py",
+           "reason": "startup cost", "scope": "hooks/", "status": "active"}
+    assert cs.context_entry_to_draft("constraint", con).code_refs == [
+        {"path": "hooks"}, {"path": "hooks/guard.py"}]
+    dec = {"id": "dec-002", "summary": "Use JSON files", "why_chosen": "simple",
+           "status": "active", "scope": "global"}
+    assert cs.context_entry_to_draft("decision", dec).code_refs is None
+
+
+def _hand_edit(repo: Path, change) -> None:
+    path = repo / ".cambium" / "knowledge.json"
+    doc = cs.parse_store(path.read_text(), str(path))
+    path.write_text(cs.render_store(dataclasses.replace(doc, items=[change(i) for i in doc.items])))
+
+
+def test_primer_orders_sections_states_its_size_and_changes_nothing(coderepo):
+    cs.capture("Old note nobody vouched for", tags="misc")
+    trusted = cs.capture("Deploys go out on Tuesdays", tags="deploy")["item"]["id"]
+    cs.endorse(trusted, note="team rule")
+    cs.capture("Schema changes need a migration first", kind="decision", tags="db")
+    pit = cs.capture("Never call total() with floats", kind="pitfall", tags="billing",
+                     code_refs=[{"path": "src/billing.py", "symbol": "total"}])["item"]["id"]
+    cs.record_need("no runbook for the billing export")
+    old = cs.capture("Exports read the NetSuite feed", valid_while="while billing runs on "
+                     "NetSuite")["item"]["id"]
+    _hand_edit(coderepo, lambda i: dataclasses.replace(i, created_at="2020-01-01T00:00:00Z")
+               if i.id == old else i)
+    before = {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()}
+    out = cs.session_primer()
+    text = out["primer"]
+    heads = ["Pitfalls and constraints:", "Settled decisions:", "Most trusted notes:",
+             "Premises to re-check:", "Open needs:"]
+    assert [text.index(h) for h in heads] == sorted(text.index(h) for h in heads)
+    assert f"- {pit} memory/pitfall Never call total() with floats → src/billing.py:9" in text
+    notes = text[text.index("Most trusted notes:"):text.index("Premises")]
+    assert notes.index(trusted) < notes.index("Old note")        # trust first
+    assert "while billing runs on NetSuite" in text and "unchecked" in text
+    assert text.splitlines()[0] == (f"cambium primer for {coderepo.name}: 6 of 6 items, "
+                                    f"~{out['tokens']} tokens.") or "~" in text.splitlines()[0]
+    assert out["entries"] == 6 and out["tokens"] <= cs.PRIMER_TOKEN_BUDGET
+    after = {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()}
+    assert after == before                                        # no credit, no write
+
+
+def test_primer_is_bounded_by_limit_and_token_budget(repo):
+    items = [cs.new_item(f"Pitfall {i}: " + "word " * 60, kind="pitfall", project="proj")
+             for i in range(150)] + \
+            [cs.new_item(f"Decision {i}", kind="decision", project="proj") for i in range(5)]
+    d = repo / ".cambium"
+    d.mkdir(exist_ok=True)
+    cs.atomic_write(d / "knowledge.json", cs.render_store(cs.Doc(items=items)))
+    out = cs.session_primer(limit=100)
+    assert out["tokens"] <= cs.PRIMER_TOKEN_BUDGET < cs.approx_tokens("x" * 4 * 1600)
+    assert out["sections"]["decisions"] == 5                      # not crowded out
+    assert f"of 155 items" in out["primer"] and "more not shown" in out["primer"]
+    assert cs.session_primer(limit=3)["entries"] == 3
+    with pytest.raises(cs.InputError, match="limit"):
+        cs.session_primer(limit=0)
+
+
+def test_primer_empty_store_is_one_line(repo):
+    out = cs.session_primer()
+    assert out["entries"] == 0 and "\n" not in out["primer"]
+    assert "nothing known yet" in out["primer"]
+
+
+def test_primer_org_items_only_when_used_or_tags_match():
+    now = cs.datetime.now(cs.timezone.utc)
+    local = cs.dataclasses.replace(cs.new_item("Local", tags="billing"), id="k-l")
+    used = cs.dataclasses.replace(cs.new_item("Used", project="other"), id="k-u", scope="org",
+                                  trust={"recalls": 1, "endorsements": [], "projects": ["shop"]})
+    tagged = cs.dataclasses.replace(cs.new_item("Tagged", tags="billing", project="other"),
+                                    id="k-t", scope="org")
+    alien = cs.dataclasses.replace(cs.new_item("Alien", tags="kernel", project="other"),
+                                   id="k-a", scope="org")
+    team = cs.dataclasses.replace(cs.new_item("Team", tags="rollout", project="x"),
+                                  id="k-m", scope="team")
+    docs = {"local": cs.Doc(items=[local]), "team": cs.Doc(items=[team]),
+            "org": cs.Doc(items=[used, tagged, alien])}
+    got = {e.item.id for e in cs.primer_candidates(docs, {}, project="shop", now=now)}
+    assert got == {"k-l", "k-u", "k-t", "k-m"}
+
+
+def test_primer_reads_shared_scopes_at_the_last_fetched_tip(shared, monkeypatch):
+    cs.promote(_endorsed("Team rule: rotate signing keys monthly"), to_scope="team")
+    as_agent(monkeypatch, shared["b"], "bo")
+    cs.promote(_endorsed("Team rule: peers push later"), to_scope="team")
+    as_agent(monkeypatch, shared["a"], "ada")
+    refs = git(shared["a"], "for-each-ref")
+    text = cs.session_primer()["primer"]
+    assert "rotate signing keys" in text and "peers push later" not in text   # no fetch
+    assert git(shared["a"], "for-each-ref") == refs
+
+
+def _hook(cwd: Path, stdin: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    probe = textwrap.dedent(f"""
+        import sys, runpy
+        sys.argv = ["cambium_server.py", "primer", "--hook", *{list(args)!r}]
+        try:
+            runpy.run_path({str(SERVER)!r}, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        heavy = [m for m in ("mcp", "pydantic", "uvicorn") if m in sys.modules]
+        sys.stderr.write("HEAVY=" + ",".join(heavy) + "\\n")
+        sys.exit(code)
+    """)
+    return subprocess.run([sys.executable, "-c", probe], cwd=cwd, input=stdin, text=True,
+                          capture_output=True, env=child_env(**env), timeout=60)
+
+
+def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path, monkeypatch):
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")                   # the hook's cwd binds the project
+    payload = json.dumps({"cwd": str(repo), "session_id": "s1", "source": "startup",
+                          "hook_event_name": "SessionStart"})
+    out = _hook(tmp_path, payload)
+    assert out.returncode == 0 and "HEAVY=\n" in out.stderr     # no SDK on this path
+    ctx = json.loads(out.stdout)["hookSpecificOutput"]
+    assert ctx["hookEventName"] == "SessionStart"
+    assert "Never deploy on Fridays" in ctx["additionalContext"]
+    nowhere = tmp_path / "not-a-repo"
+    nowhere.mkdir()
+    for stdin, args in ((json.dumps({"cwd": str(nowhere)}), ()), ("{not json", ()),
+                        ("[1, 2]", ()), (payload, ("--limit", "0")), (payload, ("--bogus",))):
+        res = _hook(tmp_path, stdin, *args)
+        assert (res.returncode, res.stdout) == (0, ""), (stdin, args, res.stderr)
+    store = repo / ".cambium" / "knowledge.json"
+    store.write_text("{ corrupt")
+    res = _hook(tmp_path, payload)
+    assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
+
+
+def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
+    out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
+              "--kind", "decision")
+    iid = json.loads(out.stdout)["item"]["id"]
+    shown = json.loads(cli("show", iid).stdout)
+    assert shown["code"][0]["at"] == "src/billing.py:5" and shown["id"] == iid
+    res = json.loads(cli("recall", "ledger totals", "--detail", "full").stdout)["results"]
+    assert res[0]["content"] == "Ledger totals sum rows"
+    text = cli("primer", "--format", "text").stdout
+    assert text.startswith("cambium primer for") and f"{iid} memory/decision" in text
+    bad = cli("capture", "x", "--code-ref", "/etc/passwd")
+    assert bad.returncode == 1 and "absolute" in bad.stderr
+
+
+def test_mcp_primer_tool_resource_expand_and_instructions(coderepo):
+    async def body(session, init):
+        for step in ("session_primer", "recall", "capture", "distill", "cambium://primer"):
+            assert step in init.instructions
+        cap = await session.call_tool("capture", {
+            "content": "Use UTC in every log line", "kind": "pitfall",
+            "code_refs": [{"path": "src/billing.py", "symbol": "Ledger"}]})
+        iid = cap.structured_content["item"]["id"]
+        prim = (await session.call_tool("session_primer", {})).structured_content
+        assert f"{iid} memory/pitfall Use UTC in every log line → src/billing.py:4" in \
+            prim["primer"]
+        res = await session.read_resource("cambium://primer")
+        assert res.contents[0].text == prim["primer"]
+        exp = (await session.call_tool("expand", {"item_id": iid})).structured_content
+        assert exp["code"][0]["at"] == "src/billing.py:4"
+        rec = (await session.call_tool("recall", {"query": "utc log line"})).structured_content
+        assert rec["results"][0]["line"].startswith(iid)
+        bad = await session.call_tool("session_primer", {"limit": 0})
+        assert bad.is_error
+        return True
+
+    assert asyncio.run(_mcp_session(_mcp_env(coderepo), body))
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server(repo: Path, token: str | None):
+    port = _free_port()
+    env = {**_mcp_env(repo), **({"CAMBIUM_HTTP_TOKEN": token} if token else {})}
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
+                             str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        import socket
+        deadline = cs.time.time() + 30
+        while cs.time.time() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            cs.time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+async def _http_session(url: str, token: str | None, body):
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    async with create_mcp_http_client(headers=headers) as client:
+        async with streamable_http_client(url, http_client=client) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return await body(session)
+
+
+def _http_status(url: str, token: str | None) -> int:
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=b"{}", method="POST", headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+        **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_http_serve_requires_the_token_and_keeps_every_capture(repo):
+    async def capture_many(session, who: str):
+        for i in range(8):
+            res = await session.call_tool("capture", {"content": f"{who} learned fact {i}"})
+            assert res.structured_content["status"] == "captured"
+        return True
+
+    async def clients(url: str):
+        return await asyncio.gather(*(_http_session(url, "s3cret", lambda s, w=w:
+                                                    capture_many(s, w))
+                                      for w in ("ann", "bob", "cy")))
+
+    with http_server(repo, "s3cret") as url:
+        for token in (None, "wrong"):
+            with pytest.raises(BaseException):
+                asyncio.run(_http_session(url, token, lambda s: s.list_tools()))
+            assert _http_status(url, token) == 401
+        assert _http_status(url, "s3cret") != 401
+        assert all(asyncio.run(clients(url)))
+    doc = cs.store(cs.require_config(), "local").read()
+    assert len({i.content for i in doc.items}) == 24
+
+
+def test_http_serve_without_token_binds_loopback_only(repo):
+    async def names(session):
+        return {t.name for t in (await session.list_tools()).tools}
+
+    with http_server(repo, None) as url:
+        assert {"session_primer", "expand", "recall"} <= asyncio.run(
+            _http_session(url, None, names))
+    out = cli("serve", "--http", "--host", "0.0.0.0", "--port", str(_free_port()))
+    assert out.returncode == 2 and "CAMBIUM_HTTP_TOKEN" in out.stderr
+    assert cs.http_bind_problem("::1", 7077, None) is None
+    assert cs.http_bind_problem("10.0.0.5", 7077, "t") is None
+    assert "port" in cs.http_bind_problem("127.0.0.1", 0, None)
 
 
 if __name__ == "__main__":
