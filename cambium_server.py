@@ -3995,12 +3995,12 @@ class Semantic:
         if index.live == 0:
             return Ranking([], 0.0, mode="semantic")
         sv = self.vectors(index)
-        q = emb.embed([query])[0]
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
             tmat, tslot, tdisc = sv.tails()
             waiting = len(sv.missing)
+        q = emb.embed([query])[0] if usable.any() else np.zeros(EMBED_DIM, np.float32)
         sim = first @ q
         if len(tmat):                        # rows of one slot are contiguous: reduceat
             starts = np.flatnonzero(np.r_[True, tslot[1:] != tslot[:-1]])
