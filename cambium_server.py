@@ -5544,12 +5544,16 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
         ranked[e.section].append(e)
     picked = _quota_pick(ranked, limit)
     lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
+    ids = {name: [e.item.id for e in chosen] for name, chosen in picked.items()}
     names = [name for name, _, _ in PRIMER_SECTIONS]
     text = _render_primer(lines, project, len(entries))
     while approx_tokens(text) > budget and any(lines.values()):
-        lines[max(reversed(names), key=lambda n: len(lines[n]))].pop()
+        fullest = max(reversed(names), key=lambda n: len(lines[n]))
+        lines[fullest].pop()
+        ids[fullest].pop()
         text = _render_primer(lines, project, len(entries))
-    return {"primer": text, "entries": sum(map(len, lines.values())),
+    return {"primer": text, "ids": [i for name in names for i in ids.get(name, [])],
+            "entries": sum(map(len, lines.values())),
             "candidates": len(entries), "tokens": approx_tokens(text),
             "budget_tokens": budget, "sections": {n: len(v) for n, v in lines.items() if v}}
 
@@ -6700,6 +6704,7 @@ def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
 
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit),
            "project": cfg.project, "scopes_read": list(docs)}
+    note_shown(cfg, out.pop("ids", []), "primer")
     if warnings:
         out["warnings"] = warnings
     return out
@@ -6727,6 +6732,7 @@ def expand(item_id: ItemId) -> dict:
            "history": item_history(item), "code": anchors}
     if is_stale_code(anchors):
         out["stale_code"] = True
+    note_shown(cfg, [item.id], "expand")
     return out
 
 
@@ -7274,12 +7280,13 @@ def usage(session: Annotated[str | None, Field(
         out = {"session": session, "items": rows, "count": len(rows)}
         return {**out, "warnings": warnings} if warnings else out
     sessions: dict[str, dict] = {}
-    for rec in records:
-        row = sessions.setdefault(rec["session"], {"session": rec["session"], "items": set(),
-                                                   "first_at": rec.get("at")})
+    for rec in records:                  # journal order: the last one seen is the latest
+        row = sessions.pop(rec["session"], None) or {"session": rec["session"], "items": set(),
+                                                     "first_at": rec.get("at")}
         row["items"].add(rec["item"])
         row["last_at"] = rec.get("at")
-    recent = sorted(sessions.values(), key=lambda r: str(r.get("last_at")))[-20:][::-1]
+        sessions[rec["session"]] = row
+    recent = list(sessions.values())[-20:][::-1]
     return {"sessions": [{**r, "items": len(r["items"])} for r in recent],
             "count": len(sessions)}
 
@@ -7781,15 +7788,19 @@ def mcp_session_id(ctx: Any) -> str | None:
         req = ctx.request_context
     except Exception:                        # no request in flight (direct calls)
         return None
+    # the SDK builds a ServerSession per request; the connection under it lasts
+    # as long as the client stays connected (mcp 2.3 has no public accessor)
+    conn = getattr(req.session, "_connection", None) or req.session
     headers = getattr(req.request, "headers", None) or {}
-    sid = headers.get("mcp-session-id") if hasattr(headers, "get") else None
+    sid = getattr(conn, "session_id", None) or (
+        headers.get("mcp-session-id") if hasattr(headers, "get") else None)
     if sid:
         return str(sid)
     rt = runtime()
     with rt.lock:
         try:
-            return rt.sessions.setdefault(req.session, f"mcp-{os.urandom(6).hex()}")
-        except TypeError:                    # a session object that cannot be weakly keyed
+            return rt.sessions.setdefault(conn, f"mcp-{os.urandom(6).hex()}")
+        except TypeError:                    # an object that cannot be weakly keyed
             return None
 
 

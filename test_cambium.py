@@ -2959,6 +2959,16 @@ def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
         assert len(done["superseded"]) == 1
         bad = await session.call_tool("consolidate", {"scope": "nowhere"})
         assert bad.is_error
+        primer = (await session.call_tool("session_primer", {})).structured_content
+        assert "Office plants" in primer["primer"] and "ids" not in primer
+        kept = done["groups"][0]["survivor"]["id"]
+        await session.call_tool("expand", {"item_id": kept})
+        mine = (await session.call_tool("usage", {})).structured_content["sessions"][0]
+        seen = (await session.call_tool("usage", {"session": mine["session"]})
+                ).structured_content["items"]
+        assert "expand" in next(r["via"] for r in seen if r["item"] == kept)
+        assert any("primer" in r["via"] and r["item"] in primer["primer"] for r in seen)
+        assert any("recall" in r["via"] for r in seen)      # one id for the whole connection
         return (await session.call_tool("usage", {})).structured_content["sessions"][0]
 
     sid1, fixed_id = asyncio.run(_mcp_session(_mcp_env(repo), session_one))
@@ -3998,6 +4008,10 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
     ctx = json.loads(out.stdout)["hookSpecificOutput"]
     assert ctx["hookEventName"] == "SessionStart"
     assert "Never deploy on Fridays" in ctx["additionalContext"]
+    monkeypatch.setenv("CAMBIUM_REPO", str(repo))
+    shown = cs.usage(session="s1")["items"]              # attributed to the hook's session
+    assert [r["via"] for r in shown] == [["primer"]]
+    monkeypatch.delenv("CAMBIUM_REPO")
     nowhere = tmp_path / "not-a-repo"
     nowhere.mkdir()
     for stdin, args in ((json.dumps({"cwd": str(nowhere)}), ()), ("{not json", ()),
