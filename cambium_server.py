@@ -52,10 +52,10 @@ store), and two operator-only ones no MCP tool can reach: verify-cmd (attach a
 shell check) and verify --run (run the checks). The CLI path never imports the
 MCP SDK: hooks run it at every session end and the SDK costs about a second.
 
-Sections, in the order data flows: constants, errors, records, write-time
-normalization, config, process state (the Runtime), git plumbing, storage
-(files, the scope interface, the local file, the credit journal, the shared
-git scopes),
+Sections, in the order data flows: constants, errors, API arguments (how a
+tool's signature describes its arguments), records, write-time normalization,
+config, process state (the Runtime), git plumbing, storage (files, the scope
+interface, the local file, the credit journal, the shared git scopes),
 substrate readers, import adapters, recall (lexical, semantic, ranking),
 ingest, lifecycle decisions, consolidation (pure), code anchors, scope helpers
 (item views and one-line results), scope reads, the primer digest, distill,
@@ -71,8 +71,8 @@ import contextlib
 import contextvars
 import dataclasses
 import fcntl
-import gc
 import functools
+import gc
 import hashlib
 import heapq
 import importlib.util
@@ -769,6 +769,14 @@ class Config:
     def get(self, key: str) -> str | None:
         return self.values.get(key)
 
+    def _number(self, key: str, kind: Callable[[str], Any], fallback: Any) -> Any:
+        """A numeric setting; the fallback when it is unset or not a number
+        (_validate has already reported it in `problems`)."""
+        try:
+            return kind(self.values[key])
+        except (KeyError, TypeError, ValueError):
+            return fallback
+
     @property
     def repo(self) -> Path | None:
         v = self.values.get("CAMBIUM_REPO")
@@ -784,10 +792,7 @@ class Config:
 
     @property
     def git_timeout_s(self) -> float:
-        try:
-            return float(self.values["CAMBIUM_GIT_TIMEOUT"])
-        except (TypeError, ValueError):
-            return 25.0
+        return self._number("CAMBIUM_GIT_TIMEOUT", float, 25.0)
 
     @property
     def team_branch(self) -> str:
@@ -804,10 +809,7 @@ class Config:
 
     @property
     def promote_recalls(self) -> int:
-        try:
-            return int(self.values["CAMBIUM_PROMOTE_RECALLS"])
-        except (TypeError, ValueError):
-            return 3
+        return self._number("CAMBIUM_PROMOTE_RECALLS", int, 3)
 
     @property
     def release_capture(self) -> bool:
@@ -815,10 +817,7 @@ class Config:
 
     @property
     def fetch_interval_s(self) -> float:
-        try:
-            return float(self.values["CAMBIUM_FETCH_INTERVAL"])
-        except (TypeError, ValueError):
-            return 30.0
+        return self._number("CAMBIUM_FETCH_INTERVAL", float, 30.0)
 
     @property
     def project(self) -> str:
@@ -4913,25 +4912,37 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     return {**out, "at": f"{path}:{line}", "line": line}
 
 
+def _git_dirs(root: Path) -> tuple[Path, Path]:
+    """(git dir, common dir) of the clone or linked worktree at root, read from
+    .git without spawning git. Raises OSError/IndexError when unreadable."""
+    dotgit = root / ".git"
+    gitdir = dotgit if dotgit.is_dir() else \
+        (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
+    common = gitdir / (gitdir / "commondir").read_text().strip() \
+        if (gitdir / "commondir").exists() else gitdir
+    return gitdir, common
+
+
+def _ref_value(root: Path, ref: str) -> str:
+    """The commit a ref names ("" when there is no such ref), read from .git
+    without spawning git. Raises OSError/IndexError when unreadable."""
+    gitdir, common = _git_dirs(root)
+    for base in (gitdir, common):
+        if (base / ref).is_file():
+            return (base / ref).read_text().strip()
+    with contextlib.suppress(FileNotFoundError):
+        for ln in (common / "packed-refs").read_text().splitlines():
+            if ln.endswith(" " + ref):
+                return ln.split()[0]
+    return ""
+
+
 def _git_head(root: Path) -> str | None:
     """The commit HEAD points at, read from .git without spawning git (None:
     not readable that way; then nothing is cached across calls)."""
     try:
-        dotgit = root / ".git"
-        gitdir = dotgit if dotgit.is_dir() else \
-            (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
-        head = (gitdir / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head[5:]
-        common = gitdir / (gitdir / "commondir").read_text().strip() \
-            if (gitdir / "commondir").exists() else gitdir
-        for base in (gitdir, common):
-            if (base / ref).is_file():
-                return (base / ref).read_text().strip()
-        packed = (common / "packed-refs").read_text()
-        return next((ln.split()[0] for ln in packed.splitlines() if ln.endswith(" " + ref)),
-                    head)
+        head = (_git_dirs(root)[0] / "HEAD").read_text().strip()
+        return _ref_value(root, head[5:]) or head if head.startswith("ref: ") else head
     except (OSError, IndexError, ValueError):
         return None
 
@@ -6686,7 +6697,15 @@ def session_primer(limit: Annotated[int, Field(
 
 
 def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
-    """The primer of cfg's project (tool, resource and SessionStart hook)."""
+    """The primer of cfg's project (tool, resource and SessionStart hook); the
+    session is noted as shown its entries."""
+    out = _make_primer(cfg, limit)
+    note_shown(cfg, out.pop("ids", []), "primer")
+    return out
+
+
+def _make_primer(cfg: Config, limit: int) -> dict:
+    """The primer, with the ids of its entries under "ids"."""
     docs, warnings = read_scopes_offline(cfg)
     now = datetime.now(timezone.utc)
     pending: dict[str, list] = {}
@@ -6704,9 +6723,51 @@ def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
 
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit),
            "project": cfg.project, "scopes_read": list(docs)}
-    note_shown(cfg, out.pop("ids", []), "primer")
     if warnings:
         out["warnings"] = warnings
+    return out
+
+
+PRIMER_CACHE_FILE = "primer-cache.json"   #: under .cambium/: the hook's last primer
+
+
+def primer_key(cfg: Config, limit: int) -> str | None:
+    """A name for everything a primer is made from, taken without parsing a
+    store or spawning git for a ref: the settings, the day (ages), the local
+    file and credit journal as they stand, the last fetched team and org tips,
+    and HEAD (anchors). None when a part cannot be named that way."""
+    parts: list = [__version__, limit, _today(), sorted(cfg.values.items())]
+    try:
+        for path in (cfg.local_dir / STORE_FILE, credits_path(cfg)):
+            st = os.stat(path) if path.exists() else None
+            parts.append(st and (st.st_ino, st.st_size, st.st_mtime_ns))
+        for scope in ("team", "org"):
+            with contextlib.suppress(ScopeOff):
+                st = store(cfg, scope)
+                parts.append((scope, _ref_value(st.repo, st.ref)))
+        parts.append(_git_head(cfg.repo))
+    except (OSError, IndexError, CambiumError):
+        return None
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+
+def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
+    """The primer for a hook: from .cambium/primer-cache.json while nothing it
+    is made from has changed (a session start then parses no store), else made
+    afresh and cached. shown: note the session as shown its entries."""
+    key, path = primer_key(cfg, limit), cfg.local_dir / PRIMER_CACHE_FILE
+    held: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        held = json.loads(path.read_text(encoding="utf-8"))
+    if key is not None and isinstance(held, dict) and held.get("key") == key:
+        out = dict(held["primer"])
+    else:
+        out = _make_primer(cfg, limit)
+        if key is not None and not out.get("warnings") and cfg.local_dir.is_dir():
+            atomic_write(path, json.dumps({"key": key, "primer": out}, ensure_ascii=False))
+    ids = out.pop("ids", [])
+    if shown:
+        note_shown(cfg, ids, "primer")
     return out
 
 
@@ -8106,7 +8167,7 @@ def primer_hook(argv: list[str]) -> int:
         cfg = resolve_config()
         if not cfg.configured or not 1 <= limit <= MAX_PRIMER_LIMIT:
             return 0
-        out = primer_for(cfg, limit)
+        out = cached_primer(cfg, limit)
         if out.get("warnings"):             # a scope it could not read: say nothing
             raise CambiumError("; ".join(out["warnings"]))
         sys.stdout.write(json.dumps({"hookSpecificOutput": {
@@ -8316,7 +8377,16 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
         print(json.dumps(_cli_answer(result), indent=2, ensure_ascii=False), file=out)
     else:
         print(_text(_cli_answer(result)), file=out)
+    if args.hook:
+        _warm_primer()
     return 1 if result.get("store_warnings") else 0
+
+
+def _warm_primer() -> None:
+    """After a session-end distill, make the next session start's primer now
+    (the session-start hook then reads it from the cache). Best effort."""
+    with contextlib.suppress(Exception):
+        cached_primer(resolve_config(), PRIMER_LIMIT, shown=False)
 
 
 # =============================================================================

@@ -4024,6 +4024,31 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
     assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
 
 
+def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, monkeypatch):
+    cs.capture("Pin the base image digest", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    payload = json.dumps({"cwd": str(repo), "session_id": "s2", "source": "startup"})
+    cache = repo / ".cambium" / cs.PRIMER_CACHE_FILE
+    assert "Pin the base image digest" in _hook(tmp_path, payload).stdout and cache.exists()
+    held = json.loads(cache.read_text())
+    held["primer"]["primer"] += "\nFROM-CACHE"          # a hit serves the cached text as is
+    cache.write_text(json.dumps(held))
+    assert "FROM-CACHE" in _hook(tmp_path, payload).stdout
+    monkeypatch.setenv("CAMBIUM_REPO", str(repo))
+    assert [r["times"] for r in cs.usage(session="s2")["items"]] == [2]    # hits count too
+    cs.capture("Rotate the signing key yearly", kind="constraint")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    fresh = _hook(tmp_path, payload).stdout          # the store changed: made afresh
+    assert "FROM-CACHE" not in fresh and "Rotate the signing key yearly" in fresh
+    cache.unlink()
+    end = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"], cwd=tmp_path,
+                         input=payload, text=True, capture_output=True, env=child_env(),
+                         timeout=120)
+    assert end.returncode == 0 and end.stdout == "" and cache.exists()  # session end warms it
+    assert json.loads(cache.read_text())["primer"]["primer"] in \
+        json.loads(_hook(tmp_path, payload).stdout)["hookSpecificOutput"]["additionalContext"]
+
+
 def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
               "--kind", "decision")
