@@ -1055,6 +1055,7 @@ class Runtime:
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
         self.fold_timer: threading.Timer | None = None
+        self.fold_cost_s = 0.0          #: how long the last background credit fold took
         self.file_locks: dict[str, threading.RLock] = {}
         #: MCP client connection -> the session id usage attribution files it under
         self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -6816,7 +6817,9 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     return pending + new
 
 
-CREDIT_FOLD_DELAY_S = 2.0     #: the server folds journaled recall credits this soon after
+CREDIT_FOLD_DELAY_S = 2.0     #: the server folds journaled recall credits this soon after...
+CREDIT_FOLD_DUTY = 20         #: ...or, on a store whose rewrite is slow, after this many
+                              #: times the last fold's cost (folding takes <= 5% of the time)
 
 
 def fold_credits_now(cfg: Config, scopes: Iterable[str] = ("local", "team")) -> int:
@@ -6848,13 +6851,17 @@ def _schedule_credit_fold(cfg: Config) -> None:
     def run() -> None:
         with rt.lock:
             rt.fold_timer = None
+        started = time.monotonic()
         with use_runtime(rt):
             _fold_quietly(cfg, "not yet folded")
+        with rt.lock:
+            rt.fold_cost_s = time.monotonic() - started
 
     with rt.lock:
         if rt.fold_timer is not None:
             return
-        rt.fold_timer = threading.Timer(CREDIT_FOLD_DELAY_S, run)
+        delay = max(CREDIT_FOLD_DELAY_S, CREDIT_FOLD_DUTY * rt.fold_cost_s)
+        rt.fold_timer = threading.Timer(delay, run)
         rt.fold_timer.daemon = True
         rt.fold_timer.start()
 
