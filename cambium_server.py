@@ -6737,7 +6737,8 @@ def primer_key(cfg: Config, limit: int) -> str | None:
     store or spawning git for a ref: the settings, the day (ages), the local
     file and credit journal as they stand, the last fetched team and org tips,
     and HEAD (anchors). None when a part cannot be named that way."""
-    parts: list = [__version__, limit, _today(), sorted(cfg.values.items())]
+    parts: list = [__version__, limit, _today(), cfg.project, cfg.remote, cfg.team_branch,
+                   str(cfg.org_repo)]
     try:
         for path in (cfg.local_dir / STORE_FILE, credits_path(cfg)):
             st = os.stat(path) if path.exists() else None
@@ -6770,6 +6771,14 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
     if shown:
         note_shown(cfg, ids, "primer")
     return out
+
+
+def warm_primer(cfg: Config | None = None) -> None:
+    """Make the next session start's primer now, after a write that changed
+    what it is made from (a session-end distill, the server's credit folds),
+    so the SessionStart hook reads it from the cache. Best effort."""
+    with contextlib.suppress(Exception):
+        cached_primer(cfg or resolve_config(), PRIMER_LIMIT, shown=False)
 
 
 def expand(item_id: ItemId) -> dict:
@@ -6854,6 +6863,7 @@ def _schedule_credit_fold(cfg: Config) -> None:
         started = time.monotonic()
         with use_runtime(rt):
             _fold_quietly(cfg, "not yet folded")
+            warm_primer(cfg)
         with rt.lock:
             rt.fold_cost_s = time.monotonic() - started
 
@@ -7953,7 +7963,7 @@ def serve(http: Annotated[bool, Field(
     finally:
         rt.long_running.clear()
         rt.cancel_fold()
-        _fold_on_exit()
+        _fold_on_exit(warm=True)
     return 0
 
 
@@ -8011,13 +8021,16 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> No
     anyio.run(uvicorn.Server(config).serve)
 
 
-def _fold_on_exit(scopes: Iterable[str] = ("local", "team")) -> None:
+def _fold_on_exit(scopes: Iterable[str] = ("local", "team"), *, warm: bool = False) -> None:
     """Fold journaled recall credits into their stores as a process ends cleanly
-    (the server: local and team; the CLI: local, its own recall's)."""
+    (the server: local and team, then the next primer made; the CLI: local,
+    its own recall's)."""
     with contextlib.suppress(CambiumError, OSError):
         cfg = resolve_config()
         if cfg.configured:
             _fold_quietly(cfg, "stay journaled", scopes)
+            if warm:
+                warm_primer(cfg)
 
 
 # =============================================================================
@@ -8385,15 +8398,8 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     else:
         print(_text(_cli_answer(result)), file=out)
     if args.hook:
-        _warm_primer()
+        warm_primer()
     return 1 if result.get("store_warnings") else 0
-
-
-def _warm_primer() -> None:
-    """After a session-end distill, make the next session start's primer now
-    (the session-start hook then reads it from the cache). Best effort."""
-    with contextlib.suppress(Exception):
-        cached_primer(resolve_config(), PRIMER_LIMIT, shown=False)
 
 
 # =============================================================================

@@ -3118,6 +3118,8 @@ def test_mcp_server_folds_local_credits_on_clean_shutdown(repo):
     assert _mcp_recall_then(repo, "migrations before deploy", item_id, now) == 0
     assert _stored_recalls(repo, item_id) == 1    # the shutdown folded it
     assert not (repo / ".cambium" / "credits.jsonl").read_text().strip()
+    cache = json.loads((repo / ".cambium" / cs.PRIMER_CACHE_FILE).read_text())
+    assert cache["key"] == cs.primer_key(cs.resolve_config(), cs.PRIMER_LIMIT)  # made after it
 
 
 def test_cli_recall_folds_its_local_credits_before_exiting(repo):
