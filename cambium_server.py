@@ -1265,6 +1265,41 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
     return Path(proc.stdout.strip()) if proc.returncode == 0 and proc.stdout.strip() else None
 
 
+def _git_dirs(root: Path) -> tuple[Path, Path]:
+    """(git dir, common dir) of the clone or linked worktree at root, read from
+    .git without spawning git. Raises OSError/IndexError when unreadable."""
+    dotgit = root / ".git"
+    gitdir = dotgit if dotgit.is_dir() else \
+        (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
+    common = gitdir / (gitdir / "commondir").read_text().strip() \
+        if (gitdir / "commondir").exists() else gitdir
+    return gitdir, common
+
+
+def _ref_value(root: Path, ref: str) -> str:
+    """The commit a ref names ("" when there is no such ref), read from .git
+    without spawning git. Raises OSError/IndexError when unreadable."""
+    gitdir, common = _git_dirs(root)
+    for base in (gitdir, common):
+        if (base / ref).is_file():
+            return (base / ref).read_text().strip()
+    with contextlib.suppress(FileNotFoundError):
+        for ln in (common / "packed-refs").read_text().splitlines():
+            if ln.endswith(" " + ref):
+                return ln.split()[0]
+    return ""
+
+
+def _git_head(root: Path) -> str | None:
+    """The commit HEAD points at, read from .git without spawning git (None:
+    not readable that way; then nothing is cached across calls)."""
+    try:
+        head = (_git_dirs(root)[0] / "HEAD").read_text().strip()
+        return _ref_value(root, head[5:]) or head if head.startswith("ref: ") else head
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # =============================================================================
 # Storage: files
 # knowledge.json keeps one item per line between a head (format, meta) and a
@@ -2749,15 +2784,8 @@ def read_context_dir(path: Path) -> dict[str, list] | None:
 
 def _has_ref(repo: Path, ref: str, timeout_s: float) -> bool:
     """Whether a ref exists, read from .git without spawning git when possible."""
-    gitdir = repo / ".git"
-    if gitdir.is_dir() and ref.startswith("refs/"):
-        if (gitdir / ref).is_file():
-            return True
-        try:
-            packed = (gitdir / "packed-refs").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return False
-        return any(line.endswith(" " + ref) for line in packed.splitlines())
+    with contextlib.suppress(OSError, IndexError):
+        return bool(_ref_value(repo, ref))
     proc = _git(["rev-parse", "--verify", "--quiet", ref + "^{commit}", "--"], repo, timeout_s,
                 check=False)
     return proc.returncode == 0
@@ -4911,41 +4939,6 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     if line is None:
         return {**out, "symbol_found": False}
     return {**out, "at": f"{path}:{line}", "line": line}
-
-
-def _git_dirs(root: Path) -> tuple[Path, Path]:
-    """(git dir, common dir) of the clone or linked worktree at root, read from
-    .git without spawning git. Raises OSError/IndexError when unreadable."""
-    dotgit = root / ".git"
-    gitdir = dotgit if dotgit.is_dir() else \
-        (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
-    common = gitdir / (gitdir / "commondir").read_text().strip() \
-        if (gitdir / "commondir").exists() else gitdir
-    return gitdir, common
-
-
-def _ref_value(root: Path, ref: str) -> str:
-    """The commit a ref names ("" when there is no such ref), read from .git
-    without spawning git. Raises OSError/IndexError when unreadable."""
-    gitdir, common = _git_dirs(root)
-    for base in (gitdir, common):
-        if (base / ref).is_file():
-            return (base / ref).read_text().strip()
-    with contextlib.suppress(FileNotFoundError):
-        for ln in (common / "packed-refs").read_text().splitlines():
-            if ln.endswith(" " + ref):
-                return ln.split()[0]
-    return ""
-
-
-def _git_head(root: Path) -> str | None:
-    """The commit HEAD points at, read from .git without spawning git (None:
-    not readable that way; then nothing is cached across calls)."""
-    try:
-        head = (_git_dirs(root)[0] / "HEAD").read_text().strip()
-        return _ref_value(root, head[5:]) or head if head.startswith("ref: ") else head
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
