@@ -3150,13 +3150,12 @@ def tokenize(text: str) -> list[str]:
     return out
 
 
-def item_terms(item: Item, weights: dict[str, float] | None = None) -> dict[str, float]:
+def item_terms(item: Item) -> dict[str, float]:
     """Field-weighted term frequencies of an item."""
-    weights = weights or _FIELD_WEIGHTS
     tf: dict[str, float] = {}
     for fname, text in (("content", item.content), ("why", item.why),
                         ("tags", " ".join(item.tags))):
-        w = weights[fname]
+        w = _FIELD_WEIGHTS[fname]
         for t in tokenize(text):
             tf[t] = tf.get(t, 0.0) + w
     return tf
@@ -3252,6 +3251,10 @@ class Index:
                     self._kill(slot)
                 del self.slot_of[item_id]
         self.source = items
+        return self._compacted(items, fresh)
+
+    def _compacted(self, items: list, fresh: bool) -> Index:
+        """self, or a fresh index once fewer than half its slots are live."""
         if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
             return Index().sync(items, fresh=True)
         return self
@@ -3271,9 +3274,7 @@ class Index:
                     self._kill(slot)
                 self._add(new)
         self.source = items
-        if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
-            return Index().sync(items, fresh=True)
-        return self
+        return self._compacted(items, fresh)
 
     def norms(self) -> list:
         """slot -> BM25's length term k1 * (1 - b + b * len / avg len), for the
@@ -3875,8 +3876,8 @@ class _SlotVectors:
                 self._place(slot, it, rows)
         self.filled = len(items)
         if index.dead != self.dead_seen:
-            for slot, it in enumerate(items):
-                if it is None and self.alive[slot]:
+            for slot in index.dead_slots:          # the index keeps its dead slots
+                if slot < self.filled and self.alive[slot]:
                     self.alive[slot] = False
                     self.missing.discard(slot)
             self.dead_seen = index.dead
