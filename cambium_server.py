@@ -304,14 +304,10 @@ class Param:
         return value
 
 
+@functools.cache
 def api_params(fn: Callable) -> list[Param]:
     """The API arguments of a tool: every parameter annotated with a Field, in
     order. A parameter without one (on_progress) is internal to the core."""
-    return _api_params(fn)
-
-
-@functools.cache
-def _api_params(fn: Callable) -> list[Param]:
     hints = get_type_hints(fn, include_extras=True)
     out = []
     for p in inspect.signature(fn).parameters.values():
@@ -819,10 +815,11 @@ class Config:
     def fetch_interval_s(self) -> float:
         return self._number("CAMBIUM_FETCH_INTERVAL", float, 30.0)
 
-    @property
+    @functools.cached_property
     def project(self) -> str:
         """The project's name: its remote's repository name, else the clone's
-        directory name (two clones of one repo are one project)."""
+        directory name (two clones of one repo are one project). Computed once
+        per resolved Config (resolved afresh on every call)."""
         return project_name(self.repo, self.remote, self.git_timeout_s) if self.repo else ""
 
     @property
@@ -1046,7 +1043,7 @@ class Runtime:
         self.stores: dict[str, LocalStore] = {}
         self.git_scopes: dict[tuple[str, str, str], GitScope] = {}
         self.org_branches: dict[str, str] = {}
-        self.remotes: dict[tuple[str, str], tuple[float, bool]] = {}
+        self.remotes: dict[tuple[str, str], tuple[float, str | None]] = {}
         self.indexes: dict[str, Index] = {}
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
@@ -1225,11 +1222,11 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
 
 
 def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
-    """The URL of `repo`'s remote (None: no such remote); cached until its
-    .git/config changes."""
+    """The URL of `repo`'s remote (None: no such remote); cached until its git
+    config changes (the common dir's: a linked worktree's .git is a file)."""
     try:
-        stamp = (repo / ".git" / "config").stat().st_mtime
-    except OSError:
+        stamp = (_git_dirs(repo)[1] / "config").stat().st_mtime
+    except (OSError, IndexError):
         stamp = -1.0
     key, remotes = (str(repo), remote), runtime().remotes
     hit = remotes.get(key)
@@ -5047,8 +5044,7 @@ LINE_CONTENT_CHARS = 160        #: content shown in a one-line result, then "…
 
 def one_line(text: str, limit: int) -> str:
     """Text on one line (whitespace collapsed), clipped to `limit` characters."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
+    return _clip(" ".join(text.split()), limit)
 
 
 def trust_marks(item: Item, trust: dict) -> list[str]:
@@ -5245,9 +5241,12 @@ def federated_items(docs: dict[str, Doc]) -> list[Item]:
 
 
 def locate(cfg: Config, item_id: str) -> tuple[str, Item]:
-    """(scope, item) for an id, searching local, then team, then org."""
-    docs, warnings = read_scopes(cfg, SCOPES)
+    """(scope, item) for an id, searching local, then team, then org: a shared
+    scope is fetched only when the scopes below it do not hold the item."""
+    warnings: list[str] = []
     for scope in SCOPES:
+        docs, notes = read_scopes(cfg, (scope,))
+        warnings += notes
         hit = _find_item(docs[scope], item_id) if scope in docs else None
         if hit:
             return scope, hit[1]
@@ -5398,7 +5397,7 @@ def settle_org_prs(cfg: Config) -> list[str]:
     item, drop the source copy that waited (annotated with pr_url). Returns ids."""
     if cfg.org_repo is None:
         return []
-    docs, _ = read_scopes(cfg, ("local", "team"))
+    docs, _ = read_scopes(cfg, ("local", "team"), digest=True)   # move() re-reads for real
     settled: list[str] = []
     for scope, doc in docs.items():
         waiting = [it for it in doc.items if it.pr_url]
@@ -5918,7 +5917,7 @@ def _verify_prompt(cfg: Config, result: dict, imported: list[Item]) -> None:
     done_texts = [f"{it.content} {' '.join(it.tags)}" for it in imported
                   if it.source.get("system") == "agentsync"]
     if done_texts:
-        docs, scope_warnings = read_scopes(cfg, ("team", "org"))
+        docs, scope_warnings = read_scopes(cfg, ("team", "org"), digest=True)  # advisory
         result["verify_prompt"] = stale_prompt([it for d in docs.values() for it in d.items],
                                                done_texts)
         result["warnings"] += scope_warnings
@@ -5935,7 +5934,7 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     """
     stamp = now or _now()
     local = store(cfg, "local")
-    seen_warnings = len(local.warnings)
+    seen_warnings = set(local.warnings)      # a listing of set-aside files, not a log
     doc = local.read()
     reads, errors = _read_sources(cfg, doc, stamp)
     drafts = [d for r in reads for d in r.drafts]
@@ -5949,7 +5948,7 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp)[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
-    store_warnings = local.warnings[seen_warnings:]
+    store_warnings = [w for w in local.warnings if w not in seen_warnings]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
                   errors, moved, pending)
@@ -7301,8 +7300,7 @@ def consolidate(apply: Annotated[bool, Field(
     pushes, org as a pull request in PR mode). Safe to repeat.
     """
     cfg = require_config()
-    if scope not in ("auto",) + SCOPES:
-        raise InputError(f"scope must be auto, local, team or org; got {scope!r}.")
+    scope = check_arg(consolidate, "scope", scope)
     if not isinstance(apply, bool):
         raise InputError("apply must be true or false.")
     if scope in ("team", "org"):
@@ -7635,7 +7633,7 @@ def api_table() -> tuple[Tool, ...]:
     return (
         Tool(status, "read_remote"),
         Tool(setup, "write_idempotent"),
-        Tool(session_primer, "read", aliases=("primer",), run=_cli_primer, cli_args=(
+        Tool(session_primer, "read", aliases=("primer",), cli_args=(
             (("--hook",), {"action": "store_true", "help": (
                 "run as a Claude Code SessionStart hook: read its JSON on stdin (uses its "
                 "cwd), print the digest as hookSpecificOutput.additionalContext; on any "
@@ -8164,11 +8162,6 @@ def _cli_serve(args: argparse.Namespace, kwargs: dict) -> int:
     return serve(**kwargs)
 
 
-def _cli_primer(args: argparse.Namespace, kwargs: dict) -> int:
-    """`primer`: the digest (`primer --hook` never gets here: see primer_hook)."""
-    return _cli_print(args, kwargs)
-
-
 def primer_hook(argv: list[str]) -> int:
     """`primer --hook`, Claude Code's SessionStart hook: the digest of the
     session's project as JSON hookSpecificOutput.additionalContext. A failing
@@ -8179,7 +8172,7 @@ def primer_hook(argv: list[str]) -> int:
         limit = _cli_parser(args[0]).parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
         bind_hook()
         cfg = resolve_config()
-        if not cfg.configured or not 1 <= limit <= MAX_PRIMER_LIMIT:
+        if not cfg.configured:                  # (parse_args has checked the limit)
             return 0
         out = cached_primer(cfg, limit)
         if out.get("warnings"):             # a scope it could not read: say nothing
@@ -8287,16 +8280,16 @@ def _word(value: Any) -> str:
     return str(value)
 
 
-def _emit(result: Any, fmt: str) -> None:
+def _emit(result: Any, fmt: str, file: Any = None) -> None:
     """Print a result as JSON or as text, its hints in CLI syntax."""
     result = _cli_answer(result)
     if fmt == "text":
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
         text = _text(result) if text is None else text
-        print(text)
+        print(text, file=file or sys.stdout)
     else:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        print(json.dumps(result, indent=2, ensure_ascii=False), file=file or sys.stdout)
 
 
 #: Answer fields that speak to the caller (hints, reasons, next steps): the CLI
@@ -8387,10 +8380,8 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
         print(distill_summary(result), file=out)
         for w in result["warnings"]:
             print(f"cambium: warning: {cli_syntax(w)}", file=sys.stderr)
-    elif args.format == "json":
-        print(json.dumps(_cli_answer(result), indent=2, ensure_ascii=False), file=out)
     else:
-        print(_text(_cli_answer(result)), file=out)
+        _emit(result, args.format, file=out)
     if args.hook:
         warm_primer()
     return 1 if result.get("store_warnings") else 0
