@@ -4939,6 +4939,15 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     return {**out, "at": f"{path}:{line}", "line": line}
 
 
+def path_stamp(root: str | Path, path: str) -> list:
+    """[mtime_ns, size] of a file under root; [] when it cannot be read."""
+    try:
+        st = os.stat(os.path.join(root, path))
+    except (OSError, ValueError):
+        return []
+    return [st.st_mtime_ns, st.st_size]
+
+
 def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
     """Each of an item's code_refs resolved against the working tree at `root`."""
     refs = [r for r in refs if isinstance(r, dict) and isinstance(r.get("path"), str)] \
@@ -4955,11 +4964,7 @@ def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
     out = []
     for ref in refs:
         key = (ref["path"], ref.get("symbol") if isinstance(ref.get("symbol"), str) else None)
-        try:
-            st = os.stat(os.path.join(root_real, key[0]))
-            stamp: tuple = (st.st_mtime_ns, st.st_size)
-        except (OSError, ValueError):
-            stamp = ()
+        stamp = path_stamp(root_real, key[0])
         hit = held[1].get(key)
         if hit is None or hit[0] != stamp:
             hit = held[1][key] = (stamp, _safe_resolve(root_real, key))
@@ -6698,8 +6703,9 @@ def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
     return out
 
 
-def _make_primer(cfg: Config, limit: int) -> dict:
-    """The primer, with the ids of its entries under "ids"."""
+def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> dict:
+    """The primer, with the ids of its entries under "ids"; the paths its
+    lines point at are added to `anchored` when given."""
     docs, warnings = read_scopes_offline(cfg)
     now = datetime.now(timezone.utc)
     pending: dict[str, list] = {}
@@ -6708,8 +6714,11 @@ def _make_primer(cfg: Config, limit: int) -> dict:
     entries = primer_candidates(docs, pending, project=cfg.project, now=now)
 
     def line_of(e: PrimerEntry) -> str:
-        line = item_line(e.item, trust=e.trust, anchors=resolve_anchors(cfg.repo,
-                                                                        e.item.code_refs))
+        anchors = resolve_anchors(cfg.repo, e.item.code_refs)
+        if anchored is not None:
+            anchored.update(r["path"] for r in e.item.code_refs or () if isinstance(r, dict)
+                            and isinstance(r.get("path"), str))
+        line = item_line(e.item, trust=e.trust, anchors=anchors)
         if e.section == "premises":
             line += (f" · premise “{one_line(e.item.valid_while or '', 80)}” unchecked "
                      f"{premise_age(e.item, now)}d")
@@ -6749,17 +6758,23 @@ def primer_key(cfg: Config, limit: int) -> str | None:
 def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
     """The primer for a hook: from .cambium/primer-cache.json while nothing it
     is made from has changed (a session start then parses no store), else made
-    afresh and cached. shown: note the session as shown its entries."""
+    afresh and cached. The files its code pointers name count too (a working-
+    tree edit moves a symbol without a commit). shown: note the session as
+    shown its entries."""
     key, path = primer_key(cfg, limit), cfg.local_dir / PRIMER_CACHE_FILE
     held: Any = None
     with contextlib.suppress(OSError, ValueError):
         held = json.loads(path.read_text(encoding="utf-8"))
-    if key is not None and isinstance(held, dict) and held.get("key") == key:
+    if key is not None and isinstance(held, dict) and held.get("key") == key and all(
+            path_stamp(cfg.repo, p) == st for p, st in held.get("anchored", {}).items()):
         out = dict(held["primer"])
     else:
-        out = _make_primer(cfg, limit)
+        anchored: set[str] = set()
+        out = _make_primer(cfg, limit, anchored)
         if key is not None and not out.get("warnings") and cfg.local_dir.is_dir():
-            atomic_write(path, json.dumps({"key": key, "primer": out}, ensure_ascii=False))
+            stamps = {p: path_stamp(cfg.repo, p) for p in sorted(anchored)}
+            atomic_write(path, json.dumps({"key": key, "primer": out, "anchored": stamps},
+                                          ensure_ascii=False))
     ids = out.pop("ids", [])
     if shown:
         note_shown(cfg, ids, "primer")

@@ -4051,6 +4051,18 @@ def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, mon
         json.loads(_hook(tmp_path, payload).stdout)["hookSpecificOutput"]["additionalContext"]
 
 
+def test_primer_hook_cache_follows_a_working_tree_edit(coderepo, tmp_path, monkeypatch):
+    cs.capture("Ledger totals are computed once", kind="pitfall",
+               code_refs=[{"path": "src/billing.py", "symbol": "Ledger"}])
+    monkeypatch.delenv("CAMBIUM_REPO")
+    payload = json.dumps({"cwd": str(coderepo), "session_id": "s3", "source": "startup"})
+    before = _hook(tmp_path, payload).stdout
+    assert "src/billing.py:4" in before
+    src = coderepo / "src" / "billing.py"
+    src.write_text("# moved\n# down\n" + src.read_text())      # no commit: HEAD is unchanged
+    assert "src/billing.py:6" in _hook(tmp_path, payload).stdout
+
+
 def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
               "--kind", "decision")
