@@ -1733,12 +1733,12 @@ class LocalStore(Store):
         """The doc as the file stands, read without the lock and without
         repairing anything (a reader that must not write: the primer); None
         when the file is damaged."""
-        doc = self._current(locked=False)
-        return doc if doc is not None else self._parse(locked=False)
+        return self._current(locked=False, parse_grown=True)
 
-    def _current(self, *, locked: bool) -> Doc | None:
+    def _current(self, *, locked: bool, parse_grown: bool = False) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
-        the lock: the file grew by an append not yet recorded, or is damaged."""
+        the lock: the file is damaged, or (unless parse_grown: then it is parsed
+        whole) grew by an append not yet recorded."""
         try:
             key = _stat_key(os.stat(self.path))
         except FileNotFoundError:
@@ -1754,7 +1754,7 @@ class LocalStore(Store):
             doc = self._read_tail(seen, key)
             if doc is not None:
                 return doc
-        if grown and not locked:
+        if grown and not locked and not parse_grown:
             return None
         return self._parse(locked=locked)
 
@@ -1785,17 +1785,14 @@ class LocalStore(Store):
             data = f.read(key[1] - seen.tail_at)
         if not data.startswith(b",\n") or not data.endswith(STORE_TAIL):
             return None
-        items, spans, pos = [], array("q"), seen.tail_at + 2
-        for line in data[2:-len(STORE_TAIL)].split(b"\n"):
-            body = line[:-1] if line.endswith(b",") else line
-            d = _json(body)
-            if not isinstance(d, dict):
-                return None
-            items.append(Item.from_dict(d))
-            spans.extend((pos, pos + len(body)))
-            pos += len(line) + 1
-        doc = Doc(items=extended(seen.doc.items, items), meta=seen.doc.meta, raw=seen.doc.raw)
-        self._remember(_Seen(key, doc, seen.spans + spans, key[1] - len(STORE_TAIL)))
+        tail = Parsed(Doc(items=[]), spans=array("q"))
+        with _gc_paused():
+            _item_lines(io.BytesIO(data[2:]), seen.tail_at + 2, tail)
+        if tail.bad or tail.tail_at is None:
+            return None
+        doc = Doc(items=extended(seen.doc.items, tail.doc.items), meta=seen.doc.meta,
+                  raw=seen.doc.raw)
+        self._remember(_Seen(key, doc, seen.spans + tail.spans, tail.tail_at))
         return doc
 
     def _parse(self, *, locked: bool) -> Doc | None:
@@ -2554,9 +2551,10 @@ def changed_files_refs(changed: Any) -> list[dict] | None:
 def _usable_refs(paths: Iterable[str]) -> list[dict] | None:
     refs: list[dict] = []
     for p in paths:
-        p = p.strip().removeprefix("./").rstrip("/")
-        if p and code_path_problem(p) is None and {"path": p} not in refs:
-            refs.append({"path": p})
+        with contextlib.suppress(InputError):         # a path no anchor may hold: left out
+            ref = _one_code_ref({"path": p})
+            if ref not in refs:
+                refs.append(ref)
     return refs[:MAX_CODE_REFS] or None
 
 
@@ -6089,9 +6087,8 @@ def _semantic_opinion(cfg: Config, pool: list[Item]
         except SemanticUnavailable:
             return {}
         idx = sorted({i for p in pairs for i in p})
-        rows = emb.embed([pool[i].content for i in idx])
-        vec = {i: rows[k] / (float((rows[k] ** 2).sum()) ** 0.5 or 1.0)
-               for k, i in enumerate(idx)}
+        rows = emb.embed([pool[i].content for i in idx])       # unit vectors
+        vec = {i: rows[k] for k, i in enumerate(idx)}
         return {(a, b): float(vec[a] @ vec[b]) for a, b in pairs}
 
     return opinion
