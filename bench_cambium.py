@@ -558,20 +558,27 @@ def bench_primer() -> None:
         print(f"primer, 10,000 local items, in-process: median {ms:6.1f} ms; "
               f"{out['entries']} entries, ~{out['tokens']} tokens (budget {out['budget_tokens']})")
         stdin = json.dumps({"cwd": str(repo), "session_id": "b", "source": "startup"})
-        cmd = [sys.executable, str(HERE / "cambium_server.py"), "primer", "--hook"]
         cache = repo / ".cambium" / cs.PRIMER_CACHE_FILE
-        for label, cold in (("cache miss (the store changed since the last primer)", True),
-                            ("cached (as after a session-end distill)", False)):
-            times = []
-            for _ in range(5):
-                if cold:
-                    cache.unlink(missing_ok=True)
-                t0 = time.perf_counter()
-                proc = subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True)
-                times.append(time.perf_counter() - t0)
-            ok = proc.stdout.startswith('{"hookSpecificOutput"')
-            print(f"primer --hook, 10,000 local items, end to end, {label}: median "
-                  f"{statistics.median(times):.3f} s (target <= 0.3 s){'' if ok else ' NO OUTPUT'}")
+        subprocess.run([sys.executable, "-c", "import cambium_server"], cwd=HERE, env=env)
+        forms = (("python3 cambium_server.py", [str(HERE / "cambium_server.py")], env),
+                 ("python3 -m cambium_server", ["-m", "cambium_server"],
+                  {**env, "PYTHONPATH": str(HERE)}))
+        for form, args, form_env in forms:
+            cmd = [sys.executable, *args, "primer", "--hook"]
+            for label, cold in (("cache miss (the store changed since the last primer)", True),
+                                ("cached (as after a session-end distill)", False)):
+                times = []
+                for _ in range(5):
+                    if cold:
+                        cache.unlink(missing_ok=True)
+                    t0 = time.perf_counter()
+                    proc = subprocess.run(cmd, env=form_env, input=stdin, capture_output=True,
+                                          text=True)
+                    times.append(time.perf_counter() - t0)
+                ok = proc.stdout.startswith('{"hookSpecificOutput"')
+                print(f"{form} primer --hook, 10,000 local items, end to end, {label}: median "
+                      f"{statistics.median(times):.3f} s (target <= 0.3 s)"
+                      f"{'' if ok else ' NO OUTPUT'}")
 
 
 def bench_anchors() -> None:

@@ -1367,9 +1367,14 @@ class Parsed:
     closed: bool = True          # False: a line-layout file whose end is torn
 
 
+_DECODER = json.JSONDecoder()
+
+
 def _json(raw: bytes) -> Any:
+    """One stored line's JSON value, or None. (What json.loads does with bytes,
+    minus its per-call encoding sniffing: a store is UTF-8 by definition.)"""
     try:
-        return json.loads(raw)
+        return _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
     except (ValueError, RecursionError):
         return None
 

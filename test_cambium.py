@@ -4077,6 +4077,20 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
     assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
 
 
+def test_primer_hook_runs_as_a_module_too(repo, tmp_path, monkeypatch):
+    """The README's faster hook form, `python3 -m cambium_server primer --hook`
+    (bytecode cached, unlike a script path), answers the same way."""
+    cs.capture("Rotate the signing key yearly", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    env = child_env(PYTHONPATH=str(SERVER.parent))
+    out = subprocess.run([sys.executable, "-m", "cambium_server", "primer", "--hook"],
+                         cwd=tmp_path, input=json.dumps({"cwd": str(repo)}), text=True,
+                         capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ctx = json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert "Rotate the signing key yearly" in ctx
+
+
 def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, monkeypatch):
     cs.capture("Pin the base image digest", kind="pitfall")
     monkeypatch.delenv("CAMBIUM_REPO")
