@@ -6753,12 +6753,12 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out: dict[str, Any] = {"id": item.id, "relevance": relevance,
                            "line": item_line(item, trust=trust, anchors=anchors)}
-    if item.source.get("imported") and item.source.get("ref"):
-        out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
     if detail == "full":
         out = {**item_view(item, trust=trust), **out}
         if anchors:
             out["code"] = anchors
+    elif item.source.get("imported") and item.source.get("ref"):
+        out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
     if is_stale_code(anchors):
         out["stale_code"] = True
     return out
