@@ -3653,6 +3653,9 @@ def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatc
             eng._enqueue(items)
         time.sleep(0.3)
         assert eng.embedded == 0 and eng.backlog() == 3
+        if sys.platform.startswith("linux"):           # ...and runs niced meanwhile
+            assert os.getpriority(os.PRIO_PROCESS, eng.worker.native_id) == \
+                max(cs.EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0))
     assert eng.wait_idle(60) and eng.embedded == 3
 
 
