@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import collections
 import contextlib
 import contextvars
@@ -3156,26 +3157,41 @@ def item_terms(item: Item) -> dict[str, float]:
     return tf
 
 
+#: Item fields recall reads words from (the index) or embeds (the vectors): an
+#: item replaced by one equal in all of them (a credit, an endorsement) keeps
+#: its slot and postings, and only the Item object in the slot changes.
+_WORD_FIELDS = ("type", "kind", "content", "why", "tags", "source")
+
+
+def same_words(old: Item, new: Item) -> bool:
+    """Whether `new` says exactly what `old` says (only trust or bookkeeping differ)."""
+    return all(getattr(old, f) == getattr(new, f) for f in _WORD_FIELDS)
+
+
 class Index:
     """An inverted index over one store's active items, kept in step with the
-    store incrementally: sync() re-tokenizes only items it has not seen (items
-    are immutable, so identity says "unchanged"), and a query touches only the
-    postings of its own terms. Postings hold raw weighted term frequencies and
-    BM25's length norms follow the live average, so an index grown item by
-    item scores exactly like one built at once."""
+    store incrementally: sync() re-tokenizes only items whose words it has not
+    seen (items are immutable, so identity says "unchanged"; an item whose
+    words are the same, such as a credit fold's, just takes the old slot), and
+    a query touches only the postings of its own terms. Postings hold raw
+    weighted term frequencies in slot order and never a dead slot (a sync
+    purges the lists its kills touched), and BM25's length norms follow the
+    live average, so an index grown item by item scores exactly like one
+    built at once."""
 
     def __init__(self) -> None:
         self.items: list = []                      # slot -> Item, or None once dead
         self.lens: list = []                       # slot -> weighted length
-        self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs)
+        self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs), live only
         self.slot_of: dict[str, int] = {}          # item id -> live slot
         self.total_len = 0.0                       # exact: weights are multiples of 1/8
         self.live = 0
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
-        self._norms: tuple | None = None           # (total_len, live, slot -> norm)
-        self.dead_slots: set[int] = set()          # slots killed (their postings stay)
-        self.dead_df: dict[str, int] = {}          # term -> dead slots in its postings
+        self._norms: tuple | None = None           # (state, slot -> norm, smallest norm)
+        self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
+        self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
+        self._dirty: set[str] = set()              # terms whose postings hold a dead slot
 
     def _add(self, it: Item) -> None:
         slot = len(self.items)
@@ -3205,8 +3221,34 @@ class Index:
         self.items[slot] = None
         self.live -= 1
         self.dead_slots.add(slot)
-        for t in item_terms(it):
-            self.dead_df[t] = self.dead_df.get(t, 0) + 1
+        self._dirty.update(item_terms(it))
+
+    def _put(self, it: Item) -> None:
+        """Index an active item, replacing the live one with its id: in its
+        slot when the words are the same, else as a new slot."""
+        slot = self.slot_of.get(it.id)
+        if slot is not None and self.items[slot] is not None:
+            if same_words(self.items[slot], it):
+                self.items[slot] = it
+                return
+            self._kill(slot)
+        self._add(it)
+
+    def _purge(self) -> None:
+        """Drop dead slots from the postings they are in: queries never see them."""
+        dead = self.dead_slots
+        for t in self._dirty:
+            p = self.postings.get(t)
+            if p is None:
+                continue
+            keep = list(map(operator.not_, map(dead.__contains__, p[0])))
+            self._tf_max.pop(t, None)
+            if any(keep):
+                self.postings[t] = (array("i", itertools.compress(p[0], keep)),
+                                    array("f", itertools.compress(p[1], keep)))
+            else:
+                del self.postings[t]
+        self._dirty = set()
 
     def says(self, key: str) -> bool:
         """Whether a live item already has this content key."""
@@ -3221,11 +3263,9 @@ class Index:
         if src is not None and extends(items, src):
             for it in items[len(src):]:                # appended only: the common case
                 if it.active:
-                    if it.id in self.slot_of:
-                        self._kill(self.slot_of[it.id])
-                    self._add(it)
+                    self._put(it)
             self.source = items
-            return self
+            return self._compacted(items, fresh)
         if src is not None and len(items) == len(src):
             return self._replace_in_place(items, src, fresh)
         seen: set[int] = set()
@@ -3233,12 +3273,8 @@ class Index:
             if not it.active:
                 continue
             slot = self.slot_of.get(it.id)
-            if slot is not None and self.items[slot] is it:
-                seen.add(slot)
-                continue
-            if slot is not None:
-                self._kill(slot)
-            self._add(it)
+            if slot is None or self.items[slot] is not it:
+                self._put(it)
             seen.add(self.slot_of[it.id])
         for item_id, slot in list(self.slot_of.items()):
             if slot not in seen:
@@ -3249,9 +3285,12 @@ class Index:
         return self._compacted(items, fresh)
 
     def _compacted(self, items: list, fresh: bool) -> Index:
-        """self, or a fresh index once fewer than half its slots are live."""
+        """self with its postings purged of dead slots, or a fresh index once
+        fewer than half its slots are live."""
         if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
             return Index().sync(items, fresh=True)
+        if self._dirty:
+            self._purge()
         return self
 
     def _replace_in_place(self, items: list, src: list, fresh: bool) -> Index:
@@ -3260,25 +3299,43 @@ class Index:
         for i in itertools.compress(range(len(items)), map(operator.is_not, items, src)):
             old, new = src[i], items[i]
             slot = self.slot_of.get(old.id)
-            if slot is not None and self.items[slot] is old:
+            if slot is not None and self.items[slot] is old and \
+                    not (new.active and new.id == old.id):
                 self._kill(slot)
                 del self.slot_of[old.id]
             if new.active:
-                slot = self.slot_of.get(new.id)
-                if slot is not None and self.items[slot] is not None:
-                    self._kill(slot)
-                self._add(new)
+                self._put(new)
         self.source = items
         return self._compacted(items, fresh)
 
     def norms(self) -> list:
         """slot -> BM25's length term k1 * (1 - b + b * len / avg len), for the
         store as it is now (recomputed only after a change)."""
+        return self._norm_state()[1]
+
+    def norm_min(self) -> float:
+        """The smallest length term of any slot (a bound for pruning)."""
+        return self._norm_state()[2]
+
+    def _norm_state(self) -> tuple:
         state = (self.total_len, self.live, len(self.lens))
         if self._norms is None or self._norms[0] != state:
             k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
-            self._norms = (state, [k0 + kb * n for n in self.lens])
-        return self._norms[1]
+            norms = [k0 + kb * n for n in self.lens]
+            self._norms = (state, norms, min(norms, default=k0))
+        return self._norms
+
+    def tf_max(self, term: str) -> float:
+        """The largest weighted term frequency in a term's postings (cached;
+        postings only grow at the end until a purge replaces their arrays)."""
+        tfs = self.postings[term][1]
+        arr, seen, top = self._tf_max.get(term) or (None, 0, 0.0)
+        if arr is not tfs:
+            seen, top = 0, 0.0
+        if seen != len(tfs):
+            top = max(top, max(tfs[seen:]))
+            self._tf_max[term] = (tfs, len(tfs), top)
+        return top
 
     @property
     def dead(self) -> int:
@@ -3319,26 +3376,119 @@ def lexical_relevance(score: float, floor: float = LEXICAL_FLOOR) -> float:
     return score / (score + floor) if score > 0 else 0.0
 
 
-def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
-    """BM25 of every live slot matching a term (slot -> score). `terms` are
+def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]]:
+    """(term, BM25 weight, postings) of the query's terms the index holds,
+    commonest first. Scores read them from the end: every score sums its
+    terms' parts rarest first, ties in term order, an order that depends on
+    the live items only, never on the index's history. `terms` are
     tokenize()d and unique; idf counts at least BM25_MIN_DOCS documents."""
     n = max(index.live, BM25_MIN_DOCS)
+    out = []
+    for t in sorted(terms, reverse=True):
+        p = index.postings.get(t)
+        if p is not None:
+            df = len(p[0])
+            out.append((t, math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1), p))
+    out.sort(key=lambda twp: -len(twp[2][0]))
+    return out
+
+
+def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
+    """BM25 of every live slot matching a term (slot -> score)."""
     norms = index.norms()
     scores: dict[int, float] = {}
-    k1 = BM25_K1 + 1
-    found = [(t, index.postings[t]) for t in terms if t in index.postings]
-    for n_term, (t, plist) in enumerate(sorted(found, key=lambda tp: -len(tp[1][0]))):
-        df = len(plist[0]) - index.dead_df.get(t, 0)
-        w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
-        if not n_term:                  # the longest list fills the dict: no lookups
-            scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
-            continue
-        get = scores.get
-        for i, v in zip(*plist):
-            scores[i] = get(i, 0.0) + w * v / (v + norms[i])
-    for i in index.dead_slots:
-        scores.pop(i, None)
+    for term in reversed(query_terms(index, terms)):
+        scores = _read(scores, term, norms)
     return scores
+
+
+PRUNE_SLACK = 1e-5      #: pruning keeps a slot this close to the cut (> top_slots' 1e-6 tie
+                        #: window, >> float rounding), so it drops nothing that could rank
+
+
+def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
+    """The exact BM25 scores (as bm25_scores) of the slots that can rank among
+    the best `limit`, ties included: top_slots over them equals top_slots over
+    every score. Lists are read rarest first (MaxScore): once the commoner
+    terms left could not lift a slot not seen yet to the limit-th score so far,
+    their long lists are only looked up for the slots still in the race, and a
+    slot leaves the race as soon as those terms could not lift it either."""
+    plan = query_terms(index, terms)
+    norms, low = index.norms(), index.norm_min()
+    bounds = [w * m / (m + low) for t, w, _ in plan for m in (index.tf_max(t),)]
+    race: dict[int, float] = {}
+    left, cut = len(plan), _Cut(limit)
+    while left and not cut.beyond(race, sum(bounds[:left])):
+        left -= 1
+        race = _read(race, plan[left], norms)
+        cut.grew(bounds[left])
+    while left:                        # the rest only for the slots still in the race
+        if len(race) > limit:
+            need = cut.at(race) - sum(bounds[:left]) - PRUNE_SLACK
+            race = {i: s for i, s in race.items() if s >= need}
+        left -= 1
+        _look_up(race, plan[left], norms)
+    return race
+
+
+class _Cut:
+    """The limit-th best partial score of a race, a lower bound of the limit-th
+    best score, recomputed only when it could have grown enough to matter
+    (partial scores only grow: the last value stays a lower bound)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.known, self.since = limit, 0.0, 0.0
+
+    def grew(self, bound: float) -> None:
+        """A term whose contribution is at most `bound` was read into the race."""
+        self.since += bound
+
+    def at(self, race: dict) -> float:
+        self.known, self.since = heapq.nlargest(self.limit, race.values())[-1], 0.0
+        return self.known
+
+    def beyond(self, race: dict, rest: float) -> bool:
+        """Whether terms scoring at most `rest` together cannot lift a slot
+        they alone match into the best `limit`."""
+        if len(race) < self.limit:
+            return False
+        if rest < self.known - PRUNE_SLACK:
+            return True
+        return rest < self.known + self.since - PRUNE_SLACK and \
+            rest < self.at(race) - PRUNE_SLACK
+
+
+def _read(race: dict, term: tuple, norms: list) -> dict:
+    """The race with one term's postings read in: every slot they hold joins.
+    A long list fills a new dict at C speed and the shorter race is added in."""
+    _, w, (slots, tfs) = term
+    if len(race) * 4 < len(slots):
+        new = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+        get = new.get
+        for i, s in race.items():
+            new[i] = get(i, 0.0) + s
+        return new
+    get = race.get
+    for i, v in zip(slots, tfs):
+        race[i] = get(i, 0.0) + w * v / (v + norms[i])
+    return race
+
+
+def _look_up(race: dict, term: tuple, norms: list) -> None:
+    """Add one term's part to the partial scores of the slots in the race:
+    by binary search in its postings, or one pass when the race is large."""
+    _, w, (slots, tfs) = term
+    if len(race) * 16 < len(slots):
+        n = len(slots)
+        for i in race:
+            j = bisect.bisect_left(slots, i)
+            if j < n and slots[j] == i:
+                v = tfs[j]
+                race[i] += w * v / (v + norms[i])
+        return
+    for i, v in zip(slots, tfs):
+        if i in race:
+            race[i] += w * v / (v + norms[i])
 
 
 def _order(score: float, item: Item) -> tuple:
@@ -3371,7 +3521,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     if not terms or index.live == 0:
         return Ranking([], 0.0)
     slots = index.items
-    scores = bm25_scores(index, terms)
+    scores = bm25_top(index, terms, limit)
     hits = [Hit(slots[i], scores[i], lexical_relevance(scores[i]))
             for i in top_slots(scores, slots, limit)]
     results, weak = split_at_floor(hits)
