@@ -1739,7 +1739,8 @@ class LocalStore(Store):
     def _current(self, *, locked: bool, parse_grown: bool = False) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
         the lock: the file is damaged, or (unless parse_grown: then it is parsed
-        whole) grew by an append not yet recorded."""
+        whole) grew by an append not yet recorded or changed while a writer of
+        this process holds the lock."""
         try:
             key = _stat_key(os.stat(self.path))
         except FileNotFoundError:
@@ -1755,9 +1756,19 @@ class LocalStore(Store):
             doc = self._read_tail(seen, key)
             if doc is not None:
                 return doc
-        if grown and not locked and not parse_grown:
+        if not locked and not parse_grown and (grown or self._being_written()):
             return None
         return self._parse(locked=locked)
+
+    def _being_written(self) -> bool:
+        """Whether another thread of this process holds the store's lock: a
+        file changed under it is that writer's, whose parsed copy is on its
+        way (a fold's rewrite: parsing 100k items again would be wasted)."""
+        lock = runtime().thread_lock(str(self.path))
+        if not lock.acquire(blocking=False):
+            return True
+        lock.release()
+        return False
 
     def _appends_lead(self, old: tuple, new: tuple) -> bool:
         """Whether recorded appends lead from file version `old` to `new`."""

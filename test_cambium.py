@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -441,6 +442,35 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     with cs.use_runtime(other):
         items = cs.store(cs.resolve_config(), "local").read().items
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
+
+
+def test_reader_waits_for_a_rewrite_of_its_own_process_instead_of_parsing_it(repo, monkeypatch):
+    ids = [cs.capture(f"fact {n} about folds", tags="fold")["item"]["id"] for n in range(3)]
+    cfg = cs.resolve_config()
+    st = cs.store(cfg, "local")
+    path = _store_path(repo)
+    replaced, go, parsed, got = threading.Event(), threading.Event(), [], []
+    real_write, real_parse = cs.atomic_write, cs.parse_file
+
+    def slow_write(target, data, mode=0o644):   # the window: file replaced, copy not kept
+        real_write(target, data, mode)
+        if target == path:
+            replaced.set()
+            go.wait(10)
+    monkeypatch.setattr(cs, "atomic_write", slow_write)
+    monkeypatch.setattr(cs, "parse_file", lambda *a: parsed.append(1) or real_parse(*a))
+    endorse = threading.Thread(target=cs.endorse, args=(ids[1],), kwargs={"note": "checked"})
+    endorse.start()
+    assert replaced.wait(10)
+    reader = threading.Thread(target=lambda: got.append(st.read()))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not got             # waits for the writer, parses nothing
+    go.set()
+    endorse.join(10)
+    reader.join(10)
+    assert got[0] is st.read() and not parsed
+    assert got[0].items[1].trust["endorsements"][0]["note"] == "checked"
 
 
 def test_rewrite_in_place_copies_unchanged_lines_and_index_follows(repo):
