@@ -3389,13 +3389,13 @@ def lexical_relevance(score: float, floor: float = LEXICAL_FLOOR) -> float:
 
 def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]]:
     """(term, BM25 weight, postings) of the query's terms the index holds,
-    commonest first. Scores read them from the end: every score sums its
-    terms' parts rarest first, ties in term order, an order that depends on
-    the live items only, never on the index's history. `terms` are
-    tokenize()d and unique; idf counts at least BM25_MIN_DOCS documents."""
+    commonest first, ties in term order: every score sums its terms' parts in
+    this order, which depends on the live items only, never on the index's
+    history. `terms` are tokenize()d and unique; idf counts at least
+    BM25_MIN_DOCS documents."""
     n = max(index.live, BM25_MIN_DOCS)
     out = []
-    for t in sorted(terms, reverse=True):
+    for t in sorted(terms):
         p = index.postings.get(t)
         if p is not None:
             df = len(p[0])
@@ -3406,15 +3406,23 @@ def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]
 
 def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     """BM25 of every live slot matching a term (slot -> score)."""
-    norms = index.norms()
+    return _all_scores(query_terms(index, terms), index.norms())
+
+
+def _all_scores(plan: list, norms: list) -> dict[int, float]:
     scores: dict[int, float] = {}
-    for term in reversed(query_terms(index, terms)):
-        scores = _read(scores, term, norms)
+    for n_term, (_, w, (slots, tfs)) in enumerate(plan):
+        if not n_term:                  # the longest list fills the dict: no lookups
+            scores = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+            continue
+        get = scores.get
+        for i, v in zip(slots, tfs):
+            scores[i] = get(i, 0.0) + w * v / (v + norms[i])
     return scores
 
 
-PRUNE_SLACK = 1e-5      #: pruning keeps a slot this close to the cut (> top_slots' 1e-6 tie
-                        #: window, >> float rounding), so it drops nothing that could rank
+PRUNE_SLACK = 1.5e-6    #: pruning keeps a slot this close to the cut: top_slots' 1e-6 tie
+                        #: window plus room for float rounding, so it drops nothing that ranks
 
 
 def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
@@ -3423,7 +3431,8 @@ def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
     every score. Lists are read rarest first (MaxScore): once the commoner
     terms left could not lift a slot not seen yet to the limit-th score so far,
     their long lists are only looked up for the slots still in the race, and a
-    slot leaves the race as soon as those terms could not lift it either."""
+    slot leaves the race as soon as those terms could not lift it either. The
+    few left are scored again in bm25_scores' order of terms."""
     plan = query_terms(index, terms)
     norms, low = index.norms(), index.norm_min()
     bounds = [w * m / (m + low) for t, w, _ in plan for m in (index.tf_max(t),)]
@@ -3433,13 +3442,14 @@ def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
         left -= 1
         race = _read(race, plan[left], norms)
         cut.grew(bounds[left])
-    while left:                        # the rest only for the slots still in the race
+    while True:                        # the rest only for the slots still in the race
         if len(race) > limit:
             need = cut.at(race) - sum(bounds[:left]) - PRUNE_SLACK
             race = {i: s for i, s in race.items() if s >= need}
+        if not left:
+            return _exact_scores(plan, norms, race)
         left -= 1
         _look_up(race, plan[left], norms)
-    return race
 
 
 class _Cut:
@@ -3500,6 +3510,30 @@ def _look_up(race: dict, term: tuple, norms: list) -> None:
     for i, v in zip(slots, tfs):
         if i in race:
             race[i] += w * v / (v + norms[i])
+
+
+def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
+    """The race's complete scores summed as bm25_scores sums them: as they
+    are for one or two terms (a + b == b + a exactly), else looked up one by
+    one, or all of them scored at once when the race is most of the matches
+    (a word in nearly every item scores them all within the tie window)."""
+    if len(plan) <= 2:
+        return race
+    if len(race) * len(plan) * 8 > sum(len(slots) for _, _, (slots, _) in plan):
+        every = _all_scores(plan, norms)
+        return {i: every[i] for i in race}
+    return {i: _exact_score(plan, norms, i) for i in race}
+
+
+def _exact_score(plan: list, norms: list, slot: int) -> float:
+    """One slot's BM25 summed in query_terms order: bit for bit bm25_scores'."""
+    score = 0.0
+    for _, w, (slots, tfs) in plan:
+        j = bisect.bisect_left(slots, slot)
+        if j < len(slots) and slots[j] == slot:
+            v = tfs[j]
+            score += w * v / (v + norms[slot])
+    return score
 
 
 def _order(score: float, item: Item) -> tuple:
