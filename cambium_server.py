@@ -1368,9 +1368,14 @@ class Parsed:
     closed: bool = True          # False: a line-layout file whose end is torn
 
 
+_DECODER = json.JSONDecoder()
+
+
 def _json(raw: bytes) -> Any:
+    """One stored line's JSON value, or None. (What json.loads does with bytes,
+    minus its per-call encoding sniffing: a store is UTF-8 by definition.)"""
     try:
-        return json.loads(raw)
+        return _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
     except (ValueError, RecursionError):
         return None
 
@@ -3104,12 +3109,13 @@ _CJK_RUN = re.compile("([\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf
                       "\uac00-\ud7af\uff66-\uff9f\U00020000-\U0002fa1f]+)")
 _KANA_MARKS = "\u3099\u309a"         #: Japanese voicing marks: part of the letter, kept
 _FIELD_WEIGHTS = {"content": 1.0, "why": 0.5, "tags": 2.0}   #: multiples of 1/8: exact sums
+CONFIDENCE_WHY_WEIGHT = 0.25   #: the why's weight in the BM25 a lexical hit's relevance reads
 BM25_K1 = 1.2
 BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
-LEXICAL_FLOOR = 5.75    #: raw BM25 a lexical hit needs: its relevance is then 0.5
+LEXICAL_FLOOR = 5.34    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
 
 
 def fold(text: str) -> str:
@@ -3157,12 +3163,13 @@ def tokenize(text: str) -> list[str]:
     return out
 
 
-def item_terms(item: Item) -> dict[str, float]:
-    """Field-weighted term frequencies of an item."""
+def item_terms(item: Item, why: float | None = None) -> dict[str, float]:
+    """Field-weighted term frequencies of an item (`why`: that field's weight
+    instead of _FIELD_WEIGHTS')."""
     tf: dict[str, float] = {}
     for fname, text in (("content", item.content), ("why", item.why),
                         ("tags", " ".join(item.tags))):
-        w = _FIELD_WEIGHTS[fname]
+        w = why if fname == "why" and why is not None else _FIELD_WEIGHTS[fname]
         for t in tokenize(text):
             tf[t] = tf.get(t, 0.0) + w
     return tf
@@ -3387,19 +3394,21 @@ def lexical_relevance(score: float, floor: float = LEXICAL_FLOOR) -> float:
     return score / (score + floor) if score > 0 else 0.0
 
 
+def _term_weight(index: Index, term: str) -> float:
+    """BM25's idf x (k1 + 1) of a term in the index (idf over at least
+    BM25_MIN_DOCS documents)."""
+    n = max(index.live, BM25_MIN_DOCS)
+    df = len(index.postings[term][0])
+    return math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1)
+
+
 def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]]:
     """(term, BM25 weight, postings) of the query's terms the index holds,
     commonest first, ties in term order: every score sums its terms' parts in
     this order, which depends on the live items only, never on the index's
-    history. `terms` are tokenize()d and unique; idf counts at least
-    BM25_MIN_DOCS documents."""
-    n = max(index.live, BM25_MIN_DOCS)
-    out = []
-    for t in sorted(terms):
-        p = index.postings.get(t)
-        if p is not None:
-            df = len(p[0])
-            out.append((t, math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1), p))
+    history. `terms` are tokenize()d and unique."""
+    out = [(t, _term_weight(index, t), index.postings[t])
+           for t in sorted(terms) if t in index.postings]
     out.sort(key=lambda twp: -len(twp[2][0]))
     return out
 
@@ -3536,6 +3545,18 @@ def _exact_score(plan: list, norms: list, slot: int) -> float:
     return score
 
 
+def confidence_bm25(index: Index, terms: list[str], item: Item,
+                    why: float = CONFIDENCE_WHY_WEIGHT) -> float:
+    """The raw BM25 a lexical hit's relevance reads: the item's BM25 with its
+    why weighing `why` (idf and average length are the index's). A long why
+    is rationale, not topic: a query sharing only its generic words must not
+    look like an answer (chosen by cross-validation, quality/cv.py)."""
+    tf = derived(item, f"terms_why_{why}", lambda it: item_terms(it, why))
+    norm = BM25_K1 * (1 - BM25_B + BM25_B * sum(tf.values()) / index.avg_len)
+    return sum(_term_weight(index, t) * tf[t] / (tf[t] + norm)
+               for t in terms if t in tf and t in index.postings)
+
+
 def _order(score: float, item: Item) -> tuple:
     """Ranking order: score; on a tie (equal to 6 places) higher authority
     first, then the item id (not the slot: an index grown item by item must
@@ -3561,16 +3582,17 @@ def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
 
 
 def score_query(index: Index, query: str, limit: int) -> Ranking:
-    """Rank items for a query by BM25; relevance is the raw score on a 0..1 scale."""
+    """Rank items for a query by BM25; a hit's relevance is its confidence_bm25
+    on the 0..1 scale."""
     terms = list(dict.fromkeys(tokenize(query)))
     if not terms or index.live == 0:
         return Ranking([], 0.0)
     slots = index.items
     scores = bm25_top(index, terms, limit)
-    hits = [Hit(slots[i], scores[i], lexical_relevance(scores[i]))
+    hits = [Hit(slots[i], scores[i], lexical_relevance(confidence_bm25(index, terms, slots[i])))
             for i in top_slots(scores, slots, limit)]
     results, weak = split_at_floor(hits)
-    return Ranking(results, hits[0].confidence if hits else 0.0, weak)
+    return Ranking(results, max((h.confidence for h in hits), default=0.0), weak)
 
 
 # =============================================================================
@@ -3606,6 +3628,7 @@ EMBED_MAX_WINDOWS = 32              #: vectors per item (covers ~7,000 tokens: a
 EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off or not)
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
+EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a running recall
 EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
 EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP clients time out)
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
@@ -3618,7 +3641,7 @@ SEM_FEEDBACK = 0.3                  #: pseudo-relevance feedback: query + this x
 SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
 SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>= MAX_RECALL_LIMIT)
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.33                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_FLOOR = 0.295                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -3877,12 +3900,16 @@ class Embedder:
         norms = np.linalg.norm(pooled, axis=1, keepdims=True)
         return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
 
-    def embed_ids(self, inputs: list[list[int]]) -> Any:
-        """Vectors for model inputs, in order; batched by similar length."""
+    def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
+                  ) -> Any:
+        """Vectors for model inputs, in order; batched by similar length
+        (`pause` is called before each batch)."""
         np = self.np
         out = np.zeros((len(inputs), EMBED_DIM), dtype=np.float32)
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         for s in range(0, len(order), EMBED_BATCH):
+            if pause is not None:
+                pause()
             idx = order[s:s + EMBED_BATCH]
             out[idx] = self._run([inputs[i] for i in idx])
         return out
@@ -3928,6 +3955,7 @@ class VectorCache:
         self.dirty = False
         self.discarded: str | None = None    # why the on-disk cache was thrown away
         self.version = 0                     # bumped by every put()
+        self.added: list[str] = []           # keys put, in order (sync reads the new ones)
         self._load()
 
     def _load(self) -> None:
@@ -3962,6 +3990,7 @@ class VectorCache:
         self.rows[key] = rows
         self.dirty = True
         self.version += 1
+        self.added.append(key)
 
     def save(self, keep: set[str] | None = None) -> None:
         """Write the cache (only `keep`'s keys when given) atomically."""
@@ -4007,7 +4036,8 @@ class _SlotVectors:
     """One index's vectors by slot, kept in step with it: `first[slot]` is the
     vector of an item's first window, `tails` the rest (with their slots).
     Slots only grow (the Index appends and kills), so sync() looks at new
-    slots and at the ones still waiting for a vector, nothing else."""
+    slots and at the vectors embedded since it last looked, nothing else: a
+    recall during a 10,000-item backlog must not walk the backlog."""
 
     def __init__(self, np: Any):
         self.np = np
@@ -4016,8 +4046,10 @@ class _SlotVectors:
         self.alive = np.zeros(0, bool)
         self.filled = 0                      # slots looked at so far
         self.dead_seen = -1                  # index.dead when `alive` was computed
-        self.missing: set[int] = set()       # live slots without vectors yet
-        self.version_seen = -1               # cache.version when `missing` was checked
+        self.missing: dict[int, str] = {}    # live slot without vectors yet -> its key
+        self.by_key: dict[str, set[int]] = {}   # ...and the other way round
+        self.added_seen = 0                  # cache.added looked at so far
+        self.requeued = -1                   # cache.version when `missing` was last requeued
         self.tail_parts: list = []           # [(slot, rows, discount of each row)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
@@ -4048,8 +4080,8 @@ class _SlotVectors:
             self.tail_mat = None
 
     def sync(self, index: Index, cache: VectorCache) -> list[Item]:
-        """Pick up vectors for new slots and waiting ones; return the items
-        that still have none (to be embedded)."""
+        """Pick up vectors for new slots and for waiting ones embedded since;
+        return the new slots' items that have none yet (to be embedded)."""
         items = index.items
         self._grow(len(items))
         fresh = []
@@ -4058,9 +4090,11 @@ class _SlotVectors:
             if it is None:
                 continue
             self.alive[slot] = True
-            rows = cache.get(vector_key(it))
+            key = vector_key(it)
+            rows = cache.get(key)
             if rows is None:
-                self.missing.add(slot)
+                self.missing[slot] = key
+                self.by_key.setdefault(key, set()).add(slot)
                 fresh.append(it)
             else:
                 self._place(slot, it, rows)
@@ -4069,21 +4103,36 @@ class _SlotVectors:
             for slot in index.dead_slots:          # the index keeps its dead slots
                 if slot < self.filled and self.alive[slot]:
                     self.alive[slot] = False
-                    self.missing.discard(slot)
+                    self._unwait(slot)
             self.dead_seen = index.dead
-        if cache.version == self.version_seen:     # nothing embedded since: a cheap no-op
-            return fresh
-        self.version_seen = cache.version
-        todo = []
-        for slot in list(self.missing):
-            it = items[slot]
-            rows = cache.get(vector_key(it))
-            if rows is None:
-                todo.append(it)
-            else:
-                self._place(slot, it, rows)
-                self.missing.discard(slot)
-        return todo
+        self._pick_up(items, cache)
+        return fresh
+
+    def _unwait(self, slot: int) -> None:
+        key = self.missing.pop(slot, None)
+        if key is not None:
+            slots = self.by_key[key]
+            slots.discard(slot)
+            if not slots:
+                del self.by_key[key]
+
+    def _pick_up(self, items: list, cache: VectorCache) -> None:
+        """Place the vectors put in the cache since the last look."""
+        new, self.added_seen = cache.added[self.added_seen:], len(cache.added)
+        for key in new:
+            for slot in list(self.by_key.get(key, ())):
+                rows = cache.get(key)
+                if rows is not None:
+                    self._place(slot, items[slot], rows)
+                    self._unwait(slot)
+
+    def stranded(self, items: list, cache: VectorCache) -> list[Item]:
+        """Waiting items to queue again once the backlog is idle (an embedding
+        that failed), at most once per change of the cache."""
+        if not self.missing or cache.version == self.requeued:
+            return []
+        self.requeued = cache.version
+        return [items[s] for s in self.missing]
 
     def tails(self) -> tuple[Any, Any, Any]:
         """(matrix of the vectors beyond each item's first, slot of each row,
@@ -4114,6 +4163,7 @@ class Semantic:
         self.worker: threading.Thread | None = None
         self.rate = EMBED_RATE_GUESS         # items/s, measured as the backlog drains
         self.embedded = 0                    # items embedded by this process
+        self.busy = 0                        # recalls ranking right now
         self.last_save = time.monotonic()
 
     def ready(self) -> Embedder:
@@ -4137,12 +4187,13 @@ class Semantic:
     def _embed_items(self, emb: Embedder, items: list[Item]) -> dict[str, Any]:
         inputs, spans = [], []
         for it in items:
+            self._step_aside()
             w = emb.windows(embed_text(it))
             if it.why.strip():                 # the why on its own: one more vector
                 w.append(emb.windows(it.why)[0])
             spans.append((vector_key(it), len(inputs), len(w)))
             inputs.extend(w)
-        vecs = emb.embed_ids(inputs)
+        vecs = emb.embed_ids(inputs, pause=self._step_aside)
         return {k: vecs[s:s + n] for k, s, n in spans}
 
     def _work(self) -> None:
@@ -4218,6 +4269,8 @@ class Semantic:
             if sv is None:
                 sv = self.slots[index] = _SlotVectors(emb.np)
             todo = sv.sync(index, self.cache)
+            if not todo and not self.queue and self.worker is None:
+                todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
             backlog = len(self.queued)         # waiting or being embedded
         if backlog and backlog <= self.rate * EMBED_WAIT_S:
@@ -4226,18 +4279,48 @@ class Semantic:
                 sv.sync(index, self.cache)
         return sv
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Mark a recall in progress: the background embedder steps aside."""
+        with self.cv:
+            self.busy += 1
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.busy -= 1
+                if not self.busy:
+                    self.cv.notify_all()
+
+    def _step_aside(self) -> None:
+        """The embedder thread waits while a recall runs (at most EMBED_YIELD_S
+        at a time): the two share the GIL, and a thread tokenizing in pure
+        Python costs a recall up to 5 ms at each of its GIL handoffs."""
+        deadline = time.monotonic() + EMBED_YIELD_S
+        with self.cv:
+            while self.busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(left)
+
     def rank(self, index: Index, query: str, limit: int) -> Ranking:
         """Cosine similarity blended with BM25 (see semantic_blend). Items not
         embedded yet are ranked by their shared words meanwhile, and recall
         never waits for a long backlog. Raises SemanticUnavailable when the
         model cannot be used."""
         emb = self.ready()
-        np = emb.np
-        terms = list(dict.fromkeys(tokenize(query)))
-        lex = bm25_scores(index, terms) if terms else {}
         if index.live == 0:
             return Ranking([], 0.0, mode="semantic")
         sv = self.vectors(index)
+        with self.serving():
+            return self._rank(emb, sv, index, query, limit)
+
+    def _rank(self, emb: Embedder, sv: _SlotVectors, index: Index, query: str,
+              limit: int) -> Ranking:
+        np = emb.np
+        terms = list(dict.fromkeys(tokenize(query)))
+        lex = bm25_scores(index, terms) if terms else {}
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
@@ -6855,8 +6938,10 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
 
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
                 detail: str = "lines") -> dict:
-    """One recall result: id, relevance and its one-line `line`; with
-    detail="full" also the whole item and its resolved code anchors."""
+    """One recall result: id, relevance and its one-line `line` (plus, for an
+    imported item, `source.ref`: the id it had where it came from, so a
+    result can be traced back to its record); with detail="full" also the
+    whole item and its resolved code anchors."""
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out: dict[str, Any] = {"id": item.id, "relevance": relevance,
                            "line": item_line(item, trust=trust, anchors=anchors)}
@@ -6864,6 +6949,8 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
         out = {**item_view(item, trust=trust), **out}
         if anchors:
             out["code"] = anchors
+    elif item.source.get("imported") and item.source.get("ref"):
+        out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
     if is_stale_code(anchors):
         out["stale_code"] = True
     return out

@@ -633,6 +633,8 @@ def test_import_answer_stays_small_and_writes_the_id_map(repo, tmp_path):
     assert len(rows) == 400 and rows[7]["ref"] == "r7"
     stored = {i["id"]: i for i in json.loads(_store_path(repo).read_text())["items"]}
     assert stored[rows[7]["id"]]["source"]["ref"] == "r7"
+    hit = cs.recall("imported fact 377")["results"][0]      # a line names its record
+    assert hit["id"] == rows[377]["id"] and hit["source"] == {"system": "json", "ref": "r377"}
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
@@ -758,7 +760,7 @@ def test_credit_fold_replaces_items_in_their_index_slots_without_retokenizing(re
     slots = dict(before.slot_of)
     tokenized = []
     real = cs.item_terms
-    monkeypatch.setattr(cs, "item_terms", lambda it: tokenized.append(it.id) or real(it))
+    monkeypatch.setattr(cs, "item_terms", lambda it, *a: tokenized.append(it.id) or real(it, *a))
     assert cs.fold_credits_now(cfg, ("local",)) == 3
     items = cs.store(cfg, "local").read().items
     live = cs.store_index(key, items)
@@ -777,10 +779,24 @@ def test_credit_fold_replaces_items_in_their_index_slots_without_retokenizing(re
     assert ids[0] not in [r["id"] for r in cs.recall("ledger invoices", limit=10)["results"]]
 
 
+def test_lexical_relevance_reads_the_why_at_a_lower_weight(repo):
+    told = "Nightly exports run after the reconciliation job, the dashboard gets slow meanwhile"
+    rationale = cs.capture("Invoices are rounded per line, never on the total",
+                           why=told)["item"]["id"]
+    res = cs.recall("nightly exports", detail="full")   # the why's words only: a near miss
+    assert res["no_confident_match"] is True and res["results"] == []
+    assert [w["id"] for w in res["weak_matches"]] == [rationale]
+    said = cs.capture(told)["item"]["id"]               # the same words as content: a result
+    res = cs.recall("nightly exports", detail="full")
+    assert [r["id"] for r in res["results"]] == [said]
+    assert [w["id"] for w in res["weak_matches"]] == [rationale]
+
+
 def test_recall_never_returns_or_credits_below_the_floor(repo):
     strong = cs.capture("Invoice totals are stored as integer cents in the ledger",
                         tags="ledger")["item"]["id"]
-    weak = cs.capture("The ledger dashboard loads slowly on Mondays")["item"]["id"]
+    weak = cs.capture("The ledger dashboard loads slowly on Mondays, when the nightly export "
+                      "and the reconciliation job overlap")["item"]["id"]
     res = cs.recall("invoice totals integer cents", detail="full")
     assert [r["id"] for r in res["results"]] == [strong]
     assert all(r["relevance"] >= cs.RELEVANCE_FLOOR for r in res["results"])
@@ -3703,6 +3719,41 @@ def test_semantic_recall_answers_while_backlog_embeds(tmp_path):
 
 
 @needs_extra
+def test_semantic_slot_vectors_pick_up_only_what_was_embedded(tmp_path):
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
+             for i in range(3)]
+    index = cs.build_index(items)
+    cache = cs.VectorCache(None)
+    import numpy as np
+    sv = cs._SlotVectors(np)
+    assert [it.id for it in sv.sync(index, cache)] == ["k-0", "k-1", "k-2"]
+    assert sv.sync(index, cache) == [] and len(sv.missing) == 3     # queued once, not again
+    cache.put(cs.vector_key(items[1]), np.ones((1, cs.EMBED_DIM), np.float32))
+    assert sv.sync(index, cache) == []
+    assert sorted(sv.missing) == [0, 2] and sv.has[1] and not sv.has[0]
+    assert sorted(it.id for it in sv.stranded(items, cache)) == ["k-0", "k-2"]
+    assert sv.stranded(items, cache) == []          # once per change of the cache
+    index = index.sync(items[:2])                   # k-2 deleted: no longer waited for
+    sv.sync(index, cache)
+    assert sorted(sv.missing) == [0]
+
+
+@needs_extra
+def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatch):
+    monkeypatch.setattr(cs, "EMBED_YIELD_S", 60.0)
+    eng = cs.Semantic(None)
+    eng.ready()
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
+             for i in range(3)]
+    with eng.serving():
+        with eng.cv:
+            eng._enqueue(items)
+        time.sleep(0.3)
+        assert eng.embedded == 0 and eng.backlog() == 3
+    assert eng.wait_idle(60) and eng.embedded == 3
+
+
+@needs_extra
 @pytest.mark.parametrize("hub_offline", [None, "1"])
 def test_semantic_loads_and_embeds_offline(tmp_path, hub_offline):
     probe = textwrap.dedent(f"""
@@ -4121,6 +4172,20 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
     store.write_text("{ corrupt")
     res = _hook(tmp_path, payload)
     assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
+
+
+def test_primer_hook_runs_as_a_module_too(repo, tmp_path, monkeypatch):
+    """The README's faster hook form, `python3 -m cambium_server primer --hook`
+    (bytecode cached, unlike a script path), answers the same way."""
+    cs.capture("Rotate the signing key yearly", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    env = child_env(PYTHONPATH=str(SERVER.parent))
+    out = subprocess.run([sys.executable, "-m", "cambium_server", "primer", "--hook"],
+                         cwd=tmp_path, input=json.dumps({"cwd": str(repo)}), text=True,
+                         capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ctx = json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert "Rotate the signing key yearly" in ctx
 
 
 def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, monkeypatch):
