@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import collections
 import contextlib
 import contextvars
@@ -1743,7 +1744,8 @@ class LocalStore(Store):
     def _current(self, *, locked: bool, parse_grown: bool = False) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
         the lock: the file is damaged, or (unless parse_grown: then it is parsed
-        whole) grew by an append not yet recorded."""
+        whole) grew by an append not yet recorded or changed while a writer of
+        this process holds the lock."""
         try:
             key = _stat_key(os.stat(self.path))
         except FileNotFoundError:
@@ -1759,9 +1761,19 @@ class LocalStore(Store):
             doc = self._read_tail(seen, key)
             if doc is not None:
                 return doc
-        if grown and not locked and not parse_grown:
+        if not locked and not parse_grown and (grown or self._being_written()):
             return None
         return self._parse(locked=locked)
+
+    def _being_written(self) -> bool:
+        """Whether another thread of this process holds the store's lock: a
+        file changed under it is that writer's, whose parsed copy is on its
+        way (a fold's rewrite: parsing 100k items again would be wasted)."""
+        lock = runtime().thread_lock(str(self.path))
+        if not lock.acquire(blocking=False):
+            return True
+        lock.release()
+        return False
 
     def _appends_lead(self, old: tuple, new: tuple) -> bool:
         """Whether recorded appends lead from file version `old` to `new`."""
@@ -3163,26 +3175,41 @@ def item_terms(item: Item, why: float | None = None) -> dict[str, float]:
     return tf
 
 
+#: Item fields recall reads words from (the index) or embeds (the vectors): an
+#: item replaced by one equal in all of them (a credit, an endorsement) keeps
+#: its slot and postings, and only the Item object in the slot changes.
+_WORD_FIELDS = ("type", "kind", "content", "why", "tags", "source")
+
+
+def same_words(old: Item, new: Item) -> bool:
+    """Whether `new` says exactly what `old` says (only trust or bookkeeping differ)."""
+    return all(getattr(old, f) == getattr(new, f) for f in _WORD_FIELDS)
+
+
 class Index:
     """An inverted index over one store's active items, kept in step with the
-    store incrementally: sync() re-tokenizes only items it has not seen (items
-    are immutable, so identity says "unchanged"), and a query touches only the
-    postings of its own terms. Postings hold raw weighted term frequencies and
-    BM25's length norms follow the live average, so an index grown item by
-    item scores exactly like one built at once."""
+    store incrementally: sync() re-tokenizes only items whose words it has not
+    seen (items are immutable, so identity says "unchanged"; an item whose
+    words are the same, such as a credit fold's, just takes the old slot), and
+    a query touches only the postings of its own terms. Postings hold raw
+    weighted term frequencies in slot order and never a dead slot (a sync
+    purges the lists its kills touched), and BM25's length norms follow the
+    live average, so an index grown item by item scores exactly like one
+    built at once."""
 
     def __init__(self) -> None:
         self.items: list = []                      # slot -> Item, or None once dead
         self.lens: list = []                       # slot -> weighted length
-        self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs)
+        self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs), live only
         self.slot_of: dict[str, int] = {}          # item id -> live slot
         self.total_len = 0.0                       # exact: weights are multiples of 1/8
         self.live = 0
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
-        self._norms: tuple | None = None           # (total_len, live, slot -> norm)
-        self.dead_slots: set[int] = set()          # slots killed (their postings stay)
-        self.dead_df: dict[str, int] = {}          # term -> dead slots in its postings
+        self._norms: tuple | None = None           # (state, slot -> norm, smallest norm)
+        self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
+        self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
+        self._dirty: set[str] = set()              # terms whose postings hold a dead slot
 
     def _add(self, it: Item) -> None:
         slot = len(self.items)
@@ -3212,8 +3239,34 @@ class Index:
         self.items[slot] = None
         self.live -= 1
         self.dead_slots.add(slot)
-        for t in item_terms(it):
-            self.dead_df[t] = self.dead_df.get(t, 0) + 1
+        self._dirty.update(item_terms(it))
+
+    def _put(self, it: Item) -> None:
+        """Index an active item, replacing the live one with its id: in its
+        slot when the words are the same, else as a new slot."""
+        slot = self.slot_of.get(it.id)
+        if slot is not None and self.items[slot] is not None:
+            if same_words(self.items[slot], it):
+                self.items[slot] = it
+                return
+            self._kill(slot)
+        self._add(it)
+
+    def _purge(self) -> None:
+        """Drop dead slots from the postings they are in: queries never see them."""
+        dead = self.dead_slots
+        for t in self._dirty:
+            p = self.postings.get(t)
+            if p is None:
+                continue
+            keep = list(map(operator.not_, map(dead.__contains__, p[0])))
+            self._tf_max.pop(t, None)
+            if any(keep):
+                self.postings[t] = (array("i", itertools.compress(p[0], keep)),
+                                    array("f", itertools.compress(p[1], keep)))
+            else:
+                del self.postings[t]
+        self._dirty = set()
 
     def says(self, key: str) -> bool:
         """Whether a live item already has this content key."""
@@ -3228,11 +3281,9 @@ class Index:
         if src is not None and extends(items, src):
             for it in items[len(src):]:                # appended only: the common case
                 if it.active:
-                    if it.id in self.slot_of:
-                        self._kill(self.slot_of[it.id])
-                    self._add(it)
+                    self._put(it)
             self.source = items
-            return self
+            return self._compacted(items, fresh)
         if src is not None and len(items) == len(src):
             return self._replace_in_place(items, src, fresh)
         seen: set[int] = set()
@@ -3240,12 +3291,8 @@ class Index:
             if not it.active:
                 continue
             slot = self.slot_of.get(it.id)
-            if slot is not None and self.items[slot] is it:
-                seen.add(slot)
-                continue
-            if slot is not None:
-                self._kill(slot)
-            self._add(it)
+            if slot is None or self.items[slot] is not it:
+                self._put(it)
             seen.add(self.slot_of[it.id])
         for item_id, slot in list(self.slot_of.items()):
             if slot not in seen:
@@ -3256,9 +3303,12 @@ class Index:
         return self._compacted(items, fresh)
 
     def _compacted(self, items: list, fresh: bool) -> Index:
-        """self, or a fresh index once fewer than half its slots are live."""
+        """self with its postings purged of dead slots, or a fresh index once
+        fewer than half its slots are live."""
         if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
             return Index().sync(items, fresh=True)
+        if self._dirty:
+            self._purge()
         return self
 
     def _replace_in_place(self, items: list, src: list, fresh: bool) -> Index:
@@ -3267,25 +3317,43 @@ class Index:
         for i in itertools.compress(range(len(items)), map(operator.is_not, items, src)):
             old, new = src[i], items[i]
             slot = self.slot_of.get(old.id)
-            if slot is not None and self.items[slot] is old:
+            if slot is not None and self.items[slot] is old and \
+                    not (new.active and new.id == old.id):
                 self._kill(slot)
                 del self.slot_of[old.id]
             if new.active:
-                slot = self.slot_of.get(new.id)
-                if slot is not None and self.items[slot] is not None:
-                    self._kill(slot)
-                self._add(new)
+                self._put(new)
         self.source = items
         return self._compacted(items, fresh)
 
     def norms(self) -> list:
         """slot -> BM25's length term k1 * (1 - b + b * len / avg len), for the
         store as it is now (recomputed only after a change)."""
+        return self._norm_state()[1]
+
+    def norm_min(self) -> float:
+        """The smallest length term of any slot (a bound for pruning)."""
+        return self._norm_state()[2]
+
+    def _norm_state(self) -> tuple:
         state = (self.total_len, self.live, len(self.lens))
         if self._norms is None or self._norms[0] != state:
             k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
-            self._norms = (state, [k0 + kb * n for n in self.lens])
-        return self._norms[1]
+            norms = [k0 + kb * n for n in self.lens]
+            self._norms = (state, norms, min(norms, default=k0))
+        return self._norms
+
+    def tf_max(self, term: str) -> float:
+        """The largest weighted term frequency in a term's postings (cached;
+        postings only grow at the end until a purge replaces their arrays)."""
+        tfs = self.postings[term][1]
+        arr, seen, top = self._tf_max.get(term) or (None, 0, 0.0)
+        if arr is not tfs:
+            seen, top = 0, 0.0
+        if seen != len(tfs):
+            top = max(top, max(tfs[seen:]))
+            self._tf_max[term] = (tfs, len(tfs), top)
+        return top
 
     @property
     def dead(self) -> int:
@@ -3330,27 +3398,151 @@ def _term_weight(index: Index, term: str) -> float:
     """BM25's idf x (k1 + 1) of a term in the index (idf over at least
     BM25_MIN_DOCS documents)."""
     n = max(index.live, BM25_MIN_DOCS)
-    df = len(index.postings[term][0]) - index.dead_df.get(term, 0)
+    df = len(index.postings[term][0])
     return math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1)
 
 
+def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]]:
+    """(term, BM25 weight, postings) of the query's terms the index holds,
+    commonest first, ties in term order: every score sums its terms' parts in
+    this order, which depends on the live items only, never on the index's
+    history. `terms` are tokenize()d and unique."""
+    out = [(t, _term_weight(index, t), index.postings[t])
+           for t in sorted(terms) if t in index.postings]
+    out.sort(key=lambda twp: -len(twp[2][0]))
+    return out
+
+
 def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
-    """BM25 of every live slot matching a term (slot -> score). `terms` are
-    tokenize()d and unique; idf counts at least BM25_MIN_DOCS documents."""
-    norms = index.norms()
+    """BM25 of every live slot matching a term (slot -> score)."""
+    return _all_scores(query_terms(index, terms), index.norms())
+
+
+def _all_scores(plan: list, norms: list) -> dict[int, float]:
     scores: dict[int, float] = {}
-    found = [(t, index.postings[t]) for t in terms if t in index.postings]
-    for n_term, (t, plist) in enumerate(sorted(found, key=lambda tp: -len(tp[1][0]))):
-        w = _term_weight(index, t)
+    for n_term, (_, w, (slots, tfs)) in enumerate(plan):
         if not n_term:                  # the longest list fills the dict: no lookups
-            scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
+            scores = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
             continue
         get = scores.get
-        for i, v in zip(*plist):
+        for i, v in zip(slots, tfs):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
-    for i in index.dead_slots:
-        scores.pop(i, None)
     return scores
+
+
+PRUNE_SLACK = 1.5e-6    #: pruning keeps a slot this close to the cut: top_slots' 1e-6 tie
+                        #: window plus room for float rounding, so it drops nothing that ranks
+
+
+def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
+    """The exact BM25 scores (as bm25_scores) of the slots that can rank among
+    the best `limit`, ties included: top_slots over them equals top_slots over
+    every score. Lists are read rarest first (MaxScore): once the commoner
+    terms left could not lift a slot not seen yet to the limit-th score so far,
+    their long lists are only looked up for the slots still in the race, and a
+    slot leaves the race as soon as those terms could not lift it either. The
+    few left are scored again in bm25_scores' order of terms."""
+    plan = query_terms(index, terms)
+    norms, low = index.norms(), index.norm_min()
+    bounds = [w * m / (m + low) for t, w, _ in plan for m in (index.tf_max(t),)]
+    race: dict[int, float] = {}
+    left, cut = len(plan), _Cut(limit)
+    while left and not cut.beyond(race, sum(bounds[:left])):
+        left -= 1
+        race = _read(race, plan[left], norms)
+        cut.grew(bounds[left])
+    while True:                        # the rest only for the slots still in the race
+        if len(race) > limit:
+            need = cut.at(race) - sum(bounds[:left]) - PRUNE_SLACK
+            race = {i: s for i, s in race.items() if s >= need}
+        if not left:
+            return _exact_scores(plan, norms, race)
+        left -= 1
+        _look_up(race, plan[left], norms)
+
+
+class _Cut:
+    """The limit-th best partial score of a race, a lower bound of the limit-th
+    best score, recomputed only when it could have grown enough to matter
+    (partial scores only grow: the last value stays a lower bound)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.known, self.since = limit, 0.0, 0.0
+
+    def grew(self, bound: float) -> None:
+        """A term whose contribution is at most `bound` was read into the race."""
+        self.since += bound
+
+    def at(self, race: dict) -> float:
+        self.known, self.since = heapq.nlargest(self.limit, race.values())[-1], 0.0
+        return self.known
+
+    def beyond(self, race: dict, rest: float) -> bool:
+        """Whether terms scoring at most `rest` together cannot lift a slot
+        they alone match into the best `limit`."""
+        if len(race) < self.limit:
+            return False
+        if rest < self.known - PRUNE_SLACK:
+            return True
+        return rest < self.known + self.since - PRUNE_SLACK and \
+            rest < self.at(race) - PRUNE_SLACK
+
+
+def _read(race: dict, term: tuple, norms: list) -> dict:
+    """The race with one term's postings read in: every slot they hold joins.
+    A long list fills a new dict at C speed and the shorter race is added in."""
+    _, w, (slots, tfs) = term
+    if len(race) * 4 < len(slots):
+        new = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+        get = new.get
+        for i, s in race.items():
+            new[i] = get(i, 0.0) + s
+        return new
+    get = race.get
+    for i, v in zip(slots, tfs):
+        race[i] = get(i, 0.0) + w * v / (v + norms[i])
+    return race
+
+
+def _look_up(race: dict, term: tuple, norms: list) -> None:
+    """Add one term's part to the partial scores of the slots in the race:
+    by binary search in its postings, or one pass when the race is large."""
+    _, w, (slots, tfs) = term
+    if len(race) * 16 < len(slots):
+        n = len(slots)
+        for i in race:
+            j = bisect.bisect_left(slots, i)
+            if j < n and slots[j] == i:
+                v = tfs[j]
+                race[i] += w * v / (v + norms[i])
+        return
+    for i, v in zip(slots, tfs):
+        if i in race:
+            race[i] += w * v / (v + norms[i])
+
+
+def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
+    """The race's complete scores summed as bm25_scores sums them: as they
+    are for one or two terms (a + b == b + a exactly), else looked up one by
+    one, or all of them scored at once when the race is most of the matches
+    (a word in nearly every item scores them all within the tie window)."""
+    if len(plan) <= 2:
+        return race
+    if len(race) * len(plan) * 8 > sum(len(slots) for _, _, (slots, _) in plan):
+        every = _all_scores(plan, norms)
+        return {i: every[i] for i in race}
+    return {i: _exact_score(plan, norms, i) for i in race}
+
+
+def _exact_score(plan: list, norms: list, slot: int) -> float:
+    """One slot's BM25 summed in query_terms order: bit for bit bm25_scores'."""
+    score = 0.0
+    for _, w, (slots, tfs) in plan:
+        j = bisect.bisect_left(slots, slot)
+        if j < len(slots) and slots[j] == slot:
+            v = tfs[j]
+            score += w * v / (v + norms[slot])
+    return score
 
 
 def confidence_bm25(index: Index, terms: list[str], item: Item,
@@ -3396,7 +3588,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     if not terms or index.live == 0:
         return Ranking([], 0.0)
     slots = index.items
-    scores = bm25_scores(index, terms)
+    scores = bm25_top(index, terms, limit)
     hits = [Hit(slots[i], scores[i], lexical_relevance(confidence_bm25(index, terms, slots[i])))
             for i in top_slots(scores, slots, limit)]
     results, weak = split_at_floor(hits)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -443,6 +444,35 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
 
 
+def test_reader_waits_for_a_rewrite_of_its_own_process_instead_of_parsing_it(repo, monkeypatch):
+    ids = [cs.capture(f"fact {n} about folds", tags="fold")["item"]["id"] for n in range(3)]
+    cfg = cs.resolve_config()
+    st = cs.store(cfg, "local")
+    path = _store_path(repo)
+    replaced, go, parsed, got = threading.Event(), threading.Event(), [], []
+    real_write, real_parse = cs.atomic_write, cs.parse_file
+
+    def slow_write(target, data, mode=0o644):   # the window: file replaced, copy not kept
+        real_write(target, data, mode)
+        if target == path:
+            replaced.set()
+            go.wait(10)
+    monkeypatch.setattr(cs, "atomic_write", slow_write)
+    monkeypatch.setattr(cs, "parse_file", lambda *a: parsed.append(1) or real_parse(*a))
+    endorse = threading.Thread(target=cs.endorse, args=(ids[1],), kwargs={"note": "checked"})
+    endorse.start()
+    assert replaced.wait(10)
+    reader = threading.Thread(target=lambda: got.append(st.read()))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not got             # waits for the writer, parses nothing
+    go.set()
+    endorse.join(10)
+    reader.join(10)
+    assert got[0] is st.read() and not parsed
+    assert got[0].items[1].trust["endorsements"][0]["note"] == "checked"
+
+
 def test_rewrite_in_place_copies_unchanged_lines_and_index_follows(repo):
     ids = [cs.capture(f"fact {n} about ledgers and invoices", tags="ledger")["item"]["id"]
            for n in range(6)]
@@ -680,6 +710,73 @@ def test_index_grown_item_by_item_ranks_exactly_like_a_fresh_build():
         a, b = cs.score_query(grown, query, 20), cs.score_query(fresh, query, 20)
         assert [(h.item.id, h.score) for h in a.hits] == [(h.item.id, h.score) for h in b.hits]
         assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
+
+
+def _skewed_items(n: int, seed: int) -> list:
+    """Items over a skewed vocabulary: a few words in most items (long postings
+    that pruning can skip), a tail of rare ones, lengths that vary."""
+    rng = random.Random(seed)
+    words = [f"w{r}" for r in range(300)]
+    weights = [1 / (r + 1) for r in range(300)]
+    return [cs.new_item(" ".join(rng.choices(words, weights, k=rng.randint(4, 30))),
+                        why=" ".join(rng.choices(words, weights, k=rng.randint(0, 8))),
+                        tags=rng.choice(["w0", "w7", "w150", ""]))
+            for _ in range(n)]
+
+
+def test_pruned_lexical_scoring_ranks_exactly_like_scoring_every_match():
+    items = _skewed_items(500, 3)
+    grown = cs.build_index(items)
+    final = [dataclasses.replace(it, content=it.content + " w2 w299") if n % 17 == 0 else it
+             for n, it in enumerate(items) if n % 23]                 # edits and deletions
+    grown = grown.sync(final)
+    fresh = cs.build_index(final)
+    assert grown.dead and all(s not in grown.dead_slots
+                              for slots, _ in grown.postings.values() for s in slots)
+    rng, pruned = random.Random(5), 0
+    queries = [" ".join(f"w{rng.randint(0, k)}" for _ in range(rng.randint(1, 6)))
+               for k in (3, 20, 299) for _ in range(25)]
+    for query, limit in [(q, k) for q in queries for k in (1, 5, 20)]:
+        terms = list(dict.fromkeys(cs.tokenize(query)))
+        full, top = cs.bm25_scores(grown, terms), cs.bm25_top(grown, terms, limit)
+        pruned += len(top) < len(full)
+        best = cs.top_slots(full, grown.items, limit)
+        assert cs.top_slots(top, grown.items, limit) == best
+        assert [top[i] for i in best] == [full[i] for i in best]      # bit for bit
+        a, b = cs.score_query(grown, query, limit), cs.score_query(fresh, query, limit)
+        assert [(h.item.id, h.score) for h in a.hits + a.weak] == \
+            [(h.item.id, h.score) for h in b.hits + b.weak]
+    assert pruned > len(queries)                  # the pruning did skip most matches
+
+
+def test_credit_fold_replaces_items_in_their_index_slots_without_retokenizing(repo, monkeypatch):
+    ids = [cs.capture(f"ledger rule {n}: invoices are stored in integer cents",
+                      tags="ledger")["item"]["id"] for n in range(6)]
+    cs.capture("the deploy window closes on Fridays", tags="deploy")
+    cfg = cs.resolve_config()
+    key = str(_store_path(repo))
+    assert cs.recall("ledger invoices cents", limit=3)["results"]     # 3 credits journaled
+    before = cs.store_index(key, cs.store(cfg, "local").read().items)
+    slots = dict(before.slot_of)
+    tokenized = []
+    real = cs.item_terms
+    monkeypatch.setattr(cs, "item_terms", lambda it, *a: tokenized.append(it.id) or real(it, *a))
+    assert cs.fold_credits_now(cfg, ("local",)) == 3
+    items = cs.store(cfg, "local").read().items
+    live = cs.store_index(key, items)
+    assert live is before and live.slot_of == slots and live.dead == 0 and not tokenized
+    credited = [it for it in items if it.trust["recalls"]]
+    assert len(credited) == 3 and all(live.items[slots[it.id]] is it for it in credited)
+    monkeypatch.setattr(cs, "item_terms", real)
+    fresh = cs.build_index(items)
+    for query in ("ledger invoices", "integer cents rule 4", "deploy"):
+        a, b = cs.score_query(live, query, 5), cs.score_query(fresh, query, 5)
+        assert [(h.item.id, h.score, h.item.trust["recalls"]) for h in a.hits + a.weak] == \
+            [(h.item.id, h.score, h.item.trust["recalls"]) for h in b.hits + b.weak]
+    cs.deprecate(ids[0], reason="superseded by the new ledger")      # words gone: a dead slot
+    live = cs.store_index(key, cs.store(cfg, "local").read().items)
+    assert live.dead == 1 and all(slots[ids[0]] not in s for s, _ in live.postings.values())
+    assert ids[0] not in [r["id"] for r in cs.recall("ledger invoices", limit=10)["results"]]
 
 
 def test_lexical_relevance_reads_the_why_at_a_lower_weight(repo):
