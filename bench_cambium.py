@@ -116,8 +116,8 @@ def _server_mode() -> None:
     cs.runtime().long_running.set()
 
 
-def _queries(rng: random.Random, k: int) -> list[str]:
-    return [" ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=4)) for _ in range(k)]
+def _queries(rng: random.Random, k: int, words: int = 4) -> list[str]:
+    return [" ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=words)) for _ in range(k)]
 
 
 def _warm_server(tmp: str, n: int) -> None:
@@ -139,6 +139,21 @@ def bench_recall() -> None:
             local = median_ms(lambda: cs.recall(next(it), scope="local"), 40)
             print(f"recall scope=auto (local only), {n:>7,} items: median {auto:5.1f} ms "
                   f"(target <= {_target(n, 10, 25):g} ms); scope=local {local:5.1f} ms")
+            long = iter(_queries(rng, 40, words=12))
+            wordy = median_ms(lambda: cs.recall(next(long)), 40)
+            print(f"  the same, 12-word queries: median {wordy:5.1f} ms; right after a capture "
+                  f"(index and length norms brought up to date): median "
+                  f"{_recall_after_capture_ms(rng, 30):5.1f} ms")
+
+
+def _recall_after_capture_ms(rng: random.Random, runs: int) -> float:
+    times = []
+    for i, query in enumerate(_queries(rng, runs)):
+        cs.capture(f"bench note {i} about {query}", tags="bench")
+        t0 = time.perf_counter()
+        cs.recall(query)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
 
 
 def _written() -> int:
