@@ -3629,7 +3629,7 @@ EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
 EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a running recall
-EMBED_NICE = 10                     #: the embedding thread's niceness: recalls get the CPU first
+EMBED_NICE = 10                     #: niceness of the thread embedding a backlog too long to wait for
 EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
 EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP clients time out)
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
@@ -4198,9 +4198,12 @@ class Semantic:
         return {k: vecs[s:s + n] for k, s, n in spans}
 
     def _work(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):   # Linux: this thread only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           max(EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
+        with self.cv:
+            long = len(self.queue) > self.rate * EMBED_WAIT_S
+        if long:       # no recall waits for this backlog: recalls get the CPU first
+            with contextlib.suppress(AttributeError, OSError):   # Linux: this thread only
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                               max(EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
         emb = load_embedder(self.rt)
         while True:
             with self.cv:
