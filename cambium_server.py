@@ -3207,6 +3207,7 @@ class Index:
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
         self._norms: tuple | None = None           # (state, slot -> norm, smallest norm)
+        self.min_len = math.inf                    # the shortest slot's length (dead ones too)
         self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
         self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
         self._dirty: set[str] = set()              # terms whose postings hold a dead slot
@@ -3217,6 +3218,7 @@ class Index:
         length = sum(tf.values())
         self.items.append(it)
         self.lens.append(length)
+        self.min_len = min(self.min_len, length)
         for t, v in tf.items():                    # compact arrays: 8 bytes a posting
             p = self.postings.get(t)
             if p is None:
@@ -3339,8 +3341,8 @@ class Index:
         state = (self.total_len, self.live, len(self.lens))
         if self._norms is None or self._norms[0] != state:
             k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
-            norms = [k0 + kb * n for n in self.lens]
-            self._norms = (state, norms, min(norms, default=k0))
+            norms = [k0 + kb * n for n in self.lens]        # kb > 0: the shortest is the least
+            self._norms = (state, norms, k0 + kb * self.min_len if norms else k0)
         return self._norms
 
     def tf_max(self, term: str) -> float:
