@@ -3784,6 +3784,7 @@ def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatc
     monkeypatch.setattr(cs, "EMBED_YIELD_S", 60.0)
     eng = cs.Semantic(None)
     eng.ready()
+    eng.rate = 0.01                        # a backlog no recall would wait for
     items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
              for i in range(3)]
     with eng.serving():
@@ -3791,6 +3792,9 @@ def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatc
             eng._enqueue(items)
         time.sleep(0.3)
         assert eng.embedded == 0 and eng.backlog() == 3
+        if sys.platform.startswith("linux"):           # ...and runs niced: a long backlog
+            assert os.getpriority(os.PRIO_PROCESS, eng.worker.native_id) == \
+                max(cs.EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0))
     assert eng.wait_idle(60) and eng.embedded == 3
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Cross-validated recall quality, in process, with cambium_server's own scoring.
 
-    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held]
-                          [--folds 5] [--cache DIR]
+    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2]
+                          [--folds 5] [--rule normal|quantile] [--false-target F] [--cache DIR]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -13,15 +13,21 @@ What it does:
      kind, fixed seed): every free parameter is chosen on k-1 folds and scored
      on the fold left out; prints mean and spread (min..max) over the folds;
   3. the same selection on all dev queries gives the shipped parameters; the
-     held-out set (never used to choose anything) is scored with them.
+     held-out sets (never used to choose anything) are scored with them.
 
-Parameters chosen this way (both modes): the relevance floor (the largest
-whose false-abstention on the training folds stays <= --false-target) and, in
-semantic mode, the BM25 blend weight, the discount of tail windows, whether an
-item also gets a vector of its content + tags alone and of its why alone (and
-their discounts), pseudo-relevance feedback (Rocchio weight, top 3 items) and
-a raw-BM25 boost of relevance. What cambium_server ships is the choice this
-script makes on all of dev (printed last for each mode).
+Parameters chosen this way: the relevance floor of each mode, calibrated on
+the training *paraphrases* (the answerable queries with the lowest confidence,
+so the floor does not depend on a set's mix of kinds) as the --false-target
+tail of a normal fit to their confidences (smooth in the number of queries,
+unlike an empirical quantile of 33 values); in lexical mode the why's weight
+in the BM25 that relevance reads (cambium_server.confidence_bm25); in semantic
+mode the BM25 blend weight, the discount of tail windows, whether an item also
+gets a vector of its content + tags alone and of its why alone (and their
+discounts), pseudo-relevance feedback (Rocchio weight, top 3 items) and a
+raw-BM25 boost of relevance. The false target per mode (FALSE_TARGETS) is the
+smaller of 0.03 and 0.05 whose cross-validated abstention meets the mode's
+target. What cambium_server ships is the choice this script makes on all of
+dev (printed last for each mode).
 """
 from __future__ import annotations
 
