@@ -1023,9 +1023,9 @@ class GitScope:
     fetch_error: str | None = None      # the last background fetch failed with this
     doc: tuple[str, Doc] | None = None  # (commit, parsed knowledge.json at it)
     checked_out: str | None = None      # the org clone's checkout is at this commit
-    spread_s: float = 0.0               # how widely this process spreads its push retries
-    contended_at: float = -math.inf     # when (monotonic) it last saw a peer write here
-    pushed: str | None = None           # the last commit this process pushed here
+    attempt_s: float = 0.0              # how long a write attempt takes here (smoothed)
+    peers: dict = field(default_factory=dict)   # writer ident -> when (monotonic) last seen
+    contended_at: float = -math.inf     # when it last saw a peer write or lost a race
 
 
 class Runtime:
@@ -2218,51 +2218,59 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 # =============================================================================
 
 PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
-PUSH_SPREAD_MIN_S = 0.05    #: retries spread over this at first; each lost race doubles
-PUSH_SPREAD_MAX_S = 2.0     #: it up to this, until no peer wrote for PUSH_CONTENDED_S
-PUSH_CONTENDED_S = 3.0      #: a write this soon after seeing a peer's write waits its turn
+PUSH_CONTENDED_S = 3.0      #: peers seen writing this recently make writes take turns
+PUSH_SPREAD_MAX_S = 5.0     #: the longest a write waits for its turn
+PEER_WALK = 32              #: new commits read per fetch to see who writes
+
+
+def _cas_spread(attempt_s: float, writers: int, lost: int) -> float:
+    """How long the turn of `writers` writers takes, an attempt each: the span a
+    write spreads its attempts over (a write that keeps losing to writers it
+    cannot see assumes one more per lost race)."""
+    return min(PUSH_SPREAD_MAX_S, max(writers, 1 + lost) * max(attempt_s, 0.01))
 
 
 def _cas_pause(spread_s: float, lost: int, rng: Any) -> float:
-    """Seconds to wait after a write lost its `lost`-th race: jittered around the
-    process's spread, and shorter the more races this write has lost, so the
-    longest waiter retries first instead of last."""
-    return spread_s * (0.5 + rng.random()) / (1 + 0.5 * (lost - 1))
+    """Seconds to wait before an attempt (after `lost` lost races): jittered
+    around the spread, and shorter the more races this write has lost, so the
+    longest waiter goes first and a fresh write goes last."""
+    return spread_s * (0.5 + rng.random()) / (1 + lost)
 
 
-def _contended(pace: GitScope, now: float) -> float:
-    """The retry spread while peers write to this scope (0: none wrote lately)."""
+def _writers(pace: GitScope, now: float) -> int:
+    """Writers of this scope lately, this process included (1: it alone)."""
     with pace.lock:
         if now - pace.contended_at >= PUSH_CONTENDED_S:
-            pace.spread_s = PUSH_SPREAD_MIN_S
-            return 0.0
-        return pace.spread_s
+            return 1
+        return 1 + sum(now - seen < PUSH_CONTENDED_S for seen in pace.peers.values())
 
 
 def _cas_attempts(pace: GitScope) -> Iterator[int]:
-    """Attempt numbers (races lost so far) for one write's CAS loop, paced for
-    many writers taking turns, until PUSH_RETRY_S have passed.
+    """Attempt numbers (races lost so far) for one write's CAS loop, paced so
+    that many writers take turns, until PUSH_RETRY_S have passed.
 
-    The spread is the process's, kept across writes while peers keep writing:
-    each lost race doubles it. A write that starts while peers write waits a
-    random share of it first, as its peers do after losing (the last winner
-    holds the fresh tip and would otherwise win again and again)."""
+    Alone, a write goes at once and a lost race is retried almost at once. While
+    peers write (seen in fetched commits, or a lost race, within
+    PUSH_CONTENDED_S), a write first waits about a turn of all writers (the last
+    winner holds the fresh tip and would otherwise win again and again), and a
+    lost race waits a share of a turn that shrinks as the write keeps losing."""
     import random
     rng = random.Random()
     deadline = time.monotonic() + PUSH_RETRY_S
-    time.sleep(rng.random() * _contended(pace, time.monotonic()))
     lost = 0
     while True:
+        writers = _writers(pace, time.monotonic())
+        if writers > 1 or lost:
+            with pace.lock:
+                spread = _cas_spread(pace.attempt_s, writers, lost)
+            pause = _cas_pause(spread, lost, rng)
+            if time.monotonic() + pause > deadline:
+                return
+            time.sleep(pause)
         yield lost
         lost += 1
         with pace.lock:
             pace.contended_at = time.monotonic()
-            pace.spread_s = spread = min(PUSH_SPREAD_MAX_S, 2 * max(pace.spread_s,
-                                                                    PUSH_SPREAD_MIN_S))
-        pause = _cas_pause(spread, lost, rng)
-        if time.monotonic() + pause > deadline:
-            return
-        time.sleep(pause)
 
 
 def _push_outcome(out: str) -> str:
@@ -2492,15 +2500,19 @@ class GitStore(Store):
         """A commit = parent's tree with `files` replaced at the root, written as
         loose objects by cambium itself when the parent's are loose (a CAS
         attempt under contention should be short), else by one `git fast-import`."""
-        who = re.sub(r"[<>\s]+", " ", f"cambium ({self.agent})").strip()
-        email = re.sub(r"[<>\s]+", "-", self.agent) + "@cambium.invalid"
-        stamp = f"{who} <{email}> {int(time.time())} +0000"
+        stamp = f"{self._ident()}> {int(time.time())} +0000"
         objects = self._objects()
         entries = [] if parent is None else loose_tree(objects, parent) if objects else None
         if entries is not None:
             with contextlib.suppress(OSError):
                 return _write_commit(objects, entries, parent, files, stamp, message)
         return self._fast_import(parent, files, stamp, message)
+
+    def _ident(self) -> str:
+        """The author of this agent's commits, up to the closing '>'."""
+        who = re.sub(r"[<>\s]+", " ", f"cambium ({self.agent})").strip()
+        email = re.sub(r"[<>\s]+", "-", self.agent) + "@cambium.invalid"
+        return f"{who} <{email}"
 
     def _fast_import(self, parent: str | None, files: dict[str, str], stamp: str,
                      message: str) -> str:
@@ -2562,6 +2574,7 @@ class GitStore(Store):
         target = branch or self.branch
         with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
             for _ in _cas_attempts(self._state):
+                started = time.monotonic()
                 tip = self._fetch_for_write()
                 side = branch is not None and branch != self.branch
                 side_tip = self._remote_branch_tip(branch) if side else None
@@ -2581,12 +2594,11 @@ class GitStore(Store):
                 parent = base if base is not None else self.default_tip()
                 commit = self._commit(parent, files, message)
                 outcome = self._push(commit, target, lease=(side_tip or "") if side else None)
+                self._timed(time.monotonic() - started)
                 if outcome == "race":
                     continue
                 self.verify(commit, target)
                 commit_credits()
-                with self._state.lock:
-                    self._state.pushed = commit
                 if target == self.branch:
                     self._set_ref(commit)
                     self._remember(commit, new, tip=True)
@@ -2595,14 +2607,37 @@ class GitStore(Store):
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 
     def _fetch_for_write(self) -> str | None:
-        """fetch(force=True), noting a peer's write (a tip this process did not
-        push) for the pacing of the next writes."""
+        """fetch(force=True), noting who else wrote since the tip known before
+        (the pacing of this process's writes counts them)."""
+        with self._state.lock:
+            known = self._state.tip if self._state.tip_known else None
         tip = self.fetch(force=True)
-        state = self._state
-        with state.lock:
-            if state.pushed is not None and tip != state.pushed:
-                state.contended_at = time.monotonic()
+        objects = self._objects()
+        if tip is None or known is None or tip == known or objects is None:
+            return tip
+        now, commit, seen = time.monotonic(), tip, set()
+        for _ in range(PEER_WALK):
+            obj = loose_object(objects, commit)
+            if obj is None or obj[0] != "commit":
+                break
+            head = obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace").splitlines()
+            seen |= {ln[7:].split(">", 1)[0] for ln in head if ln.startswith("author ")}
+            parents = [ln[7:] for ln in head if ln.startswith("parent ")]
+            if not parents or parents[0] == known:
+                break
+            commit = parents[0]
+        peers = seen - {self._ident()}
+        with self._state.lock:
+            self._state.peers.update(dict.fromkeys(peers, now))
+            if peers:
+                self._state.contended_at = now
         return tip
+
+    def _timed(self, attempt_s: float) -> None:
+        """Fold one attempt's duration into the scope's pacing."""
+        with self._state.lock:
+            old = self._state.attempt_s
+            self._state.attempt_s = attempt_s if not old else 0.7 * old + 0.3 * attempt_s
 
     def _files_stale(self, commit: str | None, doc: Doc) -> bool:
         """Whether the extra files rendered from doc differ from those at commit."""
