@@ -5617,14 +5617,16 @@ def _awaiting_merge(item: Item) -> Verdict:
     return Verdict(False, "pr_pending", f"waits for {item.pr_url} to merge")
 
 
-def settle_org_prs(cfg: Config) -> list[str]:
+def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]:
     """Finish moves whose org pull request has merged: once org scope holds the
-    item, drop the source copy that waited (annotated with pr_url). Returns ids."""
+    item, drop the source copy that waited (annotated with pr_url). Returns ids.
+    docs: local and team as the caller just read them (else read here)."""
     if cfg.org_repo is None:
         return []
-    docs, _ = read_scopes(cfg, ("local", "team"), digest=True)   # move() re-reads for real
+    if docs is None:
+        docs, _ = read_scopes(cfg, ("local", "team"), digest=True)  # move() re-reads for real
     settled: list[str] = []
-    for scope, doc in docs.items():
+    for scope, doc in ((s, docs[s]) for s in ("local", "team") if s in docs):
         waiting = [it for it in doc.items if it.pr_url]
         if waiting:
             moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
@@ -7307,30 +7309,32 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    hit = _find_item(store(cfg, "org").read(), item_id)
-    if hit is None:
-        raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
-                       "(review_promotions lists the ones that need it).")
     why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) if org_why else None
-    text = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else \
-        None if why else latest_endorsement_note(hit[1])
-    if not text and not why:
-        raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
-                         "org_content= (and/or org_why=) with the rule stated in general terms.")
+    content = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else None
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
+    changed: list[bool] = []
 
-    def apply(it: Item) -> Item | None:
+    def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
+        text = content or (None if why else latest_endorsement_note(it))
+        if not text and not why:
+            raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
+                             "org_content= (and/or org_why=) with the rule stated in general "
+                             "terms.")
         new = restated(it, content=text, why=why)
+        changed.append(new is not it)
         return None if new is it else dataclasses.replace(
             new, updated_at=now, extra={**it.extra, "generalized": {
                 "by": cfg.agent, "at": now, "note": note}})
 
-    new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes {item_id}",
-                             topic="generalize")
-    changed = write is not None and write.commit is not None and restated(
-        hit[1], content=text, why=why) is not hit[1]
-    out = {"status": "generalized" if changed else "unchanged", "item": item_view(new),
+    try:
+        new, write = change_item(cfg, "org", item_id, apply,
+                                 f"{cfg.agent} generalizes {item_id}", topic="generalize")
+    except NotFound:
+        raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
+                       "(review_promotions lists the ones that need it).") from None
+    changed_now = write is not None and write.commit is not None and changed[-1]
+    out = {"status": "generalized" if changed_now else "unchanged", "item": item_view(new),
            "tells_left": org_tells(new)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
@@ -7348,8 +7352,10 @@ def review_promotions() -> dict:
     finishes moves whose org pull request has merged.
     """
     cfg = require_config()
-    settled = settle_org_prs(cfg) if cfg.org_repo else []
     docs, warnings = read_scopes(cfg, SCOPES)
+    settled = settle_org_prs(cfg, docs) if cfg.org_repo else []
+    if settled:                                   # settling moved items: read what is now
+        docs, warnings = read_scopes(cfg, SCOPES)
     pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
