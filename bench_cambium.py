@@ -714,10 +714,10 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_quality() -> None:
     """Recall quality through the real MCP server (quality/eval.py), both modes,
-    on the held-out set (in the repo) and the dev set (../shared/quality/dev,
+    on the held-out sets (in the repo) and the dev set (../shared/quality/dev,
     when that folder is beside the clone). Cross-validated dev figures and the
     parameter choice: python3 quality/cv.py."""
-    sets = [("held", "held")]
+    sets = [("held", "held"), ("held2", "held2")]
     dev = next((up / "shared" / "quality" / "dev" for up in (HERE.parent, HERE.parent.parent)
                 if (up / "shared" / "quality" / "dev").is_dir()), None)
     if dev is not None:
@@ -732,7 +732,7 @@ def bench_quality() -> None:
                                check=True, stdout=subprocess.DEVNULL)
                 q = json.load(open(out.name))["summary"]
             a, c, p = q["abstention"], q["control"], q["paraphrase"]
-            print(f"quality {label:<4} {mode:<8}: control hit@1 {c['hit@1']:.3f} (>= 0.98), "
+            print(f"quality {label:<5} {mode:<8}: control hit@1 {c['hit@1']:.3f} (>= 0.98), "
                   f"paraphrase hit@1 {p['hit@1']:.3f} hit@5 {p['hit@5']:.3f}"
                   + (" (>= 0.45, >= 0.75)" if mode == "semantic" else "")
                   + f", no-answer abstained {a['recall']:.2f} "

@@ -3429,6 +3429,7 @@ class Index:
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
         self._norms: tuple | None = None           # (state, slot -> norm, smallest norm)
+        self.min_len = math.inf                    # the shortest slot's length (dead ones too)
         self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
         self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
         self._dirty: set[str] = set()              # terms whose postings hold a dead slot
@@ -3439,6 +3440,7 @@ class Index:
         length = sum(tf.values())
         self.items.append(it)
         self.lens.append(length)
+        self.min_len = min(self.min_len, length)
         for t, v in tf.items():                    # compact arrays: 8 bytes a posting
             p = self.postings.get(t)
             if p is None:
@@ -3561,14 +3563,13 @@ class Index:
         state = (self.total_len, self.live, len(self.lens))
         if self._norms is None or self._norms[0] != state:
             k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
-            norms = [k0 + kb * n for n in self.lens]
-            self._norms = (state, norms, min(norms, default=k0))
+            norms = [k0 + kb * n for n in self.lens]        # kb > 0: the shortest is the least
+            self._norms = (state, norms, k0 + kb * self.min_len if norms else k0)
         return self._norms
 
-    def tf_max(self, term: str) -> float:
-        """The largest weighted term frequency in a term's postings (cached;
-        postings only grow at the end until a purge replaces their arrays)."""
-        tfs = self.postings[term][1]
+    def tf_max(self, term: str, tfs: array) -> float:
+        """The largest weighted term frequency in a term's postings `tfs`
+        (cached; postings only grow at the end until a purge replaces them)."""
         arr, seen, top = self._tf_max.get(term) or (None, 0, 0.0)
         if arr is not tfs:
             seen, top = 0, 0.0
@@ -3624,30 +3625,42 @@ def _term_weight(index: Index, term: str) -> float:
     return math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1)
 
 
-def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]]:
-    """(term, BM25 weight, postings) of the query's terms the index holds,
+def query_terms(index: Index, terms: list[str]) -> list[tuple]:
+    """(term, BM25 weight, slots, tfs, n) of the query's terms the index holds,
     commonest first, ties in term order: every score sums its terms' parts in
     this order, which depends on the live items only, never on the index's
-    history. `terms` are tokenize()d and unique."""
-    out = [(t, _term_weight(index, t), index.postings[t])
-           for t in sorted(terms) if t in index.postings]
-    out.sort(key=lambda twp: -len(twp[2][0]))
+    history. `terms` are tokenize()d and unique. A query reads the first n
+    postings only: a sync in another thread may append more meanwhile (and
+    kill a slot: top_slots skips dead ones)."""
+    out = []
+    for t in sorted(terms):
+        p = index.postings.get(t)
+        if p is not None:
+            out.append((t, _term_weight(index, t), p[0], p[1], len(p[0])))
+    out.sort(key=lambda plan_row: -plan_row[4])
     return out
+
+
+def _postings(row: tuple) -> Iterator[tuple[int, float]]:
+    """(slot, weighted tf) pairs of a query_terms row."""
+    return itertools.islice(zip(row[2], row[3]), row[4])
 
 
 def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     """BM25 of every live slot matching a term (slot -> score)."""
-    return _all_scores(query_terms(index, terms), index.norms())
+    plan = query_terms(index, terms)
+    return _all_scores(plan, index.norms())          # norms after the plan: every slot
 
 
 def _all_scores(plan: list, norms: list) -> dict[int, float]:
     scores: dict[int, float] = {}
-    for n_term, (_, w, (slots, tfs)) in enumerate(plan):
+    for n_term, row in enumerate(plan):
+        w = row[1]
         if not n_term:                  # the longest list fills the dict: no lookups
-            scores = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+            scores = {i: w * v / (v + norms[i]) for i, v in _postings(row)}
             continue
         get = scores.get
-        for i, v in zip(slots, tfs):
+        for i, v in _postings(row):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
     return scores
 
@@ -3666,7 +3679,7 @@ def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
     few left are scored again in bm25_scores' order of terms."""
     plan = query_terms(index, terms)
     norms, low = index.norms(), index.norm_min()
-    bounds = [w * m / (m + low) for t, w, _ in plan for m in (index.tf_max(t),)]
+    bounds = [w * m / (m + low) for t, w, _, tfs, _ in plan for m in (index.tf_max(t, tfs),)]
     race: dict[int, float] = {}
     left, cut = len(plan), _Cut(limit)
     while left and not cut.beyond(race, sum(bounds[:left])):
@@ -3713,15 +3726,15 @@ class _Cut:
 def _read(race: dict, term: tuple, norms: list) -> dict:
     """The race with one term's postings read in: every slot they hold joins.
     A long list fills a new dict at C speed and the shorter race is added in."""
-    _, w, (slots, tfs) = term
-    if len(race) * 4 < len(slots):
-        new = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+    w = term[1]
+    if len(race) * 4 < term[4]:
+        new = {i: w * v / (v + norms[i]) for i, v in _postings(term)}
         get = new.get
         for i, s in race.items():
             new[i] = get(i, 0.0) + s
         return new
     get = race.get
-    for i, v in zip(slots, tfs):
+    for i, v in _postings(term):
         race[i] = get(i, 0.0) + w * v / (v + norms[i])
     return race
 
@@ -3729,16 +3742,15 @@ def _read(race: dict, term: tuple, norms: list) -> dict:
 def _look_up(race: dict, term: tuple, norms: list) -> None:
     """Add one term's part to the partial scores of the slots in the race:
     by binary search in its postings, or one pass when the race is large."""
-    _, w, (slots, tfs) = term
-    if len(race) * 16 < len(slots):
-        n = len(slots)
+    _, w, slots, tfs, n = term
+    if len(race) * 16 < n:
         for i in race:
-            j = bisect.bisect_left(slots, i)
+            j = bisect.bisect_left(slots, i, 0, n)
             if j < n and slots[j] == i:
                 v = tfs[j]
                 race[i] += w * v / (v + norms[i])
         return
-    for i, v in zip(slots, tfs):
+    for i, v in _postings(term):
         if i in race:
             race[i] += w * v / (v + norms[i])
 
@@ -3750,7 +3762,7 @@ def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
     (a word in nearly every item scores them all within the tie window)."""
     if len(plan) <= 2:
         return race
-    if len(race) * len(plan) * 8 > sum(len(slots) for _, _, (slots, _) in plan):
+    if len(race) * len(plan) * 8 > sum(row[4] for row in plan):
         every = _all_scores(plan, norms)
         return {i: every[i] for i in race}
     return {i: _exact_score(plan, norms, i) for i in race}
@@ -3759,9 +3771,9 @@ def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
 def _exact_score(plan: list, norms: list, slot: int) -> float:
     """One slot's BM25 summed in query_terms order: bit for bit bm25_scores'."""
     score = 0.0
-    for _, w, (slots, tfs) in plan:
-        j = bisect.bisect_left(slots, slot)
-        if j < len(slots) and slots[j] == slot:
+    for _, w, slots, tfs, n in plan:
+        j = bisect.bisect_left(slots, slot, 0, n)
+        if j < n and slots[j] == slot:
             v = tfs[j]
             score += w * v / (v + norms[slot])
     return score
@@ -3793,8 +3805,9 @@ def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
     if not scores:
         return []
     cut = heapq.nlargest(limit, scores.values())[-1] - 1e-6
-    near = [i for i, s in scores.items() if s >= cut]
-    return sorted(near, key=lambda i: _order(scores[i], items[i]))[:limit]
+    near = [(i, items[i]) for i, s in scores.items() if s >= cut]
+    near = [(i, it) for i, it in near if it is not None]      # killed by a sync meanwhile
+    return [i for i, _ in sorted(near, key=lambda p: _order(scores[p[0]], p[1]))[:limit]]
 
 
 def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
@@ -3811,8 +3824,9 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
         return Ranking([], 0.0)
     slots = index.items
     scores = bm25_top(index, terms, limit)
-    hits = [Hit(slots[i], scores[i], lexical_relevance(confidence_bm25(index, terms, slots[i])))
-            for i in top_slots(scores, slots, limit)]
+    best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
+    hits = [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
+            for it, score in best if it is not None]      # (None: killed meanwhile)
     results, weak = split_at_floor(hits)
     return Ranking(results, max((h.confidence for h in hits), default=0.0), weak)
 
@@ -3851,7 +3865,7 @@ EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
 EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a running recall
-EMBED_NICE = 10                     #: the embedding thread's niceness: recalls get the CPU first
+EMBED_NICE = 10                     #: niceness of the thread embedding a backlog too long to wait for
 EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
 EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP clients time out)
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
@@ -4420,9 +4434,12 @@ class Semantic:
         return {k: vecs[s:s + n] for k, s, n in spans}
 
     def _work(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):   # Linux: this thread only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           max(EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
+        with self.cv:
+            long = len(self.queue) > self.rate * EMBED_WAIT_S
+        if long:       # no recall waits for this backlog: recalls get the CPU first
+            with contextlib.suppress(AttributeError, OSError):   # Linux: this thread only
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                               max(EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
         emb = load_embedder(self.rt)
         while True:
             with self.cv:

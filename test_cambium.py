@@ -749,6 +749,47 @@ def test_pruned_lexical_scoring_ranks_exactly_like_scoring_every_match():
     assert pruned > len(queries)                  # the pruning did skip most matches
 
 
+def test_recall_ranking_survives_a_sync_in_another_thread():
+    """MCP tools run in threads: a capture or a deprecation syncs the index
+    (appending postings, killing slots) while a recall is scoring it."""
+    items = [cs.new_item(f"shared word note {i} " + "filler " * (i % 9)) for i in range(400)]
+    index = cs.build_index(items)
+    errors, done = [], threading.Event()
+
+    def query() -> None:
+        try:
+            while not done.is_set():
+                ranking = cs.score_query(index, "shared word note", 5)
+                assert all(h.item is not None for h in ranking.hits + ranking.weak)
+                cs.bm25_scores(index, ["share", "word"])
+        except Exception as e:               # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    def write() -> None:
+        cur = list(items)
+        for n in range(300):
+            cur = cur + [cs.new_item(f"shared word added {n}")]
+            if n % 3 == 0:
+                cur = [dataclasses.replace(it, status="deprecated") if k == n else it
+                       for k, it in enumerate(cur)]
+            index.sync(cur)
+        done.set()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                 # switch threads mid-loop, often
+    try:
+        threads = [threading.Thread(target=query), threading.Thread(target=write)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    ranked = cs.score_query(index, "shared word added", 5)
+    assert len(ranked.hits + ranked.weak) == 5
+    assert all("added" in h.item.content for h in ranked.hits + ranked.weak)
+
+
 def test_credit_fold_replaces_items_in_their_index_slots_without_retokenizing(repo, monkeypatch):
     ids = [cs.capture(f"ledger rule {n}: invoices are stored in integer cents",
                       tags="ledger")["item"]["id"] for n in range(6)]
@@ -3871,6 +3912,7 @@ def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatc
     monkeypatch.setattr(cs, "EMBED_YIELD_S", 60.0)
     eng = cs.Semantic(None)
     eng.ready()
+    eng.rate = 0.01                        # a backlog no recall would wait for
     items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
              for i in range(3)]
     with eng.serving():
@@ -3878,7 +3920,7 @@ def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatc
             eng._enqueue(items)
         time.sleep(0.3)
         assert eng.embedded == 0 and eng.backlog() == 3
-        if sys.platform.startswith("linux"):           # ...and runs niced meanwhile
+        if sys.platform.startswith("linux"):           # ...and runs niced: a long backlog
             assert os.getpriority(os.PRIO_PROCESS, eng.worker.native_id) == \
                 max(cs.EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0))
     assert eng.wait_idle(60) and eng.embedded == 3
