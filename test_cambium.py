@@ -1230,6 +1230,102 @@ def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branc
     assert mine in team_ids(shared["origin"])
 
 
+def _team_store(repo: Path, agent: str = "ada") -> "cs.GitStore":
+    return cs.GitStore("team", repo, "origin", "cambium", timeout_s=30, fetch_interval_s=0,
+                       agent=agent)
+
+
+def test_commits_written_loose_by_cambium_are_the_ones_git_would_write(shared):
+    """The CAS loop writes blob, tree and commit itself: byte for byte what
+    git fast-import makes of the same parent, files, author and message, read
+    back by git; and it reads what git wrote, or asks git once objects are packed."""
+    a = shared["a"]
+    for name in ("a.b", "a-b", "knowledge.json"):
+        (a / name).write_text(f"{name}\n")
+    (a / "a").mkdir()
+    (a / "a" / "x").write_text("in a dir\n")
+    git(a, "add", "-A")
+    git(a, "commit", "-q", "-m", "tree with a dir sorting between files")
+    parent = git(a, "rev-parse", "HEAD").strip()
+    st = _team_store(a)
+    objects = st._objects()
+    assert objects is not None and cs.loose_blob(objects, parent, "knowledge.json") == \
+        b"knowledge.json\n"
+    files = {"knowledge.json": '{"items": [\n]}\n', "KNOWLEDGE.md": "# Knowledge ünïcode\n"}
+    stamp, message = f"{st._ident()}> 1700000000 +0000", "cambium: ada promotes ✓"
+    mine = cs._write_commit(objects, cs.loose_tree(objects, parent), parent, files, stamp,
+                            message)
+    assert mine == st._fast_import(parent, files, stamp, message)
+    assert git(a, "cat-file", "blob", f"{mine}:KNOWLEDGE.md") == "# Knowledge ünïcode\n"
+    assert git(a, "ls-tree", "--name-only", mine).split() == \
+        ["KNOWLEDGE.md", "README.md", "a-b", "a.b", "a", "knowledge.json"]   # "a/" sorts last
+    assert git(a, "fsck", "--strict", "--no-dangling").strip() == ""
+    assert cs.GitStore._commit(st, None, files, message) != mine    # a root commit
+    git(a, "gc", "-q", "--prune=now")                               # everything packed now
+    assert cs.loose_blob(objects, mine, "knowledge.json") is None
+    assert st.file_at(mine, "knowledge.json") == files["knowledge.json"]
+    assert st.file_at(mine, "nothing-here.json") == ""
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def test_write_turns_first_for_the_longest_waiter():
+    """Alone, a write goes at once. While peers write, a fresh write waits about
+    a turn of all writers, and a write that lost races waits less each time."""
+    rng = random.Random(3)
+    turn = cs._cas_spread(0.05, 16, 0)
+    assert turn == pytest.approx(0.8)
+    fresh = [cs._cas_pause(turn, 0, rng) for _ in range(200)]
+    after = {k: [cs._cas_pause(cs._cas_spread(0.05, 16, k), k, rng) for _ in range(200)]
+             for k in (1, 3, 8)}
+    assert min(fresh) >= 0.5 * turn
+    assert _mean(fresh) > _mean(after[1]) > _mean(after[3]) \
+        > _mean(after[8])
+    assert cs._cas_spread(10.0, 16, 0) == cs.PUSH_SPREAD_MAX_S
+    assert cs._cas_spread(0.05, 1, 4) == pytest.approx(0.25)    # unseen writers: one per loss
+
+
+def test_cas_attempts_wait_only_while_peers_write(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(cs.time, "sleep", slept.append)
+    pace = cs.GitScope(attempt_s=0.04)
+    attempts = cs._cas_attempts(pace)
+    assert next(attempts) == 0 and slept == []                  # alone: at once
+    assert next(attempts) == 1 and len(slept) == 1              # a lost race: a short pause
+    now = cs.time.monotonic()
+    pace.peers = {f"peer{i}": now for i in range(7)}
+    pace.contended_at = now
+    slept.clear()
+    assert next(cs._cas_attempts(pace)) == 0                    # a fresh write waits its turn
+    assert slept and slept[0] >= 0.5 * 8 * 0.04
+    pace.contended_at = now - cs.PUSH_CONTENDED_S - 1           # peers went quiet
+    slept.clear()
+    assert next(cs._cas_attempts(pace)) == 0 and slept == []
+
+
+def test_a_write_sees_which_peers_wrote_since_its_last_tip(shared, monkeypatch):
+    """The commits fetched by a write name who else writes; its own do not count."""
+    _endorsed("ada's first fact")
+    cs.promote()
+    rt_scope = cs.runtime().git_scope(shared["a"], "origin", "cambium")
+    assert rt_scope.peers == {}
+    as_agent(monkeypatch, shared["b"], "bob")
+    _endorsed("bob's fact")
+    _endorsed("bob's second fact")
+    assert cs.promote()["status"] == "promoted"
+    as_agent(monkeypatch, shared["a"], "ada")
+    _endorsed("ada's second fact")
+    assert cs.promote()["status"] == "promoted"
+    assert set(rt_scope.peers) == {"cambium (bob) <bob@cambium.invalid"}
+    assert cs.time.monotonic() - rt_scope.contended_at < cs.PUSH_CONTENDED_S
+    tip = git(shared["origin"], "rev-parse", "cambium").strip()
+    assert git(shared["a"], "rev-parse", "refs/cambium/team/origin/cambium").strip() == tip
+    assert _team_store(shared["a"]).local_tip() == tip
+    assert len(team_ids(shared["origin"])) == 4
+
+
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     hook = shared["origin"] / "hooks" / "pre-receive"
     hook.write_text("#!/bin/sh\necho 'policy: no pushes' >&2\nexit 1\n")
@@ -1700,6 +1796,38 @@ def test_pr_mode_generalize_batches_into_one_shared_pr(shared, monkeypatch, tmp_
     assert branch[b]["example"] == "Run test_payments before release"
     main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
     assert main[a]["content"] == "Edit app.yaml for timeouts"   # unchanged until merged
+
+
+def _count_fetches(monkeypatch) -> list[Path]:
+    """Spy on cambium's git calls: the clone of every `git fetch` it runs."""
+    fetched: list[Path] = []
+    real = cs._run
+
+    def spy(cmd, cwd, *a, **kw):
+        if cmd[:2] == ["git", "fetch"]:
+            fetched.append(Path(cwd))
+        return real(cmd, cwd, *a, **kw)
+    monkeypatch.setattr(cs, "_run", spy)
+    return fetched
+
+
+def test_generalize_and_review_fetch_each_scope_once(shared, monkeypatch):
+    """generalize judges the item on the tip its write lands on (no read
+    before); review_promotions reads team once even while settling PRs."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Edit app.yaml for timeouts", "set timeouts in config")
+    cs.promote(item, to_scope="org", force=True)
+    fetched = _count_fetches(monkeypatch)
+    out = cs.generalize(item)
+    assert out["status"] == "generalized" and out["item"]["content"] == "set timeouts in config"
+    assert fetched.count(shared["org"]) == 1
+    assert cs.generalize(item)["status"] == "unchanged"
+    with pytest.raises(cs.NotFound, match="generalize\\(\\) restates org items"):
+        cs.generalize("k-000000000000")
+    fetched.clear()
+    review = cs.review_promotions()
+    assert [i["id"] for i in review["org_needs_generalization"]] == []
+    assert fetched.count(shared["a"]) == 1 and fetched.count(shared["org"]) == 1
 
 
 def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
