@@ -2339,6 +2339,7 @@ class GitStore(Store):
         self.checkout = checkout                  # keep the clone's checkout at the tip (org)
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
+        self._objects_dir: Path | None | bool = False     # not looked up yet
         self._rt = runtime()
         self._state = self._rt.git_scope(repo, remote, branch)
 
@@ -2431,8 +2432,11 @@ class GitStore(Store):
         self.git("update-ref", self.ref, commit)
 
     def _objects(self) -> Path | None:
-        """The clone's object directory when cambium reads and writes it itself."""
-        return _sha1_objects(self.repo)
+        """The clone's object directory when cambium reads and writes it itself
+        (looked up once per store: a store lives for one tool call)."""
+        if self._objects_dir is False:
+            self._objects_dir = _sha1_objects(self.repo)
+        return self._objects_dir
 
     def file_at(self, commit: str, name: str) -> str:
         """Root file `name` at a commit ("" when it has no such file)."""
@@ -2445,8 +2449,12 @@ class GitStore(Store):
         return proc.stdout if proc.returncode == 0 else ""
 
     def _fetch_now(self) -> None:
-        """Fetch the branch into the private ref (a missing branch clears it)."""
-        proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+        """Fetch the branch into the private ref (a missing branch clears it).
+        While peers write here, git's auto maintenance is left to a quiet fetch
+        (it costs a process per fetch, in every attempt of a contended write)."""
+        quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # lock held
+        proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
+                        "--quiet", "--no-tags", "--", self.remote,
                         f"+refs/heads/{self.branch}:{self.ref}", check=False)
         if proc.returncode != 0:
             err = proc.stderr or ""
@@ -2610,7 +2618,8 @@ class GitStore(Store):
                     files.update(self.extra_files(new))
                 parent = base if base is not None else self.default_tip()
                 commit = self._commit(parent, files, message)
-                outcome = self._push(commit, target, lease=(side_tip or "") if side else None)
+                lease = side_tip if side else tip      # exact CAS: the tip read, or absent
+                outcome = self._push(commit, target, lease=lease or "")
                 self._timed(time.monotonic() - started)
                 if outcome == "race":
                     continue

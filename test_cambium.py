@@ -1291,6 +1291,36 @@ def test_a_write_sees_which_peers_wrote_since_its_last_tip(shared, monkeypatch):
     assert len(team_ids(shared["origin"])) == 4
 
 
+def test_a_rewound_team_branch_is_not_overwritten_by_a_write_that_read_it_before(
+        shared, monkeypatch):
+    """The push is an exact compare-and-swap on the tip the write read: when the
+    branch is set back under it (an operator dropping a commit), the write is
+    replayed on what the branch holds now instead of fast-forwarding over it."""
+    origin = shared["origin"]
+    _endorsed("first fact")
+    cs.promote()
+    before = git(origin, "rev-parse", "cambium").strip()
+    _endorsed("second fact")
+    cs.promote()
+    mine = _endorsed("third fact")
+    calls = {"n": 0}
+    real_mutate = cs.GitStore.mutate
+
+    def rewinding_mutate(self, fn, message, **kw):
+        def fn_then_rewind(doc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                git(origin, "update-ref", "refs/heads/cambium", before)
+            return fn(doc)
+        return real_mutate(self, fn_then_rewind, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", rewinding_mutate)
+    assert cs.promote(mine)["status"] == "promoted"
+    assert calls["n"] == 2
+    contents = {i["content"] for i in remote_json(origin, "cambium")["items"]}
+    assert contents == {"first fact", "third fact"}
+
+
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     hook = shared["origin"] / "hooks" / "pre-receive"
     hook.write_text("#!/bin/sh\necho 'policy: no pushes' >&2\nexit 1\n")
