@@ -1355,8 +1355,11 @@ def loose_tree(objects: Path, commit: str) -> list[tuple[str, str, str]] | None:
     obj = loose_object(objects, commit)
     if obj is None or obj[0] != "commit" or not obj[1].startswith(b"tree "):
         return None
-    tree = loose_object(objects, obj[1][5:45].decode("ascii"))
-    return tree_entries(tree[1]) if tree and tree[0] == "tree" else None
+    try:                                  # a damaged object is git's to report
+        tree = loose_object(objects, obj[1][5:45].decode("ascii"))
+        return tree_entries(tree[1]) if tree and tree[0] == "tree" else None
+    except ValueError:
+        return None
 
 
 def loose_blob(objects: Path, commit: str, name: str) -> bytes | None:
@@ -1368,6 +1371,24 @@ def loose_blob(objects: Path, commit: str, name: str) -> bytes | None:
     blob = next((h for m, n, h in entries if n == name), None)
     found = loose_object(objects, blob) if blob else ("blob", b"")
     return found[1] if found and found[0] == "blob" else None
+
+
+def commit_authors(objects: Path, tip: str, known: str) -> set[str]:
+    """Who wrote the commits from tip back to known (first parents, at most
+    PEER_WALK, loose ones only): each author up to the closing '>'."""
+    seen: set[str] = set()
+    commit = tip
+    for _ in range(PEER_WALK):
+        obj = loose_object(objects, commit)
+        if obj is None or obj[0] != "commit":
+            break
+        head = obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace").splitlines()
+        seen |= {ln[7:].split(">", 1)[0] for ln in head if ln.startswith("author ")}
+        parents = [ln[7:] for ln in head if ln.startswith("parent ")]
+        if not parents or parents[0] == known:
+            break
+        commit = parents[0]
+    return seen
 
 
 def write_loose(objects: Path, kind: str, body: bytes) -> str:
@@ -2641,18 +2662,8 @@ class GitStore(Store):
         objects = self._objects()
         if tip is None or known is None or tip == known or objects is None:
             return tip
-        now, commit, seen = time.monotonic(), tip, set()
-        for _ in range(PEER_WALK):
-            obj = loose_object(objects, commit)
-            if obj is None or obj[0] != "commit":
-                break
-            head = obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace").splitlines()
-            seen |= {ln[7:].split(">", 1)[0] for ln in head if ln.startswith("author ")}
-            parents = [ln[7:] for ln in head if ln.startswith("parent ")]
-            if not parents or parents[0] == known:
-                break
-            commit = parents[0]
-        peers = seen - {self._ident()}
+        now = time.monotonic()
+        peers = commit_authors(objects, tip, known) - {self._ident()}
         with self._state.lock:
             self._state.peers.update(dict.fromkeys(peers, now))
             if peers:
