@@ -1053,6 +1053,7 @@ class Runtime:
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
+        self.journals: dict[str, tuple] = {}   # credit journal -> (stat, read to, records, tail)
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
@@ -2130,10 +2131,15 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
         return []
     if adopt:
         _adopt_legacy_journal(path)
+        return list(_journal(path))
     text = ""
-    for p in (path,) if adopt else (path, path.with_name(LEGACY_CREDITS_FILE)):
+    for p in (path, path.with_name(LEGACY_CREDITS_FILE)):
         with contextlib.suppress(FileNotFoundError):
             text += p.read_text(encoding="utf-8") + "\n"
+    return _credit_records(text)
+
+
+def _credit_records(text: str) -> list[dict]:
     out = []
     for line in text.splitlines():
         try:
@@ -2143,6 +2149,49 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
         if isinstance(rec, dict) and isinstance(rec.get("item"), str):
             out.append(rec)
     return out
+
+
+JOURNAL_MARK_BYTES = 64     #: bytes before where a journal was read to, checked on re-reading
+
+
+def _journal(path: Path) -> list[dict]:
+    """The journal's records, parsed once per process: a journal that only
+    grew since (the same inode, bigger, and the bytes before where it was read
+    to unchanged) is read from the end of the last complete line seen, so a
+    recall does not parse every pending credit again. Do not change the list."""
+    rt = runtime()
+    with rt.lock:
+        seen = rt.journals.get(str(path))      # (stat, read to, mark, records, tail)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            now = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if seen is not None and seen[0] == now:
+                return seen[3] + seen[4] if seen[4] else seen[3]
+            done, mark, records, data = _journal_growth(f, seen, now)
+    except FileNotFoundError:
+        return []
+    end = data.rfind(b"\n") + 1
+    records = records + _credit_records(data[:end].decode("utf-8", "replace"))
+    last = _credit_records(data[end:].decode("utf-8", "replace"))   # a line not ended
+    mark = (mark + data[:end])[-JOURNAL_MARK_BYTES:]    # (torn, or being appended) is
+    with rt.lock:                                       # read again next time
+        rt.journals[str(path)] = (now, done + end, mark, records, last)
+    return records + last if last else records
+
+
+def _journal_growth(f: Any, seen: tuple | None, now: tuple) -> tuple[int, bytes, list, bytes]:
+    """(offset, the bytes just before it, records before it, bytes from it):
+    from where `seen` was read to when the file only grew since, else from
+    the start (rewritten: a fold took credits, or another file has that inode)."""
+    if seen is not None and seen[0][0] == now[0] and now[1] > seen[0][1]:
+        done, mark = seen[1], seen[2]
+        f.seek(done - len(mark))
+        data = f.read()
+        if data[:len(mark)] == mark:
+            return done, mark, seen[3], data[len(mark):]
+    f.seek(0)
+    return 0, b"", [], f.read()
 
 
 def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> None:

@@ -875,6 +875,41 @@ def test_lexical_recall_finds_japanese_text(repo, monkeypatch):
     assert cs.tokenize("ＡＰＩ接続") == ["api", "接続"]     # full-width folded, runs split
 
 
+def test_credit_journal_is_parsed_once_then_only_its_new_lines(repo, monkeypatch):
+    path = cs.credits_path(cs.resolve_config())
+    recs = [{"item": f"k-{n}", "scope": "local", "agent": "ada", "day": "2026-01-01"}
+            for n in range(3)]
+    cs.append_credits(path, recs[:2])
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0", "k-1"]
+    parsed = []
+    real = cs._credit_records
+    monkeypatch.setattr(cs, "_credit_records", lambda text: parsed.append(text) or real(text))
+    assert len(cs.read_credits(path)) == 2 and not parsed            # unchanged: no parse
+    line = json.dumps(recs[2]).encode() + b"\n"
+    with open(path, "ab") as f:                                      # an append in flight
+        f.write(line[:-4])
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0", "k-1"]
+    with open(path, "ab") as f:
+        f.write(line[-4:])
+    parsed.clear()
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0", "k-1", "k-2"]
+    assert "k-2" in "".join(parsed) and "k-0" not in "".join(parsed)  # only the new line
+    with open(path, "ab") as f:                                      # ended without a newline
+        f.write(json.dumps({**recs[0], "item": "k-3"}).encode())
+    assert [r["item"] for r in cs.read_credits(path)][-1] == "k-3"
+    assert [r["item"] for r in cs.read_credits(path)][-1] == "k-3"   # the cached answer too
+    pending, commit = cs.take_credits(path, "local")
+    assert len(pending) == 4
+    commit()                                                         # rewritten: read whole
+    assert cs.read_credits(path) == []
+    cs.append_credits(path, recs[1:2])
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-1"]
+    with open(path, "r+b") as f:                 # rewritten in place, longer: not a growth
+        f.write(b"".join(json.dumps({**recs[0], "item": f"k-{n}x"}).encode() + b"\n"
+                         for n in range(3)))
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0x", "k-1x", "k-2x"]
+
+
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     a = cs.capture("feature flags live in the flags service", tags="flags")
     for _ in range(3):
