@@ -1194,6 +1194,24 @@ def test_two_agents_promoting_at_once_both_land(shared, monkeypatch, branch_exis
         {"an earlier team fact"} if branch_exists else set())
 
 
+def _before_first_change(monkeypatch, action) -> dict:
+    """Run action() once, as a shared-scope write first applies its change
+    (after it read the tip, before it pushes); returns the change-call count."""
+    calls = {"n": 0}
+    real_mutate = cs.GitStore.mutate
+
+    def patched(self, fn, message, **kw):
+        def counted(doc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                action()
+            return fn(doc)
+        return real_mutate(self, counted, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", patched)
+    return calls
+
+
 @pytest.mark.parametrize("branch_exists", [True, False])
 def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branch_exists):
     """Deterministic race: while A's change is being applied (after A fetched),
@@ -1208,21 +1226,13 @@ def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branc
     as_agent(monkeypatch, shared["b"], "bob")
     _endorsed("bob's second fact")
     as_agent(monkeypatch, shared["a"], "ada")
-    calls = {"n": 0}
-    real_mutate = cs.GitStore.mutate
+    def peer_promotes() -> None:
+        peer = subprocess.run(
+            [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
+            env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
+        assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
 
-    def racing_mutate(self, fn, message, **kw):
-        def fn_with_peer(doc):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                peer = subprocess.run(
-                    [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
-                    env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
-                assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
-            return fn(doc)
-        return real_mutate(self, fn_with_peer, message, **kw)
-
-    monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
+    calls = _before_first_change(monkeypatch, peer_promotes)
     assert cs.promote()["status"] == "promoted"
     assert calls["n"] >= 2                                # replayed after the lost race
     contents = {i["content"] for i in remote_json(shared["origin"], "cambium")["items"]}
@@ -1338,18 +1348,8 @@ def test_a_rewound_team_branch_is_not_overwritten_by_a_write_that_read_it_before
     _endorsed("second fact")
     cs.promote()
     mine = _endorsed("third fact")
-    calls = {"n": 0}
-    real_mutate = cs.GitStore.mutate
-
-    def rewinding_mutate(self, fn, message, **kw):
-        def fn_then_rewind(doc):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                git(origin, "update-ref", "refs/heads/cambium", before)
-            return fn(doc)
-        return real_mutate(self, fn_then_rewind, message, **kw)
-
-    monkeypatch.setattr(cs.GitStore, "mutate", rewinding_mutate)
+    calls = _before_first_change(monkeypatch, lambda: git(
+        origin, "update-ref", "refs/heads/cambium", before))
     assert cs.promote(mine)["status"] == "promoted"
     assert calls["n"] == 2
     contents = {i["content"] for i in remote_json(origin, "cambium")["items"]}
