@@ -1356,8 +1356,11 @@ def loose_tree(objects: Path, commit: str) -> list[tuple[str, str, str]] | None:
     obj = loose_object(objects, commit)
     if obj is None or obj[0] != "commit" or not obj[1].startswith(b"tree "):
         return None
-    tree = loose_object(objects, obj[1][5:45].decode("ascii"))
-    return tree_entries(tree[1]) if tree and tree[0] == "tree" else None
+    try:                                  # a damaged object is git's to report
+        tree = loose_object(objects, obj[1][5:45].decode("ascii"))
+        return tree_entries(tree[1]) if tree and tree[0] == "tree" else None
+    except ValueError:
+        return None
 
 
 def loose_blob(objects: Path, commit: str, name: str) -> bytes | None:
@@ -1369,6 +1372,24 @@ def loose_blob(objects: Path, commit: str, name: str) -> bytes | None:
     blob = next((h for m, n, h in entries if n == name), None)
     found = loose_object(objects, blob) if blob else ("blob", b"")
     return found[1] if found and found[0] == "blob" else None
+
+
+def commit_authors(objects: Path, tip: str, known: str) -> set[str]:
+    """Who wrote the commits from tip back to known (first parents, at most
+    PEER_WALK, loose ones only): each author up to the closing '>'."""
+    seen: set[str] = set()
+    commit = tip
+    for _ in range(PEER_WALK):
+        obj = loose_object(objects, commit)
+        if obj is None or obj[0] != "commit":
+            break
+        head = obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace").splitlines()
+        seen |= {ln[7:].split(">", 1)[0] for ln in head if ln.startswith("author ")}
+        parents = [ln[7:] for ln in head if ln.startswith("parent ")]
+        if not parents or parents[0] == known:
+            break
+        commit = parents[0]
+    return seen
 
 
 def write_loose(objects: Path, kind: str, body: bytes) -> str:
@@ -2388,6 +2409,7 @@ class GitStore(Store):
         self.checkout = checkout                  # keep the clone's checkout at the tip (org)
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
+        self._objects_dir: Path | None | bool = False     # not looked up yet
         self._rt = runtime()
         self._state = self._rt.git_scope(repo, remote, branch)
 
@@ -2480,8 +2502,11 @@ class GitStore(Store):
         self.git("update-ref", self.ref, commit)
 
     def _objects(self) -> Path | None:
-        """The clone's object directory when cambium reads and writes it itself."""
-        return _sha1_objects(self.repo)
+        """The clone's object directory when cambium reads and writes it itself
+        (looked up once per store: a store lives for one tool call)."""
+        if self._objects_dir is False:
+            self._objects_dir = _sha1_objects(self.repo)
+        return self._objects_dir
 
     def file_at(self, commit: str, name: str) -> str:
         """Root file `name` at a commit ("" when it has no such file)."""
@@ -2494,8 +2519,12 @@ class GitStore(Store):
         return proc.stdout if proc.returncode == 0 else ""
 
     def _fetch_now(self) -> None:
-        """Fetch the branch into the private ref (a missing branch clears it)."""
-        proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+        """Fetch the branch into the private ref (a missing branch clears it).
+        While peers write here, git's auto maintenance is left to a quiet fetch
+        (it costs a process per fetch, in every attempt of a contended write)."""
+        quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # lock held
+        proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
+                        "--quiet", "--no-tags", "--", self.remote,
                         f"+refs/heads/{self.branch}:{self.ref}", check=False)
         if proc.returncode != 0:
             err = proc.stderr or ""
@@ -2659,7 +2688,8 @@ class GitStore(Store):
                     files.update(self.extra_files(new))
                 parent = base if base is not None else self.default_tip()
                 commit = self._commit(parent, files, message)
-                outcome = self._push(commit, target, lease=(side_tip or "") if side else None)
+                lease = side_tip if side else tip      # exact CAS: the tip read, or absent
+                outcome = self._push(commit, target, lease=lease or "")
                 self._timed(time.monotonic() - started)
                 if outcome == "race":
                     continue
@@ -2681,18 +2711,8 @@ class GitStore(Store):
         objects = self._objects()
         if tip is None or known is None or tip == known or objects is None:
             return tip
-        now, commit, seen = time.monotonic(), tip, set()
-        for _ in range(PEER_WALK):
-            obj = loose_object(objects, commit)
-            if obj is None or obj[0] != "commit":
-                break
-            head = obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace").splitlines()
-            seen |= {ln[7:].split(">", 1)[0] for ln in head if ln.startswith("author ")}
-            parents = [ln[7:] for ln in head if ln.startswith("parent ")]
-            if not parents or parents[0] == known:
-                break
-            commit = parents[0]
-        peers = seen - {self._ident()}
+        now = time.monotonic()
+        peers = commit_authors(objects, tip, known) - {self._ident()}
         with self._state.lock:
             self._state.peers.update(dict.fromkeys(peers, now))
             if peers:

@@ -1204,6 +1204,24 @@ def test_two_agents_promoting_at_once_both_land(shared, monkeypatch, branch_exis
         {"an earlier team fact"} if branch_exists else set())
 
 
+def _before_first_change(monkeypatch, action) -> dict:
+    """Run action() once, as a shared-scope write first applies its change
+    (after it read the tip, before it pushes); returns the change-call count."""
+    calls = {"n": 0}
+    real_mutate = cs.GitStore.mutate
+
+    def patched(self, fn, message, **kw):
+        def counted(doc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                action()
+            return fn(doc)
+        return real_mutate(self, counted, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", patched)
+    return calls
+
+
 @pytest.mark.parametrize("branch_exists", [True, False])
 def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branch_exists):
     """Deterministic race: while A's change is being applied (after A fetched),
@@ -1218,21 +1236,13 @@ def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branc
     as_agent(monkeypatch, shared["b"], "bob")
     _endorsed("bob's second fact")
     as_agent(monkeypatch, shared["a"], "ada")
-    calls = {"n": 0}
-    real_mutate = cs.GitStore.mutate
+    def peer_promotes() -> None:
+        peer = subprocess.run(
+            [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
+            env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
+        assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
 
-    def racing_mutate(self, fn, message, **kw):
-        def fn_with_peer(doc):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                peer = subprocess.run(
-                    [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
-                    env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
-                assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
-            return fn(doc)
-        return real_mutate(self, fn_with_peer, message, **kw)
-
-    monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
+    calls = _before_first_change(monkeypatch, peer_promotes)
     assert cs.promote()["status"] == "promoted"
     assert calls["n"] >= 2                                # replayed after the lost race
     contents = {i["content"] for i in remote_json(shared["origin"], "cambium")["items"]}
@@ -1334,6 +1344,26 @@ def test_a_write_sees_which_peers_wrote_since_its_last_tip(shared, monkeypatch):
     assert git(shared["a"], "rev-parse", "refs/cambium/team/origin/cambium").strip() == tip
     assert _team_store(shared["a"]).local_tip() == tip
     assert len(team_ids(shared["origin"])) == 4
+
+
+def test_a_rewound_team_branch_is_not_overwritten_by_a_write_that_read_it_before(
+        shared, monkeypatch):
+    """The push is an exact compare-and-swap on the tip the write read: when the
+    branch is set back under it (an operator dropping a commit), the write is
+    replayed on what the branch holds now instead of fast-forwarding over it."""
+    origin = shared["origin"]
+    _endorsed("first fact")
+    cs.promote()
+    before = git(origin, "rev-parse", "cambium").strip()
+    _endorsed("second fact")
+    cs.promote()
+    mine = _endorsed("third fact")
+    calls = _before_first_change(monkeypatch, lambda: git(
+        origin, "update-ref", "refs/heads/cambium", before))
+    assert cs.promote(mine)["status"] == "promoted"
+    assert calls["n"] == 2
+    contents = {i["content"] for i in remote_json(origin, "cambium")["items"]}
+    assert contents == {"first fact", "third fact"}
 
 
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
