@@ -383,6 +383,7 @@ def _promote_race(agents: int, to: str, present: bool) -> str:
                                   text=True) for k, e in enumerate(envs)]
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
+        load = _Load()
         t0 = time.perf_counter()
         for p in procs:
             p.stdin.write("go\n")
@@ -401,7 +402,39 @@ def _promote_race(agents: int, to: str, present: bool) -> str:
         return (f"{len(set(ids))} of {want} landed (target {want}), "
                 f"{len(ids) - len(set(ids))} duplicated (target 0), {len(failed)} failed, "
                 f"promote p50 {statistics.median(took):.2f} s p95 {p95:.2f} s (target <= 5 s), "
-                f"wall {wall:.0f} s" + (f"; first failure: {failed[0]}" if failed else ""))
+                f"wall {wall:.0f} s; {load.report(wall, len(took))}"
+                + (f"; first failure: {failed[0]}" if failed else ""))
+
+
+class _Load:
+    """CPU the promoters used (with their git processes) and what the rest of
+    the machine used meanwhile: a contended CAS is only as fast as its share of
+    the cores, so a figure means little without it."""
+
+    def __init__(self) -> None:
+        self.ours, self.busy = self._ours(), self._busy()
+
+    @staticmethod
+    def _ours() -> float:
+        import resource
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+
+    @staticmethod
+    def _busy() -> float | None:
+        try:                                    # Linux: busy CPU-seconds, all cores
+            ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+    def report(self, wall: float, n: int) -> str:
+        ours = self._ours() - self.ours
+        out = f"{ours / max(n, 1) * 1000:.0f} ms CPU per promote"
+        busy = self._busy()
+        if busy is not None and self.busy is not None:
+            out += f", other work on the machine {max(0.0, busy - self.busy - ours) / wall:.1f} cores"
+        return out
 
 
 def bench_promote() -> None:

@@ -92,6 +92,7 @@ import threading
 import time
 import unicodedata
 import weakref
+import zlib
 from array import array
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -1023,6 +1024,9 @@ class GitScope:
     fetch_error: str | None = None      # the last background fetch failed with this
     doc: tuple[str, Doc] | None = None  # (commit, parsed knowledge.json at it)
     checked_out: str | None = None      # the org clone's checkout is at this commit
+    attempt_s: float = 0.0              # how long a write attempt takes here (smoothed)
+    peers: dict = field(default_factory=dict)   # writer ident -> when (monotonic) last seen
+    contended_at: float = -math.inf     # when it last saw a peer write or lost a race
 
 
 class Runtime:
@@ -1049,6 +1053,7 @@ class Runtime:
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
+        self.journals: dict[str, tuple] = {}   # credit journal -> (stat, read to, records, tail)
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
@@ -1296,6 +1301,111 @@ def _git_head(root: Path) -> str | None:
         return _ref_value(root, head[5:]) or head if head.startswith("ref: ") else head
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _sha1_objects(root: Path) -> Path | None:
+    """The object directory of a clone whose objects cambium may read and write
+    loose itself (SHA-1 ids, refs in files), else None: then git does it. A
+    contended push loop saves a git process (3 to 30 ms) per step this way."""
+    try:
+        common = _git_dirs(root)[1]
+        config = (common / "config").read_text(encoding="utf-8", errors="replace")
+    except (OSError, IndexError, ValueError):
+        return None
+    if re.search(r"(?im)^\s*(objectformat|refstorage)\s*=", config):
+        return None
+    return common / "objects"
+
+
+def loose_object(objects: Path, sha: str) -> tuple[str, bytes] | None:
+    """(kind, body) of a loose object, or None (packed, absent or unreadable)."""
+    try:
+        raw = zlib.decompress((objects / sha[:2] / sha[2:]).read_bytes())
+    except (OSError, ValueError, zlib.error):
+        return None
+    head, _, body = raw.partition(b"\0")
+    kind, _, size = head.decode("ascii", "replace").partition(" ")
+    return (kind, body) if size.isdigit() and int(size) == len(body) else None
+
+
+def tree_entries(body: bytes) -> list[tuple[str, str, str]]:
+    """(mode, name, id) of each entry of a raw tree object (SHA-1)."""
+    out, at = [], 0
+    while at < len(body):
+        sp, nul = body.index(b" ", at), body.index(b"\0", at)
+        out.append((body[at:sp].decode("ascii"),
+                    body[sp + 1:nul].decode("utf-8", "surrogateescape"),
+                    body[nul + 1:nul + 21].hex()))
+        at = nul + 21
+    return out
+
+
+def tree_body(entries: Iterable[tuple[str, str, str]]) -> bytes:
+    """A raw tree object from (mode, name, id) entries, in git's order (a
+    directory sorts as if its name ended in '/')."""
+    def key(e: tuple[str, str, str]) -> bytes:
+        name = e[1].encode("utf-8", "surrogateescape")
+        return name + b"/" if e[0] == "40000" else name
+    return b"".join(f"{m} ".encode() + n.encode("utf-8", "surrogateescape") + b"\0" +
+                    bytes.fromhex(h) for m, n, h in sorted(entries, key=key))
+
+
+def loose_tree(objects: Path, commit: str) -> list[tuple[str, str, str]] | None:
+    """The root tree entries of a commit read from loose objects (None: some
+    object is packed or absent; ask git then)."""
+    obj = loose_object(objects, commit)
+    if obj is None or obj[0] != "commit" or not obj[1].startswith(b"tree "):
+        return None
+    try:                                  # a damaged object is git's to report
+        tree = loose_object(objects, obj[1][5:45].decode("ascii"))
+        return tree_entries(tree[1]) if tree and tree[0] == "tree" else None
+    except ValueError:
+        return None
+
+
+def loose_blob(objects: Path, commit: str, name: str) -> bytes | None:
+    """The bytes of root file `name` at a commit, from loose objects; b"" when
+    the commit has no such file, None when git has to be asked."""
+    entries = loose_tree(objects, commit)
+    if entries is None:
+        return None
+    blob = next((h for m, n, h in entries if n == name), None)
+    found = loose_object(objects, blob) if blob else ("blob", b"")
+    return found[1] if found and found[0] == "blob" else None
+
+
+def commit_authors(objects: Path, tip: str, known: str) -> set[str]:
+    """Who wrote the commits from tip back to known (first parents, at most
+    PEER_WALK, loose ones only): each author up to the closing '>'."""
+    seen: set[str] = set()
+    commit = tip
+    for _ in range(PEER_WALK):
+        obj = loose_object(objects, commit)
+        if obj is None or obj[0] != "commit":
+            break
+        head = obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace").splitlines()
+        seen |= {ln[7:].split(">", 1)[0] for ln in head if ln.startswith("author ")}
+        parents = [ln[7:] for ln in head if ln.startswith("parent ")]
+        if not parents or parents[0] == known:
+            break
+        commit = parents[0]
+    return seen
+
+
+def write_loose(objects: Path, kind: str, body: bytes) -> str:
+    """Store an object loose as git does (compressed, renamed into place, read
+    only) and return its id. Raises OSError."""
+    data = f"{kind} {len(body)}".encode() + b"\0" + body
+    sha = hashlib.sha1(data).hexdigest()
+    path = objects / sha[:2] / sha[2:]
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="tmp_obj_", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(zlib.compress(data, 1))
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, path)
+    return sha
 
 
 # =============================================================================
@@ -2021,10 +2131,15 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
         return []
     if adopt:
         _adopt_legacy_journal(path)
+        return list(_journal(path))
     text = ""
-    for p in (path,) if adopt else (path, path.with_name(LEGACY_CREDITS_FILE)):
+    for p in (path, path.with_name(LEGACY_CREDITS_FILE)):
         with contextlib.suppress(FileNotFoundError):
             text += p.read_text(encoding="utf-8") + "\n"
+    return _credit_records(text)
+
+
+def _credit_records(text: str) -> list[dict]:
     out = []
     for line in text.splitlines():
         try:
@@ -2034,6 +2149,49 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
         if isinstance(rec, dict) and isinstance(rec.get("item"), str):
             out.append(rec)
     return out
+
+
+JOURNAL_MARK_BYTES = 64     #: bytes before where a journal was read to, checked on re-reading
+
+
+def _journal(path: Path) -> list[dict]:
+    """The journal's records, parsed once per process: a journal that only
+    grew since (the same inode, bigger, and the bytes before where it was read
+    to unchanged) is read from the end of the last complete line seen, so a
+    recall does not parse every pending credit again. Do not change the list."""
+    rt = runtime()
+    with rt.lock:
+        seen = rt.journals.get(str(path))      # (stat, read to, mark, records, tail)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            now = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if seen is not None and seen[0] == now:
+                return seen[3] + seen[4] if seen[4] else seen[3]
+            done, mark, records, data = _journal_growth(f, seen, now)
+    except FileNotFoundError:
+        return []
+    end = data.rfind(b"\n") + 1
+    records = records + _credit_records(data[:end].decode("utf-8", "replace"))
+    last = _credit_records(data[end:].decode("utf-8", "replace"))   # a line not ended
+    mark = (mark + data[:end])[-JOURNAL_MARK_BYTES:]    # (torn, or being appended) is
+    with rt.lock:                                       # read again next time
+        rt.journals[str(path)] = (now, done + end, mark, records, last)
+    return records + last if last else records
+
+
+def _journal_growth(f: Any, seen: tuple | None, now: tuple) -> tuple[int, bytes, list, bytes]:
+    """(offset, the bytes just before it, records before it, bytes from it):
+    from where `seen` was read to when the file only grew since, else from
+    the start (rewritten: a fold took credits, or another file has that inode)."""
+    if seen is not None and seen[0][0] == now[0] and now[1] > seen[0][1]:
+        done, mark = seen[1], seen[2]
+        f.seek(done - len(mark))
+        data = f.read()
+        if data[:len(mark)] == mark:
+            return done, mark, seen[3], data[len(mark):]
+    f.seek(0)
+    return 0, b"", [], f.read()
 
 
 def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> None:
@@ -2147,24 +2305,59 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 # =============================================================================
 
 PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
-PUSH_BACKOFF_S = 0.05       #: first retry delay; doubles each attempt, jittered...
-PUSH_BACKOFF_MAX_S = 1.0    #: ...up to this (many writers: each keeps a fair chance)
+PUSH_CONTENDED_S = 3.0      #: peers seen writing this recently make writes take turns
+PUSH_SPREAD_MAX_S = 5.0     #: the longest a write waits for its turn
+PEER_WALK = 32              #: new commits read per fetch to see who writes
 
 
-def _cas_attempts() -> Iterator[int]:
-    """Attempt numbers for a CAS loop: the first at once, each later one after a
-    jittered, doubling, capped pause, until PUSH_RETRY_S have passed."""
+def _cas_spread(attempt_s: float, writers: int, lost: int) -> float:
+    """How long the turn of `writers` writers takes, an attempt each: the span a
+    write spreads its attempts over (a write that keeps losing to writers it
+    cannot see assumes one more per lost race)."""
+    return min(PUSH_SPREAD_MAX_S, max(writers, 1 + lost) * max(attempt_s, 0.01))
+
+
+def _cas_pause(spread_s: float, lost: int, rng: Any) -> float:
+    """Seconds to wait before an attempt (after `lost` lost races): jittered
+    around the spread, and shorter the more races this write has lost, so the
+    longest waiter goes first and a fresh write goes last."""
+    return spread_s * (0.5 + rng.random()) / (1 + lost)
+
+
+def _writers(pace: GitScope, now: float) -> int:
+    """Writers of this scope lately, this process included (1: it alone)."""
+    with pace.lock:
+        if now - pace.contended_at >= PUSH_CONTENDED_S:
+            return 1
+        return 1 + sum(now - seen < PUSH_CONTENDED_S for seen in pace.peers.values())
+
+
+def _cas_attempts(pace: GitScope) -> Iterator[int]:
+    """Attempt numbers (races lost so far) for one write's CAS loop, paced so
+    that many writers take turns, until PUSH_RETRY_S have passed.
+
+    Alone, a write goes at once and a lost race is retried almost at once. While
+    peers write (seen in fetched commits, or a lost race, within
+    PUSH_CONTENDED_S), a write first waits about a turn of all writers (the last
+    winner holds the fresh tip and would otherwise win again and again), and a
+    lost race waits a share of a turn that shrinks as the write keeps losing."""
     import random
+    rng = random.Random()
     deadline = time.monotonic() + PUSH_RETRY_S
-    attempt = 0
+    lost = 0
     while True:
-        yield attempt
-        attempt += 1
-        pause = min(PUSH_BACKOFF_MAX_S, PUSH_BACKOFF_S * 2 ** (attempt - 1))
-        pause *= 0.5 + random.random()
-        if time.monotonic() + pause > deadline:
-            return
-        time.sleep(pause)
+        writers = _writers(pace, time.monotonic())
+        if writers > 1 or lost:
+            with pace.lock:
+                spread = _cas_spread(pace.attempt_s, writers, lost)
+            pause = _cas_pause(spread, lost, rng)
+            if time.monotonic() + pause > deadline:
+                return
+            time.sleep(pause)
+        yield lost
+        lost += 1
+        with pace.lock:
+            pace.contended_at = time.monotonic()
 
 
 def _push_outcome(out: str) -> str:
@@ -2181,6 +2374,20 @@ def _push_outcome(out: str) -> str:
         if line[:1] in ("*", " ", "+", "-", "=") and "\t" in line:
             return "ok"
     return "refused"
+
+
+def _write_commit(objects: Path, entries: list[tuple[str, str, str]], parent: str | None,
+                  files: dict[str, str], stamp: str, message: str) -> str:
+    """A commit of the tree `entries` with `files` replaced at the root, written
+    loose; its id. Raises OSError."""
+    blobs = {name: write_loose(objects, "blob", text.encode("utf-8"))
+             for name, text in files.items()}
+    tree = write_loose(objects, "tree", tree_body(
+        [e for e in entries if e[1] not in blobs] +
+        [("100644", name, sha) for name, sha in blobs.items()]))
+    head = f"tree {tree}\n" + (f"parent {parent}\n" if parent else "")
+    body = f"{head}author {stamp}\ncommitter {stamp}\n\n{message}"
+    return write_loose(objects, "commit", body.encode("utf-8"))
 
 
 class GitStore(Store):
@@ -2202,6 +2409,7 @@ class GitStore(Store):
         self.checkout = checkout                  # keep the clone's checkout at the tip (org)
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
+        self._objects_dir: Path | None | bool = False     # not looked up yet
         self._rt = runtime()
         self._state = self._rt.git_scope(repo, remote, branch)
 
@@ -2264,12 +2472,59 @@ class GitStore(Store):
                 state.refreshing = False
 
     def local_tip(self) -> str | None:
+        """The last fetched tip (None: no branch), read from .git when it can be."""
+        with contextlib.suppress(OSError, IndexError):
+            if self._objects() is not None:
+                return _ref_value(self.repo, self.ref) or None
         proc = self.git("rev-parse", "--verify", "--quiet", self.ref + "^{commit}", check=False)
         return proc.stdout.strip() or None
 
+    def _set_ref(self, commit: str) -> None:
+        """Point the scope's private ref at commit: a loose ref file written as
+        git writes one (through <ref>.lock), else by `git update-ref`."""
+        try:
+            if self._objects() is not None:
+                path = _git_dirs(self.repo)[1] / self.ref
+                path.parent.mkdir(parents=True, exist_ok=True)
+                lock = path.with_name(path.name + ".lock")
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(commit + "\n")
+                    os.replace(lock, path)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.unlink(lock)
+                    raise
+                return
+        except (OSError, IndexError):
+            pass
+        self.git("update-ref", self.ref, commit)
+
+    def _objects(self) -> Path | None:
+        """The clone's object directory when cambium reads and writes it itself
+        (looked up once per store: a store lives for one tool call)."""
+        if self._objects_dir is False:
+            self._objects_dir = _sha1_objects(self.repo)
+        return self._objects_dir
+
+    def file_at(self, commit: str, name: str) -> str:
+        """Root file `name` at a commit ("" when it has no such file)."""
+        objects = self._objects()
+        data = loose_blob(objects, commit, name) if objects else None
+        if data is not None:            # as git's output reads in text mode
+            text = data.decode("utf-8", "replace")
+            return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+        proc = self.git("cat-file", "blob", f"{commit}:{name}", check=False)
+        return proc.stdout if proc.returncode == 0 else ""
+
     def _fetch_now(self) -> None:
-        """Fetch the branch into the private ref (a missing branch clears it)."""
-        proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+        """Fetch the branch into the private ref (a missing branch clears it).
+        While peers write here, git's auto maintenance is left to a quiet fetch
+        (it costs a process per fetch, in every attempt of a contended write)."""
+        quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # lock held
+        proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
+                        "--quiet", "--no-tags", "--", self.remote,
                         f"+refs/heads/{self.branch}:{self.ref}", check=False)
         if proc.returncode != 0:
             err = proc.stderr or ""
@@ -2292,9 +2547,7 @@ class GitStore(Store):
         with state.lock:
             if state.doc and state.doc[0] == commit:
                 return state.doc[1]
-        proc = self.git("cat-file", "blob", f"{commit}:{STORE_FILE}", check=False)
-        text = proc.stdout if proc.returncode == 0 else ""
-        doc = parse_store(text, f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} "
+        doc = parse_store(self.file_at(commit, STORE_FILE), f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} "
                                 f"at {commit[:10]})")
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
@@ -2339,11 +2592,25 @@ class GitStore(Store):
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
     def _commit(self, parent: str | None, files: dict[str, str], message: str) -> str:
-        """A commit = parent's tree with `files` replaced at the root, made by one
-        `git fast-import` (a CAS attempt under contention should be short)."""
+        """A commit = parent's tree with `files` replaced at the root, written as
+        loose objects by cambium itself when the parent's are loose (a CAS
+        attempt under contention should be short), else by one `git fast-import`."""
+        stamp = f"{self._ident()}> {int(time.time())} +0000"
+        objects = self._objects()
+        entries = [] if parent is None else loose_tree(objects, parent) if objects else None
+        if entries is not None:
+            with contextlib.suppress(OSError):
+                return _write_commit(objects, entries, parent, files, stamp, message)
+        return self._fast_import(parent, files, stamp, message)
+
+    def _ident(self) -> str:
+        """The author of this agent's commits, up to the closing '>'."""
         who = re.sub(r"[<>\s]+", " ", f"cambium ({self.agent})").strip()
         email = re.sub(r"[<>\s]+", "-", self.agent) + "@cambium.invalid"
-        stamp = f"{who} <{email}> {int(time.time())} +0000"
+        return f"{who} <{email}"
+
+    def _fast_import(self, parent: str | None, files: dict[str, str], stamp: str,
+                     message: str) -> str:
         msg = message.encode("utf-8")
         out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
                f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
@@ -2401,8 +2668,9 @@ class GitStore(Store):
         """
         target = branch or self.branch
         with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
-            for _ in _cas_attempts():
-                tip = self.fetch(force=True)
+            for _ in _cas_attempts(self._state):
+                started = time.monotonic()
+                tip = self._fetch_for_write()
                 side = branch is not None and branch != self.branch
                 side_tip = self._remote_branch_tip(branch) if side else None
                 base = side_tip or tip
@@ -2420,24 +2688,47 @@ class GitStore(Store):
                     files.update(self.extra_files(new))
                 parent = base if base is not None else self.default_tip()
                 commit = self._commit(parent, files, message)
-                outcome = self._push(commit, target, lease=(side_tip or "") if side else None)
+                lease = side_tip if side else tip      # exact CAS: the tip read, or absent
+                outcome = self._push(commit, target, lease=lease or "")
+                self._timed(time.monotonic() - started)
                 if outcome == "race":
                     continue
                 self.verify(commit, target)
                 commit_credits()
                 if target == self.branch:
-                    self.git("update-ref", self.ref, commit)
+                    self._set_ref(commit)
                     self._remember(commit, new, tip=True)
                 return Write(doc=new, commit=commit, branch=target)
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 
+    def _fetch_for_write(self) -> str | None:
+        """fetch(force=True), noting who else wrote since the tip known before
+        (the pacing of this process's writes counts them)."""
+        with self._state.lock:
+            known = self._state.tip if self._state.tip_known else None
+        tip = self.fetch(force=True)
+        objects = self._objects()
+        if tip is None or known is None or tip == known or objects is None:
+            return tip
+        now = time.monotonic()
+        peers = commit_authors(objects, tip, known) - {self._ident()}
+        with self._state.lock:
+            self._state.peers.update(dict.fromkeys(peers, now))
+            if peers:
+                self._state.contended_at = now
+        return tip
+
+    def _timed(self, attempt_s: float) -> None:
+        """Fold one attempt's duration into the scope's pacing."""
+        with self._state.lock:
+            old = self._state.attempt_s
+            self._state.attempt_s = attempt_s if not old else 0.7 * old + 0.3 * attempt_s
+
     def _files_stale(self, commit: str | None, doc: Doc) -> bool:
         """Whether the extra files rendered from doc differ from those at commit."""
         for name, text in (self.extra_files(doc) if self.extra_files else {}).items():
-            have = self.git("cat-file", "blob", f"{commit}:{name}", check=False).stdout \
-                if commit else ""
-            if have != text:
+            if (self.file_at(commit, name) if commit else "") != text:
                 return True
         return False
 
@@ -3206,7 +3497,8 @@ class Index:
         self.live = 0
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
-        self._norms: tuple | None = None           # (state, slot -> norm, smallest norm)
+        self._norms: tuple | None = None           # (state, slot -> norm)
+        self.min_len = math.inf                    # the shortest slot's length (dead ones too)
         self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
         self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
         self._dirty: set[str] = set()              # terms whose postings hold a dead slot
@@ -3217,6 +3509,7 @@ class Index:
         length = sum(tf.values())
         self.items.append(it)
         self.lens.append(length)
+        self.min_len = min(self.min_len, length)
         for t, v in tf.items():                    # compact arrays: 8 bytes a posting
             p = self.postings.get(t)
             if p is None:
@@ -3326,27 +3619,35 @@ class Index:
         self.source = items
         return self._compacted(items, fresh)
 
+    def norm_terms(self) -> tuple[float, float]:
+        """(k0, kb): a slot's BM25 length term, k1 * (1 - b + b * len / avg len)
+        for the store as it is now, is k0 + kb * len."""
+        return BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
+
     def norms(self) -> list:
-        """slot -> BM25's length term k1 * (1 - b + b * len / avg len), for the
-        store as it is now (recomputed only after a change)."""
-        return self._norm_state()[1]
+        """slot -> its length term (recomputed only after a change)."""
+        state = (self.total_len, self.live, len(self.lens))
+        if self._norms is None or self._norms[0] != state:
+            k0, kb = self.norm_terms()
+            self._norms = (state, [k0 + kb * n for n in self.lens])
+        return self._norms[1]
+
+    def norms_now(self) -> Any:
+        """norms() when it is current, else a view computing each length term
+        when asked (after a capture a query needs a few, not all 100,000)."""
+        norms = self._norms
+        if norms is not None and norms[0] == (self.total_len, self.live, len(self.lens)):
+            return norms[1]
+        return _LengthTerms(self.lens, *self.norm_terms())
 
     def norm_min(self) -> float:
         """The smallest length term of any slot (a bound for pruning)."""
-        return self._norm_state()[2]
+        k0, kb = self.norm_terms()
+        return k0 + kb * self.min_len if self.lens else k0     # kb > 0: shortest is least
 
-    def _norm_state(self) -> tuple:
-        state = (self.total_len, self.live, len(self.lens))
-        if self._norms is None or self._norms[0] != state:
-            k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
-            norms = [k0 + kb * n for n in self.lens]
-            self._norms = (state, norms, min(norms, default=k0))
-        return self._norms
-
-    def tf_max(self, term: str) -> float:
-        """The largest weighted term frequency in a term's postings (cached;
-        postings only grow at the end until a purge replaces their arrays)."""
-        tfs = self.postings[term][1]
+    def tf_max(self, term: str, tfs: array) -> float:
+        """The largest weighted term frequency in a term's postings `tfs`
+        (cached; postings only grow at the end until a purge replaces them)."""
         arr, seen, top = self._tf_max.get(term) or (None, 0, 0.0)
         if arr is not tfs:
             seen, top = 0, 0.0
@@ -3362,6 +3663,16 @@ class Index:
     @property
     def avg_len(self) -> float:
         return (self.total_len / self.live) if self.live and self.total_len else 1.0
+
+
+class _LengthTerms:
+    """Index.norms() computed slot by slot, the same float for float."""
+
+    def __init__(self, lens: list, k0: float, kb: float) -> None:
+        self.lens, self.k0, self.kb = lens, k0, kb
+
+    def __getitem__(self, slot: int) -> float:
+        return self.k0 + self.kb * self.lens[slot]
 
 
 def build_index(items: list[Item]) -> Index:
@@ -3402,30 +3713,42 @@ def _term_weight(index: Index, term: str) -> float:
     return math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1)
 
 
-def query_terms(index: Index, terms: list[str]) -> list[tuple[str, float, tuple]]:
-    """(term, BM25 weight, postings) of the query's terms the index holds,
+def query_terms(index: Index, terms: list[str]) -> list[tuple]:
+    """(term, BM25 weight, slots, tfs, n) of the query's terms the index holds,
     commonest first, ties in term order: every score sums its terms' parts in
     this order, which depends on the live items only, never on the index's
-    history. `terms` are tokenize()d and unique."""
-    out = [(t, _term_weight(index, t), index.postings[t])
-           for t in sorted(terms) if t in index.postings]
-    out.sort(key=lambda twp: -len(twp[2][0]))
+    history. `terms` are tokenize()d and unique. A query reads the first n
+    postings only: a sync in another thread may append more meanwhile (and
+    kill a slot: top_slots skips dead ones)."""
+    out = []
+    for t in sorted(terms):
+        p = index.postings.get(t)
+        if p is not None:
+            out.append((t, _term_weight(index, t), p[0], p[1], len(p[0])))
+    out.sort(key=lambda plan_row: -plan_row[4])
     return out
+
+
+def _postings(row: tuple) -> Iterator[tuple[int, float]]:
+    """(slot, weighted tf) pairs of a query_terms row."""
+    return itertools.islice(zip(row[2], row[3]), row[4])
 
 
 def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     """BM25 of every live slot matching a term (slot -> score)."""
-    return _all_scores(query_terms(index, terms), index.norms())
+    plan = query_terms(index, terms)
+    return _all_scores(plan, index.norms())          # norms after the plan: every slot
 
 
-def _all_scores(plan: list, norms: list) -> dict[int, float]:
+def _all_scores(plan: list, norms: Any) -> dict[int, float]:
     scores: dict[int, float] = {}
-    for n_term, (_, w, (slots, tfs)) in enumerate(plan):
+    for n_term, row in enumerate(plan):
+        w = row[1]
         if not n_term:                  # the longest list fills the dict: no lookups
-            scores = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+            scores = {i: w * v / (v + norms[i]) for i, v in _postings(row)}
             continue
         get = scores.get
-        for i, v in zip(slots, tfs):
+        for i, v in _postings(row):
             scores[i] = get(i, 0.0) + w * v / (v + norms[i])
     return scores
 
@@ -3443,12 +3766,14 @@ def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
     slot leaves the race as soon as those terms could not lift it either. The
     few left are scored again in bm25_scores' order of terms."""
     plan = query_terms(index, terms)
-    norms, low = index.norms(), index.norm_min()
-    bounds = [w * m / (m + low) for t, w, _ in plan for m in (index.tf_max(t),)]
+    norms, low = index.norms_now(), index.norm_min()
+    bounds = [w * m / (m + low) for t, w, _, tfs, _ in plan for m in (index.tf_max(t, tfs),)]
     race: dict[int, float] = {}
     left, cut = len(plan), _Cut(limit)
     while left and not cut.beyond(race, sum(bounds[:left])):
         left -= 1
+        if isinstance(norms, _LengthTerms) and plan[left][4] * 4 > len(norms.lens):
+            norms = index.norms()              # a long list to read: all of them at once
         race = _read(race, plan[left], norms)
         cut.grew(bounds[left])
     while True:                        # the rest only for the slots still in the race
@@ -3488,58 +3813,57 @@ class _Cut:
             rest < self.at(race) - PRUNE_SLACK
 
 
-def _read(race: dict, term: tuple, norms: list) -> dict:
+def _read(race: dict, term: tuple, norms: Any) -> dict:
     """The race with one term's postings read in: every slot they hold joins.
     A long list fills a new dict at C speed and the shorter race is added in."""
-    _, w, (slots, tfs) = term
-    if len(race) * 4 < len(slots):
-        new = {i: w * v / (v + norms[i]) for i, v in zip(slots, tfs)}
+    w = term[1]
+    if len(race) * 4 < term[4]:
+        new = {i: w * v / (v + norms[i]) for i, v in _postings(term)}
         get = new.get
         for i, s in race.items():
             new[i] = get(i, 0.0) + s
         return new
     get = race.get
-    for i, v in zip(slots, tfs):
+    for i, v in _postings(term):
         race[i] = get(i, 0.0) + w * v / (v + norms[i])
     return race
 
 
-def _look_up(race: dict, term: tuple, norms: list) -> None:
+def _look_up(race: dict, term: tuple, norms: Any) -> None:
     """Add one term's part to the partial scores of the slots in the race:
     by binary search in its postings, or one pass when the race is large."""
-    _, w, (slots, tfs) = term
-    if len(race) * 16 < len(slots):
-        n = len(slots)
+    _, w, slots, tfs, n = term
+    if len(race) * 16 < n:
         for i in race:
-            j = bisect.bisect_left(slots, i)
+            j = bisect.bisect_left(slots, i, 0, n)
             if j < n and slots[j] == i:
                 v = tfs[j]
                 race[i] += w * v / (v + norms[i])
         return
-    for i, v in zip(slots, tfs):
+    for i, v in _postings(term):
         if i in race:
             race[i] += w * v / (v + norms[i])
 
 
-def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
+def _exact_scores(plan: list, norms: Any, race: dict) -> dict[int, float]:
     """The race's complete scores summed as bm25_scores sums them: as they
     are for one or two terms (a + b == b + a exactly), else looked up one by
     one, or all of them scored at once when the race is most of the matches
     (a word in nearly every item scores them all within the tie window)."""
     if len(plan) <= 2:
         return race
-    if len(race) * len(plan) * 8 > sum(len(slots) for _, _, (slots, _) in plan):
+    if len(race) * len(plan) * 8 > sum(row[4] for row in plan):
         every = _all_scores(plan, norms)
         return {i: every[i] for i in race}
     return {i: _exact_score(plan, norms, i) for i in race}
 
 
-def _exact_score(plan: list, norms: list, slot: int) -> float:
+def _exact_score(plan: list, norms: Any, slot: int) -> float:
     """One slot's BM25 summed in query_terms order: bit for bit bm25_scores'."""
     score = 0.0
-    for _, w, (slots, tfs) in plan:
-        j = bisect.bisect_left(slots, slot)
-        if j < len(slots) and slots[j] == slot:
+    for _, w, slots, tfs, n in plan:
+        j = bisect.bisect_left(slots, slot, 0, n)
+        if j < n and slots[j] == slot:
             v = tfs[j]
             score += w * v / (v + norms[slot])
     return score
@@ -3571,8 +3895,9 @@ def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
     if not scores:
         return []
     cut = heapq.nlargest(limit, scores.values())[-1] - 1e-6
-    near = [i for i, s in scores.items() if s >= cut]
-    return sorted(near, key=lambda i: _order(scores[i], items[i]))[:limit]
+    near = [(i, items[i]) for i, s in scores.items() if s >= cut]
+    near = [(i, it) for i, it in near if it is not None]      # killed by a sync meanwhile
+    return [i for i, _ in sorted(near, key=lambda p: _order(scores[p[0]], p[1]))[:limit]]
 
 
 def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
@@ -3589,8 +3914,9 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
         return Ranking([], 0.0)
     slots = index.items
     scores = bm25_top(index, terms, limit)
-    hits = [Hit(slots[i], scores[i], lexical_relevance(confidence_bm25(index, terms, slots[i])))
-            for i in top_slots(scores, slots, limit)]
+    best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
+    hits = [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
+            for it, score in best if it is not None]      # (None: killed meanwhile)
     results, weak = split_at_floor(hits)
     return Ranking(results, max((h.confidence for h in hits), default=0.0), weak)
 
@@ -5680,14 +6006,16 @@ def _awaiting_merge(item: Item) -> Verdict:
     return Verdict(False, "pr_pending", f"waits for {item.pr_url} to merge")
 
 
-def settle_org_prs(cfg: Config) -> list[str]:
+def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]:
     """Finish moves whose org pull request has merged: once org scope holds the
-    item, drop the source copy that waited (annotated with pr_url). Returns ids."""
+    item, drop the source copy that waited (annotated with pr_url). Returns ids.
+    docs: local and team as the caller just read them (else read here)."""
     if cfg.org_repo is None:
         return []
-    docs, _ = read_scopes(cfg, ("local", "team"), digest=True)   # move() re-reads for real
+    if docs is None:
+        docs, _ = read_scopes(cfg, ("local", "team"), digest=True)  # move() re-reads for real
     settled: list[str] = []
-    for scope, doc in docs.items():
+    for scope, doc in ((s, docs[s]) for s in ("local", "team") if s in docs):
         waiting = [it for it in doc.items if it.pr_url]
         if waiting:
             moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
@@ -7374,30 +7702,32 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    hit = _find_item(store(cfg, "org").read(), item_id)
-    if hit is None:
-        raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
-                       "(review_promotions lists the ones that need it).")
     why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) if org_why else None
-    text = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else \
-        None if why else latest_endorsement_note(hit[1])
-    if not text and not why:
-        raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
-                         "org_content= (and/or org_why=) with the rule stated in general terms.")
+    content = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else None
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
+    changed: list[bool] = []
 
-    def apply(it: Item) -> Item | None:
+    def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
+        text = content or (None if why else latest_endorsement_note(it))
+        if not text and not why:
+            raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
+                             "org_content= (and/or org_why=) with the rule stated in general "
+                             "terms.")
         new = restated(it, content=text, why=why)
+        changed.append(new is not it)
         return None if new is it else dataclasses.replace(
             new, updated_at=now, extra={**it.extra, "generalized": {
                 "by": cfg.agent, "at": now, "note": note}})
 
-    new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes {item_id}",
-                             topic="generalize")
-    changed = write is not None and write.commit is not None and restated(
-        hit[1], content=text, why=why) is not hit[1]
-    out = {"status": "generalized" if changed else "unchanged", "item": item_view(new),
+    try:
+        new, write = change_item(cfg, "org", item_id, apply,
+                                 f"{cfg.agent} generalizes {item_id}", topic="generalize")
+    except NotFound:
+        raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
+                       "(review_promotions lists the ones that need it).") from None
+    changed_now = write is not None and write.commit is not None and changed[-1]
+    out = {"status": "generalized" if changed_now else "unchanged", "item": item_view(new),
            "tells_left": org_tells(new)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
@@ -7415,8 +7745,10 @@ def review_promotions() -> dict:
     finishes moves whose org pull request has merged.
     """
     cfg = require_config()
-    settled = settle_org_prs(cfg) if cfg.org_repo else []
     docs, warnings = read_scopes(cfg, SCOPES)
+    settled = settle_org_prs(cfg, docs) if cfg.org_repo else []
+    if settled:                                   # settling moved items: read what is now
+        docs, warnings = read_scopes(cfg, SCOPES)
     pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}

@@ -737,16 +737,67 @@ def test_pruned_lexical_scoring_ranks_exactly_like_scoring_every_match():
     queries = [" ".join(f"w{rng.randint(0, k)}" for _ in range(rng.randint(1, 6)))
                for k in (3, 20, 299) for _ in range(25)]
     for query, limit in [(q, k) for q in queries for k in (1, 5, 20)]:
-        terms = list(dict.fromkeys(cs.tokenize(query)))
-        full, top = cs.bm25_scores(grown, terms), cs.bm25_top(grown, terms, limit)
-        pruned += len(top) < len(full)
-        best = cs.top_slots(full, grown.items, limit)
-        assert cs.top_slots(top, grown.items, limit) == best
-        assert [top[i] for i in best] == [full[i] for i in best]      # bit for bit
+        pruned += _pruned_equals_full(grown, query, limit)
         a, b = cs.score_query(grown, query, limit), cs.score_query(fresh, query, limit)
         assert [(h.item.id, h.score) for h in a.hits + a.weak] == \
             [(h.item.id, h.score) for h in b.hits + b.weak]
     assert pruned > len(queries)                  # the pruning did skip most matches
+    for n, query in enumerate(queries[::4]):      # length norms stale: computed slot by slot
+        final = final + [cs.new_item(f"w{n} w1 appended " * (n % 3 + 1))]
+        grown = grown.sync(final)
+        _pruned_equals_full(grown, query, 5)
+
+
+def _pruned_equals_full(index, query: str, limit: int) -> bool:
+    """bm25_top ranks (and scores, bit for bit) like bm25_scores; whether it pruned."""
+    terms = list(dict.fromkeys(cs.tokenize(query)))
+    top = cs.bm25_top(index, terms, limit)           # first: the norms may be stale
+    full = cs.bm25_scores(index, terms)
+    best = cs.top_slots(full, index.items, limit)
+    assert cs.top_slots(top, index.items, limit) == best
+    assert [top[i] for i in best] == [full[i] for i in best]
+    return len(top) < len(full)
+
+
+def test_recall_ranking_survives_a_sync_in_another_thread():
+    """MCP tools run in threads: a capture or a deprecation syncs the index
+    (appending postings, killing slots) while a recall is scoring it."""
+    items = [cs.new_item(f"shared word note {i} " + "filler " * (i % 9)) for i in range(400)]
+    index = cs.build_index(items)
+    errors, done = [], threading.Event()
+
+    def query() -> None:
+        try:
+            while not done.is_set():
+                ranking = cs.score_query(index, "shared word note", 5)
+                assert all(h.item is not None for h in ranking.hits + ranking.weak)
+                cs.bm25_scores(index, ["share", "word"])
+        except Exception as e:               # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    def write() -> None:
+        cur = list(items)
+        for n in range(300):
+            cur = cur + [cs.new_item(f"shared word added {n}")]
+            if n % 3 == 0:
+                cur = [dataclasses.replace(it, status="deprecated") if k == n else it
+                       for k, it in enumerate(cur)]
+            index.sync(cur)
+        done.set()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                 # switch threads mid-loop, often
+    try:
+        threads = [threading.Thread(target=query), threading.Thread(target=write)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    ranked = cs.score_query(index, "shared word added", 5)
+    assert len(ranked.hits + ranked.weak) == 5
+    assert all("added" in h.item.content for h in ranked.hits + ranked.weak)
 
 
 def test_credit_fold_replaces_items_in_their_index_slots_without_retokenizing(repo, monkeypatch):
@@ -832,6 +883,41 @@ def test_lexical_recall_finds_japanese_text(repo, monkeypatch):
     assert res["no_confident_match"] is False and res["results"][0]["id"] == ja
     assert cs.tokenize("東京") == ["東京"] and cs.tokenize("東京都") == ["東京", "京都"]
     assert cs.tokenize("ＡＰＩ接続") == ["api", "接続"]     # full-width folded, runs split
+
+
+def test_credit_journal_is_parsed_once_then_only_its_new_lines(repo, monkeypatch):
+    path = cs.credits_path(cs.resolve_config())
+    recs = [{"item": f"k-{n}", "scope": "local", "agent": "ada", "day": "2026-01-01"}
+            for n in range(3)]
+    cs.append_credits(path, recs[:2])
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0", "k-1"]
+    parsed = []
+    real = cs._credit_records
+    monkeypatch.setattr(cs, "_credit_records", lambda text: parsed.append(text) or real(text))
+    assert len(cs.read_credits(path)) == 2 and not parsed            # unchanged: no parse
+    line = json.dumps(recs[2]).encode() + b"\n"
+    with open(path, "ab") as f:                                      # an append in flight
+        f.write(line[:-4])
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0", "k-1"]
+    with open(path, "ab") as f:
+        f.write(line[-4:])
+    parsed.clear()
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0", "k-1", "k-2"]
+    assert "k-2" in "".join(parsed) and "k-0" not in "".join(parsed)  # only the new line
+    with open(path, "ab") as f:                                      # ended without a newline
+        f.write(json.dumps({**recs[0], "item": "k-3"}).encode())
+    assert [r["item"] for r in cs.read_credits(path)][-1] == "k-3"
+    assert [r["item"] for r in cs.read_credits(path)][-1] == "k-3"   # the cached answer too
+    pending, commit = cs.take_credits(path, "local")
+    assert len(pending) == 4
+    commit()                                                         # rewritten: read whole
+    assert cs.read_credits(path) == []
+    cs.append_credits(path, recs[1:2])
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-1"]
+    with open(path, "r+b") as f:                 # rewritten in place, longer: not a growth
+        f.write(b"".join(json.dumps({**recs[0], "item": f"k-{n}x"}).encode() + b"\n"
+                         for n in range(3)))
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-0x", "k-1x", "k-2x"]
 
 
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
@@ -1118,6 +1204,24 @@ def test_two_agents_promoting_at_once_both_land(shared, monkeypatch, branch_exis
         {"an earlier team fact"} if branch_exists else set())
 
 
+def _before_first_change(monkeypatch, action) -> dict:
+    """Run action() once, as a shared-scope write first applies its change
+    (after it read the tip, before it pushes); returns the change-call count."""
+    calls = {"n": 0}
+    real_mutate = cs.GitStore.mutate
+
+    def patched(self, fn, message, **kw):
+        def counted(doc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                action()
+            return fn(doc)
+        return real_mutate(self, counted, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", patched)
+    return calls
+
+
 @pytest.mark.parametrize("branch_exists", [True, False])
 def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branch_exists):
     """Deterministic race: while A's change is being applied (after A fetched),
@@ -1132,26 +1236,134 @@ def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branc
     as_agent(monkeypatch, shared["b"], "bob")
     _endorsed("bob's second fact")
     as_agent(monkeypatch, shared["a"], "ada")
-    calls = {"n": 0}
-    real_mutate = cs.GitStore.mutate
+    def peer_promotes() -> None:
+        peer = subprocess.run(
+            [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
+            env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
+        assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
 
-    def racing_mutate(self, fn, message, **kw):
-        def fn_with_peer(doc):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                peer = subprocess.run(
-                    [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
-                    env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
-                assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
-            return fn(doc)
-        return real_mutate(self, fn_with_peer, message, **kw)
-
-    monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
+    calls = _before_first_change(monkeypatch, peer_promotes)
     assert cs.promote()["status"] == "promoted"
     assert calls["n"] >= 2                                # replayed after the lost race
     contents = {i["content"] for i in remote_json(shared["origin"], "cambium")["items"]}
     assert contents == {"bob's fact", "bob's second fact", "ada's fact"}
     assert mine in team_ids(shared["origin"])
+
+
+def _team_store(repo: Path, agent: str = "ada") -> "cs.GitStore":
+    return cs.GitStore("team", repo, "origin", "cambium", timeout_s=30, fetch_interval_s=0,
+                       agent=agent)
+
+
+def test_commits_written_loose_by_cambium_are_the_ones_git_would_write(shared):
+    """The CAS loop writes blob, tree and commit itself: byte for byte what
+    git fast-import makes of the same parent, files, author and message, read
+    back by git; and it reads what git wrote, or asks git once objects are packed."""
+    a = shared["a"]
+    for name in ("a.b", "a-b", "knowledge.json"):
+        (a / name).write_text(f"{name}\n")
+    (a / "a").mkdir()
+    (a / "a" / "x").write_text("in a dir\n")
+    git(a, "add", "-A")
+    git(a, "commit", "-q", "-m", "tree with a dir sorting between files")
+    parent = git(a, "rev-parse", "HEAD").strip()
+    st = _team_store(a)
+    objects = st._objects()
+    assert objects is not None and cs.loose_blob(objects, parent, "knowledge.json") == \
+        b"knowledge.json\n"
+    files = {"knowledge.json": '{"items": [\n]}\n', "KNOWLEDGE.md": "# Knowledge ünïcode\n"}
+    stamp, message = f"{st._ident()}> 1700000000 +0000", "cambium: ada promotes ✓"
+    mine = cs._write_commit(objects, cs.loose_tree(objects, parent), parent, files, stamp,
+                            message)
+    assert mine == st._fast_import(parent, files, stamp, message)
+    assert git(a, "cat-file", "blob", f"{mine}:KNOWLEDGE.md") == "# Knowledge ünïcode\n"
+    assert git(a, "ls-tree", "--name-only", mine).split() == \
+        ["KNOWLEDGE.md", "README.md", "a-b", "a.b", "a", "knowledge.json"]   # "a/" sorts last
+    assert git(a, "fsck", "--strict", "--no-dangling").strip() == ""
+    assert cs.GitStore._commit(st, None, files, message) != mine    # a root commit
+    git(a, "gc", "-q", "--prune=now")                               # everything packed now
+    assert cs.loose_blob(objects, mine, "knowledge.json") is None
+    assert st.file_at(mine, "knowledge.json") == files["knowledge.json"]
+    assert st.file_at(mine, "nothing-here.json") == ""
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def test_write_turns_first_for_the_longest_waiter():
+    """Alone, a write goes at once. While peers write, a fresh write waits about
+    a turn of all writers, and a write that lost races waits less each time."""
+    rng = random.Random(3)
+    turn = cs._cas_spread(0.05, 16, 0)
+    assert turn == pytest.approx(0.8)
+    fresh = [cs._cas_pause(turn, 0, rng) for _ in range(200)]
+    after = {k: [cs._cas_pause(cs._cas_spread(0.05, 16, k), k, rng) for _ in range(200)]
+             for k in (1, 3, 8)}
+    assert min(fresh) >= 0.5 * turn
+    assert _mean(fresh) > _mean(after[1]) > _mean(after[3]) \
+        > _mean(after[8])
+    assert cs._cas_spread(10.0, 16, 0) == cs.PUSH_SPREAD_MAX_S
+    assert cs._cas_spread(0.05, 1, 4) == pytest.approx(0.25)    # unseen writers: one per loss
+
+
+def test_cas_attempts_wait_only_while_peers_write(monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr(cs.time, "sleep", slept.append)
+    pace = cs.GitScope(attempt_s=0.04)
+    attempts = cs._cas_attempts(pace)
+    assert next(attempts) == 0 and slept == []                  # alone: at once
+    assert next(attempts) == 1 and len(slept) == 1              # a lost race: a short pause
+    now = cs.time.monotonic()
+    pace.peers = {f"peer{i}": now for i in range(7)}
+    pace.contended_at = now
+    slept.clear()
+    assert next(cs._cas_attempts(pace)) == 0                    # a fresh write waits its turn
+    assert slept and slept[0] >= 0.5 * 8 * 0.04
+    pace.contended_at = now - cs.PUSH_CONTENDED_S - 1           # peers went quiet
+    slept.clear()
+    assert next(cs._cas_attempts(pace)) == 0 and slept == []
+
+
+def test_a_write_sees_which_peers_wrote_since_its_last_tip(shared, monkeypatch):
+    """The commits fetched by a write name who else writes; its own do not count."""
+    _endorsed("ada's first fact")
+    cs.promote()
+    rt_scope = cs.runtime().git_scope(shared["a"], "origin", "cambium")
+    assert rt_scope.peers == {}
+    as_agent(monkeypatch, shared["b"], "bob")
+    _endorsed("bob's fact")
+    _endorsed("bob's second fact")
+    assert cs.promote()["status"] == "promoted"
+    as_agent(monkeypatch, shared["a"], "ada")
+    _endorsed("ada's second fact")
+    assert cs.promote()["status"] == "promoted"
+    assert set(rt_scope.peers) == {"cambium (bob) <bob@cambium.invalid"}
+    assert cs.time.monotonic() - rt_scope.contended_at < cs.PUSH_CONTENDED_S
+    tip = git(shared["origin"], "rev-parse", "cambium").strip()
+    assert git(shared["a"], "rev-parse", "refs/cambium/team/origin/cambium").strip() == tip
+    assert _team_store(shared["a"]).local_tip() == tip
+    assert len(team_ids(shared["origin"])) == 4
+
+
+def test_a_rewound_team_branch_is_not_overwritten_by_a_write_that_read_it_before(
+        shared, monkeypatch):
+    """The push is an exact compare-and-swap on the tip the write read: when the
+    branch is set back under it (an operator dropping a commit), the write is
+    replayed on what the branch holds now instead of fast-forwarding over it."""
+    origin = shared["origin"]
+    _endorsed("first fact")
+    cs.promote()
+    before = git(origin, "rev-parse", "cambium").strip()
+    _endorsed("second fact")
+    cs.promote()
+    mine = _endorsed("third fact")
+    calls = _before_first_change(monkeypatch, lambda: git(
+        origin, "update-ref", "refs/heads/cambium", before))
+    assert cs.promote(mine)["status"] == "promoted"
+    assert calls["n"] == 2
+    contents = {i["content"] for i in remote_json(origin, "cambium")["items"]}
+    assert contents == {"first fact", "third fact"}
 
 
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
@@ -1624,6 +1836,38 @@ def test_pr_mode_generalize_batches_into_one_shared_pr(shared, monkeypatch, tmp_
     assert branch[b]["example"] == "Run test_payments before release"
     main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
     assert main[a]["content"] == "Edit app.yaml for timeouts"   # unchanged until merged
+
+
+def _count_fetches(monkeypatch) -> list[Path]:
+    """Spy on cambium's git calls: the clone of every `git fetch` it runs."""
+    fetched: list[Path] = []
+    real = cs._run
+
+    def spy(cmd, cwd, *a, **kw):
+        if cmd[:2] == ["git", "fetch"]:
+            fetched.append(Path(cwd))
+        return real(cmd, cwd, *a, **kw)
+    monkeypatch.setattr(cs, "_run", spy)
+    return fetched
+
+
+def test_generalize_and_review_fetch_each_scope_once(shared, monkeypatch):
+    """generalize judges the item on the tip its write lands on (no read
+    before); review_promotions reads team once even while settling PRs."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Edit app.yaml for timeouts", "set timeouts in config")
+    cs.promote(item, to_scope="org", force=True)
+    fetched = _count_fetches(monkeypatch)
+    out = cs.generalize(item)
+    assert out["status"] == "generalized" and out["item"]["content"] == "set timeouts in config"
+    assert fetched.count(shared["org"]) == 1
+    assert cs.generalize(item)["status"] == "unchanged"
+    with pytest.raises(cs.NotFound, match="generalize\\(\\) restates org items"):
+        cs.generalize("k-000000000000")
+    fetched.clear()
+    review = cs.review_promotions()
+    assert [i["id"] for i in review["org_needs_generalization"]] == []
+    assert fetched.count(shared["a"]) == 1 and fetched.count(shared["org"]) == 1
 
 
 def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
