@@ -3400,13 +3400,13 @@ _CJK_RUN = re.compile("([\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf
                       "\uac00-\ud7af\uff66-\uff9f\U00020000-\U0002fa1f]+)")
 _KANA_MARKS = "\u3099\u309a"         #: Japanese voicing marks: part of the letter, kept
 _FIELD_WEIGHTS = {"content": 1.0, "why": 0.5, "tags": 2.0}   #: multiples of 1/8: exact sums
-CONFIDENCE_WHY_WEIGHT = 0.25   #: the why's weight in the BM25 a lexical hit's relevance reads
+CONFIDENCE_WHY_WEIGHT = 0.5    #: the why's weight in the BM25 a lexical hit's relevance reads
 BM25_K1 = 1.2
 BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
-LEXICAL_FLOOR = 5.34    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
+LEXICAL_FLOOR = 6.38    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
 
 
 def fold(text: str) -> str:
@@ -3869,13 +3869,25 @@ def _exact_score(plan: list, norms: Any, slot: int) -> float:
     return score
 
 
+def _weighted_terms(item: Item, why: float) -> dict[str, float]:
+    """item_terms with the why weighing `why`, kept on the item."""
+    return derived(item, f"terms_why_{why}", lambda it: item_terms(it, why))
+
+
+def holds_every_term(item: Item, terms: list[str]) -> bool:
+    """Whether the item's content and tags have every word of the query
+    (tokenize()d). Its why does not count: rationale, not topic."""
+    tf = _weighted_terms(item, 0.0)
+    return bool(terms) and all(tf.get(t, 0.0) > 0 for t in terms)
+
+
 def confidence_bm25(index: Index, terms: list[str], item: Item,
                     why: float = CONFIDENCE_WHY_WEIGHT) -> float:
     """The raw BM25 a lexical hit's relevance reads: the item's BM25 with its
     why weighing `why` (idf and average length are the index's). A long why
     is rationale, not topic: a query sharing only its generic words must not
     look like an answer (chosen by cross-validation, quality/cv.py)."""
-    tf = derived(item, f"terms_why_{why}", lambda it: item_terms(it, why))
+    tf = _weighted_terms(item, why)
     norm = BM25_K1 * (1 - BM25_B + BM25_B * sum(tf.values()) / index.avg_len)
     return sum(_term_weight(index, t) * tf[t] / (tf[t] + norm)
                for t in terms if t in tf and t in index.postings)
@@ -3900,10 +3912,17 @@ def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
     return [i for i, _ in sorted(near, key=lambda p: _order(scores[p[0]], p[1]))[:limit]]
 
 
-def split_at_floor(hits: list[Hit]) -> tuple[list[Hit], list[Hit]]:
-    """(results, weak matches): only hits at or above the floor are results."""
-    ok = [h for h in hits if h.confidence >= RELEVANCE_FLOOR]
-    return ok, [h for h in hits if h.confidence < RELEVANCE_FLOOR]
+def split_at_floor(hits: list[Hit], terms: list[str]) -> tuple[list[Hit], list[Hit]]:
+    """(results, weak matches): only hits at or above the floor are results.
+    An item that has every word of the query is at the floor at least: a
+    short query (one word, a tag) can score no higher, and an item naming
+    everything asked for is no noise."""
+    ok, weak = [], []
+    for h in hits:
+        if h.confidence < RELEVANCE_FLOOR and holds_every_term(h.item, terms):
+            h = dataclasses.replace(h, confidence=RELEVANCE_FLOOR)
+        (ok if h.confidence >= RELEVANCE_FLOOR else weak).append(h)
+    return ok, weak
 
 
 def score_query(index: Index, query: str, limit: int) -> Ranking:
@@ -3917,7 +3936,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
     hits = [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
             for it, score in best if it is not None]      # (None: killed meanwhile)
-    results, weak = split_at_floor(hits)
+    results, weak = split_at_floor(hits, terms)
     return Ranking(results, max((h.confidence for h in hits), default=0.0), weak)
 
 
@@ -3961,14 +3980,16 @@ EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP client
 EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
-SEM_LEXICAL_WEIGHT = 0.05           #: ranking score = cosine + this x BM25 / the query's best
-SEM_TAIL_DISCOUNT = 0.08            #: a tail window's cosine counts this much less
-SEM_WHY_DISCOUNT = 0.0              #: an item's why, embedded alone, counts this much less
-SEM_FEEDBACK = 0.3                  #: pseudo-relevance feedback: query + this x top items' mean
+SEM_LEXICAL_WEIGHT = 0.0            #: ranking score = cosine + this x BM25 / the query's best
+SEM_TAIL_DISCOUNT = 0.04            #: a tail window's cosine counts this much less
+SEM_CONTENT_TAGS_DISCOUNT = 0.0     #: an item's content + tags, embedded alone, counts this
+                                    #: much less (None: no such vector)
+SEM_WHY_DISCOUNT = None             #: an item's why, embedded alone, likewise (None: none)
+SEM_FEEDBACK = 0.6                  #: pseudo-relevance feedback: query + this x top items' mean
 SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
 SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>= MAX_RECALL_LIMIT)
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.295                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_FLOOR = 0.301                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -4150,19 +4171,42 @@ def embed_windows(ids: list[int], cls: int, sep: int) -> list[list[int]]:
     return [[cls, *ids[s:s + width], sep] for s in starts[:EMBED_MAX_WINDOWS]]
 
 
-def embed_text(item: Item) -> str:
-    """What an item's vectors say: content, topic tags, then why. Provenance
-    tags (`imported`, the source system) say where an item came from, not what
-    it is about, so they are left out."""
+def _topic_tags(item: Item) -> str:
+    """The item's tags but its provenance ones (`imported`, the source system):
+    those say where an item came from, not what it is about."""
     noise = {"imported", str(item.source.get("system") or "")}
-    tags = " ".join(t for t in item.tags if t not in noise)
-    return "\n".join(p for p in (item.content, tags, item.why) if p)
+    return " ".join(t for t in item.tags if t not in noise)
+
+
+def embed_text(item: Item) -> str:
+    """What an item's vectors say: content, topic tags, then why."""
+    return "\n".join(p for p in (item.content, _topic_tags(item), item.why) if p)
+
+
+def extra_vectors(item: Item) -> list[tuple[str, float]]:
+    """(text, discount) of the one-window vectors an item gets beside the
+    windows of its embed_text: its content + tags alone, its why alone, each
+    when its SEM_*_DISCOUNT is set (chosen by cross-validation, quality/cv.py).
+    A long why would otherwise drown a short content's topic."""
+    out = []
+    if SEM_CONTENT_TAGS_DISCOUNT is not None:
+        text = "\n".join(p for p in (item.content, _topic_tags(item)) if p)
+        out.append((text, SEM_CONTENT_TAGS_DISCOUNT))
+    if SEM_WHY_DISCOUNT is not None and item.why.strip():
+        out.append((item.why, SEM_WHY_DISCOUNT))
+    return out
+
+
+#: which vectors an item gets: part of every cache key, so a change re-embeds
+VECTOR_RECIPE = f"ct={SEM_CONTENT_TAGS_DISCOUNT is not None};why={SEM_WHY_DISCOUNT is not None}"
 
 
 def vector_key(item: Item) -> str:
-    """Cache key: item id + a hash of the embedded text (an edit re-embeds)."""
+    """Cache key: item id + a hash of the embedded text and the vector recipe
+    (an edit re-embeds)."""
     return derived(item, "vector_key", lambda it: it.id + ":" + hashlib.sha256(
-        embed_text(it).encode("utf-8", "surrogatepass")).hexdigest()[:20])
+        (VECTOR_RECIPE + "\0" + embed_text(it)).encode("utf-8", "surrogatepass")
+    ).hexdigest()[:20])
 
 
 class Embedder:
@@ -4396,13 +4440,14 @@ class _SlotVectors:
         self.first, self.has, self.alive = first, has, alive
 
     def _place(self, slot: int, item: Item, rows: Any) -> None:
-        """rows: the item's windows, then its why's vector when it has a why."""
+        """rows: the item's windows, then its extra_vectors."""
         self.first[slot] = rows[0]
         self.has[slot] = True
         if len(rows) > 1:
+            extra = [d for _, d in extra_vectors(item)]
             disc = self.np.full(len(rows) - 1, SEM_TAIL_DISCOUNT, self.np.float32)
-            if item.why.strip():
-                disc[-1] = SEM_WHY_DISCOUNT
+            if extra:
+                disc[len(disc) - len(extra):] = extra
             self.tail_parts.append((slot, rows[1:], disc))
             self.tail_mat = None
 
@@ -4516,8 +4561,7 @@ class Semantic:
         for it in items:
             self._step_aside()
             w = emb.windows(embed_text(it))
-            if it.why.strip():                 # the why on its own: one more vector
-                w.append(emb.windows(it.why)[0])
+            w.extend(emb.windows(text)[0] for text, _ in extra_vectors(it))
             spans.append((vector_key(it), len(inputs), len(w)))
             inputs.extend(w)
         vecs = emb.embed_ids(inputs, pause=self._step_aside)
@@ -4667,9 +4711,11 @@ class Semantic:
             sim[tslot[starts]] = np.maximum(sim[tslot[starts]], best)
         score, rel = semantic_blend(np, sim, usable, lex)
         score = feedback_scores(np, first, q, sim, score, usable)
-        top = best_slots(np, score, index.items, limit)
-        hits = [Hit(index.items[i], float(score[i]), float(rel[i])) for i in top]
-        results, weak = split_at_floor(hits)
+        items = index.items
+        hits = [Hit(it, float(score[i]), float(rel[i]))
+                for i in best_slots(np, score, items, limit)
+                if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
+        results, weak = split_at_floor(hits, terms)
         ranking = Ranking(results, max((h.confidence for h in hits), default=0.0), weak,
                           mode="semantic")
         if waiting:
@@ -4685,7 +4731,8 @@ def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
     if not k:
         return []
     cand = finite[np.argpartition(-score[finite], k - 1)[:k]]
-    return sorted(cand.tolist(), key=lambda i: _order(float(score[i]), items[i]))[:limit]
+    near = [(i, it) for i in cand.tolist() if (it := items[i]) is not None]
+    return [i for i, _ in sorted(near, key=lambda p: _order(float(score[p[0]]), p[1]))[:limit]]
 
 
 def feedback_scores(np: Any, first: Any, q: Any, sim: Any, score: Any, usable: Any, *,
