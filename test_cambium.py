@@ -3853,6 +3853,28 @@ def test_semantic_recall_never_pads_nor_credits_near_misses(semantic):
 
 
 @needs_extra
+def test_semantic_one_word_query_an_item_holds_is_a_result(semantic):
+    """A short query scores a low cosine; an item whose content holds every
+    word asked for is at the floor anyway (one rule in both modes)."""
+    ids = _capture_notes()
+    tagged = cs.capture("Prefer small pull requests and short review cycles",
+                        tags="latency")["item"]["id"]
+    res = cs.recall("latency", detail="full")
+    assert res["mode"] == "semantic" and tagged in [r["id"] for r in res["results"]]
+    assert all(r["relevance"] >= cs.RELEVANCE_FLOOR for r in res["results"])
+    assert set(ids.values()).isdisjoint(r["id"] for r in res["results"])
+
+
+def test_ranking_skips_a_slot_killed_meanwhile():
+    """best_slots and top_slots never order a slot a sync emptied meanwhile."""
+    np = pytest.importorskip("numpy")
+    items = [cs.new_item(f"note {i}", kind="note", why="", tags=[], source={}) for i in range(4)]
+    items[1] = None
+    assert cs.best_slots(np, np.array([0.1, 0.9, 0.5, 0.3]), items, 3) == [2, 3, 0]
+    assert cs.top_slots({0: 0.1, 1: 0.9, 2: 0.5}, items, 3) == [2, 0]
+
+
+@needs_extra
 def test_semantic_ranking_of_a_grown_index_equals_a_fresh_one(tmp_path):
     items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t]) for i, (c, w, t) in enumerate(NOTES)]
     eng = cs.Semantic(None)
