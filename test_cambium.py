@@ -1275,6 +1275,9 @@ def test_commits_written_loose_by_cambium_are_the_ones_git_would_write(shared):
     assert cs.loose_blob(objects, mine, "knowledge.json") is None
     assert st.file_at(mine, "knowledge.json") == files["knowledge.json"]
     assert st.file_at(mine, "nothing-here.json") == ""
+    bad_tree = cs.write_loose(objects, "tree", b"100644 a name with no end")
+    bad = cs.write_loose(objects, "commit", f"tree {bad_tree}\n\ndamaged".encode())
+    assert cs.loose_tree(objects, bad) is None              # git is asked (and says so)
 
 
 def _mean(xs: list[float]) -> float:
