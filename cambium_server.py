@@ -2509,14 +2509,15 @@ class GitStore(Store):
         return self._objects_dir
 
     def file_at(self, commit: str, name: str) -> str:
-        """Root file `name` at a commit ("" when it has no such file)."""
+        """Root file `name` at a commit ("" when it has no such file); GitError
+        when git cannot read the commit or the file (never read as empty)."""
         objects = self._objects()
         data = loose_blob(objects, commit, name) if objects else None
         if data is not None:            # as git's output reads in text mode
             text = data.decode("utf-8", "replace")
             return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-        proc = self.git("cat-file", "blob", f"{commit}:{name}", check=False)
-        return proc.stdout if proc.returncode == 0 else ""
+        listed = self.git("ls-tree", commit, "--", name).stdout.split()
+        return self.git("cat-file", "blob", listed[2]).stdout if len(listed) > 2 else ""
 
     def _fetch_now(self) -> None:
         """Fetch the branch into the private ref (a missing branch clears it).

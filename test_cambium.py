@@ -1359,6 +1359,23 @@ def test_a_rewound_team_branch_is_not_overwritten_by_a_write_that_read_it_before
     assert contents == {"first fact", "third fact"}
 
 
+def test_a_team_file_git_cannot_read_is_never_taken_for_an_empty_one(shared):
+    """A damaged clone (the tip's knowledge.json object gone) fails the write:
+    nothing is pushed over the items it could not read, and reads warn."""
+    first = _endorsed("first fact")
+    cs.promote()
+    tip = git(shared["a"], "rev-parse", "refs/cambium/team/origin/cambium").strip()
+    blob = git(shared["a"], "rev-parse", f"{tip}:knowledge.json").strip()
+    (shared["a"] / ".git" / "objects" / blob[:2] / blob[2:]).unlink()
+    cs.runtime().reset()
+    second = _endorsed("second fact")
+    with pytest.raises(cs.GitError, match="nothing moved"):
+        cs.promote(second)
+    assert team_ids(shared["origin"]) == {first}
+    res = cs.recall("second fact")
+    assert any("team scope skipped" in w for w in res.get("warnings", []))
+
+
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     hook = shared["origin"] / "hooks" / "pre-receive"
     hook.write_text("#!/bin/sh\necho 'policy: no pushes' >&2\nexit 1\n")
