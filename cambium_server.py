@@ -3498,7 +3498,7 @@ class Index:
         self.live = 0
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
-        self._norms: tuple | None = None           # (state, slot -> norm, smallest norm)
+        self._norms: tuple | None = None           # (state, slot -> norm)
         self.min_len = math.inf                    # the shortest slot's length (dead ones too)
         self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
         self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
@@ -3620,22 +3620,31 @@ class Index:
         self.source = items
         return self._compacted(items, fresh)
 
+    def norm_terms(self) -> tuple[float, float]:
+        """(k0, kb): a slot's BM25 length term, k1 * (1 - b + b * len / avg len)
+        for the store as it is now, is k0 + kb * len."""
+        return BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
+
     def norms(self) -> list:
-        """slot -> BM25's length term k1 * (1 - b + b * len / avg len), for the
-        store as it is now (recomputed only after a change)."""
-        return self._norm_state()[1]
+        """slot -> its length term (recomputed only after a change)."""
+        state = (self.total_len, self.live, len(self.lens))
+        if self._norms is None or self._norms[0] != state:
+            k0, kb = self.norm_terms()
+            self._norms = (state, [k0 + kb * n for n in self.lens])
+        return self._norms[1]
+
+    def norms_now(self) -> Any:
+        """norms() when it is current, else a view computing each length term
+        when asked (after a capture a query needs a few, not all 100,000)."""
+        norms = self._norms
+        if norms is not None and norms[0] == (self.total_len, self.live, len(self.lens)):
+            return norms[1]
+        return _LengthTerms(self.lens, *self.norm_terms())
 
     def norm_min(self) -> float:
         """The smallest length term of any slot (a bound for pruning)."""
-        return self._norm_state()[2]
-
-    def _norm_state(self) -> tuple:
-        state = (self.total_len, self.live, len(self.lens))
-        if self._norms is None or self._norms[0] != state:
-            k0, kb = BM25_K1 * (1 - BM25_B), BM25_K1 * BM25_B / self.avg_len
-            norms = [k0 + kb * n for n in self.lens]        # kb > 0: the shortest is the least
-            self._norms = (state, norms, k0 + kb * self.min_len if norms else k0)
-        return self._norms
+        k0, kb = self.norm_terms()
+        return k0 + kb * self.min_len if self.lens else k0     # kb > 0: shortest is least
 
     def tf_max(self, term: str, tfs: array) -> float:
         """The largest weighted term frequency in a term's postings `tfs`
@@ -3655,6 +3664,16 @@ class Index:
     @property
     def avg_len(self) -> float:
         return (self.total_len / self.live) if self.live and self.total_len else 1.0
+
+
+class _LengthTerms:
+    """Index.norms() computed slot by slot, the same float for float."""
+
+    def __init__(self, lens: list, k0: float, kb: float) -> None:
+        self.lens, self.k0, self.kb = lens, k0, kb
+
+    def __getitem__(self, slot: int) -> float:
+        return self.k0 + self.kb * self.lens[slot]
 
 
 def build_index(items: list[Item]) -> Index:
@@ -3722,7 +3741,7 @@ def bm25_scores(index: Index, terms: list[str]) -> dict[int, float]:
     return _all_scores(plan, index.norms())          # norms after the plan: every slot
 
 
-def _all_scores(plan: list, norms: list) -> dict[int, float]:
+def _all_scores(plan: list, norms: Any) -> dict[int, float]:
     scores: dict[int, float] = {}
     for n_term, row in enumerate(plan):
         w = row[1]
@@ -3748,12 +3767,14 @@ def bm25_top(index: Index, terms: list[str], limit: int) -> dict[int, float]:
     slot leaves the race as soon as those terms could not lift it either. The
     few left are scored again in bm25_scores' order of terms."""
     plan = query_terms(index, terms)
-    norms, low = index.norms(), index.norm_min()
+    norms, low = index.norms_now(), index.norm_min()
     bounds = [w * m / (m + low) for t, w, _, tfs, _ in plan for m in (index.tf_max(t, tfs),)]
     race: dict[int, float] = {}
     left, cut = len(plan), _Cut(limit)
     while left and not cut.beyond(race, sum(bounds[:left])):
         left -= 1
+        if isinstance(norms, _LengthTerms) and plan[left][4] * 4 > len(norms.lens):
+            norms = index.norms()              # a long list to read: all of them at once
         race = _read(race, plan[left], norms)
         cut.grew(bounds[left])
     while True:                        # the rest only for the slots still in the race
@@ -3793,7 +3814,7 @@ class _Cut:
             rest < self.at(race) - PRUNE_SLACK
 
 
-def _read(race: dict, term: tuple, norms: list) -> dict:
+def _read(race: dict, term: tuple, norms: Any) -> dict:
     """The race with one term's postings read in: every slot they hold joins.
     A long list fills a new dict at C speed and the shorter race is added in."""
     w = term[1]
@@ -3809,7 +3830,7 @@ def _read(race: dict, term: tuple, norms: list) -> dict:
     return race
 
 
-def _look_up(race: dict, term: tuple, norms: list) -> None:
+def _look_up(race: dict, term: tuple, norms: Any) -> None:
     """Add one term's part to the partial scores of the slots in the race:
     by binary search in its postings, or one pass when the race is large."""
     _, w, slots, tfs, n = term
@@ -3825,7 +3846,7 @@ def _look_up(race: dict, term: tuple, norms: list) -> None:
             race[i] += w * v / (v + norms[i])
 
 
-def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
+def _exact_scores(plan: list, norms: Any, race: dict) -> dict[int, float]:
     """The race's complete scores summed as bm25_scores sums them: as they
     are for one or two terms (a + b == b + a exactly), else looked up one by
     one, or all of them scored at once when the race is most of the matches
@@ -3838,7 +3859,7 @@ def _exact_scores(plan: list, norms: list, race: dict) -> dict[int, float]:
     return {i: _exact_score(plan, norms, i) for i in race}
 
 
-def _exact_score(plan: list, norms: list, slot: int) -> float:
+def _exact_score(plan: list, norms: Any, slot: int) -> float:
     """One slot's BM25 summed in query_terms order: bit for bit bm25_scores'."""
     score = 0.0
     for _, w, slots, tfs, n in plan:
