@@ -2297,12 +2297,12 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 # Storage: shared scopes (git)
 # Team scope is knowledge.json on a branch of the project's remote; org scope is
 # knowledge.json on the default branch of the org repo's remote. Both are
-# written the same way, without touching any checkout or index: the new file is
-# hashed into the object store, a commit is built on the remote tip with
-# commit-tree, and `git push` publishes it. The push is the compare-and-swap: it
-# only fast-forwards, so a peer who wrote first makes it fail, and we replay the
-# pure change on the new tip. Success is reported only once the remote is seen
-# to hold the commit.
+# written the same way, without touching any checkout or index: the new file,
+# its tree and a commit on the remote tip are written into the object store,
+# and `git push` publishes it. The push is the compare-and-swap, with a lease on
+# the tip the write read: a peer who wrote first (or a branch set back) makes it
+# fail, and we replay the pure change on the new tip, paced so that many writers
+# take turns. Success is reported only once the remote is seen to hold the commit.
 # =============================================================================
 
 PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
