@@ -1027,6 +1027,7 @@ class GitScope:
     attempt_s: float = 0.0              # how long a write attempt takes here (smoothed)
     peers: dict = field(default_factory=dict)   # writer ident -> when (monotonic) last seen
     contended_at: float = -math.inf     # when it last saw a peer write or lost a race
+    pushed: str | None = None           # the last commit this process pushed here
 
 
 class Runtime:
@@ -2296,12 +2297,12 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 # Storage: shared scopes (git)
 # Team scope is knowledge.json on a branch of the project's remote; org scope is
 # knowledge.json on the default branch of the org repo's remote. Both are
-# written the same way, without touching any checkout or index: the new file is
-# hashed into the object store, a commit is built on the remote tip with
-# commit-tree, and `git push` publishes it. The push is the compare-and-swap: it
-# only fast-forwards, so a peer who wrote first makes it fail, and we replay the
-# pure change on the new tip. Success is reported only once the remote is seen
-# to hold the commit.
+# written the same way, without touching any checkout or index: the new file,
+# its tree and a commit on the remote tip are written into the object store,
+# and `git push` publishes it. The push is the compare-and-swap, with a lease on
+# the tip the write read: a peer who wrote first (or a branch set back) makes it
+# fail, and we replay the pure change on the new tip, paced so that many writers
+# take turns. Success is reported only once the remote is seen to hold the commit.
 # =============================================================================
 
 PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
@@ -2509,14 +2510,15 @@ class GitStore(Store):
         return self._objects_dir
 
     def file_at(self, commit: str, name: str) -> str:
-        """Root file `name` at a commit ("" when it has no such file)."""
+        """Root file `name` at a commit ("" when it has no such file); GitError
+        when git cannot read the commit or the file (never read as empty)."""
         objects = self._objects()
         data = loose_blob(objects, commit, name) if objects else None
         if data is not None:            # as git's output reads in text mode
             text = data.decode("utf-8", "replace")
             return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-        proc = self.git("cat-file", "blob", f"{commit}:{name}", check=False)
-        return proc.stdout if proc.returncode == 0 else ""
+        listed = self.git("ls-tree", commit, "--", name).stdout.split()
+        return self.git("cat-file", "blob", listed[2]).stdout if len(listed) > 2 else ""
 
     def _fetch_now(self) -> None:
         """Fetch the branch into the private ref (a missing branch clears it).
@@ -2664,43 +2666,79 @@ class GitStore(Store):
         branch: push to this side branch (a pull request's) instead: it starts
         from the scope's tip, or continues its own tip if it exists.
         ensure_files: also write when only the rendered extra files are stale.
-        Raises CorruptStore (nothing written), GitError, ConflictError.
+        A process that pushed the tip itself, with no peer writing lately, first
+        tries on that tip without fetching: the push is the check, and any other
+        outcome (a lost race, nothing to change, an error) is judged again on a
+        fetched tip. Raises CorruptStore (nothing written), GitError, ConflictError.
         """
         target = branch or self.branch
+        side = branch if branch is not None and branch != self.branch else None
         with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
-            for _ in _cas_attempts(self._state):
-                started = time.monotonic()
-                tip = self._fetch_for_write()
-                side = branch is not None and branch != self.branch
-                side_tip = self._remote_branch_tip(branch) if side else None
-                base = side_tip or tip
-                doc = self.doc_at(base)
-                pending, commit_credits = take_credits(None if side else self.credits,
-                                                       self.scope)
-                new = with_credits(fn, pending)(doc)
-                if new is None:
-                    if not (ensure_files and self._files_stale(base, doc)):
-                        held = side_tip if side else tip       # does `target` exist?
-                        return Write(doc=doc, commit=None, branch=target if held else None)
-                    new = doc
-                files = {STORE_FILE: render_store(new)}
-                if self.extra_files:
-                    files.update(self.extra_files(new))
-                parent = base if base is not None else self.default_tip()
-                commit = self._commit(parent, files, message)
-                lease = side_tip if side else tip      # exact CAS: the tip read, or absent
-                outcome = self._push(commit, target, lease=lease or "")
-                self._timed(time.monotonic() - started)
-                if outcome == "race":
-                    continue
-                self.verify(commit, target)
-                commit_credits()
-                if target == self.branch:
-                    self._set_ref(commit)
-                    self._remember(commit, new, tip=True)
-                return Write(doc=new, commit=commit, branch=target)
+            guess = None if side else self._own_tip()
+            done = self._attempt(fn, message, target, None, ensure_files, guess) \
+                if guess else None
+            attempts = _cas_attempts(self._state) if done is None else iter(())
+            for _ in attempts:
+                done = self._attempt(fn, message, target, side, ensure_files)
+                if done is not None:
+                    break
+        if done is not None:
+            return done
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
+
+    def _attempt(self, fn: Callable[[Doc], Doc | None], message: str, target: str,
+                 side: str | None, ensure_files: bool, guess: str | None = None
+                 ) -> Write | None:
+        """One CAS attempt: the Write, or None to go again (a lost race; or, on a
+        guessed tip, anything but a landed push)."""
+        started = time.monotonic()
+        tip = guess or self._fetch_for_write()
+        side_tip = self._remote_branch_tip(side) if side else None
+        base = side_tip or tip
+        doc = self.doc_at(base)
+        pending, commit_credits = take_credits(None if side else self.credits, self.scope)
+        try:
+            new = with_credits(fn, pending)(doc)
+        except CambiumError:
+            if guess:
+                return None
+            raise
+        if new is None:
+            if guess:
+                return None
+            if not (ensure_files and self._files_stale(base, doc)):
+                held = side_tip if side else tip       # does `target` exist?
+                return Write(doc=doc, commit=None, branch=target if held else None)
+            new = doc
+        files = {STORE_FILE: render_store(new)}
+        if self.extra_files:
+            files.update(self.extra_files(new))
+        parent = base if base is not None else self.default_tip()
+        commit = self._commit(parent, files, message)
+        lease = side_tip if side else tip      # exact CAS: the tip read, or absent
+        outcome = self._push(commit, target, lease=lease or "")
+        self._timed(time.monotonic() - started)
+        if outcome == "race":
+            return None
+        self.verify(commit, target)
+        commit_credits()
+        if target == self.branch:
+            self._set_ref(commit)
+            self._remember(commit, new, tip=True)
+            with self._state.lock:
+                self._state.pushed = commit
+        return Write(doc=new, commit=commit, branch=target)
+
+    def _own_tip(self) -> str | None:
+        """The tip to try a write on without fetching: one this process pushed,
+        parsed and cached, while no peer wrote lately; else None (fetch)."""
+        state = self._state
+        with state.lock:
+            quiet = time.monotonic() - state.contended_at >= PUSH_CONTENDED_S
+            mine = state.tip_known and state.tip is not None and state.tip == state.pushed
+            cached = state.doc is not None and state.doc[0] == state.tip
+            return state.tip if quiet and mine and cached else None
 
     def _fetch_for_write(self) -> str | None:
         """fetch(force=True), noting who else wrote since the tip known before
