@@ -1375,12 +1375,12 @@ def loose_blob(objects: Path, commit: str, name: str) -> bytes | None:
     return found[1] if found and found[0] == "blob" else None
 
 
-def commit_authors(objects: Path, tip: str, known: str) -> set[str]:
+def commit_authors(objects: Path, tip: str, known: str, limit: int) -> set[str]:
     """Who wrote the commits from tip back to known (first parents, at most
-    PEER_WALK, loose ones only): each author up to the closing '>'."""
+    `limit`, loose ones only): each author up to the closing '>'."""
     seen: set[str] = set()
     commit = tip
-    for _ in range(PEER_WALK):
+    for _ in range(limit):
         obj = loose_object(objects, commit)
         if obj is None or obj[0] != "commit":
             break
@@ -2750,7 +2750,7 @@ class GitStore(Store):
         if tip is None or known is None or tip == known or objects is None:
             return tip
         now = time.monotonic()
-        peers = commit_authors(objects, tip, known) - {self._ident()}
+        peers = commit_authors(objects, tip, known, PEER_WALK) - {self._ident()}
         with self._state.lock:
             self._state.peers.update(dict.fromkeys(peers, now))
             if peers:
