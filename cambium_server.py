@@ -2174,9 +2174,10 @@ def _journal(path: Path) -> list[dict]:
         return []
     end = data.rfind(b"\n") + 1
     records = records + _credit_records(data[:end].decode("utf-8", "replace"))
-    last = _credit_records(data[end:].decode("utf-8", "replace"))   # a line not ended
-    mark = (mark + data[:end])[-JOURNAL_MARK_BYTES:]    # (torn, or being appended) is
-    with rt.lock:                                       # read again next time
+    # a line not ended (torn, or being appended) is read again next time
+    last = _credit_records(data[end:].decode("utf-8", "replace"))
+    mark = (mark + data[:end])[-JOURNAL_MARK_BYTES:]
+    with rt.lock:
         rt.journals[str(path)] = (now, done + end, mark, records, last)
     return records + last if last else records
 
@@ -2549,8 +2550,8 @@ class GitStore(Store):
         with state.lock:
             if state.doc and state.doc[0] == commit:
                 return state.doc[1]
-        doc = parse_store(self.file_at(commit, STORE_FILE), f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} "
-                                f"at {commit[:10]})")
+        doc = parse_store(self.file_at(commit, STORE_FILE), f"{self.scope} {STORE_FILE} "
+                          f"({self.remote}/{self.branch} at {commit[:10]})")
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
                 it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)
@@ -3922,9 +3923,10 @@ def holds_every_term(item: Item, terms: list[str]) -> bool:
 def confidence_bm25(index: Index, terms: list[str], item: Item,
                     why: float = CONFIDENCE_WHY_WEIGHT) -> float:
     """The raw BM25 a lexical hit's relevance reads: the item's BM25 with its
-    why weighing `why` (idf and average length are the index's). A long why
-    is rationale, not topic: a query sharing only its generic words must not
-    look like an answer (chosen by cross-validation, quality/cv.py)."""
+    why weighing `why` (idf and average length are the index's). At the
+    shipped CONFIDENCE_WHY_WEIGHT, the ranking's own why weight, it equals the
+    ranking score; quality/cv.py tries lower weights (a long why is rationale,
+    not topic) and keeps what cross-validation chooses."""
     tf = _weighted_terms(item, why)
     norm = BM25_K1 * (1 - BM25_B + BM25_B * sum(tf.values()) / index.avg_len)
     return sum(_term_weight(index, t) * tf[t] / (tf[t] + norm)
@@ -4530,11 +4532,10 @@ class _SlotVectors:
         """Place the vectors put in the cache since the last look."""
         new, self.added_seen = cache.added[self.added_seen:], len(cache.added)
         for key in new:
-            for slot in list(self.by_key.get(key, ())):
-                rows = cache.get(key)
-                if rows is not None:
-                    self._place(slot, items[slot], rows)
-                    self._unwait(slot)
+            rows = cache.get(key)
+            for slot in list(self.by_key.get(key, ())) if rows is not None else ():
+                self._place(slot, items[slot], rows)
+                self._unwait(slot)
 
     def stranded(self, items: list, cache: VectorCache) -> list[Item]:
         """Waiting items to queue again once the backlog is idle (an embedding
