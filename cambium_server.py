@@ -4362,7 +4362,7 @@ class VectorCache:
 
     def __init__(self, directory: Path | None):
         self.dir = directory
-        self.rows: dict[str, Any] = {}       # key -> float32 array (windows, EMBED_DIM)
+        self.rows: dict[str, Any] = {}       # key -> float16 rows (windows, EMBED_DIM)
         self.dirty = False
         self.discarded: str | None = None    # why the on-disk cache was thrown away
         self.version = 0                     # bumped by every put()
@@ -4383,7 +4383,7 @@ class VectorCache:
             mat = np.load(self.dir / name, allow_pickle=False)
             if mat.ndim != 2 or mat.shape[1] != EMBED_DIM:
                 raise ValueError(f"matrix shape {mat.shape}")
-            mat = mat.astype(np.float32)
+            mat = mat.astype(np.float16, copy=False)
             rows = {}
             for key, (start, count) in meta["keys"].items():
                 if not (0 <= start and 0 < count and start + count <= len(mat)):
@@ -4398,7 +4398,10 @@ class VectorCache:
         return self.rows.get(key)
 
     def put(self, key: str, rows: Any) -> None:
-        self.rows[key] = rows
+        """Keep `rows` as float16, as the file keeps them: half the memory (the
+        ranking holds its own float32 copy), and a vector ranks the same
+        fresh from the model as reloaded from disk."""
+        self.rows[key] = rows.astype("float16")
         self.dirty = True
         self.version += 1
         self.added.append(key)
@@ -4418,7 +4421,7 @@ class VectorCache:
             keys[k] = [start, len(v)]
             start += len(v)
         mat = (np.concatenate(list(rows.values())) if rows
-               else np.zeros((0, EMBED_DIM), np.float32)).astype(np.float16)
+               else np.zeros((0, EMBED_DIM), np.float16)).astype(np.float16, copy=False)
         name = f"vectors-{os.urandom(6).hex()}.npy"
         with file_lock(self.dir / "index.json"):
             fd, tmp = tempfile.mkstemp(prefix=".vectors.", suffix=".tmp", dir=self.dir)
@@ -4552,7 +4555,7 @@ class _SlotVectors:
         if self.tail_mat is None:
             parts = self.tail_parts or [(0, np.zeros((0, EMBED_DIM), np.float32),
                                          np.zeros(0, np.float32))]
-            self.tail_mat = np.concatenate([r for _, r, _ in parts])
+            self.tail_mat = np.concatenate([r for _, r, _ in parts]).astype(np.float32)
             self.tail_slot = np.concatenate([np.full(len(r), s, np.int64) for s, r, _ in parts])
             self.tail_disc = np.concatenate([d for _, _, d in parts])
         return self.tail_mat, self.tail_slot, self.tail_disc

@@ -3962,6 +3962,25 @@ def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
 
 
 @needs_extra
+def test_semantic_vectors_rank_the_same_fresh_and_reloaded_from_disk(semantic):
+    """The cache keeps vectors as float16 in memory, as on disk: half the
+    memory, and a new process ranks exactly as the one that embedded them."""
+    _capture_notes()
+    queries = (PARAPHRASE, UNRELATED, "when do migrations run")
+    cs.recall(PARAPHRASE)
+    _engine(semantic).wait_idle(30)
+    before = [cs.recall(q, limit=5) for q in queries]
+    assert all(str(v.dtype) == "float16" for v in _engine(semantic).cache.rows.values())
+    cs.runtime().engines.clear()                 # a new process: vectors from disk
+    after = [cs.recall(q, limit=5) for q in queries]
+    assert _engine(semantic).embedded == 0
+    for a, b in zip(before, after):
+        assert [(r["id"], r["relevance"]) for r in a["results"] + a.get("weak_matches", [])] == \
+            [(r["id"], r["relevance"]) for r in b["results"] + b.get("weak_matches", [])]
+    assert before[0]["results"]
+
+
+@needs_extra
 def test_semantic_hand_edit_is_re_embedded(semantic):
     ids = _capture_notes()
     assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
