@@ -4010,14 +4010,17 @@ EMBED_DIM = 384
 EMBED_WINDOW_TOKENS = 256           #: sentence-transformers' max_seq_length, with [CLS]/[SEP]
 EMBED_OVERLAP_TOKENS = 32           #: tail windows overlap the window before by this much
 EMBED_MAX_WINDOWS = 32              #: vectors per item (covers ~7,000 tokens: any item)
-EMBED_BATCH = 4                     #: peak RSS grows with batch size (arena off or not)
+EMBED_BATCH = 1                     #: windows per model run: 1 ran 16% faster than 4 (int8,
+                                    #: 1 thread), and peak RSS grows with batch size
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
+EMBED_CHUNK_CHARS = 16_000          #: ...or fewer, once they hold this much text (about 1.3 s)
 EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a running recall
 EMBED_NICE = 10                     #: niceness of the thread embedding a backlog too long to wait for
-EMBED_WAIT_S = 30.0                 #: a recall waits for a backlog it expects done by then
-EMBED_WAIT_MAX_S = 90.0             #: ...but never longer than this (MCP clients time out)
-EMBED_RATE_GUESS = 15.0             #: items/s assumed before a rate is measured (2 cores)
+EMBED_WAIT_S = 45.0                 #: a recall waits for a backlog it expects done by then
+EMBED_WAIT_MAX_S = 50.0             #: ...but never longer than this (clients time out at 60 s)
+EMBED_RATE_GUESS = 8_000.0          #: characters/s per thread assumed before one is measured
+                                    #: (12,000-15,000 measured on an idle core)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
 SEM_LEXICAL_WEIGHT = 0.0            #: ranking score = cosine + this x BM25 / the query's best
@@ -4247,6 +4250,14 @@ def vector_key(item: Item) -> str:
     return derived(item, "vector_key", lambda it: it.id + ":" + hashlib.sha256(
         (VECTOR_RECIPE + "\0" + embed_text(it)).encode("utf-8", "surrogatepass")
     ).hexdigest()[:20])
+
+
+def embed_cost(item: Item) -> int:
+    """How much text embedding the item means (its characters, extras
+    included): the backlog is measured in it, since an item's time to embed
+    grows with its length (a 2,000-word ADR costs as much as 50 one-liners)."""
+    return derived(item, "embed_cost", lambda it: len(embed_text(it)) + sum(
+        len(text) for text, _ in extra_vectors(it)))
 
 
 class Embedder:
@@ -4575,7 +4586,9 @@ class Semantic:
         self.queue: collections.deque = collections.deque()
         self.queued: set[str] = set()
         self.worker: threading.Thread | None = None
-        self.rate = EMBED_RATE_GUESS         # items/s, measured as the backlog drains
+        self.pending = 0                     # embed_cost of the queued (waiting or in flight)
+        self.helping = 0                     # chunks waiting recalls are embedding themselves
+        self.rate = EMBED_RATE_GUESS         # characters/s per thread, measured as it drains
         self.embedded = 0                    # items embedded by this process
         self.busy = 0                        # recalls ranking right now
         self.last_save = time.monotonic()
@@ -4594,6 +4607,7 @@ class Semantic:
             key = vector_key(it)
             if key not in self.queued:
                 self.queued.add(key)
+                self.pending += embed_cost(it)
                 self.queue.append(it)
         if self.queue and (self.worker is None or not self.worker.is_alive()):
             self.worker = self.rt.spawn(self._work, "cambium-embed")
@@ -4609,9 +4623,53 @@ class Semantic:
         vecs = emb.embed_ids(inputs, pause=self._step_aside)
         return {k: vecs[s:s + n] for k, s, n in spans}
 
+    def _drain_s(self, threads: int = 1) -> float:
+        """Seconds the backlog should take to embed with `threads` at work."""
+        return self.pending / (self.rate * threads)
+
+    def _take_chunk(self) -> list[Item]:
+        """Next items to embed, under self.cv: up to EMBED_CHUNK_ITEMS of them
+        or EMBED_CHUNK_CHARS of text (at least one item)."""
+        chunk, size = [], 0
+        while self.queue and len(chunk) < EMBED_CHUNK_ITEMS and size < EMBED_CHUNK_CHARS:
+            it = self.queue.popleft()
+            if self.cache.get(vector_key(it)) is None:
+                chunk.append(it)
+                size += embed_cost(it)
+            else:
+                self._settle([it])
+        return chunk
+
+    def _settle(self, items: list[Item]) -> None:
+        """Items leave the backlog (embedded, found cached, or failed), under self.cv."""
+        for it in items:
+            key = vector_key(it)
+            if key in self.queued:
+                self.queued.discard(key)
+                self.pending -= embed_cost(it)
+
+    def _embed_chunk(self, emb: Embedder, chunk: list[Item]) -> None:
+        """Embed a chunk (outside the lock) and put its vectors in the cache."""
+        t0 = time.monotonic()
+        try:
+            done = self._embed_items(emb, chunk)
+        except Exception as e:  # noqa: BLE001 - leave them lexical, say why on stderr
+            print(f"cambium: embedding failed, those items stay lexical: {e}", file=sys.stderr)
+            done = {}
+        with self.cv:
+            for k, v in done.items():
+                self.cache.put(k, v)
+            self._settle(chunk)
+            self.embedded += len(done)
+            dt = max(time.monotonic() - t0, 1e-3)
+            self.rate = 0.5 * self.rate + 0.5 * (sum(embed_cost(it) for it in chunk) / dt)
+            if time.monotonic() - self.last_save > VECTORS_SAVE_EVERY_S:
+                self._save_locked()
+            self.cv.notify_all()
+
     def _work(self) -> None:
         with self.cv:
-            long = len(self.queue) > self.rate * EMBED_WAIT_S
+            long = self._drain_s() > EMBED_WAIT_S
         if long:       # no recall waits for this backlog: recalls get the CPU first
             with contextlib.suppress(AttributeError, OSError):   # Linux: this thread only
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
@@ -4619,35 +4677,32 @@ class Semantic:
         emb = load_embedder(self.rt)
         while True:
             with self.cv:
-                chunk = []
-                while self.queue and len(chunk) < EMBED_CHUNK_ITEMS:
-                    it = self.queue.popleft()
-                    if self.cache.get(vector_key(it)) is None:
-                        chunk.append(it)
-                    else:
-                        self.queued.discard(vector_key(it))
+                chunk = self._take_chunk()
                 if not chunk:
                     self._save_locked()
                     self.worker = None
                     self.cv.notify_all()
                     return
-            t0 = time.monotonic()
-            try:
-                done = self._embed_items(emb, chunk)
-            except Exception as e:  # noqa: BLE001 - leave them lexical, say why on stderr
-                print(f"cambium: embedding failed, those items stay lexical: {e}",
-                      file=sys.stderr)
-                done = {}
+            self._embed_chunk(emb, chunk)
+
+    def _help(self, emb: Embedder, deadline: float) -> None:
+        """A recall waiting for the backlog embeds chunks of it itself, beside
+        the background thread: the model runs on one core per call and
+        releases the GIL, so the wait is about halved on two cores."""
+        while time.monotonic() < deadline:
             with self.cv:
-                for k, v in done.items():
-                    self.cache.put(k, v)
-                self.queued.difference_update(vector_key(it) for it in chunk)
-                self.embedded += len(done)
-                dt = max(time.monotonic() - t0, 1e-3)
-                self.rate = 0.5 * self.rate + 0.5 * (len(chunk) / dt)
-                if time.monotonic() - self.last_save > VECTORS_SAVE_EVERY_S:
-                    self._save_locked()
-                self.cv.notify_all()
+                chunk = self._take_chunk()
+                if not chunk:
+                    return
+                self.helping += 1
+            try:
+                self._embed_chunk(emb, chunk)
+            finally:
+                with self.cv:
+                    self.helping -= 1
+                    if not self.queue and self.worker is None and not self.helping:
+                        self._save_locked()          # the worker left before this chunk
+                    self.cv.notify_all()
 
     def _save_locked(self) -> None:
         """Save the cache; drop vectors of edited or deleted items once they
@@ -4671,7 +4726,7 @@ class Semantic:
         """Block until the backlog is embedded (True) or the timeout passes."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
-            while self.queue or self.worker is not None:
+            while self.queue or self.worker is not None or self.helping:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -4681,7 +4736,8 @@ class Semantic:
     # -- ranking -------------------------------------------------------------
     def vectors(self, index: Index) -> _SlotVectors:
         """The index's slot vectors, synced; the not-yet-embedded are queued,
-        and a backlog expected to drain within EMBED_WAIT_S is waited for."""
+        and a backlog expected to drain within EMBED_WAIT_S is waited for
+        (at most EMBED_WAIT_MAX_S), this thread helping to embed it."""
         emb = self.ready()
         with self.cv:
             sv = self.slots.get(index)
@@ -4691,9 +4747,13 @@ class Semantic:
             if not todo and not self.queue and self.worker is None:
                 todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
-            backlog = len(self.queued)         # waiting or being embedded
-        if backlog and backlog <= self.rate * EMBED_WAIT_S:
-            self.wait_idle(EMBED_WAIT_MAX_S)
+            helpers = 2 if (os.cpu_count() or 1) > 1 else 1
+            wait = bool(self.queued) and self._drain_s(helpers) <= EMBED_WAIT_S
+        if wait:
+            deadline = time.monotonic() + EMBED_WAIT_MAX_S
+            if helpers > 1:
+                self._help(emb, deadline)
+            self.wait_idle(max(0.0, deadline - time.monotonic()))
             with self.cv:
                 sv.sync(index, self.cache)
         return sv

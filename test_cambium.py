@@ -4044,6 +4044,49 @@ def test_semantic_recall_answers_while_backlog_embeds(tmp_path):
 
 
 @needs_extra
+def test_semantic_recall_helps_embed_a_backlog_it_waits_for(tmp_path, monkeypatch):
+    """A backlog expected to drain within EMBED_WAIT_S is waited for, and the
+    waiting recall embeds part of it itself, beside the background thread."""
+    monkeypatch.setattr(cs, "EMBED_CHUNK_ITEMS", 2)
+    threads = []
+    real = cs.Semantic._embed_items
+
+    def spy(self, emb, chunk):
+        threads.append(threading.current_thread().name)
+        return real(self, emb, chunk)
+
+    monkeypatch.setattr(cs.Semantic, "_embed_items", spy)
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} about the ledger export format",
+                     tags=["x"]) for i in range(24)]
+    target = cs.Item(id="k-target", content="Webhook retries back off exponentially",
+                     tags=["webhooks"])
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 1e9                         # the backlog looks instant: wait for it
+    ranking = cs.rank(cs.build_index(items + [target]), "webhook retries back off", 3,
+                      engine=eng)
+    assert ranking.note is None and ranking.hits[0].item.id == "k-target"
+    assert len(eng.cache.rows) == 25 and eng.backlog() == 0 and eng.pending == 0
+    assert "cambium-embed" in threads and threading.current_thread().name in threads
+
+
+@needs_extra
+def test_semantic_recall_waits_at_most_embed_wait_max_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 0.2)
+    monkeypatch.setattr(cs, "EMBED_CHUNK_ITEMS", 1)
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format " * 40,
+                     tags=["x"]) for i in range(60)]
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 1e9                         # it decides to wait, then the cap ends the wait
+    t0 = time.monotonic()
+    ranking = cs.rank(cs.build_index(items), "ledger export", 3, engine=eng)
+    assert time.monotonic() - t0 < 5
+    assert ranking.note and "not embedded yet" in ranking.note and ranking.hits
+    assert eng.wait_idle(120) and eng.pending == 0 and len(eng.cache.rows) == 60
+
+
+@needs_extra
 def test_semantic_slot_vectors_pick_up_only_what_was_embedded(tmp_path):
     items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
              for i in range(3)]
