@@ -4043,6 +4043,17 @@ def test_semantic_recall_answers_while_backlog_embeds(tmp_path):
     assert eng.wait_idle(60) and len(eng.cache.rows) == 41
 
 
+def test_embedding_batches_short_windows_together_and_full_ones_alone():
+    lengths = [10, 20, 60, 64, 65, 100, 200, 256, 256]
+    batches = cs.token_batches(lengths, list(range(len(lengths))))
+    assert batches == [[0, 1, 2, 3], [4, 5], [6], [7], [8]]
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) <= cs.EMBED_BATCH
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= cs.EMBED_BATCH_TOKENS
+    assert cs.token_batches([], []) == []
+
+
 @needs_extra
 def test_semantic_recall_helps_embed_a_backlog_it_waits_for(tmp_path, monkeypatch):
     """A backlog expected to drain within EMBED_WAIT_S is waited for, and the
