@@ -4018,8 +4018,9 @@ EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds betwee
 EMBED_CHUNK_CHARS = 16_000          #: ...or fewer, once they hold this much text (about 1.3 s)
 EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a running recall
 EMBED_NICE = 10                     #: niceness of the thread embedding a backlog too long to wait for
-EMBED_WAIT_S = 45.0                 #: a recall waits for a backlog it expects done by then
-EMBED_WAIT_MAX_S = 50.0             #: ...but never longer than this (clients time out at 60 s)
+EMBED_WAIT_S = 90.0                 #: a recall waits for a backlog it expects done by then...
+EMBED_WAIT_MAX_S = 50.0             #: ...but one call never longer than this (clients time out
+                                    #: at 60 s): the next recall waits for the rest
 EMBED_RATE_GUESS = 8_000.0          #: characters/s per thread assumed before one is measured
                                     #: (12,000-15,000 measured on an idle core)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
