@@ -212,18 +212,6 @@ def metrics(rows: list) -> dict:
 
 
 # --------------------------------------------------------------------------- selection
-def confidences(p: Prepared, qids, run, params) -> list[float]:
-    """Top relevance of each answerable query whose gold is ranked first (the
-    floor must let those through)."""
-    out = []
-    for qi in qids:
-        if p.queries[qi]["kind"] == "none":
-            continue
-        ranked, rel = run(p, qi, params)
-        out.append(rel[0] if rel else 0.0)
-    return out
-
-
 def calibrate(p: Prepared, qids, run, params, false_target: float, key: str) -> float:
     """The highest raw floor (cosine or BM25) whose false-abstention on the
     training paraphrases stays within the target. Paraphrases are the
@@ -281,18 +269,18 @@ WHY_WEIGHTS = (0.5, 0.25, 0.125)
 FALSE_TARGETS = (0.03, 0.05, 0.08)
 MAX_FALSE = 0.04    #: ...keeping the cross-validated wrongly-abstained share at most this
 SELECT = ["best"]                       #: parameter choice: "1se" or "best" (see pick)
-RULE = ["normal"]                      #: calibration: "normal" (fit) or "quantile" (empirical)       #: lexical: the why field's weight (content 1, tags 2)
+RULE = ["normal"]                      #: calibration: "normal" (fit) or "quantile" (empirical)
 
 
 def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
-    """Ranking parameters by MRR on answerable training queries (ties: the
-    simpler, earlier grid point), then the floor by calibration. Lexical:
-    the why weight whose calibrated floor catches most training no-answers
-    (ties: MRR)."""
-    run = lexical_run if mode == "lexical" else semantic_run
-    ans = [q for q in qids if p.queries[q]["kind"] != "none"]
+    """Semantic: ranking parameters by reciprocal rank on the answerable
+    training queries, then the relevance boost whose calibrated floor catches
+    most training no-answers; lexical: the why weight whose calibrated floor
+    catches most (select_lexical). Each choice is pick()'s."""
     if mode == "lexical":
-        return select_lexical(p, qids, ans, false_target)
+        return select_lexical(p, qids, false_target)
+    run = semantic_run
+    ans = [q for q in qids if p.queries[q]["kind"] != "none"]
     scored = []
     for params in grid(mode):
         params = dict(params, floor=1e-9, boost=0.0)
@@ -344,12 +332,7 @@ def pick(scored: list[tuple[dict, list[float]]]) -> dict:
     return scored[min(near, key=lambda n: (complexity(scored[n][0]), -means[n], n))][0]
 
 
-def mean_mrr(m: dict) -> float:
-    return (m["control"]["mrr"] * m["control"]["n"] + m["paraphrase"]["mrr"]
-            * m["paraphrase"]["n"]) / max(1, m["control"]["n"] + m["paraphrase"]["n"])
-
-
-def select_lexical(p: Prepared, qids, ans, false_target: float) -> dict:
+def select_lexical(p: Prepared, qids, false_target: float) -> dict:
     nones = [q for q in qids if p.queries[q]["kind"] == "none"]
     tried = []
     for params in grid("lexical"):
@@ -394,17 +377,17 @@ def choose_false_target(p: Prepared, mode: str, k: int) -> tuple[float, dict]:
     its paraphrase hit@1 and hit@5 equal the most conservative target's (a
     higher floor that drops answers is not worth its abstention). Returns the
     target and, per candidate, its cross-validated summary."""
-    seen, choice = {}, FALSE_TARGETS[0]
+    seen, sums = {}, {}
     for target in FALSE_TARGETS:
-        per_fold, chosen = cross_validate(p, mode, k, target)
-        seen[target] = (per_fold, chosen)
-        base, cur = summary(seen[FALSE_TARGETS[0]][0]), summary(per_fold)
-        keeps = all(abs(cur[m][0] - base[m][0]) < 1e-9
-                    for m in ("paraphrase hit@1", "paraphrase hit@5"))
-        best = summary(seen[choice][0])["no-answer abstained"][0]
-        if keeps and cur["answerable wrongly abstained"][0] <= MAX_FALSE \
-                and cur["no-answer abstained"][0] > best + 1e-9:
-            choice = target
+        seen[target] = cross_validate(p, mode, k, target)
+        sums[target] = summary(seen[target][0])
+    base = sums[FALSE_TARGETS[0]]
+    ok = [t for t in FALSE_TARGETS
+          if sums[t]["answerable wrongly abstained"][0] <= MAX_FALSE
+          and all(abs(sums[t][m][0] - base[m][0]) < 1e-9
+                  for m in ("paraphrase hit@1", "paraphrase hit@5"))]
+    choice = max(ok or FALSE_TARGETS[:1],
+                 key=lambda t: (round(sums[t]["no-answer abstained"][0], 9), -t))
     return choice, seen
 
 
