@@ -4679,8 +4679,8 @@ class Semantic:
             self.embedded += len(done)
             dt = max(time.monotonic() - t0, 1e-3)
             self.rate = 0.5 * self.rate + 0.5 * (sum(embed_cost(it) for it in chunk) / dt)
-            if time.monotonic() - self.last_save > VECTORS_SAVE_EVERY_S:
-                self._save_locked()
+            if not self.queued or time.monotonic() - self.last_save > VECTORS_SAVE_EVERY_S:
+                self._save_locked()          # the backlog is done (whoever embedded last)
             self.cv.notify_all()
 
     def _work(self) -> None:
@@ -4694,8 +4694,7 @@ class Semantic:
         while True:
             with self.cv:
                 chunk = self._take_chunk()
-                if not chunk:
-                    self._save_locked()
+                if not chunk:                # (the last chunk embedded saved the cache)
                     self.worker = None
                     self.cv.notify_all()
                     return
@@ -4716,8 +4715,6 @@ class Semantic:
             finally:
                 with self.cv:
                     self.helping -= 1
-                    if not self.queue and self.worker is None and not self.helping:
-                        self._save_locked()          # the worker left before this chunk
                     self.cv.notify_all()
 
     def _save_locked(self) -> None:

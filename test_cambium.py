@@ -4082,6 +4082,25 @@ def test_semantic_recall_helps_embed_a_backlog_it_waits_for(tmp_path, monkeypatc
 
 
 @needs_extra
+def test_semantic_backlog_wait_is_judged_by_its_text_not_its_item_count(tmp_path):
+    """Three one-liners are waited for; three long ADRs at the same rate are not
+    (they would take far longer than EMBED_WAIT_S): recall answers at once."""
+    short = [cs.Item(id=f"s-{i}", content=f"Note {i} on ledger exports", tags=["x"])
+             for i in range(3)]
+    long = [cs.Item(id=f"l-{i}", content=f"Note {i} on ledger exports. " + "Details. " * 2000,
+                    tags=["x"]) for i in range(3)]
+    rate = 3 * cs.embed_cost(long[0]) / cs.EMBED_WAIT_S / 4     # long: ~4x the wait
+    assert 3 * cs.embed_cost(short[0]) / (2 * rate) < cs.EMBED_WAIT_S
+    for items, waited in ((short, True), (long, False)):
+        eng = cs.Semantic(None)
+        eng.ready()
+        eng.rate = rate
+        ranking = cs.rank(cs.build_index(items), "ledger exports", 3, engine=eng)
+        assert (ranking.note is None) is waited, ranking.note
+        assert eng.wait_idle(120) and eng.pending == 0
+
+
+@needs_extra
 def test_semantic_recall_waits_at_most_embed_wait_max_s(tmp_path, monkeypatch):
     monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 0.2)
     monkeypatch.setattr(cs, "EMBED_CHUNK_ITEMS", 1)
