@@ -3965,6 +3965,15 @@ def split_at_floor(hits: list[Hit], terms: list[str]) -> tuple[list[Hit], list[H
     return ok, weak
 
 
+def ranking_of(hits: list[Hit], terms: list[str], mode: str = "lexical") -> Ranking:
+    """The Ranking of scored hits, split at the floor (split_at_floor); its
+    confidence is the best relevance after that split, so it is at the floor
+    whenever there is a result."""
+    results, weak = split_at_floor(hits, terms)
+    return Ranking(results, max((h.confidence for h in results + weak), default=0.0), weak,
+                   mode=mode)
+
+
 def score_query(index: Index, query: str, limit: int) -> Ranking:
     """Rank items for a query by BM25; a hit's relevance is its confidence_bm25
     on the 0..1 scale."""
@@ -3976,8 +3985,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
     hits = [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
             for it, score in best if it is not None]      # (None: killed meanwhile)
-    results, weak = split_at_floor(hits, terms)
-    return Ranking(results, max((h.confidence for h in hits), default=0.0), weak)
+    return ranking_of(hits, terms)
 
 
 # =============================================================================
@@ -4812,12 +4820,14 @@ class Semantic:
               limit: int) -> Ranking:
         np = emb.np
         terms = list(dict.fromkeys(tokenize(query)))
-        lex = bm25_scores(index, terms) if terms else {}
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
             tmat, tslot, tdisc = sv.tails()
             waiting = len(sv.missing)
+        lex = {}                 # BM25 by slot: only read for slots without vectors, at 0 weights
+        if terms and (waiting or SEM_LEXICAL_WEIGHT or SEM_LEXICAL_BOOST):
+            lex = {i: v for i, v in bm25_scores(index, terms).items() if i < n}  # (grown since)
         q = emb.embed([query])[0] if usable.any() else np.zeros(EMBED_DIM, np.float32)
         sim = first @ q
         if len(tmat):                        # rows of one slot are contiguous: reduceat
@@ -4827,12 +4837,11 @@ class Semantic:
         score, rel = semantic_blend(np, sim, usable, lex)
         score = feedback_scores(np, first, q, sim, score, usable)
         items = index.items
-        hits = [Hit(it, float(score[i]), float(rel[i]))
+        hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else
+                    lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
                 for i in best_slots(np, score, items, limit)
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
-        results, weak = split_at_floor(hits, terms)
-        ranking = Ranking(results, max((h.confidence for h in hits), default=0.0), weak,
-                          mode="semantic")
+        ranking = ranking_of(hits, terms, mode="semantic")
         if waiting:
             ranking.note = (f"{waiting} of {index.live} items are not embedded yet (being "
                             "embedded in the background): they are ranked by shared words")

@@ -843,6 +843,16 @@ def test_a_query_matching_only_an_items_why_is_a_near_miss(repo):
     assert [w["id"] for w in res["weak_matches"]] == [rationale]
 
 
+def test_top_relevance_is_at_the_floor_when_a_result_is(repo):
+    """A one-word query an item holds is a result at the floor: top_relevance
+    says so too, never less than the relevance of a result."""
+    cs.capture("Invoice totals are stored as integer cents in the ledger, audited monthly "
+               "by finance against the bank statements and the payment provider's exports")
+    res = cs.recall("ledger", detail="full")
+    assert res["results"] and res["top_relevance"] >= cs.RELEVANCE_FLOOR
+    assert res["top_relevance"] >= max(r["relevance"] for r in res["results"])
+
+
 def test_recall_never_returns_or_credits_below_the_floor(repo):
     strong = cs.capture("Invoice totals are stored as integer cents in the ledger",
                         tags="ledger")["item"]["id"]
@@ -3911,6 +3921,49 @@ def test_ranking_skips_a_slot_killed_meanwhile():
     items[1] = None
     assert cs.best_slots(np, np.array([0.1, 0.9, 0.5, 0.3]), items, 3) == [2, 3, 0]
     assert cs.top_slots({0: 0.1, 1: 0.9, 2: 0.5}, items, 3) == [2, 0]
+
+
+@needs_extra
+def test_semantic_judges_an_item_not_embedded_yet_as_lexical_recall_does(tmp_path):
+    """While an item waits for its vectors, its relevance is lexical recall's
+    (the why weighing CONFIDENCE_WHY_WEIGHT): a query that matches only its why
+    is a near miss in semantic mode too, as in lexical mode."""
+    told = "Nightly exports run after the reconciliation job, the dashboard gets slow meanwhile"
+    item = cs.Item(id="k-why", content="Invoices are rounded per line, never on the total",
+                   why=told)
+    index = cs.build_index([item])
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 0.01                        # never wait: ranked before it is embedded
+    ranking = cs.rank(index, "nightly exports", 3, engine=eng)
+    assert ranking.note and ranking.hits == []
+    assert [h.item.id for h in ranking.weak] == ["k-why"]
+    assert ranking.weak[0].confidence == pytest.approx(
+        cs.score_query(index, "nightly exports", 3).weak[0].confidence)
+    assert eng.wait_idle(60)
+
+
+@needs_extra
+def test_semantic_ranking_survives_an_index_grown_while_it_scores(tmp_path, monkeypatch):
+    """A capture in another thread may add a slot between the vector snapshot
+    and lexical scoring: the slot is left for the next recall, no IndexError."""
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on ledger exports", tags=["x"])
+             for i in range(4)]
+    index = cs.build_index(items)
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 0.01                        # k-0..k-3 wait for vectors: lexical scores are read
+    real = cs.bm25_scores
+
+    def grow_then_score(ix, terms):
+        ix.sync(items + [cs.Item(id="k-new", content="ledger exports again", tags=["x"])])
+        return real(ix, terms)
+
+    monkeypatch.setattr(cs, "bm25_scores", grow_then_score)
+    ranking = cs.rank(index, "ledger exports", 5, engine=eng)
+    assert "k-new" not in [h.item.id for h in ranking.hits + ranking.weak]
+    monkeypatch.setattr(cs, "bm25_scores", real)
+    assert eng.wait_idle(60)
 
 
 @needs_extra
