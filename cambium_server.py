@@ -2600,7 +2600,8 @@ class GitStore(Store):
         attempt under contention should be short), else by one `git fast-import`."""
         stamp = f"{self._ident()}> {int(time.time())} +0000"
         objects = self._objects()
-        entries = [] if parent is None else loose_tree(objects, parent) if objects else None
+        entries = None if objects is None else [] if parent is None else \
+            loose_tree(objects, parent)              # (None: git writes it)
         if entries is not None:
             with contextlib.suppress(OSError):
                 return _write_commit(objects, entries, parent, files, stamp, message)

@@ -1452,6 +1452,29 @@ def test_runtimes_keep_separate_shared_scope_state_and_items_are_not_changed(sha
     assert again is not doc and again.items[0].id == item.id
 
 
+def test_first_write_to_an_empty_sha256_org_repo_is_left_to_git(shared, monkeypatch):
+    """cambium writes loose objects itself only in SHA-1 clones; the first
+    write to an empty org repo of another object format is git's (it used to
+    try cambium's own writer with no object directory and raise TypeError)."""
+    tmp = shared["tmp"]
+    bare = tmp / "org256.git"
+    if subprocess.run(["git", "init", "-q", "--bare", "--object-format=sha256", str(bare)],
+                      capture_output=True).returncode:
+        pytest.skip("this git cannot make SHA-256 repositories")
+    org = tmp / "org256"
+    git(tmp, "init", "-q", "--object-format=sha256", str(org))
+    git(org, "remote", "add", "origin", str(bare))
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    st = cs.store(cs.resolve_config(), "org")
+    item = cs.dataclasses.replace(cs.new_item("A fact kept in org scope", project="p",
+                                              agent="ada"), scope="org")
+    write = st.mutate(lambda d: cs.Doc(items=d.items + [item], meta=d.meta, raw=d.raw), "add")
+    assert write.doc.items[-1].id == item.id
+    branches = git(bare, "for-each-ref", "--format=%(refname)")
+    (ref,) = [r for r in branches.split() if r.startswith("refs/heads/")]
+    assert item.id in remote_json(bare, ref)["items"][0]["id"]
+
+
 def test_store_accessor_gives_every_scope_one_contract(shared, monkeypatch):
     cfg = cs.resolve_config()
     with pytest.raises(cs.ScopeOff):
