@@ -665,14 +665,25 @@ def normalize_code_refs(refs: Any) -> list[dict] | None:
         refs = [refs]
     if not isinstance(refs, (list, tuple)):
         raise InputError("code_refs must be a list of {path, symbol?} objects.")
-    out: list[dict] = []
-    for ref in refs:
-        one = _one_code_ref(ref)
-        if one not in out:
-            out.append(one)
+    out = _distinct_refs(_one_code_ref(ref) for ref in refs)
     if len(out) > MAX_CODE_REFS:
         raise InputError(f"{len(out)} code_refs; at most {MAX_CODE_REFS}.")
     return out or None
+
+
+def _distinct_refs(refs: Iterable[dict], limit: int | None = None) -> list[dict]:
+    """Code refs in order, each once (a set of their keys: linear in the
+    count), stopping after `limit`."""
+    out: list[dict] = []
+    seen: set[tuple] = set()
+    for ref in refs:
+        key = (ref["path"], ref.get("symbol"))
+        if key not in seen:
+            seen.add(key)
+            out.append(ref)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
 
 
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
@@ -2518,8 +2529,14 @@ class GitStore(Store):
         if data is not None:            # as git's output reads in text mode
             text = data.decode("utf-8", "replace")
             return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-        listed = self.git("ls-tree", commit, "--", name).stdout.split()
-        return self.git("cat-file", "blob", listed[2]).stdout if len(listed) > 2 else ""
+        blob = self.git("cat-file", "blob", f"{commit}:{name}", check=False)
+        if blob.returncode == 0:
+            return blob.stdout
+        listed = self.git("ls-tree", commit, "--", name).stdout.split()   # GitError: bad commit
+        if len(listed) > 2:
+            raise GitError(["git", "cat-file", "blob", f"{commit}:{name}"], blob.returncode,
+                           blob.stderr)
+        return ""                                                          # no such file
 
     def _fetch_now(self) -> None:
         """Fetch the branch into the private ref (a missing branch clears it).
@@ -2897,13 +2914,11 @@ def changed_files_refs(changed: Any) -> list[dict] | None:
 
 
 def _usable_refs(paths: Iterable[str]) -> list[dict] | None:
-    refs: list[dict] = []
-    for p in paths:
-        with contextlib.suppress(InputError):         # a path no anchor may hold: left out
-            ref = _one_code_ref({"path": p})
-            if ref not in refs:
-                refs.append(ref)
-    return refs[:MAX_CODE_REFS] or None
+    def usable() -> Iterator[dict]:
+        for p in paths:
+            with contextlib.suppress(InputError):     # a path no anchor may hold: left out
+                yield _one_code_ref({"path": p})
+    return _distinct_refs(usable(), MAX_CODE_REFS) or None
 
 
 #: context-keeper scope values that name a policy domain, not a path

@@ -1294,8 +1294,13 @@ def test_commits_written_loose_by_cambium_are_the_ones_git_would_write(shared):
     assert cs.GitStore._commit(st, None, files, message) != mine    # a root commit
     git(a, "gc", "-q", "--prune=now")                               # everything packed now
     assert cs.loose_blob(objects, mine, "knowledge.json") is None
+    calls = []
+    real_git = st.git
+    st.git = lambda *args, **kw: calls.append(args[0]) or real_git(*args, **kw)
     assert st.file_at(mine, "knowledge.json") == files["knowledge.json"]
+    assert calls == ["cat-file"]                            # one process for a packed file
     assert st.file_at(mine, "nothing-here.json") == ""
+    st.git = real_git
     bad_tree = cs.write_loose(objects, "tree", b"100644 a name with no end")
     bad = cs.write_loose(objects, "commit", f"tree {bad_tree}\n\ndamaged".encode())
     assert cs.loose_tree(objects, bad) is None              # git is asked (and says so)
