@@ -5962,13 +5962,25 @@ def _org_store(cfg: Config) -> GitStore:
 
 
 def _org_default_branch(org: Path, timeout_s: float) -> str:
+    """The org repo's default branch: origin/HEAD as the clone records it, read
+    from .git (the primer hook builds an org store on every session start);
+    when the clone has none, asked of the remote once and recorded there, as
+    `git clone` would have."""
+    with contextlib.suppress(OSError, IndexError):
+        head = (_git_dirs(org)[1] / "refs/remotes/origin/HEAD").read_text().strip()
+        if head.startswith("ref: refs/remotes/origin/"):
+            return head.removeprefix("ref: refs/remotes/origin/")
     proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
                 timeout_s, check=False)
     branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
     if not branch:
         proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org, timeout_s)
         heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
-        branch = heads[0].removeprefix("refs/heads/") if heads else "main"
+        if not heads:
+            return "main"
+        branch = heads[0].removeprefix("refs/heads/")
+        _git(["symbolic-ref", "refs/remotes/origin/HEAD", f"refs/remotes/origin/{branch}"],
+             org, timeout_s, check=False)
     return branch
 
 

@@ -1480,6 +1480,28 @@ def test_first_write_to_an_empty_sha256_org_repo_is_left_to_git(shared, monkeypa
     assert item.id in remote_json(bare, ref)["items"][0]["id"]
 
 
+def test_org_default_branch_is_asked_of_the_remote_once_then_read_from_the_clone(
+        shared, monkeypatch):
+    """An org clone without origin/HEAD (init + remote add + fetch) costs one
+    ls-remote, recorded as `git clone` would; every later process (the primer
+    hook builds an org store on each session start) reads it with no git."""
+    org = shared["tmp"] / "org-bare-clone"
+    git(shared["tmp"], "init", "-q", str(org))
+    git(org, "remote", "add", "origin", str(shared["org_bare"]))
+    git(org, "fetch", "-q", "origin")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    calls = []
+    real = cs._git
+    monkeypatch.setattr(cs, "_git", lambda args, *a, **k: calls.append(args[0]) or
+                        real(args, *a, **k))
+    assert cs.store(cs.resolve_config(), "org").branch == "main"
+    assert "ls-remote" in calls
+    cs.runtime().reset()                              # a new process
+    calls.clear()
+    assert cs.store(cs.resolve_config(), "org").branch == "main"
+    assert not {"ls-remote", "symbolic-ref"} & set(calls), calls
+
+
 def test_store_accessor_gives_every_scope_one_contract(shared, monkeypatch):
     cfg = cs.resolve_config()
     with pytest.raises(cs.ScopeOff):
