@@ -4258,12 +4258,20 @@ def extra_vectors(item: Item) -> list[tuple[str, float]]:
     when its SEM_*_DISCOUNT is set (chosen by cross-validation, quality/cv.py).
     A long why would otherwise drown a short content's topic."""
     out = []
-    if SEM_CONTENT_TAGS_DISCOUNT is not None:
-        text = "\n".join(p for p in (item.content, _topic_tags(item)) if p)
-        out.append((text, SEM_CONTENT_TAGS_DISCOUNT))
-    if SEM_WHY_DISCOUNT is not None and item.why.strip():
-        out.append((item.why, SEM_WHY_DISCOUNT))
+    for kind, disc in _extra_kinds(item):
+        text = item.why if kind == "why" else \
+            "\n".join(p for p in (item.content, _topic_tags(item)) if p)
+        out.append((text, disc))
     return out
+
+
+def _extra_kinds(item: Item) -> list[tuple[str, float]]:
+    """(kind, discount) of the item's extra vectors, in extra_vectors' order,
+    without building their texts (the ranking needs only the discounts)."""
+    return [(kind, disc) for kind, disc, has in
+            (("content_tags", SEM_CONTENT_TAGS_DISCOUNT, True),
+             ("why", SEM_WHY_DISCOUNT, bool(item.why.strip())))
+            if disc is not None and has]
 
 
 #: which vectors an item gets: part of every cache key, so a change re-embeds
@@ -4345,6 +4353,12 @@ class Embedder:
         limit = width + (EMBED_MAX_WINDOWS - 1) * (width - EMBED_OVERLAP_TOKENS)
         return embed_windows(tok.ids(text, limit), tok.cls, tok.sep)
 
+    def first_window(self, text: str) -> list[int]:
+        """The model input of a text's first window only (a query, an extra
+        vector): only that much of the text is tokenized."""
+        tok = self.tokenizer
+        return embed_windows(tok.ids(text, EMBED_WINDOW_TOKENS - 2), tok.cls, tok.sep)[0]
+
     def _run(self, batch: list[list[int]]) -> Any:
         np = self.np
         width = max(len(x) for x in batch)
@@ -4378,7 +4392,7 @@ class Embedder:
 
     def embed(self, texts: list[str]) -> Any:
         """One vector per text (its first window): for queries."""
-        return self.embed_ids([self.windows(t)[0] for t in texts])
+        return self.embed_ids([self.first_window(t) for t in texts])
 
 
 def load_embedder(rt: Runtime | None = None) -> Embedder:
@@ -4538,7 +4552,7 @@ class _SlotVectors:
         self.first[slot] = rows[0]
         self.has[slot] = True
         if len(rows) > 1:
-            extra = [d for _, d in extra_vectors(item)]
+            extra = [d for _, d in _extra_kinds(item)]
             disc = self.np.full(len(rows) - 1, SEM_TAIL_DISCOUNT, self.np.float32)
             if extra:
                 disc[len(disc) - len(extra):] = extra
@@ -4627,7 +4641,6 @@ class Semantic:
         self.queued: set[str] = set()
         self.worker: threading.Thread | None = None
         self.pending = 0                     # embed_cost of the queued (waiting or in flight)
-        self.helping = 0                     # chunks waiting recalls are embedding themselves
         self.rate = EMBED_RATE_GUESS         # characters/s per thread, measured as it drains
         self.embedded = 0                    # items embedded by this process
         self.busy = 0                        # recalls ranking right now
@@ -4657,7 +4670,7 @@ class Semantic:
         for it in items:
             self._step_aside()
             w = emb.windows(embed_text(it))
-            w.extend(emb.windows(text)[0] for text, _ in extra_vectors(it))
+            w.extend(emb.first_window(text) for text, _ in extra_vectors(it))
             spans.append((vector_key(it), len(inputs), len(w)))
             inputs.extend(w)
         vecs = emb.embed_ids(inputs, pause=self._step_aside)
@@ -4731,15 +4744,9 @@ class Semantic:
         while time.monotonic() < deadline:
             with self.cv:
                 chunk = self._take_chunk()
-                if not chunk:
-                    return
-                self.helping += 1
-            try:
-                self._embed_chunk(emb, chunk)
-            finally:
-                with self.cv:
-                    self.helping -= 1
-                    self.cv.notify_all()
+            if not chunk:
+                return
+            self._embed_chunk(emb, chunk)
 
     def _save_locked(self) -> None:
         """Save the cache; drop vectors of edited or deleted items once they
@@ -4760,10 +4767,12 @@ class Semantic:
             return len(self.queued)
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block until the backlog is embedded (True) or the timeout passes."""
+        """Block until the backlog is embedded (True) or the timeout passes:
+        nothing queued or in flight (`queued` keeps a chunk's keys until it
+        is done, whichever thread embeds it)."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
-            while self.queue or self.worker is not None or self.helping:
+            while self.queued or self.worker is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

@@ -4146,6 +4146,17 @@ def test_semantic_recall_answers_while_backlog_embeds(tmp_path):
     assert eng.wait_idle(60) and len(eng.cache.rows) == 41
 
 
+def test_a_new_vector_recipe_re_embeds_every_item(monkeypatch):
+    """The cache key names which vectors an item gets: cached rows made by
+    another recipe are never read as this one's (their rows would be
+    discounted as the wrong kinds)."""
+    item = cs.Item(id="k-1", content="Invoices are rounded per line", why="auditors asked")
+    before = cs.vector_key(item)
+    monkeypatch.setattr(cs, "VECTOR_RECIPE", cs.VECTOR_RECIPE + ";why=True")
+    assert cs.vector_key(dataclasses.replace(item)) != before
+    assert cs.vector_key(dataclasses.replace(item)).startswith("k-1:")
+
+
 def test_embedding_batches_short_windows_together_and_full_ones_alone():
     lengths = [10, 20, 60, 64, 65, 100, 200, 256, 256]
     batches = cs.token_batches(lengths, list(range(len(lengths))))
