@@ -93,10 +93,10 @@ class Vectors:
 
 def item_vector_rows(vec: Vectors, it) -> dict:
     """Candidate vectors of one item, by kind."""
-    tags = " ".join(t for t in it.tags if t not in ("imported", str(it.source.get("system"))))
+    tags = cs._topic_tags(it)                   # as the server's extra_vectors build them
     out = {"full": vec.rows(cs.embed_text(it), True),
            "content_tags": vec.rows("\n".join(p for p in (it.content, tags) if p), False)}
-    if it.why:
+    if it.why.strip():
         out["why"] = vec.rows(it.why, False)
     return out
 
@@ -212,14 +212,14 @@ def metrics(rows: list) -> dict:
 
 
 # --------------------------------------------------------------------------- selection
-def calibrate(p: Prepared, qids, run, params, false_target: float, key: str) -> float:
+def calibrate(p: Prepared, qids, run, params, false_target: float) -> float:
     """The highest raw floor (cosine or BM25) whose false-abstention on the
     training paraphrases stays within the target. Paraphrases are the
     answerable queries with the lowest confidence: calibrating on them alone
     makes the floor independent of a set's mix of control and paraphrase
     queries (a set with more paraphrases would otherwise see more false
     abstentions than the target)."""
-    probe = dict(params, floor=1e-9 if key == "floor" else params["floor"])
+    probe = dict(params, floor=1e-9)
     kinds = {p.queries[qi]["kind"] for qi in qids}
     want = "paraphrase" if "paraphrase" in kinds else None
     raw = []
@@ -291,7 +291,7 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
     tried = []
     for boost in BOOSTS:
         params = dict(best, boost=boost)
-        params["floor"] = calibrate(p, qids, run, params, false_target, "floor")
+        params["floor"] = calibrate(p, qids, run, params, false_target)
         caught = [1.0 if evaluate(p, [q], run, params)["abstention"] else 0.0 for q in nones]
         tried.append((params, caught))
     return pick(tried)
@@ -337,7 +337,7 @@ def select_lexical(p: Prepared, qids, false_target: float) -> dict:
     tried = []
     for params in grid("lexical"):
         params = dict(params, floor=1e-9, boost=0.0)
-        params["floor"] = calibrate(p, qids, lexical_run, params, false_target, "floor")
+        params["floor"] = calibrate(p, qids, lexical_run, params, false_target)
         tried.append((params, [1.0 if evaluate(p, [q], lexical_run, params)["abstention"]
                                else 0.0 for q in nones]))
     return pick(tried)
