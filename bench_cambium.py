@@ -698,7 +698,7 @@ def _sample_recalls(span: float, rng: random.Random, go) -> tuple[list[float], s
     times, note = [], "-"
     end = time.perf_counter() + span
     while time.perf_counter() < end and go():
-        q = " ".join(rng.choices(VOCAB, cum_weights=CUM_ZIPF, k=4))
+        q = _queries(rng, 1)[0]
         t1 = time.perf_counter()
         note = cs.recall(q).get("note") or note
         times.append((time.perf_counter() - t1) * 1000)
@@ -718,8 +718,7 @@ def bench_quality() -> None:
     when that folder is beside the clone). Cross-validated dev figures and the
     parameter choice: python3 quality/cv.py."""
     sets = [("held", "held"), ("held2", "held2")]
-    dev = next((up / "shared" / "quality" / "dev" for up in (HERE.parent, HERE.parent.parent)
-                if (up / "shared" / "quality" / "dev").is_dir()), None)
+    dev = QUALITY_DEV if QUALITY_DEV.is_dir() else None
     if dev is not None:
         sets.append(("dev", str(dev)))
     modes = ["lexical"] + ([] if cs.semantic_extra_missing() else ["semantic"])
