@@ -2009,11 +2009,12 @@ class LocalStore(Store):
         finally:
             os.close(fd)
         record = f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n"
-        with open(self.appends, "a", encoding="ascii") as f:      # a hint: no fsync
-            f.write(record)
-            full = f.tell() > 4 * APPENDS_READ_MAX
-        if full:                         # a reader that far behind parses whole anyway
-            atomic_write(self.appends, record)
+        with open(self.appends, "a+b") as f:                      # a hint: no fsync
+            f.write(record.encode("ascii"))
+            if f.tell() > 4 * APPENDS_READ_MAX:   # keep what a reader looks at (writers
+                f.seek(-APPENDS_READ_MAX, os.SEEK_END)         # hold the store's lock)
+                keep = f.read()
+                atomic_write(self.appends, keep[keep.find(b"\n") + 1:])
         spans, pos = array("q"), seen.tail_at + 2
         for line in lines:
             spans.extend((pos, pos + len(line)))

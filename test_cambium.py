@@ -444,6 +444,33 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
 
 
+def test_a_trimmed_append_record_keeps_a_reader_a_few_appends_behind_incremental(
+        repo, monkeypatch):
+    """The append record is cut back when it grows past 4 x APPENDS_READ_MAX;
+    what a reader looks at (its last APPENDS_READ_MAX bytes) survives the cut,
+    so a reader two appends behind still reads only the tail."""
+    monkeypatch.setattr(cs, "APPENDS_READ_MAX", 300)
+    cs.capture("seed fact about trimmed records", tags="seed")
+    other = cs.Runtime()                       # another process's view of the same file
+    record = repo / ".cambium" / "knowledge.json.appends"
+    for n in range(40):                        # until the cut falls on the second append
+        with cs.use_runtime(other):
+            cs.store(cs.resolve_config(), "local").read()
+        cs.capture(f"first appended fact number {n}", tags="tail")
+        size = record.stat().st_size
+        cs.capture(f"second appended fact number {n}", tags="tail")
+        cut = record.stat().st_size < size
+        if cut:
+            break
+    assert cut                                 # the reader is two appends behind the cut
+    parsed = []
+    real = cs.parse_file
+    monkeypatch.setattr(cs, "parse_file", lambda *a: parsed.append(1) or real(*a))
+    with cs.use_runtime(other):
+        items = cs.store(cs.resolve_config(), "local").read().items
+    assert len(items) == 1 + 2 * (n + 1) and not parsed
+
+
 def test_reader_waits_for_a_rewrite_of_its_own_process_instead_of_parsing_it(repo, monkeypatch):
     ids = [cs.capture(f"fact {n} about folds", tags="fold")["item"]["id"] for n in range(3)]
     cfg = cs.resolve_config()
