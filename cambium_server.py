@@ -2145,11 +2145,11 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
     if adopt:
         _adopt_legacy_journal(path)
         return list(_journal(path))
-    text = ""
-    for p in (path, path.with_name(LEGACY_CREDITS_FILE)):
-        with contextlib.suppress(FileNotFoundError):
-            text += p.read_text(encoding="utf-8") + "\n"
-    return _credit_records(text)
+    records = list(_journal(path))
+    with contextlib.suppress(FileNotFoundError):
+        records += _credit_records(path.with_name(LEGACY_CREDITS_FILE).read_text(
+            encoding="utf-8"))
+    return records
 
 
 def _credit_records(text: str) -> list[dict]:

@@ -1002,6 +1002,21 @@ def test_legacy_usage_journal_is_adopted_and_folded(repo):
     assert not (repo / ".cambium" / "credits.jsonl").read_text().strip()
 
 
+def test_expand_counts_a_legacy_journals_credits_without_moving_it(repo):
+    """A read-only tool reads both journals where they lie: the current one
+    through the incremental reader, the legacy one beside it, untouched."""
+    item = cs.capture("Queue consumers ack after the write commits", tags="queues")["item"]
+    cs.append_credits(cs.credits_path(cs.resolve_config()),
+                      [{"item": item["id"], "scope": "local", "agent": "new",
+                        "day": "2026-01-03", "project": repo.name}])
+    legacy = repo / ".cambium" / "usage.jsonl"             # the journal's old name
+    legacy.write_text(json.dumps({"item": item["id"], "scope": "local", "agent": "old",
+                                  "day": "2026-01-02", "project": repo.name}) + "\n")
+    shown = cs.expand(item["id"])
+    assert shown["trust"]["recalled_by"] == {"new": "2026-01-03", "old": "2026-01-02"}
+    assert legacy.exists()
+
+
 def test_two_runtimes_side_by_side_keep_their_own_caches(repo):
     rt1, rt2 = cs.Runtime(), cs.Runtime()
     cfg = cs.resolve_config()
