@@ -98,7 +98,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Iterator, Literal,
-                    get_args, get_origin, get_type_hints)
+                    NamedTuple, get_args, get_origin, get_type_hints)
 
 if TYPE_CHECKING:  # pragma: no cover
     from mcp.server.mcpserver import MCPServer
@@ -1065,7 +1065,7 @@ class Runtime:
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
-        self.journals: dict[str, tuple] = {}   # credit journal -> (stat, read to, records, tail)
+        self.journals: dict[str, JournalSeen] = {}   # credit journal -> how far it was read
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.noted: set[str] = set()
@@ -2167,6 +2167,15 @@ def _credit_records(text: str) -> list[dict]:
 JOURNAL_MARK_BYTES = 64     #: bytes before where a journal was read to, checked on re-reading
 
 
+class JournalSeen(NamedTuple):
+    """How far a process has read a credit journal."""
+    stat: tuple          # (inode, size, mtime_ns) when it was read
+    read_to: int         # the end of its last complete line
+    mark: bytes          # the bytes just before read_to (to check they did not change)
+    records: list        # the records of the complete lines
+    tail: list           # the record of a line not ended yet (read again next time)
+
+
 def _journal(path: Path) -> list[dict]:
     """The journal's records, parsed once per process: a journal that only
     grew since (the same inode, bigger, and the bytes before where it was read
@@ -2174,13 +2183,13 @@ def _journal(path: Path) -> list[dict]:
     recall does not parse every pending credit again. Do not change the list."""
     rt = runtime()
     with rt.lock:
-        seen = rt.journals.get(str(path))      # (stat, read to, mark, records, tail)
+        seen = rt.journals.get(str(path))
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             now = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if seen is not None and seen[0] == now:
-                return seen[3] + seen[4] if seen[4] else seen[3]
+            if seen is not None and seen.stat == now:
+                return seen.records + seen.tail if seen.tail else seen.records
             done, mark, records, data = _journal_growth(f, seen, now)
     except FileNotFoundError:
         return []
@@ -2190,20 +2199,21 @@ def _journal(path: Path) -> list[dict]:
     last = _credit_records(data[end:].decode("utf-8", "replace"))
     mark = (mark + data[:end])[-JOURNAL_MARK_BYTES:]
     with rt.lock:
-        rt.journals[str(path)] = (now, done + end, mark, records, last)
+        rt.journals[str(path)] = JournalSeen(now, done + end, mark, records, last)
     return records + last if last else records
 
 
-def _journal_growth(f: Any, seen: tuple | None, now: tuple) -> tuple[int, bytes, list, bytes]:
+def _journal_growth(f: Any, seen: JournalSeen | None, now: tuple
+                    ) -> tuple[int, bytes, list, bytes]:
     """(offset, the bytes just before it, records before it, bytes from it):
     from where `seen` was read to when the file only grew since, else from
     the start (rewritten: a fold took credits, or another file has that inode)."""
-    if seen is not None and seen[0][0] == now[0] and now[1] > seen[0][1]:
-        done, mark = seen[1], seen[2]
+    if seen is not None and seen.stat[0] == now[0] and now[1] > seen.stat[1]:
+        done, mark = seen.read_to, seen.mark
         f.seek(done - len(mark))
         data = f.read()
         if data[:len(mark)] == mark:
-            return done, mark, seen[3], data[len(mark):]
+            return done, mark, seen.records, data[len(mark):]
     f.seek(0)
     return 0, b"", [], f.read()
 
