@@ -1636,7 +1636,7 @@ def parse_store(text: str, where: str) -> Doc:
     return parsed.doc
 
 
-def _item_line(item: Item) -> str:
+def _stored_json_line(item: Item) -> str:
     """One item's JSON line, cached per (immutable) item object."""
     return derived(item, "line", lambda it: json.dumps(it.to_dict(), ensure_ascii=False,
                                                        separators=(",", ":")))
@@ -1656,7 +1656,7 @@ def render_store(doc: Doc) -> str:
     head = store_head(doc).decode("utf-8", "surrogateescape")
     if not doc.items:
         return head
-    return head + ",\n".join(_item_line(i) for i in doc.items) + STORE_TAIL.decode()
+    return head + ",\n".join(_stored_json_line(i) for i in doc.items) + STORE_TAIL.decode()
 
 
 # =============================================================================
@@ -1784,7 +1784,7 @@ def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, arra
             else:
                 pieces += [b",\n", (start, end)] if n else [(start, end)]
         else:
-            line = _item_line(it).encode("utf-8", "surrogateescape")
+            line = _stored_json_line(it).encode("utf-8", "surrogateescape")
             start, end = 0, len(line)
             pieces += [b",\n", line] if n else [line]
         spans.extend((pos, pos + end - start))
@@ -1811,7 +1811,7 @@ def _pieces_in_place(items: list, seen: _Seen, base: int) -> tuple[list, array]:
             pieces.append((first, end))
             pos += end - first
         if stop < len(items):
-            line = _item_line(items[stop]).encode("utf-8", "surrogateescape")
+            line = _stored_json_line(items[stop]).encode("utf-8", "surrogateescape")
             if stop:
                 pieces.append(b",\n")
                 pos += 2
@@ -1997,7 +1997,7 @@ class LocalStore(Store):
         return Write(doc=new)
 
     def _append(self, seen: _Seen, added: list, new: Doc) -> None:
-        lines = [_item_line(it).encode("utf-8", "surrogateescape") for it in added]
+        lines = [_stored_json_line(it).encode("utf-8", "surrogateescape") for it in added]
         data = b",\n" + b",\n".join(lines) + STORE_TAIL
         fd = os.open(self.path, os.O_WRONLY)
         try:

@@ -535,7 +535,7 @@ def test_reader_seeing_a_writer_mid_append_waits_for_the_whole_line(repo):
     reader, writer = cs.Runtime(), cs.Runtime()
     with cs.use_runtime(reader):
         assert len(cs.store(cs.resolve_config(), "local").read().items) == 2
-    line = cs._item_line(cs.new_item("third fact written slowly", project="p", agent="w"))
+    line = cs._stored_json_line(cs.new_item("third fact written slowly", project="p", agent="w"))
     data = b",\n" + line.encode() + cs.STORE_TAIL
     tail_at = path.stat().st_size - len(cs.STORE_TAIL)
     started = cs.threading.Event()
