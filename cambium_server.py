@@ -9258,6 +9258,30 @@ def _demo_origin(root: Path, name: str) -> Path:
     return work
 
 
+@contextlib.contextmanager
+def _demo_sandbox() -> Iterator[Path]:
+    """A throwaway directory to run the demo in, as its working directory, with
+    cambium's settings cleared and a config file of its own; everything is put
+    back afterwards."""
+    saved = {k: os.environ.get(k) for k in [*DEFAULTS, "CAMBIUM_CONFIG_FILE"]}
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="cambium-demo-") as tmp:
+        root = Path(tmp)
+        os.chdir(root)
+        try:
+            for k in DEFAULTS:
+                os.environ.pop(k, None)
+            os.environ["CAMBIUM_CONFIG_FILE"] = str(root / "config.json")
+            yield root
+        finally:
+            os.chdir(cwd)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def run_demo() -> dict:
     """The whole loop on throwaway repos, narrated to stderr; returns what happened."""
     steps: list[dict] = []
@@ -9269,94 +9293,92 @@ def run_demo() -> dict:
         for k, v in facts.items():
             say(f"   {k}: {v}")
 
-    saved = {k: os.environ.get(k) for k in [*DEFAULTS, "CAMBIUM_CONFIG_FILE"]}
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="cambium-demo-") as tmp:
-        root = Path(tmp)
-        os.chdir(root)
-        try:
-            for k in DEFAULTS:
-                os.environ.pop(k, None)
-            os.environ["CAMBIUM_CONFIG_FILE"] = str(root / "config.json")
-            repo = _demo_origin(root, "shop-api")
-            org = _demo_origin(root, "org-knowledge")
-            st = status()
-            step("status (unconfigured)", "A fresh machine: status() says what is missing.",
-                 configured=st["configured"], next_step=st["next_step"])
-            setup(str(repo), "ada", org_repo=str(org))
-            step("setup", "setup(project_repo, agent_id, org_repo) configures it, no restart.",
-                 configured=status()["configured"])
-            a = capture("Retry payment webhooks in webhooks/retry.py with exponential "
-                        "backoff capped at 5 minutes.", kind="decision",
-                        why="Bursty retries got our webhook endpoint throttled for an hour.",
-                        tags="payments, webhooks, retries")["item"]
-            capture("Run database migrations before deploying the API containers.",
-                    kind="procedure", why="New code reads columns the old schema lacks.",
-                    tags="deploy, migrations")
-            step("capture", "capture() saves what the agent learned (local scope).",
-                 id=a["id"])
-            r = recall("how should webhook retries back off?")
-            step("recall", "recall() finds it by topic: one line per result (expand(id) "
-                 "for the whole item).", top=r["results"][0]["line"] if r["results"] else None,
-                 relevance=r["top_relevance"])
-            r2 = recall("kubernetes pod autoscaling thresholds")
-            step("abstain", "recall() on something nobody wrote down abstains honestly.",
-                 no_confident_match=r2["no_confident_match"])
-            export = root / "notes-export.jsonl"
-            export.write_text(json.dumps({"id": "n-1", "title": "Logs", "text": "Never log "
-                                          "full card numbers; mask all but the last four.",
-                                          "created_at": "2025-05-01"}) + "\n",
-                              encoding="utf-8")
-            imp = import_memory("json", str(export))
-            step("import", "import_memory() brings in another tool's export, with provenance.",
-                 imported=imp["imported"], source=imp["items"][0]["source"])
-            _demo_substrates(repo)
-            d = distill()
-            again = distill()
-            r4 = recall("why are invoice totals computed in cents?")
-            step("distill", "A teammate's agent finished work on the agentsync board and the "
-                 "repo records decisions with context-keeper: distill() imports both, once.",
-                 imported=d["imported"],
-                 sources={k: v["status"] for k, v in d["sources"].items()},
-                 again_imported=again["imported"],
-                 recall_top=r4["results"][0]["line"] if r4["results"] else None)
-            pr = session_primer()
-            step("primer", "session_primer() (or the SessionStart hook) hands the next "
-                 "session the digest before its first query: pitfalls and decisions first.",
-                 entries=pr["entries"], tokens=pr["tokens"], sections=pr["sections"])
-            endorse(a["id"], note="Retry transient failures with exponential backoff, "
-                                  "capped, with jitter")
-            p = promote()
-            step("promote to team", "endorse() + promote(): it climbs to the team branch "
-                 "of the shared repo (a git push, compare-and-swap).",
-                 promoted=[i["id"] for i in p["promoted"]], commit=p["commit"][:10])
-            refused = promote(a["id"], to_scope="org")
-            step("org gate", "promote(to_scope='org') refuses a body that reads "
-                 "project-specific, and hands back the endorsement note as a draft.",
-                 status=refused["status"], tells=refused.get("tells"), draft=refused.get("draft"))
-            done = promote(a["id"], to_scope="org", org_content=refused.get("draft"))
-            step("promote to org", "With the rule restated, it lands in the org repo "
-                 "(knowledge.json + KNOWLEDGE.md in one commit).", status=done["status"],
-                 published=done.get("published"))
-            billing = _demo_origin(root, "billing-api")
-            os.environ["CAMBIUM_REPO"], os.environ["CAMBIUM_AGENT_ID"] = str(billing), "bo"
-            r3 = recall("retry transient failures backoff", detail="full")
-            hit = r3["results"][0] if r3["results"] else {}
-            step("cross-project recall", "Another project's agent recalls it from org scope.",
-                 scope=hit.get("scope"), origin_project=hit.get("project"))
-            rep = stale_report()
-            step("stale report", "stale_report() lists promoted knowledge oldest-verified "
-                 "first, so re-checking rides an existing beat.",
-                 entries=[(e["id"], e["scope"], e["age_days"]) for e in rep["entries"]])
-        finally:
-            os.chdir(cwd)
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with _demo_sandbox() as root:
+        item_id = _demo_one_project(root, step)
+        _demo_climb(root, step, item_id)
     say("Done. Everything above ran the real code on throwaway git repos.")
     return {"demo": "ok", "steps": steps}
+
+
+def _demo_one_project(root: Path, step: Callable[..., None]) -> str:
+    """The demo's first half: one project's memory (setup, capture, recall,
+    import, distill, primer). Returns the id of the item that climbs next."""
+    repo = _demo_origin(root, "shop-api")
+    org = _demo_origin(root, "org-knowledge")
+    st = status()
+    step("status (unconfigured)", "A fresh machine: status() says what is missing.",
+         configured=st["configured"], next_step=st["next_step"])
+    setup(str(repo), "ada", org_repo=str(org))
+    step("setup", "setup(project_repo, agent_id, org_repo) configures it, no restart.",
+         configured=status()["configured"])
+    a = capture("Retry payment webhooks in webhooks/retry.py with exponential "
+                "backoff capped at 5 minutes.", kind="decision",
+                why="Bursty retries got our webhook endpoint throttled for an hour.",
+                tags="payments, webhooks, retries")["item"]
+    capture("Run database migrations before deploying the API containers.",
+            kind="procedure", why="New code reads columns the old schema lacks.",
+            tags="deploy, migrations")
+    step("capture", "capture() saves what the agent learned (local scope).",
+         id=a["id"])
+    r = recall("how should webhook retries back off?")
+    step("recall", "recall() finds it by topic: one line per result (expand(id) "
+         "for the whole item).", top=r["results"][0]["line"] if r["results"] else None,
+         relevance=r["top_relevance"])
+    r2 = recall("kubernetes pod autoscaling thresholds")
+    step("abstain", "recall() on something nobody wrote down abstains honestly.",
+         no_confident_match=r2["no_confident_match"])
+    export = root / "notes-export.jsonl"
+    export.write_text(json.dumps({"id": "n-1", "title": "Logs", "text": "Never log "
+                                  "full card numbers; mask all but the last four.",
+                                  "created_at": "2025-05-01"}) + "\n",
+                      encoding="utf-8")
+    imp = import_memory("json", str(export))
+    step("import", "import_memory() brings in another tool's export, with provenance.",
+         imported=imp["imported"], source=imp["items"][0]["source"])
+    _demo_substrates(repo)
+    d = distill()
+    again = distill()
+    r4 = recall("why are invoice totals computed in cents?")
+    step("distill", "A teammate's agent finished work on the agentsync board and the "
+         "repo records decisions with context-keeper: distill() imports both, once.",
+         imported=d["imported"],
+         sources={k: v["status"] for k, v in d["sources"].items()},
+         again_imported=again["imported"],
+         recall_top=r4["results"][0]["line"] if r4["results"] else None)
+    pr = session_primer()
+    step("primer", "session_primer() (or the SessionStart hook) hands the next "
+         "session the digest before its first query: pitfalls and decisions first.",
+         entries=pr["entries"], tokens=pr["tokens"], sections=pr["sections"])
+    return a["id"]
+
+
+def _demo_climb(root: Path, step: Callable[..., None], item_id: str) -> None:
+    """The demo's second half: the item climbs to team and org, and another
+    project recalls it."""
+    endorse(item_id, note="Retry transient failures with exponential backoff, "
+                          "capped, with jitter")
+    p = promote()
+    step("promote to team", "endorse() + promote(): it climbs to the team branch "
+         "of the shared repo (a git push, compare-and-swap).",
+         promoted=[i["id"] for i in p["promoted"]], commit=p["commit"][:10])
+    refused = promote(item_id, to_scope="org")
+    step("org gate", "promote(to_scope='org') refuses a body that reads "
+         "project-specific, and hands back the endorsement note as a draft.",
+         status=refused["status"], tells=refused.get("tells"), draft=refused.get("draft"))
+    done = promote(item_id, to_scope="org", org_content=refused.get("draft"))
+    step("promote to org", "With the rule restated, it lands in the org repo "
+         "(knowledge.json + KNOWLEDGE.md in one commit).", status=done["status"],
+         published=done.get("published"))
+    billing = _demo_origin(root, "billing-api")
+    os.environ["CAMBIUM_REPO"], os.environ["CAMBIUM_AGENT_ID"] = str(billing), "bo"
+    r3 = recall("retry transient failures backoff", detail="full")
+    hit = r3["results"][0] if r3["results"] else {}
+    step("cross-project recall", "Another project's agent recalls it from org scope.",
+         scope=hit.get("scope"), origin_project=hit.get("project"))
+    rep = stale_report()
+    step("stale report", "stale_report() lists promoted knowledge oldest-verified "
+         "first, so re-checking rides an existing beat.",
+         entries=[(e["id"], e["scope"], e["age_days"]) for e in rep["entries"]])
 
 
 def _demo_substrates(repo: Path) -> None:
