@@ -3771,11 +3771,11 @@ def lexical_relevance(score: float, floor: float = LEXICAL_FLOOR) -> float:
     return score / (score + floor) if score > 0 else 0.0
 
 
-def _term_weight(index: Index, term: str) -> float:
-    """BM25's idf x (k1 + 1) of a term in the index (idf over at least
-    BM25_MIN_DOCS documents)."""
+def _term_weight(index: Index, df: int) -> float:
+    """BM25's idf x (k1 + 1) of a term in `df` of the index's documents (idf
+    over at least BM25_MIN_DOCS documents). The caller reads df from the
+    postings entry it holds: a sync in another thread may drop the term."""
     n = max(index.live, BM25_MIN_DOCS)
-    df = len(index.postings[term][0])
     return math.log(1 + (n - df + 0.5) / (df + 0.5)) * (BM25_K1 + 1)
 
 
@@ -3790,7 +3790,7 @@ def query_terms(index: Index, terms: list[str]) -> list[tuple]:
     for t in sorted(terms):
         p = index.postings.get(t)
         if p is not None:
-            out.append((t, _term_weight(index, t), p[0], p[1], len(p[0])))
+            out.append((t, _term_weight(index, len(p[0])), p[0], p[1], len(p[0])))
     out.sort(key=lambda plan_row: -plan_row[4])
     return out
 
@@ -3956,8 +3956,9 @@ def confidence_bm25(index: Index, terms: list[str], item: Item,
     (a long why is rationale, not topic: it should not vouch for a match)."""
     tf = _weighted_terms(item, why)
     norm = BM25_K1 * (1 - BM25_B + BM25_B * sum(tf.values()) / index.avg_len)
-    return sum(_term_weight(index, t) * tf[t] / (tf[t] + norm)
-               for t in terms if t in tf and t in index.postings)
+    posts = [(t, index.postings.get(t)) for t in terms if t in tf]
+    return sum(_term_weight(index, len(p[0])) * tf[t] / (tf[t] + norm)
+               for t, p in posts if p is not None)
 
 
 def _order(score: float, item: Item) -> tuple:
