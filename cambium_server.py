@@ -1691,6 +1691,11 @@ class Store:
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str) -> Write:  # pragma: no cover
         raise NotImplementedError
 
+    def peek(self) -> Doc | None:  # pragma: no cover - interface
+        """The doc as last seen, with no fetch, no lock and no write (the
+        primer); None when it is damaged."""
+        raise NotImplementedError
+
     @property
     def warnings(self) -> list[str]:
         return []
@@ -2569,6 +2574,10 @@ class GitStore(Store):
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.touch()
         self._state.tip_known = False
+
+    def peek(self) -> Doc:
+        """The doc at the last fetched tip: no fetch, no write."""
+        return self.doc_at(self.local_tip())
 
     def doc_at(self, commit: str | None) -> Doc:
         """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
@@ -6038,8 +6047,8 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
     for scope in SCOPES:
         try:
             st = store(cfg, scope)
-            doc = st.peek() if isinstance(st, LocalStore) else st.doc_at(st.local_tip())
-            if doc is None:
+            doc = st.peek()
+            if doc is None:                  # (only the local file is repaired, by a write)
                 raise CorruptStore(f"{st.path} has damaged lines; the next recall or capture "
                                    "sets them aside")
             docs[scope] = doc
