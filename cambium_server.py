@@ -277,6 +277,11 @@ class Param:
         kinds = set(get_args(self.type) or (self.type,)) - {type(None)}
         return int if kinds == {int} else bool if kinds == {bool} else str
 
+    @property
+    def listed(self) -> bool:
+        """Whether it takes a list (the CLI: a repeatable option, or commas)."""
+        return any(get_origin(t) is list for t in (get_args(self.type) or (self.type,)))
+
     def allowed(self) -> str:
         """What the argument accepts, as the end of "<name> must be ..."."""
         if self.choices:
@@ -8953,9 +8958,16 @@ def _cli_spec(tool: Tool, param: Param, option: bool = False) -> dict:
         return spec
     spec["type"] = tool.cli_types.get(param.name) or (
         _cli_int(param) if param.base is int else str)
+    if option and param.listed and param.base is str:
+        spec["action"] = "append"            # --tag a --tag b: both (joined with commas)
     if param.choices:
         spec["choices"] = param.choices
     return spec
+
+
+def _cli_joined(value: Any) -> Any:
+    """A repeated option's values as the one comma-separated text the API takes."""
+    return ",".join(value) if isinstance(value, list) else value
 
 
 def _cli_int(param: Param) -> Callable[[str], int]:
@@ -8992,7 +9004,7 @@ def main(argv: list[str] | None = None) -> int:
         _cli_parser().print_help()
         return 2
     tool: Tool = args.tool
-    kwargs = {p.name: getattr(args, p.name) for p in tool.params}
+    kwargs = {p.name: _cli_joined(getattr(args, p.name)) for p in tool.params}
     fmt = getattr(args, "format", "json")
     try:
         return (tool.run or _cli_print)(args, kwargs)

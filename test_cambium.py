@@ -4783,6 +4783,17 @@ def test_primer_hook_cache_follows_a_working_tree_edit(coderepo, tmp_path, monke
     assert "src/billing.py:6" in _hook(tmp_path, payload).stdout
 
 
+def test_cli_repeated_list_options_all_count(coderepo):
+    """--code-ref and --tags given twice keep both values (argparse kept the
+    last one silently)."""
+    out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
+              "--code-ref", "src/report.py", "--tags", "ledger", "--tags", "billing, totals")
+    item = json.loads(out.stdout)["item"]
+    assert item["code_refs"] == [{"path": "src/billing.py", "symbol": "Ledger.total"},
+                                 {"path": "src/report.py"}]
+    assert set(item["tags"]) == {"ledger", "billing", "totals"}
+
+
 def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
               "--kind", "decision")
