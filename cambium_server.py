@@ -7719,9 +7719,9 @@ def _schedule_credit_fold(cfg: Config) -> None:
         started = time.monotonic()
         with use_runtime(rt):
             _fold_quietly(cfg, "not yet folded")
+            with rt.lock:                # the fold's own cost paces the next one
+                rt.fold_cost_s = time.monotonic() - started
             warm_primer(cfg)
-        with rt.lock:
-            rt.fold_cost_s = time.monotonic() - started
 
     with rt.lock:
         if rt.fold_timer is not None:

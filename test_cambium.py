@@ -1017,6 +1017,24 @@ def test_expand_counts_a_legacy_journals_credits_without_moving_it(repo):
     assert legacy.exists()
 
 
+def test_background_fold_waits_longer_after_a_slow_fold(repo):
+    """The server's credit fold runs CREDIT_FOLD_DELAY_S after a recall, or
+    CREDIT_FOLD_DUTY times the last fold's cost when that is longer (a store
+    whose rewrite is slow is not rewritten more than 1/DUTY of the time)."""
+    rt, cfg = cs.runtime(), cs.resolve_config()
+    rt.long_running.set()
+    try:
+        for cost, want in ((0.01, cs.CREDIT_FOLD_DELAY_S), (1.5, 1.5 * cs.CREDIT_FOLD_DUTY)):
+            rt.fold_cost_s = cost
+            cs._schedule_credit_fold(cfg)
+            timer = rt.fold_timer
+            assert timer is not None and timer.interval == pytest.approx(want)
+            timer.cancel()
+            rt.fold_timer = None
+    finally:
+        rt.long_running.clear()
+
+
 def test_two_runtimes_side_by_side_keep_their_own_caches(repo):
     rt1, rt2 = cs.Runtime(), cs.Runtime()
     cfg = cs.resolve_config()
