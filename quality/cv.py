@@ -132,13 +132,6 @@ class Prepared:
                 self.sims[kind] = mat
 
 
-def outcome(ranked: list[int], rel: list[float], gold: set, floor: float) -> tuple:
-    """(rank of the gold item among the results or None, abstained)."""
-    results = [s for s, r in zip(ranked, rel) if r >= floor]
-    rank = next((n + 1 for n, s in enumerate(results) if s in gold), None)
-    return rank, not results
-
-
 def lexical_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     """cambium's lexical recall: BM25 ranks, confidence_bm25 (with the why
     weighing params["why_weight"]) gives the relevance."""
@@ -189,10 +182,10 @@ def evaluate(p: Prepared, qids: list[int], run, params: dict) -> dict:
     rows = []
     for qi in qids:
         ranked, rel = run(p, qi, params)
-        rel = [max(r, cs.RELEVANCE_FLOOR) if cs.holds_every_term(p.index.items[s], p.terms[qi])
-               else r for s, r in zip(ranked, rel)]        # as cambium's split_at_floor
-        rank, abst = outcome(ranked, rel, p.gold[qi], cs.RELEVANCE_FLOOR)
-        rows.append((p.queries[qi]["kind"], rank, abst))
+        hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, rel)]  # score: the slot
+        results, _ = cs.split_at_floor(hits, p.terms[qi])   # cambium's own floor rule
+        rank = next((n + 1 for n, h in enumerate(results) if h.score in p.gold[qi]), None)
+        rows.append((p.queries[qi]["kind"], rank, not results))
     return metrics(rows)
 
 
