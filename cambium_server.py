@@ -1287,12 +1287,15 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
 
 def _git_dirs(root: Path) -> tuple[Path, Path]:
     """(git dir, common dir) of the clone or linked worktree at root, read from
-    .git without spawning git. Raises OSError/IndexError when unreadable."""
+    .git without spawning git. Raises OSError/IndexError when unreadable, and
+    for a clone whose refs are not files (reftable), so no ref is misread."""
     dotgit = root / ".git"
     gitdir = dotgit if dotgit.is_dir() else \
         (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
     common = gitdir / (gitdir / "commondir").read_text().strip() \
         if (gitdir / "commondir").exists() else gitdir
+    if (common / "reftable").is_dir():     # refs not in files: every caller asks git then
+        raise OSError(f"{root} keeps its refs in a reftable")
     return gitdir, common
 
 

@@ -1562,6 +1562,19 @@ def test_org_default_branch_is_asked_of_the_remote_once_then_read_from_the_clone
     assert not {"ls-remote", "symbolic-ref"} & set(calls), calls
 
 
+def test_refs_of_a_reftable_clone_are_never_read_from_files(tmp_path):
+    """A clone that keeps its refs in a reftable has no ref files to read:
+    cambium's file readers decline (then git is asked, or nothing is cached)
+    instead of reading a placeholder HEAD as the tip."""
+    repo = make_repo(tmp_path)
+    assert cs._git_head(repo)
+    (repo / ".git" / "reftable").mkdir()         # as git lays out a reftable clone
+    assert cs._git_head(repo) is None
+    with pytest.raises(OSError):
+        cs._ref_value(repo, "refs/heads/main")
+    assert cs._sha1_objects(repo) is None
+
+
 def test_store_accessor_gives_every_scope_one_contract(shared, monkeypatch):
     cfg = cs.resolve_config()
     with pytest.raises(cs.ScopeOff):
