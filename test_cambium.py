@@ -2024,6 +2024,21 @@ def test_generalize_and_review_fetch_each_scope_once(shared, monkeypatch):
     assert fetched.count(shared["a"]) == 1 and fetched.count(shared["org"]) == 1
 
 
+def test_expand_fetches_a_shared_scope_only_when_the_scopes_below_miss(shared, monkeypatch):
+    """locate looks local first: expanding a local item fetches nothing; a
+    team item is found with one team fetch."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    team_item = _endorsed("Team fact about retries")
+    cs.promote(team_item)
+    local_item = cs.capture("Local fact about invoices")["item"]["id"]
+    cs.runtime().reset()
+    fetched = _count_fetches(monkeypatch)
+    assert cs.expand(local_item)["scope"] == "local"
+    assert fetched == []
+    assert cs.expand(team_item)["scope"] == "team"
+    assert fetched == [shared["a"]]
+
+
 def test_a_lone_writer_writes_on_the_tip_it_pushed_without_fetching(shared, monkeypatch):
     """A process that pushed the tip itself tries its next write on it without a
     fetch; when a peer wrote meanwhile the push loses and the write is judged
