@@ -2447,6 +2447,7 @@ class GitStore(Store):
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
         self._objects_dir: Path | None | bool = False     # not looked up yet
+        self._meta: Path | None = None            # stamps and locks (_meta_dir)
         self._rt = runtime()
         self._state = self._rt.git_scope(repo, remote, branch)
 
@@ -2459,9 +2460,21 @@ class GitStore(Store):
         return _git(list(args), self.repo, self.timeout_s, check=check, input=input)
 
     def _stamp(self) -> Path:
-        gitdir = self.repo / ".git"
-        base = gitdir if gitdir.is_dir() else self.repo
-        return base / "cambium" / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
+        return self._meta_dir() / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
+
+    def _meta_dir(self) -> Path:
+        """Where the fetch stamps and write locks live: `cambium/` in the clone's
+        common git dir, beside the refs they guard, so every linked worktree of
+        a clone shares them and none lands in a working tree."""
+        if self._meta is None:
+            try:
+                common = _git_dirs(self.repo)[1]
+            except (OSError, IndexError):
+                proc = self.git("rev-parse", "--git-common-dir", check=False)
+                common = self.repo / proc.stdout.strip() if proc.returncode == 0 \
+                    else self.repo / ".git"
+            self._meta = Path(os.path.abspath(common)) / "cambium"
+        return self._meta
 
     def fetch(self, force: bool = False, background: bool = False,
               fresh: bool = False) -> str | None:

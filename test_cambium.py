@@ -1233,6 +1233,26 @@ def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     assert res["results"][0]["scope"] == "team"
 
 
+def test_a_linked_worktree_keeps_fetch_stamps_and_locks_in_the_common_git_dir(shared,
+                                                                            monkeypatch):
+    """From a linked worktree (.git is a file), team writes put their fetch
+    stamp and write lock in the clone's common git dir, where the clone's own
+    writes find them, never as a `cambium/` folder in the worktree's files."""
+    a, wt = shared["a"], shared["tmp"] / "wt"
+    git(a, "worktree", "add", "-q", "-b", "side", str(wt))
+    as_agent(monkeypatch, wt, "ada")
+    cs.capture("Stamps belong in the git dir", tags="git")   # sets the worktree up
+    item = cs.capture("Worktrees share one fetch stamp", tags="git")["item"]
+    cs.endorse(item["id"], note="Worktrees share one fetch stamp")
+    before = git(wt, "status", "--porcelain", "--untracked-files=all")
+    assert cs.promote()["status"] == "promoted"
+    assert git(wt, "status", "--porcelain", "--untracked-files=all") == before
+    assert not (wt / "cambium").exists()
+    meta = a / ".git" / "cambium"
+    assert (meta / "fetched-team-cambium").is_file() and (meta / "write-team-cambium.lock").exists()
+    assert _team_store(a)._stamp() == _team_store(wt)._stamp() == meta / "fetched-team-cambium"
+
+
 def test_promote_without_trust_is_not_eligible_and_threshold_works(shared, monkeypatch):
     item = cs.capture("Cache tenant lookups for sixty seconds", tags="cache")["item"]
     assert cs.promote()["status"] == "nothing_eligible"
