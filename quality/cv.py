@@ -2,7 +2,8 @@
 """Cross-validated recall quality, in process, with cambium_server's own scoring.
 
     python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2]
-                          [--folds 5] [--rule normal|quantile] [--false-target F] [--cache DIR]
+                          [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
+                          [--cache DIR]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -30,7 +31,11 @@ discounts), pseudo-relevance feedback (Rocchio weight, top 3 items) and a
 raw-BM25 boost of relevance. The false target per mode is chosen by
 cross-validation too (choose_false_target): of FALSE_TARGETS, the one that
 abstains most while its cross-validated wrongly-abstained share stays within
-MAX_FALSE and it finds every paraphrase the most conservative one finds.
+MAX_FALSE and it finds every paraphrase the most conservative one finds. That
+choice reads CV figures, so the figures reported are nested: in each outer
+fold the target is chosen by an inner CV on the training folds alone. With
+--repeats R the outer CV runs on R different fold splits (the spread of one
+split of 98 queries is wide: a lucky split moved lexical abstention by half).
 Settings are chosen by the best training mean (--select best) or by the
 one-standard-error rule (--select 1se). What cambium_server ships is the choice this script makes on all of
 dev (printed last for each mode).
@@ -43,6 +48,7 @@ import json
 import random
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +119,7 @@ class Prepared:
         self.terms = [list(dict.fromkeys(cs.tokenize(q["query"]))) for q in queries]
         self.lex = [cs.bm25_scores(self.index, t) for t in self.terms]
         self.sims = None
+        self.rr: dict = {}              # (ranking params, query) -> reciprocal rank (query_rrs)
         if vec is not None:
             np = vec.np
             kinds = [item_vector_rows(vec, it) for it in self.index.items]
@@ -262,6 +269,7 @@ WHY_WEIGHTS = (0.5, 0.25, 0.125)
 FALSE_TARGETS = (0.03, 0.05, 0.08)
 MAX_FALSE = 0.04    #: ...keeping the cross-validated wrongly-abstained share at most this
 SELECT = ["best"]                       #: parameter choice: "1se" or "best" (see pick)
+SEEDS = [13, 14, 15, 16, 17]            #: fold shuffles: one k-fold split per seed (--repeats)
 RULE = ["normal"]                      #: calibration: "normal" (fit) or "quantile" (empirical)
 
 
@@ -291,11 +299,17 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
 
 
 def query_rrs(p: Prepared, qids, run, params) -> list[float]:
-    """Each query's reciprocal rank of its gold among the top LIMIT (0: missed)."""
+    """Each query's reciprocal rank of its gold among the top LIMIT (0: missed),
+    memoized: the ranking does not depend on the floor, so nested selection
+    ranks each query once per setting."""
+    key = (run.__name__, tuple(sorted((k, v) for k, v in params.items() if k != "floor")))
     out = []
     for qi in qids:
-        ranked, _ = run(p, qi, params)
-        out.append(next((1 / (n + 1) for n, s in enumerate(ranked) if s in p.gold[qi]), 0.0))
+        if (key, qi) not in p.rr:
+            ranked, _ = run(p, qi, params)
+            p.rr[key, qi] = next((1 / (n + 1) for n, s in enumerate(ranked)
+                                  if s in p.gold[qi]), 0.0)
+        out.append(p.rr[key, qi])
     return out
 
 
@@ -350,20 +364,31 @@ def folds(queries: list, k: int, seed: int = 13) -> list[list[int]]:
     return out
 
 
-def cross_validate(p: Prepared, mode: str, k: int, false_target: float):
+def cross_validate(p: Prepared, mode: str, k: int, false_target: float | None,
+                   qids: list[int] | None = None, seeds: list[int] | None = None):
+    """k-fold CV over qids (default: all), once per seed: per test fold, the
+    figures of the parameters select() chooses on the other folds. With
+    false_target None the target is chosen on the training folds too, by an
+    inner CV of their own (choose_false_target): nested, so the figures never
+    see the query that chose the target."""
     run = lexical_run if mode == "lexical" else semantic_run
     per_fold, chosen = [], []
-    allq = list(range(len(p.queries)))
-    for test in folds(p.queries, k):
-        train = [q for q in allq if q not in set(test)]
-        params = select(p, train, mode, false_target)
-        chosen.append(params)
-        per_fold.append(evaluate(p, test, run, params))
-    # pooled counts over the k test folds (each query scored exactly once)
+    allq = list(range(len(p.queries))) if qids is None else qids
+    for seed in seeds or SEEDS:
+        for test in folds([p.queries[q] for q in allq], k, seed):
+            test = {allq[n] for n in test}
+            train = [q for q in allq if q not in test]
+            target = false_target
+            if target is None:
+                target = choose_false_target(p, mode, k, train, [seed])[0]
+            params = dict(select(p, train, mode, target), false_target=target)
+            chosen.append(params)
+            per_fold.append(evaluate(p, sorted(test), run, params))
     return per_fold, chosen
 
 
-def choose_false_target(p: Prepared, mode: str, k: int) -> tuple[float, dict]:
+def choose_false_target(p: Prepared, mode: str, k: int, qids: list[int] | None = None,
+                        seeds: list[int] | None = None) -> tuple[float, dict]:
     """The false target (FALSE_TARGETS) that abstains most under cross-validation
     while costing no answer: its mean wrongly-abstained share stays at most
     MAX_FALSE (the issue allows 5%; the rest is margin for an unseen set), and
@@ -372,7 +397,7 @@ def choose_false_target(p: Prepared, mode: str, k: int) -> tuple[float, dict]:
     target and, per candidate, its cross-validated summary."""
     seen, sums = {}, {}
     for target in FALSE_TARGETS:
-        seen[target] = cross_validate(p, mode, k, target)
+        seen[target] = cross_validate(p, mode, k, target, qids, seeds)
         sums[target] = summary(seen[target][0])
     base = sums[FALSE_TARGETS[0]]
     ok = [t for t in FALSE_TARGETS
@@ -419,6 +444,10 @@ def main() -> int:
                                                   str(ROOT / "quality" / "held2")],
                     help="held-out set folders, scored with the parameters chosen on dev")
     ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="repeated k-fold CV: this many different fold splits (seeds 13, 14, ...); "
+                         "the figures are the mean and range over all repeats x folds, a steadier "
+                         "estimate than one split of 98 queries")
     ap.add_argument("--false-target", type=float,
                     help="share of the training paraphrases the floor may abstain on "
                          f"(default: per mode, the one of {FALSE_TARGETS} that "
@@ -436,6 +465,7 @@ def main() -> int:
     a = ap.parse_args()
     RULE[0] = a.rule
     SELECT[0] = a.select
+    SEEDS[:] = [13 + n for n in range(max(1, a.repeats))]
     modes = ("lexical", "semantic") if a.mode == "both" else (a.mode,)
     vec = Vectors(Path(a.cache)) if "semantic" in modes else None
     store = Path(a.store) if Path(a.store).is_file() else Path(a.dev) / "corpus.jsonl"
@@ -450,26 +480,30 @@ def main() -> int:
         if a.false_target is not None:
             target = a.false_target
             per_fold, chosen = cross_validate(dev, mode, a.folds, target)
-        else:
+        else:       # the shipped target: chosen on all of dev; the figures: nested CV
             target, seen = choose_false_target(dev, mode, a.folds)
-            per_fold, chosen = seen[target]
             for t, (pf, _) in seen.items():
                 m = summary(pf)
-                print(f"  {mode} false target {t}: CV abstained {m['no-answer abstained'][0]:.3f}, "
-                      f"wrongly abstained {m['answerable wrongly abstained'][0]:.3f}, paraphrase "
+                print(f"  {mode} false target {t} (CV on all dev, to choose it): abstained "
+                      f"{m['no-answer abstained'][0]:.3f}, wrongly abstained "
+                      f"{m['answerable wrongly abstained'][0]:.3f}, paraphrase "
                       f"hit@1 {m['paraphrase hit@1'][0]:.3f}, hit@5 {m['paraphrase hit@5'][0]:.3f}",
                       file=sys.stderr)
+            per_fold, chosen = cross_validate(dev, mode, a.folds, None)
         final = select(dev, list(range(len(dev.queries))), mode, target)
         report[mode] = {"cv": summary(per_fold), "fold_params": chosen, "params": final,
                         "false_target": target}
         for name, held in helds.items():
             report[mode][name] = fmt_single(evaluate(held, list(range(len(held.queries))),
                                                      run, final))
-        print(f"\n== {mode}: {a.folds}-fold CV on dev ({len(dev.queries)} queries), "
-              f"mean [min..max] over folds")
+        nested = ", false target nested" if a.false_target is None else ""
+        print(f"\n== {mode}: {a.folds}-fold CV x {len(SEEDS)}{nested} on dev "
+              f"({len(dev.queries)} queries), mean [min..max] over folds")
         for name, (mean, lo, hi) in report[mode]["cv"].items():
             print(f"  {name:<30}{mean:6.3f}  [{lo:.3f}..{hi:.3f}]")
-        print(f"  params chosen per fold: {chosen}")
+        for setting, n in Counter(json.dumps({k: v for k, v in c.items() if k != "floor"})
+                                  for c in chosen).most_common():
+            print(f"  chosen in {n} of {len(chosen)} folds: {setting}")
         print(f"== {mode}: false target {target}; params from all dev: {final}")
         for name, held in helds.items():
             print(f"== {mode}: held-out set {name} ({len(held.queries)} queries)")
