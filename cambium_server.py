@@ -3496,13 +3496,13 @@ _CJK_RUN = re.compile("([\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf
                       "\uac00-\ud7af\uff66-\uff9f\U00020000-\U0002fa1f]+)")
 _KANA_MARKS = "\u3099\u309a"         #: Japanese voicing marks: part of the letter, kept
 _FIELD_WEIGHTS = {"content": 1.0, "why": 0.5, "tags": 2.0}   #: multiples of 1/8: exact sums
-CONFIDENCE_WHY_WEIGHT = 0.25   #: the why's weight in the BM25 a lexical hit's relevance reads
+CONFIDENCE_WHY_WEIGHT = 0.5    #: the why's weight in the BM25 a lexical hit's relevance reads
 BM25_K1 = 1.2
 BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
-LEXICAL_FLOOR = 6.37    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
+LEXICAL_FLOOR = 6.38    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
 
 
 def fold(text: str) -> str:
