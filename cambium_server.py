@@ -4099,8 +4099,11 @@ SEM_WHY_DISCOUNT = None             #: an item's why, embedded alone, likewise (
 SEM_FEEDBACK = 0.6                  #: pseudo-relevance feedback: query + this x top items' mean
 SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
 SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>= MAX_RECALL_LIMIT)
-SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.301                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_EXACT_FIRST = True              #: items holding every query word rank first (exact_first)
+SEM_RELEVANCE = "first"             #: the cosine relevance reads: "all" of an item's vectors (as
+                                    #: the ranking) or its "first" window (what the text opens with)
+SEM_LEXICAL_BOOST = 0.004           #: relevance = cosine + this x raw BM25
+SEM_FLOOR = 0.304                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -4896,13 +4899,17 @@ class Semantic:
         if terms and (waiting or SEM_LEXICAL_WEIGHT or SEM_LEXICAL_BOOST):
             lex = {i: v for i, v in bm25_scores(index, terms).items() if i < n}  # (grown since)
         q = emb.embed([query])[0] if usable.any() else np.zeros(EMBED_DIM, np.float32)
-        sim = first @ q
+        head = first @ q                     # each item's first window
+        sim = head.copy()                    # ...or any vector of it, discounted
         if len(tmat):                        # rows of one slot are contiguous: reduceat
             starts = np.flatnonzero(np.r_[True, tslot[1:] != tslot[:-1]])
             best = np.maximum.reduceat(tmat @ q - tdisc, starts)
             sim[tslot[starts]] = np.maximum(sim[tslot[starts]], best)
-        score, rel = semantic_blend(np, sim, usable, lex)
+        score, rel = semantic_blend(np, sim, usable, lex,
+                                    first=head if SEM_RELEVANCE == "first" else None)
         score = feedback_scores(np, first, q, sim, score, usable)
+        if SEM_EXACT_FIRST:
+            score = exact_first(np, index, terms, score)
         items = index.items
         hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else
                     lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
@@ -4959,15 +4966,18 @@ def _cosine_like(np: Any, rel: Any, floor: float) -> Any:
 
 
 def semantic_blend(np: Any, sim: Any, usable: Any, lex: dict[int, float], *,
-                   weight: float = SEM_LEXICAL_WEIGHT, boost: float = SEM_LEXICAL_BOOST,
+                   first: Any = None, weight: float = SEM_LEXICAL_WEIGHT,
+                   boost: float = SEM_LEXICAL_BOOST,
                    floor: float = SEM_FLOOR) -> tuple[Any, Any]:
-    """(ranking score, relevance) by slot. The score only orders: cosine +
-    weight x BM25 / the query's best BM25. Relevance is absolute, so it means
-    the same in any store: cosine + boost x raw BM25 (idf over at least
-    BM25_MIN_DOCS), on the 0..1 scale. A slot with no vector yet (usable
-    false) stands in with the cosine its lexical relevance maps to, or is left
-    out (-inf) when it shares no word with the query."""
+    """(ranking score, relevance) by slot. The score only orders: cosine (sim)
+    + weight x BM25 / the query's best BM25. Relevance is absolute, so it means
+    the same in any store: cosine (of the first windows, `first`, when given)
+    + boost x raw BM25 (idf over at least BM25_MIN_DOCS), on the 0..1 scale. A
+    slot with no vector yet (usable false) stands in with the cosine its
+    lexical relevance maps to, or is left out (-inf) when it shares no word
+    with the query."""
     sim = np.where(usable, sim, -np.inf)
+    rsim = sim if first is None else np.where(usable, first, -np.inf)
     bonus = np.zeros(len(sim), np.float64)
     raw = np.zeros(len(sim), np.float64)
     if lex:
@@ -4977,8 +4987,39 @@ def semantic_blend(np: Any, sim: Any, usable: Any, lex: dict[int, float], *,
         raw[slots] = vals
         late = ~usable[slots]
         if late.any():
-            sim[slots[late]] = _cosine_like(np, vals[late] / (vals[late] + LEXICAL_FLOOR), floor)
-    return sim + bonus, semantic_relevance(np, sim + boost * raw, floor)
+            sim[slots[late]] = rsim[slots[late]] = _cosine_like(
+                np, vals[late] / (vals[late] + LEXICAL_FLOOR), floor)
+    return sim + bonus, semantic_relevance(np, rsim + boost * raw, floor)
+
+
+def exact_first(np: Any, index: Index, terms: list[str], score: Any,
+                pool: int = SEM_FEEDBACK_POOL) -> Any:
+    """The ranking score with the items whose content and tags hold every word
+    of the query (holds_every_term) lifted above every other, among the best
+    `pool`: a query in an item's own words finds it first, as lexical recall
+    would. The postings rule most candidates out at one binary search a word."""
+    finite = np.flatnonzero(np.isfinite(score))
+    posts = [index.postings.get(t) for t in terms]
+    if not terms or not len(finite) or any(p is None for p in posts):
+        return score
+    k = min(pool, len(finite))
+    cand = finite[np.argpartition(-score[finite], k - 1)[:k]].tolist()
+    lift = [i for i in cand if all(_posted(p[0], i) for p in posts)
+            and (it := index.items[i]) is not None and holds_every_term(it, terms)]
+    if not lift:
+        return score
+    out = score.copy()
+    out[lift] += EXACT_LIFT
+    return out
+
+
+EXACT_LIFT = 4.0    #: above any blend of cosines, feedback and BM25 weight
+
+
+def _posted(slots: array, slot: int) -> bool:
+    """Whether a posting list (ascending slots) holds the slot."""
+    n = bisect.bisect_left(slots, slot)
+    return n < len(slots) and slots[n] == slot
 
 
 def embed_soon(cfg: Config, items: list[Item]) -> None:

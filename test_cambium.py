@@ -4072,6 +4072,51 @@ def test_semantic_one_word_query_an_item_holds_is_a_result(semantic):
     assert set(ids.values()).isdisjoint(r["id"] for r in res["results"])
 
 
+def test_exact_first_lifts_only_items_whose_content_and_tags_hold_every_word():
+    """A query in an item's own words ranks it first in semantic mode, above
+    items the cosine prefers; an item holding a word only in its why is not
+    lifted, nor one outside the best `pool`, and a query with a word no item
+    has lifts nothing."""
+    np = pytest.importorskip("numpy")
+    mk = lambda c, why="", tags=(): cs.new_item(c, kind="note", why=why, tags=list(tags),
+                                                source={})
+    items = [mk("Resumable eval skips seeds already in the results file"),
+             mk("The eval harness resumes from a checkpoint", why="skips seeds already done"),
+             mk("It skips seeds found in the results file", tags=["resumable", "eval"]),
+             mk("Unrelated note about billing")]
+    index = cs.build_index(items)
+    slot = {it.id: index.slot_of[it.id] for it in items}
+    terms = list(dict.fromkeys(cs.tokenize("resumable eval skips seeds results file")))
+    score = np.zeros(len(index.items))
+    score[[slot[it.id] for it in items]] = [0.50, 0.90, 0.40, 0.95]
+    out = cs.exact_first(np, index, terms, score)
+    order = [index.items[i].id for i in np.argsort(-out)]
+    assert order[:2] == sorted([items[0].id, items[2].id], key=lambda i: -out[slot[i]])
+    assert out[slot[items[1].id]] == score[slot[items[1].id]]     # the why does not count
+    assert out[slot[items[3].id]] == score[slot[items[3].id]]
+    assert out[slot[items[0].id]] > out[slot[items[2].id]]        # holders keep their order
+    assert (cs.exact_first(np, index, terms, score, pool=2) == score).all()   # not in the pool
+    assert (cs.exact_first(np, index, terms + ["zebra"], score) == score).all()
+    assert (cs.exact_first(np, index, [], score) == score).all()
+
+
+def test_semantic_relevance_reads_the_first_window_when_given():
+    """The ranking reads every vector of an item; relevance reads the first
+    windows when `first` is given, so a deep tail window can order an item but
+    not vouch for it. Raw BM25 adds `boost` to relevance only."""
+    np = pytest.importorskip("numpy")
+    sim, head = np.array([0.60, 0.40]), np.array([0.20, 0.40])
+    ones = np.ones(2, bool)
+    score, rel = cs.semantic_blend(np, sim, ones, {0: 10.0}, first=head, weight=0.0,
+                                   boost=0.004, floor=0.3)
+    assert list(score) == [0.60, 0.40]
+    assert rel[0] == pytest.approx(float(cs.semantic_relevance(np, np.array([0.24]), 0.3)[0]))
+    assert rel[1] == pytest.approx(float(cs.semantic_relevance(np, np.array([0.40]), 0.3)[0]))
+    assert rel[0] < cs.RELEVANCE_FLOOR <= rel[1]
+    _, all_rel = cs.semantic_blend(np, sim, ones, {}, weight=0.0, boost=0.0, floor=0.3)
+    assert all_rel[0] > cs.RELEVANCE_FLOOR                       # without `first`: every vector
+
+
 def test_ranking_skips_a_slot_killed_meanwhile():
     """best_slots and top_slots never order a slot a sync emptied meanwhile."""
     np = pytest.importorskip("numpy")
@@ -4228,6 +4273,9 @@ def test_semantic_team_and_org_items_embedded_and_cached(tmp_path):
 
 @needs_extra
 def test_semantic_long_item_tail_still_counts(tmp_path):
+    """A detail deep in a long item's tail windows orders it first; relevance
+    reads its first window (plus the raw-BM25 boost), so with nothing else
+    vouching for it, the item leads the weak matches, not the results."""
     filler = " ".join(f"Step {i}: check the staging queue depth and the worker count."
                       for i in range(40))
     long = cs.Item(id="k-long", content=filler + " Finally, the signing keys for release "
@@ -4237,7 +4285,8 @@ def test_semantic_long_item_tail_still_counts(tmp_path):
     ranking = cs.rank(cs.build_index(short + [long]),
                       "where are release signing keys kept", 3, engine=eng)
     assert len(eng.cache.get(cs.vector_key(long))) > 1
-    assert ranking.hits[0].item.id == "k-long"
+    assert (ranking.hits + ranking.weak)[0].item.id == "k-long"
+    assert ranking.hits == [] and ranking.weak[0].confidence < cs.RELEVANCE_FLOOR
 
 
 @needs_extra

@@ -27,8 +27,9 @@ unlike an empirical quantile of 33 values); in lexical mode the why's weight
 in the BM25 that relevance reads (cambium_server.confidence_bm25); in semantic
 mode the BM25 blend weight, the discount of tail windows, whether an item also
 gets a vector of its content + tags alone and of its why alone (and their
-discounts), pseudo-relevance feedback (Rocchio weight, top 3 items) and a
-raw-BM25 boost of relevance. The false target per mode is chosen by
+discounts), pseudo-relevance feedback (Rocchio weight, top 3 items), whether
+items holding every word of the query rank first, which cosine relevance reads
+(all of an item's vectors or its first window) and a raw-BM25 boost of it. The false target per mode is chosen by
 cross-validation too (choose_false_target): of FALSE_TARGETS, the one that
 abstains most while its cross-validated wrongly-abstained share stays within
 MAX_FALSE and it finds every paraphrase the most conservative one finds. That
@@ -161,15 +162,26 @@ def item_sims(p: Prepared, qi: int, params: dict):
     return sim
 
 
+def relevance_sims(p: Prepared, qi: int, params: dict):
+    """The cosines relevance reads (params["rel"], cambium's SEM_RELEVANCE):
+    "all" of the item's vectors, as the ranking, or its "first" window alone
+    (what the text opens with: the full-text vector of a model that truncates)."""
+    return p.sims["full_first"][qi] if params.get("rel") == "first" else item_sims(p, qi, params)
+
+
 def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     np = cs_np()
     sim = item_sims(p, qi, params)
-    score, rel = cs.semantic_blend(np, sim, np.ones(len(sim), bool), p.lex[qi],
+    ones = np.ones(len(sim), bool)
+    first = p.sims["full_first"][qi] if params.get("rel") == "first" else None
+    score, rel = cs.semantic_blend(np, sim, ones, p.lex[qi], first=first,
                                    weight=params["weight"], boost=params["boost"],
                                    floor=params["floor"])
     if params.get("prf"):                    # cambium's own Rocchio feedback
         score = cs.feedback_scores(np, p.first, p.qv[qi], sim, score, np.ones(len(sim), bool),
                                    beta=params["prf"])
+    if params.get("exact"):                  # cambium's exact_first
+        score = cs.exact_first(np, p.index, p.terms[qi], score)
     top = cs.best_slots(np, score, p.index.items, LIMIT)
     return top, [float(rel[i]) for i in top]
 
@@ -242,7 +254,7 @@ def raw_top(p: Prepared, qi, run, params) -> float:
     if run is lexical_run:
         top = cs.top_slots(p.lex[qi], p.index.items, LIMIT)
         return max((lexical_confidence(p, qi, i, params) for i in top), default=0.0)
-    sim = item_sims(p, qi, params)
+    sim = relevance_sims(p, qi, params)
     ranked, _ = run(p, qi, params)
     lex = p.lex[qi]
     return max(float(sim[i]) + params["boost"] * lex.get(i, 0.0) for i in ranked)
@@ -263,6 +275,7 @@ def grid(mode: str) -> list[dict]:
 
 
 BOOSTS = (0.0, 0.004, 0.008, 0.012, 0.016, 0.02)
+RELEVANCE_VECTORS = ("all", "first")                 #: what relevance reads (relevance_sims)
 WHY_WEIGHTS = (0.5, 0.25, 0.125)
 #: the share of training paraphrases a floor may abstain on: candidates, most
 #: conservative first (choose_false_target picks one per mode)
@@ -287,11 +300,14 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
         params = dict(params, floor=1e-9, boost=0.0)
         scored.append((params, query_rrs(p, ans, run, params)))
     best = pick(scored)
+    # items holding every word of the query first (exact_first), or not
+    best = pick([(dict(best, exact=e), query_rrs(p, ans, run, dict(best, exact=e)))
+                 for e in (False, True)])
     # the relevance's BM25 boost: the one whose calibrated floor catches most no-answers
     nones = [q for q in qids if p.queries[q]["kind"] == "none"]
     tried = []
-    for boost in BOOSTS:
-        params = dict(best, boost=boost)
+    for rel, boost in ((r, b) for r in RELEVANCE_VECTORS for b in BOOSTS):
+        params = dict(best, boost=boost, rel=rel)
         params["floor"] = calibrate(p, qids, run, params, false_target)
         caught = [1.0 if evaluate(p, [q], run, params)["abstention"] else 0.0 for q in nones]
         tried.append((params, caught))
@@ -317,7 +333,7 @@ def complexity(params: dict) -> int:
     """How many knobs move away from the plainest setting (cosine of the full
     text alone: no BM25, no discounts, no extra vectors, no feedback, no boost)."""
     plain = {"weight": 0.0, "tail": 0.0, "content_tags": None, "why": None, "prf": 0.0,
-             "boost": 0.0, "why_weight": 0.5}
+             "boost": 0.0, "why_weight": 0.5, "rel": "all", "exact": False}
     return sum(1 for k, v in plain.items() if k in params and params[k] != v)
 
 
