@@ -5922,10 +5922,9 @@ def item_history(item: Item) -> list[dict]:
     """What happened to an item, oldest first, read from its own record (pure)."""
     events = [{"at": item.created_at, "event": "created", "by": item.created_by,
                "via": (item.source or {}).get("system", "capture")}]
-    for e in item.trust.get("endorsements") or []:
+    for e in item.trust.get("endorsements") or []:    # their notes: expand's `endorsements`
         if isinstance(e, dict):
-            events.append({"at": e.get("at"), "event": "endorsed", "by": e.get("by"),
-                           "note": e.get("note")})
+            events.append({"at": e.get("at"), "event": "endorsed", "by": e.get("by")})
     for v in item.verifications if isinstance(item.verifications, list) else []:
         if isinstance(v, dict):
             events.append({"at": v.get("at"), "event": "verified", "by": v.get("by"),
@@ -7644,11 +7643,11 @@ def expand(item_id: ItemId) -> dict:
     """One item whole, by id (from recall, the primer or capture).
 
     Returns its content, why, provenance (source, author, project), trust
-    (recall count, which agents recalled it, projects, every endorsement with
-    its note), history (created, endorsed, verified, promoted, deprecated...),
-    and its code anchors resolved against the working tree to live path:line
-    (never the file content; `stale_code: true` when none resolves). Reads
-    only: expanding an item earns it no recall credit.
+    (recall count, which agents recalled it, projects), endorsements (each
+    with its note), history (created, endorsed, verified, promoted,
+    deprecated...), and its code anchors resolved against the working tree to
+    live path:line (never the file content; `stale_code: true` when none
+    resolves). Reads only: expanding an item earns it no recall credit.
     """
     cfg = require_config()
     item_id = _check_id(item_id)
@@ -7657,9 +7656,11 @@ def expand(item_id: ItemId) -> dict:
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out = {**item_view(item, trust=trust), "scope": scope,
            "line": item_line(item, trust=trust, anchors=anchors),
-           "provenance": _provenance(item), "trust": trust,
+           "provenance": _provenance(item),
+           "trust": {k: v for k, v in trust.items() if k != "endorsements"},
            "endorsements": [e for e in trust.get("endorsements") or [] if isinstance(e, dict)],
            "history": item_history(item), "code": anchors}
+    out.pop("endorsed_as", None)                   # the notes are in `endorsements`
     if is_stale_code(anchors):
         out["stale_code"] = True
     note_shown(cfg, [item.id], "expand")

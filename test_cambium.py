@@ -4636,6 +4636,21 @@ def test_expand_returns_the_whole_item_and_earns_no_credit(coderepo):
         cs.expand("k-000000000000")
 
 
+def test_expand_says_each_endorsement_once(repo):
+    """`endorsements` holds each endorsement with its note; `history` places it
+    in time; neither `trust` nor an `endorsed_as` list repeats them."""
+    iid = cs.capture("Pin major versions of every SDK", why="a minor bump broke the build"
+                     )["item"]["id"]
+    cs.endorse(iid, note="holds for every service we ship")
+    out = cs.expand(iid)
+    assert [(e["by"], e["note"]) for e in out["endorsements"]] == \
+        [("ada", "holds for every service we ship")]
+    assert [e for e in out["history"] if e["event"] == "endorsed"] == \
+        [{"at": out["endorsements"][0]["at"], "event": "endorsed", "by": "ada"}]
+    assert "endorsements" not in out["trust"] and "endorsed_as" not in out
+    assert json.dumps(out).count("holds for every service we ship") == 1
+
+
 def test_distill_drafts_carry_code_refs_from_changed_files_and_entries():
     claim = {"task": "fix totals", "status": "done", "updated_at": "2026-01-01T00:00:00Z",
              "changed_files": [{"status": "M", "path": "src/billing.py"},
