@@ -8812,7 +8812,7 @@ def serve(http: Annotated[bool, Field(
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
     token = os.environ.get(HTTP_TOKEN_ENV) or None
-    problem = http_bind_problem(host, port, token) if http else None
+    problem = http_bind_problem(host, token) if http else None
     if problem:
         print(f"cambium: {problem}", file=sys.stderr)
         return 2
@@ -8838,10 +8838,9 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def http_bind_problem(host: str, port: int, token: str | None) -> str | None:
-    """Why `serve --http` must not start with these settings, or None (pure)."""
-    if not 0 < port < 65536:
-        return f"--port {port} is not a TCP port (1-65535)."
+def http_bind_problem(host: str, token: str | None) -> str | None:
+    """Why `serve --http` must not bind `host` with this token, or None (pure).
+    (The port's range is serve's Field, which the CLI parser checks.)"""
     if not is_loopback(host) and not token:
         return (f"refusing to serve on {host}: a non-loopback bind is reachable from other "
                 f"machines, so it needs {HTTP_TOKEN_ENV} set (then every request must send "
