@@ -3577,13 +3577,13 @@ class Index:
         self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs), live only
         self.slot_of: dict[str, int] = {}          # item id -> live slot
         self.total_len = 0.0                       # exact: weights are multiples of 1/8
-        self.live = 0
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
         self._norms: tuple | None = None           # (state, slot -> norm)
         self.min_len = math.inf                    # the shortest slot's length (dead ones too)
         self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
-        self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
+        self.dead_slots: set[int] = set()          # slots killed (purged from the postings);
+                                                   # every other slot is live
         self._dirty: set[str] = set()              # terms whose postings hold a dead slot
 
     def _add(self, it: Item) -> None:
@@ -3603,7 +3603,6 @@ class Index:
         ck = content_key(it)
         self.keys[ck] = self.keys.get(ck, 0) + 1
         self.total_len += length
-        self.live += 1
 
     def _kill(self, slot: int) -> None:
         it = self.items[slot]
@@ -3613,7 +3612,6 @@ class Index:
             del self.keys[ck]
         self.total_len -= self.lens[slot]
         self.items[slot] = None
-        self.live -= 1
         self.dead_slots.add(slot)
         self._dirty.update(item_terms(it))
 
@@ -3740,8 +3738,12 @@ class Index:
         return top
 
     @property
+    def live(self) -> int:
+        return len(self.items) - len(self.dead_slots)
+
+    @property
     def dead(self) -> int:
-        return len(self.items) - self.live
+        return len(self.dead_slots)
 
     @property
     def avg_len(self) -> float:

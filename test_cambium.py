@@ -760,6 +760,7 @@ def test_pruned_lexical_scoring_ranks_exactly_like_scoring_every_match():
     fresh = cs.build_index(final)
     assert grown.dead and all(s not in grown.dead_slots
                               for slots, _ in grown.postings.values() for s in slots)
+    assert grown.live == fresh.live == sum(it is not None for it in grown.items) == len(final)
     rng, pruned = random.Random(5), 0
     queries = [" ".join(f"w{rng.randint(0, k)}" for _ in range(rng.randint(1, 6)))
                for k in (3, 20, 299) for _ in range(25)]
