@@ -3590,13 +3590,13 @@ class Index:
         self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs), live only
         self.slot_of: dict[str, int] = {}          # item id -> live slot
         self.total_len = 0.0                       # exact: weights are multiples of 1/8
-        self.live = 0
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
         self._norms: tuple | None = None           # (state, slot -> norm)
         self.min_len = math.inf                    # the shortest slot's length (dead ones too)
         self._tf_max: dict[str, tuple] = {}        # term -> (its tfs array, length seen, max)
-        self.dead_slots: set[int] = set()          # slots killed (purged from the postings)
+        self.dead_slots: set[int] = set()          # slots killed (purged from the postings);
+                                                   # every other slot is live
         self._dirty: set[str] = set()              # terms whose postings hold a dead slot
 
     def _add(self, it: Item) -> None:
@@ -3616,7 +3616,6 @@ class Index:
         ck = content_key(it)
         self.keys[ck] = self.keys.get(ck, 0) + 1
         self.total_len += length
-        self.live += 1
 
     def _kill(self, slot: int) -> None:
         it = self.items[slot]
@@ -3626,7 +3625,6 @@ class Index:
             del self.keys[ck]
         self.total_len -= self.lens[slot]
         self.items[slot] = None
-        self.live -= 1
         self.dead_slots.add(slot)
         self._dirty.update(item_terms(it))
 
@@ -3753,8 +3751,12 @@ class Index:
         return top
 
     @property
+    def live(self) -> int:
+        return len(self.items) - len(self.dead_slots)
+
+    @property
     def dead(self) -> int:
-        return len(self.items) - self.live
+        return len(self.dead_slots)
 
     @property
     def avg_len(self) -> float:
@@ -5976,10 +5978,9 @@ def item_history(item: Item) -> list[dict]:
     """What happened to an item, oldest first, read from its own record (pure)."""
     events = [{"at": item.created_at, "event": "created", "by": item.created_by,
                "via": (item.source or {}).get("system", "capture")}]
-    for e in item.trust.get("endorsements") or []:
+    for e in item.trust.get("endorsements") or []:    # their notes: expand's `endorsements`
         if isinstance(e, dict):
-            events.append({"at": e.get("at"), "event": "endorsed", "by": e.get("by"),
-                           "note": e.get("note")})
+            events.append({"at": e.get("at"), "event": "endorsed", "by": e.get("by")})
     for v in item.verifications if isinstance(item.verifications, list) else []:
         if isinstance(v, dict):
             events.append({"at": v.get("at"), "event": "verified", "by": v.get("by"),
@@ -7698,11 +7699,11 @@ def expand(item_id: ItemId) -> dict:
     """One item whole, by id (from recall, the primer or capture).
 
     Returns its content, why, provenance (source, author, project), trust
-    (recall count, which agents recalled it, projects, every endorsement with
-    its note), history (created, endorsed, verified, promoted, deprecated...),
-    and its code anchors resolved against the working tree to live path:line
-    (never the file content; `stale_code: true` when none resolves). Reads
-    only: expanding an item earns it no recall credit.
+    (recall count, which agents recalled it, projects), endorsements (each
+    with its note), history (created, endorsed, verified, promoted,
+    deprecated...), and its code anchors resolved against the working tree to
+    live path:line (never the file content; `stale_code: true` when none
+    resolves). Reads only: expanding an item earns it no recall credit.
     """
     cfg = require_config()
     item_id = _check_id(item_id)
@@ -7711,9 +7712,11 @@ def expand(item_id: ItemId) -> dict:
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out = {**item_view(item, trust=trust), "scope": scope,
            "line": item_line(item, trust=trust, anchors=anchors),
-           "provenance": _provenance(item), "trust": trust,
+           "provenance": _provenance(item),
+           "trust": {k: v for k, v in trust.items() if k != "endorsements"},
            "endorsements": [e for e in trust.get("endorsements") or [] if isinstance(e, dict)],
            "history": item_history(item), "code": anchors}
+    out.pop("endorsed_as", None)                   # the notes are in `endorsements`
     if is_stale_code(anchors):
         out["stale_code"] = True
     note_shown(cfg, [item.id], "expand")
@@ -8865,7 +8868,7 @@ def serve(http: Annotated[bool, Field(
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
     token = os.environ.get(HTTP_TOKEN_ENV) or None
-    problem = http_bind_problem(host, port, token) if http else None
+    problem = http_bind_problem(host, token) if http else None
     if problem:
         print(f"cambium: {problem}", file=sys.stderr)
         return 2
@@ -8891,10 +8894,9 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def http_bind_problem(host: str, port: int, token: str | None) -> str | None:
-    """Why `serve --http` must not start with these settings, or None (pure)."""
-    if not 0 < port < 65536:
-        return f"--port {port} is not a TCP port (1-65535)."
+def http_bind_problem(host: str, token: str | None) -> str | None:
+    """Why `serve --http` must not bind `host` with this token, or None (pure).
+    (The port's range is serve's Field, which the CLI parser checks.)"""
     if not is_loopback(host) and not token:
         return (f"refusing to serve on {host}: a non-loopback bind is reachable from other "
                 f"machines, so it needs {HTTP_TOKEN_ENV} set (then every request must send "

@@ -760,6 +760,7 @@ def test_pruned_lexical_scoring_ranks_exactly_like_scoring_every_match():
     fresh = cs.build_index(final)
     assert grown.dead and all(s not in grown.dead_slots
                               for slots, _ in grown.postings.values() for s in slots)
+    assert grown.live == fresh.live == sum(it is not None for it in grown.items) == len(final)
     rng, pruned = random.Random(5), 0
     queries = [" ".join(f"w{rng.randint(0, k)}" for _ in range(rng.randint(1, 6)))
                for k in (3, 20, 299) for _ in range(25)]
@@ -4705,6 +4706,21 @@ def test_expand_returns_the_whole_item_and_earns_no_credit(coderepo):
         cs.expand("k-000000000000")
 
 
+def test_expand_says_each_endorsement_once(repo):
+    """`endorsements` holds each endorsement with its note; `history` places it
+    in time; neither `trust` nor an `endorsed_as` list repeats them."""
+    iid = cs.capture("Pin major versions of every SDK", why="a minor bump broke the build"
+                     )["item"]["id"]
+    cs.endorse(iid, note="holds for every service we ship")
+    out = cs.expand(iid)
+    assert [(e["by"], e["note"]) for e in out["endorsements"]] == \
+        [("ada", "holds for every service we ship")]
+    assert [e for e in out["history"] if e["event"] == "endorsed"] == \
+        [{"at": out["endorsements"][0]["at"], "event": "endorsed", "by": "ada"}]
+    assert "endorsements" not in out["trust"] and "endorsed_as" not in out
+    assert json.dumps(out).count("holds for every service we ship") == 1
+
+
 def test_distill_drafts_carry_code_refs_from_changed_files_and_entries():
     claim = {"task": "fix totals", "status": "done", "updated_at": "2026-01-01T00:00:00Z",
              "changed_files": [{"status": "M", "path": "src/billing.py"},
@@ -5032,9 +5048,10 @@ def test_http_serve_without_token_binds_loopback_only(repo):
             _http_session(url, None, names))
     out = cli("serve", "--http", "--host", "0.0.0.0", "--port", str(_free_port()))
     assert out.returncode == 2 and "CAMBIUM_HTTP_TOKEN" in out.stderr
-    assert cs.http_bind_problem("::1", 7077, None) is None
-    assert cs.http_bind_problem("10.0.0.5", 7077, "t") is None
-    assert "port" in cs.http_bind_problem("127.0.0.1", 0, None)
+    assert cs.http_bind_problem("::1", None) is None
+    assert cs.http_bind_problem("10.0.0.5", "t") is None
+    bad = cli("serve", "--http", "--port", "0")
+    assert bad.returncode == 2 and "--port" in bad.stderr and "1 to 65535" in bad.stderr
 
 
 if __name__ == "__main__":
