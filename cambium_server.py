@@ -8378,6 +8378,11 @@ def restore(path: Annotated[str, Field(
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     _regular_file(p)
+    live = cfg.local_dir / STORE_FILE
+    if live.exists() and p.samefile(live):
+        raise InputError(f"{p} is the local store itself: restore takes a file set aside "
+                         f"beside it (knowledge.json{QUARANTINE_TAG}<time> or "
+                         f"knowledge.json{CORRUPT_TAG}<time>).")
     try:
         with open(p, "rb") as f:
             parsed = parse_file(f, str(p))
@@ -8398,11 +8403,16 @@ def restore(path: Annotated[str, Field(
     if parsed.bad:
         out["note"] = (f"{len(parsed.bad)} line(s) still do not parse; repair them and run "
                        "restore again (what came back is not duplicated), or delete the file.")
-    elif not p.name.endswith(RESTORED_SUFFIX):
+    elif _set_aside(p.name):                # (any other file is the user's: left as it is)
         done_path = p.with_name(p.name + RESTORED_SUFFIX)
         os.replace(p, done_path)
         out["moved_to"] = str(done_path)
     return with_store_warnings(out, cfg)
+
+
+def _set_aside(name: str) -> bool:
+    """Whether a file name is one cambium set aside and not restored yet."""
+    return (QUARANTINE_TAG in name or CORRUPT_TAG in name) and not name.endswith(RESTORED_SUFFIX)
 
 
 def write_id_map(cfg: Config, source: str, items: list[Item]) -> Path:

@@ -621,6 +621,26 @@ def test_store_where_nothing_parses_is_moved_aside_and_restored_faithfully(repo)
     assert cs.restore(res["moved_to"])["status"] == "nothing_to_restore"
 
 
+def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(repo):
+    """Pointed at the store itself, restore refuses (it used to rename the live
+    store away, emptying local scope); a copy the user made is merged but left
+    where and as it is: only a quarantine/corrupt file is renamed *.restored."""
+    item = cs.capture("Keep the store where it is", tags="store")["item"]
+    path = _store_path(repo)
+    before = path.read_bytes()
+    with pytest.raises(cs.InputError, match="local store itself"):
+        cs.restore(str(path))
+    out = cli("restore", str(path))
+    assert out.returncode != 0 and "local store itself" in out.stdout + out.stderr
+    assert path.read_bytes() == before and not path.with_name(path.name + ".restored").exists()
+    assert cs.recall("keep the store")["results"][0]["id"] == item["id"]
+    copy = repo / "backup-knowledge.json"
+    copy.write_bytes(before)
+    res = cs.restore(str(copy))
+    assert res["status"] == "nothing_to_restore" and "moved_to" not in res
+    assert copy.read_bytes() == before
+
+
 def test_kill_9_at_random_points_loses_no_acknowledged_capture(repo):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
