@@ -9135,9 +9135,9 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
     summary line printed."""
     if not args.output:
         return _cli_print(args, kwargs)
+    path = _export_target(args.output)
     res = export_markdown(**kwargs)
-    path = os.path.abspath(args.output)
-    atomic_write(Path(path), res["markdown"])
+    atomic_write(path, res["markdown"])
     note = f"; {cli_syntax(res['note'])}" if res.get("note") else ""
     n = res["items"]
     print(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
@@ -9145,6 +9145,19 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
     for w in res.get("warnings", []):
         print(f"{_prog()}: warning: {w}", file=sys.stderr)
     return 0
+
+
+def _export_target(output: str) -> Path:
+    """The file `export -o` replaces: a symlink's target (the link stays, as a
+    shell's > would write through it), never a device, FIFO or directory, and
+    never in a directory that does not exist (made up by a typo)."""
+    path = Path(os.path.realpath(output))
+    if path.exists() and not path.is_file():
+        raise InputError(f"-o {output}: not a regular file; export writes files only "
+                         "(without -o the markdown goes to stdout).")
+    if not path.parent.is_dir():
+        raise InputError(f"-o {output}: no directory {path.parent}.")
+    return path
 
 
 _CALL = re.compile(r"\b([a-z][a-z_]*)\(([^()]*)\)")

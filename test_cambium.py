@@ -12,6 +12,7 @@ import dataclasses
 import json
 import random
 import os
+import stat
 import re
 import shutil
 import subprocess
@@ -3912,6 +3913,33 @@ def test_cli_export_to_a_file_prints_one_summary_line(repo, tmp_path):
     assert out.stdout.count("\n") == 1 and str(target) in out.stdout
     assert "1 item" in out.stdout and "org scope is off" in out.stdout
     assert "Tag every release in git" in target.read_text()
+
+
+def test_cli_export_writes_through_a_symlink_and_never_replaces_a_device(repo, tmp_path):
+    """-o onto a symlink writes its target and keeps the link; onto a device
+    node, a FIFO or a directory, or into a directory that does not exist, it
+    refuses and changes nothing (atomic replace used to turn a device node
+    into a regular file and make up missing directories)."""
+    cs.capture("Tag every release in git", tags="release")
+    target, link = tmp_path / "real.md", tmp_path / "link.md"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    out = cli("export", "-o", str(link))
+    assert out.returncode == 0, out.stderr
+    assert link.is_symlink() and "Tag every release in git" in target.read_text()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for bad in (fifo, tmp_path, tmp_path / "no" / "such" / "dir" / "out.md"):
+        out = cli("export", "-o", str(bad))
+        assert out.returncode != 0 and "-o" in out.stderr + out.stdout, bad
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and not (tmp_path / "no").exists()
+    dev = tmp_path / "null"
+    try:
+        os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        return                                    # not root: no device node to try
+    assert cli("export", "-o", str(dev)).returncode != 0
+    assert stat.S_ISCHR(os.lstat(dev).st_mode)
 
 
 def test_serving_without_the_sdk_prints_an_install_hint_and_exits_2(repo):
