@@ -7518,12 +7518,11 @@ def recall(query: Annotated[str, Field(
     check_arg(recall, "scope", scope)
     check_arg(recall, "limit", limit)
     check_arg(recall, "detail", detail)
-    scopes = SCOPES if scope == "auto" else (scope,)
-    if scope in ("team", "org"):
-        store(cfg, scope)                   # asked for a scope that is off: say so
-    docs, warnings = read_scopes(cfg, scopes, digest=True)
-    if scope in ("team", "org") and scope not in docs:
-        raise CambiumError("; ".join(warnings) or f"{scope} scope could not be read")
+    if scope in ("team", "org"):            # the one scope asked for: off, unreadable or
+        st = store(cfg, scope)              # unreachable, its own error says which
+        docs, warnings = {scope: st.read(digest=True)}, list(st.warnings)
+    else:
+        docs, warnings = read_scopes(cfg, SCOPES if scope == "auto" else (scope,), digest=True)
     items = federated_items(docs)
     key = str(cfg.local_dir / STORE_FILE) + ("" if list(docs) == ["local"] else
                                              "|" + "+".join(docs))

@@ -1668,6 +1668,23 @@ def test_server_publishes_team_credits_shortly_after_in_the_background(shared, m
     assert remote_json(shared["origin"], "cambium")["items"][0]["trust"]["recalls"] == 1
 
 
+def test_recall_of_one_unreadable_shared_scope_says_why_with_its_code(shared):
+    """recall(scope="team") on a remote it cannot reach, or a team file that
+    does not parse, fails with that error's own code (git_failed,
+    corrupt_store), not a bare "error"."""
+    a, url = shared["a"], git(shared["a"], "remote", "get-url", "origin").strip()
+    git(a, "remote", "set-url", "origin", str(shared["tmp"] / "nowhere.git"))
+    with pytest.raises(cs.GitError) as unreachable:
+        cs.recall("ledger", scope="team")
+    assert cs.error_code(unreachable.value) == "git_failed"
+    git(a, "remote", "set-url", "origin", url)
+    push_file(shared["b"], "cambium", "knowledge.json", "not json {{{", "bad team file")
+    with pytest.raises(cs.CorruptStore) as corrupt:
+        cs.recall("ledger", scope="team")
+    assert cs.error_code(corrupt.value) == "corrupt_store"
+    assert cs.recall("ledger")["warnings"]                 # auto: skipped with a warning
+
+
 def test_server_refreshes_a_remote_scope_in_the_background(shared, monkeypatch):
     _endorsed("First team fact about rollouts", "rollouts")
     cs.promote()
