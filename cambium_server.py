@@ -8647,9 +8647,20 @@ def error_text(err: BaseException) -> str:
     """What went wrong, for a person or a model: no Python class names."""
     if isinstance(err, OSError) and err.strerror:
         where = f": {err.filename}" if err.filename else ""
-        return (f"{err.strerror}{where} (stores are only ever replaced whole; fix the file "
-                "system problem and retry).")
-    return str(err)
+        return clip_message(f"{err.strerror}{where} (stores are only ever replaced whole; fix "
+                            "the file system problem and retry).")
+    return clip_message(str(err))
+
+
+MAX_MESSAGE_CHARS = 2_000   #: an error message quoting a 5 MB argument stays this short
+
+
+def clip_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """A message cut to `limit` characters, saying how much was cut (pure)."""
+    if len(text) <= limit:
+        return text
+    keep = limit - 40
+    return f"{text[:keep]}… ({len(text) - keep:,} characters cut)"
 
 
 def argument_error(tool: str, errors: list[dict], arguments: dict) -> tuple[str, str | None]:
@@ -8686,6 +8697,7 @@ def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
         text, code = error_text(cause), error_code(cause)
     else:
         text, code = str(exc).removeprefix(f"Error executing tool {tool}: "), "error"
+    text = clip_message(text)
     return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True,
                           structured_content={"error": code, "message": text, **extra})
 

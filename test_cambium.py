@@ -3504,6 +3504,14 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
         out["capture"] = (cap.content[0].text, cap.structured_content)
         long = await session.call_tool("capture", {"content": "x" * 20_001})
         promote = await session.call_tool("promote", {"to_scope": "org"})
+        huge = [await session.call_tool(tool, args) for tool, args in (
+            ("expand", {"item_id": "k" * 3_000_000}),            # an id 3 MB long: quoted,
+            ("recall", {"query": "x", "scope": "g" * 3_000_000}))]   # then cut
+        for res in huge:
+            assert res.is_error and res.structured_content["error"] == "invalid_argument"
+            text = res.content[0].text
+            assert len(text) <= cs.MAX_MESSAGE_CHARS and text.endswith("characters cut)")
+            assert res.structured_content["message"] == text
         return out, [(r.content[0].text, r.structured_content) for r in (long, promote)]
 
     out, core = asyncio.run(_mcp_session(_mcp_env(repo), body))
