@@ -2019,6 +2019,12 @@ class LocalStore(Store):
                 done += os.pwrite(fd, data[done:], seen.tail_at + done)
             os.fsync(fd)
             key = _stat_key(os.fstat(fd))
+        except OSError:                      # a full disk, a file size limit: put the old
+            with contextlib.suppress(OSError):   # tail back, so no fragment of an item that
+                os.pwrite(fd, STORE_TAIL, seen.tail_at)  # was never acknowledged is left
+                os.ftruncate(fd, seen.tail_at + len(STORE_TAIL))
+                os.fsync(fd)
+            raise
         finally:
             os.close(fd)
         record = f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n"

@@ -642,6 +642,33 @@ def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(
     assert copy.read_bytes() == before
 
 
+def test_a_capture_that_fails_on_a_full_disk_leaves_the_store_byte_for_byte(repo):
+    """An append cut short by the file system (here a file size limit, as a
+    full disk would) puts the old tail back: no fragment of the unacknowledged
+    item stays behind to be quarantined later, and the next capture appends."""
+    cs.capture("Already here before the disk filled", tags="disk")
+    path = _store_path(repo)
+    before = path.read_bytes()
+    script = textwrap.dedent(f"""
+        import resource, sys; sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({len(before) + 300}, resource.RLIM_INFINITY))
+        try:
+            cs.capture("too big for what is left " + "z" * 5000, tags="disk")
+            print("captured")
+        except OSError as e:
+            print("refused", cs.error_code(e))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env=child_env(), text=True,
+                         capture_output=True, timeout=60)
+    assert out.stdout.strip() == "refused file_system", out.stdout + out.stderr
+    assert path.read_bytes() == before
+    assert not list(path.parent.glob("knowledge.json.quarantine-*"))
+    res = cs.capture("After space was freed", tags="disk")
+    assert res["status"] == "captured" and "warnings" not in res
+    assert len(json.loads(path.read_text())["items"]) == 2
+
+
 def test_kill_9_at_random_points_loses_no_acknowledged_capture(repo):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
