@@ -580,12 +580,25 @@ def json_kind(value: Any) -> str:
     return "a list" if isinstance(value, (list, tuple)) else "an object"
 
 
+_TERMINAL_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|.?)")
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def plain_text(value: str) -> str:
+    """Text as stored: valid Unicode in its composed form (NFC: "café" typed
+    two ways is one text, so duplicates match), mojibake repaired, and no
+    terminal escape sequences or control characters other than tab and line
+    breaks (a stored item is printed to terminals) (pure)."""
+    text = repair_mojibake(valid_unicode(value))
+    return unicodedata.normalize("NFC", _CONTROL.sub("", _TERMINAL_ESCAPE.sub("", text)))
+
+
 def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) -> str:
     if value is None:
         value = ""
     if not isinstance(value, str):
         raise InputError(f"{name} must be text; got {json_kind(value)}.")
-    text = repair_mojibake(valid_unicode(value.replace("\x00", ""))).strip()
+    text = plain_text(value).strip()
     if required and not text:
         raise InputError(f"{name} is empty; say what should be remembered.")
     if len(text) > limit:
@@ -610,7 +623,8 @@ def normalize_tags(tags: Any) -> list[str]:
         raise InputError("tags must be a list of strings or a comma/space separated string.")
     out: list[str] = []
     for p in parts:
-        p = repair_mojibake(valid_unicode(p)).strip().lower().lstrip("#")
+        p = plain_text(p).strip().lower().lstrip("#")
+        p = "".join(c for c in p if not c.isspace())    # (split above; NBSP and the like)
         if not p:
             continue
         if len(p) > MAX_TAG_CHARS:

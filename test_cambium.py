@@ -118,6 +118,26 @@ def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     assert cs.repair_mojibake(raw) == fixed
 
 
+@pytest.mark.parametrize("raw, stored", [
+    ("cafe\u0301 au lait", "café au lait"),                  # decomposed: composed (NFC)
+    ("\x1b[31mred\x1b[0m alert", "red alert"),               # terminal colours
+    ("title\x1b]0;pwned\x07 here", "title here"),            # a terminal title escape
+    ("a\x00b\x07c\x9bd", "abcd"),                             # NUL, bell, a C1 control
+    ("tab\tand\nlines\r\nkept", "tab\tand\nlines\r\nkept"),
+    ("donâ€™t", "don’t"),
+])
+def test_stored_text_is_composed_and_free_of_terminal_escapes(raw, stored):
+    assert cs.plain_text(raw) == stored
+
+
+def test_the_same_text_typed_two_ways_is_one_item_and_tags_hold_no_controls(repo):
+    first = cs.capture("Prefer the café's wifi for demos", tags=["caf\u00e9", "a\x00"])
+    again = cs.capture("Prefer the cafe\u0301's wifi for demos")
+    assert again["status"] == "duplicate" and again["item"]["id"] == first["item"]["id"]
+    assert first["item"]["tags"] == ["café", "a"]
+    assert cs.normalize_tags(["a", "a\x00", "cafe\u0301", "café"]) == ["a", "café"]
+
+
 @pytest.mark.parametrize("tags, expected", [
     ("a, b c", ["a", "b", "c"]),
     (["X", "y", "x"], ["x", "y"]),
