@@ -887,16 +887,22 @@ SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,
 DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("semantic", "backlog", "quality")]  # minutes each
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     if "--big" in argv:                  # the issue-14 figures at 100,000 items too
         argv = [a for a in argv if a != "--big"]
         SIZES.append(100_000)
+    unknown = [a for a in argv if a not in SECTIONS]
+    if unknown:
+        print(f"usage: bench_cambium.py [SECTION ...] [--big]\nsections: {', '.join(SECTIONS)} "
+              f"(default: {', '.join(DEFAULT_SECTIONS)})", file=sys.stderr)
+        return 0 if unknown[0] in ("-h", "--help") else 2
     chosen = argv or DEFAULT_SECTIONS
     print(f"cambium {cs.__version__} on Python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs")
     for name in chosen:
         SECTIONS[name]()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
