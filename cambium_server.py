@@ -1794,6 +1794,8 @@ def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, arra
     counting from byte `base`."""
     if seen is not None and seen.tail_at is not None and len(items) == len(seen.doc.items):
         return _pieces_in_place(items, seen, base)
+    if seen is not None and len(seen.spans) != 2 * len(seen.doc.items):
+        seen = None             # parsed from another layout (no spans): render every item
     where = {id(it): i for i, it in enumerate(seen.doc.items)} if seen else {}
     merge = seen is not None and seen.tail_at is not None
     pieces: list = []

@@ -443,6 +443,20 @@ def _store_path(repo: Path) -> Path:
     return repo / ".cambium" / "knowledge.json"
 
 
+def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
+    """A store in another layout (indented by hand) has no per-item byte
+    ranges to copy: the first write renders every item (it raised IndexError)."""
+    path = _store_path(repo)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"cambium": 1, "meta": {}, "items": [
+        {"id": "k-hand00000001", "content": "hand written fact about queues"}]}, indent=2))
+    assert cs.capture("an unrelated point about caching")["status"] == "captured"
+    data = json.loads(path.read_text())
+    assert [i["content"] for i in data["items"]] == ["hand written fact about queues",
+                                                     "an unrelated point about caching"]
+    assert data["items"][0]["id"] == "k-hand00000001"
+
+
 def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypatch):
     for n in range(3):
         cs.capture(f"seed fact number {n} about appends", tags="seed")
