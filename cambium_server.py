@@ -1100,7 +1100,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             file_error = f"{path} holds {type(loaded).__name__}, expected an object; ignored"
     except FileNotFoundError:
         pass
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         file_error = f"{path} could not be read ({e}); ignored"
     values: dict = {}
     origins: dict = {}
@@ -2347,14 +2347,27 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
     return records
 
 
+def _is_credit(rec: Any) -> bool:
+    """A credit record as _credit_hits writes it: item, agent and day as
+    non-empty text, scope and project text when present. Anything else (a
+    hand edit, a foreign writer) is never folded into trust."""
+    if not isinstance(rec, dict):
+        return False
+    for k in ("item", "agent", "day"):
+        v = rec.get(k)
+        if not isinstance(v, str) or not v:
+            return False
+    return all(isinstance(rec.get(k, ""), str) for k in ("scope", "project"))
+
+
 def _credit_records(text: str) -> list[dict]:
     out = []
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):    # torn, or nested past the parser's depth
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("item"), str):
+        if _is_credit(rec):
             out.append(rec)
     return out
 
@@ -2445,7 +2458,7 @@ def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[]
             for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     rec = None          # not ours to judge: a line we cannot parse is kept
                 if rec is None or json.dumps(rec, sort_keys=True) not in taken:
                     keep.append(line + "\n")
@@ -7112,7 +7125,7 @@ def read_shown(cfg: Config) -> list[dict]:
     for p in (path.with_name(SHOWN_FILE + ".1"), path):
         with contextlib.suppress(FileNotFoundError):
             for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
+                with contextlib.suppress(ValueError, RecursionError):
                     rec = json.loads(line)
                     if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
                             and isinstance(rec.get("session"), str):
@@ -7517,7 +7530,7 @@ def _write_config(path: Path, updates: dict[str, str]) -> None:
     if path.exists():
         try:
             current = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             current = None
         if not isinstance(current, dict):
             os.replace(path, path.with_name(path.name + ".bad"))
@@ -7852,10 +7865,11 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
     shown its entries."""
     key, path = primer_key(cfg, limit), cfg.local_dir / PRIMER_CACHE_FILE
     held: Any = None
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, RecursionError):
         held = json.loads(path.read_text(encoding="utf-8"))
-    if key is not None and isinstance(held, dict) and held.get("key") == key and all(
-            path_stamp(cfg.repo, p) == st for p, st in held.get("anchored", {}).items()):
+    if key is not None and isinstance(held, dict) and held.get("key") == key and \
+            isinstance(held.get("primer"), dict) and isinstance(held.get("anchored"), dict) \
+            and all(path_stamp(cfg.repo, p) == st for p, st in held["anchored"].items()):
         out = dict(held["primer"])
     else:
         anchored: set[str] = set()
@@ -9478,7 +9492,7 @@ def bind_hook() -> dict:
     usage attribution files this call under. Returns the payload ({} when none)."""
     import select
     payload: Any = {}
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, RecursionError):
         if sys.stdin is None or sys.stdin.isatty():
             return {}
         ready, _, _ = select.select([sys.stdin], [], [], 2.0)

@@ -1191,6 +1191,47 @@ def test_usage_journal_keeps_lines_it_cannot_parse(repo):
     assert journal.read_text() == '{"item": "k-torn", "sco\n'
 
 
+def test_junk_credit_records_are_never_folded_and_a_deep_line_is_skipped(repo):
+    item = cs.capture("Queue consumers ack after the write commits", tags="queues")["item"]
+    journal = cs.credits_path(cs.resolve_config())
+    good = {"item": item["id"], "scope": "local", "agent": "bob", "day": "2026-01-02",
+            "project": repo.name}
+    junk = [{"item": item["id"], "n": "x"}, {"item": item["id"], "n": -5},
+            {"item": item["id"], "n": True, "agent": "cy"},
+            {**good, "agent": {"x": 1}}, {**good, "day": 20260102}, {**good, "agent": ""},
+            {**good, "scope": ["local"]}, {**good, "project": None},
+            {**good, "item": ["x"]}, {**good, "session": {"a": 1}, "agent": ["ann"]}]
+    deep = "[" * 100_000
+    journal.write_text("".join(json.dumps(r) + "\n" for r in junk) + deep + "\n"
+                       + json.dumps(good) + "\n")
+    assert cs.read_credits(journal) == [good]
+    assert cs.status()["pending_recall_credits"] == 1
+    assert cs.expand(item["id"])["trust"]["recalled_by"] == {"bob": "2026-01-02"}
+    cs.endorse(item["id"], note="a rewrite folds the credits")
+    stored = _stored(_store_path(repo), item["id"])
+    assert stored["trust"]["recalls"] == 1 and stored["trust"]["recalled_by"] == {
+        "bob": "2026-01-02"}
+    left = journal.read_text().splitlines()          # what was not folded stays, verbatim
+    assert deep in left and json.dumps(good) not in left and len(left) == len(junk) + 1
+
+
+def test_deeply_nested_json_in_side_files_is_treated_as_unreadable(repo):
+    cs.capture("Queue consumers ack after the write commits", tags="queues")
+    deep = "[" * 100_000
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    config.write_text(deep)
+    assert "could not be read" in cs.resolve_config().file_error
+    config.unlink()
+    cfg = cs.resolve_config()
+    (cfg.local_dir / cs.PRIMER_CACHE_FILE).write_text(deep)
+    (cfg.local_dir / cs.SHOWN_FILE).write_text(deep + "\n")
+    assert "Queue consumers" in cs.session_primer()["primer"]
+    assert cs.usage()["count"] == 0
+    out = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], input=deep,
+                         text=True, capture_output=True, env=child_env(), timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr
+
+
 def test_legacy_usage_journal_is_adopted_and_folded(repo):
     item = cs.capture("Queue consumers ack after the write commits", tags="queues")["item"]
     legacy = repo / ".cambium" / "usage.jsonl"             # the journal's old name
