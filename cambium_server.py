@@ -370,18 +370,140 @@ def _empty_trust() -> dict:
     return {"recalls": 0, "endorsements": [], "projects": []}
 
 
-def _stored_trust(trust: Any) -> dict:
-    """A stored trust dict with its three counters well-typed (a copy)."""
-    if not isinstance(trust, dict):
-        return _empty_trust()
-    trust = {**_empty_trust(), **trust}
-    if not isinstance(trust["endorsements"], list):
-        trust["endorsements"] = []
-    if not isinstance(trust["projects"], list):
-        trust["projects"] = []
-    if not isinstance(trust["recalls"], int):
+# A field of the wrong JSON type (hand edits, foreign writers) reaches the Item
+# as its default, and the value read is kept in Item.mistyped as (raw, default)
+# under the field's name (("trust", key) for a trust counter): to_dict writes
+# the raw value back while the field still holds that default, so rewriting a
+# store loses nothing; once the program sets the field, its value wins.
+def _record_ok(rec: Any, keys: tuple) -> bool:
+    """Whether rec is an object whose `keys` are text or absent/null."""
+    if not isinstance(rec, dict):
+        return False
+    for k in keys:
+        v = rec.get(k)
+        if v is not None and not isinstance(v, str):
+            return False
+    return True
+
+
+def _records(value: Any, keys: tuple) -> Any:
+    """A list of objects as the code reads it: the list itself when every
+    entry passes _record_ok, else a copy without the others."""
+    if not isinstance(value, list):
+        return None
+    for rec in value:
+        if not _record_ok(rec, keys):
+            return [r for r in value if _record_ok(r, keys)]
+    return value
+
+
+def _texts(value: Any) -> Any:
+    """A list of text: the list itself, or a copy holding only its strings."""
+    if not isinstance(value, list):
+        return None
+    if set(map(type, value)) <= _JUST_STR:
+        return value
+    return [v for v in value if isinstance(v, str)]
+
+
+_JUST_STR = frozenset((str,))
+_ENDORSEMENT_KEYS = ("by", "at", "note")
+
+
+def _stored_trust(trust: Any) -> tuple[dict, dict | None]:
+    """A stored trust dict with its counters well-typed (a copy), and the
+    mistyped values it had ({("trust", key): (raw, default)}, or None)."""
+    if trust.__class__ is not dict:
+        return _empty_trust(), None if trust is None else {"trust": (trust, _empty_trust())}
+    trust = {"recalls": 0, "endorsements": [], "projects": [], **trust}
+    recalls, ends, projects = trust["recalls"], trust["endorsements"], trust["projects"]
+    bad = None
+    if recalls.__class__ is not int or recalls < 0:      # bool, text, float, negative
+        bad = {("trust", "recalls"): (recalls, 0)}
         trust["recalls"] = 0
-    return trust
+    if ends.__class__ is not list or ends:
+        typed = _records(ends, _ENDORSEMENT_KEYS)
+        if typed is None or typed is not ends:
+            bad = bad or {}
+            trust["endorsements"] = typed = typed or []
+            bad[("trust", "endorsements")] = (ends, typed)
+    try:
+        "".join(projects if projects.__class__ is list else (None,))
+    except TypeError:
+        bad = bad or {}
+        trust["projects"] = typed = _texts(projects) or []
+        bad[("trust", "projects")] = (projects, typed)
+    by = trust.get("recalled_by")
+    if by is not None and by.__class__ is not dict:
+        bad = bad or {}
+        bad[("trust", "recalled_by")] = (by, None)
+        del trust["recalled_by"]
+    return trust, bad
+
+
+def _optional_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _optional_record(keys: tuple, **more: tuple) -> Callable[[Any], dict | None]:
+    """An object field's check: its `keys` text (or absent), each of `more`
+    (key -> allowed types) of those types."""
+    def typed(value: Any) -> dict | None:
+        if not _record_ok(value, keys):
+            return None
+        for k, types in more.items():
+            if not isinstance(value.get(k), types) or isinstance(value.get(k), bool):
+                return None
+        return value
+    return typed
+
+
+def _code_refs(value: Any) -> list | None:
+    """code_refs entries as anchors read them: objects with a text path."""
+    typed = _records(value, ("path", "symbol"))
+    if typed is None:
+        return None
+    if all(isinstance(r.get("path"), str) for r in typed):
+        return typed
+    return [r for r in typed if isinstance(r.get("path"), str)]
+
+
+#: per optional field: its value as the code reads it, or None (mistyped)
+_OPTIONAL_TYPED: dict[str, Callable[[Any], Any]] = {
+    "valid_while": _optional_str, "last_verified": _optional_str, "example": _optional_str,
+    "promoted_at": _optional_str, "pr_url": _optional_str, "authority": _optional_str,
+    "corrects": _optional_str, "supersedes": _optional_str,
+    "verifications": lambda v: _records(v, ("by", "at", "note")),
+    "deprecated": _optional_record(("by", "at", "reason")),
+    "superseded_by": _optional_record(("id", "by", "at", "why")),
+    "check": _optional_record(("cmd", "by", "at", "project")),
+    "failing": _optional_record(("at", "output"), exit=(int, type(None))),
+    "code_refs": _code_refs,
+}
+
+
+def _raw_value(raw: Any, default: Any, now: Any) -> Any:
+    """What to store for a field read as `raw`, coerced to `default`, and now
+    holding `now`: raw while it still holds the default; a list the program
+    appended to keeps the raw entries first; else the program's value."""
+    if now is default or now == default:
+        return raw
+    if isinstance(raw, list) and isinstance(default, list) and isinstance(now, list) \
+            and len(now) > len(default) and now[:len(default)] == default:
+        return raw + now[len(default):]
+    return now
+
+
+def _put_back(d: dict, mistyped: dict) -> None:
+    """Restore the mistyped raw values into an item's stored dict (see above)."""
+    trust = None
+    for k, (raw, default) in mistyped.items():
+        if isinstance(k, tuple):
+            if trust is None:
+                trust = d["trust"] = dict(d["trust"])
+            trust[k[1]] = _raw_value(raw, default, trust.get(k[1]))
+        else:
+            d[k] = _raw_value(raw, default, d.get(k))
 
 
 _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "project",
@@ -390,6 +512,11 @@ _OPTIONAL_FIELDS = ("valid_while", "last_verified", "verifications", "example",
                     "promoted_at", "pr_url", "deprecated", "authority", "superseded_by",
                     "corrects", "supersedes", "check", "failing", "code_refs")
 _KNOWN_FIELDS = frozenset(_ITEM_FIELDS + _OPTIONAL_FIELDS)
+_TEXT_FIELDS = ("id", "content", "why", "type", "kind", "scope", "project", "created_by",
+                "created_at", "updated_at", "status")
+_BLANKS = ("",) * len(_TEXT_FIELDS)
+_BASE_FIELDS = frozenset(_ITEM_FIELDS)
+_intern = sys.intern
 AUTHORITIES = ("agent", "verified", "human")   #: lowest to highest; None stored = agent
 
 
@@ -436,37 +563,68 @@ class Item:
     failing: dict | None = None                      # {at, exit, output}: last check failed
     code_refs: list | None = None                    # [{path, symbol?}] code anchors
     extra: dict = field(default_factory=dict)
+    #: {field: (raw, default)} for fields stored with the wrong JSON type (see _put_back)
+    mistyped: dict | None = field(default=None, repr=False)
     #: values derived() from this object; not copied by dataclasses.replace
     memo: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> Item:
-        """Build an Item from stored JSON, tolerating missing and unknown keys.
-        Every read of a store runs this once per item: keep it lean."""
-        content = d.get("content")
-        if not isinstance(content, str):
-            content = ""
-        item_id = d.get("id")
-        if not isinstance(item_id, str) or not item_id:
+        """Build an Item from stored JSON, tolerating missing, unknown and
+        mistyped keys (kept verbatim for to_dict, see _put_back). Every read
+        of a store runs this once per item: keep the well-typed path lean."""
+        texts = tuple(map(d.get, _TEXT_FIELDS, _BLANKS))
+        bad = odd = None
+        try:
+            "".join(texts)                          # TypeError: some field is not text
+        except TypeError:
+            bad = {k: v for k, v in zip(_TEXT_FIELDS, texts) if not isinstance(v, str)}
+            texts = tuple(v if isinstance(v, str) else "" for v in texts)
+        item_id, content, why, type_, kind, scope, project, by, created, updated, status = texts
+        if not item_id:
             item_id = "k-" + hashlib.sha1(content.encode()).hexdigest()[:12]
-        why, tags, source = d.get("why"), d.get("tags"), d.get("source")
-        extra = d.keys() - _KNOWN_FIELDS
-        return cls(
+        tags, source = d.get("tags"), d.get("source")
+        try:
+            "".join(tags)                           # TypeError: not a list of text
+            if tags.__class__ is not list:
+                raise TypeError
+            tags = [t if len(t) > 64 else _intern(t) for t in tags]
+        except TypeError:
+            if tags is not None:
+                bad = bad or {}
+                bad["tags"] = tags
+            tags = [_shared_str(t) for t in _texts(tags) or ()]
+        if source.__class__ is not dict:
+            if source is not None:
+                bad = bad or {}
+                bad["source"] = source
+            source = {}
+        trust, odd = _stored_trust(d.get("trust"))
+        opts, extra = {}, {}
+        for k in d.keys() - _BASE_FIELDS:           # usually none or a few
+            v = d[k]
+            typed = _OPTIONAL_TYPED.get(k)
+            if typed is None:
+                extra[k] = v
+                continue
+            opts[k] = typed = typed(v)
+            if typed is not v and v is not None:
+                odd = odd or {}
+                odd[k] = (v, typed)
+        item = cls(
             id=item_id, content=content,
-            type=_shared_str(d.get("type") or "memory"),
-            kind=_shared_str(d.get("kind") or "note"),
-            why=why if isinstance(why, str) else "",
-            tags=[_shared_str(t) for t in tags] if isinstance(tags, list) else [],
-            scope=_shared_str(d.get("scope") or "local"),
-            project=_shared_str(d.get("project") or ""),
-            source=source if isinstance(source, dict) else {},
-            created_by=_shared_str(d.get("created_by") or ""),
-            created_at=str(d.get("created_at") or ""),
-            updated_at=str(d.get("updated_at") or d.get("created_at") or ""),
-            status=str(d.get("status") or "active"), trust=_stored_trust(d.get("trust")),
-            **{k: d[k] for k in _OPTIONAL_FIELDS if k in d},
-            extra={k: d[k] for k in extra} if extra else {},
-        )
+            type=_shared_str(type_ or "memory"), kind=_shared_str(kind or "note"), why=why,
+            tags=tags, scope=_shared_str(scope or "local"), project=_shared_str(project),
+            source=source, created_by=_shared_str(by), created_at=created,
+            updated_at=updated or created, status=status or "active", trust=trust,
+            extra=extra, **opts)
+        if bad:                  # the default each mistyped field now holds, with its raw
+            odd = odd or {}
+            for k, raw in bad.items():
+                odd[k] = (raw, getattr(item, k))
+        if odd:
+            item.mistyped = odd
+        return item
 
     def to_dict(self) -> dict:
         """The stored JSON form; optional fields appear only when set."""
@@ -476,6 +634,8 @@ class Item:
             if v is not None:
                 d[k] = v
         d.update(self.extra)
+        if self.mistyped:
+            _put_back(d, self.mistyped)
         return d
 
     @property
@@ -940,7 +1100,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             file_error = f"{path} holds {type(loaded).__name__}, expected an object; ignored"
     except FileNotFoundError:
         pass
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         file_error = f"{path} could not be read ({e}); ignored"
     values: dict = {}
     origins: dict = {}
@@ -1794,6 +1954,8 @@ def _item_pieces(items: list, seen: _Seen | None, base: int) -> tuple[list, arra
     counting from byte `base`."""
     if seen is not None and seen.tail_at is not None and len(items) == len(seen.doc.items):
         return _pieces_in_place(items, seen, base)
+    if seen is not None and len(seen.spans) != 2 * len(seen.doc.items):
+        seen = None             # parsed from another layout (no spans): render every item
     where = {id(it): i for i, it in enumerate(seen.doc.items)} if seen else {}
     merge = seen is not None and seen.tail_at is not None
     pieces: list = []
@@ -2185,14 +2347,27 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
     return records
 
 
+def _is_credit(rec: Any) -> bool:
+    """A credit record as _credit_hits writes it: item, agent and day as
+    non-empty text, scope and project text when present. Anything else (a
+    hand edit, a foreign writer) is never folded into trust."""
+    if not isinstance(rec, dict):
+        return False
+    for k in ("item", "agent", "day"):
+        v = rec.get(k)
+        if not isinstance(v, str) or not v:
+            return False
+    return all(isinstance(rec.get(k, ""), str) for k in ("scope", "project"))
+
+
 def _credit_records(text: str) -> list[dict]:
     out = []
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):    # torn, or nested past the parser's depth
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("item"), str):
+        if _is_credit(rec):
             out.append(rec)
     return out
 
@@ -2283,7 +2458,7 @@ def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[]
             for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     rec = None          # not ours to judge: a line we cannot parse is kept
                 if rec is None or json.dumps(rec, sort_keys=True) not in taken:
                     keep.append(line + "\n")
@@ -5744,7 +5919,9 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     """The survivor carrying its duplicates' recall credits, endorsements,
     projects and provenance (`merged_from`); a member already merged (a rerun
     after a partial failure) is not counted twice."""
-    done = {m.get("id") for m in survivor.extra.get("merged_from") or [] if isinstance(m, dict)}
+    prior = survivor.extra.get("merged_from")        # an unknown key: any JSON (hand edits)
+    prior = prior if isinstance(prior, list) else [] if prior is None else [prior]
+    done = {m.get("id") for m in prior if isinstance(m, dict) and isinstance(m.get("id"), str)}
     fresh = [(m, t) for m, t in members if m.id not in done]
     if not fresh:
         return survivor
@@ -5767,7 +5944,7 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         survivor, updated_at=now,
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
-        extra={**survivor.extra, "merged_from": list(survivor.extra.get("merged_from") or [])
+        extra={**survivor.extra, "merged_from": prior
                + origins})
 
 
@@ -6949,7 +7126,7 @@ def read_shown(cfg: Config) -> list[dict]:
     for p in (path.with_name(SHOWN_FILE + ".1"), path):
         with contextlib.suppress(FileNotFoundError):
             for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
+                with contextlib.suppress(ValueError, RecursionError):
                     rec = json.loads(line)
                     if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
                             and isinstance(rec.get("session"), str):
@@ -7354,7 +7531,7 @@ def _write_config(path: Path, updates: dict[str, str]) -> None:
     if path.exists():
         try:
             current = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             current = None
         if not isinstance(current, dict):
             os.replace(path, path.with_name(path.name + ".bad"))
@@ -7689,10 +7866,11 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
     shown its entries."""
     key, path = primer_key(cfg, limit), cfg.local_dir / PRIMER_CACHE_FILE
     held: Any = None
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, RecursionError):
         held = json.loads(path.read_text(encoding="utf-8"))
-    if key is not None and isinstance(held, dict) and held.get("key") == key and all(
-            path_stamp(cfg.repo, p) == st for p, st in held.get("anchored", {}).items()):
+    if key is not None and isinstance(held, dict) and held.get("key") == key and \
+            isinstance(held.get("primer"), dict) and isinstance(held.get("anchored"), dict) \
+            and all(path_stamp(cfg.repo, p) == st for p, st in held["anchored"].items()):
         out = dict(held["primer"])
     else:
         anchored: set[str] = set()
@@ -9315,7 +9493,7 @@ def bind_hook() -> dict:
     usage attribution files this call under. Returns the payload ({} when none)."""
     import select
     payload: Any = {}
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, RecursionError):
         if sys.stdin is None or sys.stdin.isatty():
             return {}
         ready, _, _ = select.select([sys.stdin], [], [], 2.0)

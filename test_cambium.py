@@ -176,6 +176,57 @@ def test_item_round_trip_keeps_unknown_keys():
     assert "valid_while" not in out
 
 
+MISTYPED = {                     # one item's fields, each of the wrong JSON type
+    "content": 123, "why": ["a"], "tags": "x", "source": "str", "created_at": 5, "kind": 7,
+    "status": ["x"], "trust": {"recalls": "7", "endorsements": ["bob", 5],
+                               "projects": [1, None], "recalled_by": "x"},
+    "valid_while": 5, "example": ["x"], "promoted_at": 5, "verifications": "none",
+    "code_refs": [{"path": 5}, "a.py"], "deprecated": "no", "superseded_by": 7,
+    "check": {"cmd": 5}, "failing": "yes", "authority": ["human"], "supersedes": 5}
+
+
+def test_item_keeps_mistyped_fields_verbatim_and_sees_defaults():
+    d = {"id": "k-1", **MISTYPED}
+    it = cs.Item.from_dict(json.loads(json.dumps(d)))
+    out = it.to_dict()                                # (absent fields: their defaults)
+    assert {k: out[k] for k in d} == d                # written back exactly as read
+    assert (it.content, it.why, it.tags, it.source, it.created_at, it.kind) == \
+        ("", "", [], {}, "", "note")
+    assert it.status == "active" and it.trust == {"recalls": 0, "endorsements": [],
+                                                  "projects": []}
+    assert not any(getattr(it, k) for k in cs._OPTIONAL_FIELDS)
+    tags = cs.Item.from_dict({"id": "k-2", "content": "c", "tags": [1, {"a": 1}, None, "ok"]})
+    assert tags.tags == ["ok"] and tags.to_dict()["tags"] == [1, {"a": 1}, None, "ok"]
+    for recalls in (True, "7", 1.5, -3):
+        t = cs.Item.from_dict({"id": "k-3", "content": "c", "trust": {"recalls": recalls}})
+        assert t.trust["recalls"] == 0 and t.to_dict()["trust"]["recalls"] == recalls
+    empty = cs.Item.from_dict({"id": "k-4", "content": "c", "trust": {
+        "endorsements": None, "projects": "p", "recalled_by": [1]}})
+    assert (empty.trust["endorsements"], empty.trust["projects"]) == ([], [])
+    assert "recalled_by" not in empty.trust
+    assert empty.to_dict()["trust"] == {"recalls": 0, "endorsements": None, "projects": "p",
+                                        "recalled_by": [1]}
+
+
+def test_item_field_the_program_sets_wins_over_its_mistyped_raw_value():
+    it = cs.Item.from_dict({"id": "k-1", **MISTYPED})
+    new = dataclasses.replace(it, content="fixed", status="deprecated",
+                              deprecated={"by": "ada", "at": "2026-01-01T00:00:00Z",
+                                          "reason": "r"},
+                              trust={**it.trust, "recalls": 1})
+    out = new.to_dict()
+    assert out["content"] == "fixed" and out["status"] == "deprecated"
+    assert out["deprecated"]["by"] == "ada" and out["trust"]["recalls"] == 1
+    assert out["why"] == ["a"] and out["trust"]["recalled_by"] == "x"     # untouched: kept
+    ends = cs.Item.from_dict({"id": "k-2", "content": "c", "trust": {
+        "endorsements": ["bob", {"by": "cy", "note": "n"}]}})
+    assert ends.trust["endorsements"] == [{"by": "cy", "note": "n"}]
+    added = dataclasses.replace(ends, trust={**ends.trust, "endorsements": [
+        *ends.trust["endorsements"], {"by": "ada", "note": "m"}]})
+    assert added.to_dict()["trust"]["endorsements"] == [       # appended: junk entries kept
+        "bob", {"by": "cy", "note": "n"}, {"by": "ada", "note": "m"}]
+
+
 # =============================================================================
 # Config resolution
 # =============================================================================
@@ -441,6 +492,89 @@ def test_two_processes_capture_concurrently_lose_nothing(repo):
 
 def _store_path(repo: Path) -> Path:
     return repo / ".cambium" / "knowledge.json"
+
+
+def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
+    """A store in another layout (indented by hand) has no per-item byte
+    ranges to copy: the first write renders every item (it raised IndexError)."""
+    path = _store_path(repo)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"cambium": 1, "meta": {}, "items": [
+        {"id": "k-hand00000001", "content": "hand written fact about queues"}]}, indent=2))
+    assert cs.capture("an unrelated point about caching")["status"] == "captured"
+    data = json.loads(path.read_text())
+    assert [i["content"] for i in data["items"]] == ["hand written fact about queues",
+                                                     "an unrelated point about caching"]
+    assert data["items"][0]["id"] == "k-hand00000001"
+
+
+def _mistyped_store(repo: Path) -> tuple[Path, list[dict]]:
+    """A hand-indented local store: items whose fields have the wrong JSON types."""
+    items = [
+        {"id": "k-typed0000001", **MISTYPED},
+        {"id": "k-typed0000002", "content": "widget cache entries go stale after a deploy",
+         "why": ["seen", 1], "tags": ["widget", 5, {"a": 1}, None], "source": "hand",
+         "created_at": 5, "updated_at": {"at": 1}, "trust": {
+             "recalls": "7", "endorsements": ["bob", {"by": "cy", "note": "ok", "at": "x"}],
+             "projects": [1, "proj"], "recalled_by": [1]},
+         "valid_while": 5, "example": ["x"], "promoted_at": 5, "verifications": "none",
+         "code_refs": [{"path": 5}, "a.py"], "check": {"cmd": 5}, "failing": "yes",
+         "authority": ["human"]},
+        {"id": "k-typed0000003", "content": "widget pool size is fixed at eight", "kind": 7,
+         "why": 5, "trust": "high", "superseded_by": 7, "deprecated": "no", "status": 5,
+         "last_verified": ["x"], "endorsements_note": "an unknown key"},
+    ]
+    path = _store_path(repo)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"cambium": 1, "meta": {}, "items": items}, indent=2))
+    return path, items
+
+
+def _stored(path: Path, item_id: str) -> dict:
+    return next(i for i in json.loads(path.read_text())["items"] if i["id"] == item_id)
+
+
+def test_mistyped_fields_survive_a_rewrite_and_every_tool_reads_around_them(repo):
+    path, items = _mistyped_store(repo)
+    assert cs.capture("an unrelated point about logging")["status"] == "captured"
+    for before in items:                       # the rewrite kept each value as it was
+        after = _stored(path, before["id"])
+        assert {k: after[k] for k in before} == before
+    res = cs.recall("widget cache stale", detail="full")
+    assert res["results"][0]["id"] == "k-typed0000002"
+    assert res["results"][0]["why"] == "" and res["results"][0]["tags"] == ["widget"]
+    assert cs.recall("widget pool size")["results"]
+    shown = cs.expand("k-typed0000002")
+    assert shown["trust"]["recalls"] >= 0 and len(shown["endorsements"]) == 1
+    assert "widget cache" in cs.export_markdown(scope="local")["markdown"]
+    assert cs.status()["configured"]
+    assert "widget" in cs.session_primer()["primer"]
+    assert cs.stale_report() is not None and cs.review_promotions() is not None
+    assert cs.consolidate()["count"] == 0
+    assert cs.verify_entry("k-typed0000003", note="checked")["status"] == "verified"
+    after = _stored(path, "k-typed0000003")       # verify wrote its fields; kept the rest
+    assert isinstance(after["last_verified"], str) and after["verifications"][0]["by"] == "ada"
+    assert (after["kind"], after["why"], after["superseded_by"], after["status"]) == \
+        (7, 5, 7, 5)
+    assert after["endorsements_note"] == "an unknown key"
+    kept = _stored(path, "k-typed0000002")        # recall credits folded in: trust is new
+    assert kept["trust"]["recalls"] == 1 and kept["trust"]["endorsements"][0] == "bob"
+    for k in ("why", "tags", "source", "created_at", "valid_while", "example", "code_refs"):
+        assert kept[k] == items[1][k], k
+
+
+def test_correct_and_deprecate_write_their_values_over_mistyped_ones(repo):
+    path, items = _mistyped_store(repo)
+    cs.deprecate("k-typed0000003", reason="pool size is configurable now")
+    gone = _stored(path, "k-typed0000003")
+    assert gone["status"] == "deprecated" and gone["deprecated"]["reason"].startswith("pool")
+    assert (gone["why"], gone["kind"], gone["trust"]) == (5, 7, "high")
+    out = cs.correct("k-typed0000002", "widget cache entries are flushed on deploy")
+    old = _stored(path, "k-typed0000002")
+    assert old["status"] == "superseded" and old["superseded_by"]["id"] == out["item"]["id"]
+    assert old["why"] == ["seen", 1] and old["tags"] == items[1]["tags"]
+    new = _stored(path, out["item"]["id"])
+    assert new["content"] == "widget cache entries are flushed on deploy"
 
 
 def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypatch):
@@ -1057,6 +1191,47 @@ def test_usage_journal_keeps_lines_it_cannot_parse(repo):
     assert journal.read_text() == '{"item": "k-torn", "sco\n'
 
 
+def test_junk_credit_records_are_never_folded_and_a_deep_line_is_skipped(repo):
+    item = cs.capture("Queue consumers ack after the write commits", tags="queues")["item"]
+    journal = cs.credits_path(cs.resolve_config())
+    good = {"item": item["id"], "scope": "local", "agent": "bob", "day": "2026-01-02",
+            "project": repo.name}
+    junk = [{"item": item["id"], "n": "x"}, {"item": item["id"], "n": -5},
+            {"item": item["id"], "n": True, "agent": "cy"},
+            {**good, "agent": {"x": 1}}, {**good, "day": 20260102}, {**good, "agent": ""},
+            {**good, "scope": ["local"]}, {**good, "project": None},
+            {**good, "item": ["x"]}, {**good, "session": {"a": 1}, "agent": ["ann"]}]
+    deep = "[" * 100_000
+    journal.write_text("".join(json.dumps(r) + "\n" for r in junk) + deep + "\n"
+                       + json.dumps(good) + "\n")
+    assert cs.read_credits(journal) == [good]
+    assert cs.status()["pending_recall_credits"] == 1
+    assert cs.expand(item["id"])["trust"]["recalled_by"] == {"bob": "2026-01-02"}
+    cs.endorse(item["id"], note="a rewrite folds the credits")
+    stored = _stored(_store_path(repo), item["id"])
+    assert stored["trust"]["recalls"] == 1 and stored["trust"]["recalled_by"] == {
+        "bob": "2026-01-02"}
+    left = journal.read_text().splitlines()          # what was not folded stays, verbatim
+    assert deep in left and json.dumps(good) not in left and len(left) == len(junk) + 1
+
+
+def test_deeply_nested_json_in_side_files_is_treated_as_unreadable(repo):
+    cs.capture("Queue consumers ack after the write commits", tags="queues")
+    deep = "[" * 100_000
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    config.write_text(deep)
+    assert "could not be read" in cs.resolve_config().file_error
+    config.unlink()
+    cfg = cs.resolve_config()
+    (cfg.local_dir / cs.PRIMER_CACHE_FILE).write_text(deep)
+    (cfg.local_dir / cs.SHOWN_FILE).write_text(deep + "\n")
+    assert "Queue consumers" in cs.session_primer()["primer"]
+    assert cs.usage()["count"] == 0
+    out = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], input=deep,
+                         text=True, capture_output=True, env=child_env(), timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr
+
+
 def test_legacy_usage_journal_is_adopted_and_folded(repo):
     item = cs.capture("Queue consumers ack after the write commits", tags="queues")["item"]
     legacy = repo / ".cambium" / "usage.jsonl"             # the journal's old name
@@ -1583,6 +1758,26 @@ def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path
     res = cs.recall("second team fact")
     assert any("team scope skipped" in w for w in res["warnings"])
     assert res["results"][0]["id"] == item_id
+
+
+def test_team_write_keeps_a_hand_edited_items_mistyped_fields(shared, tmp_path):
+    work = clone(shared["origin"], tmp_path / "hand")
+    git(work, "checkout", "-q", "-b", "cambium")
+    hand = {"id": "k-handteam0001", "content": "Team builds pin the toolchain version",
+            "scope": "team", "why": ["x"], "tags": [3, "builds"], "created_at": 5,
+            "trust": {"recalls": "2", "endorsements": ["bob"], "projects": [None]},
+            "valid_while": 5, "code_refs": "Makefile"}
+    (work / "knowledge.json").write_text(json.dumps({"cambium": 1, "items": [hand]}))
+    git(work, "add", "knowledge.json")
+    git(work, "commit", "-q", "-m", "hand edit")
+    git(work, "push", "-q", "origin", "cambium")
+    cs.endorse("k-handteam0001", note="pinning keeps builds reproducible")
+    stored = remote_json(shared["origin"], "cambium")["items"][0]
+    assert stored["trust"]["endorsements"][0] == "bob"              # kept, then the new one
+    assert stored["trust"]["endorsements"][1]["note"].startswith("pinning")
+    assert {k: stored[k] for k in ("why", "tags", "created_at", "valid_while", "code_refs")} \
+        == {k: hand[k] for k in ("why", "tags", "created_at", "valid_while", "code_refs")}
+    assert (stored["trust"]["recalls"], stored["trust"]["projects"]) == ("2", [None])
 
 
 def test_runtimes_keep_separate_shared_scope_state_and_items_are_not_changed(shared,
