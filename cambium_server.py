@@ -8742,16 +8742,75 @@ def repair_surrogate_escapes(line: str) -> str:
     return _JSON_ESCAPE.sub(fix, line)
 
 
+MAX_MESSAGE_DEPTH = 128   #: the SDK's JSON parser drops, unanswered, a message over 200 levels
+_JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_JSON_SCALAR = re.compile(r'\s*:\s*(-?\d+(?![.eE\d])|"[^"\\]*(?:\\.[^"\\]*)*")')
+
+
+def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dict | None]:
+    """(refused, reply) for one JSON-RPC line (pure): a message nested deeper
+    than `limit` is refused, answered with an Invalid Request error for its id
+    when its top-level "id" can be read, a Parse error (id null) when it
+    cannot, and not answered when it is a notification (a "method", no "id")."""
+    if line.count("[") + line.count("{") <= limit:          # the common case: no scan
+        return False, None
+    depth = deepest = 0
+    keys: dict[str, Any] = {}
+    for m in _JSON_NESTING.finditer(line):
+        tok = m.group(0)
+        if tok in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif tok in "]}":
+            depth -= 1
+        elif depth == 1 and line.lstrip().startswith("{"):
+            key = _JSON_SCALAR.match(line, m.end())   # a top-level key with a scalar value
+            if key and tok in ('"id"', '"method"') and tok not in keys:
+                with contextlib.suppress(ValueError):
+                    keys[tok] = json.loads(key.group(1))
+    if deepest <= limit:
+        return False, None
+    why = (f"message nested deeper than {limit} levels (JSON arrays and objects inside "
+           f"each other): send flatter arguments")
+    rid = keys.get('"id"')
+    if isinstance(rid, (int, str)) and not isinstance(rid, bool):
+        return True, {"jsonrpc": "2.0", "id": rid,
+                      "error": {"code": -32600, "message": f"Invalid request: {why}."}}
+    if '"method"' in keys and '"id"' not in keys:
+        return True, None                                  # a notification: no answer
+    return True, {"jsonrpc": "2.0", "id": None,
+                  "error": {"code": -32700, "message": f"Parse error: {why}."}}
+
+
 class _RepairedStdin:
     """The stdio transport's stdin: UTF-8 lines (bad bytes become U+FFFD), lone
     surrogate escapes repaired. The SDK drops a request it cannot parse without
-    answering it, so this is where such a request is made answerable."""
+    answering it, so this is where such a request is made answerable: a line
+    nested too deep for the SDK's parser is answered here (through `reply`,
+    the transport's write side, set once it is open) and never handed on."""
 
     def __init__(self, buffer: Any):
         self._buffer = buffer
+        self._reply: Callable[[dict], Any] | None = None
+        self._ready = threading.Event()
+
+    def answer_with(self, reply: Callable[[dict], Any]) -> None:
+        """Set the coroutine function that writes a JSON-RPC message to the client."""
+        self._reply = reply
+        self._ready.set()
 
     def readline(self, *_: Any) -> str:
-        return repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+        while True:
+            line = repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+            refused, reply = too_deep_reply(line)
+            if not refused:
+                return line
+            print(f"cambium: refused a JSON-RPC message of {len(line)} characters nested "
+                  f"deeper than {MAX_MESSAGE_DEPTH} levels", file=sys.stderr)
+            if reply is not None and self._ready.wait(30):
+                import anyio.from_thread
+                with contextlib.suppress(Exception):       # the client went away
+                    anyio.from_thread.run(self._reply, reply)
 
 
 def _mcp_tool(fn: Callable) -> Callable:
@@ -8852,8 +8911,14 @@ def build_server() -> MCPServer:
         async def run_stdio_async(self) -> None:
             import anyio
             from mcp.server.stdio import stdio_server
-            stdin = anyio.wrap_file(_RepairedStdin(sys.stdin.buffer))
-            async with stdio_server(stdin=stdin) as (read, write):
+            from mcp.shared.message import SessionMessage
+            from mcp_types import jsonrpc_message_adapter
+            repaired = _RepairedStdin(sys.stdin.buffer)
+            async with stdio_server(stdin=anyio.wrap_file(repaired)) as (read, write):
+                async def reply(msg: dict) -> None:
+                    await write.send(SessionMessage(jsonrpc_message_adapter.validate_python(msg)))
+
+                repaired.answer_with(reply)
                 low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
                 await low.run(read, write, low.create_initialization_options())
 

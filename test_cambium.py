@@ -3681,6 +3681,32 @@ def test_mcp_lone_surrogate_escape_gets_an_answer(repo):
     assert cs.repair_surrogate_escapes(r'"\\\ud800x"') == r'"\\\ufffdx"'
 
 
+def test_mcp_deeply_nested_message_gets_an_error_and_the_server_keeps_serving(repo):
+    """The SDK's parser gives up past 200 levels and drops the message unanswered:
+    the client waited forever. Each gets a JSON-RPC error now, for its id."""
+    deep = "[" * 1000 + "]" * 1000
+    lines = [
+        '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "recall", '
+        '"arguments": {"query": %s}}}' % deep,
+        '{"jsonrpc": "2.0", "params": {"x": %s}, "method": "tools/call", "id": "two"}' % deep,
+        '{"jsonrpc": "2.0", "method": "notifications/progress", "params": {"x": %s}}' % deep,
+        "[" * 100_000 + "]" * 100_000,
+        '{"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "capture", '
+        '"arguments": {"content": "answers keep coming after a refused message"}}}']
+    answers = _raw_stdio(_mcp_env(repo), lines, {1, "two", None, 3})
+    assert {1, "two", None, 3} <= set(answers), sorted(map(str, answers))
+    for rid, code in ((1, -32600), ("two", -32600), (None, -32700)):
+        err = answers[rid]["error"]
+        assert err["code"] == code and "nested deeper than 128 levels" in err["message"]
+    assert answers[3]["result"]["structuredContent"]["status"] == "captured"
+    assert len(answers) == 5                         # initialize, 3 errors, the capture
+    msg = '{"jsonrpc": "2.0", "id": 7, "method": "m", "params": {"a": %s}}'
+    assert cs.too_deep_reply(msg % ("[" * 126 + "]" * 126)) == (False, None)
+    refused, reply = cs.too_deep_reply(msg % ("[" * 127 + "]" * 127))
+    assert refused and reply["id"] == 7
+    assert cs.too_deep_reply(msg % ('"' + "[{" * 200 + '"')) == (False, None)   # text
+
+
 def _tree_state(*roots: Path) -> dict:
     """Every file under `roots` with its bytes, and every ref of each git dir."""
     state = {}
