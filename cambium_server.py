@@ -448,7 +448,7 @@ class Item:
             content = ""
         item_id = d.get("id")
         if not isinstance(item_id, str) or not item_id:
-            item_id = "k-" + hashlib.sha1(content.encode()).hexdigest()[:12]
+            item_id = "k-" + hashlib.sha1(utf8(content)).hexdigest()[:12]
         why, tags, source = d.get("why"), d.get("tags"), d.get("source")
         extra = d.keys() - _KNOWN_FIELDS
         return cls(
@@ -565,10 +565,39 @@ def valid_unicode(text: str) -> str:
     if not _SURROGATE.search(text):
         return text
     try:        # bytes an OS could not decode come back as the bytes, then replaced
-        raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        raw = text.encode("utf-8", "surrogatepass")
-    return raw.decode("utf-8", "replace")
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:      # a lone surrogate escape: one U+FFFD each
+        return _SURROGATE.sub("\ufffd", text)
+
+
+def valid_unicode_deep(value: Any) -> Any:
+    """`value` (JSON-like) with valid_unicode applied to every string and key: what
+    a client is shown, since an answer with a lone surrogate cannot be encoded
+    (the stored text keeps it: see json_text)."""
+    if isinstance(value, str):
+        return valid_unicode(value)
+    if isinstance(value, dict):
+        return {valid_unicode(k) if isinstance(k, str) else k: valid_unicode_deep(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [valid_unicode_deep(v) for v in value]
+    return value
+
+
+def json_text(value: Any, **kw: Any) -> str:
+    """json.dumps(value, ensure_ascii=False) that is always valid UTF-8: a lone
+    surrogate (a stored `\\ud800` escape, valid JSON but not Unicode) is written
+    back as its escape, so the value reads back unchanged (raw, it cannot be
+    encoded at all)."""
+    text = json.dumps(value, ensure_ascii=False, **kw)
+    if not _SURROGATE.search(text):
+        return text
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def utf8(text: str) -> bytes:
+    """Bytes to hash `text` by: UTF-8, a lone surrogate kept as its 3 bytes."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def json_kind(value: Any) -> str:
@@ -747,7 +776,7 @@ def derived(item: Item, name: str, compute: Callable[[Item], Any]) -> Any:
 def text_key(type: str, content: str) -> str:
     """A stable hash of what a (normalized) body says, for duplicate detection."""
     norm = " ".join(content.lower().split())
-    return hashlib.sha256(f"{type}\0{norm}".encode()).hexdigest()[:24]
+    return hashlib.sha256(utf8(f"{type}\0{norm}")).hexdigest()[:24]
 
 
 def _content_key(item: Item) -> str:
@@ -1622,7 +1651,7 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
     rest = {k: v for k, v in obj.items() if k not in ("items", "meta", "cambium")}
     return Parsed(Doc(items=[Item.from_dict(d) for d in entries if isinstance(d, dict)],
                       meta=meta, raw=rest),
-                  bad=[json.dumps(d, ensure_ascii=False).encode("utf-8")
+                  bad=[json_text(d).encode("utf-8")
                        for d in entries if not isinstance(d, dict)])
 
 
@@ -1660,15 +1689,14 @@ def parse_store(text: str, where: str) -> Doc:
 
 def _stored_json_line(item: Item) -> str:
     """One item's JSON line, cached per (immutable) item object."""
-    return derived(item, "line", lambda it: json.dumps(it.to_dict(), ensure_ascii=False,
-                                                       separators=(",", ":")))
+    return derived(item, "line", lambda it: json_text(it.to_dict(), separators=(",", ":")))
 
 
 def store_head(doc: Doc) -> bytes:
     """The lines before the items: format and unknown keys, meta, the items key."""
     head = {"cambium": STORE_FORMAT, **doc.raw}
-    lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ",",
-             '"meta": ' + json.dumps(doc.meta, ensure_ascii=False, sort_keys=True) + ",",
+    lines = ["{" + json_text(head)[1:-1] + ",",
+             '"meta": ' + json_text(doc.meta, sort_keys=True) + ",",
              '"items": [' if doc.items else '"items": []}']
     return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
 
@@ -2256,8 +2284,7 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
     the server folds them into their (fsynced) store within seconds anyway."""
     if not records:
         return
-    data = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
-                   for r in records)
+    data = "".join(json_text(r, separators=(",", ":")) + "\n" for r in records)
     with file_lock(path):
         _append_durably(path, data.encode("utf-8"), sync=durable)
 
@@ -2443,7 +2470,7 @@ def _write_commit(objects: Path, entries: list[tuple[str, str, str]], parent: st
         [e for e in entries if e[1] not in blobs] +
         [("100644", name, sha) for name, sha in blobs.items()]))
     head = f"tree {tree}\n" + (f"parent {parent}\n" if parent else "")
-    body = f"{head}author {stamp}\ncommitter {stamp}\n\n{message}"
+    body = f"{head}author {stamp}\ncommitter {stamp}\n\n{valid_unicode(message)}"
     return write_loose(objects, "commit", body.encode("utf-8"))
 
 
@@ -2693,7 +2720,7 @@ class GitStore(Store):
 
     def _fast_import(self, parent: str | None, files: dict[str, str], stamp: str,
                      message: str) -> str:
-        msg = message.encode("utf-8")
+        msg = valid_unicode(message).encode("utf-8")
         out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
                f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
         if parent:
@@ -2924,9 +2951,9 @@ def claim_key(agent: str, claim: dict) -> str:
     """The watermark key of one version of a claim: agent + updated_at (or a hash)."""
     stamp = _str(claim.get("updated_at"))
     if not stamp:
-        stamp = "h" + hashlib.sha256("\0".join(
+        stamp = "h" + hashlib.sha256(utf8("\0".join(
             _str(claim.get(k)) for k in ("task", "branch", "status", "note")
-        ).encode()).hexdigest()[:16]
+        ))).hexdigest()[:16]
     return f"agentsync:{agent}:{stamp}"
 
 
@@ -3399,7 +3426,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
                  tags=tags[:MAX_TAGS], source=source, where=where,
                  key=f"import:{own or origin or system}:" + (
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
-                         (body + "\0" + (why if isinstance(why, str) else "")).encode()
+                         utf8(body + "\0" + (why if isinstance(why, str) else ""))
                      ).hexdigest()[:24]))
 
 
@@ -5549,7 +5576,7 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
             out.append("")
     if len(out) == 4:
         out.append("_No knowledge in this scope yet._")
-    return "\n".join(out).rstrip() + "\n"
+    return valid_unicode("\n".join(out).rstrip() + "\n")
 
 
 def _provenance(it: Item) -> str:
@@ -6240,7 +6267,8 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
     if url:
         return url
     made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
-                 "--title", title, "--body", body], store.repo, timeout, env=env)
+                 "--title", valid_unicode(title), "--body", valid_unicode(body)],
+                store.repo, timeout, env=env)
     urls = re.findall(r"https?://\S+", made.stdout)
     if not urls:
         raise GitError(["gh", "pr", "create"], made.returncode,
@@ -6928,8 +6956,8 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
     if not sid or not ids:
         return
     at = _now()
-    lines = "".join(json.dumps({"session": sid, "item": i, "via": via, "at": at,
-                                "agent": cfg.agent}, ensure_ascii=False) + "\n" for i in ids)
+    lines = "".join(json_text({"session": sid, "item": i, "via": via, "at": at,
+                               "agent": cfg.agent}) + "\n" for i in ids)
     path = _shown_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(path):
@@ -7698,8 +7726,7 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
         out = _make_primer(cfg, limit, anchored)
         if key is not None and not out.get("warnings") and cfg.local_dir.is_dir():
             stamps = {p: path_stamp(cfg.repo, p) for p in sorted(anchored)}
-            atomic_write(path, json.dumps({"key": key, "primer": out, "anchored": stamps},
-                                          ensure_ascii=False))
+            atomic_write(path, json_text({"key": key, "primer": out, "anchored": stamps}))
     ids = out.pop("ids", [])
     if shown:
         note_shown(cfg, ids, "primer")
@@ -8442,9 +8469,8 @@ def write_id_map(cfg: Config, source: str, items: list[Item]) -> Path:
 
     def write(out: Any) -> None:
         for it in items:
-            out.write((json.dumps({"ref": it.source.get("ref"), "id": it.id,
-                                   "system": it.source.get("system")},
-                                  ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape"))
+            out.write((json_text({"ref": it.source.get("ref"), "id": it.id,
+                                  "system": it.source.get("system")}) + "\n").encode("utf-8"))
     atomic_write(path, write)
     return path
 
@@ -8824,11 +8850,11 @@ def _mcp_tool(fn: Callable) -> Callable:
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
         token = SESSION.set(mcp_session_id(ctx))
         try:
-            return with_store_warnings(fn(**kwargs))
+            return valid_unicode_deep(with_store_warnings(fn(**kwargs)))
         except Unconfigured as u:
             return u.guidance
         except (CambiumError, OSError) as e:
-            raise ToolError(error_text(e)) from e
+            raise ToolError(valid_unicode(error_text(e))) from e
         finally:
             SESSION.reset(token)
 
@@ -8947,7 +8973,7 @@ PRIMER_URI = "cambium://primer"
 def primer_resource() -> str:
     """cambium://primer: the primer text, or what to do when it cannot be built."""
     try:
-        return primer_for(require_config())["primer"]
+        return valid_unicode(primer_for(require_config())["primer"])
     except Unconfigured as u:
         return f"cambium is not configured here; next step: {u.guidance.get('next_step')}"
     except (CambiumError, OSError) as e:
@@ -9216,9 +9242,8 @@ def primer_hook(argv: list[str]) -> int:
         out = cached_primer(cfg, limit)
         if out.get("warnings"):             # a scope it could not read: say nothing
             raise CambiumError("; ".join(out["warnings"]))
-        sys.stdout.write(json.dumps({"hookSpecificOutput": {
-            "hookEventName": "SessionStart", "additionalContext": out["primer"]}},
-            ensure_ascii=False) + "\n")
+        sys.stdout.write(json_text({"hookSpecificOutput": {
+            "hookEventName": "SessionStart", "additionalContext": out["primer"]}}) + "\n")
         sys.stdout.flush()
     except BaseException as e:      # noqa: BLE001 - a SessionStart hook must never fail
         with contextlib.suppress(BaseException):
@@ -9339,9 +9364,9 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
         text = _text(result) if text is None else text
-        print(text, file=file or sys.stdout)
+        print(valid_unicode(text), file=file or sys.stdout)
     else:
-        print(json.dumps(result, indent=2, ensure_ascii=False), file=file or sys.stdout)
+        print(json_text(result, indent=2), file=file or sys.stdout)
 
 
 #: Answer fields that speak to the caller (hints, reasons, next steps): the CLI

@@ -3707,6 +3707,48 @@ def test_mcp_deeply_nested_message_gets_an_error_and_the_server_keeps_serving(re
     assert cs.too_deep_reply(msg % ('"' + "[{" * 200 + '"')) == (False, None)   # text
 
 
+def test_stored_lone_surrogates_are_read_served_and_written_back_unchanged(shared):
+    """`"\\ud800"` in knowledge.json is valid JSON but not Unicode: hashing the
+    text raised UnicodeEncodeError (recall, capture, endorse all failed), and a
+    rewrite put `\\udc80` back as a raw 0x80 byte (the line then did not parse)."""
+    keep = cs.capture("retry the flaky uploader with backoff", why="it drops", tags="net")
+    cs.capture("deploys need a green pipeline")
+    path = shared["a"] / ".cambium" / "knowledge.json"
+    path.write_text(path.read_text().replace("the flaky", "the \\ud800 flaky")
+                    .replace("it drops", "it \\udc80 drops").replace('"net"', '"n\\udfffet"'))
+    cs.runtime().reset()
+    want = ("retry the \ud800 flaky uploader with backoff", "it \udc80 drops", ["n\udfffet"])
+    iid = keep["item"]["id"]
+
+    def stored(scope: str = "local") -> tuple:
+        it = next(i for i in cs.store(cs.require_config(), scope).read().items if i.id == iid)
+        return it.content, it.why, it.tags
+
+    assert cs.recall("flaky uploader")["results"][0]["id"] == iid
+    assert cs.capture("a third fact about caching")["status"] == "captured"   # appends
+    assert cs.endorse(iid, note="seen")["status"] == "endorsed"                 # rewrites
+    assert stored() == want and not list(path.parent.glob("knowledge.json.quarantine-*"))
+    assert b"\\ud800" in path.read_bytes() and b"\\udc80" in path.read_bytes()
+    path.read_bytes().decode("utf-8")                                         # strict UTF-8
+    assert "uploader" in cs.export_markdown(scope="local")["markdown"]
+    assert cs.session_primer()["primer"]
+    for fmt in ("json", "text"):
+        out = cli("recall", "flaky uploader", "--format", fmt)
+        assert out.returncode == 0 and "uploader" in out.stdout, out.stderr
+    assert json.loads(cli("show", iid).stdout)["content"] == want[0]          # escaped exactly
+    assert cs.promote(iid)["status"] == "promoted"                            # team: git
+    assert stored("team") == want
+    assert cs.endorse(iid, note="again")["scope"] == "team" and stored("team") == want
+
+    async def body(session, init):
+        res = await session.call_tool("recall", {"query": "flaky uploader", "detail": "full"})
+        return res.structured_content["results"][0]["content"]
+
+    assert asyncio.run(_mcp_session(_mcp_env(shared["a"]), body)) == \
+        "retry the \ufffd flaky uploader with backoff"                     # shown, not stored
+    assert stored("team") == want
+
+
 def _tree_state(*roots: Path) -> dict:
     """Every file under `roots` with its bytes, and every ref of each git dir."""
     state = {}
