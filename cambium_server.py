@@ -511,6 +511,7 @@ class Draft:
     supersedes: str | None = None     # an agent's counter-claim to this item id
     code_refs: Any = None
     where: str | None = None          # its 1-based position in the source ("line 3")
+    notes: tuple = ()                 # what was repaired on the way in, for the report
 
 
 @dataclass
@@ -3393,13 +3394,32 @@ def _first(rec: dict, keys: tuple) -> Any:
     return None
 
 
+def _surrogate_fields(rec: dict) -> list[str]:
+    """The keys of `rec` whose value (or the key itself) holds a lone surrogate."""
+    def has(v: Any) -> bool:
+        if isinstance(v, str):
+            return _SURROGATE.search(v) is not None
+        if isinstance(v, dict):
+            return any(has(k) or has(x) for k, x in v.items())
+        return isinstance(v, list) and any(has(x) for x in v)
+
+    return [valid_unicode(k) for k, v in rec.items() if has(k) or has(v)]
+
+
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
                          origin: str | None = None) -> Draft | Skip:
     """Map one export record to a Draft by the spec's field table (pure). Its
     identity, for dedupe, is (system, id): the system the record names in its own
-    `system`/`source` field, else `origin` (the file's name), else `system`."""
+    `system`/`source` field, else `origin` (the file's name), else `system`.
+    A lone surrogate escape (`\\ud800`: valid JSON, not Unicode) becomes U+FFFD,
+    and the Draft's notes say in which fields."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({type(rec).__name__})")
+    notes: tuple = ()
+    if bad := _surrogate_fields(rec):
+        rec = valid_unicode_deep(rec)
+        notes = (f"{where}: a lone surrogate escape (like \\ud800) in "
+                 f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
     body = _first(rec, _BODY_KEYS)
     if not isinstance(body, str) or not body.strip():
         return Skip(where, "no body (content/text/body/memory/note)")
@@ -3423,7 +3443,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     source = {"system": own or system, "ref": ref, "imported": True,
               "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
-                 tags=tags[:MAX_TAGS], source=source, where=where,
+                 tags=tags[:MAX_TAGS], source=source, where=where, notes=notes,
                  key=f"import:{own or origin or system}:" + (
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
                          utf8(body + "\0" + (why if isinstance(why, str) else ""))
@@ -8365,16 +8385,21 @@ def import_memory(source: Annotated[str, Field(
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     skipped: list[Skip] = []
+    repaired: list[str] = []
 
     def drafts() -> Iterator[Draft]:
         for rec in adapter(p):
             if isinstance(rec, Skip):
                 skipped.append(rec)
             else:
+                repaired.extend(rec.notes)
                 yield rec
 
     res = ingest(cfg, drafts())
     out = import_report(source, p, res, [(s.where, s.reason) for s in skipped] + res.skipped)
+    if repaired:
+        out["warnings"] = [_clip(n, 300) for n in repaired[:5]] + (
+            [f"and {len(repaired) - 5} more record(s) like these"] if len(repaired) > 5 else [])
     if res.imported:
         out["id_map"] = str(write_id_map(cfg, source, res.imported))
     return with_store_warnings(out, cfg)

@@ -2603,6 +2603,36 @@ def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_p
     assert cli("import", str(arr)).returncode == 0
 
 
+def test_import_cleans_lone_surrogates_imports_the_rest_and_says_where(repo, tmp_path):
+    """One record with a `\\ud800` escape (valid JSON, not Unicode) aborted the
+    whole import with UnicodeEncodeError; now it is cleaned and reported."""
+    jsonl = tmp_path / "mem.jsonl"
+    jsonl.write_text('{"id": "1", "content": "first good record"}\n'
+                     '{"id": "2", "content": "broken \\ud800 text"}\n'
+                     '{"id": "3\\udc00", "content": "odd id", "source": "s\\ud800", '
+                     '"tags": ["t\\udfff"], "why": "w \\ud83d"}\n'
+                     '{"id": "4", "content": "last good record"}\n')
+    res = cs.import_memory("json", str(jsonl))
+    assert res["imported"] == 4 and res["skipped"] == 0, res
+    assert res["warnings"] == [
+        "line 2: a lone surrogate escape (like \\ud800) in content was replaced by U+FFFD",
+        "line 3: a lone surrogate escape (like \\ud800) in id, source, tags, why was replaced "
+        "by U+FFFD"]
+    items = {i.content: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert set(items) == {"first good record", "broken \ufffd text", "odd id",
+                          "last good record"}
+    odd = items["odd id"]
+    assert odd.source["ref"] == "3\ufffd" and odd.source["system"] == "s\ufffd"
+    assert odd.why == "w \ufffd" and "t\ufffd" in odd.tags
+    assert cs.import_memory("json", str(jsonl))["duplicates"] == 4     # same identity again
+    doc = tmp_path / "mem.json"
+    doc.write_text('[{"content": "array \\udfff record"}, {"content": "array good"}]')
+    out = cli("import", str(doc))
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["imported"] == 2 and answer["warnings"][0].startswith("record 1: ")
+
+
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
     f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
