@@ -1265,13 +1265,18 @@ def _git_env() -> dict:
 
 
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
-         input: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run one external command, bounded; raise GitError on failure or timeout."""
+         input: str | None = None, env: dict | None = None,
+         binary: bool = False) -> subprocess.CompletedProcess:
+    """Run one external command, bounded; raise GitError on failure or timeout.
+    Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes."""
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env or _git_env(), text=True,
-                              encoding="utf-8", errors="replace", capture_output=True,
+        proc = subprocess.run(cmd, cwd=cwd, env=env or _git_env(), capture_output=True,
+                              **({} if binary else dict(text=True, encoding="utf-8",
+                                                        errors="replace")),
                               timeout=timeout_s, input=input,
                               stdin=None if input is not None else subprocess.DEVNULL)
+        if binary:
+            proc.stderr = proc.stderr.decode("utf-8", "replace")
     except subprocess.TimeoutExpired:
         raise GitError(cmd, None, f"timed out after {timeout_s:g}s "
                        "(CAMBIUM_GIT_TIMEOUT)") from None
@@ -1680,7 +1685,7 @@ def _salvage(data: bytes, where: str) -> Parsed:
 def parse_store(text: str, where: str) -> Doc:
     """Parse knowledge.json text strictly: CorruptStore if any line is damaged
     (a shared scope's file is fixed by hand, never half-read)."""
-    parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogateescape")), where)
+    parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogatepass")), where)
     if parsed.bad or not parsed.closed:
         first = parsed.bad[0][:80] if parsed.bad else b"(the file ends early)"
         raise CorruptStore(f"{where}: {len(parsed.bad) or 1} line(s) do not parse "
@@ -2606,17 +2611,20 @@ class GitStore(Store):
             self._objects_dir = _sha1_objects(self.repo)
         return self._objects_dir
 
-    def file_at(self, commit: str, name: str) -> str:
+    def file_at(self, commit: str, name: str, *, strict: bool = False) -> str:
         """Root file `name` at a commit ("" when it has no such file); GitError
-        when git cannot read the commit or the file (never read as empty)."""
+        when git cannot read the commit or the file (never read as empty).
+        Bytes that are not UTF-8 become U+FFFD, or with `strict` raise
+        UnicodeDecodeError (a store read so would be written back without them)."""
         objects = self._objects()
         data = loose_blob(objects, commit, name) if objects else None
-        if data is not None:            # as git's output reads in text mode
-            text = data.decode("utf-8", "replace")
+        if data is None:
+            blob = _run(["git", "cat-file", "blob", f"{commit}:{name}"], self.repo,
+                        self.timeout_s, check=False, binary=True)
+            data = blob.stdout if blob.returncode == 0 else None
+        if data is not None:            # newlines as git's output reads in text mode
+            text = data.decode("utf-8", "surrogatepass" if strict else "replace")
             return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-        blob = self.git("cat-file", "blob", f"{commit}:{name}", check=False)
-        if blob.returncode == 0:
-            return blob.stdout
         listed = self.git("ls-tree", commit, "--", name).stdout.split()   # GitError: bad commit
         if len(listed) > 2:
             raise GitError(["git", "cat-file", "blob", f"{commit}:{name}"], blob.returncode,
@@ -2656,8 +2664,14 @@ class GitStore(Store):
         with state.lock:
             if state.doc and state.doc[0] == commit:
                 return state.doc[1]
-        doc = parse_store(self.file_at(commit, STORE_FILE), f"{self.scope} {STORE_FILE} "
-                          f"({self.remote}/{self.branch} at {commit[:10]})")
+        where = f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} at {commit[:10]})"
+        try:
+            text = self.file_at(commit, STORE_FILE, strict=True)
+        except UnicodeDecodeError as e:
+            raise CorruptStore(f"{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                               f"offset {e.start}): fix it by hand; it is never rewritten "
+                               "until it reads") from None
+        doc = parse_store(text, where)
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
                 it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)

@@ -1585,6 +1585,57 @@ def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path
     assert res["results"][0]["id"] == item_id
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_team_and_org_files_that_are_not_utf8_are_refused_not_rewritten(shared, tmp_path,
+                                                                        monkeypatch, packed):
+    """A shared knowledge.json with a byte that is not UTF-8 was read with U+FFFD
+    in its place and written back so: the original byte was gone. It is a
+    corrupt store now, like a file that is not JSON (loose and packed objects)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    _endorsed("first team fact", "team")
+    cs.promote()
+    first_org = _endorsed("first org fact about retries", "holds everywhere")
+    cs.promote(first_org, to_scope="org", org_content="Retry idempotent calls with backoff",
+               org_why="holds in every service")
+    broken = {}
+    for name, bare, branch in (("team", shared["origin"], "cambium"),
+                               ("org", shared["org_bare"], "main")):
+        work = clone(bare, tmp_path / f"vandal-{name}")
+        git(work, "checkout", "-q", branch)
+        path = work / "knowledge.json"
+        path.write_bytes(path.read_bytes().replace(b"fact", b"f\xffact", 1))
+        git(work, "commit", "-q", "-am", "a Latin-1 hand edit")
+        git(work, "push", "-q", "origin", branch)
+        broken[name] = subprocess.run(["git", "show", f"{branch}:knowledge.json"], cwd=bare,
+                                      capture_output=True).stdout
+        assert b"\xff" in broken[name]
+    if packed:
+        for clone_dir in (shared["a"], shared["org"]):
+            cs.runtime().reset()
+            cs.recall("anything")                         # fetch, then pack what came
+            git(clone_dir, "gc", "-q", "--prune=now")
+    cs.runtime().reset()
+    for scope in ("team", "org"):
+        with pytest.raises(cs.CorruptStore) as corrupt:
+            cs.recall("fact", scope=scope)
+        assert cs.error_code(corrupt.value) == "corrupt_store"
+        assert "UTF-8" in str(corrupt.value)
+    second = _endorsed("second team fact", "team")
+    with pytest.raises(cs.CorruptStore):
+        cs.promote(second)
+    third = _endorsed("third fact for the org", "holds everywhere")
+    with pytest.raises(cs.CorruptStore):
+        cs.promote(third, to_scope="org", org_content="Third rule for the org",
+                   org_why="holds in every service")
+    assert subprocess.run(["git", "show", "cambium:knowledge.json"], cwd=shared["origin"],
+                          capture_output=True).stdout == broken["team"]
+    assert subprocess.run(["git", "show", "main:knowledge.json"], cwd=shared["org_bare"],
+                          capture_output=True).stdout == broken["org"]
+    res = cs.recall("second team fact")                   # auto: skipped, with a warning
+    assert res["results"][0]["id"] == second
+    assert any("team scope skipped" in w for w in res["warnings"])
+
+
 def test_runtimes_keep_separate_shared_scope_state_and_items_are_not_changed(shared,
                                                                                  tmp_path):
     work = clone(shared["origin"], tmp_path / "hand")        # a copy made by hand
