@@ -970,8 +970,9 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             file_error = f"{path} holds {type(loaded).__name__}, expected an object; ignored"
     except FileNotFoundError:
         pass
-    except (OSError, ValueError) as e:
-        file_error = f"{path} could not be read ({e}); ignored"
+    except (OSError, ValueError, RecursionError) as e:
+        why = "JSON nested too deep to parse" if isinstance(e, RecursionError) else e
+        file_error = f"{path} could not be read ({why}); ignored"
     values: dict = {}
     origins: dict = {}
     problems: list = []
@@ -987,7 +988,9 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
         else:
             value, origin = default, "default"
         if value is not None and origin != "default":
-            why = _validate(key, value)
+            why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
+                   "which is not text" if origin == "file" and _SURROGATE.search(value)
+                   else _validate(key, value))
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
@@ -7415,7 +7418,7 @@ def _write_config(path: Path, updates: dict[str, str]) -> None:
     if path.exists():
         try:
             current = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             current = None
         if not isinstance(current, dict):
             os.replace(path, path.with_name(path.name + ".bad"))

@@ -328,6 +328,39 @@ def test_every_tool_unconfigured_returns_guidance(call):
     assert exc.value.guidance["next_step"]
 
 
+def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_traceback(
+        tmp_path):
+    """A config.json nested 100,000 deep raised RecursionError out of every CLI
+    command; a `\\ud800` in a path value crashed status with UnicodeEncodeError."""
+    r = make_repo(tmp_path)
+    cfg_file = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    deep = '{"CAMBIUM_AGENT_ID": "ada", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    cfg_file.write_text(deep)
+    for args in (("status",), ("recall", "x")):
+        out = cli(*args, cwd=tmp_path)
+        assert "Traceback" not in out.stderr, out.stderr
+        guide = json.loads(out.stdout)
+        assert guide["configured"] is False
+        assert "nested too deep" in guide["config_file_error"]
+    assert cs.setup(str(r), "ada")["status"]["configured"] is True    # sets it aside, intact
+    assert cfg_file.with_name(cfg_file.name + ".bad").read_text() == deep
+    for key, value in (("CAMBIUM_REPO", str(r) + "\\ud800"),
+                       ("CAMBIUM_TEAM_BRANCH", "team\\udc80"),
+                       ("CAMBIUM_ORG_REPO", "/srv/org\\udfff")):
+        cfg_file.write_text('{"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_REPO": "%s", "%s": "%s"}'
+                            % (r, key, value))
+        for args in (("status",), ("capture", "a fact")):
+            out = cli(*args, cwd=tmp_path)
+            assert "Traceback" not in out.stderr, out.stderr
+            gap = next(g for g in json.loads(out.stdout)["gaps"] if g["setting"] == key)
+            assert "lone surrogate" in gap["cost"] and str(cfg_file) in gap["fix"]
+        with pytest.raises(cs.Unconfigured):
+            cs.recall("x")
+    out = cli("setup", str(r), "ada", cwd=tmp_path)            # rewrites, keeps the value
+    assert out.returncode == 0 and json.loads(cfg_file.read_text())["CAMBIUM_ORG_REPO"] == \
+        "/srv/org\udfff"
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
