@@ -923,6 +923,8 @@ def _validate(key: str, value: str) -> str | None:
         if value.startswith("-") or not re.fullmatch(r"[\w.@\-]{1,64}", value):
             return f"{key}={value!r} must be 1-64 letters, digits, '.', '_', '-' or '@'"
     elif key in ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
+        if "\0" in value:
+            return f"{key}={value!r} holds a NUL byte, which no file path can contain"
         if not os.path.isabs(os.path.expanduser(value)):
             return f"{key}={value!r} must be an absolute path"
     return None
@@ -3465,6 +3467,14 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
                          utf8(body + "\0" + (why if isinstance(why, str) else ""))
                      ).hexdigest()[:24]))
+
+
+def path_arg(name: str, value: str) -> str:
+    """`value`, a path argument, or InputError when it holds a NUL byte (no
+    file path can; the OS call would fail with a bare ValueError)."""
+    if isinstance(value, str) and "\0" in value:
+        raise InputError(f"{name} {value!r} holds a NUL byte, which no file path can contain.")
+    return value
 
 
 def _regular_file(path: Path) -> None:
@@ -7443,6 +7453,7 @@ def repo_binding(cfg: Config) -> dict:
 
 def _project_root(project_repo: str) -> Path:
     """The git root of setup's project_repo, or InputError saying what is wrong."""
+    path_arg("project_repo", project_repo)
     path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
     if path is None or not path.exists():
         raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
@@ -7458,7 +7469,7 @@ def _project_root(project_repo: str) -> Path:
 
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
     """(offer of commands, None) for an owner/name; (None, path) for a local clone."""
-    candidate = Path(os.path.expanduser(org_repo))
+    candidate = Path(os.path.expanduser(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and candidate.exists():
         root = git_toplevel(candidate)
         if root is None:
@@ -8398,7 +8409,7 @@ def import_memory(source: Annotated[str, Field(
                          f"{', '.join(sorted(IMPORT_ADAPTERS))}.")
     if not isinstance(path, str) or not path:
         raise InputError("path is required: the absolute path of the export file.")
-    p = Path(os.path.expanduser(path))
+    p = Path(os.path.expanduser(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     skipped: list[Skip] = []
@@ -8462,7 +8473,7 @@ def restore(path: Annotated[str, Field(
     back, the file is renamed *.restored and the warnings about it stop.
     """
     cfg = require_config()
-    p = Path(os.path.expanduser(path))
+    p = Path(os.path.expanduser(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     _regular_file(p)
@@ -9314,7 +9325,7 @@ def _export_target(output: str) -> Path:
     """The file `export -o` replaces: a symlink's target (the link stays, as a
     shell's > would write through it), never a device, FIFO or directory, and
     never in a directory that does not exist (made up by a typo)."""
-    path = Path(os.path.realpath(output))
+    path = Path(os.path.realpath(path_arg("-o", output)))
     if path.exists() and not path.is_file():
         raise InputError(f"-o {output}: not a regular file; export writes files only "
                          "(without -o the markdown goes to stdout).")

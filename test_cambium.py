@@ -361,6 +361,43 @@ def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_t
         "/srv/org\udfff"
 
 
+def test_path_arguments_with_a_nul_byte_get_an_input_error(tmp_path, monkeypatch):
+    """setup("/repo\\0x") ended in a bare "ValueError: embedded null byte" (over
+    MCP: "Error executing tool setup"); so did import and restore paths."""
+    r = make_repo(tmp_path)
+    env = _mcp_env(r)
+    env.pop("CAMBIUM_REPO")
+
+    async def body(session, init):
+        out = []
+        for tool, args in (("setup", {"project_repo": f"{r}\0x", "agent_id": "ada"}),
+                           ("setup", {"project_repo": str(r), "agent_id": "ada",
+                                      "org_repo": "/srv/org\0"}),
+                           ("import_memory", {"path": "/tmp/export\0.json"})):
+            if tool == "import_memory":                  # configured first
+                await session.call_tool("setup", {"project_repo": str(r), "agent_id": "ada"})
+            res = await session.call_tool(tool, args)
+            out.append((res.is_error, res.structured_content))
+        return out
+
+    for is_error, answer in asyncio.run(_mcp_session(env, body)):
+        assert is_error and answer["error"] == "invalid_argument", answer
+        assert "holds a NUL byte" in answer["message"]
+    with pytest.raises(cs.InputError, match="project_repo .* holds a NUL byte"):
+        cs.setup(f"{r}\0", "ada")
+    monkeypatch.setenv("CAMBIUM_REPO", str(r))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    for call in (lambda: cs.import_memory("json", "/tmp/x\0.json"),
+                 lambda: cs.restore("/tmp/knowledge.json.corrupt-1\0"),
+                 lambda: cs._export_target(str(tmp_path / "out\0.md"))):
+        with pytest.raises(cs.InputError, match="holds a NUL byte"):
+            call()
+    cfg_file = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    cfg_file.write_text(json.dumps({"CAMBIUM_ORG_REPO": "/srv/org\0"}))
+    gap = next(g for g in cs.status()["gaps"] if g["setting"] == "CAMBIUM_ORG_REPO")
+    assert "NUL byte" in gap["cost"]
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
