@@ -9454,7 +9454,9 @@ def bind_hook() -> dict:
     project of its `cwd`, as a server started there would be (resolve_config:
     env, else that directory's git root, else the repo setup recorded). Every
     `--hook` command calls this first; its `session_id` becomes the session
-    usage attribution files this call under. Returns the payload ({} when none)."""
+    usage attribution files this call under. Returns the payload ({} when none):
+    one that is not a JSON object (malformed, nested too deep to parse) is
+    ignored with a line on stderr, as a hook must not fail on its input."""
     import select
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError):
@@ -9463,7 +9465,14 @@ def bind_hook() -> dict:
         ready, _, _ = select.select([sys.stdin], [], [], 2.0)
         if not ready:
             return {}
-        payload = json.loads(sys.stdin.read(1 << 20) or "{}")
+        text = sys.stdin.read(1 << 20)
+        try:
+            payload = json.loads(text or "{}")
+        except (ValueError, RecursionError) as e:
+            why = "nested too deep to parse" if isinstance(e, RecursionError) else "not JSON"
+            print(f"cambium: the hook's stdin ({len(text)} characters) is {why}; ignored",
+                  file=sys.stderr)
+            return {}
     if not isinstance(payload, dict):
         return {}
     sid = payload.get("session_id")

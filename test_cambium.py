@@ -3286,6 +3286,27 @@ def test_cli_distill_quiet_summary_json_and_hook_mode(tmp_path, monkeypatch):
     assert out.returncode == 1 and json.loads(out.stdout)["configured"] is False
 
 
+def test_hook_stdin_nested_too_deep_is_ignored_like_malformed_json(tmp_path):
+    """`distill --hook` fed a payload nested 100,000 deep printed a RecursionError
+    traceback and exited 1; a hook's bad input is ignored (exit 0, stdout empty
+    for distill), like a payload that is not JSON."""
+    r = make_repo(tmp_path)
+    deep = '{"session_id": "s1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    env = child_env(CAMBIUM_REPO=str(r), CAMBIUM_AGENT_ID="ada")
+    for payload in (deep, "{not json"):
+        for cmd in ("distill", "primer"):
+            out = subprocess.run([sys.executable, str(SERVER), cmd, "--hook"], input=payload,
+                                 text=True, capture_output=True, env=env, cwd=tmp_path,
+                                 timeout=60)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+            why = "nested too deep to parse" if payload is deep else "not JSON"
+            assert f"hook's stdin ({len(payload)} characters) is {why}; ignored" in out.stderr
+            if cmd == "distill":
+                assert out.stdout == "" and "cambium distill: imported 0" in out.stderr
+            else:
+                assert json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
+
+
 def test_mcp_distill_sends_progress_for_a_large_source(tmp_path):
     r = make_repo(tmp_path)
     (r / ".context").mkdir()
