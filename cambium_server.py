@@ -1293,9 +1293,9 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
 
 
 def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = True,
-         input: str | None = None) -> subprocess.CompletedProcess:
+         input: str | None = None, binary: bool = False) -> subprocess.CompletedProcess:
     """Run `git <args>` in cwd."""
-    return _run(["git", *args], cwd, timeout_s, check=check, input=input)
+    return _run(["git", *args], cwd, timeout_s, check=check, input=input, binary=binary)
 
 
 def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
@@ -2511,11 +2511,12 @@ class GitStore(Store):
 
     # -- plumbing ---------------------------------------------------------------
     def git(self, *args: str, check: bool = True, input: str | None = None,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+            env: dict | None = None, binary: bool = False) -> subprocess.CompletedProcess:
         if env:
             return _run(["git", *args], self.repo, self.timeout_s, check=check, input=input,
-                        env={**_git_env(), **env})
-        return _git(list(args), self.repo, self.timeout_s, check=check, input=input)
+                        env={**_git_env(), **env}, binary=binary)
+        return _git(list(args), self.repo, self.timeout_s, check=check, input=input,
+                    binary=binary)
 
     def _stamp(self) -> Path:
         return self._meta_dir() / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
@@ -2624,8 +2625,7 @@ class GitStore(Store):
         objects = self._objects()
         data = loose_blob(objects, commit, name) if objects else None
         if data is None:
-            blob = _run(["git", "cat-file", "blob", f"{commit}:{name}"], self.repo,
-                        self.timeout_s, check=False, binary=True)
+            blob = self.git("cat-file", "blob", f"{commit}:{name}", check=False, binary=True)
             data = blob.stdout if blob.returncode == 0 else None
         if data is not None:            # newlines as git's output reads in text mode
             text = data.decode("utf-8", "surrogatepass" if strict else "replace")
