@@ -582,7 +582,7 @@ class Item:
             texts = tuple(v if isinstance(v, str) else "" for v in texts)
         item_id, content, why, type_, kind, scope, project, by, created, updated, status = texts
         if not item_id:
-            item_id = "k-" + hashlib.sha1(content.encode()).hexdigest()[:12]
+            item_id = "k-" + hashlib.sha1(utf8(content)).hexdigest()[:12]
         tags, source = d.get("tags"), d.get("source")
         try:
             "".join(tags)                           # TypeError: not a list of text
@@ -671,6 +671,7 @@ class Draft:
     supersedes: str | None = None     # an agent's counter-claim to this item id
     code_refs: Any = None
     where: str | None = None          # its 1-based position in the source ("line 3")
+    notes: tuple = ()                 # what was repaired on the way in, for the report
 
 
 @dataclass
@@ -725,10 +726,39 @@ def valid_unicode(text: str) -> str:
     if not _SURROGATE.search(text):
         return text
     try:        # bytes an OS could not decode come back as the bytes, then replaced
-        raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        raw = text.encode("utf-8", "surrogatepass")
-    return raw.decode("utf-8", "replace")
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:      # a lone surrogate escape: one U+FFFD each
+        return _SURROGATE.sub("\ufffd", text)
+
+
+def valid_unicode_deep(value: Any) -> Any:
+    """`value` (JSON-like) with valid_unicode applied to every string and key: what
+    a client is shown, since an answer with a lone surrogate cannot be encoded
+    (the stored text keeps it: see json_text)."""
+    if isinstance(value, str):
+        return valid_unicode(value)
+    if isinstance(value, dict):
+        return {valid_unicode(k) if isinstance(k, str) else k: valid_unicode_deep(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [valid_unicode_deep(v) for v in value]
+    return value
+
+
+def json_text(value: Any, **kw: Any) -> str:
+    """json.dumps(value, ensure_ascii=False) that is always valid UTF-8: a lone
+    surrogate (a stored `\\ud800` escape, valid JSON but not Unicode) is written
+    back as its escape, so the value reads back unchanged (raw, it cannot be
+    encoded at all)."""
+    text = json.dumps(value, ensure_ascii=False, **kw)
+    if not _SURROGATE.search(text):
+        return text
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def utf8(text: str) -> bytes:
+    """Bytes to hash `text` by: UTF-8, a lone surrogate kept as its 3 bytes."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def json_kind(value: Any) -> str:
@@ -907,7 +937,7 @@ def derived(item: Item, name: str, compute: Callable[[Item], Any]) -> Any:
 def text_key(type: str, content: str) -> str:
     """A stable hash of what a (normalized) body says, for duplicate detection."""
     norm = " ".join(content.lower().split())
-    return hashlib.sha256(f"{type}\0{norm}".encode()).hexdigest()[:24]
+    return hashlib.sha256(utf8(f"{type}\0{norm}")).hexdigest()[:24]
 
 
 def _content_key(item: Item) -> str:
@@ -1053,6 +1083,8 @@ def _validate(key: str, value: str) -> str | None:
         if value.startswith("-") or not re.fullmatch(r"[\w.@\-]{1,64}", value):
             return f"{key}={value!r} must be 1-64 letters, digits, '.', '_', '-' or '@'"
     elif key in ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
+        if "\0" in value:
+            return f"{key}={value!r} holds a NUL byte, which no file path can contain"
         if not os.path.isabs(os.path.expanduser(value)):
             return f"{key}={value!r} must be an absolute path"
     return None
@@ -1101,7 +1133,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     except FileNotFoundError:
         pass
     except (OSError, ValueError, RecursionError) as e:
-        file_error = f"{path} could not be read ({e}); ignored"
+        why = "JSON nested too deep to parse" if isinstance(e, RecursionError) else e
+        file_error = f"{path} could not be read ({why}); ignored"
     values: dict = {}
     origins: dict = {}
     problems: list = []
@@ -1117,7 +1150,9 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
         else:
             value, origin = default, "default"
         if value is not None and origin != "default":
-            why = _validate(key, value)
+            why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
+                   "which is not text" if origin == "file" and _SURROGATE.search(value)
+                   else _validate(key, value))
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
@@ -1395,13 +1430,18 @@ def _git_env() -> dict:
 
 
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
-         input: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run one external command, bounded; raise GitError on failure or timeout."""
+         input: str | None = None, env: dict | None = None,
+         binary: bool = False) -> subprocess.CompletedProcess:
+    """Run one external command, bounded; raise GitError on failure or timeout.
+    Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes."""
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env or _git_env(), text=True,
-                              encoding="utf-8", errors="replace", capture_output=True,
+        proc = subprocess.run(cmd, cwd=cwd, env=env or _git_env(), capture_output=True,
+                              **({} if binary else dict(text=True, encoding="utf-8",
+                                                        errors="replace")),
                               timeout=timeout_s, input=input,
                               stdin=None if input is not None else subprocess.DEVNULL)
+        if binary:
+            proc.stderr = proc.stderr.decode("utf-8", "replace")
     except subprocess.TimeoutExpired:
         raise GitError(cmd, None, f"timed out after {timeout_s:g}s "
                        "(CAMBIUM_GIT_TIMEOUT)") from None
@@ -1413,9 +1453,9 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
 
 
 def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = True,
-         input: str | None = None) -> subprocess.CompletedProcess:
+         input: str | None = None, binary: bool = False) -> subprocess.CompletedProcess:
     """Run `git <args>` in cwd."""
-    return _run(["git", *args], cwd, timeout_s, check=check, input=input)
+    return _run(["git", *args], cwd, timeout_s, check=check, input=input, binary=binary)
 
 
 def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
@@ -1782,7 +1822,7 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
     rest = {k: v for k, v in obj.items() if k not in ("items", "meta", "cambium")}
     return Parsed(Doc(items=[Item.from_dict(d) for d in entries if isinstance(d, dict)],
                       meta=meta, raw=rest),
-                  bad=[json.dumps(d, ensure_ascii=False).encode("utf-8")
+                  bad=[json_text(d).encode("utf-8")
                        for d in entries if not isinstance(d, dict)])
 
 
@@ -1810,7 +1850,7 @@ def _salvage(data: bytes, where: str) -> Parsed:
 def parse_store(text: str, where: str) -> Doc:
     """Parse knowledge.json text strictly: CorruptStore if any line is damaged
     (a shared scope's file is fixed by hand, never half-read)."""
-    parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogateescape")), where)
+    parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogatepass")), where)
     if parsed.bad or not parsed.closed:
         first = parsed.bad[0][:80] if parsed.bad else b"(the file ends early)"
         raise CorruptStore(f"{where}: {len(parsed.bad) or 1} line(s) do not parse "
@@ -1820,15 +1860,14 @@ def parse_store(text: str, where: str) -> Doc:
 
 def _stored_json_line(item: Item) -> str:
     """One item's JSON line, cached per (immutable) item object."""
-    return derived(item, "line", lambda it: json.dumps(it.to_dict(), ensure_ascii=False,
-                                                       separators=(",", ":")))
+    return derived(item, "line", lambda it: json_text(it.to_dict(), separators=(",", ":")))
 
 
 def store_head(doc: Doc) -> bytes:
     """The lines before the items: format and unknown keys, meta, the items key."""
     head = {"cambium": STORE_FORMAT, **doc.raw}
-    lines = ["{" + json.dumps(head, ensure_ascii=False)[1:-1] + ",",
-             '"meta": ' + json.dumps(doc.meta, ensure_ascii=False, sort_keys=True) + ",",
+    lines = ["{" + json_text(head)[1:-1] + ",",
+             '"meta": ' + json_text(doc.meta, sort_keys=True) + ",",
              '"items": [' if doc.items else '"items": []}']
     return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
 
@@ -2431,8 +2470,7 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
     the server folds them into their (fsynced) store within seconds anyway."""
     if not records:
         return
-    data = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
-                   for r in records)
+    data = "".join(json_text(r, separators=(",", ":")) + "\n" for r in records)
     with file_lock(path):
         _append_durably(path, data.encode("utf-8"), sync=durable)
 
@@ -2618,7 +2656,7 @@ def _write_commit(objects: Path, entries: list[tuple[str, str, str]], parent: st
         [e for e in entries if e[1] not in blobs] +
         [("100644", name, sha) for name, sha in blobs.items()]))
     head = f"tree {tree}\n" + (f"parent {parent}\n" if parent else "")
-    body = f"{head}author {stamp}\ncommitter {stamp}\n\n{message}"
+    body = f"{head}author {stamp}\ncommitter {stamp}\n\n{valid_unicode(message)}"
     return write_loose(objects, "commit", body.encode("utf-8"))
 
 
@@ -2648,11 +2686,12 @@ class GitStore(Store):
 
     # -- plumbing ---------------------------------------------------------------
     def git(self, *args: str, check: bool = True, input: str | None = None,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+            env: dict | None = None, binary: bool = False) -> subprocess.CompletedProcess:
         if env:
             return _run(["git", *args], self.repo, self.timeout_s, check=check, input=input,
-                        env={**_git_env(), **env})
-        return _git(list(args), self.repo, self.timeout_s, check=check, input=input)
+                        env={**_git_env(), **env}, binary=binary)
+        return _git(list(args), self.repo, self.timeout_s, check=check, input=input,
+                    binary=binary)
 
     def _stamp(self) -> Path:
         return self._meta_dir() / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
@@ -2753,17 +2792,19 @@ class GitStore(Store):
             self._objects_dir = _sha1_objects(self.repo)
         return self._objects_dir
 
-    def file_at(self, commit: str, name: str) -> str:
+    def file_at(self, commit: str, name: str, *, strict: bool = False) -> str:
         """Root file `name` at a commit ("" when it has no such file); GitError
-        when git cannot read the commit or the file (never read as empty)."""
+        when git cannot read the commit or the file (never read as empty).
+        Bytes that are not UTF-8 become U+FFFD, or with `strict` raise
+        UnicodeDecodeError (a store read so would be written back without them)."""
         objects = self._objects()
         data = loose_blob(objects, commit, name) if objects else None
-        if data is not None:            # as git's output reads in text mode
-            text = data.decode("utf-8", "replace")
+        if data is None:
+            blob = self.git("cat-file", "blob", f"{commit}:{name}", check=False, binary=True)
+            data = blob.stdout if blob.returncode == 0 else None
+        if data is not None:            # newlines as git's output reads in text mode
+            text = data.decode("utf-8", "surrogatepass" if strict else "replace")
             return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
-        blob = self.git("cat-file", "blob", f"{commit}:{name}", check=False)
-        if blob.returncode == 0:
-            return blob.stdout
         listed = self.git("ls-tree", commit, "--", name).stdout.split()   # GitError: bad commit
         if len(listed) > 2:
             raise GitError(["git", "cat-file", "blob", f"{commit}:{name}"], blob.returncode,
@@ -2803,8 +2844,14 @@ class GitStore(Store):
         with state.lock:
             if state.doc and state.doc[0] == commit:
                 return state.doc[1]
-        doc = parse_store(self.file_at(commit, STORE_FILE), f"{self.scope} {STORE_FILE} "
-                          f"({self.remote}/{self.branch} at {commit[:10]})")
+        where = f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} at {commit[:10]})"
+        try:
+            text = self.file_at(commit, STORE_FILE, strict=True)
+        except UnicodeDecodeError as e:
+            raise CorruptStore(f"{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                               f"offset {e.start}): fix it by hand; it is never rewritten "
+                               "until it reads") from None
+        doc = parse_store(text, where)
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
                 it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)
@@ -2868,7 +2915,7 @@ class GitStore(Store):
 
     def _fast_import(self, parent: str | None, files: dict[str, str], stamp: str,
                      message: str) -> str:
-        msg = message.encode("utf-8")
+        msg = valid_unicode(message).encode("utf-8")
         out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
                f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
         if parent:
@@ -3099,9 +3146,9 @@ def claim_key(agent: str, claim: dict) -> str:
     """The watermark key of one version of a claim: agent + updated_at (or a hash)."""
     stamp = _str(claim.get("updated_at"))
     if not stamp:
-        stamp = "h" + hashlib.sha256("\0".join(
+        stamp = "h" + hashlib.sha256(utf8("\0".join(
             _str(claim.get(k)) for k in ("task", "branch", "status", "note")
-        ).encode()).hexdigest()[:16]
+        ))).hexdigest()[:16]
     return f"agentsync:{agent}:{stamp}"
 
 
@@ -3541,13 +3588,32 @@ def _first(rec: dict, keys: tuple) -> Any:
     return None
 
 
+def _surrogate_fields(rec: dict) -> list[str]:
+    """The keys of `rec` whose value (or the key itself) holds a lone surrogate."""
+    def has(v: Any) -> bool:
+        if isinstance(v, str):
+            return _SURROGATE.search(v) is not None
+        if isinstance(v, dict):
+            return any(has(k) or has(x) for k, x in v.items())
+        return isinstance(v, list) and any(has(x) for x in v)
+
+    return [valid_unicode(k) for k, v in rec.items() if has(k) or has(v)]
+
+
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
                          origin: str | None = None) -> Draft | Skip:
     """Map one export record to a Draft by the spec's field table (pure). Its
     identity, for dedupe, is (system, id): the system the record names in its own
-    `system`/`source` field, else `origin` (the file's name), else `system`."""
+    `system`/`source` field, else `origin` (the file's name), else `system`.
+    A lone surrogate escape (`\\ud800`: valid JSON, not Unicode) becomes U+FFFD,
+    and the Draft's notes say in which fields."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({type(rec).__name__})")
+    notes: tuple = ()
+    if bad := _surrogate_fields(rec):
+        rec = valid_unicode_deep(rec)
+        notes = (f"{where}: a lone surrogate escape (like \\ud800) in "
+                 f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
     body = _first(rec, _BODY_KEYS)
     if not isinstance(body, str) or not body.strip():
         return Skip(where, "no body (content/text/body/memory/note)")
@@ -3571,11 +3637,19 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     source = {"system": own or system, "ref": ref, "imported": True,
               "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
-                 tags=tags[:MAX_TAGS], source=source, where=where,
+                 tags=tags[:MAX_TAGS], source=source, where=where, notes=notes,
                  key=f"import:{own or origin or system}:" + (
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
-                         (body + "\0" + (why if isinstance(why, str) else "")).encode()
+                         utf8(body + "\0" + (why if isinstance(why, str) else ""))
                      ).hexdigest()[:24]))
+
+
+def path_arg(name: str, value: str) -> str:
+    """`value`, a path argument, or InputError when it holds a NUL byte (no
+    file path can; the OS call would fail with a bare ValueError)."""
+    if isinstance(value, str) and "\0" in value:
+        raise InputError(f"{name} {value!r} holds a NUL byte, which no file path can contain.")
+    return value
 
 
 def _regular_file(path: Path) -> None:
@@ -5725,7 +5799,7 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
             out.append("")
     if len(out) == 4:
         out.append("_No knowledge in this scope yet._")
-    return "\n".join(out).rstrip() + "\n"
+    return valid_unicode("\n".join(out).rstrip() + "\n")
 
 
 def _provenance(it: Item) -> str:
@@ -6418,7 +6492,8 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
     if url:
         return url
     made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
-                 "--title", title, "--body", body], store.repo, timeout, env=env)
+                 "--title", valid_unicode(title), "--body", valid_unicode(body)],
+                store.repo, timeout, env=env)
     urls = re.findall(r"https?://\S+", made.stdout)
     if not urls:
         raise GitError(["gh", "pr", "create"], made.returncode,
@@ -7106,8 +7181,8 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
     if not sid or not ids:
         return
     at = _now()
-    lines = "".join(json.dumps({"session": sid, "item": i, "via": via, "at": at,
-                                "agent": cfg.agent}, ensure_ascii=False) + "\n" for i in ids)
+    lines = "".join(json_text({"session": sid, "item": i, "via": via, "at": at,
+                               "agent": cfg.agent}) + "\n" for i in ids)
     path = _shown_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(path):
@@ -7556,6 +7631,7 @@ def repo_binding(cfg: Config) -> dict:
 
 def _project_root(project_repo: str) -> Path:
     """The git root of setup's project_repo, or InputError saying what is wrong."""
+    path_arg("project_repo", project_repo)
     path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
     if path is None or not path.exists():
         raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
@@ -7571,7 +7647,7 @@ def _project_root(project_repo: str) -> Path:
 
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
     """(offer of commands, None) for an owner/name; (None, path) for a local clone."""
-    candidate = Path(os.path.expanduser(org_repo))
+    candidate = Path(os.path.expanduser(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and candidate.exists():
         root = git_toplevel(candidate)
         if root is None:
@@ -7877,8 +7953,7 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
         out = _make_primer(cfg, limit, anchored)
         if key is not None and not out.get("warnings") and cfg.local_dir.is_dir():
             stamps = {p: path_stamp(cfg.repo, p) for p in sorted(anchored)}
-            atomic_write(path, json.dumps({"key": key, "primer": out, "anchored": stamps},
-                                          ensure_ascii=False))
+            atomic_write(path, json_text({"key": key, "primer": out, "anchored": stamps}))
     ids = out.pop("ids", [])
     if shown:
         note_shown(cfg, ids, "primer")
@@ -8513,20 +8588,25 @@ def import_memory(source: Annotated[str, Field(
                          f"{', '.join(sorted(IMPORT_ADAPTERS))}.")
     if not isinstance(path, str) or not path:
         raise InputError("path is required: the absolute path of the export file.")
-    p = Path(os.path.expanduser(path))
+    p = Path(os.path.expanduser(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     skipped: list[Skip] = []
+    repaired: list[str] = []
 
     def drafts() -> Iterator[Draft]:
         for rec in adapter(p):
             if isinstance(rec, Skip):
                 skipped.append(rec)
             else:
+                repaired.extend(rec.notes)
                 yield rec
 
     res = ingest(cfg, drafts())
     out = import_report(source, p, res, [(s.where, s.reason) for s in skipped] + res.skipped)
+    if repaired:
+        out["warnings"] = [_clip(n, 300) for n in repaired[:5]] + (
+            [f"and {len(repaired) - 5} more record(s) like these"] if len(repaired) > 5 else [])
     if res.imported:
         out["id_map"] = str(write_id_map(cfg, source, res.imported))
     return with_store_warnings(out, cfg)
@@ -8572,7 +8652,7 @@ def restore(path: Annotated[str, Field(
     back, the file is renamed *.restored and the warnings about it stop.
     """
     cfg = require_config()
-    p = Path(os.path.expanduser(path))
+    p = Path(os.path.expanduser(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     _regular_file(p)
@@ -8621,9 +8701,8 @@ def write_id_map(cfg: Config, source: str, items: list[Item]) -> Path:
 
     def write(out: Any) -> None:
         for it in items:
-            out.write((json.dumps({"ref": it.source.get("ref"), "id": it.id,
-                                   "system": it.source.get("system")},
-                                  ensure_ascii=False) + "\n").encode("utf-8", "surrogateescape"))
+            out.write((json_text({"ref": it.source.get("ref"), "id": it.id,
+                                  "system": it.source.get("system")}) + "\n").encode("utf-8"))
     atomic_write(path, write)
     return path
 
@@ -8921,16 +9000,75 @@ def repair_surrogate_escapes(line: str) -> str:
     return _JSON_ESCAPE.sub(fix, line)
 
 
+MAX_MESSAGE_DEPTH = 128   #: the SDK's JSON parser drops, unanswered, a message over 200 levels
+_JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_JSON_SCALAR = re.compile(r'\s*:\s*(-?\d+(?![.eE\d])|"[^"\\]*(?:\\.[^"\\]*)*")')
+
+
+def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dict | None]:
+    """(refused, reply) for one JSON-RPC line (pure): a message nested deeper
+    than `limit` is refused, answered with an Invalid Request error for its id
+    when its top-level "id" can be read, a Parse error (id null) when it
+    cannot, and not answered when it is a notification (a "method", no "id")."""
+    if line.count("[") + line.count("{") <= limit:          # the common case: no scan
+        return False, None
+    depth = deepest = 0
+    keys: dict[str, Any] = {}
+    for m in _JSON_NESTING.finditer(line):
+        tok = m.group(0)
+        if tok in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif tok in "]}":
+            depth -= 1
+        elif depth == 1 and line.lstrip().startswith("{"):
+            key = _JSON_SCALAR.match(line, m.end())   # a top-level key with a scalar value
+            if key and tok in ('"id"', '"method"') and tok not in keys:
+                with contextlib.suppress(ValueError):
+                    keys[tok] = json.loads(key.group(1))
+    if deepest <= limit:
+        return False, None
+    why = (f"message nested deeper than {limit} levels (JSON arrays and objects inside "
+           f"each other): send flatter arguments")
+    rid = keys.get('"id"')
+    if isinstance(rid, (int, str)) and not isinstance(rid, bool):
+        return True, {"jsonrpc": "2.0", "id": rid,
+                      "error": {"code": -32600, "message": f"Invalid request: {why}."}}
+    if '"method"' in keys and '"id"' not in keys:
+        return True, None                                  # a notification: no answer
+    return True, {"jsonrpc": "2.0", "id": None,
+                  "error": {"code": -32700, "message": f"Parse error: {why}."}}
+
+
 class _RepairedStdin:
     """The stdio transport's stdin: UTF-8 lines (bad bytes become U+FFFD), lone
     surrogate escapes repaired. The SDK drops a request it cannot parse without
-    answering it, so this is where such a request is made answerable."""
+    answering it, so this is where such a request is made answerable: a line
+    nested too deep for the SDK's parser is answered here (through `reply`,
+    the transport's write side, set once it is open) and never handed on."""
 
     def __init__(self, buffer: Any):
         self._buffer = buffer
+        self._reply: Callable[[dict], Any] | None = None
+        self._ready = threading.Event()
+
+    def answer_with(self, reply: Callable[[dict], Any]) -> None:
+        """Set the coroutine function that writes a JSON-RPC message to the client."""
+        self._reply = reply
+        self._ready.set()
 
     def readline(self, *_: Any) -> str:
-        return repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+        while True:
+            line = repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+            refused, reply = too_deep_reply(line)
+            if not refused:
+                return line
+            print(f"cambium: refused a JSON-RPC message of {len(line)} characters nested "
+                  f"deeper than {MAX_MESSAGE_DEPTH} levels", file=sys.stderr)
+            if reply is not None and self._ready.wait(30):
+                import anyio.from_thread
+                with contextlib.suppress(Exception):       # the client went away
+                    anyio.from_thread.run(self._reply, reply)
 
 
 def _mcp_tool(fn: Callable) -> Callable:
@@ -8944,11 +9082,11 @@ def _mcp_tool(fn: Callable) -> Callable:
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
         token = SESSION.set(mcp_session_id(ctx))
         try:
-            return with_store_warnings(fn(**kwargs))
+            return valid_unicode_deep(with_store_warnings(fn(**kwargs)))
         except Unconfigured as u:
             return u.guidance
         except (CambiumError, OSError) as e:
-            raise ToolError(error_text(e)) from e
+            raise ToolError(valid_unicode(error_text(e))) from e
         finally:
             SESSION.reset(token)
 
@@ -9031,8 +9169,14 @@ def build_server() -> MCPServer:
         async def run_stdio_async(self) -> None:
             import anyio
             from mcp.server.stdio import stdio_server
-            stdin = anyio.wrap_file(_RepairedStdin(sys.stdin.buffer))
-            async with stdio_server(stdin=stdin) as (read, write):
+            from mcp.shared.message import SessionMessage
+            from mcp_types import jsonrpc_message_adapter
+            repaired = _RepairedStdin(sys.stdin.buffer)
+            async with stdio_server(stdin=anyio.wrap_file(repaired)) as (read, write):
+                async def reply(msg: dict) -> None:
+                    await write.send(SessionMessage(jsonrpc_message_adapter.validate_python(msg)))
+
+                repaired.answer_with(reply)
                 low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
                 await low.run(read, write, low.create_initialization_options())
 
@@ -9061,7 +9205,7 @@ PRIMER_URI = "cambium://primer"
 def primer_resource() -> str:
     """cambium://primer: the primer text, or what to do when it cannot be built."""
     try:
-        return primer_for(require_config())["primer"]
+        return valid_unicode(primer_for(require_config())["primer"])
     except Unconfigured as u:
         return f"cambium is not configured here; next step: {u.guidance.get('next_step')}"
     except (CambiumError, OSError) as e:
@@ -9330,9 +9474,8 @@ def primer_hook(argv: list[str]) -> int:
         out = cached_primer(cfg, limit)
         if out.get("warnings"):             # a scope it could not read: say nothing
             raise CambiumError("; ".join(out["warnings"]))
-        sys.stdout.write(json.dumps({"hookSpecificOutput": {
-            "hookEventName": "SessionStart", "additionalContext": out["primer"]}},
-            ensure_ascii=False) + "\n")
+        sys.stdout.write(json_text({"hookSpecificOutput": {
+            "hookEventName": "SessionStart", "additionalContext": out["primer"]}}) + "\n")
         sys.stdout.flush()
     except BaseException as e:      # noqa: BLE001 - a SessionStart hook must never fail
         with contextlib.suppress(BaseException):
@@ -9361,7 +9504,7 @@ def _export_target(output: str) -> Path:
     """The file `export -o` replaces: a symlink's target (the link stays, as a
     shell's > would write through it), never a device, FIFO or directory, and
     never in a directory that does not exist (made up by a typo)."""
-    path = Path(os.path.realpath(output))
+    path = Path(os.path.realpath(path_arg("-o", output)))
     if path.exists() and not path.is_file():
         raise InputError(f"-o {output}: not a regular file; export writes files only "
                          "(without -o the markdown goes to stdout).")
@@ -9453,9 +9596,9 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
         text = _text(result) if text is None else text
-        print(text, file=file or sys.stdout)
+        print(valid_unicode(text), file=file or sys.stdout)
     else:
-        print(json.dumps(result, indent=2, ensure_ascii=False), file=file or sys.stdout)
+        print(json_text(result, indent=2), file=file or sys.stdout)
 
 
 #: Answer fields that speak to the caller (hints, reasons, next steps): the CLI
@@ -9490,7 +9633,9 @@ def bind_hook() -> dict:
     project of its `cwd`, as a server started there would be (resolve_config:
     env, else that directory's git root, else the repo setup recorded). Every
     `--hook` command calls this first; its `session_id` becomes the session
-    usage attribution files this call under. Returns the payload ({} when none)."""
+    usage attribution files this call under. Returns the payload ({} when none):
+    one that is not a JSON object (malformed, nested too deep to parse) is
+    ignored with a line on stderr, as a hook must not fail on its input."""
     import select
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError, RecursionError):
@@ -9499,7 +9644,14 @@ def bind_hook() -> dict:
         ready, _, _ = select.select([sys.stdin], [], [], 2.0)
         if not ready:
             return {}
-        payload = json.loads(sys.stdin.read(1 << 20) or "{}")
+        text = sys.stdin.read(1 << 20)
+        try:
+            payload = json.loads(text or "{}")
+        except (ValueError, RecursionError) as e:
+            why = "nested too deep to parse" if isinstance(e, RecursionError) else "not JSON"
+            print(f"cambium: the hook's stdin ({len(text)} characters) is {why}; ignored",
+                  file=sys.stderr)
+            return {}
     if not isinstance(payload, dict):
         return {}
     sid = payload.get("session_id")

@@ -379,6 +379,76 @@ def test_every_tool_unconfigured_returns_guidance(call):
     assert exc.value.guidance["next_step"]
 
 
+def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_traceback(
+        tmp_path):
+    """A config.json nested 100,000 deep raised RecursionError out of every CLI
+    command; a `\\ud800` in a path value crashed status with UnicodeEncodeError."""
+    r = make_repo(tmp_path)
+    cfg_file = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    deep = '{"CAMBIUM_AGENT_ID": "ada", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    cfg_file.write_text(deep)
+    for args in (("status",), ("recall", "x")):
+        out = cli(*args, cwd=tmp_path)
+        assert "Traceback" not in out.stderr, out.stderr
+        guide = json.loads(out.stdout)
+        assert guide["configured"] is False
+        assert "nested too deep" in guide["config_file_error"]
+    assert cs.setup(str(r), "ada")["status"]["configured"] is True    # sets it aside, intact
+    assert cfg_file.with_name(cfg_file.name + ".bad").read_text() == deep
+    for key, value in (("CAMBIUM_REPO", str(r) + "\\ud800"),
+                       ("CAMBIUM_TEAM_BRANCH", "team\\udc80"),
+                       ("CAMBIUM_ORG_REPO", "/srv/org\\udfff")):
+        cfg_file.write_text('{"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_REPO": "%s", "%s": "%s"}'
+                            % (r, key, value))
+        for args in (("status",), ("capture", "a fact")):
+            out = cli(*args, cwd=tmp_path)
+            assert "Traceback" not in out.stderr, out.stderr
+            gap = next(g for g in json.loads(out.stdout)["gaps"] if g["setting"] == key)
+            assert "lone surrogate" in gap["cost"] and str(cfg_file) in gap["fix"]
+        with pytest.raises(cs.Unconfigured):
+            cs.recall("x")
+    out = cli("setup", str(r), "ada", cwd=tmp_path)            # rewrites, keeps the value
+    assert out.returncode == 0 and json.loads(cfg_file.read_text())["CAMBIUM_ORG_REPO"] == \
+        "/srv/org\udfff"
+
+
+def test_path_arguments_with_a_nul_byte_get_an_input_error(tmp_path, monkeypatch):
+    """setup("/repo\\0x") ended in a bare "ValueError: embedded null byte" (over
+    MCP: "Error executing tool setup"); so did import and restore paths."""
+    r = make_repo(tmp_path)
+    env = _mcp_env(r)
+    env.pop("CAMBIUM_REPO")
+
+    async def body(session, init):
+        out = []
+        for tool, args in (("setup", {"project_repo": f"{r}\0x", "agent_id": "ada"}),
+                           ("setup", {"project_repo": str(r), "agent_id": "ada",
+                                      "org_repo": "/srv/org\0"}),
+                           ("import_memory", {"path": "/tmp/export\0.json"})):
+            if tool == "import_memory":                  # configured first
+                await session.call_tool("setup", {"project_repo": str(r), "agent_id": "ada"})
+            res = await session.call_tool(tool, args)
+            out.append((res.is_error, res.structured_content))
+        return out
+
+    for is_error, answer in asyncio.run(_mcp_session(env, body)):
+        assert is_error and answer["error"] == "invalid_argument", answer
+        assert "holds a NUL byte" in answer["message"]
+    with pytest.raises(cs.InputError, match="project_repo .* holds a NUL byte"):
+        cs.setup(f"{r}\0", "ada")
+    monkeypatch.setenv("CAMBIUM_REPO", str(r))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    for call in (lambda: cs.import_memory("json", "/tmp/x\0.json"),
+                 lambda: cs.restore("/tmp/knowledge.json.corrupt-1\0"),
+                 lambda: cs._export_target(str(tmp_path / "out\0.md"))):
+        with pytest.raises(cs.InputError, match="holds a NUL byte"):
+            call()
+    cfg_file = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    cfg_file.write_text(json.dumps({"CAMBIUM_ORG_REPO": "/srv/org\0"}))
+    gap = next(g for g in cs.status()["gaps"] if g["setting"] == "CAMBIUM_ORG_REPO")
+    assert "NUL byte" in gap["cost"]
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
@@ -1780,6 +1850,57 @@ def test_team_write_keeps_a_hand_edited_items_mistyped_fields(shared, tmp_path):
     assert (stored["trust"]["recalls"], stored["trust"]["projects"]) == ("2", [None])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_team_and_org_files_that_are_not_utf8_are_refused_not_rewritten(shared, tmp_path,
+                                                                        monkeypatch, packed):
+    """A shared knowledge.json with a byte that is not UTF-8 was read with U+FFFD
+    in its place and written back so: the original byte was gone. It is a
+    corrupt store now, like a file that is not JSON (loose and packed objects)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    _endorsed("first team fact", "team")
+    cs.promote()
+    first_org = _endorsed("first org fact about retries", "holds everywhere")
+    cs.promote(first_org, to_scope="org", org_content="Retry idempotent calls with backoff",
+               org_why="holds in every service")
+    broken = {}
+    for name, bare, branch in (("team", shared["origin"], "cambium"),
+                               ("org", shared["org_bare"], "main")):
+        work = clone(bare, tmp_path / f"vandal-{name}")
+        git(work, "checkout", "-q", branch)
+        path = work / "knowledge.json"
+        path.write_bytes(path.read_bytes().replace(b"fact", b"f\xffact", 1))
+        git(work, "commit", "-q", "-am", "a Latin-1 hand edit")
+        git(work, "push", "-q", "origin", branch)
+        broken[name] = subprocess.run(["git", "show", f"{branch}:knowledge.json"], cwd=bare,
+                                      capture_output=True).stdout
+        assert b"\xff" in broken[name]
+    if packed:
+        for clone_dir in (shared["a"], shared["org"]):
+            cs.runtime().reset()
+            cs.recall("anything")                         # fetch, then pack what came
+            git(clone_dir, "gc", "-q", "--prune=now")
+    cs.runtime().reset()
+    for scope in ("team", "org"):
+        with pytest.raises(cs.CorruptStore) as corrupt:
+            cs.recall("fact", scope=scope)
+        assert cs.error_code(corrupt.value) == "corrupt_store"
+        assert "UTF-8" in str(corrupt.value)
+    second = _endorsed("second team fact", "team")
+    with pytest.raises(cs.CorruptStore):
+        cs.promote(second)
+    third = _endorsed("third fact for the org", "holds everywhere")
+    with pytest.raises(cs.CorruptStore):
+        cs.promote(third, to_scope="org", org_content="Third rule for the org",
+                   org_why="holds in every service")
+    assert subprocess.run(["git", "show", "cambium:knowledge.json"], cwd=shared["origin"],
+                          capture_output=True).stdout == broken["team"]
+    assert subprocess.run(["git", "show", "main:knowledge.json"], cwd=shared["org_bare"],
+                          capture_output=True).stdout == broken["org"]
+    res = cs.recall("second team fact")                   # auto: skipped, with a warning
+    assert res["results"][0]["id"] == second
+    assert any("team scope skipped" in w for w in res["warnings"])
+
+
 def test_runtimes_keep_separate_shared_scope_state_and_items_are_not_changed(shared,
                                                                                  tmp_path):
     work = clone(shared["origin"], tmp_path / "hand")        # a copy made by hand
@@ -2798,6 +2919,36 @@ def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_p
     assert cli("import", str(arr)).returncode == 0
 
 
+def test_import_cleans_lone_surrogates_imports_the_rest_and_says_where(repo, tmp_path):
+    """One record with a `\\ud800` escape (valid JSON, not Unicode) aborted the
+    whole import with UnicodeEncodeError; now it is cleaned and reported."""
+    jsonl = tmp_path / "mem.jsonl"
+    jsonl.write_text('{"id": "1", "content": "first good record"}\n'
+                     '{"id": "2", "content": "broken \\ud800 text"}\n'
+                     '{"id": "3\\udc00", "content": "odd id", "source": "s\\ud800", '
+                     '"tags": ["t\\udfff"], "why": "w \\ud83d"}\n'
+                     '{"id": "4", "content": "last good record"}\n')
+    res = cs.import_memory("json", str(jsonl))
+    assert res["imported"] == 4 and res["skipped"] == 0, res
+    assert res["warnings"] == [
+        "line 2: a lone surrogate escape (like \\ud800) in content was replaced by U+FFFD",
+        "line 3: a lone surrogate escape (like \\ud800) in id, source, tags, why was replaced "
+        "by U+FFFD"]
+    items = {i.content: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert set(items) == {"first good record", "broken \ufffd text", "odd id",
+                          "last good record"}
+    odd = items["odd id"]
+    assert odd.source["ref"] == "3\ufffd" and odd.source["system"] == "s\ufffd"
+    assert odd.why == "w \ufffd" and "t\ufffd" in odd.tags
+    assert cs.import_memory("json", str(jsonl))["duplicates"] == 4     # same identity again
+    doc = tmp_path / "mem.json"
+    doc.write_text('[{"content": "array \\udfff record"}, {"content": "array good"}]')
+    out = cli("import", str(doc))
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["imported"] == 2 and answer["warnings"][0].startswith("record 1: ")
+
+
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
     f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
@@ -3328,6 +3479,27 @@ def test_cli_distill_quiet_summary_json_and_hook_mode(tmp_path, monkeypatch):
     assert out.returncode == 0 and out.stdout == "" and "not configured here" in out.stderr
     out = cli("distill", cwd=plain)
     assert out.returncode == 1 and json.loads(out.stdout)["configured"] is False
+
+
+def test_hook_stdin_nested_too_deep_is_ignored_like_malformed_json(tmp_path):
+    """`distill --hook` fed a payload nested 100,000 deep printed a RecursionError
+    traceback and exited 1; a hook's bad input is ignored (exit 0, stdout empty
+    for distill), like a payload that is not JSON."""
+    r = make_repo(tmp_path)
+    deep = '{"session_id": "s1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    env = child_env(CAMBIUM_REPO=str(r), CAMBIUM_AGENT_ID="ada")
+    for payload in (deep, "{not json"):
+        for cmd in ("distill", "primer"):
+            out = subprocess.run([sys.executable, str(SERVER), cmd, "--hook"], input=payload,
+                                 text=True, capture_output=True, env=env, cwd=tmp_path,
+                                 timeout=60)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+            why = "nested too deep to parse" if payload is deep else "not JSON"
+            assert f"hook's stdin ({len(payload)} characters) is {why}; ignored" in out.stderr
+            if cmd == "distill":
+                assert out.stdout == "" and "cambium distill: imported 0" in out.stderr
+            else:
+                assert json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
 
 
 def test_mcp_distill_sends_progress_for_a_large_source(tmp_path):
@@ -3874,6 +4046,74 @@ def test_mcp_lone_surrogate_escape_gets_an_answer(repo):
     assert item["content"] == "a \ufffd b, kept \\ud800 and \U0001f600"
     assert cs.repair_surrogate_escapes(r'"\udc00\ud800"') == r'"\ufffd\ufffd"'
     assert cs.repair_surrogate_escapes(r'"\\\ud800x"') == r'"\\\ufffdx"'
+
+
+def test_mcp_deeply_nested_message_gets_an_error_and_the_server_keeps_serving(repo):
+    """The SDK's parser gives up past 200 levels and drops the message unanswered:
+    the client waited forever. Each gets a JSON-RPC error now, for its id."""
+    deep = "[" * 1000 + "]" * 1000
+    lines = [
+        '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "recall", '
+        '"arguments": {"query": %s}}}' % deep,
+        '{"jsonrpc": "2.0", "params": {"x": %s}, "method": "tools/call", "id": "two"}' % deep,
+        '{"jsonrpc": "2.0", "method": "notifications/progress", "params": {"x": %s}}' % deep,
+        "[" * 100_000 + "]" * 100_000,
+        '{"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "capture", '
+        '"arguments": {"content": "answers keep coming after a refused message"}}}']
+    answers = _raw_stdio(_mcp_env(repo), lines, {1, "two", None, 3})
+    assert {1, "two", None, 3} <= set(answers), sorted(map(str, answers))
+    for rid, code in ((1, -32600), ("two", -32600), (None, -32700)):
+        err = answers[rid]["error"]
+        assert err["code"] == code and "nested deeper than 128 levels" in err["message"]
+    assert answers[3]["result"]["structuredContent"]["status"] == "captured"
+    assert len(answers) == 5                         # initialize, 3 errors, the capture
+    msg = '{"jsonrpc": "2.0", "id": 7, "method": "m", "params": {"a": %s}}'
+    assert cs.too_deep_reply(msg % ("[" * 126 + "]" * 126)) == (False, None)
+    refused, reply = cs.too_deep_reply(msg % ("[" * 127 + "]" * 127))
+    assert refused and reply["id"] == 7
+    assert cs.too_deep_reply(msg % ('"' + "[{" * 200 + '"')) == (False, None)   # text
+
+
+def test_stored_lone_surrogates_are_read_served_and_written_back_unchanged(shared):
+    """`"\\ud800"` in knowledge.json is valid JSON but not Unicode: hashing the
+    text raised UnicodeEncodeError (recall, capture, endorse all failed), and a
+    rewrite put `\\udc80` back as a raw 0x80 byte (the line then did not parse)."""
+    keep = cs.capture("retry the flaky uploader with backoff", why="it drops", tags="net")
+    cs.capture("deploys need a green pipeline")
+    path = shared["a"] / ".cambium" / "knowledge.json"
+    path.write_text(path.read_text().replace("the flaky", "the \\ud800 flaky")
+                    .replace("it drops", "it \\udc80 drops").replace('"net"', '"n\\udfffet"'))
+    cs.runtime().reset()
+    want = ("retry the \ud800 flaky uploader with backoff", "it \udc80 drops", ["n\udfffet"])
+    iid = keep["item"]["id"]
+
+    def stored(scope: str = "local") -> tuple:
+        it = next(i for i in cs.store(cs.require_config(), scope).read().items if i.id == iid)
+        return it.content, it.why, it.tags
+
+    assert cs.recall("flaky uploader")["results"][0]["id"] == iid
+    assert cs.capture("a third fact about caching")["status"] == "captured"   # appends
+    assert cs.endorse(iid, note="seen")["status"] == "endorsed"                 # rewrites
+    assert stored() == want and not list(path.parent.glob("knowledge.json.quarantine-*"))
+    assert b"\\ud800" in path.read_bytes() and b"\\udc80" in path.read_bytes()
+    path.read_bytes().decode("utf-8")                                         # strict UTF-8
+    assert "uploader" in cs.export_markdown(scope="local")["markdown"]
+    assert cs.session_primer()["primer"]
+    for fmt in ("json", "text"):
+        out = cli("recall", "flaky uploader", "--format", fmt)
+        assert out.returncode == 0 and "uploader" in out.stdout, out.stderr
+    assert json.loads(cli("show", iid).stdout)["content"] == want[0]          # escaped exactly
+    assert cs.promote(iid)["status"] == "promoted"                            # team: git
+    assert stored("team") == want
+    assert cs.endorse(iid, note="again")["scope"] == "team" and stored("team") == want
+
+    async def body(session, init):
+        res = await session.call_tool("recall", {"query": "flaky uploader", "detail": "full"})
+        return res.structured_content["results"][0]["content"]
+
+    assert asyncio.run(_mcp_session(_mcp_env(shared["a"]), body)) == \
+        "retry the \ufffd flaky uploader with backoff"                     # shown, not stored
+    assert stored("team") == want
 
 
 def _tree_state(*roots: Path) -> dict:
