@@ -3806,16 +3806,25 @@ def _bigrams(run: str) -> list[str]:
     return [run] if len(run) == 1 else [run[i:i + 2] for i in range(len(run) - 1)]
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _word_terms(word: str) -> tuple[str, ...]:
+    """The terms of one folded word (cached: words repeat across a store, so
+    indexing 10k items stems each distinct word once, not each occurrence)."""
+    out: list[str] = []
+    parts = _CJK_RUN.split(word) if not word.isascii() else (word,)
+    for n, part in enumerate(parts):
+        if n % 2:
+            out.extend(_bigrams(part))
+        elif part and part not in _STOPWORDS:
+            out.append(stem(part))
+    return tuple(out)
+
+
 def tokenize(text: str) -> list[str]:
     """Folded, stopword-free, stemmed terms of a text; CJK runs as bigrams."""
     out: list[str] = []
     for word in _WORD.findall(fold(text)):
-        parts = _CJK_RUN.split(word) if not word.isascii() else (word,)
-        for n, part in enumerate(parts):
-            if n % 2:
-                out.extend(_bigrams(part))
-            elif part and part not in _STOPWORDS:
-                out.append(stem(part))
+        out.extend(_word_terms(word))
     return out
 
 
