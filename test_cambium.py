@@ -5104,6 +5104,57 @@ def test_server_starts_embedding_at_capture_not_at_next_recall(semantic, monkeyp
     assert ids <= embedded()                 # embedded with no recall having happened
 
 
+def _recall_key(repo: Path) -> str:
+    return str(repo / ".cambium" / cs.STORE_FILE)        # recall(scope="auto"), local only
+
+
+def test_server_indexes_an_import_in_the_background_before_any_recall(repo, tmp_path):
+    first, export = tmp_path / "first.jsonl", tmp_path / "facts.jsonl"
+    first.write_text(json.dumps({"id": "r-first", "content": "The deploy window is Tuesday"}))
+    export.write_text("".join(json.dumps({"id": f"r{i}", "content": f"warm fact {i} about "
+                                          f"queue shard {i % 7}"}) + "\n" for i in range(300)))
+    assert cs.import_memory("json", str(first))["imported"] == 1
+    assert _recall_key(repo) not in cs.runtime().indexes        # a CLI process: no index
+    cs.runtime().long_running.set()
+    assert cs.import_memory("json", str(export))["imported"] == 300
+    deadline = cs.time.monotonic() + 30
+    while cs.time.monotonic() < deadline and len(
+            getattr(cs.runtime().indexes.get(_recall_key(repo)), "slot_of", ())) < 301:
+        cs.time.sleep(0.02)
+    warmed = cs.runtime().indexes[_recall_key(repo)]
+    assert len(warmed.slot_of) == 301                # every item, tokenized with no recall
+    res = cs.recall("queue shard 3", limit=10)
+    assert cs.runtime().indexes[_recall_key(repo)] is warmed     # the recall used it
+    fresh = cs.build_index(cs.store(cs.require_config(), "local").read().items)
+    expect = cs.score_query(fresh, "queue shard 3", 10)
+    assert [h["id"] for h in res["results"]] == [h.item.id for h in expect.hits
+                                                 if h.score >= cs.RELEVANCE_FLOOR]
+
+
+def test_server_start_warms_the_recall_index_and_writes_nothing(repo):
+    for n in range(5):
+        cs.capture(f"Rule {n}: retries back off exponentially on shard {n}")
+    cs.runtime().reset()                              # a new server process, store on disk
+    before = sorted((p.relative_to(repo), p.stat().st_mtime_ns) for p in repo.rglob("*")
+                    if ".git" not in p.parts)
+    assert cs.warm_recall_soon() is None              # outside the server: nothing
+    cs.runtime().long_running.set()
+    cs.warm_recall_soon().join(30)
+    assert len(cs.runtime().indexes[_recall_key(repo)].slot_of) == 5
+    after = sorted((p.relative_to(repo), p.stat().st_mtime_ns) for p in repo.rglob("*")
+                   if ".git" not in p.parts)
+    assert after == before                            # it only read
+
+
+def test_server_start_warm_up_in_an_unconfigured_place_does_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("CAMBIUM_REPO", raising=False)
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(tmp_path / "none.json"))
+    monkeypatch.chdir(tmp_path)
+    cs.runtime().long_running.set()
+    cs.warm_recall_soon().join(30)
+    assert not cs.runtime().indexes and not (tmp_path / ".cambium").exists()
+
+
 def test_cli_process_does_not_start_background_embedding(semantic):
     cs.capture("A note captured outside the server")
     assert str(semantic / ".cambium" / cs.VECTORS_DIR) not in cs.runtime().engines
