@@ -761,6 +761,12 @@ def utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def json_problem(e: Exception, limit: int = 100) -> str:
+    """Why json.loads failed, in a few words: its own message, or "nested too
+    deep to parse" for the RecursionError it raises past its nesting depth."""
+    return "nested too deep to parse" if isinstance(e, RecursionError) else str(e)[:limit]
+
+
 def json_kind(value: Any) -> str:
     """What a JSON value is, in JSON's words (for messages: no Python type names)."""
     if isinstance(value, bool) or value is None:
@@ -1133,7 +1139,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     except FileNotFoundError:
         pass
     except (OSError, ValueError, RecursionError) as e:
-        why = "JSON nested too deep to parse" if isinstance(e, RecursionError) else e
+        why = e if isinstance(e, OSError) else f"JSON {json_problem(e)}"
         file_error = f"{path} could not be read ({why}); ignored"
     values: dict = {}
     origins: dict = {}
@@ -3417,7 +3423,7 @@ def read_context_dir(path: Path) -> dict[str, list] | None:
         try:
             data = json.loads(text)
         except (ValueError, RecursionError) as e:
-            raise SubstrateError(f"{f} is not valid JSON ({str(e)[:100]}); fix it or move it "
+            raise SubstrateError(f"{f} is not valid JSON ({json_problem(e)}); fix it or move it "
                                  "aside (cambium did not change it).") from None
         out[name] = _entries_of(data, name, f)
     return out
@@ -3517,7 +3523,7 @@ def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
-                             f"({str(e)[:100]})") from None
+                             f"({json_problem(e)})") from None
     try:
         return parse_board(data)
     except SubstrateError as e:
@@ -3690,7 +3696,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             try:
                 rec = json.loads(line)
             except (ValueError, RecursionError) as e:
-                yield Skip(f"line {n}", f"malformed JSON ({str(e)[:60]})")
+                yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60)})")
                 continue
             yield json_record_to_draft(rec, f"line {n}", origin=path.name)
 
@@ -3700,7 +3706,7 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
     try:
         data = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
     except (ValueError, RecursionError) as e:
-        yield Skip("file", f"not valid JSON ({str(e)[:100]}); for JSONL put one object "
+        yield Skip("file", f"not valid JSON ({json_problem(e)}); for JSONL put one object "
                            "per line")
         return
     if isinstance(data, dict):
@@ -9685,7 +9691,7 @@ def bind_hook() -> dict:
         try:
             payload = json.loads(text or "{}")
         except (ValueError, RecursionError) as e:
-            why = "nested too deep to parse" if isinstance(e, RecursionError) else "not JSON"
+            why = json_problem(e) if isinstance(e, RecursionError) else "not JSON"
             print(f"cambium: the hook's stdin ({len(text)} characters) is {why}; ignored",
                   file=sys.stderr)
             return {}

@@ -2981,7 +2981,14 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
     res = cs.import_memory("json", str(deep))
-    assert res["status"] == "nothing_imported" and "not valid JSON" in res["reasons"][0]
+    assert res["status"] == "nothing_imported"
+    assert "not valid JSON (nested too deep to parse)" in res["reasons"][0]
+    lines = tmp_path / "deep.jsonl"           # one line too deep: named, the others imported
+    lines.write_text(json.dumps({"content": "kept beside a deep line"}) + "\n"
+                     + '{"content": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    res = cs.import_memory("json", str(lines))
+    assert res["imported"] == 1 and res["skipped_reasons"] == [
+        {"where": "line 2", "reason": "malformed JSON (nested too deep to parse)"}]
 
 
 def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
