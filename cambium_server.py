@@ -1349,10 +1349,13 @@ class Runtime:
         return thread
 
     def save_vectors(self) -> None:
-        """Keep what was embedded when the process ends mid-backlog."""
+        """Keep what was embedded when the process ends mid-backlog: each
+        background embedder stops after its current batch first (a thread left
+        inside the model when the interpreter exits aborts the process)."""
         with self.lock:
             engines = list(self.engines.values())
         for eng in engines:
+            eng.stop(EMBED_STOP_WAIT_S)
             if eng.cache is not None and eng.cv.acquire(timeout=2):
                 try:
                     eng._save_locked()
@@ -4367,6 +4370,7 @@ EMBED_BATCH = 4                     #: windows per model run at most (peak RSS g
 EMBED_BATCH_TOKENS = 256            #: ...and tokens: a full window runs alone (16% faster than
                                     #: 4 at once, int8 on 1 thread), short ones 4 together (13%)
 EMBED_THREADS = 1                   #: onnxruntime intra-op threads: leave a core to serve
+EMBED_STOP_WAIT_S = 5.0             #: at exit, wait this long for the embedder's batch in flight
 EMBED_CHUNK_ITEMS = 16              #: items the background thread embeds between handoffs
 EMBED_CHUNK_CHARS = 16_000          #: ...or fewer, once they hold this much text (about 1.3 s)
 EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a running recall
@@ -4958,6 +4962,10 @@ class _SlotVectors:
         return self.tail_mat, self.tail_slot, self.tail_disc
 
 
+class _Stopped(Exception):
+    """Internal: the background embedder ends its chunk because the process exits."""
+
+
 class Semantic:
     """Semantic recall over one vector cache (one per local store; team and org
     items are cached there too, keyed like any item). Thread-safe: tools run in
@@ -4977,6 +4985,7 @@ class Semantic:
         self.embedded = 0                    # items embedded by this process
         self.busy = 0                        # recalls ranking right now
         self.last_save = time.monotonic()
+        self.stopping = False                # the process is exiting: embed no more
 
     def ready(self) -> Embedder:
         """Load the model (once per process) and this cache (once per engine)."""
@@ -4994,18 +5003,36 @@ class Semantic:
                 self.queued.add(key)
                 self.pending += embed_cost(it)
                 self.queue.append(it)
-        if self.queue and (self.worker is None or not self.worker.is_alive()):
+        if self.queue and not self.stopping and (self.worker is None
+                                                 or not self.worker.is_alive()):
             self.worker = self.rt.spawn(self._work, "cambium-embed")
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop the background embedder after the batch in flight and wait for
+        it (at most timeout_s); what it embedded so far stays in the cache."""
+        with self.cv:
+            self.stopping = True
+            worker = self.worker
+            self.cv.notify_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout_s)
+
+    def _pause(self) -> None:
+        """Between model batches: step aside for a recall, or end the chunk
+        (_Stopped) when the process is exiting."""
+        if self.stopping:
+            raise _Stopped
+        self._step_aside()
 
     def _embed_items(self, emb: Embedder, items: list[Item]) -> dict[str, Any]:
         inputs, spans = [], []
         for it in items:
-            self._step_aside()
+            self._pause()
             w = emb.windows(embed_text(it))
             w.extend(emb.first_window(text) for text, _ in extra_vectors(it))
             spans.append((vector_key(it), len(inputs), len(w)))
             inputs.extend(w)
-        vecs = emb.embed_ids(inputs, pause=self._step_aside)
+        vecs = emb.embed_ids(inputs, pause=self._pause)
         return {k: vecs[s:s + n] for k, s, n in spans}
 
     def _drain_s(self, threads: int = 1) -> float:
@@ -5038,6 +5065,8 @@ class Semantic:
         t0 = time.monotonic()
         try:
             done = self._embed_items(emb, chunk)
+        except _Stopped:                     # exiting: this chunk is simply not embedded
+            done = {}
         except Exception as e:  # noqa: BLE001 - leave them lexical, say why on stderr
             print(f"cambium: embedding failed, those items stay lexical: {e}", file=sys.stderr)
             done = {}
@@ -5062,7 +5091,7 @@ class Semantic:
         emb = load_embedder(self.rt)
         while True:
             with self.cv:
-                chunk = self._take_chunk()
+                chunk = [] if self.stopping else self._take_chunk()
                 if not chunk:                # (the last chunk embedded saved the cache)
                     self.worker = None
                     self.cv.notify_all()
