@@ -941,8 +941,12 @@ def derived(item: Item, name: str, compute: Callable[[Item], Any]) -> Any:
 
 
 def text_key(type: str, content: str) -> str:
-    """A stable hash of what a (normalized) body says, for duplicate detection."""
+    """A stable hash of what a (normalized) body says, for duplicate detection:
+    case and spacing aside, and composed (NFC), so an item stored decomposed by
+    a version before plain_text composed text matches the same text typed now."""
     norm = " ".join(content.lower().split())
+    if not norm.isascii():
+        norm = unicodedata.normalize("NFC", norm)
     return hashlib.sha256(utf8(f"{type}\0{norm}")).hexdigest()[:24]
 
 

@@ -3008,6 +3008,25 @@ def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
     assert stored["last_verified"] and stored["verifications"][0]["note"] == "still true"
 
 
+def test_an_item_stored_decomposed_by_an_older_version_is_a_duplicate_of_the_same_text(
+        repo, tmp_path):
+    old = {"items": [{"id": "k-nfd", "type": "memory", "kind": "note",
+                      "content": "Cafe\u0301 wifi is for demos only", "why": "", "tags": [],
+                      "scope": "local", "project": "proj", "source": {}, "created_by": "ada",
+                      "created_at": "2024-01-01T00:00:00Z", "status": "active",
+                      "trust": {"recalls": 0, "endorsements": [], "projects": []}}]}
+    path = repo / ".cambium" / "knowledge.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(old, indent=2))
+    again = cs.capture("Café wifi is for demos only")          # typed composed, today
+    assert again["status"] == "duplicate" and again["item"]["id"] == "k-nfd"
+    export = tmp_path / "x.jsonl"
+    export.write_text(json.dumps({"id": "r1", "content": "caf\u00e9 wifi is for demos only"}))
+    res = cs.import_memory("json", str(export))
+    assert res["imported"] == 0 and res["same_content"] == 1
+    assert [it["id"] for it in json.loads(path.read_text())["items"]] == ["k-nfd"]
+
+
 def test_capture_with_valid_while_round_trips(repo):
     item = cs.capture("Staging DB caps at 90 connections",
                       valid_while="staging runs on the small instance")["item"]
