@@ -3955,6 +3955,10 @@ class Index:
         when dead slots pile up (fresh: this is that rebuild; don't recurse)."""
         if items is self.source:
             return self
+        with _gc_paused():          # a first sync makes millions of postings: no cycles
+            return self._sync(items, fresh)
+
+    def _sync(self, items: list, fresh: bool) -> Index:
         src = self.source
         if src is not None and extends(items, src):
             for it in items[len(src):]:                # appended only: the common case
