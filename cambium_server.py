@@ -5592,7 +5592,8 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         result.changed, result.same_content = adm.changed, adm.same_content
         embed_soon(cfg, result.imported)
-        warm_recall_soon(cfg)
+        if len(result.imported) >= WARM_INDEX_ITEMS:
+            warm_recall_soon(cfg)
     return result
 
 
@@ -7871,12 +7872,16 @@ def recall_index(cfg: Config, scope: str) -> tuple[dict[str, Doc], list[str], In
     return docs, warnings, store_index(key, federated_items(docs))
 
 
+WARM_INDEX_ITEMS = 200      #: an ingest storing this many items indexes them in the
+                            #: background (fewer cost the next recall ~30 µs each)
+
+
 def warm_recall_soon(cfg: Config | None = None) -> threading.Thread | None:
     """In the long-running server, build the index the next `recall(scope="auto")`
-    reads, in the background: at start, and after an ingest that stored items
-    (an import, a distill). Tokenizing a store is the bulk of a first recall
-    (about 0.5 s per 10,000 items); a recall arriving meanwhile waits for that
-    build instead of starting its own. The index only: the model loads on the
+    reads, in the background: at start, and after an ingest that stored many
+    items (an import, a distill: WARM_INDEX_ITEMS; not a capture). Tokenizing
+    a store is the bulk of a first recall (about 0.5 s per 10,000 items); a
+    recall arriving meanwhile waits for that build instead of starting its own. The index only: the model loads on the
     first recall or with embed_soon. Best effort: failing here is the recall's
     to report. Returns the thread (None outside the server)."""
     rt = runtime()

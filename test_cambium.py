@@ -5157,6 +5157,22 @@ def test_server_indexes_an_import_in_the_background_before_any_recall(repo, tmp_
                                                  if h.score >= cs.RELEVANCE_FLOOR]
 
 
+def test_only_a_bulk_ingest_starts_the_background_index_build(repo, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cs, "warm_recall_soon", lambda cfg=None: calls.append(cfg))
+    cs.runtime().long_running.set()
+    cs.capture("A capture indexes itself at the next recall, cheaply")
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    small.write_text("".join(json.dumps({"id": f"s{i}", "content": f"small {i}"}) + "\n"
+                             for i in range(cs.WARM_INDEX_ITEMS - 1)))
+    big.write_text("".join(json.dumps({"id": f"b{i}", "content": f"big {i}"}) + "\n"
+                           for i in range(cs.WARM_INDEX_ITEMS)))
+    cs.import_memory("json", str(small))
+    assert calls == []                      # a capture, a small import: no thread
+    cs.import_memory("json", str(big))
+    assert len(calls) == 1
+
+
 def test_server_start_warms_the_recall_index_and_writes_nothing(repo):
     for n in range(5):
         cs.capture(f"Rule {n}: retries back off exponentially on shard {n}")
