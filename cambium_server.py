@@ -3819,7 +3819,7 @@ def _bigrams(run: str) -> list[str]:
     return [run] if len(run) == 1 else [run[i:i + 2] for i in range(len(run) - 1)]
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 14)
 def _word_terms(word: str) -> tuple[str, ...]:
     """The terms of one folded word (cached: words repeat across a store, so
     indexing 10k items stems each distinct word once, not each occurrence)."""
