@@ -5073,8 +5073,11 @@ class Semantic:
         t0 = time.monotonic()
         try:
             done = self._embed_items(emb, chunk)
-        except _Stopped:                     # exiting: this chunk is simply not embedded
-            done = {}
+        except _Stopped:                     # exiting: this chunk is not embedded, and
+            with self.cv:                    # the exit saves the cache (save_vectors)
+                self._settle(chunk)
+                self.cv.notify_all()
+            return
         except Exception as e:  # noqa: BLE001 - leave them lexical, say why on stderr
             print(f"cambium: embedding failed, those items stay lexical: {e}", file=sys.stderr)
             done = {}
@@ -5192,7 +5195,7 @@ class Semantic:
         Python costs a recall up to 5 ms at each of its GIL handoffs."""
         deadline = time.monotonic() + EMBED_YIELD_S
         with self.cv:
-            while self.busy:
+            while self.busy and not self.stopping:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
