@@ -1143,7 +1143,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     except FileNotFoundError:
         pass
     except (OSError, ValueError, RecursionError) as e:
-        why = e if isinstance(e, OSError) else f"JSON {json_problem(e)}"
+        why = f"JSON {json_problem(e)}" if isinstance(e, RecursionError) else e
         file_error = f"{path} could not be read ({why}); ignored"
     values: dict = {}
     origins: dict = {}
