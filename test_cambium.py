@@ -5207,9 +5207,10 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
                                           f"queue by tenant {i}", "why": "because " * 150})
                               + "\n" for i in range(2000)))      # a backlog of minutes
     assert cs.import_memory("json", str(export))["imported"] == 2000
+    from mcp_types import LATEST_PROTOCOL_VERSION
     env = dict(_mcp_env(semantic), CAMBIUM_RECALL_MODE="auto")
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
         "clientInfo": {"name": "raw", "version": "0"}}}
     recall = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
               "params": {"name": "recall", "arguments": {"query": "queue shards per tenant"}}}
