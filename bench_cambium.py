@@ -713,7 +713,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def bench_quality() -> None:
-    """Recall quality through the real MCP server (quality/eval.py), both modes,
+    """Recall quality through the real MCP server (quality/eval.py), both modes
+    (and semantic with the reranker, when the rerank extra is installed),
     on the held-out sets (in the repo) and the dev set (../shared/quality/dev,
     when that folder is beside the clone). Cross-validated dev figures and the
     parameter choice: python3 quality/cv.py."""
@@ -721,21 +722,24 @@ def bench_quality() -> None:
     dev = QUALITY_DEV if QUALITY_DEV.is_dir() else None
     if dev is not None:
         sets.append(("dev", str(dev)))
-    modes = ["lexical"] + ([] if cs.semantic_extra_missing() else ["semantic"])
+    modes = ["lexical"] + ([] if cs.semantic_extra_missing() else ["semantic"]) \
+        + (["rerank"] if not cs.semantic_extra_missing() and cs._found(cs.RERANK_PACKAGE) else [])
     for label, where in sets:
         for mode in modes:
+            server = "semantic" if mode == "rerank" else mode
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 subprocess.run([sys.executable, str(HERE / "quality" / "eval.py"), "--py",
                                 sys.executable, "--server", str(HERE / "cambium_server.py"),
-                                "--set", where, "--mode", mode, "--out", out.name],
+                                "--set", where, "--mode", server, "--out", out.name,
+                                "--rerank", "on" if mode == "rerank" else "off"],
                                check=True, stdout=subprocess.DEVNULL)
                 q = json.load(open(out.name))["summary"]
             a, c, p = q["abstention"], q["control"], q["paraphrase"]
             print(f"quality {label:<5} {mode:<8}: control hit@1 {c['hit@1']:.3f} (>= 0.98), "
                   f"paraphrase hit@1 {p['hit@1']:.3f} hit@5 {p['hit@5']:.3f}"
-                  + (" (>= 0.45, >= 0.75)" if mode == "semantic" else "")
+                  + (" (>= 0.45, >= 0.75)" if mode != "lexical" else "")
                   + f", no-answer abstained {a['recall']:.2f} "
-                  f"(>= {0.35 if mode == 'semantic' else 0.15}), answerable wrongly "
+                  f"(>= {0.15 if mode == 'lexical' else 0.35}), answerable wrongly "
                   f"abstained {a['answerable_wrongly_abstained']}/{a['answerable_n']} (<= 5%), "
                   f"median {q['latency_ms']['median']} ms")
 

