@@ -29,7 +29,9 @@ mode the BM25 blend weight, the discount of tail windows, whether an item also
 gets a vector of its content + tags alone and of its why alone (and their
 discounts), pseudo-relevance feedback (Rocchio weight, top 3 items), whether
 items holding every word of the query rank first, which cosine relevance reads
-(all of an item's vectors or its first window) and a raw-BM25 boost of it. The false target per mode is chosen by
+(all of an item's vectors or its first window) and a raw-BM25 boost of it;
+in mode "rerank" also the cross-encoder's rank prior (cambium's RERANK_PRIOR),
+or no reranking. The false target per mode is chosen by
 cross-validation too (choose_false_target): of FALSE_TARGETS, the one that
 abstains most while its cross-validated wrongly-abstained share stays within
 MAX_FALSE and it finds every paraphrase the most conservative one finds. That
