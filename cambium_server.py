@@ -4801,7 +4801,7 @@ RERANK_BATCH = 2                    #: pairs per model run (peak RSS grows with 
 
 class Reranker:
     """The cross-encoder: one relevance logit per (query, text) pair. Load is
-    explicit (about 0.3 s, about 100 MB resident); raises SemanticUnavailable
+    explicit (about 0.3 s, about 35 MB resident); raises SemanticUnavailable
     naming what is missing or wrong."""
 
     def __init__(self, model: Path):
