@@ -4663,6 +4663,20 @@ def embed_cost(item: Item) -> int:
         len(text) for text, _ in extra_vectors(it)))
 
 
+def ort_session(model: Path, threads: int) -> Any:
+    """An onnxruntime CPU session on `threads` intra-op threads, lean on memory."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.enable_cpu_mem_arena = False     # the arena took RSS from ~265 MB to ~870 MB
+    so.enable_mem_pattern = False
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(model), sess_options=so, providers=["CPUExecutionProvider"])
+
+
 class Embedder:
     """The sentence embedder: 384-d, mean-pooled, L2-normalized float32 rows.
     Load is explicit (about 0.3 s, about 230 MB resident); raises
@@ -4670,7 +4684,6 @@ class Embedder:
 
     def __init__(self, model: Path, vocab_text: str):
         import numpy as np
-        import onnxruntime as ort
         if model.stat().st_size != MODEL_BYTES:
             raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
                                       f"{MODEL_BYTES}: not the pinned model")
@@ -4678,16 +4691,7 @@ class Embedder:
         if len(self.tokenizer.vocab) != VOCAB_SIZE:
             raise SemanticUnavailable(f"the vocab has {len(self.tokenizer.vocab)} entries, "
                                       f"expected {VOCAB_SIZE}")
-        so = ort.SessionOptions()
-        so.enable_cpu_mem_arena = False     # the arena took RSS from ~265 MB to ~870 MB
-        so.enable_mem_pattern = False
-        so.intra_op_num_threads = EMBED_THREADS
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
-        self.session = ort.InferenceSession(str(model), sess_options=so,
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort_session(model, EMBED_THREADS)
         names = {i.name for i in self.session.get_inputs()}
         if not {"input_ids", "attention_mask"} <= names:
             raise SemanticUnavailable(f"unexpected model inputs {sorted(names)}")
@@ -4753,24 +4757,36 @@ class Embedder:
 def load_embedder(rt: Runtime | None = None) -> Embedder:
     """The runtime's embedder, loaded once on first semantic use; a failure is
     remembered (and reported) rather than retried on every recall."""
-    rt = rt or runtime()
-    with rt.embedder_lock:
-        if rt.embedder is not None:
-            return rt.embedder
-        if rt.embedder_error is not None:
-            raise SemanticUnavailable(rt.embedder_error)
+    def make() -> Embedder:
         missing = semantic_extra_missing()
-        try:
-            if missing:
-                raise SemanticUnavailable("the semantic extra is not installed (missing: "
-                                          + ", ".join(missing) + ")")
-            rt.embedder = Embedder.from_packages()
-        except Exception as e:  # noqa: BLE001 - any load failure means: recall lexically
-            rt.embedder_error = (str(e) if isinstance(e, SemanticUnavailable)
-                                 else f"the embedding model failed to load: "
-                                      f"{type(e).__name__}: {e}")
-            raise SemanticUnavailable(rt.embedder_error) from None
-        return rt.embedder
+        if missing:
+            raise SemanticUnavailable("the semantic extra is not installed (missing: "
+                                      + ", ".join(missing) + ")")
+        return Embedder.from_packages()
+
+    return _load_once(rt or runtime(), "embedder", make, "the embedding model failed to load")
+
+
+def _load_once(rt: Runtime, name: str, make: Callable[[], Any], failed: str) -> Any:
+    """The runtime's model `name` ("embedder", "reranker"), made once; a failure
+    is kept in rt.<name>_error and raised as SemanticUnavailable from then on,
+    not retried on every recall (the caller does without the model)."""
+    with rt.embedder_lock:
+        model = getattr(rt, name)
+        if model is not None:
+            return model
+        error = getattr(rt, f"{name}_error")
+        if error is None:
+            try:
+                model = make()
+            except Exception as e:  # noqa: BLE001 - any load failure: do without it
+                error = (str(e) if isinstance(e, SemanticUnavailable)
+                         else f"{failed}: {type(e).__name__}: {e}")
+                setattr(rt, f"{name}_error", error)
+            else:
+                setattr(rt, name, model)
+                return model
+        raise SemanticUnavailable(error)
 
 
 # -- the cross-encoder reranker (the `rerank` extra) ----------------------------
@@ -4807,19 +4823,11 @@ class Reranker:
 
     def __init__(self, model: Path):
         import numpy as np
-        import onnxruntime as ort
         if model.stat().st_size != RERANK_BYTES:
             raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
                                       f"{RERANK_BYTES}: not the pinned reranker")
-        so = ort.SessionOptions()
-        so.enable_cpu_mem_arena = False
-        so.enable_mem_pattern = False
-        so.intra_op_num_threads = 2 if (os.cpu_count() or 1) > 1 else 1   # the recall's own time
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 3
-        self.session = ort.InferenceSession(str(model), sess_options=so,
-                                            providers=["CPUExecutionProvider"])
+        threads = 2 if (os.cpu_count() or 1) > 1 else 1       # the recall's own time
+        self.session = ort_session(model, threads)
         names = {i.name for i in self.session.get_inputs()}
         if names != {"input_ids", "attention_mask", "token_type_ids"}:
             raise SemanticUnavailable(f"unexpected reranker inputs {sorted(names)}")
@@ -4861,26 +4869,16 @@ def pair_input(query: list[int], text: list[int], cls: int, sep: int) -> tuple[l
     return [cls, *query, sep, *text, sep], len(query) + 2
 
 
-
 def load_reranker(rt: Runtime | None = None) -> Reranker:
     """The runtime's reranker, loaded once on first use; a failure is
     remembered (and reported) rather than retried on every recall."""
-    rt = rt or runtime()
-    with rt.embedder_lock:
-        if rt.reranker is not None:
-            return rt.reranker
-        if rt.reranker_error is not None:
-            raise SemanticUnavailable(rt.reranker_error)
-        try:
-            if not _found(RERANK_PACKAGE):
-                raise SemanticUnavailable("the rerank extra is not installed (missing: "
-                                          f"{RERANK_PACKAGE})")
-            rt.reranker = Reranker.from_package()
-        except Exception as e:  # noqa: BLE001 - any load failure means: no reranking
-            rt.reranker_error = (str(e) if isinstance(e, SemanticUnavailable)
-                                 else f"the reranker failed to load: {type(e).__name__}: {e}")
-            raise SemanticUnavailable(rt.reranker_error) from None
-        return rt.reranker
+    def make() -> Reranker:
+        if not _found(RERANK_PACKAGE):
+            raise SemanticUnavailable(f"the rerank extra is not installed (missing: "
+                                      f"{RERANK_PACKAGE})")
+        return Reranker.from_package()
+
+    return _load_once(rt or runtime(), "reranker", make, "the reranker failed to load")
 
 
 class VectorCache:
