@@ -4408,7 +4408,7 @@ SEM_WHY_DISCOUNT = None             #: an item's why, embedded alone, likewise (
 SEM_FEEDBACK = 0.6                  #: pseudo-relevance feedback: query + this x top items' mean
 SEM_FEEDBACK_ITEMS = 3              #: ...over this many top items
 SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>= MAX_RECALL_LIMIT)
-SEM_EXACT_FIRST = True              #: items holding every query word rank first (exact_first)
+SEM_EXACT_FIRST = True              #: items holding every query word rank first (exact_slots)
 SEM_RELEVANCE = "first"             #: the cosine relevance reads: "all" of an item's vectors (as
                                     #: the ranking) or its "first" window (what the text opens with)
 SEM_LEXICAL_BOOST = 0.004           #: relevance = cosine + this x raw BM25
@@ -5453,15 +5453,6 @@ def semantic_blend(np: Any, sim: Any, usable: Any, lex: dict[int, float], *,
     return sim + bonus, semantic_relevance(np, rsim + boost * raw, floor)
 
 
-def exact_first(np: Any, index: Index, terms: list[str], score: Any,
-                pool: int = SEM_FEEDBACK_POOL) -> Any:
-    """The ranking score with the items whose content and tags hold every word
-    of the query (holds_every_term) lifted above every other, among the best
-    `pool`: a query in an item's own words finds it first, as lexical recall
-    would. The postings rule most candidates out at one binary search a word."""
-    return lifted(score, exact_slots(np, index, terms, score, pool))
-
-
 def lifted(score: Any, slots: list[int]) -> Any:
     """The score with `slots` lifted above every other (by EXACT_LIFT)."""
     if not slots:
@@ -5473,7 +5464,10 @@ def lifted(score: Any, slots: list[int]) -> Any:
 
 def exact_slots(np: Any, index: Index, terms: list[str], score: Any,
                 pool: int = SEM_FEEDBACK_POOL) -> list[int]:
-    """The slots among the best `pool` whose item holds every word of the query."""
+    """The slots among the best `pool` whose item's content and tags hold every
+    word of the query (holds_every_term): lifted above every other (lifted), a
+    query in an item's own words finds it first, as lexical recall would. The
+    postings rule most candidates out at one binary search a word."""
     finite = np.flatnonzero(np.isfinite(score))
     posts = [index.postings.get(t) for t in terms]
     if not terms or not len(finite) or any(p is None for p in posts):
@@ -5489,7 +5483,7 @@ def reranked(np: Any, score: Any, top: list[int], logits: list[float], keep_firs
     """The ranking score with its best slots `top` (best first) in the
     cross-encoder's order: each one's logit less prior x ln(its rank), so
     the bi-encoder's order is the prior the logits overturn. Slots in
-    `keep_first` (exact_first's) stay ahead; the rest of the ranking stays
+    `keep_first` (exact_slots') stay ahead; the rest of the ranking stays
     behind all of `top`."""
     if not top:
         return score
@@ -5559,7 +5553,7 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
         engine = semantic_engine(cfg.local_dir / VECTORS_DIR if cfg.repo else None)
     if engine is not None:
         try:
-            engine.ready()
+            engine.ready()              # first: no reranker loads for a lexical fallback
             reranker, rnote = reranker_for(cfg)
             ranking = engine.rank(index, query, limit, reranker)
             ranking.note = " ".join(n for n in (ranking.note, rnote) if n) or None
@@ -5581,19 +5575,19 @@ def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
     try:
         return load_reranker(), None
     except SemanticUnavailable as e:
-        reason = str(e)
-        if not runtime().first_time(reason) and setting != "on":
-            return None, None
-        extra = f" To add it: {RERANK_PITCH}." if "not installed" in reason else ""
-        return None, f"Results are in the bi-encoder's order (not reranked): {reason}.{extra}"
+        return None, _fallback_note(str(e), always=setting == "on", pitch=RERANK_PITCH,
+                                    lead="Results are in the bi-encoder's order (not reranked)")
 
 
-def _fallback_note(reason: str, *, always: bool) -> str | None:
-    """'recall is lexical because ...', the first time per reason (or always)."""
+def _fallback_note(reason: str, *, always: bool,
+                   lead: str = "Recall is lexical (shared words only)",
+                   pitch: str = SEMANTIC_PITCH) -> str | None:
+    """'recall is lexical because ...' (or another `lead`), the first time per
+    reason (or always), with the extra's pitch when it is not installed."""
     if not runtime().first_time(reason) and not always:
         return None
-    extra = f" To add it: {SEMANTIC_PITCH}." if "not installed" in reason else ""
-    return f"Recall is lexical (shared words only): {reason}.{extra}"
+    extra = f" To add it: {pitch}." if "not installed" in reason else ""
+    return f"{lead}: {reason}.{extra}"
 
 
 def recall_mode_report(cfg: Config) -> dict:

@@ -215,7 +215,7 @@ def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
         score = cs.feedback_scores(np, p.first, p.qv[qi], sim, score, np.ones(len(sim), bool),
                                    beta=params["prf"])
     exact = cs.exact_slots(np, p.index, p.terms[qi], score) if params.get("exact") else []
-    score = cs.lifted(score, exact)          # cambium's exact_first
+    score = cs.lifted(score, exact)          # cambium's exact-first lift
     if params.get("rerank") is not None:     # cambium's cross-encoder stage
         top = cs.best_slots(np, score, p.index.items, RERANK_TOP[0])
         logits = p.cross.scores(p.queries[qi]["query"],
@@ -341,7 +341,7 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
         params = dict(params, floor=1e-9, boost=0.0)
         scored.append((params, query_rrs(p, ans, run, params)))
     best = pick(scored)
-    # items holding every word of the query first (exact_first), or not
+    # items holding every word of the query first (cambium's exact_slots), or not
     best = pick([(dict(best, exact=e), query_rrs(p, ans, run, dict(best, exact=e)))
                  for e in (False, True)])
     if mode == "rerank":        # the cross-encoder's prior weight, or no reranking
