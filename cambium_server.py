@@ -2982,6 +2982,24 @@ class GitStore(Store):
         raise GitError(["git", "ls-remote", self.remote, branch], 1,
                        f"the remote does not hold commit {commit[:10]} after the push")
 
+    def drop_side_branch(self, branch: str) -> bool:
+        """Delete a pull request's side branch on the remote, leased on the tip
+        just listed (a push there meanwhile keeps it): the next write to it
+        starts from the scope's tip. False: the remote had no such branch.
+        Never the scope's own branch. Raises GitError (unreachable, refused)."""
+        if branch == self.branch:
+            raise ValueError(f"refusing to delete the {self.scope} scope's own branch")
+        listed = self.git("ls-remote", "--", self.remote, f"refs/heads/{branch}").stdout
+        tip = listed.split("\t", 1)[0].strip()
+        if not tip:
+            return False
+        proc = self.git("push", "--porcelain", f"--force-with-lease=refs/heads/{branch}:{tip}",
+                        "--", self.remote, f":refs/heads/{branch}", check=False)
+        if _push_outcome(proc.stdout) != "ok" or proc.returncode != 0:
+            raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
+                           (proc.stdout + proc.stderr).strip() or "delete refused")
+        return True
+
     # -- the CAS loop -----------------------------------------------------------
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str, *,
                branch: str | None = None, ensure_files: bool = False) -> Write:
@@ -6710,7 +6728,12 @@ def pr_branch(cfg: Config, scope: str, topic: str) -> str | None:
     (CAMBIUM_ORG_PR=1) writes through pull requests, one branch per topic:
     `updates` (endorsements, verifications, retirements, checks, corrections),
     `generalize`, `knowledge-md`, and `promote-<item id>` (one per promotion)."""
-    return f"cambium/{topic}" if scope == "org" and cfg.org_pr else None
+    return pr_branch_name(topic) if scope == "org" and cfg.org_pr else None
+
+
+def pr_branch_name(topic: str) -> str:
+    """The side branch of a pull request about `topic` (see pr_branch)."""
+    return f"cambium/{topic}"
 
 
 def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str, *,
@@ -6730,10 +6753,15 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
     return write
 
 
+def _gh_env() -> dict:
+    """gh's environment: git's, never prompting, never checking for updates."""
+    return {**_git_env(), "GH_PROMPT_DISABLED": "1", "GH_NO_UPDATE_NOTIFIER": "1"}
+
+
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
     """The URL of the open pull request for `branch`, opening one with gh if needed."""
     timeout = cfg.git_timeout_s
-    env = {**_git_env(), "GH_PROMPT_DISABLED": "1", "GH_NO_UPDATE_NOTIFIER": "1"}
+    env = _gh_env()
     listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
                    "--jq", ".[0].url"], store.repo, timeout, env=env)
     url = listed.stdout.strip()
@@ -6747,6 +6775,26 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
         raise GitError(["gh", "pr", "create"], made.returncode,
                        f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
     return urls[-1]
+
+
+PR_STATES = ("OPEN", "CLOSED", "MERGED")     #: what gh says of a pull request
+
+
+def pr_state(cfg: Config, url: str) -> tuple[str, str] | None:
+    """What GitHub says of the pull request at `url`: (state, its head branch),
+    the state one of PR_STATES; None when gh cannot say (not installed, not
+    logged in, offline, an answer it does not recognise). Nothing is decided
+    on None: the item keeps waiting."""
+    try:
+        proc = _run(["gh", "pr", "view", url, "--json", "state,headRefName",
+                     "--jq", '.state + " " + .headRefName'], store(cfg, "org").repo,
+                    cfg.git_timeout_s, check=False, env=_gh_env())
+    except GitError:
+        return None
+    words = proc.stdout.split()
+    if proc.returncode != 0 or len(words) != 2 or words[0] not in PR_STATES:
+        return None
+    return words[0], words[1]
 
 
 @dataclass
@@ -6835,6 +6883,52 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]
                          message="settle merged org PRs")
             settled += sorted(it.id for it in moved.landed)
     return settled
+
+
+def withdraw_closed_pr(cfg: Config, scope: str, item: Item, head: str) -> dict:
+    """After the org pull request `item` waits on was closed without merging (a
+    reviewer declined it; `head` is its branch, as pr_state says): delete that
+    branch on the org remote when it is this item's promote branch, so a new
+    promotion starts from org's tip and carries what the item says then, and
+    clear the item's pr_url, so promote(to_scope="org") may open a new PR.
+    Only the annotation and a closed PR's branch go: the item stays in `scope`.
+    Returns {"id", "scope", "pr_url"}."""
+    url = item.pr_url
+    if head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
+        store(cfg, "org").drop_side_branch(head)
+    now = _now()
+
+    def apply(doc: Doc) -> Doc | None:
+        if not any(it.id == item.id and it.pr_url == url for it in doc.items):
+            return None
+        return dataclasses.replace(doc, items=[
+            dataclasses.replace(it, pr_url=None, updated_at=now)
+            if it.id == item.id and it.pr_url == url else it for it in doc.items])
+
+    mutate(cfg, scope, apply, f"{item.id}: its org PR {url} was closed without merging")
+    return {"id": item.id, "scope": scope, "pr_url": url}
+
+
+def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]
+                  ) -> tuple[list[dict], dict[str, str], list[str]]:
+    """Ask gh about every org pull request an item of local or team waits on
+    (those not just settled): withdraw the closed ones (withdraw_closed_pr).
+    Returns (withdrawn, the others' state by item id where gh could say, and
+    a warning per closed PR whose withdrawal failed: that item keeps waiting)."""
+    declined, states, failed = [], {}, []
+    for scope in ("local", "team"):
+        for it in docs.get(scope, Doc(items=[])).items:
+            state = pr_state(cfg, it.pr_url) if it.pr_url and it.id not in settled else None
+            if state and state[0] == "CLOSED":
+                try:
+                    declined.append(withdraw_closed_pr(cfg, scope, it, state[1]))
+                    continue
+                except CambiumError as e:
+                    failed.append(f"{it.id}: its org PR was closed, but withdrawing it "
+                                  f"failed: {e}")
+            if state:
+                states[it.id] = state[0].lower()
+    return declined, states, failed
 
 
 # =============================================================================
@@ -8490,10 +8584,15 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
     _require_active(item, "promoted")
-    if item.pr_url:
+    state = pr_state(cfg, item.pr_url) if item.pr_url else None
+    declined = withdraw_closed_pr(cfg, scope, item, state[1]) \
+        if state and state[0] == "CLOSED" else None
+    if item.pr_url and declined is None:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
-                "note": "merge that pull request; the next promote or review_promotions "
-                        "finishes the move."}
+                "note": "merge that pull request (or close it to decline); the next promote "
+                        "or review_promotions finishes the move."}
+    if declined:                                  # judged again as it stands now
+        scope, item = locate(cfg, item_id)
 
     def gate(it: Item) -> Verdict:
         return org_verdict(it, org_content=org_content, org_why=org_why, force=force)
@@ -8522,7 +8621,8 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     if not moved.landed:
         raise NotFound(f"item {item_id} left {scope} scope while it was being promoted; "
                        "recall shows where it is now.")
-    out = {"item": item_view(moved.landed[0]), **({"forced": True} if verdict.forced else {})}
+    out = {"item": item_view(moved.landed[0]), **({"forced": True} if verdict.forced else {}),
+           **({"closed_pr": declined["pr_url"]} if declined else {})}
     if branch:
         return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
                 "source_scope": scope, "note": f"the {scope} copy stays until the PR merges"}
@@ -8586,16 +8686,21 @@ def review_promotions() -> dict:
 
     Returns team_eligible (local items that promote() would move now),
     endorsed_for_org (team items endorsed and ready for promote(to_scope="org")),
-    pending_org_prs (items waiting on an org pull request), and
-    org_needs_generalization (org items whose body still reads project-specific,
-    each with the tells and a suggested restatement for generalize()). Also
-    finishes moves whose org pull request has merged.
+    pending_org_prs (items waiting on an org pull request, with pr_state when
+    gh can say), and org_needs_generalization (org items whose body still reads
+    project-specific, each with the tells and a suggested restatement for
+    generalize()). Also finishes moves whose org pull request has merged
+    (settled_org_prs), and withdraws those whose pull request was closed without
+    merging (closed_org_prs): the item stays where it is, ready to promote again.
     """
     cfg = require_config()
     docs, warnings = read_scopes(cfg, SCOPES)
     settled = settle_org_prs(cfg, docs) if cfg.org_repo else []
-    if settled:                                   # settling moved items: read what is now
+    declined, states, failed = check_org_prs(cfg, docs, set(settled)) \
+        if cfg.org_repo else ([], {}, [])
+    if settled or declined:                       # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
+    warnings = [*warnings, *failed]
     pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
@@ -8609,7 +8714,9 @@ def review_promotions() -> dict:
         for it in docs.get(scope, Doc(items=[])).items:
             if it.pr_url:
                 out["pending_org_prs"].append({"id": it.id, "scope": scope, "pr_url": it.pr_url,
-                                               "content": it.content})
+                                               "content": it.content,
+                                               **({"pr_state": states[it.id]}
+                                                  if it.id in states else {})})
             elif scope == "team" and it.active and it.trust.get("endorsements"):
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
                                                 "draft": latest_endorsement_note(it)})
@@ -8623,6 +8730,8 @@ def review_promotions() -> dict:
                        "org_why=<why, in general terms>)"})
     if settled:
         out["settled_org_prs"] = settled
+    if declined:
+        out["closed_org_prs"] = declined
     if warnings:
         out["warnings"] = warnings
     return out

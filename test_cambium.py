@@ -2332,32 +2332,51 @@ def test_clean_universal_body_passes_the_gate(shared, monkeypatch):
     assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
 
 
-def make_stub_gh(tmp: Path, merged_url: str = "https://github.com/acme/knowledge/pull/7") -> Path:
-    """A `gh` on PATH that records its arguments and answers like GitHub would."""
+PR_URL = "https://github.com/acme/knowledge/pull/"
+
+
+def make_stub_gh(tmp: Path) -> Path:
+    """A `gh` on PATH that records its arguments and answers like GitHub would:
+    pull requests numbered from 7, kept in gh-prs.json ({url: {head, state}});
+    a test closes one with set_pr_state, and a file gh-offline makes
+    `gh pr view` fail as gh does without a network."""
     bindir = tmp / "bin"
     bindir.mkdir(exist_ok=True)
     log = tmp / "gh-calls.jsonl"
     (bindir / "gh").write_text(textwrap.dedent(f"""\
         #!{sys.executable}
-        import json, sys
+        import json, os, sys
         with open({str(log)!r}, "a") as f:
             f.write(json.dumps(sys.argv[1:]) + "\\n")
-        args = sys.argv[1:]
-        opened = {str(tmp / "gh-open")!r} + "-" + (args[args.index("--head") + 1]
-                                                   if "--head" in args else "").replace("/", "_")
+        args, db = sys.argv[1:], {str(tmp / "gh-prs.json")!r}
+        prs = json.load(open(db)) if os.path.exists(db) else {{}}
+        head = args[args.index("--head") + 1] if "--head" in args else None
         if args[:2] == ["pr", "list"]:                  # an open PR for the branch?
-            try:
-                print(open(opened).read())
-            except OSError:
-                print("")
+            print(next((u for u, p in prs.items()
+                        if p["head"] == head and p["state"] == "OPEN"), ""))
         elif args[:2] == ["pr", "create"]:
-            open(opened, "w").write({merged_url!r})
-            print({merged_url!r})
+            url = {PR_URL!r} + str(7 + len(prs))
+            prs[url] = {{"head": head, "state": "OPEN"}}
+            json.dump(prs, open(db, "w"))
+            print(url)
+        elif args[:2] == ["pr", "view"] and args[2] in prs and not os.path.exists(
+                {str(tmp / "gh-offline")!r}):
+            print(prs[args[2]]["state"], prs[args[2]]["head"])
+        elif args[:2] == ["pr", "view"]:
+            sys.exit("no pull requests found" if args[2] not in prs else "error connecting")
         else:
             sys.exit("stub gh: unexpected " + " ".join(sys.argv[1:]))
         """))
     (bindir / "gh").chmod(0o755)
     return log
+
+
+def set_pr_state(tmp: Path, url: str, state: str, head: str | None = None) -> None:
+    """What the stub gh says of a pull request from now on (a reviewer's act)."""
+    db = tmp / "gh-prs.json"
+    prs = json.loads(db.read_text())
+    prs[url] = {"head": head or prs[url]["head"], "state": state}
+    db.write_text(json.dumps(prs))
 
 
 def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monkeypatch,
@@ -2390,6 +2409,100 @@ def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monke
     assert review["settled_org_prs"] == [item_id] and review["pending_org_prs"] == []
     assert team_ids(shared["origin"]) == set()
     assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
+
+
+def _pr_mode(monkeypatch, tmp_path, shared) -> Path:
+    log = make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    return log
+
+
+def _remote_branches(bare: Path) -> set:
+    out = git(bare, "for-each-ref", "--format=%(refname:short)", "refs/heads")
+    return set(out.split())
+
+
+def test_pr_mode_a_closed_pr_is_withdrawn_and_the_item_promotes_again(shared, monkeypatch,
+                                                                     tmp_path):
+    """A reviewer closes the org PR without merging: review_promotions says so,
+    deletes that PR's promote branch, clears the team copy's pr_url (the item
+    stays in team), and the next promote opens a new PR from org's tip that
+    carries the restatement asked for now."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Feature flags get an owner and an expiry date")
+    cs.promote()
+    first = cs.promote(item_id, to_scope="org")
+    branch = f"cambium/promote-{item_id}"
+    assert first["status"] == "pr_opened" and first["pr_url"] == PR_URL + "7"
+    again = cs.promote(item_id, to_scope="org")
+    assert again["status"] == "pr_pending" and again["pr_url"] == first["pr_url"]
+    review = cs.review_promotions()
+    assert review["pending_org_prs"][0]["pr_state"] == "open" and "closed_org_prs" not in review
+    set_pr_state(tmp_path, first["pr_url"], "CLOSED")          # declined by a reviewer
+    review = cs.review_promotions()
+    assert review["closed_org_prs"] == [{"id": item_id, "scope": "team",
+                                         "pr_url": first["pr_url"]}]
+    assert review["pending_org_prs"] == []
+    assert [i["id"] for i in review["endorsed_for_org"]] == [item_id]
+    assert branch not in _remote_branches(shared["org_bare"])
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert [i["id"] for i in team] == [item_id] and "pr_url" not in team[0]
+    assert remote_json(shared["org_bare"], "main") is None      # nothing published
+    assert "closed_org_prs" not in cs.review_promotions()      # said once: it is done
+    second = cs.promote(item_id, to_scope="org",
+                        org_content="Every feature flag has an owner and an expiry date")
+    assert second["status"] == "pr_opened" and second["pr_url"] == PR_URL + "8"
+    assert "closed_pr" not in second                           # review withdrew it already
+    on_branch = remote_json(shared["org_bare"], branch)["items"]
+    assert [i["content"] for i in on_branch] == [
+        "Every feature flag has an owner and an expiry date"]
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert team[0]["pr_url"] == second["pr_url"]
+    # closed again, and promoted again straight away: promote withdraws it itself
+    set_pr_state(tmp_path, second["pr_url"], "CLOSED")
+    third = cs.promote(item_id, to_scope="org")
+    assert third["status"] == "pr_opened" and third["pr_url"] == PR_URL + "9"
+    assert third["closed_pr"] == second["pr_url"]
+    assert [i["content"] for i in remote_json(shared["org_bare"], branch)["items"]] == [
+        "Feature flags get an owner and an expiry date"]       # from org's tip, as it is now
+
+
+def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fails(
+        shared, monkeypatch, tmp_path):
+    """Nothing is decided without gh's answer, and a closed PR whose branch
+    cannot be deleted keeps its item waiting, said as a warning; a closed PR
+    from any branch but the item's own promote branch deletes no branch."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Every alert links to a runbook")
+    cs.promote()
+    url = cs.promote(item_id, to_scope="org")["pr_url"]
+    branch = f"cambium/promote-{item_id}"
+    set_pr_state(tmp_path, url, "CLOSED")
+    (tmp_path / "gh-offline").write_text("")
+    review = cs.review_promotions()
+    assert "closed_org_prs" not in review and "pr_state" not in review["pending_org_prs"][0]
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_pending"
+    (tmp_path / "gh-offline").unlink()
+    hook = shared["org_bare"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\nwhile read old new ref; do\n"
+                    "  [ \"$new\" = 0000000000000000000000000000000000000000 ] && "
+                    "echo 'deletes refused' && exit 1\ndone\nexit 0\n")
+    hook.chmod(0o755)
+    review = cs.review_promotions()
+    assert "closed_org_prs" not in review
+    assert review["pending_org_prs"][0]["pr_state"] == "closed"
+    assert any("withdrawing it failed" in w and "deletes refused" in w
+               for w in review["warnings"])
+    assert branch in _remote_branches(shared["org_bare"])
+    assert remote_json(shared["origin"], "cambium")["items"][0]["pr_url"] == url
+    hook.unlink()
+    set_pr_state(tmp_path, url, "CLOSED", head="cambium/updates")
+    review = cs.review_promotions()
+    assert [d["id"] for d in review["closed_org_prs"]] == [item_id]
+    assert branch in _remote_branches(shared["org_bare"])   # not the closed PR's branch
+    assert "pr_url" not in remote_json(shared["origin"], "cambium")["items"][0]
 
 
 def test_pr_mode_generalize_batches_into_one_shared_pr(shared, monkeypatch, tmp_path):
