@@ -2669,15 +2669,16 @@ def _push_outcome(out: str) -> str:
 
 
 def _write_commit(objects: Path, entries: list[tuple[str, str, str]], parent: str | None,
-                  files: dict[str, str], stamp: str, message: str) -> str:
+                  files: dict[str, str], stamp: str, message: str,
+                  merge: str | None = None) -> str:
     """A commit of the tree `entries` with `files` replaced at the root, written
-    loose; its id. Raises OSError."""
+    loose, with `merge` as its second parent if given; its id. Raises OSError."""
     blobs = {name: write_loose(objects, "blob", text.encode("utf-8"))
              for name, text in files.items()}
     tree = write_loose(objects, "tree", tree_body(
         [e for e in entries if e[1] not in blobs] +
         [("100644", name, sha) for name, sha in blobs.items()]))
-    head = f"tree {tree}\n" + (f"parent {parent}\n" if parent else "")
+    head = f"tree {tree}\n" + "".join(f"parent {p}\n" for p in (parent, merge) if p)
     body = f"{head}author {stamp}\ncommitter {stamp}\n\n{valid_unicode(message)}"
     return write_loose(objects, "commit", body.encode("utf-8"))
 
@@ -2916,18 +2917,20 @@ class GitStore(Store):
         self.git("fetch", "--quiet", "--no-tags", "--", self.remote, f"+{head}:{ref}")
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
-    def _commit(self, parent: str | None, files: dict[str, str], message: str) -> str:
-        """A commit = parent's tree with `files` replaced at the root, written as
-        loose objects by cambium itself when the parent's are loose (a CAS
-        attempt under contention should be short), else by one `git fast-import`."""
+    def _commit(self, parent: str | None, files: dict[str, str], message: str, *,
+                merge: str | None = None) -> str:
+        """A commit = parent's tree with `files` replaced at the root (and
+        `merge` a second parent), written as loose objects by cambium itself
+        when the parent's are loose (a CAS attempt under contention should be
+        short), else by one `git fast-import`."""
         stamp = f"{self._ident()}> {int(time.time())} +0000"
         objects = self._objects()
         entries = None if objects is None else [] if parent is None else \
             loose_tree(objects, parent)              # (None: git writes it)
         if entries is not None:
             with contextlib.suppress(OSError):
-                return _write_commit(objects, entries, parent, files, stamp, message)
-        return self._fast_import(parent, files, stamp, message)
+                return _write_commit(objects, entries, parent, files, stamp, message, merge)
+        return self._fast_import(parent, files, stamp, message, merge)
 
     def _ident(self) -> str:
         """The author of this agent's commits, up to the closing '>'."""
@@ -2936,12 +2939,14 @@ class GitStore(Store):
         return f"{who} <{email}"
 
     def _fast_import(self, parent: str | None, files: dict[str, str], stamp: str,
-                     message: str) -> str:
+                     message: str, merge: str | None = None) -> str:
         msg = valid_unicode(message).encode("utf-8")
         out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
                f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
         if parent:
             out.append(f"from {parent}\n".encode())
+        if merge:
+            out.append(f"merge {merge}\n".encode())
         for name, text in files.items():
             data = text.encode("utf-8")
             out += [f"M 100644 inline {name}\ndata {len(data)}\n".encode(), data, b"\n"]
@@ -2999,6 +3004,32 @@ class GitStore(Store):
             raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
                            (proc.stdout + proc.stderr).strip() or "delete refused")
         return True
+
+    def catch_up_side(self, branch: str, combine: Callable[[Doc, Doc], Doc | None],
+                      message: str) -> str | None:
+        """Bring side branch `branch` up to the scope's tip, so its pull request
+        merges without conflict: a merge commit of the tip and the branch whose
+        doc is combine(doc at the tip, doc on the branch), pushed as a
+        fast-forward leased on the branch's tip. The commit, or None when there
+        is nothing to do (no such branch, it holds the tip already, combine
+        says None) or a push there won the race (the next call looks again).
+        Raises GitError."""
+        tip = self.fetch()              # as the caller's read just fetched it
+        side = self._remote_branch_tip(branch)
+        if tip is None or side is None or branch == self.branch:
+            return None
+        if self.git("merge-base", "--is-ancestor", tip, side, check=False).returncode == 0:
+            return None
+        new = combine(self.doc_at(tip), self.doc_at(side))
+        if new is None:
+            return None
+        files = {STORE_FILE: render_store(new), **(self.extra_files(new) if self.extra_files
+                                                   else {})}
+        commit = self._commit(tip, files, message, merge=side)
+        if self._push(commit, branch, lease=side) == "race":
+            return None
+        self.verify(commit, branch)
+        return commit
 
     # -- the CAS loop -----------------------------------------------------------
     def mutate(self, fn: Callable[[Doc], Doc | None], message: str, *,
@@ -6909,26 +6940,57 @@ def withdraw_closed_pr(cfg: Config, scope: str, item: Item, head: str) -> dict:
     return {"id": item.id, "scope": scope, "pr_url": url}
 
 
-def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]
-                  ) -> tuple[list[dict], dict[str, str], list[str]]:
+def caught_up_pr(cfg: Config, item: Item, head: str) -> bool:
+    """Bring the branch of an open pull request that promotes `item` up to
+    org's tip once org moved on (another promotion merged): without it, the two
+    PRs' additions to the same `items` array conflict. The branch gets a merge
+    commit holding org's items and its own copy of `item` (nothing else of the
+    branch is carried over), so the PR merges cleanly and its history stays.
+    Only the item's own promote branch. True: a commit was pushed."""
+    if head != pr_branch_name(f"promote-{item.id}"):
+        return False
+
+    def combine(org: Doc, side: Doc) -> Doc | None:
+        if any(it.id == item.id for it in org.items):
+            return None                           # merged meanwhile: settle_org_prs's
+        mine = [it for it in side.items if it.id == item.id]
+        return dataclasses.replace(org, items=org.items + mine) if mine else None
+
+    return store(cfg, "org").catch_up_side(
+        head, combine, f"{item.id}: catch up with org's tip (merge)") is not None
+
+
+@dataclass
+class PrCheck:
+    """What check_org_prs found of the org pull requests items wait on."""
+    withdrawn: list = field(default_factory=list)   # closed unmerged: withdraw_closed_pr's
+    states: dict = field(default_factory=dict)      # item id -> open | merged | closed
+    caught_up: list = field(default_factory=list)   # ids whose open PR caught up with org
+    warnings: list = field(default_factory=list)    # what failed (that item keeps waiting)
+
+
+def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrCheck:
     """Ask gh about every org pull request an item of local or team waits on
-    (those not just settled): withdraw the closed ones (withdraw_closed_pr).
-    Returns (withdrawn, the others' state by item id where gh could say, and
-    a warning per closed PR whose withdrawal failed: that item keeps waiting)."""
-    declined, states, failed = [], {}, []
+    (those not just settled): withdraw the closed ones (withdraw_closed_pr),
+    bring the open ones up to org's tip (caught_up_pr)."""
+    out = PrCheck()
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
             state = pr_state(cfg, it.pr_url) if it.pr_url and it.id not in settled else None
-            if state and state[0] == "CLOSED":
-                try:
-                    declined.append(withdraw_closed_pr(cfg, scope, it, state[1]))
+            if state is None:
+                continue
+            try:
+                if state[0] == "CLOSED":
+                    out.withdrawn.append(withdraw_closed_pr(cfg, scope, it, state[1]))
                     continue
-                except CambiumError as e:
-                    failed.append(f"{it.id}: its org PR was closed, but withdrawing it "
-                                  f"failed: {e}")
-            if state:
-                states[it.id] = state[0].lower()
-    return declined, states, failed
+                if state[0] == "OPEN" and caught_up_pr(cfg, it, state[1]):
+                    out.caught_up.append(it.id)
+            except CambiumError as e:
+                out.warnings.append(f"{it.id}: its org PR is {state[0].lower()}, but "
+                                    f"{'withdrawing' if state[0] == 'CLOSED' else 'updating'}"
+                                    f" it failed: {e}")
+            out.states[it.id] = state[0].lower()
+    return out
 
 
 # =============================================================================
@@ -8690,17 +8752,18 @@ def review_promotions() -> dict:
     gh can say), and org_needs_generalization (org items whose body still reads
     project-specific, each with the tells and a suggested restatement for
     generalize()). Also finishes moves whose org pull request has merged
-    (settled_org_prs), and withdraws those whose pull request was closed without
-    merging (closed_org_prs): the item stays where it is, ready to promote again.
+    (settled_org_prs), withdraws those whose pull request was closed without
+    merging (closed_org_prs: the item stays where it is, ready to promote
+    again), and brings open promotion PRs up to org's tip once another merged
+    (caught_up_org_prs), so they merge without conflict.
     """
     cfg = require_config()
     docs, warnings = read_scopes(cfg, SCOPES)
     settled = settle_org_prs(cfg, docs) if cfg.org_repo else []
-    declined, states, failed = check_org_prs(cfg, docs, set(settled)) \
-        if cfg.org_repo else ([], {}, [])
-    if settled or declined:                       # items moved or changed: read what is now
+    prs = check_org_prs(cfg, docs, set(settled)) if cfg.org_repo else PrCheck()
+    if settled or prs.withdrawn:                  # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
-    warnings = [*warnings, *failed]
+    warnings = [*warnings, *prs.warnings]
     pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
@@ -8715,8 +8778,8 @@ def review_promotions() -> dict:
             if it.pr_url:
                 out["pending_org_prs"].append({"id": it.id, "scope": scope, "pr_url": it.pr_url,
                                                "content": it.content,
-                                               **({"pr_state": states[it.id]}
-                                                  if it.id in states else {})})
+                                               **({"pr_state": prs.states[it.id]}
+                                                  if it.id in prs.states else {})})
             elif scope == "team" and it.active and it.trust.get("endorsements"):
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
                                                 "draft": latest_endorsement_note(it)})
@@ -8730,8 +8793,10 @@ def review_promotions() -> dict:
                        "org_why=<why, in general terms>)"})
     if settled:
         out["settled_org_prs"] = settled
-    if declined:
-        out["closed_org_prs"] = declined
+    if prs.withdrawn:
+        out["closed_org_prs"] = prs.withdrawn
+    if prs.caught_up:
+        out["caught_up_org_prs"] = prs.caught_up
     if warnings:
         out["warnings"] = warnings
     return out

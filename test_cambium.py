@@ -2469,6 +2469,45 @@ def test_pr_mode_a_closed_pr_is_withdrawn_and_the_item_promotes_again(shared, mo
         "Feature flags get an owner and an expiry date"]       # from org's tip, as it is now
 
 
+def test_pr_mode_two_open_promotions_both_merge_when_review_catches_the_second_up(
+        shared, monkeypatch, tmp_path):
+    """Two promotion PRs both add to org's `items`: once the first merges, the
+    second conflicts. review_promotions gives its branch a merge commit of
+    org's tip and its own item (a fast-forward: its history stays), so it
+    merges cleanly, and then settles it."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    a = _endorsed("Feature flags get an owner and an expiry date")
+    b = _endorsed("Every alert links to a runbook")
+    cs.promote()
+    cs.promote(a, to_scope="org")
+    cs.promote(b, to_scope="org")
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{a}")
+    git(merger, "push", "-q", "origin", "main")
+    before = git(shared["org_bare"], "rev-parse", f"cambium/promote-{b}").strip()
+    conflict = subprocess.run(["git", *GIT_ID, "merge", "--no-edit", f"origin/cambium/promote-{b}"],
+                              cwd=merger, capture_output=True, text=True)
+    assert conflict.returncode != 0 and "CONFLICT" in conflict.stdout   # what a reviewer meets
+    git(merger, "merge", "--abort")
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [a] and review["caught_up_org_prs"] == [b]
+    assert [(p["id"], p["pr_state"]) for p in review["pending_org_prs"]] == [(b, "open")]
+    after = git(shared["org_bare"], "rev-parse", f"cambium/promote-{b}").strip()
+    git(shared["org_bare"], "merge-base", "--is-ancestor", before, after)   # no rewrite
+    git(shared["org_bare"], "merge-base", "--is-ancestor", "main", after)
+    assert [i["id"] for i in remote_json(shared["org_bare"], f"cambium/promote-{b}")["items"]] \
+        == [a, b]
+    assert "caught_up_org_prs" not in cs.review_promotions()     # it holds the tip now
+    git(merger, "fetch", "-q", "origin")
+    git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{b}")
+    git(merger, "push", "-q", "origin", "main")
+    assert cs.review_promotions()["settled_org_prs"] == [b]
+    assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [a, b]
+    md = remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
+    assert "Feature flags get an owner" in md and "Every alert links to a runbook" in md
+    assert team_ids(shared["origin"]) == set()
+
+
 def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fails(
         shared, monkeypatch, tmp_path):
     """Nothing is decided without gh's answer, and a closed PR whose branch
