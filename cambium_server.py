@@ -6969,15 +6969,26 @@ class PrCheck:
     warnings: list = field(default_factory=list)    # what failed (that item keeps waiting)
 
 
+PR_CHECK_BUDGET_S = 20.0   #: review_promotions asks gh about pull requests this long at most
+
+
 def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrCheck:
     """Ask gh about every org pull request an item of local or team waits on
     (those not just settled): withdraw the closed ones (withdraw_closed_pr),
-    bring the open ones up to org's tip (caught_up_pr)."""
-    out = PrCheck()
+    bring the open ones up to org's tip (caught_up_pr). Each question is a
+    network call: past PR_CHECK_BUDGET_S the rest wait for the next review
+    (said in a warning), so a review stays well inside a client's call timeout."""
+    out, asked, left = PrCheck(), 0, 0
+    deadline = time.monotonic() + PR_CHECK_BUDGET_S
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
-            state = pr_state(cfg, it.pr_url) if it.pr_url and it.id not in settled else None
-            if state is None:
+            if not it.pr_url or it.id in settled:
+                continue
+            if time.monotonic() >= deadline:
+                left += 1
+                continue
+            asked += 1
+            if (state := pr_state(cfg, it.pr_url)) is None:
                 continue
             try:
                 if state[0] == "CLOSED":
@@ -6990,6 +7001,9 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
                                     f"{'withdrawing' if state[0] == 'CLOSED' else 'updating'}"
                                     f" it failed: {e}")
             out.states[it.id] = state[0].lower()
+    if left:
+        out.warnings.append(f"asked gh about {asked} of {asked + left} org pull requests "
+                            f"within {PR_CHECK_BUDGET_S:g} s; review again for the rest")
     return out
 
 

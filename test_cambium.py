@@ -2544,6 +2544,23 @@ def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fa
     assert "pr_url" not in remote_json(shared["origin"], "cambium")["items"][0]
 
 
+def test_review_asks_gh_within_a_time_budget_and_says_what_it_left(shared, monkeypatch,
+                                                                   tmp_path):
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Every alert links to a runbook")
+    cs.promote()
+    url = cs.promote(item_id, to_scope="org")["pr_url"]
+    set_pr_state(tmp_path, url, "CLOSED")
+    monkeypatch.setattr(cs, "PR_CHECK_BUDGET_S", 0.0)
+    asked = len(log.read_text().splitlines())
+    review = cs.review_promotions()
+    assert len(log.read_text().splitlines()) == asked            # gh was not asked
+    assert "closed_org_prs" not in review and "pr_state" not in review["pending_org_prs"][0]
+    assert any("asked gh about 0 of 1 org pull requests" in w for w in review["warnings"])
+    monkeypatch.setattr(cs, "PR_CHECK_BUDGET_S", 20.0)
+    assert [d["pr_url"] for d in cs.review_promotions()["closed_org_prs"]] == [url]
+
+
 def test_pr_mode_generalize_batches_into_one_shared_pr(shared, monkeypatch, tmp_path):
     log = make_stub_gh(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
