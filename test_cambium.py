@@ -5349,6 +5349,34 @@ def test_rerank_puts_the_answer_first_and_leaves_relevance_and_the_floor_alone()
     assert {h.item.id for h in miss.weak} == {h.item.id for h in eng.rank(index, UNRELATED, 5).weak}
 
 
+@needs_extra
+def test_rerank_keeps_an_item_holding_every_query_word_first():
+    """Through Semantic.rank: a cross-encoder that prefers every other item
+    reorders the rest but not the item that holds every word of the query."""
+    notes = LOG_NOTES + [("Label the racks so the serial numbers on the machines stay "
+                          "readable by the night shift; keep logs of who moved them",
+                          "Audits ask where each box went", "hardware")]
+    index = cs.build_index([cs.Item(id=f"k-{i}", content=c, why=w, tags=[t])
+                            for i, (c, w, t) in enumerate(notes)])
+    exact = f"k-{len(notes) - 1}"
+
+    class Contrary:           # the model's interface: logits, the last candidates best
+        def scores(self, tokenizer, query, texts):
+            return [-50.0 if "serial numbers" in t else 10.0 * n for n, t in enumerate(texts)]
+
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.wait_idle(60)
+    plain = eng.rank(index, LOG_QUERY, 5)
+    again = eng.rank(index, LOG_QUERY, 5, Contrary())
+    assert plain.hits[0].item.id == exact and again.hits[0].item.id == exact and again.reranked
+    order = [h.item.id for h in plain.hits + plain.weak][1:]
+    assert [h.item.id for h in again.hits + again.weak][1:] != order      # the rest moved
+    every = eng.rank(index, LOG_QUERY, cs.RERANK_TOP)       # relevance: the bi-encoder's
+    rel = {h.item.id: h.confidence for h in every.hits + every.weak}
+    assert all(h.confidence == rel[h.item.id] for h in again.hits + again.weak)
+
+
 @needs_rerank
 def test_rerank_ranks_a_grown_index_as_a_fresh_one():
     items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t])
