@@ -2652,6 +2652,30 @@ def _cas_attempts(pace: GitScope) -> Iterator[int]:
             pace.contended_at = time.monotonic()
 
 
+def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
+    """A three-way merge item by item: `ours` (the scope's tip) with what
+    `theirs` (a pull request's side branch) changed since `base` (where the two
+    parted) applied: the items it added (after ours'), changed or dropped.
+    None when both changed or dropped one item differently: a person merges
+    that. Items are whole values, so two changes to one item always conflict."""
+    was = {it.id: it for it in base.items}
+    now = {it.id: it for it in ours.items}
+    out = {it.id: it for it in ours.items}
+    for it in theirs.items:
+        before, mine = was.get(it.id), now.get(it.id)
+        if it == before or it == mine:
+            continue                               # theirs left it, or ours did the same
+        if mine != before:
+            return None                            # both changed it
+        out[it.id] = it                            # theirs added or changed it
+    theirs_ids = {it.id for it in theirs.items}
+    for gone in (i for i in was if i not in theirs_ids and i in now):
+        if now[gone] != was[gone]:
+            return None                            # theirs dropped what ours changed
+        del out[gone]
+    return dataclasses.replace(ours, items=list(out.values()))
+
+
 def _push_outcome(out: str) -> str:
     """Classify `git push --porcelain` output: ok | race | refused."""
     for line in out.splitlines():
@@ -3005,27 +3029,47 @@ class GitStore(Store):
                            (proc.stdout + proc.stderr).strip() or "delete refused")
         return True
 
-    def catch_up_side(self, branch: str, combine: Callable[[Doc, Doc], Doc | None],
-                      message: str) -> str | None:
-        """Bring side branch `branch` up to the scope's tip, so its pull request
-        merges without conflict: a merge commit of the tip and the branch whose
-        doc is combine(doc at the tip, doc on the branch), pushed as a
-        fast-forward leased on the branch's tip. The commit, or None when there
-        is nothing to do (no such branch, it holds the tip already, combine
-        says None) or a push there won the race (the next call looks again).
-        Raises GitError."""
+    def _side_base(self, tip: str | None, side_tip: str | None
+                   ) -> tuple[Doc, str | None, str | None]:
+        """What a write to a pull request's side branch builds on: (doc, parent,
+        second parent). A new branch starts from the scope's tip; one that holds
+        the tip continues its own; one the scope moved past is caught up: the
+        merge (merged_docs) of the tip and its own changes, on the tip's tree,
+        with its tip as second parent, so the PR merges cleanly and its history
+        stays. When the two changed an item differently, it continues its own
+        tip as it is (a person merges that)."""
+        if side_tip is None:
+            return self.doc_at(tip), tip, None
+        if tip is None or self._holds(side_tip, tip):
+            return self.doc_at(side_tip), side_tip, None
+        fork = self.git("merge-base", tip, side_tip, check=False).stdout.strip() or None
+        merged = merged_docs(self.doc_at(fork), self.doc_at(tip), self.doc_at(side_tip))
+        if merged is None:
+            return self.doc_at(side_tip), side_tip, None
+        return merged, tip, side_tip
+
+    def _holds(self, commit: str, ancestor: str) -> bool:
+        return self.git("merge-base", "--is-ancestor", ancestor, commit,
+                        check=False).returncode == 0
+
+    def catch_up_side(self, branch: str) -> str | None:
+        """Bring side branch `branch` up to the scope's tip (_side_base), so its
+        pull request merges without conflict, by a fast-forward push leased on
+        the branch's tip. The commit, or None when there is nothing to do (no
+        such branch, it holds the tip already, the merge changes nothing the tip
+        holds, or it conflicts) or a push there won the race (the next call
+        looks again). Raises GitError."""
         tip = self.fetch()              # as the caller's read just fetched it
         side = self._remote_branch_tip(branch)
         if tip is None or side is None or branch == self.branch:
             return None
-        if self.git("merge-base", "--is-ancestor", tip, side, check=False).returncode == 0:
+        doc, parent, merge = self._side_base(tip, side)
+        if merge is None or doc.items == self.doc_at(tip).items:
             return None
-        new = combine(self.doc_at(tip), self.doc_at(side))
-        if new is None:
-            return None
-        files = {STORE_FILE: render_store(new), **(self.extra_files(new) if self.extra_files
+        files = {STORE_FILE: render_store(doc), **(self.extra_files(doc) if self.extra_files
                                                    else {})}
-        commit = self._commit(tip, files, message, merge=side)
+        commit = self._commit(parent, files, f"cambium: catch {branch} up with "
+                              f"{self.remote}/{self.branch}", merge=merge)
         if self._push(commit, branch, lease=side) == "race":
             return None
         self.verify(commit, branch)
@@ -3037,7 +3081,8 @@ class GitStore(Store):
         """Apply pure fn to the remote doc and publish it; replay on a lost race.
 
         branch: push to this side branch (a pull request's) instead: it starts
-        from the scope's tip, or continues its own tip if it exists.
+        from the scope's tip, or continues its own tip, caught up with the
+        scope's tip if that moved on (_side_base).
         ensure_files: also write when only the rendered extra files are stale.
         A process that pushed the tip itself, with no peer writing lately, first
         tries on that tip without fetching: the push is the check, and any other
@@ -3068,8 +3113,8 @@ class GitStore(Store):
         started = time.monotonic()
         tip = guess or self._fetch_for_write()
         side_tip = self._remote_branch_tip(side) if side else None
-        base = side_tip or tip
-        doc = self.doc_at(base)
+        doc, base, merge = self._side_base(tip, side_tip) if side else \
+            (self.doc_at(tip), tip, None)
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
         try:
             new = with_credits(fn, pending)(doc)
@@ -3088,7 +3133,7 @@ class GitStore(Store):
         if self.extra_files:
             files.update(self.extra_files(new))
         parent = base if base is not None else self.default_tip()
-        commit = self._commit(parent, files, message)
+        commit = self._commit(parent, files, message, merge=merge)
         lease = side_tip if side else tip      # exact CAS: the tip read, or absent
         outcome = self._push(commit, target, lease=lease or "")
         self._timed(time.monotonic() - started)
@@ -6789,14 +6834,19 @@ def _gh_env() -> dict:
     return {**_git_env(), "GH_PROMPT_DISABLED": "1", "GH_NO_UPDATE_NOTIFIER": "1"}
 
 
+def open_pr_url(cfg: Config, store: GitStore, branch: str) -> str:
+    """The URL of the open pull request whose head is `branch`, or "" when
+    there is none. Raises GitError (gh missing, not logged in, offline)."""
+    listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
+                   "--jq", ".[0].url"], store.repo, cfg.git_timeout_s, env=_gh_env())
+    return listed.stdout.strip()
+
+
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
     """The URL of the open pull request for `branch`, opening one with gh if needed."""
     timeout = cfg.git_timeout_s
     env = _gh_env()
-    listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
-                   "--jq", ".[0].url"], store.repo, timeout, env=env)
-    url = listed.stdout.strip()
-    if url:
+    if url := open_pr_url(cfg, store, branch):
         return url
     made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
                  "--title", valid_unicode(title), "--body", valid_unicode(body)],
@@ -6940,44 +6990,27 @@ def withdraw_closed_pr(cfg: Config, scope: str, item: Item, head: str) -> dict:
     return {"id": item.id, "scope": scope, "pr_url": url}
 
 
-def caught_up_pr(cfg: Config, item: Item, head: str) -> bool:
-    """Bring the branch of an open pull request that promotes `item` up to
-    org's tip once org moved on (another promotion merged): without it, the two
-    PRs' additions to the same `items` array conflict. The branch gets a merge
-    commit holding org's items and its own copy of `item` (nothing else of the
-    branch is carried over), so the PR merges cleanly and its history stays.
-    Only the item's own promote branch. True: a commit was pushed."""
-    if head != pr_branch_name(f"promote-{item.id}"):
-        return False
-
-    def combine(org: Doc, side: Doc) -> Doc | None:
-        if any(it.id == item.id for it in org.items):
-            return None                           # merged meanwhile: settle_org_prs's
-        mine = [it for it in side.items if it.id == item.id]
-        return dataclasses.replace(org, items=org.items + mine) if mine else None
-
-    return store(cfg, "org").catch_up_side(
-        head, combine, f"{item.id}: catch up with org's tip (merge)") is not None
-
-
 @dataclass
 class PrCheck:
     """What check_org_prs found of the org pull requests items wait on."""
     withdrawn: list = field(default_factory=list)   # closed unmerged: withdraw_closed_pr's
     states: dict = field(default_factory=dict)      # item id -> open | merged | closed
-    caught_up: list = field(default_factory=list)   # ids whose open PR caught up with org
+    caught_up: list = field(default_factory=list)   # branches of open PRs caught up with org
     warnings: list = field(default_factory=list)    # what failed (that item keeps waiting)
 
 
 PR_CHECK_BUDGET_S = 20.0   #: review_promotions asks gh about pull requests this long at most
+SHARED_PR_TOPICS = ("updates", "generalize", "knowledge-md")   #: see pr_branch
 
 
 def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrCheck:
     """Ask gh about every org pull request an item of local or team waits on
     (those not just settled): withdraw the closed ones (withdraw_closed_pr),
-    bring the open ones up to org's tip (caught_up_pr). Each question is a
-    network call: past PR_CHECK_BUDGET_S the rest wait for the next review
-    (said in a warning), so a review stays well inside a client's call timeout."""
+    and bring each open one up to org's tip (GitStore.catch_up_side), the
+    promotion PRs and, in PR mode, the shared ones (SHARED_PR_TOPICS), so none
+    conflicts once another merged. Each question is a network call: past
+    PR_CHECK_BUDGET_S the rest wait for the next review (said in a warning),
+    so a review stays well inside a client's call timeout."""
     out, asked, left = PrCheck(), 0, 0
     deadline = time.monotonic() + PR_CHECK_BUDGET_S
     for scope in ("local", "team"):
@@ -6994,16 +7027,29 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
                 if state[0] == "CLOSED":
                     out.withdrawn.append(withdraw_closed_pr(cfg, scope, it, state[1]))
                     continue
-                if state[0] == "OPEN" and caught_up_pr(cfg, it, state[1]):
-                    out.caught_up.append(it.id)
+                if state[0] == "OPEN" and state[1] == pr_branch_name(f"promote-{it.id}") \
+                        and store(cfg, "org").catch_up_side(state[1]):
+                    out.caught_up.append(state[1])
             except CambiumError as e:
                 out.warnings.append(f"{it.id}: its org PR is {state[0].lower()}, but "
                                     f"{'withdrawing' if state[0] == 'CLOSED' else 'updating'}"
                                     f" it failed: {e}")
             out.states[it.id] = state[0].lower()
+    for branch in (pr_branch_name(t) for t in SHARED_PR_TOPICS) if cfg.org_pr else ():
+        if time.monotonic() >= deadline:
+            left += 1
+            continue
+        asked += 1
+        try:
+            if open_pr_url(cfg, store(cfg, "org"), branch) and \
+                    store(cfg, "org").catch_up_side(branch):
+                out.caught_up.append(branch)
+        except CambiumError as e:
+            out.warnings.append(f"{branch}: its org PR could not be brought up to org's "
+                                f"tip: {e}")
     if left:
-        out.warnings.append(f"asked gh about {asked} of {asked + left} org pull requests "
-                            f"within {PR_CHECK_BUDGET_S:g} s; review again for the rest")
+        out.warnings.append(f"checked {asked} of {asked + left} org pull requests within "
+                            f"{PR_CHECK_BUDGET_S:g} s; review again for the rest")
     return out
 
 
@@ -8768,8 +8814,8 @@ def review_promotions() -> dict:
     generalize()). Also finishes moves whose org pull request has merged
     (settled_org_prs), withdraws those whose pull request was closed without
     merging (closed_org_prs: the item stays where it is, ready to promote
-    again), and brings open promotion PRs up to org's tip once another merged
-    (caught_up_org_prs), so they merge without conflict.
+    again), and brings open org PRs up to org's tip once another merged
+    (caught_up_org_prs: the branches moved), so they merge without conflict.
     """
     cfg = require_config()
     docs, warnings = read_scopes(cfg, SCOPES)

@@ -2490,7 +2490,8 @@ def test_pr_mode_two_open_promotions_both_merge_when_review_catches_the_second_u
     assert conflict.returncode != 0 and "CONFLICT" in conflict.stdout   # what a reviewer meets
     git(merger, "merge", "--abort")
     review = cs.review_promotions()
-    assert review["settled_org_prs"] == [a] and review["caught_up_org_prs"] == [b]
+    assert review["settled_org_prs"] == [a]
+    assert review["caught_up_org_prs"] == [f"cambium/promote-{b}"]
     assert [(p["id"], p["pr_state"]) for p in review["pending_org_prs"]] == [(b, "open")]
     after = git(shared["org_bare"], "rev-parse", f"cambium/promote-{b}").strip()
     git(shared["org_bare"], "merge-base", "--is-ancestor", before, after)   # no rewrite
@@ -2506,6 +2507,77 @@ def test_pr_mode_two_open_promotions_both_merge_when_review_catches_the_second_u
     md = remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
     assert "Feature flags get an owner" in md and "Every alert links to a runbook" in md
     assert team_ids(shared["origin"]) == set()
+
+
+def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
+    def doc(*items):
+        return cs.Doc(items=list(items), meta={"m": 1})
+    a, b, c, d = (cs.Item(id=f"k-{n}", content=n) for n in "abcd")
+    a2, b2, b3 = cs.dataclasses.replace(a, why="checked"), cs.dataclasses.replace(b, why="x"), \
+        cs.dataclasses.replace(b, why="y")
+    base = doc(a, b)
+    # theirs changed a and added d; ours added c: both kept, ours' order first
+    out = cs.merged_docs(base, doc(a, b, c), doc(a2, b, d))
+    assert out.items == [a2, b, c, d] and out.meta == {"m": 1}
+    assert cs.merged_docs(base, doc(a, b2), doc(a, b2)).items == [a, b2]   # the same change
+    assert cs.merged_docs(base, doc(a, b2), doc(a, b3)) is None            # two changes
+    assert cs.merged_docs(base, doc(a, b, c), doc(a)).items == [a, c]      # theirs dropped b
+    assert cs.merged_docs(base, doc(a, b2), doc(a)) is None                # ...ours changed it
+    assert cs.merged_docs(base, doc(a), doc(a, b2)) is None                # ours dropped it
+    assert cs.merged_docs(base, doc(a), doc(a, b)).items == [a]            # theirs left it
+    assert cs.merged_docs(doc(), doc(c), doc(d)).items == [c, d]           # no common base
+
+
+def test_pr_mode_the_shared_updates_pr_catches_up_on_review_and_on_its_next_write(
+        shared, monkeypatch, tmp_path):
+    """An org item verified in PR mode waits on cambium/updates; a direct
+    promotion to org then changes the same line (the last item gains a comma)
+    and the PR conflicts. review_promotions brings the branch up to org's tip;
+    a later write to it catches up by itself."""
+    log = make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    a = _endorsed("Feature flags get an owner and an expiry date")
+    cs.promote(a, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    cs.verify_entry(a, "still how we ship flags")
+    def notes(item):
+        return [v.get("note") for v in item.get("verifications", [])]
+    updates = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert "still how we ship flags" in notes(updates[0])
+    assert "still how we ship flags" not in notes(
+        remote_json(shared["org_bare"], "main")["items"][0])
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    b = _endorsed("Every alert links to a runbook")
+    cs.promote(b, to_scope="org")                      # straight onto org's main
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    conflict = subprocess.run(["git", *GIT_ID, "merge", "--no-edit", "origin/cambium/updates"],
+                              cwd=merger, capture_output=True, text=True)
+    assert conflict.returncode != 0 and "CONFLICT" in conflict.stdout
+    git(merger, "merge", "--abort")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    review = cs.review_promotions()
+    assert review["caught_up_org_prs"] == ["cambium/updates"]
+    on_branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    assert list(on_branch) == [a, b] and on_branch[a] == updates[0]
+    git(shared["org_bare"], "merge-base", "--is-ancestor", "main", "cambium/updates")
+    assert "caught_up_org_prs" not in cs.review_promotions()
+    # org moves again; the next write to the PR catches it up by itself
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    c = _endorsed("Secrets never live in env files")
+    cs.promote(c, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    cs.verify_entry(c, "checked the vault")
+    git(shared["org_bare"], "merge-base", "--is-ancestor", "main", "cambium/updates")
+    git(merger, "fetch", "-q", "origin")
+    git(merger, "merge", "-q", "--ff-only", "origin/cambium/updates")
+    git(merger, "push", "-q", "origin", "main")
+    main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert list(main) == [a, b, c]
+    assert main[a] == updates[0] and "checked the vault" in notes(main[c])
+    creates = [x for x in map(json.loads, log.read_text().splitlines())
+               if x[:2] == ["pr", "create"]]
+    assert len(creates) == 1                           # one shared PR all along
 
 
 def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fails(
@@ -2556,7 +2628,8 @@ def test_review_asks_gh_within_a_time_budget_and_says_what_it_left(shared, monke
     review = cs.review_promotions()
     assert len(log.read_text().splitlines()) == asked            # gh was not asked
     assert "closed_org_prs" not in review and "pr_state" not in review["pending_org_prs"][0]
-    assert any("asked gh about 0 of 1 org pull requests" in w for w in review["warnings"])
+    # the waiting item's PR and, in PR mode, the three shared ones
+    assert any("checked 0 of 4 org pull requests" in w for w in review["warnings"])
     monkeypatch.setattr(cs, "PR_CHECK_BUDGET_S", 20.0)
     assert [d["pr_url"] for d in cs.review_promotions()["closed_org_prs"]] == [url]
 
