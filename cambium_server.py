@@ -3029,6 +3029,13 @@ class GitStore(Store):
                            (proc.stdout + proc.stderr).strip() or "delete refused")
         return True
 
+    def branches(self, pattern: str) -> set[str]:
+        """The remote's branches matching `pattern` (a glob: `cambium/*`), in one
+        `git ls-remote`. Raises GitError."""
+        listed = self.git("ls-remote", "--heads", "--", self.remote, f"refs/heads/{pattern}")
+        return {line.split("\trefs/heads/", 1)[1] for line in listed.stdout.splitlines()
+                if "\trefs/heads/" in line}
+
     def _side_base(self, tip: str | None, side_tip: str | None
                    ) -> tuple[Doc, str | None, str | None]:
         """What a write to a pull request's side branch builds on: (doc, parent,
@@ -7003,6 +7010,17 @@ PR_CHECK_BUDGET_S = 20.0   #: review_promotions asks gh about pull requests this
 SHARED_PR_TOPICS = ("updates", "generalize", "knowledge-md")   #: see pr_branch
 
 
+def _shared_pr_branches(cfg: Config, warnings: list[str]) -> list[str]:
+    """The shared PR branches (SHARED_PR_TOPICS) the org remote has, listed in
+    one call (a failure is a warning, and none are checked)."""
+    try:
+        there = store(cfg, "org").branches(pr_branch_name("*"))
+    except CambiumError as e:
+        warnings.append(f"could not list the org remote's branches: {e}")
+        return []
+    return [b for b in map(pr_branch_name, SHARED_PR_TOPICS) if b in there]
+
+
 def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrCheck:
     """Ask gh about every org pull request an item of local or team waits on
     (those not just settled): withdraw the closed ones (withdraw_closed_pr),
@@ -7035,7 +7053,7 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
                                     f"{'withdrawing' if state[0] == 'CLOSED' else 'updating'}"
                                     f" it failed: {e}")
             out.states[it.id] = state[0].lower()
-    for branch in (pr_branch_name(t) for t in SHARED_PR_TOPICS) if cfg.org_pr else ():
+    for branch in _shared_pr_branches(cfg, out.warnings) if cfg.org_pr else ():
         if time.monotonic() >= deadline:
             left += 1
             continue
