@@ -6871,8 +6871,11 @@ PR_STATES = ("OPEN", "CLOSED", "MERGED")     #: what gh says of a pull request
 def pr_state(cfg: Config, url: str) -> tuple[str, str] | None:
     """What GitHub says of the pull request at `url`: (state, its head branch),
     the state one of PR_STATES; None when gh cannot say (not installed, not
-    logged in, offline, an answer it does not recognise). Nothing is decided
-    on None: the item keeps waiting."""
+    logged in, offline, an answer it does not recognise, or `url` no web
+    address: a hand-edited store must not hand gh an option). Nothing is
+    decided on None: the item keeps waiting."""
+    if not re.fullmatch(r"https?://[^\s]+", url or ""):
+        return None
     try:
         proc = _run(["gh", "pr", "view", url, "--json", "state,headRefName",
                      "--jq", '.state + " " + .headRefName'], store(cfg, "org").repo,

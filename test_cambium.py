@@ -2587,7 +2587,7 @@ def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fa
     """Nothing is decided without gh's answer, and a closed PR whose branch
     cannot be deleted keeps its item waiting, said as a warning; a closed PR
     from any branch but the item's own promote branch deletes no branch."""
-    _pr_mode(monkeypatch, tmp_path, shared)
+    log = _pr_mode(monkeypatch, tmp_path, shared)
     item_id = _endorsed("Every alert links to a runbook")
     cs.promote()
     url = cs.promote(item_id, to_scope="org")["pr_url"]
@@ -2598,6 +2598,9 @@ def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fa
     assert "closed_org_prs" not in review and "pr_state" not in review["pending_org_prs"][0]
     assert cs.promote(item_id, to_scope="org")["status"] == "pr_pending"
     (tmp_path / "gh-offline").unlink()
+    calls = len(log.read_text().splitlines())
+    assert cs.pr_state(cs.require_config(), "--repo=elsewhere/x") is None
+    assert len(log.read_text().splitlines()) == calls      # gh never gets it as an option
     hook = shared["org_bare"] / "hooks" / "pre-receive"
     hook.write_text("#!/bin/sh\nwhile read old new ref; do\n"
                     "  [ \"$new\" = 0000000000000000000000000000000000000000 ] && "
