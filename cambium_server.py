@@ -7024,54 +7024,67 @@ def _shared_pr_branches(cfg: Config, warnings: list[str]) -> list[str]:
     return [b for b in map(pr_branch_name, SHARED_PR_TOPICS) if b in there]
 
 
+class Budget:
+    """A time budget for a run of network calls: take() says whether the next
+    one still fits, counting the ones made and the ones left over."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline, self.asked, self.left = time.monotonic() + seconds, 0, 0
+
+    def take(self) -> bool:
+        fits = time.monotonic() < self.deadline
+        self.asked += fits
+        self.left += not fits
+        return fits
+
+
 def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrCheck:
     """Ask gh about every org pull request an item of local or team waits on
-    (those not just settled): withdraw the closed ones (withdraw_closed_pr),
-    and bring each open one up to org's tip (GitStore.catch_up_side), the
-    promotion PRs and, in PR mode, the shared ones (SHARED_PR_TOPICS), so none
-    conflicts once another merged. Each question is a network call: past
-    PR_CHECK_BUDGET_S the rest wait for the next review (said in a warning),
-    so a review stays well inside a client's call timeout."""
-    out, asked, left = PrCheck(), 0, 0
-    deadline = time.monotonic() + PR_CHECK_BUDGET_S
+    (those not just settled; _check_waiting) and, in PR mode, about the shared
+    ones (SHARED_PR_TOPICS; _check_shared). Each question is a network call:
+    past PR_CHECK_BUDGET_S the rest wait for the next review (said in a
+    warning), so a review stays well inside a client's call timeout."""
+    out, budget = PrCheck(), Budget(PR_CHECK_BUDGET_S)
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
-            if not it.pr_url or it.id in settled:
-                continue
-            if time.monotonic() >= deadline:
-                left += 1
-                continue
-            asked += 1
-            if (state := pr_state(cfg, it.pr_url)) is None:
-                continue
-            try:
-                if state[0] == "CLOSED":
-                    out.withdrawn.append(withdraw_closed_pr(cfg, scope, it, state[1]))
-                    continue
-                if state[0] == "OPEN" and state[1] == pr_branch_name(f"promote-{it.id}") \
-                        and store(cfg, "org").catch_up_side(state[1]):
-                    out.caught_up.append(state[1])
-            except CambiumError as e:
-                out.warnings.append(f"{it.id}: its org PR is {state[0].lower()}, but "
-                                    f"{'withdrawing' if state[0] == 'CLOSED' else 'updating'}"
-                                    f" it failed: {e}")
-            out.states[it.id] = state[0].lower()
+            if it.pr_url and it.id not in settled and budget.take():
+                _check_waiting(cfg, scope, it, out)
     for branch in _shared_pr_branches(cfg, out.warnings) if cfg.org_pr else ():
-        if time.monotonic() >= deadline:
-            left += 1
-            continue
-        asked += 1
-        try:
-            if open_pr_url(cfg, store(cfg, "org"), branch) and \
-                    store(cfg, "org").catch_up_side(branch):
-                out.caught_up.append(branch)
-        except CambiumError as e:
-            out.warnings.append(f"{branch}: its org PR could not be brought up to org's "
-                                f"tip: {e}")
-    if left:
-        out.warnings.append(f"checked {asked} of {asked + left} org pull requests within "
-                            f"{PR_CHECK_BUDGET_S:g} s; review again for the rest")
+        if budget.take():
+            _check_shared(cfg, branch, out)
+    if budget.left:
+        out.warnings.append(f"checked {budget.asked} of {budget.asked + budget.left} org pull "
+                            f"requests within {PR_CHECK_BUDGET_S:g} s; review again for the rest")
     return out
+
+
+def _check_waiting(cfg: Config, scope: str, item: Item, out: PrCheck) -> None:
+    """The PR `item` waits on: withdrawn when closed (withdraw_closed_pr),
+    caught up with org's tip when open (GitStore.catch_up_side)."""
+    if (state := pr_state(cfg, item.pr_url)) is None:
+        return
+    try:
+        if state[0] == "CLOSED":
+            out.withdrawn.append(withdraw_closed_pr(cfg, scope, item, state[1]))
+            return
+        if state[0] == "OPEN" and state[1] == pr_branch_name(f"promote-{item.id}") \
+                and store(cfg, "org").catch_up_side(state[1]):
+            out.caught_up.append(state[1])
+    except CambiumError as e:
+        out.warnings.append(f"{item.id}: its org PR is {state[0].lower()}, but "
+                            f"{'withdrawing' if state[0] == 'CLOSED' else 'updating'} it "
+                            f"failed: {e}")
+    out.states[item.id] = state[0].lower()
+
+
+def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
+    """A shared PR branch: caught up with org's tip while its PR is open."""
+    try:
+        if open_pr_url(cfg, store(cfg, "org"), branch) and \
+                store(cfg, "org").catch_up_side(branch):
+            out.caught_up.append(branch)
+    except CambiumError as e:
+        out.warnings.append(f"{branch}: its org PR could not be brought up to org's tip: {e}")
 
 
 # =============================================================================
