@@ -6976,17 +6976,28 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]
     return settled
 
 
-def withdraw_closed_pr(cfg: Config, scope: str, item: Item, head: str) -> dict:
-    """After the org pull request `item` waits on was closed without merging (a
-    reviewer declined it; `head` is its branch, as pr_state says): delete that
+PR_UNDONE = {"CLOSED": "closed without merging",
+             "MERGED": "merged, but org's tip does not hold the item (reverted, or merged "
+                       "into another branch)"}
+
+
+def withdraw_pr(cfg: Config, scope: str, item: Item, state: tuple[str, str]) -> dict | None:
+    """After the org pull request `item` waits on came to nothing (pr_state
+    says `state`: closed without merging, a reviewer declined it; or merged
+    while org's tip, fetched now, lacks the item: reverted): delete the PR's
     branch on the org remote when it is this item's promote branch, so a new
     promotion starts from org's tip and carries what the item says then, and
     clear the item's pr_url, so promote(to_scope="org") may open a new PR.
-    Only the annotation and a closed PR's branch go: the item stays in `scope`.
-    Returns {"id", "scope", "pr_url"}."""
-    url = item.pr_url
+    Only the annotation and that branch go: the item stays in `scope`.
+    Returns {"id", "scope", "pr_url", "pr_state", "note"}; None when it is not
+    undone (still open, or org holds the item after all: settle_org_prs's)."""
+    url, (what, head) = item.pr_url, state
+    org = store(cfg, "org")
+    if what not in PR_UNDONE or (what == "MERGED" and any(
+            it.id == item.id for it in org.doc_at(org.fetch(fresh=True)).items)):
+        return None
     if head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
-        store(cfg, "org").drop_side_branch(head)
+        org.drop_side_branch(head)
     now = _now()
 
     def apply(doc: Doc) -> Doc | None:
@@ -6996,14 +7007,16 @@ def withdraw_closed_pr(cfg: Config, scope: str, item: Item, head: str) -> dict:
             dataclasses.replace(it, pr_url=None, updated_at=now)
             if it.id == item.id and it.pr_url == url else it for it in doc.items])
 
-    mutate(cfg, scope, apply, f"{item.id}: its org PR {url} was closed without merging")
-    return {"id": item.id, "scope": scope, "pr_url": url}
+    mutate(cfg, scope, apply, f"{item.id}: its org PR {url} was {PR_UNDONE[what]}")
+    return {"id": item.id, "scope": scope, "pr_url": url, "pr_state": what.lower(),
+            "note": f"{PR_UNDONE[what]}: the item stays in {scope} scope; promote it again "
+                    "to open a new pull request"}
 
 
 @dataclass
 class PrCheck:
     """What check_org_prs found of the org pull requests items wait on."""
-    withdrawn: list = field(default_factory=list)   # closed unmerged: withdraw_closed_pr's
+    withdrawn: list = field(default_factory=list)   # came to nothing: withdraw_pr's
     states: dict = field(default_factory=dict)      # item id -> open | merged | closed
     caught_up: list = field(default_factory=list)   # branches of open PRs caught up with org
     warnings: list = field(default_factory=list)    # what failed (that item keeps waiting)
@@ -7059,20 +7072,20 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
 
 
 def _check_waiting(cfg: Config, scope: str, item: Item, out: PrCheck) -> None:
-    """The PR `item` waits on: withdrawn when closed (withdraw_closed_pr),
+    """The PR `item` waits on: withdrawn when it came to nothing (withdraw_pr),
     caught up with org's tip when open (GitStore.catch_up_side)."""
     if (state := pr_state(cfg, item.pr_url)) is None:
         return
     try:
-        if state[0] == "CLOSED":
-            out.withdrawn.append(withdraw_closed_pr(cfg, scope, item, state[1]))
+        if (gone := withdraw_pr(cfg, scope, item, state)) is not None:
+            out.withdrawn.append(gone)
             return
         if state[0] == "OPEN" and state[1] == pr_branch_name(f"promote-{item.id}") \
                 and store(cfg, "org").catch_up_side(state[1]):
             out.caught_up.append(state[1])
     except CambiumError as e:
         out.warnings.append(f"{item.id}: its org PR is {state[0].lower()}, but "
-                            f"{'withdrawing' if state[0] == 'CLOSED' else 'updating'} it "
+                            f"{'withdrawing' if state[0] in PR_UNDONE else 'updating'} it "
                             f"failed: {e}")
     out.states[item.id] = state[0].lower()
 
@@ -8741,8 +8754,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
     _require_active(item, "promoted")
     state = pr_state(cfg, item.pr_url) if item.pr_url else None
-    declined = withdraw_closed_pr(cfg, scope, item, state[1]) \
-        if state and state[0] == "CLOSED" else None
+    declined = withdraw_pr(cfg, scope, item, state) if state else None
     if item.pr_url and declined is None:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request (or close it to decline); the next promote "
@@ -8847,8 +8859,8 @@ def review_promotions() -> dict:
     project-specific, each with the tells and a suggested restatement for
     generalize()). Also finishes moves whose org pull request has merged
     (settled_org_prs), withdraws those whose pull request was closed without
-    merging (closed_org_prs: the item stays where it is, ready to promote
-    again), and brings open org PRs up to org's tip once another merged
+    merging, or merged and reverted (closed_org_prs: the item stays where it
+    is, ready to promote again), and brings open org PRs up to org's tip once another merged
     (caught_up_org_prs: the branches moved), so they merge without conflict.
     """
     cfg = require_config()

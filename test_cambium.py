@@ -2442,8 +2442,10 @@ def test_pr_mode_a_closed_pr_is_withdrawn_and_the_item_promotes_again(shared, mo
     assert review["pending_org_prs"][0]["pr_state"] == "open" and "closed_org_prs" not in review
     set_pr_state(tmp_path, first["pr_url"], "CLOSED")          # declined by a reviewer
     review = cs.review_promotions()
-    assert review["closed_org_prs"] == [{"id": item_id, "scope": "team",
-                                         "pr_url": first["pr_url"]}]
+    assert [{k: d[k] for k in ("id", "scope", "pr_url", "pr_state")}
+            for d in review["closed_org_prs"]] == [
+        {"id": item_id, "scope": "team", "pr_url": first["pr_url"], "pr_state": "closed"}]
+    assert "closed without merging" in review["closed_org_prs"][0]["note"]
     assert review["pending_org_prs"] == []
     assert [i["id"] for i in review["endorsed_for_org"]] == [item_id]
     assert branch not in _remote_branches(shared["org_bare"])
@@ -2580,6 +2582,39 @@ def test_pr_mode_the_shared_updates_pr_catches_up_on_review_and_on_its_next_writ
     creates = [x for x in map(json.loads, log.read_text().splitlines())
                if x[:2] == ["pr", "create"]]
     assert len(creates) == 1                           # one shared PR all along
+
+
+def test_pr_mode_a_merged_pr_reverted_before_it_settled_is_withdrawn(shared, monkeypatch,
+                                                                     tmp_path):
+    """`git revert` is org's undo: a PR merged and reverted before any review
+    settled it leaves the item in team, promotable again; a merged PR whose
+    item org's tip holds is settled, never withdrawn."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Feature flags get an owner and an expiry date")
+    cs.promote()
+    url = cs.promote(item_id, to_scope="org")["pr_url"]
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{item_id}")
+    git(merger, "revert", "--no-edit", "HEAD")
+    git(merger, "push", "-q", "origin", "main")
+    set_pr_state(tmp_path, url, "MERGED")
+    review = cs.review_promotions()
+    assert [(d["id"], d["pr_state"]) for d in review["closed_org_prs"]] == [(item_id, "merged")]
+    assert "reverted" in review["closed_org_prs"][0]["note"]
+    assert "settled_org_prs" not in review
+    assert remote_json(shared["org_bare"], "main") is None        # the revert took the file
+    assert "pr_url" not in remote_json(shared["origin"], "cambium")["items"][0]
+    assert f"cambium/promote-{item_id}" not in _remote_branches(shared["org_bare"])
+    again = cs.promote(item_id, to_scope="org")
+    assert again["status"] == "pr_opened" and again["pr_url"] != url
+    # merged for real this time: settled, not withdrawn
+    git(merger, "fetch", "-q", "origin")
+    git(merger, "merge", "-q", "--no-edit", f"origin/cambium/promote-{item_id}")
+    git(merger, "push", "-q", "origin", "main")
+    set_pr_state(tmp_path, again["pr_url"], "MERGED")
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [item_id] and "closed_org_prs" not in review
+    assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
 
 
 def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fails(
