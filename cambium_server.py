@@ -8009,7 +8009,8 @@ def status() -> dict:
                      if v is not None},
         "sources": ORIGINS,
         "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
-                             "by_type": _count(doc)}, **_shared_scope_status(cfg)},
+                             "by_type": _count(doc), **_waiting_on_prs(doc)},
+                   **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_credits(credits_path(cfg))),
         "watermarks": systems,
         "substrates": substrate_state(cfg, doc),
@@ -8022,6 +8023,12 @@ def status() -> dict:
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def _waiting_on_prs(doc: Doc) -> dict:
+    """How many of a scope's items wait on an org pull request, when any do."""
+    n = sum(1 for it in doc.items if it.pr_url)
+    return {"waiting_on_org_prs": n, "next": "review_promotions() checks on them"} if n else {}
 
 
 def _shared_scope_status(cfg: Config) -> dict:
@@ -8050,7 +8057,7 @@ def _shared_scope_status(cfg: Config) -> dict:
             info.update(reachable=False, error=str(e))
         try:
             doc = st.doc_at(tip)
-            info.update(items=len(doc.items), by_type=_count(doc))
+            info.update(items=len(doc.items), by_type=_count(doc), **_waiting_on_prs(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"
         except CorruptStore as e:

@@ -2438,6 +2438,8 @@ def test_pr_mode_a_closed_pr_is_withdrawn_and_the_item_promotes_again(shared, mo
     assert first["status"] == "pr_opened" and first["pr_url"] == PR_URL + "7"
     again = cs.promote(item_id, to_scope="org")
     assert again["status"] == "pr_pending" and again["pr_url"] == first["pr_url"]
+    assert cs.status()["scopes"]["team"]["waiting_on_org_prs"] == 1
+    assert "waiting_on_org_prs" not in cs.status()["scopes"]["local"]
     review = cs.review_promotions()
     assert review["pending_org_prs"][0]["pr_state"] == "open" and "closed_org_prs" not in review
     set_pr_state(tmp_path, first["pr_url"], "CLOSED")          # declined by a reviewer
@@ -2453,6 +2455,7 @@ def test_pr_mode_a_closed_pr_is_withdrawn_and_the_item_promotes_again(shared, mo
     assert [i["id"] for i in team] == [item_id] and "pr_url" not in team[0]
     assert remote_json(shared["org_bare"], "main") is None      # nothing published
     assert "closed_org_prs" not in cs.review_promotions()      # said once: it is done
+    assert "waiting_on_org_prs" not in cs.status()["scopes"]["team"]
     second = cs.promote(item_id, to_scope="org",
                         org_content="Every feature flag has an owner and an expiry date")
     assert second["status"] == "pr_opened" and second["pr_url"] == PR_URL + "8"
