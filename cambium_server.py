@@ -2652,12 +2652,78 @@ def _cas_attempts(pace: GitScope) -> Iterator[int]:
             pace.contended_at = time.monotonic()
 
 
+_LATEST_FIELDS = ("updated_at", "last_verified")       #: both moved on: the later stands
+_UNION_FIELDS = ("verifications", "tags")               #: both added: all of both
+
+
+def _merged_value(before: Any, mine: Any, theirs: Any, union: bool = False) -> tuple[bool, Any]:
+    """One field's three-way merge: (True, value), or (False, None) when both
+    sides changed it differently and `union` (lists: everything either side
+    holds, ours first) does not reconcile them."""
+    if mine == theirs or theirs == before:
+        return True, mine
+    if mine == before:
+        return True, theirs
+    if union and isinstance(mine, list) and isinstance(theirs, list) and \
+            all(x in mine and x in theirs for x in before or []):
+        return True, mine + [x for x in theirs if x not in mine]
+    return False, None
+
+
+def merged_item(before: Item | None, mine: Item, theirs: Item) -> Item | None:
+    """An item both sides changed, merged field by field: a change one side
+    made stands; where both made one, the later `updated_at`/`last_verified`,
+    the higher authority, every verification, tag, endorsement and project
+    either holds, and recalls added up. None when both changed anything else
+    (content, why, status...) differently, or one side dropped what the other
+    kept: that is a person's to merge. Only adds, never drops what either holds."""
+    if before is None:
+        return None
+    out = {}
+    for f in dataclasses.fields(Item):
+        if not f.compare:
+            continue
+        b, m, t = (getattr(x, f.name) for x in (before, mine, theirs))
+        if f.name in _LATEST_FIELDS and m != t and m != b and t != b:
+            out[f.name] = max(v for v in (m, t) if v is not None) if (m or t) else None
+            continue
+        if f.name == "authority" and m != t and m != b and t != b:
+            out[f.name] = max((m, t), key=lambda a: AUTHORITIES.index(a)
+                              if a in AUTHORITIES else 0)
+            continue
+        if f.name == "trust" and m != t and m != b and t != b:
+            if (trust := _merged_trust(b, m, t)) is None:
+                return None
+            out[f.name] = trust
+            continue
+        ok, out[f.name] = _merged_value(b, m, t, union=f.name in _UNION_FIELDS)
+        if not ok:
+            return None
+    return dataclasses.replace(mine, **out)
+
+
+def _merged_trust(before: dict, mine: dict, theirs: dict) -> dict | None:
+    """trust merged key by key: recalls added up (each side's gain counts),
+    endorsements and projects united, any other key as _merged_value."""
+    out = {}
+    for k in dict.fromkeys([*mine, *theirs]):
+        b, m, t = before.get(k), mine.get(k), theirs.get(k)
+        if k == "recalls" and all(isinstance(v, int) for v in (b or 0, m or 0, t or 0)):
+            out[k] = (m or 0) + (t or 0) - (b or 0)
+            continue
+        ok, out[k] = _merged_value(b, m, t, union=k in ("endorsements", "projects"))
+        if not ok:
+            return None
+    return out
+
+
 def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
     """A three-way merge item by item: `ours` (the scope's tip) with what
     `theirs` (a pull request's side branch) changed since `base` (where the two
     parted) applied: the items it added (after ours'), changed or dropped.
-    None when both changed or dropped one item differently: a person merges
-    that. Items are whole values, so two changes to one item always conflict."""
+    An item both changed is merged field by field (merged_item). None when
+    that fails, or one side dropped an item the other changed: a person
+    merges that."""
     was = {it.id: it for it in base.items}
     now = {it.id: it for it in ours.items}
     out = {it.id: it for it in ours.items}
@@ -2665,8 +2731,11 @@ def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
         before, mine = was.get(it.id), now.get(it.id)
         if it == before or it == mine:
             continue                               # theirs left it, or ours did the same
-        if mine != before:
-            return None                            # both changed it
+        if mine != before:                         # both changed it
+            if mine is None or (both := merged_item(before, mine, it)) is None:
+                return None
+            out[it.id] = both
+            continue
         out[it.id] = it                            # theirs added or changed it
     theirs_ids = {it.id for it in theirs.items}
     for gone in (i for i in was if i not in theirs_ids and i in now):

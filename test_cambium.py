@@ -2533,6 +2533,36 @@ def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     assert cs.merged_docs(doc(), doc(c), doc(d)).items == [c, d]           # no common base
 
 
+def test_merged_item_reconciles_what_both_sides_added_and_refuses_the_rest():
+    rep = cs.dataclasses.replace
+    v0, v1, v2 = ({"by": w, "at": f"2026-0{n}-01T00:00:00Z", "note": w}
+                  for n, w in ((1, "ada"), (2, "bob"), (3, "cy")))
+    base = cs.Item(id="k-1", content="Retry with backoff", updated_at="2026-01-01T00:00:00Z",
+                   last_verified=v0["at"], verifications=[v0], tags=["retry"],
+                   trust={"recalls": 2, "endorsements": [{"by": "ada"}], "projects": ["p"]})
+    ours = rep(base, content="Retry with exponential backoff", updated_at=v1["at"],
+               last_verified=v1["at"], verifications=[v0, v1], authority="verified",
+               trust={"recalls": 5, "endorsements": [{"by": "ada"}, {"by": "bob"}],
+                      "projects": ["p"]})
+    theirs = rep(base, updated_at=v2["at"], last_verified=v2["at"], verifications=[v0, v2],
+                 tags=["retry", "http"], authority="human",
+                 trust={"recalls": 3, "endorsements": [{"by": "ada"}, {"by": "cy"}],
+                        "projects": ["p", "q"]})
+    out = cs.merged_item(base, ours, theirs)
+    assert out.content == "Retry with exponential backoff"      # one side's change stands
+    assert out.verifications == [v0, v1, v2] and out.tags == ["retry", "http"]
+    assert out.updated_at == out.last_verified == v2["at"] and out.authority == "human"
+    assert out.trust == {"recalls": 6, "endorsements": [{"by": "ada"}, {"by": "bob"},
+                                                       {"by": "cy"}], "projects": ["p", "q"]}
+    # what only a person can settle
+    assert cs.merged_item(base, ours, rep(theirs, content="Never retry")) is None
+    assert cs.merged_item(base, rep(ours, verifications=[v1]), theirs) is None   # one dropped
+    assert cs.merged_item(base, ours, rep(theirs, status="deprecated")).status == "deprecated"
+    assert cs.merged_item(None, ours, theirs) is None                # added twice, differently
+    docs = cs.merged_docs(cs.Doc(items=[base]), cs.Doc(items=[ours]), cs.Doc(items=[theirs]))
+    assert docs.items == [out]
+
+
 def test_pr_mode_the_shared_updates_pr_catches_up_on_review_and_on_its_next_write(
         shared, monkeypatch, tmp_path):
     """An org item verified in PR mode waits on cambium/updates; a direct
@@ -2618,6 +2648,35 @@ def test_pr_mode_a_merged_pr_reverted_before_it_settled_is_withdrawn(shared, mon
     review = cs.review_promotions()
     assert review["settled_org_prs"] == [item_id] and "closed_org_prs" not in review
     assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
+
+
+def test_pr_mode_two_prs_that_change_one_item_merge_field_by_field(shared, monkeypatch,
+                                                                   tmp_path):
+    """generalize's PR restates an org item while the updates PR verifies the
+    same item: both change its one line. Once the first merges, review merges
+    the second's verification into the restated item, and it merges cleanly."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    a = _endorsed("Edit app.yaml for timeouts", "set timeouts in config")
+    cs.promote(a, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    cs.generalize(a)                                   # cambium/generalize: the content
+    cs.verify_entry(a, "checked the deploy config")    # cambium/updates: a verification
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", "origin/cambium/generalize")
+    git(merger, "push", "-q", "origin", "main")
+    conflict = subprocess.run(["git", *GIT_ID, "merge", "--no-edit", "origin/cambium/updates"],
+                              cwd=merger, capture_output=True, text=True)
+    assert conflict.returncode != 0 and "CONFLICT" in conflict.stdout
+    git(merger, "merge", "--abort")
+    assert cs.review_promotions()["caught_up_org_prs"] == ["cambium/updates"]
+    git(merger, "fetch", "-q", "origin")
+    git(merger, "merge", "-q", "--ff-only", "origin/cambium/updates")
+    git(merger, "push", "-q", "origin", "main")
+    [item] = remote_json(shared["org_bare"], "main")["items"]
+    assert item["content"] == "set timeouts in config"
+    assert item["example"] == "Edit app.yaml for timeouts"
+    assert "checked the deploy config" in [v.get("note") for v in item["verifications"]]
 
 
 def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fails(
