@@ -2569,15 +2569,16 @@ def test_pr_mode_the_shared_updates_pr_catches_up_on_review_and_on_its_next_writ
     promotion to org then changes the same line (the last item gains a comma)
     and the PR conflicts. review_promotions brings the branch up to org's tip;
     a later write to it catches up by itself."""
-    log = make_stub_gh(tmp_path)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
     a = _endorsed("Feature flags get an owner and an expiry date")
     cs.promote(a, to_scope="org")
     monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
     cs.verify_entry(a, "still how we ship flags")
+
     def notes(item):
         return [v.get("note") for v in item.get("verifications", [])]
+
     updates = remote_json(shared["org_bare"], "cambium/updates")["items"]
     assert "still how we ship flags" in notes(updates[0])
     assert "still how we ship flags" not in notes(
