@@ -4600,6 +4600,15 @@ def _package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _package_file(package: str, name: str) -> Path:
+    """A model file shipped inside an installed package; SemanticUnavailable
+    when the package or the file is missing."""
+    path = _package_dir(package) / name
+    if not path.is_file():
+        raise SemanticUnavailable(f"missing file {path}")
+    return path
+
+
 def _vocab_file() -> Path | None:
     """cambium_vocab.py: beside this file (a checkout, or both installed side by
     side in site-packages), else wherever the import system finds it."""
@@ -4870,10 +4879,7 @@ class Embedder:
 
     @classmethod
     def from_packages(cls) -> Embedder:
-        model = _package_dir(MODEL_PACKAGE) / MODEL_FILE
-        if not model.is_file():
-            raise SemanticUnavailable(f"missing file {model}")
-        return cls(model, load_vocab())
+        return cls(_package_file(MODEL_PACKAGE, MODEL_FILE), load_vocab())
 
     def windows(self, text: str) -> list[list[int]]:
         """Model inputs for a text: one window, plus tails when it is long."""
@@ -5005,10 +5011,7 @@ class Reranker:
 
     @classmethod
     def from_package(cls) -> Reranker:
-        model = _package_dir(RERANK_PACKAGE) / RERANK_FILE
-        if not model.is_file():
-            raise SemanticUnavailable(f"missing file {model}")
-        return cls(model)
+        return cls(_package_file(RERANK_PACKAGE, RERANK_FILE))
 
     def scores(self, tok: WordPiece, query: str, texts: list[str]) -> list[float]:
         """The logit of each text as an answer to the query (higher: better)."""
