@@ -2652,69 +2652,77 @@ def _cas_attempts(pace: GitScope) -> Iterator[int]:
             pace.contended_at = time.monotonic()
 
 
-_LATEST_FIELDS = ("updated_at", "last_verified")       #: both moved on: the later stands
-_UNION_FIELDS = ("verifications", "tags")               #: both added: all of both
+_CONFLICT = object()         #: a field both sides changed in ways that do not reconcile
 
 
-def _merged_value(before: Any, mine: Any, theirs: Any, union: bool = False) -> tuple[bool, Any]:
-    """One field's three-way merge: (True, value), or (False, None) when both
-    sides changed it differently and `union` (lists: everything either side
-    holds, ours first) does not reconcile them."""
+def _merged_value(before: Any, mine: Any, theirs: Any) -> Any:
+    """One value's three-way merge: the change one side made (ours when both
+    made the same), else _CONFLICT."""
     if mine == theirs or theirs == before:
-        return True, mine
-    if mine == before:
-        return True, theirs
-    if union and isinstance(mine, list) and isinstance(theirs, list) and \
-            all(x in mine and x in theirs for x in before or []):
-        return True, mine + [x for x in theirs if x not in mine]
-    return False, None
+        return mine
+    return theirs if mine == before else _CONFLICT
+
+
+def _united(before: Any, mine: Any, theirs: Any) -> Any:
+    """Two lists both sides added to: all of ours, then what only theirs holds
+    (_CONFLICT when either dropped an entry the base had)."""
+    if not (isinstance(mine, list) and isinstance(theirs, list)) or \
+            not all(x in mine and x in theirs for x in before or []):
+        return _CONFLICT
+    return mine + [x for x in theirs if x not in mine]
+
+
+def _later(before: Any, mine: Any, theirs: Any) -> Any:
+    return max(v for v in (mine, theirs) if v is not None)
+
+
+def _higher(before: Any, mine: Any, theirs: Any) -> Any:
+    return max((mine, theirs), key=lambda a: AUTHORITIES.index(a) if a in AUTHORITIES else 0)
+
+
+def _merged_trust(before: dict, mine: dict, theirs: dict) -> Any:
+    """trust merged key by key: recalls added up (each side's gain counts),
+    endorsements and projects united, any other key as _merged_value."""
+    out = {}
+    for k in dict.fromkeys([*mine, *theirs]):
+        b, m, t = before.get(k), mine.get(k), theirs.get(k)
+        v = _merged_value(b, m, t)
+        if v is _CONFLICT and k == "recalls" and all(
+                isinstance(x, int) for x in (b or 0, m or 0, t or 0)):
+            v = (m or 0) + (t or 0) - (b or 0)
+        elif v is _CONFLICT and k in ("endorsements", "projects"):
+            v = _united(b, m, t)
+        if v is _CONFLICT:
+            return _CONFLICT
+        out[k] = v
+    return out
+
+
+#: how a field both sides changed is reconciled (any other field: it is not)
+_RECONCILE = {"updated_at": _later, "last_verified": _later, "authority": _higher,
+              "verifications": _united, "tags": _united, "trust": _merged_trust}
 
 
 def merged_item(before: Item | None, mine: Item, theirs: Item) -> Item | None:
     """An item both sides changed, merged field by field: a change one side
     made stands; where both made one, the later `updated_at`/`last_verified`,
     the higher authority, every verification, tag, endorsement and project
-    either holds, and recalls added up. None when both changed anything else
-    (content, why, status...) differently, or one side dropped what the other
-    kept: that is a person's to merge. Only adds, never drops what either holds."""
+    either holds, and recalls added up (_RECONCILE). None when both changed
+    anything else (content, why, status...) differently, or one side dropped
+    what the other kept: that is a person's to merge. Only adds, never drops
+    what either holds."""
     if before is None:
         return None
     out = {}
-    for f in dataclasses.fields(Item):
-        if not f.compare:
-            continue
+    for f in (f for f in dataclasses.fields(Item) if f.compare):
         b, m, t = (getattr(x, f.name) for x in (before, mine, theirs))
-        if f.name in _LATEST_FIELDS and m != t and m != b and t != b:
-            out[f.name] = max(v for v in (m, t) if v is not None) if (m or t) else None
-            continue
-        if f.name == "authority" and m != t and m != b and t != b:
-            out[f.name] = max((m, t), key=lambda a: AUTHORITIES.index(a)
-                              if a in AUTHORITIES else 0)
-            continue
-        if f.name == "trust" and m != t and m != b and t != b:
-            if (trust := _merged_trust(b, m, t)) is None:
-                return None
-            out[f.name] = trust
-            continue
-        ok, out[f.name] = _merged_value(b, m, t, union=f.name in _UNION_FIELDS)
-        if not ok:
+        v = _merged_value(b, m, t)
+        if v is _CONFLICT and f.name in _RECONCILE:
+            v = _RECONCILE[f.name](b, m, t)
+        if v is _CONFLICT:
             return None
+        out[f.name] = v
     return dataclasses.replace(mine, **out)
-
-
-def _merged_trust(before: dict, mine: dict, theirs: dict) -> dict | None:
-    """trust merged key by key: recalls added up (each side's gain counts),
-    endorsements and projects united, any other key as _merged_value."""
-    out = {}
-    for k in dict.fromkeys([*mine, *theirs]):
-        b, m, t = before.get(k), mine.get(k), theirs.get(k)
-        if k == "recalls" and all(isinstance(v, int) for v in (b or 0, m or 0, t or 0)):
-            out[k] = (m or 0) + (t or 0) - (b or 0)
-            continue
-        ok, out[k] = _merged_value(b, m, t, union=k in ("endorsements", "projects"))
-        if not ok:
-            return None
-    return out
 
 
 def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
