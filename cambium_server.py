@@ -3143,9 +3143,11 @@ class GitStore(Store):
         such branch, it holds the tip already, the merge changes nothing the tip
         holds, or it conflicts) or a push there won the race (the next call
         looks again). Raises GitError."""
+        if branch == self.branch:
+            return None
         tip = self.fetch()              # as the caller's read just fetched it
         side = self._remote_branch_tip(branch)
-        if tip is None or side is None or branch == self.branch:
+        if tip is None or side is None:
             return None
         doc, parent, merge = self._side_base(tip, side)
         if merge is None or doc.items == self.doc_at(tip).items:
