@@ -2680,6 +2680,33 @@ def test_pr_mode_two_prs_that_change_one_item_merge_field_by_field(shared, monke
     assert "checked the deploy config" in [v.get("note") for v in item["verifications"]]
 
 
+def test_pr_mode_a_branch_that_changed_an_item_s_text_as_org_did_differently_is_left_as_is(
+        shared, monkeypatch, tmp_path):
+    """Both org's tip and the generalize PR restated one item, differently:
+    that is a person's conflict. Review does not touch the branch, and the
+    next write to it continues its own tip, as before catching up existed."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    a = _endorsed("Edit app.yaml for timeouts", "set timeouts in config")
+    b = _endorsed("Run test_payments before release", "run the payment tests")
+    cs.promote(a, to_scope="org", force=True)
+    cs.promote(b, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    cs.generalize(a)                                   # the PR: "set timeouts in config"
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    cs.generalize(a, org_content="timeouts live in configuration")   # org, directly
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    before = git(shared["org_bare"], "rev-parse", "cambium/generalize").strip()
+    assert "caught_up_org_prs" not in cs.review_promotions()
+    assert git(shared["org_bare"], "rev-parse", "cambium/generalize").strip() == before
+    cs.generalize(b)
+    after = git(shared["org_bare"], "rev-parse", "cambium/generalize").strip()
+    assert git(shared["org_bare"], "rev-parse", f"{after}^@").split() == [before]   # one parent
+    branch = {i["id"]: i["content"] for i in
+              remote_json(shared["org_bare"], "cambium/generalize")["items"]}
+    assert branch == {a: "set timeouts in config", b: "run the payment tests"}
+
+
 def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fails(
         shared, monkeypatch, tmp_path):
     """Nothing is decided without gh's answer, and a closed PR whose branch
