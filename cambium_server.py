@@ -8135,8 +8135,12 @@ def _shared_scope_status(cfg: Config) -> dict:
             tip = st.fetch(force=True)
             info["reachable"] = True
         except GitError as e:
-            tip = st.local_tip()
             info.update(reachable=False, error=str(e))
+            try:
+                tip = st.local_tip()
+            except GitError:
+                out[scope] = info
+                continue
         try:
             doc = st.doc_at(tip)
             info.update(items=len(doc.items), by_type=_count(doc), **_waiting_on_prs(doc))
@@ -8144,6 +8148,9 @@ def _shared_scope_status(cfg: Config) -> dict:
                 info["note"] = "counts from the last successful fetch"
         except CorruptStore as e:
             info["error"] = f"{e}; writes to {scope} scope are refused"
+        except GitError as e:
+            info["error"] = (f"cannot read {STORE_FILE} at the {scope} tip: {e}; "
+                             f"writes to {scope} scope are refused")
         out[scope] = info
     return out
 

@@ -2106,6 +2106,23 @@ def test_status_reports_scopes_and_reachability(shared, monkeypatch):
     assert st["scopes"]["team"]["reachable"] is False and "error" in st["scopes"]["team"]
 
 
+def test_status_reports_a_team_file_git_cannot_read_and_does_not_fail(shared):
+    b = shared["b"]                                      # knowledge.json is a tree there
+    git(b, "checkout", "-q", "--orphan", "cambium")
+    git(b, "rm", "-rq", "--cached", ".")
+    (b / "knowledge.json").mkdir()
+    (b / "knowledge.json" / "x").write_text("not a store\n")
+    git(b, "add", "knowledge.json/x")
+    git(b, "commit", "-qm", "a tree where the store should be")
+    git(b, "push", "-q", "origin", "cambium")
+    st = cs.status()
+    team = st["scopes"]["team"]
+    assert team["reachable"] is True and "items" not in team
+    assert "knowledge.json" in team["error"] and "refused" in team["error"]
+    res = cs.recall("anything at all")                   # recall skips the scope, warns
+    assert res["warnings"]
+
+
 def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared):
     item_id = _endorsed("Cache invalidation goes through the event bus", "bus")
     cs.promote()
