@@ -21,7 +21,7 @@ the defaults; resolved on every call so `setup()` applies without a restart):
                               else the repo setup() recorded: see resolve_config)
     CAMBIUM_AGENT_ID          your agent id (required)
     CAMBIUM_REMOTE            git remote, default "origin"
-    CAMBIUM_GIT_TIMEOUT       seconds per git/gh call, default 25
+    CAMBIUM_GIT_TIMEOUT       seconds per git/gh call (1-3600), default 25
     CAMBIUM_TEAM_BRANCH       team branch, default "cambium"
     CAMBIUM_AGENTSYNC_BRANCH  agentsync board branch, default "agentsync"
     CAMBIUM_ORG_REPO          org knowledge repo clone (org scope off without it)
@@ -1069,6 +1069,19 @@ class Config:
                     and (self.repo / ".git").exists())
 
 
+#: CAMBIUM_GIT_TIMEOUT's bounds in seconds: below one second no git call can
+#: finish; above an hour a hung remote holds a tool call for longer than any
+#: client waits.
+GIT_TIMEOUT_RANGE = (1.0, 3600.0)
+
+
+def _is_decimal(value: str) -> bool:
+    """A plain ASCII decimal number ("25", "0.5", "1e3"), finite. Python's float()
+    also takes other scripts' digits, underscores and "inf"; settings do not."""
+    return (re.fullmatch(r"[0-9]{1,12}(\.[0-9]{0,12})?([eE][+-]?[0-9]{1,3})?|\.[0-9]{1,12}", value)
+            is not None and math.isfinite(float(value)))
+
+
 def _validate(key: str, value: str) -> str | None:
     """Why `value` is invalid for `key`, or None when it is fine."""
     if key in ("CAMBIUM_TEAM_BRANCH", "CAMBIUM_AGENTSYNC_BRANCH"):
@@ -1077,15 +1090,15 @@ def _validate(key: str, value: str) -> str | None:
     elif key == "CAMBIUM_REMOTE":
         if value.startswith("-") or not re.fullmatch(r"[\w.\-/]+", value):
             return f"{key}={value!r} is not a valid remote name"
-    elif key in ("CAMBIUM_GIT_TIMEOUT", "CAMBIUM_FETCH_INTERVAL"):
-        try:
-            ok = float(value) > 0 and math.isfinite(float(value))
-        except ValueError:
-            ok = False
-        if not ok:
+    elif key == "CAMBIUM_GIT_TIMEOUT":
+        if not (_is_decimal(value) and GIT_TIMEOUT_RANGE[0] <= float(value) <= GIT_TIMEOUT_RANGE[1]):
+            lo, hi = GIT_TIMEOUT_RANGE
+            return f"{key}={value!r} must be a number of seconds from {lo:g} to {hi:g}"
+    elif key == "CAMBIUM_FETCH_INTERVAL":
+        if not (_is_decimal(value) and float(value) > 0):
             return f"{key}={value!r} must be a positive number of seconds"
     elif key == "CAMBIUM_PROMOTE_RECALLS":
-        if not value.isdigit() or int(value) < 1:
+        if not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < 1:
             return f"{key}={value!r} must be a whole number >= 1"
     elif key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
         if value not in ("0", "1"):
@@ -1113,7 +1126,7 @@ def config_file_path(env: dict | None = None) -> Path:
 
 
 def _normalize_value(key: str, value: Any) -> str:
-    if isinstance(value, bool):
+    if isinstance(value, bool) and key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
         return "1" if value else "0"
     value = str(value).strip()
     if key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):

@@ -330,7 +330,16 @@ def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
     ("CAMBIUM_TEAM_BRANCH", "has space"),
     ("CAMBIUM_GIT_TIMEOUT", "-3"),
     ("CAMBIUM_GIT_TIMEOUT", "soon"),
+    ("CAMBIUM_GIT_TIMEOUT", "1e-300"),
+    ("CAMBIUM_GIT_TIMEOUT", "0.01"),
+    ("CAMBIUM_GIT_TIMEOUT", "1e9"),
+    ("CAMBIUM_GIT_TIMEOUT", "inf"),
+    ("CAMBIUM_GIT_TIMEOUT", "\u0662\u0665"),           # Arabic-Indic 25: float() takes it
+    ("CAMBIUM_FETCH_INTERVAL", "1_0"),
+    ("CAMBIUM_FETCH_INTERVAL", "nan"),
     ("CAMBIUM_PROMOTE_RECALLS", "0"),
+    ("CAMBIUM_PROMOTE_RECALLS", "\u00b2"),              # isdigit() but not int()
+    ("CAMBIUM_PROMOTE_RECALLS", "9" * 5000),             # past int()'s digit limit
     ("CAMBIUM_ORG_PR", "maybe"),
 ])
 def test_invalid_values_are_reported_not_used(repo, monkeypatch, key, value):
@@ -340,6 +349,22 @@ def test_invalid_values_are_reported_not_used(repo, monkeypatch, key, value):
     assert any(g["setting"] == key and "invalid" in g["cost"] for g in st["gaps"])
     with pytest.raises(cs.Unconfigured):
         cs.capture("anything")
+
+
+def test_a_setting_int_cannot_read_is_a_gap_not_a_crash(repo, tmp_path):
+    env = {"CAMBIUM_PROMOTE_RECALLS": "\u00b2", "CAMBIUM_REPO": str(repo),
+           "CAMBIUM_AGENT_ID": "ada"}
+    out = cli("status", **env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "CAMBIUM_PROMOTE_RECALLS" in out.stdout
+    out = cli("capture", "A fact", **env)
+    assert "Traceback" not in out.stderr and "CAMBIUM_PROMOTE_RECALLS" in out.stdout + out.stderr
+    cfg_file = tmp_path / "cfg.json"                     # a JSON true is no whole number
+    cfg_file.write_text(json.dumps({"CAMBIUM_PROMOTE_RECALLS": True, "CAMBIUM_ORG_PR": True}))
+    cfg = cs.resolve_config({"CAMBIUM_CONFIG_FILE": str(cfg_file), "CAMBIUM_REPO": str(repo),
+                             "CAMBIUM_AGENT_ID": "ada"})
+    assert cfg.org_pr is True
+    assert any(p["setting"] == "CAMBIUM_PROMOTE_RECALLS" for p in cfg.problems)
 
 
 @pytest.mark.parametrize("name, ok", [("cambium", True), ("team/knowledge", True),
