@@ -87,6 +87,7 @@ import math
 import operator
 import os
 import re
+import stat as _stat
 import subprocess
 import sys
 import tempfile
@@ -1142,6 +1143,27 @@ ORIGINS = {"env": "the environment", "cwd": "the git root of the working directo
            "file": "the config file", "default": "cambium's default"}
 
 
+MAX_CONFIG_BYTES = 1024 * 1024   #: a config file above this is ignored, with a config_file_error
+
+
+def _read_config_file(path: Path) -> str:
+    """The config file's text. Only a regular file is read (a FIFO or a device
+    would block or never end), and only up to MAX_CONFIG_BYTES; OSError else."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+        while len(data) <= MAX_CONFIG_BYTES and (chunk := os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise OSError(f"{path} is over the {MAX_CONFIG_BYTES // 1024} KB limit of a config file")
+    return data.decode("utf-8")
+
+
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """Resolve every setting: env (non-empty) > config file > default.
 
@@ -1155,7 +1177,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     file_values: dict = {}
     file_error = None
     try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
+        loaded = json.loads(_read_config_file(path))
         if isinstance(loaded, dict):
             file_values = loaded
         else:
@@ -3869,7 +3891,6 @@ def path_arg(name: str, value: str) -> str:
 
 def _regular_file(path: Path) -> None:
     """Refuse anything but a readable regular file (a FIFO would block forever)."""
-    import stat as _stat
     try:
         st = os.stat(path)
     except FileNotFoundError:

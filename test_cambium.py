@@ -405,6 +405,24 @@ def test_every_tool_unconfigured_returns_guidance(call):
     assert exc.value.guidance["next_step"]
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge", "directory"])
+def test_a_config_file_that_is_no_regular_small_file_is_ignored_not_waited_on(tmp_path, kind):
+    cfg_file = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(cfg_file)                             # read_text() would block forever
+    elif kind == "device":
+        cfg_file = Path("/dev/zero")                    # ... or never end
+    elif kind == "huge":
+        cfg_file.write_text('{"CAMBIUM_AGENT_ID": "ada", "x": "' + "y" * (2 << 20) + '"}')
+    else:
+        cfg_file.mkdir()
+    out = cli("status", cwd=tmp_path, CAMBIUM_CONFIG_FILE=str(cfg_file))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    guide = json.loads(out.stdout)
+    assert str(cfg_file) in guide["config_file_error"]
+    assert "ignored" in guide["config_file_error"]
+
+
 def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_traceback(
         tmp_path):
     """A config.json nested 100,000 deep raised RecursionError out of every CLI
