@@ -9695,15 +9695,13 @@ _JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 _JSON_SCALAR = re.compile(r'\s*:\s*(-?\d+(?![.eE\d])|"[^"\\]*(?:\\.[^"\\]*)*")')
 
 
-def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dict | None]:
-    """(refused, reply) for one JSON-RPC line (pure): a message nested deeper
-    than `limit` is refused, answered with an Invalid Request error for its id
-    when its top-level "id" can be read, a Parse error (id null) when it
-    cannot, and not answered when it is a notification (a "method", no "id")."""
-    if line.count("[") + line.count("{") <= limit:          # the common case: no scan
-        return False, None
+def _top_level_keys(line: str) -> tuple[int, dict[str, Any]]:
+    """(deepest nesting, {'"id"': value, '"method"': value}) of a JSON-RPC line,
+    read by a scan that needs no parse (pure): a key counts only at the top
+    level of an object, with a scalar value, and only its first occurrence."""
     depth = deepest = 0
     keys: dict[str, Any] = {}
+    is_object = line.lstrip().startswith("{")
     for m in _JSON_NESTING.finditer(line):
         tok = m.group(0)
         if tok in "[{":
@@ -9711,36 +9709,90 @@ def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dic
             deepest = max(deepest, depth)
         elif tok in "]}":
             depth -= 1
-        elif depth == 1 and line.lstrip().startswith("{"):
-            key = _JSON_SCALAR.match(line, m.end())   # a top-level key with a scalar value
-            if key and tok in ('"id"', '"method"') and tok not in keys:
+        elif depth == 1 and is_object and tok in ('"id"', '"method"') and tok not in keys:
+            key = _JSON_SCALAR.match(line, m.end())
+            if key:
                 with contextlib.suppress(ValueError):
                     keys[tok] = json.loads(key.group(1))
+    return deepest, keys
+
+
+def _rpc_error(keys: dict[str, Any], code: int, text: str) -> dict | None:
+    """The JSON-RPC error answering a refused line: for its id when that is a
+    string or an integer, id null otherwise, None (no answer) for a notification."""
+    rid = keys.get('"id"')
+    if isinstance(rid, (int, str)) and not isinstance(rid, bool):
+        return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": text}}
+    if '"method"' in keys and '"id"' not in keys:
+        return None
+    return {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": text}}
+
+
+def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dict | None]:
+    """(refused, reply) for one JSON-RPC line (pure): a message nested deeper
+    than `limit` is refused, answered with an Invalid Request error for its id
+    when its top-level "id" can be read, a Parse error (id null) when it
+    cannot, and not answered when it is a notification (a "method", no "id")."""
+    if line.count("[") + line.count("{") <= limit:          # the common case: no scan
+        return False, None
+    deepest, keys = _top_level_keys(line)
     if deepest <= limit:
         return False, None
     why = (f"message nested deeper than {limit} levels (JSON arrays and objects inside "
            f"each other): send flatter arguments")
-    rid = keys.get('"id"')
-    if isinstance(rid, (int, str)) and not isinstance(rid, bool):
-        return True, {"jsonrpc": "2.0", "id": rid,
-                      "error": {"code": -32600, "message": f"Invalid request: {why}."}}
-    if '"method"' in keys and '"id"' not in keys:
-        return True, None                                  # a notification: no answer
-    return True, {"jsonrpc": "2.0", "id": None,
-                  "error": {"code": -32700, "message": f"Parse error: {why}."}}
+    if '"id"' in keys or '"method"' in keys:
+        return True, _rpc_error(keys, -32600, f"Invalid request: {why}.")
+    return True, _rpc_error(keys, -32700, f"Parse error: {why}.")
+
+
+def unparsable_reply(line: str, parse: Callable[[str], Any]) -> tuple[bool, dict | None]:
+    """(refused, reply) for one JSON-RPC line that `parse` (the SDK's own message
+    parser) may reject; the SDK drops such a line unanswered. Not JSON: a Parse
+    error; JSON but no JSON-RPC 2.0 message, or a request whose id is neither a
+    string nor an integer (the SDK takes `"id": 1.5` for a notification and
+    never answers it): an Invalid Request. Each for the line's id when it can
+    be read, id null otherwise, no answer for a notification (pure but `parse`)."""
+    try:
+        msg = parse(line)
+    except Exception as e:                                  # the SDK would drop it
+        try:
+            doc = json.loads(line)
+        except (ValueError, RecursionError) as bad:
+            _, keys = _top_level_keys(line)
+            why = ("an integer of more than 4300 digits" if "4300 digits" in str(bad)
+                   else json_problem(bad, 120))
+            return True, _rpc_error(keys, -32700, f"Parse error: {why}.")
+        keys = ({f'"{k}"': doc[k] for k in ("id", "method") if k in doc}
+                if isinstance(doc, dict) else {})
+        first = (getattr(e, "errors", lambda: [{}])() or [{}])[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith("JSONRPC"))
+        why = f"{where}: {first.get('msg')}" if where and first.get("msg") else \
+            "expected one JSON-RPC 2.0 request, notification or response object"
+        return True, _rpc_error(keys, -32600, f"Invalid request: {why[:200]}.")
+    if type(msg).__name__ == "JSONRPCNotification" and '"id"' in line:
+        with contextlib.suppress(ValueError, RecursionError):
+            doc = json.loads(line)
+            if isinstance(doc, dict) and "id" in doc:
+                return True, _rpc_error({}, -32600, "Invalid request: id must be a string "
+                                        f"or an integer, not {json.dumps(doc['id'])[:40]}.")
+    return False, None
 
 
 class _RepairedStdin:
     """The stdio transport's stdin: UTF-8 lines (bad bytes become U+FFFD), lone
-    surrogate escapes repaired. The SDK drops a request it cannot parse without
-    answering it, so this is where such a request is made answerable: a line
-    nested too deep for the SDK's parser is answered here (through `reply`,
-    the transport's write side, set once it is open) and never handed on."""
+    surrogate escapes repaired, a leading byte-order mark and blank lines dropped.
+    The SDK drops a request it cannot parse without answering it, so this is
+    where such a request is made answerable: a line nested too deep for the
+    SDK's parser, or one the SDK's own parser rejects (too_deep_reply,
+    unparsable_reply), is answered here (through `reply`, the transport's write
+    side, set once it is open) and never handed on."""
 
     def __init__(self, buffer: Any):
+        from mcp_types import jsonrpc_message_adapter
         self._buffer = buffer
         self._reply: Callable[[dict], Any] | None = None
         self._ready = threading.Event()
+        self._parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
 
     def answer_with(self, reply: Callable[[dict], Any]) -> None:
         """Set the coroutine function that writes a JSON-RPC message to the client."""
@@ -9749,12 +9801,20 @@ class _RepairedStdin:
 
     def readline(self, *_: Any) -> str:
         while True:
-            line = repair_surrogate_escapes(self._buffer.readline().decode("utf-8", "replace"))
+            raw = self._buffer.readline()
+            if not raw:
+                return ""                                  # end of input
+            line = repair_surrogate_escapes(raw.decode("utf-8", "replace").removeprefix("\ufeff"))
+            if not line.strip():
+                continue                                   # a stray blank line
             refused, reply = too_deep_reply(line)
             if not refused:
+                refused, reply = unparsable_reply(line, self._parse)
+            if not refused:
                 return line
-            print(f"cambium: refused a JSON-RPC message of {len(line)} characters nested "
-                  f"deeper than {MAX_MESSAGE_DEPTH} levels", file=sys.stderr)
+            print(f"cambium: refused a JSON-RPC message of {len(line)} characters: "
+                  f"{(reply or {}).get('error', {}).get('message', 'a notification')}"[:300],
+                  file=sys.stderr)
             if reply is not None and self._ready.wait(30):
                 import anyio.from_thread
                 with contextlib.suppress(Exception):       # the client went away

@@ -4462,9 +4462,11 @@ def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
     assert {r["session"] for r in cs.usage(item_id=fixed_id)["sessions"]} == {sid1, sid2}
 
 
-def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30) -> dict:
+def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30,
+               every: list | None = None) -> dict:
     """Write JSON-RPC lines to a real stdio server as raw bytes (a client library
-    would refuse to encode some of them); {id: response} for the ids in `want`."""
+    would refuse to encode some of them); {id: response} for the ids in `want`
+    (and every response, in order, appended to `every`)."""
     import selectors
     from mcp_types import LATEST_PROTOCOL_VERSION
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
@@ -4489,6 +4491,8 @@ def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30) -> d
                 line, buf = buf.split(b"\n", 1)
                 msg = json.loads(line)
                 answers[msg.get("id")] = msg
+                if every is not None:
+                    every.append(msg)
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
@@ -4530,6 +4534,42 @@ def test_mcp_deeply_nested_message_gets_an_error_and_the_server_keeps_serving(re
     refused, reply = cs.too_deep_reply(msg % ("[" * 127 + "]" * 127))
     assert refused and reply["id"] == 7
     assert cs.too_deep_reply(msg % ('"' + "[{" * 200 + '"')) == (False, None)   # text
+
+
+def test_mcp_lines_the_sdk_cannot_parse_get_an_error_and_the_server_keeps_serving(repo):
+    """The SDK's parser drops a line it rejects without answering it, and takes
+    `"id": 1.5` for a notification: the client waited forever. Each now gets a
+    Parse error or an Invalid Request, for its id when that can be read."""
+    call = ('{"jsonrpc": "2.0", "id": %s, "method": "tools/call", "params": {"name": '
+            '"recall", "arguments": {"query": %s}}}')
+    lines = [
+        call % (1, "9" * 5000),                                   # past int()'s digits
+        call % (2, '"a\x01b"'),                                  # a raw control character
+        call % (3, '"x"') + " trailing",
+        '{"jsonrpc": "1.0", "id": 4, "method": "ping"}',
+        '{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}',
+        '\ufeff{"jsonrpc": "2.0", "id": 6, "method": "ping"}',   # a byte-order mark: served
+        call % (7, '"trunc'),
+        "hello",
+        "   ",                                                    # blank: ignored
+        '{"jsonrpc": "1.0", "method": "notifications/x"}',       # a notification: no answer
+        '[{"jsonrpc": "2.0", "id": 11, "method": "ping"}]',      # a batch
+        '{"jsonrpc": "2.0", "id": 12, "method": "tools/call", "params": {"name": "capture", '
+        '"arguments": {"content": "answers keep coming after refused lines"}}}']
+    every: list = []
+    answers = _raw_stdio(_mcp_env(repo), lines, {1, 2, 3, 4, 6, 7, 12}, every=every)
+    assert "\x01" in lines[1] and lines[5].startswith("\ufeff")
+    for rid in (1, 2, 3, 7):
+        assert answers[rid]["error"]["code"] == -32700, answers.get(rid)
+        assert answers[rid]["error"]["message"].startswith("Parse error: ")
+    assert answers[4]["error"]["code"] == -32600 and "jsonrpc" in answers[4]["error"]["message"]
+    assert answers[6]["result"] == {}
+    assert answers[12]["result"]["structuredContent"]["status"] == "captured"
+    nulls = [m["error"] for m in every if m.get("id") is None]
+    assert len(nulls) == 3, nulls                                 # 1.5, hello, the batch
+    assert any("id must be a string or an integer" in e["message"] for e in nulls)
+    assert sorted(e["code"] for e in nulls) == [-32700, -32600, -32600]
+    assert len(every) == 11                 # initialize, 9 answered lines, the capture
 
 
 def test_stored_lone_surrogates_are_read_served_and_written_back_unchanged(shared):
