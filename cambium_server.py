@@ -3909,7 +3909,8 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
     with open(path, "rb") as f:
         head = f.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()
     first = head[:1]
-    if first == b"[" or (first == b"{" and not _looks_like_jsonl(path)):
+    if first == b"[" or (first == b"{" and not _looks_like_jsonl(path)
+                         and not (_later_lines_are_records(path) and not _parses_whole(path, size))):
         if size > MAX_IMPORT_BYTES:
             raise InputError(f"path {path} is {size // 2**20} MB, over the "
                              f"{MAX_IMPORT_BYTES // 2**20} MB limit of a single JSON document: "
@@ -3967,6 +3968,38 @@ def _looks_like_jsonl(path: Path) -> bool:
                 wrapper = any(isinstance(first.get(k), list) for k in _WRAPPER_KEYS)
                 return not wrapper or _first(first, _BODY_KEYS) is not None
     return False
+
+
+def _later_lines_are_records(path: Path, probe: int = 20) -> bool:
+    """True when one of the non-empty lines after the first, up to the
+    `probe`-th, is a JSON object on its own: likely a JSONL file whose first
+    line is malformed (a pretty-printed record has no such line)."""
+    seen = 0
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            seen += 1
+            if seen == 1:
+                continue
+            if seen > probe:
+                return False
+            with contextlib.suppress(ValueError, RecursionError):
+                if isinstance(json.loads(line), dict):
+                    return True
+    return False
+
+
+def _parses_whole(path: Path, size: int) -> bool:
+    """True when the file is one JSON document (False above MAX_IMPORT_BYTES:
+    a file that big whose lines are records is read as JSONL)."""
+    if size > MAX_IMPORT_BYTES:
+        return False
+    try:
+        json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+        return True
+    except (ValueError, RecursionError):
+        return False
 
 
 IMPORT_ADAPTERS: dict[str, Callable[[Path], Iterator[Draft | Skip]]] = {

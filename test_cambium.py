@@ -1481,6 +1481,23 @@ def test_import_jsonl_with_provenance_and_reimport_noop(repo, tmp_path):
     assert "imported" in hit["tags"] and "json" in hit["tags"]
 
 
+def test_import_jsonl_whose_first_line_is_malformed_skips_only_that_line(repo, tmp_path):
+    rec = [json.dumps({"content": f"fact number {n} about the ledger"}) for n in (1, 2)]
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"content": "a record cut off by a cra\n' + "\n".join(rec) + "\n")
+    res = cs.import_memory("json", str(torn))
+    assert (res["imported"], res["skipped"]) == (2, 1)
+    assert [s["where"] for s in res["skipped_reasons"]] == ["line 1"]
+    wrapped = tmp_path / "wrapped.json"                   # a document with one-line records
+    wrapped.write_text('{"memories": [\n' + rec[0] + ",\n" + json.dumps(
+        {"content": "a third fact about the ledger"}) + "\n]}\n")
+    res = cs.import_memory("json", str(wrapped))
+    assert (res["imported"], res["skipped"], res["duplicates"] + res["same_content"]) == (1, 0, 1)
+    pretty = tmp_path / "pretty.json"                     # one record, pretty-printed
+    pretty.write_text(json.dumps({"content": "a pretty printed fact"}, indent=2))
+    assert cs.import_memory("json", str(pretty))["imported"] == 1
+
+
 def test_import_unknown_source_lists_known(repo, tmp_path):
     with pytest.raises(cs.InputError, match="known: json"):
         cs.import_memory("notion", str(tmp_path / "x"))
