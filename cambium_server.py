@@ -1263,6 +1263,7 @@ def require_config(env: dict | None = None) -> Config:
     cfg = resolve_config(env)
     if not cfg.configured:
         raise Unconfigured(unconfigured_guidance(cfg))
+    set_aside_links(cfg.local_dir)
     return cfg
 
 
@@ -1714,12 +1715,22 @@ _STRUCTURAL = frozenset((b"", b"{", b"}", b"[", b"]", b"]}", b"],", b'"items": [
                          b'"items": []}'))
 
 
+#: os.open flag that makes opening a symbolic link fail (ELOOP) instead of
+#: following it: cambium writes no file inside .cambium/ through a link.
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _open_nofollow(path: str | os.PathLike, flags: int) -> int:
+    """An `opener` for open(): os.open that never follows a symbolic link."""
+    return os.open(path, flags | NOFOLLOW, 0o644)
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock on `<path>.lock`, across threads and processes."""
     with runtime().thread_lock(str(path)):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -2284,7 +2295,7 @@ class LocalStore(Store):
     def _append(self, seen: _Seen, added: list, new: Doc) -> None:
         lines = [_stored_json_line(it).encode("utf-8", "surrogateescape") for it in added]
         data = b",\n" + b",\n".join(lines) + STORE_TAIL
-        fd = os.open(self.path, os.O_WRONLY)
+        fd = os.open(self.path, os.O_WRONLY | NOFOLLOW)
         try:
             done = 0
             while done < len(data):
@@ -2300,7 +2311,7 @@ class LocalStore(Store):
         finally:
             os.close(fd)
         record = f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n"
-        with open(self.appends, "a+b") as f:                      # a hint: no fsync
+        with open(self.appends, "a+b", opener=_open_nofollow) as f:    # a hint: no fsync
             f.write(record.encode("ascii"))
             if f.tell() > 4 * APPENDS_READ_MAX:   # keep what a reader looks at (writers
                 f.seek(-APPENDS_READ_MAX, os.SEEK_END)         # hold the store's lock)
@@ -2368,14 +2379,47 @@ def merge_restored(doc: Doc, back: Doc) -> tuple[Doc | None, dict[str, int]]:
     return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
 
 
+LINK_TAG = ".symlink-"    #: credits.jsonl.symlink-<time>: a link found in .cambium/, set aside
+
+
+def set_aside_links(local_dir: Path) -> None:
+    """Move every symbolic link in `local_dir` (and its subdirectories) aside as
+    `<name>.symlink-<time>`: the link itself, never its target. cambium writes
+    and reads its own files only; a link there (a hostile clone can commit one)
+    would send appends, locks and rewrites to a file outside the repo."""
+    for d in (local_dir, *(local_dir / sub for sub in ("vectors", "imports"))):
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            if e.is_symlink() and LINK_TAG not in e.name:
+                with contextlib.suppress(OSError):
+                    os.rename(e.path, f"{e.path}{LINK_TAG}{_stamp()}")
+
+
 def set_aside_warnings(path: Path) -> list[str]:
     """What is set aside beside the store and not yet restored, and what to do."""
     try:
         names = sorted(os.listdir(path.parent))
     except OSError:
         return []
+    for sub in ("vectors", "imports"):
+        with contextlib.suppress(OSError):
+            names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub)) if LINK_TAG in n]
     out = []
     for name in names:
+        if LINK_TAG in name:
+            link = path.parent / name
+            with contextlib.suppress(OSError):
+                target, was = os.readlink(link), name.split(LINK_TAG)[0]
+                fix = (f"run `cambium restore {target}` to bring its items in, then delete "
+                       "the link" if was == path.name else
+                       "copy what you need from the target, then delete the link")
+                out.append(f"{path.parent / was} was a symbolic link to {target}; cambium "
+                           f"follows no link in {path.parent}, so it moved the link to {link} "
+                           f"and left its target untouched: {fix}.")
+            continue
         if not name.startswith(path.name + ".") or name.endswith(RESTORED_SUFFIX):
             continue
         if name.startswith(path.name + QUARANTINE_TAG):
@@ -2404,7 +2448,7 @@ def credits_path(cfg: Config) -> Path:
 
 def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Append bytes to a file and fsync them (the caller holds its lock)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o644)
     try:
         os.write(fd, data)
         if sync:
@@ -7849,7 +7893,7 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             if path.stat().st_size > SHOWN_MAX_BYTES:
                 os.replace(path, path.with_name(SHOWN_FILE + ".1"))
-        with open(path, "a", encoding="utf-8") as f:
+        with open(path, "a", encoding="utf-8", opener=_open_nofollow) as f:
             f.write(lines)
 
 
@@ -8142,6 +8186,7 @@ def status() -> dict:
     cfg = resolve_config()
     if not cfg.configured:
         return unconfigured_guidance(cfg)
+    set_aside_links(cfg.local_dir)
     local = store(cfg, "local")
     doc = local.read()
     marks = doc.meta.get("watermarks") or {}

@@ -608,6 +608,45 @@ def _store_path(repo: Path) -> Path:
     return repo / ".cambium" / "knowledge.json"
 
 
+def test_symlinks_in_the_local_dir_are_set_aside_and_never_written_through(
+        repo, tmp_path, monkeypatch):
+    """A clone can commit `.cambium/credits.jsonl -> ~/.bashrc`: appends, lock
+    files and rewrites went to the target. The links are moved aside instead."""
+    kept = cs.capture("Retries use exponential backoff with jitter", tags="net")["item"]["id"]
+    local = repo / ".cambium"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "store.json").write_bytes((local / "knowledge.json").read_bytes())
+    (outside / "bashrc").write_text("export PATH=/usr/bin\n")
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    (local / "knowledge.json").unlink()
+    (local / "knowledge.json.lock").unlink()
+    for name, target in (("knowledge.json", "store.json"), ("credits.jsonl", "bashrc"),
+                         ("shown.jsonl", "bashrc"), ("knowledge.json.lock", "made.lock")):
+        (local / name).symlink_to(outside / target)
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "s-1")
+    cs.runtime().reset()
+    res = cs.capture("Deploys need a green pipeline")
+    assert res["status"] == "captured"
+    assert cs.recall("green pipeline deploys")["results"]           # credited, shown
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before   # no made.lock
+    for name in ("knowledge.json", "credits.jsonl", "shown.jsonl", "knowledge.json.lock"):
+        assert not (local / name).is_symlink()
+        assert len(list(local.glob(name + cs.LINK_TAG + "*"))) == 1
+    warnings = cs.status()["warnings"]
+    assert sum(cs.LINK_TAG in w for w in warnings) == 4
+    assert any(f"restore {outside / 'store.json'}" in w for w in warnings)
+    assert cs.restore(str(outside / "store.json"))["restored"] == 1    # the target's items
+    assert kept in {i.id for i in cs.store(cs.require_config(), "local").read().items}
+    assert (outside / "store.json").read_bytes() == before["store.json"]   # not renamed
+    link = local / "credits.jsonl"                     # a link made behind the sweep's back
+    link.unlink()
+    link.symlink_to(outside / "bashrc")
+    with pytest.raises(OSError):
+        cs._append_durably(link, b"{}\n")
+    assert (outside / "bashrc").read_bytes() == before["bashrc"]
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
