@@ -2386,7 +2386,11 @@ def set_aside_links(local_dir: Path) -> None:
     """Move every symbolic link in `local_dir` (and its subdirectories) aside as
     `<name>.symlink-<time>`: the link itself, never its target. cambium writes
     and reads its own files only; a link there (a hostile clone can commit one)
-    would send appends, locks and rewrites to a file outside the repo."""
+    would send appends, locks and rewrites to a file outside the repo. A
+    `.cambium` that is itself a link is left alone: nothing in a directory
+    elsewhere is ever renamed (set_aside_warnings says where files go)."""
+    if local_dir.is_symlink():
+        return
     for d in (local_dir, *(local_dir / sub for sub in ("vectors", "imports"))):
         try:
             entries = list(os.scandir(d))
@@ -2408,6 +2412,11 @@ def set_aside_warnings(path: Path) -> list[str]:
         with contextlib.suppress(OSError):
             names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub)) if LINK_TAG in n]
     out = []
+    if path.parent.is_symlink():
+        with contextlib.suppress(OSError):
+            out.append(f"{path.parent} is a symbolic link to {os.readlink(path.parent)}: "
+                       "cambium keeps its local files there. If you did not make that link, "
+                       "delete it (cambium starts a fresh local store).")
     for name in names:
         if LINK_TAG in name:
             link = path.parent / name

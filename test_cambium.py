@@ -647,6 +647,18 @@ def test_symlinks_in_the_local_dir_are_set_aside_and_never_written_through(
     assert (outside / "bashrc").read_bytes() == before["bashrc"]
 
 
+def test_a_linked_local_dir_is_named_in_warnings_and_nothing_in_its_target_is_renamed(
+        repo, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "someones-link").symlink_to(tmp_path)
+    (repo / ".cambium").symlink_to(elsewhere)
+    res = cs.capture("A fact kept in a linked directory")
+    assert res["status"] == "captured" and (elsewhere / "knowledge.json").is_file()
+    assert (elsewhere / "someones-link").is_symlink()          # not swept
+    assert any("is a symbolic link to" in w for w in cs.status()["warnings"])
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
