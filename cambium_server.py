@@ -204,6 +204,10 @@ class ScopeOff(ConfigError):
     """The scope is not set up here (a federated read just leaves it out)."""
 
 
+class NewerFormat(CorruptStore):
+    """A knowledge.json in a newer store format: read, never rewritten."""
+
+
 class GitError(CambiumError):
     """A git (or gh) command failed or timed out."""
 
@@ -1792,6 +1796,27 @@ def _json(raw: bytes) -> Any:
         return None
 
 
+def _raw_keys(head: dict) -> dict:
+    """A store's top-level keys to keep as they are: all but the format marker,
+    which stays only when it names a newer format (newer_format)."""
+    return {k: v for k, v in head.items() if k != "cambium" or _is_newer(v)}
+
+
+def _is_newer(marker: Any) -> bool:
+    return (isinstance(marker, (int, float)) and not isinstance(marker, bool)
+            and marker > STORE_FORMAT)
+
+
+def refuse_newer_format(doc: Doc, where: str) -> None:
+    """Raise NewerFormat when `doc` was read from a store a newer cambium wrote:
+    rewriting it in this format would drop what this version does not know."""
+    if "cambium" in doc.raw:
+        raise NewerFormat(
+            f"{where} is in store format {doc.raw['cambium']}, written by a newer cambium; "
+            f"this one writes format {STORE_FORMAT} and would lose what it does not know, "
+            "so it only reads that store. Upgrade cambium to write to it.")
+
+
 def _head_of(first: list[bytes]) -> tuple[dict, dict, list[bytes]] | None:
     """(raw keys, meta, bad lines) of a line-layout file's first three lines;
     None when the file has another layout."""
@@ -1806,7 +1831,7 @@ def _head_of(first: list[bytes]) -> tuple[dict, dict, list[bytes]] | None:
         bad.append(lines[0])
     if not isinstance(meta, dict):
         bad.append(lines[1])
-    raw = {k: v for k, v in head.items() if k != "cambium"} if isinstance(head, dict) else {}
+    raw = _raw_keys(head) if isinstance(head, dict) else {}
     return raw, meta if isinstance(meta, dict) else {}, bad
 
 
@@ -1886,12 +1911,14 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
     if not isinstance(obj, dict) or not isinstance(obj.get("items", []), list):
         raise CorruptStore(f"{where} must be an object with an 'items' list")
     entries = obj.get("items", [])
-    meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else {}
-    rest = {k: v for k, v in obj.items() if k not in ("items", "meta", "cambium")}
+    meta = obj.get("meta", {})
+    bad = [json_text(d).encode("utf-8") for d in entries if not isinstance(d, dict)]
+    if not isinstance(meta, dict):                 # kept verbatim, as the line layout does
+        bad.insert(0, b'"meta": ' + json_text(meta).encode("utf-8"))
+        meta = {}
+    rest = _raw_keys({k: v for k, v in obj.items() if k not in ("items", "meta")})
     return Parsed(Doc(items=[Item.from_dict(d) for d in entries if isinstance(d, dict)],
-                      meta=meta, raw=rest),
-                  bad=[json_text(d).encode("utf-8")
-                       for d in entries if not isinstance(d, dict)])
+                      meta=meta, raw=rest), bad=bad)
 
 
 def _salvage(data: bytes, where: str) -> Parsed:
@@ -2239,7 +2266,7 @@ class LocalStore(Store):
                 stable = _stat_key(os.fstat(f.fileno())) == key
         except CorruptStore:
             return self._move_aside() if locked else None
-        if parsed.bad or not parsed.closed:
+        if (parsed.bad or not parsed.closed) and "cambium" not in parsed.doc.raw:
             return self._set_aside(parsed, key) if locked else None
         if stable:                              # else a writer was busy: parse again next time
             self._remember(_Seen(key, parsed.doc, parsed.spans or array("q"), parsed.tail_at))
@@ -2276,6 +2303,7 @@ class LocalStore(Store):
         the pending credits folded in. Durable (fsynced) before it returns."""
         with file_lock(self.path):
             doc = self._current(locked=True)
+            refuse_newer_format(doc, str(self.path))
             new = fn(doc)
             with self.lock:
                 seen = self._seen
@@ -3289,6 +3317,7 @@ class GitStore(Store):
         side_tip = self._remote_branch_tip(side) if side else None
         doc, base, merge = self._side_base(tip, side_tip) if side else \
             (self.doc_at(tip), tip, None)
+        refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
         try:
             new = with_credits(fn, pending)(doc)
@@ -9684,6 +9713,7 @@ def find_tool(name: str) -> Tool | None:
 #: A CambiumError subclass's machine-readable code; OSError is "file_system".
 ERROR_CODES = {"ConfigError": "config", "InputError": "invalid_argument",
                "NotFound": "not_found", "Refused": "refused", "CorruptStore": "corrupt_store",
+               "NewerFormat": "newer_format",
                "GitError": "git_failed", "ConflictError": "conflict",
                "SubstrateError": "substrate_unreadable"}
 

@@ -587,6 +587,39 @@ def test_corrupt_store_is_moved_aside_and_reported(repo):
     assert any("corrupt" in w or "unparseable" in w for w in st.get("warnings", []))
 
 
+def test_a_whole_file_store_whose_meta_is_no_object_gets_it_quarantined(repo):
+    path = repo / ".cambium" / "knowledge.json"
+    item = {"id": "k-aaaaaaaaaaaa", "content": "Keep the meta you cannot read", "why": ""}
+    path.parent.mkdir()
+    path.write_text(json.dumps({"cambium": 1, "meta": [1, 2], "items": [item]}, indent=2))
+    assert cs.capture("A second fact")["status"] == "captured"
+    aside = list(path.parent.glob("knowledge.json.quarantine-*"))
+    assert len(aside) == 1 and aside[0].read_text() == '"meta": [1, 2]\n'
+    ids = {i.id for i in cs.store(cs.require_config(), "local").read().items}
+    assert "k-aaaaaaaaaaaa" in ids and len(ids) == 2
+    assert any("quarantine" in w for w in cs.status()["warnings"])
+
+
+@pytest.mark.parametrize("layout", ["lines", "whole", "lines-damaged"])
+def test_a_store_in_a_newer_format_is_read_but_never_rewritten(repo, layout):
+    path = repo / ".cambium" / "knowledge.json"
+    cs.capture("Feature flags carry an owner and an expiry date", tags="flags")
+    text = path.read_text().replace('{"cambium": 1,', '{"cambium": 2, "shards": ["a"],')
+    if layout == "whole":
+        text = json.dumps(json.loads(text), indent=1)
+    elif layout == "lines-damaged":
+        text = text.replace("\n]}", ",\n{torn\n]}")
+    path.write_text(text)
+    cs.runtime().reset()
+    assert cs.recall("feature flags owner expiry")["results"]      # read
+    with pytest.raises(cs.NewerFormat, match="store format 2.*newer cambium"):
+        cs.capture("Another fact")
+    out = cli("capture", "Another fact")
+    assert out.returncode != 0 and "newer cambium" in out.stdout + out.stderr
+    assert path.read_text() == text                                   # never rewritten
+    assert not list(path.parent.glob("knowledge.json.*-2*"))         # nor set aside
+
+
 def test_two_processes_capture_concurrently_lose_nothing(repo):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
@@ -2215,6 +2248,26 @@ def test_status_reports_scopes_and_reachability(shared, monkeypatch):
     git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
     st = cs.status()
     assert st["scopes"]["team"]["reachable"] is False and "error" in st["scopes"]["team"]
+
+
+def test_a_team_store_in_a_newer_format_is_read_but_never_pushed_over(shared):
+    first = _endorsed("Canary every deploy for ten minutes", "canary")
+    cs.promote()
+    b = shared["b"]
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    text = (b / "knowledge.json").read_text().replace('{"cambium": 1,', '{"cambium": 3,')
+    (b / "knowledge.json").write_text(text)
+    git(b, "commit", "-qam", "a newer cambium wrote this")
+    git(b, "push", "-q", "origin", "cambium")
+    tip = git(shared["origin"], "rev-parse", "cambium")
+    res = cs.recall("canary deploys ten minutes", detail="full")
+    assert res["results"][0]["id"] == first and res["results"][0]["scope"] == "team"
+    _endorsed("Roll back on the first failed health check", "rollback")
+    with pytest.raises(cs.NewerFormat, match="store format 3"):
+        cs.promote()
+    assert git(shared["origin"], "rev-parse", "cambium") == tip
+    assert cs.status()["scopes"]["team"]["items"] == 1
 
 
 def test_status_reports_a_team_file_git_cannot_read_and_does_not_fail(shared):
