@@ -2270,6 +2270,22 @@ def test_a_team_store_in_a_newer_format_is_read_but_never_pushed_over(shared):
     assert cs.status()["scopes"]["team"]["items"] == 1
 
 
+def test_an_empty_team_file_reads_as_an_empty_store_and_the_next_write_fills_it(shared):
+    b = shared["b"]
+    git(b, "checkout", "-q", "--orphan", "cambium")
+    git(b, "rm", "-rq", "--cached", ".")
+    (b / "knowledge.json").write_text("")
+    git(b, "add", "knowledge.json")
+    git(b, "commit", "-qm", "an empty store")
+    git(b, "push", "-q", "origin", "cambium")
+    emptied = git(shared["origin"], "rev-parse", "cambium").strip()
+    assert cs.status()["scopes"]["team"]["items"] == 0
+    _endorsed("Tag every release in git", "tags")
+    assert cs.promote()["promoted"]
+    assert len(remote_json(shared["origin"], "cambium")["items"]) == 1
+    assert git(shared["origin"], "rev-parse", "cambium^").strip() == emptied   # on top of it
+
+
 def test_status_reports_a_team_file_git_cannot_read_and_does_not_fail(shared):
     b = shared["b"]                                      # knowledge.json is a tree there
     git(b, "checkout", "-q", "--orphan", "cambium")
