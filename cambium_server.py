@@ -1297,8 +1297,10 @@ def require_config(env: dict | None = None) -> Config:
 @dataclass
 class GitScope:
     """What a process knows of one shared scope (repo, remote, branch).
-    Every field is read and written under `lock`."""
+    Every field is read and written under `lock`, never held across a git
+    call; `fetching` is held across a fetch, so one runs at a time."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    fetching: threading.Lock = field(default_factory=threading.Lock)
     tip: str | None = None
     tip_known: bool = False             # `tip` is the last fetched tip (None: no branch)
     fetched_at: float = 0.0
@@ -2972,27 +2974,59 @@ class GitStore(Store):
                     state.refreshing = True
                     self._rt.spawn(self._refresh, f"cambium-fetch-{self.scope}")
                 due = False
-            if due:
-                try:
-                    self._fetch_now()
-                except GitError as e:
-                    state.fetched_at = time.time()          # don't hammer a dead remote
-                    if force or self.local_tip() is None:
-                        raise
-                    self._warnings.append(f"{self.scope} scope may be behind: {e}")
+        if due:
+            self._fetch_or_wait(force, background)
+        with state.lock:
             if not state.tip_known:
                 state.tip, state.tip_known = self.local_tip(), True
             return state.tip
 
-    def _refresh(self) -> None:
+    def _fetch_or_wait(self, force: bool, background: bool) -> None:
+        """Fetch now, one fetch at a time. A background read that finds another
+        thread fetching (the server's warm-up) answers from the last fetched tip
+        at once, with a warning; any other waits, and takes a fetch that ended
+        while it waited as its own (its failure too, warned about, not retried)."""
         state = self._state
-        with state.lock:
+        asked = time.time()
+        if not state.fetching.acquire(blocking=not background):
+            if self.local_tip() is not None:
+                self._warnings.append(f"{self.scope} scope may be behind: a fetch from "
+                                      f"{self.remote} is still running")
+                return
+            state.fetching.acquire()
+        try:
+            with state.lock:
+                ended, error = state.fetched_at >= asked, state.fetch_error
+            if ended and not force:
+                if error:
+                    self._warnings.append(f"{self.scope} scope may be behind: {error}")
+                return
             try:
                 self._fetch_now()
-                state.tip, state.tip_known = self.local_tip(), True
             except GitError as e:
+                with state.lock:
+                    state.fetched_at = time.time()          # don't hammer a dead remote
+                    state.fetch_error = str(e)
+                if force or self.local_tip() is None:
+                    raise
+                self._warnings.append(f"{self.scope} scope may be behind: {e}")
+        finally:
+            state.fetching.release()
+
+    def _refresh(self) -> None:
+        state = self._state
+        try:
+            with state.fetching:
+                self._fetch_now()
+            tip = self.local_tip()
+            with state.lock:
+                state.tip, state.tip_known = tip, True
+        except GitError as e:
+            with state.lock:
+                state.fetched_at = time.time()
                 state.fetch_error = str(e)
-            finally:
+        finally:
+            with state.lock:
                 state.refreshing = False
 
     def local_tip(self) -> str | None:
@@ -3055,7 +3089,7 @@ class GitStore(Store):
         """Fetch the branch into the private ref (a missing branch clears it).
         While peers write here, git's auto maintenance is left to a quiet fetch
         (it costs a process per fetch, in every attempt of a contended write)."""
-        quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # lock held
+        quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # `fetching` held
         proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
                         "--quiet", "--no-tags", "--", self.remote,
                         f"+refs/heads/{self.branch}:{self.ref}", check=False)
@@ -3065,12 +3099,13 @@ class GitStore(Store):
                 self.git("update-ref", "-d", self.ref, check=False)
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
-        self._state.fetched_at = time.time()      # the caller holds the scope's lock
-        self._state.fetch_error = None
         stamp = self._stamp()
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.touch()
-        self._state.tip_known = False
+        with self._state.lock:                    # the caller holds `fetching`
+            self._state.fetched_at = time.time()
+            self._state.fetch_error = None
+            self._state.tip_known = False
 
     def peek(self) -> Doc:
         """The doc at the last fetched tip: no fetch, no write."""
@@ -3115,8 +3150,9 @@ class GitStore(Store):
                                      background=digest and self._rt.long_running.is_set()))
         with self._state.lock:
             error = self._state.fetch_error
-        if error:
-            self._warnings.append(f"{self.scope} scope may be behind: {error}")
+        behind = f"{self.scope} scope may be behind: {error}"
+        if error and behind not in self._warnings:
+            self._warnings.append(behind)
         if self.checkout:
             self.sync_checkout()
         return doc

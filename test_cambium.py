@@ -2238,6 +2238,29 @@ def test_endorse_works_at_team_scope(shared, monkeypatch):
     assert {e["by"] for e in stored["trust"]["endorsements"]} == {"ada", "bob"}
 
 
+def test_first_mcp_recall_behind_a_hanging_remote_warns_that_team_may_be_behind(shared):
+    """At start the server's warm-up fetches the team branch. Against a remote
+    that hangs, the first recall waited for that fetch's whole timeout, then
+    answered without saying the team scope may be behind (the CLI says so)."""
+    item_id = _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote()
+    git(shared["a"], "config", "remote.origin.uploadpack", "sleep 30; git-upload-pack")
+    env = {**_mcp_env(shared["a"]), "CAMBIUM_FETCH_INTERVAL": "0.001",
+           "CAMBIUM_GIT_TIMEOUT": "1.5", "CAMBIUM_RECALL_MODE": "lexical"}
+
+    async def body(session, init):
+        first = await session.call_tool("recall", {"query": "idempotent queue consumers"})
+        await asyncio.sleep(2.5)                      # the warm-up fetch has timed out
+        second = await session.call_tool("recall", {"query": "idempotent queue consumers"})
+        return first.structured_content, second.structured_content
+
+    for res in asyncio.run(_mcp_session(env, body)):
+        assert [r["id"] for r in res["results"]] == [item_id]
+        assert any("team scope may be behind" in w for w in res["warnings"]), res["warnings"]
+    out = cli("recall", "idempotent queue consumers", CAMBIUM_GIT_TIMEOUT="1.5")
+    assert "team scope may be behind" in out.stdout + out.stderr
+
+
 def test_status_reports_scopes_and_reachability(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     _endorsed("A team fact", "x")
