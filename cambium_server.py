@@ -805,7 +805,9 @@ def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) ->
         raise InputError(f"{name} must be text; got {json_kind(value)}.")
     text = plain_text(value).strip()
     if required and not text:
-        raise InputError(f"{name} is empty; say what should be remembered.")
+        what = ("holds only control characters and terminal escapes, which are never "
+                "stored" if value.strip() else "is empty")
+        raise InputError(f"{name} {what}; say what should be remembered.")
     if len(text) > limit:
         raise InputError(f"{name} is {len(text)} characters, over the limit of {limit}: "
                          "capture the durable point, not the whole document.")
@@ -1900,7 +1902,9 @@ def parse_file(stream: Any, where: str) -> Parsed:
 
 
 def _parse_whole(data: bytes, where: str) -> Parsed:
-    """A file in another layout (hand-formatted JSON, a bare list, one item)."""
+    """A file in another layout (hand-formatted JSON, a bare list, one item),
+    after a byte-order mark an editor may have put first."""
+    data = data.removeprefix(b"\xef\xbb\xbf")
     if not data.strip():
         return Parsed(Doc(items=[]))
     obj = _json(data)
@@ -9796,7 +9800,9 @@ def argument_error(tool: str, errors: list[dict], arguments: dict) -> tuple[str,
         return f"{tool} takes no argument {name!r}; it takes: {known or 'none'}.", name
     if err.get("type") == "missing":
         return f"{name} is required: {param.doc[:1].lower()}{param.doc[1:]}", name
-    return f"{name} must be {param.allowed()}; got {arguments.get(name)!r}.", name
+    got = arguments.get(name)
+    shown = json.dumps(got) if got is None or isinstance(got, bool) else repr(got)   # JSON's words
+    return f"{name} must be {param.allowed()}; got {shown}.", name
 
 
 def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
@@ -9974,12 +9980,19 @@ class _RepairedStdin:
                     anyio.from_thread.run(self._reply, reply)
 
 
+def _no_bool_for_int(value: Any) -> Any:
+    """A whole-number argument refuses true/false (pydantic would take true as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a whole number, not {json.dumps(value)}")
+    return value
+
+
 def _mcp_tool(fn: Callable) -> Callable:
     """Wrap a tool for the SDK: its API arguments with pydantic Fields (the schema
     states docs and bounds), unconfigured -> the guidance as a result, a
     CambiumError or OSError -> a ToolError (see _error_result)."""
     from mcp.server.mcpserver.exceptions import ToolError
-    from pydantic import Field as SchemaField
+    from pydantic import BeforeValidator, Field as SchemaField
 
     @functools.wraps(fn)
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -9996,10 +10009,11 @@ def _mcp_tool(fn: Callable) -> Callable:
     params = []
     for p in api_params(fn):
         bounds = {k: v for k, v in (("ge", p.ge), ("le", p.le)) if v is not None}
+        checks = (BeforeValidator(_no_bool_for_int),) if p.base is int else ()
         params.append(inspect.Parameter(
             p.name, inspect.Parameter.KEYWORD_ONLY,
             default=inspect.Parameter.empty if p.required else p.default,
-            annotation=Annotated[p.type, SchemaField(description=p.doc, **bounds)]))
+            annotation=Annotated[(p.type, SchemaField(description=p.doc, **bounds), *checks)]))
     if "on_progress" in inspect.signature(fn).parameters:
         wrapper = _with_progress(fn, wrapper)
     params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY,

@@ -161,6 +161,13 @@ def test_new_item_rejects_bad_input_clearly(kwargs, needle):
         cs.new_item(kwargs.pop("content"), **kwargs)
 
 
+def test_content_of_control_characters_only_is_refused_for_what_it_is(repo):
+    with pytest.raises(cs.InputError, match="only control characters and terminal escapes"):
+        cs.capture("\x1b[31m\x07\x1b[0m")
+    with pytest.raises(cs.InputError, match="content is empty"):
+        cs.capture("   ")
+
+
 def test_new_item_trims_and_repairs():
     it = cs.new_item("  keep it â€” simple \n", why=" because ", tags="A,b")
     assert it.content == "keep it — simple"
@@ -585,6 +592,22 @@ def test_corrupt_store_is_moved_aside_and_reported(repo):
     assert len(asides) == 1 and asides[0].read_text() == broken
     st = cs.status()
     assert any("corrupt" in w or "unparseable" in w for w in st.get("warnings", []))
+
+
+@pytest.mark.parametrize("hand_formatted", [False, True])
+def test_a_store_an_editor_saved_with_a_byte_order_mark_is_simply_read(repo, hand_formatted):
+    kept = cs.capture("Schema changes ship behind a flag")["item"]["id"]
+    path = repo / ".cambium" / "knowledge.json"
+    text = path.read_text()
+    if hand_formatted:
+        text = json.dumps(json.loads(text), indent=2)
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    cs.runtime().reset()
+    assert cs.capture("A second fact")["status"] == "captured"
+    ids = {i.id for i in cs.store(cs.require_config(), "local").read().items}
+    assert kept in ids and len(ids) == 2
+    assert [p.name for p in path.parent.iterdir() if "-20" in p.name] == []   # nothing aside
+    assert "warnings" not in cs.status()
 
 
 def test_a_whole_file_store_whose_meta_is_no_object_gets_it_quarantined(repo):
@@ -4528,7 +4551,7 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
     async def body(session, init):
         out = {}
         for args in ({"query": "x", "limit": 99}, {"query": "x", "scope": "galaxy"},
-                     {"query": "x", "limit": "many"}, {}):
+                     {"query": "x", "limit": "many"}, {"query": "x", "limit": True}, {}):
             res = await session.call_tool("recall", args)
             assert res.is_error
             out[json.dumps(args)] = (res.content[0].text, res.structured_content)
@@ -4556,14 +4579,15 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
     assert texts[0] == "limit must be a whole number from 1 to 50; got 99."
     assert texts[1] == "scope must be one of auto, local, team, org; got 'galaxy'."
     assert texts[2].startswith("limit must be a whole number")
-    assert texts[3].startswith("query is required: what you want to know")
-    assert texts[4] == "type must be one of memory, need, skill; got 'rumour'."
+    assert texts[3].startswith("limit must be a whole number") and "true" in texts[3]
+    assert texts[4].startswith("query is required: what you want to know")
+    assert texts[5] == "type must be one of memory, need, skill; got 'rumour'."
     for text, structured in out.values():
         assert "pydantic" not in text and "http" not in text and "Error" not in text
         assert text.count(". ") == 0 and text.endswith((".", "words."))
         assert structured["error"] == "invalid_argument" and structured["message"] == text
-    assert [s["argument"] for _, s in out.values()] == ["limit", "scope", "limit", "query",
-                                                        "type"]
+    assert [s["argument"] for _, s in out.values()] == ["limit", "scope", "limit", "limit",
+                                                        "query", "type"]
 
 
 def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
