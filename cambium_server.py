@@ -2989,7 +2989,8 @@ class GitStore(Store):
         """Fetch now, one fetch at a time. A background read that finds another
         thread fetching (the server's warm-up) answers from the last fetched tip
         at once, with a warning; any other waits, and takes a fetch that ended
-        while it waited as its own (its failure too, warned about, not retried)."""
+        while it waited as its own (its failure too, warned about, when there
+        is a fetched tip to answer from; else it tries itself, and raises)."""
         state = self._state
         asked = time.time()
         if not state.fetching.acquire(blocking=not background):
@@ -3001,7 +3002,7 @@ class GitStore(Store):
         try:
             with state.lock:
                 ended, error = state.fetched_at >= asked, state.fetch_error
-            if ended and not force:
+            if ended and not force and (not error or self.local_tip() is not None):
                 if error:
                     self._warnings.append(f"{self.scope} scope may be behind: {error}")
                 return

@@ -3,7 +3,7 @@
 
     python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2]
                           [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
-                          [--cache DIR]
+                          [--cache DIR] [--window TOKENS]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -76,7 +76,8 @@ class Vectors:
     """Embeddings of texts, cached on disk (one .npy per text hash)."""
 
     def __init__(self, cache: Path):
-        self.dir = cache / hashlib.sha256(cs.MODEL_ID.encode()).hexdigest()[:12]
+        window = "" if cs.EMBED_WINDOW_TOKENS == 256 else f"/w{cs.EMBED_WINDOW_TOKENS}"
+        self.dir = cache / hashlib.sha256((cs.MODEL_ID + window).encode()).hexdigest()[:12]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.emb = None
         import numpy as np
@@ -525,8 +526,17 @@ def main() -> int:
                     "rerank extra); both: lexical and semantic; all: the three")
     ap.add_argument("--rerank-top", type=int, default=cs.RERANK_TOP,
                     help="how many of the bi-encoder's best the cross-encoder reads again")
+    ap.add_argument("--window", type=int, default=cs.EMBED_WINDOW_TOKENS,
+                    help="tokens per embedding window (cambium ships 256; 128 is MiniLM's "
+                         "training length): items are windowed at this width, with as many "
+                         "windows as cover the same text")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
+    if a.window != cs.EMBED_WINDOW_TOKENS:
+        if not 16 <= a.window <= 512:
+            ap.error("--window must be from 16 to 512 tokens")
+        cs.EMBED_MAX_WINDOWS = cs.EMBED_MAX_WINDOWS * cs.EMBED_WINDOW_TOKENS // a.window
+        cs.EMBED_WINDOW_TOKENS = a.window
     RULE[0] = a.rule
     SELECT[0] = a.select
     SEEDS[:] = [13 + n for n in range(max(1, a.repeats))]
