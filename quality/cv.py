@@ -3,7 +3,7 @@
 
     python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2]
                           [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
-                          [--cache DIR] [--window TOKENS]
+                          [--cache DIR] [--window TOKENS] [--first-window TOKENS]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -59,6 +59,10 @@ sys.path.insert(0, str(ROOT))
 import cambium_server as cs  # noqa: E402
 
 LIMIT = 5
+#: --first-window: (tokens, Vectors) of an extra vector per item, its first
+#: window at that width, offered to the grid with the discounts FIRST_WINDOW_DISCOUNTS
+FIRST_WINDOW: list = []
+FIRST_WINDOW_DISCOUNTS = (None, 0.0, 0.03)
 
 
 # --------------------------------------------------------------------------- data
@@ -78,6 +82,7 @@ class Vectors:
     def __init__(self, cache: Path):
         window = "" if cs.EMBED_WINDOW_TOKENS == 256 else f"/w{cs.EMBED_WINDOW_TOKENS}"
         self.dir = cache / hashlib.sha256((cs.MODEL_ID + window).encode()).hexdigest()[:12]
+        self.width = cs.EMBED_WINDOW_TOKENS
         self.dir.mkdir(parents=True, exist_ok=True)
         self.emb = None
         import numpy as np
@@ -95,7 +100,13 @@ class Vectors:
         if f.exists():
             return self.np.load(f)
         emb = self._embedder()
-        wins = emb.windows(text)
+        shipped = cs.EMBED_WINDOW_TOKENS, cs.EMBED_MAX_WINDOWS
+        cs.EMBED_WINDOW_TOKENS = self.width             # this cache's own window width
+        cs.EMBED_MAX_WINDOWS = shipped[1] * shipped[0] // self.width
+        try:
+            wins = emb.windows(text)
+        finally:
+            cs.EMBED_WINDOW_TOKENS, cs.EMBED_MAX_WINDOWS = shipped
         out = emb.embed_ids(wins if whole else wins[:1])
         self.np.save(f, out)
         return out
@@ -173,6 +184,11 @@ class Prepared:
                     if src is not None and len(src):
                         mat[:, n] = (qv @ src.T).max(axis=1)
                 self.sims[kind] = mat
+            if FIRST_WINDOW:
+                other = FIRST_WINDOW[0]
+                first = np.stack([other.rows(cs.embed_text(it), True)[0]     # cached by
+                                  for it in self.index.items])               # --window runs
+                self.sims["first_window"] = (qv @ first.T).astype(np.float32)
 
 
 def lexical_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
@@ -191,7 +207,7 @@ def item_sims(p: Prepared, qi: int, params: dict):
     """Each item's similarity: the best of its vectors' cosines, discounted by kind."""
     np = cs_np()
     sim = np.maximum(p.sims["full_first"][qi], p.sims["full_tail"][qi] - params["tail"])
-    for kind in ("content_tags", "why"):
+    for kind in ("content_tags", "why", "first_window"):
         if params.get(kind) is not None:
             sim = np.maximum(sim, p.sims[kind][qi] - params[kind])
     return sim
@@ -309,8 +325,10 @@ def grid(mode: str) -> list[dict]:
             for ct in (None, 0.0, 0.03):
                 for why in (None, 0.0, 0.05):
                     for prf in (0.0, 0.3, 0.6):
-                        out.append({"weight": w, "tail": tail, "content_tags": ct, "why": why,
-                                    "prf": prf})
+                        for fw in (FIRST_WINDOW_DISCOUNTS if FIRST_WINDOW else (None,)):
+                            out.append({"weight": w, "tail": tail, "content_tags": ct,
+                                        "why": why, "prf": prf,
+                                        **({"first_window": fw} if FIRST_WINDOW else {})})
     return out
 
 
@@ -530,6 +548,10 @@ def main() -> int:
                     help="tokens per embedding window (cambium ships 256; 128 is MiniLM's "
                          "training length): items are windowed at this width, with as many "
                          "windows as cover the same text")
+    ap.add_argument("--first-window", type=int, metavar="TOKENS",
+                    help="also give every item a vector of its first window of this many "
+                         f"tokens (e.g. 128), offered to the grid discounted by "
+                         f"{', '.join(map(str, FIRST_WINDOW_DISCOUNTS))} (None: unused)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     if a.window != cs.EMBED_WINDOW_TOKENS:
@@ -544,6 +566,13 @@ def main() -> int:
     modes = {"both": ("lexical", "semantic"),
              "all": ("lexical", "semantic", "rerank")}.get(a.mode, (a.mode,))
     vec = Vectors(Path(a.cache)) if {"semantic", "rerank"} & set(modes) else None
+    if a.first_window and vec is not None:
+        if not 16 <= a.first_window <= 512:
+            ap.error("--first-window must be from 16 to 512 tokens")
+        shipped = cs.EMBED_WINDOW_TOKENS
+        cs.EMBED_WINDOW_TOKENS = a.first_window
+        FIRST_WINDOW.append(Vectors(Path(a.cache)))
+        cs.EMBED_WINDOW_TOKENS = shipped
     store = Path(a.store) if Path(a.store).is_file() else Path(a.dev) / "corpus.jsonl"
     print(f"dev queries asked against {store}", file=sys.stderr)
     dev = Prepared(load_set(store, None)[0], load_set(Path(a.dev) / "corpus.jsonl",
