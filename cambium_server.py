@@ -807,7 +807,8 @@ def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) ->
     if required and not text:
         what = ("holds only control characters and terminal escapes, which are never "
                 "stored" if value.strip() else "is empty")
-        raise InputError(f"{name} {what}; say what should be remembered.")
+        ask = "say what should be remembered" if name == "content" else f"give the {name}"
+        raise InputError(f"{name} {what}; {ask}.")
     if len(text) > limit:
         raise InputError(f"{name} is {len(text)} characters, over the limit of {limit}: "
                          "capture the durable point, not the whole document.")

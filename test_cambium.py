@@ -164,8 +164,11 @@ def test_new_item_rejects_bad_input_clearly(kwargs, needle):
 def test_content_of_control_characters_only_is_refused_for_what_it_is(repo):
     with pytest.raises(cs.InputError, match="only control characters and terminal escapes"):
         cs.capture("\x1b[31m\x07\x1b[0m")
-    with pytest.raises(cs.InputError, match="content is empty"):
+    with pytest.raises(cs.InputError, match="content is empty; say what should be remembered"):
         cs.capture("   ")
+    kept = cs.capture("A fact to retire")["item"]["id"]
+    with pytest.raises(cs.InputError, match="reason is empty; give the reason"):
+        cs.deprecate(kept, reason=" ")
 
 
 def test_new_item_trims_and_repairs():
