@@ -10160,9 +10160,8 @@ def serve(http: Annotated[bool, Field(
     warm_recall_soon()
     try:
         if http:
-            serve_http(server, host, port, token)
-        else:
-            server.run("stdio")
+            return serve_http(server, host, port, token)
+        server.run("stdio")
     finally:
         rt.long_running.clear()
         rt.cancel_fold()
@@ -10209,18 +10208,47 @@ def require_bearer(app: Callable, token: str) -> Callable:
     return guarded
 
 
-def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> None:
+def bind_http(host: str, port: int) -> Any:
+    """The listening socket `serve --http` serves on, bound here (not by
+    uvicorn, which exits 3 with a log line) so a taken port or an unknown host
+    is one clear error; raises OSError."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> int:
     """The server over the SDK's streamable HTTP transport at /mcp. The SDK
-    guards a loopback bind against DNS rebinding; a token guards the rest."""
+    guards a loopback bind against DNS rebinding; a token guards the rest.
+    Returns the exit code: 1 when the address cannot be bound."""
     import anyio
     import uvicorn
+    url = f"http://{host}:{port}/mcp"
+    try:
+        sock = bind_http(host, port)
+    except OSError as e:
+        import errno
+        fix = ("pick another --port, or stop what holds it" if e.errno == errno.EADDRINUSE
+               else "check --host and --port")
+        print(f"cambium: cannot serve on {url}: {e.strerror or e} ({fix})",
+              file=sys.stderr, flush=True)
+        return 1
     app = server.streamable_http_app(host=host)
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")
-    print(f"cambium: serving MCP on http://{host}:{port}/mcp"
+    print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
-    anyio.run(uvicorn.Server(config).serve)
+    with sock:
+        anyio.run(functools.partial(uvicorn.Server(config).serve, sockets=[sock]))
+    return 0
 
 
 def _fold_on_exit(scopes: Iterable[str] = ("local", "team"), *, warm: bool = False) -> None:

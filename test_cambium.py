@@ -6589,5 +6589,18 @@ def test_http_serve_without_token_binds_loopback_only(repo):
     assert bad.returncode == 2 and "--port" in bad.stderr and "1 to 65535" in bad.stderr
 
 
+
+def test_http_serve_on_a_taken_port_is_one_clear_error(repo):
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = cli("serve", "--http", "--port", str(port))
+    assert out.returncode == 1, out
+    assert f"cannot serve on http://127.0.0.1:{port}/mcp" in out.stderr
+    assert "in use" in out.stderr and "--port" in out.stderr
+    assert "serving MCP" not in out.stderr and "Traceback" not in out.stderr
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
