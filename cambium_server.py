@@ -1153,22 +1153,31 @@ ORIGINS = {"env": "the environment", "cwd": "the git root of the working directo
 MAX_CONFIG_BYTES = 1024 * 1024   #: a config file above this is ignored, with a config_file_error
 
 
-def _read_config_file(path: Path) -> str:
-    """The config file's text. Only a regular file is read (a FIFO or a device
-    would block or never end), and only up to MAX_CONFIG_BYTES; OSError else."""
+def read_regular(path: Path, limit: int) -> bytes:
+    """A file's bytes, read only if it is a regular file (a FIFO or a device
+    would block or never end) of at most `limit` bytes; OSError else
+    (FileNotFoundError when it does not exist)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
-        st = os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path} is not a regular file")
-        data = os.read(fd, MAX_CONFIG_BYTES + 1)
-        while len(data) <= MAX_CONFIG_BYTES and (chunk := os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))):
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("it is not a regular file (a FIFO, socket or device?)")
+        data = os.read(fd, limit + 1)
+        while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
             data += chunk
     finally:
         os.close(fd)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise OSError(f"{path} is over the {MAX_CONFIG_BYTES // 1024} KB limit of a config file")
-    return data.decode("utf-8")
+    if len(data) > limit:
+        raise OSError(f"it is over the {_size_text(limit)} limit")
+    return data
+
+
+def _size_text(n: int) -> str:
+    return f"{n // 2**20} MB" if n >= 2**20 else f"{n // 1024} KB"
+
+
+def _read_config_file(path: Path) -> str:
+    """The config file's text (read_regular: up to MAX_CONFIG_BYTES); OSError else."""
+    return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
 
 
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
@@ -2415,13 +2424,28 @@ def merge_restored(doc: Doc, back: Doc) -> tuple[Doc | None, dict[str, int]]:
 
 
 LINK_TAG = ".symlink-"    #: credits.jsonl.symlink-<time>: a link found in .cambium/, set aside
+ODD_TAG = ".not-a-file-"  #: knowledge.json.not-a-file-<time>: a FIFO, socket or device there
+
+
+def _stray_tag(entry: os.DirEntry) -> str | None:
+    """The tag an entry of .cambium/ is set aside with, or None to keep it: a
+    symbolic link, or anything neither a regular file nor a directory (reading
+    a FIFO blocks for ever, a device never ends)."""
+    if LINK_TAG in entry.name or ODD_TAG in entry.name:
+        return None
+    if entry.is_symlink():
+        return LINK_TAG
+    if entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False):
+        return None
+    return ODD_TAG
 
 
 def set_aside_links(local_dir: Path) -> None:
     """Move every symbolic link in `local_dir` (and its subdirectories) aside as
     `<name>.symlink-<time>`: the link itself, never its target. cambium writes
     and reads its own files only; a link there (a hostile clone can commit one)
-    would send appends, locks and rewrites to a file outside the repo. A
+    would send appends, locks and rewrites to a file outside the repo. A FIFO,
+    socket or device there goes aside too, as `<name>.not-a-file-<time>`. A
     `.cambium` that is itself a link is left alone: nothing in a directory
     elsewhere is ever renamed (set_aside_warnings says where files go)."""
     if local_dir.is_symlink():
@@ -2432,9 +2456,10 @@ def set_aside_links(local_dir: Path) -> None:
         except OSError:
             continue
         for e in entries:
-            if e.is_symlink() and LINK_TAG not in e.name:
+            tag = _stray_tag(e)
+            if tag:
                 with contextlib.suppress(OSError):
-                    os.rename(e.path, f"{e.path}{LINK_TAG}{_stamp()}")
+                    os.rename(e.path, f"{e.path}{tag}{_stamp()}")
 
 
 def set_aside_warnings(path: Path) -> list[str]:
@@ -2445,7 +2470,8 @@ def set_aside_warnings(path: Path) -> list[str]:
         return []
     for sub in ("vectors", "imports"):
         with contextlib.suppress(OSError):
-            names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub)) if LINK_TAG in n]
+            names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub))
+                      if LINK_TAG in n or ODD_TAG in n]
     out = []
     if path.parent.is_symlink():
         with contextlib.suppress(OSError):
@@ -2463,6 +2489,12 @@ def set_aside_warnings(path: Path) -> list[str]:
                 out.append(f"{path.parent / was} was a symbolic link to {target}; cambium "
                            f"follows no link in {path.parent}, so it moved the link to {link} "
                            f"and left its target untouched: {fix}.")
+            continue
+        if ODD_TAG in name:
+            out.append(f"{path.parent / name.split(ODD_TAG)[0]} was not a regular file (a "
+                       "FIFO, socket or device), which cambium cannot read or write, so it "
+                       f"moved it to {path.parent / name}: delete it once you know what made "
+                       "it.")
             continue
         if not name.startswith(path.name + ".") or name.endswith(RESTORED_SUFFIX):
             continue
@@ -3766,12 +3798,12 @@ def read_context_dir(path: Path) -> dict[str, list] | None:
             if f.stat().st_size > MAX_SUBSTRATE_BYTES:
                 raise SubstrateError(f"{f} is larger than {MAX_SUBSTRATE_BYTES // 2**20} MB; "
                                      "cambium will not read it.")
-            text = f.read_text(encoding="utf-8-sig", errors="replace")
+            text = read_regular(f, MAX_SUBSTRATE_BYTES).decode("utf-8-sig", errors="replace")
         except FileNotFoundError:
             out[name] = []
             continue
         except OSError as e:
-            raise SubstrateError(f"cannot read {f}: {e}") from None
+            raise SubstrateError(f"cannot read {f}: {e.strerror or e}") from None
         if not text.strip():
             out[name] = []
             continue
@@ -8402,9 +8434,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
 def _write_config(path: Path, updates: dict[str, str]) -> None:
     """Merge updates into the config file, owner-only; an unreadable one is moved aside."""
     current: dict = {}
-    if path.exists():
+    if os.path.lexists(path):
         try:
-            current = json.loads(path.read_text(encoding="utf-8"))
+            current = json.loads(_read_config_file(path))
         except (OSError, ValueError, RecursionError):
             current = None
         if not isinstance(current, dict):

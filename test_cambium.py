@@ -431,6 +431,12 @@ def test_a_config_file_that_is_no_regular_small_file_is_ignored_not_waited_on(tm
     guide = json.loads(out.stdout)
     assert str(cfg_file) in guide["config_file_error"]
     assert "ignored" in guide["config_file_error"]
+    if kind == "fifo":                  # setup rewrote it after a read that never returned
+        r = make_repo(tmp_path / "r")
+        out = cli("setup", str(r), "ada", cwd=tmp_path, CAMBIUM_CONFIG_FILE=str(cfg_file))
+        assert out.returncode == 0, out.stderr
+        assert json.loads(cfg_file.read_text())["CAMBIUM_AGENT_ID"] == "ada"
+        assert stat.S_ISFIFO(os.lstat(str(cfg_file) + ".bad").st_mode)
 
 
 def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_traceback(
@@ -704,6 +710,26 @@ def test_symlinks_in_the_local_dir_are_set_aside_and_never_written_through(
     with pytest.raises(OSError):
         cs._append_durably(link, b"{}\n")
     assert (outside / "bashrc").read_bytes() == before["bashrc"]
+
+
+@pytest.mark.parametrize("name", ["knowledge.json", "credits.jsonl"])
+def test_a_fifo_in_the_local_dir_is_set_aside_instead_of_blocking_every_call(repo, name):
+    """A FIFO at .cambium/knowledge.json (or credits.jsonl) made every command,
+    status included, wait for a writer that never came."""
+    local = repo / ".cambium"
+    local.mkdir(exist_ok=True)
+    (local / name).unlink(missing_ok=True)
+    os.mkfifo(local / name)
+    out = cli("capture", "Deploys need a green pipeline")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["status"] == "captured"
+    aside = list(local.glob(name + cs.ODD_TAG + "*"))
+    assert len(aside) == 1 and stat.S_ISFIFO(os.lstat(aside[0]).st_mode)
+    assert not (local / name).exists() or stat.S_ISREG(os.lstat(local / name).st_mode)
+    status = json.loads(cli("status").stdout)
+    assert any(str(aside[0]) in w and "not a regular file" in w for w in status["warnings"])
+    found = json.loads(cli("recall", "green pipeline deploys").stdout)["results"]
+    assert [r["line"] for r in found if "green pipeline" in r["line"]]
 
 
 def test_a_linked_local_dir_is_named_in_warnings_and_nothing_in_its_target_is_renamed(
@@ -4088,6 +4114,24 @@ def test_distill_corrupt_substrate_is_a_real_error_after_the_other_source(tmp_pa
     out = cli("distill")
     assert out.returncode == 1 and not out.stdout
     assert "SubstrateError" in out.stderr and "decisions.json" in out.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_distill_refuses_a_context_file_that_is_no_regular_file_instead_of_hanging(
+        repo, kind):
+    """A FIFO at .context/pipelines.json blocked distill for ever; a link to
+    /dev/zero never ended. Both are a substrate error now, in a second."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    if kind == "fifo":
+        os.mkfifo(ctx / "pipelines.json")
+    else:
+        (ctx / "decisions.json").symlink_to("/dev/zero")
+    out = cli("distill")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "not a regular file" in out.stderr and "context-keeper could not be read" in out.stderr
+    assert stat.S_ISFIFO(os.stat(ctx / "pipelines.json").st_mode) if kind == "fifo" else \
+        (ctx / "decisions.json").is_symlink()           # left as it was
 
 
 def test_distill_corrupt_board_json_is_a_real_error(tmp_path, monkeypatch):
