@@ -228,6 +228,17 @@ def _noted(err: CambiumError, note: str) -> CambiumError:
     return err
 
 
+def _unmoved(err: CambiumError, where: str, what: str = "the item(s) stay") -> CambiumError:
+    """A failed move's error, saying where its items are. A push that timed out
+    may still land on the remote: the items stay where they were until the
+    next call, which finishes the move without a second copy."""
+    if isinstance(err, GitError) and err.code is None and "push" in err.cmd:
+        return _noted(err, f"the push may still land on the remote: {what} {where} "
+                           "for now; run the same promote again to finish the move (an "
+                           "item the push did land is not copied twice).")
+    return _noted(err, f"nothing moved: {what} {where}.")
+
+
 class SubstrateError(CambiumError):
     """A substrate file (claims.json, .context/*.json) exists but cannot be read.
 
@@ -9051,7 +9062,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
                          it, "team", trust=effective_trust(it, pending), agent=cfg.agent,
                          now=now))
     except CambiumError as e:
-        raise _noted(e, "nothing moved: the item(s) stay local.")
+        raise _unmoved(e, "local")
     return {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
             "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
                          for c in moved.landed]}
@@ -9103,7 +9114,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         moved = move(cfg, [item], scope, "org", gate=gate, copy=copy, pr_branch=branch,
                      pr_body=body, message=f"{cfg.agent} promotes {item_id} to org")
     except CambiumError as e:
-        raise _noted(e, f"nothing moved: the item stays in {scope} scope.")
+        raise _unmoved(e, f"in {scope} scope", "the item stays")
     if item_id in moved.refused:                  # the item changed under us: judged again
         return _org_refusal(item, moved.refused[item_id])
     if not moved.landed:

@@ -1993,6 +1993,31 @@ def test_a_team_file_git_cannot_read_is_never_taken_for_an_empty_one(shared):
     assert any("team scope skipped" in w for w in res.get("warnings", []))
 
 
+def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it(
+        shared, monkeypatch):
+    """A push that timed out was reported as 'nothing moved' though the remote
+    went on to take it; the item then sat in local and team at once."""
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\nsleep 4\nexit 0\n")
+    hook.chmod(0o755)
+    item_id = _endorsed("Never deploy on Fridays")
+    monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", "2")
+    with pytest.raises(cs.GitError, match="may still land") as err:
+        cs.promote(item_id, force=True)
+    assert "nothing moved" not in str(err.value) and "promote again" in str(err.value)
+    deadline = cs.time.time() + 20
+    while item_id not in team_ids(shared["origin"]) and cs.time.time() < deadline:
+        cs.time.sleep(0.2)                                  # the push lands after all
+    assert item_id in team_ids(shared["origin"])
+    hook.unlink()
+    monkeypatch.delenv("CAMBIUM_GIT_TIMEOUT")
+    cs.runtime().reset()
+    res = cs.promote(item_id, force=True)
+    assert res["status"] == "promoted" and [c["id"] for c in res["promoted"]] == [item_id]
+    assert item_id not in {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]].count(item_id) == 1
+
+
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     hook = shared["origin"] / "hooks" / "pre-receive"
     hook.write_text("#!/bin/sh\necho 'policy: no pushes' >&2\nexit 1\n")
