@@ -7162,7 +7162,11 @@ def open_pr_url(cfg: Config, store: GitStore, branch: str) -> str:
     there is none. Raises GitError (gh missing, not logged in, offline)."""
     listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
                    "--jq", ".[0].url"], store.repo, cfg.git_timeout_s, env=_gh_env())
-    return listed.stdout.strip()
+    out = listed.stdout.strip()
+    if out and not re.fullmatch(r"https?://\S+", out):     # never stored as a PR's URL
+        raise GitError(["gh", "pr", "list"], listed.returncode,
+                       f"gh printed no pull request URL: {out[:200]}")
+    return out
 
 
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:

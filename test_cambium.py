@@ -3163,6 +3163,17 @@ def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
         cs.promote(item_id, to_scope="org")
     team = remote_json(shared["origin"], "cambium")["items"]
     assert team[0]["id"] == item_id and "pr_url" not in team[0]
+    # a gh that answers garbage (exit 0): it was stored as the item's pr_url,
+    # and the item waited on that "pull request" for ever
+    (bindir / "gh").write_text('#!/bin/sh\necho \'{"url": [broken json <<<\'\n')
+    with pytest.raises(cs.GitError, match="printed no pull request URL"):
+        cs.promote(item_id, to_scope="org")
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert team[0]["id"] == item_id and "pr_url" not in team[0]
+    (bindir / "gh").write_text("#!/bin/sh\n[ \"$2\" = create ] && "
+                               "echo https://github.com/acme/org/pull/7\nexit 0\n")
+    res = cs.promote(item_id, to_scope="org")
+    assert res["status"] == "pr_opened" and res["pr_url"] == "https://github.com/acme/org/pull/7"
 
 
 def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeypatch,
