@@ -8155,7 +8155,7 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         fn = _merge_into(scope, groups, trusts, cfg.agent, now, done)
         write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
-                       pr_branch=pr_branch(cfg, scope, "updates"))
+                       pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
         if write is not None and write.pr_url:
             pr_urls.append(write.pr_url)
             for sid in [k for k, v in done.items() if v == scope]:
@@ -9348,23 +9348,40 @@ def correct(item_id: ItemId,
                           "project-specific: restate it as the cross-project rule, or pass "
                           "force=True to record it as it is."}
 
-    def apply(doc: Doc) -> Doc:
+    made = [new]
+
+    def apply(doc: Doc) -> Doc | None:
         hit = _find_item(doc, item_id)
         if hit is None:
             raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+        made[:] = [_same_correction(doc, hit[1], new) or new]
+        if made[0] is not new:          # a retry: its pull request may never have opened
+            return None
         _require_active(hit[1], "corrected")
         doc = _replace_item(doc, hit[0], supersede(hit[1], new.id, agent=cfg.agent, now=now,
                                                    why="corrected by a person"))
         return dataclasses.replace(doc, items=doc.items + [new])
 
     write = mutate(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
-                   pr_branch=pr_branch(cfg, scope, "updates"))
-    embed_soon(cfg, [new])
-    out = {"status": "corrected", "scope": scope, "item": item_view(new),
+                   pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
+    embed_soon(cfg, made)
+    out = {"status": "corrected", "scope": scope, "item": item_view(made[0]),
            "superseded": item_id}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
     return out
+
+
+def _same_correction(doc: Doc, old: Item, new: Item) -> Item | None:
+    """The correction `doc` already holds of `old` saying what `new` says, or
+    None. In org PR mode, correct() sees the item on org's tip, still active,
+    while the updates branch holds a correction whose pull request gh failed
+    to open: the same correction again is that one, and its PR opens now."""
+    by = old.superseded_by.get("id") if isinstance(old.superseded_by, dict) else None
+    prior = _find_item(doc, by) if by and old.status == "superseded" else None
+    if prior and prior[1].corrects == old.id and prior[1].content == new.content:
+        return prior[1]
+    return None
 
 
 def _require_active(item: Item, verb: str) -> None:

@@ -2915,6 +2915,42 @@ def test_pr_mode_the_shared_updates_pr_catches_up_on_review_and_on_its_next_writ
     assert len(creates) == 1                           # one shared PR all along
 
 
+def test_pr_mode_correct_and_consolidate_retried_after_gh_failed_open_their_pr(
+        shared, monkeypatch, tmp_path):
+    """gh failing after the updates branch was pushed left a correction (and a
+    consolidation) on cambium/updates with no pull request: a retry of correct
+    was refused ("superseded"), one of consolidate said done and opened none."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    a = _endorsed("Feature flags get an owner and an expiry date")
+    b = _endorsed("Log every retry attempt with its cause")
+    c = _endorsed("log every retry attempt, with its cause!")
+    for item in (a, b, c):
+        cs.promote(item, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    real_gh = (tmp_path / "bin" / "gh").read_text()
+    (tmp_path / "bin" / "gh").write_text("#!/bin/sh\necho 'gh: auth required' >&2\nexit 1\n")
+    with pytest.raises(cs.GitError, match="auth required"):
+        cs.correct(a, "Every feature flag gets an owner and an expiry date", "the lead said")
+    with pytest.raises(cs.GitError, match="auth required"):
+        cs.consolidate(apply=True, scope="org")
+    branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    assert branch[a]["status"] == "superseded"           # on the branch, with no PR
+    (tmp_path / "bin" / "gh").write_text(real_gh)
+    again = cs.correct(a, "Every feature flag gets an owner and an expiry date", "the lead said")
+    assert again["status"] == "corrected" and again["pr_url"].startswith(PR_URL)
+    assert again["item"]["id"] == branch[a]["superseded_by"]["id"]     # the same correction
+    folded = cs.consolidate(apply=True, scope="org")
+    assert folded["pr_urls"] == [again["pr_url"]] and folded["superseded"] == []
+    assert sorted(folded["waiting"]) == sorted({b, c} - {folded["groups"][0]["survivor"]["id"]})
+    branch = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert len(branch) == 4 and sum(i.get("corrects") == a for i in branch) == 1
+    creates = [x for x in map(json.loads, log.read_text().splitlines()) if x[:2] == ["pr", "create"]]
+    assert len(creates) == 1
+    main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert all(i["status"] == "active" for i in main.values())     # waits on the review
+
+
 def test_pr_mode_a_merged_pr_reverted_before_it_settled_is_withdrawn(shared, monkeypatch,
                                                                      tmp_path):
     """`git revert` is org's undo: a PR merged and reverted before any review
