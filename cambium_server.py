@@ -8789,6 +8789,7 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
 
 
 PRIMER_CACHE_FILE = "primer-cache.json"   #: under .cambium/: the hook's last primer
+PRIMER_CACHE_BYTES = 8 * 2**20            #: a larger cache is not read (made afresh)
 
 
 def primer_key(cfg: Config, limit: int) -> str | None:
@@ -8821,7 +8822,7 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
     key, path = primer_key(cfg, limit), cfg.local_dir / PRIMER_CACHE_FILE
     held: Any = None
     with contextlib.suppress(OSError, ValueError, RecursionError):
-        held = json.loads(path.read_text(encoding="utf-8"))
+        held = json.loads(read_regular(path, PRIMER_CACHE_BYTES))
     if key is not None and isinstance(held, dict) and held.get("key") == key and \
             isinstance(held.get("primer"), dict) and isinstance(held.get("anchored"), dict) \
             and all(path_stamp(cfg.repo, p) == st for p, st in held["anchored"].items()):
@@ -10483,6 +10484,7 @@ def primer_hook(argv: list[str]) -> int:
         cfg = resolve_config()
         if not cfg.configured:                  # (parse_args has checked the limit)
             return 0
+        set_aside_links(cfg.local_dir)          # as every configured call does
         out = cached_primer(cfg, limit)
         if out.get("warnings"):             # a scope it could not read: say nothing
             raise CambiumError("; ".join(out["warnings"]))
@@ -10522,7 +10524,15 @@ def _export_target(output: str) -> Path:
                          "(without -o the markdown goes to stdout).")
     if not path.parent.is_dir():
         raise InputError(f"-o {output}: no directory {path.parent}.")
+    cfg = resolve_config()
+    if cfg.repo and _within(path, Path(os.path.realpath(cfg.local_dir))):
+        raise InputError(f"-o {output}: that is inside {cfg.local_dir}, where cambium keeps "
+                         "its own files (the markdown would replace one); write it elsewhere.")
     return path
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
 
 
 _CALL = re.compile(r"\b([a-z][a-z_]*)\(([^()]*)\)")

@@ -5241,6 +5241,12 @@ def test_cli_export_writes_through_a_symlink_and_never_replaces_a_device(repo, t
         out = cli("export", "-o", str(bad))
         assert out.returncode != 0 and "-o" in out.stderr + out.stdout, bad
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and not (tmp_path / "no").exists()
+    store = repo / ".cambium" / "knowledge.json"        # the markdown replaced the store
+    before = store.read_bytes()
+    for inside in (store, repo / ".cambium" / "notes.md"):
+        out = cli("export", "--scope", "local", "-o", str(inside))
+        assert out.returncode == 1 and "where cambium keeps its own files" in out.stderr
+    assert store.read_bytes() == before and not (repo / ".cambium" / "notes.md").exists()
     dev = tmp_path / "null"
     try:
         os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
@@ -6551,6 +6557,27 @@ def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, mon
     assert end.returncode == 0 and end.stdout == "" and cache.exists()  # session end warms it
     assert json.loads(cache.read_text())["primer"]["primer"] in \
         json.loads(_hook(tmp_path, payload).stdout)["hookSpecificOutput"]["additionalContext"]
+
+
+@pytest.mark.parametrize("name, kind", [("primer-cache.json", "link"),
+                                        ("primer-cache.json", "fifo"),
+                                        ("credits.jsonl", "link")])
+def test_primer_hook_never_reads_through_a_link_or_a_fifo_in_the_local_dir(
+        repo, tmp_path, monkeypatch, name, kind):
+    """The SessionStart hook skipped the sweep every other call makes: a
+    committed `.cambium/primer-cache.json -> /dev/zero` ate memory until the
+    hook was killed, and a FIFO there blocked the session start."""
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    spot = repo / ".cambium" / name
+    spot.unlink(missing_ok=True)
+    spot.symlink_to("/dev/zero") if kind == "link" else os.mkfifo(spot)
+    out = _hook(tmp_path, json.dumps({"cwd": str(repo), "session_id": "s9"}))
+    assert out.returncode == 0, out.stderr
+    assert "Never deploy on Fridays" in \
+        json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
+    tag = cs.LINK_TAG if kind == "link" else cs.ODD_TAG
+    assert len(list((repo / ".cambium").glob(name + tag + "*"))) == 1
 
 
 def test_primer_hook_cache_follows_a_working_tree_edit(coderepo, tmp_path, monkeypatch):
