@@ -2407,18 +2407,35 @@ class LocalStore(Store):
         self._remember(_Seen(key, new, spans, key[1] - len(STORE_TAIL) if new.items else None))
 
 
-def merge_restored(doc: Doc, back: Doc) -> tuple[Doc | None, dict[str, int]]:
+def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
+                   ) -> tuple[Doc | None, dict[str, int]]:
     """The store with the items of a set-aside file brought back as they were
     (ids, status, trust, provenance): an id not in the store is added, one the
     store holds is replaced only by a later version (updated_at); meta and
     watermarks are united, the store's winning a conflict. None: nothing to do.
+    An active item that comes back while the store holds a younger active copy
+    of it (the same text under another id: a distill or import made it again
+    while the original was set aside) stays the one item: the copy is
+    superseded by it, its credits and endorsements carried over
+    (merged_survivor), and watermarks naming the copy name the original.
     Pure and idempotent."""
     at = {it.id: i for i, it in enumerate(doc.items)}
     items = list(doc.items)
-    counts = {"restored": 0, "updated": 0, "already_here": 0}
+    twins = {content_key(it): i for i, it in enumerate(items) if it.active}
+    counts = {"restored": 0, "updated": 0, "already_here": 0, "copies_folded": 0}
+    renamed: dict[str, str] = {}
     for it in back.items:
         i = at.get(it.id)
         if i is None:
+            t = twins.get(content_key(it)) if it.active else None
+            if t is not None and items[t].active and items[t].created_at >= it.created_at:
+                copy = items[t]
+                items[t] = supersede(copy, it.id, agent=agent, now=now,
+                                     why="restored: this is a copy of it, made while it was "
+                                         "set aside")
+                it = merged_survivor(it, it.trust, [(copy, copy.trust)], now=now)
+                renamed[copy.id] = it.id
+                counts["copies_folded"] += 1
             at[it.id] = len(items)
             items.append(it)
             counts["restored"] += 1
@@ -2427,7 +2444,9 @@ def merge_restored(doc: Doc, back: Doc) -> tuple[Doc | None, dict[str, int]]:
             counts["updated"] += 1
         else:
             counts["already_here"] += 1
-    marks = {**(back.meta.get("watermarks") or {}), **(doc.meta.get("watermarks") or {})}
+    live = {k: renamed.get(v, v) if isinstance(v, str) else v
+            for k, v in (doc.meta.get("watermarks") or {}).items()}
+    marks = {**(back.meta.get("watermarks") or {}), **live}
     meta = {**back.meta, **doc.meta, "watermarks": marks} if marks else {**back.meta, **doc.meta}
     if not counts["restored"] and not counts["updated"] and meta == doc.meta:
         return None, counts
@@ -9581,9 +9600,10 @@ def restore(path: Annotated[str, Field(
         raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "
                          "item per line) and run restore again.") from None
     counts: dict[str, int] = {}
+    now = _now()
 
     def apply(doc: Doc) -> Doc | None:
-        new, done = merge_restored(doc, parsed.doc)
+        new, done = merge_restored(doc, parsed.doc, agent=cfg.agent, now=now)
         counts.update(done)
         return new
 

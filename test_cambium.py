@@ -1026,6 +1026,39 @@ def test_store_where_nothing_parses_is_moved_aside_and_restored_faithfully(repo)
     assert cs.restore(res["moved_to"])["status"] == "nothing_to_restore"
 
 
+def test_restore_folds_the_copy_a_distill_made_while_the_store_was_set_aside(repo):
+    """A damaged store is set aside; the session-end distill imports the same
+    context-keeper entries again under new ids; restore used to bring the
+    originals back beside them, every decision twice."""
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "Use Postgres for the ledger", "why_chosen": "ACID",
+         "status": "active"}]))
+    cs.distill()
+    (orig,) = cs.store(cs.require_config(), "local").read().items
+    cs.endorse(orig.id, note="we rely on it")
+    path = _store_path(repo)
+    good = path.read_bytes()
+    path.write_bytes(b"garbage\n")
+    cs.runtime().reset()
+    with contextlib.suppress(cs.CambiumError):
+        cs.distill()                                    # imports dec-001 again
+    (copy,) = cs.store(cs.require_config(), "local").read().items
+    assert copy.id != orig.id and copy.content == orig.content
+    (aside,) = path.parent.glob("knowledge.json.corrupt-*")
+    aside.write_bytes(good)                             # repaired by hand
+    res = cs.restore(str(aside))
+    assert res["restored"] == 1 and res["copies_folded"] == 1
+    items = {i.id: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert items[orig.id].active and items[copy.id].status == "superseded"
+    assert items[copy.id].superseded_by["id"] == orig.id            # kept, never deleted
+    assert items[orig.id].trust["endorsements"][0]["note"] == "we rely on it"
+    assert [r["id"] for r in cs.recall("Postgres ledger")["results"]] == [orig.id]
+    again = cs.distill()                                # the watermark names the original
+    assert again["imported"] == 0
+    assert sum(i.active for i in cs.store(cs.require_config(), "local").read().items) == 1
+
+
 def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(repo):
     """Pointed at the store itself, restore refuses (it used to rename the live
     store away, emptying local scope); a copy the user made is merged but left
