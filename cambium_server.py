@@ -3488,6 +3488,12 @@ class GitStore(Store):
             old = self._state.attempt_s
             self._state.attempt_s = attempt_s if not old else 0.7 * old + 0.3 * attempt_s
 
+    def files_stale_at_tip(self) -> bool:
+        """Whether the files rendered from the scope's knowledge.json (the org
+        KNOWLEDGE.md) differ from those on its branch, fetched now."""
+        tip = self.fetch(force=True)
+        return tip is not None and self._files_stale(tip, self.doc_at(tip))
+
     def _files_stale(self, commit: str | None, doc: Doc) -> bool:
         """Whether the extra files rendered from doc differ from those at commit."""
         for name, text in (self.extra_files(doc) if self.extra_files else {}).items():
@@ -9699,10 +9705,14 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
 
 
 def _publish_org_markdown(cfg: Config) -> dict:
-    """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's."""
+    """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's.
+    In PR mode the branch may hold the new rendering already, its pull request
+    never opened (gh failed): while org's own file is stale, that PR opens now."""
+    branch = pr_branch(cfg, "org", "knowledge-md")
     write = mutate(cfg, "org", lambda d: None, "re-render KNOWLEDGE.md", ensure_files=True,
-                   pr_branch=pr_branch(cfg, "org", "knowledge-md"),
-                   pr_body="KNOWLEDGE.md re-rendered from knowledge.json by cambium.")
+                   pr_branch=branch,
+                   pr_body="KNOWLEDGE.md re-rendered from knowledge.json by cambium.",
+                   ensure_pr=bool(branch) and store(cfg, "org").files_stale_at_tip())
     out = {"file": "KNOWLEDGE.md", "changed": write.commit is not None, "commit": write.commit}
     if write.pr_url:
         out["pr_url"] = write.pr_url

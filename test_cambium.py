@@ -3283,6 +3283,39 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     assert "## Org" in all_md
 
 
+def test_pr_mode_export_after_gh_failed_opens_the_knowledge_md_pr_once(
+        shared, monkeypatch, tmp_path):
+    """gh failing after cambium/knowledge-md was pushed left org's KNOWLEDGE.md
+    stale for good: every later export answered changed: false and asked gh
+    nothing, since the branch already held the new rendering."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item_id = _endorsed("Keep secrets out of logs")
+    cs.promote(item_id, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
+    (editor / "KNOWLEDGE.md").write_text("# stale hand edit\n")
+    git(editor, "commit", "-q", "-am", "hand edit")
+    git(editor, "push", "-q", "origin", "HEAD:main")
+    real_gh = (tmp_path / "bin" / "gh").read_text()
+    (tmp_path / "bin" / "gh").write_text("#!/bin/sh\necho 'gh: auth required' >&2\nexit 1\n")
+    with pytest.raises(cs.GitError, match="auth required"):
+        cs.export_markdown()
+    assert "Keep secrets out of logs" in remote_json(shared["org_bare"], "cambium/knowledge-md",
+                                                     "KNOWLEDGE.md")
+    (tmp_path / "bin" / "gh").write_text(real_gh)
+    res = cs.export_markdown()
+    assert res["published"]["pr_url"].startswith(PR_URL)
+    assert cs.export_markdown()["published"]["pr_url"] == res["published"]["pr_url"]
+    creates = [x for x in map(json.loads, log.read_text().splitlines()) if x[:2] == ["pr", "create"]]
+    assert len(creates) == 1
+    git(editor, "pull", "-q", "--no-rebase", "origin", "cambium/knowledge-md")   # merged
+    git(editor, "push", "-q", "origin", "HEAD:main")
+    set_pr_state(tmp_path, res["published"]["pr_url"], "MERGED")
+    done = cs.export_markdown()                # org's file is current: no PR to open
+    assert done["published"]["changed"] is False and "pr_url" not in done["published"]
+
+
 def test_export_default_with_org_off_renders_local_and_says_so(repo):
     cs.capture("Name migrations after the ticket they serve")
     res = cs.export_markdown()
