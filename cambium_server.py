@@ -1516,19 +1516,37 @@ def _git_env() -> dict:
     return env
 
 
+def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float,
+                input: bytes | None = None) -> subprocess.CompletedProcess:
+    """Run a command in a process group of its own; past timeout_s kill the
+    whole group (a local push's receive-pack and its hooks, gh's helpers:
+    killing only the direct child left them running) and raise TimeoutExpired.
+    Bytes in, bytes out."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
+                            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(input, timeout=timeout_s)
+    except BaseException:                    # the timeout, or an interrupt: none outlives us
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, 9)
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
          input: str | None = None, env: dict | None = None,
          binary: bool = False) -> subprocess.CompletedProcess:
     """Run one external command, bounded; raise GitError on failure or timeout.
     Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes."""
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env or _git_env(), capture_output=True,
-                              **({} if binary else dict(text=True, encoding="utf-8",
-                                                        errors="replace")),
-                              timeout=timeout_s, input=input,
-                              stdin=None if input is not None else subprocess.DEVNULL)
-        if binary:
-            proc.stderr = proc.stderr.decode("utf-8", "replace")
+        proc = run_bounded(cmd, cwd=cwd, env=env or _git_env(), timeout_s=timeout_s,
+                           input=input.encode("utf-8") if input is not None else None)
+        proc.stderr = proc.stderr.decode("utf-8", "replace")
+        if not binary:
+            proc.stdout = proc.stdout.decode("utf-8", "replace")
     except subprocess.TimeoutExpired:
         raise GitError(cmd, None, f"timed out after {timeout_s:g}s "
                        "(CAMBIUM_GIT_TIMEOUT)") from None
@@ -3272,9 +3290,15 @@ class GitStore(Store):
             data = text.encode("utf-8")
             out += [f"M 100644 inline {name}\ndata {len(data)}\n".encode(), data, b"\n"]
         out.append(b"get-mark :1\n")
-        proc = subprocess.run(["git", "fast-import", "--quiet", "--force", "--done"],
-                              cwd=self.repo, env=_git_env(), input=b"".join(out) + b"done\n",
-                              capture_output=True, timeout=self.timeout_s)
+        cmd = ["git", "fast-import", "--quiet", "--force", "--done"]
+        try:
+            proc = run_bounded(cmd, cwd=self.repo, env=_git_env(), timeout_s=self.timeout_s,
+                               input=b"".join(out) + b"done\n")
+        except subprocess.TimeoutExpired:
+            raise GitError(cmd, None, f"timed out after {self.timeout_s:g}s "
+                           "(CAMBIUM_GIT_TIMEOUT)") from None
+        except FileNotFoundError as e:
+            raise GitError(cmd, 127, f"git not found on PATH ({e})") from None
         commit = proc.stdout.decode("ascii", "replace").strip()
         if proc.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40,64}", commit):
             raise GitError(["git", "fast-import"], proc.returncode,

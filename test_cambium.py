@@ -2030,18 +2030,21 @@ def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it
         shared, monkeypatch):
     """A push that timed out was reported as 'nothing moved' though the remote
     went on to take it; the item then sat in local and team at once."""
-    hook = shared["origin"] / "hooks" / "pre-receive"
-    hook.write_text("#!/bin/sh\nsleep 4\nexit 0\n")
+    hook = shared["origin"] / "hooks" / "post-receive"   # runs once the ref has moved
+    pidfile = shared["tmp"] / "hook.pid"
+    hook.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 30\n")
     hook.chmod(0o755)
     item_id = _endorsed("Never deploy on Fridays")
     monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", "2")
+    started = cs.time.monotonic()
     with pytest.raises(cs.GitError, match="may still land") as err:
         cs.promote(item_id, force=True)
+    assert cs.time.monotonic() - started < 20            # the hook was killed with the push
     assert "nothing moved" not in str(err.value) and "promote again" in str(err.value)
-    deadline = cs.time.time() + 20
-    while item_id not in team_ids(shared["origin"]) and cs.time.time() < deadline:
-        cs.time.sleep(0.2)                                  # the push lands after all
-    assert item_id in team_ids(shared["origin"])
+    assert item_id in team_ids(shared["origin"])         # the push landed after all
+    with contextlib.suppress(FileNotFoundError):          # and its hook is gone (or a zombie)
+        state = Path(f"/proc/{pidfile.read_text().strip()}/stat").read_text().split()[2]
+        assert state in ("Z", "X"), state
     hook.unlink()
     monkeypatch.delenv("CAMBIUM_GIT_TIMEOUT")
     cs.runtime().reset()
