@@ -7132,18 +7132,38 @@ def federated_items(docs: dict[str, Doc]) -> list[Item]:
     return out
 
 
-def locate(cfg: Config, item_id: str) -> tuple[str, Item]:
+def locate(cfg: Config, item_id: str, *, highest: bool = False) -> tuple[str, Item]:
     """(scope, item) for an id, searching local, then team, then org: a shared
-    scope is fetched only when the scopes below it do not hold the item."""
-    warnings: list[str] = []
+    scope is fetched only when the scopes below it do not hold the item.
+    highest: the tools that change an item want the highest scope holding it.
+    During a move (the copy landed above, the one below not dropped yet, or a
+    move a crash cut short) the copy below is the one the move drops, so a
+    change made there would be lost: the scopes above are read too, at their
+    last fetched tip without fetching (this clone's own push is there at once).
+    An id in no readable scope while a scope could not be read is that scope's
+    error (corrupt_store, git_failed), not not_found: it may be there."""
+    found: tuple[str, Item] | None = None
+    failed: list[tuple[str, CambiumError]] = []
     for scope in SCOPES:
-        docs, notes = read_scopes(cfg, (scope,))
-        warnings += notes
-        hit = _find_item(docs[scope], item_id) if scope in docs else None
-        if hit:
-            return scope, hit[1]
-    extra = f" ({'; '.join(warnings)})" if warnings else ""
-    raise NotFound(f"No item {item_id} in any readable scope{extra}; recall lists ids.")
+        try:
+            st = store(cfg, scope)
+            doc = st.read() if found is None else st.peek()
+        except ScopeOff:
+            continue
+        except (CorruptStore, GitError, ConfigError) as e:
+            failed.append((scope, e))
+            continue
+        if (hit := _find_item(doc, item_id)) is not None:
+            found = scope, hit[1]
+            if not highest:
+                break
+    if found:
+        return found
+    if failed:
+        scope, err = failed[0]
+        raise _noted(err, f"item {item_id} is in no scope that could be read, and "
+                          f"{scope} scope could not be: it may be there")
+    raise NotFound(f"No item {item_id} in any readable scope; recall lists ids.")
 
 
 @dataclass
@@ -7273,6 +7293,26 @@ class Moved:
     refused: dict
 
 
+_MOVES_HELD = threading.local()
+
+
+@contextlib.contextmanager
+def moves_lock(cfg: Config) -> Iterator[None]:
+    """Held by a move for its whole run and by every change of an item, across
+    this clone's processes: a change never lands on the copy a move is about to
+    drop (it waits, then finds the item in the scope it moved to). Re-entrant
+    within a thread."""
+    if getattr(_MOVES_HELD, "on", False):
+        yield
+        return
+    with file_lock(cfg.local_dir / "moves"):
+        _MOVES_HELD.on = True
+        try:
+            yield
+        finally:
+            _MOVES_HELD.on = False
+
+
 def move(cfg: Config, items: list[Item], src: str, dst: str, *,
          gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
          pr_branch: str | None = None, pr_body: str | None = None) -> Moved:
@@ -7285,6 +7325,14 @@ def move(cfg: Config, items: list[Item], src: str, dst: str, *,
     to that pull request and the src items are annotated with its URL instead;
     they leave src once it merges (settle_org_prs).
     """
+    with moves_lock(cfg):
+        return _move(cfg, items, src, dst, gate=gate, copy=copy, message=message,
+                     pr_branch=pr_branch, pr_body=pr_body)
+
+
+def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
+          gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
+          pr_branch: str | None, pr_body: str | None) -> Moved:
     ids = {it.id for it in items}
 
     def plan(doc: Doc) -> MovePlan:
@@ -8619,7 +8667,7 @@ def capture(content: Annotated[str, Field(
     """
     cfg = require_config()
     if supersedes is not None:
-        _require_active(locate(cfg, _check_id(supersedes))[1], "disputed")
+        _require_active(locate(cfg, _check_id(supersedes), highest=True)[1], "disputed")
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
                              supersedes=supersedes, code_refs=code_refs)])
@@ -8908,7 +8956,7 @@ def expand(item_id: ItemId) -> dict:
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    scope, item = locate(cfg, item_id)
+    scope, item = locate(cfg, item_id, highest=True)
     trust = effective_trust(item, read_credits(credits_path(cfg), adopt=False))
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out = {**item_view(item, trust=trust), "scope": scope,
@@ -9029,9 +9077,11 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
 
 def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | None],
                      message: str, status: str) -> dict:
-    """Apply a change to an item in whichever scope holds it; the tool's answer."""
-    scope, _ = locate(cfg, item_id)
-    item, write = change_item(cfg, scope, item_id, change, message)
+    """Apply a change to an item in the highest scope that holds it (locate);
+    the tool's answer."""
+    with moves_lock(cfg):
+        scope, _ = locate(cfg, item_id, highest=True)
+        item, write = change_item(cfg, scope, item_id, change, message)
     out = {"status": status, "scope": scope, "item": item_view(item)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
@@ -9387,7 +9437,12 @@ def correct(item_id: ItemId,
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    scope, old = locate(cfg, item_id)
+    with moves_lock(cfg):
+        return _correct(cfg, item_id, content, why, force)
+
+
+def _correct(cfg: Config, item_id: str, content: Any, why: Any, force: bool) -> dict:
+    scope, old = locate(cfg, item_id, highest=True)
     _require_active(old, "corrected")
     now = _now()
     new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)

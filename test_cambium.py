@@ -1815,6 +1815,70 @@ def _endorsed(text: str, note: str = "holds everywhere") -> str:
     return item["id"]
 
 
+@pytest.mark.parametrize("act", ["correct", "deprecate", "verify", "endorse"])
+def test_a_change_during_a_cut_short_move_lands_on_the_copy_that_stays(shared, act):
+    """A crash between the team push and the local drop leaves an item in both
+    scopes. correct/deprecate/verify/endorse used to change the local copy,
+    which the next promote dropped: the change was lost and the team copy
+    stayed as it was (a corrected item active for everyone)."""
+    item_id = _endorsed("Never deploy on Fridays")
+    local = _store_path(shared["a"])
+    before = local.read_bytes()
+    cs.promote(item_id, force=True)
+    local.write_bytes(before)                         # as if killed before the drop
+    cs.runtime().reset()
+    assert item_id in team_ids(shared["origin"])
+    res = {"correct": lambda: cs.correct(item_id, "Never deploy on Fridays or holidays",
+                                         "the release manager said"),
+           "deprecate": lambda: cs.deprecate(item_id, reason="we deploy daily now"),
+           "verify": lambda: cs.verify_entry(item_id, note="still true"),
+           "endorse": lambda: cs.endorse(item_id, note="burned twice")}[act]()
+    assert res["scope"] == "team"
+    assert cs.promote(item_id, force=True)["status"] in ("promoted", "already_promoted")
+    assert item_id not in {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
+    if act == "correct":
+        assert team["status"] == "superseded"
+        assert [r["id"] for r in cs.recall("deploy Fridays holidays")["results"]][:1] == \
+            [team["superseded_by"]["id"]]
+    elif act == "deprecate":
+        assert team["deprecated"]["reason"] == "we deploy daily now"
+    elif act == "verify":
+        assert team["verifications"][-1]["note"] == "still true"
+    else:
+        assert team["trust"]["endorsements"][-1]["note"] == "burned twice"
+
+
+def test_a_change_made_while_a_promote_is_between_push_and_drop_waits_and_lands(
+        shared, tmp_path):
+    """A deprecate made after promote's team push landed but before its local
+    drop changed the local copy, which the drop then deleted."""
+    item_id = _endorsed("Pin the base image digest")
+    wrap = tmp_path / "wrap"
+    wrap.mkdir()
+    mark = tmp_path / "pushed"
+    real = shutil.which("git")
+    (wrap / "git").write_text(f"#!/bin/sh\n{real} \"$@\"; rc=$?\n"
+                              f"case \" $* \" in *\" push \"*) touch {mark}; sleep 2;; esac\n"
+                              "exit $rc\n")
+    (wrap / "git").chmod(0o755)
+    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--force"],
+                            env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = cs.time.time() + 60
+    while not mark.exists() and cs.time.time() < deadline:
+        cs.time.sleep(0.05)
+    assert mark.exists() and item_id in team_ids(shared["origin"])    # pushed, not dropped
+    res = cs.deprecate(item_id, reason="we build from source now")
+    out, err = slow.communicate(timeout=60)
+    assert slow.returncode == 0, err
+    assert res["scope"] == "team"
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
+    assert team["status"] == "deprecated" and team["deprecated"]["reason"] == \
+        "we build from source now"
+    assert item_id not in {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
+
+
 @pytest.mark.parametrize("branch_exists", [False, True])
 def test_two_agents_promoting_at_once_both_land(shared, monkeypatch, branch_exists):
     if branch_exists:
