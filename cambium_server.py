@@ -9521,7 +9521,7 @@ def consolidate(apply: Annotated[bool, Field(
     if not isinstance(apply, bool):
         raise InputError("apply must be true or false.")
     if scope in ("team", "org"):
-        store(cfg, scope)                          # a scope that is off: say so
+        store(cfg, scope).read()          # off or unreadable: that error, not "no groups"
     groups, trusts, warnings = plan_consolidation(cfg, SCOPES if scope == "auto" else (scope,))
     out: dict[str, Any] = {"applied": apply, "groups": [group_view(g) for g in groups],
                            "count": len(groups)}

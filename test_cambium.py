@@ -2150,6 +2150,12 @@ def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path
     res = cs.recall("second team fact")
     assert any("team scope skipped" in w for w in res["warnings"])
     assert res["results"][0]["id"] == item_id
+    # an id only the unreadable team file could hold: its error, not not_found
+    for call in (lambda: cs.deprecate("k-000000000001", reason="gone"),
+                 lambda: cs.correct("k-000000000001", "the right statement"),
+                 lambda: cs.consolidate(apply=True, scope="team")):
+        with pytest.raises(cs.CorruptStore):
+            call()
 
 
 def test_team_write_keeps_a_hand_edited_items_mistyped_fields(shared, tmp_path):
