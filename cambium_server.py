@@ -6645,9 +6645,12 @@ def candidate_pairs(items: list[Item], vecs: list[dict[str, float]], floor: floa
 
 
 def survivor_key(item: Item, trust: dict) -> tuple:
-    """Who survives a group: authority, then scope (org > team > local), then
-    trust (endorsements, then recalls), then recency."""
-    return (item.authority_rank, SCOPE_RANK.get(item.scope, 0),
+    """Who survives a group: scope (org > team > local: a duplicate in a higher
+    scope is never superseded by one only this clone holds, which would take
+    it from everyone else), then authority, then trust (endorsements, then
+    recalls), then recency. The survivor takes the group's highest authority
+    (merged_survivor)."""
+    return (SCOPE_RANK.get(item.scope, 0), item.authority_rank,
             len(trust.get("endorsements") or []), int(trust.get("recalls") or 0),
             item.updated_at or item.created_at, item.id)
 
@@ -6728,8 +6731,9 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         projects += [p for p in t.get("projects") or [] if p not in projects]
     origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
                 "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
+    top = max((m for m, _ in fresh), key=lambda m: m.authority_rank)
     return dataclasses.replace(
-        survivor, updated_at=now,
+        survivor, updated_at=now, authority=raised(survivor, AUTHORITIES[top.authority_rank]),
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior
@@ -9509,8 +9513,8 @@ def consolidate(apply: Annotated[bool, Field(
 
     Groups active items with the same normalised text or near-identical
     wording (and, with the semantic extra, near-identical meaning), within a
-    scope and across scopes. The survivor of each group is chosen by authority,
-    then scope (org > team > local), then trust, then recency; the others are
+    scope and across scopes. The survivor of each group is chosen by scope
+    (org > team > local), then authority, then trust, then recency; the others are
     superseded by it (kept, never recalled again) and their recall credits,
     endorsements and provenance move to it. Without apply it only returns the
     plan; with apply it carries it out (team and org through their usual

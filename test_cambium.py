@@ -2129,6 +2129,25 @@ def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     assert team_ids(shared["origin"]) == set()
 
 
+def test_consolidate_never_folds_a_team_item_into_one_only_this_clone_holds(
+        shared, monkeypatch):
+    """A local human correction saying what a team item says won the group (by
+    authority) and superseded the team item: teammates lost it."""
+    team_id = _endorsed("Every alert links to a runbook")
+    cs.promote(team_id, force=True)
+    wrong = cs.capture("Alerts may skip the runbook link")["item"]["id"]
+    fix = cs.correct(wrong, "Every alert links to a runbook", "the on-call lead said")
+    plan = cs.consolidate(scope="auto")
+    (group,) = plan["groups"]
+    assert group["survivor"]["id"] == team_id
+    res = cs.consolidate(apply=True)
+    assert res["superseded"] == [fix["item"]["id"]]
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == team_id]
+    assert team["status"] == "active" and team["authority"] == "human"   # the person's word
+    as_agent(monkeypatch, shared["b"], "bob")
+    assert [r["id"] for r in cs.recall("alert runbook link")["results"]][:1] == [team_id]
+
+
 def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path):
     _endorsed("first team fact")
     cs.promote()
