@@ -8176,7 +8176,8 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
     """Duplicate groups among the active items of `scopes` (an item on its way
     to org through a pull request stays out), with every item's trust."""
     docs, warnings = read_scopes(cfg, scopes)
-    pool = [it for it in federated_items(docs) if it.active and not it.pr_url]
+    pool = [it for it in federated_items(docs)      # (an empty body, e.g. a hand-edited
+            if it.active and not it.pr_url and it.content.strip()]   # non-string: no text)
     pending = read_credits(credits_path(cfg))
     trusts = {it.id: effective_trust(it, pending) for it in pool}
     found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))

@@ -2148,6 +2148,25 @@ def test_consolidate_never_folds_a_team_item_into_one_only_this_clone_holds(
     assert [r["id"] for r in cs.recall("alert runbook link")["results"]][:1] == [team_id]
 
 
+def test_consolidate_never_groups_items_whose_body_is_not_text(repo):
+    """Two hand-edited items whose content is an object and a list both read as
+    an empty body; consolidate grouped them as "the same text" (1.0)."""
+    a = cs.capture("Keep the ledger in Postgres")["item"]["id"]
+    b = cs.capture("Cache sessions in Redis")["item"]["id"]
+    path = _store_path(repo)
+    text = path.read_text()
+    text = text.replace('"content":"Keep the ledger in Postgres"',
+                        '"content":{"text":"Keep the ledger in Postgres"}')
+    text = text.replace('"content":"Cache sessions in Redis"', '"content":["Cache", "Redis"]')
+    assert text != path.read_text()
+    path.write_text(text)
+    cs.runtime().reset()
+    assert cs.consolidate()["count"] == 0
+    assert cs.consolidate(apply=True)["count"] == 0
+    items = {i.id: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert items[a].active and items[b].active
+
+
 def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path):
     _endorsed("first team fact")
     cs.promote()
