@@ -9264,6 +9264,7 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     changed: list[bool] = []
 
     def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
+        _require_active(it, "generalized")
         text = content or (None if why else latest_endorsement_note(it))
         if not text and not why:
             raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
@@ -9413,14 +9414,23 @@ def deprecate(item_id: ItemId,
     reason = _clean_text(reason, "reason", MAX_WHY_CHARS, required=True)
     now = _now()
 
+    already: list[bool] = []
+
     def apply(it: Item) -> Item | None:
-        if not it.active:
+        already[:] = [it.status == "deprecated"]
+        if already[0]:                              # idempotent: the first reason stays
             return None
+        _require_active(it, "deprecated")           # superseded: retired already
         return dataclasses.replace(it, status="deprecated", updated_at=now,
                                    deprecated={"by": cfg.agent, "at": now, "reason": reason})
 
-    return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} deprecates {item_id}",
-                            "deprecated")
+    out = _update_anywhere(cfg, item_id, apply, f"{cfg.agent} deprecates {item_id}",
+                           "deprecated")
+    held = out["item"].get("deprecated")
+    if already and already[0] and isinstance(held, dict):
+        out["note"] = (f"already deprecated by {held.get('by')} at {held.get('at')} "
+                       f"({held.get('reason')!r}); kept as it was")
+    return out
 
 
 def correct(item_id: ItemId,

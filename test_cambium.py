@@ -827,6 +827,22 @@ def test_correct_and_deprecate_write_their_values_over_mistyped_ones(repo):
     assert new["content"] == "widget cache entries are flushed on deploy"
 
 
+def test_deprecate_keeps_the_first_reason_and_refuses_a_superseded_item(repo):
+    """deprecate answered "deprecated" for a superseded item and recorded
+    nothing, and dropped a second reason without a word."""
+    a = cs.capture("Builds run on the old CI")["item"]["id"]
+    cs.deprecate(a, reason="moved to the new CI")
+    again = cs.deprecate(a, reason="another reason")
+    assert again["item"]["deprecated"]["reason"] == "moved to the new CI"
+    assert "already deprecated" in again["note"] and "moved to the new CI" in again["note"]
+    b = cs.capture("Deploys need two approvals")["item"]["id"]
+    fix = cs.correct(b, "Deploys need one approval")["item"]["id"]
+    with pytest.raises(cs.Refused, match=f"superseded by {fix}"):
+        cs.deprecate(b, reason="obsolete")
+    (old,) = [i for i in cs.store(cs.require_config(), "local").read().items if i.id == b]
+    assert old.status == "superseded" and old.deprecated is None
+
+
 def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypatch):
     for n in range(3):
         cs.capture(f"seed fact number {n} about appends", tags="seed")
@@ -3274,6 +3290,19 @@ def _count_fetches(monkeypatch) -> list[Path]:
         return real(cmd, cwd, *a, **kw)
     monkeypatch.setattr(cs, "_run", spy)
     return fetched
+
+
+def test_generalize_refuses_a_retired_org_item(shared, monkeypatch):
+    """generalize rewrote the content of a superseded org item (endorse
+    refused the same item)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Time out every outbound call", "bound every call")
+    cs.promote(item, to_scope="org", force=True)
+    fix = cs.correct(item, "Time out and retry every outbound call", force=True)["item"]["id"]
+    with pytest.raises(cs.Refused, match=f"superseded by {fix}"):
+        cs.generalize(item, org_content="REWRITTEN retired text")
+    (old,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item]
+    assert old["content"] == "Time out every outbound call"
 
 
 def test_generalize_and_review_fetch_each_scope_once(shared, monkeypatch):
