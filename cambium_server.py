@@ -10013,6 +10013,9 @@ def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
         code = "invalid_argument"
     elif isinstance(cause, (CambiumError, OSError)):
         text, code = error_text(cause), error_code(cause)
+    elif tool not in {t.tool_name for t in mcp_tools()}:
+        text, code = (f"no tool named {valid_unicode(tool)[:80]!r}; the tools are "
+                      f"{', '.join(sorted(t.tool_name for t in mcp_tools()))}."), "not_found"
     else:
         text, code = str(exc).removeprefix(f"Error executing tool {tool}: "), "error"
     text = clip_message(text)

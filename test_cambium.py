@@ -5165,6 +5165,17 @@ def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
     assert asyncio.run(_mcp_session(env, body))
 
 
+def test_mcp_unknown_tool_is_a_not_found_error_naming_the_tools(repo):
+    async def body(session, init):
+        res = await session.call_tool("recal", {"query": "anything"})
+        assert res.is_error and res.structured_content["error"] == "not_found"
+        assert "no tool named 'recal'" in res.structured_content["message"]
+        assert "recall" in res.structured_content["message"]
+        return True
+
+    assert asyncio.run(_mcp_session(_mcp_env(repo), body))
+
+
 def test_mcp_server_publishes_team_credits_on_clean_shutdown(shared):
     item_id = _endorsed("Page the on-call owner for sev-1 incidents", "page owners")
     cs.promote()
