@@ -10631,7 +10631,8 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
         return _cli_print(args, kwargs)
     path = _export_target(args.output)
     res = export_markdown(**kwargs)
-    atomic_write(path, res["markdown"])
+    mode = _stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
+    atomic_write(path, res["markdown"], mode)       # replaced whole, its mode kept
     note = f"; {cli_syntax(res['note'])}" if res.get("note") else ""
     n = res["items"]
     print(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
@@ -10651,6 +10652,9 @@ def _export_target(output: str) -> Path:
                          "(without -o the markdown goes to stdout).")
     if not path.parent.is_dir():
         raise InputError(f"-o {output}: no directory {path.parent}.")
+    if path.exists() and not path.stat().st_mode & 0o222:
+        raise InputError(f"-o {output}: the file is read-only; make it writable first, or "
+                         "write elsewhere.")
     cfg = resolve_config()
     if cfg.repo and _within(path, Path(os.path.realpath(cfg.local_dir))):
         raise InputError(f"-o {output}: that is inside {cfg.local_dir}, where cambium keeps "

@@ -5458,6 +5458,15 @@ def test_cli_export_writes_through_a_symlink_and_never_replaces_a_device(repo, t
         out = cli("export", "-o", str(bad))
         assert out.returncode != 0 and "-o" in out.stderr + out.stdout, bad
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and not (tmp_path / "no").exists()
+    private = tmp_path / "private.md"                     # its mode is kept; read-only refused
+    private.write_text("old\n")
+    private.chmod(0o600)
+    assert cli("export", "-o", str(private)).returncode == 0
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and "Tag every" in private.read_text()
+    private.chmod(0o444)
+    out = cli("export", "-o", str(private))
+    assert out.returncode == 1 and "read-only" in out.stderr
+    assert stat.S_IMODE(private.stat().st_mode) == 0o444
     store = repo / ".cambium" / "knowledge.json"        # the markdown replaced the store
     before = store.read_bytes()
     for inside in (store, repo / ".cambium" / "notes.md"):
