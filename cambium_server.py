@@ -7114,10 +7114,9 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
 
 def federated_items(docs: dict[str, Doc]) -> list[Item]:
     """Active items across scopes, org first; an id present in two scopes (a
-    move in flight) is shown once, from the higher scope."""
+    move in flight) is shown once, from the higher scope, and an id a file holds
+    twice once, its first copy (the one every tool reads: _find_item)."""
     present = tuple(s for s in reversed(SCOPES) if s in docs)
-    if len(present) == 1:
-        return docs[present[0]].items
     lists = tuple(docs[s].items for s in present)
     rt = runtime()
     with rt.lock:                        # the same lists as last time: the same answer,
@@ -7131,6 +7130,8 @@ def federated_items(docs: dict[str, Doc]) -> list[Item]:
             if it.id not in seen:
                 seen.add(it.id)
                 out.append(it)
+    if len(lists) == 1 and len(out) == len(lists[0]):
+        out = lists[0]                   # one scope, no id twice: the very list
     with rt.lock:
         rt.federated[present] = (lists, out)
     return out
@@ -8432,7 +8433,8 @@ def status() -> dict:
                      if v is not None},
         "sources": ORIGINS,
         "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
-                             "by_type": _count(doc), **_waiting_on_prs(doc)},
+                             "by_type": _count(doc), **_waiting_on_prs(doc),
+                             **_duplicate_ids(doc)},
                    **_shared_scope_status(cfg)},
         "pending_recall_credits": len(read_credits(credits_path(cfg))),
         "watermarks": systems,
@@ -8443,9 +8445,22 @@ def status() -> dict:
     warnings = local.warnings
     if cfg.file_error:
         warnings.append(cfg.file_error)
+    warnings += [f"{name} scope: {info['duplicate_ids_note']}"
+                 for name, info in out["scopes"].items() if info.get("duplicate_ids_note")]
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def _duplicate_ids(doc: Doc) -> dict:
+    """Ids a scope's file holds more than once (a hand edit, a bad merge), when
+    any: every tool reads the first copy; the others are kept, unserved."""
+    seen: set[str] = set()
+    twice = sorted({it.id for it in doc.items if it.id in seen or seen.add(it.id)})
+    return {"duplicate_ids": twice[:20], "duplicate_ids_note": (
+        f"{len(twice)} id(s) appear more than once in this scope's {STORE_FILE}: every tool "
+        "reads the first copy of each and keeps the others as they are; merge them by hand "
+        "(give a copy you want kept a new id)")} if twice else {}
 
 
 def _waiting_on_prs(doc: Doc) -> dict:
@@ -8484,7 +8499,8 @@ def _shared_scope_status(cfg: Config) -> dict:
                 continue
         try:
             doc = st.doc_at(tip)
-            info.update(items=len(doc.items), by_type=_count(doc), **_waiting_on_prs(doc))
+            info.update(items=len(doc.items), by_type=_count(doc), **_waiting_on_prs(doc),
+                        **_duplicate_ids(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"
         except CorruptStore as e:

@@ -2212,6 +2212,31 @@ def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path
             call()
 
 
+def test_an_id_the_team_file_holds_twice_is_reported_and_read_as_its_first_copy(
+        shared, tmp_path):
+    """recall served one copy of a doubled id while show and endorse acted on
+    the other, and status said nothing."""
+    work = clone(shared["origin"], tmp_path / "hand")
+    git(work, "checkout", "-q", "-b", "cambium")
+    first = {"id": "k-doubled00001", "content": "Team builds pin the toolchain version",
+             "scope": "team", "created_at": "2026-01-01T00:00:00Z"}
+    second = {**first, "content": "Toolchain versions float with the toolchain release"}
+    (work / "knowledge.json").write_text(json.dumps({"cambium": 1, "items": [first, second]}))
+    git(work, "add", "knowledge.json")
+    git(work, "commit", "-q", "-m", "hand edit")
+    git(work, "push", "-q", "origin", "cambium")
+    status = cs.status()
+    assert status["scopes"]["team"]["duplicate_ids"] == ["k-doubled00001"]
+    assert any("team scope" in w and "more than once" in w for w in status["warnings"])
+    lines = [r["line"] for r in cs.recall("toolchain version", scope="team")["results"]]
+    assert len(lines) == 1 and "pin the toolchain" in lines[0]
+    assert cs.expand("k-doubled00001")["content"] == first["content"]
+    cs.endorse("k-doubled00001", note="we pin it")
+    held = remote_json(shared["origin"], "cambium")["items"]
+    assert [i["content"] for i in held] == [first["content"], second["content"]]   # both kept
+    assert held[0]["trust"]["endorsements"][0]["note"] == "we pin it"
+
+
 def test_team_write_keeps_a_hand_edited_items_mistyped_fields(shared, tmp_path):
     work = clone(shared["origin"], tmp_path / "hand")
     git(work, "checkout", "-q", "-b", "cambium")
