@@ -3583,6 +3583,14 @@ def _str(value: Any) -> str:
     return value.strip() if isinstance(value, str) else ""
 
 
+def _git_complaint(stderr: str) -> str:
+    """The line of git's stderr that says what went wrong: its first `fatal:` or
+    `error:` line (the last line is often the tail of a hint), else the first."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    return next((ln for ln in lines if ln.startswith(("fatal:", "error:"))),
+                lines[0] if lines else "no answer")
+
+
 def parse_board(data: Any) -> dict[str, dict]:
     """The claims of a parsed claims.json, agent id -> claim (pure).
 
@@ -3690,11 +3698,11 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     branch = _str(claim.get("branch"))
     done = status == "done"
     body = task if task.endswith((".", "!", "?")) else task + "."
-    if note:
-        body += f" Note: {note}"
     files = _changed_files_text(claim.get("changed_files"))
-    if files:
-        body += f" {files}"
+    tail = (f" Note: {note}" if note else "") + (f" {files}" if files else "")
+    if len(body) + len(tail) > MAX_CONTENT_CHARS:     # cut the task, not the note after it
+        body = _clip(body, max(MAX_CONTENT_CHARS // 2, MAX_CONTENT_CHARS - len(tail)))
+    body += tail
     where = f" on branch {branch}" if branch else ""
     stamp = _str(claim.get("updated_at"))
     if done:
@@ -3704,9 +3712,9 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
                "the claim was released or re-claimed before it was marked done")
     why += "." + (" Captured at release time from cambium's last-seen snapshot." if released
                   else "")
-    tags = ["agentsync", f"agent:{agent}"[:MAX_TAG_CHARS]]
+    tags = ["agentsync", f"agent:{'-'.join(agent.split())}"[:MAX_TAG_CHARS]]   # one tag
     if branch:
-        tags.append(f"branch:{branch}"[:MAX_TAG_CHARS])
+        tags.append(f"branch:{'-'.join(branch.split())}"[:MAX_TAG_CHARS])
     if not done:
         tags.append("released-before-done")
     source = {"system": "agentsync", "ref": f"{agent}@{stamp or 'unstamped'}",
@@ -3932,7 +3940,7 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
     if proc is not None and proc.returncode == 2:
         absent.reason += f" (neither locally nor on '{remote}')"
         return absent
-    detail = (proc.stderr.strip().splitlines() or ["timed out"])[-1] if proc else "timed out"
+    detail = _git_complaint(proc.stderr) if proc else "timed out"
     return Board(None, "CAMBIUM_REPO", branch, remote, "unreachable",
                  f"could not ask '{remote}' whether it has a '{branch}' board ({detail})",
                  f"check the network or the remote; or {fix_set}")
@@ -4097,11 +4105,19 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
                      ).hexdigest()[:24]))
 
 
+def _cli_abspath(value: str) -> str:
+    """A CLI path made absolute; an empty one stays empty (abspath('') is the
+    working directory, which the tool would then refuse as not a file)."""
+    return os.path.abspath(value) if value.strip() else value
+
+
 def path_arg(name: str, value: str) -> str:
     """`value`, a path argument, or InputError when it holds a NUL byte (no
     file path can; the OS call would fail with a bare ValueError)."""
     if isinstance(value, str) and "\0" in value:
         raise InputError(f"{name} {value!r} holds a NUL byte, which no file path can contain.")
+    if isinstance(value, str) and not value.strip():
+        raise InputError(f"{name} is empty; give a path.")
     return value
 
 
@@ -7782,8 +7798,18 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
             snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
                         "claims": _snapshot_of(claims)}
     drafts, skips = _split_drafts(made)
-    return SourceRead("agentsync", claims is not None, info, drafts, skips, warnings,
-                      snapshot=snapshot)
+    return SourceRead("agentsync", claims is not None, info, drafts, skips,
+                      warnings + clipped_warnings(drafts, "claim"), snapshot=snapshot)
+
+
+def clipped_warnings(drafts: list[Draft], what: str) -> list[str]:
+    """A warning naming the drafts whose text was over the content limit and cut."""
+    cut = [d for d in drafts if len(d.content) >= MAX_CONTENT_CHARS]
+    if not cut:
+        return []
+    refs = ", ".join(str(d.source.get("ref")) for d in cut[:5]) + (" …" if len(cut) > 5 else "")
+    return [f"{len(cut)} {what}(s) longer than {MAX_CONTENT_CHARS:,} characters were cut "
+            f"there ({refs}); the source keeps the whole text"]
 
 
 def read_context(cfg: Config) -> SourceRead:
@@ -7795,9 +7821,17 @@ def read_context(cfg: Config) -> SourceRead:
     read = SourceRead("context-keeper", found is not None, {
         "status": "empty", "path": str(path), "reason": "",
         **{f"{name}_seen": len(entries.get(name, [])) for name in CONTEXT_FILES}})
+    first: dict[str, str] = {}                    # entry id -> where it was read first
     for name in CONTEXT_FILES:
         kind = name[:-1]
         for n, e in enumerate(entries.get(name, [])):
+            eid = context_entry_id(e)
+            if eid is not None and eid in first:
+                read.skips.append(Skip(f"{name}.json[{n}]", f"id {eid} again (first at "
+                                       f"{first[eid]}): only that entry is read"))
+                continue
+            if eid is not None:
+                first[eid] = f"{name}.json[{n}]"
             d = context_entry_to_draft(kind, e)
             if isinstance(d, Draft):
                 read.drafts.append(d)
@@ -7807,6 +7841,7 @@ def read_context(cfg: Config) -> SourceRead:
             else:
                 read.retire[f"context-keeper:{context_entry_id(e)}"] = \
                     retirement_reason(e) or ""
+    read.warnings += clipped_warnings(read.drafts, "entry")
     if not read.found:
         read.info.update(status="absent", reason=f"no {CONTEXT_DIR}/ directory in {cfg.repo}",
                          fix="if this project records decisions with context-keeper, run it "
@@ -8078,7 +8113,8 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
         done = "; ".join(f"{k} {v['status']} (imported {v['imported']})"
                          for k, v in plan.sources.items()) or "nothing else to read"
         name, err = errors[0]
-        raise SubstrateError(f"{name} could not be read: {type(err).__name__}: {err}. "
+        raise SubstrateError(f"{name} could not be read: {type(err).__name__}: "
+                             f"{str(err).rstrip('.')}. "
                              f"The rest of the sweep completed: {done}.")
     return result
 
@@ -9926,7 +9962,7 @@ def api_table() -> tuple[Tool, ...]:
         Tool(consolidate, "remote"),
         Tool(usage, "read", flags={"item_id": "--item"}),
         Tool(import_memory, "write_idempotent", aliases=("import",), positional=("path",),
-             cli_types={"path": os.path.abspath}),
+             cli_types={"path": _cli_abspath}),
         Tool(export_markdown, "remote", aliases=("export",), run=_cli_export, cli_args=(
             (("-o", "--output"), {"metavar": "FILE", "help": "write the markdown to FILE "
                                   "and print one summary line"}),)),
@@ -9934,7 +9970,7 @@ def api_table() -> tuple[Tool, ...]:
              cli_args=((("--hook",), {"action": "store_true", "help": (
                  "run as a Claude Code hook: read its JSON from stdin (uses its cwd), print "
                  "nothing on stdout, skip quietly where cambium is unconfigured")}),)),
-        Tool(restore, cli_types={"path": os.path.abspath}),
+        Tool(restore, cli_types={"path": _cli_abspath}),
         Tool(serve, run=_cli_serve, formats=()),
         Tool(run_demo, name="demo"),
     )

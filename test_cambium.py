@@ -4320,6 +4320,42 @@ def test_distill_writes_the_local_store_once(repo, monkeypatch):
     assert doc.meta["distill_last"]["retired"] == 1 and len(doc.meta["watermarks"]) == 2
 
 
+def test_distill_says_what_it_cut_or_skipped_and_keeps_one_tag_per_agent(
+        tmp_path, monkeypatch):
+    """A 30,000-character task was cut to the limit with its note lost and no
+    word; agent "a b" became tags agent:a and b; a second context entry with
+    a used id vanished silently."""
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"a b": {**DONE_CLAIM, "task": "refactor " * 3500}})
+    (clone / ".context").mkdir()
+    (clone / ".context" / "constraints.json").write_text(json.dumps([
+        {"id": "con-050", "rule": "Never log card numbers", "status": "active"},
+        {"id": "con-050", "rule": "Rotate keys monthly", "status": "active"}]))
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    res = cs.distill()
+    items = cs.store(cs.resolve_config(), "local").read().items
+    (claim,) = [i for i in items if i.source.get("system") == "agentsync"]
+    assert len(claim.content) <= cs.MAX_CONTENT_CHARS
+    assert "Note: parser landed" in claim.content and "src/parser.py" in claim.content
+    assert "agent:a-b" in claim.tags and "b" not in claim.tags
+    assert any("cut there" in w and "claim" in w for w in res["warnings"])
+    assert [i.content for i in items if i.source.get("system") == "context-keeper"] == [
+        "Never log card numbers"]
+    assert any("con-050 again" in w for w in res["warnings"])
+
+
+def test_messages_name_the_real_problem(repo):
+    """`restore ''` blamed the working directory; an unreachable board quoted
+    the tail of git's hint ("and the repository exists.")."""
+    out = cli("restore", "")
+    assert out.returncode == 1 and "path is empty" in out.stderr
+    hint = ("fatal: Could not read from remote repository.\n\nPlease make sure you have "
+            "the correct access rights\nand the repository exists.\n")
+    assert cs._git_complaint(hint) == "fatal: Could not read from remote repository."
+    assert cs._git_complaint("") == "no answer"
+
+
 def test_distill_no_board_no_context_reads_as_skipped(repo):
     res = cs.distill()
     assert res["status"] == "distilled_with_warnings" and res["imported"] == 0
