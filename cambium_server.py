@@ -7165,10 +7165,11 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False) -> tuple[str, It
     error (corrupt_store, git_failed), not not_found: it may be there."""
     found: tuple[str, Item] | None = None
     failed: list[tuple[str, CambiumError]] = []
+    fetch_above = False                  # a cut-short move: the copy above, fetched for real
     for scope in SCOPES:
         try:
             st = store(cfg, scope)
-            doc = st.read() if found is None else st.peek()
+            doc = st.read() if found is None or fetch_above else st.peek()
         except ScopeOff:
             continue
         except (CorruptStore, GitError, ConfigError) as e:
@@ -7178,6 +7179,8 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False) -> tuple[str, It
             found = scope, hit[1]
             if not highest:
                 break
+            marks = doc.meta.get(MOVING_META) if scope == "local" else None
+            fetch_above = bool(hit[1].pr_url) or (isinstance(marks, dict) and item_id in marks)
     if found:
         return found
     if failed:
@@ -7364,6 +7367,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         return MovePlan(dataclasses.replace(doc, items=doc.items + copies) if copies else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
 
+    if src == "local" and not pr_branch:          # a crash from here on leaves two copies
+        mutate(cfg, src, lambda d: _marked_moving(d, ids, dst), f"moving {len(ids)} to {dst}")
     write, planned = mutate_plan(functools.partial(mutate, cfg, dst), plan, message,
                                  pr_branch=pr_branch, pr_body=pr_body, ensure_pr=True)
     landed = [it for it in write.doc.items if it.id in ids]
@@ -7371,10 +7376,27 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held:
-        mutate(cfg, src, lambda d: dataclasses.replace(
-            d, items=[i for i in d.items if i.id not in held]), f"{len(held)} item(s) moved to "
-            f"{dst}: {', '.join(sorted(held))}")
+        mutate(cfg, src, lambda d: _marked_moving(dataclasses.replace(
+            d, items=[i for i in d.items if i.id not in held]), held, None),
+            f"{len(held)} item(s) moved to {dst}: {', '.join(sorted(held))}")
     return Moved(write, landed, planned.refused)
+
+
+MOVING_META = "moving"     #: local meta: id -> the scope a move of it is copying it to
+
+
+def _marked_moving(doc: Doc, ids: set[str], dst: str | None) -> Doc | None:
+    """The local doc with `ids` marked as on their way to `dst` (None: the
+    marks cleared, the move done). A mark a crash leaves behind tells locate()
+    to look for the item's copy above for real (pure)."""
+    marks = doc.meta.get(MOVING_META)
+    marks = dict(marks) if isinstance(marks, dict) else {}
+    new = {**marks, **dict.fromkeys(ids, dst)} if dst else \
+        {k: v for k, v in marks.items() if k not in ids}
+    if new == marks:
+        return None if dst else doc
+    meta = {k: v for k, v in doc.meta.items() if k != MOVING_META}
+    return dataclasses.replace(doc, meta={**meta, MOVING_META: new} if new else meta)
 
 
 def _annotate_pr(cfg: Config, scope: str, ids: set[str], url: str | None) -> None:

@@ -1832,18 +1832,25 @@ def _endorsed(text: str, note: str = "holds everywhere") -> str:
 
 
 @pytest.mark.parametrize("act", ["correct", "deprecate", "verify", "endorse"])
-def test_a_change_during_a_cut_short_move_lands_on_the_copy_that_stays(shared, act):
+def test_a_change_during_a_cut_short_move_lands_on_the_copy_that_stays(shared, act, tmp_path):
     """A crash between the team push and the local drop leaves an item in both
     scopes. correct/deprecate/verify/endorse used to change the local copy,
     which the next promote dropped: the change was lost and the team copy
     stayed as it was (a corrected item active for everyone)."""
     item_id = _endorsed("Never deploy on Fridays")
-    local = _store_path(shared["a"])
-    before = local.read_bytes()
-    cs.promote(item_id, force=True)
-    local.write_bytes(before)                         # as if killed before the drop
+    wrap = tmp_path / "wrap"                            # kill -9 the promote after its push
+    wrap.mkdir()
+    real = shutil.which("git")
+    (wrap / "git").write_text(f"#!/bin/sh\n{real} \"$@\"; rc=$?\n"
+                              "case \" $* \" in *\" push \"*) kill -9 $PPID;; esac\nexit $rc\n")
+    (wrap / "git").chmod(0o755)
+    out = subprocess.run([sys.executable, str(SERVER), "promote", item_id, "--force"],
+                         env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr
     cs.runtime().reset()
     assert item_id in team_ids(shared["origin"])
+    assert item_id in {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
     res = {"correct": lambda: cs.correct(item_id, "Never deploy on Fridays or holidays",
                                          "the release manager said"),
            "deprecate": lambda: cs.deprecate(item_id, reason="we deploy daily now"),
