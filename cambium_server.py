@@ -4450,8 +4450,8 @@ class Index:
         src = self.source
         if src is not None and extends(items, src):
             for it in items[len(src):]:                # appended only: the common case
-                if it.active:
-                    self._put(it)
+                if it.active and it.id not in self.slot_of:   # (a live id again: a
+                    self._put(it)                              # hand-made duplicate)
             self.source = items
             return self._compacted(items, fresh)
         if src is not None and len(items) == len(src):
@@ -4461,6 +4461,8 @@ class Index:
             if not it.active:
                 continue
             slot = self.slot_of.get(it.id)
+            if slot is not None and slot in seen:      # an id twice: its first copy counts
+                continue
             if slot is None or self.items[slot] is not it:
                 self._put(it)
             seen.add(self.slot_of[it.id])
@@ -4487,11 +4489,11 @@ class Index:
         for i in itertools.compress(range(len(items)), map(operator.is_not, items, src)):
             old, new = src[i], items[i]
             slot = self.slot_of.get(old.id)
-            if slot is not None and self.items[slot] is old and \
-                    not (new.active and new.id == old.id):
+            mine = slot is not None and self.items[slot] is old   # the copy indexed
+            if mine and not (new.active and new.id == old.id):
                 self._kill(slot)
                 del self.slot_of[old.id]
-            if new.active:
+            if new.active and (mine or new.id not in self.slot_of):
                 self._put(new)
         self.source = items
         return self._compacted(items, fresh)
@@ -7130,9 +7132,11 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
 
 def federated_items(docs: dict[str, Doc]) -> list[Item]:
     """Active items across scopes, org first; an id present in two scopes (a
-    move in flight) is shown once, from the higher scope, and an id a file holds
-    twice once, its first copy (the one every tool reads: _find_item)."""
+    move in flight) is shown once, from the higher scope (and an id a file holds
+    twice, its first copy, when more than one scope is read)."""
     present = tuple(s for s in reversed(SCOPES) if s in docs)
+    if len(present) == 1:                # (a recall after each capture: no O(N) pass)
+        return docs[present[0]].items
     lists = tuple(docs[s].items for s in present)
     rt = runtime()
     with rt.lock:                        # the same lists as last time: the same answer,
@@ -7146,8 +7150,6 @@ def federated_items(docs: dict[str, Doc]) -> list[Item]:
             if it.id not in seen:
                 seen.add(it.id)
                 out.append(it)
-    if len(lists) == 1 and len(out) == len(lists[0]):
-        out = lists[0]                   # one scope, no id twice: the very list
     with rt.lock:
         rt.federated[present] = (lists, out)
     return out
