@@ -228,11 +228,16 @@ def _noted(err: CambiumError, note: str) -> CambiumError:
     return err
 
 
+def _may_have_landed(err: CambiumError) -> bool:
+    """Whether a failed write may still have reached the remote: its push timed out."""
+    return isinstance(err, GitError) and err.code is None and "push" in err.cmd
+
+
 def _unmoved(err: CambiumError, where: str, what: str = "the item(s) stay") -> CambiumError:
     """A failed move's error, saying where its items are. A push that timed out
     may still land on the remote: the items stay where they were until the
     next call, which finishes the move without a second copy."""
-    if isinstance(err, GitError) and err.code is None and "push" in err.cmd:
+    if _may_have_landed(err):
         return _noted(err, f"the push may still land on the remote: {what} {where} "
                            "for now; run the same promote again to finish the move (an "
                            "item the push did land is not copied twice).")
@@ -7369,18 +7374,26 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         return MovePlan(dataclasses.replace(doc, items=doc.items + copies) if copies else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
 
-    if src == "local" and not pr_branch:          # a crash from here on leaves two copies
+    marking = src == "local" and not pr_branch     # a crash from here on leaves two copies
+    if marking:
         mutate(cfg, src, lambda d: _marked_moving(d, ids, dst), f"moving {len(ids)} to {dst}")
-    write, planned = mutate_plan(functools.partial(mutate, cfg, dst), plan, message,
-                                 pr_branch=pr_branch, pr_body=pr_body, ensure_pr=True)
+    try:
+        write, planned = mutate_plan(functools.partial(mutate, cfg, dst), plan, message,
+                                     pr_branch=pr_branch, pr_body=pr_body, ensure_pr=True)
+    except CambiumError as e:
+        if marking and not _may_have_landed(e):     # nothing above: no mark to chase
+            mutate(cfg, src, lambda d: _marked_moving(d, ids, None), f"not moved to {dst}")
+        raise
     landed = [it for it in write.doc.items if it.id in ids]
     held = {it.id for it in landed}
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
-    elif held:
-        mutate(cfg, src, lambda d: _marked_moving(dataclasses.replace(
-            d, items=[i for i in d.items if i.id not in held]), held, None),
-            f"{len(held)} item(s) moved to {dst}: {', '.join(sorted(held))}")
+    elif held or marking:
+        def drop(d: Doc) -> Doc:
+            left = dataclasses.replace(d, items=[i for i in d.items if i.id not in held])
+            return _marked_moving(left, ids, None) or left      # (refused ones too)
+
+        mutate(cfg, src, drop, f"{len(held)} item(s) moved to {dst}: {', '.join(sorted(held))}")
     return Moved(write, landed, planned.refused)
 
 
@@ -7388,15 +7401,16 @@ MOVING_META = "moving"     #: local meta: id -> the scope a move of it is copyin
 
 
 def _marked_moving(doc: Doc, ids: set[str], dst: str | None) -> Doc | None:
-    """The local doc with `ids` marked as on their way to `dst` (None: the
-    marks cleared, the move done). A mark a crash leaves behind tells locate()
-    to look for the item's copy above for real (pure)."""
+    """The local doc with `ids` marked as on their way to `dst` (dst None: their
+    marks cleared, the move done or failed); None when that changes nothing. A
+    mark a crash leaves behind tells locate() to look for the item's copy above
+    for real (pure)."""
     marks = doc.meta.get(MOVING_META)
     marks = dict(marks) if isinstance(marks, dict) else {}
     new = {**marks, **dict.fromkeys(ids, dst)} if dst else \
         {k: v for k, v in marks.items() if k not in ids}
     if new == marks:
-        return None if dst else doc
+        return None
     meta = {k: v for k, v in doc.meta.items() if k != MOVING_META}
     return dataclasses.replace(doc, meta={**meta, MOVING_META: new} if new else meta)
 

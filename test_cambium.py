@@ -1899,7 +1899,8 @@ def test_a_change_made_while_a_promote_is_between_push_and_drop_waits_and_lands(
     (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
     assert team["status"] == "deprecated" and team["deprecated"]["reason"] == \
         "we build from source now"
-    assert item_id not in {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
+    local = cs.store(cs.resolve_config(), "local").read()
+    assert item_id not in {i.id for i in local.items} and cs.MOVING_META not in local.meta
 
 
 @pytest.mark.parametrize("branch_exists", [False, True])
@@ -2148,8 +2149,10 @@ def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     item_id = _endorsed("Never deploy on Fridays")
     with pytest.raises(cs.GitError, match="nothing moved"):
         cs.promote()
-    assert any(i.id == item_id for i in cs.store(cs.resolve_config(), "local").read().items)
+    local = cs.store(cs.resolve_config(), "local").read()
+    assert any(i.id == item_id for i in local.items)
     assert team_ids(shared["origin"]) == set()
+    assert cs.MOVING_META not in local.meta       # nothing above to look for later
 
 
 def test_consolidate_never_folds_a_team_item_into_one_only_this_clone_holds(
