@@ -4462,12 +4462,14 @@ class Index:
         if src is not None and len(items) == len(src):
             return self._replace_in_place(items, src, fresh)
         seen: set[int] = set()
+        ids: set[str] = set()
         for it in items:
+            if it.id in ids:                           # an id twice: its first copy counts,
+                continue                               # live or retired, as for every tool
+            ids.add(it.id)
             if not it.active:
                 continue
             slot = self.slot_of.get(it.id)
-            if slot is not None and slot in seen:      # an id twice: its first copy counts
-                continue
             if slot is None or self.items[slot] is not it:
                 self._put(it)
             seen.add(self.slot_of[it.id])
@@ -6547,10 +6549,17 @@ def _provenance(it: Item) -> str:
     return f"{system} {ref}{who}" if ref else f"{system}{who}"
 
 
+def first_copies(items: Iterable[Item]) -> list[Item]:
+    """Items with an id seen before dropped: a hand-doubled id reads as its
+    first copy, as every tool reads it (pure)."""
+    seen: set[str] = set()
+    return [it for it in items if not (it.id in seen or seen.add(it.id))]
+
+
 def org_markdown(doc: Doc) -> dict[str, str]:
     """The files an org write publishes beside knowledge.json."""
-    return {"KNOWLEDGE.md": render_markdown({"org": [(it, it.trust) for it in doc.items
-                                                     if it.active]})}
+    return {"KNOWLEDGE.md": render_markdown({"org": [(it, it.trust) for it in
+                                                     first_copies(doc.items) if it.active]})}
 
 
 def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
@@ -7216,8 +7225,15 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
         new = change(hit[1])
         return Changed(None if new is None else _replace_item(doc, hit[0], new), new or hit[1])
 
+    branch = pr_branch(cfg, scope, topic)
     write, done = mutate_plan(functools.partial(mutate, cfg, scope), plan, message,
-                              pr_branch=pr_branch(cfg, scope, topic))
+                              pr_branch=branch)
+    if branch and write.commit is None and write.branch == branch and not write.pr_url:
+        here = _find_item(store(cfg, scope).read(digest=True), item_id)
+        if here is None or here[1] != done.item:   # the branch holds a change org lacks,
+            st = store(cfg, scope)                  # its PR never opened (gh failed)
+            write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}",
+                                   "Opened by cambium. Review is the gate; merge to publish.")
     return done.item, write
 
 
@@ -9875,8 +9891,8 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
         store(cfg, scope)
     docs, warnings = read_scopes(cfg, wanted)
     pending = read_credits(credits_path(cfg))
-    groups = {s: [(it, effective_trust(it, pending)) for it in d.items if it.active]
-              for s, d in docs.items()}
+    groups = {s: [(it, effective_trust(it, pending)) for it in first_copies(d.items)
+                  if it.active] for s, d in docs.items()}
     out: dict[str, Any] = {"scope": scope, "markdown": render_markdown(groups),
                            "items": sum(len(v) for v in groups.values())}
     if scope == "org" and "org" in docs:

@@ -3120,7 +3120,8 @@ def test_pr_mode_correct_and_consolidate_retried_after_gh_failed_open_their_pr(
     a = _endorsed("Feature flags get an owner and an expiry date")
     b = _endorsed("Log every retry attempt with its cause")
     c = _endorsed("log every retry attempt, with its cause!")
-    for item in (a, b, c):
+    d = _endorsed("Secrets never live in env files")
+    for item in (a, b, c, d):
         cs.promote(item, to_scope="org")
     monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
     real_gh = (tmp_path / "bin" / "gh").read_text()
@@ -3129,9 +3130,14 @@ def test_pr_mode_correct_and_consolidate_retried_after_gh_failed_open_their_pr(
         cs.correct(a, "Every feature flag gets an owner and an expiry date", "the lead said")
     with pytest.raises(cs.GitError, match="auth required"):
         cs.consolidate(apply=True, scope="org")
+    with pytest.raises(cs.GitError, match="auth required"):
+        cs.deprecate(d, reason="we use a vault now")
     branch = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
     assert branch[a]["status"] == "superseded"           # on the branch, with no PR
+    assert branch[d]["status"] == "deprecated"
     (tmp_path / "bin" / "gh").write_text(real_gh)
+    retired = cs.deprecate(d, reason="we use a vault now")        # no change left to make:
+    assert retired["pr_url"].startswith(PR_URL)                   # its PR opens now
     again = cs.correct(a, "Every feature flag gets an owner and an expiry date", "the lead said")
     assert again["status"] == "corrected" and again["pr_url"].startswith(PR_URL)
     assert again["item"]["id"] == branch[a]["superseded_by"]["id"]     # the same correction
@@ -3139,7 +3145,7 @@ def test_pr_mode_correct_and_consolidate_retried_after_gh_failed_open_their_pr(
     assert folded["pr_urls"] == [again["pr_url"]] and folded["superseded"] == []
     assert sorted(folded["waiting"]) == sorted({b, c} - {folded["groups"][0]["survivor"]["id"]})
     branch = remote_json(shared["org_bare"], "cambium/updates")["items"]
-    assert len(branch) == 4 and sum(i.get("corrects") == a for i in branch) == 1
+    assert len(branch) == 5 and sum(i.get("corrects") == a for i in branch) == 1
     creates = [x for x in map(json.loads, log.read_text().splitlines()) if x[:2] == ["pr", "create"]]
     assert len(creates) == 1
     main = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
