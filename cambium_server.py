@@ -1523,22 +1523,51 @@ def _git_env() -> dict:
 
 def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float,
                 input: bytes | None = None) -> subprocess.CompletedProcess:
-    """Run a command in a process group of its own; past timeout_s kill the
-    whole group (a local push's receive-pack and its hooks, gh's helpers:
-    killing only the direct child left them running) and raise TimeoutExpired.
+    """Run a command, bounded: past timeout_s (or on an interrupt) kill it and
+    every process it started (a local push's receive-pack and its hooks, gh's
+    helpers: killing only the direct child left them running, and the push
+    landed later) and raise. The command stays in cambium's process group, so
+    a signal to the group (a closing terminal, `timeout`) still reaches it.
     Bytes in, bytes out."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env,
                             stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(input, timeout=timeout_s)
-    except BaseException:                    # the timeout, or an interrupt: none outlives us
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, 9)
-        proc.kill()
-        proc.communicate()
+    except BaseException:
+        for pid in [*_descendants(proc.pid), proc.pid]:     # the tree first, then kill it
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        proc.wait()                  # (not its pipes: an escaped helper may hold them)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError, AttributeError):
+                f.close()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (Linux); [] where there is none."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
@@ -7384,7 +7413,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
 
     def plan(doc: Doc) -> MovePlan:
         waiting = ids - {it.id for it in doc.items}
-        current = [it for it in store(cfg, src).read().items if it.id in waiting]
+        current = [it for it in first_copies(store(cfg, src).read().items) if it.id in waiting]
         verdicts = {it.id: gate(it) for it in current}
         copies = [copy(it) for it in current if verdicts[it.id].allowed]
         return MovePlan(dataclasses.replace(doc, items=doc.items + copies) if copies else None,
@@ -7405,8 +7434,10 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held or marking:
-        def drop(d: Doc) -> Doc:
-            left = dataclasses.replace(d, items=[i for i in d.items if i.id not in held])
+        def drop(d: Doc) -> Doc:         # the copy that moved: a doubled id's first only
+            gone: set[str] = set()
+            left = dataclasses.replace(d, items=[
+                i for i in d.items if i.id not in held or i.id in gone or gone.add(i.id)])
             return _marked_moving(left, ids, None) or left      # (refused ones too)
 
         mutate(cfg, src, drop, f"{len(held)} item(s) moved to {dst}: {', '.join(sorted(held))}")
@@ -8267,8 +8298,8 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
     """Duplicate groups among the active items of `scopes` (an item on its way
     to org through a pull request stays out), with every item's trust."""
     docs, warnings = read_scopes(cfg, scopes)
-    pool = [it for it in federated_items(docs)      # (an empty body, e.g. a hand-edited
-            if it.active and not it.pr_url and it.content.strip()]   # non-string: no text)
+    pool = [it for it in first_copies(federated_items(docs))   # (an empty body, e.g. a
+            if it.active and not it.pr_url and it.content.strip()]   # hand-edited non-string)
     pending = read_credits(credits_path(cfg))
     trusts = {it.id: effective_trust(it, pending) for it in pool}
     found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))
@@ -9256,7 +9287,8 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
         return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
                             force=force and item_id is not None)
 
-    local = [it for it in store(cfg, "local").read().items if item_id in (None, it.id)]
+    local = [it for it in first_copies(store(cfg, "local").read().items)
+             if item_id in (None, it.id)]
     verdicts = {it.id: gate(it) for it in local}
     if item_id is not None and not local:
         scope, it = locate(cfg, item_id)

@@ -2142,6 +2142,31 @@ def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it
     assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]].count(item_id) == 1
 
 
+def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on_helpers(
+        shared, tmp_path):
+    """git ran in a session of its own for a while: `timeout` (or a closing
+    terminal) signalling the CLI's group left the push running, and it landed
+    after the CLI died; and a helper that escaped the group but held git's
+    pipes kept a timed-out call waiting for it."""
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\nsleep 4\nexit 0\n")
+    hook.chmod(0o755)
+    item_id = _endorsed("Never deploy on Fridays")
+    cli_proc = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--force"],
+                                env=child_env(), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cs.time.sleep(1.5)
+    os.killpg(cli_proc.pid, 15)                      # what `timeout` does
+    cli_proc.wait(timeout=30)
+    cs.time.sleep(4)                                 # the hook would have let it land
+    assert item_id not in team_ids(shared["origin"])
+    started = cs.time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        cs.run_bounded(["sh", "-c", "setsid sleep 15 & sleep 30"], cwd=tmp_path,
+                       env=dict(os.environ), timeout_s=1)
+    assert cs.time.monotonic() - started < 5
+
+
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     hook = shared["origin"] / "hooks" / "pre-receive"
     hook.write_text("#!/bin/sh\necho 'policy: no pushes' >&2\nexit 1\n")
@@ -2245,6 +2270,28 @@ def test_an_id_the_team_file_holds_twice_is_reported_and_read_as_its_first_copy(
     held = remote_json(shared["origin"], "cambium")["items"]
     assert [i["content"] for i in held] == [first["content"], second["content"]]   # both kept
     assert held[0]["trust"]["endorsements"][0]["note"] == "we pin it"
+
+
+def test_promote_and_consolidate_take_only_the_first_copy_of_a_doubled_local_id(shared):
+    """promote copied both copies of a hand-doubled local id to team (and the
+    drop took both from local); consolidate grouped the id with itself."""
+    item_id = _endorsed("Rotate the signing keys every ninety days")
+    path = _store_path(shared["a"])
+    lines = path.read_text().splitlines()
+    (line,) = [ln for ln in lines if item_id in ln]
+    second = line.replace("Rotate the signing keys every ninety days", "second copy").rstrip(",")
+    text = path.read_text()
+    path.write_text(text.replace(line, line.rstrip(",") + ",\n" + second + ("," if
+                                 line.endswith(",") else ""), 1))
+    cs.runtime().reset()
+    assert cs.status()["scopes"]["local"]["duplicate_ids"] == [item_id]
+    assert cs.consolidate(scope="local")["count"] == 0
+    res = cs.promote(item_id, force=True)
+    assert [c["content"] for c in res["promoted"]] == ["Rotate the signing keys every ninety days"]
+    assert [i["content"] for i in remote_json(shared["origin"], "cambium")["items"]] == [
+        "Rotate the signing keys every ninety days"]
+    left = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.id == item_id]
+    assert [i.content for i in left] == ["second copy"]               # kept, not lost
 
 
 def test_team_write_keeps_a_hand_edited_items_mistyped_fields(shared, tmp_path):
