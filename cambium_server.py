@@ -8465,7 +8465,7 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
                 continue
             outcomes[it.id] = run_check(cmd, cfg.repo, timeout_s)
             results.append({"id": it.id, "scope": scope, **outcomes[it.id]})
-        _record_checks(cfg, scope, outcomes)
+        _record_checks(cfg, outcomes)
     out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in results),
                            "failed": [r["id"] for r in results if not r["passed"]],
                            "results": results}
@@ -8476,19 +8476,26 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
     return out
 
 
-def _record_checks(cfg: Config, scope: str, outcomes: dict[str, dict]) -> None:
-    """Write check outcomes onto their items in one write to `scope`."""
+def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> None:
+    """Write check outcomes onto their items, one write per scope they live in
+    now: a check runs for a while, and its item may have moved up meanwhile
+    (recorded where locate finds it, as every change is)."""
     if not outcomes:
         return
     now = _now()
+    with moves_lock(cfg):
+        where: dict[str, dict[str, dict]] = {}
+        for item_id, outcome in outcomes.items():
+            with contextlib.suppress(NotFound):         # gone meanwhile: nothing to mark
+                where.setdefault(locate(cfg, item_id, highest=True)[0], {})[item_id] = outcome
+        for here, found in where.items():
+            def apply(doc: Doc, found: dict = found) -> Doc | None:
+                items = [checked(it, found[it.id], now=now) if it.id in found else it
+                         for it in doc.items]
+                return dataclasses.replace(doc, items=items)
 
-    def apply(doc: Doc) -> Doc | None:
-        items = [checked(it, outcomes[it.id], now=now) if it.id in outcomes else it
-                 for it in doc.items]
-        return dataclasses.replace(doc, items=items)
-
-    mutate(cfg, scope, apply, f"{cfg.agent} records {len(outcomes)} check result(s)",
-           pr_branch=pr_branch(cfg, scope, "updates"))
+            mutate(cfg, here, apply, f"{cfg.agent} records {len(found)} check result(s)",
+                   pr_branch=pr_branch(cfg, here, "updates"))
 
 
 # =============================================================================

@@ -2167,6 +2167,24 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
     assert cs.time.monotonic() - started < 5
 
 
+def test_a_check_outcome_lands_on_the_copy_its_item_moved_to_while_it_ran(shared, tmp_path):
+    """verify --run read an item in local, ran its check while a promote moved
+    the item to team, and wrote the outcome to local, where nothing held it."""
+    item_id = _endorsed("The nightly export finishes before six")
+    flag = tmp_path / "running"
+    assert cli("verify-cmd", item_id, f"touch {flag}; sleep 2; exit 7").returncode == 0
+    run = subprocess.Popen([sys.executable, str(SERVER), "verify", "--run"], env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = cs.time.time() + 30
+    while not flag.exists() and cs.time.time() < deadline:
+        cs.time.sleep(0.05)
+    cs.promote(item_id, force=True)                      # moves while the check runs
+    out, err = run.communicate(timeout=60)
+    assert run.returncode in (0, 1) and item_id in out, err
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
+    assert team["failing"]["exit"] == 7
+
+
 def test_rejecting_remote_fails_promote_and_item_stays_local(shared):
     hook = shared["origin"] / "hooks" / "pre-receive"
     hook.write_text("#!/bin/sh\necho 'policy: no pushes' >&2\nexit 1\n")
