@@ -9229,7 +9229,8 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
     """Apply a change to an item in the highest scope that holds it (locate);
     the tool's answer."""
     with moves_lock(cfg):
-        scope, _ = locate(cfg, item_id, highest=True)
+        scope, found = locate(cfg, item_id, highest=True)
+        _refuse_while_waiting(scope, found)
         item, write = change_item(cfg, scope, item_id, change, message)
     out = {"status": status, "scope": scope, "item": item_view(item)}
     if write and write.pr_url:
@@ -9604,6 +9605,7 @@ def correct(item_id: ItemId,
 def _correct(cfg: Config, item_id: str, content: Any, why: Any, force: bool) -> dict:
     scope, old = locate(cfg, item_id, highest=True)
     _require_active(old, "corrected")
+    _refuse_while_waiting(scope, old)
     now = _now()
     new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
     tells = org_tells(new) if scope == "org" else []
@@ -9647,6 +9649,16 @@ def _same_correction(doc: Doc, old: Item, new: Item) -> Item | None:
     if prior and prior[1].corrects == old.id and prior[1].content == new.content:
         return prior[1]
     return None
+
+
+def _refuse_while_waiting(scope: str, item: Item) -> None:
+    """Refuse to change a copy that waits on its org pull request: the merge
+    settles the move by dropping this copy, so the change would be lost."""
+    if item.pr_url and scope != "org":
+        raise Refused(f"item {item.id} waits on its org pull request {item.pr_url}: a change "
+                      f"to this {scope} copy now would be lost when it merges. Make it after "
+                      "the merge (review_promotions() settles it; the change then lands on "
+                      "org), or close the pull request first to withdraw the promotion.")
 
 
 def _require_active(item: Item, verb: str) -> None:

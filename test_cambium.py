@@ -2958,6 +2958,13 @@ def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monke
     team = remote_json(shared["origin"], "cambium")["items"]
     assert team[0]["id"] == item_id and team[0]["pr_url"] == res["pr_url"]
     assert cs.review_promotions()["pending_org_prs"][0]["pr_url"] == res["pr_url"]
+    # a change to the waiting copy would be dropped with it when the PR settles
+    for change in (lambda: cs.deprecate(item_id, reason="obsolete"),
+                   lambda: cs.endorse(item_id, note="me too"),
+                   lambda: cs.correct(item_id, "Every flag gets an owner")):
+        with pytest.raises(cs.Refused, match="waits on its org pull request"):
+            change()
+    assert remote_json(shared["origin"], "cambium")["items"] == team       # unchanged
     # a reviewer merges the PR
     merger = clone(shared["org_bare"], tmp_path / "merger")
     git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{item_id}")
@@ -2966,6 +2973,8 @@ def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monke
     assert review["settled_org_prs"] == [item_id] and review["pending_org_prs"] == []
     assert team_ids(shared["origin"]) == set()
     assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
+    after = cs.endorse(item_id, note="me too")          # settled: the change lands on org
+    assert after["scope"] == "org" and after["pr_url"]
 
 
 def _pr_mode(monkeypatch, tmp_path, shared) -> Path:
