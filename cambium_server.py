@@ -10579,7 +10579,7 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     Returns the exit code: 1 when the address cannot be bound."""
     import anyio
     import uvicorn
-    url = f"http://{host}:{port}/mcp"
+    url = f"http://{f'[{host}]' if ':' in host and not host.startswith('[') else host}:{port}/mcp"
     try:
         sock = bind_http(host, port)
     except OSError as e:
@@ -10734,6 +10734,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CambiumError, OSError) as e:
         print(f"{_prog()} {args.command}: {cli_syntax(error_text(e))}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:                   # Ctrl-C: one line, the shell's 130
+        print(f"{_prog()} {args.command}: interrupted. Each write is all or nothing; a "
+              "promote cut short is finished by running it again.", file=sys.stderr)
+        return 130
 
 
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:

@@ -2160,6 +2160,13 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
     cli_proc.wait(timeout=30)
     cs.time.sleep(4)                                 # the hook would have let it land
     assert item_id not in team_ids(shared["origin"])
+    ctrl_c = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--force"],
+                              env=child_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    cs.time.sleep(1.5)
+    ctrl_c.send_signal(2)                            # Ctrl-C: one line, no traceback
+    err = ctrl_c.communicate(timeout=30)[1]
+    assert ctrl_c.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     started = cs.time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         cs.run_bounded(["sh", "-c", "setsid sleep 15 & sleep 30"], cwd=tmp_path,
