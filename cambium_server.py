@@ -2469,25 +2469,35 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
     of it (the same text under another id: a distill or import made it again
     while the original was set aside) stays the one item: the copy is
     superseded by it, its credits and endorsements carried over
-    (merged_survivor), and watermarks naming the copy name the original.
+    (merged_survivor), and watermarks naming the copy name the original. One
+    whose copy was retired meanwhile comes back retired the same way
+    (retired_like).
     Pure and idempotent."""
     at = {it.id: i for i, it in enumerate(doc.items)}
     items = list(doc.items)
-    twins = {content_key(it): i for i, it in enumerate(items) if it.active}
-    counts = {"restored": 0, "updated": 0, "already_here": 0, "copies_folded": 0}
+    twins: dict[str, int] = {}
+    for i, it in enumerate(items):                 # per text: its active copy, else the last
+        k = content_key(it)
+        if it.active or k not in twins or not items[twins[k]].active:
+            twins[k] = i
+    counts = {"restored": 0, "updated": 0, "already_here": 0, "copies_folded": 0,
+              "retired_like_copy": 0}
     renamed: dict[str, str] = {}
     for it in back.items:
         i = at.get(it.id)
         if i is None:
             t = twins.get(content_key(it)) if it.active else None
-            if t is not None and items[t].active and items[t].created_at >= it.created_at:
-                copy = items[t]
+            copy = items[t] if t is not None and items[t].created_at >= it.created_at else None
+            if copy is not None and copy.active:
                 items[t] = supersede(copy, it.id, agent=agent, now=now,
                                      why="restored: this is a copy of it, made while it was "
                                          "set aside")
                 it = merged_survivor(it, it.trust, [(copy, copy.trust)], now=now)
                 renamed[copy.id] = it.id
                 counts["copies_folded"] += 1
+            elif copy is not None:                 # its copy was retired meanwhile: so is it
+                it = retired_like(it, copy, agent=agent, now=now)
+                counts["retired_like_copy"] += 1
             at[it.id] = len(items)
             items.append(it)
             counts["restored"] += 1
@@ -2503,6 +2513,20 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
     if not counts["restored"] and not counts["updated"] and meta == doc.meta:
         return None, counts
     return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
+
+
+def retired_like(item: Item, copy: Item, *, agent: str, now: str) -> Item:
+    """`item` retired the way its younger copy was while it was set aside:
+    deprecated with the copy's reason, or superseded by what superseded the
+    copy (a person's correction), so restoring never brings retired text back."""
+    how = f"restored after its copy {copy.id} was retired"
+    if copy.status == "superseded":
+        by = copy.superseded_by.get("id") if isinstance(copy.superseded_by, dict) else None
+        if isinstance(by, str):
+            return supersede(item, by, agent=agent, now=now, why=how)
+    reason = copy.deprecated.get("reason") if isinstance(copy.deprecated, dict) else None
+    return dataclasses.replace(item, status="deprecated", updated_at=now, deprecated={
+        "by": agent, "at": now, "reason": f"{how}: {reason or copy.status}"})
 
 
 LINK_TAG = ".symlink-"    #: credits.jsonl.symlink-<time>: a link found in .cambium/, set aside

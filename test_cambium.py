@@ -1075,6 +1075,32 @@ def test_restore_folds_the_copy_a_distill_made_while_the_store_was_set_aside(rep
     assert sum(i.active for i in cs.store(cs.require_config(), "local").read().items) == 1
 
 
+def test_restore_brings_an_original_back_retired_when_its_copy_was_retired_meanwhile(repo):
+    """While the store was set aside, an import re-made two items; one copy was
+    deprecated, a person corrected the other. restore brought both originals
+    back active: retired text served again, beside the correction."""
+    a = cs.capture("The billing cron runs at midnight")["item"]["id"]
+    b = cs.capture("Staging database is reset weekly")["item"]["id"]
+    path = _store_path(repo)
+    good = path.read_bytes()
+    path.write_bytes(b"garbage\n")
+    cs.runtime().reset()
+    a2 = cs.capture("The billing cron runs at midnight")["item"]["id"]
+    b2 = cs.capture("Staging database is reset weekly")["item"]["id"]
+    cs.deprecate(a2, reason="billing moved to the queue")
+    fix = cs.correct(b2, "Staging database is reset daily")["item"]["id"]
+    (aside,) = path.parent.glob("knowledge.json.corrupt-*")
+    aside.write_bytes(good)
+    res = cs.restore(str(aside))
+    assert res["restored"] == 2 and res["retired_like_copy"] == 2
+    items = {i.id: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert items[a].status == "deprecated"
+    assert "billing moved to the queue" in items[a].deprecated["reason"]
+    assert items[b].status == "superseded" and items[b].superseded_by["id"] == fix
+    assert [r["id"] for r in cs.recall("staging database reset")["results"]] == [fix]
+    assert not cs.recall("billing cron midnight")["results"]
+
+
 def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(repo):
     """Pointed at the store itself, restore refuses (it used to rename the live
     store away, emptying local scope); a copy the user made is merged but left
