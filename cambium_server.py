@@ -8021,6 +8021,12 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
         item = _find_item(docs[where], entry["id"])[1]
         if not item.active:
             continue
+        if item.pr_url and where != "org":         # the merge would drop the retirement
+            pending.append(entry)
+            warnings.append(f"context-keeper {entry['ref']} is retired at its source; its "
+                            f"{where} item {entry['id']} waits on its org pull request "
+                            f"{item.pr_url} and is retired once that settles")
+            continue
 
         def retire(it: Item, reason: str = entry["reason"]) -> Item | None:
             if not it.active:

@@ -4986,6 +4986,37 @@ def test_distill_retires_a_promoted_item_when_its_decision_is_superseded(shared)
     assert again["retired"] == 0 and again["imported"] == 0
 
 
+def test_distill_waits_to_retire_an_item_whose_org_pull_request_is_open(
+        shared, monkeypatch, tmp_path):
+    """distill retired the team copy of an item waiting on its org PR; the
+    merge then dropped that copy, and org published the retired decision."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    ctx = shared["a"] / ".context"
+    ctx.mkdir()
+    (ctx / "decisions.json").write_text(json.dumps(
+        [_decision("dec-001", "Deploy with blue-green switches")]))
+    item_id = cs.distill()["items"][0]["id"]
+    cs.endorse(item_id, note="deploys switch whole environments at once")
+    cs.promote(item_id, force=True)
+    assert cs.promote(item_id, to_scope="org", force=True)["status"] == "pr_opened"
+    (ctx / "decisions.json").write_text(json.dumps([
+        _decision("dec-001", "Deploy with blue-green switches", "superseded", "dec-002"),
+        _decision("dec-002", "Deploy with rolling canaries")]))
+    res = cs.distill()
+    assert any("waits on its org pull request" in w for w in res["warnings"])
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
+    assert team["status"] == "active"                    # left for the merge to carry
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{item_id}")
+    git(merger, "push", "-q", "origin", "main")
+    assert cs.review_promotions()["settled_org_prs"] == [item_id]
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")          # (a direct write, to read it back)
+    again = cs.distill()
+    assert again["retired_items"][0]["scope"] == "org"
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert org["status"] == "deprecated"
+
+
 def test_release_capture_prompts_to_reverify_related_promoted_entries(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
     old = _endorsed("Invoice totals are computed in integer cents", "money in cents")
