@@ -7285,8 +7285,7 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
         here = _find_item(store(cfg, scope).read(digest=True), item_id)
         if here is None or here[1] != done.item:   # the branch holds a change org lacks,
             st = store(cfg, scope)                  # its PR never opened (gh failed)
-            write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}",
-                                   "Opened by cambium. Review is the gate; merge to publish.")
+            write.pr_url = open_pr(cfg, st, branch, f"cambium: {message}", PR_BODY)
     return done.item, write
 
 
@@ -7304,6 +7303,9 @@ def pr_branch_name(topic: str) -> str:
     return f"cambium/{topic}"
 
 
+PR_BODY = "Opened by cambium. Review is the gate; merge to publish."   #: a PR's default body
+
+
 def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: str, *,
            pr_branch: str | None = None, pr_body: str | None = None,
            ensure_files: bool = False, ensure_pr: bool = False) -> Write:
@@ -7317,7 +7319,7 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
     write = st.mutate(fn, f"cambium: {message}", branch=pr_branch, ensure_files=ensure_files)
     if pr_branch and write.branch == pr_branch and (write.commit or ensure_pr):
         write.pr_url = open_pr(cfg, st, pr_branch, f"cambium: {message}", pr_body or
-                               "Opened by cambium. Review is the gate; merge to publish.")
+                               PR_BODY)
     return write
 
 
