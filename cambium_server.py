@@ -7393,6 +7393,7 @@ class Moved:
     write: Write
     landed: list
     refused: dict
+    kept: list = field(default_factory=list)   # changed below meanwhile: both copies kept
 
 
 _MOVES_HELD = threading.local()
@@ -7437,11 +7438,15 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
           pr_branch: str | None, pr_body: str | None) -> Moved:
     ids = {it.id for it in items}
 
+    made: dict[str, Item] = {}      # id -> the source version its copy was made from
+
     def plan(doc: Doc) -> MovePlan:
         waiting = ids - {it.id for it in doc.items}
         current = [it for it in first_copies(store(cfg, src).read().items) if it.id in waiting]
         verdicts = {it.id: gate(it) for it in current}
-        copies = [copy(it) for it in current if verdicts[it.id].allowed]
+        made.clear()
+        made.update((it.id, it) for it in current if verdicts[it.id].allowed)
+        copies = [copy(it) for it in made.values()]
         return MovePlan(dataclasses.replace(doc, items=doc.items + copies) if copies else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
 
@@ -7460,14 +7465,70 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held or marking:
+        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, copy)
+        return Moved(write, landed, planned.refused, kept)
+    return Moved(write, landed, planned.refused)
+
+
+CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy meanwhile
+
+
+def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
+                made: dict[str, Item], above: Doc, copy: Callable[[Item], Item]) -> list[str]:
+    """Drop from src the copies that landed in dst. A source copy changed since
+    its copy was made (a teammate's endorse, deprecate or correct from another
+    clone, a credit fold, in the second between the two writes) is not dropped
+    as it stands: the change is carried up first, by copying it again over a
+    dst copy that nobody changed since; then it leaves. Returns the ids whose
+    change could not be carried (both copies kept, named in the answer)."""
+    made = {k: v for k, v in made.items() if k in held}
+    copied = {it.id: it for it in first_copies(above.items) if it.id in made}
+    pending, kept = set(held), set()
+    for _ in range(CARRY_ROUNDS + 1):
+        changed: dict[str, Item] = {}
+
         def drop(d: Doc) -> Doc:         # the copy that moved: a doubled id's first only
+            changed.clear()
+            changed.update((it.id, it) for it in first_copies(d.items)
+                           if it.id in made and it.id in pending and it != made[it.id])
             gone: set[str] = set()
+            out = pending - changed.keys()
             left = dataclasses.replace(d, items=[
-                i for i in d.items if i.id not in held or i.id in gone or gone.add(i.id)])
+                i for i in d.items if i.id not in out or i.id in gone or gone.add(i.id)])
             return _marked_moving(left, ids, None) or left      # (refused ones too)
 
-        mutate(cfg, src, drop, f"{len(held)} item(s) moved to {dst}: {', '.join(sorted(held))}")
-    return Moved(write, landed, planned.refused)
+        mutate(cfg, src, drop, f"{len(pending)} item(s) moved to {dst}: {', '.join(sorted(pending))}")
+        if not changed:
+            return sorted(kept)
+        pending = set(changed)
+        recopied = _carry_up(cfg, dst, changed, copied, copy)
+        kept |= pending - recopied.keys()
+        pending &= recopied.keys()
+        made = {k: changed[k] for k in pending}
+        copied = {k: recopied[k] for k in pending}
+        if not pending:
+            break
+    return sorted(kept | pending)
+
+
+def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str, Item],
+              copy: Callable[[Item], Item]) -> dict[str, Item]:
+    """Replace in dst each copy that still reads as `copied` left it with a copy
+    of the source's changed version; returns the new copies (id -> item)."""
+    out: dict[str, Item] = {}
+
+    def apply(doc: Doc) -> Doc | None:
+        out.clear()
+        items, seen = list(doc.items), set()
+        for n, it in enumerate(items):
+            if it.id in changed and it.id not in seen and it == copied.get(it.id):
+                items[n] = out[it.id] = copy(changed[it.id])
+            seen.add(it.id)
+        return dataclasses.replace(doc, items=items) if out else None
+
+    if changed:
+        mutate(cfg, dst, apply, f"carry the change made meanwhile to {', '.join(sorted(changed))}")
+    return dict(out)
 
 
 MOVING_META = "moving"     #: local meta: id -> the scope a move of it is copying it to
@@ -9352,7 +9413,17 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
         raise _unmoved(e, "local")
     return {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
             "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
-                         for c in moved.landed]}
+                         for c in moved.landed], **kept_both(moved, "local", "team")}
+
+
+def kept_both(moved: Moved, src: str, dst: str) -> dict:
+    """The warning for items changed in src while they moved (see _drop_moved)."""
+    if not moved.kept:
+        return {}
+    return {"kept_both": moved.kept, "warnings": [
+        f"{', '.join(moved.kept)} changed in {src} scope while moving to {dst}, and the "
+        f"{dst} copy changed too: both copies are kept, the {dst} one is served; make the "
+        f"{src} change again (it now lands on the {dst} copy) and promote to finish"]}
 
 
 def _org_refusal(item: Item, verdict: Verdict) -> dict:
@@ -9413,7 +9484,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
                 "source_scope": scope, "note": f"the {scope} copy stays until the PR merges"}
     return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit, **out,
-            "published": ["knowledge.json", "KNOWLEDGE.md"]}
+            "published": ["knowledge.json", "KNOWLEDGE.md"], **kept_both(moved, scope, "org")}
 
 
 def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(

@@ -1929,6 +1929,109 @@ def test_a_change_made_while_a_promote_is_between_push_and_drop_waits_and_lands(
     assert item_id not in {i.id for i in local.items} and cs.MOVING_META not in local.meta
 
 
+def _git_pausing_after_push(tmp_path: Path, seconds: int) -> tuple[Path, Path]:
+    """A git wrapper dir that touches a mark and sleeps after every push."""
+    wrap, mark = tmp_path / "wrap", tmp_path / "pushed"
+    wrap.mkdir()
+    (wrap / "git").write_text(f"#!/bin/sh\n{shutil.which('git')} \"$@\"; rc=$?\n"
+                              f"case \" $* \" in *\" push \"*) touch {mark}; sleep {seconds};; "
+                              "esac\nexit $rc\n")
+    (wrap / "git").chmod(0o755)
+    return wrap, mark
+
+
+def test_a_teammates_change_in_another_clone_during_a_team_to_org_move_is_carried_up(
+        shared, monkeypatch, tmp_path):
+    """Clone B deprecated a team item in the second between clone A's org push
+    and its team drop (the move lock is per clone): the drop deleted the
+    deprecated team copy and the org copy stayed active for everyone. The drop
+    now sees the change and carries it to the org copy before it leaves."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Pin every base image by digest")
+    cs.promote()
+    assert item_id in team_ids(shared["origin"])
+    org_commits = git(shared["org_bare"], "rev-list", "--count", "main")
+    wrap, mark = _git_pausing_after_push(tmp_path, 3)
+    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--to", "org",
+                             "--force"],
+                            env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = cs.time.time() + 60
+    while not mark.exists() and cs.time.time() < deadline:
+        cs.time.sleep(0.05)
+    assert mark.exists() and item_id in team_ids(shared["origin"])    # on org, not dropped
+    assert item_id in team_ids(shared["org_bare"], "main")
+    env_b = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
+                                        CAMBIUM_AGENT_ID="bob").items()
+             if k != "CAMBIUM_ORG_REPO"}                 # B has no org: it sees the team copy
+    dep = subprocess.run([sys.executable, str(SERVER), "deprecate", item_id, "--reason",
+                          "we build from source now"], env=env_b, cwd=shared["b"],
+                         capture_output=True, text=True, timeout=60)
+    assert dep.returncode == 0 and json.loads(dep.stdout)["scope"] == "team", dep.stderr
+    out, err = slow.communicate(timeout=90)
+    assert slow.returncode == 0, err
+    assert "kept_both" not in json.loads(out)
+    assert item_id not in team_ids(shared["origin"])
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert org["status"] == "deprecated" and org["deprecated"]["reason"] == \
+        "we build from source now" and org["deprecated"]["by"] == "bob"
+    assert "Pin every base image" not in remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
+    assert int(git(shared["org_bare"], "rev-list", "--count", "main")) == int(org_commits) + 2
+
+
+def test_a_move_keeps_both_copies_when_both_changed_meanwhile(shared, monkeypatch, tmp_path):
+    """Both sides changed in the window (B deprecated the team copy, C endorsed
+    the org copy): neither change may overwrite the other, so both copies stay
+    and the answer says so."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Tag every release with its changelog")
+    cs.promote()
+    wrap, mark = _git_pausing_after_push(tmp_path, 4)
+    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--to", "org",
+                             "--force"],
+                            env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = cs.time.time() + 60
+    while not mark.exists() and cs.time.time() < deadline:
+        cs.time.sleep(0.05)
+    assert mark.exists()
+    base = child_env(CAMBIUM_REPO=str(shared["b"]))
+    org_c = clone(shared["org_bare"], tmp_path / "org-c")
+    env_c = {**base, "CAMBIUM_AGENT_ID": "cy", "CAMBIUM_ORG_REPO": str(org_c)}
+    for args in (["recall", "release changelog", "--scope", "org"],     # C fetches org
+                 ["endorse", item_id, "--note", "yes"]):
+        end = subprocess.run([sys.executable, str(SERVER), *args], env=env_c, cwd=shared["b"],
+                             capture_output=True, text=True, timeout=60)
+    no_org = {k: v for k, v in base.items() if k != "CAMBIUM_ORG_REPO"}
+    dep = subprocess.run([sys.executable, str(SERVER), "deprecate", item_id, "--reason",
+                          "superseded by the release bot"], env={**no_org,
+                          "CAMBIUM_AGENT_ID": "bob"}, cwd=shared["b"], capture_output=True,
+                         text=True, timeout=60)
+    assert dep.returncode == 0 and end.returncode == 0, (dep.stderr, end.stderr)
+    assert json.loads(end.stdout)["scope"] == "org"
+    out, err = slow.communicate(timeout=90)
+    assert slow.returncode == 0, err
+    res = json.loads(out)
+    assert res["kept_both"] == [item_id] and item_id in res["warnings"][0]
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert team["status"] == "deprecated"
+    assert org["status"] == "active" and "cy" in {e["by"] for e in org["trust"]["endorsements"]}
+
+
+def test_a_move_with_no_change_meanwhile_writes_the_destination_once(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Rotate signing keys every quarter")
+    cs.promote()
+    team_before = int(git(shared["origin"], "rev-list", "--count", "cambium"))
+    org_before = int(git(shared["org_bare"], "rev-list", "--count", "main"))
+    res = cs.promote(item_id, to_scope="org", force=True)
+    assert res["status"] == "promoted" and "kept_both" not in res
+    assert int(git(shared["org_bare"], "rev-list", "--count", "main")) == org_before + 1
+    assert int(git(shared["origin"], "rev-list", "--count", "cambium")) == team_before + 1
+    assert item_id not in team_ids(shared["origin"])
+
+
 @pytest.mark.parametrize("branch_exists", [False, True])
 def test_two_agents_promoting_at_once_both_land(shared, monkeypatch, branch_exists):
     if branch_exists:
