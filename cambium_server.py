@@ -192,6 +192,11 @@ class NotFound(CambiumError):
     """No item with that id in any readable scope."""
 
 
+class LeftScope(NotFound):
+    """The item left the scope between finding it and writing there (another
+    clone moved it up): found again, the change follows it."""
+
+
 class Refused(CambiumError):
     """A gate said no; the message carries the reason."""
 
@@ -998,7 +1003,7 @@ _BAD_REF = re.compile(r"(^[-./])|(\.\.)|([\x00-\x20~^:?*\[\\\x7f])|(@\{)|(//)|([
 
 def is_valid_branch(name: str) -> bool:
     """git check-ref-format --branch rules, plus no leading '-' (option injection)."""
-    return bool(name) and name != "@" and not _BAD_REF.search(name)
+    return bool(name) and name not in ("@", "HEAD") and not _BAD_REF.search(name)
 
 
 def _find_git_root(start: Path) -> Path | None:
@@ -4210,8 +4215,14 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
     if size > MAX_IMPORT_JSONL_BYTES:
         raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
                          f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:               # up to the size it had: a file still
+        left = size                            # growing is read as it was at the start
+        for n, raw in enumerate(f, 1):
+            if left <= 0:
+                break
+            left -= len(raw)
+            line = (raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw).decode(
+                "utf-8", "replace")
             if not line.strip():
                 continue
             try:
@@ -4243,11 +4254,16 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
         yield json_record_to_draft(rec, f"record {i}", origin=path.name)
 
 
+MAX_FIRST_LINE_CHARS = 32 * 1024 * 1024   #: a longer first line is no JSONL record
+
+
 def _looks_like_jsonl(path: Path) -> bool:
     """True when the first non-empty line is a complete JSON object on its own
     that is a record (a one-line wrapper object is a document, not JSONL)."""
     with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for line in f:
+        for line in iter(lambda: f.readline(MAX_FIRST_LINE_CHARS + 1), ""):
+            if len(line) > MAX_FIRST_LINE_CHARS:
+                return False         # no record is that long: one document (size-checked)
             if line.strip():
                 try:
                     first = json.loads(line)
@@ -4266,7 +4282,9 @@ def _later_lines_are_records(path: Path, probe: int = 20) -> bool:
     line is malformed (a pretty-printed record has no such line)."""
     seen = 0
     with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for line in f:
+        for line in iter(lambda: f.readline(MAX_FIRST_LINE_CHARS + 1), ""):
+            if len(line) > MAX_FIRST_LINE_CHARS:
+                return False
             if not line.strip():
                 continue
             seen += 1
@@ -7118,6 +7136,8 @@ def _org_store(cfg: Config) -> GitStore:
     if not (org / ".git").exists():
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")
+    if cfg.repo is not None and (problem := org_clone_problem(org, cfg.repo)):
+        raise ConfigError(f"CAMBIUM_ORG_REPO={org} {problem}")
     if not _has_remote(org, "origin", cfg.git_timeout_s):
         raise ConfigError(f"the org clone {org} has no 'origin' remote to publish to.")
     branches = runtime().org_branches
@@ -7127,6 +7147,18 @@ def _org_store(cfg: Config) -> GitStore:
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
                     extra_files=org_markdown, checkout=True)
+
+
+def org_clone_problem(org: Path, project: Path) -> str | None:
+    """Why a path cannot be the org clone for this project: cambium keeps the org
+    clone's checkout in sync by force, so it must be a clone of its own, never
+    the project (or a repo around or inside it)."""
+    o, p = os.path.realpath(org), os.path.realpath(project)
+    if o == p or o.startswith(p + os.sep) or p.startswith(o + os.sep):
+        return ("is the project's own checkout (or inside it, or around it); the org clone "
+                "must be a separate clone of the org knowledge repo, which cambium keeps "
+                "in sync by force.")
+    return None
 
 
 def _org_default_branch(org: Path, timeout_s: float) -> str:
@@ -7222,7 +7254,8 @@ def federated_items(docs: dict[str, Doc]) -> list[Item]:
     return out
 
 
-def locate(cfg: Config, item_id: str, *, highest: bool = False) -> tuple[str, Item]:
+def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = False
+           ) -> tuple[str, Item]:
     """(scope, item) for an id, searching local, then team, then org: a shared
     scope is fetched only when the scopes below it do not hold the item.
     highest: the tools that change an item want the highest scope holding it.
@@ -7238,7 +7271,7 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False) -> tuple[str, It
     for scope in SCOPES:
         try:
             st = store(cfg, scope)
-            doc = st.read() if found is None or fetch_above else st.peek()
+            doc = st.read() if found is None or fetch_above or fresh else st.peek()
         except ScopeOff:
             continue
         except (CorruptStore, GitError, ConfigError) as e:
@@ -7274,7 +7307,7 @@ def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], 
     def plan(doc: Doc) -> Changed:
         hit = _find_item(doc, item_id)
         if hit is None:
-            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+            raise LeftScope(f"No item {item_id} in {scope} scope any more; recall lists ids.")
         new = change(hit[1])
         return Changed(None if new is None else _replace_item(doc, hit[0], new), new or hit[1])
 
@@ -7487,7 +7520,7 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
     for _ in range(CARRY_ROUNDS + 1):
         changed: dict[str, Item] = {}
 
-        def drop(d: Doc) -> Doc:         # the copy that moved: a doubled id's first only
+        def drop(d: Doc) -> Doc | None:  # the copy that moved: a doubled id's first only
             changed.clear()
             changed.update((it.id, it) for it in first_copies(d.items)
                            if it.id in made and it.id in pending and it != made[it.id])
@@ -7495,7 +7528,10 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
             out = pending - changed.keys()
             left = dataclasses.replace(d, items=[
                 i for i in d.items if i.id not in out or i.id in gone or gone.add(i.id)])
-            return _marked_moving(left, ids, None) or left      # (refused ones too)
+            unmarked = _marked_moving(left, ids, None)            # (refused ones too)
+            if unmarked is None and len(left.items) == len(d.items):
+                return None              # gone already (a peer settled it): no empty commit
+            return unmarked or left
 
         mutate(cfg, src, drop, f"{len(pending)} item(s) moved to {dst}: {', '.join(sorted(pending))}")
         if not changed:
@@ -8766,9 +8802,11 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     org_offer = None
     if org_repo:
         org_offer, org_path = _resolve_org_repo(org_repo)
+        if org_path and (clash := org_clone_problem(org_path, root)):
+            raise InputError(f"org_repo {org_path} {clash}")
         if org_path:
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
-    _scaffold_local(root)
+    ignore_note = _scaffold_local(root)
     cfg_path = config_file_path(env)
     _write_config(cfg_path, updates)
     binding = repo_binding(resolve_config(env))
@@ -8777,7 +8815,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     shadowed = [k for k in updates if k != "CAMBIUM_REPO" and env.get(k) not in (None, "")
                 and env.get(k) != updates[k]]
     warnings = [f"{k} is also set in the environment, which wins over the config file; "
-                "unset it to use the value just written." for k in shadowed]
+                "unset it to use the value just written." for k in shadowed] + ignore_note
     if binding["repo"] != str(root):
         warnings.append(f"this process works in {binding['repo']} ({binding['because']}); "
                         f"{root} is used only by processes started outside any git repo.")
@@ -8786,21 +8824,28 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
 
 
 def _write_config(path: Path, updates: dict[str, str]) -> None:
-    """Merge updates into the config file, owner-only; an unreadable one is moved aside."""
-    current: dict = {}
-    if os.path.lexists(path):
-        try:
-            current = json.loads(_read_config_file(path))
-        except (OSError, ValueError, RecursionError):
-            current = None
-        if not isinstance(current, dict):
-            os.replace(path, path.with_name(path.name + ".bad"))
-            current = {}
-    current.update(updates)
+    """Merge updates into the config file, owner-only, under its lock (two setups
+    at once keep both's settings); an unreadable one is moved aside, never over
+    an earlier one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         os.chmod(path.parent, 0o700)
-    atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
+    with file_lock(path):
+        current: dict = {}
+        if os.path.lexists(path):
+            try:
+                current = json.loads(_read_config_file(path))
+            except (OSError, ValueError, RecursionError):
+                current = None
+            if not isinstance(current, dict):
+                aside = path.with_name(path.name + ".bad")
+                if os.path.lexists(aside):
+                    aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}"
+                                           f"-{os.getpid()}")
+                os.replace(path, aside)
+                current = {}
+        current.update(updates)
+        atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
 
 
 def repo_binding(cfg: Config) -> dict:
@@ -8857,20 +8902,39 @@ def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
                      "GitHub owner/name.")
 
 
-def _scaffold_local(root: Path) -> None:
-    """Create .cambium/ with an empty store, and ignore it in .gitignore once."""
+def _scaffold_local(root: Path) -> list[str]:
+    """Create .cambium/ with an empty store, and ignore it in .gitignore once.
+    A .gitignore that is not a regular file (a link, a FIFO, a directory) is
+    left alone: the warning returned says to add the line by hand."""
+    gi = root / ".gitignore"
+    try:
+        st = os.lstat(gi)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not _stat.S_ISREG(st.st_mode):
+        odd = "a symbolic link" if _stat.S_ISLNK(st.st_mode) else "not a regular file"
+        note = [f"{gi} is {odd}, so setup left it alone: add '{LOCAL_DIR}/' to your "
+                "ignore rules by hand"]
+    else:
+        note = []
     d = root / LOCAL_DIR
     d.mkdir(exist_ok=True)
     store = d / STORE_FILE
     if not store.exists():
         atomic_write(store, render_store(Doc(items=[])))
-    gi = root / ".gitignore"
-    raw = gi.read_bytes() if gi.exists() else b""
+    if note:
+        return note
+    try:
+        raw = read_regular(gi, 64 * MAX_CONFIG_BYTES) if st is not None else b""
+    except OSError as e:
+        return [f"{gi} was left alone ({e}): add '{LOCAL_DIR}/' to your ignore rules by hand"]
     entries = {line.strip().rstrip(b"/") for line in raw.splitlines()}
     if not entries & {LOCAL_DIR.encode(), b"/" + LOCAL_DIR.encode()}:
-        with open(gi, "ab") as f:                   # append: the user's lines stay as they are
+        fd = os.open(gi, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with open(fd, "ab") as f:                   # append: the user's lines stay as they are
             f.write((b"\n" if raw and not raw.endswith(b"\n") else b"") +
                     LOCAL_DIR.encode() + b"/\n")
+    return []
 
 
 def capture(content: Annotated[str, Field(
@@ -9322,9 +9386,15 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
     """Apply a change to an item in the highest scope that holds it (locate);
     the tool's answer."""
     with moves_lock(cfg):
-        scope, found = locate(cfg, item_id, highest=True)
-        _refuse_while_waiting(scope, found)
-        item, write = change_item(cfg, scope, item_id, change, message)
+        for fresh in (False, True):          # once more, read for real, if it moved away
+            scope, found = locate(cfg, item_id, highest=True, fresh=fresh)
+            _refuse_while_waiting(scope, found)
+            try:
+                item, write = change_item(cfg, scope, item_id, change, message)
+                break
+            except LeftScope:
+                if fresh:
+                    raise
     out = {"status": status, "scope": scope, "item": item_view(item)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
@@ -9706,7 +9776,15 @@ def correct(item_id: ItemId,
 
 
 def _correct(cfg: Config, item_id: str, content: Any, why: Any, force: bool) -> dict:
-    scope, old = locate(cfg, item_id, highest=True)
+    try:
+        return _correct_once(cfg, item_id, content, why, force, False)
+    except LeftScope:                    # moved up by another clone meanwhile: follow it
+        return _correct_once(cfg, item_id, content, why, force, True)
+
+
+def _correct_once(cfg: Config, item_id: str, content: Any, why: Any, force: bool,
+                  fresh: bool) -> dict:
+    scope, old = locate(cfg, item_id, highest=True, fresh=fresh)
     _require_active(old, "corrected")
     _refuse_while_waiting(scope, old)
     now = _now()
@@ -9723,7 +9801,7 @@ def _correct(cfg: Config, item_id: str, content: Any, why: Any, force: bool) -> 
     def apply(doc: Doc) -> Doc | None:
         hit = _find_item(doc, item_id)
         if hit is None:
-            raise NotFound(f"No item {item_id} in {scope} scope any more; recall lists ids.")
+            raise LeftScope(f"No item {item_id} in {scope} scope any more; recall lists ids.")
         made[:] = [_same_correction(doc, hit[1], new) or new]
         if made[0] is not new:          # a retry: its pull request may never have opened
             return None
@@ -10632,11 +10710,31 @@ def is_loopback(host: str) -> bool:
 def http_bind_problem(host: str, token: str | None) -> str | None:
     """Why `serve --http` must not bind `host` with this token, or None (pure).
     (The port's range is serve's Field, which the CLI parser checks.)"""
+    if token is not None and token != token.strip():
+        return (f"{HTTP_TOKEN_ENV} starts or ends with white space, which HTTP strips from "
+                "the header a client sends, so no request could match it: set it without.")
     if not is_loopback(host) and not token:
         return (f"refusing to serve on {host}: a non-loopback bind is reachable from other "
                 f"machines, so it needs {HTTP_TOKEN_ENV} set (then every request must send "
                 f"'Authorization: Bearer <token>'). Use --host 127.0.0.1 to stay local.")
     return None
+
+
+def rebinding_guard(host: str) -> Any:
+    """The SDK's Host/Origin check for any loopback bind (it turns it on by
+    itself only for the literal 127.0.0.1, localhost and ::1, not for
+    127.0.0.2 or [::1]); None (no check) for a non-loopback bind, which a
+    token guards."""
+    if not is_loopback(host):
+        return None
+    from mcp.server.transport_security import TransportSecuritySettings
+    bare = host.strip("[]")
+    named = f"[{bare}]" if ":" in bare else bare
+    hosts = {"127.0.0.1", "localhost", "[::1]", named}
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=sorted(f"{h}:*" for h in hosts),
+        allowed_origins=sorted(f"http://{h}:*" for h in hosts))
 
 
 def require_bearer(app: Callable, token: str) -> Callable:
@@ -10692,7 +10790,7 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         print(f"cambium: cannot serve on {url}: {e.strerror or e} ({fix})",
               file=sys.stderr, flush=True)
         return 1
-    app = server.streamable_http_app(host=host)
+    app = server.streamable_http_app(host=host, transport_security=rebinding_guard(host))
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")

@@ -564,6 +564,68 @@ def test_setup_accepts_local_org_clone(tmp_path):
     assert cs.resolve_config().org_pr is True
 
 
+def test_setup_refuses_the_project_itself_as_the_org_clone(tmp_path, monkeypatch):
+    """org_repo = the project (or a folder in it) was accepted, and the org
+    store force-synced the project's own checkout: branch switched, uncommitted
+    work gone."""
+    r = make_repo(tmp_path)
+    (r / "sub").mkdir()
+    for org in (r, r / "sub"):
+        with pytest.raises(cs.InputError, match="project's own checkout"):
+            cs.setup(str(r), "ada", org_repo=str(org))
+    assert not Path(os.environ["CAMBIUM_CONFIG_FILE"]).exists()
+    monkeypatch.setenv("CAMBIUM_REPO", str(r))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(r))             # the same, set by hand
+    with pytest.raises(cs.ConfigError, match="project's own checkout"):
+        cs.store(cs.resolve_config(), "org")
+
+
+@pytest.mark.parametrize("odd", ["fifo", "link", "dangling", "dir"])
+def test_setup_leaves_a_gitignore_that_is_no_regular_file_alone(tmp_path, odd):
+    """A FIFO .gitignore hung setup; a linked one had .cambium/ appended to a
+    file outside the repo (a dangling link created its target)."""
+    r = make_repo(tmp_path)
+    outside = tmp_path / "outside.txt"
+    gi = r / ".gitignore"
+    if odd == "fifo":
+        os.mkfifo(gi)
+    elif odd == "link":
+        outside.write_text("mine\n")
+        gi.symlink_to(outside)
+    elif odd == "dangling":
+        gi.symlink_to(outside)
+    else:
+        gi.mkdir()
+    out = cs.setup(str(r), "ada")
+    assert out["status"]["configured"] is True
+    assert any(".gitignore" in w and "by hand" in w for w in out["warnings"])
+    assert outside.read_text() == "mine\n" if odd == "link" else not outside.exists()
+
+
+def test_setup_refuses_head_as_team_branch(tmp_path):
+    r = make_repo(tmp_path)
+    with pytest.raises(cs.InputError, match="team_branch"):
+        cs.setup(str(r), "ada", team_branch="HEAD")
+
+
+def test_config_writes_keep_every_setting_and_every_set_aside_file(tmp_path):
+    path = tmp_path / "cfg" / "cambium.json"
+    path.parent.mkdir()
+    for text in ("{ first broken", "{ second broken"):
+        path.write_text(text)
+        cs._write_config(path, {"CAMBIUM_AGENT_ID": "ada"})
+    kept = sorted(p.read_text() for p in path.parent.glob("cambium.json.bad*"))
+    assert kept == ["{ first broken", "{ second broken"]
+    threads = [threading.Thread(target=cs._write_config, args=(path, {f"K{i}": str(i)}))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {f"K{i}" for i in range(8)} <= set(json.loads(path.read_text()))
+
+
 # =============================================================================
 # Storage: local store
 # =============================================================================
