@@ -1754,6 +1754,31 @@ def test_import_jsonl_with_provenance_and_reimport_noop(repo, tmp_path):
     assert "imported" in hit["tags"] and "json" in hit["tags"]
 
 
+def test_import_reads_a_growing_jsonl_file_as_it_was_at_the_start(repo, tmp_path):
+    """A file still being appended to was read to whatever end it reached: an
+    import never returned while a writer kept up."""
+    path = tmp_path / "grow.jsonl"
+    path.write_text("".join(json.dumps({"id": f"m{i}", "content": f"fact {i}"}) + "\n"
+                            for i in range(3)))
+    records = cs.json_adapter(path)
+    first = next(records)
+    with open(path, "a") as f:
+        for i in range(3, 50):
+            f.write(json.dumps({"id": f"m{i}", "content": f"fact {i}"}) + "\n")
+    rest = list(records)
+    assert [d.content for d in [first, *rest]] == ["fact 0", "fact 1", "fact 2"]
+
+
+def test_a_first_line_too_long_for_a_record_is_no_jsonl(tmp_path, monkeypatch):
+    """Refusing a one-line wrapper document over the size limit parsed it whole
+    first (as a possible JSONL record): 700 MB of memory for a 209 MB file."""
+    monkeypatch.setattr(cs, "MAX_FIRST_LINE_CHARS", 100)
+    path = tmp_path / "one-line.json"
+    path.write_text(json.dumps({"memories": [{"content": "x" * 50}, {"content": "y" * 50}]}))
+    assert not cs._looks_like_jsonl(path) and not cs._later_lines_are_records(path)
+    assert [d.content for d in cs.json_adapter(path)] == ["x" * 50, "y" * 50]
+
+
 def test_import_jsonl_whose_first_line_is_malformed_skips_only_that_line(repo, tmp_path):
     rec = [json.dumps({"content": f"fact number {n} about the ledger"}) for n in (1, 2)]
     torn = tmp_path / "torn.jsonl"
@@ -7337,6 +7362,51 @@ def test_http_serve_without_token_binds_loopback_only(repo):
     bad = cli("serve", "--http", "--port", "0")
     assert bad.returncode == 2 and "--port" in bad.stderr and "1 to 65535" in bad.stderr
 
+
+
+def test_http_serve_on_any_loopback_address_checks_host_and_origin(repo):
+    """--host 127.0.0.2 counts as loopback (no token needed), but the SDK turns
+    its DNS-rebinding check on only for the literal 127.0.0.1, localhost and
+    ::1: a page at evil.example could drive the server."""
+    import http.client
+    import socket
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--host",
+                             "127.0.0.2", "--port", str(port)], env=_mcp_env(repo),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = cs.time.time() + 30
+        while cs.time.time() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.2", port), 0.2):
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            cs.time.sleep(0.05)
+        init = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"}}})
+        codes = {}
+        for host in ("evil.example", f"127.0.0.2:{port}"):
+            c = http.client.HTTPConnection("127.0.0.2", port, timeout=20)
+            c.request("POST", "/mcp", init, {"Host": host, "Origin": f"http://{host}",
+                                             "Content-Type": "application/json",
+                                             "Accept": "application/json, text/event-stream"})
+            codes[host] = c.getresponse().status
+            c.close()
+        assert codes["evil.example"] == 421 and codes[f"127.0.0.2:{port}"] == 200, codes
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    guard = cs.rebinding_guard("[::1]")
+    assert guard.enable_dns_rebinding_protection and "[::1]:*" in guard.allowed_hosts
+    assert cs.rebinding_guard("10.0.0.5") is None
+
+
+def test_http_token_with_surrounding_space_is_refused_at_start():
+    """HTTP strips white space around a header value, so such a token could
+    never match: every request got 401 with no hint why."""
+    for token in (" padded ", "   ", "tab\t"):
+        assert "white space" in cs.http_bind_problem("0.0.0.0", token)
+    assert cs.http_bind_problem("0.0.0.0", "fine-token") is None
 
 
 def test_http_serve_on_a_taken_port_is_one_clear_error(repo):
