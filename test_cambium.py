@@ -2106,6 +2106,55 @@ def test_a_move_keeps_both_copies_when_both_changed_meanwhile(shared, monkeypatc
     assert org["status"] == "active" and "cy" in {e["by"] for e in org["trust"]["endorsements"]}
 
 
+@pytest.mark.parametrize("act", ["deprecate", "correct"])
+def test_a_change_follows_an_item_another_clone_moved_up_between_finding_and_writing(
+        shared, monkeypatch, act):
+    """B found the item on team; before B's write, A moved it to org: B's change
+    failed with 'No item ... in team scope any more' although org held it."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Keep build caches per branch")
+    cs.promote()
+    org_b = clone(shared["org_bare"], shared["tmp"] / "org-b")
+    real = cs.change_item if act == "deprecate" else cs.mutate
+    moved = []
+
+    def other_clone_moves_it_first(cfg, scope, *args, **kw):
+        if not moved and scope == "team":
+            moved.append(subprocess.run(
+                [sys.executable, str(SERVER), "promote", item_id, "--to", "org", "--force"],
+                env=child_env(CAMBIUM_REPO=str(shared["a"]), CAMBIUM_AGENT_ID="ada",
+                              CAMBIUM_ORG_REPO=str(shared["org"])),
+                capture_output=True, text=True, timeout=60).returncode)
+        return real(cfg, scope, *args, **kw)
+
+    as_agent(monkeypatch, shared["b"], "bob")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org_b))
+    cs.runtime().reset()
+    monkeypatch.setattr(cs, "change_item" if act == "deprecate" else "mutate",
+                        other_clone_moves_it_first)
+    if act == "deprecate":
+        res = cs.deprecate(item_id, reason="caches are shared now")
+    else:
+        res = cs.correct(item_id, content="Share build caches across branches", force=True)
+    assert moved == [0] and res["scope"] == "org"
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert org["status"] == ("deprecated" if act == "deprecate" else "superseded")
+    assert item_id not in team_ids(shared["origin"])
+
+
+def test_a_drop_with_nothing_left_to_drop_makes_no_commit(shared):
+    """Two clones settling the same move: the second drop found the items gone
+    and still pushed an empty 'moved' commit."""
+    item_id = _endorsed("Vendor the protobuf compiler")
+    cs.promote()
+    cfg = cs.resolve_config()
+    cs._drop_moved(cfg, "team", "org", {item_id}, {item_id}, {}, cs.Doc(items=[]), lambda i: i)
+    assert item_id not in team_ids(shared["origin"])
+    count = git(shared["origin"], "rev-list", "--count", "cambium")
+    cs._drop_moved(cfg, "team", "org", {item_id}, {item_id}, {}, cs.Doc(items=[]), lambda i: i)
+    assert git(shared["origin"], "rev-list", "--count", "cambium") == count
+
+
 def test_a_move_with_no_change_meanwhile_writes_the_destination_once(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Rotate signing keys every quarter")
