@@ -7835,7 +7835,7 @@ def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project
     pending: not-yet-folded credits by item id."""
     tags = project_tags(it for s in ("local", "team") if s in docs for it in docs[s].items)
     out = []
-    for it in federated_items(docs):
+    for it in first_copies(federated_items(docs)):
         if not it.active or it.failing or \
                 (it.scope == "org" and not org_item_relevant(it, project, tags)):
             continue
@@ -9709,7 +9709,7 @@ def stale_report(project: Annotated[str | None, Field(
     cfg = require_config()
     check_arg(stale_report, "older_than_days", older_than_days)
     docs, warnings = read_scopes(cfg, SCOPES)
-    items = [it for d in docs.values() for it in d.items]
+    items = first_copies(federated_items(docs))      # an id once: its first, highest copy
     rows = stale_items(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
     out: dict[str, Any] = {"entries": rows, "count": len(rows),
@@ -9912,7 +9912,7 @@ def usage(session: Annotated[str | None, Field(
         session = _clean_text(session, "session", 200)
         rows = shown_by(records, "session", session, "item")
         docs, warnings = read_scopes(cfg, SCOPES, digest=True)
-        known = {it.id: it for it in federated_items(docs)}
+        known = {it.id: it for it in reversed(federated_items(docs))}   # first copy wins
         for row in rows:
             it = known.get(row["item"])
             row.update(content=_clip(it.content, 160), status=it.status) if it else \

@@ -2584,6 +2584,30 @@ def test_promote_and_consolidate_take_only_the_first_copy_of_a_doubled_local_id(
     assert [i.content for i in left] == ["second copy"]               # kept, not lost
 
 
+def test_stale_report_primer_and_usage_read_the_first_copy_of_a_doubled_id(repo):
+    """stale_report listed a doubled id once per copy and the primer showed
+    both copies."""
+    item_id = cs.capture("Rotate the signing keys every ninety days", kind="pitfall")["item"]["id"]
+    path = _store_path(repo)
+    lines = path.read_text().splitlines()
+    (line,) = [ln for ln in lines if item_id in ln]
+    failing = json.loads(line.rstrip(","))
+    failing["failing"] = {"at": "2026-01-01T00:00:00Z", "exit": 1, "output": "no"}
+    first = json.dumps(failing)                 # failing: stale_report lists a local item
+    second = first.replace("Rotate the signing keys every ninety days", "second copy")
+    path.write_text(path.read_text().replace(line, first + ",\n" + second + (
+        "," if line.endswith(",") else ""), 1))
+    cs.runtime().reset()
+    rows = [r for r in cs.stale_report()["entries"] if r["id"] == item_id]
+    assert len(rows) == 1
+    assert rows[0]["content"] == "Rotate the signing keys every ninety days"
+    path.write_text(path.read_text().replace(', "failing": {"at": "2026-01-01T00:00:00Z", '
+                                             '"exit": 1, "output": "no"}', ""))
+    cs.runtime().reset()
+    primer = cs.session_primer()["primer"]
+    assert primer.count(item_id) == 1 and "second copy" not in primer
+
+
 def test_team_write_keeps_a_hand_edited_items_mistyped_fields(shared, tmp_path):
     work = clone(shared["origin"], tmp_path / "hand")
     git(work, "checkout", "-q", "-b", "cambium")
