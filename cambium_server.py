@@ -10334,6 +10334,24 @@ def argument_error(tool: str, errors: list[dict], arguments: dict) -> tuple[str,
     return f"{name} must be {param.allowed()}; got {shown}.", name
 
 
+def loose_type_problem(tool: str, arguments: Any) -> tuple[str, str] | None:
+    """A true/false or whole-number argument sent as something else ("yes",
+    "5", 5.0): the SDK's validation would coerce it (consolidate(apply="yes")
+    applied the plan); refused here, in the schema's words: (sentence,
+    argument) (pure)."""
+    entry = find_tool(tool)
+    if entry is None or not isinstance(arguments, dict):
+        return None
+    for p in entry.params:
+        v = arguments.get(p.name)
+        if v is None or p.base not in (bool, int):
+            continue
+        if isinstance(v, bool) != (p.base is bool) or not isinstance(v, int):
+            shown = json.dumps(v) if isinstance(v, (bool, str, float)) else repr(v)
+            return f"{p.name} must be {p.allowed()}; got {shown}.", p.name
+    return None
+
+
 def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
     """The tool error a client sees, from whatever the SDK raised."""
     from mcp.types import CallToolResult, TextContent
@@ -10631,6 +10649,10 @@ def build_server() -> MCPServer:
 
         async def call_tool(self, name: str, arguments: dict[str, Any],
                             context: Any = None) -> Any:
+            if problem := loose_type_problem(name, arguments):
+                refused = _error_result(name, arguments, InputError(problem[0]))
+                refused.structured_content["argument"] = problem[1]
+                return refused
             try:
                 return await super().call_tool(name, arguments, context)
             except ToolError as e:

@@ -5370,6 +5370,13 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
             text = res.content[0].text
             assert len(text) <= cs.MAX_MESSAGE_CHARS and text.endswith("characters cut)")
             assert res.structured_content["message"] == text
+        for tool, args in (("consolidate", {"apply": "yes"}), ("session_primer", {"limit": "5"}),
+                           ("stale_report", {"older_than_days": 5.0}),
+                           ("promote", {"item_id": "k-000000000000", "force": "true"})):
+            res = await session.call_tool(tool, args)     # "yes" applied consolidate's plan
+            assert res.is_error and res.structured_content["error"] == "invalid_argument", res
+            name = list(args)[-1]
+            assert res.content[0].text.startswith(f"{name} must be "), res.content[0].text
         return out, [(r.content[0].text, r.structured_content) for r in (long, promote)]
 
     out, core = asyncio.run(_mcp_session(_mcp_env(repo), body))
