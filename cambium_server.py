@@ -4162,10 +4162,18 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
               "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
                  tags=tags[:MAX_TAGS], source=source, where=where, notes=notes,
-                 key=f"import:{own or origin or system}:" + (
+                 key=f"import:{_key_part(own or origin or system)}:" + (
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
                          utf8(body + "\0" + (why if isinstance(why, str) else ""))
                      ).hexdigest()[:24]))
+
+
+def _key_part(system: str) -> str:
+    """The system as an import key's first part: as it is, unless a colon (or a
+    leading quote) would let it run into the id part, then JSON-quoted, so that
+    {system "s:id:1", id "2"} and {system "s", id "1:id:2"} are two records
+    (earlier keys, without colons, stay the same) (pure)."""
+    return json.dumps(system) if ":" in system or system.startswith('"') else system
 
 
 def _cli_abspath(value: str) -> str:
@@ -6314,7 +6322,8 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
             by_id = by_id or {it.id: it for it in doc.items}
             known = by_id.get(new_marks[key]) or live.get(new_marks[key])
             if known is not None and content_key(known) != ckey:
-                adm.changed.append({"id": known.id, "ref": item.source.get("ref"),
+                ref = item.source.get("ref")
+                adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
                                     "where": prepared.where.get(item.id)})
             adm.duplicates += 1
             continue

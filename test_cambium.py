@@ -1754,6 +1754,30 @@ def test_import_jsonl_with_provenance_and_reimport_noop(repo, tmp_path):
     assert "imported" in hit["tags"] and "json" in hit["tags"]
 
 
+def test_import_keys_of_systems_with_colons_do_not_collide(repo, tmp_path):
+    """{system "s:id:1", id "2"} and {system "s", id "1:id:2"} made the same key:
+    the second was reported as changed and never imported."""
+    path = tmp_path / "two.jsonl"
+    path.write_text(json.dumps({"system": "s:id:1", "id": "2", "content": "first fact"}) + "\n"
+                    + json.dumps({"system": "s", "id": "1:id:2", "content": "second fact"}) + "\n")
+    res = cs.import_memory(path=str(path))
+    assert res["imported"] == 2 and not res["changed"], res
+    assert cs.import_memory(path=str(path))["imported"] == 0          # and re-import adds nothing
+    assert cs._key_part("agentsync") == "agentsync"               # old keys stay the same
+
+
+def test_import_answer_clips_the_refs_of_changed_records(repo, tmp_path):
+    path = tmp_path / "long.jsonl"
+    refs = [f"{i}-" + "r" * 20_000 for i in range(20)]
+    path.write_text("".join(json.dumps({"id": r, "content": f"fact {i}"}) + "\n"
+                            for i, r in enumerate(refs)))
+    cs.import_memory(path=str(path))
+    path.write_text("".join(json.dumps({"id": r, "content": f"changed fact {i}"}) + "\n"
+                            for i, r in enumerate(refs)))
+    res = cs.import_memory(path=str(path))
+    assert len(res["changed"]) == 20 and len(json.dumps(res)) < 100_000
+
+
 def test_import_reads_a_growing_jsonl_file_as_it_was_at_the_start(repo, tmp_path):
     """A file still being appended to was read to whatever end it reached: an
     import never returned while a writer kept up."""
