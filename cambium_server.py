@@ -2486,9 +2486,14 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
         if it.active or k not in twins or not items[twins[k]].active:
             twins[k] = i
     counts = {"restored": 0, "updated": 0, "already_here": 0, "copies_folded": 0,
-              "retired_like_copy": 0}
+              "retired_like_copy": 0, "not_item_ids": 0}
     renamed: dict[str, str] = {}
     for it in back.items:
+        if not isinstance(it.id, str) or not it.id.strip() or "id" in (it.mistyped or {}):
+            counts["not_item_ids"] += 1            # no tool could reach it: import gives ids
+            continue
+        if it.scope != "local":                    # it comes back into the local store
+            it = dataclasses.replace(it, scope="local")
         i = at.get(it.id)
         if i is None:
             t = twins.get(content_key(it)) if it.active else None
@@ -10061,7 +10066,7 @@ def restore(path: Annotated[str, Field(
     if parsed.bad:
         out["note"] = (f"{len(parsed.bad)} line(s) still do not parse; repair them and run "
                        "restore again (what came back is not duplicated), or delete the file.")
-    elif _set_aside(p.name):                # (any other file is the user's: left as it is)
+    elif _set_aside(p.name) and p.parent.samefile(cfg.local_dir):   # else the user's: left
         done_path = p.with_name(p.name + RESTORED_SUFFIX)
         os.replace(p, done_path)
         out["moved_to"] = str(done_path)

@@ -1181,6 +1181,24 @@ def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(
     res = cs.restore(str(copy))
     assert res["status"] == "nothing_to_restore" and "moved_to" not in res
     assert copy.read_bytes() == before
+    named = repo / "backup" / "knowledge.json.quarantine-mine"    # named like one: still
+    named.parent.mkdir()                                          # the user's, not renamed
+    named.write_bytes(before)
+    assert "moved_to" not in cs.restore(str(named)) and named.exists()
+
+
+def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(repo, tmp_path):
+    """An integer id was merged into the store, where no tool could reach it by
+    id; an item stored with scope org came back into local still saying org."""
+    path = tmp_path / "knowledge.json.quarantine-x"
+    path.write_text(json.dumps({"cambium": 1, "items": [
+        {"id": 12, "content": "an integer id"},
+        {"id": "k-bbbbbbbbbbbb", "content": "it said org", "scope": "org"}]}))
+    res = cs.restore(str(path))
+    assert res["restored"] == 1 and res["not_item_ids"] == 1
+    ids = [i["id"] for i in json.loads(_store_path(repo).read_text())["items"]]
+    assert ids == ["k-bbbbbbbbbbbb"]
+    assert cs.expand("k-bbbbbbbbbbbb")["scope"] == "local"
 
 
 def test_a_capture_that_fails_on_a_full_disk_leaves_the_store_byte_for_byte(repo):
