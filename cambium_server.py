@@ -8687,6 +8687,16 @@ def status() -> dict:
     cfg = resolve_config()
     if not cfg.configured:
         return unconfigured_guidance(cfg)
+    try:
+        return _status(cfg)
+    except (CambiumError, OSError) as e:         # a store it cannot read: say so, as an answer
+        return {"configured": True, "status": "error", "error": error_code(e),
+                "message": clip_message(error_text(e)), "version": __version__,
+                "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
+                "next_step": "fix what the message names, then call status() again"}
+
+
+def _status(cfg: Config) -> dict:
     set_aside_links(cfg.local_dir)
     local = store(cfg, "local")
     doc = local.read()

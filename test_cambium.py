@@ -1187,6 +1187,21 @@ def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(
     assert "moved_to" not in cs.restore(str(named)) and named.exists()
 
 
+@pytest.mark.parametrize("name", ["knowledge.json", "credits.jsonl"])
+def test_status_never_fails_even_when_a_store_file_is_a_directory(repo, name):
+    cs.capture("status reads this store")
+    path = repo / ".cambium" / name
+    path.unlink() if path.exists() else None
+    path.mkdir()
+    cs.runtime().reset()
+    out = cs.status()
+    assert out["configured"] is True
+    if name == "knowledge.json":
+        assert out["status"] == "error" and out["error"] == "file_system" and name in out["message"]
+    else:
+        assert out["status"] in ("ok", "error")
+
+
 def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(repo, tmp_path):
     """An integer id was merged into the store, where no tool could reach it by
     id; an item stored with scope org came back into local still saying org."""
