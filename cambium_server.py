@@ -8381,13 +8381,17 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
     lines = "".join(json_text({"session": sid, "item": i, "via": via, "at": at,
                                "agent": cfg.agent}) + "\n" for i in ids)
     path = _shown_path(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(path):
-        with contextlib.suppress(FileNotFoundError):
-            if path.stat().st_size > SHOWN_MAX_BYTES:
-                os.replace(path, path.with_name(SHOWN_FILE + ".1"))
-        with open(path, "a", encoding="utf-8", opener=_open_nofollow) as f:
-            f.write(lines)
+    try:                  # attribution only: a journal it cannot write fails no answer
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path):
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_size > SHOWN_MAX_BYTES:
+                    os.replace(path, path.with_name(SHOWN_FILE + ".1"))
+            with open(path, "a", encoding="utf-8", opener=_open_nofollow) as f:
+                f.write(lines)
+    except OSError as e:
+        print(f"cambium: usage attribution not journaled ({path}: {e.strerror or e})",
+              file=sys.stderr, flush=True)
 
 
 def read_shown(cfg: Config) -> list[dict]:

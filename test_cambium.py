@@ -1202,6 +1202,17 @@ def test_status_never_fails_even_when_a_store_file_is_a_directory(repo, name):
         assert out["status"] in ("ok", "error")
 
 
+def test_a_usage_journal_that_cannot_be_written_fails_no_answer(repo, monkeypatch, capsys):
+    """A directory at .cambium/shown.jsonl made recall, the primer and usage
+    tool errors: attribution is journaled beside the answer, never instead."""
+    item_id = cs.capture("Never deploy on Fridays", kind="pitfall")["item"]["id"]
+    (repo / ".cambium" / "shown.jsonl").mkdir()
+    monkeypatch.setattr(cs, "current_session", lambda: "session-1")
+    assert cs.recall("deploy fridays")["results"][0]["id"] == item_id
+    assert item_id in cs.session_primer()["primer"]
+    assert "usage attribution not journaled" in capsys.readouterr().err
+
+
 def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(repo, tmp_path):
     """An integer id was merged into the store, where no tool could reach it by
     id; an item stored with scope org came back into local still saying org."""
