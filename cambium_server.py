@@ -1992,6 +1992,10 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
         obj = [obj]                                  # a single item
     if isinstance(obj, list):
         obj = {"items": obj}
+    if isinstance(obj, dict) and "items" not in obj and "cambium" not in obj and \
+            set(obj) - {"meta"}:                     # another tool's file: never written into
+        raise CorruptStore(f"{where} has no 'items' list (it holds "
+                           f"{', '.join(sorted(map(str, obj))[:5])}): not a cambium store")
     if not isinstance(obj, dict) or not isinstance(obj.get("items", []), list):
         raise CorruptStore(f"{where} must be an object with an 'items' list")
     entries = obj.get("items", [])

@@ -1187,6 +1187,16 @@ def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(
     assert "moved_to" not in cs.restore(str(named)) and named.exists()
 
 
+def test_a_file_in_another_tools_layout_is_no_store_to_write_into():
+    """An org knowledge.json {"entries": [...]} read as an empty store, and the
+    first promotion wrote cambium's items into it beside the other tool's."""
+    with pytest.raises(cs.CorruptStore, match="not a cambium store"):
+        cs.parse_store(json.dumps({"entries": [{"text": "a rule the other tool holds"}]}), "org")
+    assert cs.parse_store("{}", "org").items == []
+    assert cs.parse_store(json.dumps({"cambium": 1, "items": []}), "org").items == []
+    assert cs.parse_store(json.dumps({"meta": {}}), "org").items == []
+
+
 @pytest.mark.parametrize("name", ["knowledge.json", "credits.jsonl"])
 def test_status_never_fails_even_when_a_store_file_is_a_directory(repo, name):
     cs.capture("status reads this store")
