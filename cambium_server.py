@@ -324,7 +324,9 @@ class Param:
             return "a whole number"
         if self.base is bool:
             return "true or false"
-        lists = any(get_origin(t) is list for t in get_args(self.type))
+        lists = [t for t in get_args(self.type) if get_origin(t) is list]
+        if any(get_origin(get_args(t)[0]) is dict for t in lists if get_args(t)):
+            return "a path as text or a list of {path, symbol?} objects"
         return "text or a list of text" if lists else "text"
 
     def check(self, value: Any) -> Any:

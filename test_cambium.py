@@ -1187,6 +1187,15 @@ def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(
     assert "moved_to" not in cs.restore(str(named)) and named.exists()
 
 
+def test_code_refs_refusal_names_what_the_schema_allows():
+    """capture(code_refs=["a.py"]) said code_refs "must be text or a list of
+    text", which is what it had been given."""
+    (param,) = [p for p in cs.find_tool("capture").params if p.name == "code_refs"]
+    assert param.allowed() == "a path as text or a list of {path, symbol?} objects"
+    (tags,) = [p for p in cs.find_tool("capture").params if p.name == "tags"]
+    assert tags.allowed() == "text or a list of text"
+
+
 def test_a_file_in_another_tools_layout_is_no_store_to_write_into():
     """An org knowledge.json {"entries": [...]} read as an empty store, and the
     first promotion wrote cambium's items into it beside the other tool's."""
