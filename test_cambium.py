@@ -2114,6 +2114,21 @@ def _git_pausing_after_push(tmp_path: Path, seconds: int) -> tuple[Path, Path]:
     return wrap, mark
 
 
+def _org_promote_paused_after_push(tmp_path: Path, item_id: str, seconds: int):
+    """A CLI promote of item_id to org, returned once its org push landed, while
+    it sleeps before its team drop."""
+    wrap, mark = _git_pausing_after_push(tmp_path, seconds)
+    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--to", "org",
+                             "--force"],
+                            env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = cs.time.time() + 60
+    while not mark.exists() and cs.time.time() < deadline:
+        cs.time.sleep(0.05)
+    assert mark.exists(), slow.stderr.read() if slow.poll() is not None else "no push yet"
+    return slow
+
+
 def test_a_teammates_change_in_another_clone_during_a_team_to_org_move_is_carried_up(
         shared, monkeypatch, tmp_path):
     """Clone B deprecated a team item in the second between clone A's org push
@@ -2125,15 +2140,8 @@ def test_a_teammates_change_in_another_clone_during_a_team_to_org_move_is_carrie
     cs.promote()
     assert item_id in team_ids(shared["origin"])
     org_commits = git(shared["org_bare"], "rev-list", "--count", "main")
-    wrap, mark = _git_pausing_after_push(tmp_path, 3)
-    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--to", "org",
-                             "--force"],
-                            env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = cs.time.time() + 60
-    while not mark.exists() and cs.time.time() < deadline:
-        cs.time.sleep(0.05)
-    assert mark.exists() and item_id in team_ids(shared["origin"])    # on org, not dropped
+    slow = _org_promote_paused_after_push(tmp_path, item_id, 3)
+    assert item_id in team_ids(shared["origin"])                      # on org, not dropped
     assert item_id in team_ids(shared["org_bare"], "main")
     env_b = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
                                         CAMBIUM_AGENT_ID="bob").items()
@@ -2160,15 +2168,7 @@ def test_a_move_keeps_both_copies_when_both_changed_meanwhile(shared, monkeypatc
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Tag every release with its changelog")
     cs.promote()
-    wrap, mark = _git_pausing_after_push(tmp_path, 4)
-    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--to", "org",
-                             "--force"],
-                            env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = cs.time.time() + 60
-    while not mark.exists() and cs.time.time() < deadline:
-        cs.time.sleep(0.05)
-    assert mark.exists()
+    slow = _org_promote_paused_after_push(tmp_path, item_id, 4)
     base = child_env(CAMBIUM_REPO=str(shared["b"]))
     org_c = clone(shared["org_bare"], tmp_path / "org-c")
     env_c = {**base, "CAMBIUM_AGENT_ID": "cy", "CAMBIUM_ORG_REPO": str(org_c)}
