@@ -7553,7 +7553,8 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
                 return None              # gone already (a peer settled it): no empty commit
             return unmarked or left
 
-        mutate(cfg, src, drop, f"{len(pending)} item(s) moved to {dst}: {', '.join(sorted(pending))}")
+        mutate(cfg, src, drop,
+               f"{len(pending)} item(s) moved to {dst}: {', '.join(sorted(pending))}")
         if not changed:
             return sorted(kept)
         pending = set(changed)
@@ -8874,8 +8875,7 @@ def _write_config(path: Path, updates: dict[str, str]) -> None:
             if not isinstance(current, dict):
                 aside = path.with_name(path.name + ".bad")
                 if os.path.lexists(aside):
-                    aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%dT%H%M%S')}"
-                                           f"-{os.getpid()}")
+                    aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
                 os.replace(path, aside)
                 current = {}
         current.update(updates)
@@ -8945,20 +8945,16 @@ def _scaffold_local(root: Path) -> list[str]:
         st = os.lstat(gi)
     except FileNotFoundError:
         st = None
-    if st is not None and not _stat.S_ISREG(st.st_mode):
-        odd = "a symbolic link" if _stat.S_ISLNK(st.st_mode) else "not a regular file"
-        note = [f"{gi} is {odd}, so setup left it alone: add '{LOCAL_DIR}/' to your "
-                "ignore rules by hand"]
-    else:
-        note = []
+    odd = None if st is None or _stat.S_ISREG(st.st_mode) else \
+        "it is a symbolic link" if _stat.S_ISLNK(st.st_mode) else "it is not a regular file"
     d = root / LOCAL_DIR
     d.mkdir(exist_ok=True)
     store = d / STORE_FILE
     if not store.exists():
         atomic_write(store, render_store(Doc(items=[])))
-    if note:
-        return note
     try:
+        if odd:
+            raise OSError(odd)
         raw = read_regular(gi, 64 * MAX_CONFIG_BYTES) if st is not None else b""
     except OSError as e:
         return [f"{gi} was left alone ({e}): add '{LOCAL_DIR}/' to your ignore rules by hand"]
@@ -9415,20 +9411,27 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} endorses {item_id}", "endorsed")
 
 
+def following_moves(attempt: Callable[[bool], Any]) -> Any:
+    """attempt(fresh=False); when the item left the scope it was found in before
+    the write (another clone moved it up: LeftScope), once more on scopes read
+    for real (fresh=True), so the change follows it."""
+    try:
+        return attempt(False)
+    except LeftScope:
+        return attempt(True)
+
+
 def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | None],
                      message: str, status: str) -> dict:
     """Apply a change to an item in the highest scope that holds it (locate);
     the tool's answer."""
+    def attempt(fresh: bool) -> tuple[str, Item, Write]:
+        scope, found = locate(cfg, item_id, highest=True, fresh=fresh)
+        _refuse_while_waiting(scope, found)
+        return (scope, *change_item(cfg, scope, item_id, change, message))
+
     with moves_lock(cfg):
-        for fresh in (False, True):          # once more, read for real, if it moved away
-            scope, found = locate(cfg, item_id, highest=True, fresh=fresh)
-            _refuse_while_waiting(scope, found)
-            try:
-                item, write = change_item(cfg, scope, item_id, change, message)
-                break
-            except LeftScope:
-                if fresh:
-                    raise
+        scope, item, write = following_moves(attempt)
     out = {"status": status, "scope": scope, "item": item_view(item)}
     if write and write.pr_url:
         out["pr_url"] = write.pr_url
@@ -9810,10 +9813,7 @@ def correct(item_id: ItemId,
 
 
 def _correct(cfg: Config, item_id: str, content: Any, why: Any, force: bool) -> dict:
-    try:
-        return _correct_once(cfg, item_id, content, why, force, False)
-    except LeftScope:                    # moved up by another clone meanwhile: follow it
-        return _correct_once(cfg, item_id, content, why, force, True)
+    return following_moves(functools.partial(_correct_once, cfg, item_id, content, why, force))
 
 
 def _correct_once(cfg: Config, item_id: str, content: Any, why: Any, force: bool,
@@ -9946,7 +9946,7 @@ def usage(session: Annotated[str | None, Field(
         session = _clean_text(session, "session", 200)
         rows = shown_by(records, "session", session, "item")
         docs, warnings = read_scopes(cfg, SCOPES, digest=True)
-        known = {it.id: it for it in reversed(federated_items(docs))}   # first copy wins
+        known = {it.id: it for it in first_copies(federated_items(docs))}
         for row in rows:
             it = known.get(row["item"])
             row.update(content=_clip(it.content, 160), status=it.status) if it else \
@@ -10776,6 +10776,12 @@ def http_bind_problem(host: str, token: str | None) -> str | None:
     return None
 
 
+def url_host(host: str) -> str:
+    """A host as a URL names it: an IPv6 address in brackets (pure)."""
+    bare = host.strip("[]")
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def rebinding_guard(host: str) -> Any:
     """The SDK's Host/Origin check for any loopback bind (it turns it on by
     itself only for the literal 127.0.0.1, localhost and ::1, not for
@@ -10784,9 +10790,7 @@ def rebinding_guard(host: str) -> Any:
     if not is_loopback(host):
         return None
     from mcp.server.transport_security import TransportSecuritySettings
-    bare = host.strip("[]")
-    named = f"[{bare}]" if ":" in bare else bare
-    hosts = {"127.0.0.1", "localhost", "[::1]", named}
+    hosts = {"127.0.0.1", "localhost", "[::1]", url_host(host)}
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True,
         allowed_hosts=sorted(f"{h}:*" for h in hosts),
@@ -10836,7 +10840,7 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     Returns the exit code: 1 when the address cannot be bound."""
     import anyio
     import uvicorn
-    url = f"http://{f'[{host}]' if ':' in host and not host.startswith('[') else host}:{port}/mcp"
+    url = f"http://{url_host(host)}:{port}/mcp"
     try:
         sock = bind_http(host, port)
     except OSError as e:

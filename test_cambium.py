@@ -1232,6 +1232,22 @@ def test_a_usage_journal_that_cannot_be_written_fails_no_answer(repo, monkeypatc
     assert "usage attribution not journaled" in capsys.readouterr().err
 
 
+def test_usage_of_a_session_names_the_first_copy_of_a_doubled_id(repo, monkeypatch):
+    """usage(session) named the last copy's content, while every other tool
+    reads the first."""
+    item_id = cs.capture("Rotate the signing keys every ninety days")["item"]["id"]
+    path = _store_path(repo)
+    (line,) = [ln for ln in path.read_text().splitlines() if item_id in ln]
+    second = line.replace("Rotate the signing keys every ninety days", "second copy").rstrip(",")
+    path.write_text(path.read_text().replace(line, line.rstrip(",") + ",\n" + second + (
+        "," if line.endswith(",") else ""), 1))
+    cs.runtime().reset()
+    monkeypatch.setattr(cs, "current_session", lambda: "session-1")
+    cs.expand(item_id)
+    (row,) = [r for r in cs.usage(session="session-1")["items"] if r["item"] == item_id]
+    assert row["content"] == "Rotate the signing keys every ninety days"
+
+
 def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(repo, tmp_path):
     """An integer id was merged into the store, where no tool could reach it by
     id; an item stored with scope org came back into local still saying org."""
@@ -7447,21 +7463,21 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def http_server(repo: Path, token: str | None):
+def http_server(repo: Path, token: str | None, host: str = "127.0.0.1"):
     port = _free_port()
     env = {**_mcp_env(repo), **({"CAMBIUM_HTTP_TOKEN": token} if token else {})}
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
-                             str(port)], env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--host", host,
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
         import socket
         deadline = cs.time.time() + 30
         while cs.time.time() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
                 break
             assert proc.poll() is None, proc.stderr.read()
             cs.time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/mcp"
+        yield f"http://{host}:{port}/mcp"
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -7536,18 +7552,8 @@ def test_http_serve_on_any_loopback_address_checks_host_and_origin(repo):
     its DNS-rebinding check on only for the literal 127.0.0.1, localhost and
     ::1: a page at evil.example could drive the server."""
     import http.client
-    import socket
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--host",
-                             "127.0.0.2", "--port", str(port)], env=_mcp_env(repo),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = cs.time.time() + 30
-        while cs.time.time() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.2", port), 0.2):
-                break
-            assert proc.poll() is None, proc.stderr.read()
-            cs.time.sleep(0.05)
+    with http_server(repo, None, host="127.0.0.2") as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
         init = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
             "protocolVersion": "2025-06-18", "capabilities": {},
             "clientInfo": {"name": "t", "version": "1"}}})
@@ -7560,9 +7566,6 @@ def test_http_serve_on_any_loopback_address_checks_host_and_origin(repo):
             codes[host] = c.getresponse().status
             c.close()
         assert codes["evil.example"] == 421 and codes[f"127.0.0.2:{port}"] == 200, codes
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
     guard = cs.rebinding_guard("[::1]")
     assert guard.enable_dns_rebinding_protection and "[::1]:*" in guard.allowed_hosts
     assert cs.rebinding_guard("10.0.0.5") is None
