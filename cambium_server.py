@@ -3406,16 +3406,18 @@ class GitStore(Store):
         raise GitError(["git", "ls-remote", self.remote, branch], 1,
                        f"the remote does not hold commit {commit[:10]} after the push")
 
-    def drop_side_branch(self, branch: str) -> bool:
+    def drop_side_branch(self, branch: str, at: str | None = None) -> bool:
         """Delete a pull request's side branch on the remote, leased on the tip
         just listed (a push there meanwhile keeps it): the next write to it
-        starts from the scope's tip. False: the remote had no such branch.
-        Never the scope's own branch. Raises GitError (unreachable, refused)."""
+        starts from the scope's tip. at: only when that tip is this commit (a
+        branch that moved on is someone's newer work: it stays). False: the
+        remote had no such branch, or it was not at `at`. Never the scope's own
+        branch. Raises GitError (unreachable, refused)."""
         if branch == self.branch:
             raise ValueError(f"refusing to delete the {self.scope} scope's own branch")
         listed = self.git("ls-remote", "--", self.remote, f"refs/heads/{branch}").stdout
         tip = listed.split("\t", 1)[0].strip()
-        if not tip:
+        if not tip or (at is not None and tip != at):
             return False
         proc = self.git("push", "--porcelain", f"--force-with-lease=refs/heads/{branch}:{tip}",
                         "--", self.remote, f":refs/heads/{branch}", check=False)
@@ -7412,24 +7414,34 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
 PR_STATES = ("OPEN", "CLOSED", "MERGED")     #: what gh says of a pull request
 
 
-def pr_state(cfg: Config, url: str) -> tuple[str, str] | None:
-    """What GitHub says of the pull request at `url`: (state, its head branch),
-    the state one of PR_STATES; None when gh cannot say (not installed, not
-    logged in, offline, an answer it does not recognise, or `url` no web
-    address: a hand-edited store must not hand gh an option). Nothing is
-    decided on None: the item keeps waiting."""
+@dataclass(frozen=True)
+class PrState:
+    """What gh says of one pull request: its state (one of PR_STATES), its head
+    branch, and the commit GitHub holds as its head (for a closed PR, the tip
+    when it closed: a branch that moved on since is someone's new work)."""
+    state: str
+    head: str
+    oid: str
+
+
+def pr_state(cfg: Config, url: str) -> PrState | None:
+    """What GitHub says of the pull request at `url`; None when gh cannot say
+    (not installed, not logged in, offline, an answer it does not recognise, or
+    `url` no web address: a hand-edited store must not hand gh an option).
+    Nothing is decided on None: the item keeps waiting."""
     if not re.fullmatch(r"https?://[^\s]+", url or ""):
         return None
     try:
-        proc = _run(["gh", "pr", "view", url, "--json", "state,headRefName",
-                     "--jq", '.state + " " + .headRefName'], store(cfg, "org").repo,
-                    cfg.git_timeout_s, check=False, env=_gh_env())
+        proc = _run(["gh", "pr", "view", url, "--json", "state,headRefName,headRefOid",
+                     "--jq", '.state + " " + .headRefName + " " + .headRefOid'],
+                    store(cfg, "org").repo, cfg.git_timeout_s, check=False, env=_gh_env())
     except GitError:
         return None
     words = proc.stdout.split()
-    if proc.returncode != 0 or len(words) != 2 or words[0] not in PR_STATES:
+    if proc.returncode != 0 or len(words) != 3 or words[0] not in PR_STATES \
+            or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", words[2]):
         return None
-    return words[0], words[1]
+    return PrState(*words)
 
 
 @dataclass
@@ -7648,23 +7660,25 @@ PR_UNDONE = {"CLOSED": "closed without merging",
                        "into another branch)"}
 
 
-def withdraw_pr(cfg: Config, scope: str, item: Item, state: tuple[str, str]) -> dict | None:
+def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | None:
     """After the org pull request `item` waits on came to nothing (pr_state
     says `state`: closed without merging, a reviewer declined it; or merged
     while org's tip, fetched now, lacks the item: reverted): delete the PR's
-    branch on the org remote when it is this item's promote branch, so a new
-    promotion starts from org's tip and carries what the item says then, and
+    branch on the org remote when it is this item's promote branch and still
+    at the PR's head (a branch that moved on carries another clone's new pull
+    request: it stays), so a new promotion starts from org's tip and carries
+    what the item says then, and
     clear the item's pr_url, so promote(to_scope="org") may open a new PR.
     Only the annotation and that branch go: the item stays in `scope`.
     Returns {"id", "scope", "pr_url", "pr_state", "note"}; None when it is not
     undone (still open, or org holds the item after all: settle_org_prs's)."""
-    url, (what, head) = item.pr_url, state
+    url, what = item.pr_url, state.state
     org = store(cfg, "org")
     if what not in PR_UNDONE or (what == "MERGED" and any(
             it.id == item.id for it in org.doc_at(org.fetch(fresh=True)).items)):
         return None
-    if head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
-        org.drop_side_branch(head)
+    if state.head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
+        org.drop_side_branch(state.head, at=state.oid)
     now = _now()
 
     def apply(doc: Doc) -> Doc | None:
@@ -7747,14 +7761,14 @@ def _check_waiting(cfg: Config, scope: str, item: Item, out: PrCheck) -> None:
         if (gone := withdraw_pr(cfg, scope, item, state)) is not None:
             out.withdrawn.append(gone)
             return
-        if state[0] == "OPEN" and state[1] == pr_branch_name(f"promote-{item.id}") \
-                and store(cfg, "org").catch_up_side(state[1]):
-            out.caught_up.append(state[1])
+        if state.state == "OPEN" and state.head == pr_branch_name(f"promote-{item.id}") \
+                and store(cfg, "org").catch_up_side(state.head):
+            out.caught_up.append(state.head)
     except CambiumError as e:
-        out.warnings.append(f"{item.id}: its org PR is {state[0].lower()}, but "
-                            f"{'withdrawing' if state[0] in PR_UNDONE else 'updating'} it "
+        out.warnings.append(f"{item.id}: its org PR is {state.state.lower()}, but "
+                            f"{'withdrawing' if state.state in PR_UNDONE else 'updating'} it "
                             f"failed: {e}")
-    out.states[item.id] = state[0].lower()
+    out.states[item.id] = state.state.lower()
 
 
 def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:

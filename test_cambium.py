@@ -3293,18 +3293,23 @@ PR_URL = "https://github.com/acme/knowledge/pull/"
 
 def make_stub_gh(tmp: Path) -> Path:
     """A `gh` on PATH that records its arguments and answers like GitHub would:
-    pull requests numbered from 7, kept in gh-prs.json ({url: {head, state}});
-    a test closes one with set_pr_state, and a file gh-offline makes
-    `gh pr view` fail as gh does without a network."""
+    pull requests numbered from 7, kept in gh-prs.json ({url: {head, state,
+    repo, oid}}); a test closes one with set_pr_state (which fixes its head
+    commit there, as GitHub does), and a file gh-offline makes `gh pr view`
+    fail as gh does without a network."""
     bindir = tmp / "bin"
     bindir.mkdir(exist_ok=True)
     log = tmp / "gh-calls.jsonl"
     (bindir / "gh").write_text(textwrap.dedent(f"""\
         #!{sys.executable}
-        import json, os, sys
+        import json, os, subprocess, sys
         with open({str(log)!r}, "a") as f:
             f.write(json.dumps(sys.argv[1:]) + "\\n")
         args, db = sys.argv[1:], {str(tmp / "gh-prs.json")!r}
+        def head_oid(pr):                               # the head branch's tip now
+            out = subprocess.run(["git", "ls-remote", "origin", "refs/heads/" + pr["head"]],
+                                 cwd=pr.get("repo"), capture_output=True, text=True).stdout
+            return out.split()[0] if out.split() else "0" * 40
         prs = json.load(open(db)) if os.path.exists(db) else {{}}
         head = args[args.index("--head") + 1] if "--head" in args else None
         if args[:2] == ["pr", "list"]:                  # an open PR for the branch?
@@ -3312,12 +3317,13 @@ def make_stub_gh(tmp: Path) -> Path:
                         if p["head"] == head and p["state"] == "OPEN"), ""))
         elif args[:2] == ["pr", "create"]:
             url = {PR_URL!r} + str(7 + len(prs))
-            prs[url] = {{"head": head, "state": "OPEN"}}
+            prs[url] = {{"head": head, "state": "OPEN", "repo": os.getcwd()}}
             json.dump(prs, open(db, "w"))
             print(url)
         elif args[:2] == ["pr", "view"] and args[2] in prs and not os.path.exists(
                 {str(tmp / "gh-offline")!r}):
-            print(prs[args[2]]["state"], prs[args[2]]["head"])
+            pr = prs[args[2]]
+            print(pr["state"], pr["head"], pr.get("oid") or head_oid(pr))
         elif args[:2] == ["pr", "view"]:
             sys.exit("no pull requests found" if args[2] not in prs else "error connecting")
         else:
@@ -3328,10 +3334,16 @@ def make_stub_gh(tmp: Path) -> Path:
 
 
 def set_pr_state(tmp: Path, url: str, state: str, head: str | None = None) -> None:
-    """What the stub gh says of a pull request from now on (a reviewer's act)."""
+    """What the stub gh says of a pull request from now on (a reviewer's act).
+    A PR no longer open keeps the head commit its branch had then, as GitHub's
+    headRefOid does."""
     db = tmp / "gh-prs.json"
     prs = json.loads(db.read_text())
-    prs[url] = {"head": head or prs[url]["head"], "state": state}
+    pr = {**prs[url], "head": head or prs[url]["head"], "state": state}
+    if state != "OPEN":
+        tip = git(Path(pr["repo"]), "ls-remote", "origin", f"refs/heads/{pr['head']}").split()
+        pr["oid"] = tip[0] if tip else "0" * 40
+    prs[url] = pr
     db.write_text(json.dumps(prs))
 
 
@@ -3751,6 +3763,33 @@ def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fa
     assert [d["id"] for d in review["closed_org_prs"]] == [item_id]
     assert branch in _remote_branches(shared["org_bare"])   # not the closed PR's branch
     assert "pr_url" not in remote_json(shared["origin"], "cambium")["items"][0]
+
+
+def test_withdrawing_a_closed_pr_keeps_a_branch_that_moved_on_since_it_closed(
+        shared, monkeypatch, tmp_path):
+    """A clone that saw the PR closed withdraws it a moment after another clone
+    already did and opened a new PR on the same promote branch: the branch is
+    no longer at the closed PR's head, so it stays (with the new PR's copy),
+    and the item keeps the new PR's URL."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Every queue has a dead-letter queue")
+    cs.promote()
+    first = cs.promote(item_id, to_scope="org")["pr_url"]
+    set_pr_state(tmp_path, first, "CLOSED")
+    cfg = cs.require_config()
+    seen = cs.locate(cfg, item_id)[1]                    # what the slow clone read
+    closed = cs.pr_state(cfg, first)
+    assert closed.state == "CLOSED" and seen.pr_url == first
+    branch = f"cambium/promote-{item_id}"
+    second = cs.promote(item_id, to_scope="org",         # the quick clone, meanwhile
+                        org_content="Every queue gets a dead-letter queue")
+    assert second["status"] == "pr_opened" and second["closed_pr"] == first
+    tip = git(shared["org_bare"], "rev-parse", branch).strip()
+    assert tip != closed.oid
+    assert cs.withdraw_pr(cfg, "team", seen, closed)["pr_state"] == "closed"
+    assert git(shared["org_bare"], "rev-parse", branch).strip() == tip    # kept
+    assert remote_json(shared["origin"], "cambium")["items"][0]["pr_url"] == second["pr_url"]
+    assert cs.review_promotions()["pending_org_prs"][0]["pr_state"] == "open"
 
 
 def test_review_asks_gh_within_a_time_budget_and_says_what_it_left(shared, monkeypatch,
