@@ -1347,6 +1347,7 @@ class GitScope:
     peers: dict = field(default_factory=dict)   # writer ident -> when (monotonic) last seen
     contended_at: float = -math.inf     # when it last saw a peer write or lost a race
     pushed: str | None = None           # the last commit this process pushed here
+    hand_written: frozenset = frozenset()   # rendered files last left as a person wrote them
 
 
 class Runtime:
@@ -3472,8 +3473,7 @@ class GitStore(Store):
         doc, parent, merge = self._side_base(tip, side)
         if merge is None or doc.items == self.doc_at(tip).items:
             return None
-        files = {STORE_FILE: render_store(doc), **(self.extra_files(doc) if self.extra_files
-                                                   else {})}
+        files = {STORE_FILE: render_store(doc), **self._rendered(doc, parent)}
         commit = self._commit(parent, files, f"cambium: catch {branch} up with "
                               f"{self.remote}/{self.branch}", merge=merge)
         if self._push(commit, branch, lease=side) == "race":
@@ -3536,10 +3536,8 @@ class GitStore(Store):
                 held = side_tip if side else tip       # does `target` exist?
                 return Write(doc=doc, commit=None, branch=target if held else None)
             new = doc
-        files = {STORE_FILE: render_store(new)}
-        if self.extra_files:
-            files.update(self.extra_files(new))
         parent = base if base is not None else self.default_tip()
+        files = {STORE_FILE: render_store(new), **self._rendered(new, parent)}
         commit = self._commit(parent, files, message, merge=merge)
         lease = side_tip if side else tip      # exact CAS: the tip read, or absent
         outcome = self._push(commit, target, lease=lease or "")
@@ -3596,10 +3594,32 @@ class GitStore(Store):
 
     def _files_stale(self, commit: str | None, doc: Doc) -> bool:
         """Whether the extra files rendered from doc differ from those at commit."""
-        for name, text in (self.extra_files(doc) if self.extra_files else {}).items():
+        for name, text in self._rendered(doc, commit).items():
             if (self.file_at(commit, name) if commit else "") != text:
                 return True
         return False
+
+    def _rendered(self, doc: Doc, commit: str | None) -> dict[str, str]:
+        """The extra files rendered from doc to write over those at commit. A
+        file there that cambium did not render (no RENDER_MARK: a person wrote
+        it) is never replaced: it is left out (hand_written names it)."""
+        out: dict[str, str] = {}
+        kept = set()
+        for name, text in (self.extra_files(doc) if self.extra_files else {}).items():
+            there = self.file_at(commit, name) if commit else ""
+            if there and RENDER_MARK not in there[:2000]:
+                kept.add(name)
+            else:
+                out[name] = text
+        with self._state.lock:
+            self._state.hand_written = frozenset(kept)
+        return out
+
+    @property
+    def hand_written(self) -> frozenset:
+        """The extra files the last render left as a person wrote them."""
+        with self._state.lock:
+            return self._state.hand_written
 
     def _remote_branch_tip(self, branch: str) -> str | None:
         ref = f"refs/cambium/{self.scope}/{self.remote}/side/{branch}"
@@ -6600,10 +6620,13 @@ def stale_items(items: Iterable[Item], *, now: datetime, project: str | None = N
 stale_entries = stale_items          #: its name before items were called items everywhere
 
 
+RENDER_MARK = "_Rendered by cambium."    #: in every KNOWLEDGE.md cambium writes, and replaces
+
+
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
     """KNOWLEDGE.md text: by scope, then project; provenance and trust per item."""
-    out = ["# Knowledge", "", "_Rendered by cambium. Edit knowledge through cambium, "
-           "not this file._", ""]
+    out = ["# Knowledge", "", f"{RENDER_MARK} Edit knowledge through cambium, not this file._",
+           ""]
     for scope in reversed(SCOPES):
         pairs = groups.get(scope)
         if not pairs:
@@ -9605,7 +9628,23 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
                 "source_scope": scope, "note": f"the {scope} copy stays until the PR merges"}
     return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit, **out,
-            "published": ["knowledge.json", "KNOWLEDGE.md"], **kept_both(moved, scope, "org")}
+            **published_files(cfg), **kept_both(moved, scope, "org")}
+
+
+def published_files(cfg: Config) -> dict:
+    """What the org write just made published: `published`, and a warning for
+    an extra file left as a person wrote it (GitStore._rendered)."""
+    kept = sorted(store(cfg, "org").hand_written)
+    out: dict[str, Any] = {"published": ["knowledge.json"] + (
+        [] if "KNOWLEDGE.md" in kept else ["KNOWLEDGE.md"])}
+    if kept:
+        out["warnings"] = [hand_written_note(f) for f in kept]
+    return out
+
+
+def hand_written_note(name: str) -> str:
+    return (f"org's {name} was not rendered by cambium (a person wrote it), so it is left as "
+            f"it is; rename or remove it and cambium publishes {name} from then on")
 
 
 def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
@@ -10196,6 +10235,8 @@ def _publish_org_markdown(cfg: Config) -> dict:
     out = {"file": "KNOWLEDGE.md", "changed": write.commit is not None, "commit": write.commit}
     if write.pr_url:
         out["pr_url"] = write.pr_url
+    if "KNOWLEDGE.md" in store(cfg, "org").hand_written:
+        out["note"] = hand_written_note("KNOWLEDGE.md")
     return out
 
 

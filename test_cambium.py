@@ -3964,7 +3964,7 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     assert "Scrub secrets before logging" in remote_json(shared["org_bare"], "main",
                                                          "KNOWLEDGE.md")   # every org write
     editor = clone(shared["org_bare"], shared["tmp"] / "editor")
-    (editor / "KNOWLEDGE.md").write_text("# stale hand edit\n")
+    (editor / "KNOWLEDGE.md").write_text(f"# Knowledge\n\n{cs.RENDER_MARK}_\n\nstale\n")
     git(editor, "commit", "-q", "-am", "hand edit")
     git(editor, "push", "-q", "origin", "HEAD:main")
     res = cs.export_markdown()                           # the default is org
@@ -3974,6 +3974,35 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
                                                          "KNOWLEDGE.md")
     all_md = cs.export_markdown("all")["markdown"]
     assert "## Org" in all_md
+
+
+def test_a_knowledge_md_a_person_wrote_is_never_replaced(shared, monkeypatch):
+    """An org repo that starts with its own KNOWLEDGE.md (no render mark): the
+    first org promotion lands knowledge.json beside it and says so; export
+    leaves it too; once it is renamed away, export publishes the render."""
+    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
+    (editor / "KNOWLEDGE.md").write_text("# Our handbook\n\nWritten by people.\n")
+    git(editor, "add", "KNOWLEDGE.md")
+    git(editor, "commit", "-q", "-m", "handbook")
+    git(editor, "push", "-q", "origin", "HEAD:main")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Keep secrets out of logs")
+    done = cs.promote(item_id, to_scope="org")
+    assert done["status"] == "promoted" and done["published"] == ["knowledge.json"]
+    assert any("not rendered by cambium" in w for w in done["warnings"])
+    assert remote_json(shared["org_bare"], "main", "KNOWLEDGE.md") == \
+        "# Our handbook\n\nWritten by people.\n"
+    assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
+    res = cs.export_markdown()
+    assert res["published"]["changed"] is False and "rename or remove" in res["published"]["note"]
+    git(editor, "pull", "-q", "--no-rebase", "origin", "main")
+    git(editor, "mv", "KNOWLEDGE.md", "HANDBOOK.md")
+    git(editor, "commit", "-q", "-m", "handbook has its own name")
+    git(editor, "push", "-q", "origin", "HEAD:main")
+    res = cs.export_markdown()
+    assert res["published"]["changed"] is True and "note" not in res["published"]
+    assert "Keep secrets out of logs" in remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
+    assert "Written by people" in remote_json(shared["org_bare"], "main", "HANDBOOK.md")
 
 
 def test_pr_mode_export_after_gh_failed_opens_the_knowledge_md_pr_once(
@@ -3987,7 +4016,7 @@ def test_pr_mode_export_after_gh_failed_opens_the_knowledge_md_pr_once(
     cs.promote(item_id, to_scope="org")
     monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
     editor = clone(shared["org_bare"], shared["tmp"] / "editor")
-    (editor / "KNOWLEDGE.md").write_text("# stale hand edit\n")
+    (editor / "KNOWLEDGE.md").write_text(f"# Knowledge\n\n{cs.RENDER_MARK}_\n\nstale\n")
     git(editor, "commit", "-q", "-am", "hand edit")
     git(editor, "push", "-q", "origin", "HEAD:main")
     real_gh = (tmp_path / "bin" / "gh").read_text()
