@@ -867,6 +867,24 @@ def normalize_tags(tags: Any) -> list[str]:
     return out
 
 
+def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
+    """The tags a foreign record gives (import, distill), keeping every valid
+    one: (tags, what was left out or None). A tag that is not text or is longer
+    than MAX_TAG_CHARS is left out; the caller caps the count (pure)."""
+    if raw is None or raw == "":
+        return [], None
+    if not isinstance(raw, (str, list, tuple)):
+        return [], f"tags is {type(raw).__name__}, not a list or text"
+    out: list[str] = []
+    bad = 0
+    for part in [raw] if isinstance(raw, str) else raw:
+        try:
+            out += [t for t in normalize_tags([part]) if t not in out]
+        except InputError:
+            bad += 1
+    return out, f"{bad} not text or over {MAX_TAG_CHARS} characters" if bad else None
+
+
 _SYMBOL = re.compile(r"[A-Za-z_$][\w$]*(?:(?:\.|::)[A-Za-z_$][\w$]*){0,7}")
 
 
@@ -3827,11 +3845,7 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
 
 def _entry_tags(entry: dict, extra: list[str]) -> list[str]:
     raw = entry.get("tags") if isinstance(entry.get("tags"), list) else []
-    ok = [t for t in raw if isinstance(t, str) and 0 < len(t.strip()) <= MAX_TAG_CHARS]
-    try:
-        tags = normalize_tags(ok)
-    except InputError:
-        tags = []
+    tags, _ = salvage_tags(raw)
     return (extra + [t for t in tags if t not in extra])[:MAX_TAGS]
 
 
@@ -4180,12 +4194,15 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     why = _first(rec, _WHY_KEYS)
     kind = _first(rec, _KIND_KEYS)
     kind = kind if isinstance(kind, str) and re.fullmatch(r"[\w.\- ]{1,40}", kind) else "note"
-    tags = rec.get("tags")
-    try:
-        tags = normalize_tags(tags) if tags else []
-    except InputError:
-        tags = []
-    tags = [t for t in tags if t not in ("imported", system)] + ["imported", system]
+    mine = list(dict.fromkeys(("imported", system)))
+    given, left_out = salvage_tags(rec.get("tags"))
+    given, room = [t for t in given if t not in mine], MAX_TAGS - len(mine)
+    if len(given) > room:
+        left_out = "; ".join(filter(None, (left_out, f"{len(given) - room} past the limit of "
+                                                     f"{room} beside {', '.join(mine)}")))
+    if left_out:
+        notes += (f"{where}: some tags were left out ({left_out})",)
+    tags = given[:room] + mine
     ref = _first(rec, _REF_KEYS)
     ref = str(ref) if isinstance(ref, (str, int)) and not isinstance(ref, bool) else None
     ts = _first(rec, _TS_KEYS)
@@ -4194,7 +4211,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     source = {"system": own or system, "ref": ref, "imported": True,
               "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
-                 tags=tags[:MAX_TAGS], source=source, where=where, notes=notes,
+                 tags=tags, source=source, where=where, notes=notes,
                  key=f"import:{_key_part(own or origin or system)}:" + (
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
                          utf8(body + "\0" + (why if isinstance(why, str) else ""))
@@ -4262,8 +4279,8 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             if left <= 0:
                 break
             left -= len(raw)
-            line = (raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw).decode(
-                "utf-8", "replace")
+            line, replaced = utf8_or_replaced(raw[3:] if n == 1 and raw.startswith(
+                b"\xef\xbb\xbf") else raw)
             if not line.strip():
                 continue
             try:
@@ -4271,13 +4288,33 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             except (ValueError, RecursionError) as e:
                 yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60)})")
                 continue
-            yield json_record_to_draft(rec, f"line {n}", origin=path.name)
+            yield _noted(json_record_to_draft(rec, f"line {n}", origin=path.name),
+                         f"line {n}: {NOT_UTF8}" if replaced else None)
+
+
+NOT_UTF8 = "bytes that are not UTF-8 were replaced by U+FFFD"
+
+
+def utf8_or_replaced(data: bytes) -> tuple[str, bool]:
+    """data decoded as UTF-8, and whether bytes that are not were replaced."""
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "replace"), True
+
+
+def _noted(rec: Draft | Skip, note: str | None) -> Draft | Skip:
+    """rec with one more note, for a Draft (a Skip says why already)."""
+    if note is None or not isinstance(rec, Draft):
+        return rec
+    return dataclasses.replace(rec, notes=rec.notes + (note,))
 
 
 def _json_document(path: Path) -> Iterator[Draft | Skip]:
     """The records of one JSON document: an array, or an object wrapping one."""
+    text, replaced = utf8_or_replaced(path.read_bytes())
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+        data = json.loads(text.removeprefix("\ufeff"))
     except (ValueError, RecursionError) as e:
         yield Skip("file", f"not valid JSON ({json_problem(e)}); for JSONL put one object "
                            "per line")
@@ -4292,7 +4329,8 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
                            "object wrapping one")
         return
     for i, rec in enumerate(records, 1):
-        yield json_record_to_draft(rec, f"record {i}", origin=path.name)
+        yield _noted(json_record_to_draft(rec, f"record {i}", origin=path.name),
+                     f"the file: {NOT_UTF8}" if replaced and i == 1 else None)
 
 
 MAX_FIRST_LINE_CHARS = 32 * 1024 * 1024   #: a longer first line is no JSONL record
@@ -10060,7 +10098,8 @@ def import_memory(source: Annotated[str, Field(
                 yield rec
 
     res = ingest(cfg, drafts())
-    out = import_report(source, p, res, [(s.where, s.reason) for s in skipped] + res.skipped)
+    out = import_report(source, p, res, sorted(
+        [(s.where, s.reason) for s in skipped] + res.skipped, key=_where_order))
     if repaired:
         out["warnings"] = [_clip(n, 300) for n in repaired[:5]] + (
             [f"and {len(repaired) - 5} more record(s) like these"] if len(repaired) > 5 else [])
@@ -10095,6 +10134,12 @@ def import_report(source: str, path: Path, res: IngestResult,
 
 
 IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
+
+
+def _where_order(skip: tuple[str, str]) -> int:
+    """A skip's place in the file ("line 7", "record 3"; the file itself first)."""
+    number = re.search(r"\d+", skip[0])
+    return int(number.group()) if number else 0
 
 
 def restore(path: Annotated[str, Field(

@@ -4453,6 +4453,32 @@ def test_import_cleans_lone_surrogates_imports_the_rest_and_says_where(repo, tmp
     assert answer["imported"] == 2 and answer["warnings"][0].startswith("record 1: ")
 
 
+def test_import_keeps_the_valid_tags_says_what_it_left_and_lists_skips_in_file_order(
+        repo, tmp_path):
+    """A record whose tags held one bad tag lost all of them, silently; bytes
+    that are not UTF-8 were replaced without a word; and skips found while
+    storing were listed after those found while parsing, out of file order."""
+    many = [f"t{n}" for n in range(40)]
+    jsonl = tmp_path / "mem.jsonl"
+    jsonl.write_bytes(b"\n".join([
+        json.dumps({"content": "x" * (cs.MAX_CONTENT_CHARS + 1)}).encode(),   # skipped storing
+        b"{not json",                                                       # skipped parsing
+        json.dumps({"content": "tagged", "tags": ["ok", 7, "y" * 100, "Fine"]}).encode(),
+        json.dumps({"content": "many tags", "tags": many}).encode(),
+        b'{"content": "caf\xe9 latin-1"}', b""]))
+    res = cs.import_memory("json", str(jsonl))
+    assert res["imported"] == 3
+    assert [r["where"] for r in res["skipped_reasons"]] == ["line 1", "line 2"]
+    items = {i.content: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert items["tagged"].tags == ["ok", "fine", "imported", "json"]
+    assert items["many tags"].tags == many[:cs.MAX_TAGS - 2] + ["imported", "json"]
+    assert items["caf\ufffd latin-1"]
+    assert res["warnings"] == [
+        "line 3: some tags were left out (2 not text or over 64 characters)",
+        "line 4: some tags were left out (10 past the limit of 30 beside imported, json)",
+        "line 5: bytes that are not UTF-8 were replaced by U+FFFD"]
+
+
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
     f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
