@@ -10104,7 +10104,13 @@ def import_memory(source: Annotated[str, Field(
         out["warnings"] = [_clip(n, 300) for n in repaired[:5]] + (
             [f"and {len(repaired) - 5} more record(s) like these"] if len(repaired) > 5 else [])
     if res.imported:
-        out["id_map"] = str(write_id_map(cfg, source, res.imported))
+        try:
+            out["id_map"] = str(write_id_map(cfg, source, res.imported))
+        except OSError as e:                  # the items are stored: say so, fail nothing
+            out.setdefault("warnings", []).append(
+                f"the id map could not be written under {cfg.local_dir / 'imports'} "
+                f"({e.strerror or e}); the {len(res.imported)} item(s) are stored, and "
+                "'items' lists the first")
     return with_store_warnings(out, cfg)
 
 

@@ -4479,6 +4479,19 @@ def test_import_keeps_the_valid_tags_says_what_it_left_and_lists_skips_in_file_o
         "line 5: bytes that are not UTF-8 were replaced by U+FFFD"]
 
 
+def test_import_whose_id_map_cannot_be_written_still_answers_what_it_stored(repo, tmp_path):
+    (repo / ".cambium").mkdir(exist_ok=True)
+    (repo / ".cambium" / "imports").write_text("a file where the directory goes")
+    jsonl = tmp_path / "mem.jsonl"
+    jsonl.write_text('{"id": "1", "content": "first record"}\n')
+    res = cs.import_memory("json", str(jsonl))
+    assert res["status"] == "imported" and res["imported"] == 1 and "id_map" not in res
+    assert any("id map could not be written" in w for w in res["warnings"])
+    assert [i.content for i in cs.store(cs.require_config(), "local").read().items] == [
+        "first record"]
+    assert (repo / ".cambium" / "imports").read_text() == "a file where the directory goes"
+
+
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
     f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
