@@ -8916,9 +8916,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
             raise InputError(f"org_repo {org_path} {clash}")
         if org_path:
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
-    ignore_note = _scaffold_local(root)
     cfg_path = config_file_path(env)
-    _write_config(cfg_path, updates)
+    _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
+    ignore_note = _scaffold_local(root)
     binding = repo_binding(resolve_config(env))
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}

@@ -609,6 +609,15 @@ def test_setup_refuses_head_as_team_branch(tmp_path):
         cs.setup(str(r), "ada", team_branch="HEAD")
 
 
+def test_setup_that_cannot_write_its_config_leaves_the_repo_untouched(tmp_path, monkeypatch):
+    r = make_repo(tmp_path)
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(tmp_path / "not-a-dir" / "config.json"))
+    with pytest.raises(OSError):
+        cs.setup(str(r), "ada")
+    assert not (r / ".cambium").exists() and not (r / ".gitignore").exists()
+
+
 def test_config_writes_keep_every_setting_and_every_set_aside_file(tmp_path):
     path = tmp_path / "cfg" / "cambium.json"
     path.parent.mkdir()
