@@ -8446,8 +8446,21 @@ def current_session() -> str | None:
     """The session a call belongs to: the MCP session (set per call by the
     server) or a hook payload's session_id (bind_hook), else CAMBIUM_SESSION_ID,
     else None."""
-    sid = SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or None
-    return _clip(valid_unicode(sid), 200) if sid else None
+    return session_key(SESSION.get() or os.environ.get("CAMBIUM_SESSION_ID") or "")
+
+
+MAX_SESSION_CHARS = 200    #: a longer session id is journaled as its start and a hash
+
+
+def session_key(sid: str) -> str | None:
+    """The form a session id is journaled and looked up in: plain text, and a
+    long one cut to its start plus a hash of the whole, so two long ids that
+    share a start stay two sessions (pure). None for an empty one."""
+    text = plain_text(valid_unicode(sid)).strip()
+    if len(text) <= MAX_SESSION_CHARS:
+        return text or None
+    digest = hashlib.sha256(utf8(text)).hexdigest()[:16]
+    return f"{text[:MAX_SESSION_CHARS - 18].rstrip()}…~{digest}"
 
 
 def _shown_path(cfg: Config) -> Path:
@@ -10034,7 +10047,7 @@ def usage(session: Annotated[str | None, Field(
         rows = shown_by(records, "item", item_id, "session")
         return {"item_id": item_id, "sessions": rows, "count": len(rows)}
     if session:
-        session = _clean_text(session, "session", 200)
+        session = session_key(_clean_text(session, "session", MAX_CONTENT_CHARS)) or ""
         rows = shown_by(records, "session", session, "item")
         docs, warnings = read_scopes(cfg, SCOPES, digest=True)
         known = {it.id: it for it in first_copies(federated_items(docs))}

@@ -1257,6 +1257,23 @@ def test_usage_of_a_session_names_the_first_copy_of_a_doubled_id(repo, monkeypat
     assert row["content"] == "Rotate the signing keys every ninety days"
 
 
+def test_usage_keeps_two_long_session_ids_that_share_a_start_apart(repo, monkeypatch):
+    """Session ids were clipped to 200 characters, so two long ones that shared
+    their start were journaled as one session, and usage(session=) refused the
+    id as given."""
+    a = cs.capture("Rotate the signing keys every ninety days")["item"]["id"]
+    b = cs.capture("Pin the base image by digest")["item"]["id"]
+    start = "claude-code/" + "x" * 250
+    for sid, item in ((start + "-one", a), (start + "-two", b)):
+        monkeypatch.setenv("CAMBIUM_SESSION_ID", sid)
+        cs.expand(item)
+    listed = cs.usage()["sessions"]
+    assert len(listed) == 2 and all(len(r["session"]) <= cs.MAX_SESSION_CHARS for r in listed)
+    for sid, item in ((start + "-one", a), (start + "-two", b)):
+        assert [r["item"] for r in cs.usage(session=sid)["items"]] == [item]
+    assert [r["item"] for r in cs.usage(session=listed[0]["session"])["items"]] == [b]
+
+
 def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(repo, tmp_path):
     """An integer id was merged into the store, where no tool could reach it by
     id; an item stored with scope org came back into local still saying org."""
