@@ -896,6 +896,8 @@ def code_path_problem(path: str) -> str | None:
         return "must be relative to the repo root, not absolute"
     if ".." in path.replace("\\", "/").split("/"):
         return "must not leave the repo (no '..')"
+    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in path):
+        return "must be one line of text (no line breaks or control characters)"
     return None
 
 
@@ -4288,7 +4290,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             except (ValueError, RecursionError) as e:
                 yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60)})")
                 continue
-            yield _noted(json_record_to_draft(rec, f"line {n}", origin=path.name),
+            yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name),
                          f"line {n}: {NOT_UTF8}" if replaced else None)
 
 
@@ -4303,7 +4305,7 @@ def utf8_or_replaced(data: bytes) -> tuple[str, bool]:
         return data.decode("utf-8", "replace"), True
 
 
-def _noted(rec: Draft | Skip, note: str | None) -> Draft | Skip:
+def _draft_noted(rec: Draft | Skip, note: str | None) -> Draft | Skip:
     """rec with one more note, for a Draft (a Skip says why already)."""
     if note is None or not isinstance(rec, Draft):
         return rec
@@ -4329,7 +4331,7 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
                            "object wrapping one")
         return
     for i, rec in enumerate(records, 1):
-        yield _noted(json_record_to_draft(rec, f"record {i}", origin=path.name),
+        yield _draft_noted(json_record_to_draft(rec, f"record {i}", origin=path.name),
                      f"the file: {NOT_UTF8}" if replaced and i == 1 else None)
 
 
@@ -6937,9 +6939,10 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
 
 MAX_ANCHOR_FILE_BYTES = 2 * 1024 * 1024   #: larger files resolve to the file, unscanned
 _DEF_PREFIX = (r"^[ \t]*(?:(?:export|pub(?:\([\w:]+\))?|public|private|protected|static|"
-               r"async|default|abstract|final|unsafe|extern|inline|override|open)\s+)*"
+               r"async|default|abstract|final|unsafe|extern|inline|override|open)[ \t]+)*"
                r"(?:def|class|function\*?|func|fn|struct|enum|interface|trait|type|const|let|"
-               r"var|val|module|object|impl|record|protocol|macro|sub)\s+(?:\([^)\n]*\)\s*)?")
+               r"var|val|module|object|impl|record|protocol|macro|sub)[ \t]+"
+               r"(?:\([^)\n]*\)[ \t]*)?")   # one line each: a match never scans past its line
 
 
 @functools.lru_cache(maxsize=512)
@@ -6947,30 +6950,59 @@ def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
     """(a keyword definition of `name`, an assignment to it at line start)."""
     n = re.escape(name)
     return (re.compile(_DEF_PREFIX + n + r"\b", re.M),
-            re.compile(r"^[ \t]*(?:export\s+)?" + n + r"\s*(?::[^=\n]*)?=(?!=)", re.M))
+            re.compile(r"^[ \t]*(?:export[ \t]+)?" + n + r"[ \t]*(?::[^=\n]*)?=(?!=)", re.M))
 
 
 def find_definition(text: str, symbol: str) -> int | None:
     """1-based line where `symbol` is defined in `text` (pure). A dotted name
-    (Item.from_dict) looks for its last part after its first part's line."""
-    parts = re.split(r"\.|::", symbol)
-    start = 0
-    if len(parts) > 1:
-        outer = _first_match(text, parts[0], 0)
-        start = outer if outer is not None else 0
-    at = _first_match(text, parts[-1], start, top_level_first=len(parts) == 1)
-    if at is None and start:
-        at = _first_match(text, parts[-1], 0)
-    return None if at is None else text.count("\n", 0, at) + 1
+    (Item.from_dict, Foo::bar) looks for its last part inside the body of a
+    definition of the part before it (each one, in order: a struct and its
+    impl); None when no such body holds it."""
+    *outer, name = re.split(r"\.|::", symbol)
+    spans = [(0, len(text))]
+    for part in outer:
+        spans = [_body(text, at) for lo, hi in spans for at in _all_matches(text, part, lo, hi)]
+    for lo, hi in spans:
+        at = _first_match(text, name, lo, hi, top_level_first=not outer)
+        if at is not None:
+            return text.count("\n", 0, at) + 1
+    if outer:                                   # a Go method: func (s *Srv) Serve
+        receiver = re.compile(r"^[ \t]*func[ \t]+\([^)\n]*\b" + re.escape(outer[-1]) +
+                              r"\b[^)\n]*\)[ \t]*" + re.escape(name) + r"\b", re.M)
+        if m := receiver.search(text):
+            return text.count("\n", 0, m.start()) + 1
+    return None
 
 
-def _first_match(text: str, name: str, start: int, *, top_level_first: bool = False
+def _all_matches(text: str, name: str, lo: int, hi: int) -> list[int]:
+    """Offsets of every keyword definition of `name` in text[lo:hi], in order."""
+    return [m.start() for m in _definition_patterns(name)[0].finditer(text, lo, hi)]
+
+
+def _body(text: str, at: int) -> tuple[int, int]:
+    """The span of the definition that starts at offset `at`: up to the next
+    line indented no deeper that is not blank and does not continue its
+    signature (a line opening with `)` or `]`); a closing `}` ends it (pure)."""
+    pos = text.find("\n", at)
+    first = text[at:pos if pos != -1 else len(text)]
+    indent = len(first) - len(first.lstrip(" \t"))
+    while pos != -1:
+        start = pos + 1
+        pos = text.find("\n", start)
+        line = text[start:pos if pos != -1 else len(text)]
+        body = line.lstrip(" \t")
+        if body and len(line) - len(body) <= indent and body[0] not in ")]":
+            return at, start
+    return at, len(text)
+
+
+def _first_match(text: str, name: str, lo: int, hi: int, *, top_level_first: bool = False
                  ) -> int | None:
-    """Offset of the first definition of `name` at or after `start`; with
+    """Offset of the first definition of `name` in text[lo:hi]; with
     top_level_first, an unindented one wins over a nested one (a method)."""
     for pattern in _definition_patterns(name):
         first = None
-        for m in pattern.finditer(text, start):
+        for m in pattern.finditer(text, lo, hi):
             if not top_level_first or text[m.start()] not in " \t":
                 return m.start()
             first = m.start() if first is None else first
@@ -6981,10 +7013,12 @@ def _first_match(text: str, name: str, start: int, *, top_level_first: bool = Fa
 
 def _inside_repo(root_real: str, rel: str) -> str | None:
     """The real path of `rel` under the repo root, or None if it would leave it."""
-    if code_path_problem(rel) or rel.split("/", 1)[0] == ".git":
+    if code_path_problem(rel) or ".git" in rel.replace("\\", "/").split("/"):
         return None
     full = os.path.realpath(os.path.join(root_real, rel))
-    return full if full.startswith(root_real + os.sep) else None
+    if not full.startswith(root_real + os.sep):
+        return None
+    return None if ".git" in full[len(root_real) + 1:].split(os.sep) else full
 
 
 def _resolve_one(root_real: str, ref: dict) -> dict:
@@ -7113,9 +7147,10 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
 LINE_CONTENT_CHARS = 160        #: content shown in a one-line result, then "…"
 
 
-def one_line(text: str, limit: int) -> str:
-    """Text on one line (whitespace collapsed), clipped to `limit` characters."""
-    return _clip(" ".join(text.split()), limit)
+def one_line(text: Any, limit: int) -> str:
+    """Text on one line (whitespace collapsed, no control characters or
+    terminal escapes, whatever a hand-edited store holds), clipped to `limit`."""
+    return _clip(" ".join(plain_text(str(text)).split()), limit)
 
 
 def trust_marks(item: Item, trust: dict) -> list[str]:
@@ -7143,9 +7178,9 @@ def item_line(item: Item, *, trust: dict | None = None, anchors: list[dict] | No
     """One item as one line: id, type/kind, [trust marks], content clipped to
     one line, and → the live code pointer when it names code."""
     marks = trust_marks(item, trust or item.trust)
-    kind = item.type if item.kind == item.type else f"{item.type}/{item.kind}"
-    head = f"{item.id} {kind}" + (f" [{' '.join(marks)}]" if marks else "")
-    pointer = code_pointer(anchors or [])
+    kind = one_line(item.type if item.kind == item.type else f"{item.type}/{item.kind}", 90)
+    head = f"{one_line(item.id, 80)} {kind}" + (f" [{' '.join(marks)}]" if marks else "")
+    pointer = one_line(code_pointer(anchors or []), 2 * MAX_CODE_PATH_CHARS)
     return f"{head} {one_line(item.content, LINE_CONTENT_CHARS)}" + \
         (f" → {pointer}" if pointer else "")
 
