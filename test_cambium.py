@@ -509,6 +509,16 @@ def test_path_arguments_with_a_nul_byte_get_an_input_error(tmp_path, monkeypatch
     assert "NUL byte" in gap["cost"]
 
 
+def test_the_module_defines_each_top_level_name_once():
+    """A second `_noted` (an import helper) silently replaced the error helper
+    of that name, and every "the push may still land" note was dropped."""
+    import ast
+    tree = ast.parse(Path(cs.__file__).read_text())
+    names = [n.name for n in tree.body
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
