@@ -2607,6 +2607,11 @@ def set_aside_links(local_dir: Path) -> None:
 
 def set_aside_warnings(path: Path) -> list[str]:
     """What is set aside beside the store and not yet restored, and what to do."""
+    if path.parent.is_symlink() and not path.parent.exists():
+        with contextlib.suppress(OSError):
+            return [f"{path.parent} is a symbolic link to {os.readlink(path.parent)}, which "
+                    "does not exist, so nothing can be stored: create that directory, or "
+                    "delete the link (cambium starts a fresh local store)."]
     try:
         names = sorted(os.listdir(path.parent))
     except OSError:
@@ -3021,6 +3026,35 @@ def merged_item(before: Item | None, mine: Item, theirs: Item) -> Item | None:
             return None
         out[f.name] = v
     return dataclasses.replace(mine, **out)
+
+
+def carried_over(above: Item, below: Item) -> Item | None:
+    """`above` (the copy a scope above holds) with what the source copy `below`
+    holds that it lacks: endorsements (one per agent, the later), verifications,
+    the later last_verified, the higher authority, and a retirement (deprecated
+    or superseded). None when above lacks none of it (pure). Only adds: for a
+    copy another clone moved up while this one changed the source."""
+    out: dict[str, Any] = {}
+    mine = {e.get("by"): e for e in above.trust.get("endorsements") or [] if isinstance(e, dict)}
+    theirs = [e for e in below.trust.get("endorsements") or [] if isinstance(e, dict)
+              and (e.get("by") not in mine or str(e.get("at", "")) > str(mine[e.get("by")]
+                                                                         .get("at", "")))]
+    if theirs:
+        kept = [e for e in above.trust.get("endorsements") or []
+                if not (isinstance(e, dict) and e.get("by") in {t.get("by") for t in theirs})]
+        out["trust"] = {**above.trust, "endorsements": kept + theirs}
+    more = [v for v in below.verifications or [] if v not in (above.verifications or [])]
+    if more:
+        out["verifications"] = list(above.verifications or []) + more
+    if below.last_verified and (above.last_verified or "") < below.last_verified:
+        out["last_verified"] = below.last_verified
+    if _higher(None, above.authority, below.authority) != above.authority:
+        out["authority"] = below.authority
+    if above.active and not below.active:
+        out.update(status=below.status, deprecated=below.deprecated,
+                   superseded_by=below.superseded_by)
+    return dataclasses.replace(above, **out, updated_at=_later(
+        None, above.updated_at or None, below.updated_at or None) or "") if out else None
 
 
 def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
@@ -7600,15 +7634,21 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     ids = {it.id for it in items}
 
     made: dict[str, Item] = {}      # id -> the source version its copy was made from
+    joined: set[str] = set()        # ids dst held already: the source's news added to them
 
     def plan(doc: Doc) -> MovePlan:
-        waiting = ids - {it.id for it in doc.items}
-        current = [it for it in first_copies(store(cfg, src).read().items) if it.id in waiting]
+        above = {it.id: it for it in first_copies(doc.items) if it.id in ids}
+        below = [it for it in first_copies(store(cfg, src).read().items) if it.id in ids]
+        current = [it for it in below if it.id not in above]
         verdicts = {it.id: gate(it) for it in current}
         made.clear()
         made.update((it.id, it) for it in current if verdicts[it.id].allowed)
-        copies = [copy(it) for it in made.values()]
-        return MovePlan(dataclasses.replace(doc, items=doc.items + copies) if copies else None,
+        joined.clear()
+        joined.update(it.id for it in below if it.id in above)
+        made.update((it.id, it) for it in below if it.id in above)
+        news = {i: new for i in joined if (new := carried_over(above[i], made[i]))}
+        items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
+        return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
 
     marking = src == "local" and not pr_branch     # a crash from here on leaves two copies
@@ -7626,7 +7666,10 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held or marking:
-        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, copy)
+        def lift(source: Item, there: Item) -> Item:     # the dst copy with source's change
+            return carried_over(there, source) or there if source.id in joined else copy(source)
+
+        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
         return Moved(write, landed, planned.refused, kept)
     return Moved(write, landed, planned.refused)
 
@@ -7635,12 +7678,13 @@ CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy mea
 
 
 def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
-                made: dict[str, Item], above: Doc, copy: Callable[[Item], Item]) -> list[str]:
+                made: dict[str, Item], above: Doc, lift: Callable[[Item, Item], Item]
+                ) -> list[str]:
     """Drop from src the copies that landed in dst. A source copy changed since
     its copy was made (a teammate's endorse, deprecate or correct from another
     clone, a credit fold, in the second between the two writes) is not dropped
-    as it stands: the change is carried up first, by copying it again over a
-    dst copy that nobody changed since; then it leaves. Returns the ids whose
+    as it stands: the change is carried up first, lift(source, dst copy) over
+    a dst copy that nobody changed since; then it leaves. Returns the ids whose
     change could not be carried (both copies kept, named in the answer)."""
     made = {k: v for k, v in made.items() if k in held}
     copied = {it.id: it for it in first_copies(above.items) if it.id in made}
@@ -7666,7 +7710,7 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
         if not changed:
             return sorted(kept)
         pending = set(changed)
-        recopied = _carry_up(cfg, dst, changed, copied, copy)
+        recopied = _carry_up(cfg, dst, changed, copied, lift)
         kept |= pending - recopied.keys()
         pending &= recopied.keys()
         made = {k: changed[k] for k in pending}
@@ -7677,9 +7721,10 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
 
 
 def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str, Item],
-              copy: Callable[[Item], Item]) -> dict[str, Item]:
-    """Replace in dst each copy that still reads as `copied` left it with a copy
-    of the source's changed version; returns the new copies (id -> item)."""
+              lift: Callable[[Item, Item], Item]) -> dict[str, Item]:
+    """Replace in dst each copy that still reads as `copied` left it with
+    lift(the source's changed version, that copy); returns the new copies (id
+    -> item; one that needed nothing from the source is itself)."""
     out: dict[str, Item] = {}
 
     def apply(doc: Doc) -> Doc | None:
@@ -7687,13 +7732,22 @@ def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str,
         items, seen = list(doc.items), set()
         for n, it in enumerate(items):
             if it.id in changed and it.id not in seen and it == copied.get(it.id):
-                items[n] = out[it.id] = copy(changed[it.id])
+                items[n] = out[it.id] = lift(changed[it.id], it)
             seen.add(it.id)
-        return dataclasses.replace(doc, items=items) if out else None
+        return dataclasses.replace(doc, items=items) if items != doc.items else None
 
     if changed:
         mutate(cfg, dst, apply, f"carry the change made meanwhile to {', '.join(sorted(changed))}")
     return dict(out)
+
+
+def _replace_first(items: list[Item], new: dict[str, Item]) -> list[Item]:
+    """items with the first copy of each id in `new` replaced by it (pure)."""
+    out, seen = [], set()
+    for it in items:
+        out.append(new[it.id] if it.id in new and it.id not in seen else it)
+        seen.add(it.id)
+    return out
 
 
 MOVING_META = "moving"     #: local meta: id -> the scope a move of it is copying it to
@@ -9666,11 +9720,29 @@ def _org_refusal(item: Item, verdict: Verdict) -> dict:
     return out
 
 
+def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
+    """A retired item whose org copy a move left behind (another clone's move
+    cut short between its org push and its drop, then the copy below retired):
+    the retirement is carried to org and the copy below leaves. None when org
+    holds no copy (the item is simply retired)."""
+    if not _find_item(store(cfg, "org").read(), item.id):
+        return None
+    moved = move(cfg, [item], scope, "org", gate=lambda it: _awaiting_merge(it),
+                 copy=lambda it: it, message=f"carry {item.id}'s retirement to org")
+    if not moved.landed:
+        return None
+    return {"status": "already_promoted", "scope": "org", "item": item_view(moved.landed[0]),
+            "note": f"a move to org had been cut short, and the {scope} copy was "
+                    f"{item.status} since: that is carried to org, and the {scope} copy left"}
+
+
 def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None,
                     org_why: str | None) -> dict:
     scope, item = locate(cfg, item_id)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
+    if not item.active and (done := _finish_cut_short(cfg, scope, item)):
+        return done
     _require_active(item, "promoted")
     state = pr_state(cfg, item.pr_url) if item.pr_url else None
     declined = withdraw_pr(cfg, scope, item, state) if state else None
@@ -9704,7 +9776,9 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     except CambiumError as e:
         raise _unmoved(e, f"in {scope} scope", "the item stays")
     if item_id in moved.refused:                  # the item changed under us: judged again
-        return _org_refusal(item, moved.refused[item_id])
+        _, now = locate(cfg, item_id, fresh=True)
+        _require_active(now, "promoted")          # retired meanwhile: refused as it would be
+        return _org_refusal(now, moved.refused[item_id])
     if not moved.landed:
         raise NotFound(f"item {item_id} left {scope} scope while it was being promoted; "
                        "recall shows where it is now.")
@@ -9752,8 +9826,10 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     """
     cfg = require_config()
     item_id = _check_id(item_id)
-    why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) if org_why else None
-    content = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) if org_content else None
+    why = None if org_why is None else _clean_text(org_why, "org_why", MAX_WHY_CHARS,
+                                                   required=True)
+    content = None if org_content is None else _clean_text(      # "" is no restatement
+        org_content, "org_content", MAX_CONTENT_CHARS, required=True)
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
     changed: list[bool] = []

@@ -823,6 +823,9 @@ def test_a_linked_local_dir_is_named_in_warnings_and_nothing_in_its_target_is_re
     assert res["status"] == "captured" and (elsewhere / "knowledge.json").is_file()
     assert (elsewhere / "someones-link").is_symlink()          # not swept
     assert any("is a symbolic link to" in w for w in cs.status()["warnings"])
+    (repo / ".cambium").unlink()
+    (repo / ".cambium").symlink_to(tmp_path / "gone")       # dangling: said, not "ok"
+    assert any("does not exist" in w for w in cs.status()["warnings"])
 
 
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
@@ -2122,6 +2125,49 @@ def test_a_change_during_a_cut_short_move_lands_on_the_copy_that_stays(shared, a
         assert team["verifications"][-1]["note"] == "still true"
     else:
         assert team["trust"]["endorsements"][-1]["note"] == "burned twice"
+
+
+@pytest.mark.parametrize("act", ["endorse", "verify", "deprecate", "correct"])
+def test_a_change_to_a_copy_another_clone_already_moved_up_is_carried(
+        shared, monkeypatch, act):
+    """Another clone's promote has pushed its org copy but not yet dropped the
+    team copy, which this clone then changes and promotes: the org copy counted
+    as landed and the team copy was dropped as it stood, change and all (both
+    answers said promoted). The change is now added to the org copy first."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Every queue has a dead-letter queue")
+    cs.promote(item_id, force=True)
+    cs.status()                                          # this clone has read org's tip
+    (team,) = [i for i in cs.store(cs.require_config(), "team").read().items
+               if i.id == item_id]
+    up = cs.promoted_copy(team, "org", trust=team.trust, agent="ada", now=cs._now())
+    other = clone(shared["org_bare"], shared["tmp"] / "other-org")   # the other clone's push
+    (other / "knowledge.json").write_text(cs.render_store(cs.Doc(items=[up])))
+    git(other, "add", "knowledge.json")
+    git(other, "commit", "-q", "-m", "the other clone promotes")
+    git(other, "push", "-q", "origin", "HEAD:main")       # ...and has not dropped team's yet
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bo")
+    done = {"endorse": lambda: cs.endorse(item_id, note="bo vouches"),
+            "verify": lambda: cs.verify_entry(item_id, note="bo checked"),
+            "deprecate": lambda: cs.deprecate(item_id, reason="queues are gone"),
+            "correct": lambda: cs.correct(item_id, "Every queue has a DLQ and an alarm",
+                                          "the on-call lead said")}[act]()
+    assert done["scope"] == "team"
+    res = cs.promote(item_id, to_scope="org", force=True)
+    assert res["status"] == ("promoted" if act in ("endorse", "verify") else "already_promoted")
+    assert item_id not in team_ids(shared["origin"])
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    if act == "endorse":
+        assert {e["by"]: e.get("note") for e in org["trust"]["endorsements"]}["bo"] == \
+            "bo vouches"
+    elif act == "verify":
+        assert org["verifications"][-1]["note"] == "bo checked" and org["authority"] == "verified"
+    elif act == "deprecate":
+        assert org["status"] == "deprecated" and org["deprecated"]["reason"] == "queues are gone"
+    else:
+        assert org["status"] == "superseded" and "cut short" in res["note"]
+        assert org["superseded_by"]["id"] in team_ids(shared["origin"])   # the correction
+    assert cs.promote(item_id, to_scope="org")["status"] == "already_promoted"
 
 
 def test_a_change_made_while_a_promote_is_between_push_and_drop_waits_and_lands(
@@ -3892,6 +3938,44 @@ def test_generalize_refuses_a_retired_org_item(shared, monkeypatch):
         cs.generalize(item, org_content="REWRITTEN retired text")
     (old,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item]
     assert old["content"] == "Time out every outbound call"
+
+
+def test_generalize_refuses_empty_text_rather_than_taking_the_endorsement_note(
+        shared, monkeypatch):
+    """org_content="" read as omitted: the org item's content became the latest
+    endorsement note (one letter)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Time out every outbound call", "x")
+    cs.promote(item, to_scope="org", force=True)
+    for args in ({"org_content": ""}, {"org_content": "  "}, {"org_why": ""}):
+        with pytest.raises(cs.InputError, match="empty"):
+            cs.generalize(item, **args)
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item]
+    assert org["content"] == "Time out every outbound call"
+
+
+def test_a_promote_whose_item_is_retired_meanwhile_is_refused_as_retired(
+        shared, monkeypatch):
+    """The gate judged again on the write's tip turned the item away, and the
+    answer was the stale copy (`active`) under status `deprecated`, exit 0."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Time out every outbound call")
+    cs.promote(item, force=True)
+    real, calls = cs.org_verdict, []
+
+    def verdict_then_a_teammate_deprecates(it, **kw):
+        if not calls:                           # between promote's check and its write
+            cs.mutate(cs.require_config(), "team", lambda d: dataclasses.replace(d, items=[
+                dataclasses.replace(i, status="deprecated", deprecated={
+                    "by": "bo", "at": cs._now(), "reason": "gone"}) for i in d.items]),
+                "bo deprecates")
+        calls.append(it.id)
+        return real(it, **kw)
+
+    monkeypatch.setattr(cs, "org_verdict", verdict_then_a_teammate_deprecates)
+    with pytest.raises(cs.Refused, match="is deprecated"):
+        cs.promote(item, to_scope="org", force=True)
+    assert len(calls) >= 2 and remote_json(shared["org_bare"], "main") is None
 
 
 def test_generalize_and_review_fetch_each_scope_once(shared, monkeypatch):
