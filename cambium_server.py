@@ -8668,20 +8668,23 @@ def group_view(g: Group) -> dict:
 
 
 def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent: str,
-                now: str, done: dict[str, str]) -> Callable[[Doc], Doc | None]:
+                now: str, done: dict[str, str], late: set[str]) -> Callable[[Doc], Doc | None]:
     """The write to `scope`: merge each survivor living there, and supersede
     members living there whose survivor is `done` (verified) or in this write.
-    `done` collects survivor id -> scope for every survivor merged."""
+    `done` collects survivor id -> scope for every survivor merged. A member
+    endorsed or verified since the plan whose survivor lives in another scope
+    (merged already, without that) is left active and named in `late`."""
     def apply(doc: Doc) -> Doc | None:
         items, at = list(doc.items), {it.id: i for i, it in enumerate(doc.items)}
         changed = False
+        late.clear()
         for g in groups:
             s = at.get(g.survivor.id)
             here = g.survivor.scope == scope and s is not None and items[s].active
-            if here:
-                merged = merged_survivor(items[s], items[s].trust,
-                                         [(m, trusts.get(m.id, m.trust)) for m, _, _ in
-                                          g.members], now=now)
+            if here:                          # a member here is merged as it stands now
+                merged = merged_survivor(items[s], items[s].trust, [
+                    (m, items[at[m.id]].trust if m.scope == scope and m.id in at
+                     else trusts.get(m.id, m.trust)) for m, _, _ in g.members], now=now)
                 changed |= merged is not items[s]
                 items[s] = merged
                 done[g.survivor.id] = scope
@@ -8689,6 +8692,10 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
                 continue
             for m, sim, how in g.members:
                 i = at.get(m.id)
+                if m.scope == scope and i is not None and items[i].active and \
+                        not here and _vouched_since(m, items[i]):
+                    late.add(m.id)           # its survivor was merged before: not retired
+                    continue
                 if m.scope == scope and i is not None and items[i].active:
                     items[i] = supersede(items[i], g.survivor.id, agent=agent, now=now,
                                          why=f"consolidated: says the same ({how}, "
@@ -8698,28 +8705,43 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
     return apply
 
 
+def _vouched_since(planned: Item, now: Item) -> bool:
+    """Whether an item gained an endorsement or a verification since `planned`."""
+    def vouches(it: Item) -> tuple:
+        ends = it.trust.get("endorsements") if isinstance(it.trust, dict) else None
+        return (json_text(ends or []), json_text(it.verifications or []))
+    return vouches(planned) != vouches(now)
+
+
 def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict]) -> dict:
     """Write the plan: survivors' scopes first (org, team, local), then every
     scope losing members to a survivor elsewhere. A survivor headed for a pull
     request (org in PR mode) is not verified on org yet: its members in other
     scopes wait for a rerun after the merge."""
-    now, done, pr_urls = _now(), {}, []
+    now, done, pr_urls, late = _now(), {}, [], set()
     survivor_scopes = [s for s in reversed(SCOPES) if any(g.survivor.scope == s for g in groups)]
     member_scopes = [s for s in SCOPES if any(m.scope == s and g.survivor.scope != s
                                               for g in groups for m, _, _ in g.members)]
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
-        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done)
+        left: set[str] = set()
+        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left)
         write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
                        pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
+        late |= left
         if write is not None and write.pr_url:
             pr_urls.append(write.pr_url)
             for sid in [k for k, v in done.items() if v == scope]:
                 del done[sid]                # on a PR branch only, not verified on org
-    superseded = [m.id for g in groups if g.survivor.id in done for m, _, _ in g.members]
+    superseded = [m.id for g in groups if g.survivor.id in done for m, _, _ in g.members
+                  if m.id not in late]
     waiting = [m.id for g in groups if g.survivor.id not in done for m, _, _ in g.members]
     out: dict[str, Any] = {"superseded": superseded}
     if waiting:
         out["waiting"] = waiting
+    if late:
+        out["changed_meanwhile"] = sorted(late)
+        out["note"] = ("endorsed or verified while consolidate ran, so left as they are: "
+                       "consolidate again to fold them in")
     if pr_urls:
         out["pr_urls"] = sorted(set(pr_urls))
     return out

@@ -4339,6 +4339,36 @@ def test_consolidate_across_team_and_local_writes_the_survivor_first(shared):
     assert cs.consolidate(scope="team")["count"] == 0
 
 
+def test_consolidate_keeps_an_endorsement_made_between_its_plan_and_its_write(
+        shared, monkeypatch):
+    """A teammate's endorsement of a duplicate after the plan stayed on the
+    superseded copy: the survivor was merged from the plan's copies. Now a
+    duplicate in the survivor's scope is merged as it stands at the write, and
+    one elsewhere, endorsed since, is left active and named."""
+    first = _endorsed("Every service exposes a health endpoint at /healthz")
+    second = cs.capture("Every service exposes a health endpoint at /healthz!")["item"]["id"]
+    for item in (first, second):                       # both to team
+        cs.promote(item, force=True)
+    third = cs.capture("Every service exposes a health endpoint at /healthz.")["item"]["id"]
+    cfg = cs.require_config()
+    groups, trusts, _ = cs.plan_consolidation(cfg, cs.SCOPES)
+    (group,) = groups
+    survivor = group.survivor.id
+    team_dup = ({first, second} - {survivor}).pop()
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bo")       # after the plan, before the write
+    cs.endorse(team_dup, note="bo vouches")
+    cs.endorse(third, note="bo vouches too")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    done = cs.apply_consolidation(cfg, groups, trusts)
+    assert done["superseded"] == [team_dup] and done["changed_meanwhile"] == [third]
+    (kept,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == survivor]
+    assert "bo" in {e["by"] for e in kept["trust"]["endorsements"]}
+    local = {i.id: i for i in cs.store(cfg, "local").read().items}
+    assert local[third].active                          # folded in by the next run
+    again = cs.consolidate(apply=True)
+    assert again["superseded"] == [third]
+
+
 def test_consolidate_in_org_pr_mode_opens_a_pr_and_lower_copies_wait(shared, monkeypatch,
                                                                      tmp_path):
     make_stub_gh(tmp_path)
