@@ -6797,7 +6797,7 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
 # =============================================================================
 
 CONSOLIDATE_LEXICAL = 0.86     #: body cosine at which two items say the same thing
-CONSOLIDATE_SEMANTIC = 0.87    #: with the extra: mean of lexical and MiniLM cosine
+CONSOLIDATE_SEMANTIC = 0.86    #: with the extra: mean of lexical and MiniLM cosine
 CONSOLIDATE_SEMANTIC_FLOOR = 0.6  #: ...asked only for pairs at least this lexically close
 SCOPE_RANK = {"local": 0, "team": 1, "org": 2}
 
@@ -6894,6 +6894,27 @@ def _components(n: int, edges: Iterable[tuple[int, int]]) -> list[list[int]]:
     return [c for c in comps.values() if len(c) > 1]
 
 
+_FIGURE = re.compile(r"\d+(?:[.,:]\d+)*")
+_NEGATION = re.compile(r"\b(?:not(?! (?:only|just|merely)\b)|never|no|none|nor|without|avoid|"
+                       r"don'?t|doesn'?t|isn'?t|aren'?t|won'?t|can'?t|cannot|shouldn'?t|"
+                       r"mustn'?t)\b")                     # "not only" contrasts, it negates not
+SHORT_RULE_WORDS = 40      #: a rule this short that says "not" where its look-alike doesn't differs
+
+
+def decides_differently(a: Item, b: Item) -> bool:
+    """Two look-alikes that state different figures (each one a number the
+    other lacks: 2 retries, 7 retries), or two short rules where one says
+    not and the other does not: never the same thing, however close their
+    words (pure). A figure or a "not" one side leaves out is no difference:
+    a paraphrase often drops a detail of a long item."""
+    def facts(it: Item) -> tuple:
+        text = it.content.lower()
+        return (frozenset(_FIGURE.findall(text)), bool(_NEGATION.search(text)),
+                len(text.split()) <= SHORT_RULE_WORDS)
+    (fa, na, sa), (fb, nb, sb) = facts(a), facts(b)
+    return bool(fa - fb and fb - fa) or (sa and sb and na != nb)
+
+
 def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
                      threshold: float = CONSOLIDATE_LEXICAL,
                      semantic: Callable[[list[tuple[int, int]]], dict] | None = None,
@@ -6909,6 +6930,8 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
     vecs = dup_vectors(items)
     pairs = candidate_pairs(items, vecs, min(threshold, CONSOLIDATE_SEMANTIC_FLOOR)
                             if semantic is not None else threshold)
+    pairs = {(a, b): s for (a, b), s in pairs.items()
+             if not decides_differently(items[a], items[b])}
     accepted = {(a, b): (s, "same text" if normalized_text(items[a]) == normalized_text(
         items[b]) else "lexical") for (a, b), s in pairs.items() if s >= threshold}
     ask = [p for p, s in pairs.items() if CONSOLIDATE_SEMANTIC_FLOOR <= s < threshold]
