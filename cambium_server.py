@@ -11096,6 +11096,8 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
+    if sys.stderr is None:                      # fd 2 closed: print(file=None) would write
+        sys.stderr = open(os.devnull, "w")      # diagnostics to stdout (a hook's protocol)
     if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
         return primer_hook(argv)                # before argparse: it must never fail
     argv = argv or ["serve"]
@@ -11322,28 +11324,55 @@ def distill_summary(result: dict) -> str:
             f"{per}" + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
 
 
+HOOK_STDIN_WAIT_S = 2.0       #: how long a hook waits for its payload, in all
+HOOK_STDIN_MAX = 1 << 20      #: a hook payload past this many bytes is not read further
+
+
+def read_hook_stdin(wait_s: float = HOOK_STDIN_WAIT_S) -> bytes:
+    """What arrives on stdin within `wait_s` seconds in all: up to end of input,
+    a complete JSON object (a writer that leaves the pipe open is not waited
+    for), or HOOK_STDIN_MAX bytes. Raw reads of the descriptor, so no read
+    ever blocks past the deadline."""
+    import select
+    fd = sys.stdin.fileno()
+    deadline = time.monotonic() + wait_s
+    data = b""
+    while len(data) < HOOK_STDIN_MAX:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, HOOK_STDIN_MAX - len(data))
+        if not chunk:
+            break                                   # end of input
+        data += chunk
+        if data.rstrip().endswith(b"}"):
+            with contextlib.suppress(ValueError, RecursionError):
+                if isinstance(json.loads(data), dict):
+                    break                           # the whole payload: stop waiting
+    return data
+
+
 def bind_hook() -> dict:
-    """Read a hook's JSON from stdin (bounded wait) and bind this process to the
-    project of its `cwd`, as a server started there would be (resolve_config:
+    """Read a hook's JSON from stdin (read_hook_stdin: at most 2 s in all) and
+    bind this process to the project of its `cwd`, as a server started there would be (resolve_config:
     env, else that directory's git root, else the repo setup recorded). Every
     `--hook` command calls this first; its `session_id` becomes the session
     usage attribution files this call under. Returns the payload ({} when none):
     one that is not a JSON object (malformed, nested too deep to parse) is
-    ignored with a line on stderr, as a hook must not fail on its input."""
-    import select
+    ignored with a line on stderr, as a hook must not fail on its input. A
+    leading byte-order mark is skipped."""
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError, RecursionError):
         if sys.stdin is None or sys.stdin.isatty():
             return {}
-        ready, _, _ = select.select([sys.stdin], [], [], 2.0)
-        if not ready:
+        data = read_hook_stdin()
+        if not data:
             return {}
-        text = sys.stdin.read(1 << 20)
         try:
-            payload = json.loads(text or "{}")
+            payload = json.loads(data.removeprefix(b"\xef\xbb\xbf") or b"{}")
         except (ValueError, RecursionError) as e:
             why = json_problem(e) if isinstance(e, RecursionError) else "not JSON"
-            print(f"cambium: the hook's stdin ({len(text)} characters) is {why}; ignored",
+            print(f"cambium: the hook's stdin ({len(data)} bytes) is {why}; ignored",
                   file=sys.stderr)
             return {}
     if not isinstance(payload, dict):

@@ -7527,6 +7527,55 @@ def test_primer_hook_never_reads_through_a_link_or_a_fifo_in_the_local_dir(
     assert len(list((repo / ".cambium").glob(name + tag + "*"))) == 1
 
 
+# -- primer, hook and usage-journal fixes (branch fix-primer) -----------------
+
+
+def test_hooks_read_a_payload_whose_pipe_stays_open(repo, tmp_path, monkeypatch):
+    """bind_hook read stdin to its end: a client that wrote the payload and
+    kept the pipe open hung `primer --hook` and `distill --hook` for ever."""
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    payload = b"\xef\xbb\xbf" + json.dumps({"cwd": str(repo), "session_id": "open-1"}).encode()
+    for cmd in ("primer", "distill"):
+        proc = subprocess.Popen([sys.executable, str(SERVER), cmd, "--hook"], cwd=tmp_path,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=child_env())
+        proc.stdin.write(payload)                    # (a byte-order mark first: still JSON)
+        proc.stdin.flush()
+        try:
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+            proc.stdin.close()
+        out, err = proc.stdout.read(), proc.stderr.read()
+        proc.stdout.close(), proc.stderr.close()
+        assert proc.returncode == 0, (cmd, err)
+        if cmd == "primer":
+            assert "Never deploy on Fridays" in \
+                json.loads(out)["hookSpecificOutput"]["additionalContext"]
+        else:
+            assert out == b""
+    monkeypatch.setenv("CAMBIUM_REPO", str(repo))
+    assert [r["via"] for r in cs.usage(session="open-1")["items"]] == [["primer"]]
+
+
+def test_hooks_with_stderr_closed_print_no_diagnostic_on_stdout(repo, tmp_path, monkeypatch):
+    """With fd 2 closed sys.stderr is None: print(file=sys.stderr) wrote the
+    hook's diagnostic to stdout, and distill --hook died on sys.stderr.isatty()."""
+    monkeypatch.delenv("CAMBIUM_REPO")
+    closed = dict(cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                  env=child_env(), timeout=60, preexec_fn=lambda: os.close(2))
+    bad = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], input="not json",
+                         **closed)
+    assert (bad.returncode, bad.stdout) == (0, "")
+    end = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"],
+                         input=json.dumps({"cwd": str(repo)}), **closed)
+    assert (end.returncode, end.stdout) == (0, "")
+
+
+# -- end of fix-primer block --
+
+
 def test_primer_hook_cache_follows_a_working_tree_edit(coderepo, tmp_path, monkeypatch):
     cs.capture("Ledger totals are computed once", kind="pitfall",
                code_refs=[{"path": "src/billing.py", "symbol": "Ledger"}])
