@@ -73,6 +73,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import fcntl
 import functools
 import gc
@@ -1832,6 +1833,22 @@ def _open_nofollow(path: str | os.PathLike, flags: int) -> int:
     return os.open(path, flags | NOFOLLOW, 0o644)
 
 
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
+    """An `opener` for open() of a file in .cambium/: never follows a symbolic
+    link, never blocks (O_NONBLOCK: opening a FIFO waits for its other end),
+    and refuses anything but a regular file with an OSError. The sweep moves
+    such files aside, but not in a `.cambium` that is itself a link."""
+    fd = os.open(path, flags | NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o644)
+    try:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device?)",
+                          str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock on `<path>.lock`, across threads and processes."""
@@ -2295,6 +2312,14 @@ class LocalStore(Store):
         when the file is damaged."""
         return self._current(locked=False, parse_grown=True)
 
+    def salvage(self) -> tuple[Doc, int]:
+        """A damaged file's lines that parse, and how many do not, read without
+        the lock and without setting a line aside (the primer: it writes
+        nothing). CorruptStore when no line parses."""
+        with open(self.path, "rb", opener=open_regular) as f:
+            parsed = parse_file(f, str(self.path))
+        return parsed.doc, len(parsed.bad) or 1          # (1: the file ends early)
+
     def _current(self, *, locked: bool, parse_grown: bool = False) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
         the lock: the file is damaged, or (unless parse_grown: then it is parsed
@@ -2332,7 +2357,7 @@ class LocalStore(Store):
     def _appends_lead(self, old: tuple, new: tuple) -> bool:
         """Whether recorded appends lead from file version `old` to `new`."""
         try:
-            with open(self.appends, "rb") as f:
+            with open(self.appends, "rb", opener=open_regular) as f:
                 f.seek(max(0, os.fstat(f.fileno()).st_size - APPENDS_READ_MAX))
                 text = f.read().decode("ascii", "replace")
         except FileNotFoundError:
@@ -2351,7 +2376,7 @@ class LocalStore(Store):
 
     def _read_tail(self, seen: _Seen, key: tuple) -> Doc | None:
         """Extend the parsed copy by the appended lines; None if they do not parse."""
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb", opener=open_regular) as f:
             f.seek(seen.tail_at)
             data = f.read(key[1] - seen.tail_at)
         if not data.startswith(b",\n") or not data.endswith(STORE_TAIL):
@@ -2369,7 +2394,7 @@ class LocalStore(Store):
     def _parse(self, *, locked: bool) -> Doc | None:
         """Parse the whole file; damage is set aside under the lock."""
         try:
-            with open(self.path, "rb") as f:
+            with open(self.path, "rb", opener=open_regular) as f:
                 key = _stat_key(os.fstat(f.fileno()))
                 parsed = parse_file(f, str(self.path))
                 stable = _stat_key(os.fstat(f.fileno())) == key
@@ -2473,7 +2498,8 @@ class LocalStore(Store):
         def write(out: Any) -> None:
             out.write(head)
             with contextlib.ExitStack() as stack:
-                src = stack.enter_context(open(self.path, "rb")) if seen else None
+                src = stack.enter_context(open(self.path, "rb", opener=open_regular)) \
+                    if seen else None
                 for piece in pieces:
                     if isinstance(piece, tuple):
                         _copy_range(src, out, *piece)
@@ -2699,8 +2725,9 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
         return list(_journal(path))
     records = list(_journal(path))
     with contextlib.suppress(FileNotFoundError):
-        records += _credit_records(path.with_name(LEGACY_CREDITS_FILE).read_text(
-            encoding="utf-8"))
+        with open(path.with_name(LEGACY_CREDITS_FILE), encoding="utf-8",
+                  opener=open_regular) as f:
+            records += _credit_records(f.read())
     return records
 
 
@@ -2750,7 +2777,7 @@ def _journal(path: Path) -> list[dict]:
     with rt.lock:
         seen = rt.journals.get(str(path))
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=open_regular) as f:
             st = os.fstat(f.fileno())
             now = (st.st_ino, st.st_size, st.st_mtime_ns)
             if seen is not None and seen.stat == now:
@@ -7302,13 +7329,16 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
             st = store(cfg, scope)
             doc = st.peek()
             if doc is None:                  # (only the local file is repaired, by a write)
-                raise CorruptStore(f"{st.path} has damaged lines; the next recall or capture "
-                                   "sets them aside")
+                doc, bad = st.salvage()
+                warnings.append(f"{st.path}: {bad} damaged line(s) left out of this answer; "
+                                "the next recall or capture sets them aside")
             docs[scope] = doc
         except ScopeOff:
             continue
         except CambiumError as e:
             warnings.append(f"{scope} scope skipped: {e}")
+        except OSError as e:                 # not a regular file (in a linked .cambium)
+            warnings.append(f"{scope} scope skipped: {e.filename or scope}: {e.strerror or e}")
     return docs, warnings
 
 
@@ -7967,16 +7997,22 @@ def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str
 
 
 def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
-                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET) -> dict:
+                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET,
+                 unread: bool = False) -> dict:
     """The digest (pure but for line_of, which renders one chosen entry).
 
     Within a section higher score first, then newer. Lines are dropped from the
     fullest section (the later one on a tie) until the text fits `budget`.
+    unread: part of the knowledge could not be read (the answer's warnings say
+    what), so an empty digest does not claim that nothing is known.
     """
     if not entries:
-        return {"primer": f"cambium: nothing known yet for {project}; capture() what you "
-                          "learn and it will show here.", "entries": 0, "candidates": 0,
-                "tokens": 0, "budget_tokens": budget, "sections": {}}
+        text = (f"cambium: no item to show for {project}, but some of its knowledge could "
+                "not be read (see warnings); status() says more." if unread else
+                f"cambium: nothing known yet for {project}; capture() what you learn and "
+                "it will show here.")
+        return {"primer": text, "entries": 0, "candidates": 0, "tokens": approx_tokens(text),
+                "budget_tokens": budget, "sections": {}}
     ranked: dict[str, list] = {name: [] for name, _, _ in PRIMER_SECTIONS}
     newest = sorted(entries, key=lambda e: e.item.created_at, reverse=True)
     for e in sorted(newest, key=lambda e: -e.score):
@@ -8482,26 +8518,31 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size > SHOWN_MAX_BYTES:
                     os.replace(path, path.with_name(SHOWN_FILE + ".1"))
-            with open(path, "a", encoding="utf-8", opener=_open_nofollow) as f:
-                f.write(lines)
+            with open(path, "a", encoding="utf-8", opener=open_regular) as f:
+                f.write(lines)       # (open_regular: a FIFO there must not block the answer)
     except OSError as e:
-        print(f"cambium: usage attribution not journaled ({path}: {e.strerror or e})",
-              file=sys.stderr, flush=True)
+        print(f"cambium: usage attribution not journaled ({e.filename or path}: "
+              f"{e.strerror or e})", file=sys.stderr, flush=True)
 
 
 def read_shown(cfg: Config) -> list[dict]:
     """Every readable record, oldest first (the rotated file, then the live one);
-    a torn or foreign line is skipped, never rewritten."""
+    a torn or foreign line is skipped, never rewritten, and a file that cannot
+    be read (not a regular file: a FIFO would block) is skipped."""
     out: list[dict] = []
     path = _shown_path(cfg)
     for p in (path.with_name(SHOWN_FILE + ".1"), path):
-        with contextlib.suppress(FileNotFoundError):
-            for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-                with contextlib.suppress(ValueError, RecursionError):
-                    rec = json.loads(line)
-                    if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
-                            and isinstance(rec.get("session"), str):
-                        out.append(rec)
+        try:
+            with open(p, encoding="utf-8", errors="replace", opener=open_regular) as f:
+                text = f.read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError, RecursionError):
+                rec = json.loads(line)
+                if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
+                        and isinstance(rec.get("session"), str):
+                    out.append(rec)
     return out
 
 
@@ -9287,7 +9328,12 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
     docs, warnings = read_scopes_offline(cfg)
     now = datetime.now(timezone.utc)
     pending: dict[str, list] = {}
-    for rec in read_credits(credits_path(cfg), adopt=False):
+    try:
+        credits = read_credits(credits_path(cfg), adopt=False)
+    except OSError as e:                     # not a regular file (in a linked .cambium)
+        credits = []
+        warnings.append(f"pending recall credits not read ({e.filename}: {e.strerror or e})")
+    for rec in credits:
         pending.setdefault(rec["item"], []).append(rec)
     entries = primer_candidates(docs, pending, project=cfg.project, now=now)
 
@@ -9302,7 +9348,8 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
                      f"{premise_age(e.item, now)}d")
         return line
 
-    out = {**build_primer(entries, line_of, project=cfg.project, limit=limit),
+    out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
+                          unread=bool(warnings)),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings
@@ -11372,7 +11419,8 @@ def bind_hook() -> dict:
             payload = json.loads(data.removeprefix(b"\xef\xbb\xbf") or b"{}")
         except (ValueError, RecursionError) as e:
             why = json_problem(e) if isinstance(e, RecursionError) else "not JSON"
-            print(f"cambium: the hook's stdin ({len(data)} bytes) is {why}; ignored",
+            chars = len(data.decode("utf-8", "replace"))
+            print(f"cambium: the hook's stdin ({chars} characters) is {why}; ignored",
                   file=sys.stderr)
             return {}
     if not isinstance(payload, dict):

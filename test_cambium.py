@@ -7573,6 +7573,65 @@ def test_hooks_with_stderr_closed_print_no_diagnostic_on_stdout(repo, tmp_path, 
     assert (end.returncode, end.stdout) == (0, "")
 
 
+def test_primer_serves_the_lines_that_parse_of_a_damaged_local_file(repo):
+    """The read-only primer said "nothing known yet" (0 entries) when one line
+    of knowledge.json was torn; it now reads every line that parses, says how
+    many it left out, and sets nothing aside (that is a write's job)."""
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    cs.capture("Pin the base image digest", kind="constraint")
+    store = repo / ".cambium" / "knowledge.json"
+    with open(store, "a") as f:
+        f.write('{"id":"k-torn","conte')                    # a torn append after a crash
+    before = store.read_bytes()
+    out = json.loads(cli("primer", "--format", "json").stdout)
+    assert out["entries"] == 2 and "Pin the base image digest" in out["primer"]
+    assert any("1 damaged line(s)" in w for w in out["warnings"])
+    inproc = cs.session_primer()
+    assert inproc["entries"] == 2 and inproc["warnings"]
+    assert store.read_bytes() == before and not list(store.parent.glob("*quarantine*"))
+    store.write_text("{ corrupt")                            # nothing parses: not "nothing known"
+    out = json.loads(cli("primer", "--format", "json").stdout)
+    assert out["entries"] == 0 and "nothing known yet" not in out["primer"]
+    assert "could not be read" in out["primer"] and out["warnings"]
+    assert out["tokens"] == cs.approx_tokens(out["primer"]) > 0     # its one line counts
+    assert store.read_text() == "{ corrupt"
+
+
+@pytest.mark.parametrize("name", ["knowledge.json", "credits.jsonl", "shown.jsonl"])
+def test_a_fifo_in_a_linked_local_dir_blocks_no_primer_hook_or_usage(
+        repo, tmp_path, monkeypatch, name):
+    """A `.cambium` that is a link is used as it is (no sweep renames its
+    files), so a FIFO there was opened as a file: primer, primer --hook and
+    usage blocked for ever. Every read and the journal's append now refuse
+    anything but a regular file without blocking."""
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    local = repo / ".cambium"
+    target = tmp_path / "elsewhere"
+    local.rename(target)
+    local.symlink_to(target)
+    (target / name).unlink(missing_ok=True)
+    os.mkfifo(target / name)
+
+    def run(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SERVER), *args], cwd=repo, input=stdin,
+                              text=True, capture_output=True, env=child_env(**env), timeout=20)
+
+    primer = run("primer", "--format", "json", CAMBIUM_SESSION_ID="fifo-1")
+    assert primer.returncode == 0, primer.stderr
+    out = json.loads(primer.stdout)
+    if name == "knowledge.json":
+        assert out["entries"] == 0 and any("not a regular file" in w for w in out["warnings"])
+    else:
+        assert "Never deploy on Fridays" in out["primer"]
+    hook = run("primer", "--hook", stdin=json.dumps({"cwd": str(repo), "session_id": "fifo-2"}))
+    assert hook.returncode == 0
+    if name == "shown.jsonl":
+        assert "Never deploy on Fridays" in hook.stdout and "not journaled" in hook.stderr
+        usage = run("usage")
+        assert usage.returncode == 0 and json.loads(usage.stdout)["count"] == 0
+    assert stat.S_ISFIFO(os.lstat(target / name).st_mode)        # left where it is
+
+
 # -- end of fix-primer block --
 
 
