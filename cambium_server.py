@@ -8489,10 +8489,13 @@ MAX_SESSION_CHARS = 200    #: a longer session id is journaled as its start and 
 
 
 def session_key(sid: str) -> str | None:
-    """The form a session id is journaled and looked up in: plain text, and a
-    long one cut to its start plus a hash of the whole, so two long ids that
-    share a start stay two sessions (pure). None for an empty one."""
-    text = plain_text(valid_unicode(sid)).strip()
+    """The form a session id is journaled and looked up in: plain text (a
+    control character, an escape's ESC included, written as \\xNN, so `x` and
+    `x<ESC>y` stay two sessions), and a long one cut to its start plus a hash
+    of the whole, so two long ids that share a start stay two sessions (pure).
+    None for an empty one."""
+    shown = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", valid_unicode(sid))
+    text = plain_text(shown).strip()
     if len(text) <= MAX_SESSION_CHARS:
         return text or None
     digest = hashlib.sha256(utf8(text)).hexdigest()[:16]
@@ -10094,7 +10097,9 @@ def usage(session: Annotated[str | None, Field(
         rows = shown_by(records, "item", item_id, "session")
         return {"item_id": item_id, "sessions": rows, "count": len(rows)}
     if session:
-        session = session_key(_clean_text(session, "session", MAX_CONTENT_CHARS)) or ""
+        if not isinstance(session, str):
+            raise InputError(f"session must be text; got {json_kind(session)}.")
+        session = session_key(session) or ""     # as journaled (control characters kept apart)
         rows = shown_by(records, "session", session, "item")
         docs, warnings = read_scopes(cfg, SCOPES, digest=True)
         known = {it.id: it for it in first_copies(federated_items(docs))}
@@ -10846,6 +10851,13 @@ def build_server() -> MCPServer:
                 repaired.answer_with(reply)
                 low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
                 await low.run(read, write, low.create_initialization_options())
+
+        async def read_resource(self, uri: Any, context: Any = None) -> Any:
+            token = SESSION.set(mcp_session_id(context))   # the primer resource journals
+            try:                                          # what it shows, as the tool does
+                return await super().read_resource(uri, context)
+            finally:
+                SESSION.reset(token)
 
         async def call_tool(self, name: str, arguments: dict[str, Any],
                             context: Any = None) -> Any:

@@ -7632,6 +7632,48 @@ def test_a_fifo_in_a_linked_local_dir_blocks_no_primer_hook_or_usage(
     assert stat.S_ISFIFO(os.lstat(target / name).st_mode)        # left where it is
 
 
+def test_primer_resource_journals_what_the_mcp_session_was_shown(repo):
+    """SESSION was set only around tool calls: reading cambium://primer
+    journaled nothing, though it shows the session the same entries."""
+    iid = cs.capture("Never deploy on Fridays", kind="pitfall")["item"]["id"]
+
+    async def body(session, init):
+        await session.read_resource("cambium://primer")
+        listed = (await session.call_tool("usage", {})).structured_content
+        assert listed["count"] == 1
+        sid = listed["sessions"][0]["session"]
+        await session.call_tool("session_primer", {})          # the same session as a tool
+        rows = (await session.call_tool("usage", {"session": sid})).structured_content["items"]
+        return [(r["item"], r["times"], r["via"]) for r in rows]
+
+    assert asyncio.run(_mcp_session(_mcp_env(repo), body)) == [(iid, 2, ["primer"])]
+
+
+def test_session_ids_that_differ_by_a_control_character_stay_two_sessions(repo, monkeypatch):
+    """session_key dropped control characters, so `x` and `x<ESC>y` were one
+    session in the usage journal; they are now written as \\xNN."""
+    first = cs.capture("Never deploy on Fridays", kind="pitfall")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "x")
+    cs.session_primer()
+    second = cs.capture("Pin the base image digest", kind="constraint")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "x\x1by")
+    cs.session_primer()
+    monkeypatch.delenv("CAMBIUM_SESSION_ID")
+    assert cs.session_key("x\x1by") == "x\\x1by" != cs.session_key("x") == "x"
+    assert cs.usage()["count"] == 2
+    assert [(r["item"], r["times"]) for r in cs.usage(session="x")["items"]] == [(first, 1)]
+    assert sorted((r["item"], r["times"]) for r in cs.usage(session="x\x1by")["items"]) == \
+        sorted([(first, 1), (second, 1)])
+
+
+def test_journal_warning_names_the_lock_it_could_not_open(repo, monkeypatch, capsys):
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    (repo / ".cambium" / "shown.jsonl.lock").mkdir()
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "s-lock")
+    assert cs.session_primer()["entries"] == 1                # the answer is unaffected
+    assert "shown.jsonl.lock:" in capsys.readouterr().err
+
+
 # -- end of fix-primer block --
 
 
