@@ -2691,7 +2691,7 @@ def credits_path(cfg: Config) -> Path:
 
 def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Append bytes to a file and fsync them (the caller holds its lock)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o644)
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         os.write(fd, data)
         if sync:
@@ -2707,7 +2707,8 @@ def _adopt_legacy_journal(path: Path) -> None:
         return
     with file_lock(path):
         try:
-            data = legacy.read_bytes()
+            with open(legacy, "rb", opener=open_regular) as f:
+                data = f.read()
         except FileNotFoundError:
             return                          # another thread adopted it first
         if data.strip():

@@ -7629,6 +7629,9 @@ def test_a_fifo_in_a_linked_local_dir_blocks_no_primer_hook_or_usage(
         assert "Never deploy on Fridays" in hook.stdout and "not journaled" in hook.stderr
         usage = run("usage")
         assert usage.returncode == 0 and json.loads(usage.stdout)["count"] == 0
+    recall = run("recall", "deploy fridays", CAMBIUM_SESSION_ID="fifo-3")  # a write path:
+    assert recall.returncode in (0, 1) and "Traceback" not in recall.stderr  # fails, never blocks
+    assert (recall.returncode == 0) == (name == "shown.jsonl"), recall.stderr
     assert stat.S_ISFIFO(os.lstat(target / name).st_mode)        # left where it is
 
 
