@@ -11414,10 +11414,11 @@ def read_hook_stdin(wait_s: float = HOOK_STDIN_WAIT_S) -> bytes:
 
 def bind_hook() -> dict:
     """Read a hook's JSON from stdin (read_hook_stdin: at most 2 s in all) and
-    bind this process to the project of its `cwd`, as a server started there would be (resolve_config:
-    env, else that directory's git root, else the repo setup recorded). Every
-    `--hook` command calls this first; its `session_id` becomes the session
-    usage attribution files this call under. Returns the payload ({} when none):
+    bind this process to the project of its `cwd`, as a server started there
+    would be (resolve_config: env, else that directory's git root, else the
+    repo setup recorded). Every `--hook` command calls this first; its
+    `session_id` becomes the session usage attribution files this call under.
+    Returns the payload ({} when none):
     one that is not a JSON object (malformed, nested too deep to parse) is
     ignored with a line on stderr, as a hook must not fail on its input. A
     leading byte-order mark is skipped."""
