@@ -73,6 +73,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import fcntl
 import functools
 import gc
@@ -1834,6 +1835,22 @@ def _open_nofollow(path: str | os.PathLike, flags: int) -> int:
     return os.open(path, flags | NOFOLLOW, 0o644)
 
 
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
+    """An `opener` for open() of a file in .cambium/: never follows a symbolic
+    link, never blocks (O_NONBLOCK: opening a FIFO waits for its other end),
+    and refuses anything but a regular file with an OSError. The sweep moves
+    such files aside, but not in a `.cambium` that is itself a link."""
+    fd = os.open(path, flags | NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o644)
+    try:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device?)",
+                          str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock on `<path>.lock`, across threads and processes."""
@@ -2297,6 +2314,14 @@ class LocalStore(Store):
         when the file is damaged."""
         return self._current(locked=False, parse_grown=True)
 
+    def salvage(self) -> tuple[Doc, int]:
+        """A damaged file's lines that parse, and how many do not, read without
+        the lock and without setting a line aside (the primer: it writes
+        nothing). CorruptStore when no line parses."""
+        with open(self.path, "rb", opener=open_regular) as f:
+            parsed = parse_file(f, str(self.path))
+        return parsed.doc, len(parsed.bad) or 1          # (1: the file ends early)
+
     def _current(self, *, locked: bool, parse_grown: bool = False) -> Doc | None:
         """The doc as the file now stands; None (unlocked only) when that takes
         the lock: the file is damaged, or (unless parse_grown: then it is parsed
@@ -2334,7 +2359,7 @@ class LocalStore(Store):
     def _appends_lead(self, old: tuple, new: tuple) -> bool:
         """Whether recorded appends lead from file version `old` to `new`."""
         try:
-            with open(self.appends, "rb") as f:
+            with open(self.appends, "rb", opener=open_regular) as f:
                 f.seek(max(0, os.fstat(f.fileno()).st_size - APPENDS_READ_MAX))
                 text = f.read().decode("ascii", "replace")
         except FileNotFoundError:
@@ -2353,7 +2378,7 @@ class LocalStore(Store):
 
     def _read_tail(self, seen: _Seen, key: tuple) -> Doc | None:
         """Extend the parsed copy by the appended lines; None if they do not parse."""
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb", opener=open_regular) as f:
             f.seek(seen.tail_at)
             data = f.read(key[1] - seen.tail_at)
         if not data.startswith(b",\n") or not data.endswith(STORE_TAIL):
@@ -2371,7 +2396,7 @@ class LocalStore(Store):
     def _parse(self, *, locked: bool) -> Doc | None:
         """Parse the whole file; damage is set aside under the lock."""
         try:
-            with open(self.path, "rb") as f:
+            with open(self.path, "rb", opener=open_regular) as f:
                 key = _stat_key(os.fstat(f.fileno()))
                 parsed = parse_file(f, str(self.path))
                 stable = _stat_key(os.fstat(f.fileno())) == key
@@ -2475,7 +2500,8 @@ class LocalStore(Store):
         def write(out: Any) -> None:
             out.write(head)
             with contextlib.ExitStack() as stack:
-                src = stack.enter_context(open(self.path, "rb")) if seen else None
+                src = stack.enter_context(open(self.path, "rb", opener=open_regular)) \
+                    if seen else None
                 for piece in pieces:
                     if isinstance(piece, tuple):
                         _copy_range(src, out, *piece)
@@ -2672,7 +2698,7 @@ def credits_path(cfg: Config) -> Path:
 
 def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Append bytes to a file and fsync them (the caller holds its lock)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o644)
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         os.write(fd, data)
         if sync:
@@ -2688,7 +2714,8 @@ def _adopt_legacy_journal(path: Path) -> None:
         return
     with file_lock(path):
         try:
-            data = legacy.read_bytes()
+            with open(legacy, "rb", opener=open_regular) as f:
+                data = f.read()
         except FileNotFoundError:
             return                          # another thread adopted it first
         if data.strip():
@@ -2706,8 +2733,9 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
         return list(_journal(path))
     records = list(_journal(path))
     with contextlib.suppress(FileNotFoundError):
-        records += _credit_records(path.with_name(LEGACY_CREDITS_FILE).read_text(
-            encoding="utf-8"))
+        with open(path.with_name(LEGACY_CREDITS_FILE), encoding="utf-8",
+                  opener=open_regular) as f:
+            records += _credit_records(f.read())
     return records
 
 
@@ -2757,7 +2785,7 @@ def _journal(path: Path) -> list[dict]:
     with rt.lock:
         seen = rt.journals.get(str(path))
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=open_regular) as f:
             st = os.fstat(f.fileno())
             now = (st.st_ino, st.st_size, st.st_mtime_ns)
             if seen is not None and seen.stat == now:
@@ -7394,13 +7422,16 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
             st = store(cfg, scope)
             doc = st.peek()
             if doc is None:                  # (only the local file is repaired, by a write)
-                raise CorruptStore(f"{st.path} has damaged lines; the next recall or capture "
-                                   "sets them aside")
+                doc, bad = st.salvage()
+                warnings.append(f"{st.path}: {bad} damaged line(s) left out of this answer; "
+                                "the next recall or capture sets them aside")
             docs[scope] = doc
         except ScopeOff:
             continue
         except CambiumError as e:
             warnings.append(f"{scope} scope skipped: {e}")
+        except OSError as e:                 # not a regular file (in a linked .cambium)
+            warnings.append(f"{scope} scope skipped: {e.filename or scope}: {e.strerror or e}")
     return docs, warnings
 
 
@@ -8079,16 +8110,22 @@ def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str
 
 
 def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
-                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET) -> dict:
+                 project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET,
+                 unread: bool = False) -> dict:
     """The digest (pure but for line_of, which renders one chosen entry).
 
     Within a section higher score first, then newer. Lines are dropped from the
     fullest section (the later one on a tie) until the text fits `budget`.
+    unread: part of the knowledge could not be read (the answer's warnings say
+    what), so an empty digest does not claim that nothing is known.
     """
     if not entries:
-        return {"primer": f"cambium: nothing known yet for {project}; capture() what you "
-                          "learn and it will show here.", "entries": 0, "candidates": 0,
-                "tokens": 0, "budget_tokens": budget, "sections": {}}
+        text = (f"cambium: no item to show for {project}, but some of its knowledge could "
+                "not be read (see warnings); status() says more." if unread else
+                f"cambium: nothing known yet for {project}; capture() what you learn and "
+                "it will show here.")
+        return {"primer": text, "entries": 0, "candidates": 0, "tokens": approx_tokens(text),
+                "budget_tokens": budget, "sections": {}}
     ranked: dict[str, list] = {name: [] for name, _, _ in PRIMER_SECTIONS}
     newest = sorted(entries, key=lambda e: e.item.created_at, reverse=True)
     for e in sorted(newest, key=lambda e: -e.score):
@@ -8565,10 +8602,13 @@ MAX_SESSION_CHARS = 200    #: a longer session id is journaled as its start and 
 
 
 def session_key(sid: str) -> str | None:
-    """The form a session id is journaled and looked up in: plain text, and a
-    long one cut to its start plus a hash of the whole, so two long ids that
-    share a start stay two sessions (pure). None for an empty one."""
-    text = plain_text(valid_unicode(sid)).strip()
+    """The form a session id is journaled and looked up in: plain text (a
+    control character, an escape's ESC included, written as \\xNN, so `x` and
+    `x<ESC>y` stay two sessions), and a long one cut to its start plus a hash
+    of the whole, so two long ids that share a start stay two sessions (pure).
+    None for an empty one."""
+    shown = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", valid_unicode(sid))
+    text = plain_text(shown).strip()
     if len(text) <= MAX_SESSION_CHARS:
         return text or None
     digest = hashlib.sha256(utf8(text)).hexdigest()[:16]
@@ -8594,26 +8634,31 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size > SHOWN_MAX_BYTES:
                     os.replace(path, path.with_name(SHOWN_FILE + ".1"))
-            with open(path, "a", encoding="utf-8", opener=_open_nofollow) as f:
-                f.write(lines)
+            with open(path, "a", encoding="utf-8", opener=open_regular) as f:
+                f.write(lines)       # (open_regular: a FIFO there must not block the answer)
     except OSError as e:
-        print(f"cambium: usage attribution not journaled ({path}: {e.strerror or e})",
-              file=sys.stderr, flush=True)
+        print(f"cambium: usage attribution not journaled ({e.filename or path}: "
+              f"{e.strerror or e})", file=sys.stderr, flush=True)
 
 
 def read_shown(cfg: Config) -> list[dict]:
     """Every readable record, oldest first (the rotated file, then the live one);
-    a torn or foreign line is skipped, never rewritten."""
+    a torn or foreign line is skipped, never rewritten, and a file that cannot
+    be read (not a regular file: a FIFO would block) is skipped."""
     out: list[dict] = []
     path = _shown_path(cfg)
     for p in (path.with_name(SHOWN_FILE + ".1"), path):
-        with contextlib.suppress(FileNotFoundError):
-            for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-                with contextlib.suppress(ValueError, RecursionError):
-                    rec = json.loads(line)
-                    if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
-                            and isinstance(rec.get("session"), str):
-                        out.append(rec)
+        try:
+            with open(p, encoding="utf-8", errors="replace", opener=open_regular) as f:
+                text = f.read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError, RecursionError):
+                rec = json.loads(line)
+                if isinstance(rec, dict) and isinstance(rec.get("item"), str) \
+                        and isinstance(rec.get("session"), str):
+                    out.append(rec)
     return out
 
 
@@ -9421,7 +9466,12 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
     docs, warnings = read_scopes_offline(cfg)
     now = datetime.now(timezone.utc)
     pending: dict[str, list] = {}
-    for rec in read_credits(credits_path(cfg), adopt=False):
+    try:
+        credits = read_credits(credits_path(cfg), adopt=False)
+    except OSError as e:                     # not a regular file (in a linked .cambium)
+        credits = []
+        warnings.append(f"pending recall credits not read ({e.filename}: {e.strerror or e})")
+    for rec in credits:
         pending.setdefault(rec["item"], []).append(rec)
     entries = primer_candidates(docs, pending, project=cfg.project, now=now)
 
@@ -9436,7 +9486,8 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
                      f"{premise_age(e.item, now)}d")
         return line
 
-    out = {**build_primer(entries, line_of, project=cfg.project, limit=limit),
+    out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
+                          unread=bool(warnings)),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings
@@ -10203,7 +10254,9 @@ def usage(session: Annotated[str | None, Field(
         rows = shown_by(records, "item", item_id, "session")
         return {"item_id": item_id, "sessions": rows, "count": len(rows)}
     if session:
-        session = session_key(_clean_text(session, "session", MAX_CONTENT_CHARS)) or ""
+        if not isinstance(session, str):
+            raise InputError(f"session must be text; got {json_kind(session)}.")
+        session = session_key(session) or ""     # as journaled (control characters kept apart)
         rows = shown_by(records, "session", session, "item")
         docs, warnings = read_scopes(cfg, SCOPES, digest=True)
         known = {it.id: it for it in first_copies(federated_items(docs))}
@@ -10956,6 +11009,13 @@ def build_server() -> MCPServer:
                 low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
                 await low.run(read, write, low.create_initialization_options())
 
+        async def read_resource(self, uri: Any, context: Any = None) -> Any:
+            token = SESSION.set(mcp_session_id(context))   # the primer resource journals
+            try:                                          # what it shows, as the tool does
+                return await super().read_resource(uri, context)
+            finally:
+                SESSION.reset(token)
+
         async def call_tool(self, name: str, arguments: dict[str, Any],
                             context: Any = None) -> Any:
             if problem := loose_type_problem(name, arguments):
@@ -11252,6 +11312,8 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command."""
     argv = sys.argv[1:] if argv is None else argv
+    if sys.stderr is None:                      # fd 2 closed: print(file=None) would write
+        sys.stderr = open(os.devnull, "w")      # diagnostics to stdout (a hook's protocol)
     if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
         return primer_hook(argv)                # before argparse: it must never fail
     argv = argv or ["serve"]
@@ -11478,28 +11540,57 @@ def distill_summary(result: dict) -> str:
             f"{per}" + (f"; {n} warning{'s' if n != 1 else ''}" if n else ""))
 
 
-def bind_hook() -> dict:
-    """Read a hook's JSON from stdin (bounded wait) and bind this process to the
-    project of its `cwd`, as a server started there would be (resolve_config:
-    env, else that directory's git root, else the repo setup recorded). Every
-    `--hook` command calls this first; its `session_id` becomes the session
-    usage attribution files this call under. Returns the payload ({} when none):
-    one that is not a JSON object (malformed, nested too deep to parse) is
-    ignored with a line on stderr, as a hook must not fail on its input."""
+HOOK_STDIN_WAIT_S = 2.0       #: how long a hook waits for its payload, in all
+HOOK_STDIN_MAX = 1 << 20      #: a hook payload past this many bytes is not read further
+
+
+def read_hook_stdin(wait_s: float = HOOK_STDIN_WAIT_S) -> bytes:
+    """What arrives on stdin within `wait_s` seconds in all: up to end of input,
+    a complete JSON object (a writer that leaves the pipe open is not waited
+    for), or HOOK_STDIN_MAX bytes. Raw reads of the descriptor, so no read
+    ever blocks past the deadline."""
     import select
+    fd = sys.stdin.fileno()
+    deadline = time.monotonic() + wait_s
+    data = b""
+    while len(data) < HOOK_STDIN_MAX:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, HOOK_STDIN_MAX - len(data))
+        if not chunk:
+            break                                   # end of input
+        data += chunk
+        if data.rstrip().endswith(b"}"):
+            with contextlib.suppress(ValueError, RecursionError):
+                if isinstance(json.loads(data), dict):
+                    break                           # the whole payload: stop waiting
+    return data
+
+
+def bind_hook() -> dict:
+    """Read a hook's JSON from stdin (read_hook_stdin: at most 2 s in all) and
+    bind this process to the project of its `cwd`, as a server started there
+    would be (resolve_config: env, else that directory's git root, else the
+    repo setup recorded). Every `--hook` command calls this first; its
+    `session_id` becomes the session usage attribution files this call under.
+    Returns the payload ({} when none):
+    one that is not a JSON object (malformed, nested too deep to parse) is
+    ignored with a line on stderr, as a hook must not fail on its input. A
+    leading byte-order mark is skipped."""
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError, RecursionError):
         if sys.stdin is None or sys.stdin.isatty():
             return {}
-        ready, _, _ = select.select([sys.stdin], [], [], 2.0)
-        if not ready:
+        data = read_hook_stdin()
+        if not data:
             return {}
-        text = sys.stdin.read(1 << 20)
         try:
-            payload = json.loads(text or "{}")
+            payload = json.loads(data.removeprefix(b"\xef\xbb\xbf") or b"{}")
         except (ValueError, RecursionError) as e:
             why = json_problem(e) if isinstance(e, RecursionError) else "not JSON"
-            print(f"cambium: the hook's stdin ({len(text)} characters) is {why}; ignored",
+            chars = len(data.decode("utf-8", "replace"))
+            print(f"cambium: the hook's stdin ({chars} characters) is {why}; ignored",
                   file=sys.stderr)
             return {}
     if not isinstance(payload, dict):
