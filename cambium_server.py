@@ -689,6 +689,23 @@ class Doc:
     raw: dict = field(default_factory=dict)          # unknown top-level keys, kept
 
 
+def meta_map(meta: Any, key: str) -> dict:
+    """A `meta` field that is meant to be an object (watermarks, the release
+    snapshot), read as {} when a hand edit left another JSON type (pure)."""
+    value = meta.get(key) if isinstance(meta, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def marks_meta(meta: dict, marks: dict) -> dict:
+    """`meta` with new watermarks; a `watermarks` of the wrong type (read as {})
+    is kept under `watermarks_unreadable`, never overwritten (pure)."""
+    old = meta.get("watermarks")
+    out = {**meta, "watermarks": marks}
+    if old is not None and not isinstance(old, dict) and "watermarks_unreadable" not in meta:
+        out["watermarks_unreadable"] = old
+    return out
+
+
 @dataclass
 class Draft:
     """An item a source wants to create, with its dedupe key (None: content hash)."""
@@ -2542,9 +2559,9 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
         else:
             counts["already_here"] += 1
     live = {k: renamed.get(v, v) if isinstance(v, str) else v
-            for k, v in (doc.meta.get("watermarks") or {}).items()}
-    marks = {**(back.meta.get("watermarks") or {}), **live}
-    meta = {**back.meta, **doc.meta, "watermarks": marks} if marks else {**back.meta, **doc.meta}
+            for k, v in meta_map(doc.meta, "watermarks").items()}
+    marks = {**meta_map(back.meta, "watermarks"), **live}
+    meta = marks_meta({**back.meta, **doc.meta}, marks) if marks else {**back.meta, **doc.meta}
     if not counts["restored"] and not counts["updated"] and meta == doc.meta:
         return None, counts
     return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
@@ -6343,12 +6360,12 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     out = Prepared()
     project, agent = cfg.project, cfg.agent
     doc = store(cfg, "local").read()
-    seen_marks = doc.meta.get("watermarks") or {}
+    seen_marks = meta_map(doc.meta, "watermarks")
     by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in doc.items}
-            if _same_text(by_id.get(seen_marks[d.key]), d):
+            if _same_text(by_id.get(_mark_id(seen_marks, d.key)), d):
                 out.duplicates += 1
                 continue
         try:
@@ -6367,6 +6384,12 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     return out
 
 
+def _mark_id(marks: dict, key: str) -> str | None:
+    """The item id a watermark names (None: a hand-edited value that is no id)."""
+    value = marks.get(key)
+    return value if isinstance(value, str) else None
+
+
 def _same_text(stored: Item | None, draft: Draft) -> bool:
     """Whether a watermarked draft still says what its stored item says (an item
     that left this store, promoted, is taken as unchanged)."""
@@ -6380,7 +6403,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
     watermarked key whose text changed is reported, and the stored item kept."""
-    new_marks = dict(doc.meta.get("watermarks") or {})
+    new_marks = dict(meta_map(doc.meta, "watermarks"))
     says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: dict[str, Item] = {}               # admitted here, by id
     live_keys: set[str] = set()
@@ -6391,7 +6414,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
         ckey = content_key(item)
         if key and key in new_marks:
             by_id = by_id or {it.id: it for it in doc.items}
-            known = by_id.get(new_marks[key]) or live.get(new_marks[key])
+            known = by_id.get(_mark_id(new_marks, key)) or live.get(_mark_id(new_marks, key))
             if known is not None and content_key(known) != ckey:
                 ref = item.source.get("ref")
                 adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
@@ -6410,8 +6433,8 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
         live_keys.add(ckey)
         fresh.append(item)
     if fresh:
-        marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
-        meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta  # same: an append
+        marked = len(new_marks) != len(meta_map(doc.meta, "watermarks"))
+        meta = marks_meta(doc.meta, new_marks) if marked else doc.meta  # same: an append
         adm.doc = Doc(items=extended(doc.items, fresh), meta=meta, raw=doc.raw)
     return adm
 
@@ -8021,8 +8044,8 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
     but are no longer active in local scope under that id (promoted on, or
     removed): the scope that holds them now must retire them.
     """
-    marks = doc.meta.get("watermarks") or {}
-    wanted = {marks[k]: (k, r) for k, r in reasons.items() if k in marks}
+    marks = meta_map(doc.meta, "watermarks")
+    wanted = {marks[k]: (k, r) for k, r in reasons.items() if isinstance(marks.get(k), str)}
     if not wanted:
         return None, [], []
     items = list(doc.items)
@@ -8074,7 +8097,7 @@ def _split_drafts(made: Iterable[Draft | Skip]) -> tuple[list[Draft], list[Skip]
 
 def _churned_claims(doc: Doc, board: Board, claims: dict) -> dict[str, dict]:
     """Claims of the last snapshot of this board that were released or re-claimed."""
-    snap = doc.meta.get("agentsync_snapshot") or {}
+    snap = meta_map(doc.meta, "agentsync_snapshot")
     same = snap.get("board") == str(board.repo) and snap.get("branch") == board.branch
     prev = snap.get("claims") if same and isinstance(snap.get("claims"), dict) else {}
     return {a: prev[a] for a in sorted(prev)
@@ -8253,8 +8276,10 @@ def substrate_state(cfg: Config, doc: Doc) -> dict:
                  "release_capture": cfg.release_capture,
                  "last_distill": last_sources.get("agentsync")}
     if cfg.release_capture:
-        snap = doc.meta.get("agentsync_snapshot") or {}
-        agentsync["snapshot"] = {"at": snap.get("at"), "claims": len(snap.get("claims") or {})}
+        snap = meta_map(doc.meta, "agentsync_snapshot")
+        claims = snap.get("claims")
+        agentsync["snapshot"] = {"at": snap.get("at") if isinstance(snap.get("at"), str) else None,
+                                 "claims": len(claims) if isinstance(claims, dict) else 0}
     return {
         "agentsync": agentsync,
         "context-keeper": {"status": "present" if ck.is_dir() else "absent", "path": str(ck),
@@ -8799,7 +8824,7 @@ def _status(cfg: Config) -> dict:
     set_aside_links(cfg.local_dir)
     local = store(cfg, "local")
     doc = local.read()
-    marks = doc.meta.get("watermarks") or {}
+    marks = meta_map(doc.meta, "watermarks")
     systems: dict[str, int] = {}
     for k in marks:
         sysname = k.split(":")[1] if k.startswith("import:") else k.split(":")[0]

@@ -7340,6 +7340,42 @@ def test_distill_drafts_carry_code_refs_from_changed_files_and_entries():
     assert cs.context_entry_to_draft("decision", dec).code_refs is None
 
 
+def _set_meta(repo: Path, **fields) -> None:
+    """Hand-edit the local store's meta (fields set as given, any JSON type)."""
+    path = repo / ".cambium" / "knowledge.json"
+    doc = cs.parse_store(path.read_text(), str(path))
+    path.write_text(cs.render_store(dataclasses.replace(doc, meta={**doc.meta, **fields})))
+
+
+def test_distill_capture_import_and_status_read_mistyped_meta_as_default(repo, monkeypatch):
+    """D9/D12: meta.watermarks as a list, string or number, and (release capture)
+    meta.agentsync_snapshot as a string or list, was a TypeError/AttributeError
+    traceback in distill, capture, import and status()."""
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "Store money as integer cents", "rationale": "floats drift",
+         "status": "active"}]))
+    cs.distill()
+    src = repo / "mem.jsonl"
+    for n, bad in enumerate((["context-keeper:dec-001"], "x", 7)):
+        _set_meta(repo, watermarks=bad, agentsync_snapshot=[bad] if n % 2 else str(bad))
+        res = cs.distill()
+        assert res["status"].startswith("distilled") and res["duplicates"] == 1
+        assert cs.capture(f"Deploys go out on day {n} of the week")["status"] == "captured"
+        src.write_text(json.dumps({"content": f"Imported note number {n} about queues"}) + "\n")
+        assert cs.import_memory("json", str(src))["imported"] == 1
+        st = cs.status()
+        assert st["status"] == "ok" and st["substrates"]["agentsync"]["snapshot"]["claims"] == 0
+        meta = cs.store(cs.resolve_config(), "local").read().meta
+        assert meta["watermarks_unreadable"] == ["context-keeper:dec-001"]   # first bad value kept
+    _set_meta(repo, agentsync_snapshot={"board": str(repo), "branch": "agentsync",
+                                        "claims": {"ann": "str", "ben": [1]}})
+    assert cs.distill()["status"].startswith("distilled") and cs.status()["status"] == "ok"
+
+# -- end of fix-distill block
+
+
 def _hand_edit(repo: Path, change) -> None:
     path = repo / ".cambium" / "knowledge.json"
     doc = cs.parse_store(path.read_text(), str(path))
