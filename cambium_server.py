@@ -3691,6 +3691,7 @@ CONTEXT_DIR = ".context"
 CONTEXT_FILES = ("decisions", "constraints", "pipelines")
 MAX_SUBSTRATE_BYTES = 64 * 1024 * 1024   #: a substrate file above this is refused
 MAX_CHANGED_FILES_LISTED = 40            #: an outcome names at most this many paths
+MIN_TASK_CHARS_KEPT = 500                #: a cut claim keeps at least this much of its task
 _ENTRY_ID = re.compile(r"[A-Za-z0-9][\w.\-]{0,79}")
 
 
@@ -3830,10 +3831,15 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     done = status == "done"
     body = task if task.endswith((".", "!", "?")) else task + "."
     files = _changed_files_text(claim.get("changed_files"))
-    tail = (f" Note: {note}" if note else "") + (f" {files}" if files else "")
-    if len(body) + len(tail) > MAX_CONTENT_CHARS:     # cut the task, not the note after it
-        body = _clip(body, max(MAX_CONTENT_CHARS // 2, MAX_CONTENT_CHARS - len(tail)))
-    body += tail
+    noted, listed = (f" Note: {note}" if note else ""), (f" {files}" if files else "")
+    if len(body) + len(noted) + len(listed) > MAX_CONTENT_CHARS:
+        # cut the task, keeping note and files; a note too long to fit beside even
+        # the start of the task is cut too (the file list is bounded, always kept)
+        room = MAX_CONTENT_CHARS - len(listed) - min(len(body), MIN_TASK_CHARS_KEPT)
+        if len(noted) > room:
+            noted = _clip(noted, room)
+        body = _clip(body, MAX_CONTENT_CHARS - len(noted) - len(listed))
+    body += noted + listed
     where = f" on branch {branch}" if branch else ""
     stamp = _str(claim.get("updated_at"))
     if done:
@@ -6340,6 +6346,7 @@ class Prepared:
     skipped: list = field(default_factory=list)      # (label, reason)
     duplicates: int = 0                              # watermarked already when prepared
     where: dict = field(default_factory=dict)        # item id -> position in its source
+    clipped: set = field(default_factory=set)        # ids of items whose text was cut
 
 
 @dataclass
@@ -6377,6 +6384,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
+        if isinstance(d.content, str) and len(d.content) >= MAX_CONTENT_CHARS:
+            out.clipped.add(item.id)
         if d.where:
             out.where[item.id] = d.where
         if on_progress and n % 500 == 0:
@@ -8126,15 +8135,18 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
                         "claims": _snapshot_of(claims)}
     drafts, skips = _split_drafts(made)
     return SourceRead("agentsync", claims is not None, info, drafts, skips,
-                      warnings + clipped_warnings(drafts, "claim"), snapshot=snapshot)
+                      warnings, snapshot=snapshot)
 
 
-def clipped_warnings(drafts: list[Draft], what: str) -> list[str]:
-    """A warning naming the drafts whose text was over the content limit and cut."""
-    cut = [d for d in drafts if len(d.content) >= MAX_CONTENT_CHARS]
+def clipped_warnings(prepared: Prepared, system: str, what: str) -> list[str]:
+    """A warning naming the records of `system` to be imported now whose text
+    was over the content limit and cut (one imported earlier is not named again)."""
+    cut = [it for _, it in prepared.items
+           if it.id in prepared.clipped and it.source.get("system") == system]
     if not cut:
         return []
-    refs = ", ".join(str(d.source.get("ref")) for d in cut[:5]) + (" …" if len(cut) > 5 else "")
+    refs = ", ".join(str(it.source.get("ref")) for it in cut[:5]) + \
+        (" …" if len(cut) > 5 else "")
     return [f"{len(cut)} {what}(s) longer than {MAX_CONTENT_CHARS:,} characters were cut "
             f"there ({refs}); the source keeps the whole text"]
 
@@ -8168,7 +8180,6 @@ def read_context(cfg: Config) -> SourceRead:
             else:
                 read.retire[f"context-keeper:{context_entry_id(e)}"] = \
                     retirement_reason(e) or ""
-    read.warnings += clipped_warnings(read.drafts, "entry")
     if not read.found:
         read.info.update(status="absent", reason=f"no {CONTEXT_DIR}/ directory in {cfg.repo}",
                          fix="if this project records decisions with context-keeper, run it "
@@ -8372,6 +8383,7 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
         if not r.found:
             out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}.")
         out += r.warnings
+        out += clipped_warnings(prepared, r.name, "claim" if r.name == "agentsync" else "entry")
         if r.skips:
             out.append(_skip_warning(r.name, r.skips))
     if prepared.skipped:

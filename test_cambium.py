@@ -7373,6 +7373,31 @@ def test_distill_capture_import_and_status_read_mistyped_meta_as_default(repo, m
                                         "claims": {"ann": "str", "ben": [1]}})
     assert cs.distill()["status"].startswith("distilled") and cs.status()["status"] == "ok"
 
+
+def test_distill_warns_of_a_cut_text_only_when_it_is_imported(repo):
+    """D4: the "longer than 20,000 characters were cut" warning came back on
+    every later distill that imported nothing."""
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "Cache everything " * 2000, "status": "active"}]))
+    assert any("were cut" in w and "dec-001" in w for w in cs.distill()["warnings"])
+    again = cs.distill()
+    assert again["imported"] == 0 and not any("were cut" in w for w in again["warnings"])
+
+
+def test_distill_cuts_a_long_task_and_keeps_note_and_files():
+    """D7: a 15,000-character task with a 12,000-character note lost the end of
+    its note and its changed files; README: the task is cut, note and files kept."""
+    claim = {"task": "T" * 15000, "status": "done", "updated_at": "2026-12-04T01:00:00Z",
+             "note": "NOTE " + "n" * 12000 + " END-OF-NOTE",
+             "changed_files": [{"status": "M", "path": "src/a.py"}]}
+    text = cs.claim_to_draft("ann", claim).content
+    assert len(text) <= cs.MAX_CONTENT_CHARS and text.startswith("TTT")
+    assert "END-OF-NOTE" in text and text.endswith("Changed files: M src/a.py.")
+    huge = cs.claim_to_draft("ann", {**claim, "note": "N" * 30000}).content   # cannot fit
+    assert len(huge) <= cs.MAX_CONTENT_CHARS and huge.endswith("Changed files: M src/a.py.")
+    assert huge.startswith("T" * (cs.MIN_TASK_CHARS_KEPT - 1) + "…")
+
 # -- end of fix-distill block
 
 
