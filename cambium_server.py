@@ -1211,11 +1211,13 @@ ORIGINS = {"env": "the environment", "cwd": "the git root of the working directo
 MAX_CONFIG_BYTES = 1024 * 1024   #: a config file above this is ignored, with a config_file_error
 
 
-def read_regular(path: Path, limit: int) -> bytes:
+def read_regular(path: Path, limit: int, *, nofollow: bool = False) -> bytes:
     """A file's bytes, read only if it is a regular file (a FIFO or a device
     would block or never end) of at most `limit` bytes; OSError else
-    (FileNotFoundError when it does not exist)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    (FileNotFoundError when it does not exist). nofollow: a symbolic link
+    there is refused too (O_NOFOLLOW)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                 | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0))
     try:
         if not _stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError("it is not a regular file (a FIFO, socket or device?)")
@@ -3986,20 +3988,29 @@ def _entries_of(data: Any, name: str, where: Path) -> list:
                          f"{name}; fix or move the file aside (cambium did not change it).")
 
 
-def read_context_dir(path: Path) -> dict[str, list] | None:
+def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | None:
     """decisions/constraints/pipelines entry lists from a .context/ directory;
     None when the directory does not exist. Raises SubstrateError if a file
-    exists but is not readable JSON."""
+    exists but is not readable JSON, or (root given) leads out of `root`
+    through a symbolic link (of the file or of the directory)."""
     if not path.is_dir():
         return None
+    base = os.path.realpath(root) if root is not None else None
     out: dict[str, list] = {}
     for name in CONTEXT_FILES:
         f = path / f"{name}.json"
+        real = Path(os.path.realpath(f))
+        if base is not None and os.path.commonpath([base, str(real)]) != base \
+                and (f.is_symlink() or f.exists()):
+            raise SubstrateError(f"cannot read {f}: it is not a regular file in {root} but a "
+                                 f"link to {real}, outside the repo; cambium did not read it "
+                                 "(the link is left as it is).")
         try:
             if f.stat().st_size > MAX_SUBSTRATE_BYTES:
                 raise SubstrateError(f"{f} is larger than {MAX_SUBSTRATE_BYTES // 2**20} MB; "
                                      "cambium will not read it.")
-            text = read_regular(f, MAX_SUBSTRATE_BYTES).decode("utf-8-sig", errors="replace")
+            text = read_regular(real, MAX_SUBSTRATE_BYTES, nofollow=True).decode(
+                "utf-8-sig", errors="replace")
         except FileNotFoundError:
             out[name] = []
             continue
@@ -8155,7 +8166,7 @@ def read_context(cfg: Config) -> SourceRead:
     """Read .context/: drafts for live entries, retirement reasons for the rest."""
     assert cfg.repo is not None
     path = cfg.repo / CONTEXT_DIR
-    found = read_context_dir(path)
+    found = read_context_dir(path, cfg.repo)
     entries = found or {}
     read = SourceRead("context-keeper", found is not None, {
         "status": "empty", "path": str(path), "reason": "",

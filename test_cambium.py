@@ -7398,6 +7398,31 @@ def test_distill_cuts_a_long_task_and_keeps_note_and_files():
     assert len(huge) <= cs.MAX_CONTENT_CHARS and huge.endswith("Changed files: M src/a.py.")
     assert huge.startswith("T" * (cs.MIN_TASK_CHARS_KEPT - 1) + "…")
 
+
+@pytest.mark.parametrize("linked", ["file", "dir"])
+def test_distill_does_not_follow_a_context_link_out_of_the_repo(repo, tmp_path, linked):
+    """D3: a .context/decisions.json (or a .context/) linked to a file outside
+    the repo was followed and imported; a link inside the repo still reads."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "SECRET from outside the repo", "status": "active"}]))
+    if linked == "file":
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").symlink_to(outside / "decisions.json")
+    else:
+        (repo / ".context").symlink_to(outside)
+    with pytest.raises(cs.SubstrateError, match="outside the repo"):
+        cs.distill()
+    assert not any("SECRET" in i.content for i in cs.store(cs.resolve_config(), "local").read().items)
+    if linked == "dir":
+        (repo / ".context").unlink()
+        (repo / "docs").mkdir()
+        shutil.copy(outside / "decisions.json", repo / "docs" / "decisions.json")
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").symlink_to(repo / "docs" / "decisions.json")
+        assert cs.distill()["sources"]["context-keeper"]["imported"] == 1
+
 # -- end of fix-distill block
 
 
