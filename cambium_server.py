@@ -3823,13 +3823,16 @@ def context_entry_refs(entry: dict, texts: Iterable[str]) -> list[dict] | None:
 
 def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
     """One claim version as an item draft (pure). Done: an `outcome` memory;
-    a noted claim captured at release before done: a `progress` note."""
+    a noted claim captured at release before done: a `progress` note. Agent
+    id, branch and stamp are kept as plain text (no terminal escapes: they are
+    printed); the watermark key keeps the id as the board has it."""
+    key, agent = claim_key(agent, claim), plain_text(agent).strip() or "unnamed"
     task = _str(claim.get("task"))
     if not task:
         return Skip(f"agentsync claim of {agent}", "no task")
-    status = _str(claim.get("status")) or "unknown"
+    status = plain_text(_str(claim.get("status"))) or "unknown"
     note = _str(claim.get("note"))
-    branch = _str(claim.get("branch"))
+    branch = plain_text(_str(claim.get("branch")))
     done = status == "done"
     body = task if task.endswith((".", "!", "?")) else task + "."
     files = _changed_files_text(claim.get("changed_files"))
@@ -3843,7 +3846,7 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
         body = _clip(body, MAX_CONTENT_CHARS - len(noted) - len(listed))
     body += noted + listed
     where = f" on branch {branch}" if branch else ""
-    stamp = _str(claim.get("updated_at"))
+    stamp = plain_text(_str(claim.get("updated_at")))
     if done:
         why = f"agentsync: {agent} marked this claim done{where}" + (f" at {stamp}" if stamp else "")
     else:
@@ -3864,7 +3867,7 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
         source["captured"] = "release"
     return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="outcome" if done else "progress", tags=tags, source=source,
-                 key=claim_key(agent, claim),
+                 key=key,
                  code_refs=changed_files_refs(claim.get("changed_files")))
 
 
@@ -8140,7 +8143,7 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
     if cfg.release_capture:
         churned = _churned_claims(doc, board, claims) if claims is not None else {}
         made += [claim_to_draft(a, c, released=True) for a, c in churned.items()]
-        info["release_capture"] = {"churned": list(churned)}
+        info["release_capture"] = {"churned": [plain_text(a) for a in churned]}
         if claims is not None:
             snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
                         "claims": _snapshot_of(claims)}

@@ -7423,6 +7423,21 @@ def test_distill_does_not_follow_a_context_link_out_of_the_repo(repo, tmp_path, 
         (repo / ".context" / "decisions.json").symlink_to(repo / "docs" / "decisions.json")
         assert cs.distill()["sources"]["context-keeper"]["imported"] == 1
 
+
+def test_distill_drops_terminal_escapes_from_agent_branch_and_stamp():
+    """D11: escapes in a hostile board's agent id, branch or updated_at were
+    stored raw in source fields and printed raw by distill and recall."""
+    esc = "\x1b]0;PWNED\x07\x1b[2J"
+    claim = {"task": "zebra migration", "status": "done", "branch": "feat" + esc,
+             "updated_at": "2026-12-01T00:00:00+00:00" + esc}
+    d = cs.claim_to_draft("lo" + esc + "ng", claim)
+    shown = json.dumps([d.source, d.why, d.tags], ensure_ascii=False)
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert d.source["agent"] == "long" and d.source["branch"] == "feat"
+    assert d.key == cs.claim_key("lo" + esc + "ng", claim)        # the board's own id
+    skip = cs.claim_to_draft("ev" + esc + "il", {"task": "", "status": "done"})
+    assert "\x1b" not in skip.where
+
 # -- end of fix-distill block
 
 
