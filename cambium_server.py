@@ -4132,6 +4132,16 @@ def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
         raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
 
 
+def _was_on_remote(repo: Path, remote: str, branch: str, tracking: str, t: float) -> bool:
+    """Whether a local board branch came from `remote` (a remote-tracking ref of
+    it, or the branch's upstream is there): one the remote no longer has was
+    deleted there, not yet to be pushed."""
+    if _has_ref(repo, tracking, t):
+        return True
+    proc = _git(["config", "--get", f"branch.{branch}.remote"], repo, t, check=False)
+    return proc.returncode == 0 and proc.stdout.strip() == remote
+
+
 def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list[str], Board]:
     """Read claims.json from <remote>/<branch> of the board repo: `git fetch`
     into the remote-tracking ref, then `git show`. Never a checkout or worktree.
@@ -4149,6 +4159,12 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
             board, status="absent", reason=f"{repo} has no '{b}' board on '{remote}' yet "
                                            "(agentsync creates it on the first claim)",
             fix="nothing to do until an agent claims work through agentsync")
+    if missing and _was_on_remote(repo, remote, b, tracking, t):
+        return None, [], dataclasses.replace(
+            board, status="absent", reason=f"'{remote}' answers that it has no '{b}' branch "
+            f"(deleted there); the copy left in {repo} is not read as the board",
+            fix="if the board moved, set CAMBIUM_AGENTSYNC_BRANCH or AGENTSYNC_BOARD_REPO; "
+                "otherwise nothing to do until an agent claims work through agentsync again")
     ref = tracking if _has_ref(repo, tracking, t) else None
     if ref is None and _has_ref(repo, f"refs/heads/{b}", t):
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)

@@ -7438,6 +7438,23 @@ def test_distill_drops_terminal_escapes_from_agent_branch_and_stamp():
     skip = cs.claim_to_draft("ev" + esc + "il", {"task": "", "status": "done"})
     assert "\x1b" not in skip.where
 
+
+def test_distill_reads_a_board_deleted_on_the_remote_as_absent(tmp_path, monkeypatch):
+    """D6: with the agentsync branch deleted on the remote, distill read the
+    stale local copy ("up_to_date") and blamed the network."""
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.distill()["sources"]["agentsync"]["imported"] == 1
+    git(clone, "push", "-q", "origin", "--delete", "agentsync")
+    res = cs.distill()
+    a = res["sources"]["agentsync"]
+    assert a["status"] == "absent" and "deleted there" in a["reason"], a
+    assert not any("could not fetch" in w for w in res["warnings"])
+    git(clone, "branch", "--unset-upstream", "agentsync")     # never pushed: a local-only board
+    assert cs.distill()["sources"]["agentsync"]["status"] == "up_to_date"
+
 # -- end of fix-distill block
 
 
