@@ -3863,6 +3863,9 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
               "agent": agent, "branch": branch or None, "status": status}
     if stamp:
         source["source_ts"] = stamp
+    if done:         # one claim's states share it: the newest done state is the one kept
+        source["lineage"] = "h" + hashlib.sha256(utf8("\0".join((agent, task, branch)))
+                                                 ).hexdigest()[:16]
     if released:
         source["captured"] = "release"
     return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
@@ -6387,6 +6390,9 @@ class Admission:
     duplicates: int                   #: not stored, all reasons (changed, same_content too)
     changed: list = field(default_factory=list)      #: {id, ref, where}
     same_content: int = 0
+    retired: list = field(default_factory=list)      #: revise: {id, ref, reason} superseded
+    revived: list = field(default_factory=list)      #: revise: {id, ref} brought back
+    notes: list = field(default_factory=list)        #: revise: warnings on what was kept
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
@@ -6402,7 +6408,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in doc.items}
-            if _same_text(by_id.get(_mark_id(seen_marks, d.key)), d):
+            stored = by_id.get(_mark_id(seen_marks, d.key))
+            if _same_text(stored, d) and not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
                 continue
         try:
@@ -6438,11 +6445,106 @@ def _same_text(stored: Item | None, draft: Draft) -> bool:
     return content_key(stored) == text_key(draft.type, content.strip())
 
 
-def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
+def distill_retired(item: Item) -> bool:
+    """Whether distill itself deprecated this local item (its source entry was
+    retired), not a person: the one retirement a live source may undo."""
+    dep = item.deprecated
+    return item.scope == "local" and item.status == "deprecated" and isinstance(dep, dict) \
+        and dep.get("by") == "distill"
+
+
+def _same_entry(old: Item, new: Item) -> bool:
+    """Whether two items of one context-keeper id come from the same entry,
+    edited (its created_at, which update_entry keeps, is the same), rather than
+    from an id handed out again to another entry (pure)."""
+    a, b = old.source.get("source_ts"), new.source.get("source_ts")
+    return old.source.get("system") == new.source.get("system") == "context-keeper" \
+        and isinstance(a, str) and bool(a) and a == b
+MAX_ALSO_SOURCES = 20     #: an item records at most this many further sources of its text
+
+
+def _revisions(doc: Doc, fresh: list, revised: list, twins: list, revive: list,
+               adm: Admission, now: str) -> dict[str, Item]:
+    """distill's changes to stored and new items (pure): an edited entry's old
+    item superseded by its new one (D1), an id whose entry cannot be told from
+    the old one kept beside it with a note (D8), the older state of a done claim
+    superseded by the newer (D2), a second record of the same text recorded on
+    the item (D5), a distill-retired item whose source is live again brought
+    back (D10). Returns id -> changed item."""
+    by_id = {it.id: it for it in doc.items}
+    by_id.update({it.id: it for it in fresh})
+    out: dict[str, Item] = {}
+
+    def cur(iid: str) -> Item:
+        return out.get(iid) or by_id[iid]
+
+    def retire(old: Item, new: Item, why: str) -> None:
+        if old.active and old.scope == "local":
+            out[old.id] = supersede(cur(old.id), new.id, agent="distill", now=now, why=why)
+            adm.retired.append({"id": old.id, "ref": old.source.get("ref"), "reason": why,
+                                "superseded_by": new.id})
+
+    for old, new in revised:
+        ref = new.source.get("ref")
+        if _same_entry(old, new):
+            retire(old, new, f"context-keeper {ref} was edited at its source; its text now is "
+                             f"item {new.id}")
+        elif old.active:
+            adm.notes.append(
+                f"context-keeper {ref} now says something else than its item {old.id}: it may "
+                f"be the entry edited or the id handed out again to another entry (after a "
+                f"branch switch or a delete); imported the new text as {new.id} and kept "
+                f"{old.id}: deprecate the one that no longer stands")
+    lines: dict[str, list[Item]] = {}
+    if any(it.source.get("lineage") for it in fresh):
+        for it in list(doc.items) + fresh:
+            if it.source.get("lineage") and it.active and it.scope == "local":
+                lines.setdefault(it.source["lineage"], []).append(it)
+    for line in lines.values():
+        if len(line) < 2 or not any(it in fresh for it in line):
+            continue
+        line.sort(key=lambda it: (str(it.source.get("source_ts") or ""), it.created_at))
+        newest = line[-1]
+        for old in line[:-1]:
+            retire(old, newest, f"agentsync: {newest.source.get('ref')} is a newer state of "
+                                f"the same claim (agent, task and branch); its item is "
+                                f"{newest.id}")
+    for twin, item in twins:
+        also = [a for a in (cur(twin.id).source.get("also") or []) if isinstance(a, dict)]
+        entry = {k: item.source[k] for k in ("system", "ref", "agent", "kind", "source_ts")
+                 if item.source.get(k)}
+        if item.why and item.why != twin.why:
+            entry["why"] = item.why
+        if entry in also or len(also) >= MAX_ALSO_SOURCES:
+            continue
+        t = cur(twin.id)
+        out[twin.id] = dataclasses.replace(t, source={**t.source, "also": also + [entry]},
+                                           updated_at=now)
+        adm.notes.append(f"{item.source.get('system')} {item.source.get('ref')} says what "
+                         f"item {twin.id} ({twin.source.get('ref') or 'another source'}) says: "
+                         "not stored twice, recorded under that item's source.also")
+    for old in revive:
+        t = cur(old.id)
+        out[old.id] = dataclasses.replace(
+            t, status="active", deprecated=None, updated_at=now,
+            source={**t.source, "revived": {"at": now, "was": t.deprecated}})
+        adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
+    return out
+
+
+def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
+          now: str | None = None) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
-    watermarked key whose text changed is reported, and the stored item kept."""
+    watermarked key whose text changed is reported, and the stored item kept.
+    revise (distill): a watermarked key whose text changed is imported as a new
+    item instead, and the stored items it concerns are changed as _revisions()
+    says."""
     new_marks = dict(meta_map(doc.meta, "watermarks"))
+    revised: list = []                       # (stored item, its new text's item)
+    twins: list = []                         # (stored item, a record of the same text)
+    revive: list = []
+    remarked = False                         # a key now names the item of its text
     says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: dict[str, Item] = {}               # admitted here, by id
     live_keys: set[str] = set()
@@ -6454,27 +6556,54 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
         if key and key in new_marks:
             by_id = by_id or {it.id: it for it in doc.items}
             known = by_id.get(_mark_id(new_marks, key)) or live.get(_mark_id(new_marks, key))
-            if known is not None and content_key(known) != ckey:
-                ref = item.source.get("ref")
-                adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
-                                    "where": prepared.where.get(item.id)})
-            adm.duplicates += 1
-            continue
+            if revise and known is not None and content_key(known) != ckey:
+                revised.append((known, item))            # imported below, if its text is new
+            elif revise and known is not None and distill_retired(known):
+                revive.append(known)
+                adm.duplicates += 1
+                continue
+            else:
+                if known is not None and content_key(known) != ckey:
+                    ref = item.source.get("ref")
+                    adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
+                                        "where": prepared.where.get(item.id)})
+                adm.duplicates += 1
+                continue
         if says is None and ckey not in live_keys:
             says = known_keys(index_key, doc.items)
         if ckey in live_keys or (says is not None and says(ckey)):
             adm.duplicates += 1
             adm.same_content += 1
+            if revise:
+                twin = next((it for it in list(live.values()) + list(doc.items)
+                             if content_key(it) == ckey and it.active), None) or next(
+                    (it for it in doc.items if content_key(it) == ckey), None)
+                if twin is not None and key:
+                    new_marks[key] = twin.id             # read again: a plain duplicate
+                    remarked = True
+                    if revised and revised[-1][1] is item:
+                        revised.pop()
+                    line = item.source.get("lineage")
+                    if not (line and twin.source.get("lineage") == line):
+                        twins.append((twin, item))
             continue
         if key:
+            remarked = remarked or key in new_marks      # revised: the key names the new text
             new_marks[key] = item.id
         live[item.id] = item
         live_keys.add(ckey)
         fresh.append(item)
-    if fresh:
-        marked = len(new_marks) != len(meta_map(doc.meta, "watermarks"))
+    changes = _revisions(doc, fresh, revised, twins, revive, adm, now or _now()) \
+        if revise and (revised or twins or revive or fresh) else {}
+    if fresh or changes or remarked:
+        marked = remarked or len(new_marks) != len(meta_map(doc.meta, "watermarks"))
         meta = marks_meta(doc.meta, new_marks) if marked else doc.meta  # same: an append
-        adm.doc = Doc(items=extended(doc.items, fresh), meta=meta, raw=doc.raw)
+        if changes:
+            fresh[:] = [changes.get(it.id, it) for it in fresh]
+            items = [changes.get(it.id, it) for it in doc.items] + fresh
+        else:
+            items = extended(doc.items, fresh)
+        adm.doc = Doc(items=items, meta=meta, raw=doc.raw)
     return adm
 
 
@@ -8084,12 +8213,17 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
     removed): the scope that holds them now must retire them.
     """
     marks = meta_map(doc.meta, "watermarks")
-    wanted = {marks[k]: (k, r) for k, r in reasons.items() if isinstance(marks.get(k), str)}
+    hits: dict[str, list[tuple[str, str]]] = {}
+    for k, r in reasons.items():
+        if isinstance(marks.get(k), str):
+            hits.setdefault(marks[k], []).append((k, r))
+    wanted = {iid: h[0] for iid, h in hits.items()}
     if not wanted:
         return None, [], []
     items = list(doc.items)
     retired: list[dict] = []
     handled: set[str] = set()
+    changed = False
     for i, it in enumerate(items):
         hit = wanted.get(it.id)
         if hit is None or it.scope != "local":
@@ -8097,12 +8231,25 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
         handled.add(it.id)
         if not it.active:
             continue
+        own = [h for h in hits[it.id] if h[0] == f"{it.source.get('system')}:"
+               f"{it.source.get('ref')}"]
+        also = it.source.get("also") if isinstance(it.source.get("also"), list) else []
+        if not own and also:       # a second record of its text died, not its own: noted
+            dead = {h[0].split(":", 1)[1]: h[1] for h in hits[it.id]}
+            noted = [{**a, "retired": dead[a["ref"]]} if isinstance(a, dict)
+                     and a.get("ref") in dead and "retired" not in a else a for a in also]
+            if noted != also:
+                items[i] = dataclasses.replace(it, source={**it.source, "also": noted},
+                                               updated_at=now)
+                changed = True
+            continue
+        hit = own[0] if own else hit
         items[i] = dataclasses.replace(it, status="deprecated", updated_at=now,
                                        deprecated={"by": "distill", "at": now, "reason": hit[1]})
         retired.append({"id": it.id, "ref": hit[0].split(":", 1)[1], "reason": hit[1]})
     elsewhere = [{"id": iid, "ref": key.split(":", 1)[1], "reason": reason}
                  for iid, (key, reason) in wanted.items() if iid not in handled]
-    new = dataclasses.replace(doc, items=items) if retired else None
+    new = dataclasses.replace(doc, items=items) if retired or changed else None
     return new, retired, elsewhere
 
 
@@ -8239,16 +8386,20 @@ def judge_agentsync(read: SourceRead, imported: list[Item]) -> dict:
     return {**info, "status": status, "reason": reason, "fix": None}
 
 
-def judge_context(read: SourceRead, imported: list[Item], retired: int) -> dict:
+def judge_context(read: SourceRead, imported: list[Item], retired: int,
+                  revived: list | None = None) -> dict:
     """.context/'s status line after the write: what came in, what retired."""
     n = sum(it.source.get("system") == "context-keeper" for it in imported)
+    back = len(revived or [])
     info = {**read.info, "imported": n, "retired": retired}
     if not read.found:
         return info
     seen = read.records
-    if n or retired:
-        status, reason = ("imported" if n else "retired",
-                          f"imported {n}, retired {retired} of {seen} entries")
+    if n or retired or back:
+        status, reason = ("imported" if n or back else "retired",
+                          f"imported {n}, retired {retired} of {seen} entries"
+                          + (f", brought back {back} retired earlier (active again at the "
+                             "source)" if back else ""))
     elif not seen:
         status, reason = "empty", f"{info['path']} holds no decisions, constraints or pipelines"
     else:
@@ -8358,6 +8509,8 @@ class DistillPlan:
     retired: list                                 # all retirements, local and moved-up
     sources: dict                                 # name -> judged status line
     last: dict                                    # what status() shows of this distill
+    revived: list = field(default_factory=list)   # distill-retired items live again
+    warnings: list = field(default_factory=list)  # the sweep's and the write's
 
 
 def _retire_reasons(reads: list[SourceRead]) -> dict[str, str]:
@@ -8368,17 +8521,19 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
     retiring, retired, _ = plan_retirements(doc, _retire_reasons(sweep.reads), now=sweep.stamp)
-    adm = admit(retiring or doc, sweep.prepared, index_key)
+    adm = admit(retiring or doc, sweep.prepared, index_key, revise=True, now=sweep.stamp)
     base = adm.doc or retiring or doc
-    retired = retired + sweep.retired_elsewhere
+    retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
     if (board := sweep.read("agentsync")) is not None:
         sources["agentsync"] = judge_agentsync(board, adm.fresh)
     if (ctx := sweep.read("context-keeper")) is not None:
-        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired))
+        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired), adm.revived)
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
-    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else sweep.status,
+    warnings = sweep.warnings + adm.notes         # ... and what this write kept beside what
+    ok = "distilled_with_warnings" if warnings else "distilled"
+    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else ok,
             "imported": len(adm.fresh), "retired": len(retired),
             "sources": {k: {"status": v["status"], "imported": v["imported"],
                             "reason": v["reason"]} for k, v in sources.items()},
@@ -8387,7 +8542,8 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     if board is not None and board.snapshot is not None:
         meta["agentsync_snapshot"] = board.snapshot
     return DistillPlan(dataclasses.replace(base, meta=meta), adm.fresh,
-                       adm.duplicates + sweep.prepared.duplicates, retired, sources, last)
+                       adm.duplicates + sweep.prepared.duplicates, retired, sources, last,
+                       adm.revived, warnings)
 
 
 def _read_sources(cfg: Config, doc: Doc, stamp: str
@@ -8424,15 +8580,17 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
 def distill_result(plan: DistillPlan, sweep: Sweep, store_warnings: list[str]) -> dict:
     """The answer distill() documents, from the plan that was written."""
     result: dict[str, Any] = {
-        "status": sweep.status,
+        "status": "distilled_with_warnings" if plan.warnings else "distilled",
         "imported": len(plan.imported), "retired": len(plan.retired),
         "duplicates": plan.duplicates, "sources": plan.sources,
-        "warnings": list(sweep.warnings),
+        "warnings": list(plan.warnings),
         "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
                    "content": it.content[:120]} for it in plan.imported[:MAX_LISTED_ITEMS]],
     }
     if plan.retired:
         result["retired_items"] = plan.retired
+    if plan.revived:
+        result["revived_items"] = plan.revived
     if store_warnings:
         result["store_warnings"] = store_warnings
     return result

@@ -7455,6 +7455,94 @@ def test_distill_reads_a_board_deleted_on_the_remote_as_absent(tmp_path, monkeyp
     git(clone, "branch", "--unset-upstream", "agentsync")     # never pushed: a local-only board
     assert cs.distill()["sources"]["agentsync"]["status"] == "up_to_date"
 
+
+def _items_by_ref(ref: str) -> list:
+    return [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("ref") == ref]
+
+
+def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired(repo):
+    """D1: an entry edited at its source (update_entry keeps created_at) was
+    dropped as up_to_date; D8: an id handed out again to another decision was
+    dropped too; D10: an entry deprecated and then set active again stayed
+    retired for ever. A person's deprecation is never undone."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    dec = {"id": "dec-001", "summary": "Cache sessions in redis", "rationale": "fast",
+           "status": "active", "created_at": "2026-01-01T00:00:00Z"}
+    con = {"id": "con-001", "rule": "Never log card numbers", "status": "active"}
+    con2 = {"id": "con-002", "rule": "Rotate keys monthly", "status": "active"}
+
+    def write(*entries):
+        (ctx / "decisions.json").write_text(json.dumps([e for e in entries if "summary" in e]))
+        (ctx / "constraints.json").write_text(json.dumps([e for e in entries if "rule" in e]))
+
+    write(dec, con, con2)
+    assert cs.distill()["imported"] == 3
+    (first,) = _items_by_ref("dec-001")
+    write({**dec, "summary": "Cache sessions in memcached"}, con, con2)       # edited
+    res = cs.distill()
+    assert res["imported"] == 1 and res["sources"]["context-keeper"]["status"] == "imported"
+    old, new = _items_by_ref("dec-001")
+    assert old.id == first.id and old.status == "superseded" and new.active
+    assert old.superseded_by["id"] == new.id and new.id in old.superseded_by["why"]
+    assert [r["id"] for r in res["retired_items"]] == [old.id]
+    write({**dec, "summary": "Use Postgres for search", "created_at": "2026-03-01T00:00:00Z"},
+          con, con2)                                                           # id reissued
+    res = cs.distill()
+    assert res["imported"] == 1 and "retired_items" not in res
+    assert [i.active for i in _items_by_ref("dec-001")] == [False, True, True]
+    assert any(new.id in w and "dec-001" in w for w in res["warnings"]), res["warnings"]
+    assert cs.distill()["imported"] == 0                                       # settled
+    write({**con, "status": "deprecated"}, con2)
+    assert cs.distill()["retired"] == 1 and not _items_by_ref("con-001")[0].active
+    (mine,) = _items_by_ref("con-002")
+    cs.deprecate(mine.id, reason="a person says so")
+    write(con, con2)                                                           # active again
+    res = cs.distill()
+    assert [r["ref"] for r in res.get("revived_items", [])] == ["con-001"]
+    assert _items_by_ref("con-001")[0].active and not _items_by_ref("con-002")[0].active
+    assert cs.distill()["imported"] == 0 and "revived_items" not in cs.distill()
+
+
+def test_distill_keeps_one_live_item_per_claim_and_records_a_second_source(
+        tmp_path, monkeypatch):
+    """D2: the same done claim with a new note left two active outcomes (the
+    key is agent + updated_at); D5: bob's done claim with alice's text, and a
+    constraint with another's rule but its own reason, vanished as duplicates."""
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    (clone / ".context").mkdir()
+    rule = {"rule": "Never push to main", "status": "active"}
+    (clone / ".context" / "constraints.json").write_text(json.dumps([
+        {**rule, "id": "con-001", "reason": "CI must run"},
+        {**rule, "id": "con-002", "reason": "release tooling tags main"}]))
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    res = cs.distill()
+    (con,) = _items_by_ref("con-001")
+    assert con.source["also"][0]["ref"] == "con-002"
+    assert "release tooling" in con.source["also"][0]["why"]
+    assert any("con-002" in w and con.id in w for w in res["warnings"])
+    write_board(clone, {"ann": {**DONE_CLAIM, "note": "correction: tests were flaky",
+                                "updated_at": "2026-11-30T09:00:00+00:00"},
+                        "bob": {**DONE_CLAIM, "updated_at": "2026-11-30T10:00:00+00:00"}})
+    res = cs.distill()
+    outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("system") == "agentsync"]
+    live = [i for i in outs if i.active]
+    assert len(outs) == 2 and len(live) == 1 and "flaky" in live[0].content
+    older = next(i for i in outs if not i.active)
+    assert older.superseded_by["id"] == live[0].id and res["retired"] == 1
+    assert [a["agent"] for a in older.source["also"]] == ["bob"]     # bob: same text as ann's
+    assert cs.distill()["warnings"] == []                              # said once
+    (clone / ".context" / "constraints.json").write_text(json.dumps([
+        {**rule, "id": "con-001", "reason": "CI must run"},
+        {**rule, "id": "con-002", "reason": "x", "status": "deprecated"}]))
+    assert cs.distill()["retired"] == 0                  # con-001 stands: its item stays live
+    (con,) = _items_by_ref("con-001")
+    assert con.active and con.source["also"][0]["retired"].startswith("context-keeper con-002")
+
 # -- end of fix-distill block
 
 
