@@ -6521,8 +6521,9 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, revive: list,
         out[twin.id] = dataclasses.replace(t, source={**t.source, "also": also + [entry]},
                                            updated_at=now)
         adm.notes.append(f"{item.source.get('system')} {item.source.get('ref')} says what "
-                         f"item {twin.id} ({twin.source.get('ref') or 'another source'}) says: "
-                         "not stored twice, recorded under that item's source.also")
+                         f"{'' if twin.active else twin.status + ' '}item {twin.id} "
+                         f"({twin.source.get('ref') or 'another source'}) says: not stored "
+                         "twice, recorded under that item's source.also")
     for old in revive:
         t = cur(old.id)
         out[old.id] = dataclasses.replace(
@@ -6545,6 +6546,8 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
     twins: list = []                         # (stored item, a record of the same text)
     revive: list = []
     remarked = False                         # a key now names the item of its text
+    by_text: dict[str, Item] | None = None   # revise: stored items by text, when needed
+    live_by_text: dict[str, Item] = {}
     says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: dict[str, Item] = {}               # admitted here, by id
     live_keys: set[str] = set()
@@ -6575,9 +6578,13 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
             adm.duplicates += 1
             adm.same_content += 1
             if revise:
-                twin = next((it for it in list(live.values()) + list(doc.items)
-                             if content_key(it) == ckey and it.active), None) or next(
-                    (it for it in doc.items if content_key(it) == ckey), None)
+                if by_text is None:                      # built once, if ever needed
+                    by_text = {}
+                    for it in doc.items:                 # per text: its active item, else any
+                        k = content_key(it)
+                        if it.active or k not in by_text:
+                            by_text[k] = it
+                twin = live_by_text.get(ckey) or by_text.get(ckey)
                 if twin is not None and key:
                     new_marks[key] = twin.id             # read again: a plain duplicate
                     remarked = True
@@ -6592,6 +6599,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
             new_marks[key] = item.id
         live[item.id] = item
         live_keys.add(ckey)
+        live_by_text[ckey] = item
         fresh.append(item)
     changes = _revisions(doc, fresh, revised, twins, revive, adm, now or _now()) \
         if revise and (revised or twins or revive or fresh) else {}
