@@ -8468,7 +8468,7 @@ def substrate_state(cfg: Config, doc: Doc) -> dict:
     board = resolve_board(cfg, network=False)
     last = doc.meta.get("distill_last") if isinstance(doc.meta.get("distill_last"), dict) \
         else {}
-    last_sources = last.get("sources") or {}
+    last_sources = last.get("sources") if isinstance(last.get("sources"), dict) else {}
     ck = cfg.repo / CONTEXT_DIR
     agentsync = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
                  "board_source": board.source, "branch": board.branch,

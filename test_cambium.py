@@ -7372,6 +7372,8 @@ def test_distill_capture_import_and_status_read_mistyped_meta_as_default(repo, m
     _set_meta(repo, agentsync_snapshot={"board": str(repo), "branch": "agentsync",
                                         "claims": {"ann": "str", "ben": [1]}})
     assert cs.distill()["status"].startswith("distilled") and cs.status()["status"] == "ok"
+    _set_meta(repo, distill_last={"sources": ["x"]})
+    assert cs.status()["status"] == "ok"
 
 
 def test_distill_warns_of_a_cut_text_only_when_it_is_imported(repo):
