@@ -6460,17 +6460,19 @@ def _same_entry(old: Item, new: Item) -> bool:
     a, b = old.source.get("source_ts"), new.source.get("source_ts")
     return old.source.get("system") == new.source.get("system") == "context-keeper" \
         and isinstance(a, str) and bool(a) and a == b
+
+
 MAX_ALSO_SOURCES = 20     #: an item records at most this many further sources of its text
 
 
 def _revisions(doc: Doc, fresh: list, revised: list, twins: list, revive: list,
                adm: Admission, now: str) -> dict[str, Item]:
     """distill's changes to stored and new items (pure): an edited entry's old
-    item superseded by its new one (D1), an id whose entry cannot be told from
-    the old one kept beside it with a note (D8), the older state of a done claim
-    superseded by the newer (D2), a second record of the same text recorded on
-    the item (D5), a distill-retired item whose source is live again brought
-    back (D10). Returns id -> changed item."""
+    item superseded by its new one; an id whose entry cannot be told from the
+    old one (handed out again?) kept beside it with a note; the older state of
+    a done claim superseded by the newer; a second record of the same text
+    recorded on the item (source.also); a distill-retired item whose source is
+    live again brought back. Returns id -> changed item."""
     by_id = {it.id: it for it in doc.items}
     by_id.update({it.id: it for it in fresh})
     out: dict[str, Item] = {}

@@ -7416,7 +7416,8 @@ def test_distill_does_not_follow_a_context_link_out_of_the_repo(repo, tmp_path, 
         (repo / ".context").symlink_to(outside)
     with pytest.raises(cs.SubstrateError, match="outside the repo"):
         cs.distill()
-    assert not any("SECRET" in i.content for i in cs.store(cs.resolve_config(), "local").read().items)
+    stored = cs.store(cs.resolve_config(), "local").read().items
+    assert not any("SECRET" in i.content for i in stored)
     if linked == "dir":
         (repo / ".context").unlink()
         (repo / "docs").mkdir()
@@ -7544,8 +7545,6 @@ def test_distill_keeps_one_live_item_per_claim_and_records_a_second_source(
     assert cs.distill()["retired"] == 0                  # con-001 stands: its item stays live
     (con,) = _items_by_ref("con-001")
     assert con.active and con.source["also"][0]["retired"].startswith("context-keeper con-002")
-
-# -- end of fix-distill block
 
 
 def _hand_edit(repo: Path, change) -> None:
