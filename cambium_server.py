@@ -10474,7 +10474,9 @@ def distill(on_progress: ProgressFn | None = None) -> dict:
     changed files); and this repo's .context/ -> one item per active
     decision, constraint and pipeline, keeping its dec-/con-/pipe- id and its
     why. Items land in local scope. A source entry that was superseded or
-    deprecated retires the item imported from it. With
+    deprecated retires the item imported from it (set active again, it brings
+    the item back: `revived_items`); a record whose text changed is imported
+    again (an edited entry or a claim's newer state supersedes its old item). With
     CAMBIUM_RELEASE_CAPTURE=1, claims that were done or noted and have since
     been released or re-claimed are captured from the last-seen snapshot.
     Returns status `distilled` or `distilled_with_warnings`, plain-language
