@@ -690,6 +690,23 @@ class Doc:
     raw: dict = field(default_factory=dict)          # unknown top-level keys, kept
 
 
+def meta_map(meta: Any, key: str) -> dict:
+    """A `meta` field that is meant to be an object (watermarks, the release
+    snapshot), read as {} when a hand edit left another JSON type (pure)."""
+    value = meta.get(key) if isinstance(meta, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def marks_meta(meta: dict, marks: dict) -> dict:
+    """`meta` with new watermarks; a `watermarks` of the wrong type (read as {})
+    is kept under `watermarks_unreadable`, never overwritten (pure)."""
+    old = meta.get("watermarks")
+    out = {**meta, "watermarks": marks}
+    if old is not None and not isinstance(old, dict) and "watermarks_unreadable" not in meta:
+        out["watermarks_unreadable"] = old
+    return out
+
+
 @dataclass
 class Draft:
     """An item a source wants to create, with its dedupe key (None: content hash)."""
@@ -1197,11 +1214,13 @@ ORIGINS = {"env": "the environment", "cwd": "the git root of the working directo
 MAX_CONFIG_BYTES = 1024 * 1024   #: a config file above this is ignored, with a config_file_error
 
 
-def read_regular(path: Path, limit: int) -> bytes:
+def read_regular(path: Path, limit: int, *, nofollow: bool = False) -> bytes:
     """A file's bytes, read only if it is a regular file (a FIFO or a device
     would block or never end) of at most `limit` bytes; OSError else
-    (FileNotFoundError when it does not exist)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    (FileNotFoundError when it does not exist). nofollow: a symbolic link
+    there is refused too (O_NOFOLLOW)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                 | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0))
     try:
         if not _stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError("it is not a regular file (a FIFO, socket or device?)")
@@ -2570,9 +2589,9 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
         else:
             counts["already_here"] += 1
     live = {k: renamed.get(v, v) if isinstance(v, str) else v
-            for k, v in (doc.meta.get("watermarks") or {}).items()}
-    marks = {**(back.meta.get("watermarks") or {}), **live}
-    meta = {**back.meta, **doc.meta, "watermarks": marks} if marks else {**back.meta, **doc.meta}
+            for k, v in meta_map(doc.meta, "watermarks").items()}
+    marks = {**meta_map(back.meta, "watermarks"), **live}
+    meta = marks_meta({**back.meta, **doc.meta}, marks) if marks else {**back.meta, **doc.meta}
     if not counts["restored"] and not counts["updated"] and meta == doc.meta:
         return None, counts
     return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
@@ -3738,6 +3757,7 @@ CONTEXT_DIR = ".context"
 CONTEXT_FILES = ("decisions", "constraints", "pipelines")
 MAX_SUBSTRATE_BYTES = 64 * 1024 * 1024   #: a substrate file above this is refused
 MAX_CHANGED_FILES_LISTED = 40            #: an outcome names at most this many paths
+MIN_TASK_CHARS_KEPT = 500                #: a cut claim keeps at least this much of its task
 _ENTRY_ID = re.compile(r"[A-Za-z0-9][\w.\-]{0,79}")
 
 
@@ -3867,22 +3887,30 @@ def context_entry_refs(entry: dict, texts: Iterable[str]) -> list[dict] | None:
 
 def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
     """One claim version as an item draft (pure). Done: an `outcome` memory;
-    a noted claim captured at release before done: a `progress` note."""
+    a noted claim captured at release before done: a `progress` note. Agent
+    id, branch and stamp are kept as plain text (no terminal escapes: they are
+    printed); the watermark key keeps the id as the board has it."""
+    key, agent = claim_key(agent, claim), plain_text(agent).strip() or "unnamed"
     task = _str(claim.get("task"))
     if not task:
         return Skip(f"agentsync claim of {agent}", "no task")
-    status = _str(claim.get("status")) or "unknown"
+    status = plain_text(_str(claim.get("status"))) or "unknown"
     note = _str(claim.get("note"))
-    branch = _str(claim.get("branch"))
+    branch = plain_text(_str(claim.get("branch")))
     done = status == "done"
     body = task if task.endswith((".", "!", "?")) else task + "."
     files = _changed_files_text(claim.get("changed_files"))
-    tail = (f" Note: {note}" if note else "") + (f" {files}" if files else "")
-    if len(body) + len(tail) > MAX_CONTENT_CHARS:     # cut the task, not the note after it
-        body = _clip(body, max(MAX_CONTENT_CHARS // 2, MAX_CONTENT_CHARS - len(tail)))
-    body += tail
+    noted, listed = (f" Note: {note}" if note else ""), (f" {files}" if files else "")
+    if len(body) + len(noted) + len(listed) > MAX_CONTENT_CHARS:
+        # cut the task, keeping note and files; a note too long to fit beside even
+        # the start of the task is cut too (the file list is bounded, always kept)
+        room = MAX_CONTENT_CHARS - len(listed) - min(len(body), MIN_TASK_CHARS_KEPT)
+        if len(noted) > room:
+            noted = _clip(noted, room)
+        body = _clip(body, MAX_CONTENT_CHARS - len(noted) - len(listed))
+    body += noted + listed
     where = f" on branch {branch}" if branch else ""
-    stamp = _str(claim.get("updated_at"))
+    stamp = plain_text(_str(claim.get("updated_at")))
     if done:
         why = f"agentsync: {agent} marked this claim done{where}" + (f" at {stamp}" if stamp else "")
     else:
@@ -3899,11 +3927,14 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
               "agent": agent, "branch": branch or None, "status": status}
     if stamp:
         source["source_ts"] = stamp
+    if done:         # one claim's states share it: the newest done state is the one kept
+        source["lineage"] = "h" + hashlib.sha256(utf8("\0".join((agent, task, branch)))
+                                                 ).hexdigest()[:16]
     if released:
         source["captured"] = "release"
     return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="outcome" if done else "progress", tags=tags, source=source,
-                 key=claim_key(agent, claim),
+                 key=key,
                  code_refs=changed_files_refs(claim.get("changed_files")))
 
 
@@ -4027,20 +4058,29 @@ def _entries_of(data: Any, name: str, where: Path) -> list:
                          f"{name}; fix or move the file aside (cambium did not change it).")
 
 
-def read_context_dir(path: Path) -> dict[str, list] | None:
+def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | None:
     """decisions/constraints/pipelines entry lists from a .context/ directory;
     None when the directory does not exist. Raises SubstrateError if a file
-    exists but is not readable JSON."""
+    exists but is not readable JSON, or (root given) leads out of `root`
+    through a symbolic link (of the file or of the directory)."""
     if not path.is_dir():
         return None
+    base = os.path.realpath(root) if root is not None else None
     out: dict[str, list] = {}
     for name in CONTEXT_FILES:
         f = path / f"{name}.json"
+        real = Path(os.path.realpath(f))
+        if base is not None and os.path.commonpath([base, str(real)]) != base \
+                and (f.is_symlink() or f.exists()):
+            raise SubstrateError(f"cannot read {f}: it is not a regular file in {root} but a "
+                                 f"link to {real}, outside the repo; cambium did not read it "
+                                 "(the link is left as it is).")
         try:
             if f.stat().st_size > MAX_SUBSTRATE_BYTES:
                 raise SubstrateError(f"{f} is larger than {MAX_SUBSTRATE_BYTES // 2**20} MB; "
                                      "cambium will not read it.")
-            text = read_regular(f, MAX_SUBSTRATE_BYTES).decode("utf-8-sig", errors="replace")
+            text = read_regular(real, MAX_SUBSTRATE_BYTES, nofollow=True).decode(
+                "utf-8-sig", errors="replace")
         except FileNotFoundError:
             out[name] = []
             continue
@@ -4159,6 +4199,16 @@ def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
         raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
 
 
+def _was_on_remote(repo: Path, remote: str, branch: str, tracking: str, t: float) -> bool:
+    """Whether a local board branch came from `remote` (a remote-tracking ref of
+    it, or the branch's upstream is there): one the remote no longer has was
+    deleted there, not yet to be pushed."""
+    if _has_ref(repo, tracking, t):
+        return True
+    proc = _git(["config", "--get", f"branch.{branch}.remote"], repo, t, check=False)
+    return proc.returncode == 0 and proc.stdout.strip() == remote
+
+
 def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list[str], Board]:
     """Read claims.json from <remote>/<branch> of the board repo: `git fetch`
     into the remote-tracking ref, then `git show`. Never a checkout or worktree.
@@ -4176,6 +4226,12 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
             board, status="absent", reason=f"{repo} has no '{b}' board on '{remote}' yet "
                                            "(agentsync creates it on the first claim)",
             fix="nothing to do until an agent claims work through agentsync")
+    if missing and _was_on_remote(repo, remote, b, tracking, t):
+        return None, [], dataclasses.replace(
+            board, status="absent", reason=f"'{remote}' answers that it has no '{b}' branch "
+            f"(deleted there); the copy left in {repo} is not read as the board",
+            fix="if the board moved, set CAMBIUM_AGENTSYNC_BRANCH or AGENTSYNC_BOARD_REPO; "
+                "otherwise nothing to do until an agent claims work through agentsync again")
     ref = tracking if _has_ref(repo, tracking, t) else None
     if ref is None and _has_ref(repo, f"refs/heads/{b}", t):
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
@@ -6387,6 +6443,7 @@ class Prepared:
     skipped: list = field(default_factory=list)      # (label, reason)
     duplicates: int = 0                              # watermarked already when prepared
     where: dict = field(default_factory=dict)        # item id -> position in its source
+    clipped: set = field(default_factory=set)        # ids of items whose text was cut
 
 
 @dataclass
@@ -6397,6 +6454,9 @@ class Admission:
     duplicates: int                   #: not stored, all reasons (changed, same_content too)
     changed: list = field(default_factory=list)      #: {id, ref, where}
     same_content: int = 0
+    retired: list = field(default_factory=list)      #: revise: {id, ref, reason} superseded
+    revived: list = field(default_factory=list)      #: revise: {id, ref} brought back
+    notes: list = field(default_factory=list)        #: revise: warnings on what was kept
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
@@ -6407,12 +6467,13 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     out = Prepared()
     project, agent = cfg.project, cfg.agent
     doc = store(cfg, "local").read()
-    seen_marks = doc.meta.get("watermarks") or {}
+    seen_marks = meta_map(doc.meta, "watermarks")
     by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in doc.items}
-            if _same_text(by_id.get(seen_marks[d.key]), d):
+            stored = by_id.get(_mark_id(seen_marks, d.key))
+            if _same_text(stored, d) and not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
                 continue
         try:
@@ -6424,11 +6485,19 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
+        if isinstance(d.content, str) and len(d.content) >= MAX_CONTENT_CHARS:
+            out.clipped.add(item.id)
         if d.where:
             out.where[item.id] = d.where
         if on_progress and n % 500 == 0:
             on_progress(n)
     return out
+
+
+def _mark_id(marks: dict, key: str) -> str | None:
+    """The item id a watermark names (None: a hand-edited value that is no id)."""
+    value = marks.get(key)
+    return value if isinstance(value, str) else None
 
 
 def _same_text(stored: Item | None, draft: Draft) -> bool:
@@ -6440,11 +6509,111 @@ def _same_text(stored: Item | None, draft: Draft) -> bool:
     return content_key(stored) == text_key(draft.type, content.strip())
 
 
-def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
+def distill_retired(item: Item) -> bool:
+    """Whether distill itself deprecated this local item (its source entry was
+    retired), not a person: the one retirement a live source may undo."""
+    dep = item.deprecated
+    return item.scope == "local" and item.status == "deprecated" and isinstance(dep, dict) \
+        and dep.get("by") == "distill"
+
+
+def _same_entry(old: Item, new: Item) -> bool:
+    """Whether two items of one context-keeper id come from the same entry,
+    edited (its created_at, which update_entry keeps, is the same), rather than
+    from an id handed out again to another entry (pure)."""
+    a, b = old.source.get("source_ts"), new.source.get("source_ts")
+    return old.source.get("system") == new.source.get("system") == "context-keeper" \
+        and isinstance(a, str) and bool(a) and a == b
+
+
+MAX_ALSO_SOURCES = 20     #: an item records at most this many further sources of its text
+
+
+def _revisions(doc: Doc, fresh: list, revised: list, twins: list, revive: list,
+               adm: Admission, now: str) -> dict[str, Item]:
+    """distill's changes to stored and new items (pure): an edited entry's old
+    item superseded by its new one; an id whose entry cannot be told from the
+    old one (handed out again?) kept beside it with a note; the older state of
+    a done claim superseded by the newer; a second record of the same text
+    recorded on the item (source.also); a distill-retired item whose source is
+    live again brought back. Returns id -> changed item."""
+    by_id = {it.id: it for it in doc.items}
+    by_id.update({it.id: it for it in fresh})
+    out: dict[str, Item] = {}
+
+    def cur(iid: str) -> Item:
+        return out.get(iid) or by_id[iid]
+
+    def retire(old: Item, new: Item, why: str) -> None:
+        if old.active and old.scope == "local":
+            out[old.id] = supersede(cur(old.id), new.id, agent="distill", now=now, why=why)
+            adm.retired.append({"id": old.id, "ref": old.source.get("ref"), "reason": why,
+                                "superseded_by": new.id})
+
+    for old, new in revised:
+        ref = new.source.get("ref")
+        if _same_entry(old, new):
+            retire(old, new, f"context-keeper {ref} was edited at its source; its text now is "
+                             f"item {new.id}")
+        elif old.active:
+            adm.notes.append(
+                f"context-keeper {ref} now says something else than its item {old.id}: it may "
+                f"be the entry edited or the id handed out again to another entry (after a "
+                f"branch switch or a delete); imported the new text as {new.id} and kept "
+                f"{old.id}: deprecate the one that no longer stands")
+    lines: dict[str, list[Item]] = {}
+    if any(it.source.get("lineage") for it in fresh):
+        for it in list(doc.items) + fresh:
+            if it.source.get("lineage") and it.active and it.scope == "local":
+                lines.setdefault(it.source["lineage"], []).append(it)
+    for line in lines.values():
+        if len(line) < 2 or not any(it in fresh for it in line):
+            continue
+        line.sort(key=lambda it: (str(it.source.get("source_ts") or ""), it.created_at))
+        newest = line[-1]
+        for old in line[:-1]:
+            retire(old, newest, f"agentsync: {newest.source.get('ref')} is a newer state of "
+                                f"the same claim (agent, task and branch); its item is "
+                                f"{newest.id}")
+    for twin, item in twins:
+        also = [a for a in (cur(twin.id).source.get("also") or []) if isinstance(a, dict)]
+        entry = {k: item.source[k] for k in ("system", "ref", "agent", "kind", "source_ts")
+                 if item.source.get(k)}
+        if item.why and item.why != twin.why:
+            entry["why"] = item.why
+        if entry in also or len(also) >= MAX_ALSO_SOURCES:
+            continue
+        t = cur(twin.id)
+        out[twin.id] = dataclasses.replace(t, source={**t.source, "also": also + [entry]},
+                                           updated_at=now)
+        adm.notes.append(f"{item.source.get('system')} {item.source.get('ref')} says what "
+                         f"{'' if twin.active else twin.status + ' '}item {twin.id} "
+                         f"({twin.source.get('ref') or 'another source'}) says: not stored "
+                         "twice, recorded under that item's source.also")
+    for old in revive:
+        t = cur(old.id)
+        out[old.id] = dataclasses.replace(
+            t, status="active", deprecated=None, updated_at=now,
+            source={**t.source, "revived": {"at": now, "was": t.deprecated}})
+        adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
+    return out
+
+
+def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
+          now: str | None = None) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
-    watermarked key whose text changed is reported, and the stored item kept."""
-    new_marks = dict(doc.meta.get("watermarks") or {})
+    watermarked key whose text changed is reported, and the stored item kept.
+    revise (distill): a watermarked key whose text changed is imported as a new
+    item instead, and the stored items it concerns are changed as _revisions()
+    says."""
+    new_marks = dict(meta_map(doc.meta, "watermarks"))
+    revised: list = []                       # (stored item, its new text's item)
+    twins: list = []                         # (stored item, a record of the same text)
+    revive: list = []
+    remarked = False                         # a key now names the item of its text
+    by_text: dict[str, Item] | None = None   # revise: stored items by text, when needed
+    live_by_text: dict[str, Item] = {}
     says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: dict[str, Item] = {}               # admitted here, by id
     live_keys: set[str] = set()
@@ -6455,28 +6624,60 @@ def admit(doc: Doc, prepared: Prepared, index_key: str) -> Admission:
         ckey = content_key(item)
         if key and key in new_marks:
             by_id = by_id or {it.id: it for it in doc.items}
-            known = by_id.get(new_marks[key]) or live.get(new_marks[key])
-            if known is not None and content_key(known) != ckey:
-                ref = item.source.get("ref")
-                adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
-                                    "where": prepared.where.get(item.id)})
-            adm.duplicates += 1
-            continue
+            known = by_id.get(_mark_id(new_marks, key)) or live.get(_mark_id(new_marks, key))
+            if revise and known is not None and content_key(known) != ckey:
+                revised.append((known, item))            # imported below, if its text is new
+            elif revise and known is not None and distill_retired(known):
+                revive.append(known)
+                adm.duplicates += 1
+                continue
+            else:
+                if known is not None and content_key(known) != ckey:
+                    ref = item.source.get("ref")
+                    adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
+                                        "where": prepared.where.get(item.id)})
+                adm.duplicates += 1
+                continue
         if says is None and ckey not in live_keys:
             says = known_keys(index_key, doc.items)
         if ckey in live_keys or (says is not None and says(ckey)):
             adm.duplicates += 1
             adm.same_content += 1
+            if revise:
+                if by_text is None:                      # built once, if ever needed
+                    by_text = {}
+                    for it in doc.items:                 # per text: its active item, else any
+                        k = content_key(it)
+                        if it.active or k not in by_text:
+                            by_text[k] = it
+                twin = live_by_text.get(ckey) or by_text.get(ckey)
+                if twin is not None and key:
+                    new_marks[key] = twin.id             # read again: a plain duplicate
+                    remarked = True
+                    if revised and revised[-1][1] is item:
+                        revised.pop()
+                    line = item.source.get("lineage")
+                    if not (line and twin.source.get("lineage") == line):
+                        twins.append((twin, item))
             continue
         if key:
+            remarked = remarked or key in new_marks      # revised: the key names the new text
             new_marks[key] = item.id
         live[item.id] = item
         live_keys.add(ckey)
+        live_by_text[ckey] = item
         fresh.append(item)
-    if fresh:
-        marked = len(new_marks) != len(doc.meta.get("watermarks") or {})
-        meta = {**doc.meta, "watermarks": new_marks} if marked else doc.meta  # same: an append
-        adm.doc = Doc(items=extended(doc.items, fresh), meta=meta, raw=doc.raw)
+    changes = _revisions(doc, fresh, revised, twins, revive, adm, now or _now()) \
+        if revise and (revised or twins or revive or fresh) else {}
+    if fresh or changes or remarked:
+        marked = remarked or len(new_marks) != len(meta_map(doc.meta, "watermarks"))
+        meta = marks_meta(doc.meta, new_marks) if marked else doc.meta  # same: an append
+        if changes:
+            fresh[:] = [changes.get(it.id, it) for it in fresh]
+            items = [changes.get(it.id, it) for it in doc.items] + fresh
+        else:
+            items = extended(doc.items, fresh)
+        adm.doc = Doc(items=items, meta=meta, raw=doc.raw)
     return adm
 
 
@@ -8170,13 +8371,18 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
     but are no longer active in local scope under that id (promoted on, or
     removed): the scope that holds them now must retire them.
     """
-    marks = doc.meta.get("watermarks") or {}
-    wanted = {marks[k]: (k, r) for k, r in reasons.items() if k in marks}
+    marks = meta_map(doc.meta, "watermarks")
+    hits: dict[str, list[tuple[str, str]]] = {}
+    for k, r in reasons.items():
+        if isinstance(marks.get(k), str):
+            hits.setdefault(marks[k], []).append((k, r))
+    wanted = {iid: h[0] for iid, h in hits.items()}
     if not wanted:
         return None, [], []
     items = list(doc.items)
     retired: list[dict] = []
     handled: set[str] = set()
+    changed = False
     for i, it in enumerate(items):
         hit = wanted.get(it.id)
         if hit is None or it.scope != "local":
@@ -8184,12 +8390,25 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
         handled.add(it.id)
         if not it.active:
             continue
+        own = [h for h in hits[it.id] if h[0] == f"{it.source.get('system')}:"
+               f"{it.source.get('ref')}"]
+        also = it.source.get("also") if isinstance(it.source.get("also"), list) else []
+        if not own and also:       # a second record of its text died, not its own: noted
+            dead = {h[0].split(":", 1)[1]: h[1] for h in hits[it.id]}
+            noted = [{**a, "retired": dead[a["ref"]]} if isinstance(a, dict)
+                     and a.get("ref") in dead and "retired" not in a else a for a in also]
+            if noted != also:
+                items[i] = dataclasses.replace(it, source={**it.source, "also": noted},
+                                               updated_at=now)
+                changed = True
+            continue
+        hit = own[0] if own else hit
         items[i] = dataclasses.replace(it, status="deprecated", updated_at=now,
                                        deprecated={"by": "distill", "at": now, "reason": hit[1]})
         retired.append({"id": it.id, "ref": hit[0].split(":", 1)[1], "reason": hit[1]})
     elsewhere = [{"id": iid, "ref": key.split(":", 1)[1], "reason": reason}
                  for iid, (key, reason) in wanted.items() if iid not in handled]
-    new = dataclasses.replace(doc, items=items) if retired else None
+    new = dataclasses.replace(doc, items=items) if retired or changed else None
     return new, retired, elsewhere
 
 
@@ -8223,7 +8442,7 @@ def _split_drafts(made: Iterable[Draft | Skip]) -> tuple[list[Draft], list[Skip]
 
 def _churned_claims(doc: Doc, board: Board, claims: dict) -> dict[str, dict]:
     """Claims of the last snapshot of this board that were released or re-claimed."""
-    snap = doc.meta.get("agentsync_snapshot") or {}
+    snap = meta_map(doc.meta, "agentsync_snapshot")
     same = snap.get("board") == str(board.repo) and snap.get("branch") == board.branch
     prev = snap.get("claims") if same and isinstance(snap.get("claims"), dict) else {}
     return {a: prev[a] for a in sorted(prev)
@@ -8246,21 +8465,24 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
     if cfg.release_capture:
         churned = _churned_claims(doc, board, claims) if claims is not None else {}
         made += [claim_to_draft(a, c, released=True) for a, c in churned.items()]
-        info["release_capture"] = {"churned": list(churned)}
+        info["release_capture"] = {"churned": [plain_text(a) for a in churned]}
         if claims is not None:
             snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
                         "claims": _snapshot_of(claims)}
     drafts, skips = _split_drafts(made)
     return SourceRead("agentsync", claims is not None, info, drafts, skips,
-                      warnings + clipped_warnings(drafts, "claim"), snapshot=snapshot)
+                      warnings, snapshot=snapshot)
 
 
-def clipped_warnings(drafts: list[Draft], what: str) -> list[str]:
-    """A warning naming the drafts whose text was over the content limit and cut."""
-    cut = [d for d in drafts if len(d.content) >= MAX_CONTENT_CHARS]
+def clipped_warnings(prepared: Prepared, system: str, what: str) -> list[str]:
+    """A warning naming the records of `system` to be imported now whose text
+    was over the content limit and cut (one imported earlier is not named again)."""
+    cut = [it for _, it in prepared.items
+           if it.id in prepared.clipped and it.source.get("system") == system]
     if not cut:
         return []
-    refs = ", ".join(str(d.source.get("ref")) for d in cut[:5]) + (" …" if len(cut) > 5 else "")
+    refs = ", ".join(str(it.source.get("ref")) for it in cut[:5]) + \
+        (" …" if len(cut) > 5 else "")
     return [f"{len(cut)} {what}(s) longer than {MAX_CONTENT_CHARS:,} characters were cut "
             f"there ({refs}); the source keeps the whole text"]
 
@@ -8269,7 +8491,7 @@ def read_context(cfg: Config) -> SourceRead:
     """Read .context/: drafts for live entries, retirement reasons for the rest."""
     assert cfg.repo is not None
     path = cfg.repo / CONTEXT_DIR
-    found = read_context_dir(path)
+    found = read_context_dir(path, cfg.repo)
     entries = found or {}
     read = SourceRead("context-keeper", found is not None, {
         "status": "empty", "path": str(path), "reason": "",
@@ -8294,7 +8516,6 @@ def read_context(cfg: Config) -> SourceRead:
             else:
                 read.retire[f"context-keeper:{context_entry_id(e)}"] = \
                     retirement_reason(e) or ""
-    read.warnings += clipped_warnings(read.drafts, "entry")
     if not read.found:
         read.info.update(status="absent", reason=f"no {CONTEXT_DIR}/ directory in {cfg.repo}",
                          fix="if this project records decisions with context-keeper, run it "
@@ -8324,16 +8545,20 @@ def judge_agentsync(read: SourceRead, imported: list[Item]) -> dict:
     return {**info, "status": status, "reason": reason, "fix": None}
 
 
-def judge_context(read: SourceRead, imported: list[Item], retired: int) -> dict:
+def judge_context(read: SourceRead, imported: list[Item], retired: int,
+                  revived: list | None = None) -> dict:
     """.context/'s status line after the write: what came in, what retired."""
     n = sum(it.source.get("system") == "context-keeper" for it in imported)
+    back = len(revived or [])
     info = {**read.info, "imported": n, "retired": retired}
     if not read.found:
         return info
     seen = read.records
-    if n or retired:
-        status, reason = ("imported" if n else "retired",
-                          f"imported {n}, retired {retired} of {seen} entries")
+    if n or retired or back:
+        status, reason = ("imported" if n or back else "retired",
+                          f"imported {n}, retired {retired} of {seen} entries"
+                          + (f", brought back {back} retired earlier (active again at the "
+                             "source)" if back else ""))
     elif not seen:
         status, reason = "empty", f"{info['path']} holds no decisions, constraints or pipelines"
     else:
@@ -8394,7 +8619,7 @@ def substrate_state(cfg: Config, doc: Doc) -> dict:
     board = resolve_board(cfg, network=False)
     last = doc.meta.get("distill_last") if isinstance(doc.meta.get("distill_last"), dict) \
         else {}
-    last_sources = last.get("sources") or {}
+    last_sources = last.get("sources") if isinstance(last.get("sources"), dict) else {}
     ck = cfg.repo / CONTEXT_DIR
     agentsync = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
                  "board_source": board.source, "branch": board.branch,
@@ -8402,8 +8627,10 @@ def substrate_state(cfg: Config, doc: Doc) -> dict:
                  "release_capture": cfg.release_capture,
                  "last_distill": last_sources.get("agentsync")}
     if cfg.release_capture:
-        snap = doc.meta.get("agentsync_snapshot") or {}
-        agentsync["snapshot"] = {"at": snap.get("at"), "claims": len(snap.get("claims") or {})}
+        snap = meta_map(doc.meta, "agentsync_snapshot")
+        claims = snap.get("claims")
+        agentsync["snapshot"] = {"at": snap.get("at") if isinstance(snap.get("at"), str) else None,
+                                 "claims": len(claims) if isinstance(claims, dict) else 0}
     return {
         "agentsync": agentsync,
         "context-keeper": {"status": "present" if ck.is_dir() else "absent", "path": str(ck),
@@ -8441,6 +8668,8 @@ class DistillPlan:
     retired: list                                 # all retirements, local and moved-up
     sources: dict                                 # name -> judged status line
     last: dict                                    # what status() shows of this distill
+    revived: list = field(default_factory=list)   # distill-retired items live again
+    warnings: list = field(default_factory=list)  # the sweep's and the write's
 
 
 def _retire_reasons(reads: list[SourceRead]) -> dict[str, str]:
@@ -8451,17 +8680,19 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
     retiring, retired, _ = plan_retirements(doc, _retire_reasons(sweep.reads), now=sweep.stamp)
-    adm = admit(retiring or doc, sweep.prepared, index_key)
+    adm = admit(retiring or doc, sweep.prepared, index_key, revise=True, now=sweep.stamp)
     base = adm.doc or retiring or doc
-    retired = retired + sweep.retired_elsewhere
+    retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
     if (board := sweep.read("agentsync")) is not None:
         sources["agentsync"] = judge_agentsync(board, adm.fresh)
     if (ctx := sweep.read("context-keeper")) is not None:
-        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired))
+        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired), adm.revived)
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
-    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else sweep.status,
+    warnings = sweep.warnings + adm.notes         # ... and what this write kept beside what
+    ok = "distilled_with_warnings" if warnings else "distilled"
+    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else ok,
             "imported": len(adm.fresh), "retired": len(retired),
             "sources": {k: {"status": v["status"], "imported": v["imported"],
                             "reason": v["reason"]} for k, v in sources.items()},
@@ -8470,7 +8701,8 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     if board is not None and board.snapshot is not None:
         meta["agentsync_snapshot"] = board.snapshot
     return DistillPlan(dataclasses.replace(base, meta=meta), adm.fresh,
-                       adm.duplicates + sweep.prepared.duplicates, retired, sources, last)
+                       adm.duplicates + sweep.prepared.duplicates, retired, sources, last,
+                       adm.revived, warnings)
 
 
 def _read_sources(cfg: Config, doc: Doc, stamp: str
@@ -8496,6 +8728,7 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
         if not r.found:
             out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}.")
         out += r.warnings
+        out += clipped_warnings(prepared, r.name, "claim" if r.name == "agentsync" else "entry")
         if r.skips:
             out.append(_skip_warning(r.name, r.skips))
     if prepared.skipped:
@@ -8506,15 +8739,17 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
 def distill_result(plan: DistillPlan, sweep: Sweep, store_warnings: list[str]) -> dict:
     """The answer distill() documents, from the plan that was written."""
     result: dict[str, Any] = {
-        "status": sweep.status,
+        "status": "distilled_with_warnings" if plan.warnings else "distilled",
         "imported": len(plan.imported), "retired": len(plan.retired),
         "duplicates": plan.duplicates, "sources": plan.sources,
-        "warnings": list(sweep.warnings),
+        "warnings": list(plan.warnings),
         "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
                    "content": it.content[:120]} for it in plan.imported[:MAX_LISTED_ITEMS]],
     }
     if plan.retired:
         result["retired_items"] = plan.retired
+    if plan.revived:
+        result["revived_items"] = plan.revived
     if store_warnings:
         result["store_warnings"] = store_warnings
     return result
@@ -8978,7 +9213,7 @@ def _status(cfg: Config) -> dict:
     set_aside_links(cfg.local_dir)
     local = store(cfg, "local")
     doc = local.read()
-    marks = doc.meta.get("watermarks") or {}
+    marks = meta_map(doc.meta, "watermarks")
     systems: dict[str, int] = {}
     for k in marks:
         sysname = k.split(":")[1] if k.startswith("import:") else k.split(":")[0]
@@ -10448,7 +10683,9 @@ def distill(on_progress: ProgressFn | None = None) -> dict:
     changed files); and this repo's .context/ -> one item per active
     decision, constraint and pipeline, keeping its dec-/con-/pipe- id and its
     why. Items land in local scope. A source entry that was superseded or
-    deprecated retires the item imported from it. With
+    deprecated retires the item imported from it (set active again, it brings
+    the item back: `revived_items`); a record whose text changed is imported
+    again (an edited entry or a claim's newer state supersedes its old item). With
     CAMBIUM_RELEASE_CAPTURE=1, claims that were done or noted and have since
     been released or re-claimed are captured from the last-seen snapshot.
     Returns status `distilled` or `distilled_with_warnings`, plain-language

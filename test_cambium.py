@@ -7536,6 +7536,213 @@ def test_distill_drafts_carry_code_refs_from_changed_files_and_entries():
     assert cs.context_entry_to_draft("decision", dec).code_refs is None
 
 
+def _set_meta(repo: Path, **fields) -> None:
+    """Hand-edit the local store's meta (fields set as given, any JSON type)."""
+    path = repo / ".cambium" / "knowledge.json"
+    doc = cs.parse_store(path.read_text(), str(path))
+    path.write_text(cs.render_store(dataclasses.replace(doc, meta={**doc.meta, **fields})))
+
+
+def test_distill_capture_import_and_status_read_mistyped_meta_as_default(repo, monkeypatch):
+    """D9/D12: meta.watermarks as a list, string or number, and (release capture)
+    meta.agentsync_snapshot as a string or list, was a TypeError/AttributeError
+    traceback in distill, capture, import and status()."""
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "Store money as integer cents", "rationale": "floats drift",
+         "status": "active"}]))
+    cs.distill()
+    src = repo / "mem.jsonl"
+    for n, bad in enumerate((["context-keeper:dec-001"], "x", 7)):
+        _set_meta(repo, watermarks=bad, agentsync_snapshot=[bad] if n % 2 else str(bad))
+        res = cs.distill()
+        assert res["status"].startswith("distilled") and res["duplicates"] == 1
+        assert cs.capture(f"Deploys go out on day {n} of the week")["status"] == "captured"
+        src.write_text(json.dumps({"content": f"Imported note number {n} about queues"}) + "\n")
+        assert cs.import_memory("json", str(src))["imported"] == 1
+        st = cs.status()
+        assert st["status"] == "ok" and st["substrates"]["agentsync"]["snapshot"]["claims"] == 0
+        meta = cs.store(cs.resolve_config(), "local").read().meta
+        assert meta["watermarks_unreadable"] == ["context-keeper:dec-001"]   # first bad value kept
+    _set_meta(repo, agentsync_snapshot={"board": str(repo), "branch": "agentsync",
+                                        "claims": {"ann": "str", "ben": [1]}})
+    assert cs.distill()["status"].startswith("distilled") and cs.status()["status"] == "ok"
+    _set_meta(repo, distill_last={"sources": ["x"]})
+    assert cs.status()["status"] == "ok"
+
+
+def test_distill_warns_of_a_cut_text_only_when_it_is_imported(repo):
+    """D4: the "longer than 20,000 characters were cut" warning came back on
+    every later distill that imported nothing."""
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "Cache everything " * 2000, "status": "active"}]))
+    assert any("were cut" in w and "dec-001" in w for w in cs.distill()["warnings"])
+    again = cs.distill()
+    assert again["imported"] == 0 and not any("were cut" in w for w in again["warnings"])
+
+
+def test_distill_cuts_a_long_task_and_keeps_note_and_files():
+    """D7: a 15,000-character task with a 12,000-character note lost the end of
+    its note and its changed files; README: the task is cut, note and files kept."""
+    claim = {"task": "T" * 15000, "status": "done", "updated_at": "2026-12-04T01:00:00Z",
+             "note": "NOTE " + "n" * 12000 + " END-OF-NOTE",
+             "changed_files": [{"status": "M", "path": "src/a.py"}]}
+    text = cs.claim_to_draft("ann", claim).content
+    assert len(text) <= cs.MAX_CONTENT_CHARS and text.startswith("TTT")
+    assert "END-OF-NOTE" in text and text.endswith("Changed files: M src/a.py.")
+    huge = cs.claim_to_draft("ann", {**claim, "note": "N" * 30000}).content   # cannot fit
+    assert len(huge) <= cs.MAX_CONTENT_CHARS and huge.endswith("Changed files: M src/a.py.")
+    assert huge.startswith("T" * (cs.MIN_TASK_CHARS_KEPT - 1) + "…")
+
+
+@pytest.mark.parametrize("linked", ["file", "dir"])
+def test_distill_does_not_follow_a_context_link_out_of_the_repo(repo, tmp_path, linked):
+    """D3: a .context/decisions.json (or a .context/) linked to a file outside
+    the repo was followed and imported; a link inside the repo still reads."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "SECRET from outside the repo", "status": "active"}]))
+    if linked == "file":
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").symlink_to(outside / "decisions.json")
+    else:
+        (repo / ".context").symlink_to(outside)
+    with pytest.raises(cs.SubstrateError, match="outside the repo"):
+        cs.distill()
+    stored = cs.store(cs.resolve_config(), "local").read().items
+    assert not any("SECRET" in i.content for i in stored)
+    if linked == "dir":
+        (repo / ".context").unlink()
+        (repo / "docs").mkdir()
+        shutil.copy(outside / "decisions.json", repo / "docs" / "decisions.json")
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").symlink_to(repo / "docs" / "decisions.json")
+        assert cs.distill()["sources"]["context-keeper"]["imported"] == 1
+
+
+def test_distill_drops_terminal_escapes_from_agent_branch_and_stamp():
+    """D11: escapes in a hostile board's agent id, branch or updated_at were
+    stored raw in source fields and printed raw by distill and recall."""
+    esc = "\x1b]0;PWNED\x07\x1b[2J"
+    claim = {"task": "zebra migration", "status": "done", "branch": "feat" + esc,
+             "updated_at": "2026-12-01T00:00:00+00:00" + esc}
+    d = cs.claim_to_draft("lo" + esc + "ng", claim)
+    shown = json.dumps([d.source, d.why, d.tags], ensure_ascii=False)
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert d.source["agent"] == "long" and d.source["branch"] == "feat"
+    assert d.key == cs.claim_key("lo" + esc + "ng", claim)        # the board's own id
+    skip = cs.claim_to_draft("ev" + esc + "il", {"task": "", "status": "done"})
+    assert "\x1b" not in skip.where
+
+
+def test_distill_reads_a_board_deleted_on_the_remote_as_absent(tmp_path, monkeypatch):
+    """D6: with the agentsync branch deleted on the remote, distill read the
+    stale local copy ("up_to_date") and blamed the network."""
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.distill()["sources"]["agentsync"]["imported"] == 1
+    git(clone, "push", "-q", "origin", "--delete", "agentsync")
+    res = cs.distill()
+    a = res["sources"]["agentsync"]
+    assert a["status"] == "absent" and "deleted there" in a["reason"], a
+    assert not any("could not fetch" in w for w in res["warnings"])
+    git(clone, "branch", "--unset-upstream", "agentsync")     # never pushed: a local-only board
+    assert cs.distill()["sources"]["agentsync"]["status"] == "up_to_date"
+
+
+def _items_by_ref(ref: str) -> list:
+    return [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("ref") == ref]
+
+
+def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired(repo):
+    """D1: an entry edited at its source (update_entry keeps created_at) was
+    dropped as up_to_date; D8: an id handed out again to another decision was
+    dropped too; D10: an entry deprecated and then set active again stayed
+    retired for ever. A person's deprecation is never undone."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    dec = {"id": "dec-001", "summary": "Cache sessions in redis", "rationale": "fast",
+           "status": "active", "created_at": "2026-01-01T00:00:00Z"}
+    con = {"id": "con-001", "rule": "Never log card numbers", "status": "active"}
+    con2 = {"id": "con-002", "rule": "Rotate keys monthly", "status": "active"}
+
+    def write(*entries):
+        (ctx / "decisions.json").write_text(json.dumps([e for e in entries if "summary" in e]))
+        (ctx / "constraints.json").write_text(json.dumps([e for e in entries if "rule" in e]))
+
+    write(dec, con, con2)
+    assert cs.distill()["imported"] == 3
+    (first,) = _items_by_ref("dec-001")
+    write({**dec, "summary": "Cache sessions in memcached"}, con, con2)       # edited
+    res = cs.distill()
+    assert res["imported"] == 1 and res["sources"]["context-keeper"]["status"] == "imported"
+    old, new = _items_by_ref("dec-001")
+    assert old.id == first.id and old.status == "superseded" and new.active
+    assert old.superseded_by["id"] == new.id and new.id in old.superseded_by["why"]
+    assert [r["id"] for r in res["retired_items"]] == [old.id]
+    write({**dec, "summary": "Use Postgres for search", "created_at": "2026-03-01T00:00:00Z"},
+          con, con2)                                                           # id reissued
+    res = cs.distill()
+    assert res["imported"] == 1 and "retired_items" not in res
+    assert [i.active for i in _items_by_ref("dec-001")] == [False, True, True]
+    assert any(new.id in w and "dec-001" in w for w in res["warnings"]), res["warnings"]
+    assert cs.distill()["imported"] == 0                                       # settled
+    write({**con, "status": "deprecated"}, con2)
+    assert cs.distill()["retired"] == 1 and not _items_by_ref("con-001")[0].active
+    (mine,) = _items_by_ref("con-002")
+    cs.deprecate(mine.id, reason="a person says so")
+    write(con, con2)                                                           # active again
+    res = cs.distill()
+    assert [r["ref"] for r in res.get("revived_items", [])] == ["con-001"]
+    assert _items_by_ref("con-001")[0].active and not _items_by_ref("con-002")[0].active
+    assert cs.distill()["imported"] == 0 and "revived_items" not in cs.distill()
+
+
+def test_distill_keeps_one_live_item_per_claim_and_records_a_second_source(
+        tmp_path, monkeypatch):
+    """D2: the same done claim with a new note left two active outcomes (the
+    key is agent + updated_at); D5: bob's done claim with alice's text, and a
+    constraint with another's rule but its own reason, vanished as duplicates."""
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    (clone / ".context").mkdir()
+    rule = {"rule": "Never push to main", "status": "active"}
+    (clone / ".context" / "constraints.json").write_text(json.dumps([
+        {**rule, "id": "con-001", "reason": "CI must run"},
+        {**rule, "id": "con-002", "reason": "release tooling tags main"}]))
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    res = cs.distill()
+    (con,) = _items_by_ref("con-001")
+    assert con.source["also"][0]["ref"] == "con-002"
+    assert "release tooling" in con.source["also"][0]["why"]
+    assert any("con-002" in w and con.id in w for w in res["warnings"])
+    write_board(clone, {"ann": {**DONE_CLAIM, "note": "correction: tests were flaky",
+                                "updated_at": "2026-11-30T09:00:00+00:00"},
+                        "bob": {**DONE_CLAIM, "updated_at": "2026-11-30T10:00:00+00:00"}})
+    res = cs.distill()
+    outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("system") == "agentsync"]
+    live = [i for i in outs if i.active]
+    assert len(outs) == 2 and len(live) == 1 and "flaky" in live[0].content
+    older = next(i for i in outs if not i.active)
+    assert older.superseded_by["id"] == live[0].id and res["retired"] == 1
+    assert [a["agent"] for a in older.source["also"]] == ["bob"]     # bob: same text as ann's
+    assert cs.distill()["warnings"] == []                              # said once
+    (clone / ".context" / "constraints.json").write_text(json.dumps([
+        {**rule, "id": "con-001", "reason": "CI must run"},
+        {**rule, "id": "con-002", "reason": "x", "status": "deprecated"}]))
+    assert cs.distill()["retired"] == 0                  # con-001 stands: its item stays live
+    (con,) = _items_by_ref("con-001")
+    assert con.active and con.source["also"][0]["retired"].startswith("context-keeper con-002")
+
+
 def _hand_edit(repo: Path, change) -> None:
     path = repo / ".cambium" / "knowledge.json"
     doc = cs.parse_store(path.read_text(), str(path))
