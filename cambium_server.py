@@ -1861,8 +1861,11 @@ def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
     such files aside, but not in a `.cambium` that is itself a link."""
     fd = os.open(path, flags | NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o644)
     try:
-        if not _stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device?)",
+        mode = os.fstat(fd).st_mode
+        if _stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not _stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)",
                           str(path))
     except BaseException:
         os.close(fd)

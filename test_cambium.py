@@ -3314,8 +3314,8 @@ def test_org_gate_is_judged_again_on_the_tip_a_retry_writes_on(shared, monkeypat
         return real_mutate(self, fn_then_peer, message, **kw)
 
     monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
-    res = cs.promote(item, to_scope="org")
-    assert res["status"] == "deprecated" and "deprecated" in res["reason"]
+    with pytest.raises(cs.Refused, match="is deprecated"):   # as without the race
+        cs.promote(item, to_scope="org")
     assert remote_json(shared["org_bare"], "main") is None   # nothing published
     assert item in team_ids(shared["origin"])                 # nothing moved
 
