@@ -5096,8 +5096,23 @@ def ranking_of(hits: list[Hit], terms: list[str], mode: str = "lexical") -> Rank
     confidence is the best relevance after that split, so it is at the floor
     whenever there is a result."""
     results, weak = split_at_floor(hits, terms)
-    return Ranking(results, max((h.confidence for h in results + weak), default=0.0), weak,
-                   mode=mode)
+    return Ranking(authority_first(results), max((h.confidence for h in results + weak),
+                                                 default=0.0), weak, mode=mode)
+
+
+def authority_first(hits: list[Hit]) -> list[Hit]:
+    """Hits whose items say the same (normalized_text: case, punctuation and
+    spacing aside) take their places among themselves by authority, highest
+    first: a person's correction ranks above an agent's copy of the same words,
+    whose longer why or trust scored higher (pure, stable otherwise)."""
+    places: dict[str, list[int]] = {}
+    for n, h in enumerate(hits):
+        places.setdefault(normalized_text(h.item), []).append(n)
+    out = list(hits)
+    for at in (p for p in places.values() if len(p) > 1):
+        for n, h in zip(at, sorted((hits[i] for i in at), key=lambda h: -h.item.authority_rank)):
+            out[n] = h
+    return out
 
 
 def score_query(index: Index, query: str, limit: int) -> Ranking:

@@ -7448,6 +7448,21 @@ def test_lines_stay_one_line_whatever_a_store_holds():
         cs.normalize_code_refs([{"path": "a\nb.py"}])
 
 
+def test_a_correction_ranks_above_an_agent_copy_of_its_words_however_trusted(repo,
+                                                                            monkeypatch):
+    """The correction's why made its text longer, so an endorsed agent item of
+    the same words (case and punctuation aside) scored, and ranked, higher."""
+    old = cs.capture("Cache keys include the region prefix")["item"]["id"]
+    fix = cs.correct(old, "Cache keys include the tenant id prefix",
+                     "the platform lead said so in review")["item"]["id"]
+    rival = cs.capture("cache keys include the tenant id prefix!")["item"]["id"]
+    for agent in ("p1", "p2", "p3"):
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+        cs.endorse(rival, note="ok")
+    got = [r["id"] for r in cs.recall("tenant id prefix for cache keys")["results"]]
+    assert got[:2] == [fix, rival] and old not in got
+
+
 def test_item_line_carries_id_kind_marks_one_line_content_and_pointer():
     it = cs.new_item("Money is integer cents.\n  Never   floats. " + "x" * 300, kind="pitfall")
     it = dataclasses.replace(it, last_verified="2026-01-01T00:00:00Z", scope="team", trust={
