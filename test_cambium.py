@@ -6834,8 +6834,8 @@ def test_semantic_backlog_wait_is_judged_by_its_text_not_its_item_count(tmp_path
 def test_semantic_recall_waits_at_most_embed_wait_max_s(tmp_path, monkeypatch):
     monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 0.2)
     monkeypatch.setattr(cs, "EMBED_CHUNK_ITEMS", 1)
-    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format " * 40,
-                     tags=["x"]) for i in range(60)]
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format " * 10,
+                     tags=["x"]) for i in range(20)]      # about 1 s to embed: past the cap
     eng = cs.Semantic(None)
     eng.ready()
     eng.rate = 1e9                         # it decides to wait, then the cap ends the wait
@@ -6843,7 +6843,7 @@ def test_semantic_recall_waits_at_most_embed_wait_max_s(tmp_path, monkeypatch):
     ranking = cs.rank(cs.build_index(items), "ledger export", 3, engine=eng)
     assert time.monotonic() - t0 < 5
     assert ranking.note and "not embedded yet" in ranking.note and ranking.hits
-    assert eng.wait_idle(120) and eng.pending == 0 and len(eng.cache.rows) == 60
+    assert eng.wait_idle(120) and eng.pending == 0 and len(eng.cache.rows) == 20
 
 
 @needs_extra
