@@ -7243,7 +7243,7 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
 
 MAX_ANCHOR_FILE_BYTES = 2 * 1024 * 1024   #: larger files resolve to the file, unscanned
 _DEF_PREFIX = (r"^[ \t]*(?:(?:export|pub(?:\([\w:]+\))?|public|private|protected|static|"
-               r"async|default|abstract|final|unsafe|extern|inline|override|open)[ \t]+)*"
+               r"async|default|abstract|final|unsafe|extern|inline|override|open|const)[ \t]+)*"
                r"(?:def|class|function\*?|func|fn|struct|enum|interface|trait|type|const|let|"
                r"var|val|module|object|impl|record|protocol|macro|sub)[ \t]+"
                r"(?:\([^)\n]*\)[ \t]*)?")   # one line each: a match never scans past its line
@@ -7259,45 +7259,65 @@ def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
 
 def find_definition(text: str, symbol: str) -> int | None:
     """1-based line where `symbol` is defined in `text` (pure). A dotted name
-    (Item.from_dict, Foo::bar) looks for its last part inside the body of a
-    definition of the part before it (each one, in order: a struct and its
-    impl); None when no such body holds it."""
+    (Item.from_dict, Foo::bar) looks for its last part among the direct members
+    of each definition of the part before it (a struct and its impl, in turn;
+    not in a class nested inside), by indentation; None when none holds it.
+    Linear in the file: every line is read a fixed number of times."""
     *outer, name = re.split(r"\.|::", symbol)
-    spans = [(0, len(text))]
-    for part in outer:
-        spans = [_body(text, at) for lo, hi in spans for at in _all_matches(text, part, lo, hi)]
-    for lo, hi in spans:
-        at = _first_match(text, name, lo, hi, top_level_first=not outer)
-        if at is not None:
-            return text.count("\n", 0, at) + 1
-    if outer:                                   # a Go method: func (s *Srv) Serve
-        receiver = re.compile(r"^[ \t]*func[ \t]+\([^)\n]*\b" + re.escape(outer[-1]) +
-                              r"\b[^)\n]*\)[ \t]*" + re.escape(name) + r"\b", re.M)
-        if m := receiver.search(text):
-            return text.count("\n", 0, m.start()) + 1
-    return None
+    if not outer:
+        at = _first_match(text, name, 0, len(text), top_level_first=True)
+        return None if at is None else text.count("\n", 0, at) + 1
+    tree = _Outline(text)
+    owners = {part: tree.lines_of(_owner_patterns(part)) for part in set(outer)}  # one scan each
+    held = set(owners[outer[0]])
+    for part in outer[1:]:
+        held = {n for n in owners[part] if tree.parent[n] in held}
+    members = [n for n in tree.lines_of(_definition_patterns(name)) if tree.parent[n] in held]
+    if members:
+        return min(members) + 1
+    receiver = re.compile(r"^[ \t]*func[ \t]+\([^)\n]*\b" + re.escape(outer[-1]) +   # Go:
+                          r"\b[^)\n]*\)[ \t]*" + re.escape(name) + r"\b", re.M)     # func (s *Srv) Serve
+    m = receiver.search(text)
+    return None if m is None else text.count("\n", 0, m.start()) + 1
 
 
-def _all_matches(text: str, name: str, lo: int, hi: int) -> list[int]:
-    """Offsets of every keyword definition of `name` in text[lo:hi], in order."""
-    return [m.start() for m in _definition_patterns(name)[0].finditer(text, lo, hi)]
+class _Outline:
+    """A file's lines and, for each, the line it is nested in by indentation
+    (the nearest line above indented less that is not blank and does not
+    continue a signature: `)` or `]` first), or -1 at the top (pure, linear)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.starts, self.parent = text, [], []
+        stack: list[tuple[int, int]] = []              # (indent, line number)
+        offset = 0
+        for n, line in enumerate(text.split("\n")):
+            self.starts.append(offset)
+            offset += len(line) + 1
+            body = line.lstrip(" \t")
+            code = body.strip(" \t\r\f\v")
+            if code and code[0] not in ")]":
+                indent = len(line) - len(body)
+                while stack and stack[-1][0] >= indent:
+                    stack.pop()
+                self.parent.append(stack[-1][1] if stack else -1)
+                stack.append((indent, n))
+            else:
+                self.parent.append(stack[-1][1] if stack else -1)
+
+    def lines_of(self, patterns: Iterable[re.Pattern]) -> list[int]:
+        """0-based numbers of the lines where any of `patterns` matches, in order."""
+        return sorted({bisect.bisect_right(self.starts, m.start()) - 1
+                       for p in patterns for m in p.finditer(self.text)})
 
 
-def _body(text: str, at: int) -> tuple[int, int]:
-    """The span of the definition that starts at offset `at`: up to the next
-    line indented no deeper that is not blank and does not continue its
-    signature (a line opening with `)` or `]`); a closing `}` ends it (pure)."""
-    pos = text.find("\n", at)
-    first = text[at:pos if pos != -1 else len(text)]
-    indent = len(first) - len(first.lstrip(" \t"))
-    while pos != -1:
-        start = pos + 1
-        pos = text.find("\n", start)
-        line = text[start:pos if pos != -1 else len(text)]
-        body = line.lstrip(" \t")
-        if body and len(line) - len(body) <= indent and body[0] not in ")]":
-            return at, start
-    return at, len(text)
+@functools.lru_cache(maxsize=512)
+def _owner_patterns(name: str) -> tuple[re.Pattern, ...]:
+    """What opens the members of `name`: its keyword definition, or a Rust impl
+    of it (`impl<T> Srv<T>`, `impl Display for Srv`)."""
+    n = re.escape(name)
+    return (_definition_patterns(name)[0],
+            re.compile(r"^[ \t]*(?:unsafe[ \t]+)?impl(?:<[^>\n]*>)?[ \t]+(?:[\w:]+(?:<[^>\n]*>)?"
+                       r"[ \t]+for[ \t]+)?(?:\w+::)*" + n + r"\b", re.M))
 
 
 def _first_match(text: str, name: str, lo: int, hi: int, *, top_level_first: bool = False

@@ -7369,6 +7369,13 @@ def test_normalize_code_refs_rejects_clearly(refs, needle):
      "Foo::bar", 6),
     ("class Long(\n    Base,\n):\n    def go(self): pass\n", "Long.go", 4),
     ("export class Svc {\n  run() {}\n}\nexport function make() {}\n", "make", 4),
+    ("class A:\r\n    def one(self):\r\n        pass\r\n\r\n    def two(self):\r\n"
+     "        pass\r\n", "A.two", 5),                      # CRLF: a blank line ends nothing
+    ("class A:\n    def one(self): pass\n\f\n    def two(self): pass\n", "A.two", 4),
+    ("class A:\n    class B:\n        def run(self): pass\n    x = 1\n", "A.run", None),
+    ("class A:\n    class B:\n        def run(self): pass\n", "A.B.run", 3),
+    ("impl<T> Srv<T> {\n    pub const fn serve(&self) {}\n}\n", "Srv::serve", 2),
+    ("struct Srv;\nimpl Display for Srv {\n    fn fmt(&self) {}\n}\n", "Srv::fmt", 3),
 ])
 def test_find_definition(text, symbol, line):
     assert cs.find_definition(text, symbol) == line
@@ -7378,10 +7385,12 @@ def test_find_definition_scans_each_line_once():
     """A file of modifier-only lines (`export` alone on each) made the search
     quadratic: a 1 MB file held a recall, and the server, for over 30 s."""
     text = "export\n" * 140_000
+    nested = "".join("    " * i + "class A:\n" for i in range(60)) + " " * 240 + "def run(): 0\n"
     started = time.process_time()
     assert cs.find_definition(text, "handler") is None
     assert cs.find_definition(text, "A.handler") is None
-    assert time.process_time() - started < 3       # quadratic: minutes; linear: ~0.1 s
+    assert cs.find_definition(nested, "A.A.A.A.run") == 61     # each level multiplied it
+    assert time.process_time() - started < 3       # quadratic: minutes; linear: ~0.3 s
 
 
 @pytest.fixture
