@@ -895,7 +895,7 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
         return [], f"tags is {type(raw).__name__}, not a list or text"
     out: list[str] = []
     bad = 0
-    for part in [raw] if isinstance(raw, str) else raw:
+    for part in re.split(r"[,\s]+", raw) if isinstance(raw, str) else raw:
         try:
             out += [t for t in normalize_tags([part]) if t not in out]
         except InputError:
@@ -7143,8 +7143,8 @@ def _components(n: int, edges: Iterable[tuple[int, int]]) -> list[list[int]]:
 
 _FIGURE = re.compile(r"\d+(?:[.,:]\d+)*")
 _NEGATION = re.compile(r"\b(?:not(?! (?:only|just|merely)\b)|never|no|none|nor|without|avoid|"
-                       r"don'?t|doesn'?t|isn'?t|aren'?t|won'?t|can'?t|cannot|shouldn'?t|"
-                       r"mustn'?t)\b")                     # "not only" contrasts, it negates not
+                       r"(?:do|does|is|are|wo|ca|should|must|did|was|were|have|has|need)n['’]?t|"
+                       r"cannot)\b")                      # "not only" contrasts, it negates not
 SHORT_RULE_WORDS = 40      #: a rule this short that says "not" where its look-alike doesn't differs
 
 
@@ -7156,9 +7156,9 @@ def decides_differently(a: Item, b: Item) -> bool:
     a paraphrase often drops a detail of a long item."""
     def facts(it: Item) -> tuple:
         text = it.content.lower()
-        return (frozenset(_FIGURE.findall(text)), bool(_NEGATION.search(text)),
+        return (collections.Counter(_FIGURE.findall(text)), bool(_NEGATION.search(text)),
                 len(text.split()) <= SHORT_RULE_WORDS)
-    (fa, na, sa), (fb, nb, sb) = facts(a), facts(b)
+    (fa, na, sa), (fb, nb, sb) = facts(a), facts(b)   # (a figure said twice counts twice)
     return bool(fa - fb and fb - fa) or (sa and sb and na != nb)
 
 

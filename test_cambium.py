@@ -4302,9 +4302,13 @@ def test_consolidate_never_groups_rules_that_state_different_figures_or_a_not():
                          "standby region") for svc in ("billing", "search", "ledger", "auth")
              for n in (2, 3, 5, 7)]
     assert cs.duplicate_groups(rules, {}) == []
-    pair = [cs.new_item("Use the shared Redis cluster for session state"),
-            cs.new_item("Don't use the shared Redis cluster for session state")]
-    assert cs.duplicate_groups(pair, {}) == []
+    for no in ("Don't", "Don\u2019t", "Never"):
+        pair = [cs.new_item("Use the shared Redis cluster for session state"),
+                cs.new_item(f"{no} use the shared Redis cluster for session state")]
+        assert cs.duplicate_groups(pair, {}) == [], no
+    for a, b in (("retries 3 times, 3 seconds apart", "retries 3 times, 5 seconds apart"),
+                 ("The freeze starts on 2026-12-12", "The freeze starts on 2026-12-20")):
+        assert cs.decides_differently(cs.new_item(a), cs.new_item(b)), a
     same = [cs.new_item("Retry failed jobs 3 times, not only once"),
             cs.new_item("Retry failed jobs 3 times (not only once).")]
     assert len(cs.duplicate_groups(same, {})) == 1
@@ -4635,18 +4639,21 @@ def test_import_keeps_the_valid_tags_says_what_it_left_and_lists_skips_in_file_o
         b"{not json",                                                       # skipped parsing
         json.dumps({"content": "tagged", "tags": ["ok", 7, "y" * 100, "Fine"]}).encode(),
         json.dumps({"content": "many tags", "tags": many}).encode(),
+        json.dumps({"content": "tags as text", "tags": "y" * 70 + ", keepme, alsokeep"}).encode(),
         b'{"content": "caf\xe9 latin-1"}', b""]))
     res = cs.import_memory("json", str(jsonl))
-    assert res["imported"] == 3
+    assert res["imported"] == 4
     assert [r["where"] for r in res["skipped_reasons"]] == ["line 1", "line 2"]
     items = {i.content: i for i in cs.store(cs.require_config(), "local").read().items}
     assert items["tagged"].tags == ["ok", "fine", "imported", "json"]
     assert items["many tags"].tags == many[:cs.MAX_TAGS - 2] + ["imported", "json"]
     assert items["caf\ufffd latin-1"]
+    assert items["tags as text"].tags == ["keepme", "alsokeep", "imported", "json"]
     assert res["warnings"] == [
         "line 3: some tags were left out (2 not text or over 64 characters)",
         "line 4: some tags were left out (10 past the limit of 30 beside imported, json)",
-        "line 5: bytes that are not UTF-8 were replaced by U+FFFD"]
+        "line 5: some tags were left out (1 not text or over 64 characters)",
+        "line 6: bytes that are not UTF-8 were replaced by U+FFFD"]
 
 
 def test_import_whose_id_map_cannot_be_written_still_answers_what_it_stored(repo, tmp_path):
