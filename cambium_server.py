@@ -11836,11 +11836,19 @@ def read_hook_stdin(wait_s: float = HOOK_STDIN_WAIT_S) -> bytes:
         if not chunk:
             break                                   # end of input
         data += chunk
-        if data.rstrip().endswith(b"}"):
-            with contextlib.suppress(ValueError, RecursionError):
-                if isinstance(json.loads(data), dict):
-                    break                           # the whole payload: stop waiting
+        if b"}" in chunk and isinstance(first_json_value(data), dict):
+            break                                   # the whole payload: stop waiting
     return data
+
+
+def first_json_value(data: bytes) -> Any:
+    """The JSON value `data` starts with (after a byte-order mark and blank
+    space), whatever follows it; None when it starts with none (pure)."""
+    text = data.decode("utf-8", "replace").removeprefix("\ufeff").lstrip()
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except (ValueError, RecursionError):
+        return None
 
 
 def bind_hook() -> dict:
@@ -11852,18 +11860,24 @@ def bind_hook() -> dict:
     Returns the payload ({} when none):
     one that is not a JSON object (malformed, nested too deep to parse) is
     ignored with a line on stderr, as a hook must not fail on its input. A
-    leading byte-order mark is skipped."""
+    leading byte-order mark is skipped, and whatever follows the object."""
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError, RecursionError):
         if sys.stdin is None or sys.stdin.isatty():
             return {}
         data = read_hook_stdin()
-        if not data:
+        if not data.strip():
             return {}
-        try:
-            payload = json.loads(data.removeprefix(b"\xef\xbb\xbf") or b"{}")
-        except (ValueError, RecursionError) as e:
-            why = json_problem(e) if isinstance(e, RecursionError) else "not JSON"
+        payload = first_json_value(data)
+        if payload is None:
+            try:
+                json.loads(data.removeprefix(b"\xef\xbb\xbf"))
+                why = "not JSON"
+            except RecursionError as e:
+                why = json_problem(e)
+            except ValueError:
+                why = (f"over the {HOOK_STDIN_MAX // 2**20} MiB a hook payload may have"
+                       if len(data) >= HOOK_STDIN_MAX else "not JSON")
             chars = len(data.decode("utf-8", "replace"))
             print(f"cambium: the hook's stdin ({chars} characters) is {why}; ignored",
                   file=sys.stderr)

@@ -7970,7 +7970,8 @@ def test_hooks_read_a_payload_whose_pipe_stays_open(repo, tmp_path, monkeypatch)
     cs.capture("Never deploy on Fridays", kind="pitfall")
     monkeypatch.delenv("CAMBIUM_REPO")
     payload = b"\xef\xbb\xbf" + json.dumps({"cwd": str(repo), "session_id": "open-1"}).encode()
-    for cmd in ("primer", "distill"):
+    for cmd, payload in (("primer", payload), ("distill", payload),
+                         ("primer", payload[3:] + b"\n-- and then some noise {")):
         proc = subprocess.Popen([sys.executable, str(SERVER), cmd, "--hook"], cwd=tmp_path,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=child_env())
@@ -7990,7 +7991,9 @@ def test_hooks_read_a_payload_whose_pipe_stays_open(repo, tmp_path, monkeypatch)
         else:
             assert out == b""
     monkeypatch.setenv("CAMBIUM_REPO", str(repo))
-    assert [r["via"] for r in cs.usage(session="open-1")["items"]] == [["primer"]]
+    assert cs.usage(session="open-1")["items"][0]["times"] == 2
+    assert cs.first_json_value(b'\xef\xbb\xbf {"a": 1} trailing') == {"a": 1}
+    assert cs.first_json_value(b'{"a": ') is None and cs.first_json_value(b"[1] x") == [1]
 
 
 def test_hooks_with_stderr_closed_print_no_diagnostic_on_stdout(repo, tmp_path, monkeypatch):
