@@ -7882,6 +7882,7 @@ class Moved:
     landed: list
     refused: dict
     kept: list = field(default_factory=list)   # changed below meanwhile: both copies kept
+    joined: list = field(default_factory=list)  # ids dst held already (a move cut short)
 
 
 _MOVES_HELD = threading.local()
@@ -7963,8 +7964,20 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
             return carried_over(there, source) or there if source.id in joined else copy(source)
 
         kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
-        return Moved(write, landed, planned.refused, kept)
+        return Moved(write, landed, planned.refused, kept, sorted(joined & held))
     return Moved(write, landed, planned.refused)
+
+
+def as_landed(cfg: Config, dst: str, moved: Moved) -> list[Item]:
+    """The moved items as dst holds them now (a change carried up after the
+    copy landed is in them), read without a fetch."""
+    now = {it.id: it for it in first_copies(store(cfg, dst).peek().items)}
+    return [now.get(it.id, it) for it in moved.landed]
+
+
+CUT_SHORT_NOTE = ("{dst} held this item already (a move cut short, or another clone's move "
+                  "not yet finished): what the {src} copy gained was added to it, and the "
+                  "{src} copy left")
 
 
 CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy meanwhile
@@ -10064,9 +10077,15 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
                          now=now))
     except CambiumError as e:
         raise _unmoved(e, "local")
-    return {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
-            "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
-                         for c in moved.landed], **kept_both(moved, "local", "team")}
+    landed = as_landed(cfg, "team", moved)
+    out = {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
+           "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
+                        for c in landed], **kept_both(moved, "local", "team")}
+    if moved.joined:
+        out["already_there"] = moved.joined
+        out["note"] = CUT_SHORT_NOTE.format(dst="team", src="local").replace(
+            "this item", "the items in already_there")
+    return out
 
 
 def kept_both(moved: Moved, src: str, dst: str) -> dict:
@@ -10151,11 +10170,22 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     if not moved.landed:
         raise NotFound(f"item {item_id} left {scope} scope while it was being promoted; "
                        "recall shows where it is now.")
-    out = {"item": item_view(moved.landed[0]), **({"forced": True} if verdict.forced else {}),
-           **({"closed_pr": declined["pr_url"]} if declined else {})}
     if branch:
+        out = {"item": item_view(moved.landed[0]), **({"forced": True} if verdict.forced else {}),
+               **({"closed_pr": declined["pr_url"]} if declined else {})}
+        hand = published_files(cfg).get("warnings")
         return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
-                "source_scope": scope, "note": f"the {scope} copy stays until the PR merges"}
+                "source_scope": scope, "note": f"the {scope} copy stays until the PR merges",
+                **({"warnings": hand} if hand else {})}
+    (now,) = as_landed(cfg, "org", moved)
+    if item_id in moved.joined:
+        note = CUT_SHORT_NOTE.format(dst="org", src=scope)
+        if org_content or org_why:
+            note += "; its text stays as org has it: restate it with generalize()"
+        return {"status": "already_promoted", "scope": "org", "item": item_view(now),
+                "note": note, **kept_both(moved, scope, "org")}
+    out = {"item": item_view(now), **({"forced": True} if verdict.forced else {}),
+           **({"closed_pr": declined["pr_url"]} if declined else {})}
     return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit, **out,
             **published_files(cfg), **kept_both(moved, scope, "org")}
 
@@ -10260,6 +10290,7 @@ def review_promotions() -> dict:
         if verdict.allowed:
             out["team_eligible"].append({**item_view(it, trust=trust),
                                          "because": verdict.reason})
+    in_org = {it.id for it in docs.get("org", Doc(items=[])).items}
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
             if it.pr_url:
@@ -10267,7 +10298,8 @@ def review_promotions() -> dict:
                                                "content": it.content,
                                                **({"pr_state": prs.states[it.id]}
                                                   if it.id in prs.states else {})})
-            elif scope == "team" and it.active and it.trust.get("endorsements"):
+            elif scope == "team" and it.active and it.trust.get("endorsements") \
+                    and it.id not in in_org:          # (a copy a move cut short left below)
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
                                                 "draft": latest_endorsement_note(it)})
     for it in docs.get("org", Doc(items=[])).items:

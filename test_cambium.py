@@ -2153,10 +2153,14 @@ def test_a_change_to_a_copy_another_clone_already_moved_up_is_carried(
             "correct": lambda: cs.correct(item_id, "Every queue has a DLQ and an alarm",
                                           "the on-call lead said")}[act]()
     assert done["scope"] == "team"
+    review = cs.review_promotions()                       # the copy left below: not offered
+    assert item_id not in {i["id"] for i in review["endorsed_for_org"]}
     res = cs.promote(item_id, to_scope="org", force=True)
-    assert res["status"] == ("promoted" if act in ("endorse", "verify") else "already_promoted")
+    assert res["status"] == "already_promoted" and "org held this item already" in \
+        res["note"] or act in ("deprecate", "correct") and "cut short" in res["note"], res
     assert item_id not in team_ids(shared["origin"])
     (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert res["item"]["status"] == org["status"]              # the copy as it landed
     if act == "endorse":
         assert {e["by"]: e.get("note") for e in org["trust"]["endorsements"]}["bo"] == \
             "bo vouches"
@@ -2588,6 +2592,7 @@ def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it
     cs.runtime().reset()
     res = cs.promote(item_id, force=True)
     assert res["status"] == "promoted" and [c["id"] for c in res["promoted"]] == [item_id]
+    assert res["already_there"] == [item_id] and "move cut short" in res["note"]
     assert item_id not in {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
     assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]].count(item_id) == 1
 
