@@ -5096,21 +5096,27 @@ def ranking_of(hits: list[Hit], terms: list[str], mode: str = "lexical") -> Rank
     confidence is the best relevance after that split, so it is at the floor
     whenever there is a result."""
     results, weak = split_at_floor(hits, terms)
-    return Ranking(authority_first(results), max((h.confidence for h in results + weak),
-                                                 default=0.0), weak, mode=mode)
+    best = max((h.confidence for h in results + weak), default=0.0)
+    ranked = authority_first(results + weak)
+    return Ranking(ranked[:len(results)], best, ranked[len(results):], mode=mode)
 
 
 def authority_first(hits: list[Hit]) -> list[Hit]:
     """Hits whose items say the same (normalized_text: case, punctuation and
     spacing aside) take their places among themselves by authority, highest
-    first: a person's correction ranks above an agent's copy of the same words,
-    whose longer why or trust scored higher (pure, stable otherwise)."""
+    first, the highest also taking the best relevance among them: a person's
+    correction ranks above an agent's copy of the same words whose longer why
+    or trust scored higher, a near miss included (pure, stable otherwise)."""
     places: dict[str, list[int]] = {}
     for n, h in enumerate(hits):
         places.setdefault(normalized_text(h.item), []).append(n)
     out = list(hits)
     for at in (p for p in places.values() if len(p) > 1):
-        for n, h in zip(at, sorted((hits[i] for i in at), key=lambda h: -h.item.authority_rank)):
+        ordered = sorted((hits[i] for i in at), key=lambda h: -h.item.authority_rank)
+        top = max(hits[i].confidence for i in at)
+        if ordered[0].confidence < top:
+            ordered[0] = dataclasses.replace(ordered[0], confidence=top)
+        for n, h in zip(at, ordered):
             out[n] = h
     return out
 

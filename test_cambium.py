@@ -7482,6 +7482,13 @@ def test_a_correction_ranks_above_an_agent_copy_of_its_words_however_trusted(rep
         cs.endorse(rival, note="ok")
     got = [r["id"] for r in cs.recall("tenant id prefix for cache keys")["results"]]
     assert got[:2] == [fix, rival] and old not in got
+    agent = cs.capture("Use UTC for all cron schedules", why="the billing reconciler breaks "
+                       "on DST shifts in the nightly batch window")["item"]["id"]
+    local = cs.capture("Use local time for the exporter's cron schedules")["item"]["id"]
+    person = cs.correct(local, "Use UTC for all cron schedules!", "ops lead said so")["item"]["id"]
+    res = cs.recall("billing reconciler DST cron")     # the query matches the agent's why:
+    assert [r["id"] for r in res["results"]][:1] == [person]   # the person's words come first
+    assert agent not in [r["id"] for r in res["results"]][:1]
 
 
 def test_item_line_carries_id_kind_marks_one_line_content_and_pointer():
