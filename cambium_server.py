@@ -8606,7 +8606,7 @@ def judge_context(read: SourceRead, imported: list[Item], retired: int,
         return info
     seen = read.records
     if n or retired or back:
-        status, reason = ("imported" if n or back else "retired",
+        status, reason = ("imported" if n else "retired" if retired else "revived",
                           f"imported {n}, retired {retired} of {seen} entries"
                           + (f", brought back {back} retired earlier (active again at the "
                              "source)" if back else ""))

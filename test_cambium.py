@@ -7715,6 +7715,7 @@ def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired
     write(con, con2)                                                           # active again
     res = cs.distill()
     assert [r["ref"] for r in res.get("revived_items", [])] == ["con-001"]
+    assert res["sources"]["context-keeper"]["status"] == "revived"       # nothing new: F11
     assert _items_by_ref("con-001")[0].active and not _items_by_ref("con-002")[0].active
     assert cs.distill()["imported"] == 0 and "revived_items" not in cs.distill()
 
