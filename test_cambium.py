@@ -7806,6 +7806,9 @@ def test_distill_keeps_an_item_live_while_a_live_record_says_it(repo):
         assert res["retired"] == 0 and "revived_items" not in res, res
         assert res["sources"]["context-keeper"]["status"] == "up_to_date"
         assert live("dec-001") == [pg] or [i.id for i in live("dec-001")] == [pg.id]
+    write(dec1, dec2, dec3, dec4)                                     # dec-001 active again
+    cs.distill()
+    assert [i.id for i in live("dec-001")] == [pg.id]
     write({**dec1, "summary": "Use MySQL for the primary store"}, dec2, dec3, dec4)   # F9
     res = cs.distill()
     assert res["imported"] == 1 and res["retired"] == 0
@@ -7859,20 +7862,8 @@ def test_distill_supersedes_a_claims_older_state_whose_newer_text_is_another_age
     as context-keeper, "kept" though superseded; F12: agents `alice` and
     `alice<ESC>[1m` shared one lineage."""
     _, clone = make_origin_and_clone(tmp_path)
-    bob = {**DONE_CLAIM, "note": "bob's way", "updated_at": "2026-11-30T10:00:00+00:00"}
-    write_board(clone, {"ann": DONE_CLAIM, "bob": bob})
     monkeypatch.setenv("CAMBIUM_REPO", str(clone))
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
-    assert cs.distill()["imported"] == 2
-    write_board(clone, {"ann": {**bob, "updated_at": "2026-11-30T11:00:00+00:00"}, "bob": bob})
-    res = cs.distill()
-    outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
-            if i.source.get("system") == "agentsync"]
-    live = [i for i in outs if i.active]
-    assert len(live) == 1 and "bob's way" in live[0].content, res
-    older = next(i for i in outs if not i.active)
-    assert older.source["agent"] == "ann" and older.superseded_by["id"] == live[0].id
-    assert cs.distill()["retired"] == 0
     cy = {**DONE_CLAIM, "task": "write the lexer", "updated_at": "2026-11-30T12:00:00+00:00"}
     write_board(clone, {"cy": cy})
     cs.distill()
@@ -7881,6 +7872,18 @@ def test_distill_supersedes_a_claims_older_state_whose_newer_text_is_another_age
     (w,) = [w for w in res["warnings"] if "now says something else" in w]
     assert w.startswith("agentsync cy@") and "superseded" in w and "context-keeper" not in w
     assert [r["ref"] for r in res["retired_items"]] == [f"cy@{cy['updated_at']}"]
+    bob = {**DONE_CLAIM, "note": "bob's way", "updated_at": "2026-11-30T10:00:00+00:00"}
+    write_board(clone, {"ann": DONE_CLAIM, "bob": bob})
+    assert cs.distill()["imported"] == 2
+    write_board(clone, {"ann": {**bob, "updated_at": "2026-11-30T11:00:00+00:00"}, "bob": bob})
+    res = cs.distill()
+    outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("agent") in ("ann", "bob")]
+    live = [i for i in outs if i.active]
+    assert len(live) == 1 and "bob's way" in live[0].content, res
+    older = next(i for i in outs if not i.active)
+    assert older.source["agent"] == "ann" and older.superseded_by["id"] == live[0].id
+    assert cs.distill()["retired"] == 0
     claim = {"task": "zebra", "status": "done", "updated_at": "2026-12-01T00:00:00+00:00"}
     assert cs.claim_to_draft("alice", claim).source["lineage"] != \
         cs.claim_to_draft("alice\x1b[1m", claim).source["lineage"]
