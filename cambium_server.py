@@ -6619,6 +6619,12 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, states: list,
                     f"its text now is item {new.id}; kept {old.id}" + (
                         ", which another live record still says" if old.id in live else
                         ": deprecate it if it no longer stands")))
+    for old in doc.items:
+        if old.id in live and distill_retired(t := cur(old.id)):
+            out[old.id] = dataclasses.replace(
+                t, status="active", deprecated=None, updated_at=now,
+                source={**t.source, "revived": {"at": now, "was": t.deprecated}})
+            adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
     for twin, item in twins:
         also = [a for a in (cur(twin.id).source.get("also") or []) if isinstance(a, dict)]
         entry = {k: item.source[k] for k in ("system", "ref", "agent", "kind", "source_ts")
@@ -6631,15 +6637,9 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, states: list,
         out[twin.id] = dataclasses.replace(t, source={**t.source, "also": also + [entry]},
                                            updated_at=now)
         adm.notes.append(f"{item.source.get('system')} {item.source.get('ref')} says what "
-                         f"{'' if twin.active else twin.status + ' '}item {twin.id} "
+                         f"{'' if t.active else t.status + ' '}item {twin.id} "
                          f"({twin.source.get('ref') or 'another source'}) says: not stored "
                          "twice, recorded under that item's source.also")
-    for old in doc.items:
-        if old.id in live and distill_retired(t := cur(old.id)):
-            out[old.id] = dataclasses.replace(
-                t, status="active", deprecated=None, updated_at=now,
-                source={**t.source, "revived": {"at": now, "was": t.deprecated}})
-            adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
     return out
 
 
@@ -10750,16 +10750,17 @@ def distill(on_progress: ProgressFn | None = None) -> dict:
     fetched from the remote) -> one `outcome` item per done claim (task, note,
     changed files); and this repo's .context/ -> one item per active
     decision, constraint and pipeline, keeping its dec-/con-/pipe- id and its
-    why. Items land in local scope. A source entry that was superseded or
-    deprecated retires the item imported from it (set active again, it brings
-    the item back: `revived_items`); a record whose text changed is imported
-    again (an edited entry or a claim's newer state supersedes its old item). With
+    why. Items land in local scope. An item stays live while a live source
+    record says it. A source entry that was superseded or deprecated retires
+    the item imported from it (set active again, it brings the item back:
+    `revived_items`); a record whose text changed is imported again (an edited
+    entry or a claim's newer state supersedes its old item). With
     CAMBIUM_RELEASE_CAPTURE=1, claims that were done or noted and have since
     been released or re-claimed are captured from the last-seen snapshot.
     Returns status `distilled` or `distilled_with_warnings`, plain-language
     `warnings` (a skipped source is always a warning), and per source its
-    status (imported | up_to_date | nothing_done | empty | absent |
-    unreachable | misconfigured) with counts and the reason.
+    status (imported | retired | revived | up_to_date | nothing_done | empty |
+    absent | unreachable | misconfigured) with counts and the reason.
     """
     cfg = require_config()
     return distill_sweep(cfg, on_progress=on_progress)

@@ -7836,6 +7836,32 @@ def test_distill_keeps_an_item_live_while_a_live_record_says_it(repo):
     assert cs.distill()["sources"]["context-keeper"]["status"] == "up_to_date"
 
 
+def test_distill_brings_back_an_earlier_text_edited_back_at_its_source(
+        repo, tmp_path, monkeypatch):
+    """An entry edited and then edited back (or a claim whose newer state says
+    what an older one said) named the superseded item of that text: nothing
+    stayed live for it."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    dec = {"id": "dec-001", "summary": "Cache sessions in redis", "status": "active",
+           "created_at": "2026-01-01T00:00:00Z"}
+    for summary in ("Cache sessions in redis", "Cache sessions in memcached",
+                    "Cache sessions in redis"):
+        (ctx / "decisions.json").write_text(json.dumps([{**dec, "summary": summary}]))
+        res = cs.distill()
+    live = [i for i in _items_by_ref("dec-001") if i.active]
+    assert [i.content for i in live] == ["Cache sessions in redis"], res
+    assert cs.distill()["sources"]["context-keeper"]["status"] == "up_to_date"
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    for n, note in enumerate(("first", "second", "first")):
+        write_board(clone, {"ann": {**DONE_CLAIM, "note": note,
+                                    "updated_at": f"2026-11-30T1{n}:00:00+00:00"}})
+        res = cs.distill()
+    live = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.active]
+    assert len(live) == 1 and "Note: first" in live[0].content, res
+
+
 def test_distill_never_revives_what_a_person_deprecated_after_distill_did(repo):
     """F5: a person deprecating an item distill had retired kept distill's
     retirement, so the entry set active again brought the item back."""
