@@ -8748,7 +8748,9 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     if (board := sweep.read("agentsync")) is not None:
         sources["agentsync"] = judge_agentsync(board, adm.fresh)
     if (ctx := sweep.read("context-keeper")) is not None:
-        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired), adm.revived)
+        claims = {it.id for it in base.items if it.source.get("system") == "agentsync"}
+        sources["context-keeper"] = judge_context(      # its own entries' retirements only
+            ctx, adm.fresh, sum(r["id"] not in claims for r in retired), adm.revived)
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
     warnings = sweep.warnings + adm.notes         # ... and what this write kept beside what

@@ -7893,11 +7893,17 @@ def test_distill_supersedes_a_claims_older_state_whose_newer_text_is_another_age
     cy = {**DONE_CLAIM, "task": "write the lexer", "updated_at": "2026-11-30T12:00:00+00:00"}
     write_board(clone, {"cy": cy})
     cs.distill()
+    (clone / ".context").mkdir()
+    (clone / ".context" / "constraints.json").write_text(json.dumps([
+        {"id": "con-001", "rule": "Never push to main", "status": "active"}]))
+    cs.distill()
     write_board(clone, {"cy": {**cy, "note": "second thought"}})      # same updated_at
     res = cs.distill()
     (w,) = [w for w in res["warnings"] if "now says something else" in w]
     assert w.startswith("agentsync cy@") and "superseded" in w and "context-keeper" not in w
     assert [r["ref"] for r in res["retired_items"]] == [f"cy@{cy['updated_at']}"]
+    ck = res["sources"]["context-keeper"]             # a claim's retirement is not an entry's
+    assert ck["status"] == "up_to_date" and ck["retired"] == 0, ck
     bob = {**DONE_CLAIM, "note": "bob's way", "updated_at": "2026-11-30T10:00:00+00:00"}
     write_board(clone, {"ann": DONE_CLAIM, "bob": bob})
     assert cs.distill()["imported"] == 2
