@@ -6590,8 +6590,10 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, states: list,
             adm.notes.append(
                 f"context-keeper {ref} now says something else than its item {old.id}: it may "
                 f"be the entry edited or the id handed out again to another entry (after a "
-                f"branch switch or a delete); imported the new text as {new.id} and kept "
-                f"{old.id}: deprecate the one that no longer stands")
+                f"branch switch or a delete); " + (
+                    f"imported the new text as {new.id}" if new is item else
+                    f"its new text is item {new.id} already") +
+                f" and kept {old.id}: deprecate the one that no longer stands")
     lines: dict[str, list[tuple[str, str, Item]]] = {}     # lineage -> (ts, at, its item)
     for item, target in states:
         lines.setdefault(item.source["lineage"], []).append(

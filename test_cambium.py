@@ -7708,6 +7708,10 @@ def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired
     assert [i.active for i in _items_by_ref("dec-001")] == [False, True, True]
     assert any(new.id in w and "dec-001" in w for w in res["warnings"]), res["warnings"]
     assert cs.distill()["imported"] == 0                                       # settled
+    write({**dec, "summary": "Cache sessions in memcached"}, con, con2)        # switched back
+    res = cs.distill()
+    assert res["imported"] == 0 and any(f"is item {new.id} already" in w and "imported" not in w
+                                        for w in res["warnings"]), res["warnings"]
     write({**con, "status": "deprecated"}, con2)
     assert cs.distill()["retired"] == 1 and not _items_by_ref("con-001")[0].active
     (mine,) = _items_by_ref("con-002")
