@@ -3893,6 +3893,7 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     a noted claim captured at release before done: a `progress` note. Agent
     id, branch and stamp are kept as plain text (no terminal escapes: they are
     printed); the watermark key keeps the id as the board has it."""
+    raw_agent = agent
     key, agent = claim_key(agent, claim), plain_text(agent).strip() or "unnamed"
     task = _str(claim.get("task"))
     if not task:
@@ -3931,8 +3932,10 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     if stamp:
         source["source_ts"] = stamp
     if done:         # one claim's states share it: the newest done state is the one kept
-        source["lineage"] = "h" + hashlib.sha256(utf8("\0".join((agent, task, branch)))
-                                                 ).hexdigest()[:16]
+        # the board's own agent id and branch, as the watermark keeps them (two ids that
+        # print alike are two agents)
+        source["lineage"] = "h" + hashlib.sha256(utf8("\0".join(
+            (str(raw_agent), task, _str(claim.get("branch")))))).hexdigest()[:16]
     if released:
         source["captured"] = "release"
     return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
@@ -6553,14 +6556,22 @@ def _same_entry(old: Item, new: Item) -> bool:
 MAX_ALSO_SOURCES = 20     #: an item records at most this many further sources of its text
 
 
-def _revisions(doc: Doc, fresh: list, revised: list, twins: list, revive: list,
-               adm: Admission, now: str) -> dict[str, Item]:
-    """distill's changes to stored and new items (pure): an edited entry's old
-    item superseded by its new one; an id whose entry cannot be told from the
-    old one (handed out again?) kept beside it with a note; the older state of
-    a done claim superseded by the newer; a second record of the same text
-    recorded on the item (source.also); a distill-retired item whose source is
-    live again brought back. Returns id -> changed item."""
+def _live_ids(marks: dict, keys: Iterable[str]) -> set[str]:
+    """The item ids the watermarks of these live source records name: the items
+    distill keeps live (every other imported item may be retired)."""
+    return {iid for k in keys if isinstance(iid := marks.get(k), str)}
+
+
+def _revisions(doc: Doc, fresh: list, revised: list, twins: list, states: list,
+               live: set[str], adm: Admission, now: str) -> dict[str, Item]:
+    """distill's changes to stored and new items (pure). An item a live source
+    record maps to (`live`: ids) is live: it is never retired here, and one
+    distill retired is brought back. Otherwise: an edited entry's old item is
+    superseded by its new text's item; an id whose entry cannot be told from the
+    old one (handed out again?) keeps its old item beside the new one, with a
+    note; the older states of a done claim are superseded by the newest; a second
+    record of the same text is recorded on the item (source.also, provenance
+    only). Returns id -> changed item."""
     by_id = {it.id: it for it in doc.items}
     by_id.update({it.id: it for it in fresh})
     out: dict[str, Item] = {}
@@ -6569,36 +6580,59 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, revive: list,
         return out.get(iid) or by_id[iid]
 
     def retire(old: Item, new: Item, why: str) -> None:
-        if old.active and old.scope == "local":
-            out[old.id] = supersede(cur(old.id), new.id, agent="distill", now=now, why=why)
+        now_old = cur(old.id)
+        if now_old.active and now_old.scope == "local" and old.id not in live \
+                and old.id != new.id:
+            out[old.id] = supersede(now_old, new.id, agent="distill", now=now, why=why)
             adm.retired.append({"id": old.id, "ref": old.source.get("ref"), "reason": why,
                                 "superseded_by": new.id})
 
-    for old, new in revised:
-        ref = new.source.get("ref")
-        if _same_entry(old, new):
+    for old, item, new in revised:
+        ref, system = item.source.get("ref"), item.source.get("system")
+        if _same_entry(old, item):
             retire(old, new, f"context-keeper {ref} was edited at its source; its text now is "
                              f"item {new.id}")
-        elif old.active:
+        elif system == "context-keeper" and old.active and old.id not in live:
             adm.notes.append(
                 f"context-keeper {ref} now says something else than its item {old.id}: it may "
                 f"be the entry edited or the id handed out again to another entry (after a "
-                f"branch switch or a delete); imported the new text as {new.id} and kept "
-                f"{old.id}: deprecate the one that no longer stands")
-    lines: dict[str, list[Item]] = {}
-    if any(it.source.get("lineage") for it in fresh):
+                f"branch switch or a delete); " + (
+                    f"imported the new text as {new.id}" if new is item else
+                    f"its new text is item {new.id} already") +
+                f" and kept {old.id}: deprecate the one that no longer stands")
+    lines: dict[str, list[tuple[str, str, Item]]] = {}     # lineage -> (ts, at, its item)
+    for item, target in states:
+        lines.setdefault(item.source["lineage"], []).append(
+            (str(item.source.get("source_ts") or ""), item.created_at, target))
+    if lines:
         for it in list(doc.items) + fresh:
-            if it.source.get("lineage") and it.active and it.scope == "local":
-                lines.setdefault(it.source["lineage"], []).append(it)
-    for line in lines.values():
-        if len(line) < 2 or not any(it in fresh for it in line):
-            continue
-        line.sort(key=lambda it: (str(it.source.get("source_ts") or ""), it.created_at))
-        newest = line[-1]
-        for old in line[:-1]:
-            retire(old, newest, f"agentsync: {newest.source.get('ref')} is a newer state of "
-                                f"the same claim (agent, task and branch); its item is "
-                                f"{newest.id}")
+            if it.source.get("lineage") in lines and it.active and it.scope == "local":
+                lines[it.source["lineage"]].append(
+                    (str(it.source.get("source_ts") or ""), it.created_at, it))
+    for lineage, line in lines.items():      # the newest state's text may live as a twin
+        line.sort(key=lambda t: (t[0], t[1]))
+        newest = line[-1][2]
+        for _, _, old in line[:-1]:
+            if old.source.get("lineage") == lineage:
+                retire(old, newest, f"agentsync: {old.source.get('ref')} is an older state of "
+                                    f"the same claim (agent, task and branch); its newest "
+                                    f"state's text is item {newest.id}")
+    for old, item, new in revised:
+        if item.source.get("system") == "agentsync" and old.active:
+            done = cur(old.id).status == "superseded"
+            adm.notes.append(
+                f"agentsync {item.source.get('ref')} now says something else than its item "
+                f"{old.id} under the same updated_at: " + (
+                    f"its text now is item {new.id}, which superseded {old.id}" if done else
+                    f"its text now is item {new.id}; kept {old.id}" + (
+                        ", which another live record still says" if old.id in live else
+                        ": deprecate it if it no longer stands")))
+    for old in doc.items:
+        if old.id in live and distill_retired(t := cur(old.id)):
+            out[old.id] = dataclasses.replace(
+                t, status="active", deprecated=None, updated_at=now,
+                source={**t.source, "revived": {"at": now, "was": t.deprecated}})
+            adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
     for twin, item in twins:
         also = [a for a in (cur(twin.id).source.get("also") or []) if isinstance(a, dict)]
         entry = {k: item.source[k] for k in ("system", "ref", "agent", "kind", "source_ts")
@@ -6611,36 +6645,35 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, revive: list,
         out[twin.id] = dataclasses.replace(t, source={**t.source, "also": also + [entry]},
                                            updated_at=now)
         adm.notes.append(f"{item.source.get('system')} {item.source.get('ref')} says what "
-                         f"{'' if twin.active else twin.status + ' '}item {twin.id} "
+                         f"{'' if t.active else t.status + ' '}item {twin.id} "
                          f"({twin.source.get('ref') or 'another source'}) says: not stored "
                          "twice, recorded under that item's source.also")
-    for old in revive:
-        t = cur(old.id)
-        out[old.id] = dataclasses.replace(
-            t, status="active", deprecated=None, updated_at=now,
-            source={**t.source, "revived": {"at": now, "was": t.deprecated}})
-        adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
     return out
 
 
+def _source_key(item: Item) -> str:
+    return f"{item.source.get('system')}:{item.source.get('ref')}"
+
+
 def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
-          now: str | None = None) -> Admission:
+          now: str | None = None, live_keys: Iterable[str] = ()) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
     watermarked key whose text changed is reported, and the stored item kept.
     revise (distill): a watermarked key whose text changed is imported as a new
     item instead, and the stored items it concerns are changed as _revisions()
-    says."""
+    says; live_keys: the watermark keys of every record the sources hold live
+    this sweep (those prepare_drafts() passed over too)."""
     new_marks = dict(meta_map(doc.meta, "watermarks"))
-    revised: list = []                       # (stored item, its new text's item)
+    revised: list = []                       # (stored item, its new text's item, where it lives)
     twins: list = []                         # (stored item, a record of the same text)
-    revive: list = []
+    states: list = []                        # (claim state's item, where its text lives)
     remarked = False                         # a key now names the item of its text
     by_text: dict[str, Item] | None = None   # revise: stored items by text, when needed
     live_by_text: dict[str, Item] = {}
     says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: dict[str, Item] = {}               # admitted here, by id
-    live_keys: set[str] = set()
+    live_keys_seen: set[str] = set()
     fresh: list[Item] = []
     adm = Admission(None, fresh, 0)
     by_id: dict[str, Item] = {}
@@ -6650,11 +6683,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
             by_id = by_id or {it.id: it for it in doc.items}
             known = by_id.get(_mark_id(new_marks, key)) or live.get(_mark_id(new_marks, key))
             if revise and known is not None and content_key(known) != ckey:
-                revised.append((known, item))            # imported below, if its text is new
-            elif revise and known is not None and distill_retired(known):
-                revive.append(known)
-                adm.duplicates += 1
-                continue
+                revised.append((known, item, item))      # imported below, if its text is new
             else:
                 if known is not None and content_key(known) != ckey:
                     ref = item.source.get("ref")
@@ -6662,9 +6691,9 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
                                         "where": prepared.where.get(item.id)})
                 adm.duplicates += 1
                 continue
-        if says is None and ckey not in live_keys:
+        if says is None and ckey not in live_keys_seen:
             says = known_keys(index_key, doc.items)
-        if ckey in live_keys or (says is not None and says(ckey)):
+        if ckey in live_keys_seen or (says is not None and says(ckey)):
             adm.duplicates += 1
             adm.same_content += 1
             if revise:
@@ -6678,21 +6707,28 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
                 if twin is not None and key:
                     new_marks[key] = twin.id             # read again: a plain duplicate
                     remarked = True
-                    if revised and revised[-1][1] is item:
-                        revised.pop()
+                    if revised and revised[-1][1] is item:   # its text lives as the twin
+                        revised[-1] = (revised[-1][0], item, twin)
                     line = item.source.get("lineage")
-                    if not (line and twin.source.get("lineage") == line):
+                    if line:
+                        states.append((item, twin))
+                    if not (line and twin.source.get("lineage") == line) and \
+                            _source_key(item) != _source_key(twin):
                         twins.append((twin, item))
             continue
         if key:
             remarked = remarked or key in new_marks      # revised: the key names the new text
             new_marks[key] = item.id
         live[item.id] = item
-        live_keys.add(ckey)
+        live_keys_seen.add(ckey)
         live_by_text[ckey] = item
         fresh.append(item)
-    changes = _revisions(doc, fresh, revised, twins, revive, adm, now or _now()) \
-        if revise and (revised or twins or revive or fresh) else {}
+        if item.source.get("lineage"):
+            states.append((item, item))
+    ids = _live_ids(new_marks, set(live_keys) | {k for k, _ in prepared.items if k}) \
+        if revise else set()
+    changes = _revisions(doc, fresh, revised, twins, states, ids, adm, now or _now()) \
+        if revise else {}
     if fresh or changes or remarked:
         marked = remarked or len(new_marks) != len(meta_map(doc.meta, "watermarks"))
         meta = marks_meta(doc.meta, new_marks) if marked else doc.meta  # same: an append
@@ -8419,27 +8455,39 @@ MAX_LISTED_ITEMS = 50           #: a distill result lists at most this many new 
 ProgressFn = Callable[[int, int, str], None]
 
 
-def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
+def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
+                     live: set[str] | frozenset = frozenset()
                      ) -> tuple[Doc | None, list[dict], list[dict]]:
     """Deprecate local items whose source entry no longer stands (pure).
 
-    reasons: watermark key -> reason. Returns (new doc or None when nothing
-    changes, retired, elsewhere). `elsewhere` lists items that were imported
-    but are no longer active in local scope under that id (promoted on, or
-    removed): the scope that holds them now must retire them.
+    reasons: watermark key -> reason. live: ids of items a live source record
+    maps to, never retired (their text still stands at the source). A key whose
+    watermark is no id (hand-edited) names the local item of that source record.
+    Returns (new doc or None when nothing changes, retired, elsewhere).
+    `elsewhere` lists items that were imported but are no longer active in local
+    scope under that id (promoted on, or removed): the scope that holds them now
+    must retire them.
     """
     marks = meta_map(doc.meta, "watermarks")
-    hits: dict[str, list[tuple[str, str]]] = {}
+    by_source: dict[str, list[str]] | None = None
+    wanted: dict[str, tuple[str, str]] = {}
     for k, r in reasons.items():
-        if isinstance(marks.get(k), str):
-            hits.setdefault(marks[k], []).append((k, r))
-    wanted = {iid: h[0] for iid, h in hits.items()}
+        ids = [marks[k]] if isinstance(marks.get(k), str) else []
+        if k in marks and not ids:
+            if by_source is None:
+                by_source = {}
+                for it in doc.items:
+                    if it.scope == "local" and it.active and it.source.get("system"):
+                        by_source.setdefault(_source_key(it), []).append(it.id)
+            ids = by_source.get(k, [])
+        for iid in ids:
+            if iid not in live:
+                wanted.setdefault(iid, (k, r))
     if not wanted:
         return None, [], []
     items = list(doc.items)
     retired: list[dict] = []
     handled: set[str] = set()
-    changed = False
     for i, it in enumerate(items):
         hit = wanted.get(it.id)
         if hit is None or it.scope != "local":
@@ -8447,25 +8495,12 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str
         handled.add(it.id)
         if not it.active:
             continue
-        own = [h for h in hits[it.id] if h[0] == f"{it.source.get('system')}:"
-               f"{it.source.get('ref')}"]
-        also = it.source.get("also") if isinstance(it.source.get("also"), list) else []
-        if not own and also:       # a second record of its text died, not its own: noted
-            dead = {h[0].split(":", 1)[1]: h[1] for h in hits[it.id]}
-            noted = [{**a, "retired": dead[a["ref"]]} if isinstance(a, dict)
-                     and a.get("ref") in dead and "retired" not in a else a for a in also]
-            if noted != also:
-                items[i] = dataclasses.replace(it, source={**it.source, "also": noted},
-                                               updated_at=now)
-                changed = True
-            continue
-        hit = own[0] if own else hit
         items[i] = dataclasses.replace(it, status="deprecated", updated_at=now,
                                        deprecated={"by": "distill", "at": now, "reason": hit[1]})
         retired.append({"id": it.id, "ref": hit[0].split(":", 1)[1], "reason": hit[1]})
     elsewhere = [{"id": iid, "ref": key.split(":", 1)[1], "reason": reason}
                  for iid, (key, reason) in wanted.items() if iid not in handled]
-    new = dataclasses.replace(doc, items=items) if retired or changed else None
+    new = dataclasses.replace(doc, items=items) if retired else None
     return new, retired, elsewhere
 
 
@@ -8612,7 +8647,7 @@ def judge_context(read: SourceRead, imported: list[Item], retired: int,
         return info
     seen = read.records
     if n or retired or back:
-        status, reason = ("imported" if n or back else "retired",
+        status, reason = ("imported" if n else "retired" if retired else "revived",
                           f"imported {n}, retired {retired} of {seen} entries"
                           + (f", brought back {back} retired earlier (active again at the "
                              "source)" if back else ""))
@@ -8733,18 +8768,30 @@ def _retire_reasons(reads: list[SourceRead]) -> dict[str, str]:
     return {k: v for r in reads for k, v in r.retire.items()}
 
 
+def _live_keys(reads: list[SourceRead]) -> set[str]:
+    """The watermark keys of every record the sources hold live this sweep
+    (those already imported too)."""
+    return {d.key for r in reads for d in r.drafts if d.key}
+
+
 def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
-    retiring, retired, _ = plan_retirements(doc, _retire_reasons(sweep.reads), now=sweep.stamp)
-    adm = admit(retiring or doc, sweep.prepared, index_key, revise=True, now=sweep.stamp)
-    base = adm.doc or retiring or doc
+    keys = _live_keys(sweep.reads)
+    adm = admit(doc, sweep.prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys)
+    admitted = adm.doc or doc                     # retired after: by the marks admit left
+    retiring, retired, _ = plan_retirements(
+        admitted, _retire_reasons(sweep.reads), now=sweep.stamp,
+        live=_live_ids(meta_map(admitted.meta, "watermarks"), keys))
+    base = retiring or admitted
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
     if (board := sweep.read("agentsync")) is not None:
         sources["agentsync"] = judge_agentsync(board, adm.fresh)
     if (ctx := sweep.read("context-keeper")) is not None:
-        sources["context-keeper"] = judge_context(ctx, adm.fresh, len(retired), adm.revived)
+        claims = {it.id for it in base.items if it.source.get("system") == "agentsync"}
+        sources["context-keeper"] = judge_context(      # its own entries' retirements only
+            ctx, adm.fresh, sum(r["id"] not in claims for r in retired), adm.revived)
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
     warnings = sweep.warnings + adm.notes         # ... and what this write kept beside what
@@ -8845,7 +8892,8 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
         report(0, total, f"read {records} source records; importing {len(drafts)}")
     prepared = prepare_drafts(cfg, drafts, now=stamp, on_progress=(
         lambda n: report(n, total, f"normalized {n} of {len(drafts)}")) if report else None)
-    elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp)[2]
+    elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp, live=_live_ids(
+        meta_map(doc.meta, "watermarks"), _live_keys(reads)))[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
@@ -10395,6 +10443,12 @@ def deprecate(item_id: ItemId,
     already: list[bool] = []
 
     def apply(it: Item) -> Item | None:
+        if distill_retired(it) and cfg.agent != "distill":   # a person takes it over:
+            dep = it.deprecated                               # distill never revives it
+            return dataclasses.replace(it, updated_at=now, deprecated={
+                "by": cfg.agent, "at": now, "reason": reason,
+                "note": f"retired by distill at {dep.get('at')} ({dep.get('reason')!r}) "
+                        "first; deprecated by a person since, so it stays deprecated"})
         already[:] = [it.status == "deprecated"]
         if already[0]:                              # idempotent: the first reason stays
             return None
@@ -10758,16 +10812,17 @@ def distill(on_progress: ProgressFn | None = None) -> dict:
     fetched from the remote) -> one `outcome` item per done claim (task, note,
     changed files); and this repo's .context/ -> one item per active
     decision, constraint and pipeline, keeping its dec-/con-/pipe- id and its
-    why. Items land in local scope. A source entry that was superseded or
-    deprecated retires the item imported from it (set active again, it brings
-    the item back: `revived_items`); a record whose text changed is imported
-    again (an edited entry or a claim's newer state supersedes its old item). With
+    why. Items land in local scope. An item stays live while a live source
+    record says it. A source entry that was superseded or deprecated retires
+    the item imported from it (set active again, it brings the item back:
+    `revived_items`); a record whose text changed is imported again (an edited
+    entry or a claim's newer state supersedes its old item). With
     CAMBIUM_RELEASE_CAPTURE=1, claims that were done or noted and have since
     been released or re-claimed are captured from the last-seen snapshot.
     Returns status `distilled` or `distilled_with_warnings`, plain-language
     `warnings` (a skipped source is always a warning), and per source its
-    status (imported | up_to_date | nothing_done | empty | absent |
-    unreachable | misconfigured) with counts and the reason.
+    status (imported | retired | revived | up_to_date | nothing_done | empty |
+    absent | unreachable | misconfigured) with counts and the reason.
     """
     cfg = require_config()
     return distill_sweep(cfg, on_progress=on_progress)

@@ -7736,6 +7736,10 @@ def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired
     assert [i.active for i in _items_by_ref("dec-001")] == [False, True, True]
     assert any(new.id in w and "dec-001" in w for w in res["warnings"]), res["warnings"]
     assert cs.distill()["imported"] == 0                                       # settled
+    write({**dec, "summary": "Cache sessions in memcached"}, con, con2)        # switched back
+    res = cs.distill()
+    assert res["imported"] == 0 and any(f"is item {new.id} already" in w and "imported" not in w
+                                        for w in res["warnings"]), res["warnings"]
     write({**con, "status": "deprecated"}, con2)
     assert cs.distill()["retired"] == 1 and not _items_by_ref("con-001")[0].active
     (mine,) = _items_by_ref("con-002")
@@ -7743,6 +7747,7 @@ def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired
     write(con, con2)                                                           # active again
     res = cs.distill()
     assert [r["ref"] for r in res.get("revived_items", [])] == ["con-001"]
+    assert res["sources"]["context-keeper"]["status"] == "revived"       # nothing new: F11
     assert _items_by_ref("con-001")[0].active and not _items_by_ref("con-002")[0].active
     assert cs.distill()["imported"] == 0 and "revived_items" not in cs.distill()
 
@@ -7773,17 +7778,179 @@ def test_distill_keeps_one_live_item_per_claim_and_records_a_second_source(
     outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
             if i.source.get("system") == "agentsync"]
     live = [i for i in outs if i.active]
-    assert len(outs) == 2 and len(live) == 1 and "flaky" in live[0].content
-    older = next(i for i in outs if not i.active)
-    assert older.superseded_by["id"] == live[0].id and res["retired"] == 1
+    # ann's newer state is imported; her older item stays live: bob's done claim still says
+    # it (it is the item his watermark names), so no knowledge drops out
+    assert len(outs) == 2 and len(live) == 2 and res["retired"] == 0
+    older = next(i for i in outs if "flaky" not in i.content)
     assert [a["agent"] for a in older.source["also"]] == ["bob"]     # bob: same text as ann's
     assert cs.distill()["warnings"] == []                              # said once
+    write_board(clone, {"ann": {**DONE_CLAIM, "note": "correction: tests were flaky",
+                                "updated_at": "2026-11-30T09:00:00+00:00"}})
+    res = cs.distill()                    # bob's claim gone: a claim's outcome is kept
+    assert res["retired"] == 0 and older.id in {i.id for i in _items_by_ref(older.source["ref"])
+                                                if i.active}
     (clone / ".context" / "constraints.json").write_text(json.dumps([
         {**rule, "id": "con-001", "reason": "CI must run"},
         {**rule, "id": "con-002", "reason": "x", "status": "deprecated"}]))
     assert cs.distill()["retired"] == 0                  # con-001 stands: its item stays live
     (con,) = _items_by_ref("con-001")
-    assert con.active and con.source["also"][0]["retired"].startswith("context-keeper con-002")
+    assert con.active and "retired" not in con.source["also"][0]     # provenance only
+
+
+
+def _set_marks(repo: Path, marks) -> None:
+    path = repo / ".cambium" / "knowledge.json"
+    raw = json.loads(path.read_text())
+    raw["meta"]["watermarks"] = marks(raw["meta"].get("watermarks")) if callable(marks) else marks
+    path.write_text(json.dumps(raw))
+
+
+def test_distill_keeps_an_item_live_while_a_live_record_says_it(repo):
+    """F1: an item whose own entry died while a second entry of its text lived
+    was retired and revived on alternate distills; F9: editing the item's own
+    entry superseded it though the second entry still said it; F2: an entry
+    edited to another stored item's text left its old item live; F10: a
+    mistyped watermark value stopped a retirement; F6: a record listed as a
+    second source of itself."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    dec1 = {"id": "dec-001", "summary": "Use Postgres for the primary store", "rationale": "a",
+            "status": "active", "created_at": "2026-01-01T00:00:00Z"}
+    dec2 = {**dec1, "id": "dec-002", "rationale": "b", "created_at": "2026-01-02T00:00:00Z"}
+    dec3 = {"id": "dec-003", "summary": "Shard by tenant", "status": "active",
+            "created_at": "2026-01-03T00:00:00Z"}
+    dec4 = {"id": "dec-004", "summary": "Deploy blue green", "status": "active",
+            "created_at": "2026-01-04T00:00:00Z"}
+
+    def write(*entries):
+        (ctx / "decisions.json").write_text(json.dumps(list(entries)))
+
+    def live(ref):
+        return [i for i in _items_by_ref(ref) if i.active]
+
+    write(dec1, dec2, dec3, dec4)
+    assert cs.distill()["imported"] == 3
+    (pg,) = live("dec-001")
+    assert [a["ref"] for a in pg.source["also"]] == ["dec-002"]
+    write({**dec1, "status": "deprecated"}, dec2, dec3, dec4)        # F1: dec-002 still says it
+    for _ in range(3):
+        res = cs.distill()
+        assert res["retired"] == 0 and "revived_items" not in res, res
+        assert res["sources"]["context-keeper"]["status"] == "up_to_date"
+        assert live("dec-001") == [pg] or [i.id for i in live("dec-001")] == [pg.id]
+    write(dec1, dec2, dec3, dec4)                                     # dec-001 active again
+    cs.distill()
+    assert [i.id for i in live("dec-001")] == [pg.id]
+    write({**dec1, "summary": "Use MySQL for the primary store"}, dec2, dec3, dec4)   # F9
+    res = cs.distill()
+    assert res["imported"] == 1 and res["retired"] == 0
+    assert {i.id for i in live("dec-001")} >= {pg.id}                 # dec-002's text lives on
+    assert cs.distill()["sources"]["context-keeper"]["status"] == "up_to_date"
+    write({**dec1, "summary": "Use MySQL for the primary store"}, dec2,
+          {**dec3, "summary": "Deploy blue green"}, dec4)             # F2: dec-003 says dec-004's
+    res = cs.distill()
+    (old3,) = _items_by_ref("dec-003")
+    (blue,) = live("dec-004")
+    assert old3.status == "superseded" and old3.superseded_by["id"] == blue.id, res
+    assert [r["id"] for r in res["retired_items"]] == [old3.id]
+    (mysql,) = [i for i in live("dec-001") if i.id != pg.id]
+    _set_marks(repo, lambda m: {**m, "context-keeper:dec-001": 5})    # F10: a mistyped value
+    write({**dec1, "status": "deprecated"}, dec2, {**dec3, "summary": "Deploy blue green"}, dec4)
+    res = cs.distill()
+    assert [r["id"] for r in res["retired_items"]] == [mysql.id], res
+    assert [i.id for i in live("dec-001")] == [pg.id]                 # dec-002 still says it
+    _set_marks(repo, "mistyped")                                      # F6: read as empty
+    res = cs.distill()
+    assert res["imported"] == 0 and not any("says what" in w for w in res["warnings"]), res
+    for it in cs.store(cs.resolve_config(), "local").read().items:
+        own = (it.source.get("system"), it.source.get("ref"))
+        assert own not in [(a.get("system"), a.get("ref")) for a in it.source.get("also", [])]
+    assert cs.distill()["sources"]["context-keeper"]["status"] == "up_to_date"
+
+
+def test_distill_brings_back_an_earlier_text_edited_back_at_its_source(
+        repo, tmp_path, monkeypatch):
+    """An entry edited and then edited back (or a claim whose newer state says
+    what an older one said) named the superseded item of that text: nothing
+    stayed live for it."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    dec = {"id": "dec-001", "summary": "Cache sessions in redis", "status": "active",
+           "created_at": "2026-01-01T00:00:00Z"}
+    for summary in ("Cache sessions in redis", "Cache sessions in memcached",
+                    "Cache sessions in redis"):
+        (ctx / "decisions.json").write_text(json.dumps([{**dec, "summary": summary}]))
+        res = cs.distill()
+    live = [i for i in _items_by_ref("dec-001") if i.active]
+    assert [i.content for i in live] == ["Cache sessions in redis"], res
+    assert cs.distill()["sources"]["context-keeper"]["status"] == "up_to_date"
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    for n, note in enumerate(("first", "second", "first")):
+        write_board(clone, {"ann": {**DONE_CLAIM, "note": note,
+                                    "updated_at": f"2026-11-30T1{n}:00:00+00:00"}})
+        res = cs.distill()
+    live = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.active]
+    assert len(live) == 1 and "Note: first" in live[0].content, res
+
+
+def test_distill_never_revives_what_a_person_deprecated_after_distill_did(repo):
+    """F5: a person deprecating an item distill had retired kept distill's
+    retirement, so the entry set active again brought the item back."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    con = {"id": "con-001", "rule": "Never log card numbers", "status": "active"}
+    (ctx / "constraints.json").write_text(json.dumps([con]))
+    cs.distill()
+    (ctx / "constraints.json").write_text(json.dumps([{**con, "status": "deprecated"}]))
+    assert cs.distill()["retired"] == 1
+    (it,) = _items_by_ref("con-001")
+    out = cs.deprecate(it.id, reason="a person says it is wrong")
+    assert out["item"]["deprecated"]["by"] != "distill"
+    assert "retired by distill" in out["item"]["deprecated"]["note"]
+    (ctx / "constraints.json").write_text(json.dumps([con]))
+    res = cs.distill()
+    assert "revived_items" not in res and not _items_by_ref("con-001")[0].active
+
+
+def test_distill_supersedes_a_claims_older_state_whose_newer_text_is_another_agents(
+        tmp_path, monkeypatch):
+    """F3: ann's claim done again with exactly bob's note left her older
+    outcome live; F13: a note changed under the same updated_at was reported
+    as context-keeper, "kept" though superseded; F12: agents `alice` and
+    `alice<ESC>[1m` shared one lineage."""
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    cy = {**DONE_CLAIM, "task": "write the lexer", "updated_at": "2026-11-30T12:00:00+00:00"}
+    write_board(clone, {"cy": cy})
+    cs.distill()
+    (clone / ".context").mkdir()
+    (clone / ".context" / "constraints.json").write_text(json.dumps([
+        {"id": "con-001", "rule": "Never push to main", "status": "active"}]))
+    cs.distill()
+    write_board(clone, {"cy": {**cy, "note": "second thought"}})      # same updated_at
+    res = cs.distill()
+    (w,) = [w for w in res["warnings"] if "now says something else" in w]
+    assert w.startswith("agentsync cy@") and "superseded" in w and "context-keeper" not in w
+    assert [r["ref"] for r in res["retired_items"]] == [f"cy@{cy['updated_at']}"]
+    ck = res["sources"]["context-keeper"]             # a claim's retirement is not an entry's
+    assert ck["status"] == "up_to_date" and ck["retired"] == 0, ck
+    bob = {**DONE_CLAIM, "note": "bob's way", "updated_at": "2026-11-30T10:00:00+00:00"}
+    write_board(clone, {"ann": DONE_CLAIM, "bob": bob})
+    assert cs.distill()["imported"] == 2
+    write_board(clone, {"ann": {**bob, "updated_at": "2026-11-30T11:00:00+00:00"}, "bob": bob})
+    res = cs.distill()
+    outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("agent") in ("ann", "bob")]
+    live = [i for i in outs if i.active]
+    assert len(live) == 1 and "bob's way" in live[0].content, res
+    older = next(i for i in outs if not i.active)
+    assert older.source["agent"] == "ann" and older.superseded_by["id"] == live[0].id
+    assert cs.distill()["retired"] == 0
+    claim = {"task": "zebra", "status": "done", "updated_at": "2026-12-01T00:00:00+00:00"}
+    assert cs.claim_to_draft("alice", claim).source["lineage"] != \
+        cs.claim_to_draft("alice\x1b[1m", claim).source["lineage"]
 
 
 def _hand_edit(repo: Path, change) -> None:
