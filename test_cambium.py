@@ -2604,21 +2604,31 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
     after the CLI died; and a helper that escaped the group but held git's
     pipes kept a timed-out call waiting for it."""
     hook = shared["origin"] / "hooks" / "pre-receive"
-    hook.write_text("#!/bin/sh\nsleep 4\nexit 0\n")
+    pushing = tmp_path / "pushing"
+    hook.write_text(f"#!/bin/sh\ntouch {pushing}\nsleep 4\nexit 0\n")
     hook.chmod(0o755)
+
+    def when_pushing() -> None:                      # the push is in its hook
+        deadline = cs.time.monotonic() + 60
+        while not pushing.exists() and cs.time.monotonic() < deadline:
+            cs.time.sleep(0.05)
+        pushing.unlink()
+
     item_id = _endorsed("Never deploy on Fridays")
     cli_proc = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--force"],
                                 env=child_env(), start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cs.time.sleep(1.5)
+    when_pushing()
     os.killpg(cli_proc.pid, 15)                      # what `timeout` does
     cli_proc.wait(timeout=30)
-    cs.time.sleep(4)                                 # the hook would have let it land
+    cs.time.sleep(4.5)                               # the hook would have let it land
     assert item_id not in team_ids(shared["origin"])
-    ctrl_c = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--force"],
-                              env=child_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    cs.time.sleep(1.5)
+    import signal                                    # a terminal's foreground process (a
+    ctrl_c = subprocess.Popen(                       # SIGINT ignored here is inherited)
+        [sys.executable, str(SERVER), "promote", item_id, "--force"], env=child_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    when_pushing()
     ctrl_c.send_signal(2)                            # Ctrl-C: one line, no traceback
     err = ctrl_c.communicate(timeout=30)[1]
     assert ctrl_c.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
