@@ -6651,6 +6651,19 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, states: list,
     return out
 
 
+def _held_back(item: Item) -> bool:
+    """A retired item whose text a source must not bring back as a new item:
+    deprecated (by a person: it stays so; by distill: a live record of its text
+    revives it), or superseded by anyone but distill's own edit handling (a
+    person's correction, a consolidation). distill then maps the record to it."""
+    if item.active:
+        return False
+    if item.status == "deprecated":
+        return True
+    by = item.superseded_by.get("by") if isinstance(item.superseded_by, dict) else None
+    return by != "distill"
+
+
 def _source_key(item: Item) -> str:
     return f"{item.source.get('system')}:{item.source.get('ref')}"
 
@@ -6693,16 +6706,17 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
                 continue
         if says is None and ckey not in live_keys_seen:
             says = known_keys(index_key, doc.items)
-        if ckey in live_keys_seen or (says is not None and says(ckey)):
+        if revise and by_text is None:           # built once, if ever needed: per text
+            by_text = {}                         # its active item, else one held back
+            for it in doc.items:
+                k = content_key(it)
+                if it.active or (k not in by_text and _held_back(it)):
+                    by_text[k] = it
+        if ckey in live_keys_seen or (says is not None and says(ckey)) or \
+                (revise and ckey in by_text):
             adm.duplicates += 1
             adm.same_content += 1
             if revise:
-                if by_text is None:                      # built once, if ever needed
-                    by_text = {}
-                    for it in doc.items:                 # per text: its active item, else any
-                        k = content_key(it)
-                        if it.active or k not in by_text:
-                            by_text[k] = it
                 twin = live_by_text.get(ckey) or by_text.get(ckey)
                 if twin is not None and key:
                     new_marks[key] = twin.id             # read again: a plain duplicate

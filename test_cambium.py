@@ -7929,6 +7929,38 @@ def test_distill_never_revives_what_a_person_deprecated_after_distill_did(repo):
     assert "revived_items" not in res and not _items_by_ref("con-001")[0].active
 
 
+def test_distill_never_stores_a_retired_items_text_again_as_a_new_item(repo):
+    """The stored-text check saw active items only: a new entry stating the text
+    of an item distill had retired was stored again, and reviving the first left
+    two live items of one text; a text a person deprecated came back as a fresh
+    live item when its entry returned to it."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    first = {"id": "con-001", "rule": "Never log card numbers", "status": "active",
+             "created_at": "2026-12-01T00:00:00Z"}
+    second = {**first, "id": "con-002", "created_at": "2026-12-02T00:00:00Z"}
+    write = lambda *es: (ctx / "constraints.json").write_text(json.dumps(list(es)))  # noqa
+    live = lambda: [i for i in cs.store(cs.require_config(), "local").read().items  # noqa
+                    if i.active and i.content == "Never log card numbers"]
+    write(first)
+    cs.distill()
+    write({**first, "status": "deprecated"})
+    cs.distill()
+    write({**first, "status": "deprecated"}, second)      # its text, from another entry
+    cs.distill()
+    write(first, second)
+    cs.distill()
+    assert len(live()) == 1 and cs.distill()["imported"] == 0
+    (item,) = live()
+    cs.deprecate(item.id, reason="a person says it is wrong")
+    write({**first, "rule": "Never log card numbers in full"}, second)
+    cs.distill()
+    write(first, second)                                  # back to the deprecated text
+    cs.distill()
+    assert live() == [] and cs.distill()["imported"] == 0
+    assert len(cs.store(cs.require_config(), "local").read().items) == 2   # nothing deleted
+
+
 def test_distill_supersedes_a_claims_older_state_whose_newer_text_is_another_agents(
         tmp_path, monkeypatch):
     """F3: ann's claim done again with exactly bob's note left her older
