@@ -10245,14 +10245,14 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
                 "source_scope": scope, "note": f"the {scope} copy stays until the PR merges",
                 **({"warnings": hand} if hand else {})}
-    (now,) = as_landed(cfg, "org", moved)
+    (there,) = as_landed(cfg, "org", moved)
     if item_id in moved.joined:
         note = CUT_SHORT_NOTE.format(dst="org", src=scope)
         if org_content or org_why:
             note += "; its text stays as org has it: restate it with generalize()"
-        return {"status": "already_promoted", "scope": "org", "item": item_view(now),
+        return {"status": "already_promoted", "scope": "org", "item": item_view(there),
                 "note": note, **kept_both(moved, scope, "org")}
-    out = {"item": item_view(now), **({"forced": True} if verdict.forced else {}),
+    out = {"item": item_view(there), **({"forced": True} if verdict.forced else {}),
            **({"closed_pr": declined["pr_url"]} if declined else {})}
     return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit, **out,
             **published_files(cfg), **kept_both(moved, scope, "org")}
