@@ -88,6 +88,7 @@ import math
 import operator
 import os
 import re
+import signal
 import stat as _stat
 import subprocess
 import sys
@@ -11573,9 +11574,18 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")
     print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
+    # uvicorn shuts down on SIGTERM, then raises it again under the handler it
+    # found: the default one killed the process before serve()'s clean-shutdown
+    # fold. This one ends it as a normal exit, so that fold runs.
+    signal.signal(signal.SIGTERM, _exit_quietly)
     with sock:
         anyio.run(functools.partial(uvicorn.Server(config).serve, sockets=[sock]))
     return 0
+
+
+def _exit_quietly(signum: int, frame: Any) -> None:
+    """A signal handler that ends the process as a normal exit (cleanup runs)."""
+    raise SystemExit(0)
 
 
 def _fold_on_exit(scopes: Iterable[str] = ("local", "team"), *, warm: bool = False) -> None:

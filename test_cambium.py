@@ -8458,6 +8458,37 @@ def _http_status(url: str, token: str | None) -> int:
         return e.code
 
 
+def test_http_serve_stopped_by_sigterm_folds_its_credits_and_exits_cleanly(repo):
+    """uvicorn raised SIGTERM again after its shutdown, under the default
+    handler: the process died before the clean-shutdown fold (credits stayed
+    journaled) and exited -15."""
+    item_id = cs.capture("Pin every base image by digest")["item"]["id"]
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port", str(port)],
+                            env=_mcp_env(repo), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        import socket
+        deadline = cs.time.time() + 30
+        while cs.time.time() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            cs.time.sleep(0.05)
+
+        async def body(session):
+            res = await session.call_tool("recall", {"query": "pin base image digest"})
+            return [r["id"] for r in res.structured_content["results"]]
+
+        assert asyncio.run(_http_session(f"http://127.0.0.1:{port}/mcp", None, body)) == [item_id]
+    finally:
+        proc.terminate()                              # before the 2 s background fold
+        rc = proc.wait(timeout=30)
+        err = proc.stderr.read()
+        proc.stderr.close()
+    assert rc == 0 and "Traceback" not in err, err
+    assert _stored_recalls(repo, item_id) == 1
+
+
 def test_http_serve_requires_the_token_and_keeps_every_capture(repo):
     async def capture_many(session, who: str):
         for i in range(8):
