@@ -7322,7 +7322,7 @@ def find_definition(text: str, symbol: str) -> int | None:
     Linear in the file: every line is read a fixed number of times."""
     *outer, name = re.split(r"\.|::", symbol)
     if not outer:
-        at = _first_match(text, name, 0, len(text), top_level_first=True)
+        at = _first_match(text, name)
         return None if at is None else text.count("\n", 0, at) + 1
     tree = _Outline(text)
     owners = {part: tree.lines_of(_owner_patterns(part)) for part in set(outer)}  # one scan each
@@ -7332,10 +7332,15 @@ def find_definition(text: str, symbol: str) -> int | None:
     members = [n for n in tree.lines_of(_definition_patterns(name)) if tree.parent[n] in held]
     if members:
         return min(members) + 1
-    receiver = re.compile(r"^[ \t]*func[ \t]+\([^)\n]*\b" + re.escape(outer[-1]) +   # Go:
-                          r"\b[^)\n]*\)[ \t]*" + re.escape(name) + r"\b", re.M)     # func (s *Srv) Serve
-    m = receiver.search(text)
+    m = _receiver_pattern(outer[-1], name).search(text)
     return None if m is None else text.count("\n", 0, m.start()) + 1
+
+
+@functools.lru_cache(maxsize=512)
+def _receiver_pattern(owner: str, name: str) -> re.Pattern:
+    """A Go method of `owner`: func (s *Srv) Serve."""
+    return re.compile(r"^[ \t]*func[ \t]+\([^)\n]*\b" + re.escape(owner) +
+                      r"\b[^)\n]*\)[ \t]*" + re.escape(name) + r"\b", re.M)
 
 
 class _Outline:
@@ -7352,14 +7357,12 @@ class _Outline:
             offset += len(line) + 1
             body = line.lstrip(" \t")
             code = body.strip(" \t\r\f\v")
-            if code and code[0] not in ")]":
-                indent = len(line) - len(body)
-                while stack and stack[-1][0] >= indent:
-                    stack.pop()
-                self.parent.append(stack[-1][1] if stack else -1)
-                stack.append((indent, n))
-            else:
-                self.parent.append(stack[-1][1] if stack else -1)
+            opens = bool(code) and code[0] not in ")]"   # a line things nest in
+            while opens and stack and stack[-1][0] >= len(line) - len(body):
+                stack.pop()
+            self.parent.append(stack[-1][1] if stack else -1)
+            if opens:
+                stack.append((len(line) - len(body), n))
 
     def lines_of(self, patterns: Iterable[re.Pattern]) -> list[int]:
         """0-based numbers of the lines where any of `patterns` matches, in order."""
@@ -7377,14 +7380,13 @@ def _owner_patterns(name: str) -> tuple[re.Pattern, ...]:
                        r"[ \t]+for[ \t]+)?(?:\w+::)*" + n + r"\b", re.M))
 
 
-def _first_match(text: str, name: str, lo: int, hi: int, *, top_level_first: bool = False
-                 ) -> int | None:
-    """Offset of the first definition of `name` in text[lo:hi]; with
-    top_level_first, an unindented one wins over a nested one (a method)."""
+def _first_match(text: str, name: str) -> int | None:
+    """Offset of the first definition of `name` in text, an unindented one
+    before a nested one (a method)."""
     for pattern in _definition_patterns(name):
         first = None
-        for m in pattern.finditer(text, lo, hi):
-            if not top_level_first or text[m.start()] not in " \t":
+        for m in pattern.finditer(text):
+            if text[m.start()] not in " \t":
                 return m.start()
             first = m.start() if first is None else first
         if first is not None:
@@ -8032,7 +8034,7 @@ def as_landed(cfg: Config, dst: str, moved: Moved) -> list[Item]:
     return [now.get(it.id, it) for it in moved.landed]
 
 
-CUT_SHORT_NOTE = ("{dst} held this item already (a move cut short, or another clone's move "
+CUT_SHORT_NOTE = ("{dst} held {what} already (a move cut short, or another clone's move "
                   "not yet finished): what the {src} copy gained was added to it, and the "
                   "{src} copy left")
 
@@ -10152,8 +10154,8 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
                         for c in landed], **kept_both(moved, "local", "team")}
     if moved.joined:
         out["already_there"] = moved.joined
-        out["note"] = CUT_SHORT_NOTE.format(dst="team", src="local").replace(
-            "this item", "the items in already_there")
+        out["note"] = CUT_SHORT_NOTE.format(dst="team", src="local",
+                                            what="the items in already_there")
     return out
 
 
@@ -10248,7 +10250,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
                 **({"warnings": hand} if hand else {})}
     (there,) = as_landed(cfg, "org", moved)
     if item_id in moved.joined:
-        note = CUT_SHORT_NOTE.format(dst="org", src=scope)
+        note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")
         if org_content or org_why:
             note += "; its text stays as org has it: restate it with generalize()"
         return {"status": "already_promoted", "scope": "org", "item": item_view(there),
@@ -11961,11 +11963,18 @@ def read_hook_stdin(wait_s: float = HOOK_STDIN_WAIT_S) -> bytes:
 def first_json_value(data: bytes) -> Any:
     """The JSON value `data` starts with (after a byte-order mark and blank
     space), whatever follows it; None when it starts with none (pure)."""
+    return json_start(data)[0]
+
+
+def json_start(data: bytes) -> tuple[Any, str | None]:
+    """(the JSON value `data` starts with, None) or (None, why there is none)."""
     text = data.decode("utf-8", "replace").removeprefix("\ufeff").lstrip()
     try:
-        return json.JSONDecoder().raw_decode(text)[0]
-    except (ValueError, RecursionError):
-        return None
+        return json.JSONDecoder().raw_decode(text)[0], None
+    except RecursionError as e:
+        return None, json_problem(e)
+    except ValueError:
+        return None, "not JSON"
 
 
 def bind_hook() -> dict:
@@ -11985,16 +11994,10 @@ def bind_hook() -> dict:
         data = read_hook_stdin()
         if not data.strip():
             return {}
-        payload = first_json_value(data)
-        if payload is None:
-            try:
-                json.loads(data.removeprefix(b"\xef\xbb\xbf"))
-                why = "not JSON"
-            except RecursionError as e:
-                why = json_problem(e)
-            except ValueError:
-                why = (f"over the {HOOK_STDIN_MAX // 2**20} MiB a hook payload may have"
-                       if len(data) >= HOOK_STDIN_MAX else "not JSON")
+        payload, why = json_start(data)
+        if why is not None:
+            if len(data) >= HOOK_STDIN_MAX and why == "not JSON":
+                why = f"over the {HOOK_STDIN_MAX // 2**20} MiB a hook payload may have"
             chars = len(data.decode("utf-8", "replace"))
             print(f"cambium: the hook's stdin ({chars} characters) is {why}; ignored",
                   file=sys.stderr)
