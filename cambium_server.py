@@ -6573,82 +6573,126 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, states: list,
     note; the older states of a done claim are superseded by the newest; a second
     record of the same text is recorded on the item (source.also, provenance
     only). Returns id -> changed item."""
-    by_id = {it.id: it for it in doc.items}
-    by_id.update({it.id: it for it in fresh})
-    out: dict[str, Item] = {}
+    r = _Revising(doc, fresh, live, adm, now)
+    r.edited_entries(revised)
+    r.older_claim_states(states)
+    r.claims_changed_in_place(revised)
+    r.revive()
+    r.record_twins(twins)
+    return r.out
 
-    def cur(iid: str) -> Item:
-        return out.get(iid) or by_id[iid]
 
-    def retire(old: Item, new: Item, why: str) -> None:
-        now_old = cur(old.id)
-        if now_old.active and now_old.scope == "local" and old.id not in live \
+class _Revising:
+    """The items _revisions() changes, each read as changed so far (cur)."""
+
+    def __init__(self, doc: Doc, fresh: list, live: set[str], adm: Admission,
+                 now: str) -> None:
+        self.doc, self.fresh, self.live, self.adm, self.now = doc, fresh, live, adm, now
+        self.by_id = {it.id: it for it in list(doc.items) + fresh}
+        self.out: dict[str, Item] = {}
+
+    def cur(self, iid: str) -> Item:
+        return self.out.get(iid) or self.by_id[iid]
+
+    def retire(self, old: Item, new: Item, why: str) -> None:
+        """Supersede `old` by `new`, unless a live record still says it."""
+        now_old = self.cur(old.id)
+        if now_old.active and now_old.scope == "local" and old.id not in self.live \
                 and old.id != new.id:
-            out[old.id] = supersede(now_old, new.id, agent="distill", now=now, why=why)
-            adm.retired.append({"id": old.id, "ref": old.source.get("ref"), "reason": why,
-                                "superseded_by": new.id})
+            self.out[old.id] = supersede(now_old, new.id, agent="distill", now=self.now, why=why)
+            self.adm.retired.append({"id": old.id, "ref": old.source.get("ref"),
+                                     "reason": why, "superseded_by": new.id})
 
-    for old, item, new in revised:
-        ref, system = item.source.get("ref"), item.source.get("system")
-        if _same_entry(old, item):
-            retire(old, new, f"context-keeper {ref} was edited at its source; its text now is "
-                             f"item {new.id}")
-        elif system == "context-keeper" and old.active and old.id not in live:
-            adm.notes.append(
-                f"context-keeper {ref} now says something else than its item {old.id}: it may "
-                f"be the entry edited or the id handed out again to another entry (after a "
-                f"branch switch or a delete); " + (
-                    f"imported the new text as {new.id}" if new is item else
-                    f"its new text is item {new.id} already") +
-                f" and kept {old.id}: deprecate the one that no longer stands")
-    lines: dict[str, list[tuple[str, str, Item]]] = {}     # lineage -> (ts, at, its item)
-    for item, target in states:
-        lines.setdefault(item.source["lineage"], []).append(
-            (str(item.source.get("source_ts") or ""), item.created_at, target))
-    if lines:
-        for it in list(doc.items) + fresh:
+    def edited_entries(self, revised: list) -> None:
+        """A context-keeper entry's new text: its old item superseded when it is
+        the same entry edited, else kept with a note (an id handed out again?)."""
+        for old, item, new in revised:
+            ref, system = item.source.get("ref"), item.source.get("system")
+            if _same_entry(old, item):
+                self.retire(old, new, f"context-keeper {ref} was edited at its source; its "
+                                      f"text now is item {new.id}")
+            elif system == "context-keeper" and old.active and old.id not in self.live:
+                self.adm.notes.append(
+                    f"context-keeper {ref} now says something else than its item {old.id}: it "
+                    f"may be the entry edited or the id handed out again to another entry "
+                    f"(after a branch switch or a delete); " + (
+                        f"imported the new text as {new.id}" if new is item else
+                        f"its new text is item {new.id} already") +
+                    f" and kept {old.id}: deprecate the one that no longer stands")
+
+    def older_claim_states(self, states: list) -> None:
+        """The older states of one done claim (its lineage) superseded by the
+        newest, whose text may live as a twin."""
+        lines: dict[str, list[tuple[str, str, Item]]] = {}   # lineage -> (ts, at, its item)
+        for item, target in states:
+            lines.setdefault(item.source["lineage"], []).append(
+                (str(item.source.get("source_ts") or ""), item.created_at, target))
+        if not lines:
+            return
+        for it in list(self.doc.items) + self.fresh:
             if it.source.get("lineage") in lines and it.active and it.scope == "local":
                 lines[it.source["lineage"]].append(
                     (str(it.source.get("source_ts") or ""), it.created_at, it))
-    for lineage, line in lines.items():      # the newest state's text may live as a twin
-        line.sort(key=lambda t: (t[0], t[1]))
-        newest = line[-1][2]
-        for _, _, old in line[:-1]:
-            if old.source.get("lineage") == lineage:
-                retire(old, newest, f"agentsync: {old.source.get('ref')} is an older state of "
-                                    f"the same claim (agent, task and branch); its newest "
-                                    f"state's text is item {newest.id}")
-    for old, item, new in revised:
-        if item.source.get("system") == "agentsync" and old.active:
-            done = cur(old.id).status == "superseded"
-            adm.notes.append(
+        for lineage, line in lines.items():
+            line.sort(key=lambda t: (t[0], t[1]))
+            newest = line[-1][2]
+            for _, _, old in line[:-1]:
+                if old.source.get("lineage") == lineage:
+                    self.retire(old, newest, f"agentsync: {old.source.get('ref')} is an older "
+                                             f"state of the same claim (agent, task and "
+                                             f"branch); its newest state's text is item "
+                                             f"{newest.id}")
+
+    def claims_changed_in_place(self, revised: list) -> None:
+        """A note for a claim whose text changed under the same updated_at."""
+        for old, item, new in revised:
+            if item.source.get("system") != "agentsync" or not old.active:
+                continue
+            done = self.cur(old.id).status == "superseded"
+            self.adm.notes.append(
                 f"agentsync {item.source.get('ref')} now says something else than its item "
                 f"{old.id} under the same updated_at: " + (
                     f"its text now is item {new.id}, which superseded {old.id}" if done else
                     f"its text now is item {new.id}; kept {old.id}" + (
-                        ", which another live record still says" if old.id in live else
+                        ", which another live record still says" if old.id in self.live else
                         ": deprecate it if it no longer stands")))
-    for old in doc.items:
-        if old.id in live and distill_retired(t := cur(old.id)):
-            out[old.id] = dataclasses.replace(
-                t, status="active", deprecated=None, updated_at=now,
-                source={**t.source, "revived": {"at": now, "was": t.deprecated}})
-            adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
-    for twin, item in twins:
-        also = [a for a in (cur(twin.id).source.get("also") or []) if isinstance(a, dict)]
-        entry = {k: item.source[k] for k in ("system", "ref", "agent", "kind", "source_ts")
-                 if item.source.get(k)}
-        if item.why and item.why != twin.why:
-            entry["why"] = item.why
-        if entry in also or len(also) >= MAX_ALSO_SOURCES:
-            continue
-        t = cur(twin.id)
-        out[twin.id] = dataclasses.replace(t, source={**t.source, "also": also + [entry]},
-                                           updated_at=now)
-        adm.notes.append(f"{item.source.get('system')} {item.source.get('ref')} says what "
-                         f"{'' if t.active else t.status + ' '}item {twin.id} "
-                         f"({twin.source.get('ref') or 'another source'}) says: not stored "
-                         "twice, recorded under that item's source.also")
+
+    def revive(self) -> None:
+        """Bring back what distill retired that a live record says again."""
+        for old in self.doc.items:
+            if old.id in self.live and distill_retired(t := self.cur(old.id)):
+                self.out[old.id] = dataclasses.replace(
+                    t, status="active", deprecated=None, updated_at=self.now,
+                    source={**t.source, "revived": {"at": self.now, "was": t.deprecated}})
+                self.adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
+
+    def record_twins(self, twins: list) -> None:
+        """A second record of an item's text, recorded under its source.also."""
+        for twin, item in twins:
+            t = self.cur(twin.id)
+            also = [a for a in (t.source.get("also") or []) if isinstance(a, dict)]
+            entry = {k: item.source[k] for k in ("system", "ref", "agent", "kind", "source_ts")
+                     if item.source.get(k)}
+            if item.why and item.why != twin.why:
+                entry["why"] = item.why
+            if entry in also or len(also) >= MAX_ALSO_SOURCES:
+                continue
+            self.out[twin.id] = dataclasses.replace(
+                t, source={**t.source, "also": also + [entry]}, updated_at=self.now)
+            self.adm.notes.append(
+                f"{item.source.get('system')} {item.source.get('ref')} says what "
+                f"{'' if t.active else t.status + ' '}item {twin.id} "
+                f"({twin.source.get('ref') or 'another source'}) says: not stored twice, "
+                "recorded under that item's source.also")
+
+
+def _stored_texts(doc: Doc) -> dict[str, Item]:
+    """Content key -> its active item, else one held back (_held_back)."""
+    out: dict[str, Item] = {}
+    for it in doc.items:
+        k = content_key(it)
+        if it.active or (k not in out and _held_back(it)):
+            out[k] = it
     return out
 
 
@@ -6683,11 +6727,11 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
     twins: list = []                         # (stored item, a record of the same text)
     states: list = []                        # (claim state's item, where its text lives)
     remarked = False                         # a key now names the item of its text
-    by_text: dict[str, Item] | None = None   # revise: stored items by text, when needed
+    by_text: dict[str, Item] | None = None   # revise: _stored_texts, when needed
     live_by_text: dict[str, Item] = {}
     says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
     live: dict[str, Item] = {}               # admitted here, by id
-    live_keys_seen: set[str] = set()
+    texts_here: set[str] = set()             # content keys admitted here
     fresh: list[Item] = []
     adm = Admission(None, fresh, 0)
     by_id: dict[str, Item] = {}
@@ -6705,16 +6749,14 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
                                         "where": prepared.where.get(item.id)})
                 adm.duplicates += 1
                 continue
-        if says is None and ckey not in live_keys_seen:
-            says = known_keys(index_key, doc.items)
-        if revise and by_text is None:           # built once, if ever needed: per text
-            by_text = {}                         # its active item, else one held back
-            for it in doc.items:
-                k = content_key(it)
-                if it.active or (k not in by_text and _held_back(it)):
-                    by_text[k] = it
-        if ckey in live_keys_seen or (says is not None and says(ckey)) or \
-                (revise and ckey in by_text):
+        if revise:
+            by_text = by_text if by_text is not None else _stored_texts(doc)
+            known_text = ckey in texts_here or ckey in by_text
+        else:
+            if says is None and ckey not in texts_here:
+                says = known_keys(index_key, doc.items)
+            known_text = ckey in texts_here or (says is not None and says(ckey))
+        if known_text:
             adm.duplicates += 1
             adm.same_content += 1
             if revise:
@@ -6735,7 +6777,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
             remarked = remarked or key in new_marks      # revised: the key names the new text
             new_marks[key] = item.id
         live[item.id] = item
-        live_keys_seen.add(ckey)
+        texts_here.add(ckey)
         live_by_text[ckey] = item
         fresh.append(item)
         if item.source.get("lineage"):
@@ -10235,30 +10277,38 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     except CambiumError as e:
         raise _unmoved(e, f"in {scope} scope", "the item stays")
     if item_id in moved.refused:                  # the item changed under us: judged again
-        _, now = locate(cfg, item_id, fresh=True)
-        _require_active(now, "promoted")          # retired meanwhile: refused as it would be
-        return _org_refusal(now, moved.refused[item_id])
+        _, current = locate(cfg, item_id, fresh=True)
+        _require_active(current, "promoted")      # retired meanwhile: refused as it would be
+        return _org_refusal(current, moved.refused[item_id])
     if not moved.landed:
         raise NotFound(f"item {item_id} left {scope} scope while it was being promoted; "
                        "recall shows where it is now.")
+    extra = {**({"forced": True} if verdict.forced else {}),
+             **({"closed_pr": declined["pr_url"]} if declined else {})}
+    return _org_promoted(cfg, moved, scope, branch, extra,
+                         restated=bool(org_content or org_why))
+
+
+def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, extra: dict, *,
+                  restated: bool) -> dict:
+    """The answer of an org promotion that went through: pr_opened, promoted,
+    or already_promoted (org held it already: a move cut short)."""
     if branch:
-        out = {"item": item_view(moved.landed[0]), **({"forced": True} if verdict.forced else {}),
-               **({"closed_pr": declined["pr_url"]} if declined else {})}
         hand = published_files(cfg).get("warnings")
-        return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch, **out,
-                "source_scope": scope, "note": f"the {scope} copy stays until the PR merges",
+        return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch,
+                "item": item_view(moved.landed[0]), **extra, "source_scope": scope,
+                "note": f"the {scope} copy stays until the PR merges",
                 **({"warnings": hand} if hand else {})}
     (there,) = as_landed(cfg, "org", moved)
-    if item_id in moved.joined:
+    if there.id in moved.joined:
         note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")
-        if org_content or org_why:
+        if restated:
             note += "; its text stays as org has it: restate it with generalize()"
         return {"status": "already_promoted", "scope": "org", "item": item_view(there),
                 "note": note, **kept_both(moved, scope, "org")}
-    out = {"item": item_view(there), **({"forced": True} if verdict.forced else {}),
-           **({"closed_pr": declined["pr_url"]} if declined else {})}
-    return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit, **out,
-            **published_files(cfg), **kept_both(moved, scope, "org")}
+    return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit,
+            "item": item_view(there), **extra, **published_files(cfg),
+            **kept_both(moved, scope, "org")}
 
 
 def published_files(cfg: Config) -> dict:
