@@ -4146,6 +4146,23 @@ def test_a_knowledge_md_a_person_wrote_is_never_replaced(shared, monkeypatch):
     assert "Written by people" in remote_json(shared["org_bare"], "main", "HANDBOOK.md")
 
 
+def test_a_pr_mode_promote_says_it_leaves_a_hand_written_knowledge_md(
+        shared, monkeypatch, tmp_path):
+    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
+    (editor / "KNOWLEDGE.md").write_text("# Our handbook\n")
+    git(editor, "add", "KNOWLEDGE.md")
+    git(editor, "commit", "-q", "-m", "handbook")
+    git(editor, "push", "-q", "origin", "HEAD:main")
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Keep secrets out of logs")
+    cs.promote()
+    res = cs.promote(item_id, to_scope="org")
+    assert res["status"] == "pr_opened"
+    assert any("not rendered by cambium" in w for w in res["warnings"])
+    assert remote_json(shared["org_bare"], f"cambium/promote-{item_id}", "KNOWLEDGE.md") == \
+        "# Our handbook\n"
+
+
 def test_pr_mode_export_after_gh_failed_opens_the_knowledge_md_pr_once(
         shared, monkeypatch, tmp_path):
     """gh failing after cambium/knowledge-md was pushed left org's KNOWLEDGE.md
@@ -8221,6 +8238,11 @@ def test_hooks_read_a_payload_whose_pipe_stays_open(repo, tmp_path, monkeypatch)
     assert cs.usage(session="open-1")["items"][0]["times"] == 2
     assert cs.first_json_value(b'\xef\xbb\xbf {"a": 1} trailing') == {"a": 1}
     assert cs.first_json_value(b'{"a": ') is None and cs.first_json_value(b"[1] x") == [1]
+    big = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], cwd=tmp_path,
+                         input=b'{"cwd": "' + b"x" * cs.HOOK_STDIN_MAX + b'"}',
+                         capture_output=True, env=child_env(), timeout=60)
+    assert big.returncode == 0                        # (the payload ignored, its cwd too)
+    assert b"over the 1 MiB a hook payload may have" in big.stderr
 
 
 def test_hooks_with_stderr_closed_print_no_diagnostic_on_stdout(repo, tmp_path, monkeypatch):
