@@ -1033,6 +1033,11 @@ def content_key(item: Item) -> str:
     return derived(item, "content_key", _content_key)
 
 
+def normalized_text(item: Item) -> str:
+    """Type plus the body's words, lowercased: punctuation and spacing ignored."""
+    return item.type + "\0" + " ".join(re.findall(r"\w+", item.content.lower()))
+
+
 # =============================================================================
 # Config resolution
 # Env wins per key over the config file, which wins over DEFAULTS. Resolved on
@@ -4659,6 +4664,27 @@ class Index:
         self.dead_slots: set[int] = set()          # slots killed (purged from the postings);
                                                    # every other slot is live
         self._dirty: set[str] = set()              # terms whose postings hold a dead slot
+        self.vouched: dict[str, set[int]] = {}     # normalized_text -> live slots of items
+                                                   # above agent authority (few)
+
+    def _vouch(self, slot: int, it: Item, add: bool) -> None:
+        """Keep `vouched` in step for a verified or a person's item."""
+        if not it.authority_rank:
+            return
+        key = normalized_text(it)
+        slots = self.vouched.setdefault(key, set())
+        (slots.add if add else slots.discard)(slot)
+        if not slots:
+            del self.vouched[key]
+
+    def better_copy(self, item: Item) -> Item | None:
+        """The live item of higher authority saying what `item` says (case,
+        punctuation and spacing aside), or None: a person's correction takes an
+        agent copy's place in a ranking, however far down it scored."""
+        slots = self.vouched.get(normalized_text(item)) if self.vouched else None
+        copies = [it for it in map(self.items.__getitem__, slots or ()) if it is not None]
+        best = min(copies, key=lambda it: (-it.authority_rank, it.id), default=None)
+        return best if best is not None and best.authority_rank > item.authority_rank else None
 
     def _add(self, it: Item) -> None:
         slot = len(self.items)
@@ -4677,6 +4703,7 @@ class Index:
         ck = content_key(it)
         self.keys[ck] = self.keys.get(ck, 0) + 1
         self.total_len += length
+        self._vouch(slot, it, True)
 
     def _kill(self, slot: int) -> None:
         it = self.items[slot]
@@ -4685,6 +4712,7 @@ class Index:
         if not self.keys[ck]:
             del self.keys[ck]
         self.total_len -= self.lens[slot]
+        self._vouch(slot, it, False)
         self.items[slot] = None
         self.dead_slots.add(slot)
         self._dirty.update(item_terms(it))
@@ -4694,8 +4722,10 @@ class Index:
         slot when the words are the same, else as a new slot."""
         slot = self.slot_of.get(it.id)
         if slot is not None and self.items[slot] is not None:
-            if same_words(self.items[slot], it):
+            if same_words(self.items[slot], it):       # (a verify may raise its authority)
+                self._vouch(slot, self.items[slot], False)
                 self.items[slot] = it
+                self._vouch(slot, it, True)
                 return
             self._kill(slot)
         self._add(it)
@@ -5095,14 +5125,35 @@ def split_at_floor(hits: list[Hit], terms: list[str]) -> tuple[list[Hit], list[H
     return ok, weak
 
 
-def ranking_of(hits: list[Hit], terms: list[str], mode: str = "lexical") -> Ranking:
+def ranking_of(hits: list[Hit], terms: list[str], index: Index,
+               mode: str = "lexical") -> Ranking:
     """The Ranking of scored hits, split at the floor (split_at_floor); its
     confidence is the best relevance after that split, so it is at the floor
-    whenever there is a result."""
-    results, weak = split_at_floor(hits, terms)
+    whenever there is a result. A hit whose words a higher-authority item
+    says too is that item's (with_better_copies)."""
+    results, weak = split_at_floor(with_better_copies(hits, index), terms)
     best = max((h.confidence for h in results + weak), default=0.0)
-    ranked = authority_first(results + weak)
-    return Ranking(ranked[:len(results)], best, ranked[len(results):], mode=mode)
+    ranked = authority_first(results + weak)        # (a near miss may take a result's
+    ok = [h.confidence >= RELEVANCE_FLOOR for h in ranked]      # place, and its relevance)
+    return Ranking(list(itertools.compress(ranked, ok)), best,
+                   [h for h, k in zip(ranked, ok) if not k], mode=mode)
+
+
+def with_better_copies(hits: list[Hit], index: Index) -> list[Hit]:
+    """The hits with the better copy (Index.better_copy) of each hit's item
+    put just before it when the copy is not among them (with the hit's score
+    and relevance), as many as before: the copy may have scored past the
+    limit, and authority_first then orders the two."""
+    if not index.vouched:
+        return hits
+    out, ids = [], {h.item.id for h in hits}
+    for h in hits:
+        copy = index.better_copy(h.item)
+        if copy is not None and copy.id not in ids:
+            ids.add(copy.id)
+            out.append(dataclasses.replace(h, item=copy))
+        out.append(h)
+    return out[:len(hits)]
 
 
 def authority_first(hits: list[Hit]) -> list[Hit]:
@@ -5136,7 +5187,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
     hits = [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
             for it, score in best if it is not None]      # (None: killed meanwhile)
-    return ranking_of(hits, terms)
+    return ranking_of(hits, terms, index)
 
 
 # =============================================================================
@@ -6162,7 +6213,7 @@ class Semantic:
                     lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
                 for i in best_slots(np, score, items, limit)
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
-        ranking = ranking_of(hits, terms, mode="semantic")
+        ranking = ranking_of(hits, terms, index, mode="semantic")
         ranking.reranked = reranker is not None and failed is None
         if waiting:
             ranking.note = (f"{waiting} of {index.live} items are not embedded yet (being "
@@ -7146,11 +7197,6 @@ CONSOLIDATE_LEXICAL = 0.86     #: body cosine at which two items say the same th
 CONSOLIDATE_SEMANTIC = 0.86    #: with the extra: mean of lexical and MiniLM cosine
 CONSOLIDATE_SEMANTIC_FLOOR = 0.6  #: ...asked only for pairs at least this lexically close
 SCOPE_RANK = {"local": 0, "team": 1, "org": 2}
-
-
-def normalized_text(item: Item) -> str:
-    """Type plus the body's words, lowercased: punctuation and spacing ignored."""
-    return item.type + "\0" + " ".join(re.findall(r"\w+", item.content.lower()))
 
 
 def dup_vectors(items: list[Item]) -> list[dict[str, float]]:

@@ -7524,6 +7524,29 @@ def test_a_correction_ranks_above_an_agent_copy_of_its_words_however_trusted(rep
     assert agent not in [r["id"] for r in res["results"]][:1]
 
 
+def test_a_correction_scored_past_the_limit_still_takes_its_agent_copys_place(repo):
+    """limit=1: only the agent copy (its why matches the query) made the cut,
+    so the person's words were never seen; now they come first, the copy after."""
+    agent = cs.capture("Use UTC for all cron schedules", why="the billing reconciler breaks "
+                       "on DST shifts in the nightly batch window")["item"]["id"]
+    cs.capture("Cron schedules for the exporter are owned by the data team")
+    local = cs.capture("Use local time for the exporter's cron schedules")["item"]["id"]
+    person = cs.correct(local, "Use UTC for all cron schedules!", "ops lead said so")["item"]["id"]
+    assert [r["id"] for r in cs.recall("billing reconciler DST cron", limit=1)["results"]] \
+        == [person]
+    got = [r["id"] for r in cs.recall("billing reconciler DST cron", limit=2)["results"]]
+    assert got == [person, agent]
+    wide = cs.recall("billing reconciler DST cron", limit=5)     # the copy a near miss
+    assert [r["id"] for r in wide["results"]] == [person, agent]   # swapped with stays a result
+    assert all(w["relevance"] < 0.5 for w in wide.get("weak_matches", []))
+    a, p = cs.new_item("Retry twice"), dataclasses.replace(cs.new_item("retry, twice!"),
+                                                         authority="human")
+    index = cs.build_index([a, p])
+    assert index.better_copy(a) is p and index.better_copy(p) is None
+    index.sync([a, dataclasses.replace(p, authority="agent")])   # same words: in its slot
+    assert index.better_copy(a) is None and not index.vouched
+
+
 def test_item_line_carries_id_kind_marks_one_line_content_and_pointer():
     it = cs.new_item("Money is integer cents.\n  Never   floats. " + "x" * 300, kind="pitfall")
     it = dataclasses.replace(it, last_verified="2026-01-01T00:00:00Z", scope="team", trust={
