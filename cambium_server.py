@@ -1386,6 +1386,8 @@ class GitScope:
     tip_known: bool = False             # `tip` is the last fetched tip (None: no branch)
     fetched_at: float = 0.0
     refreshing: bool = False            # a background fetch is running
+    refreshed: threading.Event = field(default_factory=threading.Event)  # ...it ended
+    refresh_started: float = 0.0        # when it began (monotonic)
     fetch_error: str | None = None      # the last background fetch failed with this
     doc: tuple[str, Doc] | None = None  # (commit, parsed knowledge.json at it)
     checked_out: str | None = None      # the org clone's checkout is at this commit
@@ -2957,6 +2959,7 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 
 PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
 PUSH_CONTENDED_S = 3.0      #: peers seen writing this recently make writes take turns
+REFRESH_WAIT_S = 0.5        #: a read waits this long (from its start) for a due refresh
 PUSH_SPREAD_MAX_S = 5.0     #: the longest a write waits for its turn
 PEER_WALK = 32              #: new commits read per fetch to see who writes
 
@@ -3230,10 +3233,12 @@ class GitStore(Store):
         fresh: fetch now (decisions and reports). Otherwise a fetch is due once
         per fetch_interval_s (digests). background: when a fetch is due but a tip
         is already known, refresh in a background thread and answer with the
-        known tip at once, so a slow or unreachable remote never stalls a read. A
-        read that fails to fetch falls back to the last fetched tip with a warning.
+        known tip (_await_refresh): a slow or unreachable remote never stalls a
+        read. A read that fails to fetch falls back to the last fetched tip with
+        a warning.
         """
         state = self._state
+        refreshing = False
         with state.lock:
             last = state.fetched_at
             with contextlib.suppress(OSError):
@@ -3241,11 +3246,14 @@ class GitStore(Store):
             due = force or fresh or time.time() - last >= self.fetch_interval_s
             if due and background and state.tip_known:
                 if not state.refreshing:
-                    state.refreshing = True
+                    state.refreshing, state.refresh_started = True, time.monotonic()
+                    state.refreshed = threading.Event()
                     self._rt.spawn(self._refresh, f"cambium-fetch-{self.scope}")
-                due = False
+                due, refreshing = False, True
         if due:
             self._fetch_or_wait(force, background)
+        if refreshing:
+            self._await_refresh()
         with state.lock:
             if not state.tip_known:
                 state.tip, state.tip_known = self.local_tip(), True
@@ -3284,6 +3292,22 @@ class GitStore(Store):
         finally:
             state.fetching.release()
 
+    def _await_refresh(self) -> None:
+        """Give a background refresh until REFRESH_WAIT_S after it began to end
+        (a near remote answers in time: the read sees the new tip); else, or
+        when it failed, warn that the scope may be behind."""
+        state = self._state
+        with state.lock:
+            ended, wait = state.refreshed, state.refresh_started + REFRESH_WAIT_S
+        if not ended.wait(max(0.0, wait - time.monotonic())):
+            self._warnings.append(f"{self.scope} scope may be behind: a fetch from "
+                                  f"{self.remote} is still running")
+            return
+        with state.lock:
+            error = state.fetch_error
+        if error:
+            self._warnings.append(f"{self.scope} scope may be behind: {error}")
+
     def _refresh(self) -> None:
         state = self._state
         try:
@@ -3299,6 +3323,7 @@ class GitStore(Store):
         finally:
             with state.lock:
                 state.refreshing = False
+                state.refreshed.set()
 
     def local_tip(self) -> str | None:
         """The last fetched tip (None: no branch), read from .git when it can be."""
