@@ -7370,8 +7370,8 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
 def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,
                     now: str) -> Item:
     """The survivor carrying its duplicates' recall credits, endorsements,
-    projects and provenance (`merged_from`); a member already merged (a rerun
-    after a partial failure) is not counted twice."""
+    verifications, projects and provenance (`merged_from`); a member already
+    merged (a rerun after a partial failure) is not counted twice."""
     prior = survivor.extra.get("merged_from")        # an unknown key: any JSON (hand edits)
     prior = prior if isinstance(prior, list) else [] if prior is None else [prior]
     done = {m.get("id") for m in prior if isinstance(m, dict) and isinstance(m.get("id"), str)}
@@ -7394,8 +7394,15 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
                 "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
     top = max((m for m, _ in fresh), key=lambda m: m.authority_rank)
+    checks = list(survivor.verifications or [])
+    for m, _ in fresh:
+        checks += [v for v in m.verifications or [] if v not in checks]
+    stamps = [v for v in (survivor.last_verified, *(m.last_verified for m, _ in fresh))
+              if isinstance(v, str)]
     return dataclasses.replace(
         survivor, updated_at=now, authority=raised(survivor, AUTHORITIES[top.authority_rank]),
+        verifications=checks or survivor.verifications,
+        last_verified=max(stamps) if stamps else survivor.last_verified,
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior
@@ -9221,8 +9228,8 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
             here = g.survivor.scope == scope and s is not None and items[s].active
             if here:                          # a member here is merged as it stands now
                 merged = merged_survivor(items[s], items[s].trust, [
-                    (m, items[at[m.id]].trust if m.scope == scope and m.id in at
-                     else trusts.get(m.id, m.trust)) for m, _, _ in g.members], now=now)
+                    (items[at[m.id]], items[at[m.id]].trust) if m.scope == scope and m.id in at
+                    else (m, trusts.get(m.id, m.trust)) for m, _, _ in g.members], now=now)
                 changed |= merged is not items[s]
                 items[s] = merged
                 done[g.survivor.id] = scope
@@ -10529,6 +10536,7 @@ def verify_entry(item_id: ItemId,
     now = _now()
 
     def apply(it: Item) -> Item:
+        _require_active(it, "verified")             # retired: verify what replaced it
         checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
         peer = it.created_by != cfg.agent           # self-verification earns no authority
         return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now,

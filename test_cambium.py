@@ -4427,12 +4427,17 @@ def test_consolidate_keeps_an_endorsement_made_between_its_plan_and_its_write(
     team_dup = ({first, second} - {survivor}).pop()
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bo")       # after the plan, before the write
     cs.endorse(team_dup, note="bo vouches")
+    cs.verify_entry(team_dup, note="bo checked it on staging")
     cs.endorse(third, note="bo vouches too")
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
     done = cs.apply_consolidation(cfg, groups, trusts)
     assert done["superseded"] == [team_dup] and done["changed_meanwhile"] == [third]
     (kept,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == survivor]
     assert "bo" in {e["by"] for e in kept["trust"]["endorsements"]}
+    assert "bo checked it on staging" in [v["note"] for v in kept["verifications"]]
+    assert kept["authority"] == "verified"                  # the duplicate's, carried over
+    with pytest.raises(cs.Refused, match=f"superseded by {survivor}; that one can be verified"):
+        cs.verify_entry(team_dup, note="late")              # a retired copy takes none
     local = {i.id: i for i in cs.store(cfg, "local").read().items}
     assert local[third].active                          # folded in by the next run
     again = cs.consolidate(apply=True)
