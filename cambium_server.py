@@ -2547,8 +2547,8 @@ class LocalStore(Store):
         self._remember(_Seen(key, new, spans, key[1] - len(STORE_TAIL) if new.items else None))
 
 
-def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
-                   ) -> tuple[Doc | None, dict[str, int]]:
+def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
+                   above: frozenset[str] = frozenset()) -> tuple[Doc | None, dict[str, int]]:
     """The store with the items of a set-aside file brought back as they were
     (ids, status, trust, provenance): an id not in the store is added, one the
     store holds is replaced only by a later version (updated_at); meta and
@@ -2559,7 +2559,9 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
     superseded by it, its credits and endorsements carried over
     (merged_survivor), and watermarks naming the copy name the original. One
     whose copy was retired meanwhile comes back retired the same way
-    (retired_like).
+    (retired_like). An id not in the store that a scope above holds (`above`:
+    it was promoted since the file was set aside, and lives on there, retired
+    or not) is not brought back (held_above).
     Pure and idempotent."""
     at = {it.id: i for i, it in enumerate(doc.items)}
     items = list(doc.items)
@@ -2569,7 +2571,7 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
         if it.active or k not in twins or not items[twins[k]].active:
             twins[k] = i
     counts = {"restored": 0, "updated": 0, "already_here": 0, "copies_folded": 0,
-              "retired_like_copy": 0, "not_item_ids": 0}
+              "retired_like_copy": 0, "held_above": 0, "not_item_ids": 0}
     renamed: dict[str, str] = {}
     for it in back.items:
         if not isinstance(it.id, str) or not it.id.strip() or "id" in (it.mistyped or {}):
@@ -2578,7 +2580,9 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str
         if it.scope != "local":                    # it comes back into the local store
             it = dataclasses.replace(it, scope="local")
         i = at.get(it.id)
-        if i is None:
+        if i is None and it.id in above:
+            counts["held_above"] += 1
+        elif i is None:
             t = twins.get(content_key(it)) if it.active else None
             copy = items[t] if t is not None and items[t].created_at >= it.created_at else None
             if copy is not None and copy.active:
@@ -10910,9 +10914,11 @@ def restore(path: Annotated[str, Field(
                          "item per line) and run restore again.") from None
     counts: dict[str, int] = {}
     now = _now()
+    shared, unread = read_scopes(cfg, ("team", "org"))      # what was promoted meanwhile
+    above = frozenset(it.id for d in shared.values() for it in d.items)
 
     def apply(doc: Doc) -> Doc | None:
-        new, done = merge_restored(doc, parsed.doc, agent=cfg.agent, now=now)
+        new, done = merge_restored(doc, parsed.doc, agent=cfg.agent, now=now, above=above)
         counts.update(done)
         return new
 
@@ -10920,6 +10926,9 @@ def restore(path: Annotated[str, Field(
     out: dict[str, Any] = {"status": "restored" if counts["restored"] or counts["updated"]
                            else "nothing_to_restore", "file": str(p), **counts,
                            "unparseable_lines": len(parsed.bad)}
+    if unread:                  # a copy it holds may have come back: promote() settles it
+        out["warnings"] = [*unread, "items a scope above may hold were restored here as "
+                           "well; promote() drops a local copy that scope holds"]
     if parsed.bad:
         out["note"] = (f"{len(parsed.bad)} line(s) still do not parse; repair them and run "
                        "restore again (what came back is not duplicated), or delete the file.")

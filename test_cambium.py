@@ -1307,6 +1307,24 @@ def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(re
     assert cs.expand("k-bbbbbbbbbbbb")["scope"] == "local"
 
 
+def test_restore_never_brings_back_an_item_promoted_since_the_file_was_set_aside(shared):
+    """An older copy of the store came back with an item since promoted (and
+    deprecated) at team: it was live local knowledge again, exported as such."""
+    moved = _endorsed("Feature flags are removed within two sprints", "flags")
+    stays = cs.capture("The staging database is reset every Monday")["item"]["id"]
+    backup = shared["tmp"] / "knowledge.backup.json"
+    backup.write_bytes(_store_path(shared["a"]).read_bytes())
+    cs.promote(moved, force=True)
+    cs.deprecate(moved, reason="flags now expire on their own")
+    cs.deprecate(stays, reason="no staging any more")
+    _store_path(shared["a"]).write_text(json.dumps({"cambium": 1, "items": []}))
+    res = cs.restore(str(backup))
+    assert (res["restored"], res["held_above"]) == (1, 1)
+    local = json.loads(_store_path(shared["a"]).read_text())["items"]
+    assert [i["id"] for i in local] == [stays]
+    assert "two sprints" not in cs.export_markdown(scope="all")["markdown"]
+
+
 def test_a_capture_that_fails_on_a_full_disk_leaves_the_store_byte_for_byte(repo):
     """An append cut short by the file system (here a file size limit, as a
     full disk would) puts the old tail back: no fragment of the unacknowledged
