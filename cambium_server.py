@@ -1493,6 +1493,10 @@ class Runtime:
         inside the model when the interpreter exits aborts the process)."""
         with self.lock:
             engines = list(self.engines.values())
+        for eng in engines:                     # no new embedder starts from here on
+            eng.halt()
+        if self.embedder_lock.acquire(timeout=EMBED_STOP_WAIT_S):   # a model load in
+            self.embedder_lock.release()        # flight (embed_soon's thread) ends first
         for eng in engines:
             eng.stop(EMBED_STOP_WAIT_S)
             if eng.cache is not None and eng.cv.acquire(timeout=2):
@@ -6003,13 +6007,18 @@ class Semantic:
                                                  or not self.worker.is_alive()):
             self.worker = self.rt.spawn(self._work, "cambium-embed")
 
+    def halt(self) -> threading.Thread | None:
+        """Tell the background embedder to stop after the batch in flight, and
+        start no other; returns it."""
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+            return self.worker
+
     def stop(self, timeout_s: float) -> None:
         """Stop the background embedder after the batch in flight and wait for
         it (at most timeout_s); what it embedded so far stays in the cache."""
-        with self.cv:
-            self.stopping = True
-            worker = self.worker
-            self.cv.notify_all()
+        worker = self.halt()
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout_s)
 

@@ -7374,6 +7374,34 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
     assert kept.rows and not kept.discarded          # what was embedded before each exit
 
 
+def test_server_closed_while_a_capture_loads_the_model_exits_cleanly(semantic):
+    """A capture starts loading the model in the background (embed_soon); a
+    server closed then aborted ('terminate called ...', SIGABRT) in 7 of 10
+    exits: the exit waited for the embedder's batch, not for a load."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    env = dict(_mcp_env(semantic), CAMBIUM_RECALL_MODE="auto")
+    lines = "".join(json.dumps(m) + "\n" for m in (
+        {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "capture", "arguments": {"content": "Close DB sessions in teardown"}}}))
+    for wait in (0.2, 0.5):                  # a fresh HOME: onnxruntime's first load there
+        env["HOME"] = tempfile.mkdtemp(dir=semantic.parent)       # is the slow one
+        proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        proc.stdin.write(lines.encode())
+        proc.stdin.flush()
+        assert "result" in json.loads([proc.stdout.readline() for _ in range(2)][1])
+        time.sleep(wait)
+        proc.stdin.close()
+        code, err = proc.wait(60), proc.stderr.read().decode()
+        proc.stdout.close()
+        proc.stderr.close()
+        assert code == 0 and "terminate called" not in err, (wait, code, err[-300:])
+
+
 def test_cli_process_does_not_start_background_embedding(semantic):
     cs.capture("A note captured outside the server")
     assert str(semantic / ".cambium" / cs.VECTORS_DIR) not in cs.runtime().engines
