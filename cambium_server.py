@@ -10157,7 +10157,8 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
     team -> org. note: why it is worth trusting, ideally phrased as the
     cross-project rule (that note is offered as the draft when the org gate
     asks for a general restatement, and recall shows it as `endorsed_as`).
-    One endorsement per agent per item; endorsing again updates your note.
+    One endorsement per agent per item; endorsing again updates your note
+    (without a note, the one you gave before stays).
     """
     cfg = require_config()
     item_id = _check_id(item_id)
@@ -10166,9 +10167,11 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
 
     def apply(it: Item) -> Item:
         _require_active(it, "endorsed")
-        ends = [e for e in it.trust.get("endorsements", [])
-                if not (isinstance(e, dict) and e.get("by") == cfg.agent)]
-        ends.append({"by": cfg.agent, "note": note, "at": now})
+        ends, mine = [], []
+        for e in it.trust.get("endorsements", []):
+            (mine if isinstance(e, dict) and e.get("by") == cfg.agent else ends).append(e)
+        kept = next((str(e["note"]) for e in reversed(mine) if e.get("note")), "")
+        ends.append({"by": cfg.agent, "note": note or kept, "at": now})
         return dataclasses.replace(it, trust={**it.trust, "endorsements": ends}, updated_at=now)
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} endorses {item_id}", "endorsed")

@@ -1837,6 +1837,9 @@ def test_endorse_surfaces_endorsed_as_in_recall(repo):
     assert res["results"][0]["endorsements"] == 1
     cs.endorse(a["item"]["id"], note="updated note")     # same agent: updates, no double count
     assert cs.recall("pin sdk version", detail="full")["results"][0]["endorsements"] == 1
+    cs.endorse(a["item"]["id"])                          # no note: the earlier one stays
+    again = cs.recall("pin sdk version", detail="full")["results"][0]
+    assert again["endorsements"] == 1 and again["endorsed_as"] == ["updated note"]
 
 
 def test_endorse_unknown_id_is_not_found(repo):
