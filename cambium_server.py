@@ -3749,14 +3749,25 @@ class GitStore(Store):
         out: dict[str, str] = {}
         kept = set()
         for name, text in (self.extra_files(doc) if self.extra_files else {}).items():
-            there = self.file_at(commit, name) if commit else ""
-            if there and RENDER_MARK not in there[:2000]:
+            try:
+                there = self.file_at(commit, name) if commit else ""
+            except GitError:
+                if self._entry_kind(commit, name) in (None, "blob"):
+                    raise
+                kept.add(name)                      # a directory (or submodule) of that name
+                continue
+            if there and not rendered_by_cambium(there):
                 kept.add(name)
             else:
                 out[name] = text
         with self._state.lock:
             self._state.hand_written = frozenset(kept)
         return out
+
+    def _entry_kind(self, commit: str, name: str) -> str | None:
+        """What root entry `name` is at a commit: blob, tree, commit, or None."""
+        listed = self.git("ls-tree", commit, "--", name).stdout.split()
+        return listed[1] if len(listed) > 2 else None
 
     @property
     def hand_written(self) -> frozenset:
@@ -7130,6 +7141,15 @@ stale_entries = stale_items          #: its name before items were called items 
 
 
 RENDER_MARK = "_Rendered by cambium."    #: in every KNOWLEDGE.md cambium writes, and replaces
+
+
+def rendered_by_cambium(text: str) -> bool:
+    """Whether a KNOWLEDGE.md is one cambium rendered: its header, as
+    render_markdown has always written it ("# Knowledge", a blank line, a line
+    starting with RENDER_MARK). A person's file quoting the phrase is theirs."""
+    head = text.removeprefix("\ufeff").split("\n", 3)
+    return len(head) > 3 and head[0].rstrip() == "# Knowledge" and not head[1].strip() \
+        and head[2].startswith(RENDER_MARK)
 
 
 def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:

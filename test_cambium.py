@@ -4151,7 +4151,9 @@ def test_a_knowledge_md_a_person_wrote_is_never_replaced(shared, monkeypatch):
     first org promotion lands knowledge.json beside it and says so; export
     leaves it too; once it is renamed away, export publishes the render."""
     editor = clone(shared["org_bare"], shared["tmp"] / "editor")
-    (editor / "KNOWLEDGE.md").write_text("# Our handbook\n\nWritten by people.\n")
+    hand = ("# Our handbook\n\nWritten by people. A file whose header says\n"
+            f"{cs.RENDER_MARK}_ is rendered elsewhere; this one is not.\n")   # (line 4)
+    (editor / "KNOWLEDGE.md").write_text(hand)
     git(editor, "add", "KNOWLEDGE.md")
     git(editor, "commit", "-q", "-m", "handbook")
     git(editor, "push", "-q", "origin", "HEAD:main")
@@ -4160,8 +4162,7 @@ def test_a_knowledge_md_a_person_wrote_is_never_replaced(shared, monkeypatch):
     done = cs.promote(item_id, to_scope="org")
     assert done["status"] == "promoted" and done["published"] == ["knowledge.json"]
     assert any("not rendered by cambium" in w for w in done["warnings"])
-    assert remote_json(shared["org_bare"], "main", "KNOWLEDGE.md") == \
-        "# Our handbook\n\nWritten by people.\n"
+    assert remote_json(shared["org_bare"], "main", "KNOWLEDGE.md") == hand
     assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item_id]
     res = cs.export_markdown()
     assert res["published"]["changed"] is False and "rename or remove" in res["published"]["note"]
@@ -4173,6 +4174,25 @@ def test_a_knowledge_md_a_person_wrote_is_never_replaced(shared, monkeypatch):
     assert res["published"]["changed"] is True and "note" not in res["published"]
     assert "Keep secrets out of logs" in remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
     assert "Written by people" in remote_json(shared["org_bare"], "main", "HANDBOOK.md")
+
+
+def test_a_directory_named_knowledge_md_in_org_is_left_and_org_still_writes(shared,
+                                                                           monkeypatch):
+    """git could not read a tree as the file: every org promotion and export
+    failed with git_failed, naming no cause."""
+    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
+    (editor / "KNOWLEDGE.md").mkdir()
+    (editor / "KNOWLEDGE.md" / "notes.txt").write_text("people's notes\n")
+    git(editor, "add", "KNOWLEDGE.md")
+    git(editor, "commit", "-q", "-m", "notes")
+    git(editor, "push", "-q", "origin", "HEAD:main")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Keep secrets out of logs")
+    done = cs.promote(item_id, to_scope="org")
+    assert done["status"] == "promoted" and done["published"] == ["knowledge.json"]
+    assert remote_json(shared["org_bare"], "main", "KNOWLEDGE.md/notes.txt") == \
+        "people's notes\n"
+    assert cs.export_markdown()["published"]["changed"] is False
 
 
 def test_a_pr_mode_promote_says_it_leaves_a_hand_written_knowledge_md(
