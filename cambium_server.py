@@ -2587,18 +2587,7 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
         if i is None and it.id in above:
             counts["held_above"] += 1
         elif i is None:
-            t = twins.get(content_key(it)) if it.active else None
-            copy = items[t] if t is not None and items[t].created_at >= it.created_at else None
-            if copy is not None and copy.active:
-                items[t] = supersede(copy, it.id, agent=agent, now=now,
-                                     why="restored: this is a copy of it, made while it was "
-                                         "set aside")
-                it = merged_survivor(it, it.trust, [(copy, copy.trust)], now=now)
-                renamed[copy.id] = it.id
-                counts["copies_folded"] += 1
-            elif copy is not None:                 # its copy was retired meanwhile: so is it
-                it = retired_like(it, copy, agent=agent, now=now)
-                counts["retired_like_copy"] += 1
+            it = _back_beside_its_copy(it, items, twins, renamed, counts, agent=agent, now=now)
             at[it.id] = len(items)
             items.append(it)
             counts["restored"] += 1
@@ -2614,6 +2603,26 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
     if not counts["restored"] and not counts["updated"] and meta == doc.meta:
         return None, counts
     return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
+
+
+def _back_beside_its_copy(it: Item, items: list[Item], twins: dict[str, int],
+                          renamed: dict[str, str], counts: dict[str, int], *, agent: str,
+                          now: str) -> Item:
+    """merge_restored's item the store lacks, as it comes back: a younger
+    active copy of its text in `items` is superseded by it and folded into it
+    (renamed: copy id -> its id); a retired one retires it the same way."""
+    t = twins.get(content_key(it)) if it.active else None
+    copy = items[t] if t is not None and items[t].created_at >= it.created_at else None
+    if copy is not None and copy.active:
+        items[t] = supersede(copy, it.id, agent=agent, now=now,
+                             why="restored: this is a copy of it, made while it was set aside")
+        renamed[copy.id] = it.id
+        counts["copies_folded"] += 1
+        return merged_survivor(it, it.trust, [(copy, copy.trust)], now=now)
+    if copy is not None:                           # its copy was retired meanwhile: so is it
+        counts["retired_like_copy"] += 1
+        return retired_like(it, copy, agent=agent, now=now)
+    return it
 
 
 def retired_like(item: Item, copy: Item, *, agent: str, now: str) -> Item:
@@ -6822,80 +6831,112 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
     item instead, and the stored items it concerns are changed as _revisions()
     says; live_keys: the watermark keys of every record the sources hold live
     this sweep (those prepare_drafts() passed over too)."""
-    new_marks = dict(meta_map(doc.meta, "watermarks"))
-    revised: list = []                       # (stored item, its new text's item, where it lives)
-    twins: list = []                         # (stored item, a record of the same text)
-    states: list = []                        # (claim state's item, where its text lives)
-    remarked = False                         # a key now names the item of its text
-    by_text: dict[str, Item] | None = None   # revise: _stored_texts, when needed
-    live_by_text: dict[str, Item] = {}
-    says: Callable[[str], bool] | None = None   # looked up only if a draft passes the marks
-    live: dict[str, Item] = {}               # admitted here, by id
-    texts_here: set[str] = set()             # content keys admitted here
-    fresh: list[Item] = []
-    adm = Admission(None, fresh, 0)
-    by_id: dict[str, Item] = {}
+    run = _Admitting(doc, prepared, index_key, revise)
     for key, item in prepared.items:
         ckey = content_key(item)
-        if key and key in new_marks:
-            by_id = by_id or {it.id: it for it in doc.items}
-            known = by_id.get(_mark_id(new_marks, key)) or live.get(_mark_id(new_marks, key))
-            if revise and known is not None and content_key(known) != ckey:
-                revised.append((known, item, item))      # imported below, if its text is new
-            else:
-                if known is not None and content_key(known) != ckey:
-                    ref = item.source.get("ref")
-                    adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
-                                        "where": prepared.where.get(item.id)})
-                adm.duplicates += 1
-                continue
-        if revise:
-            by_text = by_text if by_text is not None else _stored_texts(doc)
-            known_text = ckey in texts_here or ckey in by_text
-        else:
-            if says is None and ckey not in texts_here:
-                says = known_keys(index_key, doc.items)
-            known_text = ckey in texts_here or (says is not None and says(ckey))
-        if known_text:
-            adm.duplicates += 1
-            adm.same_content += 1
-            if revise:
-                twin = live_by_text.get(ckey) or by_text.get(ckey)
-                if twin is not None and key:
-                    new_marks[key] = twin.id             # read again: a plain duplicate
-                    remarked = True
-                    if revised and revised[-1][1] is item:   # its text lives as the twin
-                        revised[-1] = (revised[-1][0], item, twin)
-                    line = item.source.get("lineage")
-                    if line:
-                        states.append((item, twin))
-                    if not (line and twin.source.get("lineage") == line) and \
-                            _source_key(item) != _source_key(twin):
-                        twins.append((twin, item))
+        if key and key in run.marks and run.passed_over(key, item, ckey):
             continue
-        if key:
-            remarked = remarked or key in new_marks      # revised: the key names the new text
-            new_marks[key] = item.id
-        live[item.id] = item
-        texts_here.add(ckey)
-        live_by_text[ckey] = item
-        fresh.append(item)
-        if item.source.get("lineage"):
-            states.append((item, item))
-    ids = _live_ids(new_marks, set(live_keys) | {k for k, _ in prepared.items if k}) \
-        if revise else set()
-    changes = _revisions(doc, fresh, revised, twins, states, ids, adm, now or _now()) \
-        if revise else {}
-    if fresh or changes or remarked:
-        marked = remarked or len(new_marks) != len(meta_map(doc.meta, "watermarks"))
-        meta = marks_meta(doc.meta, new_marks) if marked else doc.meta  # same: an append
-        if changes:
-            fresh[:] = [changes.get(it.id, it) for it in fresh]
-            items = [changes.get(it.id, it) for it in doc.items] + fresh
+        if run.says(ckey):
+            run.same_text(key, item, ckey)
         else:
-            items = extended(doc.items, fresh)
-        adm.doc = Doc(items=items, meta=meta, raw=doc.raw)
-    return adm
+            run.take(key, item, ckey)
+    changes: dict[str, Item] = {}
+    if revise:
+        ids = _live_ids(run.marks, set(live_keys) | {k for k, _ in prepared.items if k})
+        changes = _revisions(doc, run.fresh, run.revised, run.twins, run.states, ids,
+                             run.adm, now or _now())
+    return run.finish(changes)
+
+
+class _Admitting:
+    """admit()'s bookkeeping over one pass of the prepared items."""
+
+    def __init__(self, doc: Doc, prepared: Prepared, index_key: str, revise: bool) -> None:
+        self.doc, self.prepared, self.index_key, self.revise = doc, prepared, index_key, revise
+        self.marks = dict(meta_map(doc.meta, "watermarks"))
+        self.revised: list = []     # (stored item, its new text's item, where it lives)
+        self.twins: list = []       # (stored item, a record of the same text)
+        self.states: list = []      # (claim state's item, where its text lives)
+        self.remarked = False       # a key now names the item of its text
+        self.by_text: dict[str, Item] | None = None   # revise: _stored_texts, when needed
+        self.live_by_text: dict[str, Item] = {}       # admitted here, by content key
+        self.stored: Callable[[str], bool] | None = None   # looked up only when needed
+        self.live: dict[str, Item] = {}               # admitted here, by id
+        self.by_id: dict[str, Item] = {}
+        self.fresh: list[Item] = []
+        self.adm = Admission(None, self.fresh, 0)
+
+    def passed_over(self, key: str, item: Item, ckey: str) -> bool:
+        """A watermarked record: passed over (a duplicate; a changed text is
+        reported), unless revise imports its changed text (False)."""
+        self.by_id = self.by_id or {it.id: it for it in self.doc.items}
+        mark = _mark_id(self.marks, key)
+        known = self.by_id.get(mark) or self.live.get(mark)
+        if self.revise and known is not None and content_key(known) != ckey:
+            self.revised.append((known, item, item))     # imported, if its text is new
+            return False
+        if known is not None and content_key(known) != ckey:
+            ref = item.source.get("ref")
+            self.adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
+                                     "where": self.prepared.where.get(item.id)})
+        self.adm.duplicates += 1
+        return True
+
+    def says(self, ckey: str) -> bool:
+        """Whether an item admitted here or stored (retired ones too, in
+        revise) says this text already."""
+        if ckey in self.live_by_text:
+            return True
+        if self.revise:
+            self.by_text = self.by_text if self.by_text is not None else _stored_texts(self.doc)
+            return ckey in self.by_text
+        self.stored = self.stored or known_keys(self.index_key, self.doc.items)
+        return self.stored(ckey)
+
+    def same_text(self, key: str, item: Item, ckey: str) -> None:
+        """A record whose text is held already: a duplicate; in revise, its key
+        names the item holding the text, its revision lands there, and a
+        second source of that text is noted (_revisions)."""
+        self.adm.duplicates += 1
+        self.adm.same_content += 1
+        twin = (self.live_by_text.get(ckey) or (self.by_text or {}).get(ckey)) \
+            if self.revise else None
+        if twin is None or not key:
+            return
+        self.marks[key] = twin.id                       # read again: a plain duplicate
+        self.remarked = True
+        if self.revised and self.revised[-1][1] is item:     # its text lives as the twin
+            self.revised[-1] = (self.revised[-1][0], item, twin)
+        line = item.source.get("lineage")
+        if line:
+            self.states.append((item, twin))
+        if not (line and twin.source.get("lineage") == line) and \
+                _source_key(item) != _source_key(twin):
+            self.twins.append((twin, item))
+
+    def take(self, key: str, item: Item, ckey: str) -> None:
+        if key:
+            self.remarked = self.remarked or key in self.marks   # revised: names the new text
+            self.marks[key] = item.id
+        self.live[item.id] = item
+        self.live_by_text[ckey] = item
+        self.fresh.append(item)
+        if item.source.get("lineage"):
+            self.states.append((item, item))
+
+    def finish(self, changes: dict[str, Item]) -> Admission:
+        """The Admission, its doc the store with the fresh items and `changes`."""
+        doc, fresh = self.doc, self.fresh
+        if fresh or changes or self.remarked:
+            marked = self.remarked or len(self.marks) != len(meta_map(doc.meta, "watermarks"))
+            meta = marks_meta(doc.meta, self.marks) if marked else doc.meta  # same: an append
+            if changes:
+                fresh[:] = [changes.get(it.id, it) for it in fresh]
+                items = [changes.get(it.id, it) for it in doc.items] + fresh
+            else:
+                items = extended(doc.items, fresh)
+            self.adm.doc = Doc(items=items, meta=meta, raw=doc.raw)
+        return self.adm
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,

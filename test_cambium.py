@@ -525,6 +525,15 @@ def test_the_module_defines_each_top_level_name_once():
     assert sorted({n for n in names if names.count(n) > 1}) == []
 
 
+def test_no_function_in_the_module_exceeds_60_lines_but_the_demo():
+    import ast
+    tree = ast.parse(Path(cs.__file__).read_text())
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > 60}
+    assert long.keys() <= {"run_demo"}, long
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
@@ -4146,17 +4155,25 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     assert "## Org" in all_md
 
 
+def _org_main_holds(shared: dict, path: str, text: str) -> Path:
+    """A person's commit of `path` on org's main, pushed from a clone of
+    theirs (returned)."""
+    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
+    (editor / path).parent.mkdir(parents=True, exist_ok=True)
+    (editor / path).write_text(text)
+    git(editor, "add", path)
+    git(editor, "commit", "-q", "-m", f"{path} by hand")
+    git(editor, "push", "-q", "origin", "HEAD:main")
+    return editor
+
+
 def test_a_knowledge_md_a_person_wrote_is_never_replaced(shared, monkeypatch):
     """An org repo that starts with its own KNOWLEDGE.md (no render mark): the
     first org promotion lands knowledge.json beside it and says so; export
     leaves it too; once it is renamed away, export publishes the render."""
-    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
     hand = ("# Our handbook\n\nWritten by people. A file whose header says\n"
             f"{cs.RENDER_MARK}_ is rendered elsewhere; this one is not.\n")   # (line 4)
-    (editor / "KNOWLEDGE.md").write_text(hand)
-    git(editor, "add", "KNOWLEDGE.md")
-    git(editor, "commit", "-q", "-m", "handbook")
-    git(editor, "push", "-q", "origin", "HEAD:main")
+    editor = _org_main_holds(shared, "KNOWLEDGE.md", hand)
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Keep secrets out of logs")
     done = cs.promote(item_id, to_scope="org")
@@ -4180,12 +4197,7 @@ def test_a_directory_named_knowledge_md_in_org_is_left_and_org_still_writes(shar
                                                                            monkeypatch):
     """git could not read a tree as the file: every org promotion and export
     failed with git_failed, naming no cause."""
-    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
-    (editor / "KNOWLEDGE.md").mkdir()
-    (editor / "KNOWLEDGE.md" / "notes.txt").write_text("people's notes\n")
-    git(editor, "add", "KNOWLEDGE.md")
-    git(editor, "commit", "-q", "-m", "notes")
-    git(editor, "push", "-q", "origin", "HEAD:main")
+    _org_main_holds(shared, "KNOWLEDGE.md/notes.txt", "people's notes\n")
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Keep secrets out of logs")
     done = cs.promote(item_id, to_scope="org")
@@ -4197,11 +4209,7 @@ def test_a_directory_named_knowledge_md_in_org_is_left_and_org_still_writes(shar
 
 def test_a_pr_mode_promote_says_it_leaves_a_hand_written_knowledge_md(
         shared, monkeypatch, tmp_path):
-    editor = clone(shared["org_bare"], shared["tmp"] / "editor")
-    (editor / "KNOWLEDGE.md").write_text("# Our handbook\n")
-    git(editor, "add", "KNOWLEDGE.md")
-    git(editor, "commit", "-q", "-m", "handbook")
-    git(editor, "push", "-q", "origin", "HEAD:main")
+    _org_main_holds(shared, "KNOWLEDGE.md", "# Our handbook\n")
     _pr_mode(monkeypatch, tmp_path, shared)
     item_id = _endorsed("Keep secrets out of logs")
     cs.promote()
