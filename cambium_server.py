@@ -2704,7 +2704,7 @@ def set_aside_warnings(path: Path) -> list[str]:
             link = path.parent / name
             with contextlib.suppress(OSError):
                 target, was = os.readlink(link), name.split(LINK_TAG)[0]
-                fix = (f"run `cambium restore {target}` to bring its items in, then delete "
+                fix = (f"run `{_prog()} restore {target}` to bring its items in, then delete "
                        "the link" if was == path.name else
                        "copy what you need from the target, then delete the link")
                 out.append(f"{path.parent / was} was a symbolic link to {target}; cambium "
@@ -2722,11 +2722,11 @@ def set_aside_warnings(path: Path) -> list[str]:
         if name.startswith(path.name + QUARANTINE_TAG):
             out.append(f"lines of {path.name} that did not parse were set aside verbatim in "
                        f"{path.parent / name} (every other item is served). Repair them and "
-                       f"run `cambium restore {path.parent / name}`, or delete the file.")
+                       f"run `{_prog()} restore {path.parent / name}`, or delete the file.")
         elif name.startswith(path.name + CORRUPT_TAG):
             out.append(f"{path.name} did not parse at all and was moved to "
                        f"{path.parent / name}; cambium started a fresh store. Repair it and "
-                       f"run `cambium restore {path.parent / name}`.")
+                       f"run `{_prog()} restore {path.parent / name}`.")
     return out
 
 
@@ -8616,17 +8616,21 @@ def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str
 
 def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
                  project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET,
-                 unread: bool = False) -> dict:
+                 unread: bool = False, failing: int = 0) -> dict:
     """The digest (pure but for line_of, which renders one chosen entry).
 
     Within a section higher score first, then newer. Lines are dropped from the
     fullest section (the later one on a tie) until the text fits `budget`.
     unread: part of the knowledge could not be read (the answer's warnings say
-    what), so an empty digest does not claim that nothing is known.
+    what), and failing: items left out for a failing check, so an empty digest
+    does not claim that nothing is known.
     """
     if not entries:
         text = (f"cambium: no item to show for {project}, but some of its knowledge could "
                 "not be read (see warnings); status() says more." if unread else
+                f"cambium: no item to show for {project}: {failing} item(s) with a failing "
+                "check are left out (recall still finds them, marked failing); re-check "
+                "them, then verify_entry(id) or deprecate(id)." if failing else
                 f"cambium: nothing known yet for {project}; capture() what you learn and "
                 "it will show here.")
         return {"primer": text, "entries": 0, "candidates": 0, "tokens": approx_tokens(text),
@@ -10037,8 +10041,9 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
                      f"{premise_age(e.item, now)}d")
         return line
 
+    failing = 0 if entries else sum(1 for it in federated_items(docs) if it.failing)
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
-                          unread=bool(warnings)),
+                          unread=bool(warnings), failing=failing),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings
@@ -12125,11 +12130,19 @@ HINT_KEYS = frozenset({"reason", "note", "next_step", "fix", "retry", "then", "g
 
 
 def _cli_answer(value: Any, key: str | None = None) -> Any:
-    """A result with the call syntax in its hint fields rewritten (cli_syntax)."""
+    """A result with the call syntax in its hint fields rewritten (cli_syntax),
+    and in a primer's first and last lines (its item lines are item text)."""
+    if isinstance(value, str) and key == "primer":
+        lines = value.split("\n")
+        return "\n".join([cli_syntax(lines[0]), *lines[1:-1], cli_syntax(lines[-1])]
+                          if len(lines) > 1 else [cli_syntax(value)])
     if isinstance(value, str):
         return cli_syntax(value) if key in HINT_KEYS else value
     if isinstance(value, dict):
-        return {k: _cli_answer(v, k) for k, v in value.items()}
+        out = {k: _cli_answer(v, k) for k, v in value.items()}
+        if isinstance(out.get("primer"), str) and "tokens" in out:   # as rewritten
+            out["tokens"] = approx_tokens(out["primer"])
+        return out
     if isinstance(value, list):
         return [_cli_answer(v, key) for v in value]
     return value

@@ -8396,6 +8396,16 @@ def test_primer_serves_the_lines_that_parse_of_a_damaged_local_file(repo):
     assert store.read_text() == "{ corrupt"
 
 
+def test_a_primer_whose_items_all_fail_their_checks_does_not_say_nothing_is_known(repo):
+    item_id = cs.capture("Backups run nightly at three", kind="constraint")["item"]["id"]
+    assert cli("verify-cmd", item_id, "exit 3").returncode == 0
+    cli("verify", "--run")
+    out = cs.session_primer()
+    assert out["entries"] == 0 and "nothing known" not in out["primer"]
+    assert "1 item(s) with a failing check are left out" in out["primer"]
+    assert [r["id"] for r in cs.recall("backups nightly")["results"]] == [item_id]
+
+
 @pytest.mark.parametrize("name", ["knowledge.json", "credits.jsonl", "shown.jsonl"])
 def test_a_fifo_in_a_linked_local_dir_blocks_no_primer_hook_or_usage(
         repo, tmp_path, monkeypatch, name):
@@ -8512,6 +8522,7 @@ def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     assert res[0]["content"] == "Ledger totals sum rows"
     text = cli("primer", "--format", "text").stdout
     assert text.startswith("cambium primer for") and f"{iid} memory/decision" in text
+    assert "capture()" not in text and "capture what you learn" in text   # CLI syntax
     bad = cli("capture", "x", "--code-ref", "/etc/passwd")
     assert bad.returncode == 1 and "absolute" in bad.stderr
 
