@@ -812,10 +812,17 @@ def utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def json_problem(e: Exception, limit: int = 100) -> str:
-    """Why json.loads failed, in a few words: its own message, or "nested too
-    deep to parse" for the RecursionError it raises past its nesting depth."""
-    return "nested too deep to parse" if isinstance(e, RecursionError) else str(e)[:limit]
+def json_problem(e: Exception, limit: int = 100, *, one_line: bool = False) -> str:
+    """Why json.loads failed, in a few words: its own message with 1-based
+    line and column (not its 0-based char offset; one_line: the column only,
+    for a JSONL line already named), or "nested too deep to parse" for the
+    RecursionError it raises past its nesting depth."""
+    if isinstance(e, RecursionError):
+        return "nested too deep to parse"
+    if isinstance(e, json.JSONDecodeError):
+        at = f"column {e.colno}" if one_line else f"line {e.lineno} column {e.colno}"
+        return f"{e.msg}: {at}"[:limit]
+    return str(e)[:limit]
 
 
 def json_kind(value: Any) -> str:
@@ -4364,7 +4371,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     A lone surrogate escape (`\\ud800`: valid JSON, not Unicode) becomes U+FFFD,
     and the Draft's notes say in which fields."""
     if not isinstance(rec, dict):
-        return Skip(where, f"not an object ({type(rec).__name__})")
+        return Skip(where, f"not an object ({json_kind(rec)})")
     notes: tuple = ()
     if bad := _surrogate_fields(rec):
         rec = valid_unicode_deep(rec)
@@ -4471,7 +4478,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             try:
                 rec = json.loads(line)
             except (ValueError, RecursionError) as e:
-                yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60)})")
+                yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60, one_line=True)})")
                 continue
             yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name),
                          f"line {n}: {NOT_UTF8}" if replaced else None)

@@ -4809,6 +4809,11 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
     res = cs.import_memory("json", str(lines))
     assert res["imported"] == 1 and res["skipped_reasons"] == [
         {"where": "line 2", "reason": "malformed JSON (nested too deep to parse)"}]
+    odd = tmp_path / "odd.jsonl"              # one line number a line: its own, 1-based
+    odd.write_text('{"content": "fine"}\n{"id":"s2" "content":"x"}\nnull\n')
+    assert cs.import_memory("json", str(odd))["skipped_reasons"] == [
+        {"where": "line 2", "reason": "malformed JSON (Expecting ',' delimiter: column 12)"},
+        {"where": "line 3", "reason": "not an object (null)"}]
 
 
 def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
