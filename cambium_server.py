@@ -220,7 +220,9 @@ class GitError(CambiumError):
 
     def __init__(self, cmd: list[str], code: int | None, stderr: str):
         self.cmd, self.code, self.stderr = cmd, code, stderr
-        tail = "\n".join((stderr or "").strip().splitlines()[-3:])
+        lines = [ln for ln in (stderr or "").strip().splitlines() if ln.strip()]
+        said = [ln for ln in lines if ln.startswith(("fatal:", "error:"))][:2]  # what happened
+        tail = "\n".join(dict.fromkeys(said + lines[-3:]))
         how = "timed out" if code is None else f"exited {code}"
         super().__init__(f"`{' '.join(cmd[:4])}` {how}: {tail}".rstrip(": "))
 

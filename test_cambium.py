@@ -2038,6 +2038,15 @@ def as_agent(monkeypatch, repo: Path, agent: str) -> None:
     monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
 
 
+def test_a_git_error_keeps_the_line_saying_what_happened():
+    err = cs.GitError(["git", "fetch", "origin", "cambium"], 128,
+                      "fatal: '/srv/gone.git' does not appear to be a git repository\n"
+                      "fatal: Could not read from remote repository.\n\nPlease make sure you "
+                      "have the correct access rights\nand the repository exists.\n")
+    assert "'/srv/gone.git' does not appear to be a git repository" in str(err)
+    assert str(err).endswith("and the repository exists.")
+
+
 def test_push_outcome_tells_race_from_refusal():
     race = "To /x\n!\tHEAD:refs/heads/cambium\t[rejected] (fetch first)\nDone\n"
     hook = "To /x\n!\tabc:refs/heads/cambium\t[remote rejected] (pre-receive hook declined)\n"
