@@ -12310,9 +12310,11 @@ def _demo_origin(root: Path, name: str) -> Path:
 @contextlib.contextmanager
 def _demo_sandbox() -> Iterator[Path]:
     """A throwaway directory to run the demo in, as its working directory, with
-    cambium's settings cleared and a config file of its own; everything is put
-    back afterwards."""
-    saved = {k: os.environ.get(k) for k in [*DEFAULTS, "CAMBIUM_CONFIG_FILE"]}
+    cambium's settings cleared, a config file of its own, and a HOME of its own
+    (onnxruntime leaves a cache in HOME, git reads its config there);
+    everything is put back afterwards."""
+    homes = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+    saved = {k: os.environ.get(k) for k in [*DEFAULTS, "CAMBIUM_CONFIG_FILE", *homes]}
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="cambium-demo-") as tmp:
         root = Path(tmp)
@@ -12321,6 +12323,9 @@ def _demo_sandbox() -> Iterator[Path]:
             for k in DEFAULTS:
                 os.environ.pop(k, None)
             os.environ["CAMBIUM_CONFIG_FILE"] = str(root / "config.json")
+            os.environ.update(HOME=str(root / "home"), XDG_CACHE_HOME=str(root / "home/.cache"),
+                              XDG_CONFIG_HOME=str(root / "home/.config"))
+            (root / "home").mkdir()
             yield root
         finally:
             os.chdir(cwd)

@@ -6526,8 +6526,12 @@ def test_cli_unconfigured_exits_nonzero_with_guidance(tmp_path):
 
 
 def test_cli_demo_runs_the_loop():
+    home = Path(os.environ["HOME"])
+    before = sorted(home.rglob("*"))
     out = cli("demo")
     assert out.returncode == 0, out.stderr
+    assert sorted(home.rglob("*")) == before           # nothing else touched (onnxruntime's
+                                                       # cache went to HOME)
     result = json.loads(out.stdout)
     steps = {s["step"]: s for s in result["steps"]}
     assert steps["status (unconfigured)"]["configured"] is False
