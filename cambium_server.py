@@ -7450,6 +7450,19 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
     return groups
 
 
+def merged_recalls(trusts: list[dict]) -> int:
+    """The recall credits of copies merged into one item: their sum, less the
+    credits one agent earned on one day from several copies (one recall that
+    returned them all is one agent-day of the merged item); never fewer than
+    the most any copy had. Only each agent's last day is known, so an older
+    overlap still counts twice."""
+    counts = [int(t.get("recalls") or 0) for t in trusts]
+    days = collections.Counter(
+        (agent, str(day)) for t in trusts if isinstance(t.get("recalled_by"), dict)
+        for agent, day in t["recalled_by"].items())
+    return max(sum(counts) - sum(n - 1 for n in days.values()), max(counts, default=0))
+
+
 def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,
                     now: str) -> Item:
     """The survivor carrying its duplicates' recall credits, endorsements,
@@ -7464,9 +7477,8 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     ends = {e.get("by"): e for e in trust.get("endorsements") or [] if isinstance(e, dict)}
     recalled = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
-    recalls = int(trust.get("recalls") or 0)
+    recalls = merged_recalls([trust, *(t for _, t in fresh)])
     for _, t in fresh:
-        recalls += int(t.get("recalls") or 0)
         for e in t.get("endorsements") or []:
             if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
                                                                    .get("at", "")):

@@ -4423,6 +4423,18 @@ def test_consolidate_never_groups_rules_that_state_different_figures_or_a_not():
     assert not cs.decides_differently(long, short)      # a detail left out differs in nothing
 
 
+def test_merged_copies_count_one_agents_recall_of_them_all_once():
+    """One recall returned three same-text copies: three credits, one agent-day.
+    Merged, they made the survivor team-eligible on one recall."""
+    dan = {"recalls": 1, "recalled_by": {"dan": "2026-12-01"}}
+    assert cs.merged_recalls([dan, dict(dan), dict(dan)]) == 1
+    ann = {"recalls": 4, "recalled_by": {"ann": "2026-11-30", "dan": "2026-12-01"}}
+    assert cs.merged_recalls([dan, ann]) == 4          # dan's day once: 1 + 4 - 1
+    assert cs.merged_recalls([{"recalls": 2}, {"recalls": 5}]) == 7    # nothing shared
+    assert cs.merged_recalls([{"recalls": 3, "recalled_by": {"x": "d"}},
+                              {"recalls": 0, "recalled_by": {"x": "d"}}]) == 3
+
+
 def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
     keep = _trusted("Retry idempotent requests with exponential backoff and jitter",
                     recalls=2, endorsers=("bob",))
