@@ -1604,15 +1604,31 @@ def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float
     try:
         out, err = proc.communicate(input, timeout=timeout_s)
     except BaseException:
-        for pid in [*_descendants(proc.pid), proc.pid]:     # the tree first, then kill it
-            with contextlib.suppress(OSError):
-                os.kill(pid, 9)
+        _kill_tree(proc.pid)
         proc.wait()                  # (not its pipes: an escaped helper may hold them)
         for f in (proc.stdin, proc.stdout, proc.stderr):
             with contextlib.suppress(OSError, AttributeError):
                 f.close()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill `pid` and everything below it. The tree is frozen first (SIGSTOP,
+    re-read until no process is new): a child forked after one snapshot (git's
+    ssh, a hook's helper) would otherwise escape the kill and run on."""
+    frozen: set[int] = set()
+    for _ in range(50):
+        new = [p for p in [pid, *_descendants(pid)] if p not in frozen]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGSTOP)
+        frozen.update(new)
+    for p in frozen:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -2075,8 +2091,8 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
         obj = [obj]                                  # a single item
     if isinstance(obj, list):
         obj = {"items": obj}
-    if isinstance(obj, dict) and "items" not in obj and "cambium" not in obj and \
-            set(obj) - {"meta"}:                     # another tool's file: never written into
+    if isinstance(obj, dict) and "items" not in obj and \
+            set(obj) - {"meta", "cambium"}:          # another tool's file: never written into
         raise CorruptStore(f"{where} has no 'items' list (it holds "
                            f"{', '.join(sorted(map(str, obj))[:5])}): not a cambium store")
     if not isinstance(obj, dict) or not isinstance(obj.get("items", []), list):

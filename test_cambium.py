@@ -1241,6 +1241,9 @@ def test_a_file_in_another_tools_layout_is_no_store_to_write_into():
     assert cs.parse_store("{}", "org").items == []
     assert cs.parse_store(json.dumps({"cambium": 1, "items": []}), "org").items == []
     assert cs.parse_store(json.dumps({"meta": {}}), "org").items == []
+    assert cs.parse_store(json.dumps({"cambium": 1}), "org").items == []
+    with pytest.raises(cs.CorruptStore, match="not a cambium store"):   # a format key alone is no licence
+        cs.parse_store(json.dumps({"cambium": 1, "entries": [1]}), "team")
 
 
 @pytest.mark.parametrize("name", ["knowledge.json", "credits.jsonl"])
@@ -2682,6 +2685,32 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
         cs.run_bounded(["sh", "-c", "setsid sleep 15 & sleep 30"], cwd=tmp_path,
                        env=dict(os.environ), timeout_s=1)
     assert cs.time.monotonic() - started < 5
+
+
+def _processes_running(marker: str) -> list[int]:
+    out = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if marker.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                out.append(int(name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_timed_out_command_leaves_no_child_it_forked_while_being_killed(tmp_path):
+    """The kill read the process tree once: a child forked after that read
+    (git's ssh) was left running. A shell forking without pause is the worst case."""
+    marker = "61.4142"
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            cs.run_bounded(["sh", "-c", f"while :; do sleep {marker} & done"], cwd=tmp_path,
+                           env=dict(os.environ), timeout_s=0.3)
+        cs.time.sleep(0.2)
+        assert _processes_running(marker) == []
+    finally:
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
 
 
 def test_a_check_outcome_lands_on_the_copy_its_item_moved_to_while_it_ran(shared, tmp_path):
