@@ -11791,6 +11791,49 @@ def require_bearer(app: Callable, token: str) -> Callable:
     return guarded
 
 
+def answer_as_stdio_does(app: Callable) -> Callable:
+    """ASGI wrapper: a POSTed message gets what the same line gets on stdio. Lone
+    surrogate escapes are repaired (the SDK's parser called them a parse error),
+    and a request whose id is neither a string nor an integer (`"id": 1.5`,
+    which the SDK took for a notification: 202 and no answer) gets 400 with an
+    Invalid Request (unparsable_reply). Anything else reaches MCP unchanged."""
+    from mcp_types import jsonrpc_message_adapter
+    parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
+
+    async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return                                   # the client went away
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        with contextlib.suppress(UnicodeDecodeError):
+            text = repair_surrogate_escapes(body.decode("utf-8"))
+            body = text.encode("utf-8")                   # (same length: \ud800 -> \ufffd)
+            refused, reply = unparsable_reply(text, parse)
+            if refused and reply is not None and "id must be" in reply["error"]["message"]:
+                await send({"type": "http.response.start", "status": 400,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
+                return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await app(scope, replay, send)
+
+    return guarded
+
+
 def bind_http(host: str, port: int) -> Any:
     """The listening socket `serve --http` serves on, bound here (not by
     uvicorn, which exits 3 with a log line) so a taken port or an unknown host
@@ -11823,7 +11866,8 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         print(f"cambium: cannot serve on {url}: {e.strerror or e} ({fix})",
               file=sys.stderr, flush=True)
         return 1
-    app = server.streamable_http_app(host=host, transport_security=rebinding_guard(host))
+    app = answer_as_stdio_does(
+        server.streamable_http_app(host=host, transport_security=rebinding_guard(host)))
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")

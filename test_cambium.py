@@ -8663,6 +8663,23 @@ def _http_status(url: str, token: str | None) -> int:
         return e.code
 
 
+def _http_post(url: str, body: str) -> tuple[int, object]:
+    """(status, answer) of one raw JSON-RPC POST: the JSON, or the text of an event stream."""
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=body.encode(), method="POST", headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream"})
+    try:
+        with urllib.request.urlopen(req, timeout=20) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
 def test_http_serve_stopped_by_sigterm_folds_its_credits_and_exits_cleanly(repo):
     """uvicorn raised SIGTERM again after its shutdown, under the default
     handler: the process died before the clean-shutdown fold (credits stayed
@@ -8724,6 +8741,17 @@ def test_http_serve_without_token_binds_loopback_only(repo):
     with http_server(repo, None) as url:
         assert {"session_primer", "expand", "recall"} <= asyncio.run(
             _http_session(url, None, names))
+        # what stdio answers, HTTP answers: an id of 1.5 was taken for a
+        # notification (202, silence); a lone surrogate escape was a parse error
+        init = {"jsonrpc": "2.0", "id": 1.5, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"}}}
+        code, answer = _http_post(url, json.dumps(init))
+        assert code == 400 and answer["error"]["code"] == -32600, answer
+        assert "id must be a string or an integer" in answer["error"]["message"]
+        init["id"] = 2
+        code, answer = _http_post(url, json.dumps(init).replace('"t"', '"t\\ud800"'))
+        assert code == 200 and "Parse error" not in answer, answer
     out = cli("serve", "--http", "--host", "0.0.0.0", "--port", str(_free_port()))
     assert out.returncode == 2 and "CAMBIUM_HTTP_TOKEN" in out.stderr
     assert cs.http_bind_problem("::1", None) is None
