@@ -7047,9 +7047,10 @@ def org_tells(item: Item) -> list[str]:
     return tells
 
 
-def restated(item: Item, *, content: str | None = None, why: str | None = None) -> Item:
-    """The item with its content and/or why restated in general terms; each
-    concrete version it replaces moves to `example`, so nothing is lost (pure)."""
+def restated(item: Item, *, content: str | None = None, why: str | None = None,
+             kind: str | None = None) -> Item:
+    """The item with its content, why and/or kind restated in general terms;
+    each concrete version it replaces moves to `example`, so nothing is lost (pure)."""
     changes: dict[str, Any] = {}
     concrete: list[str] = []
     if content and content != item.content:
@@ -7059,6 +7060,9 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None) 
         changes["why"] = why
         if item.why:
             concrete.append(f"why: {item.why}")
+    if kind and kind != item.kind:
+        changes["kind"] = kind
+        concrete.append(f"kind: {item.kind}")
     if not changes:
         return item
     kept = item.example or ""
@@ -7100,10 +7104,10 @@ def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = 
 
 
 def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | None = None,
-                force: bool = False) -> Verdict:
+                org_kind: str | None = None, force: bool = False) -> Verdict:
     """May `item` enter org scope? Requires an endorsement; then the prose that
-    would land (with org_content / org_why restating content / why) must read
-    cross-project, unless forced."""
+    would land (with org_content / org_why / org_kind restating content / why /
+    kind) must read cross-project, unless forced."""
     if not item.active:
         return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
                                             "promoted.")
@@ -7111,24 +7115,27 @@ def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | No
         return Verdict(False, "needs_endorsement",
                        f"org scope needs an endorsement; endorse({item.id!r}, note=...) "
                        "saying why it holds beyond this project, then promote again.")
-    tells = org_tells(restated(item, content=org_content, why=org_why))
+    tells = org_tells(restated(item, content=org_content, why=org_why, kind=org_kind))
     if tells and not force:
         return Verdict(False, "needs_generalization",
                        "org scope is read by every project, and what it would publish of this "
                        "item reads project-specific. Restate the content with org_content=... "
-                       "and the why with org_why=... (the concrete versions are kept as "
-                       "`example`), re-endorse with a general note, or pass force=True to "
+                       "the why with org_why=... and the kind with org_kind=... (the concrete "
+                       "versions are kept as `example`), re-endorse with a general note, or "
+                       "pass force=True to "
                        "promote it as it is.", tells, latest_endorsement_note(item))
     return Verdict(True, "promotable", "forced past the generalization gate" if tells
                    else "endorsed", tells, forced=bool(tells))
 
 
 def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
-                  org_content: str | None = None, org_why: str | None = None) -> Item:
+                  org_content: str | None = None, org_why: str | None = None,
+                  org_kind: str | None = None) -> Item:
     """The item as it lands in a higher scope. Promotion is a verification."""
     checks = list(item.verifications or []) + [{"by": agent, "at": now,
                                                  "note": f"promoted to {scope}"}]
-    return dataclasses.replace(restated(item, content=org_content, why=org_why), scope=scope,
+    return dataclasses.replace(restated(item, content=org_content, why=org_why, kind=org_kind),
+                               scope=scope,
                                trust=trust, promoted_at=now, last_verified=now,
                                verifications=checks, updated_at=now, pr_url=None)
 
@@ -10318,6 +10325,9 @@ def promote(item_id: Annotated[str | None, Field(
                 "as `example`).")] = None,
             org_why: Annotated[str | None, Field(
                 "org: the why restated in cross-project terms (the concrete one is kept "
+                "in `example`).")] = None,
+            org_kind: Annotated[str | None, Field(
+                "org: the kind restated in cross-project terms (the concrete one is kept "
                 "in `example`).")] = None) -> dict:
     """Move knowledge up a scope once it has earned trust.
 
@@ -10328,8 +10338,8 @@ def promote(item_id: Annotated[str | None, Field(
     it (content, why, kind, endorsement notes) must read as a cross-project rule:
     text that names a file, a test, a dec-/con- id or its project is refused
     with the tells found and a ready draft; restate the content with
-    org_content=... and the why with org_why=... (the concrete versions are
-    kept as `example`) or pass force=True.
+    org_content=..., the why with org_why=... and the kind with org_kind=...
+    (the concrete versions are kept as `example`) or pass force=True.
     Org promotion pushes to the org repo, or opens a pull request when
     CAMBIUM_ORG_PR=1 (the source copy stays, annotated with pr_url, until the PR
     merges). An item leaves its old scope only after the new copy is verified
@@ -10344,6 +10354,7 @@ def promote(item_id: Annotated[str | None, Field(
         org_content = _clean_text(org_content, "org_content", MAX_CONTENT_CHARS) or None
     if org_why is not None:
         org_why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) or None
+    restate = {"org_content": org_content, "org_why": org_why, "org_kind": _org_kind(org_kind)}
     settled = settle_org_prs(cfg) if cfg.org_repo else []
     if to_scope == "team":
         out = _promote_to_team(cfg, item_id, force)
@@ -10351,7 +10362,7 @@ def promote(item_id: Annotated[str | None, Field(
         if item_id is None:
             raise InputError("item_id is required with to_scope='org': "
                              "promote(item_id, to_scope='org').")
-        out = _promote_to_org(cfg, item_id, force, org_content, org_why)
+        out = _promote_to_org(cfg, item_id, force, restate)
     if settled:
         out["settled_org_prs"] = settled
     return out
@@ -10413,9 +10424,15 @@ def _org_refusal(item: Item, verdict: Verdict) -> dict:
     out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
     if verdict.tells:
         out.update(tells=verdict.tells, draft=verdict.draft,
-                   retry=f"promote({item.id!r}, to_scope='org', org_content=<the rule in "
-                         "general terms>, org_why=<why it holds, in general terms>)")
+                   retry=f"promote({item.id!r}, to_scope='org', {_restating(verdict.tells)})")
     return out
+
+
+def _restating(tells: list[str]) -> str:
+    """The arguments that restate what `tells` flag (org_kind only for a kind's)."""
+    return ("org_content=<the rule in general terms>, org_why=<why it holds, in general "
+            "terms>" + (", org_kind=<a general kind>"
+                        if any(t.startswith("kind ") for t in tells) else ""))
 
 
 def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
@@ -10434,8 +10451,13 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
                     f"{item.status} since: that is carried to org, and the {scope} copy left"}
 
 
-def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | None,
-                    org_why: str | None) -> dict:
+def _org_kind(kind: str | None) -> str | None:
+    """An org_kind argument, cleaned as capture cleans a kind; None: not restated."""
+    return None if kind is None else _clean_text(kind, "org_kind", 40) or None
+
+
+def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> dict:
+    """restate: org_content, org_why, org_kind (None: kept as it is)."""
     scope, item = locate(cfg, item_id)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
@@ -10452,7 +10474,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
         scope, item = locate(cfg, item_id)
 
     def gate(it: Item) -> Verdict:
-        return org_verdict(it, org_content=org_content, org_why=org_why, force=force)
+        return org_verdict(it, **restate, force=force)
 
     if not (verdict := gate(item)).allowed:
         return _org_refusal(item, verdict)
@@ -10461,7 +10483,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
 
     def copy(it: Item) -> Item:
         return promoted_copy(it, "org", trust=effective_trust(it, pending), agent=cfg.agent,
-                             now=now, org_content=org_content, org_why=org_why)
+                             now=now, **restate)
 
     branch = pr_branch(cfg, "org", f"promote-{item_id}")
     body = (f"Promotes knowledge item {item_id} from {scope} scope of {item.project}.\n\n"
@@ -10483,7 +10505,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, org_content: str | N
     extra = {**({"forced": True} if verdict.forced else {}),
              **({"closed_pr": declined["pr_url"]} if declined else {})}
     return _org_promoted(cfg, moved, scope, branch, extra,
-                         restated=bool(org_content or org_why))
+                         restated=any(restate.values()))
 
 
 def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, extra: dict, *,
@@ -10529,14 +10551,17 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
                    "the latest endorsement note.")] = None,
                org_why: Annotated[str | None, Field(
                    "The why restated in general terms.")] = None,
+               org_kind: Annotated[str | None, Field(
+                   "The kind restated in general terms.")] = None,
                note: Annotated[str, Field("Why it was restated.")] = "") -> dict:
     """Restate an org item as the cross-project rule, in place.
 
     For org items that crossed before the generalization gate or were forced
     past it (review_promotions lists them under org_needs_generalization). The
     concrete versions are kept as `example`. org_content: the general
-    restatement of the content; org_why: of the why. With neither, the item's
-    latest endorsement note restates the content. note: why. Writes through
+    restatement of the content; org_why: of the why; org_kind: of the kind.
+    With none of them, the item's latest endorsement note restates the
+    content. note: why. Writes through
     the org path: a direct push, or one shared `cambium/generalize` pull
     request when CAMBIUM_ORG_PR=1 (repeated calls batch into it). Idempotent:
     restating to the same text changes nothing.
@@ -10547,18 +10572,19 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
                                                    required=True)
     content = None if org_content is None else _clean_text(      # "" is no restatement
         org_content, "org_content", MAX_CONTENT_CHARS, required=True)
+    kind = None if org_kind is None else _clean_text(org_kind, "org_kind", 40, required=True)
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
     changed: list[bool] = []
 
     def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
         _require_active(it, "generalized")
-        text = content or (None if why else latest_endorsement_note(it))
-        if not text and not why:
+        text = content or (None if why or kind else latest_endorsement_note(it))
+        if not (text or why or kind):
             raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
-                             "org_content= (and/or org_why=) with the rule stated in general "
-                             "terms.")
-        new = restated(it, content=text, why=why)
+                             "org_content= (and/or org_why=, org_kind=) with the rule stated "
+                             "in general terms.")
+        new = restated(it, content=text, why=why, kind=kind)
         changed.append(new is not it)
         return None if new is it else dataclasses.replace(
             new, updated_at=now, extra={**it.extra, "generalized": {
@@ -10626,8 +10652,7 @@ def review_promotions() -> dict:
             out["org_needs_generalization"].append({
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": latest_endorsement_note(it),
-                "fix": f"generalize({it.id!r}, org_content=<the rule in general terms>, "
-                       "org_why=<why, in general terms>)"})
+                "fix": f"generalize({it.id!r}, {_restating(tells)})"})
     if settled:
         out["settled_org_prs"] = settled
     if prs.withdrawn:

@@ -4024,6 +4024,33 @@ def _count_fetches(monkeypatch) -> list[Path]:
     return fetched
 
 
+def test_a_kind_the_org_gate_flags_can_be_restated(shared, monkeypatch):
+    """A kind such as test_refunds was a tell no argument could restate: promote
+    refused it for good, and an item forced past the gate stayed listed under
+    org_needs_generalization whatever generalize was given."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    blocked = cs.capture("Retry idempotent calls with backoff", kind="test_refunds")["item"]["id"]
+    cs.endorse(blocked, note="holds for any remote call")
+    refused = cs.promote(blocked, to_scope="org")
+    assert refused["tells"] == ["kind names a test: test_refunds"]
+    assert "org_kind=" in refused["retry"]
+    done = cs.promote(blocked, to_scope="org", org_kind="pattern")
+    assert done["status"] == "promoted" and done["item"]["kind"] == "pattern"
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == blocked]
+    assert org["kind"] == "pattern" and org["example"] == "kind: test_refunds"
+    forced = cs.capture("Cap every retry loop", kind="test_refunds")["item"]["id"]
+    cs.endorse(forced, note="an unbounded loop turns a blip into an outage")
+    cs.promote(forced, to_scope="org", force=True)
+    (listed,) = cs.review_promotions()["org_needs_generalization"]
+    assert listed["id"] == forced and "org_kind=" in listed["fix"]
+    out = cs.generalize(forced, org_kind="pattern")
+    assert out["status"] == "generalized" and out["tells_left"] == []
+    assert out["item"]["content"] == "Cap every retry loop"    # kind only: content kept
+    assert cs.review_promotions()["org_needs_generalization"] == []
+    with pytest.raises(cs.InputError, match="org_kind"):
+        cs.generalize(forced, org_kind="  ")
+
+
 def test_generalize_refuses_a_retired_org_item(shared, monkeypatch):
     """generalize rewrote the content of a superseded org item (endorse
     refused the same item)."""
