@@ -1229,16 +1229,44 @@ ORIGINS = {"env": "the environment", "cwd": "the git root of the working directo
 MAX_CONFIG_BYTES = 1024 * 1024   #: a config file above this is ignored, with a config_file_error
 
 
-def read_regular(path: Path, limit: int, *, nofollow: bool = False) -> bytes:
-    """A file's bytes, read only if it is a regular file (a FIFO or a device
-    would block or never end) of at most `limit` bytes; OSError else
-    (FileNotFoundError when it does not exist). nofollow: a symbolic link
-    there is refused too (O_NOFOLLOW)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
-                 | (getattr(os, "O_NOFOLLOW", 0) if nofollow else 0))
+#: os.open flag that makes opening a symbolic link fail (ELOOP) instead of
+#: following it: cambium writes no file inside .cambium/ through a link.
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _open_nofollow(path: str | os.PathLike, flags: int) -> int:
+    """An `opener` for open(): os.open that never follows a symbolic link."""
+    return os.open(path, flags | NOFOLLOW, 0o644)
+
+
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, *,
+                 follow: bool = False) -> int:
+    """An `opener` for open() of a file in .cambium/: never follows a symbolic
+    link (unless `follow`), never blocks (O_NONBLOCK: opening a FIFO waits for
+    its other end), and refuses anything but a regular file with an OSError.
+    The sweep moves such files aside, but not in a `.cambium` that is itself a link."""
+    fd = os.open(path, flags | (0 if follow else NOFOLLOW) | getattr(os, "O_NONBLOCK", 0),
+                 0o644)
     try:
-        if not _stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError("it is not a regular file (a FIFO, socket or device?)")
+        mode = os.fstat(fd).st_mode
+        if _stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not _stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)",
+                          str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path, limit: int, *, nofollow: bool = False) -> bytes:
+    """A file's bytes, read only if it is a regular file (open_regular: a FIFO
+    or a device would block or never end) of at most `limit` bytes; OSError
+    else (FileNotFoundError when it does not exist). nofollow: a symbolic link
+    there is refused too."""
+    fd = open_regular(path, follow=not nofollow)
+    try:
         data = os.read(fd, limit + 1)
         while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
             data += chunk
@@ -1879,35 +1907,6 @@ def write_loose(objects: Path, kind: str, body: bytes) -> str:
 STORE_TAIL = b"\n]}\n"      #: how a store with items ends; an append writes over it
 _STRUCTURAL = frozenset((b"", b"{", b"}", b"[", b"]", b"]}", b"],", b'"items": [',
                          b'"items": []}'))
-
-
-#: os.open flag that makes opening a symbolic link fail (ELOOP) instead of
-#: following it: cambium writes no file inside .cambium/ through a link.
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def _open_nofollow(path: str | os.PathLike, flags: int) -> int:
-    """An `opener` for open(): os.open that never follows a symbolic link."""
-    return os.open(path, flags | NOFOLLOW, 0o644)
-
-
-def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
-    """An `opener` for open() of a file in .cambium/: never follows a symbolic
-    link, never blocks (O_NONBLOCK: opening a FIFO waits for its other end),
-    and refuses anything but a regular file with an OSError. The sweep moves
-    such files aside, but not in a `.cambium` that is itself a link."""
-    fd = os.open(path, flags | NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o644)
-    try:
-        mode = os.fstat(fd).st_mode
-        if _stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
-        if not _stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)",
-                          str(path))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 @contextlib.contextmanager
@@ -4311,7 +4310,8 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
     repo, t, b, remote = board.repo, cfg.git_timeout_s, board.branch, board.remote
     tracking = f"refs/remotes/{remote}/{b}"
     fetched, detail, missing = _fetch_board_branch(repo, remote, b, tracking, t)
-    if missing and not _has_ref(repo, f"refs/heads/{b}", t):
+    local = _has_ref(repo, f"refs/heads/{b}", t)
+    if missing and not local:
         return None, [], dataclasses.replace(
             board, status="absent", reason=f"{repo} has no '{b}' board on '{remote}' yet "
                                            "(agentsync creates it on the first claim)",
@@ -4323,7 +4323,7 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
             fix="if the board moved, set CAMBIUM_AGENTSYNC_BRANCH or AGENTSYNC_BOARD_REPO; "
                 "otherwise nothing to do until an agent claims work through agentsync again")
     ref = tracking if _has_ref(repo, tracking, t) else None
-    if ref is None and _has_ref(repo, f"refs/heads/{b}", t):
+    if ref is None and local:
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
     if ref is None:
         return None, [], dataclasses.replace(
