@@ -9171,8 +9171,7 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
         done = "; ".join(f"{k} {v['status']} (imported {v['imported']})"
                          for k, v in plan.sources.items()) or "nothing else to read"
         name, err = errors[0]
-        raise SubstrateError(f"{name} could not be read: {type(err).__name__}: "
-                             f"{str(err).rstrip('.')}. "
+        raise SubstrateError(f"{name} could not be read: {str(err).rstrip('.')}. "
                              f"The rest of the sweep completed: {done}.")
     return result
 
