@@ -8955,12 +8955,22 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
                 "by": "distill", "at": now, "reason": reason})
 
         try:
-            change_item(cfg, where, entry["id"], retire, f"distill retires {entry['id']}")
-            retired.append({**entry, "scope": where})
+            write = change_item(cfg, where, entry["id"], retire,
+                                f"distill retires {entry['id']}")[1]
         except CambiumError as e:
             pending.append(entry)
             warnings.append(f"context-keeper {entry['ref']} is retired at its source but "
                             f"its {where} item {entry['id']} could not be retired: {e}")
+            continue
+        if pr_branch(cfg, where, "updates") is None:
+            retired.append({**entry, "scope": where})
+            continue
+        pending.append({**entry, "scope": where, "pr_url": write.pr_url})   # proposed only:
+        warnings.append(                                # org serves it until a person merges
+            f"context-keeper {entry['ref']} is retired at its source; retiring its org item "
+            f"{entry['id']} waits on the pull request "
+            + (write.pr_url or f"on {write.branch}, which could not be opened yet (the next "
+               "distill tries again)") + ", and org serves it as active until that merges")
     return retired, pending, warnings
 
 

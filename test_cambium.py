@@ -5842,11 +5842,23 @@ def test_distill_waits_to_retire_an_item_whose_org_pull_request_is_open(
     git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{item_id}")
     git(merger, "push", "-q", "origin", "main")
     assert cs.review_promotions()["settled_org_prs"] == [item_id]
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")          # (a direct write, to read it back)
-    again = cs.distill()
-    assert again["retired_items"][0]["scope"] == "org"
+    # in PR mode the org retirement is proposed, not done: every distill said
+    # `retired: 1` of it, again and again, while org still served it active
+    for _ in range(2):
+        again = cs.distill()
+        assert again["retired"] == 0 and "retired_items" not in again, again
+        (waiting,) = again["sources"]["context-keeper"]["retire_elsewhere"]
+        assert waiting["id"] == item_id and waiting["scope"] == "org"
+        assert waiting["pr_url"].startswith(PR_URL)
+        assert any("waits on the pull request " + waiting["pr_url"] in w
+                   for w in again["warnings"])
+    git(merger, "pull", "-q", "--ff-only", "origin", "cambium/updates")
+    git(merger, "push", "-q", "origin", "main")         # a person merges it
     (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
     assert org["status"] == "deprecated"
+    settled = cs.distill()
+    assert settled["retired"] == 0 and "retire_elsewhere" not in settled["sources"][
+        "context-keeper"] and not any(item_id in w for w in settled["warnings"])
 
 
 def test_release_capture_prompts_to_reverify_related_promoted_entries(shared, monkeypatch):
