@@ -824,6 +824,8 @@ def json_problem(e: Exception, limit: int = 100, *, one_line: bool = False) -> s
     if isinstance(e, json.JSONDecodeError):
         at = f"column {e.colno}" if one_line else f"line {e.lineno} column {e.colno}"
         return f"{e.msg}: {at}"[:limit]
+    if isinstance(e, ValueError) and "integer string conversion" in str(e):
+        return "a number in it has over 4,300 digits, more than can be read"
     return str(e)[:limit]
 
 
@@ -11502,9 +11504,7 @@ def unparsable_reply(line: str, parse: Callable[[str], Any]) -> tuple[bool, dict
             doc = json.loads(line)
         except (ValueError, RecursionError) as bad:
             _, keys = _top_level_keys(line)
-            why = ("an integer of more than 4300 digits" if "4300 digits" in str(bad)
-                   else json_problem(bad, 120))
-            return True, _rpc_error(keys, -32700, f"Parse error: {why}.")
+            return True, _rpc_error(keys, -32700, f"Parse error: {json_problem(bad, 120)}.")
         keys = ({f'"{k}"': doc[k] for k in ("id", "method") if k in doc}
                 if isinstance(doc, dict) else {})
         first = (getattr(e, "errors", lambda: [{}])() or [{}])[0]
