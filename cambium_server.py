@@ -835,6 +835,8 @@ def json_kind(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (int, float)):
         return "a number"
+    if isinstance(value, str):
+        return "a string"
     return "a list" if isinstance(value, (list, tuple)) else "an object"
 
 
@@ -4523,7 +4525,8 @@ def _draft_noted(rec: Draft | Skip, note: str | None) -> Draft | Skip:
 
 
 def _json_document(path: Path) -> Iterator[Draft | Skip]:
-    """The records of one JSON document: an array, or an object wrapping one."""
+    """The records of one JSON document: an array, or an object wrapping one
+    or more (every list under a wrapper key is read, each record named by it)."""
     text, replaced = utf8_or_replaced(path.read_bytes())
     try:
         data = json.loads(text.removeprefix("\ufeff"))
@@ -4532,17 +4535,20 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
                            "per line")
         return
     if isinstance(data, dict):
-        key = next((k for k in _WRAPPER_KEYS if isinstance(data.get(k), list)), None)
-        records = [data] if key is None else data[key]
+        keys = [k for k in _WRAPPER_KEYS if isinstance(data.get(k), list)]
+        lists = [(f"{k} " if len(keys) > 1 else "", data[k]) for k in keys] or [("", [data])]
     elif isinstance(data, list):
-        records = data
+        lists = [("", data)]
     else:
-        yield Skip("file", f"holds a JSON {type(data).__name__}; expected an array or an "
-                           "object wrapping one")
+        yield Skip("file", f"holds {json_kind(data)}; expected an array or an object "
+                           "wrapping one")
         return
-    for i, rec in enumerate(records, 1):
-        yield _draft_noted(json_record_to_draft(rec, f"record {i}", origin=path.name),
-                     f"the file: {NOT_UTF8}" if replaced and i == 1 else None)
+    first = True
+    for prefix, records in lists:
+        for i, rec in enumerate(records, 1):
+            yield _draft_noted(json_record_to_draft(rec, f"{prefix}record {i}", origin=path.name),
+                               f"the file: {NOT_UTF8}" if replaced and first else None)
+            first = False
 
 
 MAX_FIRST_LINE_CHARS = 32 * 1024 * 1024   #: a longer first line is no JSONL record

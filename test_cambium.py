@@ -4716,6 +4716,13 @@ def test_import_json_array_and_wrapper_object(repo, tmp_path):
     wrapped.write_text(json.dumps({"exported_by": "x", "memories": [
         {"uuid": "w1", "note": "rotate api tokens quarterly", "reason": "leaks"}]}))
     assert cs.import_memory("json", str(wrapped))["imported"] == 1
+    both = tmp_path / "both.json"             # every wrapper list is read (only the first was)
+    both.write_text(json.dumps({"items": [{"id": "b1", "content": "pin base images by digest"}],
+                                "data": [{"id": "b2", "content": "tag releases from main"},
+                                         "not a record"]}))
+    res = cs.import_memory("json", str(both))
+    assert (res["imported"], res["skipped_reasons"]) == (2, [
+        {"where": "data record 2", "reason": "not an object (a string)"}]), res
     items = {i.source["ref"]: i for i in cs.store(cs.resolve_config(), "local").read().items}
     a1 = items["a1"]
     assert a1.content == "Queues: drain queues before deploys"
