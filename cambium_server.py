@@ -7190,9 +7190,16 @@ def checked(item: Item, outcome: dict, *, now: str) -> Item:
 
 
 def age_days(item: Item, now: datetime) -> int | None:
-    """Whole days since the item was last verified (else promoted, else created)."""
-    stamp = _parse_ts(item.last_verified or item.promoted_at or item.created_at)
+    """Whole days since the item was last verified (else promoted, else created;
+    a stamp that does not parse, hand-written "yesterday", counts as absent)."""
+    stamp = next(filter(None, map(_parse_ts, (item.last_verified, item.promoted_at,
+                                              item.created_at))), None)
     return None if stamp is None else max(0, (now - stamp).days)
+
+
+def verified(item: Item) -> bool:
+    """Whether the item carries a verification time that can be read."""
+    return _parse_ts(item.last_verified) is not None
 
 
 def stale_items(items: Iterable[Item], *, now: datetime, project: str | None = None,
@@ -7205,15 +7212,15 @@ def stale_items(items: Iterable[Item], *, now: datetime, project: str | None = N
             continue
         if project and it.project != project:
             continue
-        age = age_days(it, now)
-        if older_than_days is not None and (age is None or age < older_than_days):
+        age = age_days(it, now)                  # (an age nothing tells is listed)
+        if older_than_days is not None and age is not None and age < older_than_days:
             continue
         rows.append((it, age))
-    rows.sort(key=lambda r: (not r[0].failing, r[0].last_verified is not None,
-                             r[0].last_verified or "", -(r[1] or 0), r[0].id))
+    rows.sort(key=lambda r: (not r[0].failing, verified(r[0]),
+                             _parse_ts(r[0].last_verified) or now, -(r[1] or 0), r[0].id))
     return [{"id": it.id, "scope": it.scope, "project": it.project, "content": it.content,
              "valid_while": it.valid_while, "last_verified": it.last_verified,
-             "never_verified": it.last_verified is None, "age_days": age,
+             "never_verified": not verified(it), "age_days": age,
              "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
             for it, age in rows]
 

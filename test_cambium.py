@@ -4989,6 +4989,15 @@ def test_stale_items_order_flags_and_filters():
         ["never", "middle"]
     assert [r["content"] for r in cs.stale_items(items, now=now, older_than_days=100)] == \
         ["never", "old", "middle"]
+    # a hand-written stamp that is no time: unverified, aged by the next stamp
+    # that reads, listed when none does (it sorted as verified and was filtered out)
+    odd = [_team_item("yesterday", "shop", "yesterday", created="2026-06-01T00:00:00Z"),
+           _team_item("undated", "shop", "soon", created="a while ago")]
+    rows = cs.stale_items(items + odd, now=now, older_than_days=100)
+    seen = [(r["content"], r["never_verified"], r["age_days"]) for r in rows]
+    assert set(seen[:3]) == {("never", True, 181), ("yesterday", True, 181),
+                             ("undated", True, None)}, rows
+    assert seen[2:] == [("undated", True, None), ("old", False, 273), ("middle", False, 120)]
 
 
 def test_stale_report_reads_team_and_org(shared, monkeypatch):
