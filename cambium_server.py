@@ -2706,8 +2706,10 @@ def set_aside_links(local_dir: Path) -> None:
                     os.rename(e.path, f"{e.path}{tag}{_stamp()}")
 
 
-def set_aside_warnings(path: Path) -> list[str]:
-    """What is set aside beside the store and not yet restored, and what to do."""
+def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]:
+    """What is set aside beside the store and not yet restored, and what to do.
+    knowledge_only: only what holds items nobody is served until it is restored
+    (a store or its lines set aside, a store link moved aside or dangling)."""
     if path.parent.is_symlink() and not path.parent.exists():
         with contextlib.suppress(OSError):
             return [f"{path.parent} is a symbolic link to {os.readlink(path.parent)}, which "
@@ -2722,7 +2724,7 @@ def set_aside_warnings(path: Path) -> list[str]:
             names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub))
                       if LINK_TAG in n or ODD_TAG in n]
     out = []
-    if path.parent.is_symlink():
+    if path.parent.is_symlink() and not knowledge_only:
         with contextlib.suppress(OSError):
             out.append(f"{path.parent} is a symbolic link to {os.readlink(path.parent)}: "
                        "cambium keeps its local files there. If you did not make that link, "
@@ -2732,6 +2734,8 @@ def set_aside_warnings(path: Path) -> list[str]:
             link = path.parent / name
             with contextlib.suppress(OSError):
                 target, was = os.readlink(link), name.split(LINK_TAG)[0]
+                if knowledge_only and was != path.name:
+                    continue
                 fix = (f"run `{_prog()} restore {target}` to bring its items in, then delete "
                        "the link" if was == path.name else
                        "copy what you need from the target, then delete the link")
@@ -2740,6 +2744,8 @@ def set_aside_warnings(path: Path) -> list[str]:
                            f"and left its target untouched: {fix}.")
             continue
         if ODD_TAG in name:
+            if knowledge_only:
+                continue
             out.append(f"{path.parent / name.split(ODD_TAG)[0]} was not a regular file (a "
                        "FIFO, socket or device), which cambium cannot read or write, so it "
                        f"moved it to {path.parent / name}: delete it once you know what made "
@@ -10087,6 +10093,9 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
     """The primer, with the ids of its entries under "ids"; the paths its
     lines point at are added to `anchored` when given."""
     docs, warnings = read_scopes_offline(cfg)
+    warnings += [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE,  # awaiting restore:
+                                               knowledge_only=True)  # not "nothing known yet"
+                 if w not in warnings]
     now = datetime.now(timezone.utc)
     pending: dict[str, list] = {}
     try:

@@ -8513,6 +8513,16 @@ def test_primer_serves_the_lines_that_parse_of_a_damaged_local_file(repo):
     assert "could not be read" in out["primer"] and out["warnings"]
     assert out["tokens"] == cs.approx_tokens(out["primer"]) > 0     # its one line counts
     assert store.read_text() == "{ corrupt"
+    cs.recall("base image")                          # a call that sets the whole file aside
+    assert len(list(store.parent.glob("knowledge.json.corrupt-*"))) == 1
+    for out in (cs.session_primer(), json.loads(cli("primer", "--format", "json").stdout)):
+        assert "nothing known yet" not in out["primer"], out     # (it said so, and the
+        assert "could not be read" in out["primer"]              # hook told the agent)
+        assert any("restore" in w for w in out["warnings"])
+    hook = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], text=True,
+                          input=json.dumps({"cwd": str(repo), "session_id": "s1"}),
+                          capture_output=True, env=child_env(), timeout=60)
+    assert hook.returncode == 0 and hook.stdout == "", hook.stdout
 
 
 def test_a_primer_whose_items_all_fail_their_checks_does_not_say_nothing_is_known(repo):
