@@ -8674,9 +8674,14 @@ def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str
     omitted = total - shown
     tail = (f"{omitted} more not shown: recall(<topic>) finds them. " if omitted else "") + \
         "expand(id) gives one item whole; capture() what you learn; distill() at the end."
-    size = approx_tokens("\n".join(body + [tail])) + 16
-    head = f"cambium primer for {project}: {shown} of {total} items, ~{size} tokens."
-    return "\n".join([head] + body + [tail])
+    size, text = approx_tokens("\n".join(body + [tail])) + 16, ""
+    for _ in range(3):                  # the size it states is the size of the whole text
+        head = f"cambium primer for {project}: {shown} of {total} items, ~{size} tokens."
+        text = "\n".join([head] + body + [tail])
+        if approx_tokens(text) == size:
+            break
+        size = approx_tokens(text)
+    return text
 
 
 def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
