@@ -9472,6 +9472,8 @@ def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
     def apply(it: Item) -> Item | None:
         if (check_cmd(it) or "") == cmd:
             return None
+        if cmd:                                   # verify --run would never run it
+            _require_active(it, "given a check")
         return dataclasses.replace(it, check=check, failing=None if not cmd else it.failing,
                                    updated_at=now)
 
@@ -9521,6 +9523,9 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
             outcomes[it.id] = run_check(cmd, cfg.repo, timeout_s)
             results.append({"id": it.id, "scope": scope, **outcomes[it.id]})
         _record_checks(cfg, outcomes)
+    if item_id and not results and not skipped:
+        _no_check_to_run(item_id, [it for doc in docs.values() for it in doc.items
+                                   if it.id == item_id], warnings)
     out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in results),
                            "failed": [r["id"] for r in results if not r["passed"]],
                            "results": results}
@@ -9529,6 +9534,18 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def _no_check_to_run(item_id: str, copies: list[Item], warnings: list[str]) -> None:
+    """Why `verify --run ID` ran nothing, as the error it is (it said ran: 0)."""
+    if not copies:
+        unread = f" ({'; '.join(warnings)})" if warnings else ""
+        raise NotFound(f"No item {item_id} in any readable scope{unread}; recall lists ids.")
+    it = copies[0]
+    if not it.active:
+        raise Refused(f"item {item_id} is {it.status}: its check does not run any more.")
+    raise Refused(f"item {item_id} has no check attached: `{_prog()} verify-cmd {item_id} "
+                  "CMD` attaches one.")
 
 
 def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> None:
@@ -10881,14 +10898,47 @@ def _refuse_while_waiting(scope: str, item: Item) -> None:
 
 
 def _require_active(item: Item, verb: str) -> None:
-    """Refuse to act on a retired item, saying what replaced it if anything."""
+    """Refuse to act on a retired item, saying what replaced it if anything
+    (the end of a chain of corrections, not the next retired link)."""
     if item.active:
         return
-    if item.status == "superseded":
-        by = (item.superseded_by or {}).get("id") if isinstance(item.superseded_by, dict) \
-            else item.superseded_by
-        raise Refused(f"item {item.id} is superseded by {by}; that one can be {verb}.")
-    raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
+    first = _superseded_by(item) if item.status == "superseded" else None
+    if first is None:
+        raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
+    ids, end = _replacements(first)
+    via = ids[-1] + (f" (through {', '.join(ids[:-1])})" if len(ids) > 1 else "")
+    if end is not None and not end.active:
+        raise Refused(f"item {item.id} is superseded by {via}, which is {end.status}; "
+                      f"nothing there can be {verb}.")
+    raise Refused(f"item {item.id} is superseded by {via}; that one can be {verb}.")
+
+
+def _superseded_by(item: Item) -> str | None:
+    by = item.superseded_by
+    by = by.get("id") if isinstance(by, dict) else by
+    return by if isinstance(by, str) and by else None
+
+
+def _replacements(first: str) -> tuple[list[str], Item | None]:
+    """The ids that replaced an item, from `first` to the last, followed through
+    every scope as last read (no fetch: a refusal must not wait on the network),
+    and the last one's item when some scope holds it."""
+    ids = [first]
+    try:
+        docs, _ = read_scopes_offline(resolve_config())
+    except (CambiumError, OSError):
+        return ids, None
+    copies: dict[str, Item] = {}
+    for doc in docs.values():
+        for it in doc.items:
+            if it.id not in copies or it.active:        # a live copy wins
+                copies[it.id] = it
+    end = copies.get(first)
+    while end is not None and (nxt := _superseded_by(end) if end.status == "superseded"
+                               else None) and nxt not in ids and len(ids) < 50:
+        ids.append(nxt)
+        end = copies.get(nxt)
+    return ids, end
 
 
 def consolidate(apply: Annotated[bool, Field(
@@ -12053,7 +12103,7 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
     """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
     if args.run:
         if not 0 < args.timeout <= 86_400:
-            raise InputError("--timeout must be between 0 and 86400 seconds.")
+            raise InputError("--timeout must be more than 0 and at most 86400 seconds.")
         return _cli_print(args, {"item_id": args.item_id, "timeout_s": args.timeout},
                           run_checks)
     if args.item_id is None:

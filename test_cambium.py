@@ -4366,6 +4366,19 @@ def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
     assert stored[wrong]["superseded_by"]["id"] == fixed["id"]
     with pytest.raises(cs.Refused, match=f"superseded by {fixed['id']}"):
         cs.correct(wrong, "again")
+    # a chain names its live end: "superseded by B" sent the caller to B, refused too
+    last = cs.correct(fixed["id"], "Webhooks retry seven times")["item"]["id"]
+    for call in (lambda: cs.endorse(wrong), lambda: cs.verify_entry(wrong),
+                 lambda: cs.correct(wrong, "again")):
+        with pytest.raises(cs.Refused, match=f"superseded by {last} \\(through "
+                                             f"{fixed['id']}\\); that one can be"):
+            call()
+    out = cli("verify-cmd", wrong, "true")          # (attached, then never run)
+    assert out.returncode == 1 and f"superseded by {last}" in out.stderr, out.stderr
+    cs.deprecate(last, reason="webhooks are gone")
+    with pytest.raises(cs.Refused, match=f"superseded by {last} .*, which is deprecated; "
+                                         "nothing there can be endorsed"):
+        cs.endorse(wrong)
     with pytest.raises(cs.NotFound):
         cs.correct("k-000000000000", "anything")
     with pytest.raises(cs.InputError, match="content"):
@@ -4673,6 +4686,11 @@ def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
     cleared = json.loads(cli("verify-cmd", item_id, "").stdout)
     assert cleared["status"] == "check_removed" and "check" not in cleared["item"]
     assert json.loads(cli("verify", "--run").stdout)["ran"] == 0
+    for args, why in (((item_id,), f"item {item_id} has no check attached"),   # (these said
+                      (("k-000000000000",), "No item k-000000000000"),          # ran: 0, exit 0)
+                      (("--timeout", "0"), "more than 0 and at most 86400")):
+        out = cli("verify", "--run", *args)
+        assert out.returncode == 1 and why in out.stderr, (args, out.stderr)
 
 
 def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
