@@ -187,7 +187,12 @@ class ConfigError(CambiumError):
 
 
 class InputError(CambiumError):
-    """An argument is invalid; the message says which and why."""
+    """An argument is invalid; the message says which and why (`argument`, when
+    given, names it for the tool error's structured answer)."""
+
+    def __init__(self, message: str, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
 
 
 class NotFound(CambiumError):
@@ -1170,41 +1175,43 @@ def _is_decimal(value: str) -> bool:
             is not None and math.isfinite(float(value)))
 
 
-def _validate(key: str, value: str) -> str | None:
-    """Why `value` is invalid for `key`, or None when it is fine."""
+def _validate(key: str, value: str, name: str | None = None) -> str | None:
+    """Why `value` is invalid for `key`, or None when it is fine (said of the
+    argument `name` when given, else of the setting)."""
+    label = f"{name} {value!r}" if name else f"{key}={value!r}"
     if key in ("CAMBIUM_TEAM_BRANCH", "CAMBIUM_AGENTSYNC_BRANCH"):
         if not is_valid_branch(value):
-            return f"{key}={value!r} is not a valid git branch name"
+            return f"{label} is not a valid git branch name"
     elif key == "CAMBIUM_REMOTE":
         if value.startswith("-") or not re.fullmatch(r"[\w.\-/]+", value):
-            return f"{key}={value!r} is not a valid remote name"
+            return f"{label} is not a valid remote name"
     elif key == "CAMBIUM_GIT_TIMEOUT":
         if not (_is_decimal(value) and GIT_TIMEOUT_RANGE[0] <= float(value) <= GIT_TIMEOUT_RANGE[1]):
             lo, hi = GIT_TIMEOUT_RANGE
-            return f"{key}={value!r} must be a number of seconds from {lo:g} to {hi:g}"
+            return f"{label} must be a number of seconds from {lo:g} to {hi:g}"
     elif key == "CAMBIUM_FETCH_INTERVAL":
         if not (_is_decimal(value) and float(value) > 0):
-            return f"{key}={value!r} must be a positive number of seconds"
+            return f"{label} must be a positive number of seconds"
     elif key == "CAMBIUM_PROMOTE_RECALLS":
         if not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < 1:
-            return f"{key}={value!r} must be a whole number >= 1"
+            return f"{label} must be a whole number >= 1"
     elif key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
         if value not in ("0", "1"):
-            return f"{key}={value!r} must be 0 or 1"
+            return f"{label} must be 0 or 1"
     elif key == "CAMBIUM_RECALL_MODE":
         if value not in RECALL_MODES:
-            return f"{key}={value!r} must be one of {', '.join(RECALL_MODES)}"
+            return f"{label} must be one of {', '.join(RECALL_MODES)}"
     elif key == "CAMBIUM_RERANK":
         if value not in RERANK_MODES:
-            return f"{key}={value!r} must be one of {', '.join(RERANK_MODES)}"
+            return f"{label} must be one of {', '.join(RERANK_MODES)}"
     elif key == "CAMBIUM_AGENT_ID":
         if value.startswith("-") or not re.fullmatch(r"[\w.@\-]{1,64}", value):
-            return f"{key}={value!r} must be 1-64 letters, digits, '.', '_', '-' or '@'"
+            return f"{label} must be 1-64 letters, digits, '.', '_', '-' or '@'"
     elif key in ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
         if "\0" in value:
-            return f"{key}={value!r} holds a NUL byte, which no file path can contain"
+            return f"{label} holds a NUL byte, which no file path can contain"
         if not os.path.isabs(os.path.expanduser(value)):
-            return f"{key}={value!r} must be an absolute path"
+            return f"{label} must be an absolute path"
     return None
 
 
@@ -9742,11 +9749,13 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     env = os.environ
     root = _project_root(project_repo)
     agent_id = (agent_id or "").strip()
-    problem = _validate("CAMBIUM_AGENT_ID", agent_id) if agent_id else "agent_id is required"
+    problem = _validate("CAMBIUM_AGENT_ID", agent_id, "agent_id") if agent_id else \
+        "agent_id is required"
     if problem:
-        raise InputError(problem + ".")
+        raise InputError(problem + ".", "agent_id")
     if team_branch is not None and not is_valid_branch(team_branch):
-        raise InputError(f"team_branch {team_branch!r} is not a valid git branch name.")
+        raise InputError(f"team_branch {team_branch!r} is not a valid git branch name.",
+                         "team_branch")
     updates: dict[str, str] = {"CAMBIUM_REPO": str(root), "CAMBIUM_AGENT_ID": agent_id}
     if team_branch:
         updates["CAMBIUM_TEAM_BRANCH"] = team_branch
@@ -9756,7 +9765,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     if org_repo:
         org_offer, org_path = _resolve_org_repo(org_repo)
         if org_path and (clash := org_clone_problem(org_path, root)):
-            raise InputError(f"org_repo {org_path} {clash}")
+            raise InputError(f"org_repo {org_path} {clash}", "org_repo")
         if org_path:
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
     cfg_path = config_file_path(env)
@@ -9831,9 +9840,12 @@ def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
     """(offer of commands, None) for an owner/name; (None, path) for a local clone."""
     candidate = Path(os.path.expanduser(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and candidate.exists():
-        root = git_toplevel(candidate)
+        root = git_toplevel(candidate) if candidate.is_dir() else None
         if root is None:
-            raise InputError(f"org_repo {candidate} is not a git clone.")
+            raise InputError(f"org_repo {candidate} is not a git clone"
+                             f"{'' if candidate.is_dir() else ' (not even a directory)'}: "
+                             "pass the path of your clone of the org knowledge repo, or its "
+                             "GitHub owner/name.", "org_repo")
         return None, root
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", org_repo) and not org_repo.startswith("-"):
         owner, name = org_repo.split("/")
@@ -9851,7 +9863,7 @@ def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
             "note": "cambium never creates or pushes a repository for you.",
         }, None)
     raise InputError(f"org_repo {org_repo!r} is neither an existing absolute path nor a "
-                     "GitHub owner/name.")
+                     "GitHub owner/name.", "org_repo")
 
 
 def _scaffold_local(root: Path) -> list[str]:
@@ -11482,6 +11494,8 @@ def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
         code = "invalid_argument"
     elif isinstance(cause, (CambiumError, OSError)):
         text, code = error_text(cause), error_code(cause)
+        if getattr(cause, "argument", None):
+            extra["argument"] = cause.argument
     elif tool not in {t.tool_name for t in mcp_tools()}:
         text, code = (f"no tool named {valid_unicode(tool)[:80]!r}; the tools are "
                       f"{', '.join(sorted(t.tool_name for t in mcp_tools()))}."), "not_found"

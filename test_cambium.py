@@ -495,11 +495,23 @@ def test_path_arguments_with_a_nul_byte_get_an_input_error(tmp_path, monkeypatch
                 await session.call_tool("setup", {"project_repo": str(r), "agent_id": "ada"})
             res = await session.call_tool(tool, args)
             out.append((res.is_error, res.structured_content))
-        return out
+        odd = []      # a file for org_repo was a file_system fault; agent_id was named by its
+        for args in ({"org_repo": str(r / "README.md")}, {"agent_id": "a/b"}):   # env var
+            res = await session.call_tool("setup", {"project_repo": str(r), "agent_id": "ada",
+                                                    **args})
+            odd.append((res.is_error, res.structured_content))
+        return out, odd
 
-    for is_error, answer in asyncio.run(_mcp_session(env, body)):
+    nul, odd = asyncio.run(_mcp_session(env, body))
+    for is_error, answer in nul:
         assert is_error and answer["error"] == "invalid_argument", answer
         assert "holds a NUL byte" in answer["message"]
+    for (is_error, answer), name, why in zip(odd, ("org_repo", "agent_id"),
+                                             ("is not a git clone (not even a directory)",
+                                              "'a/b' must be 1-64 letters")):
+        assert is_error and answer["error"] == "invalid_argument", answer
+        assert answer["argument"] == name and answer["message"].startswith(name), answer
+        assert why in answer["message"] and "CAMBIUM_" not in answer["message"], answer
     with pytest.raises(cs.InputError, match="project_repo .* holds a NUL byte"):
         cs.setup(f"{r}\0", "ada")
     monkeypatch.setenv("CAMBIUM_REPO", str(r))
