@@ -9756,6 +9756,11 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     if team_branch is not None and not is_valid_branch(team_branch):
         raise InputError(f"team_branch {team_branch!r} is not a valid git branch name.",
                          "team_branch")
+    if team_branch and (taken := _branch_of_the_project(root, team_branch)):
+        raise InputError(f"team_branch {team_branch!r} is {taken} with your project's files "
+                         f"and no {STORE_FILE}: cambium would commit its store onto it. Give "
+                         "the team store a branch of its own (default 'cambium').",
+                         "team_branch")
     updates: dict[str, str] = {"CAMBIUM_REPO": str(root), "CAMBIUM_AGENT_ID": agent_id}
     if team_branch:
         updates["CAMBIUM_TEAM_BRANCH"] = team_branch
@@ -9834,6 +9839,20 @@ def _project_root(project_repo: str) -> Path:
         raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
                          "or pass your clone's path.")
     return root
+
+
+def _branch_of_the_project(root: Path, branch: str) -> str | None:
+    """Where `branch` already exists in the project without a cambium store at
+    its root ("a branch in <root>", "a branch on <remote>"), else None."""
+    remote = resolve_config().remote
+    for ref, where in ((f"refs/heads/{branch}", f"a branch in {root}"),
+                       (f"refs/remotes/{remote}/{branch}", f"a branch on '{remote}'")):
+        tip = _git(["rev-parse", "--verify", "--quiet", ref + "^{commit}", "--"], root,
+                   GIT_TIMEOUT_RANGE[1], check=False)
+        if tip.returncode == 0 and _git(["cat-file", "-e", f"{tip.stdout.strip()}:{STORE_FILE}"],
+                                        root, GIT_TIMEOUT_RANGE[1], check=False).returncode:
+            return where
+    return None
 
 
 def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:

@@ -640,10 +640,19 @@ def test_setup_leaves_a_gitignore_that_is_no_regular_file_alone(tmp_path, odd):
     assert outside.read_text() == "mine\n" if odd == "link" else not outside.exists()
 
 
-def test_setup_refuses_head_as_team_branch(tmp_path):
+def test_setup_refuses_head_or_a_branch_of_the_project_as_team_branch(tmp_path):
     r = make_repo(tmp_path)
     with pytest.raises(cs.InputError, match="team_branch"):
         cs.setup(str(r), "ada", team_branch="HEAD")
+    with pytest.raises(cs.InputError, match="team_branch 'main' is a branch in .* with your "
+                                            "project's files and no knowledge.json"):
+        cs.setup(str(r), "ada", team_branch="main")    # (taken: the store went onto main)
+    git(r, "checkout", "-q", "--orphan", "kb")             # a branch that holds a store is fine
+    (r / "knowledge.json").write_text('{"items": []}\n')
+    git(r, "add", "knowledge.json")
+    git(r, "commit", "-q", "-m", "store")
+    assert cs.setup(str(r), "ada", team_branch="kb")["status"]["configured"] is True
+    assert cs.setup(str(r), "ada", team_branch="cambium")["status"]["configured"] is True
 
 
 def test_setup_that_cannot_write_its_config_leaves_the_repo_untouched(tmp_path, monkeypatch):
