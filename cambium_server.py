@@ -2431,7 +2431,7 @@ class LocalStore(Store):
             with open(self.appends, "rb", opener=open_regular) as f:
                 f.seek(max(0, os.fstat(f.fileno()).st_size - APPENDS_READ_MAX))
                 text = f.read().decode("ascii", "replace")
-        except FileNotFoundError:
+        except OSError:                      # none, or not a file: parse the store again
             return False
         step: dict[tuple, tuple] = {}
         for line in text.splitlines():
@@ -2543,18 +2543,24 @@ class LocalStore(Store):
             raise
         finally:
             os.close(fd)
-        record = f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n"
-        with open(self.appends, "a+b", opener=_open_nofollow) as f:    # a hint: no fsync
-            f.write(record.encode("ascii"))
-            if f.tell() > 4 * APPENDS_READ_MAX:   # keep what a reader looks at (writers
-                f.seek(-APPENDS_READ_MAX, os.SEEK_END)         # hold the store's lock)
-                keep = f.read()
-                atomic_write(self.appends, keep[keep.find(b"\n") + 1:])
+        self._record_append(f"{seen.key[0]} {seen.key[1]} {seen.key[2]} {key[1]} {key[2]}\n")
         spans, pos = array("q"), seen.tail_at + 2
         for line in lines:
             spans.extend((pos, pos + len(line)))
             pos += len(line) + 2
         self._remember(_Seen(key, new, seen.spans + spans, key[1] - len(STORE_TAIL)))
+
+    def _record_append(self, record: str) -> None:
+        """Note an append for other processes' readers: a hint (no fsync), so a
+        failure here (a directory in its place, a full disk) costs them a parse
+        of the store, never the write it follows, which is already durable."""
+        with contextlib.suppress(OSError):
+            with open(self.appends, "a+b", opener=_open_nofollow) as f:
+                f.write(record.encode("ascii"))
+                if f.tell() > 4 * APPENDS_READ_MAX:   # keep what a reader looks at (writers
+                    f.seek(-APPENDS_READ_MAX, os.SEEK_END)         # hold the store's lock)
+                    keep = f.read()
+                    atomic_write(self.appends, keep[keep.find(b"\n") + 1:])
 
     def _rewrite(self, new: Doc) -> None:
         """Replace the file whole, copying unchanged items from the old one."""
@@ -2580,7 +2586,7 @@ class LocalStore(Store):
                 out.write(STORE_TAIL)
 
         atomic_write(self.path, write)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):     # (a directory there is no hint: left alone)
             os.unlink(self.appends)            # records of the old inode: no use now
         key = _stat_key(os.stat(self.path))
         self._remember(_Seen(key, new, spans, key[1] - len(STORE_TAIL) if new.items else None))

@@ -985,6 +985,26 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
 
 
+def test_a_directory_where_the_append_record_goes_fails_no_write_that_landed(repo):
+    """The append record is a hint. A directory in its place made a capture
+    that had landed (fsynced) answer a file_system error, and every later call
+    of that process fail: now the write stands and readers parse the store."""
+    cs.capture("seed fact about the append record", tags="seed")
+    record = repo / ".cambium" / "knowledge.json.appends"
+    record.unlink(missing_ok=True)
+    record.mkdir()
+    other = cs.Runtime()                       # another process's view of the same file
+    with cs.use_runtime(other):
+        cs.store(cs.resolve_config(), "local").read()
+    new = cs.capture("appended fact beside a directory", tags="tail")["item"]
+    assert cs.endorse(new["id"], note="holds")["status"] == "endorsed"       # a rewrite
+    with cs.use_runtime(other):
+        items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert items[new["id"]].trust["endorsements"][0]["note"] == "holds" and len(items) == 2
+    assert [r["id"] for r in cs.recall("appended fact directory")["results"]][:1] == [new["id"]]
+    assert record.is_dir()                     # (not ours to delete)
+
+
 def test_a_trimmed_append_record_keeps_a_reader_a_few_appends_behind_incremental(
         repo, monkeypatch):
     """The append record is cut back when it grows past 4 x APPENDS_READ_MAX;
