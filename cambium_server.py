@@ -1776,6 +1776,9 @@ def _git_dirs(root: Path) -> tuple[Path, Path]:
     return gitdir, common
 
 
+OID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")     #: a git object id (SHA-1 or SHA-256)
+
+
 def _ref_value(root: Path, ref: str) -> str:
     """The commit a ref names ("" when there is no such ref), read from .git
     without spawning git. Raises OSError/IndexError when unreadable."""
@@ -3303,11 +3306,12 @@ class GitStore(Store):
         """
         state = self._state
         refreshing = False
+        damaged = self._drop_damaged_ref()
         with state.lock:
             last = state.fetched_at
             with contextlib.suppress(OSError):
                 last = max(last, self._stamp().stat().st_mtime)   # another process fetched
-            due = force or fresh or time.time() - last >= self.fetch_interval_s
+            due = damaged or force or fresh or time.time() - last >= self.fetch_interval_s
             if due and background and state.tip_known:
                 if not state.refreshing:
                     state.refreshing, state.refresh_started = True, time.monotonic()
@@ -3445,14 +3449,41 @@ class GitStore(Store):
                            blob.stderr)
         return ""                                                          # no such file
 
+    def _drop_damaged_ref(self) -> bool:
+        """Delete the private ref when its file names no commit id (emptied by
+        a crash, a hand edit): it is cambium's cache of the remote tip, read as
+        "no branch" else (an empty scope, without a warning) and refused by
+        every fetch after. True when it did: the caller fetches it again."""
+        try:
+            path = _git_dirs(self.repo)[1] / self.ref
+            value = path.read_text(errors="replace").strip() if path.is_file() else None
+            if value is None or OID.fullmatch(value):
+                return False
+            path.unlink()
+        except (OSError, IndexError):
+            return False
+        with self._state.lock:
+            self._state.tip_known = False
+        self._warnings.append(f"{self.scope} scope: cambium's copy of the remote tip "
+                              f"({self.ref}) was damaged (it held {value[:24]!r}); it was "
+                              "removed and fetched again")
+        return True
+
     def _fetch_now(self) -> None:
         """Fetch the branch into the private ref (a missing branch clears it).
         While peers write here, git's auto maintenance is left to a quiet fetch
         (it costs a process per fetch, in every attempt of a contended write)."""
         quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # `fetching` held
-        proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
-                        "--quiet", "--no-tags", "--", self.remote,
-                        f"+refs/heads/{self.branch}:{self.ref}", check=False)
+        for _ in range(2):
+            proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
+                            "--quiet", "--no-tags", "--", self.remote,
+                            f"+refs/heads/{self.branch}:{self.ref}", check=False)
+            if proc.returncode == 0 or f"bad object {self.ref}" not in (proc.stderr or ""):
+                break
+            self.git("update-ref", "-d", self.ref, check=False)   # names a commit that is
+            self._warnings.append(f"{self.scope} scope: cambium's copy of the remote tip "  # gone
+                                  f"({self.ref}) named a commit this clone does not have; "
+                                  "it was removed and fetched again")
         if proc.returncode != 0:
             err = proc.stderr or ""
             if "couldn't find remote ref" in err or "could not find remote ref" in err:
@@ -8193,7 +8224,7 @@ def pr_state(cfg: Config, url: str) -> PrState | None:
         return None
     words = proc.stdout.split()
     if proc.returncode != 0 or len(words) != 3 or words[0] not in PR_STATES \
-            or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", words[2]):
+            or not OID.fullmatch(words[2]):
         return None
     return PrState(*words)
 

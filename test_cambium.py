@@ -4440,6 +4440,23 @@ def test_agent_counter_claim_outranks_nothing_and_peer_verification_raises_autho
     assert cs.verify_entry(old)["item"]["authority"] == "verified"
 
 
+def test_a_damaged_private_team_ref_is_fetched_again_not_read_as_an_empty_scope(shared):
+    """cambium's own copy of the team tip (refs/cambium/team/...) emptied by a
+    crash read as "no branch": recall answered no team item and no warning,
+    and every fetch after failed on it (bad object), so no team write could land."""
+    item_id = _endorsed("Team builds cache dependencies by lockfile hash")
+    cs.promote()
+    ref = shared["a"] / ".git" / "refs" / "cambium" / "team" / "origin" / "cambium"
+    for damage in ("", "1234567890" * 4):                 # emptied; a commit never fetched
+        ref.write_text(damage + "\n" if damage else "")
+        res = cs.recall("cache dependencies lockfile", scope="team")
+        assert [r["id"] for r in res["results"]] == [item_id], res
+        assert any("copy of the remote tip" in w for w in res["warnings"]), res
+        assert cs.endorse(item_id, note=f"still true {len(damage)}")["scope"] == "team"
+    (endorsed,) = remote_json(shared["origin"], "cambium")["items"][0]["trust"]["endorsements"]
+    assert endorsed["note"] == "still true 40"         # (one per agent: the last one landed)
+
+
 def test_correct_at_team_scope_goes_through_the_cas_push(shared):
     wrong = _endorsed("Team standup is at nine", "x")
     cs.promote()
