@@ -1937,12 +1937,36 @@ def file_lock(path: Path) -> Iterator[None]:
             os.close(fd)
 
 
+TMP_SUFFIX = ".tmp"     #: atomic_write's copy in the making: <name>.<pid>.<random>.tmp
+TMP_LEFTOVER_S = 600    #: one older than this whose process is gone was cut short (kill -9)
+
+
+def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
+    """Whether a directory entry is the copy of a write that was cut short:
+    atomic_write's temporary file, untouched for TMP_LEFTOVER_S, whose process
+    no longer runs. It was never acknowledged (the file it would have replaced
+    is intact), so it holds nothing to keep."""
+    m = re.fullmatch(r".+\.([0-9]{1,10})\.[^.]+" + re.escape(TMP_SUFFIX), entry.name)
+    if m is None or not entry.is_file(follow_symlinks=False):
+        return False
+    try:
+        if now - entry.stat(follow_symlinks=False).st_mtime < TMP_LEFTOVER_S:
+            return False
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):        # running (as another user), or unreadable
+        return False
+    return False
+
+
 def atomic_write(path: Path, data: str | bytes | Callable[[Any], None],
                  mode: int = 0o644) -> None:
     """Replace `path` atomically and durably with text, bytes, or whatever
     data(binary file) writes (streamed: a large store is never joined in memory)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=TMP_SUFFIX,
+                               dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -2701,7 +2725,8 @@ def _stray_tag(entry: os.DirEntry) -> str | None:
 
 
 def set_aside_links(local_dir: Path) -> None:
-    """Move every symbolic link in `local_dir` (and its subdirectories) aside as
+    """Delete what a killed rewrite left (leftover_tmp), and move every
+    symbolic link in `local_dir` (and its subdirectories) aside as
     `<name>.symlink-<time>`: the link itself, never its target. cambium writes
     and reads its own files only; a link there (a hostile clone can commit one)
     would send appends, locks and rewrites to a file outside the repo. A FIFO,
@@ -2715,7 +2740,12 @@ def set_aside_links(local_dir: Path) -> None:
             entries = list(os.scandir(d))
         except OSError:
             continue
+        now = time.time()
         for e in entries:
+            if e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)           # a rewrite's copy its killed process left
+                continue
             tag = _stray_tag(e)
             if tag:
                 with contextlib.suppress(OSError):

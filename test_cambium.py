@@ -985,6 +985,28 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
 
 
+def test_a_killed_rewrites_copy_is_deleted_and_nothing_else(repo):
+    """kill -9 during a rewrite of a 20 MB store left its 20 MB temporary copy
+    in .cambium/ for good; each later kill added one."""
+    cs.capture("seed fact about temporary copies")
+    local = repo / ".cambium"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    old = time.time() - 2 * cs.TMP_LEFTOVER_S
+    files = {"dead": f"knowledge.json.{gone}.abc123.tmp",      # its process is gone: deleted
+             "running": f"knowledge.json.{os.getpid()}.abc124.tmp",       # still writing
+             "young": f"credits.jsonl.{gone}.abc125.tmp",     # too recent to judge
+             "theirs": "notes.tmp"}                           # not atomic_write's
+    for key, name in files.items():
+        (local / name).write_text("partial")
+        if key != "young":
+            os.utime(local / name, (old, old))
+    cs.status()                                  # every configured call sweeps
+    assert {k for k, n in files.items() if (local / n).exists()} == {"running", "young",
+                                                                     "theirs"}
+    assert len(cs.store(cs.resolve_config(), "local").read().items) == 1
+
+
 def test_a_directory_where_the_append_record_goes_fails_no_write_that_landed(repo):
     """The append record is a hint. A directory in its place made a capture
     that had landed (fsynced) answer a file_system error, and every later call
