@@ -1197,7 +1197,7 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
             return f"{label} must be a whole number >= 1"
     elif key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
         if value not in ("0", "1"):
-            return f"{label} must be 0 or 1"
+            return f"{label} must be 0 or 1 (or true/false, yes/no, on/off)"
     elif key == "CAMBIUM_RECALL_MODE":
         if value not in RECALL_MODES:
             return f"{label} must be one of {', '.join(RECALL_MODES)}"
@@ -4530,9 +4530,10 @@ def path_arg(name: str, value: str) -> str:
     """`value`, a path argument, or InputError when it holds a NUL byte (no
     file path can; the OS call would fail with a bare ValueError)."""
     if isinstance(value, str) and "\0" in value:
-        raise InputError(f"{name} {value!r} holds a NUL byte, which no file path can contain.")
+        raise InputError(f"{name} {value!r} holds a NUL byte, which no file path can contain.",
+                         name)
     if isinstance(value, str) and not value.strip():
-        raise InputError(f"{name} is empty; give a path.")
+        raise InputError(f"{name} is empty; give a path.", name)
     return value
 
 
@@ -9898,13 +9899,13 @@ def _project_root(project_repo: str) -> Path:
     path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
     if path is None or not path.exists():
         raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
-                         "path of your project's git clone.")
+                         "path of your project's git clone.", "project_repo")
     if not path.is_dir():
-        raise InputError(f"project_repo {path} is not a directory.")
+        raise InputError(f"project_repo {path} is not a directory.", "project_repo")
     root = git_toplevel(path)
     if root is None:
         raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
-                         "or pass your clone's path.")
+                         "or pass your clone's path.", "project_repo")
     return root
 
 
@@ -12268,7 +12269,8 @@ def primer_hook(argv: list[str]) -> int:
     try:
         args = [a for a in argv if a != "--hook"]
         limit = _cli_parser(args[0]).parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
-        bind_hook()
+        if bind_hook() is None:                 # bad input: which project is unknown
+            return 0
         cfg = resolve_config()
         if not cfg.configured:                  # (parse_args has checked the limit)
             return 0
@@ -12493,16 +12495,16 @@ def json_start(data: bytes) -> tuple[Any, str | None]:
         return None, "not JSON"
 
 
-def bind_hook() -> dict:
+def bind_hook() -> dict | None:
     """Read a hook's JSON from stdin (read_hook_stdin: at most 2 s in all) and
     bind this process to the project of its `cwd`, as a server started there
     would be (resolve_config: env, else that directory's git root, else the
     repo setup recorded). Every `--hook` command calls this first; its
     `session_id` becomes the session usage attribution files this call under.
-    Returns the payload ({} when none):
-    one that is not a JSON object (malformed, nested too deep to parse) is
-    ignored with a line on stderr, as a hook must not fail on its input. A
-    leading byte-order mark is skipped, and whatever follows the object."""
+    Returns the payload ({} when none), or None for one that is not a JSON
+    object (malformed, nested too deep to parse, too big, an array): ignored
+    with a line on stderr, as a hook must not fail on its input. A leading
+    byte-order mark is skipped, and whatever follows the object."""
     payload: Any = {}
     with contextlib.suppress(OSError, ValueError, RecursionError):
         if sys.stdin is None or sys.stdin.isatty():
@@ -12517,9 +12519,11 @@ def bind_hook() -> dict:
             chars = len(data.decode("utf-8", "replace"))
             print(f"cambium: the hook's stdin ({chars} characters) is {why}; ignored",
                   file=sys.stderr)
-            return {}
+            return None
     if not isinstance(payload, dict):
-        return {}
+        print(f"cambium: the hook's stdin is {json_kind(payload)}, not a JSON object; ignored",
+              file=sys.stderr)
+        return None
     sid = payload.get("session_id")
     if isinstance(sid, str) and sid.strip():
         SESSION.set(sid.strip())             # usage attribution: what this session was shown
