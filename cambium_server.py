@@ -10168,8 +10168,9 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
                 detail: str = "lines") -> dict:
     """One recall result: id, relevance and its one-line `line` (plus, for an
     imported item, `source.ref`: the id it had where it came from, so a
-    result can be traced back to its record); with detail="full" also the
-    whole item and its resolved code anchors."""
+    result can be traced back to its record; and the `project` of an item
+    learned in another one); with detail="full" also the whole item and its
+    resolved code anchors."""
     anchors = resolve_anchors(cfg.repo, item.code_refs)
     out: dict[str, Any] = {"id": item.id, "relevance": relevance,
                            "line": item_line(item, trust=trust, anchors=anchors)}
@@ -10177,8 +10178,11 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
         out = {**item_view(item, trust=trust), **out}
         if anchors:
             out["code"] = anchors
-    elif item.source.get("imported") and item.source.get("ref"):
-        out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
+    else:
+        if item.source.get("imported") and item.source.get("ref"):
+            out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
+        if item.project and item.project != cfg.project:    # learned in another project
+            out["project"] = item.project
     if is_stale_code(anchors):
         out["stale_code"] = True
     return out

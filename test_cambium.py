@@ -4259,6 +4259,10 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     assert "org" in res["scopes_searched"]
     org_only = cs.recall("timeout outbound http calls", scope="org", detail="full")
     assert org_only["results"][0]["id"] == item_id
+    (line,) = cs.recall("timeout outbound http calls")["results"]    # the default, lines:
+    assert line["id"] == item_id and line["project"] == "shop"    # (it named no project)
+    as_agent(monkeypatch, shared["a"], "ada")                       # at home: no field
+    assert "project" not in cs.recall("timeout outbound http calls")["results"][0]
 
 
 def test_export_org_publishes_knowledge_md(shared, monkeypatch):
