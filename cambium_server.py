@@ -232,6 +232,15 @@ class GitError(CambiumError):
         super().__init__(f"`{' '.join(cmd[:4])}` {how}: {tail}".rstrip(": "))
 
 
+class DamagedRef(GitError):
+    """cambium's private ref of a shared scope named no commit (emptied by a
+    crash, an edit): removed, so the next fetch writes it afresh."""
+
+    def __init__(self, message: str):
+        CambiumError.__init__(self, message)
+        self.cmd, self.code, self.stderr = ["git", "fetch"], 1, message
+
+
 class ConflictError(CambiumError):
     """Lost the compare-and-swap race on every retry."""
 
@@ -830,7 +839,8 @@ def json_problem(e: Exception, limit: int = 100, *, one_line: bool = False) -> s
         at = f"column {e.colno}" if one_line else f"line {e.lineno} column {e.colno}"
         return f"{e.msg}: {at}"[:limit]
     if isinstance(e, ValueError) and "integer string conversion" in str(e):
-        return "a number in it has over 4,300 digits, more than can be read"
+        return (f"a number in it has over {sys.get_int_max_str_digits():,} digits, more than "
+                "can be read")
     return str(e)[:limit]
 
 
@@ -911,7 +921,7 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
     if raw is None or raw == "":
         return [], None
     if not isinstance(raw, (str, list, tuple)):
-        return [], f"tags is {type(raw).__name__}, not a list or text"
+        return [], f"tags is {json_kind(raw)}, not a list or text"
     out: list[str] = []
     bad = 0
     for part in re.split(r"[,\s]+", raw) if isinstance(raw, str) else raw:
@@ -1314,12 +1324,15 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
         if isinstance(loaded, dict):
             file_values = loaded
         else:
-            file_error = f"{path} holds {type(loaded).__name__}, expected an object; ignored"
+            file_error = f"{path} holds {json_kind(loaded)}, expected an object; ignored"
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, RecursionError) as e:
-        why = f"JSON {json_problem(e)}" if isinstance(e, RecursionError) else e
-        file_error = f"{path} could not be read ({why}); ignored"
+    except OSError as e:
+        file_error = f"{path} could not be read ({e.strerror or e}); ignored"
+    except UnicodeDecodeError:
+        file_error = f"{path} could not be read (it is not UTF-8 text); ignored"
+    except (ValueError, RecursionError) as e:
+        file_error = f"{path} could not be read (JSON {json_problem(e)}); ignored"
     values: dict = {}
     origins: dict = {}
     problems: list = []
@@ -3337,6 +3350,8 @@ class GitStore(Store):
         state = self._state
         refreshing = False
         damaged = self._drop_damaged_ref()
+        if damaged:
+            self._warnings.append(f"{damaged}: it was removed and fetched again")
         with state.lock:
             last = state.fetched_at
             with contextlib.suppress(OSError):
@@ -3479,25 +3494,26 @@ class GitStore(Store):
                            blob.stderr)
         return ""                                                          # no such file
 
-    def _drop_damaged_ref(self) -> bool:
+    def _drop_damaged_ref(self, *, remove: bool = True) -> str | None:
         """Delete the private ref when its file names no commit id (emptied by
         a crash, a hand edit): it is cambium's cache of the remote tip, read as
         "no branch" else (an empty scope, without a warning) and refused by
-        every fetch after. True when it did: the caller fetches it again."""
+        every fetch after. Says what it found, for the caller's warning (the
+        caller fetches it again), else None. remove=False: only say so (an
+        offline read, which cannot fetch it again, leaves it for the next)."""
         try:
             path = _git_dirs(self.repo)[1] / self.ref
             value = path.read_text(errors="replace").strip() if path.is_file() else None
             if value is None or OID.fullmatch(value):
-                return False
-            path.unlink()
+                return None
+            if remove:
+                path.unlink()
         except (OSError, IndexError):
-            return False
+            return None
         with self._state.lock:
             self._state.tip_known = False
-        self._warnings.append(f"{self.scope} scope: cambium's copy of the remote tip "
-                              f"({self.ref}) was damaged (it held {value[:24]!r}); it was "
-                              "removed and fetched again")
-        return True
+        return (f"{self.scope} scope: cambium's copy of the remote tip ({self.ref}) is "
+                f"damaged (it holds {value[:24]!r})")
 
     def _fetch_now(self) -> None:
         """Fetch the branch into the private ref (a missing branch clears it).
@@ -3529,7 +3545,10 @@ class GitStore(Store):
             self._state.tip_known = False
 
     def peek(self) -> Doc:
-        """The doc at the last fetched tip: no fetch, no write."""
+        """The doc at the last fetched tip: no fetch, no write (but for a
+        damaged private ref, removed: GitError, as no tip is known then)."""
+        if damaged := self._drop_damaged_ref(remove=False):
+            raise DamagedRef(f"{damaged}: the next recall or write fetches it again")
         return self.doc_at(self.local_tip())
 
     def doc_at(self, commit: str | None) -> Doc:
@@ -4227,7 +4246,7 @@ def _entries_of(data: Any, name: str, where: Path) -> list:
         for key in (name, "entries", "items"):
             if isinstance(data.get(key), list):
                 return data[key]
-    raise SubstrateError(f"{where} holds a JSON {type(data).__name__}, not a list of "
+    raise SubstrateError(f"{where} holds {json_kind(data)}, not a list of "
                          f"{name}; fix or move the file aside (cambium did not change it).")
 
 
@@ -7403,7 +7422,8 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
         ranked.append((age_key, -len(shared), it.id, it, sorted(shared)))
     ranked.sort(key=lambda r: r[:3])
     return [{"id": it.id, "scope": it.scope, "content": it.content[:200],
-             "last_verified": it.last_verified, "never_verified": it.last_verified is None,
+             "last_verified": it.last_verified, "never_verified": _parse_ts(it.last_verified)
+             is None,
              "shared_terms": shared[:8],
              "next_step": f'verify_entry("{it.id}") if it still holds'}
             for _, _, _, it, shared in ranked[:limit]]
@@ -7880,7 +7900,7 @@ def trust_marks(item: Item, trust: dict) -> list[str]:
     ends = len(trust.get("endorsements") or [])
     if ends:
         marks.append("endorsed" + (f"×{ends}" if ends > 1 else ""))
-    if item.last_verified or item.authority == "verified":
+    if verified(item) or item.authority == "verified":
         marks.append("verified")
     agents = len(trust.get("recalled_by") or {})
     if agents > 1:
@@ -9545,10 +9565,10 @@ def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
     check = {"cmd": cmd, "by": cfg.agent, "at": now, "project": cfg.project} if cmd else None
 
     def apply(it: Item) -> Item | None:
-        if (check_cmd(it) or "") == cmd:
-            return None
         if cmd:                                   # verify --run would never run it
             _require_active(it, "given a check")
+        if (check_cmd(it) or "") == cmd:
+            return None
         return dataclasses.replace(it, check=check, failing=None if not cmd else it.failing,
                                    updated_at=now)
 
@@ -11008,7 +11028,11 @@ def _require_active(item: Item, verb: str) -> None:
     first = _superseded_by(item) if item.status == "superseded" else None
     if first is None:
         raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
-    ids, end = _replacements(first)
+    ids, end = _replacements(item.id, first)
+    if len(set(ids)) < len(ids) or item.id in ids:    # a loop of corrections (a hand edit)
+        raise Refused(f"item {item.id} is superseded by {first}, in a loop of corrections "
+                      f"({' → '.join([item.id, *ids])}): nothing there can be {verb}; fix "
+                      "superseded_by by hand.")
     via = ids[-1] + (f" (through {', '.join(ids[:-1])})" if len(ids) > 1 else "")
     if end is not None and not end.active:
         raise Refused(f"item {item.id} is superseded by {via}, which is {end.status}; "
@@ -11022,11 +11046,14 @@ def _superseded_by(item: Item) -> str | None:
     return by if isinstance(by, str) and by else None
 
 
-def _replacements(first: str) -> tuple[list[str], Item | None]:
-    """The ids that replaced an item, from `first` to the last, followed through
+def _replacements(item_id: str, first: str) -> tuple[list[str], Item | None]:
+    """The ids that replaced item_id, from `first` to the last, followed through
     every scope as last read (no fetch: a refusal must not wait on the network),
-    and the last one's item when some scope holds it."""
+    and the last one's item when some scope holds it. A loop ends the list
+    with the first id met again (or item_id: the chain came back to it)."""
     ids = [first]
+    if first == item_id:
+        return ids, None
     try:
         docs, _ = read_scopes_offline(resolve_config())
     except (CambiumError, OSError):
@@ -11038,8 +11065,10 @@ def _replacements(first: str) -> tuple[list[str], Item | None]:
                 copies[it.id] = it
     end = copies.get(first)
     while end is not None and (nxt := _superseded_by(end) if end.status == "superseded"
-                               else None) and nxt not in ids and len(ids) < 50:
+                               else None) and len(ids) < 50:
         ids.append(nxt)
+        if nxt in ids[:-1] or nxt == item_id:
+            return ids, None
         end = copies.get(nxt)
     return ids, end
 
@@ -12280,8 +12309,10 @@ def primer_hook(argv: list[str]) -> int:
             return 0
         set_aside_links(cfg.local_dir)          # as every configured call does
         out = cached_primer(cfg, limit)
-        if out.get("warnings"):             # a scope it could not read: say nothing
-            raise CambiumError("; ".join(out["warnings"]))
+        aside = set_aside_warnings(cfg.local_dir / STORE_FILE, knowledge_only=True)
+        unread = [w for w in out.get("warnings", []) if w not in aside]
+        if unread or (aside and not out["entries"]):   # a scope it could not read, or all
+            raise CambiumError("; ".join(unread or aside))   # set aside: say nothing
         sys.stdout.write(json_text({"hookSpecificOutput": {
             "hookEventName": "SessionStart", "additionalContext": out["primer"]}}) + "\n")
         sys.stdout.flush()

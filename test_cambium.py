@@ -437,6 +437,8 @@ def test_a_config_file_that_is_no_regular_small_file_is_ignored_not_waited_on(tm
     guide = json.loads(out.stdout)
     assert str(cfg_file) in guide["config_file_error"]
     assert "ignored" in guide["config_file_error"]
+    assert guide["config_file_error"].count(str(cfg_file)) == 1 and "Errno" not in guide[
+        "config_file_error"]                       # (it said "[Errno 22] ...: '<the path>'")
     if kind == "fifo":                  # setup rewrote it after a read that never returned
         r = make_repo(tmp_path / "r")
         out = cli("setup", str(r), "ada", cwd=tmp_path, CAMBIUM_CONFIG_FILE=str(cfg_file))
@@ -459,6 +461,19 @@ def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_t
         guide = json.loads(out.stdout)
         assert guide["configured"] is False
         assert "nested too deep" in guide["config_file_error"]
+    cfg_file.write_text('{"CAMBIUM_AGENT_ID": "ada", "n": ' + "9" * 5000 + "}")
+    guide = json.loads(cli("status", cwd=tmp_path).stdout)      # (Python's own words, with
+    assert "JSON a number in it has over 4,300 digits" in guide["config_file_error"]  # set_int..)
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(1000)                             # the limit is the process's
+    try:
+        with pytest.raises(ValueError) as big:
+            json.loads("9" * 2000)
+        assert cs.json_problem(big.value) == ("a number in it has over 1,000 digits, more than "
+                                              "can be read")
+    finally:
+        sys.set_int_max_str_digits(limit)
+    cfg_file.write_text(deep)
     assert cs.setup(str(r), "ada")["status"]["configured"] is True    # sets it aside, intact
     assert cfg_file.with_name(cfg_file.name + ".bad").read_text() == deep
     for key, value in (("CAMBIUM_REPO", str(r) + "\\ud800"),
@@ -4443,6 +4458,20 @@ def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
             call()
     out = cli("verify-cmd", wrong, "true")          # (attached, then never run)
     assert out.returncode == 1 and f"superseded by {last}" in out.stderr, out.stderr
+    store = repo / ".cambium" / "knowledge.json"      # a loop of corrections, by hand
+    doc = json.loads(store.read_text())
+    for it in doc["items"]:
+        if it["id"] == last:
+            it.update(status="superseded", superseded_by={"id": fixed["id"]})
+    store.write_text(json.dumps(doc))
+    with pytest.raises(cs.Refused, match=f"superseded by {last}, in a loop of "
+                                         f"corrections \\({fixed['id']} → {last} → "
+                                         f"{fixed['id']}\\): nothing there can be endorsed"):
+        cs.endorse(fixed["id"])                     # (it named the item as its own successor)
+    for it in doc["items"]:
+        if it["id"] == last:
+            it.update(status="active", superseded_by=None)
+    store.write_text(json.dumps(doc))
     cs.deprecate(last, reason="webhooks are gone")
     with pytest.raises(cs.Refused, match=f"superseded by {last} .*, which is deprecated; "
                                          "nothing there can be endorsed"):
@@ -4474,6 +4503,10 @@ def test_a_damaged_private_team_ref_is_fetched_again_not_read_as_an_empty_scope(
     item_id = _endorsed("Team builds cache dependencies by lockfile hash")
     cs.promote()
     ref = shared["a"] / ".git" / "refs" / "cambium" / "team" / "origin" / "cambium"
+    ref.write_text("")
+    primer = cs.session_primer()                  # offline: said "nothing known yet"
+    assert "nothing known yet" not in primer["primer"] and any(
+        "copy of the remote tip" in w and "is damaged" in w for w in primer["warnings"])
     for damage in ("", "1234567890" * 4):                 # emptied; a commit never fetched
         ref.write_text(damage + "\n" if damage else "")
         res = cs.recall("cache dependencies lockfile", scope="team")
@@ -4776,6 +4809,10 @@ def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
                       (("--timeout", "0"), "more than 0 and at most 86400")):
         out = cli("verify", "--run", *args)
         assert out.returncode == 1 and why in out.stderr, (args, out.stderr)
+    assert cli("verify-cmd", item_id, "true").returncode == 0
+    cs.deprecate(item_id, reason="the smoke test is gone")
+    out = cli("verify-cmd", item_id, "true")         # the same check again: refused too
+    assert out.returncode == 1 and "is deprecated; it cannot be given a check" in out.stderr
 
 
 def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
@@ -5097,6 +5134,8 @@ def test_stale_items_order_flags_and_filters():
     odd = [_team_item("yesterday", "shop", "yesterday", created="2026-06-01T00:00:00Z"),
            _team_item("undated", "shop", "soon", created="a while ago")]
     rows = cs.stale_items(items + odd, now=now, older_than_days=100)
+    assert "verified" not in cs.trust_marks(odd[0], odd[0].trust)   # (recall said verified)
+    assert "verified" in cs.trust_marks(items[0], items[0].trust)
     seen = [(r["content"], r["never_verified"], r["age_days"]) for r in rows]
     assert set(seen[:3]) == {("never", True, 181), ("yesterday", True, 181),
                              ("undated", True, None)}, rows
@@ -8627,6 +8666,23 @@ def test_primer_serves_the_lines_that_parse_of_a_damaged_local_file(repo):
                           input=json.dumps({"cwd": str(repo), "session_id": "s1"}),
                           capture_output=True, env=child_env(), timeout=60)
     assert hook.returncode == 0 and hook.stdout == "", hook.stdout
+
+
+def test_lines_set_aside_keep_the_session_start_primer_of_the_rest(repo):
+    """Once a damaged line was set aside (every other item served), the
+    SessionStart hook printed nothing until a person restored or deleted it."""
+    for text in ("Pin the base image digest", "Never deploy on Fridays"):
+        cs.capture(text, kind="pitfall")
+    store = repo / ".cambium" / "knowledge.json"
+    lines = store.read_text().splitlines()
+    store.write_text("\n".join(lines[:-2] + ['  {"id": broken},'] + lines[-2:]) + "\n")
+    cs.recall("base image")                       # sets the line aside
+    assert list(store.parent.glob("knowledge.json.quarantine-*"))
+    hook = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], text=True,
+                          input=json.dumps({"cwd": str(repo), "session_id": "s1"}),
+                          capture_output=True, env=child_env(), timeout=60)
+    text = json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert "2 of 2 items" in text and "Pin the base image digest" in text, hook.stderr
 
 
 def test_a_primer_whose_items_all_fail_their_checks_does_not_say_nothing_is_known(repo):
