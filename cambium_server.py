@@ -9636,9 +9636,8 @@ def _no_check_to_run(item_id: str, copies: list[Item], warnings: list[str]) -> N
     if not copies:
         unread = f" ({'; '.join(warnings)})" if warnings else ""
         raise NotFound(f"No item {item_id} in any readable scope{unread}; recall lists ids.")
-    it = copies[0]
-    if not it.active:
-        raise Refused(f"item {item_id} is {it.status}: its check does not run any more.")
+    it = next((c for c in copies if c.active), copies[0])
+    _require_active(it, "checked")            # (a superseded one names what replaced it)
     raise Refused(f"item {item_id} has no check attached: `{_prog()} verify-cmd {item_id} "
                   "CMD` attaches one.")
 

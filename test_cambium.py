@@ -4813,6 +4813,8 @@ def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
     cs.deprecate(item_id, reason="the smoke test is gone")
     out = cli("verify-cmd", item_id, "true")         # the same check again: refused too
     assert out.returncode == 1 and "is deprecated; it cannot be given a check" in out.stderr
+    out = cli("verify", "--run", item_id)
+    assert out.returncode == 1 and "is deprecated; it cannot be checked" in out.stderr
 
 
 def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
