@@ -1952,6 +1952,7 @@ def file_lock(path: Path) -> Iterator[None]:
 
 TMP_SUFFIX = ".tmp"     #: atomic_write's copy in the making: <name>.<pid>.<random>.tmp
 TMP_LEFTOVER_S = 600    #: one older than this whose process is gone was cut short (kill -9)
+TMP_LEFTOVER_OLD_S = 86_400   #: ... one without a pid (written before pids were), a day old
 
 
 def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
@@ -1959,11 +1960,15 @@ def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
     atomic_write's temporary file, untouched for TMP_LEFTOVER_S, whose process
     no longer runs. It was never acknowledged (the file it would have replaced
     is intact), so it holds nothing to keep."""
-    m = re.fullmatch(r".+\.([0-9]{1,10})\.[^.]+" + re.escape(TMP_SUFFIX), entry.name)
-    if m is None or not entry.is_file(follow_symlinks=False):
+    m = re.fullmatch(r".+\.([0-9]{1,10})\.[a-z0-9_]+" + re.escape(TMP_SUFFIX), entry.name)
+    old = re.fullmatch(r".+\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX), entry.name)  # no pid:
+    if (m or old) is None or not entry.is_file(follow_symlinks=False):     # before 2026-12
         return False
     try:
-        if now - entry.stat(follow_symlinks=False).st_mtime < TMP_LEFTOVER_S:
+        age = now - entry.stat(follow_symlinks=False).st_mtime
+        if m is None:
+            return age > TMP_LEFTOVER_OLD_S
+        if age < TMP_LEFTOVER_S:
             return False
         os.kill(int(m.group(1)), 0)
     except ProcessLookupError:

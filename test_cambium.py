@@ -1012,14 +1012,16 @@ def test_a_killed_rewrites_copy_is_deleted_and_nothing_else(repo):
     files = {"dead": f"knowledge.json.{gone}.abc123.tmp",      # its process is gone: deleted
              "running": f"knowledge.json.{os.getpid()}.abc124.tmp",       # still writing
              "young": f"credits.jsonl.{gone}.abc125.tmp",     # too recent to judge
-             "theirs": "notes.tmp"}                           # not atomic_write's
+             "theirs": "notes.tmp",                           # not atomic_write's
+             "before": "knowledge.json.k3j2h1x_.tmp",          # no pid: a day old, deleted
+             "recent": "knowledge.json.a1b2c3d4.tmp"}         # ... younger: kept
     for key, name in files.items():
         (local / name).write_text("partial")
-        if key != "young":
-            os.utime(local / name, (old, old))
+        if key not in ("young", "recent"):
+            os.utime(local / name, (old, old) if key != "before" else (old - 86_400,) * 2)
     cs.status()                                  # every configured call sweeps
     assert {k for k, n in files.items() if (local / n).exists()} == {"running", "young",
-                                                                     "theirs"}
+                                                                     "theirs", "recent"}
     assert len(cs.store(cs.resolve_config(), "local").read().items) == 1
 
 
