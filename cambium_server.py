@@ -5912,6 +5912,9 @@ def load_reranker(rt: Runtime | None = None) -> Reranker:
     return _load_once(rt or runtime(), "reranker", make, "the reranker failed to load")
 
 
+VECTOR_INDEX_BYTES = 256 * 2**20    #: a larger vectors/index.json is discarded, not read
+
+
 class VectorCache:
     """Vectors by key (item id + text hash), persisted in one directory as
     index.json (key -> rows) + a float16 .npy. Every file is replaced
@@ -5932,17 +5935,21 @@ class VectorCache:
         import numpy as np
         if self.dir is None or not (self.dir / "index.json").exists():
             return
-        try:
-            meta = json.loads((self.dir / "index.json").read_text(encoding="utf-8"))
+        try:                             # (open_regular: a FIFO there must not block)
+            meta = json.loads(read_regular(self.dir / "index.json", VECTOR_INDEX_BYTES))
             if meta.get("model") != MODEL_ID or meta.get("dim") != EMBED_DIM:
                 raise ValueError(f"made by another model ({meta.get('model')})")
             name = str(meta["file"])
             if "/" in name or not name.startswith("vectors-"):
                 raise ValueError(f"bad file name {name!r}")
-            mat = np.load(self.dir / name, allow_pickle=False)
-            if mat.ndim != 2 or mat.shape[1] != EMBED_DIM:
-                raise ValueError(f"matrix shape {mat.shape}")
+            with open(self.dir / name, "rb", opener=open_regular) as f:
+                mat = np.load(f, allow_pickle=False)
+            if mat.ndim != 2 or mat.shape[1] != EMBED_DIM or mat.dtype.kind != "f":
+                raise ValueError(f"matrix of {mat.dtype} in shape {mat.shape}")
             mat = mat.astype(np.float16, copy=False)
+            norms = np.linalg.norm(mat.astype(np.float32), axis=1)   # the model's are unit
+            if len(mat) and not np.all(np.abs(norms - 1) < 0.01):    # length: NaN, scaled
+                raise ValueError("vectors that are not the model's (not unit length)")
             rows = {}
             for key, (start, count) in meta["keys"].items():
                 if not (0 <= start and 0 < count and start + count <= len(mat)):
@@ -5951,7 +5958,8 @@ class VectorCache:
             self.rows = rows
         except Exception as e:  # noqa: BLE001 - a cache: discard and rebuild
             self.rows, self.dirty = {}, True
-            self.discarded = f"vector cache in {self.dir} discarded ({type(e).__name__}: {e})"
+            why = e if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+            self.discarded = f"vector cache in {self.dir} discarded ({why})"
 
     def get(self, key: str) -> Any:
         return self.rows.get(key)
@@ -5983,7 +5991,8 @@ class VectorCache:
                else np.zeros((0, EMBED_DIM), np.float16)).astype(np.float16, copy=False)
         name = f"vectors-{os.urandom(6).hex()}.npy"
         with file_lock(self.dir / "index.json"):
-            fd, tmp = tempfile.mkstemp(prefix=".vectors.", suffix=".tmp", dir=self.dir)
+            fd, tmp = tempfile.mkstemp(prefix=f".vectors.{os.getpid()}.", suffix=TMP_SUFFIX,
+                                       dir=self.dir)
             try:
                 with os.fdopen(fd, "wb") as f:
                     np.save(f, mat, allow_pickle=False)

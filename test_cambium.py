@@ -7047,6 +7047,27 @@ def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
     eng.wait_idle(30)
     assert len(json.loads((vec_dir / "index.json").read_text())["keys"]) == len(NOTES)
     assert cs.status()["semantic"]["vectors_cached"] == len(NOTES)
+    # vectors of the right shape but not the model's (NaN, scaled) were served
+    # for good: nothing found, or unrelated items at relevance 1.0
+    import numpy as np
+    npy = next(vec_dir.glob("vectors-*.npy"))
+    mat = np.load(npy)
+    for bad in (np.full_like(mat, np.nan), mat * 100):
+        np.save(npy, bad.astype(mat.dtype), allow_pickle=False)
+        cs.runtime().engines.clear()
+        assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+        assert "not unit length" in _engine(semantic).cache.discarded
+        _engine(semantic).wait_idle(30)
+        npy = next(vec_dir.glob("vectors-*.npy"))
+    # in a .cambium that is a link nothing is swept: a FIFO there hung every recall
+    local = semantic / ".cambium"
+    local.rename(semantic / "elsewhere")
+    local.symlink_to(semantic / "elsewhere")
+    (vec_dir / "index.json").unlink()
+    os.mkfifo(vec_dir / "index.json")
+    cs.runtime().engines.clear()
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    assert "not a regular file" in _engine(semantic).cache.discarded
 
 
 @needs_extra
