@@ -2688,7 +2688,8 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
     meta = marks_meta({**back.meta, **doc.meta}, marks) if marks else {**back.meta, **doc.meta}
     if not counts["restored"] and not counts["updated"] and meta == doc.meta:
         return None, counts
-    return Doc(items=items, meta=meta, raw={**back.raw, **doc.raw}), counts
+    raw = {k: v for k, v in back.raw.items() if k != "cambium"}     # the store's format stays
+    return Doc(items=items, meta=meta, raw={**raw, **doc.raw}), counts
 
 
 def _back_beside_its_copy(it: Item, items: list[Item], twins: dict[str, int],
@@ -11285,6 +11286,10 @@ def restore(path: Annotated[str, Field(
     except CorruptStore as e:
         raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "
                          "item per line) and run restore again.") from None
+    try:                                 # its items may hold what this version would drop
+        refuse_newer_format(parsed.doc, str(p))
+    except NewerFormat as e:
+        raise InputError(f"{e} It was not restored.", "path") from None
     counts: dict[str, int] = {}
     now = _now()
     shared, unread = read_scopes(cfg, ("team", "org"))      # what was promoted meanwhile

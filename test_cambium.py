@@ -1294,6 +1294,15 @@ def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(
     assert out.returncode != 0 and "local store itself" in out.stdout + out.stderr
     assert path.read_bytes() == before and not path.with_name(path.name + ".restored").exists()
     assert cs.recall("keep the store")["results"][0]["id"] == item["id"]
+    newer = repo / "from-a-newer-cambium.json"   # its marker was carried into the live
+    newer.write_text('{"cambium": 2, "meta": {}, "items": [' + json.dumps(     # store, which
+        {**json.loads(before)["items"][0], "id": "k-0000000000aa"}) + "]}")  # no write took
+    with pytest.raises(cs.InputError, match="store format 2, written by a newer cambium.* It "
+                                            "was not restored"):
+        cs.restore(str(newer))
+    assert path.read_bytes() == before
+    assert cs.merge_restored(cs.Doc(items=[]), cs.parse_store(newer.read_text(), "x"),
+                             agent="ada", now="2026-12-04T00:00:00Z")[0].raw == {}
     copy = repo / "backup-knowledge.json"
     copy.write_bytes(before)
     res = cs.restore(str(copy))
