@@ -6392,7 +6392,11 @@ class Semantic:
         lex = {}                 # BM25 by slot: only read for slots without vectors, at 0 weights
         if terms and (waiting or SEM_LEXICAL_WEIGHT or SEM_LEXICAL_BOOST):
             lex = {i: v for i, v in bm25_scores(index, terms).items() if i < n}  # (grown since)
-        q = emb.embed([query])[0] if usable.any() else np.zeros(EMBED_DIM, np.float32)
+        try:
+            q = emb.embed([query])[0] if usable.any() else np.zeros(EMBED_DIM, np.float32)
+        except Exception as e:  # noqa: BLE001 - a model that fails to run: recall lexically
+            raise SemanticUnavailable(f"the embedding model failed on the query "
+                                      f"({type(e).__name__}: {str(e)[:200]})") from None
         head = first @ q                     # each item's first window
         sim = head.copy()                    # ...or any vector of it, discounted
         if len(tmat):                        # rows of one slot are contiguous: reduceat

@@ -7033,6 +7033,24 @@ def test_semantic_ranking_of_a_grown_index_equals_a_fresh_one(tmp_path):
 
 
 @needs_extra
+def test_a_model_that_fails_on_the_query_answers_lexically(semantic, monkeypatch):
+    """An embedding model that loads but fails when it runs (onnxruntime's
+    RUNTIME_EXCEPTION) ended every recall in a traceback (CLI) or a bare
+    "Error executing tool recall" (MCP)."""
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+
+    def fails(texts):
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : simulated")
+    monkeypatch.setattr(eng.ready(), "embed", fails)
+    res = cs.recall(NOTES[0][0])
+    assert res["mode"] == "lexical" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    assert "embedding model failed on the query" in res["note"], res
+
+
+@needs_extra
 def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
