@@ -241,6 +241,10 @@ class DamagedRef(GitError):
         self.cmd, self.code, self.stderr = ["git", "fetch"], 1, message
 
 
+class OutputError(CambiumError):
+    """The CLI could not write its answer (stdout on a full disk)."""
+
+
 class ConflictError(CambiumError):
     """Lost the compare-and-swap race on every retry."""
 
@@ -12268,8 +12272,24 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: serve MCP with no command, else run one CLI command."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point: serve MCP with no command, else run one CLI command; what
+    is left to write to stdout is written before the exit status is final."""
+    code = _main(sys.argv[1:] if argv is None else argv)
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+    except (OSError, ValueError) as e:
+        _drop_stdout()
+        print(f"{_prog()}: could not write to stdout ({getattr(e, 'strerror', None) or e})",
+              file=sys.stderr)
+        return 1
+    return code
+
+
+def _main(argv: list[str]) -> int:
+    """main() but for its last flush."""
     if sys.stderr is None:                      # fd 2 closed: print(file=None) would write
         sys.stderr = open(os.devnull, "w")      # diagnostics to stdout (a hook's protocol)
     if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
@@ -12299,8 +12319,7 @@ def main(argv: list[str] | None = None) -> int:
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
     """The default command: run the tool (or `fn`) once and print its answer."""
     result = with_store_warnings((fn or args.tool.fn)(**kwargs))
-    with contextlib.suppress(BrokenPipeError):      # `cambium ... | head` is fine
-        _emit(result, getattr(args, "format", "json"))
+    _emit(result, getattr(args, "format", "json"))          # (`cambium ... | head` is fine)
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
     return 1 if failed else 0
 
@@ -12463,15 +12482,33 @@ def _word(value: Any) -> str:
 
 
 def _emit(result: Any, fmt: str, file: Any = None) -> None:
-    """Print a result as JSON or as text, its hints in CLI syntax."""
+    """Print a result as JSON or as text, its hints in CLI syntax. Stdout's
+    reader gone (`| head`) ends the output quietly; another failure to write
+    it (a full disk) is an OutputError."""
     result = _cli_answer(result)
     if fmt == "text":
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
-        text = _text(result) if text is None else text
-        print(valid_unicode(text), file=file or sys.stdout)
+        out = valid_unicode(_text(result) if text is None else text)
     else:
-        print(json_text(result, indent=2), file=file or sys.stdout)
+        out = json_text(result, indent=2)
+    try:
+        print(out, file=file or sys.stdout, flush=True)
+    except BrokenPipeError:
+        _drop_stdout()
+    except OSError as e:
+        _drop_stdout()
+        raise OutputError(f"could not write the answer to stdout ({e.strerror or e}); what "
+                          "the command did is done") from None
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null once writing it failed, so the interpreter's
+    last flush cannot fail too (a traceback at exit, status 120)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
 
 
 #: Answer fields that speak to the caller (hints, reasons, next steps): the CLI

@@ -4771,6 +4771,28 @@ def test_hook_session_id_attributes_what_the_hook_was_shown(repo, monkeypatch):
     assert cs.current_session() is None
 
 
+def test_the_cli_says_it_could_not_write_its_answer_and_never_ends_in_a_traceback(repo):
+    """`status > /dev/full` and `recall ... | head -c 10` ended in "Exception
+    ignored ... OSError" and exit 120; a large answer on a full disk was called
+    a file system fault of the stores."""
+    for n in range(30):
+        cs.capture(f"fact number {n} about writing answers " + "word " * 40)
+    env = child_env()
+    with open("/dev/full", "w") as full:
+        for args in (("status",), ("export", "--scope", "local", "--format", "text")):
+            out = subprocess.run([sys.executable, str(SERVER), *args], stdout=full, text=True,
+                                 stderr=subprocess.PIPE, env=env, cwd=repo, timeout=60)
+            assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+            assert out.stderr.count("\n") == 1 and "could not write" in out.stderr and \
+                "No space left on device" in out.stderr and "stores" not in out.stderr, out.stderr
+    proc = subprocess.Popen([sys.executable, str(SERVER), "recall", "fact writing answers",
+                             "--limit", "50", "--detail", "full"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd=repo)
+    proc.stdout.read(10)
+    proc.stdout.close()                          # the reader goes away, as `head` does
+    assert proc.wait(timeout=60) == 0 and proc.stderr.read() == b""
+
+
 def test_operator_check_fails_then_passes_through_the_cli(repo):
     item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
     set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
