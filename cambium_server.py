@@ -12386,6 +12386,9 @@ def _export_target(output: str) -> Path:
     shell's > would write through it), never a device, FIFO or directory, and
     never in a directory that does not exist (made up by a typo)."""
     path = Path(os.path.realpath(path_arg("-o", output)))
+    if path.is_symlink():                      # realpath stops in a loop of links
+        raise InputError(f"-o {output}: a loop of symbolic links (as a shell's > says: too "
+                         "many levels of symbolic links); point it at a file.")
     if path.exists() and not path.is_file():
         raise InputError(f"-o {output}: not a regular file; export writes files only "
                          "(without -o the markdown goes to stdout).")

@@ -6724,6 +6724,12 @@ def test_cli_export_writes_through_a_symlink_and_never_replaces_a_device(repo, t
         out = cli("export", "-o", str(bad))
         assert out.returncode != 0 and "-o" in out.stderr + out.stdout, bad
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and not (tmp_path / "no").exists()
+    loop_a, loop_b = tmp_path / "a.md", tmp_path / "b.md"    # a loop: the link was replaced
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    with pytest.raises(cs.InputError, match="a loop of symbolic links"):
+        cs._export_target(str(loop_a))
+    assert loop_a.is_symlink() and loop_b.is_symlink()
     private = tmp_path / "private.md"                     # its mode is kept; read-only refused
     private.write_text("old\n")
     private.chmod(0o600)
