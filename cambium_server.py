@@ -12065,9 +12065,10 @@ def require_bearer(app: Callable, token: str) -> Callable:
 def answer_as_stdio_does(app: Callable) -> Callable:
     """ASGI wrapper: a POSTed message gets what the same line gets on stdio. Lone
     surrogate escapes are repaired (the SDK's parser called them a parse error),
-    and a request whose id is neither a string nor an integer (`"id": 1.5`,
-    which the SDK took for a notification: 202 and no answer) gets 400 with an
-    Invalid Request (unparsable_reply). Anything else reaches MCP unchanged."""
+    and a message stdio calls an Invalid Request (unparsable_reply) gets 400
+    with it: an id that is neither a string nor an integer (`"id": 1.5`, which
+    the SDK took for a notification: 202 and no answer), a batch, a `jsonrpc`
+    other than "2.0" (the SDK's -32602). Anything else reaches MCP unchanged."""
     from mcp_types import jsonrpc_message_adapter
     parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
 
@@ -12086,7 +12087,7 @@ def answer_as_stdio_does(app: Callable) -> Callable:
             text = repair_surrogate_escapes(body.decode("utf-8"))
             body = text.encode("utf-8")                   # (same length: \ud800 -> \ufffd)
             refused, reply = unparsable_reply(text, parse)
-            if refused and reply is not None and "id must be" in reply["error"]["message"]:
+            if refused and reply is not None and reply["error"]["code"] == -32600:
                 await send({"type": "http.response.start", "status": 400,
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": json.dumps(reply).encode()})

@@ -9059,6 +9059,9 @@ def test_http_serve_without_token_binds_loopback_only(repo):
         code, answer = _http_post(url, json.dumps(init))
         assert code == 400 and answer["error"]["code"] == -32600, answer
         assert "id must be a string or an integer" in answer["error"]["message"]
+        for odd in ([dict(init, id=3)], dict(init, id=4, jsonrpc="1.0")):  # (the SDK: -32602)
+            code, answer = _http_post(url, json.dumps(odd))
+            assert code == 400 and answer["error"]["code"] == -32600, (odd, answer)
         init["id"] = 2
         code, answer = _http_post(url, json.dumps(init).replace('"t"', '"t\\ud800"'))
         assert code == 200 and "Parse error" not in answer, answer
