@@ -12065,10 +12065,13 @@ def require_bearer(app: Callable, token: str) -> Callable:
 def answer_as_stdio_does(app: Callable) -> Callable:
     """ASGI wrapper: a POSTed message gets what the same line gets on stdio. Lone
     surrogate escapes are repaired (the SDK's parser called them a parse error),
-    and a message stdio calls an Invalid Request (unparsable_reply) gets 400
-    with it: an id that is neither a string nor an integer (`"id": 1.5`, which
-    the SDK took for a notification: 202 and no answer), a batch, a `jsonrpc`
-    other than "2.0" (the SDK's -32602). Anything else reaches MCP unchanged."""
+    and a message stdio refuses (too_deep_reply, unparsable_reply) gets 400 with
+    the error stdio answers: an id that is neither a string nor an integer
+    (`"id": 1.5`, which the SDK took for a notification: 202 and no answer), a
+    batch, a `jsonrpc` other than "2.0" (the SDK's -32602 and pydantic's text),
+    a message nested too deep; a refused notification, which stdio leaves
+    unanswered, an Invalid Request with id null. Anything else reaches MCP
+    unchanged."""
     from mcp_types import jsonrpc_message_adapter
     parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
 
@@ -12086,8 +12089,13 @@ def answer_as_stdio_does(app: Callable) -> Callable:
         with contextlib.suppress(UnicodeDecodeError):
             text = repair_surrogate_escapes(body.decode("utf-8"))
             body = text.encode("utf-8")                   # (same length: \ud800 -> \ufffd)
-            refused, reply = unparsable_reply(text, parse)
-            if refused and reply is not None and reply["error"]["code"] == -32600:
+            refused, reply = too_deep_reply(text)
+            if not refused:
+                refused, reply = unparsable_reply(text, parse)
+            if refused:                          # (a notification stdio leaves unanswered)
+                reply = reply or {"jsonrpc": "2.0", "id": None, "error": {
+                    "code": -32600, "message": "Invalid request: a notification that is no "
+                                               "JSON-RPC 2.0 message."}}
                 await send({"type": "http.response.start", "status": 400,
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": json.dumps(reply).encode()})

@@ -9059,9 +9059,16 @@ def test_http_serve_without_token_binds_loopback_only(repo):
         code, answer = _http_post(url, json.dumps(init))
         assert code == 400 and answer["error"]["code"] == -32600, answer
         assert "id must be a string or an integer" in answer["error"]["message"]
-        for odd in ([dict(init, id=3)], dict(init, id=4, jsonrpc="1.0")):  # (the SDK: -32602)
+        deep = dict(init, id=5, params=json.loads("[" * 200 + "]" * 200))
+        for odd, why in (([dict(init, id=3)], "Invalid request"),       # (the SDK: -32602,
+                         (dict(init, id=4, jsonrpc="1.0"), "Invalid request"),  # in pydantic's
+                         ({"jsonrpc": "1.0", "method": "notifications/initialized"},  # words)
+                          "a notification that is no JSON-RPC 2.0 message"),
+                         (deep, "nested deeper than 128 levels")):      # ("one object"?)
             code, answer = _http_post(url, json.dumps(odd))
             assert code == 400 and answer["error"]["code"] == -32600, (odd, answer)
+            assert why in answer["error"]["message"] and "pydantic" not in answer["error"][
+                "message"], answer
         init["id"] = 2
         code, answer = _http_post(url, json.dumps(init).replace('"t"', '"t\\ud800"'))
         assert code == 200 and "Parse error" not in answer, answer
