@@ -12383,8 +12383,8 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
     atomic_write(path, res["markdown"], mode)       # replaced whole, its mode kept
     note = f"; {cli_syntax(res['note'])}" if res.get("note") else ""
     n = res["items"]
-    print(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
-          f"{res['scope']}{note})")
+    _say(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
+         f"{res['scope']}{note})")
     for w in res.get("warnings", []):
         print(f"{_prog()}: warning: {w}", file=sys.stderr)
     return 0
@@ -12494,9 +12494,7 @@ def _word(value: Any) -> str:
 
 
 def _emit(result: Any, fmt: str, file: Any = None) -> None:
-    """Print a result as JSON or as text, its hints in CLI syntax. Stdout's
-    reader gone (`| head`) ends the output quietly; another failure to write
-    it (a full disk) is an OutputError."""
+    """Print a result as JSON or as text, its hints in CLI syntax (_say)."""
     result = _cli_answer(result)
     if fmt == "text":
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
@@ -12504,8 +12502,15 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
         out = valid_unicode(_text(result) if text is None else text)
     else:
         out = json_text(result, indent=2)
+    _say(out, file)
+
+
+def _say(text: str, file: Any = None) -> None:
+    """Print a command's answer on stdout (or `file`). Its reader gone (`| head`)
+    ends the output quietly; another failure to write it (a full disk) is an
+    OutputError: the command's work is done, only its answer is lost."""
     try:
-        print(out, file=file or sys.stdout, flush=True)
+        print(text, file=file or sys.stdout, flush=True)
     except BrokenPipeError:
         _drop_stdout()
     except OSError as e:
@@ -12671,7 +12676,7 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
         if shown["progress"]:
             print(file=sys.stderr)
     if args.format == "summary":
-        print(distill_summary(result), file=out)
+        _say(distill_summary(result), out)
         for w in result["warnings"]:
             print(f"cambium: warning: {cli_syntax(w)}", file=sys.stderr)
     else:

@@ -4779,7 +4779,8 @@ def test_the_cli_says_it_could_not_write_its_answer_and_never_ends_in_a_tracebac
         cs.capture(f"fact number {n} about writing answers " + "word " * 40)
     env = child_env()
     with open("/dev/full", "w") as full:
-        for args in (("status",), ("export", "--scope", "local", "--format", "text")):
+        for args in (("status",), ("export", "--scope", "local", "--format", "text"),
+                     ("export", "--scope", "local", "-o", str(repo / "k.md")), ("distill",)):
             out = subprocess.run([sys.executable, str(SERVER), *args], stdout=full, text=True,
                                  stderr=subprocess.PIPE, env=env, cwd=repo, timeout=60)
             assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
