@@ -9461,17 +9461,17 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
 
 def _semantic_opinion(cfg: Config, pool: list[Item]
                       ) -> Callable[[list[tuple[int, int]]], dict] | None:
-    """MiniLM cosine for candidate pairs when the extra is in use, else None."""
+    """MiniLM cosine for candidate pairs when the extra is in use, else None
+    (and no opinion, {}, when the model fails: the pairs are judged by words)."""
     if (cfg.get("CAMBIUM_RECALL_MODE") or "auto") == "lexical" or semantic_extra_missing():
         return None
 
     def opinion(pairs: list[tuple[int, int]]) -> dict:
-        try:
-            emb = load_embedder()
-        except SemanticUnavailable:
-            return {}
         idx = sorted({i for p in pairs for i in p})
-        rows = emb.embed([pool[i].content for i in idx])       # unit vectors
+        try:
+            rows = load_embedder().embed([pool[i].content for i in idx])    # unit vectors
+        except Exception:  # noqa: BLE001 - a model that fails to load or run: words only
+            return {}
         vec = {i: rows[k] for k, i in enumerate(idx)}
         return {(a, b): float(vec[a] @ vec[b]) for a, b in pairs}
 

@@ -7077,6 +7077,10 @@ def test_a_model_that_fails_on_the_query_answers_lexically(semantic, monkeypatch
     res = cs.recall(NOTES[0][0])
     assert res["mode"] == "lexical" and res["results"][0]["id"] == ids[NOTES[0][0]]
     assert "embedding model failed on the query" in res["note"], res
+    pool = [cs.new_item(NOTES[0][0]), cs.new_item(NOTES[1][0])]   # consolidate asks the
+    opinion = cs._semantic_opinion(cs.resolve_config(), pool)    # model of a close pair:
+    assert opinion([(0, 1)]) == {}                  # it raised the RuntimeError out
+    assert cs.consolidate()["applied"] is False
 
 
 @needs_extra
