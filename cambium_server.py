@@ -3155,7 +3155,16 @@ def _united(before: Any, mine: Any, theirs: Any) -> Any:
 
 
 def _later(before: Any, mine: Any, theirs: Any) -> Any:
-    return max(v for v in (mine, theirs) if v is not None)
+    return latest_stamp(mine, theirs)
+
+
+def latest_stamp(*values: Any) -> Any:
+    """The latest of some timestamps, by time; one that is no timestamp (a hand
+    edit: "soon") never wins over one that is, and None only when all are."""
+    given = [v for v in values if v is not None]
+    readable = [(t, v) for v in given if (t := _parse_ts(v)) is not None]
+    return max(readable, key=lambda tv: tv[0])[1] if readable else \
+        (max(map(str, given)) if given else None)
 
 
 def _higher(before: Any, mine: Any, theirs: Any) -> Any:
@@ -3225,7 +3234,8 @@ def carried_over(above: Item, below: Item) -> Item | None:
     more = [v for v in below.verifications or [] if v not in (above.verifications or [])]
     if more:
         out["verifications"] = list(above.verifications or []) + more
-    if below.last_verified and (above.last_verified or "") < below.last_verified:
+    if below.last_verified and latest_stamp(above.last_verified, below.last_verified) \
+            != above.last_verified:
         out["last_verified"] = below.last_verified
     if _higher(None, above.authority, below.authority) != above.authority:
         out["authority"] = below.authority
@@ -7655,11 +7665,11 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     for m, _ in fresh:
         checks += [v for v in m.verifications or [] if v not in checks]
     stamps = [v for v in (survivor.last_verified, *(m.last_verified for m, _ in fresh))
-              if isinstance(v, str)]
+              if isinstance(v, str)]                  # ("soon" never beats a time)
     return dataclasses.replace(
         survivor, updated_at=now, authority=raised(survivor, AUTHORITIES[top.authority_rank]),
         verifications=checks or survivor.verifications,
-        last_verified=max(stamps) if stamps else survivor.last_verified,
+        last_verified=latest_stamp(*stamps) if stamps else survivor.last_verified,
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior

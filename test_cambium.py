@@ -5146,6 +5146,23 @@ def _team_item(content: str, project: str, last_verified: str | None,
                                   promoted_at=created, valid_while=f"premise of {content}")
 
 
+def test_a_hand_written_stamp_never_wins_over_a_time(repo):
+    """consolidate kept max() of the strings: "soon" beat a real last_verified,
+    and the survivor lost its verification; a carry-up compared them so too."""
+    assert cs.latest_stamp("soon", "2026-11-01T00:00:00Z", None) == "2026-11-01T00:00:00Z"
+    assert cs.latest_stamp("2026-11-02T00:00:00+05:00", "2026-11-01T20:00:00Z") == \
+        "2026-11-01T20:00:00Z"                          # by time, not by text
+    assert cs.latest_stamp(None, None) is None and cs.latest_stamp("a", None) == "a"
+    seed = [cs.dataclasses.replace(cs.new_item(text, project="proj"), last_verified=stamp)
+            for text, stamp in (("Deploys freeze on Fridays", "2026-11-01T00:00:00Z"),
+                                ("Deploys freeze on Fridays.", "soon"))]
+    cs.store(cs.resolve_config(), "local").mutate(
+        lambda d: cs.dataclasses.replace(d, items=d.items + seed), "seed")
+    assert cs.consolidate(apply=True)["count"] == 1
+    (live,) = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.active]
+    assert live.last_verified == "2026-11-01T00:00:00Z"
+
+
 def test_stale_items_order_flags_and_filters():
     now = cs.datetime(2026, 11, 29, tzinfo=cs.timezone.utc)
     items = [
