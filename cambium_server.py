@@ -1308,7 +1308,7 @@ def _size_text(n: int) -> str:
 
 def _read_config_file(path: Path) -> str:
     """The config file's text (read_regular: up to MAX_CONFIG_BYTES); OSError else."""
-    return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
+    return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")   # (an editor's BOM)
 
 
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
@@ -3532,7 +3532,7 @@ class GitStore(Store):
             return None
         with self._state.lock:
             self._state.tip_known = False
-        return (f"{self.scope} scope: cambium's copy of the remote tip ({self.ref}) is "
+        return (f"cambium's copy of the {self.scope} scope's remote tip ({self.ref}) is "
                 f"damaged (it holds {value[:24]!r})")
 
     def _fetch_now(self) -> None:
@@ -3547,9 +3547,9 @@ class GitStore(Store):
             if proc.returncode == 0 or f"bad object {self.ref}" not in (proc.stderr or ""):
                 break
             self.git("update-ref", "-d", self.ref, check=False)   # names a commit that is
-            self._warnings.append(f"{self.scope} scope: cambium's copy of the remote tip "  # gone
-                                  f"({self.ref}) named a commit this clone does not have; "
-                                  "it was removed and fetched again")
+            self._warnings.append(f"cambium's copy of the {self.scope} scope's remote tip "
+                                  f"({self.ref}) named a commit this clone does not have "
+                                  "(gone): it was removed and fetched again")
         if proc.returncode != 0:
             err = proc.stderr or ""
             if "couldn't find remote ref" in err or "could not find remote ref" in err:

@@ -473,6 +473,9 @@ def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_t
                                               "can be read")
     finally:
         sys.set_int_max_str_digits(limit)
+    cfg_file.write_text("\ufeff" + json.dumps({"CAMBIUM_AGENT_ID": "bom"}))   # an editor's
+    guide = json.loads(cli("status", cwd=tmp_path).stdout)                   # BOM: was refused
+    assert "config_file_error" not in guide, guide
     cfg_file.write_text(deep)
     assert cs.setup(str(r), "ada")["status"]["configured"] is True    # sets it aside, intact
     assert cfg_file.with_name(cfg_file.name + ".bad").read_text() == deep
@@ -4517,12 +4520,13 @@ def test_a_damaged_private_team_ref_is_fetched_again_not_read_as_an_empty_scope(
     ref.write_text("")
     primer = cs.session_primer()                  # offline: said "nothing known yet"
     assert "nothing known yet" not in primer["primer"] and any(
-        "copy of the remote tip" in w and "is damaged" in w for w in primer["warnings"])
+        w.startswith("team scope skipped: cambium's copy of the team scope's remote tip") and
+        "is damaged" in w for w in primer["warnings"])
     for damage in ("", "1234567890" * 4):                 # emptied; a commit never fetched
         ref.write_text(damage + "\n" if damage else "")
         res = cs.recall("cache dependencies lockfile", scope="team")
         assert [r["id"] for r in res["results"]] == [item_id], res
-        assert any("copy of the remote tip" in w for w in res["warnings"]), res
+        assert any("copy of the team scope's remote tip" in w for w in res["warnings"]), res
         assert cs.endorse(item_id, note=f"still true {len(damage)}")["scope"] == "team"
     (endorsed,) = remote_json(shared["origin"], "cambium")["items"][0]["trust"]["endorsements"]
     assert endorsed["note"] == "still true 40"         # (one per agent: the last one landed)
