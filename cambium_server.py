@@ -7924,17 +7924,17 @@ def one_line(text: Any, limit: int) -> str:
 
 
 def trust_marks(item: Item, trust: dict) -> list[str]:
-    """Short trust marks for a one-line result: a person's word (human), a
-    failing check, endorsed, verified, recalled by several agents, and the
-    scope when it is shared."""
+    """Short trust marks for a one-line result: its authority (human, verified;
+    none for an agent's word), a failing check, endorsed, recalled by several
+    agents, and the scope when it is shared."""
     marks = ["human"] if item.authority == "human" else []
     if item.failing:
         marks.append("failing")
     ends = len(trust.get("endorsements") or [])
     if ends:
         marks.append("endorsed" + (f"×{ends}" if ends > 1 else ""))
-    if verified(item) or item.authority == "verified":
-        marks.append("verified")
+    if item.authority == "verified":          # the authority, not a stamp: a promotion's
+        marks.append("verified")              # own last_verified confirms nobody's word
     agents = len(trust.get("recalled_by") or {})
     if agents > 1:
         marks.append(f"recalled×{agents}")

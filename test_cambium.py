@@ -5191,8 +5191,10 @@ def test_stale_items_order_flags_and_filters():
     odd = [_team_item("yesterday", "shop", "yesterday", created="2026-06-01T00:00:00Z"),
            _team_item("undated", "shop", "soon", created="a while ago")]
     rows = cs.stale_items(items + odd, now=now, older_than_days=100)
-    assert "verified" not in cs.trust_marks(odd[0], odd[0].trust)   # (recall said verified)
-    assert "verified" in cs.trust_marks(items[0], items[0].trust)
+    for it in (odd[0], items[0]):        # a stamp alone (a promotion's) is no authority mark
+        assert "verified" not in cs.trust_marks(it, it.trust)
+    peer = cs.dataclasses.replace(items[0], authority="verified")
+    assert "verified" in cs.trust_marks(peer, peer.trust)
     seen = [(r["content"], r["never_verified"], r["age_days"]) for r in rows]
     assert set(seen[:3]) == {("never", True, 181), ("yesterday", True, 181),
                              ("undated", True, None)}, rows
@@ -8007,7 +8009,8 @@ def test_a_correction_scored_past_the_limit_still_takes_its_agent_copys_place(re
 
 def test_item_line_carries_id_kind_marks_one_line_content_and_pointer():
     it = cs.new_item("Money is integer cents.\n  Never   floats. " + "x" * 300, kind="pitfall")
-    it = dataclasses.replace(it, last_verified="2026-01-01T00:00:00Z", scope="team", trust={
+    it = dataclasses.replace(it, last_verified="2026-01-01T00:00:00Z", scope="team",
+                             authority="verified", trust={
         "recalls": 4, "projects": ["a"], "recalled_by": {"ada": "d", "bo": "d"},
         "endorsements": [{"by": "ada"}, {"by": "bo"}]})
     line = cs.item_line(it, anchors=[{"path": "b.py", "resolved": True, "at": "b.py:9"},
@@ -8056,7 +8059,8 @@ def test_expand_returns_the_whole_item_and_earns_no_credit(coderepo):
     assert out["endorsements"][0]["note"] == "holds for every ledger"
     assert [e["event"] for e in out["history"]] == ["created", "endorsed", "verified"]
     assert out["code"][0]["at"] == "src/billing.py:5" and "stale_code" not in out
-    assert out["line"].startswith(f"{iid} memory/note [endorsed verified]")
+    assert out["line"].startswith(f"{iid} memory/note [endorsed]")   # its author's check:
+    assert out["authority"] == "agent"                                # no authority mark
     assert out["recalls"] == 0 and out["provenance"] == "capture by ada"
     assert {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()} == before
     with pytest.raises(cs.NotFound):
