@@ -1635,15 +1635,51 @@ def _save_vector_caches() -> None:
 # =============================================================================
 
 _HOOK_GIT_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
-                  "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_PREFIX", "GIT_COMMON_DIR")
+                  "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_PREFIX", "GIT_COMMON_DIR",
+                  "GIT_NAMESPACE",              # (a push would land under refs/namespaces/)
+                  "GIT_QUARANTINE_PATH")        # (a pre-receive hook's: refuses every update)
 
 
-def _git_env() -> dict:
+def _git_env(cwd: Path | None = None) -> dict:
+    """git's environment: no hook's GIT_DIR family, never a prompt. ssh runs in
+    batch mode (a passphrase prompt would wait for ever) unless the user chose
+    how git runs ssh: GIT_SSH_COMMAND or GIT_SSH, or core.sshCommand in cwd's
+    config (a deploy key's wrapper), which an override would silently replace."""
     env = {k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS}
     env.update(GIT_TERMINAL_PROMPT="0", GCM_INTERACTIVE="never", GIT_ASKPASS="",
-               SSH_ASKPASS="", GIT_SSH_COMMAND=env.get("GIT_SSH_COMMAND", "ssh -oBatchMode=yes"),
-               LC_ALL="C")
+               SSH_ASKPASS="", LC_ALL="C")
+    if not ({"GIT_SSH_COMMAND", "GIT_SSH"} & env.keys() or _ssh_configured(cwd, env)):
+        env["GIT_SSH_COMMAND"] = "ssh -oBatchMode=yes"
     return env
+
+
+@functools.lru_cache(maxsize=64)
+def _ssh_config_of(cwd: str, stamps: tuple) -> bool:
+    """_ssh_configured's answer, asked of git again only when a config file
+    it reads (the repo's, the user's) changed."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        env = {k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS}
+        return run_bounded(["git", "config", "--get", "core.sshCommand"], cwd=Path(cwd),
+                           env=env, timeout_s=10).returncode == 0
+    return False
+
+
+def _ssh_configured(cwd: Path | None, env: dict) -> bool:
+    """Whether git's config for cwd sets core.sshCommand (asked once per repo)."""
+    if cwd is None or not os.path.isdir(cwd):
+        return False
+    home = Path(env.get("HOME") or "~").expanduser()
+    files = [env.get("GIT_CONFIG_GLOBAL") or home / ".gitconfig",
+             Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "git" / "config"]
+    with contextlib.suppress(OSError, IndexError):
+        files.append(_git_dirs(Path(cwd))[1] / "config")
+    stamps = []
+    for f in files:
+        try:
+            stamps.append((str(f), os.stat(f).st_mtime_ns))
+        except OSError:
+            stamps.append((str(f), None))
+    return _ssh_config_of(str(cwd), tuple(stamps))
 
 
 def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float,
@@ -1717,7 +1753,7 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
     """Run one external command, bounded; raise GitError on failure or timeout.
     Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes."""
     try:
-        proc = run_bounded(cmd, cwd=cwd, env=env or _git_env(), timeout_s=timeout_s,
+        proc = run_bounded(cmd, cwd=cwd, env=env or _git_env(cwd), timeout_s=timeout_s,
                            input=input.encode("utf-8") if input is not None else None)
         proc.stderr = proc.stderr.decode("utf-8", "replace")
         if not binary:
@@ -3334,7 +3370,7 @@ class GitStore(Store):
             env: dict | None = None, binary: bool = False) -> subprocess.CompletedProcess:
         if env:
             return _run(["git", *args], self.repo, self.timeout_s, check=check, input=input,
-                        env={**_git_env(), **env}, binary=binary)
+                        env={**_git_env(self.repo), **env}, binary=binary)
         return _git(list(args), self.repo, self.timeout_s, check=check, input=input,
                     binary=binary)
 
@@ -3666,7 +3702,8 @@ class GitStore(Store):
         out.append(b"get-mark :1\n")
         cmd = ["git", "fast-import", "--quiet", "--force", "--done"]
         try:
-            proc = run_bounded(cmd, cwd=self.repo, env=_git_env(), timeout_s=self.timeout_s,
+            proc = run_bounded(cmd, cwd=self.repo, env=_git_env(self.repo),
+                               timeout_s=self.timeout_s,
                                input=b"".join(out) + b"done\n")
         except subprocess.TimeoutExpired:
             raise GitError(cmd, None, f"timed out after {self.timeout_s:g}s "

@@ -2166,6 +2166,26 @@ def test_git_calls_are_bounded_and_never_prompt():
     assert _t.time() - t0 < 3
 
 
+def test_git_env_drops_a_hooks_namespace_and_quarantine_and_keeps_the_users_ssh(
+        shared, tmp_path, monkeypatch):
+    """Inside a git hook, GIT_NAMESPACE sent a promote under refs/namespaces/
+    (answered `promoted`, verified there too) and GIT_QUARANTINE_PATH made the
+    remote refuse every update (replayed for 120 s as a lost race); a repo's
+    core.sshCommand or GIT_SSH (a deploy key's wrapper) was overridden by batch-mode ssh."""
+    monkeypatch.setenv("GIT_NAMESPACE", "hookns")
+    monkeypatch.setenv("GIT_QUARANTINE_PATH", str(tmp_path))
+    env = cs._git_env()
+    assert "GIT_NAMESPACE" not in env and "GIT_QUARANTINE_PATH" not in env
+    assert env["GIT_SSH_COMMAND"] == "ssh -oBatchMode=yes"
+    item_id = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote()["status"] == "promoted"
+    assert team_ids(shared["origin"]) == {item_id}                  # refs/heads/cambium
+    git(shared["a"], "config", "core.sshCommand", "/opt/deploy-key-ssh")
+    assert "GIT_SSH_COMMAND" not in cs._git_env(shared["a"])
+    monkeypatch.setenv("GIT_SSH", "/opt/other-ssh")
+    assert "GIT_SSH_COMMAND" not in cs._git_env()
+
+
 def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     a = shared["a"]
     (a / "wip.txt").write_text("uncommitted user work\n")
