@@ -1237,13 +1237,18 @@ def config_file_path(env: dict | None = None) -> Path:
 def _normalize_value(key: str, value: Any) -> str:
     if isinstance(value, bool) and key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
         return "1" if value else "0"
+    if key in PATH_SETTINGS:             # a path is taken as given: "/x/proj " is not
+        value = str(value)               # /x/proj (stripped, it bound another repo)
+        return os.path.expanduser(value) if value.strip() else ""
     value = str(value).strip()
     if key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
         value = {"true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0",
                  "": "0"}.get(value.lower(), value)
-    if key in ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
-        value = os.path.expanduser(value)
     return value
+
+
+#: Settings that name a directory (read exactly as given, ~ expanded).
+PATH_SETTINGS = ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO")
 
 
 #: Where a setting's value came from (Config.origins, status()'s `from`).
@@ -1812,7 +1817,8 @@ def project_name(repo: Path, remote: str, timeout_s: float) -> str:
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
     """The work-tree root containing `path`, or None if it is not in a git repo."""
     proc = _git(["rev-parse", "--show-toplevel"], path, timeout_s, check=False)
-    return Path(proc.stdout.strip()) if proc.returncode == 0 and proc.stdout.strip() else None
+    top = proc.stdout.removesuffix("\n")          # (only the newline: "/x/proj " is a name)
+    return Path(top) if proc.returncode == 0 and top.strip() else None
 
 
 def _git_dirs(root: Path) -> tuple[Path, Path]:

@@ -565,6 +565,19 @@ def test_no_function_in_the_module_exceeds_60_lines_but_the_demo():
     assert long.keys() <= {"run_demo"}, long
 
 
+def test_a_repo_path_ending_in_a_space_is_that_repo_not_its_neighbour(tmp_path, monkeypatch):
+    """Settings and git's answers were stripped: "/x/proj " bound /x/proj, and
+    a capture in the first landed in the second."""
+    spaced, plain = make_repo(tmp_path, "proj "), make_repo(tmp_path, "proj")
+    out = cs.setup(str(spaced), "ada")
+    assert out["binding"]["repo"] == str(spaced), out["binding"]
+    monkeypatch.setenv("CAMBIUM_REPO", str(spaced))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    cs.capture("Spaces in paths are names too")
+    assert (spaced / ".cambium" / "knowledge.json").exists()
+    assert not (plain / ".cambium").exists()
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
