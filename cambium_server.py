@@ -1597,6 +1597,29 @@ def use_runtime(rt: Runtime) -> Iterator[Runtime]:
         _CURRENT_RUNTIME.reset(token)
 
 
+#: What the layers below a tool call learned that its answer should say
+#: (a push that landed although git also failed), in the answer's `warnings`.
+CALL_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "cambium_call_notes", default=None)
+
+
+def note_for_call(text: str) -> None:
+    """Add a warning to the answer of the tool call under way, if any."""
+    notes = CALL_NOTES.get()
+    if notes is not None and text not in notes:
+        notes.append(text)
+
+
+@contextlib.contextmanager
+def collecting_notes() -> Iterator[None]:
+    """One tool call: what note_for_call() says in it reaches its answer."""
+    token = CALL_NOTES.set([])
+    try:
+        yield
+    finally:
+        CALL_NOTES.reset(token)
+
+
 EXTENSIONS_KEPT = 32     #: item lists remembered as extensions of another
 
 
@@ -3731,8 +3754,15 @@ class GitStore(Store):
         outcome = _push_outcome(proc.stdout)
         if outcome == "race" or (outcome == "ok" and proc.returncode == 0):
             return outcome
-        raise GitError(["git", "push", self.remote, branch], proc.returncode,
-                       (proc.stdout + proc.stderr).strip() or "push refused")
+        failed = GitError(["git", "push", self.remote, branch], proc.returncode,
+                          (proc.stdout + proc.stderr).strip() or "push refused")
+        if outcome == "ok":                  # landed, yet git failed: a second push URL?
+            with contextlib.suppress(GitError):
+                self.verify(commit, branch)          # where cambium reads: it stands
+                note_for_call(f"the push to {self.remote}/{branch} landed where cambium "
+                              f"reads it, but git also reported: {failed}")
+                return "ok"
+        raise failed
 
     def verify(self, commit: str, branch: str) -> None:
         """Raise unless the remote's branch holds `commit` (at the tip or below it)."""
@@ -9753,15 +9783,17 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> None:
 
 
 def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
-    """A tool's answer with what lies set aside beside the local store added to
-    its `warnings`: every tool says so until `restore` brings it back."""
+    """A tool's answer with what the call learned below it (note_for_call) and
+    what lies set aside beside the local store added to its `warnings`: every
+    tool says so until `restore` brings it back."""
     if not isinstance(result, dict) or result.get("configured") is False:
         return result
     cfg = cfg or resolve_config()
     if not cfg.configured:
         return result
     have = result.get("warnings") or []
-    extra = [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE) if w not in have]
+    extra = [w for w in [*(CALL_NOTES.get() or []), *set_aside_warnings(
+        cfg.local_dir / STORE_FILE)] if w not in have]
     return {**result, "warnings": [*have, *extra]} if extra else result
 
 
@@ -11872,7 +11904,8 @@ def _mcp_tool(fn: Callable) -> Callable:
     def wrapper(ctx: Any = None, **kwargs: Any) -> dict[str, Any]:
         token = SESSION.set(mcp_session_id(ctx))
         try:
-            return valid_unicode_deep(with_store_warnings(fn(**kwargs)))
+            with collecting_notes():
+                return valid_unicode_deep(with_store_warnings(fn(**kwargs)))
         except Unconfigured as u:
             return u.guidance
         except (CambiumError, OSError) as e:
@@ -12380,7 +12413,8 @@ def _main(argv: list[str]) -> int:
 
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
     """The default command: run the tool (or `fn`) once and print its answer."""
-    result = with_store_warnings((fn or args.tool.fn)(**kwargs))
+    with collecting_notes():
+        result = with_store_warnings((fn or args.tool.fn)(**kwargs))
     _emit(result, getattr(args, "format", "json"))          # (`cambium ... | head` is fine)
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
     return 1 if failed else 0

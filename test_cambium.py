@@ -2199,6 +2199,24 @@ def test_git_env_drops_a_hooks_namespace_and_quarantine_and_keeps_the_users_ssh(
     assert "GIT_SSH_COMMAND" not in cs._git_env()
 
 
+def test_a_push_that_landed_where_cambium_reads_is_a_success_whatever_else_failed(
+        shared, tmp_path):
+    """A second push URL that is down made git exit 128 after the push to the
+    first had landed: "nothing moved", while team held the item."""
+    a = shared["a"]
+    url = git(a, "remote", "get-url", "origin").strip()
+    git(a, "remote", "set-url", "--add", "--push", "origin", url)
+    git(a, "remote", "set-url", "--add", "--push", "origin", str(tmp_path / "mirror-gone.git"))
+    item_id = _endorsed("Alerts page the on-call engineer, never a channel")
+    out = cli("promote", cwd=a)
+    res = json.loads(out.stdout)
+    assert out.returncode == 0 and res["status"] == "promoted", out.stderr
+    assert team_ids(shared["origin"]) == {item_id}
+    assert any("also reported" in w for w in res["warnings"]), res
+    assert item_id not in {i.id for i in cs.store(cs.resolve_config(), "local").read().items
+                           if i.active}
+
+
 def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     a = shared["a"]
     (a / "wip.txt").write_text("uncommitted user work\n")
