@@ -1790,7 +1790,10 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
         raise GitError(cmd, None, f"timed out after {timeout_s:g}s "
                        "(CAMBIUM_GIT_TIMEOUT)") from None
     except FileNotFoundError as e:
-        raise GitError(cmd, 127, f"{cmd[0]} not found on PATH ({e})") from None
+        fix = ("; org pull requests (CAMBIUM_ORG_PR=1) need the GitHub CLI: install gh and "
+               "run `gh auth login`, or set CAMBIUM_ORG_PR=0 to push to org directly"
+               if cmd[0] == "gh" else "")
+        raise GitError(cmd, 127, f"{cmd[0]} not found on PATH ({e}){fix}") from None
     if check and proc.returncode != 0:
         raise GitError(cmd, proc.returncode, proc.stderr or proc.stdout)
     return proc

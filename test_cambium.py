@@ -2168,6 +2168,13 @@ def test_push_outcome_tells_race_from_refusal():
     assert cs._push_outcome(lock) == "race"
 
 
+def test_a_missing_gh_says_how_to_get_one_or_do_without(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))                 # (it said: not found on PATH)
+    with pytest.raises(cs.GitError, match="install gh and run `gh auth login`, or set "
+                                          "CAMBIUM_ORG_PR=0 to push to org directly"):
+        cs._run(["gh", "pr", "list"], tmp_path, 5)
+
+
 def test_git_calls_are_bounded_and_never_prompt():
     env = cs._git_env()
     assert env["GIT_TERMINAL_PROMPT"] == "0"
