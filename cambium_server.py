@@ -7065,15 +7065,18 @@ def _source_key(item: Item) -> str:
 
 
 def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
-          now: str | None = None, live_keys: Iterable[str] = ()) -> Admission:
+          now: str | None = None, live_keys: Iterable[str] = (),
+          retired_too: bool = False) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
     watermarked key whose text changed is reported, and the stored item kept.
     revise (distill): a watermarked key whose text changed is imported as a new
     item instead, and the stored items it concerns are changed as _revisions()
     says; live_keys: the watermark keys of every record the sources hold live
-    this sweep (those prepare_drafts() passed over too)."""
-    run = _Admitting(doc, prepared, index_key, revise)
+    this sweep (those prepare_drafts() passed over too). retired_too (import):
+    a text only a retired item holds is stored already too (a person retired it:
+    the next export of the same memory must not bring it back)."""
+    run = _Admitting(doc, prepared, index_key, revise, retired_too)
     for key, item in prepared.items:
         ckey = content_key(item)
         if key and key in run.marks and run.passed_over(key, item, ckey):
@@ -7093,8 +7096,10 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
 class _Admitting:
     """admit()'s bookkeeping over one pass of the prepared items."""
 
-    def __init__(self, doc: Doc, prepared: Prepared, index_key: str, revise: bool) -> None:
+    def __init__(self, doc: Doc, prepared: Prepared, index_key: str, revise: bool,
+                 retired_too: bool = False) -> None:
         self.doc, self.prepared, self.index_key, self.revise = doc, prepared, index_key, revise
+        self.retired: set[str] | None = set() if not retired_too else None   # None: to read
         self.marks = dict(meta_map(doc.meta, "watermarks"))
         self.revised: list = []     # (stored item, its new text's item, where it lives)
         self.twins: list = []       # (stored item, a record of the same text)
@@ -7133,7 +7138,9 @@ class _Admitting:
             self.by_text = self.by_text if self.by_text is not None else _stored_texts(self.doc)
             return ckey in self.by_text
         self.stored = self.stored or known_keys(self.index_key, self.doc.items)
-        return self.stored(ckey)
+        if self.retired is None:
+            self.retired = {content_key(it) for it in self.doc.items if not it.active}
+        return self.stored(ckey) or ckey in self.retired
 
     def same_text(self, key: str, item: Item, ckey: str) -> None:
         """A record whose text is held already: a duplicate; in revise, its key
@@ -7182,13 +7189,16 @@ class _Admitting:
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
-           on_progress: Callable[[int], None] | None = None) -> IngestResult:
-    """Create items from drafts in one locked write; skip watermarked duplicates."""
+           on_progress: Callable[[int], None] | None = None,
+           retired_too: bool = False) -> IngestResult:
+    """Create items from drafts in one locked write; skip watermarked duplicates
+    (and with retired_too, texts a retired item holds: admit)."""
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
         local = store(cfg, "local")
-        _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path)),
+        _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path),
+                                                           retired_too=retired_too),
                              f"ingest {len(prepared.items)} items")
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         result.changed, result.same_content = adm.changed, adm.same_content
@@ -11304,7 +11314,7 @@ def import_memory(source: Annotated[str, Field(
                 repaired.extend(rec.notes)
                 yield rec
 
-    res = ingest(cfg, drafts())
+    res = ingest(cfg, drafts(), retired_too=True)
     out = import_report(source, p, res, sorted(
         [(s.where, s.reason) for s in skipped] + res.skipped, key=_where_order))
     if repaired:

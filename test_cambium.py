@@ -5001,6 +5001,14 @@ def test_import_identity_is_system_and_id_and_changed_records_are_reported(repo,
     assert cs.store(cs.resolve_config(), "local").read().items[0].content == first.content
     same = _jsonl(tmp_path / "tool-c.jsonl", {"id": "z9", "content": "beta: pin base images"})
     assert cs.import_memory("json", same)["same_content"] == 1
+    beta = next(i for i in cs.store(cs.resolve_config(), "local").read().items
+                if i.content == "beta: pin base images")
+    cs.deprecate(beta.id, reason="we pin by tag now")    # the next export brought it back,
+    later = _jsonl(tmp_path / "tool-d.jsonl", {"id": "z9", "content": "beta: pin base images"})
+    res = cs.import_memory("json", later)               # active and recalled
+    assert (res["imported"], res["same_content"]) == (0, 1), res
+    assert not [i for i in cs.store(cs.resolve_config(), "local").read().items
+                if i.content == "beta: pin base images" and i.active]
 
 
 def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_path):
