@@ -4170,6 +4170,9 @@ def context_entry_refs(entry: dict, texts: Iterable[str]) -> list[dict] | None:
     return _usable_refs(named)
 
 
+CLAIM_NOTE_LEAD = "Note:"      #: between a claim's task and its note in the item's content
+
+
 def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
     """One claim version as an item draft (pure). Done: an `outcome` memory;
     a noted claim captured at release before done: a `progress` note. Agent
@@ -4186,7 +4189,8 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     done = status == "done"
     body = task if task.endswith((".", "!", "?")) else task + "."
     files = _changed_files_text(claim.get("changed_files"))
-    noted, listed = (f" Note: {note}" if note else ""), (f" {files}" if files else "")
+    noted, listed = (f" {CLAIM_NOTE_LEAD} {note}" if note else ""), (f" {files}" if files
+                                                                        else "")
     if len(body) + len(noted) + len(listed) > MAX_CONTENT_CHARS:
         # cut the task, keeping note and files; a note too long to fit beside even
         # the start of the task is cut too (the file list is bounded, always kept)
@@ -7521,18 +7525,23 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
     Considers active items in team or org scope that share at least two terms
     (one, for an item with a single term) with the captured texts; returns the
     `limit` oldest-verified first, never-verified before any verified one,
-    more shared terms first among equals. Reports; never changes an item.
+    more shared terms first among equals. Terms are read from what items say
+    (content), not from what distill writes about them (why, tags: the agent,
+    the branch, "agentsync", "done"), nor its "Note:". Reports; never changes
+    an item.
     """
+    template = set(tokenize(CLAIM_NOTE_LEAD))
     captured: set[str] = set()
     for text in captured_texts:
         captured.update(tokenize(text))
+    captured -= template
     if not captured or limit < 1:
         return []
     ranked = []
     for it in promoted_items:
         if not it.active or it.scope not in ("team", "org"):
             continue
-        terms = set(item_terms(it))
+        terms = set(tokenize(it.content)) - template
         shared = terms & captured
         if not shared or len(shared) < min(2, len(terms)):
             continue
@@ -9370,7 +9379,7 @@ def distill_result(plan: DistillPlan, sweep: Sweep, store_warnings: list[str]) -
 
 def _verify_prompt(cfg: Config, result: dict, imported: list[Item]) -> None:
     """Release capture: promoted items worth re-checking after the work just done."""
-    done_texts = [f"{it.content} {' '.join(it.tags)}" for it in imported
+    done_texts = [it.content for it in imported       # (what was done, not distill's words)
                   if it.source.get("system") == "agentsync"]
     if done_texts:
         docs, scope_warnings = read_scopes(cfg, ("team", "org"), digest=True)  # advisory

@@ -5483,6 +5483,18 @@ def test_stale_prompt_orders_never_verified_then_oldest_and_filters():
     assert "parser" in got[0]["shared_terms"]
     assert cs.stale_prompt(items, ["build the parser token cache"], limit=1)[0]["id"] == "k-never"
     assert cs.stale_prompt(items, [""]) == [] and cs.stale_prompt([], ["parser"]) == []
+    # distill's own words (why, tags, "Note:") made every agentsync outcome look
+    # related to every other: agent, agentsync, branch, done, main, note
+    boiler = dataclasses.replace(
+        _item("k-refund", "Add idempotency keys to the refund endpoint. Note: by hand",
+              tags=["agentsync", "agent:bob", "branch:main"]),
+        why="agentsync: bob marked this claim done on branch main")
+    done = cs.claim_to_draft("bob", {"task": "Migrate invoices to the PDF renderer",
+                                     "note": "fonts fixed", "status": "done",
+                                     "branch": "main"})
+    assert cs.stale_prompt([boiler], [f"{done.content} {' '.join(done.tags)}"]) == []
+    assert [g["id"] for g in cs.stale_prompt([boiler], ["refund endpoint idempotency"])] == \
+        ["k-refund"]
 
 
 def test_plan_retirements_deprecates_local_and_lists_elsewhere():
