@@ -2469,6 +2469,16 @@ def _copy_range(src: Any, out: Any, start: int, end: int) -> None:
         start += len(chunk)
 
 
+def ignore_local_dir(local_dir: Path) -> None:
+    """Keep .cambium/ out of git in any repo, set up or not: a `.gitignore` of
+    `*` inside it (only setup() adds it to the repo's own .gitignore, so a repo
+    reached through a user-level MCP entry showed `?? .cambium/`)."""
+    gi = local_dir / ".gitignore"
+    if not os.path.lexists(gi):
+        with contextlib.suppress(OSError):
+            atomic_write(gi, "*\n")
+
+
 class LocalStore(Store):
     """<repo>/.cambium/knowledge.json. The parsed copy is cached per file
     version and extended by recorded appends, so a hand edit is picked up on
@@ -2624,6 +2634,7 @@ class LocalStore(Store):
         the end (pending credits wait for the next rewrite), else a rewrite with
         the pending credits folded in. Durable (fsynced) before it returns."""
         with file_lock(self.path):
+            ignore_local_dir(self.path.parent)
             doc = self._current(locked=True)
             refuse_newer_format(doc, str(self.path))
             new = fn(doc)
@@ -7945,6 +7956,15 @@ def _safe_resolve(root_real: str, key: tuple) -> dict:
         return {**ref, "resolved": False, "at": None, "why": f"unreadable ({e.__class__.__name__})"}
 
 
+def anchors_for(cfg: Config, item: Item) -> list[dict]:
+    """An item's code anchors resolved in this repo, if they are this repo's:
+    an org item learned in another project names that project's files (its
+    src/billing.py is not ours, and its absence here is no stale code)."""
+    if item.project and cfg.project and item.project != cfg.project:
+        return []
+    return resolve_anchors(cfg.repo, item.code_refs)
+
+
 def is_stale_code(anchors: list[dict]) -> bool:
     """Advisory: the item names code and none of it resolves any more."""
     return bool(anchors) and not any(a["resolved"] for a in anchors)
@@ -10320,7 +10340,7 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
     result can be traced back to its record; and the `project` of an item
     learned in another one); with detail="full" also the whole item and its
     resolved code anchors."""
-    anchors = resolve_anchors(cfg.repo, item.code_refs)
+    anchors = anchors_for(cfg, item)
     out: dict[str, Any] = {"id": item.id, "relevance": relevance,
                            "line": item_line(item, trust=trust, anchors=anchors)}
     if detail == "full":
@@ -10382,7 +10402,7 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
     entries = primer_candidates(docs, pending, project=cfg.project, now=now)
 
     def line_of(e: PrimerEntry) -> str:
-        anchors = resolve_anchors(cfg.repo, e.item.code_refs)
+        anchors = anchors_for(cfg, e.item)
         if anchored is not None:
             anchored.update(r["path"] for r in e.item.code_refs or () if isinstance(r, dict)
                             and isinstance(r.get("path"), str))
@@ -10474,7 +10494,7 @@ def expand(item_id: ItemId) -> dict:
     item_id = _check_id(item_id)
     scope, item = locate(cfg, item_id, highest=True)
     trust = effective_trust(item, read_credits(credits_path(cfg), adopt=False))
-    anchors = resolve_anchors(cfg.repo, item.code_refs)
+    anchors = anchors_for(cfg, item)
     out = {**item_view(item, trust=trust), "scope": scope,
            "line": item_line(item, trust=trust, anchors=anchors),
            "provenance": _provenance(item),

@@ -578,6 +578,14 @@ def test_a_repo_path_ending_in_a_space_is_that_repo_not_its_neighbour(tmp_path, 
     assert not (plain / ".cambium").exists()
 
 
+def test_a_repo_never_set_up_keeps_cambium_out_of_git(repo):
+    """Only setup() ignored .cambium/: a repo served through a user-level MCP
+    entry showed `?? .cambium/`, its store and credits one `git add -A` away."""
+    cs.capture("Local knowledge is never committed")
+    assert git(repo, "status", "--porcelain") == ""
+    assert (repo / ".cambium" / ".gitignore").read_text() == "*\n"
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
@@ -4336,10 +4344,13 @@ def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
 def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeypatch,
                                                                    tmp_path):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
-    item_id = _endorsed("Time out every outbound HTTP call")
+    item_id = cs.capture("Time out every outbound HTTP call",
+                         code_refs=[{"path": "README.md"}])["item"]["id"]
+    cs.endorse(item_id, note="holds everywhere")
     cs.promote(item_id, to_scope="org")
     other = clone(make_origin(tmp_path, "billing"), tmp_path / "billing")
     as_agent(monkeypatch, other, "zed")
+    (other / "README.md").write_text("billing's own readme\n")   # the same path, not the file
     res = cs.recall("timeout outbound http calls", detail="full")
     top = res["results"][0]
     assert top["id"] == item_id and top["scope"] == "org" and top["project"] == "shop"
@@ -4348,6 +4359,8 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     assert org_only["results"][0]["id"] == item_id
     (line,) = cs.recall("timeout outbound http calls")["results"]    # the default, lines:
     assert line["id"] == item_id and line["project"] == "shop"    # (it named no project)
+    assert "→" not in line["line"] and "stale_code" not in line  # (it pointed at billing's
+    assert "code" not in top                                      # README.md, or called it stale)
     as_agent(monkeypatch, shared["a"], "ada")                       # at home: no field
     assert "project" not in cs.recall("timeout outbound http calls")["results"][0]
 
