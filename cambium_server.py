@@ -1388,8 +1388,10 @@ def config_gaps(cfg: Config) -> list[dict]:
     if not cfg.org_repo:
         gaps.append({"setting": "CAMBIUM_ORG_REPO", "cost": "org scope off → promotions stop "
                      "at team; org-wide recall unavailable",
-                     "fix": 'setup(project_repo=…, agent_id=…, org_repo="owner/knowledge or '
-                            '/abs/path/to/clone")'})
+                     "fix": f'setup(project_repo="{cfg.repo or "/abs/path/to/your/clone"}", '
+                            f'agent_id="{cfg.agent or "your-id"}", '
+                            'org_repo="/abs/path/to/org-knowledge-clone") (or org_repo='
+                            '"owner/name" for the commands that make that clone)'})
     return gaps
 
 

@@ -403,6 +403,10 @@ def test_status_unconfigured_gives_gaps_costs_and_next_step(tmp_path):
     for g in st["gaps"]:
         assert g["cost"] and g["fix"]
     assert st["next_step"].startswith("setup(")
+    org = next(g for g in st["gaps"] if g["setting"] == "CAMBIUM_ORG_REPO")  # pasteable: it
+    assert org["fix"].startswith('setup(project_repo="/abs/path/to/your/clone", agent_id='
+                                 '"your-id", org_repo="/abs/path/to/org-knowledge-clone")')
+    assert "…" not in org["fix"]                      # said setup(project_repo=…, ...)
 
 
 @pytest.mark.parametrize("call", [
