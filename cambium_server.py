@@ -10025,6 +10025,10 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     if binding["repo"] != str(root):
         warnings.append(f"this process works in {binding['repo']} ({binding['because']}); "
                         f"{root} is used only by processes started outside any git repo.")
+    current = resolve_config(env).org_repo
+    if org_offer and current:                   # a clone is set up already: it stays in use
+        org_offer = {**org_offer, "org_scope": f"still {current} until setup is given the "
+                                               "new clone's path"}
     return {**out, **({"warnings": warnings} if warnings else {}),
             **({"org_setup": org_offer} if org_offer else {})}
 

@@ -635,6 +635,11 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     assert any("knowledge.json" in c for c in offer["commands"])
     assert "CAMBIUM_ORG_REPO" not in out["written"]
     assert cs.resolve_config().org_repo is None
+    assert offer["org_scope"] == "off until the clone exists"
+    org = make_repo(tmp_path, "org")                 # with a clone set up already, it said
+    cs.setup(str(r), "ada", org_repo=str(org))       # "off" while status showed org on
+    again = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]
+    assert again["org_scope"] == f"still {org} until setup is given the new clone's path"
 
 
 def test_setup_accepts_local_org_clone(tmp_path):
