@@ -1316,6 +1316,11 @@ def _read_config_file(path: Path) -> str:
     return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")   # (an editor's BOM)
 
 
+def _given(value: Any) -> bool:
+    """Whether a setting's raw value sets it: empty or blank text does not."""
+    return value is not None and not (isinstance(value, str) and not value.strip())
+
+
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """Resolve every setting: env (non-empty) > config file > default.
 
@@ -1345,14 +1350,14 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     values: dict = {}
     origins: dict = {}
     problems: list = []
-    root = None if env.get("CAMBIUM_REPO") else _find_git_root(cwd or Path.cwd())
+    root = None if _given(env.get("CAMBIUM_REPO")) else _find_git_root(cwd or Path.cwd())
     for key, default in DEFAULTS.items():
         raw = env.get(key)
-        if raw not in (None, ""):
+        if _given(raw):
             value, origin = _normalize_value(key, raw), "env"
         elif key == "CAMBIUM_REPO" and root is not None:
             value, origin = str(root), "cwd"
-        elif file_values.get(key) not in (None, ""):
+        elif _given(file_values.get(key)):
             value, origin = _normalize_value(key, file_values[key]), "file"
         else:
             value, origin = default, "default"
@@ -2474,10 +2479,11 @@ def _copy_range(src: Any, out: Any, start: int, end: int) -> None:
 def ignore_local_dir(local_dir: Path) -> None:
     """Keep .cambium/ out of git in any repo, set up or not: a `.gitignore` of
     `*` inside it (only setup() adds it to the repo's own .gitignore, so a repo
-    reached through a user-level MCP entry showed `?? .cambium/`)."""
+    reached through a user-level MCP entry showed `?? .cambium/`). Every first
+    file there is written by a store write, a credit or the usage journal."""
     gi = local_dir / ".gitignore"
-    if not os.path.lexists(gi):
-        with contextlib.suppress(OSError):
+    if not os.path.lexists(gi) and not local_dir.is_symlink():   # (a linked .cambium's
+        with contextlib.suppress(OSError):                       # target is someone's)
             atomic_write(gi, "*\n")
 
 
@@ -3056,6 +3062,7 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
         return
     data = "".join(json_text(r, separators=(",", ":")) + "\n" for r in records)
     with file_lock(path):
+        ignore_local_dir(path.parent)
         _append_durably(path, data.encode("utf-8"), sync=durable)
 
 
@@ -4130,6 +4137,12 @@ def claim_churned(prev: dict, cur: dict | None) -> bool:
     return bool(_str(prev.get("note"))) and cur.get("note") is None
 
 
+CLAIM_NOTE_LEAD = "Note:"      #: between a claim's task and its note in the item's content
+CHANGED_FILES_LEAD = "Changed files:"   #: ... and before its changed files
+#: The words distill writes into every claim's content (not what was done)
+CLAIM_TEMPLATE_WORDS = f"{CLAIM_NOTE_LEAD} {CHANGED_FILES_LEAD} (+2 more)"
+
+
 def _changed_files_text(changed: Any) -> str:
     if not isinstance(changed, list):
         return ""
@@ -4141,7 +4154,7 @@ def _changed_files_text(changed: Any) -> str:
         return ""
     more = len(parts) - MAX_CHANGED_FILES_LISTED
     shown = ", ".join(parts[:MAX_CHANGED_FILES_LISTED])
-    return f"Changed files: {shown}" + (f" (+{more} more)" if more > 0 else "") + "."
+    return f"{CHANGED_FILES_LEAD} {shown}" + (f" (+{more} more)" if more > 0 else "") + "."
 
 
 def changed_files_refs(changed: Any) -> list[dict] | None:
@@ -4181,9 +4194,6 @@ def context_entry_refs(entry: dict, texts: Iterable[str]) -> list[dict] | None:
     for text in texts:
         named += _FILE_MENTION.findall(text)
     return _usable_refs(named)
-
-
-CLAIM_NOTE_LEAD = "Note:"      #: between a claim's task and its note in the item's content
 
 
 def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
@@ -7540,10 +7550,10 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
     `limit` oldest-verified first, never-verified before any verified one,
     more shared terms first among equals. Terms are read from what items say
     (content), not from what distill writes about them (why, tags: the agent,
-    the branch, "agentsync", "done"), nor its "Note:". Reports; never changes
-    an item.
+    the branch, "agentsync", "done"), nor its "Note:" and "Changed files:".
+    Reports; never changes an item.
     """
-    template = set(tokenize(CLAIM_NOTE_LEAD))
+    template = set(tokenize(CLAIM_TEMPLATE_WORDS))
     captured: set[str] = set()
     for text in captured_texts:
         captured.update(tokenize(text))
@@ -7961,8 +7971,10 @@ def _safe_resolve(root_real: str, key: tuple) -> dict:
 def anchors_for(cfg: Config, item: Item) -> list[dict]:
     """An item's code anchors resolved in this repo, if they are this repo's:
     an org item learned in another project names that project's files (its
-    src/billing.py is not ours, and its absence here is no stale code)."""
-    if item.project and cfg.project and item.project != cfg.project:
+    src/billing.py is not ours, and its absence here is no stale code). Local
+    and team items are this project's, whatever its name reads now."""
+    if item.scope == "org" and item.project and cfg.project and \
+            item.project.casefold() != cfg.project.casefold():
         return []
     return resolve_anchors(cfg.repo, item.code_refs)
 
@@ -9510,6 +9522,7 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
     try:                  # attribution only: a journal it cannot write fails no answer
         path.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(path):
+            ignore_local_dir(path.parent)
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size > SHOWN_MAX_BYTES:
                     os.replace(path, path.with_name(SHOWN_FILE + ".1"))

@@ -569,6 +569,16 @@ def test_no_function_in_the_module_exceeds_60_lines_but_the_demo():
     assert long.keys() <= {"run_demo"}, long
 
 
+def test_a_blank_setting_is_unset(tmp_path, monkeypatch):
+    """CAMBIUM_REPO="   " was an invalid value ('' must be an absolute path)
+    and kept the working directory's repo from binding."""
+    r = make_repo(tmp_path)
+    cfg = cs.resolve_config({"CAMBIUM_REPO": "   ", "CAMBIUM_AGENT_ID": "ada",
+                             "CAMBIUM_ORG_REPO": " \t"}, cwd=r)
+    assert cfg.repo == r and cfg.origins["CAMBIUM_REPO"] == "cwd" and not cfg.problems
+    assert cfg.org_repo is None
+
+
 def test_a_repo_path_ending_in_a_space_is_that_repo_not_its_neighbour(tmp_path, monkeypatch):
     """Settings and git's answers were stripped: "/x/proj " bound /x/proj, and
     a capture in the first landed in the second."""
@@ -582,12 +592,21 @@ def test_a_repo_path_ending_in_a_space_is_that_repo_not_its_neighbour(tmp_path, 
     assert not (plain / ".cambium").exists()
 
 
-def test_a_repo_never_set_up_keeps_cambium_out_of_git(repo):
+def test_a_repo_never_set_up_keeps_cambium_out_of_git(repo, tmp_path):
     """Only setup() ignored .cambium/: a repo served through a user-level MCP
     entry showed `?? .cambium/`, its store and credits one `git add -A` away."""
+    cs.recall("anything at all")                  # a first call that only journals
     cs.capture("Local knowledge is never committed")
     assert git(repo, "status", "--porcelain") == ""
     assert (repo / ".cambium" / ".gitignore").read_text() == "*\n"
+    local = repo / ".cambium"                     # a linked .cambium: its target is
+    target = tmp_path / "notes" / "kn"            # someone else's directory, left alone
+    target.parent.mkdir()
+    shutil.rmtree(local)
+    target.mkdir()
+    local.symlink_to(target)
+    cs.capture("Linked knowledge stays where the link points")
+    assert not (target / ".gitignore").exists() and (target / "knowledge.json").exists()
 
 
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
@@ -4372,6 +4391,15 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     assert "code" not in top                                      # README.md, or called it stale)
     as_agent(monkeypatch, shared["a"], "ada")                       # at home: no field
     assert "project" not in cs.recall("timeout outbound http calls")["results"][0]
+    cfg = cs.resolve_config()                   # this project's own anchors always resolve:
+    ref = [{"path": "README.md"}]               # local and team ones whatever their name
+    for scope, project in (("local", "renamed"), ("team", "SHOP"), ("org", "Shop")):
+        it = dataclasses.replace(cs.new_item("x", project=project), scope=scope,
+                                 code_refs=ref)
+        assert [a["at"] for a in cs.anchors_for(cfg, it)] == ["README.md"], (scope, project)
+    foreign = dataclasses.replace(cs.new_item("x", project="billing"), scope="org",
+                                  code_refs=ref)
+    assert cs.anchors_for(cfg, foreign) == []
 
 
 def test_export_org_publishes_knowledge_md(shared, monkeypatch):
@@ -5508,12 +5536,15 @@ def test_stale_prompt_orders_never_verified_then_oldest_and_filters():
     # distill's own words (why, tags, "Note:") made every agentsync outcome look
     # related to every other: agent, agentsync, branch, done, main, note
     boiler = dataclasses.replace(
-        _item("k-refund", "Add idempotency keys to the refund endpoint. Note: by hand",
+        _item("k-refund", "Add idempotency keys to the refund endpoint. Note: by hand. "
+                          "Changed files: A api/refunds.go.",
               tags=["agentsync", "agent:bob", "branch:main"]),
         why="agentsync: bob marked this claim done on branch main")
     done = cs.claim_to_draft("bob", {"task": "Migrate invoices to the PDF renderer",
                                      "note": "fonts fixed", "status": "done",
-                                     "branch": "main"})
+                                     "branch": "main", "changed_files": [
+                                         {"status": "M", "path": "web/invoice.ts"}]})
+    assert "Changed files:" in done.content and "Note:" in done.content
     assert cs.stale_prompt([boiler], [f"{done.content} {' '.join(done.tags)}"]) == []
     assert [g["id"] for g in cs.stale_prompt([boiler], ["refund endpoint idempotency"])] == \
         ["k-refund"]
