@@ -10028,22 +10028,29 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     cfg_path = config_file_path(env)
     _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
     ignore_note = _scaffold_local(root)
-    binding = repo_binding(resolve_config(env))
+    cfg = resolve_config(env)
+    binding = repo_binding(cfg)
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}
-    shadowed = [k for k in updates if k != "CAMBIUM_REPO" and env.get(k) not in (None, "")
+    warnings = _setup_warnings(env, updates, binding, root) + ignore_note
+    if org_offer and cfg.org_repo:              # a clone is set up already: it stays in use
+        org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
+                                               "the new clone's path"}
+    return {**out, **({"warnings": warnings} if warnings else {}),
+            **({"org_setup": org_offer} if org_offer else {})}
+
+
+def _setup_warnings(env: Any, updates: dict[str, str], binding: dict, root: Path) -> list[str]:
+    """What setup() wrote that will not take effect here: a value the environment
+    overrides, and a repo this process does not work in."""
+    shadowed = [k for k in updates if k != "CAMBIUM_REPO" and _given(env.get(k))
                 and env.get(k) != updates[k]]
     warnings = [f"{k} is also set in the environment, which wins over the config file; "
-                "unset it to use the value just written." for k in shadowed] + ignore_note
+                "unset it to use the value just written." for k in shadowed]
     if binding["repo"] != str(root):
         warnings.append(f"this process works in {binding['repo']} ({binding['because']}); "
                         f"{root} is used only by processes started outside any git repo.")
-    current = resolve_config(env).org_repo
-    if org_offer and current:                   # a clone is set up already: it stays in use
-        org_offer = {**org_offer, "org_scope": f"still {current} until setup is given the "
-                                               "new clone's path"}
-    return {**out, **({"warnings": warnings} if warnings else {}),
-            **({"org_setup": org_offer} if org_offer else {})}
+    return warnings
 
 
 def _write_config(path: Path, updates: dict[str, str]) -> None:
