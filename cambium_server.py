@@ -1229,9 +1229,15 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     return None
 
 
+def _given(value: Any) -> bool:
+    """Whether a setting's raw value sets it: empty or blank text does not."""
+    return value is not None and not (isinstance(value, str) and not value.strip())
+
+
 def config_file_path(env: dict | None = None) -> Path:
     env = os.environ if env is None else env
-    return Path(os.path.expanduser(env.get("CAMBIUM_CONFIG_FILE") or DEFAULT_CONFIG_FILE))
+    given = env.get("CAMBIUM_CONFIG_FILE")
+    return Path(os.path.expanduser(given if _given(given) else DEFAULT_CONFIG_FILE))
 
 
 def _normalize_value(key: str, value: Any) -> str:
@@ -1314,11 +1320,6 @@ def _size_text(n: int) -> str:
 def _read_config_file(path: Path) -> str:
     """The config file's text (read_regular: up to MAX_CONFIG_BYTES); OSError else."""
     return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")   # (an editor's BOM)
-
-
-def _given(value: Any) -> bool:
-    """Whether a setting's raw value sets it: empty or blank text does not."""
-    return value is not None and not (isinstance(value, str) and not value.strip())
 
 
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
@@ -4138,9 +4139,15 @@ def claim_churned(prev: dict, cur: dict | None) -> bool:
 
 
 CLAIM_NOTE_LEAD = "Note:"      #: between a claim's task and its note in the item's content
-CHANGED_FILES_LEAD = "Changed files:"   #: ... and before its changed files
-#: The words distill writes into every claim's content (not what was done)
-CLAIM_TEMPLATE_WORDS = f"{CLAIM_NOTE_LEAD} {CHANGED_FILES_LEAD} (+2 more)"
+CHANGED_FILES_LEAD = "Changed files:"   #: ... and before its changed files (to the end)
+
+
+def said_words(content: str) -> set[str]:
+    """The terms of what a text says, without distill's own words in a claim's
+    content: its "Note:" and the changed-files list (git status letters and
+    paths: `M src/x.py` says nothing of the work)."""
+    return set(tokenize(content.split(CHANGED_FILES_LEAD, 1)[0])) - \
+        set(tokenize(CLAIM_NOTE_LEAD))
 
 
 def _changed_files_text(changed: Any) -> str:
@@ -7550,21 +7557,19 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
     `limit` oldest-verified first, never-verified before any verified one,
     more shared terms first among equals. Terms are read from what items say
     (content), not from what distill writes about them (why, tags: the agent,
-    the branch, "agentsync", "done"), nor its "Note:" and "Changed files:".
-    Reports; never changes an item.
+    the branch, "agentsync", "done"), nor its "Note:" and changed files
+    (said_words). Reports; never changes an item.
     """
-    template = set(tokenize(CLAIM_TEMPLATE_WORDS))
     captured: set[str] = set()
     for text in captured_texts:
-        captured.update(tokenize(text))
-    captured -= template
+        captured |= said_words(text)
     if not captured or limit < 1:
         return []
     ranked = []
     for it in promoted_items:
         if not it.active or it.scope not in ("team", "org"):
             continue
-        terms = set(tokenize(it.content)) - template
+        terms = said_words(it.content)
         shared = terms & captured
         if not shared or len(shared) < min(2, len(terms)):
             continue
@@ -10020,7 +10025,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         updates["CAMBIUM_ORG_PR"] = "1" if org_pr else "0"
     org_offer = None
     if org_repo:
-        org_offer, org_path = _resolve_org_repo(org_repo)
+        org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
         if org_path and (clash := org_clone_problem(org_path, root)):
             raise InputError(f"org_repo {org_path} {clash}", "org_repo")
         if org_path:
@@ -10033,9 +10038,10 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}
     warnings = _setup_warnings(env, updates, binding, root) + ignore_note
-    if org_offer and cfg.org_repo:              # a clone is set up already: it stays in use
+    org_now = out["status"].get("scopes", {}).get("org", {})
+    if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
-                                               "the new clone's path"}
+                                               "the new clone's path"}   # and it works
     return {**out, **({"warnings": warnings} if warnings else {}),
             **({"org_setup": org_offer} if org_offer else {})}
 
@@ -10044,7 +10050,7 @@ def _setup_warnings(env: Any, updates: dict[str, str], binding: dict, root: Path
     """What setup() wrote that will not take effect here: a value the environment
     overrides, and a repo this process does not work in."""
     shadowed = [k for k in updates if k != "CAMBIUM_REPO" and _given(env.get(k))
-                and env.get(k) != updates[k]]
+                and _normalize_value(k, env.get(k)) != updates[k]]   # (true is 1)
     warnings = [f"{k} is also set in the environment, which wins over the config file; "
                 "unset it to use the value just written." for k in shadowed]
     if binding["repo"] != str(root):
@@ -10118,8 +10124,10 @@ def _branch_of_the_project(root: Path, branch: str) -> str | None:
     return None
 
 
-def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
-    """(offer of commands, None) for an owner/name; (None, path) for a local clone."""
+def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "your-id"
+                      ) -> tuple[dict | None, Path | None]:
+    """(offer of commands, None) for an owner/name; (None, path) for a local
+    clone. The offer's `then` is setup() again for root and agent."""
     candidate = Path(os.path.expanduser(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and candidate.exists():
         root = git_toplevel(candidate) if candidate.is_dir() else None
@@ -10141,7 +10149,8 @@ def _resolve_org_repo(org_repo: str) -> tuple[dict | None, Path | None]:
                 "knowledge.json && git commit -m 'cambium: org knowledge store' && "
                 "git push -u origin HEAD",
             ],
-            "then": f'setup(project_repo=…, agent_id=…, org_repo="{clone}")',
+            "then": f'setup(project_repo="{root or "/abs/path/to/your/clone"}", '
+                    f'agent_id="{agent}", org_repo="{clone}")',
             "note": "cambium never creates or pushes a repository for you.",
         }, None)
     raise InputError(f"org_repo {org_repo!r} is neither an existing absolute path nor a "
@@ -10376,8 +10385,8 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
     else:
         if item.source.get("imported") and item.source.get("ref"):
             out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
-        if item.project and item.project != cfg.project:    # learned in another project
-            out["project"] = item.project
+        if item.project and item.project.casefold() != (cfg.project or "").casefold():
+            out["project"] = item.project                  # learned in another project
     if is_stale_code(anchors):
         out["stale_code"] = True
     return out
@@ -12572,7 +12581,7 @@ def _within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-_CALL = re.compile(r"\b([a-z][a-z_]*)\(([^()]*)\)")
+_CALL = re.compile(r"""\b([a-z][a-z_]*)\(((?:"[^"]*"|'[^']*'|[^()"'])*)\)""")   # ("a (b)")
 _CALL_ARG = re.compile(r"\s*(?:([a-z_]+)=)?('[^']*'|\"[^\"]*\"|<[^<>]*>|[^,]*)\s*(?:,|$)")
 _KWARG = re.compile(r"(?<![\w.-])([a-z][a-z_]*)=(True\b|'[^']*'|\"[^\"]*\"|<[^<>]*>|\.\.\.|…)?")
 

@@ -407,6 +407,8 @@ def test_status_unconfigured_gives_gaps_costs_and_next_step(tmp_path):
     assert org["fix"].startswith('setup(project_repo="/abs/path/to/your/clone", agent_id='
                                  '"your-id", org_repo="/abs/path/to/org-knowledge-clone")')
     assert "…" not in org["fix"]                      # said setup(project_repo=…, ...)
+    assert cs.cli_syntax('setup(project_repo="/x/proj (copy)", agent_id="ada")').endswith(
+        "setup '/x/proj (copy)' ada")                # (a parenthesis in a path: unrewritten)
 
 
 @pytest.mark.parametrize("call", [
@@ -571,7 +573,10 @@ def test_no_function_in_the_module_exceeds_60_lines_but_the_demo():
 
 def test_a_blank_setting_is_unset(tmp_path, monkeypatch):
     """CAMBIUM_REPO="   " was an invalid value ('' must be an absolute path)
-    and kept the working directory's repo from binding."""
+    and kept the working directory's repo from binding; CAMBIUM_CONFIG_FILE=" "
+    wrote the config into a file named " " in the project repo."""
+    assert cs.config_file_path({"CAMBIUM_CONFIG_FILE": " "}) == \
+        Path(os.path.expanduser(cs.DEFAULT_CONFIG_FILE))
     r = make_repo(tmp_path)
     cfg = cs.resolve_config({"CAMBIUM_REPO": "   ", "CAMBIUM_AGENT_ID": "ada",
                              "CAMBIUM_ORG_REPO": " \t"}, cwd=r)
@@ -655,10 +660,15 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     assert "CAMBIUM_ORG_REPO" not in out["written"]
     assert cs.resolve_config().org_repo is None
     assert offer["org_scope"] == "off until the clone exists"
-    org = make_repo(tmp_path, "org")                 # with a clone set up already, it said
-    cs.setup(str(r), "ada", org_repo=str(org))       # "off" while status showed org on
-    again = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]
+    assert offer["then"] == (f'setup(project_repo="{r}", agent_id="ada", '   # (it said
+                             'org_repo="~/.cambium/org/knowledge")')          # … …)
+    org = clone(make_origin(tmp_path, "org"), tmp_path / "org-clone")
+    cs.setup(str(r), "ada", org_repo=str(org))       # with a clone set up already, it said
+    again = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]   # "off" while
     assert again["org_scope"] == f"still {org} until setup is given the new clone's path"
+    shutil.rmtree(org)                               # ... and "still" for one that is gone
+    gone = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]
+    assert gone["org_scope"] == "off until the clone exists"
 
 
 def test_setup_accepts_local_org_clone(tmp_path):
@@ -5546,6 +5556,10 @@ def test_stale_prompt_orders_never_verified_then_oldest_and_filters():
                                          {"status": "M", "path": "web/invoice.ts"}]})
     assert "Changed files:" in done.content and "Note:" in done.content
     assert cs.stale_prompt([boiler], [f"{done.content} {' '.join(done.tags)}"]) == []
+    files = _item("k-upload", "Add a retry to the uploader. Changed files: M src/upload.py, "
+                              "M tests/test_upload.py.")              # (shared: m, py, src,
+    assert cs.stale_prompt([files], ["Bump the logging level. Changed files: M src/log.py, "
+                                     "M tests/test_log.py."]) == []   # test: git's words)
     assert [g["id"] for g in cs.stale_prompt([boiler], ["refund endpoint idempotency"])] == \
         ["k-refund"]
 
