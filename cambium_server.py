@@ -820,11 +820,31 @@ def json_text(value: Any, **kw: Any) -> str:
     """json.dumps(value, ensure_ascii=False) that is always valid UTF-8: a lone
     surrogate (a stored `\\ud800` escape, valid JSON but not Unicode) is written
     back as its escape, so the value reads back unchanged (raw, it cannot be
-    encoded at all)."""
-    text = json.dumps(value, ensure_ascii=False, **kw)
+    encoded at all). A BigNumber is written as the text it was read from."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, **kw)
+    except ValueError:                  # a BigNumber, or a NaN a hand edit wrote
+        text = _dumps_big_numbers(value, **kw)
     if not _SURROGATE.search(text):
         return text
     return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _dumps_big_numbers(value: Any, **kw: Any) -> str:
+    """json_text's slow path: each BigNumber stands in as a marked string,
+    replaced by its own text once dumped (a NaN or inf of another origin is
+    written as Python's json writes it, as it was read)."""
+    mark, held = os.urandom(8).hex(), []
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, BigNumber):
+            held.append(v.text)
+            return f"{mark}:{len(held) - 1}"
+        if isinstance(v, dict):
+            return {k: swap(x) for k, x in v.items()}
+        return [swap(x) for x in v] if isinstance(v, (list, tuple)) else v
+    text = json.dumps(swap(value), ensure_ascii=False, **kw)
+    return re.sub(f'"{mark}:([0-9]+)"', lambda m: held[int(m.group(1))], text)
 
 
 def utf8(text: str) -> bytes:
@@ -2100,7 +2120,24 @@ class Parsed:
     closed: bool = True          # False: a line-layout file whose end is torn
 
 
-_DECODER = json.JSONDecoder()
+class BigNumber(float):
+    """A JSON number too large for a float (1e400): read as ±inf, it keeps its
+    text, and json_text writes that text back (plain, it came back `Infinity`,
+    which is no JSON, nor the number)."""
+    text: str
+
+    def __new__(cls, text: str) -> "BigNumber":
+        obj = super().__new__(cls, text)
+        obj.text = text
+        return obj
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else BigNumber(text)
+
+
+_DECODER = json.JSONDecoder(parse_float=_json_float)
 
 
 def _json(raw: bytes) -> Any:

@@ -5276,6 +5276,21 @@ def _team_item(content: str, project: str, last_verified: str | None,
                                   promoted_at=created, valid_while=f"premise of {content}")
 
 
+def test_a_number_too_large_for_a_float_is_written_back_as_it_was(repo):
+    """1e400 in a hand-edited item was read as inf and written back as
+    `Infinity`: the store was no longer JSON, and the number was gone."""
+    item = cs.capture("Numbers past a float stay as written")["item"]
+    path = _store_path(repo)
+    text = path.read_text().replace(f'"id":"{item["id"]}",',
+                                    f'"id":"{item["id"]}","x_big":1e400,"x_neg":-1E400,', 1)
+    path.write_text(text)
+    cs.endorse(item["id"], note="rewrites its line")
+    after = path.read_text()
+    assert '"x_big":1e400,"x_neg":-1E400' in after and "Infinity" not in after, after
+    assert cs.json_text({"n": float("nan")}) == '{"n": NaN}'         # (as Python reads it)
+    assert cs.json_text([cs.BigNumber("2e999"), 1.5]) == "[2e999, 1.5]"
+
+
 def test_a_hand_written_stamp_never_wins_over_a_time(repo):
     """consolidate kept max() of the strings: "soon" beat a real last_verified,
     and the survivor lost its verification; a carry-up compared them so too."""
