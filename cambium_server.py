@@ -548,10 +548,19 @@ def _raw_value(raw: Any, default: Any, now: Any) -> Any:
     return now
 
 
+ID_AS_STORED = "id_as_stored"    #: what a hand edit held in `id` (null, a number)
+
+
 def _put_back(d: dict, mistyped: dict) -> None:
-    """Restore the mistyped raw values into an item's stored dict (see above)."""
+    """Restore the mistyped raw values into an item's stored dict (see above).
+    Not the id: an item is served by the id derived from its content, and a
+    tool's change of that content would lose it (the id every answer gave
+    named nothing), so that id is stored, and the raw value kept beside it."""
     trust = None
     for k, (raw, default) in mistyped.items():
+        if k == "id":
+            d.setdefault(ID_AS_STORED, raw)
+            continue
         if isinstance(k, tuple):
             if trust is None:
                 trust = d["trust"] = dict(d["trust"])

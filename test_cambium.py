@@ -5276,6 +5276,24 @@ def _team_item(content: str, project: str, last_verified: str | None,
                                   promoted_at=created, valid_while=f"premise of {content}")
 
 
+def test_an_item_whose_id_a_hand_edit_made_null_keeps_the_id_it_is_served_by(repo):
+    """"id": null was served by an id derived from the content and written back
+    null: once generalize changed the content, the id every answer gave (endorse,
+    promote, generalize) named nothing. The served id is stored on the next
+    change now, and the raw value kept beside it."""
+    path = _store_path(repo)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"cambium": 1, "items": [
+        {"id": None, "content": "An id a hand edit emptied"},
+        {"id": 12345, "content": "An id that is a number"}]}))
+    served = {i.content: i.id for i in cs.store(cs.resolve_config(), "local").read().items}
+    for content, raw in (("An id a hand edit emptied", None), ("An id that is a number", 12345)):
+        cs.endorse(served[content], note="rewrites the line")
+        (stored,) = [i for i in json.loads(path.read_text())["items"]
+                     if i["content"] == content]
+        assert stored["id"] == served[content] and stored["id_as_stored"] == raw, stored
+
+
 def test_a_number_too_large_for_a_float_is_written_back_as_it_was(repo):
     """1e400 in a hand-edited item was read as inf and written back as
     `Infinity`: the store was no longer JSON, and the number was gone."""
