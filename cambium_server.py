@@ -7060,8 +7060,10 @@ class _Revising:
                 (str(item.source.get("source_ts") or ""), item.created_at, target))
         if not lines:
             return
-        for it in list(self.doc.items) + self.fresh:
-            if it.source.get("lineage") in lines and it.active and it.scope == "local":
+        for it in list(self.doc.items) + self.fresh:        # (a hand edit's lineage may be
+            lineage = it.source.get("lineage")               # a list: unhashable)
+            if isinstance(lineage, str) and lineage in lines and it.active \
+                    and it.scope == "local":
                 lines[it.source["lineage"]].append(
                     (str(it.source.get("source_ts") or ""), it.created_at, it))
         for lineage, line in lines.items():

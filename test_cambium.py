@@ -5294,6 +5294,18 @@ def test_an_item_whose_id_a_hand_edit_made_null_keeps_the_id_it_is_served_by(rep
         assert stored["id"] == served[content] and stored["id_as_stored"] == raw, stored
 
 
+def test_a_hand_edited_lineage_that_is_a_list_does_not_stop_distill():
+    """A stored item whose source.lineage a hand edit made a list ended the
+    claim-state pass of a distill in TypeError (unhashable: a list)."""
+    odd = dataclasses.replace(cs.new_item("an old claim state"),
+                              source={"system": "agentsync", "lineage": ["x", "y"]})
+    new = dataclasses.replace(cs.new_item("the newest claim state"),
+                              source={"system": "agentsync", "lineage": "bob:task"})
+    out = cs._revisions(cs.Doc(items=[odd]), [new], [], [], [(new, new)], set(),
+                        cs.Admission(None, [new], 0), "2026-12-04T00:00:00Z")
+    assert odd.id not in out                         # (raised TypeError)
+
+
 def test_a_number_too_large_for_a_float_is_written_back_as_it_was(repo):
     """1e400 in a hand-edited item was read as inf and written back as
     `Infinity`: the store was no longer JSON, and the number was gone."""
