@@ -664,7 +664,8 @@ class Item:
             source = {}
         trust, odd = _stored_trust(d.get("trust"))
         opts, extra = {}, {}
-        for k in d.keys() - _BASE_FIELDS:           # usually none or a few
+        extras = d.keys() - _BASE_FIELDS            # usually none or a few, kept in
+        for k in [k for k in d if k in extras] if extras else ():   # written order
             v = d[k]
             typed = _OPTIONAL_TYPED.get(k)
             if typed is None:

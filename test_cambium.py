@@ -5317,6 +5317,8 @@ def test_a_number_too_large_for_a_float_is_written_back_as_it_was(repo):
     cs.endorse(item["id"], note="rewrites its line")
     after = path.read_text()
     assert '"x_big":1e400,"x_neg":-1E400' in after and "Infinity" not in after, after
+    keys = [k for k in json.loads(after)["items"][0] if k.startswith("x_")]
+    assert keys == ["x_big", "x_neg"]             # in written order (a set's order moved)
     assert cs.json_text({"n": float("nan")}) == '{"n": NaN}'         # (as Python reads it)
     assert cs.json_text([cs.BigNumber("2e999"), 1.5]) == "[2e999, 1.5]"
 
