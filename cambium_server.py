@@ -7104,12 +7104,13 @@ class _Revising:
         """A second record of an item's text, recorded under its source.also."""
         for twin, item in twins:
             t = self.cur(twin.id)
-            also = [a for a in (t.source.get("also") or []) if isinstance(a, dict)]
+            held = t.source.get("also")             # a hand edit's value is kept: a list's
+            also = held if isinstance(held, list) else [] if held is None else [held]
             entry = {k: item.source[k] for k in ("system", "ref", "agent", "kind", "source_ts")
-                     if item.source.get(k)}
+                     if item.source.get(k)}          # entries as they are (a note, a 7)
             if item.why and item.why != twin.why:
                 entry["why"] = item.why
-            if entry in also or len(also) >= MAX_ALSO_SOURCES:
+            if entry in also or sum(isinstance(a, dict) for a in also) >= MAX_ALSO_SOURCES:
                 continue
             self.out[twin.id] = dataclasses.replace(
                 t, source={**t.source, "also": also + [entry]}, updated_at=self.now)

@@ -5306,6 +5306,21 @@ def test_a_hand_edited_lineage_that_is_a_list_does_not_stop_distill():
     assert odd.id not in out                         # (raised TypeError)
 
 
+def test_a_second_record_of_a_text_keeps_what_a_hand_edit_put_in_source_also():
+    """source.also = 5 ended distill in TypeError (not iterable), for good; a
+    list's entries that were no objects were dropped when one was added."""
+    item = dataclasses.replace(cs.new_item("second record"),
+                               source={"system": "context-keeper", "ref": "con-002"})
+    for held, kept in ((5, [5]), (["a note", {"system": "wiki"}, 7],
+                                  ["a note", {"system": "wiki"}, 7])):
+        twin = dataclasses.replace(cs.new_item("Never log card numbers"), source={
+            "system": "context-keeper", "ref": "con-001", "also": held})
+        out = cs._revisions(cs.Doc(items=[twin]), [], [], [(twin, item)], [], set(),
+                            cs.Admission(None, [], 0), "2026-12-04T00:00:00Z")
+        assert out[twin.id].source["also"] == kept + [
+            {"system": "context-keeper", "ref": "con-002"}], out[twin.id].source
+
+
 def test_a_number_too_large_for_a_float_is_written_back_as_it_was(repo):
     """1e400 in a hand-edited item was read as inf and written back as
     `Infinity`: the store was no longer JSON, and the number was gone."""
