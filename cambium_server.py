@@ -3389,6 +3389,8 @@ def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
     An item both changed is merged field by field (merged_item). None when
     that fails, or one side dropped an item the other changed: a person
     merges that."""
+    if any(len(first_copies(d.items)) != len(d.items) for d in (base, ours, theirs)):
+        return None                                # an id held twice: by id, one copy would go
     was = {it.id: it for it in base.items}
     now = {it.id: it for it in ours.items}
     out = {it.id: it for it in ours.items}
@@ -6931,7 +6933,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
-            by_id = by_id or {it.id: it for it in doc.items}
+            by_id = by_id or {it.id: it for it in reversed(doc.items)}   # (its first copy)
             stored = by_id.get(_mark_id(seen_marks, d.key))
             if _same_text(stored, d) and not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
@@ -7020,7 +7022,7 @@ class _Revising:
     def __init__(self, doc: Doc, fresh: list, live: set[str], adm: Admission,
                  now: str) -> None:
         self.doc, self.fresh, self.live, self.adm, self.now = doc, fresh, live, adm, now
-        self.by_id = {it.id: it for it in list(doc.items) + fresh}
+        self.by_id = {it.id: it for it in reversed(list(doc.items) + fresh)}   # first copies
         self.out: dict[str, Item] = {}
 
     def cur(self, iid: str) -> Item:
@@ -7200,7 +7202,7 @@ class _Admitting:
     def passed_over(self, key: str, item: Item, ckey: str) -> bool:
         """A watermarked record: passed over (a duplicate; a changed text is
         reported), unless revise imports its changed text (False)."""
-        self.by_id = self.by_id or {it.id: it for it in self.doc.items}
+        self.by_id = self.by_id or {it.id: it for it in reversed(self.doc.items)}
         mark = _mark_id(self.marks, key)
         known = self.by_id.get(mark) or self.live.get(mark)
         if self.revise and known is not None and content_key(known) != ckey:
@@ -7265,7 +7267,7 @@ class _Admitting:
             meta = marks_meta(doc.meta, self.marks) if marked else doc.meta  # same: an append
             if changes:
                 fresh[:] = [changes.get(it.id, it) for it in fresh]
-                items = [changes.get(it.id, it) for it in doc.items] + fresh
+                items = _replace_first(doc.items, changes) + fresh   # (first copies)
             else:
                 items = extended(doc.items, fresh)
             self.adm.doc = Doc(items=items, meta=meta, raw=doc.raw)
@@ -9087,8 +9089,8 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
     handled: set[str] = set()
     for i, it in enumerate(items):
         hit = wanted.get(it.id)
-        if hit is None or it.scope != "local":
-            continue
+        if hit is None or it.scope != "local" or it.id in handled:   # (a doubled id: its
+            continue                                                 # first copy only)
         handled.add(it.id)
         if not it.active:
             continue

@@ -6224,6 +6224,38 @@ def _decision(dec_id: str, summary: str, status: str = "active",
             "created_at": "2026-01-01T00:00:00+00:00"}
 
 
+def test_distill_changes_only_the_first_copy_of_a_doubled_id(repo):
+    """A hand-doubled id: distill wrote the last copy's text over every copy
+    (the first copy's text was gone from the store), and a retirement
+    deprecated every copy, counted twice."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    (ctx / "decisions.json").write_text(json.dumps(
+        [_decision("dec-001", "Deploy with blue-green switches")]))
+    item_id = cs.distill()["items"][0]["id"]
+    path = _store_path(repo)
+    doc = json.loads(path.read_text())
+    doc["items"].append({**doc["items"][0], "content": "A person's own note on deploys"})
+    path.write_text(json.dumps(doc))
+    (ctx / "decisions.json").write_text(json.dumps([     # a twin of the first copy's text
+        _decision("dec-001", "Deploy with blue-green switches"),
+        _decision("dec-009", "Deploy with blue-green switches")]))
+    cs.distill()
+    texts = [i["content"] for i in json.loads(path.read_text())["items"]
+             if i["id"] == item_id]
+    assert texts == ["Deploy with blue-green switches", "A person's own note on deploys"]
+    (ctx / "decisions.json").write_text(json.dumps([
+        _decision("dec-001", "Deploy with blue-green switches", "superseded", "dec-002"),
+        _decision("dec-002", "Deploy with rolling canaries")]))
+    res = cs.distill()
+    assert [r["id"] for r in res["retired_items"]].count(item_id) == 1, res
+    copies = [i for i in json.loads(path.read_text())["items"] if i["id"] == item_id]
+    assert [c["status"] for c in copies] == ["deprecated", "active"]
+    a, b = cs.new_item("one copy"), cs.new_item("another")      # a PR catch-up merges by
+    doubled = cs.Doc(items=[a, dataclasses.replace(a, content="its twin")])   # id: a copy
+    assert cs.merged_docs(cs.Doc(items=[a]), doubled, cs.Doc(items=[a, b])) is None  # went
+
+
 def test_distill_retires_a_promoted_item_when_its_decision_is_superseded(shared):
     ctx = shared["a"] / ".context"
     ctx.mkdir()
