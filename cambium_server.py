@@ -729,12 +729,21 @@ def meta_map(meta: Any, key: str) -> dict:
 
 
 def marks_meta(meta: dict, marks: dict) -> dict:
-    """`meta` with new watermarks; a `watermarks` of the wrong type (read as {})
-    is kept under `watermarks_unreadable`, never overwritten (pure)."""
+    """`meta` with new watermarks; what they replace that was no watermark (a
+    `watermarks` of the wrong type, read as {}; a value that names no id, read
+    as none) is kept under `watermarks_unreadable` (`_2`, ... when that is
+    taken): never overwritten (pure)."""
     old = meta.get("watermarks")
     out = {**meta, "watermarks": marks}
-    if old is not None and not isinstance(old, dict) and "watermarks_unreadable" not in meta:
-        out["watermarks_unreadable"] = old
+    lost = old if old is not None and not isinstance(old, dict) else {
+        k: v for k, v in old.items() if not isinstance(v, str) and marks.get(k) != v} \
+        if isinstance(old, dict) else None
+    if lost:
+        n, key = 1, "watermarks_unreadable"
+        while key in out and out[key] != lost:
+            n += 1
+            key = f"watermarks_unreadable_{n}"
+        out[key] = lost
     return out
 
 
@@ -6934,8 +6943,10 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in reversed(doc.items)}   # (its first copy)
-            stored = by_id.get(_mark_id(seen_marks, d.key))
-            if _same_text(stored, d) and not (stored is not None and distill_retired(stored)):
+            mark = _mark_id(seen_marks, d.key)       # (None: a hand edit's, marking nothing)
+            stored = by_id.get(mark) if mark is not None else None
+            if mark is not None and _same_text(stored, d) and \
+                    not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
                 continue
         try:
@@ -7201,9 +7212,12 @@ class _Admitting:
 
     def passed_over(self, key: str, item: Item, ckey: str) -> bool:
         """A watermarked record: passed over (a duplicate; a changed text is
-        reported), unless revise imports its changed text (False)."""
-        self.by_id = self.by_id or {it.id: it for it in reversed(self.doc.items)}
+        reported), unless revise imports its changed text (False). A watermark
+        a hand edit made no id marks nothing: its record is judged by its text."""
         mark = _mark_id(self.marks, key)
+        if mark is None:
+            return False
+        self.by_id = self.by_id or {it.id: it for it in reversed(self.doc.items)}
         known = self.by_id.get(mark) or self.live.get(mark)
         if self.revise and known is not None and content_key(known) != ckey:
             self.revised.append((known, item, item))     # imported, if its text is new

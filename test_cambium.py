@@ -6256,6 +6256,31 @@ def test_distill_changes_only_the_first_copy_of_a_doubled_id(repo):
     assert cs.merged_docs(cs.Doc(items=[a]), doubled, cs.Doc(items=[a, b])) is None  # went
 
 
+def test_a_watermark_a_hand_edit_made_no_id_marks_nothing_and_is_kept(repo):
+    """A watermark value that is no id (a list, 7, null) made distill pass the
+    record over for good: an edited entry's new text was never stored, without
+    a word. A second odd `watermarks` was lost (the first one held the place)."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    (ctx / "decisions.json").write_text(json.dumps(
+        [_decision("dec-001", "Deploy with blue-green switches")]))
+    cs.distill()
+    path = _store_path(repo)
+    doc = json.loads(path.read_text())
+    doc["meta"]["watermarks"]["context-keeper:dec-001"] = ["hand", "edit"]
+    path.write_text(json.dumps(doc))
+    (ctx / "decisions.json").write_text(json.dumps(
+        [_decision("dec-001", "Deploy with rolling restarts instead")]))
+    res = cs.distill()
+    assert res["imported"] == 1, res
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["watermarks_unreadable"] == {"context-keeper:dec-001": ["hand", "edit"]}
+    assert isinstance(meta["watermarks"]["context-keeper:dec-001"], str)
+    assert cs.marks_meta({"watermarks": ["second"], "watermarks_unreadable": ["first"]},
+                         {}) == {"watermarks": {}, "watermarks_unreadable": ["first"],
+                                 "watermarks_unreadable_2": ["second"]}
+
+
 def test_distill_retires_a_promoted_item_when_its_decision_is_superseded(shared):
     ctx = shared["a"] / ".context"
     ctx.mkdir()
