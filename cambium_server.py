@@ -658,7 +658,7 @@ class Item:
                 bad["tags"] = tags
             tags = [_shared_str(t) for t in _texts(tags) or ()]
         if source.__class__ is not dict:
-            if source is not None:
+            if source is not None or "source" in d:     # (a null written by hand too)
                 bad = bad or {}
                 bad["source"] = source
             source = {}
