@@ -2140,20 +2140,24 @@ class Parsed:
 
 
 class BigNumber(float):
-    """A JSON number too large for a float (1e400): read as ±inf, it keeps its
-    text, and json_text writes that text back (plain, it came back `Infinity`,
-    which is no JSON, nor the number)."""
+    """A JSON number a float cannot hold: too large (1e400, read as ±inf) or
+    too small (1e-400, held as NaN: read as 0.0 it would be written back so).
+    It keeps its text, and json_text writes that text back (plain, it came back
+    `Infinity`, which is no JSON, or 0.0: neither is the number)."""
     text: str
 
     def __new__(cls, text: str) -> "BigNumber":
-        obj = super().__new__(cls, text)
-        obj.text = text
+        value = float(text)
+        obj = super().__new__(cls, value if value else "nan")   # (NaN: json_text's slow
+        obj.text = text                                          # path, as for ±inf)
         return obj
 
 
 def _json_float(text: str) -> float:
     value = float(text)
-    return value if math.isfinite(value) else BigNumber(text)
+    if math.isfinite(value) and (value or not re.search("[1-9]", re.split("[eE]", text)[0])):
+        return value
+    return BigNumber(text)
 
 
 _DECODER = json.JSONDecoder(parse_float=_json_float)
