@@ -735,10 +735,11 @@ def marks_meta(meta: dict, marks: dict) -> dict:
     taken): never overwritten (pure)."""
     old = meta.get("watermarks")
     out = {**meta, "watermarks": marks}
-    lost = old if old is not None and not isinstance(old, dict) else {
-        k: v for k, v in old.items() if not isinstance(v, str) and marks.get(k) != v} \
+    whole = old is not None and not isinstance(old, dict)   # (false, 0, [] are values too)
+    lost = old if whole else {k: v for k, v in old.items()
+                              if not isinstance(v, str) and marks.get(k) != v} \
         if isinstance(old, dict) else None
-    if lost:
+    if whole or lost:
         n, key = 1, "watermarks_unreadable"
         while key in out and out[key] != lost:
             n += 1
@@ -827,6 +828,8 @@ def valid_unicode_deep(value: Any) -> Any:
     (the stored text keeps it: see json_text)."""
     if isinstance(value, str):
         return valid_unicode(value)
+    if isinstance(value, BigNumber):        # its text: the SDK's JSON says null or Infinity
+        return value.text
     if isinstance(value, dict):
         return {valid_unicode(k) if isinstance(k, str) else k: valid_unicode_deep(v)
                 for k, v in value.items()}
@@ -2151,6 +2154,22 @@ class BigNumber(float):
         obj = super().__new__(cls, value if value else "nan")   # (NaN: json_text's slow
         obj.text = text                                          # path, as for ±inf)
         return obj
+
+    def __eq__(self, other: object) -> bool:
+        """By its text (a NaN is unequal to itself: an unchanged item read twice
+        would differ, and a merge would take it for a change)."""
+        return isinstance(other, BigNumber) and other.text == self.text
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+    __repr__ = __str__
 
 
 def _json_float(text: str) -> float:

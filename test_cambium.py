@@ -5338,6 +5338,16 @@ def test_a_number_too_large_for_a_float_is_written_back_as_it_was(repo):
     assert cs.json_text([cs.BigNumber("2e999"), 1.5]) == "[2e999, 1.5]"
     for text in ("1e-400", "-1E-999", "0.0", "-0.0", "1.5e+300"):  # too small: it was 0.0
         assert cs.json_text(cs._DECODER.decode(f"[{text}]")) == f"[{text}]"
+    line = '{"id": "k-000000000001", "content": "tiny", "n": 1e-400}'
+    one, two = (cs.Item.from_dict(cs._DECODER.decode(line)) for _ in range(2))
+    assert one == two                                  # (a NaN: never equal to itself, so
+    other = cs.new_item("another")                     # a catch-up merge refused it)
+    assert cs.merged_docs(cs.Doc(items=[one]), cs.Doc(items=[one]),
+                          cs.Doc(items=[two, other])) is not None
+    assert cs.valid_unicode_deep({"n": cs.BigNumber("1e400")}) == {"n": "1e400"}  # MCP: was
+    assert str(cs.BigNumber("-1E400")) == "-1E400"                  # null, or Infinity
+    assert cs.marks_meta({"watermarks": False}, {}) == {"watermarks": {},   # (a falsy one
+                                                        "watermarks_unreadable": False}  # went)
     assert cs.Item.from_dict({"id": "k-1", "content": "x", "source": None}).to_dict()[
         "source"] is None                                # (a null came back as {})
 
