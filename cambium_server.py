@@ -10945,6 +10945,9 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
         moved = move(cfg, [item], scope, "org", gate=gate, copy=copy, pr_branch=branch,
                      pr_body=body, message=f"{cfg.agent} promotes {item_id} to org")
     except CambiumError as e:
+        if branch and isinstance(e, GitError) and e.cmd[:1] == ["gh"]:   # pushed, no PR
+            e = _noted(e, f"its branch {branch} is on the org remote, and the next promote "
+                          "of it opens the pull request from there")
         raise _unmoved(e, f"in {scope} scope", "the item stays")
     if item_id in moved.refused:                  # the item changed under us: judged again
         _, current = locate(cfg, item_id, fresh=True)

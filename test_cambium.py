@@ -3764,6 +3764,24 @@ def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monke
     assert after["scope"] == "org" and after["pr_url"]
 
 
+def test_a_pr_mode_promote_without_gh_says_what_it_left_and_what_to_do(
+        shared, monkeypatch, tmp_path):
+    """gh missing: the error said only "not found on PATH", and nothing of the
+    promote branch it had pushed to the org remote."""
+    bindir = tmp_path / "only-git"
+    bindir.mkdir()
+    (bindir / "git").symlink_to(shutil.which("git"))
+    monkeypatch.setenv("PATH", str(bindir))
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    item_id = _endorsed("Feature flags get an owner and an expiry date")
+    cs.promote()
+    with pytest.raises(cs.GitError, match=f"install gh .* its branch cambium/promote-{item_id} "
+                                          "is on the org remote.* nothing moved"):
+        cs.promote(item_id, to_scope="org")
+    assert f"cambium/promote-{item_id}" in _remote_branches(shared["org_bare"])
+
+
 def _pr_mode(monkeypatch, tmp_path, shared) -> Path:
     log = make_stub_gh(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
