@@ -741,7 +741,7 @@ def marks_meta(meta: dict, marks: dict) -> dict:
         if isinstance(old, dict) else None
     if whole or lost:
         n, key = 1, "watermarks_unreadable"
-        while key in out and out[key] != lost:
+        while key in out and json_text(out[key]) != json_text(lost):   # (False == 0)
             n += 1
             key = f"watermarks_unreadable_{n}"
         out[key] = lost
@@ -844,6 +844,8 @@ def json_text(value: Any, **kw: Any) -> str:
     back as its escape, so the value reads back unchanged (raw, it cannot be
     encoded at all). A BigNumber is written as the text it was read from."""
     try:
+        if kw.get("indent") is not None:    # (the indenting encoder asks == of a float,
+            json.dumps(value, allow_nan=False)   # which a BigNumber answers by its text)
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, **kw)
     except ValueError:                  # a BigNumber, or a NaN a hand edit wrote
         text = _dumps_big_numbers(value, **kw)

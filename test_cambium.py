@@ -5366,6 +5366,10 @@ def test_a_number_too_large_for_a_float_is_written_back_as_it_was(repo):
     assert str(cs.BigNumber("-1E400")) == "-1E400"                  # null, or Infinity
     assert cs.marks_meta({"watermarks": False}, {}) == {"watermarks": {},   # (a falsy one
                                                         "watermarks_unreadable": False}  # went)
+    assert cs.marks_meta({"watermarks": 0, "watermarks_unreadable": False}, {})[
+        "watermarks_unreadable_2"] == 0                   # (False == 0: it took its place)
+    for big in ("1e400", "-1E400", "1e-400"):             # the CLI's indented JSON said inf,
+        assert cs.json_text({"n": cs.BigNumber(big)}, indent=2) == f'{{\n  "n": {big}\n}}'
     assert cs.Item.from_dict({"id": "k-1", "content": "x", "source": None}).to_dict()[
         "source"] is None                                # (a null came back as {})
 
