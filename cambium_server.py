@@ -735,11 +735,11 @@ def marks_meta(meta: dict, marks: dict) -> dict:
     taken): never overwritten (pure)."""
     old = meta.get("watermarks")
     out = {**meta, "watermarks": marks}
-    whole = old is not None and not isinstance(old, dict)   # (false, 0, [] are values too)
-    lost = old if whole else {k: v for k, v in old.items()
-                              if not isinstance(v, str) and marks.get(k) != v} \
-        if isinstance(old, dict) else None
-    if whole or lost:
+    if isinstance(old, dict):
+        lost = {k: v for k, v in old.items() if not isinstance(v, str) and marks.get(k) != v}
+    else:
+        lost = old                       # (false, 0, [] are values too; None is none)
+    if lost is not None and lost != {}:
         n, key = 1, "watermarks_unreadable"
         while key in out and json_text(out[key]) != json_text(lost):   # (False == 0)
             n += 1
@@ -1233,6 +1233,10 @@ def _is_decimal(value: str) -> bool:
             is not None and math.isfinite(float(value)))
 
 
+#: Settings that name a directory (read exactly as given, ~ expanded).
+PATH_SETTINGS = ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO")
+
+
 def _validate(key: str, value: str, name: str | None = None) -> str | None:
     """Why `value` is invalid for `key`, or None when it is fine (said of the
     argument `name` when given, else of the setting)."""
@@ -1265,7 +1269,7 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     elif key == "CAMBIUM_AGENT_ID":
         if value.startswith("-") or not re.fullmatch(r"[\w.@\-]{1,64}", value):
             return f"{label} must be 1-64 letters, digits, '.', '_', '-' or '@'"
-    elif key in ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
+    elif key in PATH_SETTINGS:
         if "\0" in value:
             return f"{label} holds a NUL byte, which no file path can contain"
         if not os.path.isabs(os.path.expanduser(value)):
@@ -1295,10 +1299,6 @@ def _normalize_value(key: str, value: Any) -> str:
         value = {"true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0",
                  "": "0"}.get(value.lower(), value)
     return value
-
-
-#: Settings that name a directory (read exactly as given, ~ expanded).
-PATH_SETTINGS = ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO")
 
 
 #: Where a setting's value came from (Config.origins, status()'s `from`).
@@ -2077,6 +2077,8 @@ def file_lock(path: Path) -> Iterator[None]:
 TMP_SUFFIX = ".tmp"     #: atomic_write's copy in the making: <name>.<pid>.<random>.tmp
 TMP_LEFTOVER_S = 600    #: one older than this whose process is gone was cut short (kill -9)
 TMP_LEFTOVER_OLD_S = 86_400   #: ... one without a pid (written before pids were), a day old
+_TMP_NAME = re.compile(r".+\.([0-9]{1,10})\.[a-z0-9_]+" + re.escape(TMP_SUFFIX))
+_OLD_TMP_NAME = re.compile(r".+\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX))   #: before 2026-12
 
 
 def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
@@ -2084,9 +2086,8 @@ def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
     atomic_write's temporary file, untouched for TMP_LEFTOVER_S, whose process
     no longer runs. It was never acknowledged (the file it would have replaced
     is intact), so it holds nothing to keep."""
-    m = re.fullmatch(r".+\.([0-9]{1,10})\.[a-z0-9_]+" + re.escape(TMP_SUFFIX), entry.name)
-    old = re.fullmatch(r".+\.[a-z0-9_]{8}" + re.escape(TMP_SUFFIX), entry.name)  # no pid:
-    if (m or old) is None or not entry.is_file(follow_symlinks=False):     # before 2026-12
+    m, old = _TMP_NAME.fullmatch(entry.name), _OLD_TMP_NAME.fullmatch(entry.name)
+    if (m or old) is None or not entry.is_file(follow_symlinks=False):
         return False
     try:
         age = now - entry.stat(follow_symlinks=False).st_mtime
@@ -6155,9 +6156,12 @@ class VectorCache:
             if mat.ndim != 2 or mat.shape[1] != EMBED_DIM or mat.dtype.kind != "f":
                 raise ValueError(f"matrix of {mat.dtype} in shape {mat.shape}")
             mat = mat.astype(np.float16, copy=False)
-            norms = np.linalg.norm(mat.astype(np.float32), axis=1)   # the model's are unit
-            if len(mat) and not np.all(np.abs(norms - 1) < 0.01):    # length: NaN, scaled
-                raise ValueError("vectors that are not the model's (not unit length)")
+            # The model's vectors are unit length; NaN or scaled rows are not. Checked
+            # in blocks: no float32 copy of a whole large cache at start-up.
+            for at in range(0, len(mat), 65_536):
+                block = mat[at:at + 65_536].astype(np.float32)
+                if not np.all(np.abs(np.linalg.norm(block, axis=1) - 1) < 0.01):
+                    raise ValueError("vectors that are not the model's (not unit length)")
             rows = {}
             for key, (start, count) in meta["keys"].items():
                 if not (0 <= start and 0 < count and start + count <= len(mat)):
@@ -6967,9 +6971,9 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
         if d.key and d.key in seen_marks:
-            by_id = by_id or {it.id: it for it in reversed(doc.items)}   # (its first copy)
+            by_id = by_id or {it.id: it for it in first_copies(doc.items)}
             mark = _mark_id(seen_marks, d.key)       # (None: a hand edit's, marking nothing)
-            stored = by_id.get(mark) if mark is not None else None
+            stored = by_id.get(mark)
             if mark is not None and _same_text(stored, d) and \
                     not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
@@ -7058,7 +7062,7 @@ class _Revising:
     def __init__(self, doc: Doc, fresh: list, live: set[str], adm: Admission,
                  now: str) -> None:
         self.doc, self.fresh, self.live, self.adm, self.now = doc, fresh, live, adm, now
-        self.by_id = {it.id: it for it in reversed(list(doc.items) + fresh)}   # first copies
+        self.by_id = {it.id: it for it in first_copies([*doc.items, *fresh])}
         self.out: dict[str, Item] = {}
 
     def cur(self, iid: str) -> Item:
@@ -7242,7 +7246,7 @@ class _Admitting:
         mark = _mark_id(self.marks, key)
         if mark is None:
             return False
-        self.by_id = self.by_id or {it.id: it for it in reversed(self.doc.items)}
+        self.by_id = self.by_id or {it.id: it for it in first_copies(self.doc.items)}
         known = self.by_id.get(mark) or self.live.get(mark)
         if self.revise and known is not None and content_key(known) != ckey:
             self.revised.append((known, item, item))     # imported, if its text is new
@@ -7664,13 +7668,12 @@ def stale_prompt(promoted_items: Iterable[Item], captured_texts: Iterable[str],
         shared = terms & captured
         if not shared or len(shared) < min(2, len(terms)):
             continue
-        verified = _parse_ts(it.last_verified)
-        age_key = verified.timestamp() if verified else float("-inf")
+        checked_at = _parse_ts(it.last_verified)
+        age_key = checked_at.timestamp() if checked_at else float("-inf")
         ranked.append((age_key, -len(shared), it.id, it, sorted(shared)))
     ranked.sort(key=lambda r: r[:3])
     return [{"id": it.id, "scope": it.scope, "content": it.content[:200],
-             "last_verified": it.last_verified, "never_verified": _parse_ts(it.last_verified)
-             is None,
+             "last_verified": it.last_verified, "never_verified": not verified(it),
              "shared_terms": shared[:8],
              "next_step": f'verify_entry("{it.id}") if it still holds'}
             for _, _, _, it, shared in ranked[:limit]]
