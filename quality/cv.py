@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cross-validated recall quality, in process, with cambium_server's own scoring.
 
-    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2]
+    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2 quality/held3]
                           [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
                           [--cache DIR] [--window TOKENS] [--first-window TOKENS]
 
@@ -519,8 +519,8 @@ def main() -> int:
                          "evaluation of unseen queries runs on. A no-answer query's best score "
                          "is a maximum over the store, so it grows with the store: a floor "
                          "calibrated on a smaller store abstains less on a larger one")
-    ap.add_argument("--held", nargs="+", default=[str(ROOT / "quality" / "held"),
-                                                  str(ROOT / "quality" / "held2")],
+    ap.add_argument("--held", nargs="+", default=[str(ROOT / "quality" / h)
+                                                  for h in ("held", "held2", "held3")],
                     help="held-out set folders, scored with the parameters chosen on dev")
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5,
