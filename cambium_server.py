@@ -8925,10 +8925,12 @@ PRIMER_TOKEN_BUDGET = 1500         #: ~4 characters a token
 PREMISE_STALE_DAYS = 30            #: a valid_while unchecked this long deserves a re-check
 RECENTLY_VERIFIED_DAYS = 90
 PITFALL_KINDS = frozenset({"pitfall", "constraint", "gotcha", "warning", "trap", "caveat"})
-#: (section, heading, share of the entry limit it is sure to get)
+#: (section, heading, share of the entry limit it is sure to get); a note nobody
+#: has vouched for yet (trust score 0) is no trusted note: it only fills room left
 PRIMER_SECTIONS = (("pitfalls", "Pitfalls and constraints", 0.35),
                    ("decisions", "Settled decisions", 0.25),
                    ("trusted", "Most trusted notes", 0.2),
+                   ("notes", "Other notes (nobody has vouched for them yet)", 0.0),
                    ("premises", "Premises to re-check", 0.1),
                    ("needs", "Open needs", 0.1))
 _MACHINE_TAGS = re.compile(r"^(agentsync|context-keeper|imported|released-before-done|"
@@ -9005,7 +9007,10 @@ def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project
                 (it.scope == "org" and not org_item_relevant(it, project, tags)):
             continue
         trust = effective_trust(it, pending.get(it.id, []))
-        out.append(PrimerEntry(it, trust, primer_section(it, now), trust_score(it, trust, now)))
+        score = trust_score(it, trust, now)
+        section = primer_section(it, now)
+        out.append(PrimerEntry(it, trust, "notes" if section == "trusted" and score <= 0
+                               else section, score))
     return out
 
 

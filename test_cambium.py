@@ -8825,17 +8825,40 @@ def test_primer_orders_sections_states_its_size_and_changes_nothing(coderepo):
     out = cs.session_primer()
     text = out["primer"]
     heads = ["Pitfalls and constraints:", "Settled decisions:", "Most trusted notes:",
-             "Premises to re-check:", "Open needs:"]
+             "Other notes (nobody has vouched for them yet):", "Premises to re-check:",
+             "Open needs:"]
     assert [text.index(h) for h in heads] == sorted(text.index(h) for h in heads)
     assert f"- {pit} memory/pitfall Never call total() with floats → src/billing.py:9" in text
-    notes = text[text.index("Most trusted notes:"):text.index("Premises")]
-    assert notes.index(trusted) < notes.index("Old note")        # trust first
+    trusted_notes = text[text.index("Most trusted notes:"):text.index("Other notes")]
+    assert trusted in trusted_notes and "Old note" not in trusted_notes   # no trust, not trusted
+    assert "Old note" in text[text.index("Other notes"):text.index("Premises")]
+    assert out["sections"]["trusted"] == 1 and out["sections"]["notes"] == 1
     assert "while billing runs on NetSuite" in text and "unchecked" in text
     assert text.splitlines()[0] == (f"cambium primer for {coderepo.name}: 6 of 6 items, "
                                     f"~{out['tokens']} tokens.")      # (it stated ~2 more)
     assert out["entries"] == 6 and out["tokens"] <= cs.PRIMER_TOKEN_BUDGET
     after = {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()}
     assert after == before                                        # no credit, no write
+
+
+def test_primer_never_calls_a_note_nobody_vouched_for_trusted(repo):
+    """In a small store every plain note went under "Most trusted notes",
+    though nobody had endorsed, recalled or verified any of them; and such
+    notes took the trusted share of the limit from pitfalls and decisions."""
+    ids = [cs.capture(f"Plain note number {i} about the build", tags="build")["item"]["id"]
+           for i in range(6)]
+    out = cs.session_primer()
+    assert "Most trusted notes:" not in out["primer"]
+    assert "Other notes (nobody has vouched for them yet):" in out["primer"]
+    assert out["sections"] == {"notes": 6}
+    for i in range(5):
+        cs.capture(f"Pitfall {i} of the release train", kind="pitfall", tags="release")
+    out = cs.session_primer(limit=5)             # the limit goes to pitfalls first
+    assert out["sections"] == {"pitfalls": 5}
+    cs.endorse(ids[3], note="we rely on it")
+    text = cs.session_primer()["primer"]
+    assert ids[3] in text[text.index("Most trusted notes:"):text.index("Other notes")]
+    assert ids[0] in text[text.index("Other notes"):]
 
 
 def test_primer_is_bounded_by_limit_and_token_budget(repo):
