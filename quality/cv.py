@@ -4,6 +4,7 @@
     python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2 quality/held3]
                           [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
                           [--cache DIR] [--window TOKENS] [--first-window TOKENS]
+                          [--col] [--fill] [--relevance-ct] [--rel-objective caught|right]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -31,7 +32,12 @@ discounts), pseudo-relevance feedback (Rocchio weight, top 3 items), whether
 items holding every word of the query rank first, which cosine relevance reads
 (all of an item's vectors or its first window) and a raw-BM25 boost of it;
 in mode "rerank" also the cross-encoder's rank prior (cambium's RERANK_PRIOR),
-or no reranking. The false target per mode is chosen by
+or no reranking. With --col (the rerank extra's second encoder): the weight of
+its z-scored cosine in the ranking (cambium's SEM_SECOND_WEIGHT) and its share
+of relevance (SEM_SECOND_MIX), whose floor is then calibrated like any other
+(SEM_SECOND_FLOOR). --fill, --relevance-ct and --rel-objective right offer
+three more candidates that cross-validation did not keep (README: Recall
+quality). The false target per mode is chosen by
 cross-validation too (choose_false_target): of FALSE_TARGETS, the one that
 abstains most while its cross-validated wrongly-abstained share stays within
 MAX_FALSE and it finds every paraphrase the most conservative one finds. That
@@ -143,6 +149,38 @@ class CrossScores:
             self.dirty = False
 
 
+class ColVectors:
+    """Mean-pooled token vectors of a text's first window by the second encoder
+    (--col: the encoder the rerank extra's package ships beside its
+    cross-encoder), L2-normalized, cached on disk like Vectors."""
+
+    def __init__(self, cache: Path):
+        import numpy as np
+        self.np = np
+        self.dir = cache / "col-first-mean"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.model = None
+        self.tok = cs.WordPiece.from_text(cs.load_vocab())
+
+    def row(self, text: str) -> "np.ndarray":
+        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        f = self.dir / f"{key}.npy"
+        if f.exists():
+            return self.np.load(f)
+        if self.model is None:
+            self.model = cs.SecondEncoder.from_package()
+        ids = cs.embed_windows(self.tok.ids(text, cs.EMBED_WINDOW_TOKENS), self.tok.cls,
+                               self.tok.sep)[0]
+        out = self.model.embed_ids([ids])[0]
+        self.np.save(f, out)
+        return out
+
+
+COL = []            #: --col: [ColVectors]
+COL_WEIGHTS = (0.0, 0.25, 0.5, 1.0)     #: --col: its z-scored cosine's weight in the ranking
+COL_MIXES = (0.0, 0.5, 1.0)             #: --col: its cosine's share of relevance
+
+
 def item_vector_rows(vec: Vectors, it) -> dict:
     """Candidate vectors of one item, by kind."""
     tags = cs._topic_tags(it)                   # as the server's extra_vectors build them
@@ -184,6 +222,11 @@ class Prepared:
                     if src is not None and len(src):
                         mat[:, n] = (qv @ src.T).max(axis=1)
                 self.sims[kind] = mat
+            if COL:
+                cv_ = COL[0]
+                cm = np.stack([cv_.row(cs.embed_text(it)) for it in self.index.items])
+                cq = np.stack([cv_.row(q["query"]) for q in queries])
+                self.sims["col"] = (cq @ cm.T).astype(np.float32)
             if FIRST_WINDOW:
                 other = FIRST_WINDOW[0]
                 first = np.stack([other.rows(cs.embed_text(it), True)[0]     # cached by
@@ -216,7 +259,16 @@ def item_sims(p: Prepared, qi: int, params: dict):
 def relevance_sims(p: Prepared, qi: int, params: dict):
     """The cosines relevance reads (params["rel"], cambium's SEM_RELEVANCE):
     "all" of the item's vectors, as the ranking, or its "first" window alone
-    (what the text opens with: the full-text vector of a model that truncates)."""
+    (what the text opens with: the full-text vector of a model that truncates),
+    or "first+ct": the better of its first window and its content + tags
+    vector less params["rel_ct"] (the item's topic without its why)."""
+    if params.get("col_mix"):
+        np = cs_np()
+        return (1 - params["col_mix"]) * p.sims["full_first"][qi] + \
+            params["col_mix"] * p.sims["col"][qi]
+    if params.get("rel") == "first+ct":
+        return cs_np().maximum(p.sims["full_first"][qi],
+                               p.sims["content_tags"][qi] - params["rel_ct"])
     return p.sims["full_first"][qi] if params.get("rel") == "first" else item_sims(p, qi, params)
 
 
@@ -224,22 +276,49 @@ def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     np = cs_np()
     sim = item_sims(p, qi, params)
     ones = np.ones(len(sim), bool)
-    first = p.sims["full_first"][qi] if params.get("rel") == "first" else None
+    first = relevance_sims(p, qi, params) if params.get("rel") in ("first", "first+ct") else None
     score, rel = cs.semantic_blend(np, sim, ones, p.lex[qi], first=first,
                                    weight=params["weight"], boost=params["boost"],
                                    floor=params["floor"])
     if params.get("prf"):                    # cambium's own Rocchio feedback
         score = cs.feedback_scores(np, p.first, p.qv[qi], sim, score, np.ones(len(sim), bool),
                                    beta=params["prf"])
+    if params.get("col_w"):                  # the second encoder's z-scored cosine added
+        score = cs.second_blend(np, score, p.sims["col"][qi], np.ones(len(sim), bool),
+                                weight=params["col_w"])
     exact = cs.exact_slots(np, p.index, p.terms[qi], score) if params.get("exact") else []
-    score = cs.lifted(score, exact)          # cambium's exact-first lift
+    score = cs.lifted(score, exact)
     if params.get("rerank") is not None:     # cambium's cross-encoder stage
         top = cs.best_slots(np, score, p.index.items, RERANK_TOP[0])
         logits = p.cross.scores(p.queries[qi]["query"],
                                 [cs.embed_text(p.index.items[i]) for i in top])
         score = cs.reranked(np, score, top, logits, set(exact), prior=params["rerank"])
     top = cs.best_slots(np, score, p.index.items, LIMIT)
+    if params.get("fill"):                   # the last slots from other views of the items
+        views = [p.sims["full_tail" if v == "tail" else v][qi]
+                 for v in params["fill"].split("+")]
+        top = filled(np, top, views, LIMIT - FILL_SLOTS)
     return top, [float(rel[i]) for i in top]
+
+
+def filled(np, top: list, views: list, keep: int) -> list:
+    """The ranking's first `keep` slots, then the rest of len(top) taken in
+    turn from each view's best (a view: a score per slot, -inf for none),
+    skipping slots already taken; what the views leave stays the ranking's."""
+    out = list(top[:keep])
+    orders = [[int(i) for i in np.argsort(-np.where(np.isfinite(v), v, -np.inf),
+                                          kind="stable")[:len(top)] if np.isfinite(v[i])]
+              for v in views]
+    for depth in range(len(top)):
+        for order in orders:
+            if len(out) < len(top) and depth < len(order) and order[depth] not in out:
+                out.append(order[depth])
+    out += [i for i in top[keep:] if i not in out][:len(top) - len(out)]
+    return out
+
+
+FILL_SLOTS = 2      #: slots of a fill (params["fill"]) taken from the other views
+FILLS = [None]      #: --fill offers "tail", "why", "tail+why" beside None
 
 
 _NP = []
@@ -335,12 +414,17 @@ def grid(mode: str) -> list[dict]:
 BOOSTS = (0.0, 0.004, 0.008, 0.012, 0.016, 0.02)
 RERANK_PRIORS = (None, 0.5, 1.0, 1.5, 2.0)   #: cambium's RERANK_PRIOR (None: no reranking)
 RERANK_TOP = [cs.RERANK_TOP]                 #: slots the cross-encoder reads (--rerank-top)
-RELEVANCE_VECTORS = ("all", "first")                 #: what relevance reads (relevance_sims)
+RELEVANCE_VECTORS = ["all", "first"]   #: what relevance reads (relevance_sims); --relevance-ct
+REL_CT_DISCOUNTS = (0.0, 0.02, 0.05)    #: adds "first+ct", the content + tags cosine this less
 WHY_WEIGHTS = (0.5, 0.25, 0.125)
 #: the share of training paraphrases a floor may abstain on: candidates, most
 #: conservative first (choose_false_target picks one per mode)
 FALSE_TARGETS = (0.03, 0.05, 0.08)
 MAX_FALSE = 0.04    #: ...keeping the cross-validated wrongly-abstained share at most this
+#: how select() chooses what relevance reads and its boost: "caught", the most training
+#: no-answers abstained on at the calibrated floor; "right", the most training queries
+#: answered right (a no-answer abstained on, an answerable one's gold among the results)
+REL_OBJECTIVE = ["caught"]
 SELECT = ["best"]                       #: parameter choice: "1se" or "best" (see pick)
 SEEDS = [13, 14, 15, 16, 17]            #: fold shuffles: one k-fold split per seed (--repeats)
 RULE = ["normal"]                      #: calibration: "normal" (fit) or "quantile" (empirical)
@@ -363,18 +447,45 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
     # items holding every word of the query first (cambium's exact_slots), or not
     best = pick([(dict(best, exact=e), query_rrs(p, ans, run, dict(best, exact=e)))
                  for e in (False, True)])
+    if COL:                     # the second encoder's weight in the ranking
+        best = pick([(dict(best, col_w=w), query_rrs(p, ans, run, dict(best, col_w=w)))
+                     for w in COL_WEIGHTS])
+    if len(FILLS) > 1:          # the last slots from the items' other views, or not
+        best = pick([(dict(best, fill=f), query_rrs(p, ans, run, dict(best, fill=f)))
+                     for f in FILLS])
     if mode == "rerank":        # the cross-encoder's prior weight, or no reranking
         best = pick([(dict(best, rerank=r), query_rrs(p, ans, run, dict(best, rerank=r)))
                      for r in RERANK_PRIORS])
     # the relevance's BM25 boost: the one whose calibrated floor catches most no-answers
     nones = [q for q in qids if p.queries[q]["kind"] == "none"]
     tried = []
-    for rel, boost in ((r, b) for r in RELEVANCE_VECTORS for b in BOOSTS):
-        params = dict(best, boost=boost, rel=rel)
-        params["floor"] = calibrate(p, qids, run, params, false_target)
-        caught = [1.0 if evaluate(p, [q], run, params)["abstention"] else 0.0 for q in nones]
-        tried.append((params, caught))
+    for rel, ct, boost in ((r, d, b) for r in RELEVANCE_VECTORS
+                           for d in (REL_CT_DISCOUNTS if r == "first+ct" else (None,))
+                           for b in BOOSTS):
+        if rel == "first+ct" and best.get("content_tags") is None:
+            continue                    # (no content + tags vector to read)
+        for mix in (COL_MIXES if COL and rel == "first" else (0.0,)):
+            params = dict(best, boost=boost, rel=rel, col_mix=mix,
+                          **({"rel_ct": ct} if ct is not None else {}))
+            params["floor"] = calibrate(p, qids, run, params, false_target)
+            if REL_OBJECTIVE[0] == "caught":
+                tried.append((params, [1.0 if evaluate(p, [q], run, params)["abstention"]
+                                       else 0.0 for q in nones]))
+            else:
+                tried.append((params, [answered_right(p, q, run, params) for q in qids]))
     return pick(tried)
+
+
+def answered_right(p: Prepared, qi: int, run, params: dict) -> float:
+    """1.0 when recall's answer to query qi is right: a no-answer query
+    abstains, an answerable one shows its gold among the results (above the
+    floor); else 0.0."""
+    ranked, rel = run(p, qi, params)
+    hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, rel)]
+    results, _ = cs.split_at_floor(hits, p.terms[qi])
+    if p.queries[qi]["kind"] == "none":
+        return 0.0 if results else 1.0
+    return 1.0 if any(h.score in p.gold[qi] for h in results) else 0.0
 
 
 def query_rrs(p: Prepared, qids, run, params) -> list[float]:
@@ -538,6 +649,23 @@ def main() -> int:
                     help="parameter choice on the training folds: the one-standard-error rule "
                          "(the simplest setting within one standard error of the best mean) or "
                          "the best mean")
+    ap.add_argument("--rel-objective", choices=("caught", "right"), default=REL_OBJECTIVE[0],
+                    help="how relevance (which vectors it reads, its BM25 boost) is chosen: "
+                         "the most training no-answers caught at the calibrated floor, or the "
+                         "most training queries answered right (no-answers abstained on, "
+                         "answerable ones with their gold among the results)")
+    ap.add_argument("--relevance-ct", action="store_true",
+                    help="also offer relevance 'first+ct': the better of an item's first "
+                         "window and its content + tags vector (discounted by "
+                         f"{', '.join(map(str, REL_CT_DISCOUNTS))})")
+    ap.add_argument("--col", action="store_true",
+                    help="offer the second encoder (the rerank extra's package's token "
+                         "encoder, mean-pooled): its z-scored cosine in the ranking at "
+                         f"{COL_WEIGHTS}, its cosine's share of relevance at {COL_MIXES}")
+    ap.add_argument("--fill", action="store_true",
+                    help=f"also offer a fill: the last {FILL_SLOTS} of the {LIMIT} slots taken "
+                         "from the best of the items' tail windows, whys, or both (each "
+                         "cosine alone), none of them shown above")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "cambium-cv"))
     ap.add_argument("--mode", choices=("lexical", "semantic", "rerank", "both", "all"),
                     default="both", help="rerank: semantic with the cross-encoder stage (the "
@@ -561,6 +689,13 @@ def main() -> int:
         cs.EMBED_WINDOW_TOKENS = a.window
     RULE[0] = a.rule
     SELECT[0] = a.select
+    REL_OBJECTIVE[0] = a.rel_objective
+    if a.col:
+        COL.append(ColVectors(Path(a.cache)))
+    if a.fill:
+        FILLS.extend(["tail", "why", "tail+why"])
+    if a.relevance_ct:
+        RELEVANCE_VECTORS.append("first+ct")
     SEEDS[:] = [13 + n for n in range(max(1, a.repeats))]
     RERANK_TOP[0] = a.rerank_top
     modes = {"both": ("lexical", "semantic"),
