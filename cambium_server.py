@@ -6723,6 +6723,31 @@ class Semantic:
         with self.serving():
             return self._rank(emb, sv, index, query, limit, reranker)
 
+    def _scores(self, emb: Embedder, query: str, q: Any, cosines: tuple, usable: Any,
+                lex: dict[int, float], other: Any) -> tuple[Any, Any, bool, str | None]:
+        """(ranking score, relevance, whether the second encoder served, why it
+        failed): the cosines (best of each item's vectors, first windows' ones,
+        first window vectors) blended, fed back, and with the second encoder's
+        cosines (`other`: its item vectors, None without it) when it answers."""
+        np = emb.np
+        sim, head, first = cosines
+        second = failed = None
+        if other is not None and usable.any():       # the second encoder's cosines
+            try:
+                second = other @ self.second.embed_ids([emb.first_window(query)])[0]
+            except Exception as e:  # noqa: BLE001 - the bi-encoder alone still answers
+                failed = f"the second encoder failed: {type(e).__name__}: {e}"
+        if second is None:
+            score, rel = semantic_blend(np, sim, usable, lex,
+                                        first=head if SEM_RELEVANCE == "first" else None)
+        else:                   # relevance: the two cosines' mean, on its own floor
+            score, rel = semantic_blend(np, sim, usable, lex, boost=0.0, floor=SEM_SECOND_FLOOR,
+                                        first=(1 - SEM_SECOND_MIX) * head + SEM_SECOND_MIX * second)
+        score = feedback_scores(np, first, q, sim, score, usable)
+        if second is not None:
+            score = second_blend(np, score, second, usable)
+        return score, rel, second is not None, failed
+
     def _rank(self, emb: Embedder, sv: _SlotVectors, index: Index, query: str,
               limit: int, reranker: Reranker | None = None) -> Ranking:
         np = emb.np
@@ -6747,25 +6772,12 @@ class Semantic:
             starts = np.flatnonzero(np.r_[True, tslot[1:] != tslot[:-1]])
             best = np.maximum.reduceat(tmat @ q - tdisc, starts)
             sim[tslot[starts]] = np.maximum(sim[tslot[starts]], best)
-        failed = second_failed = None
-        second = None
-        if other is not None and usable.any():       # the second encoder's cosines
-            try:
-                second = other @ self.second.embed_ids([emb.first_window(query)])[0]
-            except Exception as e:  # noqa: BLE001 - the bi-encoder alone still answers
-                second_failed = f"the second encoder failed: {type(e).__name__}: {e}"
-        if second is None:
-            score, rel = semantic_blend(np, sim, usable, lex,
-                                        first=head if SEM_RELEVANCE == "first" else None)
-        else:                   # relevance: the two cosines' mean, on its own floor
-            score, rel = semantic_blend(np, sim, usable, lex, boost=0.0, floor=SEM_SECOND_FLOOR,
-                                        first=(1 - SEM_SECOND_MIX) * head + SEM_SECOND_MIX * second)
-        score = feedback_scores(np, first, q, sim, score, usable)
-        if second is not None:
-            score = second_blend(np, score, second, usable)
+        score, rel, second, second_failed = self._scores(emb, query, q, (sim, head, first),
+                                                         usable, lex, other)
         exact = exact_slots(np, index, terms, score) if SEM_EXACT_FIRST else []
         score = lifted(score, exact)
         items = index.items
+        failed = None
         if reranker is not None:
             top = best_slots(np, score, items, RERANK_TOP)
             texts = [embed_text(it) if (it := items[i]) is not None else "" for i in top]
@@ -6781,7 +6793,7 @@ class Semantic:
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
         ranking = ranking_of(hits, terms, index, mode="semantic")
         ranking.reranked = reranker is not None and failed is None
-        ranking.second = second is not None
+        ranking.second = second
         if waiting:
             ranking.note = (f"{waiting} of {index.live} items are not embedded yet (being "
                             "embedded in the background): they are ranked by shared words")
