@@ -6076,14 +6076,8 @@ class Reranker:
 
     def __init__(self, model: Path):
         import numpy as np
-        if model.stat().st_size != RERANK_BYTES:
-            raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
-                                      f"{RERANK_BYTES}: not the pinned reranker")
         threads = 2 if (os.cpu_count() or 1) > 1 else 1       # the recall's own time
-        self.session = ort_session(model, threads)
-        names = {i.name for i in self.session.get_inputs()}
-        if names != {"input_ids", "attention_mask", "token_type_ids"}:
-            raise SemanticUnavailable(f"unexpected reranker inputs {sorted(names)}")
+        self.session = pinned_session(model, RERANK_BYTES, "reranker", threads)
         self.np = np
 
     @classmethod
@@ -6113,6 +6107,19 @@ class Reranker:
         return out
 
 
+def pinned_session(model: Path, size: int, what: str, threads: int) -> Any:
+    """The onnxruntime session of a model file of the pinned `size` taking
+    BERT's three inputs; SemanticUnavailable naming what is wrong."""
+    if model.stat().st_size != size:
+        raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
+                                  f"{size}: not the pinned {what}")
+    session = ort_session(model, threads)
+    names = {i.name for i in session.get_inputs()}
+    if names != {"input_ids", "attention_mask", "token_type_ids"}:
+        raise SemanticUnavailable(f"unexpected {what} inputs {sorted(names)}")
+    return session
+
+
 def pair_input(query: list[int], text: list[int], cls: int, sep: int) -> tuple[list[int], int]:
     """A cross-encoder's input, [CLS] query [SEP] text [SEP], and where the
     text's segment (token type 1) begins."""
@@ -6122,13 +6129,18 @@ def pair_input(query: list[int], text: list[int], cls: int, sep: int) -> tuple[l
 def load_reranker(rt: Runtime | None = None) -> Reranker:
     """The runtime's reranker, loaded once on first use; a failure is
     remembered (and reported) rather than retried on every recall."""
-    def make() -> Reranker:
+    return _load_rerank_model(rt, "reranker", Reranker, "reranker")
+
+
+def _load_rerank_model(rt: Runtime | None, name: str, cls: Any, what: str) -> Any:
+    """One of the rerank extra's models (cls.from_package), as _load_once makes it."""
+    def make() -> Any:
         if not _found(RERANK_PACKAGE):
             raise SemanticUnavailable(f"the rerank extra is not installed (missing: "
                                       f"{RERANK_PACKAGE})")
-        return Reranker.from_package()
+        return cls.from_package()
 
-    return _load_once(rt or runtime(), "reranker", make, "the reranker failed to load")
+    return _load_once(rt or runtime(), name, make, f"the {what} failed to load")
 
 
 # -- the second encoder (the `rerank` extra too) ---------------------------------
@@ -6156,13 +6168,7 @@ class SecondEncoder:
 
     def __init__(self, model: Path):
         import numpy as np
-        if model.stat().st_size != SECOND_BYTES:
-            raise SemanticUnavailable(f"{model} is {model.stat().st_size} bytes, expected "
-                                      f"{SECOND_BYTES}: not the pinned second encoder")
-        self.session = ort_session(model, EMBED_THREADS)
-        names = {i.name for i in self.session.get_inputs()}
-        if names != {"input_ids", "attention_mask", "token_type_ids"}:
-            raise SemanticUnavailable(f"unexpected second encoder inputs {sorted(names)}")
+        self.session = pinned_session(model, SECOND_BYTES, "second encoder", EMBED_THREADS)
         self.np = np
 
     @classmethod
@@ -6182,13 +6188,7 @@ class SecondEncoder:
 
 def load_second(rt: Runtime | None = None) -> SecondEncoder:
     """The runtime's second encoder, loaded once; a failure is remembered."""
-    def make() -> SecondEncoder:
-        if not _found(RERANK_PACKAGE):
-            raise SemanticUnavailable(f"the rerank extra is not installed (missing: "
-                                      f"{RERANK_PACKAGE})")
-        return SecondEncoder.from_package()
-
-    return _load_once(rt or runtime(), "encoder2", make, "the second encoder failed to load")
+    return _load_rerank_model(rt, "encoder2", SecondEncoder, "second encoder")
 
 
 def second_wanted(cfg: Config | None = None) -> bool:
