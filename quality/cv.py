@@ -262,8 +262,7 @@ def relevance_sims(p: Prepared, qi: int, params: dict):
     (what the text opens with: the full-text vector of a model that truncates),
     or "first+ct": the better of its first window and its content + tags
     vector less params["rel_ct"] (the item's topic without its why)."""
-    if params.get("col_mix"):
-        np = cs_np()
+    if params.get("col_mix"):                # (cambium's SEM_SECOND_MIX)
         return (1 - params["col_mix"]) * p.sims["full_first"][qi] + \
             params["col_mix"] * p.sims["col"][qi]
     if params.get("rel") == "first+ct":
@@ -287,7 +286,7 @@ def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
         score = cs.second_blend(np, score, p.sims["col"][qi], np.ones(len(sim), bool),
                                 weight=params["col_w"])
     exact = cs.exact_slots(np, p.index, p.terms[qi], score) if params.get("exact") else []
-    score = cs.lifted(score, exact)
+    score = cs.lifted(score, exact)          # cambium's exact-first lift
     if params.get("rerank") is not None:     # cambium's cross-encoder stage
         top = cs.best_slots(np, score, p.index.items, RERANK_TOP[0])
         logits = p.cross.scores(p.queries[qi]["query"],
