@@ -5928,7 +5928,47 @@ def ort_session(model: Path, threads: int) -> Any:
     return ort.InferenceSession(str(model), sess_options=so, providers=["CPUExecutionProvider"])
 
 
-class Embedder:
+class PooledModel:
+    """A token encoder whose rows are its token vectors' mean, L2-normalized
+    (384-d float32): `session` and `_token_types` are set by the subclass."""
+    session: Any
+    np: Any
+    _token_types: bool = True
+
+    def _run(self, batch: list[list[int]]) -> Any:
+        """One model run over a batch of inputs."""
+        np = self.np
+        width = max(len(x) for x in batch)
+        ids = np.zeros((len(batch), width), dtype=np.int64)
+        mask = np.zeros((len(batch), width), dtype=np.int64)
+        for r, x in enumerate(batch):
+            ids[r, :len(x)] = x
+            mask[r, :len(x)] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if self._token_types:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        hidden = self.session.run(None, feeds)[0]          # (n, width, 384) token vectors
+        m = mask[..., None].astype(np.float32)
+        pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
+        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+        return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+
+    def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
+                  ) -> Any:
+        """Vectors for model inputs, in order; batched by similar length, up
+        to EMBED_BATCH inputs and EMBED_BATCH_TOKENS tokens a batch (`pause`
+        is called before each batch)."""
+        np = self.np
+        out = np.zeros((len(inputs), EMBED_DIM), dtype=np.float32)
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        for idx in token_batches([len(inputs[i]) for i in order], order):
+            if pause is not None:
+                pause()
+            out[idx] = self._run([inputs[i] for i in idx])
+        return out
+
+
+class Embedder(PooledModel):
     """The sentence embedder: 384-d, mean-pooled, L2-normalized float32 rows.
     Load is explicit (about 0.3 s, about 230 MB resident); raises
     SemanticUnavailable naming what is missing or wrong."""
@@ -5966,45 +6006,9 @@ class Embedder:
         tok = self.tokenizer
         return embed_windows(tok.ids(text, EMBED_WINDOW_TOKENS - 2), tok.cls, tok.sep)[0]
 
-    def _run(self, batch: list[list[int]]) -> Any:
-        return mean_pooled(self.np, self.session, batch, self._token_types)
-
-    def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
-                  ) -> Any:
-        """Vectors for model inputs, in order; batched by similar length, up
-        to EMBED_BATCH inputs and EMBED_BATCH_TOKENS tokens a batch (`pause`
-        is called before each batch)."""
-        np = self.np
-        out = np.zeros((len(inputs), EMBED_DIM), dtype=np.float32)
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        for idx in token_batches([len(inputs[i]) for i in order], order):
-            if pause is not None:
-                pause()
-            out[idx] = self._run([inputs[i] for i in idx])
-        return out
-
     def embed(self, texts: list[str]) -> Any:
         """One vector per text (its first window): for queries."""
         return self.embed_ids([self.first_window(t) for t in texts])
-
-
-def mean_pooled(np: Any, session: Any, batch: list[list[int]], token_types: bool) -> Any:
-    """One model run over a batch of inputs: the mean of each input's token
-    vectors, L2-normalized (float32 rows)."""
-    width = max(len(x) for x in batch)
-    ids = np.zeros((len(batch), width), dtype=np.int64)
-    mask = np.zeros((len(batch), width), dtype=np.int64)
-    for r, x in enumerate(batch):
-        ids[r, :len(x)] = x
-        mask[r, :len(x)] = 1
-    feeds = {"input_ids": ids, "attention_mask": mask}
-    if token_types:
-        feeds["token_type_ids"] = np.zeros_like(ids)
-    hidden = session.run(None, feeds)[0]                 # (n, width, 384) token vectors
-    m = mask[..., None].astype(np.float32)
-    pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
-    norms = np.linalg.norm(pooled, axis=1, keepdims=True)
-    return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
 
 
 def load_embedder(rt: Runtime | None = None) -> Embedder:
@@ -6162,7 +6166,7 @@ SEM_SECOND_MIX = 0.5                #: relevance cosine: this share is the secon
 SEM_SECOND_FLOOR = 0.575            #: that mixed cosine (no BM25 boost) at relevance 0.5
 
 
-class SecondEncoder:
+class SecondEncoder(PooledModel):
     """The second encoder: 384-d mean-pooled L2-normalized rows, like the
     Embedder's, from another model (about 35 MB resident)."""
 
@@ -6174,16 +6178,6 @@ class SecondEncoder:
     @classmethod
     def from_package(cls) -> SecondEncoder:
         return cls(_package_file(RERANK_PACKAGE, SECOND_FILE))
-
-    def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
-                  ) -> Any:
-        """One row per model input (one input a run: they are first windows)."""
-        out = self.np.zeros((len(inputs), EMBED_DIM), dtype=self.np.float32)
-        for n, x in enumerate(inputs):
-            if pause is not None:
-                pause()
-            out[n] = mean_pooled(self.np, self.session, [x], True)[0]
-        return out
 
 
 def load_second(rt: Runtime | None = None) -> SecondEncoder:
@@ -6332,9 +6326,8 @@ class _SlotVectors:
     slots and at the vectors embedded since it last looked, nothing else: a
     recall during a 10,000-item backlog must not walk the backlog."""
 
-    def __init__(self, np: Any, key: Callable[[Item], str] = vector_key, second: bool = False):
+    def __init__(self, np: Any, second: bool = False):
         self.np = np
-        self.key = key                       # the engine's cache key of an item
         self.second = second                 # rows end with the second encoder's vector
         self.first = np.zeros((0, EMBED_DIM), np.float32)
         self.other = np.zeros((0, EMBED_DIM), np.float32)   # ...kept here by slot
@@ -6395,7 +6388,7 @@ class _SlotVectors:
             if it is None:
                 continue
             self.alive[slot] = True
-            key = self.key(it)
+            key = vector_key(it, self.second)
             rows = cache.get(key)
             if rows is None:
                 self.missing[slot] = key
@@ -6667,8 +6660,7 @@ class Semantic:
         with self.cv:
             sv = self.slots.get(index)
             if sv is None:
-                sv = self.slots[index] = _SlotVectors(emb.np, self.key,
-                                                      self.second is not None)
+                sv = self.slots[index] = _SlotVectors(emb.np, self.second is not None)
             todo = sv.sync(index, self.cache)
             if not todo and not self.queue and self.worker is None:
                 todo = sv.stranded(index.items, self.cache)
@@ -6726,8 +6718,9 @@ class Semantic:
     def _scores(self, emb: Embedder, query: str, q: Any, cosines: tuple, usable: Any,
                 lex: dict[int, float], other: Any) -> tuple[Any, Any, bool, str | None]:
         """(ranking score, relevance, whether the second encoder served, why it
-        failed): the cosines (best of each item's vectors, first windows' ones,
-        first window vectors) blended, fed back, and with the second encoder's
+        failed) for the query and its vector `q`: the cosines
+        (best of each item's vectors, first windows' ones, first window
+        vectors) blended, fed back, and with the second encoder's
         cosines (`other`: its item vectors, None without it) when it answers."""
         np = emb.np
         sim, head, first = cosines

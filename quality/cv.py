@@ -160,7 +160,6 @@ class ColVectors:
         self.dir = cache / "col-first-mean"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = None
-        self.tok = cs.WordPiece.from_text(cs.load_vocab())
 
     def row(self, text: str) -> "np.ndarray":
         key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
@@ -169,9 +168,7 @@ class ColVectors:
             return self.np.load(f)
         if self.model is None:
             self.model = cs.SecondEncoder.from_package()
-        ids = cs.embed_windows(self.tok.ids(text, cs.EMBED_WINDOW_TOKENS), self.tok.cls,
-                               self.tok.sep)[0]
-        out = self.model.embed_ids([ids])[0]
+        out = self.model.embed_ids([cs.load_embedder().first_window(text)])[0]  # as cambium
         self.np.save(f, out)
         return out
 
