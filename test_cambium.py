@@ -7998,6 +7998,22 @@ def test_second_encoder_that_fails_to_load_is_left_out_and_status_says_why(seman
 
 
 @needs_rerank
+def test_an_engine_keeps_the_second_encoder_choice_it_was_made_with(semantic, monkeypatch):
+    """Its vectors' rows depend on it: an engine made while CAMBIUM_RERANK was
+    off stays without the second encoder when the setting changes, and says so."""
+    cs.capture("Use UTC for every timestamp written to log lines", tags="logging")
+    assert "second_encoder" not in cs.recall("timestamps in logs")     # (the suite: off)
+    monkeypatch.setenv("CAMBIUM_RERANK", "auto")
+    monkeypatch.setattr(cs, "reranker_for", lambda cfg: (None, None))
+    assert "second_encoder" not in cs.recall("timestamps in logs")
+    st = cs.status()["semantic"]["second_encoder"]
+    assert st["on"] is False and "made without it" in st["reason"]
+    cs.runtime().engines.clear()                       # a new engine (a new process) takes it
+    assert cs.recall("timestamps in logs")["second_encoder"] is True
+    assert cs.status()["semantic"]["second_encoder"]["on"] is True
+
+
+@needs_rerank
 def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
     async def body(session, init):
         for c, w, t in LOG_NOTES:
