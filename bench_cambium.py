@@ -523,10 +523,9 @@ def bench_semantic() -> None:
         os.environ["CAMBIUM_RECALL_MODE"] = "auto"
         # the bi-encoder alone, or (BENCH_SECOND=1) with the rerank extra's second encoder
         # but not its cross-encoder (whose 10 model runs a recall are measured apart)
-        os.environ["CAMBIUM_RERANK"] = "auto" if second else "off"
+        os.environ["CAMBIUM_RERANK"] = "second" if second else "off"
         if second:
-            cs.reranker_for = lambda cfg: (None, None)
-            print("semantic: with the second encoder (BENCH_SECOND=1), no cross-encoder")
+            print("semantic: with the second encoder (BENCH_SECOND=1: CAMBIUM_RERANK=second)")
         repo = Path(env["CAMBIUM_REPO"])
         seed_store(repo, n)
         print(f"semantic: RSS before the model {_rss_mb()[0]:.0f} MB")
@@ -726,7 +725,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_quality() -> None:
     """Recall quality through the real MCP server (quality/eval.py), both modes
-    (and semantic with the reranker, when the rerank extra is installed),
+    (and semantic with the rerank extra's second encoder alone and with both of
+    its models, when it is installed),
     on the held-out sets (in the repo) and the dev set (../shared/quality/dev,
     when that folder is beside the clone). Cross-validated dev figures and the
     parameter choice: python3 quality/cv.py."""
@@ -735,15 +735,16 @@ def bench_quality() -> None:
     if dev is not None:
         sets.append(("dev", str(dev)))
     modes = ["lexical"] + ([] if cs.semantic_extra_missing() else ["semantic"]) \
-        + (["rerank"] if not cs.semantic_extra_missing() and cs._found(cs.RERANK_PACKAGE) else [])
+        + (["second", "rerank"] if not cs.semantic_extra_missing()
+           and cs._found(cs.RERANK_PACKAGE) else [])
     for label, where in sets:
         for mode in modes:
-            server = "semantic" if mode == "rerank" else mode
+            server = "lexical" if mode == "lexical" else "semantic"
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 subprocess.run([sys.executable, str(HERE / "quality" / "eval.py"), "--py",
                                 sys.executable, "--server", str(HERE / "cambium_server.py"),
                                 "--set", where, "--mode", server, "--out", out.name,
-                                "--rerank", "on" if mode == "rerank" else "off"],
+                                "--rerank", {"rerank": "on", "second": "second"}.get(mode, "off")],
                                check=True, stdout=subprocess.DEVNULL)
                 q = json.load(open(out.name))["summary"]
             a, c, p = q["abstention"], q["control"], q["paraphrase"]

@@ -32,7 +32,8 @@ the defaults; resolved on every call so `setup()` applies without a restart):
                               other read-only digests, default 30 (decisions fetch)
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_RERANK            auto (semantic recall reranks when the rerank extra is
-                              installed) | on | off
+                              installed) | on | off | second (its second encoder
+                              only: no cross-encoder)
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
     CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
     CAMBIUM_HTTP_TOKEN        bearer token for `serve --http` (needed off loopback; env only)
@@ -151,7 +152,7 @@ DEFAULTS: dict[str, str | None] = {
 DEFAULT_CONFIG_FILE = "~/.cambium/config.json"
 
 RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
-RERANK_MODES = ("auto", "on", "off")            #: CAMBIUM_RERANK values
+RERANK_MODES = ("auto", "on", "off", "second")  #: CAMBIUM_RERANK values
 
 SERVER_INSTRUCTIONS = """\
 cambium is the team's memory: knowledge items other agents (and you, earlier)
@@ -6187,7 +6188,7 @@ def load_second(rt: Runtime | None = None) -> SecondEncoder:
 
 def second_wanted(cfg: Config | None = None) -> bool:
     """Whether a semantic engine made now uses the second encoder: the rerank
-    extra is installed and CAMBIUM_RERANK is not off."""
+    extra is installed and CAMBIUM_RERANK is not off (second: this model alone)."""
     cfg = cfg or resolve_config()
     return (cfg.get("CAMBIUM_RERANK") or "auto") != "off" and _found(RERANK_PACKAGE)
 
@@ -6985,9 +6986,10 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
 def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
     """The reranker a semantic recall uses, and a note when it wanted one and
     cannot have it: CAMBIUM_RERANK auto (when the extra is installed: a load
-    failure is said once), on (said every time it is missing) or off."""
+    failure is said once), on (said every time it is missing), off or second
+    (the second encoder only: never the cross-encoder)."""
     setting = cfg.get("CAMBIUM_RERANK") or "auto"
-    if setting == "off" or (setting == "auto" and not _found(RERANK_PACKAGE)):
+    if setting in ("off", "second") or (setting == "auto" and not _found(RERANK_PACKAGE)):
         return None, None
     try:
         return load_reranker(), None
@@ -7037,8 +7039,8 @@ def recall_mode_report(cfg: Config) -> dict:
 def rerank_report(cfg: Config, rt: Runtime) -> dict:
     """status()'s account of the reranker (never loads it)."""
     setting = cfg.get("CAMBIUM_RERANK") or "auto"
-    if setting == "off":
-        return {"on": False, "reason": "CAMBIUM_RERANK=off"}
+    if setting in ("off", "second"):
+        return {"on": False, "reason": f"CAMBIUM_RERANK={setting}"}
     if not _found(RERANK_PACKAGE):
         return {"on": False, "reason": f"the rerank extra is not installed: {RERANK_PITCH}"}
     if rt.reranker_error:

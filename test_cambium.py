@@ -8014,6 +8014,34 @@ def test_an_engine_keeps_the_second_encoder_choice_it_was_made_with(semantic, mo
 
 
 @needs_rerank
+def test_rerank_second_uses_the_second_encoder_and_never_the_cross_encoder(semantic,
+                                                                          monkeypatch):
+    for c, w, t in LOG_NOTES:
+        cs.capture(c, why=w, tags=t)
+    reranker_for = cs.reranker_for
+    monkeypatch.setenv("CAMBIUM_RERANK", "auto")
+    monkeypatch.setattr(cs, "reranker_for", lambda cfg: (None, None))
+    cs.runtime().engines.clear()
+    want = cs.recall(LOG_QUERY)                   # auto with the cross-encoder taken away
+    monkeypatch.setattr(cs, "reranker_for", reranker_for)
+    monkeypatch.setenv("CAMBIUM_RERANK", "second")
+
+    def never(*a, **k):
+        raise AssertionError("CAMBIUM_RERANK=second loaded the cross-encoder")
+
+    monkeypatch.setattr(cs, "load_reranker", never)
+    cs.runtime().engines.clear()
+    res = cs.recall(LOG_QUERY)
+    assert res["second_encoder"] is True and "reranked" not in res and "note" not in res
+    assert [(r["id"], r["relevance"]) for r in res["results"]] == \
+        [(r["id"], r["relevance"]) for r in want["results"]]
+    sem = cs.status()["semantic"]
+    assert sem["rerank"] == {"on": False, "reason": "CAMBIUM_RERANK=second"}
+    assert sem["second_encoder"]["on"] is True
+    assert not any(g["setting"] == "CAMBIUM_RERANK" for g in cs.status()["gaps"])
+
+
+@needs_rerank
 def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
     async def body(session, init):
         for c, w, t in LOG_NOTES:
@@ -8112,6 +8140,44 @@ def test_server_starts_embedding_at_capture_not_at_next_recall(semantic, monkeyp
     while cs.time.time() < deadline and not ids <= embedded():
         cs.time.sleep(0.05)
     assert ids <= embedded()                 # embedded with no recall having happened
+
+
+@needs_rerank
+def test_server_embeds_at_capture_with_the_second_encoder_under_its_own_keys(semantic,
+                                                                             monkeypatch):
+    """embed_soon queues each item under the engine's key: items cached only with
+    the bi-encoder's recipe are embedded again with the second encoder's, so the
+    next recall has no backlog."""
+    cs.runtime().long_running.set()
+    for content, why, tags in NOTES:
+        cs.capture(content, why=why, tags=tags)
+    items = cs.store(cs.require_config(), "local").read().items
+    cache = str(semantic / ".cambium" / cs.VECTORS_DIR)
+
+    def keys() -> set:
+        eng = cs.runtime().engines.get(cache)
+        return set(eng.cache.rows) if eng is not None and eng.cache is not None else set()
+
+    def wait_for(want: set) -> None:
+        deadline = cs.time.time() + 90
+        while cs.time.time() < deadline and not want <= keys():
+            cs.time.sleep(0.05)
+
+    plain = {cs.vector_key(it) for it in items}
+    wait_for(plain)                                  # the suite's CAMBIUM_RERANK=off
+    assert keys() == plain
+    cs.runtime().save_vectors()                      # the bi-encoder's rows on disk...
+    cs.runtime().engines.clear()                     # ...read by a new engine
+    monkeypatch.setenv("CAMBIUM_RERANK", "second")
+    cs.embed_soon(cs.require_config(), items)        # what a capture or an import calls
+    second = {cs.vector_key(it, second=True) for it in items}
+    wait_for(second)
+    assert second <= keys() and not plain & second
+    eng = cs.runtime().engines[cache]
+    eng.wait_idle(30)
+    assert eng.backlog() == 0
+    res = cs.recall(PARAPHRASE)
+    assert res["second_encoder"] is True and "note" not in res
 
 
 def _recall_key(repo: Path) -> str:
