@@ -6974,7 +6974,8 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
             engine.ready()              # first: no reranker loads for a lexical fallback
             reranker, rnote = reranker_for(cfg)
             ranking = engine.rank(index, query, limit, reranker)
-            ranking.note = " ".join(n for n in (ranking.note, rnote) if n) or None
+            ranking.note = " ".join(n for n in (ranking.note, rnote, second_note(cfg, engine))
+                                    if n) or None
             return ranking
         except SemanticUnavailable as e:
             note = _fallback_note(str(e), always=mode == "semantic")
@@ -6996,6 +6997,15 @@ def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
     except SemanticUnavailable as e:
         return None, _fallback_note(str(e), always=setting == "on", pitch=RERANK_PITCH,
                                     lead="Results are in the bi-encoder's order (not reranked)")
+
+
+def second_note(cfg: Config, engine: Semantic) -> str | None:
+    """CAMBIUM_RERANK=second asks for the second encoder: a recall without it
+    says why, every time (as `on` does for the cross-encoder)."""
+    if (cfg.get("CAMBIUM_RERANK") or "auto") != "second" or engine.second is not None:
+        return None
+    why = second_report(cfg, runtime(), engine)["reason"]
+    return f"Ranked by the bi-encoder alone (CAMBIUM_RERANK=second): {why}."
 
 
 def _fallback_note(reason: str, *, always: bool,

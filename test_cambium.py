@@ -7993,8 +7993,14 @@ def test_second_encoder_that_fails_to_load_is_left_out_and_status_says_why(seman
     cs.capture("Use UTC for every timestamp written to log lines", tags="logging")
     res = cs.recall("timestamps in logs")
     assert res["mode"] == "semantic" and res["results"] and "second_encoder" not in res
+    assert "note" not in res                                 # auto: status says why
     st = cs.status()["semantic"]["second_encoder"]
     assert st["on"] is False and "not the pinned second encoder" in st["reason"]
+    monkeypatch.setenv("CAMBIUM_RERANK", "second")           # asked for: every recall says it
+    for _ in range(2):
+        res = cs.recall("timestamps in logs")
+        assert res["results"] and "second_encoder" not in res
+        assert "not the pinned second encoder" in res["note"]
 
 
 @needs_rerank
@@ -8076,7 +8082,10 @@ def test_rerank_extra_absent_is_silent_in_auto_and_said_every_time_when_on(repo)
         st = cs.status()["semantic"]["rerank"]
         os.environ["CAMBIUM_RERANK"] = "on"
         on = [cs.recall("webhook retry backoff") for _ in range(2)]
-        print(json.dumps({{"auto": auto, "on": on, "status": st}}))
+        os.environ["CAMBIUM_RERANK"] = "second"
+        cs.runtime().engines.clear()
+        second = [cs.recall("webhook retry backoff") for _ in range(2)]
+        print(json.dumps({{"auto": auto, "on": on, "second": second, "status": st}}))
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env=child_env(CAMBIUM_RECALL_MODE="auto", CAMBIUM_RERANK="auto"),
@@ -8089,6 +8098,10 @@ def test_rerank_extra_absent_is_silent_in_auto_and_said_every_time_when_on(repo)
     assert r["status"]["on"] is False and "cambium-mcp[rerank]" in r["status"]["reason"]
     for res in r["on"]:
         assert res["results"] and "reranked" not in res
+        assert "not installed" in res["note"] and "cambium-mcp[rerank]" in res["note"]
+    for res in r["second"]:                              # asked for too: every time
+        assert res["results"] and "second_encoder" not in res
+        assert "bi-encoder alone (CAMBIUM_RERANK=second)" in res["note"]
         assert "not installed" in res["note"] and "cambium-mcp[rerank]" in res["note"]
 
 
