@@ -417,6 +417,9 @@ WHY_WEIGHTS = (0.5, 0.25, 0.125)
 #: conservative first (choose_false_target picks one per mode)
 FALSE_TARGETS = (0.03, 0.05, 0.08)
 MAX_FALSE = 0.04    #: ...keeping the cross-validated wrongly-abstained share at most this
+#: --tail-rule: "keep" also asks a target to find every paraphrase the most
+#: conservative one finds; "budget" asks only for MAX_FALSE
+TAIL_RULE = ["keep"]
 #: how select() chooses what relevance reads and its boost: "caught", the most training
 #: no-answers abstained on at the calibrated floor; "right", the most training queries
 #: answered right (a no-answer abstained on, an answerable one's gold among the results)
@@ -588,8 +591,8 @@ def choose_false_target(p: Prepared, mode: str, k: int, qids: list[int] | None =
     base = sums[FALSE_TARGETS[0]]
     ok = [t for t in FALSE_TARGETS
           if sums[t]["answerable wrongly abstained"][0] <= MAX_FALSE
-          and all(abs(sums[t][m][0] - base[m][0]) < 1e-9
-                  for m in ("paraphrase hit@1", "paraphrase hit@5"))]
+          and (TAIL_RULE[0] == "budget" or all(abs(sums[t][m][0] - base[m][0]) < 1e-9
+                                               for m in ("paraphrase hit@1", "paraphrase hit@5")))]
     choice = max(ok or FALSE_TARGETS[:1],
                  key=lambda t: (round(sums[t]["no-answer abstained"][0], 9), -t))
     return choice, seen
@@ -638,6 +641,10 @@ def main() -> int:
                     help="share of the training paraphrases the floor may abstain on "
                          f"(default: per mode, the one of {FALSE_TARGETS} that "
                          "choose_false_target picks)")
+    ap.add_argument("--tail-rule", choices=("keep", "budget"), default=TAIL_RULE[0],
+                    help="how the false target is chosen: the one that abstains most within "
+                         "the wrongly-abstained budget (MAX_FALSE) and, with keep, losing no "
+                         "paraphrase the most conservative target finds")
     ap.add_argument("--rule", choices=("normal", "quantile"), default=RULE[0],
                     help="floor calibration: the target tail of a normal fit to the training "
                          "paraphrases' confidences, or their empirical quantile")
@@ -684,6 +691,7 @@ def main() -> int:
         cs.EMBED_MAX_WINDOWS = cs.EMBED_MAX_WINDOWS * cs.EMBED_WINDOW_TOKENS // a.window
         cs.EMBED_WINDOW_TOKENS = a.window
     RULE[0] = a.rule
+    TAIL_RULE[0] = a.tail_rule
     SELECT[0] = a.select
     REL_OBJECTIVE[0] = a.rel_objective
     if a.col:
