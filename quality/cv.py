@@ -40,7 +40,8 @@ three more candidates that cross-validation did not keep (README: Recall
 quality). The false target per mode is chosen by
 cross-validation too (choose_false_target): of FALSE_TARGETS, the one that
 abstains most while its cross-validated wrongly-abstained share stays within
-MAX_FALSE and it finds every paraphrase the most conservative one finds. That
+MAX_FALSE and it finds every paraphrase the most conservative one finds (with
+--tail-rule budget, the first condition alone). That
 choice reads CV figures, so the figures reported are nested: in each outer
 fold the target is chosen by an inner CV on the training folds alone. With
 --repeats R the outer CV runs on R different fold splits (the spread of one
