@@ -6186,11 +6186,15 @@ def load_second(rt: Runtime | None = None) -> SecondEncoder:
     return _load_rerank_model(rt, "encoder2", SecondEncoder, "second encoder")
 
 
+def rerank_setting(cfg: Config) -> str:
+    """CAMBIUM_RERANK: auto, on, off or second (RERANK_MODES)."""
+    return cfg.get("CAMBIUM_RERANK") or "auto"
+
+
 def second_wanted(cfg: Config | None = None) -> bool:
     """Whether a semantic engine made now uses the second encoder: the rerank
     extra is installed and CAMBIUM_RERANK is not off (second: this model alone)."""
-    cfg = cfg or resolve_config()
-    return (cfg.get("CAMBIUM_RERANK") or "auto") != "off" and _found(RERANK_PACKAGE)
+    return rerank_setting(cfg or resolve_config()) != "off" and _found(RERANK_PACKAGE)
 
 
 def zscored(np: Any, score: Any, ok: Any) -> Any:
@@ -6792,10 +6796,10 @@ class Semantic:
             ranking.note = (f"{waiting} of {index.live} items are not embedded yet (being "
                             "embedded in the background): they are ranked by shared words")
         if failed:
-            ranking.note = " ".join(n for n in (ranking.note, f"Not reranked: {failed}.") if n)
+            ranking.note = joined_notes(ranking.note, f"Not reranked: {failed}.")
         if second_failed:
-            ranking.note = " ".join(n for n in (ranking.note, f"Ranked by the bi-encoder "
-                                                f"alone: {second_failed}.") if n)
+            ranking.note = joined_notes(ranking.note,
+                                        f"Ranked by the bi-encoder alone: {second_failed}.")
         return ranking
 
 
@@ -6867,6 +6871,11 @@ def semantic_blend(np: Any, sim: Any, usable: Any, lex: dict[int, float], *,
             sim[slots[late]] = rsim[slots[late]] = _cosine_like(
                 np, vals[late] / (vals[late] + LEXICAL_FLOOR), floor)
     return sim + bonus, semantic_relevance(np, rsim + boost * raw, floor)
+
+
+def joined_notes(*notes: str | None) -> str | None:
+    """A recall's notes in one (None when there are none)."""
+    return " ".join(n for n in notes if n) or None
 
 
 def lifted(score: Any, slots: list[int]) -> Any:
@@ -6974,8 +6983,7 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
             engine.ready()              # first: no reranker loads for a lexical fallback
             reranker, rnote = reranker_for(cfg)
             ranking = engine.rank(index, query, limit, reranker)
-            ranking.note = " ".join(n for n in (ranking.note, rnote, second_note(cfg, engine))
-                                    if n) or None
+            ranking.note = joined_notes(ranking.note, rnote, second_note(cfg, engine))
             return ranking
         except SemanticUnavailable as e:
             note = _fallback_note(str(e), always=mode == "semantic")
@@ -6989,7 +6997,7 @@ def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
     cannot have it: CAMBIUM_RERANK auto (when the extra is installed: a load
     failure is said once), on (said every time it is missing), off or second
     (the second encoder only: never the cross-encoder)."""
-    setting = cfg.get("CAMBIUM_RERANK") or "auto"
+    setting = rerank_setting(cfg)
     if setting in ("off", "second") or (setting == "auto" and not _found(RERANK_PACKAGE)):
         return None, None
     try:
@@ -7002,7 +7010,7 @@ def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
 def second_note(cfg: Config, engine: Semantic) -> str | None:
     """CAMBIUM_RERANK=second asks for the second encoder: a recall without it
     says why, every time (as `on` does for the cross-encoder)."""
-    if (cfg.get("CAMBIUM_RERANK") or "auto") != "second" or engine.second is not None:
+    if rerank_setting(cfg) != "second" or engine.second is not None:
         return None
     why = second_report(cfg, runtime(), engine)["reason"]
     return f"Ranked by the bi-encoder alone (CAMBIUM_RERANK=second): {why}."
@@ -7048,7 +7056,7 @@ def recall_mode_report(cfg: Config) -> dict:
 
 def rerank_report(cfg: Config, rt: Runtime) -> dict:
     """status()'s account of the reranker (never loads it)."""
-    setting = cfg.get("CAMBIUM_RERANK") or "auto"
+    setting = rerank_setting(cfg)
     if setting in ("off", "second"):
         return {"on": False, "reason": f"CAMBIUM_RERANK={setting}"}
     if not _found(RERANK_PACKAGE):
@@ -7069,7 +7077,7 @@ def second_report(cfg: Config, rt: Runtime, eng: Semantic | None) -> dict:
     if on:
         return {"on": True, "model": SECOND_MODEL, "loaded": rt.encoder2 is not None}
     why = (rt.encoder2_error if rt.encoder2_error else "CAMBIUM_RERANK=off"
-           if (cfg.get("CAMBIUM_RERANK") or "auto") == "off" else
+           if rerank_setting(cfg) == "off" else
            f"the rerank extra is not installed: {RERANK_PITCH}" if not _found(RERANK_PACKAGE)
            else "this engine was made without it (CAMBIUM_RERANK was off then)")
     return {"on": False, "reason": why}
