@@ -174,6 +174,58 @@ class ColVectors:
         return out
 
 
+class ColTokens:
+    """--li: token vectors of a text's first window, by cambium's own path
+    (Embedder.embed_ids_tokens, stored as its TokenStore stores them:
+    pack_tokens) for "mini", the shipped bi-encoder; "second": the rerank
+    extra's second encoder's (float16 cache). A query's are Embedder.embed_query's."""
+
+    def __init__(self, cache: Path, encoder: str = "mini"):
+        import numpy as np
+        self.np = np
+        self.encoder = encoder
+        self.dir = cache / ("col-first-tokens" if encoder == "second" else "mini-tokens-packed")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.model = None
+
+    def tokens(self, text: str, query: bool):
+        """(rows, scales) as cs.late_scores reads them; a query's: float32 rows."""
+        np = self.np
+        emb = cs.load_embedder()
+        if self.encoder == "mini" and query:
+            return emb.embed_query(text)[1]
+        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        if self.encoder == "mini":
+            f = self.dir / f"{key}.tok"
+            if not f.exists():
+                toks = emb.embed_ids_tokens([emb.first_window(text)], {0})[1][0]
+                f.write_bytes(cs.pack_tokens(np, toks))
+            return cs.unpack_tokens(np, f.read_bytes())
+        f = self.dir / f"{key}.npy"
+        if f.exists():
+            out = np.load(f).astype(np.float32)
+        else:
+            if self.model is None:
+                self.model = cs.SecondEncoder.from_package()
+            x = np.array([emb.first_window(text)], dtype=np.int64)
+            feeds = {"input_ids": x, "attention_mask": np.ones_like(x)}
+            if self.model._token_types:
+                feeds["token_type_ids"] = np.zeros_like(x)
+            h = self.model.session.run(None, feeds)[0][0]
+            out = h / np.clip(np.linalg.norm(h, axis=1, keepdims=True), 1e-12, None)
+            np.save(f, out.astype(np.float16))
+            out = out.astype(np.float32)
+        if query:
+            return out[1:-1] if len(out) > 2 else out
+        return out, np.ones(len(out), np.float32)
+
+
+LI = []             #: --li: [ColTokens]
+LI_WEIGHTS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)  #: --li: its z-scored score's weight in the ranking
+#: --li-tail: an item whose best vector is a tail window: "max", its late z-score at least 0
+#: (what cambium does), "none": no late score (the pool's mean), "same": as any other
+LI_TAIL = ["max"]
+LI_POOL = [50]      #: --li-pool: the late interaction re-scores the ranking's best this many
 COL = []            #: --col: [ColVectors]
 COL_WEIGHTS = (0.0, 0.25, 0.5, 1.0)     #: --col: its z-scored cosine's weight in the ranking
 COL_MIXES = (0.0, 0.5, 1.0)             #: --col: its cosine's share of relevance
@@ -225,6 +277,11 @@ class Prepared:
                 cm = np.stack([cv_.row(cs.embed_text(it)) for it in self.index.items])
                 cq = np.stack([cv_.row(q["query"]) for q in queries])
                 self.sims["col"] = (cq @ cm.T).astype(np.float32)
+            if LI:
+                lt = LI[0]
+                itoks = [lt.tokens(cs.embed_text(it), False) for it in self.index.items]
+                self.sims["li"] = np.stack([cs.late_scores(np, lt.tokens(q["query"], True),
+                                                           itoks) for q in queries])
             if FIRST_WINDOW:
                 other = FIRST_WINDOW[0]
                 first = np.stack([other.rows(cs.embed_text(it), True)[0]     # cached by
@@ -283,6 +340,15 @@ def semantic_run(p: Prepared, qi: int, params: dict) -> tuple[list, list]:
     if params.get("col_w"):                  # the second encoder's z-scored cosine added
         score = cs.second_blend(np, score, p.sims["col"][qi], np.ones(len(sim), bool),
                                 weight=params["col_w"])
+    if params.get("li_w"):                   # late interaction over the best LI_POOL
+        pool = cs.best_slots(np, score, p.index.items, LI_POOL[0])   # as cambium's _late
+        late = p.sims["li"][qi][pool]
+        tail = (p.sims["full_tail"][qi][pool] - params["tail"]     # found by a tail window
+                > p.sims["full_first"][qi][pool])
+        if LI_TAIL[0] == "none":             # (--li-tail none: such items get no late score)
+            late, tail = np.where(tail, np.nan, late), None
+        score = cs.late_blend(np, score, pool, late, weight=params["li_w"],
+                              tail=tail if LI_TAIL[0] == "max" else None)
     exact = cs.exact_slots(np, p.index, p.terms[qi], score) if params.get("exact") else []
     score = cs.lifted(score, exact)          # cambium's exact-first lift
     if params.get("rerank") is not None:     # cambium's cross-encoder stage
@@ -450,6 +516,9 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
     if COL:                     # the second encoder's weight in the ranking
         best = pick([(dict(best, col_w=w), query_rrs(p, ans, run, dict(best, col_w=w)))
                      for w in COL_WEIGHTS])
+    if LI:                      # the late interaction's weight in the ranking
+        best = pick([(dict(best, li_w=w), query_rrs(p, ans, run, dict(best, li_w=w)))
+                     for w in LI_WEIGHTS])
     if len(FILLS) > 1:          # the last slots from the items' other views, or not
         best = pick([(dict(best, fill=f), query_rrs(p, ans, run, dict(best, fill=f)))
                      for f in FILLS])
@@ -666,6 +735,15 @@ def main() -> int:
                     help="offer the second encoder (the rerank extra's package's token "
                          "encoder, mean-pooled): its z-scored cosine in the ranking at "
                          f"{COL_WEIGHTS}, its cosine's share of relevance at {COL_MIXES}")
+    ap.add_argument("--li", choices=("mini", "second"),
+                    help="offer late interaction (token vectors of each item's first window, "
+                         "MaxSim averaged over the query's tokens) re-scoring the ranking's "
+                         f"best --li-pool at weights {LI_WEIGHTS}: mini, the bi-encoder's own "
+                         "(what cambium ships), or the rerank extra's second encoder's")
+    ap.add_argument("--li-pool", type=int, default=LI_POOL[0])
+    ap.add_argument("--li-tail", choices=("max", "none", "same"), default=LI_TAIL[0],
+                    help="an item a tail window found: its late z-score at least the pool's "
+                         "mean (max, as cambium), none at all (none), or as any item (same)")
     ap.add_argument("--fill", action="store_true",
                     help=f"also offer a fill: the last {FILL_SLOTS} of the {LIMIT} slots taken "
                          "from the best of the items' tail windows, whys, or both (each "
@@ -697,6 +775,10 @@ def main() -> int:
     REL_OBJECTIVE[0] = a.rel_objective
     if a.col:
         COL.append(ColVectors(Path(a.cache)))
+    if a.li:
+        LI.append(ColTokens(Path(a.cache), a.li))
+        LI_POOL[0] = a.li_pool
+        LI_TAIL[0] = a.li_tail
     if a.fill:
         FILLS.extend(["tail", "why", "tail+why"])
     if a.relevance_ct:
