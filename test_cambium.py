@@ -7394,9 +7394,9 @@ def test_a_model_that_fails_on_the_query_answers_lexically(semantic, monkeypatch
     eng = _engine(semantic)
     eng.wait_idle(30)
 
-    def fails(texts):
+    def fails(batch, tokens=()):
         raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : simulated")
-    monkeypatch.setattr(eng.ready(), "embed", fails)
+    monkeypatch.setattr(eng.ready(), "_run", fails)
     res = cs.recall(NOTES[0][0])
     assert res["mode"] == "lexical" and res["results"][0]["id"] == ids[NOTES[0][0]]
     assert "embedding model failed on the query" in res["note"], res
@@ -7508,10 +7508,13 @@ def test_semantic_team_and_org_items_embedded_and_cached(tmp_path):
 
 
 @needs_extra
-def test_semantic_long_item_tail_still_counts(tmp_path):
-    """A detail deep in a long item's tail windows orders it first; relevance
-    reads its first window (plus the raw-BM25 boost), so with nothing else
-    vouching for it, the item leads the weak matches, not the results."""
+def test_semantic_long_item_tail_still_counts(tmp_path, monkeypatch):
+    """A detail deep in a long item's tail windows orders it first in the
+    bi-encoder's ranking; relevance reads its first window (plus the raw-BM25
+    boost), so with nothing else vouching for it, the item leads the weak
+    matches, not the results. (Late interaction reads first windows only, so
+    it is off here: test_late_interaction_never_sinks_an_item_its_tail_found.)"""
+    monkeypatch.setattr(cs, "SEM_LATE_WEIGHT", 0.0)
     filler = " ".join(f"Step {i}: check the staging queue depth and the worker count."
                       for i in range(40))
     long = cs.Item(id="k-long", content=filler + " Finally, the signing keys for release "
@@ -7523,6 +7526,155 @@ def test_semantic_long_item_tail_still_counts(tmp_path):
     assert len(eng.cache.get(cs.vector_key(long))) > 1
     assert (ranking.hits + ranking.weak)[0].item.id == "k-long"
     assert ranking.hits == [] and ranking.weak[0].confidence < cs.RELEVANCE_FLOOR
+
+
+def test_late_interaction_scores_each_items_best_token_matches():
+    """late_scores is MaxSim averaged over the query's tokens, read from the
+    stored int8 form (within its rounding of a naive float computation); an
+    item without token vectors is NaN."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(7)
+    unit = lambda m: m / np.linalg.norm(m, axis=1, keepdims=True)
+    qtok = unit(rng.normal(size=(5, cs.EMBED_DIM))).astype(np.float32)
+    items = [unit(rng.normal(size=(n, cs.EMBED_DIM))).astype(np.float32) for n in (3, 9, 1)]
+    items[1][4] = qtok[2]                   # one token matching a query token exactly
+    stored = [cs.unpack_tokens(np, cs.pack_tokens(np, t)) for t in items]
+    got = cs.late_scores(np, qtok, stored[:1] + [None] + stored[1:])
+    naive = [float((qtok @ t.T).max(axis=1).mean()) for t in items]
+    assert np.isnan(got[1])
+    assert np.allclose(got[[0, 2, 3]], naive, atol=0.01), (got, naive)
+    assert got[2] == max(got[[0, 2, 3]])
+    assert np.isnan(cs.late_scores(np, qtok, [None, None])).all()
+
+
+def test_late_blend_rescores_the_pool_and_keeps_the_rest_below():
+    np = pytest.importorskip("numpy")
+    score = np.array([0.9, 0.8, 0.7, 0.6, 0.1, 0.05, -np.inf])
+    pool = [0, 1, 2, 3]
+    late = np.array([0.1, 0.2, 0.3, 0.9])    # the fourth matches token by token
+    assert int(np.argmax(cs.late_blend(np, score, pool, late, weight=1.0))) == 0
+    out = cs.late_blend(np, score, pool, late, weight=2.0)     # z-scores: the weight decides
+    assert int(np.argmax(out)) == 3
+    assert out[4] > out[5] and max(out[4], out[5]) < min(out[pool])
+    assert out[6] == -np.inf
+    assert (cs.late_blend(np, score, pool, late, weight=0.0) == score).all()
+    # no token vectors: the pool's mean stands in
+    stand = cs.late_blend(np, score, pool, np.array([0.1, np.nan, 0.3, 0.9]), weight=1.0)
+    assert np.isfinite(stand).sum() == 6
+    # an item a tail window found is never held below the mean by its opening
+    tail = np.array([True, False, False, False])
+    low = cs.late_blend(np, score, pool, late, weight=1.0)
+    kept = cs.late_blend(np, score, pool, late, weight=1.0, tail=tail)
+    assert kept[0] > low[0] and (kept[1:] == low[1:]).all()
+
+
+def test_token_files_that_are_torn_or_foreign_read_as_missing(tmp_path):
+    """A token file is a cache: a torn, foreign, oversized or NaN one, or a
+    FIFO in its place, reads as missing (and is forgotten), never as rows."""
+    np = pytest.importorskip("numpy")
+    store = cs.TokenStore(tmp_path)
+    toks = np.eye(4, cs.EMBED_DIM, dtype=np.float32)
+    store.put(np, "k1:abc", toks)
+    rows, scale = store.get(np, "k1:abc")
+    assert rows.shape == (4, cs.EMBED_DIM) and np.allclose(rows * scale[:, None], toks, atol=0.01)
+    assert cs.TokenStore(tmp_path).has("k1:abc")          # listed again by a new process
+    path = tmp_path / cs.TOKENS_DIR / cs.TokenStore.name("k1:abc")
+    good = path.read_bytes()
+    nan = bytearray(good)
+    nan[-4:] = np.array([np.nan], "<f4").tobytes()
+    for bad in (good[:-3], b"not a token file", good + b"x", bytes(nan),
+                cs.TOKENS_MAGIC + (10**6).to_bytes(4, "little")):
+        path.write_bytes(bad)
+        fresh = cs.TokenStore(tmp_path)
+        assert fresh.get(np, "k1:abc") is None, bad[:20]
+        assert not fresh.has("k1:abc")
+    path.unlink()
+    os.mkfifo(path)
+    assert cs.TokenStore(tmp_path).get(np, "k1:abc") is None     # and returns at once
+    mem = cs.TokenStore(None)                  # no directory: kept in memory
+    mem.put(np, "k2:def", toks)
+    assert mem.has("k2:def") and mem.get(np, "k2:def") is not None
+    mem.prune({"other"})
+    assert not mem.has("k2:def")
+
+
+@needs_extra
+def test_embedding_keeps_each_items_token_vectors_and_a_cache_without_them_gets_them(
+        semantic):
+    """Every embedded item gets one token file (its first window's). A vector
+    cache from before late interaction keeps ranking semantically while its
+    items are embedded once more for their token vectors; pruning keeps the
+    token files of the keys kept and removes the others."""
+    import numpy as np
+    ids = _capture_notes()
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    tok_dir = semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR
+    keys = set(eng.cache.rows)
+    assert len(keys) == len(NOTES)
+    assert {cs.TokenStore.name(k) for k in keys} == {p.name for p in tok_dir.glob("*.tok")}
+    for p in tok_dir.glob("*.tok"):
+        p.unlink()                            # as a cache written before them
+    cs.runtime().engines.clear()
+    res = cs.recall(PARAPHRASE)
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    assert "not embedded yet" not in res.get("note", "")
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    assert eng.embedded == len(NOTES)          # embedded again, for their tokens alone
+    assert {cs.TokenStore.name(k) for k in keys} == {p.name for p in tok_dir.glob("*.tok")}
+    eng.tokens.put(np, "gone:1", np.eye(2, cs.EMBED_DIM, dtype=np.float32))
+    eng.tokens.prune(keys)
+    assert not eng.tokens.has("gone:1") and all(eng.tokens.has(k) for k in keys)
+    assert len(list(tok_dir.glob("*.tok"))) == len(NOTES)
+    late = cs.status()["semantic"]["late_interaction"]
+    assert late["on"] is True and late["items_with_token_vectors"] == len(NOTES)
+
+
+@needs_extra
+def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_why(
+        semantic, capsys):
+    """Late interaction is an addition: when its files cannot be written,
+    items are still embedded and ranked semantically, and status says why."""
+    ids = _capture_notes()
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    vec_dir.mkdir(parents=True, exist_ok=True)
+    (vec_dir / cs.TOKENS_DIR).write_text("a file where the directory should be")
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    assert len(eng.cache.rows) == len(NOTES) and not eng.tokens.names
+    res = cs.recall(PARAPHRASE)
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    late = cs.status()["semantic"]["late_interaction"]
+    assert late["items_with_token_vectors"] == 0 and "could not be stored" in late["error"]
+    assert "could not store token vectors" in capsys.readouterr().err
+
+
+@needs_extra
+def test_late_interaction_knows_which_items_a_tail_window_found(monkeypatch):
+    """Late interaction reads an item's first window only, so the engine
+    tells late_blend which pool items a tail window found (the clamp itself:
+    test_late_blend_rescores_the_pool_and_keeps_the_rest_below)."""
+    import numpy as np
+    filler = " ".join(f"Step {i}: check the staging queue depth and the worker count."
+                      for i in range(40))
+    long = cs.Item(id="k-long", content=filler + " Finally, the signing keys for release "
+                   "artifacts are stored in the hardware security module in the basement.")
+    short = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t]) for i, (c, w, t) in enumerate(NOTES)]
+    seen = []
+    real = cs.late_blend
+
+    def spy(np_, score, pool, late, **kw):
+        seen.append((list(pool), late, kw.get("tail")))
+        return real(np_, score, pool, late, **kw)
+    monkeypatch.setattr(cs, "late_blend", spy)
+    cs.rank(cs.build_index(short + [long]), "where are release signing keys kept", 3,
+            engine=cs.Semantic(None))
+    pool, late, tail = seen[-1]
+    assert sorted(pool) == list(range(len(short) + 1)) and np.isfinite(late).all()
+    assert [bool(t) for t in tail] == [slot == len(short) for slot in pool]
 
 
 @needs_extra
