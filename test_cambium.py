@@ -7591,6 +7591,15 @@ def test_token_files_that_are_torn_or_foreign_read_as_missing(tmp_path):
     path.unlink()
     os.mkfifo(path)
     assert cs.TokenStore(tmp_path).get(np, "k1:abc") is None     # and returns at once
+    path.unlink()
+    (tmp_path / "elsewhere.tok").write_bytes(good)
+    path.symlink_to(tmp_path / "elsewhere.tok")               # a link is not followed
+    assert cs.TokenStore(tmp_path).get(np, "k1:abc") is None
+    left = tmp_path / cs.TOKENS_DIR / f".x.tok.{2**22 + 12345}.abc{cs.TMP_SUFFIX}"
+    left.write_bytes(good[:10])                 # a write a killed process left
+    os.utime(left, (1, 1))
+    cs.TokenStore(tmp_path)
+    assert not left.exists()
     mem = cs.TokenStore(None)                  # no directory: kept in memory
     mem.put(np, "k2:def", toks)
     assert mem.has("k2:def") and mem.get(np, "k2:def") is not None
@@ -7962,9 +7971,28 @@ def _log_index() -> cs.Index:
                            for i, (c, w, t) in enumerate(LOG_NOTES)])
 
 
-@needs_rerank
-def test_rerank_puts_the_answer_first_and_leaves_relevance_and_the_floor_alone():
+@needs_extra
+def test_late_interaction_finds_the_answer_the_pooled_vector_misses(monkeypatch):
+    """LOG_NOTES: one pooled vector per item puts the timestamps' zone (k-3)
+    before the log format (k-7) for "readable by machines"; matching the
+    query's tokens one by one (late interaction) puts the answer first."""
     index = _log_index()
+    shipped = cs.SEM_LATE_WEIGHT
+    monkeypatch.setattr(cs, "SEM_LATE_WEIGHT", 0.0)
+    plain = cs.Semantic(None).rank(index, LOG_QUERY, 5)
+    monkeypatch.setattr(cs, "SEM_LATE_WEIGHT", shipped)
+    late = cs.Semantic(None).rank(index, LOG_QUERY, 5)
+    assert [h.item.id for h in plain.hits][:2] == ["k-3", "k-7"]
+    assert late.hits[0].item.id == "k-7"
+    # only the order moved: relevance is the first window's cosine either way
+    rel = {h.item.id: h.confidence for h in plain.hits + plain.weak}
+    assert all(rel[h.item.id] == h.confidence for h in late.hits + late.weak if h.item.id in rel)
+
+
+@needs_rerank
+def test_rerank_puts_the_answer_first_and_leaves_relevance_and_the_floor_alone(monkeypatch):
+    index = _log_index()
+    monkeypatch.setattr(cs, "SEM_LATE_WEIGHT", 0.0)     # (it finds k-7 by itself: above)
     eng = cs.Semantic(None)
     eng.ready()
     eng.wait_idle(60)
@@ -8176,18 +8204,17 @@ def test_rerank_second_uses_the_second_encoder_and_never_the_cross_encoder(seman
                                                                           monkeypatch):
     for c, w, t in LOG_NOTES:
         cs.capture(c, why=w, tags=t)
-    reranker_for = cs.reranker_for
-    monkeypatch.setenv("CAMBIUM_RERANK", "auto")
-    monkeypatch.setattr(cs, "reranker_for", lambda cfg: (None, None))
-    cs.runtime().engines.clear()
-    want = cs.recall(LOG_QUERY)                   # auto with the cross-encoder taken away
-    monkeypatch.setattr(cs, "reranker_for", reranker_for)
-    monkeypatch.setenv("CAMBIUM_RERANK", "second")
 
     def never(*a, **k):
-        raise AssertionError("CAMBIUM_RERANK=second loaded the cross-encoder")
+        raise AssertionError("the cross-encoder was loaded")
 
     monkeypatch.setattr(cs, "load_reranker", never)
+    monkeypatch.setenv("CAMBIUM_RERANK", "auto")    # auto: the second encoder, no cross-encoder
+    cs.runtime().engines.clear()
+    want = cs.recall(LOG_QUERY)
+    assert want["second_encoder"] is True and "reranked" not in want
+    assert "CAMBIUM_RERANK=on" in cs.status()["semantic"]["rerank"]["reason"]
+    monkeypatch.setenv("CAMBIUM_RERANK", "second")
     cs.runtime().engines.clear()
     res = cs.recall(LOG_QUERY)
     assert res["second_encoder"] is True and "reranked" not in res and "note" not in res
@@ -8209,7 +8236,7 @@ def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
         after = (await session.call_tool("status", {})).structured_content
         return st, hit, after
 
-    env = {**_mcp_env(repo), "CAMBIUM_RECALL_MODE": "auto", "CAMBIUM_RERANK": "auto"}
+    env = {**_mcp_env(repo), "CAMBIUM_RECALL_MODE": "auto", "CAMBIUM_RERANK": "on"}
     st, hit, after = asyncio.run(_mcp_session(env, body))
     assert st["semantic"]["rerank"]["on"] is True and st["semantic"]["rerank"]["loaded"] is False
     assert st["semantic"]["second_encoder"]["on"] is True
@@ -8220,7 +8247,10 @@ def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
     off = json.loads(cli("recall", LOG_QUERY, CAMBIUM_REPO=str(repo), CAMBIUM_AGENT_ID="a",
                          CAMBIUM_RECALL_MODE="auto", CAMBIUM_RERANK="off").stdout)
     assert off["mode"] == "semantic" and "reranked" not in off and "second_encoder" not in off
-    assert LOG_NOTES[3][0] in off["results"][0]["line"]
+    assert LOG_NOTES[7][0] in off["results"][0]["line"]         # (late interaction)
+    auto = json.loads(cli("recall", LOG_QUERY, CAMBIUM_REPO=str(repo), CAMBIUM_AGENT_ID="a",
+                          CAMBIUM_RECALL_MODE="auto", CAMBIUM_RERANK="auto").stdout)
+    assert auto["second_encoder"] is True and "reranked" not in auto and "note" not in auto
 
 
 @needs_extra
@@ -8267,15 +8297,17 @@ def test_rerank_failures_leave_the_bi_encoder_order_and_say_why(semantic, monkey
     monkeypatch.setattr(cs, "second_wanted", lambda cfg=None: False)   # the bi-encoder alone
     for c, w, t in LOG_NOTES:
         cs.capture(c, why=w, tags=t)
-    res = cs.recall(LOG_QUERY)
-    assert res["mode"] == "semantic" and "reranked" not in res
-    assert LOG_NOTES[3][0] in res["results"][0]["line"]
-    assert "not the pinned reranker" in res["note"]
-    assert "note" not in cs.recall(LOG_QUERY)                    # auto: said once
+    res = cs.recall(LOG_QUERY)                                  # auto: never loads it
+    assert res["mode"] == "semantic" and "reranked" not in res and "note" not in res
+    order = [r["id"] for r in res["results"]]                   # the bi-encoder's order
+    assert rt.reranker_error is None
+    monkeypatch.setenv("CAMBIUM_RERANK", "on")                  # asked for: every time
+    for _ in range(2):
+        res = cs.recall(LOG_QUERY)
+        assert "reranked" not in res and [r["id"] for r in res["results"]] == order
+        assert "not the pinned reranker" in res["note"]
     st = cs.status()["semantic"]["rerank"]
     assert st["on"] is False and "not the pinned reranker" in st["reason"]
-    monkeypatch.setenv("CAMBIUM_RERANK", "on")                  # asked for: every time
-    assert "not the pinned reranker" in cs.recall(LOG_QUERY)["note"]
     monkeypatch.setenv("CAMBIUM_RERANK", "always")
     assert any(g["setting"] == "CAMBIUM_RERANK" for g in cs.status()["gaps"])
     # a model that loads but fails while scoring: the recall still answers
@@ -8288,7 +8320,7 @@ def test_rerank_failures_leave_the_bi_encoder_order_and_say_why(semantic, monkey
 
     monkeypatch.setattr(cs.load_reranker(), "scores", broken)
     res = cs.recall(LOG_QUERY)
-    assert "reranked" not in res and LOG_NOTES[3][0] in res["results"][0]["line"]
+    assert "reranked" not in res and [r["id"] for r in res["results"]] == order
     assert "Not reranked: the reranker failed: RuntimeError: onnxruntime exploded" in res["note"]
 
 

@@ -225,6 +225,8 @@ LI_WEIGHTS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)  #: --li: its z-scored sco
 #: --li-tail: an item whose best vector is a tail window: "max", its late z-score at least 0
 #: (what cambium does), "none": no late score (the pool's mean), "same": as any other
 LI_TAIL = ["max"]
+LI_REL = []         #: --li-rel: offer the late interaction's share of relevance...
+LI_MIXES = (0.0, 0.25, 0.5, 0.75)   #: ...among these
 LI_POOL = [50]      #: --li-pool: the late interaction re-scores the ranking's best this many
 COL = []            #: --col: [ColVectors]
 COL_WEIGHTS = (0.0, 0.25, 0.5, 1.0)     #: --col: its z-scored cosine's weight in the ranking
@@ -312,6 +314,15 @@ def item_sims(p: Prepared, qi: int, params: dict):
 
 
 def relevance_sims(p: Prepared, qi: int, params: dict):
+    """relevance_cosines, with params["li_mix"] of it the late interaction's
+    score instead (--li-rel; cambium's SEM_LATE_MIX)."""
+    base = relevance_cosines(p, qi, params)
+    if params.get("li_mix"):
+        return (1 - params["li_mix"]) * base + params["li_mix"] * p.sims["li"][qi]
+    return base
+
+
+def relevance_cosines(p: Prepared, qi: int, params: dict):
     """The cosines relevance reads (params["rel"], cambium's SEM_RELEVANCE):
     "all" of the item's vectors, as the ranking, or its "first" window alone
     (what the text opens with: the full-text vector of a model that truncates),
@@ -533,8 +544,9 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
                            for b in BOOSTS):
         if rel == "first+ct" and best.get("content_tags") is None:
             continue                    # (no content + tags vector to read)
-        for mix in (COL_MIXES if COL and rel == "first" else (0.0,)):
-            params = dict(best, boost=boost, rel=rel, col_mix=mix,
+        for mix, lm in ((m, lm) for m in (COL_MIXES if COL and rel == "first" else (0.0,))
+                        for lm in (LI_MIXES if LI_REL and rel == "first" else (0.0,))):
+            params = dict(best, boost=boost, rel=rel, col_mix=mix, li_mix=lm,
                           **({"rel_ct": ct} if ct is not None else {}))
             params["floor"] = calibrate(p, qids, run, params, false_target)
             if REL_OBJECTIVE[0] == "caught":
@@ -735,12 +747,16 @@ def main() -> int:
                     help="offer the second encoder (the rerank extra's package's token "
                          "encoder, mean-pooled): its z-scored cosine in the ranking at "
                          f"{COL_WEIGHTS}, its cosine's share of relevance at {COL_MIXES}")
-    ap.add_argument("--li", choices=("mini", "second"),
+    ap.add_argument("--li", choices=("mini", "second", "none"), default="mini",
                     help="offer late interaction (token vectors of each item's first window, "
                          "MaxSim averaged over the query's tokens) re-scoring the ranking's "
                          f"best --li-pool at weights {LI_WEIGHTS}: mini, the bi-encoder's own "
-                         "(what cambium ships), or the rerank extra's second encoder's")
+                         "(what cambium ships, the default), the rerank extra's second "
+                         "encoder's, or none")
     ap.add_argument("--li-pool", type=int, default=LI_POOL[0])
+    ap.add_argument("--li-rel", action="store_true",
+                    help=f"also offer relevance read partly ({LI_MIXES}) from the late "
+                         "interaction's score (with --li)")
     ap.add_argument("--li-tail", choices=("max", "none", "same"), default=LI_TAIL[0],
                     help="an item a tail window found: its late z-score at least the pool's "
                          "mean (max, as cambium), none at all (none), or as any item (same)")
@@ -775,10 +791,12 @@ def main() -> int:
     REL_OBJECTIVE[0] = a.rel_objective
     if a.col:
         COL.append(ColVectors(Path(a.cache)))
-    if a.li:
+    if a.li != "none":
         LI.append(ColTokens(Path(a.cache), a.li))
         LI_POOL[0] = a.li_pool
         LI_TAIL[0] = a.li_tail
+        if a.li_rel:
+            LI_REL.append(True)
     if a.fill:
         FILLS.extend(["tail", "why", "tail+why"])
     if a.relevance_ct:
