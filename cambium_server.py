@@ -6488,18 +6488,20 @@ class TokenStore:
 
     def get(self, np: Any, key: str) -> tuple[Any, Any] | None:
         """(int8 rows, scales) of the key, None when missing or unreadable
-        (an unreadable file is forgotten, so the item is embedded again)."""
+        (an unreadable file is forgotten, so the item is embedded again). The
+        file is looked for even when not listed: another process may have
+        written it since."""
         try:
             if self.dir is None:
                 return unpack_tokens(np, self.mem[key]) if key in self.mem else None
-            if self.name(key) not in self.names:
-                return None
             limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4)
-            return unpack_tokens(np, read_regular(self.dir / self.name(key), limit,
-                                                  nofollow=True))
+            out = unpack_tokens(np, read_regular(self.dir / self.name(key), limit,
+                                                 nofollow=True))
         except (OSError, ValueError):
             self.names.discard(self.name(key))
             return None
+        self.names.add(self.name(key))
+        return out
 
     def prune(self, keep: set[str]) -> None:
         """Remove the files of keys not in `keep` (edited or deleted items)."""
