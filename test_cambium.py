@@ -7577,6 +7577,10 @@ def test_token_files_that_are_torn_or_foreign_read_as_missing(tmp_path):
     store.put(np, "k1:abc", toks)
     rows, scale = store.get(np, "k1:abc")
     assert rows.shape == (4, cs.EMBED_DIM) and np.allclose(rows * scale[:, None], toks, atol=0.01)
+    assert store.get(np, "k1:abc")[0] is rows               # kept in memory once read...
+    store.put(np, "k1:abc", toks[:2])
+    assert len(store.get(np, "k1:abc")[0]) == 2              # ...until written again
+    store.put(np, "k1:abc", toks)
     assert cs.TokenStore(tmp_path).has("k1:abc")          # listed again by a new process
     path = tmp_path / cs.TOKENS_DIR / cs.TokenStore.name("k1:abc")
     good = path.read_bytes()
