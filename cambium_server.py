@@ -7015,12 +7015,13 @@ class Semantic:
         """The best SEM_LATE_POOL scored again with late interaction
         (late_blend; `in_tail`: the slots a tail window found). An embedded
         item found without token vectors (a torn file, a cache from before
-        them) is queued to be embedded again, once."""
+        them) is queued to be embedded again, once, unless they cannot be written."""
         pool = best_slots(np, score, items, SEM_LATE_POOL)
         keys = [self.key(items[i]) for i in pool]
         stored = [self.tokens.get(np, k) for k in keys]
-        lost = [items[i] for i, k, t in zip(pool, keys, stored)
-                if t is None and usable[i] and k not in self.token_requeued]
+        lost = [] if self.token_error else [     # (writes failing: embedding again won't do)
+            items[i] for i, k, t in zip(pool, keys, stored)
+            if t is None and usable[i] and k not in self.token_requeued]
         if lost:
             with self.cv:
                 self.token_requeued.update(self.key(it) for it in lost)

@@ -7668,6 +7668,7 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
     assert len(eng.cache.rows) == len(NOTES) and not eng.tokens.names
     res = cs.recall(PARAPHRASE)
     assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    assert eng.backlog() == 0 and not eng.token_requeued     # not embedded again for nothing
     late = cs.status()["semantic"]["late_interaction"]
     assert late["items_with_token_vectors"] == 0 and "could not be stored" in late["error"]
     assert "could not store token vectors" in capsys.readouterr().err
