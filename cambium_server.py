@@ -5662,7 +5662,7 @@ SEM_RELEVANCE = "first"             #: the cosine relevance reads: "all" of an i
                                     #: the ranking) or its "first" window (what the text opens with)
 SEM_LATE_WEIGHT = 6.0               #: ranking: z(score) + this x z(late interaction) (0: off)...
 SEM_LATE_POOL = 50                  #: ...over the best this many (>= MAX_RECALL_LIMIT)
-TOKENS_RECENT = 256                 #: token files kept in memory once read (19 MB at most)
+TOKENS_RECENT = 256                 #: token files kept in memory once read (25 MB at most)
 TOKENS_DIR = "tokens"               #: token vectors' files (late interaction), in the vector cache
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
 SEM_FLOOR = 0.289                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
