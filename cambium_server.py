@@ -2115,9 +2115,10 @@ def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
 
 
 def atomic_write(path: Path, data: str | bytes | Callable[[Any], None],
-                 mode: int = 0o644) -> None:
+                 mode: int = 0o644, *, durable: bool = True) -> None:
     """Replace `path` atomically and durably with text, bytes, or whatever
-    data(binary file) writes (streamed: a large store is never joined in memory)."""
+    data(binary file) writes (streamed: a large store is never joined in memory).
+    durable=False: atomically only, no fsync (a cache file, rebuilt if torn)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=TMP_SUFFIX,
                                dir=path.parent)
@@ -2128,13 +2129,16 @@ def atomic_write(path: Path, data: str | bytes | Callable[[Any], None],
             else:
                 f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if not durable:
+        return
     with contextlib.suppress(OSError):
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -6493,17 +6497,7 @@ class TokenStore:
             self.mem[key] = data
             return
         name = self.name(key)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=TMP_SUFFIX,
-                                   dir=self.dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.dir / name)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(self.dir / name, data, durable=False)
         self.names.add(name)
 
     def get(self, np: Any, key: str) -> tuple[Any, Any] | None:
@@ -6525,16 +6519,16 @@ class TokenStore:
         return out
 
     def _read(self, np: Any, key: str) -> tuple[Any, Any] | None:
+        if self.dir is None:
+            return unpack_tokens(np, self.mem[key]) if key in self.mem else None
+        name = self.name(key)
+        limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4)
         try:
-            if self.dir is None:
-                return unpack_tokens(np, self.mem[key]) if key in self.mem else None
-            limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4)
-            out = unpack_tokens(np, read_regular(self.dir / self.name(key), limit,
-                                                 nofollow=True))
+            out = unpack_tokens(np, read_regular(self.dir / name, limit, nofollow=True))
         except (OSError, ValueError):
-            self.names.discard(self.name(key))
+            self.names.discard(name)
             return None
-        self.names.add(self.name(key))
+        self.names.add(name)
         return out
 
     def prune(self, keep: set[str]) -> None:

@@ -7568,7 +7568,7 @@ def test_late_blend_rescores_the_pool_and_keeps_the_rest_below():
     assert kept[0] > low[0] and (kept[1:] == low[1:]).all()
 
 
-def test_token_files_that_are_torn_or_foreign_read_as_missing(tmp_path):
+def test_token_files_that_are_torn_or_foreign_read_as_missing(tmp_path, monkeypatch):
     """A token file is a cache: a torn, foreign, oversized or NaN one, or a
     FIFO in its place, reads as missing (and is forgotten), never as rows."""
     np = pytest.importorskip("numpy")
@@ -7604,6 +7604,15 @@ def test_token_files_that_are_torn_or_foreign_read_as_missing(tmp_path):
     os.utime(left, (1, 1))
     cs.TokenStore(tmp_path)
     assert not left.exists()
+    first, other = cs.TokenStore(tmp_path), cs.TokenStore(tmp_path)
+    other.put(np, "k3:ghi", toks)               # another process writes one later
+    assert not first.has("k3:ghi") and first.get(np, "k3:ghi") is not None
+    assert first.has("k3:ghi")
+    monkeypatch.setattr(cs, "TOKENS_RECENT", 2)    # read ones kept in memory: the last few
+    for k in ("a:1", "b:2", "c:3"):
+        first.put(np, k, toks)
+        first.get(np, k)
+    assert list(first.recent) == ["b:2", "c:3"]
     mem = cs.TokenStore(None)                  # no directory: kept in memory
     mem.put(np, "k2:def", toks)
     assert mem.has("k2:def") and mem.get(np, "k2:def") is not None

@@ -208,12 +208,7 @@ class ColTokens:
         else:
             if self.model is None:
                 self.model = cs.SecondEncoder.from_package()
-            x = np.array([emb.first_window(text)], dtype=np.int64)
-            feeds = {"input_ids": x, "attention_mask": np.ones_like(x)}
-            if self.model._token_types:
-                feeds["token_type_ids"] = np.zeros_like(x)
-            h = self.model.session.run(None, feeds)[0][0]
-            out = h / np.clip(np.linalg.norm(h, axis=1, keepdims=True), 1e-12, None)
+            out = self.model._run([emb.first_window(text)], [0])[1][0]   # unit token rows
             np.save(f, out.astype(np.float16))
             out = out.astype(np.float32)
         if query:
@@ -316,7 +311,7 @@ def item_sims(p: Prepared, qi: int, params: dict):
 
 def relevance_sims(p: Prepared, qi: int, params: dict):
     """relevance_cosines, with params["li_mix"] of it the late interaction's
-    score instead (--li-rel; cambium's SEM_LATE_MIX)."""
+    score instead (--li-rel: measured, not shipped)."""
     base = relevance_cosines(p, qi, params)
     if params.get("li_mix"):
         return (1 - params["li_mix"]) * base + params["li_mix"] * p.sims["li"][qi]
