@@ -4975,6 +4975,8 @@ BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a 
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
 LEXICAL_FLOOR = 6.38    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
+NAME_PENALTY = 0.7      #: a lexical hit's relevance times this when the query names
+                        #: something no item mentions (unknown_names)
 
 
 def fold(text: str) -> str:
@@ -5308,6 +5310,7 @@ class Ranking:
     note: str | None = None              # why recall is lexical, said once
     reranked: bool = False               # the best few put in the cross-encoder's order
     second: bool = False                 # the second encoder ranked and judged relevance too
+    unknown: list = field(default_factory=list)  # names in the query no item mentions
 
     def abstains(self) -> bool:
         """Nothing reaches the relevance floor: recall says "nothing known"."""
@@ -5495,6 +5498,47 @@ def holds_every_term(item: Item, terms: list[str]) -> bool:
     return bool(terms) and all(tf.get(t, 0.0) > 0 for t in terms)
 
 
+_SENTENCE_END = ".!?:;\n\"'(`*-"    #: after one of these (or first), a capital is no name
+
+
+def _name_shape(word: str, starts_sentence: bool, cased: bool) -> bool:
+    """Whether a word of a query is written as a name: an acronym (GDPR), a
+    capital inside (mTLS, PostgreSQL), letters and digits not led by a digit
+    (k8s, EC2; 50GB is a quantity), or a capital first letter in mid-sentence
+    (Istio), unless the whole query is `cased` (title case, all caps)."""
+    if sum(c.isalpha() for c in word) < 2 or word[0].isdigit():
+        return False
+    if any(c.isdigit() for c in word):
+        return True
+    if any(c.isupper() for c in word[1:]) and not word.isupper():
+        return True
+    if cased:
+        return False
+    return word.isupper() or (word[0].isupper() and not starts_sentence)
+
+
+def query_names(query: str) -> list[str]:
+    """The words of a query written as names (_name_shape), in query order."""
+    words = [(m.group(), m.start()) for m in _WORD.finditer(query)]
+    caps = sum(w[0].isupper() for w, _ in words if sum(c.isalpha() for c in w) >= 2)
+    cased = len(words) >= 3 and caps * 2 > len(words)
+    out = []
+    for word, at in words:
+        before = query[:at].rstrip()
+        if _name_shape(word, not before or before[-1] in _SENTENCE_END, cased):
+            out.append(word)
+    return list(dict.fromkeys(out))
+
+
+def unknown_names(index: Index, query: str) -> list[str]:
+    """The names in a query (query_names) that no item of the index mentions:
+    none of their terms is in any item's content, why or tags. A store that
+    never says Istio knows nothing about Istio, however close the rest of
+    the query comes (NAME_PENALTY)."""
+    return [w for w in query_names(query)
+            if (terms := tokenize(w)) and not any(t in index.postings for t in terms)]
+
+
 def confidence_bm25(index: Index, terms: list[str], item: Item,
                     why: float = CONFIDENCE_WHY_WEIGHT) -> float:
     """The raw BM25 a lexical hit's relevance reads: the item's BM25 with its
@@ -5542,17 +5586,22 @@ def split_at_floor(hits: list[Hit], terms: list[str]) -> tuple[list[Hit], list[H
 
 
 def ranking_of(hits: list[Hit], terms: list[str], index: Index,
-               mode: str = "lexical") -> Ranking:
+               mode: str = "lexical", unknown: list[str] | None = None) -> Ranking:
     """The Ranking of scored hits, split at the floor (split_at_floor); its
     confidence is the best relevance after that split, so it is at the floor
     whenever there is a result. A hit whose words a higher-authority item
-    says too is that item's (with_better_copies)."""
+    says too is that item's (with_better_copies). When the query names
+    something no item mentions (`unknown`: unknown_names), every relevance
+    is first multiplied by the mode's NAME_PENALTY."""
+    if unknown:
+        penalty = SEM_NAME_PENALTY if mode == "semantic" else NAME_PENALTY
+        hits = [dataclasses.replace(h, confidence=h.confidence * penalty) for h in hits]
     results, weak = split_at_floor(with_better_copies(hits, index), terms)
     best = max((h.confidence for h in results + weak), default=0.0)
     ranked = authority_first(results + weak)        # (a near miss may take a result's
     ok = [h.confidence >= RELEVANCE_FLOOR for h in ranked]      # place, and its relevance)
     return Ranking(list(itertools.compress(ranked, ok)), best,
-                   [h for h, k in zip(ranked, ok) if not k], mode=mode)
+                   [h for h, k in zip(ranked, ok) if not k], mode=mode, unknown=unknown or [])
 
 
 def with_better_copies(hits: list[Hit], index: Index) -> list[Hit]:
@@ -5603,7 +5652,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
     hits = [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
             for it, score in best if it is not None]      # (None: killed meanwhile)
-    return ranking_of(hits, terms, index)
+    return ranking_of(hits, terms, index, unknown=unknown_names(index, query))
 
 
 # =============================================================================
@@ -5670,6 +5719,8 @@ TOKENS_RECENT = 256                 #: token files kept in memory once read (25 
 TOKENS_DIR = "tokens"               #: token vectors' files (late interaction), in the vector cache
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
 SEM_FLOOR = 0.289                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
+SEM_NAME_PENALTY = 0.7              #: relevance times this when the query names something
+                                    #: no item mentions (unknown_names; lexical: NAME_PENALTY)
 
 
 class SemanticUnavailable(Exception):
@@ -7066,7 +7117,8 @@ class Semantic:
                     lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
                 for i in best_slots(np, score, items, limit)
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
-        ranking = ranking_of(hits, terms, index, mode="semantic")
+        ranking = ranking_of(hits, terms, index, mode="semantic",
+                             unknown=unknown_names(index, query))
         ranking.reranked = reranker is not None and failed is None
         ranking.second = second
         if waiting:
@@ -10881,7 +10933,9 @@ def recall(query: Annotated[str, Field(
     items (content, why, scope, project, provenance `source`, recall count,
     `endorsed_as`, resolved `code` anchors). When no item reaches the floor:
     `no_confident_match: true`, nothing is known. `weak_matches` are near
-    misses below that floor: never treat them as facts. Each result earns one
+    misses below that floor: never treat them as facts. `unknown_names`: names
+    in the query that no item mentions (only a strong match survives them).
+    Each result earns one
     recall credit per agent per day (the trust signal promotion uses); a weak
     match earns none. An item whose code anchors all fail to resolve carries
     `stale_code: true` (advisory: re-check it).
@@ -10970,6 +11024,11 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
                "no_confident_match": False}
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
+    if ranking.unknown:
+        out["unknown_names"] = ranking.unknown[:10]
+        if ranking.abstains():
+            out["guidance"] += (" No item mentions " + ", ".join(ranking.unknown[:10]) +
+                                ": nothing is known about it here.")
     return out
 
 

@@ -1797,6 +1797,50 @@ def test_recall_never_returns_or_credits_below_the_floor(repo):
     assert both["weak_matches"] == []
 
 
+@pytest.mark.parametrize("query, names", [
+    ("adopt Istio service mesh for pod-to-pod mTLS", ["Istio", "mTLS"]),
+    ("GDPR erasure for accounts on EC2 and k8s", ["GDPR", "EC2", "k8s"]),
+    ("Redis eviction when memory is full", []),           # a capital that starts the query
+    ("retries are flaky. Backoff helps", []),             # ...or a sentence
+    ("shard an index past 50GB in 20min", []),            # quantities
+    ("How We Handle Retries In Flaky Tests", []),         # title case: every word capitalised
+    ("WHAT IS THE BEST CACHE FOR SESSIONS", []),          # all caps
+    ("set up PostgreSQL replicas", ["PostgreSQL"]),       # a capital inside, however cased
+    ("déployer avec Kubernetes", ["Kubernetes"]),
+    ("缓存 策略", []),                                    # no case: never a name
+])
+def test_query_names_are_words_written_as_names(query, names):
+    assert cs.query_names(query) == names
+
+
+def test_unknown_names_are_the_names_no_item_mentions():
+    index = cs.build_index([cs.new_item("Mesh traffic goes through Istio sidecars",
+                                        why="the GDPR audit asked for it", tags="k8s")])
+    assert cs.unknown_names(index, "Istio with mTLS on k8s for GDPR and SOC2") == ["mTLS", "SOC2"]
+    assert cs.unknown_names(cs.build_index([]), "ask Istio") == ["Istio"]
+
+
+def test_a_query_naming_what_no_item_mentions_needs_more_to_be_a_result(repo):
+    """Relevance times NAME_PENALTY when the query names something the store
+    never mentions: a match that only clears the floor becomes a near miss
+    (never a result, never credited) and the answer says which name is
+    unknown; the same query naming what an item mentions keeps its result."""
+    item = cs.capture("Service to service calls use mutual TLS through the sidecar proxy, "
+                      "certificates rotated daily")["item"]["id"]
+    index = cs.recall_index(cs.require_config(), "local")[2]
+    plain = cs.score_query(index, "sidecar proxy", 5)
+    base = plain.hits[0].confidence
+    assert base >= cs.RELEVANCE_FLOOR and base * cs.NAME_PENALTY < cs.RELEVANCE_FLOOR, base
+    res = cs.recall("sidecar proxy with Linkerd", detail="full")
+    assert res["no_confident_match"] is True and res["unknown_names"] == ["Linkerd"]
+    assert [w["id"] for w in res["weak_matches"]] == [item]
+    assert "Linkerd" in res["guidance"]
+    assert cs.recall("sidecar proxy", detail="full")["results"][0]["recalls"] == 1
+    cs.capture("Linkerd was evaluated and dropped")
+    named = cs.recall("sidecar proxy with Linkerd")
+    assert item in [r["id"] for r in named["results"]] and "unknown_names" not in named
+
+
 def test_lexical_recall_folds_accents_both_ways(repo, monkeypatch):
     monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
     accented = cs.capture("Le naïve café garde les reçus à l'étage", tags="café")["item"]["id"]
@@ -7706,6 +7750,27 @@ def test_late_interaction_knows_which_items_a_tail_window_found(monkeypatch):
     pool, late, tail = seen[-1]
     assert sorted(pool) == list(range(len(short) + 1)) and np.isfinite(late).all()
     assert [bool(t) for t in tail] == [slot == len(short) for slot in pool]
+
+
+@needs_extra
+def test_semantic_relevance_is_penalised_for_a_name_no_item_mentions():
+    """The same query scores the same item NAME_PENALTY lower (semantic: its
+    cosine is the item's alone) when no item of the store mentions a name it
+    asks about; the ranking's order is untouched."""
+    items = [cs.Item(id=f"k-{i}", content=c, tags=[t]) for i, (c, t) in enumerate([
+        ("Service calls use mutual TLS through the sidecar proxy", "mesh"),
+        ("Invoices are rounded per line before tax", "billing"),
+        ("Release builds are signed in CI with a hardware key", "release")])]
+    eng = cs.Semantic(None)
+    query = "mutual TLS between services with Linkerd sidecars"
+    alone = cs.rank(cs.build_index(items), query, 3, engine=eng)
+    named = cs.rank(cs.build_index(items + [cs.Item(id="k-9", content="Linkerd was dropped")]),
+                    query, 4, engine=eng)
+    assert alone.unknown == ["Linkerd"] and named.unknown == []
+    got = {h.item.id: h.confidence for h in alone.hits + alone.weak}
+    ref = {h.item.id: h.confidence for h in named.hits + named.weak}
+    assert got["k-0"] == pytest.approx(ref["k-0"] * cs.SEM_NAME_PENALTY, abs=1e-6)
+    assert (alone.hits + alone.weak)[0].item.id == "k-0"
 
 
 @needs_extra

@@ -250,6 +250,8 @@ class Prepared:
         self.gold = [{ids[g] for g in q["gold"]} for q in queries]
         self.terms = [list(dict.fromkeys(cs.tokenize(q["query"]))) for q in queries]
         self.lex = [cs.bm25_scores(self.index, t) for t in self.terms]
+        #: whether the query names something no item mentions (cambium's unknown_names)
+        self.named = [bool(cs.unknown_names(self.index, q["query"])) for q in queries]
         self.sims = None
         self.cross: CrossScores | None = None       # set to rerank (mode "rerank")
         self.rr: dict = {}              # (ranking params, query) -> reciprocal rank (query_rrs)
@@ -406,11 +408,32 @@ def evaluate(p: Prepared, qids: list[int], run, params: dict) -> dict:
     rows = []
     for qi in qids:
         ranked, rel = run(p, qi, params)
+        rel = judged(p, qi, rel, params)
         hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, rel)]  # score: the slot
         results, _ = cs.split_at_floor(hits, p.terms[qi])   # cambium's own floor rule
         rank = next((n + 1 for n, h in enumerate(results) if h.score in p.gold[qi]), None)
         rows.append((p.queries[qi]["kind"], rank, not results))
     return metrics(rows)
+
+
+def judged(p: Prepared, qi: int, rel: list, params: dict) -> list:
+    """Relevances as cambium judges them: times params["names"] (cambium's
+    NAME_PENALTY) when the query names something no item mentions."""
+    m = params.get("names", 1.0)
+    return [r * m for r in rel] if p.named[qi] and m != 1.0 else rel
+
+
+def with_names(p: Prepared, qids, run, params: dict) -> dict:
+    """params with the name penalty (NAME_PENALTIES, cambium's NAME_PENALTY)
+    that abstains on the most training no-answers while the training queries'
+    wrongly-abstained share stays within MAX_FALSE; ties: the milder one."""
+    best, caught = dict(params, names=1.0), -1.0
+    for m in NAME_PENALTIES if NAMES[0] else ():
+        cand = dict(params, names=m)
+        r = evaluate(p, qids, run, cand)
+        if r["false_abstain"] <= MAX_FALSE and r["abstention"] > caught + 1e-9:
+            best, caught = cand, r["abstention"]
+    return best
 
 
 def metrics(rows: list) -> dict:
@@ -499,6 +522,10 @@ TAIL_RULE = ["keep"]
 #: answered right (a no-answer abstained on, an answerable one's gold among the results)
 REL_OBJECTIVE = ["caught"]
 SELECT = ["best"]                       #: parameter choice: "1se" or "best" (see pick)
+#: cambium's NAME_PENALTY candidates: relevance times this when the query names
+#: something no item mentions (1.0: no penalty; 0.0: such a query always abstains)
+NAME_PENALTIES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.0)
+NAMES = [True]                          #: --names off: no name penalty offered
 SEEDS = [13, 14, 15, 16, 17]            #: fold shuffles: one k-fold split per seed (--repeats)
 RULE = ["normal"]                      #: calibration: "normal" (fit) or "quantile" (empirical)
 
@@ -550,7 +577,7 @@ def select(p: Prepared, qids, mode: str, false_target: float) -> dict:
                                        else 0.0 for q in nones]))
             else:
                 tried.append((params, [answered_right(p, q, run, params) for q in qids]))
-    return pick(tried)
+    return with_names(p, qids, run, pick(tried))
 
 
 def answered_right(p: Prepared, qi: int, run, params: dict) -> float:
@@ -558,6 +585,7 @@ def answered_right(p: Prepared, qi: int, run, params: dict) -> float:
     abstains, an answerable one shows its gold among the results (above the
     floor); else 0.0."""
     ranked, rel = run(p, qi, params)
+    rel = judged(p, qi, rel, params)
     hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, rel)]
     results, _ = cs.split_at_floor(hits, p.terms[qi])
     if p.queries[qi]["kind"] == "none":
@@ -614,7 +642,7 @@ def select_lexical(p: Prepared, qids, false_target: float) -> dict:
         params["floor"] = calibrate(p, qids, lexical_run, params, false_target)
         tried.append((params, [1.0 if evaluate(p, [q], lexical_run, params)["abstention"]
                                else 0.0 for q in nones]))
-    return pick(tried)
+    return with_names(p, qids, lexical_run, pick(tried))
 
 
 def folds(queries: list, k: int, seed: int = 13) -> list[list[int]]:
@@ -774,6 +802,9 @@ def main() -> int:
                     help="also give every item a vector of its first window of this many "
                          f"tokens (e.g. 128), offered to the grid discounted by "
                          f"{', '.join(map(str, FIRST_WINDOW_DISCOUNTS))} (None: unused)")
+    ap.add_argument("--names", choices=("on", "off"), default="on",
+                    help="offer the name penalty (cambium's NAME_PENALTY, from "
+                         f"{NAME_PENALTIES}): on, what cambium ships, or off")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     if a.window != cs.EMBED_WINDOW_TOKENS:
@@ -782,6 +813,7 @@ def main() -> int:
         cs.EMBED_MAX_WINDOWS = cs.EMBED_MAX_WINDOWS * cs.EMBED_WINDOW_TOKENS // a.window
         cs.EMBED_WINDOW_TOKENS = a.window
     RULE[0] = a.rule
+    NAMES[0] = a.names == "on"
     TAIL_RULE[0] = a.tail_rule
     SELECT[0] = a.select
     REL_OBJECTIVE[0] = a.rel_objective
