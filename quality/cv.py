@@ -5,6 +5,7 @@
                           [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
                           [--cache DIR] [--window TOKENS] [--first-window TOKENS]
                           [--col] [--fill] [--relevance-ct] [--rel-objective caught|right]
+                          [--names on|off]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
@@ -32,7 +33,9 @@ discounts), pseudo-relevance feedback (Rocchio weight, top 3 items), whether
 items holding every word of the query rank first, which cosine relevance reads
 (all of an item's vectors or its first window) and a raw-BM25 boost of it;
 in mode "rerank" also the cross-encoder's rank prior (cambium's RERANK_PRIOR),
-or no reranking. With --col (the rerank extra's second encoder): the weight of
+or no reranking. In both modes, last, the name penalty (cambium's
+NAME_PENALTY and SEM_NAME_PENALTY: relevance times it when the query names
+something no item mentions; with_names). With --col (the rerank extra's second encoder): the weight of
 its z-scored cosine in the ranking (cambium's SEM_SECOND_WEIGHT) and its share
 of relevance (SEM_SECOND_MIX), whose floor is then calibrated like any other
 (SEM_SECOND_FLOOR). --fill, --relevance-ct and --rel-objective right offer
