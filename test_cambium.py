@@ -1818,6 +1818,9 @@ def test_unknown_names_are_the_names_no_item_mentions():
                                         why="the GDPR audit asked for it", tags="k8s")])
     assert cs.unknown_names(index, "Istio with mTLS on k8s for GDPR and SOC2") == ["mTLS", "SOC2"]
     assert cs.unknown_names(cs.build_index([]), "ask Istio") == ["Istio"]
+    other = cs.new_item("Invoices are rounded per line")
+    grown = cs.build_index([other] + list(index.items)).sync([other])   # the Istio note gone
+    assert cs.unknown_names(grown, "ask Istio") == ["Istio"]       # as in a fresh index
 
 
 def test_a_query_naming_what_no_item_mentions_needs_more_to_be_a_result(repo):
