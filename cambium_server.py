@@ -5524,7 +5524,7 @@ def query_names(query: str) -> list[str]:
     cased = len(words) >= 3 and caps * 2 > len(words)
     out = []
     for word, at in words:
-        before = query[:at].rstrip()
+        before = query[max(0, at - 64):at].rstrip()      # (a long gap: a new start)
         if _name_shape(word, not before or before[-1] in _SENTENCE_END, cased):
             out.append(word)
     return list(dict.fromkeys(out))
