@@ -34,6 +34,8 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_RERANK            auto (semantic recall reranks when the rerank extra is
                               installed) | on | off | second (its second encoder
                               only: no cross-encoder)
+    CAMBIUM_LATE_INTERACTION  "0": semantic recall without late interaction (no token
+                              vector files on disk), default "1"
     CAMBIUM_CONFIG_FILE       fallback config file, default ~/.cambium/config.json
     CAMBIUM_SESSION_ID        session id for usage attribution of CLI/hook calls (env only)
     CAMBIUM_HTTP_TOKEN        bearer token for `serve --http` (needed off loopback; env only)
@@ -154,6 +156,7 @@ DEFAULTS: dict[str, str | None] = {
     "CAMBIUM_FETCH_INTERVAL": "30",
     "CAMBIUM_RECALL_MODE": "auto",
     "CAMBIUM_RERANK": "auto",
+    "CAMBIUM_LATE_INTERACTION": "1",
     "AGENTSYNC_BOARD_REPO": None,
     "AGENTSYNC_REPO": None,
 }
@@ -161,6 +164,7 @@ DEFAULT_CONFIG_FILE = "~/.cambium/config.json"
 
 RECALL_MODES = ("auto", "lexical", "semantic")  #: CAMBIUM_RECALL_MODE values
 RERANK_MODES = ("auto", "on", "off", "second")  #: CAMBIUM_RERANK values
+BOOL_SETTINGS = ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE", "CAMBIUM_LATE_INTERACTION")
 
 SERVER_INSTRUCTIONS = """\
 cambium is the team's memory: knowledge items other agents (and you, earlier)
@@ -1208,6 +1212,10 @@ class Config:
         return self.values.get("CAMBIUM_RELEASE_CAPTURE") == "1"
 
     @property
+    def late_interaction(self) -> bool:
+        return self.values.get("CAMBIUM_LATE_INTERACTION") != "0"
+
+    @property
     def fetch_interval_s(self) -> float:
         return self._number("CAMBIUM_FETCH_INTERVAL", float, 30.0)
 
@@ -1266,7 +1274,7 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     elif key == "CAMBIUM_PROMOTE_RECALLS":
         if not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < 1:
             return f"{label} must be a whole number >= 1"
-    elif key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
+    elif key in BOOL_SETTINGS:
         if value not in ("0", "1"):
             return f"{label} must be 0 or 1 (or true/false, yes/no, on/off)"
     elif key == "CAMBIUM_RECALL_MODE":
@@ -1298,13 +1306,13 @@ def config_file_path(env: dict | None = None) -> Path:
 
 
 def _normalize_value(key: str, value: Any) -> str:
-    if isinstance(value, bool) and key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
+    if isinstance(value, bool) and key in BOOL_SETTINGS:
         return "1" if value else "0"
     if key in PATH_SETTINGS:             # a path is taken as given: "/x/proj " is not
         value = str(value)               # /x/proj (stripped, it bound another repo)
         return os.path.expanduser(value) if value.strip() else ""
     value = str(value).strip()
-    if key in ("CAMBIUM_ORG_PR", "CAMBIUM_RELEASE_CAPTURE"):
+    if key in BOOL_SETTINGS:
         value = {"true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0",
                  "": "0"}.get(value.lower(), value)
     return value
@@ -6301,6 +6309,12 @@ def second_wanted(cfg: Config | None = None) -> bool:
     return rerank_setting(cfg or resolve_config()) != "off" and _found(RERANK_PACKAGE)
 
 
+def late_wanted(cfg: Config | None = None) -> bool:
+    """Whether a semantic engine made now re-scores with late interaction (and
+    stores items' token vectors): CAMBIUM_LATE_INTERACTION is not 0."""
+    return bool(SEM_LATE_WEIGHT) and (cfg or resolve_config()).late_interaction
+
+
 def zscored(np: Any, score: Any, ok: Any) -> Any:
     """score as z-scores over the slots `ok` (0 elsewhere): the ranking only."""
     vals = score[ok]
@@ -6777,7 +6791,7 @@ class Semantic:
                     except SemanticUnavailable:      # status() says why
                         self.second_mode = False
                 self.cache = VectorCache(self.cache_dir)
-                self.tokens = TokenStore(self.cache_dir) if SEM_LATE_WEIGHT else None
+                self.tokens = TokenStore(self.cache_dir) if late_wanted() else None
         return emb
 
     def key(self, item: Item) -> str:
@@ -7391,7 +7405,7 @@ def recall_mode_report(cfg: Config) -> dict:
         info["note"] = "the model loads on the first recall (about 0.3 s)"
     info["rerank"] = rerank_report(cfg, rt)
     info["second_encoder"] = second_report(cfg, rt, eng)
-    info["late_interaction"] = late_report(eng)
+    info["late_interaction"] = late_report(cfg, eng)
     if eng is not None and eng.cache is not None:
         info.update(vectors_cached=len(eng.cache.rows), embedding_backlog=eng.backlog(),
                     embedded_this_process=eng.embedded)
@@ -7417,11 +7431,16 @@ def rerank_report(cfg: Config, rt: Runtime) -> dict:
             "reads_again": RERANK_TOP}
 
 
-def late_report(eng: Semantic | None) -> dict:
+def late_report(cfg: Config, eng: Semantic | None) -> dict:
     """status()'s account of late interaction: on or off, and how many items
-    have their token vectors stored (once this process has read the cache)."""
-    if not SEM_LATE_WEIGHT:
-        return {"on": False, "reason": "SEM_LATE_WEIGHT is 0"}
+    have their token vectors stored (once this process has read the cache);
+    an engine already made keeps the setting it was made with."""
+    on = eng.tokens is not None if eng is not None and eng.cache is not None else \
+        late_wanted(cfg)
+    if not on:
+        return {"on": False, "reason": "SEM_LATE_WEIGHT is 0" if not SEM_LATE_WEIGHT else
+                "CAMBIUM_LATE_INTERACTION=0" + ("" if not late_wanted(cfg) else
+                                                " when this engine was made")}
     out: dict[str, Any] = {"on": True, "pool": SEM_LATE_POOL, "weight": SEM_LATE_WEIGHT}
     if eng is not None and eng.tokens is not None:
         out["items_with_token_vectors"] = len(eng.tokens.names or eng.tokens.mem)

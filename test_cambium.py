@@ -357,6 +357,7 @@ def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
     ("CAMBIUM_PROMOTE_RECALLS", "\u00b2"),              # isdigit() but not int()
     ("CAMBIUM_PROMOTE_RECALLS", "9" * 5000),             # past int()'s digit limit
     ("CAMBIUM_ORG_PR", "maybe"),
+    ("CAMBIUM_LATE_INTERACTION", "maybe"),
 ])
 def test_invalid_values_are_reported_not_used(repo, monkeypatch, key, value):
     monkeypatch.setenv(key, value)
@@ -7707,6 +7708,23 @@ def test_embedding_keeps_each_items_token_vectors_and_a_cache_without_them_gets_
     assert len(list(tok_dir.glob("*.tok"))) == len(NOTES)
     late = cs.status()["semantic"]["late_interaction"]
     assert late["on"] is True and late["items_with_token_vectors"] == len(NOTES)
+
+
+@needs_extra
+def test_late_interaction_off_stores_no_token_vectors_and_still_ranks(semantic, monkeypatch):
+    """CAMBIUM_LATE_INTERACTION=0: items are embedded and ranked semantically,
+    no token file is written or read, and status says it is off and why."""
+    monkeypatch.setenv("CAMBIUM_LATE_INTERACTION", "off")
+    ids = _capture_notes()
+    res = cs.recall(PARAPHRASE)
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    assert eng.tokens is None and len(eng.cache.rows) == len(NOTES)
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    assert not list((semantic / ".cambium" / cs.VECTORS_DIR).glob(f"{cs.TOKENS_DIR}/*"))
+    assert cs.status()["semantic"]["late_interaction"] == {
+        "on": False, "reason": "CAMBIUM_LATE_INTERACTION=0"}
 
 
 @needs_extra
