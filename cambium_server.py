@@ -5654,7 +5654,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     on the 0..1 scale."""
     terms = list(dict.fromkeys(tokenize(query)))
     if not terms or index.live == 0:
-        return Ranking([], 0.0)
+        return Ranking([], 0.0, unknown=unknown_names(index, query))
     slots = index.items
     scores = bm25_top(index, terms, limit)
     best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
@@ -7038,7 +7038,7 @@ class Semantic:
         the model cannot be used."""
         emb = self.ready()
         if index.live == 0:
-            return Ranking([], 0.0, mode="semantic")
+            return Ranking([], 0.0, mode="semantic", unknown=unknown_names(index, query))
         sv = self.vectors(index)
         with self.serving():
             return self._rank(emb, sv, index, query, limit, reranker)

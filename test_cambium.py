@@ -1592,6 +1592,12 @@ def test_capture_duplicate_returns_existing(repo):
     assert b["status"] == "duplicate" and b["item"]["id"] == a["item"]["id"]
 
 
+def test_recall_in_an_empty_store_says_which_names_it_has_never_seen(repo):
+    res = cs.recall("how do we roll out Istio")
+    assert res["no_confident_match"] is True and res["unknown_names"] == ["Istio"]
+    assert "No item mentions Istio" in res["guidance"]
+
+
 def test_recall_abstains_on_unrelated_query(repo):
     cs.capture("Retry payment webhooks with exponential backoff", tags="payments")
     cs.capture("Run migrations before deploying API containers", tags="deploy")
