@@ -6011,10 +6011,10 @@ class PooledModel:
     np: Any
     _token_types: bool = True
 
-    def _run(self, batch: list[list[int]], tokens: list[int] = ()) -> Any:
-        """One model run over a batch of inputs: their rows; with `tokens`
-        (positions in the batch), also those inputs' token vectors, each
-        L2-normalized (late_scores reads them)."""
+    def _run(self, batch: list[list[int]], tokens: list[int] = ()) -> tuple[Any, list]:
+        """One model run over a batch of inputs: (their rows, the token vectors
+        of the inputs at positions `tokens`, each row L2-normalized:
+        late_scores reads them)."""
         np = self.np
         width = max(len(x) for x in batch)
         ids = np.zeros((len(batch), width), dtype=np.int64)
@@ -6030,8 +6030,6 @@ class PooledModel:
         pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
         norms = np.linalg.norm(pooled, axis=1, keepdims=True)
         rows = (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
-        if not tokens:
-            return rows
         toks = [hidden[r, :len(batch[r])] for r in tokens]
         return rows, [(t / np.clip(np.linalg.norm(t, axis=1, keepdims=True), 1e-12, None)
                        ).astype(np.float32) for t in toks]
@@ -6055,9 +6053,6 @@ class PooledModel:
             if pause is not None:
                 pause()
             want = [r for r, i in enumerate(idx) if i in keep]
-            if not want:
-                out[idx] = self._run([inputs[i] for i in idx])
-                continue
             out[idx], got = self._run([inputs[i] for i in idx], want)
             toks.update((idx[r], t) for r, t in zip(want, got))
         return out, toks
@@ -6111,8 +6106,8 @@ class Embedder(PooledModel):
         and [SEP] do): the token vectors late interaction keeps of an item
         (punctuation dropped: 22% of the bytes, no paraphrase lost on dev)."""
         if self._worded is None:
-            words = sorted(self.tokenizer.vocab.items(), key=lambda kv: kv[1])
-            self._worded = {i for w, i in words if any(c.isalnum() for c in w)}
+            self._worded = {i for w, i in self.tokenizer.vocab.items()
+                            if any(c.isalnum() for c in w)}
         return [n for n, t in enumerate(ids) if t in self._worded]
 
     def embed_query(self, query: str) -> tuple[Any, Any]:
@@ -6783,15 +6778,16 @@ class Semantic:
         emb = load_embedder(self.rt)
         with self.cv:
             if self.cache is None:
+                cfg = resolve_config()
                 if self.second_mode is None:
-                    self.second_mode = second_wanted()
+                    self.second_mode = second_wanted(cfg)
                 if self.second_mode:
                     try:
                         self.second = load_second(self.rt)
                     except SemanticUnavailable:      # status() says why
                         self.second_mode = False
                 self.cache = VectorCache(self.cache_dir)
-                self.tokens = TokenStore(self.cache_dir) if late_wanted() else None
+                self.tokens = TokenStore(self.cache_dir) if late_wanted(cfg) else None
         return emb
 
     def key(self, item: Item) -> str:
@@ -7079,12 +7075,12 @@ class Semantic:
         keys = [self.key(items[i]) for i in pool]
         stored = [self.tokens.get(np, k) for k in keys]
         lost = [] if self.token_error else [     # (writes failing: embedding again won't do)
-            items[i] for i, k, t in zip(pool, keys, stored)
+            (items[i], k) for i, k, t in zip(pool, keys, stored)
             if t is None and usable[i] and k not in self.token_requeued]
         if lost:
             with self.cv:
-                self.token_requeued.update(self.key(it) for it in lost)
-                self._enqueue(lost)
+                self.token_requeued.update(k for _, k in lost)
+                self._enqueue([it for it, _ in lost])
         return late_blend(np, score, pool, late_scores(np, qtok, stored), tail=in_tail[pool],
                           weight=SEM_LATE_WEIGHT)
 
@@ -7435,12 +7431,12 @@ def late_report(cfg: Config, eng: Semantic | None) -> dict:
     """status()'s account of late interaction: on or off, and how many items
     have their token vectors stored (once this process has read the cache);
     an engine already made keeps the setting it was made with."""
-    on = eng.tokens is not None if eng is not None and eng.cache is not None else \
-        late_wanted(cfg)
-    if not on:
-        return {"on": False, "reason": "SEM_LATE_WEIGHT is 0" if not SEM_LATE_WEIGHT else
-                "CAMBIUM_LATE_INTERACTION=0" + ("" if not late_wanted(cfg) else
-                                                " when this engine was made")}
+    made = eng is not None and eng.cache is not None
+    if not (eng.tokens is not None if made else late_wanted(cfg)):
+        if not SEM_LATE_WEIGHT:
+            return {"on": False, "reason": "SEM_LATE_WEIGHT is 0"}
+        when = " when this engine was made" if late_wanted(cfg) else ""
+        return {"on": False, "reason": f"CAMBIUM_LATE_INTERACTION=0{when}"}
     out: dict[str, Any] = {"on": True, "pool": SEM_LATE_POOL, "weight": SEM_LATE_WEIGHT}
     if eng is not None and eng.tokens is not None:
         out["items_with_token_vectors"] = len(eng.tokens.names or eng.tokens.mem)
@@ -11044,10 +11040,10 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
     if ranking.unknown:
-        out["unknown_names"] = ranking.unknown[:10]
+        names = out["unknown_names"] = ranking.unknown[:10]
         if ranking.abstains():
-            out["guidance"] += (" No item mentions " + ", ".join(ranking.unknown[:10]) +
-                                ": nothing is known about it here.")
+            out["guidance"] += (f" No item mentions {', '.join(names)}: nothing is known "
+                                "about it here.")
     return out
 
 

@@ -7731,6 +7731,10 @@ def test_late_interaction_off_stores_no_token_vectors_and_still_ranks(semantic, 
     assert not list((semantic / ".cambium" / cs.VECTORS_DIR).glob(f"{cs.TOKENS_DIR}/*"))
     assert cs.status()["semantic"]["late_interaction"] == {
         "on": False, "reason": "CAMBIUM_LATE_INTERACTION=0"}
+    monkeypatch.setenv("CAMBIUM_LATE_INTERACTION", "1")    # the engine keeps its setting
+    assert cs.status()["semantic"]["late_interaction"] == {
+        "on": False, "reason": "CAMBIUM_LATE_INTERACTION=0 when this engine was made"}
+    assert _engine(semantic).tokens is None
 
 
 @needs_extra

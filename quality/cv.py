@@ -35,8 +35,8 @@ items holding every word of the query rank first, which cosine relevance reads
 in mode "rerank" also the cross-encoder's rank prior (cambium's RERANK_PRIOR),
 or no reranking. In both modes, last, the name penalty (cambium's
 NAME_PENALTY and SEM_NAME_PENALTY: relevance times it when the query names
-something no item mentions; with_names). With --col (the rerank extra's second encoder): the weight of
-its z-scored cosine in the ranking (cambium's SEM_SECOND_WEIGHT) and its share
+something no item mentions; with_names). With --col (the rerank extra's
+second encoder): the weight of its z-scored cosine in the ranking (cambium's SEM_SECOND_WEIGHT) and its share
 of relevance (SEM_SECOND_MIX), whose floor is then calibrated like any other
 (SEM_SECOND_FLOOR). --fill, --relevance-ct and --rel-objective right offer
 three more candidates that cross-validation did not keep (README: Recall
@@ -410,13 +410,18 @@ def cs_np():
 def evaluate(p: Prepared, qids: list[int], run, params: dict) -> dict:
     rows = []
     for qi in qids:
-        ranked, rel = run(p, qi, params)
-        rel = judged(p, qi, rel, params)
-        hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, rel)]  # score: the slot
-        results, _ = cs.split_at_floor(hits, p.terms[qi])   # cambium's own floor rule
+        results = results_of(p, qi, run, params)
         rank = next((n + 1 for n, h in enumerate(results) if h.score in p.gold[qi]), None)
         rows.append((p.queries[qi]["kind"], rank, not results))
     return metrics(rows)
+
+
+def results_of(p: Prepared, qi: int, run, params: dict) -> list:
+    """Query qi's results as cambium gives them: relevances judged (the name
+    penalty), then split at cambium's own floor (a Hit's score: its slot)."""
+    ranked, rel = run(p, qi, params)
+    hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, judged(p, qi, rel, params))]
+    return cs.split_at_floor(hits, p.terms[qi])[0]
 
 
 def judged(p: Prepared, qi: int, rel: list, params: dict) -> list:
@@ -587,10 +592,7 @@ def answered_right(p: Prepared, qi: int, run, params: dict) -> float:
     """1.0 when recall's answer to query qi is right: a no-answer query
     abstains, an answerable one shows its gold among the results (above the
     floor); else 0.0."""
-    ranked, rel = run(p, qi, params)
-    rel = judged(p, qi, rel, params)
-    hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, rel)]
-    results, _ = cs.split_at_floor(hits, p.terms[qi])
+    results = results_of(p, qi, run, params)
     if p.queries[qi]["kind"] == "none":
         return 0.0 if results else 1.0
     return 1.0 if any(h.score in p.gold[qi] for h in results) else 0.0
