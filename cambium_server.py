@@ -6626,7 +6626,7 @@ class _SlotVectors:
         self.by_key: dict[str, set[int]] = {}   # ...and the other way round
         self.added_seen = 0                  # cache.added looked at so far
         self.requeued = -1                   # cache.version when `missing` was last requeued
-        self.tail_parts: list = []           # [(slot, rows, discount of each row)]
+        self.tail_parts: list = []           # [(slot, rows, extra vectors' discounts)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
         self.tail_disc: Any = None
@@ -6657,14 +6657,8 @@ class _SlotVectors:
             rows = rows[:-1]
         self.first[slot] = rows[0]
         self.has[slot] = True
-        if len(rows) > 1:
-            extra = [d for _, d in _extra_kinds(item)]
-            disc = self.np.full(len(rows) - 1, SEM_TAIL_DISCOUNT, self.np.float32)
-            win = self.np.ones(len(rows) - 1, bool)     # a tail window, not an extra vector
-            if extra:
-                disc[len(disc) - len(extra):] = extra
-                win[len(win) - len(extra):] = False
-            self.tail_parts.append((slot, rows[1:], disc, win))
+        if len(rows) > 1:       # (tails() makes the arrays: no small arrays per item)
+            self.tail_parts.append((slot, rows[1:], tuple(d for _, d in _extra_kinds(item))))
             self.tail_mat = None
 
     def sync(self, index: Index, cache: VectorCache,
@@ -6731,12 +6725,16 @@ class _SlotVectors:
         included."""
         np = self.np
         if self.tail_mat is None:
-            parts = self.tail_parts or [(0, np.zeros((0, EMBED_DIM), np.float32),
-                                         np.zeros(0, np.float32), np.zeros(0, bool))]
-            self.tail_mat = np.concatenate([p[1] for p in parts]).astype(np.float32)
-            self.tail_slot = np.concatenate([np.full(len(p[1]), p[0], np.int64) for p in parts])
-            self.tail_disc = np.concatenate([p[2] for p in parts])
-            self.tail_win = np.concatenate([p[3] for p in parts])
+            parts = self.tail_parts or [(0, np.zeros((0, EMBED_DIM), np.float32), ())]
+            counts = [len(rows) for _, rows, _ in parts]
+            self.tail_mat = np.concatenate([rows for _, rows, _ in parts]).astype(np.float32)
+            self.tail_slot = np.repeat(np.array([s for s, _, _ in parts], np.int64), counts)
+            disc: list[float] = []
+            win: list[bool] = []         # a tail window, not an extra vector (at the end)
+            for (_, _, extra), n in zip(parts, counts):
+                disc += [SEM_TAIL_DISCOUNT] * (n - len(extra)) + list(extra)
+                win += [True] * (n - len(extra)) + [False] * len(extra)
+            self.tail_disc, self.tail_win = np.array(disc, np.float32), np.array(win, bool)
         return self.tail_mat, self.tail_slot, self.tail_disc, self.tail_win
 
 
