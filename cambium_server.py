@@ -4982,6 +4982,8 @@ BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
+RESULT_HEAD = 5         #: the ranking's first places (recall's default limit), where an
+                        #: item ranked above a result is a result too (split_at_floor)
 LEXICAL_FLOOR = 6.38    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
 NAME_PENALTY = 0.7      #: a lexical hit's relevance times this when the query names
                         #: something no item mentions (unknown_names)
@@ -5311,7 +5313,7 @@ class Hit:
 
 @dataclass
 class Ranking:
-    hits: list            # best first, every one at or above the floor
+    hits: list            # best first, every one at or above the floor (split_at_floor)
     confidence: float     # the best relevance seen, 0..1 (also when it abstains)
     weak: list = field(default_factory=list)     # near misses: below the floor, never results
     mode: str = "lexical"                # "lexical" | "semantic"
@@ -5581,16 +5583,28 @@ def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
 
 
 def split_at_floor(hits: list[Hit], terms: list[str]) -> tuple[list[Hit], list[Hit]]:
-    """(results, weak matches): only hits at or above the floor are results.
-    An item that has every word of the query is at the floor at least: a
-    short query (one word, a tag) can score no higher, and an item naming
-    everything asked for is no noise."""
-    ok, weak = [], []
-    for h in hits:
-        if h.confidence < RELEVANCE_FLOOR and holds_every_term(h.item, terms):
-            h = dataclasses.replace(h, confidence=RELEVANCE_FLOOR)
-        (ok if h.confidence >= RELEVANCE_FLOOR else weak).append(h)
-    return ok, weak
+    """(results, weak matches) of hits in ranking order: only hits at or
+    above the floor are results. Two kinds of hit are at the floor at least:
+    - an item that has every word of the query: a short query (one word, a
+      tag) can score no higher, and an item naming everything asked for is
+      no noise;
+    - an item the ranking puts above a result within its first RESULT_HEAD
+      places. Relevance reads what best tells a query nothing answers (in
+      semantic mode, one cosine); the ranking reads more (late interaction,
+      feedback) and orders better, so a result list never leaves out an item
+      ranked above one of its results. Such items come after the results
+      that reach the floor on their own (in ranking order each: an item
+      relevance doubts is less often the answer than one it vouches for).
+      The best relevance, and so abstention, is unchanged."""
+    hits = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR)
+            if h.confidence < RELEVANCE_FLOOR and holds_every_term(h.item, terms) else h
+            for h in hits]
+    last = max((n for n, h in enumerate(hits[:RESULT_HEAD])
+                if h.confidence >= RELEVANCE_FLOOR), default=0)
+    lifted = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR) for h in hits[:last]
+              if h.confidence < RELEVANCE_FLOOR]
+    return ([h for h in hits if h.confidence >= RELEVANCE_FLOOR] + lifted,
+            [h for h in hits[last:] if h.confidence < RELEVANCE_FLOOR])
 
 
 def ranking_of(hits: list[Hit], terms: list[str], index: Index,
@@ -10933,13 +10947,14 @@ def recall(query: Annotated[str, Field(
            scope: Annotated[Literal["auto", "local", "team", "org"], Field(
                "auto (every readable scope) or one scope.")] = "auto",
            limit: Annotated[int, Field("Maximum number of results.",
-                                       ge=1, le=MAX_RECALL_LIMIT)] = 5,
+                                       ge=1, le=MAX_RECALL_LIMIT)] = RESULT_HEAD,
            detail: Annotated[Literal["lines", "full"], Field(
                "lines: one line per result (expand(id) for more); full: whole items."
                )] = "lines") -> dict:
     """Search the team's memory by topic; call before non-trivial work.
 
-    Returns `results` best first; only items at relevance >= 0.5 are results.
+    Returns `results` best first; only items at relevance >= 0.5 are results
+    (one ranked above a result among the first 5 is one, at 0.5, after the rest).
     detail="lines" (default): each result is its id, relevance and one `line`
     (id, type/kind, trust marks, the content on one line, → the live code
     path:line); call expand(id) for the one you act on. detail="full": whole

@@ -1804,6 +1804,47 @@ def test_recall_never_returns_or_credits_below_the_floor(repo):
     assert both["weak_matches"] == []
 
 
+def _hits(*relevances):
+    return [cs.Hit(cs.new_item(f"note number {n} about rollouts"), 10.0 - n, r)
+            for n, r in enumerate(relevances)]
+
+
+def test_an_item_ranked_above_a_result_in_the_head_is_a_result_at_the_floor():
+    """The ranking orders better than relevance's one cosine: within its
+    first RESULT_HEAD places, a result list never leaves out an item ranked
+    above a result. Such items come after the results that reach the floor
+    on their own. Beyond the head, and below its last result, relevance decides."""
+    assert cs.RESULT_HEAD == 5
+    hits = _hits(0.40, 0.62, 0.30, 0.45, 0.71, 0.20, 0.80, 0.10)
+    ok, weak = cs.split_at_floor(hits, ["nothing"])
+    assert [h.item.id for h in ok] == [hits[n].item.id for n in (1, 4, 6, 0, 2, 3)]
+    assert [h.confidence for h in ok] == [0.62, 0.71, 0.80, 0.5, 0.5, 0.5]
+    assert [(h.item.id, h.confidence) for h in weak] == [(hits[5].item.id, 0.20),
+                                                         (hits[7].item.id, 0.10)]
+    # a result first lifts nothing; no result in the head lifts nothing (abstention)
+    ok, weak = cs.split_at_floor(_hits(0.7, 0.3, 0.2), ["nothing"])
+    assert [h.confidence for h in ok] == [0.7] and [h.confidence for h in weak] == [0.3, 0.2]
+    ok, weak = cs.split_at_floor(_hits(0.4, 0.3, 0.2, 0.1, 0.45, 0.9), ["nothing"])
+    assert [h.confidence for h in ok] == [0.9]
+    assert [h.confidence for h in weak] == [0.4, 0.3, 0.2, 0.1, 0.45]
+
+
+def test_the_head_lift_leaves_the_best_relevance_and_so_abstention_alone():
+    rnd = random.Random(7)
+    for _ in range(300):
+        rel = [round(rnd.random(), 3) for _ in range(rnd.randint(1, 12))]
+        hits = _hits(*rel)
+        ranking = cs.ranking_of(hits, ["nothing"], cs.build_index([]))
+        assert ranking.confidence == max(rel)
+        assert bool(ranking.hits) == (max(rel) >= cs.RELEVANCE_FLOOR)
+        assert all(h.confidence >= cs.RELEVANCE_FLOOR for h in ranking.hits)
+        last = max((n for n in range(min(len(rel), cs.RESULT_HEAD))
+                    if rel[n] >= cs.RELEVANCE_FLOOR), default=-1)
+        assert [h.item.id for h in ranking.hits] == [
+            h.item.id for n, h in enumerate(hits) if rel[n] >= cs.RELEVANCE_FLOOR] + [
+            h.item.id for n, h in enumerate(hits) if rel[n] < cs.RELEVANCE_FLOOR and n < last]
+
+
 @pytest.mark.parametrize("query, names", [
     ("adopt Istio service mesh for pod-to-pod mTLS", ["Istio", "mTLS"]),
     ("GDPR erasure for accounts on EC2 and k8s", ["GDPR", "EC2", "k8s"]),
