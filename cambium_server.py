@@ -4982,8 +4982,8 @@ BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
-RESULT_HEAD = 5         #: the ranking's first places (recall's default limit), where an
-                        #: item ranked above a result is a result too (split_at_floor)
+RESULT_HEAD = 5         #: semantic recall's first places (recall's default limit), where
+                        #: an item ranked above a result is a result too (split_at_floor)
 LEXICAL_FLOOR = 6.38    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
 NAME_PENALTY = 0.7      #: a lexical hit's relevance times this when the query names
                         #: something no item mentions (unknown_names)
@@ -5582,24 +5582,25 @@ def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
     return [i for i, _ in sorted(near, key=lambda p: _order(scores[p[0]], p[1]))[:limit]]
 
 
-def split_at_floor(hits: list[Hit], terms: list[str]) -> tuple[list[Hit], list[Hit]]:
+def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0
+                   ) -> tuple[list[Hit], list[Hit]]:
     """(results, weak matches) of hits in ranking order: only hits at or
     above the floor are results. Two kinds of hit are at the floor at least:
     - an item that has every word of the query: a short query (one word, a
       tag) can score no higher, and an item naming everything asked for is
       no noise;
-    - an item the ranking puts above a result within its first RESULT_HEAD
-      places. Relevance reads what best tells a query nothing answers (in
-      semantic mode, one cosine); the ranking reads more (late interaction,
-      feedback) and orders better, so a result list never leaves out an item
-      ranked above one of its results. Such items come after the results
-      that reach the floor on their own (in ranking order each: an item
-      relevance doubts is less often the answer than one it vouches for).
-      The best relevance, and so abstention, is unchanged."""
+    - an item the ranking puts above a result within its first `head`
+      places (semantic recall: RESULT_HEAD). Relevance reads the one cosine
+      that best tells a query nothing answers; the ranking reads more (late
+      interaction, feedback) and orders better, so a result list never
+      leaves out an item ranked above one of its results. Such items come
+      after the results that reach the floor on their own (in ranking order
+      each: an item relevance doubts is less often the answer than one it
+      vouches for). The best relevance, and so abstention, is unchanged."""
     hits = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR)
             if h.confidence < RELEVANCE_FLOOR and holds_every_term(h.item, terms) else h
             for h in hits]
-    last = max((n for n, h in enumerate(hits[:RESULT_HEAD])
+    last = max((n for n, h in enumerate(hits[:head])
                 if h.confidence >= RELEVANCE_FLOOR), default=0)
     lifted = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR) for h in hits[:last]
               if h.confidence < RELEVANCE_FLOOR]
@@ -5618,7 +5619,8 @@ def ranking_of(hits: list[Hit], terms: list[str], index: Index,
     if unknown:
         penalty = SEM_NAME_PENALTY if mode == "semantic" else NAME_PENALTY
         hits = [dataclasses.replace(h, confidence=h.confidence * penalty) for h in hits]
-    results, weak = split_at_floor(with_better_copies(hits, index), terms)
+    results, weak = split_at_floor(with_better_copies(hits, index), terms,
+                                   head=RESULT_HEAD if mode == "semantic" else 0)
     best = max((h.confidence for h in results + weak), default=0.0)
     ranked = authority_first(results + weak)        # (a near miss may take a result's
     ok = [h.confidence >= RELEVANCE_FLOOR for h in ranked]      # place, and its relevance)
@@ -10954,7 +10956,7 @@ def recall(query: Annotated[str, Field(
     """Search the team's memory by topic; call before non-trivial work.
 
     Returns `results` best first; only items at relevance >= 0.5 are results
-    (one ranked above a result among the first 5 is one, at 0.5, after the rest).
+    (semantic: one ranked above a result among the first 5 is one, at 0.5, after the rest).
     detail="lines" (default): each result is its id, relevance and one `line`
     (id, type/kind, trust marks, the content on one line, → the live code
     path:line); call expand(id) for the one you act on. detail="full": whole

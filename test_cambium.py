@@ -1816,17 +1816,21 @@ def test_an_item_ranked_above_a_result_in_the_head_is_a_result_at_the_floor():
     on their own. Beyond the head, and below its last result, relevance decides."""
     assert cs.RESULT_HEAD == 5
     hits = _hits(0.40, 0.62, 0.30, 0.45, 0.71, 0.20, 0.80, 0.10)
-    ok, weak = cs.split_at_floor(hits, ["nothing"])
+    ok, weak = cs.split_at_floor(hits, ["nothing"], cs.RESULT_HEAD)
     assert [h.item.id for h in ok] == [hits[n].item.id for n in (1, 4, 6, 0, 2, 3)]
     assert [h.confidence for h in ok] == [0.62, 0.71, 0.80, 0.5, 0.5, 0.5]
     assert [(h.item.id, h.confidence) for h in weak] == [(hits[5].item.id, 0.20),
                                                          (hits[7].item.id, 0.10)]
     # a result first lifts nothing; no result in the head lifts nothing (abstention)
-    ok, weak = cs.split_at_floor(_hits(0.7, 0.3, 0.2), ["nothing"])
+    ok, weak = cs.split_at_floor(_hits(0.7, 0.3, 0.2), ["nothing"], cs.RESULT_HEAD)
     assert [h.confidence for h in ok] == [0.7] and [h.confidence for h in weak] == [0.3, 0.2]
-    ok, weak = cs.split_at_floor(_hits(0.4, 0.3, 0.2, 0.1, 0.45, 0.9), ["nothing"])
+    ok, weak = cs.split_at_floor(_hits(0.4, 0.3, 0.2, 0.1, 0.45, 0.9), ["nothing"],
+                                 cs.RESULT_HEAD)
     assert [h.confidence for h in ok] == [0.9]
     assert [h.confidence for h in weak] == [0.4, 0.3, 0.2, 0.1, 0.45]
+    # lexical recall ranks and judges by BM25 alike: no head there
+    lexical = cs.ranking_of(hits, ["nothing"], cs.build_index([]), mode="lexical")
+    assert [h.item.id for h in lexical.hits] == [hits[n].item.id for n in (1, 4, 6)]
 
 
 def test_the_head_lift_leaves_the_best_relevance_and_so_abstention_alone():
@@ -1834,7 +1838,7 @@ def test_the_head_lift_leaves_the_best_relevance_and_so_abstention_alone():
     for _ in range(300):
         rel = [round(rnd.random(), 3) for _ in range(rnd.randint(1, 12))]
         hits = _hits(*rel)
-        ranking = cs.ranking_of(hits, ["nothing"], cs.build_index([]))
+        ranking = cs.ranking_of(hits, ["nothing"], cs.build_index([]), mode="semantic")
         assert ranking.confidence == max(rel)
         assert bool(ranking.hits) == (max(rel) >= cs.RELEVANCE_FLOOR)
         assert all(h.confidence >= cs.RELEVANCE_FLOOR for h in ranking.hits)

@@ -418,10 +418,12 @@ def evaluate(p: Prepared, qids: list[int], run, params: dict) -> dict:
 
 def results_of(p: Prepared, qi: int, run, params: dict) -> list:
     """Query qi's results as cambium gives them: relevances judged (the name
-    penalty), then split at cambium's own floor (a Hit's score: its slot)."""
+    penalty), then split at cambium's own floor, with its result head in
+    semantic mode (a Hit's score: its slot)."""
     ranked, rel = run(p, qi, params)
     hits = [cs.Hit(p.index.items[s], s, r) for s, r in zip(ranked, judged(p, qi, rel, params))]
-    return cs.split_at_floor(hits, p.terms[qi])[0]
+    head = cs.RESULT_HEAD if run is semantic_run else 0     # (as cambium's ranking_of)
+    return cs.split_at_floor(hits, p.terms[qi], head)[0]
 
 
 def judged(p: Prepared, qi: int, rel: list, params: dict) -> list:
