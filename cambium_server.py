@@ -134,6 +134,7 @@ MAX_TAGS = 32
 MAX_TAG_CHARS = 64
 MAX_QUERY_CHARS = 2_000
 MAX_RECALL_LIMIT = 50
+DEFAULT_RECALL_LIMIT = 5
 MAX_CODE_REFS = 20                  #: code anchors per item
 MAX_CODE_PATH_CHARS = 300
 LOCAL_DIR = ".cambium"
@@ -4982,8 +4983,8 @@ BM25_B = 0.75
 BM25_MIN_DOCS = 200     #: idf counts at least this many documents: a word in a three-item
                         #: store is no more telling than in a store of this size
 RELEVANCE_FLOOR = 0.5   #: no result, and no credit, below this relevance (either mode)
-RESULT_HEAD = 5         #: semantic recall's first places (recall's default limit), where
-                        #: an item ranked above a result is a result too (split_at_floor)
+RESULT_HEAD = DEFAULT_RECALL_LIMIT   #: semantic recall's first places, where an item
+                                     #: ranked above a result is one too (split_at_floor)
 LEXICAL_FLOOR = 6.38    #: confidence_bm25 a lexical hit needs: its relevance is then 0.5
 NAME_PENALTY = 0.7      #: a lexical hit's relevance times this when the query names
                         #: something no item mentions (unknown_names)
@@ -10949,7 +10950,7 @@ def recall(query: Annotated[str, Field(
            scope: Annotated[Literal["auto", "local", "team", "org"], Field(
                "auto (every readable scope) or one scope.")] = "auto",
            limit: Annotated[int, Field("Maximum number of results.",
-                                       ge=1, le=MAX_RECALL_LIMIT)] = RESULT_HEAD,
+                                       ge=1, le=MAX_RECALL_LIMIT)] = DEFAULT_RECALL_LIMIT,
            detail: Annotated[Literal["lines", "full"], Field(
                "lines: one line per result (expand(id) for more); full: whole items."
                )] = "lines") -> dict:
