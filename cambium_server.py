@@ -5604,9 +5604,9 @@ def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0
     last = max((n for n, h in enumerate(hits[:head])
                 if h.confidence >= RELEVANCE_FLOOR), default=0)
     lifted = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR) for h in hits[:last]
-              if h.confidence < RELEVANCE_FLOOR]
+              if not h.confidence >= RELEVANCE_FLOOR]        # (a NaN too: every hit is kept)
     return ([h for h in hits if h.confidence >= RELEVANCE_FLOOR] + lifted,
-            [h for h in hits[last:] if h.confidence < RELEVANCE_FLOOR])
+            [h for h in hits[last:] if not h.confidence >= RELEVANCE_FLOOR])
 
 
 def ranking_of(hits: list[Hit], terms: list[str], index: Index,

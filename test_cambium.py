@@ -1828,6 +1828,9 @@ def test_an_item_ranked_above_a_result_in_the_head_is_a_result_at_the_floor():
                                  cs.RESULT_HEAD)
     assert [h.confidence for h in ok] == [0.9]
     assert [h.confidence for h in weak] == [0.4, 0.3, 0.2, 0.1, 0.45]
+    # every hit lands in one list or the other, one whose relevance is no number too
+    ok, weak = cs.split_at_floor(_hits(float("nan"), 0.7, float("nan")), ["x"], cs.RESULT_HEAD)
+    assert [h.confidence for h in ok] == [0.7, 0.5] and len(weak) == 1
     # lexical recall ranks and judges by BM25 alike: no head there
     lexical = cs.ranking_of(hits, ["nothing"], cs.build_index([]), mode="lexical")
     assert [h.item.id for h in lexical.hits] == [hits[n].item.id for n in (1, 4, 6)]
