@@ -12466,6 +12466,26 @@ def argument_error(tool: str, errors: list[dict], arguments: dict) -> tuple[str,
     return f"{name} must be {param.allowed()}; got {shown}.", name
 
 
+def unknown_argument_problem(tool: str, arguments: Any) -> tuple[str, str] | None:
+    """An argument the tool does not take: the SDK would drop it unseen, so a
+    misspelt `item_id` made promote() promote every eligible item. Refused,
+    naming the closest argument it does take: (sentence, argument) (pure)."""
+    import difflib
+    entry = find_tool(tool)
+    if entry is None or not isinstance(arguments, dict):
+        return None
+    known = [p.name for p in entry.params]
+    for name in arguments:
+        if name not in known:
+            near = (difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+                    or [k for k in known if str(name) in k.split("_")][:1])   # id: item_id
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            shown = valid_unicode(str(name))[:80]
+            return (f"{tool} takes no argument {shown!r}{hint}; it takes: "
+                    f"{', '.join(known) or 'none'}.", shown)
+    return None
+
+
 def loose_type_problem(tool: str, arguments: Any) -> tuple[str, str] | None:
     """A true/false or whole-number argument sent as something else ("yes",
     "5", 5.0): the SDK's validation would coerce it (consolidate(apply="yes")
@@ -12787,9 +12807,16 @@ def build_server() -> MCPServer:
             finally:
                 SESSION.reset(token)
 
+        async def list_tools(self) -> Any:
+            tools = await super().list_tools()      # the schemas say what call_tool refuses
+            for t in tools:
+                t.input_schema = {**t.input_schema, "additionalProperties": False}
+            return tools
+
         async def call_tool(self, name: str, arguments: dict[str, Any],
                             context: Any = None) -> Any:
-            if problem := loose_type_problem(name, arguments):
+            if problem := (unknown_argument_problem(name, arguments)
+                           or loose_type_problem(name, arguments)):
                 refused = _error_result(name, arguments, InputError(problem[0]))
                 refused.structured_content["argument"] = problem[1]
                 return refused

@@ -6606,6 +6606,35 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
                                                         "query", "type"]
 
 
+def test_mcp_unknown_arguments_are_refused_and_nothing_is_written(repo):
+    kept = [cs.capture(f"Invoices round half-even in cents, rule {n}")["item"]["id"]
+            for n in range(2)]
+
+    async def body(session, init):
+        tools = {t.name: t for t in (await session.list_tools()).tools}
+        assert all(t.input_schema.get("additionalProperties") is False for t in tools.values())
+        out = []
+        for tool, args in (("promote", {"id": kept[0]}),     # was: promote every eligible item
+                           ("capture", {"content": "Cents round half-even", "tag": ["billing"]}),
+                           ("recall", {"query": "invoices", "limt": 1}),
+                           ("status", {"verbose": True}),
+                           ("promote", {"item_id": kept[0], "scope": "org"})):
+            res = await session.call_tool(tool, args)
+            assert res.is_error, (tool, res)
+            out.append((res.content[0].text, res.structured_content))
+        return out
+
+    out = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    assert out[0][0].startswith("promote takes no argument 'id' (did you mean 'item_id'?); "
+                                "it takes: item_id, ")
+    assert "(did you mean 'tags'?)" in out[1][0] and "(did you mean 'limit'?)" in out[2][0]
+    assert out[3][0] == "status takes no argument 'verbose'; it takes: none."
+    assert "(did you mean 'to_scope'?)" in out[4][0]
+    assert [s["argument"] for _, s in out] == ["id", "tag", "limt", "verbose", "scope"]
+    assert all(s["error"] == "invalid_argument" for _, s in out)
+    assert {it["id"] for it in local_items(repo)} == set(kept)   # none promoted or captured
+
+
 def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
     wrong = cs.capture("Staging deploys need a manual approval")["item"]["id"]
 
