@@ -137,6 +137,7 @@ MAX_RECALL_LIMIT = 50
 DEFAULT_RECALL_LIMIT = 5
 MAX_CODE_REFS = 20                  #: code anchors per item
 MAX_CODE_PATH_CHARS = 300
+MAX_CODE_SYMBOL_CHARS = 200        #: a dotted name of up to 8 parts, not a file
 LOCAL_DIR = ".cambium"
 STORE_FILE = "knowledge.json"
 CREDITS_FILE = "credits.jsonl"      #: recall credits not yet folded into a store
@@ -1026,6 +1027,9 @@ def _one_code_ref(ref: Any) -> dict:
     out = {"path": path.rstrip("/") or path}
     symbol = ref.get("symbol")
     if symbol not in (None, ""):
+        if isinstance(symbol, str) and len(symbol.strip()) > MAX_CODE_SYMBOL_CHARS:
+            raise InputError(f"code_refs symbol is {len(symbol.strip()):,} characters, over "
+                             f"the limit of {MAX_CODE_SYMBOL_CHARS}: name a definition.")
         if not isinstance(symbol, str) or not _SYMBOL.fullmatch(symbol.strip()):
             raise InputError(f"code_refs symbol {symbol!r:.60} should be an identifier such "
                              "as parse_store or Item.from_dict.")
@@ -8606,6 +8610,8 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     out.update(resolved=True, at=path)
     if not symbol or not os.path.isfile(full) or os.path.getsize(full) > MAX_ANCHOR_FILE_BYTES:
         return out
+    if len(symbol) > MAX_CODE_SYMBOL_CHARS:        # a store written by hand: not searched
+        return {**out, "symbol_found": False}
     with open(full, "rb") as f:
         line = find_definition(f.read().decode("utf-8", "replace"), symbol)
     if line is None:

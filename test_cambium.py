@@ -8829,6 +8829,22 @@ def test_anchors_resolve_to_live_lines_and_never_leave_the_repo(coderepo, tmp_pa
     assert cs.is_stale_code(escaped) and not cs.is_stale_code(got)
 
 
+def test_an_anchor_symbol_is_a_name_not_a_file(coderepo):
+    """A symbol had no length limit: 20 symbols of 500,000 characters made one
+    capture a 10 MB store and its expand took 50 s."""
+    long = "a" * (cs.MAX_CODE_SYMBOL_CHARS + 1)
+    with pytest.raises(cs.InputError, match=f"over the limit of {cs.MAX_CODE_SYMBOL_CHARS}"):
+        cs.capture("Retry budget is three attempts",
+                   code_refs=[{"path": "src/billing.py", "symbol": long}])
+    assert not (coderepo / ".cambium" / "knowledge.json").exists() or \
+        "Retry budget" not in (coderepo / ".cambium" / "knowledge.json").read_text()
+    ok = "a" * cs.MAX_CODE_SYMBOL_CHARS
+    cs.capture("Retry budget is three attempts", code_refs=[{"path": "src/billing.py",
+                                                              "symbol": ok}])
+    (got,) = cs.resolve_anchors(coderepo, [{"path": "src/billing.py", "symbol": long * 100}])
+    assert got["at"] == "src/billing.py" and got["symbol_found"] is False   # a hand-written store
+
+
 def test_anchors_never_resolve_into_a_git_dir_however_they_reach_it(coderepo):
     """`.git` was refused only as a path's first part: a link to it, a nested
     repo's .git and a submodule's .git file resolved, and a symbol search there
