@@ -920,15 +920,24 @@ def json_kind(value: Any) -> str:
 
 _TERMINAL_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|.?)")
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+#: invisible format characters that carry no meaning in stored text: soft hyphen,
+#: zero-width space, word joiner, BOM, invisible operators, bidi embeddings,
+#: overrides and isolates (which can show text reversed), tag characters (which
+#: can hide words an agent reads but a person does not). ZWJ and ZWNJ (emoji,
+#: Persian, Indic scripts) and the LRM/RLM marks of right-to-left text stay.
+_INVISIBLE = re.compile("[\u00ad\u180e\u200b\u202a-\u202e\u2060-\u2064\u2066-\u2069"
+                        "\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]")
 
 
 def plain_text(value: str) -> str:
     """Text as stored: valid Unicode in its composed form (NFC: "café" typed
     two ways is one text, so duplicates match), mojibake repaired, and no
     terminal escape sequences or control characters other than tab and line
-    breaks (a stored item is printed to terminals) (pure)."""
+    breaks (a stored item is printed to terminals), nor invisible characters
+    (_INVISIBLE: "UTC\u200b" is "UTC") (pure)."""
     text = repair_mojibake(valid_unicode(value))
-    return unicodedata.normalize("NFC", _CONTROL.sub("", _TERMINAL_ESCAPE.sub("", text)))
+    text = _CONTROL.sub("", _TERMINAL_ESCAPE.sub("", text))
+    return unicodedata.normalize("NFC", _INVISIBLE.sub("", text))
 
 
 def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) -> str:
@@ -938,8 +947,8 @@ def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) ->
         raise InputError(f"{name} must be text; got {json_kind(value)}.")
     text = plain_text(value).strip()
     if required and not text:
-        what = ("holds only control characters and terminal escapes, which are never "
-                "stored" if value.strip() else "is empty")
+        what = ("holds only control characters, terminal escapes and invisible "
+                "characters, which are never stored" if value.strip() else "is empty")
         ask = "say what should be remembered" if name == "content" else f"give the {name}"
         raise InputError(f"{name} {what}; {ask}.")
     if len(text) > limit:

@@ -168,13 +168,26 @@ def test_new_item_rejects_bad_input_clearly(kwargs, needle):
 
 
 def test_content_of_control_characters_only_is_refused_for_what_it_is(repo):
-    with pytest.raises(cs.InputError, match="only control characters and terminal escapes"):
+    with pytest.raises(cs.InputError, match="only control characters, terminal escapes and "
+                                            "invisible characters"):
         cs.capture("\x1b[31m\x07\x1b[0m")
     with pytest.raises(cs.InputError, match="content is empty; say what should be remembered"):
         cs.capture("   ")
     kept = cs.capture("A fact to retire")["item"]["id"]
     with pytest.raises(cs.InputError, match="reason is empty; give the reason"):
         cs.deprecate(kept, reason=" ")
+    for hidden in ("\u200b", "\u202e\u200b", "\ufeff", "\u2060\u2060\u2060", "\U000e0041"):
+        with pytest.raises(cs.InputError, match="invisible characters, which are never stored"):
+            cs.capture(hidden)                  # was stored: an item that prints as nothing
+        with pytest.raises(cs.InputError, match="reason holds only"):
+            cs.deprecate(kept, reason=hidden)
+    assert cs.capture("A fact\u200b to retire")["status"] == "duplicate"
+    tagged = cs.capture("Tags hide nothing", tags=["\u200b", "bil\u2060ling"])["item"]
+    assert tagged["tags"] == ["billing"]
+    rtl = cs.capture("\u202eSwap the deploy order\u202c \U000e0069\U000e0067\U000e006e")["item"]
+    assert rtl["content"] == "Swap the deploy order"     # shown reversed, words an agent reads
+    kept_marks = "Family 👨\u200d👩\u200d👧 and می\u200cخواهم \u200fstay"   # ZWJ, ZWNJ, RLM
+    assert cs.capture(kept_marks)["item"]["content"] == kept_marks
 
 
 def test_new_item_trims_and_repairs():
