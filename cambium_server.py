@@ -11428,6 +11428,12 @@ def promote(item_id: Annotated[str | None, Field(
     if org_why is not None:
         org_why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) or None
     restate = {"org_content": org_content, "org_why": org_why, "org_kind": _org_kind(org_kind)}
+    given = [k for k, v in (("org_content", org_content), ("org_why", org_why),
+                            ("org_kind", org_kind)) if v]
+    if to_scope == "team" and given:             # was: promoted to team, the restatement dropped
+        raise InputError(f"{given[0]} restates an item for org: promote(item_id, "
+                         f"to_scope='org', {given[0]}=...); a team copy keeps its words.",
+                         given[0])
     settled = settle_org_prs(cfg) if cfg.org_repo else []
     if to_scope == "team":
         out = _promote_to_team(cfg, item_id, force)

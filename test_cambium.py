@@ -2408,6 +2408,20 @@ def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     assert res["results"][0]["scope"] == "team"
 
 
+def test_promote_to_team_refuses_a_restatement_for_org(shared):
+    """org_content with the default to_scope="team" promoted to team in the
+    item's own words, the restatement dropped without a word."""
+    item = cs.capture("src/billing.py rounds half-even in cents")["item"]
+    for arg in ({"org_content": "Round money half-even in cents"}, {"org_kind": "rule"},
+                {"org_why": "Auditors sum the cents"}):
+        with pytest.raises(cs.InputError, match=f"{next(iter(arg))} restates an item for org"
+                           ) as e:
+            cs.promote(item["id"], force=True, **arg)
+        assert e.value.argument == next(iter(arg))
+    assert team_ids(shared["origin"]) == set()            # nothing moved
+    assert cs.promote(item["id"], force=True, org_content="")["status"] == "promoted"
+
+
 def test_a_linked_worktree_keeps_fetch_stamps_and_locks_in_the_common_git_dir(shared,
                                                                             monkeypatch):
     """From a linked worktree (.git is a file), team writes put their fetch
