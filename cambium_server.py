@@ -435,6 +435,10 @@ def _new_id() -> str:
     return "k-" + os.urandom(6).hex()
 
 
+MAX_TRUST_COUNT = 2 ** 53 - 1   #: a recall count saturates here: any JSON reader holds it exactly,
+                                #: and a count of 4,300 digits plus one could not be written
+
+
 def _empty_trust() -> dict:
     return {"recalls": 0, "endorsements": [], "projects": []}
 
@@ -490,6 +494,9 @@ def _stored_trust(trust: Any) -> tuple[dict, dict | None]:
     if recalls.__class__ is not int or recalls < 0:      # bool, text, float, negative
         bad = {("trust", "recalls"): (recalls, 0)}
         trust["recalls"] = 0
+    elif recalls > MAX_TRUST_COUNT:                      # read as the most it can be; kept
+        bad = {("trust", "recalls"): (recalls, MAX_TRUST_COUNT)}
+        trust["recalls"] = MAX_TRUST_COUNT
     if ends.__class__ is not list or ends:
         typed = _records(ends, _ENDORSEMENT_KEYS)
         if typed is None or typed is not ends:
@@ -3223,7 +3230,8 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     changed = False
     if by.get(agent) != day:
         by[agent] = day
-        trust = {**trust, "recalls": int(trust.get("recalls", 0)) + 1, "recalled_by": by}
+        trust = {**trust, "recalls": min(int(trust.get("recalls", 0)) + 1, MAX_TRUST_COUNT),
+                 "recalled_by": by}
         changed = True
     if project and project not in projects:
         projects.append(project)
@@ -8449,7 +8457,8 @@ def merged_recalls(trusts: list[dict]) -> int:
     days = collections.Counter(
         (agent, str(day)) for t in trusts if isinstance(t.get("recalled_by"), dict)
         for agent, day in t["recalled_by"].items())
-    return max(sum(counts) - sum(n - 1 for n in days.values()), max(counts, default=0))
+    merged = max(sum(counts) - sum(n - 1 for n in days.values()), max(counts, default=0))
+    return min(merged, MAX_TRUST_COUNT)
 
 
 def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,

@@ -1025,6 +1025,28 @@ def test_mistyped_fields_survive_a_rewrite_and_every_tool_reads_around_them(repo
         assert kept[k] == items[1][k], k
 
 
+def test_a_recall_count_too_long_to_write_plus_one_saturates_and_is_kept(repo):
+    """A count of 4,300 digits (the longest json reads) plus one recall credit
+    could not be written: every later write, even an unrelated capture, ended
+    in a traceback, and the server's background fold killed it."""
+    path = repo / ".cambium" / "knowledge.json"
+    huge = "9" * 4300
+    cs.capture("seed the store")
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps(doc)[:-2] + ', {"id": "k-aaaaaaaaaaaa", "content": "Payments API '
+                    'needs retries with backoff", "trust": {"recalls": ' + huge + '}}]}')
+    cs.runtime().reset()
+    hit = cs.recall("payments retries", detail="full")["results"][0]
+    assert hit["id"] == "k-aaaaaaaaaaaa" and hit["recalls"] == cs.MAX_TRUST_COUNT
+    assert cs.capture("an unrelated point about caching")["status"] == "captured"
+    assert cs.endorse("k-aaaaaaaaaaaa")["status"] in ("endorsed", "already_endorsed")
+    assert f'"recalls": {huge}' in path.read_text().replace('"recalls":', '"recalls": ')
+    assert cs.credit(cs.Item.from_dict({"id": "k-1", "content": "x", "trust": {
+        "recalls": cs.MAX_TRUST_COUNT}}), "ada", "2026-12-05", "").trust["recalls"] == \
+        cs.MAX_TRUST_COUNT
+    assert cs.merged_recalls([{"recalls": cs.MAX_TRUST_COUNT}] * 2) == cs.MAX_TRUST_COUNT
+
+
 def test_correct_and_deprecate_write_their_values_over_mistyped_ones(repo):
     path, items = _mistyped_store(repo)
     cs.deprecate("k-typed0000003", reason="pool size is configurable now")
