@@ -1187,11 +1187,15 @@ class Config:
         return self.values.get(key)
 
     def _number(self, key: str, kind: Callable[[str], Any], fallback: Any) -> Any:
-        """A numeric setting; the fallback when it is unset or not a number
-        (_validate has already reported it in `problems`)."""
+        """A numeric setting; the fallback when it is unset or invalid (_validate
+        has already reported it in `problems`: "nan", "inf" and -3 are numbers
+        to float(), and a git call given them failed in subprocess or at once)."""
+        raw = self.values.get(key)
+        if raw is None or _validate(key, str(raw)) is not None:
+            return fallback
         try:
-            return kind(self.values[key])
-        except (KeyError, TypeError, ValueError):
+            return kind(raw)
+        except (TypeError, ValueError):
             return fallback
 
     @property

@@ -363,6 +363,8 @@ def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
     ("CAMBIUM_GIT_TIMEOUT", "0.01"),
     ("CAMBIUM_GIT_TIMEOUT", "1e9"),
     ("CAMBIUM_GIT_TIMEOUT", "inf"),
+    ("CAMBIUM_GIT_TIMEOUT", "nan"),                   # setup gave git a timeout of nan
+    ("CAMBIUM_GIT_TIMEOUT", "1e999"),
     ("CAMBIUM_GIT_TIMEOUT", "\u0662\u0665"),           # Arabic-Indic 25: float() takes it
     ("CAMBIUM_FETCH_INTERVAL", "1_0"),
     ("CAMBIUM_FETCH_INTERVAL", "nan"),
@@ -374,6 +376,8 @@ def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
 ])
 def test_invalid_values_are_reported_not_used(repo, monkeypatch, key, value):
     monkeypatch.setenv(key, value)
+    cfg = cs.resolve_config()             # a number float() reads ("inf", -3) is not used:
+    assert (cfg.git_timeout_s, cfg.fetch_interval_s, cfg.promote_recalls) == (25.0, 30.0, 3)
     st = cs.status()
     assert st["configured"] is False
     assert any(g["setting"] == key and "invalid" in g["cost"] for g in st["gaps"])
@@ -641,6 +645,21 @@ def test_setup_cold_start_takes_effect_in_process(tmp_path):
     assert cs.capture("setup works without restart")["status"] == "captured"
     cs.setup(str(r), "ada")
     assert (r / ".gitignore").read_text().count(".cambium/") == 1
+
+
+@pytest.mark.parametrize("value", ["nan", "1e999", "-3"])
+def test_setup_with_an_invalid_git_timeout_says_so_and_runs_git_with_the_default(
+        tmp_path, monkeypatch, value):
+    """setup ran git with a timeout of nan (a traceback from subprocess) or -3
+    ("timed out after -3s"), where status named the setting as invalid."""
+    r = make_repo(tmp_path)
+    monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", value)
+    out = cs.setup(str(r), "ada")
+    assert out["status"]["configured"] is False
+    assert any(g["setting"] == "CAMBIUM_GIT_TIMEOUT" and "invalid" in g["cost"]
+               for g in out["status"]["gaps"])
+    monkeypatch.delenv("CAMBIUM_GIT_TIMEOUT")
+    assert cs.status()["configured"] is True
 
 
 def test_setup_appends_to_gitignore_without_rewriting_it(tmp_path):
