@@ -3122,7 +3122,7 @@ def _is_credit(rec: Any) -> bool:
 
 def _credit_records(text: str) -> list[dict]:
     out = []
-    for line in text.splitlines():
+    for line in text.split("\n"):      # (not splitlines: U+2028 is text inside a JSON string)
         try:
             rec = json.loads(line)
         except (ValueError, RecursionError):    # torn, or nested past the parser's depth
@@ -3214,15 +3214,17 @@ def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[]
     def commit() -> None:
         with file_lock(path):
             taken = {json.dumps(r, sort_keys=True) for r in mine}
+            with open(path, "rb", opener=open_regular) as f:
+                lines = f.read().split(b"\n")
             keep = []
-            for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
+            for line in lines[:-1] if lines[-1] == b"" else lines:
                 try:
                     rec = json.loads(line)
-                except (ValueError, RecursionError):
-                    rec = None          # not ours to judge: a line we cannot parse is kept
+                except (ValueError, RecursionError):   # invalid UTF-8 too (a ValueError)
+                    rec = None      # not ours to judge: a line we cannot parse is kept, byte for byte
                 if rec is None or json.dumps(rec, sort_keys=True) not in taken:
-                    keep.append(line + "\n")
-            atomic_write(path, valid_unicode("".join(keep)))
+                    keep.append(line + b"\n")
+            atomic_write(path, b"".join(keep))
     return mine, commit
 
 
@@ -10264,7 +10266,7 @@ def read_shown(cfg: Config) -> list[dict]:
                 text = f.read()
         except OSError:
             continue
-        for line in text.splitlines():
+        for line in text.split("\n"):      # (U+2028 is text inside a JSON string)
             with contextlib.suppress(ValueError, RecursionError):
                 rec = json.loads(line)
                 if isinstance(rec, dict) and isinstance(rec.get("item"), str) \

@@ -1975,6 +1975,23 @@ def test_lexical_recall_finds_japanese_text(repo, monkeypatch):
     assert cs.tokenize("ＡＰＩ接続") == ["api", "接続"]     # full-width folded, runs split
 
 
+def test_a_fold_keeps_the_journal_lines_it_cannot_parse_byte_for_byte(tmp_path):
+    """A line of invalid UTF-8 was written back with U+FFFD in place of its
+    bytes (and a CRLF line lost its CR): the original was nowhere."""
+    path = tmp_path / "credits.jsonl"
+    odd = [b"\xc3\x28 operator note \xff\xfe", b"not json\r", b'{"item": 5}',
+           "a line with \u2028 inside".encode()]
+    ours = {"item": "k-aaaaaaaaaaaa", "agent": "ada", "day": "2026-12-05", "scope": "local"}
+    path.write_bytes(b"\n".join([odd[0], json.dumps(ours).encode(), *odd[1:]]) + b"\n")
+    mine, commit = cs.take_credits(path, "local")
+    assert mine == [ours]
+    commit()
+    assert path.read_bytes() == b"\n".join(odd) + b"\n"
+    inside = {**ours, "project": "shop\u2028east"}       # splitlines() cut it in two:
+    cs.append_credits(path, [inside])                      # never folded, never dropped
+    assert cs.take_credits(path, "local")[0] == [inside]
+
+
 def test_credit_journal_is_parsed_once_then_only_its_new_lines(repo, monkeypatch):
     path = cs.credits_path(cs.resolve_config())
     recs = [{"item": f"k-{n}", "scope": "local", "agent": "ada", "day": "2026-01-01"}
