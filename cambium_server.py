@@ -69,6 +69,17 @@ hygiene (consolidation writes, usage attribution, operator checks), tools
 """
 from __future__ import annotations
 
+if __name__ == "__main__":      # Ctrl-C while the modules below load: one line, no traceback
+    import os as _os
+    import signal as _signal
+
+    def _interrupted_early(*_: object) -> None:
+        _os.write(2, b"cambium: interrupted before it started; nothing was written.\n")
+        _os._exit(130)
+
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:   # not if ignored
+        _signal.signal(_signal.SIGINT, _interrupted_early)
+
 import argparse
 import atexit
 import bisect
@@ -13208,7 +13219,13 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command; what
     is left to write to stdout is written before the exit status is final."""
-    code = _main(sys.argv[1:] if argv is None else argv)
+    if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_interrupted_early":
+        signal.signal(signal.SIGINT, signal.default_int_handler)      # (the module's top)
+    try:
+        code = _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:                   # before a command ran (argparse, a hook)
+        print(f"{_prog()}: interrupted; nothing was written.", file=sys.stderr)
+        return 130
     try:
         if sys.stdout is not None:
             sys.stdout.flush()

@@ -662,6 +662,44 @@ def test_setup_with_an_invalid_git_timeout_says_so_and_runs_git_with_the_default
     assert cs.status()["configured"] is True
 
 
+EARLY_SIGINT = """
+import os, runpy, signal, sys
+class Interrupt:                       # Ctrl-C as the module imports its first stdlib module
+    def find_spec(self, name, path=None, target=None):
+        if name == "fcntl":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = [sys.argv[1], "status"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_ctrl_c_while_the_module_loads_is_one_line(tmp_path, ignored):
+    """A SIGINT while the script imported its modules printed a traceback
+    through its import lines and exited 1 or -2; one SIGINT ignored (a
+    background job's) stays ignored."""
+    import signal
+    proc = subprocess.run([sys.executable, "-c", EARLY_SIGINT, str(SERVER)], env=child_env(),
+                          capture_output=True, text=True, timeout=60, preexec_fn=lambda: (
+                              signal.signal(signal.SIGINT, signal.SIG_IGN if ignored
+                                            else signal.default_int_handler)))
+    if ignored:                                           # it ran to the end
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 130 and proc.stdout == ""
+        assert proc.stderr == "cambium: interrupted before it started; nothing was written.\n"
+
+
+def test_ctrl_c_before_a_command_runs_is_one_line(monkeypatch, capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cs, "_main", interrupted)
+    assert cs.main(["status"]) == 130
+    assert capsys.readouterr().err.endswith(": interrupted; nothing was written.\n")
+
+
 def test_setup_appends_to_gitignore_without_rewriting_it(tmp_path):
     r = make_repo(tmp_path)
     original = b"build/\n# caf\xe9 (latin-1 comment)\n*.log"
