@@ -3313,6 +3313,9 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
 PUSH_CONTENDED_S = 3.0      #: peers seen writing this recently make writes take turns
 REFRESH_WAIT_S = 0.5        #: a read waits this long (from its start) for a due refresh
+FETCH_BACKOFF_S = 300.0     #: after a failed fetch, a digest read by any process answers
+                            #: from the last fetched tip this long before trying again
+                            #: (a hung remote cost each CLI recall the whole git timeout)
 PUSH_SPREAD_MAX_S = 5.0     #: the longest a write waits for its turn
 PEER_WALK = 32              #: new commits read per fetch to see who writes
 
@@ -3576,6 +3579,34 @@ class GitStore(Store):
     def _stamp(self) -> Path:
         return self._meta_dir() / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
 
+    def _failed_stamp(self) -> Path:
+        return self._stamp().with_name(self._stamp().name + ".failed")
+
+    def _note_failure(self, error: str) -> None:
+        """Record a failed fetch for every process of this clone (best effort)."""
+        with contextlib.suppress(OSError):
+            atomic_write(self._failed_stamp(), clip_message(error, 500), durable=False)
+
+    def _recent_failure(self) -> str | None:
+        """What a fetch that failed within FETCH_BACKOFF_S (in any process, and
+        after the last that succeeded) said, when a fetched tip is there to
+        answer from instead; else None (a fetch is tried when due)."""
+        try:
+            at = self._failed_stamp().stat().st_mtime
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):
+            if self._stamp().stat().st_mtime > at:
+                return None
+        ago = time.time() - at
+        if ago >= FETCH_BACKOFF_S or self.local_tip() is None:
+            return None
+        error = ""
+        with contextlib.suppress(OSError):
+            error = self._failed_stamp().read_text(encoding="utf-8", errors="replace").strip()
+        return (f"the last fetch from {self.remote} failed {int(ago)} s ago ({error}); reads "
+                f"try again {int(FETCH_BACKOFF_S)} s after it, writes at once")
+
     def _meta_dir(self) -> Path:
         """Where the fetch stamps and write locks live: `cambium/` in the clone's
         common git dir, beside the refs they guard, so every linked worktree of
@@ -3607,11 +3638,15 @@ class GitStore(Store):
         damaged = self._drop_damaged_ref()
         if damaged:
             self._warnings.append(f"{damaged}: it was removed and fetched again")
+        failed = None if damaged or force or fresh else self._recent_failure()
         with state.lock:
             last = state.fetched_at
             with contextlib.suppress(OSError):
                 last = max(last, self._stamp().stat().st_mtime)   # another process fetched
             due = damaged or force or fresh or time.time() - last >= self.fetch_interval_s
+            if due and failed is not None:
+                due = False
+                self._warnings.append(f"{self.scope} scope may be behind: {failed}")
             if due and background and state.tip_known:
                 if not state.refreshing:
                     state.refreshing, state.refresh_started = True, time.monotonic()
@@ -3654,6 +3689,7 @@ class GitStore(Store):
                 with state.lock:
                     state.fetched_at = time.time()          # don't hammer a dead remote
                     state.fetch_error = str(e)
+                self._note_failure(str(e))                  # nor let other processes
                 if force or self.local_tip() is None:
                     raise
                 self._warnings.append(f"{self.scope} scope may be behind: {e}")
@@ -3794,6 +3830,8 @@ class GitStore(Store):
         stamp = self._stamp()
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.touch()
+        with contextlib.suppress(OSError):
+            self._failed_stamp().unlink()
         with self._state.lock:                    # the caller holds `fetching`
             self._state.fetched_at = time.time()
             self._state.fetch_error = None

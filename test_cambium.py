@@ -3598,6 +3598,25 @@ def test_first_mcp_recall_behind_a_hanging_remote_warns_that_team_may_be_behind(
     assert "team scope may be behind" in out.stdout + out.stderr
 
 
+def test_a_failed_fetch_is_not_retried_by_every_process_for_a_while(shared):
+    """Behind a hanging remote every CLI recall (a new process) waited the whole
+    git timeout for its own fetch: a hook's recall took 25 s each time."""
+    item_id = _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote()
+    git(shared["a"], "config", "remote.origin.uploadpack", "sleep 30; git-upload-pack")
+    env = {"CAMBIUM_GIT_TIMEOUT": "1", "CAMBIUM_FETCH_INTERVAL": "0.001"}
+    first = cli("recall", "idempotent queue consumers", **env)
+    assert item_id in first.stdout and "team scope may be behind" in first.stdout
+    assert "failed" not in first.stdout                       # it tried, and timed out
+    again = cli("recall", "idempotent queue consumers", **env)
+    assert item_id in again.stdout
+    assert re.search(r"the last fetch from origin failed \d+ s ago \(.*timed out", again.stdout)
+    git(shared["a"], "config", "--unset", "remote.origin.uploadpack")
+    assert cs.endorse(item_id, note="still true")["status"] == "endorsed"   # writes fetch
+    after = cli("recall", "idempotent queue consumers", **env)
+    assert "may be behind" not in after.stdout, after.stdout  # the success cleared it
+
+
 def test_status_reports_scopes_and_reachability(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     _endorsed("A team fact", "x")
