@@ -3554,8 +3554,10 @@ class GitStore(Store):
     def __init__(self, scope: str, repo: Path, remote: str, branch: str, *,
                  timeout_s: float, fetch_interval_s: float, agent: str,
                  extra_files: Callable[[Doc], dict[str, str]] | None = None,
-                 credits: Path | None = None, checkout: bool = False):
+                 credits: Path | None = None, checkout: bool = False,
+                 own_branch: bool = False):
         self.scope, self.repo, self.remote, self.branch = scope, repo, remote, branch
+        self.own_branch = own_branch              # a tip without a store is not ours (team)
         self.timeout_s, self.fetch_interval_s, self.agent = timeout_s, fetch_interval_s, agent
         self.extra_files = extra_files
         self.credits = credits                    # the journal whose credits this scope folds
@@ -3859,7 +3861,21 @@ class GitStore(Store):
             raise CorruptStore(f"{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
                                f"offset {e.start}): fix it by hand; it is never rewritten "
                                "until it reads") from None
-        doc = parse_store(text, where)
+        except GitError:
+            kind = {"tree": "a directory", "commit": "a submodule"}.get(
+                self._entry_kind(commit, STORE_FILE) or "")
+            if kind:
+                raise CorruptStore(f"{where} is {kind}, not a file: fix it by hand; nothing "
+                                   "is written over it until it reads") from None
+            raise
+        try:
+            doc = parse_store(text, where)
+        except CorruptStore:
+            if self._entry_mode(commit, STORE_FILE) == "120000":
+                raise CorruptStore(f"{where} is a symbolic link (to {text[:80]!r}), not a "
+                                   "file: fix it by hand; nothing is written over it until "
+                                   "it reads") from None
+            raise
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
                 it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)
@@ -4102,6 +4118,8 @@ class GitStore(Store):
         doc, base, merge = self._side_base(tip, side_tip) if side else \
             (self.doc_at(tip), tip, None)
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
+        if self.own_branch and tip and not doc.items and not self._holds_store(tip):
+            raise ConfigError(self._not_ours(tip))
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
         try:
             new = with_credits(fn, pending)(doc)
@@ -4132,6 +4150,23 @@ class GitStore(Store):
             with self._state.lock:
                 self._state.pushed = commit
         return Write(doc=new, commit=commit, branch=target)
+
+    def _holds_store(self, commit: str) -> bool:
+        """Whether the commit has the store file at its root, or nothing at all."""
+        if self.git("cat-file", "-e", f"{commit}:{STORE_FILE}", check=False).returncode == 0:
+            return True
+        return not self.git("ls-tree", "--name-only", commit).stdout.strip()
+
+    def _not_ours(self, commit: str) -> str:
+        """Why a write onto an existing branch without a store refuses."""
+        names = self.git("ls-tree", "--name-only", commit).stdout.split()
+        shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        return (f"the {self.scope} branch '{self.branch}' on '{self.remote}' holds other files "
+                f"({shown}) and no {STORE_FILE} at its root, so cambium writes nothing to it: "
+                "a write would commit the store onto code. If it is not cambium's, point "
+                "CAMBIUM_TEAM_BRANCH at a branch of cambium's own (setup(project_repo, "
+                "agent_id, team_branch='cambium-knowledge')); if its store was deleted, "
+                f"restore {STORE_FILE} from the branch's history.")
 
     def _own_tip(self) -> str | None:
         """The tip to try a write on without fetching: one this process pushed,
@@ -4205,6 +4240,11 @@ class GitStore(Store):
         """What root entry `name` is at a commit: blob, tree, commit, or None."""
         listed = self.git("ls-tree", commit, "--", name).stdout.split()
         return listed[1] if len(listed) > 2 else None
+
+    def _entry_mode(self, commit: str, name: str) -> str | None:
+        """The mode of root entry `name` at a commit (120000: a symbolic link)."""
+        listed = self.git("ls-tree", commit, "--", name).stdout.split()
+        return listed[0] if len(listed) > 2 else None
 
     @property
     def hand_written(self) -> frozenset:
@@ -8907,7 +8947,7 @@ def _team_store(cfg: Config) -> GitStore:
                        "add one (git remote add origin <url>) or set CAMBIUM_REMOTE.")
     return GitStore("team", cfg.repo, cfg.remote, cfg.team_branch,
                     timeout_s=cfg.git_timeout_s, fetch_interval_s=cfg.fetch_interval_s,
-                    agent=cfg.agent, credits=credits_path(cfg))
+                    agent=cfg.agent, credits=credits_path(cfg), own_branch=True)
 
 
 def _org_store(cfg: Config) -> GitStore:
@@ -10742,6 +10782,8 @@ def _shared_scope_status(cfg: Config) -> dict:
                         **_duplicate_ids(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"
+            if st.own_branch and tip and not doc.items and not st._holds_store(tip):
+                info["error"] = st._not_ours(tip)
         except CorruptStore as e:
             info["error"] = f"{e}; writes to {scope} scope are refused"
         except GitError as e:

@@ -3682,6 +3682,62 @@ def test_status_reports_a_team_file_git_cannot_read_and_does_not_fail(shared):
     assert res["warnings"]
 
 
+@pytest.mark.parametrize("how", ["env", "default"])
+def test_a_team_branch_holding_code_is_never_written(shared, monkeypatch, how):
+    """setup refused a team branch holding the project's files, but the same
+    branch from the environment (or a code branch named like the default)
+    took a commit of knowledge.json on top of the code."""
+    b = shared["b"]
+    branch = "main" if how == "env" else "cambium"
+    if how == "env":
+        monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "main")
+    else:
+        git(b, "checkout", "-q", "-b", "cambium")
+        (b / "feature.py").write_text("def feature(): ...\n")
+        git(b, "add", "feature.py")
+        git(b, "commit", "-qm", "my feature")
+        git(b, "push", "-q", "origin", "cambium")
+    before = git(shared["origin"], "rev-parse", branch)
+    item = _endorsed("Queue consumers must be idempotent")
+    with pytest.raises(cs.ConfigError, match=f"team branch '{branch}' on 'origin' holds other "
+                       "files .* and no knowledge.json at its root, so cambium writes nothing"):
+        cs.promote(item, force=True)
+    assert git(shared["origin"], "rev-parse", branch) == before        # the code untouched
+    assert any(i.id == item for i in cs.store(cs.resolve_config(), "local").read().items)
+    team = cs.status()["scopes"]["team"]
+    assert "holds other files" in team["error"] and team["items"] == 0
+
+
+@pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
+def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
+    """A directory or submodule where knowledge.json goes was a raw git error
+    ("cat-file ... bad file"), a symbolic link "not valid JSON"."""
+    item = _endorsed("Canary every deploy")
+    cs.promote(item, force=True)
+    b = shared["b"]
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    git(b, "rm", "-q", "knowledge.json")
+    if kind == "directory":
+        (b / "knowledge.json").mkdir()
+        (b / "knowledge.json" / "items.json").write_text("{}")
+        git(b, "add", "knowledge.json")
+    elif kind == "submodule":
+        git(b, "update-index", "--add", "--cacheinfo",
+            f"160000,{git(b, 'rev-parse', 'HEAD').strip()},knowledge.json")
+    else:
+        (b / "knowledge.json").symlink_to("store/real.json")
+        git(b, "add", "knowledge.json")
+    git(b, "commit", "-qm", f"knowledge.json as a {kind}")
+    git(b, "push", "-q", "origin", "cambium")
+    tip = git(shared["origin"], "rev-parse", "cambium")
+    with pytest.raises(cs.CorruptStore, match=f"is a {kind}.*, not a file: fix it by hand"):
+        cs.promote(_endorsed("Roll back on the first failed check"), force=True)
+    assert git(shared["origin"], "rev-parse", "cambium") == tip
+    warned = cs.recall("canary deploys")["warnings"]
+    assert any(f"is a {kind}" in w for w in warned), warned
+
+
 def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared):
     item_id = _endorsed("Cache invalidation goes through the event bus", "bus")
     cs.promote()
