@@ -3555,9 +3555,10 @@ class GitStore(Store):
                  timeout_s: float, fetch_interval_s: float, agent: str,
                  extra_files: Callable[[Doc], dict[str, str]] | None = None,
                  credits: Path | None = None, checkout: bool = False,
-                 own_branch: bool = False):
+                 own_branch: bool = False, default_branch: bool = False):
         self.scope, self.repo, self.remote, self.branch = scope, repo, remote, branch
         self.own_branch = own_branch              # a tip without a store is not ours (team)
+        self.default_branch = default_branch      # `branch` is the remote's HEAD as recorded (org)
         self.timeout_s, self.fetch_interval_s, self.agent = timeout_s, fetch_interval_s, agent
         self.extra_files = extra_files
         self.credits = credits                    # the journal whose credits this scope folds
@@ -4120,6 +4121,8 @@ class GitStore(Store):
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
         if self.own_branch and tip and not doc.items and not self._holds_store(tip):
             raise ConfigError(self._not_ours(tip))
+        if self.default_branch and tip is None and not side:
+            self._refuse_a_moved_default()
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
         try:
             new = with_credits(fn, pending)(doc)
@@ -4167,6 +4170,22 @@ class GitStore(Store):
                 "CAMBIUM_TEAM_BRANCH at a branch of cambium's own (setup(project_repo, "
                 "agent_id, team_branch='cambium-knowledge')); if its store was deleted, "
                 f"restore {STORE_FILE} from the branch's history.")
+
+    def _refuse_a_moved_default(self) -> None:
+        """Before the first write creates the branch: when the remote's HEAD now
+        names another branch (the default renamed), record it and refuse, so
+        no second branch starts without the items on the first."""
+        proc = self.git("ls-remote", "--symref", "--", self.remote, "HEAD", check=False)
+        heads = [ln[5:].split("\t")[0].removeprefix("refs/heads/")
+                 for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
+        if proc.returncode or not heads or heads[0] == self.branch:
+            return
+        self.git("symbolic-ref", f"refs/remotes/{self.remote}/HEAD",
+                 f"refs/remotes/{self.remote}/{heads[0]}", check=False)
+        runtime().org_branches.pop(str(self.repo), None)
+        raise ConflictError(f"the {self.scope} repo's default branch is now '{heads[0]}', not "
+                            f"'{self.branch}' (renamed?): nothing was written; cambium "
+                            f"records '{heads[0]}' from now on. Run it again.")
 
     def _own_tip(self) -> str | None:
         """The tip to try a write on without fetching: one this process pushed,
@@ -8968,7 +8987,7 @@ def _org_store(cfg: Config) -> GitStore:
         branch = branches[str(org)] = _org_default_branch(org, cfg.git_timeout_s)
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
-                    extra_files=org_markdown, checkout=True)
+                    extra_files=org_markdown, checkout=True, default_branch=True)
 
 
 def org_clone_problem(org: Path, project: Path) -> str | None:

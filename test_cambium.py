@@ -3936,6 +3936,24 @@ def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
     assert json.loads((shared["org"] / "knowledge.json").read_text())["items"][0]["id"] == item_id
 
 
+def test_a_renamed_org_default_branch_is_followed_not_forked(shared, monkeypatch):
+    """The org remote's main renamed trunk (as GitHub's rename does): the clone's
+    origin/HEAD still said main, so the next promote created a new main holding
+    only its item, and every earlier org item dropped out of recall."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    first = _endorsed("Prefer idempotent retries with backoff and jitter")
+    cs.promote(first, to_scope="org", force=True)
+    bare = shared["org_bare"]
+    git(bare, "branch", "-m", "main", "trunk")
+    git(bare, "symbolic-ref", "HEAD", "refs/heads/trunk")
+    second = _endorsed("Every feature flag gets an owner and an expiry date")
+    with pytest.raises(cs.ConflictError, match="default branch is now 'trunk', not 'main'"):
+        cs.promote(second, to_scope="org", force=True)
+    assert git(bare, "for-each-ref", "--format=%(refname:short)").split() == ["trunk"]
+    assert cs.promote(second, to_scope="org", force=True)["status"] == "promoted"   # (a server
+    assert {i["id"] for i in remote_json(bare, "trunk")["items"]} == {first, second}  # goes on)
+
+
 def test_org_requires_endorsement_and_force_overrides_gate(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     plain = cs.capture("Edit config.yaml before deploys")["item"]["id"]
