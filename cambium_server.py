@@ -13097,8 +13097,35 @@ def require_bearer(app: Callable, token: str) -> Callable:
     return guarded
 
 
-def answer_as_stdio_does(app: Callable) -> Callable:
-    """ASGI wrapper: a POSTed message gets what the same line gets on stdio. Lone
+MAX_HTTP_BODY = 4 * 1024 * 1024     #: a POST body over this is refused (413), as the SDK does
+
+
+async def _read_body(scope: dict, receive: Callable, limit: int) -> bytes | None:
+    """A POST's whole body, or None: the client went away, or it declares or
+    sends more than `limit` bytes (read no further: a 400 MB body was held in
+    memory before the SDK's own limit saw it)."""
+    declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size, more = [], 0, True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        more = msg.get("more_body", False)
+    return b"".join(chunks)
+
+
+def answer_as_stdio_does(app: Callable, guard: Any = None,
+                         limit: int = MAX_HTTP_BODY) -> Callable:
+    """ASGI wrapper: a POSTed message gets what the same line gets on stdio, once
+    `guard` (rebinding_guard's Host/Origin check) has passed it and its body is
+    within `limit` (else 413, unread). Lone
     surrogate escapes are repaired (the SDK's parser called them a parse error),
     and a message stdio refuses (too_deep_reply, unparsable_reply) gets 400 with
     the error stdio answers: an id that is neither a string nor an integer
@@ -13113,14 +13140,19 @@ def answer_as_stdio_does(app: Callable) -> Callable:
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return                                   # the client went away
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        body = b"".join(chunks)
+        if guard is not None:                    # before the body: a foreign page gets 421
+            from mcp.server.transport_security import TransportSecurityMiddleware
+            from starlette.requests import Request
+            refused = await TransportSecurityMiddleware(guard).validate_request(
+                Request(scope), is_post=True)
+            if refused is not None:
+                return await refused(scope, receive, send)
+        body = await _read_body(scope, receive, limit)
+        if body is None:                         # too large (or the client went away)
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"Request body too large"})
+            return
         with contextlib.suppress(UnicodeDecodeError):
             text = repair_surrogate_escapes(body.decode("utf-8"))
             body = text.encode("utf-8")                   # (same length: \ud800 -> \ufffd)
@@ -13181,8 +13213,9 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         print(f"cambium: cannot serve on {url}: {e.strerror or e} ({fix})",
               file=sys.stderr, flush=True)
         return 1
+    guard = rebinding_guard(host)
     app = answer_as_stdio_does(
-        server.streamable_http_app(host=host, transport_security=rebinding_guard(host)))
+        server.streamable_http_app(host=host, transport_security=guard), guard)
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")

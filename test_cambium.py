@@ -10289,6 +10289,36 @@ def test_http_serve_on_any_loopback_address_checks_host_and_origin(repo):
     assert cs.rebinding_guard("10.0.0.5") is None
 
 
+def test_http_checks_host_and_body_size_before_reading_the_body(repo):
+    """A foreign Host with an unparsable body got cambium's 400 Parse error (the
+    Host check ran after the body was parsed), and a 400 MB body was held in
+    memory before any size limit answered."""
+    import http.client
+    import socket
+    with http_server(repo, None) as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        headers = {"Content-Type": "application/json",
+                   "Accept": "application/json, text/event-stream"}
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        c.request("POST", "/mcp", "{not json", {**headers, "Host": "evil.example",
+                                                "Origin": "http://evil.example"})
+        assert c.getresponse().status == 421
+        c.close()
+        with socket.create_connection(("127.0.0.1", port), 20) as sock:   # declared: at once
+            sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                         f"application/json\r\nContent-Length: {400 * 2**20}\r\n\r\n"
+                         .encode() + b"{" * 1024)
+            assert sock.recv(64).startswith(b"HTTP/1.1 413")
+        with socket.create_connection(("127.0.0.1", port), 20) as sock:   # streamed: stops
+            sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                         "application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+            chunk = b"{" * 2**20
+            with contextlib.suppress(OSError):
+                for _ in range(cs.MAX_HTTP_BODY // len(chunk) + 2):
+                    sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            assert sock.recv(64).startswith(b"HTTP/1.1 413")
+
+
 def test_http_token_with_surrounding_space_is_refused_at_start():
     """HTTP strips white space around a header value, so such a token could
     never match: every request got 401 with no hint why."""
