@@ -12721,8 +12721,10 @@ def _top_level_keys(line: str) -> tuple[int, dict[str, Any]]:
         elif depth == 1 and is_object and tok in ('"id"', '"method"') and tok not in keys:
             key = _JSON_SCALAR.match(line, m.end())
             if key:
-                with contextlib.suppress(ValueError):
+                try:
                     keys[tok] = json.loads(key.group(1))
+                except ValueError:          # (an id of 5,000 digits: there, so not a
+                    keys[tok] = None        # notification; answered with id null)
     return deepest, keys
 
 

@@ -7000,6 +7000,7 @@ def test_mcp_lines_the_sdk_cannot_parse_get_an_error_and_the_server_keeps_servin
         "   ",                                                    # blank: ignored
         '{"jsonrpc": "1.0", "method": "notifications/x"}',       # a notification: no answer
         '[{"jsonrpc": "2.0", "id": 11, "method": "ping"}]',      # a batch
+        '{"jsonrpc": "2.0", "id": %s, "method": "ping"}' % ("9" * 5000),   # was: no answer
         '{"jsonrpc": "2.0", "id": 12, "method": "tools/call", "params": {"name": "capture", '
         '"arguments": {"content": "answers keep coming after refused lines"}}}']
     every: list = []
@@ -7012,10 +7013,11 @@ def test_mcp_lines_the_sdk_cannot_parse_get_an_error_and_the_server_keeps_servin
     assert answers[6]["result"] == {}
     assert answers[12]["result"]["structuredContent"]["status"] == "captured"
     nulls = [m["error"] for m in every if m.get("id") is None]
-    assert len(nulls) == 3, nulls                                 # 1.5, hello, the batch
+    assert len(nulls) == 4, nulls              # 1.5, hello, the batch, the 5,000-digit id
     assert any("id must be a string or an integer" in e["message"] for e in nulls)
-    assert sorted(e["code"] for e in nulls) == [-32700, -32600, -32600]
-    assert len(every) == 11                 # initialize, 9 answered lines, the capture
+    assert sorted(e["code"] for e in nulls) == [-32700, -32700, -32600, -32600]
+    assert any("over 4,300 digits" in e["message"] for e in nulls)
+    assert len(every) == 12                 # initialize, 10 answered lines, the capture
 
 
 def test_stored_lone_surrogates_are_read_served_and_written_back_unchanged(shared):
