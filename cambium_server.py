@@ -5053,8 +5053,11 @@ def _later_lines_are_records(path: Path, probe: int = 20) -> bool:
     seen = 0
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line in iter(lambda: f.readline(MAX_FIRST_LINE_CHARS + 1), ""):
-            if len(line) > MAX_FIRST_LINE_CHARS:
-                return False
+            if len(line) > MAX_FIRST_LINE_CHARS:     # no record: read past it (a first
+                while not line.endswith("\n") and line:   # line of 40 MB hid the records
+                    line = f.readline(MAX_FIRST_LINE_CHARS + 1)    # after it)
+                seen += 1
+                continue
             if not line.strip():
                 continue
             seen += 1

@@ -2321,6 +2321,12 @@ def test_a_first_line_too_long_for_a_record_is_no_jsonl(tmp_path, monkeypatch):
     path.write_text(json.dumps({"memories": [{"content": "x" * 50}, {"content": "y" * 50}]}))
     assert not cs._looks_like_jsonl(path) and not cs._later_lines_are_records(path)
     assert [d.content for d in cs.json_adapter(path)] == ["x" * 50, "y" * 50]
+    jsonl = tmp_path / "long-first.jsonl"      # records after a first line that long: JSONL,
+    later = [json.dumps({"content": f"fact {n} about the ledger"}) for n in (1, 2, 3)]
+    jsonl.write_text(json.dumps({"content": "z" * 300}) + "\n" + "\n".join(later) + "\n")
+    assert cs._later_lines_are_records(jsonl)             # not one document failing to parse
+    assert [d.content for d in cs.json_adapter(jsonl)][-3:] == [
+        f"fact {n} about the ledger" for n in (1, 2, 3)]
 
 
 def test_import_jsonl_whose_first_line_is_malformed_skips_only_that_line(repo, tmp_path):
