@@ -4357,7 +4357,7 @@ def claim_key(agent: str, claim: dict) -> str:
         stamp = "h" + hashlib.sha256(utf8("\0".join(
             _str(claim.get(k)) for k in ("task", "branch", "status", "note")
         ))).hexdigest()[:16]
-    return f"agentsync:{agent}:{stamp}"
+    return f"agentsync:{_key_part(agent)}:{stamp}"     # (agent "a:b" and stamp "b:X" quoted)
 
 
 def is_capture_worthy(claim: dict) -> bool:
@@ -4905,7 +4905,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
 
 
 def _key_part(system: str) -> str:
-    """The system as an import key's first part: as it is, unless a colon (or a
+    """The system (or distill's agent) as a key's first part: as it is, unless a colon (or a
     leading quote) would let it run into the id part, then JSON-quoted, so that
     {system "s:id:1", id "2"} and {system "s", id "1:id:2"} are two records
     (earlier keys, without colons, stay the same) (pure)."""

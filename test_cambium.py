@@ -5841,6 +5841,9 @@ def test_claim_to_draft_without_task_is_skipped_and_keys_fall_back_to_a_hash():
     k1 = cs.claim_key("a", {"task": "t", "status": "done", "note": "n"})
     k2 = cs.claim_key("a", {"task": "t", "status": "done", "note": "other"})
     assert k1.startswith("agentsync:a:h") and k1 != k2
+    one = cs.claim_key("a:b", {"updated_at": "X"})     # both were agentsync:a:b:X, so one
+    two = cs.claim_key("a", {"updated_at": "b:X"})     # watermark flipped between two items
+    assert one != two and two == "agentsync:a:b:X" and one == 'agentsync:"a:b":X'
 
 
 def test_changed_files_are_capped():
