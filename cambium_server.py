@@ -4631,6 +4631,10 @@ def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | 
     if not path.is_dir():
         return None
     base = os.path.realpath(root) if root is not None else None
+    if base is not None and os.path.commonpath([base, os.path.realpath(path)]) != base:
+        raise SubstrateError(f"cannot read {path}: it is a link to {os.path.realpath(path)}, "
+                             "outside the repo; cambium did not read it (the link is left as "
+                             "it is).")
     out: dict[str, list] = {}
     for name in CONTEXT_FILES:
         f = path / f"{name}.json"
@@ -4746,13 +4750,19 @@ def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: 
 def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
     """Parse claims.json at `ref` (None: there is none); SubstrateError when it is
     too large or not a board."""
+    entry = _git(["ls-tree", ref, "--", CLAIMS_FILE], repo, t, check=False).stdout.split()
+    if len(entry) > 2 and (entry[1] != "blob" or entry[0] == "120000"):
+        kind = "a symbolic link" if entry[0] == "120000" else {
+            "tree": "a directory", "commit": "a submodule"}.get(entry[1], entry[1])
+        raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is {kind}, not a file: "
+                             "cambium did not read it.")
     proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
     if proc.returncode != 0:
         return None
     if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
         raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
                              f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
-    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout
+    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout.removeprefix("\ufeff")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:

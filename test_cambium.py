@@ -6227,6 +6227,29 @@ def test_distill_corrupt_board_json_is_a_real_error(tmp_path, monkeypatch):
     assert out.returncode == 1 and "claims.json" in out.stderr and "not valid JSON" in out.stderr
 
 
+def test_distill_reads_a_board_with_a_bom_and_names_one_that_is_no_file(tmp_path, monkeypatch):
+    """A claims.json with a byte-order mark was "not valid JSON" (everything else
+    cambium reads skips the mark); one that is a link or a directory on the
+    branch was "not valid JSON" too, which said nothing of what it was."""
+    _, clone = make_origin_and_clone(tmp_path)
+    env = {"CAMBIUM_REPO": str(clone), "CAMBIUM_AGENT_ID": "ada"}
+    push_file(clone, "agentsync", "claims.json", "\ufeff" + json.dumps({"claims": {
+        "ann": DONE_CLAIM}}))
+    out = cli("distill", "--format", "json", **env)
+    assert json.loads(out.stdout)["sources"]["agentsync"]["status"] == "imported", out.stderr
+    git(clone, "checkout", "-q", "agentsync")
+    git(clone, "rm", "-q", "claims.json")
+    (clone / "claims.json").symlink_to("/etc/passwd")
+    git(clone, "add", "claims.json")
+    git(clone, "commit", "-qm", "a link")
+    git(clone, "push", "-q", "origin", "agentsync")
+    git(clone, "checkout", "-q", "main")
+    out = cli("distill", **env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "claims.json on refs/remotes/origin/agentsync" in out.stderr
+    assert "is a symbolic link, not a file: cambium did not read it" in out.stderr
+
+
 def test_cli_distill_quiet_summary_json_and_hook_mode(tmp_path, monkeypatch):
     _, clone = make_origin_and_clone(tmp_path)
     write_board(clone, {"ann": DONE_CLAIM})
@@ -9300,7 +9323,7 @@ def test_distill_cuts_a_long_task_and_keeps_note_and_files():
     assert huge.startswith("T" * (cs.MIN_TASK_CHARS_KEPT - 1) + "…")
 
 
-@pytest.mark.parametrize("linked", ["file", "dir"])
+@pytest.mark.parametrize("linked", ["file", "dir", "empty dir"])
 def test_distill_does_not_follow_a_context_link_out_of_the_repo(repo, tmp_path, linked):
     """D3: a .context/decisions.json (or a .context/) linked to a file outside
     the repo was followed and imported; a link inside the repo still reads."""
@@ -9311,8 +9334,11 @@ def test_distill_does_not_follow_a_context_link_out_of_the_repo(repo, tmp_path, 
     if linked == "file":
         (repo / ".context").mkdir()
         (repo / ".context" / "decisions.json").symlink_to(outside / "decisions.json")
-    else:
+    elif linked == "dir":
         (repo / ".context").symlink_to(outside)
+    else:                                   # (.context -> /etc read as "empty", no warning)
+        (repo / ".context").symlink_to(tmp_path / "elsewhere")
+        (tmp_path / "elsewhere").mkdir()
     with pytest.raises(cs.SubstrateError, match="outside the repo"):
         cs.distill()
     stored = cs.store(cs.resolve_config(), "local").read().items
