@@ -1882,11 +1882,48 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+_LOCK_HELD = re.compile(r"Unable to create '([^']+\.lock)': File exists")
+REF_LOCK_STALE_S = 2.0      #: git holds a ref's lock for milliseconds: one this old is a crash's
+
+
+def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
+               ours: bool = False) -> Path | None:
+    """The lock file a failed git command names as held, when it is left over:
+    a ref's (or packed-refs') still there, unchanged, REF_LOCK_STALE_S after it
+    was made (waited for); any other older than CAMBIUM_GIT_TIMEOUT and 5 s (no
+    git cambium runs lives longer), or, `ours` (the org clone's index.lock while
+    cambium holds that clone's checkout lock), treated as a ref's."""
+    m = _LOCK_HELD.search(stderr or "")
+    if m is None:
+        return None
+    path = Path(m.group(1)) if os.path.isabs(m.group(1)) else Path(cwd or ".") / m.group(1)
+    quick = ours or "/refs/" in path.as_posix() or path.name == "packed-refs.lock"
+    try:
+        made = path.lstat().st_mtime
+        if quick and time.time() - made < REF_LOCK_STALE_S:
+            time.sleep(REF_LOCK_STALE_S - (time.time() - made))
+            if path.lstat().st_mtime != made:
+                return None                        # another git's, taken again since
+        age = time.time() - made
+    except OSError:                                # gone: its git finished
+        return None
+    return path if age >= (REF_LOCK_STALE_S if quick else timeout_s + 5.0) else None
+
+
+def remove_stale_lock(lock: Path) -> None:
+    """Remove a lock stale_lock found, saying so in the call's answer."""
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+    note_for_call(f"removed {lock}, a git lock left by a process that ended mid-command")
+
+
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
          input: str | None = None, env: dict | None = None,
-         binary: bool = False) -> subprocess.CompletedProcess:
+         binary: bool = False, retried: bool = False) -> subprocess.CompletedProcess:
     """Run one external command, bounded; raise GitError on failure or timeout.
-    Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes."""
+    Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes.
+    A git command refused by a lock file a crash left (stale_lock) runs again
+    once, the lock removed (every later write failed until a person did)."""
     try:
         proc = run_bounded(cmd, cwd=cwd, env=env or _git_env(cwd), timeout_s=timeout_s,
                            input=input.encode("utf-8") if input is not None else None)
@@ -1901,6 +1938,11 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
                "run `gh auth login`, or set CAMBIUM_ORG_PR=0 to push to org directly"
                if cmd[0] == "gh" else "")
         raise GitError(cmd, 127, f"{cmd[0]} not found on PATH ({e}){fix}") from None
+    if proc.returncode and cmd[0] == "git" and not retried \
+            and (lock := stale_lock(proc.stderr, cwd, timeout_s)):
+        remove_stale_lock(lock)
+        return _run(cmd, cwd, timeout_s, check=check, input=input, env=env, binary=binary,
+                    retried=True)
     if check and proc.returncode != 0:
         raise GitError(cmd, proc.returncode, proc.stderr or proc.stdout)
     return proc
@@ -4284,13 +4326,24 @@ class GitStore(Store):
         return list(self._warnings)
 
     def sync_checkout(self) -> None:
-        """Hard-sync a dedicated clone's checkout to the scope tip (the org clone)."""
+        """Hard-sync a dedicated clone's checkout to the scope tip (the org clone),
+        one process at a time: an index.lock found then was left by a checkout
+        that a crash or the git timeout ended, and is removed (stale_lock)."""
         state = self._state
         with state.lock:
             tip = state.tip
-            if tip and state.checked_out != tip:
-                self.git("checkout", "--quiet", "--force", "-B", self.branch, tip)
-                state.checked_out = tip
+            if not tip or state.checked_out == tip:
+                return
+            with file_lock(self._meta_dir() / "checkout"):
+                args = ("checkout", "--quiet", "--force", "-B", self.branch, tip)
+                proc = self.git(*args, check=False)
+                if proc.returncode and (lock := stale_lock(proc.stderr, self.repo,
+                                                           self.timeout_s, ours=True)):
+                    remove_stale_lock(lock)
+                    proc = self.git(*args, check=False)
+                if proc.returncode:
+                    raise GitError(["git", *args], proc.returncode, proc.stderr)
+            state.checked_out = tip
 
 
 # =============================================================================

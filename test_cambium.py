@@ -3744,6 +3744,51 @@ def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     assert any(f"is a {kind}" in w for w in warned), warned
 
 
+def test_a_git_lock_a_crash_left_is_removed_and_the_write_goes_on(shared, monkeypatch):
+    """A process killed mid-fetch left refs/remotes/origin/cambium.lock (or, in
+    the org clone, index.lock mid-checkout): every later write to that scope
+    failed ("File exists ... remove the file manually") until a person did."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Idempotency keys expire after a day")
+    cs.promote(item, force=True)
+    old = cs.time.time() - 60
+    ref_lock = shared["a"] / ".git" / "refs" / "remotes" / "origin" / "cambium.lock"
+    ref_lock.write_text("")
+    os.utime(ref_lock, (old, old))
+    git(shared["b"], "fetch", "-q", "origin")             # a peer moves the team tip
+    git(shared["b"], "checkout", "-q", "-b", "cambium", "origin/cambium")
+    (shared["b"] / "notes.txt").write_text("x\n")
+    git(shared["b"], "add", "notes.txt")
+    git(shared["b"], "commit", "-qm", "peer")
+    git(shared["b"], "push", "-q", "origin", "cambium")
+    res = cs.endorse(item, note="still holds")
+    assert res["status"] == "endorsed" and not ref_lock.exists()
+    org_item = _endorsed("Retries use exponential backoff with jitter")
+    cs.promote(org_item, to_scope="org", force=True)
+    other = _endorsed("Every alert names a runbook")
+    index_lock = shared["org"] / ".git" / "index.lock"
+    index_lock.write_text("")                              # fresh: waited for, then removed
+    cs.runtime().reset()
+    assert cs.promote(other, to_scope="org", force=True)["status"] == "promoted"
+    with cs.collecting_notes():                   # (as a tool call: its notes are warnings)
+        found = cs.with_store_warnings(cs.recall("alerts runbook", scope="org"))   # the read
+    assert [r["id"] for r in found["results"]] == [other] and not index_lock.exists()
+    assert any("removed" in w and "index.lock" in w for w in found["warnings"])
+    assert json.loads((shared["org"] / "knowledge.json").read_text())["items"]
+
+
+def test_stale_lock_leaves_a_lock_a_live_git_may_hold(tmp_path):
+    held = "fatal: Unable to create '%s': File exists.\n\nAnother git process seems..."
+    index = tmp_path / "index.lock"
+    index.write_text("")
+    assert cs.stale_lock(held % index, tmp_path, 25.0) is None        # a checkout may run
+    old = cs.time.time() - 31
+    os.utime(index, (old, old))
+    assert cs.stale_lock(held % index, tmp_path, 25.0) == index
+    assert cs.stale_lock(held % (tmp_path / "gone.lock"), tmp_path, 25.0) is None
+    assert cs.stale_lock("fatal: bad object", tmp_path, 25.0) is None
+
+
 def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared):
     item_id = _endorsed("Cache invalidation goes through the event bus", "bus")
     cs.promote()
