@@ -8235,6 +8235,10 @@ def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = 
     if not item.active:
         return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
                                             "promoted.")
+    if item.pr_url:                 # (moved to team, the merge would settle nothing: in both)
+        return Verdict(False, "pr_pending", f"item {item.id} waits on its org pull request "
+                       f"{item.pr_url}: it moves to org when that merges (close the pull "
+                       "request first to send it to team instead).")
     if trust.get("endorsements"):
         return Verdict(True, "promotable", "endorsed")
     if int(trust.get("recalls", 0)) >= recalls_needed:

@@ -4133,6 +4133,31 @@ def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monke
     assert after["scope"] == "org" and after["pr_url"]
 
 
+def test_pr_mode_a_local_item_waiting_on_its_pr_is_not_sent_to_team(shared, monkeypatch,
+                                                                    tmp_path):
+    """A local item whose org PR was open was listed team_eligible and moved to
+    team by promote(), without its pr_url: the merge then settled nothing, and
+    the item stayed active in team and org for good."""
+    make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    item_id = _endorsed("Feature flags get an owner and an expiry date")
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
+    review = cs.review_promotions()
+    assert review["team_eligible"] == [] and review["pending_org_prs"][0]["id"] == item_id
+    assert cs.promote()["status"] == "nothing_eligible"
+    waiting = cs.promote(item_id, force=True)
+    assert waiting["status"] == "pr_pending" and "waits on its org pull request" in \
+        waiting["reason"]
+    assert team_ids(shared["origin"]) == set()
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{item_id}")
+    git(merger, "push", "-q", "origin", "main")
+    assert cs.review_promotions()["settled_org_prs"] == [item_id]
+    assert not any(i.id == item_id for i in cs.store(cs.resolve_config(), "local").read().items)
+
+
 def test_a_pr_mode_promote_without_gh_says_what_it_left_and_what_to_do(
         shared, monkeypatch, tmp_path):
     """gh missing: the error said only "not found on PATH", and nothing of the
