@@ -3282,12 +3282,16 @@ def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[]
 
 
 def credit(item: Item, agent: str, day: str, project: str) -> Item:
-    """The item after one recall credit; unchanged if `agent` was credited `day`."""
+    """The item after one recall credit; unchanged if `agent` was credited `day`
+    or a later day: only each agent's last credited day is kept, so an older
+    credit folded late (journaled in another clone) may be one already counted
+    (it set the day back, and the next day counted again)."""
     trust = item.trust
     by = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
     changed = False
-    if by.get(agent) != day:
+    last = by.get(agent)
+    if not isinstance(last, str) or day > last:
         by[agent] = day
         trust = {**trust, "recalls": min(int(trust.get("recalls", 0)) + 1, MAX_TRUST_COUNT),
                  "recalled_by": by}

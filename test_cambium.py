@@ -1082,6 +1082,22 @@ def test_mistyped_fields_survive_a_rewrite_and_every_tool_reads_around_them(repo
         assert kept[k] == items[1][k], k
 
 
+def test_a_late_folded_older_credit_never_counts_a_day_twice():
+    """ada's day-1 credit, journaled in one clone and folded after her day-2
+    credit from another, set her last day back to day 1: her next day-2 recall
+    counted again (3 credits for 2 agent-days: team eligibility early)."""
+    it = cs.Item.from_dict({"id": "k-1", "content": "x"})
+    day2 = cs.credit(it, "ada", "2026-12-02", "shop")
+    late = cs.credit(day2, "ada", "2026-12-01", "shop")      # folded late: not counted
+    again = cs.credit(late, "ada", "2026-12-02", "shop")
+    assert [t.trust["recalls"] for t in (day2, late, again)] == [1, 1, 1]
+    assert again.trust["recalled_by"] == {"ada": "2026-12-02"}
+    assert cs.credit(again, "ada", "2026-12-03", "shop").trust["recalls"] == 2
+    assert cs.credit(again, "bob", "2026-12-01", "shop").trust["recalls"] == 2
+    odd = cs.Item.from_dict({"id": "k-2", "content": "x", "trust": {"recalled_by": {"ada": 5}}})
+    assert cs.credit(odd, "ada", "2026-12-01", "").trust["recalls"] == 1   # a hand edit
+
+
 def test_a_recall_count_too_long_to_write_plus_one_saturates_and_is_kept(repo):
     """A count of 4,300 digits (the longest json reads) plus one recall credit
     could not be written: every later write, even an unrelated capture, ended
