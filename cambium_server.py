@@ -3453,9 +3453,31 @@ def _higher(before: Any, mine: Any, theirs: Any) -> Any:
     return max((mine, theirs), key=lambda a: AUTHORITIES.index(a) if a in AUTHORITIES else 0)
 
 
+def _one_per_agent(mine: Any, theirs: Any) -> Any:
+    """Endorsements both sides changed: one per agent, the later (an agent who
+    endorsed on both sides, a pull request's and the branch's, counted twice);
+    entries that name no agent (a hand edit) kept from both, each once."""
+    if not (isinstance(mine, list) and isinstance(theirs, list)):
+        return _CONFLICT
+    out: list = []
+    at: dict[str, int] = {}
+    for e in mine + theirs:
+        by = e.get("by") if isinstance(e, dict) else None
+        if not isinstance(by, str):
+            if e not in out:
+                out.append(e)
+        elif by not in at:
+            at[by] = len(out)
+            out.append(e)
+        elif str(e.get("at", "")) > str(out[at[by]].get("at", "")):
+            out[at[by]] = e
+    return out
+
+
 def _merged_trust(before: dict, mine: dict, theirs: dict) -> Any:
     """trust merged key by key: recalls added up (each side's gain counts),
-    endorsements and projects united, any other key as _merged_value."""
+    endorsements one per agent (_one_per_agent), projects united, any other
+    key as _merged_value."""
     out = {}
     for k in dict.fromkeys([*mine, *theirs]):
         b, m, t = before.get(k), mine.get(k), theirs.get(k)
@@ -3463,7 +3485,9 @@ def _merged_trust(before: dict, mine: dict, theirs: dict) -> Any:
         if v is _CONFLICT and k == "recalls" and all(
                 isinstance(x, int) for x in (b or 0, m or 0, t or 0)):
             v = (m or 0) + (t or 0) - (b or 0)
-        elif v is _CONFLICT and k in ("endorsements", "projects"):
+        elif v is _CONFLICT and k == "endorsements":
+            v = _one_per_agent(m, t)
+        elif v is _CONFLICT and k == "projects":
             v = _united(b, m, t)
         if v is _CONFLICT:
             return _CONFLICT
@@ -4104,9 +4128,9 @@ class GitStore(Store):
         """Bring side branch `branch` up to the scope's tip (_side_base), so its
         pull request merges without conflict, by a fast-forward push leased on
         the branch's tip. The commit, or None when there is nothing to do (no
-        such branch, it holds the tip already, the merge changes nothing the tip
-        holds, or it conflicts) or a push there won the race (the next call
-        looks again). Raises GitError."""
+        such branch, it holds the tip already, the tip holds it: merged, or it
+        conflicts) or a push there won the race (the next call looks again).
+        Raises GitError."""
         if branch == self.branch:
             return None
         tip = self.fetch()              # as the caller's read just fetched it
@@ -4114,8 +4138,9 @@ class GitStore(Store):
         if tip is None or side is None:
             return None
         doc, parent, merge = self._side_base(tip, side)
-        if merge is None or doc.items == self.doc_at(tip).items:
-            return None
+        if merge is None or self._holds(tip, side):   # (merged: the tip holds the branch)
+            return None     # (caught up even when the tip already says all it does: it
+                            # would conflict, as a later direct endorsement by its author)
         files = {STORE_FILE: render_store(doc), **self._rendered(doc, parent)}
         commit = self._commit(parent, files, f"cambium: catch {branch} up with "
                               f"{self.remote}/{self.branch}", merge=merge)

@@ -4344,6 +4344,31 @@ def test_merged_item_reconciles_what_both_sides_added_and_refuses_the_rest():
     assert docs.items == [out]
 
 
+def test_pr_mode_an_agent_endorsing_on_both_sides_counts_once_after_catch_up(
+        shared, monkeypatch, tmp_path):
+    """bob endorsed an org item in PR mode (cambium/updates), then directly: the
+    catch-up kept both of his endorsements (endorsed×3 for two agents); and when
+    org already held all the PR said, the PR was left behind to conflict."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Prefer structured logging with stable event names", "general")
+    cs.promote(item, to_scope="org")
+    as_agent(monkeypatch, shared["a"], "bob")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    assert cs.endorse(item, note="holds in every service I know")["pr_url"]
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    cs.endorse(item, note="holds in every service")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    assert cs.review_promotions()["caught_up_org_prs"] == ["cambium/updates"]
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--no-edit", "origin/cambium/updates")   # no conflict
+    git(merger, "push", "-q", "origin", "main")
+    (merged,) = remote_json(shared["org_bare"], "main")["items"]
+    assert [(e["by"], e["note"]) for e in merged["trust"]["endorsements"]] == [
+        ("ada", "general"), ("bob", "holds in every service")]
+    assert "caught_up_org_prs" not in cs.review_promotions()     # merged: left alone
+
+
 def test_pr_mode_the_shared_updates_pr_catches_up_on_review_and_on_its_next_write(
         shared, monkeypatch, tmp_path):
     """An org item verified in PR mode waits on cambium/updates; a direct
