@@ -9884,8 +9884,9 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
         text = (f"cambium: no item to show for {project}, but some of its knowledge could "
                 "not be read (see warnings); status() says more." if unread else
                 f"cambium: no item to show for {project}: {failing} item(s) with a failing "
-                "check are left out (recall still finds them, marked failing); re-check "
-                "them, then verify_entry(id) or deprecate(id)." if failing else
+                "check are left out (recall still finds them, marked failing): fix what "
+                "their check finds until `verify --run` passes, or deprecate(id) what no "
+                "longer holds." if failing else
                 f"cambium: nothing known yet for {project}; capture() what you learn and "
                 "it will show here.")
         return {"primer": text, "entries": 0, "candidates": 0, "tokens": approx_tokens(text),

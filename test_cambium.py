@@ -10105,6 +10105,10 @@ def test_a_primer_whose_items_all_fail_their_checks_does_not_say_nothing_is_know
     assert out["entries"] == 0 and "nothing known" not in out["primer"]
     assert "1 item(s) with a failing check are left out" in out["primer"]
     assert [r["id"] for r in cs.recall("backups nightly")["results"]] == [item_id]
+    assert "verify_entry" not in out["primer"]        # (it advised it: that clears nothing)
+    cs.verify_entry(item_id, note="looked at it")
+    assert cs.session_primer()["entries"] == 0        # only a passing check clears the mark
+    assert "until `verify --run` passes" in out["primer"]
 
 
 @pytest.mark.parametrize("name", ["knowledge.json", "credits.jsonl", "shown.jsonl"])
