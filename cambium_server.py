@@ -9766,12 +9766,18 @@ def approx_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
+AUTHORITY_WEIGHT = 1000.0   #: trust_score per authority step: above anything agents add
+
+
 def trust_score(item: Item, trust: dict, now: datetime) -> float:
-    """How much the team has vouched for an item: endorsements, distinct agents
-    who recalled it, projects that used it, a recent verification."""
+    """How much the team has vouched for an item: its authority first (a
+    person's correction outranks any agent item, however endorsed; it was
+    filed as unvouched and could drop out of the primer), then endorsements,
+    distinct agents who recalled it, projects that used it, a recent verification."""
     verified = _parse_ts(item.last_verified)
     recent = verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS
-    return (3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
+    return (AUTHORITY_WEIGHT * item.authority_rank
+            + 3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
             + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
             + 0.1 * min(int(trust.get("recalls") or 0), 20))
 

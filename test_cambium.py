@@ -9838,6 +9838,13 @@ def test_primer_never_calls_a_note_nobody_vouched_for_trusted(repo):
     text = cs.session_primer()["primer"]
     assert ids[3] in text[text.index("Most trusted notes:"):text.index("Other notes")]
     assert ids[0] in text[text.index("Other notes"):]
+    for i in range(25):                          # a person's correction is vouched for:
+        cs.endorse(cs.capture(f"Endorsed note {i} on deploys", tags="deploy")["item"]["id"],
+                   note="we rely on it")         # it was filed as unvouched and, with 25
+    fixed = cs.correct(ids[0], "Plain note zero holds for every build")["item"]["id"]
+    text = cs.session_primer()["primer"]         # endorsed notes about, left out
+    trusted = text[text.index("Most trusted notes:"):]
+    assert trusted.index(fixed) < trusted.index("Endorsed note")      # and it leads
 
 
 def test_primer_is_bounded_by_limit_and_token_budget(repo):
