@@ -8327,11 +8327,14 @@ def raised(item: Item, authority: str) -> str | None:
 def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str,
                   now: str) -> Item:
     """A person's correction of `old`: a new human-authority item in old's scope
-    that links back to it (old gets superseded_by; see supersede())."""
+    that links back to it (old gets superseded_by; see supersede()), about the
+    same code and under the same premise (old's code_refs and valid_while: the
+    pointer and the premise were lost with the corrected item)."""
     new = new_item(content, type=old.type, kind=old.kind, why=why, tags=old.tags,
                    project=project, agent=agent, now=now,
                    source={"system": "correction", "ref": old.id})
-    return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id)
+    return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id,
+                               code_refs=old.code_refs, valid_while=old.valid_while)
 
 
 def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:

@@ -5103,6 +5103,19 @@ def test_a_damaged_private_team_ref_is_fetched_again_not_read_as_an_empty_scope(
     assert endorsed["note"] == "still true 40"         # (one per agent: the last one landed)
 
 
+def test_a_correction_keeps_the_code_it_is_about_and_its_premise(repo):
+    """correct() dropped the corrected item's code_refs and valid_while: the
+    recall line's pointer to the code and the premise went with it."""
+    (repo / "billing.py").write_text("def total(rows):\n    return sum(rows)\n")
+    wrong = cs.capture("Totals are summed in floats", valid_while="billing.py stays in Python",
+                       code_refs=[{"path": "billing.py", "symbol": "total"}])["item"]["id"]
+    fixed = cs.correct(wrong, "Totals are summed in integer cents")["item"]
+    assert fixed["code_refs"] == [{"path": "billing.py", "symbol": "total"}]
+    assert fixed["valid_while"] == "billing.py stays in Python"
+    (line,) = cs.recall("totals summed integer cents")["results"]
+    assert line["line"].endswith("→ billing.py:1")
+
+
 def test_correct_at_team_scope_goes_through_the_cas_push(shared):
     wrong = _endorsed("Team standup is at nine", "x")
     cs.promote()
