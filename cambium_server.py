@@ -8715,7 +8715,23 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior
-               + origins})
+               + origins}, **merged_pointers(survivor, [m for m, _ in fresh]))
+
+
+def merged_pointers(survivor: Item, fresh: list[Item]) -> dict:
+    """What a survivor takes of its duplicates besides trust: their code anchors
+    and tags (after its own, within the limits) and a premise when it has none
+    (the duplicate's pointer to the code was lost with it). Not into org: an
+    anchor or premise names one project's code, which the org gate refuses."""
+    if survivor.scope == "org":
+        return {}
+    refs = _distinct_refs([r for it in (survivor, *fresh) for r in it.code_refs or []
+                           if isinstance(r, dict) and isinstance(r.get("path"), str)],
+                          MAX_CODE_REFS)
+    tags = list(dict.fromkeys(t for it in (survivor, *fresh) for t in it.tags))[:MAX_TAGS]
+    premise = survivor.valid_while or next((it.valid_while for it in fresh
+                                            if isinstance(it.valid_while, str)), None)
+    return {"code_refs": refs or survivor.code_refs, "tags": tags, "valid_while": premise}
 
 
 # =============================================================================

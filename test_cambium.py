@@ -5250,6 +5250,22 @@ def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
         {survivor, near}
 
 
+def test_consolidate_keeps_the_duplicates_code_anchors_tags_and_premise(repo):
+    """The survivor took the duplicate's trust but not its code_refs, tags or
+    valid_while: the item that stayed lost its pointer to the code."""
+    lean = _trusted("Retry idempotent requests with exponential backoff and jitter",
+                    recalls=9, endorsers=("bob", "cy"))
+    rich = cs.capture("Retry idempotent requests with jitter and exponential backoff!",
+                      tags="retry,network", valid_while="payments use http",
+                      code_refs=[{"path": "src/retry.py", "symbol": "backoff"}])["item"]["id"]
+    done = cs.consolidate(apply=True)
+    assert done["groups"][0]["survivor"]["id"] == lean and done["superseded"] == [rich]
+    kept = {i["id"]: i for i in local_items(repo)}[lean]
+    assert kept["code_refs"] == [{"path": "src/retry.py", "symbol": "backoff"}]
+    assert set(kept["tags"]) >= {"retry", "network"}
+    assert kept["valid_while"] == "payments use http"
+
+
 def test_consolidate_across_team_and_local_writes_the_survivor_first(shared):
     team_id = _endorsed("Every service exposes a health endpoint at /healthz")
     cs.promote()
