@@ -8692,11 +8692,11 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     recalled = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
     recalls = merged_recalls([trust, *(t for _, t in fresh)])
-    for _, t in fresh:
+    for m, t in fresh:
         for e in t.get("endorsements") or []:
             if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
                                                                    .get("at", "")):
-                ends[e.get("by")] = e
+                ends[e.get("by")] = publishable_endorsement(e, survivor, m)
         for agent, day in (t.get("recalled_by") or {}).items():
             recalled[agent] = max(str(day), str(recalled.get(agent, "")))
         projects += [p for p in t.get("projects") or [] if p not in projects]
@@ -8716,6 +8716,19 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior
                + origins}, **merged_pointers(survivor, [m for m, _ in fresh]))
+
+
+def publishable_endorsement(e: dict, survivor: Item, member: Item) -> dict:
+    """An endorsement a duplicate brings to its survivor; into org, without a
+    note that reads project-specific (the org gate's test): consolidate
+    published such a note, which promote would have refused. The duplicate,
+    superseded, keeps it as it was."""
+    note = e.get("note")
+    if survivor.scope != "org" or not note or not (
+            generalization_tells(str(note), survivor.project)
+            or generalization_tells(str(note), member.project)):
+        return e
+    return {**e, "note": ""}
 
 
 def merged_pointers(survivor: Item, fresh: list[Item]) -> dict:
@@ -11600,6 +11613,13 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
 
     def apply(it: Item) -> Item:
         _require_active(it, "endorsed")
+        if it.scope == "org" and note:      # published to every project, as the gate reads it
+            tells = generalization_tells(note, it.project) + generalization_tells(
+                note, cfg.project)
+            if tells:
+                raise InputError(f"note {tells[0]}: an org item's endorsement notes are "
+                                 "published to every project (KNOWLEDGE.md); say it in "
+                                 "cross-project terms, or endorse without a note.", "note")
         ends, mine = [], []
         for e in it.trust.get("endorsements", []):
             (mine if isinstance(e, dict) and e.get("by") == cfg.agent else ends).append(e)
@@ -11755,6 +11775,19 @@ def _org_refusal(item: Item, verdict: Verdict) -> dict:
         out.update(tells=verdict.tells, draft=verdict.draft,
                    retry=f"promote({item.id!r}, to_scope='org', {_restating(verdict.tells)})")
     return out
+
+
+def generalization_fix(item_id: str, tells: list[str]) -> str:
+    """What clears an org item's tells: generalize() for its own text; for a
+    tell in an endorsement note, which generalize() never touches (the advice
+    was generalize() whatever the tell), its author endorsing again."""
+    notes = {t.split(" ", 4)[3] for t in tells if t.startswith("endorsement note by ")}
+    body = [t for t in tells if not t.startswith("endorsement note by ")]
+    fixes = [f"generalize({item_id!r}, {_restating(body)})"] if body else []
+    fixes += [f"{by} endorses again with a cross-project note (endorse({item_id!r}, "
+              "note=<why it holds, in general terms>)): generalize() does not change notes"
+              for by in sorted(notes)]
+    return "; ".join(fixes)
 
 
 def _restating(tells: list[str]) -> str:
@@ -11984,7 +12017,7 @@ def review_promotions() -> dict:
             out["org_needs_generalization"].append({
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": latest_endorsement_note(it),
-                "fix": f"generalize({it.id!r}, {_restating(tells)})"})
+                "fix": generalization_fix(it.id, tells)})
     if settled:
         out["settled_org_prs"] = settled
     if prs.withdrawn:

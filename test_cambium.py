@@ -4021,6 +4021,44 @@ def test_a_renamed_org_default_branch_is_followed_not_forked(shared, monkeypatch
     assert {i["id"] for i in remote_json(bare, "trunk")["items"]} == {first, second}  # goes on)
 
 
+def test_an_org_items_endorsement_notes_pass_the_org_gate_too(shared, monkeypatch):
+    """An endorsement note naming a project's files reached org two ways the
+    gate never saw: endorse() of an org item, and consolidate() folding a
+    local duplicate's endorsements into its org survivor."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    x = _endorsed("Prefer idempotent retries with exponential backoff and jitter",
+                  "holds for any service calling a flaky dependency")
+    cs.promote(x, to_scope="org")
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    with pytest.raises(cs.InputError, match="note names a file: src/retry.py: an org item's "):
+        cs.endorse(x, note="see src/retry.py")
+    assert cs.endorse(x, note="holds wherever a network call can fail")["status"] == "endorsed"
+    as_agent(monkeypatch, shared["b"], "cy")
+    y = _endorsed("Prefer idempotent retries with exponential backoff and jitter!",
+                  "see src/retry.py and test_retry_backoff")
+    assert cs.consolidate(apply=True)["superseded"] == [y]
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert [(e["by"], e["note"]) for e in org["trust"]["endorsements"]] == [
+        ("ada", "holds for any service calling a flaky dependency"),
+        ("bob", "holds wherever a network call can fail"), ("cy", "")]
+    assert "src/retry.py" not in remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
+    kept = {i["id"]: i for i in local_items(shared["b"])}[y]       # the duplicate keeps it
+    assert kept["trust"]["endorsements"][0]["note"] == "see src/retry.py and test_retry_backoff"
+
+
+def test_the_fix_offered_for_an_org_items_tells_is_one_that_clears_them():
+    """review_promotions offered generalize() for a tell in an endorsement note,
+    which generalize() never touches: the item stayed listed, the advice too."""
+    fix = cs.generalization_fix("k-1", ["endorsement note by bob names a file: src/a.py"])
+    assert fix.startswith("bob endorses again with a cross-project note (endorse('k-1', ")
+    assert "generalize('k-1'," not in fix
+    both = cs.generalization_fix("k-1", ["names a test: test_x", "kind names a file: a.py",
+                                         "endorsement note by cy names a file: b.py"])
+    assert both.startswith("generalize('k-1', org_content=") and "org_kind=" in both
+    assert "; cy endorses again" in both
+
+
 def test_org_requires_endorsement_and_force_overrides_gate(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     plain = cs.capture("Edit config.yaml before deploys")["item"]["id"]
