@@ -11189,6 +11189,11 @@ def capture(content: Annotated[str, Field(
     cfg = require_config()
     if supersedes is not None:
         _require_active(locate(cfg, _check_id(supersedes), highest=True)[1], "disputed")
+    elif fixed := _correction_of_text(cfg, content, type):
+        return with_store_warnings({
+            "status": "corrected_before", "item": item_view(fixed),
+            "note": "a person corrected this statement; the correction stands (capture "
+                    "with supersedes=<its id> to dispute it)"}, cfg)
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
                              supersedes=supersedes, code_refs=code_refs)])
@@ -11202,6 +11207,40 @@ def capture(content: Annotated[str, Field(
         "status": "duplicate", "item": item_view(dup) if dup else None,
         "note": "an active item with this content already exists; endorse it instead of "
                 "capturing it again"}, cfg)
+
+
+def _correction_of_text(cfg: Config, content: Any, type: str) -> Item | None:
+    """The live correction of a local item that said exactly `content`: capturing
+    the words a person corrected stored the wrong statement again, active."""
+    if not isinstance(content, str) or not content.strip():
+        return None                            # (capture's own checks say what is wrong)
+    key = text_key(type, plain_text(content).strip())
+    words, fixes = corrections(str(cfg.local_dir / STORE_FILE), store(cfg, "local").read().items)
+    fix, seen = fixes.get(words.get(key, "")), set()
+    while fix is not None and not fix.active and fix.id not in seen:   # a chain: its live end
+        seen.add(fix.id)
+        fix = fixes.get(fix.id)
+    return fix if fix is not None and fix.active else None
+
+
+def corrections(key: str, items: list) -> tuple[dict[str, str], dict[str, Item]]:
+    """({content key of a corrected item: its id}, {corrected id: its correction})
+    of a store's items, kept per store and brought up to date by the items a
+    capture appended (a correction is a rewrite: built again), so a capture of a
+    100,000-item store does not walk them all."""
+    rt = runtime()
+    with rt.index_lock:
+        src, words, fixes = rt.key_sets.get("corrections:" + key, (None, {}, {}))
+        if src is not items:
+            grown = src is not None and extends(items, src)
+            new = [x for x in (items[len(src):] if grown else items)
+                   if isinstance(x.corrects, str)]
+            if not grown or new:                    # (a correction came: walk them once)
+                fixes = {**(fixes if grown else {}), **{x.corrects: x for x in new}}
+                words = {content_key(x): x.id for x in items
+                         if x.id in fixes and x.status == "superseded"}
+            rt.key_sets["corrections:" + key] = (items, words, fixes)
+    return words, fixes
 
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:

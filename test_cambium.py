@@ -5154,6 +5154,20 @@ def test_a_correction_keeps_the_code_it_is_about_and_its_premise(repo):
     assert line["line"].endswith("→ billing.py:1")
 
 
+def test_capturing_the_words_a_person_corrected_answers_with_the_correction(repo):
+    """Duplicate detection looked at active items only: capturing the exact
+    statement a person had corrected stored the wrong one again, active."""
+    wrong = cs.capture("Deploys go out on Fridays")["item"]["id"]
+    fixed = cs.correct(wrong, "Deploys never go out on Fridays")["item"]["id"]
+    again = cs.capture("deploys go out on  fridays")
+    assert again["status"] == "corrected_before" and again["item"]["id"] == fixed
+    later = cs.correct(fixed, "Deploys go out Monday to Thursday")["item"]["id"]
+    assert cs.capture("Deploys go out on Fridays")["item"]["id"] == later   # the live end
+    disputed = cs.capture("Deploys go out on Fridays", supersedes=later)
+    assert disputed["status"] == "captured"                # a dispute is still possible
+    assert len(local_items(repo)) == 4
+
+
 def test_correct_at_team_scope_goes_through_the_cas_push(shared):
     wrong = _endorsed("Team standup is at nine", "x")
     cs.promote()
