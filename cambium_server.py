@@ -6665,8 +6665,9 @@ class VectorCache:
                     raise ValueError("vectors that are not the model's (not unit length)")
             rows = {}
             for key, (start, count) in meta["keys"].items():
-                if not (0 <= start and 0 < count and start + count <= len(mat)):
-                    raise ValueError(f"rows of {key} out of range")
+                if type(start) is not int or type(count) is not int or \
+                        not (0 <= start and 0 < count and start + count <= len(mat)):
+                    raise ValueError(f"rows of {key} out of range")   # ([true, true] too)
                 rows[key] = mat[start:start + count]
             self.rows = rows
         except Exception as e:  # noqa: BLE001 - a cache: discard and rebuild
@@ -6716,9 +6717,14 @@ class VectorCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            atomic_write(self.dir / "index.json", json.dumps(
-                {"format": 1, "model": MODEL_ID, "dim": EMBED_DIM, "file": name,
-                 "keys": keys}, separators=(",", ":")))
+            try:
+                atomic_write(self.dir / "index.json", json.dumps(
+                    {"format": 1, "model": MODEL_ID, "dim": EMBED_DIM, "file": name,
+                     "keys": keys}, separators=(",", ":")))
+            except BaseException:               # (a directory there: each save left a
+                with contextlib.suppress(OSError):      # whole cache's .npy behind)
+                    os.unlink(self.dir / name)
+                raise
             for old in self.dir.glob("vectors-*.npy"):
                 if old.name != name:
                     with contextlib.suppress(OSError):
@@ -6923,6 +6929,8 @@ class _SlotVectors:
             self.alive[slot] = True
             key = vector_key(it, self.second)
             rows = cache.get(key)
+            if rows is not None and len(rows) < 1 + self.second:   # (a hand-edited cache: one
+                rows = None                     # row where the second encoder's is last too)
             if rows is None:
                 self.missing[slot] = key
                 self.by_key.setdefault(key, set()).add(slot)
@@ -6954,6 +6962,8 @@ class _SlotVectors:
         new, self.added_seen = cache.added[self.added_seen:], len(cache.added)
         for key in new:
             rows = cache.get(key)
+            if rows is not None and len(rows) < 1 + self.second:
+                rows = None                     # (as sync: too short to be this engine's)
             for slot in list(self.by_key.get(key, ())) if rows is not None else ():
                 self._place(slot, items[slot], rows)
                 self._unwait(slot)
@@ -7587,6 +7597,12 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
             return ranking
         except SemanticUnavailable as e:
             note = _fallback_note(str(e), always=mode == "semantic")
+        except (ValueError, IndexError, TypeError, KeyError, ArithmeticError) as e:
+            # a cache or model output no check foresaw (a hand-edited vector cache
+            # made every recall a traceback): this answer is lexical, saying why
+            note = (f"Recall is lexical (shared words only) for this query: semantic "
+                    f"ranking failed ({type(e).__name__}: {str(e)[:160]}); a damaged "
+                    f"vector cache in .cambium/{VECTORS_DIR}/ can be deleted, it is rebuilt.")
     ranking = score_query(index, query, limit)
     ranking.note = note
     return ranking

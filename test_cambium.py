@@ -7799,6 +7799,30 @@ def test_semantic_finds_a_paraphrase_lexical_misses(semantic, monkeypatch):
 
 
 @needs_extra
+def test_a_cache_entry_too_short_for_its_engine_is_embedded_again(semantic, monkeypatch):
+    """One cache entry of a single row (a hand edit) in an engine whose rows end
+    with the second encoder's vector made every recall an IndexError; and any
+    error no check foresaw in the semantic path answers lexically, saying why."""
+    np = pytest.importorskip("numpy")
+    cache = cs.VectorCache(None)
+    item = cs.new_item("Rotate database passwords every ninety days")
+    index = cs.Index().sync([item])
+    key = cs.vector_key(item, True)
+    cache.put(key, np.ones((1, cs.EMBED_DIM), np.float32) / np.sqrt(cs.EMBED_DIM))
+    slots = cs._SlotVectors(np, second=True)
+    assert slots.sync(index, cache) == [item] and slots.missing == {0: key}
+    for item_text in ("Rotate database passwords every ninety days", "Backups run nightly"):
+        cs.capture(item_text)
+
+    def broken(*args, **kwargs):
+        raise IndexError("index 0 is out of bounds for axis 0 with size 0")
+    eng = cs.semantic_engine(cs.resolve_config().local_dir / cs.VECTORS_DIR)
+    monkeypatch.setattr(eng, "rank", broken)
+    res = cs.recall("how often do we rotate database passwords")
+    assert res["mode"] == "lexical" and res["results"]
+    assert "semantic ranking failed (IndexError: index 0 is out of bounds" in res["note"]
+
+
 def test_semantic_abstains_on_an_unrelated_query(semantic):
     _capture_notes()
     res = cs.recall(UNRELATED)
