@@ -11491,10 +11491,13 @@ PRIMER_CACHE_BYTES = 8 * 2**20            #: a larger cache is not read (made af
 
 def primer_key(cfg: Config, limit: int) -> str | None:
     """A name for everything a primer is made from, taken without parsing a
-    store or spawning git for a ref: the settings, the day (ages), the local
-    file and credit journal as they stand, the last fetched team and org tips,
-    and HEAD (anchors). None when a part cannot be named that way."""
-    parts: list = [__version__, limit, _today(), cfg.project, cfg.remote, cfg.team_branch,
+    store or spawning git for a ref: the settings, the hour (ages: a premise
+    turns 30 days old, a verification 90, at any time of day; the day alone
+    served a stale digest until midnight), the local file and credit journal
+    as they stand, the last fetched team and org tips, and HEAD (anchors).
+    None when a part cannot be named that way."""
+    hour = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H")
+    parts: list = [__version__, limit, hour, cfg.project, cfg.remote, cfg.team_branch,
                    str(cfg.org_repo)]
     try:
         for path in (cfg.local_dir / STORE_FILE, credits_path(cfg)):
@@ -11529,10 +11532,13 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
         out = _make_primer(cfg, limit, anchored)
         if key is not None and not out.get("warnings") and cfg.local_dir.is_dir():
             stamps = {p: path_stamp(cfg.repo, p) for p in sorted(anchored)}
-            atomic_write(path, json_text({"key": key, "primer": out, "anchored": stamps}))
+            with contextlib.suppress(OSError):   # a cache: a full disk or a read-only
+                atomic_write(path, json_text(    # checkout still gets its digest
+                    {"key": key, "primer": out, "anchored": stamps}))
     ids = out.pop("ids", [])
     if shown:
-        note_shown(cfg, ids, "primer")
+        with contextlib.suppress(OSError):
+            note_shown(cfg, ids, "primer")
     return out
 
 
@@ -13648,12 +13654,16 @@ def primer_hook(argv: list[str]) -> int:
         if not cfg.configured:                  # (parse_args has checked the limit)
             return 0
         set_aside_links(cfg.local_dir)          # as every configured call does
-        out = cached_primer(cfg, limit)
-        aside = set_aside_warnings(cfg.local_dir / STORE_FILE, knowledge_only=True)
-        unread = [w for w in out.get("warnings", []) if w not in aside]
+        for attempt in range(3):                # a line read while a capture appends it
+            out = cached_primer(cfg, limit)     # reads as damaged: read again
+            aside = set_aside_warnings(cfg.local_dir / STORE_FILE, knowledge_only=True)
+            unread = [w for w in out.get("warnings", []) if w not in aside]
+            if not any("damaged line" in w for w in unread):
+                break
+            time.sleep(0.05 * (attempt + 1))
         if unread or (aside and not out["entries"]):   # a scope it could not read, or all
             raise CambiumError("; ".join(unread or aside))   # set aside: say nothing
-        sys.stdout.write(json_text({"hookSpecificOutput": {
+        sys.stdout.write(json.dumps({"hookSpecificOutput": {    # ASCII: any stdout encoding
             "hookEventName": "SessionStart", "additionalContext": out["primer"]}}) + "\n")
         sys.stdout.flush()
     except BaseException as e:      # noqa: BLE001 - a SessionStart hook must never fail

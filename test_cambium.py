@@ -10044,6 +10044,39 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
     assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
 
 
+def test_primer_hook_prints_its_digest_whatever_stdout_and_the_disk_allow(repo, tmp_path,
+                                                                          monkeypatch):
+    """The hook printed nothing when stdout was not UTF-8 (the code pointer's
+    arrow), or when its cache could not be written (a full disk, a read-only
+    checkout), though the digest was made."""
+    (repo / "billing.py").write_text("def total(rows):\n    return sum(rows)\n")
+    cs.capture("Totals are integer cents", kind="pitfall", code_refs="billing.py#total")
+    (repo / ".cambium" / cs.PRIMER_CACHE_FILE).mkdir()        # no cache file can be written
+    monkeypatch.delenv("CAMBIUM_REPO")
+    out = _hook(tmp_path, json.dumps({"cwd": str(repo)}), PYTHONIOENCODING="ascii")
+    ctx = json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert "Totals are integer cents" in ctx and "→ billing.py:1" in ctx, out.stderr
+    assert out.stdout.isascii()
+
+
+def test_primer_hook_reads_again_a_line_a_capture_was_appending(repo, monkeypatch, capsys):
+    """A hook reading while a capture appended found a "damaged" line and
+    printed nothing (3 of 100 session starts beside a busy server)."""
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    real, calls = cs.cached_primer, []
+
+    def torn_once(cfg, limit, **kw):
+        out = real(cfg, limit, **kw)
+        calls.append(1)
+        return {**out, "warnings": ["knowledge.json: 1 damaged line(s) left out of this "
+                                    "answer"]} if len(calls) == 1 else out
+    monkeypatch.setattr(cs, "cached_primer", torn_once)
+    monkeypatch.setattr(cs, "bind_hook", lambda: repo)
+    assert cs.primer_hook(["primer", "--hook"]) == 0
+    assert "Never deploy on Fridays" in json.loads(capsys.readouterr().out)[
+        "hookSpecificOutput"]["additionalContext"] and len(calls) == 2
+
+
 def test_primer_hook_runs_as_a_module_too(repo, tmp_path, monkeypatch):
     """The README's faster hook form, `python3 -m cambium_server primer --hook`
     (bytecode cached, unlike a script path), answers the same way."""
