@@ -1560,6 +1560,7 @@ class GitScope:
     tip: str | None = None
     tip_known: bool = False             # `tip` is the last fetched tip (None: no branch)
     fetched_at: float = 0.0
+    stamp_seen: float = 0.0             # the fetch stamp's mtime when `tip` was last read
     refreshing: bool = False            # a background fetch is running
     refreshed: threading.Event = field(default_factory=threading.Event)  # ...it ended
     refresh_started: float = 0.0        # when it began (monotonic)
@@ -3712,10 +3713,18 @@ class GitStore(Store):
         if damaged:
             self._warnings.append(f"{damaged}: it was removed and fetched again")
         failed = None if damaged or force or fresh else self._recent_failure()
+        stamp = 0.0
+        with contextlib.suppress(OSError):
+            stamp = self._stamp().stat().st_mtime
         with state.lock:
-            last = state.fetched_at
-            with contextlib.suppress(OSError):
-                last = max(last, self._stamp().stat().st_mtime)   # another process fetched
+            moved, state.stamp_seen = stamp != state.stamp_seen, stamp
+        if moved:         # another process fetched or pushed: the ref it moved is read
+            tip = self.local_tip()      # again (a server answered from its own tip for
+            with state.lock:            # minutes after a CLI's team write)
+                if state.tip_known:
+                    state.tip = tip
+        with state.lock:
+            last = max(state.fetched_at, stamp)       # (another process fetched)
             due = damaged or force or fresh or time.time() - last >= self.fetch_interval_s
             if due and failed is not None:
                 due = False
@@ -3827,10 +3836,23 @@ class GitStore(Store):
                     with contextlib.suppress(OSError):
                         os.unlink(lock)
                     raise
+                self._touch_stamp()
                 return
         except (OSError, IndexError):
             pass
         self.git("update-ref", self.ref, commit)
+        self._touch_stamp()
+
+    def _touch_stamp(self) -> None:
+        """Tell every process of the clone that the ref moved (fetch reads the
+        stamp's mtime): after a push, the tip is as good as fetched."""
+        with contextlib.suppress(OSError):
+            stamp = self._stamp()
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.touch()
+            seen = stamp.stat().st_mtime
+            with self._state.lock:                # (this process knows its own tip)
+                self._state.stamp_seen = seen
 
     def _objects(self) -> Path | None:
         """The clone's object directory when cambium reads and writes it itself
@@ -3900,9 +3922,7 @@ class GitStore(Store):
                 self.git("update-ref", "-d", self.ref, check=False)
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
-        stamp = self._stamp()
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.touch()
+        self._touch_stamp()
         with contextlib.suppress(OSError):
             self._failed_stamp().unlink()
         with self._state.lock:                    # the caller holds `fetching`

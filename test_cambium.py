@@ -3597,6 +3597,23 @@ def test_endorse_works_at_team_scope(shared, monkeypatch):
     assert {e["by"] for e in stored["trust"]["endorsements"]} == {"ada", "bob"}
 
 
+def test_a_server_sees_a_team_write_another_process_of_its_clone_made(shared, monkeypatch):
+    """A long-running server answered from the team tip it held, for minutes,
+    after a CLI in the same clone deprecated a team item or promoted another:
+    the CLI's fetch stamp counted as a fresh fetch, the ref it moved unread."""
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "600")     # no fetch of its own is due
+    old = _endorsed("Canary every deploy for ten minutes", "canary")
+    cs.promote()
+    cs.runtime().long_running.set()
+    assert [r["id"] for r in cs.recall("canary deploys ten minutes")["results"]] == [old]
+    assert cli("deprecate", old, "--reason", "we ship behind flags now").returncode == 0
+    new = cs.capture("Ship every change behind a flag", tags="flags")["item"]["id"]
+    cs.store(cs.resolve_config(), "local").read()           # (the server's own view)
+    assert cli("promote", new, "--force").returncode == 0
+    assert cs.recall("canary deploys ten minutes")["results"] == []
+    assert [r["id"] for r in cs.recall("ship change behind flag")["results"]] == [new]
+
+
 def test_first_mcp_recall_behind_a_hanging_remote_warns_that_team_may_be_behind(shared):
     """At start the server's warm-up fetches the team branch. Against a remote
     that hangs, the first recall waited for that fetch's whole timeout, then
