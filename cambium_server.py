@@ -9169,6 +9169,9 @@ def org_clone_problem(org: Path, project: Path) -> str | None:
     return None
 
 
+ORG_HEAD_ASK_S = 5.0    #: asking the org remote its default branch waits at most this long
+
+
 def _org_default_branch(org: Path, timeout_s: float) -> str:
     """The org repo's default branch: origin/HEAD as the clone records it, read
     from .git (the primer hook builds an org store on every session start);
@@ -9181,8 +9184,18 @@ def _org_default_branch(org: Path, timeout_s: float) -> str:
     proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
                 timeout_s, check=False)
     branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
-    if not branch:
-        proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org, timeout_s)
+    if not branch:      # the clone's own branch when origin has it or has none (a clone
+        own = _git(["symbolic-ref", "--quiet", "--short", "HEAD"], org, timeout_s,   # of an
+                   check=False).stdout.strip()      # empty repo), unrecorded, with no network:
+        known = _git(["for-each-ref", "--format=%(refname:lstrip=3)", "refs/remotes/origin/"],
+                     org, timeout_s, check=False).stdout.split()   # a session start on a dark
+        if own and (own in known or not known):     # remote waited 50 s (a write asks the
+            return own                              # remote before it makes a branch)
+        try:
+            proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org,
+                        min(timeout_s, ORG_HEAD_ASK_S))
+        except GitError:
+            return "main"
         heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
         if not heads:
             return "main"

@@ -3463,6 +3463,25 @@ def test_org_default_branch_is_asked_of_the_remote_once_then_read_from_the_clone
     assert not {"ls-remote", "symbolic-ref"} & set(calls), calls
 
 
+def test_an_org_clone_of_an_empty_repo_names_its_branch_without_the_network(
+        shared, monkeypatch):
+    """A clone of the org repo made while it was empty has no origin/HEAD: each
+    session start asked the remote (twice), and behind a dark remote the
+    primer hook waited 50 s, then printed nothing."""
+    empty = shared["tmp"] / "empty-org.git"
+    git(shared["tmp"], "init", "-q", "--bare", "-b", "main", str(empty))
+    org = shared["tmp"] / "empty-org"
+    git(shared["tmp"], "clone", "-q", str(empty), str(org))
+    git(org, "config", "remote.origin.uploadpack", "sleep 30; git-upload-pack")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    calls = []
+    real = cs._git
+    monkeypatch.setattr(cs, "_git", lambda args, *a, **k: calls.append(args[0]) or
+                        real(args, *a, **k))
+    assert cs.store(cs.resolve_config(), "org").branch == "main"
+    assert "ls-remote" not in calls
+
+
 def test_refs_of_a_reftable_clone_are_never_read_from_files(tmp_path):
     """A clone that keeps its refs in a reftable has no ref files to read:
     cambium's file readers decline (then git is asked, or nothing is cached)
