@@ -6022,6 +6022,19 @@ def _package_file(package: str, name: str) -> Path:
     return path
 
 
+def model_file_problem() -> str | None:
+    """Why the pinned model file cannot load, by what a stat can tell (missing,
+    not a file, not its size), or None: status() says lexical then, as every
+    recall will, without loading the model (it said semantic)."""
+    try:
+        path = _package_file(MODEL_PACKAGE, MODEL_FILE)
+        size = path.stat().st_size
+    except (SemanticUnavailable, OSError) as e:
+        return str(e)
+    return None if size == MODEL_BYTES else \
+        f"{path} is {size} bytes, expected {MODEL_BYTES}: not the pinned model"
+
+
 def _vocab_file() -> Path | None:
     """cambium_vocab.py: beside this file (a checkout, or both installed side by
     side in site-packages), else wherever the import system finds it."""
@@ -7669,8 +7682,11 @@ def recall_mode_report(cfg: Config) -> dict:
     setting = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
     missing = semantic_extra_missing()
     rt = runtime()
-    if setting == "lexical" or missing or rt.embedder_error:
+    unusable = None if setting == "lexical" or missing or rt.embedder_error else \
+        model_file_problem()
+    if setting == "lexical" or missing or rt.embedder_error or unusable:
         why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else rt.embedder_error
+               or unusable
                or "the semantic extra is not installed (missing: " + ", ".join(missing) + ")")
         return {"recall_mode": "lexical", "recall_mode_reason": why,
                 "semantic_extra": SEMANTIC_PITCH if missing else "installed"}

@@ -7859,6 +7859,18 @@ def test_a_cache_entry_too_short_for_its_engine_is_embedded_again(semantic, monk
     assert "semantic ranking failed (IndexError: index 0 is out of bounds" in res["note"]
 
 
+def test_status_says_lexical_when_the_model_file_is_not_there(semantic, monkeypatch):
+    """With the model file missing (or of another size) status said semantic,
+    while every recall was lexical with a note saying why."""
+    assert cs.status()["recall_mode"] == "semantic"
+    monkeypatch.setattr(cs, "MODEL_FILE", "no-such-model.onnx")
+    st = cs.status()
+    assert st["recall_mode"] == "lexical" and "no-such-model.onnx" in st["recall_mode_reason"]
+    monkeypatch.setattr(cs, "MODEL_FILE", "model.onnx")
+    monkeypatch.setattr(cs, "MODEL_BYTES", 1)
+    assert "not the pinned model" in cs.status()["recall_mode_reason"]
+
+
 def test_semantic_abstains_on_an_unrelated_query(semantic):
     _capture_notes()
     res = cs.recall(UNRELATED)
