@@ -3441,6 +3441,16 @@ def test_first_write_to_an_empty_sha256_org_repo_is_left_to_git(shared, monkeypa
     assert item.id in remote_json(bare, ref)["items"][0]["id"]
 
 
+def _git_calls(monkeypatch, org: Path) -> list:
+    """Point CAMBIUM_ORG_REPO at `org` and record every git command cambium runs."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    calls: list = []
+    real = cs._git
+    monkeypatch.setattr(cs, "_git", lambda args, *a, **k: calls.append(args[0]) or
+                        real(args, *a, **k))
+    return calls
+
+
 def test_org_default_branch_is_asked_of_the_remote_once_then_read_from_the_clone(
         shared, monkeypatch):
     """An org clone without origin/HEAD (init + remote add + fetch) costs one
@@ -3450,11 +3460,7 @@ def test_org_default_branch_is_asked_of_the_remote_once_then_read_from_the_clone
     git(shared["tmp"], "init", "-q", str(org))
     git(org, "remote", "add", "origin", str(shared["org_bare"]))
     git(org, "fetch", "-q", "origin")
-    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
-    calls = []
-    real = cs._git
-    monkeypatch.setattr(cs, "_git", lambda args, *a, **k: calls.append(args[0]) or
-                        real(args, *a, **k))
+    calls = _git_calls(monkeypatch, org)
     assert cs.store(cs.resolve_config(), "org").branch == "main"
     assert "ls-remote" in calls
     cs.runtime().reset()                              # a new process
@@ -3473,11 +3479,7 @@ def test_an_org_clone_of_an_empty_repo_names_its_branch_without_the_network(
     org = shared["tmp"] / "empty-org"
     git(shared["tmp"], "clone", "-q", str(empty), str(org))
     git(org, "config", "remote.origin.uploadpack", "sleep 30; git-upload-pack")
-    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
-    calls = []
-    real = cs._git
-    monkeypatch.setattr(cs, "_git", lambda args, *a, **k: calls.append(args[0]) or
-                        real(args, *a, **k))
+    calls = _git_calls(monkeypatch, org)
     assert cs.store(cs.resolve_config(), "org").branch == "main"
     assert "ls-remote" not in calls
 
