@@ -5171,6 +5171,7 @@ def test_a_damaged_private_team_ref_is_fetched_again_not_read_as_an_empty_scope(
         "is damaged" in w for w in primer["warnings"])
     for damage in ("", "1234567890" * 4):                 # emptied; a commit never fetched
         ref.write_text(damage + "\n" if damage else "")
+        cs.time.sleep(0.01)           # past the 1 ms fetch interval since the endorse's push
         res = cs.recall("cache dependencies lockfile", scope="team")
         assert [r["id"] for r in res["results"]] == [item_id], res
         assert any("copy of the team scope's remote tip" in w for w in res["warnings"]), res
