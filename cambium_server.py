@@ -9858,9 +9858,16 @@ _MACHINE_TAGS = re.compile(r"^(agentsync|context-keeper|imported|released-before
                            r"(agent|branch):.*|(dec|con|pipe)-[\w.-]+)$")
 
 
+_WIDE = re.compile("[\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef"
+                   "\U00020000-\U0003ffff]")    #: CJK, Hangul, full-width forms
+
+
 def approx_tokens(text: str) -> int:
-    """A model-independent token estimate: about four characters a token."""
-    return (len(text) + 3) // 4
+    """A model-independent token estimate: about four characters a token, and a
+    token for each Chinese, Japanese or Korean character (a CJK digest held
+    several times its budget in real tokens)."""
+    wide = len(_WIDE.findall(text)) if not text.isascii() else 0
+    return (len(text) - wide + 3) // 4 + wide
 
 
 AUTHORITY_WEIGHT = 1000.0   #: trust_score per authority step: above anything agents add

@@ -10003,6 +10003,20 @@ def test_primer_never_calls_a_note_nobody_vouched_for_trusted(repo):
     assert trusted.index(fixed) < trusted.index("Endorsed note")      # and it leads
 
 
+def test_a_cjk_primer_counts_a_token_for_each_character(repo):
+    """Four characters a token let a Chinese or Japanese digest hold 4,218
+    characters under a stated ~1,470 tokens: several times its budget."""
+    assert cs.approx_tokens("データベース接続") == 8 and cs.approx_tokens("abcd") == 1
+    assert cs.approx_tokens("接続 pool") == 2 + 2
+    for i in range(60):
+        cs.capture(f"第{i}条：データベースの接続はプールを経由し、タイムアウトは三十秒とする。"
+                   "再試行は指数バックオフで行い、最大五回までとする。", kind="decision")
+    out = cs.session_primer(limit=100)
+    wide = sum(1 for c in out["primer"] if ord(c) > 0x2e7f)
+    assert out["tokens"] <= cs.PRIMER_TOKEN_BUDGET and wide <= cs.PRIMER_TOKEN_BUDGET
+    assert 0 < out["entries"] < 60                       # trimmed to the budget
+
+
 def test_primer_is_bounded_by_limit_and_token_budget(repo):
     items = [cs.new_item(f"Pitfall {i}: " + "word " * 60, kind="pitfall", project="proj")
              for i in range(150)] + \
