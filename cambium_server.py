@@ -13901,12 +13901,26 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
         return cli_syntax(value) if key in HINT_KEYS else value
     if isinstance(value, dict):
         out = {k: _cli_answer(v, k) for k, v in value.items()}
-        if isinstance(out.get("primer"), str) and "tokens" in out:   # as rewritten
+        if isinstance(out.get("primer"), str) and "tokens" in out:   # as rewritten, and
+            out["primer"] = _restated_size(out["primer"])            # its first line too
             out["tokens"] = approx_tokens(out["primer"])
         return out
     if isinstance(value, list):
         return [_cli_answer(v, key) for v in value]
     return value
+
+
+def _restated_size(text: str) -> str:
+    """A primer's first line stating the size of the text as it now reads (the
+    CLI's syntax made it longer than the size _render_primer stated)."""
+    head, sep, rest = text.partition("\n")
+    for _ in range(3):
+        size = approx_tokens(text)
+        head = re.sub(r", ~\d+ tokens\.$", f", ~{size} tokens.", head)
+        text = head + sep + rest
+        if approx_tokens(text) == size:
+            break
+    return text
 
 
 def distill_summary(result: dict) -> str:

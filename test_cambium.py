@@ -10017,6 +10017,16 @@ def test_a_cjk_primer_counts_a_token_for_each_character(repo):
     assert 0 < out["entries"] < 60                       # trimmed to the budget
 
 
+def test_the_cli_primer_states_the_size_of_the_text_it_prints(repo):
+    """The first line stated the size before the text was put in CLI syntax
+    (~58 tokens stated, 70 in the answer's own `tokens`)."""
+    (repo / "billing.py").write_text("def total(rows):\n    return sum(rows)\n")
+    cs.capture("Totals are integer cents; see expand for the why", code_refs="billing.py#total")
+    out = json.loads(cli("primer", "--format", "json").stdout)
+    stated = re.search(r", ~(\d+) tokens\.$", out["primer"].splitlines()[0])
+    assert int(stated.group(1)) == out["tokens"] == cs.approx_tokens(out["primer"])
+
+
 def test_primer_is_bounded_by_limit_and_token_budget(repo):
     items = [cs.new_item(f"Pitfall {i}: " + "word " * 60, kind="pitfall", project="proj")
              for i in range(150)] + \
