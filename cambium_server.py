@@ -4750,8 +4750,8 @@ def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | 
             if f.stat().st_size > MAX_SUBSTRATE_BYTES:
                 raise SubstrateError(f"{f} is larger than {MAX_SUBSTRATE_BYTES // 2**20} MB; "
                                      "cambium will not read it.")
-            text = read_regular(real, MAX_SUBSTRATE_BYTES, nofollow=True).decode(
-                "utf-8-sig", errors="replace")
+            text = utf8_or_noted(read_regular(real, MAX_SUBSTRATE_BYTES, nofollow=True),
+                                 str(f)).removeprefix("\ufeff")
         except FileNotFoundError:
             out[name] = []
             continue
@@ -4849,6 +4849,17 @@ def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: 
     return proc.returncode == 0, detail, missing
 
 
+def utf8_or_noted(data: bytes, where: str) -> str:
+    """A substrate file's text; bytes that are not UTF-8 become U+FFFD, said in
+    the call's warnings (they were replaced without a word: "Fix caf\ufffd")."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        note_for_call(f"{where} holds bytes that are not UTF-8 (0x{data[e.start]:02x} at "
+                      f"offset {e.start}): read as U+FFFD")
+        return data.decode("utf-8", errors="replace")
+
+
 def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
     """Parse claims.json at `ref` (None: there is none); SubstrateError when it is
     too large or not a board."""
@@ -4864,7 +4875,8 @@ def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
     if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
         raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
                              f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
-    text = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t).stdout.removeprefix("\ufeff")
+    raw = _git(["show", f"{ref}:{CLAIMS_FILE}", "--"], repo, t, binary=True).stdout
+    text = utf8_or_noted(raw, f"{CLAIMS_FILE} on {ref}").removeprefix("\ufeff")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -14031,7 +14043,9 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
               file=sys.stderr, flush=True)
 
     try:
-        result = distill(on_progress=progress if sys.stderr.isatty() else None)
+        with collecting_notes():            # (as every other command: notes are warnings)
+            result = with_store_warnings(
+                distill(on_progress=progress if sys.stderr.isatty() else None))
     except Unconfigured as u:
         if args.hook:
             print("cambium: not configured here; distill skipped "

@@ -6468,6 +6468,13 @@ def test_distill_reads_a_board_with_a_bom_and_names_one_that_is_no_file(tmp_path
         "ann": DONE_CLAIM}}))
     out = cli("distill", "--format", "json", **env)
     assert json.loads(out.stdout)["sources"]["agentsync"]["status"] == "imported", out.stderr
+    (clone / ".context").mkdir()                          # bytes that are not UTF-8: said
+    (clone / ".context" / "decisions.json").write_bytes(json.dumps([{
+        "id": "dec-001", "summary": "Fix the caf\u00e9 parser", "status": "active"}]).encode()
+        .replace(b"\\u00e9", b"\xe9"))
+    out = json.loads(cli("distill", "--format", "json", **env).stdout)
+    assert any("decisions.json holds bytes that are not UTF-8 (0xe9" in w
+               for w in out["warnings"]), out["warnings"]
     git(clone, "checkout", "-q", "agentsync")
     git(clone, "rm", "-q", "claims.json")
     (clone / "claims.json").symlink_to("/etc/passwd")
