@@ -13697,11 +13697,28 @@ def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = Non
     return 1 if failed else 0
 
 
+CLI_EMBED_EXIT_S = 10.0     #: a CLI recall finishes a backlog this short before it exits
+
+
 def _cli_recall(args: argparse.Namespace, kwargs: dict) -> int:
-    """`recall`: print, then fold its credits into knowledge.json before exiting."""
+    """`recall`: print, then fold its credits into knowledge.json, and finish a
+    short embedding backlog (token files the ranking found torn), before exiting."""
     code = _cli_print(args, kwargs)
     _fold_on_exit(("local",))
+    _embed_on_exit()
     return code
+
+
+def _embed_on_exit() -> None:
+    """What a recall queued for embedding after it ranked (an item whose token
+    file it found torn) died with the process: every later CLI recall ranked
+    without it. Finished here when it should take at most CLI_EMBED_EXIT_S."""
+    for eng in list(runtime().engines.values()):
+        with contextlib.suppress(Exception):
+            with eng.cv:
+                short = bool(eng.queued) and eng._drain_s() <= CLI_EMBED_EXIT_S
+            if short:
+                eng.wait_idle(CLI_EMBED_EXIT_S)
 
 
 def _cli_serve(args: argparse.Namespace, kwargs: dict) -> int:

@@ -7881,6 +7881,25 @@ def test_status_says_lexical_when_the_model_file_is_not_there(semantic, monkeypa
     assert "not the pinned model" in cs.status()["recall_mode_reason"]
 
 
+def test_a_cli_recall_mends_the_torn_token_files_it_ranked_with(semantic):
+    """Token files a power loss left empty read as missing and were queued to
+    embed again, but a CLI recall exited before that ran: every later CLI
+    recall ranked without them."""
+    for text in ("Rotate the postgres credentials every ninety days",
+                 "Rotate the billing API keys every quarter", "Backups run nightly at three"):
+        cs.capture(text)
+    cs.recall("rotate credentials")
+    for eng in cs.runtime().engines.values():
+        eng.wait_idle(60)
+    tokens = list((semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR).glob("*.tok"))
+    assert len(tokens) == 3
+    for f in tokens:
+        f.write_bytes(b"")
+    out = cli("recall", "rotate credentials", CAMBIUM_RECALL_MODE="auto")
+    assert out.returncode == 0, out.stderr
+    assert all(f.stat().st_size > 0 for f in tokens)
+
+
 def test_semantic_abstains_on_an_unrelated_query(semantic):
     _capture_notes()
     res = cs.recall(UNRELATED)
