@@ -1911,20 +1911,14 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
     return path if age >= (REF_LOCK_STALE_S if quick else timeout_s + 5.0) else None
 
 
-def remove_stale_lock(lock: Path) -> None:
-    """Remove a lock stale_lock found, saying so in the call's answer."""
-    with contextlib.suppress(FileNotFoundError):
-        lock.unlink()
-    note_for_call(f"removed {lock}, a git lock left by a process that ended mid-command")
-
-
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
-         input: str | None = None, env: dict | None = None,
-         binary: bool = False, retried: bool = False) -> subprocess.CompletedProcess:
+         input: str | None = None, env: dict | None = None, binary: bool = False,
+         own_locks: bool = False, retried: bool = False) -> subprocess.CompletedProcess:
     """Run one external command, bounded; raise GitError on failure or timeout.
     Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes.
-    A git command refused by a lock file a crash left (stale_lock) runs again
-    once, the lock removed (every later write failed until a person did)."""
+    A git command refused by a lock file a crash left (stale_lock; `own_locks`:
+    its `ours`) runs again once, the lock removed (every later write failed
+    until a person did)."""
     try:
         proc = run_bounded(cmd, cwd=cwd, env=env or _git_env(cwd), timeout_s=timeout_s,
                            input=input.encode("utf-8") if input is not None else None)
@@ -1940,8 +1934,10 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
                if cmd[0] == "gh" else "")
         raise GitError(cmd, 127, f"{cmd[0]} not found on PATH ({e}){fix}") from None
     if proc.returncode and cmd[0] == "git" and not retried \
-            and (lock := stale_lock(proc.stderr, cwd, timeout_s)):
-        remove_stale_lock(lock)
+            and (lock := stale_lock(proc.stderr, cwd, timeout_s, ours=own_locks)):
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+        note_for_call(f"removed {lock}, a git lock left by a process that ended mid-command")
         return _run(cmd, cwd, timeout_s, check=check, input=input, env=env, binary=binary,
                     retried=True)
     if check and proc.returncode != 0:
@@ -4384,14 +4380,8 @@ class GitStore(Store):
             if not tip or state.checked_out == tip:
                 return
             with file_lock(self._meta_dir() / "checkout"):
-                args = ("checkout", "--quiet", "--force", "-B", self.branch, tip)
-                proc = self.git(*args, check=False)
-                if proc.returncode and (lock := stale_lock(proc.stderr, self.repo,
-                                                           self.timeout_s, ours=True)):
-                    remove_stale_lock(lock)
-                    proc = self.git(*args, check=False)
-                if proc.returncode:
-                    raise GitError(["git", *args], proc.returncode, proc.stderr)
+                _run(["git", "checkout", "--quiet", "--force", "-B", self.branch, tip],
+                     self.repo, self.timeout_s, own_locks=True)
             state.checked_out = tip
 
 
