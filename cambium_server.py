@@ -1279,6 +1279,21 @@ class Config:
 GIT_TIMEOUT_RANGE = (1.0, 3600.0)
 
 
+def tree_entry(listed: str) -> tuple[str | None, str | None]:
+    """(mode, type) of the one entry `git ls-tree <commit> -- <name>` listed,
+    or (None, None) when it listed none (pure)."""
+    parts = listed.split()
+    return (parts[0], parts[1]) if len(parts) > 2 else (None, None)
+
+
+def not_a_file(mode: str | None, kind: str | None) -> str | None:
+    """What a tree entry is when it is no regular file ("a symbolic link", "a
+    directory", "a submodule"), else None (none at all included) (pure)."""
+    if mode == "120000":
+        return "a symbolic link"
+    return {"tree": "a directory", "commit": "a submodule"}.get(kind or "")
+
+
 def _is_decimal(value: str) -> bool:
     """A plain ASCII decimal number ("25", "0.5", "1e3"), finite. Python's float()
     also takes other scripts' digits, underscores and "inf"; settings do not."""
@@ -3949,19 +3964,12 @@ class GitStore(Store):
                                f"offset {e.start}): fix it by hand; it is never rewritten "
                                "until it reads") from None
         except GitError:
-            kind = {"tree": "a directory", "commit": "a submodule"}.get(
-                self._entry_kind(commit, STORE_FILE) or "")
-            if kind:
-                raise CorruptStore(f"{where} is {kind}, not a file: fix it by hand; nothing "
-                                   "is written over it until it reads") from None
+            self._refuse_no_file(commit, where)     # a directory or a submodule: no blob
             raise
         try:
             doc = parse_store(text, where)
         except CorruptStore:
-            if self._entry_mode(commit, STORE_FILE) == "120000":
-                raise CorruptStore(f"{where} is a symbolic link (to {text[:80]!r}), not a "
-                                   "file: fix it by hand; nothing is written over it until "
-                                   "it reads") from None
+            self._refuse_no_file(commit, where, text)   # a symbolic link: its target's path
             raise
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
@@ -3969,6 +3977,15 @@ class GitStore(Store):
                 for it in doc.items])
         self._remember(commit, doc)
         return doc
+
+    def _refuse_no_file(self, commit: str, where: str, blob: str = "") -> None:
+        """CorruptStore naming what the store file is at a commit when it is no
+        regular file (a raw git error, or "not valid JSON", said nothing of it)."""
+        kind = not_a_file(*tree_entry(self.git("ls-tree", commit, "--", STORE_FILE).stdout))
+        if kind:
+            to = f" (to {blob[:80]!r})" if kind == "a symbolic link" else ""
+            raise CorruptStore(f"{where} is {kind}{to}, not a file: fix it by hand; nothing "
+                               "is written over it until it reads") from None
 
     def _remember(self, commit: str, doc: Doc, *, tip: bool = False) -> None:
         """Cache the parsed doc at a commit (and make it the known tip)."""
@@ -4344,13 +4361,7 @@ class GitStore(Store):
 
     def _entry_kind(self, commit: str, name: str) -> str | None:
         """What root entry `name` is at a commit: blob, tree, commit, or None."""
-        listed = self.git("ls-tree", commit, "--", name).stdout.split()
-        return listed[1] if len(listed) > 2 else None
-
-    def _entry_mode(self, commit: str, name: str) -> str | None:
-        """The mode of root entry `name` at a commit (120000: a symbolic link)."""
-        listed = self.git("ls-tree", commit, "--", name).stdout.split()
-        return listed[0] if len(listed) > 2 else None
+        return tree_entry(self.git("ls-tree", commit, "--", name).stdout)[1]
 
     @property
     def hand_written(self) -> frozenset:
@@ -4853,10 +4864,9 @@ def utf8_or_noted(data: bytes, where: str) -> str:
 def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
     """Parse claims.json at `ref` (None: there is none); SubstrateError when it is
     too large or not a board."""
-    entry = _git(["ls-tree", ref, "--", CLAIMS_FILE], repo, t, check=False).stdout.split()
-    if len(entry) > 2 and (entry[1] != "blob" or entry[0] == "120000"):
-        kind = "a symbolic link" if entry[0] == "120000" else {
-            "tree": "a directory", "commit": "a submodule"}.get(entry[1], entry[1])
+    kind = not_a_file(*tree_entry(_git(["ls-tree", ref, "--", CLAIMS_FILE], repo, t,
+                                       check=False).stdout))
+    if kind:
         raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is {kind}, not a file: "
                              "cambium did not read it.")
     proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
