@@ -4223,8 +4223,8 @@ class GitStore(Store):
         doc, base, merge = self._side_base(tip, side_tip) if side else \
             (self.doc_at(tip), tip, None)
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
-        if self.own_branch and tip and not doc.items and not self._holds_store(tip):
-            raise ConfigError(self._not_ours(tip))
+        if self.own_branch and tip and not doc.items and (names := self._foreign_files(tip)):
+            raise ConfigError(self._not_ours(names))
         if self.default_branch and tip is None and not side:
             self._refuse_a_moved_default()
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
@@ -4258,15 +4258,14 @@ class GitStore(Store):
                 self._state.pushed = commit
         return Write(doc=new, commit=commit, branch=target)
 
-    def _holds_store(self, commit: str) -> bool:
-        """Whether the commit has the store file at its root, or nothing at all."""
-        if self.git("cat-file", "-e", f"{commit}:{STORE_FILE}", check=False).returncode == 0:
-            return True
-        return not self.git("ls-tree", "--name-only", commit).stdout.strip()
+    def _foreign_files(self, commit: str) -> list[str]:
+        """The root entries of a commit without the store file at its root (a
+        branch of someone else's: the project's code); [] when it has the file."""
+        names = self.git("ls-tree", "--name-only", commit).stdout.splitlines()
+        return [] if STORE_FILE in names else names
 
-    def _not_ours(self, commit: str) -> str:
-        """Why a write onto an existing branch without a store refuses."""
-        names = self.git("ls-tree", "--name-only", commit).stdout.split()
+    def _not_ours(self, names: list[str]) -> str:
+        """Why a write onto an existing branch holding `names` and no store refuses."""
         shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
         return (f"the {self.scope} branch '{self.branch}' on '{self.remote}' holds other files "
                 f"({shown}) and no {STORE_FILE} at its root, so cambium writes nothing to it: "
@@ -4279,17 +4278,14 @@ class GitStore(Store):
         """Before the first write creates the branch: when the remote's HEAD now
         names another branch (the default renamed), record it and refuse, so
         no second branch starts without the items on the first."""
-        proc = self.git("ls-remote", "--symref", "--", self.remote, "HEAD", check=False)
-        heads = [ln[5:].split("\t")[0].removeprefix("refs/heads/")
-                 for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
-        if proc.returncode or not heads or heads[0] == self.branch:
+        head = remote_head(self.repo, self.remote, self.timeout_s)
+        if head is None or head == self.branch:
             return
-        self.git("symbolic-ref", f"refs/remotes/{self.remote}/HEAD",
-                 f"refs/remotes/{self.remote}/{heads[0]}", check=False)
+        record_remote_head(self.repo, self.remote, head, self.timeout_s)
         runtime().org_branches.pop(str(self.repo), None)
-        raise ConflictError(f"the {self.scope} repo's default branch is now '{heads[0]}', not "
+        raise ConflictError(f"the {self.scope} repo's default branch is now '{head}', not "
                             f"'{self.branch}' (renamed?): nothing was written; cambium "
-                            f"records '{heads[0]}' from now on. Run it again.")
+                            f"records '{head}' from now on. Run it again.")
 
     def _own_tip(self) -> str | None:
         """The tip to try a write on without fetching: one this process pushed,
@@ -9203,8 +9199,8 @@ ORG_HEAD_ASK_S = 5.0    #: asking the org remote its default branch waits at mos
 def _org_default_branch(org: Path, timeout_s: float) -> str:
     """The org repo's default branch: origin/HEAD as the clone records it, read
     from .git (the primer hook builds an org store on every session start);
-    when the clone has none, asked of the remote once and recorded there, as
-    `git clone` would have."""
+    when the clone has none, its own branch (_own_branch_for_origin), else
+    asked of the remote once and recorded there, as `git clone` would have."""
     with contextlib.suppress(OSError, IndexError):
         head = (_git_dirs(org)[1] / "refs/remotes/origin/HEAD").read_text().strip()
         if head.startswith("ref: refs/remotes/origin/"):
@@ -9212,25 +9208,45 @@ def _org_default_branch(org: Path, timeout_s: float) -> str:
     proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,
                 timeout_s, check=False)
     branch = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
-    if not branch:      # the clone's own branch when origin has it or has none (a clone
-        own = _git(["symbolic-ref", "--quiet", "--short", "HEAD"], org, timeout_s,   # of an
-                   check=False).stdout.strip()      # empty repo), unrecorded, with no network:
-        known = _git(["for-each-ref", "--format=%(refname:lstrip=3)", "refs/remotes/origin/"],
-                     org, timeout_s, check=False).stdout.split()   # a session start on a dark
-        if own and (own in known or not known):     # remote waited 50 s (a write asks the
-            return own                              # remote before it makes a branch)
-        try:
-            proc = _git(["ls-remote", "--symref", "--", "origin", "HEAD"], org,
-                        min(timeout_s, ORG_HEAD_ASK_S))
-        except GitError:
-            return "main"
-        heads = [ln[5:-5] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
-        if not heads:
-            return "main"
-        branch = heads[0].removeprefix("refs/heads/")
-        _git(["symbolic-ref", "refs/remotes/origin/HEAD", f"refs/remotes/origin/{branch}"],
-             org, timeout_s, check=False)
+    if branch:
+        return branch
+    own = _own_branch_for_origin(org, timeout_s)
+    if own:
+        return own
+    branch = remote_head(org, "origin", min(timeout_s, ORG_HEAD_ASK_S))
+    if branch is None:
+        return "main"
+    record_remote_head(org, "origin", branch, timeout_s)
     return branch
+
+
+def _own_branch_for_origin(org: Path, timeout_s: float) -> str | None:
+    """The clone's own branch when origin has that branch or none at all (a
+    clone of an empty repo), named with no network: a session start behind a
+    dark remote waited 50 s on ls-remote for it. Not recorded: a write asks
+    the remote before it makes a branch (_refuse_a_moved_default)."""
+    own = _git(["symbolic-ref", "--quiet", "--short", "HEAD"], org, timeout_s,
+               check=False).stdout.strip()
+    known = _git(["for-each-ref", "--format=%(refname:lstrip=3)", "refs/remotes/origin/"],
+                 org, timeout_s, check=False).stdout.split()
+    return own if own and (own in known or not known) else None
+
+
+def remote_head(repo: Path, remote: str, timeout_s: float) -> str | None:
+    """The branch the remote's HEAD names, asked of it (ls-remote); None when
+    it cannot be reached or names none."""
+    try:
+        proc = _git(["ls-remote", "--symref", "--", remote, "HEAD"], repo, timeout_s)
+    except GitError:
+        return None
+    heads = [ln[5:].split("\t")[0] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
+    return heads[0].removeprefix("refs/heads/") if heads else None
+
+
+def record_remote_head(repo: Path, remote: str, branch: str, timeout_s: float) -> None:
+    """Record the remote's default branch in the clone, as `git clone` does."""
+    _git(["symbolic-ref", f"refs/remotes/{remote}/HEAD", f"refs/remotes/{remote}/{branch}"],
+         repo, timeout_s, check=False)
 
 
 def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
@@ -11023,8 +11039,8 @@ def _shared_scope_status(cfg: Config) -> dict:
                         **_duplicate_ids(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"
-            if st.own_branch and tip and not doc.items and not st._holds_store(tip):
-                info["error"] = st._not_ours(tip)
+            if st.own_branch and tip and not doc.items and (names := st._foreign_files(tip)):
+                info["error"] = st._not_ours(names)
         except CorruptStore as e:
             info["error"] = f"{e}; writes to {scope} scope are refused"
         except GitError as e:
