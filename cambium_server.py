@@ -3665,25 +3665,26 @@ class GitStore(Store):
         return self._meta_dir() / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
 
     def _failed_stamp(self) -> Path:
-        return self._stamp().with_name(self._stamp().name + ".failed")
+        stamp = self._stamp()
+        return stamp.with_name(stamp.name + ".failed")
 
     def _note_failure(self, error: str) -> None:
         """Record a failed fetch for every process of this clone (best effort)."""
         with contextlib.suppress(OSError):
             atomic_write(self._failed_stamp(), clip_message(error, 500), durable=False)
 
-    def _recent_failure(self) -> str | None:
+    def _recent_failure(self, fetched: float) -> str | None:
         """What a fetch that failed within FETCH_BACKOFF_S (in any process, and
-        after the last that succeeded) said, when a fetched tip is there to
-        answer from instead; else None (a fetch is tried when due)."""
+        after the last that succeeded: the stamp's mtime `fetched`) said, when a
+        fetched tip is there to answer from instead; else None (a fetch is
+        tried when due)."""
         try:
             at = self._failed_stamp().stat().st_mtime
         except OSError:
             return None
-        with contextlib.suppress(OSError):
-            if self._stamp().stat().st_mtime > at:
-                return None
         ago = time.time() - at
+        if fetched > at:
+            return None
         if ago >= FETCH_BACKOFF_S or self.local_tip() is None:
             return None
         error = ""
@@ -3723,10 +3724,10 @@ class GitStore(Store):
         damaged = self._drop_damaged_ref()
         if damaged:
             self._warnings.append(f"{damaged}: it was removed and fetched again")
-        failed = None if damaged or force or fresh else self._recent_failure()
         stamp = 0.0
         with contextlib.suppress(OSError):
             stamp = self._stamp().stat().st_mtime
+        failed = None if damaged or force or fresh else self._recent_failure(stamp)
         with state.lock:
             moved, state.stamp_seen = stamp != state.stamp_seen, stamp
         if moved:         # another process fetched or pushed: the ref it moved is read
