@@ -1613,6 +1613,7 @@ class Runtime:
         self.remotes: dict[tuple[str, str], tuple[float, str | None]] = {}
         self.indexes: dict[str, Index] = {}
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
+        self.corrections: dict[str, tuple[list, dict, dict]] = {}   # store -> corrections()
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
         self.journals: dict[str, JournalSeen] = {}   # credit journal -> how far it was read
@@ -11331,7 +11332,7 @@ def corrections(key: str, items: list) -> tuple[dict[str, str], dict[str, Item]]
     100,000-item store does not walk them all."""
     rt = runtime()
     with rt.index_lock:
-        src, words, fixes = rt.key_sets.get("corrections:" + key, (None, {}, {}))
+        src, words, fixes = rt.corrections.get(key, (None, {}, {}))
         if src is not items:
             grown = src is not None and extends(items, src)
             new = [x for x in (items[len(src):] if grown else items)
@@ -11340,7 +11341,7 @@ def corrections(key: str, items: list) -> tuple[dict[str, str], dict[str, Item]]
                 fixes = {**(fixes if grown else {}), **{x.corrects: x for x in new}}
                 words = {content_key(x): x.id for x in items
                          if x.id in fixes and x.status == "superseded"}
-            rt.key_sets["corrections:" + key] = (items, words, fixes)
+            rt.corrections[key] = (items, words, fixes)
     return words, fixes
 
 
