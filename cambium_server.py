@@ -7692,12 +7692,13 @@ def recall_mode_report(cfg: Config) -> dict:
     setting = cfg.get("CAMBIUM_RECALL_MODE") or "auto"
     missing = semantic_extra_missing()
     rt = runtime()
-    unusable = None if setting == "lexical" or missing or rt.embedder_error else \
-        model_file_problem()
-    if setting == "lexical" or missing or rt.embedder_error or unusable:
-        why = ("CAMBIUM_RECALL_MODE=lexical" if setting == "lexical" else rt.embedder_error
-               or unusable
-               or "the semantic extra is not installed (missing: " + ", ".join(missing) + ")")
+    if setting == "lexical":
+        why: str | None = "CAMBIUM_RECALL_MODE=lexical"
+    else:
+        why = rt.embedder_error or ("the semantic extra is not installed (missing: "
+                                    + ", ".join(missing) + ")" if missing
+                                    else model_file_problem())
+    if why:
         return {"recall_mode": "lexical", "recall_mode_reason": why,
                 "semantic_extra": SEMANTIC_PITCH if missing else "installed"}
     eng = rt.engines.get(str(cfg.local_dir / VECTORS_DIR))
@@ -8786,11 +8787,16 @@ def publishable_endorsement(e: dict, survivor: Item, member: Item) -> dict:
     published such a note, which promote would have refused. The duplicate,
     superseded, keeps it as it was."""
     note = e.get("note")
-    if survivor.scope != "org" or not note or not (
-            generalization_tells(str(note), survivor.project)
-            or generalization_tells(str(note), member.project)):
+    if survivor.scope != "org" or not note or not note_tells(str(note), survivor.project,
+                                                             member.project):
         return e
     return {**e, "note": ""}
+
+
+def note_tells(note: str, *projects: str) -> list[str]:
+    """What reads project-specific in an endorsement note bound for org, naming
+    any of `projects` included (the item's, the endorser's) (pure)."""
+    return [t for p in dict.fromkeys(projects) for t in generalization_tells(note, p)]
 
 
 def merged_pointers(survivor: Item, fresh: list[Item]) -> dict:
@@ -11761,8 +11767,7 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
     def apply(it: Item) -> Item:
         _require_active(it, "endorsed")
         if it.scope == "org" and note:      # published to every project, as the gate reads it
-            tells = generalization_tells(note, it.project) + generalization_tells(
-                note, cfg.project)
+            tells = note_tells(note, it.project, cfg.project)
             if tells:
                 raise InputError(f"note {tells[0]}: an org item's endorsement notes are "
                                  "published to every project (KNOWLEDGE.md); say it in "
@@ -12908,8 +12913,8 @@ def argument_error(tool: str, errors: list[dict], arguments: dict) -> tuple[str,
     entry = find_tool(tool)
     param = next((p for p in entry.params if p.name == name), None) if entry else None
     if param is None:
-        known = ", ".join(p.name for p in entry.params) if entry else ""
-        return f"{tool} takes no argument {name!r}; it takes: {known or 'none'}.", name
+        return no_such_argument(tool, name, [p.name for p in entry.params] if entry else []), \
+            name
     if err.get("type") == "missing":
         return f"{name} is required: {param.doc[:1].lower()}{param.doc[1:]}", name
     got = arguments.get(name)
@@ -12930,11 +12935,15 @@ def unknown_argument_problem(tool: str, arguments: Any) -> tuple[str, str] | Non
         if name not in known:
             near = (difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
                     or [k for k in known if str(name) in k.split("_")][:1])   # id: item_id
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
             shown = valid_unicode(str(name))[:80]
-            return (f"{tool} takes no argument {shown!r}{hint}; it takes: "
-                    f"{', '.join(known) or 'none'}.", shown)
+            return no_such_argument(tool, shown, known, near[0] if near else None), shown
     return None
+
+
+def no_such_argument(tool: str, name: str, known: list[str], near: str | None = None) -> str:
+    """The sentence refusing an argument `tool` does not take (pure)."""
+    hint = f" (did you mean {near!r}?)" if near else ""
+    return f"{tool} takes no argument {name!r}{hint}; it takes: {', '.join(known) or 'none'}."
 
 
 def loose_type_problem(tool: str, arguments: Any) -> tuple[str, str] | None:
