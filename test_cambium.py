@@ -7845,6 +7845,29 @@ def test_semantic_finds_a_paraphrase_lexical_misses(semantic, monkeypatch):
 
 
 @needs_extra
+def test_a_vector_cache_index_of_odd_rows_is_discarded_and_a_failed_save_leaves_nothing(
+        tmp_path):
+    """An index naming rows [true, true] was served; with a directory where
+    index.json goes, every save left a whole cache's .npy behind."""
+    np = pytest.importorskip("numpy")
+    row = np.ones((2, cs.EMBED_DIM), np.float32) / np.sqrt(cs.EMBED_DIM)
+    cache = cs.VectorCache(tmp_path)
+    cache.put("k-1", row)
+    cache.save()
+    index = tmp_path / "index.json"
+    meta = json.loads(index.read_text())
+    index.write_text(json.dumps({**meta, "keys": {"k-1": [True, True]}}))
+    assert "rows of k-1 out of range" in cs.VectorCache(tmp_path).discarded
+    index.unlink()
+    index.mkdir()
+    before = sorted(p.name for p in tmp_path.glob("vectors-*.npy"))
+    again = cs.VectorCache(tmp_path)
+    again.put("k-2", row)
+    with pytest.raises(OSError):
+        again.save()
+    assert sorted(p.name for p in tmp_path.glob("vectors-*.npy")) == before
+
+
 def test_a_cache_entry_too_short_for_its_engine_is_embedded_again(semantic, monkeypatch):
     """One cache entry of a single row (a hand edit) in an engine whose rows end
     with the second encoder's vector made every recall an IndexError; and any
@@ -10051,6 +10074,24 @@ def test_the_cli_primer_states_the_size_of_the_text_it_prints(repo):
     out = json.loads(cli("primer", "--format", "json").stdout)
     stated = re.search(r", ~(\d+) tokens\.$", out["primer"].splitlines()[0])
     assert int(stated.group(1)) == out["tokens"] == cs.approx_tokens(out["primer"])
+
+
+def test_the_primer_cache_is_named_by_the_hour(repo, monkeypatch):
+    """Named by the day, a digest made at 09:00 was served until midnight,
+    though a premise turned 30 days old (or a verification 90) at 09:30."""
+    cs.capture("Cache TTL is five minutes", valid_while="edge config unchanged")
+    cfg = cs.resolve_config()
+
+    from datetime import datetime
+
+    def at(hour: int):
+        class Clock(datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return datetime(2026, 12, 5, hour, 30, tzinfo=tz)
+        monkeypatch.setattr(cs, "datetime", Clock)
+        return cs.primer_key(cfg, cs.PRIMER_LIMIT)
+    assert at(9) != at(10) and at(9) == at(9)
 
 
 def test_primer_is_bounded_by_limit_and_token_budget(repo):
