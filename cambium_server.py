@@ -10005,13 +10005,19 @@ def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str
     omitted = total - shown
     tail = (f"{omitted} more not shown: recall(<topic>) finds them. " if omitted else "") + \
         "expand(id) gives one item whole; capture() what you learn; distill() at the end."
-    size, text = approx_tokens("\n".join(body + [tail])) + 16, ""
-    for _ in range(3):                  # the size it states is the size of the whole text
-        head = f"cambium primer for {project}: {shown} of {total} items, ~{size} tokens."
-        text = "\n".join([head] + body + [tail])
+    head = f"cambium primer for {project}: {shown} of {total} items, ~0 tokens."
+    return with_stated_size("\n".join([head] + body + [tail]))
+
+
+def with_stated_size(text: str) -> str:
+    """A primer whose first line (ending ", ~N tokens.") states the size of the
+    whole text, N included (a fixed point, found in a step or two) (pure)."""
+    head, sep, rest = text.partition("\n")
+    for _ in range(3):
+        size = approx_tokens(text)
+        text = re.sub(r", ~\d+ tokens\.$", f", ~{size} tokens.", head) + sep + rest
         if approx_tokens(text) == size:
             break
-        size = approx_tokens(text)
     return text
 
 
@@ -13958,25 +13964,12 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
     if isinstance(value, dict):
         out = {k: _cli_answer(v, k) for k, v in value.items()}
         if isinstance(out.get("primer"), str) and "tokens" in out:   # as rewritten, and
-            out["primer"] = _restated_size(out["primer"])            # its first line too
+            out["primer"] = with_stated_size(out["primer"])          # its first line too
             out["tokens"] = approx_tokens(out["primer"])
         return out
     if isinstance(value, list):
         return [_cli_answer(v, key) for v in value]
     return value
-
-
-def _restated_size(text: str) -> str:
-    """A primer's first line stating the size of the text as it now reads (the
-    CLI's syntax made it longer than the size _render_primer stated)."""
-    head, sep, rest = text.partition("\n")
-    for _ in range(3):
-        size = approx_tokens(text)
-        head = re.sub(r", ~\d+ tokens\.$", f", ~{size} tokens.", head)
-        text = head + sep + rest
-        if approx_tokens(text) == size:
-            break
-    return text
 
 
 def distill_summary(result: dict) -> str:
