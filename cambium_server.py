@@ -1173,14 +1173,39 @@ def is_valid_branch(name: str) -> bool:
     return bool(name) and name not in ("@", "HEAD") and not _BAD_REF.search(name)
 
 
+def dotgit_problem(root: Path) -> str | None:
+    """Why git cannot open the clone at `root` by its .git entry, else None
+    (no subprocess): a .git file whose `gitdir:` is gone (a worktree whose main
+    clone moved), or no .git at all. git refuses such a clone, so cambium
+    serves none of it rather than guess its project from the directory name."""
+    dotgit = root / ".git"
+    if dotgit.is_dir():
+        return None if (dotgit / "HEAD").exists() else "its .git directory holds no HEAD"
+    try:
+        head = read_regular(dotgit, 4096).decode("utf-8", "replace")
+    except OSError:
+        return "it has no .git"
+    target = head.split("gitdir:", 1)[1].strip() if head.startswith("gitdir:") else ""
+    if not target:
+        return "its .git file is no gitdir link git can read"
+    if not (root / target / "HEAD").exists():
+        return (f"its .git points to {target}, which does not exist (was the main clone "
+                "moved? `git worktree repair` there fixes it)")
+    return None
+
+
 def _find_git_root(start: Path) -> Path | None:
-    """Nearest directory at or above `start` holding a .git entry (no subprocess)."""
+    """Nearest directory at or above `start` that git takes for a clone (no
+    subprocess): a .git directory holding HEAD (git walks past an empty or
+    stray one, and so does this), or a .git file (a worktree or submodule;
+    one whose gitdir is gone is still the root: git stops there and refuses)."""
     try:
         start = start.resolve()
     except OSError:
         return None
     for p in (start, *start.parents):
-        if (p / ".git").exists():
+        dotgit = p / ".git"
+        if (dotgit / "HEAD").exists() or (dotgit.exists() and not dotgit.is_dir()):
             return p
     return None
 
@@ -1270,7 +1295,7 @@ class Config:
     @property
     def configured(self) -> bool:
         return bool(self.repo and self.agent and not self.problems
-                    and (self.repo / ".git").exists())
+                    and dotgit_problem(self.repo) is None)
 
 
 #: CAMBIUM_GIT_TIMEOUT's bounds in seconds: below one second no git call can
@@ -1351,9 +1376,22 @@ def _given(value: Any) -> bool:
 
 
 def config_file_path(env: dict | None = None) -> Path:
+    """The user's config file: CAMBIUM_CONFIG_FILE when it is an absolute path
+    (a relative one would name a file in each working directory: setup wrote
+    the user's settings into a project's work tree), else the default."""
+    return Path(os.path.expanduser(_config_file_setting(env)[0] or DEFAULT_CONFIG_FILE))
+
+
+def _config_file_setting(env: dict | None) -> tuple[str | None, str | None]:
+    """(CAMBIUM_CONFIG_FILE's usable value or None, why a given one is not used)."""
     env = os.environ if env is None else env
     given = env.get("CAMBIUM_CONFIG_FILE")
-    return Path(os.path.expanduser(given if _given(given) else DEFAULT_CONFIG_FILE))
+    if not _given(given):
+        return None, None
+    if "\0" in given or not os.path.isabs(os.path.expanduser(given)):
+        return None, (f"CAMBIUM_CONFIG_FILE={given!r} is not an absolute path; ignored, "
+                      f"so {DEFAULT_CONFIG_FILE} is read")
+    return given, None
 
 
 def _normalize_value(key: str, value: Any) -> str:
@@ -1434,6 +1472,10 @@ def _read_config_file(path: Path) -> str:
     return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")   # (an editor's BOM)
 
 
+CWD_GONE = ("this process's working directory no longer exists (deleted, or a worktree "
+            "removed), so it is in no project; cambium binds no other repo in its place")
+
+
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """Resolve every setting: env (non-empty) > config file > default.
 
@@ -1445,7 +1487,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     env = os.environ if env is None else env
     path = config_file_path(env)
     file_values: dict = {}
-    file_error = None
+    file_error = _config_file_setting(env)[1]
     try:
         loaded = json.loads(_read_config_file(path))
         if isinstance(loaded, dict):
@@ -1453,7 +1495,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
         else:
             file_error = f"{path} holds {json_kind(loaded)}, expected an object; ignored"
     except FileNotFoundError:
-        pass
+        if path.is_symlink():                 # a dotfiles link whose target is gone
+            file_error = f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
     except OSError as e:
         file_error = f"{path} could not be read ({e.strerror or e}); ignored"
     except UnicodeDecodeError:
@@ -1463,13 +1506,21 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     values: dict = {}
     origins: dict = {}
     problems: list = []
-    root = None if _given(env.get("CAMBIUM_REPO")) else _find_git_root(cwd or Path.cwd())
+    root, gone = None, False
+    if not _given(env.get("CAMBIUM_REPO")):
+        try:
+            root = _find_git_root(cwd or Path.cwd())
+        except OSError:              # the working directory was deleted under the process
+            gone = True
     for key, default in DEFAULTS.items():
         raw = env.get(key)
         if _given(raw):
             value, origin = _normalize_value(key, raw), "env"
         elif key == "CAMBIUM_REPO" and root is not None:
             value, origin = str(root), "cwd"
+        elif key == "CAMBIUM_TEAM_BRANCH" and _given(mine := _repo_team_branch(
+                file_values, values["CAMBIUM_REPO"])):
+            value, origin = _normalize_value(key, mine), "file"
         elif _given(file_values.get(key)):
             value, origin = _normalize_value(key, file_values[key]), "file"
         else:
@@ -1481,7 +1532,26 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
+    if gone:     # never the file's repo instead: a removed worktree's server wrote into it
+        values["CAMBIUM_REPO"], origins["CAMBIUM_REPO"] = None, "cwd"
+        problems.append({"setting": "CAMBIUM_REPO", "origin": "cwd", "problem": CWD_GONE,
+                         "cost": f"{CWD_GONE} → every tool is unavailable",
+                         "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
     return Config(values, origins, path, problems, file_error)
+
+
+#: The config file's map of repo → team branch (setup(team_branch=...)): a team
+#: branch is the project's, not the person's; written user-wide, one repo's
+#: setup moved every other repo's team scope to a new, empty branch.
+TEAM_BRANCHES = "team_branches"
+
+
+def _repo_team_branch(file_values: dict, repo: str | None) -> Any:
+    """The team branch setup() recorded for `repo` (by its real path), or None."""
+    branches = file_values.get(TEAM_BRANCHES)
+    if not repo or not isinstance(branches, dict):
+        return None
+    return branches.get(os.path.realpath(repo))
 
 
 def config_gaps(cfg: Config) -> list[dict]:
@@ -1489,15 +1559,16 @@ def config_gaps(cfg: Config) -> list[dict]:
     gaps: list[dict] = []
     repo_fix = 'setup(project_repo="/abs/path/to/your/clone", agent_id="your-id")'
     for p in cfg.problems:
-        gaps.append({"setting": p["setting"], "cost": f"invalid value ({p['problem']}); "
-                     "cambium will not use it", "fix": f"correct it in the {p['origin']} "
+        gaps.append({"setting": p["setting"], "cost": p.get("cost") or f"invalid value "
+                     f"({p['problem']}); cambium will not use it", "fix": p.get("fix") or
+                     f"correct it in the {p['origin']} "
                      f"({'environment' if p['origin'] == 'env' else cfg.config_file})"})
     if not cfg.repo:
         gaps.append({"setting": "CAMBIUM_REPO", "cost": "no project repo → cambium has no "
                      "substrate; every tool is unavailable", "fix": repo_fix})
-    elif not (cfg.repo / ".git").exists():
-        gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} is not a git clone → "
-                     "every tool is unavailable", "fix": repo_fix})
+    elif (broken := dotgit_problem(cfg.repo)) is not None:
+        gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} is not a git clone "
+                     f"({broken}) → every tool is unavailable", "fix": repo_fix})
     if not cfg.agent:
         gaps.append({"setting": "CAMBIUM_AGENT_ID", "cost": "no agent id → captures and "
                      "endorsements cannot say who made them; every tool is unavailable",
@@ -1538,7 +1609,7 @@ def require_config(env: dict | None = None) -> Config:
     cfg = resolve_config(env)
     if not cfg.configured:
         raise Unconfigured(unconfigured_guidance(cfg))
-    set_aside_links(cfg.local_dir)
+    set_aside_links(cfg.local_dir, cfg.config_file)
     return cfg
 
 
@@ -3031,7 +3102,7 @@ def _stray_tag(entry: os.DirEntry) -> str | None:
     return ODD_TAG
 
 
-def set_aside_links(local_dir: Path) -> None:
+def set_aside_links(local_dir: Path, config_file: Path | None = None) -> None:
     """Delete what a killed rewrite left (leftover_tmp), and move every
     symbolic link in `local_dir` (and its subdirectories) aside as
     `<name>.symlink-<time>`: the link itself, never its target. cambium writes
@@ -3039,9 +3110,13 @@ def set_aside_links(local_dir: Path) -> None:
     would send appends, locks and rewrites to a file outside the repo. A FIFO,
     socket or device there goes aside too, as `<name>.not-a-file-<time>`. A
     `.cambium` that is itself a link is left alone: nothing in a directory
-    elsewhere is ever renamed (set_aside_warnings says where files go)."""
+    elsewhere is ever renamed (set_aside_warnings says where files go). The
+    user's config file, its lock and what setup set aside are never touched:
+    a project at HOME (dotfiles kept in git) has its store in ~/.cambium too,
+    where a dotfiles manager makes the config a link."""
     if local_dir.is_symlink():
         return
+    mine = _config_names(local_dir, config_file)
     for d in (local_dir, *(local_dir / sub for sub in ("vectors", "imports"))):
         try:
             entries = list(os.scandir(d))
@@ -3053,10 +3128,21 @@ def set_aside_links(local_dir: Path) -> None:
                 with contextlib.suppress(OSError):
                     os.unlink(e.path)           # a rewrite's copy its killed process left
                 continue
-            tag = _stray_tag(e)
+            tag = None if d == local_dir and e.name in mine else _stray_tag(e)
             if tag:
                 with contextlib.suppress(OSError):
                     os.rename(e.path, f"{e.path}{tag}{_stamp()}")
+
+
+def _config_names(local_dir: Path, config_file: Path | None) -> frozenset[str]:
+    """The names of the user's config file and its lock when they live in
+    `local_dir` (a project at HOME), else none."""
+    if config_file is None or not config_file.is_absolute():
+        return frozenset()
+    with contextlib.suppress(OSError):
+        if os.path.samefile(config_file.parent, local_dir):
+            return frozenset({config_file.name, config_file.name + ".lock"})
+    return frozenset()
 
 
 def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]:
@@ -4262,13 +4348,25 @@ class GitStore(Store):
 
     def _foreign_files(self, commit: str) -> list[str]:
         """The root entries of a commit without the store file at its root (a
-        branch of someone else's: the project's code); [] when it has the file."""
+        branch of someone else's: the project's code); [] when it has the file.
+        At org, a new repository's scaffold (README, LICENSE, .github, ...) is
+        no one's code: a knowledge repo is often made with them."""
         names = self.git("ls-tree", "--name-only", commit).stdout.splitlines()
-        return [] if STORE_FILE in names else names
+        if STORE_FILE in names:
+            return []
+        return [n for n in names if not (self.scope == "org" and ORG_SCAFFOLD.fullmatch(n))]
 
     def _not_ours(self, names: list[str]) -> str:
         """Why a write onto an existing branch holding `names` and no store refuses."""
         shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+        if self.scope == "org":
+            return (f"the org clone {self.repo}'s default branch '{self.branch}' holds other "
+                    f"files ({shown}) and no {STORE_FILE} at its root, so cambium writes "
+                    "nothing to it: it looks like a code repository, and a promotion would "
+                    "commit the store onto it. Point CAMBIUM_ORG_REPO at a clone of the org "
+                    "knowledge repo (setup(project_repo, agent_id, org_repo=...)); if this "
+                    f"is that repo, commit a {STORE_FILE} holding {EMPTY_STORE_TEXT} to it "
+                    "once.")
         return (f"the {self.scope} branch '{self.branch}' on '{self.remote}' holds other files "
                 f"({shown}) and no {STORE_FILE} at its root, so cambium writes nothing to it: "
                 "a write would commit the store onto code. If it is not cambium's, point "
@@ -9186,20 +9284,39 @@ def _org_store(cfg: Config) -> GitStore:
         branch = branches[str(org)] = _org_default_branch(org, cfg.git_timeout_s)
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
-                    extra_files=org_markdown, checkout=True, default_branch=True)
+                    extra_files=org_markdown, checkout=True, default_branch=True,
+                    own_branch=True)
 
 
 def org_clone_problem(org: Path, project: Path) -> str | None:
     """Why a path cannot be the org clone for this project: cambium keeps the org
     clone's checkout in sync by force, so it must be a clone of its own, never
-    the project (or a repo around or inside it)."""
+    the project (or a repo around or inside it, or a worktree of its clone)."""
     o, p = os.path.realpath(org), os.path.realpath(project)
-    if o == p or o.startswith(p + os.sep) or p.startswith(o + os.sep):
-        return ("is the project's own checkout (or inside it, or around it); the org clone "
-                "must be a separate clone of the org knowledge repo, which cambium keeps "
-                "in sync by force.")
+    if o == p or o.startswith(p + os.sep) or p.startswith(o + os.sep) or \
+            _same_clone(org, project):
+        return ("is the project's own checkout (or inside it, or around it, or a worktree "
+                "of its clone); the org clone must be a separate clone of the org knowledge "
+                "repo, which cambium keeps in sync by force.")
     return None
 
+
+def _same_clone(a: Path, b: Path) -> bool:
+    """Whether two work trees share one repository (`git worktree add`): their
+    common git dirs are one directory."""
+    try:
+        return os.path.samefile(_git_dirs(a)[1], _git_dirs(b)[1])
+    except (OSError, IndexError):
+        return False
+
+
+#: Root entries a new org knowledge repository may hold beside the store:
+#: what a hosting service's "new repository" page adds (README, LICENSE,
+#: .gitignore) and the files of a repository's own upkeep.
+ORG_SCAFFOLD = re.compile(r"(?i)(readme|licen[cs]e|copying|notice|contributing|security|"
+                          r"code_of_conduct|codeowners|changelog|authors)(\.[\w.-]+)?|"
+                          r"\.git(ignore|attributes|hub|lab|keep)|knowledge\.md|docs")
+EMPTY_STORE_TEXT = '{"cambium": 1, "meta": {}, "items": []}'
 
 ORG_HEAD_ASK_S = 5.0    #: asking the org remote its default branch waits at most this long
 
@@ -10966,7 +11083,7 @@ def status() -> dict:
 
 
 def _status(cfg: Config) -> dict:
-    set_aside_links(cfg.local_dir)
+    set_aside_links(cfg.local_dir, cfg.config_file)
     local = store(cfg, "local")
     doc = local.read()
     marks = meta_map(doc.meta, "watermarks")
@@ -11096,9 +11213,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
                          f"and no {STORE_FILE}: cambium would commit its store onto it. Give "
                          "the team store a branch of its own (default 'cambium').",
                          "team_branch")
-    updates: dict[str, str] = {"CAMBIUM_REPO": str(root), "CAMBIUM_AGENT_ID": agent_id}
+    updates: dict[str, Any] = {"CAMBIUM_REPO": str(root), "CAMBIUM_AGENT_ID": agent_id}
     if team_branch:
-        updates["CAMBIUM_TEAM_BRANCH"] = team_branch
+        updates[TEAM_BRANCHES] = {os.path.realpath(root): team_branch}
     if org_pr is not None:
         updates["CAMBIUM_ORG_PR"] = "1" if org_pr else "0"
     org_offer = None
@@ -11109,13 +11226,15 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         if org_path:
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
     cfg_path = config_file_path(env)
+    before = resolve_config(env)
     _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
     ignore_note = _scaffold_local(root)
     cfg = resolve_config(env)
     binding = repo_binding(cfg)
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}
-    warnings = _setup_warnings(env, updates, binding, root) + ignore_note
+    warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
+        ignore_note
     org_now = out["status"].get("scopes", {}).get("org", {})
     if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
@@ -11124,23 +11243,49 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
             **({"org_setup": org_offer} if org_offer else {})}
 
 
-def _setup_warnings(env: Any, updates: dict[str, str], binding: dict, root: Path) -> list[str]:
+def _setup_warnings(env: Any, updates: dict[str, Any], binding: dict, root: Path) -> list[str]:
     """What setup() wrote that will not take effect here: a value the environment
     overrides, and a repo this process does not work in."""
-    shadowed = [k for k in updates if k != "CAMBIUM_REPO" and _given(env.get(k))
-                and _normalize_value(k, env.get(k)) != updates[k]]   # (true is 1)
+    given = {k: v for k, v in updates.items() if k != TEAM_BRANCHES}
+    if TEAM_BRANCHES in updates:
+        given["CAMBIUM_TEAM_BRANCH"] = next(iter(updates[TEAM_BRANCHES].values()))
+    shadowed = [k for k in given if k != "CAMBIUM_REPO" and _given(env.get(k))
+                and _normalize_value(k, env.get(k)) != given[k]]   # (true is 1)
     warnings = [f"{k} is also set in the environment, which wins over the config file; "
                 "unset it to use the value just written." for k in shadowed]
-    if binding["repo"] != str(root):
+    if binding["repo"] is None or os.path.realpath(binding["repo"]) != os.path.realpath(root):
         warnings.append(f"this process works in {binding['repo']} ({binding['because']}); "
                         f"{root} is used only by processes started outside any git repo.")
     return warnings
 
 
-def _write_config(path: Path, updates: dict[str, str]) -> None:
+def _rebound(before: Config, after: Config) -> list[str]:
+    """A warning when setup() moved what the config file binds under a process
+    that was already bound by it: every process started outside a git repo,
+    an HTTP server's other clients among them, now writes elsewhere or as
+    someone else, and nothing else tells them."""
+    if before.origins.get("CAMBIUM_REPO") != "file" or not before.repo:
+        return []
+    moved = []
+    if after.repo and os.path.realpath(after.repo) != os.path.realpath(before.repo):
+        moved.append(f"in {after.repo} (was {before.repo})")
+    if before.origins.get("CAMBIUM_AGENT_ID") == "file" and before.agent and \
+            before.agent != after.agent:
+        moved.append(f"as agent {after.agent!r} (was {before.agent!r})")
+    if not moved:
+        return []
+    return [f"every process started outside a git repo (this one, and every other client "
+            f"of this server) now works {' and '.join(moved)}: the config file binds them all. "
+            "Agents that share one server should each set CAMBIUM_REPO and "
+            "CAMBIUM_AGENT_ID in their own server's environment, or run it in their clone."]
+
+
+def _write_config(path: Path, updates: dict[str, Any]) -> None:
     """Merge updates into the config file, owner-only, under its lock (two setups
     at once keep both's settings); an unreadable one is moved aside, never over
-    an earlier one."""
+    an earlier one. A link is written through: a dotfiles manager's link stays."""
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         os.chmod(path.parent, 0o700)
@@ -11157,7 +11302,10 @@ def _write_config(path: Path, updates: dict[str, str]) -> None:
                     aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
                 os.replace(path, aside)
                 current = {}
-        current.update(updates)
+        for key, value in updates.items():          # a map (team_branches) is merged
+            held = current.get(key)
+            current[key] = {**held, **value} if isinstance(value, dict) and \
+                isinstance(held, dict) else value
         atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
 
 
@@ -13771,7 +13919,7 @@ def primer_hook(argv: list[str]) -> int:
         cfg = resolve_config()
         if not cfg.configured:                  # (parse_args has checked the limit)
             return 0
-        set_aside_links(cfg.local_dir)          # as every configured call does
+        set_aside_links(cfg.local_dir, cfg.config_file)   # as every configured call does
         for attempt in range(3):                # a line read while a capture appends it
             out = cached_primer(cfg, limit)     # reads as damaged: read again
             aside = set_aside_warnings(cfg.local_dir / STORE_FILE, knowledge_only=True)

@@ -830,6 +830,131 @@ def test_config_writes_keep_every_setting_and_every_set_aside_file(tmp_path):
     assert {f"K{i}" for i in range(8)} <= set(json.loads(path.read_text()))
 
 
+def test_a_team_branch_set_up_for_one_repo_stays_that_repos(tmp_path):
+    """setup(B, team_branch=kb) was written user-wide: repo A's team scope moved
+    to a new, empty branch with no warning, and A's next promote forked it."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    cs.setup(str(a), "ada")
+    cs.setup(str(b), "ada", team_branch="kb")
+    assert cs.resolve_config(cwd=b).team_branch == "kb"
+    assert cs.resolve_config(cwd=a / ".").team_branch == "cambium"
+    written = json.loads(Path(os.environ["CAMBIUM_CONFIG_FILE"]).read_text())
+    assert written["team_branches"] == {os.path.realpath(b): "kb"}
+    assert "CAMBIUM_TEAM_BRANCH" not in written
+    cs.setup(str(a), "ada", team_branch="kb-a")           # a second repo's entry is added
+    assert cs.resolve_config(cwd=b).team_branch == "kb"
+    assert cs.resolve_config(cwd=a).team_branch == "kb-a"
+    cfg = cs.resolve_config(cwd=a)
+    assert cfg.origins["CAMBIUM_TEAM_BRANCH"] == "file"
+    written["CAMBIUM_TEAM_BRANCH"] = "legacy"              # a hand-written (or older) one
+    written["team_branches"] = {os.path.realpath(a): "bad..name"}
+    Path(os.environ["CAMBIUM_CONFIG_FILE"]).write_text(json.dumps(written))
+    assert cs.resolve_config(cwd=b).team_branch == "legacy"
+    assert [p["setting"] for p in cs.resolve_config(cwd=a).problems] == ["CAMBIUM_TEAM_BRANCH"]
+
+
+def test_setup_that_moves_every_process_bound_by_the_config_file_says_so(tmp_path,
+                                                                         monkeypatch):
+    """One HTTP server outside any repo serves two agents: the second's setup
+    rebound the first, whose captures went to the other repo as the other agent."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    first = cs.setup(str(a), "ada")
+    assert not any("every process started outside" in w for w in first.get("warnings", []))
+    moved = cs.setup(str(b), "bob")
+    told = [w for w in moved["warnings"] if "every process started outside" in w]
+    assert len(told) == 1 and f"in {b} (was {a})" in told[0] and "as agent 'bob'" in told[0]
+    monkeypatch.chdir(a)                                   # bound by its cwd: nothing moved
+    assert not any("every process" in w for w in cs.setup(str(b), "bob").get("warnings", []))
+
+
+def test_a_process_whose_working_directory_is_gone_binds_no_repo(tmp_path, monkeypatch):
+    """A server started in a worktree that `git worktree remove` deleted: status
+    failed with an unexplained file_system error, and falling back to the
+    config file's repo would write into another repo."""
+    a = make_repo(tmp_path, "alpha")
+    cs.setup(str(a), "ada")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    st = cs.status()
+    assert st["configured"] is False and st["gaps"][0]["setting"] == "CAMBIUM_REPO"
+    assert "working directory no longer exists" in st["gaps"][0]["cost"]
+    with pytest.raises(cs.Unconfigured):
+        cs.capture("must not land in alpha")
+    assert _items_in(a) == []
+    monkeypatch.setenv("CAMBIUM_REPO", str(a))            # an explicit binding still works
+    assert cs.status()["configured"] is True
+
+
+def test_an_empty_dot_git_is_walked_past_and_a_broken_worktree_is_named(tmp_path):
+    """An empty .git in a vendored folder bound that folder (git uses the repo
+    around it); a worktree whose main clone moved was served, its project named
+    after the folder."""
+    a = make_repo(tmp_path, "alpha")
+    lib = a / "vendor" / "lib"
+    (lib / ".git").mkdir(parents=True)
+    assert cs.resolve_config(cwd=lib).repo == a.resolve()
+    git(a, "worktree", "add", "-q", str(tmp_path / "wt"), "-b", "wt")
+    cs.setup(str(tmp_path / "wt"), "ada")
+    assert cs.resolve_config(cwd=tmp_path / "wt").configured is True
+    a.rename(tmp_path / "alpha-moved")
+    cfg = cs.resolve_config(cwd=tmp_path / "wt")
+    assert cfg.repo == (tmp_path / "wt").resolve() and cfg.configured is False
+    gap = cs.config_gaps(cfg)[0]
+    assert gap["setting"] == "CAMBIUM_REPO" and "does not exist" in gap["cost"]
+    assert "git worktree repair" in gap["cost"]
+
+
+def test_the_users_config_link_in_a_project_at_home_is_never_set_aside(tmp_path, monkeypatch):
+    """HOME kept in git (dotfiles): a call from ~/notes binds HOME, whose
+    .cambium is also the config's folder, and the sweep of links there renamed
+    the user's config link aside: every repo became unconfigured."""
+    home = Path(os.environ["HOME"])
+    git(home, "init", "-q", "-b", "main")
+    dotfiles = tmp_path / "dotfiles"
+    dotfiles.mkdir()
+    (dotfiles / "cambium.json").write_text(json.dumps({"CAMBIUM_AGENT_ID": "ada"}))
+    config = home / ".cambium" / "config.json"
+    config.parent.mkdir()
+    config.symlink_to(dotfiles / "cambium.json")
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(config))
+    (home / "notes").mkdir()
+    monkeypatch.chdir(home / "notes")
+    assert cs.status()["configured"] is True
+    cs.capture("a fact kept at home")
+    assert config.is_symlink() and cs.resolve_config(cwd=tmp_path).agent == "ada"
+    (config.parent / "stray").symlink_to(dotfiles)         # any other link still goes aside
+    cs.status()
+    assert config.is_symlink() and not (config.parent / "stray").is_symlink()
+
+
+def test_the_config_file_setting_must_be_absolute_and_a_link_is_written_through(
+        tmp_path, monkeypatch):
+    r = make_repo(tmp_path)
+    monkeypatch.chdir(r)
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", "cambium.json")
+    assert cs.config_file_path() == Path(os.path.expanduser(cs.DEFAULT_CONFIG_FILE))
+    assert "not an absolute path" in cs.resolve_config().file_error
+    cs.setup(str(r), "ada")
+    assert not (r / "cambium.json").exists() and not (r / "cambium.json.lock").exists()
+    dot = tmp_path / "dot" / "cambium.json"
+    dot.parent.mkdir()
+    dot.write_text("{}")
+    link = tmp_path / "cfg" / "config.json"
+    link.parent.mkdir()
+    link.symlink_to(dot)
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(link))
+    cs.setup(str(r), "ada")
+    assert link.is_symlink() and json.loads(dot.read_text())["CAMBIUM_AGENT_ID"] == "ada"
+    link.unlink()
+    link.symlink_to(tmp_path / "moved-away.json")
+    assert "which does not exist" in cs.resolve_config().file_error
+
+
 # =============================================================================
 # Storage: local store
 # =============================================================================
