@@ -4166,6 +4166,41 @@ def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
     assert json.loads((shared["org"] / "knowledge.json").read_text())["items"][0]["id"] == item_id
 
 
+def test_an_org_clone_that_is_a_worktree_of_the_project_or_a_code_repo_is_never_written(
+        shared, monkeypatch):
+    """A `git worktree add` of the project passed the path check, and so did
+    another project's clone: a promotion committed knowledge.json and
+    KNOWLEDGE.md onto that repository's code branch and pushed it."""
+    wt = shared["tmp"] / "shop-wt"
+    git(shared["a"], "worktree", "add", "-q", str(wt), "-b", "wt")
+    with pytest.raises(cs.InputError, match="worktree of its clone"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(wt))
+    code = make_origin(shared["tmp"], "service")
+    seed = shared["tmp"] / "service-seed"
+    (seed / "app.py").write_text("print('hi')\n")
+    git(seed, "add", "app.py")
+    git(seed, "commit", "-q", "-m", "code")
+    git(seed, "push", "-q", "origin", "HEAD:main")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(clone(code, shared["tmp"] / "service")))
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    with pytest.raises(cs.ConfigError, match=r"holds other files \(app.py\) .* code repository"):
+        cs.promote(item, to_scope="org", force=True)
+    assert "knowledge.json" not in git(code, "ls-tree", "--name-only", "main").split()
+    assert "code repository" in cs.status()["scopes"]["org"]["error"]
+    org = shared["org_bare"]                  # a new knowledge repo's scaffold is no code
+    seed = shared["tmp"] / "org-seed"
+    for name in ("LICENSE", ".gitignore"):
+        (seed / name).write_text("x\n")
+    (seed / ".github").mkdir()
+    (seed / ".github" / "CODEOWNERS").write_text("* @acme\n")
+    git(seed, "add", "-A")
+    git(seed, "commit", "-q", "-m", "scaffold")
+    git(seed, "push", "-q", "origin", "HEAD:main")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
+    assert {i["id"] for i in remote_json(org, "main")["items"]} == {item}
+
+
 def test_a_renamed_org_default_branch_is_followed_not_forked(shared, monkeypatch):
     """The org remote's main renamed trunk (as GitHub's rename does): the clone's
     origin/HEAD still said main, so the next promote created a new main holding
