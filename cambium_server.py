@@ -102,6 +102,7 @@ import math
 import operator
 import os
 import re
+import select
 import signal
 import stat as _stat
 import struct
@@ -3023,8 +3024,9 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
               "retired_like_copy": 0, "held_above": 0, "not_item_ids": 0}
     renamed: dict[str, str] = {}
     for it in back.items:
-        if not isinstance(it.id, str) or not it.id.strip() or "id" in (it.mistyped or {}):
-            counts["not_item_ids"] += 1            # no tool could reach it: import gives ids
+        if not isinstance(it.id, str) or not ITEM_ID.fullmatch(it.id) or \
+                "id" in (it.mistyped or {}):       # no tool could reach it (import gives ids)
+            counts["not_item_ids"] += 1
             continue
         if it.scope != "local":                    # it comes back into the local store
             it = dataclasses.replace(it, scope="local")
@@ -8910,7 +8912,21 @@ def merged_pointers(survivor: Item, fresh: list[Item]) -> dict:
     tags = list(dict.fromkeys(t for it in (survivor, *fresh) for t in it.tags))[:MAX_TAGS]
     premise = survivor.valid_while or next((it.valid_while for it in fresh
                                             if isinstance(it.valid_while, str)), None)
-    return {"code_refs": refs or survivor.code_refs, "tags": tags, "valid_while": premise}
+    return {"code_refs": refs or survivor.code_refs, "tags": tags, "valid_while": premise,
+            **merged_check(survivor, fresh)}
+
+
+def merged_check(survivor: Item, fresh: list[Item]) -> dict:
+    """A duplicate's operator check (a failing one first) when the survivor has
+    none, and a duplicate's failing flag when the survivor's is clear: a claim
+    whose check fails was served unflagged once folded, its check never run
+    again."""
+    if survivor.check is None:
+        holder = next((it for it in sorted(fresh, key=lambda it: it.failing is None)
+                       if it.check is not None), None)
+        return {"check": holder.check, "failing": holder.failing} if holder else {}
+    failing = next((it.failing for it in fresh if it.failing is not None), None)
+    return {"failing": failing} if survivor.failing is None and failing is not None else {}
 
 
 # =============================================================================
@@ -9131,8 +9147,11 @@ def _replace_item(doc: Doc, index: int, item: Item) -> Doc:
     return dataclasses.replace(doc, items=items)
 
 
+ITEM_ID = re.compile(r"[\w.\-:]{1,80}")     #: what a tool takes for an item id
+
+
 def _check_id(item_id: Any) -> str:
-    if not isinstance(item_id, str) or not re.fullmatch(r"[\w.\-:]{1,80}", item_id or ""):
+    if not isinstance(item_id, str) or not ITEM_ID.fullmatch(item_id):
         raise InputError(f"item_id {item_id!r} is not a cambium id (like k-1a2b3c4d5e6f); "
                          "recall lists ids.")
     return item_id
@@ -10784,11 +10803,16 @@ class Group:
 
 def plan_consolidation(cfg: Config, scopes: Iterable[str]
                        ) -> tuple[list[Group], dict[str, dict], list[str]]:
-    """Duplicate groups among the active items of `scopes` (an item on its way
-    to org through a pull request stays out), with every item's trust."""
+    """Duplicate groups among the active items of `scopes`, with every item's
+    trust. An item on its way up stays out: through a pull request, or a move a
+    crash cut short (its local copy still marked moving; folding that copy
+    into a look-alike left the move unfinishable, in a loop of supersessions)."""
     docs, warnings = read_scopes(cfg, scopes)
+    local_meta = docs["local"].meta if "local" in docs else {}
+    moving = local_meta.get(MOVING_META) if isinstance(local_meta.get(MOVING_META), dict) else {}
     pool = [it for it in first_copies(federated_items(docs))   # (an empty body, e.g. a
-            if it.active and not it.pr_url and it.content.strip()]   # hand-edited non-string)
+            if it.active and not it.pr_url and it.content.strip()  # hand-edited non-string)
+            and not (it.scope == "local" and it.id in moving)]
     pending = read_credits(credits_path(cfg))
     trusts = {it.id: effective_trust(it, pending) for it in pool}
     found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))
@@ -10940,21 +10964,59 @@ def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
 
 
 def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
-    """Run one shell check; exit 0 within the timeout is a pass."""
+    """Run one shell check; exit 0 within the timeout is a pass. Only the tail
+    of its output is held (check_output_tail), and it is judged on its own
+    exit, not on the pipe's end: what it leaves in the background (`sleep &`,
+    even a `setsid` child that escapes its group) neither holds the answer
+    past the timeout nor turns a pass into one. Its process group is killed
+    once the answer is in, so a check leaves nothing running."""
     proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True,
                             env={k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS})
     try:
-        output, _ = proc.communicate(timeout=timeout_s)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):          # the whole group: no orphan holds the pipe
+        output = check_output_tail(proc, timeout_s)
+        code = proc.poll()                          # None: still running, timed out
+    finally:
+        with contextlib.suppress(OSError):          # the whole group: timed out or leftovers
             os.killpg(proc.pid, 9)
-        output, _ = proc.communicate()
-        code, output = None, output + f"\n[timed out after {timeout_s:g} s]".encode()
-    text = output.decode("utf-8", "replace")[-CHECK_OUTPUT_CHARS:]
+        proc.stdout.close()
+        proc.wait()
+    if code is None:
+        output += f"\n[timed out after {timeout_s:g} s]".encode()
+    text = plain_text(output.decode("utf-8", "replace"))[-CHECK_OUTPUT_CHARS:]
     return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
+
+
+CHECK_DRAIN_S = 0.5   #: after a check exits, its output is read for at most this long more
+
+
+def check_output_tail(proc: subprocess.Popen, timeout_s: float) -> bytes:
+    """The last bytes a check wrote (4 × CHECK_OUTPUT_CHARS: 150 MB of output
+    took 500 MB of memory when all of it was held), read until the pipe ends,
+    or the check has exited and CHECK_DRAIN_S more passed, or the timeout."""
+    fd, keep = proc.stdout.fileno(), 4 * CHECK_OUTPUT_CHARS
+    os.set_blocking(fd, False)
+    tail, deadline, exited = bytearray(), time.monotonic() + timeout_s, None
+    while True:
+        now = time.monotonic()
+        if exited is None and proc.poll() is not None:
+            exited = now
+        until = deadline if exited is None else min(deadline, exited + CHECK_DRAIN_S)
+        if now >= until:
+            return bytes(tail)
+        ready, _, _ = select.select([fd], [], [], min(0.1, until - now))
+        try:
+            chunk = os.read(fd, 65536) if ready else None
+        except BlockingIOError:
+            continue
+        if chunk == b"":                    # the pipe ended: wait for the exit alone
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            return bytes(tail)
+        if chunk:
+            tail += chunk
+            del tail[:-keep]
 
 
 def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> dict:
@@ -11472,35 +11534,46 @@ def capture(content: Annotated[str, Field(
 
 
 def _correction_of_text(cfg: Config, content: Any, type: str) -> Item | None:
-    """The live correction of a local item that said exactly `content`: capturing
-    the words a person corrected stored the wrong statement again, active."""
+    """The live correction of an item of any scope that said exactly `content`
+    (capturing the words a person corrected stored the wrong statement again,
+    active), at the end of its chain: a correction that was promoted, corrected
+    again or folded into a survivor by consolidate still answers. Scopes as
+    last read: a capture never waits on the network."""
     if not isinstance(content, str) or not content.strip():
         return None                            # (capture's own checks say what is wrong)
     key = text_key(type, plain_text(content).strip())
-    words, fixes = corrections(str(cfg.local_dir / STORE_FILE), store(cfg, "local").read().items)
-    fix, seen = fixes.get(words.get(key, "")), set()
-    while fix is not None and not fix.active and fix.id not in seen:   # a chain: its live end
-        seen.add(fix.id)
-        fix = fixes.get(fix.id)
-    return fix if fix is not None and fix.active else None
+    docs, _ = read_scopes_offline(cfg)
+    maps = [corrections(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
+    for corrected in (i for words, _ in maps for i in words.get(key, ())):
+        fix = next((fixes[corrected] for _, fixes in maps if corrected in fixes), None)
+        if fix is not None and not fix.active and (nxt := _superseded_by(fix)):
+            fix = _replacements(fix.id, nxt)[1]
+        if fix is not None and fix.active:
+            return fix
+    return None
 
 
-def corrections(key: str, items: list) -> tuple[dict[str, str], dict[str, Item]]:
-    """({content key of a corrected item: its id}, {corrected id: its correction})
-    of a store's items, kept per store and brought up to date by the items a
-    capture appended (a correction is a rewrite: built again), so a capture of a
-    100,000-item store does not walk them all."""
+def corrections(key: str, items: list) -> tuple[dict[str, tuple], dict[str, Item]]:
+    """({content key of a superseded item: the ids of such items}, {corrected id:
+    its correction}) of a store's items, kept per store and brought up to date by
+    the items a capture appended (a correction or a supersession is a rewrite:
+    built again), so a capture of a 100,000-item store does not walk them all.
+    The words hold every superseded item: the correction of one may be in
+    another scope (promoted) than the item it corrected."""
     rt = runtime()
     with rt.index_lock:
         src, words, fixes = rt.corrections.get(key, (None, {}, {}))
         if src is not items:
             grown = src is not None and extends(items, src)
-            new = [x for x in (items[len(src):] if grown else items)
-                   if isinstance(x.corrects, str)]
-            if not grown or new:                    # (a correction came: walk them once)
-                fixes = {**(fixes if grown else {}), **{x.corrects: x for x in new}}
-                words = {content_key(x): x.id for x in items
-                         if x.id in fixes and x.status == "superseded"}
+            fresh = [x for x in (items[len(src):] if grown else items)
+                     if isinstance(x.corrects, str) or x.status == "superseded"]
+            if not grown or fresh:                  # (copied: a reader may hold the old)
+                words, fixes = (dict(words), dict(fixes)) if grown else ({}, {})
+                for x in fresh:
+                    if isinstance(x.corrects, str):
+                        fixes[x.corrects] = x
+                    if x.status == "superseded":
+                        words[content_key(x)] = (*words.get(content_key(x), ()), x.id)
             rt.corrections[key] = (items, words, fixes)
     return words, fixes
 
@@ -12250,6 +12323,10 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
 
     def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
         _require_active(it, "generalized")
+        if it.authority == "human":                 # an agent's words would carry a person's
+            raise Refused(f"item {item_id} is a person's correction (authority human): an "
+                          "agent does not restate it. If a person restated it, record that "
+                          "with correct(item_id, content, why).")
         text = content or (None if why or kind else latest_endorsement_note(it))
         if not (text or why or kind):
             raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
@@ -12318,8 +12395,8 @@ def review_promotions() -> dict:
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
                                                 "draft": latest_endorsement_note(it)})
     for it in docs.get("org", Doc(items=[])).items:
-        tells = org_tells(it) if it.active else []
-        if tells:
+        tells = org_tells(it) if it.active and it.authority != "human" else []
+        if tells:                                   # (a person's words: not restated)
             out["org_needs_generalization"].append({
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": latest_endorsement_note(it),
@@ -12738,6 +12815,22 @@ def _where_order(skip: tuple[str, str]) -> int:
     return int(number.group()) if number else 0
 
 
+def _restorable_layout(p: Path) -> None:
+    """Refuse a set-aside file over MAX_IMPORT_BYTES that is not in the store's
+    line layout: any other layout is read whole (a 400 MB file of one line took
+    1.25 GB of memory before it was found not to be JSON)."""
+    if p.stat().st_size <= MAX_IMPORT_BYTES:
+        return
+    with open(p, "rb", opener=open_regular) as f:
+        lines = f.read(2**20).split(b"\n")
+    if len(lines) > 3 and _head_of([ln + b"\n" for ln in lines[:3]]) is not None:
+        return
+    raise InputError(f"{p} is {p.stat().st_size // 2**20} MB and not in cambium's "
+                     f"one-item-per-line layout, which restore reads whole only up to "
+                     f"{_size_text(MAX_IMPORT_BYTES)}: split it, or put it in that layout by "
+                     "hand, and run restore again.", "path")
+
+
 def restore(path: Annotated[str, Field(
         "A file set aside beside the store: knowledge.json.quarantine-<time> (repair its "
         "lines first) or knowledge.json.corrupt-<time>.")]) -> dict:
@@ -12759,6 +12852,7 @@ def restore(path: Annotated[str, Field(
         raise InputError(f"{p} is the local store itself: restore takes a file set aside "
                          f"beside it (knowledge.json{QUARANTINE_TAG}<time> or "
                          f"knowledge.json{CORRUPT_TAG}<time>).")
+    _restorable_layout(p)
     try:
         with open(p, "rb") as f:
             parsed = parse_file(f, str(p))

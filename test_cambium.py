@@ -5591,6 +5591,112 @@ def test_consolidate_in_org_pr_mode_opens_a_pr_and_lower_copies_wait(shared, mon
     assert local[low["item"]["id"]].status == "active"       # waits for the merge
 
 
+def test_a_check_is_judged_on_its_own_exit_with_a_bounded_clean_tail(tmp_path):
+    """A check that left `sleep &` behind (or a setsid child holding the pipe)
+    was a timeout failure after the whole timeout, or held the answer past it;
+    its whole output was held in memory; escapes reached the terminal."""
+    started = time.monotonic()
+    bg = cs.run_check("sleep 30 & echo started; exit 0", tmp_path, 20)
+    assert bg["passed"] is True and bg["exit"] == 0 and bg["output"] == "started\n"
+    escaped = cs.run_check("setsid sleep 30 & exit 3", tmp_path, 20)
+    assert escaped["passed"] is False and escaped["exit"] == 3
+    assert time.monotonic() - started < 10
+    loud = cs.run_check("head -c 30000000 /dev/zero | tr '\\0' 'x'; "
+                        "printf '\\033]0;HIJACK\\007\\033[2Jend\\n'; exit 1", tmp_path, 60)
+    assert loud["output"].endswith("xend\n") and len(loud["output"]) == cs.CHECK_OUTPUT_CHARS
+    assert "\x1b" not in loud["output"] and "\x07" not in loud["output"]
+    slow = cs.run_check("echo begun; sleep 30", tmp_path, 0.5)
+    assert slow["exit"] is None and slow["output"] == "begun\n\n[timed out after 0.5 s]"
+
+
+def test_corrected_words_stay_corrected_when_the_correction_moved_up_or_was_folded(shared):
+    """The words a person corrected were captured again, active, once the
+    correction was promoted to team, made in team, or folded by consolidate."""
+    old = cs.capture("Release branches are cut from develop")["item"]["id"]
+    fix = cs.correct(old, "Release branches are cut from main", "the person said so")
+    fixed = fix["item"]["id"]
+    cs.promote(fixed, force=True)
+    assert fixed in team_ids(shared["origin"])
+    again = cs.capture("Release branches are cut from develop")
+    assert again["status"] == "corrected_before" and again["item"]["id"] == fixed
+    team_old = _endorsed("Hotfixes skip the staging soak")
+    cs.promote(team_old, force=True)
+    team_fix = cs.correct(team_old, "Hotfixes soak in staging for an hour", "ops")["item"]
+    assert team_fix["scope"] == "team"
+    again = cs.capture("Hotfixes skip the staging soak")
+    assert again["status"] == "corrected_before" and again["item"]["id"] == team_fix["id"]
+    first = cs.capture("Staging runs in us-east-2")["item"]["id"]   # two people, one fix:
+    second = cs.capture("Staging lives in the us-east-2 region")["item"]["id"]
+    c1 = cs.correct(first, "Staging runs in eu-central-1", "moved")["item"]["id"]
+    c2 = cs.correct(second, "Staging runs in eu-central-1", "moved")["item"]["id"]
+    folded = cs.consolidate(apply=True, scope="local")   # one folded into the other
+    assert sorted(folded["superseded"] + [folded["groups"][0]["survivor"]["id"]]) == \
+        sorted([c1, c2])
+    survivor = folded["groups"][0]["survivor"]["id"]
+    for words in ("Staging runs in us-east-2", "Staging lives in the us-east-2 region"):
+        again = cs.capture(words)
+        assert again["status"] == "corrected_before" and again["item"]["id"] == survivor
+
+
+def test_generalize_never_puts_an_agents_words_under_a_persons_authority(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Retry idempotent calls with backoff")
+    cs.promote(item, to_scope="org", force=True)
+    fixed = cs.correct(item, "Retry idempotent calls at most five times with jittered backoff",
+                       "the platform lead said so", force=True)["item"]
+    assert fixed["authority"] == "human" and fixed["scope"] == "org"
+    with pytest.raises(cs.Refused, match="a person's correction"):
+        cs.generalize(fixed["id"], org_content="Never retry anything")
+    assert cs.expand(fixed["id"])["content"].startswith("Retry idempotent calls at most")
+    assert fixed["id"] not in {i["id"] for i in cs.review_promotions()["org_needs_generalization"]}
+
+
+def test_consolidate_keeps_a_duplicates_check_and_its_failing_flag(repo):
+    checked = cs.capture("The orders API answers within 200 ms at p95")["item"]["id"]
+    assert cli("verify-cmd", checked, "exit 1").returncode == 0
+    assert json.loads(cli("verify", "--run").stdout)["failed"] == [checked]
+    survivor = _trusted("The orders API answers within 200 ms at p95.", recalls=5,
+                        endorsers=("bob",))
+    done = cs.consolidate(apply=True)
+    assert done["superseded"] == [checked] and done["groups"][0]["survivor"]["id"] == survivor
+    kept = {i["id"]: i for i in local_items(repo)}[survivor]
+    assert kept["check"]["cmd"] == "exit 1" and kept["failing"]["exit"] == 1
+    assert cs.stale_report()["entries"][0]["id"] == survivor
+    assert json.loads(cli("verify", "--run").stdout)["ran"] == 1
+
+
+def test_consolidate_leaves_out_a_local_copy_whose_move_was_cut_short(shared):
+    """A promote killed after its push left the local copy marked moving; a
+    local consolidate folded it into a look-alike, and the move could never
+    finish (a loop of supersessions only a hand edit undid)."""
+    moving = cs.capture("Pin the base image by digest")["item"]["id"]
+    path = _store_path(shared["a"])
+    data = json.loads(path.read_text())
+    data["meta"]["moving"] = {moving: "team"}
+    path.write_text(json.dumps(data))
+    other = cs.capture("Pin the base image by its digest")["item"]["id"]
+    cs.endorse(other, "yes")
+    plan = cs.consolidate(scope="local")
+    assert moving not in {d["id"] for g in plan["groups"] for d in g["duplicates"]}
+    assert cs.expand(moving)["status"] == "active"
+
+
+def test_restore_skips_ids_no_tool_takes_and_refuses_a_huge_file_of_another_layout(
+        repo, tmp_path):
+    path = tmp_path / "knowledge.json.quarantine-x"
+    path.write_text(json.dumps({"cambium": 1, "items": [
+        {"id": "has space in id", "content": "unreachable by id"},
+        {"id": "k-" + "a" * 3000, "content": "too long an id"},
+        {"id": "k-cccccccccccc", "content": "a fine one"}]}))
+    res = cs.restore(str(path))
+    assert res["restored"] == 1 and res["not_item_ids"] == 2
+    huge = tmp_path / "knowledge.json.corrupt-y"
+    with open(huge, "wb") as f:
+        f.truncate(cs.MAX_IMPORT_BYTES + 1)              # sparse: no disk, one "line" of NULs
+    with pytest.raises(cs.InputError, match="not in cambium's one-item-per-line layout"):
+        cs.restore(str(huge))
+
+
 def test_cli_correct_and_consolidate(repo):
     wrong = cs.capture("The nightly backup runs at two")["item"]["id"]
     fixed = json.loads(cli("correct", wrong, "The nightly backup runs at three",
