@@ -8881,6 +8881,18 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
                + origins}, **merged_pointers(survivor, [m for m, _ in fresh]))
 
 
+def publishable_notes(it: Item) -> Item:
+    """An org copy whose endorsement notes all pass the org gate: a change
+    carried up by a move in flight (a teammate endorsed the copy below with a
+    note naming a file) was published without the gate that promote applies."""
+    ends = it.trust.get("endorsements") if isinstance(it.trust, dict) else None
+    if not isinstance(ends, list):
+        return it
+    clean = [publishable_endorsement(e, it, it) if isinstance(e, dict) else e for e in ends]
+    return it if clean == ends else dataclasses.replace(
+        it, trust={**it.trust, "endorsements": clean})
+
+
 def publishable_endorsement(e: dict, survivor: Item, member: Item) -> dict:
     """An endorsement a duplicate brings to its survivor; into org, without a
     note that reads project-specific (the org gate's test): consolidate
@@ -9728,7 +9740,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held or marking:
         def lift(source: Item, there: Item) -> Item:     # the dst copy with source's change
-            return carried_over(there, source) or there if source.id in joined else copy(source)
+            new = carried_over(there, source) or there if source.id in joined else copy(source)
+            return publishable_notes(new) if dst == "org" else new
 
         kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
@@ -10850,23 +10863,35 @@ def group_view(g: Group) -> dict:
 
 
 def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent: str,
-                now: str, done: dict[str, str], late: set[str]) -> Callable[[Doc], Doc | None]:
+                now: str, done: dict[str, str], late: set[str], retired: set[str]
+                ) -> Callable[[Doc], Doc | None]:
     """The write to `scope`: merge each survivor living there, and supersede
     members living there whose survivor is `done` (verified) or in this write.
-    `done` collects survivor id -> scope for every survivor merged. A member
-    endorsed or verified since the plan whose survivor lives in another scope
-    (merged already, without that) is left active and named in `late`."""
+    `done` collects survivor id -> scope for every survivor merged, `retired`
+    the members this write superseded. A member endorsed or verified since the
+    plan whose survivor lives in another scope (merged already, without that),
+    and one of this scope that left it or was retired since the plan, is left
+    as it is and named in `late`. Judged afresh on each attempt: a push that
+    lost its race replays on a tip where a survivor may have gone."""
     def apply(doc: Doc) -> Doc | None:
         items, at = list(doc.items), {it.id: i for i, it in enumerate(doc.items)}
         changed = False
         late.clear()
+        retired.clear()
+        for sid in [k for k, v in done.items() if v == scope]:
+            del done[sid]                     # (an earlier attempt's, on another tip)
         for g in groups:
             s = at.get(g.survivor.id)
             here = g.survivor.scope == scope and s is not None and items[s].active
             if here:                          # a member here is merged as it stands now
+                gone = {m.id for m, _, _ in g.members if m.scope == scope and not (
+                    m.id in at and (items[at[m.id]].active or     # (or folded into it
+                                    _superseded_by(items[at[m.id]]) == g.survivor.id))}  # before)
+                late.update(gone)
                 merged = merged_survivor(items[s], items[s].trust, [
-                    (items[at[m.id]], items[at[m.id]].trust) if m.scope == scope and m.id in at
-                    else (m, trusts.get(m.id, m.trust)) for m, _, _ in g.members], now=now)
+                    (items[at[m.id]], items[at[m.id]].trust) if m.scope == scope
+                    else (m, trusts.get(m.id, m.trust)) for m, _, _ in g.members
+                    if m.id not in gone], now=now)
                 changed |= merged is not items[s]
                 items[s] = merged
                 done[g.survivor.id] = scope
@@ -10882,6 +10907,7 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
                     items[i] = supersede(items[i], g.survivor.id, agent=agent, now=now,
                                          why=f"consolidated: says the same ({how}, "
                                              f"{sim:.2f})")
+                    retired.add(m.id)
                     changed = True
         return dataclasses.replace(doc, items=items) if changed else None
     return apply
@@ -10904,9 +10930,12 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
     survivor_scopes = [s for s in reversed(SCOPES) if any(g.survivor.scope == s for g in groups)]
     member_scopes = [s for s in SCOPES if any(m.scope == s and g.survivor.scope != s
                                               for g in groups for m, _, _ in g.members)]
+    retired: set[str] = set()
+    in_pr: set[str] = set()
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         left: set[str] = set()
-        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left)
+        gone: set[str] = set()
+        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left, gone)
         write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
                        pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
         late |= left
@@ -10914,16 +10943,21 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
             pr_urls.append(write.pr_url)
             for sid in [k for k, v in done.items() if v == scope]:
                 del done[sid]                # on a PR branch only, not verified on org
-    superseded = [m.id for g in groups if g.survivor.id in done for m, _, _ in g.members
-                  if m.id not in late]
-    waiting = [m.id for g in groups if g.survivor.id not in done for m, _, _ in g.members]
+                in_pr.add(sid)
+        elif write is not None:              # (the last attempt's: the one that landed)
+            retired |= gone
+    superseded = [m.id for g in groups for m, _, _ in g.members if m.id in retired]
+    waiting = [m.id for g in groups if g.survivor.id in in_pr for m, _, _ in g.members
+               if m.id not in late]
+    late |= {m.id for g in groups if g.survivor.id not in done and g.survivor.id not in in_pr
+             for m, _, _ in g.members}      # their survivor left its scope or was retired
     out: dict[str, Any] = {"superseded": superseded}
     if waiting:
         out["waiting"] = waiting
     if late:
         out["changed_meanwhile"] = sorted(late)
-        out["note"] = ("endorsed or verified while consolidate ran, so left as they are: "
-                       "consolidate again to fold them in")
+        out["note"] = ("endorsed, verified, moved or retired while consolidate ran, so left "
+                       "as they are: consolidate again to fold in what is still a duplicate")
     if pr_urls:
         out["pr_urls"] = sorted(set(pr_urls))
     return out
@@ -11068,23 +11102,44 @@ def _no_check_to_run(item_id: str, copies: list[Item], warnings: list[str]) -> N
 def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> None:
     """Write check outcomes onto their items, one write per scope they live in
     now: a check runs for a while, and its item may have moved up meanwhile
-    (recorded where locate finds it, as every change is)."""
+    (recorded where locate finds it, as every change is). An item that left
+    the scope between locate and the write (another clone's promote) is found
+    again for real and followed, as every change follows a move; a passing
+    result was lost to an empty commit. A retired item is not stamped."""
     if not outcomes:
         return
     now = _now()
     with moves_lock(cfg):
-        where: dict[str, dict[str, dict]] = {}
-        for item_id, outcome in outcomes.items():
-            with contextlib.suppress(NotFound):         # gone meanwhile: nothing to mark
-                where.setdefault(locate(cfg, item_id, highest=True)[0], {})[item_id] = outcome
-        for here, found in where.items():
-            def apply(doc: Doc, found: dict = found) -> Doc | None:
-                items = [checked(it, found[it.id], now=now) if it.id in found else it
-                         for it in doc.items]
-                return dataclasses.replace(doc, items=items)
+        pending, fresh = dict(outcomes), False
+        for _ in range(2):
+            where: dict[str, dict[str, dict]] = {}
+            for item_id, outcome in pending.items():
+                with contextlib.suppress(NotFound):     # gone meanwhile: nothing to mark
+                    here = locate(cfg, item_id, highest=True, fresh=fresh)[0]
+                    where.setdefault(here, {})[item_id] = outcome
+            pending, fresh = {}, True
+            for here, found in where.items():
+                pending.update(_record_in(cfg, here, found, now))
+            if not pending:
+                return
 
-            mutate(cfg, here, apply, f"{cfg.agent} records {len(found)} check result(s)",
-                   pr_branch=pr_branch(cfg, here, "updates"))
+
+def _record_in(cfg: Config, scope: str, found: dict[str, dict], now: str) -> dict[str, dict]:
+    """One scope's write of check outcomes; returns the outcomes of items the
+    scope no longer held when the write landed."""
+    missed: dict[str, dict] = {}
+
+    def apply(doc: Doc) -> Doc | None:
+        held = {it.id for it in doc.items}
+        missed.clear()
+        missed.update((i, o) for i, o in found.items() if i not in held)
+        items = [checked(it, found[it.id], now=now) if it.id in found and it.active else it
+                 for it in doc.items]
+        return None if items == doc.items else dataclasses.replace(doc, items=items)
+
+    mutate(cfg, scope, apply, f"{cfg.agent} records {len(found)} check result(s)",
+           pr_branch=pr_branch(cfg, scope, "updates"))
+    return dict(missed)
 
 
 # =============================================================================
@@ -12263,15 +12318,39 @@ def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, ext
                 "note": f"the {scope} copy stays until the PR merges",
                 **({"warnings": hand} if hand else {})}
     (there,) = as_landed(cfg, "org", moved)
-    if there.id in moved.joined:
-        note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")
+    if there.id in moved.joined or moved.write.commit is None:   # (None: a peer's promote
+        note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")  # landed first)
         if restated:
             note += "; its text stays as org has it: restate it with generalize()"
-        return {"status": "already_promoted", "scope": "org", "item": item_view(there),
-                "note": note, **kept_both(moved, scope, "org")}
-    return {"status": "promoted", "to_scope": "org", "commit": moved.write.commit,
-            "item": item_view(there), **extra, **published_files(cfg),
-            **kept_both(moved, scope, "org")}
+        return answer_of({"status": "already_promoted", "scope": "org",
+                          "item": item_view(there), "note": note},
+                         kept_both(moved, scope, "org"), retired_meanwhile(there))
+    return answer_of({"status": "promoted", "to_scope": "org", "commit": moved.write.commit,
+                      "item": item_view(there), **extra}, published_files(cfg),
+                     kept_both(moved, scope, "org"), retired_meanwhile(there))
+
+
+def answer_of(*parts: dict) -> dict:
+    """Parts of a tool's answer as one: keys merged, `warnings` joined (pure)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        warnings = out.get("warnings", []) + part.get("warnings", [])
+        out.update(part)
+        if warnings:
+            out["warnings"] = warnings
+    return out
+
+
+def retired_meanwhile(there: Item) -> dict:
+    """A warning when the copy a move landed is retired: a teammate deprecated
+    or corrected the copy below while it moved, and the move carried that up."""
+    if there.active:
+        return {}
+    how = (f"deprecated by {there.deprecated.get('by')}" if isinstance(there.deprecated, dict)
+           else f"superseded by {_superseded_by(there)}" if _superseded_by(there)
+           else f"{there.status}")
+    return {"warnings": [f"{there.id} was retired while it moved ({how}); the move carried "
+                         "that up, so it is retired where it landed too"]}
 
 
 def published_files(cfg: Config) -> dict:

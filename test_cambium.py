@@ -5567,6 +5567,102 @@ def test_consolidate_keeps_an_endorsement_made_between_its_plan_and_its_write(
     assert again["superseded"] == [third]
 
 
+def _peer_acts_before_our_push(monkeypatch, scope: str, peer: Path, *args: str,
+                               **env: str) -> None:
+    """Once: right after this process's write to `scope` planned, and before its
+    push, clone `peer` (agent bob) runs a CLI command, so the push loses its
+    race and the write replays on the tip bob made."""
+    real_mutate, done = cs.GitStore.mutate, []
+
+    def racing_mutate(self, fn, message, **kw):
+        def fn_then_peer(doc):
+            out = fn(doc)
+            if self.scope == scope and not done:
+                done.append(1)
+                ran = cli(*args, **{"CAMBIUM_REPO": str(peer), "CAMBIUM_AGENT_ID": "bob",
+                                    **env})
+                assert ran.returncode == 0, ran.stderr
+            return out
+        return real_mutate(self, fn_then_peer, message, **kw)
+
+    monkeypatch.setattr(cs.GitStore, "mutate", racing_mutate)
+
+
+@pytest.mark.parametrize("peer_retires", ["survivor", "duplicate"])
+def test_consolidate_judges_each_attempt_on_its_own_tip(shared, monkeypatch, peer_retires):
+    """A consolidate whose team push lost its race to a peer's deprecate kept
+    'survivor merged' from the first attempt: the duplicate was retired into a
+    deprecated survivor that never took its endorsements; a duplicate the peer
+    retired was merged into the survivor all the same and called superseded."""
+    survivor = _trusted("Always use exponential backoff for external APIs", recalls=3)
+    dup = _endorsed("Always use exponential backoff for external APIs!", note="dee")
+    for item in (survivor, dup):
+        cs.promote(item, force=True)
+    target = survivor if peer_retires == "survivor" else dup
+    _peer_acts_before_our_push(monkeypatch, "team", shared["b"], "deprecate", target, "--reason", "gone")
+    done = cs.consolidate(apply=True, scope="team")
+    assert done["superseded"] == [] and done["changed_meanwhile"] == [dup]
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[target]["status"] == "deprecated"
+    other = dup if target == survivor else survivor
+    assert team[other]["status"] == "active"
+    assert "merged_from" not in team[survivor]
+
+
+def test_a_change_carried_up_into_org_passes_the_org_gate_and_a_retirement_is_said(
+        shared, monkeypatch):
+    """A teammate's endorsement of the team copy during an org promote was
+    carried up with its note naming a file, published in KNOWLEDGE.md; a
+    deprecation carried up the same way was answered `promoted`, unsaid."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Back off on rate-limited external APIs", note="holds for every API")
+    cs.promote(item, force=True)
+    _peer_acts_before_our_push(monkeypatch, "org", shared["b"], "endorse", item, "--note",
+                               "see src/payments/gateway.py, test_gateway_retry")
+    assert cs.promote(item, to_scope="org")["status"] == "promoted"
+    published = remote_json(shared["org_bare"], "main")
+    (there,) = published["items"]
+    assert {e["by"]: e["note"] for e in there["trust"]["endorsements"]}["bob"] == ""
+    assert "gateway.py" not in remote_json(shared["org_bare"], "main", "KNOWLEDGE.md")
+    second = _endorsed("Cap retries with a budget per request", note="everywhere")
+    cs.promote(second, force=True)
+    _peer_acts_before_our_push(monkeypatch, "org", shared["b"], "deprecate", second, "--reason", "dropped")
+    out = cs.promote(second, to_scope="org")
+    assert out["status"] == "promoted" and out["item"]["status"] == "deprecated"
+    assert any("retired while it moved (deprecated by bob)" in w for w in out["warnings"])
+
+
+def test_a_promote_that_lost_to_a_peers_promote_of_the_same_item_says_already_promoted(
+        shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    peer_org = clone(shared["org_bare"], shared["tmp"] / "peer-org")
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    cs.promote(item, force=True)
+    _peer_acts_before_our_push(monkeypatch, "org", shared["b"], "promote", item, "--to", "org",
+                               "--force", CAMBIUM_ORG_REPO=str(peer_org))
+    out = cs.promote(item, to_scope="org", force=True)
+    assert out["status"] == "already_promoted" and out["scope"] == "org"
+    assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item]
+    assert item not in team_ids(shared["origin"])
+
+
+def test_a_check_result_follows_its_item_promoted_while_it_was_written(shared, monkeypatch):
+    """verify --run: the item moved to org between locate and the team write;
+    the passing result was dropped for an empty team commit."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("The shop repository has a README")
+    cs.promote(item, force=True)
+    assert cli("verify-cmd", item, "test -f README.md").returncode == 0
+    peer_org = clone(shared["org_bare"], shared["tmp"] / "peer-org")
+    _peer_acts_before_our_push(monkeypatch, "team", shared["b"], "promote", item, "--to", "org",
+                               "--force", CAMBIUM_ORG_REPO=str(peer_org))
+    assert cs.run_checks()["passed"] == 1
+    (there,) = remote_json(shared["org_bare"], "main")["items"]
+    assert there["authority"] == "verified" and there["last_verified"]
+    log = git(shared["origin"], "log", "--format=%s", "cambium").splitlines()
+    assert not any("records 1 check result" in s for s in log), log
+
+
 def test_consolidate_in_org_pr_mode_opens_a_pr_and_lower_copies_wait(shared, monkeypatch,
                                                                      tmp_path):
     make_stub_gh(tmp_path)
