@@ -1184,7 +1184,7 @@ def dotgit_problem(root: Path) -> str | None:
         return None if (dotgit / "HEAD").exists() else "its .git directory holds no HEAD"
     try:
         head = read_regular(dotgit, 4096).decode("utf-8", "replace")
-    except OSError:
+    except (OSError, ValueError):            # (ValueError: a path no file system can hold)
         return "it has no .git"
     target = head.split("gitdir:", 1)[1].strip() if head.startswith("gitdir:") else ""
     if not target:
@@ -1473,6 +1473,26 @@ def _read_config_file(path: Path) -> str:
     return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")   # (an editor's BOM)
 
 
+def _config_file_values(path: Path) -> tuple[dict, str | None]:
+    """The config file's settings, and why it was not read (None: it was, or
+    there is none)."""
+    try:
+        loaded = json.loads(_read_config_file(path))
+    except FileNotFoundError:
+        if path.is_symlink():                 # a dotfiles link whose target is gone
+            return {}, f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+        return {}, None
+    except OSError as e:
+        return {}, f"{path} could not be read ({e.strerror or e}); ignored"
+    except UnicodeDecodeError:
+        return {}, f"{path} could not be read (it is not UTF-8 text); ignored"
+    except (ValueError, RecursionError) as e:
+        return {}, f"{path} could not be read (JSON {json_problem(e)}); ignored"
+    if not isinstance(loaded, dict):
+        return {}, f"{path} holds {json_kind(loaded)}, expected an object; ignored"
+    return loaded, None
+
+
 CWD_GONE = ("this process's working directory no longer exists (deleted, or a worktree "
             "removed), so it is in no project; cambium binds no other repo in its place")
 
@@ -1487,23 +1507,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """
     env = os.environ if env is None else env
     path = config_file_path(env)
-    file_values: dict = {}
-    file_error = _config_file_setting(env)[1]
-    try:
-        loaded = json.loads(_read_config_file(path))
-        if isinstance(loaded, dict):
-            file_values = loaded
-        else:
-            file_error = f"{path} holds {json_kind(loaded)}, expected an object; ignored"
-    except FileNotFoundError:
-        if path.is_symlink():                 # a dotfiles link whose target is gone
-            file_error = f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
-    except OSError as e:
-        file_error = f"{path} could not be read ({e.strerror or e}); ignored"
-    except UnicodeDecodeError:
-        file_error = f"{path} could not be read (it is not UTF-8 text); ignored"
-    except (ValueError, RecursionError) as e:
-        file_error = f"{path} could not be read (JSON {json_problem(e)}); ignored"
+    file_values, file_error = _config_file_values(path)
+    file_error = file_error or _config_file_setting(env)[1]
     values: dict = {}
     origins: dict = {}
     problems: list = []
@@ -4046,7 +4051,9 @@ class GitStore(Store):
         with state.lock:
             if state.doc and state.doc[0] == commit:
                 return state.doc[1]
-        where = f"{self.scope} {STORE_FILE} ({self.remote}/{self.branch} at {commit[:10]})"
+        on = f"{self.remote}/{self.branch} at" if commit == state.tip else \
+            f"{self.remote}, commit"                # (a pull request's branch: not the tip)
+        where = f"{self.scope} {STORE_FILE} ({on} {commit[:10]})"
         try:
             text = self.file_at(commit, STORE_FILE, strict=True)
         except UnicodeDecodeError as e:
@@ -4243,6 +4250,18 @@ class GitStore(Store):
             return self.doc_at(side_tip), side_tip, None
         return merged, tip, side_tip
 
+    def proposes(self, branch: str) -> bool:
+        """Whether side branch `branch` holds a change the scope's tip lacks:
+        not merged into it (a merge leaves the branch an ancestor of the tip,
+        and GitHub keeps a merged branch by default) nor squashed into it (its
+        files read as the tip's)."""
+        side, tip = self._remote_branch_tip(branch), self.local_tip()
+        if side is None or tip is None:
+            return side is not None
+        if self._holds(tip, side):
+            return False
+        return bool(self.git("diff", "--name-only", tip, side).stdout.strip())
+
     def _holds(self, commit: str, ancestor: str) -> bool:
         return self.git("merge-base", "--is-ancestor", ancestor, commit,
                         check=False).returncode == 0
@@ -4351,19 +4370,19 @@ class GitStore(Store):
     def _foreign_files(self, commit: str) -> list[str]:
         """The root entries of a commit without the store file at its root (a
         branch of someone else's: the project's code); [] when it has the file.
-        At org, a new repository's scaffold (README, LICENSE, .github, ...) is
-        no one's code: a knowledge repo is often made with them."""
+        At org, only what looks like code (ORG_CODE) counts: a knowledge repo
+        is often made with a README, a LICENSE and notes beside it."""
         names = self.git("ls-tree", "--name-only", commit).stdout.splitlines()
         if STORE_FILE in names:
             return []
-        return [n for n in names if not (self.scope == "org" and ORG_SCAFFOLD.fullmatch(n))]
+        return [n for n in names if self.scope != "org" or ORG_CODE.fullmatch(n)]
 
     def _not_ours(self, names: list[str]) -> str:
         """Why a write onto an existing branch holding `names` and no store refuses."""
         shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
         if self.scope == "org":
-            return (f"the org clone {self.repo}'s default branch '{self.branch}' holds other "
-                    f"files ({shown}) and no {STORE_FILE} at its root, so cambium writes "
+            return (f"the org clone {self.repo}'s default branch '{self.branch}' holds "
+                    f"code ({shown}) and no {STORE_FILE} at its root, so cambium writes "
                     "nothing to it: it looks like a code repository, and a promotion would "
                     "commit the store onto it. Point CAMBIUM_ORG_REPO at a clone of the org "
                     "knowledge repo (setup(project_repo, agent_id, org_repo=...)); if this "
@@ -9341,12 +9360,15 @@ def _same_clone(a: Path, b: Path) -> bool:
         return False
 
 
-#: Root entries a new org knowledge repository may hold beside the store:
-#: what a hosting service's "new repository" page adds (README, LICENSE,
-#: .gitignore) and the files of a repository's own upkeep.
-ORG_SCAFFOLD = re.compile(r"(?i)(readme|licen[cs]e|copying|notice|contributing|security|"
-                          r"code_of_conduct|codeowners|changelog|authors)(\.[\w.-]+)?|"
-                          r"\.git(ignore|attributes|hub|lab|keep)|knowledge\.md|docs")
+#: Root entries that say a repository holds code: source files, build
+#: manifests and the usual source folders. An org knowledge repository may
+#: hold anything else beside the store (README, LICENSE, notes, docs/).
+ORG_CODE = re.compile(r"(?i).+\.(py|js|mjs|ts|tsx|jsx|go|rs|java|kt|scala|c|h|cc|cpp|hpp|cs|"
+                      r"rb|php|swift|m|sh|pl|lua|ex|exs|erl|clj|dart|vue|sql)|"
+                      r"package\.json|pyproject\.toml|setup\.(py|cfg)|requirements.*\.txt|"
+                      r"go\.mod|cargo\.toml|pom\.xml|build\.gradle(\.kts)?|makefile|"
+                      r"cmakelists\.txt|dockerfile|gemfile|composer\.json|"
+                      r"src|lib|app|cmd|pkg|internal|tests?|spec")
 EMPTY_STORE_TEXT = '{"cambium": 1, "meta": {}, "items": []}'
 
 ORG_HEAD_ASK_S = 5.0    #: asking the org remote its default branch waits at most this long
@@ -9574,9 +9596,16 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
     ensure_files: org also writes when only KNOWLEDGE.md is stale."""
     st = store(cfg, scope)
     write = st.mutate(fn, f"cambium: {message}", branch=pr_branch, ensure_files=ensure_files)
-    if pr_branch and write.branch == pr_branch and (write.commit or ensure_pr):
-        write.pr_url = open_pr(cfg, st, pr_branch, f"cambium: {message}", pr_body or
-                               PR_BODY)
+    if pr_branch and write.branch == pr_branch and (
+            write.commit or (ensure_pr and st.proposes(pr_branch))):   # (a merged one: no PR)
+        try:
+            write.pr_url = open_pr(cfg, st, pr_branch, f"cambium: {message}", pr_body or
+                                   PR_BODY)
+        except GitError as e:
+            shared = pr_branch in map(pr_branch_name, SHARED_PR_TOPICS)
+            raise _noted(e, f"its branch {pr_branch} is on the org remote with the change; the "
+                            f"same call again{', or review_promotions(),' if shared else ''} "
+                            "opens its pull request from there") from None
     return write
 
 
@@ -9603,9 +9632,15 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
     env = _gh_env()
     if url := open_pr_url(cfg, store, branch):
         return url
-    made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
-                 "--title", valid_unicode(title), "--body", valid_unicode(body)],
-                store.repo, timeout, env=env)
+    try:
+        made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
+                     "--title", valid_unicode(title), "--body", valid_unicode(body)],
+                    store.repo, timeout, env=env)
+    except GitError as e:           # another clone's create came first: that PR is ours too
+        raced = re.search(r"already exists:?\s*(https?://\S+)", e.stderr or "")
+        if raced:
+            return raced.group(1)
+        raise
     urls = re.findall(r"https?://\S+", made.stdout)
     if not urls:
         raise GitError(["gh", "pr", "create"], made.returncode,
@@ -9869,6 +9904,23 @@ def _annotate_pr(cfg: Config, scope: str, ids: set[str], url: str | None) -> Non
         mutate(cfg, scope, apply, f"annotate {', '.join(sorted(ids))} with its org PR")
 
 
+def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None
+                   ) -> tuple[list[str], list[str]]:
+    """settle_org_prs when org scope is on, and a warning instead of a failure
+    when a scope below cannot be written now (a team remote down failed every
+    promote and review)."""
+    try:
+        return (settle_org_prs(cfg, docs) if cfg.org_repo else []), []
+    except CambiumError as e:
+        return [], [f"merged org PRs not settled now: {e}"]
+
+
+def org_holds(cfg: Config, item_id: str) -> bool:
+    """Whether org's tip, fetched now, holds the id (retired or not)."""
+    org = store(cfg, "org")
+    return any(it.id == item_id for it in org.doc_at(org.fetch(fresh=True)).items)
+
+
 def _awaiting_merge(item: Item) -> Verdict:
     return Verdict(False, "pr_pending", f"waits for {item.pr_url} to merge")
 
@@ -9910,8 +9962,7 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
     undone (still open, or org holds the item after all: settle_org_prs's)."""
     url, what = item.pr_url, state.state
     org = store(cfg, "org")
-    if what not in PR_UNDONE or (what == "MERGED" and any(
-            it.id == item.id for it in org.doc_at(org.fetch(fresh=True)).items)):
+    if what not in PR_UNDONE or (what == "MERGED" and org_holds(cfg, item.id)):
         return None
     if state.head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
         org.drop_side_branch(state.head, at=state.oid)
@@ -9936,6 +9987,8 @@ class PrCheck:
     withdrawn: list = field(default_factory=list)   # came to nothing: withdraw_pr's
     states: dict = field(default_factory=dict)      # item id -> open | merged | closed
     caught_up: list = field(default_factory=list)   # branches of open PRs caught up with org
+    opened: list = field(default_factory=list)      # shared branches whose PR gh failed to open
+    unanswered: list = field(default_factory=list)  # ids whose PR gh could not say anything of
     warnings: list = field(default_factory=list)    # what failed (that item keeps waiting)
 
 
@@ -9985,6 +10038,10 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
     if budget.left:
         out.warnings.append(f"checked {budget.asked} of {budget.asked + budget.left} org pull "
                             f"requests within {PR_CHECK_BUDGET_S:g} s; review again for the rest")
+    if out.unanswered:
+        out.warnings.append(f"gh could not say what became of the org pull request(s) of "
+                            f"{', '.join(out.unanswered)} (is gh installed, logged in, online?): "
+                            "they keep waiting, and a closed one is withdrawn only once gh says")
     return out
 
 
@@ -9992,6 +10049,7 @@ def _check_waiting(cfg: Config, scope: str, item: Item, out: PrCheck) -> None:
     """The PR `item` waits on: withdrawn when it came to nothing (withdraw_pr),
     caught up with org's tip when open (GitStore.catch_up_side)."""
     if (state := pr_state(cfg, item.pr_url)) is None:
+        out.unanswered.append(item.id)
         return
     try:
         if (gone := withdraw_pr(cfg, scope, item, state)) is not None:
@@ -10008,13 +10066,48 @@ def _check_waiting(cfg: Config, scope: str, item: Item, out: PrCheck) -> None:
 
 
 def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
-    """A shared PR branch: caught up with org's tip while its PR is open."""
+    """A shared PR branch: caught up with org's tip while its PR is open;
+    deleted (at the head the PR closed with) when its last PR was closed
+    without merging, so a declined change is never proposed again in the next
+    one; and its PR opened when it holds a change org lacks and none is open
+    (gh failed once the branch was pushed)."""
+    org = store(cfg, "org")
     try:
-        if open_pr_url(cfg, store(cfg, "org"), branch) and \
-                store(cfg, "org").catch_up_side(branch):
-            out.caught_up.append(branch)
+        if open_pr_url(cfg, org, branch):
+            if org.catch_up_side(branch):
+                out.caught_up.append(branch)
+            return
+        last = last_pr_of(cfg, org, branch)
+        if last and last.state == "CLOSED" and org.drop_side_branch(branch, at=last.oid):
+            out.withdrawn.append({"branch": branch, "pr_url": last.url, "pr_state": "closed",
+                                  "note": "closed without merging: its branch was deleted, so "
+                                          "what it proposed is not proposed again"})
+        elif org.proposes(branch):
+            out.opened.append({"branch": branch, "pr_url": open_pr(
+                cfg, org, branch, f"cambium: {branch.rsplit('/', 1)[-1]}", PR_BODY)})
     except CambiumError as e:
         out.warnings.append(f"{branch}: its org PR could not be brought up to org's tip: {e}")
+
+
+@dataclass
+class LastPr:
+    url: str
+    state: str
+    oid: str
+
+
+def last_pr_of(cfg: Config, org: GitStore, branch: str) -> LastPr | None:
+    """The latest pull request (any state) whose head is `branch`, or None
+    when there is none or gh cannot say."""
+    proc = _run(["gh", "pr", "list", "--head", branch, "--state", "all", "--limit", "1",
+                 "--json", "url,state,headRefOid",
+                 "--jq", '.[0] | .url + " " + .state + " " + .headRefOid'],
+                org.repo, cfg.git_timeout_s, check=False, env=_gh_env())
+    words = proc.stdout.split()
+    if proc.returncode != 0 or len(words) != 3 or not re.fullmatch(r"https?://\S+", words[0]) \
+            or words[1] not in PR_STATES or not OID.fullmatch(words[2]):
+        return None
+    return LastPr(*words)
 
 
 # =============================================================================
@@ -12138,7 +12231,7 @@ def promote(item_id: Annotated[str | None, Field(
         raise InputError(f"{given[0]} restates an item for org: promote(item_id, "
                          f"to_scope='org', {given[0]}=...); a team copy keeps its words.",
                          given[0])
-    settled = settle_org_prs(cfg) if cfg.org_repo else []
+    settled, unsettled = settle_quietly(cfg)
     if to_scope == "team":
         out = _promote_to_team(cfg, item_id, force)
     else:
@@ -12146,6 +12239,7 @@ def promote(item_id: Annotated[str | None, Field(
             raise InputError("item_id is required with to_scope='org': "
                              "promote(item_id, to_scope='org').")
         out = _promote_to_org(cfg, item_id, force, restate)
+    out = answer_of(out, {"warnings": unsettled})
     if settled:
         out["settled_org_prs"] = settled
     return out
@@ -12268,6 +12362,11 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
                         "or review_promotions finishes the move."}
     if declined:                                  # judged again as it stands now
         scope, item = locate(cfg, item_id)
+    if cfg.org_pr and org_holds(cfg, item_id):    # org has it by another way (a revert
+        moved = move(cfg, [item], scope, "org", gate=_awaiting_merge,   # undone, a merge
+                     copy=lambda it: it,                                # into another
+                     message=f"{cfg.agent} finishes the move of {item_id} to org")  # branch)
+        return _org_promoted(cfg, moved, scope, None, {}, restated=any(restate.values()))
 
     def gate(it: Item) -> Verdict:
         return org_verdict(it, **restate, force=force)
@@ -12289,10 +12388,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
     try:
         moved = move(cfg, [item], scope, "org", gate=gate, copy=copy, pr_branch=branch,
                      pr_body=body, message=f"{cfg.agent} promotes {item_id} to org")
-    except CambiumError as e:
-        if branch and isinstance(e, GitError) and e.cmd[:1] == ["gh"]:   # pushed, no PR
-            e = _noted(e, f"its branch {branch} is on the org remote, and the next promote "
-                          "of it opens the pull request from there")
+    except CambiumError as e:                     # (gh failed: mutate's note says where)
         raise _unmoved(e, f"in {scope} scope", "the item stays")
     if item_id in moved.refused:                  # the item changed under us: judged again
         _, current = locate(cfg, item_id, fresh=True)
@@ -12333,12 +12429,11 @@ def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, ext
 def answer_of(*parts: dict) -> dict:
     """Parts of a tool's answer as one: keys merged, `warnings` joined (pure)."""
     out: dict[str, Any] = {}
+    warnings: list[str] = []
     for part in parts:
-        warnings = out.get("warnings", []) + part.get("warnings", [])
-        out.update(part)
-        if warnings:
-            out["warnings"] = warnings
-    return out
+        warnings += part.get("warnings", [])
+        out.update({k: v for k, v in part.items() if k != "warnings"})
+    return {**out, "warnings": warnings} if warnings else out
 
 
 def retired_meanwhile(there: Item) -> dict:
@@ -12442,16 +12537,17 @@ def review_promotions() -> dict:
     generalize()). Also finishes moves whose org pull request has merged
     (settled_org_prs), withdraws those whose pull request was closed without
     merging, or merged and reverted (closed_org_prs: the item stays where it
-    is, ready to promote again), and brings open org PRs up to org's tip once another merged
-    (caught_up_org_prs: the branches moved), so they merge without conflict.
+    is, ready to promote again; a shared branch whose PR was closed is deleted),
+    brings open org PRs up to org's tip once another merged (caught_up_org_prs:
+    the branches moved), so they merge without conflict, and opens the PR of a
+    shared branch whose PR gh failed to open (opened_org_prs).
     """
     cfg = require_config()
     docs, warnings = read_scopes(cfg, SCOPES)
-    settled = settle_org_prs(cfg, docs) if cfg.org_repo else []
+    settled, unsettled = settle_quietly(cfg, docs)
     prs = check_org_prs(cfg, docs, set(settled)) if cfg.org_repo else PrCheck()
     if settled or prs.withdrawn:                  # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
-    warnings = [*warnings, *prs.warnings]
     pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
@@ -12480,14 +12576,11 @@ def review_promotions() -> dict:
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": latest_endorsement_note(it),
                 "fix": generalization_fix(it.id, tells)})
-    if settled:
-        out["settled_org_prs"] = settled
-    if prs.withdrawn:
-        out["closed_org_prs"] = prs.withdrawn
-    if prs.caught_up:
-        out["caught_up_org_prs"] = prs.caught_up
-    if warnings:
-        out["warnings"] = warnings
+    for key, got in (("settled_org_prs", settled), ("closed_org_prs", prs.withdrawn),
+                     ("caught_up_org_prs", prs.caught_up), ("opened_org_prs", prs.opened),
+                     ("warnings", [*warnings, *unsettled, *prs.warnings])):
+        if got:
+            out[key] = got
     return out
 
 
@@ -12666,7 +12759,8 @@ def _refuse_while_waiting(scope: str, item: Item) -> None:
         raise Refused(f"item {item.id} waits on its org pull request {item.pr_url}: a change "
                       f"to this {scope} copy now would be lost when it merges. Make it after "
                       "the merge (review_promotions() settles it; the change then lands on "
-                      "org), or close the pull request first to withdraw the promotion.")
+                      "org), or close the pull request, then run review_promotions() to "
+                      "withdraw the promotion, and make it.")
 
 
 def _require_active(item: Item, verb: str) -> None:
@@ -12686,6 +12780,10 @@ def _require_active(item: Item, verb: str) -> None:
     if end is not None and not end.active:
         raise Refused(f"item {item.id} is superseded by {via}, which is {end.status}; "
                       f"nothing there can be {verb}.")
+    if end is None:                      # only on a pull request's branch (PR mode)
+        raise Refused(f"item {item.id} is superseded by {via}, which no scope holds yet: it "
+                      "waits on an org pull request (review_promotions() lists it, and opens "
+                      "it if gh failed to); merge or close that first.")
     raise Refused(f"item {item.id} is superseded by {via}; that one can be {verb}.")
 
 

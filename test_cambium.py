@@ -4183,13 +4183,13 @@ def test_an_org_clone_that_is_a_worktree_of_the_project_or_a_code_repo_is_never_
     git(seed, "push", "-q", "origin", "HEAD:main")
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(clone(code, shared["tmp"] / "service")))
     item = _endorsed("Prefer idempotent retries with backoff and jitter")
-    with pytest.raises(cs.ConfigError, match=r"holds other files \(app.py\) .* code repository"):
+    with pytest.raises(cs.ConfigError, match=r"holds code \(app.py\) .* code repository"):
         cs.promote(item, to_scope="org", force=True)
     assert "knowledge.json" not in git(code, "ls-tree", "--name-only", "main").split()
     assert "code repository" in cs.status()["scopes"]["org"]["error"]
     org = shared["org_bare"]                  # a new knowledge repo's scaffold is no code
     seed = shared["tmp"] / "org-seed"
-    for name in ("LICENSE", ".gitignore"):
+    for name in ("LICENSE", ".gitignore", "NOTES.md"):
         (seed / name).write_text("x\n")
     (seed / ".github").mkdir()
     (seed / ".github" / "CODEOWNERS").write_text("* @acme\n")
@@ -4309,7 +4309,11 @@ def make_stub_gh(tmp: Path) -> Path:
             return out.split()[0] if out.split() else "0" * 40
         prs = json.load(open(db)) if os.path.exists(db) else {{}}
         head = args[args.index("--head") + 1] if "--head" in args else None
-        if args[:2] == ["pr", "list"]:                  # an open PR for the branch?
+        if args[:2] == ["pr", "list"] and args[args.index("--state") + 1] == "all":
+            last = [(u, p) for u, p in prs.items() if p["head"] == head][-1:]
+            print(" ".join([last[0][0], last[0][1]["state"], last[0][1].get("oid")
+                            or head_oid(last[0][1])]) if last else "")
+        elif args[:2] == ["pr", "list"]:                # an open PR for the branch?
             print(next((u for u, p in prs.items()
                         if p["head"] == head and p["state"] == "OPEN"), ""))
         elif args[:2] == ["pr", "create"]:
@@ -4439,6 +4443,132 @@ def _pr_mode(monkeypatch, tmp_path, shared) -> Path:
 def _remote_branches(bare: Path) -> set:
     out = git(bare, "for-each-ref", "--format=%(refname:short)", "refs/heads")
     return set(out.split())
+
+
+def _merge_on_org(shared, tmp_path: Path, branch: str, how: str = "merge") -> Path:
+    """A reviewer merges (or reverts the last commit of) org's main, as GitHub
+    would; GitHub keeps a merged branch by default."""
+    merger = tmp_path / "merger"
+    if not merger.exists():
+        clone(shared["org_bare"], merger)
+    git(merger, "fetch", "-q", "origin")
+    git(merger, "reset", "-q", "--hard", "origin/main")
+    if how == "merge":
+        git(merger, "merge", "-q", "--no-edit", f"origin/{branch}")
+    else:
+        git(merger, "revert", "--no-edit", "HEAD")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    return merger
+
+
+def test_pr_mode_an_item_org_holds_by_another_way_finishes_its_move(shared, monkeypatch,
+                                                                    tmp_path):
+    """A merged promotion was reverted and withdrawn, then the revert was
+    reverted: org held the item again, and every promote answered pr_opened
+    with no pull request while the item stayed active in two scopes."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Feature flags get an owner and an expiry date")
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    _merge_on_org(shared, tmp_path, "", how="revert")
+    set_pr_state(tmp_path, url, "MERGED")
+    assert [w["id"] for w in cs.review_promotions()["closed_org_prs"]] == [item]
+    _merge_on_org(shared, tmp_path, "", how="revert")        # the revert reverted
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "already_promoted" and out["scope"] == "org"
+    assert item not in {i["id"] for i in local_items(shared["a"])}
+
+
+def test_pr_mode_consolidate_rerun_after_the_merge_folds_the_lower_duplicate(
+        shared, monkeypatch, tmp_path):
+    """The merged cambium/updates branch (kept, as GitHub does) made every
+    rerun ask gh for a PR of a branch with nothing new: the duplicate below
+    waited for good."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    survivor = _endorsed("Secrets never live in env files")
+    cs.promote(survivor, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    dup = cs.capture("Secrets never live in env files!")["item"]["id"]
+    first = cs.consolidate(apply=True)
+    assert first["waiting"] == [dup] and first["pr_urls"]
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, first["pr_urls"][0], "MERGED")
+    again = cs.consolidate(apply=True)
+    assert again["superseded"] == [dup] and "waiting" not in again and "pr_urls" not in again
+    creates = [x for x in map(json.loads, log.read_text().splitlines()) if x[:2] == ["pr", "create"]]
+    assert len(creates) == 1
+
+
+def test_pr_mode_a_declined_shared_pr_is_withdrawn_and_a_stranded_one_opened(
+        shared, monkeypatch, tmp_path):
+    """A closed cambium/updates PR was never withdrawn: the declined correction
+    rode along in the next change's PR, and its item could not be changed. A
+    correction whose gh failed sat on its branch with no PR, review blind to it."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    a, b = _endorsed("Retry idempotent calls"), _endorsed("Pin base images by digest")
+    for item in (a, b):
+        cs.promote(item, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    url = cs.correct(a, "Retry idempotent calls at most five times", "the lead", force=True
+                     )["pr_url"]
+    set_pr_state(tmp_path, url, "CLOSED")                     # declined
+    review = cs.review_promotions()
+    assert {"branch": "cambium/updates", "pr_url": url, "pr_state": "closed"}.items() <= \
+        review["closed_org_prs"][0].items()
+    assert "cambium/updates" not in _remote_branches(shared["org_bare"])
+    verified = cs.verify_entry(a, note="still holds")          # not frozen
+    branch = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert not any(i.get("corrects") == a for i in branch)    # the declined one stays out
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, verified["pr_url"], "MERGED")
+    real_gh = (tmp_path / "bin" / "gh").read_text()
+    (tmp_path / "bin" / "gh").write_text("#!/bin/sh\necho 'gh: HTTP 502' >&2\nexit 1\n")
+    with pytest.raises(cs.GitError, match="its branch cambium/updates is on the org remote "
+                                          "with the change.*or review_promotions"):
+        cs.correct(b, "Pin base images by digest, and renew them monthly", "ops", force=True)
+    (tmp_path / "bin" / "gh").write_text(real_gh)
+    opened = cs.review_promotions()["opened_org_prs"]
+    assert [o["branch"] for o in opened] == ["cambium/updates"]
+    assert opened[0]["pr_url"].startswith(PR_URL)
+
+
+def test_a_pr_another_clone_opened_first_is_taken_not_failed(shared, monkeypatch, tmp_path):
+    """Two clones promoting at once: list said none, the other's create came
+    first, and this one's create failed with "already exists: URL"."""
+    bindir = tmp_path / "racebin"
+    bindir.mkdir()
+    (bindir / "gh").write_text("#!/bin/sh\ncase \"$2\" in list) exit 0;; esac\n"
+                               "echo 'a pull request for branch \"x\" into branch \"main\" "
+                               f"already exists:' >&2\necho '{PR_URL}9' >&2\nexit 1\n")
+    (bindir / "gh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cfg = cs.require_config()
+    assert cs.open_pr(cfg, cs.store(cfg, "org"), "cambium/updates", "t", "b") == f"{PR_URL}9"
+
+
+def test_review_goes_on_when_a_scope_below_is_down_and_says_when_gh_cannot_answer(
+        shared, monkeypatch, tmp_path):
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Feature flags get an owner and an expiry date")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org")
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    real_gh = (tmp_path / "bin" / "gh").read_text()
+    (tmp_path / "bin" / "gh").write_text("#!/bin/sh\necho garbage\n")
+    shared["origin"].rename(shared["tmp"] / "gone.git")       # the team remote is down
+    review = cs.review_promotions()
+    assert any("merged org PRs not settled now" in w for w in review["warnings"])
+    assert any(f"gh could not say what became of the org pull request(s) of {item}" in w
+               for w in review["warnings"])
+    (tmp_path / "bin" / "gh").write_text(real_gh)
+    other = cs.capture("Log every retry with its cause")["item"]["id"]
+    cs.endorse(other, "yes")
+    shown = cs.promote(other, to_scope="org", force=True)      # goes on too
+    assert shown["status"] == "pr_opened" and any("not settled now" in w
+                                                  for w in shown["warnings"])
 
 
 def test_pr_mode_a_closed_pr_is_withdrawn_and_the_item_promotes_again(shared, monkeypatch,
