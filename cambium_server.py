@@ -87,6 +87,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import errno
 import fcntl
 import functools
@@ -1046,6 +1047,10 @@ def _one_code_ref(ref: Any) -> dict:
         ref = {"path": path, "symbol": symbol or None}
     if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
         raise InputError(f"code_refs entries are {{path, symbol?}} objects; got {ref!r:.60}.")
+    if odd := [k for k in ref if k not in ("path", "symbol")]:   # a misspelt symbol was
+        near = difflib.get_close_matches(str(odd[0]), ["path", "symbol"], 1)  # dropped unseen
+        raise InputError(f"code_refs entries take path and symbol; got {str(odd[0])!r:.40}"
+                         + (f" (did you mean {near[0]!r}?)." if near else "."))
     path = ref["path"].strip().replace("\\", "/")
     while path.startswith("./"):
         path = path[2:]
@@ -1702,8 +1707,6 @@ class Runtime:
         self.fold_timer: threading.Timer | None = None
         self.fold_cost_s = 0.0          #: how long the last background credit fold took
         self.file_locks: dict[str, threading.RLock] = {}
-        #: MCP client connection -> the session id usage attribution files it under
-        self.sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.anchors: dict[str, tuple[str, dict]] = {}    #: code anchors per repo, per HEAD
 
     def reset(self) -> None:
@@ -13279,6 +13282,12 @@ def mcp_tools() -> list[Tool]:
     return [t for t in api_table() if t.mcp]
 
 
+def mcp_tool(name: str) -> Tool | None:
+    """The table entry of the MCP tool of that name (a CLI-only command or an
+    alias is none: a call to `serve` is not_found, not an argument error)."""
+    return next((t for t in mcp_tools() if t.tool_name == name), None)
+
+
 def find_tool(name: str) -> Tool | None:
     """The table entry of a tool or CLI command (by name, command or alias)."""
     return next((t for t in api_table() if name in (t.tool_name, t.command, *t.aliases)),
@@ -13351,8 +13360,7 @@ def unknown_argument_problem(tool: str, arguments: Any) -> tuple[str, str] | Non
     """An argument the tool does not take: the SDK would drop it unseen, so a
     misspelt `item_id` made promote() promote every eligible item. Refused,
     naming the closest argument it does take: (sentence, argument) (pure)."""
-    import difflib
-    entry = find_tool(tool)
+    entry = mcp_tool(tool)
     if entry is None or not isinstance(arguments, dict):
         return None
     known = [p.name for p in entry.params]
@@ -13376,7 +13384,7 @@ def loose_type_problem(tool: str, arguments: Any) -> tuple[str, str] | None:
     "5", 5.0): the SDK's validation would coerce it (consolidate(apply="yes")
     applied the plan); refused here, in the schema's words: (sentence,
     argument) (pure)."""
-    entry = find_tool(tool)
+    entry = mcp_tool(tool)
     if entry is None or not isinstance(arguments, dict):
         return None
     for p in entry.params:
@@ -13440,6 +13448,7 @@ def repair_surrogate_escapes(line: str) -> str:
 
 MAX_MESSAGE_DEPTH = 128   #: the SDK's JSON parser drops, unanswered, a message over 200 levels
 _JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_JSON_COLON = re.compile(r"\s*:")
 _JSON_SCALAR = re.compile(r'\s*:\s*(-?\d+(?![.eE\d])|"[^"\\]*(?:\\.[^"\\]*)*")')
 
 
@@ -13458,12 +13467,12 @@ def _top_level_keys(line: str) -> tuple[int, dict[str, Any]]:
         elif tok in "]}":
             depth -= 1
         elif depth == 1 and is_object and tok in ('"id"', '"method"') and tok not in keys:
-            key = _JSON_SCALAR.match(line, m.end())
-            if key:
-                try:
-                    keys[tok] = json.loads(key.group(1))
-                except ValueError:          # (an id of 5,000 digits: there, so not a
-                    keys[tok] = None        # notification; answered with id null)
+            if not _JSON_COLON.match(line, m.end()):
+                continue                    # a string value "id", not the key
+            keys[tok] = None                # there whatever its value (null, 1.5, an
+            if key := _JSON_SCALAR.match(line, m.end()):   # object): no notification,
+                with contextlib.suppress(ValueError):     # answered with id null (an id
+                    keys[tok] = json.loads(key.group(1))  # of 5,000 digits too)
     return deepest, keys
 
 
@@ -13643,6 +13652,12 @@ def _context_class() -> type:
     return Context
 
 
+def only_broken_pipes(e: BaseException) -> bool:
+    """Whether an exception (or every one an exception group holds) is a broken pipe."""
+    subs = getattr(e, "exceptions", None)
+    return isinstance(e, BrokenPipeError) or bool(subs) and all(map(only_broken_pipes, subs))
+
+
 def mcp_session_id(ctx: Any) -> str | None:
     """The id usage attribution files a tool call under: the transport's
     Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
@@ -13658,12 +13673,13 @@ def mcp_session_id(ctx: Any) -> str | None:
         headers.get("mcp-session-id") if hasattr(headers, "get") else None)
     if sid:
         return str(sid)
-    rt = runtime()
-    with rt.lock:
-        try:
-            return rt.sessions.setdefault(conn, f"mcp-{os.urandom(6).hex()}")
-        except TypeError:                    # an object that cannot be weakly keyed
-            return None
+    if STDIO_SESSION:                        # a stdio server has one client: one session
+        return STDIO_SESSION[0]              # (the SDK's 2026 era builds a Connection per
+    return None                              # request; HTTP without a session id: none)
+
+
+#: The session id of this process's stdio client, minted when it starts serving.
+STDIO_SESSION: list[str] = []
 
 
 def build_server() -> MCPServer:
@@ -13679,13 +13695,19 @@ def build_server() -> MCPServer:
             from mcp.shared.message import SessionMessage
             from mcp_types import jsonrpc_message_adapter
             repaired = _RepairedStdin(sys.stdin.buffer)
-            async with stdio_server(stdin=anyio.wrap_file(repaired)) as (read, write):
-                async def reply(msg: dict) -> None:
-                    await write.send(SessionMessage(jsonrpc_message_adapter.validate_python(msg)))
+            STDIO_SESSION[:] = [f"mcp-{os.urandom(6).hex()}"]
+            try:
+                async with stdio_server(stdin=anyio.wrap_file(repaired)) as (read, write):
+                    async def reply(msg: dict) -> None:
+                        await write.send(SessionMessage(
+                            jsonrpc_message_adapter.validate_python(msg)))
 
-                repaired.answer_with(reply)
-                low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
-                await low.run(read, write, low.create_initialization_options())
+                    repaired.answer_with(reply)
+                    low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
+                    await low.run(read, write, low.create_initialization_options())
+            except BaseException as e:       # the client closed our stdout: its session
+                if not only_broken_pipes(e):  # ended (an ExceptionGroup from the SDK's
+                    raise                     # task group held a traceback and exit 1)
 
         async def read_resource(self, uri: Any, context: Any = None) -> Any:
             token = SESSION.set(mcp_session_id(context))   # the primer resource journals
@@ -13721,6 +13743,8 @@ def build_server() -> MCPServer:
     server.resource(PRIMER_URI, name="primer", mime_type="text/plain",
                     description="The session-start digest (what session_primer returns), "
                                 "as text.")(primer_resource)
+    for method in ("prompts/list", "prompts/get"):    # no prompts: none advertised (a get
+        server._lowlevel_server._request_handlers.pop(method, None)   # answered code 0)
     return server
 
 
@@ -13894,20 +13918,19 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
                         "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": b"Request body too large"})
             return
-        with contextlib.suppress(UnicodeDecodeError):
-            text = repair_surrogate_escapes(body.decode("utf-8"))
-            body = text.encode("utf-8")                   # (same length: \ud800 -> \ufffd)
-            refused, reply = too_deep_reply(text)
-            if not refused:
-                refused, reply = unparsable_reply(text, parse)
-            if refused:                          # (a notification stdio leaves unanswered)
-                reply = reply or {"jsonrpc": "2.0", "id": None, "error": {
-                    "code": -32600, "message": "Invalid request: a notification that is no "
-                                               "JSON-RPC 2.0 message."}}
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json")]})
-                await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
-                return
+        text = repair_surrogate_escapes(body.decode("utf-8", "replace"))   # as stdio reads
+        body = text.encode("utf-8")              # bytes that are no UTF-8: U+FFFD, \ud800 too
+        refused, reply = too_deep_reply(text)
+        if not refused:
+            refused, reply = unparsable_reply(text, parse)
+        if refused:                              # (a notification stdio leaves unanswered)
+            reply = reply or {"jsonrpc": "2.0", "id": None, "error": {
+                "code": -32600, "message": "Invalid request: a notification that is no "
+                                           "JSON-RPC 2.0 message."}}
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
+            return
         replayed = False
 
         async def replay() -> dict:

@@ -7744,6 +7744,68 @@ def test_mcp_deeply_nested_message_gets_an_error_and_the_server_keeps_serving(re
     assert cs.too_deep_reply(msg % ('"' + "[{" * 200 + '"')) == (False, None)   # text
 
 
+def test_mcp_default_client_is_one_usage_session_and_sees_no_prompts(repo):
+    """The SDK's default client (the 2026 protocol era) builds a connection per
+    request: every call was journaled as a session of its own. And the server
+    advertised prompts it does not have (a get answered with error code 0)."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    async def run():
+        async with Client(StdioServerParameters(command=sys.executable, args=[str(SERVER)],
+                                                env=_mcp_env(repo)), mode="auto") as c:
+            for k in range(3):
+                await c.call_tool("capture", {"content": f"fact {k} about gizmo{k} wiring"})
+                await c.call_tool("recall", {"query": f"gizmo{k} wiring"})
+            return (await c.call_tool("usage", {})).structured_content["sessions"]
+
+    sessions = asyncio.run(run())
+    assert len(sessions) == 1 and sessions[0]["items"] == 3
+    lines = ['{"jsonrpc": "2.0", "id": 1, "method": "prompts/get", "params": {"name": "x"}}']
+    answers = _raw_stdio(_mcp_env(repo), lines, {0, 1})
+    assert "prompts" not in answers[0]["result"]["capabilities"]
+    assert answers[1]["error"]["code"] == -32601
+
+
+def test_mcp_odd_messages_get_their_standard_answers(repo):
+    """A message nested too deep whose id was null, a float, true or an object
+    went unanswered (taken for a notification); a CLI-only command called as a
+    tool got argument errors as if it were one; a misspelt code_refs key was
+    dropped unseen."""
+    deep = '{"jsonrpc": "2.0", "id": %s, "method": "ping", "params": {"a": %s}}'
+    nest = "[" * 200 + "]" * 200
+    for rid in ("null", "1.5", "true", '{"a": 1}'):
+        refused, reply = cs.too_deep_reply(deep % (rid, nest))
+        assert refused and reply["id"] is None and reply["error"]["code"] == -32600
+    notification = '{"jsonrpc": "2.0", "method": "id", "params": {"a": %s}}' % nest
+    assert cs.too_deep_reply(notification) == (True, None)
+    call = '{"jsonrpc": "2.0", "id": %d, "method": "tools/call", "params": %s}'
+    lines = [call % (1, json.dumps({"name": "serve", "arguments": {"port": "80"}})),
+             call % (2, json.dumps({"name": "capture", "arguments": {
+                 "content": "anchored", "code_refs": [{"path": "x.py", "symbl": "fn"}]}}))]
+    answers = _raw_stdio(_mcp_env(repo), lines, {1, 2})
+    assert answers[1]["result"]["structuredContent"]["error"] == "not_found"
+    said = answers[2]["result"]["structuredContent"]
+    assert said["error"] == "invalid_argument" and "did you mean 'symbol'?" in said["message"]
+
+
+def test_a_stdio_client_that_closes_our_stdout_ends_the_session_quietly(repo):
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_mcp_env(repo))
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}}
+    proc.stdin.write((json.dumps(init) + "\n").encode())
+    proc.stdin.flush()
+    proc.stdout.readline()
+    proc.stdout.close()                                     # the client stops reading
+    proc.stdin.write(b'{"jsonrpc": "2.0", "method": "notifications/initialized"}\n'
+                     b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}\n')
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    assert b"Traceback" not in proc.stderr.read()
+
+
 def test_mcp_lines_the_sdk_cannot_parse_get_an_error_and_the_server_keeps_serving(repo):
     """The SDK's parser drops a line it rejects without answering it, and takes
     `"id": 1.5` for a notification: the client waited forever. Each now gets a
@@ -11088,11 +11150,12 @@ def _http_status(url: str, token: str | None) -> int:
         return e.code
 
 
-def _http_post(url: str, body: str) -> tuple[int, object]:
+def _http_post(url: str, body: str | bytes) -> tuple[int, object]:
     """(status, answer) of one raw JSON-RPC POST: the JSON, or the text of an event stream."""
     import urllib.error
     import urllib.request
-    req = urllib.request.Request(url, data=body.encode(), method="POST", headers={
+    data = body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(url, data=data, method="POST", headers={
         "Content-Type": "application/json", "Accept": "application/json, text/event-stream"})
     try:
         with urllib.request.urlopen(req, timeout=20) as resp:
@@ -11186,6 +11249,9 @@ def test_http_serve_without_token_binds_loopback_only(repo):
                 "message"], answer
         init["id"] = 2
         code, answer = _http_post(url, json.dumps(init).replace('"t"', '"t\\ud800"'))
+        assert code == 200 and "Parse error" not in answer, answer
+        init["id"] = 6                             # bytes that are no UTF-8: read as stdio does
+        code, answer = _http_post(url, json.dumps(init).encode().replace(b'"t"', b'"t\xe9"'))
         assert code == 200 and "Parse error" not in answer, answer
     out = cli("serve", "--http", "--host", "0.0.0.0", "--port", str(_free_port()))
     assert out.returncode == 2 and "CAMBIUM_HTTP_TOKEN" in out.stderr
