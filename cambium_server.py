@@ -1102,6 +1102,18 @@ def _distinct_refs(refs: Iterable[dict], limit: int | None = None) -> list[dict]
     return out
 
 
+MAX_SOURCE_CHARS = 200   #: a provenance value (system, ref, a timestamp) is kept this long
+
+
+def bounded_source(source: dict) -> dict:
+    """Provenance with each text value over MAX_SOURCE_CHARS cut, a hash of the
+    whole after the cut so two long values stay two (pure): an import's 1 MB
+    `id` made a 15-character memory weigh megabytes in every recall answer."""
+    return {k: v if not isinstance(v, str) or len(v) <= MAX_SOURCE_CHARS else
+            f"{v[:MAX_SOURCE_CHARS - 18]}…#{hashlib.sha256(utf8(v)).hexdigest()[:16]}"
+            for k, v in source.items()}
+
+
 def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any = "",
              tags: Any = None, project: str = "", agent: str = "",
              source: dict | None = None, valid_while: Any = None,
@@ -1122,7 +1134,7 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
         id=_new_id(), content=_clean_text(content, "content", MAX_CONTENT_CHARS, required=True),
         type=type, kind=kind.lower(), why=_clean_text(why, "why", MAX_WHY_CHARS),
         tags=normalize_tags(tags), scope="local", project=project,
-        source=dict(source or {"system": "capture"}), created_by=agent,
+        source=bounded_source(source or {"system": "capture"}), created_by=agent,
         created_at=stamp, updated_at=stamp, valid_while=premise, supersedes=supersedes,
         code_refs=normalize_code_refs(code_refs),
     )
@@ -4549,6 +4561,17 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
+def clip_marked(text: str, limit: int) -> str:
+    """A source's text cut to `limit`, ending in a mark that names the whole
+    text's length and hash (pure): cut plainly, an edit past the cut left two
+    equal copies, and distill took the edited record for unchanged."""
+    if len(text) <= limit:
+        return text
+    tail = (f"… [cut at {limit:,} of {len(text):,} characters; "
+            f"#{hashlib.sha256(utf8(text)).hexdigest()[:8]}]")
+    return text[: limit - len(tail)].rstrip() + tail
+
+
 def _str(value: Any) -> str:
     return value.strip() if isinstance(value, str) else ""
 
@@ -4580,7 +4603,8 @@ def claim_key(agent: str, claim: dict) -> str:
         stamp = "h" + hashlib.sha256(utf8("\0".join(
             _str(claim.get(k)) for k in ("task", "branch", "status", "note")
         ))).hexdigest()[:16]
-    return f"agentsync:{_key_part(agent)}:{stamp}"     # (agent "a:b" and stamp "b:X" quoted)
+    return bounded_key(f"agentsync:{_key_part(agent)}:{stamp}")   # (agent "a:b", stamp "b:X"
+                                                                   # quoted)
 
 
 def is_capture_worthy(claim: dict) -> bool:
@@ -4720,7 +4744,7 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
             (str(raw_agent), task, _str(claim.get("branch")))))).hexdigest()[:16]
     if released:
         source["captured"] = "release"
-    return Draft(content=_clip(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
+    return Draft(content=clip_marked(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="outcome" if done else "progress", tags=tags, source=source,
                  key=key,
                  code_refs=changed_files_refs(claim.get("changed_files")))
@@ -4828,7 +4852,8 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     source = {"system": "context-keeper", "ref": eid, "kind": kind,
               **({"source_ts": _str(entry["created_at"])} if _str(entry.get("created_at")) else {})}
     why = " ".join(filter(None, why_parts))
-    return Draft(content=_clip(content, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
+    return Draft(content=clip_marked(content, MAX_CONTENT_CHARS),
+                 why=_clip(why, MAX_WHY_CHARS),
                  kind="procedure" if kind == "pipeline" else kind, source=source,
                  tags=_entry_tags(entry, ["context-keeper", eid.lower()]),
                  key=f"context-keeper:{eid}", code_refs=context_entry_refs(entry, (content, why)))
@@ -5003,9 +5028,13 @@ def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
         raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is not valid JSON "
                              f"({json_problem(e)})") from None
     try:
-        return parse_board(data)
+        claims = parse_board(data)
     except SubstrateError as e:
         raise SubstrateError(f"{e} (read from {ref} in {repo})") from None
+    if odd := sorted(str(a) for a, c in data["claims"].items() if not isinstance(c, dict)):
+        note_for_call(f"{CLAIMS_FILE} on {ref}: {len(odd)} claim(s) that are no objects were "
+                      f"left out ({', '.join(odd[:5])}{' …' if len(odd) > 5 else ''})")
+    return claims
 
 
 def _was_on_remote(repo: Path, remote: str, branch: str, tracking: str, t: float) -> bool:
@@ -5101,6 +5130,19 @@ def _surrogate_fields(rec: dict) -> list[str]:
     return [valid_unicode(k) for k, v in rec.items() if has(k) or has(v)]
 
 
+RETIRED_STATUSES = ("deprecated", "superseded", "retired", "deleted", "archived", "obsolete")
+
+
+def retired_record(rec: dict) -> str | None:
+    """How an export marks a record retired (`status: deprecated`, `deleted:
+    true`), else None (pure): a cambium store imported elsewhere brought its
+    deprecated and superseded items back to life."""
+    status = rec.get("status")
+    if isinstance(status, str) and status.strip().lower() in RETIRED_STATUSES:
+        return f"status {status.strip()!r}"
+    return "deleted: true" if rec.get("deleted") is True else None
+
+
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
                          origin: str | None = None) -> Draft | Skip:
     """Map one export record to a Draft by the spec's field table (pure). Its
@@ -5118,6 +5160,8 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     body = _first(rec, _BODY_KEYS)
     if not isinstance(body, str) or not body.strip():
         return Skip(where, "no body (content/text/body/memory/note)")
+    if retired := retired_record(rec):
+        return Skip(where, f"{retired} in its source: not imported as live knowledge")
     title = _first(rec, _TITLE_KEYS)
     if isinstance(title, str) and title.strip() and title.strip() not in body:
         body = f"{title.strip()}: {body.strip()}"
@@ -5142,10 +5186,17 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
               "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
                  tags=tags, source=source, where=where, notes=notes,
-                 key=f"import:{_key_part(own or origin or system)}:" + (
+                 key=bounded_key(f"import:{_key_part(own or origin or system)}:" + (
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
                          utf8(body + "\0" + (why if isinstance(why, str) else ""))
-                     ).hexdigest()[:24]))
+                     ).hexdigest()[:24])))
+
+
+def bounded_key(key: str) -> str:
+    """A watermark key of at most 300 characters: a longer one is cut, with a
+    hash of the whole after the cut (two long ids stay two keys) (pure)."""
+    return key if len(key) <= 300 else \
+        f"{key[:270]}#{hashlib.sha256(utf8(key)).hexdigest()[:24]}"
 
 
 def _key_part(system: str) -> str:
@@ -5206,10 +5257,14 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
                          f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
     with open(path, "rb") as f:               # up to the size it had: a file still
         left = size                            # growing is read as it was at the start
-        for n, raw in enumerate(f, 1):
+        for n, raw in enumerate(_bounded_lines(f, MAX_FIRST_LINE_CHARS), 1):
             if left <= 0:
                 break
-            left -= len(raw)
+            left -= len(raw) if raw is not None else MAX_FIRST_LINE_CHARS
+            if raw is None:
+                yield Skip(f"line {n}", f"over {_size_text(MAX_FIRST_LINE_CHARS)} in one line: "
+                                        "no record (not read into memory)")
+                continue
             line, replaced = utf8_or_replaced(raw[3:] if n == 1 and raw.startswith(
                 b"\xef\xbb\xbf") else raw)
             if not line.strip():
@@ -5221,6 +5276,18 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
                 continue
             yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name),
                          f"line {n}: {NOT_UTF8}" if replaced else None)
+
+
+def _bounded_lines(f: Any, limit: int) -> Iterator[bytes | None]:
+    """A binary file's lines, None for one longer than `limit` bytes, which is
+    read past in chunks and never held: one 150 MB line took 360 MB."""
+    while line := f.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
+            pass
+        yield None
 
 
 NOT_UTF8 = "bytes that are not UTF-8 were replaced by U+FFFD"
@@ -7989,7 +8056,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
-        if isinstance(d.content, str) and len(d.content) >= MAX_CONTENT_CHARS:
+        if isinstance(d.content, str) and len(d.content) >= MAX_CONTENT_CHARS or \
+                isinstance(d.why, str) and len(d.why) >= MAX_WHY_CHARS:
             out.clipped.add(item.id)
         if d.where:
             out.where[item.id] = d.where
@@ -10443,8 +10511,9 @@ def clipped_warnings(prepared: Prepared, system: str, what: str) -> list[str]:
         return []
     refs = ", ".join(str(it.source.get("ref")) for it in cut[:5]) + \
         (" …" if len(cut) > 5 else "")
-    return [f"{len(cut)} {what}(s) longer than {MAX_CONTENT_CHARS:,} characters were cut "
-            f"there ({refs}); the source keeps the whole text"]
+    return [f"{len(cut)} {what}(s) longer than {MAX_CONTENT_CHARS:,} characters (or a why "
+            f"longer than {MAX_WHY_CHARS:,}) were cut there ({refs}); the source keeps the "
+            "whole text"]
 
 
 def read_context(cfg: Config) -> SourceRead:
@@ -10501,8 +10570,17 @@ def judge_agentsync(read: SourceRead, imported: list[Item]) -> dict:
         status, reason = "nothing_done", (f"the board has {seen} claim(s) and none is done"
                                           if seen else "the board has no claims")
     else:
-        status, reason = "up_to_date", f"all {done} done claim(s) were imported earlier"
+        status, reason = "up_to_date", skipped_said(read) or \
+            f"all {done} done claim(s) were imported earlier"
     return {**info, "status": status, "reason": reason, "fix": None}
+
+
+def skipped_said(read: SourceRead) -> str:
+    """The reason of an up-to-date source that held records it could not use
+    ("" when there were none): "all imported earlier" alone said they were."""
+    n = len(read.skips)
+    return (f"nothing new to import: {n} record(s) could not be used (see warnings), "
+            "the rest were imported earlier") if n else ""
 
 
 def judge_context(read: SourceRead, imported: list[Item], retired: int,
@@ -10522,7 +10600,8 @@ def judge_context(read: SourceRead, imported: list[Item], retired: int,
     elif not seen:
         status, reason = "empty", f"{info['path']} holds no decisions, constraints or pipelines"
     else:
-        status, reason = "up_to_date", f"all {seen} entries were imported earlier (or are retired)"
+        status, reason = "up_to_date", skipped_said(read) or \
+            f"all {seen} entries were imported earlier (or are retired)"
     return {**info, "status": status, "reason": reason}
 
 
@@ -12935,9 +13014,11 @@ def import_memory(source: Annotated[str, Field(
         raise InputError(f"path {path!r} must be absolute.")
     skipped: list[Skip] = []
     repaired: list[str] = []
+    seen: dict[str, int] = {}                      # where -> its place in the file
 
     def drafts() -> Iterator[Draft]:
         for rec in adapter(p):
+            seen.setdefault(str(rec.where), len(seen))
             if isinstance(rec, Skip):
                 skipped.append(rec)
             else:
@@ -12945,8 +13026,9 @@ def import_memory(source: Annotated[str, Field(
                 yield rec
 
     res = ingest(cfg, drafts(), retired_too=True)
-    out = import_report(source, p, res, sorted(
-        [(s.where, s.reason) for s in skipped] + res.skipped, key=_where_order))
+    out = import_report(source, p, res, sorted(       # in file order: a wrapper's two
+        [(s.where, s.reason) for s in skipped] + res.skipped,   # lists are not interleaved
+        key=lambda skip: seen.get(skip[0], -1)))
     if repaired:
         out["warnings"] = [_clip(n, 300) for n in repaired[:5]] + (
             [f"and {len(repaired) - 5} more record(s) like these"] if len(repaired) > 5 else [])
@@ -12987,12 +13069,6 @@ def import_report(source: str, path: Path, res: IngestResult,
 
 
 IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
-
-
-def _where_order(skip: tuple[str, str]) -> int:
-    """A skip's place in the file ("line 7", "record 3"; the file itself first)."""
-    number = re.search(r"\d+", skip[0])
-    return int(number.group()) if number else 0
 
 
 def _restorable_layout(p: Path) -> None:
@@ -13682,6 +13758,27 @@ def mcp_session_id(ctx: Any) -> str | None:
 STDIO_SESSION: list[str] = []
 
 
+async def serve_stdio(low: Any) -> None:
+    """Run the SDK's low-level server over stdio, its input read by
+    _RepairedStdin (which answers what the SDK would drop), as one session."""
+    import anyio
+    from mcp.server.stdio import stdio_server
+    from mcp.shared.message import SessionMessage
+    from mcp_types import jsonrpc_message_adapter
+    repaired = _RepairedStdin(sys.stdin.buffer)
+    STDIO_SESSION[:] = [f"mcp-{os.urandom(6).hex()}"]
+    try:
+        async with stdio_server(stdin=anyio.wrap_file(repaired)) as (read, write):
+            async def reply(msg: dict) -> None:
+                await write.send(SessionMessage(jsonrpc_message_adapter.validate_python(msg)))
+
+            repaired.answer_with(reply)
+            await low.run(read, write, low.create_initialization_options())
+    except BaseException as e:               # the client closed our stdout: its session
+        if not only_broken_pipes(e):          # ended (an ExceptionGroup from the SDK's
+            raise                             # task group held a traceback and exit 1)
+
+
 def build_server() -> MCPServer:
     """The MCP server with every tool of the API table registered and annotated."""
     from mcp.server.mcpserver import MCPServer
@@ -13690,24 +13787,7 @@ def build_server() -> MCPServer:
 
     class CambiumServer(MCPServer):
         async def run_stdio_async(self) -> None:
-            import anyio
-            from mcp.server.stdio import stdio_server
-            from mcp.shared.message import SessionMessage
-            from mcp_types import jsonrpc_message_adapter
-            repaired = _RepairedStdin(sys.stdin.buffer)
-            STDIO_SESSION[:] = [f"mcp-{os.urandom(6).hex()}"]
-            try:
-                async with stdio_server(stdin=anyio.wrap_file(repaired)) as (read, write):
-                    async def reply(msg: dict) -> None:
-                        await write.send(SessionMessage(
-                            jsonrpc_message_adapter.validate_python(msg)))
-
-                    repaired.answer_with(reply)
-                    low = self._lowlevel_server        # what MCPServer.run_stdio_async runs
-                    await low.run(read, write, low.create_initialization_options())
-            except BaseException as e:       # the client closed our stdout: its session
-                if not only_broken_pipes(e):  # ended (an ExceptionGroup from the SDK's
-                    raise                     # task group held a traceback and exit 1)
+            await serve_stdio(self._lowlevel_server)   # what MCPServer's runs, repaired
 
         async def read_resource(self, uri: Any, context: Any = None) -> Any:
             token = SESSION.set(mcp_session_id(context))   # the primer resource journals

@@ -2466,7 +2466,7 @@ def test_a_first_line_too_long_for_a_record_is_no_jsonl(tmp_path, monkeypatch):
     later = [json.dumps({"content": f"fact {n} about the ledger"}) for n in (1, 2, 3)]
     jsonl.write_text(json.dumps({"content": "z" * 300}) + "\n" + "\n".join(later) + "\n")
     assert cs._later_lines_are_records(jsonl)             # not one document failing to parse
-    assert [d.content for d in cs.json_adapter(jsonl)][-3:] == [
+    assert [d.content for d in cs.json_adapter(jsonl) if isinstance(d, cs.Draft)][-3:] == [
         f"fact {n} about the ledger" for n in (1, 2, 3)]
 
 
@@ -6788,6 +6788,74 @@ def test_distill_writes_the_local_store_once(repo, monkeypatch):
     assert writes == ["knowledge.json"]
     doc = cs.store(cs.resolve_config(), "local").read()
     assert doc.meta["distill_last"]["retired"] == 1 and len(doc.meta["watermarks"]) == 2
+
+
+def test_distill_sees_an_edit_past_the_cut_and_says_a_long_why_was_cut(repo):
+    """A 25,000-character decision was cut at the limit; an edit past the cut
+    left the two cut copies equal, and distill said up_to_date."""
+    (repo / ".context").mkdir()
+    path = repo / ".context" / "decisions.json"
+    steps = " ".join(f"step {n} of the rollout;" for n in range(1400))
+    entry = {"id": "dec-001", "summary": steps + " finally paint it BLUE", "status": "active",
+             "rationale": "r" * (cs.MAX_WHY_CHARS + 50), "created_at": "2026-01-01"}
+    path.write_text(json.dumps([entry]))
+    first = cs.distill()
+    (item,) = first["items"]
+    assert "[cut at 20,000 of" in cs.expand(item["id"])["content"]
+    assert any("or a why longer than 10,000" in w for w in first["warnings"])
+    path.write_text(json.dumps([{**entry, "summary": steps + " finally paint it GREEN"}]))
+    again = cs.distill()
+    assert again["imported"] == 1 and [r["id"] for r in again["retired_items"]] == [item["id"]]
+    assert cs.distill()["imported"] == 0
+
+
+def test_import_bounds_provenance_and_leaves_retired_records_and_huge_lines_out(
+        repo, tmp_path):
+    """A 1 MB id made a 15-character memory weigh megabytes in every answer;
+    records an export marks retired came back live; one huge JSONL line was
+    read into memory whole."""
+    jsonl = tmp_path / "mem.jsonl"
+    with open(jsonl, "wb") as f:
+        for rec in ({"id": "x" * 100_000, "content": "short fact one", "system": "s" * 5000},
+                    {"id": "y" * 100_000, "content": "short fact two", "system": "s" * 5000},
+                    {"id": "d1", "content": "Cache sessions in Redis", "status": "deprecated"},
+                    {"id": "d2", "content": "Sessions in memcached", "deleted": True}):
+            f.write(json.dumps(rec).encode() + b"\n")
+        f.write(b"\0" * (cs.MAX_FIRST_LINE_CHARS + 10) + b"\n")
+        f.write(json.dumps({"id": "ok", "content": "after the long line"}).encode() + b"\n")
+    res = cs.import_memory("json", str(jsonl))
+    assert res["imported"] == 3
+    assert [r["where"] for r in res["skipped_reasons"]] == ["line 3", "line 4", "line 5"]
+    reasons = [r["reason"] for r in res["skipped_reasons"]]
+    assert "status 'deprecated' in its source" in reasons[0] and "deleted: true" in reasons[1]
+    assert "in one line" in reasons[2]
+    items = {i.content: i for i in cs.store(cs.require_config(), "local").read().items}
+    one, two = items["short fact one"].source, items["short fact two"].source
+    assert all(len(str(v)) <= cs.MAX_SOURCE_CHARS for v in one.values())
+    assert one["ref"] != two["ref"]
+    assert _store_path(repo).stat().st_size < 20_000
+    again = cs.import_memory("json", str(jsonl))
+    assert again["imported"] == 0
+
+
+def test_distill_says_what_it_could_not_use_instead_of_all_imported_earlier(tmp_path):
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"dan": {**DONE_CLAIM, "task": 7}, "alice": "not a claim"})
+    res = json.loads(cli("distill", "--format", "json", CAMBIUM_REPO=str(clone),
+                         CAMBIUM_AGENT_ID="ada").stdout)
+    board = res["sources"]["agentsync"]
+    assert board["status"] == "up_to_date" and "1 record(s) could not be used" in board["reason"]
+    assert any("1 claim(s) that are no objects were left out (alice)" in w
+               for w in res["warnings"])
+
+
+def test_import_lists_a_wrappers_skips_in_file_order(repo, tmp_path):
+    doc = tmp_path / "export.json"
+    doc.write_text(json.dumps({"memories": [{"content": "fine"}, {"x": 1}, {"x": 2}],
+                               "data": [{"x": 3}, {"content": "also fine"}]}))
+    res = cs.import_memory("json", str(doc))
+    wheres = [r["where"] for r in res["skipped_reasons"]]
+    assert len(wheres) == 3 and wheres[-1].startswith("data")
 
 
 def test_distill_says_what_it_cut_or_skipped_and_keeps_one_tag_per_agent(
