@@ -5644,7 +5644,13 @@ class Index:
             self.source = items
             return self._compacted(items, fresh)
         if src is not None and len(items) == len(src):
-            return self._replace_in_place(items, src, fresh)
+            diff = list(itertools.compress(range(len(items)), map(operator.is_not, items, src)))
+            if len(diff) <= 8 or all(items[i].id == src[i].id for i in diff):
+                return self._replace_in_place(items, src, diff, fresh)
+        return self._resync(items, fresh)   # (shifted: a promote took one out, one in)
+
+    def _resync(self, items: list, fresh: bool) -> Index:
+        """sync() for any other list: each item looked at by id."""
         seen: set[int] = set()
         ids: set[str] = set()
         for it in items:
@@ -5674,10 +5680,13 @@ class Index:
             self._purge()
         return self
 
-    def _replace_in_place(self, items: list, src: list, fresh: bool) -> Index:
-        """sync() for the same list with some items replaced (a credit fold):
-        only the replaced positions are looked at, found at C speed."""
-        for i in itertools.compress(range(len(items)), map(operator.is_not, items, src)):
+    def _replace_in_place(self, items: list, src: list, diff: list[int], fresh: bool
+                          ) -> Index:
+        """sync() for the same list with some items replaced in place (a credit
+        fold): only the replaced positions `diff` are looked at. A list whose
+        items shifted (one left, one came: a promote) is _resync's, by id: its
+        every later position counted as replaced and re-tokenized, 1 s at 20k."""
+        for i in diff:
             old, new = src[i], items[i]
             slot = self.slot_of.get(old.id)
             mine = slot is not None and self.items[slot] is old   # the copy indexed
@@ -6176,6 +6185,7 @@ EMBED_RATE_GUESS = 8_000.0          #: characters/s per thread assumed before on
                                     #: (12,000-15,000 measured on an idle core)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
+VECTORS_IDLE_SAVE_S = 600.0         #: after it, save once 5% of the rows are new, or this old
 SEM_LEXICAL_WEIGHT = 0.0            #: ranking score = cosine + this x BM25 / the query's best
 SEM_TAIL_DISCOUNT = 0.04            #: a tail window's cosine counts this much less
 SEM_CONTENT_TAGS_DISCOUNT = 0.0     #: an item's content + tags, embedded alone, counts this
@@ -7258,6 +7268,7 @@ class Semantic:
         self.embedded = 0                    # items embedded by this process
         self.busy = 0                        # recalls ranking right now
         self.last_save = time.monotonic()
+        self.unsaved = 0                     # rows put in the cache since it was saved
         self.stopping = False                # the process is exiting: embed no more
 
     def ready(self) -> Embedder:
@@ -7386,8 +7397,9 @@ class Semantic:
             self.embedded += len(done)
             dt = max(time.monotonic() - t0, 1e-3)
             self.rate = 0.5 * self.rate + 0.5 * (sum(embed_cost(it) for it in chunk) / dt)
-            if not self.queued or time.monotonic() - self.last_save > VECTORS_SAVE_EVERY_S:
-                self._save_locked()          # the backlog is done (whoever embedded last)
+            self.unsaved += len(done)
+            if self._save_due():
+                self._save_locked()
             self.cv.notify_all()
 
     def _keep_tokens(self, np: Any, toks: dict) -> None:
@@ -7429,6 +7441,20 @@ class Semantic:
                 return
             self._embed_chunk(emb, chunk)
 
+    def _save_due(self) -> bool:
+        """Whether to save the cache now, under self.cv: every VECTORS_SAVE_EVERY_S
+        during a backlog; once it drains, when what was added since the last
+        save is a twentieth of the cache or VECTORS_IDLE_SAVE_S old. A save
+        writes the whole cache: saved after each capture's one row, a capture
+        wrote 1.3 MB at 800 items (now some 30 KB a capture, whatever the
+        size). Rows not saved yet are saved at exit; a crash loses only those,
+        embedded again at the next start."""
+        age = time.monotonic() - self.last_save
+        if self.queued:
+            return age > VECTORS_SAVE_EVERY_S
+        return self.unsaved * 20 >= len(self.cache.rows) or \
+            (self.unsaved > 0 and age > VECTORS_IDLE_SAVE_S)
+
     def _save_locked(self) -> None:
         """Save the cache; drop vectors of edited or deleted items once they
         outnumber the live ones (a vector of any scope's live item is kept)."""
@@ -7443,7 +7469,7 @@ class Semantic:
                 self.tokens.prune(keep)
         except OSError as e:
             print(f"cambium: could not save the vector cache: {e}", file=sys.stderr)
-        self.last_save = time.monotonic()
+        self.last_save, self.unsaved = time.monotonic(), 0
 
     def backlog(self) -> int:
         with self.cv:
@@ -8894,10 +8920,10 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
     group's survivor only if it is itself a duplicate of the survivor, so a
     chain of look-alikes never merges its two ends."""
     vecs = dup_vectors(items)
-    pairs = candidate_pairs(items, vecs, min(threshold, CONSOLIDATE_SEMANTIC_FLOOR)
-                            if semantic is not None else threshold)
-    pairs = {(a, b): s for (a, b), s in pairs.items()
-             if not decides_differently(items[a], items[b])}
+    floor = min(threshold, CONSOLIDATE_SEMANTIC_FLOOR) if semantic is not None else threshold
+    pairs = candidate_pairs(items, vecs, floor)
+    pairs = {(a, b): s for (a, b), s in pairs.items()     # the floor first: the regexes
+             if s >= floor and not decides_differently(items[a], items[b])}   # cost half
     accepted = {(a, b): (s, "same text" if normalized_text(items[a]) == normalized_text(
         items[b]) else "lexical") for (a, b), s in pairs.items() if s >= threshold}
     ask = [p for p, s in pairs.items() if CONSOLIDATE_SEMANTIC_FLOOR <= s < threshold]
@@ -12691,10 +12717,16 @@ def verify_entry(item_id: ItemId,
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
 
 
+STALE_LIMIT, MAX_STALE_LIMIT = 50, 1000   #: stale_report's entries: default, most
+
+
 def stale_report(project: Annotated[str | None, Field(
                      "Only items that came from this project.")] = None,
                  older_than_days: Annotated[int | None, Field(
                      "Only items not verified for at least this many days.", ge=0)] = None,
+                 limit: Annotated[int, Field(
+                     "At most this many entries (the counts cover all).", ge=1,
+                     le=MAX_STALE_LIMIT)] = STALE_LIMIT,
                  ) -> dict:
     """List promoted (team and org) knowledge by how long since anyone checked it.
 
@@ -12702,18 +12734,24 @@ def stale_report(project: Annotated[str | None, Field(
     then never-verified items (flagged), then the oldest-verified. Each
     shows its age in days and its valid_while premise, so a dead assumption is
     easy to spot. project: only items from that project. older_than_days:
-    only items at least that old. It only reports: re-check an item and call
-    verify_entry, or deprecate it; nothing is downgraded automatically.
+    only items at least that old. limit: at most that many entries, in that
+    order (count and never_verified cover all). It only reports: re-check an
+    item and call verify_entry, or deprecate it; nothing is downgraded
+    automatically.
     """
     cfg = require_config()
     check_arg(stale_report, "older_than_days", older_than_days)
+    check_arg(stale_report, "limit", limit)
     docs, warnings = read_scopes(cfg, SCOPES)
     items = first_copies(federated_items(docs))      # an id once: its first, highest copy
     rows = stale_items(items, now=datetime.now(timezone.utc), project=project or None,
                          older_than_days=older_than_days)
-    out: dict[str, Any] = {"entries": rows, "count": len(rows),
+    out: dict[str, Any] = {"entries": rows[:limit], "count": len(rows),
                            "never_verified": sum(1 for r in rows if r["never_verified"]),
                            "scopes_read": list(docs)}
+    if len(rows) > limit:         # (10,000 team items answered 8 MB)
+        out["note"] = (f"the first {limit} of {len(rows)}: raise limit (at most "
+                       f"{MAX_STALE_LIMIT}), or narrow with project or older_than_days")
     if warnings:
         out["warnings"] = warnings
     return out

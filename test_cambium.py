@@ -5981,6 +5981,21 @@ def test_the_cli_says_it_could_not_write_its_answer_and_never_ends_in_a_tracebac
     assert proc.wait(timeout=60) == 0 and proc.stderr.read() == b""
 
 
+def test_stale_report_answers_its_first_entries_and_counts_them_all(shared):
+    """10,000 team items answered 8 MB: every promoted item, whole."""
+    ids = [cs.capture(f"Team fact {n} about the billing pipeline")["item"]["id"]
+           for n in range(6)]
+    for item in ids:
+        cs.promote(item, force=True)
+    full = cs.stale_report()
+    assert full["count"] == 6 and len(full["entries"]) == 6 and "note" not in full
+    some = cs.stale_report(limit=2)
+    assert some["count"] == 6 and some["entries"] == full["entries"][:2]
+    assert "the first 2 of 6" in some["note"]
+    out = cli("stale", "--limit", "0")
+    assert out.returncode == 2 and "--limit" in out.stderr
+
+
 def test_operator_check_fails_then_passes_through_the_cli(repo):
     item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
     set_ = cli("verify-cmd", item_id, "test -f dist/ok.txt && echo found")
@@ -8450,6 +8465,51 @@ def _capture_notes() -> dict:
 
 def _engine(repo: Path) -> cs.Semantic:
     return cs.runtime().engines[str(repo / ".cambium" / cs.VECTORS_DIR)]
+
+
+def test_an_index_follows_a_list_that_shifted_by_id_not_by_position(monkeypatch):
+    """A promote takes one item out of the local list and puts one in the
+    team list: the federated list keeps its length, and every position after
+    the promoted item counted as replaced, re-tokenized (1 s at 20k items)."""
+    items = [cs.new_item(f"note {n} about subsystem {n}", project="p", agent="a",
+                         now="2026-01-01T00:00:00Z") for n in range(300)]
+    index = cs.Index().sync(items, fresh=True)
+    puts = []
+    real = cs.Index._put
+    monkeypatch.setattr(cs.Index, "_put", lambda self, it: (puts.append(it.id),
+                                                            real(self, it))[1])
+    moved = items[:10] + items[11:] + [cs.new_item("the promoted copy", project="p",
+                                                   agent="a", now="2026-01-01T00:00:00Z")]
+    index = index.sync(moved)
+    assert puts == [moved[-1].id]
+    assert items[10].id not in index.slot_of and moved[-1].id in index.slot_of
+    fresh = cs.Index().sync(moved, fresh=True)
+    assert set(index.slot_of) == set(fresh.slot_of)
+
+
+@needs_extra
+def test_a_capture_does_not_rewrite_the_vector_cache_each_time(semantic):
+    """Each capture's one new row saved the whole cache (vectors .npy and
+    index.json, fsynced): 1.3 MB written per capture at 800 items. Now a
+    twentieth of the cache must be new (or ten minutes old) first; exit saves
+    the rest."""
+    for n in range(40):
+        cs.capture(f"Fact {n}: the ledger service {n} keeps its own schema", tags="ledger")
+    cs.recall("ledger schema")
+    eng = _engine(semantic)
+    eng.wait_idle(60)
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    saved = {p.name for p in vec_dir.glob("vectors-*.npy")}
+    assert len(json.loads((vec_dir / "index.json").read_text())["keys"]) >= 40
+    cs.capture("One more fact about the ledger service", tags="ledger")
+    cs.recall("one more fact ledger")
+    eng.wait_idle(60)
+    assert {p.name for p in vec_dir.glob("vectors-*.npy")} == saved and eng.unsaved >= 1
+    cs.runtime().save_vectors()                       # as the process exits
+    index = json.loads((vec_dir / "index.json").read_text())
+    assert {p.name for p in vec_dir.glob("vectors-*.npy")} != saved
+    assert any(k.startswith(cs.recall("one more fact ledger")["results"][0]["id"])
+               for k in index["keys"])
 
 
 @needs_extra
