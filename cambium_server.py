@@ -1507,7 +1507,19 @@ def _config_file_values(path: Path) -> tuple[dict, str | None]:
         return {}, f"{path} could not be read (JSON {json_problem(e)}); ignored"
     if not isinstance(loaded, dict):
         return {}, f"{path} holds {json_kind(loaded)}, expected an object; ignored"
-    return loaded, None
+    return loaded, unknown_keys_said(path, loaded)
+
+
+def unknown_keys_said(path: Path, values: dict) -> str | None:
+    """A warning naming the config file's keys cambium does not read (a typo
+    such as CAMBIUM_ORG_PRR left PR mode off without a word), each with the
+    closest key it does (pure)."""
+    odd = sorted(str(k) for k in values if k not in DEFAULTS and k != TEAM_BRANCHES)
+    if not odd:
+        return None
+    said = [k + (f" (did you mean {near[0]}?)" if (near := difflib.get_close_matches(
+        k, list(DEFAULTS), 1)) else "") for k in odd[:5]]
+    return f"{path} holds keys cambium does not read, ignored: {', '.join(said)}"
 
 
 CWD_GONE = ("this process's working directory no longer exists (deleted, or a worktree "
@@ -4818,6 +4830,7 @@ def _constraint_text(entry: dict) -> tuple[str, list[str]]:
 def _pipeline_text(entry: dict) -> tuple[str, list[str]]:
     name = _str(entry.get("name"))
     steps = entry.get("steps") if isinstance(entry.get("steps"), list) else []
+    steps = [{"action": s} if isinstance(s, str) else s for s in steps]   # plain text steps too
     ordered = sorted((s for s in steps if isinstance(s, dict) and _str(s.get("action"))),
                      key=lambda s: s.get("order") if isinstance(s.get("order"), int) else 0)
     lines = [f"{i}. {_str(s['action'])}" + (f" -> {_str(s.get('output'))}"
@@ -4848,7 +4861,8 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
                                              "or deprecated")
     content, why_parts = _CONTEXT_TEXT[kind](entry)
     if not content:
-        return Skip(f"context-keeper {eid}", f"{kind} without text")
+        return Skip(f"context-keeper {eid}", f"{kind} without text" + (
+            " (a name and steps with an action)" if kind == "pipeline" else ""))
     source = {"system": "context-keeper", "ref": eid, "kind": kind,
               **({"source_ts": _str(entry["created_at"])} if _str(entry.get("created_at")) else {})}
     why = " ".join(filter(None, why_parts))
@@ -10318,9 +10332,21 @@ def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project
         trust = effective_trust(it, pending.get(it.id, []))
         score = trust_score(it, trust, now)
         section = primer_section(it, now)
-        out.append(PrimerEntry(it, trust, "notes" if section == "trusted" and score <= 0
-                               else section, score))
+        out.append(PrimerEntry(it, trust, "notes" if section == "trusted" and not vouched(
+            it, trust, now) else section, score))
     return out
+
+
+def vouched(item: Item, trust: dict, now: datetime) -> bool:
+    """Whether anyone but its author has vouched for an item (pure): a
+    person's or another agent's word (authority), an endorsement, a recall by
+    another agent, use in a second project, a verification in the last 90
+    days. Its author recalling it once put it among the most trusted."""
+    verified = _parse_ts(item.last_verified)
+    others = set(trust.get("recalled_by") or {}) - {item.created_by}
+    return bool(item.authority_rank or trust.get("endorsements") or others
+                or len(trust.get("projects") or []) > 1
+                or (verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS))
 
 
 def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
@@ -14723,8 +14749,8 @@ def run_demo() -> dict:
     def step(name: str, text: str, **facts: Any) -> None:
         steps.append({"step": name, **facts})
         say(f"{len(steps)}. {text}")
-        for k, v in facts.items():
-            say(f"   {k}: {v}")
+        if facts:                            # in words and CLI syntax, as --format text
+            say(_text(_cli_answer(json.loads(json_text(facts))), "   "))
 
     with _demo_sandbox() as root:
         item_id = _demo_one_project(root, step)

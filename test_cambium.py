@@ -6783,6 +6783,23 @@ def write_board(clone: Path, claims: dict, branch: str = "agentsync") -> None:
     push_file(clone, branch, "claims.json", json.dumps({"claims": claims}, indent=2))
 
 
+def test_a_pipeline_of_plain_text_steps_is_a_procedure_and_a_misspelt_config_key_is_said(
+        repo):
+    (repo / ".context").mkdir()
+    (repo / ".context" / "pipelines.json").write_text(json.dumps([
+        {"id": "pipe-001", "name": "release", "status": "active",
+         "steps": ["run tests", "build wheel", "publish to index"]},
+        {"id": "pipe-002", "name": "empty", "status": "active", "steps": []}]))
+    res = cs.distill()
+    (item,) = res["items"]
+    assert cs.expand(item["id"])["content"] == \
+        "release: 1. run tests; 2. build wheel; 3. publish to index"
+    assert any("pipe-002: pipeline without text (a name and steps" in w for w in res["warnings"])
+    Path(os.environ["CAMBIUM_CONFIG_FILE"]).write_text(json.dumps({"CAMBIUM_ORG_PRR": "1"}))
+    warned = cs.status()["warnings"]
+    assert any("CAMBIUM_ORG_PRR (did you mean CAMBIUM_ORG_PR?)" in w for w in warned)
+
+
 def test_distill_writes_the_local_store_once(repo, monkeypatch):
     """Issue 10.4: retirements, new items and the distill record land in one write."""
     (repo / ".context").mkdir()
@@ -8413,6 +8430,10 @@ def test_cli_demo_runs_the_loop():
     assert steps["stale report"]["entries"][0][1] == "org"
     assert steps["distill"]["sources"] == {"agentsync": "imported", "context-keeper": "imported"}
     assert steps["distill"]["imported"] == 2 and steps["distill"]["again_imported"] == 0
+    narration = out.stderr                             # for people: words, CLI syntax
+    assert "configured: no" in narration and "True" not in narration
+    assert "{'" not in narration and "('" not in narration
+    assert "next_step: cambium_server.py setup" in narration
     assert "integer cents" in steps["distill"]["recall_top"]
     assert "capture()" in out.stderr and "distill()" in out.stderr
 
@@ -10705,6 +10726,21 @@ def test_primer_orders_sections_states_its_size_and_changes_nothing(coderepo):
     assert out["entries"] == 6 and out["tokens"] <= cs.PRIMER_TOKEN_BUDGET
     after = {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()}
     assert after == before                                        # no credit, no write
+
+
+def test_an_authors_own_recall_is_no_vouching_in_the_primer(repo, monkeypatch):
+    """Issue 11: trust is endorsed, recalled by several agents or recently
+    verified. One recall by its own author put a note under "Most trusted"."""
+    mine = cs.capture("Kafka consumer groups rebalance when a member leaves")["item"]["id"]
+    other = cs.capture("Redis keys expire lazily and by a periodic sampler")["item"]["id"]
+    assert cs.recall("kafka consumer groups rebalance")["results"][0]["id"] == mine
+    out = cs.session_primer()
+    assert out["sections"] == {"notes": 2}
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")             # another agent recalls it
+    assert cs.recall("redis keys expire lazily")["results"][0]["id"] == other
+    text = cs.session_primer()["primer"]
+    assert other in text[text.index("Most trusted notes:"):text.index("Other notes")]
+    assert mine in text[text.index("Other notes"):]
 
 
 def test_primer_never_calls_a_note_nobody_vouched_for_trusted(repo):
