@@ -103,7 +103,7 @@ import math
 import operator
 import os
 import re
-import select
+import selectors
 import signal
 import stat as _stat
 import struct
@@ -4280,14 +4280,23 @@ class GitStore(Store):
     def proposes(self, branch: str) -> bool:
         """Whether side branch `branch` holds a change the scope's tip lacks:
         not merged into it (a merge leaves the branch an ancestor of the tip,
-        and GitHub keeps a merged branch by default) nor squashed into it (its
-        files read as the tip's)."""
+        and GitHub keeps a merged branch by default) nor squashed into it (what
+        it changed since it parted from the tip is in the tip: its store merged
+        three ways reads as the tip's, its other files as the tip's)."""
         side, tip = self._remote_branch_tip(branch), self.local_tip()
         if side is None or tip is None:
             return side is not None
         if self._holds(tip, side):
             return False
-        return bool(self.git("diff", "--name-only", tip, side).stdout.strip())
+        fork = self.git("merge-base", tip, side, check=False).stdout.strip() or None
+        changed = self.git("diff", "--name-only", fork, side).stdout.split() if fork else \
+            self.git("ls-tree", "--name-only", side).stdout.split()
+        if STORE_FILE in changed:            # its change already in the tip: merged so
+            merged = merged_docs(self.doc_at(fork), self.doc_at(tip), self.doc_at(side))
+            if merged is None or merged.items != self.doc_at(tip).items:
+                return True
+        return any(self.file_at(side, n) != self.file_at(tip, n)
+                   for n in changed if n != STORE_FILE)
 
     def _holds(self, commit: str, ancestor: str) -> bool:
         return self.git("merge-base", "--is-ancestor", ancestor, commit,
@@ -5659,7 +5668,7 @@ class Index:
             return self._compacted(items, fresh)
         if src is not None and len(items) == len(src):
             diff = list(itertools.compress(range(len(items)), map(operator.is_not, items, src)))
-            if len(diff) <= 8 or all(items[i].id == src[i].id for i in diff):
+            if all(items[i].id == src[i].id for i in diff):
                 return self._replace_in_place(items, src, diff, fresh)
         return self._resync(items, fresh)   # (shifted: a promote took one out, one in)
 
@@ -9865,7 +9874,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         joined.clear()
         joined.update(it.id for it in below if it.id in above)
         made.update((it.id, it) for it in below if it.id in above)
-        news = {i: new for i in joined if (new := carried_over(above[i], made[i]))}
+        news = {i: publishable_notes(new) if dst == "org" else new   # (the org gate's
+                for i in joined if (new := carried_over(above[i], made[i]))}   # notes too)
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
@@ -10189,6 +10199,8 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
                 out.caught_up.append(branch)
             return
         last = last_pr_of(cfg, org, branch)
+        if last and last.state == "MERGED" and org._remote_branch_tip(branch) == last.oid:
+            return                           # merged as it stands (squashed, say): done
         if last and last.state == "CLOSED" and org.drop_side_branch(branch, at=last.oid):
             out.withdrawn.append({"branch": branch, "pr_url": last.url, "pr_state": "closed",
                                   "note": "closed without merging: its branch was deleted, so "
@@ -10338,13 +10350,14 @@ def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project
 
 
 def vouched(item: Item, trust: dict, now: datetime) -> bool:
-    """Whether anyone but its author has vouched for an item (pure): a
-    person's or another agent's word (authority), an endorsement, a recall by
-    another agent, use in a second project, a verification in the last 90
-    days. Its author recalling it once put it among the most trusted."""
+    """Whether an item is vouched for (pure), as issue 11 reads trust: a
+    person's or another agent's word (authority), an endorsement (a
+    deliberate act, its author's too), a recall by an agent other than its
+    author, use in a second project, a verification in the last 90 days. Its
+    author recalling it once put it among the most trusted."""
     verified = _parse_ts(item.last_verified)
-    others = set(trust.get("recalled_by") or {}) - {item.created_by}
-    return bool(item.authority_rank or trust.get("endorsements") or others
+    return bool(item.authority_rank or trust.get("endorsements")
+                or set(trust.get("recalled_by") or {}) - {item.created_by}
                 or len(trust.get("projects") or []) > 1
                 or (verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS))
 
@@ -11259,25 +11272,27 @@ def check_output_tail(proc: subprocess.Popen, timeout_s: float) -> bytes:
     fd, keep = proc.stdout.fileno(), 4 * CHECK_OUTPUT_CHARS
     os.set_blocking(fd, False)
     tail, deadline, exited = bytearray(), time.monotonic() + timeout_s, None
-    while True:
-        now = time.monotonic()
-        if exited is None and proc.poll() is not None:
-            exited = now
-        until = deadline if exited is None else min(deadline, exited + CHECK_DRAIN_S)
-        if now >= until:
-            return bytes(tail)
-        ready, _, _ = select.select([fd], [], [], min(0.1, until - now))
-        try:
-            chunk = os.read(fd, 65536) if ready else None
-        except BlockingIOError:
-            continue
-        if chunk == b"":                    # the pipe ended: wait for the exit alone
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            return bytes(tail)
-        if chunk:
-            tail += chunk
-            del tail[:-keep]
+    with selectors.DefaultSelector() as sel:     # (select() refuses a descriptor over 1023)
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            now = time.monotonic()
+            if exited is None and proc.poll() is not None:
+                exited = now
+            until = deadline if exited is None else min(deadline, exited + CHECK_DRAIN_S)
+            if now >= until:
+                return bytes(tail)
+            ready = sel.select(min(0.1, until - now))
+            try:
+                chunk = os.read(fd, 65536) if ready else None
+            except BlockingIOError:
+                continue
+            if chunk == b"":                # the pipe ended: wait for the exit alone
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                return bytes(tail)
+            if chunk:
+                tail += chunk
+                del tail[:-keep]
 
 
 def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> dict:
@@ -12497,10 +12512,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
     if declined:                                  # judged again as it stands now
         scope, item = locate(cfg, item_id)
     if cfg.org_pr and org_holds(cfg, item_id):    # org has it by another way (a revert
-        moved = move(cfg, [item], scope, "org", gate=_awaiting_merge,   # undone, a merge
-                     copy=lambda it: it,                                # into another
-                     message=f"{cfg.agent} finishes the move of {item_id} to org")  # branch)
-        return _org_promoted(cfg, moved, scope, None, {}, restated=any(restate.values()))
+        return _finish_held_move(cfg, scope, item, restated=any(restate.values()))  # undone)
 
     def gate(it: Item) -> Verdict:
         return org_verdict(it, **restate, force=force)
@@ -12535,6 +12547,26 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
              **({"closed_pr": declined["pr_url"]} if declined else {})}
     return _org_promoted(cfg, moved, scope, branch, extra,
                          restated=any(restate.values()))
+
+
+def _finish_held_move(cfg: Config, scope: str, item: Item, *, restated: bool) -> dict:
+    """PR mode, an item org's tip holds already (a revert undone, a merge into
+    another branch reaching main): the copy below leaves, its news (a
+    teammate's endorsement, a verification) going up through the
+    `cambium/updates` pull request, where it waits until that merges; with no
+    news, it leaves now. Nothing is pushed to org's own branch."""
+    org = store(cfg, "org")
+    there = next((it for it in org.doc_at(org.fetch(fresh=True)).items if it.id == item.id),
+                 None)
+    news = there is not None and carried_over(there, item) is not None
+    moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
+                 pr_branch=pr_branch(cfg, "org", "updates") if news else None,
+                 pr_body=PR_BODY, message=f"{cfg.agent} finishes the move of {item.id} to org")
+    if not moved.landed:
+        raise NotFound(f"item {item.id} left org while its move was finished; recall shows "
+                       "where it is now.")
+    branch = pr_branch(cfg, "org", "updates") if news else None
+    return _org_promoted(cfg, moved, scope, branch, {}, restated=restated)
 
 
 def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, extra: dict, *,
@@ -12926,10 +12958,14 @@ def _require_active(item: Item, verb: str) -> None:
     if end is not None and not end.active:
         raise Refused(f"item {item.id} is superseded by {via}, which is {end.status}; "
                       f"nothing there can be {verb}.")
-    if end is None:                      # only on a pull request's branch (PR mode)
+    if end is None and resolve_config().org_pr:     # only on a pull request's branch
         raise Refused(f"item {item.id} is superseded by {via}, which no scope holds yet: it "
-                      "waits on an org pull request (review_promotions() lists it, and opens "
-                      "it if gh failed to); merge or close that first.")
+                      "may wait on an org pull request (review_promotions() lists it, and "
+                      "opens it if gh failed to); merge or close that first.")
+    if end is None:
+        raise Refused(f"item {item.id} is superseded by {via}, which no scope read now holds "
+                      "(a scope off or unreachable, or a hand edit): that one can be "
+                      f"{verb} where it is.")
     raise Refused(f"item {item.id} is superseded by {via}; that one can be {verb}.")
 
 
@@ -13141,9 +13177,9 @@ def _restorable_layout(p: Path) -> None:
     1.25 GB of memory before it was found not to be JSON)."""
     if p.stat().st_size <= MAX_IMPORT_BYTES:
         return
-    with open(p, "rb", opener=open_regular) as f:
-        lines = f.read(2**20).split(b"\n")
-    if len(lines) > 3 and _head_of([ln + b"\n" for ln in lines[:3]]) is not None:
+    with open(p, "rb", opener=open_regular) as f:       # (a meta line of watermarks can
+        head = [f.readline(MAX_FIRST_LINE_CHARS) for _ in range(3)]    # be megabytes)
+    if all(ln.endswith(b"\n") for ln in head) and _head_of(head) is not None:
         return
     raise InputError(f"{p} is {p.stat().st_size // 2**20} MB and not in cambium's "
                      f"one-item-per-line layout, which restore reads whole only up to "

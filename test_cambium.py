@@ -4479,6 +4479,82 @@ def test_pr_mode_an_item_org_holds_by_another_way_finishes_its_move(shared, monk
     assert item not in {i["id"] for i in local_items(shared["a"])}
 
 
+def test_pr_mode_news_of_an_item_org_holds_go_up_through_the_updates_pr(shared, monkeypatch,
+                                                                        tmp_path):
+    """Finishing the move of an item org already held pushed the local copy's
+    news (a teammate's endorsement, its note naming a file) straight to org's
+    main, past both the pull request and the org gate."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Feature flags get an owner and an expiry date")
+    cs.promote(item, to_scope="org", force=True)             # org holds it ...
+    org_main = git(shared["org_bare"], "rev-parse", "main")
+    path = _store_path(shared["a"])                           # ... and a copy stays below
+    data = json.loads(path.read_text())
+    there = remote_json(shared["org_bare"], "main")["items"][0]
+    there["scope"] = "local"
+    there["trust"]["endorsements"].append({"by": "bob", "note": "see src/flags.py of shop",
+                                           "at": "2099-01-01T00:00:00Z"})
+    data["items"].append(there)
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "pr_opened" and out["branch"] == "cambium/updates"
+    assert git(shared["org_bare"], "rev-parse", "main") == org_main      # main untouched
+    (held,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert {e["by"]: e["note"] for e in held["trust"]["endorsements"]}["bob"] == ""
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, out["pr_url"], "MERGED")
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    assert item not in {i["id"] for i in local_items(shared["a"])}
+
+
+def test_review_opens_no_pr_for_a_squash_merged_shared_branch(shared, monkeypatch, tmp_path):
+    """proposes() compared whole trees: once org moved on after a squash merge
+    of cambium/updates, the merged branch read as new, and review opened a PR
+    undoing what came after."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    a, b = _endorsed("Retry idempotent calls"), _endorsed("Pin base images by digest")
+    for item in (a, b):
+        cs.promote(item, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    url = cs.verify_entry(a, note="still holds")["pr_url"]
+    merger = clone(shared["org_bare"], tmp_path / "squasher")
+    git(merger, "merge", "-q", "--squash", "origin/cambium/updates")
+    git(merger, "commit", "-q", "-m", "squashed")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    set_pr_state(tmp_path, url, "MERGED")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    cs.endorse(b, note="org moves on")                         # a later commit on main
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    store = cs.store(cs.require_config(), "org")
+    assert store.proposes("cambium/updates") is False
+    assert "opened_org_prs" not in cs.review_promotions()
+    creates = [x for x in map(json.loads, log.read_text().splitlines()) if x[:2] == ["pr", "create"]]
+    assert len(creates) == 1
+
+
+def test_index_follows_a_left_shift_of_the_same_items():
+    items = [cs.new_item(f"note {n} about subsystem {n}", project="p", agent="a",
+                         now="2026-01-01T00:00:00Z") for n in range(6)]
+    index = cs.Index().sync(items[:5], fresh=True)
+    index = index.sync(items[1:6])                   # the same objects, one place left
+    assert set(index.slot_of) == {it.id for it in items[1:6]}
+
+
+def test_restore_takes_a_huge_store_in_its_own_layout_whatever_its_meta(repo, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setattr(cs, "MAX_IMPORT_BYTES", 2**20)
+    path = tmp_path / "knowledge.json.quarantine-z"
+    marks = {f"import:x:id:{n}": f"k-{n:012x}" for n in range(40_000)}     # a 1.5 MB meta
+    path.write_text('{"cambium": 1,\n"meta": ' + json.dumps({"watermarks": marks}) +
+                    ',\n"items": [\n' + json.dumps({"id": "k-dddddddddddd",
+                                                    "content": "kept"}) + "\n]}\n")
+    assert path.stat().st_size > cs.MAX_IMPORT_BYTES
+    assert cs.restore(str(path))["restored"] == 1
+
+
 def test_pr_mode_consolidate_rerun_after_the_merge_folds_the_lower_duplicate(
         shared, monkeypatch, tmp_path):
     """The merged cambium/updates branch (kept, as GitHub does) made every
