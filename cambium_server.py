@@ -940,6 +940,7 @@ def json_kind(value: Any) -> str:
 
 _TERMINAL_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|.?)")
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_LINE_CONTROL = re.compile("[\x0b\x0c\x85]")   #: VT, FF, NEL: a break between words, a space
 #: invisible format characters that carry no meaning in stored text: soft hyphen,
 #: zero-width space, word joiner, BOM, invisible operators, bidi embeddings,
 #: overrides and isolates (which can show text reversed), tag characters (which
@@ -956,7 +957,7 @@ def plain_text(value: str) -> str:
     breaks (a stored item is printed to terminals), nor invisible characters
     (_INVISIBLE: "UTC\u200b" is "UTC") (pure)."""
     text = repair_mojibake(valid_unicode(value))
-    text = _CONTROL.sub("", _TERMINAL_ESCAPE.sub("", text))
+    text = _CONTROL.sub("", _LINE_CONTROL.sub(" ", _TERMINAL_ESCAPE.sub("", text)))
     return unicodedata.normalize("NFC", _INVISIBLE.sub("", text))
 
 
@@ -3858,7 +3859,9 @@ class GitStore(Store):
                     state.tip = tip
         with state.lock:
             last = max(state.fetched_at, stamp)       # (another process fetched)
-            due = damaged or force or fresh or time.time() - last >= self.fetch_interval_s
+            unread = state.fetch_error is not None and self.local_tip() is None  # (tried
+            due = damaged or force or fresh or unread or \
+                time.time() - last >= self.fetch_interval_s    # again: never an empty scope)
             if due and failed is not None:
                 due = False
                 self._warnings.append(f"{self.scope} scope may be behind: {failed}")
@@ -6155,10 +6158,44 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
         return Ranking([], 0.0, unknown=unknown_names(index, query))
     slots = index.items
     scores = bm25_top(index, terms, limit)
-    best = [(slots[i], scores[i]) for i in top_slots(scores, slots, limit)]
-    hits = [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
-            for it, score in best if it is not None]      # (None: killed meanwhile)
+    top = top_slots(scores, slots, limit)
+    hits = lexical_hits(index, terms, [(slots[i], scores[i]) for i in top])
+    ranking = ranking_of(hits, terms, index, unknown=unknown_names(index, query))
+    if len(ranking.hits) >= limit:
+        return ranking
+    plan, norms = query_terms(index, terms), index.norms_now()
+    more = {i: _exact_score(plan, norms, i) for i in every_term_slots(index, terms, set(top),
+                                                                      limit)}
+    hits += lexical_hits(index, terms, [(slots[i], more[i]) for i in top_slots(more, slots,
+                                                                                 limit)])
     return ranking_of(hits, terms, index, unknown=unknown_names(index, query))
+
+
+def lexical_hits(index: Index, terms: list[str], best: list[tuple[Any, float]]) -> list[Hit]:
+    """Hits of (item, score) pairs, each item read once: a sync in another
+    thread may kill a slot meanwhile (None: left out)."""
+    return [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
+            for it, score in best if it is not None]
+
+
+def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
+                     ) -> list[int]:
+    """Up to `limit` live slots, past `taken`, whose items' content and tags
+    hold every word of the query (holds_every_term), by id: such an item is
+    at the floor at least, but a long one ranked below `limit` short items
+    holding only the common word, and recall said nothing was known. Their
+    postings intersected, rarest first."""
+    lists = sorted((index.postings.get(t, ((),))[0] for t in terms), key=len)
+    if not lists or not lists[0]:
+        return []
+    common = set(lists[0])
+    for slots in lists[1:]:
+        common &= set(slots)
+        if not common:
+            return []
+    items = index.items                 # (by id: the same whatever the index's history)
+    live = [(it.id, i, it) for i in common - taken if (it := items[i]) is not None]
+    return [i for _, i, it in sorted(live) if holds_every_term(it, terms)][:limit]
 
 
 # =============================================================================
@@ -6890,6 +6927,24 @@ def late_blend(np: Any, score: Any, pool: list[int], late: Any, *, tail: Any = N
 VECTOR_INDEX_BYTES = 256 * 2**20    #: a larger vectors/index.json is discarded, not read
 
 
+@contextlib.contextmanager
+def locked_if_possible(path: Path) -> Iterator[None]:
+    """file_lock(path) for a reader, or no lock where none can be taken (a
+    read-only directory): a cache load read index.json, and another process's
+    save removed the .npy it named before the load opened it, so the whole
+    cache was thrown away."""
+    try:
+        lock = file_lock(path)
+        lock.__enter__()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
 class VectorCache:
     """Vectors by key (item id + text hash), persisted in one directory as
     index.json (key -> rows) + a float16 .npy. Every file is replaced
@@ -6911,13 +6966,15 @@ class VectorCache:
         if self.dir is None or not (self.dir / "index.json").exists():
             return
         try:                             # (open_regular: a FIFO there must not block)
-            meta = json.loads(read_regular(self.dir / "index.json", VECTOR_INDEX_BYTES))
-            if meta.get("model") != MODEL_ID or meta.get("dim") != EMBED_DIM:
-                raise ValueError(f"made by another model ({meta.get('model')})")
-            name = str(meta["file"])
-            if "/" in name or not name.startswith("vectors-"):
-                raise ValueError(f"bad file name {name!r}")
-            with open(self.dir / name, "rb", opener=open_regular) as f:
+            with locked_if_possible(self.dir / "index.json"):   # a save replaces both
+                meta = json.loads(read_regular(self.dir / "index.json", VECTOR_INDEX_BYTES))
+                if meta.get("model") != MODEL_ID or meta.get("dim") != EMBED_DIM:
+                    raise ValueError(f"made by another model ({meta.get('model')})")
+                name = str(meta["file"])
+                if "/" in name or not name.startswith("vectors-"):
+                    raise ValueError(f"bad file name {name!r}")
+                f = open(self.dir / name, "rb", opener=open_regular)   # (open: kept)
+            with f:
                 mat = np.load(f, allow_pickle=False)
             if mat.ndim != 2 or mat.shape[1] != EMBED_DIM or mat.dtype.kind != "f":
                 raise ValueError(f"matrix of {mat.dtype} in shape {mat.shape}")
@@ -8983,18 +9040,20 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
                     now: str) -> Item:
     """The survivor carrying its duplicates' recall credits, endorsements,
     verifications, projects and provenance (`merged_from`); a member already
-    merged (a rerun after a partial failure) is not counted twice."""
+    merged (a rerun after a partial failure, or while a pull request waits)
+    is not counted twice: its credits are not, and what it gained since (an
+    endorsement, a verification) is carried (a rerun dropped it)."""
     prior = survivor.extra.get("merged_from")        # an unknown key: any JSON (hand edits)
     prior = prior if isinstance(prior, list) else [] if prior is None else [prior]
     done = {m.get("id") for m in prior if isinstance(m, dict) and isinstance(m.get("id"), str)}
     fresh = [(m, t) for m, t in members if m.id not in done]
-    if not fresh:
+    if not members:
         return survivor
     ends = {e.get("by"): e for e in trust.get("endorsements") or [] if isinstance(e, dict)}
     recalled = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
-    recalls = merged_recalls([trust, *(t for _, t in fresh)])
-    for m, t in fresh:
+    recalls = merged_recalls([trust, *(t for _, t in fresh)])   # (credits: once only)
+    for m, t in members:          # a member merged before brings what it gained since
         for e in t.get("endorsements") or []:
             if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
                                                                    .get("at", "")):
@@ -9004,20 +9063,21 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         projects += [p for p in t.get("projects") or [] if p not in projects]
     origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
                 "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
-    top = max((m for m, _ in fresh), key=lambda m: m.authority_rank)
+    top = max((m for m, _ in members), key=lambda m: m.authority_rank)
     checks = list(survivor.verifications or [])
-    for m, _ in fresh:
+    for m, _ in members:
         checks += [v for v in m.verifications or [] if v not in checks]
-    stamps = [v for v in (survivor.last_verified, *(m.last_verified for m, _ in fresh))
+    stamps = [v for v in (survivor.last_verified, *(m.last_verified for m, _ in members))
               if isinstance(v, str)]                  # ("soon" never beats a time)
-    return dataclasses.replace(
-        survivor, updated_at=now, authority=raised(survivor, AUTHORITIES[top.authority_rank]),
+    merged = dataclasses.replace(
+        survivor, authority=raised(survivor, AUTHORITIES[top.authority_rank]),
         verifications=checks or survivor.verifications,
         last_verified=latest_stamp(*stamps) if stamps else survivor.last_verified,
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior
                + origins}, **merged_pointers(survivor, [m for m, _ in fresh]))
+    return survivor if merged == survivor else dataclasses.replace(merged, updated_at=now)
 
 
 def publishable_notes(it: Item) -> Item:
@@ -9715,6 +9775,8 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
     changed nothing but the branch exists (a retry). The only caller of open_pr.
     ensure_files: org also writes when only KNOWLEDGE.md is stale."""
     st = store(cfg, scope)
+    if pr_branch in map(pr_branch_name, SHARED_PR_TOPICS):
+        drop_declined(cfg, st, pr_branch)
     write = st.mutate(fn, f"cambium: {message}", branch=pr_branch, ensure_files=ensure_files)
     if pr_branch and write.branch == pr_branch and (
             write.commit or (ensure_pr and st.proposes(pr_branch))):   # (a merged one: no PR)
@@ -9727,6 +9789,19 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
                             f"same call again{', or review_promotions(),' if shared else ''} "
                             "opens its pull request from there") from None
     return write
+
+
+def drop_declined(cfg: Config, st: GitStore, branch: str) -> None:
+    """Before a write to a shared PR branch: when its last pull request was
+    closed without merging at the branch's tip, delete the branch, so the write
+    starts from org's tip (it built on the declined change, and the next pull
+    request proposed it again). When gh cannot say, the write goes on as before."""
+    with contextlib.suppress(GitError):
+        if open_pr_url(cfg, st, branch):
+            return
+        last = last_pr_of(cfg, st, branch)
+        if last and last.state == "CLOSED":
+            st.drop_side_branch(branch, at=last.oid)
 
 
 def _gh_env() -> dict:
@@ -10061,7 +10136,30 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]
             moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
                          message="settle merged org PRs")
             settled += sorted(it.id for it in moved.landed)
-    return settled
+    return settled + settle_unmarked(cfg, docs)
+
+
+def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
+    """Active copies below of items org's tip holds that wait on no pull
+    request: a PR-mode promote killed after gh opened its pull request (or gh
+    timing out after GitHub made it) never marked its copy, and after the
+    merge the item stayed active in org and below for good. Each finishes its
+    move as promote() would (_finish_held_move in PR mode). Returns ids."""
+    try:                                  # org as just read, else as last fetched
+        org_doc = docs.get("org") or store(cfg, "org").peek()
+    except CambiumError:
+        return []
+    held = {it.id for it in org_doc.items}
+    done: list[str] = []
+    for scope in ("local", "team"):
+        for it in docs.get(scope, Doc(items=[])).items:
+            if it.id in held and it.active and not it.pr_url:
+                out = _finish_held_move(cfg, scope, it, restated=False) if cfg.org_pr else \
+                    _org_promoted(cfg, move(cfg, [it], scope, "org", gate=_awaiting_merge,
+                                            copy=lambda x: x, message="finish a move cut "
+                                            "short"), scope, None, {}, restated=False)
+                done += [it.id] if out.get("status") == "already_promoted" else []
+    return done
 
 
 PR_UNDONE = {"CLOSED": "closed without merging",
@@ -10353,13 +10451,15 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
     """Whether an item is vouched for (pure), as issue 11 reads trust: a
     person's or another agent's word (authority), an endorsement (a
     deliberate act, its author's too), a recall by an agent other than its
-    author, use in a second project, a verification in the last 90 days. Its
+    author, use in a second project, a verify_entry in the last 90 days (not
+    the stamp a promotion leaves: promote --force is nobody's word). Its
     author recalling it once put it among the most trusted."""
-    verified = _parse_ts(item.last_verified)
-    return bool(item.authority_rank or trust.get("endorsements")
+    recent = [v for v in item.verifications or [] if isinstance(v, dict)
+              and (at := _parse_ts(v.get("at"))) is not None
+              and (now - at).days <= RECENTLY_VERIFIED_DAYS]
+    return bool(item.authority_rank or trust.get("endorsements") or recent
                 or set(trust.get("recalled_by") or {}) - {item.created_by}
-                or len(trust.get("projects") or []) > 1
-                or (verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS))
+                or len(trust.get("projects") or []) > 1)
 
 
 def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
@@ -11642,13 +11742,15 @@ def _rebound(before: Config, after: Config) -> list[str]:
 def _write_config(path: Path, updates: dict[str, Any]) -> None:
     """Merge updates into the config file, owner-only, under its lock (two setups
     at once keep both's settings); an unreadable one is moved aside, never over
-    an earlier one. A link is written through: a dotfiles manager's link stays."""
+    an earlier one. A link is written through: a dotfiles manager's link stays
+    (its lock stays beside the link, not in the dotfiles)."""
+    lock = path
     if path.is_symlink():
         path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         os.chmod(path.parent, 0o700)
-    with file_lock(path):
+    with file_lock(lock):
         current: dict = {}
         if os.path.lexists(path):
             try:
@@ -13172,19 +13274,20 @@ IMPORT_LISTED = 20          #: an import answer lists this many new items; id_ma
 
 
 def _restorable_layout(p: Path) -> None:
-    """Refuse a set-aside file over MAX_IMPORT_BYTES that is not in the store's
-    line layout: any other layout is read whole (a 400 MB file of one line took
-    1.25 GB of memory before it was found not to be JSON)."""
+    """Refuse a set-aside file over MAX_IMPORT_BYTES whose first line has no
+    end within MAX_FIRST_LINE_CHARS: one line is read whole (a 400 MB file of
+    one line took 1.25 GB of memory before it was found not to be JSON). A
+    store or quarantine file, one item per line, is taken at any size."""
     if p.stat().st_size <= MAX_IMPORT_BYTES:
         return
-    with open(p, "rb", opener=open_regular) as f:       # (a meta line of watermarks can
-        head = [f.readline(MAX_FIRST_LINE_CHARS) for _ in range(3)]    # be megabytes)
-    if all(ln.endswith(b"\n") for ln in head) and _head_of(head) is not None:
+    with open(p, "rb", opener=open_regular) as f:
+        first = f.readline(MAX_FIRST_LINE_CHARS)
+    if first.endswith(b"\n"):
         return
-    raise InputError(f"{p} is {p.stat().st_size // 2**20} MB and not in cambium's "
-                     f"one-item-per-line layout, which restore reads whole only up to "
-                     f"{_size_text(MAX_IMPORT_BYTES)}: split it, or put it in that layout by "
-                     "hand, and run restore again.", "path")
+    raise InputError(f"{p} is {p.stat().st_size // 2**20} MB and its first line is over "
+                     f"{_size_text(MAX_FIRST_LINE_CHARS)}: it is not one item per line, and "
+                     "restore would read it whole. Split it into lines (one item each) and "
+                     "run restore again.", "path")
 
 
 def restore(path: Annotated[str, Field(

@@ -4498,8 +4498,8 @@ def test_pr_mode_news_of_an_item_org_holds_go_up_through_the_updates_pr(shared, 
     data["items"].append(there)
     path.write_text(json.dumps(data))
     monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
-    out = cs.promote(item, to_scope="org")
-    assert out["status"] == "pr_opened" and out["branch"] == "cambium/updates"
+    out = cs.promote(item, to_scope="org")       # (its settling opened the PR: pending)
+    assert out["status"] == "pr_pending" and "/pull/" in out["pr_url"]
     assert git(shared["org_bare"], "rev-parse", "main") == org_main      # main untouched
     (held,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
     assert {e["by"]: e["note"] for e in held["trust"]["endorsements"]}["bob"] == ""
@@ -4553,6 +4553,73 @@ def test_restore_takes_a_huge_store_in_its_own_layout_whatever_its_meta(repo, tm
                                                     "content": "kept"}) + "\n]}\n")
     assert path.stat().st_size > cs.MAX_IMPORT_BYTES
     assert cs.restore(str(path))["restored"] == 1
+
+
+def test_a_consolidate_cut_short_keeps_what_its_duplicate_gained_before_the_rerun(
+        shared, monkeypatch):
+    """The survivor's merged copy landed in team, the local supersede did not
+    (a crash); a teammate endorsed the local duplicate; the rerun superseded it
+    and the endorsement stayed on the superseded copy only."""
+    survivor = _endorsed("Every service exposes a health endpoint at /healthz")
+    cs.promote(survivor)
+    dup = cs.capture("Every service exposes a health endpoint at /healthz.")["item"]["id"]
+    real = cs.mutate
+
+    def crash_below(cfg, scope, fn, message, **kw):
+        if scope == "local" and "consolidates" in message:
+            raise cs.GitError(["kill", "-9"], None, "killed")
+        return real(cfg, scope, fn, message, **kw)
+
+    monkeypatch.setattr(cs, "mutate", crash_below)
+    with pytest.raises(cs.GitError):
+        cs.consolidate(apply=True)
+    monkeypatch.setattr(cs, "mutate", real)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "carol")
+    cs.endorse(dup, note="verified in staging")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.consolidate(apply=True)["superseded"] == [dup]
+    (kept,) = [i for i in remote_json(shared["origin"], "cambium")["items"]
+               if i["id"] == survivor]
+    assert {e["by"]: e["note"] for e in kept["trust"]["endorsements"]}["carol"] == \
+        "verified in staging"
+
+
+def test_pr_mode_a_write_after_a_declined_shared_pr_starts_from_orgs_tip(
+        shared, monkeypatch, tmp_path):
+    """A write to cambium/updates before anyone ran review built on the
+    declined correction, and the next pull request proposed it again."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    a, b = _endorsed("Retry idempotent calls"), _endorsed("Pin base images by digest")
+    for item in (a, b):
+        cs.promote(item, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    url = cs.correct(a, "Retry idempotent calls at most five times", "lead", force=True)["pr_url"]
+    set_pr_state(tmp_path, url, "CLOSED")                      # declined; no review since
+    cs.verify_entry(b, note="still holds")
+    branch = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert not any(i.get("corrects") == a for i in branch)
+
+
+def test_an_unmarked_copy_of_an_item_org_holds_is_settled_by_review(shared, monkeypatch,
+                                                                     tmp_path):
+    """A PR-mode promote killed once gh had opened its pull request never
+    marked the copy below: after the merge, the item stayed active in org and
+    below for good, and review offered it for team."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = cs.capture("Feature flags get an owner and an expiry date")["item"]["id"]
+    cs.endorse(item, note="everywhere")
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    path = _store_path(shared["a"])                             # the mark never written
+    data = json.loads(path.read_text())
+    for it in data["items"]:
+        it.pop("pr_url", None)
+    path.write_text(json.dumps(data))
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    set_pr_state(tmp_path, url, "MERGED")
+    review = cs.review_promotions()
+    assert item in review["settled_org_prs"] and review["team_eligible"] == []
+    assert item not in {i["id"] for i in local_items(shared["a"])}
 
 
 def test_pr_mode_consolidate_rerun_after_the_merge_folds_the_lower_duplicate(
@@ -5995,7 +6062,7 @@ def test_restore_skips_ids_no_tool_takes_and_refuses_a_huge_file_of_another_layo
     huge = tmp_path / "knowledge.json.corrupt-y"
     with open(huge, "wb") as f:
         f.truncate(cs.MAX_IMPORT_BYTES + 1)              # sparse: no disk, one "line" of NULs
-    with pytest.raises(cs.InputError, match="not in cambium's one-item-per-line layout"):
+    with pytest.raises(cs.InputError, match="its first line is over 32 MB"):
         cs.restore(str(huge))
 
 
