@@ -8049,6 +8049,31 @@ def test_a_stdio_client_that_closes_our_stdout_ends_the_session_quietly(repo):
     assert b"Traceback" not in proc.stderr.read()
 
 
+def test_lexical_recall_keeps_an_item_with_every_word_past_the_limit_cut(repo):
+    """Ten short notes holding the common word outranked a long ADR holding
+    every word of the query: cut at the limit, recall said nothing was known."""
+    for n in range(10):
+        cs.capture(f"ledger note {n}", tags="ledger")
+    adr = cs.capture("ADR: the ledger service " + "records balances and journals " * 12 +
+                     "and every call to it uses retry with backoff")["item"]["id"]
+    got = cs.recall("ledger retry")
+    assert [r["id"] for r in got["results"]] == [adr] and got["results"][0]["relevance"] == 0.5
+
+
+def test_a_scope_never_fetched_behind_a_dead_remote_stays_an_error(repo, tmp_path):
+    """After one failed fetch no other was due for the fetch interval, and a
+    recall of that scope read it as empty: 'treat the topic as unknown'."""
+    git(repo, "remote", "add", "origin", str(tmp_path / "gone.git"))
+    for _ in range(2):
+        with pytest.raises(cs.GitError):
+            cs.recall("anything", scope="team")
+
+
+def test_a_line_break_control_in_text_is_a_space_not_glue(repo):
+    item = cs.capture("rotate the key\x85quarterly\x0bor\x0cwhen leaked")["item"]
+    assert item["content"] == "rotate the key quarterly or when leaked"
+
+
 def test_mcp_lines_the_sdk_cannot_parse_get_an_error_and_the_server_keeps_serving(repo):
     """The SDK's parser drops a line it rejects without answering it, and takes
     `"id": 1.5` for a notification: the client waited forever. Each now gets a
