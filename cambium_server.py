@@ -10136,7 +10136,7 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]
             moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
                          message="settle merged org PRs")
             settled += sorted(it.id for it in moved.landed)
-    return settled + settle_unmarked(cfg, docs)
+    return settled + (settle_unmarked(cfg, docs) if cfg.org_pr else [])
 
 
 def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
@@ -10144,7 +10144,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
     request: a PR-mode promote killed after gh opened its pull request (or gh
     timing out after GitHub made it) never marked its copy, and after the
     merge the item stayed active in org and below for good. Each finishes its
-    move as promote() would (_finish_held_move in PR mode). Returns ids."""
+    move as promote() would (_finish_held_move). Direct mode leaves such a
+    copy to the next promote, which a move's mark or locate() leads to."""
     try:                                  # org as just read, else as last fetched
         org_doc = docs.get("org") or store(cfg, "org").peek()
     except CambiumError:
@@ -10154,10 +10155,7 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
             if it.id in held and it.active and not it.pr_url:
-                out = _finish_held_move(cfg, scope, it, restated=False) if cfg.org_pr else \
-                    _org_promoted(cfg, move(cfg, [it], scope, "org", gate=_awaiting_merge,
-                                            copy=lambda x: x, message="finish a move cut "
-                                            "short"), scope, None, {}, restated=False)
+                out = _finish_held_move(cfg, scope, it, restated=False)
                 done += [it.id] if out.get("status") == "already_promoted" else []
     return done
 
