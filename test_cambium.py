@@ -4445,6 +4445,17 @@ def _remote_branches(bare: Path) -> set:
     return set(out.split())
 
 
+def _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared) -> tuple[Path, str, str]:
+    """Two items promoted to org directly, then PR mode on: (gh log, a, b)."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    a, b = _endorsed("Retry idempotent calls"), _endorsed("Pin base images by digest")
+    for item in (a, b):
+        cs.promote(item, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    return log, a, b
+
+
 def _merge_on_org(shared, tmp_path: Path, branch: str, how: str = "merge") -> Path:
     """A reviewer merges (or reverts the last commit of) org's main, as GitHub
     would; GitHub keeps a merged branch by default."""
@@ -4513,12 +4524,7 @@ def test_review_opens_no_pr_for_a_squash_merged_shared_branch(shared, monkeypatc
     """proposes() compared whole trees: once org moved on after a squash merge
     of cambium/updates, the merged branch read as new, and review opened a PR
     undoing what came after."""
-    log = _pr_mode(monkeypatch, tmp_path, shared)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
-    a, b = _endorsed("Retry idempotent calls"), _endorsed("Pin base images by digest")
-    for item in (a, b):
-        cs.promote(item, to_scope="org", force=True)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    log, a, b = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
     url = cs.verify_entry(a, note="still holds")["pr_url"]
     merger = clone(shared["org_bare"], tmp_path / "squasher")
     git(merger, "merge", "-q", "--squash", "origin/cambium/updates")
@@ -4588,12 +4594,7 @@ def test_pr_mode_a_write_after_a_declined_shared_pr_starts_from_orgs_tip(
         shared, monkeypatch, tmp_path):
     """A write to cambium/updates before anyone ran review built on the
     declined correction, and the next pull request proposed it again."""
-    _pr_mode(monkeypatch, tmp_path, shared)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
-    a, b = _endorsed("Retry idempotent calls"), _endorsed("Pin base images by digest")
-    for item in (a, b):
-        cs.promote(item, to_scope="org", force=True)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    _, a, b = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
     url = cs.correct(a, "Retry idempotent calls at most five times", "lead", force=True)["pr_url"]
     set_pr_state(tmp_path, url, "CLOSED")                      # declined; no review since
     cs.verify_entry(b, note="still holds")
@@ -4648,12 +4649,7 @@ def test_pr_mode_a_declined_shared_pr_is_withdrawn_and_a_stranded_one_opened(
     """A closed cambium/updates PR was never withdrawn: the declined correction
     rode along in the next change's PR, and its item could not be changed. A
     correction whose gh failed sat on its branch with no PR, review blind to it."""
-    log = _pr_mode(monkeypatch, tmp_path, shared)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
-    a, b = _endorsed("Retry idempotent calls"), _endorsed("Pin base images by digest")
-    for item in (a, b):
-        cs.promote(item, to_scope="org", force=True)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    log, a, b = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
     url = cs.correct(a, "Retry idempotent calls at most five times", "the lead", force=True
                      )["pr_url"]
     set_pr_state(tmp_path, url, "CLOSED")                     # declined
