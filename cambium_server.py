@@ -1048,8 +1048,8 @@ def _one_code_ref(ref: Any) -> dict:
         ref = {"path": path, "symbol": symbol or None}
     if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
         raise InputError(f"code_refs entries are {{path, symbol?}} objects; got {ref!r:.60}.")
-    if odd := [k for k in ref if k not in ("path", "symbol")]:   # a misspelt symbol was
-        near = difflib.get_close_matches(str(odd[0]), ["path", "symbol"], 1)  # dropped unseen
+    if odd := [k for k in ref if k not in ("path", "symbol")]:   # (a misspelt symbol was
+        near = difflib.get_close_matches(str(odd[0]), ["path", "symbol"], 1)  # dropped)
         raise InputError(f"code_refs entries take path and symbol; got {str(odd[0])!r:.40}"
                          + (f" (did you mean {near[0]!r}?)." if near else "."))
     path = ref["path"].strip().replace("\\", "/")
@@ -3859,9 +3859,11 @@ class GitStore(Store):
                     state.tip = tip
         with state.lock:
             last = max(state.fetched_at, stamp)       # (another process fetched)
-            unread = state.fetch_error is not None and self.local_tip() is None  # (tried
+            # never fetched, and the last fetch failed: try again (and raise), so an
+            # unreachable scope never reads as an empty one
+            unread = state.fetch_error is not None and self.local_tip() is None
             due = damaged or force or fresh or unread or \
-                time.time() - last >= self.fetch_interval_s    # again: never an empty scope)
+                time.time() - last >= self.fetch_interval_s
             if due and failed is not None:
                 due = False
                 self._warnings.append(f"{self.scope} scope may be behind: {failed}")
@@ -4627,8 +4629,8 @@ def claim_key(agent: str, claim: dict) -> str:
         stamp = "h" + hashlib.sha256(utf8("\0".join(
             _str(claim.get(k)) for k in ("task", "branch", "status", "note")
         ))).hexdigest()[:16]
-    return bounded_key(f"agentsync:{_key_part(agent)}:{stamp}")   # (agent "a:b", stamp "b:X"
-                                                                   # quoted)
+    # (agent "a:b" and stamp "b:X" quoted by _key_part)
+    return bounded_key(f"agentsync:{_key_part(agent)}:{stamp}")
 
 
 def is_capture_worthy(claim: dict) -> bool:
@@ -9949,8 +9951,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         joined.clear()
         joined.update(it.id for it in below if it.id in above)
         made.update((it.id, it) for it in below if it.id in above)
-        news = {i: publishable_notes(new) if dst == "org" else new   # (the org gate's
-                for i in joined if (new := carried_over(above[i], made[i]))}   # notes too)
+        news = {i: publishable_notes(new) if dst == "org" else new   # (org: notes gated)
+                for i in joined if (new := carried_over(above[i], made[i]))}
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
@@ -11222,9 +11224,11 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
             s = at.get(g.survivor.id)
             here = g.survivor.scope == scope and s is not None and items[s].active
             if here:                          # a member here is merged as it stands now
+                # members of this scope it no longer holds active (one folded into
+                # this survivor by an earlier run is no such member)
                 gone = {m.id for m, _, _ in g.members if m.scope == scope and not (
-                    m.id in at and (items[at[m.id]].active or     # (or folded into it
-                                    _superseded_by(items[at[m.id]]) == g.survivor.id))}  # before)
+                    m.id in at and (items[at[m.id]].active or
+                                    _superseded_by(items[at[m.id]]) == g.survivor.id))}
                 late.update(gone)
                 merged = merged_survivor(items[s], items[s].trust, [
                     (items[at[m.id]], items[at[m.id]].trust) if m.scope == scope
@@ -12611,8 +12615,8 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
                         "or review_promotions finishes the move."}
     if declined:                                  # judged again as it stands now
         scope, item = locate(cfg, item_id)
-    if cfg.org_pr and org_holds(cfg, item_id):    # org has it by another way (a revert
-        return _finish_held_move(cfg, scope, item, restated=any(restate.values()))  # undone)
+    if cfg.org_pr and org_holds(cfg, item_id):    # by another way: a revert undone
+        return _finish_held_move(cfg, scope, item, restated=any(restate.values()))
 
     def gate(it: Item) -> Verdict:
         return org_verdict(it, **restate, force=force)
@@ -12680,8 +12684,8 @@ def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, ext
                 "note": f"the {scope} copy stays until the PR merges",
                 **({"warnings": hand} if hand else {})}
     (there,) = as_landed(cfg, "org", moved)
-    if there.id in moved.joined or moved.write.commit is None:   # (None: a peer's promote
-        note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")  # landed first)
+    if there.id in moved.joined or moved.write.commit is None:   # (a peer's landed first)
+        note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")
         if restated:
             note += "; its text stays as org has it: restate it with generalize()"
         return answer_of({"status": "already_promoted", "scope": "org",
