@@ -6935,16 +6935,10 @@ def locked_if_possible(path: Path) -> Iterator[None]:
     read-only directory): a cache load read index.json, and another process's
     save removed the .npy it named before the load opened it, so the whole
     cache was thrown away."""
-    try:
-        lock = file_lock(path)
-        lock.__enter__()
-    except OSError:
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(OSError):
+            stack.enter_context(file_lock(path))
         yield
-        return
-    try:
-        yield
-    finally:
-        lock.__exit__(None, None, None)
 
 
 class VectorCache:
@@ -10113,10 +10107,11 @@ def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None
         return [], [f"merged org PRs not settled now: {e}"]
 
 
-def org_holds(cfg: Config, item_id: str) -> bool:
-    """Whether org's tip, fetched now, holds the id (retired or not)."""
+def org_copy(cfg: Config, item_id: str) -> Item | None:
+    """The copy org's tip, fetched now, holds of the id (retired or not), or None."""
     org = store(cfg, "org")
-    return any(it.id == item_id for it in org.doc_at(org.fetch(fresh=True)).items)
+    return next((it for it in org.doc_at(org.fetch(fresh=True)).items if it.id == item_id),
+                None)
 
 
 def _awaiting_merge(item: Item) -> Verdict:
@@ -10152,12 +10147,12 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
         org_doc = docs.get("org") or store(cfg, "org").peek()
     except CambiumError:
         return []
-    held = {it.id for it in org_doc.items}
+    held = {it.id: it for it in first_copies(org_doc.items)}
     done: list[str] = []
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
             if it.id in held and it.active and not it.pr_url:
-                out = _finish_held_move(cfg, scope, it, restated=False)
+                out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
                 done += [it.id] if out.get("status") == "already_promoted" else []
     return done
 
@@ -10181,7 +10176,7 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
     undone (still open, or org holds the item after all: settle_org_prs's)."""
     url, what = item.pr_url, state.state
     org = store(cfg, "org")
-    if what not in PR_UNDONE or (what == "MERGED" and org_holds(cfg, item.id)):
+    if what not in PR_UNDONE or (what == "MERGED" and org_copy(cfg, item.id) is not None):
         return None
     if state.head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
         org.drop_side_branch(state.head, at=state.oid)
@@ -12615,8 +12610,8 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
                         "or review_promotions finishes the move."}
     if declined:                                  # judged again as it stands now
         scope, item = locate(cfg, item_id)
-    if cfg.org_pr and org_holds(cfg, item_id):    # by another way: a revert undone
-        return _finish_held_move(cfg, scope, item, restated=any(restate.values()))
+    if cfg.org_pr and (there := org_copy(cfg, item_id)) is not None:   # (a revert undone)
+        return _finish_held_move(cfg, scope, item, there, restated=any(restate.values()))
 
     def gate(it: Item) -> Verdict:
         return org_verdict(it, **restate, force=force)
@@ -12653,23 +12648,22 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
                          restated=any(restate.values()))
 
 
-def _finish_held_move(cfg: Config, scope: str, item: Item, *, restated: bool) -> dict:
+def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *,
+                      restated: bool) -> dict:
     """PR mode, an item org's tip holds already (a revert undone, a merge into
     another branch reaching main): the copy below leaves, its news (a
     teammate's endorsement, a verification) going up through the
     `cambium/updates` pull request, where it waits until that merges; with no
-    news, it leaves now. Nothing is pushed to org's own branch."""
-    org = store(cfg, "org")
-    there = next((it for it in org.doc_at(org.fetch(fresh=True)).items if it.id == item.id),
-                 None)
+    news, it leaves now. Nothing is pushed to org's own branch. `there`: org's
+    copy, as the caller just fetched it."""
     news = there is not None and carried_over(there, item) is not None
+    branch = pr_branch(cfg, "org", "updates") if news else None
     moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
-                 pr_branch=pr_branch(cfg, "org", "updates") if news else None,
-                 pr_body=PR_BODY, message=f"{cfg.agent} finishes the move of {item.id} to org")
+                 pr_branch=branch, pr_body=PR_BODY,
+                 message=f"{cfg.agent} finishes the move of {item.id} to org")
     if not moved.landed:
         raise NotFound(f"item {item.id} left org while its move was finished; recall shows "
                        "where it is now.")
-    branch = pr_branch(cfg, "org", "updates") if news else None
     return _org_promoted(cfg, moved, scope, branch, {}, restated=restated)
 
 
