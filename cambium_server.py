@@ -3137,7 +3137,7 @@ def _stray_tag(entry: os.DirEntry) -> str | None:
     return ODD_TAG
 
 
-def set_aside_links(local_dir: Path, config_file: Path | None = None) -> None:
+def set_aside_links(local_dir: Path, config_file: Path) -> None:
     """Delete what a killed rewrite left (leftover_tmp), and move every
     symbolic link in `local_dir` (and its subdirectories) aside as
     `<name>.symlink-<time>`: the link itself, never its target. cambium writes
@@ -3169,10 +3169,10 @@ def set_aside_links(local_dir: Path, config_file: Path | None = None) -> None:
                     os.rename(e.path, f"{e.path}{tag}{_stamp()}")
 
 
-def _config_names(local_dir: Path, config_file: Path | None) -> frozenset[str]:
+def _config_names(local_dir: Path, config_file: Path) -> frozenset[str]:
     """The names of the user's config file and its lock when they live in
     `local_dir` (a project at HOME), else none."""
-    if config_file is None or not config_file.is_absolute():
+    if not config_file.is_absolute():
         return frozenset()
     with contextlib.suppress(OSError):
         if os.path.samefile(config_file.parent, local_dir):
@@ -4282,13 +4282,14 @@ class GitStore(Store):
             return self.doc_at(side_tip), side_tip, None
         return merged, tip, side_tip
 
-    def proposes(self, branch: str) -> bool:
+    def proposes(self, branch: str, side: str | None = None) -> bool:
         """Whether side branch `branch` holds a change the scope's tip lacks:
         not merged into it (a merge leaves the branch an ancestor of the tip,
         and GitHub keeps a merged branch by default) nor squashed into it (what
         it changed since it parted from the tip is in the tip: its store merged
-        three ways reads as the tip's, its other files as the tip's)."""
-        side, tip = self._remote_branch_tip(branch), self.local_tip()
+        three ways reads as the tip's, its other files as the tip's). side: the
+        branch's tip when the caller has just fetched it."""
+        side, tip = side or self._remote_branch_tip(branch), self.local_tip()
         if side is None or tip is None:
             return side is not None
         if self._holds(tip, side):
@@ -4297,8 +4298,9 @@ class GitStore(Store):
         changed = self.git("diff", "--name-only", fork, side).stdout.split() if fork else \
             self.git("ls-tree", "--name-only", side).stdout.split()
         if STORE_FILE in changed:            # its change already in the tip: merged so
-            merged = merged_docs(self.doc_at(fork), self.doc_at(tip), self.doc_at(side))
-            if merged is None or merged.items != self.doc_at(tip).items:
+            at_tip = self.doc_at(tip)
+            merged = merged_docs(self.doc_at(fork), at_tip, self.doc_at(side))
+            if merged is None or merged.items != at_tip.items:
                 return True
         return any(self.file_at(side, n) != self.file_at(tip, n)
                    for n in changed if n != STORE_FILE)
@@ -4320,10 +4322,11 @@ class GitStore(Store):
         side = self._remote_branch_tip(branch)
         if tip is None or side is None:
             return None
+        if self._holds(tip, side):      # (merged: the tip holds the branch)
+            return None
         doc, parent, merge = self._side_base(tip, side)
-        if merge is None or self._holds(tip, side):   # (merged: the tip holds the branch)
-            return None     # (caught up even when the tip already says all it does: it
-                            # would conflict, as a later direct endorsement by its author)
+        if merge is None:   # (caught up even when the tip already says all it does: it
+            return None     # would conflict, as a later direct endorsement by its author)
         files = {STORE_FILE: render_store(doc), **self._rendered(doc, parent)}
         commit = self._commit(parent, files, f"cambium: catch {branch} up with "
                               f"{self.remote}/{self.branch}", merge=merge)
@@ -4373,8 +4376,8 @@ class GitStore(Store):
         doc, base, merge = self._side_base(tip, side_tip) if side else \
             (self.doc_at(tip), tip, None)
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
-        if self.own_branch and tip and not doc.items and (names := self._foreign_files(tip)):
-            raise ConfigError(self._not_ours(names))
+        if problem := self.foreign_problem(tip, doc):
+            raise ConfigError(problem)
         if self.default_branch and tip is None and not side:
             self._refuse_a_moved_default()
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
@@ -4407,6 +4410,13 @@ class GitStore(Store):
             with self._state.lock:
                 self._state.pushed = commit
         return Write(doc=new, commit=commit, branch=target)
+
+    def foreign_problem(self, tip: str | None, doc: Doc) -> str | None:
+        """Why this scope's branch is not cambium's to write (_not_ours), or
+        None: a tip holding other files and no items."""
+        if self.own_branch and tip and not doc.items and (names := self._foreign_files(tip)):
+            return self._not_ours(names)
+        return None
 
     def _foreign_files(self, commit: str) -> list[str]:
         """The root entries of a commit without the store file at its root (a
@@ -6158,19 +6168,19 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     terms = list(dict.fromkeys(tokenize(query)))
     if not terms or index.live == 0:
         return Ranking([], 0.0, unknown=unknown_names(index, query))
-    slots = index.items
+    slots, unknown = index.items, unknown_names(index, query)
     scores = bm25_top(index, terms, limit)
     top = top_slots(scores, slots, limit)
     hits = lexical_hits(index, terms, [(slots[i], scores[i]) for i in top])
-    ranking = ranking_of(hits, terms, index, unknown=unknown_names(index, query))
-    if len(ranking.hits) >= limit:
+    ranking = ranking_of(hits, terms, index, unknown=unknown)
+    if len(ranking.hits) >= limit or not (every := every_term_slots(index, terms, set(top),
+                                                                     limit)):
         return ranking
     plan, norms = query_terms(index, terms), index.norms_now()
-    more = {i: _exact_score(plan, norms, i) for i in every_term_slots(index, terms, set(top),
-                                                                      limit)}
+    more = {i: _exact_score(plan, norms, i) for i in every}
     hits += lexical_hits(index, terms, [(slots[i], more[i]) for i in top_slots(more, slots,
                                                                                  limit)])
-    return ranking_of(hits, terms, index, unknown=unknown_names(index, query))
+    return ranking_of(hits, terms, index, unknown=unknown)
 
 
 def lexical_hits(index: Index, terms: list[str], best: list[tuple[Any, float]]) -> list[Hit]:
@@ -6186,18 +6196,13 @@ def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
     hold every word of the query (holds_every_term), by id: such an item is
     at the floor at least, but a long one ranked below `limit` short items
     holding only the common word, and recall said nothing was known. Their
-    postings intersected, rarest first."""
-    lists = sorted((index.postings.get(t, ((),))[0] for t in terms), key=len)
-    if not lists or not lists[0]:
-        return []
-    common = set(lists[0])
-    for slots in lists[1:]:
-        common &= set(slots)
-        if not common:
-            return []
+    rarest list walked, each slot looked up in the others (_posted)."""
+    rarest, *others = sorted((index.postings.get(t, ((),))[0] for t in terms), key=len)
     items = index.items                 # (by id: the same whatever the index's history)
-    live = [(it.id, i, it) for i in common - taken if (it := items[i]) is not None]
-    return [i for _, i, it in sorted(live) if holds_every_term(it, terms)][:limit]
+    live = [(it.id, i, it) for i in rarest if i not in taken and all(
+        _posted(o, i) for o in others) and (it := items[i]) is not None]
+    return list(itertools.islice((i for _, i, it in sorted(live)
+                                  if holds_every_term(it, terms)), limit))
 
 
 # =============================================================================
@@ -9935,6 +9940,9 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     made: dict[str, Item] = {}      # id -> the source version its copy was made from
     joined: set[str] = set()        # ids dst held already: the source's news added to them
 
+    def gated(it: Item) -> Item:    # what lands in org: its endorsement notes gated
+        return publishable_notes(it) if dst == "org" else it
+
     def plan(doc: Doc) -> MovePlan:
         above = {it.id: it for it in first_copies(doc.items) if it.id in ids}
         below = [it for it in first_copies(store(cfg, src).read().items) if it.id in ids]
@@ -9945,8 +9953,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         joined.clear()
         joined.update(it.id for it in below if it.id in above)
         made.update((it.id, it) for it in below if it.id in above)
-        news = {i: publishable_notes(new) if dst == "org" else new   # (org: notes gated)
-                for i in joined if (new := carried_over(above[i], made[i]))}
+        news = {i: gated(new) for i in joined if (new := carried_over(above[i], made[i]))}
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
@@ -9967,8 +9974,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held or marking:
         def lift(source: Item, there: Item) -> Item:     # the dst copy with source's change
-            new = carried_over(there, source) or there if source.id in joined else copy(source)
-            return publishable_notes(new) if dst == "org" else new
+            return gated(carried_over(there, source) or there if source.id in joined
+                         else copy(source))
 
         kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
@@ -10102,7 +10109,7 @@ def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None
     when a scope below cannot be written now (a team remote down failed every
     promote and review)."""
     try:
-        return (settle_org_prs(cfg, docs) if cfg.org_repo else []), []
+        return settle_org_prs(cfg, docs), []
     except CambiumError as e:
         return [], [f"merged org PRs not settled now: {e}"]
 
@@ -10291,14 +10298,14 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
             if org.catch_up_side(branch):
                 out.caught_up.append(branch)
             return
-        last = last_pr_of(cfg, org, branch)
-        if last and last.state == "MERGED" and org._remote_branch_tip(branch) == last.oid:
+        last, side = last_pr_of(cfg, org, branch), org._remote_branch_tip(branch)
+        if last and last.state == "MERGED" and side == last.oid:
             return                           # merged as it stands (squashed, say): done
         if last and last.state == "CLOSED" and org.drop_side_branch(branch, at=last.oid):
             out.withdrawn.append({"branch": branch, "pr_url": last.url, "pr_state": "closed",
                                   "note": "closed without merging: its branch was deleted, so "
                                           "what it proposed is not proposed again"})
-        elif org.proposes(branch):
+        elif org.proposes(branch, side):
             out.opened.append({"branch": branch, "pr_url": open_pr(
                 cfg, org, branch, f"cambium: {branch.rsplit('/', 1)[-1]}", PR_BODY)})
     except CambiumError as e:
@@ -10446,10 +10453,12 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
     """Whether an item is vouched for (pure), as issue 11 reads trust: a
     person's or another agent's word (authority), an endorsement (a
     deliberate act, its author's too), a recall by an agent other than its
-    author, use in a second project, a verify_entry in the last 90 days (not
-    the stamp a promotion leaves: promote --force is nobody's word). Its
-    author recalling it once put it among the most trusted."""
+    author, use in a second project, a verification by another agent in the
+    last 90 days (not the one a promotion records as its promoter, nor the
+    author's own: self-verification raises no authority either). Its author
+    recalling it once put it among the most trusted."""
     recent = [v for v in item.verifications or [] if isinstance(v, dict)
+              and v.get("by") != item.created_by        # (a promote verifies as its author)
               and (at := _parse_ts(v.get("at"))) is not None
               and (now - at).days <= RECENTLY_VERIFIED_DAYS]
     return bool(item.authority_rank or trust.get("endorsements") or recent
@@ -11156,8 +11165,7 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
     crash cut short (its local copy still marked moving; folding that copy
     into a look-alike left the move unfinishable, in a loop of supersessions)."""
     docs, warnings = read_scopes(cfg, scopes)
-    local_meta = docs["local"].meta if "local" in docs else {}
-    moving = local_meta.get(MOVING_META) if isinstance(local_meta.get(MOVING_META), dict) else {}
+    moving = meta_map(docs["local"].meta, MOVING_META) if "local" in docs else {}
     pool = [it for it in first_copies(federated_items(docs))   # (an empty body, e.g. a
             if it.active and not it.pr_url and it.content.strip()  # hand-edited non-string)
             and not (it.scope == "local" and it.id in moving)]
@@ -11626,8 +11634,8 @@ def _shared_scope_status(cfg: Config) -> dict:
                         **_duplicate_ids(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"
-            if st.own_branch and tip and not doc.items and (names := st._foreign_files(tip)):
-                info["error"] = st._not_ours(names)
+            if problem := st.foreign_problem(tip, doc):
+                info["error"] = problem
         except CorruptStore as e:
             info["error"] = f"{e}; writes to {scope} scope are refused"
         except GitError as e:
@@ -11943,7 +11951,7 @@ def _correction_of_text(cfg: Config, content: Any, type: str) -> Item | None:
     for corrected in (i for words, _ in maps for i in words.get(key, ())):
         fix = next((fixes[corrected] for _, fixes in maps if corrected in fixes), None)
         if fix is not None and not fix.active and (nxt := _superseded_by(fix)):
-            fix = _replacements(fix.id, nxt)[1]
+            fix = _replacements(fix.id, nxt, docs)[1]
         if fix is not None and fix.active:
             return fix
     return None
@@ -13073,16 +13081,18 @@ def _superseded_by(item: Item) -> str | None:
     return by if isinstance(by, str) and by else None
 
 
-def _replacements(item_id: str, first: str) -> tuple[list[str], Item | None]:
+def _replacements(item_id: str, first: str, docs: dict[str, Doc] | None = None
+                  ) -> tuple[list[str], Item | None]:
     """The ids that replaced item_id, from `first` to the last, followed through
-    every scope as last read (no fetch: a refusal must not wait on the network),
-    and the last one's item when some scope holds it. A loop ends the list
-    with the first id met again (or item_id: the chain came back to it)."""
+    every scope as last read (no fetch: a refusal must not wait on the network;
+    `docs`: the scopes as the caller just read them so), and the last one's
+    item when some scope holds it. A loop ends the list with the first id met
+    again (or item_id: the chain came back to it)."""
     ids = [first]
     if first == item_id:
         return ids, None
     try:
-        docs, _ = read_scopes_offline(resolve_config())
+        docs = docs if docs is not None else read_scopes_offline(resolve_config())[0]
     except (CambiumError, OSError):
         return ids, None
     copies: dict[str, Item] = {}

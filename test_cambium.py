@@ -4245,6 +4245,85 @@ def test_an_org_items_endorsement_notes_pass_the_org_gate_too(shared, monkeypatc
     assert kept["trust"]["endorsements"][0]["note"] == "see src/retry.py and test_retry_backoff"
 
 
+def test_a_promotions_stamp_is_no_vouching_in_the_primer(repo, monkeypatch):
+    """promote stamps last_verified: a forced promote read as a verification,
+    and the item sat among the most trusted notes though nobody vouched."""
+    item = cs.capture("Deploy windows close at four")["item"]["id"]
+    cs.capture("Another plain note about builds")
+    git(repo, "remote", "add", "origin", str(make_origin(repo.parent, "team")))
+    cs.promote(item, force=True)
+    assert cs.session_primer()["sections"] == {"notes": 2}
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.verify_entry(item, note="checked the calendar")
+    text = cs.session_primer()["primer"]
+    assert item in text[text.index("Most trusted notes:"):text.index("Other notes")]
+
+
+def test_consolidate_brings_no_anchor_tag_or_premise_into_an_org_survivor(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    x = _endorsed("Prefer idempotent retries with exponential backoff and jitter",
+                  "holds for any service calling a flaky dependency")
+    cs.promote(x, to_scope="org")
+    y = cs.capture("Prefer idempotent retries with exponential backoff and jitter!",
+                   tags="payments", valid_while="payments use http",
+                   code_refs="src/retry.py#backoff")["item"]["id"]
+    assert cs.consolidate(apply=True)["superseded"] == [y]
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert "code_refs" not in org and "valid_while" not in org
+    assert "payments" not in org.get("tags", [])
+
+
+def test_direct_mode_leaves_an_unmarked_copy_of_an_org_item_to_the_next_promote(
+        shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Every queue has a dead-letter queue")
+    cs.promote(item, to_scope="org", force=True)
+    path = _store_path(shared["a"])                     # a copy the move left below
+    data = json.loads(path.read_text())
+    copy = dict(remote_json(shared["org_bare"], "main")["items"][0], scope="local")
+    data["items"].append(copy)
+    path.write_text(json.dumps(data))
+    review = cs.review_promotions()
+    assert item not in review.get("settled_org_prs", [])
+    assert item in {i["id"] for i in local_items(shared["a"])}
+    assert cs.promote(item, to_scope="org")["status"] == "already_promoted"
+    assert item not in {i["id"] for i in local_items(shared["a"])}
+
+
+def test_a_refusal_names_no_pull_request_outside_pr_mode(repo):
+    item = cs.capture("Caches hold for five minutes")["item"]["id"]
+    _hand_edit(repo, lambda i: dataclasses.replace(
+        i, status="superseded", superseded_by={"id": "k-000000000000"}) if i.id == item else i)
+    with pytest.raises(cs.Refused, match="no scope read now holds") as refused:
+        cs.endorse(item, note="still true")
+    assert "pull request" not in str(refused.value)
+
+
+def test_restore_takes_huge_item_lines_without_the_stores_head(repo, tmp_path, monkeypatch):
+    """A quarantine file is item lines alone: one over the size limit was
+    refused as 'not one item per line'."""
+    monkeypatch.setattr(cs, "MAX_IMPORT_BYTES", 2**16)
+    path = tmp_path / "knowledge.json.quarantine-q"
+    path.write_text("".join(json.dumps({"id": f"k-{n:012x}", "content": f"fact {n} " + "x" * 80})
+                            + ",\n" for n in range(1000)))
+    assert path.stat().st_size > cs.MAX_IMPORT_BYTES
+    assert cs.restore(str(path))["restored"] == 1000
+
+
+def test_a_config_links_lock_stays_beside_the_link(tmp_path, monkeypatch):
+    r = make_repo(tmp_path)
+    dot = tmp_path / "dot" / "cambium.json"
+    dot.parent.mkdir()
+    dot.write_text("{}")
+    link = tmp_path / "cfg" / "config.json"
+    link.parent.mkdir()
+    link.symlink_to(dot)
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(link))
+    cs.setup(str(r), "ada")
+    assert (link.parent / "config.json.lock").exists()
+    assert not (dot.parent / "cambium.json.lock").exists()
+
+
 def test_the_fix_offered_for_an_org_items_tells_is_one_that_clears_them():
     """review_promotions offered generalize() for a tell in an endorsement note,
     which generalize() never touches: the item stayed listed, the advice too."""
