@@ -6106,7 +6106,8 @@ def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0
 
 
 def ranking_of(hits: list[Hit], terms: list[str], index: Index,
-               mode: str = "lexical", unknown: list[str] | None = None) -> Ranking:
+               mode: str = "lexical", unknown: list[str] | None = None,
+               head: int | None = None) -> Ranking:
     """The Ranking of scored hits, split at the floor (split_at_floor); its
     confidence is the best relevance after that split, so it is at the floor
     whenever there is a result. A hit whose words a higher-authority item
@@ -6116,12 +6117,12 @@ def ranking_of(hits: list[Hit], terms: list[str], index: Index,
     if unknown:
         penalty = SEM_NAME_PENALTY if mode == "semantic" else NAME_PENALTY
         hits = [dataclasses.replace(h, confidence=h.confidence * penalty) for h in hits]
-    results, weak = split_at_floor(with_better_copies(hits, index), terms,
-                                   head=RESULT_HEAD if mode == "semantic" else 0)
+    head = (RESULT_HEAD if mode == "semantic" else 0) if head is None else head
+    results, weak = split_at_floor(with_better_copies(hits, index), terms, head=head)
     best = max((h.confidence for h in results + weak), default=0.0)
     ranked = authority_first(results + weak)        # (a near miss may take a result's
     ok = [h.confidence >= RELEVANCE_FLOOR for h in ranked]      # place, and its relevance)
-    return Ranking(list(itertools.compress(ranked, ok)), best,
+    return Ranking(ties_by_authority(list(itertools.compress(ranked, ok))), best,
                    [h for h, k in zip(ranked, ok) if not k], mode=mode, unknown=unknown or [])
 
 
@@ -6162,6 +6163,44 @@ def authority_first(hits: list[Hit]) -> list[Hit]:
     return out
 
 
+def ties_by_authority(hits: list[Hit]) -> list[Hit]:
+    """Results whose relevance ties (as shown, to 3 places) take their places
+    among themselves by authority, highest first: a person's correction lifted
+    to the floor beside an agent's item with ten recalls comes first, and a
+    limit of 1 returns it. Other places keep the ranking's order (pure)."""
+    places: dict[float, list[int]] = {}
+    for n, h in enumerate(hits):
+        places.setdefault(round(h.confidence, 3), []).append(n)
+    out = list(hits)
+    for at in (p for p in places.values() if len(p) > 1):
+        for n, h in zip(at, sorted((hits[i] for i in at), key=lambda h: -h.item.authority_rank)):
+            out[n] = h
+    return out
+
+
+TIE_SLACK = 10      #: places past the limit searched for a result tied with the last one
+
+
+def tied_at_cut(ranking: Ranking, past: list[Hit], terms: list[str], index: Index,
+                limit: int) -> Ranking:
+    """The ranking with a result from `past` (hits ranked just past the limit)
+    that ties the last result's relevance (as shown) with higher authority
+    taken in, and the ties ordered by authority (ties_by_authority), cut to
+    `limit`: with limit 1, a person's correction at the floor beside an
+    agent's item was left out."""
+    if len(ranking.hits) < limit or not past:
+        return ranking
+    cut = round(ranking.hits[-1].confidence, 3)
+    low = min(h.item.authority_rank for h in ranking.hits if round(h.confidence, 3) == cut)
+    ids = {h.item.id for h in ranking.hits}
+    more = [h for h in ranking_of(past, terms, index, ranking.mode, ranking.unknown, head=0).hits
+            if round(h.confidence, 3) == cut and h.item.authority_rank > low
+            and h.item.id not in ids]
+    if more:
+        ranking.hits = ties_by_authority(ranking.hits + more)[:limit]
+    return ranking
+
+
 def score_query(index: Index, query: str, limit: int) -> Ranking:
     """Rank items for a query by BM25; a hit's relevance is its confidence_bm25
     on the 0..1 scale."""
@@ -6169,12 +6208,16 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     if not terms or index.live == 0:
         return Ranking([], 0.0, unknown=unknown_names(index, query))
     slots, unknown = index.items, unknown_names(index, query)
-    scores = bm25_top(index, terms, limit)
-    top = top_slots(scores, slots, limit)
+    scores = bm25_top(index, terms, limit + TIE_SLACK)
+    ranked = top_slots(scores, slots, limit + TIE_SLACK)
+    top, past = ranked[:limit], ranked[limit:]
     hits = lexical_hits(index, terms, [(slots[i], scores[i]) for i in top])
     ranking = ranking_of(hits, terms, index, unknown=unknown)
-    if len(ranking.hits) >= limit or not (every := every_term_slots(index, terms, set(top),
-                                                                     limit)):
+    if len(ranking.hits) >= limit:
+        return tied_at_cut(ranking, lexical_hits(index, terms, [(slots[i], scores[i])
+                                                                for i in past]),
+                           terms, index, limit)
+    if not (every := every_term_slots(index, terms, set(top), limit)):
         return ranking
     plan, norms = query_terms(index, terms), index.norms_now()
     more = {i: _exact_score(plan, norms, i) for i in every}
@@ -7719,10 +7762,11 @@ class Semantic:
                 score = reranked(np, score, top, logits, set(exact))
         hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else
                     lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
-                for i in best_slots(np, score, items, limit)
+                for i in best_slots(np, score, items, limit + TIE_SLACK)
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
-        ranking = ranking_of(hits, terms, index, mode="semantic",
-                             unknown=unknown_names(index, query))
+        ranking = tied_at_cut(ranking_of(hits[:limit], terms, index, mode="semantic",
+                                         unknown=unknown_names(index, query)),
+                              hits[limit:], terms, index, limit)
         ranking.reranked = reranker is not None and failed is None
         ranking.second = second
         if waiting:
@@ -9907,6 +9951,8 @@ def moves_lock(cfg: Config) -> Iterator[None]:
     if getattr(_MOVES_HELD, "on", False):
         yield
         return
+    cfg.local_dir.mkdir(parents=True, exist_ok=True)
+    ignore_local_dir(cfg.local_dir)                  # (its lock is the first file in a clone)
     with file_lock(cfg.local_dir / "moves"):
         _MOVES_HELD.on = True
         try:
@@ -13454,8 +13500,10 @@ def _publish_org_markdown(cfg: Config) -> dict:
 
 #: MCP tool annotations by what a tool may change: ToolAnnotations keyword arguments.
 EFFECTS: dict[str, dict[str, bool]] = {
-    "read": dict(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
-    "read_remote": dict(read_only_hint=True, idempotent_hint=True, open_world_hint=True),
+    "read": dict(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
+                 open_world_hint=False),
+    "read_remote": dict(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
+                        open_world_hint=True),
     "write": dict(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
                   open_world_hint=False),
     "write_idempotent": dict(read_only_hint=False, destructive_hint=False,
@@ -14132,16 +14180,17 @@ def rebinding_guard(host: str) -> Any:
 
 def require_bearer(app: Callable, token: str) -> Callable:
     """ASGI wrapper: every HTTP request must carry `Authorization: Bearer <token>`
-    (compared in constant time); anything else gets 401 before reaching MCP."""
+    (the scheme in any case, as HTTP says; the token compared in constant time);
+    anything else gets 401 before reaching MCP."""
     import hmac
-    expected = f"Bearer {token}".encode()
+    expected = f"bearer {token}".encode()
     body = json.dumps({"error": f"unauthorized: send 'Authorization: Bearer "
                                 f"<{HTTP_TOKEN_ENV}>'"}).encode()
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "lifespan":
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(got, expected):
+            if not hmac.compare_digest(got[:7].lower() + got[7:], expected):
                 await send({"type": "http.response.start", "status": 401, "headers": [
                     (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
                 await send({"type": "http.response.body", "body": body})

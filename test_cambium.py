@@ -3760,6 +3760,20 @@ def test_a_server_sees_a_team_write_another_process_of_its_clone_made(shared, mo
     assert [r["id"] for r in cs.recall("ship change behind flag")["results"]] == [new]
 
 
+def test_changing_a_team_item_in_a_fresh_clone_leaves_nothing_for_git_to_add(shared, monkeypatch):
+    """The first file a verify, endorse or deprecate of a team item wrote in a
+    clone without .cambium/ was the moves lock, with no .gitignore beside it:
+    `git add -A` committed it into the project."""
+    item_id = _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote()
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    assert cs.verify_entry(item_id, note="still true")["status"] == "verified"
+    assert (shared["b"] / ".cambium" / "moves.lock").exists()
+    untracked = git(shared["b"], "status", "--porcelain", "--untracked-files=all")
+    assert ".cambium" not in untracked, untracked
+
+
 def test_first_mcp_recall_behind_a_hanging_remote_warns_that_team_may_be_behind(shared):
     """At start the server's warm-up fetches the team branch. Against a remote
     that hangs, the first recall waited for that fetch's whole timeout, then
@@ -5597,6 +5611,21 @@ def _trusted(text: str, recalls: int = 10, endorsers: tuple = ("bob", "cy")) -> 
 
     cs.store(cs.resolve_config(), "local").mutate(bump)
     return item_id
+
+
+def test_a_tie_at_the_floor_goes_to_the_correction_even_past_the_limit(repo):
+    """Both items hold the query's one word, so both are at the floor (0.5);
+    the agent's shorter item scored higher and came first, and with limit 1
+    the person's correction was left out."""
+    agent = _trusted("Indent Python files with tabs")
+    other = cs.capture("Python files are indented with two spaces, per the style guide")
+    human = cs.correct(other["item"]["id"], "Python files are indented with four spaces, "
+                                            "per the style guide")["item"]["id"]
+    for limit in (5, 1):
+        hits = cs.recall("indent", limit=limit)["results"]
+        assert [h["relevance"] for h in hits] == [0.5] * len(hits), hits
+        assert hits[0]["id"] == human, hits
+        assert agent in [h["id"] for h in hits] or limit == 1
 
 
 def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
@@ -7831,7 +7860,9 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         assert tools["promote"].annotations.open_world_hint is True
         assert tools["recall"].annotations.destructive_hint is False
         for t in tools.values():
-            assert t.annotations is not None and t.annotations.open_world_hint is not None
+            hints = t.annotations and (t.annotations.read_only_hint, t.annotations.open_world_hint,
+                                       t.annotations.destructive_hint, t.annotations.idempotent_hint)
+            assert hints and None not in hints, (t.name, t.annotations)     # all four, every tool
             assert t.output_schema is not None
         assert tools["status"].annotations.read_only_hint is True
         assert "query" in tools["recall"].input_schema["properties"]
@@ -10168,7 +10199,9 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
         "clientInfo": {"name": "raw", "version": "0"}}}
     recall = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
               "params": {"name": "recall", "arguments": {"query": "queue shards per tenant"}}}
-    for wait in (0.3, 0.3, 2.0):                     # the last long enough to embed a chunk
+    status = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+              "params": {"name": "status", "arguments": {}}}
+    for until_embedded in (False, False, True):      # the last waits for a chunk embedded
         proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
@@ -10176,7 +10209,15 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
         proc.stdin.flush()
         replies = [json.loads(proc.stdout.readline()) for _ in range(2)]
         assert replies[1]["result"]["structuredContent"]["mode"] == "semantic"
-        time.sleep(wait)                             # the backlog is being embedded
+        time.sleep(0.3)                              # the backlog is being embedded
+        deadline = time.monotonic() + 60
+        while until_embedded and time.monotonic() < deadline:
+            proc.stdin.write((json.dumps(status) + "\n").encode())
+            proc.stdin.flush()
+            info = json.loads(proc.stdout.readline())["result"]["structuredContent"]
+            if info["semantic"].get("embedded_this_process"):
+                break
+            time.sleep(0.3)
         proc.stdin.close()
         assert proc.wait(60) == 0, proc.stderr.read().decode()[-500:]
         assert b"terminate called" not in proc.stderr.read()
@@ -11544,12 +11585,12 @@ async def _http_session(url: str, token: str | None, body):
                 return await body(session)
 
 
-def _http_status(url: str, token: str | None) -> int:
+def _http_status(url: str, token: str | None, scheme: str = "Bearer") -> int:
     import urllib.error
     import urllib.request
     req = urllib.request.Request(url, data=b"{}", method="POST", headers={
         "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
-        **({"Authorization": f"Bearer {token}"} if token else {})})
+        **({"Authorization": f"{scheme} {token}"} if token else {})})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status
@@ -11624,6 +11665,9 @@ def test_http_serve_requires_the_token_and_keeps_every_capture(repo):
                 asyncio.run(_http_session(url, token, lambda s: s.list_tools()))
             assert _http_status(url, token) == 401
         assert _http_status(url, "s3cret") != 401
+        assert _http_status(url, "s3cret", "bearer") != 401      # a scheme has no case
+        assert _http_status(url, "s3cret", "BEARER") != 401
+        assert _http_status(url, "s3cret", "Basic") == 401
         assert all(asyncio.run(clients(url)))
     doc = cs.store(cs.require_config(), "local").read()
     assert len({i.content for i in doc.items}) == 24
