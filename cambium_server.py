@@ -69,9 +69,16 @@ hygiene (consolidation writes, usage attribution, operator checks), tools
 """
 from __future__ import annotations
 
-if __name__ == "__main__":      # Ctrl-C while the modules below load: one line, no traceback
-    import os as _os
-    import signal as _signal
+if __name__ == "__main__":
+    import os as _os            # (sys is built in, os loaded at startup: never a project's)
+    import sys as _sys
+    if __spec__ is not None and _sys.path and _sys.path[0] in ("", _os.getcwd()):
+        # `python3 -m cambium_server` (the SessionStart hook) searches the working
+        # directory first: a project's json.py or signal.py ran in place of the
+        # standard library's. Search this module's folder instead, as a script does.
+        _sys.path[0] = _os.path.dirname(_os.path.abspath(__file__))
+
+    import signal as _signal    # Ctrl-C while the modules below load: one line, no traceback
 
     def _interrupted_early(*_: object) -> None:
         _os.write(2, b"cambium: interrupted before it started; nothing was written.\n")

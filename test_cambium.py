@@ -11188,6 +11188,24 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
     assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
 
 
+def test_the_module_hook_never_runs_a_project_file_named_like_a_standard_module(repo):
+    """`python3 -m cambium_server primer --hook` (README's SessionStart
+    command) runs in the project: Python searched it first, so a project's
+    json.py or signal.py ran instead of the standard library's, and the hook
+    ended in a traceback (or printed the project's output before its JSON)."""
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    for name in ("json", "typing", "signal", "struct", "inspect", "heapq"):
+        (repo / f"{name}.py").write_text(f"print('PROJECT {name} RAN')\nraise SystemExit(3)\n")
+    env = {**child_env(), "PYTHONPATH": str(SERVER.parent)}
+    env.pop("CAMBIUM_REPO", None)
+    out = subprocess.run([sys.executable, "-m", "cambium_server", "primer", "--hook"],
+                         cwd=repo, input=json.dumps({"cwd": str(repo)}), text=True,
+                         capture_output=True, env=env, timeout=60)
+    assert out.returncode == 0 and "PROJECT" not in out.stdout + out.stderr, out
+    assert "Never deploy on Fridays" in json.loads(out.stdout)["hookSpecificOutput"][
+        "additionalContext"]
+
+
 def test_primer_hook_prints_its_digest_whatever_stdout_and_the_disk_allow(repo, tmp_path,
                                                                           monkeypatch):
     """The hook printed nothing when stdout was not UTF-8 (the code pointer's
