@@ -8597,6 +8597,32 @@ _TELLS = (
 )
 
 
+#: folders a code path is made of: `services/api` names a place in a project,
+#: `client/server` or `and/or` does not
+_CODE_DIRS = frozenset("""src lib libs app apps api docs doc test tests spec specs pkg cmd
+    internal config configs scripts bin build dist packages services modules components utils
+    util migrations infra deploy charts vendor node_modules tools examples assets static public
+    include handlers controllers models views routes web frontend backend cli core common
+    shared fixtures .github .ci""".split())
+#: libraries named like a file (`Node.js` is no file)
+_JS_NAMES = frozenset("node vue next nuxt express d3 three chart ember backbone deno".split())
+
+
+def names_a_path(token: str) -> bool:
+    """Whether a file tell's match reads as a place in a project, not a word
+    pair or a name written with a slash or a dot: `I/O`, `CI/CD`, `TCP/IP`,
+    `24/7`, `and/or`, `read/write` and `Node.js` are none; a path with an
+    extension, one of three segments or more, or with a code folder in it is."""
+    stem = token.rstrip("/")
+    if "/" not in stem:                            # a file name: `config.yaml`
+        return stem.lower().rsplit(".", 1)[0] not in _JS_NAMES
+    parts = stem.split("/")
+    if all(re.fullmatch(r"[A-Z0-9&+]{1,6}", p) for p in parts):
+        return False                               # I/O, CI/CD, TCP/IP, 24/7, A/B
+    return ("." in parts[-1] or len(parts) > 2 or stem.startswith(("~", "."))
+            or any(p.lower() in _CODE_DIRS for p in parts))
+
+
 def generalization_tells(text: str, project: str) -> list[str]:
     """What makes a body read project-specific: files, test ids, dec-/con- refs,
     its origin project's name. Empty when it reads as a cross-project rule."""
@@ -8605,7 +8631,7 @@ def generalization_tells(text: str, project: str) -> list[str]:
         for m in rx.finditer(text or ""):
             token = m.group(0).strip()
             if label == "names a file" and ("://" in text[max(0, m.start() - 8):m.start() + 3]
-                                            or token.count("/") == 1 and token.endswith("/")):
+                                            or not names_a_path(token)):
                 continue
             tell = f"{label}: {token}"
             if tell not in found:

@@ -4009,6 +4009,14 @@ def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared
     ("Retry idempotent requests with exponential backoff and jitter", []),
     ("Pin major versions of every SDK you build on", []),
     ("Document the why, e.g. 2.5 seconds is fine", []),
+    ("Prefer async I/O for network-bound work", []),
+    ("Run CI/CD on every push; TCP/IP keepalives on 24/7 links", []),
+    ("Use retries and/or circuit breakers; split read/write and client/server paths", []),
+    ("Run Node.js and Vue.js behind the same proxy", []),
+    ("Keep services/api thin", ["names a file: services/api"]),
+    ("Look in billing/invoices/rounding first", ["names a file: billing/invoices/rounding"]),
+    ("Read ./deploy before you ship", ["names a file: ./deploy"]),
+    ("The handler lives in server.js", ["names a file: server.js"]),
 ])
 def test_generalization_tells(text, expected):
     assert cs.generalization_tells(text, "shop") == expected
