@@ -9685,10 +9685,11 @@ def record_remote_head(repo: Path, remote: str, branch: str, timeout_s: float) -
          repo, timeout_s, check=False)
 
 
-def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
-                ) -> tuple[dict[str, Doc], list[str]]:
+def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False,
+                strict: bool = False) -> tuple[dict[str, Doc], list[str]]:
     """Docs of the readable scopes among `scopes`; an unreadable one is skipped
-    with a warning (a corrupt file or an unreachable remote never hides the rest).
+    with a warning (a corrupt file or an unreachable remote never hides the rest),
+    or, strict, raises (a call about that one scope must not answer "empty").
     Shared scopes are read at their freshly fetched tip, for every tool that
     decides or reports; digest=True (recall and other read-only digests) lets
     CAMBIUM_FETCH_INTERVAL apply instead (Store.read)."""
@@ -9701,11 +9702,12 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False
             warnings += st.warnings
         except ScopeOff:
             continue
-        except CorruptStore as e:
-            warnings.append(f"{scope} scope skipped: {e}. Nothing was changed; fix the file "
-                            "by hand (writes to that scope are refused until then).")
-        except (GitError, ConfigError) as e:
-            warnings.append(f"{scope} scope skipped: {e}")
+        except (CorruptStore, GitError, ConfigError) as e:
+            if strict:
+                raise
+            warnings.append(f"{scope} scope skipped: {e}" + (
+                ". Nothing was changed; fix the file by hand (writes to that scope are "
+                "refused until then)." if isinstance(e, CorruptStore) else ""))
     return docs, warnings
 
 
@@ -13499,7 +13501,7 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
     wanted = SCOPES if scope == "all" else (scope,)
     if scope in ("team", "org"):
         store(cfg, scope)
-    docs, warnings = read_scopes(cfg, wanted)
+    docs, warnings = read_scopes(cfg, wanted, strict=scope != "all")
     pending = read_credits(credits_path(cfg))
     groups = {s: [(it, effective_trust(it, pending)) for it in first_copies(d.items)
                   if it.active] for s, d in docs.items()}

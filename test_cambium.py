@@ -3372,6 +3372,11 @@ def test_corrupt_team_file_is_not_overwritten_and_reads_skip_it(shared, tmp_path
     res = cs.recall("second team fact")
     assert any("team scope skipped" in w for w in res["warnings"])
     assert res["results"][0]["id"] == item_id
+    with pytest.raises(cs.CorruptStore):     # not "no knowledge in this scope yet"
+        cs.export_markdown(scope="team")
+    everything = cs.export_markdown(scope="all")          # the rest, with a warning
+    assert everything["items"] == 1 and any("team scope skipped" in w
+                                            for w in everything["warnings"])
     # an id only the unreadable team file could hold: its error, not not_found
     for call in (lambda: cs.deprecate("k-000000000001", reason="gone"),
                  lambda: cs.correct("k-000000000001", "the right statement"),
@@ -5492,6 +5497,12 @@ def test_export_org_publishes_knowledge_md(shared, monkeypatch):
                                                          "KNOWLEDGE.md")
     all_md = cs.export_markdown("all")["markdown"]
     assert "## Org" in all_md
+    fresh = clone(shared["org_bare"], shared["tmp"] / "org-fresh")   # never fetched by cambium
+    git(fresh, "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(fresh))
+    cs.runtime().reset()
+    with pytest.raises(cs.GitError):          # it answered success: "no knowledge yet"
+        cs.export_markdown("org")
 
 
 def _org_main_holds(shared: dict, path: str, text: str) -> Path:
