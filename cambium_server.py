@@ -4080,7 +4080,15 @@ class GitStore(Store):
         damaged private ref, removed: GitError, as no tip is known then)."""
         if damaged := self._drop_damaged_ref(remove=False):
             raise DamagedRef(f"{damaged}: the next recall or write fetches it again")
-        return self.doc_at(self.local_tip())
+        return self.doc_at(self.local_tip() or self.cloned_tip())
+
+    def cloned_tip(self) -> str | None:
+        """The branch as git itself last fetched it (`git clone`, `git fetch`:
+        refs/remotes/<remote>/<branch>), for a clone cambium has not fetched
+        yet: its first session's primer said nothing was known. Read only."""
+        proc = self.git("rev-parse", "--verify", "--quiet",
+                        f"refs/remotes/{self.remote}/{self.branch}^{{commit}}", check=False)
+        return proc.stdout.strip() or None
 
     def doc_at(self, commit: str | None) -> Doc:
         """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
@@ -12310,7 +12318,8 @@ def primer_key(cfg: Config, limit: int) -> str | None:
         for scope in ("team", "org"):
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
-                parts.append((scope, _ref_value(st.repo, st.ref)))
+                parts.append((scope, _ref_value(st.repo, st.ref) or _ref_value(
+                    st.repo, f"refs/remotes/{st.remote}/{st.branch}")))   # (cloned_tip)
         parts.append(_git_head(cfg.repo))
     except (OSError, IndexError, CambiumError):
         return None

@@ -3779,6 +3779,21 @@ def test_changing_a_team_item_in_a_fresh_clone_leaves_nothing_for_git_to_add(sha
     assert ".cambium" not in untracked, untracked
 
 
+def test_a_fresh_clones_first_primer_reads_the_team_branch_git_clone_fetched(shared, monkeypatch):
+    """A teammate's new clone, bound through the user-level config (no setup,
+    no cambium fetch yet): its first session's primer and hook said nothing
+    was known, though `git clone` had fetched the team branch."""
+    _endorsed("Never run migrations during deploy windows", "deploys")
+    cs.promote()
+    fresh = clone(shared["origin"], shared["tmp"] / "new" / "shop")
+    as_agent(monkeypatch, fresh, "cy")
+    cs.runtime().reset()
+    assert "Never run migrations" in cs.session_primer()["primer"]
+    assert not (fresh / ".git" / "refs" / "cambium").exists()       # still no fetch of its own
+    out = cli("primer", "--hook", cwd=fresh)
+    assert "Never run migrations" in out.stdout, out
+
+
 def test_first_mcp_recall_behind_a_hanging_remote_warns_that_team_may_be_behind(shared):
     """At start the server's warm-up fetches the team branch. Against a remote
     that hangs, the first recall waited for that fetch's whole timeout, then
