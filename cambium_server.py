@@ -10538,20 +10538,25 @@ def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project
     return out
 
 
+VOUCHING_RECALLERS = 2     #: agents other than its author whose recalls vouch for an item
+
+
 def vouched(item: Item, trust: dict, now: datetime) -> bool:
     """Whether an item is vouched for (pure), as issue 11 reads trust: a
     person's or another agent's word (authority), an endorsement (a
     deliberate act, its author's too), a recall by an agent other than its
     author, use in a second project, a verification by another agent in the
     last 90 days (not the one a promotion records as its promoter, nor the
-    author's own: self-verification raises no authority either). Its author
-    recalling it once put it among the most trusted."""
+    author's own: self-verification raises no authority either). Recalls count
+    from VOUCHING_RECALLERS agents other than its author ("recalled by several
+    agents"): its author recalling it once put it among the most trusted."""
     recent = [v for v in item.verifications or [] if isinstance(v, dict)
               and v.get("by") != item.created_by        # (a promote verifies as its author)
               and (at := _parse_ts(v.get("at"))) is not None
               and (now - at).days <= RECENTLY_VERIFIED_DAYS]
     return bool(item.authority_rank or trust.get("endorsements") or recent
-                or set(trust.get("recalled_by") or {}) - {item.created_by}
+                or len(set(trust.get("recalled_by") or {}) - {item.created_by})
+                >= VOUCHING_RECALLERS
                 or len(trust.get("projects") or []) > 1)
 
 

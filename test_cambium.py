@@ -11054,7 +11054,10 @@ def test_an_authors_own_recall_is_no_vouching_in_the_primer(repo, monkeypatch):
     assert cs.recall("kafka consumer groups rebalance")["results"][0]["id"] == mine
     out = cs.session_primer()
     assert out["sections"] == {"notes": 2}
-    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")             # another agent recalls it
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")             # one other agent recalls it
+    assert cs.recall("redis keys expire lazily")["results"][0]["id"] == other
+    assert cs.session_primer()["sections"] == {"notes": 2}    # not yet "several agents"
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "cy")              # a second one does
     assert cs.recall("redis keys expire lazily")["results"][0]["id"] == other
     text = cs.session_primer()["primer"]
     assert other in text[text.index("Most trusted notes:"):text.index("Other notes")]
