@@ -64,7 +64,7 @@ interface, the local file, the credit journal, the shared git scopes),
 substrate readers, import adapters, recall (lexical, semantic, ranking),
 ingest, lifecycle decisions, consolidation (pure), code anchors, scope helpers
 (item views and one-line results), scope reads, the primer digest, distill,
-hygiene (consolidation writes, usage attribution, operator checks), tools
+hygiene (usage attribution, consolidation writes, operator checks), tools
 (ending in the API table), MCP server (stdio and HTTP), CLI, demo.
 """
 from __future__ import annotations
@@ -9447,9 +9447,9 @@ def _replace_item(doc: Doc, index: int, item: Item) -> Doc:
 ITEM_ID = re.compile(r"[\w.\-:]{1,80}")     #: what a tool takes for an item id
 
 
-def _check_id(item_id: Any) -> str:
+def _check_id(item_id: Any, arg: str = "item_id") -> str:
     if not isinstance(item_id, str) or not ITEM_ID.fullmatch(item_id):
-        raise InputError(f"item_id {item_id!r} is not a cambium id (like k-1a2b3c4d5e6f); "
+        raise InputError(f"{arg} {item_id!r} is not a cambium id (like k-1a2b3c4d5e6f); "
                          "recall lists ids.")
     return item_id
 
@@ -12010,7 +12010,7 @@ def capture(content: Annotated[str, Field(
     """
     cfg = require_config()
     if supersedes is not None:
-        _require_active(locate(cfg, _check_id(supersedes), highest=True)[1], "disputed")
+        _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1], "disputed")
     elif fixed := _correction_of_text(cfg, content, type):
         return with_store_warnings({
             "status": "corrected_before", "item": item_view(fixed),
@@ -13254,7 +13254,8 @@ def usage(session: Annotated[str | None, Field(
     """
     cfg = require_config()
     if session and item_id:
-        raise InputError("pass session or item_id, not both.")
+        raise InputError("ask for one session or one item, not both: usage(session=...) "
+                         "or usage(item_id=...).")
     records = read_shown(cfg)
     if item_id:
         item_id = _check_id(item_id)

@@ -6346,7 +6346,11 @@ def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch
         by_session["items"][0]["content"]
     by_item = json.loads(cli("usage", "--item", seen).stdout)
     assert [r["session"] for r in by_item["sessions"]] == ["run-1", "run-2"]
-    assert cli("usage", "--session", "x", "--item", seen).returncode == 1
+    both = cli("usage", "--session", "x", "--item", seen)
+    assert both.returncode == 1 and "--session" in both.stderr and "--item" in both.stderr
+    assert "item_id" not in both.stderr, both.stderr            # the CLI's own words
+    bad = cli("capture", "A fact", "--supersedes", "not an id")
+    assert bad.returncode == 1 and "supersedes 'not an id' is not a cambium id" in bad.stderr
     store = repo / ".cambium" / "knowledge.json"
     before = store.stat().st_mtime_ns
     monkeypatch.setattr(cs, "SHOWN_MAX_BYTES", 400)
