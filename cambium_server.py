@@ -14452,8 +14452,9 @@ def _add_command(sub: Any, tool: Tool) -> None:
 def _cli_spec(tool: Tool, param: Param, option: bool = False) -> dict:
     """add_argument keywords for one API argument (pure)."""
     shown = param.default not in (REQUIRED, None, "", False)
-    spec: dict[str, Any] = {"help": param.doc + (f" (default: {param.default})" if shown
-                                                 else "")}
+    bounds = f" ({param.allowed()})" if param.base is int and param.ge is not None else ""
+    spec: dict[str, Any] = {"help": param.doc.rstrip(".") + bounds + "." + (
+        f" (default: {param.default})" if shown else "")}
     if param.required and param.name not in tool.cli_optional:
         spec.update(required=True) if option else None
     else:

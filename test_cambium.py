@@ -8481,6 +8481,10 @@ def test_cli_help_lists_commands():
     for c in ("status", "setup", "capture", "recall", "endorse", "export", "import", "demo",
               "distill"):
         assert c in out.stdout
+    for command, bounds in (("recall", "from 1 to 50"), ("primer", "from 1 to 100"),
+                            ("stale", "from 1 to 1000"), ("serve", "from 1 to 65535")):
+        text = " ".join(cli(command, "--help").stdout.split())     # the schema's bounds too
+        assert f"a whole number {bounds}" in text, (command, text)
 
 
 def _subparsers() -> dict:
