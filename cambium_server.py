@@ -1568,6 +1568,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             value, origin = _normalize_value(key, file_values[key]), "file"
         else:
             value, origin = default, "default"
+        if key == "CAMBIUM_REPO" and origin in ("env", "file"):
+            value = clone_root(value)
         if value is not None and origin != "default":
             why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
                    "which is not text" if origin == "file" and _SURROGATE.search(value)
@@ -1581,6 +1583,28 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
                          "cost": f"{CWD_GONE} → every tool is unavailable",
                          "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
     return Config(values, origins, path, problems, file_error)
+
+
+def _missing(path: Path) -> bool:
+    """Whether nothing is at `path` (a path no file system can hold is no
+    missing path: its validation says what is wrong with it)."""
+    try:
+        return not os.path.lexists(path)
+    except (ValueError, OSError):
+        return False
+
+
+def clone_root(path: Any) -> Any:
+    """A folder inside a clone as the clone's root, as setup() records it and
+    git reads it (CAMBIUM_REPO=<clone>/services/api, a monorepo's habit, left
+    every tool unavailable: "not a git clone"); anything else as it is."""
+    try:
+        p = Path(path)
+        if p.is_dir() and not os.path.lexists(p / ".git"):
+            return str(_find_git_root(p) or path)
+    except (OSError, TypeError, ValueError):
+        pass
+    return path
 
 
 #: The config file's map of repo → team branch (setup(team_branch=...)): a team
@@ -1609,6 +1633,9 @@ def config_gaps(cfg: Config) -> list[dict]:
     if not cfg.repo:
         gaps.append({"setting": "CAMBIUM_REPO", "cost": "no project repo → cambium has no "
                      "substrate; every tool is unavailable", "fix": repo_fix})
+    elif _missing(cfg.repo):
+        gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} does not exist → every "
+                     "tool is unavailable", "fix": repo_fix})
     elif (broken := dotgit_problem(cfg.repo)) is not None:
         gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} is not a git clone "
                      f"({broken}) → every tool is unavailable", "fix": repo_fix})

@@ -570,6 +570,25 @@ def test_path_arguments_with_a_nul_byte_get_an_input_error(tmp_path, monkeypatch
     assert "NUL byte" in gap["cost"]
 
 
+def test_cambium_repo_inside_a_clone_binds_the_clone_and_a_missing_one_says_so(
+        tmp_path, monkeypatch):
+    """CAMBIUM_REPO=<clone>/services/api (setup() takes that path and records
+    the root) made every tool unavailable: "not a git clone (it has no .git)";
+    a path that does not exist was said the same way."""
+    r = make_repo(tmp_path)
+    (r / "services" / "api").mkdir(parents=True)
+    monkeypatch.setenv("CAMBIUM_REPO", str(r / "services" / "api"))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    st = cs.status()
+    assert st["configured"] is True and st["repo"] == str(r), st
+    assert cs.capture("Pin every base image by digest")["status"] == "captured"
+    assert (r / ".cambium" / "knowledge.json").exists()
+    assert not (r / "services" / "api" / ".cambium").exists()
+    monkeypatch.setenv("CAMBIUM_REPO", str(tmp_path / "nowhere"))
+    gap = next(g for g in cs.status()["gaps"] if g["setting"] == "CAMBIUM_REPO")
+    assert "does not exist" in gap["cost"], gap
+
+
 def test_the_module_defines_each_top_level_name_once():
     """A second `_noted` (an import helper) silently replaced the error helper
     of that name, and every "the push may still land" note was dropped."""
