@@ -2557,6 +2557,9 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
     obj = _json(data)
     if obj is None:
         return _salvage(data, where)
+    if isinstance(obj, dict) and (twice := _top_keys_twice(data)):
+        raise CorruptStore(f"{where} holds the key {twice[0]!r} more than once (a hand edit or "
+                           "a merge?): JSON keeps only the last, so the rest would be lost")
     if isinstance(obj, dict) and "items" not in obj and isinstance(obj.get("content"), str):
         obj = [obj]                                  # a single item
     if isinstance(obj, list):
@@ -2576,6 +2579,25 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
     rest = _raw_keys({k: v for k, v in obj.items() if k not in ("items", "meta")})
     return Parsed(Doc(items=[Item.from_dict(d) for d in entries if isinstance(d, dict)],
                       meta=meta, raw=rest), bad=bad)
+
+
+def _top_keys_twice(data: bytes) -> list[str]:
+    """The top-level keys a JSON object holds more than once (its last object
+    decoded is the top one); a decoder keeps only the last of each."""
+    seen: list[list[str]] = []
+
+    def pairs(kv: list) -> dict:
+        keys = [k for k, _ in kv]
+        seen.append(sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) < len(keys)
+                    else [])
+        return dict(kv)
+
+    try:
+        json.JSONDecoder(object_pairs_hook=pairs, parse_float=_json_float).decode(
+            data.decode("utf-8", "surrogatepass"))
+    except (ValueError, RecursionError):
+        return []
+    return seen[-1] if seen else []
 
 
 def _salvage(data: bytes, where: str) -> Parsed:

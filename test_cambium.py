@@ -1013,6 +1013,24 @@ def test_corrupt_store_is_moved_aside_and_reported(repo):
     assert any("corrupt" in w or "unparseable" in w for w in st.get("warnings", []))
 
 
+def test_a_store_holding_its_items_key_twice_is_damage_not_its_last_list(repo):
+    """A hand edit or a merge left `"items"` twice: JSON keeps the last list,
+    so the first one's items were unseen and the next capture deleted them."""
+    first = {"id": "k-aaaaaaaaaaa1", "content": "alpha widget caching rule", "status": "active"}
+    second = {"id": "k-aaaaaaaaaaa2", "content": "beta gadget retry policy", "status": "active"}
+    path = repo / ".cambium" / "knowledge.json"
+    path.parent.mkdir(exist_ok=True)
+    text = json.dumps({"meta": {}, "items": [first]})[:-1] + ', "items": ' + json.dumps(
+        [second]) + "}"
+    path.write_text(text)
+    with pytest.raises(cs.CorruptStore, match="'items' more than once"):
+        cs.parse_file(__import__("io").BytesIO(text.encode()), "knowledge.json")
+    assert cs.capture("gamma note about queues")["status"] == "captured"
+    (aside,) = path.parent.glob("knowledge.json.corrupt-*")
+    assert aside.read_text() == text                    # both lists kept, byte for byte
+    assert cs._top_keys_twice(b'{"a": {"x": 1, "x": 2}, "b": 1}') == []   # top level only
+
+
 @pytest.mark.parametrize("hand_formatted", [False, True])
 def test_a_store_an_editor_saved_with_a_byte_order_mark_is_simply_read(repo, hand_formatted):
     kept = cs.capture("Schema changes ship behind a flag")["item"]["id"]
