@@ -299,6 +299,8 @@ def _unmoved(err: CambiumError, where: str, what: str = "the item(s) stay") -> C
     """A failed move's error, saying where its items are. A push that timed out
     may still land on the remote: the items stay where they were until the
     next call, which finishes the move without a second copy."""
+    if getattr(err, "copied", False):               # it did move: _move said where
+        return err
     if _may_have_landed(err):
         return _noted(err, f"the push may still land on the remote: {what} {where} "
                            "for now; run the same promote again to finish the move (an "
@@ -10083,7 +10085,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
 
     def plan(doc: Doc) -> MovePlan:
         above = {it.id: it for it in first_copies(doc.items) if it.id in ids}
-        below = [it for it in first_copies(store(cfg, src).read().items) if it.id in ids]
+        below = [it for it in first_copies(_source_doc(cfg, src).items) if it.id in ids]
         current = [it for it in below if it.id not in above]
         verdicts = {it.id: gate(it) for it in current}
         made.clear()
@@ -10115,9 +10117,33 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
             return gated(carried_over(there, source) or there if source.id in joined
                          else copy(source))
 
-        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
+        try:
+            kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
+        except CambiumError as e:
+            raise _copied_not_dropped(e, src, dst, held, write) from None
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
     return Moved(write, landed, planned.refused)
+
+
+def _source_doc(cfg: Config, src: str) -> Doc:
+    """A move's source as it stands: a shared one fetched, or the move refused
+    (GitError) when its remote cannot be reached. A stale tip's copy went up,
+    and the drop then failed against the same remote."""
+    st = store(cfg, src)
+    return st.doc_at(st.fetch(force=True)) if isinstance(st, GitStore) else st.read()
+
+
+def _copied_not_dropped(err: CambiumError, src: str, dst: str, held: set[str],
+                        write: Write) -> CambiumError:
+    """A move whose copy landed in dst but whose source copy could not be
+    dropped (the source's remote refused or went away): it said "nothing
+    moved" though dst held and published the item."""
+    where = f" (commit {write.commit[:12]})" if write.commit else ""
+    err = _noted(err, f"copied to {dst}{where}: {', '.join(sorted(held))} is in {dst} scope "
+                      f"now, and stays in {src} scope too until the same call runs again "
+                      f"and finishes the move (no second copy is made)")
+    err.copied = True                # type: ignore[attr-defined]
+    return err
 
 
 def as_landed(cfg: Config, dst: str, moved: Moved) -> list[Item]:

@@ -5528,6 +5528,33 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     assert cs.anchors_for(cfg, foreign) == []
 
 
+def test_a_team_to_org_move_says_where_the_item_is_when_team_refuses_or_is_gone(
+        shared, monkeypatch):
+    """The team remote refused the drop (a pre-receive hook) after the org
+    copy landed: promote said "nothing moved", though org held and published
+    the item. With the team remote gone, the copy went up from a stale tip."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Keep secrets out of logs")
+    cs.promote(item_id)
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'denied by policy' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    with pytest.raises(cs.GitError, match="copied to org .*stays in team scope too until the "
+                                          "same call runs again") as err:
+        cs.promote(item_id, to_scope="org")
+    assert "nothing moved" not in str(err.value)
+    assert item_id in {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]}
+    hook.unlink()
+    assert cs.promote(item_id, to_scope="org")["status"] in ("promoted", "already_promoted")
+    assert item_id not in team_ids(shared["origin"])                   # one copy, in org
+    other = _endorsed("Rotate credentials every ninety days")
+    cs.promote(other)
+    git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    with pytest.raises(cs.GitError, match="nothing moved"):
+        cs.promote(other, to_scope="org")
+    assert other not in {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]}
+
+
 def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Keep secrets out of logs")
