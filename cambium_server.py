@@ -13993,6 +13993,18 @@ def unparsable_reply(line: str, parse: Callable[[str], Any]) -> tuple[bool, dict
     return False, None
 
 
+STDIO_STOP = threading.Event()   #: set by SIGINT or SIGTERM: the stdio session's input ends
+STDIO_POLL_S = 0.25              #: how often a reader waiting for input looks at STDIO_STOP
+
+
+def _fileno(stream: Any) -> int | None:
+    """The file descriptor under a stream, or None (a test's BytesIO)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 class _RepairedStdin:
     """The stdio transport's stdin: UTF-8 lines (bad bytes become U+FFFD), lone
     surrogate escapes repaired, a leading byte-order mark and blank lines dropped.
@@ -14005,6 +14017,8 @@ class _RepairedStdin:
     def __init__(self, buffer: Any):
         from mcp_types import jsonrpc_message_adapter
         self._buffer = buffer
+        self._fd = _fileno(buffer)          # read directly, so a signal can end the wait
+        self._pending = bytearray()
         self._reply: Callable[[dict], Any] | None = None
         self._ready = threading.Event()
         self._parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
@@ -14014,9 +14028,33 @@ class _RepairedStdin:
         self._reply = reply
         self._ready.set()
 
+    def _raw_line(self) -> bytes:
+        """The next line of input, b"" at its end, or once STDIO_STOP is set (a
+        SIGINT or SIGTERM: the SDK's reader waited in a thread nothing could
+        cancel, and Ctrl-C did nothing until the client closed stdin)."""
+        if self._fd is None:
+            return self._buffer.readline()
+        seen = 0                                # (a 32 MB line is scanned once, not per read)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._fd, selectors.EVENT_READ)
+            while (cut := self._pending.find(b"\n", seen)) < 0:
+                seen = len(self._pending)
+                if STDIO_STOP.is_set():
+                    return b""
+                if not sel.select(STDIO_POLL_S):
+                    continue
+                chunk = os.read(self._fd, 1 << 16)
+                if not chunk:                              # end of input
+                    line, self._pending = bytes(self._pending), bytearray()
+                    return line
+                self._pending += chunk
+        line = bytes(self._pending[:cut + 1])
+        del self._pending[:cut + 1]
+        return line
+
     def readline(self, *_: Any) -> str:
         while True:
-            raw = self._buffer.readline()
+            raw = self._raw_line()
             if not raw:
                 return ""                                  # end of input
             line = repair_surrogate_escapes(raw.decode("utf-8", "replace").removeprefix("\ufeff"))
@@ -14253,11 +14291,40 @@ def serve(http: Annotated[bool, Field(
     try:
         if http:
             return serve_http(server, host, port, token)
-        server.run("stdio")
+        return run_stdio(server)
     finally:
         rt.long_running.clear()
         rt.cancel_fold()
         _fold_on_exit(warm=True)
+    return 0
+
+
+def run_stdio(server: Any) -> int:
+    """Serve stdio until its input ends, or a SIGINT (exit 130, one line) or
+    SIGTERM (0) ends it the same way: the session closes, then serve() folds
+    the credits and makes the next primer. A second signal exits at once."""
+    caught: list[int] = []
+
+    def stop(signum: int, _frame: Any) -> None:
+        if caught:
+            os._exit(130 if signum == signal.SIGINT else 143)
+        caught.append(signum)
+        STDIO_STOP.set()
+
+    STDIO_STOP.clear()
+    old = {}
+    with contextlib.suppress(ValueError):            # (not the main thread: no handlers)
+        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(sig) is not signal.SIG_IGN}    # (a background job's)
+    try:
+        server.run("stdio")
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if caught[:1] == [signal.SIGINT]:
+        print(f"{_prog()}: interrupted; the session ended and its recall credits are being "
+              "folded.", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -14528,7 +14595,7 @@ def _cli_spec(tool: Tool, param: Param, option: bool = False) -> dict:
     """add_argument keywords for one API argument (pure)."""
     shown = param.default not in (REQUIRED, None, "", False)
     bounds = f" ({param.allowed()})" if param.base is int and param.ge is not None else ""
-    spec: dict[str, Any] = {"help": param.doc.rstrip(".") + bounds + "." + (
+    spec: dict[str, Any] = {"help": param.doc + bounds + (
         f" (default: {param.default})" if shown else "")}
     if param.required and param.name not in tool.cli_optional:
         spec.update(required=True) if option else None

@@ -8473,6 +8473,40 @@ def test_mcp_server_folds_local_credits_on_clean_shutdown(repo):
     assert cache["key"] == cs.primer_key(cs.resolve_config(), cs.PRIMER_LIMIT)  # made after it
 
 
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 0)])
+def test_a_signal_ends_a_stdio_server_whose_client_keeps_stdin_open(repo, sig, code):
+    """Ctrl-C did nothing until the client closed stdin (the SDK's reader
+    waited in a thread nothing cancels); SIGTERM killed it unfolded (-15)."""
+    import signal as _signal
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    item_id = cs.capture("Migrations run before the deploy", tags="deploy")["item"]["id"]
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"))
+    try:
+        proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
+            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "recall", "arguments": {"query": "migrations before deploy"}}})).encode())
+        proc.stdin.flush()
+        replies = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        assert replies[1]["result"]["structuredContent"]["results"][0]["id"] == item_id
+        proc.send_signal(getattr(_signal, sig))               # stdin stays open
+        assert proc.wait(30) == code
+        err = proc.stderr.read().decode()
+        assert "Traceback" not in err and ("interrupted" in err) == (sig == "SIGINT"), err
+    finally:
+        proc.kill()
+        proc.wait()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                f.close()
+    assert _stored_recalls(repo, item_id) == 1                # the shutdown folded it
+
+
 def test_cli_recall_folds_its_local_credits_before_exiting(repo):
     item_id = cs.capture("Logs carry the request id", tags="logging")["item"]["id"]
     out = cli("recall", "request id logs", CAMBIUM_RECALL_MODE="lexical")
