@@ -9075,6 +9075,16 @@ def candidate_pairs(items: list[Item], vecs: list[dict[str, float]], floor: floa
     return pairs
 
 
+def outranks_in_other_words(member: Item, survivor: Item) -> bool:
+    """A member of higher authority than the survivor a higher scope chose,
+    saying it in other words (a person's local correction of a team item's
+    look-alike): it is never folded into the survivor, which took the
+    person's authority for words the person had corrected. It stays for a
+    person to settle (promote it, or correct the survivor)."""
+    return (member.authority_rank > survivor.authority_rank
+            and normalized_text(member) != normalized_text(survivor))
+
+
 def survivor_key(item: Item, trust: dict) -> tuple:
     """Who survives a group: scope (org > team > local: a duplicate in a higher
     scope is never superseded by one only this clone holds, which would take
@@ -9153,7 +9163,8 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
     for comp in _components(len(items), accepted):
         best = max(comp, key=lambda i: survivor_key(items[i], trusts.get(items[i].id, {})))
         members = [(m, *accepted[(min(m, best), max(m, best))]) for m in comp
-                   if m != best and (min(m, best), max(m, best)) in accepted]
+                   if m != best and (min(m, best), max(m, best)) in accepted
+                   and not outranks_in_other_words(items[m], items[best])]
         if members:
             groups.append((best, members))
     return groups

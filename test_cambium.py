@@ -3367,6 +3367,22 @@ def test_consolidate_never_folds_a_team_item_into_one_only_this_clone_holds(
     assert team["status"] == "active" and team["authority"] == "human"   # the person's word
     as_agent(monkeypatch, shared["b"], "bob")
     assert [r["id"] for r in cs.recall("alert runbook link")["results"]][:1] == [team_id]
+    # the person's correction says it otherwise: never folded, and no authority lent
+    as_agent(monkeypatch, shared["a"], "ada")
+    loose = _endorsed("Release branches are cut from main every Tuesday at noon by the "
+                      "on-call engineer, who may skip the QA sign-off")
+    cs.promote(loose, force=True)
+    wrong = cs.capture("Release branches are cut from main every Tuesday at noon by the "
+                       "on-call engineer without the QA sign-off")["item"]["id"]
+    fix = cs.correct(wrong, "Release branches are cut from main every Tuesday at noon by the "
+                            "on-call engineer after the QA sign-off")["item"]["id"]
+    with monkeypatch.context() as m:                       # (they are look-alikes)
+        m.setattr(cs, "outranks_in_other_words", lambda member, survivor: False)
+        assert cs.consolidate()["count"] == 1
+    assert cs.consolidate(apply=True).get("superseded", []) == []
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == loose]
+    assert team.get("authority", "agent") == "agent" and team["status"] == "active"
+    assert cs.recall("release branches QA sign-off", detail="full")["results"][0]["id"] == fix
 
 
 def test_consolidate_never_groups_items_whose_body_is_not_text(repo):
