@@ -9131,7 +9131,40 @@ def decides_differently(a: Item, b: Item) -> bool:
         return (collections.Counter(_FIGURE.findall(text)), bool(_NEGATION.search(text)),
                 len(text.split()) <= SHORT_RULE_WORDS)
     (fa, na, sa), (fb, nb, sb) = facts(a), facts(b)   # (a figure said twice counts twice)
-    return bool(fa - fb and fb - fa) or (sa and sb and na != nb)
+    return bool(fa - fb and fb - fa) or (sa and sb and na != nb) or \
+        swaps_a_choice(a.content, b.content)
+
+
+def _abbreviates(left: set[str], right: set[str]) -> bool:
+    """One word for its short form (docs, documentation; config, configuration)."""
+    if len(left) != 1 or len(right) != 1:
+        return False
+    (x,), (y,) = left, right
+    return min(len(x), len(y)) >= 3 and (x.startswith(y) or y.startswith(x))
+
+
+SWAP_MAX_WORDS = 3     #: a swapped choice is at most this many words on either side
+SWAP_MAX_PLACES = 2    #: ... in at most this many places
+
+
+def swaps_a_choice(a: str, b: str) -> bool:
+    """Two texts word for word the same but for a choice swapped in place
+    (PostgreSQL for DynamoDB, one approving review for two, server side for
+    client side, Thursday for Monday): a changed decision, not a rewording,
+    which moves, adds or drops words. Stopwords and a word's inflection
+    (review, reviews) are no swap (pure)."""
+    wa, wb = _WORD.findall(fold(a)), _WORD.findall(fold(b))
+    swaps = 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, wa, wb,
+                                                       autojunk=False).get_opcodes():
+        left = {stem(w) for w in wa[i1:i2] if w not in _STOPWORDS}
+        right = {stem(w) for w in wb[j1:j2] if w not in _STOPWORDS}
+        if tag == "equal" or left == right or _abbreviates(left, right):
+            continue
+        if tag != "replace" or not (left and right) or max(i2 - i1, j2 - j1) > SWAP_MAX_WORDS:
+            return False                  # words added, dropped or rewritten: a rewording
+        swaps += 1
+    return 0 < swaps <= SWAP_MAX_PLACES
 
 
 def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,

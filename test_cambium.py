@@ -5951,6 +5951,38 @@ def test_consolidate_never_groups_rules_that_state_different_figures_or_a_not():
     assert not cs.decides_differently(long, short)      # a detail left out differs in nothing
 
 
+def test_consolidate_never_groups_rules_that_swap_one_choice():
+    """One named choice swapped in a long sentence kept the cosine above the
+    threshold (PostgreSQL for DynamoDB, one approving review for two); the
+    figures rule reads digits only."""
+    base = ("Session tokens are signed with {} keys that the identity team rotates every "
+            "quarter and publishes through the shared key endpoint")
+    swaps = [(base.format("RSA"), base.format("Ed25519")),
+             ("Nightly backups of the ledger go to S3 in the eu-west-1 region and are kept "
+              "for one year by a lifecycle rule",
+              "Nightly backups of the ledger go to Google Cloud Storage in the eu-west-1 region "
+              "and are kept for one year by a lifecycle rule"),
+             ("Every merge to main needs three approving reviews from the owning team and a "
+              "passing integration run",
+              "Every merge to main needs a single approving review from the owning team and a "
+              "passing integration run"),
+             ("Load tests run every Friday evening against the staging cluster with k6 and post "
+              "their report to the performance channel",
+              "Load tests run every Sunday evening against the staging cluster with Locust and "
+              "post their report to the performance channel")]
+    for a, b in swaps:
+        assert cs.swaps_a_choice(a, b), (a, b)
+        assert cs.duplicate_groups([cs.new_item(a), cs.new_item(b)], {}) == [], (a, b)
+    for a, b in (("Every alert links to a runbook in the wiki",         # no choice swapped:
+                  "Every alert links to the runbook in the wiki."),     # stopwords, inflection,
+                 ("Alerts link to runbooks in the wiki", "Every alert links to a runbook in "
+                  "the wiki"), ("Update the docs in the same change",  # a short form
+                                "Update the documentation in the same change"),
+                 ("The API gateway validates every request body against the schema",
+                  "Every request body is validated against the schema by the API gateway")):
+        assert not cs.swaps_a_choice(a, b), (a, b)
+
+
 def test_merged_copies_count_one_agents_recall_of_them_all_once():
     """One recall returned three same-text copies: three credits, one agent-day.
     Merged, they made the survivor team-eligible on one recall."""
