@@ -1196,9 +1196,15 @@ def normalized_text(item: Item) -> str:
 _BAD_REF = re.compile(r"(^[-./])|(\.\.)|([\x00-\x20~^:?*\[\\\x7f])|(@\{)|(//)|([./]$)|(\.lock$)|(/\.)|(\.lock/)")
 
 
+MAX_BRANCH_BYTES = 200   #: cambium names a lock and a ref after the branch: a file name
+                         #: holds 255 bytes, and git took a 250-byte name cambium could not
+
+
 def is_valid_branch(name: str) -> bool:
-    """git check-ref-format --branch rules, plus no leading '-' (option injection)."""
-    return bool(name) and name not in ("@", "HEAD") and not _BAD_REF.search(name)
+    """git check-ref-format --branch rules, plus no leading '-' (option
+    injection), and at most MAX_BRANCH_BYTES (UTF-8)."""
+    return (bool(name) and name not in ("@", "HEAD") and not _BAD_REF.search(name)
+            and len(name.encode("utf-8", "surrogatepass")) <= MAX_BRANCH_BYTES)
 
 
 def dotgit_problem(root: Path) -> str | None:
@@ -1361,10 +1367,13 @@ PATH_SETTINGS = ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AG
 def _validate(key: str, value: str, name: str | None = None) -> str | None:
     """Why `value` is invalid for `key`, or None when it is fine (said of the
     argument `name` when given, else of the setting)."""
-    label = f"{name} {value!r}" if name else f"{key}={value!r}"
+    shown = repr(value) if len(value) <= 200 else repr(value[:200]) + f"… ({len(value)} chars)"
+    label = f"{name} {shown}" if name else f"{key}={shown}"
     if key in ("CAMBIUM_TEAM_BRANCH", "CAMBIUM_AGENTSYNC_BRANCH"):
         if not is_valid_branch(value):
-            return f"{label} is not a valid git branch name"
+            return (f"{label} is not a valid git branch name" + (
+                f" (longer than {MAX_BRANCH_BYTES} bytes)" if len(value) > MAX_BRANCH_BYTES
+                else ""))
     elif key == "CAMBIUM_REMOTE":
         if value.startswith("-") or not re.fullmatch(r"[\w.\-/]+", value):
             return f"{label} is not a valid remote name"
@@ -3362,7 +3371,19 @@ def _is_credit(rec: Any) -> bool:
         v = rec.get(k)
         if not isinstance(v, str) or not v:
             return False
-    return all(isinstance(rec.get(k, ""), str) for k in ("scope", "project"))
+    return _credit_day_ok(rec["day"]) and all(isinstance(rec.get(k, ""), str)
+                                              for k in ("scope", "project"))
+
+
+def _credit_day_ok(day: str) -> bool:
+    """A credit's day is a date no later than tomorrow (UTC): "9999-99-99",
+    stored as an agent's last credited day, made its real recalls read as
+    replays of an earlier day, and none counted."""
+    try:
+        when = datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return False
+    return (when - datetime.now(timezone.utc)).days < 1
 
 
 def _credit_records(text: str) -> list[dict]:
@@ -11882,9 +11903,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         "agent_id is required"
     if problem:
         raise InputError(problem + ".", "agent_id")
-    if team_branch is not None and not is_valid_branch(team_branch):
-        raise InputError(f"team_branch {team_branch!r} is not a valid git branch name.",
-                         "team_branch")
+    if team_branch is not None and (why := _validate("CAMBIUM_TEAM_BRANCH", team_branch,
+                                                     "team_branch")):
+        raise InputError(why + ".", "team_branch")
     if team_branch and (taken := _branch_of_the_project(root, team_branch)):
         raise InputError(f"team_branch {team_branch!r} is {taken} with your project's files "
                          f"and no {STORE_FILE}: cambium would commit its store onto it. Give "

@@ -812,6 +812,10 @@ def test_setup_refuses_head_or_a_branch_of_the_project_as_team_branch(tmp_path):
     r = make_repo(tmp_path)
     with pytest.raises(cs.InputError, match="team_branch"):
         cs.setup(str(r), "ada", team_branch="HEAD")
+    for long in ("t" * 250, "kb/" * 350_000):     # git takes them; cambium's lock could not
+        with pytest.raises(cs.InputError, match="longer than 200 bytes") as err:
+            cs.setup(str(r), "ada", team_branch=long)
+        assert err.value.argument == "team_branch" and len(str(err.value)) < 400
     with pytest.raises(cs.InputError, match="team_branch 'main' is a branch in .* with your "
                                             "project's files and no knowledge.json"):
         cs.setup(str(r), "ada", team_branch="main")    # (taken: the store went onto main)
@@ -2282,7 +2286,9 @@ def test_junk_credit_records_are_never_folded_and_a_deep_line_is_skipped(repo):
             {"item": item["id"], "n": True, "agent": "cy"},
             {**good, "agent": {"x": 1}}, {**good, "day": 20260102}, {**good, "agent": ""},
             {**good, "scope": ["local"]}, {**good, "project": None},
-            {**good, "item": ["x"]}, {**good, "session": {"a": 1}, "agent": ["ann"]}]
+            {**good, "item": ["x"]}, {**good, "session": {"a": 1}, "agent": ["ann"]},
+            {**good, "day": "9999-99-99"}, {**good, "day": "9999-12-31"},   # never a real day:
+            {**good, "day": "2026-1-2x"}]                   # it blocked the agent's real ones
     deep = "[" * 100_000
     journal.write_text("".join(json.dumps(r) + "\n" for r in junk) + deep + "\n"
                        + json.dumps(good) + "\n")
