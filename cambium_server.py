@@ -13652,7 +13652,9 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
     note = None
     if scope == "org" and not cfg.org_repo:
         scope, note = "local", ("org scope is off (no CAMBIUM_ORG_REPO), so this is local "
-                                "scope; setup(org_repo=...) turns org on.")
+                                f"scope; setup(project_repo={json.dumps(str(cfg.repo))}, "
+                                f"agent_id={json.dumps(cfg.agent)}, org_repo=\"/abs/path/to/"
+                                "org-clone\") turns org on.")
     wanted = SCOPES if scope == "all" else (scope,)
     if scope in ("team", "org"):
         store(cfg, scope)
@@ -14956,6 +14958,10 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
         out = valid_unicode(_text(result) if text is None else text)
+        if text is not None:         # stdout stays the document; what it leaves out, stderr
+            for said in [result.get("note"), *(result.get("warnings") or [])]:
+                if said:
+                    print(f"{_prog()}: {valid_unicode(str(said))}", file=sys.stderr)
     else:
         out = json_text(result, indent=2)
     _say(out, file)

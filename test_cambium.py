@@ -5708,8 +5708,13 @@ def test_export_default_with_org_off_renders_local_and_says_so(repo):
     cs.capture("Name migrations after the ticket they serve")
     res = cs.export_markdown()
     assert res["scope"] == "local" and "published" not in res
-    assert "org scope is off" in res["note"] and "setup(org_repo=" in res["note"]
+    assert "org scope is off" in res["note"] and "setup(project_repo=" in res["note"]
     assert "Name migrations after the ticket" in res["markdown"]
+    out = cli("export", "--format", "text")           # the note on stderr, stdout the text
+    assert out.returncode == 0 and out.stdout.startswith("# Knowledge"), out
+    hint = re.search(r"setup \S+ \S+ --org-repo \S+", out.stderr)
+    assert "org scope is off" in out.stderr and hint, out.stderr   # a command that runs
+    assert f"setup {repo} ada --org-repo" in out.stderr
 
 
 # =============================================================================
