@@ -13547,6 +13547,10 @@ def restore(path: Annotated[str, Field(
     p = Path(os.path.expanduser(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
+    done = p.with_name(p.name + RESTORED_SUFFIX)
+    if not os.path.lexists(p) and os.path.isfile(done):      # the same command again
+        return {"status": "nothing_to_restore", "file": str(p), "restored": 0, "updated": 0,
+                "note": f"restored already: the file was renamed {done}"}
     _regular_file(p)
     live = cfg.local_dir / STORE_FILE
     if live.exists() and p.samefile(live):

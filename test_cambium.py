@@ -1557,6 +1557,8 @@ def test_store_where_nothing_parses_is_moved_aside_and_restored_faithfully(repo)
     assert items[new["item"]["id"]]["content"] == "Captured after the damage"
     assert {i["id"] for i in json.loads(good)["items"]} | {new["item"]["id"]} == set(items)
     assert cs.restore(res["moved_to"])["status"] == "nothing_to_restore"
+    again = cs.restore(str(aside))                # the same command twice: "no file" before
+    assert again["status"] == "nothing_to_restore" and res["moved_to"] in again["note"]
 
 
 def test_restore_folds_the_copy_a_distill_made_while_the_store_was_set_aside(repo):
