@@ -14810,8 +14810,8 @@ def primer_hook(argv: list[str]) -> int:
     try:
         args = [a for a in argv if a != "--hook"]
         limit = _cli_parser(args[0]).parse_args(args).limit if len(args) > 1 else PRIMER_LIMIT
-        if bind_hook() is None:                 # bad input: which project is unknown
-            return 0
+        if (payload := bind_hook()) is None or payload is HOOK_CWD_GONE:
+            return 0                            # bad input, or no project: say nothing
         cfg = resolve_config()
         if not cfg.configured:                  # (parse_args has checked the limit)
             return 0
@@ -15109,7 +15109,16 @@ def bind_hook() -> dict | None:
     if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
         with contextlib.suppress(OSError):
             os.chdir(cwd)
+    elif isinstance(cwd, str) and os.path.isabs(cwd) and not _given(os.environ.get(
+            "CAMBIUM_REPO")):                # never the repo setup recorded instead: a
+        print(f"cambium: the hook's cwd {cwd} is no directory (a removed worktree?); "
+              "nothing done", file=sys.stderr)   # removed worktree's session wrote there
+        return HOOK_CWD_GONE
     return payload
+
+
+#: bind_hook's answer when the hook's cwd is gone: no project at all
+HOOK_CWD_GONE: dict = {"cwd": None}
 
 
 def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
@@ -15117,8 +15126,8 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     missing or unreachable source); 1 on a real error (an unreadable substrate,
     a failing git command, a corrupt local store that had to be moved aside).
     --hook: nothing on stdout, and an unconfigured directory is skipped, exit 0."""
-    if args.hook:
-        bind_hook()
+    if args.hook and bind_hook() is HOOK_CWD_GONE:
+        return 0
     out = sys.stderr if args.hook else sys.stdout
     shown = {"progress": False}
 

@@ -315,6 +315,16 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
         assert hook.returncode == 0 and "imported 1" in hook.stderr, hook.stderr
     assert _items_in(a)[-1] == "alpha decided to log in JSON"
     assert _items_in(b)[-1] == "beta decided to log in JSON"
+    gone = json.dumps({"cwd": str(tmp_path / "removed-worktree")})    # never the recorded repo
+    (outside / ".context").mkdir()
+    before = _items_in(a)
+    for command in ("distill", "primer"):
+        hook = subprocess.run([sys.executable, str(SERVER), command, "--hook"], input=gone,
+                              text=True, capture_output=True, env=child_env(), cwd=outside,
+                              timeout=60)
+        assert hook.returncode == 0 and hook.stdout == "", hook
+        assert "is no directory" in hook.stderr, hook.stderr
+    assert _items_in(a) == before
     st = json.loads(cli("status", cwd=outside).stdout)
     assert st["binding"]["repo"] == str(a) and st["settings"]["CAMBIUM_REPO"]["from"] == "file"
     assert st["settings"]["CAMBIUM_AGENT_ID"]["from"] == "file"
