@@ -14547,15 +14547,16 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
 
 
 def bind_http(host: str, port: int) -> Any:
-    """The listening socket `serve --http` serves on, bound here (not by
-    uvicorn, which exits 3 with a log line) so a taken port or an unknown host
-    is one clear error; raises OSError."""
+    """The listening socket `serve --http` serves on, bound and listening here
+    (not by uvicorn, which exits 3 with a log line) so a taken port or an
+    unknown host is one clear error; raises OSError."""
     import socket
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host.strip("[]"), port))
+        sock.listen(2048)     # now: a client that connects on the "serving" line is queued
     except OSError:
         sock.close()
         raise

@@ -11805,6 +11805,23 @@ def http_server(repo: Path, token: str | None, host: str = "127.0.0.1"):
         proc.wait(timeout=20)
 
 
+def test_http_serving_line_comes_once_a_client_can_connect(repo):
+    """`serve --http` printed "serving MCP on ..." before its socket listened:
+    a client that connected on that line was refused (3 of 3 runs)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
+                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert "serving MCP on" in line, line
+        assert _http_status(f"http://127.0.0.1:{port}/mcp", None) != 0   # connected, answered
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        proc.stderr.close()
+
+
 async def _http_session(url: str, token: str | None, body):
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
