@@ -1766,6 +1766,7 @@ class Runtime:
         self.indexes: dict[str, Index] = {}
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.corrections: dict[str, tuple[list, dict, dict]] = {}   # store -> corrections()
+        self.texts: dict[str, tuple[list, dict]] = {}   # shared store -> active_texts()
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
         self.journals: dict[str, JournalSeen] = {}   # credit journal -> how far it was read
@@ -12150,12 +12151,18 @@ def capture(content: Annotated[str, Field(
     """
     cfg = require_config()
     if supersedes is not None:
-        _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1], "disputed")
+        _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1],
+                        "disputed")
     elif fixed := _correction_of_text(cfg, content, type):
         return with_store_warnings({
             "status": "corrected_before", "item": item_view(fixed),
             "note": "a person corrected this statement; the correction stands (capture "
                     "with supersedes=<its id> to dispute it)"}, cfg)
+    elif held := _shared_copy_of_text(cfg, content, type):
+        return with_store_warnings({
+            "status": "duplicate", "item": item_view(held),
+            "note": f"{held.scope} scope holds an active item with this content; endorse it "
+                    "instead of capturing it again"}, cfg)
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
                              supersedes=supersedes, code_refs=code_refs)])
@@ -12189,6 +12196,37 @@ def _correction_of_text(cfg: Config, content: Any, type: str) -> Item | None:
         if fix is not None and fix.active:
             return fix
     return None
+
+
+def _shared_copy_of_text(cfg: Config, content: Any, type: str) -> Item | None:
+    """The active org or team item that says exactly `content` (a capture of
+    an item's words after it was promoted stored a second copy, recalled beside
+    it until consolidate ran). Scopes as last read: no network."""
+    if not isinstance(content, str) or not content.strip():
+        return None
+    key = text_key(type, plain_text(content).strip())
+    docs, _ = read_scopes_offline(cfg)
+    for scope in ("org", "team"):
+        if scope in docs and (hit := active_texts(f"{scope}:{cfg.repo}",
+                                                  docs[scope].items).get(key)):
+            return hit
+    return None
+
+
+def active_texts(key: str, items: list) -> dict[str, Item]:
+    """{content key: the first active item saying it} of a store's items,
+    kept per store until its list changes (a shared scope's rarely does, and a
+    capture must not walk 100,000 items)."""
+    rt = runtime()
+    with rt.index_lock:
+        src, texts = rt.texts.get(key, (None, {}))
+        if src is not items:
+            texts = {}
+            for it in items:
+                if it.active:
+                    texts.setdefault(content_key(it), it)
+            rt.texts[key] = (items, texts)
+        return texts
 
 
 def corrections(key: str, items: list) -> tuple[dict[str, tuple], dict[str, Item]]:

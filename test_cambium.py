@@ -3865,6 +3865,21 @@ def test_a_fresh_clones_first_primer_reads_the_team_branch_git_clone_fetched(sha
     assert "Never run migrations" in out.stdout, out
 
 
+def test_capturing_a_promoted_items_words_again_answers_duplicate(shared, monkeypatch):
+    """After a promote the same capture stored a second local copy, recalled
+    beside the team one until consolidate ran."""
+    item_id = _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote(item_id)
+    again = cs.capture("queue consumers must be  idempotent")       # case and spacing aside
+    assert again["status"] == "duplicate" and again["item"]["id"] == item_id
+    assert again["item"]["scope"] == "team" and "team scope" in again["note"]
+    assert [i.id for i in cs.store(cs.resolve_config(), "local").read().items] == []
+    as_agent(monkeypatch, shared["b"], "bob")               # a teammate's clone, fetched
+    cs.runtime().reset()
+    cs.recall("queue consumers")
+    assert cs.capture("Queue consumers must be idempotent")["status"] == "duplicate"
+
+
 def test_first_mcp_recall_behind_a_hanging_remote_warns_that_team_may_be_behind(shared):
     """At start the server's warm-up fetches the team branch. Against a remote
     that hangs, the first recall waited for that fetch's whole timeout, then
