@@ -8727,7 +8727,8 @@ def org_tells(item: Item) -> list[str]:
     """What reads project-specific in the text org publishes of `item`: its
     content, why, kind and endorsement notes, everything KNOWLEDGE.md renders
     that a person wrote. Exempt: `example` (the concrete version's home) and
-    provenance (which states where the item came from, by design)."""
+    provenance, whose project-specific parts org's render leaves out instead
+    (_provenance): nobody can restate where an item came from."""
     tells = generalization_tells(item.content, item.project)
     for name in ("why", "kind"):
         tells += [f"{name} {t}" for t in generalization_tells(getattr(item, name), item.project)]
@@ -8946,7 +8947,7 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
             out += [f"### {project}", ""]
             for it, trust in sorted(by_project[project], key=lambda p: p[0].created_at):
                 summary = repair_mojibake(it.content).replace("\n", " ")
-                bits = [f"kind: {it.kind}", f"provenance: {_provenance(it)}",
+                bits = [f"kind: {it.kind}", f"provenance: {_provenance(it, scope == 'org')}",
                         f"recalls: {trust.get('recalls', 0)}"]
                 if it.promoted_at:
                     bits.append(f"promoted: {it.promoted_at[:10]}")
@@ -8964,10 +8965,18 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
     return valid_unicode("\n".join(out).rstrip() + "\n")
 
 
-def _provenance(it: Item) -> str:
+def _provenance(it: Item, public: bool = False) -> str:
+    """Where an item came from: its source system and ref, and its author.
+    public (org's KNOWLEDGE.md, read by every project): a system or ref that
+    reads project-specific to the org gate (a record id naming a file or a
+    ticket, a context-keeper id, an import's file name) is left out, as the
+    gate refuses it in any field a person wrote; knowledge.json keeps it."""
     src = it.source or {}
-    system = src.get("system", "capture")
-    ref = src.get("ref")
+    system, ref = str(src.get("system", "capture")), src.get("ref")
+    if public and generalization_tells(system, it.project):
+        system = "import"
+    if public and ref and generalization_tells(str(ref), it.project):
+        ref = None
     who = f" by {it.created_by}" if it.created_by else ""
     return f"{system} {ref}{who}" if ref else f"{system}{who}"
 

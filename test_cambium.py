@@ -5604,6 +5604,24 @@ def test_a_team_to_org_move_says_where_the_item_is_when_team_refuses_or_is_gone(
     assert other not in {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]}
 
 
+def test_org_knowledge_md_leaves_project_specific_provenance_out():
+    """An imported record's id naming a file and a ticket, a context-keeper id
+    and an export's file name were published in org's KNOWLEDGE.md, though the
+    gate refuses the same words in a why."""
+    def org_item(system: str, ref: str | None) -> cs.Item:
+        return dataclasses.replace(cs.new_item("Retry idempotent requests with backoff",
+                                               project="shop"), scope="org",
+                                   source={"system": system, **({"ref": ref} if ref else {})})
+    for system, ref, hidden in (("acme-notes", "src/billing/invoice.py:L42 PAY-1234",
+                                 "invoice.py"), ("context-keeper", "dec-004", "dec-004"),
+                                ("acme-billing.jsonl", "m1", "acme-billing.jsonl")):
+        md = cs.render_markdown({"org": [(org_item(system, ref), {})]})
+        assert hidden not in md and "provenance: " in md, md
+        assert hidden in cs.render_markdown({"team": [(org_item(system, ref), {})]})
+    md = cs.render_markdown({"org": [(org_item("agentsync", "claim-7"), {})]})
+    assert "provenance: agentsync claim-7" in md                 # nothing specific: kept
+
+
 def test_export_org_publishes_knowledge_md(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Keep secrets out of logs")
