@@ -9364,7 +9364,7 @@ def merged_check(survivor: Item, fresh: list[Item]) -> dict:
 MAX_ANCHOR_FILE_BYTES = 2 * 1024 * 1024   #: larger files resolve to the file, unscanned
 _DEF_PREFIX = (r"^[ \t]*(?:(?:export|pub(?:\([\w:]+\))?|public|private|protected|static|"
                r"async|default|abstract|final|unsafe|extern|inline|override|open|const)[ \t]+)*"
-               r"(?:def|class|function\*?|func|fn|struct|enum|interface|trait|type|const|let|"
+               r"(?:def|class|function\*?|func|fun|fn|struct|enum|interface|trait|type|const|let|"
                r"var|val|module|object|impl|record|protocol|macro|sub)[ \t]+"
                r"(?:\([^)\n]*\)[ \t]*)?")   # one line each: a match never scans past its line
 
@@ -9377,7 +9377,29 @@ def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
             re.compile(r"^[ \t]*(?:export[ \t]+)?" + n + r"[ \t]*(?::[^=\n]*)?=(?!=)", re.M))
 
 
-def find_definition(text: str, symbol: str) -> int | None:
+#: files whose functions are declared by their type, not a keyword (C, C++, Java, C#, ...)
+TYPED_EXTS = frozenset(".c .h .cc .cpp .cxx .hpp .hh .java .cs .m .mm .scala .groovy .dart"
+                       .split())
+SHELL_EXTS = frozenset(".sh .bash .zsh .ksh".split())
+_NOT_A_TYPE = (r"(?!(?:return|new|else|await|throw|yield|case|goto|delete|sizeof|typeof|if|"
+               r"while|for|switch|catch|echo|print|assert|not)\b)")
+
+
+@functools.lru_cache(maxsize=512)
+def _signature_patterns(name: str, ext: str) -> tuple[re.Pattern, ...]:
+    """Definitions a keyword does not open: a typed signature (`public static
+    int total(int a) {`, `int total(int a)` on a line not ending in `;`, so
+    neither a prototype nor a call) in C-like files, `total() {` in shell."""
+    n = re.escape(name)
+    if ext in TYPED_EXTS:
+        return (re.compile(r"^[ \t]*" + _NOT_A_TYPE + r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}"
+                           r"[*&]*" + n + r"[ \t]*\([^;{\n]*(?:\{.*)?$", re.M),)
+    if ext in SHELL_EXTS:
+        return (re.compile(r"^[ \t]*" + n + r"[ \t]*\(\)", re.M),)
+    return ()
+
+
+def find_definition(text: str, symbol: str, ext: str = "") -> int | None:
     """1-based line where `symbol` is defined in `text` (pure). A dotted name
     (Item.from_dict, Foo::bar) looks for its last part among the direct members
     of each definition of the part before it (a struct and its impl, in turn;
@@ -9385,14 +9407,16 @@ def find_definition(text: str, symbol: str) -> int | None:
     Linear in the file: every line is read a fixed number of times."""
     *outer, name = re.split(r"\.|::", symbol)
     if not outer:
-        at = _first_match(text, name)
+        at = _first_match(text, name, ext)
         return None if at is None else text.count("\n", 0, at) + 1
     tree = _Outline(text)
     owners = {part: tree.lines_of(_owner_patterns(part)) for part in set(outer)}  # one scan each
     held = set(owners[outer[0]])
     for part in outer[1:]:
         held = {n for n in owners[part] if tree.parent[n] in held}
-    members = [n for n in tree.lines_of(_definition_patterns(name)) if tree.parent[n] in held]
+    members = [n for n in tree.lines_of(_definition_patterns(name)
+                                        + _signature_patterns(name, ext))
+               if tree.parent[n] in held]
     if members:
         return min(members) + 1
     m = _receiver_pattern(outer[-1], name).search(text)
@@ -9443,10 +9467,10 @@ def _owner_patterns(name: str) -> tuple[re.Pattern, ...]:
                        r"[ \t]+for[ \t]+)?(?:\w+::)*" + n + r"\b", re.M))
 
 
-def _first_match(text: str, name: str) -> int | None:
+def _first_match(text: str, name: str, ext: str = "") -> int | None:
     """Offset of the first definition of `name` in text, an unindented one
     before a nested one (a method)."""
-    for pattern in _definition_patterns(name):
+    for pattern in _definition_patterns(name) + _signature_patterns(name, ext):
         first = None
         for m in pattern.finditer(text):
             if text[m.start()] not in " \t":
@@ -9481,7 +9505,8 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     if len(symbol) > MAX_CODE_SYMBOL_CHARS:        # a store written by hand: not searched
         return {**out, "symbol_found": False}
     with open(full, "rb") as f:
-        line = find_definition(f.read().decode("utf-8", "replace"), symbol)
+        line = find_definition(f.read().decode("utf-8", "replace"), symbol,
+                               os.path.splitext(path)[1].lower())
     if line is None:
         return {**out, "symbol_found": False}
     return {**out, "at": f"{path}:{line}", "line": line}

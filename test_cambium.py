@@ -10582,6 +10582,23 @@ def test_find_definition(text, symbol, line):
     assert cs.find_definition(text, symbol) == line
 
 
+@pytest.mark.parametrize("text, symbol, ext, line", [
+    ("public class Cart {\n    public static int total(int a) {\n        return total(a);\n"
+     "    }\n}\n", "Cart.total", ".java", 2),
+    ("class Cart {\n    public int Total(int a) { return a; }\n}\n", "Total", ".cs", 2),
+    ("namespace N {\n  class C {\n    public async Task<int> Total(int a)\n    {\n"
+     "      return await Total(a);\n    }\n  }\n}\n", "C.Total", ".cs", 3),
+    ("int total(int a);\nint x = total(3);\nint total(int a) {\n  return 1;\n}\n",
+     "total", ".c", 3),                               # neither a prototype nor a call
+    ("class A {\n  fun total(): Int = 1\n}\n", "total", ".kt", 2),
+    ("#!/bin/sh\necho total\ntotal() {\n  echo 1\n}\n", "total", ".sh", 3),
+    ("puts total(x)\n", "total", ".rb", None),           # a call, in a keyword language
+    ("int total(int a) {\n}\n", "total", ".py", None),   # typed only where types declare
+])
+def test_find_definition_of_typed_and_shell_functions(text, symbol, ext, line):
+    assert cs.find_definition(text, symbol, ext) == line
+
+
 def test_find_definition_scans_each_line_once():
     """A file of modifier-only lines (`export` alone on each) made the search
     quadratic: a 1 MB file held a recall, and the server, for over 30 s."""
