@@ -384,7 +384,8 @@ class Param:
         if self.base is bool:
             return "true or false"
         lists = [t for t in get_args(self.type) if get_origin(t) is list]
-        if any(get_origin(get_args(t)[0]) is dict for t in lists if get_args(t)):
+        held = [u for t in lists for a in get_args(t)[:1] for u in (get_args(a) or (a,))]
+        if any(get_origin(u) is dict for u in held):
             return "a path as text or a list of {path, symbol?} objects"
         return "text or a list of text" if lists else "text"
 
@@ -1056,7 +1057,8 @@ def _one_code_ref(ref: Any) -> dict:
         path, _, symbol = ref.partition("#")
         ref = {"path": path, "symbol": symbol or None}
     if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
-        raise InputError(f"code_refs entries are {{path, symbol?}} objects; got {ref!r:.60}.")
+        raise InputError("code_refs entries are {path, symbol?} objects or \"path#symbol\" "
+                         f"text; got {json_text(ref)[:60]}.", "code_refs")
     if odd := [k for k in ref if k not in ("path", "symbol")]:   # (a misspelt symbol was
         near = difflib.get_close_matches(str(odd[0]), ["path", "symbol"], 1)  # dropped)
         raise InputError(f"code_refs entries take path and symbol; got {str(odd[0])!r:.40}"
@@ -12161,7 +12163,7 @@ def capture(content: Annotated[str, Field(
             supersedes: Annotated[str | None, Field(
                 "Id of an item you believe is wrong: records yours as a counter-claim to it "
                 "(outranks nothing; only a person's correct() does).")] = None,
-            code_refs: Annotated[list[dict[str, str]] | str | None, Field(
+            code_refs: Annotated[list[dict[str, Any] | str] | str | None, Field(
                 "The code it is about: [{\"path\": \"src/x.py\", \"symbol\": \"fn\"}] "
                 "(path relative to the repo root, symbol optional), or \"src/x.py#fn\" "
                 "strings, comma separated.")] = None) -> dict:

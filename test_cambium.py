@@ -11803,6 +11803,28 @@ def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     assert bad.returncode == 1 and "absolute" in bad.stderr
 
 
+def test_mcp_capture_takes_every_code_refs_form_the_cli_does(coderepo):
+    """The SDK refused {"symbol": null} and a list of "path#symbol" strings
+    (forms capture itself takes), with one generic message in Python's
+    words; an unknown key (`line`) was not named."""
+    async def body(session, init):
+        out = []
+        for refs in ([{"path": "src/billing.py", "symbol": None}],
+                     ["src/billing.py#total", "README.md"], [{"path": "src/billing.py",
+                                                               "line": 3}]):
+            res = await session.call_tool("capture", {"content": f"anchored {len(out)}",
+                                                      "code_refs": refs})
+            out.append((res.is_error, res.structured_content))
+        return out
+
+    (ok1, a), (ok2, b), (bad, c) = asyncio.run(_mcp_session(_mcp_env(coderepo), body))
+    assert not ok1 and a["item"]["code_refs"] == [{"path": "src/billing.py"}], a
+    assert not ok2 and b["item"]["code_refs"] == [{"path": "src/billing.py", "symbol": "total"},
+                                                  {"path": "README.md"}], b
+    assert bad and c["error"] == "invalid_argument" and "'line'" in c["message"], c
+    assert "None" not in c["message"], c
+
+
 def test_mcp_primer_tool_resource_expand_and_instructions(coderepo):
     async def body(session, init):
         for step in ("session_primer", "recall", "capture", "distill", "cambium://primer"):
