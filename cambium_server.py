@@ -13365,6 +13365,8 @@ def _require_active(item: Item, verb: str) -> None:
     if first is None:
         raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
     ids, end = _replacements(item.id, first)
+    if end is not None and end.active and end.scope in ("team", "org"):
+        ids, end = _replacements(item.id, first, _fetched(end.scope))   # as it stands now
     if len(set(ids)) < len(ids) or item.id in ids:    # a loop of corrections (a hand edit)
         raise Refused(f"item {item.id} is superseded by {first}, in a loop of corrections "
                       f"({' → '.join([item.id, *ids])}): nothing there can be {verb}; fix "
@@ -13382,6 +13384,19 @@ def _require_active(item: Item, verb: str) -> None:
                       "(a scope off or unreachable, or a hand edit): that one can be "
                       f"{verb} where it is.")
     raise Refused(f"item {item.id} is superseded by {via}; that one can be {verb}.")
+
+
+def _fetched(scope: str) -> dict[str, Doc] | None:
+    """Every scope as last read, `scope` fetched now: a refusal naming the live
+    end of a chain that left for a shared scope (a teammate corrected it there
+    since) sent the caller to a link that was itself superseded."""
+    try:
+        cfg = resolve_config()
+        docs, _ = read_scopes_offline(cfg)
+        docs[scope] = store(cfg, scope).read()
+    except (CambiumError, OSError):
+        return None
+    return docs
 
 
 def _superseded_by(item: Item) -> str | None:

@@ -3880,6 +3880,22 @@ def test_capturing_a_promoted_items_words_again_answers_duplicate(shared, monkey
     assert cs.capture("Queue consumers must be idempotent")["status"] == "duplicate"
 
 
+def test_a_refusal_names_the_live_end_of_a_chain_a_teammate_extended(shared, monkeypatch):
+    """correct(A) after A -> B (promoted to team) and a teammate's B -> C in
+    team: the refusal read team as last fetched and sent the caller to B,
+    which refused again."""
+    a = cs.capture("The nightly job exports invoices to S3", kind="decision")["item"]["id"]
+    b = cs.correct(a, "The nightly job exports invoices to GCS")["item"]["id"]
+    cs.promote(b, force=True)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    c = cs.correct(b, "The nightly job exports invoices to Azure Blob")["item"]["id"]
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    with pytest.raises(cs.Refused, match=f"superseded by {c} \\(through {b}\\); that one"):
+        cs.correct(a, "The nightly job exports invoices to R2")
+
+
 def test_first_mcp_recall_behind_a_hanging_remote_warns_that_team_may_be_behind(shared):
     """At start the server's warm-up fetches the team branch. Against a remote
     that hangs, the first recall waited for that fetch's whole timeout, then
