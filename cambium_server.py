@@ -10679,11 +10679,14 @@ def project_tags(items: Iterable[Item]) -> set[str]:
     return {t for t in seen if not _MACHINE_TAGS.match(t)}
 
 
-def org_item_relevant(item: Item, project: str, tags: set[str]) -> bool:
-    """An org item belongs in a project's primer if the project used it or its
-    tags match the project's."""
+def org_item_relevant(item: Item, project: str, tags: set[str],
+                      used: frozenset[str] = frozenset()) -> bool:
+    """An org item belongs in a project's primer if the project used it (it
+    came from here, a credit says so, or a session here was shown it by a
+    recall or expand: recalls of org items earn no credit) or its tags match
+    the project's."""
     return item.project == project or project in (item.trust.get("projects") or []) \
-        or bool(tags & set(item.tags))
+        or item.id in used or bool(tags & set(item.tags))
 
 
 @dataclass
@@ -10697,15 +10700,16 @@ class PrimerEntry:
 
 
 def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project: str,
-                      now: datetime) -> list[PrimerEntry]:
+                      now: datetime, used: frozenset[str] = frozenset()) -> list[PrimerEntry]:
     """Every active item a primer may show (pure): local and team items, and
     org items this project used or whose tags match the project's.
-    pending: not-yet-folded credits by item id."""
+    pending: not-yet-folded credits by item id; used: ids sessions here were
+    shown by a recall or expand (used_here)."""
     tags = project_tags(it for s in ("local", "team") if s in docs for it in docs[s].items)
     out = []
     for it in first_copies(federated_items(docs)):
         if not it.active or it.failing or \
-                (it.scope == "org" and not org_item_relevant(it, project, tags)):
+                (it.scope == "org" and not org_item_relevant(it, project, tags, used)):
             continue
         trust = effective_trust(it, pending.get(it.id, []))
         score = trust_score(it, trust, now)
@@ -11376,6 +11380,22 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
     except OSError as e:
         print(f"cambium: usage attribution not journaled ({e.filename or path}: "
               f"{e.strerror or e})", file=sys.stderr, flush=True)
+
+
+_SHOWN_BY_ASKING = re.compile(r'"item":\s*"([^"\\\n]{1,64})",\s*"via":\s*"(?:recall|expand)"')
+
+
+def used_here(cfg: Config) -> frozenset[str]:
+    """Ids sessions of this clone were shown by a recall or an expand (the
+    usage journal: a primer's own entries are no use), read without parsing
+    each line: the primer's org items this project used."""
+    found: set[str] = set()
+    path = _shown_path(cfg)
+    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+        with contextlib.suppress(OSError):
+            with open(p, encoding="utf-8", errors="replace", opener=open_regular) as f:
+                found.update(_SHOWN_BY_ASKING.findall(f.read()))
+    return frozenset(found)
 
 
 def read_shown(cfg: Config) -> list[dict]:
@@ -12494,7 +12514,8 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
         warnings.append(f"pending recall credits not read ({e.filename}: {e.strerror or e})")
     for rec in credits:
         pending.setdefault(rec["item"], []).append(rec)
-    entries = primer_candidates(docs, pending, project=cfg.project, now=now)
+    entries = primer_candidates(docs, pending, project=cfg.project, now=now,
+                                used=used_here(cfg) if "org" in docs else frozenset())
 
     def line_of(e: PrimerEntry) -> str:
         anchors = anchors_for(cfg, e.item)

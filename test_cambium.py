@@ -11413,6 +11413,25 @@ def test_primer_org_items_only_when_used_or_tags_match():
             "org": cs.Doc(items=[used, tagged, alien])}
     got = {e.item.id for e in cs.primer_candidates(docs, {}, project="shop", now=now)}
     assert got == {"k-l", "k-u", "k-t", "k-m"}
+    got = cs.primer_candidates(docs, {}, project="shop", now=now, used=frozenset({"k-a"}))
+    assert "k-a" in {e.item.id for e in got}          # a session here was shown it
+
+
+def test_an_org_item_a_session_here_recalled_reaches_this_projects_primer(shared, monkeypatch):
+    """Recalls of org items earn no credit, so after promotion no project
+    could become a user of an org item: the one a project recalled never
+    reached its primer."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Idempotency keys expire after a day", "payments")
+    cs.promote(item_id, to_scope="org", force=True)
+    other = make_repo(shared["tmp"], "beta")                 # another project, same org
+    monkeypatch.setenv("CAMBIUM_REPO", str(other))
+    cs.runtime().reset()
+    cs.capture("Beta keeps its own notes", tags="frontend")
+    assert item_id not in cs.session_primer()["primer"]
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "run-1")
+    assert cs.recall("idempotency keys expire")["results"][0]["id"] == item_id
+    assert item_id in cs.session_primer()["primer"]
 
 
 def test_primer_reads_shared_scopes_at_the_last_fetched_tip(shared, monkeypatch):
