@@ -11497,16 +11497,18 @@ def group_view(g: Group) -> dict:
 
 
 def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent: str,
-                now: str, done: dict[str, str], late: set[str], retired: set[str]
-                ) -> Callable[[Doc], Doc | None]:
+                now: str, done: dict[str, str], late: set[str], retired: set[str],
+                premerged: set[str] = frozenset()) -> Callable[[Doc], Doc | None]:
     """The write to `scope`: merge each survivor living there, and supersede
     members living there whose survivor is `done` (verified) or in this write.
     `done` collects survivor id -> scope for every survivor merged, `retired`
     the members this write superseded. A member endorsed or verified since the
     plan whose survivor lives in another scope (merged already, without that),
     and one of this scope that left it or was retired since the plan, is left
-    as it is and named in `late`. Judged afresh on each attempt: a push that
-    lost its race replays on a tip where a survivor may have gone."""
+    as it is and named in `late`. A member in `premerged` (its fold into a
+    survivor waiting on a pull request is on org's own branch already, by an
+    earlier run's merged PR) is superseded too. Judged afresh on each attempt:
+    a push that lost its race replays on a tip where a survivor may have gone."""
     def apply(doc: Doc) -> Doc | None:
         items, at = list(doc.items), {it.id: i for i, it in enumerate(doc.items)}
         changed = False
@@ -11531,9 +11533,9 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
                 changed |= merged is not items[s]
                 items[s] = merged
                 done[g.survivor.id] = scope
-            if not here and g.survivor.id not in done:
-                continue
-            for m, sim, how in g.members:
+            members = g.members if here or g.survivor.id in done else [
+                mm for mm in g.members if mm[0].id in premerged]
+            for m, sim, how in members:
                 i = at.get(m.id)
                 if m.scope == scope and i is not None and items[i].active and \
                         not here and _vouched_since(m, items[i]):
@@ -11547,6 +11549,27 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
                     changed = True
         return dataclasses.replace(doc, items=items) if changed else None
     return apply
+
+
+def merged_on_tip(cfg: Config, scope: str, groups: list[Group], in_pr: set[str]) -> set[str]:
+    """Members whose fold into a survivor now waiting on a pull request is on
+    `scope`'s own branch already (the survivor's merged_from there names them:
+    an earlier run's PR merged): verified where they went, so they leave their
+    scopes now. While the team used them, every rerun carried their new recall
+    credits into a new PR and left them waiting, for good."""
+    try:
+        tip = {it.id: it for it in first_copies(store(cfg, scope).read().items)}
+    except (CambiumError, OSError):
+        return set()
+    out: set[str] = set()
+    for g in groups:
+        there = tip.get(g.survivor.id)
+        if g.survivor.id in in_pr and there is not None and there.active:
+            merged = there.extra.get("merged_from")
+            ids = {m.get("id") for m in merged if isinstance(m, dict)} \
+                if isinstance(merged, list) else set()
+            out |= {m.id for m, _, _ in g.members if m.id in ids and m.scope != scope}
+    return out
 
 
 def _vouched_since(planned: Item, now: Item) -> bool:
@@ -11568,10 +11591,11 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
                                               for g in groups for m, _, _ in g.members)]
     retired: set[str] = set()
     in_pr: set[str] = set()
+    premerged: set[str] = set()
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         left: set[str] = set()
         gone: set[str] = set()
-        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left, gone)
+        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left, gone, premerged)
         write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
                        pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
         late |= left
@@ -11580,11 +11604,12 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
             for sid in [k for k, v in done.items() if v == scope]:
                 del done[sid]                # on a PR branch only, not verified on org
                 in_pr.add(sid)
+            premerged |= merged_on_tip(cfg, scope, groups, in_pr)
         elif write is not None:              # (the last attempt's: the one that landed)
             retired |= gone
     superseded = [m.id for g in groups for m, _, _ in g.members if m.id in retired]
     waiting = [m.id for g in groups if g.survivor.id in in_pr for m, _, _ in g.members
-               if m.id not in late]
+               if m.id not in late and m.id not in retired]
     late |= {m.id for g in groups if g.survivor.id not in done and g.survivor.id not in in_pr
              for m, _, _ in g.members}      # their survivor left its scope or was retired
     out: dict[str, Any] = {"superseded": superseded}
@@ -12209,16 +12234,8 @@ def capture(content: Annotated[str, Field(
     if supersedes is not None:
         _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1],
                         "disputed")
-    elif fixed := _correction_of_text(cfg, content, type):
-        return with_store_warnings({
-            "status": "corrected_before", "item": item_view(fixed),
-            "note": "a person corrected this statement; the correction stands (capture "
-                    "with supersedes=<its id> to dispute it)"}, cfg)
-    elif held := _shared_copy_of_text(cfg, content, type):
-        return with_store_warnings({
-            "status": "duplicate", "item": item_view(held),
-            "note": f"{held.scope} scope holds an active item with this content; endorse it "
-                    "instead of capturing it again"}, cfg)
+    elif said := _said_before(cfg, content, type):
+        return with_store_warnings(said, cfg)
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
                              supersedes=supersedes, code_refs=code_refs)])
@@ -12232,6 +12249,20 @@ def capture(content: Annotated[str, Field(
         "status": "duplicate", "item": item_view(dup) if dup else None,
         "note": "an active item with this content already exists; endorse it instead of "
                 "capturing it again"}, cfg)
+
+
+def _said_before(cfg: Config, content: Any, type: str) -> dict | None:
+    """capture's answer when its words were said before elsewhere: corrected
+    by a person (the correction), or held by team or org (that item)."""
+    if fixed := _correction_of_text(cfg, content, type):
+        return {"status": "corrected_before", "item": item_view(fixed),
+                "note": "a person corrected this statement; the correction stands (capture "
+                        "with supersedes=<its id> to dispute it)"}
+    if held := _shared_copy_of_text(cfg, content, type):
+        return {"status": "duplicate", "item": item_view(held),
+                "note": f"{held.scope} scope holds an active item with this content; endorse "
+                        "it instead of capturing it again"}
+    return None
 
 
 def _correction_of_text(cfg: Config, content: Any, type: str) -> Item | None:
@@ -13642,6 +13673,15 @@ def _restorable_layout(p: Path) -> None:
                      "run restore again.", "path")
 
 
+def _restored_already(p: Path) -> dict | None:
+    """restore's answer when it ran on `p` before (the file is now *.restored)."""
+    done = p.with_name(p.name + RESTORED_SUFFIX)
+    if os.path.lexists(p) or not os.path.isfile(done):
+        return None
+    return {"status": "nothing_to_restore", "file": str(p), "restored": 0, "updated": 0,
+            "note": f"restored already: the file was renamed {done}"}
+
+
 def restore(path: Annotated[str, Field(
         "A file set aside beside the store: knowledge.json.quarantine-<time> (repair its "
         "lines first) or knowledge.json.corrupt-<time>.")]) -> dict:
@@ -13657,10 +13697,8 @@ def restore(path: Annotated[str, Field(
     p = Path(os.path.expanduser(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
-    done = p.with_name(p.name + RESTORED_SUFFIX)
-    if not os.path.lexists(p) and os.path.isfile(done):      # the same command again
-        return {"status": "nothing_to_restore", "file": str(p), "restored": 0, "updated": 0,
-                "note": f"restored already: the file was renamed {done}"}
+    if again := _restored_already(p):
+        return again
     _regular_file(p)
     live = cfg.local_dir / STORE_FILE
     if live.exists() and p.samefile(live):

@@ -4867,6 +4867,30 @@ def test_pr_mode_consolidate_rerun_after_the_merge_folds_the_lower_duplicate(
     assert len(creates) == 1
 
 
+def test_pr_mode_a_duplicate_recalled_while_its_pr_waited_still_settles(
+        shared, monkeypatch, tmp_path):
+    """Each recall credit a waiting duplicate earned made the rerun after the
+    merge carry it into a new cambium/updates PR and leave the duplicate
+    waiting again: in a team that uses its memory, it never settled."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    survivor = _endorsed("Secrets never live in env files")
+    cs.promote(survivor, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    dup = cs.capture("Secrets never live in env files!")["item"]["id"]
+    first = cs.consolidate(apply=True)
+    assert first["waiting"] == [dup]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "cy")              # the team uses it meanwhile
+    assert dup in [r["id"] for r in cs.recall("secrets env files")["results"]]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, first["pr_urls"][0], "MERGED")
+    again = cs.consolidate(apply=True)
+    assert again["superseded"] == [dup] and "waiting" not in again, again
+    items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert items[dup].status == "superseded"
+
+
 def test_pr_mode_a_declined_shared_pr_is_withdrawn_and_a_stranded_one_opened(
         shared, monkeypatch, tmp_path):
     """A closed cambium/updates PR was never withdrawn: the declined correction
