@@ -2870,6 +2870,7 @@ class LocalStore(Store):
         self.credits = credits
         self.appends = path.with_name(path.name + APPENDS_SUFFIX)
         self.lock = threading.Lock()           # guards _seen
+        self._parsing = threading.Lock()       # one whole parse at a time (see _current)
         self._seen: _Seen | None = None
 
     @property
@@ -2920,7 +2921,12 @@ class LocalStore(Store):
                 return doc
         if not locked and not parse_grown and (grown or self._being_written()):
             return None
-        return self._parse(locked=locked)
+        with self._parsing:       # a second reader waits and takes the first's parse: the
+            with self.lock:       # server's warm-up and its first recall each parsed a
+                seen = self._seen  # 100,000-item store at once (690 MB at the peak)
+            if seen is not None and seen.key == key:
+                return seen.doc
+            return self._parse(locked=locked)
 
     def _being_written(self) -> bool:
         """Whether another thread of this process holds the store's lock: a
@@ -6313,7 +6319,9 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     more = {i: _exact_score(plan, norms, i) for i in every}
     hits += lexical_hits(index, terms, [(slots[i], more[i]) for i in top_slots(more, slots,
                                                                                  limit)])
-    return ranking_of(hits, terms, index, unknown=unknown)
+    ranking = ranking_of(hits, terms, index, unknown=unknown)
+    ranking.hits = ranking.hits[:limit]          # (it returned up to twice the limit)
+    return ranking
 
 
 def lexical_hits(index: Index, terms: list[str], best: list[tuple[Any, float]]) -> list[Hit]:
@@ -6321,6 +6329,9 @@ def lexical_hits(index: Index, terms: list[str], best: list[tuple[Any, float]]) 
     thread may kill a slot meanwhile (None: left out)."""
     return [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
             for it, score in best if it is not None]
+
+
+EVERY_TERM_MAX_POSTINGS = 5_000   #: every_term_slots walks no longer a list (0.5 s at 100k)
 
 
 def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
@@ -6331,6 +6342,8 @@ def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
     holding only the common word, and recall said nothing was known. Their
     rarest list walked, each slot looked up in the others (_posted)."""
     rarest, *others = sorted((index.postings.get(t, ((),))[0] for t in terms), key=len)
+    if len(rarest) > EVERY_TERM_MAX_POSTINGS:      # every word common: holding them all
+        return []                                  # vouches for little, and the walk cost
     items = index.items                 # (by id: the same whatever the index's history)
     live = [(it.id, i, it) for i in rarest if i not in taken and all(
         _posted(o, i) for o in others) and (it := items[i]) is not None]
