@@ -13172,7 +13172,12 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     return out
 
 
-def review_promotions() -> dict:
+REVIEW_LIMIT, MAX_REVIEW_LIMIT = 50, 1000   #: review_promotions' entries a list: default, most
+
+
+def review_promotions(limit: Annotated[int, Field(
+        "At most this many entries in each list (the counts cover all).", ge=1,
+        le=MAX_REVIEW_LIMIT)] = REVIEW_LIMIT) -> dict:
     """What is ready to move, and what needs a person.
 
     Returns team_eligible (local items that promote() would move now),
@@ -13186,9 +13191,11 @@ def review_promotions() -> dict:
     is, ready to promote again; a shared branch whose PR was closed is deleted),
     brings open org PRs up to org's tip once another merged (caught_up_org_prs:
     the branches moved), so they merge without conflict, and opens the PR of a
-    shared branch whose PR gh failed to open (opened_org_prs).
+    shared branch whose PR gh failed to open (opened_org_prs). Each of the
+    four lists holds at most `limit` entries; `counts` says how many there are.
     """
     cfg = require_config()
+    check_arg(review_promotions, "limit", limit)
     docs, warnings = read_scopes(cfg, SCOPES)
     settled, unsettled = settle_quietly(cfg, docs)
     prs = check_org_prs(cfg, docs, set(settled)) if cfg.org_repo else PrCheck()
@@ -13227,6 +13234,22 @@ def review_promotions() -> dict:
                      ("warnings", [*warnings, *unsettled, *prs.warnings])):
         if got:
             out[key] = got
+    return bounded_lists(out, ("team_eligible", "endorsed_for_org", "pending_org_prs",
+                               "org_needs_generalization"), limit)
+
+
+def bounded_lists(out: dict, keys: tuple[str, ...], limit: int) -> dict:
+    """The answer with each of its `keys` lists cut to `limit` entries, their
+    full lengths in `counts` and a note when one was cut (10,000 promotable
+    items answered 16.7 MB)."""
+    out["counts"] = {k: len(out[k]) for k in keys}
+    cut = [k for k in keys if len(out[k]) > limit]
+    for k in cut:
+        out[k] = out[k][:limit]
+    if cut:
+        sizes = ", ".join(f"{out['counts'][k]} {k}" for k in cut)
+        out["note"] = (f"the first {limit} of {sizes}: raise limit (at most "
+                       f"{MAX_REVIEW_LIMIT}) to see more")
     return out
 
 

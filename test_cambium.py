@@ -6754,6 +6754,24 @@ def test_imported_items_start_untrusted_and_import_promotes_nothing(repo, tmp_pa
     assert cs.review_promotions()["team_eligible"] == []
 
 
+def test_review_promotions_bounds_each_list_and_counts_them_all(repo):
+    """10,000 promotable items made a 16.7 MB answer (stale_report had its
+    limit; review had none)."""
+    for n in range(7):
+        item_id = cs.capture(f"Promotable fact number {n}")["item"]["id"]
+        cs.endorse(item_id, note="useful")
+    whole = cs.review_promotions()
+    assert len(whole["team_eligible"]) == 7 and whole["counts"]["team_eligible"] == 7
+    assert "note" not in whole
+    cut = cs.review_promotions(limit=3)
+    assert len(cut["team_eligible"]) == 3 and cut["counts"]["team_eligible"] == 7
+    assert "first 3 of 7 team_eligible" in cut["note"]
+    with pytest.raises(cs.InputError):
+        cs.review_promotions(limit=0)
+    out = cli("review", "--limit", "2")
+    assert out.returncode == 0 and len(json.loads(out.stdout)["team_eligible"]) == 2
+
+
 def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
