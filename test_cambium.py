@@ -8687,12 +8687,21 @@ def test_a_signal_ends_a_stdio_server_whose_client_keeps_stdin_open(repo, sig, c
     assert _stored_recalls(repo, item_id) == 1                # the shutdown folded it
 
 
-def test_cli_recall_folds_its_local_credits_before_exiting(repo):
+def test_cli_recall_folds_its_local_credits_before_exiting(repo, monkeypatch):
     item_id = cs.capture("Logs carry the request id", tags="logging")["item"]["id"]
     out = cli("recall", "request id logs", CAMBIUM_RECALL_MODE="lexical")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["results"][0]["id"] == item_id
     assert _stored_recalls(repo, item_id) == 1
+    monkeypatch.setattr(cs, "CLI_FOLD_MAX_BYTES", 10)        # a large store: no rewrite
+    before = (repo / ".cambium" / "knowledge.json").stat().st_mtime_ns
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    assert cs._cli_recall(cs._cli_parser().parse_args(["recall", "request id logs"]),
+                          {"query": "request id logs", "scope": "auto", "limit": 5,
+                           "detail": "lines"}) == 0
+    assert (repo / ".cambium" / "knowledge.json").stat().st_mtime_ns == before
+    assert any(r["agent"] == "bob" for r in cs.read_credits(repo / ".cambium" /
+                                                            "credits.jsonl"))
 
 
 # =============================================================================
