@@ -4846,11 +4846,10 @@ def test_an_unmarked_copy_of_an_item_org_holds_is_settled_by_review(shared, monk
     assert item not in {i["id"] for i in local_items(shared["a"])}
 
 
-def test_pr_mode_consolidate_rerun_after_the_merge_folds_the_lower_duplicate(
-        shared, monkeypatch, tmp_path):
-    """The merged cambium/updates branch (kept, as GitHub does) made every
-    rerun ask gh for a PR of a branch with nothing new: the duplicate below
-    waited for good."""
+def _org_survivor_and_a_waiting_duplicate(shared, monkeypatch, tmp_path):
+    """PR mode, an org item (pushed directly) and a local duplicate that a
+    consolidate left waiting on its cambium/updates PR: (gh log, duplicate id,
+    that consolidate's answer)."""
     log = _pr_mode(monkeypatch, tmp_path, shared)
     monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
     survivor = _endorsed("Secrets never live in env files")
@@ -4858,7 +4857,17 @@ def test_pr_mode_consolidate_rerun_after_the_merge_folds_the_lower_duplicate(
     monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
     dup = cs.capture("Secrets never live in env files!")["item"]["id"]
     first = cs.consolidate(apply=True)
-    assert first["waiting"] == [dup] and first["pr_urls"]
+    assert first["waiting"] == [dup]
+    return log, dup, first
+
+
+def test_pr_mode_consolidate_rerun_after_the_merge_folds_the_lower_duplicate(
+        shared, monkeypatch, tmp_path):
+    """The merged cambium/updates branch (kept, as GitHub does) made every
+    rerun ask gh for a PR of a branch with nothing new: the duplicate below
+    waited for good."""
+    log, dup, first = _org_survivor_and_a_waiting_duplicate(shared, monkeypatch, tmp_path)
+    assert first["pr_urls"]
     _merge_on_org(shared, tmp_path, "cambium/updates")
     set_pr_state(tmp_path, first["pr_urls"][0], "MERGED")
     again = cs.consolidate(apply=True)
@@ -4872,14 +4881,7 @@ def test_pr_mode_a_duplicate_recalled_while_its_pr_waited_still_settles(
     """Each recall credit a waiting duplicate earned made the rerun after the
     merge carry it into a new cambium/updates PR and leave the duplicate
     waiting again: in a team that uses its memory, it never settled."""
-    _pr_mode(monkeypatch, tmp_path, shared)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
-    survivor = _endorsed("Secrets never live in env files")
-    cs.promote(survivor, to_scope="org", force=True)
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
-    dup = cs.capture("Secrets never live in env files!")["item"]["id"]
-    first = cs.consolidate(apply=True)
-    assert first["waiting"] == [dup]
+    _, dup, first = _org_survivor_and_a_waiting_duplicate(shared, monkeypatch, tmp_path)
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "cy")              # the team uses it meanwhile
     assert dup in [r["id"] for r in cs.recall("secrets env files")["results"]]
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
