@@ -5317,7 +5317,8 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     own = _first(rec, ("system", "source"))
     own = own.strip() if isinstance(own, str) and own.strip() else None
     source = {"system": own or system, "ref": ref, "imported": True,
-              "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None}
+              "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None,
+              **({"file": origin} if origin and not own else {})}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
                  tags=tags, source=source, where=where, notes=notes,
                  key=bounded_key(f"import:{_key_part(own or origin or system)}:" + (

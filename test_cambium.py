@@ -2466,7 +2466,7 @@ def test_import_jsonl_with_provenance_and_reimport_noop(repo, tmp_path):
     assert export.read_bytes() == before
     hit = cs.recall("tenant cache keys", detail="full")["results"][0]
     assert hit["source"] == {"system": "json", "ref": "m1", "imported": True,
-                             "source_ts": "2025-01-01"}
+                             "source_ts": "2025-01-01", "file": "export.jsonl"}
     assert "imported" in hit["tags"] and "json" in hit["tags"]
 
 
@@ -6602,7 +6602,7 @@ def test_import_json_array_and_wrapper_object(repo, tmp_path):
     assert (a1.why, a1.kind) == ("lost messages", "procedure")
     assert a1.tags == ["ops", "queues", "imported", "json"]
     assert a1.source == {"system": "json", "ref": "a1", "imported": True,
-                         "source_ts": "1700000000"}
+                         "source_ts": "1700000000", "file": "arr.json"}
     assert items["w1"].why == "leaks" and items["a2"].kind == "note"
 
 
@@ -6616,6 +6616,9 @@ def test_import_identity_is_system_and_id_and_changed_records_are_reported(repo,
     b = _jsonl(tmp_path / "tool-b.jsonl", {"id": "m1", "content": "beta: pin base images"})
     assert cs.import_memory("json", a)["imported"] == 1
     assert cs.import_memory("json", b)["imported"] == 1       # another tool's m1
+    files = sorted(i.source.get("file") for i in cs.store(cs.resolve_config(), "local"
+                                                          ).read().items)
+    assert files == ["tool-a.jsonl", "tool-b.jsonl"]           # their provenance says which
     named = _jsonl(tmp_path / "mixed.jsonl",
                    {"id": "x1", "system": "mem0", "content": "gamma: rotate keys"},
                    {"id": "x1", "source": "zep", "content": "delta: cap queue depth"})
