@@ -1374,8 +1374,8 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     if key in ("CAMBIUM_TEAM_BRANCH", "CAMBIUM_AGENTSYNC_BRANCH"):
         if not is_valid_branch(value):
             return (f"{label} is not a valid git branch name" + (
-                f" (longer than {MAX_BRANCH_BYTES} bytes)" if len(value) > MAX_BRANCH_BYTES
-                else ""))
+                f" (longer than {MAX_BRANCH_BYTES} bytes)"
+                if len(value.encode("utf-8", "surrogatepass")) > MAX_BRANCH_BYTES else ""))
     elif key == "CAMBIUM_REMOTE":
         if value.startswith("-") or not re.fullmatch(r"[\w.\-/]+", value):
             return f"{label} is not a valid remote name"
@@ -2601,9 +2601,8 @@ def _top_keys_twice(data: bytes) -> list[str]:
     seen: list[list[str]] = []
 
     def pairs(kv: list) -> dict:
-        keys = [k for k, _ in kv]
-        seen.append(sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) < len(keys)
-                    else [])
+        counts = collections.Counter(k for k, _ in kv)
+        seen.append(sorted(k for k, n in counts.items() if n > 1))
         return dict(kv)
 
     try:
@@ -4165,11 +4164,17 @@ class GitStore(Store):
 
     def cloned_tip(self) -> str | None:
         """The branch as git itself last fetched it (`git clone`, `git fetch`:
-        refs/remotes/<remote>/<branch>), for a clone cambium has not fetched
-        yet: its first session's primer said nothing was known. Read only."""
-        proc = self.git("rev-parse", "--verify", "--quiet",
-                        f"refs/remotes/{self.remote}/{self.branch}^{{commit}}", check=False)
-        return proc.stdout.strip() or None
+        refs/remotes/<remote>/<branch>), for a clone cambium has never fetched
+        (its first session's primer said nothing was known); None once cambium
+        has fetched (that ref may hold a branch deleted since). Read from .git,
+        no subprocess: a capture reads it."""
+        if os.path.exists(self._stamp()):
+            return None
+        try:
+            tip = _ref_value(self.repo, f"refs/remotes/{self.remote}/{self.branch}")
+        except (OSError, IndexError):
+            return None
+        return tip if OID.fullmatch(tip or "") else None
 
     def doc_at(self, commit: str | None) -> Doc:
         """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
@@ -10235,8 +10240,9 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
 
         try:
             kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
-        except CambiumError as e:
-            raise _copied_not_dropped(e, src, dst, held, write) from None
+        except (CambiumError, OSError) as e:
+            raise _copied_not_dropped(e if isinstance(e, CambiumError) else
+                                      CambiumError(error_text(e)), src, dst, held, write) from None
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
     return Moved(write, landed, planned.refused)
 
@@ -12268,27 +12274,28 @@ def capture(content: Annotated[str, Field(
 def _said_before(cfg: Config, content: Any, type: str) -> dict | None:
     """capture's answer when its words were said before elsewhere: corrected
     by a person (the correction), or held by team or org (that item)."""
-    if fixed := _correction_of_text(cfg, content, type):
+    if not isinstance(content, str) or not content.strip():
+        return None                            # (capture's own checks say what is wrong)
+    docs, _ = read_scopes_offline(cfg)         # (once: a capture is O(1))
+    if fixed := _correction_of_text(cfg, content, type, docs):
         return {"status": "corrected_before", "item": item_view(fixed),
                 "note": "a person corrected this statement; the correction stands (capture "
                         "with supersedes=<its id> to dispute it)"}
-    if held := _shared_copy_of_text(cfg, content, type):
+    if held := _shared_copy_of_text(cfg, content, type, docs):
         return {"status": "duplicate", "item": item_view(held),
                 "note": f"{held.scope} scope holds an active item with this content; endorse "
                         "it instead of capturing it again"}
     return None
 
 
-def _correction_of_text(cfg: Config, content: Any, type: str) -> Item | None:
+def _correction_of_text(cfg: Config, content: str, type: str,
+                        docs: dict[str, Doc]) -> Item | None:
     """The live correction of an item of any scope that said exactly `content`
     (capturing the words a person corrected stored the wrong statement again,
     active), at the end of its chain: a correction that was promoted, corrected
-    again or folded into a survivor by consolidate still answers. Scopes as
-    last read: a capture never waits on the network."""
-    if not isinstance(content, str) or not content.strip():
-        return None                            # (capture's own checks say what is wrong)
+    again or folded into a survivor by consolidate still answers. `docs`:
+    scopes as last read (a capture never waits on the network)."""
     key = text_key(type, plain_text(content).strip())
-    docs, _ = read_scopes_offline(cfg)
     maps = [corrections(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
     for corrected in (i for words, _ in maps for i in words.get(key, ())):
         fix = next((fixes[corrected] for _, fixes in maps if corrected in fixes), None)
@@ -12299,14 +12306,12 @@ def _correction_of_text(cfg: Config, content: Any, type: str) -> Item | None:
     return None
 
 
-def _shared_copy_of_text(cfg: Config, content: Any, type: str) -> Item | None:
+def _shared_copy_of_text(cfg: Config, content: str, type: str,
+                         docs: dict[str, Doc]) -> Item | None:
     """The active org or team item that says exactly `content` (a capture of
     an item's words after it was promoted stored a second copy, recalled beside
-    it until consolidate ran). Scopes as last read: no network."""
-    if not isinstance(content, str) or not content.strip():
-        return None
+    it until consolidate ran), in `docs`: scopes as last read, no network."""
     key = text_key(type, plain_text(content).strip())
-    docs, _ = read_scopes_offline(cfg)
     for scope in ("org", "team"):
         if scope in docs and (hit := active_texts(f"{scope}:{cfg.repo}",
                                                   docs[scope].items).get(key)):
@@ -13190,11 +13195,9 @@ def review_promotions(limit: Annotated[int, Field(
     (settled_org_prs), withdraws those whose pull request was closed without
     merging, or merged and reverted (closed_org_prs: the item stays where it
     is, ready to promote again; a shared branch whose PR was closed is deleted),
-    brings open org PRs up to org's tip once another merged (caught_up_org_prs:
-    the branches moved), so they merge without conflict, and opens the PR of a
-    shared branch whose PR gh failed to open (opened_org_prs). Each of the
-    four lists holds at most `limit` entries; `counts` says how many there are.
-    """
+    brings open org PRs up to org's tip (caught_up_org_prs), and opens the PR
+    of a shared branch gh failed to (opened_org_prs). Each list holds at most
+    `limit` entries; `counts` says how many there are."""
     cfg = require_config()
     check_arg(review_promotions, "limit", limit)
     docs, warnings = read_scopes(cfg, SCOPES)
@@ -13712,6 +13715,8 @@ def _restorable_layout(p: Path) -> None:
 
 def _restored_already(p: Path) -> dict | None:
     """restore's answer when it ran on `p` before (the file is now *.restored)."""
+    if not p.name:                                   # (/ has no name to add to)
+        return None
     done = p.with_name(p.name + RESTORED_SUFFIX)
     if os.path.lexists(p) or not os.path.isfile(done):
         return None
@@ -14292,7 +14297,12 @@ class _RepairedStdin:
             return self._buffer.readline()
         seen = 0                                # (a 32 MB line is scanned once, not per read)
         with selectors.DefaultSelector() as sel:
-            sel.register(self._fd, selectors.EVENT_READ)
+            try:
+                sel.register(self._fd, selectors.EVENT_READ)
+            except (OSError, ValueError):      # a regular file or /dev/null: epoll refuses
+                self._fd = None                # them, and a read of them never waits
+                return bytes(self._pending) + self._buffer.readline() if self._pending \
+                    else self._buffer.readline()
             while (cut := self._pending.find(b"\n", seen)) < 0:
                 seen = len(self._pending)
                 if STDIO_STOP.is_set():

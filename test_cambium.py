@@ -822,7 +822,7 @@ def test_setup_refuses_head_or_a_branch_of_the_project_as_team_branch(tmp_path):
     r = make_repo(tmp_path)
     with pytest.raises(cs.InputError, match="team_branch"):
         cs.setup(str(r), "ada", team_branch="HEAD")
-    for long in ("t" * 250, "kb/" * 350_000):     # git takes them; cambium's lock could not
+    for long in ("t" * 250, "kb/" * 350_000, "é" * 101):  # git takes them; cambium's lock not
         with pytest.raises(cs.InputError, match="longer than 200 bytes") as err:
             cs.setup(str(r), "ada", team_branch=long)
         assert err.value.argument == "team_branch" and len(str(err.value)) < 400
@@ -1569,6 +1569,8 @@ def test_store_where_nothing_parses_is_moved_aside_and_restored_faithfully(repo)
     assert cs.restore(res["moved_to"])["status"] == "nothing_to_restore"
     again = cs.restore(str(aside))                # the same command twice: "no file" before
     assert again["status"] == "nothing_to_restore" and res["moved_to"] in again["note"]
+    with pytest.raises(cs.InputError):
+        cs.restore("/")
 
 
 def test_restore_folds_the_copy_a_distill_made_while_the_store_was_set_aside(repo):
@@ -3863,6 +3865,10 @@ def test_a_fresh_clones_first_primer_reads_the_team_branch_git_clone_fetched(sha
     assert not (fresh / ".git" / "refs" / "cambium").exists()       # still no fetch of its own
     out = cli("primer", "--hook", cwd=fresh)
     assert "Never run migrations" in out.stdout, out
+    git(shared["origin"], "branch", "-D", "cambium")        # the team branch deleted
+    cs.recall("migrations deploy windows")                  # cambium fetches: no branch now
+    assert "Never run migrations" not in cs.session_primer()["primer"]   # git's old ref: no
+    assert cs.capture("Never run migrations during deploy windows")["status"] == "captured"
 
 
 def test_capturing_a_promoted_items_words_again_answers_duplicate(shared, monkeypatch):
@@ -8656,6 +8662,24 @@ def test_mcp_server_folds_local_credits_on_clean_shutdown(repo):
     assert not (repo / ".cambium" / "credits.jsonl").read_text().strip()
     cache = json.loads((repo / ".cambium" / cs.PRIMER_CACHE_FILE).read_text())
     assert cache["key"] == cs.primer_key(cs.resolve_config(), cs.PRIMER_LIMIT)  # made after it
+
+
+def test_a_stdio_server_reads_a_file_or_dev_null_as_its_input(repo, tmp_path):
+    """The reader that lets a signal end the session waited on stdin with
+    epoll, which refuses a regular file and /dev/null (nohup, systemd, docker
+    without -i): the server died with a traceback."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}}) + "\n")
+    for source in (lines, Path(os.devnull)):
+        with open(source, "rb") as stdin:
+            out = subprocess.run([sys.executable, str(SERVER)], stdin=stdin,
+                                 capture_output=True, env=_mcp_env(repo), timeout=60)
+        assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr[-400:]
+        if source == lines:
+            assert json.loads(out.stdout.splitlines()[0])["result"]["serverInfo"]
 
 
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 0)])
