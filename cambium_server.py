@@ -5292,10 +5292,13 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({json_kind(rec)})")
     notes: tuple = ()
-    if bad := _surrogate_fields(rec):
-        rec = valid_unicode_deep(rec)
-        notes = (f"{where}: a lone surrogate escape (like \\ud800) in "
-                 f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
+    try:
+        if bad := _surrogate_fields(rec):
+            rec = valid_unicode_deep(rec)
+            notes = (f"{where}: a lone surrogate escape (like \\ud800) in "
+                     f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
+    except RecursionError:               # valid JSON, nested past what a walk of it can take
+        return Skip(where, "nested too deep to read (a record of plain fields is expected)")
     body = _first(rec, _BODY_KEYS)
     if not isinstance(body, str) or not body.strip():
         return Skip(where, "no body (content/text/body/memory/note)")
@@ -10904,10 +10907,27 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
     return new, retired, elsewhere
 
 
+SNAPSHOT_MAX_FILES = 200     #: changed_files a remembered claim keeps (anchors use fewer)
+
+
 def _snapshot_of(claims: dict[str, dict]) -> dict[str, dict]:
-    """The capture-worthy claims, trimmed to what rebuilding a draft needs."""
-    return {agent: {k: c.get(k) for k in SNAPSHOT_FIELDS if k in c}
+    """The capture-worthy claims, trimmed to what rebuilding a draft needs, and
+    bounded: text fields as text of at most an item's size, changed_files as
+    up to SNAPSHOT_MAX_FILES paths (a 12 MB note and 200,000 files made the
+    store 20 MB for one item; a list nested 980 deep failed every distill)."""
+    return {agent: {k: _snapshot_value(k, c.get(k)) for k in SNAPSHOT_FIELDS if k in c}
             for agent, c in sorted(claims.items()) if is_capture_worthy(c)}
+
+
+def _snapshot_value(key: str, value: Any) -> Any:
+    if key == "changed_files":              # [{path, status}]: text only, a few hundred
+        files = value if isinstance(value, list) else []
+        return [{k: c[k][:MAX_CODE_PATH_CHARS * 2] for k in ("path", "status")
+                 if isinstance(c.get(k), str)} for c in files[:SNAPSHOT_MAX_FILES]
+                if isinstance(c, dict) and isinstance(c.get("path"), str)]
+    if isinstance(value, str):
+        return value[:MAX_CONTENT_CHARS]
+    return value if value is None or isinstance(value, (bool, int, float)) else None
 
 
 @dataclass

@@ -8086,6 +8086,36 @@ def test_distill_waits_to_retire_an_item_whose_org_pull_request_is_open(
         "context-keeper"] and not any(item_id in w for w in settled["warnings"])
 
 
+def test_a_remembered_claim_is_bounded_text_and_paths(tmp_path):
+    """Release capture copied a board claim into the store's meta whole: a 12
+    MB note and 200,000 files made knowledge.json 20 MB for one item, and a
+    changed_files list nested 980 deep failed every distill."""
+    deep: list = []
+    for _ in range(980):
+        deep = [deep]
+    claim = {"task": "parser", "branch": "feat/p", "status": "active", "note": "n" * 12_000_000,
+             "updated_at": "2026-01-01T00:00:00Z",
+             "changed_files": [{"path": f"src/f{n}.py", "status": "M", "x": deep}
+                               for n in range(200_000)] + [deep]}
+    kept = cs._snapshot_of({"ada": claim})["ada"]       # (a note: worth capturing)
+    assert len(kept["note"]) == cs.MAX_CONTENT_CHARS
+    assert len(kept["changed_files"]) == cs.SNAPSHOT_MAX_FILES
+    assert kept["changed_files"][0] == {"path": "src/f0.py", "status": "M"}
+    assert len(json.dumps(kept)) < 100_000
+
+
+def test_import_skips_a_record_nested_too_deep_and_keeps_the_rest(repo, tmp_path):
+    """A valid record nested ~500 deep ran the surrogate check out of stack:
+    a traceback, and nothing stored, not even the good records beside it."""
+    deep = "[" * 600 + "]" * 600
+    f = tmp_path / "deep.jsonl"
+    f.write_text('{"id": "d1", "content": "deep one", "extra": ' + deep + '}\n'
+                 + json.dumps({"id": "ok", "content": "a plain record"}) + "\n")
+    res = cs.import_memory("json", str(f))
+    assert res["imported"] == 1 and res["skipped"] == 1, res
+    assert "nested too deep" in res["skipped_reasons"][0]["reason"]
+
+
 def test_release_capture_prompts_to_reverify_related_promoted_entries(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
     old = _endorsed("Invoice totals are computed in integer cents", "money in cents")
