@@ -9971,7 +9971,8 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
             if not highest:
                 break
             marks = doc.meta.get(MOVING_META) if scope == "local" else None
-            fetch_above = bool(hit[1].pr_url) or (isinstance(marks, dict) and item_id in marks)
+            fetch_above = bool(hit[1].pr_url) or (isinstance(marks, dict) and item_id in marks) \
+                or scope == "team"           # (a team -> org move leaves no mark to read)
     if found:
         return found
     if failed:
@@ -10429,7 +10430,7 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]
             moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
                          message="settle merged org PRs")
             settled += sorted(it.id for it in moved.landed)
-    return settled + (settle_unmarked(cfg, docs) if cfg.org_pr else [])
+    return settled + settle_unmarked(cfg, docs)
 
 
 def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
@@ -10437,8 +10438,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
     request: a PR-mode promote killed after gh opened its pull request (or gh
     timing out after GitHub made it) never marked its copy, and after the
     merge the item stayed active in org and below for good. Each finishes its
-    move as promote() would (_finish_held_move). Direct mode leaves such a
-    copy to the next promote, which a move's mark or locate() leads to."""
+    move as promote() would (_finish_held_move); in direct mode too (a team
+    to org move killed after its org push left such a team copy for good)."""
     try:                                  # org as just read, else as last fetched
         org_doc = docs.get("org") or store(cfg, "org").peek()
     except CambiumError:
@@ -12908,8 +12909,12 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
         return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
                             force=force and item_id is not None)
 
-    local = [it for it in first_copies(store(cfg, "local").read().items)
-             if item_id in (None, it.id)]
+    doc = store(cfg, "local").read()
+    to_org = {k for k, v in meta_map(doc.meta, MOVING_META).items() if v == "org"}
+    if item_id in to_org:                      # a move to org cut short: finished there
+        return _promote_to_org(cfg, item_id, force=True, restate={})
+    local = [it for it in first_copies(doc.items)  # (never to team as well: two scopes)
+             if item_id in (None, it.id) and it.id not in to_org]
     verdicts = {it.id: gate(it) for it in local}
     if item_id is not None and not local:
         scope, it = locate(cfg, item_id)
@@ -13228,7 +13233,8 @@ def review_promotions(limit: Annotated[int, Field(
     pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
-    for it in docs["local"].items:
+    to_org = {k for k, v in meta_map(docs["local"].meta, MOVING_META).items() if v == "org"}
+    for it in (it for it in docs["local"].items if it.id not in to_org):
         trust = effective_trust(it, pending)
         verdict = team_verdict(it, trust, cfg.promote_recalls)
         if verdict.allowed:

@@ -2807,7 +2807,8 @@ def test_a_change_to_a_copy_another_clone_already_moved_up_is_carried(
     """Another clone's promote has pushed its org copy but not yet dropped the
     team copy, which this clone then changes and promotes: the org copy counted
     as landed and the team copy was dropped as it stood, change and all (both
-    answers said promoted). The change is now added to the org copy first."""
+    answers said promoted). The change now lands on org (fetched for real, as
+    the item's highest scope), and review finishes the team copy's move."""
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Every queue has a dead-letter queue")
     cs.promote(item_id, force=True)
@@ -2826,13 +2827,13 @@ def test_a_change_to_a_copy_another_clone_already_moved_up_is_carried(
             "deprecate": lambda: cs.deprecate(item_id, reason="queues are gone"),
             "correct": lambda: cs.correct(item_id, "Every queue has a DLQ and an alarm",
                                           "the on-call lead said")}[act]()
-    assert done["scope"] == "team"
-    review = cs.review_promotions()                       # the copy left below: not offered
+    assert done["scope"] == "org"             # where the item is now: org, fetched for real
+    review = cs.review_promotions()                       # the copy left below: settled
     assert item_id not in {i["id"] for i in review["endorsed_for_org"]}
-    res = cs.promote(item_id, to_scope="org", force=True)
-    assert res["status"] == "already_promoted" and "org held this item already" in \
-        res["note"] or act in ("deprecate", "correct") and "cut short" in res["note"], res
+    assert item_id in review.get("settled_org_prs", []), review
     assert item_id not in team_ids(shared["origin"])
+    res = cs.promote(item_id, to_scope="org", force=True)
+    assert res["status"] == "already_promoted", res
     (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
     assert res["item"]["status"] == org["status"]              # the copy as it landed
     if act == "endorse":
@@ -2843,8 +2844,9 @@ def test_a_change_to_a_copy_another_clone_already_moved_up_is_carried(
     elif act == "deprecate":
         assert org["status"] == "deprecated" and org["deprecated"]["reason"] == "queues are gone"
     else:
-        assert org["status"] == "superseded" and "cut short" in res["note"]
-        assert org["superseded_by"]["id"] in team_ids(shared["origin"])   # the correction
+        assert org["status"] == "superseded"
+        assert org["superseded_by"]["id"] in {i["id"] for i in remote_json(
+            shared["org_bare"], "main")["items"]}                          # the correction
     assert cs.promote(item_id, to_scope="org")["status"] == "already_promoted"
 
 
@@ -4423,8 +4425,11 @@ def test_consolidate_brings_no_anchor_tag_or_premise_into_an_org_survivor(shared
     assert "payments" not in org.get("tags", [])
 
 
-def test_direct_mode_leaves_an_unmarked_copy_of_an_org_item_to_the_next_promote(
-        shared, monkeypatch):
+def test_direct_mode_finishes_a_copy_a_cut_short_move_left_below(shared, monkeypatch):
+    """A team -> org move killed after its org push leaves no mark: the team
+    copy stayed active beside org's for good, a deprecate landed on it while
+    org served the item; and a local copy marked as moving to org was sent to
+    team by the next promote(): active in team and org for good."""
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item = _endorsed("Every queue has a dead-letter queue")
     cs.promote(item, to_scope="org", force=True)
@@ -4432,12 +4437,29 @@ def test_direct_mode_leaves_an_unmarked_copy_of_an_org_item_to_the_next_promote(
     data = json.loads(path.read_text())
     copy = dict(remote_json(shared["org_bare"], "main")["items"][0], scope="local")
     data["items"].append(copy)
+    data.setdefault("meta", {})[cs.MOVING_META] = {item: "org"}
     path.write_text(json.dumps(data))
-    review = cs.review_promotions()
-    assert item not in review.get("settled_org_prs", [])
-    assert item in {i["id"] for i in local_items(shared["a"])}
-    assert cs.promote(item, to_scope="org")["status"] == "already_promoted"
+    assert item not in {i["id"] for i in cs.review_promotions()["team_eligible"]}
+    assert cs.promote()["status"] == "nothing_eligible"            # never to team as well
+    assert item not in team_ids(shared["origin"])
+    assert cs.promote(item)["status"] == "already_promoted"        # the org move, finished
     assert item not in {i["id"] for i in local_items(shared["a"])}
+    other = _endorsed("Every service exports RED metrics")
+    cs.promote(other)
+    cs.promote(other, to_scope="org", force=True)
+    left = clone(shared["origin"], shared["tmp"] / "fixer")     # a team copy a killed
+    git(left, "checkout", "-q", "cambium")                       # move left behind
+    doc = json.loads((left / "knowledge.json").read_text())
+    org_copy = next(i for i in remote_json(shared["org_bare"], "main")["items"]
+                    if i["id"] == other)
+    doc["items"].append(dict(org_copy, scope="team"))
+    (left / "knowledge.json").write_text(json.dumps(doc))
+    git(left, "commit", "-q", "-am", "a copy a killed move left")
+    git(left, "push", "-q", "origin", "cambium")
+    res = cs.deprecate(other, reason="we moved to OpenTelemetry")    # lands in org
+    assert res["item"]["scope"] == "org", res
+    assert other in cs.review_promotions().get("settled_org_prs", [])
+    assert other not in team_ids(shared["origin"])
 
 
 def test_a_refusal_names_no_pull_request_outside_pr_mode(repo):
