@@ -1053,8 +1053,10 @@ def code_path_problem(path: str) -> str | None:
 
 def _one_code_ref(ref: Any) -> dict:
     """{path, symbol?} from a dict or a "path" / "path#symbol" string."""
-    if isinstance(ref, str):
-        path, _, symbol = ref.partition("#")
+    if isinstance(ref, str):                 # the last # that a name follows: src/c#/P.cs#Main
+        path, _, symbol = ref.rpartition("#")
+        if not path or symbol.strip() and not _SYMBOL.fullmatch(symbol.strip()):
+            path, symbol = ref, ""
         ref = {"path": path, "symbol": symbol or None}
     if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
         raise InputError("code_refs entries are {path, symbol?} objects or \"path#symbol\" "
@@ -1087,6 +1089,9 @@ def normalize_code_refs(refs: Any) -> list[dict] | None:
     validated, deduplicated, at most MAX_CODE_REFS. None when there are none."""
     if refs in (None, "", []):
         return None
+    if isinstance(refs, str) and refs.lstrip()[:1] in ("[", "{"):   # the JSON form, as text
+        with contextlib.suppress(ValueError, RecursionError):      # (the CLI's --code-ref)
+            refs = json.loads(refs)
     if isinstance(refs, str):
         refs = [r for r in refs.split(",") if r.strip()]
     elif isinstance(refs, dict):
@@ -6268,6 +6273,13 @@ def authority_first(hits: list[Hit]) -> list[Hit]:
     return out
 
 
+def shown_relevance(relevance: float, result: bool) -> float:
+    """A relevance as answers show it (3 places); below the floor it never
+    rounds up to the floor (0.4996 read as 0.5 beside "nothing known")."""
+    shown = round(relevance, 3)
+    return shown if result or shown < RELEVANCE_FLOOR else round(RELEVANCE_FLOOR - 0.001, 3)
+
+
 def ties_by_authority(hits: list[Hit]) -> list[Hit]:
     """Results whose relevance ties (as shown, to 3 places) take their places
     among themselves by authority, highest first: a person's correction lifted
@@ -6346,7 +6358,8 @@ EVERY_TERM_MAX_POSTINGS = 5_000   #: every_term_slots walks no longer a list (0.
 def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
                      ) -> list[int]:
     """Up to `limit` live slots, past `taken`, whose items' content and tags
-    hold every word of the query (holds_every_term), by id: such an item is
+    hold every word of the query (holds_every_term), by authority then id
+    (a person's correction is never left out for agents' items): such an item is
     at the floor at least, but a long one ranked below `limit` short items
     holding only the common word, and recall said nothing was known. Their
     rarest list walked, each slot looked up in the others (_posted)."""
@@ -6354,9 +6367,9 @@ def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
     if len(rarest) > EVERY_TERM_MAX_POSTINGS:      # every word common: holding them all
         return []                                  # vouches for little, and the walk cost
     items = index.items                 # (by id: the same whatever the index's history)
-    live = [(it.id, i, it) for i in rarest if i not in taken and all(
+    live = [(-it.authority_rank, it.id, i, it) for i in rarest if i not in taken and all(
         _posted(o, i) for o in others) and (it := items[i]) is not None]
-    return list(itertools.islice((i for _, i, it in sorted(live)
+    return list(itertools.islice((i for _, _, i, it in sorted(live, key=lambda x: x[:2])
                                   if holds_every_term(it, terms)), limit))
 
 
@@ -7837,6 +7850,7 @@ class Semantic:
               limit: int, reranker: Reranker | None = None) -> Ranking:
         np = emb.np
         terms = list(dict.fromkeys(tokenize(query)))
+        pool = max(limit, RESULT_HEAD)   # judged at the default limit, cut after (limit 1
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
             first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
@@ -7874,11 +7888,12 @@ class Semantic:
                 score = reranked(np, score, top, logits, set(exact))
         hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else
                     lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
-                for i in best_slots(np, score, items, limit + TIE_SLACK)
+                for i in best_slots(np, score, items, pool + TIE_SLACK)
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
-        ranking = tied_at_cut(ranking_of(hits[:limit], terms, index, mode="semantic",
+        ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
                                          unknown=unknown_names(index, query)),
-                              hits[limit:], terms, index, limit)
+                              hits[pool:], terms, index, pool)
+        ranking.hits = ranking.hits[:limit]   # abstained beside a result at 0.517)
         ranking.reranked = reranker is not None and failed is None
         ranking.second = second
         if waiting:
@@ -10767,10 +10782,11 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
 
 def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
     """Entries per section: each section's share of `limit` first, then the
-    slots left over in section order."""
+    slots left over in section order, notes nobody vouched for last (they took
+    the room before open needs and stale premises)."""
     picked = {name: ranked[name][:int(limit * share)] for name, _, share in PRIMER_SECTIONS}
     room = limit - sum(map(len, picked.values()))
-    for name, _, _ in PRIMER_SECTIONS:
+    for name in sorted((n for n, _, _ in PRIMER_SECTIONS), key=lambda n: n == "notes"):
         extra = ranked[name][len(picked[name]):len(picked[name]) + max(room, 0)]
         picked[name] += extra
         room -= len(extra)
@@ -12440,7 +12456,8 @@ def recall(query: Annotated[str, Field(
     ranking = rank(index, query, limit, cfg=cfg)
     out: dict[str, Any] = {"query": query, "scope": scope, "mode": ranking.mode,
                            "scopes_searched": list(docs),
-                           "top_relevance": round(ranking.confidence, 3)}
+                           "top_relevance": shown_relevance(ranking.confidence,
+                                                            not ranking.abstains())}
     if ranking.reranked:
         out["reranked"] = True
     if ranking.second:
@@ -12510,7 +12527,8 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
                                        round(h.confidence, 3), detail) for h in hits],
                "no_confident_match": False}
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
-                            "relevance": round(h.confidence, 3)} for h in ranking.weak[:3]]
+                            "relevance": shown_relevance(h.confidence, False)}
+                           for h in ranking.weak[:3]]
     if ranking.unknown:
         names = out["unknown_names"] = ranking.unknown[:10]
         if ranking.abstains():
@@ -12632,6 +12650,8 @@ def primer_key(cfg: Config, limit: int) -> str | None:
                 parts.append((scope, _ref_value(st.repo, st.ref) or _ref_value(
                     st.repo, f"refs/remotes/{st.remote}/{st.branch}")))   # (cloned_tip)
         parts.append(_git_head(cfg.repo))
+        if cfg.org_repo:                      # the org items sessions here were shown
+            parts.append(sorted(used_here(cfg)))
     except (OSError, IndexError, CambiumError):
         return None
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()

@@ -9231,6 +9231,26 @@ def test_semantic_finds_a_paraphrase_lexical_misses(semantic, monkeypatch):
     assert res["no_confident_match"] is False and res["results"][0]["id"] == want
 
 
+def test_a_smaller_limit_shows_fewer_results_never_other_ones(semantic):
+    """Semantic recall cut its ranking to `limit` before the floor: at limit 1
+    the first ranked, a near miss, made recall abstain beside a result at
+    0.517 that limit 5 returned."""
+    for t in ("Database migrations must not run during the deploy window",
+              "Run schema migrations before deploying the new API version",
+              "Deploys happen on Tuesdays and Thursdays only",
+              "Migrations are written with alembic and reviewed by the DBA",
+              "Rollback of a failed deploy uses the previous container image",
+              "Never edit a migration after it was merged",
+              "Webhook retries use exponential backoff", "Feature flags live in LaunchDarkly",
+              "The staging database is refreshed weekly",
+              "Container images are scanned before deploy"):
+        cs.capture(t)
+    for query in ("scan payment", "ship backoff", "rolling back a release"):
+        five = [r["id"] for r in cs.recall(query, limit=5)["results"]]
+        for limit in (1, 2, 3):
+            assert [r["id"] for r in cs.recall(query, limit=limit)["results"]] == five[:limit]
+
+
 @needs_extra
 def test_a_vector_cache_index_of_odd_rows_is_discarded_and_a_failed_save_leaves_nothing(
         tmp_path):
@@ -11484,6 +11504,22 @@ def test_primer_never_calls_a_note_nobody_vouched_for_trusted(repo):
     assert trusted.index(fixed) < trusted.index("Endorsed note")      # and it leads
 
 
+def test_notes_nobody_vouched_for_get_the_primers_room_last():
+    """The room other sections left went in section order, so unvouched notes
+    took it before stale premises and open needs: at limit 10, 8 such notes
+    and 1 of 6 open needs."""
+    ranked = {name: [] for name, _, _ in cs.PRIMER_SECTIONS}
+    ranked["notes"] = [f"n{i}" for i in range(10)]
+    ranked["needs"] = [f"w{i}" for i in range(6)]
+    picked = cs._quota_pick(ranked, 10)
+    assert len(picked["needs"]) == 6 and len(picked["notes"]) == 4
+
+
+def test_a_weak_match_never_shows_the_floor():
+    assert cs.shown_relevance(0.4996, False) == 0.499
+    assert cs.shown_relevance(0.4996, True) == 0.5 and cs.shown_relevance(0.31, False) == 0.31
+
+
 def test_a_cjk_primer_counts_a_token_for_each_character(repo):
     """Four characters a token let a Chinese or Japanese digest hold 4,218
     characters under a stated ~1,470 tokens: several times its budget."""
@@ -11579,9 +11615,12 @@ def test_an_org_item_a_session_here_recalled_reaches_this_projects_primer(shared
     cs.runtime().reset()
     cs.capture("Beta keeps its own notes", tags="frontend")
     assert item_id not in cs.session_primer()["primer"]
+    assert item_id not in cli("primer", "--hook", cwd=other).stdout      # its cache, made
     monkeypatch.setenv("CAMBIUM_SESSION_ID", "run-1")
     assert cs.recall("idempotency keys expire")["results"][0]["id"] == item_id
     assert item_id in cs.session_primer()["primer"]
+    hook = cli("primer", "--hook", cwd=other)             # its cache is named by that use too
+    assert item_id in hook.stdout, hook
 
 
 def test_primer_reads_shared_scopes_at_the_last_fetched_tip(shared, monkeypatch):
@@ -11986,6 +12025,19 @@ def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     assert "capture()" not in text and "capture what you learn" in text   # CLI syntax
     bad = cli("capture", "x", "--code-ref", "/etc/passwd")
     assert bad.returncode == 1 and "absolute" in bad.stderr
+
+
+def test_cli_code_refs_take_the_json_form_and_a_path_holding_a_hash(coderepo):
+    """`--code-ref '[{"path": ...}]'` (the form --help shows) was split at its
+    commas into junk anchors; `src/c#/Prog.cs#Main` split at the first #."""
+    out = cli("capture", "Totals are computed in one place", "--code-ref",
+              '[{"path": "src/billing.py", "symbol": "total"}, "src/c#/Prog.cs#Main"]')
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["item"]["code_refs"] == [
+        {"path": "src/billing.py", "symbol": "total"}, {"path": "src/c#/Prog.cs",
+                                                        "symbol": "Main"}]
+    assert cs.normalize_code_refs("a.py#,src/c#/notes.md") == [{"path": "a.py"},
+                                                              {"path": "src/c#/notes.md"}]
 
 
 def test_mcp_capture_takes_every_code_refs_form_the_cli_does(coderepo):
