@@ -10774,7 +10774,10 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
               and v.get("by") != item.created_by        # (a promote verifies as its author)
               and (at := _parse_ts(v.get("at"))) is not None
               and (now - at).days <= RECENTLY_VERIFIED_DAYS]
-    return bool(item.authority_rank or trust.get("endorsements") or recent
+    stamp = _parse_ts(item.last_verified) if isinstance(item.last_verified, str) else None
+    checked = stamp is not None and (now - stamp).days <= RECENTLY_VERIFIED_DAYS
+    return bool(item.authority == "human" or item.authority_rank and checked  # "recently
+                or trust.get("endorsements") or recent          # verified": not for good
                 or len(set(trust.get("recalled_by") or {}) - {item.created_by})
                 >= VOUCHING_RECALLERS
                 or len(trust.get("projects") or []) > 1)
@@ -15080,8 +15083,10 @@ def primer_hook(argv: list[str]) -> int:
             if not any("damaged line" in w for w in unread):
                 break
             time.sleep(0.05 * (attempt + 1))
-        if unread or (aside and not out["entries"]):   # a scope it could not read, or all
-            raise CambiumError("; ".join(unread or aside))   # set aside: say nothing
+        unread = [w for w in unread if not w.startswith(("team scope skipped",   # the digest
+                                                         "org scope skipped"))]  # says so
+        if unread or (aside and not out["entries"]):   # the local store unread, or all of
+            raise CambiumError("; ".join(unread or aside))   # it set aside: say nothing
         sys.stdout.write(json.dumps({"hookSpecificOutput": {    # ASCII: any stdout encoding
             "hookEventName": "SessionStart", "additionalContext": out["primer"]}}) + "\n")
         sys.stdout.flush()

@@ -11504,6 +11504,20 @@ def test_primer_never_calls_a_note_nobody_vouched_for_trusted(repo):
     assert trusted.index(fixed) < trusted.index("Endorsed note")      # and it leads
 
 
+def test_a_verification_vouches_for_ninety_days_not_for_good():
+    now = cs.datetime.now(cs.timezone.utc)
+    old = (now - __import__("datetime").timedelta(days=400)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    fresh = (now - __import__("datetime").timedelta(days=3)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    base = dataclasses.replace(cs.new_item("Checked once"), created_by="ada",
+                               authority="verified")
+    stale = dataclasses.replace(base, last_verified=old,
+                                verifications=[{"by": "bob", "at": old, "note": "ok"}])
+    recent = dataclasses.replace(base, last_verified=fresh,
+                                 verifications=[{"by": "bob", "at": fresh, "note": "ok"}])
+    assert not cs.vouched(stale, {}, now) and cs.vouched(recent, {}, now)
+    assert cs.vouched(dataclasses.replace(stale, authority="human"), {}, now)
+
+
 def test_notes_nobody_vouched_for_get_the_primers_room_last():
     """The room other sections left went in section order, so unvouched notes
     took it before stale premises and open needs: at limit 10, 8 such notes
@@ -11670,7 +11684,9 @@ def test_cli_primer_hook_gives_additional_context_and_never_fails(repo, tmp_path
                         ("[1, 2]", ()), (payload, ("--limit", "0")), (payload, ("--bogus",))):
         res = _hook(tmp_path, stdin, *args)
         assert (res.returncode, res.stdout) == (0, ""), (stdin, args, res.stderr)
-    store = repo / ".cambium" / "knowledge.json"
+    gone_org = _hook(tmp_path, payload, CAMBIUM_ORG_REPO=str(tmp_path / "never-cloned"))
+    assert "Never deploy on Fridays" in gone_org.stdout, gone_org.stderr   # org unread: the
+    store = repo / ".cambium" / "knowledge.json"                          # rest still served
     store.write_text("{ corrupt")
     res = _hook(tmp_path, payload)
     assert (res.returncode, res.stdout) == (0, "") and store.read_text() == "{ corrupt"
