@@ -10885,7 +10885,8 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
 
     reasons: watermark key -> reason. live: ids of items a live source record
     maps to, never retired (their text still stands at the source). A key whose
-    watermark is no id (hand-edited) names the local item of that source record.
+    watermark is no id (hand-edited) or is gone (a torn meta line set aside)
+    names the local item of that source record, by its provenance.
     Returns (new doc or None when nothing changes, retired, elsewhere).
     `elsewhere` lists items that were imported but are no longer active in local
     scope under that id (promoted on, or removed): the scope that holds them now
@@ -10896,8 +10897,8 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
     wanted: dict[str, tuple[str, str]] = {}
     for k, r in reasons.items():
         ids = [marks[k]] if isinstance(marks.get(k), str) else []
-        if k in marks and not ids:
-            if by_source is None:
+        if not ids:                     # hand-edited, or lost with a torn meta line: the
+            if by_source is None:       # local item of that source record, by provenance
                 by_source = {}
                 for it in doc.items:
                     if it.scope == "local" and it.active and it.source.get("system"):

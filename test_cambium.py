@@ -7291,6 +7291,12 @@ def test_plan_retirements_deprecates_local_and_lists_elsewhere():
     assert {e["ref"] for e in elsewhere} == {"con-001", "dec-002"}
     again, retired2, _ = cs.plan_retirements(new, reasons, now="2026-01-02T00:00:00Z")
     assert again is None and retired2 == []
+    lost = dataclasses.replace(cs.new_item("use postgres for orders"), source={
+        "system": "context-keeper", "ref": "dec-007"})
+    torn = cs.Doc(items=[lost], meta={})          # a torn meta line took every watermark
+    new, retired, _ = cs.plan_retirements(torn, {"context-keeper:dec-007": "deprecated"},
+                                          now="2026-01-03T00:00:00Z")
+    assert new.items[0].status == "deprecated" and retired[0]["id"] == lost.id
 
 
 # =============================================================================
