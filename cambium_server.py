@@ -291,8 +291,10 @@ def _noted(err: CambiumError, note: str) -> CambiumError:
 
 
 def _may_have_landed(err: CambiumError) -> bool:
-    """Whether a failed write may still have reached the remote: its push timed out."""
-    return isinstance(err, GitError) and err.code is None and "push" in err.cmd
+    """Whether a failed write may still have reached the remote: its push timed
+    out, or ran and could not be checked after (GitStore.verify)."""
+    return isinstance(err, GitError) and (err.code is None and "push" in err.cmd
+                                          or getattr(err, "after_push", False))
 
 
 def _unmoved(err: CambiumError, where: str, what: str = "the item(s) stay") -> CambiumError:
@@ -4328,7 +4330,17 @@ class GitStore(Store):
         raise failed
 
     def verify(self, commit: str, branch: str) -> None:
-        """Raise unless the remote's branch holds `commit` (at the tip or below it)."""
+        """Raise unless the remote's branch holds `commit` (at the tip or below it).
+        Its GitError is marked `after_push`: the push ran, so it may have landed
+        (_may_have_landed), and a move keeps its marks rather than saying
+        "nothing moved" of a copy the remote holds."""
+        try:
+            self._verify(commit, branch)
+        except GitError as e:
+            e.after_push = True             # type: ignore[attr-defined]
+            raise
+
+    def _verify(self, commit: str, branch: str) -> None:
         proc = self.git("ls-remote", "--", self.remote, f"refs/heads/{branch}")
         remote_tip = proc.stdout.split("\t", 1)[0].strip() if proc.stdout.strip() else ""
         if remote_tip == commit:

@@ -5647,6 +5647,30 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     assert cs.anchors_for(cfg, foreign) == []
 
 
+def test_a_push_that_ran_but_could_not_be_checked_may_have_landed(shared, monkeypatch):
+    """The remote went away between the push and its check (ls-remote): the
+    answer said "nothing moved" and cleared the move's mark, though the team
+    branch held the copy."""
+    item_id = _endorsed("Keep secrets out of logs")
+
+    def gone(self, commit, branch):
+        raise cs.GitError(["git", "ls-remote", self.remote, branch], 128,
+                          "fatal: '/srv/team.git' does not appear to be a git repository")
+
+    monkeypatch.setattr(cs.GitStore, "_verify", gone)
+    with pytest.raises(cs.GitError, match="may still land") as err:
+        cs.promote(item_id)
+    assert "nothing moved" not in str(err.value)
+    assert item_id in team_ids(shared["origin"])               # it did land
+    marks = json.loads(_store_path(shared["a"]).read_text()).get("meta", {})
+    assert item_id in marks.get(cs.MOVING_META, {}), marks    # the mark kept: a change waits
+    monkeypatch.undo()
+    as_agent(monkeypatch, shared["a"], "ada")
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "0.001")
+    assert cs.promote(item_id)["status"] in ("promoted", "already_promoted")
+    assert item_id not in {i["id"] for i in local_items(shared["a"])}
+
+
 def test_a_team_to_org_move_says_where_the_item_is_when_team_refuses_or_is_gone(
         shared, monkeypatch):
     """The team remote refused the drop (a pre-receive hook) after the org
