@@ -8729,13 +8729,12 @@ _TELLS = (
 )
 
 
-#: folders a code path is made of: `services/api` names a place in a project,
-#: `client/server` or `and/or` does not
-_CODE_DIRS = frozenset("""src lib libs app apps api docs doc test tests spec specs pkg cmd
-    internal config configs scripts bin build dist packages services modules components utils
-    util migrations infra deploy charts vendor node_modules tools examples assets static public
-    include handlers controllers models views routes web frontend backend cli core common
-    shared fixtures .github .ci""".split())
+#: folders a two-part code path starts with: `services/api` names a place in a
+#: project; `client/server`, `frontend/backend`, `build/test`, `and/or` do not
+_CODE_DIRS = frozenset("""src lib libs app apps api docs doc tests specs pkg cmd internal
+    config configs scripts bin dist packages services modules components utils util
+    migrations infra charts vendor node_modules tools examples assets static include
+    handlers controllers models views routes fixtures .github .ci""".split())
 #: libraries named like a file (`Node.js` is no file)
 _JS_NAMES = frozenset("node vue next nuxt express d3 three chart ember backbone deno".split())
 
@@ -8752,7 +8751,7 @@ def names_a_path(token: str) -> bool:
     if all(re.fullmatch(r"[A-Z0-9&+]{1,6}", p) for p in parts):
         return False                               # I/O, CI/CD, TCP/IP, 24/7, A/B
     return ("." in parts[-1] or len(parts) > 2 or stem.startswith(("~", "."))
-            or any(p.lower() in _CODE_DIRS for p in parts))
+            or parts[0].lower() in _CODE_DIRS)
 
 
 def generalization_tells(text: str, project: str) -> list[str]:

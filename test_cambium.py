@@ -4144,6 +4144,7 @@ def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared
     ("Use retries and/or circuit breakers; split read/write and client/server paths", []),
     ("Run Node.js and Vue.js behind the same proxy", []),
     ("Keep services/api thin", ["names a file: services/api"]),
+    ("Split public/private, frontend/backend, build/test and web/mobile concerns", []),
     ("Look in billing/invoices/rounding first", ["names a file: billing/invoices/rounding"]),
     ("Read ./deploy before you ship", ["names a file: ./deploy"]),
     ("The handler lives in server.js", ["names a file: server.js"]),
