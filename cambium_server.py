@@ -5425,8 +5425,8 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
                 yield Skip(f"line {n}", f"over {_size_text(MAX_FIRST_LINE_CHARS)} in one line: "
                                         "no record (not read into memory)")
                 continue
-            line, replaced = utf8_or_replaced(raw[3:] if n == 1 and raw.startswith(
-                b"\xef\xbb\xbf") else raw)
+            # a byte-order mark on any line: exports joined, each with its own
+            line, replaced = utf8_or_replaced(raw.removeprefix(b"\xef\xbb\xbf"))
             if not line.strip():
                 continue
             try:

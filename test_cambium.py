@@ -8157,6 +8157,14 @@ def test_a_remembered_claim_is_bounded_text_and_paths(tmp_path):
     assert len(json.dumps(kept)) < 100_000
 
 
+def test_import_reads_jsonl_exports_joined_each_with_a_byte_order_mark(repo, tmp_path):
+    f = tmp_path / "joined.jsonl"
+    f.write_bytes(b"".join(b"\xef\xbb\xbf" + json.dumps({"id": f"m{n}", "content":
+                                                        f"joined fact {n}"}).encode() + b"\n"
+                           for n in range(3)))
+    assert cs.import_memory("json", str(f))["imported"] == 3
+
+
 def test_import_skips_a_record_nested_too_deep_and_keeps_the_rest(repo, tmp_path):
     """A valid record nested ~500 deep ran the surrogate check out of stack:
     a traceback, and nothing stored, not even the good records beside it."""
