@@ -9969,15 +9969,17 @@ def federated_items(docs: dict[str, Doc]) -> list[Item]:
     return out
 
 
-def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = False
-           ) -> tuple[str, Item]:
+def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = False,
+           changing: bool = False) -> tuple[str, Item]:
     """(scope, item) for an id, searching local, then team, then org: a shared
     scope is fetched only when the scopes below it do not hold the item.
     highest: the tools that change an item want the highest scope holding it.
     During a move (the copy landed above, the one below not dropped yet, or a
     move a crash cut short) the copy below is the one the move drops, so a
     change made there would be lost: the scopes above are read too, at their
-    last fetched tip without fetching (this clone's own push is there at once).
+    last fetched tip without fetching (this clone's own push is there at once);
+    changing (a tool about to change the item): org is fetched for real above
+    a team copy, since a team -> org move cut short leaves no mark to read.
     An id in no readable scope while a scope could not be read is that scope's
     error (corrupt_store, git_failed), not not_found: it may be there."""
     found: tuple[str, Item] | None = None
@@ -9998,7 +10000,7 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
                 break
             marks = doc.meta.get(MOVING_META) if scope == "local" else None
             fetch_above = bool(hit[1].pr_url) or (isinstance(marks, dict) and item_id in marks) \
-                or scope == "team"           # (a team -> org move leaves no mark to read)
+                or changing and scope == "team"   # (a team -> org move leaves no mark)
     if found:
         return found
     if failed:
@@ -11850,7 +11852,7 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> None:
             where: dict[str, dict[str, dict]] = {}
             for item_id, outcome in pending.items():
                 with contextlib.suppress(NotFound):     # gone meanwhile: nothing to mark
-                    here = locate(cfg, item_id, highest=True, fresh=fresh)[0]
+                    here = locate(cfg, item_id, highest=True, fresh=fresh, changing=True)[0]
                     where.setdefault(here, {})[item_id] = outcome
             pending, fresh = {}, True
             for here, found in where.items():
@@ -12864,7 +12866,7 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
     """Apply a change to an item in the highest scope that holds it (locate);
     the tool's answer."""
     def attempt(fresh: bool) -> tuple[str, Item, Write]:
-        scope, found = locate(cfg, item_id, highest=True, fresh=fresh)
+        scope, found = locate(cfg, item_id, highest=True, fresh=fresh, changing=True)
         _refuse_while_waiting(scope, found)
         return (scope, *change_item(cfg, scope, item_id, change, message))
 
@@ -13450,7 +13452,7 @@ def _correct(cfg: Config, item_id: str, content: Any, why: Any, force: bool) -> 
 
 def _correct_once(cfg: Config, item_id: str, content: Any, why: Any, force: bool,
                   fresh: bool) -> dict:
-    scope, old = locate(cfg, item_id, highest=True, fresh=fresh)
+    scope, old = locate(cfg, item_id, highest=True, fresh=fresh, changing=True)
     _require_active(old, "corrected")
     _refuse_while_waiting(scope, old)
     now = _now()
