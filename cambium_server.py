@@ -994,6 +994,10 @@ def normalize_tags(tags: Any) -> list[str]:
     """Tags from a list or a comma/space separated string: trimmed, lowercased, unique."""
     if tags is None or tags == "":
         return []
+    if isinstance(tags, str) and tags.lstrip().startswith("["):   # the JSON list, as text
+        with contextlib.suppress(ValueError, RecursionError):    # (the CLI's --tags)
+            listed = json.loads(tags)
+            tags = listed if isinstance(listed, list) else tags
     if isinstance(tags, str):
         parts = re.split(r"[,\s]+", tags)
     elif isinstance(tags, (list, tuple)):
@@ -5402,7 +5406,11 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
     _regular_file(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()
+        head = f.read(4096)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head[1:2] == b"\0" == head[3:4]:
+        raise InputError(f"{path} is UTF-16 text (as PowerShell and Notepad may save it): "
+                         "save or convert it as UTF-8 and import it again.", "path")
+    head = head.lstrip(b"\xef\xbb\xbf").lstrip()
     first = head[:1]
     if first == b"[" or (first == b"{" and not _looks_like_jsonl(path)
                          and not (_later_lines_are_records(path) and not _parses_whole(path, size))):
@@ -13057,7 +13065,10 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
     if item.pr_url and declined is None:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "note": "merge that pull request (or close it to decline); the next promote "
-                        "or review_promotions finishes the move."}
+                        "or review_promotions finishes the move.",
+                **({} if state else {"warnings": [
+                    f"gh could not say what became of {item.pr_url} (not installed, not "
+                    "logged in, or offline): it may be merged or closed already"]})}
     if declined:                                  # judged again as it stands now
         scope, item = locate(cfg, item_id)
     if cfg.org_pr and (there := org_copy(cfg, item_id)) is not None:   # (a revert undone)

@@ -5352,7 +5352,8 @@ def test_pr_mode_a_closed_pr_is_kept_waiting_when_gh_cannot_say_or_the_delete_fa
     (tmp_path / "gh-offline").write_text("")
     review = cs.review_promotions()
     assert "closed_org_prs" not in review and "pr_state" not in review["pending_org_prs"][0]
-    assert cs.promote(item_id, to_scope="org")["status"] == "pr_pending"
+    pending = cs.promote(item_id, to_scope="org")
+    assert pending["status"] == "pr_pending" and "gh could not say" in pending["warnings"][0]
     (tmp_path / "gh-offline").unlink()
     calls = len(log.read_text().splitlines())
     assert cs.pr_state(cs.require_config(), "--repo=elsewhere/x") is None
@@ -8163,6 +8164,15 @@ def test_import_reads_jsonl_exports_joined_each_with_a_byte_order_mark(repo, tmp
                                                         f"joined fact {n}"}).encode() + b"\n"
                            for n in range(3)))
     assert cs.import_memory("json", str(f))["imported"] == 3
+
+
+def test_import_says_a_utf16_export_is_utf16(repo, tmp_path):
+    f = tmp_path / "ps.jsonl"
+    f.write_bytes(json.dumps({"id": "m1", "content": "from powershell"}).encode("utf-16"))
+    with pytest.raises(cs.InputError, match="UTF-16.*UTF-8"):
+        cs.import_memory("json", str(f))
+    out = cli("capture", "Tagged as a list", "--tags", '["ops","queues"]')
+    assert json.loads(out.stdout)["item"]["tags"] == ["ops", "queues"], out.stderr
 
 
 def test_import_skips_a_record_nested_too_deep_and_keeps_the_rest(repo, tmp_path):
