@@ -11633,6 +11633,18 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
     return apply
 
 
+def _consolidated_so_far(scope: str, done: dict[str, str], retired: set[str],
+                         groups: list[Group]) -> str:
+    """What a consolidate that failed writing `scope` had written already."""
+    merged = ", ".join(f"{sid} in {where}" for sid, where in sorted(done.items())
+                       if where != scope)
+    gone = ", ".join(sorted(m.id for g in groups for m, _, _ in g.members if m.id in retired))
+    return (f"{scope} scope was not written" + (f"; survivors merged already: {merged}"
+                                                  if merged else "")
+            + (f"; superseded already: {gone}" if gone else "")
+            + "; consolidate(apply=True) again finishes it (nothing is merged twice)")
+
+
 def merged_on_tip(cfg: Config, scope: str, groups: list[Group], in_pr: set[str]) -> set[str]:
     """Members whose fold into a survivor now waiting on a pull request is on
     `scope`'s own branch already (the survivor's merged_from there names them:
@@ -11678,8 +11690,11 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
         left: set[str] = set()
         gone: set[str] = set()
         fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left, gone, premerged)
-        write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
-                       pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
+        try:
+            write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
+                           pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
+        except CambiumError as e:             # what the writes before this one did stands
+            raise _noted(e, _consolidated_so_far(scope, done, retired, groups)) from None
         late |= left
         if write is not None and write.pr_url:
             pr_urls.append(write.pr_url)

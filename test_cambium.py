@@ -3407,6 +3407,34 @@ def test_consolidate_never_folds_a_team_item_into_one_only_this_clone_holds(
     assert cs.recall("release branches QA sign-off", detail="full")["results"][0]["id"] == fix
 
 
+def test_a_consolidate_that_fails_partway_says_what_it_wrote_already(shared, monkeypatch):
+    """The team remote went away after the org survivor's write: the error was
+    git's alone, though org had merged both duplicates and the local one was
+    superseded."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    survivor = _endorsed("Secrets never live in env files")
+    cs.promote(survivor, force=True)
+    cs.promote(survivor, to_scope="org", force=True)
+    team_dup = _endorsed("Secrets never live in env files.")
+    cs.promote(team_dup, force=True)
+    local_dup = cs.capture("Secrets never live in env files!!")["item"]["id"]
+    real = cs.mutate
+
+    def team_gone(cfg, scope, *args, **kwargs):
+        if scope == "team":
+            raise cs.GitError(["git", "fetch", "origin", "cambium"], 128, "remote gone")
+        return real(cfg, scope, *args, **kwargs)
+
+    monkeypatch.setattr(cs, "mutate", team_gone)
+    with pytest.raises(cs.GitError) as err:
+        cs.consolidate(apply=True)
+    said = str(err.value)
+    assert f"survivors merged already: {survivor} in org" in said, said
+    assert f"superseded already: {local_dup}" in said and "again finishes it" in said
+    monkeypatch.setattr(cs, "mutate", real)
+    assert set(cs.consolidate(apply=True)["superseded"]) == {team_dup}
+
+
 def test_consolidate_never_groups_items_whose_body_is_not_text(repo):
     """Two hand-edited items whose content is an object and a list both read as
     an empty body; consolidate grouped them as "the same text" (1.0)."""
