@@ -14654,17 +14654,26 @@ def serve(http: Annotated[bool, Field(
     return 0
 
 
+SIGNAL_EXIT_S = 20.0    #: after SIGINT/SIGTERM the stdio server exits within this, folded or not
+
+
 def run_stdio(server: Any) -> int:
     """Serve stdio until its input ends, or a SIGINT (exit 130, one line) or
     SIGTERM (0) ends it the same way: the session closes, then serve() folds
-    the credits and makes the next primer. A second signal exits at once."""
+    the credits and makes the next primer. A second signal exits at once, and
+    so does the process SIGNAL_EXIT_S after the first (the journal keeps what
+    was not folded)."""
     caught: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
+        code = 130 if signum == signal.SIGINT else 143
         if caught:
-            os._exit(130 if signum == signal.SIGINT else 143)
+            os._exit(code)
         caught.append(signum)
         STDIO_STOP.set()
+        last = threading.Timer(SIGNAL_EXIT_S, os._exit, (code,))  # whatever holds the exit
+        last.daemon = True                                        # up, a signal ends it
+        last.start()
 
     STDIO_STOP.clear()
     old = {}

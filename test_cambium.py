@@ -10000,7 +10000,7 @@ def test_semantic_backlog_wait_is_judged_by_its_text_not_its_item_count(tmp_path
     (they would take far longer than EMBED_WAIT_S): recall answers at once."""
     short = [cs.Item(id=f"s-{i}", content=f"Note {i} on ledger exports", tags=["x"])
              for i in range(3)]
-    long = [cs.Item(id=f"l-{i}", content=f"Note {i} on ledger exports. " + "Details. " * 2000,
+    long = [cs.Item(id=f"l-{i}", content=f"Note {i} on ledger exports. " + "Details. " * 400,
                     tags=["x"]) for i in range(3)]
     rate = 3 * cs.embed_cost(long[0]) / cs.EMBED_WAIT_S / 4     # long: ~4x the wait
     assert 3 * cs.embed_cost(short[0]) / (2 * rate) < cs.EMBED_WAIT_S
