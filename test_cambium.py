@@ -2882,12 +2882,12 @@ def test_a_change_made_while_a_promote_is_between_push_and_drop_waits_and_lands(
 
 
 def _git_pausing_after_push(tmp_path: Path, seconds: int) -> tuple[Path, Path]:
-    """A git wrapper dir that touches a mark and sleeps after every push."""
+    """A git wrapper dir that touches a mark and sleeps after the first push."""
     wrap, mark = tmp_path / "wrap", tmp_path / "pushed"
     wrap.mkdir()
     (wrap / "git").write_text(f"#!/bin/sh\n{shutil.which('git')} \"$@\"; rc=$?\n"
-                              f"case \" $* \" in *\" push \"*) touch {mark}; sleep {seconds};; "
-                              "esac\nexit $rc\n")
+                              f"case \" $* \" in *\" push \"*) [ -e {mark} ] || "
+                              f"{{ touch {mark}; sleep {seconds}; }};; esac\nexit $rc\n")
     (wrap / "git").chmod(0o755)
     return wrap, mark
 
