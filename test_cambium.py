@@ -965,6 +965,19 @@ def test_the_users_config_link_in_a_project_at_home_is_never_set_aside(tmp_path,
     assert config.is_symlink() and not (config.parent / "stray").is_symlink()
 
 
+def _linked_config_file(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """CAMBIUM_CONFIG_FILE set to a link (as a dotfiles repo makes) to an empty
+    config file elsewhere: (the link, its target)."""
+    dot = tmp_path / "dot" / "cambium.json"
+    dot.parent.mkdir()
+    dot.write_text("{}")
+    link = tmp_path / "cfg" / "config.json"
+    link.parent.mkdir()
+    link.symlink_to(dot)
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(link))
+    return link, dot
+
+
 def test_the_config_file_setting_must_be_absolute_and_a_link_is_written_through(
         tmp_path, monkeypatch):
     r = make_repo(tmp_path)
@@ -974,13 +987,7 @@ def test_the_config_file_setting_must_be_absolute_and_a_link_is_written_through(
     assert "not an absolute path" in cs.resolve_config().file_error
     cs.setup(str(r), "ada")
     assert not (r / "cambium.json").exists() and not (r / "cambium.json.lock").exists()
-    dot = tmp_path / "dot" / "cambium.json"
-    dot.parent.mkdir()
-    dot.write_text("{}")
-    link = tmp_path / "cfg" / "config.json"
-    link.parent.mkdir()
-    link.symlink_to(dot)
-    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(link))
+    link, dot = _linked_config_file(tmp_path, monkeypatch)
     cs.setup(str(r), "ada")
     assert link.is_symlink() and json.loads(dot.read_text())["CAMBIUM_AGENT_ID"] == "ada"
     link.unlink()
@@ -4513,13 +4520,7 @@ def test_restore_takes_huge_item_lines_without_the_stores_head(repo, tmp_path, m
 
 def test_a_config_links_lock_stays_beside_the_link(tmp_path, monkeypatch):
     r = make_repo(tmp_path)
-    dot = tmp_path / "dot" / "cambium.json"
-    dot.parent.mkdir()
-    dot.write_text("{}")
-    link = tmp_path / "cfg" / "config.json"
-    link.parent.mkdir()
-    link.symlink_to(dot)
-    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(link))
+    link, dot = _linked_config_file(tmp_path, monkeypatch)
     cs.setup(str(r), "ada")
     assert (link.parent / "config.json.lock").exists()
     assert not (dot.parent / "cambium.json.lock").exists()
