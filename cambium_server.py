@@ -1780,6 +1780,7 @@ class Runtime:
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.corrections: dict[str, tuple[list, dict, dict]] = {}   # store -> corrections()
         self.texts: dict[str, tuple[list, dict]] = {}   # shared store -> active_texts()
+        self.used_here: dict[str, tuple[list, frozenset]] = {}   # journal -> used_here()
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
         self.journals: dict[str, JournalSeen] = {}   # credit journal -> how far it was read
@@ -10399,6 +10400,12 @@ def _replace_first(items: list[Item], new: dict[str, Item]) -> list[Item]:
 MOVING_META = "moving"     #: local meta: id -> the scope a move of it is copying it to
 
 
+def moving_to(doc: Doc, dst: str) -> set[str]:
+    """Ids the local doc marks as on their way to `dst` (a move a crash cut
+    short leaves its mark), read as none when a hand edit broke the marks."""
+    return {k for k, v in meta_map(doc.meta, MOVING_META).items() if v == dst}
+
+
 def _marked_moving(doc: Doc, ids: set[str], dst: str | None) -> Doc | None:
     """The local doc with `ids` marked as on their way to `dst` (dst None: their
     marks cleared, the move done or failed); None when that changes nothing. A
@@ -11471,12 +11478,27 @@ def used_here(cfg: Config) -> frozenset[str]:
     """Ids sessions of this clone were shown by a recall or an expand (the
     usage journal: a primer's own entries are no use), read without parsing
     each line: the primer's org items this project used."""
-    found: set[str] = set()
     path = _shown_path(cfg)
-    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+    files = (path.with_name(SHOWN_FILE + ".1"), path)
+    stamp = []
+    for p in files:                      # read once per version of the journal: the
+        try:                             # hook's cache key and its primer both ask
+            st = os.stat(p)
+            stamp.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            stamp.append(None)
+    rt = runtime()
+    with rt.lock:
+        seen = rt.used_here.get(str(path))
+    if seen is not None and seen[0] == stamp:
+        return seen[1]
+    found: set[str] = set()
+    for p in files:
         with contextlib.suppress(OSError):
             with open(p, encoding="utf-8", errors="replace", opener=open_regular) as f:
                 found.update(_SHOWN_BY_ASKING.findall(f.read()))
+    with rt.lock:
+        rt.used_here[str(path)] = (stamp, frozenset(found))
     return frozenset(found)
 
 
@@ -12687,8 +12709,7 @@ def primer_key(cfg: Config, limit: int) -> str | None:
         for scope in ("team", "org"):
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
-                parts.append((scope, _ref_value(st.repo, st.ref) or _ref_value(
-                    st.repo, f"refs/remotes/{st.remote}/{st.branch}")))   # (cloned_tip)
+                parts.append((scope, _ref_value(st.repo, st.ref) or st.cloned_tip()))
         parts.append(_git_head(cfg.repo))
         if cfg.org_repo:                      # the org items sessions here were shown
             parts.append(sorted(used_here(cfg)))
@@ -12970,7 +12991,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
                             force=force and item_id is not None)
 
     doc = store(cfg, "local").read()
-    to_org = {k for k, v in meta_map(doc.meta, MOVING_META).items() if v == "org"}
+    to_org = moving_to(doc, "org")
     if item_id in to_org:                      # a move to org cut short: finished there
         return _promote_to_org(cfg, item_id, force=True, restate={})
     local = [it for it in first_copies(doc.items)  # (never to team as well: two scopes)
@@ -13296,7 +13317,7 @@ def review_promotions(limit: Annotated[int, Field(
     pending = read_credits(credits_path(cfg))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
-    to_org = {k for k, v in meta_map(docs["local"].meta, MOVING_META).items() if v == "org"}
+    to_org = moving_to(docs["local"], "org")
     for it in (it for it in docs["local"].items if it.id not in to_org):
         trust = effective_trust(it, pending)
         verdict = team_verdict(it, trust, cfg.promote_recalls)
