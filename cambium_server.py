@@ -14389,6 +14389,7 @@ class _RepairedStdin:
         from mcp_types import jsonrpc_message_adapter
         self._buffer = buffer
         self._fd = _fileno(buffer)          # read directly, so a signal can end the wait
+        self._sel: Any = None
         self._pending = bytearray()
         self._reply: Callable[[dict], Any] | None = None
         self._ready = threading.Event()
@@ -14403,30 +14404,37 @@ class _RepairedStdin:
         """The next line of input, b"" at its end, or once STDIO_STOP is set (a
         SIGINT or SIGTERM: the SDK's reader waited in a thread nothing could
         cancel, and Ctrl-C did nothing until the client closed stdin)."""
-        if self._fd is None:
+        sel = self._selector()
+        if sel is None:
             return self._buffer.readline()
         seen = 0                                # (a 32 MB line is scanned once, not per read)
-        with selectors.DefaultSelector() as sel:
-            try:
-                sel.register(self._fd, selectors.EVENT_READ)
-            except (OSError, ValueError):      # a regular file or /dev/null: epoll refuses
-                self._fd = None                # them, and a read of them never waits
-                return bytes(self._pending) + self._buffer.readline() if self._pending \
-                    else self._buffer.readline()
-            while (cut := self._pending.find(b"\n", seen)) < 0:
-                seen = len(self._pending)
-                if STDIO_STOP.is_set():
-                    return b""
-                if not sel.select(STDIO_POLL_S):
-                    continue
-                chunk = os.read(self._fd, 1 << 16)
-                if not chunk:                              # end of input
-                    line, self._pending = bytes(self._pending), bytearray()
-                    return line
-                self._pending += chunk
+        while (cut := self._pending.find(b"\n", seen)) < 0:
+            seen = len(self._pending)
+            if STDIO_STOP.is_set():
+                return b""
+            if not sel.select(STDIO_POLL_S):
+                continue
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:                                  # end of input
+                line, self._pending = bytes(self._pending), bytearray()
+                return line
+            self._pending += chunk
         line = bytes(self._pending[:cut + 1])
         del self._pending[:cut + 1]
         return line
+
+    def _selector(self) -> Any:
+        """A selector waiting on stdin, made once; None when stdin is a regular
+        file or /dev/null (epoll refuses them, and a read of them never waits)."""
+        if self._sel is None and self._fd is not None:
+            sel = selectors.DefaultSelector()
+            try:
+                sel.register(self._fd, selectors.EVENT_READ)
+                self._sel = sel
+            except (OSError, ValueError):
+                sel.close()
+                self._fd = None
+        return self._sel
 
     def readline(self, *_: Any) -> str:
         while True:
