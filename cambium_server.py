@@ -2580,10 +2580,10 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
     data = data.removeprefix(b"\xef\xbb\xbf")
     if not data.strip():
         return Parsed(Doc(items=[]))
-    obj = _json(data)
+    obj, twice = _json_and_keys_twice(data)
     if obj is None:
         return _salvage(data, where)
-    if isinstance(obj, dict) and (twice := _top_keys_twice(data)):
+    if twice:
         raise CorruptStore(f"{where} holds the key {twice[0]!r} more than once (a hand edit or "
                            "a merge?): JSON keeps only the last, so the rest would be lost")
     if isinstance(obj, dict) and "items" not in obj and isinstance(obj.get("content"), str):
@@ -2607,9 +2607,10 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
                       meta=meta, raw=rest), bad=bad)
 
 
-def _top_keys_twice(data: bytes) -> list[str]:
-    """The top-level keys a JSON object holds more than once (its last object
-    decoded is the top one); a decoder keeps only the last of each."""
+def _json_and_keys_twice(data: bytes) -> tuple[Any, list[str]]:
+    """A whole file's JSON value (None: it does not parse), as _json reads it,
+    and the keys its top-level object holds more than once (the last object
+    decoded is the top one): a decoder keeps only the last of each."""
     seen: list[list[str]] = []
 
     def pairs(kv: list) -> dict:
@@ -2618,11 +2619,11 @@ def _top_keys_twice(data: bytes) -> list[str]:
         return dict(kv)
 
     try:
-        json.JSONDecoder(object_pairs_hook=pairs, parse_float=_json_float).decode(
+        obj = json.JSONDecoder(object_pairs_hook=pairs, parse_float=_json_float).decode(
             data.decode("utf-8", "surrogatepass"))
     except (ValueError, RecursionError):
-        return []
-    return seen[-1] if seen else []
+        return None, []
+    return obj, seen[-1] if isinstance(obj, dict) and seen else []
 
 
 def _salvage(data: bytes, where: str) -> Parsed:

@@ -1049,7 +1049,7 @@ def test_a_store_holding_its_items_key_twice_is_damage_not_its_last_list(repo):
     assert cs.capture("gamma note about queues")["status"] == "captured"
     (aside,) = path.parent.glob("knowledge.json.corrupt-*")
     assert aside.read_text() == text                    # both lists kept, byte for byte
-    assert cs._top_keys_twice(b'{"a": {"x": 1, "x": 2}, "b": 1}') == []   # top level only
+    assert cs._json_and_keys_twice(b'{"a": {"x": 1, "x": 2}, "b": 1}')[1] == []   # top only
 
 
 @pytest.mark.parametrize("hand_formatted", [False, True])
