@@ -6281,15 +6281,24 @@ def authority_first(hits: list[Hit]) -> list[Hit]:
     first, the highest also taking the best relevance among them: a person's
     correction ranks above an agent's copy of the same words whose longer why
     or trust scored higher, a near miss included (pure, stable otherwise)."""
-    places: dict[str, list[int]] = {}
+    def lifted(group: list[Hit]) -> list[Hit]:
+        top = max(h.confidence for h in group)
+        return [dataclasses.replace(group[0], confidence=top), *group[1:]] \
+            if group[0].confidence < top else group
+
+    return _by_authority_within(hits, lambda h: normalized_text(h.item), lifted)
+
+
+def _by_authority_within(hits: list[Hit], key: Callable[[Hit], Any],
+                         then: Callable[[list[Hit]], list[Hit]] = lambda g: g) -> list[Hit]:
+    """Hits sharing a `key` take their places among themselves by authority,
+    highest first (each such group passed through `then`); others stay (pure)."""
+    places: dict[Any, list[int]] = {}
     for n, h in enumerate(hits):
-        places.setdefault(normalized_text(h.item), []).append(n)
+        places.setdefault(key(h), []).append(n)
     out = list(hits)
     for at in (p for p in places.values() if len(p) > 1):
-        ordered = sorted((hits[i] for i in at), key=lambda h: -h.item.authority_rank)
-        top = max(hits[i].confidence for i in at)
-        if ordered[0].confidence < top:
-            ordered[0] = dataclasses.replace(ordered[0], confidence=top)
+        ordered = then(sorted((hits[i] for i in at), key=lambda h: -h.item.authority_rank))
         for n, h in zip(at, ordered):
             out[n] = h
     return out
@@ -6307,17 +6316,17 @@ def ties_by_authority(hits: list[Hit]) -> list[Hit]:
     among themselves by authority, highest first: a person's correction lifted
     to the floor beside an agent's item with ten recalls comes first, and a
     limit of 1 returns it. Other places keep the ranking's order (pure)."""
-    places: dict[float, list[int]] = {}
-    for n, h in enumerate(hits):
-        places.setdefault(round(h.confidence, 3), []).append(n)
-    out = list(hits)
-    for at in (p for p in places.values() if len(p) > 1):
-        for n, h in zip(at, sorted((hits[i] for i in at), key=lambda h: -h.item.authority_rank)):
-            out[n] = h
-    return out
+    return _by_authority_within(hits, lambda h: round(h.confidence, 3))
 
 
 TIE_SLACK = 10      #: places past the limit searched for a result tied with the last one
+
+
+def tie_slack(index: Index) -> int:
+    """How far past the limit a ranking looks for a tie (tied_at_cut): only a
+    store holding verified or a person's items can have one to take in, so
+    an agents-only store ranks no more than it shows."""
+    return TIE_SLACK if index.vouched else 0
 
 
 def tied_at_cut(ranking: Ranking, past: list[Hit], terms: list[str], index: Index,
@@ -6347,8 +6356,8 @@ def score_query(index: Index, query: str, limit: int) -> Ranking:
     if not terms or index.live == 0:
         return Ranking([], 0.0, unknown=unknown_names(index, query))
     slots, unknown = index.items, unknown_names(index, query)
-    scores = bm25_top(index, terms, limit + TIE_SLACK)
-    ranked = top_slots(scores, slots, limit + TIE_SLACK)
+    scores = bm25_top(index, terms, limit + tie_slack(index))
+    ranked = top_slots(scores, slots, limit + tie_slack(index))
     top, past = ranked[:limit], ranked[limit:]
     hits = lexical_hits(index, terms, [(slots[i], scores[i]) for i in top])
     ranking = ranking_of(hits, terms, index, unknown=unknown)
@@ -7910,7 +7919,7 @@ class Semantic:
                 score = reranked(np, score, top, logits, set(exact))
         hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else
                     lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
-                for i in best_slots(np, score, items, pool + TIE_SLACK)
+                for i in best_slots(np, score, items, pool + tie_slack(index))
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
         ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
                                          unknown=unknown_names(index, query)),
@@ -8753,7 +8762,7 @@ def names_a_path(token: str) -> bool:
     """Whether a file tell's match reads as a place in a project, not a word
     pair or a name written with a slash or a dot: `I/O`, `CI/CD`, `TCP/IP`,
     `24/7`, `and/or`, `read/write` and `Node.js` are none; a path with an
-    extension, one of three segments or more, or with a code folder in it is."""
+    extension, one of three segments or more, or starting with a code folder is."""
     stem = token.rstrip("/")
     if "/" not in stem:                            # a file name: `config.yaml`
         return stem.lower().rsplit(".", 1)[0] not in _JS_NAMES
