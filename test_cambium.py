@@ -5702,6 +5702,18 @@ def test_a_push_that_ran_but_could_not_be_checked_may_have_landed(shared, monkey
     assert item_id not in {i["id"] for i in local_items(shared["a"])}
 
 
+def test_a_disk_error_after_a_moves_copy_landed_says_where_the_item_is(shared, monkeypatch):
+    item_id = _endorsed("Keep secrets out of logs")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cs, "_drop_moved", full)
+    with pytest.raises(cs.CambiumError, match="copied to team .*the same call runs again"):
+        cs.promote(item_id)
+    assert item_id in team_ids(shared["origin"])
+
+
 def test_a_team_to_org_move_says_where_the_item_is_when_team_refuses_or_is_gone(
         shared, monkeypatch):
     """The team remote refused the drop (a pre-receive hook) after the org
