@@ -12451,5 +12451,17 @@ def test_http_serve_on_a_taken_port_is_one_clear_error(repo):
     assert "in use" in out.stderr and "--port" in out.stderr
     assert "serving MCP" not in out.stderr and "Traceback" not in out.stderr
 
+def _workers(argv: list[str]) -> list[str]:
+    """Two pytest-xdist workers when it is installed and the caller chose none:
+    most tests wait on git and server subprocesses, so two halve the wall time
+    on a 2-core machine. `-n 0` runs everything in this one process."""
+    import importlib.util
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    if any(a.startswith(("-n", "--numprocesses")) or a.endswith("no:xdist") for a in argv):
+        return []
+    return ["-n", str(min(2, os.cpu_count() or 1))]
+
+
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
+    sys.exit(pytest.main([__file__, "-q", *_workers(sys.argv[1:]), *sys.argv[1:]]))
