@@ -468,6 +468,26 @@ def _empty_trust() -> dict:
     return {"recalls": 0, "endorsements": [], "projects": []}
 
 
+def _read_only(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise TypeError("a value many stored items share: replace it, never change it in place")
+
+
+class _SharedDict(dict):
+    """A read-only dict that many items read from a store share (an empty
+    extra, a trust nobody has added to yet): 100k items hold one, not 100k."""
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
+
+
+class _SharedList(list):
+    """A read-only list, for _SharedDict's values."""
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+    append = extend = insert = remove = pop = clear = sort = reverse = _read_only
+
+
+_EMPTY_DICT = _SharedDict()
+_UNTOUCHED_TRUST = _SharedDict(recalls=0, endorsements=_SharedList(), projects=_SharedList())
+
+
 # A field of the wrong JSON type (hand edits, foreign writers) reaches the Item
 # as its default, and the value read is kept in Item.mistyped as (raw, default)
 # under the field's name (("trust", key) for a trust counter): to_dict writes
@@ -513,6 +533,8 @@ def _stored_trust(trust: Any) -> tuple[dict, dict | None]:
     mistyped values it had ({("trust", key): (raw, default)}, or None)."""
     if trust.__class__ is not dict:
         return _empty_trust(), None if trust is None else {"trust": (trust, _empty_trust())}
+    if trust == _UNTOUCHED_TRUST and trust["recalls"].__class__ is int:
+        return _UNTOUCHED_TRUST, None            # (False == 0: a bool is no count)
     trust = {"recalls": 0, "endorsements": [], "projects": [], **trust}
     recalls, ends, projects = trust["recalls"], trust["endorsements"], trust["projects"]
     bad = None
@@ -637,6 +659,16 @@ def _shared_str(value: Any) -> str:
     return sys.intern(text) if len(text) <= 64 else text
 
 
+def _shared_keys(source: dict) -> dict:
+    """A source dict with its keys, and its system's name, shared across items:
+    a decoder makes new key strings for every line, about 200 bytes an item."""
+    out = {_intern(k): v for k, v in source.items()}
+    system = out.get("system")
+    if system.__class__ is str and len(system) <= 64:
+        out["system"] = _intern(system)
+    return out
+
+
 @dataclass(slots=True)
 class Item:
     """One knowledge item, as stored in a scope's knowledge.json.
@@ -677,6 +709,9 @@ class Item:
     mistyped: dict | None = field(default=None, repr=False)
     #: values derived() from this object; not copied by dataclasses.replace
     memo: dict | None = field(default=None, init=False, repr=False, compare=False)
+    #: content_key(), kept apart from `memo`: every indexed item has one, and a
+    #: dict an item to hold it cost 20 MB at 100,000 items
+    ckey: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> Item:
@@ -709,6 +744,8 @@ class Item:
                 bad = bad or {}
                 bad["source"] = source
             source = {}
+        elif source:
+            source = _shared_keys(source)
         trust, odd = _stored_trust(d.get("trust"))
         opts, extra = {}, {}
         extras = d.keys() - _BASE_FIELDS            # usually none or a few, kept in
@@ -726,9 +763,10 @@ class Item:
             id=item_id, content=content,
             type=_shared_str(type_ or "memory"), kind=_shared_str(kind or "note"), why=why,
             tags=tags, scope=_shared_str(scope or "local"), project=_shared_str(project),
-            source=source, created_by=_shared_str(by), created_at=created,
-            updated_at=updated or created, status=status or "active", trust=trust,
-            extra=extra, **opts)
+            source=source or _EMPTY_DICT, created_by=_shared_str(by), created_at=created,
+            updated_at=created if updated == created or not updated else updated,
+            status=status or "active", trust=trust,
+            extra=extra or _EMPTY_DICT, **opts)
         if bad:                  # the default each mistyped field now holds, with its raw
             odd = odd or {}
             for k, raw in bad.items():
@@ -1186,13 +1224,13 @@ def text_key(type: str, content: str) -> str:
     return hashlib.sha256(utf8(f"{type}\0{norm}")).hexdigest()[:24]
 
 
-def _content_key(item: Item) -> str:
-    return text_key(item.type, item.content)
-
-
 def content_key(item: Item) -> str:
-    """A stable hash of what an item says, for duplicate detection."""
-    return derived(item, "content_key", _content_key)
+    """A stable hash of what an item says, for duplicate detection (memoized
+    on the item, as derived() does)."""
+    key = item.ckey
+    if key is None:
+        key = item.ckey = text_key(item.type, item.content)
+    return key
 
 
 def normalized_text(item: Item) -> str:
@@ -12576,8 +12614,29 @@ def warm_recall_soon(cfg: Config | None = None) -> threading.Thread | None:
             now = cfg or resolve_config()
             if now.configured:
                 recall_index(now, "auto")
+        give_back_memory()
 
     return rt.spawn(run, "cambium-warm-recall")
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None (another C library, another system)."""
+    try:
+        import ctypes                     # (here: a CLI call never needs it)
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+def give_back_memory() -> None:
+    """Return the C heap's free pages to the system: what compiling this module
+    and parsing a store left free stays mapped otherwise (20-40 MB of a
+    100,000-item server), while Python's own object arenas grow beside it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        with contextlib.suppress(Exception):
+            trim(0)
 
 
 def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
@@ -14681,6 +14740,7 @@ def serve(http: Annotated[bool, Field(
         return 2
     rt = runtime()
     rt.long_running.set()
+    give_back_memory()
     warm_recall_soon()
     try:
         if http:

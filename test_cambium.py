@@ -206,6 +206,29 @@ def test_item_round_trip_keeps_unknown_keys():
     assert "valid_while" not in out
 
 
+def test_items_read_from_a_store_share_what_nobody_changed_and_never_change_it():
+    """100k items hold one untouched trust and one empty extra, not 100k (the
+    server's memory at 100k items): shared values refuse a change in place,
+    and a credit to one item leaves every other item's trust as it was."""
+    line = {"id": "k-1", "content": "c", "source": {"system": "json", "ref": "r1"},
+            "trust": {"recalls": 0, "endorsements": [], "projects": []}}
+    a = cs.Item.from_dict(json.loads(json.dumps(line)))
+    b = cs.Item.from_dict(json.loads(json.dumps({**line, "id": "k-2"})))
+    assert a.trust is b.trust and a.extra is b.extra
+    assert [id(k) for k in a.source] == [id(k) for k in b.source]
+    for change in (lambda: a.trust.update(recalls=1), lambda: a.trust["projects"].append("p"),
+                   lambda: a.extra.setdefault("x", 1), lambda: a.trust.pop("recalls")):
+        with pytest.raises(TypeError):
+            change()
+    credited = cs.credit(a, "agent-1", "2026-12-01", "proj")
+    assert credited.trust["recalls"] == 1 and credited.trust["projects"] == ["proj"]
+    assert b.trust == {"recalls": 0, "endorsements": [], "projects": []}
+    assert {k: v for k, v in a.to_dict().items() if k in line} == line
+    assert json.loads(cs.json_text(b.to_dict()))["trust"] == line["trust"]
+    assert cs.Item.from_dict({"id": "k", "content": "c", "trust": {
+        "recalls": False, "endorsements": [], "projects": []}}).mistyped   # a bool: no count
+
+
 MISTYPED = {                     # one item's fields, each of the wrong JSON type
     "content": 123, "why": ["a"], "tags": "x", "source": "str", "created_at": 5, "kind": 7,
     "status": ["x"], "trust": {"recalls": "7", "endorsements": ["bob", 5],
