@@ -2607,6 +2607,11 @@ def parse_file(stream: Any, where: str) -> Parsed:
     out = Parsed(Doc(items=[], meta=meta, raw=raw), bad, array("q"))
     with _gc_paused():
         _item_lines(stream, sum(map(len, first)), out)
+    if (out.bad or not out.closed) and stream.seekable():
+        stream.seek(0)           # a hand edit that kept valid JSON, not one item a line
+        data = stream.read()     # (an item pretty-printed, two on a line, "]}" last)
+        if _json_and_keys_twice(data.removeprefix(b"\xef\xbb\xbf"))[0] is not None:
+            return _parse_whole(data, where)
     if not out.doc.items and (out.bad or not out.closed):
         raise CorruptStore(f"{where} has no line that parses as an item")
     return out
@@ -3034,6 +3039,10 @@ class LocalStore(Store):
                 stable = _stat_key(os.fstat(f.fileno())) == key
         except CorruptStore:
             return self._move_aside() if locked else None
+        if any(it.scope != "local" for it in parsed.doc.items):   # a scope set by hand:
+            parsed.doc.items[:] = [it if it.scope == "local" else  # the item is where it is
+                                   dataclasses.replace(it, scope="local")
+                                   for it in parsed.doc.items]
         if (parsed.bad or not parsed.closed) and "cambium" not in parsed.doc.raw:
             return self._set_aside(parsed, key) if locked else None
         if stable:                              # else a writer was busy: parse again next time
@@ -8874,7 +8883,7 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None,
 class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
     refused with the reason and what to do. status: promotable, not_eligible,
-    deprecated, needs_endorsement, needs_generalization or pr_pending."""
+    deprecated, needs_endorsement, needs_generalization, pr_pending or id_conflict."""
     allowed: bool
     status: str
     reason: str = ""
@@ -10289,6 +10298,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
 
     made: dict[str, Item] = {}      # id -> the source version its copy was made from
     joined: set[str] = set()        # ids dst held already: the source's news added to them
+    clash: set[str] = set()         # ids dst holds for other words: neither copy moves
 
     def gated(it: Item) -> Item:    # what lands in org: its endorsement notes gated
         return publishable_notes(it) if dst == "org" else it
@@ -10301,8 +10311,15 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         made.clear()
         made.update((it.id, it) for it in current if verdicts[it.id].allowed)
         joined.clear()
-        joined.update(it.id for it in below if it.id in above)
-        made.update((it.id, it) for it in below if it.id in above)
+        clash.clear()
+        for it in (it for it in below if it.id in above):
+            if copy_of(above[it.id], it):
+                joined.add(it.id)
+                made[it.id] = it
+            else:
+                clash.add(it.id)
+                verdicts[it.id] = Verdict(False, "id_conflict", ID_CONFLICT.format(
+                    id=it.id, src=src, dst=dst))
         news = {i: gated(new) for i in joined if (new := carried_over(above[i], made[i]))}
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
@@ -10318,7 +10335,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         if marking and not _may_have_landed(e):     # nothing above: no mark to chase
             mutate(cfg, src, lambda d: _marked_moving(d, ids, None), f"not moved to {dst}")
         raise
-    landed = [it for it in write.doc.items if it.id in ids]
+    landed = [it for it in write.doc.items if it.id in ids and it.id not in clash]
     held = {it.id for it in landed}
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
@@ -10334,6 +10351,20 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                                       CambiumError(error_text(e)), src, dst, held, write) from None
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
     return Moved(write, landed, planned.refused)
+
+
+ID_CONFLICT = ("{dst} scope holds another item under the id {id} (its words differ: a hand "
+               "edit, or an id given twice): both are kept where they are. Give one of them "
+               "a new id by hand (or deprecate the one that is wrong), then promote again")
+
+
+def copy_of(above: Item, below: Item) -> bool:
+    """Whether `above`, a scope's item with `below`'s id, is a copy of it: the
+    same words (case and spacing aside), or a restatement that keeps them as
+    its example. Anything else is another item under the same id, never a
+    leftover of a move to finish (dropping it would lose its words)."""
+    return content_key(above) == content_key(below) or \
+        bool(below.content.strip()) and below.content.strip() in (above.example or "")
 
 
 def _source_doc(cfg: Config, src: str) -> Doc:
@@ -10539,7 +10570,7 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
     done: list[str] = []
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
-            if it.id in held and it.active and not it.pr_url:
+            if it.id in held and it.active and not it.pr_url and copy_of(held[it.id], it):
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
                 done += [it.id] if out.get("status") == "already_promoted" else []
     return done
@@ -13055,14 +13086,15 @@ def promote(item_id: Annotated[str | None, Field(
 def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
     pending = read_credits(credits_path(cfg))
 
-    def gate(it: Item) -> Verdict:
-        return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
-                            force=force and item_id is not None)
-
-    doc = store(cfg, "local").read()
+    doc, finishing = _cut_short_marks(cfg, item_id)
     to_org = moving_to(doc, "org")
     if item_id in to_org:                      # a move to org cut short: finished there
         return _promote_to_org(cfg, item_id, force=True, restate={})
+
+    def gate(it: Item) -> Verdict:             # (a move cut short was judged when it began)
+        return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
+                            force=force and item_id is not None or it.id in finishing)
+
     local = [it for it in first_copies(doc.items)  # (never to team as well: two scopes)
              if item_id in (None, it.id) and it.id not in to_org]
     verdicts = {it.id: gate(it) for it in local}
@@ -13086,15 +13118,50 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
                          now=now))
     except CambiumError as e:
         raise _unmoved(e, "local")
+    if item_id in moved.refused:               # judged again on team's tip: refused there
+        verdict = moved.refused[item_id]
+        return {"status": verdict.status, "reason": verdict.reason, "item": item_view(
+            local[0], trust=effective_trust(local[0], pending))}
     landed = as_landed(cfg, "team", moved)
     out = {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
            "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
                         for c in landed], **kept_both(moved, "local", "team")}
+    if moved.refused:
+        out["refused"] = [{"id": i, "status": v.status, "reason": v.reason}
+                          for i, v in sorted(moved.refused.items())]
     if moved.joined:
         out["already_there"] = moved.joined
         out["note"] = CUT_SHORT_NOTE.format(dst="team", src="local",
                                             what="the items in already_there")
     return out
+
+
+def _cut_short_marks(cfg: Config, item_id: str | None) -> tuple[Doc, set[str]]:
+    """The local doc, and the ids whose move to org or team a crash cut short
+    that a promote finishes: a team mark whose copy team holds (team pushed,
+    the drop never ran) is finished whatever the gate says now, as a forced
+    promote began it; a mark whose item the scope above does not hold (the
+    crash came before its push) is cleared, so promote asks as it would have,
+    and the org gate is never passed by a `to_scope="team"` call."""
+    st = store(cfg, "local")
+    doc = st.read()
+    marks = {i: dst for dst in ("team", "org") for i in moving_to(doc, dst)
+             if item_id in (None, i)}
+    if not marks:
+        return doc, set()
+    above: dict[str, dict[str, Item]] = {}
+    for dst in set(marks.values()):
+        with contextlib.suppress(CambiumError):     # unreadable above: the marks wait
+            above[dst] = {it.id: it for it in first_copies(store(cfg, dst).read().items)}
+    mine = {it.id: it for it in first_copies(doc.items)}
+    stale = {i for i, dst in marks.items() if dst in above and (
+        i not in above[dst] or i in mine and not copy_of(above[dst][i], mine[i]))}
+    if stale:
+        st.mutate(lambda d: _marked_moving(d, stale, None),
+                  f"cambium: clear {len(stale)} move mark(s) a crash left")
+        doc = st.read()
+    return doc, {i for i, dst in marks.items() if dst == "team" and dst in above
+                 and i not in stale}
 
 
 def kept_both(moved: Moved, src: str, dst: str) -> dict:
@@ -13222,11 +13289,16 @@ def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *
     `cambium/updates` pull request, where it waits until that merges; with no
     news, it leaves now. Nothing is pushed to org's own branch. `there`: org's
     copy, as the caller just fetched it."""
+    if there is not None and not copy_of(there, item):
+        return _org_refusal(item, Verdict(False, "id_conflict", ID_CONFLICT.format(
+            id=item.id, src=scope, dst="org")))
     news = there is not None and carried_over(there, item) is not None
     branch = pr_branch(cfg, "org", "updates") if news else None
     moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
                  pr_branch=branch, pr_body=PR_BODY,
                  message=f"{cfg.agent} finishes the move of {item.id} to org")
+    if item.id in moved.refused:
+        return _org_refusal(item, moved.refused[item.id])
     if not moved.landed:
         raise NotFound(f"item {item.id} left org while its move was finished; recall shows "
                        "where it is now.")

@@ -1219,6 +1219,48 @@ def test_a_linked_local_dir_is_named_in_warnings_and_nothing_in_its_target_is_re
     assert any("does not exist" in w for w in cs.status()["warnings"])
 
 
+@pytest.mark.parametrize("edit", ["pretty", "two_on_a_line", "tail_on_last_line"])
+def test_a_hand_edit_that_keeps_valid_json_keeps_every_item_live(repo, edit):
+    """An editor's change that left valid JSON but not one item a line (one item
+    pretty-printed, two on a line, the closing brackets on the last item's
+    line) used to set those items aside: the next write dropped them from the
+    live store. Every item stays, and a write keeps them all."""
+    ids = [cs.capture(f"Rule number {n} for the payments service")["item"]["id"]
+           for n in range(3)]
+    path = _store_path(repo)
+    lines = path.read_text().splitlines()
+    at = next(n for n, ln in enumerate(lines) if ids[1] in ln)
+    if edit == "pretty":
+        lines[at] = json.dumps(json.loads(lines[at].rstrip(",")), indent=2) + ","
+    elif edit == "two_on_a_line":
+        lines[at:at + 2] = [lines[at] + " " + lines[at + 1]]
+    else:
+        lines[-2:] = [lines[-2] + lines[-1]]
+    path.write_text("\n".join(lines) + "\n")
+    json.loads(path.read_text())                               # still valid JSON
+    cs.runtime().reset()
+    assert sorted(it["id"] for it in cs.recall("payments service rule", limit=10)["results"]
+                  ) == sorted(ids)
+    cs.capture("One more rule after the edit")
+    assert {i["id"] for i in json.loads(path.read_text())["items"]} >= set(ids)
+    assert not list(path.parent.glob("knowledge.json.quarantine*"))
+
+
+def test_a_local_item_whose_scope_field_says_otherwise_is_local(repo):
+    """A local item with "scope": "org" (a hand edit) was shown as org, listed by
+    stale_report as promoted, and its recall credits never folded."""
+    item_id = cs.capture("Cache keys carry the schema version")["item"]["id"]
+    path = _store_path(repo)
+    path.write_text(path.read_text().replace('"scope":"local"', '"scope":"org"'))
+    cs.runtime().reset()
+    (hit,) = cs.recall("cache keys schema version")["results"]
+    assert hit["id"] == item_id and hit.get("scope", "local") == "local", hit
+    assert cs.expand(item_id)["scope"] == "local"
+    cs.fold_credits_now(cs.resolve_config())
+    (stored,) = json.loads(path.read_text())["items"]
+    assert stored["trust"]["recalls"] == 1
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
@@ -3563,6 +3605,80 @@ def test_promote_and_consolidate_take_only_the_first_copy_of_a_doubled_local_id(
         "Rotate the signing keys every ninety days"]
     left = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.id == item_id]
     assert [i.content for i in left] == ["second copy"]               # kept, not lost
+    again = cs.promote(item_id, force=True)    # team holds the id for other words: no leftover
+    assert again["status"] == "id_conflict" and "both are kept" in again["reason"], again
+    left = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.id == item_id]
+    assert [i.content for i in left] == ["second copy"]               # still not lost
+    assert [i["content"] for i in remote_json(shared["origin"], "cambium")["items"]] == [
+        "Rotate the signing keys every ninety days"]                  # nor given its trust
+
+
+def _mark_moving(repo: Path, marks: dict) -> None:
+    """A local store's move marks, as a crash mid-move leaves them."""
+    path = _store_path(repo)
+    lines = path.read_text().splitlines()
+    meta = json.loads(lines[1][len('"meta": '):-1])
+    lines[1] = '"meta": ' + json.dumps({**meta, cs.MOVING_META: marks}) + ","
+    path.write_text("\n".join(lines) + "\n")
+    cs.runtime().reset()
+
+
+def test_a_forced_promote_cut_short_after_its_push_is_finished_by_the_next_promote(shared,
+                                                                                    monkeypatch):
+    """kill -9 between a forced promote's team push and its local drop left the
+    item active in local and team for good: promote() judged the local copy
+    by the gate again (no recalls), and a later deprecate changed one copy."""
+    item_id = cs.capture("Feature branches live at most a week")["item"]["id"]
+    path = _store_path(shared["a"])
+    before = path.read_text()
+    cs.promote(item_id, force=True)
+    path.write_text(before)                      # the drop never ran
+    _mark_moving(shared["a"], {item_id: "team"})
+    out = cs.promote()
+    assert out.get("already_there") == [item_id], out
+    assert item_id not in path.read_text()
+    assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]] == [item_id]
+
+
+def test_a_move_mark_whose_copy_never_landed_is_cleared_and_never_passes_the_org_gate(shared,
+                                                                                       monkeypatch):
+    """A promote to org killed before its push left a mark: `promote ID` (to
+    team) then published the original words to org past the generalization
+    gate; a team mark left before its push kept the item out of consolidate."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Our repo serves the admin API on port 8443 from srv/app/config.yaml")
+    other = cs.capture("Releases are tagged from main only")["item"]["id"]
+    _mark_moving(shared["a"], {item_id: "org", other: "team"})
+    out = cs.promote(item_id, force=True)
+    assert out["status"] == "promoted" and out["to_scope"] == "team", out
+    org = shared["org"] / "knowledge.json"
+    assert not org.exists() or item_id not in org.read_text()
+    assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]] == [item_id]
+    cs.promote()                                 # the other mark: nothing landed, cleared
+    meta = cs.store(cs.resolve_config(), "local").read().meta
+    assert not meta.get(cs.MOVING_META), meta
+    assert other in _store_path(shared["a"]).read_text()
+
+
+def test_an_id_team_holds_for_other_words_is_never_dropped_as_a_move_left_half_done(shared):
+    """The same id with other words in local and team (a hand edit): promote took
+    the local copy for a move's leftover, gave its endorsement to the team text
+    and dropped the local text from every scope."""
+    team_id = _endorsed("The staging database is reset nightly")
+    cs.promote(team_id, force=True)
+    mine = _endorsed("Deploys happen on Tuesdays only", note="bob saw it")
+    path = _store_path(shared["a"])
+    path.write_text(path.read_text().replace(mine, team_id))
+    cs.runtime().reset()
+    res = cs.promote(team_id, force=True)
+    assert res["status"] == "id_conflict", res
+    (team,) = remote_json(shared["origin"], "cambium")["items"]
+    assert team["content"] == "The staging database is reset nightly"
+    assert [e["note"] for e in team["trust"]["endorsements"]] == ["holds everywhere"]
+    local = cs.store(cs.resolve_config(), "local").read().items
+    assert [i.content for i in local if i.id == team_id] == ["Deploys happen on Tuesdays only"]
+    meta = cs.store(cs.resolve_config(), "local").read().meta
+    assert team_id not in (meta.get("moving") or {})        # its move mark cleared too
 
 
 def test_stale_report_primer_and_usage_read_the_first_copy_of_a_doubled_id(repo):
