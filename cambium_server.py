@@ -12349,12 +12349,16 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
         return ({
             "org_repo": org_repo, "org_scope": "off until the clone exists",
             "commands": [
-                f"gh repo create {owner}/{name} --private --description 'org knowledge (cambium)'",
+                f"gh repo view {owner}/{name} >/dev/null 2>&1 || gh repo create "
+                f"{owner}/{name} --private --description 'org knowledge (cambium)'",
                 f"gh repo clone {owner}/{name} {clone}",
-                f"cd {clone} && printf '{{\"items\": []}}\\n' > knowledge.json && git add "
-                "knowledge.json && git commit -m 'cambium: org knowledge store' && "
-                "git push -u origin HEAD",
+                f"cd {clone} && {{ [ -e knowledge.json ] || {{ printf '{{\"items\": []}}\\n' "
+                "> knowledge.json && git add knowledge.json && git commit -m 'cambium: org "
+                "knowledge store' && git push -u origin HEAD; }; }",
             ],
+            "safe_to_repeat": "a repository that exists is cloned, never created again, and "
+                              "its knowledge.json is never overwritten: every teammate runs "
+                              "the same lines",
             "then": f'setup(project_repo="{root or "/abs/path/to/your/clone"}", '
                     f'agent_id="{agent}", org_repo="{clone}")',
             "note": "cambium never creates or pushes a repository for you.",

@@ -778,7 +778,26 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     r = make_repo(tmp_path)
     out = cs.setup(str(r), "ada", org_repo="acme/knowledge")
     offer = out["org_setup"]
-    assert any(c.startswith("gh repo create acme/knowledge") for c in offer["commands"])
+    assert any(c.startswith("gh repo view acme/knowledge >/dev/null 2>&1 || gh repo create "
+                            "acme/knowledge") for c in offer["commands"])
+    seed = offer["commands"][-1]             # an org repo that exists keeps its knowledge.json
+    org = clone(make_origin(tmp_path, "org-existing"), tmp_path / "existing")
+    (org / "knowledge.json").write_text('{"items": [{"id": "k-1", "content": "kept"}]}\n')
+    git(org, "add", "knowledge.json")
+    git(org, "commit", "-qm", "org knowledge")
+    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge", str(org))],
+                   check=True, capture_output=True)
+    assert "kept" in (org / "knowledge.json").read_text()
+    assert git(org, "status", "--porcelain") == ""
+    assert git(org, "log", "-1", "--format=%s").strip() == "org knowledge"
+    fresh = clone(make_origin(tmp_path, "org-new"), tmp_path / "new")
+    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge", str(fresh))],
+                   check=True, capture_output=True)
+    assert json.loads((fresh / "knowledge.json").read_text()) == {"items": []}
+    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge",
+                                               str(tmp_path / "no-such-clone"))],
+                   cwd=org, capture_output=True)         # a clone that is not there: nothing
+    assert "kept" in (org / "knowledge.json").read_text()
     assert any("knowledge.json" in c for c in offer["commands"])
     assert "CAMBIUM_ORG_REPO" not in out["written"]
     assert cs.resolve_config().org_repo is None
