@@ -1375,7 +1375,7 @@ class Config:
     @property
     def local_dir(self) -> Path:
         assert self.repo is not None
-        return self.repo / LOCAL_DIR
+        return store_root(self.repo) / LOCAL_DIR
 
     @property
     def configured(self) -> bool:
@@ -2224,6 +2224,25 @@ def _git_dirs(root: Path) -> tuple[Path, Path]:
     if (common / "reftable").is_dir():     # refs not in files: every caller asks git then
         raise OSError(f"{root} keeps its refs in a reftable")
     return gitdir, common
+
+
+@functools.lru_cache(maxsize=256)
+def store_root(repo: Path) -> Path:
+    """Where the clone at `repo` keeps its local scope: a linked worktree's is
+    its main checkout's, so every worktree of a clone recalls what the others
+    captured, and `git worktree remove` (which deletes ignored files without
+    --force) never takes knowledge with it. A worktree of a bare repository,
+    or one git cannot read, keeps its own."""
+    try:
+        gitdir, common = _git_dirs(repo)
+        common = common.resolve()
+    except (OSError, IndexError, ValueError, RuntimeError):
+        return repo
+    main = common.parent
+    if gitdir == common or common.name != ".git" or not (main / ".git").is_dir() \
+            or (main / ".git").resolve() != common.resolve():
+        return repo
+    return main
 
 
 OID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")     #: a git object id (SHA-1 or SHA-256)
@@ -12378,7 +12397,7 @@ def _scaffold_local(root: Path) -> list[str]:
         st = None
     odd = None if st is None or _stat.S_ISREG(st.st_mode) else \
         "it is a symbolic link" if _stat.S_ISLNK(st.st_mode) else "it is not a regular file"
-    d = root / LOCAL_DIR
+    d = store_root(root) / LOCAL_DIR
     d.mkdir(exist_ok=True)
     store = d / STORE_FILE
     if not store.exists():

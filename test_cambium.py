@@ -2813,6 +2813,26 @@ def test_promote_to_team_refuses_a_restatement_for_org(shared):
     assert cs.promote(item["id"], force=True, org_content="")["status"] == "promoted"
 
 
+def test_a_linked_worktree_shares_its_clones_local_scope_and_its_removal_loses_nothing(
+        shared, monkeypatch):
+    """A worktree (Claude Code's worktree sessions) had a .cambium of its own:
+    it recalled nothing the main checkout captured, and a plain `git worktree
+    remove` deleted what was captured in it."""
+    a, wt = shared["a"], shared["tmp"] / "wt"
+    kept = cs.capture("Kafka topics in this service use 12 partitions")["item"]["id"]
+    git(a, "worktree", "add", "-q", "-b", "feat", str(wt))
+    as_agent(monkeypatch, wt, "ada")
+    cs.runtime().reset()
+    assert cs.resolve_config().local_dir == a / ".cambium"
+    assert [h["id"] for h in cs.recall("kafka topics partitions")["results"]] == [kept]
+    made = cs.capture("The flag service caches flags for 60 seconds")["item"]["id"]
+    assert not (wt / ".cambium").exists()
+    git(a, "worktree", "remove", str(wt))
+    as_agent(monkeypatch, a, "ada")
+    cs.runtime().reset()
+    assert [h["id"] for h in cs.recall("flag service caches flags")["results"]] == [made]
+
+
 def test_a_linked_worktree_keeps_fetch_stamps_and_locks_in_the_common_git_dir(shared,
                                                                             monkeypatch):
     """From a linked worktree (.git is a file), team writes put their fetch
