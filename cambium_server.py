@@ -1818,6 +1818,7 @@ class Runtime:
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.corrections: dict[str, tuple[list, dict, dict]] = {}   # store -> corrections()
         self.texts: dict[str, tuple[list, dict]] = {}   # shared store -> active_texts()
+        self.retired: dict[str, tuple[list, dict]] = {}  # store -> deprecated_texts()
         self.used_here: dict[str, tuple[list, frozenset]] = {}   # journal -> used_here()
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
         self.extensions: dict[int, tuple[list, list]] = {}    # id(list) -> (list, its base)
@@ -8637,7 +8638,8 @@ def _source_key(item: Item) -> str:
 
 def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
           now: str | None = None, live_keys: Iterable[str] = (),
-          retired_too: bool = False) -> Admission:
+          retired_too: bool = False, elsewhere: Callable[[str], bool] | None = None
+          ) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
     watermarked key whose text changed is reported, and the stored item kept.
@@ -8646,13 +8648,15 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
     says; live_keys: the watermark keys of every record the sources hold live
     this sweep (those prepare_drafts() passed over too). retired_too (import):
     a text only a retired item holds is stored already too (a person retired it:
-    the next export of the same memory must not bring it back)."""
+    the next export of the same memory must not bring it back). elsewhere:
+    whether team or org holds a text active (shared_texts): a teammate's
+    distill of the same committed records made a second copy of it."""
     run = _Admitting(doc, prepared, index_key, revise, retired_too)
     for key, item in prepared.items:
         ckey = content_key(item)
         if key and key in run.marks and run.passed_over(key, item, ckey):
             continue
-        if run.says(ckey):
+        if run.says(ckey) or elsewhere is not None and elsewhere(ckey):
             run.same_text(key, item, ckey)
         else:
             run.take(key, item, ckey)
@@ -8762,6 +8766,15 @@ class _Admitting:
         return self.adm
 
 
+def shared_texts(cfg: Config) -> Callable[[str], bool]:
+    """Whether team or org, as last read (no network), holds an active item
+    saying a content key."""
+    docs, _ = read_scopes_offline(cfg)
+    maps = [active_texts(f"{scope}:{cfg.repo}", docs[scope].items)
+            for scope in ("team", "org") if scope in docs]
+    return lambda ckey: any(ckey in m for m in maps)
+
+
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
            on_progress: Callable[[int], None] | None = None,
            retired_too: bool = False) -> IngestResult:
@@ -8770,9 +8783,10 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
-        local = store(cfg, "local")
+        local, elsewhere = store(cfg, "local"), shared_texts(cfg)
         _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path),
-                                                           retired_too=retired_too),
+                                                           retired_too=retired_too,
+                                                           elsewhere=elsewhere),
                              f"ingest {len(prepared.items)} items")
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         result.changed, result.same_content = adm.changed, adm.same_content
@@ -11330,6 +11344,7 @@ class Sweep:
     errors: list                                  # (source, CambiumError): unreadable sources
     retired_elsewhere: list = field(default_factory=list)   # moved-up items retired now
     pending_elsewhere: list = field(default_factory=list)   # ... and those still waiting
+    elsewhere: Callable[[str], bool] | None = None          # shared_texts(): held above
 
     def read(self, name: str) -> SourceRead | None:
         return next((r for r in self.reads if r.name == name), None)
@@ -11366,7 +11381,8 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
     keys = _live_keys(sweep.reads)
-    adm = admit(doc, sweep.prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys)
+    adm = admit(doc, sweep.prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys,
+                elsewhere=sweep.elsewhere)
     admitted = adm.doc or doc                     # retired after: by the marks admit left
     retiring, retired, _ = plan_retirements(
         admitted, _retire_reasons(sweep.reads), now=sweep.stamp,
@@ -11487,7 +11503,7 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
-                  errors, moved, pending)
+                  errors, moved, pending, shared_texts(cfg))
     _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
                           "distill")
     embed_soon(cfg, plan.imported)
@@ -12486,6 +12502,17 @@ def _said_before(cfg: Config, content: Any, type: str) -> dict | None:
         return {"status": "duplicate", "item": item_view(held),
                 "note": f"{held.scope} scope holds an active item with this content; endorse "
                         "it instead of capturing it again"}
+    key = text_key(type, plain_text(content).strip())
+    gone = next((hit for scope, doc in docs.items()
+                 if (hit := deprecated_texts(f"{scope}:{cfg.repo}", doc.items).get(key))), None)
+    if gone is not None and not any(it.active and content_key(it) == key    # (rare: a walk
+                                    for doc in docs.values() for it in doc.items):  # is fine)
+        why = gone.deprecated if isinstance(gone.deprecated, dict) else {}
+        return {"status": "deprecated_before", "item": item_view(gone),
+                "deprecated": {k: why[k] for k in ("by", "at", "reason") if k in why},
+                "note": "these words were deprecated, and they stay retired: nothing was "
+                        "stored. If they hold again, capture what changed in your own words "
+                        "(with a why), or ask whoever deprecated them"}
     return None
 
 
@@ -12533,6 +12560,25 @@ def active_texts(key: str, items: list) -> dict[str, Item]:
                 if it.active:
                     texts.setdefault(content_key(it), it)
             rt.texts[key] = (items, texts)
+        return texts
+
+
+def deprecated_texts(key: str, items: list) -> dict[str, Item]:
+    """{content key: the first deprecated item saying it} of a store's items,
+    kept per store and brought up to date by a capture's appends (a
+    deprecation is a rewrite: built again), as corrections() is."""
+    rt = runtime()
+    with rt.index_lock:
+        src, texts = rt.retired.get(key, (None, {}))
+        if src is not items:
+            grown = src is not None and extends(items, src)
+            fresh = [x for x in (items[len(src):] if grown else items)
+                     if x.status == "deprecated"]
+            if not grown or fresh:                  # (copied: a reader may hold the old)
+                texts = dict(texts) if grown else {}
+                for it in fresh:
+                    texts.setdefault(content_key(it), it)
+            rt.retired[key] = (items, texts)
         return texts
 
 

@@ -1280,6 +1280,52 @@ def test_a_local_item_whose_scope_field_says_otherwise_is_local(repo):
     assert stored["trust"]["recalls"] == 1
 
 
+def test_capturing_the_words_of_a_deprecated_item_keeps_them_retired(shared):
+    """A capture of a deprecated item's exact words stored them again as a new
+    live item, and recall served them, without a word about the deprecation."""
+    old = cs.capture("Rotate API keys every 90 days")["item"]["id"]
+    cs.deprecate(old, reason="replaced by vault-managed rotation")
+    again = cs.capture("rotate API keys every 90 days ")
+    assert again["status"] == "deprecated_before" and again["item"]["id"] == old, again
+    assert again["deprecated"]["reason"] == "replaced by vault-managed rotation"
+    assert cs.recall("rotate API keys")["results"] == []
+    assert len(cs.store(cs.resolve_config(), "local").read().items) == 1
+    team = _endorsed("Staging is reset every night")             # in team, deprecated there
+    cs.promote(team, force=True)
+    cs.deprecate(team, reason="no longer reset")
+    assert cs.capture("Staging is reset every night")["status"] == "deprecated_before"
+    live = cs.capture("Rotate API keys every 90 days", type="skill")   # another type: stored
+    assert live["status"] == "captured"
+
+
+def test_a_teammates_distill_or_import_of_what_team_holds_adds_no_second_copy(shared,
+                                                                              monkeypatch,
+                                                                              tmp_path):
+    """The committed .context/ (or the shared board) is distilled in every clone:
+    ada promoted a decision, and bob's distill stored it again in his local
+    scope, recalled beside team's copy and promoted a second time."""
+    entries = [{"id": "dec-001", "summary": "Use PostgreSQL advisory locks for the ledger job",
+                "why_chosen": "one runner at a time", "status": "active"}]
+    for clone_dir in (shared["a"], shared["b"]):
+        (clone_dir / ".context").mkdir()
+        (clone_dir / ".context" / "decisions.json").write_text(json.dumps(entries))
+    cs.distill()
+    (mine,) = cs.store(cs.resolve_config(), "local").read().items
+    cs.promote(mine.id, force=True)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    cs.recall("advisory locks")                       # bob's clone has read team
+    out = cs.distill()
+    assert out["imported"] == 0, out
+    export = tmp_path / "memories.jsonl"
+    export.write_text(json.dumps({"id": "m1", "content": entries[0]["summary"],
+                                  "type": "memory"}) + "\n")
+    res = cs.import_memory("json", str(export))
+    assert res["imported"] == 0 and res["same_content"] == 1, res
+    assert cs.store(cs.resolve_config(), "local").read().items == []
+    assert [h["id"] for h in cs.recall("advisory locks ledger")["results"]] == [mine.id]
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
