@@ -1463,6 +1463,10 @@ def _given(value: Any) -> bool:
     return value is not None and not (isinstance(value, str) and not value.strip())
 
 
+NO_HOME = ("no home directory (HOME is unset and this user has no passwd entry), so no "
+           "config file is read: set HOME, or CAMBIUM_CONFIG_FILE to an absolute path")
+
+
 def config_file_path(env: dict | None = None) -> Path:
     """The user's config file: CAMBIUM_CONFIG_FILE when it is an absolute path
     (a relative one would name a file in each working directory: setup wrote
@@ -1606,7 +1610,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """
     env = os.environ if env is None else env
     path = config_file_path(env)
-    file_values, file_error = _config_file_values(path)
+    file_values, file_error = _config_file_values(path) if path.is_absolute() else \
+        ({}, NO_HOME)
     file_error = file_error or _config_file_setting(env)[1]
     values: dict = {}
     origins: dict = {}
@@ -2024,9 +2029,10 @@ def _ssh_configured(cwd: Path | None, env: dict) -> bool:
     """Whether git's config for cwd sets core.sshCommand (asked once per repo)."""
     if cwd is None or not os.path.isdir(cwd):
         return False
-    home = Path(env.get("HOME") or "~").expanduser()
+    home = Path(os.path.expanduser(env.get("HOME") or "~"))     # (no home: "~" stays)
     files = [env.get("GIT_CONFIG_GLOBAL") or home / ".gitconfig",
              Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "git" / "config"]
+    files = [f for f in files if os.path.isabs(f)]
     with contextlib.suppress(OSError, IndexError):
         files.append(_git_dirs(Path(cwd))[1] / "config")
     stamps = []
@@ -12239,6 +12245,8 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         if org_path:
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
     cfg_path = config_file_path(env)
+    if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
+        raise InputError(f"setup cannot write its config file: {NO_HOME}", "HOME")
     before = resolve_config(env)
     _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
     ignore_note = _scaffold_local(root)
@@ -12675,7 +12683,7 @@ def recall(query: Annotated[str, Field(
     if ranking.note:
         out["note"] = ranking.note
     out.update(_recall_results(cfg, ranking, detail))
-    if warnings:
+    if warnings := warnings + out.pop("warnings", []):
         out["warnings"] = warnings
     return out
 
@@ -12751,12 +12759,19 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
                         "it out, capture() it so the next agent knows."}
     else:
         # org items have finished climbing: their use is not counted (spec)
-        pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
+        unjournaled = None
+        try:
+            pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
+        except OSError as e:            # a read-only checkout: the answer stands, uncredited
+            pending, unjournaled = [], (f"recall credits could not be journaled in "
+                                        f"{credits_path(cfg).parent} ({e.strerror or e}): the "
+                                        "results stand, uncredited")
         note_shown(cfg, [h.item.id for h in hits], "recall")
         _schedule_credit_fold(cfg)
         out = {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
                                        round(h.confidence, 3), detail) for h in hits],
-               "no_confident_match": False}
+               "no_confident_match": False, **({"warnings": [unjournaled]} if unjournaled
+                                               else {})}
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": shown_relevance(h.confidence, False)}
                            for h in ranking.weak[:3]]
@@ -14875,7 +14890,8 @@ def serve(http: Annotated[bool, Field(
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
     token = os.environ.get(HTTP_TOKEN_ENV) or None
-    problem = http_bind_problem(host, token) if http else None
+    problem = http_bind_problem(host, token) if http else None if sys.stdin and sys.stdout \
+        else "serving MCP over stdio needs stdin and stdout open (one of them is closed)"
     if problem:
         print(f"cambium: {problem}", file=sys.stderr)
         return 2
@@ -15527,13 +15543,22 @@ def _say(text: str, file: Any = None) -> None:
     ends the output quietly; another failure to write it (a full disk) is an
     OutputError: the command's work is done, only its answer is lost."""
     try:
-        print(text, file=file or sys.stdout, flush=True)
+        try:
+            print(text, file=file or sys.stdout, flush=True)
+        except UnicodeEncodeError:        # PYTHONIOENCODING=ascii, a C locale: \u escapes,
+            print(_ascii_escaped(text), file=file or sys.stdout, flush=True)   # JSON still
     except BrokenPipeError:
         _drop_stdout()
     except OSError as e:
         _drop_stdout()
         raise OutputError(f"could not write the answer to stdout ({e.strerror or e}); what "
                           "the command did is done") from None
+
+
+def _ascii_escaped(text: str) -> str:
+    """`text` with every non-ASCII character as a JSON escape (\\u00fc): what
+    any stdout encoding carries, and still valid JSON where it was."""
+    return re.sub(r"[^\x00-\x7f]", lambda m: json.dumps(m.group())[1:-1], text)
 
 
 def _drop_stdout() -> None:

@@ -12663,6 +12663,81 @@ def test_http_token_with_surrounding_space_is_refused_at_start():
     assert cs.http_bind_problem("0.0.0.0", "fine-token") is None
 
 
+def test_a_user_with_no_home_gets_answers_and_setup_never_writes_into_the_project():
+    """HOME unset for a uid with no passwd entry (docker run -u 1001): every
+    command ended in a traceback, and setup wrote its config into a folder
+    named `~` inside the project."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run as a uid with no passwd entry")
+    base = Path(tempfile.mkdtemp(prefix="cambium-nohome-"))
+    try:
+        base.chmod(0o755)
+        repo = base / "repo"
+        subprocess.run(["git", "init", "-q", str(repo)], check=True)
+        subprocess.run(["chown", "-R", "54321:54321", str(repo)], check=True)
+        env = {k: v for k, v in os.environ.items() if k != "HOME" and not k.startswith(
+            "CAMBIUM_")}
+        run = [setpriv, "--reuid=54321", "--regid=54321", "--clear-groups", sys.executable]
+        if subprocess.run([*run, "-c", "import cambium_server"], env={**env, "PYTHONPATH": str(
+                HERE)}, cwd=repo, capture_output=True).returncode != 0:
+            pytest.skip("this interpreter cannot run as another uid here")
+        for args, extra, code in ((["status"], {}, 0), (["recall", "anything"], {}, 0),
+                                  (["setup", str(repo), "u1"], {"GIT_SSH_COMMAND": "ssh"}, 1)):
+            out = subprocess.run([*run, str(SERVER), *args], cwd=repo, capture_output=True,
+                                 text=True, env={**env, "CAMBIUM_RECALL_MODE": "lexical",
+                                                 **({} if args[0] == "setup" else {
+                                                     "CAMBIUM_REPO": str(repo),
+                                                     "CAMBIUM_AGENT_ID": "u1"}), **extra})
+            assert out.returncode == code and "Traceback" not in out.stderr, (args, out)
+        assert "no home directory" in out.stdout + out.stderr
+        assert not (repo / "~").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_stdout_that_cannot_encode_the_answer_gets_it_escaped_not_a_traceback(repo):
+    """PYTHONIOENCODING=ascii (or a Latin-1 locale) ended every command whose
+    answer held a non-ASCII character in a UnicodeEncodeError traceback."""
+    cli("capture", "Der Schlüssel liegt im Tresor → links")
+    for enc in ("ascii", "latin-1"):
+        out = cli("recall", "Schlüssel Tresor", PYTHONIOENCODING=enc)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out
+        (hit,) = json.loads(out.stdout)["results"]
+        assert "Schlüssel liegt im Tresor → links" in hit["line"]
+        text = cli("recall", "Schlüssel", "--format", "text", PYTHONIOENCODING=enc)
+        assert text.returncode == 0 and "Traceback" not in text.stderr, text
+    assert cli("status", PYTHONIOENCODING="ascii").returncode == 0
+
+
+def test_serving_stdio_with_stdin_or_stdout_closed_is_one_clear_error(repo):
+    for closed in ({"stdin": subprocess.DEVNULL, "preexec_fn": lambda: os.close(0)},
+                   {"preexec_fn": lambda: os.close(1)}):
+        out = subprocess.run([sys.executable, str(SERVER), "serve"], stderr=subprocess.PIPE,
+                             text=True, timeout=60, **closed)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out
+        assert "stdin and stdout open" in out.stderr
+
+
+def test_recall_on_a_read_only_store_answers_uncredited(repo):
+    """A read-only checkout or mount: recall exited 1 with no results because
+    it could not journal its credits, where the primer and show answered."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a read-only bind mount")
+    cli("capture", "Deploys freeze on Fridays after noon")
+    script = (f"mount --bind -o ro {repo / '.cambium'} {repo / '.cambium'} && "
+              f"{sys.executable} {SERVER} recall 'deploys freeze fridays'")
+    out = subprocess.run(["unshare", "-m", "bash", "-c", script], cwd=repo, text=True,
+                         capture_output=True, timeout=120)
+    if "mount" in out.stderr and out.returncode != 0 and "results" not in out.stdout:
+        pytest.skip(f"no read-only bind mount here: {out.stderr[:200]}")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out
+    answer = json.loads(out.stdout)
+    assert [r["line"].split(" ", 1)[1] for r in answer["results"]] == [
+        "memory/note Deploys freeze on Fridays after noon"]
+    assert any("uncredited" in w for w in answer["warnings"])
+
+
 def test_http_serve_on_a_taken_port_is_one_clear_error(repo):
     import socket
     with socket.socket() as held:
