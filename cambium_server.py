@@ -6213,27 +6213,40 @@ def holds_every_term(item: Item, terms: list[str]) -> bool:
 _SENTENCE_END = ".!?:;\n\"'(`*-"    #: after one of these (or first), a capital is no name
 
 
-def _name_shape(word: str, starts_sentence: bool, cased: bool) -> bool:
+def _name_shape(word: str, starts_sentence: bool, cased: str) -> bool:
     """Whether a word of a query is written as a name: an acronym (GDPR), a
     capital inside (mTLS, PostgreSQL), letters and digits not led by a digit
     (k8s, EC2; 50GB is a quantity), or a capital first letter in mid-sentence
-    (Istio), unless the whole query is `cased` (title case, all caps)."""
+    (Istio). In a query `cased` "title" (every word capitalised) a capital
+    first letter says nothing, and in one in "caps" neither does an acronym."""
     if sum(c.isalpha() for c in word) < 2 or word[0].isdigit():
         return False
     if any(c.isdigit() for c in word):
         return True
     if any(c.isupper() for c in word[1:]) and not word.isupper():
         return True
-    if cased:
-        return False
-    return word.isupper() or (word[0].isupper() and not starts_sentence)
+    if word.isupper():
+        return cased != "caps"
+    return cased == "" and word[0].isupper() and not starts_sentence
+
+
+def query_casing(words: list[str]) -> str:
+    """"caps" when every word of two letters or more is in capitals, "title"
+    when each starts with one, else "" (at least two such words: one word
+    says nothing of the query's casing). Acronyms in a sentence-case query
+    ("Explain GDPR retention") do not make it title case."""
+    lettered = [w for w in words if sum(c.isalpha() for c in w) >= 2]
+    if len(lettered) < 2:
+        return ""
+    if all(w.isupper() for w in lettered):
+        return "caps"
+    return "title" if all(w[0].isupper() for w in lettered) else ""
 
 
 def query_names(query: str) -> list[str]:
     """The words of a query written as names (_name_shape), in query order."""
     words = [(m.group(), m.start()) for m in _WORD.finditer(query)]
-    caps = sum(w[0].isupper() for w, _ in words if sum(c.isalpha() for c in w) >= 2)
-    cased = len(words) >= 3 and caps * 2 > len(words)
+    cased = query_casing([w for w, _ in words])
     out = []
     for word, at in words:
         before = query[max(0, at - 64):at].rstrip()      # (a long gap: a new start)
@@ -6424,7 +6437,15 @@ def tied_at_cut(ranking: Ranking, past: list[Hit], terms: list[str], index: Inde
 
 def score_query(index: Index, query: str, limit: int) -> Ranking:
     """Rank items for a query by BM25; a hit's relevance is its confidence_bm25
-    on the 0..1 scale."""
+    on the 0..1 scale. Ranked and judged at the default limit at least, then
+    cut: a smaller limit shows the first of the default's results (the
+    every-word pass found others past a cut of 2)."""
+    ranking = _score_pool(index, query, max(limit, RESULT_HEAD))
+    ranking.hits = ranking.hits[:limit]
+    return ranking
+
+
+def _score_pool(index: Index, query: str, limit: int) -> Ranking:
     terms = list(dict.fromkeys(tokenize(query)))
     if not terms or index.live == 0:
         return Ranking([], 0.0, unknown=unknown_names(index, query))
@@ -7899,7 +7920,10 @@ class Semantic:
         recall never waits for a long backlog. Raises SemanticUnavailable when
         the model cannot be used."""
         emb = self.ready()
-        if index.live == 0:
+        tok = emb.tokenizer
+        if index.live == 0 or all(i == tok.unk for i in tok.ids(query, EMBED_WINDOW_TOKENS)):
+            # (nothing the model reads: emoji, a script its vocabulary lacks. Its
+            # [UNK]-only vector sat near any item of [UNK]s and CJK pieces at 0.61)
             return Ranking([], 0.0, mode="semantic", unknown=unknown_names(index, query))
         sv = self.vectors(index)
         with self.serving():
@@ -12219,19 +12243,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     """
     env = os.environ
     root = _project_root(project_repo)
-    agent_id = (agent_id or "").strip()
-    problem = _validate("CAMBIUM_AGENT_ID", agent_id, "agent_id") if agent_id else \
-        "agent_id is required"
-    if problem:
-        raise InputError(problem + ".", "agent_id")
-    if team_branch is not None and (why := _validate("CAMBIUM_TEAM_BRANCH", team_branch,
-                                                     "team_branch")):
-        raise InputError(why + ".", "team_branch")
-    if team_branch and (taken := _branch_of_the_project(root, team_branch)):
-        raise InputError(f"team_branch {team_branch!r} is {taken} with your project's files "
-                         f"and no {STORE_FILE}: cambium would commit its store onto it. Give "
-                         "the team store a branch of its own (default 'cambium').",
-                         "team_branch")
+    agent_id = _checked_setup_args(root, agent_id, team_branch)
     updates: dict[str, Any] = {"CAMBIUM_REPO": str(root), "CAMBIUM_AGENT_ID": agent_id}
     if team_branch:
         updates[TEAM_BRANCHES] = {os.path.realpath(root): team_branch}
@@ -12262,6 +12274,25 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
                                                "the new clone's path"}   # and it works
     return {**out, **({"warnings": warnings} if warnings else {}),
             **({"org_setup": org_offer} if org_offer else {})}
+
+
+def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> str:
+    """setup's agent id, stripped, once it and team_branch pass their checks
+    (InputError naming the argument otherwise)."""
+    agent_id = (agent_id or "").strip()
+    problem = _validate("CAMBIUM_AGENT_ID", agent_id, "agent_id") if agent_id else \
+        "agent_id is required"
+    if problem:
+        raise InputError(problem + ".", "agent_id")
+    if team_branch is not None and (why := _validate("CAMBIUM_TEAM_BRANCH", team_branch,
+                                                     "team_branch")):
+        raise InputError(why + ".", "team_branch")
+    if team_branch and (taken := _branch_of_the_project(root, team_branch)):
+        raise InputError(f"team_branch {team_branch!r} is {taken} with your project's files "
+                         f"and no {STORE_FILE}: cambium would commit its store onto it. Give "
+                         "the team store a branch of its own (default 'cambium').",
+                         "team_branch")
+    return agent_id
 
 
 def _setup_warnings(env: Any, updates: dict[str, Any], binding: dict, root: Path) -> list[str]:
