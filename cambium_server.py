@@ -13131,9 +13131,20 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
 
     with moves_lock(cfg):
         scope, item, write = following_moves(attempt)
-    out = {"status": status, "scope": scope, "item": item_view(item)}
+    return proposed({"status": status, "scope": scope, "item": item_view(item)}, write)
+
+
+PROPOSED_NOTE = ("proposed in org's pull request, not done yet: org serves what it held "
+                 "until a person merges it (review_promotions lists the open ones)")
+
+
+def proposed(out: dict, write: Write | None) -> dict:
+    """A change's answer, marked `pending` with the pull request it waits in
+    when PR mode sent it to one: an agent told "deprecated" believed it, while
+    recall served the item until the merge."""
     if write and write.pr_url:
-        out["pr_url"] = write.pr_url
+        out.update(pr_url=write.pr_url, pending=True,
+                   note=joined_notes(out.get("note"), PROPOSED_NOTE))
     return out
 
 
@@ -13536,11 +13547,8 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
         raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
                        "(review_promotions lists the ones that need it).") from None
     changed_now = write is not None and write.commit is not None and changed[-1]
-    out = {"status": "generalized" if changed_now else "unchanged", "item": item_view(new),
-           "tells_left": org_tells(new)}
-    if write and write.pr_url:
-        out["pr_url"] = write.pr_url
-    return out
+    return proposed({"status": "generalized" if changed_now else "unchanged",
+                     "item": item_view(new), "tells_left": org_tells(new)}, write)
 
 
 REVIEW_LIMIT, MAX_REVIEW_LIMIT = 50, 1000   #: review_promotions' entries a list: default, most
@@ -13784,11 +13792,8 @@ def _correct_once(cfg: Config, item_id: str, content: Any, why: Any, force: bool
     write = mutate(cfg, scope, apply, f"{cfg.agent} corrects {item_id}",
                    pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
     embed_soon(cfg, made)
-    out = {"status": "corrected", "scope": scope, "item": item_view(made[0]),
-           "superseded": item_id}
-    if write and write.pr_url:
-        out["pr_url"] = write.pr_url
-    return out
+    return proposed({"status": "corrected", "scope": scope, "item": item_view(made[0]),
+                     "superseded": item_id}, write)
 
 
 def _same_correction(doc: Doc, old: Item, new: Item) -> Item | None:

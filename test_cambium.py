@@ -5125,7 +5125,12 @@ def test_pr_mode_a_write_after_a_declined_shared_pr_starts_from_orgs_tip(
     """A write to cambium/updates before anyone ran review built on the
     declined correction, and the next pull request proposed it again."""
     _, a, b = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
-    url = cs.correct(a, "Retry idempotent calls at most five times", "lead", force=True)["pr_url"]
+    fixed = cs.correct(a, "Retry idempotent calls at most five times", "lead", force=True)
+    url = fixed["pr_url"]                  # said as proposed, not done: org serves a still
+    assert fixed["pending"] is True and "not done yet" in fixed["note"]
+    dep = cs.deprecate(b, reason="gone")
+    assert dep["pending"] is True and dep["pr_url"] == url
+    assert cs.expand(b)["status"] == "active"                  # until a person merges it
     set_pr_state(tmp_path, url, "CLOSED")                      # declined; no review since
     cs.verify_entry(b, note="still holds")
     branch = remote_json(shared["org_bare"], "cambium/updates")["items"]
