@@ -1591,9 +1591,15 @@ def unknown_keys_said(path: Path, values: dict) -> str | None:
     odd = sorted(str(k) for k in values if k not in DEFAULTS and k != TEAM_BRANCHES)
     if not odd:
         return None
-    said = [k + (f" (did you mean {near[0]}?)" if (near := difflib.get_close_matches(
-        k, list(DEFAULTS), 1)) else "") for k in odd[:5]]
+    said = [k + (" (read from the environment only: set it there)" if k in ENV_ONLY else
+                 f" (did you mean {near[0]}?)" if (near := difflib.get_close_matches(
+                     k, list(DEFAULTS), 1)) else "") for k in odd[:5]]
     return f"{path} holds keys cambium does not read, ignored: {', '.join(said)}"
+
+
+#: settings read from the environment alone, never from the config file (a token
+#: is a secret; a session id and the config file's own path are per process)
+ENV_ONLY = frozenset({"CAMBIUM_HTTP_TOKEN", "CAMBIUM_SESSION_ID", "CAMBIUM_CONFIG_FILE"})
 
 
 CWD_GONE = ("this process's working directory no longer exists (deleted, or a worktree "
@@ -1695,8 +1701,8 @@ def config_gaps(cfg: Config) -> list[dict]:
     for p in cfg.problems:
         gaps.append({"setting": p["setting"], "cost": p.get("cost") or f"invalid value "
                      f"({p['problem']}); cambium will not use it", "fix": p.get("fix") or
-                     f"correct it in the {p['origin']} "
-                     f"({'environment' if p['origin'] == 'env' else cfg.config_file})"})
+                     f"correct {p['setting']} ({p['problem']}) in "
+                     f"{'the environment' if p['origin'] == 'env' else cfg.config_file}"})
     if not cfg.repo:
         gaps.append({"setting": "CAMBIUM_REPO", "cost": "no project repo → cambium has no "
                      "substrate; every tool is unavailable", "fix": repo_fix})
@@ -12507,6 +12513,10 @@ def capture(content: Annotated[str, Field(
     returns the existing item.
     """
     cfg = require_config()
+    if isinstance(content, str) and not _WORD.search(content):   # (the empty and the
+        bare = _clean_text(content, "content", MAX_CONTENT_CHARS, required=True)  # invisible
+        raise InputError(f"content {bare[:40]!r} holds no word (no letter or digit): there "
+                         "is nothing to remember in it", "content")   # are refused above)
     if supersedes is not None:
         _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1],
                         "disputed")
@@ -14357,7 +14367,8 @@ def api_table() -> tuple[Tool, ...]:
              cli_types={"path": _cli_abspath}),
         Tool(export_markdown, "remote", aliases=("export",), run=_cli_export, cli_args=(
             (("-o", "--output"), {"metavar": "FILE", "help": "write the markdown to FILE "
-                                  "and print one summary line"}),)),
+                                  "and print what was written (JSON, or one line with "
+                                  "--format text)"}),)),
         Tool(distill, "remote", run=_cli_distill, formats=("summary", "json", "text"),
              cli_args=((("--hook",), {"action": "store_true", "help": (
                  "run as a Claude Code hook: read its JSON from stdin (uses its cwd), print "
@@ -15220,7 +15231,7 @@ def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
     runs one command, and building the rest costs it milliseconds)."""
     ap = argparse.ArgumentParser(
         description="cambium knowledge server. With no command it serves MCP over stdio; "
-        "with a command it runs that tool once and prints JSON.")
+        "with a command it runs that tool once and prints JSON.", allow_abbrev=False)
     ap.add_argument("--version", action="version", version=__version__)
     sub = ap.add_subparsers(dest="command", metavar="command")
     only = find_tool(command) if command else None
@@ -15232,7 +15243,8 @@ def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def _add_command(sub: Any, tool: Tool) -> None:
     p = sub.add_parser(tool.command, aliases=list(tool.aliases), help=tool.summary,
-                       description=tool.summary + ".")
+                       description=tool.summary + ".", allow_abbrev=False)  # (--hoo: not
+    # --hook, whose caller is promised exit 0, but an unknown argument)
     p.set_defaults(tool=tool)
     if tool.formats:
         p.add_argument("--format", choices=tool.formats, default=tool.formats[0],
@@ -15400,6 +15412,10 @@ def _embed_on_exit() -> None:
 
 
 def _cli_serve(args: argparse.Namespace, kwargs: dict) -> int:
+    if not kwargs.get("http") and any(a.startswith(("--host", "--port")) for a in sys.argv):
+        print(f"{_prog()} serve: --host and --port are for HTTP: add --http (without it, "
+              "cambium serves MCP over stdio)", file=sys.stderr)
+        return 2
     return serve(**kwargs)
 
 
@@ -15448,8 +15464,13 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
     atomic_write(path, res["markdown"], mode)       # replaced whole, its mode kept
     note = f"; {cli_syntax(res['note'])}" if res.get("note") else ""
     n = res["items"]
-    _say(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
-         f"{res['scope']}{note})")
+    if args.format == "json":                   # (JSON, as every command prints)
+        _say(json_text({"written": str(path), "items": n, "scope": res["scope"],
+                        **({"note": cli_syntax(res["note"])} if res.get("note") else {})},
+                       indent=2))
+    else:
+        _say(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
+             f"{res['scope']}{note})")
     for w in res.get("warnings", []):
         print(f"{_prog()}: warning: {w}", file=sys.stderr)
     return 0
@@ -15920,7 +15941,8 @@ def _demo_climb(root: Path, step: Callable[..., None], item_id: str) -> None:
     rep = stale_report()
     step("stale report", "stale_report() lists promoted knowledge oldest-verified "
          "first, so re-checking rides an existing beat.",
-         entries=[(e["id"], e["scope"], e["age_days"]) for e in rep["entries"]])
+         entries=[f"{e['id']} [{e['scope']}] last verified {e['age_days']} day(s) ago"
+                  for e in rep["entries"]])
 
 
 def _demo_substrates(repo: Path) -> None:

@@ -9321,14 +9321,18 @@ def test_cli_usage_names_the_program_as_invoked(tmp_path):
     assert "--limit: must be a whole number from 1 to 50; got '0'" in run.stderr
 
 
-def test_cli_export_to_a_file_prints_one_summary_line(repo, tmp_path):
+def test_cli_export_to_a_file_prints_what_it_wrote(repo, tmp_path):
     cs.capture("Tag every release in git", tags="release")
     target = tmp_path / "KNOWLEDGE.md"
     out = cli("export", "-o", str(target))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("\n") == 1 and str(target) in out.stdout
-    assert "1 item" in out.stdout and "org scope is off" in out.stdout
+    said = json.loads(out.stdout)
+    assert said["written"] == str(target) and said["items"] == 1
+    assert "org scope is off" in said["note"]
     assert "Tag every release in git" in target.read_text()
+    text = cli("export", "-o", str(target), "--format", "text")
+    assert text.stdout.count("\n") == 1 and str(target) in text.stdout
+    assert "1 item" in text.stdout and "org scope is off" in text.stdout
 
 
 def test_cli_export_writes_through_a_symlink_and_never_replaces_a_device(repo, tmp_path):
@@ -9455,7 +9459,7 @@ def test_cli_demo_runs_the_loop():
     assert steps["promote to org"]["status"] == "promoted"
     assert steps["cross-project recall"] == {"step": "cross-project recall", "scope": "org",
                                              "origin_project": "shop-api"}
-    assert steps["stale report"]["entries"][0][1] == "org"
+    assert "[org] last verified 0 day(s) ago" in steps["stale report"]["entries"][0]
     assert steps["distill"]["sources"] == {"agentsync": "imported", "context-keeper": "imported"}
     assert steps["distill"]["imported"] == 2 and steps["distill"]["again_imported"] == 0
     narration = out.stderr                             # for people: words, CLI syntax
@@ -12782,6 +12786,32 @@ def test_recall_on_a_read_only_store_answers_uncredited(repo):
     assert [r["line"].split(" ", 1)[1] for r in answer["results"]] == [
         "memory/note Deploys freeze on Fridays after noon"]
     assert any("uncredited" in w for w in answer["warnings"])
+
+
+def test_cli_small_contracts_hold(repo, tmp_path):
+    """export -o printed a plain line under --format json; --host/--port without
+    --http served stdio; `capture -` stored "-"; `primer --hoo` ran the plain
+    primer (argparse took it for --hook's prefix); an invalid setting's hook
+    message named no setting; a token in the config file hinted another key."""
+    cli("capture", "Deploys freeze on Fridays")
+    out = cli("export", "-o", str(tmp_path / "K.md"))
+    assert out.returncode == 0 and json.loads(out.stdout)["written"] == str(tmp_path / "K.md")
+    text = cli("export", "-o", str(tmp_path / "K.md"), "--format", "text")
+    assert text.stdout.startswith("cambium_server.py export: wrote")
+    served = subprocess.run([sys.executable, str(SERVER), "serve", "--port", "17999"],
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=60, cwd=repo)
+    assert served.returncode == 2 and "add --http" in served.stderr
+    for junk in ("-", "...", " — "):
+        refused = cli("capture", "--", junk)
+        assert refused.returncode == 1 and "holds no word" in refused.stderr, refused
+    assert cli("primer", "--hoo").returncode == 2
+    hook = cli("distill", "--hook", CAMBIUM_GIT_TIMEOUT="-1")
+    assert hook.returncode == 0 and "CAMBIUM_GIT_TIMEOUT" in hook.stderr, hook
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    config.write_text(json.dumps({"CAMBIUM_HTTP_TOKEN": "s3cret"}))
+    warned = json.loads(cli("status").stdout)
+    assert "CAMBIUM_HTTP_TOKEN (read from the environment only" in json.dumps(warned)
 
 
 def test_http_serve_on_a_taken_port_is_one_clear_error(repo):
