@@ -9147,7 +9147,8 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
             out.append("")
     if len(out) == 4:
         out.append("_No knowledge in this scope yet._")
-    return valid_unicode("\n".join(out).rstrip() + "\n")
+    return plain_text("\n".join(out).rstrip() + "\n")   # (a hand-edited store's escapes:
+                                                        # never published, never printed)
 
 
 def _provenance(it: Item, public: bool = False) -> str:
@@ -15585,8 +15586,8 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
     if fmt == "text":
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
-        out = valid_unicode(_text(result) if text is None else text)
-        if text is not None:         # stdout stays the document; what it leaves out, stderr
+        out = plain_text(_text(result) if text is None else text)   # (a hand-edited item's
+        if text is not None:                                      # escapes reach no terminal)         # stdout stays the document; what it leaves out, stderr
             for said in [result.get("note"), *(result.get("warnings") or [])]:
                 if said:
                     print(f"{_prog()}: {valid_unicode(str(said))}", file=sys.stderr)

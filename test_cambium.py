@@ -1345,6 +1345,24 @@ def test_a_smaller_lexical_limit_shows_the_first_of_the_defaults_results(repo):
         assert all(lists[k] == lists[5][:k] for k in (1, 2, 3)), (trial, lists)
 
 
+def test_terminal_escapes_a_hand_edit_stored_never_reach_a_terminal_or_knowledge_md(repo):
+    """Text output and KNOWLEDGE.md printed a hand-edited item's escapes raw:
+    export --format text, show and a full recall in text could recolour or
+    reverse (U+202E) what a person reads."""
+    item_id = cs.capture("Rotate the signing keys yearly")["item"]["id"]
+    path = _store_path(repo)
+    path.write_text(path.read_text().replace("Rotate the signing keys yearly",
+                                             "Rotate the \\u001b[31msigning\\u202e keys yearly"))
+    cs.runtime().reset()
+    assert "\x1b" in cs.expand(item_id)["content"]           # stored as it was: JSON keeps it
+    for args in (("export", "--format", "text"), ("show", item_id, "--format", "text"),
+                 ("recall", "signing keys", "--detail", "full", "--format", "text")):
+        out = cli(*args)
+        assert out.returncode == 0 and "signing" in out.stdout, (args, out)
+        assert "\x1b" not in out.stdout and "\u202e" not in out.stdout, args
+    assert "\x1b" not in cs.export_markdown()["markdown"]
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
