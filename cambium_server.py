@@ -124,7 +124,7 @@ import weakref
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import (TYPE_CHECKING, Annotated, Any, Callable, Collection, Iterable,
                     Iterator, Literal,
@@ -446,14 +446,17 @@ def _now() -> str:
 
 
 def _parse_ts(value: str | None) -> datetime | None:
-    """Parse an ISO-8601 timestamp (Z or offset); None when absent or invalid."""
+    """Parse an ISO-8601 timestamp (Z or offset); None when absent, invalid or
+    later than tomorrow (a typo such as 2062: a verification that never ages
+    vouched for an item for decades)."""
     if not value or not isinstance(value, str):
         return None
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         return None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    dt = dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    return None if dt > datetime.now(timezone.utc) + timedelta(days=1) else dt
 
 
 def _new_id() -> str:

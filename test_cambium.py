@@ -22,6 +22,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -1361,6 +1362,18 @@ def test_terminal_escapes_a_hand_edit_stored_never_reach_a_terminal_or_knowledge
         assert out.returncode == 0 and "signing" in out.stdout, (args, out)
         assert "\x1b" not in out.stdout and "\u202e" not in out.stdout, args
     assert "\x1b" not in cs.export_markdown()["markdown"]
+
+
+def test_a_verification_dated_in_the_future_vouches_for_nothing():
+    """A typo such as 2062 in last_verified never aged: stale_report showed age
+    0 for decades and the primer counted the item as recently verified."""
+    now = datetime.now(timezone.utc)
+    item = cs.Item.from_dict({"id": "k-1", "content": "c", "created_at": "2025-01-01T00:00:00Z",
+                              "last_verified": "2062-01-01T00:00:00Z"})
+    assert not cs.verified(item)
+    assert cs.age_days(item, now) == (now - datetime(2025, 1, 1, tzinfo=timezone.utc)).days
+    soon = (now + timedelta(hours=12)).strftime("%Y-%m-%dT%H:%M:%SZ")  # a clock a bit ahead
+    assert cs.verified(cs.Item.from_dict({"id": "k-2", "content": "c", "last_verified": soon}))
 
 
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
