@@ -571,6 +571,13 @@ def _optional_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _optional_url(value: Any) -> str | None:
+    """A pull request's web address, or None: a stray text ("see slack") locked
+    its item for good as waiting on a pull request nobody could close (kept
+    verbatim, as any mistyped field)."""
+    return value if isinstance(value, str) and re.fullmatch(r"https?://\S+", value) else None
+
+
 def _optional_record(keys: tuple, **more: tuple) -> Callable[[Any], dict | None]:
     """An object field's check: its `keys` text (or absent), each of `more`
     (key -> allowed types) of those types."""
@@ -597,7 +604,7 @@ def _code_refs(value: Any) -> list | None:
 #: per optional field: its value as the code reads it, or None (mistyped)
 _OPTIONAL_TYPED: dict[str, Callable[[Any], Any]] = {
     "valid_while": _optional_str, "last_verified": _optional_str, "example": _optional_str,
-    "promoted_at": _optional_str, "pr_url": _optional_str, "authority": _optional_str,
+    "promoted_at": _optional_str, "pr_url": _optional_url, "authority": _optional_str,
     "corrects": _optional_str, "supersedes": _optional_str,
     "verifications": lambda v: _records(v, ("by", "at", "note")),
     "deprecated": _optional_record(("by", "at", "reason")),
@@ -9037,8 +9044,11 @@ def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str
     that links back to it (old gets superseded_by; see supersede()), about the
     same code and under the same premise (old's code_refs and valid_while: the
     pointer and the premise were lost with the corrected item)."""
-    new = new_item(content, type=old.type, kind=old.kind, why=why, tags=old.tags,
-                   project=project, agent=agent, now=now,
+    kind = plain_text(old.kind).strip().lower()[:40]    # (a hand-edited item's fields are
+    tags, _ = salvage_tags(old.tags)                      # inherited as far as they hold)
+    new = new_item(content, type=old.type if old.type in ITEM_TYPES else "memory",
+                   kind=kind if re.fullmatch(r"[\w.\- ]+", kind) else "note", why=why,
+                   tags=tags[:MAX_TAGS], project=project, agent=agent, now=now,
                    source={"system": "correction", "ref": old.id})
     return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id,
                                code_refs=old.code_refs, valid_while=old.valid_while)

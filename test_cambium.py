@@ -1376,6 +1376,34 @@ def test_a_verification_dated_in_the_future_vouches_for_nothing():
     assert cs.verified(cs.Item.from_dict({"id": "k-2", "content": "c", "last_verified": soon}))
 
 
+def test_a_hand_edited_items_odd_fields_never_block_a_correction_or_lock_it(repo):
+    """correct() validated the corrected item's stored tags, kind and type as
+    its own arguments (40 tags, a long kind, type "fact" refused a person's
+    correction), and a stray pr_url ("see slack") locked an item for good as
+    waiting on a pull request, in direct mode too."""
+    ids = [cs.capture(f"Hand edited fact number {n}")["item"]["id"] for n in range(2)]
+    path = _store_path(repo)
+    lines = path.read_text().splitlines()
+    for n, ln in enumerate(lines):
+        if ids[0] in ln:
+            d = json.loads(ln.rstrip(","))
+            d.update(tags=[f"t{i}" for i in range(40)] + ["x" * 80], kind="k" * 60, type="fact")
+            lines[n] = json.dumps(d) + ("," if ln.endswith(",") else "")
+        if ids[1] in ln:
+            d = json.loads(ln.rstrip(","))
+            d["pr_url"] = "see slack"
+            lines[n] = json.dumps(d) + ("," if ln.endswith(",") else "")
+    path.write_text("\n".join(lines) + "\n")
+    cs.runtime().reset()
+    fixed = cs.correct(ids[0], "Hand edited fact, as the lead says", "the lead said so")
+    made = fixed["item"]
+    assert fixed["status"] == "corrected" and made["type"] == "memory"
+    assert len(made["tags"]) == cs.MAX_TAGS and made["kind"] == "k" * 40
+    assert cs.deprecate(ids[1], reason="wrong")["status"] == "deprecated"
+    stored = {i["id"]: i for i in json.loads(path.read_text())["items"]}
+    assert stored[ids[1]]["pr_url"] == "see slack"            # kept as written
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
