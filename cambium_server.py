@@ -12177,6 +12177,8 @@ def _status(cfg: Config) -> dict:
         warnings.append(cfg.file_error)
     warnings += [f"{name} scope: {info['duplicate_ids_note']}"
                  for name, info in out["scopes"].items() if info.get("duplicate_ids_note")]
+    if not out["scopes"].get("team", {}).get("items"):   # (an empty team: set by hand?)
+        warnings += _team_store_elsewhere(cfg)
     if warnings:
         out["warnings"] = warnings
     return out
@@ -12287,13 +12289,39 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}
     warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
-        ignore_note
+        ignore_note + _team_store_elsewhere(cfg)
     org_now = out["status"].get("scopes", {}).get("org", {})
     if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
                                                "the new clone's path"}   # and it works
     return {**out, **({"warnings": warnings} if warnings else {}),
             **({"org_setup": org_offer} if org_offer else {})}
+
+
+def _team_store_elsewhere(cfg: Config) -> list[str]:
+    """setup's warning when the remote (as this clone last fetched it) has no
+    team branch of this name but another branch holds a knowledge.json at its
+    root: a teammate set the project's team branch by hand (setup records it
+    per user), and a first promote here would start a second team store."""
+    remote, branch = cfg.remote, cfg.team_branch
+    if cfg.repo is None or not cfg.configured:
+        return []
+    with contextlib.suppress(GitError, OSError):
+        refs = _git(["for-each-ref", "--format=%(refname:short)", f"refs/remotes/{remote}/"],
+                    cfg.repo, cfg.git_timeout_s).stdout.split()
+        if not refs or f"{remote}/{branch}" in refs:
+            return []
+        refs = [r for r in refs if not r.endswith("/HEAD")][:200]
+        probe = _git(["cat-file", "--batch-check"], cfg.repo, cfg.git_timeout_s, check=False,
+                     input="".join(f"{r}:{STORE_FILE}\n" for r in refs)).stdout.splitlines()
+        held = [r.split("/", 1)[1] for r, ln in zip(refs, probe) if ln.endswith(" blob") or
+                " blob " in ln]
+        if held:
+            return [f"{remote} has no {branch!r} branch, but {', '.join(held[:3])} holds a "
+                    f"{STORE_FILE}: if that is your team's store, run setup again with "
+                    f"team_branch={held[0]!r} (each person's setup records it), or a first "
+                    "promote here starts a second team store"]
+    return []
 
 
 def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> str:

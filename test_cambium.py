@@ -3829,6 +3829,22 @@ def test_a_move_mark_whose_copy_never_landed_is_cleared_and_never_passes_the_org
     assert other in _store_path(shared["a"]).read_text()
 
 
+def test_a_teammate_whose_team_branch_differs_is_told_where_the_team_store_is(shared,
+                                                                             monkeypatch):
+    """setup(team_branch="kb") is recorded per user: a teammate's clone used the
+    default branch, saw no team item, and its first promote started a second
+    team store, with no warning anywhere."""
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.promote(cs.capture("Circuit breakers open after 5 failures")["item"]["id"], force=True)
+    monkeypatch.delenv("CAMBIUM_TEAM_BRANCH")
+    as_agent(monkeypatch, shared["b"], "bob")
+    git(shared["b"], "fetch", "-q", "origin")
+    cs.runtime().reset()
+    said = " ".join(cs.status().get("warnings", []))
+    assert "no 'cambium' branch, but kb holds a knowledge.json" in said, said
+    assert "team_branch='kb'" in said
+
+
 def test_an_id_team_holds_for_other_words_is_never_dropped_as_a_move_left_half_done(shared):
     """The same id with other words in local and team (a hand edit): promote took
     the local copy for a move's leftover, gave its endorsement to the team text
