@@ -12465,6 +12465,11 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                              "pass the path of your clone of the org knowledge repo, or its "
                              "GitHub owner/name.", "org_repo")
         return None, root
+    if not candidate.is_absolute() and candidate.is_dir():   # (it read as an owner/name)
+        raise InputError(f"org_repo {org_repo!r} is a relative path: a folder of that name "
+                         f"is here, so did you mean {candidate.resolve()}? Pass the clone's "
+                         "absolute path (or, for GitHub, an owner/name no folder here has).",
+                         "org_repo")
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", org_repo) and not org_repo.startswith("-"):
         owner, name = org_repo.split("/")
         clone = f"~/.cambium/org/{name}"

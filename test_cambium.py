@@ -814,6 +814,18 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     assert gone["org_scope"] == "off until the clone exists"
 
 
+def test_setup_asks_for_the_absolute_path_of_an_org_clone_given_relative(tmp_path,
+                                                                          monkeypatch):
+    """`setup --org-repo orgs/org`, a real clone beside the shell, was read as a
+    GitHub owner/name: org stayed off and gh commands were offered."""
+    r = make_repo(tmp_path)
+    org = clone(make_origin(tmp_path, "org"), tmp_path / "orgs" / "org")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(cs.InputError, match=f"did you mean {re.escape(str(org))}"):
+        cs.setup(str(r), "ada", org_repo="orgs/org")
+    assert cs.setup(str(r), "ada", org_repo=str(org))["status"]["scopes"]["org"]["enabled"]
+
+
 def test_setup_accepts_local_org_clone(tmp_path):
     r = make_repo(tmp_path)
     org = make_repo(tmp_path, "org-knowledge")
