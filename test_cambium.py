@@ -1416,6 +1416,22 @@ def test_a_hand_edited_items_odd_fields_never_block_a_correction_or_lock_it(repo
     assert stored[ids[1]]["pr_url"] == "see slack"            # kept as written
 
 
+def test_a_persons_correction_tied_at_the_floor_wins_however_far_bm25_ranked_it(repo):
+    """A long correction holding every word of the query ties agent items at the
+    floor, but BM25 ranked it past the limit and the tie slack: limits 1 and 5
+    left it out, and only a limit of 50 showed it first."""
+    rnd = random.Random(5)
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+    ids = [cs.capture(f"ledger note {i} " + " ".join(rnd.choices(words, k=14 + i)))["item"]["id"]
+           for i in range(16)]
+    fix = cs.correct(ids[0], "ledger note (person) " + " ".join(rnd.choices(words, k=150)),
+                     "a person said so")["item"]["id"]
+    wide = cs.recall("ledger note", limit=50)["results"]
+    assert wide[0]["id"] == fix and wide[0]["relevance"] == wide[1]["relevance"] == 0.5
+    for limit in (1, 5):
+        assert cs.recall("ledger note", limit=limit)["results"][0]["id"] == fix, limit
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
