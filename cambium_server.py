@@ -1701,7 +1701,8 @@ def _repo_team_branch(file_values: dict, repo: str | None) -> Any:
     branches = file_values.get(TEAM_BRANCHES)
     if not repo or not isinstance(branches, dict):
         return None
-    return branches.get(os.path.realpath(repo))
+    return branches.get(os.path.realpath(repo)) or \
+        branches.get(os.path.realpath(store_root(Path(repo))))   # (the clone's: a worktree)
 
 
 def config_gaps(cfg: Config) -> list[dict]:
@@ -2225,7 +2226,7 @@ def repo_name(url: str) -> str:
 def project_name(repo: Path, remote: str, timeout_s: float) -> str:
     """The project remote's repository name, else the clone's directory name."""
     url = remote_url(repo, remote, timeout_s) if (repo / ".git").exists() else None
-    return (repo_name(url) if url else "") or repo.name
+    return (repo_name(url) if url else "") or store_root(repo).name   # (a worktree's: its clone's)
 
 
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
@@ -2249,8 +2250,19 @@ def _git_dirs(root: Path) -> tuple[Path, Path]:
     return gitdir, common
 
 
-@functools.lru_cache(maxsize=256)
 def store_root(repo: Path) -> Path:
+    """_store_root(repo), asked again when the worktree's .git file changes
+    (`git worktree repair` after its main checkout moved)."""
+    try:
+        st = os.stat(repo / ".git")
+    except OSError:
+        return repo
+    return _store_root(repo, st.st_mtime_ns, st.st_ino) if not _stat.S_ISDIR(st.st_mode) \
+        else repo
+
+
+@functools.lru_cache(maxsize=256)
+def _store_root(repo: Path, *_version: int) -> Path:
     """Where the clone at `repo` keeps its local scope: a linked worktree's is
     its main checkout's, so every worktree of a clone recalls what the others
     captured, and `git worktree remove` (which deletes ignored files without
@@ -2651,8 +2663,9 @@ def parse_file(stream: Any, where: str) -> Parsed:
         _item_lines(stream, sum(map(len, first)), out)
     if (out.bad or not out.closed) and stream.seekable():
         stream.seek(0)           # a hand edit that kept valid JSON, not one item a line
-        data = stream.read()     # (an item pretty-printed, two on a line, "]}" last)
-        if _json_and_keys_twice(data.removeprefix(b"\xef\xbb\xbf"))[0] is not None:
+        data = stream.read()     # (an item pretty-printed, two on a line, "]}" last); a
+        if data.rstrip().endswith(b"}") and _json_and_keys_twice(   # torn tail is never
+                data.removeprefix(b"\xef\xbb\xbf"))[0] is not None:   # decoded whole
             return _parse_whole(data, where)
     if not out.doc.items and (out.bad or not out.closed):
         raise CorruptStore(f"{where} has no line that parses as an item")
@@ -10411,8 +10424,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         made.update((it.id, it) for it in current if verdicts[it.id].allowed)
         joined.clear()
         clash.clear()
-        for it in (it for it in below if it.id in above):
-            if copy_of(above[it.id], it):
+        for it in (it for it in below if it.id in above):   # (a merged PR: the reviewer's
+            if copy_of(above[it.id], it) or it.pr_url:       # edit is its copy too)
                 joined.add(it.id)
                 made[it.id] = it
             else:
@@ -11182,10 +11195,17 @@ def _split_drafts(made: Iterable[Draft | Skip]) -> tuple[list[Draft], list[Skip]
 def _churned_claims(doc: Doc, board: Board, claims: dict) -> dict[str, dict]:
     """Claims of the last snapshot of this board that were released or re-claimed."""
     snap = meta_map(doc.meta, "agentsync_snapshot")
-    same = snap.get("board") == str(board.repo) and snap.get("branch") == board.branch
+    same = snap.get("board") in (str(board.repo), _board_key(board)) and \
+        snap.get("branch") == board.branch        # (its checkout path: an earlier version)
     prev = snap.get("claims") if same and isinstance(snap.get("claims"), dict) else {}
     return {a: prev[a] for a in sorted(prev)
             if isinstance(prev[a], dict) and claim_churned(prev[a], claims.get(a))}
+
+
+def _board_key(board: Board) -> str:
+    """The board's clone, whichever of its worktrees read it: the snapshot of
+    one worktree's distill is the next one's, in another worktree too."""
+    return str(store_root(board.repo)) if board.repo is not None else ""
 
 
 def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
@@ -11206,7 +11226,7 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
         made += [claim_to_draft(a, c, released=True) for a, c in churned.items()]
         info["release_capture"] = {"churned": [plain_text(a) for a in churned]}
         if claims is not None:
-            snapshot = {"board": str(board.repo), "branch": board.branch, "at": stamp,
+            snapshot = {"board": _board_key(board), "branch": board.branch, "at": stamp,
                         "claims": _snapshot_of(claims)}
     drafts, skips = _split_drafts(made)
     return SourceRead("agentsync", claims is not None, info, drafts, skips,
@@ -11411,6 +11431,7 @@ class Sweep:
     retired_elsewhere: list = field(default_factory=list)   # moved-up items retired now
     pending_elsewhere: list = field(default_factory=list)   # ... and those still waiting
     elsewhere: Callable[[str], bool] | None = None          # shared_texts(): held above
+    adding_only: bool = False     # a linked worktree: its .context/ is its branch's (below)
 
     def read(self, name: str) -> SourceRead | None:
         return next((r for r in self.reads if r.name == name), None)
@@ -11446,13 +11467,13 @@ def _live_keys(reads: list[SourceRead]) -> set[str]:
 def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
-    keys = _live_keys(sweep.reads)
-    adm = admit(doc, sweep.prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys,
+    keys, revise = _live_keys(sweep.reads), not sweep.adding_only
+    adm = admit(doc, sweep.prepared, index_key, revise=revise, now=sweep.stamp, live_keys=keys,
                 elsewhere=sweep.elsewhere)
     admitted = adm.doc or doc                     # retired after: by the marks admit left
     retiring, retired, _ = plan_retirements(
         admitted, _retire_reasons(sweep.reads), now=sweep.stamp,
-        live=_live_ids(meta_map(admitted.meta, "watermarks"), keys))
+        live=_live_ids(meta_map(admitted.meta, "watermarks"), keys)) if revise else (None, [], [])
     base = retiring or admitted
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
@@ -11562,14 +11583,19 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
         report(0, total, f"read {records} source records; importing {len(drafts)}")
     prepared = prepare_drafts(cfg, drafts, now=stamp, on_progress=(
         lambda n: report(n, total, f"normalized {n} of {len(drafts)}")) if report else None)
-    elsewhere = plan_retirements(doc, _retire_reasons(reads), now=stamp, live=_live_ids(
-        meta_map(doc.meta, "watermarks"), _live_keys(reads)))[2]
+    # A linked worktree shares its clone's local scope but reads its own branch's
+    # .context/: its distill only adds, and the main checkout's revises and retires
+    # (two branches' versions of one entry undid each other at every distill).
+    adding_only = store_root(cfg.repo) != cfg.repo
+    elsewhere = [] if adding_only else plan_retirements(
+        doc, _retire_reasons(reads), now=stamp, live=_live_ids(
+            meta_map(doc.meta, "watermarks"), _live_keys(reads)))[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
-                  errors, moved, pending, shared_texts(cfg))
+                  errors, moved, pending, shared_texts(cfg), adding_only)
     _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
                           "distill")
     embed_soon(cfg, plan.imported)
@@ -12284,7 +12310,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     agent_id = _checked_setup_args(root, agent_id, team_branch)
     updates: dict[str, Any] = {"CAMBIUM_REPO": str(root), "CAMBIUM_AGENT_ID": agent_id}
     if team_branch:
-        updates[TEAM_BRANCHES] = {os.path.realpath(root): team_branch}
+        updates[TEAM_BRANCHES] = {os.path.realpath(store_root(root)): team_branch}
     if org_pr is not None:
         updates["CAMBIUM_ORG_PR"] = "1" if org_pr else "0"
     org_offer = None
@@ -12523,6 +12549,7 @@ def _scaffold_local(root: Path) -> list[str]:
         "it is a symbolic link" if _stat.S_ISLNK(st.st_mode) else "it is not a regular file"
     d = store_root(root) / LOCAL_DIR
     d.mkdir(exist_ok=True)
+    ignore_local_dir(d)                       # (a worktree's store is its main checkout's)
     store = d / STORE_FILE
     if not store.exists():
         atomic_write(store, render_store(Doc(items=[])))
@@ -12576,10 +12603,7 @@ def capture(content: Annotated[str, Field(
     returns the existing item.
     """
     cfg = require_config()
-    if isinstance(content, str) and not _WORD.search(content):   # (the empty and the
-        bare = _clean_text(content, "content", MAX_CONTENT_CHARS, required=True)  # invisible
-        raise InputError(f"content {bare[:40]!r} holds no word (no letter or digit): there "
-                         "is nothing to remember in it", "content")   # are refused above)
+    require_words(content)
     if supersedes is not None:
         _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1],
                         "disputed")
@@ -12598,6 +12622,16 @@ def capture(content: Annotated[str, Field(
         "status": "duplicate", "item": item_view(dup) if dup else None,
         "note": "an active item with this content already exists; endorse it instead of "
                 "capturing it again"}, cfg)
+
+
+def require_words(content: Any) -> None:
+    """InputError for content that holds no letter or digit (`-`, `...`): there
+    is nothing to remember in it (empty and invisible-only content are refused
+    by _clean_text first, with their own words)."""
+    if isinstance(content, str) and not _WORD.search(content):
+        bare = _clean_text(content, "content", MAX_CONTENT_CHARS, required=True)
+        raise InputError(f"content {bare[:40]!r} holds no word (no letter or digit): there "
+                         "is nothing to remember in it", "content")
 
 
 def _said_before(cfg: Config, content: Any, type: str) -> dict | None:
@@ -13488,7 +13522,7 @@ def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *
     `cambium/updates` pull request, where it waits until that merges; with no
     news, it leaves now. Nothing is pushed to org's own branch. `there`: org's
     copy, as the caller just fetched it."""
-    if there is not None and not copy_of(there, item):
+    if there is not None and not copy_of(there, item) and not item.pr_url:
         return _org_refusal(item, Verdict(False, "id_conflict", ID_CONFLICT.format(
             id=item.id, src=scope, dst="org")))
     news = there is not None and carried_over(there, item) is not None
@@ -13825,6 +13859,7 @@ def correct(item_id: ItemId,
     force: org only, pass the generalization gate as is.
     """
     cfg = require_config()
+    require_words(content)
     item_id = _check_id(item_id)
     with moves_lock(cfg):
         return _correct(cfg, item_id, content, why, force)

@@ -2991,6 +2991,35 @@ def test_a_linked_worktree_shares_its_clones_local_scope_and_its_removal_loses_n
     assert [h["id"] for h in cs.recall("flag service caches flags")["results"]] == [made]
 
 
+def test_a_worktrees_distill_only_adds_so_two_branches_never_undo_each_other(shared,
+                                                                             monkeypatch):
+    """Worktrees share their clone's local scope but each has its branch's
+    .context/: a decision edited on one branch was revised back and forth by
+    each worktree's distill (a new item every time, credits left behind)."""
+    a, wt = shared["a"], shared["tmp"] / "wt"
+    git(a, "worktree", "add", "-q", "-b", "feat", str(wt))
+    cs.setup(str(wt), "ada")          # (the main checkout's store it made is kept out of git)
+
+    def write(root: Path, entries: list) -> None:
+        (root / ".context").mkdir(exist_ok=True)
+        (root / ".context" / "decisions.json").write_text(json.dumps(
+            [{"id": i, "summary": t, "status": st} for i, t, st in entries]))
+
+    write(a, [("dec-001", "Use PostgreSQL for the billing ledger", "active")])
+    write(wt, [("dec-001", "Use PostgreSQL with serializable isolation", "deprecated"),
+               ("dec-002", "Queue consumers must be idempotent", "active")])
+    cs.distill()
+    for where in (wt, a, wt, a):
+        as_agent(monkeypatch, where, "ada")
+        cs.runtime().reset()
+        cs.distill()
+    items = cs.store(cs.resolve_config(), "local").read().items
+    assert sorted((i.content, i.status) for i in items) == [
+        ("Queue consumers must be idempotent", "active"),
+        ("Use PostgreSQL for the billing ledger", "active")]
+    assert ".cambium" not in git(a, "status", "--porcelain", "--untracked-files=all")
+
+
 def test_a_linked_worktree_keeps_fetch_stamps_and_locks_in_the_common_git_dir(shared,
                                                                             monkeypatch):
     """From a linked worktree (.git is a file), team writes put their fetch
@@ -4979,6 +5008,30 @@ def set_pr_state(tmp: Path, url: str, state: str, head: str | None = None) -> No
         pr["oid"] = tip[0] if tip else "0" * 40
     prs[url] = pr
     db.write_text(json.dumps(prs))
+
+
+def test_pr_mode_a_pull_request_the_reviewer_reworded_settles_when_merged(shared, monkeypatch,
+                                                                          tmp_path):
+    """A reviewer who edits the item's words on the PR branch and merges it:
+    the copy below waited for good (its id in org said other words, so it was
+    taken for another item under the same id)."""
+    make_stub_gh(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    item_id = _endorsed("Prefer idempotent retries with backoff")
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "checkout", "-q", f"origin/cambium/promote-{item_id}")
+    doc = merger / "knowledge.json"
+    doc.write_text(doc.read_text().replace("with backoff", "with exponential backoff and jitter"))
+    git(merger, "commit", "-qam", "reviewer: wording")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [item_id] and review["pending_org_prs"] == []
+    assert item_id not in _store_path(shared["a"]).read_text()
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert org["content"] == "Prefer idempotent retries with exponential backoff and jitter"
 
 
 def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monkeypatch,
