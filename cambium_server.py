@@ -477,14 +477,21 @@ def _read_only(self: Any, *args: Any, **kwargs: Any) -> None:
 
 class _SharedDict(dict):
     """A read-only dict that many items read from a store share (an empty
-    extra, a trust nobody has added to yet): 100k items hold one, not 100k."""
+    extra, a trust nobody has added to yet): 100k items hold one, not 100k.
+    A copy (copy, deepcopy, pickle) is a plain dict, free to change."""
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self) -> tuple:
+        return dict, ({k: list(v) if isinstance(v, list) else v for k, v in self.items()},)
 
 
 class _SharedList(list):
-    """A read-only list, for _SharedDict's values."""
+    """A read-only list, for _SharedDict's values (copied: a plain list)."""
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
     append = extend = insert = remove = pop = clear = sort = reverse = _read_only
+
+    def __reduce__(self) -> tuple:
+        return list, (list(self),)
 
 
 _EMPTY_DICT = _SharedDict()

@@ -228,6 +228,11 @@ def test_items_read_from_a_store_share_what_nobody_changed_and_never_change_it()
     assert json.loads(cs.json_text(b.to_dict()))["trust"] == line["trust"]
     assert cs.Item.from_dict({"id": "k", "content": "c", "trust": {
         "recalls": False, "endorsements": [], "projects": []}}).mistyped   # a bool: no count
+    import copy
+    import pickle
+    for mine in (copy.copy(b.trust), copy.deepcopy(b.trust), pickle.loads(pickle.dumps(b.trust))):
+        mine["projects"].append("p")                     # a copy is the copier's own
+        assert type(mine) is dict and b.trust["projects"] == []
 
 
 MISTYPED = {                     # one item's fields, each of the wrong JSON type
