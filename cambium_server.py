@@ -706,7 +706,7 @@ class Item:
     created_at: str = ""
     updated_at: str = ""
     status: str = "active"                           # active | deprecated | superseded
-    trust: dict = field(default_factory=_empty_trust)
+    trust: dict = field(default_factory=lambda: _UNTOUCHED_TRUST)   # (shared, read-only)
     valid_while: str | None = None                   # the premise the item depends on
     last_verified: str | None = None
     verifications: list | None = None                # [{by, at, note}]
@@ -721,7 +721,7 @@ class Item:
     check: dict | None = None                        # {cmd, by, at}: operator-attached check
     failing: dict | None = None                      # {at, exit, output}: last check failed
     code_refs: list | None = None                    # [{path, symbol?}] code anchors
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=lambda: _EMPTY_DICT)         # (shared, read-only)
     #: {field: (raw, default)} for fields stored with the wrong JSON type (see _put_back)
     mistyped: dict | None = field(default=None, repr=False)
     #: values derived() from this object; not copied by dataclasses.replace
@@ -1015,6 +1015,14 @@ _LINE_CONTROL = re.compile("[\x0b\x0c\x85]")   #: VT, FF, NEL: a break between w
 #: Persian, Indic scripts) and the LRM/RLM marks of right-to-left text stay.
 _INVISIBLE = re.compile("[\u00ad\u180e\u200b\u202a-\u202e\u2060-\u2064\u2066-\u2069"
                         "\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]")
+
+
+def terminal_safe(text: str) -> str:
+    """Text for a terminal or a published page: no terminal escape, control
+    or invisible character (bidi overrides), and nothing else changed (a path
+    with decomposed accents stays the path it names)."""
+    text = _CONTROL.sub("", _LINE_CONTROL.sub(" ", _TERMINAL_ESCAPE.sub("", valid_unicode(text))))
+    return _INVISIBLE.sub("", text)
 
 
 def plain_text(value: str) -> str:
@@ -1977,7 +1985,8 @@ def collecting_notes() -> Iterator[None]:
         CALL_NOTES.reset(token)
 
 
-EXTENSIONS_KEPT = 32     #: item lists remembered as extensions of another
+EXTENSIONS_KEPT = 8      #: item lists remembered as extensions of another (each is
+                         #: 800 KB at 100k items: 32 held 26 MB for good)
 
 
 def extended(base: list, added: list) -> list:
@@ -8874,7 +8883,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         result.changed, result.same_content = adm.changed, adm.same_content
         embed_soon(cfg, result.imported)
         if len(result.imported) >= WARM_INDEX_ITEMS:
-            warm_recall_soon(cfg)
+            warm_recall_soon(cfg)        # (and gives back what the import freed)
     return result
 
 
@@ -9196,7 +9205,7 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
             out.append("")
     if len(out) == 4:
         out.append("_No knowledge in this scope yet._")
-    return plain_text("\n".join(out).rstrip() + "\n")   # (a hand-edited store's escapes:
+    return terminal_safe("\n".join(out).rstrip() + "\n")   # (a hand-edited store's escapes:
                                                         # never published, never printed)
 
 
@@ -11443,6 +11452,11 @@ class Sweep:
     def read(self, name: str) -> SourceRead | None:
         return next((r for r in self.reads if r.name == name), None)
 
+    def ours(self) -> list[SourceRead]:
+        """The reads whose retirements this checkout decides: in a linked worktree
+        the board's (shared), not its branch's .context/ (the main checkout's)."""
+        return [r for r in self.reads if not (self.adding_only and r.name == "context-keeper")]
+
     @property
     def status(self) -> str:
         return "distilled_with_warnings" if self.warnings else "distilled"
@@ -11474,13 +11488,14 @@ def _live_keys(reads: list[SourceRead]) -> set[str]:
 def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
-    keys, revise = _live_keys(sweep.reads), not sweep.adding_only
-    adm = admit(doc, sweep.prepared, index_key, revise=revise, now=sweep.stamp, live_keys=keys,
+    keys = _live_keys(sweep.reads)
+    prepared = _branch_news(doc, sweep.prepared) if sweep.adding_only else sweep.prepared
+    adm = admit(doc, prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys,
                 elsewhere=sweep.elsewhere)
     admitted = adm.doc or doc                     # retired after: by the marks admit left
     retiring, retired, _ = plan_retirements(
-        admitted, _retire_reasons(sweep.reads), now=sweep.stamp,
-        live=_live_ids(meta_map(admitted.meta, "watermarks"), keys)) if revise else (None, [], [])
+        admitted, _retire_reasons(sweep.ours()), now=sweep.stamp,
+        live=_live_ids(meta_map(admitted.meta, "watermarks"), keys))
     base = retiring or admitted
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
@@ -11505,6 +11520,16 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     return DistillPlan(dataclasses.replace(base, meta=meta), adm.fresh,
                        adm.duplicates + sweep.prepared.duplicates, retired, sources, last,
                        adm.revived, warnings)
+
+
+def _branch_news(doc: Doc, prepared: Prepared) -> Prepared:
+    """A linked worktree's context-keeper records minus those the store knows
+    already (by their watermark): its branch's edits wait for the main
+    checkout's .context/ (after the merge); only entries new to the store come in."""
+    marks = meta_map(doc.meta, "watermarks")
+    return dataclasses.replace(prepared, items=[
+        (k, it) for k, it in prepared.items
+        if not (k and k.startswith("context-keeper:") and k in marks)])
 
 
 def _read_sources(cfg: Config, doc: Doc, stamp: str
@@ -11594,9 +11619,9 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     # .context/: its distill only adds, and the main checkout's revises and retires
     # (two branches' versions of one entry undid each other at every distill).
     adding_only = store_root(cfg.repo) != cfg.repo
-    elsewhere = [] if adding_only else plan_retirements(
-        doc, _retire_reasons(reads), now=stamp, live=_live_ids(
-            meta_map(doc.meta, "watermarks"), _live_keys(reads)))[2]
+    elsewhere = plan_retirements(doc, _retire_reasons(
+        [r for r in reads if not (adding_only and r.name == "context-keeper")]), now=stamp,
+        live=_live_ids(meta_map(doc.meta, "watermarks"), _live_keys(reads)))[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
@@ -12356,21 +12381,36 @@ def _team_store_elsewhere(cfg: Config) -> list[str]:
     if cfg.repo is None or not cfg.configured:
         return []
     with contextlib.suppress(GitError, OSError):
-        refs = _git(["for-each-ref", "--format=%(refname:short)", f"refs/remotes/{remote}/"],
-                    cfg.repo, cfg.git_timeout_s).stdout.split()
-        if not refs or f"{remote}/{branch}" in refs:
+        prefix = f"refs/remotes/{remote}/"
+        refs = _git(["for-each-ref", "--format=%(refname)", prefix], cfg.repo,
+                    cfg.git_timeout_s).stdout.split()
+        if not refs or prefix + branch in refs:
             return []
-        refs = [r for r in refs if not r.endswith("/HEAD")][:200]
+        refs = [r for r in refs if r != prefix + "HEAD"][:50]
         probe = _git(["cat-file", "--batch-check"], cfg.repo, cfg.git_timeout_s, check=False,
                      input="".join(f"{r}:{STORE_FILE}\n" for r in refs)).stdout.splitlines()
-        held = [r.split("/", 1)[1] for r, ln in zip(refs, probe) if ln.endswith(" blob") or
-                " blob " in ln]
+        held = [r[len(prefix):] for r, ln in zip(refs, probe) if " blob " in ln + " "
+                and _only_a_store(cfg, r)]
         if held:
             return [f"{remote} has no {branch!r} branch, but {', '.join(held[:3])} holds a "
                     f"{STORE_FILE}: if that is your team's store, run setup again with "
                     f"team_branch={held[0]!r} (each person's setup records it), or a first "
                     "promote here starts a second team store"]
     return []
+
+
+def _only_a_store(cfg: Config, ref: str) -> bool:
+    """Whether a branch's knowledge.json is a cambium store, as its first bytes
+    say (a code branch with a data file of that name is no team store); only
+    those bytes are read, however large the file."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        with subprocess.Popen(["git", "cat-file", "blob", f"{ref}:{STORE_FILE}"], cwd=cfg.repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=_git_env()) as proc:
+            head = proc.stdout.read(len(b'{"cambium"')) if proc.stdout else b""
+            proc.kill()
+        return head == b'{"cambium"'
+    return False
 
 
 def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> str:
@@ -13171,6 +13211,7 @@ def _schedule_credit_fold(cfg: Config) -> None:
             with rt.lock:                # the fold's own cost paces the next one
                 rt.fold_cost_s = time.monotonic() - started
             warm_primer(cfg)
+            give_back_memory()           # (a fold and a primer free what they built)
 
     with rt.lock:
         if rt.fold_timer is not None:
@@ -15690,7 +15731,7 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
     if fmt == "text":
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
-        out = plain_text(_text(result) if text is None else text)   # (a hand-edited item's
+        out = terminal_safe(_text(result) if text is None else text)   # (a hand-edited item's
         if text is not None:                                      # escapes reach no terminal)         # stdout stays the document; what it leaves out, stderr
             for said in [result.get("note"), *(result.get("warnings") or [])]:
                 if said:

@@ -3899,12 +3899,17 @@ def test_a_teammate_whose_team_branch_differs_is_told_where_the_team_store_is(sh
     monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
     cs.promote(cs.capture("Circuit breakers open after 5 failures")["item"]["id"], force=True)
     monkeypatch.delenv("CAMBIUM_TEAM_BRANCH")
+    git(shared["a"], "checkout", "-q", "-b", "app-data")       # a code branch's data file:
+    (shared["a"] / "knowledge.json").write_text('{"faq": []}\n')   # no team store
+    git(shared["a"], "add", "knowledge.json")
+    git(shared["a"], "commit", "-qm", "faq data")
+    git(shared["a"], "push", "-q", "origin", "app-data")
     as_agent(monkeypatch, shared["b"], "bob")
     git(shared["b"], "fetch", "-q", "origin")
     cs.runtime().reset()
     said = " ".join(cs.status().get("warnings", []))
     assert "no 'cambium' branch, but kb holds a knowledge.json" in said, said
-    assert "team_branch='kb'" in said
+    assert "team_branch='kb'" in said and "app-data" not in said
 
 
 def test_an_id_team_holds_for_other_words_is_never_dropped_as_a_move_left_half_done(shared):
