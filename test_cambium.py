@@ -1437,6 +1437,19 @@ def test_a_persons_correction_tied_at_the_floor_wins_however_far_bm25_ranked_it(
         assert cs.recall("ledger note", limit=limit)["results"][0]["id"] == fix, limit
 
 
+def test_a_consolidate_answer_lists_a_bounded_number_of_groups(repo, monkeypatch):
+    """A plan of 2,067 groups answered 3.2 MB at 100k items: the answer lists
+    the first CONSOLIDATE_LISTED, counts them all, and apply folds them all."""
+    monkeypatch.setattr(cs, "CONSOLIDATE_LISTED", 2)
+    for n in range(3):
+        for copy in range(2):
+            cs.capture(f"Service {n} retries failed calls three times" + ("" if copy else "!"))
+    plan = cs.consolidate()
+    assert plan["count"] == 3 and len(plan["groups"]) == 2 and "first 2 of 3" in plan["note"]
+    done = cs.consolidate(apply=True)
+    assert done["count"] == 3 and cs.consolidate()["count"] == 0
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
