@@ -12985,9 +12985,11 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
                                        round(h.confidence, 3), detail) for h in hits],
                "no_confident_match": False, **({"warnings": [unjournaled]} if unjournaled
                                                else {})}
+    nearest = sorted((h for h in ranking.weak if h.confidence > 0),   # (0.0 is no near
+                     key=lambda h: -h.confidence)[:3]                 # miss; the nearest first)
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": shown_relevance(h.confidence, False)}
-                           for h in ranking.weak[:3]]
+                           for h in nearest]
     if ranking.unknown:
         names = out["unknown_names"] = ranking.unknown[:10]
         if ranking.abstains():

@@ -1450,6 +1450,20 @@ def test_a_consolidate_answer_lists_a_bounded_number_of_groups(repo, monkeypatch
     assert done["count"] == 3 and cs.consolidate()["count"] == 0
 
 
+def test_weak_matches_are_the_nearest_misses_first_and_never_at_zero(repo):
+    """weak_matches kept the ranking's order and listed items at relevance 0.0,
+    and the nearest miss (the one top_relevance reports) could be left out."""
+    items = [cs.new_item(f"note {n}", project="p", agent="a", now="2026-01-01T00:00:00Z")
+             for n in range(5)]
+    hits = [cs.Hit(it, 1.0 - n / 10, rel) for n, (it, rel) in
+            enumerate(zip(items, (0.0, 0.2, 0.45, 0.0, 0.3)))]
+    ranking = cs.ranking_of(hits, ["nothing"], cs.build_index([]), mode="semantic")
+    assert ranking.abstains()
+    out = cs._recall_results(cs.resolve_config(), ranking, "lines")
+    assert [w["relevance"] for w in out["weak_matches"]] == [
+        cs.shown_relevance(r, False) for r in (0.45, 0.3, 0.2)]
+
+
 def test_capture_into_a_hand_formatted_store_rewrites_it_whole(repo):
     """A store in another layout (indented by hand) has no per-item byte
     ranges to copy: the first write renders every item (it raised IndexError)."""
