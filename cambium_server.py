@@ -1031,9 +1031,7 @@ def plain_text(value: str) -> str:
     terminal escape sequences or control characters other than tab and line
     breaks (a stored item is printed to terminals), nor invisible characters
     (_INVISIBLE: "UTC\u200b" is "UTC") (pure)."""
-    text = repair_mojibake(valid_unicode(value))
-    text = _CONTROL.sub("", _LINE_CONTROL.sub(" ", _TERMINAL_ESCAPE.sub("", text)))
-    return unicodedata.normalize("NFC", _INVISIBLE.sub("", text))
+    return unicodedata.normalize("NFC", terminal_safe(repair_mojibake(valid_unicode(value))))
 
 
 def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) -> str:
@@ -6505,13 +6503,9 @@ def _score_pool(index: Index, query: str, limit: int) -> Ranking:
                                                                 for i in past])
                            + _vouched_at_floor(index, terms, ranking, set(ranked), limit),
                            terms, index, limit)
-    if not (every := every_term_slots(index, terms, set(top), limit)):
+    if not (every := _every_term_hits(index, terms, set(top), limit)):
         return ranking
-    plan, norms = query_terms(index, terms), index.norms_now()
-    more = {i: _exact_score(plan, norms, i) for i in every}
-    hits += lexical_hits(index, terms, [(slots[i], more[i]) for i in top_slots(more, slots,
-                                                                                 limit)])
-    ranking = ranking_of(hits, terms, index, unknown=unknown)
+    ranking = ranking_of(hits + every, terms, index, unknown=unknown)
     ranking.hits = ranking.hits[:limit]          # (it returned up to twice the limit)
     return ranking
 
@@ -6525,10 +6519,18 @@ def _vouched_at_floor(index: Index, terms: list[str], ranking: Ranking, taken: s
     those of higher authority)."""
     if not index.vouched or round(ranking.hits[-1].confidence, 3) != RELEVANCE_FLOOR:
         return []
-    every = every_term_slots(index, terms, taken, limit)
+    return _every_term_hits(index, terms, taken, limit)
+
+
+def _every_term_hits(index: Index, terms: list[str], taken: set[int], limit: int
+                     ) -> list[Hit]:
+    """every_term_slots' items as hits, best BM25 first."""
+    if not (every := every_term_slots(index, terms, taken, limit)):
+        return []
     plan, norms = query_terms(index, terms), index.norms_now()
-    return lexical_hits(index, terms, [(index.items[i], _exact_score(plan, norms, i))
-                                       for i in every])
+    more = {i: _exact_score(plan, norms, i) for i in every}
+    return lexical_hits(index, terms, [(index.items[i], more[i])
+                                       for i in top_slots(more, index.items, limit)])
 
 
 def lexical_hits(index: Index, terms: list[str], best: list[tuple[Any, float]]) -> list[Hit]:
@@ -8868,13 +8870,14 @@ def shared_texts(cfg: Config) -> Callable[[str], bool]:
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
            on_progress: Callable[[int], None] | None = None,
-           retired_too: bool = False) -> IngestResult:
+           retired_too: bool = False, shared: bool = True) -> IngestResult:
     """Create items from drafts in one locked write; skip watermarked duplicates
-    (and with retired_too, texts a retired item holds: admit)."""
+    (and with retired_too, texts a retired item holds: admit), and with
+    shared, texts team or org holds (capture asked them already: _said_before)."""
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
-        local, elsewhere = store(cfg, "local"), shared_texts(cfg)
+        local, elsewhere = store(cfg, "local"), shared_texts(cfg) if shared else None
         _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path),
                                                            retired_too=retired_too,
                                                            elsewhere=elsewhere),
@@ -11457,9 +11460,7 @@ class Sweep:
         return next((r for r in self.reads if r.name == name), None)
 
     def ours(self) -> list[SourceRead]:
-        """The reads whose retirements this checkout decides: in a linked worktree
-        the board's (shared), not its branch's .context/ (the main checkout's)."""
-        return [r for r in self.reads if not (self.adding_only and r.name == "context-keeper")]
+        return decided_here(self.reads, self.adding_only)
 
     @property
     def status(self) -> str:
@@ -11524,6 +11525,12 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     return DistillPlan(dataclasses.replace(base, meta=meta), adm.fresh,
                        adm.duplicates + sweep.prepared.duplicates, retired, sources, last,
                        adm.revived, warnings)
+
+
+def decided_here(reads: list[SourceRead], adding_only: bool) -> list[SourceRead]:
+    """The reads whose retirements this checkout decides: in a linked worktree
+    the board's (shared), not its branch's .context/ (the main checkout's)."""
+    return [r for r in reads if not (adding_only and r.name == "context-keeper")]
 
 
 def _branch_news(doc: Doc, prepared: Prepared) -> Prepared:
@@ -11623,9 +11630,9 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     # .context/: its distill only adds, and the main checkout's revises and retires
     # (two branches' versions of one entry undid each other at every distill).
     adding_only = store_root(cfg.repo) != cfg.repo
-    elsewhere = plan_retirements(doc, _retire_reasons(
-        [r for r in reads if not (adding_only and r.name == "context-keeper")]), now=stamp,
-        live=_live_ids(meta_map(doc.meta, "watermarks"), _live_keys(reads)))[2]
+    elsewhere = plan_retirements(doc, _retire_reasons(decided_here(reads, adding_only)),
+                                 now=stamp, live=_live_ids(meta_map(doc.meta, "watermarks"),
+                                                           _live_keys(reads)))[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
@@ -12668,7 +12675,7 @@ def capture(content: Annotated[str, Field(
         return with_store_warnings(said, cfg)
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
-                             supersedes=supersedes, code_refs=code_refs)])
+                             supersedes=supersedes, code_refs=code_refs)], shared=False)
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:

@@ -3023,6 +3023,28 @@ def test_a_linked_worktree_shares_its_clones_local_scope_and_its_removal_loses_n
     assert [h["id"] for h in cs.recall("flag service caches flags")["results"]] == [made]
 
 
+def test_a_worktree_takes_its_clones_team_branch_project_and_follows_a_repair(tmp_path,
+                                                                             monkeypatch):
+    """The team branch setup records, the project name of a clone without a
+    remote and the store a worktree binds are the clone's: a worktree used
+    `cambium` beside the main checkout's `kb`, counted as another project, and
+    after its main checkout moved and `git worktree repair` a running process
+    wrote to the old path."""
+    main = make_repo(tmp_path, "shop")
+    wt = tmp_path / "wt"
+    git(main, "worktree", "add", "-q", "-b", "feat", str(wt))
+    monkeypatch.delenv("CAMBIUM_REPO", raising=False)
+    cs.setup(str(main), "ada", team_branch="kb")
+    cfg = cs.resolve_config(cwd=wt)
+    assert (cfg.repo, cfg.team_branch, cfg.project) == (wt.resolve(), "kb", "shop")
+    assert cfg.local_dir == main.resolve() / ".cambium"
+    moved = tmp_path / "moved" / "shop"
+    moved.parent.mkdir()
+    main.rename(moved)
+    git(moved, "worktree", "repair", str(wt))
+    assert cs.resolve_config(cwd=wt).local_dir == moved.resolve() / ".cambium"
+
+
 def test_a_worktrees_distill_only_adds_so_two_branches_never_undo_each_other(shared,
                                                                              monkeypatch):
     """Worktrees share their clone's local scope but each has its branch's
@@ -5052,10 +5074,7 @@ def test_pr_mode_a_pull_request_the_reviewer_reworded_settles_when_merged(shared
     """A reviewer who edits the item's words on the PR branch and merges it:
     the copy below waited for good (its id in org said other words, so it was
     taken for another item under the same id)."""
-    make_stub_gh(tmp_path)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
-    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    _pr_mode(monkeypatch, tmp_path, shared)
     item_id = _endorsed("Prefer idempotent retries with backoff")
     assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
     merger = clone(shared["org_bare"], tmp_path / "merger")
