@@ -3045,6 +3045,31 @@ def test_a_worktree_takes_its_clones_team_branch_project_and_follows_a_repair(tm
     assert cs.resolve_config(cwd=wt).local_dir == moved.resolve() / ".cambium"
 
 
+def test_a_release_snapshot_taken_in_a_worktree_is_the_main_checkouts_too(shared,
+                                                                          monkeypatch):
+    """Release capture's snapshot was keyed by the checkout's path: one taken
+    by a worktree's distill was not the main checkout's, and a claim released
+    in between was never captured."""
+    a, wt = shared["a"], shared["tmp"] / "wt"
+    git(a, "worktree", "add", "-q", "-b", "feat", str(wt))
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
+    seed = shared["tmp"] / "board-seed"
+    git(shared["tmp"], "clone", "-q", str(shared["origin"]), str(seed))
+    write_board(seed, {"dz": {"task": "Fix CSV import", "status": "in-progress",
+                              "note": "The importer drops rows whose SKU is empty",
+                              "branch": "dz/csv", "updated_at": "2026-12-01T11:00:00Z"}})
+    as_agent(monkeypatch, wt, "ada")
+    cs.runtime().reset()
+    cs.distill()                                    # the worktree takes the snapshot
+    write_board(seed, {})                           # ... the claim is released
+    as_agent(monkeypatch, a, "ada")
+    cs.runtime().reset()
+    cs.distill()                                    # ... the main checkout captures it
+    items = cs.store(cs.resolve_config(), "local").read().items
+    assert any("drops rows whose SKU is empty" in i.content and
+               "released-before-done" in i.tags for i in items), [i.content for i in items]
+
+
 def test_a_worktrees_distill_only_adds_so_two_branches_never_undo_each_other(shared,
                                                                              monkeypatch):
     """Worktrees share their clone's local scope but each has its branch's
