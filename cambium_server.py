@@ -111,6 +111,7 @@ import operator
 import os
 import re
 import selectors
+import shlex
 import signal
 import stat as _stat
 import struct
@@ -1090,6 +1091,10 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
     than MAX_TAG_CHARS is left out; the caller caps the count (pure)."""
     if raw is None or raw == "":
         return [], None
+    if isinstance(raw, str) and raw.lstrip().startswith("["):   # a JSON list as text
+        with contextlib.suppress(ValueError, RecursionError):
+            if isinstance(parsed := json.loads(raw), list):
+                raw = parsed
     if not isinstance(raw, (str, list, tuple)):
         return [], f"tags is {json_kind(raw)}, not a list or text"
     out: list[str] = []
@@ -1118,10 +1123,21 @@ def code_path_problem(path: str) -> str | None:
     return None
 
 
+_LINE_SUFFIX = re.compile(r":\d+(?::\d+)?$")     #: path:12 or path:12:5, a pointer's line
+_CALL_PARENS = re.compile(r"\(\)\s*$")            #: total() names total
+
+
 def _one_code_ref(ref: Any) -> dict:
-    """{path, symbol?} from a dict or a "path" / "path#symbol" string."""
+    """{path, symbol?} from a dict or a "path" / "path#symbol" string. The
+    pointer form recall prints (path:line) and a call (name()) are taken as
+    the file and the name: stored as written, they named no file, stale from
+    the start."""
+    if isinstance(ref, dict) and isinstance(ref.get("path"), str) and \
+            ref.get("symbol") in (None, "") and "#" in ref["path"]:
+        ref = {**ref, **_one_code_ref(ref["path"])}      # {"path": "a.py#total"}
     if isinstance(ref, str):                 # the last # that a name follows: src/c#/P.cs#Main
         path, _, symbol = ref.rpartition("#")
+        symbol = _CALL_PARENS.sub("", symbol)
         if not path or symbol.strip() and not _SYMBOL.fullmatch(symbol.strip()):
             path, symbol = ref, ""
         ref = {"path": path, "symbol": symbol or None}
@@ -1132,7 +1148,8 @@ def _one_code_ref(ref: Any) -> dict:
         near = difflib.get_close_matches(str(odd[0]), ["path", "symbol"], 1)  # dropped)
         raise InputError(f"code_refs entries take path and symbol; got {str(odd[0])!r:.40}"
                          + (f" (did you mean {near[0]!r}?)." if near else "."))
-    path = ref["path"].strip().replace("\\", "/")
+    path = _LINE_SUFFIX.sub("", ref["path"].strip().replace("\\", "/"))
+    path = re.sub(r"/(?:\.?/)+", "/", path)          # a//b, a/./b: a/b
     while path.startswith("./"):
         path = path[2:]
     problem = code_path_problem(path)
@@ -1140,6 +1157,8 @@ def _one_code_ref(ref: Any) -> dict:
         raise InputError(f"code_refs path {ref['path']!r:.80} {problem}.")
     out = {"path": path.rstrip("/") or path}
     symbol = ref.get("symbol")
+    if isinstance(symbol, str):
+        symbol = _CALL_PARENS.sub("", symbol)
     if symbol not in (None, ""):
         if isinstance(symbol, str) and len(symbol.strip()) > MAX_CODE_SYMBOL_CHARS:
             raise InputError(f"code_refs symbol is {len(symbol.strip()):,} characters, over "
@@ -1306,12 +1325,18 @@ def _find_git_root(start: Path) -> Path | None:
     """Nearest directory at or above `start` that git takes for a clone (no
     subprocess): a .git directory holding HEAD (git walks past an empty or
     stray one, and so does this), or a .git file (a worktree or submodule;
-    one whose gitdir is gone is still the root: git stops there and refuses)."""
+    one whose gitdir is gone is still the root: git stops there and refuses).
+    Like git, it never walks up into a directory GIT_CEILING_DIRECTORIES lists."""
     try:
         start = start.resolve()
     except OSError:
         return None
-    for p in (start, *start.parents):
+    ceilings = {os.path.realpath(c) for c in
+                os.environ.get("GIT_CEILING_DIRECTORIES", "").split(os.pathsep)
+                if os.path.isabs(c)}
+    for n, p in enumerate((start, *start.parents)):
+        if n and str(p) in ceilings:
+            return None
         dotgit = p / ".git"
         if (dotgit / "HEAD").exists() or (dotgit.exists() and not dotgit.is_dir()):
             return p
@@ -1490,6 +1515,15 @@ NO_HOME = ("no home directory (HOME is unset and this user has no passwd entry),
            "config file is read: set HOME, or CAMBIUM_CONFIG_FILE to an absolute path")
 
 
+def no_home(env: dict | None = None) -> str:
+    """Why there is no config file path: NO_HOME, or a HOME that is not absolute."""
+    home = (os.environ if env is None else env).get("HOME")
+    if home and not os.path.isabs(home):
+        return (f"HOME={home!r} is not an absolute path, so no config file is read: set "
+                "HOME to an absolute path, or CAMBIUM_CONFIG_FILE to one")
+    return NO_HOME
+
+
 def config_file_path(env: dict | None = None) -> Path:
     """The user's config file: CAMBIUM_CONFIG_FILE when it is an absolute path
     (a relative one would name a file in each working directory: setup wrote
@@ -1640,7 +1674,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     env = os.environ if env is None else env
     path = config_file_path(env)
     file_values, file_error = _config_file_values(path) if path.is_absolute() else \
-        ({}, NO_HOME)
+        ({}, no_home(env))
     file_error = file_error or _config_file_setting(env)[1]
     values: dict = {}
     origins: dict = {}
@@ -2238,9 +2272,12 @@ def repo_name(url: str) -> str:
 
 
 def project_name(repo: Path, remote: str, timeout_s: float) -> str:
-    """The project remote's repository name, else the clone's directory name."""
+    """The project remote's repository name, else the clone's directory name,
+    on one line (a folder name may hold a line break: items, the primer's
+    first line and every answer carry the name)."""
     url = remote_url(repo, remote, timeout_s) if (repo / ".git").exists() else None
-    return (repo_name(url) if url else "") or store_root(repo).name   # (a worktree's: its clone's)
+    name = (repo_name(url) if url else "") or store_root(repo).name  # (a worktree's: its clone's)
+    return " ".join(plain_text(name).split()) or name
 
 
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
@@ -3658,7 +3695,10 @@ def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
     if not records:
         return None
     ids = {r["item"] for r in records}
-    by_id = {it.id: i for i, it in enumerate(doc.items) if it.id in ids}
+    by_id: dict[str, int] = {}
+    for i, it in enumerate(doc.items):          # the first copy of a doubled id, as every
+        if it.id in ids:                        # reader takes it
+            by_id.setdefault(it.id, i)
     items = list(doc.items)
     changed = False
     for r in records:
@@ -4260,6 +4300,9 @@ class GitStore(Store):
         While peers write here, git's auto maintenance is left to a quiet fetch
         (it costs a process per fetch, in every attempt of a contended write)."""
         quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # `fetching` held
+        before = None
+        with contextlib.suppress(CambiumError, OSError):
+            before = self.local_tip()
         for _ in range(2):
             proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
                             "--quiet", "--no-tags", "--", self.remote,
@@ -4276,6 +4319,7 @@ class GitStore(Store):
                 self.git("update-ref", "-d", self.ref, check=False)
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
+        self._note_rewind(before)
         self._touch_stamp()
         with contextlib.suppress(OSError):
             self._failed_stamp().unlink()
@@ -4283,6 +4327,46 @@ class GitStore(Store):
             self._state.fetched_at = time.time()
             self._state.fetch_error = None
             self._state.tip_known = False
+
+    def _note_rewind(self, before: str | None) -> None:
+        """Keep the tip fetched before (`<ref>-rewound`) when the branch no longer
+        descends from it: a force push (an old clone's `push --force --all`) or a
+        deleted branch dropped what cambium had read there, and the items it held
+        would be lost to everyone (rewound_items; the next write restores them)."""
+        if not before:
+            return
+        now = self.local_tip()
+        if now == before or now and self.git("merge-base", "--is-ancestor", before, now,
+                                             check=False).returncode == 0:
+            return
+        if self.git("rev-parse", "--verify", "--quiet", self._rewound_ref, check=False
+                    ).returncode != 0:
+            self.git("update-ref", self._rewound_ref, before, check=False)
+
+    @property
+    def _rewound_ref(self) -> str:
+        return f"{self.ref}-rewound"
+
+    def rewound_items(self, doc: Doc) -> list[Item]:
+        """The items the tip kept in `<ref>-rewound` held that `doc` has lost (no
+        copy with their id): a force push or a deleted branch took them. [] when
+        nothing was rewound (the ref is then dropped if it was there)."""
+        try:                                       # (read from .git: every read asks)
+            tip = _ref_value(self.repo, self._rewound_ref)
+        except (OSError, IndexError):
+            tip = self.git("rev-parse", "--verify", "--quiet", self._rewound_ref, check=False
+                           ).stdout.strip()
+        if not tip:
+            return []
+        try:
+            old = self.doc_at(tip)
+        except CambiumError:
+            return []
+        held = {it.id for it in doc.items}
+        lost = [it for it in first_copies(old.items) if it.id not in held]
+        if not lost:
+            self.git("update-ref", "-d", self._rewound_ref, check=False)
+        return lost
 
     def peek(self) -> Doc:
         """The doc at the last fetched tip: no fetch, no write (but for a
@@ -4365,9 +4449,19 @@ class GitStore(Store):
         behind = f"{self.scope} scope may be behind: {error}"
         if error and behind not in self._warnings:
             self._warnings.append(behind)
+        if lost := self.rewound_items(doc):       # served from the kept tip meanwhile
+            self._warnings.append(self._rewound_warning(lost))
+            doc = dataclasses.replace(doc, items=[*doc.items, *lost])
         if self.checkout:
             self.sync_checkout()
         return doc
+
+    def _rewound_warning(self, lost: list[Item]) -> str:
+        ids = ", ".join(it.id for it in lost[:5]) + (", …" if len(lost) > 5 else "")
+        return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
+                f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
+                f"before are gone from it ({ids}); cambium serves them from its copy of the "
+                f"earlier tip, and the next {self.scope} write puts them back")
 
     def default_tip(self) -> str | None:
         """The remote default branch's tip (fetched), the parent of a new branch."""
@@ -4621,12 +4715,17 @@ class GitStore(Store):
         if self.default_branch and tip is None and not side:
             self._refuse_a_moved_default()
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
+        lost = [] if side else self.rewound_items(doc)
+        if lost:                                  # a force push took them: back they go
+            doc = dataclasses.replace(doc, items=[*doc.items, *lost])
         try:
             new = with_credits(fn, pending)(doc)
         except CambiumError:
             if guess:
                 return None
             raise
+        if new is None and lost:
+            new = doc
         if new is None:
             if guess:
                 return None
@@ -4646,6 +4745,8 @@ class GitStore(Store):
         commit_credits()
         if target == self.branch:
             self._set_ref(commit)
+            if lost:
+                self.git("update-ref", "-d", self._rewound_ref, check=False)
             self._remember(commit, new, tip=True)
             with self._state.lock:
                 self._state.pushed = commit
@@ -4792,16 +4893,42 @@ class GitStore(Store):
     def sync_checkout(self) -> None:
         """Hard-sync a dedicated clone's checkout to the scope tip (the org clone),
         one process at a time: an index.lock found then was left by a checkout
-        that a crash or the git timeout ended, and is removed (stale_lock)."""
+        that a crash or the git timeout ended, and is removed (stale_lock).
+        Never over someone's work (_checkout_hazard): the checkout is then
+        left as it is, with a warning; writes never need it."""
         state = self._state
         with state.lock:
             tip = state.tip
             if not tip or state.checked_out == tip:
                 return
             with file_lock(self._meta_dir() / "checkout"):
-                _run(["git", "checkout", "--quiet", "--force", "-B", self.branch, tip],
-                     self.repo, self.timeout_s, own_locks=True)
+                if hazard := self._checkout_hazard(tip):
+                    left = f"the {self.scope} clone {self.repo}'s checkout was left as it is: "
+                    if left + hazard not in self._warnings:
+                        self._warnings.append(left + hazard)
+                else:
+                    _run(["git", "checkout", "--quiet", "--force", "-B", self.branch, tip],
+                         self.repo, self.timeout_s, own_locks=True)
             state.checked_out = tip
+
+    def _checkout_hazard(self, tip: str) -> str | None:
+        """Why a forced checkout of `tip` could destroy someone's work, or None:
+        the tip is code rather than a store (the clone is another project's),
+        the clone sits on another branch, or tracked files hold uncommitted
+        changes."""
+        if names := self._foreign_files(tip):
+            return self._not_ours(names)
+        head = _run(["git", "symbolic-ref", "--quiet", "HEAD"], self.repo, self.timeout_s,
+                    check=False).stdout.strip()
+        if head and head != f"refs/heads/{self.branch}":
+            return (f"it is on branch '{head.removeprefix('refs/heads/')}', not "
+                    f"'{self.branch}' (the org clone is cambium's own: don't work in it)")
+        dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], self.repo,
+                     self.timeout_s, check=False).stdout
+        if dirty.strip():
+            return ("its tracked files hold uncommitted changes (the org clone is cambium's "
+                    "own: don't work in it; commit or discard them)")
+        return None
 
 
 # =============================================================================
@@ -4843,9 +4970,14 @@ def clip_marked(text: str, limit: int) -> str:
     equal copies, and distill took the edited record for unchanged."""
     if len(text) <= limit:
         return text
-    tail = (f"… [cut at {limit:,} of {len(text):,} characters; "
-            f"#{hashlib.sha256(utf8(text)).hexdigest()[:8]}]")
+    tail = cut_mark(text, limit)
     return text[: limit - len(tail)].rstrip() + tail
+
+
+def cut_mark(whole: str, limit: int) -> str:
+    """The mark ending a text cut at `limit`: the whole text's length and hash."""
+    return (f"… [cut at {limit:,} of {len(whole):,} characters; "
+            f"#{hashlib.sha256(utf8(whole)).hexdigest()[:8]}]")
 
 
 def _str(value: Any) -> str:
@@ -4987,14 +5119,18 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     files = _changed_files_text(claim.get("changed_files"))
     noted, listed = (f" {CLAIM_NOTE_LEAD} {note}" if note else ""), (f" {files}" if files
                                                                         else "")
+    mark = ""
     if len(body) + len(noted) + len(listed) > MAX_CONTENT_CHARS:
         # cut the task, keeping note and files; a note too long to fit beside even
-        # the start of the task is cut too (the file list is bounded, always kept)
-        room = MAX_CONTENT_CHARS - len(listed) - min(len(body), MIN_TASK_CHARS_KEPT)
+        # the start of the task is cut too (the file list is bounded, always kept);
+        # the mark names the whole text, so an edit past the cut is a new text
+        mark = cut_mark(body + noted + listed, MAX_CONTENT_CHARS)
+        limit = MAX_CONTENT_CHARS - len(mark)
+        room = limit - len(listed) - min(len(body), MIN_TASK_CHARS_KEPT)
         if len(noted) > room:
             noted = _clip(noted, room)
-        body = _clip(body, MAX_CONTENT_CHARS - len(noted) - len(listed))
-    body += noted + listed
+        body = _clip(body, limit - len(noted) - len(listed))
+    body = (body + noted + listed).removesuffix("…") + mark if mark else body + noted + listed
     where = f" on branch {branch}" if branch else ""
     stamp = plain_text(_str(claim.get("updated_at")))
     if done:
@@ -5209,14 +5345,19 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
     The same order agentsync itself uses (minus its session pointer)."""
     branch, remote, t = cfg.get("CAMBIUM_AGENTSYNC_BRANCH") or "agentsync", cfg.remote, \
         cfg.git_timeout_s
-    fix_set = ("set AGENTSYNC_BOARD_REPO=/abs/path/to/the/board/clone (environment or "
-               f"{cfg.config_file})")
+    fix_set = ("set AGENTSYNC_BOARD_REPO=/abs/path/to/the/board/clone in the environment "
+               "of this project's server and hooks")
+    ignored = ""
     for key in ("AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
         value = cfg.get(key)
         if not value:
             continue
         source = f"{key} ({cfg.origins.get(key)})"
         path = Path(value)
+        if cfg.origins.get(key) == "file" and cfg.repo and not _same_project(path, cfg.repo, t):
+            ignored = (f"; {key}={path} in {cfg.config_file} is another project's board (the "
+                       "file is user-wide), so it is not read here")
+            continue
         if not (path / ".git").exists():
             return Board(None, source, branch, remote, "misconfigured",
                          f"{key}={path} is not a git clone, so there is no board to read",
@@ -5229,8 +5370,8 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
         return Board(repo, "CAMBIUM_REPO", branch, remote)
     absent = Board(None, "none", branch, remote, "absent",
                    f"no agentsync board: AGENTSYNC_BOARD_REPO and AGENTSYNC_REPO are unset and "
-                   f"{repo} has no '{branch}' branch", "if agents coordinate through agentsync, "
-                   f"{fix_set}; otherwise nothing is missing")
+                   f"{repo} has no '{branch}' branch{ignored}", "if agents coordinate through "
+                   f"agentsync, {fix_set}; otherwise nothing is missing")
     if not network:
         absent.reason += f" locally (distill also asks '{remote}')"
         return absent
@@ -5255,6 +5396,22 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
                  f"check the network or the remote; or {fix_set}")
 
 
+def _same_project(board: Path, repo: Path, t: float) -> bool:
+    """Whether a board clone is this project's: one clone (or a worktree of it),
+    or clones of one remote URL."""
+    if _same_clone(board, repo):
+        return True
+
+    def urls(at: Path) -> set[str]:
+        with contextlib.suppress(GitError, OSError):
+            out = _run(["git", "config", "--get-regexp", r"^remote\..*\.url$"], at, t,
+                       check=False).stdout
+            return {line.split(" ", 1)[1].rstrip("/").removesuffix(".git")
+                    for line in out.splitlines() if " " in line}
+        return set()
+    return bool(urls(board) & urls(repo))
+
+
 def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: float
                        ) -> tuple[bool, str, bool]:
     """Fetch the board branch into its remote-tracking ref: (fetched, why not,
@@ -5268,7 +5425,7 @@ def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: 
         if e.code == 127:
             raise
         return False, str(e), False
-    detail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    detail = _git_complaint(proc.stderr) if proc.stderr.strip() else f"exit {proc.returncode}"
     missing = proc.returncode != 0 and "couldn't find remote ref" in proc.stderr.lower()
     return proc.returncode == 0, detail, missing
 
@@ -5287,14 +5444,18 @@ def utf8_or_noted(data: bytes, where: str) -> str:
 def _read_claims(repo: Path, ref: str, t: float) -> dict[str, dict] | None:
     """Parse claims.json at `ref` (None: there is none); SubstrateError when it is
     too large or not a board."""
-    kind = not_a_file(*tree_entry(_git(["ls-tree", ref, "--", CLAIMS_FILE], repo, t,
-                                       check=False).stdout))
+    listed = _git(["ls-tree", ref, "--", CLAIMS_FILE], repo, t, check=False)
+    if listed.returncode != 0 or not listed.stdout.strip():
+        if _git(["rev-parse", "--verify", "--quiet", f"{ref}^{{tree}}"], repo, t,
+                check=False).returncode != 0 or listed.returncode != 0:
+            raise GitError(["git", "ls-tree", ref], listed.returncode or 1,
+                           f"{ref} in {repo} cannot be read: {_git_complaint(listed.stderr)}")
+        return None                            # (a readable tree without the file)
+    kind = not_a_file(*tree_entry(listed.stdout))
     if kind:
         raise SubstrateError(f"{CLAIMS_FILE} on {ref} in {repo} is {kind}, not a file: "
                              "cambium did not read it.")
-    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t, check=False)
-    if proc.returncode != 0:
-        return None
+    proc = _git(["cat-file", "-s", f"{ref}:{CLAIMS_FILE}"], repo, t)
     if int(proc.stdout.strip() or 0) > MAX_SUBSTRATE_BYTES:
         raise SubstrateError(f"{CLAIMS_FILE} on {ref} is larger than "
                              f"{MAX_SUBSTRATE_BYTES // 2**20} MB; cambium will not read it.")
@@ -5396,6 +5557,14 @@ def _first(rec: dict, keys: tuple) -> Any:
     return None
 
 
+def _wrapper_hint(rec: dict) -> str:
+    """For a body-less object that holds lists or objects: which keys, since it
+    was read as one record (no memories/items/records/data/entries list)."""
+    held = [str(k) for k, v in rec.items() if isinstance(v, (list, dict))]
+    return (f"; it was read as one record, as it holds no list under "
+            f"{'/'.join(_WRAPPER_KEYS)} (it has: {', '.join(held[:5])})") if held else ""
+
+
 def _surrogate_fields(rec: dict) -> list[str]:
     """The keys of `rec` whose value (or the key itself) holds a lone surrogate."""
     def has(v: Any) -> bool:
@@ -5440,7 +5609,9 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
         return Skip(where, "nested too deep to read (a record of plain fields is expected)")
     body = _first(rec, _BODY_KEYS)
     if not isinstance(body, str) or not body.strip():
-        return Skip(where, "no body (content/text/body/memory/note)")
+        return Skip(where, "no body (content/text/body/memory/note)" + _wrapper_hint(rec))
+    if not _WORD.search(body):                 # ("-", "...": capture refuses them too)
+        return Skip(where, "its body holds no word (no letter or digit)")
     if retired := retired_record(rec):
         return Skip(where, f"{retired} in its source: not imported as live knowledge")
     title = _first(rec, _TITLE_KEYS)
@@ -8859,12 +9030,18 @@ class _Admitting:
         return self.adm
 
 
-def shared_texts(cfg: Config) -> Callable[[str], bool]:
+def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[[str], bool]:
     """Whether team or org, as last read (no network), holds an active item
-    saying a content key."""
+    saying a content key (with retired_too, also words deprecated, corrected or
+    superseded there: a retired statement stays retired for everyone)."""
     docs, _ = read_scopes_offline(cfg)
-    maps = [active_texts(f"{scope}:{cfg.repo}", docs[scope].items)
-            for scope in ("team", "org") if scope in docs]
+    maps: list = []
+    for scope in ("team", "org"):
+        if scope in docs:
+            key, items = f"{scope}:{cfg.repo}", docs[scope].items
+            maps.append(active_texts(key, items))
+            if retired_too:
+                maps += [deprecated_texts(key, items), corrections(key, items)[0]]
     return lambda ckey: any(ckey in m for m in maps)
 
 
@@ -8877,7 +9054,8 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
-        local, elsewhere = store(cfg, "local"), shared_texts(cfg) if shared else None
+        local = store(cfg, "local")
+        elsewhere = shared_texts(cfg, retired_too) if shared else None
         _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path),
                                                            retired_too=retired_too,
                                                            elsewhere=elsewhere),
@@ -8909,13 +9087,22 @@ def latest_endorsement_note(item: Item) -> str | None:
     return ends[-1]["note"] if ends else None
 
 
-_FILE_EXTS = ("py|js|jsx|ts|tsx|go|rs|java|kt|rb|php|cs|c|h|cc|cpp|hpp|swift|m|scala|sh|bash|"
-              "ps1|sql|json|jsonl|ya?ml|toml|ini|cfg|conf|env|md|rst|txt|html|css|scss|vue|"
-              "svelte|lock|gradle|xml|proto|tf|dockerfile|ipynb|csv")
+_FILE_EXTS = ("py|pyi|js|mjs|cjs|jsx|ts|mts|cts|tsx|go|mod|sum|rs|java|kt|kts|rb|php|cs|c|h|cc|"
+              "cpp|hpp|swift|m|mm|scala|sh|bash|zsh|fish|ps1|bat|cmd|sql|json|jsonc|jsonl|ya?ml|"
+              "toml|ini|cfg|conf|env|md|mdx|rst|txt|html?|css|scss|sass|less|vue|svelte|lock|"
+              "gradle|xml|proto|tf|tfvars|hcl|nix|dockerfile|ipynb|csv|dart|lua|ex|exs|erl|hs|"
+              "pl|pm|r|jl|zig|clj|cljs|elm|ml|fs|groovy|graphql|gql|tpl|j2|jinja|mk|cmake|"
+              "sln|csproj|vb|asm|s|wasm|exe|dll|so|dylib|jar|war|pem|crt|key|sqlite|db|parquet")
+#: files known by name alone, and dotfiles (.gitignore, .env.local)
+_FILE_NAMES = ("Makefile|Dockerfile|Containerfile|Jenkinsfile|Gemfile|Procfile|Rakefile|"
+               "Vagrantfile|Brewfile|Justfile|Taskfile|CODEOWNERS")
 _TELLS = (
     ("names a file", re.compile(
         rf"(?<![\w@])(?:[\w.\-]+/)*[\w\-]+\.(?:{_FILE_EXTS})\b"
+        r"|\b[A-Za-z]:\\[^\s]+"
         r"|(?<![\w@])(?:[\w.\-]+/)+[\w.\-]+/?(?=\s|$|[,;:)])", re.IGNORECASE)),
+    ("names a file", re.compile(           # (case kept: "a makefile", ".NET" are no files)
+        rf"(?<![\w@./])(?:{_FILE_NAMES})\b|(?<![\w@/.])\.[a-z][a-z0-9_\-]*(?:\.[\w\-]+)*\b")),
     ("names a test", re.compile(r"\btest_\w+|\bTest[A-Z]\w*")),
     ("cites a context-keeper id", re.compile(r"\b(?:dec|con|pipe)-\d{3,}(?:-[0-9a-f]{4})?\b",
                                              re.IGNORECASE)),
@@ -9091,15 +9278,23 @@ def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str
     """A person's correction of `old`: a new human-authority item in old's scope
     that links back to it (old gets superseded_by; see supersede()), about the
     same code and under the same premise (old's code_refs and valid_while: the
-    pointer and the premise were lost with the corrected item)."""
+    pointer and the premise were lost with the corrected item). A shared item's
+    correction keeps its project and the projects it served: corrected from
+    another project, it named the wrong project's code and left the primer
+    of the project it came from."""
     kind = plain_text(old.kind).strip().lower()[:40]    # (a hand-edited item's fields are
     tags, _ = salvage_tags(old.tags)                      # inherited as far as they hold)
     new = new_item(content, type=old.type if old.type in ITEM_TYPES else "memory",
                    kind=kind if re.fullmatch(r"[\w.\- ]+", kind) else "note", why=why,
                    tags=tags[:MAX_TAGS], project=project, agent=agent, now=now,
                    source={"system": "correction", "ref": old.id})
-    return dataclasses.replace(new, scope=old.scope, authority="human", corrects=old.id,
-                               code_refs=old.code_refs, valid_while=old.valid_while)
+    shared = old.scope != "local" and isinstance(old.project, str) and old.project.strip()
+    projects = old.trust.get("projects") if isinstance(old.trust, dict) else None
+    return dataclasses.replace(
+        new, scope=old.scope, authority="human", corrects=old.id, code_refs=old.code_refs,
+        valid_while=old.valid_while, project=old.project if shared else new.project,
+        trust={**new.trust, "projects": list(projects)} if isinstance(projects, list) and
+        projects else new.trust)
 
 
 def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:
@@ -9400,6 +9595,17 @@ _NEGATION = re.compile(r"\b(?:not(?! (?:only|just|merely)\b)|never|no|none|nor|w
                        r"(?:do|does|is|are|wo|ca|should|must|did|was|were|have|has|need)n['’]?t|"
                        r"cannot)\b")                      # "not only" contrasts, it negates not
 SHORT_RULE_WORDS = 40      #: a rule this short that says "not" where its look-alike doesn't differs
+#: Stopwords that carry a decision, by meaning: one swapped for another of
+#: another meaning changes it (before the commit, after the commit; must,
+#: may; all, some), and "only" added or dropped restricts it (swaps_a_choice)
+DECIDING_WORDS = {w: meaning for meaning, words in {
+    "all": "all every each any", "some": "some few several", "none": "none no",
+    "must": "must shall", "should": "should ought", "may": "may can could might",
+    "before": "before", "after": "after", "over": "over above", "under": "under below",
+    "more": "more most", "less": "less least fewer", "up": "up", "down": "down",
+    "on": "on", "off": "off", "only": "only just solely exclusively merely"}.items()
+    for w in words.split()}
+_PREFERS = re.compile(r"\b(?:over|than|instead|rather|versus|vs|before|after|not)\b")
 
 
 def decides_differently(a: Item, b: Item) -> bool:
@@ -9414,7 +9620,16 @@ def decides_differently(a: Item, b: Item) -> bool:
                 len(text.split()) <= SHORT_RULE_WORDS)
     (fa, na, sa), (fb, nb, sb) = facts(a), facts(b)   # (a figure said twice counts twice)
     return bool(fa - fb and fb - fa) or (sa and sb and na != nb) or \
-        swaps_a_choice(a.content, b.content)
+        swaps_a_choice(a.content, b.content) or turns_a_preference(a.content, b.content)
+
+
+def turns_a_preference(a: str, b: str) -> bool:
+    """The same words in another order around a preference ("Redis over
+    Memcached", "Memcached over Redis"; "tests before review", "review before
+    tests"): the opposite choice, though every word is shared (pure)."""
+    wa = [stem(w) for w in _WORD.findall(fold(a)) if w not in _STOPWORDS]
+    wb = [stem(w) for w in _WORD.findall(fold(b)) if w not in _STOPWORDS]
+    return wa != wb and sorted(wa) == sorted(wb) and bool(_PREFERS.search(fold(a)))
 
 
 def _abbreviates(left: set[str], right: set[str]) -> bool:
@@ -9433,20 +9648,34 @@ def swaps_a_choice(a: str, b: str) -> bool:
     """Two texts word for word the same but for a choice swapped in place
     (PostgreSQL for DynamoDB, one approving review for two, server side for
     client side, Thursday for Monday): a changed decision, not a rewording,
-    which moves, adds or drops words. Stopwords and a word's inflection
-    (review, reviews) are no swap (pure)."""
+    which moves, adds or drops words. Stopwords (but DECIDING_WORDS of
+    another meaning: before for after, may for must), a word's inflection
+    (review, reviews) are no swap; an "only" added or dropped with nothing
+    else reworded is a changed rule too (pure)."""
     wa, wb = _WORD.findall(fold(a)), _WORD.findall(fold(b))
-    swaps = 0
+    swaps, restricts = 0, False
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, wa, wb,
                                                        autojunk=False).get_opcodes():
-        left = {stem(w) for w in wa[i1:i2] if w not in _STOPWORDS}
-        right = {stem(w) for w in wb[j1:j2] if w not in _STOPWORDS}
-        if tag == "equal" or left == right or _abbreviates(left, right):
+        (left, lmean), (right, rmean) = _choice_words(wa[i1:i2]), _choice_words(wb[j1:j2])
+        if tag == "equal":
+            continue
+        if left == right or _abbreviates(left, right):
+            if lmean and rmean and lmean != rmean:      # before for after, may for must
+                swaps += 1
+            elif lmean ^ rmean == {"only"}:             # a restriction added or dropped
+                restricts = True
             continue
         if tag != "replace" or not (left and right) or max(i2 - i1, j2 - j1) > SWAP_MAX_WORDS:
             return False                  # words added, dropped or rewritten: a rewording
         swaps += 1
-    return 0 < swaps <= SWAP_MAX_PLACES
+    return swaps <= SWAP_MAX_PLACES and (restricts or swaps > 0)
+
+
+def _choice_words(words: list[str]) -> tuple[set[str], set[str]]:
+    """(the stems of a stretch's words that are not stopwords, the meanings of
+    its DECIDING_WORDS): what can carry a choice."""
+    return ({stem(w) for w in words if w not in _STOPWORDS},
+            {DECIDING_WORDS[w] for w in words if w in DECIDING_WORDS})
 
 
 def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
@@ -9539,7 +9768,8 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior
-               + origins}, **merged_pointers(survivor, [m for m, _ in fresh]))
+               + origins}, **merged_pointers(survivor, [m for m, _ in fresh]),
+        **merged_reason(survivor, [m for m, _ in fresh]))
     return survivor if merged == survivor else dataclasses.replace(merged, updated_at=now)
 
 
@@ -9588,6 +9818,23 @@ def merged_pointers(survivor: Item, fresh: list[Item]) -> dict:
                                             if isinstance(it.valid_while, str)), None)
     return {"code_refs": refs or survivor.code_refs, "tags": tags, "valid_while": premise,
             **merged_check(survivor, fresh)}
+
+
+def merged_reason(survivor: Item, fresh: list[Item]) -> dict:
+    """A duplicate's why when the survivor has none (not into org: a why may
+    name one project's code), and its kind when the survivor is a plain note
+    and the duplicate a pitfall or a decision (the primer files it there): a
+    fold lost the reason, and a pitfall became a note."""
+    out: dict = {}
+    if not survivor.why.strip() and survivor.scope != "org":
+        if why := next((it.why for it in fresh if it.why.strip()), ""):
+            out["why"] = why
+    if survivor.kind == "note":
+        kinds = [it.kind for it in fresh]
+        if kind := next((k for k in kinds if k in PITFALL_KINDS), None) or \
+                ("decision" if "decision" in kinds else None):
+            out["kind"] = kind
+    return out
 
 
 def merged_check(survivor: Item, fresh: list[Item]) -> dict:
@@ -9750,6 +9997,9 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     if full is None or not os.path.exists(full):
         return {**out, "resolved": False, "at": None,
                 "why": "outside the repo" if full is None else "not in the working tree"}
+    if symbol and os.path.isdir(full):          # the file it named became a folder
+        return {**out, "resolved": False, "at": None,
+                "why": "a directory now, not the file that defined it"}
     out.update(resolved=True, at=path)
     if not symbol or not os.path.isfile(full) or os.path.getsize(full) > MAX_ANCHOR_FILE_BYTES:
         return out
@@ -10016,6 +10266,22 @@ def org_clone_problem(org: Path, project: Path) -> str | None:
         return ("is the project's own checkout (or inside it, or around it, or a worktree "
                 "of its clone); the org clone must be a separate clone of the org knowledge "
                 "repo, which cambium keeps in sync by force.")
+    return None
+
+
+def _holds_code(org: Path) -> str | None:
+    """Why a clone named as the org clone is some project's code (its checkout's
+    commit holds code and no store: ORG_CODE), or None (also when it has no
+    commit yet or git cannot read it)."""
+    with contextlib.suppress(GitError, OSError):
+        names = _run(["git", "ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
+                     check=False).stdout.splitlines()
+        code = [n for n in names if ORG_CODE.fullmatch(n)]
+        if code and STORE_FILE not in names:
+            return (f"holds code ({', '.join(code[:3])}) and no {STORE_FILE}: it looks like a "
+                    "project's clone, and cambium keeps the org clone's checkout in sync by "
+                    "force. Give a clone of the org knowledge repo (if this is it, commit a "
+                    f"{STORE_FILE} holding {EMPTY_STORE_TEXT} to it once).")
     return None
 
 
@@ -10442,7 +10708,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         above = {it.id: it for it in first_copies(doc.items) if it.id in ids}
         below = [it for it in first_copies(_source_doc(cfg, src).items) if it.id in ids]
         current = [it for it in below if it.id not in above]
-        verdicts = {it.id: gate(it) for it in current}
+        verdicts = {it.id: _landing(cfg, dst, doc, it, gate(it)) for it in current}
         made.clear()
         made.update((it.id, it) for it in current if verdicts[it.id].allowed)
         joined.clear()
@@ -12359,13 +12625,13 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     org_offer = None
     if org_repo:
         org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
-        if org_path and (clash := org_clone_problem(org_path, root)):
+        if org_path and (clash := org_clone_problem(org_path, root) or _holds_code(org_path)):
             raise InputError(f"org_repo {org_path} {clash}", "org_repo")
         if org_path:
             updates["CAMBIUM_ORG_REPO"] = str(org_path)
     cfg_path = config_file_path(env)
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
-        raise InputError(f"setup cannot write its config file: {NO_HOME}", "HOME")
+        raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
     before = resolve_config(env)
     _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
     ignore_note = _scaffold_local(root)
@@ -12696,6 +12962,33 @@ def require_words(content: Any) -> None:
         bare = _clean_text(content, "content", MAX_CONTENT_CHARS, required=True)
         raise InputError(f"content {bare[:40]!r} holds no word (no letter or digit): there "
                          "is nothing to remember in it", "content")
+
+
+def _landing(cfg: Config, scope: str, doc: Doc, it: Item, verdict: Verdict) -> Verdict:
+    """The gate's verdict on `it`, unless `scope` (doc: its tip) said its words
+    already (_said_in)."""
+    return (_said_in(cfg, scope, doc, it) or verdict) if verdict.allowed else verdict
+
+
+def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
+    """Why `it` must not land in `scope` (doc: its tip, in a move's plan): the
+    scope holds its words already, active (a second copy, recalled and credited
+    apart), or as words that were corrected, superseded or deprecated there
+    (a promotion would publish them, live, to everyone again)."""
+    key, tag = content_key(it), f"{scope}:{cfg.repo}"
+    if (held := active_texts(tag, doc.items).get(key)) is not None and held.id != it.id:
+        return Verdict(False, "duplicate", f"{scope} holds these words already as {held.id}; "
+                       f"endorse {held.id} instead (the copy here stays until you deprecate it)")
+    words, fixes = corrections(tag, doc.items)
+    if old := next(iter(words.get(key, ())), None):
+        fix = fixes.get(old)
+        return Verdict(False, "corrected_before", f"{scope} holds these words as {old}, "
+                       + (f"corrected by {fix.id}; that correction stands" if fix else
+                          "superseded") + ": they are not published again")
+    if (gone := deprecated_texts(tag, doc.items).get(key)) is not None:
+        return Verdict(False, "deprecated_before", f"{scope} deprecated these words ({gone.id}); "
+                       "they stay retired: capture what changed in your own words instead")
+    return None
 
 
 def _said_before(cfg: Config, content: Any, type: str) -> dict | None:
@@ -14267,6 +14560,21 @@ def import_report(source: str, path: Path, res: IngestResult,
 IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
 
 
+def _refuse_another_projects(p: Path, cfg: Config) -> None:
+    """A file set aside in another project's .cambium/ is that project's: restoring
+    it here would put its items in this project's store (and leave them missing
+    there). A worktree's own clone counts as this project."""
+    folder = p.parent
+    if folder.name != ".cambium" or not (owner := folder.parent).is_dir():
+        return
+    with contextlib.suppress(OSError):
+        if folder.samefile(cfg.local_dir) or _same_clone(owner, cfg.repo):
+            return
+    raise InputError(f"{p} was set aside by the project in {owner}, not this one "
+                     f"({cfg.repo}): run restore there (cd {shlex.quote(str(owner))} and "
+                     "run the same command), so its items go back to its own store.", "path")
+
+
 def _restorable_layout(p: Path) -> None:
     """Refuse a set-aside file over MAX_IMPORT_BYTES whose first line has no
     end within MAX_FIRST_LINE_CHARS: one line is read whole (a 400 MB file of
@@ -14319,6 +14627,7 @@ def restore(path: Annotated[str, Field(
                          f"beside it (knowledge.json{QUARANTINE_TAG}<time> or "
                          f"knowledge.json{CORRUPT_TAG}<time>).")
     _restorable_layout(p)
+    _refuse_another_projects(p, cfg)
     try:
         with open(p, "rb") as f:
             parsed = parse_file(f, str(p))
@@ -15530,6 +15839,8 @@ def _main(argv: list[str]) -> int:
     """main() but for its last flush."""
     if sys.stderr is None:                      # fd 2 closed: print(file=None) would write
         sys.stderr = open(os.devnull, "w")      # diagnostics to stdout (a hook's protocol)
+    elif not isinstance(sys.stderr, _QuietStderr):
+        sys.stderr = _QuietStderr(sys.stderr)   # its reader gone: a warning is not an error
     if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
         return primer_hook(argv)                # before argparse: it must never fail
     argv = argv or ["serve"]
@@ -15687,7 +15998,19 @@ def _export_target(output: str) -> Path:
     if cfg.repo and _within(path, Path(os.path.realpath(cfg.local_dir))):
         raise InputError(f"-o {output}: that is inside {cfg.local_dir}, where cambium keeps "
                          "its own files (the markdown would replace one); write it elsewhere.")
+    if ".cambium" in path.parent.parts or _is_a_store(path):
+        raise InputError(f"-o {output}: that is one of cambium's own files (a store, or "
+                         "inside a .cambium folder, maybe another project's): the markdown "
+                         "would replace it; write it elsewhere.")
     return path
+
+
+def _is_a_store(path: Path) -> bool:
+    """Whether an existing file opens as a cambium store does ('{"cambium"')."""
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as f:
+            return f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b'{"cambium"')
+    return False
 
 
 def _within(path: Path, folder: Path) -> bool:
@@ -15739,7 +16062,6 @@ def _cli_words(tool: Tool, arg_text: str) -> list[str]:
 
 def _cli_value(value: str) -> str:
     """A call's literal as a shell word: quotes dropped, quoted again only if needed."""
-    import shlex
     if value[:1] in "'\"" and value[-1:] == value[:1] and len(value) > 1:
         value = value[1:-1]
     return value if value in ("...", "…") else shlex.quote(value)
@@ -15807,6 +16129,34 @@ def _ascii_escaped(text: str) -> str:
     """`text` with every non-ASCII character as a JSON escape (\\u00fc): what
     any stdout encoding carries, and still valid JSON where it was."""
     return re.sub(r"[^\x00-\x7f]", lambda m: json.dumps(m.group())[1:-1], text)
+
+
+class _QuietStderr:
+    """stderr whose reader may go (`2>&1 | head`, a hook runner that stopped
+    reading): a write that fails then points fd 2 at /dev/null and is dropped,
+    where it made a command whose work was done exit 1 (a hook's failure)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        return self._quietly(self._stream.write, text) or len(text)
+
+    def flush(self) -> None:
+        self._quietly(self._stream.flush)
+
+    def _quietly(self, call: Callable, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except (BrokenPipeError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                fd = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(fd, self._stream.fileno())
+                os.close(fd)
+            return None
 
 
 def _drop_stdout() -> None:
