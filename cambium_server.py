@@ -11247,16 +11247,19 @@ class PrimerEntry:
 
 
 def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project: str,
-                      now: datetime, used: frozenset[str] = frozenset()) -> list[PrimerEntry]:
+                      now: datetime, used: frozenset[str] = frozenset(),
+                      corrected: Callable[[Item], Any] = lambda it: None) -> list[PrimerEntry]:
     """Every active item a primer may show (pure): local and team items, and
     org items this project used or whose tags match the project's.
     pending: not-yet-folded credits by item id; used: ids sessions here were
-    shown by a recall or expand (used_here)."""
+    shown by a recall or expand (used_here); corrected: whether an item is a
+    copy of words a person corrected (correction_for: left out)."""
     tags = project_tags(it for s in ("local", "team") if s in docs for it in docs[s].items)
     out = []
     for it in first_copies(federated_items(docs)):
         if not it.active or it.failing or \
-                (it.scope == "org" and not org_item_relevant(it, project, tags, used)):
+                (it.scope == "org" and not org_item_relevant(it, project, tags, used)) or \
+                corrected(it):
             continue
         trust = effective_trust(it, pending.get(it.id, []))
         score = trust_score(it, trust, now)
@@ -13167,6 +13170,7 @@ def recall(query: Annotated[str, Field(
     check_arg(recall, "detail", detail)
     docs, warnings, index = recall_index(cfg, scope)
     ranking = rank(index, query, limit, cfg=cfg)
+    ranking = dataclasses.replace(ranking, hits=corrections_first(cfg, ranking.hits, docs))
     out: dict[str, Any] = {"query": query, "scope": scope, "mode": ranking.mode,
                            "scopes_searched": list(docs),
                            "top_relevance": shown_relevance(ranking.confidence,
@@ -13181,6 +13185,42 @@ def recall(query: Annotated[str, Field(
     if warnings := warnings + out.pop("warnings", []):
         out["warnings"] = warnings
     return out
+
+
+def corrections_first(cfg: Config, hits: list[Hit], docs: dict[str, Doc]) -> list[Hit]:
+    """The hits with an agent's copy of words a person corrected (in any scope
+    read: a teammate's clone kept its copy while the team item was corrected)
+    replaced by the live correction, in its place and at its relevance, or
+    dropped when the correction is a hit already: the stale copy ranked above
+    the correction."""
+    if not hits:
+        return hits
+    fixed = correction_for(cfg, docs)
+    out, ids = [], {h.item.id for h in hits}
+    for h in hits:
+        fix = fixed(h.item)
+        if fix is None:
+            out.append(h)
+        elif fix.id not in ids:
+            ids.add(fix.id)
+            out.append(dataclasses.replace(h, item=fix))
+    return out
+
+
+def correction_for(cfg: Config, docs: dict[str, Doc]) -> Callable[[Item], Item | None]:
+    """item -> the live correction of the words it says, when a person
+    corrected them in any of `docs` and it is another item (an agent's copy
+    that outlived the correction), else None. Cheap per item: only words some
+    item was superseded for are looked up."""
+    words = {k for scope, doc in docs.items()
+             for k in corrections(f"{scope}:{cfg.repo}", doc.items)[0]}
+
+    def fixed(it: Item) -> Item | None:
+        if not words or it.authority == "human" or content_key(it) not in words:
+            return None
+        fix = _correction_of_text(cfg, it.content, it.type, docs)
+        return fix if fix is not None and fix.id != it.id else None
+    return fixed
 
 
 def recall_index(cfg: Config, scope: str) -> tuple[dict[str, Doc], list[str], Index]:
@@ -13365,7 +13405,8 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
     for rec in credits:
         pending.setdefault(rec["item"], []).append(rec)
     entries = primer_candidates(docs, pending, project=cfg.project, now=now,
-                                used=used_here(cfg) if "org" in docs else frozenset())
+                                used=used_here(cfg) if "org" in docs else frozenset(),
+                                corrected=correction_for(cfg, docs))
 
     def line_of(e: PrimerEntry) -> str:
         anchors = anchors_for(cfg, e.item)

@@ -13413,6 +13413,25 @@ def test_import_skips_wordless_bodies_and_says_why_a_wrapper_was_one_record(repo
     assert out["status"] == "nothing_imported" and "(it has: results)" in json.dumps(out)
 
 
+def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_primer(
+        shared, monkeypatch):
+    """A teammate's clone kept its copy of words a person corrected on team:
+    recall ranked the copy above the correction, and the primer listed both."""
+    words = "The public API rate limit is 100 requests per minute"
+    mine = cs.capture(words)["item"]["id"]
+    as_agent(monkeypatch, shared["b"], "bob")
+    theirs = _endorsed(words)
+    assert cs.promote(theirs)["status"] == "promoted"
+    fix = cs.correct(theirs, "The public API rate limit is 600 requests per minute")["item"]
+    as_agent(monkeypatch, shared["a"], "ada")
+    got = [r["id"] for r in cs.recall("public API rate limit requests per minute")["results"]]
+    assert got[0] == fix["id"] and mine not in got, got
+    ids = json.dumps(cs.session_primer())
+    assert fix["id"] in ids and mine not in ids
+    cs.consolidate(apply=True)                       # (a consolidate survivor is no copy)
+    assert cs.recall("public API rate limit")["results"][0]["id"] == fix["id"]
+
+
 def _workers(argv: list[str]) -> list[str]:
     """Two pytest-xdist workers when it is installed and the caller chose none:
     most tests wait on git and server subprocesses, so two halve the wall time
