@@ -5619,7 +5619,10 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
         body = f"{title.strip()}: {body.strip()}"
     why = _first(rec, _WHY_KEYS)
     kind = _first(rec, _KIND_KEYS)
+    odd = [k for k, v in (("why", why), ("kind", kind)) if v is not None and not isinstance(v, str)]
     kind = kind if isinstance(kind, str) and re.fullmatch(r"[\w.\- ]{1,40}", kind) else "note"
+    if odd:
+        notes += (f"{where}: {' and '.join(odd)} left out (not text)",)
     mine = list(dict.fromkeys(("imported", system)))
     given, left_out = salvage_tags(rec.get("tags"))
     given, room = [t for t in given if t not in mine], MAX_TAGS - len(mine)
@@ -14174,12 +14177,29 @@ def verify_entry(item_id: ItemId,
 
     def apply(it: Item) -> Item:
         _require_active(it, "verified")             # retired: verify what replaced it
-        checks = list(it.verifications or []) + [{"by": cfg.agent, "at": now, "note": note}]
+        checks = list(it.verifications or [])
+        if not _said_just_now(checks, cfg.agent, note, now):    # (a retry: one verification)
+            checks.append({"by": cfg.agent, "at": now, "note": note})
         peer = it.created_by != cfg.agent           # self-verification earns no authority
         return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now,
                                    authority=raised(it, "verified") if peer else it.authority)
 
     return _update_anywhere(cfg, item_id, apply, f"{cfg.agent} verifies {item_id}", "verified")
+
+
+VERIFY_RETRY_S = 600      #: the same agent's same note again within this long: one verification
+
+
+def _said_just_now(checks: list, agent: str, note: str, now: str) -> bool:
+    """Whether the last verification is this agent's, with this note, made
+    within VERIFY_RETRY_S: the same call again (a PR-mode verify whose pull
+    request `gh` failed to open, run again as the error says), recorded twice
+    (pure)."""
+    last = checks[-1] if checks and isinstance(checks[-1], dict) else {}
+    at, then = _parse_ts(str(last.get("at") or "")), _parse_ts(now)
+    return (last.get("by") == agent and str(last.get("note") or "") == note and
+            at is not None and then is not None and 0 <= (then - at).total_seconds()
+            <= VERIFY_RETRY_S)
 
 
 STALE_LIMIT, MAX_STALE_LIMIT = 50, 1000   #: stale_report's entries: default, most

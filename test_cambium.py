@@ -13432,6 +13432,31 @@ def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_pri
     assert cs.recall("public API rate limit")["results"][0]["id"] == fix["id"]
 
 
+def test_the_same_verification_again_at_once_is_recorded_once(repo, monkeypatch):
+    """A PR-mode verify whose pull request gh failed to open, run again as the
+    error says, recorded the verification twice."""
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    item = cs.capture("Backups are restored in a drill every quarter")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    cs.verify_entry(item, note="checked in prod")
+    cs.verify_entry(item, note="checked in prod")
+    cs.verify_entry(item, note="checked the runbook too")
+    (it,) = cs.store(cs.resolve_config(), "local").read().items
+    assert [v["note"] for v in it.verifications] == ["checked in prod", "checked the runbook too"]
+    old = [{"by": "ada", "at": "2026-01-01T00:00:00Z", "note": "n"}]
+    assert not cs._said_just_now(old, "ada", "n", "2026-01-01T00:11:00Z")
+    assert cs._said_just_now(old, "ada", "n", "2026-01-01T00:09:00Z")
+    assert not cs._said_just_now(old, "bob", "n", "2026-01-01T00:01:00Z")
+
+
+def test_import_says_when_a_why_or_kind_that_is_not_text_was_left_out(repo, tmp_path):
+    export = tmp_path / "mem.jsonl"
+    export.write_text(json.dumps({"id": "a", "content": "Pin base images by digest",
+                                  "why": 42, "kind": ["decision"]}) + "\n")
+    out = cs.import_memory("json", str(export))
+    assert out["imported"] == 1 and "why and kind left out (not text)" in json.dumps(out)
+
+
 def _workers(argv: list[str]) -> list[str]:
     """Two pytest-xdist workers when it is installed and the caller chose none:
     most tests wait on git and server subprocesses, so two halve the wall time
