@@ -14373,7 +14373,9 @@ def _require_active(item: Item, verb: str) -> None:
         return
     first = _superseded_by(item) if item.status == "superseded" else None
     if first is None:
-        raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}.")
+        raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}"
+                      + (": if the words hold again, or something else holds in their place, "
+                         "capture() it in your own words" if verb == "corrected" else "") + ".")
     ids, end = _replacements(item.id, first)
     if end is not None and end.active and end.scope in ("team", "org"):
         ids, end = _replacements(item.id, first, _fetched(end.scope))   # as it stands now
