@@ -1099,7 +1099,8 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
         return [], f"tags is {json_kind(raw)}, not a list or text"
     out: list[str] = []
     bad = 0
-    for part in re.split(r"[,\s]+", raw) if isinstance(raw, str) else raw:
+    for part in re.split(r"[,\s]+", raw.strip("[] ")) if isinstance(raw, str) else raw:
+        part = part.strip("\"'") if isinstance(part, str) else part
         try:
             out += [t for t in normalize_tags([part]) if t not in out]
         except InputError:
@@ -1123,8 +1124,17 @@ def code_path_problem(path: str) -> str | None:
     return None
 
 
-_LINE_SUFFIX = re.compile(r":\d+(?::\d+)?$")     #: path:12 or path:12:5, a pointer's line
-_CALL_PARENS = re.compile(r"\(\)\s*$")            #: total() names total
+_LINE_SUFFIX = re.compile(r"(?::\d+){1,2}$")   #: a pointer's line: a.py:12, a.tsx:12:5
+_FILE_HASH_NAME = re.compile(r"\.\w{1,8}#[A-Za-z_$][\w$.:]*(?:\([^()]*\))?\s*$")
+#: a file with an extension, then #name: a symbol given in the path
+_CALL_PARENS = re.compile(r"\([^()]*\)\s*$")      #: total() or total(a, b) names total
+
+
+def _without_line(path: str) -> str:
+    """A path without the line a pointer names, after a file's extension
+    (src/a.py:12 is src/a.py; logs/12:30 is a name) (pure)."""
+    m = _LINE_SUFFIX.search(path)
+    return path[:m.start()] if m and "." in path[:m.start()].rsplit("/", 1)[-1] else path
 
 
 def _one_code_ref(ref: Any) -> dict:
@@ -1133,8 +1143,8 @@ def _one_code_ref(ref: Any) -> dict:
     the file and the name: stored as written, they named no file, stale from
     the start."""
     if isinstance(ref, dict) and isinstance(ref.get("path"), str) and \
-            ref.get("symbol") in (None, "") and "#" in ref["path"]:
-        ref = {**ref, **_one_code_ref(ref["path"])}      # {"path": "a.py#total"}
+            ref.get("symbol") in (None, "") and _FILE_HASH_NAME.search(ref["path"]):
+        ref = {**ref, **_one_code_ref(ref["path"])}      # {"path": "a.py#total()"}
     if isinstance(ref, str):                 # the last # that a name follows: src/c#/P.cs#Main
         path, _, symbol = ref.rpartition("#")
         symbol = _CALL_PARENS.sub("", symbol)
@@ -1148,8 +1158,9 @@ def _one_code_ref(ref: Any) -> dict:
         near = difflib.get_close_matches(str(odd[0]), ["path", "symbol"], 1)  # dropped)
         raise InputError(f"code_refs entries take path and symbol; got {str(odd[0])!r:.40}"
                          + (f" (did you mean {near[0]!r}?)." if near else "."))
-    path = _LINE_SUFFIX.sub("", ref["path"].strip().replace("\\", "/"))
-    path = re.sub(r"/(?:\.?/)+", "/", path)          # a//b, a/./b: a/b
+    path = _without_line(ref["path"].strip().replace("\\", "/"))
+    if "://" not in path:                             # (a URL is no anchor: refused)
+        path = re.sub(r"/(?:\.?/)+", "/", path)      # a//b, a/./b: a/b
     while path.startswith("./"):
         path = path[2:]
     problem = code_path_problem(path)
@@ -1157,7 +1168,7 @@ def _one_code_ref(ref: Any) -> dict:
         raise InputError(f"code_refs path {ref['path']!r:.80} {problem}.")
     out = {"path": path.rstrip("/") or path}
     symbol = ref.get("symbol")
-    if isinstance(symbol, str):
+    if isinstance(symbol, str) and _CALL_PARENS.sub("", symbol).strip():
         symbol = _CALL_PARENS.sub("", symbol)
     if symbol not in (None, ""):
         if isinstance(symbol, str) and len(symbol.strip()) > MAX_CODE_SYMBOL_CHARS:
@@ -1859,6 +1870,7 @@ class GitScope:
     contended_at: float = -math.inf     # when it last saw a peer write or lost a race
     pushed: str | None = None           # the last commit this process pushed here
     hand_written: frozenset = frozenset()   # rendered files last left as a person wrote them
+    rewind_touched: tuple | None = None     # ((base, tip), ids changed since a rewind)
 
 
 class Runtime:
@@ -4015,7 +4027,8 @@ class GitStore(Store):
                  timeout_s: float, fetch_interval_s: float, agent: str,
                  extra_files: Callable[[Doc], dict[str, str]] | None = None,
                  credits: Path | None = None, checkout: bool = False,
-                 own_branch: bool = False, default_branch: bool = False):
+                 own_branch: bool = False, default_branch: bool = False,
+                 rewinds: bool = True):
         self.scope, self.repo, self.remote, self.branch = scope, repo, remote, branch
         self.own_branch = own_branch              # a tip without a store is not ours (team)
         self.default_branch = default_branch      # `branch` is the remote's HEAD as recorded (org)
@@ -4023,6 +4036,7 @@ class GitStore(Store):
         self.extra_files = extra_files
         self.credits = credits                    # the journal whose credits this scope folds
         self.checkout = checkout                  # keep the clone's checkout at the tip (org)
+        self.rewinds = rewinds                    # keep what a force push drops (_note_rewind)
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
         self._objects_dir: Path | None | bool = False     # not looked up yet
@@ -4333,7 +4347,7 @@ class GitStore(Store):
         descends from it: a force push (an old clone's `push --force --all`) or a
         deleted branch dropped what cambium had read there, and the items it held
         would be lost to everyone (rewound_items; the next write restores them)."""
-        if not before:
+        if not before or not self.rewinds:
             return
         now = self.local_tip()
         if now == before or now and self.git("merge-base", "--is-ancestor", before, now,
@@ -4342,30 +4356,61 @@ class GitStore(Store):
         if self.git("rev-parse", "--verify", "--quiet", self._rewound_ref, check=False
                     ).returncode != 0:
             self.git("update-ref", self._rewound_ref, before, check=False)
+            if now:                               # (the tip the rewind left: what changed
+                self.git("update-ref", self._rewound_ref + "-at", now, check=False)  # since)
 
     @property
     def _rewound_ref(self) -> str:
         return f"{self.ref}-rewound"
 
-    def rewound_items(self, doc: Doc) -> list[Item]:
-        """The items the tip kept in `<ref>-rewound` held that `doc` has lost (no
-        copy with their id): a force push or a deleted branch took them. [] when
-        nothing was rewound (the ref is then dropped if it was there)."""
+    def _drop_rewound(self) -> None:
+        for ref in (self._rewound_ref, self._rewound_ref + "-at"):
+            self.git("update-ref", "-d", ref, check=False)
+
+    def _touched_since(self, base: str, tip: str | None) -> frozenset[str]:
+        """The ids in lines of the store that commits since `base` (reachable
+        from `tip`) added or removed: items someone changed or moved after the
+        rewind, whose state then is theirs, not the kept tip's."""
+        if not tip or tip == base:
+            return frozenset()
+        key = (base, tip)
+        cached = self._state.rewind_touched
+        if cached and cached[0] == key:
+            return cached[1]
+        out = self.git("log", "-p", "--format=", "--no-color", "--no-ext-diff", tip, "--not",
+                       base, "--", STORE_FILE, check=False).stdout
+        ids = frozenset(m.group(1) for line in out.splitlines()
+                        if line[:1] in "+-" and line[:3] not in ("+++", "---")
+                        and (m := _LINE_ID.search(line)))
+        self._state.rewind_touched = (key, ids)
+        return ids
+
+    def rewound_items(self, doc: Doc, tip: str | None) -> list[Item]:
+        """The items of the tip kept in `<ref>-rewound` that `doc` (at `tip`)
+        lost: those it holds no copy of, and those whose kept version is later
+        (a deprecation or a correction the rewind undid), but for items changed
+        or moved on the branch since the rewind (a promote to org took one).
+        [] when nothing was rewound (the refs are then dropped)."""
         try:                                       # (read from .git: every read asks)
-            tip = _ref_value(self.repo, self._rewound_ref)
+            tip_kept = _ref_value(self.repo, self._rewound_ref)
         except (OSError, IndexError):
-            tip = self.git("rev-parse", "--verify", "--quiet", self._rewound_ref, check=False
-                           ).stdout.strip()
-        if not tip:
+            tip_kept = self.git("rev-parse", "--verify", "--quiet", self._rewound_ref,
+                                check=False).stdout.strip()
+        if not tip_kept:
             return []
         try:
-            old = self.doc_at(tip)
+            old = self.doc_at(tip_kept)
         except CambiumError:
             return []
-        held = {it.id for it in doc.items}
-        lost = [it for it in first_copies(old.items) if it.id not in held]
+        held = {it.id: it for it in first_copies(doc.items)}
+        at = ""
+        with contextlib.suppress(OSError, IndexError):
+            at = _ref_value(self.repo, self._rewound_ref + "-at")
+        touched = self._touched_since(at or tip_kept, tip)
+        lost = [it for it in first_copies(old.items) if it.id not in touched and
+                (it.id not in held or _later_state(it, held[it.id]))]
         if not lost:
-            self.git("update-ref", "-d", self._rewound_ref, check=False)
+            self._drop_rewound()
         return lost
 
     def peek(self) -> Doc:
@@ -4442,25 +4487,40 @@ class GitStore(Store):
         fetched within fetch_interval_s (refreshed in the background while
         serving); raises GitError (unreachable, nothing fetched before) or
         CorruptStore."""
-        doc = self.doc_at(self.fetch(fresh=not digest,
-                                     background=digest and self._rt.long_running.is_set()))
+        tip = self.fetch(fresh=not digest, background=digest and self._rt.long_running.is_set())
+        doc = self.doc_at(tip)
         with self._state.lock:
             error = self._state.fetch_error
         behind = f"{self.scope} scope may be behind: {error}"
         if error and behind not in self._warnings:
             self._warnings.append(behind)
-        if lost := self.rewound_items(doc):       # served from the kept tip meanwhile
+        if lost := self.rewound_items(doc, tip):  # served from the kept tip meanwhile
             self._warnings.append(self._rewound_warning(lost))
-            doc = dataclasses.replace(doc, items=[*doc.items, *lost])
+            doc = self.restored(doc, lost)
         if self.checkout:
             self.sync_checkout()
         return doc
+
+    @staticmethod
+    def restored(doc: Doc, lost: list[Item]) -> Doc:
+        """doc with the rewound items back: a later version in place of its
+        first copy, a lost one at the end."""
+        back = {it.id: it for it in lost}
+        items, seen = [], set()
+        for it in doc.items:
+            if it.id in back and it.id not in seen:
+                seen.add(it.id)
+                it = back[it.id]
+            items.append(it)
+        return dataclasses.replace(doc, items=items + [it for i, it in back.items()
+                                                       if i not in seen])
 
     def _rewound_warning(self, lost: list[Item]) -> str:
         ids = ", ".join(it.id for it in lost[:5]) + (", …" if len(lost) > 5 else "")
         return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
                 f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
-                f"before are gone from it ({ids}); cambium serves them from its copy of the "
+                f"before are gone from it or set back ({ids}); cambium serves them as they "
+                "were, from its copy of the "
                 f"earlier tip, and the next {self.scope} write puts them back")
 
     def default_tip(self) -> str | None:
@@ -4715,9 +4775,9 @@ class GitStore(Store):
         if self.default_branch and tip is None and not side:
             self._refuse_a_moved_default()
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
-        lost = [] if side else self.rewound_items(doc)
+        lost = [] if side else self.rewound_items(doc, tip)
         if lost:                                  # a force push took them: back they go
-            doc = dataclasses.replace(doc, items=[*doc.items, *lost])
+            doc = self.restored(doc, lost)
         try:
             new = with_credits(fn, pending)(doc)
         except CambiumError:
@@ -4746,7 +4806,7 @@ class GitStore(Store):
         if target == self.branch:
             self._set_ref(commit)
             if lost:
-                self.git("update-ref", "-d", self._rewound_ref, check=False)
+                self._drop_rewound()
             self._remember(commit, new, tip=True)
             with self._state.lock:
                 self._state.pushed = commit
@@ -4914,15 +4974,10 @@ class GitStore(Store):
     def _checkout_hazard(self, tip: str) -> str | None:
         """Why a forced checkout of `tip` could destroy someone's work, or None:
         the tip is code rather than a store (the clone is another project's),
-        the clone sits on another branch, or tracked files hold uncommitted
-        changes."""
+        or tracked files hold uncommitted changes (a switch of branch loses no
+        commit: the branch keeps them)."""
         if names := self._foreign_files(tip):
             return self._not_ours(names)
-        head = _run(["git", "symbolic-ref", "--quiet", "HEAD"], self.repo, self.timeout_s,
-                    check=False).stdout.strip()
-        if head and head != f"refs/heads/{self.branch}":
-            return (f"it is on branch '{head.removeprefix('refs/heads/')}', not "
-                    f"'{self.branch}' (the org clone is cambium's own: don't work in it)")
         dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], self.repo,
                      self.timeout_s, check=False).stdout
         if dirty.strip():
@@ -5347,17 +5402,18 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
         cfg.git_timeout_s
     fix_set = ("set AGENTSYNC_BOARD_REPO=/abs/path/to/the/board/clone in the environment "
                "of this project's server and hooks")
-    ignored = ""
     for key in ("AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
         value = cfg.get(key)
         if not value:
             continue
         source = f"{key} ({cfg.origins.get(key)})"
         path = Path(value)
-        if cfg.origins.get(key) == "file" and cfg.repo and not _same_project(path, cfg.repo, t):
-            ignored = (f"; {key}={path} in {cfg.config_file} is another project's board (the "
-                       "file is user-wide), so it is not read here")
-            continue
+        if cfg.origins.get(key) == "file" and cfg.repo and (path / ".git").exists() and \
+                not _same_project(path, cfg.repo, t):
+            note_for_call(f"{key}={path} comes from the user-wide {cfg.config_file} and is "
+                          "neither this project's clone nor a clone of its remote: its board's "
+                          "claims are read into this project. If it is another project's, set "
+                          f"{key} in this project's server and hook environment instead")
         if not (path / ".git").exists():
             return Board(None, source, branch, remote, "misconfigured",
                          f"{key}={path} is not a git clone, so there is no board to read",
@@ -5370,7 +5426,7 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
         return Board(repo, "CAMBIUM_REPO", branch, remote)
     absent = Board(None, "none", branch, remote, "absent",
                    f"no agentsync board: AGENTSYNC_BOARD_REPO and AGENTSYNC_REPO are unset and "
-                   f"{repo} has no '{branch}' branch{ignored}", "if agents coordinate through "
+                   f"{repo} has no '{branch}' branch", "if agents coordinate through "
                    f"agentsync, {fix_set}; otherwise nothing is missing")
     if not network:
         absent.reason += f" locally (distill also asks '{remote}')"
@@ -5410,6 +5466,16 @@ def _same_project(board: Path, repo: Path, t: float) -> bool:
                     for line in out.splitlines() if " " in line}
         return set()
     return bool(urls(board) & urls(repo))
+
+
+_LINE_ID = re.compile(r'"id"\s*:\s*"([^"\\]+)"')    #: an item's id in a store line
+
+
+def _later_state(kept: Item, now: Item) -> bool:
+    """Whether the version a rewound tip kept is later than the branch's: a
+    retirement the rewind undid, or a later change (pure)."""
+    return (not kept.active and now.active) or \
+        str(kept.updated_at or "") > str(now.updated_at or "")
 
 
 def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: float
@@ -9090,22 +9156,17 @@ def latest_endorsement_note(item: Item) -> str | None:
     return ends[-1]["note"] if ends else None
 
 
-_FILE_EXTS = ("py|pyi|js|mjs|cjs|jsx|ts|mts|cts|tsx|go|mod|sum|rs|java|kt|kts|rb|php|cs|c|h|cc|"
+_FILE_EXTS = ("py|pyi|js|mjs|cjs|jsx|ts|mts|cts|tsx|go|rs|java|kt|kts|rb|php|cs|c|h|cc|"
               "cpp|hpp|swift|m|mm|scala|sh|bash|zsh|fish|ps1|bat|cmd|sql|json|jsonc|jsonl|ya?ml|"
               "toml|ini|cfg|conf|env|md|mdx|rst|txt|html?|css|scss|sass|less|vue|svelte|lock|"
               "gradle|xml|proto|tf|tfvars|hcl|nix|dockerfile|ipynb|csv|dart|lua|ex|exs|erl|hs|"
-              "pl|pm|r|jl|zig|clj|cljs|elm|ml|fs|groovy|graphql|gql|tpl|j2|jinja|mk|cmake|"
-              "sln|csproj|vb|asm|s|wasm|exe|dll|so|dylib|jar|war|pem|crt|key|sqlite|db|parquet")
-#: files known by name alone, and dotfiles (.gitignore, .env.local)
-_FILE_NAMES = ("Makefile|Dockerfile|Containerfile|Jenkinsfile|Gemfile|Procfile|Rakefile|"
-               "Vagrantfile|Brewfile|Justfile|Taskfile|CODEOWNERS")
+              "jl|zig|clj|cljs|elm|groovy|graphql|gql|tpl|j2|jinja|mk|cmake|"
+              "sln|csproj|vb|asm|wasm|exe|dll|dylib|jar|war|pem|crt|sqlite|parquet")
 _TELLS = (
     ("names a file", re.compile(
         rf"(?<![\w@])(?:[\w.\-]+/)*[\w\-]+\.(?:{_FILE_EXTS})\b"
         r"|\b[A-Za-z]:\\[^\s]+"
-        r"|(?<![\w@])(?:[\w.\-]+/)+[\w.\-]+/?(?=\s|$|[,;:)])", re.IGNORECASE)),
-    ("names a file", re.compile(           # (case kept: "a makefile", ".NET" are no files)
-        rf"(?<![\w@./])(?:{_FILE_NAMES})\b|(?<![\w@/.])\.[a-z][a-z0-9_\-]*(?:\.[\w\-]+)*\b")),
+        r"|(?<![\w@])(?:[\w.\-~]+/)+[\w.\-]+/?(?=\s|$|[,;:)])", re.IGNORECASE)),
     ("names a test", re.compile(r"\btest_\w+|\bTest[A-Z]\w*")),
     ("cites a context-keeper id", re.compile(r"\b(?:dec|con|pipe)-\d{3,}(?:-[0-9a-f]{4})?\b",
                                              re.IGNORECASE)),
@@ -9601,6 +9662,7 @@ SHORT_RULE_WORDS = 40      #: a rule this short that says "not" where its look-a
 #: Stopwords that carry a decision, by meaning: one swapped for another of
 #: another meaning changes it (before the commit, after the commit; must,
 #: may; all, some), and "only" added or dropped restricts it (swaps_a_choice)
+_RESTRICTS = frozenset({"only", "solely", "exclusively"})   #: ("just": filler as often)
 DECIDING_WORDS = {w: meaning for meaning, words in {
     "all": "all every each any", "some": "some few several", "none": "none no",
     "must": "must shall", "should": "should ought", "may": "may can could might",
@@ -9608,7 +9670,7 @@ DECIDING_WORDS = {w: meaning for meaning, words in {
     "more": "more most", "less": "less least fewer", "up": "up", "down": "down",
     "on": "on", "off": "off", "only": "only just solely exclusively merely"}.items()
     for w in words.split()}
-_PREFERS = re.compile(r"\b(?:over|than|instead|rather|versus|vs|before|after|not)\b")
+_PREFER_WORDS = frozenset("over than instead rather versus vs before after not to".split())
 
 
 def decides_differently(a: Item, b: Item) -> bool:
@@ -9627,12 +9689,28 @@ def decides_differently(a: Item, b: Item) -> bool:
 
 
 def turns_a_preference(a: str, b: str) -> bool:
-    """The same words in another order around a preference ("Redis over
-    Memcached", "Memcached over Redis"; "tests before review", "review before
-    tests"): the opposite choice, though every word is shared (pure)."""
-    wa = [stem(w) for w in _WORD.findall(fold(a)) if w not in _STOPWORDS]
-    wb = [stem(w) for w in _WORD.findall(fold(b)) if w not in _STOPWORDS]
-    return wa != wb and sorted(wa) == sorted(wb) and bool(_PREFERS.search(fold(a)))
+    """The same words with what stands on either side of a preference word
+    exchanged ("Redis over Memcached", "Memcached over Redis"; "tests before
+    review", "review before tests"): the opposite choice, though every word is
+    shared. A clause moved to the front ("before you push, run the tests")
+    exchanges nothing (pure)."""
+    wa, wb = _WORD.findall(fold(a)), _WORD.findall(fold(b))
+    if sorted(stem(w) for w in wa if w not in _STOPWORDS) != \
+            sorted(stem(w) for w in wb if w not in _STOPWORDS):
+        return False
+    for word in {w for w in wa if w in _PREFER_WORDS} & set(wb):
+        (la, ra), (lb, rb) = _sides(wa, word), _sides(wb, word)
+        if la & rb and ra & lb:
+            return True
+    return False
+
+
+def _sides(words: list[str], word: str) -> tuple[set[str], set[str]]:
+    """The content stems before and after the first `word` in `words`."""
+    at = words.index(word)
+    def part(ws: list[str]) -> set[str]:
+        return {stem(w) for w in ws if w not in _STOPWORDS}
+    return part(words[:at]), part(words[at + 1:])
 
 
 def _abbreviates(left: set[str], right: set[str]) -> bool:
@@ -9665,8 +9743,8 @@ def swaps_a_choice(a: str, b: str) -> bool:
         if left == right or _abbreviates(left, right):
             if lmean and rmean and lmean != rmean:      # before for after, may for must
                 swaps += 1
-            elif lmean ^ rmean == {"only"}:             # a restriction added or dropped
-                restricts = True
+            elif lmean ^ rmean == {"only"} and _RESTRICTS & {*wa[i1:i2], *wb[j1:j2]}:
+                restricts = True                        # a restriction added or dropped
             continue
         if tag != "replace" or not (left and right) or max(i2 - i1, j2 - j1) > SWAP_MAX_WORDS:
             return False                  # words added, dropped or rewritten: a rewording
@@ -10256,7 +10334,7 @@ def _org_store(cfg: Config) -> GitStore:
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
                     extra_files=org_markdown, checkout=True, default_branch=True,
-                    own_branch=True)
+                    own_branch=True, rewinds=not cfg.org_pr)   # (PR mode: reviewers decide)
 
 
 def org_clone_problem(org: Path, project: Path) -> str | None:
@@ -10711,7 +10789,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         above = {it.id: it for it in first_copies(doc.items) if it.id in ids}
         below = [it for it in first_copies(_source_doc(cfg, src).items) if it.id in ids]
         current = [it for it in below if it.id not in above]
-        verdicts = {it.id: _landing(cfg, dst, doc, it, gate(it)) for it in current}
+        verdicts = {it.id: _landing(cfg, dst, doc, it, gate(it), copy) for it in current}
         made.clear()
         made.update((it.id, it) for it in current if verdicts[it.id].allowed)
         joined.clear()
@@ -12951,8 +13029,13 @@ def capture(content: Annotated[str, Field(
     if res.skipped:
         raise InputError(res.skipped[0][1])
     if res.imported:
-        return with_store_warnings({"status": "captured", "item": item_view(res.imported[0])},
-                                   cfg)
+        out = {"status": "captured", "item": item_view(res.imported[0])}
+        if dead := [a["path"] for a in resolve_anchors(cfg.repo, res.imported[0].code_refs)
+                    if not a["resolved"]]:
+            out["warnings"] = [f"code_refs {', '.join(dead[:3])} do not resolve in the working "
+                               "tree now (a typo? a file not yet written?): the item is "
+                               "stale_code until they do"]
+        return with_store_warnings(out, cfg)
     dup = _find_duplicate(cfg, content, type)
     return with_store_warnings({
         "status": "duplicate", "item": item_view(dup) if dup else None,
@@ -12970,10 +13053,12 @@ def require_words(content: Any) -> None:
                          "is nothing to remember in it", "content")
 
 
-def _landing(cfg: Config, scope: str, doc: Doc, it: Item, verdict: Verdict) -> Verdict:
-    """The gate's verdict on `it`, unless `scope` (doc: its tip) said its words
-    already (_said_in)."""
-    return (_said_in(cfg, scope, doc, it) or verdict) if verdict.allowed else verdict
+def _landing(cfg: Config, scope: str, doc: Doc, it: Item, verdict: Verdict,
+             copy: Callable[[Item], Item]) -> Verdict:
+    """The gate's verdict on `it`, unless `scope` (doc: its tip) said the words
+    that would land already (_said_in on copy(it): a restatement for org is
+    what lands)."""
+    return (_said_in(cfg, scope, doc, copy(it)) or verdict) if verdict.allowed else verdict
 
 
 def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
@@ -14627,7 +14712,7 @@ def _refuse_another_projects(p: Path, cfg: Config) -> None:
     """A file set aside in another project's .cambium/ is that project's: restoring
     it here would put its items in this project's store (and leave them missing
     there). A worktree's own clone counts as this project."""
-    folder = p.parent
+    folder = Path(os.path.realpath(p)).parent          # (a link to it: where it is)
     if folder.name != ".cambium" or not (owner := folder.parent).is_dir():
         return
     with contextlib.suppress(OSError):
