@@ -1189,8 +1189,8 @@ def normalize_code_refs(refs: Any) -> list[dict] | None:
     if isinstance(refs, str) and refs.lstrip()[:1] in ("[", "{"):   # the JSON form, as text
         with contextlib.suppress(ValueError, RecursionError):      # (the CLI's --code-ref)
             refs = json.loads(refs)
-    if isinstance(refs, str):
-        refs = [r for r in refs.split(",") if r.strip()]
+    if isinstance(refs, str):                # (not at a comma inside a call: total(a, b))
+        refs = [r for r in re.split(r",(?![^()]*\))", refs) if r.strip()]
     elif isinstance(refs, dict):
         refs = [refs]
     if not isinstance(refs, (list, tuple)):
@@ -4379,9 +4379,13 @@ class GitStore(Store):
             return cached[1]
         out = self.git("log", "-p", "--format=", "--no-color", "--no-ext-diff", tip, "--not",
                        base, "--", STORE_FILE, check=False).stdout
-        ids = frozenset(m.group(1) for line in out.splitlines()
-                        if line[:1] in "+-" and line[:3] not in ("+++", "---")
-                        and (m := _LINE_ID.search(line)))
+        seen: dict[str, list[set]] = {}           # id -> [lines removed, lines added]
+        for line in out.splitlines():
+            if line[:1] in "+-" and line[:3] not in ("+++", "---") and \
+                    (m := _LINE_ID.search(line)):             # (a line that only gained or
+                sides = seen.setdefault(m.group(1), [set(), set()])   # lost its comma:
+                sides[line[0] == "+"].add(line[1:].rstrip().rstrip(","))   # unchanged)
+        ids = frozenset(i for i, (gone, came) in seen.items() if gone != came)
         self._state.rewind_touched = (key, ids)
         return ids
 
@@ -9670,7 +9674,9 @@ DECIDING_WORDS = {w: meaning for meaning, words in {
     "more": "more most", "less": "less least fewer", "up": "up", "down": "down",
     "on": "on", "off": "off", "only": "only just solely exclusively merely"}.items()
     for w in words.split()}
-_PREFER_WORDS = frozenset("over than instead rather versus vs before after not to".split())
+_PREFER_WORDS = frozenset("over than instead rather versus vs before after to".split())
+#: ("not" is no preference word: "tests should not call the network" says what
+#: "the network should not be called by tests" says)
 
 
 def decides_differently(a: Item, b: Item) -> bool:
@@ -9698,10 +9704,11 @@ def turns_a_preference(a: str, b: str) -> bool:
     if sorted(stem(w) for w in wa if w not in _STOPWORDS) != \
             sorted(stem(w) for w in wb if w not in _STOPWORDS):
         return False
-    for word in {w for w in wa if w in _PREFER_WORDS} & set(wb):
-        (la, ra), (lb, rb) = _sides(wa, word), _sides(wb, word)
-        if la & rb and ra & lb:
-            return True
+    for one in {w for w in wa if w in _PREFER_WORDS}:     # (over in one, to in the other)
+        for other in {w for w in wb if w in _PREFER_WORDS}:
+            (la, ra), (lb, rb) = _sides(wa, one), _sides(wb, other)
+            if la & rb and ra & lb:
+                return True
     return False
 
 
@@ -13030,11 +13037,12 @@ def capture(content: Annotated[str, Field(
         raise InputError(res.skipped[0][1])
     if res.imported:
         out = {"status": "captured", "item": item_view(res.imported[0])}
-        if dead := [a["path"] for a in resolve_anchors(cfg.repo, res.imported[0].code_refs)
-                    if not a["resolved"]]:
+        anchors = resolve_anchors(cfg.repo, res.imported[0].code_refs)
+        if dead := [a["path"] + (f"#{a['symbol']}" if a.get("symbol") else "") for a in anchors
+                    if not a["resolved"] or a.get("symbol_found") is False]:
             out["warnings"] = [f"code_refs {', '.join(dead[:3])} do not resolve in the working "
-                               "tree now (a typo? a file not yet written?): the item is "
-                               "stale_code until they do"]
+                               "tree now (a typo? not written yet?): a file that is missing "
+                               "makes the item stale_code, a name not found points at its file"]
         return with_store_warnings(out, cfg)
     dup = _find_duplicate(cfg, content, type)
     return with_store_warnings({
@@ -13063,23 +13071,40 @@ def _landing(cfg: Config, scope: str, doc: Doc, it: Item, verdict: Verdict,
 
 def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
     """Why `it` must not land in `scope` (doc: its tip, in a move's plan): the
-    scope holds its words already, active (a second copy, recalled and credited
-    apart), or as words that were corrected, superseded or deprecated there
-    (a promotion would publish them, live, to everyone again)."""
-    key, tag = content_key(it), f"{scope}:{cfg.repo}"
-    if (held := active_texts(tag, doc.items).get(key)) is not None and held.id != it.id:
-        return Verdict(False, "duplicate", f"{scope} holds these words already as {held.id}; "
-                       f"endorse {held.id} instead (the copy here stays until you deprecate it)")
-    words, fixes = corrections(tag, doc.items)
-    if old := next(iter(words.get(key, ())), None):
-        fix = fixes.get(old)
-        return Verdict(False, "corrected_before", f"{scope} holds these words as {old}, "
+    scope holds its words (case, punctuation and spacing aside) only as words
+    that were corrected, superseded or deprecated there: a promotion would
+    publish them, live, to everyone again. An active copy there is no reason:
+    the two are duplicates, which consolidate folds into one."""
+    tag = f"{scope}:{cfg.repo}"
+    held = said_words(tag, doc.items).get(normalized_text(it))  # (punctuation aside: "G." is G)
+    if held is None or held.id == it.id or held.active:     # (an active copy: consolidate
+        return None                                          # folds the two)
+    if held.status == "superseded":
+        fix = corrections(tag, doc.items)[1].get(held.id)
+        return Verdict(False, "corrected_before", f"{scope} holds these words as {held.id}, "
                        + (f"corrected by {fix.id}; that correction stands" if fix else
                           "superseded") + ": they are not published again")
-    if (gone := deprecated_texts(tag, doc.items).get(key)) is not None:
-        return Verdict(False, "deprecated_before", f"{scope} deprecated these words ({gone.id}); "
-                       "they stay retired: capture what changed in your own words instead")
-    return None
+    return Verdict(False, "deprecated_before", f"{scope} deprecated these words ({held.id}); "
+                   "they stay retired: capture what changed in your own words instead")
+
+
+def said_words(key: str, items: list) -> dict[str, Item]:
+    """{normalized_text: the item saying it} of a store's items: an active one
+    first, else a deprecated one, else a superseded one; kept per store until
+    its list changes, as active_texts is (pure but for that cache)."""
+    rt = runtime()
+    with rt.index_lock:
+        src, words = rt.texts.get("words:" + key, (None, {}))
+        if src is not items:
+            rank = {"active": 0, "deprecated": 1, "superseded": 2}
+            words = {}
+            for it in items:
+                if it.status in rank:
+                    k = normalized_text(it)
+                    if k not in words or rank[it.status] < rank[words[k].status]:
+                        words[k] = it
+            rt.texts["words:" + key] = (items, words)
+        return words
 
 
 def _said_before(cfg: Config, content: Any, type: str) -> dict | None:

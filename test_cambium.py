@@ -13177,12 +13177,17 @@ def test_promote_never_lands_a_second_copy_or_words_team_retired(shared, monkeyp
     assert cs.promote(again, force=True)["status"] == "deprecated_before"
     assert cs.promote(held)["status"] == "promoted"
     as_agent(monkeypatch, b, "bob")
-    dup = cs.promote(twice, force=True)
-    assert dup["status"] == "duplicate" and held in dup["reason"], dup
+    assert cs.promote(twice, force=True)["status"] == "promoted"   # (a duplicate: consolidate
+    assert cs.promote(f"{gone}", force=True)["status"] in ("already_promoted", "not_eligible")
     team = remote_json(shared["origin"], "cambium")["items"]
     active = [i["content"] for i in team if i.get("status", "active") == "active"]
     assert sorted(active) == sorted(["The public API rate limit is 600 requests per minute",
+                                     "Feature flags live in the config service",
                                      "Feature flags live in the config service"])
+    assert cs.consolidate(scope="team", apply=True)["superseded"] in ([held], [twice])
+    again_punct = cs.capture("Deploys wait for the nightly batch!")["item"]["id"]
+    out = cs.promote(again_punct, force=True)
+    assert out["status"] == "deprecated_before", out                 # (punctuation aside)
 
 
 def test_the_git_root_walk_stops_at_git_ceiling_directories(tmp_path, monkeypatch):
@@ -13531,8 +13536,9 @@ def test_a_restatement_for_org_is_judged_as_the_words_that_land(shared, monkeypa
     b = _endorsed("The search service exposes /health checking Elasticsearch")
     cs.promote(force=True)
     assert cs.promote(a, to_scope="org", org_content=said)["status"] == "promoted"
-    out = cs.promote(b, to_scope="org", org_content=said)
-    assert out["status"] == "duplicate" and a in out["reason"], out
+    cs.deprecate(a, reason="health checks moved to the mesh")
+    out = cs.promote(b, to_scope="org", org_content=said + ".")
+    assert out["status"] == "deprecated_before" and a in out["reason"], out
 
 
 def test_consolidate_still_groups_a_clause_moved_to_the_front():
