@@ -13580,6 +13580,39 @@ def test_a_code_anchor_that_only_looks_like_a_pointer_is_kept_as_given(ref, stor
     assert cs._one_code_ref(ref) == stored
 
 
+def test_a_rewound_deprecation_survives_a_teammates_append(shared, monkeypatch):
+    """Items are stored one a line, joined by commas: an append rewrites the
+    last line's comma, and the changed-since check took that item for one a
+    teammate changed after the rewind, so its undone deprecation stayed undone."""
+    gone = _endorsed("Deploys run only from the release branch")
+    cs.promote()
+    tip = git(shared["origin"], "rev-parse", "cambium").strip()
+    cs.deprecate(gone, reason="we deploy from main now")
+    cs.recall("anything")
+    git(shared["origin"], "update-ref", "refs/heads/cambium", tip)          # the force push
+    cs.recall("anything")                                        # (a notes the rewind)
+    as_agent(monkeypatch, shared["b"], "bob")                    # (b never saw the later tip)
+    cs.promote(_endorsed("Alerts page the on-call engineer"))              # an append
+    as_agent(monkeypatch, shared["a"], "ada")
+    assert gone not in json.dumps(cs.recall("deploys release branch")["results"])
+    cs.endorse(cs.capture("A third fact about caches")["item"]["id"], note="x")
+    cs.promote(force=True)                                                   # a team write
+    team = {i["id"]: i.get("status", "active") for i in remote_json(shared["origin"],
+                                                                      "cambium")["items"]}
+    assert team[gone] == "deprecated"
+
+
+def test_the_cli_reads_a_call_with_arguments_as_one_code_ref(repo):
+    (repo / "src").mkdir()
+    (repo / "src" / "a.py").write_text("def total(a, b):\n    return a + b\n")
+    out = cli("capture", "Totals add their parts", "--code-ref", "src/a.py#total(a, b),docs/x.md",
+              cwd=repo)
+    item = json.loads(out.stdout)["item"]
+    assert item["code_refs"] == [{"path": "src/a.py", "symbol": "total"}, {"path": "docs/x.md"}]
+    typo = cs.capture("Totals are exact", code_refs=["src/a.py#totl"])
+    assert "src/a.py#totl do not resolve" in json.dumps(typo["warnings"])
+
+
 def _workers(argv: list[str]) -> list[str]:
     """Two pytest-xdist workers when it is installed and the caller chose none:
     most tests wait on git and server subprocesses, so two halve the wall time
