@@ -4404,7 +4404,8 @@ class GitStore(Store):
             return []
         try:
             old = self.doc_at(tip_kept)
-        except CambiumError:
+        except CambiumError:                       # (a kept tip that cannot be read: it
+            self._drop_rewound()                   # holds nothing to put back)
             return []
         held = {it.id: it for it in first_copies(doc.items)}
         at = ""
