@@ -4404,8 +4404,10 @@ class GitStore(Store):
             return []
         try:
             old = self.doc_at(tip_kept)
-        except CambiumError:                       # (a kept tip that cannot be read: it
+        except CorruptStore:                       # (a kept tip whose store is malformed
             self._drop_rewound()                   # holds nothing to put back)
+            return []
+        except CambiumError:                       # (git failed: asked again next read)
             return []
         held = {it.id: it for it in first_copies(doc.items)}
         at = ""
