@@ -13079,7 +13079,7 @@ def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
     publish them, live, to everyone again. An active copy there is no reason:
     the two are duplicates, which consolidate folds into one."""
     tag = f"{scope}:{cfg.repo}"
-    held = said_words(tag, doc.items).get(normalized_text(it))  # (punctuation aside: "G." is G)
+    held = words_held(tag, doc.items).get(normalized_text(it))  # (punctuation aside: "G." is G)
     if held is None or held.id == it.id or held.active:     # (an active copy: consolidate
         return None                                          # folds the two)
     if held.status == "superseded":
@@ -13091,7 +13091,7 @@ def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
                    "they stay retired: capture what changed in your own words instead")
 
 
-def said_words(key: str, items: list) -> dict[str, Item]:
+def words_held(key: str, items: list) -> dict[str, Item]:
     """{normalized_text: the item saying it} of a store's items: an active one
     first, else a deprecated one, else a superseded one; kept per store until
     its list changes, as active_texts is (pure but for that cache)."""
