@@ -13338,16 +13338,23 @@ def test_an_unreachable_board_remote_is_reported_by_gits_own_complaint(tmp_path)
     assert not fetched and "does not appear to be a git repository" in detail
 
 
+def _promoted_then_rewound(shared: dict) -> tuple[str, str]:
+    """Two items promoted to team one after the other, then the branch force-pushed
+    back to the first: (the one kept, the one the rewind dropped)."""
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    tip = git(shared["origin"], "rev-parse", "cambium").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    git(shared["origin"], "update-ref", "refs/heads/cambium", tip)          # the force push
+    return first, later
+
+
 def test_a_team_branch_rewound_by_a_force_push_keeps_its_items(shared, monkeypatch):
     """An old clone's `git push --force` set the team branch back: an item
     promoted since was gone for everyone, silently, and the next write built
     on the old tip."""
-    first = _endorsed("Every service exposes a health endpoint")
-    assert cs.promote(first)["status"] == "promoted"
-    old_tip = git(shared["origin"], "rev-parse", "cambium").strip()
-    later = _endorsed("Alerts page the on-call engineer, never a channel")
-    assert cs.promote(later)["status"] == "promoted"
-    git(shared["origin"], "update-ref", "refs/heads/cambium", old_tip)     # the force push
+    first, later = _promoted_then_rewound(shared)
     out = cs.recall("alerts page the on-call engineer")
     assert [r["id"] for r in out["results"]] == [later]
     assert any("rewound or replaced" in w and later in w for w in out["warnings"])
@@ -13514,12 +13521,7 @@ def test_a_rewind_never_brings_back_what_left_the_branch_after_it(shared, monkey
     """Comparing the kept tip with the branch at every read put back an item
     another clone promoted to org after the rewind: in team and org at once."""
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
-    x = _endorsed("Every service exposes a health endpoint")
-    assert cs.promote(x)["status"] == "promoted"
-    tip = git(shared["origin"], "rev-parse", "cambium").strip()
-    z = _endorsed("Alerts page the on-call engineer, never a channel")
-    assert cs.promote(z)["status"] == "promoted"
-    git(shared["origin"], "update-ref", "refs/heads/cambium", tip)          # the force push
+    x, z = _promoted_then_rewound(shared)
     assert any(z in w for w in cs.recall("alerts on-call")["warnings"])
     as_agent(monkeypatch, shared["b"], "bob")
     assert cs.promote(x, to_scope="org")["status"] == "promoted"     # x leaves team, rightly
