@@ -4345,8 +4345,10 @@ class GitStore(Store):
     def _note_rewind(self, before: str | None) -> None:
         """Keep the tip fetched before (`<ref>-rewound`) when the branch no longer
         descends from it: a force push (an old clone's `push --force --all`) or a
-        deleted branch dropped what cambium had read there, and the items it held
-        would be lost to everyone (rewound_items; the next write restores them)."""
+        deleted branch dropped what cambium had read there. The branch decides
+        (a write applies only its own change on what the branch holds); reads
+        name what it lost until it holds them again (rewound_items), and the
+        kept tip is where a person brings them back from."""
         if not before or not self.rewinds:
             return
         now = self.local_tip()
@@ -4501,34 +4503,23 @@ class GitStore(Store):
         behind = f"{self.scope} scope may be behind: {error}"
         if error and behind not in self._warnings:
             self._warnings.append(behind)
-        if lost := self.rewound_items(doc, tip):  # served from the kept tip meanwhile
+        if lost := self.rewound_items(doc, tip):  # (the branch decides: said, not undone)
             self._warnings.append(self._rewound_warning(lost))
-            doc = self.restored(doc, lost)
         if self.checkout:
             self.sync_checkout()
         return doc
 
-    @staticmethod
-    def restored(doc: Doc, lost: list[Item]) -> Doc:
-        """doc with the rewound items back: a later version in place of its
-        first copy, a lost one at the end."""
-        back = {it.id: it for it in lost}
-        items, seen = [], set()
-        for it in doc.items:
-            if it.id in back and it.id not in seen:
-                seen.add(it.id)
-                it = back[it.id]
-            items.append(it)
-        return dataclasses.replace(doc, items=items + [it for i, it in back.items()
-                                                       if i not in seen])
-
     def _rewound_warning(self, lost: list[Item]) -> str:
         ids = ", ".join(it.id for it in lost[:5]) + (", …" if len(lost) > 5 else "")
+        kept = shlex.quote(f"{self._rewound_ref}:{STORE_FILE}")
         return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
                 f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
-                f"before are gone from it or set back ({ids}); cambium serves them as they "
-                "were, from its copy of the "
-                f"earlier tip, and the next {self.scope} write puts them back")
+                f"before are gone from it or set back ({ids}). cambium kept the earlier tip: "
+                f"to bring them back here, `git -C {shlex.quote(str(self.repo))} show {kept} > "
+                "/tmp/rewound.json` and `restore /tmp/rewound.json` (what the scope still holds "
+                "stays there), then promote them again; if the rewind was meant, `git -C "
+                f"{shlex.quote(str(self.repo))} update-ref -d {self._rewound_ref}` ends this "
+                "warning")
 
     def default_tip(self) -> str | None:
         """The remote default branch's tip (fetched), the parent of a new branch."""
@@ -4782,17 +4773,12 @@ class GitStore(Store):
         if self.default_branch and tip is None and not side:
             self._refuse_a_moved_default()
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
-        lost = [] if side else self.rewound_items(doc, tip)
-        if lost:                                  # a force push took them: back they go
-            doc = self.restored(doc, lost)
         try:
             new = with_credits(fn, pending)(doc)
         except CambiumError:
             if guess:
                 return None
             raise
-        if new is None and lost:
-            new = doc
         if new is None:
             if guess:
                 return None
@@ -4812,8 +4798,6 @@ class GitStore(Store):
         commit_credits()
         if target == self.branch:
             self._set_ref(commit)
-            if lost:
-                self._drop_rewound()
             self._remember(commit, new, tip=True)
             with self._state.lock:
                 self._state.pushed = commit
@@ -9173,7 +9157,8 @@ _TELLS = (
     ("names a file", re.compile(
         rf"(?<![\w@])(?:[\w.\-]+/)*[\w\-]+\.(?:{_FILE_EXTS})\b"
         r"|\b[A-Za-z]:\\[^\s]+"
-        r"|(?<![\w@])(?:[\w.\-~]+/)+[\w.\-]+/?(?=\s|$|[,;:)])", re.IGNORECASE)),
+        r"|(?<![\w@])(?:~/(?:[\w.\-]+/)*|(?:[\w.\-]+/)+)[\w.\-]+/?(?=\s|$|[,;:)])",
+        re.IGNORECASE)),
     ("names a test", re.compile(r"\btest_\w+|\bTest[A-Z]\w*")),
     ("cites a context-keeper id", re.compile(r"\b(?:dec|con|pipe)-\d{3,}(?:-[0-9a-f]{4})?\b",
                                              re.IGNORECASE)),
@@ -9677,7 +9662,8 @@ DECIDING_WORDS = {w: meaning for meaning, words in {
     "more": "more most", "less": "less least fewer", "up": "up", "down": "down",
     "on": "on", "off": "off", "only": "only just solely exclusively merely"}.items()
     for w in words.split()}
-_PREFER_WORDS = frozenset("over than instead rather versus vs before after to".split())
+_PREFER_WORDS = {w: group for group, words in (("over", "over than instead rather versus vs"),
+                                               ("before", "before after")) for w in words.split()}
 #: ("not" is no preference word: "tests should not call the network" says what
 #: "the network should not be called by tests" says)
 
@@ -9707,8 +9693,8 @@ def turns_a_preference(a: str, b: str) -> bool:
     if sorted(stem(w) for w in wa if w not in _STOPWORDS) != \
             sorted(stem(w) for w in wb if w not in _STOPWORDS):
         return False
-    for one in {w for w in wa if w in _PREFER_WORDS}:     # (over in one, to in the other)
-        for other in {w for w in wb if w in _PREFER_WORDS}:
+    for one in {w for w in wa if w in _PREFER_WORDS}:     # (over in one, than in the
+        for other in {w for w in wb if _PREFER_WORDS.get(w) == _PREFER_WORDS[one]}:  # other)
             (la, ra), (lb, rb) = _sides(wa, one), _sides(wb, other)
             if la & rb and ra & lb:
                 return True
@@ -10360,6 +10346,11 @@ def org_clone_problem(org: Path, project: Path) -> str | None:
     return None
 
 
+#: ORG_CODE entries a fresh knowledge repo may hold too (a Makefile that renders
+#: its docs, a tests/ folder): not enough, alone, to refuse it at setup
+_ORG_MAYBE = re.compile(r"(?i)makefile|dockerfile|.+\.sh|src|lib|app|cmd|pkg|internal|tests?|spec")
+
+
 def _holds_code(org: Path) -> str | None:
     """Why a clone named as the org clone is some project's code (its checkout's
     commit holds code and no store: ORG_CODE), or None (also when it has no
@@ -10367,7 +10358,7 @@ def _holds_code(org: Path) -> str | None:
     with contextlib.suppress(GitError, OSError):
         names = _run(["git", "ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
                      check=False).stdout.splitlines()
-        code = [n for n in names if ORG_CODE.fullmatch(n)]
+        code = [n for n in names if ORG_CODE.fullmatch(n) and not _ORG_MAYBE.fullmatch(n)]
         if code and STORE_FILE not in names:
             return (f"holds code ({', '.join(code[:3])}) and no {STORE_FILE}: it looks like a "
                     "project's clone, and cambium keeps the org clone's checkout in sync by "
@@ -13079,7 +13070,7 @@ def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
     publish them, live, to everyone again. An active copy there is no reason:
     the two are duplicates, which consolidate folds into one."""
     tag = f"{scope}:{cfg.repo}"
-    held = words_held(tag, doc.items).get(normalized_text(it))  # (punctuation aside: "G." is G)
+    held = words_held(tag, doc.items).get(said_key(it))     # (a final "." or "!" aside)
     if held is None or held.id == it.id or held.active:     # (an active copy: consolidate
         return None                                          # folds the two)
     if held.status == "superseded":
@@ -13091,8 +13082,14 @@ def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
                    "they stay retired: capture what changed in your own words instead")
 
 
+def said_key(it: Item) -> str:
+    """content_key without the text's final punctuation ("G." and "G!" say G;
+    "< 30s" and "> 30s" stay two) (pure)."""
+    return text_key(it.type, plain_text(it.content).strip().rstrip(".!?…;:,").strip())
+
+
 def words_held(key: str, items: list) -> dict[str, Item]:
-    """{normalized_text: the item saying it} of a store's items: an active one
+    """{said_key: the item saying it} of a store's items: an active one
     first, else a deprecated one, else a superseded one; kept per store until
     its list changes, as active_texts is (pure but for that cache)."""
     rt = runtime()
@@ -13103,7 +13100,7 @@ def words_held(key: str, items: list) -> dict[str, Item]:
             words = {}
             for it in items:
                 if it.status in rank:
-                    k = normalized_text(it)
+                    k = said_key(it)
                     if k not in words or rank[it.status] < rank[words[k].status]:
                         words[k] = it
             rt.texts["words:" + key] = (items, words)
