@@ -4516,10 +4516,10 @@ class GitStore(Store):
                 f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
                 f"before are gone from it or set back ({ids}). cambium kept the earlier tip: "
                 f"to bring them back here, `git -C {shlex.quote(str(self.repo))} show {kept} > "
-                "/tmp/rewound.json` and `restore /tmp/rewound.json` (what the scope still holds "
-                "stays there), then promote them again; if the rewind was meant, `git -C "
-                f"{shlex.quote(str(self.repo))} update-ref -d {self._rewound_ref}` ends this "
-                "warning")
+                f"/tmp/rewound.json` and `{_prog()} restore /tmp/rewound.json` (what the scope "
+                "still holds stays there), then promote them again; if the rewind was meant, "
+                f"`git -C {shlex.quote(str(self.repo))} update-ref -d {self._rewound_ref}` ends "
+                "this warning")
 
     def default_tip(self) -> str | None:
         """The remote default branch's tip (fetched), the parent of a new branch."""
