@@ -13888,7 +13888,8 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
         return {"status": verdict.status, "reason": verdict.reason, "item": item_view(
             local[0], trust=effective_trust(local[0], pending))}
     landed = as_landed(cfg, "team", moved)
-    out = {"status": "promoted", "to_scope": "team", "commit": moved.write.commit,
+    out = {"status": "promoted" if landed or moved.joined else "nothing_eligible",
+           "to_scope": "team", "commit": moved.write.commit,
            "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
                         for c in landed], **kept_both(moved, "local", "team")}
     if moved.refused:

@@ -13632,6 +13632,18 @@ def test_setup_takes_a_fresh_org_knowledge_repo_with_a_makefile_and_tests(shared
     assert "holds code (app.py)" in cs._holds_code(org)
 
 
+def test_promote_of_all_whose_only_item_is_refused_says_nothing_was_promoted(shared, monkeypatch):
+    gone = _endorsed("Deploys wait for the nightly batch")
+    as_agent(monkeypatch, shared["b"], "bob")
+    theirs = _endorsed("Deploys wait for the nightly batch")
+    assert cs.promote(theirs)["status"] == "promoted"
+    cs.deprecate(theirs, reason="the batch is gone")
+    as_agent(monkeypatch, shared["a"], "ada")
+    out = cs.promote()
+    assert out["status"] == "nothing_eligible" and out["promoted"] == []
+    assert [r["status"] for r in out["refused"]] == ["deprecated_before"] and gone
+
+
 def _workers(argv: list[str]) -> list[str]:
     """Two pytest-xdist workers when it is installed and the caller chose none:
     most tests wait on git and server subprocesses, so two halve the wall time
