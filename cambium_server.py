@@ -4015,6 +4015,16 @@ def _write_commit(objects: Path, entries: list[tuple[str, str, str]], parent: st
     return write_loose(objects, "commit", body.encode("utf-8"))
 
 
+_LINE_ID = re.compile(r'"id"\s*:\s*"([^"\\]+)"')    #: an item's id in a store line
+
+
+def _later_state(kept: Item, now: Item) -> bool:
+    """Whether the version a rewound tip kept is later than the branch's: a
+    retirement the rewind undid, or a later change (pure)."""
+    return (not kept.active and now.active) or \
+        str(kept.updated_at or "") > str(now.updated_at or "")
+
+
 class GitStore(Store):
     """knowledge.json on `branch` of `remote`, in the clone at `repo`.
 
@@ -4355,8 +4365,7 @@ class GitStore(Store):
         if now == before or now and self.git("merge-base", "--is-ancestor", before, now,
                                              check=False).returncode == 0:
             return
-        if self.git("rev-parse", "--verify", "--quiet", self._rewound_ref, check=False
-                    ).returncode != 0:
+        if not self._kept(self._rewound_ref):
             self.git("update-ref", self._rewound_ref, before, check=False)
             if now:                               # (the tip the rewind left: what changed
                 self.git("update-ref", self._rewound_ref + "-at", now, check=False)  # since)
@@ -4364,6 +4373,14 @@ class GitStore(Store):
     @property
     def _rewound_ref(self) -> str:
         return f"{self.ref}-rewound"
+
+    def _kept(self, ref: str) -> str:
+        """The commit a ref of cambium's names ("" when there is none), read
+        from .git when it can be (every read asks for the kept tip)."""
+        try:
+            return _ref_value(self.repo, ref)
+        except (OSError, IndexError):
+            return self.git("rev-parse", "--verify", "--quiet", ref, check=False).stdout.strip()
 
     def _drop_rewound(self) -> None:
         for ref in (self._rewound_ref, self._rewound_ref + "-at"):
@@ -4376,7 +4393,8 @@ class GitStore(Store):
         if not tip or tip == base:
             return frozenset()
         key = (base, tip)
-        cached = self._state.rewind_touched
+        with self._state.lock:
+            cached = self._state.rewind_touched
         if cached and cached[0] == key:
             return cached[1]
         out = self.git("log", "-p", "--format=", "--no-color", "--no-ext-diff", tip, "--not",
@@ -4388,7 +4406,8 @@ class GitStore(Store):
                 sides = seen.setdefault(m.group(1), [set(), set()])   # lost its comma:
                 sides[line[0] == "+"].add(line[1:].rstrip().rstrip(","))   # unchanged)
         ids = frozenset(i for i, (gone, came) in seen.items() if gone != came)
-        self._state.rewind_touched = (key, ids)
+        with self._state.lock:
+            self._state.rewind_touched = (key, ids)
         return ids
 
     def rewound_items(self, doc: Doc, tip: str | None) -> list[Item]:
@@ -4397,12 +4416,7 @@ class GitStore(Store):
         (a deprecation or a correction the rewind undid), but for items changed
         or moved on the branch since the rewind (a promote to org took one).
         [] when nothing was rewound (the refs are then dropped)."""
-        try:                                       # (read from .git: every read asks)
-            tip_kept = _ref_value(self.repo, self._rewound_ref)
-        except (OSError, IndexError):
-            tip_kept = self.git("rev-parse", "--verify", "--quiet", self._rewound_ref,
-                                check=False).stdout.strip()
-        if not tip_kept:
+        if not (tip_kept := self._kept(self._rewound_ref)):
             return []
         try:
             old = self.doc_at(tip_kept)
@@ -4412,10 +4426,7 @@ class GitStore(Store):
         except CambiumError:                       # (git failed: asked again next read)
             return []
         held = {it.id: it for it in first_copies(doc.items)}
-        at = ""
-        with contextlib.suppress(OSError, IndexError):
-            at = _ref_value(self.repo, self._rewound_ref + "-at")
-        touched = self._touched_since(at or tip_kept, tip)
+        touched = self._touched_since(self._kept(self._rewound_ref + "-at") or tip_kept, tip)
         lost = [it for it in first_copies(old.items) if it.id not in touched and
                 (it.id not in held or _later_state(it, held[it.id]))]
         if not lost:
@@ -5457,16 +5468,6 @@ def _same_project(board: Path, repo: Path, t: float) -> bool:
                     for line in out.splitlines() if " " in line}
         return set()
     return bool(urls(board) & urls(repo))
-
-
-_LINE_ID = re.compile(r'"id"\s*:\s*"([^"\\]+)"')    #: an item's id in a store line
-
-
-def _later_state(kept: Item, now: Item) -> bool:
-    """Whether the version a rewound tip kept is later than the branch's: a
-    retirement the rewind undid, or a later change (pure)."""
-    return (not kept.active and now.active) or \
-        str(kept.updated_at or "") > str(now.updated_at or "")
 
 
 def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: float
@@ -13065,10 +13066,10 @@ def _landing(cfg: Config, scope: str, doc: Doc, it: Item, verdict: Verdict,
 
 def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
     """Why `it` must not land in `scope` (doc: its tip, in a move's plan): the
-    scope holds its words (case, punctuation and spacing aside) only as words
-    that were corrected, superseded or deprecated there: a promotion would
-    publish them, live, to everyone again. An active copy there is no reason:
-    the two are duplicates, which consolidate folds into one."""
+    scope holds its words (case, spacing and a final stop aside: said_key)
+    only as words that were corrected, superseded or deprecated there: a
+    promotion would publish them, live, to everyone again. An active copy
+    there is no reason: the two are duplicates, which consolidate folds."""
     tag = f"{scope}:{cfg.repo}"
     held = words_held(tag, doc.items).get(said_key(it))     # (a final "." or "!" aside)
     if held is None or held.id == it.id or held.active:     # (an active copy: consolidate
@@ -13325,11 +13326,12 @@ def correction_for(cfg: Config, docs: dict[str, Doc]) -> Callable[[Item], Item |
     corrected them in any of `docs` and it is another item (an agent's copy
     that outlived the correction), else None. Cheap per item: only words some
     item was superseded for are looked up."""
-    words = {k for scope, doc in docs.items()
-             for k in corrections(f"{scope}:{cfg.repo}", doc.items)[0]}
+    maps = [words for scope, doc in docs.items()      # (cached per store: no set is
+            if (words := corrections(f"{scope}:{cfg.repo}", doc.items)[0])]   # built per call)
 
     def fixed(it: Item) -> Item | None:
-        if not words or it.authority == "human" or content_key(it) not in words:
+        if not maps or it.authority == "human" or \
+                not any(content_key(it) in words for words in maps):
             return None
         fix = _correction_of_text(cfg, it.content, it.type, docs)
         return fix if fix is not None and fix.id != it.id else None
@@ -16326,19 +16328,21 @@ class _QuietStderr:
         try:
             return call(*args)
         except (BrokenPipeError, ValueError):
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                fd = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(fd, self._stream.fileno())
-                os.close(fd)
+            _to_devnull(self._stream)
             return None
 
 
 def _drop_stdout() -> None:
     """Point stdout at /dev/null once writing it failed, so the interpreter's
     last flush cannot fail too (a traceback at exit, status 120)."""
+    _to_devnull(sys.stdout)
+
+
+def _to_devnull(stream: Any) -> None:
+    """Point a standard stream's file descriptor at /dev/null (best effort)."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, stream.fileno())
         os.close(fd)
 
 

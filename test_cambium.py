@@ -13644,6 +13644,33 @@ def test_promote_of_all_whose_only_item_is_refused_says_nothing_was_promoted(sha
     assert [r["status"] for r in out["refused"]] == ["deprecated_before"] and gone
 
 
+def test_in_org_pr_mode_a_rewound_org_branch_is_the_reviewers_and_keeps_nothing(
+        shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    tip = git(shared["org_bare"], "rev-parse", "main").strip()
+    x = _endorsed("Every service exposes a health endpoint")
+    cs.promote(x)
+    assert cs.promote(x, to_scope="org")["status"] == "promoted"
+
+    def org_read() -> list[str]:
+        st = cs.store(cs.resolve_config(), "org")
+        st.read()
+        return st.warnings
+    org_read()
+    git(shared["org_bare"], "update-ref", "refs/heads/main", tip)       # a reviewer's reset
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    assert not any("rewound" in w for w in org_read())
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")             # (direct mode: the same reset is
+    assert not any("rewound" in w for w in org_read())    # past: nothing was kept for it)
+
+
+def test_correcting_a_deprecated_item_says_what_to_do_instead(repo):
+    item = cs.capture("Deploys wait for the nightly batch")["item"]["id"]
+    cs.deprecate(item, reason="gone")
+    with pytest.raises(cs.Refused, match=r"capture\(\) it in your own words"):
+        cs.correct(item, "Deploys run at any hour")
+
+
 def _workers(argv: list[str]) -> list[str]:
     """Two pytest-xdist workers when it is installed and the caller chose none:
     most tests wait on git and server subprocesses, so two halve the wall time
