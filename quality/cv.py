@@ -530,7 +530,11 @@ WHY_WEIGHTS = (0.5, 0.25, 0.125)
 #: the share of training paraphrases a floor may abstain on: candidates, most
 #: conservative first (choose_false_target picks one per mode)
 FALSE_TARGETS = (0.03, 0.05, 0.08)
-MAX_FALSE = 0.04    #: ...keeping the cross-validated wrongly-abstained share at most this
+#: ...keeping the cross-validated wrongly-abstained share at most this: the issue's
+#: own 5% (--max-false; it was 0.04, a margin of ours, under which a training fold
+#: holding 3 of dev's wrongly abstained queries could never afford the name penalty
+#: that all of dev chooses, so the nested figures measured a choice never shipped)
+MAX_FALSE = 0.05
 #: --tail-rule: "keep" also asks a target to find every paraphrase the most
 #: conservative one finds; "budget" asks only for MAX_FALSE
 TAIL_RULE = ["keep"]
@@ -818,6 +822,9 @@ def main() -> int:
                     help="also give every item a vector of its first window of this many "
                          f"tokens (e.g. 128), offered to the grid discounted by "
                          f"{', '.join(map(str, FIRST_WINDOW_DISCOUNTS))} (None: unused)")
+    ap.add_argument("--max-false", type=float, default=MAX_FALSE,
+                    help="the wrongly-abstained budget the tail and the name penalty are "
+                         "chosen within (default %(default)s; the issue allows 0.05)")
     ap.add_argument("--names", choices=("on", "off"), default="on",
                     help="offer the name penalty (cambium's NAME_PENALTY, from "
                          f"{NAME_PENALTIES}): on, what cambium ships, or off")
@@ -834,6 +841,7 @@ def main() -> int:
         cs.EMBED_MAX_WINDOWS = cs.EMBED_MAX_WINDOWS * cs.EMBED_WINDOW_TOKENS // a.window
         cs.EMBED_WINDOW_TOKENS = a.window
     RULE[0] = a.rule
+    globals()["MAX_FALSE"] = a.max_false
     NAMES[0] = a.names == "on"
     NAMES_OBJECTIVE[0] = a.names_objective
     TAIL_RULE[0] = a.tail_rule
