@@ -891,11 +891,60 @@ def _cp1252_bytes(run: str) -> bytes:
     return bytes(_CP1252_BYTE.get(ch, ord(ch)) for ch in run)
 
 
+#: What UTF-8 text that was read as cp1252 decodes back to: the scripts and
+#: symbols people write, as (first, last, needs_two). A decoding elsewhere (IPA,
+#: spacing modifiers, combining accents, C1 controls, NKo, Samaritan, private
+#: use) is a genuine accented letter before a quote, a no-break space or an
+#: ellipsis (`RÉSUMÉ\u00a0:` would read `RÉSUMɠ:`), so the run is left alone.
+#: The scripts marked True must decode to two or more of their characters in the
+#: run: one CJK character is `é”…` (a word ending in é, a quote, an ellipsis),
+#: while CJK, Arabic or Hindi that was mangled is a long run.
+_MOJIBAKE_TARGETS = (
+    (0x00A0, 0x024F, False),    # Latin-1 Supplement, Latin Extended-A and -B
+    (0x0370, 0x04FF, False),    # Greek, Cyrillic
+    (0x05D0, 0x05F4, True),     # Hebrew letters
+    (0x0600, 0x06FF, True),     # Arabic
+    (0x0900, 0x0E7F, True),     # Indic scripts, Thai
+    (0x1E00, 0x1EFF, False),    # Latin Extended Additional (Vietnamese)
+    (0x2000, 0x2BFF, False),    # punctuation, currency, letterlike, arrows, math, symbols
+    (0x3000, 0x9FFF, True),     # CJK punctuation, kana, ideographs
+    (0xAC00, 0xD7A3, True),     # Hangul
+    (0xFE00, 0xFE0F, False),    # variation selectors (an emoji's presentation)
+    (0xFEFF, 0xFEFF, False),    # byte order mark
+    (0xFF00, 0xFFEF, True),     # fullwidth forms
+    (0x1F000, 0x1FAFF, False),  # emoji
+    (0x20000, 0x2FFFF, True),   # CJK extensions
+)
+_MOJIBAKE_TARGET_STARTS = [first for first, _, _ in _MOJIBAKE_TARGETS]
+
+
+def _mojibake_target(ch: str) -> tuple | None:
+    """The _MOJIBAKE_TARGETS row that holds `ch`, or None."""
+    at = bisect.bisect_right(_MOJIBAKE_TARGET_STARTS, ord(ch)) - 1
+    return _MOJIBAKE_TARGETS[at] if at >= 0 and ord(ch) <= _MOJIBAKE_TARGETS[at][1] else None
+
+
+def plausible_mojibake_decoding(decoded: str) -> bool:
+    """Whether `decoded` (a run of high characters re-read as UTF-8) is text
+    that real mojibake comes from (pure): every character assigned, not a
+    control, in _MOJIBAKE_TARGETS, a combining mark only after a base character
+    of the run, and the scripts that need two holding two or more."""
+    needs_two = 0
+    for i, ch in enumerate(decoded):
+        row, category = _mojibake_target(ch), unicodedata.category(ch)
+        if row is None or category in ("Cc", "Cn", "Co") or (category[0] == "M" and i == 0):
+            return False
+        needs_two += row[2]
+    return needs_two != 1
+
+
 def repair_mojibake(text: str) -> str:
     """Undo UTF-8 text that was decoded as cp1252 (`â€”` -> `—`).
 
-    Only runs of two or more high characters that re-decode as valid UTF-8 are
-    replaced, so genuine accented text (`café`, `Größe`) is left untouched.
+    A run of two or more high characters is replaced only when it re-decodes as
+    valid UTF-8 to characters mojibake comes from (plausible_mojibake_decoding),
+    so genuine accented text (`café`, `Größe`, `SÃO PAULO`, `RÉSUMÉ\u00a0:`,
+    `CAFÉ’s`) is left untouched.
     """
     if not text or not _MOJIBAKE_RUN.search(text):
         return text
@@ -906,7 +955,7 @@ def repair_mojibake(text: str) -> str:
             fixed = _cp1252_bytes(run).decode("utf-8")
         except (UnicodeDecodeError, ValueError):
             return run
-        return fixed if len(fixed) < len(run) else run
+        return fixed if len(fixed) < len(run) and plausible_mojibake_decoding(fixed) else run
 
     return _MOJIBAKE_RUN.sub(fix, text)
 

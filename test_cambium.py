@@ -120,10 +120,38 @@ def cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Completed
     ("café au lait", "café au lait"),
     ("Größe und Maße", "Größe und Maße"),
     ("naïve Ã©tude", "naïve étude"),
+    ("naÃ¯ve cafÃ©", "naïve café"),
+    ("Ã‰cole", "École"),
+    ("Â¿QuÃ© tal?â€¦ Â¡Hola!", "¿Qué tal?… ¡Hola!"),
+    ("Ù…Ø±Ø\xadØ¨Ø§ Ø¨Ø§Ù„Ø¹Ø§Ù„Ù…", "مرحبا بالعالم"),        # Arabic
+    ("ä¸\xadæ–‡æµ‹è¯•", "中文测试"),                           # CJK: a long run
+    ("ÐŸÑ€Ð¸Ð²ÐµÑ‚ Ð¼Ð¸Ñ€", "Привет мир"),
+    ("Tiáº¿ng Viá»‡t", "Tiếng Việt"),
+    ("ship it ðŸš€ â\x9d¤ï¸\x8f", "ship it 🚀 ❤\ufe0f"),          # emoji with its presentation
+    ("Ï€ â‰ˆ 3.14 in 5 Âµs", "π ≈ 3.14 in 5 µs"),
     ("plain ascii", "plain ascii"),
+    ("SÃO PAULO", "SÃO PAULO"),
+    ("Mötley Crüe and the Æsir", "Mötley Crüe and the Æsir"),
 ])
 def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     assert cs.repair_mojibake(raw) == fixed
+
+
+@pytest.mark.parametrize("genuine", [
+    "Le RÉSUMÉ\u00a0: deux pages au plus",       # French: a no-break space before the colon
+    "Mit freundlichem Gruß\u00a0Hans",           # a no-break space after ß
+    "The CAFÉ’s wifi password",                   # a capital accent, a curly apostrophe
+    "The sign said “Café”… and left",             # é, a closing quote, an ellipsis: one CJK
+    "«\u00a0Café\u00a0» et OÙ\u00a0?",           # French quotes; Ù, NBSP is an Arabic digit
+    "Ø\u00a05 mm",                                # a diameter: one Arabic letter
+    "costs 5Â€",                                   # would decode to a C1 control
+])
+def test_repair_mojibake_leaves_genuine_accents_before_punctuation(genuine):
+    """A genuine accented letter before a no-break space, a quote or an ellipsis
+    re-decodes as valid UTF-8 (to IPA, NKo, one CJK character, a control): not
+    text mojibake comes from, so it is kept as typed."""
+    assert cs.repair_mojibake(genuine) == genuine
+    assert cs.plain_text(genuine) == genuine
 
 
 @pytest.mark.parametrize("raw, stored", [
