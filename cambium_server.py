@@ -9987,18 +9987,36 @@ def merged_check(survivor: Item, fresh: list[Item]) -> dict:
 # =============================================================================
 
 MAX_ANCHOR_FILE_BYTES = 2 * 1024 * 1024   #: larger files resolve to the file, unscanned
-_DEF_PREFIX = (r"^[ \t]*(?:(?:export|pub(?:\([\w:]+\))?|public|private|protected|static|"
-               r"async|default|abstract|final|unsafe|extern|inline|override|open|const)[ \t]+)*"
-               r"(?:def|class|function\*?|func|fun|fn|struct|enum|interface|trait|type|const|let|"
-               r"var|val|module|object|impl|record|protocol|macro|sub)[ \t]+"
-               r"(?:\([^)\n]*\)[ \t]*)?")   # one line each: a match never scans past its line
+_DEF_MODIFIERS = (r"^[ \t]*(?:(?:export|pub(?:\([\w:]+\))?|public|private|protected|static|"
+                  r"async|default|abstract|final|unsafe|extern|inline|override|open|const|"
+                  r"readonly|declare)[ \t]+)*")
+#: a keyword that opens a definition (one line each: a match never scans past its line);
+#: a Go receiver `(s *Srv)` or Ruby's `self.` may stand between it and the name
+_DEF_PREFIX = (_DEF_MODIFIERS + r"(?:def|class|function\*?|func|fun|fn|struct|enum|interface|"
+               r"trait|type|module|object|impl|record|protocol|macro|sub)[ \t]+"
+               r"(?:\([^)\n]*\)[ \t]*)?(?:self\.)?")
+#: a value that is a function: `function`, `lambda`, an arrow `(a) =>` or `a =>`
+_FUNCTION_VALUE = (r"[ \t]*(?:async[ \t]+)?(?:function\b|lambda\b|"
+                   r"\([^()\n]*\)[ \t]*(?::[^=\n]*)?=>|[\w$]+[ \t]*=>)")
 
 
 @functools.lru_cache(maxsize=512)
 def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
-    """(a keyword definition of `name`, an assignment to it at line start)."""
+    """(a keyword definition of `name`, a function given its name: `total =
+    (a) =>`, `exports.total = function`, `total: function(` in an object)."""
     n = re.escape(name)
     return (re.compile(_DEF_PREFIX + n + r"\b", re.M),
+            re.compile(_DEF_MODIFIERS + r"(?:(?:const|let|var)[ \t]+)?(?:[\w$]+\.)*" + n +
+                       r"[ \t]*(?::[^=\n]*)?[:=]" + _FUNCTION_VALUE, re.M))
+
+
+@functools.lru_cache(maxsize=512)
+def _variable_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
+    """(a variable declaration of `name`, an assignment to it at line start):
+    a definition too, but after the functions and classes of that name (a
+    method's local `let total = 0` is not the method `total() {`)."""
+    n = re.escape(name)
+    return (re.compile(_DEF_MODIFIERS + r"(?:const|let|var|val)[ \t]+" + n + r"\b", re.M),
             re.compile(r"^[ \t]*(?:export[ \t]+)?" + n + r"[ \t]*(?::[^=\n]*)?=(?!=)", re.M))
 
 
@@ -10006,21 +10024,36 @@ def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
 TYPED_EXTS = frozenset(".c .h .cc .cpp .cxx .hpp .hh .java .cs .m .mm .scala .groovy .dart"
                        .split())
 SHELL_EXTS = frozenset(".sh .bash .zsh .ksh".split())
+#: files whose class and object methods have no keyword: `total() {`
+SCRIPT_EXTS = frozenset(".js .jsx .mjs .cjs .ts .tsx .mts .cts .vue .svelte".split())
 _NOT_A_TYPE = (r"(?!(?:return|new|else|await|throw|yield|case|goto|delete|sizeof|typeof|if|"
                r"while|for|switch|catch|echo|print|assert|not)\b)")
+_SIGNATURE_REST = r"[ \t]*\([^;{\n]*(?:\{.*)?$"     # its parameters; no `;`: no call, no prototype
 
 
 @functools.lru_cache(maxsize=512)
-def _signature_patterns(name: str, ext: str) -> tuple[re.Pattern, ...]:
-    """Definitions a keyword does not open: a typed signature (`public static
-    int total(int a) {`, `int total(int a)` on a line not ending in `;`, so
-    neither a prototype nor a call) in C-like files, `total() {` in shell."""
+def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Pattern, ...]:
+    """Definitions a keyword does not open. In C-like files a typed signature
+    (`public static int total(int a) {`, `int Cart::total(int a)` on a line not
+    ending in `;`, so neither a prototype nor a call), or GNU style's name at
+    column 0 under its return type; `owner` (`Cart`, `ns::Cart`) requires that
+    qualifier. In shell `total() {`; in JavaScript and TypeScript a method,
+    `async total(id): Promise<T> {`, its parameters on its line."""
     n = re.escape(name)
     if ext in TYPED_EXTS:
+        qualified = r"(?:[\w$]+::)*" + (re.escape(owner) + "::" if owner else "") + n
         return (re.compile(r"^[ \t]*" + _NOT_A_TYPE + r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}"
-                           r"[*&]*" + n + r"[ \t]*\([^;{\n]*(?:\{.*)?$", re.M),)
+                           r"[*&]*" + qualified + _SIGNATURE_REST, re.M),
+                re.compile(r"(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))^" + qualified + _SIGNATURE_REST,
+                           re.M))
+    if owner:
+        return ()
     if ext in SHELL_EXTS:
         return (re.compile(r"^[ \t]*" + n + r"[ \t]*\(\)", re.M),)
+    if ext in SCRIPT_EXTS:
+        return (re.compile(r"^[ \t]*(?:(?:async|static|get|set|public|private|protected|"
+                           r"override|abstract)[ \t]+)*\*?[ \t]*" + n + r"[ \t]*(?:<[^>\n]*>)?"
+                           r"\([^;()\n]*\)[ \t]*(?::[^;{}=\n]*)?\{", re.M),)
     return ()
 
 
@@ -10039,13 +10072,20 @@ def find_definition(text: str, symbol: str, ext: str = "") -> int | None:
     held = set(owners[outer[0]])
     for part in outer[1:]:
         held = {n for n in owners[part] if tree.parent[n] in held}
-    members = [n for n in tree.lines_of(_definition_patterns(name)
-                                        + _signature_patterns(name, ext))
-               if tree.parent[n] in held]
-    if members:
-        return min(members) + 1
-    m = _receiver_pattern(outer[-1], name).search(text)
+    for kind in _definition_kinds(name, ext):
+        if members := [n for n in tree.lines_of(kind) if tree.parent[n] in held]:
+            return min(members) + 1
+    m = _receiver_pattern(outer[-1], name).search(text) or next(
+        (m for p in _signature_patterns(name, ext, "::".join(outer)) for m in p.finditer(text)),
+        None)                               # Go's func (c *Cart) Total, C++'s Cart::total
     return None if m is None else text.count("\n", 0, m.start()) + 1
+
+
+def _definition_kinds(name: str, ext: str) -> tuple[tuple[re.Pattern, ...], ...]:
+    """The patterns that define `name` in a file of `ext`, most telling kind
+    first: functions, classes and methods, then variables and assignments."""
+    return (_definition_patterns(name) + _signature_patterns(name, ext),
+            _variable_patterns(name))
 
 
 @functools.lru_cache(maxsize=512)
@@ -10093,16 +10133,13 @@ def _owner_patterns(name: str) -> tuple[re.Pattern, ...]:
 
 
 def _first_match(text: str, name: str, ext: str = "") -> int | None:
-    """Offset of the first definition of `name` in text, an unindented one
-    before a nested one (a method)."""
-    for pattern in _definition_patterns(name) + _signature_patterns(name, ext):
-        first = None
-        for m in pattern.finditer(text):
-            if text[m.start()] not in " \t":
-                return m.start()
-            first = m.start() if first is None else first
-        if first is not None:
-            return first
+    """Offset of the first definition of `name` in text: a function, class or
+    method before a variable, and within each kind an unindented one before a
+    nested one (a method, a local)."""
+    for kind in _definition_kinds(name, ext):
+        starts = [m.start() for pattern in kind for m in pattern.finditer(text)]
+        if starts:
+            return min((at for at in starts if text[at] not in " \t"), default=min(starts))
     return None
 
 
@@ -13033,6 +13070,23 @@ def _scaffold_local(root: Path) -> list[str]:
     return []
 
 
+def anchor_warnings(anchors: list[dict]) -> list[str]:
+    """What capture says of its resolved anchors (pure): a file that is not in
+    the working tree (the item is stale_code until it is), apart from a name
+    not found in a file that is there (the anchor points at the file)."""
+    def named(a: dict) -> str:
+        return a["path"] + (f"#{a['symbol']}" if a.get("symbol") else "")
+    out = []
+    if missing := [named(a) for a in anchors if not a["resolved"]]:
+        out.append(f"code_refs {', '.join(missing[:3])} do not resolve in the working tree now "
+                   "(a typo? not written yet?): a file that is missing makes the item stale_code")
+    if unnamed := [named(a) for a in anchors if a["resolved"] and a.get("symbol_found") is False]:
+        out.append(f"code_refs {', '.join(unnamed[:3])}: the file is there but that name is not "
+                   "found as a definition in it (a typo? not written yet?), so the anchor "
+                   "points at the file")
+    return out
+
+
 def capture(content: Annotated[str, Field(
                 "The knowledge itself: the durable point in one or a few sentences.")],
             type: Annotated[Literal["memory", "need", "skill"], Field(
@@ -13081,12 +13135,8 @@ def capture(content: Annotated[str, Field(
         raise InputError(res.skipped[0][1])
     if res.imported:
         out = {"status": "captured", "item": item_view(res.imported[0])}
-        anchors = resolve_anchors(cfg.repo, res.imported[0].code_refs)
-        if dead := [a["path"] + (f"#{a['symbol']}" if a.get("symbol") else "") for a in anchors
-                    if not a["resolved"] or a.get("symbol_found") is False]:
-            out["warnings"] = [f"code_refs {', '.join(dead[:3])} do not resolve in the working "
-                               "tree now (a typo? not written yet?): a file that is missing "
-                               "makes the item stale_code, a name not found points at its file"]
+        if warnings := anchor_warnings(resolve_anchors(cfg.repo, res.imported[0].code_refs)):
+            out["warnings"] = warnings
         return with_store_warnings(out, cfg)
     dup = _find_duplicate(cfg, content, type)
     return with_store_warnings({

@@ -11415,6 +11415,42 @@ def test_find_definition_of_typed_and_shell_functions(text, symbol, ext, line):
     assert cs.find_definition(text, symbol, ext) == line
 
 
+CART_JS = ("class Cart {\n  add(x) {\n    let total = 0;\n    return total;\n  }\n\n"
+           "  total() {\n    return 1;\n  }\n}\n")
+
+
+@pytest.mark.parametrize("text, symbol, ext, line", [
+    (CART_JS, "total", ".js", 7),                       # the method, not another's local
+    (CART_JS, "Cart.total", ".js", 7),
+    ("export class Api {\n  private cache = new Map();\n  async fetchUser(id: string): "
+     "Promise<User> {\n    return this.get(id);\n  }\n}\n", "Api.fetchUser", ".ts", 3),
+    ("const api = {\n  total() {\n    return 1;\n  },\n};\n", "total", ".js", 2),
+    ("const api = {\n  size: 2,\n  total: function (a) {\n    return a;\n  },\n};\n",
+     "total", ".js", 3),
+    ("const api = {\n  total: (a) => a + 1,\n};\n", "total", ".js", 2),
+    ("module.exports.total = function (a) {\n  return a;\n};\n", "total", ".js", 1),
+    ("let total = 0;\n", "total", ".js", 1),               # a variable is still a definition
+    ("class Cart\n  def self.total(a)\n    a\n  end\nend\n", "Cart.total", ".rb", 2),
+    ("static int\ntotal(int a)\n{\n  return a;\n}\n", "total", ".c", 2),   # GNU style
+    ("#include \"cart.h\"\n\nint Cart::total(int a) {\n  return a;\n}\n", "Cart::total",
+     ".cpp", 3),                                          # out of line
+    ("#include \"cart.h\"\n\nint Cart::total(int a) {\n  return a;\n}\n", "total", ".cpp", 3),
+    ("int\nns::Cart::total(int a)\n{\n  return a;\n}\n", "Cart.total", ".cpp", 2),
+    ("int Other::total(int a) {\n  return a;\n}\n", "Cart::total", ".cpp", None),
+    # calls are never definitions
+    ("void f() {\n  Cart::total(3);\n  if (total(x)) {\n  }\n}\n", "Cart::total", ".cpp", None),
+    ("int a;\nint b = total(3);\nif (total(x)) {\n}\n", "total", ".c", None),
+    ("if (total(x)) {\n}\nit('adds', function () {\n  total(function () {\n  });\n});\n",
+     "total", ".js", None),
+    ("interface Api {\n  total(): number;\n}\n", "total", ".ts", None),
+])
+def test_find_definition_prefers_methods_and_functions_over_variables(text, symbol, ext, line):
+    """A JavaScript method, an object's method, a C++ method defined out of its
+    class, Ruby's class method and C's GNU-style definition are found; a method
+    beats another method's local `let total`."""
+    assert cs.find_definition(text, symbol, ext) == line
+
+
 def test_find_definition_scans_each_line_once():
     """A file of modifier-only lines (`export` alone on each) made the search
     quadratic: a 1 MB file held a recall, and the server, for over 30 s."""
@@ -13531,6 +13567,10 @@ def test_capture_warns_when_an_anchor_does_not_resolve_now(repo):
     assert not ok.get("warnings")
     typo = cs.capture("Totals are cached per request", code_refs=["src/a.pyy"])
     assert "src/a.pyy do not resolve" in json.dumps(typo["warnings"])
+    unnamed = cs.capture("Totals are rounded once", code_refs=["src/a.py#totl"])
+    assert unnamed["warnings"] == [
+        "code_refs src/a.py#totl: the file is there but that name is not found as a "
+        "definition in it (a typo? not written yet?), so the anchor points at the file"]
 
 
 def test_import_tags_in_brackets_or_quotes_that_are_not_json():
@@ -13636,7 +13676,7 @@ def test_the_cli_reads_a_call_with_arguments_as_one_code_ref(repo):
     item = json.loads(out.stdout)["item"]
     assert item["code_refs"] == [{"path": "src/a.py", "symbol": "total"}, {"path": "docs/x.md"}]
     typo = cs.capture("Totals are exact", code_refs=["src/a.py#totl"])
-    assert "src/a.py#totl do not resolve" in json.dumps(typo["warnings"])
+    assert "src/a.py#totl: the file is there but" in json.dumps(typo["warnings"])
 
 
 def test_retired_words_are_matched_without_their_final_punctuation_but_with_their_signs():
