@@ -1521,6 +1521,10 @@ def _is_decimal(value: str) -> bool:
 
 #: Settings that name a directory (read exactly as given, ~ expanded).
 PATH_SETTINGS = ("CAMBIUM_REPO", "CAMBIUM_ORG_REPO", "AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO")
+#: The agentsync board's settings: a relative one is read against the working
+#: directory, as agentsync reads it (os.path.abspath), so both find one board;
+#: one that names no clone is distill's `misconfigured`, never a gap.
+BOARD_SETTINGS = ("AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO")
 
 
 def _validate(key: str, value: str, name: str | None = None) -> str | None:
@@ -1561,9 +1565,22 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     elif key in PATH_SETTINGS:
         if "\0" in value:
             return f"{label} holds a NUL byte, which no file path can contain"
-        if not os.path.isabs(os.path.expanduser(value)):
+        if key not in BOARD_SETTINGS and not os.path.isabs(os.path.expanduser(value)):
             return f"{label} must be an absolute path"
     return None
+
+
+def board_path(value: str, cwd: Path | None = None) -> str:
+    """A board setting (~ already expanded) as agentsync reads it: a relative
+    path made absolute against the working directory (`cwd`, else the
+    process's); as given when it is absolute, or there is no working directory
+    (deleted under the process: then it names no clone)."""
+    if os.path.isabs(value) or "\0" in value:
+        return value
+    try:
+        return os.path.normpath(os.path.join(cwd or os.getcwd(), value))
+    except OSError:
+        return value
 
 
 def _given(value: Any) -> bool:
@@ -1760,6 +1777,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             value, origin = default, "default"
         if key == "CAMBIUM_REPO" and origin in ("env", "file"):
             value = clone_root(value)
+        elif key in BOARD_SETTINGS and origin in ("env", "file") and value:
+            value = board_path(value, cwd)
         if value is not None and origin != "default":
             why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
                    "which is not text" if origin == "file" and _SURROGATE.search(value)

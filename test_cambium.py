@@ -8125,6 +8125,31 @@ def test_distill_board_repo_setting_wins_and_bad_setting_is_reported(tmp_path, m
     assert a["board_source"] == "AGENTSYNC_BOARD_REPO (env)"
 
 
+def test_a_relative_board_setting_is_read_against_the_working_directory_like_agentsync(
+        tmp_path, monkeypatch):
+    """agentsync takes AGENTSYNC_BOARD_REPO=../board (os.path.abspath, against its
+    working directory): cambium called it a gap and refused every tool. It reads
+    it the same way; one that names no clone is distill's `misconfigured` only."""
+    _, board = make_origin_and_clone(tmp_path, "board")
+    write_board(board, {"ann": DONE_CLAIM})
+    proj = make_repo(tmp_path, "proj")
+    monkeypatch.delenv("CAMBIUM_REPO", raising=False)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    out = cli("distill", "--format", "json", cwd=proj, AGENTSYNC_BOARD_REPO="../board")
+    a = json.loads(out.stdout)["sources"]["agentsync"]
+    assert out.returncode == 0 and a["imported"] == 1 and a["board_repo"] == str(board)
+    assert cs.resolve_config({"AGENTSYNC_REPO": "../board/"}, cwd=proj).get(
+        "AGENTSYNC_REPO") == str(board)
+    for n, nowhere in enumerate(("../nowhere", "board")):
+        captured = cli("capture", f"Pin the Node version in .nvmrc, step {n}", cwd=proj,
+                       AGENTSYNC_BOARD_REPO=nowhere)
+        assert captured.returncode == 0, captured.stdout
+        out = cli("distill", cwd=proj, AGENTSYNC_BOARD_REPO=nowhere)
+        assert out.returncode == 0 and "agentsync misconfigured" in out.stdout
+        assert f"AGENTSYNC_BOARD_REPO={os.path.normpath(proj / nowhere)} is not a git clone" \
+            in out.stderr
+
+
 def test_distill_unreachable_remote_warns_and_falls_back_to_last_fetch(tmp_path, monkeypatch):
     bare, clone = make_origin_and_clone(tmp_path)
     write_board(clone, {"ann": DONE_CLAIM})
