@@ -112,6 +112,7 @@ import os
 import re
 import selectors
 import shlex
+import shutil
 import signal
 import stat as _stat
 import struct
@@ -265,7 +266,8 @@ class GitError(CambiumError):
         said = [ln for ln in lines if ln.startswith(("fatal:", "error:"))][:2]  # what happened
         tail = "\n".join(dict.fromkeys(said + lines[-3:]))
         how = "timed out" if code is None else f"exited {code}"
-        super().__init__(f"`{' '.join(cmd[:4])}` {how}: {tail}".rstrip(": "))
+        shown = [a for a in cmd if a != "--"][:4]        # (`--` only hid the remote's name)
+        super().__init__(f"`{' '.join(shown)}` {how}: {tail}".rstrip(": "))
 
 
 class DamagedRef(GitError):
@@ -1713,7 +1715,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             value = clone_root(value)
         if value is not None and origin != "default":
             why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
-                   "which is not text" if origin == "file" and _SURROGATE.search(value)
+                   "which is not text" if origin == "file" and not_text(key, value)
                    else _validate(key, value))
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
@@ -1724,6 +1726,22 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
                          "cost": f"{CWD_GONE} → every tool is unavailable",
                          "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
     return Config(values, origins, path, problems, file_error)
+
+
+def not_text(key: str, value: str) -> bool:
+    """Whether a setting's value holds a lone surrogate that is no text (pure).
+    A path's U+DC80-U+DCFF are the bytes of a folder name that is not UTF-8,
+    as Python names them (os.fsdecode), so setup records `caf\\udce9-repo`
+    and the folder is found again."""
+    if not _SURROGATE.search(value):
+        return False
+    if key not in PATH_SETTINGS:
+        return True
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError:                # (a surrogate no byte stands for)
+        return True
+    return False
 
 
 def _missing(path: Path) -> bool:
@@ -1793,6 +1811,11 @@ def config_gaps(cfg: Config) -> list[dict]:
                             f'agent_id="{cfg.agent or "your-id"}", '
                             'org_repo="/abs/path/to/org-knowledge-clone") (or org_repo='
                             '"owner/name" for the commands that make that clone)'})
+    if shutil.which("git") is None:
+        gaps.append({"setting": "git", "cost": "git is not on PATH → team and org scopes are "
+                     "unavailable and setup cannot run; local scope works",
+                     "fix": "install git, or put it on the PATH of the process that runs "
+                            "cambium (an MCP client may start it with a shorter PATH)"})
     return gaps
 
 
@@ -2264,10 +2287,73 @@ def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
     key, remotes = (str(repo), remote), runtime().remotes
     hit = remotes.get(key)
     if hit is None or hit[0] != stamp:
-        proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
-        url = proc.stdout.strip() if proc.returncode == 0 else None
-        hit = remotes[key] = (stamp, url)           # one atomic dict store
+        hit = remotes[key] = (stamp, _ask_remote_url(repo, remote, timeout_s))  # (atomic)
     return hit[1]
+
+
+def _ask_remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
+    """git's answer to `remote get-url` (None: git says no such remote). With
+    no git on PATH, the clone's config file says (a local capture needs no
+    git). Any other failure raises: a clone git refuses to open (another
+    user's, "dubious ownership") as the ConfigError naming git's fix, never
+    taken for "no remote" (the project would be named after its folder)."""
+    try:
+        proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
+    except GitError as e:
+        if e.code != 127:
+            raise
+        return config_remote_url(repo, remote)
+    if proc.returncode == 0:
+        return proc.stdout.strip() or None
+    if "no such remote" in proc.stderr.lower():
+        return None
+    raise git_refused(proc.stderr) or GitError(proc.args, proc.returncode, proc.stderr)
+
+
+def git_refused(stderr: str) -> ConfigError | None:
+    """The ConfigError for git refusing a repository another user owns
+    ("detected dubious ownership"), quoting git's own safe.directory fix;
+    None for any other failure (pure)."""
+    if "dubious ownership" not in stderr:
+        return None
+    where = re.search(r"repository at '(.*)'", stderr)
+    fix = next((ln.strip() for ln in stderr.splitlines() if "safe.directory" in ln), "")
+    return ConfigError(
+        f"git refuses to open {where.group(1) if where else 'the project repo'}: another user "
+        "owns it (\"detected dubious ownership\"), so cambium can read neither its remote nor "
+        "its branches. If you trust it, run "
+        f"`{fix or 'git config --global --add safe.directory <path>'}` (git's own advice), "
+        "or work in a clone you own.")
+
+
+def config_remote_url(repo: Path, remote: str) -> str | None:
+    """The first `url` of [remote "<remote>"] in the clone's git config file,
+    read without git (git is not on PATH); None when unreadable or absent.
+    Only the URL's last part names the project, so includes and insteadOf
+    rewrites, which this does not follow, rarely matter."""
+    try:
+        text = read_regular(_git_dirs(repo)[1] / "config", MAX_CONFIG_BYTES).decode(
+            "utf-8", "replace")
+    except (OSError, IndexError, ValueError):
+        return None
+    return git_config_value(text, f'remote "{remote}"', "url")
+
+
+def git_config_value(text: str, section: str, key: str) -> str | None:
+    """The first value of `key` in `[section]` (`remote "origin"`) of git
+    config text (pure): section and key names case-insensitive, as git reads
+    them; quotes around the value and a trailing comment dropped."""
+    name, _, sub = section.partition(" ")
+    wanted, current = (name.lower(), sub), None
+    for line in text.splitlines():
+        if head := re.match(r'\s*\[\s*([\w.-]+)(?:\s+("(?:[^"\\]|\\.)*"))?\s*\]', line):
+            current = (head.group(1).lower(), head.group(2) or "")
+            continue
+        pair = re.match(r"\s*([\w-]+)\s*=\s*(.*)", line)
+        if pair and current == wanted and pair.group(1).lower() == key.lower():
+            value = re.sub(r'\s*[#;][^"]*$', "", pair.group(2)).strip()
+            return value[1:-1] if len(value) > 1 and value[0] == value[-1] == '"' else value
+    return None
 
 
 def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
@@ -2293,9 +2379,14 @@ def project_name(repo: Path, remote: str, timeout_s: float) -> str:
 
 
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
-    """The work-tree root containing `path`, or None if it is not in a git repo."""
-    proc = _git(["rev-parse", "--show-toplevel"], path, timeout_s, check=False)
-    top = proc.stdout.removesuffix("\n")          # (only the newline: "/x/proj " is a name)
+    """The work-tree root containing `path`, or None if it is not in a git
+    work tree. The path is decoded as the file system names it (os.fsdecode:
+    a folder named in Latin-1 stays that folder, not one with U+FFFD in it).
+    A repository git refuses to open raises git_refused's ConfigError."""
+    proc = _git(["rev-parse", "--show-toplevel"], path, timeout_s, check=False, binary=True)
+    if proc.returncode and (refused := git_refused(proc.stderr)):
+        raise refused
+    top = os.fsdecode(proc.stdout.removesuffix(b"\n"))  # (only the newline: "/x/proj " is a name)
     return Path(top) if proc.returncode == 0 and top.strip() else None
 
 
@@ -12576,9 +12667,12 @@ def status() -> dict:
     try:
         return _status(cfg)
     except (CambiumError, OSError) as e:         # a store it cannot read: say so, as an answer
+        project = None
+        with contextlib.suppress(CambiumError, OSError):   # (git may be what failed)
+            project = cfg.project
         return {"configured": True, "status": "error", "error": error_code(e),
                 "message": clip_message(error_text(e)), "version": __version__,
-                "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
+                "repo": str(cfg.repo), "project": project, "agent_id": cfg.agent,
                 "next_step": "fix what the message names, then call status() again"}
 
 
@@ -12718,9 +12812,13 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     cfg_path = config_file_path(env)
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
         raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
-    before = resolve_config(env)
+    before, prior = resolve_config(env), _config_bytes(cfg_path)
     _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
-    ignore_note = _scaffold_local(root)
+    try:
+        ignore_note = _scaffold_local(root)
+    except OSError:                           # ...and a clone it cannot write is not recorded
+        _put_back_config(cfg_path, prior)
+        raise
     cfg = resolve_config(env)
     binding = repo_binding(cfg)
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
@@ -12869,6 +12967,25 @@ def _write_config(path: Path, updates: dict[str, Any]) -> None:
         atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
 
 
+def _config_bytes(path: Path) -> bytes | None:
+    """The config file's bytes as they are (None: there is none, or unreadable)."""
+    try:
+        return read_regular(path, MAX_CONFIG_BYTES)
+    except OSError:
+        return None
+
+
+def _put_back_config(path: Path, prior: bytes | None) -> None:
+    """Undo setup's config write (its scaffolding failed): the bytes it found,
+    or no file when there was none. A link is written through, as written."""
+    target = Path(os.path.realpath(path))
+    with file_lock(path), contextlib.suppress(OSError):
+        if prior is None:
+            target.unlink()
+        else:
+            atomic_write(target, prior, mode=0o600)
+
+
 def repo_binding(cfg: Config) -> dict:
     """Which project this process reads and writes, and why (setup, status)."""
     origin = cfg.origins.get("CAMBIUM_REPO", "default")
@@ -12890,10 +13007,22 @@ def _project_root(project_repo: str) -> Path:
     if not path.is_dir():
         raise InputError(f"project_repo {path} is not a directory.", "project_repo")
     root = git_toplevel(path)
+    if root is None and _in_git_dir(path):        # a .git dir: its clone, as the binding reads it
+        if _git(["rev-parse", "--is-bare-repository"], path, 10.0).stdout.strip() == "true":
+            raise InputError(f"project_repo {path} is a bare repository, which has no work "
+                             "tree: pass your clone's path.", "project_repo")
+        clone = _find_git_root(path)
+        root = git_toplevel(clone) if clone is not None else None
     if root is None:
         raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
                          "or pass your clone's path.", "project_repo")
     return root
+
+
+def _in_git_dir(path: Path) -> bool:
+    """Whether git takes `path` for a git directory (a clone's .git, a bare repo)."""
+    proc = _git(["rev-parse", "--is-inside-git-dir"], path, 10.0, check=False)
+    return proc.returncode == 0 and proc.stdout.strip() == "true"
 
 
 def _branch_of_the_project(root: Path, branch: str) -> str | None:

@@ -392,6 +392,49 @@ def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
     assert cs.resolve_config().project == "no-remote-here"
 
 
+def test_without_git_on_path_status_answers_and_a_local_capture_keeps_the_project_name(
+        tmp_path):
+    """git missing from the PATH an MCP client gave the server: a configured
+    status exited 1 (`git remote get-url --` exited 127), and so did a capture,
+    though local scope needs no git."""
+    shop = clone(make_origin(tmp_path, "shop"), tmp_path / "checkout")
+    config = shop / ".git" / "config"          # (a hand-edited one, as git reads it)
+    config.write_text(config.read_text().replace(f"url = {tmp_path / 'shop.git'}",
+                                                 f'URL = "{tmp_path / "Shop.git"}" ; moved'))
+    no_git = tmp_path / "empty-bin"
+    no_git.mkdir()
+    env = {"CAMBIUM_REPO": str(shop), "CAMBIUM_AGENT_ID": "ada", "PATH": str(no_git)}
+    st = cli("status", **env)
+    assert st.returncode == 0, st.stderr
+    answer = json.loads(st.stdout)
+    assert answer["status"] == "ok" and answer["project"] == "Shop"
+    assert any(g["setting"] == "git" and "install git" in g["fix"] for g in answer["gaps"])
+    assert answer["scopes"]["team"]["reachable"] is False
+    got = cli("capture", "Invoices are rounded half-even in the ledger", **env)
+    assert got.returncode == 0 and json.loads(got.stdout)["item"]["project"] == "Shop"
+    assert "git" not in [g["setting"] for g in cs.status()["gaps"]]   # (git is here)
+
+
+def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folder(tmp_path):
+    """Another user's clone ("detected dubious ownership"): git refuses every
+    call, and cambium read that as "no remote" (status, promote: `git remote
+    add origin`) or "not a git repository" (setup: `git init`), and named the
+    project after the folder."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the clone to another uid")
+    shop = clone(make_origin(tmp_path, "shop"), tmp_path / "proj")
+    subprocess.run(["chown", "-R", "65534:65534", str(shop)], check=True)
+    with pytest.raises(cs.ConfigError, match="git config --global --add safe.directory "
+                                             f"{re.escape(str(shop))}"):
+        cs.setup(str(shop), "ada")
+    os.environ.update(CAMBIUM_REPO=str(shop), CAMBIUM_AGENT_ID="ada")
+    st = cs.status()
+    assert st["status"] == "error" and st["error"] == "config" and st["project"] is None
+    assert "dubious ownership" in st["message"] and "safe.directory" in st["message"]
+    with pytest.raises(cs.ConfigError, match="safe.directory"):
+        cs.capture("never stamped with the folder's name")
+
+
 @pytest.mark.parametrize("key, value", [
     ("CAMBIUM_TEAM_BRANCH", "--upload-pack=touch pwned"),
     ("CAMBIUM_TEAM_BRANCH", "bad..name"),
@@ -778,6 +821,50 @@ def test_setup_rejects_missing_and_non_git_paths(tmp_path):
     with pytest.raises(cs.InputError, match="agent"):
         cs.setup(str(r), "")
     assert not Path(os.environ["CAMBIUM_CONFIG_FILE"]).exists()
+
+
+def test_setup_on_a_git_dir_binds_its_clone_and_on_a_bare_repo_says_it_has_no_work_tree(
+        tmp_path):
+    """Both answered "not a git repository; run `git init` there", which in a
+    .git makes a nested repository; CAMBIUM_REPO=<clone>/.git bound the clone."""
+    r = make_repo(tmp_path)
+    assert cs.setup(str(r / ".git"), "ada")["written"]["CAMBIUM_REPO"] == str(r.resolve())
+    assert cs.setup(str(r / ".git" / "refs"), "ada")["written"]["CAMBIUM_REPO"] == \
+        str(r.resolve())
+    bare = make_origin(tmp_path, "shop")
+    with pytest.raises(cs.InputError, match="bare repository, which has no work tree"):
+        cs.setup(str(bare), "ada")
+
+
+def test_setup_of_a_clone_whose_path_is_not_utf8_records_that_path(tmp_path, monkeypatch):
+    """A Latin-1 folder name: git's output was decoded with U+FFFD, setup failed
+    on a path that does not exist and still recorded it in the config file."""
+    r = make_repo(tmp_path, os.fsdecode(b"caf\xe9-repo"))
+    out = cs.setup(str(r), "ada")
+    assert out["written"]["CAMBIUM_REPO"] == str(r.resolve())
+    assert (r / ".cambium" / "knowledge.json").is_file()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.chdir(outside)                 # bound by the config file alone
+    cfg = cs.resolve_config()
+    assert cfg.configured is True and cfg.repo == r.resolve()
+
+
+def test_setup_whose_scaffolding_fails_records_nothing(tmp_path):
+    """The config was written first: a scaffold failure (a read-only checkout,
+    here a file named .cambium) answered an error yet bound the repo."""
+    r = make_repo(tmp_path)
+    (r / ".cambium").write_text("not a folder")
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    with pytest.raises(OSError):
+        cs.setup(str(r), "ada")
+    assert not config.exists()
+    other = make_repo(tmp_path, "other")
+    cs.setup(str(other), "bob")
+    before = config.read_bytes()
+    with pytest.raises(OSError):
+        cs.setup(str(r), "ada")
+    assert config.read_bytes() == before
 
 
 def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
