@@ -12710,6 +12710,7 @@ def _status(cfg: Config) -> dict:
                  for name, info in out["scopes"].items() if info.get("duplicate_ids_note")]
     if not out["scopes"].get("team", {}).get("items"):   # (an empty team: set by hand?)
         warnings += _team_store_elsewhere(cfg)
+    warnings += tracked_store_warning(cfg.repo, cfg.git_timeout_s)
     if warnings:
         out["warnings"] = warnings
     return out
@@ -12824,7 +12825,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}
     warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
-        ignore_note + _team_store_elsewhere(cfg)
+        ignore_note + _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s)
     org_now = out["status"].get("scopes", {}).get("org", {})
     if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
@@ -12857,6 +12858,23 @@ def _team_store_elsewhere(cfg: Config) -> list[str]:
                     f"{STORE_FILE}: if that is your team's store, run setup again with "
                     f"team_branch={held[0]!r} (each person's setup records it), or a first "
                     "promote here starts a second team store"]
+    return []
+
+
+def tracked_store_warning(repo: Path, timeout_s: float) -> list[str]:
+    """status's and setup's warning when git tracks files in the clone's
+    .cambium/ (someone committed a store): ignore rules do nothing for a
+    tracked file, so the committer's local notes are served as this clone's,
+    and every local write here dirties a tracked file that the next
+    `git commit -a` publishes."""
+    root = store_root(repo)
+    with contextlib.suppress(GitError, OSError):
+        tracked = _git(["ls-files", "-z", "--", LOCAL_DIR], root, timeout_s).stdout
+        if tracked.strip("\0"):
+            return [f"git tracks {LOCAL_DIR}/ in {root} (someone committed a local store): its "
+                    "notes are served as this clone's local scope, and local writes change a "
+                    f"tracked file the next `git commit -a` publishes. Run `git rm -r --cached "
+                    f"{LOCAL_DIR}` there and commit, so it stays out of git."]
     return []
 
 

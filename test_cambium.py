@@ -733,6 +733,19 @@ def test_a_repo_never_set_up_keeps_cambium_out_of_git(repo, tmp_path):
     assert not (target / ".gitignore").exists() and (target / "knowledge.json").exists()
 
 
+def test_a_local_store_git_tracks_is_named_by_status_and_setup_with_the_fix(tmp_path):
+    """A teammate committed .cambium/knowledge.json: a clone served its notes as
+    local knowledge and its captures dirtied a tracked file, without a word."""
+    r = make_repo(tmp_path)
+    cs.setup(str(r), "ada")
+    assert not [w for w in cs.status().get("warnings", []) if "git tracks" in w]
+    git(r, "add", "-f", ".cambium/knowledge.json")
+    git(r, "commit", "-q", "-m", "oops: the local store")
+    said = [w for w in cs.status().get("warnings", []) if "git tracks .cambium/" in w]
+    assert len(said) == 1 and "`git rm -r --cached .cambium`" in said[0]
+    assert any("git tracks .cambium/" in w for w in cs.setup(str(r), "ada")["warnings"])
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
