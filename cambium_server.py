@@ -16604,16 +16604,32 @@ def bind_hook() -> dict | None:
     sid = payload.get("session_id")
     if isinstance(sid, str) and sid.strip():
         SESSION.set(sid.strip())             # usage attribution: what this session was shown
-    cwd = payload.get("cwd")
-    if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
+    cwd, why = hook_cwd(payload.get("cwd"))
+    if cwd is not None:
         with contextlib.suppress(OSError):
             os.chdir(cwd)
-    elif isinstance(cwd, str) and os.path.isabs(cwd) and not _given(os.environ.get(
-            "CAMBIUM_REPO")):                # never the repo setup recorded instead: a
-        print(f"cambium: the hook's cwd {cwd} is no directory (a removed worktree?); "
-              "nothing done", file=sys.stderr)   # removed worktree's session wrote there
+    elif why and not _given(os.environ.get("CAMBIUM_REPO")):   # never the repo setup
+        print(f"cambium: the hook's cwd {why}; nothing done",  # recorded instead: a removed
+              file=sys.stderr)                                 # worktree's session wrote there
         return HOOK_CWD_GONE
     return payload
+
+
+def hook_cwd(given: Any) -> tuple[str | None, str | None]:
+    """(the directory a hook's `cwd` names, None) or (None, why it names
+    none): a relative path (relative to what?), a non-string, a path that is
+    no directory (a removed worktree). `~` is the user's home, as a shell reads
+    it. (None, None) when the payload gives no cwd."""
+    if not _given(given):
+        return None, None
+    if not isinstance(given, str):
+        return None, f"is {json_kind(given)}, not a path"
+    path = os.path.expanduser(given)
+    if not os.path.isabs(path):
+        return None, f"{given!r} is not an absolute path"
+    if not os.path.isdir(path):
+        return None, f"{given} is no directory (a removed worktree?)"
+    return path, None
 
 
 #: bind_hook's answer when the hook's cwd is gone: no project at all

@@ -373,6 +373,32 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
     assert _items_in(b)[-1] == "served in beta" and "served in beta" not in _items_in(a)
 
 
+def test_a_hook_cwd_that_names_no_absolute_directory_gets_nothing_never_the_recorded_repo(
+        tmp_path):
+    """A relative cwd, `~/B` with no such folder, or a number were ignored
+    without a word: the hook bound the recorded repo A, and primer --hook put
+    A's notes into B's session."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    cs.setup(str(a), "ada")
+    cs.capture("Alpha secret: the billing export runs at 2am")
+    home = Path(os.environ["HOME"])
+
+    def primer_hook(cwd) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SERVER), "primer", "--hook"],
+                              input=json.dumps({"cwd": cwd}), text=True, capture_output=True,
+                              env=child_env(), cwd=tmp_path, timeout=60)
+
+    for cwd, why in (("beta", "is not an absolute path"), ("./beta", "not an absolute path"),
+                     ("~/beta", "is no directory"), (5, "is a number, not a path")):
+        hook = primer_hook(cwd)
+        assert hook.returncode == 0 and hook.stdout == "", hook
+        assert why in hook.stderr and "nothing done" in hook.stderr, hook.stderr
+    b.rename(home / "beta")                      # `~` is the home folder, as a shell reads it
+    hook = primer_hook("~/beta")
+    assert hook.returncode == 0 and "billing export" not in hook.stdout, hook
+    assert "beta" in json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
+
+
 @pytest.mark.parametrize("url, name", [
     ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
     ("ssh://git@host:2222/acme/shop.git/", "shop"), ("/srv/git/shop.git", "shop"),
