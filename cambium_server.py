@@ -10228,10 +10228,18 @@ def anchors_for(cfg: Config, item: Item) -> list[dict]:
     an org item learned in another project names that project's files (its
     src/billing.py is not ours, and its absence here is no stale code). Local
     and team items are this project's, whatever its name reads now."""
-    if item.scope == "org" and item.project and cfg.project and \
-            item.project.casefold() != cfg.project.casefold():
+    if learned_elsewhere(cfg, item) and cfg.project:
         return []
     return resolve_anchors(cfg.repo, item.code_refs)
+
+
+def learned_elsewhere(cfg: Config, item: Item) -> bool:
+    """Whether an item was learned in another project: only an org item can
+    be. Local and team items are this project's whatever their `project`
+    reads: a renamed remote (or, with none, folder) renames the project, and
+    this clone's own notes are not another project's."""
+    return item.scope == "org" and bool(item.project) and \
+        item.project.casefold() != (cfg.project or "").casefold()
 
 
 def is_stale_code(anchors: list[dict]) -> bool:
@@ -13617,8 +13625,8 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
     else:
         if item.source.get("imported") and item.source.get("ref"):
             out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
-        if item.project and item.project.casefold() != (cfg.project or "").casefold():
-            out["project"] = item.project                  # learned in another project
+        if learned_elsewhere(cfg, item):
+            out["project"] = item.project
     if is_stale_code(anchors):
         out["stale_code"] = True
     return out

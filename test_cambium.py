@@ -6296,6 +6296,24 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     assert cs.anchors_for(cfg, foreign) == []
 
 
+def test_after_the_remote_is_renamed_this_clones_own_items_are_not_another_projects(
+        shared, tmp_path):
+    """A GitHub-style rename (shop.git → shop-store.git, then `git remote
+    set-url`): recall gave each local and team item `project: "shop"`, the
+    field for an item learned in another project."""
+    mine = cs.capture("Invoices are rounded half-even in the ledger")["item"]["id"]
+    ours = cs.capture("Refunds post to the ledger the next business day")["item"]["id"]
+    cs.promote(ours, force=True)
+    moved = tmp_path / "shop-store.git"
+    shared["origin"].rename(moved)
+    git(shared["a"], "remote", "set-url", "origin", str(moved))
+    cs.runtime().reset()
+    assert cs.resolve_config().project == "shop-store"
+    results = cs.recall("ledger")["results"]
+    assert {r["id"] for r in results} == {mine, ours}
+    assert all("project" not in r for r in results), results
+
+
 def test_a_push_that_ran_but_could_not_be_checked_may_have_landed(shared, monkeypatch):
     """The remote went away between the push and its check (ls-remote): the
     answer said "nothing moved" and cleared the move's mark, though the team
