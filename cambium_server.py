@@ -109,6 +109,7 @@ import json
 import math
 import operator
 import os
+import pwd
 import re
 import selectors
 import shlex
@@ -1514,7 +1515,7 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     elif key in PATH_SETTINGS:
         if "\0" in value:
             return f"{label} holds a NUL byte, which no file path can contain"
-        if not os.path.isabs(os.path.expanduser(value)):
+        if not os.path.isabs(expand_user(value)):
             return f"{label} must be an absolute path"
     return None
 
@@ -1526,6 +1527,21 @@ def _given(value: Any) -> bool:
 
 NO_HOME = ("no home directory (HOME is unset and this user has no passwd entry), so no "
            "config file is read: set HOME, or CAMBIUM_CONFIG_FILE to an absolute path")
+
+
+def expand_user(path: str) -> str:
+    """os.path.expanduser, but a blank HOME is unset, as every other blank
+    setting is: `HOME=` expanded ~/.cambium/config.json to /.cambium/config.json
+    (setup as root wrote the user's config there). Unset, the passwd entry's
+    home is used, as os.path.expanduser does; with none `~` stays (the path
+    is then not absolute, and no_home says why)."""
+    home = os.environ.get("HOME")
+    if home is None or home.strip() or not (path == "~" or path.startswith("~/")):
+        return os.path.expanduser(path)
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir.rstrip("/") + path[1:] or "/"
+    except KeyError:                          # (no passwd entry: docker run -u 1001)
+        return path
 
 
 def no_home(env: dict | None = None) -> str:
@@ -1541,7 +1557,7 @@ def config_file_path(env: dict | None = None) -> Path:
     """The user's config file: CAMBIUM_CONFIG_FILE when it is an absolute path
     (a relative one would name a file in each working directory: setup wrote
     the user's settings into a project's work tree), else the default."""
-    return Path(os.path.expanduser(_config_file_setting(env)[0] or DEFAULT_CONFIG_FILE))
+    return Path(expand_user(_config_file_setting(env)[0] or DEFAULT_CONFIG_FILE))
 
 
 def _config_file_setting(env: dict | None) -> tuple[str | None, str | None]:
@@ -1550,7 +1566,7 @@ def _config_file_setting(env: dict | None) -> tuple[str | None, str | None]:
     given = env.get("CAMBIUM_CONFIG_FILE")
     if not _given(given):
         return None, None
-    if "\0" in given or not os.path.isabs(os.path.expanduser(given)):
+    if "\0" in given or not os.path.isabs(expand_user(given)):
         return None, (f"CAMBIUM_CONFIG_FILE={given!r} is not an absolute path; ignored, "
                       f"so {DEFAULT_CONFIG_FILE} is read")
     return given, None
@@ -1561,7 +1577,7 @@ def _normalize_value(key: str, value: Any) -> str:
         return "1" if value else "0"
     if key in PATH_SETTINGS:             # a path is taken as given: "/x/proj " is not
         value = str(value)               # /x/proj (stripped, it bound another repo)
-        return os.path.expanduser(value) if value.strip() else ""
+        return expand_user(value) if value.strip() else ""
     value = str(value).strip()
     if key in BOOL_SETTINGS:
         value = {"true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0",
@@ -2129,7 +2145,7 @@ def _ssh_configured(cwd: Path | None, env: dict) -> bool:
     """Whether git's config for cwd sets core.sshCommand (asked once per repo)."""
     if cwd is None or not os.path.isdir(cwd):
         return False
-    home = Path(os.path.expanduser(env.get("HOME") or "~"))     # (no home: "~" stays)
+    home = Path(expand_user(env.get("HOME") or "~"))     # (no home: "~" stays)
     files = [env.get("GIT_CONFIG_GLOBAL") or home / ".gitconfig",
              Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "git" / "config"]
     files = [f for f in files if os.path.isabs(f)]
@@ -13026,7 +13042,7 @@ def repo_binding(cfg: Config) -> dict:
 def _project_root(project_repo: str) -> Path:
     """The git root of setup's project_repo, or InputError saying what is wrong."""
     path_arg("project_repo", project_repo)
-    path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
+    path = Path(expand_user(project_repo or "")).resolve() if project_repo else None
     if path is None or not path.exists():
         raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
                          "path of your project's git clone.", "project_repo")
@@ -13069,7 +13085,7 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                       ) -> tuple[dict | None, Path | None]:
     """(offer of commands, None) for an owner/name; (None, path) for a local
     clone. The offer's `then` is setup() again for root and agent."""
-    candidate = Path(os.path.expanduser(path_arg("org_repo", org_repo)))
+    candidate = Path(expand_user(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and candidate.exists():
         root = git_toplevel(candidate) if candidate.is_dir() else None
         if root is None:
@@ -14829,7 +14845,7 @@ def import_memory(source: Annotated[str, Field(
                          f"{', '.join(sorted(IMPORT_ADAPTERS))}.")
     if not isinstance(path, str) or not path:
         raise InputError("path is required: the absolute path of the export file.")
-    p = Path(os.path.expanduser(path_arg("path", path)))
+    p = Path(expand_user(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     skipped: list[Skip] = []
@@ -14946,7 +14962,7 @@ def restore(path: Annotated[str, Field(
     back, the file is renamed *.restored and the warnings about it stop.
     """
     cfg = require_config()
-    p = Path(os.path.expanduser(path_arg("path", path)))
+    p = Path(expand_user(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     if again := _restored_already(p):
@@ -16632,7 +16648,7 @@ def hook_cwd(given: Any) -> tuple[str | None, str | None]:
         return None, None
     if not isinstance(given, str):
         return None, f"is {json_kind(given)}, not a path"
-    path = os.path.expanduser(given)
+    path = expand_user(given)
     if not os.path.isabs(path):
         return None, f"{given!r} is not an absolute path"
     if not os.path.isdir(path):

@@ -729,6 +729,19 @@ def test_a_blank_setting_is_unset(tmp_path, monkeypatch):
     assert cfg.org_repo is None
 
 
+def test_a_blank_home_is_unset_and_never_puts_the_config_at_the_root(monkeypatch):
+    """HOME= made the config file /.cambium/config.json: setup as root wrote
+    the user's settings there."""
+    import pwd
+    monkeypatch.delenv("CAMBIUM_CONFIG_FILE")
+    monkeypatch.setenv("HOME", "")
+    home = pwd.getpwuid(os.getuid()).pw_dir
+    assert cs.config_file_path() == Path(home) / ".cambium" / "config.json"
+    assert cs.expand_user("~/org/kb") == os.path.join(home, "org", "kb")
+    monkeypatch.setenv("HOME", " ")
+    assert cs.config_file_path() == Path(home) / ".cambium" / "config.json"
+
+
 def test_a_repo_path_ending_in_a_space_is_that_repo_not_its_neighbour(tmp_path, monkeypatch):
     """Settings and git's answers were stripped: "/x/proj " bound /x/proj, and
     a capture in the first landed in the second."""
