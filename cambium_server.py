@@ -13101,6 +13101,10 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                          "org_repo")
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", org_repo) and not org_repo.startswith("-"):
         owner, name = org_repo.split("/")
+        if {owner, name} & {".", ".."}:        # (GitHub refuses them; the commands would
+                                               # cd into ~/.cambium and commit there)
+            raise InputError(f"org_repo {org_repo!r}: no GitHub owner or repository is named "
+                             "'.' or '..'; pass owner/name (acme/knowledge).", "org_repo")
         clone = f"~/.cambium/org/{name}"
         return ({
             "org_repo": org_repo, "org_scope": "off until the clone exists",

@@ -958,6 +958,16 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     assert gone["org_scope"] == "off until the clone exists"
 
 
+@pytest.mark.parametrize("name", ["acme/..", "acme/.", "../knowledge"])
+def test_setup_refuses_dot_and_dot_dot_as_a_github_owner_or_name(tmp_path, name):
+    """`acme/..` was taken for owner/name: its commands cd'd into ~/.cambium
+    and ran git add, commit and push there (a dotfiles repo in HOME)."""
+    r = make_repo(tmp_path)
+    with pytest.raises(cs.InputError, match="no GitHub owner or repository is named"):
+        cs.setup(str(r), "ada", org_repo=name)
+    assert cs.setup(str(r), "ada", org_repo="acme/.github")["org_setup"]["commands"]
+
+
 def test_setup_asks_for_the_absolute_path_of_an_org_clone_given_relative(tmp_path,
                                                                           monkeypatch):
     """`setup --org-repo orgs/org`, a real clone beside the shell, was read as a
