@@ -1823,16 +1823,22 @@ def config_gaps(cfg: Config) -> list[dict]:
     if not cfg.org_repo:
         gaps.append({"setting": "CAMBIUM_ORG_REPO", "cost": "org scope off → promotions stop "
                      "at team; org-wide recall unavailable",
-                     "fix": f'setup(project_repo="{cfg.repo or "/abs/path/to/your/clone"}", '
-                            f'agent_id="{cfg.agent or "your-id"}", '
-                            'org_repo="/abs/path/to/org-knowledge-clone") (or org_repo='
-                            '"owner/name" for the commands that make that clone)'})
+                     "fix": f'{org_setup_call(cfg)} (or org_repo="owner/name" for the '
+                            'commands that make that clone)'})
     if shutil.which("git") is None:
         gaps.append({"setting": "git", "cost": "git is not on PATH → team and org scopes are "
                      "unavailable and setup cannot run; local scope works",
                      "fix": "install git, or put it on the PATH of the process that runs "
                             "cambium (an MCP client may start it with a shorter PATH)"})
     return gaps
+
+
+def org_setup_call(cfg: Config) -> str:
+    """The whole setup() call that turns org scope on for this repo and agent
+    (as CLI syntax, every positional it needs: `setup --org-repo ...` alone
+    exits 2)."""
+    return (f'setup(project_repo="{cfg.repo or "/abs/path/to/your/clone"}", '
+            f'agent_id="{cfg.agent or "your-id"}", org_repo="/abs/path/to/org-knowledge-clone")')
 
 
 def unconfigured_guidance(cfg: Config) -> dict:
@@ -10431,7 +10437,7 @@ def _org_store(cfg: Config) -> GitStore:
     """The default branch of the org clone's origin."""
     org = cfg.org_repo
     if org is None:
-        raise ScopeOff("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
+        raise ScopeOff(f"org scope is off: set CAMBIUM_ORG_REPO ({org_setup_call(cfg)}).")
     if not (org / ".git").exists():
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")

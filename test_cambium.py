@@ -6558,6 +6558,17 @@ def test_export_default_with_org_off_renders_local_and_says_so(repo):
     assert f"setup {repo} ada --org-repo" in out.stderr
 
 
+def test_an_org_scope_that_is_off_hints_a_whole_setup_command(repo):
+    """`recall --scope org` said `set CAMBIUM_ORG_REPO (cambium_server.py setup
+    --org-repo ...)`, which exits 2: PROJECT_REPO and AGENT_ID are required."""
+    out = cli("recall", "anything", "--scope", "org")
+    assert out.returncode == 1 and "org scope is off" in out.stderr, out
+    assert f"setup {repo} ada --org-repo /abs/path/to/org-knowledge-clone" in out.stderr
+    with pytest.raises(cs.ScopeOff, match=re.escape(
+            f'setup(project_repo="{repo}", agent_id="ada", org_repo=')):
+        cs.recall("anything", scope="org")
+
+
 # =============================================================================
 # Import, staleness and retirement
 # =============================================================================
