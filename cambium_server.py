@@ -4914,18 +4914,32 @@ class GitStore(Store):
         files = {STORE_FILE: render_store(new), **self._rendered(new, parent)}
         commit = self._commit(parent, files, message, merge=merge)
         lease = side_tip if side else tip      # exact CAS: the tip read, or absent
+        others = self._stores_elsewhere() if tip is None and not side else []
         outcome = self._push(commit, target, lease=lease or "")
         self._timed(time.monotonic() - started)
         if outcome == "race":
             return None
         self.verify(commit, target)
         commit_credits()
+        if others:                             # (this write started the branch)
+            note_for_call(f"this write started the {self.scope} branch '{self.branch}' on "
+                          f"{self.remote}, but {', '.join(others[:3])} holds a {STORE_FILE}: "
+                          f"if that is your team's store, run setup again with "
+                          f"team_branch={others[0]!r} (a moved clone loses the branch setup "
+                          "recorded for its old path); its items are not in this one")
         if target == self.branch:
             self._set_ref(commit)
             self._remember(commit, new, tip=True)
             with self._state.lock:
                 self._state.pushed = commit
         return Write(doc=new, commit=commit, branch=target)
+
+    def _stores_elsewhere(self) -> list[str]:
+        """Before a write creates the team branch: the remote's other branches
+        that hold a cambium store (team_stores_elsewhere); [] at org."""
+        if self.scope != "team":
+            return []
+        return team_stores_elsewhere(self.repo, self.remote, self.branch, self.timeout_s)
 
     def foreign_problem(self, tip: str | None, doc: Doc) -> str | None:
         """Why this scope's branch is not cambium's to write (_not_ours), or
@@ -12865,30 +12879,58 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
 
 
 def _team_store_elsewhere(cfg: Config) -> list[str]:
-    """setup's warning when the remote (as this clone last fetched it) has no
-    team branch of this name but another branch holds a knowledge.json at its
-    root: a teammate set the project's team branch by hand (setup records it
-    per user), and a first promote here would start a second team store."""
-    remote, branch = cfg.remote, cfg.team_branch
+    """setup's and status's warning when the remote (as this clone last
+    fetched it) has no team branch of this name but another branch holds a
+    knowledge.json at its root: a teammate set the project's team branch by
+    hand, or this clone moved (setup records the branch per clone path), and
+    a first promote here would start a second team store."""
     if cfg.repo is None or not cfg.configured:
         return []
+    held = team_stores_elsewhere(cfg.repo, cfg.remote, cfg.team_branch, cfg.git_timeout_s)
+    if held:
+        return [f"{cfg.remote} has no {cfg.team_branch!r} branch, but {', '.join(held[:3])} "
+                f"holds a {STORE_FILE}: if that is your team's store, run setup again with "
+                f"team_branch={held[0]!r} (each person's setup records it), or a first "
+                "promote here starts a second team store"]
+    return []
+
+
+def team_stores_elsewhere(repo: Path, remote: str, branch: str, timeout_s: float
+                          ) -> list[str]:
+    """The remote's other branches (as this clone last fetched them) holding a
+    cambium store at their root, when it has none named `branch`; else []."""
     with contextlib.suppress(GitError, OSError):
         prefix = f"refs/remotes/{remote}/"
-        refs = _git(["for-each-ref", "--format=%(refname)", prefix], cfg.repo,
-                    cfg.git_timeout_s).stdout.split()
+        refs = _git(["for-each-ref", "--format=%(refname)", prefix], repo,
+                    timeout_s).stdout.split()
         if not refs or prefix + branch in refs:
             return []
         refs = [r for r in refs if r != prefix + "HEAD"]
-        probe = _git(["cat-file", "--batch-check"], cfg.repo, cfg.git_timeout_s, check=False,
+        probe = _git(["cat-file", "--batch-check"], repo, timeout_s, check=False,
                      input="".join(f"{r}:{STORE_FILE}\n" for r in refs)).stdout.splitlines()
         with_file = [r for r, ln in zip(refs, probe) if " blob " in ln + " "]
-        held = [r[len(prefix):] for r in with_file[:20] if _only_a_store(cfg, r)]
-        if held:
-            return [f"{remote} has no {branch!r} branch, but {', '.join(held[:3])} holds a "
-                    f"{STORE_FILE}: if that is your team's store, run setup again with "
-                    f"team_branch={held[0]!r} (each person's setup records it), or a first "
-                    "promote here starts a second team store"]
+        return [r[len(prefix):] for r in with_file[:20] if _only_a_store(repo, r, timeout_s)]
     return []
+
+
+def _only_a_store(repo: Path, ref: str, timeout_s: float) -> bool:
+    """Whether a branch's knowledge.json is a cambium store, as its first bytes
+    say (a code branch with a data file of that name is no team store); only
+    those bytes are read, however large the file."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+        with subprocess.Popen(["git", "cat-file", "blob", f"{ref}:{STORE_FILE}"], cwd=repo,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, env=_git_env()) as proc:
+            timer = threading.Timer(timeout_s, proc.kill)   # (never waits longer)
+            timer.start()
+            try:
+                head = proc.stdout.read(256) if proc.stdout else b""
+            finally:
+                timer.cancel()
+                proc.kill()
+        text = head.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "replace")
+        return re.match(r'\s*\{\s*"cambium"\s*:', text) is not None   # (pretty-printed too)
+    return False
 
 
 def tracked_store_warning(repo: Path, timeout_s: float) -> list[str]:
@@ -12906,26 +12948,6 @@ def tracked_store_warning(repo: Path, timeout_s: float) -> list[str]:
                     f"tracked file the next `git commit -a` publishes. Run `git rm -r --cached "
                     f"{LOCAL_DIR}` there and commit, so it stays out of git."]
     return []
-
-
-def _only_a_store(cfg: Config, ref: str) -> bool:
-    """Whether a branch's knowledge.json is a cambium store, as its first bytes
-    say (a code branch with a data file of that name is no team store); only
-    those bytes are read, however large the file."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
-        with subprocess.Popen(["git", "cat-file", "blob", f"{ref}:{STORE_FILE}"], cwd=cfg.repo,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, env=_git_env()) as proc:
-            timer = threading.Timer(cfg.git_timeout_s, proc.kill)   # (never waits longer)
-            timer.start()
-            try:
-                head = proc.stdout.read(256) if proc.stdout else b""
-            finally:
-                timer.cancel()
-                proc.kill()
-        text = head.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "replace")
-        return re.match(r'\s*\{\s*"cambium"\s*:', text) is not None   # (pretty-printed too)
-    return False
 
 
 def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> str:

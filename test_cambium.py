@@ -4136,6 +4136,29 @@ def test_a_teammate_whose_team_branch_differs_is_told_where_the_team_store_is(sh
     assert "team_branch='kb'" in said and "app-data" not in said
 
 
+
+def test_the_write_that_starts_a_second_team_branch_says_which_branch_holds_the_store(
+        shared, monkeypatch, tmp_path):
+    """A clone set up with team_branch="kb" was moved: its recorded branch
+    (kept per clone path) was gone, and its next promote started `cambium`
+    beside `kb` with no warning in the answer (status alone said so)."""
+    cs.setup(str(shared["a"]), "ada", team_branch="kb")
+    cs.promote(cs.capture("Circuit breakers open after 5 failures")["item"]["id"], force=True)
+    moved = shared["a"].rename(tmp_path / "shop-renamed")
+    as_agent(monkeypatch, moved, "ada")
+    assert cs.resolve_config().team_branch == "cambium"
+    item_id = cs.capture("Retries back off exponentially")["item"]["id"]
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(item_id, force=True))
+    said = [w for w in out.get("warnings", []) if "this write started the team branch" in w]
+    assert len(said) == 1 and "kb holds a knowledge.json" in said[0], out
+    assert "team_branch='kb'" in said[0]
+    with cs.collecting_notes():                           # the branch exists now: once only
+        again = cs.with_store_warnings(cs.promote(
+            cs.capture("Timeouts are set per call")["item"]["id"], force=True))
+    assert not any("started the team branch" in w for w in again.get("warnings", []))
+
+
 def test_an_id_team_holds_for_other_words_is_never_dropped_as_a_move_left_half_done(shared):
     """The same id with other words in local and team (a hand edit): promote took
     the local copy for a move's leftover, gave its endorsement to the team text
