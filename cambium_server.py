@@ -109,9 +109,11 @@ import json
 import math
 import operator
 import os
+import pwd
 import re
 import selectors
 import shlex
+import shutil
 import signal
 import stat as _stat
 import struct
@@ -265,7 +267,8 @@ class GitError(CambiumError):
         said = [ln for ln in lines if ln.startswith(("fatal:", "error:"))][:2]  # what happened
         tail = "\n".join(dict.fromkeys(said + lines[-3:]))
         how = "timed out" if code is None else f"exited {code}"
-        super().__init__(f"`{' '.join(cmd[:4])}` {how}: {tail}".rstrip(": "))
+        shown = [a for a in cmd if a != "--"][:4]        # (`--` only hid the remote's name)
+        super().__init__(f"`{' '.join(shown)}` {how}: {tail}".rstrip(": "))
 
 
 class DamagedRef(GitError):
@@ -1565,7 +1568,7 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     elif key in PATH_SETTINGS:
         if "\0" in value:
             return f"{label} holds a NUL byte, which no file path can contain"
-        if key not in BOARD_SETTINGS and not os.path.isabs(os.path.expanduser(value)):
+        if key not in BOARD_SETTINGS and not os.path.isabs(expand_user(value)):
             return f"{label} must be an absolute path"
     return None
 
@@ -1592,6 +1595,21 @@ NO_HOME = ("no home directory (HOME is unset and this user has no passwd entry),
            "config file is read: set HOME, or CAMBIUM_CONFIG_FILE to an absolute path")
 
 
+def expand_user(path: str) -> str:
+    """os.path.expanduser, but a blank HOME is unset, as every other blank
+    setting is: `HOME=` expanded ~/.cambium/config.json to /.cambium/config.json
+    (setup as root wrote the user's config there). Unset, the passwd entry's
+    home is used, as os.path.expanduser does; with none `~` stays (the path
+    is then not absolute, and no_home says why)."""
+    home = os.environ.get("HOME")
+    if home is None or home.strip() or not (path == "~" or path.startswith("~/")):
+        return os.path.expanduser(path)
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir.rstrip("/") + path[1:] or "/"
+    except KeyError:                          # (no passwd entry: docker run -u 1001)
+        return path
+
+
 def no_home(env: dict | None = None) -> str:
     """Why there is no config file path: NO_HOME, or a HOME that is not absolute."""
     home = (os.environ if env is None else env).get("HOME")
@@ -1605,7 +1623,7 @@ def config_file_path(env: dict | None = None) -> Path:
     """The user's config file: CAMBIUM_CONFIG_FILE when it is an absolute path
     (a relative one would name a file in each working directory: setup wrote
     the user's settings into a project's work tree), else the default."""
-    return Path(os.path.expanduser(_config_file_setting(env)[0] or DEFAULT_CONFIG_FILE))
+    return Path(expand_user(_config_file_setting(env)[0] or DEFAULT_CONFIG_FILE))
 
 
 def _config_file_setting(env: dict | None) -> tuple[str | None, str | None]:
@@ -1614,7 +1632,7 @@ def _config_file_setting(env: dict | None) -> tuple[str | None, str | None]:
     given = env.get("CAMBIUM_CONFIG_FILE")
     if not _given(given):
         return None, None
-    if "\0" in given or not os.path.isabs(os.path.expanduser(given)):
+    if "\0" in given or not os.path.isabs(expand_user(given)):
         return None, (f"CAMBIUM_CONFIG_FILE={given!r} is not an absolute path; ignored, "
                       f"so {DEFAULT_CONFIG_FILE} is read")
     return given, None
@@ -1625,7 +1643,7 @@ def _normalize_value(key: str, value: Any) -> str:
         return "1" if value else "0"
     if key in PATH_SETTINGS:             # a path is taken as given: "/x/proj " is not
         value = str(value)               # /x/proj (stripped, it bound another repo)
-        return os.path.expanduser(value) if value.strip() else ""
+        return expand_user(value) if value.strip() else ""
     value = str(value).strip()
     if key in BOOL_SETTINGS:
         value = {"true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0",
@@ -1781,7 +1799,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
             value = board_path(value, cwd)
         if value is not None and origin != "default":
             why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
-                   "which is not text" if origin == "file" and _SURROGATE.search(value)
+                   "which is not text" if origin == "file" and not_text(key, value)
                    else _validate(key, value))
             if why:
                 problems.append({"setting": key, "problem": why, "origin": origin})
@@ -1792,6 +1810,22 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
                          "cost": f"{CWD_GONE} → every tool is unavailable",
                          "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
     return Config(values, origins, path, problems, file_error)
+
+
+def not_text(key: str, value: str) -> bool:
+    """Whether a setting's value holds a lone surrogate that is no text (pure).
+    A path's U+DC80-U+DCFF are the bytes of a folder name that is not UTF-8,
+    as Python names them (os.fsdecode), so setup records `caf\\udce9-repo`
+    and the folder is found again."""
+    if not _SURROGATE.search(value):
+        return False
+    if key not in PATH_SETTINGS:
+        return True
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError:                # (a surrogate no byte stands for)
+        return True
+    return False
 
 
 def _missing(path: Path) -> bool:
@@ -1857,11 +1891,22 @@ def config_gaps(cfg: Config) -> list[dict]:
     if not cfg.org_repo:
         gaps.append({"setting": "CAMBIUM_ORG_REPO", "cost": "org scope off → promotions stop "
                      "at team; org-wide recall unavailable",
-                     "fix": f'setup(project_repo="{cfg.repo or "/abs/path/to/your/clone"}", '
-                            f'agent_id="{cfg.agent or "your-id"}", '
-                            'org_repo="/abs/path/to/org-knowledge-clone") (or org_repo='
-                            '"owner/name" for the commands that make that clone)'})
+                     "fix": f'{org_setup_call(cfg)} (or org_repo="owner/name" for the '
+                            'commands that make that clone)'})
+    if shutil.which("git") is None:
+        gaps.append({"setting": "git", "cost": "git is not on PATH → team and org scopes are "
+                     "unavailable and setup cannot run; local scope works",
+                     "fix": "install git, or put it on the PATH of the process that runs "
+                            "cambium (an MCP client may start it with a shorter PATH)"})
     return gaps
+
+
+def org_setup_call(cfg: Config) -> str:
+    """The whole setup() call that turns org scope on for this repo and agent
+    (as CLI syntax, every positional it needs: `setup --org-repo ...` alone
+    exits 2)."""
+    return (f'setup(project_repo="{cfg.repo or "/abs/path/to/your/clone"}", '
+            f'agent_id="{cfg.agent or "your-id"}", org_repo="/abs/path/to/org-knowledge-clone")')
 
 
 def unconfigured_guidance(cfg: Config) -> dict:
@@ -2174,7 +2219,7 @@ def _ssh_configured(cwd: Path | None, env: dict) -> bool:
     """Whether git's config for cwd sets core.sshCommand (asked once per repo)."""
     if cwd is None or not os.path.isdir(cwd):
         return False
-    home = Path(os.path.expanduser(env.get("HOME") or "~"))     # (no home: "~" stays)
+    home = Path(expand_user(env.get("HOME") or "~"))     # (no home: "~" stays)
     files = [env.get("GIT_CONFIG_GLOBAL") or home / ".gitconfig",
              Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "git" / "config"]
     files = [f for f in files if os.path.isabs(f)]
@@ -2332,10 +2377,73 @@ def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
     key, remotes = (str(repo), remote), runtime().remotes
     hit = remotes.get(key)
     if hit is None or hit[0] != stamp:
-        proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
-        url = proc.stdout.strip() if proc.returncode == 0 else None
-        hit = remotes[key] = (stamp, url)           # one atomic dict store
+        hit = remotes[key] = (stamp, _ask_remote_url(repo, remote, timeout_s))  # (atomic)
     return hit[1]
+
+
+def _ask_remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
+    """git's answer to `remote get-url` (None: git says no such remote). With
+    no git on PATH, the clone's config file says (a local capture needs no
+    git). Any other failure raises: a clone git refuses to open (another
+    user's, "dubious ownership") as the ConfigError naming git's fix, never
+    taken for "no remote" (the project would be named after its folder)."""
+    try:
+        proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
+    except GitError as e:
+        if e.code != 127:
+            raise
+        return config_remote_url(repo, remote)
+    if proc.returncode == 0:
+        return proc.stdout.strip() or None
+    if "no such remote" in proc.stderr.lower():
+        return None
+    raise git_refused(proc.stderr) or GitError(proc.args, proc.returncode, proc.stderr)
+
+
+def git_refused(stderr: str) -> ConfigError | None:
+    """The ConfigError for git refusing a repository another user owns
+    ("detected dubious ownership"), quoting git's own safe.directory fix;
+    None for any other failure (pure)."""
+    if "dubious ownership" not in stderr:
+        return None
+    where = re.search(r"repository at '(.*)'", stderr)
+    fix = next((ln.strip() for ln in stderr.splitlines() if "safe.directory" in ln), "")
+    return ConfigError(
+        f"git refuses to open {where.group(1) if where else 'the project repo'}: another user "
+        "owns it (\"detected dubious ownership\"), so cambium can read neither its remote nor "
+        "its branches. If you trust it, run "
+        f"`{fix or 'git config --global --add safe.directory <path>'}` (git's own advice), "
+        "or work in a clone you own.")
+
+
+def config_remote_url(repo: Path, remote: str) -> str | None:
+    """The first `url` of [remote "<remote>"] in the clone's git config file,
+    read without git (git is not on PATH); None when unreadable or absent.
+    Only the URL's last part names the project, so includes and insteadOf
+    rewrites, which this does not follow, rarely matter."""
+    try:
+        text = read_regular(_git_dirs(repo)[1] / "config", MAX_CONFIG_BYTES).decode(
+            "utf-8", "replace")
+    except (OSError, IndexError, ValueError):
+        return None
+    return git_config_value(text, f'remote "{remote}"', "url")
+
+
+def git_config_value(text: str, section: str, key: str) -> str | None:
+    """The first value of `key` in `[section]` (`remote "origin"`) of git
+    config text (pure): section and key names case-insensitive, as git reads
+    them; quotes around the value and a trailing comment dropped."""
+    name, _, sub = section.partition(" ")
+    wanted, current = (name.lower(), sub), None
+    for line in text.splitlines():
+        if head := re.match(r'\s*\[\s*([\w.-]+)(?:\s+("(?:[^"\\]|\\.)*"))?\s*\]', line):
+            current = (head.group(1).lower(), head.group(2) or "")
+            continue
+        pair = re.match(r"\s*([\w-]+)\s*=\s*(.*)", line)
+        if pair and current == wanted and pair.group(1).lower() == key.lower():
+            value = re.sub(r'\s*[#;][^"]*$', "", pair.group(2)).strip()
+            return value[1:-1] if len(value) > 1 and value[0] == value[-1] == '"' else value
+    return None
 
 
 def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
@@ -2361,9 +2469,14 @@ def project_name(repo: Path, remote: str, timeout_s: float) -> str:
 
 
 def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
-    """The work-tree root containing `path`, or None if it is not in a git repo."""
-    proc = _git(["rev-parse", "--show-toplevel"], path, timeout_s, check=False)
-    top = proc.stdout.removesuffix("\n")          # (only the newline: "/x/proj " is a name)
+    """The work-tree root containing `path`, or None if it is not in a git
+    work tree. The path is decoded as the file system names it (os.fsdecode:
+    a folder named in Latin-1 stays that folder, not one with U+FFFD in it).
+    A repository git refuses to open raises git_refused's ConfigError."""
+    proc = _git(["rev-parse", "--show-toplevel"], path, timeout_s, check=False, binary=True)
+    if proc.returncode and (refused := git_refused(proc.stderr)):
+        raise refused
+    top = os.fsdecode(proc.stdout.removesuffix(b"\n"))  # (only the newline: "/x/proj " is a name)
     return Path(top) if proc.returncode == 0 and top.strip() else None
 
 
@@ -4869,18 +4982,32 @@ class GitStore(Store):
         files = {STORE_FILE: render_store(new), **self._rendered(new, parent)}
         commit = self._commit(parent, files, message, merge=merge)
         lease = side_tip if side else tip      # exact CAS: the tip read, or absent
+        others = self._stores_elsewhere() if tip is None and not side else []
         outcome = self._push(commit, target, lease=lease or "")
         self._timed(time.monotonic() - started)
         if outcome == "race":
             return None
         self.verify(commit, target)
         commit_credits()
+        if others:                             # (this write started the branch)
+            note_for_call(f"this write started the {self.scope} branch '{self.branch}' on "
+                          f"{self.remote}, but {', '.join(others[:3])} holds a {STORE_FILE}: "
+                          f"if that is your team's store, run setup again with "
+                          f"team_branch={others[0]!r} (a moved clone loses the branch setup "
+                          "recorded for its old path); its items are not in this one")
         if target == self.branch:
             self._set_ref(commit)
             self._remember(commit, new, tip=True)
             with self._state.lock:
                 self._state.pushed = commit
         return Write(doc=new, commit=commit, branch=target)
+
+    def _stores_elsewhere(self) -> list[str]:
+        """Before a write creates the team branch: the remote's other branches
+        that hold a cambium store (team_stores_elsewhere); [] at org."""
+        if self.scope != "team":
+            return []
+        return team_stores_elsewhere(self.repo, self.remote, self.branch, self.timeout_s)
 
     def foreign_problem(self, tip: str | None, doc: Doc) -> str | None:
         """Why this scope's branch is not cambium's to write (_not_ours), or
@@ -10242,10 +10369,18 @@ def anchors_for(cfg: Config, item: Item) -> list[dict]:
     an org item learned in another project names that project's files (its
     src/billing.py is not ours, and its absence here is no stale code). Local
     and team items are this project's, whatever its name reads now."""
-    if item.scope == "org" and item.project and cfg.project and \
-            item.project.casefold() != cfg.project.casefold():
+    if learned_elsewhere(cfg, item) and cfg.project:
         return []
     return resolve_anchors(cfg.repo, item.code_refs)
+
+
+def learned_elsewhere(cfg: Config, item: Item) -> bool:
+    """Whether an item was learned in another project: only an org item can
+    be. Local and team items are this project's whatever their `project`
+    reads: a renamed remote (or, with none, folder) renames the project, and
+    this clone's own notes are not another project's."""
+    return item.scope == "org" and bool(item.project) and \
+        item.project.casefold() != (cfg.project or "").casefold()
 
 
 def is_stale_code(anchors: list[dict]) -> bool:
@@ -10421,7 +10556,7 @@ def _org_store(cfg: Config) -> GitStore:
     """The default branch of the org clone's origin."""
     org = cfg.org_repo
     if org is None:
-        raise ScopeOff("org scope is off: set CAMBIUM_ORG_REPO (setup(org_repo=...)).")
+        raise ScopeOff(f"org scope is off: set CAMBIUM_ORG_REPO ({org_setup_call(cfg)}).")
     if not (org / ".git").exists():
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")
@@ -12681,9 +12816,12 @@ def status() -> dict:
     try:
         return _status(cfg)
     except (CambiumError, OSError) as e:         # a store it cannot read: say so, as an answer
+        project = None
+        with contextlib.suppress(CambiumError, OSError):   # (git may be what failed)
+            project = cfg.project
         return {"configured": True, "status": "error", "error": error_code(e),
                 "message": clip_message(error_text(e)), "version": __version__,
-                "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
+                "repo": str(cfg.repo), "project": project, "agent_id": cfg.agent,
                 "next_step": "fix what the message names, then call status() again"}
 
 
@@ -12721,6 +12859,7 @@ def _status(cfg: Config) -> dict:
                  for name, info in out["scopes"].items() if info.get("duplicate_ids_note")]
     if not out["scopes"].get("team", {}).get("items"):   # (an empty team: set by hand?)
         warnings += _team_store_elsewhere(cfg)
+    warnings += tracked_store_warning(cfg.repo, cfg.git_timeout_s)
     if warnings:
         out["warnings"] = warnings
     return out
@@ -12823,15 +12962,19 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     cfg_path = config_file_path(env)
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
         raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
-    before = resolve_config(env)
+    before, prior = resolve_config(env), _config_bytes(cfg_path)
     _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
-    ignore_note = _scaffold_local(root)
+    try:
+        ignore_note = _scaffold_local(root)
+    except OSError:                           # ...and a clone it cannot write is not recorded
+        _put_back_config(cfg_path, prior)
+        raise
     cfg = resolve_config(env)
     binding = repo_binding(cfg)
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}
     warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
-        ignore_note + _team_store_elsewhere(cfg)
+        ignore_note + _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s)
     org_now = out["status"].get("scopes", {}).get("org", {})
     if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
@@ -12841,41 +12984,49 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
 
 
 def _team_store_elsewhere(cfg: Config) -> list[str]:
-    """setup's warning when the remote (as this clone last fetched it) has no
-    team branch of this name but another branch holds a knowledge.json at its
-    root: a teammate set the project's team branch by hand (setup records it
-    per user), and a first promote here would start a second team store."""
-    remote, branch = cfg.remote, cfg.team_branch
+    """setup's and status's warning when the remote (as this clone last
+    fetched it) has no team branch of this name but another branch holds a
+    knowledge.json at its root: a teammate set the project's team branch by
+    hand, or this clone moved (setup records the branch per clone path), and
+    a first promote here would start a second team store."""
     if cfg.repo is None or not cfg.configured:
         return []
-    with contextlib.suppress(GitError, OSError):
-        prefix = f"refs/remotes/{remote}/"
-        refs = _git(["for-each-ref", "--format=%(refname)", prefix], cfg.repo,
-                    cfg.git_timeout_s).stdout.split()
-        if not refs or prefix + branch in refs:
-            return []
-        refs = [r for r in refs if r != prefix + "HEAD"]
-        probe = _git(["cat-file", "--batch-check"], cfg.repo, cfg.git_timeout_s, check=False,
-                     input="".join(f"{r}:{STORE_FILE}\n" for r in refs)).stdout.splitlines()
-        with_file = [r for r, ln in zip(refs, probe) if " blob " in ln + " "]
-        held = [r[len(prefix):] for r in with_file[:20] if _only_a_store(cfg, r)]
-        if held:
-            return [f"{remote} has no {branch!r} branch, but {', '.join(held[:3])} holds a "
-                    f"{STORE_FILE}: if that is your team's store, run setup again with "
-                    f"team_branch={held[0]!r} (each person's setup records it), or a first "
-                    "promote here starts a second team store"]
+    held = team_stores_elsewhere(cfg.repo, cfg.remote, cfg.team_branch, cfg.git_timeout_s)
+    if held:
+        return [f"{cfg.remote} has no {cfg.team_branch!r} branch, but {', '.join(held[:3])} "
+                f"holds a {STORE_FILE}: if that is your team's store, run setup again with "
+                f"team_branch={held[0]!r} (each person's setup records it), or a first "
+                "promote here starts a second team store"]
     return []
 
 
-def _only_a_store(cfg: Config, ref: str) -> bool:
+def team_stores_elsewhere(repo: Path, remote: str, branch: str, timeout_s: float
+                          ) -> list[str]:
+    """The remote's other branches (as this clone last fetched them) holding a
+    cambium store at their root, when it has none named `branch`; else []."""
+    with contextlib.suppress(GitError, OSError):
+        prefix = f"refs/remotes/{remote}/"
+        refs = _git(["for-each-ref", "--format=%(refname)", prefix], repo,
+                    timeout_s).stdout.split()
+        if not refs or prefix + branch in refs:
+            return []
+        refs = [r for r in refs if r != prefix + "HEAD"]
+        probe = _git(["cat-file", "--batch-check"], repo, timeout_s, check=False,
+                     input="".join(f"{r}:{STORE_FILE}\n" for r in refs)).stdout.splitlines()
+        with_file = [r for r, ln in zip(refs, probe) if " blob " in ln + " "]
+        return [r[len(prefix):] for r in with_file[:20] if _only_a_store(repo, r, timeout_s)]
+    return []
+
+
+def _only_a_store(repo: Path, ref: str, timeout_s: float) -> bool:
     """Whether a branch's knowledge.json is a cambium store, as its first bytes
     say (a code branch with a data file of that name is no team store); only
     those bytes are read, however large the file."""
     with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
-        with subprocess.Popen(["git", "cat-file", "blob", f"{ref}:{STORE_FILE}"], cwd=cfg.repo,
+        with subprocess.Popen(["git", "cat-file", "blob", f"{ref}:{STORE_FILE}"], cwd=repo,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, env=_git_env()) as proc:
-            timer = threading.Timer(cfg.git_timeout_s, proc.kill)   # (never waits longer)
+            timer = threading.Timer(timeout_s, proc.kill)   # (never waits longer)
             timer.start()
             try:
                 head = proc.stdout.read(256) if proc.stdout else b""
@@ -12885,6 +13036,23 @@ def _only_a_store(cfg: Config, ref: str) -> bool:
         text = head.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "replace")
         return re.match(r'\s*\{\s*"cambium"\s*:', text) is not None   # (pretty-printed too)
     return False
+
+
+def tracked_store_warning(repo: Path, timeout_s: float) -> list[str]:
+    """status's and setup's warning when git tracks files in the clone's
+    .cambium/ (someone committed a store): ignore rules do nothing for a
+    tracked file, so the committer's local notes are served as this clone's,
+    and every local write here dirties a tracked file that the next
+    `git commit -a` publishes."""
+    root = store_root(repo)
+    with contextlib.suppress(GitError, OSError):
+        tracked = _git(["ls-files", "-z", "--", LOCAL_DIR], root, timeout_s).stdout
+        if tracked.strip("\0"):
+            return [f"git tracks {LOCAL_DIR}/ in {root} (someone committed a local store): its "
+                    "notes are served as this clone's local scope, and local writes change a "
+                    f"tracked file the next `git commit -a` publishes. Run `git rm -r --cached "
+                    f"{LOCAL_DIR}` there and commit, so it stays out of git."]
+    return []
 
 
 def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> str:
@@ -12974,6 +13142,25 @@ def _write_config(path: Path, updates: dict[str, Any]) -> None:
         atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
 
 
+def _config_bytes(path: Path) -> bytes | None:
+    """The config file's bytes as they are (None: there is none, or unreadable)."""
+    try:
+        return read_regular(path, MAX_CONFIG_BYTES)
+    except OSError:
+        return None
+
+
+def _put_back_config(path: Path, prior: bytes | None) -> None:
+    """Undo setup's config write (its scaffolding failed): the bytes it found,
+    or no file when there was none. A link is written through, as written."""
+    target = Path(os.path.realpath(path))
+    with file_lock(path), contextlib.suppress(OSError):
+        if prior is None:
+            target.unlink()
+        else:
+            atomic_write(target, prior, mode=0o600)
+
+
 def repo_binding(cfg: Config) -> dict:
     """Which project this process reads and writes, and why (setup, status)."""
     origin = cfg.origins.get("CAMBIUM_REPO", "default")
@@ -12988,17 +13175,29 @@ def repo_binding(cfg: Config) -> dict:
 def _project_root(project_repo: str) -> Path:
     """The git root of setup's project_repo, or InputError saying what is wrong."""
     path_arg("project_repo", project_repo)
-    path = Path(os.path.expanduser(project_repo or "")).resolve() if project_repo else None
+    path = Path(expand_user(project_repo or "")).resolve() if project_repo else None
     if path is None or not path.exists():
         raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
                          "path of your project's git clone.", "project_repo")
     if not path.is_dir():
         raise InputError(f"project_repo {path} is not a directory.", "project_repo")
     root = git_toplevel(path)
+    if root is None and _in_git_dir(path):        # a .git dir: its clone, as the binding reads it
+        if _git(["rev-parse", "--is-bare-repository"], path, 10.0).stdout.strip() == "true":
+            raise InputError(f"project_repo {path} is a bare repository, which has no work "
+                             "tree: pass your clone's path.", "project_repo")
+        clone = _find_git_root(path)
+        root = git_toplevel(clone) if clone is not None else None
     if root is None:
         raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
                          "or pass your clone's path.", "project_repo")
     return root
+
+
+def _in_git_dir(path: Path) -> bool:
+    """Whether git takes `path` for a git directory (a clone's .git, a bare repo)."""
+    proc = _git(["rev-parse", "--is-inside-git-dir"], path, 10.0, check=False)
+    return proc.returncode == 0 and proc.stdout.strip() == "true"
 
 
 def _branch_of_the_project(root: Path, branch: str) -> str | None:
@@ -13019,7 +13218,7 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                       ) -> tuple[dict | None, Path | None]:
     """(offer of commands, None) for an owner/name; (None, path) for a local
     clone. The offer's `then` is setup() again for root and agent."""
-    candidate = Path(os.path.expanduser(path_arg("org_repo", org_repo)))
+    candidate = Path(expand_user(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and candidate.exists():
         root = git_toplevel(candidate) if candidate.is_dir() else None
         if root is None:
@@ -13035,6 +13234,10 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                          "org_repo")
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", org_repo) and not org_repo.startswith("-"):
         owner, name = org_repo.split("/")
+        if {owner, name} & {".", ".."}:        # (GitHub refuses them; the commands would
+                                               # cd into ~/.cambium and commit there)
+            raise InputError(f"org_repo {org_repo!r}: no GitHub owner or repository is named "
+                             "'.' or '..'; pass owner/name (acme/knowledge).", "org_repo")
         clone = f"~/.cambium/org/{name}"
         return ({
             "org_repo": org_repo, "org_scope": "off until the clone exists",
@@ -13588,8 +13791,8 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
     else:
         if item.source.get("imported") and item.source.get("ref"):
             out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
-        if item.project and item.project.casefold() != (cfg.project or "").casefold():
-            out["project"] = item.project                  # learned in another project
+        if learned_elsewhere(cfg, item):
+            out["project"] = item.project
     if is_stale_code(anchors):
         out["stale_code"] = True
     return out
@@ -14792,7 +14995,7 @@ def import_memory(source: Annotated[str, Field(
                          f"{', '.join(sorted(IMPORT_ADAPTERS))}.")
     if not isinstance(path, str) or not path:
         raise InputError("path is required: the absolute path of the export file.")
-    p = Path(os.path.expanduser(path_arg("path", path)))
+    p = Path(expand_user(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     skipped: list[Skip] = []
@@ -14909,7 +15112,7 @@ def restore(path: Annotated[str, Field(
     back, the file is renamed *.restored and the warnings about it stop.
     """
     cfg = require_config()
-    p = Path(os.path.expanduser(path_arg("path", path)))
+    p = Path(expand_user(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
     if again := _restored_already(p):
@@ -16575,16 +16778,32 @@ def bind_hook() -> dict | None:
     sid = payload.get("session_id")
     if isinstance(sid, str) and sid.strip():
         SESSION.set(sid.strip())             # usage attribution: what this session was shown
-    cwd = payload.get("cwd")
-    if isinstance(cwd, str) and os.path.isabs(cwd) and os.path.isdir(cwd):
+    cwd, why = hook_cwd(payload.get("cwd"))
+    if cwd is not None:
         with contextlib.suppress(OSError):
             os.chdir(cwd)
-    elif isinstance(cwd, str) and os.path.isabs(cwd) and not _given(os.environ.get(
-            "CAMBIUM_REPO")):                # never the repo setup recorded instead: a
-        print(f"cambium: the hook's cwd {cwd} is no directory (a removed worktree?); "
-              "nothing done", file=sys.stderr)   # removed worktree's session wrote there
+    elif why and not _given(os.environ.get("CAMBIUM_REPO")):   # never the repo setup
+        print(f"cambium: the hook's cwd {why}; nothing done",  # recorded instead: a removed
+              file=sys.stderr)                                 # worktree's session wrote there
         return HOOK_CWD_GONE
     return payload
+
+
+def hook_cwd(given: Any) -> tuple[str | None, str | None]:
+    """(the directory a hook's `cwd` names, None) or (None, why it names
+    none): a relative path (relative to what?), a non-string, a path that is
+    no directory (a removed worktree). `~` is the user's home, as a shell reads
+    it. (None, None) when the payload gives no cwd."""
+    if not _given(given):
+        return None, None
+    if not isinstance(given, str):
+        return None, f"is {json_kind(given)}, not a path"
+    path = expand_user(given)
+    if not os.path.isabs(path):
+        return None, f"{given!r} is not an absolute path"
+    if not os.path.isdir(path):
+        return None, f"{given} is no directory (a removed worktree?)"
+    return path, None
 
 
 #: bind_hook's answer when the hook's cwd is gone: no project at all

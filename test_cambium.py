@@ -401,6 +401,32 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
     assert _items_in(b)[-1] == "served in beta" and "served in beta" not in _items_in(a)
 
 
+def test_a_hook_cwd_that_names_no_absolute_directory_gets_nothing_never_the_recorded_repo(
+        tmp_path):
+    """A relative cwd, `~/B` with no such folder, or a number were ignored
+    without a word: the hook bound the recorded repo A, and primer --hook put
+    A's notes into B's session."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    cs.setup(str(a), "ada")
+    cs.capture("Alpha secret: the billing export runs at 2am")
+    home = Path(os.environ["HOME"])
+
+    def primer_hook(cwd) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SERVER), "primer", "--hook"],
+                              input=json.dumps({"cwd": cwd}), text=True, capture_output=True,
+                              env=child_env(), cwd=tmp_path, timeout=60)
+
+    for cwd, why in (("beta", "is not an absolute path"), ("./beta", "not an absolute path"),
+                     ("~/beta", "is no directory"), (5, "is a number, not a path")):
+        hook = primer_hook(cwd)
+        assert hook.returncode == 0 and hook.stdout == "", hook
+        assert why in hook.stderr and "nothing done" in hook.stderr, hook.stderr
+    b.rename(home / "beta")                      # `~` is the home folder, as a shell reads it
+    hook = primer_hook("~/beta")
+    assert hook.returncode == 0 and "billing export" not in hook.stdout, hook
+    assert "beta" in json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
+
+
 @pytest.mark.parametrize("url, name", [
     ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
     ("ssh://git@host:2222/acme/shop.git/", "shop"), ("/srv/git/shop.git", "shop"),
@@ -418,6 +444,49 @@ def test_two_clones_under_other_names_are_one_project(tmp_path, monkeypatch):
     lone = make_repo(tmp_path, "no-remote-here")
     monkeypatch.setenv("CAMBIUM_REPO", str(lone))
     assert cs.resolve_config().project == "no-remote-here"
+
+
+def test_without_git_on_path_status_answers_and_a_local_capture_keeps_the_project_name(
+        tmp_path):
+    """git missing from the PATH an MCP client gave the server: a configured
+    status exited 1 (`git remote get-url --` exited 127), and so did a capture,
+    though local scope needs no git."""
+    shop = clone(make_origin(tmp_path, "shop"), tmp_path / "checkout")
+    config = shop / ".git" / "config"          # (a hand-edited one, as git reads it)
+    config.write_text(config.read_text().replace(f"url = {tmp_path / 'shop.git'}",
+                                                 f'URL = "{tmp_path / "Shop.git"}" ; moved'))
+    no_git = tmp_path / "empty-bin"
+    no_git.mkdir()
+    env = {"CAMBIUM_REPO": str(shop), "CAMBIUM_AGENT_ID": "ada", "PATH": str(no_git)}
+    st = cli("status", **env)
+    assert st.returncode == 0, st.stderr
+    answer = json.loads(st.stdout)
+    assert answer["status"] == "ok" and answer["project"] == "Shop"
+    assert any(g["setting"] == "git" and "install git" in g["fix"] for g in answer["gaps"])
+    assert answer["scopes"]["team"]["reachable"] is False
+    got = cli("capture", "Invoices are rounded half-even in the ledger", **env)
+    assert got.returncode == 0 and json.loads(got.stdout)["item"]["project"] == "Shop"
+    assert "git" not in [g["setting"] for g in cs.status()["gaps"]]   # (git is here)
+
+
+def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folder(tmp_path):
+    """Another user's clone ("detected dubious ownership"): git refuses every
+    call, and cambium read that as "no remote" (status, promote: `git remote
+    add origin`) or "not a git repository" (setup: `git init`), and named the
+    project after the folder."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the clone to another uid")
+    shop = clone(make_origin(tmp_path, "shop"), tmp_path / "proj")
+    subprocess.run(["chown", "-R", "65534:65534", str(shop)], check=True)
+    with pytest.raises(cs.ConfigError, match="git config --global --add safe.directory "
+                                             f"{re.escape(str(shop))}"):
+        cs.setup(str(shop), "ada")
+    os.environ.update(CAMBIUM_REPO=str(shop), CAMBIUM_AGENT_ID="ada")
+    st = cs.status()
+    assert st["status"] == "error" and st["error"] == "config" and st["project"] is None
+    assert "dubious ownership" in st["message"] and "safe.directory" in st["message"]
+    with pytest.raises(cs.ConfigError, match="safe.directory"):
+        cs.capture("never stamped with the folder's name")
 
 
 @pytest.mark.parametrize("key, value", [
@@ -688,6 +757,19 @@ def test_a_blank_setting_is_unset(tmp_path, monkeypatch):
     assert cfg.org_repo is None
 
 
+def test_a_blank_home_is_unset_and_never_puts_the_config_at_the_root(monkeypatch):
+    """HOME= made the config file /.cambium/config.json: setup as root wrote
+    the user's settings there."""
+    import pwd
+    monkeypatch.delenv("CAMBIUM_CONFIG_FILE")
+    monkeypatch.setenv("HOME", "")
+    home = pwd.getpwuid(os.getuid()).pw_dir
+    assert cs.config_file_path() == Path(home) / ".cambium" / "config.json"
+    assert cs.expand_user("~/org/kb") == os.path.join(home, "org", "kb")
+    monkeypatch.setenv("HOME", " ")
+    assert cs.config_file_path() == Path(home) / ".cambium" / "config.json"
+
+
 def test_a_repo_path_ending_in_a_space_is_that_repo_not_its_neighbour(tmp_path, monkeypatch):
     """Settings and git's answers were stripped: "/x/proj " bound /x/proj, and
     a capture in the first landed in the second."""
@@ -716,6 +798,19 @@ def test_a_repo_never_set_up_keeps_cambium_out_of_git(repo, tmp_path):
     local.symlink_to(target)
     cs.capture("Linked knowledge stays where the link points")
     assert not (target / ".gitignore").exists() and (target / "knowledge.json").exists()
+
+
+def test_a_local_store_git_tracks_is_named_by_status_and_setup_with_the_fix(tmp_path):
+    """A teammate committed .cambium/knowledge.json: a clone served its notes as
+    local knowledge and its captures dirtied a tracked file, without a word."""
+    r = make_repo(tmp_path)
+    cs.setup(str(r), "ada")
+    assert not [w for w in cs.status().get("warnings", []) if "git tracks" in w]
+    git(r, "add", "-f", ".cambium/knowledge.json")
+    git(r, "commit", "-q", "-m", "oops: the local store")
+    said = [w for w in cs.status().get("warnings", []) if "git tracks .cambium/" in w]
+    assert len(said) == 1 and "`git rm -r --cached .cambium`" in said[0]
+    assert any("git tracks .cambium/" in w for w in cs.setup(str(r), "ada")["warnings"])
 
 
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
@@ -808,6 +903,50 @@ def test_setup_rejects_missing_and_non_git_paths(tmp_path):
     assert not Path(os.environ["CAMBIUM_CONFIG_FILE"]).exists()
 
 
+def test_setup_on_a_git_dir_binds_its_clone_and_on_a_bare_repo_says_it_has_no_work_tree(
+        tmp_path):
+    """Both answered "not a git repository; run `git init` there", which in a
+    .git makes a nested repository; CAMBIUM_REPO=<clone>/.git bound the clone."""
+    r = make_repo(tmp_path)
+    assert cs.setup(str(r / ".git"), "ada")["written"]["CAMBIUM_REPO"] == str(r.resolve())
+    assert cs.setup(str(r / ".git" / "refs"), "ada")["written"]["CAMBIUM_REPO"] == \
+        str(r.resolve())
+    bare = make_origin(tmp_path, "shop")
+    with pytest.raises(cs.InputError, match="bare repository, which has no work tree"):
+        cs.setup(str(bare), "ada")
+
+
+def test_setup_of_a_clone_whose_path_is_not_utf8_records_that_path(tmp_path, monkeypatch):
+    """A Latin-1 folder name: git's output was decoded with U+FFFD, setup failed
+    on a path that does not exist and still recorded it in the config file."""
+    r = make_repo(tmp_path, os.fsdecode(b"caf\xe9-repo"))
+    out = cs.setup(str(r), "ada")
+    assert out["written"]["CAMBIUM_REPO"] == str(r.resolve())
+    assert (r / ".cambium" / "knowledge.json").is_file()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.chdir(outside)                 # bound by the config file alone
+    cfg = cs.resolve_config()
+    assert cfg.configured is True and cfg.repo == r.resolve()
+
+
+def test_setup_whose_scaffolding_fails_records_nothing(tmp_path):
+    """The config was written first: a scaffold failure (a read-only checkout,
+    here a file named .cambium) answered an error yet bound the repo."""
+    r = make_repo(tmp_path)
+    (r / ".cambium").write_text("not a folder")
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    with pytest.raises(OSError):
+        cs.setup(str(r), "ada")
+    assert not config.exists()
+    other = make_repo(tmp_path, "other")
+    cs.setup(str(other), "bob")
+    before = config.read_bytes()
+    with pytest.raises(OSError):
+        cs.setup(str(r), "ada")
+    assert config.read_bytes() == before
+
+
 def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     r = make_repo(tmp_path)
     out = cs.setup(str(r), "ada", org_repo="acme/knowledge")
@@ -845,6 +984,16 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     shutil.rmtree(org)                               # ... and "still" for one that is gone
     gone = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]
     assert gone["org_scope"] == "off until the clone exists"
+
+
+@pytest.mark.parametrize("name", ["acme/..", "acme/.", "../knowledge"])
+def test_setup_refuses_dot_and_dot_dot_as_a_github_owner_or_name(tmp_path, name):
+    """`acme/..` was taken for owner/name: its commands cd'd into ~/.cambium
+    and ran git add, commit and push there (a dotfiles repo in HOME)."""
+    r = make_repo(tmp_path)
+    with pytest.raises(cs.InputError, match="no GitHub owner or repository is named"):
+        cs.setup(str(r), "ada", org_repo=name)
+    assert cs.setup(str(r), "ada", org_repo="acme/.github")["org_setup"]["commands"]
 
 
 def test_setup_asks_for_the_absolute_path_of_an_org_clone_given_relative(tmp_path,
@@ -4015,6 +4164,29 @@ def test_a_teammate_whose_team_branch_differs_is_told_where_the_team_store_is(sh
     assert "team_branch='kb'" in said and "app-data" not in said
 
 
+
+def test_the_write_that_starts_a_second_team_branch_says_which_branch_holds_the_store(
+        shared, monkeypatch, tmp_path):
+    """A clone set up with team_branch="kb" was moved: its recorded branch
+    (kept per clone path) was gone, and its next promote started `cambium`
+    beside `kb` with no warning in the answer (status alone said so)."""
+    cs.setup(str(shared["a"]), "ada", team_branch="kb")
+    cs.promote(cs.capture("Circuit breakers open after 5 failures")["item"]["id"], force=True)
+    moved = shared["a"].rename(tmp_path / "shop-renamed")
+    as_agent(monkeypatch, moved, "ada")
+    assert cs.resolve_config().team_branch == "cambium"
+    item_id = cs.capture("Retries back off exponentially")["item"]["id"]
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(item_id, force=True))
+    said = [w for w in out.get("warnings", []) if "this write started the team branch" in w]
+    assert len(said) == 1 and "kb holds a knowledge.json" in said[0], out
+    assert "team_branch='kb'" in said[0]
+    with cs.collecting_notes():                           # the branch exists now: once only
+        again = cs.with_store_warnings(cs.promote(
+            cs.capture("Timeouts are set per call")["item"]["id"], force=True))
+    assert not any("started the team branch" in w for w in again.get("warnings", []))
+
+
 def test_an_id_team_holds_for_other_words_is_never_dropped_as_a_move_left_half_done(shared):
     """The same id with other words in local and team (a hand edit): promote took
     the local copy for a move's leftover, gave its endorsement to the team text
@@ -6198,6 +6370,24 @@ def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeyp
     assert cs.anchors_for(cfg, foreign) == []
 
 
+def test_after_the_remote_is_renamed_this_clones_own_items_are_not_another_projects(
+        shared, tmp_path):
+    """A GitHub-style rename (shop.git → shop-store.git, then `git remote
+    set-url`): recall gave each local and team item `project: "shop"`, the
+    field for an item learned in another project."""
+    mine = cs.capture("Invoices are rounded half-even in the ledger")["item"]["id"]
+    ours = cs.capture("Refunds post to the ledger the next business day")["item"]["id"]
+    cs.promote(ours, force=True)
+    moved = tmp_path / "shop-store.git"
+    shared["origin"].rename(moved)
+    git(shared["a"], "remote", "set-url", "origin", str(moved))
+    cs.runtime().reset()
+    assert cs.resolve_config().project == "shop-store"
+    results = cs.recall("ledger")["results"]
+    assert {r["id"] for r in results} == {mine, ours}
+    assert all("project" not in r for r in results), results
+
+
 def test_a_push_that_ran_but_could_not_be_checked_may_have_landed(shared, monkeypatch):
     """The remote went away between the push and its check (ls-remote): the
     answer said "nothing moved" and cleared the move's mark, though the team
@@ -6417,6 +6607,17 @@ def test_export_default_with_org_off_renders_local_and_says_so(repo):
     hint = re.search(r"setup \S+ \S+ --org-repo \S+", out.stderr)
     assert "org scope is off" in out.stderr and hint, out.stderr   # a command that runs
     assert f"setup {repo} ada --org-repo" in out.stderr
+
+
+def test_an_org_scope_that_is_off_hints_a_whole_setup_command(repo):
+    """`recall --scope org` said `set CAMBIUM_ORG_REPO (cambium_server.py setup
+    --org-repo ...)`, which exits 2: PROJECT_REPO and AGENT_ID are required."""
+    out = cli("recall", "anything", "--scope", "org")
+    assert out.returncode == 1 and "org scope is off" in out.stderr, out
+    assert f"setup {repo} ada --org-repo /abs/path/to/org-knowledge-clone" in out.stderr
+    with pytest.raises(cs.ScopeOff, match=re.escape(
+            f'setup(project_repo="{repo}", agent_id="ada", org_repo=')):
+        cs.recall("anything", scope="org")
 
 
 # =============================================================================
