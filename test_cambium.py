@@ -3435,21 +3435,24 @@ def test_a_change_made_while_a_promote_is_between_push_and_drop_waits_and_lands(
     assert item_id not in {i.id for i in local.items} and cs.MOVING_META not in local.meta
 
 
-def _git_pausing_after_push(tmp_path: Path, seconds: int) -> tuple[Path, Path]:
-    """A git wrapper dir that touches a mark and sleeps after the first push."""
-    wrap, mark = tmp_path / "wrap", tmp_path / "pushed"
+def _git_pausing_after_push(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A git wrapper dir that touches a mark after the first push, then waits
+    (60 s at most) until the test touches the go file: the window a test acts
+    in, however loaded the machine is."""
+    wrap, mark, go = tmp_path / "wrap", tmp_path / "pushed", tmp_path / "go"
     wrap.mkdir()
     (wrap / "git").write_text(f"#!/bin/sh\n{shutil.which('git')} \"$@\"; rc=$?\n"
-                              f"case \" $* \" in *\" push \"*) [ -e {mark} ] || "
-                              f"{{ touch {mark}; sleep {seconds}; }};; esac\nexit $rc\n")
+                              f"case \" $* \" in *\" push \"*) [ -e {mark} ] || {{ touch {mark}; "
+                              f"n=0; while [ ! -e {go} ] && [ $n -lt 600 ]; do sleep 0.1; "
+                              f"n=$((n+1)); done; }};; esac\nexit $rc\n")
     (wrap / "git").chmod(0o755)
-    return wrap, mark
+    return wrap, mark, go
 
 
-def _org_promote_paused_after_push(tmp_path: Path, item_id: str, seconds: int):
+def _org_promote_paused_after_push(tmp_path: Path, item_id: str):
     """A CLI promote of item_id to org, returned once its org push landed, while
-    it sleeps before its team drop."""
-    wrap, mark = _git_pausing_after_push(tmp_path, seconds)
+    it waits before its team drop until the test touches tmp_path / "go"."""
+    wrap, mark, _ = _git_pausing_after_push(tmp_path)
     slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--to", "org",
                              "--force"],
                             env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
@@ -3472,7 +3475,7 @@ def test_a_teammates_change_in_another_clone_during_a_team_to_org_move_is_carrie
     cs.promote()
     assert item_id in team_ids(shared["origin"])
     org_commits = git(shared["org_bare"], "rev-list", "--count", "main")
-    slow = _org_promote_paused_after_push(tmp_path, item_id, 3)
+    slow = _org_promote_paused_after_push(tmp_path, item_id)
     assert item_id in team_ids(shared["origin"])                      # on org, not dropped
     assert item_id in team_ids(shared["org_bare"], "main")
     env_b = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
@@ -3482,6 +3485,7 @@ def test_a_teammates_change_in_another_clone_during_a_team_to_org_move_is_carrie
                           "we build from source now"], env=env_b, cwd=shared["b"],
                          capture_output=True, text=True, timeout=60)
     assert dep.returncode == 0 and json.loads(dep.stdout)["scope"] == "team", dep.stderr
+    (tmp_path / "go").touch()
     out, err = slow.communicate(timeout=90)
     assert slow.returncode == 0, err
     assert "kept_both" not in json.loads(out)
@@ -3500,7 +3504,7 @@ def test_a_move_keeps_both_copies_when_both_changed_meanwhile(shared, monkeypatc
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item_id = _endorsed("Tag every release with its changelog")
     cs.promote()
-    slow = _org_promote_paused_after_push(tmp_path, item_id, 4)
+    slow = _org_promote_paused_after_push(tmp_path, item_id)
     base = child_env(CAMBIUM_REPO=str(shared["b"]))
     org_c = clone(shared["org_bare"], tmp_path / "org-c")
     env_c = {**base, "CAMBIUM_AGENT_ID": "cy", "CAMBIUM_ORG_REPO": str(org_c)}
@@ -3515,6 +3519,7 @@ def test_a_move_keeps_both_copies_when_both_changed_meanwhile(shared, monkeypatc
                          text=True, timeout=60)
     assert dep.returncode == 0 and end.returncode == 0, (dep.stderr, end.stderr)
     assert json.loads(end.stdout)["scope"] == "org"
+    (tmp_path / "go").touch()
     out, err = slow.communicate(timeout=90)
     assert slow.returncode == 0, err
     res = json.loads(out)
