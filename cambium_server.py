@@ -1911,6 +1911,7 @@ class Runtime:
         self.noted: set[str] = set()
         self.fold_timer: threading.Timer | None = None
         self.fold_cost_s = 0.0          #: how long the last background credit fold took
+        self.climbed = False            #: credits climbed to org here: the CLI folds them too
         self.file_locks: dict[str, threading.RLock] = {}
         self.anchors: dict[str, tuple[str, dict]] = {}    #: code anchors per repo, per HEAD
 
@@ -3210,11 +3211,13 @@ class LocalStore(Store):
             pending, commit = take_credits(self.credits, self.scope)
             if pending:                                # fn again, on the credited doc
                 new = with_credits(fn, pending)(doc)
-            if new is None:
+            climbing = climbing_credits(doc, pending)
+            if new is None and not climbing:
                 return Write(doc=doc)
-            self._rewrite(new)
-        commit()
-        return Write(doc=new)
+            if new is not None:
+                self._rewrite(new)
+        commit(climbing)
+        return Write(doc=new if new is not None else doc)
 
     def _append(self, seen: _Seen, added: list, new: Doc) -> None:
         lines = [_stored_json_line(it).encode("utf-8", "surrogateescape") for it in added]
@@ -3649,21 +3652,20 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
         _append_durably(path, data.encode("utf-8"), sync=durable)
 
 
-def _nothing() -> None:
-    return None
-
-
-def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[], None]]:
-    """Pending credits for `scope`, and a commit() that drops them from the journal.
+def take_credits(path: Path | None, scope: str
+                 ) -> tuple[list[dict], Callable[..., None]]:
+    """Pending credits for `scope`, and a commit(climbing=()) that drops them
+    from the journal and journals `climbing` (climbing_credits: those the
+    write could not land) for the scope above, in one rewrite.
 
     Call commit() only after the credits are durably in their store; until then
     they stay in the journal (applying a credit twice is harmless: see credit()).
     """
     mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
     if not mine or path is None:
-        return mine, _nothing
+        return mine, _nothing_taken
 
-    def commit() -> None:
+    def commit(climbing: Iterable[dict] = ()) -> None:
         with file_lock(path):
             taken = {json.dumps(r, sort_keys=True) for r in mine}
             with open(path, "rb", opener=open_regular) as f:
@@ -3676,8 +3678,16 @@ def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[]
                     rec = None      # not ours to judge: a line we cannot parse is kept, byte for byte
                 if rec is None or json.dumps(rec, sort_keys=True) not in taken:
                     keep.append(line + b"\n")
+            keep += [(json_text(r, separators=(",", ":")) + "\n").encode("utf-8")
+                     for r in climbing]
             atomic_write(path, b"".join(keep))
+        if any(r.get("scope") == "org" for r in climbing):
+            runtime().climbed = True
     return mine, commit
+
+
+def _nothing_taken(climbing: Iterable[dict] = ()) -> None:
+    return None
 
 
 def credit(item: Item, agent: str, day: str, project: str) -> Item:
@@ -3702,26 +3712,87 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     return dataclasses.replace(item, trust=trust) if changed else item
 
 
+CREDIT_CLIMBS = {"local": "team", "team": "org"}    #: where a credit whose item left goes
+FOLDED_WHYS = ("consolidated:", "restored: this is a copy")   #: supersessions that moved credits
+
+
+def folded_into(item: Item) -> str | None:
+    """The survivor whose copy `item` was folded into (consolidate, or a restore
+    beside its copy), which took its credits; None for any other item (a
+    person's correction supersedes words that were wrong: they keep theirs)."""
+    by = item.superseded_by
+    if item.status != "superseded" or not isinstance(by, dict):
+        return None
+    why, to = by.get("why"), by.get("id")
+    return to if isinstance(why, str) and why.startswith(FOLDED_WHYS) and \
+        isinstance(to, str) and to else None
+
+
+def _first_index(doc: Doc, ids: set[str] | None = None) -> dict[str, int]:
+    """id -> position of its first copy (as every reader takes it), for `ids` or all."""
+    out: dict[str, int] = {}
+    for i, it in enumerate(doc.items):
+        if ids is None or it.id in ids:
+            out.setdefault(it.id, i)
+    return out
+
+
+def _credit_index(doc: Doc, records: list[dict]) -> dict[str, int]:
+    """The positions fold_credits needs: the credited ids', and every id's when
+    one of them was folded into a survivor (which may be anywhere in the doc)."""
+    by_id = _first_index(doc, {r["item"] for r in records})
+    if any(folded_into(doc.items[i]) for i in by_id.values()):
+        return _first_index(doc)
+    return by_id
+
+
+def credit_landing(doc: Doc, by_id: dict[str, int], item_id: str) -> tuple[int | None, str]:
+    """Where a credit for item_id lands in `doc`: (position, id). The item, or
+    the survivor it was folded into (a credit journaled before consolidate ran
+    is the survivor's now); position None when the doc holds neither: the id
+    (the item's, or its survivor's) is then in a scope above (pure)."""
+    i, to, seen = by_id.get(item_id), item_id, {item_id}
+    while i is not None and (nxt := folded_into(doc.items[i])) is not None and nxt not in seen:
+        seen.add(nxt)
+        i, to = by_id.get(nxt), nxt
+    return i, to
+
+
 def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
-    """Apply pending credits to a doc; None when nothing changes (pure)."""
+    """Apply pending credits to a doc; None when nothing changes (pure). A
+    credit for a duplicate consolidate folded goes to its survivor here."""
     if not records:
         return None
-    ids = {r["item"] for r in records}
-    by_id: dict[str, int] = {}
-    for i, it in enumerate(doc.items):          # the first copy of a doubled id, as every
-        if it.id in ids:                        # reader takes it
-            by_id.setdefault(it.id, i)
+    by_id = _credit_index(doc, records)
     items = list(doc.items)
     changed = False
     for r in records:
-        i = by_id.get(r["item"])
+        i, _ = credit_landing(doc, by_id, r["item"])
         if i is None:
-            continue
+            continue                              # (climbing_credits sends it up)
         new = credit(items[i], str(r.get("agent", "")), str(r.get("day", "")),
                      str(r.get("project", "")))
         if new is not items[i]:
             items[i], changed = new, True
     return dataclasses.replace(doc, items=items) if changed else None
+
+
+def climbing_credits(doc: Doc, records: list[dict]) -> list[dict]:
+    """The credits of `records` that `doc` holds no item for, addressed to the
+    scope above (pure): their item moved up (a teammate promoted it: the same
+    id there), or was folded into a survivor in a scope above. The credit was
+    earned below, so it lands there once, by that scope's next write (org takes
+    them in direct mode; see README). A credit with no scope above is dropped."""
+    if not records:
+        return []
+    by_id = _credit_index(doc, records)
+    out = []
+    for r in records:
+        i, to = credit_landing(doc, by_id, r["item"])
+        up = CREDIT_CLIMBS.get(str(r.get("scope", "local")))
+        if i is None and up is not None:
+            out.append({**r, "item": to, "scope": up})
+    return out
 
 
 def with_credits(fn: Callable[[Doc], Doc | None], pending: list[dict]
@@ -4790,10 +4861,13 @@ class GitStore(Store):
             if guess:
                 return None
             raise
+        climbing = climbing_credits(doc, pending)
         if new is None:
             if guess:
                 return None
             if not (ensure_files and self._files_stale(base, doc)):
+                if climbing:                # nothing to write here: they go up at once
+                    commit_credits(climbing)
                 held = side_tip if side else tip       # does `target` exist?
                 return Write(doc=doc, commit=None, branch=target if held else None)
             new = doc
@@ -4806,7 +4880,7 @@ class GitStore(Store):
         if outcome == "race":
             return None
         self.verify(commit, target)
-        commit_credits()
+        commit_credits(climbing)
         if target == self.branch:
             self._set_ref(commit)
             self._remember(commit, new, tip=True)
@@ -9823,13 +9897,15 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     recalled = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
     recalls = merged_recalls([trust, *(t for _, t in fresh)])   # (credits: once only)
+    for _, t in fresh:
+        later_days(recalled, t)
     for m, t in members:          # a member merged before brings what it gained since
         for e in t.get("endorsements") or []:
             if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
                                                                    .get("at", "")):
                 ends[e.get("by")] = publishable_endorsement(e, survivor, m)
-        for agent, day in (t.get("recalled_by") or {}).items():
-            recalled[agent] = max(str(day), str(recalled.get(agent, "")))
+        if m.id in done:          # ... its agent-days since, counted (the rest were)
+            recalls = min(recalls + later_days(recalled, t), MAX_TRUST_COUNT)
         projects += [p for p in t.get("projects") or [] if p not in projects]
     origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
                 "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
@@ -9849,6 +9925,20 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
                + origins}, **merged_pointers(survivor, [m for m, _ in fresh]),
         **merged_reason(survivor, [m for m, _ in fresh]))
     return survivor if merged == survivor else dataclasses.replace(merged, updated_at=now)
+
+
+def later_days(recalled: dict, trust: dict) -> int:
+    """Take into `recalled` (agent -> last credited day) the days of `trust`'s
+    recalled_by that are later than its own; returns how many: the agent-days
+    a copy merged before gained since (credited as credit() would, so a rerun
+    never counts one twice)."""
+    by = trust.get("recalled_by")
+    n = 0
+    for agent, day in (by.items() if isinstance(by, dict) else ()):
+        if str(day) > str(recalled.get(agent, "")):
+            recalled[agent] = str(day)
+            n += 1
+    return n
 
 
 def publishable_notes(it: Item) -> Item:
@@ -10331,7 +10421,8 @@ def _org_store(cfg: Config) -> GitStore:
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
                     extra_files=org_markdown, checkout=True, default_branch=True,
-                    own_branch=True, rewinds=not cfg.org_pr)   # (PR mode: reviewers decide)
+                    own_branch=True, rewinds=not cfg.org_pr,   # (PR mode: reviewers decide)
+                    credits=None if cfg.org_pr else credits_path(cfg))  # (climbed from team)
 
 
 def org_clone_problem(org: Path, project: Path) -> str | None:
@@ -13657,19 +13748,22 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     return pending + new
 
 
+CREDIT_SCOPES = ("local", "team", "org")    #: the scopes a fold writes (org: climbed credits)
 CREDIT_FOLD_DELAY_S = 2.0     #: the server folds journaled recall credits this soon after...
 CREDIT_FOLD_DUTY = 20         #: ...or, on a store whose rewrite is slow, after this many
                               #: times the last fold's cost (folding takes <= 5% of the time)
 
 
-def fold_credits_now(cfg: Config, scopes: Iterable[str] = ("local", "team")) -> int:
+def fold_credits_now(cfg: Config, scopes: Iterable[str] = CREDIT_SCOPES) -> int:
     """Fold the journaled credits of `scopes` into their stores (a team credit is
-    one team write for all of them); returns how many credits were pending."""
+    one team write for all of them); returns how many credits were pending. Org
+    holds only credits that climbed (climbing_credits), folded in direct mode
+    only: in PR mode nothing is pushed to org's branch, and they wait."""
     pending = read_credits(credits_path(cfg))
     total = 0
     for scope in scopes:
         mine = [r for r in pending if r.get("scope", "local") == scope]
-        if not mine:
+        if not mine or (scope == "org" and cfg.org_pr):
             continue
         try:
             st = store(cfg, scope)
@@ -13708,7 +13802,7 @@ def _schedule_credit_fold(cfg: Config) -> None:
         rt.fold_timer.start()
 
 
-def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = ("local", "team")) -> None:
+def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = CREDIT_SCOPES) -> None:
     """fold_credits_now, reporting a failure on stderr: the credits stay journaled
     and the next write to their store folds them."""
     try:
@@ -15873,10 +15967,10 @@ def _exit_quietly(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _fold_on_exit(scopes: Iterable[str] = ("local", "team"), *, warm: bool = False) -> None:
+def _fold_on_exit(scopes: Iterable[str] = CREDIT_SCOPES, *, warm: bool = False) -> None:
     """Fold journaled recall credits into their stores as a process ends cleanly
-    (the server: local and team, then the next primer made; the CLI: local,
-    its own recall's)."""
+    (the server: every scope's, then the next primer made; the CLI: local, its
+    own recall's, and org, those its own write sent up: climbing_credits)."""
     with contextlib.suppress(CambiumError, OSError):
         cfg = resolve_config()
         if cfg.configured:
@@ -16046,6 +16140,8 @@ def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = Non
     with collecting_notes():
         result = with_store_warnings((fn or args.tool.fn)(**kwargs))
     _emit(result, getattr(args, "format", "json"))          # (`cambium ... | head` is fine)
+    if runtime().climbed:                   # a team write sent credits up: land them now
+        _fold_on_exit(("org",))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
     return 1 if failed else 0
 
