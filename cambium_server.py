@@ -9300,6 +9300,25 @@ def org_tells(item: Item) -> list[str]:
     return tells
 
 
+def general_note(item: Item) -> str | None:
+    """The latest endorsement note when it reads cross-project (no tell), else
+    None: the only note generalize() takes for a body or review suggests (a
+    note "see dec-004, the billing outage" became org's body) (pure)."""
+    note = latest_endorsement_note(item)
+    return note if note and not generalization_tells(note, item.project) else None
+
+
+def restatement_tells(item: Item, *, content: str | None = None, why: str | None = None,
+                      kind: str | None = None) -> list[str]:
+    """What reads project-specific in the fields a restatement for org gives,
+    named as org_tells names them (pure)."""
+    tells = generalization_tells(content, item.project) if content else []
+    for name, text in (("why", why), ("kind", kind)):
+        if text:
+            tells += [f"{name} {t}" for t in generalization_tells(text, item.project)]
+    return tells
+
+
 def restated(item: Item, *, content: str | None = None, why: str | None = None,
              kind: str | None = None) -> Item:
     """The item with its content, why and/or kind restated in general terms;
@@ -14235,7 +14254,10 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
                    "The why restated in general terms.")] = None,
                org_kind: Annotated[str | None, Field(
                    "The kind restated in general terms.")] = None,
-               note: Annotated[str, Field("Why it was restated.")] = "") -> dict:
+               note: Annotated[str, Field("Why it was restated.")] = "",
+               force: Annotated[bool, Field(
+                   "Restate it even though the new words read project-specific.")] = False
+               ) -> dict:
     """Restate an org item as the cross-project rule, in place.
 
     For org items that crossed before the generalization gate or were forced
@@ -14243,7 +14265,9 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     concrete versions are kept as `example`. org_content: the general
     restatement of the content; org_why: of the why; org_kind: of the kind.
     With none of them, the item's latest endorsement note restates the
-    content. note: why. Writes through
+    content, when it reads cross-project. Restated words with a tell are
+    refused (needs_generalization, with the tells), as promote and correct
+    refuse them, unless force=True. note: why. Writes through
     the org path: a direct push, or one shared `cambium/generalize` pull
     request when CAMBIUM_ORG_PR=1 (repeated calls batch into it). Idempotent:
     restating to the same text changes nothing.
@@ -14257,20 +14281,13 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     kind = None if org_kind is None else _clean_text(org_kind, "org_kind", 40, required=True)
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
-    changed: list[bool] = []
+    changed, refused = [], []                      # (what apply found on the tip it judged)
 
     def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
-        _require_active(it, "generalized")
-        if it.authority == "human":                 # an agent's words would carry a person's
-            raise Refused(f"item {item_id} is a person's correction (authority human): an "
-                          "agent does not restate it. If a person restated it, record that "
-                          "with correct(item_id, content, why).")
-        text = content or (None if why or kind else latest_endorsement_note(it))
-        if not (text or why or kind):
-            raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
-                             "org_content= (and/or org_why=, org_kind=) with the rule stated "
-                             "in general terms.")
-        new = restated(it, content=text, why=why, kind=kind)
+        text = _restatement_body(it, item_id, content, why, kind)
+        refused[:] = [tells] if (tells := restatement_tells(
+            it, content=text, why=why, kind=kind)) and not force else []
+        new = it if refused else restated(it, content=text, why=why, kind=kind)
         changed.append(new is not it)
         return None if new is it else dataclasses.replace(
             new, updated_at=now, extra={**it.extra, "generalized": {
@@ -14282,9 +14299,35 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     except NotFound:
         raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
                        "(review_promotions lists the ones that need it).") from None
+    if refused:
+        return {"status": "needs_generalization", "tells": refused[0], "item": item_view(new),
+                "reason": "org scope is read by every project and the restatement reads "
+                          "project-specific: state the rule in general terms, or pass "
+                          "force=True to restate it as it is."}
     changed_now = write is not None and write.commit is not None and changed[-1]
     return proposed({"status": "generalized" if changed_now else "unchanged",
                      "item": item_view(new), "tells_left": org_tells(new)}, write)
+
+
+def _restatement_body(it: Item, item_id: str, content: str | None, why: str | None,
+                      kind: str | None) -> str | None:
+    """generalize()'s new content for `it`: the one given, else (with no why
+    or kind either) its latest endorsement note when that reads cross-project;
+    refuses an item that is not active or is a person's correction, and a call
+    that would restate nothing."""
+    _require_active(it, "generalized")
+    if it.authority == "human":                 # an agent's words would carry a person's
+        raise Refused(f"item {item_id} is a person's correction (authority human): an "
+                      "agent does not restate it. If a person restated it, record that "
+                      "with correct(item_id, content, why).")
+    text = content or (None if why or kind else general_note(it))
+    if not (text or why or kind):
+        told = " that reads cross-project (the latest one names project specifics)" \
+            if latest_endorsement_note(it) else ""
+        raise InputError(f"item {item_id} has no endorsement note{told} to fall back on; "
+                         "pass org_content= (and/or org_why=, org_kind=) with the rule stated "
+                         "in general terms.")
+    return text
 
 
 REVIEW_LIMIT, MAX_REVIEW_LIMIT = 50, 1000   #: review_promotions' entries a list: default, most
@@ -14341,7 +14384,7 @@ def review_promotions(limit: Annotated[int, Field(
         if tells:                                   # (a person's words: not restated)
             out["org_needs_generalization"].append({
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
-                "suggested": latest_endorsement_note(it),
+                "suggested": general_note(it),
                 "fix": generalization_fix(it.id, tells)})
     for key, got in (("settled_org_prs", settled), ("closed_org_prs", prs.withdrawn),
                      ("caught_up_org_prs", prs.caught_up), ("opened_org_prs", prs.opened),

@@ -6033,6 +6033,32 @@ def test_generalize_refuses_empty_text_rather_than_taking_the_endorsement_note(
     assert org["content"] == "Time out every outbound call"
 
 
+def test_generalize_judges_its_restatement_at_the_org_gate(shared, monkeypatch):
+    """generalize published a restatement naming a file and a test (promote
+    refused the same words), and with no org_content made an endorsement note
+    naming a context-keeper id org's body; review suggested that note."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Services must ack after the database commit")
+    cs.promote(item, to_scope="org", force=True)
+    bad = "Consumers ack after commit, as test_ack_order in services/queue/consumer.py shows"
+    out = cs.generalize(item, org_content=bad)
+    assert out["status"] == "needs_generalization"
+    assert out["tells"] == ["names a file: services/queue/consumer.py",
+                            "names a test: test_ack_order"]
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert org["content"] == "Services must ack after the database commit"
+    done = cli("generalize", item, "--org-content", bad, "--force", cwd=shared["a"],
+               CAMBIUM_AGENT_ID="ada", CAMBIUM_ORG_REPO=str(shared["org"]))
+    assert json.loads(done.stdout)["status"] == "generalized", done.stderr
+    noted = _endorsed("Workers in services/queue/consumer.py ack after commit",
+                      "see dec-004, the billing outage")
+    cs.promote(noted, to_scope="org", force=True)
+    with pytest.raises(cs.InputError, match="no endorsement note that reads cross-project"):
+        cs.generalize(noted)
+    listed = {e["id"]: e for e in cs.review_promotions()["org_needs_generalization"]}
+    assert listed[noted]["suggested"] is None
+
+
 def test_a_promote_whose_item_is_retired_meanwhile_is_refused_as_retired(
         shared, monkeypatch):
     """The gate judged again on the write's tip turned the item away, and the
