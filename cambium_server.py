@@ -13133,7 +13133,7 @@ def capture(content: Annotated[str, Field(
     if supersedes is not None:
         _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1],
                         "disputed")
-    elif said := _said_before(cfg, content, type):
+    if said := _said_before(cfg, content, type, disputing=supersedes is not None):
         return with_store_warnings(said, cfg)
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
@@ -13218,13 +13218,17 @@ def words_held(key: str, items: list) -> dict[str, Item]:
         return words
 
 
-def _said_before(cfg: Config, content: Any, type: str) -> dict | None:
+def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = False
+                 ) -> dict | None:
     """capture's answer when its words were said before elsewhere: corrected
-    by a person (the correction), or held by team or org (that item)."""
+    by a person (the correction), or held by team or org (that item).
+    disputing (capture with supersedes): words a person corrected may be
+    stated again to dispute the correction, but words an active shared item
+    holds (the disputed item's own among them) are still a duplicate."""
     if not isinstance(content, str) or not content.strip():
         return None                            # (capture's own checks say what is wrong)
     docs, _ = read_scopes_offline(cfg)         # (once: a capture is O(1))
-    if fixed := _correction_of_text(cfg, content, type, docs):
+    if not disputing and (fixed := _correction_of_text(cfg, content, type, docs)):
         return {"status": "corrected_before", "item": item_view(fixed),
                 "note": "a person corrected this statement; the correction stands (capture "
                         "with supersedes=<its id> to dispute it)"}

@@ -6569,6 +6569,16 @@ def test_capturing_the_words_a_person_corrected_answers_with_the_correction(repo
     assert len(local_items(repo)) == 4
 
 
+def test_disputing_a_shared_item_in_its_own_words_is_a_duplicate(shared):
+    """capture(supersedes=X) with X's own words, X a team item, stored a second
+    copy of its text: recall listed the same statement twice."""
+    item = _endorsed("The deploy window is Tuesday afternoon")
+    cs.promote(item)
+    again = cs.capture("The deploy window is Tuesday afternoon", supersedes=item)
+    assert again["status"] == "duplicate" and again["item"]["id"] == item
+    assert [i for i in local_items(shared["a"]) if i["status"] == "active"] == []
+
+
 def test_correct_at_team_scope_goes_through_the_cas_push(shared):
     wrong = _endorsed("Team standup is at nine", "x")
     cs.promote()
