@@ -9347,7 +9347,8 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None,
 class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
     refused with the reason and what to do. status: promotable, not_eligible,
-    deprecated, needs_endorsement, needs_generalization, pr_pending or id_conflict."""
+    deprecated or superseded (retired_verdict), needs_endorsement,
+    needs_generalization, pr_pending or id_conflict."""
     allowed: bool
     status: str
     reason: str = ""
@@ -9356,13 +9357,21 @@ class Verdict:
     forced: bool = False
 
 
+def retired_verdict(item: Item) -> Verdict:
+    """The gate's refusal of a retired item, under its real status (superseded,
+    naming what superseded it; deprecated) (pure)."""
+    by = item.superseded_by.get("id") if isinstance(item.superseded_by, dict) else None
+    what = f"superseded by {by}" if item.status == "superseded" and isinstance(by, str) \
+        else str(item.status)
+    return Verdict(False, str(item.status), f"item {item.id} is {what}; it cannot be promoted.")
+
+
 def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = False
                  ) -> Verdict:
     """May local `item` go to team? Endorsed, or recalled on enough agent-days;
     force=True lets any active item through (forced)."""
     if not item.active:
-        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
-                                            "promoted.")
+        return retired_verdict(item)
     if item.pr_url:                 # (moved to team, the merge would settle nothing: in both)
         return Verdict(False, "pr_pending", f"item {item.id} waits on its org pull request "
                        f"{item.pr_url}: it moves to org when that merges (close the pull "
@@ -9385,8 +9394,7 @@ def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | No
     would land (with org_content / org_why / org_kind restating content / why /
     kind) must read cross-project, unless forced."""
     if not item.active:
-        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
-                                            "promoted.")
+        return retired_verdict(item)
     if not item.trust.get("endorsements"):
         return Verdict(False, "needs_endorsement",
                        f"org scope needs an endorsement; endorse({item.id!r}, note=...) "
@@ -14002,10 +14010,12 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
                          now=now))
     except CambiumError as e:
         raise _unmoved(e, "local")
-    if item_id in moved.refused:               # judged again on team's tip: refused there
+    if item_id in moved.refused:               # judged again under the lock: refused there
+        _, current = locate(cfg, item_id, fresh=True)   # (as the move found it)
+        _require_active(current, "promoted")   # retired meanwhile: refused as it would be
         verdict = moved.refused[item_id]
         return {"status": verdict.status, "reason": verdict.reason, "item": item_view(
-            local[0], trust=effective_trust(local[0], pending))}
+            current, trust=effective_trust(current, pending))}
     landed = as_landed(cfg, "team", moved)
     out = {"status": "promoted" if landed or moved.joined else "nothing_eligible",
            "to_scope": "team", "commit": moved.write.commit,

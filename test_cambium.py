@@ -6083,6 +6083,27 @@ def test_a_promote_whose_item_is_retired_meanwhile_is_refused_as_retired(
     assert len(calls) >= 2 and remote_json(shared["org_bare"], "main") is None
 
 
+def test_a_forced_promote_racing_a_correction_is_refused_as_superseded(shared, monkeypatch):
+    """A person's correction landing while a forced promote to team ran: the
+    answer was `deprecated` (exit 0) with the stale copy, shown active."""
+    item = cs.capture("Batch size for the export job is 100 rows")["item"]["id"]
+    real, fixes = cs.team_verdict, []
+
+    def verdict_then_a_person_corrects(it, *a, **kw):
+        if not fixes:                           # between promote's check and its move
+            fixes.append(cs.correct(item, "Batch size for the export job is 500 rows")
+                         ["item"]["id"])
+        return real(it, *a, **kw)
+
+    monkeypatch.setattr(cs, "team_verdict", verdict_then_a_person_corrects)
+    with pytest.raises(cs.Refused, match="is superseded by k-") as e:
+        cs.promote(item, force=True)
+    assert fixes[0] in str(e.value)
+    old = cs.Item.from_dict(next(i for i in local_items(shared["a"]) if i["id"] == item))
+    verdict = real(old, {}, 1)
+    assert verdict.status == "superseded" and f"superseded by {fixes[0]}" in verdict.reason
+
+
 def test_generalize_and_review_fetch_each_scope_once(shared, monkeypatch):
     """generalize judges the item on the tip its write lands on (no read
     before); review_promotions reads team once even while settling PRs."""
