@@ -3212,8 +3212,8 @@ class LocalStore(Store):
             if pending:                                # fn again, on the credited doc
                 new = with_credits(fn, pending)(doc)
             climbing = climbing_credits(doc, pending)
-            if new is None and not climbing:
-                return Write(doc=doc)
+            if new is None and not pending:
+                return Write(doc=doc)      # (pending, all counted here already: dropped)
             if new is not None:
                 self._rewrite(new)
         commit(climbing)
@@ -4866,7 +4866,7 @@ class GitStore(Store):
             if guess:
                 return None
             if not (ensure_files and self._files_stale(base, doc)):
-                if climbing:                # nothing to write here: they go up at once
+                if pending:     # all counted here already, or they go up: done with
                     commit_credits(climbing)
                 held = side_tip if side else tip       # does `target` exist?
                 return Write(doc=doc, commit=None, branch=target if held else None)
