@@ -2024,6 +2024,7 @@ class Runtime:
         self.noted: set[str] = set()
         self.fold_timer: threading.Timer | None = None
         self.fold_cost_s = 0.0          #: how long the last background credit fold took
+        self.climbed = False            #: credits climbed to org here: the CLI folds them too
         self.file_locks: dict[str, threading.RLock] = {}
         self.anchors: dict[str, tuple[str, dict]] = {}    #: code anchors per repo, per HEAD
 
@@ -3391,11 +3392,13 @@ class LocalStore(Store):
             pending, commit = take_credits(self.credits, self.scope)
             if pending:                                # fn again, on the credited doc
                 new = with_credits(fn, pending)(doc)
-            if new is None:
-                return Write(doc=doc)
-            self._rewrite(new)
-        commit()
-        return Write(doc=new)
+            climbing = climbing_credits(doc, pending)
+            if new is None and not pending:
+                return Write(doc=doc)      # (pending, all counted here already: dropped)
+            if new is not None:
+                self._rewrite(new)
+        commit(climbing)
+        return Write(doc=new if new is not None else doc)
 
     def _append(self, seen: _Seen, added: list, new: Doc) -> None:
         lines = [_stored_json_line(it).encode("utf-8", "surrogateescape") for it in added]
@@ -3830,21 +3833,20 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
         _append_durably(path, data.encode("utf-8"), sync=durable)
 
 
-def _nothing() -> None:
-    return None
-
-
-def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[], None]]:
-    """Pending credits for `scope`, and a commit() that drops them from the journal.
+def take_credits(path: Path | None, scope: str
+                 ) -> tuple[list[dict], Callable[..., None]]:
+    """Pending credits for `scope`, and a commit(climbing=()) that drops them
+    from the journal and journals `climbing` (climbing_credits: those the
+    write could not land) for the scope above, in one rewrite.
 
     Call commit() only after the credits are durably in their store; until then
     they stay in the journal (applying a credit twice is harmless: see credit()).
     """
     mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
     if not mine or path is None:
-        return mine, _nothing
+        return mine, _nothing_taken
 
-    def commit() -> None:
+    def commit(climbing: Iterable[dict] = ()) -> None:
         with file_lock(path):
             taken = {json.dumps(r, sort_keys=True) for r in mine}
             with open(path, "rb", opener=open_regular) as f:
@@ -3857,8 +3859,16 @@ def take_credits(path: Path | None, scope: str) -> tuple[list[dict], Callable[[]
                     rec = None      # not ours to judge: a line we cannot parse is kept, byte for byte
                 if rec is None or json.dumps(rec, sort_keys=True) not in taken:
                     keep.append(line + b"\n")
+            keep += [(json_text(r, separators=(",", ":")) + "\n").encode("utf-8")
+                     for r in climbing]
             atomic_write(path, b"".join(keep))
+        if any(r.get("scope") == "org" for r in climbing):
+            runtime().climbed = True
     return mine, commit
+
+
+def _nothing_taken(climbing: Iterable[dict] = ()) -> None:
+    return None
 
 
 def credit(item: Item, agent: str, day: str, project: str) -> Item:
@@ -3883,26 +3893,87 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     return dataclasses.replace(item, trust=trust) if changed else item
 
 
+CREDIT_CLIMBS = {"local": "team", "team": "org"}    #: where a credit whose item left goes
+FOLDED_WHYS = ("consolidated:", "restored: this is a copy")   #: supersessions that moved credits
+
+
+def folded_into(item: Item) -> str | None:
+    """The survivor whose copy `item` was folded into (consolidate, or a restore
+    beside its copy), which took its credits; None for any other item (a
+    person's correction supersedes words that were wrong: they keep theirs)."""
+    by = item.superseded_by
+    if item.status != "superseded" or not isinstance(by, dict):
+        return None
+    why, to = by.get("why"), by.get("id")
+    return to if isinstance(why, str) and why.startswith(FOLDED_WHYS) and \
+        isinstance(to, str) and to else None
+
+
+def _first_index(doc: Doc, ids: set[str] | None = None) -> dict[str, int]:
+    """id -> position of its first copy (as every reader takes it), for `ids` or all."""
+    out: dict[str, int] = {}
+    for i, it in enumerate(doc.items):
+        if ids is None or it.id in ids:
+            out.setdefault(it.id, i)
+    return out
+
+
+def _credit_index(doc: Doc, records: list[dict]) -> dict[str, int]:
+    """The positions fold_credits needs: the credited ids', and every id's when
+    one of them was folded into a survivor (which may be anywhere in the doc)."""
+    by_id = _first_index(doc, {r["item"] for r in records})
+    if any(folded_into(doc.items[i]) for i in by_id.values()):
+        return _first_index(doc)
+    return by_id
+
+
+def credit_landing(doc: Doc, by_id: dict[str, int], item_id: str) -> tuple[int | None, str]:
+    """Where a credit for item_id lands in `doc`: (position, id). The item, or
+    the survivor it was folded into (a credit journaled before consolidate ran
+    is the survivor's now); position None when the doc holds neither: the id
+    (the item's, or its survivor's) is then in a scope above (pure)."""
+    i, to, seen = by_id.get(item_id), item_id, {item_id}
+    while i is not None and (nxt := folded_into(doc.items[i])) is not None and nxt not in seen:
+        seen.add(nxt)
+        i, to = by_id.get(nxt), nxt
+    return i, to
+
+
 def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
-    """Apply pending credits to a doc; None when nothing changes (pure)."""
+    """Apply pending credits to a doc; None when nothing changes (pure). A
+    credit for a duplicate consolidate folded goes to its survivor here."""
     if not records:
         return None
-    ids = {r["item"] for r in records}
-    by_id: dict[str, int] = {}
-    for i, it in enumerate(doc.items):          # the first copy of a doubled id, as every
-        if it.id in ids:                        # reader takes it
-            by_id.setdefault(it.id, i)
+    by_id = _credit_index(doc, records)
     items = list(doc.items)
     changed = False
     for r in records:
-        i = by_id.get(r["item"])
+        i, _ = credit_landing(doc, by_id, r["item"])
         if i is None:
-            continue
+            continue                              # (climbing_credits sends it up)
         new = credit(items[i], str(r.get("agent", "")), str(r.get("day", "")),
                      str(r.get("project", "")))
         if new is not items[i]:
             items[i], changed = new, True
     return dataclasses.replace(doc, items=items) if changed else None
+
+
+def climbing_credits(doc: Doc, records: list[dict]) -> list[dict]:
+    """The credits of `records` that `doc` holds no item for, addressed to the
+    scope above (pure): their item moved up (a teammate promoted it: the same
+    id there), or was folded into a survivor in a scope above. The credit was
+    earned below, so it lands there once, by that scope's next write (org takes
+    them in direct mode; see README). A credit with no scope above is dropped."""
+    if not records:
+        return []
+    by_id = _credit_index(doc, records)
+    out = []
+    for r in records:
+        i, to = credit_landing(doc, by_id, r["item"])
+        up = CREDIT_CLIMBS.get(str(r.get("scope", "local")))
+        if i is None and up is not None:
+            out.append({**r, "item": to, "scope": up})
+    return out
 
 
 def with_credits(fn: Callable[[Doc], Doc | None], pending: list[dict]
@@ -4971,10 +5042,13 @@ class GitStore(Store):
             if guess:
                 return None
             raise
+        climbing = climbing_credits(doc, pending)
         if new is None:
             if guess:
                 return None
             if not (ensure_files and self._files_stale(base, doc)):
+                if pending:     # all counted here already, or they go up: done with
+                    commit_credits(climbing)
                 held = side_tip if side else tip       # does `target` exist?
                 return Write(doc=doc, commit=None, branch=target if held else None)
             new = doc
@@ -4988,7 +5062,7 @@ class GitStore(Store):
         if outcome == "race":
             return None
         self.verify(commit, target)
-        commit_credits()
+        commit_credits(climbing)
         if others:                             # (this write started the branch)
             note_for_call(f"this write started the {self.scope} branch '{self.branch}' on "
                           f"{self.remote}, but {', '.join(others[:3])} holds a {STORE_FILE}: "
@@ -9421,6 +9495,25 @@ def org_tells(item: Item) -> list[str]:
     return tells
 
 
+def general_note(item: Item) -> str | None:
+    """The latest endorsement note when it reads cross-project (no tell), else
+    None: the only note generalize() takes for a body or review suggests (a
+    note "see dec-004, the billing outage" became org's body) (pure)."""
+    note = latest_endorsement_note(item)
+    return note if note and not generalization_tells(note, item.project) else None
+
+
+def restatement_tells(item: Item, *, content: str | None = None, why: str | None = None,
+                      kind: str | None = None) -> list[str]:
+    """What reads project-specific in the fields a restatement for org gives,
+    named as org_tells names them (pure)."""
+    tells = generalization_tells(content, item.project) if content else []
+    for name, text in (("why", why), ("kind", kind)):
+        if text:
+            tells += [f"{name} {t}" for t in generalization_tells(text, item.project)]
+    return tells
+
+
 def restated(item: Item, *, content: str | None = None, why: str | None = None,
              kind: str | None = None) -> Item:
     """The item with its content, why and/or kind restated in general terms;
@@ -9449,7 +9542,8 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None,
 class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
     refused with the reason and what to do. status: promotable, not_eligible,
-    deprecated, needs_endorsement, needs_generalization, pr_pending or id_conflict."""
+    deprecated or superseded (retired_verdict), needs_endorsement,
+    needs_generalization, pr_pending or id_conflict."""
     allowed: bool
     status: str
     reason: str = ""
@@ -9458,13 +9552,21 @@ class Verdict:
     forced: bool = False
 
 
+def retired_verdict(item: Item) -> Verdict:
+    """The gate's refusal of a retired item, under its real status (superseded,
+    naming what superseded it; deprecated) (pure)."""
+    by = item.superseded_by.get("id") if isinstance(item.superseded_by, dict) else None
+    what = f"superseded by {by}" if item.status == "superseded" and isinstance(by, str) \
+        else str(item.status)
+    return Verdict(False, str(item.status), f"item {item.id} is {what}; it cannot be promoted.")
+
+
 def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = False
                  ) -> Verdict:
     """May local `item` go to team? Endorsed, or recalled on enough agent-days;
     force=True lets any active item through (forced)."""
     if not item.active:
-        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
-                                            "promoted.")
+        return retired_verdict(item)
     if item.pr_url:                 # (moved to team, the merge would settle nothing: in both)
         return Verdict(False, "pr_pending", f"item {item.id} waits on its org pull request "
                        f"{item.pr_url}: it moves to org when that merges (close the pull "
@@ -9487,8 +9589,7 @@ def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | No
     would land (with org_content / org_why / org_kind restating content / why /
     kind) must read cross-project, unless forced."""
     if not item.active:
-        return Verdict(False, "deprecated", f"item {item.id} is {item.status}; it cannot be "
-                                            "promoted.")
+        return retired_verdict(item)
     if not item.trust.get("endorsements"):
         return Verdict(False, "needs_endorsement",
                        f"org scope needs an endorsement; endorse({item.id!r}, note=...) "
@@ -10018,13 +10119,15 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     recalled = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
     recalls = merged_recalls([trust, *(t for _, t in fresh)])   # (credits: once only)
+    for _, t in fresh:
+        later_days(recalled, t)
     for m, t in members:          # a member merged before brings what it gained since
         for e in t.get("endorsements") or []:
             if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
                                                                    .get("at", "")):
                 ends[e.get("by")] = publishable_endorsement(e, survivor, m)
-        for agent, day in (t.get("recalled_by") or {}).items():
-            recalled[agent] = max(str(day), str(recalled.get(agent, "")))
+        if m.id in done:          # ... its agent-days since, counted (the rest were)
+            recalls = min(recalls + later_days(recalled, t), MAX_TRUST_COUNT)
         projects += [p for p in t.get("projects") or [] if p not in projects]
     origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
                 "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
@@ -10044,6 +10147,20 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
                + origins}, **merged_pointers(survivor, [m for m, _ in fresh]),
         **merged_reason(survivor, [m for m, _ in fresh]))
     return survivor if merged == survivor else dataclasses.replace(merged, updated_at=now)
+
+
+def later_days(recalled: dict, trust: dict) -> int:
+    """Take into `recalled` (agent -> last credited day) the days of `trust`'s
+    recalled_by that are later than its own; returns how many: the agent-days
+    a copy merged before gained since (credited as credit() would, so a rerun
+    never counts one twice)."""
+    by = trust.get("recalled_by")
+    n = 0
+    for agent, day in (by.items() if isinstance(by, dict) else ()):
+        if str(day) > str(recalled.get(agent, "")):
+            recalled[agent] = str(day)
+            n += 1
+    return n
 
 
 def publishable_notes(it: Item) -> Item:
@@ -10571,7 +10688,8 @@ def _org_store(cfg: Config) -> GitStore:
     return GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                     fetch_interval_s=cfg.fetch_interval_s, agent=cfg.agent,
                     extra_files=org_markdown, checkout=True, default_branch=True,
-                    own_branch=True, rewinds=not cfg.org_pr)   # (PR mode: reviewers decide)
+                    own_branch=True, rewinds=not cfg.org_pr,   # (PR mode: reviewers decide)
+                    credits=None if cfg.org_pr else credits_path(cfg))  # (climbed from team)
 
 
 def org_clone_problem(org: Path, project: Path) -> str | None:
@@ -13348,7 +13466,7 @@ def capture(content: Annotated[str, Field(
     if supersedes is not None:
         _require_active(locate(cfg, _check_id(supersedes, "supersedes"), highest=True)[1],
                         "disputed")
-    elif said := _said_before(cfg, content, type):
+    if said := _said_before(cfg, content, type, disputing=supersedes is not None):
         return with_store_warnings(said, cfg)
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
@@ -13429,13 +13547,17 @@ def words_held(key: str, items: list) -> dict[str, Item]:
         return words
 
 
-def _said_before(cfg: Config, content: Any, type: str) -> dict | None:
+def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = False
+                 ) -> dict | None:
     """capture's answer when its words were said before elsewhere: corrected
-    by a person (the correction), or held by team or org (that item)."""
+    by a person (the correction), or held by team or org (that item).
+    disputing (capture with supersedes): words a person corrected may be
+    stated again to dispute the correction, but words an active shared item
+    holds (the disputed item's own among them) are still a duplicate."""
     if not isinstance(content, str) or not content.strip():
         return None                            # (capture's own checks say what is wrong)
     docs, _ = read_scopes_offline(cfg)         # (once: a capture is O(1))
-    if fixed := _correction_of_text(cfg, content, type, docs):
+    if not disputing and (fixed := _correction_of_text(cfg, content, type, docs)):
         return {"status": "corrected_before", "item": item_view(fixed),
                 "note": "a person corrected this statement; the correction stands (capture "
                         "with supersedes=<its id> to dispute it)"}
@@ -13978,19 +14100,22 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     return pending + new
 
 
+CREDIT_SCOPES = ("local", "team", "org")    #: the scopes a fold writes (org: climbed credits)
 CREDIT_FOLD_DELAY_S = 2.0     #: the server folds journaled recall credits this soon after...
 CREDIT_FOLD_DUTY = 20         #: ...or, on a store whose rewrite is slow, after this many
                               #: times the last fold's cost (folding takes <= 5% of the time)
 
 
-def fold_credits_now(cfg: Config, scopes: Iterable[str] = ("local", "team")) -> int:
+def fold_credits_now(cfg: Config, scopes: Iterable[str] = CREDIT_SCOPES) -> int:
     """Fold the journaled credits of `scopes` into their stores (a team credit is
-    one team write for all of them); returns how many credits were pending."""
+    one team write for all of them); returns how many credits were pending. Org
+    holds only credits that climbed (climbing_credits), folded in direct mode
+    only: in PR mode nothing is pushed to org's branch, and they wait."""
     pending = read_credits(credits_path(cfg))
     total = 0
     for scope in scopes:
         mine = [r for r in pending if r.get("scope", "local") == scope]
-        if not mine:
+        if not mine or (scope == "org" and cfg.org_pr):
             continue
         try:
             st = store(cfg, scope)
@@ -14029,7 +14154,7 @@ def _schedule_credit_fold(cfg: Config) -> None:
         rt.fold_timer.start()
 
 
-def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = ("local", "team")) -> None:
+def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = CREDIT_SCOPES) -> None:
     """fold_credits_now, reporting a failure on stderr: the credits stay journaled
     and the next write to their store folds them."""
     try:
@@ -14206,10 +14331,12 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
                          now=now))
     except CambiumError as e:
         raise _unmoved(e, "local")
-    if item_id in moved.refused:               # judged again on team's tip: refused there
+    if item_id in moved.refused:               # judged again under the lock: refused there
+        _, current = locate(cfg, item_id, fresh=True)   # (as the move found it)
+        _require_active(current, "promoted")   # retired meanwhile: refused as it would be
         verdict = moved.refused[item_id]
         return {"status": verdict.status, "reason": verdict.reason, "item": item_view(
-            local[0], trust=effective_trust(local[0], pending))}
+            current, trust=effective_trust(current, pending))}
     landed = as_landed(cfg, "team", moved)
     out = {"status": "promoted" if landed or moved.joined else "nothing_eligible",
            "to_scope": "team", "commit": moved.write.commit,
@@ -14462,7 +14589,10 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
                    "The why restated in general terms.")] = None,
                org_kind: Annotated[str | None, Field(
                    "The kind restated in general terms.")] = None,
-               note: Annotated[str, Field("Why it was restated.")] = "") -> dict:
+               note: Annotated[str, Field("Why it was restated.")] = "",
+               force: Annotated[bool, Field(
+                   "Restate it even though the new words read project-specific.")] = False
+               ) -> dict:
     """Restate an org item as the cross-project rule, in place.
 
     For org items that crossed before the generalization gate or were forced
@@ -14470,7 +14600,9 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     concrete versions are kept as `example`. org_content: the general
     restatement of the content; org_why: of the why; org_kind: of the kind.
     With none of them, the item's latest endorsement note restates the
-    content. note: why. Writes through
+    content, when it reads cross-project. Restated words with a tell are
+    refused (needs_generalization, with the tells), as promote and correct
+    refuse them, unless force=True. note: why. Writes through
     the org path: a direct push, or one shared `cambium/generalize` pull
     request when CAMBIUM_ORG_PR=1 (repeated calls batch into it). Idempotent:
     restating to the same text changes nothing.
@@ -14484,20 +14616,13 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     kind = None if org_kind is None else _clean_text(org_kind, "org_kind", 40, required=True)
     note = _clean_text(note, "note", MAX_WHY_CHARS)
     now = _now()
-    changed: list[bool] = []
+    changed, refused = [], []                      # (what apply found on the tip it judged)
 
     def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
-        _require_active(it, "generalized")
-        if it.authority == "human":                 # an agent's words would carry a person's
-            raise Refused(f"item {item_id} is a person's correction (authority human): an "
-                          "agent does not restate it. If a person restated it, record that "
-                          "with correct(item_id, content, why).")
-        text = content or (None if why or kind else latest_endorsement_note(it))
-        if not (text or why or kind):
-            raise InputError(f"item {item_id} has no endorsement note to fall back on; pass "
-                             "org_content= (and/or org_why=, org_kind=) with the rule stated "
-                             "in general terms.")
-        new = restated(it, content=text, why=why, kind=kind)
+        text = _restatement_body(it, item_id, content, why, kind)
+        refused[:] = [tells] if (tells := restatement_tells(
+            it, content=text, why=why, kind=kind)) and not force else []
+        new = it if refused else restated(it, content=text, why=why, kind=kind)
         changed.append(new is not it)
         return None if new is it else dataclasses.replace(
             new, updated_at=now, extra={**it.extra, "generalized": {
@@ -14509,9 +14634,35 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     except NotFound:
         raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
                        "(review_promotions lists the ones that need it).") from None
+    if refused:
+        return {"status": "needs_generalization", "tells": refused[0], "item": item_view(new),
+                "reason": "org scope is read by every project and the restatement reads "
+                          "project-specific: state the rule in general terms, or pass "
+                          "force=True to restate it as it is."}
     changed_now = write is not None and write.commit is not None and changed[-1]
     return proposed({"status": "generalized" if changed_now else "unchanged",
                      "item": item_view(new), "tells_left": org_tells(new)}, write)
+
+
+def _restatement_body(it: Item, item_id: str, content: str | None, why: str | None,
+                      kind: str | None) -> str | None:
+    """generalize()'s new content for `it`: the one given, else (with no why
+    or kind either) its latest endorsement note when that reads cross-project;
+    refuses an item that is not active or is a person's correction, and a call
+    that would restate nothing."""
+    _require_active(it, "generalized")
+    if it.authority == "human":                 # an agent's words would carry a person's
+        raise Refused(f"item {item_id} is a person's correction (authority human): an "
+                      "agent does not restate it. If a person restated it, record that "
+                      "with correct(item_id, content, why).")
+    text = content or (None if why or kind else general_note(it))
+    if not (text or why or kind):
+        told = " that reads cross-project (the latest one names project specifics)" \
+            if latest_endorsement_note(it) else ""
+        raise InputError(f"item {item_id} has no endorsement note{told} to fall back on; "
+                         "pass org_content= (and/or org_why=, org_kind=) with the rule stated "
+                         "in general terms.")
+    return text
 
 
 REVIEW_LIMIT, MAX_REVIEW_LIMIT = 50, 1000   #: review_promotions' entries a list: default, most
@@ -14568,7 +14719,7 @@ def review_promotions(limit: Annotated[int, Field(
         if tells:                                   # (a person's words: not restated)
             out["org_needs_generalization"].append({
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
-                "suggested": latest_endorsement_note(it),
+                "suggested": general_note(it),
                 "fix": generalization_fix(it.id, tells)})
     for key, got in (("settled_org_prs", settled), ("closed_org_prs", prs.withdrawn),
                      ("caught_up_org_prs", prs.caught_up), ("opened_org_prs", prs.opened),
@@ -16194,10 +16345,10 @@ def _exit_quietly(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _fold_on_exit(scopes: Iterable[str] = ("local", "team"), *, warm: bool = False) -> None:
+def _fold_on_exit(scopes: Iterable[str] = CREDIT_SCOPES, *, warm: bool = False) -> None:
     """Fold journaled recall credits into their stores as a process ends cleanly
-    (the server: local and team, then the next primer made; the CLI: local,
-    its own recall's)."""
+    (the server: every scope's, then the next primer made; the CLI: local, its
+    own recall's, and org, those its own write sent up: climbing_credits)."""
     with contextlib.suppress(CambiumError, OSError):
         cfg = resolve_config()
         if cfg.configured:
@@ -16367,6 +16518,8 @@ def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = Non
     with collecting_notes():
         result = with_store_warnings((fn or args.tool.fn)(**kwargs))
     _emit(result, getattr(args, "format", "json"))          # (`cambium ... | head` is fine)
+    if runtime().climbed:                   # a team write sent credits up: land them now
+        _fold_on_exit(("org",))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES
     return 1 if failed else 0
 

@@ -6238,6 +6238,32 @@ def test_generalize_refuses_empty_text_rather_than_taking_the_endorsement_note(
     assert org["content"] == "Time out every outbound call"
 
 
+def test_generalize_judges_its_restatement_at_the_org_gate(shared, monkeypatch):
+    """generalize published a restatement naming a file and a test (promote
+    refused the same words), and with no org_content made an endorsement note
+    naming a context-keeper id org's body; review suggested that note."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Services must ack after the database commit")
+    cs.promote(item, to_scope="org", force=True)
+    bad = "Consumers ack after commit, as test_ack_order in services/queue/consumer.py shows"
+    out = cs.generalize(item, org_content=bad)
+    assert out["status"] == "needs_generalization"
+    assert out["tells"] == ["names a file: services/queue/consumer.py",
+                            "names a test: test_ack_order"]
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert org["content"] == "Services must ack after the database commit"
+    done = cli("generalize", item, "--org-content", bad, "--force", cwd=shared["a"],
+               CAMBIUM_AGENT_ID="ada", CAMBIUM_ORG_REPO=str(shared["org"]))
+    assert json.loads(done.stdout)["status"] == "generalized", done.stderr
+    noted = _endorsed("Workers in services/queue/consumer.py ack after commit",
+                      "see dec-004, the billing outage")
+    cs.promote(noted, to_scope="org", force=True)
+    with pytest.raises(cs.InputError, match="no endorsement note that reads cross-project"):
+        cs.generalize(noted)
+    listed = {e["id"]: e for e in cs.review_promotions()["org_needs_generalization"]}
+    assert listed[noted]["suggested"] is None
+
+
 def test_a_promote_whose_item_is_retired_meanwhile_is_refused_as_retired(
         shared, monkeypatch):
     """The gate judged again on the write's tip turned the item away, and the
@@ -6260,6 +6286,27 @@ def test_a_promote_whose_item_is_retired_meanwhile_is_refused_as_retired(
     with pytest.raises(cs.Refused, match="is deprecated"):
         cs.promote(item, to_scope="org", force=True)
     assert len(calls) >= 2 and remote_json(shared["org_bare"], "main") is None
+
+
+def test_a_forced_promote_racing_a_correction_is_refused_as_superseded(shared, monkeypatch):
+    """A person's correction landing while a forced promote to team ran: the
+    answer was `deprecated` (exit 0) with the stale copy, shown active."""
+    item = cs.capture("Batch size for the export job is 100 rows")["item"]["id"]
+    real, fixes = cs.team_verdict, []
+
+    def verdict_then_a_person_corrects(it, *a, **kw):
+        if not fixes:                           # between promote's check and its move
+            fixes.append(cs.correct(item, "Batch size for the export job is 500 rows")
+                         ["item"]["id"])
+        return real(it, *a, **kw)
+
+    monkeypatch.setattr(cs, "team_verdict", verdict_then_a_person_corrects)
+    with pytest.raises(cs.Refused, match="is superseded by k-") as e:
+        cs.promote(item, force=True)
+    assert fixes[0] in str(e.value)
+    old = cs.Item.from_dict(next(i for i in local_items(shared["a"]) if i["id"] == item))
+    verdict = real(old, {}, 1)
+    assert verdict.status == "superseded" and f"superseded by {fixes[0]}" in verdict.reason
 
 
 def test_generalize_and_review_fetch_each_scope_once(shared, monkeypatch):
@@ -6777,6 +6824,16 @@ def test_capturing_the_words_a_person_corrected_answers_with_the_correction(repo
     assert len(local_items(repo)) == 4
 
 
+def test_disputing_a_shared_item_in_its_own_words_is_a_duplicate(shared):
+    """capture(supersedes=X) with X's own words, X a team item, stored a second
+    copy of its text: recall listed the same statement twice."""
+    item = _endorsed("The deploy window is Tuesday afternoon")
+    cs.promote(item)
+    again = cs.capture("The deploy window is Tuesday afternoon", supersedes=item)
+    assert again["status"] == "duplicate" and again["item"]["id"] == item
+    assert [i for i in local_items(shared["a"]) if i["status"] == "active"] == []
+
+
 def test_correct_at_team_scope_goes_through_the_cas_push(shared):
     wrong = _endorsed("Team standup is at nine", "x")
     cs.promote()
@@ -6912,6 +6969,72 @@ def test_merged_copies_count_one_agents_recall_of_them_all_once():
     assert cs.merged_recalls([{"recalls": 2}, {"recalls": 5}]) == 7    # nothing shared
     assert cs.merged_recalls([{"recalls": 3, "recalled_by": {"x": "d"}},
                               {"recalls": 0, "recalled_by": {"x": "d"}}]) == 3
+
+
+def test_a_rerun_counts_the_agent_days_a_merged_duplicate_gained_since_once():
+    """A duplicate merged before (its fold waited on an org pull request) gained
+    a teammate's credit: the rerun added the agent to the survivor's
+    recalled_by but not to its count (recalls 1, two agents named)."""
+    dup = dataclasses.replace(cs.new_item("Retry webhooks idempotently"), scope="team",
+                              trust={"recalls": 2, "recalled_by": {"ra": "2026-12-01",
+                                                                  "rb": "2026-12-01"}})
+    surv = dataclasses.replace(cs.new_item("Retry webhooks idempotently."), scope="org",
+                               trust={"recalls": 1, "recalled_by": {"ra": "2026-12-01"}},
+                               extra={"merged_from": [{"id": dup.id}]})
+    merged = cs.merged_survivor(surv, surv.trust, [(dup, dup.trust)], now="2026-12-02T00:00:00Z")
+    assert merged.trust["recalls"] == 2 and set(merged.trust["recalled_by"]) == {"ra", "rb"}
+    again = cs.merged_survivor(merged, merged.trust, [(dup, dup.trust)],
+                               now="2026-12-03T00:00:00Z")
+    assert again.trust["recalls"] == 2                     # a rerun never counts it twice
+
+
+def test_a_credit_journaled_before_consolidate_lands_on_the_survivor_above(
+        shared, monkeypatch):
+    """Bob's recall of a team duplicate was journaled in his clone; ada's
+    consolidate folded the duplicate into an org survivor; bob's next team
+    write credited the superseded duplicate, and the survivor never had it."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    survivor = _endorsed("Prefer idempotent retries for payment webhooks")
+    cs.promote(survivor, to_scope="org", force=True)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    dup = _endorsed("prefer idempotent retries for payment webhooks!")
+    cs.promote(dup)
+    assert dup in [r["id"] for r in cs.recall("idempotent retries payment webhooks")["results"]]
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    assert cs.consolidate(apply=True)["superseded"] == [dup]
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    cs.promote(cs.capture("Queues get a dead-letter queue")["item"]["id"], force=True)
+    (held,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == dup]
+    assert "bob" not in held["trust"].get("recalled_by", {})   # not the retired copy's
+    cs.fold_credits_now(cs.resolve_config())                  # (a server's fold, or the CLI's)
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"].get("bob") and top["trust"]["recalls"] == 1
+    assert not cs.read_credits(shared["b"] / ".cambium" / "credits.jsonl")
+
+
+def test_a_team_credit_whose_item_a_teammate_moved_to_org_lands_there(shared, monkeypatch):
+    """Bob's journaled recall of a team item, then ada moved the item to org:
+    bob's next team write emptied his journal and the credit landed nowhere."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer short-lived feature flags")
+    cs.promote(item)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    assert cs.promote(item, to_scope="org")["status"] == "promoted"
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    other = cs.capture("Queues get a dead-letter queue")["item"]["id"]
+    out = cli("promote", other, "--force", cwd=shared["b"])      # the CLI lands it as it ends
+    assert out.returncode == 0, out.stderr
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"].get("bob") and top["trust"]["recalls"] == 1
+    assert not cs.read_credits(shared["b"] / ".cambium" / "credits.jsonl")
 
 
 def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
@@ -13690,6 +13813,22 @@ def test_a_credit_to_a_doubled_id_lands_on_the_first_copy_every_reader_serves():
     doc = cs.Doc(items=[a, b])
     out = cs.fold_credits(doc, [{"item": a.id, "agent": "ada", "at": cs._now()}])
     assert out.items[0].trust.get("recalls") == 1 and not out.items[1].trust.get("recalls")
+
+
+def test_a_credit_for_a_folded_duplicate_goes_to_its_survivor_or_climbs():
+    """A credit journaled before consolidate folded its item landed on the
+    superseded copy, never on the survivor that took its credits; one whose
+    item left the scope was dropped."""
+    s, d = cs.new_item("keep words"), cs.new_item("keep words!")
+    d = cs.supersede(d, s.id, agent="ada", now=cs._now(), why="consolidated: says the same")
+    gone = cs.new_item("moved up")
+    rec = {"agent": "bob", "day": cs._today(), "project": "p", "scope": "team"}
+    out = cs.fold_credits(cs.Doc(items=[d, s]), [{**rec, "item": d.id}])
+    assert out.items[1].trust["recalled_by"] == {"bob": cs._today()}
+    assert not out.items[0].trust.get("recalls")
+    up = cs.climbing_credits(cs.Doc(items=[d]), [{**rec, "item": d.id}, {**rec, "item": gone.id},
+                                                 {**rec, "item": s.id, "scope": "org"}])
+    assert [(r["item"], r["scope"]) for r in up] == [(s.id, "org"), (gone.id, "org")]
 
 
 @pytest.mark.parametrize("text", ["main.dart stays thin", "edit ~/.bashrc first",
