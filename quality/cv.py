@@ -5,7 +5,7 @@
                           [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
                           [--cache DIR] [--window TOKENS] [--first-window TOKENS]
                           [--col] [--fill] [--relevance-ct] [--rel-objective caught|right]
-                          [--names on|off]
+                          [--names on|off] [--max-false F]
 
 What it does:
   1. loads each set's corpus through cambium's json import adapter and indexes
