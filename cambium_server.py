@@ -878,6 +878,21 @@ class Skip:
     reason: str
 
 
+@dataclass
+class Tally:
+    """A count of things and the first `keep` of them, in the order they came:
+    what a report lists of a stream. A file of a million bad records costs a
+    counter, not a million reasons (one kept each: 300 MB for a 1 MB file)."""
+    keep: int = 5
+    count: int = 0
+    first: list = field(default_factory=list)
+
+    def add(self, thing: Any) -> None:
+        self.count += 1
+        if len(self.first) < self.keep:
+            self.first.append(thing)
+
+
 # =============================================================================
 # Write-time normalization
 # Every item enters through new_item(): mojibake repaired once, whitespace
@@ -8970,7 +8985,7 @@ def store_index(key: str, items: list) -> Index:
 class IngestResult:
     imported: list = field(default_factory=list)     # new Items
     duplicates: int = 0                              # every draft not stored, as below
-    skipped: list = field(default_factory=list)      # (label, reason)
+    skipped: Tally = field(default_factory=Tally)    # of (label, reason)
     changed: list = field(default_factory=list)      # known key, other text: {id, ref, where}
     same_content: int = 0                            # a new key whose text is stored already
 
@@ -8979,7 +8994,7 @@ class IngestResult:
 class Prepared:
     """Drafts normalized into items outside the store's lock, ready to admit."""
     items: list = field(default_factory=list)        # (watermark key, Item)
-    skipped: list = field(default_factory=list)      # (label, reason)
+    skipped: Tally = field(default_factory=Tally)    # of (label, reason)
     duplicates: int = 0                              # watermarked already when prepared
     where: dict = field(default_factory=dict)        # item id -> position in its source
     clipped: set = field(default_factory=set)        # ids of items whose text was cut
@@ -8999,11 +9014,13 @@ class Admission:
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
-                   on_progress: Callable[[int], None] | None = None) -> Prepared:
+                   on_progress: Callable[[int], None] | None = None,
+                   skips: Tally | None = None) -> Prepared:
     """Normalize drafts through new_item(); a cheap watermark pre-check outside
     the lock (admit() re-checks under it). A draft that fails validation is
-    skipped with its reason."""
-    out = Prepared()
+    skipped with its reason, tallied in `skips` when given (import shares one
+    with its adapter, so the two kinds of skip stay in file order)."""
+    out = Prepared(skipped=skips if skips is not None else Tally())
     project, agent = cfg.project, cfg.agent
     doc = store(cfg, "local").read()
     seen_marks = meta_map(doc.meta, "watermarks")
@@ -9023,7 +9040,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                             valid_while=d.valid_while, now=now, supersedes=d.supersedes,
                             code_refs=d.code_refs)
         except InputError as e:
-            out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
+            out.skipped.add((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
         if isinstance(d.content, str) and len(d.content) >= MAX_CONTENT_CHARS or \
@@ -9377,11 +9394,14 @@ def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[[str], bool
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
            on_progress: Callable[[int], None] | None = None,
-           retired_too: bool = False, shared: bool = True) -> IngestResult:
+           retired_too: bool = False, shared: bool = True,
+           skips: Tally | None = None) -> IngestResult:
     """Create items from drafts in one locked write; skip watermarked duplicates
     (and with retired_too, texts a retired item holds: admit), and with
-    shared, texts team or org holds (capture asked them already: _said_before)."""
-    prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
+    shared, texts team or org holds (capture asked them already: _said_before).
+    Drafts that fail validation are tallied in `skips` (when given) and `skipped`."""
+    prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress,
+                              skips=skips)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
         local = store(cfg, "local")
@@ -12069,10 +12089,11 @@ def judge_context(read: SourceRead, imported: list[Item], retired: int,
     return {**info, "status": status, "reason": reason}
 
 
-def _skip_warning(source: str, skips: list[Skip]) -> str:
-    shown = "; ".join(f"{s.where}: {s.reason}" for s in skips[:3])
-    more = f" (+{len(skips) - 3} more)" if len(skips) > 3 else ""
-    return f"{source}: {len(skips)} record(s) skipped ({shown}{more})."
+def _skip_warning(source: str, count: int, first: list[tuple[str, str]]) -> str:
+    """One warning for `count` skipped records, naming the first three (pure)."""
+    shown = "; ".join(f"{where}: {reason}" for where, reason in first[:3])
+    more = f" (+{count - 3} more)" if count > 3 else ""
+    return f"{source}: {count} record(s) skipped ({shown}{more})."
 
 
 def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
@@ -12278,9 +12299,10 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
         out += r.warnings
         out += clipped_warnings(prepared, r.name, "claim" if r.name == "agentsync" else "entry")
         if r.skips:
-            out.append(_skip_warning(r.name, r.skips))
-    if prepared.skipped:
-        out.append(_skip_warning("ingest", [Skip(w, r) for w, r in prepared.skipped]))
+            out.append(_skip_warning(r.name, len(r.skips), [(s.where, s.reason)
+                                                            for s in r.skips[:3]]))
+    if prepared.skipped.count:
+        out.append(_skip_warning("ingest", prepared.skipped.count, prepared.skipped.first))
     return out + store_warnings
 
 
@@ -13471,8 +13493,8 @@ def capture(content: Annotated[str, Field(
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
                              supersedes=supersedes, code_refs=code_refs)], shared=False)
-    if res.skipped:
-        raise InputError(res.skipped[0][1])
+    if res.skipped.count:
+        raise InputError(res.skipped.first[0][1])
     if res.imported:
         out = {"status": "captured", "item": item_view(res.imported[0])}
         if warnings := anchor_warnings(resolve_anchors(cfg.repo, res.imported[0].code_refs)):
@@ -15149,26 +15171,24 @@ def import_memory(source: Annotated[str, Field(
     p = Path(expand_user(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
-    skipped: list[Skip] = []
-    repaired: list[str] = []
-    seen: dict[str, int] = {}                      # where -> its place in the file
+    skips, repaired = Tally(IMPORT_REASONS), Tally(IMPORT_REASONS)   # in file order: the
+                                              # adapter's and ingest's skips arrive in it
 
     def drafts() -> Iterator[Draft]:
         for rec in adapter(p):
-            seen.setdefault(str(rec.where), len(seen))
             if isinstance(rec, Skip):
-                skipped.append(rec)
+                skips.add((rec.where, rec.reason))
             else:
-                repaired.extend(rec.notes)
+                for note in rec.notes:
+                    repaired.add(note)
                 yield rec
 
-    res = ingest(cfg, drafts(), retired_too=True)
-    out = import_report(source, p, res, sorted(       # in file order: a wrapper's two
-        [(s.where, s.reason) for s in skipped] + res.skipped,   # lists are not interleaved
-        key=lambda skip: seen.get(skip[0], -1)))
-    if repaired:
-        out["warnings"] = [_clip(n, 300) for n in repaired[:5]] + (
-            [f"and {len(repaired) - 5} more record(s) like these"] if len(repaired) > 5 else [])
+    res = ingest(cfg, drafts(), retired_too=True, skips=skips)
+    out = import_report(source, p, res)
+    if repaired.count:
+        more = repaired.count - len(repaired.first)
+        out["warnings"] = [_clip(n, 300) for n in repaired.first] + (
+            [f"and {more} more record(s) like these"] if more else [])
     if res.imported:
         try:
             out["id_map"] = str(write_id_map(cfg, source, res.imported))
@@ -15180,17 +15200,16 @@ def import_memory(source: Annotated[str, Field(
     return with_store_warnings(out, cfg)
 
 
-def import_report(source: str, path: Path, res: IngestResult,
-                  skips: list[tuple[str, str]]) -> dict:
+def import_report(source: str, path: Path, res: IngestResult) -> dict:
     """What an import did, for the caller, under 100 KB whatever its size (pure)."""
-    recognized = len(res.imported) + res.duplicates
+    recognized, skips = len(res.imported) + res.duplicates, res.skipped
     out: dict[str, Any] = {
         "status": "imported" if recognized else "nothing_imported", "source": source,
-        "path": str(path), "imported": len(res.imported), "skipped": len(skips),
+        "path": str(path), "imported": len(res.imported), "skipped": skips.count,
         "duplicates": res.duplicates - len(res.changed) - res.same_content,
         "same_content": res.same_content, "changed": res.changed[:IMPORT_LISTED],
         "skipped_reasons": [{"where": _clip(w, 200), "reason": _clip(r, 300)}
-                            for w, r in skips[:5]],
+                            for w, r in skips.first[:IMPORT_REASONS]],
         "items": [{"id": it.id, "source": {k: _clip(v, 200) if isinstance(v, str) else v
                                            for k, v in it.source.items()}}
                   for it in res.imported[:IMPORT_LISTED]],
@@ -15200,12 +15219,13 @@ def import_report(source: str, path: Path, res: IngestResult,
                        "the stored items keep theirs: correct or deprecate them to take "
                        "the new text.")
     if not recognized:
-        out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips[:5]] or [
+        out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips.first[:IMPORT_REASONS]] or [
             "the file holds no records (it is empty)"]
     return out
 
 
 IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
+IMPORT_REASONS = 5          #: ... and this many skip reasons (and repair notes), the first
 
 
 def _refuse_another_projects(p: Path, cfg: Config) -> None:

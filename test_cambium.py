@@ -8356,6 +8356,27 @@ def test_import_lists_a_wrappers_skips_in_file_order(repo, tmp_path):
     assert len(wheres) == 3 and wheres[-1].startswith("data")
 
 
+def test_import_of_many_bad_records_holds_a_count_not_every_reason(repo, tmp_path):
+    """Every skipped record kept its reason and a position for the whole import:
+    a 1 MB JSONL of garbage lines peaked near 300 MB."""
+    import tracemalloc
+    bad = tmp_path / "garbage.jsonl"
+    bad.write_text('{"id": "ok", "content": "one good record about caching"}\n'
+                   + "x\n" * 3 + '{"title": "no body"}\n' + "x\n" * 60_000)
+    cs.import_memory("json", _jsonl(tmp_path / "warm.jsonl", {"content": "warm the caches"}))
+    tracemalloc.start()
+    try:
+        res = cs.import_memory("json", str(bad))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (res["imported"], res["skipped"]) == (1, 60_004)
+    assert [r["where"] for r in res["skipped_reasons"]] == [
+        "line 2", "line 3", "line 4", "line 5", "line 6"]          # the first, in file order
+    assert "no body" in res["skipped_reasons"][3]["reason"]
+    assert peak < 8 * 2**20, peak                   # (every reason kept: over 20 MB)
+
+
 def test_distill_says_what_it_cut_or_skipped_and_keeps_one_tag_per_agent(
         tmp_path, monkeypatch):
     """A 30,000-character task was cut to the limit with its note lost and no
