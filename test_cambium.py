@@ -9905,20 +9905,40 @@ def test_each_tool_describes_its_own_arguments():
             assert prop.get("description"), (t.name, arg)
 
 
+def _readme_signature(param) -> str:
+    """How README's tools table writes an argument: bare when required, `name?`
+    when it defaults to nothing (None, ""), else `name=default`."""
+    if param.required:
+        return param.name
+    if param.default in (None, ""):
+        return f"{param.name}?"
+    shown = json.dumps(param.default) if isinstance(param.default, str) else repr(param.default)
+    return f"{param.name}={shown}"
+
+
 def test_readme_has_one_tools_table_naming_every_tool_argument_and_command():
+    """The table showed 13 optional arguments bare, as if required, and the CLI
+    block lacked promote's --org-kind: both are checked against the API table,
+    which the MCP schema and the CLI parser are built from."""
     readme = (HERE / "README.md").read_text()
     tables = [block for block in readme.split("\n\n") if block.startswith("| tool |")]
     assert len(tables) == 1
     rows = re.findall(r"^\| `(\w+)\(([^)]*)\)` \|", tables[0], re.M)
     assert [n for n, _ in rows] == [t.tool_name for t in cs.mcp_tools()]
     for (name, args), tool in zip(rows, cs.mcp_tools()):
-        named = {re.match(r"\s*(\w+)", a).group(1) for a in args.split(",") if a.strip()}
-        assert named == {p.name for p in tool.params}, name
+        shown = sorted(a.strip() for a in args.split(",") if a.strip())
+        assert shown == sorted(map(_readme_signature, tool.params)), name
     cli_block = readme.split("## CLI", 1)[1].split("```")[1]
     for tool in cs.api_table():
         if tool.cli:
             spelled = {tool.command, *tool.aliases}
-            assert any(f"cambium_server.py {c}" in cli_block for c in spelled), tool.command
+            lines = " ".join(line for line in cli_block.splitlines()
+                             if re.search(rf"cambium_server\.py ({'|'.join(spelled)})( |$)", line))
+            assert lines, tool.command
+            options = [tool.cli_flags(p.name) for p in tool.params
+                       if p.name not in tool.cli_positional()]
+            for flags in options + [list(spec[0]) for spec in tool.cli_args]:
+                assert any(re.search(rf"{f}\b", lines) for f in flags), (tool.command, flags)
 
 
 def test_cli_answers_speak_cli_and_mcp_answers_speak_calls(repo, tmp_path):
