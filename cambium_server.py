@@ -1175,6 +1175,30 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
     return out, f"{bad} not text or over {MAX_TAG_CHARS} characters" if bad else None
 
 
+MAX_KIND_CHARS = 40        #: a kind is a short word or two (note, decision, bug-fix)
+_KIND = re.compile(r"[\w.\- ]{1,%d}" % MAX_KIND_CHARS)    #: what capture takes as a kind
+
+
+def salvage_kind(raw: str) -> tuple[str, str | None]:
+    """The kind a foreign record gives (import), made one capture accepts:
+    (kind, what was changed or None). Within each word a run of other
+    characters becomes `-` (`bug/fix` -> `bug-fix`, `decision (ADR)` ->
+    `decision adr`), and a kind over MAX_KIND_CHARS is cut at the last word
+    boundary before it; one with no letter or digit left is `note` (pure)."""
+    text = plain_text(raw).strip()
+    if not text or _KIND.fullmatch(text):
+        return text or "note", None              # (as capture reads them)
+    words = (re.sub(r"[^\w.\-]+", "-", w).strip("-") for w in text.lower().split())
+    kind = " ".join(w for w in words if w)
+    if len(kind) > MAX_KIND_CHARS:
+        cut = kind[:MAX_KIND_CHARS + 1]
+        at = max(cut.rfind(" "), cut.rfind("-"))
+        kind = (cut[:at] if at > 0 else cut[:MAX_KIND_CHARS]).rstrip(" -.")
+    if not re.search(r"[^\W_]", kind):
+        return "note", f"kind {_clip(text, 60)!r} left out (no letter or digit)"
+    return kind, f"kind {_clip(text, 60)!r} read as {kind!r}"
+
+
 _SYMBOL = re.compile(r"[A-Za-z_$][\w$]*(?:(?:\.|::)[A-Za-z_$][\w$]*){0,7}")
 
 
@@ -1306,8 +1330,8 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
     """
     if type not in ITEM_TYPES:
         raise InputError(f"type must be one of {', '.join(ITEM_TYPES)}; got {type!r}.")
-    kind = _clean_text(kind or "note", "kind", 40) or "note"
-    if not re.fullmatch(r"[\w.\- ]+", kind):
+    kind = _clean_text(kind or "note", "kind", MAX_KIND_CHARS) or "note"
+    if not _KIND.fullmatch(kind):
         raise InputError(f"kind {kind!r} should be a short word such as note, decision, outcome.")
     stamp = now or _now()
     premise = _clean_text(valid_while, "valid_while", 1000) or None
@@ -5962,9 +5986,9 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     why = _first(rec, _WHY_KEYS)
     kind = _first(rec, _KIND_KEYS)
     odd = [k for k, v in (("why", why), ("kind", kind)) if v is not None and not isinstance(v, str)]
-    kind = kind if isinstance(kind, str) and re.fullmatch(r"[\w.\- ]{1,40}", kind) else "note"
-    if odd:
-        notes += (f"{where}: {' and '.join(odd)} left out (not text)",)
+    kind, changed = salvage_kind(kind) if isinstance(kind, str) else ("note", None)
+    notes += tuple(f"{where}: {note}" for note in (
+        f"{' and '.join(odd)} left out (not text)" if odd else None, changed) if note)
     mine = list(dict.fromkeys(("imported", system)))
     given, left_out = salvage_tags(rec.get("tags"))
     given, room = [t for t in given if t not in mine], MAX_TAGS - len(mine)

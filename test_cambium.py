@@ -13946,6 +13946,28 @@ def test_import_says_when_a_why_or_kind_that_is_not_text_was_left_out(repo, tmp_
     assert out["imported"] == 1 and "why and kind left out (not text)" in json.dumps(out)
 
 
+def test_import_keeps_a_kind_capture_would_refuse_as_the_nearest_one_it_takes(repo, tmp_path):
+    """`bug/fix`, `decision (ADR)` and a 41-character kind were all stored as
+    `note` without a word (only a kind that is no text was said)."""
+    kinds = ["bug/fix", "decision (ADR)", "incident follow up for the payments team today",
+             "???", "runbook"]
+    export = _jsonl(tmp_path / "mem.jsonl", *({"id": f"k{n}", "content": f"fact number {n}",
+                                                "kind": k} for n, k in enumerate(kinds, 1)))
+    out = cs.import_memory("json", export)
+    stored = {i.source["ref"]: i.kind for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert stored == {"k1": "bug-fix", "k2": "decision adr",
+                      "k3": "incident follow up for the payments team", "k4": "note",
+                      "k5": "runbook"}
+    assert out["warnings"] == [
+        "line 1: kind 'bug/fix' read as 'bug-fix'",
+        "line 2: kind 'decision (ADR)' read as 'decision adr'",
+        "line 3: kind 'incident follow up for the payments team today' read as "
+        "'incident follow up for the payments team'",
+        "line 4: kind '???' left out (no letter or digit)"]
+    for kind in stored.values():                       # each one capture takes as it is
+        assert cs.new_item("a fact", kind=kind).kind == kind
+
+
 def test_a_rewind_that_undoes_a_deprecation_or_a_correction_says_so(shared):
     gone = _endorsed("Deploys run only from the release branch")
     old = _endorsed("The public API rate limit is 100 requests per minute")
