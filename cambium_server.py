@@ -5923,6 +5923,19 @@ def _first(rec: dict, keys: tuple) -> Any:
     return None
 
 
+def _no_body(rec: dict, body: Any, whole: bool) -> str:
+    """Why a record gives no body (pure): the first body field present is no
+    text (a list of lines, a number), or none is present. Only for the record
+    that is the whole file (`whole`: its top-level object, or its first JSONL
+    line), which may wrap its records under keys cambium does not know, are the
+    keys holding lists or objects named: a record in an array wraps nothing."""
+    if body is not None and not isinstance(body, str):
+        key = next(k for k in _BODY_KEYS if rec.get(k) is body)
+        return (f"{key} is {json_kind(body)}, not text (the body is the first of "
+                f"{'/'.join(_BODY_KEYS)} present)")
+    return f"no body ({'/'.join(_BODY_KEYS)})" + (_wrapper_hint(rec) if whole else "")
+
+
 def _wrapper_hint(rec: dict) -> str:
     """For a body-less object that holds lists or objects: which keys, since it
     was read as one record (no memories/items/records/data/entries list)."""
@@ -5957,12 +5970,13 @@ def retired_record(rec: dict) -> str | None:
 
 
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
-                         origin: str | None = None) -> Draft | Skip:
+                         origin: str | None = None, whole: bool = False) -> Draft | Skip:
     """Map one export record to a Draft by the spec's field table (pure). Its
     identity, for dedupe, is (system, id): the system the record names in its own
     `system`/`source` field, else `origin` (the file's name), else `system`.
     A lone surrogate escape (`\\ud800`: valid JSON, not Unicode) becomes U+FFFD,
-    and the Draft's notes say in which fields."""
+    and the Draft's notes say in which fields. `whole`: the record is the file's
+    top-level object or first JSONL line (see _no_body)."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({json_kind(rec)})")
     notes: tuple = ()
@@ -5975,7 +5989,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
         return Skip(where, "nested too deep to read (a record of plain fields is expected)")
     body = _first(rec, _BODY_KEYS)
     if not isinstance(body, str) or not body.strip():
-        return Skip(where, "no body (content/text/body/memory/note)" + _wrapper_hint(rec))
+        return Skip(where, _no_body(rec, body, whole))
     if not _WORD.search(body):                 # ("-", "...": capture refuses them too)
         return Skip(where, "its body holds no word (no letter or digit)")
     if retired := retired_record(rec):
@@ -6082,7 +6096,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
         raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
                          f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
     with open(path, "rb") as f:               # up to the size it had: a file still
-        left = size                            # growing is read as it was at the start
+        left, first = size, True               # growing is read as it was at the start
         for n, raw in enumerate(_bounded_lines(f, MAX_FIRST_LINE_CHARS), 1):
             if left <= 0:
                 break
@@ -6095,13 +6109,15 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             line, replaced = utf8_or_replaced(raw.removeprefix(b"\xef\xbb\xbf"))
             if not line.strip():
                 continue
+            whole, first = first, False        # (the first record may be a whole file)
             try:
                 rec = json.loads(line)
             except (ValueError, RecursionError) as e:
                 yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60, one_line=True)})")
                 continue
-            yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name),
-                         f"line {n}: {NOT_UTF8}" if replaced else None)
+            yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name,
+                                                    whole=whole),
+                               f"line {n}: {NOT_UTF8}" if replaced else None)
 
 
 def _bounded_lines(f: Any, limit: int) -> Iterator[bytes | None]:
@@ -6153,10 +6169,11 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
         yield Skip("file", f"holds {json_kind(data)}; expected an array or an object "
                            "wrapping one")
         return
-    first = True
+    first, whole = True, isinstance(data, dict) and lists[0][1][0] is data   # (the one record)
     for prefix, records in lists:
         for i, rec in enumerate(records, 1):
-            yield _draft_noted(json_record_to_draft(rec, f"{prefix}record {i}", origin=path.name),
+            yield _draft_noted(json_record_to_draft(rec, f"{prefix}record {i}", origin=path.name,
+                                                    whole=whole),
                                f"the file: {NOT_UTF8}" if replaced and first else None)
             first = False
 

@@ -13902,6 +13902,26 @@ def test_import_skips_wordless_bodies_and_says_why_a_wrapper_was_one_record(repo
     assert out["status"] == "nothing_imported" and "(it has: results)" in json.dumps(out)
 
 
+def test_a_body_less_record_in_an_array_is_told_about_itself_not_the_files_layout(
+        repo, tmp_path):
+    """A record in a top-level array whose content is a list of lines was told
+    "it was read as one record, as it holds no list under memories/items/...":
+    the file's layout, though the file was an array."""
+    export = tmp_path / "mem.json"
+    export.write_text(json.dumps([{"id": "a", "content": ["Use UTC", "in every log line"]},
+                                  {"id": "b", "content": 42, "text": "the pool cap is 42"},
+                                  {"id": "c", "title": "no body", "meta": {"x": 1}},
+                                  {"id": "d", "content": "Log in UTC everywhere"}]))
+    reasons = [r["reason"] for r in cs.import_memory("json", str(export))["skipped_reasons"]]
+    assert reasons[0].startswith("content is a list, not text")
+    assert reasons[1].startswith("content is a number, not text (the body is the first of")
+    assert reasons[2] == "no body (content/text/body/memory/note)"
+    lines = _jsonl(tmp_path / "one.jsonl", {"results": [{"memory": "x"}]}, {"meta": {"y": 2}})
+    reasons = [r["reason"] for r in cs.import_memory("json", lines)["skipped_reasons"]]
+    assert "(it has: results)" in reasons[0]           # the first line may be the whole file
+    assert reasons[1] == "no body (content/text/body/memory/note)"
+
+
 def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_primer(
         shared, monkeypatch):
     """A teammate's clone kept its copy of words a person corrected on team:
