@@ -9558,8 +9558,9 @@ def org_tells(item: Item) -> list[str]:
 
 def general_note(item: Item) -> str | None:
     """The latest endorsement note when it reads cross-project (no tell), else
-    None: the only note generalize() takes for a body or review suggests (a
-    note "see dec-004, the billing outage" became org's body) (pure)."""
+    None: the only note generalize() takes for a body, and the draft review and
+    the org gate offer (a note "see dec-004, the billing outage" became org's
+    body; offered as a draft, the gate refused it again) (pure)."""
     note = latest_endorsement_note(item)
     return note if note and not generalization_tells(note, item.project) else None
 
@@ -9663,7 +9664,7 @@ def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | No
                        "the why with org_why=... and the kind with org_kind=... (the concrete "
                        "versions are kept as `example`), re-endorse with a general note, or "
                        "pass force=True to "
-                       "promote it as it is.", tells, latest_endorsement_note(item))
+                       "promote it as it is.", tells, general_note(item))
     return Verdict(True, "promotable", "forced past the generalization gate" if tells
                    else "endorsed", tells, forced=bool(tells))
 
@@ -14776,7 +14777,7 @@ def review_promotions(limit: Annotated[int, Field(
             elif scope == "team" and it.active and it.trust.get("endorsements") \
                     and it.id not in in_org:          # (a copy a move cut short left below)
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
-                                                "draft": latest_endorsement_note(it)})
+                                                "draft": general_note(it)})
     for it in docs.get("org", Doc(items=[])).items:
         tells = org_tells(it) if it.active and it.authority != "human" else []
         if tells:                                   # (a person's words: not restated)

@@ -5025,6 +5025,23 @@ def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
     assert json.loads((shared["org"] / "knowledge.json").read_text())["items"][0]["id"] == item_id
 
 
+def test_the_org_gate_drafts_no_restatement_from_a_note_with_a_tell(shared, monkeypatch):
+    """promote's needs_generalization offered the endorsement note as its draft
+    even when the note named project specifics: the draft, passed back as
+    org_content, was refused again."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Workers in services/queue/consumer.py ack after commit",
+                        "see dec-004, the billing outage")
+    cs.promote()
+    refused = cs.promote(item_id, to_scope="org")
+    assert refused["status"] == "needs_generalization" and refused["draft"] is None
+    (listed,) = cs.review_promotions()["endorsed_for_org"]
+    assert listed["id"] == item_id and listed["draft"] is None
+    cs.endorse(item_id, note="Consumers acknowledge a message only after its commit")
+    assert cs.promote(item_id, to_scope="org")["draft"] == \
+        "Consumers acknowledge a message only after its commit"
+
+
 def test_an_org_clone_that_is_a_worktree_of_the_project_or_a_code_repo_is_never_written(
         shared, monkeypatch):
     """A `git worktree add` of the project passed the path check, and so did
