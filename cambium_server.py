@@ -878,6 +878,21 @@ class Skip:
     reason: str
 
 
+@dataclass
+class Tally:
+    """A count of things and the first `keep` of them, in the order they came:
+    what a report lists of a stream. A file of a million bad records costs a
+    counter, not a million reasons (one kept each: 300 MB for a 1 MB file)."""
+    keep: int = 5
+    count: int = 0
+    first: list = field(default_factory=list)
+
+    def add(self, thing: Any) -> None:
+        self.count += 1
+        if len(self.first) < self.keep:
+            self.first.append(thing)
+
+
 # =============================================================================
 # Write-time normalization
 # Every item enters through new_item(): mojibake repaired once, whitespace
@@ -1160,6 +1175,30 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
     return out, f"{bad} not text or over {MAX_TAG_CHARS} characters" if bad else None
 
 
+MAX_KIND_CHARS = 40        #: a kind is a short word or two (note, decision, bug-fix)
+_KIND = re.compile(r"[\w.\- ]{1,%d}" % MAX_KIND_CHARS)    #: what capture takes as a kind
+
+
+def salvage_kind(raw: str) -> tuple[str, str | None]:
+    """The kind a foreign record gives (import), made one capture accepts:
+    (kind, what was changed or None). Within each word a run of other
+    characters becomes `-` (`bug/fix` -> `bug-fix`, `decision (ADR)` ->
+    `decision adr`), and a kind over MAX_KIND_CHARS is cut at the last word
+    boundary before it; one with no letter or digit left is `note` (pure)."""
+    text = plain_text(raw).strip()
+    if not text or _KIND.fullmatch(text):
+        return text or "note", None              # (as capture reads them)
+    words = (re.sub(r"[^\w.\-]+", "-", w).strip("-") for w in text.lower().split())
+    kind = " ".join(w for w in words if w)
+    if len(kind) > MAX_KIND_CHARS:
+        cut = kind[:MAX_KIND_CHARS + 1]
+        at = max(cut.rfind(" "), cut.rfind("-"))
+        kind = (cut[:at] if at > 0 else cut[:MAX_KIND_CHARS]).rstrip(" -.")
+    if not re.search(r"[^\W_]", kind):
+        return "note", f"kind {_clip(text, 60)!r} left out (no letter or digit)"
+    return kind, f"kind {_clip(text, 60)!r} read as {kind!r}"
+
+
 _SYMBOL = re.compile(r"[A-Za-z_$][\w$]*(?:(?:\.|::)[A-Za-z_$][\w$]*){0,7}")
 
 
@@ -1291,8 +1330,8 @@ def new_item(content: Any, *, type: str = "memory", kind: str = "note", why: Any
     """
     if type not in ITEM_TYPES:
         raise InputError(f"type must be one of {', '.join(ITEM_TYPES)}; got {type!r}.")
-    kind = _clean_text(kind or "note", "kind", 40) or "note"
-    if not re.fullmatch(r"[\w.\- ]+", kind):
+    kind = _clean_text(kind or "note", "kind", MAX_KIND_CHARS) or "note"
+    if not _KIND.fullmatch(kind):
         raise InputError(f"kind {kind!r} should be a short word such as note, decision, outcome.")
     stamp = now or _now()
     premise = _clean_text(valid_while, "valid_while", 1000) or None
@@ -5884,6 +5923,19 @@ def _first(rec: dict, keys: tuple) -> Any:
     return None
 
 
+def _no_body(rec: dict, body: Any, whole: bool) -> str:
+    """Why a record gives no body (pure): the first body field present is no
+    text (a list of lines, a number), or none is present. Only for the record
+    that is the whole file (`whole`: its top-level object, or its first JSONL
+    line), which may wrap its records under keys cambium does not know, are the
+    keys holding lists or objects named: a record in an array wraps nothing."""
+    if body is not None and not isinstance(body, str):
+        key = next(k for k in _BODY_KEYS if rec.get(k) is body)
+        return (f"{key} is {json_kind(body)}, not text (the body is the first of "
+                f"{'/'.join(_BODY_KEYS)} present)")
+    return f"no body ({'/'.join(_BODY_KEYS)})" + (_wrapper_hint(rec) if whole else "")
+
+
 def _wrapper_hint(rec: dict) -> str:
     """For a body-less object that holds lists or objects: which keys, since it
     was read as one record (no memories/items/records/data/entries list)."""
@@ -5918,12 +5970,13 @@ def retired_record(rec: dict) -> str | None:
 
 
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
-                         origin: str | None = None) -> Draft | Skip:
+                         origin: str | None = None, whole: bool = False) -> Draft | Skip:
     """Map one export record to a Draft by the spec's field table (pure). Its
     identity, for dedupe, is (system, id): the system the record names in its own
     `system`/`source` field, else `origin` (the file's name), else `system`.
     A lone surrogate escape (`\\ud800`: valid JSON, not Unicode) becomes U+FFFD,
-    and the Draft's notes say in which fields."""
+    and the Draft's notes say in which fields. `whole`: the record is the file's
+    top-level object or first JSONL line (see _no_body)."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({json_kind(rec)})")
     notes: tuple = ()
@@ -5936,7 +5989,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
         return Skip(where, "nested too deep to read (a record of plain fields is expected)")
     body = _first(rec, _BODY_KEYS)
     if not isinstance(body, str) or not body.strip():
-        return Skip(where, "no body (content/text/body/memory/note)" + _wrapper_hint(rec))
+        return Skip(where, _no_body(rec, body, whole))
     if not _WORD.search(body):                 # ("-", "...": capture refuses them too)
         return Skip(where, "its body holds no word (no letter or digit)")
     if retired := retired_record(rec):
@@ -5947,9 +6000,9 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     why = _first(rec, _WHY_KEYS)
     kind = _first(rec, _KIND_KEYS)
     odd = [k for k, v in (("why", why), ("kind", kind)) if v is not None and not isinstance(v, str)]
-    kind = kind if isinstance(kind, str) and re.fullmatch(r"[\w.\- ]{1,40}", kind) else "note"
-    if odd:
-        notes += (f"{where}: {' and '.join(odd)} left out (not text)",)
+    kind, changed = salvage_kind(kind) if isinstance(kind, str) else ("note", None)
+    notes += tuple(f"{where}: {note}" for note in (
+        f"{' and '.join(odd)} left out (not text)" if odd else None, changed) if note)
     mine = list(dict.fromkeys(("imported", system)))
     given, left_out = salvage_tags(rec.get("tags"))
     given, room = [t for t in given if t not in mine], MAX_TAGS - len(mine)
@@ -6043,7 +6096,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
         raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
                          f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
     with open(path, "rb") as f:               # up to the size it had: a file still
-        left = size                            # growing is read as it was at the start
+        left, first = size, True               # growing is read as it was at the start
         for n, raw in enumerate(_bounded_lines(f, MAX_FIRST_LINE_CHARS), 1):
             if left <= 0:
                 break
@@ -6056,13 +6109,15 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
             line, replaced = utf8_or_replaced(raw.removeprefix(b"\xef\xbb\xbf"))
             if not line.strip():
                 continue
+            whole, first = first, False        # (the first record may be a whole file)
             try:
                 rec = json.loads(line)
             except (ValueError, RecursionError) as e:
                 yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60, one_line=True)})")
                 continue
-            yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name),
-                         f"line {n}: {NOT_UTF8}" if replaced else None)
+            yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name,
+                                                    whole=whole),
+                               f"line {n}: {NOT_UTF8}" if replaced else None)
 
 
 def _bounded_lines(f: Any, limit: int) -> Iterator[bytes | None]:
@@ -6114,10 +6169,11 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
         yield Skip("file", f"holds {json_kind(data)}; expected an array or an object "
                            "wrapping one")
         return
-    first = True
+    first, whole = True, isinstance(data, dict) and lists[0][1][0] is data   # (the one record)
     for prefix, records in lists:
         for i, rec in enumerate(records, 1):
-            yield _draft_noted(json_record_to_draft(rec, f"{prefix}record {i}", origin=path.name),
+            yield _draft_noted(json_record_to_draft(rec, f"{prefix}record {i}", origin=path.name,
+                                                    whole=whole),
                                f"the file: {NOT_UTF8}" if replaced and first else None)
             first = False
 
@@ -8970,7 +9026,7 @@ def store_index(key: str, items: list) -> Index:
 class IngestResult:
     imported: list = field(default_factory=list)     # new Items
     duplicates: int = 0                              # every draft not stored, as below
-    skipped: list = field(default_factory=list)      # (label, reason)
+    skipped: Tally = field(default_factory=Tally)    # of (label, reason)
     changed: list = field(default_factory=list)      # known key, other text: {id, ref, where}
     same_content: int = 0                            # a new key whose text is stored already
 
@@ -8979,7 +9035,7 @@ class IngestResult:
 class Prepared:
     """Drafts normalized into items outside the store's lock, ready to admit."""
     items: list = field(default_factory=list)        # (watermark key, Item)
-    skipped: list = field(default_factory=list)      # (label, reason)
+    skipped: Tally = field(default_factory=Tally)    # of (label, reason)
     duplicates: int = 0                              # watermarked already when prepared
     where: dict = field(default_factory=dict)        # item id -> position in its source
     clipped: set = field(default_factory=set)        # ids of items whose text was cut
@@ -8999,11 +9055,13 @@ class Admission:
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
-                   on_progress: Callable[[int], None] | None = None) -> Prepared:
+                   on_progress: Callable[[int], None] | None = None,
+                   skips: Tally | None = None) -> Prepared:
     """Normalize drafts through new_item(); a cheap watermark pre-check outside
     the lock (admit() re-checks under it). A draft that fails validation is
-    skipped with its reason."""
-    out = Prepared()
+    skipped with its reason, tallied in `skips` when given (import shares one
+    with its adapter, so the two kinds of skip stay in file order)."""
+    out = Prepared(skipped=skips if skips is not None else Tally())
     project, agent = cfg.project, cfg.agent
     doc = store(cfg, "local").read()
     seen_marks = meta_map(doc.meta, "watermarks")
@@ -9023,7 +9081,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                             valid_while=d.valid_while, now=now, supersedes=d.supersedes,
                             code_refs=d.code_refs)
         except InputError as e:
-            out.skipped.append((d.where or str((d.source or {}).get("ref") or n), str(e)))
+            out.skipped.add((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
         if isinstance(d.content, str) and len(d.content) >= MAX_CONTENT_CHARS or \
@@ -9377,11 +9435,14 @@ def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[[str], bool
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
            on_progress: Callable[[int], None] | None = None,
-           retired_too: bool = False, shared: bool = True) -> IngestResult:
+           retired_too: bool = False, shared: bool = True,
+           skips: Tally | None = None) -> IngestResult:
     """Create items from drafts in one locked write; skip watermarked duplicates
     (and with retired_too, texts a retired item holds: admit), and with
-    shared, texts team or org holds (capture asked them already: _said_before)."""
-    prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress)
+    shared, texts team or org holds (capture asked them already: _said_before).
+    Drafts that fail validation are tallied in `skips` (when given) and `skipped`."""
+    prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress,
+                              skips=skips)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
     if prepared.items:
         local = store(cfg, "local")
@@ -9497,8 +9558,9 @@ def org_tells(item: Item) -> list[str]:
 
 def general_note(item: Item) -> str | None:
     """The latest endorsement note when it reads cross-project (no tell), else
-    None: the only note generalize() takes for a body or review suggests (a
-    note "see dec-004, the billing outage" became org's body) (pure)."""
+    None: the only note generalize() takes for a body, and the draft review and
+    the org gate offer (a note "see dec-004, the billing outage" became org's
+    body; offered as a draft, the gate refused it again) (pure)."""
     note = latest_endorsement_note(item)
     return note if note and not generalization_tells(note, item.project) else None
 
@@ -9602,7 +9664,7 @@ def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | No
                        "the why with org_why=... and the kind with org_kind=... (the concrete "
                        "versions are kept as `example`), re-endorse with a general note, or "
                        "pass force=True to "
-                       "promote it as it is.", tells, latest_endorsement_note(item))
+                       "promote it as it is.", tells, general_note(item))
     return Verdict(True, "promotable", "forced past the generalization gate" if tells
                    else "endorsed", tells, forced=bool(tells))
 
@@ -12069,10 +12131,11 @@ def judge_context(read: SourceRead, imported: list[Item], retired: int,
     return {**info, "status": status, "reason": reason}
 
 
-def _skip_warning(source: str, skips: list[Skip]) -> str:
-    shown = "; ".join(f"{s.where}: {s.reason}" for s in skips[:3])
-    more = f" (+{len(skips) - 3} more)" if len(skips) > 3 else ""
-    return f"{source}: {len(skips)} record(s) skipped ({shown}{more})."
+def _skip_warning(source: str, count: int, first: list[tuple[str, str]]) -> str:
+    """One warning for `count` skipped records, naming the first three (pure)."""
+    shown = "; ".join(f"{where}: {reason}" for where, reason in first[:3])
+    more = f" (+{count - 3} more)" if count > 3 else ""
+    return f"{source}: {count} record(s) skipped ({shown}{more})."
 
 
 def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
@@ -12278,9 +12341,10 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
         out += r.warnings
         out += clipped_warnings(prepared, r.name, "claim" if r.name == "agentsync" else "entry")
         if r.skips:
-            out.append(_skip_warning(r.name, r.skips))
-    if prepared.skipped:
-        out.append(_skip_warning("ingest", [Skip(w, r) for w, r in prepared.skipped]))
+            out.append(_skip_warning(r.name, len(r.skips), [(s.where, s.reason)
+                                                            for s in r.skips[:3]]))
+    if prepared.skipped.count:
+        out.append(_skip_warning("ingest", prepared.skipped.count, prepared.skipped.first))
     return out + store_warnings
 
 
@@ -13471,8 +13535,8 @@ def capture(content: Annotated[str, Field(
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
                              supersedes=supersedes, code_refs=code_refs)], shared=False)
-    if res.skipped:
-        raise InputError(res.skipped[0][1])
+    if res.skipped.count:
+        raise InputError(res.skipped.first[0][1])
     if res.imported:
         out = {"status": "captured", "item": item_view(res.imported[0])}
         if warnings := anchor_warnings(resolve_anchors(cfg.repo, res.imported[0].code_refs)):
@@ -14713,7 +14777,7 @@ def review_promotions(limit: Annotated[int, Field(
             elif scope == "team" and it.active and it.trust.get("endorsements") \
                     and it.id not in in_org:          # (a copy a move cut short left below)
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
-                                                "draft": latest_endorsement_note(it)})
+                                                "draft": general_note(it)})
     for it in docs.get("org", Doc(items=[])).items:
         tells = org_tells(it) if it.active and it.authority != "human" else []
         if tells:                                   # (a person's words: not restated)
@@ -15149,26 +15213,24 @@ def import_memory(source: Annotated[str, Field(
     p = Path(expand_user(path_arg("path", path)))
     if not p.is_absolute():
         raise InputError(f"path {path!r} must be absolute.")
-    skipped: list[Skip] = []
-    repaired: list[str] = []
-    seen: dict[str, int] = {}                      # where -> its place in the file
+    skips, repaired = Tally(IMPORT_REASONS), Tally(IMPORT_REASONS)   # in file order: the
+                                              # adapter's and ingest's skips arrive in it
 
     def drafts() -> Iterator[Draft]:
         for rec in adapter(p):
-            seen.setdefault(str(rec.where), len(seen))
             if isinstance(rec, Skip):
-                skipped.append(rec)
+                skips.add((rec.where, rec.reason))
             else:
-                repaired.extend(rec.notes)
+                for note in rec.notes:
+                    repaired.add(note)
                 yield rec
 
-    res = ingest(cfg, drafts(), retired_too=True)
-    out = import_report(source, p, res, sorted(       # in file order: a wrapper's two
-        [(s.where, s.reason) for s in skipped] + res.skipped,   # lists are not interleaved
-        key=lambda skip: seen.get(skip[0], -1)))
-    if repaired:
-        out["warnings"] = [_clip(n, 300) for n in repaired[:5]] + (
-            [f"and {len(repaired) - 5} more record(s) like these"] if len(repaired) > 5 else [])
+    res = ingest(cfg, drafts(), retired_too=True, skips=skips)
+    out = import_report(source, p, res)
+    if repaired.count:
+        more = repaired.count - len(repaired.first)
+        out["warnings"] = [_clip(n, 300) for n in repaired.first] + (
+            [f"and {more} more record(s) like these"] if more else [])
     if res.imported:
         try:
             out["id_map"] = str(write_id_map(cfg, source, res.imported))
@@ -15180,17 +15242,16 @@ def import_memory(source: Annotated[str, Field(
     return with_store_warnings(out, cfg)
 
 
-def import_report(source: str, path: Path, res: IngestResult,
-                  skips: list[tuple[str, str]]) -> dict:
+def import_report(source: str, path: Path, res: IngestResult) -> dict:
     """What an import did, for the caller, under 100 KB whatever its size (pure)."""
-    recognized = len(res.imported) + res.duplicates
+    recognized, skips = len(res.imported) + res.duplicates, res.skipped
     out: dict[str, Any] = {
         "status": "imported" if recognized else "nothing_imported", "source": source,
-        "path": str(path), "imported": len(res.imported), "skipped": len(skips),
+        "path": str(path), "imported": len(res.imported), "skipped": skips.count,
         "duplicates": res.duplicates - len(res.changed) - res.same_content,
         "same_content": res.same_content, "changed": res.changed[:IMPORT_LISTED],
         "skipped_reasons": [{"where": _clip(w, 200), "reason": _clip(r, 300)}
-                            for w, r in skips[:5]],
+                            for w, r in skips.first[:IMPORT_REASONS]],
         "items": [{"id": it.id, "source": {k: _clip(v, 200) if isinstance(v, str) else v
                                            for k, v in it.source.items()}}
                   for it in res.imported[:IMPORT_LISTED]],
@@ -15200,12 +15261,13 @@ def import_report(source: str, path: Path, res: IngestResult,
                        "the stored items keep theirs: correct or deprecate them to take "
                        "the new text.")
     if not recognized:
-        out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips[:5]] or [
+        out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips.first[:IMPORT_REASONS]] or [
             "the file holds no records (it is empty)"]
     return out
 
 
 IMPORT_LISTED = 20          #: an import answer lists this many new items; id_map has all
+IMPORT_REASONS = 5          #: ... and this many skip reasons (and repair notes), the first
 
 
 def _refuse_another_projects(p: Path, cfg: Config) -> None:

@@ -5025,6 +5025,23 @@ def test_org_promotion_direct_push_with_gate_and_markdown(shared, monkeypatch):
     assert json.loads((shared["org"] / "knowledge.json").read_text())["items"][0]["id"] == item_id
 
 
+def test_the_org_gate_drafts_no_restatement_from_a_note_with_a_tell(shared, monkeypatch):
+    """promote's needs_generalization offered the endorsement note as its draft
+    even when the note named project specifics: the draft, passed back as
+    org_content, was refused again."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Workers in services/queue/consumer.py ack after commit",
+                        "see dec-004, the billing outage")
+    cs.promote()
+    refused = cs.promote(item_id, to_scope="org")
+    assert refused["status"] == "needs_generalization" and refused["draft"] is None
+    (listed,) = cs.review_promotions()["endorsed_for_org"]
+    assert listed["id"] == item_id and listed["draft"] is None
+    cs.endorse(item_id, note="Consumers acknowledge a message only after its commit")
+    assert cs.promote(item_id, to_scope="org")["draft"] == \
+        "Consumers acknowledge a message only after its commit"
+
+
 def test_an_org_clone_that_is_a_worktree_of_the_project_or_a_code_repo_is_never_written(
         shared, monkeypatch):
     """A `git worktree add` of the project passed the path check, and so did
@@ -8356,6 +8373,27 @@ def test_import_lists_a_wrappers_skips_in_file_order(repo, tmp_path):
     assert len(wheres) == 3 and wheres[-1].startswith("data")
 
 
+def test_import_of_many_bad_records_holds_a_count_not_every_reason(repo, tmp_path):
+    """Every skipped record kept its reason and a position for the whole import:
+    a 1 MB JSONL of garbage lines peaked near 300 MB."""
+    import tracemalloc
+    bad = tmp_path / "garbage.jsonl"
+    bad.write_text('{"id": "ok", "content": "one good record about caching"}\n'
+                   + "x\n" * 3 + '{"title": "no body"}\n' + "x\n" * 60_000)
+    cs.import_memory("json", _jsonl(tmp_path / "warm.jsonl", {"content": "warm the caches"}))
+    tracemalloc.start()
+    try:
+        res = cs.import_memory("json", str(bad))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (res["imported"], res["skipped"]) == (1, 60_004)
+    assert [r["where"] for r in res["skipped_reasons"]] == [
+        "line 2", "line 3", "line 4", "line 5", "line 6"]          # the first, in file order
+    assert "no body" in res["skipped_reasons"][3]["reason"]
+    assert peak < 8 * 2**20, peak                   # (every reason kept: over 20 MB)
+
+
 def test_distill_says_what_it_cut_or_skipped_and_keeps_one_tag_per_agent(
         tmp_path, monkeypatch):
     """A 30,000-character task was cut to the limit with its note lost and no
@@ -9884,20 +9922,40 @@ def test_each_tool_describes_its_own_arguments():
             assert prop.get("description"), (t.name, arg)
 
 
+def _readme_signature(param) -> str:
+    """How README's tools table writes an argument: bare when required, `name?`
+    when it defaults to nothing (None, ""), else `name=default`."""
+    if param.required:
+        return param.name
+    if param.default in (None, ""):
+        return f"{param.name}?"
+    shown = json.dumps(param.default) if isinstance(param.default, str) else repr(param.default)
+    return f"{param.name}={shown}"
+
+
 def test_readme_has_one_tools_table_naming_every_tool_argument_and_command():
+    """The table showed 13 optional arguments bare, as if required, and the CLI
+    block lacked promote's --org-kind: both are checked against the API table,
+    which the MCP schema and the CLI parser are built from."""
     readme = (HERE / "README.md").read_text()
     tables = [block for block in readme.split("\n\n") if block.startswith("| tool |")]
     assert len(tables) == 1
     rows = re.findall(r"^\| `(\w+)\(([^)]*)\)` \|", tables[0], re.M)
     assert [n for n, _ in rows] == [t.tool_name for t in cs.mcp_tools()]
     for (name, args), tool in zip(rows, cs.mcp_tools()):
-        named = {re.match(r"\s*(\w+)", a).group(1) for a in args.split(",") if a.strip()}
-        assert named == {p.name for p in tool.params}, name
+        shown = sorted(a.strip() for a in args.split(",") if a.strip())
+        assert shown == sorted(map(_readme_signature, tool.params)), name
     cli_block = readme.split("## CLI", 1)[1].split("```")[1]
     for tool in cs.api_table():
         if tool.cli:
             spelled = {tool.command, *tool.aliases}
-            assert any(f"cambium_server.py {c}" in cli_block for c in spelled), tool.command
+            lines = " ".join(line for line in cli_block.splitlines()
+                             if re.search(rf"cambium_server\.py ({'|'.join(spelled)})( |$)", line))
+            assert lines, tool.command
+            options = [tool.cli_flags(p.name) for p in tool.params
+                       if p.name not in tool.cli_positional()]
+            for flags in options + [list(spec[0]) for spec in tool.cli_args]:
+                assert any(re.search(rf"{f}\b", lines) for f in flags), (tool.command, flags)
 
 
 def test_cli_answers_speak_cli_and_mcp_answers_speak_calls(repo, tmp_path):
@@ -13861,6 +13919,26 @@ def test_import_skips_wordless_bodies_and_says_why_a_wrapper_was_one_record(repo
     assert out["status"] == "nothing_imported" and "(it has: results)" in json.dumps(out)
 
 
+def test_a_body_less_record_in_an_array_is_told_about_itself_not_the_files_layout(
+        repo, tmp_path):
+    """A record in a top-level array whose content is a list of lines was told
+    "it was read as one record, as it holds no list under memories/items/...":
+    the file's layout, though the file was an array."""
+    export = tmp_path / "mem.json"
+    export.write_text(json.dumps([{"id": "a", "content": ["Use UTC", "in every log line"]},
+                                  {"id": "b", "content": 42, "text": "the pool cap is 42"},
+                                  {"id": "c", "title": "no body", "meta": {"x": 1}},
+                                  {"id": "d", "content": "Log in UTC everywhere"}]))
+    reasons = [r["reason"] for r in cs.import_memory("json", str(export))["skipped_reasons"]]
+    assert reasons[0].startswith("content is a list, not text")
+    assert reasons[1].startswith("content is a number, not text (the body is the first of")
+    assert reasons[2] == "no body (content/text/body/memory/note)"
+    lines = _jsonl(tmp_path / "one.jsonl", {"results": [{"memory": "x"}]}, {"meta": {"y": 2}})
+    reasons = [r["reason"] for r in cs.import_memory("json", lines)["skipped_reasons"]]
+    assert "(it has: results)" in reasons[0]           # the first line may be the whole file
+    assert reasons[1] == "no body (content/text/body/memory/note)"
+
+
 def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_primer(
         shared, monkeypatch):
     """A teammate's clone kept its copy of words a person corrected on team:
@@ -13903,6 +13981,28 @@ def test_import_says_when_a_why_or_kind_that_is_not_text_was_left_out(repo, tmp_
                                   "why": 42, "kind": ["decision"]}) + "\n")
     out = cs.import_memory("json", str(export))
     assert out["imported"] == 1 and "why and kind left out (not text)" in json.dumps(out)
+
+
+def test_import_keeps_a_kind_capture_would_refuse_as_the_nearest_one_it_takes(repo, tmp_path):
+    """`bug/fix`, `decision (ADR)` and a 41-character kind were all stored as
+    `note` without a word (only a kind that is no text was said)."""
+    kinds = ["bug/fix", "decision (ADR)", "incident follow up for the payments team today",
+             "???", "runbook"]
+    export = _jsonl(tmp_path / "mem.jsonl", *({"id": f"k{n}", "content": f"fact number {n}",
+                                                "kind": k} for n, k in enumerate(kinds, 1)))
+    out = cs.import_memory("json", export)
+    stored = {i.source["ref"]: i.kind for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert stored == {"k1": "bug-fix", "k2": "decision adr",
+                      "k3": "incident follow up for the payments team", "k4": "note",
+                      "k5": "runbook"}
+    assert out["warnings"] == [
+        "line 1: kind 'bug/fix' read as 'bug-fix'",
+        "line 2: kind 'decision (ADR)' read as 'decision adr'",
+        "line 3: kind 'incident follow up for the payments team today' read as "
+        "'incident follow up for the payments team'",
+        "line 4: kind '???' left out (no letter or digit)"]
+    for kind in stored.values():                       # each one capture takes as it is
+        assert cs.new_item("a fact", kind=kind).kind == kind
 
 
 def test_a_rewind_that_undoes_a_deprecation_or_a_correction_says_so(shared):
