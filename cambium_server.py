@@ -7187,6 +7187,11 @@ SEM_NAME_PENALTY = 0.7              #: relevance times this when the query names
                                     #: no item mentions (unknown_names; lexical: NAME_PENALTY)
 
 
+class QueryUnreadable(Exception):
+    """The model cannot read a query (WordPiece.reads): recall ranks it by
+    its shared words instead, saying so."""
+
+
 class SemanticUnavailable(Exception):
     """The extra is not installed, or its model or vocab could not be loaded."""
 
@@ -7378,6 +7383,21 @@ class WordPiece:
             if len(out) >= limit:
                 break
         return out[:limit]
+
+    def reads(self, text: str) -> bool:
+        """Whether the model can read a query: more of its words are in the
+        vocabulary and carry meaning (letters or digits, not a stopword) than
+        are unknown to it ([UNK]: emoji, a script it lacks). A query it cannot
+        read came out near any item of unknown pieces (`the 🚀`, a Thai
+        phrase after `what is`: an unrelated Thai note at relevance 0.86)."""
+        known = unknown = 0
+        for word in self._normalize(text).split():
+            for piece in self._split_punct(word):
+                if self._wordpiece(piece) == (self.unk,):
+                    unknown += 1
+                elif piece.isalnum() and piece not in _STOPWORDS:
+                    known += 1
+        return known > unknown
 
 
 def embed_windows(ids: list[int], cls: int, sep: int) -> list[list[int]]:
@@ -8258,6 +8278,7 @@ class Semantic:
         self.queued: set[str] = set()
         self.worker: threading.Thread | None = None
         self.pending = 0                     # embed_cost of the queued (waiting or in flight)
+        self.declined = False                # a recall answered without waiting for this backlog
         self.rate = EMBED_RATE_GUESS         # characters/s per thread, measured as it drains
         self.embedded = 0                    # items embedded by this process
         self.busy = 0                        # recalls ranking right now
@@ -8369,6 +8390,8 @@ class Semantic:
             if key in self.queued:
                 self.queued.discard(key)
                 self.pending -= embed_cost(it)
+        if not self.queued:                  # drained: the next backlog is new
+            self.declined = False
 
     def _embed_chunk(self, emb: Embedder, chunk: list[Item]) -> None:
         """Embed a chunk (outside the lock) and put its vectors in the cache."""
@@ -8486,7 +8509,10 @@ class Semantic:
     def vectors(self, index: Index) -> _SlotVectors:
         """The index's slot vectors, synced; the not-yet-embedded are queued,
         and a backlog expected to drain within EMBED_WAIT_S is waited for
-        (at most EMBED_WAIT_MAX_S), this thread helping to embed it."""
+        (at most EMBED_WAIT_MAX_S), this thread helping to embed it, unless a
+        recall already answered without waiting for it: a backlog first met
+        too long to wait for is never waited for as it shrinks (each recall
+        then stalled up to EMBED_WAIT_MAX_S while it drained)."""
         emb = self.ready()
         with self.cv:
             sv = self.slots.get(index)
@@ -8497,7 +8523,9 @@ class Semantic:
                 todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
-            wait = bool(self.queued) and self._drain_s(helpers) <= EMBED_WAIT_S
+            wait = (bool(self.queued) and not self.declined
+                    and self._drain_s(helpers) <= EMBED_WAIT_S)
+            self.declined = bool(self.queued) and not wait
         if wait:
             deadline = time.monotonic() + EMBED_WAIT_MAX_S
             if helpers > 1:
@@ -8540,11 +8568,12 @@ class Semantic:
         recall never waits for a long backlog. Raises SemanticUnavailable when
         the model cannot be used."""
         emb = self.ready()
-        tok = emb.tokenizer
-        if index.live == 0 or all(i == tok.unk for i in tok.ids(query, EMBED_WINDOW_TOKENS)):
-            # (nothing the model reads: emoji, a script its vocabulary lacks. Its
-            # [UNK]-only vector sat near any item of [UNK]s and CJK pieces at 0.61)
+        if index.live == 0:
             return Ranking([], 0.0, mode="semantic", unknown=unknown_names(index, query))
+        if not emb.tokenizer.reads(query):
+            raise QueryUnreadable("the model cannot read this query (more of its words are "
+                                  "unknown to its vocabulary than known: emoji, a script it "
+                                  "lacks); it is ranked by shared words")
         sv = self.vectors(index)
         with self.serving():
             return self._rank(emb, sv, index, query, limit, reranker)
@@ -8855,6 +8884,8 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
             return ranking
         except SemanticUnavailable as e:
             note = _fallback_note(str(e), always=mode == "semantic")
+        except QueryUnreadable as e:
+            note = f"Recall is lexical (shared words only) for this query: {e}."
         except (ValueError, IndexError, TypeError, KeyError, ArithmeticError) as e:
             # a cache or model output no check foresaw (a hand-edited vector cache
             # made every recall a traceback): this answer is lexical, saying why

@@ -10365,19 +10365,36 @@ def test_semantic_abstains_on_an_unrelated_query(semantic):
 
 
 def test_semantic_abstains_on_a_query_the_model_cannot_read(semantic):
-    """A query of emoji, or in a script the model's vocabulary lacks, is all
-    [UNK] to it: its vector sat near a Japanese item at 0.61, a confident and
-    credited result, where lexical recall abstained."""
+    """A query of emoji, or in a script the model's vocabulary lacks, is mostly
+    [UNK] to it: its vector sat near any item of unknown pieces (a Japanese
+    item at 0.61, a Thai one at 0.86 once a `!` or a `the` came with it), a
+    confident and credited result. Such a query is ranked by shared words, as
+    lexical recall ranks it, saying so: unrelated items are no result, and an
+    item in that script is found by its own words."""
     _capture_notes()
     jp = cs.capture("データベースの接続はプールで管理する")["item"]["id"]
-    for query in ("🚀", "😀 😀", "✅", "สวัสดีครับ"):
+    th = cs.capture("สำรองข้อมูลทุกคืน ตรวจสอบทุกสัปดาห์")["item"]["id"]
+    for query in ("🚀", "😀 😀", "✅", "สวัสดีครับ", "🚀!", "the 🚀", "😀 😀 ok",
+                  "what is สวัสดีครับ", "#\ufe0f\u20e3"):
         res = cs.recall(query)
-        assert res["mode"] == "semantic" and res["no_confident_match"] is True, (query, res)
+        assert res["no_confident_match"] is True, (query, res)
+        assert res["mode"] == "lexical" and "cannot read this query" in res["note"], res
     assert cs.recall("データベースの接続")["results"][0]["id"] == jp   # read: still found
+    found = cs.recall("สำรองข้อมูลทุกคืน ตรวจสอบทุกสัปดาห์")            # its own words
+    assert found["mode"] == "lexical" and found["results"][0]["id"] == th, found
+    assert cs.recall("deploy 🚀 on friday")["mode"] == "semantic"      # mostly read
     cs.fold_credits_now(cs.resolve_config())
-    (stored,) = [i for i in json.loads(_store_path(semantic).read_text())["items"]
-                 if i["id"] == jp]
-    assert stored["trust"]["recalls"] == 1            # the one real hit, no emoji credit
+    stored = {i["id"]: i for i in json.loads(_store_path(semantic).read_text())["items"]}
+    assert stored[jp]["trust"]["recalls"] == 1        # the real hits, no emoji credit
+    assert stored[th]["trust"]["recalls"] == 1
+
+
+def test_the_model_reads_a_query_when_more_words_are_known_than_unknown():
+    tok = cs.WordPiece({w: i for i, w in enumerate(
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "deploy", "on", "friday", "the", "ok", "!", "#"])})
+    assert tok.reads("deploy on friday") and tok.reads("deploy 🚀 on friday")
+    assert not tok.reads("🚀") and not tok.reads("the 🚀") and not tok.reads("🚀!")
+    assert not tok.reads("ok 🚀 🚀") and not tok.reads("the") and not tok.reads("")
 
 
 @needs_extra
@@ -10992,6 +11009,40 @@ def test_semantic_recall_waits_at_most_embed_wait_max_s(tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 5
     assert ranking.note and "not embedded yet" in ranking.note and ranking.hits
     assert eng.wait_idle(120) and eng.pending == 0 and len(eng.cache.rows) == 20
+
+
+@needs_extra
+def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(monkeypatch):
+    """A backlog first met too long to wait for (the first recalls answered by
+    shared words) is not waited for once it shrinks under EMBED_WAIT_S: after
+    an import of 3,000 items each recall stalled up to EMBED_WAIT_MAX_S while
+    it drained. Once it has drained, the next backlog is judged afresh."""
+    monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 3.0)
+    gate = threading.Event()
+    real = cs.Semantic._embed_items
+
+    def slow(self, emb, chunk):                     # the embedder holds until released
+        gate.wait(30)
+        return real(self, emb, chunk)
+
+    monkeypatch.setattr(cs.Semantic, "_embed_items", slow)
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format",
+                     tags=["x"]) for i in range(6)]
+    index = cs.build_index(items)
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 1e-3                                 # far too long to wait for
+    first = cs.rank(index, "ledger export", 3, engine=eng)
+    assert "not embedded yet" in first.note and eng.declined
+    eng.rate = 1e9                                  # now it looks instant
+    t0 = time.monotonic()
+    again = cs.rank(index, "ledger export", 3, engine=eng)
+    assert time.monotonic() - t0 < 2 and "not embedded yet" in again.note
+    gate.set()
+    assert eng.wait_idle(120) and eng.pending == 0 and not eng.declined
+    more = [cs.Item(id="k-new", content="Webhook retries back off exponentially", tags=["w"])]
+    fresh = cs.rank(cs.build_index(items + more), "webhook retries", 3, engine=eng)
+    assert fresh.note is None and fresh.hits[0].item.id == "k-new"     # waited for
 
 
 @needs_extra
