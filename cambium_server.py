@@ -11092,7 +11092,7 @@ def climb_credits(cfg: Config, scope: str, doc: Doc) -> None:
     """Journal again, for the scope above, the credits of `scope` that `doc`
     (the scope as a write just found it) holds no item for, when it is known
     where the item went: the nearest scope above holds its id, or the id of
-    the survivor it was folded into (as last read: no fetch). Any other stays
+    the survivor it was folded into (scopes_holding). Any other stays
     journaled byte for byte: its item may only be unreadable for now (a line
     set aside, a branch setting that names no branch), and a write that reads
     it lands it. Best effort: a failure leaves them journaled."""
@@ -11111,12 +11111,15 @@ def climb_credits(cfg: Config, scope: str, doc: Doc) -> None:
 
 
 def scopes_holding(cfg: Config, scopes: Iterable[str], ids: set[str]) -> dict[str, str]:
-    """id -> the first of `scopes` whose doc, as last read (peek: no fetch, no
-    write), holds it; a scope that is off or unreadable holds nothing known."""
+    """id -> the first of `scopes` whose doc holds it, a shared one fetched when
+    due (at most once per CAMBIUM_FETCH_INTERVAL: a teammate's promote is seen;
+    a failed fetch answers from the last tip); a scope that is off or
+    unreadable holds nothing known."""
     out: dict[str, str] = {}
     for scope in scopes:
         try:
-            doc = store(cfg, scope).peek()
+            st = store(cfg, scope)
+            doc = st.doc_at(st.fetch()) if isinstance(st, GitStore) else st.peek()
         except (CambiumError, OSError):
             continue
         for it in doc.items if doc is not None else ():

@@ -7122,6 +7122,31 @@ def test_a_team_credit_whose_item_a_teammate_moved_to_org_lands_there(shared, mo
     assert not cs.read_credits(shared["b"] / ".cambium" / "credits.jsonl")
 
 
+def test_a_team_credit_climbs_to_org_when_this_clone_never_fetched_the_move(
+        shared, monkeypatch):
+    """Bob's own org clone had not fetched since ada moved the item to org: a
+    credit climbs only where its item is known to be, so it waited there."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer short-lived feature flags")
+    cs.promote(item)
+    as_agent(monkeypatch, shared["b"], "bob")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(clone(shared["org_bare"], shared["tmp"] / "org-b")))
+    cs.runtime().reset()
+    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
+    as_agent(monkeypatch, shared["a"], "ada")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cs.runtime().reset()
+    assert cs.promote(item, to_scope="org")["status"] == "promoted"
+    bob = {"CAMBIUM_REPO": str(shared["b"]), "CAMBIUM_AGENT_ID": "bob",
+           "CAMBIUM_ORG_REPO": str(shared["tmp"] / "org-b")}
+    other = json.loads(cli("capture", "Queues get a dead-letter queue", **bob).stdout)
+    out = cli("promote", other["item"]["id"], "--force", cwd=shared["b"], **bob)
+    assert out.returncode == 0, out.stderr          # bob's team write; the CLI lands it
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+    assert not cs.read_credits(shared["b"] / ".cambium" / "credits.jsonl")
+
+
 def test_a_credit_whose_item_is_unreadable_here_for_now_stays_journaled_until_it_lands(
         shared, monkeypatch):
     """A hand edit broke a local item's line; the fold that set it aside wrote
