@@ -3431,12 +3431,12 @@ class LocalStore(Store):
             pending, commit = take_credits(self.credits, self.scope)
             if pending:                                # fn again, on the credited doc
                 new = with_credits(fn, pending)(doc)
-            climbing = climbing_credits(doc, pending)
-            if new is None and not pending:
-                return Write(doc=doc)      # (pending, all counted here already: dropped)
+            landed = landed_credits(doc, pending)     # (the rest wait: climb_credits)
+            if new is None and not landed:
+                return Write(doc=doc)
             if new is not None:
                 self._rewrite(new)
-        commit(climbing)
+        commit(landed)                     # (with new None: each counted here already)
         return Write(doc=new if new is not None else doc)
 
     def _append(self, seen: _Seen, added: list, new: Doc) -> None:
@@ -3874,40 +3874,53 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
 
 def take_credits(path: Path | None, scope: str
                  ) -> tuple[list[dict], Callable[..., None]]:
-    """Pending credits for `scope`, and a commit(climbing=()) that drops them
-    from the journal and journals `climbing` (climbing_credits: those the
-    write could not land) for the scope above, in one rewrite.
+    """Pending credits for `scope`, and a commit(done=None) that drops the
+    credits of `done` (all of them when None) from the journal.
 
     Call commit() only after the credits are durably in their store; until then
     they stay in the journal (applying a credit twice is harmless: see credit()).
+    A write passes those it landed or found counted (landed_credits): the rest
+    stay, for a write that can land them or for climb_credits.
     """
     mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
     if not mine or path is None:
         return mine, _nothing_taken
 
-    def commit(climbing: Iterable[dict] = ()) -> None:
-        with file_lock(path):
-            taken = {json.dumps(r, sort_keys=True) for r in mine}
-            with open(path, "rb", opener=open_regular) as f:
-                lines = f.read().split(b"\n")
-            keep = []
-            for line in lines[:-1] if lines[-1] == b"" else lines:
-                try:
-                    rec = json.loads(line)
-                except (ValueError, RecursionError):   # invalid UTF-8 too (a ValueError)
-                    rec = None      # not ours to judge: a line we cannot parse is kept, byte for byte
-                if rec is None or json.dumps(rec, sort_keys=True) not in taken:
-                    keep.append(line + b"\n")
-            keep += [(json_text(r, separators=(",", ":")) + "\n").encode("utf-8")
-                     for r in climbing]
-            atomic_write(path, b"".join(keep))
-        if any(r.get("scope") == "org" for r in climbing):
-            runtime().climbed = True
+    def commit(done: Iterable[dict] | None = None) -> None:
+        rewrite_credits(path, {credit_key(r): [] for r in (mine if done is None else done)})
     return mine, commit
 
 
-def _nothing_taken(climbing: Iterable[dict] = ()) -> None:
+def _nothing_taken(done: Iterable[dict] | None = None) -> None:
     return None
+
+
+def credit_key(record: dict) -> str:
+    """A journal record's identity: two lines that parse to the same record are one."""
+    return json.dumps(record, sort_keys=True)
+
+
+def rewrite_credits(path: Path, replace: dict[str, list[dict]]) -> None:
+    """Rewrite the journal under its lock, each line whose record's credit_key
+    is in `replace` replaced by those records (none: dropped); every other
+    line, one that does not parse too, is kept byte for byte."""
+    if not replace:
+        return
+    with file_lock(path):
+        with open(path, "rb", opener=open_regular) as f:
+            lines = f.read().split(b"\n")
+        keep = []
+        for line in lines[:-1] if lines[-1] == b"" else lines:
+            try:
+                key = credit_key(json.loads(line))
+            except (ValueError, RecursionError):   # invalid UTF-8 too (a ValueError)
+                key = None      # not ours to judge: a line we cannot parse is kept, byte for byte
+            if key is None or key not in replace:
+                keep.append(line + b"\n")
+                continue
+            keep += [(json_text(r, separators=(",", ":")) + "\n").encode("utf-8")
+                     for r in replace[key]]
+        atomic_write(path, b"".join(keep))
 
 
 def credit(item: Item, agent: str, day: str, project: str) -> Item:
@@ -3932,7 +3945,7 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     return dataclasses.replace(item, trust=trust) if changed else item
 
 
-CREDIT_CLIMBS = {"local": "team", "team": "org"}    #: where a credit whose item left goes
+SCOPES_ABOVE = {"local": ("team", "org"), "team": ("org",), "org": ()}   #: nearest first
 FOLDED_WHYS = ("consolidated:", "restored: this is a copy")   #: supersessions that moved credits
 
 
@@ -3989,7 +4002,7 @@ def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
     for r in records:
         i, _ = credit_landing(doc, by_id, r["item"])
         if i is None:
-            continue                              # (climbing_credits sends it up)
+            continue                              # (it waits: climb_credits)
         new = credit(items[i], str(r.get("agent", "")), str(r.get("day", "")),
                      str(r.get("project", "")))
         if new is not items[i]:
@@ -3997,21 +4010,38 @@ def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
     return dataclasses.replace(doc, items=items) if changed else None
 
 
-def climbing_credits(doc: Doc, records: list[dict]) -> list[dict]:
-    """The credits of `records` that `doc` holds no item for, addressed to the
-    scope above (pure): their item moved up (a teammate promoted it: the same
-    id there), or was folded into a survivor in a scope above. The credit was
-    earned below, so it lands there once, by that scope's next write (org takes
-    them in direct mode; see README). A credit with no scope above is dropped."""
-    if not records:
-        return []
-    by_id = _credit_index(doc, records)
+def landed_credits(doc: Doc, records: list[dict]) -> list[dict]:
+    """The credits of `records` that `doc` holds their item (or its survivor)
+    for: a fold lands them, or finds them counted already (pure)."""
+    by_id = _credit_index(doc, records) if records else {}
+    return [r for r in records if credit_landing(doc, by_id, r["item"])[0] is not None]
+
+
+def unlanded_credits(doc: Doc, records: list[dict]) -> list[tuple[dict, str]]:
+    """The credits of `records` that `doc` holds no item for, each with the id
+    it would land on (its item's, or the survivor's it was folded into): that
+    item moved up, or was folded into a survivor above, or is unreadable here
+    for now (a line set aside, a branch setting that names no branch): see
+    climb_credits (pure)."""
+    by_id = _credit_index(doc, records) if records else {}
     out = []
     for r in records:
         i, to = credit_landing(doc, by_id, r["item"])
-        up = CREDIT_CLIMBS.get(str(r.get("scope", "local")))
-        if i is None and up is not None:
-            out.append({**r, "item": to, "scope": up})
+        if i is None:
+            out.append((r, to))
+    return out
+
+
+def counted_credits(doc: Doc, records: list[dict]) -> list[dict]:
+    """The credits of `records` that `doc` already counts: their item (or its
+    survivor) holds the agent's day, or a later one (pure)."""
+    by_id = _credit_index(doc, records) if records else {}
+    out = []
+    for r in records:
+        i, _ = credit_landing(doc, by_id, r["item"])
+        if i is not None and credit(doc.items[i], str(r.get("agent", "")),
+                                    str(r.get("day", "")), "") is doc.items[i]:
+            out.append(r)
     return out
 
 
@@ -5081,13 +5111,13 @@ class GitStore(Store):
             if guess:
                 return None
             raise
-        climbing = climbing_credits(doc, pending)
+        landed = landed_credits(doc, pending)        # (the rest wait: climb_credits)
         if new is None:
             if guess:
                 return None
             if not (ensure_files and self._files_stale(base, doc)):
-                if pending:     # all counted here already, or they go up: done with
-                    commit_credits(climbing)
+                if landed:                          # each counted here already
+                    commit_credits(landed)
                 held = side_tip if side else tip       # does `target` exist?
                 return Write(doc=doc, commit=None, branch=target if held else None)
             new = doc
@@ -5101,7 +5131,7 @@ class GitStore(Store):
         if outcome == "race":
             return None
         self.verify(commit, target)
-        commit_credits(climbing)
+        commit_credits(landed)
         if others:                             # (this write started the branch)
             note_for_call(f"this write started the {self.scope} branch '{self.branch}' on "
                           f"{self.remote}, but {', '.join(others[:3])} holds a {STORE_FILE}: "
@@ -11070,7 +11100,12 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
     st = store(cfg, scope)
     if pr_branch in map(pr_branch_name, SHARED_PR_TOPICS):
         drop_declined(cfg, st, pr_branch)
+    if pr_branch == pr_branch_name("updates"):      # org credits ride in its pull request
+        fn = with_credits(fn, [r for r in read_credits(credits_path(cfg))
+                               if r.get("scope") == "org"])
     write = st.mutate(fn, f"cambium: {message}", branch=pr_branch, ensure_files=ensure_files)
+    if pr_branch is None:
+        climb_credits(cfg, scope, write.doc)
     if pr_branch and write.branch == pr_branch and (
             write.commit or (ensure_pr and st.proposes(pr_branch))):   # (a merged one: no PR)
         try:
@@ -11082,6 +11117,46 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
                             f"same call again{', or review_promotions(),' if shared else ''} "
                             "opens its pull request from there") from None
     return write
+
+
+def climb_credits(cfg: Config, scope: str, doc: Doc) -> None:
+    """Journal again, for the scope above, the credits of `scope` that `doc`
+    (the scope as a write just found it) holds no item for, when it is known
+    where the item went: the nearest scope above holds its id, or the id of
+    the survivor it was folded into (scopes_holding). Any other stays
+    journaled byte for byte: its item may only be unreadable for now (a line
+    set aside, a branch setting that names no branch), and a write that reads
+    it lands it. Best effort: a failure leaves them journaled."""
+    path = credits_path(cfg)
+    mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
+    unlanded = unlanded_credits(doc, mine) if SCOPES_ABOVE.get(scope) else []
+    if not unlanded:
+        return
+    where = scopes_holding(cfg, SCOPES_ABOVE[scope], {to for _, to in unlanded})
+    up = {credit_key(r): [{**r, "item": to, "scope": where[to]}]
+          for r, to in unlanded if to in where}
+    with contextlib.suppress(OSError):
+        rewrite_credits(path, up)
+        if "org" in (where[to] for _, to in unlanded if to in where):
+            runtime().climbed = True         # (the CLI folds org before it exits)
+
+
+def scopes_holding(cfg: Config, scopes: Iterable[str], ids: set[str]) -> dict[str, str]:
+    """id -> the first of `scopes` whose doc holds it, a shared one fetched when
+    due (at most once per CAMBIUM_FETCH_INTERVAL: a teammate's promote is seen;
+    a failed fetch answers from the last tip); a scope that is off or
+    unreadable holds nothing known."""
+    out: dict[str, str] = {}
+    for scope in scopes:
+        try:
+            st = store(cfg, scope)
+            doc = st.doc_at(st.fetch()) if isinstance(st, GitStore) else st.peek()
+        except (CambiumError, OSError):
+            continue
+        for it in doc.items if doc is not None else ():
+            if it.id in ids:
+                out.setdefault(it.id, scope)
+    return out
 
 
 def drop_declined(cfg: Config, st: GitStore, branch: str) -> None:
@@ -11346,11 +11421,14 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
     clone, a credit fold, in the second between the two writes) is not dropped
     as it stands: the change is carried up first, lift(source, dst copy) over
     a dst copy that nobody changed since; then it leaves. Returns the ids whose
-    change could not be carried (both copies kept, named in the answer)."""
+    change could not be carried (both copies kept, named in the answer). The
+    recall credits a source copy gained that its dst copy lacks are journaled
+    for dst first (journal_left_behind)."""
     made = {k: v for k, v in made.items() if k in held}
     copied = {it.id: it for it in first_copies(above.items) if it.id in made}
     pending, kept = set(held), set()
     for _ in range(CARRY_ROUNDS + 1):
+        journal_left_behind(cfg, dst, {k: made[k] for k in pending}, copied)
         changed: dict[str, Item] = {}
 
         def drop(d: Doc) -> Doc | None:  # the copy that moved: a doubled id's first only
@@ -11379,6 +11457,33 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
         if not pending:
             break
     return sorted(kept | pending)
+
+
+def journal_left_behind(cfg: Config, dst: str, leaving: dict[str, Item],
+                        copies: dict[str, Item]) -> None:
+    """Before a move drops its source copies (`leaving`, id -> the version it
+    drops): journal for `dst` the agent-days each was credited that its copy in
+    dst lacks (a credit folded onto a copy that waited on its org pull
+    request), so they land there once (fold_credits_now; in org PR mode in the
+    cambium/updates pull request: carry_org_credits). Journaled before the
+    drop, so a crash between loses none; one the drop then never makes counts
+    on both copies, as each holds it."""
+    now = _now()
+    records = [{"item": i, "scope": dst, "agent": agent, "day": day, "project": cfg.project,
+                "at": now} for i, it in leaving.items() if i in copies
+               for agent, day in days_left_behind(it, copies[i])]
+    if records:
+        append_credits(credits_path(cfg), records)
+        runtime().climbed = runtime().climbed or dst == "org"
+
+
+def days_left_behind(source: Item, copy: Item) -> list[tuple[str, str]]:
+    """(agent, day) of `source`'s recalled_by later than `copy`'s day for that
+    agent: what the source copy was credited after its copy was made (pure)."""
+    have, by = copy.trust.get("recalled_by"), source.trust.get("recalled_by")
+    have = have if isinstance(have, dict) else {}
+    return [(str(a), str(d)) for a, d in (by.items() if isinstance(by, dict) else ())
+            if str(d) > str(have.get(a, ""))]
 
 
 def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str, Item],
@@ -11558,6 +11663,12 @@ class PrCheck:
     opened: list = field(default_factory=list)      # shared branches whose PR gh failed to open
     unanswered: list = field(default_factory=list)  # ids whose PR gh could not say anything of
     warnings: list = field(default_factory=list)    # what failed (that item keeps waiting)
+    credits: list = field(default_factory=list)     # org recall credits proposed (PR mode)
+
+    def reported(self) -> tuple[tuple[str, list], ...]:
+        """review_promotions' keys for what this found (an empty one is left out)."""
+        return (("closed_org_prs", self.withdrawn), ("caught_up_org_prs", self.caught_up),
+                ("opened_org_prs", self.opened), ("org_credit_prs", self.credits))
 
 
 PR_CHECK_BUDGET_S = 20.0   #: review_promotions asks gh about pull requests this long at most
@@ -11603,6 +11714,8 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
     for branch in _shared_pr_branches(cfg, out.warnings) if cfg.org_pr else ():
         if budget.take():
             _check_shared(cfg, branch, out)
+    if cfg.org_pr:
+        _propose_credits(cfg, out)
     if budget.left:
         out.warnings.append(f"checked {budget.asked} of {budget.asked + budget.left} org pull "
                             f"requests within {PR_CHECK_BUDGET_S:g} s; review again for the rest")
@@ -11611,6 +11724,17 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
                             f"{', '.join(out.unanswered)} (is gh installed, logged in, online?): "
                             "they keep waiting, and a closed one is withdrawn only once gh says")
     return out
+
+
+def _propose_credits(cfg: Config, out: PrCheck) -> None:
+    """Org PR mode: the journaled org recall credits onto the cambium/updates
+    pull request (carry_org_credits); a failure is a warning (they stay)."""
+    try:
+        if (proposed := carry_org_credits(cfg)) is not None:
+            out.credits.append(proposed)
+    except CambiumError as e:
+        out.warnings.append(f"recall credits of org items not proposed now (they stay "
+                            f"journaled): {e}")
 
 
 def _check_waiting(cfg: Config, scope: str, item: Item, out: PrCheck) -> None:
@@ -14203,22 +14327,58 @@ CREDIT_FOLD_DUTY = 20         #: ...or, on a store whose rewrite is slow, after 
 
 def fold_credits_now(cfg: Config, scopes: Iterable[str] = CREDIT_SCOPES) -> int:
     """Fold the journaled credits of `scopes` into their stores (a team credit is
-    one team write for all of them); returns how many credits were pending. Org
-    holds only credits that climbed (climbing_credits), folded in direct mode
-    only: in PR mode nothing is pushed to org's branch, and they wait."""
-    pending = read_credits(credits_path(cfg))
+    one team write for all of them), sending up those whose item is known to
+    be above (climb_credits: a local one that climbs to team lands in the same
+    call); returns how many credits were pending. Org holds only credits sent
+    up, or left behind by a move (journal_left_behind); in org PR mode nothing
+    is pushed to org's branch: those org's tip counts leave the journal, the
+    rest ride in the cambium/updates pull request (carry_org_credits)."""
+    path = credits_path(cfg)
+    pending = read_credits(path)
     total = 0
     for scope in scopes:
-        mine = [r for r in pending if r.get("scope", "local") == scope]
-        if not mine or (scope == "org" and cfg.org_pr):
+        mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
+        if not mine:
             continue
         try:
             st = store(cfg, scope)
         except ScopeOff:
             continue                      # nothing to fold them into: they wait
-        st.mutate(lambda doc: None, f"cambium: fold {len(mine)} recall credits")
-        total += len(mine)
+        if scope == "org" and cfg.org_pr:
+            drop_counted_credits(path, "org", st.read(digest=True))
+        else:
+            write = st.mutate(lambda doc: None, f"cambium: fold {len(mine)} recall credits")
+            climb_credits(cfg, scope, write.doc)
+        total += sum(r.get("scope", "local") == scope for r in pending)
     return total
+
+
+def drop_counted_credits(path: Path, scope: str, doc: Doc) -> None:
+    """Drop from the journal the credits of `scope` that `doc` counts already
+    (org in PR mode: their pull request merged); the rest stay."""
+    pending, commit = take_credits(path, scope)
+    if pending:
+        commit(counted_credits(doc, pending))
+
+
+def carry_org_credits(cfg: Config) -> dict | None:
+    """Org PR mode: put the journaled org credits (sent up, or left behind by a
+    settled move) on the cambium/updates branch and open its pull request, or
+    reuse the open one: org's branch takes only what a reviewer merges. They
+    stay journaled until org's tip counts them (drop_counted_credits), so a
+    declined pull request loses none: the next one carries them again. Returns
+    {"branch", "pr_url", "recall_credits"} when this wrote them; None when
+    there were none, or the branch holds them already."""
+    drop_counted_credits(credits_path(cfg), "org", store(cfg, "org").read(digest=True))
+    mine = [r for r in read_credits(credits_path(cfg)) if r.get("scope") == "org"]
+    if not mine:
+        return None
+    branch = pr_branch_name("updates")
+    write = mutate(cfg, "org", lambda doc: None, f"{len(mine)} recall credit(s) of org items",
+                   pr_branch=branch)
+    if write.commit is None:
+        return None
+    return {"branch": branch, "pr_url": write.pr_url, "recall_credits": len(mine)}
 
 
 def _schedule_credit_fold(cfg: Config) -> None:
@@ -14777,9 +14937,10 @@ def review_promotions(limit: Annotated[int, Field(
     (settled_org_prs), withdraws those whose pull request was closed without
     merging, or merged and reverted (closed_org_prs: the item stays where it
     is, ready to promote again; a shared branch whose PR was closed is deleted),
-    brings open org PRs up to org's tip (caught_up_org_prs), and opens the PR
-    of a shared branch gh failed to (opened_org_prs). Each list holds at most
-    `limit` entries; `counts` says how many there are."""
+    brings open org PRs up to org's tip (caught_up_org_prs), opens the PR of a
+    shared branch gh failed to (opened_org_prs), and in PR mode puts journaled
+    org recall credits in the cambium/updates PR (org_credit_prs). Each list
+    holds at most `limit` entries; `counts` says how many there are."""
     cfg = require_config()
     check_arg(review_promotions, "limit", limit)
     docs, warnings = read_scopes(cfg, SCOPES)
@@ -14816,8 +14977,7 @@ def review_promotions(limit: Annotated[int, Field(
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": general_note(it),
                 "fix": generalization_fix(it.id, tells)})
-    for key, got in (("settled_org_prs", settled), ("closed_org_prs", prs.withdrawn),
-                     ("caught_up_org_prs", prs.caught_up), ("opened_org_prs", prs.opened),
+    for key, got in (("settled_org_prs", settled), *prs.reported(),
                      ("warnings", [*warnings, *unsettled, *prs.warnings])):
         if got:
             out[key] = got
@@ -16441,7 +16601,7 @@ def _exit_quietly(signum: int, frame: Any) -> None:
 def _fold_on_exit(scopes: Iterable[str] = CREDIT_SCOPES, *, warm: bool = False) -> None:
     """Fold journaled recall credits into their stores as a process ends cleanly
     (the server: every scope's, then the next primer made; the CLI: local, its
-    own recall's, and org, those its own write sent up: climbing_credits)."""
+    own recall's, and org, those its own writes sent up: climb_credits)."""
     with contextlib.suppress(CambiumError, OSError):
         cfg = resolve_config()
         if cfg.configured:

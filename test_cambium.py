@@ -5665,6 +5665,74 @@ def test_pr_mode_a_duplicate_recalled_while_its_pr_waited_still_settles(
     assert items[dup].status == "superseded"
 
 
+def _merged_credit_pr(shared, tmp_path, review: dict) -> None:
+    """The cambium/updates pull request review_promotions opened for org recall
+    credits, merged by a reviewer."""
+    (proposed,) = review["org_credit_prs"]
+    assert proposed["branch"] == "cambium/updates" and proposed["recall_credits"] == 1
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, proposed["pr_url"], "MERGED")
+
+
+def test_pr_mode_a_team_credit_whose_item_moved_to_org_is_proposed_then_lands_once(
+        shared, monkeypatch, tmp_path):
+    """PR mode: bob's credit of a team item that settled into org since climbed
+    to org and sat in his journal for good: nothing pushes to org's branch."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Prefer short-lived feature flags")
+    cs.promote(item)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    set_pr_state(tmp_path, url, "MERGED")
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    cs.fold_credits_now(cs.resolve_config())
+    journal = cs.credits_path(cs.resolve_config())
+    assert [(r["item"], r["scope"]) for r in cs.read_credits(journal)] == [(item, "org")]
+    _merged_credit_pr(shared, tmp_path, cs.review_promotions())
+    cs.fold_credits_now(cs.resolve_config())
+    assert not cs.read_credits(journal)
+    assert "org_credit_prs" not in cs.review_promotions()
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+
+
+def test_pr_mode_a_credit_the_waiting_team_copy_gained_reaches_org_once(
+        shared, monkeypatch, tmp_path):
+    """Bob's credit landed on the team copy waiting on its org pull request;
+    the settle dropped that copy, and org's copy never had the credit."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Prefer short-lived feature flags")
+    cs.promote(item)
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
+    cs.fold_credits_now(cs.resolve_config())
+    (waiting,) = remote_json(shared["origin"], "cambium")["items"]
+    assert waiting["trust"]["recalled_by"] == {"bob": cs._today()} and waiting["pr_url"]
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    set_pr_state(tmp_path, url, "MERGED")
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [item] and team_ids(shared["origin"]) == set()
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert "bob" not in top["trust"].get("recalled_by", {})   # a reviewer merges it first
+    _merged_credit_pr(shared, tmp_path, review)
+    cs.fold_credits_now(cs.resolve_config())
+    assert not cs.read_credits(cs.credits_path(cs.resolve_config()))
+    assert "org_credit_prs" not in cs.review_promotions()
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+
+
 def test_pr_mode_a_declined_shared_pr_is_withdrawn_and_a_stranded_one_opened(
         shared, monkeypatch, tmp_path):
     """A closed cambium/updates PR was never withdrawn: the declined correction
@@ -7052,6 +7120,83 @@ def test_a_team_credit_whose_item_a_teammate_moved_to_org_lands_there(shared, mo
     (top,) = remote_json(shared["org_bare"], "main")["items"]
     assert top["trust"]["recalled_by"].get("bob") and top["trust"]["recalls"] == 1
     assert not cs.read_credits(shared["b"] / ".cambium" / "credits.jsonl")
+
+
+def test_a_team_credit_climbs_to_org_when_this_clone_never_fetched_the_move(
+        shared, monkeypatch):
+    """Bob's own org clone had not fetched since ada moved the item to org: a
+    credit climbs only where its item is known to be, so it waited there."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer short-lived feature flags")
+    cs.promote(item)
+    as_agent(monkeypatch, shared["b"], "bob")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(clone(shared["org_bare"], shared["tmp"] / "org-b")))
+    cs.runtime().reset()
+    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
+    as_agent(monkeypatch, shared["a"], "ada")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cs.runtime().reset()
+    assert cs.promote(item, to_scope="org")["status"] == "promoted"
+    bob = {"CAMBIUM_REPO": str(shared["b"]), "CAMBIUM_AGENT_ID": "bob",
+           "CAMBIUM_ORG_REPO": str(shared["tmp"] / "org-b")}
+    other = json.loads(cli("capture", "Queues get a dead-letter queue", **bob).stdout)
+    out = cli("promote", other["item"]["id"], "--force", cwd=shared["b"], **bob)
+    assert out.returncode == 0, out.stderr          # bob's team write; the CLI lands it
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+    assert not cs.read_credits(shared["b"] / ".cambium" / "credits.jsonl")
+
+
+def test_a_credit_whose_item_is_unreadable_here_for_now_stays_journaled_until_it_lands(
+        shared, monkeypatch):
+    """A hand edit broke a local item's line; the fold that set it aside wrote
+    nothing, yet sent the item's journaled credit to team, then org, which
+    dropped it: restored, the item had lost its recall."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cs.promote(_endorsed("Queues get a dead-letter queue"), to_scope="org", force=True)
+    cs.capture("Every service keeps a runbook")
+    item = cs.capture("Prefer short-lived feature flags")["item"]["id"]
+    journal = cs.credits_path(cs.resolve_config())
+    cs.append_credits(journal, [{"item": item, "scope": "local", "agent": "ada",
+                                 "day": cs._today(), "project": "shop", "at": cs._now()}])
+    before = journal.read_bytes()
+    path = _store_path(shared["a"])
+    lines = path.read_bytes().split(b"\n")
+    broken = next(i for i, ln in enumerate(lines) if item.encode() in ln)
+    good, lines[broken] = lines[broken], lines[broken].replace(b'"content"', b'"content" X', 1)
+    path.write_bytes(b"\n".join(lines))
+    cs.fold_credits_now(cs.resolve_config())                  # local, team and org: no write
+    (aside,) = path.parent.glob("knowledge.json.quarantine-*")
+    assert journal.read_bytes() == before                     # unknown where it went: kept
+    aside.write_bytes(good.rstrip(b",") + b"\n")              # the person repairs the line
+    assert cs.restore(str(aside))["restored"] == 1
+    cs.fold_credits_now(cs.resolve_config())
+    (back,) = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.id == item]
+    assert back.trust["recalled_by"] == {"ada": cs._today()} and back.trust["recalls"] == 1
+    assert not cs.read_credits(journal)
+
+
+def test_a_fold_on_a_team_branch_the_remote_lacks_keeps_the_team_credits(shared, monkeypatch):
+    """A team branch setting that named no branch on the remote: the server's
+    fold read an empty team, sent bob's credit to org, and org dropped it."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer short-lived feature flags")
+    cs.promote(item)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
+    journal = cs.credits_path(cs.resolve_config())
+    before = journal.read_bytes()
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "cambium-typo")
+    cs.runtime().reset()
+    cs.fold_credits_now(cs.resolve_config())
+    assert journal.read_bytes() == before
+    monkeypatch.delenv("CAMBIUM_TEAM_BRANCH")
+    cs.runtime().reset()
+    cs.fold_credits_now(cs.resolve_config())
+    (held,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item]
+    assert held["trust"]["recalled_by"] == {"bob": cs._today()}
+    assert not cs.read_credits(journal)
 
 
 def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
@@ -13935,9 +14080,10 @@ def test_a_credit_for_a_folded_duplicate_goes_to_its_survivor_or_climbs():
     out = cs.fold_credits(cs.Doc(items=[d, s]), [{**rec, "item": d.id}])
     assert out.items[1].trust["recalled_by"] == {"bob": cs._today()}
     assert not out.items[0].trust.get("recalls")
-    up = cs.climbing_credits(cs.Doc(items=[d]), [{**rec, "item": d.id}, {**rec, "item": gone.id},
-                                                 {**rec, "item": s.id, "scope": "org"}])
-    assert [(r["item"], r["scope"]) for r in up] == [(s.id, "org"), (gone.id, "org")]
+    up = cs.unlanded_credits(cs.Doc(items=[d]), [{**rec, "item": d.id}, {**rec, "item": gone.id}])
+    assert [(r["item"], to) for r, to in up] == [(d.id, s.id), (gone.id, gone.id)]
+    assert cs.landed_credits(cs.Doc(items=[d, s]), [{**rec, "item": d.id}]) == \
+        [{**rec, "item": d.id}]
 
 
 @pytest.mark.parametrize("text", ["main.dart stays thin", "edit ~/.bashrc first",
