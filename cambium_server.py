@@ -11428,7 +11428,7 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
     copied = {it.id: it for it in first_copies(above.items) if it.id in made}
     pending, kept = set(held), set()
     for _ in range(CARRY_ROUNDS + 1):
-        journal_left_behind(cfg, dst, {k: made[k] for k in pending}, copied)
+        journal_left_behind(cfg, dst, {k: made[k] for k in pending if k in made}, copied)
         changed: dict[str, Item] = {}
 
         def drop(d: Doc) -> Doc | None:  # the copy that moved: a doubled id's first only
