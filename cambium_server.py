@@ -912,13 +912,24 @@ def _cp1252_bytes(run: str) -> bytes:
 #: What UTF-8 text that was read as cp1252 decodes back to: the scripts and
 #: symbols people write, as (first, last, needs_two). A decoding elsewhere (IPA,
 #: spacing modifiers, combining accents, C1 controls, NKo, Samaritan, private
-#: use) is a genuine accented letter before a quote, a no-break space or an
-#: ellipsis (`RÉSUMÉ\u00a0:` would read `RÉSUMɠ:`), so the run is left alone.
-#: The scripts marked True must decode to two or more of their characters in the
-#: run: one CJK character is `é”…` (a word ending in é, a quote, an ellipsis),
-#: while CJK, Arabic or Hindi that was mangled is a long run.
+#: use, the Latin Extended-B letters no language writes) is a genuine accented
+#: letter before a quote, a no-break space or an ellipsis (`RÉSUMÉ\u00a0:` would
+#: read `RÉSUMɠ:`, `CAFÉ…` `CAFɅ`), so the run is left alone. The scripts
+#: marked True must decode to two or more of their characters in the run: one
+#: CJK character is `é”…` (a word ending in é, a quote, an ellipsis), while CJK,
+#: Arabic or Hindi that was mangled is a long run.
 _MOJIBAKE_TARGETS = (
-    (0x00A0, 0x024F, False),    # Latin-1 Supplement, Latin Extended-A and -B
+    (0x00A0, 0x017F, False),    # Latin-1 Supplement, Latin Extended-A
+    (0x018F, 0x018F, False),    # Ə (Azerbaijani)
+    (0x0192, 0x0192, False),    # ƒ (the florin sign)
+    (0x01A0, 0x01A1, False),    # Ơ ơ (Vietnamese)
+    (0x01AF, 0x01B0, False),    # Ư ư (Vietnamese)
+    (0x01CD, 0x01DC, False),    # ǎ ǐ ǒ ǔ ǖ ǘ ǚ ǜ (Pinyin tones)
+    (0x0218, 0x021B, False),    # Ș ș Ț ț (Romanian)
+    (0x0259, 0x0259, False),    # ə (Azerbaijani)
+    (0x0300, 0x030C, False),    # the combining accents of decomposed Latin text,
+    (0x0323, 0x0323, False),    # Vietnamese's dot below,
+    (0x0327, 0x0328, False),    # the cedilla and the ogonek (see _combining_start)
     (0x0370, 0x04FF, False),    # Greek, Cyrillic
     (0x05D0, 0x05F4, True),     # Hebrew letters
     (0x0600, 0x06FF, True),     # Arabic
@@ -935,6 +946,15 @@ _MOJIBAKE_TARGETS = (
 )
 _MOJIBAKE_TARGET_STARTS = [first for first, _, _ in _MOJIBAKE_TARGETS]
 
+#: What follows a genuine accented letter at a word's end: a no-break space,
+#: punctuation, a trademark or degree sign, a footnote's superscript. Each is
+#: also a continuation byte of UTF-8, so a capital and one of them (`É…`,
+#: `Å\u00a0`) is as well the mojibake of one character.
+_WORD_END_FOLLOWERS = "\u00a0…’‘”“«»·•–—™®©°²³¹"
+#: The followers that may stand between a word and the next (`PÅ\u00a0LÖRDAG`,
+#: `CAFÉ’s`, `CAFÉ—BAR`).
+_WORD_JOINERS = "\u00a0’‘–—·•"
+
 
 def _mojibake_target(ch: str) -> tuple | None:
     """The _MOJIBAKE_TARGETS row that holds `ch`, or None."""
@@ -942,18 +962,66 @@ def _mojibake_target(ch: str) -> tuple | None:
     return _MOJIBAKE_TARGETS[at] if at >= 0 and ord(ch) <= _MOJIBAKE_TARGETS[at][1] else None
 
 
-def plausible_mojibake_decoding(decoded: str) -> bool:
+def plausible_mojibake_decoding(decoded: str, before: str = "", after: str = "") -> bool:
     """Whether `decoded` (a run of high characters re-read as UTF-8) is text
     that real mojibake comes from (pure): every character assigned, not a
-    control, in _MOJIBAKE_TARGETS, a combining mark only after a base character
-    of the run, and the scripts that need two holding two or more."""
+    control, in _MOJIBAKE_TARGETS, and the scripts that need two holding two or
+    more. `before` and `after` are the characters around the run. A combining
+    mark or variation selector needs a base: a character of the run, or the
+    letter, digit, # or * before it (decomposed `cafe\u0301` reads `cafeÌ\x81`, the
+    keycap `1\ufe0f\u20e3` reads `1ï¸\x8fâƒ£`). Cyrillic never touches a Latin
+    letter (`Ð\u00a0x` is not `Рx`): a mangled Russian word is a run of its own."""
     needs_two = 0
     for i, ch in enumerate(decoded):
         row, category = _mojibake_target(ch), unicodedata.category(ch)
-        if row is None or category in ("Cc", "Cn", "Co") or (category[0] == "M" and i == 0):
+        if row is None or category in ("Cc", "Cn", "Co"):
+            return False
+        if category[0] == "M" and i == 0 and not (before.isalnum() or before in ("#", "*")):
+            return False
+        if "\u0400" <= ch <= "\u04ff" and _ascii_letter(before + after):
             return False
         needs_two += row[2]
     return needs_two != 1
+
+
+def _ascii_letter(text: str) -> bool:
+    """Whether `text` holds an ASCII letter (pure)."""
+    return any(ch.isascii() and ch.isalpha() for ch in text)
+
+
+def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
+    """Whether a run reads as well as a genuine accented capital ending a word
+    and the no-break space or punctuation after it (`CAFÉ…`, `PERÒ”`,
+    `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure).
+    `before` and `after` are the characters around the run. Such a capital ends
+    an all-capital word or is a word of its own, so the run is mojibake after a
+    lowercase letter or a digit (`NoÃ«l`, `3Ã—4`), as a word that goes on in
+    lowercase (`Ã–sterreich`), before a letter that no space or dash parts
+    from it (`HÃ”TEL`), as a no-break space before a space (`Ã\u00a0 la`), and
+    after Â, whose decodings are symbols (`Â\u00a0`, `Â°`)."""
+    if len(run) != 2 or run[1] not in _WORD_END_FOLLOWERS or run[0] == "Â":
+        return False
+    if before.islower() or before.isdigit() or (after.isalpha() and run[1] not in _WORD_JOINERS):
+        return False
+    if run[1] == "\u00a0" and (not after or after.isspace()):
+        return False
+    return before.isupper() or not after.islower()
+
+
+def _mojibake_repairs(text: str) -> list[tuple[re.Match, str, bool]]:
+    """Each run of `text` that re-decodes as plausible UTF-8 (pure): its match,
+    its repair, and whether it is ambiguous (ambiguous_mojibake_run)."""
+    repairs = []
+    for m in _MOJIBAKE_RUN.finditer(text):
+        run = m.group(0)
+        before, after = text[max(m.start() - 1, 0):m.start()], text[m.end():m.end() + 1]
+        try:
+            fixed = _cp1252_bytes(run).decode("utf-8")
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if len(fixed) < len(run) and plausible_mojibake_decoding(fixed, before, after):
+            repairs.append((m, fixed, ambiguous_mojibake_run(run, before, after)))
+    return repairs
 
 
 def repair_mojibake(text: str) -> str:
@@ -962,20 +1030,20 @@ def repair_mojibake(text: str) -> str:
     A run of two or more high characters is replaced only when it re-decodes as
     valid UTF-8 to characters mojibake comes from (plausible_mojibake_decoding),
     so genuine accented text (`café`, `Größe`, `SÃO PAULO`, `RÉSUMÉ\u00a0:`,
-    `CAFÉ’s`) is left untouched.
+    `CAFÉ’s`) is left untouched. A run that reads as well as a genuine capital
+    before punctuation (`CAFÉ…`, ambiguous_mojibake_run) is replaced only when
+    the text holds mojibake beyond doubt too (`Ã‰cole Ã\u00a0 Paris`).
     """
     if not text or not _MOJIBAKE_RUN.search(text):
         return text
-
-    def fix(m: re.Match) -> str:
-        run = m.group(0)
-        try:
-            fixed = _cp1252_bytes(run).decode("utf-8")
-        except (UnicodeDecodeError, ValueError):
-            return run
-        return fixed if len(fixed) < len(run) and plausible_mojibake_decoding(fixed) else run
-
-    return _MOJIBAKE_RUN.sub(fix, text)
+    repairs = _mojibake_repairs(text)
+    sure = any(not ambiguous for _, _, ambiguous in repairs)
+    out, at = [], 0
+    for m, fixed, ambiguous in repairs:
+        if sure or not ambiguous:
+            out += [text[at:m.start()], fixed]
+            at = m.end()
+    return "".join(out) + text[at:]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

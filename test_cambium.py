@@ -132,6 +132,15 @@ def cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Completed
     ("plain ascii", "plain ascii"),
     ("SÃO PAULO", "SÃO PAULO"),
     ("Mötley Crüe and the Æsir", "Mötley Crüe and the Æsir"),
+    ("cafeÌ\x81 au lait", "cafe\u0301 au lait"),              # a decomposed accent: its base before the run
+    ("press 1ï¸\x8fâƒ£ or #ï¸\x8fâƒ£", "press 1\ufe0f\u20e3 or #\ufe0f\u20e3"),  # keycaps
+    ("Joyeux NoÃ«l, sÃ»r", "Joyeux Noël, sûr"),              # a pair of the capital-and-quote shape in a word
+    ("Ã–sterreich region", "Österreich region"),              # a word going on in lowercase
+    ("HÃ”TEL DE VILLE", "HÔTEL DE VILLE"),                    # a quote no word-final letter has before a letter
+    ("Ã\u00a0 la carte", "à la carte"),                      # a no-break space before a space
+    ("the CAFÃ‰ on Ã\u00a0 cÃ´tÃ©", "the CAFÉ on à côté"),
+    ("Ã‰tÃ© PASSÃ“ in 2020", "Été PASSÓ in 2020"),          # sure mojibake vouches for Ó's Ã“
+    ("AzÉ™rbaycan", "Azərbaycan"),
 ])
 def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     assert cs.repair_mojibake(raw) == fixed
@@ -145,11 +154,22 @@ def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     "«\u00a0Café\u00a0» et OÙ\u00a0?",           # French quotes; Ù, NBSP is an Arabic digit
     "Ø\u00a05 mm",                                # a diameter: one Arabic letter
     "costs 5Â€",                                   # would decode to a C1 control
+    "Le menu du CAFÉ… a changé",                   # É… is Ʌ: a capital ends the word
+    "El partido TERMINÓ… sin goles",              # Ó… is Cyrillic Ӆ
+    "The headline “YA PASÓ” must stay",           # Ó” is Ӕ
+    "Italian banner PERÒ” closes the quote",      # Ò” is Ҕ
+    "ÖPPET PÅ\u00a0LÖRDAG",                       # Å and a no-break space is Š
+    "Portuguese AMANHÃ… and IRMÃ\u00a0: oi",      # Ã… is Å, Ã and a no-break space is à
+    "CAFÉ—BAR and CAFÉ™",                          # a dash between words, a trademark sign
+    "MEÐ\u00a0x and Ó\u00a0mar",                  # Cyrillic Р, Ӡ would touch a Latin letter
 ])
 def test_repair_mojibake_leaves_genuine_accents_before_punctuation(genuine):
     """A genuine accented letter before a no-break space, a quote or an ellipsis
-    re-decodes as valid UTF-8 (to IPA, NKo, one CJK character, a control): not
-    text mojibake comes from, so it is kept as typed."""
+    re-decodes as valid UTF-8 (to IPA, NKo, one CJK character, a control, a
+    Cyrillic letter touching Latin ones): not text mojibake comes from, so it is
+    kept as typed; when it decodes to a letter people write (`CAFÉ…`: `CAFɅ`,
+    `PÅ\u00a0`: `Š`), a capital ending a word is not repaired without mojibake
+    beyond doubt elsewhere in the text."""
     assert cs.repair_mojibake(genuine) == genuine
     assert cs.plain_text(genuine) == genuine
 
