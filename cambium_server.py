@@ -10394,12 +10394,17 @@ _FUNCTION_VALUE = (r"[ \t]*(?:async[ \t]+)?(?:function\b|lambda\b|"
 
 
 @functools.lru_cache(maxsize=512)
-def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
-    """(a keyword definition of `name`, a function given its name: `total =
-    (a) =>`, `exports.total = function`, `total: function(` in an object)."""
+def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+    """(a keyword definition of `name`, a function declared with its name:
+    `const total = (a) =>`, a function given its name: `exports.total =
+    function`, `total: function(` in an object, `total = lambda`). The last
+    is also a call's keyword argument on its own line (`on_error=lambda e:`),
+    so it ranks after the others (_definition_kinds)."""
     n = re.escape(name)
     return (re.compile(_DEF_PREFIX + n + r"\b", re.M),
-            re.compile(_DEF_MODIFIERS + r"(?:(?:const|let|var)[ \t]+)?(?:[\w$]+\.)*" + n +
+            re.compile(_DEF_MODIFIERS + r"(?:const|let|var)[ \t]+" + n +
+                       r"[ \t]*(?::[^=\n]*)?=" + _FUNCTION_VALUE, re.M),
+            re.compile(_DEF_MODIFIERS + r"(?:[\w$]+\.)*" + n +
                        r"[ \t]*(?::[^=\n]*)?[:=]" + _FUNCTION_VALUE, re.M))
 
 
@@ -10476,8 +10481,12 @@ def find_definition(text: str, symbol: str, ext: str = "") -> int | None:
 
 def _definition_kinds(name: str, ext: str) -> tuple[tuple[re.Pattern, ...], ...]:
     """The patterns that define `name` in a file of `ext`, most telling kind
-    first: functions, classes and methods, then variables and assignments."""
-    return (_definition_patterns(name) + _signature_patterns(name, ext),
+    first: functions, classes and methods (a keyword, a declaration, a typed
+    signature), then functions given the name (`total = lambda`, `total:
+    function(`, which a call's keyword argument looks like), then variables
+    and assignments."""
+    keyword, declared, given = _definition_patterns(name)
+    return ((keyword, declared) + _signature_patterns(name, ext), (given,),
             _variable_patterns(name))
 
 

@@ -11875,11 +11875,20 @@ CART_JS = ("class Cart {\n  add(x) {\n    let total = 0;\n    return total;\n  }
     ("if (total(x)) {\n}\nit('adds', function () {\n  total(function () {\n  });\n});\n",
      "total", ".js", None),
     ("interface Api {\n  total(): number;\n}\n", "total", ".ts", None),
+    # a call's keyword argument or object argument on its own line is not the function
+    ("class Worker:\n    def start(self):\n        retry(\n            on_error=lambda e: log(e),\n"
+     "        )\n\n    def on_error(self, e):\n        log(e)\n", "on_error", ".py", 7),
+    ("function main() {\n  api.request(url, {\n    onDone: (r) => show(r),\n  });\n}\n"
+     "class Api {\n  onDone(r) { return r; }\n}\n", "onDone", ".js", 7),
+    ("class A:\n    total = lambda self: 1\n", "A.total", ".py", 2),
+    ("class Cart {\n  add() {\n    const total = () => 0;\n  }\n}\n"
+     "export const total = (a) => a;\n", "total", ".js", 6),
 ])
 def test_find_definition_prefers_methods_and_functions_over_variables(text, symbol, ext, line):
     """A JavaScript method, an object's method, a C++ method defined out of its
     class, Ruby's class method and C's GNU-style definition are found; a method
-    beats another method's local `let total`."""
+    beats another method's local `let total`, and a `def` or a method beats a
+    call's keyword argument `on_error=lambda e:` or `onDone: (r) =>` above it."""
     assert cs.find_definition(text, symbol, ext) == line
 
 
