@@ -10442,8 +10442,8 @@ def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Patter
         qualified = r"(?:[\w$]+::)*" + (re.escape(owner) + "::" if owner else "") + n
         return (re.compile(r"^[ \t]*" + _NOT_A_TYPE + r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}"
                            r"[*&]*" + qualified + _SIGNATURE_REST, re.M),
-                re.compile(r"(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))^" + qualified + _SIGNATURE_REST,
-                           re.M))
+                re.compile(r"^(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))" + qualified + _SIGNATURE_REST,
+                           re.M))                      # `^` first: tried at line starts only
     if owner:
         return ()
     if ext in SHELL_EXTS:
@@ -10460,34 +10460,56 @@ def find_definition(text: str, symbol: str, ext: str = "") -> int | None:
     (Item.from_dict, Foo::bar) looks for its last part among the direct members
     of each definition of the part before it (a struct and its impl, in turn;
     not in a class nested inside), by indentation; None when none holds it.
-    Linear in the file: every line is read a fixed number of times."""
+    Linear in the file, and the patterns are tried only on the lines that
+    hold the name (_lines_holding): a definition's line holds it as written."""
     *outer, name = re.split(r"\.|::", symbol)
+    if not all(part in text for part in (*outer, name)):
+        return None
     if not outer:
         at = _first_match(text, name, ext)
         return None if at is None else text.count("\n", 0, at) + 1
     tree = _Outline(text)
-    owners = {part: tree.lines_of(_owner_patterns(part)) for part in set(outer)}  # one scan each
+    owners = {part: tree.lines_of(_owner_patterns(part), part) for part in set(outer)}
     held = set(owners[outer[0]])
     for part in outer[1:]:
         held = {n for n in owners[part] if tree.parent[n] in held}
     for kind in _definition_kinds(name, ext):
-        if members := [n for n in tree.lines_of(kind) if tree.parent[n] in held]:
+        if members := [n for n in tree.lines_of((kind,), name) if tree.parent[n] in held]:
             return min(members) + 1
-    m = _receiver_pattern(outer[-1], name).search(text) or next(
-        (m for p in _signature_patterns(name, ext, "::".join(outer)) for m in p.finditer(text)),
-        None)                               # Go's func (c *Cart) Total, C++'s Cart::total
-    return None if m is None else text.count("\n", 0, m.start()) + 1
+    elsewhere = (_receiver_pattern(outer[-1], name),       # Go's func (c *Cart) Total,
+                 *_signature_patterns(name, ext, "::".join(outer)))    # C++'s Cart::total
+    at = next((at for at in _lines_holding(text, name)
+               if any(p.match(text, at) for p in elsewhere)), None)
+    return None if at is None else text.count("\n", 0, at) + 1
 
 
-def _definition_kinds(name: str, ext: str) -> tuple[tuple[re.Pattern, ...], ...]:
-    """The patterns that define `name` in a file of `ext`, most telling kind
+def _lines_holding(text: str, word: str) -> list[int]:
+    """The offsets where the lines of `text` that hold `word` start, in order
+    (pure, one literal scan). Every definition pattern starts at a line's start
+    (`^`), holds the name as written and never spans lines, so
+    `pattern.match(text, start)` on these finds what `finditer` over the whole
+    file would, at the cost of the name's occurrences, not of the file's size."""
+    starts: list[int] = []
+    at = text.find(word) if word else -1
+    while at >= 0:
+        starts.append(text.rfind("\n", 0, at) + 1)
+        end = text.find("\n", at)
+        at = -1 if end < 0 else text.find(word, end)
+    return starts
+
+
+@functools.lru_cache(maxsize=512)
+def _definition_kinds(name: str, ext: str) -> tuple[re.Pattern, ...]:
+    """The kinds of definition of `name` in a file of `ext`, most telling
     first: functions, classes and methods (a keyword, a declaration, a typed
     signature), then functions given the name (`total = lambda`, `total:
     function(`, which a call's keyword argument looks like), then variables
-    and assignments."""
+    and assignments. Each kind is one pattern, its forms' alternation: one
+    match a line."""
     keyword, declared, given = _definition_patterns(name)
-    return ((keyword, declared) + _signature_patterns(name, ext), (given,),
-            _variable_patterns(name))
+    kinds = ((keyword, declared) + _signature_patterns(name, ext), (given,),
+             _variable_patterns(name))
+    return tuple(re.compile("|".join(f"(?:{p.pattern})" for p in kind), re.M) for kind in kinds)
 
 
 @functools.lru_cache(maxsize=512)
@@ -10518,10 +10540,11 @@ class _Outline:
             if opens:
                 stack.append((len(line) - len(body), n))
 
-    def lines_of(self, patterns: Iterable[re.Pattern]) -> list[int]:
-        """0-based numbers of the lines where any of `patterns` matches, in order."""
-        return sorted({bisect.bisect_right(self.starts, m.start()) - 1
-                       for p in patterns for m in p.finditer(self.text)})
+    def lines_of(self, patterns: Iterable[re.Pattern], word: str) -> list[int]:
+        """0-based numbers of the lines where any of `patterns`, definitions of
+        `word`, matches, in order."""
+        return [bisect.bisect_right(self.starts, at) - 1 for at in _lines_holding(self.text, word)
+                if any(p.match(self.text, at) for p in patterns)]
 
 
 @functools.lru_cache(maxsize=512)
@@ -10537,11 +10560,19 @@ def _owner_patterns(name: str) -> tuple[re.Pattern, ...]:
 def _first_match(text: str, name: str, ext: str = "") -> int | None:
     """Offset of the first definition of `name` in text: a function, class or
     method before a variable, and within each kind an unindented one before a
-    nested one (a method, a local)."""
+    nested one (a method, a local). Only the lines that hold the name are
+    tried, and the first unindented definition of the best kind ends the
+    search."""
+    lines = _lines_holding(text, name)
     for kind in _definition_kinds(name, ext):
-        starts = [m.start() for pattern in kind for m in pattern.finditer(text)]
-        if starts:
-            return min((at for at in starts if text[at] not in " \t"), default=min(starts))
+        nested = None
+        for at in lines:
+            if kind.match(text, at):
+                if text[at] not in " \t":
+                    return at
+                nested = at if nested is None else nested
+        if nested is not None:
+            return nested
     return None
 
 
