@@ -2490,22 +2490,34 @@ def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
 
 
 def _ask_remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
-    """git's answer to `remote get-url` (None: git says no such remote). With
-    no git on PATH, the clone's config file says (a local capture needs no
-    git). Any other failure raises: a clone git refuses to open (another
-    user's, "dubious ownership") as the ConfigError naming git's fix, never
-    taken for "no remote" (the project would be named after its folder)."""
+    """git's answer to `remote get-url` (None: git says no such remote). When
+    git is not on PATH or cannot read the clone (a bad config line, a newer
+    git's repository extension, a damaged HEAD), the clone's config file says:
+    local scope needs no git. A clone git refuses to open (another user's,
+    "dubious ownership") raises the ConfigError naming git's fix, and so does
+    a failure the config file does not answer either: never taken for "no
+    remote" (the project would be named after its folder)."""
     try:
         proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
     except GitError as e:
-        if e.code != 127:
-            raise
-        return config_remote_url(repo, remote)
+        if e.code == 127:
+            return config_remote_url(repo, remote)
+        return _remote_url_from_config(repo, remote, e)
     if proc.returncode == 0:
         return proc.stdout.strip() or None
     if "no such remote" in proc.stderr.lower():
         return None
-    raise git_refused(proc.stderr) or GitError(proc.args, proc.returncode, proc.stderr)
+    return _remote_url_from_config(repo, remote, git_refused(proc.stderr) or
+                                   GitError(proc.args, proc.returncode, proc.stderr))
+
+
+def _remote_url_from_config(repo: Path, remote: str, failure: Exception) -> str:
+    """The remote's URL read from the clone's config file after git failed to
+    give it; `failure` raised when git refused the clone as another user's
+    (ConfigError) or the file names no URL either."""
+    if isinstance(failure, ConfigError) or not (url := config_remote_url(repo, remote)):
+        raise failure
+    return url
 
 
 def git_refused(stderr: str) -> ConfigError | None:

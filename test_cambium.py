@@ -489,6 +489,34 @@ def test_without_git_on_path_status_answers_and_a_local_capture_keeps_the_projec
     assert "git" not in [g["setting"] for g in cs.status()["gaps"]]   # (git is here)
 
 
+def test_a_clone_git_cannot_read_still_captures_recalls_and_primes_locally(tmp_path):
+    """git failing on the clone in another way than "no such remote" (a bad
+    hand-edited config line, a newer git's repository extension, a damaged
+    HEAD) made capture, recall and primer exit 1, though local scope needs no
+    git and .git/config holds the URL; without a URL there either it still
+    fails rather than name the project after its folder."""
+    bare = make_origin(tmp_path, "shop")
+    breakages = {"bad-line": lambda d: (d / "config").write_text((d / "config").read_text() + "[oops\n"),
+                 "extension": lambda d: git(d.parent, "config", "extensions.newgitfeature", "true"),
+                 "head": lambda d: (d / "HEAD").write_text("garbage\n")}
+    for name, breaks in breakages.items():
+        checkout = clone(bare, tmp_path / name)
+        git(checkout, "config", "core.repositoryformatversion", "1")
+        breaks(checkout / ".git")
+        env = {"CAMBIUM_REPO": str(checkout), "CAMBIUM_AGENT_ID": "ada"}
+        got = cli("capture", f"Invoices round half-even ({name})", **env)
+        assert got.returncode == 0, (name, got.stderr)
+        assert json.loads(got.stdout)["item"]["project"] == "shop"
+        recall = cli("recall", "invoices round", **env)
+        assert recall.returncode == 0 and "half-even" in recall.stdout, (name, recall.stderr)
+        assert cli("primer", **env).returncode == 0, name
+    lone = make_repo(tmp_path, "lone")
+    (lone / ".git" / "config").write_text((lone / ".git" / "config").read_text() + "[oops\n")
+    got = cli("capture", "never stamped with the folder's name", CAMBIUM_REPO=str(lone),
+              CAMBIUM_AGENT_ID="ada")
+    assert got.returncode == 1 and "bad config line" in got.stderr + got.stdout
+
+
 def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folder(tmp_path):
     """Another user's clone ("detected dubious ownership"): git refuses every
     call, and cambium read that as "no remote" (status, promote: `git remote
