@@ -2549,21 +2549,65 @@ def config_remote_url(repo: Path, remote: str) -> str | None:
     return git_config_value(text, f'remote "{remote}"', "url")
 
 
+_CONFIG_HEAD = re.compile(r'[ \t]*\[[ \t]*([\w.-]+)(?:[ \t]+"((?:[^"\\\n]|\\.)*)")?[ \t]*\]')
+_CONFIG_KEY = re.compile(r"[ \t]*([A-Za-z][\w-]*)[ \t]*(=?)")
+_CONFIG_ESCAPES = {"n": "\n", "t": "\t", "b": "\b"}
+
+
 def git_config_value(text: str, section: str, key: str) -> str | None:
     """The first value of `key` in `[section]` (`remote "origin"`) of git
-    config text (pure): section and key names case-insensitive, as git reads
-    them; quotes around the value and a trailing comment dropped."""
+    config text (pure), read as git reads it: section and key names
+    case-insensitive, `[remote.origin]` the old spelling of `[remote
+    "origin"]`, a key on its header's line, and the value as
+    _config_value reads it."""
     name, _, sub = section.partition(" ")
-    wanted, current = (name.lower(), sub), None
-    for line in text.splitlines():
-        if head := re.match(r'\s*\[\s*([\w.-]+)(?:\s+("(?:[^"\\]|\\.)*"))?\s*\]', line):
-            current = (head.group(1).lower(), head.group(2) or "")
-            continue
-        pair = re.match(r"\s*([\w-]+)\s*=\s*(.*)", line)
-        if pair and current == wanted and pair.group(1).lower() == key.lower():
-            value = re.sub(r'\s*[#;][^"]*$', "", pair.group(2)).strip()
-            return value[1:-1] if len(value) > 1 and value[0] == value[-1] == '"' else value
+    wanted, current, at = (name.lower(), sub.strip('"')), None, 0
+    while at < len(text):
+        if head := _CONFIG_HEAD.match(text, at):
+            current, at = _config_section(head.group(1), head.group(2)), head.end()
+        if (pair := _CONFIG_KEY.match(text, at)) and pair.group(1):
+            value, at = _config_value(text, pair.end()) if pair.group(2) else ("", pair.end())
+            if current == wanted and pair.group(1).lower() == key.lower():
+                return value
+        at = text.find("\n", at) + 1 or len(text)
     return None
+
+
+def _config_section(name: str, sub: str | None) -> tuple[str, str]:
+    """(section, subsection) of a config header (pure): `remote "origin"` with
+    its escapes undone, or the old `remote.origin`, whose subsection git
+    lowercases."""
+    if sub is None and "." in name:
+        name, _, old = name.partition(".")
+        return name.lower(), old.lower()
+    return name.lower(), re.sub(r"\\(.)", r"\1", sub or "")
+
+
+def _config_value(text: str, at: int) -> tuple[str, int]:
+    """The config value that starts at `at`, and where its line ends (pure):
+    quotes dropped (`;` and `#` inside them kept), a comment outside them
+    dropped, `\"`, `\\`, `\n`, `\t` undone, a backslash at a line's end
+    joining the next line, and the spaces around it trimmed."""
+    out, space, quoted = [], "", False
+    while at < len(text) and text[at] != "\n":
+        ch, at = text[at], at + 1
+        if ch == "\\":
+            nxt = text[at:at + 2] if text[at:at + 2] == "\r\n" else text[at:at + 1]
+            at += len(nxt)
+            if nxt not in ("\n", "\r\n"):
+                out.append(space + _CONFIG_ESCAPES.get(nxt, nxt))
+                space = ""
+        elif ch == '"':
+            out.append(space if out else "")
+            quoted, space = not quoted, ""
+        elif not quoted and ch in ";#":
+            break
+        elif not quoted and ch in " \t\r":
+            space += ch if out else ""
+        else:
+            out.append(space + ch)
+            space = ""
+    return "".join(out), at
 
 
 def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:

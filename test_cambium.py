@@ -489,6 +489,23 @@ def test_without_git_on_path_status_answers_and_a_local_capture_keeps_the_projec
     assert "git" not in [g["setting"] for g in cs.status()["gaps"]]   # (git is here)
 
 
+@pytest.mark.parametrize("config, url", [
+    ('[remote "origin"]\n\turl = /x/shop.git\n', "/x/shop.git"),
+    ('[remote "origin"] url = /x/shop.git\n', "/x/shop.git"),            # on the header's line
+    ("[remote.origin]\n\turl = /x/shop.git\n", "/x/shop.git"),            # the old spelling
+    ('[remote "origin"]\n\turl = /x/\\\nshop.git\n', "/x/shop.git"),     # a continued line
+    ('[remote "origin"]\n\turl = "/x/s\\"hop.git"\n', '/x/s"hop.git'),   # an escaped quote
+    ('[Remote "origin"]\n\tURL = "/x/sh;op.git" ; moved\n', "/x/sh;op.git"),
+    ('[remote "origin"]\n# url = /bad.git\n\tmirror\n\turl = ssh://h/shop;v=1\n', "ssh://h/shop"),
+    ('[remote "Origin"]\n\turl = /x/other.git\n[remote "origin"]\n\tpushurl = /p.git\n', None),
+])
+def test_the_config_file_is_read_as_git_reads_it(config, url):
+    """Without git the remote's URL comes from .git/config: a URL on the
+    header's line, `[remote.origin]`, a continued line and `\"` were missed or
+    misread, so the project was named after its folder or `\\`."""
+    assert cs.git_config_value(config, 'remote "origin"', "url") == url
+
+
 def test_a_clone_git_cannot_read_still_captures_recalls_and_primes_locally(tmp_path):
     """git failing on the clone in another way than "no such remote" (a bad
     hand-edited config line, a newer git's repository extension, a damaged
