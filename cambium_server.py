@@ -912,13 +912,24 @@ def _cp1252_bytes(run: str) -> bytes:
 #: What UTF-8 text that was read as cp1252 decodes back to: the scripts and
 #: symbols people write, as (first, last, needs_two). A decoding elsewhere (IPA,
 #: spacing modifiers, combining accents, C1 controls, NKo, Samaritan, private
-#: use) is a genuine accented letter before a quote, a no-break space or an
-#: ellipsis (`RÉSUMÉ\u00a0:` would read `RÉSUMɠ:`), so the run is left alone.
-#: The scripts marked True must decode to two or more of their characters in the
-#: run: one CJK character is `é”…` (a word ending in é, a quote, an ellipsis),
-#: while CJK, Arabic or Hindi that was mangled is a long run.
+#: use, the Latin Extended-B letters no language writes) is a genuine accented
+#: letter before a quote, a no-break space or an ellipsis (`RÉSUMÉ\u00a0:` would
+#: read `RÉSUMɠ:`, `CAFÉ…` `CAFɅ`), so the run is left alone. The scripts
+#: marked True must decode to two or more of their characters in the run: one
+#: CJK character is `é”…` (a word ending in é, a quote, an ellipsis), while CJK,
+#: Arabic or Hindi that was mangled is a long run.
 _MOJIBAKE_TARGETS = (
-    (0x00A0, 0x024F, False),    # Latin-1 Supplement, Latin Extended-A and -B
+    (0x00A0, 0x017F, False),    # Latin-1 Supplement, Latin Extended-A
+    (0x018F, 0x018F, False),    # Ə (Azerbaijani)
+    (0x0192, 0x0192, False),    # ƒ (the florin sign)
+    (0x01A0, 0x01A1, False),    # Ơ ơ (Vietnamese)
+    (0x01AF, 0x01B0, False),    # Ư ư (Vietnamese)
+    (0x01CD, 0x01DC, False),    # ǎ ǐ ǒ ǔ ǖ ǘ ǚ ǜ (Pinyin tones)
+    (0x0218, 0x021B, False),    # Ș ș Ț ț (Romanian)
+    (0x0259, 0x0259, False),    # ə (Azerbaijani)
+    (0x0300, 0x030C, False),    # the combining accents of decomposed Latin text,
+    (0x0323, 0x0323, False),    # Vietnamese's dot below,
+    (0x0327, 0x0328, False),    # the cedilla and the ogonek (see _combining_start)
     (0x0370, 0x04FF, False),    # Greek, Cyrillic
     (0x05D0, 0x05F4, True),     # Hebrew letters
     (0x0600, 0x06FF, True),     # Arabic
@@ -935,6 +946,15 @@ _MOJIBAKE_TARGETS = (
 )
 _MOJIBAKE_TARGET_STARTS = [first for first, _, _ in _MOJIBAKE_TARGETS]
 
+#: What follows a genuine accented letter at a word's end: a no-break space,
+#: punctuation, a trademark or degree sign, a footnote's superscript. Each is
+#: also a continuation byte of UTF-8, so a capital and one of them (`É…`,
+#: `Å\u00a0`) is as well the mojibake of one character.
+_WORD_END_FOLLOWERS = "\u00a0…’‘”“«»·•–—™®©°²³¹"
+#: The followers that may stand between a word and the next (`PÅ\u00a0LÖRDAG`,
+#: `CAFÉ’s`, `CAFÉ—BAR`).
+_WORD_JOINERS = "\u00a0’‘–—·•"
+
 
 def _mojibake_target(ch: str) -> tuple | None:
     """The _MOJIBAKE_TARGETS row that holds `ch`, or None."""
@@ -942,18 +962,66 @@ def _mojibake_target(ch: str) -> tuple | None:
     return _MOJIBAKE_TARGETS[at] if at >= 0 and ord(ch) <= _MOJIBAKE_TARGETS[at][1] else None
 
 
-def plausible_mojibake_decoding(decoded: str) -> bool:
+def plausible_mojibake_decoding(decoded: str, before: str = "", after: str = "") -> bool:
     """Whether `decoded` (a run of high characters re-read as UTF-8) is text
     that real mojibake comes from (pure): every character assigned, not a
-    control, in _MOJIBAKE_TARGETS, a combining mark only after a base character
-    of the run, and the scripts that need two holding two or more."""
+    control, in _MOJIBAKE_TARGETS, and the scripts that need two holding two or
+    more. `before` and `after` are the characters around the run. A combining
+    mark or variation selector needs a base: a character of the run, or the
+    letter, digit, # or * before it (decomposed `cafe\u0301` reads `cafeÌ\x81`, the
+    keycap `1\ufe0f\u20e3` reads `1ï¸\x8fâƒ£`). Cyrillic never touches a Latin
+    letter (`Ð\u00a0x` is not `Рx`): a mangled Russian word is a run of its own."""
     needs_two = 0
     for i, ch in enumerate(decoded):
         row, category = _mojibake_target(ch), unicodedata.category(ch)
-        if row is None or category in ("Cc", "Cn", "Co") or (category[0] == "M" and i == 0):
+        if row is None or category in ("Cc", "Cn", "Co"):
+            return False
+        if category[0] == "M" and i == 0 and not (before.isalnum() or before in ("#", "*")):
+            return False
+        if "\u0400" <= ch <= "\u04ff" and _ascii_letter(before + after):
             return False
         needs_two += row[2]
     return needs_two != 1
+
+
+def _ascii_letter(text: str) -> bool:
+    """Whether `text` holds an ASCII letter (pure)."""
+    return any(ch.isascii() and ch.isalpha() for ch in text)
+
+
+def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
+    """Whether a run reads as well as a genuine accented capital ending a word
+    and the no-break space or punctuation after it (`CAFÉ…`, `PERÒ”`,
+    `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure).
+    `before` and `after` are the characters around the run. Such a capital ends
+    an all-capital word or is a word of its own, so the run is mojibake after a
+    lowercase letter or a digit (`NoÃ«l`, `3Ã—4`), as a word that goes on in
+    lowercase (`Ã–sterreich`), before a letter that no space or dash parts
+    from it (`HÃ”TEL`), as a no-break space before a space (`Ã\u00a0 la`), and
+    after Â, whose decodings are symbols (`Â\u00a0`, `Â°`)."""
+    if len(run) != 2 or run[1] not in _WORD_END_FOLLOWERS or run[0] == "Â":
+        return False
+    if before.islower() or before.isdigit() or (after.isalpha() and run[1] not in _WORD_JOINERS):
+        return False
+    if run[1] == "\u00a0" and (not after or after.isspace()):
+        return False
+    return before.isupper() or not after.islower()
+
+
+def _mojibake_repairs(text: str) -> list[tuple[re.Match, str, bool]]:
+    """Each run of `text` that re-decodes as plausible UTF-8 (pure): its match,
+    its repair, and whether it is ambiguous (ambiguous_mojibake_run)."""
+    repairs = []
+    for m in _MOJIBAKE_RUN.finditer(text):
+        run = m.group(0)
+        before, after = text[max(m.start() - 1, 0):m.start()], text[m.end():m.end() + 1]
+        try:
+            fixed = _cp1252_bytes(run).decode("utf-8")
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if len(fixed) < len(run) and plausible_mojibake_decoding(fixed, before, after):
+            repairs.append((m, fixed, ambiguous_mojibake_run(run, before, after)))
+    return repairs
 
 
 def repair_mojibake(text: str) -> str:
@@ -962,20 +1030,20 @@ def repair_mojibake(text: str) -> str:
     A run of two or more high characters is replaced only when it re-decodes as
     valid UTF-8 to characters mojibake comes from (plausible_mojibake_decoding),
     so genuine accented text (`café`, `Größe`, `SÃO PAULO`, `RÉSUMÉ\u00a0:`,
-    `CAFÉ’s`) is left untouched.
+    `CAFÉ’s`) is left untouched. A run that reads as well as a genuine capital
+    before punctuation (`CAFÉ…`, ambiguous_mojibake_run) is replaced only when
+    the text holds mojibake beyond doubt too (`Ã‰cole Ã\u00a0 Paris`).
     """
     if not text or not _MOJIBAKE_RUN.search(text):
         return text
-
-    def fix(m: re.Match) -> str:
-        run = m.group(0)
-        try:
-            fixed = _cp1252_bytes(run).decode("utf-8")
-        except (UnicodeDecodeError, ValueError):
-            return run
-        return fixed if len(fixed) < len(run) and plausible_mojibake_decoding(fixed) else run
-
-    return _MOJIBAKE_RUN.sub(fix, text)
+    repairs = _mojibake_repairs(text)
+    sure = any(not ambiguous for _, _, ambiguous in repairs)
+    out, at = [], 0
+    for m, fixed, ambiguous in repairs:
+        if sure or not ambiguous:
+            out += [text[at:m.start()], fixed]
+            at = m.end()
+    return "".join(out) + text[at:]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -2422,22 +2490,34 @@ def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
 
 
 def _ask_remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
-    """git's answer to `remote get-url` (None: git says no such remote). With
-    no git on PATH, the clone's config file says (a local capture needs no
-    git). Any other failure raises: a clone git refuses to open (another
-    user's, "dubious ownership") as the ConfigError naming git's fix, never
-    taken for "no remote" (the project would be named after its folder)."""
+    """git's answer to `remote get-url` (None: git says no such remote). When
+    git is not on PATH or cannot read the clone (a bad config line, a newer
+    git's repository extension, a damaged HEAD), the clone's config file says:
+    local scope needs no git. A clone git refuses to open (another user's,
+    "dubious ownership") raises the ConfigError naming git's fix, and so does
+    a failure the config file does not answer either: never taken for "no
+    remote" (the project would be named after its folder)."""
     try:
         proc = _git(["remote", "get-url", "--", remote], repo, timeout_s, check=False)
     except GitError as e:
-        if e.code != 127:
-            raise
-        return config_remote_url(repo, remote)
+        if e.code == 127:
+            return config_remote_url(repo, remote)
+        return _remote_url_from_config(repo, remote, e)
     if proc.returncode == 0:
         return proc.stdout.strip() or None
     if "no such remote" in proc.stderr.lower():
         return None
-    raise git_refused(proc.stderr) or GitError(proc.args, proc.returncode, proc.stderr)
+    return _remote_url_from_config(repo, remote, git_refused(proc.stderr) or
+                                   GitError(proc.args, proc.returncode, proc.stderr))
+
+
+def _remote_url_from_config(repo: Path, remote: str, failure: Exception) -> str:
+    """The remote's URL read from the clone's config file after git failed to
+    give it; `failure` raised when git refused the clone as another user's
+    (ConfigError) or the file names no URL either."""
+    if isinstance(failure, ConfigError) or not (url := config_remote_url(repo, remote)):
+        raise failure
+    return url
 
 
 def git_refused(stderr: str) -> ConfigError | None:
@@ -2469,21 +2549,65 @@ def config_remote_url(repo: Path, remote: str) -> str | None:
     return git_config_value(text, f'remote "{remote}"', "url")
 
 
+_CONFIG_HEAD = re.compile(r'[ \t]*\[[ \t]*([\w.-]+)(?:[ \t]+"((?:[^"\\\n]|\\.)*)")?[ \t]*\]')
+_CONFIG_KEY = re.compile(r"[ \t]*([A-Za-z][\w-]*)[ \t]*(=?)")
+_CONFIG_ESCAPES = {"n": "\n", "t": "\t", "b": "\b"}
+
+
 def git_config_value(text: str, section: str, key: str) -> str | None:
     """The first value of `key` in `[section]` (`remote "origin"`) of git
-    config text (pure): section and key names case-insensitive, as git reads
-    them; quotes around the value and a trailing comment dropped."""
+    config text (pure), read as git reads it: section and key names
+    case-insensitive, `[remote.origin]` the old spelling of `[remote
+    "origin"]`, a key on its header's line, and the value as
+    _config_value reads it."""
     name, _, sub = section.partition(" ")
-    wanted, current = (name.lower(), sub), None
-    for line in text.splitlines():
-        if head := re.match(r'\s*\[\s*([\w.-]+)(?:\s+("(?:[^"\\]|\\.)*"))?\s*\]', line):
-            current = (head.group(1).lower(), head.group(2) or "")
-            continue
-        pair = re.match(r"\s*([\w-]+)\s*=\s*(.*)", line)
-        if pair and current == wanted and pair.group(1).lower() == key.lower():
-            value = re.sub(r'\s*[#;][^"]*$', "", pair.group(2)).strip()
-            return value[1:-1] if len(value) > 1 and value[0] == value[-1] == '"' else value
+    wanted, current, at = (name.lower(), sub.strip('"')), None, 0
+    while at < len(text):
+        if head := _CONFIG_HEAD.match(text, at):
+            current, at = _config_section(head.group(1), head.group(2)), head.end()
+        if (pair := _CONFIG_KEY.match(text, at)) and pair.group(1):
+            value, at = _config_value(text, pair.end()) if pair.group(2) else ("", pair.end())
+            if current == wanted and pair.group(1).lower() == key.lower():
+                return value
+        at = text.find("\n", at) + 1 or len(text)
     return None
+
+
+def _config_section(name: str, sub: str | None) -> tuple[str, str]:
+    """(section, subsection) of a config header (pure): `remote "origin"` with
+    its escapes undone, or the old `remote.origin`, whose subsection git
+    lowercases."""
+    if sub is None and "." in name:
+        name, _, old = name.partition(".")
+        return name.lower(), old.lower()
+    return name.lower(), re.sub(r"\\(.)", r"\1", sub or "")
+
+
+def _config_value(text: str, at: int) -> tuple[str, int]:
+    """The config value that starts at `at`, and where its line ends (pure):
+    quotes dropped (`;` and `#` inside them kept), a comment outside them
+    dropped, `\"`, `\\`, `\n`, `\t` undone, a backslash at a line's end
+    joining the next line, and the spaces around it trimmed."""
+    out, space, quoted = [], "", False
+    while at < len(text) and text[at] != "\n":
+        ch, at = text[at], at + 1
+        if ch == "\\":
+            nxt = text[at:at + 2] if text[at:at + 2] == "\r\n" else text[at:at + 1]
+            at += len(nxt)
+            if nxt not in ("\n", "\r\n"):
+                out.append(space + _CONFIG_ESCAPES.get(nxt, nxt))
+                space = ""
+        elif ch == '"':
+            out.append(space if out else "")
+            quoted, space = not quoted, ""
+        elif not quoted and ch in ";#":
+            break
+        elif not quoted and ch in " \t\r":
+            space += ch if out else ""
+        else:
+            out.append(space + ch)
+            space = ""
+    return "".join(out), at
 
 
 def _has_remote(repo: Path, remote: str, timeout_s: float) -> bool:
@@ -10387,12 +10511,17 @@ _FUNCTION_VALUE = (r"[ \t]*(?:async[ \t]+)?(?:function\b|lambda\b|"
 
 
 @functools.lru_cache(maxsize=512)
-def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
-    """(a keyword definition of `name`, a function given its name: `total =
-    (a) =>`, `exports.total = function`, `total: function(` in an object)."""
+def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+    """(a keyword definition of `name`, a function declared with its name:
+    `const total = (a) =>`, a function given its name: `exports.total =
+    function`, `total: function(` in an object, `total = lambda`). The last
+    is also a call's keyword argument on its own line (`on_error=lambda e:`),
+    so it ranks after the others (_definition_kinds)."""
     n = re.escape(name)
     return (re.compile(_DEF_PREFIX + n + r"\b", re.M),
-            re.compile(_DEF_MODIFIERS + r"(?:(?:const|let|var)[ \t]+)?(?:[\w$]+\.)*" + n +
+            re.compile(_DEF_MODIFIERS + r"(?:const|let|var)[ \t]+" + n +
+                       r"[ \t]*(?::[^=\n]*)?=" + _FUNCTION_VALUE, re.M),
+            re.compile(_DEF_MODIFIERS + r"(?:[\w$]+\.)*" + n +
                        r"[ \t]*(?::[^=\n]*)?[:=]" + _FUNCTION_VALUE, re.M))
 
 
@@ -10430,8 +10559,8 @@ def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Patter
         qualified = r"(?:[\w$]+::)*" + (re.escape(owner) + "::" if owner else "") + n
         return (re.compile(r"^[ \t]*" + _NOT_A_TYPE + r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}"
                            r"[*&]*" + qualified + _SIGNATURE_REST, re.M),
-                re.compile(r"(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))^" + qualified + _SIGNATURE_REST,
-                           re.M))
+                re.compile(r"^(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))" + qualified + _SIGNATURE_REST,
+                           re.M))                      # `^` first: tried at line starts only
     if owner:
         return ()
     if ext in SHELL_EXTS:
@@ -10448,30 +10577,56 @@ def find_definition(text: str, symbol: str, ext: str = "") -> int | None:
     (Item.from_dict, Foo::bar) looks for its last part among the direct members
     of each definition of the part before it (a struct and its impl, in turn;
     not in a class nested inside), by indentation; None when none holds it.
-    Linear in the file: every line is read a fixed number of times."""
+    Linear in the file, and the patterns are tried only on the lines that
+    hold the name (_lines_holding): a definition's line holds it as written."""
     *outer, name = re.split(r"\.|::", symbol)
+    if not all(part in text for part in (*outer, name)):
+        return None
     if not outer:
         at = _first_match(text, name, ext)
         return None if at is None else text.count("\n", 0, at) + 1
     tree = _Outline(text)
-    owners = {part: tree.lines_of(_owner_patterns(part)) for part in set(outer)}  # one scan each
+    owners = {part: tree.lines_of(_owner_patterns(part), part) for part in set(outer)}
     held = set(owners[outer[0]])
     for part in outer[1:]:
         held = {n for n in owners[part] if tree.parent[n] in held}
     for kind in _definition_kinds(name, ext):
-        if members := [n for n in tree.lines_of(kind) if tree.parent[n] in held]:
+        if members := [n for n in tree.lines_of((kind,), name) if tree.parent[n] in held]:
             return min(members) + 1
-    m = _receiver_pattern(outer[-1], name).search(text) or next(
-        (m for p in _signature_patterns(name, ext, "::".join(outer)) for m in p.finditer(text)),
-        None)                               # Go's func (c *Cart) Total, C++'s Cart::total
-    return None if m is None else text.count("\n", 0, m.start()) + 1
+    elsewhere = (_receiver_pattern(outer[-1], name),       # Go's func (c *Cart) Total,
+                 *_signature_patterns(name, ext, "::".join(outer)))    # C++'s Cart::total
+    at = next((at for at in _lines_holding(text, name)
+               if any(p.match(text, at) for p in elsewhere)), None)
+    return None if at is None else text.count("\n", 0, at) + 1
 
 
-def _definition_kinds(name: str, ext: str) -> tuple[tuple[re.Pattern, ...], ...]:
-    """The patterns that define `name` in a file of `ext`, most telling kind
-    first: functions, classes and methods, then variables and assignments."""
-    return (_definition_patterns(name) + _signature_patterns(name, ext),
-            _variable_patterns(name))
+def _lines_holding(text: str, word: str) -> list[int]:
+    """The offsets where the lines of `text` that hold `word` start, in order
+    (pure, one literal scan). Every definition pattern starts at a line's start
+    (`^`), holds the name as written and never spans lines, so
+    `pattern.match(text, start)` on these finds what `finditer` over the whole
+    file would, at the cost of the name's occurrences, not of the file's size."""
+    starts: list[int] = []
+    at = text.find(word) if word else -1
+    while at >= 0:
+        starts.append(text.rfind("\n", 0, at) + 1)
+        end = text.find("\n", at)
+        at = -1 if end < 0 else text.find(word, end)
+    return starts
+
+
+@functools.lru_cache(maxsize=512)
+def _definition_kinds(name: str, ext: str) -> tuple[re.Pattern, ...]:
+    """The kinds of definition of `name` in a file of `ext`, most telling
+    first: functions, classes and methods (a keyword, a declaration, a typed
+    signature), then functions given the name (`total = lambda`, `total:
+    function(`, which a call's keyword argument looks like), then variables
+    and assignments. Each kind is one pattern, its forms' alternation: one
+    match a line."""
+    keyword, declared, given = _definition_patterns(name)
+    kinds = ((keyword, declared) + _signature_patterns(name, ext), (given,),
+             _variable_patterns(name))
+    return tuple(re.compile("|".join(f"(?:{p.pattern})" for p in kind), re.M) for kind in kinds)
 
 
 @functools.lru_cache(maxsize=512)
@@ -10502,10 +10657,11 @@ class _Outline:
             if opens:
                 stack.append((len(line) - len(body), n))
 
-    def lines_of(self, patterns: Iterable[re.Pattern]) -> list[int]:
-        """0-based numbers of the lines where any of `patterns` matches, in order."""
-        return sorted({bisect.bisect_right(self.starts, m.start()) - 1
-                       for p in patterns for m in p.finditer(self.text)})
+    def lines_of(self, patterns: Iterable[re.Pattern], word: str) -> list[int]:
+        """0-based numbers of the lines where any of `patterns`, definitions of
+        `word`, matches, in order."""
+        return [bisect.bisect_right(self.starts, at) - 1 for at in _lines_holding(self.text, word)
+                if any(p.match(self.text, at) for p in patterns)]
 
 
 @functools.lru_cache(maxsize=512)
@@ -10521,11 +10677,19 @@ def _owner_patterns(name: str) -> tuple[re.Pattern, ...]:
 def _first_match(text: str, name: str, ext: str = "") -> int | None:
     """Offset of the first definition of `name` in text: a function, class or
     method before a variable, and within each kind an unindented one before a
-    nested one (a method, a local)."""
+    nested one (a method, a local). Only the lines that hold the name are
+    tried, and the first unindented definition of the best kind ends the
+    search."""
+    lines = _lines_holding(text, name)
     for kind in _definition_kinds(name, ext):
-        starts = [m.start() for pattern in kind for m in pattern.finditer(text)]
-        if starts:
-            return min((at for at in starts if text[at] not in " \t"), default=min(starts))
+        nested = None
+        for at in lines:
+            if kind.match(text, at):
+                if text[at] not in " \t":
+                    return at
+                nested = at if nested is None else nested
+        if nested is not None:
+            return nested
     return None
 
 

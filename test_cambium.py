@@ -132,6 +132,15 @@ def cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Completed
     ("plain ascii", "plain ascii"),
     ("SÃO PAULO", "SÃO PAULO"),
     ("Mötley Crüe and the Æsir", "Mötley Crüe and the Æsir"),
+    ("cafeÌ\x81 au lait", "cafe\u0301 au lait"),              # a decomposed accent: its base before the run
+    ("press 1ï¸\x8fâƒ£ or #ï¸\x8fâƒ£", "press 1\ufe0f\u20e3 or #\ufe0f\u20e3"),  # keycaps
+    ("Joyeux NoÃ«l, sÃ»r", "Joyeux Noël, sûr"),              # a pair of the capital-and-quote shape in a word
+    ("Ã–sterreich region", "Österreich region"),              # a word going on in lowercase
+    ("HÃ”TEL DE VILLE", "HÔTEL DE VILLE"),                    # a quote no word-final letter has before a letter
+    ("Ã\u00a0 la carte", "à la carte"),                      # a no-break space before a space
+    ("the CAFÃ‰ on Ã\u00a0 cÃ´tÃ©", "the CAFÉ on à côté"),
+    ("Ã‰tÃ© PASSÃ“ in 2020", "Été PASSÓ in 2020"),          # sure mojibake vouches for Ó's Ã“
+    ("AzÉ™rbaycan", "Azərbaycan"),
 ])
 def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     assert cs.repair_mojibake(raw) == fixed
@@ -145,11 +154,22 @@ def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     "«\u00a0Café\u00a0» et OÙ\u00a0?",           # French quotes; Ù, NBSP is an Arabic digit
     "Ø\u00a05 mm",                                # a diameter: one Arabic letter
     "costs 5Â€",                                   # would decode to a C1 control
+    "Le menu du CAFÉ… a changé",                   # É… is Ʌ: a capital ends the word
+    "El partido TERMINÓ… sin goles",              # Ó… is Cyrillic Ӆ
+    "The headline “YA PASÓ” must stay",           # Ó” is Ӕ
+    "Italian banner PERÒ” closes the quote",      # Ò” is Ҕ
+    "ÖPPET PÅ\u00a0LÖRDAG",                       # Å and a no-break space is Š
+    "Portuguese AMANHÃ… and IRMÃ\u00a0: oi",      # Ã… is Å, Ã and a no-break space is à
+    "CAFÉ—BAR and CAFÉ™",                          # a dash between words, a trademark sign
+    "MEÐ\u00a0x and Ó\u00a0mar",                  # Cyrillic Р, Ӡ would touch a Latin letter
 ])
 def test_repair_mojibake_leaves_genuine_accents_before_punctuation(genuine):
     """A genuine accented letter before a no-break space, a quote or an ellipsis
-    re-decodes as valid UTF-8 (to IPA, NKo, one CJK character, a control): not
-    text mojibake comes from, so it is kept as typed."""
+    re-decodes as valid UTF-8 (to IPA, NKo, one CJK character, a control, a
+    Cyrillic letter touching Latin ones): not text mojibake comes from, so it is
+    kept as typed; when it decodes to a letter people write (`CAFÉ…`: `CAFɅ`,
+    `PÅ\u00a0`: `Š`), a capital ending a word is not repaired without mojibake
+    beyond doubt elsewhere in the text."""
     assert cs.repair_mojibake(genuine) == genuine
     assert cs.plain_text(genuine) == genuine
 
@@ -467,6 +487,51 @@ def test_without_git_on_path_status_answers_and_a_local_capture_keeps_the_projec
     got = cli("capture", "Invoices are rounded half-even in the ledger", **env)
     assert got.returncode == 0 and json.loads(got.stdout)["item"]["project"] == "Shop"
     assert "git" not in [g["setting"] for g in cs.status()["gaps"]]   # (git is here)
+
+
+@pytest.mark.parametrize("config, url", [
+    ('[remote "origin"]\n\turl = /x/shop.git\n', "/x/shop.git"),
+    ('[remote "origin"] url = /x/shop.git\n', "/x/shop.git"),            # on the header's line
+    ("[remote.origin]\n\turl = /x/shop.git\n", "/x/shop.git"),            # the old spelling
+    ('[remote "origin"]\n\turl = /x/\\\nshop.git\n', "/x/shop.git"),     # a continued line
+    ('[remote "origin"]\n\turl = "/x/s\\"hop.git"\n', '/x/s"hop.git'),   # an escaped quote
+    ('[Remote "origin"]\n\tURL = "/x/sh;op.git" ; moved\n', "/x/sh;op.git"),
+    ('[remote "origin"]\n# url = /bad.git\n\tmirror\n\turl = ssh://h/shop;v=1\n', "ssh://h/shop"),
+    ('[remote "Origin"]\n\turl = /x/other.git\n[remote "origin"]\n\tpushurl = /p.git\n', None),
+])
+def test_the_config_file_is_read_as_git_reads_it(config, url):
+    """Without git the remote's URL comes from .git/config: a URL on the
+    header's line, `[remote.origin]`, a continued line and `\"` were missed or
+    misread, so the project was named after its folder or `\\`."""
+    assert cs.git_config_value(config, 'remote "origin"', "url") == url
+
+
+def test_a_clone_git_cannot_read_still_captures_recalls_and_primes_locally(tmp_path):
+    """git failing on the clone in another way than "no such remote" (a bad
+    hand-edited config line, a newer git's repository extension, a damaged
+    HEAD) made capture, recall and primer exit 1, though local scope needs no
+    git and .git/config holds the URL; without a URL there either it still
+    fails rather than name the project after its folder."""
+    bare = make_origin(tmp_path, "shop")
+    breakages = {"bad-line": lambda d: (d / "config").write_text((d / "config").read_text() + "[oops\n"),
+                 "extension": lambda d: git(d.parent, "config", "extensions.newgitfeature", "true"),
+                 "head": lambda d: (d / "HEAD").write_text("garbage\n")}
+    for name, breaks in breakages.items():
+        checkout = clone(bare, tmp_path / name)
+        git(checkout, "config", "core.repositoryformatversion", "1")
+        breaks(checkout / ".git")
+        env = {"CAMBIUM_REPO": str(checkout), "CAMBIUM_AGENT_ID": "ada"}
+        got = cli("capture", f"Invoices round half-even ({name})", **env)
+        assert got.returncode == 0, (name, got.stderr)
+        assert json.loads(got.stdout)["item"]["project"] == "shop"
+        recall = cli("recall", "invoices round", **env)
+        assert recall.returncode == 0 and "half-even" in recall.stdout, (name, recall.stderr)
+        assert cli("primer", **env).returncode == 0, name
+    lone = make_repo(tmp_path, "lone")
+    (lone / ".git" / "config").write_text((lone / ".git" / "config").read_text() + "[oops\n")
+    got = cli("capture", "never stamped with the folder's name", CAMBIUM_REPO=str(lone),
+              CAMBIUM_AGENT_ID="ada")
+    assert got.returncode == 1 and "bad config line" in got.stderr + got.stdout
 
 
 def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folder(tmp_path):
@@ -12051,11 +12116,20 @@ CART_JS = ("class Cart {\n  add(x) {\n    let total = 0;\n    return total;\n  }
     ("if (total(x)) {\n}\nit('adds', function () {\n  total(function () {\n  });\n});\n",
      "total", ".js", None),
     ("interface Api {\n  total(): number;\n}\n", "total", ".ts", None),
+    # a call's keyword argument or object argument on its own line is not the function
+    ("class Worker:\n    def start(self):\n        retry(\n            on_error=lambda e: log(e),\n"
+     "        )\n\n    def on_error(self, e):\n        log(e)\n", "on_error", ".py", 7),
+    ("function main() {\n  api.request(url, {\n    onDone: (r) => show(r),\n  });\n}\n"
+     "class Api {\n  onDone(r) { return r; }\n}\n", "onDone", ".js", 7),
+    ("class A:\n    total = lambda self: 1\n", "A.total", ".py", 2),
+    ("class Cart {\n  add() {\n    const total = () => 0;\n  }\n}\n"
+     "export const total = (a) => a;\n", "total", ".js", 6),
 ])
 def test_find_definition_prefers_methods_and_functions_over_variables(text, symbol, ext, line):
     """A JavaScript method, an object's method, a C++ method defined out of its
     class, Ruby's class method and C's GNU-style definition are found; a method
-    beats another method's local `let total`."""
+    beats another method's local `let total`, and a `def` or a method beats a
+    call's keyword argument `on_error=lambda e:` or `onDone: (r) =>` above it."""
     assert cs.find_definition(text, symbol, ext) == line
 
 
@@ -12069,6 +12143,23 @@ def test_find_definition_scans_each_line_once():
     assert cs.find_definition(text, "A.handler") is None
     assert cs.find_definition(nested, "A.A.A.A.run") == 61     # each level multiplied it
     assert time.process_time() - started < 3       # quadratic: minutes; linear: ~0.3 s
+
+
+def test_find_definition_reads_only_the_lines_that_hold_the_name():
+    """Every pattern was tried at every offset of the file (a lookbehind before
+    `^`), each over the whole file: a recall resolving anchors in a 2 MB file
+    took 0.2-2 s each. Now a name is looked for on its lines only and the
+    first top-level function ends the search."""
+    unit = "static int\nfunc_%d (int a, int b)\n{\n  int x = helper (a, b);\n  return x;\n}\n"
+    text = "int\ntotal (int a)\n{\n}\n" + "".join(unit % i for i in range(40_000))
+    assert len(text) > 2_000_000
+    started = time.process_time()
+    for _ in range(10):
+        assert cs.find_definition(text, "total", ".c") == 2             # GNU style, at the top
+        assert cs.find_definition(text, "missing", ".c") is None
+        assert cs.find_definition(text, "Cart::total", ".cpp") is None
+        assert cs.find_definition(text, "func_39999", ".c") == 240_000    # the last one
+    assert time.process_time() - started < 1.5     # every offset: ~10 s; their lines: ~0.1 s
 
 
 @pytest.fixture
