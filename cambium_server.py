@@ -8432,7 +8432,8 @@ class Semantic:
         self.queued: set[str] = set()
         self.worker: threading.Thread | None = None
         self.pending = 0                     # embed_cost of the queued (waiting or in flight)
-        self.declined = False                # a recall answered without waiting for this backlog
+        self.verdict: str | None = None      # this backlog, as the first recall to meet it judged
+        self.judged = (0.0, 0)               # ...when (monotonic) and its pending then
         self.rate = EMBED_RATE_GUESS         # characters/s per thread, measured as it drains
         self.embedded = 0                    # items embedded by this process
         self.busy = 0                        # recalls ranking right now
@@ -8545,7 +8546,7 @@ class Semantic:
                 self.queued.discard(key)
                 self.pending -= embed_cost(it)
         if not self.queued:                  # drained: the next backlog is new
-            self.declined = False
+            self.verdict, self.judged = None, (0.0, 0)
 
     def _embed_chunk(self, emb: Embedder, chunk: list[Item]) -> None:
         """Embed a chunk (outside the lock) and put its vectors in the cache."""
@@ -8677,9 +8678,7 @@ class Semantic:
                 todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
-            wait = (bool(self.queued) and not self.declined
-                    and self._drain_s(helpers) <= EMBED_WAIT_S)
-            self.declined = bool(self.queued) and not wait
+            wait = bool(self.queued) and self._waits(helpers)
         if wait:
             deadline = time.monotonic() + EMBED_WAIT_MAX_S
             if helpers > 1:
@@ -8688,6 +8687,22 @@ class Semantic:
             with self.cv:
                 sv.sync(index, self.cache)
         return sv
+
+    def _waits(self, helpers: int) -> bool:
+        """Whether a recall waits for the backlog (under self.cv): as the first
+        recall to meet it judged (expected to drain within EMBED_WAIT_S), for
+        every recall until it drains, judged again only when it has grown; a
+        backlog judged too long is never waited for (each recall stalled up to
+        EMBED_WAIT_MAX_S as it shrank), and nor is one waited for EMBED_WAIT_S
+        in all. One judgement per backlog: a busy machine's slower rate made a
+        second recall answer by shared words from a backlog the first had
+        waited for, and every later one after it."""
+        now = time.monotonic()
+        if self.verdict is None or (self.verdict == "wait" and self.pending > self.judged[1]):
+            self.verdict = "wait" if self._drain_s(helpers) <= EMBED_WAIT_S else "declined"
+            self.judged = (self.judged[0] if self.verdict == "wait" and self.judged[0]
+                           else now, self.pending)     # (a grown backlog keeps its start)
+        return self.verdict == "wait" and now - self.judged[0] < EMBED_WAIT_S
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:

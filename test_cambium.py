@@ -11243,16 +11243,57 @@ def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(mon
     eng.ready()
     eng.rate = 1e-3                                 # far too long to wait for
     first = cs.rank(index, "ledger export", 3, engine=eng)
-    assert "not embedded yet" in first.note and eng.declined
+    assert "not embedded yet" in first.note and eng.verdict == "declined"
     eng.rate = 1e9                                  # now it looks instant
     t0 = time.monotonic()
     again = cs.rank(index, "ledger export", 3, engine=eng)
     assert time.monotonic() - t0 < 2 and "not embedded yet" in again.note
     gate.set()
-    assert eng.wait_idle(120) and eng.pending == 0 and not eng.declined
+    assert eng.wait_idle(120) and eng.pending == 0 and eng.verdict is None
     more = [cs.Item(id="k-new", content="Webhook retries back off exponentially", tags=["w"])]
     fresh = cs.rank(cs.build_index(items + more), "webhook retries", 3, engine=eng)
     assert fresh.note is None and fresh.hits[0].item.id == "k-new"     # waited for
+
+
+@needs_extra
+def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_while(
+        monkeypatch):
+    """The first recall to meet a backlog judges it once: worth waiting for, and
+    the recalls after it wait too (each at most EMBED_WAIT_MAX_S), however the
+    measured rate moves, until EMBED_WAIT_S has passed since. A busy machine's
+    slower rate once made the second recall after an import answer by shared
+    words from a backlog the first had waited for, and every later one too."""
+    monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 1.5)
+    monkeypatch.setattr(cs, "EMBED_WAIT_S", 4.0)
+    gate = threading.Event()
+    real = cs.Semantic._embed_items
+
+    def held(self, emb, chunk):                     # the embedder holds until released
+        gate.wait(30)
+        return real(self, emb, chunk)
+
+    monkeypatch.setattr(cs.Semantic, "_embed_items", held)
+    monkeypatch.setattr(cs.Semantic, "_help", lambda self, emb, deadline: None)
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format",
+                     tags=["x"]) for i in range(6)]
+    index = cs.build_index(items)
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 1e9                                  # looks instant: worth waiting for
+    took = []
+    for rate in (1e9, 1e-3):                        # ...then it looks endless
+        eng.rate = rate
+        t0 = time.monotonic()
+        ranking = cs.rank(index, "ledger export", 3, engine=eng)
+        took.append(time.monotonic() - t0)
+        assert "not embedded yet" in ranking.note and eng.verdict == "wait"
+    assert min(took) >= 1.4, took                   # both waited their cap
+    time.sleep(max(0.0, 4.2 - sum(took)))           # EMBED_WAIT_S since the judgement
+    t0 = time.monotonic()
+    cs.rank(index, "ledger export", 3, engine=eng)
+    assert time.monotonic() - t0 < 1.0              # waited for long enough in all
+    gate.set()
+    assert eng.wait_idle(120) and eng.pending == 0 and eng.verdict is None
 
 
 @needs_extra
