@@ -7314,7 +7314,9 @@ EMBED_YIELD_S = 0.5                 #: ...and how long it steps aside for a runn
 EMBED_NICE = 10                     #: niceness of the thread embedding a backlog too long to wait for
 EMBED_WAIT_S = 90.0                 #: a recall waits for a backlog it expects done by then...
 EMBED_WAIT_MAX_S = 50.0             #: ...but one call never longer than this (clients time out
-                                    #: at 60 s): the next recall waits for the rest
+                                    #: at 60 s): the next recall waits for the rest...
+EMBED_WAIT_TOTAL_S = 180.0          #: ...until this long after the first began (a busy machine
+                                    #: embeds a few hundred long items in 2-3 minutes)
 EMBED_RATE_GUESS = 8_000.0          #: characters/s per thread assumed before one is measured
                                     #: (12,000-15,000 measured on an idle core)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
@@ -8693,8 +8695,8 @@ class Semantic:
         recall to meet it judged (expected to drain within EMBED_WAIT_S), for
         every recall until it drains, judged again only when it has grown; a
         backlog judged too long is never waited for (each recall stalled up to
-        EMBED_WAIT_MAX_S as it shrank), and nor is one waited for EMBED_WAIT_S
-        in all. One judgement per backlog: a busy machine's slower rate made a
+        EMBED_WAIT_MAX_S as it shrank), and nor is one waited for
+        EMBED_WAIT_TOTAL_S in all. One judgement per backlog: a busy machine's slower rate made a
         second recall answer by shared words from a backlog the first had
         waited for, and every later one after it."""
         now = time.monotonic()
@@ -8702,7 +8704,7 @@ class Semantic:
             self.verdict = "wait" if self._drain_s(helpers) <= EMBED_WAIT_S else "declined"
             self.judged = (self.judged[0] if self.verdict == "wait" and self.judged[0]
                            else now, self.pending)     # (a grown backlog keeps its start)
-        return self.verdict == "wait" and now - self.judged[0] < EMBED_WAIT_S
+        return self.verdict == "wait" and now - self.judged[0] < EMBED_WAIT_TOTAL_S
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:

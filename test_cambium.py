@@ -11260,11 +11260,11 @@ def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_
         monkeypatch):
     """The first recall to meet a backlog judges it once: worth waiting for, and
     the recalls after it wait too (each at most EMBED_WAIT_MAX_S), however the
-    measured rate moves, until EMBED_WAIT_S has passed since. A busy machine's
+    measured rate moves, until EMBED_WAIT_TOTAL_S has passed since. A busy machine's
     slower rate once made the second recall after an import answer by shared
     words from a backlog the first had waited for, and every later one too."""
     monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 1.5)
-    monkeypatch.setattr(cs, "EMBED_WAIT_S", 4.0)
+    monkeypatch.setattr(cs, "EMBED_WAIT_TOTAL_S", 4.0)
     gate = threading.Event()
     real = cs.Semantic._embed_items
 
@@ -11288,7 +11288,7 @@ def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_
         took.append(time.monotonic() - t0)
         assert "not embedded yet" in ranking.note and eng.verdict == "wait"
     assert min(took) >= 1.4, took                   # both waited their cap
-    time.sleep(max(0.0, 4.2 - sum(took)))           # EMBED_WAIT_S since the judgement
+    time.sleep(max(0.0, 4.2 - sum(took)))           # EMBED_WAIT_TOTAL_S since the judgement
     t0 = time.monotonic()
     cs.rank(index, "ledger export", 3, engine=eng)
     assert time.monotonic() - t0 < 1.0              # waited for long enough in all
