@@ -994,9 +994,10 @@ def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
     and the no-break space or punctuation after it (`CAFÉ…`, `PERÒ”`,
     `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure).
     `before` and `after` are the characters around the run. Such a capital ends
-    an all-capital word or is a word of its own, so the run is mojibake after a
-    lowercase letter or a digit (`NoÃ«l`, `3Ã—4`), as a word that goes on in
-    lowercase (`Ã–sterreich`), before a letter that no space or dash parts
+    an all-capital word, so the run is mojibake after anything but a capital:
+    standing alone (`O banco Ã© lento`, `1920 Ã— 1080`, `Ð’ CI`), after a
+    lowercase letter or a digit (`NoÃ«l`, `3Ã—4`); and as a word that goes on
+    in lowercase (`Ã–sterreich`), before a letter that no space or dash parts
     from it (`HÃ”TEL`), as a no-break space before a space (`Ã\u00a0 la`), and
     after Â, whose decodings are symbols (`Â\u00a0`, `Â°`)."""
     if len(run) != 2 or run[1] not in _WORD_END_FOLLOWERS or run[0] == "Â":
@@ -1005,7 +1006,7 @@ def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
         return False
     if run[1] == "\u00a0" and (not after or after.isspace()):
         return False
-    return before.isupper() or not after.islower()
+    return before.isupper()
 
 
 def _mojibake_repairs(text: str) -> list[tuple[re.Match, str, bool]]:
@@ -1256,7 +1257,9 @@ def salvage_kind(raw: str) -> tuple[str, str | None]:
     text = plain_text(raw).strip()
     if not text or _KIND.fullmatch(text):
         return text or "note", None              # (as capture reads them)
-    words = (re.sub(r"[^\w.\-]+", "-", w).strip("-") for w in text.lower().split())
+    lower = "".join(c for c in unicodedata.normalize("NFC", text.lower())
+                    if unicodedata.category(c) != "Mn")    # (İ lowercases to i + a dot mark)
+    words = (re.sub(r"[^\w.\-]+", "-", w).strip("-") for w in lower.split())
     kind = " ".join(w for w in words if w)
     if len(kind) > MAX_KIND_CHARS:
         cut = kind[:MAX_KIND_CHARS + 1]
@@ -2543,7 +2546,7 @@ def config_remote_url(repo: Path, remote: str) -> str | None:
     rewrites, which this does not follow, rarely matter."""
     try:
         text = read_regular(_git_dirs(repo)[1] / "config", MAX_CONFIG_BYTES).decode(
-            "utf-8", "replace")
+            "utf-8-sig", "replace")                   # (git reads a file opening with a BOM)
     except (OSError, IndexError, ValueError):
         return None
     return git_config_value(text, f'remote "{remote}"', "url")
@@ -4555,7 +4558,7 @@ class GitStore(Store):
         return self._meta
 
     def fetch(self, force: bool = False, background: bool = False,
-              fresh: bool = False) -> str | None:
+              fresh: bool = False, known: bool = False) -> str | None:
         """The scope's tip (None: no branch yet), fetching first when due.
 
         force: fetch now, and fail if the remote cannot be reached (writes).
@@ -4563,10 +4566,15 @@ class GitStore(Store):
         per fetch_interval_s (digests). background: when a fetch is due but a tip
         is already known, refresh in a background thread and answer with the
         known tip (_await_refresh): a slow or unreachable remote never stalls a
-        read. A read that fails to fetch falls back to the last fetched tip with
-        a warning.
+        read. known: the last fetched tip counts as known in a process that
+        has read none yet (a CLI's exit fold). A read that fails to fetch falls
+        back to the last fetched tip with a warning.
         """
         state = self._state
+        if known:
+            with state.lock:
+                if not state.tip_known and (tip := self.local_tip()) is not None:
+                    state.tip, state.tip_known = tip, True
         refreshing = False
         damaged = self._drop_damaged_ref()
         if damaged:
@@ -6323,7 +6331,7 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
         yield Skip("file", f"holds {json_kind(data)}; expected an array or an object "
                            "wrapping one")
         return
-    first, whole = True, isinstance(data, dict) and lists[0][1][0] is data   # (the one record)
+    first, whole = True, isinstance(data, dict) and not keys      # (the one record)
     for prefix, records in lists:
         for i, rec in enumerate(records, 1):
             yield _draft_noted(json_record_to_draft(rec, f"{prefix}record {i}", origin=path.name,
@@ -7541,9 +7549,10 @@ class WordPiece:
         return out[:limit]
 
     def reads(self, text: str) -> bool:
-        """Whether the model can read a query: more of its words are in the
-        vocabulary and carry meaning (letters or digits, not a stopword) than
-        are unknown to it ([UNK]: emoji, a script it lacks). A query it cannot
+        """Whether the model can read a query: it holds a word in the
+        vocabulary that carries meaning (letters or digits, not a stopword),
+        and no more words unknown to it ([UNK]: emoji, a script it lacks)
+        than such words (`deploy 🚀` reads, `the 🚀` does not). A query it cannot
         read came out near any item of unknown pieces (`the 🚀`, a Thai
         phrase after `what is`: an unrelated Thai note at relevance 0.86)."""
         known = unknown = 0
@@ -7553,7 +7562,7 @@ class WordPiece:
                     unknown += 1
                 elif piece.isalnum() and piece not in _STOPWORDS:
                     known += 1
-        return known > unknown
+        return known > 0 and known >= unknown
 
 
 def embed_windows(ids: list[int], cls: int, sep: int) -> list[list[int]]:
@@ -8742,9 +8751,9 @@ class Semantic:
         if index.live == 0:
             return Ranking([], 0.0, mode="semantic", unknown=unknown_names(index, query))
         if not emb.tokenizer.reads(query):
-            raise QueryUnreadable("the model cannot read this query (more of its words are "
-                                  "unknown to its vocabulary than known: emoji, a script it "
-                                  "lacks); it is ranked by shared words")
+            raise QueryUnreadable("the model cannot read this query (stopwords only, or more "
+                                  "words unknown to its vocabulary, emoji or a script it "
+                                  "lacks, than words it knows); it is ranked by shared words")
         sv = self.vectors(index)
         with self.serving():
             return self._rank(emb, sv, index, query, limit, reranker)
@@ -11325,13 +11334,16 @@ def climb_credits(cfg: Config, scope: str, doc: Doc) -> None:
 def scopes_holding(cfg: Config, scopes: Iterable[str], ids: set[str]) -> dict[str, str]:
     """id -> the first of `scopes` whose doc holds it, a shared one fetched when
     due (at most once per CAMBIUM_FETCH_INTERVAL: a teammate's promote is seen;
-    a failed fetch answers from the last tip); a scope that is off or
+    a failed fetch answers from the last tip) in the background, as a read
+    does (a hanging remote held a CLI recall's exit fold for the git timeout:
+    the credit waits for a later fold instead); a scope that is off or
     unreadable holds nothing known."""
     out: dict[str, str] = {}
     for scope in scopes:
         try:
             st = store(cfg, scope)
-            doc = st.doc_at(st.fetch()) if isinstance(st, GitStore) else st.peek()
+            doc = (st.doc_at(st.fetch(background=True, known=True)) if isinstance(st, GitStore)
+                   else st.peek())
         except (CambiumError, OSError):
             continue
         for it in doc.items if doc is not None else ():
@@ -14551,7 +14563,8 @@ def carry_org_credits(cfg: Config) -> dict | None:
     {"branch", "pr_url", "recall_credits"} when this wrote them; None when
     there were none, or the branch holds them already."""
     drop_counted_credits(credits_path(cfg), "org", store(cfg, "org").read(digest=True))
-    mine = [r for r in read_credits(credits_path(cfg)) if r.get("scope") == "org"]
+    mine = {(r.get("item"), r.get("agent"), r.get("day"))      # (a line journaled twice,
+            for r in read_credits(credits_path(cfg)) if r.get("scope") == "org"}  # one credit)
     if not mine:
         return None
     branch = pr_branch_name("updates")

@@ -146,6 +146,17 @@ def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     assert cs.repair_mojibake(raw) == fixed
 
 
+def test_repair_mojibake_repairs_a_lone_mangled_word_or_symbol():
+    """A run standing alone between spaces is mojibake, not a capital ending a
+    word: the ambiguity rule left Portuguese `é`, `×` and `в` mangled when
+    they were the text's only mojibake."""
+    for mangled, typed in (("O banco Ã© lento na hora do pico.", "O banco é lento na hora do pico."),
+                           ("Render at 1920 Ã— 1080.", "Render at 1920 × 1080."),
+                           ("The Î² channel", "The β channel"), ("Ð² CI", "в CI")):
+        assert cs.repair_mojibake(mangled) == typed, mangled
+    assert cs.repair_mojibake("Le menu du CAFÉ… a changé") == "Le menu du CAFÉ… a changé"
+
+
 @pytest.mark.parametrize("genuine", [
     "Le RÉSUMÉ\u00a0: deux pages au plus",       # French: a no-break space before the colon
     "Mit freundlichem Gruß\u00a0Hans",           # a no-break space after ß
@@ -504,6 +515,18 @@ def test_the_config_file_is_read_as_git_reads_it(config, url):
     header's line, `[remote.origin]`, a continued line and `\"` were missed or
     misread, so the project was named after its folder or `\\`."""
     assert cs.git_config_value(config, 'remote "origin"', "url") == url
+
+
+def test_the_config_file_read_without_git_may_open_with_a_byte_order_mark(tmp_path):
+    """git reads a config file that opens with a BOM; the reader without git
+    missed its remote there and named the project after its folder."""
+    repo = tmp_path / "shop-clone"
+    git(tmp_path, "init", "-q", str(repo))
+    cfg = repo / ".git" / "config"
+    cfg.write_bytes(b"\xef\xbb\xbf" + cfg.read_bytes() +
+                    b'[remote "origin"]\n\turl = git@host:acme/shop.git\n')
+    assert git(repo, "remote", "get-url", "origin").strip() == "git@host:acme/shop.git"
+    assert cs.config_remote_url(repo, "origin") == "git@host:acme/shop.git"
 
 
 def test_a_clone_git_cannot_read_still_captures_recalls_and_primes_locally(tmp_path):
@@ -7241,6 +7264,34 @@ def test_a_credit_whose_item_is_unreadable_here_for_now_stays_journaled_until_it
     assert not cs.read_credits(journal)
 
 
+def test_a_cli_recalls_exit_fold_never_waits_on_a_hanging_remote_to_place_a_credit(
+        shared, monkeypatch, tmp_path):
+    """A credit whose item this clone cannot read now: the exit fold of a
+    `recall --scope local` looked for it in org with a blocking fetch, and a
+    hanging org remote held the command for the git timeout (25 s)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cs.promote(_endorsed("Queues get a dead-letter queue"), to_scope="org", force=True)
+    cs.capture("Every service keeps a runbook")             # what the recall finds
+    item = cs.capture("Prefer short-lived feature flags")["item"]["id"]
+    cs.append_credits(cs.credits_path(cs.resolve_config()), [
+        {"item": item, "scope": "local", "agent": "ada", "day": cs._today(),
+         "project": "shop", "at": cs._now()}])
+    path = _store_path(shared["a"])
+    path.write_bytes(b"\n".join(ln.replace(b'"content"', b'"content" X', 1) if item.encode() in ln
+                                else ln for ln in path.read_bytes().split(b"\n")))
+    hang = tmp_path / "hang.sh"
+    hang.write_text("#!/bin/sh\nsleep 60\n")
+    hang.chmod(0o755)
+    git(shared["org"], "remote", "set-url", "origin", "ssh://git@org.example/org.git")
+    git(shared["org"], "config", "core.sshCommand", str(hang))
+    time.sleep(1.2)                                          # a fetch is due
+    t0 = time.monotonic()
+    out = cli("recall", "service runbook", "--scope", "local", CAMBIUM_GIT_TIMEOUT="20",
+              CAMBIUM_FETCH_INTERVAL="1")
+    assert out.returncode == 0 and json.loads(out.stdout)["results"], out.stderr
+    assert time.monotonic() - t0 < 10, (out.stderr, time.monotonic() - t0)
+
+
 def test_a_fold_on_a_team_branch_the_remote_lacks_keeps_the_team_credits(shared, monkeypatch):
     """A team branch setting that named no branch on the remote: the server's
     fold read an empty team, sent bob's credit to org, and org dropped it."""
@@ -10603,6 +10654,7 @@ def test_the_model_reads_a_query_when_more_words_are_known_than_unknown():
     tok = cs.WordPiece({w: i for i, w in enumerate(
         ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "deploy", "on", "friday", "the", "ok", "!", "#"])})
     assert tok.reads("deploy on friday") and tok.reads("deploy 🚀 on friday")
+    assert tok.reads("deploy 🚀") and tok.reads("ok")               # as many known as not
     assert not tok.reads("🚀") and not tok.reads("the 🚀") and not tok.reads("🚀!")
     assert not tok.reads("ok 🚀 🚀") and not tok.reads("the") and not tok.reads("")
 
@@ -14268,6 +14320,19 @@ def test_a_body_less_record_in_an_array_is_told_about_itself_not_the_files_layou
     assert reasons[1] == "no body (content/text/body/memory/note)"
 
 
+def test_an_empty_wrapper_list_imports_nothing_and_the_next_list_still_imports(
+        repo, tmp_path):
+    """{"memories": []} raised IndexError (the one-record check read the first
+    wrapper list's first record), and {"memories": [], "items": [...]} lost its
+    items with it."""
+    empty, two = tmp_path / "empty.json", tmp_path / "two.json"
+    empty.write_text('{"memories": []}')
+    two.write_text('{"memories": [], "items": [{"content": "use pgbouncer in transaction mode"}]}')
+    assert cs.import_memory("json", str(empty))["imported"] == 0
+    res = cs.import_memory("json", str(two))
+    assert res["imported"] == 1 and not res.get("skipped")
+
+
 def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_primer(
         shared, monkeypatch):
     """A teammate's clone kept its copy of words a person corrected on team:
@@ -14310,6 +14375,13 @@ def test_import_says_when_a_why_or_kind_that_is_not_text_was_left_out(repo, tmp_
                                   "why": 42, "kind": ["decision"]}) + "\n")
     out = cs.import_memory("json", str(export))
     assert out["imported"] == 1 and "why and kind left out (not text)" in json.dumps(out)
+
+
+def test_a_salvaged_kind_keeps_a_dotted_capital_i_one_letter():
+    """`İ` lowercases to `i` and a combining dot, which the salvage read as a
+    character to replace: `İSTANBUL/ops` became `i-stanbul-ops`."""
+    assert cs.salvage_kind("İSTANBUL/ops")[0] == "istanbul-ops"
+    assert cs.salvage_kind("Décision (ADR)")[0] == "décision adr"
 
 
 def test_import_keeps_a_kind_capture_would_refuse_as_the_nearest_one_it_takes(repo, tmp_path):
