@@ -15615,7 +15615,7 @@ def import_memory(source: Annotated[str, Field(
     if repaired.count:
         more = repaired.count - len(repaired.first)
         out["warnings"] = [_clip(n, 300) for n in repaired.first] + (
-            [f"and {more} more record(s) like these"] if more else [])
+            [f"and {more} more note(s) like these"] if more else [])
     if res.imported:
         try:
             out["id_map"] = str(write_id_map(cfg, source, res.imported))

@@ -14377,6 +14377,17 @@ def test_import_says_when_a_why_or_kind_that_is_not_text_was_left_out(repo, tmp_
     assert out["imported"] == 1 and "why and kind left out (not text)" in json.dumps(out)
 
 
+def test_imports_warnings_count_the_notes_they_leave_out_as_notes(repo, tmp_path):
+    """Ten records with two notes each said "and 15 more record(s) like these":
+    it counts notes (the first five are listed), not records."""
+    export = _jsonl(tmp_path / "x.jsonl", *({"id": f"r{i}", "content": f"note {i} on ledgers",
+                                            "kind": "bug/fix", "tags": ["ok", "t" * 65]}
+                                           for i in range(10)))
+    out = cs.import_memory("json", export)
+    assert out["imported"] == 10 and len(out["warnings"]) == cs.IMPORT_REASONS + 1
+    assert out["warnings"][-1] == f"and {20 - cs.IMPORT_REASONS} more note(s) like these"
+
+
 def test_a_salvaged_kind_keeps_a_dotted_capital_i_one_letter():
     """`İ` lowercases to `i` and a combining dot, which the salvage read as a
     character to replace: `İSTANBUL/ops` became `i-stanbul-ops`."""
