@@ -954,6 +954,10 @@ _WORD_END_FOLLOWERS = "\u00a0…’‘”“«»·•–—™®©°²³¹"
 #: The followers that may stand between a word and the next (`PÅ\u00a0LÖRDAG`,
 #: `CAFÉ’s`, `CAFÉ—BAR`).
 _WORD_JOINERS = "\u00a0’‘–—·•"
+#: The followers that are punctuation, not symbols: a capital standing alone
+#: before one is a word of its own (`Ó… meu Deus`), before a symbol mojibake
+#: (`O banco Ã© lento`, `1920 Ã— 1080`).
+_PUNCTUATION_FOLLOWERS = "\u00a0…’‘”“«»·•–—"
 
 
 def _mojibake_target(ch: str) -> tuple | None:
@@ -994,9 +998,10 @@ def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
     and the no-break space or punctuation after it (`CAFÉ…`, `PERÒ”`,
     `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure).
     `before` and `after` are the characters around the run. Such a capital ends
-    an all-capital word, so the run is mojibake after anything but a capital:
-    standing alone (`O banco Ã© lento`, `1920 Ã— 1080`, `Ð’ CI`), after a
-    lowercase letter or a digit (`NoÃ«l`, `3Ã—4`); and as a word that goes on
+    an all-capital word or stands alone before punctuation (`Ó… meu Deus`), so
+    the run is mojibake standing alone before a symbol (`O banco Ã© lento`,
+    `1920 Ã— 1080`), after a lowercase letter or a digit (`NoÃ«l`, `3Ã—4`);
+    and as a word that goes on
     in lowercase (`Ã–sterreich`), before a letter that no space or dash parts
     from it (`HÃ”TEL`), as a no-break space before a space (`Ã\u00a0 la`), and
     after Â, whose decodings are symbols (`Â\u00a0`, `Â°`)."""
@@ -1006,7 +1011,8 @@ def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
         return False
     if run[1] == "\u00a0" and (not after or after.isspace()):
         return False
-    return before.isupper()
+    return before.isupper() or (not before.isalnum() and run[1] in _PUNCTUATION_FOLLOWERS
+                                and run[0] != "Ã")       # (no word is Ã alone: `Ã—` is ×)
 
 
 def _mojibake_repairs(text: str) -> list[tuple[re.Match, str, bool]]:
@@ -1257,8 +1263,7 @@ def salvage_kind(raw: str) -> tuple[str, str | None]:
     text = plain_text(raw).strip()
     if not text or _KIND.fullmatch(text):
         return text or "note", None              # (as capture reads them)
-    lower = "".join(c for c in unicodedata.normalize("NFC", text.lower())
-                    if unicodedata.category(c) != "Mn")    # (İ lowercases to i + a dot mark)
+    lower = text.lower().replace("i\u0307", "i")     # (İ lowercases to i + a dot mark)
     words = (re.sub(r"[^\w.\-]+", "-", w).strip("-") for w in lower.split())
     kind = " ".join(w for w in words if w)
     if len(kind) > MAX_KIND_CHARS:
@@ -4558,7 +4563,7 @@ class GitStore(Store):
         return self._meta
 
     def fetch(self, force: bool = False, background: bool = False,
-              fresh: bool = False, known: bool = False) -> str | None:
+              fresh: bool = False) -> str | None:
         """The scope's tip (None: no branch yet), fetching first when due.
 
         force: fetch now, and fail if the remote cannot be reached (writes).
@@ -4566,15 +4571,10 @@ class GitStore(Store):
         per fetch_interval_s (digests). background: when a fetch is due but a tip
         is already known, refresh in a background thread and answer with the
         known tip (_await_refresh): a slow or unreachable remote never stalls a
-        read. known: the last fetched tip counts as known in a process that
-        has read none yet (a CLI's exit fold). A read that fails to fetch falls
-        back to the last fetched tip with a warning.
+        read. A read that fails to fetch falls back to the last fetched tip with
+        a warning.
         """
         state = self._state
-        if known:
-            with state.lock:
-                if not state.tip_known and (tip := self.local_tip()) is not None:
-                    state.tip, state.tip_known = tip, True
         refreshing = False
         damaged = self._drop_damaged_ref()
         if damaged:
@@ -7325,6 +7325,7 @@ EMBED_WAIT_MAX_S = 50.0             #: ...but one call never longer than this (c
                                     #: at 60 s): the next recall waits for the rest...
 EMBED_WAIT_TOTAL_S = 180.0          #: ...until this long after the first began (a busy machine
                                     #: embeds a few hundred long items in 2-3 minutes)
+EMBED_HELP_STOP_S = 10.0            #: a waiting recall starts no chunk this close to its deadline
 EMBED_RATE_GUESS = 8_000.0          #: characters/s per thread assumed before one is measured
                                     #: (12,000-15,000 measured on an idle core)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
@@ -8616,8 +8617,10 @@ class Semantic:
     def _help(self, emb: Embedder, deadline: float) -> None:
         """A recall waiting for the backlog embeds chunks of it itself, beside
         the background thread: the model runs on one core per call and
-        releases the GIL, so the wait is about halved on two cores."""
-        while time.monotonic() < deadline:
+        releases the GIL, so the wait is about halved on two cores. It starts
+        no chunk within EMBED_HELP_STOP_S of the deadline: a chunk it starts it
+        finishes, and one begun late overran the cap by seconds on a busy machine."""
+        while time.monotonic() < deadline - EMBED_HELP_STOP_S:
             with self.cv:
                 chunk = self._take_chunk()
             if not chunk:
@@ -8690,8 +8693,9 @@ class Semantic:
             self._enqueue(todo)
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
             wait = bool(self.queued) and self._waits(helpers)
+            until = self.judged[0] + EMBED_WAIT_TOTAL_S     # (the backlog's whole wait)
         if wait:
-            deadline = time.monotonic() + EMBED_WAIT_MAX_S
+            deadline = min(time.monotonic() + EMBED_WAIT_MAX_S, until)
             if helpers > 1:
                 self._help(emb, deadline)
             self.wait_idle(max(0.0, deadline - time.monotonic()))
@@ -11334,16 +11338,16 @@ def climb_credits(cfg: Config, scope: str, doc: Doc) -> None:
 def scopes_holding(cfg: Config, scopes: Iterable[str], ids: set[str]) -> dict[str, str]:
     """id -> the first of `scopes` whose doc holds it, a shared one fetched when
     due (at most once per CAMBIUM_FETCH_INTERVAL: a teammate's promote is seen;
-    a failed fetch answers from the last tip) in the background, as a read
-    does (a hanging remote held a CLI recall's exit fold for the git timeout:
-    the credit waits for a later fold instead); a scope that is off or
-    unreadable holds nothing known."""
+    a failed fetch answers from the last tip), in this thread: a background
+    fetch outlived a CLI's exit and moved a force-pushed ref without keeping
+    the rewound tip. So a hanging remote can hold a fold for the git timeout
+    (README Limitations). A scope that is off or unreadable holds nothing
+    known."""
     out: dict[str, str] = {}
     for scope in scopes:
         try:
             st = store(cfg, scope)
-            doc = (st.doc_at(st.fetch(background=True, known=True)) if isinstance(st, GitStore)
-                   else st.peek())
+            doc = st.doc_at(st.fetch()) if isinstance(st, GitStore) else st.peek()
         except (CambiumError, OSError):
             continue
         for it in doc.items if doc is not None else ():

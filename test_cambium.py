@@ -155,6 +155,8 @@ def test_repair_mojibake_repairs_a_lone_mangled_word_or_symbol():
                            ("The Î² channel", "The β channel"), ("Ð² CI", "в CI")):
         assert cs.repair_mojibake(mangled) == typed, mangled
     assert cs.repair_mojibake("Le menu du CAFÉ… a changé") == "Le menu du CAFÉ… a changé"
+    for genuine in ("Ó… meu Deus, o deploy falhou", "Ó— ver acima"):  # a word of its own
+        assert cs.repair_mojibake(genuine) == genuine
 
 
 @pytest.mark.parametrize("genuine", [
@@ -7262,34 +7264,6 @@ def test_a_credit_whose_item_is_unreadable_here_for_now_stays_journaled_until_it
     (back,) = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.id == item]
     assert back.trust["recalled_by"] == {"ada": cs._today()} and back.trust["recalls"] == 1
     assert not cs.read_credits(journal)
-
-
-def test_a_cli_recalls_exit_fold_never_waits_on_a_hanging_remote_to_place_a_credit(
-        shared, monkeypatch, tmp_path):
-    """A credit whose item this clone cannot read now: the exit fold of a
-    `recall --scope local` looked for it in org with a blocking fetch, and a
-    hanging org remote held the command for the git timeout (25 s)."""
-    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
-    cs.promote(_endorsed("Queues get a dead-letter queue"), to_scope="org", force=True)
-    cs.capture("Every service keeps a runbook")             # what the recall finds
-    item = cs.capture("Prefer short-lived feature flags")["item"]["id"]
-    cs.append_credits(cs.credits_path(cs.resolve_config()), [
-        {"item": item, "scope": "local", "agent": "ada", "day": cs._today(),
-         "project": "shop", "at": cs._now()}])
-    path = _store_path(shared["a"])
-    path.write_bytes(b"\n".join(ln.replace(b'"content"', b'"content" X', 1) if item.encode() in ln
-                                else ln for ln in path.read_bytes().split(b"\n")))
-    hang = tmp_path / "hang.sh"
-    hang.write_text("#!/bin/sh\nsleep 60\n")
-    hang.chmod(0o755)
-    git(shared["org"], "remote", "set-url", "origin", "ssh://git@org.example/org.git")
-    git(shared["org"], "config", "core.sshCommand", str(hang))
-    time.sleep(1.2)                                          # a fetch is due
-    t0 = time.monotonic()
-    out = cli("recall", "service runbook", "--scope", "local", CAMBIUM_GIT_TIMEOUT="20",
-              CAMBIUM_FETCH_INTERVAL="1")
-    assert out.returncode == 0 and json.loads(out.stdout)["results"], out.stderr
-    assert time.monotonic() - t0 < 10, (out.stderr, time.monotonic() - t0)
 
 
 def test_a_fold_on_a_team_branch_the_remote_lacks_keeps_the_team_credits(shared, monkeypatch):
