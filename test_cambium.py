@@ -11247,6 +11247,24 @@ def test_semantic_recall_waits_at_most_embed_wait_max_s(tmp_path, monkeypatch):
     assert eng.wait_idle(120) and eng.pending == 0 and len(eng.cache.rows) == 20
 
 
+def _engine_with_a_held_backlog(monkeypatch):
+    """(engine, items, index, gate): six items whose embedding holds until the
+    test sets the gate, so a backlog stays while recalls judge it."""
+    gate = threading.Event()
+    real = cs.Semantic._embed_items
+
+    def held(self, emb, chunk):                     # the embedder holds until released
+        gate.wait(30)
+        return real(self, emb, chunk)
+
+    monkeypatch.setattr(cs.Semantic, "_embed_items", held)
+    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format",
+                     tags=["x"]) for i in range(6)]
+    eng = cs.Semantic(None)
+    eng.ready()
+    return eng, items, cs.build_index(items), gate
+
+
 @needs_extra
 def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(monkeypatch):
     """A backlog first met too long to wait for (the first recalls answered by
@@ -11254,19 +11272,7 @@ def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(mon
     an import of 3,000 items each recall stalled up to EMBED_WAIT_MAX_S while
     it drained. Once it has drained, the next backlog is judged afresh."""
     monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 3.0)
-    gate = threading.Event()
-    real = cs.Semantic._embed_items
-
-    def slow(self, emb, chunk):                     # the embedder holds until released
-        gate.wait(30)
-        return real(self, emb, chunk)
-
-    monkeypatch.setattr(cs.Semantic, "_embed_items", slow)
-    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format",
-                     tags=["x"]) for i in range(6)]
-    index = cs.build_index(items)
-    eng = cs.Semantic(None)
-    eng.ready()
+    eng, items, index, gate = _engine_with_a_held_backlog(monkeypatch)
     eng.rate = 1e-3                                 # far too long to wait for
     first = cs.rank(index, "ledger export", 3, engine=eng)
     assert "not embedded yet" in first.note and eng.verdict == "declined"
@@ -11291,20 +11297,8 @@ def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_
     words from a backlog the first had waited for, and every later one too."""
     monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 1.5)
     monkeypatch.setattr(cs, "EMBED_WAIT_TOTAL_S", 4.0)
-    gate = threading.Event()
-    real = cs.Semantic._embed_items
-
-    def held(self, emb, chunk):                     # the embedder holds until released
-        gate.wait(30)
-        return real(self, emb, chunk)
-
-    monkeypatch.setattr(cs.Semantic, "_embed_items", held)
     monkeypatch.setattr(cs.Semantic, "_help", lambda self, emb, deadline: None)
-    items = [cs.Item(id=f"k-{i}", content=f"Note {i} on the ledger export format",
-                     tags=["x"]) for i in range(6)]
-    index = cs.build_index(items)
-    eng = cs.Semantic(None)
-    eng.ready()
+    eng, _, index, gate = _engine_with_a_held_backlog(monkeypatch)
     eng.rate = 1e9                                  # looks instant: worth waiting for
     took = []
     for rate in (1e9, 1e-3):                        # ...then it looks endless
