@@ -1000,11 +1000,11 @@ def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
     `before` and `after` are the characters around the run. Such a capital ends
     an all-capital word or stands alone before punctuation (`Ó… meu Deus`), so
     the run is mojibake standing alone before a symbol (`O banco Ã© lento`,
-    `1920 Ã— 1080`), after a lowercase letter or a digit (`NoÃ«l`, `3Ã—4`);
-    and as a word that goes on
-    in lowercase (`Ã–sterreich`), before a letter that no space or dash parts
-    from it (`HÃ”TEL`), as a no-break space before a space (`Ã\u00a0 la`), and
-    after Â, whose decodings are symbols (`Â\u00a0`, `Â°`)."""
+    `1920 Ã— 1080`), after a lowercase letter or a digit (`NoÃ«l`, `3Ã—4`),
+    as a word that goes on in lowercase (`Ã–sterreich`), before a letter that
+    no space or dash parts from it (`HÃ”TEL`), as a no-break space before a
+    space (`Ã\u00a0 la`), and after Â, whose decodings are symbols (`Â\u00a0`,
+    `Â°`)."""
     if len(run) != 2 or run[1] not in _WORD_END_FOLLOWERS or run[0] == "Â":
         return False
     if before.islower() or before.isdigit() or (after.isalpha() and run[1] not in _WORD_JOINERS):
@@ -8677,11 +8677,9 @@ class Semantic:
     # -- ranking -------------------------------------------------------------
     def vectors(self, index: Index) -> _SlotVectors:
         """The index's slot vectors, synced; the not-yet-embedded are queued,
-        and a backlog expected to drain within EMBED_WAIT_S is waited for
-        (at most EMBED_WAIT_MAX_S), this thread helping to embed it, unless a
-        recall already answered without waiting for it: a backlog first met
-        too long to wait for is never waited for as it shrinks (each recall
-        then stalled up to EMBED_WAIT_MAX_S while it drained)."""
+        and a backlog judged worth waiting for (_waits) is waited for, at most
+        EMBED_WAIT_MAX_S and never past EMBED_WAIT_TOTAL_S after its judgement,
+        this thread helping to embed it."""
         emb = self.ready()
         with self.cv:
             sv = self.slots.get(index)
@@ -8709,9 +8707,9 @@ class Semantic:
         every recall until it drains, judged again only when it has grown; a
         backlog judged too long is never waited for (each recall stalled up to
         EMBED_WAIT_MAX_S as it shrank), and nor is one waited for
-        EMBED_WAIT_TOTAL_S in all. One judgement per backlog: a busy machine's slower rate made a
-        second recall answer by shared words from a backlog the first had
-        waited for, and every later one after it."""
+        EMBED_WAIT_TOTAL_S in all. One judgement per backlog: a busy machine's
+        slower rate made a second recall answer by shared words from a backlog
+        the first had waited for, and every later one after it."""
         now = time.monotonic()
         if self.verdict is None or (self.verdict == "wait" and self.pending > self.judged[1]):
             self.verdict = "wait" if self._drain_s(helpers) <= EMBED_WAIT_S else "declined"
