@@ -734,7 +734,7 @@ def bench_quality() -> None:
     on the held-out sets (in the repo) and the dev set (../shared/quality/dev,
     when that folder is beside the clone). Cross-validated dev figures and the
     parameter choice: python3 quality/cv.py."""
-    sets = [("held", "held"), ("held2", "held2"), ("held3", "held3")]
+    sets = [("held", "held"), ("held2", "held2"), ("held3", "held3"), ("held4", "held4")]
     dev = QUALITY_DEV if QUALITY_DEV.is_dir() else None
     if dev is not None:
         sets.append(("dev", str(dev)))
