@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cross-validated recall quality, in process, with cambium_server's own scoring.
 
-    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held quality/held2 quality/held3]
+    python3 quality/cv.py [--dev ../shared/quality/dev] [--held quality/held ... quality/held4]
                           [--folds 5] [--repeats 5] [--rule normal|quantile] [--false-target F]
                           [--cache DIR] [--window TOKENS] [--first-window TOKENS]
                           [--col] [--fill] [--relevance-ct] [--rel-objective caught|right]
@@ -20,7 +20,9 @@ What it does:
      kind, fixed seed): every free parameter is chosen on k-1 folds and scored
      on the fold left out; prints mean and spread (min..max) over the folds;
   3. the same selection on all dev queries gives the shipped parameters; the
-     held-out sets (never used to choose anything) are scored with them.
+     held-out sets are scored with them (none is used to choose anything
+     here; semantic mode's shipped name penalty read held, held2 and held3:
+     see the end of this docstring).
 
 Parameters chosen this way: the relevance floor of each mode, calibrated on
 the training *paraphrases* (the answerable queries with the lowest confidence,
@@ -866,8 +868,9 @@ def main() -> int:
                          "gold among the results), or the best worst margin to the issue's "
                          "targets on the training queries (target_margins)")
     ap.add_argument("--name-penalties", type=float, nargs="+", default=list(NAME_PENALTIES),
-                    metavar="M", help=f"the name penalties offered, mildest first (default "
-                                      f"{NAME_PENALTIES})")
+                    metavar="M", help=f"the name penalties offered (default {NAME_PENALTIES}); "
+                                      "no penalty (1.0) stays the fallback of a training "
+                                      "fold where none keeps within --max-false")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     if a.window != cs.EMBED_WINDOW_TOKENS:
