@@ -5793,6 +5793,40 @@ def test_pr_mode_a_team_credit_whose_item_moved_to_org_is_proposed_then_lands_on
     assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
 
 
+def test_pr_mode_a_credit_journaled_twice_is_proposed_once_and_lands_once(
+        shared, monkeypatch, tmp_path):
+    """org_credit_prs counts distinct credits (item, agent, day): a credit the
+    journal holds twice is one, and a second review while its pull request
+    waits proposes nothing more; merged, org counts one recall."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Prefer short-lived feature flags")
+    cs.promote(item)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    set_pr_state(tmp_path, url, "MERGED")
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    cs.fold_credits_now(cs.resolve_config())
+    journal = cs.credits_path(cs.resolve_config())
+    (line,) = journal.read_text(encoding="utf-8").splitlines()
+    journal.write_text(f"{line}\n{line}\n", encoding="utf-8")
+    assert [(r["item"], r["scope"]) for r in cs.read_credits(journal)] == [(item, "org")] * 2
+    review = cs.review_promotions()
+    assert [p["recall_credits"] for p in review["org_credit_prs"]] == [1]
+    assert "org_credit_prs" not in cs.review_promotions()      # the branch holds it already
+    _merged_credit_pr(shared, tmp_path, review)
+    cs.fold_credits_now(cs.resolve_config())
+    assert not cs.read_credits(journal)
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+
+
 def test_pr_mode_a_credit_the_waiting_team_copy_gained_reaches_org_once(
         shared, monkeypatch, tmp_path):
     """Bob's credit landed on the team copy waiting on its org pull request;
