@@ -12979,17 +12979,21 @@ def group_view(g: Group) -> dict:
 
 def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent: str,
                 now: str, done: dict[str, str], late: set[str], retired: set[str],
-                premerged: set[str] = frozenset()) -> Callable[[Doc], Doc | None]:
+                premerged: dict[str, Item], held: dict[str, Item]
+                ) -> Callable[[Doc], Doc | None]:
     """The write to `scope`: merge each survivor living there, and supersede
     members living there whose survivor is `done` (verified) or in this write.
-    `done` collects survivor id -> scope for every survivor merged, `retired`
-    the members this write superseded. A member endorsed or verified since the
-    plan whose survivor lives in another scope (merged already, without that),
-    and one of this scope that left it or was retired since the plan, is left
-    as it is and named in `late`. A member in `premerged` (its fold into a
-    survivor waiting on a pull request is on org's own branch already, by an
-    earlier run's merged PR) is superseded too. Judged afresh on each attempt:
-    a push that lost its race replays on a tip where a survivor may have gone."""
+    `done` collects survivor id -> scope for every survivor merged, `held` its
+    copy as merged, `retired` the members this write superseded. A member of
+    this scope that left it or was retired since the plan is left as it is and
+    named in `late`. A member in `premerged` (member id -> its survivor's copy
+    on org's own branch, which holds its fold by an earlier run's merged PR,
+    while the survivor waits on a new one) is superseded too. A member whose
+    survivor lives in another scope leaves only when that copy holds all it
+    does (_keeps_more); else it stays active, named in `late` (or, in
+    `premerged`, waiting), and a later run carries the rest first. Judged
+    afresh on each attempt: a push that lost its race replays on a tip where
+    a survivor may have gone."""
     def apply(doc: Doc) -> Doc | None:
         items, at = list(doc.items), {it.id: i for i, it in enumerate(doc.items)}
         changed = False
@@ -13012,22 +13016,23 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
                     else (m, trusts.get(m.id, m.trust)) for m, _, _ in g.members
                     if m.id not in gone], now=now)
                 changed |= merged is not items[s]
-                items[s] = merged
+                items[s] = held[g.survivor.id] = merged
                 done[g.survivor.id] = scope
             members = g.members if here or g.survivor.id in done else [
                 mm for mm in g.members if mm[0].id in premerged]
             for m, sim, how in members:
                 i = at.get(m.id)
-                if m.scope == scope and i is not None and items[i].active and \
-                        not here and _vouched_since(m, items[i]):
-                    late.add(m.id)           # its survivor was merged before: not retired
+                if m.scope != scope or i is None or not items[i].active:
                     continue
-                if m.scope == scope and i is not None and items[i].active:
-                    items[i] = supersede(items[i], g.survivor.id, agent=agent, now=now,
-                                         why=f"consolidated: says the same ({how}, "
-                                             f"{sim:.2f})")
-                    retired.add(m.id)
-                    changed = True
+                if not here and not _leaves_now(m, items[i], premerged.get(
+                        m.id, held.get(g.survivor.id))):
+                    if m.id not in premerged:
+                        late.add(m.id)       # its survivor was merged before: not retired
+                    continue                 # (in premerged: waits on the pull request)
+                items[i] = supersede(items[i], g.survivor.id, agent=agent, now=now,
+                                     why=f"consolidated: says the same ({how}, {sim:.2f})")
+                retired.add(m.id)
+                changed = True
         return dataclasses.replace(doc, items=items) if changed else None
     return apply
 
@@ -13044,24 +13049,56 @@ def _consolidated_so_far(scope: str, done: dict[str, str], retired: set[str],
             + "; consolidate(apply=True) again finishes it (nothing is merged twice)")
 
 
-def merged_on_tip(cfg: Config, scope: str, groups: list[Group], in_pr: set[str]) -> set[str]:
+def merged_on_tip(cfg: Config, scope: str, groups: list[Group], in_pr: set[str]
+                  ) -> dict[str, Item]:
     """Members whose fold into a survivor now waiting on a pull request is on
     `scope`'s own branch already (the survivor's merged_from there names them:
-    an earlier run's PR merged): verified where they went, so they leave their
-    scopes now. While the team used them, every rerun carried their new recall
-    credits into a new PR and left them waiting, for good."""
+    an earlier run's PR merged), each with that survivor's copy there (member
+    id -> copy): verified where they went, so they may leave their scopes now.
+    While the team used them, every rerun carried their new recall credits
+    into a new PR and left them waiting, for good (what they gained since is
+    journaled for the copy instead: journal_for_survivors)."""
     try:
         tip = {it.id: it for it in first_copies(store(cfg, scope).read().items)}
     except (CambiumError, OSError):
-        return set()
-    out: set[str] = set()
+        return {}
+    out: dict[str, Item] = {}
     for g in groups:
         there = tip.get(g.survivor.id)
         if g.survivor.id in in_pr and there is not None and there.active:
             merged = there.extra.get("merged_from")
             ids = {m.get("id") for m in merged if isinstance(m, dict)} \
                 if isinstance(merged, list) else set()
-            out |= {m.id for m, _, _ in g.members if m.id in ids and m.scope != scope}
+            out.update((m.id, there) for m, _, _ in g.members
+                       if m.id in ids and m.scope != scope)
+    return out
+
+
+def journal_for_survivors(cfg: Config, scope: str, groups: list[Group],
+                          trusts: dict[str, dict], copies: dict[str, Item]
+                          ) -> dict[str, Item]:
+    """Before members leave for survivor copies on `scope`'s tip (`copies`,
+    member id -> copy; merged_on_tip): journal for `scope` the agent-days each
+    member was credited (as planned, its pending credits in) that the copy
+    lacks, so they reach it even if the pull request now carrying them is
+    declined (they ride cambium/updates until org's tip counts them:
+    carry_org_credits). Returns the copies with those credits in: what the
+    members are judged against when they leave (_keeps_more)."""
+    now, out, records = _now(), {}, []
+    for g in groups:
+        for m, _, _ in g.members:
+            if m.id not in copies:
+                continue
+            copy = copies[m.id]
+            planned = dataclasses.replace(m, trust=trusts.get(m.id, m.trust))
+            for agent, day in days_left_behind(planned, copy):
+                records.append({"item": copy.id, "scope": scope, "agent": agent, "day": day,
+                                "project": cfg.project, "at": now})
+                copy = credit(copy, agent, day, cfg.project)
+            out[m.id] = copy
+    if records:
+        append_credits(credits_path(cfg), records)
+        runtime().climbed = runtime().climbed or scope == "org"
     return out
 
 
@@ -13071,6 +13108,32 @@ def _vouched_since(planned: Item, now: Item) -> bool:
         ends = it.trust.get("endorsements") if isinstance(it.trust, dict) else None
         return (json_text(ends or []), json_text(it.verifications or []))
     return vouches(planned) != vouches(now)
+
+
+def _leaves_now(planned: Item, now: Item, above: Item | None) -> bool:
+    """Whether a member whose survivor lives in another scope may be superseded
+    now: that survivor's copy `above` (as merged and verified, or on org's tip)
+    holds all the member does, and nothing vouched for it since the plan (pure)."""
+    return above is not None and not _vouched_since(planned, now) and not _keeps_more(now, above)
+
+
+def _keeps_more(member: Item, survivor: Item) -> bool:
+    """Whether `member` holds what `survivor` (its copy a scope holds) lacks: a
+    recall credit (an agent's later day), an endorsement (an agent's, or its
+    later one) or a person's verification (not a check's run: one lands each
+    time the check passes, and a member checked daily would never leave).
+    Superseded, the member would keep them where nothing reads them (pure)."""
+    if days_left_behind(member, survivor):
+        return True
+    have = {e.get("by"): str(e.get("at", "")) for e in survivor.trust.get("endorsements") or []
+            if isinstance(e, dict)}
+    if any(isinstance(e, dict) and (e.get("by") not in have or str(e.get("at", ""))
+                                    > have[e.get("by")])
+           for e in member.trust.get("endorsements") or []):
+        return True
+    checks = survivor.verifications or []
+    return any(v not in checks for v in member.verifications or []
+               if not (isinstance(v, dict) and v.get("by") == "check"))
 
 
 def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict]) -> dict:
@@ -13084,11 +13147,13 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
                                               for g in groups for m, _, _ in g.members)]
     retired: set[str] = set()
     in_pr: set[str] = set()
-    premerged: set[str] = set()
+    premerged: dict[str, Item] = {}
+    held: dict[str, Item] = {}
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         left: set[str] = set()
         gone: set[str] = set()
-        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left, gone, premerged)
+        fn = _merge_into(scope, groups, trusts, cfg.agent, now, done, left, gone, premerged,
+                         held)
         try:
             write = mutate(cfg, scope, fn, f"{cfg.agent} consolidates duplicates",
                            pr_branch=pr_branch(cfg, scope, "updates"), ensure_pr=True)
@@ -13100,7 +13165,8 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
             for sid in [k for k, v in done.items() if v == scope]:
                 del done[sid]                # on a PR branch only, not verified on org
                 in_pr.add(sid)
-            premerged |= merged_on_tip(cfg, scope, groups, in_pr)
+            premerged.update(journal_for_survivors(
+                cfg, scope, groups, trusts, merged_on_tip(cfg, scope, groups, in_pr)))
         elif write is not None:              # (the last attempt's: the one that landed)
             retired |= gone
     superseded = [m.id for g in groups for m, _, _ in g.members if m.id in retired]
@@ -13113,8 +13179,8 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
         out["waiting"] = waiting
     if late:
         out["changed_meanwhile"] = sorted(late)
-        out["note"] = ("endorsed, verified, moved or retired while consolidate ran, so left "
-                       "as they are: consolidate again to fold in what is still a duplicate")
+        out["note"] = ("endorsed, verified, recalled, moved or retired while consolidate ran, so "
+                       "left as they are: consolidate again to fold in what is still a duplicate")
     if pr_urls:
         out["pr_urls"] = sorted(set(pr_urls))
     return out
