@@ -5755,6 +5755,55 @@ def test_pr_mode_a_duplicate_recalled_while_its_pr_waited_still_settles(
     assert items[dup].status == "superseded"
 
 
+
+def test_pr_mode_a_credit_a_waiting_duplicate_gained_survives_a_declined_pr(
+        shared, monkeypatch, tmp_path):
+    """The rerun after the merge superseded the duplicate at once and put the
+    credit it gained while its PR waited only on a new cambium/updates PR: a
+    reviewer declined that one and the credit was lost for good (nothing
+    active held it any more). It is journaled for org first now, so the next
+    review proposes it again, and once merged org counts it once."""
+    _, dup, first = _org_survivor_and_a_waiting_duplicate(shared, monkeypatch, tmp_path)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "cy")
+    assert dup in [r["id"] for r in cs.recall("secrets env files")["results"]]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, first["pr_urls"][0], "MERGED")
+    again = cs.consolidate(apply=True)
+    assert again["superseded"] == [dup]
+    (url,) = again["pr_urls"]
+    set_pr_state(tmp_path, url, "CLOSED")                     # declined by a reviewer
+    _merged_credit_pr(shared, tmp_path, cs.review_promotions())
+    cs.fold_credits_now(cs.resolve_config())
+    assert not cs.read_credits(cs.credits_path(cs.resolve_config()))
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"cy": cs._today()} and top["trust"]["recalls"] == 1
+
+
+def test_pr_mode_an_endorsement_a_waiting_duplicate_gained_keeps_it_until_org_holds_it(
+        shared, monkeypatch, tmp_path):
+    """The rerun after the merge superseded the duplicate at once, its new
+    endorsement only on a new cambium/updates PR: declined, it was lost. Now
+    the duplicate waits until org's branch holds the endorsement, so a rerun
+    after the decline proposes it again."""
+    _, dup, first = _org_survivor_and_a_waiting_duplicate(shared, monkeypatch, tmp_path)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "cy")
+    cs.endorse(dup, note="saved us in an audit")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, first["pr_urls"][0], "MERGED")
+    again = cs.consolidate(apply=True)
+    assert again["superseded"] == [] and again["waiting"] == [dup]
+    set_pr_state(tmp_path, again["pr_urls"][0], "CLOSED")     # declined by a reviewer
+    cs.review_promotions()                                    # (deletes its branch)
+    third = cs.consolidate(apply=True)
+    assert third["waiting"] == [dup] and third["pr_urls"] != again["pr_urls"]
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, third["pr_urls"][0], "MERGED")
+    assert cs.consolidate(apply=True)["superseded"] == [dup]
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert "cy" in {e["by"] for e in top["trust"]["endorsements"]}
+
 def _merged_credit_pr(shared, tmp_path, review: dict) -> None:
     """The cambium/updates pull request review_promotions opened for org recall
     credits, merged by a reviewer."""
@@ -7459,6 +7508,34 @@ def test_consolidate_judges_each_attempt_on_its_own_tip(shared, monkeypatch, pee
     assert team[other]["status"] == "active"
     assert "merged_from" not in team[survivor]
 
+
+
+def test_consolidate_leaves_a_duplicate_credited_between_its_writes_for_the_next_run(
+        shared, monkeypatch):
+    """Bob's journaled recall of a team duplicate landed on it (his team write)
+    after ada's consolidate merged the org survivor and before it superseded
+    the duplicate: the credit stayed on the superseded copy, and the survivor
+    never had it. The duplicate now stays active, named, and the next run
+    carries the credit up."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    survivor = _endorsed("Prefer idempotent retries for payment webhooks")
+    cs.promote(survivor, to_scope="org", force=True)
+    other = _endorsed("Queues get a dead-letter queue")
+    cs.promote(other)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    dup = _endorsed("prefer idempotent retries for payment webhooks!")
+    cs.promote(dup)
+    assert dup in [r["id"] for r in cs.recall("idempotent retries payment webhooks")["results"]]
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    _peer_acts_before_our_push(monkeypatch, "team", shared["b"], "endorse", other, "--note",
+                               "holds")                   # bob's team write folds his credit
+    done = cs.consolidate(apply=True)
+    assert done["superseded"] == [] and done["changed_meanwhile"] == [dup]
+    assert cs.consolidate(apply=True)["superseded"] == [dup]
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
 
 def test_a_change_carried_up_into_org_passes_the_org_gate_and_a_retirement_is_said(
         shared, monkeypatch):
