@@ -958,6 +958,12 @@ _WORD_JOINERS = "\u00a0’‘–—·•"
 #: before one is a word of its own (`Ó… meu Deus`), before a symbol mojibake
 #: (`O banco Ã© lento`, `1920 Ã— 1080`).
 _PUNCTUATION_FOLLOWERS = "\u00a0…’‘”“«»·•–—"
+#: What follows the Ångström sign of a unit (`20 Å²`, `1234 Å³`, `1.5Å–2.0Å`,
+#: `3Å…`, `“1.5Å”`): a power or degree sign, a no-break space, punctuation.
+_ANGSTROM_FOLLOWERS = "\u00a0…’”–—°²³¹"
+#: What follows a closing guillemet in Spanish, Portuguese and French
+#: dialogue (`está»—dijo`, `está»…`, `fini»\u00a0:`).
+_AFTER_CLOSING_GUILLEMET = "\u00a0…’”–—»"
 
 
 def _mojibake_target(ch: str) -> tuple | None:
@@ -993,10 +999,34 @@ def _ascii_letter(text: str) -> bool:
     return any(ch.isascii() and ch.isalpha() for ch in text)
 
 
+def _angstrom_unit(run: str, before: str, after: str) -> bool:
+    """Whether a two-character run reads as the Ångström sign of a unit after a
+    number and the symbol or punctuation after it (`20 Å²`, `1.5Å–2.0Å`, `3Å…`)
+    (pure): Å after a digit, a space or nothing, before a power sign or
+    punctuation that no letter follows. It reads as well as the mojibake of one
+    Latin Extended-A letter (`Ų`, `Ŗ`, `Ņ`); a mangled Lithuanian `ų` follows a
+    lowercase letter (`rašytojÅ³`), a Polish `Ź` goes on as a word (`Å¹ródło`)."""
+    return (run[0] == "Å" and run[1] in _ANGSTROM_FOLLOWERS and not after.isalpha()
+            and (not before or before.isdigit() or before.isspace()))
+
+
+def _accent_before_closing_guillemet(run: str, after: str) -> bool:
+    """Whether a three-character run reads as a lowercase accented letter, a
+    closing guillemet and the punctuation after it (`«ya está»—dijo`,
+    `está»…`) (pure). It reads as well as the mojibake of one Vietnamese letter
+    (`ỗ`, `ễ`); a Vietnamese word goes on in lowercase after a letter no
+    punctuation ends a word with (`Viá»‡t`, `rá»“i`), and a mangled Vietnamese
+    text holds such runs, which vouch for the rest."""
+    return (len(run) == 3 and run[0].islower() and run[1] == "»" and run[2] in _AFTER_CLOSING_GUILLEMET
+            and not (after.isalpha() and run[2] not in _WORD_JOINERS))
+
+
 def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
     """Whether a run reads as well as a genuine accented capital ending a word
     and the no-break space or punctuation after it (`CAFÉ…`, `PERÒ”`,
-    `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure).
+    `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure);
+    so do an Ångström unit (`20 Å²`, _angstrom_unit) and Spanish dialogue
+    (`está»—`, _accent_before_closing_guillemet).
     `before` and `after` are the characters around the run. Such a capital ends
     an all-capital word or stands alone before punctuation (`Ó… meu Deus`), so
     the run is mojibake standing alone before a symbol (`O banco Ã© lento`,
@@ -1005,8 +1035,12 @@ def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
     no space or dash parts from it (`HÃ”TEL`), as a no-break space before a
     space (`Ã\u00a0 la`), and after Â, whose decodings are symbols (`Â\u00a0`,
     `Â°`)."""
+    if _accent_before_closing_guillemet(run, after):
+        return True
     if len(run) != 2 or run[1] not in _WORD_END_FOLLOWERS or run[0] == "Â":
         return False
+    if _angstrom_unit(run, before, after):
+        return True
     if before.islower() or before.isdigit() or (after.isalpha() and run[1] not in _WORD_JOINERS):
         return False
     if run[1] == "\u00a0" and (not after or after.isspace()):

@@ -141,6 +141,8 @@ def cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Completed
     ("the CAFÃ‰ on Ã\u00a0 cÃ´tÃ©", "the CAFÉ on à côté"),
     ("Ã‰tÃ© PASSÃ“ in 2020", "Été PASSÓ in 2020"),          # sure mojibake vouches for Ó's Ã“
     ("AzÉ™rbaycan", "Azərbaycan"),
+    ("Má»—i ngÃ\u00a0y", "Mỗi ngày"),                        # sure mojibake vouches for ỗ's á»—
+    ("bá»“ há»“, raÅ¡ytojÅ³ Å¹rÃ³dÅ‚o", "bồ hồ, rašytojų Źródło"),
 ])
 def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     assert cs.repair_mojibake(raw) == fixed
@@ -175,6 +177,11 @@ def test_repair_mojibake_repairs_a_lone_mangled_word_or_symbol():
     "Portuguese AMANHÃ… and IRMÃ\u00a0: oi",      # Ã… is Å, Ã and a no-break space is à
     "CAFÉ—BAR and CAFÉ™",                          # a dash between words, a trademark sign
     "MEÐ\u00a0x and Ó\u00a0mar",                  # Cyrillic Р, Ӡ would touch a Latin letter
+    "The unit cell volume is 1234 Å³, 20 Å² a molecule",   # Ångström units: ų, Ų
+    "Bond lengths 1.5Å–2.0Å, resolution 3Å… and “1.5Å”",   # Ŗ, Ņ, Ŕ
+    "«No lo sé, ya está»—dijo ella",             # á»— is Vietnamese ỗ
+    "Ella dijo «ya está»… y se fue; «fini»\u00a0:",  # ễ, Ỡ
+    "ÖPPET PÅ\u00a0LÖRDAG, cell volume 5 Å³",    # no false sure repair vouches for Š
 ])
 def test_repair_mojibake_leaves_genuine_accents_before_punctuation(genuine):
     """A genuine accented letter before a no-break space, a quote or an ellipsis
