@@ -6165,6 +6165,41 @@ def retired_record(rec: dict) -> str | None:
     return "deleted: true" if rec.get("deleted") is True else None
 
 
+def record_ref(value: Any) -> tuple[str | None, str | None]:
+    """A record's id as its dedupe text, and a note when an id was given but not
+    kept (pure). Text and integers are kept; a finite float as its JSON text
+    (`42.5`); an object of one key holding text or an integer as that value
+    (mongoexport's `{"$oid": "65a1…"}`, `{"$numberLong": "7"}`), so an edited
+    record re-imported is the same record, not a second item. Anything else (a
+    list, NaN, true, a larger object) is no identity: the record is deduped by
+    its content, and the note says so rather than dropping the id unseen."""
+    if isinstance(value, dict) and len(value) == 1:
+        value = next(iter(value.values()))
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return str(value), None
+    if isinstance(value, float) and math.isfinite(value):
+        return json.dumps(value), None
+    if value is None:
+        return None, None
+    what = "not a finite number" if isinstance(value, float) else f"{json_kind(value)}, neither text nor a number"
+    return None, f"its id is {what}: not kept, the record is deduped by its content"
+
+
+def record_timestamp(value: Any) -> tuple[str | None, str | None]:
+    """A record's timestamp as stored text, and a note when one was given but
+    not kept (pure): `Infinity`, `NaN` and `1e400` (read as a float that is no
+    number) were stored as Python's "inf" and "nan"; a list or object is no
+    timestamp either."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return str(value), None
+    if isinstance(value, float) and math.isfinite(value):
+        return str(value), None
+    if value is None:
+        return None, None
+    what = "not a finite number" if isinstance(value, float) else json_kind(value)
+    return None, f"its timestamp is {what}: left out"
+
+
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
                          origin: str | None = None, whole: bool = False) -> Draft | Skip:
     """Map one export record to a Draft by the spec's field table (pure). Its
@@ -6208,13 +6243,12 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     if left_out:
         notes += (f"{where}: some tags were left out ({left_out})",)
     tags = given[:room] + mine
-    ref = _first(rec, _REF_KEYS)
-    ref = str(ref) if isinstance(ref, (str, int)) and not isinstance(ref, bool) else None
-    ts = _first(rec, _TS_KEYS)
+    (ref, ref_note), (ts, ts_note) = record_ref(_first(rec, _REF_KEYS)), record_timestamp(_first(rec, _TS_KEYS))
+    notes += tuple(f"{where}: {note}" for note in (ref_note, ts_note) if note)
     own = _first(rec, ("system", "source"))
     own = own.strip() if isinstance(own, str) and own.strip() else None
     source = {"system": own or system, "ref": ref, "imported": True,
-              "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None,
+              "source_ts": ts,
               **({"file": origin} if origin and not own else {})}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
                  tags=tags, source=source, where=where, notes=notes,

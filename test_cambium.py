@@ -7886,6 +7886,35 @@ def test_import_identity_is_system_and_id_and_changed_records_are_reported(repo,
                 if i.content == "beta: pin base images" and i.active]
 
 
+def test_import_takes_a_mongoexport_oid_as_the_id_and_warns_of_ids_and_times_it_drops(
+        repo, tmp_path):
+    """`{"$oid": ...}`, a float, NaN or a list as the id was dropped unseen, so an
+    edited mongoexport record re-imported became a second live item; Infinity
+    and NaN timestamps were stored as Python's "inf" and "nan"."""
+    oid = {"$oid": "65a1f0c2e4b0a1b2c3d4e5f6"}
+    (tmp_path / "v1").mkdir(), (tmp_path / "v2").mkdir()     # two exports, one file name
+    v1 = _jsonl(tmp_path / "v1" / "mem.json", {"_id": oid, "content": "pool size 10 for billing"})
+    assert cs.import_memory("json", v1)["imported"] == 1
+    v2 = _jsonl(tmp_path / "v2" / "mem.json", {"_id": oid, "content": "pool size 20 for billing"})
+    res = cs.import_memory("json", v2)
+    assert res["imported"] == 0 and [c["ref"] for c in res["changed"]] == [oid["$oid"]], res
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"content": "float id", "id": 42.5, "timestamp": Infinity}\n'
+                   '{"content": "nan id", "id": NaN, "ts": 1e400}\n'
+                   '{"content": "list id", "id": [1], "ts": NaN}\n')
+    res = cs.import_memory("json", str(odd))
+    assert res["imported"] == 3 and res["warnings"] == [
+        "line 1: its timestamp is not a finite number: left out",
+        "line 2: its id is not a finite number: not kept, the record is deduped by its content",
+        "line 2: its timestamp is not a finite number: left out",
+        "line 3: its id is a list, neither text nor a number: not kept, the record is deduped "
+        "by its content",
+        "line 3: its timestamp is not a finite number: left out"], res
+    sources = {i.content: i.source for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert sources["float id"]["ref"] == "42.5"
+    assert {sources[c]["source_ts"] for c in ("float id", "nan id", "list id")} == {None}
+
+
 def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_path):
     arr = tmp_path / "arr.json"
     arr.write_text(json.dumps([{"title": "no body"}, {"content": "ok"}, 7]))
