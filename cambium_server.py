@@ -6140,8 +6140,15 @@ def _wrapper_hint(rec: dict) -> str:
             f"{'/'.join(_WRAPPER_KEYS)} (it has: {', '.join(held[:5])})") if held else ""
 
 
+#: The fields import reads a value from; any other field is not stored, so its
+#: value is never walked (see _without_surrogates).
+_READ_KEYS = frozenset(_BODY_KEYS + _TITLE_KEYS + _WHY_KEYS + _KIND_KEYS + _REF_KEYS + _TS_KEYS
+                       + ("tags", "system", "source", "status", "deleted"))
+
+
 def _surrogate_fields(rec: dict) -> list[str]:
-    """The keys of `rec` whose value (or the key itself) holds a lone surrogate."""
+    """The keys of `rec` whose name, or whose value when import reads it
+    (_READ_KEYS), holds a lone surrogate."""
     def has(v: Any) -> bool:
         if isinstance(v, str):
             return _SURROGATE.search(v) is not None
@@ -6149,7 +6156,22 @@ def _surrogate_fields(rec: dict) -> list[str]:
             return any(has(k) or has(x) for k, x in v.items())
         return isinstance(v, list) and any(has(x) for x in v)
 
-    return [valid_unicode(k) for k, v in rec.items() if has(k) or has(v)]
+    return [valid_unicode(k) for k, v in rec.items() if has(k) or k in _READ_KEYS and has(v)]
+
+
+def _without_surrogates(rec: dict, where: str) -> tuple[dict, tuple]:
+    """`rec` with each lone surrogate escape (`\\ud800`: valid JSON, not
+    Unicode) in its field names and in the values import reads replaced by
+    U+FFFD, and a note naming those fields (pure). A field import does not
+    read is left unwalked: one nested 900 deep ran a walk out of stack and cost
+    the record its body and id. RecursionError: a read field nested so deep."""
+    bad = _surrogate_fields(rec)
+    if not bad:
+        return rec, ()
+    clean = {valid_unicode(k): valid_unicode_deep(v) if k in _READ_KEYS else v
+             for k, v in rec.items()}
+    return clean, (f"{where}: a lone surrogate escape (like \\ud800) in "
+                   f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
 
 
 RETIRED_STATUSES = ("deprecated", "superseded", "retired", "deleted", "archived", "obsolete")
@@ -6210,12 +6232,8 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     top-level object or first JSONL line (see _no_body)."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({json_kind(rec)})")
-    notes: tuple = ()
     try:
-        if bad := _surrogate_fields(rec):
-            rec = valid_unicode_deep(rec)
-            notes = (f"{where}: a lone surrogate escape (like \\ud800) in "
-                     f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
+        rec, notes = _without_surrogates(rec, where)
     except RecursionError:               # valid JSON, nested past what a walk of it can take
         return Skip(where, "nested too deep to read (a record of plain fields is expected)")
     body = _first(rec, _BODY_KEYS)

@@ -7961,6 +7961,23 @@ def test_import_cleans_lone_surrogates_imports_the_rest_and_says_where(repo, tmp
     assert answer["imported"] == 2 and answer["warnings"][0].startswith("record 1: ")
 
 
+def test_import_keeps_a_record_whose_unknown_field_is_nested_deep(repo, tmp_path):
+    """An unknown field nested 900 deep (valid JSON, parsed) ran the surrogate
+    walk out of stack, and the record was skipped whole though its body and id
+    were usable; unknown fields are not stored, so they are not walked."""
+    deep = "[" * 900 + "]" * 900
+    jsonl = tmp_path / "deep.jsonl"
+    jsonl.write_text('{"content": "deep extra", "id": "d1", "extra": ' + deep + '}\n'
+                     '{"content": "lone \\ud800", "id": "d2", "more": [' + deep + ', "\\udc00"]}\n')
+    out = cli("import", str(jsonl))
+    answer = json.loads(out.stdout)
+    assert out.returncode == 0 and (answer["imported"], answer["skipped"]) == (2, 0), answer
+    assert answer["warnings"] == [
+        "line 2: a lone surrogate escape (like \\ud800) in content was replaced by U+FFFD"]
+    refs = {i.source["ref"]: i.content for i in cs.store(cs.require_config(), "local").read().items}
+    assert refs == {"d1": "deep extra", "d2": "lone \ufffd"}
+
+
 def test_import_keeps_the_valid_tags_says_what_it_left_and_lists_skips_in_file_order(
         repo, tmp_path):
     """A record whose tags held one bad tag lost all of them, silently; bytes
@@ -9435,10 +9452,11 @@ def test_import_says_a_utf16_export_is_utf16(repo, tmp_path):
 
 def test_import_skips_a_record_nested_too_deep_and_keeps_the_rest(repo, tmp_path):
     """A valid record nested ~500 deep ran the surrogate check out of stack:
-    a traceback, and nothing stored, not even the good records beside it."""
+    a traceback, and nothing stored, not even the good records beside it. (A
+    field import reads, here tags; an unknown one is not walked.)"""
     deep = "[" * 600 + "]" * 600
     f = tmp_path / "deep.jsonl"
-    f.write_text('{"id": "d1", "content": "deep one", "extra": ' + deep + '}\n'
+    f.write_text('{"id": "d1", "content": "deep one", "tags": ' + deep + '}\n'
                  + json.dumps({"id": "ok", "content": "a plain record"}) + "\n")
     res = cs.import_memory("json", str(f))
     assert res["imported"] == 1 and res["skipped"] == 1, res
