@@ -958,6 +958,12 @@ _WORD_JOINERS = "\u00a0’‘–—·•"
 #: before one is a word of its own (`Ó… meu Deus`), before a symbol mojibake
 #: (`O banco Ã© lento`, `1920 Ã— 1080`).
 _PUNCTUATION_FOLLOWERS = "\u00a0…’‘”“«»·•–—"
+#: What follows the Ångström sign of a unit (`20 Å²`, `1234 Å³`, `1.5Å–2.0Å`,
+#: `3Å…`, `“1.5Å”`): a power or degree sign, a no-break space, punctuation.
+_ANGSTROM_FOLLOWERS = "\u00a0…’”–—°²³¹"
+#: What follows a closing guillemet in Spanish, Portuguese and French
+#: dialogue (`está»—dijo`, `está»…`, `fini»\u00a0:`).
+_AFTER_CLOSING_GUILLEMET = "\u00a0…’”–—»"
 
 
 def _mojibake_target(ch: str) -> tuple | None:
@@ -993,10 +999,34 @@ def _ascii_letter(text: str) -> bool:
     return any(ch.isascii() and ch.isalpha() for ch in text)
 
 
+def _angstrom_unit(run: str, before: str, after: str) -> bool:
+    """Whether a two-character run reads as the Ångström sign of a unit after a
+    number and the symbol or punctuation after it (`20 Å²`, `1.5Å–2.0Å`, `3Å…`)
+    (pure): Å after a digit, a space or nothing, before a power sign or
+    punctuation that no letter follows. It reads as well as the mojibake of one
+    Latin Extended-A letter (`Ų`, `Ŗ`, `Ņ`); a mangled Lithuanian `ų` follows a
+    lowercase letter (`rašytojÅ³`), a Polish `Ź` goes on as a word (`Å¹ródło`)."""
+    return (run[0] == "Å" and run[1] in _ANGSTROM_FOLLOWERS and not after.isalpha()
+            and (not before or before.isdigit() or before.isspace()))
+
+
+def _accent_before_closing_guillemet(run: str, after: str) -> bool:
+    """Whether a three-character run reads as a lowercase accented letter, a
+    closing guillemet and the punctuation after it (`«ya está»—dijo`,
+    `está»…`) (pure). It reads as well as the mojibake of one Vietnamese letter
+    (`ỗ`, `ễ`); a Vietnamese word goes on in lowercase after a letter no
+    punctuation ends a word with (`Viá»‡t`, `rá»“i`), and a mangled Vietnamese
+    text holds such runs, which vouch for the rest."""
+    return (len(run) == 3 and run[0].islower() and run[1] == "»" and run[2] in _AFTER_CLOSING_GUILLEMET
+            and not (after.isalpha() and run[2] not in _WORD_JOINERS))
+
+
 def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
     """Whether a run reads as well as a genuine accented capital ending a word
     and the no-break space or punctuation after it (`CAFÉ…`, `PERÒ”`,
-    `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure).
+    `PÅ\u00a0LÖRDAG`) as the mojibake of one character (`Ʌ`, `Ҕ`, `Š`) (pure);
+    so do an Ångström unit (`20 Å²`, _angstrom_unit) and Spanish dialogue
+    (`está»—`, _accent_before_closing_guillemet).
     `before` and `after` are the characters around the run. Such a capital ends
     an all-capital word or stands alone before punctuation (`Ó… meu Deus`), so
     the run is mojibake standing alone before a symbol (`O banco Ã© lento`,
@@ -1005,8 +1035,12 @@ def ambiguous_mojibake_run(run: str, before: str, after: str) -> bool:
     no space or dash parts from it (`HÃ”TEL`), as a no-break space before a
     space (`Ã\u00a0 la`), and after Â, whose decodings are symbols (`Â\u00a0`,
     `Â°`)."""
+    if _accent_before_closing_guillemet(run, after):
+        return True
     if len(run) != 2 or run[1] not in _WORD_END_FOLLOWERS or run[0] == "Â":
         return False
+    if _angstrom_unit(run, before, after):
+        return True
     if before.islower() or before.isdigit() or (after.isalpha() and run[1] not in _WORD_JOINERS):
         return False
     if run[1] == "\u00a0" and (not after or after.isspace()):
@@ -6106,8 +6140,15 @@ def _wrapper_hint(rec: dict) -> str:
             f"{'/'.join(_WRAPPER_KEYS)} (it has: {', '.join(held[:5])})") if held else ""
 
 
+#: The fields import reads a value from; any other field is not stored, so its
+#: value is never walked (see _without_surrogates).
+_READ_KEYS = frozenset(_BODY_KEYS + _TITLE_KEYS + _WHY_KEYS + _KIND_KEYS + _REF_KEYS + _TS_KEYS
+                       + ("tags", "system", "source", "status", "deleted"))
+
+
 def _surrogate_fields(rec: dict) -> list[str]:
-    """The keys of `rec` whose value (or the key itself) holds a lone surrogate."""
+    """The keys of `rec` whose name, or whose value when import reads it
+    (_READ_KEYS), holds a lone surrogate."""
     def has(v: Any) -> bool:
         if isinstance(v, str):
             return _SURROGATE.search(v) is not None
@@ -6115,7 +6156,22 @@ def _surrogate_fields(rec: dict) -> list[str]:
             return any(has(k) or has(x) for k, x in v.items())
         return isinstance(v, list) and any(has(x) for x in v)
 
-    return [valid_unicode(k) for k, v in rec.items() if has(k) or has(v)]
+    return [valid_unicode(k) for k, v in rec.items() if has(k) or k in _READ_KEYS and has(v)]
+
+
+def _without_surrogates(rec: dict, where: str) -> tuple[dict, tuple]:
+    """`rec` with each lone surrogate escape (`\\ud800`: valid JSON, not
+    Unicode) in its field names and in the values import reads replaced by
+    U+FFFD, and a note naming those fields (pure). A field import does not
+    read is left unwalked: one nested 900 deep ran a walk out of stack and cost
+    the record its body and id. RecursionError: a read field nested so deep."""
+    bad = _surrogate_fields(rec)
+    if not bad:
+        return rec, ()
+    clean = {valid_unicode(k): valid_unicode_deep(v) if k in _READ_KEYS else v
+             for k, v in rec.items()}
+    return clean, (f"{where}: a lone surrogate escape (like \\ud800) in "
+                   f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
 
 
 RETIRED_STATUSES = ("deprecated", "superseded", "retired", "deleted", "archived", "obsolete")
@@ -6131,6 +6187,41 @@ def retired_record(rec: dict) -> str | None:
     return "deleted: true" if rec.get("deleted") is True else None
 
 
+def record_ref(value: Any) -> tuple[str | None, str | None]:
+    """A record's id as its dedupe text, and a note when an id was given but not
+    kept (pure). Text and integers are kept; a finite float as its JSON text
+    (`42.5`); an object of one key holding text or an integer as that value
+    (mongoexport's `{"$oid": "65a1…"}`, `{"$numberLong": "7"}`), so an edited
+    record re-imported is the same record, not a second item. Anything else (a
+    list, NaN, true, a larger object) is no identity: the record is deduped by
+    its content, and the note says so rather than dropping the id unseen."""
+    if isinstance(value, dict) and len(value) == 1:
+        value = next(iter(value.values()))
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return str(value), None
+    if isinstance(value, float) and math.isfinite(value):
+        return json.dumps(value), None
+    if value is None:
+        return None, None
+    what = "not a finite number" if isinstance(value, float) else f"{json_kind(value)}, neither text nor a number"
+    return None, f"its id is {what}: not kept, the record is deduped by its content"
+
+
+def record_timestamp(value: Any) -> tuple[str | None, str | None]:
+    """A record's timestamp as stored text, and a note when one was given but
+    not kept (pure): `Infinity`, `NaN` and `1e400` (read as a float that is no
+    number) were stored as Python's "inf" and "nan"; a list or object is no
+    timestamp either."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return str(value), None
+    if isinstance(value, float) and math.isfinite(value):
+        return str(value), None
+    if value is None:
+        return None, None
+    what = "not a finite number" if isinstance(value, float) else json_kind(value)
+    return None, f"its timestamp is {what}: left out"
+
+
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
                          origin: str | None = None, whole: bool = False) -> Draft | Skip:
     """Map one export record to a Draft by the spec's field table (pure). Its
@@ -6141,12 +6232,8 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     top-level object or first JSONL line (see _no_body)."""
     if not isinstance(rec, dict):
         return Skip(where, f"not an object ({json_kind(rec)})")
-    notes: tuple = ()
     try:
-        if bad := _surrogate_fields(rec):
-            rec = valid_unicode_deep(rec)
-            notes = (f"{where}: a lone surrogate escape (like \\ud800) in "
-                     f"{', '.join(sorted(bad))} was replaced by U+FFFD",)
+        rec, notes = _without_surrogates(rec, where)
     except RecursionError:               # valid JSON, nested past what a walk of it can take
         return Skip(where, "nested too deep to read (a record of plain fields is expected)")
     body = _first(rec, _BODY_KEYS)
@@ -6174,13 +6261,12 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     if left_out:
         notes += (f"{where}: some tags were left out ({left_out})",)
     tags = given[:room] + mine
-    ref = _first(rec, _REF_KEYS)
-    ref = str(ref) if isinstance(ref, (str, int)) and not isinstance(ref, bool) else None
-    ts = _first(rec, _TS_KEYS)
+    (ref, ref_note), (ts, ts_note) = record_ref(_first(rec, _REF_KEYS)), record_timestamp(_first(rec, _TS_KEYS))
+    notes += tuple(f"{where}: {note}" for note in (ref_note, ts_note) if note)
     own = _first(rec, ("system", "source"))
     own = own.strip() if isinstance(own, str) and own.strip() else None
     source = {"system": own or system, "ref": ref, "imported": True,
-              "source_ts": str(ts) if isinstance(ts, (str, int, float)) else None,
+              "source_ts": ts,
               **({"file": origin} if origin and not own else {})}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
                  tags=tags, source=source, where=where, notes=notes,

@@ -141,6 +141,8 @@ def cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Completed
     ("the CAFÃ‰ on Ã\u00a0 cÃ´tÃ©", "the CAFÉ on à côté"),
     ("Ã‰tÃ© PASSÃ“ in 2020", "Été PASSÓ in 2020"),          # sure mojibake vouches for Ó's Ã“
     ("AzÉ™rbaycan", "Azərbaycan"),
+    ("Má»—i ngÃ\u00a0y", "Mỗi ngày"),                        # sure mojibake vouches for ỗ's á»—
+    ("bá»“ há»“, raÅ¡ytojÅ³ Å¹rÃ³dÅ‚o", "bồ hồ, rašytojų Źródło"),
 ])
 def test_repair_mojibake_fixes_cp1252_and_keeps_real_accents(raw, fixed):
     assert cs.repair_mojibake(raw) == fixed
@@ -175,6 +177,11 @@ def test_repair_mojibake_repairs_a_lone_mangled_word_or_symbol():
     "Portuguese AMANHÃ… and IRMÃ\u00a0: oi",      # Ã… is Å, Ã and a no-break space is à
     "CAFÉ—BAR and CAFÉ™",                          # a dash between words, a trademark sign
     "MEÐ\u00a0x and Ó\u00a0mar",                  # Cyrillic Р, Ӡ would touch a Latin letter
+    "The unit cell volume is 1234 Å³, 20 Å² a molecule",   # Ångström units: ų, Ų
+    "Bond lengths 1.5Å–2.0Å, resolution 3Å… and “1.5Å”",   # Ŗ, Ņ, Ŕ
+    "«No lo sé, ya está»—dijo ella",             # á»— is Vietnamese ỗ
+    "Ella dijo «ya está»… y se fue; «fini»\u00a0:",  # ễ, Ỡ
+    "ÖPPET PÅ\u00a0LÖRDAG, cell volume 5 Å³",    # no false sure repair vouches for Š
 ])
 def test_repair_mojibake_leaves_genuine_accents_before_punctuation(genuine):
     """A genuine accented letter before a no-break space, a quote or an ellipsis
@@ -7956,6 +7963,35 @@ def test_import_identity_is_system_and_id_and_changed_records_are_reported(repo,
                 if i.content == "beta: pin base images" and i.active]
 
 
+def test_import_takes_a_mongoexport_oid_as_the_id_and_warns_of_ids_and_times_it_drops(
+        repo, tmp_path):
+    """`{"$oid": ...}`, a float, NaN or a list as the id was dropped unseen, so an
+    edited mongoexport record re-imported became a second live item; Infinity
+    and NaN timestamps were stored as Python's "inf" and "nan"."""
+    oid = {"$oid": "65a1f0c2e4b0a1b2c3d4e5f6"}
+    (tmp_path / "v1").mkdir(), (tmp_path / "v2").mkdir()     # two exports, one file name
+    v1 = _jsonl(tmp_path / "v1" / "mem.json", {"_id": oid, "content": "pool size 10 for billing"})
+    assert cs.import_memory("json", v1)["imported"] == 1
+    v2 = _jsonl(tmp_path / "v2" / "mem.json", {"_id": oid, "content": "pool size 20 for billing"})
+    res = cs.import_memory("json", v2)
+    assert res["imported"] == 0 and [c["ref"] for c in res["changed"]] == [oid["$oid"]], res
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"content": "float id", "id": 42.5, "timestamp": Infinity}\n'
+                   '{"content": "nan id", "id": NaN, "ts": 1e400}\n'
+                   '{"content": "list id", "id": [1], "ts": NaN}\n')
+    res = cs.import_memory("json", str(odd))
+    assert res["imported"] == 3 and res["warnings"] == [
+        "line 1: its timestamp is not a finite number: left out",
+        "line 2: its id is not a finite number: not kept, the record is deduped by its content",
+        "line 2: its timestamp is not a finite number: left out",
+        "line 3: its id is a list, neither text nor a number: not kept, the record is deduped "
+        "by its content",
+        "line 3: its timestamp is not a finite number: left out"], res
+    sources = {i.content: i.source for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert sources["float id"]["ref"] == "42.5"
+    assert {sources[c]["source_ts"] for c in ("float id", "nan id", "list id")} == {None}
+
+
 def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_path):
     arr = tmp_path / "arr.json"
     arr.write_text(json.dumps([{"title": "no body"}, {"content": "ok"}, 7]))
@@ -8000,6 +8036,23 @@ def test_import_cleans_lone_surrogates_imports_the_rest_and_says_where(repo, tmp
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["imported"] == 2 and answer["warnings"][0].startswith("record 1: ")
+
+
+def test_import_keeps_a_record_whose_unknown_field_is_nested_deep(repo, tmp_path):
+    """An unknown field nested 900 deep (valid JSON, parsed) ran the surrogate
+    walk out of stack, and the record was skipped whole though its body and id
+    were usable; unknown fields are not stored, so they are not walked."""
+    deep = "[" * 900 + "]" * 900
+    jsonl = tmp_path / "deep.jsonl"
+    jsonl.write_text('{"content": "deep extra", "id": "d1", "extra": ' + deep + '}\n'
+                     '{"content": "lone \\ud800", "id": "d2", "more": [' + deep + ', "\\udc00"]}\n')
+    out = cli("import", str(jsonl))
+    answer = json.loads(out.stdout)
+    assert out.returncode == 0 and (answer["imported"], answer["skipped"]) == (2, 0), answer
+    assert answer["warnings"] == [
+        "line 2: a lone surrogate escape (like \\ud800) in content was replaced by U+FFFD"]
+    refs = {i.source["ref"]: i.content for i in cs.store(cs.require_config(), "local").read().items}
+    assert refs == {"d1": "deep extra", "d2": "lone \ufffd"}
 
 
 def test_import_keeps_the_valid_tags_says_what_it_left_and_lists_skips_in_file_order(
@@ -9476,10 +9529,11 @@ def test_import_says_a_utf16_export_is_utf16(repo, tmp_path):
 
 def test_import_skips_a_record_nested_too_deep_and_keeps_the_rest(repo, tmp_path):
     """A valid record nested ~500 deep ran the surrogate check out of stack:
-    a traceback, and nothing stored, not even the good records beside it."""
+    a traceback, and nothing stored, not even the good records beside it. (A
+    field import reads, here tags; an unknown one is not walked.)"""
     deep = "[" * 600 + "]" * 600
     f = tmp_path / "deep.jsonl"
-    f.write_text('{"id": "d1", "content": "deep one", "extra": ' + deep + '}\n'
+    f.write_text('{"id": "d1", "content": "deep one", "tags": ' + deep + '}\n'
                  + json.dumps({"id": "ok", "content": "a plain record"}) + "\n")
     res = cs.import_memory("json", str(f))
     assert res["imported"] == 1 and res["skipped"] == 1, res
