@@ -10789,6 +10789,24 @@ def test_semantic_abstains_on_a_query_the_model_cannot_read(semantic):
     assert stored[th]["trust"]["recalls"] == 1
 
 
+def test_a_readable_query_with_an_emoji_finds_no_item_of_unknown_pieces(semantic):
+    """`deploy 🚀` reads (one known word), but its [UNK] piece pulled a Thai
+    and an Amharic note (all unknown pieces to the model) into the results at
+    0.52-0.55, credited: the query is embedded without the pieces the model
+    does not know, as `deploy` alone, which abstains."""
+    _capture_notes()
+    th = cs.capture("สำรองข้อมูลทุกคืน ตรวจสอบทุกสัปดาห์")["item"]["id"]
+    am = cs.capture("ሰርቨሮቹን በየሳምንቱ እናዘምናለን")["item"]["id"]
+    for query in ("deploy 🚀", "release 🎉", "rollback 🔥", "how do we deploy 🚀"):
+        res = cs.recall(query)
+        assert res["mode"] == "semantic", (query, res)
+        assert not {th, am} & {r["id"] for r in res["results"]}, (query, res)
+    cs.fold_credits_now(cs.resolve_config())
+    stored = {i["id"]: i for i in json.loads(_store_path(semantic).read_text())["items"]}
+    assert not stored[th].get("trust", {}).get("recalls")
+    assert not stored[am].get("trust", {}).get("recalls")
+
+
 def test_the_model_reads_a_query_when_more_words_are_known_than_unknown():
     tok = cs.WordPiece({w: i for i, w in enumerate(
         ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "deploy", "on", "friday", "the", "ok", "!", "#"])})
