@@ -6189,8 +6189,8 @@ def retired_record(rec: dict) -> str | None:
 
 def record_ref(value: Any) -> tuple[str | None, str | None]:
     """A record's id as its dedupe text, and a note when an id was given but not
-    kept (pure). Text and integers are kept; a finite float as its JSON text
-    (`42.5`); an object of one key holding text or an integer as that value
+    kept (pure). Text and integers are kept; a finite float as its number
+    (`42.5`; `42.0` as `42`, the same record); an object of one key holding text or an integer as that value
     (mongoexport's `{"$oid": "65a1…"}`, `{"$numberLong": "7"}`), so an edited
     record re-imported is the same record, not a second item. Anything else (a
     list, NaN, true, a larger object) is no identity: the record is deduped by
@@ -6199,8 +6199,8 @@ def record_ref(value: Any) -> tuple[str | None, str | None]:
         value = next(iter(value.values()))
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return str(value), None
-    if isinstance(value, float) and math.isfinite(value):
-        return json.dumps(value), None
+    if isinstance(value, float) and math.isfinite(value):     # 42.0 is 42 (a column of
+        return (str(int(value)) if value.is_integer() else repr(value)), None   # ints with a null)
     if value is None:
         return None, None
     what = "not a finite number" if isinstance(value, float) else f"{json_kind(value)}, neither text nor a number"
@@ -6211,7 +6211,9 @@ def record_timestamp(value: Any) -> tuple[str | None, str | None]:
     """A record's timestamp as stored text, and a note when one was given but
     not kept (pure): `Infinity`, `NaN` and `1e400` (read as a float that is no
     number) were stored as Python's "inf" and "nan"; a list or object is no
-    timestamp either."""
+    timestamp either; mongoexport's `{"$date": ...}` is its value."""
+    if isinstance(value, dict) and len(value) == 1:
+        value = next(iter(value.values()))
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return str(value), None
     if isinstance(value, float) and math.isfinite(value):
@@ -7656,6 +7658,14 @@ class WordPiece:
         return known > 0 and known >= unknown
 
 
+def unknown_symbol(tok: WordPiece, ch: str) -> bool:
+    """Whether a character of a query is a symbol or a mark the model reads as
+    [UNK] (an emoji, a keycap, a zero-width joiner), not a letter of a script
+    it lacks."""
+    return (unicodedata.category(ch)[0] in "SMC" and not ch.isspace()
+            and tok.ids(ch, 2) in ([tok.unk], []))
+
+
 def embed_windows(ids: list[int], cls: int, sep: int) -> list[list[int]]:
     """Model inputs covering a text's wordpieces: the first window, then
     overlapping tail windows for the text beyond it, so it still counts."""
@@ -7856,14 +7866,16 @@ class Embedder(PooledModel):
         return [n for n, t in enumerate(ids) if t in self._worded]
 
     def query_window(self, query: str) -> list[int]:
-        """The model input of a query: its first window without the pieces the
-        model does not know ([UNK]: an emoji, a script it lacks; a query of
-        nothing else keeps them). They carry nothing of what is asked, and a
-        vector holding one came out near every item made mostly of them:
-        `deploy 🚀` found an unrelated Thai note at relevance 0.55."""
+        """The model input of a query: its first window without the symbols
+        the model does not know (emoji and their joiners: unknown_symbol; a
+        query of nothing else keeps them). They carry nothing of what is
+        asked, and their [UNK] came out near every item made mostly of unknown
+        pieces: `deploy 🚀` found an unrelated Thai note at relevance 0.55.
+        A word in a script the model lacks stays: an item in that script is
+        found through it (`restart 服务器 safely` finds a Chinese note)."""
         tok = self.tokenizer
-        ids = tok.ids(query, EMBED_WINDOW_TOKENS - 2)
-        return embed_windows([t for t in ids if t != tok.unk] or ids, tok.cls, tok.sep)[0]
+        kept = "".join(ch for ch in query if not unknown_symbol(tok, ch))
+        return self.first_window(kept if kept.strip() else query)
 
     def embed_query(self, query: str) -> tuple[Any, Any]:
         """A query's vector and its token vectors without [CLS] and [SEP]
@@ -12070,7 +12082,9 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
         if last and last.state == "CLOSED" and org.drop_side_branch(branch, at=last.oid):
             out.withdrawn.append({"branch": branch, "pr_url": last.url, "pr_state": "closed",
                                   "note": "closed without merging: its branch was deleted, so "
-                                          "what it proposed is not proposed again"})
+                                          "its change is not proposed again as it was; journaled "
+                                          "recall credits, and duplicates a consolidate rerun "
+                                          "finds still waiting, are proposed again"})
         elif org.proposes(branch, side):
             out.opened.append({"branch": branch, "pr_url": open_pr(
                 cfg, org, branch, f"cambium: {branch.rsplit('/', 1)[-1]}", PR_BODY)})

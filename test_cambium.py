@@ -7992,6 +7992,26 @@ def test_import_takes_a_mongoexport_oid_as_the_id_and_warns_of_ids_and_times_it_
     assert {sources[c]["source_ts"] for c in ("float id", "nan id", "list id")} == {None}
 
 
+def test_import_reads_42_0_as_the_id_42_and_a_mongoexport_date_as_its_value(repo, tmp_path):
+    """A column of integer ids holding a null is written `42.0` by Python and
+    pandas exporters: the same record as `42`, so its edit is a change, not a
+    second item. mongoexport's `{"$date": ...}` timestamp was left out with a
+    warning on every record."""
+    (tmp_path / "v1").mkdir(), (tmp_path / "v2").mkdir()     # two exports, one file name
+    first = tmp_path / "v1" / "mem.jsonl"
+    first.write_text('{"content": "pool size 10", "id": 42, '
+                     '"timestamp": {"$date": "2024-05-01T10:00:00Z"}}\n')
+    res = cs.import_memory("json", str(first))
+    assert res["imported"] == 1 and not res.get("warnings"), res
+    edited = tmp_path / "v2" / "mem.jsonl"
+    edited.write_text('{"content": "pool size 20", "id": 42.0}\n')
+    res = cs.import_memory("json", str(edited))
+    assert res["imported"] == 0 and [c["ref"] for c in res["changed"]] == ["42"], res
+    (item,) = [i for i in cs.store(cs.resolve_config(), "local").read().items
+               if i.status == "active"]                 # no second live item
+    assert item.source["ref"] == "42" and item.source["source_ts"] == "2024-05-01T10:00:00Z"
+
+
 def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_path):
     arr = tmp_path / "arr.json"
     arr.write_text(json.dumps([{"title": "no body"}, {"content": "ok"}, 7]))
@@ -10805,6 +10825,9 @@ def test_a_readable_query_with_an_emoji_finds_no_item_of_unknown_pieces(semantic
     stored = {i["id"]: i for i in json.loads(_store_path(semantic).read_text())["items"]}
     assert not stored[th].get("trust", {}).get("recalls")
     assert not stored[am].get("trust", {}).get("recalls")
+    zh = cs.capture("服务器重启前先通知运维团队")["item"]["id"]      # a script it lacks: kept
+    res = cs.recall("restart 服务器 safely during deploy")
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == zh, res
 
 
 def test_the_model_reads_a_query_when_more_words_are_known_than_unknown():
