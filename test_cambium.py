@@ -4266,7 +4266,6 @@ def test_a_teammate_whose_team_branch_differs_is_told_where_the_team_store_is(sh
     assert "team_branch='kb'" in said and "app-data" not in said
 
 
-
 def test_the_write_that_starts_a_second_team_branch_says_which_branch_holds_the_store(
         shared, monkeypatch, tmp_path):
     """A clone set up with team_branch="kb" was moved: its recorded branch
@@ -5760,7 +5759,6 @@ def test_pr_mode_a_duplicate_recalled_while_its_pr_waited_still_settles(
     assert again["superseded"] == [dup] and "waiting" not in again, again
     items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
     assert items[dup].status == "superseded"
-
 
 
 def test_pr_mode_a_credit_a_waiting_duplicate_gained_survives_a_declined_pr(
@@ -7514,7 +7512,6 @@ def test_consolidate_judges_each_attempt_on_its_own_tip(shared, monkeypatch, pee
     other = dup if target == survivor else survivor
     assert team[other]["status"] == "active"
     assert "merged_from" not in team[survivor]
-
 
 
 def test_consolidate_leaves_a_duplicate_credited_between_its_writes_for_the_next_run(
@@ -13917,7 +13914,6 @@ def test_http_serve_without_token_binds_loopback_only(repo):
     assert cs.http_bind_problem("10.0.0.5", "t") is None
     bad = cli("serve", "--http", "--port", "0")
     assert bad.returncode == 2 and "--port" in bad.stderr and "1 to 65535" in bad.stderr
-
 
 
 def test_http_serve_on_any_loopback_address_checks_host_and_origin(repo):
