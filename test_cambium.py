@@ -5785,6 +5785,27 @@ def test_pr_mode_a_credit_a_waiting_duplicate_gained_survives_a_declined_pr(
     assert top["trust"]["recalled_by"] == {"cy": cs._today()} and top["trust"]["recalls"] == 1
 
 
+def test_a_duplicate_keeps_more_than_its_survivor_for_credits_endorsements_and_people():
+    """What holds a consolidate duplicate back (_keeps_more): a later recall
+    day, an endorsement the survivor's copy lacks or has older, a person's
+    verification; not a check's passing run, which lands each time the check
+    passes (a duplicate checked daily would otherwise never leave)."""
+    run = {"by": "check", "at": "2026-12-06T09:00:00Z", "check": "pytest -q"}
+    person = {"by": "ada", "at": "2026-12-06T09:00:00Z"}
+    old = {"by": "bob", "note": "saved us", "at": "2026-12-01T00:00:00Z"}
+    survivor = cs.Item(id="k-s", content="x", verifications=[],
+                       trust={"recalled_by": {"bob": "2026-12-05"}, "endorsements": [old]})
+    same = cs.Item(id="k-d", content="x", verifications=[run],
+                   trust={"recalled_by": {"bob": "2026-12-05"}, "endorsements": [old]})
+    assert not cs._keeps_more(same, survivor)                  # a check's run: it leaves
+    for trust, checks in (({"recalled_by": {"bob": "2026-12-06"}}, []),
+                          ({"endorsements": [dict(old, at="2026-12-06T00:00:00Z")]}, []),
+                          ({"endorsements": [dict(old, by="cy")]}, []),
+                          ({}, [person])):
+        member = cs.Item(id="k-d", content="x", verifications=checks, trust=trust)
+        assert cs._keeps_more(member, survivor), (trust, checks)
+
+
 def test_pr_mode_an_endorsement_a_waiting_duplicate_gained_keeps_it_until_org_holds_it(
         shared, monkeypatch, tmp_path):
     """The rerun after the merge superseded the duplicate at once, its new
