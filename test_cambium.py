@@ -5839,10 +5839,10 @@ def _merged_credit_pr(shared, tmp_path, review: dict) -> None:
     set_pr_state(tmp_path, proposed["pr_url"], "MERGED")
 
 
-def test_pr_mode_a_team_credit_whose_item_moved_to_org_is_proposed_then_lands_once(
-        shared, monkeypatch, tmp_path):
-    """PR mode: bob's credit of a team item that settled into org since climbed
-    to org and sat in his journal for good: nothing pushes to org's branch."""
+def _bob_credit_climbed_to_org(shared, monkeypatch, tmp_path) -> tuple[str, Path]:
+    """PR mode: bob recalled a team item that ada then moved to org through a
+    merged pull request; his fold sent the credit up, journaled for org.
+    Returns the item id and bob's credit journal."""
     _pr_mode(monkeypatch, tmp_path, shared)
     item = _endorsed("Prefer short-lived feature flags")
     cs.promote(item)
@@ -5859,13 +5859,26 @@ def test_pr_mode_a_team_credit_whose_item_moved_to_org_is_proposed_then_lands_on
     cs.runtime().reset()
     cs.fold_credits_now(cs.resolve_config())
     journal = cs.credits_path(cs.resolve_config())
+    return item, journal
+
+
+def _org_counts_bobs_one_recall(shared) -> None:
+    """Org's one item counts bob's recall once."""
+    (top,) = remote_json(shared["org_bare"], "main")["items"]
+    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+
+
+def test_pr_mode_a_team_credit_whose_item_moved_to_org_is_proposed_then_lands_once(
+        shared, monkeypatch, tmp_path):
+    """PR mode: bob's credit of a team item that settled into org since climbed
+    to org and sat in his journal for good: nothing pushes to org's branch."""
+    item, journal = _bob_credit_climbed_to_org(shared, monkeypatch, tmp_path)
     assert [(r["item"], r["scope"]) for r in cs.read_credits(journal)] == [(item, "org")]
     _merged_credit_pr(shared, tmp_path, cs.review_promotions())
     cs.fold_credits_now(cs.resolve_config())
     assert not cs.read_credits(journal)
     assert "org_credit_prs" not in cs.review_promotions()
-    (top,) = remote_json(shared["org_bare"], "main")["items"]
-    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+    _org_counts_bobs_one_recall(shared)
 
 
 def test_pr_mode_a_credit_journaled_twice_is_proposed_once_and_lands_once(
@@ -5873,22 +5886,7 @@ def test_pr_mode_a_credit_journaled_twice_is_proposed_once_and_lands_once(
     """org_credit_prs counts distinct credits (item, agent, day): a credit the
     journal holds twice is one, and a second review while its pull request
     waits proposes nothing more; merged, org counts one recall."""
-    _pr_mode(monkeypatch, tmp_path, shared)
-    item = _endorsed("Prefer short-lived feature flags")
-    cs.promote(item)
-    as_agent(monkeypatch, shared["b"], "bob")
-    cs.runtime().reset()
-    assert item in [r["id"] for r in cs.recall("short-lived feature flags")["results"]]
-    as_agent(monkeypatch, shared["a"], "ada")
-    cs.runtime().reset()
-    url = cs.promote(item, to_scope="org")["pr_url"]
-    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
-    set_pr_state(tmp_path, url, "MERGED")
-    assert cs.review_promotions()["settled_org_prs"] == [item]
-    as_agent(monkeypatch, shared["b"], "bob")
-    cs.runtime().reset()
-    cs.fold_credits_now(cs.resolve_config())
-    journal = cs.credits_path(cs.resolve_config())
+    item, journal = _bob_credit_climbed_to_org(shared, monkeypatch, tmp_path)
     (line,) = journal.read_text(encoding="utf-8").splitlines()
     journal.write_text(f"{line}\n{line}\n", encoding="utf-8")
     assert [(r["item"], r["scope"]) for r in cs.read_credits(journal)] == [(item, "org")] * 2
@@ -5898,8 +5896,7 @@ def test_pr_mode_a_credit_journaled_twice_is_proposed_once_and_lands_once(
     _merged_credit_pr(shared, tmp_path, review)
     cs.fold_credits_now(cs.resolve_config())
     assert not cs.read_credits(journal)
-    (top,) = remote_json(shared["org_bare"], "main")["items"]
-    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+    _org_counts_bobs_one_recall(shared)
 
 
 def test_pr_mode_a_credit_the_waiting_team_copy_gained_reaches_org_once(
@@ -5928,8 +5925,7 @@ def test_pr_mode_a_credit_the_waiting_team_copy_gained_reaches_org_once(
     cs.fold_credits_now(cs.resolve_config())
     assert not cs.read_credits(cs.credits_path(cs.resolve_config()))
     assert "org_credit_prs" not in cs.review_promotions()
-    (top,) = remote_json(shared["org_bare"], "main")["items"]
-    assert top["trust"]["recalled_by"] == {"bob": cs._today()} and top["trust"]["recalls"] == 1
+    _org_counts_bobs_one_recall(shared)
 
 
 def test_pr_mode_a_declined_shared_pr_is_withdrawn_and_a_stranded_one_opened(
