@@ -1017,7 +1017,8 @@ def _accent_before_closing_guillemet(run: str, after: str) -> bool:
     (`ỗ`, `ễ`); a Vietnamese word goes on in lowercase after a letter no
     punctuation ends a word with (`Viá»‡t`, `rá»“i`), and a mangled Vietnamese
     text holds such runs, which vouch for the rest."""
-    return (len(run) == 3 and run[0].islower() and run[1] == "»" and run[2] in _AFTER_CLOSING_GUILLEMET
+    return (len(run) == 3 and run[0].islower() and run[1] == "»"
+            and run[2] in _AFTER_CLOSING_GUILLEMET
             and not (after.isalpha() and run[2] not in _WORD_JOINERS))
 
 
@@ -6187,41 +6188,43 @@ def retired_record(rec: dict) -> str | None:
     return "deleted: true" if rec.get("deleted") is True else None
 
 
-def record_ref(value: Any) -> tuple[str | None, str | None]:
-    """A record's id as its dedupe text, and a note when an id was given but not
-    kept (pure). Text and integers are kept; a finite float as its number
-    (`42.5`; `42.0` as `42`, the same record); an object of one key holding text or an integer as that value
-    (mongoexport's `{"$oid": "65a1…"}`, `{"$numberLong": "7"}`), so an edited
-    record re-imported is the same record, not a second item. Anything else (a
-    list, NaN, true, a larger object) is no identity: the record is deduped by
-    its content, and the note says so rather than dropping the id unseen."""
-    if isinstance(value, dict) and len(value) == 1:
-        value = next(iter(value.values()))
-    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
-        return str(value), None
-    if isinstance(value, float) and math.isfinite(value):     # 42.0 is 42 (a column of
-        return (str(int(value)) if value.is_integer() else repr(value)), None   # ints with a null)
-    if value is None:
-        return None, None
-    what = "not a finite number" if isinstance(value, float) else f"{json_kind(value)}, neither text nor a number"
-    return None, f"its id is {what}: not kept, the record is deduped by its content"
-
-
-def record_timestamp(value: Any) -> tuple[str | None, str | None]:
-    """A record's timestamp as stored text, and a note when one was given but
-    not kept (pure): `Infinity`, `NaN` and `1e400` (read as a float that is no
-    number) were stored as Python's "inf" and "nan"; a list or object is no
-    timestamp either; mongoexport's `{"$date": ...}` is its value."""
+def _record_value(value: Any, number: Callable[[float], str]) -> tuple[str | None, str | None]:
+    """A record field that gives one value as text: text, an integer, a finite
+    float as `number` writes it, or an object of one key holding one of them
+    (mongoexport's `{"$oid": ...}`, `{"$date": ...}`, `{"$numberLong": ...}`);
+    else None and what it is instead: a float that is no number (`NaN`,
+    `Infinity`, `1e400`), a list, an object (pure)."""
     if isinstance(value, dict) and len(value) == 1:
         value = next(iter(value.values()))
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return str(value), None
     if isinstance(value, float) and math.isfinite(value):
-        return str(value), None
+        return number(value), None
     if value is None:
         return None, None
-    what = "not a finite number" if isinstance(value, float) else json_kind(value)
-    return None, f"its timestamp is {what}: left out"
+    return None, "not a finite number" if isinstance(value, float) else json_kind(value)
+
+
+def record_ref(value: Any) -> tuple[str | None, str | None]:
+    """A record's id as its dedupe text (_record_value; a float `42.0` is `42`,
+    the same record, as Python and pandas write a column of integers holding a
+    null), and a note when an id was given but not kept (pure): an edited
+    record re-imported is the same record, not a second item, and an id that
+    is no identity (a list, NaN, true) is said, the record deduped by its
+    content, rather than dropped unseen."""
+    ref, what = _record_value(value, lambda f: str(int(f)) if f.is_integer() else repr(f))
+    if what is None:
+        return ref, None
+    what = what if what == "not a finite number" else f"{what}, neither text nor a number"
+    return None, f"its id is {what}: not kept, the record is deduped by its content"
+
+
+def record_timestamp(value: Any) -> tuple[str | None, str | None]:
+    """A record's timestamp as stored text (_record_value), and a note when
+    one was given but not kept (pure): `Infinity`, `NaN` and `1e400` were
+    stored as Python's "inf" and "nan"."""
+    ts, what = _record_value(value, repr)
+    return ts, what and f"its timestamp is {what}: left out"
 
 
 def json_record_to_draft(rec: Any, where: str, system: str = "json",
@@ -6263,7 +6266,8 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     if left_out:
         notes += (f"{where}: some tags were left out ({left_out})",)
     tags = given[:room] + mine
-    (ref, ref_note), (ts, ts_note) = record_ref(_first(rec, _REF_KEYS)), record_timestamp(_first(rec, _TS_KEYS))
+    ref, ref_note = record_ref(_first(rec, _REF_KEYS))
+    ts, ts_note = record_timestamp(_first(rec, _TS_KEYS))
     notes += tuple(f"{where}: {note}" for note in (ref_note, ts_note) if note)
     own = _first(rec, ("system", "source"))
     own = own.strip() if isinstance(own, str) and own.strip() else None
