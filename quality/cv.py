@@ -443,26 +443,31 @@ def judged(p: Prepared, qi: int, rel: list, params: dict) -> list:
 
 def with_names(p: Prepared, qids, run, params: dict) -> dict:
     """params with the name penalty (NAME_PENALTIES, cambium's NAME_PENALTY)
-    that abstains on the most training no-answers while the training queries'
-    wrongly-abstained share stays within MAX_FALSE (NAMES_OBJECTIVE "caught"),
-    or that answers the most training queries right ("right": a no-answer
-    abstained on, an answerable query's gold among the results), or whose
-    worst margin to the issue's targets on them is best ("targets":
-    target_margins, within MAX_FALSE too); ties: the milder one."""
-    best, score = dict(params, names=1.0), ((-2.0,) if NAMES_OBJECTIVE[0] == "targets" else -1.0)
+    that scores best on the training queries (names_score); none that keeps
+    within the budget leaves no penalty (1.0); ties: the milder one."""
+    best, score = dict(params, names=1.0), None
     for m in NAME_PENALTIES if NAMES[0] else ():
         cand = dict(params, names=m)
-        if NAMES_OBJECTIVE[0] == "right":
-            got = statistics.fmean(answered_right(p, q, run, cand) for q in qids)
-        elif NAMES_OBJECTIVE[0] == "targets":
-            r = evaluate(p, qids, run, cand)
-            got = target_margins(r, run) if r["false_abstain"] <= MAX_FALSE else (-1.0,)
-        else:
-            r = evaluate(p, qids, run, cand)
-            got = r["abstention"] if r["false_abstain"] <= MAX_FALSE else -1.0
-        if (got > score) if isinstance(got, tuple) else (got > score + 1e-9):
+        got = names_score(p, qids, run, cand)
+        if got is not None and (score is None or got > score):
             best, score = cand, got
     return best
+
+
+def names_score(p: Prepared, qids, run, params: dict) -> tuple | None:
+    """How a name penalty does on the training queries by NAMES_OBJECTIVE,
+    higher better (rounded: a tie goes to the milder): "caught", the share of
+    no-answers abstained on; "right", the share of queries answered right (a
+    no-answer abstained on, an answerable query's gold among the results);
+    "targets", the margins to the issue's targets, worst first
+    (target_margins). None when the wrongly-abstained share passes MAX_FALSE
+    ("caught", "targets")."""
+    if NAMES_OBJECTIVE[0] == "right":
+        return (round(statistics.fmean(answered_right(p, q, run, params) for q in qids), 9),)
+    r = evaluate(p, qids, run, params)
+    if r["false_abstain"] > MAX_FALSE:
+        return None
+    return target_margins(r, run) if NAMES_OBJECTIVE[0] == "targets" else (round(r["abstention"], 9),)
 
 
 #: the issue's targets per mode: (metric, its threshold, +1 when it is a floor or -1
