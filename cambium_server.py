@@ -5161,17 +5161,26 @@ class GitStore(Store):
         the tip continues its own; one the scope moved past is caught up: the
         merge (merged_docs) of the tip and its own changes, on the tip's tree,
         with its tip as second parent, so the PR merges cleanly and its history
-        stays. When the two changed an item differently, it continues its own
-        tip as it is (a person merges that)."""
+        stays. When the two changed an item differently, or the branch changed a
+        file cambium does not write (a reviewer's commit: the tip's tree would
+        drop it), it continues its own tip as it is (a person merges that)."""
         if side_tip is None:
             return self.doc_at(tip), tip, None
         if tip is None or self._holds(side_tip, tip):
             return self.doc_at(side_tip), side_tip, None
         fork = self.git("merge-base", tip, side_tip, check=False).stdout.strip() or None
         merged = merged_docs(self.doc_at(fork), self.doc_at(tip), self.doc_at(side_tip))
-        if merged is None:
+        if merged is None or self._changed_by_hand(fork, side_tip):
             return self.doc_at(side_tip), side_tip, None
         return merged, tip, side_tip
+
+    def _changed_by_hand(self, fork: str | None, side_tip: str) -> bool:
+        """Whether a side branch changed, since it parted from the tip, a file
+        cambium does not write: anything but the store and its rendered files."""
+        ours = {STORE_FILE, *(self.extra_files(Doc([])) if self.extra_files else {})}
+        changed = self.git("diff", "--name-only", "-z", fork, side_tip, "--").stdout.split("\0") \
+            if fork else self.git("ls-tree", "-z", "--name-only", side_tip).stdout.split("\0")
+        return any(n and n not in ours for n in changed)
 
     def proposes(self, branch: str, side: str | None = None) -> bool:
         """Whether side branch `branch` holds a change the scope's tip lacks:
@@ -11112,6 +11121,9 @@ def _org_store(cfg: Config) -> GitStore:
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} {problem}")
     if not _has_remote(org, "origin", cfg.git_timeout_s):
         raise ConfigError(f"the org clone {org} has no 'origin' remote to publish to.")
+    if cfg.repo is not None and (problem := org_remote_problem(org, cfg.repo, cfg.remote,
+                                                               cfg.git_timeout_s)):
+        raise ConfigError(f"CAMBIUM_ORG_REPO={org} {problem}")
     branches = runtime().org_branches
     branch = branches.get(str(org))
     if branch is None:
@@ -11134,6 +11146,33 @@ def org_clone_problem(org: Path, project: Path) -> str | None:
                 "of its clone); the org clone must be a separate clone of the org knowledge "
                 "repo, which cambium keeps in sync by force.")
     return None
+
+
+def org_remote_problem(org: Path, project: Path, remote: str, timeout_s: float) -> str | None:
+    """Why a clone cannot be the org clone: its origin is the project's own
+    remote, so org writes would land on the project's default branch, or on
+    the team branch itself, where moving an item up would drop its only copy."""
+    with contextlib.suppress(CambiumError, OSError):
+        theirs, mine = remote_url(org, "origin", timeout_s), remote_url(project, remote, timeout_s)
+        if theirs and mine and remote_key(theirs, org) == remote_key(mine, project):
+            return (f"clones the project's own remote ({mine}); the org scope needs a "
+                    "repository of its own (the org knowledge repo), or org writes would "
+                    "land in the project's repository and an item moved up from team "
+                    "would leave its only copy.")
+    return None
+
+
+def remote_key(url: str, repo: Path) -> str:
+    """One spelling of a remote's address: a local path (or file://) made
+    absolute from `repo` and resolved; a network address as host/path, its
+    scheme, user, port-less `host:` form, trailing `/` and `.git` aside."""
+    local = url.removeprefix("file://") if url.startswith("file://") else \
+        url if "://" not in url and ":" not in url.split("/", 1)[0] else None
+    if local is not None:
+        return os.path.realpath(os.path.join(repo, os.path.expanduser(local)))
+    rest = url.split("://", 1)[-1].rsplit("@", 1)[-1] if "://" in url else \
+        url.split("@", 1)[-1].replace(":", "/", 1)
+    return rest.rstrip("/").removesuffix(".git").lower()
 
 
 #: ORG_CODE entries a fresh knowledge repo may hold too (a Makefile that renders
@@ -11388,9 +11427,19 @@ def pr_branch(cfg: Config, scope: str, topic: str) -> str | None:
     return pr_branch_name(topic) if scope == "org" and cfg.org_pr else None
 
 
+PR_PREFIX = "cambium/"      #: every pull request's side branch starts so
+
+
 def pr_branch_name(topic: str) -> str:
-    """The side branch of a pull request about `topic` (see pr_branch)."""
-    return f"cambium/{topic}"
+    """The side branch of a pull request about `topic` (see pr_branch), a name
+    git takes as a branch for any topic: an item id may hold what a ref may
+    not (`:`, `..`, a `.lock` or `.` ending), and a topic that does is named
+    with those made `-` and a hash of the whole topic, so two never meet (pure)."""
+    safe = re.sub(r"\.\.+", lambda m: "-" * len(m[0]), re.sub(r"[^\w.\-]", "-", topic))
+    if safe == topic and not topic.endswith((".", ".lock")):
+        return PR_PREFIX + topic
+    digest = hashlib.sha256(topic.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+    return f"{PR_PREFIX}{safe}-{digest}"
 
 
 PR_BODY = "Opened by cambium. Review is the gate; merge to publish."   #: a PR's default body
@@ -11990,7 +12039,7 @@ def _shared_pr_branches(cfg: Config, warnings: list[str]) -> list[str]:
     """The shared PR branches (SHARED_PR_TOPICS) the org remote has, listed in
     one call (a failure is a warning, and none are checked)."""
     try:
-        there = store(cfg, "org").branches(pr_branch_name("*"))
+        there = store(cfg, "org").branches(f"{PR_PREFIX}*")
     except CambiumError as e:
         warnings.append(f"could not list the org remote's branches: {e}")
         return []
@@ -13668,13 +13717,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         updates[TEAM_BRANCHES] = {os.path.realpath(store_root(root)): team_branch}
     if org_pr is not None:
         updates["CAMBIUM_ORG_PR"] = "1" if org_pr else "0"
-    org_offer = None
-    if org_repo:
-        org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
-        if org_path and (clash := org_clone_problem(org_path, root) or _holds_code(org_path)):
-            raise InputError(f"org_repo {org_path} {clash}", "org_repo")
-        if org_path:
-            updates["CAMBIUM_ORG_REPO"] = str(org_path)
+    org_offer, org_path = _setup_org(org_repo, root, agent_id) if org_repo else (None, None)
+    if org_path:
+        updates["CAMBIUM_ORG_REPO"] = str(org_path)
     cfg_path = config_file_path(env)
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
         raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
@@ -13928,6 +13973,17 @@ def _branch_of_the_project(root: Path, branch: str) -> str | None:
                                         root, GIT_TIMEOUT_RANGE[1], check=False).returncode:
             return where
     return None
+
+
+def _setup_org(org_repo: str, root: Path, agent_id: str) -> tuple[dict | None, Path | None]:
+    """setup's org_repo: (the offer for a GitHub owner/name, the clone's path),
+    refused as an InputError when the clone cannot be the org clone."""
+    org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
+    remote = os.environ.get("CAMBIUM_REMOTE") or DEFAULTS["CAMBIUM_REMOTE"]
+    if org_path and (clash := org_clone_problem(org_path, root) or _holds_code(org_path)
+                     or org_remote_problem(org_path, root, remote, ORG_HEAD_ASK_S)):
+        raise InputError(f"org_repo {org_path} {clash}", "org_repo")
+    return org_offer, org_path
 
 
 def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "your-id"

@@ -6084,6 +6084,103 @@ def test_pr_mode_two_open_promotions_both_merge_when_review_catches_the_second_u
     assert team_ids(shared["origin"]) == set()
 
 
+def test_pr_mode_review_never_catches_up_a_branch_a_reviewer_added_a_file_to(
+        shared, monkeypatch, tmp_path):
+    """Catching a PR branch up built its merge on org's tree with only the store
+    files replaced: a file a reviewer had committed to the branch was dropped
+    from it, and merging the PR no longer brought it."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    a = _endorsed("Feature flags get an owner and an expiry date")
+    b = _endorsed("Every alert links to a runbook")
+    cs.promote(a, to_scope="org")
+    cs.promote(b, to_scope="org")
+    reviewer = clone(shared["org_bare"], tmp_path / "reviewer")
+    git(reviewer, "checkout", "-q", f"origin/cambium/promote-{b}")
+    (reviewer / "docs").mkdir()
+    (reviewer / "docs" / "runbooks.md").write_text("Why every alert needs one.\n")
+    git(reviewer, "add", "docs")
+    git(reviewer, "commit", "-qm", "reviewer: rationale")
+    git(reviewer, "push", "-q", "origin", f"HEAD:cambium/promote-{b}")
+    before = git(shared["org_bare"], "rev-parse", f"cambium/promote-{b}").strip()
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", f"origin/cambium/promote-{a}")
+    git(merger, "push", "-q", "origin", "main")
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [a] and "caught_up_org_prs" not in review
+    assert git(shared["org_bare"], "rev-parse", f"cambium/promote-{b}").strip() == before
+    assert cs.promote(b, to_scope="org")["status"] == "pr_pending"    # a retry: the same
+    assert git(shared["org_bare"], "show", f"cambium/promote-{b}:docs/runbooks.md") == \
+        "Why every alert needs one.\n"
+    assert [(p["id"], p["pr_state"]) for p in review["pending_org_prs"]] == [(b, "open")]
+
+
+def test_pr_branch_names_are_branches_git_takes_for_any_item_id(tmp_path):
+    """An id the tools accept (`ns:item1`, `a..b`, `x.lock`, `end.`) made a PR
+    branch name git refused: in PR mode such an item could never reach org."""
+    ids = ["ns:item1", "a..b", "x.lock", "end.", "tëam-ünï", "k-plain_1.2", "a:b", "a-b"]
+    names = [cs.pr_branch_name(f"promote-{i}") for i in ids]
+    for name in names:
+        assert subprocess.run(["git", "check-ref-format", "--branch", name],
+                              capture_output=True).returncode == 0, name
+    assert len(set(names)) == len(names)                  # `a:b` and `a-b` stay apart
+    assert cs.pr_branch_name("promote-k-plain_1.2") == "cambium/promote-k-plain_1.2"
+    assert cs.pr_branch_name("updates") == "cambium/updates"   # existing branches keep names
+
+
+def test_pr_mode_promotes_an_item_whose_id_no_branch_name_may_hold(shared, monkeypatch,
+                                                                   tmp_path):
+    _pr_mode(monkeypatch, tmp_path, shared)
+    made = _endorsed("Every alert links to a runbook")
+    path = _store_path(shared["a"])
+    path.write_text(path.read_text().replace(made, "ns:a..b.lock"))
+    assert cs.promote("ns:a..b.lock", to_scope="org")["status"] == "pr_opened"
+    branch = cs.pr_branch_name("promote-ns:a..b.lock")
+    assert [i["id"] for i in remote_json(shared["org_bare"], branch)["items"]] == \
+        ["ns:a..b.lock"]
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--ff-only", f"origin/{branch}")
+    git(merger, "push", "-q", "origin", "main")
+    assert cs.review_promotions()["settled_org_prs"] == ["ns:a..b.lock"]
+
+
+def test_an_org_clone_of_the_projects_own_remote_is_refused(shared, monkeypatch):
+    """An org clone of the project's own remote (a `--single-branch -b cambium`
+    clone of the team store) was taken as org on branch `cambium`: moving an
+    item up found it "already in org" (the same file) and dropped the only copy."""
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    assert cs.promote(item, to_scope="team")["status"] == "promoted"
+    same = clone(shared["origin"], shared["tmp"] / "kb")
+    git(same, "checkout", "-q", "-B", "cambium", "origin/cambium")
+    git(same, "remote", "set-head", "origin", "cambium")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(same))
+    with pytest.raises(cs.ConfigError, match="project's own remote"):
+        cs.promote(item, to_scope="org", force=True)
+    assert team_ids(shared["origin"]) == {item}
+    assert "project's own remote" in cs.status()["scopes"]["org"]["error"]
+    with pytest.raises(cs.InputError, match="project's own remote"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(same))
+    git(same, "remote", "set-url", "origin", f"file://{shared['origin']}/")   # other spellings
+    with pytest.raises(cs.ConfigError, match="project's own remote"):
+        cs.store(cs.resolve_config(), "org")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))        # a repo of its own
+    assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
+
+
+def test_remote_key_spells_one_remote_one_way(tmp_path):
+    gh = {cs.remote_key(u, tmp_path) for u in ("git@github.com:acme/kb.git",
+                                                "https://github.com/acme/kb",
+                                                "ssh://git@github.com/acme/kb.git/",
+                                                "https://bot@GitHub.com/acme/kb.git")}
+    assert gh == {"github.com/acme/kb"}
+    assert cs.remote_key("git@github.com:acme/other.git", tmp_path) != gh.pop()
+    (tmp_path / "r.git").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "r.git")
+    local = {cs.remote_key(u, tmp_path / "sub") for u in (str(tmp_path / "r.git"), "../r.git",
+                                                          f"file://{tmp_path}/link")}
+    assert local == {os.path.realpath(tmp_path / "r.git")}
+    assert cs.remote_key(str(tmp_path / "r"), tmp_path) != local.pop()    # .git kept locally
+
+
 def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     def doc(*items):
         return cs.Doc(items=list(items), meta={"m": 1})
