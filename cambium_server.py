@@ -1212,11 +1212,18 @@ def plain_text(value: str) -> str:
     return unicodedata.normalize("NFC", terminal_safe(repair_mojibake(valid_unicode(value))))
 
 
+RAW_TEXT_SLACK = 8     #: a text argument over this many times its limit is refused uncleaned
+                      #: (cleaning only drops escapes and invisibles; it costs ~10 µs a char)
+
+
 def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) -> str:
     if value is None:
         value = ""
     if not isinstance(value, str):
         raise InputError(f"{name} must be text; got {json_kind(value)}.")
+    if len(value) > RAW_TEXT_SLACK * limit:        # (refused before the cleaning's cost)
+        raise InputError(f"{name} is {len(value)} characters, over the limit of {limit}: "
+                         "capture the durable point, not the whole document.")
     text = plain_text(value).strip()
     if required and not text:
         what = ("holds only control characters, terminal escapes and invisible "
@@ -1247,7 +1254,7 @@ def normalize_tags(tags: Any) -> list[str]:
             parts.extend(re.split(r"[,\s]+", t))
     else:
         raise InputError("tags must be a list of strings or a comma/space separated string.")
-    out: list[str] = []
+    out: dict[str, None] = {}
     for p in parts:
         p = plain_text(p).strip().lower().lstrip("#")
         p = "".join(c for c in p if not c.isspace())    # (split above; NBSP and the like)
@@ -1255,11 +1262,11 @@ def normalize_tags(tags: Any) -> list[str]:
             continue
         if len(p) > MAX_TAG_CHARS:
             raise InputError(f"tag {p[:20]!r}... is longer than {MAX_TAG_CHARS} characters.")
-        if p not in out:
-            out.append(p)
-    if len(out) > MAX_TAGS:
-        raise InputError(f"tags has {len(out)} tags; at most {MAX_TAGS} are allowed.")
-    return out
+        out[p] = None
+        if len(out) > MAX_TAGS:              # (refused at once: not after 100,000 more)
+            raise InputError(f"tags has more than {MAX_TAGS} tags ({len(parts)} given); at "
+                             f"most {MAX_TAGS} are allowed.")
+    return list(out)
 
 
 def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
@@ -1274,15 +1281,24 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
                 raw = parsed
     if not isinstance(raw, (str, list, tuple)):
         return [], f"tags is {json_kind(raw)}, not a list or text"
-    out: list[str] = []
-    bad = 0
-    for part in re.split(r"[,\s]+", raw.strip("[] ")) if isinstance(raw, str) else raw:
+    out: dict[str, None] = {}
+    bad = unread = 0
+    parts = re.split(r"[,\s]+", raw.strip("[] ")) if isinstance(raw, str) else raw
+    for n, part in enumerate(parts):
+        if len(out) >= SALVAGE_TAGS_READ:      # (the callers keep MAX_TAGS at most)
+            unread = len(parts) - n
+            break
         part = part.strip("\"'") if isinstance(part, str) else part
         try:
-            out += [t for t in normalize_tags([part]) if t not in out]
+            out.update(dict.fromkeys(normalize_tags([part])))
         except InputError:
             bad += 1
-    return out, f"{bad} not text or over {MAX_TAG_CHARS} characters" if bad else None
+    said = [f"{bad} not text or over {MAX_TAG_CHARS} characters" if bad else "",
+            f"{unread} more not read past the first {SALVAGE_TAGS_READ}" if unread else ""]
+    return list(out), "; ".join(filter(None, said)) or None
+
+
+SALVAGE_TAGS_READ = 2 * MAX_TAGS    #: salvage_tags reads this many distinct tags at most
 
 
 MAX_KIND_CHARS = 40        #: a kind is a short word or two (note, decision, bug-fix)
@@ -14208,7 +14224,8 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
     disputing (capture with supersedes): words a person corrected may be
     stated again to dispute the correction, but words an active shared item
     holds (the disputed item's own among them) are still a duplicate."""
-    if not isinstance(content, str) or not content.strip():
+    if not isinstance(content, str) or not content.strip() or \
+            len(content) > RAW_TEXT_SLACK * MAX_CONTENT_CHARS:
         return None                            # (capture's own checks say what is wrong)
     docs, _ = read_scopes_offline(cfg)         # (once: a capture is O(1))
     if not disputing and (fixed := _correction_of_text(cfg, content, type, docs)):
@@ -15505,8 +15522,9 @@ def stale_report(project: Annotated[str | None, Field(
     check_arg(stale_report, "limit", limit)
     docs, warnings = read_scopes(cfg, SCOPES)
     items = first_copies(federated_items(docs))      # an id once: its first, highest copy
-    rows = stale_items(items, now=datetime.now(timezone.utc), project=project or None,
-                         older_than_days=older_than_days)
+    project = project if isinstance(project, str) and project.strip() else None   # (as "")
+    rows = stale_items(items, now=datetime.now(timezone.utc), project=project,
+                       older_than_days=older_than_days)
     out: dict[str, Any] = {"entries": rows[:limit], "count": len(rows),
                            "never_verified": sum(1 for r in rows if r["never_verified"]),
                            "scopes_read": list(docs)}
@@ -15777,6 +15795,7 @@ def usage(session: Annotated[str | None, Field(
     recent sessions with how many items each saw. Read-only.
     """
     cfg = require_config()
+    session = None if isinstance(session, str) and not session.strip() else session  # (as "")
     if session and item_id:
         raise InputError("ask for one session or one item, not both: usage(session=...) "
                          "or usage(item_id=...).")

@@ -2295,6 +2295,21 @@ def test_usage_keeps_two_long_session_ids_that_share_a_start_apart(repo, monkeyp
     assert [r["item"] for r in cs.usage(session=listed[0]["session"])["items"]] == [b]
 
 
+def test_a_blank_session_or_project_filter_reads_as_none_given(repo, monkeypatch):
+    """usage(session="   ") answered an empty session's items while "" listed the
+    sessions; stale_report(project="   ") answered nothing while "" answered all
+    (the next test)."""
+    a = cs.capture("Rotate the signing keys every ninety days")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "s-1")
+    cs.expand(a)
+    assert cs.usage(session="  \t")["sessions"] == cs.usage(session="")["sessions"] != []
+
+
+def test_a_blank_project_filter_of_stale_report_reads_as_none_given(shared):
+    cs.promote(_endorsed("Rotate the signing keys every ninety days"), to_scope="team")
+    assert cs.stale_report(project="   ")["count"] == cs.stale_report(project="")["count"] == 1
+
+
 def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(repo, tmp_path):
     """An integer id was merged into the store, where no tool could reach it by
     id; an item stored with scope org came back into local still saying org."""
@@ -14527,6 +14542,48 @@ def test_import_never_brings_back_words_team_deprecated(shared, tmp_path, monkey
 def test_import_reads_tags_given_as_a_json_list_in_text():
     assert cs.salvage_tags('["db", "pool"]') == (["db", "pool"], None)
     assert cs.salvage_tags("db, pool") == (["db", "pool"], None)
+
+
+def _counting_plain_text(monkeypatch) -> list:
+    calls, real = [], cs.plain_text
+    monkeypatch.setattr(cs, "plain_text", lambda v: calls.append(len(v)) or real(v))
+    return calls
+
+
+def test_a_flood_of_tags_is_refused_or_cut_at_once_not_after_reading_it_all(repo, monkeypatch):
+    """capture with 100,000 distinct tags took 69 s to refuse (a list scanned per
+    tag, the limit checked after the loop); an import record with as many took
+    77 s to keep 30. Now capture stops at the 33rd tag and import reads 64."""
+    flood = [f"t{n}" for n in range(20_000)]
+    calls = _counting_plain_text(monkeypatch)
+    with pytest.raises(cs.InputError, match=r"more than 32 tags \(20000 given\)"):
+        cs.capture("Cap tag lists", tags=flood)
+    with pytest.raises(cs.InputError, match="more than 32 tags"):
+        cs.capture("Cap tag lists", tags=",".join(flood))
+    assert len(calls) < 200                     # (content and why too), not 20,000
+    calls.clear()
+    tags, note = cs.salvage_tags(flood + ["t1"])
+    assert tags == flood[:64] and note == "19937 more not read past the first 64"
+    assert len(calls) <= 65
+    assert cs.salvage_tags(["db", "db", "x" * 200, "pool"]) == (["db", "pool"],
+                                                                 "1 not text or over 64 characters")
+    export = repo / "flood.jsonl"
+    export.write_text(json.dumps({"id": "r1", "content": "Cap tag lists", "tags": flood}) + "\n")
+    out = cs.import_memory("json", str(export))
+    assert out["imported"] == 1 and "19936 more not read" in " ".join(out["warnings"])
+    (item,) = cs.recall("cap tag lists", detail="full")["results"]
+    assert len(item["tags"]) == cs.MAX_TAGS
+
+
+def test_a_text_argument_far_over_its_limit_is_refused_before_it_is_cleaned(repo, monkeypatch):
+    """4 M characters of mojibake took 40 s to refuse: the whole text was repaired
+    and normalized before its length was checked."""
+    calls = _counting_plain_text(monkeypatch)
+    with pytest.raises(cs.InputError, match="over the limit of 20000"):
+        cs.capture("Ã© " * 100_000)
+    assert max(calls, default=0) < 100                   # the kind and such, never the text
+    escaped = "\x1b[31m" * 9000 + "Keep the escape-heavy note"        # 8x the limit at most:
+    assert cs.capture(escaped)["item"]["content"] == "Keep the escape-heavy note"  # cleaned
 
 
 def test_a_credit_to_a_doubled_id_lands_on_the_first_copy_every_reader_serves():
