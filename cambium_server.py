@@ -3020,7 +3020,17 @@ def _json_float(text: str) -> float:
     return BigNumber(text)
 
 
-_DECODER = json.JSONDecoder(parse_float=_json_float)
+def _pairs_once(pairs: list) -> dict:
+    """An object whose keys are all distinct; one holding a key twice (a hand
+    edit, a bad merge) is not read: a decoder keeps only the last, and a
+    rewrite would lose the first (ValueError: the line is set aside whole)."""
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        raise ValueError("a key held twice")
+    return out
+
+
+_DECODER = json.JSONDecoder(parse_float=_json_float, object_pairs_hook=_pairs_once)
 
 
 def _json(raw: bytes) -> Any:
@@ -3131,9 +3141,10 @@ def parse_file(stream: Any, where: str) -> Parsed:
     if (out.bad or not out.closed) and stream.seekable():
         stream.seek(0)           # a hand edit that kept valid JSON, not one item a line
         data = stream.read()     # (an item pretty-printed, two on a line, "]}" last); a
-        if data.rstrip().endswith(b"}") and _json_and_keys_twice(   # torn tail is never
-                data.removeprefix(b"\xef\xbb\xbf"))[0] is not None:   # decoded whole
-            return _parse_whole(data, where)
+        if data.rstrip().endswith(b"}"):    # (a torn tail is never decoded whole)
+            obj, twice, inner = _json_and_keys_twice(data.removeprefix(b"\xef\xbb\xbf"))
+            if obj is not None and (twice or not inner):   # (an item line holding a key
+                return _parse_whole(data, where)          # twice: set aside, as read)
     if not out.doc.items and (out.bad or not out.closed):
         raise CorruptStore(f"{where} has no line that parses as an item")
     return out
@@ -3145,12 +3156,14 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
     data = data.removeprefix(b"\xef\xbb\xbf")
     if not data.strip():
         return Parsed(Doc(items=[]))
-    obj, twice = _json_and_keys_twice(data)
+    obj, twice, inner = _json_and_keys_twice(data)
     if obj is None:
         return _salvage(data, where)
-    if twice:
-        raise CorruptStore(f"{where} holds the key {twice[0]!r} more than once (a hand edit or "
-                           "a merge?): JSON keeps only the last, so the rest would be lost")
+    if twice or inner:
+        where = where if twice else f"an object in {where}"
+        raise CorruptStore(f"{where} holds the key {(twice or inner)[0]!r} more than once (a "
+                           "hand edit or a merge?): JSON keeps only the last, so the rest "
+                           "would be lost")
     if isinstance(obj, dict) and "items" not in obj and isinstance(obj.get("content"), str):
         obj = [obj]                                  # a single item
     if isinstance(obj, list):
@@ -3172,10 +3185,10 @@ def _parse_whole(data: bytes, where: str) -> Parsed:
                       meta=meta, raw=rest), bad=bad)
 
 
-def _json_and_keys_twice(data: bytes) -> tuple[Any, list[str]]:
-    """A whole file's JSON value (None: it does not parse), as _json reads it,
-    and the keys its top-level object holds more than once (the last object
-    decoded is the top one): a decoder keeps only the last of each."""
+def _json_and_keys_twice(data: bytes) -> tuple[Any, list[str], list[str]]:
+    """A whole file's JSON value (None: it does not parse), the keys its
+    top-level object holds more than once (the last object decoded is the top
+    one) and those any object inside it does: a decoder keeps only the last."""
     seen: list[list[str]] = []
 
     def pairs(kv: list) -> dict:
@@ -3187,8 +3200,9 @@ def _json_and_keys_twice(data: bytes) -> tuple[Any, list[str]]:
         obj = json.JSONDecoder(object_pairs_hook=pairs, parse_float=_json_float).decode(
             data.decode("utf-8", "surrogatepass"))
     except (ValueError, RecursionError):
-        return None, []
-    return obj, seen[-1] if isinstance(obj, dict) and seen else []
+        return None, [], []
+    top = seen.pop() if isinstance(obj, dict) and seen else []
+    return obj, top, [k for keys in seen for k in keys]
 
 
 def _salvage(data: bytes, where: str) -> Parsed:
@@ -5559,6 +5573,15 @@ def clip_marked(text: str, limit: int) -> str:
         return text
     tail = cut_mark(text, limit)
     return text[: limit - len(tail)].rstrip() + tail
+
+
+_CUT_TAIL = re.compile(r"… \[cut at [\d,]+ of [\d,]+ characters; #[0-9a-f]{8}\]\Z")
+
+
+def _was_cut(text: Any, limit: int) -> bool:
+    """Whether a source's text was cut: it fills its limit, or it ends in
+    cut_mark's mark (a cut on a space, or beside a note, ends a little short)."""
+    return isinstance(text, str) and (len(text) >= limit or bool(_CUT_TAIL.search(text)))
 
 
 def cut_mark(whole: str, limit: int) -> str:
@@ -9438,8 +9461,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             out.skipped.add((d.where or str((d.source or {}).get("ref") or n), str(e)))
             continue
         out.items.append((d.key, item))
-        if isinstance(d.content, str) and len(d.content) >= MAX_CONTENT_CHARS or \
-                isinstance(d.why, str) and len(d.why) >= MAX_WHY_CHARS:
+        if _was_cut(d.content, MAX_CONTENT_CHARS) or _was_cut(d.why, MAX_WHY_CHARS):
             out.clipped.add(item.id)
         if d.where:
             out.where[item.id] = d.where

@@ -1383,7 +1383,31 @@ def test_a_store_holding_its_items_key_twice_is_damage_not_its_last_list(repo):
     assert cs.capture("gamma note about queues")["status"] == "captured"
     (aside,) = path.parent.glob("knowledge.json.corrupt-*")
     assert aside.read_text() == text                    # both lists kept, byte for byte
-    assert cs._json_and_keys_twice(b'{"a": {"x": 1, "x": 2}, "b": 1}')[1] == []   # top only
+    assert cs._json_and_keys_twice(b'{"a": {"x": 1, "x": 2}, "b": 1}')[1:] == ([], ["x"])
+
+
+def test_an_item_line_holding_a_key_twice_is_set_aside_whole_not_read_as_its_last(repo):
+    """A bad merge left an item line with "content" twice: it was read as the
+    last, and the next rewrite (an endorsement of another item) lost the first
+    for good, with no warning. The line is now set aside verbatim."""
+    kept = cs.capture("Pin the base image by digest")["item"]["id"]
+    path = repo / ".cambium" / "knowledge.json"
+    twice = ('{"id":"k-aaaaaaaaaaa1","content":"Kafka retries must use exponential backoff",'
+             '"content":"Kafka retries: see the runbook","source":{"a":1,"a":2}}')
+    lines = path.read_text().split("\n")
+    lines.insert(3, twice + ",")
+    path.write_text("\n".join(lines))
+    cs.endorse(kept, note="holds")
+    (aside,) = path.parent.glob("knowledge.json.quarantine-*")
+    assert aside.read_text() == twice + ",\n"
+    assert "exponential backoff" not in path.read_text()         # aside, not rewritten
+    assert [i.id for i in cs.store(cs.require_config(), "local").read().items] == [kept]
+    assert any("quarantine" in w for w in cs.status()["warnings"])
+    hand = repo / "hand.json"                       # a hand-formatted file: set aside whole
+    hand.write_text(json.dumps({"items": [{"content": "x"}]}, indent=2).replace(
+        '"content": "x"', '"content": "x", "content": "y"'))
+    with pytest.raises(cs.CorruptStore, match="an object in .* 'content' more than once"):
+        cs.parse_file(__import__("io").BytesIO(hand.read_bytes()), str(hand))
 
 
 @pytest.mark.parametrize("hand_formatted", [False, True])
@@ -12815,6 +12839,23 @@ def test_distill_warns_of_a_cut_text_only_when_it_is_imported(repo):
     assert any("were cut" in w and "dec-001" in w for w in cs.distill()["warnings"])
     again = cs.distill()
     assert again["imported"] == 0 and not any("were cut" in w for w in again["warnings"])
+
+
+def test_distill_warns_of_a_text_cut_short_of_its_limit(repo):
+    """A done claim cut for its 100,000-character note ended 19,999 characters
+    long, and a cut on a run of spaces shorter still: "cut" was read as "fills
+    the limit", so neither distill warned."""
+    noted = cs.claim_to_draft("ann", {"task": "Ship it", "status": "done",
+                                      "note": "N" * 100_000}).content
+    assert len(noted) < cs.MAX_CONTENT_CHARS and cs._was_cut(noted, cs.MAX_CONTENT_CHARS)
+    assert not cs._was_cut("Ship it. … [cut short by a person]", cs.MAX_CONTENT_CHARS)
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "Cache everything" + " " * 30_000 + "at the edge",
+         "status": "active"}]))
+    out = cs.distill()
+    assert out["imported"] == 1
+    assert any("were cut" in w and "dec-001" in w for w in out["warnings"]), out["warnings"]
 
 
 def test_distill_cuts_a_long_task_and_keeps_note_and_files():
