@@ -3592,7 +3592,10 @@ class LocalStore(Store):
     # -- damage -----------------------------------------------------------------
     def _set_aside(self, parsed: Parsed, key: tuple) -> Doc:
         """Keep the bad lines verbatim beside the store, then rewrite it with
-        every line that parsed (copied byte for byte)."""
+        every line that parsed (copied byte for byte). A read-only store is
+        served as it parsed and left as it is."""
+        if self._read_only():
+            return parsed.doc
         if parsed.bad:
             aside = self.path.with_name(self.path.name + QUARANTINE_TAG + _stamp())
             atomic_write(aside, b"\n".join(parsed.bad) + b"\n")
@@ -3601,6 +3604,9 @@ class LocalStore(Store):
         self._remember(seen)
         self._rewrite(parsed.doc)
         return parsed.doc
+
+    def _read_only(self) -> bool:
+        return self.path.exists() and not os.access(self.path, os.W_OK)
 
     def _move_aside(self) -> Doc:
         """Nothing parses: move the whole file aside (never overwrite it), start empty."""
@@ -3696,6 +3702,10 @@ class LocalStore(Store):
             if new.items:
                 out.write(STORE_TAIL)
 
+        if self._read_only():                  # (as an append finds it)
+            raise PermissionError(errno.EACCES, "the store is read-only (its mode forbids "
+                                  "writing; make it writable to let cambium write)",
+                                  str(self.path))
         atomic_write(self.path, write)
         with contextlib.suppress(OSError):     # (a directory there is no hint: left alone)
             os.unlink(self.appends)            # records of the old inode: no use now

@@ -1386,6 +1386,28 @@ def test_a_store_holding_its_items_key_twice_is_damage_not_its_last_list(repo):
     assert cs._json_and_keys_twice(b'{"a": {"x": 1, "x": 2}, "b": 1}')[1:] == ([], ["x"])
 
 
+def test_a_read_only_store_is_refused_by_a_rewrite_as_by_an_append(repo, monkeypatch):
+    """A store made read-only (mode 0444) refused a capture, but an endorse
+    replaced it whole, and the new file was writable (0644)."""
+    item = cs.capture("Pin the base image by digest")["item"]["id"]
+    path = repo / ".cambium" / "knowledge.json"
+    before = path.read_bytes()
+    path.chmod(0o444)
+    if os.geteuid() == 0:              # (root may write anything: the mode is what says no)
+        real = os.access
+        monkeypatch.setattr(cs.os, "access", lambda p, m, **k: real(p, m, **k) and not (
+            m == os.W_OK and Path(p) == path))
+    with pytest.raises(PermissionError, match="read-only"):
+        cs.endorse(item, note="holds")
+    assert path.read_bytes() == before and stat.S_IMODE(path.stat().st_mode) == 0o444
+    path.chmod(0o644)
+    path.write_bytes(before + b'{"torn')                    # damage in a read-only store:
+    path.chmod(0o444)
+    cs.runtime().reset()
+    assert [r["id"] for r in cs.recall("base image digest")["results"]] == [item]   # served,
+    assert path.read_bytes().endswith(b'{"torn')                                 # left as is
+
+
 def test_an_item_line_holding_a_key_twice_is_set_aside_whole_not_read_as_its_last(repo):
     """A bad merge left an item line with "content" twice: it was read as the
     last, and the next rewrite (an endorsement of another item) lost the first
