@@ -7779,7 +7779,7 @@ def vector_key(item: Item, second: bool = False) -> str:
     """Cache key: item id + a hash of the embedded text and the vector recipe
     (an edit re-embeds); `second`: its rows end with the second encoder's
     vector (the rerank extra), so either kind of row can be cached side by side."""
-    recipe = VECTOR_RECIPE + (";second=1" if second else "")
+    recipe = VECTOR_RECIPE + (";second=2" if second else "")   # (2: one input a model run)
     return derived(item, "vector_key" + ("+2" if second else ""), lambda it: it.id + ":" +
                    hashlib.sha256((recipe + "\0" + embed_text(it)).encode(
                        "utf-8", "surrogatepass")).hexdigest()[:20])
@@ -7827,6 +7827,8 @@ class PooledModel:
     session: Any
     np: Any
     _token_types: bool = True
+    _batched: bool = True       #: False: one input a model run (its vector must not
+                                #: depend on what it was batched with)
 
     def _run(self, batch: list[list[int]], tokens: list[int] = ()) -> tuple[Any, list]:
         """One model run over a batch of inputs: (their rows, the token vectors
@@ -7866,7 +7868,9 @@ class PooledModel:
         out = np.zeros((len(inputs), EMBED_DIM), dtype=np.float32)
         toks: dict[int, Any] = {}
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        for idx in token_batches([len(inputs[i]) for i in order], order):
+        batches = token_batches([len(inputs[i]) for i in order], order) if self._batched \
+            else [[i] for i in order]
+        for idx in batches:
             if pause is not None:
                 pause()
             want = [r for r, i in enumerate(idx) if i in keep]
@@ -8105,7 +8109,11 @@ SEM_SECOND_FLOOR = 0.573            #: that mixed cosine (no BM25 boost) at rele
 
 class SecondEncoder(PooledModel):
     """The second encoder: 384-d mean-pooled L2-normalized rows, like the
-    Embedder's, from another model (about 35 MB resident)."""
+    Embedder's, from another model (about 35 MB resident). One input a run:
+    batched, a text's vector moved with its batch (cosine 0.998 to its own,
+    the int8 model's quantization scale is the batch's), so an index grown
+    item by item ranked otherwise than one embedded at once."""
+    _batched = False
 
     def __init__(self, model: Path):
         import numpy as np
@@ -8330,28 +8338,42 @@ class VectorCache:
 
 
 TOKENS_MAGIC = b"cambtok1"          #: a token file: magic, uint32 count, int8 rows, float32 scales
+TOKENS_MAGIC_KEYED = b"cambtok2"    #: ...and then the first 16 bytes of its key's sha256
+TOKENS_KEY_BYTES = 16
 
 
-def pack_tokens(np: Any, toks: Any) -> bytes:
+def _key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[:TOKENS_KEY_BYTES]
+
+
+def pack_tokens(np: Any, toks: Any, key: str | None = None) -> bytes:
     """Token vectors (unit rows) as a token file's bytes: each row in int8
     (scaled to its largest component), with the scale that makes it unit
-    length again: a quarter of float32's bytes, and the same ranking."""
+    length again: a quarter of float32's bytes, and the same ranking. With
+    `key`, the file names its key, so one moved under another name is foreign."""
     peak = np.clip(np.abs(toks).max(axis=1, keepdims=True), 1e-12, None)
     q = np.round(toks / peak * 127).astype(np.int8)
     scale = 1.0 / np.clip(np.linalg.norm(q.astype(np.float32), axis=1), 1e-12, None)
-    return TOKENS_MAGIC + struct.pack("<I", len(q)) + q.tobytes() + \
-        scale.astype("<f4").tobytes()
+    body = struct.pack("<I", len(q)) + q.tobytes() + scale.astype("<f4").tobytes()
+    if key is None:
+        return TOKENS_MAGIC + body
+    return TOKENS_MAGIC_KEYED + body + _key_digest(key)
 
 
-def unpack_tokens(np: Any, data: bytes) -> tuple[Any, Any]:
+def unpack_tokens(np: Any, data: bytes, key: str | None = None) -> tuple[Any, Any]:
     """(int8 rows, float32 scales) of a token file's bytes; ValueError for
-    anything else (a torn or foreign file)."""
+    anything else (a torn or foreign file: with `key`, a keyed file of another
+    key; a file from before keys were written is taken as it is)."""
+    keyed = data.startswith(TOKENS_MAGIC_KEYED)
     head = len(TOKENS_MAGIC) + 4
-    if len(data) < head or not data.startswith(TOKENS_MAGIC):
+    if len(data) < head or not (keyed or data.startswith(TOKENS_MAGIC)):
         raise ValueError("not a token file")
     n = struct.unpack_from("<I", data, len(TOKENS_MAGIC))[0]
-    if not 0 < n <= EMBED_WINDOW_TOKENS or len(data) != head + n * (EMBED_DIM + 4):
+    trailer = TOKENS_KEY_BYTES if keyed else 0
+    if not 0 < n <= EMBED_WINDOW_TOKENS or len(data) != head + n * (EMBED_DIM + 4) + trailer:
         raise ValueError(f"a token file of {len(data)} bytes for {n} tokens")
+    if keyed and key is not None and data[-TOKENS_KEY_BYTES:] != _key_digest(key):
+        raise ValueError("another item's token file")
     rows = np.frombuffer(data, np.int8, n * EMBED_DIM, head).reshape(n, EMBED_DIM)
     scale = np.frombuffer(data, "<f4", n, head + n * EMBED_DIM)
     if not np.all(np.isfinite(scale)):
@@ -8399,7 +8421,7 @@ class TokenStore:
 
     def put(self, np: Any, key: str, toks: Any) -> None:
         """Keep an item's token vectors (an OSError leaves them missing)."""
-        data = pack_tokens(np, toks)
+        data = pack_tokens(np, toks, key)
         with self.lock:
             self.recent.pop(key, None)
         if self.dir is None:
@@ -8429,11 +8451,11 @@ class TokenStore:
 
     def _read(self, np: Any, key: str) -> tuple[Any, Any] | None:
         if self.dir is None:
-            return unpack_tokens(np, self.mem[key]) if key in self.mem else None
+            return unpack_tokens(np, self.mem[key], key) if key in self.mem else None
         name = self.name(key)
-        limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4)
+        limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4) + TOKENS_KEY_BYTES
         try:
-            out = unpack_tokens(np, read_regular(self.dir / name, limit, nofollow=True))
+            out = unpack_tokens(np, read_regular(self.dir / name, limit, nofollow=True), key)
         except (OSError, ValueError):
             self.names.discard(name)
             return None
@@ -14730,7 +14752,7 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
     with contextlib.suppress(OSError, ValueError, RecursionError):
         held = json.loads(read_regular(path, PRIMER_CACHE_BYTES))
     if key is not None and isinstance(held, dict) and held.get("key") == key and \
-            isinstance(held.get("primer"), dict) and isinstance(held.get("anchored"), dict) \
+            _primer_shaped(held.get("primer")) and isinstance(held.get("anchored"), dict) \
             and all(path_stamp(cfg.repo, p) == st for p, st in held["anchored"].items()):
         out = dict(held["primer"])
     else:
@@ -14746,6 +14768,15 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
         with contextlib.suppress(OSError):
             note_shown(cfg, ids, "primer")
     return out
+
+
+def _primer_shaped(p: Any) -> bool:
+    """Whether a cached primer is one _make_primer made: its text, its counts
+    and the ids it shows (a hand edit or a foreign writer: made afresh)."""
+    return isinstance(p, dict) and isinstance(p.get("primer"), str) and \
+        isinstance(p.get("ids", []), list) and all(isinstance(p.get(k), int) and not
+                                                    isinstance(p.get(k), bool)
+                                                    for k in ("entries", "tokens"))
 
 
 def warm_primer(cfg: Config | None = None) -> None:
@@ -17334,8 +17365,12 @@ def primer_hook(argv: list[str]) -> int:
             time.sleep(0.05 * (attempt + 1))
         unread = [w for w in unread if not w.startswith(("team scope skipped",   # the digest
                                                          "org scope skipped"))]  # says so
+        torn = [w for w in unread if "damaged line" in w]   # (a crash's torn line: the rest
+        unread = [w for w in unread if w not in torn]       # of the store is the digest)
         if unread or (aside and not out["entries"]):   # the local store unread, or all of
             raise CambiumError("; ".join(unread or aside))   # it set aside: say nothing
+        if torn:
+            print(f"cambium primer: {'; '.join(torn)}", file=sys.stderr)
         sys.stdout.write(json.dumps({"hookSpecificOutput": {    # ASCII: any stdout encoding
             "hookEventName": "SessionStart", "additionalContext": out["primer"]}}) + "\n")
         sys.stdout.flush()

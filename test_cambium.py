@@ -11362,8 +11362,14 @@ def test_token_files_that_are_torn_or_foreign_read_as_missing(tmp_path, monkeypa
     path = tmp_path / cs.TOKENS_DIR / cs.TokenStore.name("k1:abc")
     good = path.read_bytes()
     nan = bytearray(good)
-    nan[-4:] = np.array([np.nan], "<f4").tobytes()
-    for bad in (good[:-3], b"not a token file", good + b"x", bytes(nan),
+    nan[-4 - cs.TOKENS_KEY_BYTES:-cs.TOKENS_KEY_BYTES] = np.array([np.nan], "<f4").tobytes()
+    store.put(np, "k2:def", toks)                     # another item's file, moved here
+    other = (tmp_path / cs.TOKENS_DIR / cs.TokenStore.name("k2:def")).read_bytes()
+    assert cs.unpack_tokens(np, other, "k2:def")[0].shape == (4, cs.EMBED_DIM)
+    legacy = cs.pack_tokens(np, toks)                 # written before files named their key
+    path.write_bytes(legacy)
+    assert cs.TokenStore(tmp_path).get(np, "k1:abc")[0].shape == (4, cs.EMBED_DIM)
+    for bad in (good[:-3], b"not a token file", good + b"x", bytes(nan), other,
                 cs.TOKENS_MAGIC + (10**6).to_bytes(4, "little")):
         path.write_bytes(bad)
         fresh = cs.TokenStore(tmp_path)
@@ -12027,6 +12033,32 @@ def test_second_encoder_ranks_a_grown_index_as_a_fresh_one():
         assert [(h.item.id, h.confidence) for h in a.hits] == \
             [(h.item.id, h.confidence) for h in b.hits]
         assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
+
+
+@needs_rerank
+@pytest.mark.parametrize("second", [True, False])
+def test_vectors_embedded_one_by_one_rank_as_those_embedded_at_once(second):
+    """Two engines, no shared cache: one embeds the store item by item as it
+    grows, the other all at once. The second encoder's int8 model gave a text
+    another vector in a batch (cosine 0.998), so the two ranked differently."""
+    items = [cs.Item(id=f"k-{i}", content=c, why=w, tags=[t])
+             for i, (c, w, t) in enumerate(LOG_NOTES)]
+    one, bulk = _second_engine(second), _second_engine(second)
+    grown = cs.Index().sync([])
+    for n in range(1, len(items) + 1):
+        grown = grown.sync(items[:n])
+        one.rank(grown, LOG_QUERY, 3)
+        one.wait_idle(60)
+    fresh = cs.build_index(items)
+    bulk.rank(fresh, LOG_QUERY, 3)
+    bulk.wait_idle(60)
+    for query in (LOG_QUERY, PARAPHRASE, UNRELATED):
+        a, b = one.rank(grown, query, 5), bulk.rank(fresh, query, 5)
+        assert a.second == b.second == second
+        assert [(h.item.id, h.confidence) for h in a.hits] == \
+            [(h.item.id, h.confidence) for h in b.hits]
+        assert [(h.item.id, h.confidence) for h in a.weak] == \
+            [(h.item.id, h.confidence) for h in b.weak]
 
 
 @needs_rerank
@@ -13602,6 +13634,41 @@ def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, mon
     assert end.returncode == 0 and end.stdout == "" and cache.exists()  # session end warms it
     assert json.loads(cache.read_text())["primer"]["primer"] in \
         json.loads(_hook(tmp_path, payload).stdout)["hookSpecificOutput"]["additionalContext"]
+
+
+def test_primer_hook_makes_afresh_a_cached_primer_of_another_shape(repo, tmp_path,
+                                                                    monkeypatch):
+    """A cache whose key matched was served whatever it held: a number as the
+    additionalContext, or nothing at all (KeyError) until the store changed."""
+    cs.capture("Pin the base image digest", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    payload = json.dumps({"cwd": str(repo), "session_id": "s3", "source": "startup"})
+    cache = repo / ".cambium" / cs.PRIMER_CACHE_FILE
+    assert "Pin the base image digest" in _hook(tmp_path, payload).stdout
+    held = json.loads(cache.read_text())
+    for odd in ({"primer": 12345}, {}, {**held["primer"], "entries": "1"},
+                {**held["primer"], "ids": "k-1"}):
+        cache.write_text(json.dumps({**held, "primer": odd}))
+        ctx = json.loads(_hook(tmp_path, payload).stdout)["hookSpecificOutput"][
+            "additionalContext"]
+        assert isinstance(ctx, str) and "Pin the base image digest" in ctx
+
+
+def test_primer_hook_gives_the_digest_of_a_store_a_crash_left_a_torn_line_in(repo, tmp_path,
+                                                                              monkeypatch):
+    """A crash mid-append leaves a torn last line: the hook printed nothing until
+    some write set it aside. It prints the rest, and says so on stderr."""
+    cs.capture("Pin the base image digest", kind="pitfall")
+    store = repo / ".cambium" / "knowledge.json"
+    with open(store, "a") as f:
+        f.write('{"id":"k-torn","conte')
+    before = store.read_bytes()
+    monkeypatch.delenv("CAMBIUM_REPO")
+    payload = json.dumps({"cwd": str(repo), "session_id": "s4", "source": "startup"})
+    out = _hook(tmp_path, payload)
+    assert "Pin the base image digest" in json.loads(out.stdout)["hookSpecificOutput"][
+        "additionalContext"]
+    assert "1 damaged line(s)" in out.stderr and store.read_bytes() == before
 
 
 @pytest.mark.parametrize("name, kind", [("primer-cache.json", "link"),
