@@ -14141,9 +14141,14 @@ def anchor_warnings(anchors: list[dict]) -> list[str]:
     def named(a: dict) -> str:
         return a["path"] + (f"#{a['symbol']}" if a.get("symbol") else "")
     out = []
-    if missing := [named(a) for a in anchors if not a["resolved"]]:
+    unreadable = [named(a) for a in anchors if not a["resolved"] and
+                  str(a.get("why", "")).startswith("unreadable")]
+    if missing := [named(a) for a in anchors if not a["resolved"] and named(a) not in unreadable]:
         out.append(f"code_refs {', '.join(missing[:3])} do not resolve in the working tree now "
                    "(a typo? not written yet?): a file that is missing makes the item stale_code")
+    if unreadable:
+        out.append(f"code_refs {', '.join(unreadable[:3])}: the file is there but cannot be "
+                   "read now (its permissions?); until it can, the item reads as stale_code")
     if unnamed := [named(a) for a in anchors if a["resolved"] and a.get("symbol_found") is False]:
         out.append(f"code_refs {', '.join(unnamed[:3])}: the file is there but that name is not "
                    "found as a definition in it (a typo? not written yet?), so the anchor "

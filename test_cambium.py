@@ -12642,6 +12642,16 @@ def coderepo(repo) -> Path:
     return repo
 
 
+def test_capture_tells_an_unreadable_anchor_file_from_a_missing_one():
+    """A file there but unreadable (mode 0) was called missing ("a typo? not
+    written yet?")."""
+    said = cs.anchor_warnings([
+        {"path": "src/locked.py", "resolved": False, "at": None, "why": "unreadable (PermissionError)"},
+        {"path": "gone.py", "resolved": False, "at": None}])
+    assert len(said) == 2 and "gone.py do not resolve" in said[0] and "locked" not in said[0]
+    assert "src/locked.py: the file is there but cannot be read" in said[1]
+
+
 def test_anchors_resolve_to_live_lines_and_never_leave_the_repo(coderepo, tmp_path):
     refs = [{"path": "src/billing.py", "symbol": "TAX_RATE"}, {"path": "src/billing.py"},
             {"path": "src/billing.py", "symbol": "nowhere"}, {"path": "gone.py"}]
