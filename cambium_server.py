@@ -13794,7 +13794,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
         raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
     before, prior = resolve_config(env), _config_bytes(cfg_path)
-    _write_config(cfg_path, updates)          # first: a config it cannot write leaves no trace
+    moved = _write_config(cfg_path, updates)  # first: a config it cannot write leaves no trace
     try:
         ignore_note = _scaffold_local(root)
     except OSError:                           # ...and a clone it cannot write is not recorded
@@ -13805,7 +13805,10 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
            "binding": binding, "status": status()}
     warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
-        ignore_note + _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s)
+        ignore_note + _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s) \
+        + ([f"the config file {cfg_path} was not a JSON object: moved aside to {moved}, and "
+            "the settings it held no longer apply (copy back the ones you want)"] if moved
+           else [])
     org_now = out["status"].get("scopes", {}).get("org", {})
     if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
@@ -13942,17 +13945,26 @@ def _rebound(before: Config, after: Config) -> list[str]:
             "CAMBIUM_AGENT_ID in their own server's environment, or run it in their clone."]
 
 
-def _write_config(path: Path, updates: dict[str, Any]) -> None:
+def _write_config(path: Path, updates: dict[str, Any]) -> Path | None:
     """Merge updates into the config file, owner-only, under its lock (two setups
     at once keep both's settings); an unreadable one is moved aside, never over
-    an earlier one. A link is written through: a dotfiles manager's link stays
-    (its lock stays beside the link, not in the dotfiles)."""
+    an earlier one (returned: where it went). A link is written through: a
+    dotfiles manager's link stays (its lock stays beside the link, not in the
+    dotfiles). What is no regular file (a device, a folder) is refused."""
     lock = path
     if path.is_symlink():
         path = Path(os.path.realpath(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        os.chmod(path.parent, 0o700)
+    with contextlib.suppress(FileNotFoundError):     # /dev/null, a folder: never moved
+        if not _stat.S_ISREG(os.stat(path).st_mode):  # aside nor written over
+            raise InputError(f"the config file {lock} is no regular file"
+                             f"{'' if path == lock else f' (it links to {path})'}: setup "
+                             "writes only a file; set CAMBIUM_CONFIG_FILE to a file's path "
+                             "or remove what is there.", "CAMBIUM_CONFIG_FILE")
+    if not path.parent.exists():             # a folder it makes is owner-only; one that is
+        path.parent.mkdir(parents=True, exist_ok=True)   # there (/etc, dotfiles) is left
+        with contextlib.suppress(OSError):              # as it is
+            os.chmod(path.parent, 0o700)
+    aside = None
     with file_lock(lock):
         current: dict = {}
         if os.path.lexists(path):
@@ -13971,6 +13983,7 @@ def _write_config(path: Path, updates: dict[str, Any]) -> None:
             current[key] = {**held, **value} if isinstance(value, dict) and \
                 isinstance(held, dict) else value
         atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
+    return aside
 
 
 def _config_bytes(path: Path) -> bytes | None:

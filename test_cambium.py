@@ -696,12 +696,50 @@ def test_a_config_file_that_is_no_regular_small_file_is_ignored_not_waited_on(tm
     assert "ignored" in guide["config_file_error"]
     assert guide["config_file_error"].count(str(cfg_file)) == 1 and "Errno" not in guide[
         "config_file_error"]                       # (it said "[Errno 22] ...: '<the path>'")
-    if kind == "fifo":                  # setup rewrote it after a read that never returned
-        r = make_repo(tmp_path / "r")
+    if kind in ("fifo", "directory"):   # setup blocked on a FIFO's read; then it moved what
+        r = make_repo(tmp_path / "r")    # is no file aside (/dev/null too) and wrote a file
         out = cli("setup", str(r), "ada", cwd=tmp_path, CAMBIUM_CONFIG_FILE=str(cfg_file))
-        assert out.returncode == 0, out.stderr
-        assert json.loads(cfg_file.read_text())["CAMBIUM_AGENT_ID"] == "ada"
-        assert stat.S_ISFIFO(os.lstat(str(cfg_file) + ".bad").st_mode)
+        assert out.returncode != 0 and "is no regular file" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and not cfg_file.with_name("cambium.json.bad") \
+            .exists() and not os.path.lexists(str(cfg_file) + ".bad")
+        assert stat.S_ISFIFO(os.lstat(cfg_file).st_mode) if kind == "fifo" else cfg_file.is_dir()
+
+
+def test_setup_never_moves_or_writes_a_device_or_a_folder_a_config_link_names(tmp_path,
+                                                                             monkeypatch):
+    """CAMBIUM_CONFIG_FILE linked to /dev/null (to blank the config): setup moved
+    /dev/null aside to /dev/null.bad, wrote a regular file in its place and made
+    /dev owner-only; linked to a dotfiles folder, it moved the folder aside."""
+    r = make_repo(tmp_path / "r")
+    dot = tmp_path / "dotfiles"
+    (dot / "sub").mkdir(parents=True)
+    dot.chmod(0o755)
+    os.mkfifo(dot / "null")                # (a FIFO of our own stands for the device)
+    for target in (dot / "null", dot / "sub"):
+        link = tmp_path / "cfg" / "config.json"
+        link.parent.mkdir(exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        mode = stat.S_IMODE(os.stat(target.parent).st_mode)
+        monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(link))
+        with pytest.raises(cs.InputError, match=f"is no regular file .*links to {target}"):
+            cs.setup(str(r), "ada")
+        assert not os.path.lexists(str(target) + ".bad")
+        assert stat.S_ISFIFO(os.stat(target).st_mode) if target.name == "null" else \
+            target.is_dir()
+        assert stat.S_IMODE(os.stat(target.parent).st_mode) == mode == 0o755
+
+
+def test_setup_says_when_it_moved_an_unreadable_config_aside(tmp_path, monkeypatch):
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text('{"CAMBIUM_ORG_PR": "1", // a comment\n}')
+    out = cs.setup(str(r), "ada")
+    aside = cfg.with_name(cfg.name + ".bad")
+    assert aside.read_text().startswith('{"CAMBIUM_ORG_PR"')
+    assert any(f"moved aside to {aside}" in w and "no longer apply" in w
+               for w in out["warnings"]), out
 
 
 def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_traceback(
