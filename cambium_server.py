@@ -1924,6 +1924,27 @@ CWD_GONE = ("this process's working directory no longer exists (deleted, or a wo
             "removed), so it is in no project; cambium binds no other repo in its place")
 
 
+CWD_BARE = ("this process's working directory is in a git repository with no work tree "
+            "(a bare repository, or inside a .git directory), so it is in no project; "
+            "cambium binds no other repo in its place")
+
+
+def _git_dir_above(start: Path) -> Path | None:
+    """The nearest directory at or above `start` that is itself a git
+    directory (a bare repository, a clone's .git): HEAD, objects/ and refs/
+    (no subprocess; GIT_CEILING_DIRECTORIES honoured as _find_git_root does)."""
+    start = start.resolve()
+    ceilings = {os.path.realpath(c) for c in
+                os.environ.get("GIT_CEILING_DIRECTORIES", "").split(os.pathsep)
+                if os.path.isabs(c)}
+    for n, p in enumerate((start, *start.parents)):
+        if n and str(p) in ceilings:
+            return None
+        if (p / "HEAD").is_file() and (p / "objects").is_dir() and (p / "refs").is_dir():
+            return p
+    return None
+
+
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """Resolve every setting: env (non-empty) > config file > default.
 
@@ -1940,12 +1961,14 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     values: dict = {}
     origins: dict = {}
     problems: list = []
-    root, gone = None, False
+    root, gone = None, None
     if not _given(env.get("CAMBIUM_REPO")):
         try:
             root = _find_git_root(cwd or Path.cwd())
+            if root is None and _git_dir_above(cwd or Path.cwd()):
+                gone = CWD_BARE      # a bare repo: a git repo, so not the file's either
         except OSError:              # the working directory was deleted under the process
-            gone = True
+            gone = CWD_GONE
     for key, default in DEFAULTS.items():
         raw = env.get(key)
         if _given(raw):
@@ -1972,8 +1995,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
         values[key], origins[key] = value, origin
     if gone:     # never the file's repo instead: a removed worktree's server wrote into it
         values["CAMBIUM_REPO"], origins["CAMBIUM_REPO"] = None, "cwd"
-        problems.append({"setting": "CAMBIUM_REPO", "origin": "cwd", "problem": CWD_GONE,
-                         "cost": f"{CWD_GONE} → every tool is unavailable",
+        problems.append({"setting": "CAMBIUM_REPO", "origin": "cwd", "problem": gone,
+                         "cost": f"{gone} → every tool is unavailable",
                          "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
     return Config(values, origins, path, problems, file_error)
 
@@ -14012,6 +14035,9 @@ def repo_binding(cfg: Config) -> dict:
                "cwd": "it is the git root of the working directory",
                "file": "the working directory is in no git repo, so the repo setup "
                        "recorded applies"}.get(origin, "no project repo is known")
+    if cfg.repo is None and origin == "cwd":     # (a working directory deleted, or bare)
+        because = next((p["problem"] for p in cfg.problems
+                        if p.get("setting") == "CAMBIUM_REPO"), "no project repo is known")
     return {"repo": str(cfg.repo) if cfg.repo else None, "from": origin, "because": because,
             "project": cfg.project}
 

@@ -1295,6 +1295,29 @@ def test_a_process_whose_working_directory_is_gone_binds_no_repo(tmp_path, monke
     assert cs.status()["configured"] is True
 
 
+def test_a_process_working_in_a_bare_repository_binds_no_repo(tmp_path, monkeypatch):
+    """A working directory in a bare repository (a git repo with no work tree)
+    bound the repo setup recorded, which only a process outside any git repo
+    uses: a capture there, and a hook's distill, wrote into that other repo."""
+    a = make_repo(tmp_path, "alpha")
+    cs.setup(str(a), "ada")
+    bare = tmp_path / "server.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(bare)], check=True)
+    for where in (bare, bare / "refs"):
+        monkeypatch.chdir(where)
+        st = cs.status()
+        assert st["configured"] is False and "no work tree" in st["gaps"][0]["cost"]
+        with pytest.raises(cs.Unconfigured):
+            cs.capture("must not land in alpha")
+    assert cs.repo_binding(cs.resolve_config())["because"].startswith(
+        "this process's working directory is in a git repository with no work tree")
+    out = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"], cwd=tmp_path,
+                         input=json.dumps({"cwd": str(bare)}), text=True,
+                         capture_output=True, env=child_env(), timeout=120)
+    assert out.returncode == 0 and _items_in(a) == [] and \
+        "distill_last" not in (a / ".cambium" / "knowledge.json").read_text()
+
+
 def test_an_empty_dot_git_is_walked_past_and_a_broken_worktree_is_named(tmp_path):
     """An empty .git in a vendored folder bound that folder (git uses the repo
     around it); a worktree whose main clone moved was served, its project named
