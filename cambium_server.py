@@ -3739,8 +3739,9 @@ class LocalStore(Store):
 def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
                    above: frozenset[str] = frozenset()) -> tuple[Doc | None, dict[str, int]]:
     """The store with the items of a set-aside file brought back as they were
-    (ids, status, trust, provenance): an id not in the store is added, one the
-    store holds is replaced only by a later version (updated_at); meta and
+    (ids, status, trust, provenance): an id not in the store is added; one the
+    store holds stays as it is, with what the copy adds to its trust
+    (_restored_into; live_kept counts copies that said otherwise); meta and
     watermarks are united, the store's winning a conflict. None: nothing to do.
     An active item that comes back while the store holds a younger active copy
     of it (the same text under another id: a distill or import made it again
@@ -3759,8 +3760,8 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
         k = content_key(it)
         if it.active or k not in twins or not items[twins[k]].active:
             twins[k] = i
-    counts = {"restored": 0, "updated": 0, "already_here": 0, "copies_folded": 0,
-              "retired_like_copy": 0, "held_above": 0, "not_item_ids": 0}
+    counts = {"restored": 0, "updated": 0, "already_here": 0, "live_kept": 0,
+              "copies_folded": 0, "retired_like_copy": 0, "held_above": 0, "not_item_ids": 0}
     renamed: dict[str, str] = {}
     for it in back.items:
         if not isinstance(it.id, str) or not ITEM_ID.fullmatch(it.id) or \
@@ -3777,11 +3778,13 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
             at[it.id] = len(items)
             items.append(it)
             counts["restored"] += 1
-        elif it.updated_at > items[i].updated_at and it.to_dict() != items[i].to_dict():
-            items[i] = it
+        elif (more := _restored_into(items[i], it, now)) is not None:
+            items[i] = more
             counts["updated"] += 1
         else:
             counts["already_here"] += 1
+        if i is not None and _said_otherwise(items[i], it):
+            counts["live_kept"] += 1
     live = {k: renamed.get(v, v) if isinstance(v, str) else v
             for k, v in meta_map(doc.meta, "watermarks").items()}
     marks = {**meta_map(back.meta, "watermarks"), **live}
@@ -3790,6 +3793,27 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
         return None, counts
     raw = {k: v for k, v in back.raw.items() if k != "cambium"}     # the store's format stays
     return Doc(items=items, meta=meta, raw={**raw, **doc.raw}), counts
+
+
+def _restored_into(live: Item, back: Item, now: str) -> Item | None:
+    """The store's item with what a set-aside copy of it holds that it lacks
+    (carried_over: endorsements, verifications, the later last_verified, the
+    higher authority), or None when it lacks none. Never the copy's words,
+    status or timestamps: a copy's `updated_at` says nothing a hand cannot
+    write (9999-12-31 replaced the live item whole, and brought a retired one
+    back active), and the file keeps the copy as it was (pure)."""
+    more = carried_over(live, back)
+    if more is None:
+        return None
+    more = dataclasses.replace(more, status=live.status, deprecated=live.deprecated,
+                               superseded_by=live.superseded_by, updated_at=now)
+    return None if more.to_dict() == {**live.to_dict(), "updated_at": now} else more
+
+
+def _said_otherwise(live: Item, back: Item) -> bool:
+    """Whether a set-aside copy says other words, or has another status, than
+    the store's item of its id (the store's stays; the file keeps the copy)."""
+    return (back.content, back.why, back.status) != (live.content, live.why, live.status)
 
 
 def _back_beside_its_copy(it: Item, items: list[Item], twins: dict[str, int],
@@ -16074,7 +16098,8 @@ def restore(path: Annotated[str, Field(
     Merges the items of a quarantine file or of a moved-aside knowledge.json
     into the local store with their ids, status, type, trust, endorsements and
     provenance, beside what was captured since; an item the store already holds
-    is replaced only by a later version of it. Idempotent. When every line came
+    keeps its words and status, with the copy's endorsements and verifications
+    added (live_kept: copies that said otherwise). Idempotent. When every line came
     back, the file is renamed *.restored and the warnings about it stop.
     """
     cfg = require_config()

@@ -2229,6 +2229,34 @@ def test_store_where_nothing_parses_is_moved_aside_and_restored_faithfully(repo)
         cs.restore("/")
 
 
+def test_restore_never_replaces_a_live_item_with_a_copy_whatever_its_updated_at(repo,
+                                                                                 monkeypatch):
+    """A file holding a live item's id with updated_at 9999-12-31 replaced the
+    item whole (its words and endorsements gone), and brought a deprecated one
+    back active. The live item stays; the copy adds only what it holds more."""
+    a = cs.capture("Rotate the signing keys yearly")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.endorse(a, note="holds")
+    b = cs.capture("Old build cache path")["item"]["id"]
+    cs.deprecate(b, reason="the cache moved")
+    live = {i["id"]: i for i in json.loads(_store_path(repo).read_text())["items"]}
+    future = "9999-12-31T00:00:00Z"
+    hostile = {**live[a], "content": "HOSTILE replacement", "updated_at": future,
+               "trust": {"endorsements": [{"by": "eve", "note": "x", "at": future}]}}
+    revived = {**live[b], "status": "active", "deprecated": None, "updated_at": future}
+    f = repo / ".cambium" / "knowledge.json.quarantine-20260101T000000000000"
+    f.write_text(json.dumps(hostile) + ",\n" + json.dumps(revived) + "\n")
+    out = cs.restore(str(f))
+    assert (out["updated"], out["live_kept"]) == (1, 2)
+    now = {i["id"]: i for i in json.loads(_store_path(repo).read_text())["items"]}
+    assert now[a]["content"] == "Rotate the signing keys yearly"
+    assert [e["by"] for e in now[a]["trust"]["endorsements"]] == ["bob", "eve"]   # only adds
+    assert now[a]["updated_at"] < future
+    assert now[b]["status"] == "deprecated" and now[b]["deprecated"]["reason"] == "the cache moved"
+    assert "HOSTILE replacement" in Path(out["moved_to"]).read_text()     # the copy is kept
+    assert cs.restore(out["moved_to"])["status"] == "nothing_to_restore"
+
+
 def test_restore_folds_the_copy_a_distill_made_while_the_store_was_set_aside(repo):
     """A damaged store is set aside; the session-end distill imports the same
     context-keeper entries again under new ids; restore used to bring the
