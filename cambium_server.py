@@ -14353,7 +14353,10 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
     if not disputing and (fixed := _correction_of_text(cfg, content, type, docs)):
         return {"status": "corrected_before", "item": item_view(fixed),
                 "note": "a person corrected this statement; the correction stands (capture "
-                        "with supersedes=<its id> to dispute it)"}
+                        "with supersedes=<its id> to dispute it)" if fixed.active else
+                        "a person corrected this statement, and that correction was retired "
+                        f"since ({fixed.status}): the statement stays retired too; say what "
+                        "holds now in other words"}
     if held := _shared_copy_of_text(cfg, content, type, docs):
         return {"status": "duplicate", "item": item_view(held),
                 "note": f"{held.scope} scope holds an active item with this content; endorse "
@@ -14377,17 +14380,21 @@ def _correction_of_text(cfg: Config, content: str, type: str,
     """The live correction of an item of any scope that said exactly `content`
     (capturing the words a person corrected stored the wrong statement again,
     active), at the end of its chain: a correction that was promoted, corrected
-    again or folded into a survivor by consolidate still answers. `docs`:
-    scopes as last read (a capture never waits on the network)."""
+    again or folded into a survivor by consolidate still answers; with none
+    live, the retired end of a chain (a correction deprecated since: the words
+    it corrected came back active). `docs`: scopes as last read (a capture
+    never waits on the network)."""
     key = text_key(type, plain_text(content).strip())
     maps = [corrections(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
+    retired = None
     for corrected in (i for words, _ in maps for i in words.get(key, ())):
         fix = next((fixes[corrected] for _, fixes in maps if corrected in fixes), None)
         if fix is not None and not fix.active and (nxt := _superseded_by(fix)):
             fix = _replacements(fix.id, nxt, docs)[1]
         if fix is not None and fix.active:
             return fix
-    return None
+        retired = retired or fix
+    return retired        # (its correction retired since: the words stay retired too)
 
 
 def _shared_copy_of_text(cfg: Config, content: str, type: str,
@@ -14570,7 +14577,7 @@ def correction_for(cfg: Config, docs: dict[str, Doc]) -> Callable[[Item], Item |
                 not any(content_key(it) in words for words in maps):
             return None
         fix = _correction_of_text(cfg, it.content, it.type, docs)
-        return fix if fix is not None and fix.id != it.id else None
+        return fix if fix is not None and fix.active and fix.id != it.id else None
     return fixed
 
 

@@ -7351,6 +7351,19 @@ def test_capturing_the_words_a_person_corrected_answers_with_the_correction(repo
     assert len(local_items(repo)) == 4
 
 
+def test_the_words_a_person_corrected_stay_retired_once_the_correction_is_deprecated(repo):
+    """Once the correction itself was deprecated, capturing the corrected words
+    stored them again, active, and they were recall's first result."""
+    wrong = cs.capture("Staging shares the production database")["item"]["id"]
+    fixed = cs.correct(wrong, "Staging has its own database")["item"]["id"]
+    cs.deprecate(fixed, reason="staging was retired")
+    again = cs.capture("Staging shares the production database")
+    assert again["status"] == "corrected_before" and again["item"]["id"] == fixed
+    assert "retired since (deprecated)" in again["note"]
+    assert len(local_items(repo)) == 2
+    assert cs.recall("staging production database")["results"] == []
+
+
 def test_disputing_a_shared_item_in_its_own_words_is_a_duplicate(shared):
     """capture(supersedes=X) with X's own words, X a team item, stored a second
     copy of its text: recall listed the same statement twice."""
