@@ -10050,7 +10050,8 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None,
     if not changes:
         return item
     kept = item.example or ""
-    added = [c for c in concrete if c not in kept]
+    added = [c for c in concrete if f"\n{c}\n" not in f"\n{kept}\n"]   # (whole lines: a
+    #                                     version that is the start of a kept one is its own)
     changes["example"] = "\n".join([kept, *added] if kept else added) or None
     return dataclasses.replace(item, **changes)
 
@@ -14204,14 +14205,16 @@ def anchor_warnings(anchors: list[dict]) -> list[str]:
     def named(a: dict) -> str:
         return a["path"] + (f"#{a['symbol']}" if a.get("symbol") else "")
     out = []
-    unreadable = [named(a) for a in anchors if not a["resolved"] and
-                  str(a.get("why", "")).startswith("unreadable")]
-    if missing := [named(a) for a in anchors if not a["resolved"] and named(a) not in unreadable]:
+    unresolved = [a for a in anchors if not a["resolved"]]
+    if missing := [named(a) for a in unresolved if a.get("why") in (None, "not in the working "
+                                                                    "tree")]:
         out.append(f"code_refs {', '.join(missing[:3])} do not resolve in the working tree now "
                    "(a typo? not written yet?): a file that is missing makes the item stale_code")
-    if unreadable:
-        out.append(f"code_refs {', '.join(unreadable[:3])}: the file is there but cannot be "
-                   "read now (its permissions?); until it can, the item reads as stale_code")
+    for a in (a for a in unresolved if a.get("why") not in (None, "not in the working tree")):
+        there = "the file is there but cannot be read now (its permissions?)" if str(
+            a["why"]).startswith("unreadable") else f"it is {a['why']}"
+        out.append(f"code_refs {named(a)}: {there}; until it resolves, the item reads as "
+                   "stale_code")
     if unnamed := [named(a) for a in anchors if a["resolved"] and a.get("symbol_found") is False]:
         out.append(f"code_refs {', '.join(unnamed[:3])}: the file is there but that name is not "
                    "found as a definition in it (a typo? not written yet?), so the anchor "
@@ -17503,6 +17506,9 @@ def _export_target(output: str) -> Path:
         raise InputError(f"-o {output}: that is one of cambium's own files (a store, or "
                          "inside a .cambium folder, maybe another project's): the markdown "
                          "would replace it; write it elsewhere.")
+    if ".git" in path.parent.parts:
+        raise InputError(f"-o {output}: that is inside a .git folder, git's own files (the "
+                         "markdown would replace one, such as its config); write it elsewhere.")
     return path
 
 

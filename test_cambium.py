@@ -6331,6 +6331,21 @@ def test_remote_key_spells_one_remote_one_way(tmp_path):
     assert cs.remote_key(str(tmp_path / "r"), tmp_path) != local.pop()    # .git kept locally
 
 
+def test_restating_twice_keeps_a_version_that_is_the_start_of_one_kept():
+    """generalize from "...with backoff and jitter" to "...with backoff", then
+    on: the middle version was found inside the first (a substring) and lost."""
+    it = cs.Item(id="k-1", content="Retry payment calls with backoff and jitter")
+    once = cs.restated(it, content="Retry payment calls with backoff")
+    twice = cs.restated(once, content="Retry safe operations with jittered backoff")
+    assert twice.example.split("\n") == ["Retry payment calls with backoff and jitter",
+                                         "Retry payment calls with backoff"]
+    assert cs.restated(twice, content=twice.content) is twice
+    back = cs.restated(twice, content="Retry payment calls with backoff")   # a kept one: once
+    assert back.example.split("\n") == ["Retry payment calls with backoff and jitter",
+                                        "Retry payment calls with backoff",
+                                        "Retry safe operations with jittered backoff"]
+
+
 def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     def doc(*items):
         return cs.Doc(items=list(items), meta={"m": 1})
@@ -12752,6 +12767,10 @@ def test_capture_tells_an_unreadable_anchor_file_from_a_missing_one():
         {"path": "gone.py", "resolved": False, "at": None}])
     assert len(said) == 2 and "gone.py do not resolve" in said[0] and "locked" not in said[0]
     assert "src/locked.py: the file is there but cannot be read" in said[1]
+    out = cs.anchor_warnings([{"path": "src/out_link.py", "resolved": False, "at": None,
+                               "why": "outside the repo"}])       # (a link out of the repo)
+    assert out == ["code_refs src/out_link.py: it is outside the repo; until it resolves, the "
+                   "item reads as stale_code"]
 
 
 def test_anchors_resolve_to_live_lines_and_never_leave_the_repo(coderepo, tmp_path):
@@ -14509,6 +14528,11 @@ def test_export_o_never_replaces_another_projects_store(repo, tmp_path):
         out = cli("export", "-o", str(target), cwd=repo)
         assert out.returncode == 1 and "cambium's own files" in out.stderr, out
         assert target.read_text().startswith('{"cambium": 1')
+    config = repo / ".git" / "config"                 # `export -o .git/config` replaced it
+    before = config.read_text()
+    out = cli("export", "-o", str(config), cwd=repo)
+    assert out.returncode == 1 and "inside a .git folder" in out.stderr, out
+    assert config.read_text() == before
     ok = cli("export", "-o", str(tmp_path / "notes.md"), cwd=repo)
     assert ok.returncode == 0 and "integer cents" in (tmp_path / "notes.md").read_text()
 
