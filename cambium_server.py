@@ -16107,9 +16107,8 @@ def restore(path: Annotated[str, Field(
 
     Merges the items of a quarantine file or of a moved-aside knowledge.json
     into the local store with their ids, status, type, trust, endorsements and
-    provenance, beside what was captured since; an item the store already holds
-    keeps its words and status, with the copy's endorsements and verifications
-    added (live_kept: copies that said otherwise). Idempotent. When every line came
+    provenance, beside what was captured since; a live item keeps its words and
+    status, the copy's endorsements added (live_kept: said otherwise). Idempotent. When every line came
     back, the file is renamed *.restored and the warnings about it stop.
     """
     cfg = require_config()
@@ -17031,8 +17030,9 @@ def rebinding_guard(host: str) -> Any:
     hosts = {"127.0.0.1", "localhost", "[::1]", url_host(host)}
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True,
-        allowed_hosts=sorted(f"{h}:*" for h in hosts),
-        allowed_origins=sorted(f"http://{h}:*" for h in hosts))
+        allowed_hosts=sorted([*hosts, *(f"{h}:*" for h in hosts)]),   # (no port: 80, as
+        allowed_origins=sorted([*(f"http://{h}" for h in hosts),      # clients write it)
+                                *(f"http://{h}:*" for h in hosts)]))
 
 
 def require_bearer(app: Callable, token: str) -> Callable:
@@ -17113,7 +17113,8 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
                         "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": b"Request body too large"})
             return
-        text = repair_surrogate_escapes(body.decode("utf-8", "replace"))   # as stdio reads
+        text = repair_surrogate_escapes(body.decode("utf-8", "replace")).removeprefix(
+            "\ufeff")                            # as stdio reads (a byte-order mark skipped)
         body = text.encode("utf-8")              # bytes that are no UTF-8: U+FFFD, \ud800 too
         refused, reply = too_deep_reply(text)
         if not refused:
@@ -17178,7 +17179,9 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         server.streamable_http_app(host=host, transport_security=guard), guard)
     if token:
         app = require_bearer(app, token)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",   # a client that
+                            timeout_graceful_shutdown=SIGNAL_EXIT_S)    # stalls mid-body:
+                                                                        # no endless stop
     print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
     # uvicorn shuts down on SIGTERM, then raises it again under the handler it

@@ -14317,17 +14317,41 @@ def test_http_serve_on_any_loopback_address_checks_host_and_origin(repo):
             "protocolVersion": "2025-06-18", "capabilities": {},
             "clientInfo": {"name": "t", "version": "1"}}})
         codes = {}
-        for host in ("evil.example", f"127.0.0.2:{port}"):
+        for host in ("evil.example", f"127.0.0.2:{port}", "127.0.0.2", "evil.example:80"):
             c = http.client.HTTPConnection("127.0.0.2", port, timeout=20)
-            c.request("POST", "/mcp", init, {"Host": host, "Origin": f"http://{host}",
-                                             "Content-Type": "application/json",
-                                             "Accept": "application/json, text/event-stream"})
+            c.request("POST", "/mcp", (("\ufeff" if host == "127.0.0.2" else "") + init)
+                      .encode(), {
+                "Host": host, "Origin": f"http://{host}", "Content-Type": "application/json",
+                "Accept": "application/json, text/event-stream"})   # (a BOM: read as stdio)
             codes[host] = c.getresponse().status
             c.close()
-        assert codes["evil.example"] == 421 and codes[f"127.0.0.2:{port}"] == 200, codes
+        assert codes == {"evil.example": 421, f"127.0.0.2:{port}": 200,   # no port: 80, as a
+                         "127.0.0.2": 200, "evil.example:80": 421}, codes  # client writes it
     guard = cs.rebinding_guard("[::1]")
     assert guard.enable_dns_rebinding_protection and "[::1]:*" in guard.allowed_hosts
     assert cs.rebinding_guard("10.0.0.5") is None
+
+
+def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
+    """A client that sent 10 of the 100 bytes it declared kept `serve --http`
+    running after SIGTERM (and a second one) until it closed its socket."""
+    import socket
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
+                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert "serving MCP on" in proc.stderr.readline()
+        with socket.create_connection(("127.0.0.1", port), 20) as sock:
+            sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                         "application/json\r\nContent-Length: 100\r\n\r\n{\"jsonrpc\":".encode())
+            cs.time.sleep(0.5)
+            proc.terminate()
+            assert proc.wait(timeout=cs.SIGNAL_EXIT_S + 20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_http_checks_host_and_body_size_before_reading_the_body(repo):
