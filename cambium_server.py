@@ -3056,12 +3056,20 @@ def _pairs_once(pairs: list) -> dict:
 _DECODER = json.JSONDecoder(parse_float=_json_float, object_pairs_hook=_pairs_once)
 
 
+_SCAN = _DECODER.scan_once      #: the decoder's own scanner (C), for lines with no padding
+
+
 def _json(raw: bytes) -> Any:
     """One stored line's JSON value, or None. (What json.loads does with bytes,
-    minus its per-call encoding sniffing: a store is UTF-8 by definition.)"""
+    minus its per-call encoding sniffing: a store is UTF-8 by definition; a line
+    as cambium writes it, no space around it, goes straight to the scanner.)"""
     try:
-        return _DECODER.decode(raw.decode("utf-8", "surrogatepass"))
-    except (ValueError, RecursionError):
+        text = raw.decode("utf-8", "surrogatepass")
+        if text[:1] == "{" and text[-1:] == "}":
+            value, end = _SCAN(text, 0)
+            return value if end == len(text) else None      # (more after it: not one value)
+        return _DECODER.decode(text)
+    except (ValueError, RecursionError, StopIteration):
         return None
 
 
