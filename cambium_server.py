@@ -9580,6 +9580,14 @@ def distill_retired(item: Item) -> bool:
         and dep.get("by") == "distill"
 
 
+def distill_superseded(item: Item) -> bool:
+    """Whether distill itself superseded this local item (its entry was edited,
+    or its claim moved on): a live record of its words again brings it back."""
+    by = item.superseded_by
+    return item.scope == "local" and item.status == "superseded" and isinstance(by, dict) \
+        and by.get("by") == "distill"
+
+
 def _same_entry(old: Item, new: Item) -> bool:
     """Whether two items of one context-keeper id come from the same entry,
     edited (its created_at, which update_entry keeps, is the same), rather than
@@ -9695,12 +9703,16 @@ class _Revising:
                         ": deprecate it if it no longer stands")))
 
     def revive(self) -> None:
-        """Bring back what distill retired that a live record says again."""
+        """Bring back what distill retired that a live record says again: an
+        entry edited back to words an earlier item of it holds brings that item
+        back, with its trust (not a new item beside it)."""
         for old in self.doc.items:
-            if old.id in self.live and distill_retired(t := self.cur(old.id)):
+            t = self.cur(old.id)
+            if old.id in self.live and (distill_retired(t) or distill_superseded(t)):
                 self.out[old.id] = dataclasses.replace(
-                    t, status="active", deprecated=None, updated_at=self.now,
-                    source={**t.source, "revived": {"at": self.now, "was": t.deprecated}})
+                    t, status="active", deprecated=None, superseded_by=None,
+                    updated_at=self.now, source={**t.source, "revived": {
+                        "at": self.now, "was": t.deprecated or t.superseded_by}})
                 self.adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
 
     def record_twins(self, twins: list) -> None:
@@ -9725,11 +9737,13 @@ class _Revising:
 
 
 def _stored_texts(doc: Doc) -> dict[str, Item]:
-    """Content key -> its active item, else one held back (_held_back)."""
+    """Content key -> its active item, else one held back (_held_back), else
+    one distill superseded (a live record of its words revives it)."""
     out: dict[str, Item] = {}
     for it in doc.items:
         k = content_key(it)
-        if it.active or (k not in out and _held_back(it)):
+        if it.active or (_held_back(it) and (k not in out or distill_superseded(out[k]))) or \
+                (k not in out and distill_superseded(it)):
             out[k] = it
     return out
 

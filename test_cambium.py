@@ -13173,6 +13173,33 @@ def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired
     assert cs.distill()["imported"] == 0 and "revived_items" not in cs.distill()
 
 
+def test_distill_brings_back_the_item_of_an_entry_edited_back_with_its_trust(repo):
+    """A decision edited and then edited back got a new item with its old words
+    and no endorsement, while the original, endorsed, stayed superseded."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    dec = {"id": "dec-001", "summary": "Use postgres for the main store", "status": "active",
+           "created_at": "2026-01-01T00:00:00Z"}
+    (ctx / "decisions.json").write_text(json.dumps([dec]))
+    cs.distill()
+    (first,) = _items_by_ref("dec-001")
+    cs.endorse(first.id, note="held up in production")
+    (ctx / "decisions.json").write_text(json.dumps([{**dec, "summary":
+                                                     "Use postgres 16 for the main store"}]))
+    cs.distill()
+    (ctx / "decisions.json").write_text(json.dumps([dec]))                    # edited back
+    res = cs.distill()
+    assert res["imported"] == 0 and [r["id"] for r in res["revived_items"]] == [first.id]
+    back, middle = _items_by_ref("dec-001")
+    assert back.id == first.id and back.active and back.superseded_by is None
+    assert [e["note"] for e in back.trust["endorsements"]] == ["held up in production"]
+    assert middle.status == "superseded" and middle.superseded_by["id"] == first.id
+    assert back.source["revived"]["was"]["id"] == middle.id
+    again = cs.distill()
+    assert again["imported"] == 0 and "revived_items" not in again
+    assert [i.id for i in _items_by_ref("dec-001") if i.active] == [first.id]
+
+
 def test_distill_keeps_one_live_item_per_claim_and_records_a_second_source(
         tmp_path, monkeypatch):
     """D2: the same done claim with a new note left two active outcomes (the
