@@ -1504,9 +1504,26 @@ def content_key(item: Item) -> str:
     return key
 
 
+def _script_marks() -> str:
+    """The vowel signs, viramas and tone marks of the scripts that write them
+    as combining characters (Indic, Thai and Lao, Tibetan, Myanmar, Khmer, ...):
+    part of a word there, and of its meaning (पोर्ट खोलो is not पोर्ट खेलो),
+    where Latin's combining accents are only accents (pure)."""
+    blocks = ((0x0900, 0x0DFF), (0x0E00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF),
+              (0x1A20, 0x1AAF), (0x1B00, 0x1B7F), (0xA980, 0xA9DF), (0xAA00, 0xAA5F))
+    return "".join(chr(c) for a, b in blocks for c in range(a, b + 1)
+                   if unicodedata.category(chr(c)) in ("Mn", "Mc"))
+
+
+SCRIPT_MARKS = frozenset(_script_marks())
+_MARKS_CLASS = "".join(sorted(SCRIPT_MARKS))
+_WORDS_AND_MARKS = re.compile(rf"(?:\w|[{_MARKS_CLASS}])+")
+
+
 def normalized_text(item: Item) -> str:
-    """Type plus the body's words, lowercased: punctuation and spacing ignored."""
-    return item.type + "\0" + " ".join(re.findall(r"\w+", item.content.lower()))
+    """Type plus the body's words (a script's vowel signs and tone marks kept
+    in them), lowercased: punctuation and spacing ignored."""
+    return item.type + "\0" + " ".join(_WORDS_AND_MARKS.findall(item.content.lower()))
 
 
 # =============================================================================
@@ -6631,7 +6648,7 @@ up upon us use used using very via was we were what when where whether which whi
 why will with within without would yet you your yours yourself yourselves
 """.split())
 
-_WORD = re.compile(r"[^\W_]+")
+_WORD = re.compile(rf"(?:[^\W_]|[{_MARKS_CLASS}])+")    #: a script's marks inside a word
 _CJK_RUN = re.compile("([\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
                       "\uac00-\ud7af\uff66-\uff9f\U00020000-\U0002fa1f]+)")
 _KANA_MARKS = "\u3099\u309a"         #: Japanese voicing marks: part of the letter, kept
@@ -6651,12 +6668,13 @@ NAME_PENALTY = 0.7      #: a lexical hit's relevance times this when the query n
 
 def fold(text: str) -> str:
     """Lowercase with accents folded: NFKD, combining marks dropped ("naïve
-    café" -> "naive cafe", full-width letters to ASCII), Japanese voicing kept."""
+    café" -> "naive cafe", full-width letters to ASCII), Japanese voicing and
+    the marks of scripts that spell with them (SCRIPT_MARKS: Hindi's, Thai's) kept."""
     text = text.lower()
     if text.isascii():
         return text
     text = "".join(c for c in unicodedata.normalize("NFKD", text)
-                   if c in _KANA_MARKS or not unicodedata.combining(c))
+                   if c in _KANA_MARKS or c in SCRIPT_MARKS or not unicodedata.combining(c))
     return unicodedata.normalize("NFC", text)
 
 
@@ -14547,6 +14565,10 @@ def recall(query: Annotated[str, Field(
     query = valid_unicode(query)
     if len(query) > MAX_QUERY_CHARS:
         raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
+    query = plain_text(query).strip()            # as stored text is: "auto\u200bscaling" is
+    if not query:                                # "autoscaling", mojibake repaired
+        raise InputError("query holds only invisible or control characters; say what you "
+                         "are looking for.")
     check_arg(recall, "scope", scope)
     check_arg(recall, "limit", limit)
     check_arg(recall, "detail", detail)

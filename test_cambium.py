@@ -6346,6 +6346,35 @@ def test_restating_twice_keeps_a_version_that_is_the_start_of_one_kept():
                                         "Retry safe operations with jittered backoff"]
 
 
+def test_texts_that_differ_in_a_scripts_vowel_sign_or_tone_mark_stay_apart(repo):
+    """Hindi's vowel signs and Thai's tone marks were dropped from words, so
+    "open the port" and "play the port" were the same text to consolidate,
+    which superseded one of them."""
+    pairs = [("पोर्ट खोलो", "पोर्ट खेलो"), ("ใช้ Redis สำหรับ cache", "ใช่ Redis สำหรับ cache")]
+    ids = [cs.capture(t)["item"]["id"] for pair in pairs for t in pair]
+    for a, b in pairs:
+        ia, ib = (cs.Item(id="k-1", content=t) for t in (a, b))
+        assert cs.normalized_text(ia) != cs.normalized_text(ib)
+        assert cs.tokenize(a) != cs.tokenize(b)
+    assert cs.tokenize("naïve Café") == ["naive", "cafe"]           # Latin accents still fold
+    cs.consolidate(apply=True)
+    assert all(i["status"] == "active" for i in local_items(repo) if i["id"] in ids)
+    assert [r["content"] for r in cs.recall("पोर्ट खेलो", detail="full")["results"]][:1] == \
+        ["पोर्ट खेलो"]
+
+
+def test_a_query_is_cleaned_as_stored_text_is(repo):
+    """Stored text drops invisible characters ("auto\u200bscaling" is
+    "autoscaling"), but a query holding them found nothing."""
+    cs.capture("Kuber\u00adnetes auto\u200bscaling misbehaves under bursty load")
+    plain = cs.recall("kubernetes autoscaling")["results"]
+    odd = cs.recall("kuber\u00adnetes auto\u200bscaling")
+    assert plain and [r["id"] for r in odd["results"]] == [r["id"] for r in plain]
+    assert odd["query"] == "kubernetes autoscaling"
+    with pytest.raises(cs.InputError, match="only invisible"):
+        cs.recall("\u200b\u2060")
+
+
 def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     def doc(*items):
         return cs.Doc(items=list(items), meta={"m": 1})
