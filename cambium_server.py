@@ -463,6 +463,13 @@ def _parse_ts(value: str | None) -> datetime | None:
     return None if dt > datetime.now(timezone.utc) + timedelta(days=1) else dt
 
 
+def time_key(value: Any) -> float:
+    """A timestamp as seconds for ordering by time (_parse_ts: offsets read,
+    one later than tomorrow or unreadable sorts first, -inf) (pure)."""
+    dt = _parse_ts(value)
+    return dt.timestamp() if dt is not None else float("-inf")
+
+
 def _new_id() -> str:
     return "k-" + os.urandom(6).hex()
 
@@ -2524,10 +2531,12 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
     quick = ours or "/refs/" in path.as_posix() or path.name == "packed-refs.lock"
     try:
         made = path.lstat().st_mtime
-        if quick and time.time() - made < REF_LOCK_STALE_S:
-            time.sleep(REF_LOCK_STALE_S - (time.time() - made))
+        future = made > time.time() + 1.0          # made on a clock since set back: a live
+        if (quick or future) and time.time() - made < REF_LOCK_STALE_S:   # git's is "now"
+            time.sleep(min(REF_LOCK_STALE_S, REF_LOCK_STALE_S - (time.time() - made)))
             if path.lstat().st_mtime != made:
                 return None                        # another git's, taken again since
+            return path                            # unchanged all that while: left over
         age = time.time() - made
     except OSError:                                # gone: its git finished
         return None
@@ -4067,11 +4076,16 @@ def _credit_day_ok(day: str) -> bool:
     """A credit's day is a date no later than tomorrow (UTC): "9999-99-99",
     stored as an agent's last credited day, made its real recalls read as
     replays of an earlier day, and none counted."""
+    if not isinstance(day, str) or not _DAY.fullmatch(day):   # ("2026-12-6" sorts after
+        return False                                         # "2026-12-31" as text)
     try:
         when = datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=timezone.utc)
     except ValueError:
         return False
     return (when - datetime.now(timezone.utc)).days < 1
+
+
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")     #: a credit day as cambium writes it (compared as text)
 
 
 def _credit_records(text: str) -> list[dict]:
@@ -4211,9 +4225,9 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     by = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
     changed = False
-    last = by.get(agent)
-    if not isinstance(last, str) or day > last:
-        by[agent] = day
+    last = by.get(agent)      # a last day later than tomorrow (a fast clock's) or unpadded
+    if not isinstance(last, str) or not _credit_day_ok(last) or day > last:   # is none: it
+        by[agent] = day                                  # held back every later real day
         trust = {**trust, "recalls": min(int(trust.get("recalls", 0)) + 1, MAX_TRUST_COUNT),
                  "recalled_by": by}
         changed = True
@@ -4687,8 +4701,8 @@ class GitStore(Store):
         ago = time.time() - at
         if fetched > at:
             return None
-        if ago >= FETCH_BACKOFF_S or self.local_tip() is None:
-            return None
+        if not -1.0 < ago < FETCH_BACKOFF_S or self.local_tip() is None:   # (a future one:
+            return None                                                     # a fast clock's)
         error = ""
         with contextlib.suppress(OSError):
             error = self._failed_stamp().read_text(encoding="utf-8", errors="replace").strip()
@@ -4742,8 +4756,9 @@ class GitStore(Store):
             # never fetched, and the last fetch failed: try again (and raise), so an
             # unreachable scope never reads as an empty one
             unread = state.fetch_error is not None and self.local_tip() is None
+            since = time.time() - last              # (a stamp in the future, left by a fast
             due = damaged or force or fresh or unread or \
-                time.time() - last >= self.fetch_interval_s
+                not -1.0 < since < self.fetch_interval_s    # clock, is due: not for hours)
             if due and failed is not None:
                 due = False
                 self._warnings.append(f"{self.scope} scope may be behind: {failed}")
@@ -9697,7 +9712,8 @@ class _Revising:
                 lines[it.source["lineage"]].append(
                     (str(it.source.get("source_ts") or ""), it.created_at, it))
         for lineage, line in lines.items():
-            line.sort(key=lambda t: (t[0], t[1]))
+            line.sort(key=lambda t: (time_key(t[0]), t[0], time_key(t[1]), t[1]))   # by time:
+            #                          "15:00+05:30" is before "10:00Z", ".250Z" after "Z"
             newest = line[-1][2]
             for _, _, old in line[:-1]:
                 if old.source.get("lineage") == lineage:
@@ -10481,7 +10497,8 @@ def survivor_key(item: Item, trust: dict) -> tuple:
     (merged_survivor)."""
     return (SCOPE_RANK.get(item.scope, 0), item.authority_rank,
             len(trust.get("endorsements") or []), int(trust.get("recalls") or 0),
-            item.updated_at or item.created_at, item.id)
+            time_key(item.updated_at) if _parse_ts(item.updated_at) else
+            time_key(item.created_at), item.id)      # (by time: a hand's 9999 never wins)
 
 
 def _components(n: int, edges: Iterable[tuple[int, int]]) -> list[list[int]]:

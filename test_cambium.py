@@ -6375,6 +6375,70 @@ def test_a_query_is_cleaned_as_stored_text_is(repo):
         cs.recall("\u200b\u2060")
 
 
+def test_a_credit_day_later_than_tomorrow_or_unpadded_holds_back_no_real_day():
+    """A store whose recalled_by said 9999-12-31 (or a fast clock's day, or an
+    unpadded "2026-12-6", later than "2026-12-31" as text) dropped every later
+    real credit of that agent."""
+    today = cs.datetime.now(cs.timezone.utc).strftime("%Y-%m-%d")
+    for last in ("9999-12-31", "2099-01-15", "2026-12-6", "soon"):
+        it = cs.Item(id="k-1", content="x", trust={"recalls": 5, "recalled_by": {"ada": last}})
+        after = cs.credit(it, "ada", today, "")
+        assert after.trust["recalls"] == 6 and after.trust["recalled_by"]["ada"] == today, last
+        assert cs.credit(after, "ada", today, "") is after                 # once a day, still
+    assert not cs._credit_day_ok("2026-12-6") and cs._credit_day_ok(today)
+
+
+def test_a_ref_lock_dated_in_the_future_is_taken_for_a_crashs_after_the_usual_wait(tmp_path):
+    """A lock a crash left while the clock ran fast (set back since) made the
+    next git call sleep until that time: an hour, for a lock an hour ahead."""
+    lock = tmp_path / "refs" / "remotes" / "origin" / "cambium.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    ahead = cs.time.time() + 120
+    os.utime(lock, (ahead, ahead))
+    said = f"fatal: Unable to create '{lock}': File exists.\n"
+    assert cs.stale_lock(said, tmp_path, 5.0) == lock
+    other = tmp_path / "index.lock"                   # any lock dated ahead: the same
+    other.write_text("")
+    os.utime(other, (ahead, ahead))
+    assert cs.stale_lock(f"fatal: Unable to create '{other}': File exists.", tmp_path, 5.0) \
+        == other
+
+
+def test_a_fetch_stamp_dated_in_the_future_leaves_reads_due(shared, monkeypatch):
+    """A fetch stamp a fast clock left hours ahead stopped every read-only fetch
+    until then: a teammate's new team item stayed unseen, with no warning."""
+    first = _endorsed("Rotate the signing keys yearly")
+    cs.promote(first, to_scope="team")
+    cs.recall("signing keys", scope="team")
+    st = cs.store(cs.resolve_config(), "team")
+    ahead = cs.time.time() + 6 * 3600
+    for stamp in (st._stamp(), st._failed_stamp()):
+        stamp.write_text("x")
+        os.utime(stamp, (ahead, ahead))
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.promote(_endorsed("Pin the base image by digest"), to_scope="team")
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    out = cs.recall("base image digest", scope="team")
+    assert [r["line"] for r in out["results"]] and "may be behind" not in json.dumps(out)
+
+
+def test_ordering_by_time_reads_offsets_and_never_lets_a_far_future_stamp_win():
+    """Claim states and consolidate's survivor were ordered by comparing
+    timestamps as text: 15:00+05:30 (09:30Z) came after 10:00Z, 10:00:00.250Z
+    before 10:00:00Z, and a hand's 9999-12-31 won."""
+    order = ["2026-12-01T15:00:00+05:30", "2026-12-01T10:00:00Z", "2026-12-01T10:00:00.250Z"]
+    assert sorted(reversed(order), key=cs.time_key) == order
+    assert cs.time_key("9999-12-31T00:00:00Z") == cs.time_key("soon") == float("-inf")
+    a = cs.Item(id="k-a", content="x", updated_at="2026-12-01T15:00:00+05:30")
+    b = cs.Item(id="k-b", content="x", updated_at="2026-12-01T10:00:00Z")
+    c = cs.Item(id="k-c", content="x", updated_at="9999-12-31T00:00:00Z",
+                created_at="2026-11-01T00:00:00Z")
+    trust = {"recalls": 0, "endorsements": []}
+    assert max((a, b, c), key=lambda i: cs.survivor_key(i, trust)).id == "k-b"
+
+
 def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     def doc(*items):
         return cs.Doc(items=list(items), meta={"m": 1})
