@@ -4231,7 +4231,7 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
         trust = {**trust, "recalls": min(int(trust.get("recalls", 0)) + 1, MAX_TRUST_COUNT),
                  "recalled_by": by}
         changed = True
-    if project and project not in projects:
+    if project and not any(same_project(p, project) for p in projects):
         projects.append(project)
         trust = {**trust, "projects": projects}
         changed = True
@@ -10269,7 +10269,7 @@ def stale_items(items: Iterable[Item], *, now: datetime, project: str | None = N
     for it in items:
         if not it.active or (it.scope not in ("team", "org") and not it.failing):
             continue
-        if project and it.project != project:
+        if project and not same_project(it.project, project):
             continue
         age = age_days(it, now)                  # (an age nothing tells is listed)
         if older_than_days is not None and age is not None and age < older_than_days:
@@ -12427,8 +12427,16 @@ def org_item_relevant(item: Item, project: str, tags: set[str],
     came from here, a credit says so, or a session here was shown it by a
     recall or expand: recalls of org items earn no credit) or its tags match
     the project's."""
-    return item.project == project or project in (item.trust.get("projects") or []) \
+    mine = project.casefold()          # (one repo reached as Shop.git and shop.git)
+    return same_project(item.project, mine) or any(
+        same_project(p, mine) for p in item.trust.get("projects") or []) \
         or item.id in used or bool(tags & set(item.tags))
+
+
+def same_project(a: Any, b: Any) -> bool:
+    """Whether two project names are one project: case aside, as remotes'
+    hosts read them (pure)."""
+    return isinstance(a, str) and isinstance(b, str) and a.casefold() == b.casefold()
 
 
 @dataclass(slots=True)

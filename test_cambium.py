@@ -6439,6 +6439,18 @@ def test_ordering_by_time_reads_offsets_and_never_lets_a_far_future_stamp_win():
     assert max((a, b, c), key=lambda i: cs.survivor_key(i, trust)).id == "k-b"
 
 
+def test_a_project_named_in_another_case_is_the_same_project_everywhere():
+    """One repo reached as Shop.git and shop.git: the primer left its org item
+    out, stale_report(project=) missed it, and a credit listed the project twice."""
+    it = cs.Item(id="k-1", content="x", scope="org", project="Shop",
+                 trust={"recalls": 1, "projects": ["Shop"], "endorsements": []})
+    assert cs.org_item_relevant(it, "shop", set())
+    assert cs.credit(it, "ada", "2026-12-01", "shop").trust["projects"] == ["Shop"]
+    now = cs.datetime.now(cs.timezone.utc)
+    assert [r["id"] for r in cs.stale_items([it], now=now, project="SHOP")] == ["k-1"]
+    assert not cs.org_item_relevant(it, "shopping", set())
+
+
 def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     def doc(*items):
         return cs.Doc(items=list(items), meta={"m": 1})
