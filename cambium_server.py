@@ -12433,6 +12433,14 @@ def org_item_relevant(item: Item, project: str, tags: set[str],
         or item.id in used or bool(tags & set(item.tags))
 
 
+def same_agent(a: Any, b: Any) -> bool:
+    """Whether two agent ids name one agent: compatibility forms and case
+    aside ("Ada", "ada" and full-width "ＡＤＡ" endorsed one item three times,
+    and "Ada" verified ada's own item as a peer) (pure)."""
+    return isinstance(a, str) and isinstance(b, str) and \
+        unicodedata.normalize("NFKC", a).casefold() == unicodedata.normalize("NFKC", b).casefold()
+
+
 def same_project(a: Any, b: Any) -> bool:
     """Whether two project names are one project: case aside, as remotes'
     hosts read them (pure)."""
@@ -12485,7 +12493,7 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
     from VOUCHING_RECALLERS agents other than its author ("recalled by several
     agents"): its author recalling it once put it among the most trusted."""
     recent = [v for v in item.verifications or [] if isinstance(v, dict)
-              and v.get("by") != item.created_by        # (a promote verifies as its author)
+              and not same_agent(v.get("by"), item.created_by)   # (a promote: its author)
               and (at := _parse_ts(v.get("at"))) is not None
               and (now - at).days <= RECENTLY_VERIFIED_DAYS]
     stamp = _parse_ts(item.last_verified) if isinstance(item.last_verified, str) else None
@@ -15107,7 +15115,8 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
                                  "cross-project terms, or endorse without a note.", "note")
         ends, mine = [], []
         for e in it.trust.get("endorsements", []):
-            (mine if isinstance(e, dict) and e.get("by") == cfg.agent else ends).append(e)
+            mine_too = isinstance(e, dict) and same_agent(e.get("by"), cfg.agent)
+            (mine if mine_too else ends).append(e)
         kept = next((str(e["note"]) for e in reversed(mine) if e.get("note")), "")
         ends.append({"by": cfg.agent, "note": note or kept, "at": now})
         return dataclasses.replace(it, trust={**it.trust, "endorsements": ends}, updated_at=now)
@@ -15683,7 +15692,7 @@ def verify_entry(item_id: ItemId,
         checks = list(it.verifications or [])
         if not _said_just_now(checks, cfg.agent, note, now):    # (a retry: one verification)
             checks.append({"by": cfg.agent, "at": now, "note": note})
-        peer = it.created_by != cfg.agent           # self-verification earns no authority
+        peer = not same_agent(it.created_by, cfg.agent)   # self-verification: no authority
         return dataclasses.replace(it, last_verified=now, verifications=checks, updated_at=now,
                                    authority=raised(it, "verified") if peer else it.authority)
 

@@ -6451,6 +6451,25 @@ def test_a_project_named_in_another_case_is_the_same_project_everywhere():
     assert not cs.org_item_relevant(it, "shopping", set())
 
 
+def test_agent_ids_that_differ_in_case_or_width_are_one_agent(repo, monkeypatch):
+    """ada, Ada and full-width ＡＤＡ endorsed one item three times, and "Ada"
+    verified ada's own item as a peer (authority raised to verified)."""
+    item = cs.capture("Pin the base image by digest")["item"]["id"]
+    for agent in ("ada", "Ada", "ＡＤＡ"):
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+        cs.endorse(item, note=f"by {agent}")
+    (it,) = [i for i in local_items(repo) if i["id"] == item]
+    assert [e["note"] for e in it["trust"]["endorsements"]] == ["by ＡＤＡ"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "Ada")
+    cs.verify_entry(item, note="still holds")
+    (it,) = [i for i in local_items(repo) if i["id"] == item]
+    assert it.get("authority") in (None, "agent")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.verify_entry(item, note="holds for me too")
+    (it,) = [i for i in local_items(repo) if i["id"] == item]
+    assert it["authority"] == "verified"
+
+
 def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     def doc(*items):
         return cs.Doc(items=list(items), meta={"m": 1})
