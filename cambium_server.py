@@ -11036,6 +11036,12 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     path, symbol = ref["path"], ref.get("symbol")
     out: dict[str, Any] = {"path": path, **({"symbol": symbol} if symbol else {})}
     full = _inside_repo(root_real, path)
+    if full is not None and not os.path.exists(full) and not path.isascii():
+        for form in ("NFC", "NFD"):            # a name decomposed on disk (a macOS checkout)
+            other = _inside_repo(root_real, unicodedata.normalize(form, path))
+            if other is not None and os.path.exists(other):
+                full = other
+                break
     if full is None or not os.path.exists(full):
         return {**out, "resolved": False, "at": None,
                 "why": "outside the repo" if full is None else "not in the working tree"}

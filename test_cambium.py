@@ -12897,6 +12897,17 @@ def test_capture_tells_an_unreadable_anchor_file_from_a_missing_one():
                    "item reads as stale_code"]
 
 
+def test_an_anchor_resolves_a_file_named_in_the_other_unicode_form(coderepo):
+    """A file named café.py decomposed on disk (NFD, as a macOS checkout leaves
+    it) did not resolve from an anchor written composed (NFC), as items are."""
+    import unicodedata
+    nfd = unicodedata.normalize("NFD", "src/café.py")
+    (coderepo / nfd).write_text("def total():\n    return 1\n")
+    (got,) = cs.resolve_anchors(coderepo, [{"path": unicodedata.normalize("NFC", nfd),
+                                            "symbol": "total"}])
+    assert got["resolved"] and got["line"] == 1
+
+
 def test_anchors_resolve_to_live_lines_and_never_leave_the_repo(coderepo, tmp_path):
     refs = [{"path": "src/billing.py", "symbol": "TAX_RATE"}, {"path": "src/billing.py"},
             {"path": "src/billing.py", "symbol": "nowhere"}, {"path": "gone.py"}]
