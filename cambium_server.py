@@ -2945,16 +2945,41 @@ _STRUCTURAL = frozenset((b"", b"{", b"}", b"[", b"]", b"]}", b"],", b'"items": [
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock on `<path>.lock`, across threads and processes."""
+    """Exclusive lock on `<path>.lock`, across threads and processes, waited
+    for at most LOCK_WAIT.get() seconds (then ConflictError: a holder stopped
+    mid-write, SIGSTOP, kept every other writer waiting for ever)."""
     with runtime().thread_lock(str(path)):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _flock_within(fd, path, LOCK_WAIT.get())
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+LOCK_WAIT_S = 300.0     #: a writer waits this long for another's lock (a shared scope's
+                        #: writer may hold its own for PUSH_RETRY_S and a push's timeout);
+                        #: then it gives up, and the lock is never broken
+LOCK_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar("cambium_lock_wait",
+                                                                  default=LOCK_WAIT_S)
+
+
+def _flock_within(fd: int, path: Path, wait_s: float) -> None:
+    """flock(fd) exclusively, polling, for at most wait_s (0: one try)."""
+    deadline, pause = time.monotonic() + wait_s, 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ConflictError(f"{path.name}.lock has been held by another process for "
+                                    f"{wait_s:g} s (a long import, or a process stopped while "
+                                    "it writes); nothing was changed, try again") from None
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.1)
 
 
 TMP_SUFFIX = ".tmp"     #: atomic_write's copy in the making: <name>.<pid>.<random>.tmp
@@ -17286,12 +17311,17 @@ def _fold_on_exit(scopes: Iterable[str] = CREDIT_SCOPES, *, warm: bool = False) 
     """Fold journaled recall credits into their stores as a process ends cleanly
     (the server: every scope's, then the next primer made; the CLI: local, its
     own recall's, and org, those its own writes sent up: climb_credits)."""
-    with contextlib.suppress(CambiumError, OSError):
+    token = LOCK_WAIT.set(EXIT_LOCK_WAIT_S)  # (a store another process holds: the credits
+    with contextlib.suppress(CambiumError, OSError):   # stay journaled, the process ends)
         cfg = resolve_config()
         if cfg.configured:
             _fold_quietly(cfg, "stay journaled", scopes)
             if warm:
                 warm_primer(cfg)
+    LOCK_WAIT.reset(token)
+
+
+EXIT_LOCK_WAIT_S = 2.0   #: the fold a process makes as it ends waits this long for a lock
 
 
 # =============================================================================

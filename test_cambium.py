@@ -6470,6 +6470,34 @@ def test_agent_ids_that_differ_in_case_or_width_are_one_agent(repo, monkeypatch)
     assert it["authority"] == "verified"
 
 
+def test_a_lock_a_stopped_process_holds_is_waited_for_a_bounded_time(repo):
+    """A process stopped (SIGSTOP) while it held the store's lock kept every
+    other writer waiting for ever, and a CLI recall that had printed its answer
+    did not exit (its credit fold waited on the lock)."""
+    cs.capture("Pin the base image by digest")
+    store = repo / ".cambium" / "knowledge.json"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(store) + '.lock'!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        token = cs.LOCK_WAIT.set(0.5)                 # (LOCK_WAIT_S, 300 s, in a test)
+        try:
+            with pytest.raises(cs.ConflictError, match="held by another process"):
+                cs.capture("Rotate the signing keys yearly")
+        finally:
+            cs.LOCK_WAIT.reset(token)
+        out = cli("recall", "base image digest", cwd=repo)          # answers, and ends
+        assert out.returncode == 0 and "base image" in out.stdout
+        assert "stay journaled" in out.stderr and (repo / ".cambium" / "credits.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cs.capture("Rotate the signing keys yearly")["status"] == "captured"   # kept
+
+
 def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     def doc(*items):
         return cs.Doc(items=list(items), meta={"m": 1})
