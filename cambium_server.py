@@ -9844,7 +9844,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
         ckey = content_key(item)
         if key and key in run.marks and run.passed_over(key, item, ckey):
             continue
-        if run.says(ckey) or elsewhere is not None and elsewhere(ckey):
+        if run.says(ckey, item) or elsewhere is not None and elsewhere(ckey):
             run.same_text(key, item, ckey)
         else:
             run.take(key, item, ckey)
@@ -9863,6 +9863,7 @@ class _Admitting:
                  retired_too: bool = False) -> None:
         self.doc, self.prepared, self.index_key, self.revise = doc, prepared, index_key, revise
         self.retired: set[str] | None = set() if not retired_too else None   # None: to read
+        self.all_types = False      # import: a text any type's item holds is held
         self.marks = dict(meta_map(doc.meta, "watermarks"))
         self.revised: list = []     # (stored item, its new text's item, where it lives)
         self.twins: list = []       # (stored item, a record of the same text)
@@ -9895,9 +9896,11 @@ class _Admitting:
         self.adm.duplicates += 1
         return True
 
-    def says(self, ckey: str) -> bool:
+    def says(self, ckey: str, item: Item | None = None) -> bool:
         """Whether an item admitted here or stored (retired ones too, in
-        revise) says this text already."""
+        revise) says this text already. Import (retired_too): stored or retired
+        as any type (an export gives no type: a need or skill it holds comes
+        back as a memory, beside the need, or live again once a person retired it)."""
         if ckey in self.live_by_text:
             return True
         if self.revise:
@@ -9905,8 +9908,13 @@ class _Admitting:
             return ckey in self.by_text
         self.stored = self.stored or known_keys(self.index_key, self.doc.items)
         if self.retired is None:
-            self.retired = {content_key(it) for it in self.doc.items if not it.active}
-        return self.stored(ckey) or ckey in self.retired
+            self.all_types = True
+            self.retired = {text_key(t, it.content) for it in self.doc.items if not it.active
+                            for t in ITEM_TYPES}
+        if self.stored(ckey) or ckey in self.retired:
+            return True
+        return self.all_types and item is not None and any(
+            self.stored(text_key(t, item.content)) for t in ITEM_TYPES if t != item.type)
 
     def same_text(self, key: str, item: Item, ckey: str) -> None:
         """A record whose text is held already: a duplicate; in revise, its key
@@ -10339,24 +10347,32 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
         for project in sorted(by_project):
             out += [f"### {project}", ""]
             for it, trust in sorted(by_project[project], key=lambda p: p[0].created_at):
-                summary = repair_mojibake(it.content).replace("\n", " ")
-                bits = [f"kind: {it.kind}", f"provenance: {_provenance(it, scope == 'org')}",
+                summary = md_line(it.content)
+                bits = [f"kind: {it.kind}" if it.type == "memory" else f"type: {it.type}, kind: "
+                        f"{it.kind}", f"provenance: {_provenance(it, scope == 'org')}",
                         f"recalls: {trust.get('recalls', 0)}"]
                 if it.promoted_at:
                     bits.append(f"promoted: {it.promoted_at[:10]}")
                 out.append(f"- **{summary}**")
                 out.append(f"  - {' · '.join(bits)}")
                 if it.why:
-                    out.append(f"  - why: {repair_mojibake(it.why).replace(chr(10), ' ')}")
+                    out.append(f"  - why: {md_line(it.why)}")
                 if it.example:
-                    out.append(f"  - example: {repair_mojibake(it.example).replace(chr(10), ' ')}")
+                    out.append(f"  - example: {md_line(it.example)}")
                 for note in endorsement_notes(it):
-                    out.append(f"  - endorsed as: {repair_mojibake(note).replace(chr(10), ' ')}")
+                    out.append(f"  - endorsed as: {md_line(note)}")
             out.append("")
     if len(out) == 4:
         out.append("_No knowledge in this scope yet._")
     return terminal_safe("\n".join(out).rstrip() + "\n")   # (a hand-edited store's escapes:
                                                         # never published, never printed)
+
+
+def md_line(text: str) -> str:
+    """Item text as one markdown line: every line break a reader may take for
+    one (CR, LS, PS, VT, FF, NEL as well as LF) a space, so a stored "\r## Org"
+    never forges a heading or an item in a published KNOWLEDGE.md (pure)."""
+    return " ".join(repair_mojibake(text).splitlines())
 
 
 def _provenance(it: Item, public: bool = False) -> str:
@@ -14457,7 +14473,10 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
             len(content) > RAW_TEXT_SLACK * MAX_CONTENT_CHARS:
         return None                            # (capture's own checks say what is wrong)
     docs, _ = read_scopes_offline(cfg)         # (once: a capture is O(1))
-    if not disputing and (fixed := _correction_of_text(cfg, content, type, docs)):
+    types = (type, *(t for t in ITEM_TYPES if t != type))   # (retired words: as any type)
+    fixed = None if disputing else next(
+        (f for t in types if (f := _correction_of_text(cfg, content, t, docs))), None)
+    if fixed is not None:
         return {"status": "corrected_before", "item": item_view(fixed),
                 "note": "a person corrected this statement; the correction stands (capture "
                         "with supersedes=<its id> to dispute it)" if fixed.active else
@@ -14468,9 +14487,10 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
         return {"status": "duplicate", "item": item_view(held),
                 "note": f"{held.scope} scope holds an active item with this content; endorse "
                         "it instead of capturing it again"}
-    key = text_key(type, plain_text(content).strip())
-    gone = next((hit for scope, doc in docs.items()
-                 if (hit := deprecated_texts(f"{scope}:{cfg.repo}", doc.items).get(key))), None)
+    said = plain_text(content).strip()
+    gone = next((hit for t in types for scope, doc in docs.items() if (hit := deprecated_texts(
+        f"{scope}:{cfg.repo}", doc.items).get(text_key(t, said)))), None)
+    key = content_key(gone) if gone is not None else None
     if gone is not None and not any(it.active and content_key(it) == key    # (rare: a walk
                                     for doc in docs.values() for it in doc.items):  # is fine)
         why = gone.deprecated if isinstance(gone.deprecated, dict) else {}
@@ -14598,7 +14618,8 @@ def record_need(content: Annotated[str, Field("What is missing, e.g. 'no runbook
 
 
 def recall(query: Annotated[str, Field(
-               "What you want to know or are about to touch, in plain words.")],
+               "What you want to know or are about to touch, in plain words (at most "
+               "2,000 characters).")],
            scope: Annotated[Literal["auto", "local", "team", "org"], Field(
                "auto (every readable scope) or one scope.")] = "auto",
            limit: Annotated[int, Field("Maximum number of results.",
@@ -14628,11 +14649,12 @@ def recall(query: Annotated[str, Field(
         raise InputError("query is empty; say what you are looking for.")
     query = valid_unicode(query)
     if len(query) > MAX_QUERY_CHARS:
-        raise InputError(f"query is {len(query)} characters; keep it under {MAX_QUERY_CHARS}.")
+        raise InputError(f"query is {len(query)} characters; keep it to {MAX_QUERY_CHARS} at "
+                         "most.", "query")
     query = plain_text(query).strip()            # as stored text is: "auto\u200bscaling" is
     if not query:                                # "autoscaling", mojibake repaired
         raise InputError("query holds only invisible or control characters; say what you "
-                         "are looking for.")
+                         "are looking for.", "query")
     check_arg(recall, "scope", scope)
     check_arg(recall, "limit", limit)
     check_arg(recall, "detail", detail)
