@@ -2531,9 +2531,9 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
     quick = ours or "/refs/" in path.as_posix() or path.name == "packed-refs.lock"
     try:
         made = path.lstat().st_mtime
-        future = made > time.time() + 1.0          # made on a clock since set back: a live
-        if (quick or future) and time.time() - made < REF_LOCK_STALE_S:   # git's is "now"
-            time.sleep(min(REF_LOCK_STALE_S, REF_LOCK_STALE_S - (time.time() - made)))
+        if quick and time.time() - made < REF_LOCK_STALE_S:   # (a ref's dated ahead, made
+            time.sleep(min(REF_LOCK_STALE_S, REF_LOCK_STALE_S - (time.time() - made)))  # on
+            #                           a clock set back since: waited 2 s, not until then)
             if path.lstat().st_mtime != made:
                 return None                        # another git's, taken again since
             return path                            # unchanged all that while: left over
@@ -10032,7 +10032,8 @@ _TELLS = (
     ("names a file", re.compile(
         rf"(?<![\w@])(?:[\w.\-]+/)*[\w\-]+\.(?:{_FILE_EXTS})\b"
         r"|\b[A-Za-z]:\\[^\s]+"
-        r"|(?<![\w@])(?:~/(?:[\w.\-]+/)*|(?:[\w.\-]+/)+)[\w.\-]+/?(?=\s|$|[,;:)])",
+        r"|(?<![\w@])(?:~/(?:[\w.\-]+/)*|(?:[\w.\-]+/)+)[\w.\-]+/?(?![\w.\-/])",  # (then a
+        #                      space, `, ", ', ], >, ?, !, ’: a path in backticks is one too)
         re.IGNORECASE)),
     ("names a test", re.compile(r"\btest_\w+|\bTest[A-Z]\w*")),
     ("cites a context-keeper id", re.compile(r"\b(?:dec|con|pipe)-\d{3,}(?:-[0-9a-f]{4})?\b",
