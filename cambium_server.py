@@ -4250,6 +4250,7 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     by = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
     changed = False
+    agent = next((a for a in by if same_agent(a, agent)), agent)   # (Ada is ada: one agent)
     last = by.get(agent)      # a last day later than tomorrow (a fast clock's) or unpadded
     if not isinstance(last, str) or not _credit_day_ok(last) or day > last:   # is none: it
         by[agent] = day                                  # held back every later real day
@@ -12485,8 +12486,12 @@ def same_agent(a: Any, b: Any) -> bool:
     """Whether two agent ids name one agent: compatibility forms and case
     aside ("Ada", "ada" and full-width "ＡＤＡ" endorsed one item three times,
     and "Ada" verified ada's own item as a peer) (pure)."""
-    return isinstance(a, str) and isinstance(b, str) and \
-        unicodedata.normalize("NFKC", a).casefold() == unicodedata.normalize("NFKC", b).casefold()
+    return isinstance(a, str) and isinstance(b, str) and agent_key(a) == agent_key(b)
+
+
+def agent_key(agent: Any) -> Any:
+    """An agent id as same_agent compares it (pure)."""
+    return unicodedata.normalize("NFKC", agent).casefold() if isinstance(agent, str) else agent
 
 
 def same_project(a: Any, b: Any) -> bool:
@@ -12548,8 +12553,8 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
     checked = stamp is not None and (now - stamp).days <= RECENTLY_VERIFIED_DAYS
     return bool(item.authority == "human" or item.authority_rank and checked  # "recently
                 or trust.get("endorsements") or recent          # verified": not for good
-                or len(set(trust.get("recalled_by") or {}) - {item.created_by})
-                >= VOUCHING_RECALLERS
+                or len({agent_key(a) for a in trust.get("recalled_by") or {}}
+                       - {agent_key(item.created_by)}) >= VOUCHING_RECALLERS
                 or len(trust.get("projects") or []) > 1)
 
 
@@ -15033,8 +15038,9 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     new = []
     for it in items:
         trust = effective_trust(it, pending)
-        already = (trust.get("recalled_by") or {}).get(cfg.agent) == day
-        in_projects = cfg.project in (trust.get("projects") or [])
+        already = any(same_agent(a, cfg.agent) and d == day
+                      for a, d in (trust.get("recalled_by") or {}).items())
+        in_projects = any(same_project(p, cfg.project) for p in trust.get("projects") or [])
         if (already and in_projects) or (it.id, cfg.agent, day) in seen:
             continue
         new.append({"item": it.id, "scope": it.scope, "agent": cfg.agent, "day": day,

@@ -6475,6 +6475,15 @@ def test_agent_ids_that_differ_in_case_or_width_are_one_agent(repo, monkeypatch)
     cs.verify_entry(item, note="holds for me too")
     (it,) = [i for i in local_items(repo) if i["id"] == item]
     assert it["authority"] == "verified"
+    mine = cs.Item(id="k-1", content="x", created_by="ada")       # credits and vouching too
+    for agent in ("ada", "Ada", "ＡＤＡ"):
+        mine = cs.credit(mine, agent, "2026-12-01", "")
+    assert mine.trust["recalls"] == 1 and list(mine.trust["recalled_by"]) == ["ada"]
+    mine = cs.credit(mine, "Bob", "2026-12-01", "")
+    assert not cs.vouched(mine, mine.trust, cs.datetime.now(cs.timezone.utc))   # one other
+    spelled = {"recalls": 3, "recalled_by": {"Ada": "2026-12-01", "ada": "2026-12-02",
+                                             "ＡＤＡ": "2026-12-03"}}      # (stored before)
+    assert not cs.vouched(mine, spelled, cs.datetime.now(cs.timezone.utc))
 
 
 def test_a_lock_a_stopped_process_holds_is_waited_for_a_bounded_time(repo):
