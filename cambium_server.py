@@ -11394,8 +11394,8 @@ def remote_key(url: str, repo: Path) -> str:
         url if "://" not in url and ":" not in url.split("/", 1)[0] else None
     if local is not None:
         return os.path.realpath(os.path.join(repo, os.path.expanduser(local)))
-    rest = url.split("://", 1)[-1].rsplit("@", 1)[-1] if "://" in url else \
-        url.split("@", 1)[-1].replace(":", "/", 1)
+    rest = re.sub(r"^([^/:]+):\d+/", r"\1/", url.split("://", 1)[-1].rsplit("@", 1)[-1]) \
+        if "://" in url else url.split("@", 1)[-1].replace(":", "/", 1)   # (a port aside)
     return rest.rstrip("/").removesuffix(".git").lower()
 
 
@@ -14239,7 +14239,7 @@ def _setup_org(org_repo: str, root: Path, agent_id: str) -> tuple[dict | None, P
     """setup's org_repo: (the offer for a GitHub owner/name, the clone's path),
     refused as an InputError when the clone cannot be the org clone."""
     org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
-    remote = os.environ.get("CAMBIUM_REMOTE") or DEFAULTS["CAMBIUM_REMOTE"]
+    remote = resolve_config().remote         # (the env's, else the config file's, else origin)
     if org_path and (clash := org_clone_problem(org_path, root) or _holds_code(org_path)
                      or org_remote_problem(org_path, root, remote, ORG_HEAD_ASK_S)):
         raise InputError(f"org_repo {org_path} {clash}", "org_repo")

@@ -6327,6 +6327,7 @@ def test_remote_key_spells_one_remote_one_way(tmp_path):
     gh = {cs.remote_key(u, tmp_path) for u in ("git@github.com:acme/kb.git",
                                                 "https://github.com/acme/kb",
                                                 "ssh://git@github.com/acme/kb.git/",
+                                                "ssh://git@github.com:22/acme/kb",
                                                 "https://bot@GitHub.com/acme/kb.git")}
     assert gh == {"github.com/acme/kb"}
     assert cs.remote_key("git@github.com:acme/other.git", tmp_path) != gh.pop()
