@@ -4508,11 +4508,11 @@ def _one_per_agent(mine: Any, theirs: Any) -> Any:
         if not isinstance(by, str):
             if e not in out:
                 out.append(e)
-        elif by not in at:
-            at[by] = len(out)
+        elif (key := agent_key(by)) not in at:              # (Ada is ada: one agent)
+            at[key] = len(out)
             out.append(e)
-        elif str(e.get("at", "")) > str(out[at[by]].get("at", "")):
-            out[at[by]] = e
+        elif str(e.get("at", "")) > str(out[at[key]].get("at", "")):
+            out[at[key]] = e
     return out
 
 
@@ -4571,13 +4571,15 @@ def carried_over(above: Item, below: Item) -> Item | None:
     or superseded). None when above lacks none of it (pure). Only adds: for a
     copy another clone moved up while this one changed the source."""
     out: dict[str, Any] = {}
-    mine = {e.get("by"): e for e in above.trust.get("endorsements") or [] if isinstance(e, dict)}
+    mine = {agent_key(e.get("by")): e for e in above.trust.get("endorsements") or []
+            if isinstance(e, dict)}                   # (one agent however spelled)
     theirs = [e for e in below.trust.get("endorsements") or [] if isinstance(e, dict)
-              and (e.get("by") not in mine or str(e.get("at", "")) > str(mine[e.get("by")]
-                                                                         .get("at", "")))]
+              and ((k := agent_key(e.get("by"))) not in mine or
+                   str(e.get("at", "")) > str(mine[k].get("at", "")))]
     if theirs:
+        gone = {agent_key(t.get("by")) for t in theirs}
         kept = [e for e in above.trust.get("endorsements") or []
-                if not (isinstance(e, dict) and e.get("by") in {t.get("by") for t in theirs})]
+                if not (isinstance(e, dict) and agent_key(e.get("by")) in gone)]
         out["trust"] = {**above.trust, "endorsements": kept + theirs}
     more = [v for v in below.verifications or [] if v not in (above.verifications or [])]
     if more:
@@ -10733,7 +10735,8 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     fresh = [(m, t) for m, t in members if m.id not in done]
     if not members:
         return survivor
-    ends = {e.get("by"): e for e in trust.get("endorsements") or [] if isinstance(e, dict)}
+    ends = {agent_key(e.get("by")): e for e in trust.get("endorsements") or []
+            if isinstance(e, dict)}                   # (one agent however spelled)
     recalled = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
     recalls = merged_recalls([trust, *(t for _, t in fresh)])   # (credits: once only)
@@ -10741,9 +10744,9 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         later_days(recalled, t)
     for m, t in members:          # a member merged before brings what it gained since
         for e in t.get("endorsements") or []:
-            if isinstance(e, dict) and str(e.get("at", "")) >= str(ends.get(e.get("by"), {})
-                                                                   .get("at", "")):
-                ends[e.get("by")] = publishable_endorsement(e, survivor, m)
+            if isinstance(e, dict) and str(e.get("at", "")) >= str(
+                    ends.get(agent_key(e.get("by")), {}).get("at", "")):
+                ends[agent_key(e.get("by"))] = publishable_endorsement(e, survivor, m)
         if m.id in done:          # ... its agent-days since, counted (the rest were)
             recalls = min(recalls + later_days(recalled, t), MAX_TRUST_COUNT)
         projects += [p for p in t.get("projects") or [] if p not in projects]
@@ -12489,9 +12492,11 @@ def same_agent(a: Any, b: Any) -> bool:
     return isinstance(a, str) and isinstance(b, str) and agent_key(a) == agent_key(b)
 
 
-def agent_key(agent: Any) -> Any:
-    """An agent id as same_agent compares it (pure)."""
-    return unicodedata.normalize("NFKC", agent).casefold() if isinstance(agent, str) else agent
+def agent_key(agent: Any) -> str:
+    """An agent id as same_agent compares it; anything else a hand wrote (a
+    list, a number, none) as a key no id can be (pure)."""
+    return unicodedata.normalize("NFKC", agent).casefold() if isinstance(agent, str) else \
+        f"\0{agent!r}"
 
 
 def same_project(a: Any, b: Any) -> bool:
@@ -13532,10 +13537,10 @@ def _keeps_more(member: Item, survivor: Item) -> bool:
     Superseded, the member would keep them where nothing reads them (pure)."""
     if days_left_behind(member, survivor):
         return True
-    have = {e.get("by"): str(e.get("at", "")) for e in survivor.trust.get("endorsements") or []
-            if isinstance(e, dict)}
-    if any(isinstance(e, dict) and (e.get("by") not in have or str(e.get("at", ""))
-                                    > have[e.get("by")])
+    have = {agent_key(e.get("by")): str(e.get("at", ""))
+            for e in survivor.trust.get("endorsements") or [] if isinstance(e, dict)}
+    if any(isinstance(e, dict) and ((k := agent_key(e.get("by"))) not in have or
+                                    str(e.get("at", "")) > have[k])
            for e in member.trust.get("endorsements") or []):
         return True
     checks = survivor.verifications or []

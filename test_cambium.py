@@ -6485,6 +6485,14 @@ def test_agent_ids_that_differ_in_case_or_width_are_one_agent(repo, monkeypatch)
     spelled = {"recalls": 3, "recalled_by": {"Ada": "2026-12-01", "ada": "2026-12-02",
                                              "ＡＤＡ": "2026-12-03"}}      # (stored before)
     assert not cs.vouched(mine, spelled, cs.datetime.now(cs.timezone.utc))
+    old = cs.Item(id="k-2", content="y", trust={"endorsements": [       # merged copies: one
+        {"by": "Ada", "note": "a", "at": "2026-12-01T00:00:00Z"}]})    # endorsement an agent
+    new = cs.Item(id="k-2", content="y", trust={"endorsements": [
+        {"by": "ada", "note": "b", "at": "2026-12-02T00:00:00Z"}, {"by": ["odd"], "at": "x"}]})
+    merged = cs.carried_over(old, new)
+    assert [e["note"] for e in merged.trust["endorsements"] if e.get("by") != ["odd"]] == ["b"]
+    assert [e["by"] for e in cs._one_per_agent(old.trust["endorsements"],
+                                               new.trust["endorsements"])] == ["ada", ["odd"]]
 
 
 def test_a_lock_a_stopped_process_holds_is_waited_for_a_bounded_time(repo):
