@@ -456,8 +456,8 @@ def _parse_ts(value: str | None) -> datetime | None:
     if not value or not isinstance(value, str):
         return None
     try:
-        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+        dt = datetime.fromisoformat(_LEAP_SECOND.sub(r"\g<1>59", value.replace("Z", "+00:00")))
+    except ValueError:                     # (a leap second, 23:59:60, read as 23:59:59)
         return None
     dt = dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
     return None if dt > datetime.now(timezone.utc) + timedelta(days=1) else dt
@@ -468,6 +468,9 @@ def time_key(value: Any) -> float:
     one later than tomorrow or unreadable sorts first, -inf) (pure)."""
     dt = _parse_ts(value)
     return dt.timestamp() if dt is not None else float("-inf")
+
+
+_LEAP_SECOND = re.compile(r"(T23:59:)60(?=\D|$)")
 
 
 def _new_id() -> str:
@@ -12406,6 +12409,8 @@ MAX_PRIMER_LIMIT = 100
 PRIMER_TOKEN_BUDGET = 1500         #: ~4 characters a token
 PREMISE_STALE_DAYS = 30            #: a valid_while unchecked this long deserves a re-check
 RECENTLY_VERIFIED_DAYS = 90
+RECENTLY_VERIFIED = timedelta(days=RECENTLY_VERIFIED_DAYS)   #: to the second (90 days and 23
+                                                             #: hours is not within 90 days)
 PITFALL_KINDS = frozenset({"pitfall", "constraint", "gotcha", "warning", "trap", "caveat"})
 #: (section, heading, share of the entry limit it is sure to get); a note nobody
 #: has vouched for yet (trust score 0) is no trusted note: it only fills room left
@@ -12440,7 +12445,7 @@ def trust_score(item: Item, trust: dict, now: datetime) -> float:
     filed as unvouched and could drop out of the primer), then endorsements,
     distinct agents who recalled it, projects that used it, a recent verification."""
     verified = _parse_ts(item.last_verified)
-    recent = verified is not None and (now - verified).days <= RECENTLY_VERIFIED_DAYS
+    recent = verified is not None and now - verified <= RECENTLY_VERIFIED
     return (AUTHORITY_WEIGHT * item.authority_rank
             + 3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
             + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
@@ -12553,9 +12558,9 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
     recent = [v for v in item.verifications or [] if isinstance(v, dict)
               and not same_agent(v.get("by"), item.created_by)   # (a promote: its author)
               and (at := _parse_ts(v.get("at"))) is not None
-              and (now - at).days <= RECENTLY_VERIFIED_DAYS]
+              and now - at <= RECENTLY_VERIFIED]
     stamp = _parse_ts(item.last_verified) if isinstance(item.last_verified, str) else None
-    checked = stamp is not None and (now - stamp).days <= RECENTLY_VERIFIED_DAYS
+    checked = stamp is not None and now - stamp <= RECENTLY_VERIFIED
     return bool(item.authority == "human" or item.authority_rank and checked  # "recently
                 or trust.get("endorsements") or recent          # verified": not for good
                 or len({agent_key(a) for a in trust.get("recalled_by") or {}}

@@ -6445,6 +6445,13 @@ def test_ordering_by_time_reads_offsets_and_never_lets_a_far_future_stamp_win():
                 created_at="2026-11-01T00:00:00Z")
     trust = {"recalls": 0, "endorsements": []}
     assert max((a, b, c), key=lambda i: cs.survivor_key(i, trust)).id == "k-b"
+    assert cs._parse_ts("2016-12-31T23:59:60Z") is not None       # a leap second is a time
+    now = cs.datetime.now(cs.timezone.utc)
+    for ago, vouches in ((cs.timedelta(days=90, hours=23), False), (cs.timedelta(days=89), True)):
+        at = (now - ago).isoformat()
+        it = cs.Item(id="k-v", content="x", created_by="ada",
+                     verifications=[{"by": "bob", "at": at, "note": "holds"}])
+        assert cs.vouched(it, {"recalls": 0}, now) is vouches, ago     # "in the last 90 days"
 
 
 def test_a_project_named_in_another_case_is_the_same_project_everywhere():
