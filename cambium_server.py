@@ -1587,16 +1587,23 @@ def _find_git_root(start: Path) -> Path | None:
         start = start.resolve()
     except OSError:
         return None
+    for p in _up_to_ceiling(start):
+        dotgit = p / ".git"
+        if (dotgit / "HEAD").exists() or (dotgit.exists() and not dotgit.is_dir()):
+            return p
+    return None
+
+
+def _up_to_ceiling(start: Path) -> Iterator[Path]:
+    """`start` (resolved) and the directories above it, as git walks them: never
+    up into a directory GIT_CEILING_DIRECTORIES lists."""
     ceilings = {os.path.realpath(c) for c in
                 os.environ.get("GIT_CEILING_DIRECTORIES", "").split(os.pathsep)
                 if os.path.isabs(c)}
     for n, p in enumerate((start, *start.parents)):
         if n and str(p) in ceilings:
-            return None
-        dotgit = p / ".git"
-        if (dotgit / "HEAD").exists() or (dotgit.exists() and not dotgit.is_dir()):
-            return p
-    return None
+            return
+        yield p
 
 
 @dataclass
@@ -1960,16 +1967,8 @@ def _git_dir_above(start: Path) -> Path | None:
     """The nearest directory at or above `start` that is itself a git
     directory (a bare repository, a clone's .git): HEAD, objects/ and refs/
     (no subprocess; GIT_CEILING_DIRECTORIES honoured as _find_git_root does)."""
-    start = start.resolve()
-    ceilings = {os.path.realpath(c) for c in
-                os.environ.get("GIT_CEILING_DIRECTORIES", "").split(os.pathsep)
-                if os.path.isabs(c)}
-    for n, p in enumerate((start, *start.parents)):
-        if n and str(p) in ceilings:
-            return None
-        if (p / "HEAD").is_file() and (p / "objects").is_dir() and (p / "refs").is_dir():
-            return p
-    return None
+    return next((p for p in _up_to_ceiling(start.resolve()) if (p / "HEAD").is_file()
+                 and (p / "objects").is_dir() and (p / "refs").is_dir()), None)
 
 
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
@@ -9772,8 +9771,8 @@ class _Revising:
         entry edited back to words an earlier item of it holds brings that item
         back, with its trust (not a new item beside it)."""
         for old in self.doc.items:
-            t = self.cur(old.id)
-            if old.id in self.live and (distill_retired(t) or distill_superseded(t)):
+            if old.id in self.live and (distill_retired(t := self.cur(old.id)) or
+                                        distill_superseded(t)):
                 self.out[old.id] = dataclasses.replace(
                     t, status="active", deprecated=None, superseded_by=None,
                     updated_at=self.now, source={**t.source, "revived": {
@@ -10545,7 +10544,7 @@ def survivor_key(item: Item, trust: dict) -> tuple:
     (merged_survivor)."""
     return (SCOPE_RANK.get(item.scope, 0), item.authority_rank,
             len(trust.get("endorsements") or []), int(trust.get("recalls") or 0),
-            time_key(item.updated_at) if _parse_ts(item.updated_at) else
+            t if (t := time_key(item.updated_at)) > float("-inf") else
             time_key(item.created_at), item.id)      # (by time: a hand's 9999 never wins)
 
 
@@ -12484,9 +12483,8 @@ def org_item_relevant(item: Item, project: str, tags: set[str],
     came from here, a credit says so, or a session here was shown it by a
     recall or expand: recalls of org items earn no credit) or its tags match
     the project's."""
-    mine = project.casefold()          # (one repo reached as Shop.git and shop.git)
-    return same_project(item.project, mine) or any(
-        same_project(p, mine) for p in item.trust.get("projects") or []) \
+    return same_project(item.project, project) or any(   # (Shop.git and shop.git: one)
+        same_project(p, project) for p in item.trust.get("projects") or []) \
         or item.id in used or bool(tags & set(item.tags))
 
 
@@ -14334,6 +14332,9 @@ def _scaffold_local(root: Path) -> list[str]:
     return []
 
 
+_NOT_THERE = (None, "not in the working tree")   #: _resolve_one's why for a missing file
+
+
 def anchor_warnings(anchors: list[dict]) -> list[str]:
     """What capture says of its resolved anchors (pure): a file that is not in
     the working tree (the item is stale_code until it is), apart from a name
@@ -14341,12 +14342,11 @@ def anchor_warnings(anchors: list[dict]) -> list[str]:
     def named(a: dict) -> str:
         return a["path"] + (f"#{a['symbol']}" if a.get("symbol") else "")
     out = []
-    unresolved = [a for a in anchors if not a["resolved"]]
-    if missing := [named(a) for a in unresolved if a.get("why") in (None, "not in the working "
-                                                                    "tree")]:
+    gone = [a for a in anchors if not a["resolved"] and a.get("why") in _NOT_THERE]
+    if missing := [named(a) for a in gone]:
         out.append(f"code_refs {', '.join(missing[:3])} do not resolve in the working tree now "
                    "(a typo? not written yet?): a file that is missing makes the item stale_code")
-    for a in (a for a in unresolved if a.get("why") not in (None, "not in the working tree")):
+    for a in (a for a in anchors if not a["resolved"] and a not in gone):
         there = "the file is there but cannot be read now (its permissions?)" if str(
             a["why"]).startswith("unreadable") else f"it is {a['why']}"
         out.append(f"code_refs {named(a)}: {there}; until it resolves, the item reads as "
@@ -16256,8 +16256,9 @@ def restore(path: Annotated[str, Field(
     Merges the items of a quarantine file or of a moved-aside knowledge.json
     into the local store with their ids, status, type, trust, endorsements and
     provenance, beside what was captured since; a live item keeps its words and
-    status, the copy's endorsements added (live_kept: said otherwise). Idempotent. When every line came
-    back, the file is renamed *.restored and the warnings about it stop.
+    status, the copy's endorsements added (live_kept: said otherwise).
+    Idempotent. When every line came back, the file is renamed *.restored and
+    the warnings about it stop.
     """
     cfg = require_config()
     p = Path(expand_user(path_arg("path", path)))
@@ -17351,13 +17352,15 @@ def _fold_on_exit(scopes: Iterable[str] = CREDIT_SCOPES, *, warm: bool = False) 
     (the server: every scope's, then the next primer made; the CLI: local, its
     own recall's, and org, those its own writes sent up: climb_credits)."""
     token = LOCK_WAIT.set(EXIT_LOCK_WAIT_S)  # (a store another process holds: the credits
-    with contextlib.suppress(CambiumError, OSError):   # stay journaled, the process ends)
-        cfg = resolve_config()
-        if cfg.configured:
-            _fold_quietly(cfg, "stay journaled", scopes)
-            if warm:
-                warm_primer(cfg)
-    LOCK_WAIT.reset(token)
+    try:                                     # stay journaled, and the process ends)
+        with contextlib.suppress(CambiumError, OSError):
+            cfg = resolve_config()
+            if cfg.configured:
+                _fold_quietly(cfg, "stay journaled", scopes)
+                if warm:
+                    warm_primer(cfg)
+    finally:
+        LOCK_WAIT.reset(token)
 
 
 EXIT_LOCK_WAIT_S = 2.0   #: the fold a process makes as it ends waits this long for a lock
