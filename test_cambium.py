@@ -13439,6 +13439,23 @@ def test_distill_brings_back_the_item_of_an_entry_edited_back_with_its_trust(rep
     assert [i.id for i in _items_by_ref("dec-001") if i.active] == [first.id]
 
 
+def test_distill_takes_the_newer_claim_state_by_time_not_by_text(tmp_path, monkeypatch):
+    """A claim state stamped 15:00+05:30 (09:30Z) was taken for newer than the
+    state after it, stamped 10:00Z, comparing the stamps as text: both stayed live."""
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    write_board(clone, {"ann": {**DONE_CLAIM, "updated_at": "2026-11-30T15:00:00+05:30"}})
+    cs.distill()
+    write_board(clone, {"ann": {**DONE_CLAIM, "note": "correction: tests were flaky",
+                                "updated_at": "2026-11-30T10:00:00Z"}})
+    cs.distill()
+    outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("system") == "agentsync"]
+    assert [("flaky" in i.content, i.status) for i in outs] == [(False, "superseded"),
+                                                                (True, "active")]
+
+
 def test_distill_keeps_one_live_item_per_claim_and_records_a_second_source(
         tmp_path, monkeypatch):
     """D2: the same done claim with a new note left two active outcomes (the
