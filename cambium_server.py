@@ -16256,9 +16256,8 @@ def restore(path: Annotated[str, Field(
     Merges the items of a quarantine file or of a moved-aside knowledge.json
     into the local store with their ids, status, type, trust, endorsements and
     provenance, beside what was captured since; a live item keeps its words and
-    status, the copy's endorsements added (live_kept: said otherwise).
-    Idempotent. When every line came back, the file is renamed *.restored and
-    the warnings about it stop.
+    status, the copy's endorsements added (live_kept: said otherwise). Idempotent.
+    Every line back: the file is renamed *.restored, its warnings stop.
     """
     cfg = require_config()
     p = Path(expand_user(path_arg("path", path)))
