@@ -1578,20 +1578,67 @@ def dotgit_problem(root: Path) -> str | None:
 
 
 def _find_git_root(start: Path) -> Path | None:
-    """Nearest directory at or above `start` that git takes for a clone (no
-    subprocess): a .git directory holding HEAD (git walks past an empty or
-    stray one, and so does this), or a .git file (a worktree or submodule;
-    one whose gitdir is gone is still the root: git stops there and refuses).
-    Like git, it never walks up into a directory GIT_CEILING_DIRECTORIES lists."""
+    """Nearest directory at or above `start` that git takes for a clone with a
+    work tree (no subprocess), else None: see _clone_above."""
     try:
-        start = start.resolve()
+        return _clone_above(start.resolve())[0]
     except OSError:
         return None
+
+
+def _clone_above(start: Path) -> tuple[Path | None, bool]:
+    """(the clone `start` is in, whether it is in a git repository with no work
+    tree instead), as git finds them walking up (no subprocess): a .git
+    directory holding HEAD (git walks past an empty or stray one, and so does
+    this), or a .git file (a worktree or submodule; one whose gitdir is gone is
+    still the root: git stops there and refuses). A git directory met on the
+    way that is no clone's .git (a bare repository nested in a clone's tree, a
+    submodule's directory under .git/modules) stops the walk, and so does a .git
+    file naming a bare repository: the clone around them is not theirs. Like
+    git, it never walks up into a directory GIT_CEILING_DIRECTORIES lists."""
     for p in _up_to_ceiling(start):
+        if p.name != ".git" and _is_git_dir(p):
+            return None, True
         dotgit = p / ".git"
-        if (dotgit / "HEAD").exists() or (dotgit.exists() and not dotgit.is_dir()):
-            return p
-    return None
+        if (dotgit / "HEAD").exists():
+            return p, False
+        if dotgit.exists() and not dotgit.is_dir():
+            return (None, True) if _gitfile_names_bare(p) else (p, False)
+    return None, False
+
+
+def _is_git_dir(p: Path) -> bool:
+    """Whether `p` is itself a git directory (HEAD, objects/ and refs/)."""
+    return (p / "HEAD").is_file() and (p / "objects").is_dir() and (p / "refs").is_dir()
+
+
+def _gitfile_names_bare(root: Path) -> bool:
+    """Whether the .git file at `root` names a bare repository (core.bare in
+    its config: a bare clone with worktrees beside it, where git at `root` says
+    "must be run in a work tree"); a worktree's or a submodule's git dir is not."""
+    try:
+        head = read_regular(root / ".git", 4096).decode("utf-8", "replace")
+        target = root / head.split("gitdir:", 1)[1].strip()
+        if (target / "commondir").exists():
+            return False
+        config = read_regular(target / "config", 1 << 16).decode("utf-8", "replace")
+    except (OSError, ValueError, IndexError):
+        return False
+    return _core_bare(config)
+
+
+def _core_bare(config: str) -> bool:
+    """core.bare from a git config file's text (true, yes, on or 1)."""
+    section, bare = "", False
+    for line in config.splitlines():
+        line = line.split("#", 1)[0].split(";", 1)[0].strip()
+        if line.startswith("["):
+            section = line.strip("[] \t").split()[0].lower() if line.strip("[] \t") else ""
+        elif section == "core" and "=" in line:
+            key, value = (x.strip().lower() for x in line.split("=", 1))
+            if key == "bare":
+                bare = value in ("true", "yes", "on", "1")
+    return bare
 
 
 def _up_to_ceiling(start: Path) -> Iterator[Path]:
@@ -1963,14 +2010,6 @@ CWD_BARE = ("this process's working directory is in a git repository with no wor
             "cambium binds no other repo in its place")
 
 
-def _git_dir_above(start: Path) -> Path | None:
-    """The nearest directory at or above `start` that is itself a git
-    directory (a bare repository, a clone's .git): HEAD, objects/ and refs/
-    (no subprocess; GIT_CEILING_DIRECTORIES honoured as _find_git_root does)."""
-    return next((p for p in _up_to_ceiling(start.resolve()) if (p / "HEAD").is_file()
-                 and (p / "objects").is_dir() and (p / "refs").is_dir()), None)
-
-
 def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """Resolve every setting: env (non-empty) > config file > default.
 
@@ -1990,8 +2029,8 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     root, gone = None, None
     if not _given(env.get("CAMBIUM_REPO")):
         try:
-            root = _find_git_root(cwd or Path.cwd())
-            if root is None and _git_dir_above(cwd or Path.cwd()):
+            root, bare = _clone_above((cwd or Path.cwd()).resolve())
+            if root is None and bare:
                 gone = CWD_BARE      # a bare repo: a git repo, so not the file's either
         except OSError:              # the working directory was deleted under the process
             gone = CWD_GONE

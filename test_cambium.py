@@ -1318,6 +1318,32 @@ def test_a_process_working_in_a_bare_repository_binds_no_repo(tmp_path, monkeypa
         "distill_last" not in (a / ".cambium" / "knowledge.json").read_text()
 
 
+def test_a_bare_repository_inside_a_clone_or_behind_a_gitfile_binds_no_repo(tmp_path):
+    """A working directory in a bare repository nested in a clone's tree
+    (vendor/lib.git), in a bare clone that worktrees hang off (proj/.git a
+    gitfile naming proj/.bare), or in a submodule's directory under
+    .git/modules bound the clone around it, and a capture there wrote into that
+    clone's store; git says each has no work tree there."""
+    a = make_repo(tmp_path, "alpha")
+    nested = a / "vendor" / "lib.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(nested)], check=True)
+    proj = tmp_path / "proj"
+    subprocess.run(["git", "clone", "-q", "--bare", str(a), str(proj / ".bare")], check=True)
+    (proj / ".git").write_text("gitdir: ./.bare\n")
+    git(proj, "worktree", "add", "-q", str(proj / "main"), "main")
+    modules = a / ".git" / "modules" / "sub"
+    subprocess.run(["git", "init", "-q", "--bare", str(modules)], check=True)
+    git(modules, "config", "core.bare", "false")
+    for where in (nested, nested / "refs", proj, modules):
+        cfg = cs.resolve_config(env={"HOME": str(tmp_path / "home")}, cwd=where)
+        assert cfg.repo is None, where
+        assert "no work tree" in cs.config_gaps(cfg)[0]["cost"], where
+    home = {"HOME": str(tmp_path / "home")}
+    assert cs.resolve_config(env=home, cwd=proj / "main").repo == (proj / "main").resolve()
+    assert cs.resolve_config(env=home, cwd=a / ".git" / "refs").repo == a.resolve()
+    assert cs.resolve_config(env=home, cwd=a / "vendor").repo == a.resolve()
+
+
 def test_an_empty_dot_git_is_walked_past_and_a_broken_worktree_is_named(tmp_path):
     """An empty .git in a vendored folder bound that folder (git uses the repo
     around it); a worktree whose main clone moved was served, its project named
