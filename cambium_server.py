@@ -4747,7 +4747,11 @@ class GitStore(Store):
                     binary=binary)
 
     def _stamp(self) -> Path:
-        return self._meta_dir() / f"fetched-{self.scope}-{self.branch.replace('/', '_')}"
+        """The fetch stamp of this branch through this remote, like the private
+        ref: one remote's failed fetch held every other remote's reads back."""
+        remote = hashlib.sha1(self.remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        return self._meta_dir() / \
+            f"fetched-{self.scope}-{self.branch.replace('/', '_')}-{remote}"
 
     def _failed_stamp(self) -> Path:
         stamp = self._stamp()
@@ -5027,7 +5031,8 @@ class GitStore(Store):
                 self.git("update-ref", "-d", self.ref, check=False)
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
-        self._note_rewind(before)
+        if not self._remote_moved(before):
+            self._note_rewind(before)
         self._touch_stamp()
         with contextlib.suppress(OSError):
             self._failed_stamp().unlink()
@@ -5036,6 +5041,37 @@ class GitStore(Store):
             self._state.fetch_error = None
             self._state.tip_known = False
 
+    def _remote_moved(self, before: str | None) -> bool:
+        """Whether the remote's URL changed since the last fetch (a fork's
+        `git remote rename origin upstream; git remote add origin <fork>`) and
+        the branch fetched now does not descend from the tip read there: another
+        repository, not a force push. Warns so, once, and keeps no rewound tip
+        (that advice would have copied every team item into the fork). The URL
+        read at each fetch is kept beside the stamp."""
+        url = self.git("config", "--get", f"remote.{self.remote}.url",
+                       check=False).stdout.strip()
+        seen = self._stamp().with_name(self._stamp().name + ".url")
+        try:
+            known = seen.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            known = ""
+        if url and url != known:
+            with contextlib.suppress(OSError):
+                atomic_write(seen, url + "\n", durable=False)
+        if not (url and known and url != known and before and self._left_behind(before)):
+            return False
+        self._warnings.append(
+            f"{self.remote} now points at {url}, not at {known} where cambium last read the "
+            f"{self.scope} scope: another repository, so its items are read from there now; "
+            f"what {known} holds stays there")
+        return True
+
+    def _left_behind(self, before: str) -> bool:
+        """Whether the fetched tip no longer descends from `before`."""
+        now = self.local_tip()
+        return not (now == before or now and self.git(
+            "merge-base", "--is-ancestor", before, now, check=False).returncode == 0)
+
     def _note_rewind(self, before: str | None) -> None:
         """Keep the tip fetched before (`<ref>-rewound`) when the branch no longer
         descends from it: a force push (an old clone's `push --force --all`) or a
@@ -5043,12 +5079,9 @@ class GitStore(Store):
         (a write applies only its own change on what the branch holds); reads
         name what it lost until it holds them again (rewound_items), and the
         kept tip is where a person brings them back from."""
-        if not before or not self.rewinds:
+        if not before or not self.rewinds or not self._left_behind(before):
             return
         now = self.local_tip()
-        if now == before or now and self.git("merge-base", "--is-ancestor", before, now,
-                                             check=False).returncode == 0:
-            return
         if not self._kept(self._rewound_ref):
             self.git("update-ref", self._rewound_ref, before, check=False)
             if now:                               # (the tip the rewind left: what changed

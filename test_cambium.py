@@ -3565,8 +3565,9 @@ def test_a_linked_worktree_keeps_fetch_stamps_and_locks_in_the_common_git_dir(sh
     assert git(wt, "status", "--porcelain", "--untracked-files=all") == before
     assert not (wt / "cambium").exists()
     meta = a / ".git" / "cambium"
-    assert (meta / "fetched-team-cambium").is_file() and (meta / "write-team-cambium.lock").exists()
-    assert _team_store(a)._stamp() == _team_store(wt)._stamp() == meta / "fetched-team-cambium"
+    assert _team_store(a)._stamp().is_file() and (meta / "write-team-cambium.lock").exists()
+    assert _team_store(a)._stamp() == _team_store(wt)._stamp()
+    assert _team_store(a)._stamp().parent == meta
 
 
 def test_promote_without_trust_is_not_eligible_and_threshold_works(shared, monkeypatch):
@@ -4922,6 +4923,51 @@ def test_a_failed_fetch_is_not_retried_by_every_process_for_a_while(shared):
     assert cs.endorse(item_id, note="still true")["status"] == "endorsed"   # writes fetch
     after = cli("recall", "idempotent queue consumers", **env)
     assert "may be behind" not in after.stdout, after.stdout  # the success cleared it
+
+
+def test_a_failed_fetch_through_one_remote_holds_back_no_other_remote(shared):
+    """The fetch stamps were named by scope and branch alone: one failed
+    fetch through origin made reads through upstream answer from an old tip
+    for five minutes, blaming origin, and a fetch through one made the other
+    look fresh."""
+    a = shared["a"]
+    git(a, "remote", "add", "upstream", str(shared["origin"]))
+    item_id = _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote()
+    env = {"CAMBIUM_FETCH_INTERVAL": "0.001"}
+    assert item_id in cli("recall", "idempotent queue consumers", CAMBIUM_REMOTE="upstream",
+                          **env).stdout
+    git(a, "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    failed = cli("recall", "idempotent queue consumers", **env)
+    assert "may be behind" in failed.stdout
+    up = cli("recall", "idempotent queue consumers", CAMBIUM_REMOTE="upstream", **env)
+    assert item_id in up.stdout and "origin" not in up.stdout and "behind" not in up.stdout
+
+
+def test_a_remote_pointed_at_another_repository_is_no_force_push(shared):
+    """After a fork's `git remote rename origin upstream; git remote add origin
+    <fork>`, the fork's team branch was taken for a force push of origin's:
+    every item "gone", kept in a -rewound ref, with advice to promote them
+    all again into the fork. It is another repository: said so, nothing kept."""
+    a = shared["a"]
+    _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote()
+    assert cs.recall("idempotent queue consumers")["results"]
+    fork = make_origin(shared["tmp"], "fork")
+    other = clone(fork, shared["tmp"] / "forker")
+    git(other, "checkout", "-q", "--orphan", "cambium")
+    git(other, "rm", "-rfq", ".")
+    (other / "knowledge.json").write_text('{"cambium": 1, "items": []}\n')
+    git(other, "add", "knowledge.json")
+    git(other, "commit", "-qm", "the fork's own team store")
+    git(other, "push", "-q", "origin", "cambium")
+    git(a, "remote", "rename", "origin", "upstream")
+    git(a, "remote", "add", "origin", str(fork))
+    out = cs.recall("idempotent queue consumers")
+    warnings = " ".join(out.get("warnings", []))
+    assert "now points at" in warnings and "rewound" not in warnings, warnings
+    assert "rewound" not in git(a, "for-each-ref", "refs/cambium/team/origin/")
+    assert not any("rewound" in w for w in cs.recall("idempotent").get("warnings", []))
 
 
 def test_status_reports_scopes_and_reachability(shared, monkeypatch):
