@@ -1561,9 +1561,9 @@ def dotgit_problem(root: Path) -> str | None:
     (no subprocess): a .git file whose `gitdir:` is gone (a worktree whose main
     clone moved), or no .git at all. git refuses such a clone, so cambium
     serves none of it rather than guess its project from the directory name."""
-    dotgit = root / ".git"
-    if dotgit.is_dir():
-        return None if (dotgit / "HEAD").exists() else "its .git directory holds no HEAD"
+    dotgit = root / ".git"       # (os.path's checks: a 300-character name raised from Path's)
+    if os.path.isdir(dotgit):
+        return None if os.path.exists(dotgit / "HEAD") else "its .git directory holds no HEAD"
     try:
         head = read_regular(dotgit, 4096).decode("utf-8", "replace")
     except (OSError, ValueError):            # (ValueError: a path no file system can hold)
@@ -1571,7 +1571,7 @@ def dotgit_problem(root: Path) -> str | None:
     target = head.split("gitdir:", 1)[1].strip() if head.startswith("gitdir:") else ""
     if not target:
         return "its .git file is no gitdir link git can read"
-    if not (root / target / "HEAD").exists():
+    if not os.path.exists(root / target / "HEAD"):
         return (f"its .git points to {target}, which does not exist (was the main clone "
                 "moved? `git worktree repair` there fixes it)")
     return None
@@ -6162,13 +6162,13 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
             continue
         source = f"{key} ({cfg.origins.get(key)})"
         path = Path(value)
-        if cfg.origins.get(key) == "file" and cfg.repo and (path / ".git").exists() and \
+        if cfg.origins.get(key) == "file" and cfg.repo and os.path.exists(path / ".git") and \
                 not _same_project(path, cfg.repo, t):
             note_for_call(f"{key}={path} comes from the user-wide {cfg.config_file} and is "
                           "neither this project's clone nor a clone of its remote: its board's "
                           "claims are read into this project. If it is another project's, set "
                           f"{key} in this project's server and hook environment instead")
-        if not (path / ".git").exists():
+        if not os.path.exists(path / ".git"):
             return Board(None, source, branch, remote, "misconfigured",
                          f"{key}={path} is not a git clone, so there is no board to read",
                          f"point {key} at a clone of the repo agentsync coordinates through")
@@ -11415,7 +11415,7 @@ def _org_store(cfg: Config) -> GitStore:
     org = cfg.org_repo
     if org is None:
         raise ScopeOff(f"org scope is off: set CAMBIUM_ORG_REPO ({org_setup_call(cfg)}).")
-    if not (org / ".git").exists():
+    if not os.path.exists(org / ".git"):
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")
     if cfg.repo is not None and (problem := org_clone_problem(org, cfg.repo)):
@@ -14277,10 +14277,10 @@ def _project_root(project_repo: str) -> Path:
     """The git root of setup's project_repo, or InputError saying what is wrong."""
     path_arg("project_repo", project_repo)
     path = Path(expand_user(project_repo or "")).resolve() if project_repo else None
-    if path is None or not path.exists():
+    if path is None or not os.path.exists(path):
         raise InputError(f"project_repo {project_repo!r} does not exist; pass the absolute "
                          "path of your project's git clone.", "project_repo")
-    if not path.is_dir():
+    if not os.path.isdir(path):
         raise InputError(f"project_repo {path} is not a directory.", "project_repo")
     root = git_toplevel(path)
     if root is None and _in_git_dir(path):        # a .git dir: its clone, as the binding reads it
@@ -14331,15 +14331,15 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
     """(offer of commands, None) for an owner/name; (None, path) for a local
     clone. The offer's `then` is setup() again for root and agent."""
     candidate = Path(expand_user(path_arg("org_repo", org_repo)))
-    if candidate.is_absolute() and candidate.exists():
-        root = git_toplevel(candidate) if candidate.is_dir() else None
+    if candidate.is_absolute() and os.path.exists(candidate):
+        root = git_toplevel(candidate) if os.path.isdir(candidate) else None
         if root is None:
             raise InputError(f"org_repo {candidate} is not a git clone"
-                             f"{'' if candidate.is_dir() else ' (not even a directory)'}: "
+                             f"{'' if os.path.isdir(candidate) else ' (not even a directory)'}: "
                              "pass the path of your clone of the org knowledge repo, or its "
                              "GitHub owner/name.", "org_repo")
         return None, root
-    if not candidate.is_absolute() and candidate.is_dir():   # (it read as an owner/name)
+    if not candidate.is_absolute() and os.path.isdir(candidate):   # (it read as an owner/name)
         raise InputError(f"org_repo {org_repo!r} is a relative path: a folder of that name "
                          f"is here, so did you mean {candidate.resolve()}? Pass the clone's "
                          "absolute path (or, for GitHub, an owner/name no folder here has).",

@@ -1295,6 +1295,31 @@ def test_a_process_whose_working_directory_is_gone_binds_no_repo(tmp_path, monke
     assert cs.status()["configured"] is True
 
 
+def test_a_path_setting_with_a_name_too_long_is_a_gap_not_a_failure(repo, tmp_path,
+                                                                     monkeypatch):
+    """A path setting with a 300-character name (ENAMETOOLONG, which Path's
+    exists() and is_dir() raise) failed `status` as a file-system error, took
+    recall down for an org path, distill for a board path, and came out of
+    setup without naming its argument."""
+    long = str(tmp_path / ("x" * 300))
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", long)
+    monkeypatch.setenv("AGENTSYNC_BOARD_REPO", long)
+    cs.capture("Keep the local store readable", tags="store")
+    st = cs.status()
+    assert st["configured"] is True and st.get("status") != "error", st
+    assert cs.recall("local store readable")["results"]
+    out = cs.distill()
+    assert any("AGENTSYNC_BOARD_REPO" in str(w) for w in out.get("warnings", [])), out
+    monkeypatch.setenv("CAMBIUM_REPO", long)
+    st = cs.status()
+    assert st["configured"] is False and st["gaps"][0]["setting"] == "CAMBIUM_REPO"
+    for kw, bad in (({"project_repo": long}, "project_repo"),
+                    ({"project_repo": str(repo), "org_repo": long}, "org_repo")):
+        with pytest.raises(cs.InputError) as err:
+            cs.setup(agent_id="ada", **kw)
+        assert err.value.argument == bad
+
+
 def test_a_process_working_in_a_bare_repository_binds_no_repo(tmp_path, monkeypatch):
     """A working directory in a bare repository (a git repo with no work tree)
     bound the repo setup recorded, which only a process outside any git repo
