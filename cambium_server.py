@@ -4082,14 +4082,33 @@ def credits_path(cfg: Config) -> Path:
 
 
 def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Append bytes to a file and fsync them (the caller holds its lock)."""
-    fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    """Append whole lines to a journal and fsync them (the caller holds its
+    lock). All or nothing: a short write (a full disk, a file size limit) is
+    written on, and one that fails is cut back off and raised, so no partial
+    line is left for the next append to be glued onto (the next agent's credit
+    was lost so); a line a crash left torn is ended first."""
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
     try:
-        os.write(fd, data)
-        if sync:
-            os.fsync(fd)
+        start = os.lseek(fd, 0, os.SEEK_END)
+        if start and os.pread(fd, 1, start - 1) != b"\n":
+            data = b"\n" + data
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) or _no_room(path):]
+            if sync:
+                os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
     finally:
         os.close(fd)
+
+
+def _no_room(path: Path) -> int:
+    """A write that wrote nothing and said nothing: no room."""
+    raise OSError(errno.ENOSPC, "no byte could be written", str(path))
 
 
 def _adopt_legacy_journal(path: Path) -> None:
@@ -13328,8 +13347,7 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size > SHOWN_MAX_BYTES:
                     os.replace(path, path.with_name(SHOWN_FILE + ".1"))
-            with open(path, "a", encoding="utf-8", opener=open_regular) as f:
-                f.write(lines)       # (open_regular: a FIFO there must not block the answer)
+            _append_durably(path, lines.encode("utf-8"), sync=False)   # (whole lines)
     except OSError as e:
         print(f"cambium: usage attribution not journaled ({e.filename or path}: "
               f"{e.strerror or e})", file=sys.stderr, flush=True)

@@ -1343,6 +1343,33 @@ def test_a_process_working_in_a_bare_repository_binds_no_repo(tmp_path, monkeypa
         "distill_last" not in (a / ".cambium" / "knowledge.json").read_text()
 
 
+def test_a_journal_append_cut_short_leaves_no_line_the_next_is_glued_to(tmp_path):
+    """A credit append cut short by a file size limit (os.write wrote part and
+    said nothing) left a partial line; the next agent's credit was appended onto
+    it and never counted. Now the append is whole or cut back off and raised
+    (the recall warns), and a line a crash left torn is ended first."""
+    journal = tmp_path / "credits.jsonl"
+    record = {"item": "k-aaaaaaaaaaaa", "scope": "local", "agent": "ann", "day": "2026-12-06"}
+    cs.append_credits(journal, [record] * 40)
+    size = journal.stat().st_size
+    child = subprocess.run([sys.executable, "-c", f"""
+import json, resource, sys
+sys.path.insert(0, {str(SERVER.parent)!r})
+import cambium_server as cs
+resource.setrlimit(resource.RLIMIT_FSIZE, ({size} + 40, {size} + 40))
+try:
+    cs.append_credits(__import__("pathlib").Path({str(journal)!r}), [json.loads(sys.argv[1])] * 3)
+except OSError as e:
+    print("refused", e.errno)
+""", json.dumps(record)], capture_output=True, text=True, timeout=60)
+    assert child.stdout.startswith("refused"), child.stdout + child.stderr
+    assert journal.stat().st_size == size
+    with open(journal, "ab") as f:
+        f.write(b'{"item": "k-aaaaaaaaaaaa", "sco')            # a crash mid-append
+    cs.append_credits(journal, [dict(record, agent="bob")])
+    assert [c["agent"] for c in cs.read_credits(journal)] == ["ann"] * 40 + ["bob"]
+
+
 def test_a_bare_repository_inside_a_clone_or_behind_a_gitfile_binds_no_repo(tmp_path):
     """A working directory in a bare repository nested in a clone's tree
     (vendor/lib.git), in a bare clone that worktrees hang off (proj/.git a
