@@ -11034,7 +11034,7 @@ def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Patter
         return (re.compile(r"^[ \t]*" + n + r"[ \t]*\(\)", re.M),)
     if ext in SCRIPT_EXTS:
         return (re.compile(r"^[ \t]*(?:(?:async|static|get|set|public|private|protected|"
-                           r"override|abstract)[ \t]+)*\*?[ \t]*" + n + r"[ \t]*(?:<[^>\n]*>)?"
+                           r"override|abstract)[ \t]+)*(?:\*[ \t]*)?" + n + r"[ \t]*(?:<[^>\n]*>)?"
                            r"\([^;()\n]*\)[ \t]*(?::[^;{}=\n]*)?\{", re.M),)
     return ()
 
@@ -11098,9 +11098,10 @@ def _definition_kinds(name: str, ext: str) -> tuple[re.Pattern, ...]:
 
 @functools.lru_cache(maxsize=512)
 def _receiver_pattern(owner: str, name: str) -> re.Pattern:
-    """A Go method of `owner`: func (s *Srv) Serve."""
-    return re.compile(r"^[ \t]*func[ \t]+\([^)\n]*\b" + re.escape(owner) +
-                      r"\b[^)\n]*\)[ \t]*" + re.escape(name) + r"\b", re.M)
+    """A Go method of `owner`: func (s *Srv) Serve. The receiver's owner is
+    a lookahead: two runs of `[^)]*` around it split a long line every way."""
+    return re.compile(r"^[ \t]*func[ \t]+\((?=[^)\n]*\b" + re.escape(owner) +
+                      r"\b)[^)\n]*\)[ \t]*" + re.escape(name) + r"\b", re.M)
 
 
 class _Outline:
@@ -11201,12 +11202,18 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
 
 
 def path_stamp(root: str | Path, path: str) -> list:
-    """[mtime_ns, size] of a file under root; [] when it cannot be read."""
-    try:
-        st = os.stat(os.path.join(root, path))
-    except (OSError, ValueError):
-        return []
-    return [st.st_mtime_ns, st.st_size]
+    """[mtime_ns, size] of a file under root; [] when it cannot be read. The
+    file resolution reads: a name decomposed on disk too (stamped as always
+    missing, its anchor's cached line outlived every edit and its deletion)."""
+    forms = (path,) if path.isascii() else \
+        dict.fromkeys((path, *(unicodedata.normalize(f, path) for f in ("NFC", "NFD"))))
+    for form in forms:
+        try:
+            st = os.stat(os.path.join(root, form))
+        except (OSError, ValueError):
+            continue
+        return [st.st_mtime_ns, st.st_size]
+    return []
 
 
 def resolve_anchors(root: Path | None, refs: Any) -> list[dict]:
@@ -14985,9 +14992,11 @@ def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
     return out
 
 
-def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> dict:
+def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = None) -> dict:
     """The primer, with the ids of its entries under "ids"; the paths its
-    lines point at are added to `anchored` when given."""
+    lines point at go into `anchored` when given, each with its path_stamp
+    taken before it is resolved (taken after, an edit made meanwhile was
+    cached as seen)."""
     docs, warnings = read_scopes_offline(cfg)
     warnings += [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE,  # awaiting restore:
                                                knowledge_only=True)  # not "nothing known yet"
@@ -15006,10 +15015,12 @@ def _make_primer(cfg: Config, limit: int, anchored: set[str] | None = None) -> d
                                 corrected=correction_for(cfg, docs))
 
     def line_of(e: PrimerEntry) -> str:
-        anchors = anchors_for(cfg, e.item)
         if anchored is not None:
-            anchored.update(r["path"] for r in e.item.code_refs or () if isinstance(r, dict)
-                            and isinstance(r.get("path"), str))
+            for ref in e.item.code_refs or ():
+                if isinstance(ref, dict) and isinstance(ref.get("path"), str) and \
+                        ref["path"] not in anchored:
+                    anchored[ref["path"]] = path_stamp(cfg.repo or "", ref["path"])
+        anchors = anchors_for(cfg, e.item)
         line = item_line(e.item, trust=e.trust, anchors=anchors)
         if e.section == "premises":
             line += (f" · premise “{one_line(e.item.valid_while or '', 80)}” unchecked "
@@ -15070,10 +15081,10 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
             and all(path_stamp(cfg.repo, p) == st for p, st in held["anchored"].items()):
         out = dict(held["primer"])
     else:
-        anchored: set[str] = set()
+        anchored: dict[str, list] = {}
         out = _make_primer(cfg, limit, anchored)
         if key is not None and not out.get("warnings") and cfg.local_dir.is_dir():
-            stamps = {p: path_stamp(cfg.repo, p) for p in sorted(anchored)}
+            stamps = dict(sorted(anchored.items()))
             with contextlib.suppress(OSError):   # a cache: a full disk or a read-only
                 atomic_write(path, json_text(    # checkout still gets its digest
                     {"key": key, "primer": out, "anchored": stamps}))

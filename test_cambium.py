@@ -13085,6 +13085,20 @@ def test_find_definition_scans_each_line_once():
     assert time.process_time() - started < 3       # quadratic: minutes; linear: ~0.3 s
 
 
+def test_find_definition_splits_no_long_line_every_way():
+    """Two patterns split a long line every possible way before failing: a
+    script method's blanks (`^[ \\t]*...\\*?[ \\t]*name`: a line of 100,000
+    spaces then the name took 20 s, a SessionStart hook past its timeout) and a
+    Go receiver (`[^)]*` on both sides of the owner: `func (` and 32,000 words
+    took 31 s)."""
+    started = time.process_time()
+    assert cs.find_definition(" " * 200_000 + "total\n", "total", ".ts") is None
+    assert cs.find_definition("func (" + "Srv " * 32_000 + "\n", "Srv.total", ".go") is None
+    assert time.process_time() - started < 3       # quadratic: minutes; linear: ~0.1 s
+    assert cs.find_definition("class A {\n  async *total(a) {\n  }\n}\n", "total", ".ts") == 2
+    assert cs.find_definition("func (s *Srv) total() {\n}\n", "Srv.total", ".go") == 1
+
+
 def test_find_definition_reads_only_the_lines_that_hold_the_name():
     """Every pattern was tried at every offset of the file (a lookbehind before
     `^`), each over the whole file: a recall resolving anchors in a 2 MB file
@@ -14442,6 +14456,47 @@ def test_primer_hook_cache_follows_a_working_tree_edit(coderepo, tmp_path, monke
     src = coderepo / "src" / "billing.py"
     src.write_text("# moved\n# down\n" + src.read_text())      # no commit: HEAD is unchanged
     assert "src/billing.py:6" in _hook(tmp_path, payload).stdout
+
+
+def test_primer_hook_cache_follows_an_edit_of_a_file_named_decomposed(coderepo, tmp_path,
+                                                                        monkeypatch):
+    """A file named café.py decomposed on disk (a macOS checkout) was stamped
+    as always missing: the hook's cache kept its anchor's old line after the
+    definition moved, and after the file was deleted."""
+    import unicodedata
+    nfd = coderepo / unicodedata.normalize("NFD", "src/café.py")
+    nfd.write_text("x = 1\n\ndef total():\n    return 1\n")
+    cs.capture("Totals round half to even", kind="pitfall",
+               code_refs=[{"path": "src/café.py", "symbol": "total"}])
+    monkeypatch.delenv("CAMBIUM_REPO")
+    payload = json.dumps({"cwd": str(coderepo), "session_id": "s4", "source": "startup"})
+    def context() -> str:
+        return json.loads(_hook(tmp_path, payload).stdout)["hookSpecificOutput"][
+            "additionalContext"]
+    assert "café.py:3" in context()
+    nfd.write_text("x = 1\n" * 7 + "\ndef total():\n    return 1\n")
+    assert "café.py:9" in context()
+    nfd.unlink()
+    assert "café.py:9" not in context()
+
+
+def test_the_primer_cache_stamps_an_anchored_file_before_resolving_it(coderepo,
+                                                                     monkeypatch):
+    """The cache took each anchored file's stamp after the primer was made: a
+    save while it was made was cached as seen, and the next session start
+    served the old line."""
+    cs.capture("Ledger totals are computed once", kind="pitfall",
+               code_refs=[{"path": "src/billing.py", "symbol": "Ledger"}])
+    src, real = coderepo / "src" / "billing.py", cs.anchors_for
+
+    def saved_meanwhile(cfg, item):
+        out = real(cfg, item)
+        src.write_text("# moved\n# down\n" + src.read_text())       # an editor's save
+        return out
+    monkeypatch.setattr(cs, "anchors_for", saved_meanwhile)
+    assert "src/billing.py:4" in json.dumps(cs.cached_primer(cs.resolve_config(), 20))
+    monkeypatch.setattr(cs, "anchors_for", real)
+    assert "src/billing.py:6" in json.dumps(cs.cached_primer(cs.resolve_config(), 20))
 
 
 def test_cli_repeated_list_options_all_count(coderepo):
