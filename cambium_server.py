@@ -2555,6 +2555,10 @@ def _descendants(pid: int) -> list[int]:
 
 
 _LOCK_HELD = re.compile(r"Unable to create '([^']+\.lock)': File exists")
+#: A fetch whose destination ref another process of the clone moved after the
+#: fetch read it (another fetch, a push's ref update): a race, not a failure.
+_REF_MOVED = re.compile(r"cannot lock ref '[^']+': is at [0-9a-f]+ but expected [0-9a-f]+")
+REF_MOVED_RETRIES = 4
 REF_LOCK_STALE_S = 2.0      #: git holds a ref's lock for milliseconds: one this old is a crash's
 
 
@@ -2586,12 +2590,15 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
 
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
          input: str | None = None, env: dict | None = None, binary: bool = False,
-         own_locks: bool = False, retried: bool = False) -> subprocess.CompletedProcess:
+         own_locks: bool = False, retried: bool = False, raced: int = 0
+         ) -> subprocess.CompletedProcess:
     """Run one external command, bounded; raise GitError on failure or timeout.
     Output is text (bad bytes become U+FFFD), or with `binary` stdout's bytes.
     A git command refused by a lock file a crash left (stale_lock; `own_locks`:
     its `ours`) runs again once, the lock removed (every later write failed
-    until a person did)."""
+    until a person did). A fetch that lost a race for its destination ref to
+    another process of the clone (_REF_MOVED) runs again, a few times: it
+    failed writes with git_failed, and its failure stamp paused every reader."""
     try:
         proc = run_bounded(cmd, cwd=cwd, env=env or _git_env(cwd), timeout_s=timeout_s,
                            input=input.encode("utf-8") if input is not None else None)
@@ -2613,6 +2620,11 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
         note_for_call(f"removed {lock}, a git lock left by a process that ended mid-command")
         return _run(cmd, cwd, timeout_s, check=check, input=input, env=env, binary=binary,
                     retried=True)
+    if proc.returncode and "fetch" in cmd[:5] and raced < REF_MOVED_RETRIES \
+            and _REF_MOVED.search(proc.stderr):
+        time.sleep(0.02 * (raced + 1) * (1 + (time.monotonic_ns() % 997) / 997))
+        return _run(cmd, cwd, timeout_s, check=check, input=input, env=env, binary=binary,
+                    own_locks=own_locks, retried=retried, raced=raced + 1)
     if check and proc.returncode != 0:
         raise GitError(cmd, proc.returncode, proc.stderr or proc.stdout)
     return proc
@@ -5029,15 +5041,18 @@ class GitStore(Store):
     def _fetch_now(self) -> None:
         """Fetch the branch into the private ref (a missing branch clears it).
         While peers write here, git's auto maintenance is left to a quiet fetch
-        (it costs a process per fetch, in every attempt of a contended write)."""
+        (it costs a process per fetch, in every attempt of a contended write).
+        The processes of a clone fetch a branch in turn (a file lock beside the
+        stamp): git fails a fetch whose ref another fetch moved meanwhile."""
         quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # `fetching` held
         before = None
         with contextlib.suppress(CambiumError, OSError):
             before = self.local_tip()
         for _ in range(2):
-            proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
-                            "--quiet", "--no-tags", "--", self.remote,
-                            f"+refs/heads/{self.branch}:{self.ref}", check=False)
+            with file_lock(self._stamp().with_name("fetch-" + self._stamp().name)):
+                proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
+                                "--quiet", "--no-tags", "--", self.remote,
+                                f"+refs/heads/{self.branch}:{self.ref}", check=False)
             if proc.returncode == 0 or f"bad object {self.ref}" not in (proc.stderr or ""):
                 break
             self.git("update-ref", "-d", self.ref, check=False)   # names a commit that is

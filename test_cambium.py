@@ -4996,6 +4996,45 @@ def test_a_failed_fetch_through_one_remote_holds_back_no_other_remote(shared):
     assert item_id in up.stdout and "origin" not in up.stdout and "behind" not in up.stdout
 
 
+def test_fetches_of_one_clone_racing_each_other_and_pushes_all_land(shared):
+    """Two processes of one clone fetching at once: git fetch read the private
+    ref, another fetch moved it, and the first failed "cannot lock ref ... is
+    at X but expected Y": a write failed with git_failed, and its failure stamp
+    paused every reader. Fetches of a clone now take turns, and one that loses
+    to a push's ref update runs again."""
+    _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote()
+    b = shared["b"]
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    stop, errors, fetched = threading.Event(), [], []
+
+    def push() -> None:
+        for n in range(400):
+            if stop.is_set():
+                return
+            git(b, "commit", "-q", "--allow-empty", "-m", f"teammate {n}")
+            git(b, "push", "-q", "origin", "cambium")
+
+    def fetch() -> None:
+        store = _team_store(shared["a"])
+        while not stop.is_set():
+            try:
+                store._fetch_now()
+                fetched.append(1)
+            except cs.CambiumError as e:
+                errors.append(str(e))
+    threads = [threading.Thread(target=push)] + [threading.Thread(target=fetch)
+                                                   for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert len(fetched) > 20 and errors == [], errors[:2]
+
+
 def test_a_remote_pointed_at_another_repository_is_no_force_push(shared):
     """After a fork's `git remote rename origin upstream; git remote add origin
     <fork>`, the fork's team branch was taken for a force push of origin's:
