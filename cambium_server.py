@@ -13148,7 +13148,7 @@ def _live_keys(reads: list[SourceRead]) -> set[str]:
 def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
-    keys = _live_keys(sweep.reads)
+    keys = _live_keys(sweep.ours())   # a worktree's .context/ neither retires nor revives
     prepared = _branch_news(doc, sweep.prepared) if sweep.adding_only else sweep.prepared
     adm = admit(doc, prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys,
                 elsewhere=sweep.elsewhere)
@@ -13183,8 +13183,9 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
 
 
 def decided_here(reads: list[SourceRead], adding_only: bool) -> list[SourceRead]:
-    """The reads whose retirements this checkout decides: in a linked worktree
-    the board's (shared), not its branch's .context/ (the main checkout's)."""
+    """The reads whose retirements (and revivals) this checkout decides: in a
+    linked worktree the board's (shared), not its branch's .context/ (the main
+    checkout's): its live entries revived what the main checkout retired."""
     return [r for r in reads if not (adding_only and r.name == "context-keeper")]
 
 
@@ -13286,9 +13287,10 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     # .context/: its distill only adds, and the main checkout's revises and retires
     # (two branches' versions of one entry undid each other at every distill).
     adding_only = store_root(cfg.repo) != cfg.repo
-    elsewhere = plan_retirements(doc, _retire_reasons(decided_here(reads, adding_only)),
-                                 now=stamp, live=_live_ids(meta_map(doc.meta, "watermarks"),
-                                                           _live_keys(reads)))[2]
+    ours = decided_here(reads, adding_only)
+    elsewhere = plan_retirements(doc, _retire_reasons(ours), now=stamp,
+                                 live=_live_ids(meta_map(doc.meta, "watermarks"),
+                                                _live_keys(ours)))[2]
     moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
         else ([], [], [])
     store_warnings = [w for w in local.warnings if w not in seen_warnings]

@@ -3601,6 +3601,38 @@ def test_a_worktrees_distill_only_adds_so_two_branches_never_undo_each_other(sha
     assert ".cambium" not in git(a, "status", "--porcelain", "--untracked-files=all")
 
 
+def test_a_worktrees_distill_never_revives_what_the_main_checkout_retired(shared,
+                                                                          monkeypatch):
+    """A worktree's branch still held a decision the main checkout's .context/
+    had deprecated: the worktree's distill revived its item and the main
+    checkout's retired it again, at every distill (its live keys drove revival)."""
+    a, wt = shared["a"], shared["tmp"] / "wt"
+    git(a, "worktree", "add", "-q", "-b", "feat", str(wt))
+    cs.setup(str(wt), "ada")
+
+    def write(root: Path, status: str) -> None:
+        (root / ".context").mkdir(exist_ok=True)
+        (root / ".context" / "decisions.json").write_text(json.dumps(
+            [{"id": "dec-001", "summary": "Use Redis for the session cache",
+              "status": status}]))
+
+    write(wt, "active")
+    write(a, "active")
+    as_agent(monkeypatch, a, "ada")
+    cs.runtime().reset()
+    cs.distill()
+    write(a, "deprecated")
+    results = []
+    for where in (a, wt, a, wt):
+        as_agent(monkeypatch, where, "ada")
+        cs.runtime().reset()
+        results.append(cs.distill())
+    assert [(r["retired"], len(r.get("revived_items", []))) for r in results] == [
+        (1, 0), (0, 0), (0, 0), (0, 0)]
+    items = cs.store(cs.resolve_config(), "local").read().items
+    assert [i.status for i in items] == ["deprecated"]
+
+
 def test_a_linked_worktree_keeps_fetch_stamps_and_locks_in_the_common_git_dir(shared,
                                                                             monkeypatch):
     """From a linked worktree (.git is a file), team writes put their fetch
