@@ -6006,6 +6006,10 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
 
 
 def _entry_tags(entry: dict, extra: list[str]) -> list[str]:
+    """The entry's own tags after `extra`; an extra over MAX_TAG_CHARS (an id of
+    65 to 80 characters) is left out: one too long made the entry unimportable
+    (source.ref keeps the id)."""
+    extra = [t for t in extra if len(t) <= MAX_TAG_CHARS]
     raw = entry.get("tags") if isinstance(entry.get("tags"), list) else []
     tags, _ = salvage_tags(raw)
     return (extra + [t for t in tags if t not in extra])[:MAX_TAGS]

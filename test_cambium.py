@@ -10092,6 +10092,20 @@ def test_distill_hand_written_pre_current_decision_keeps_rationale(repo):
                              "source_ts": "2024-03-01T10:00:00Z"}
 
 
+def test_distill_imports_an_entry_whose_id_is_too_long_for_a_tag(repo):
+    """An id of 65 to 80 characters (a valid id) went in as a tag over the
+    64-character limit: the whole entry was refused at every distill."""
+    long_id = "dec-" + "a" * 66
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps(
+        [_decision(long_id, "Pin every base image by digest")]))
+    res = cs.distill()
+    assert res["imported"] == 1, res["warnings"]
+    item = cs.store(cs.resolve_config(), "local").read().items[0]
+    assert item.source["ref"] == long_id
+    assert item.tags == ["context-keeper", "deploy"]
+
+
 def _decision(dec_id: str, summary: str, status: str = "active",
               superseded_by: str | None = None) -> dict:
     return {"id": dec_id, "summary": summary, "problem": "p" * 40,
