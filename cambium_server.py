@@ -9673,6 +9673,7 @@ class Prepared:
     """Drafts normalized into items outside the store's lock, ready to admit."""
     items: list = field(default_factory=list)        # (watermark key, Item)
     skipped: Tally = field(default_factory=Tally)    # of (label, reason)
+    skipped_from: dict = field(default_factory=dict)  # source system -> how many skipped
     duplicates: int = 0                              # watermarked already when prepared
     where: dict = field(default_factory=dict)        # item id -> position in its source
     clipped: set = field(default_factory=set)        # ids of items whose text was cut
@@ -9719,6 +9720,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                             code_refs=d.code_refs)
         except InputError as e:
             out.skipped.add((d.where or str((d.source or {}).get("ref") or n), str(e)))
+            system = str((d.source or {}).get("system"))
+            out.skipped_from[system] = out.skipped_from.get(system, 0) + 1
             continue
         out.items.append((d.key, item))
         if _was_cut(d.content, MAX_CONTENT_CHARS) or _was_cut(d.why, MAX_WHY_CHARS):
@@ -12964,8 +12967,9 @@ def read_context(cfg: Config) -> SourceRead:
     return read
 
 
-def judge_agentsync(read: SourceRead, imported: list[Item]) -> dict:
-    """The board's status line after the write: what it held and what came in."""
+def judge_agentsync(read: SourceRead, imported: list[Item], unusable: int = 0) -> dict:
+    """The board's status line after the write: what it held and what came in
+    (unusable: its drafts the ingest refused)."""
     mine = [it for it in imported if it.source.get("system") == "agentsync"]
     released = sum(it.source.get("captured") == "release" for it in mine)
     info = {**read.info, "imported": len(mine)}
@@ -12982,21 +12986,22 @@ def judge_agentsync(read: SourceRead, imported: list[Item]) -> dict:
         status, reason = "nothing_done", (f"the board has {seen} claim(s) and none is done"
                                           if seen else "the board has no claims")
     else:
-        status, reason = "up_to_date", skipped_said(read) or \
+        status, reason = "up_to_date", skipped_said(read, unusable) or \
             f"all {done} done claim(s) were imported earlier"
     return {**info, "status": status, "reason": reason, "fix": None}
 
 
-def skipped_said(read: SourceRead) -> str:
+def skipped_said(read: SourceRead, unusable: int = 0) -> str:
     """The reason of an up-to-date source that held records it could not use
-    ("" when there were none): "all imported earlier" alone said they were."""
-    n = len(read.skips)
+    ("" when there were none): "all imported earlier" alone said they were.
+    unusable: those its reader took but the ingest refused."""
+    n = len(read.skips) + unusable
     return (f"nothing new to import: {n} record(s) could not be used (see warnings), "
             "the rest were imported earlier") if n else ""
 
 
 def judge_context(read: SourceRead, imported: list[Item], retired: int,
-                  revived: list | None = None) -> dict:
+                  revived: list | None = None, unusable: int = 0) -> dict:
     """.context/'s status line after the write: what came in, what retired."""
     n = sum(it.source.get("system") == "context-keeper" for it in imported)
     back = len(revived or [])
@@ -13012,7 +13017,7 @@ def judge_context(read: SourceRead, imported: list[Item], retired: int,
     elif not seen:
         status, reason = "empty", f"{info['path']} holds no decisions, constraints or pipelines"
     else:
-        status, reason = "up_to_date", skipped_said(read) or \
+        status, reason = "up_to_date", skipped_said(read, unusable) or \
             f"all {seen} entries were imported earlier (or are retired)"
     return {**info, "status": status, "reason": reason}
 
@@ -13163,12 +13168,14 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     base = retiring or admitted
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
+    refused = sweep.prepared.skipped_from
     if (board := sweep.read("agentsync")) is not None:
-        sources["agentsync"] = judge_agentsync(board, adm.fresh)
+        sources["agentsync"] = judge_agentsync(board, adm.fresh, refused.get("agentsync", 0))
     if (ctx := sweep.read("context-keeper")) is not None:
         claims = {it.id for it in base.items if it.source.get("system") == "agentsync"}
         sources["context-keeper"] = judge_context(      # its own entries' retirements only
-            ctx, adm.fresh, sum(r["id"] not in claims for r in retired), adm.revived)
+            ctx, adm.fresh, sum(r["id"] not in claims for r in retired), adm.revived,
+            refused.get("context-keeper", 0))
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
     warnings = sweep.warnings + adm.notes         # ... and what this write kept beside what

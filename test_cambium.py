@@ -10106,6 +10106,28 @@ def test_distill_imports_an_entry_whose_id_is_too_long_for_a_tag(repo):
     assert item.tags == ["context-keeper", "deploy"]
 
 
+def test_distill_says_a_record_the_ingest_refused_could_not_be_used(repo):
+    """A record the reader took but new_item() refused was counted nowhere in
+    its source's status line: "all 1 entries were imported earlier" of an
+    entry never stored."""
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps(
+        [_decision("dec-001", "Pin every base image by digest")]))
+    cs.distill()
+    cfg = cs.resolve_config()
+    read = cs.read_context(cfg)
+    refused = cs.Draft(content="", kind="decision", key="context-keeper:dec-002",
+                       source={"system": "context-keeper", "ref": "dec-002"})
+    stamp = "2026-12-01T10:00:00Z"
+    prepared = cs.prepare_drafts(cfg, [*read.drafts, refused], now=stamp)
+    assert prepared.skipped_from == {"context-keeper": 1}
+    local = cs.store(cfg, "local")
+    plan = cs.plan_distill(local.read(), cs.Sweep(stamp, [read], prepared, [], []),
+                           str(local.path))
+    line = plan.sources["context-keeper"]
+    assert line["status"] == "up_to_date" and "1 record(s) could not be used" in line["reason"]
+
+
 def _decision(dec_id: str, summary: str, status: str = "active",
               superseded_by: str | None = None) -> dict:
     return {"id": dec_id, "summary": summary, "problem": "p" * 40,
