@@ -9891,6 +9891,21 @@ class _Revising:
                     updated_at=self.now, source={**t.source, "revived": {
                         "at": self.now, "was": t.deprecated or t.superseded_by}})
                 self.adm.revived.append({"id": old.id, "ref": old.source.get("ref")})
+                self.other_states_of(self.out[old.id])
+
+    def other_states_of(self, back: Item) -> None:
+        """A claim state brought back (the board rewound to it) supersedes the
+        other live states of its claim that no live record says: one claim
+        leaves one live outcome (the newer state's stayed live beside it)."""
+        lineage = back.source.get("lineage")
+        if not isinstance(lineage, str):
+            return
+        for it in [*self.doc.items, *self.fresh]:
+            if it.id != back.id and it.source.get("lineage") == lineage:
+                self.retire(it, back, f"agentsync: {it.source.get('ref')} is a state of "
+                                      f"the same claim (agent, task and branch) the board no "
+                                      f"longer holds; it holds {back.source.get('ref')} "
+                                      f"again, whose item {back.id} is live again")
 
     def record_twins(self, twins: list) -> None:
         """A second record of an item's text, recorded under its source.also."""

@@ -13843,6 +13843,23 @@ def test_distill_brings_back_an_earlier_text_edited_back_at_its_source(
     assert len(live) == 1 and "Note: first" in live[0].content, res
 
 
+def test_a_rewound_board_leaves_one_live_outcome_for_its_claim(tmp_path, monkeypatch):
+    """The board reset to a claim's older state revived that state's item and
+    left the newer state's live beside it: two live outcomes for one claim."""
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    states = [{"ann": {**DONE_CLAIM, "note": note, "updated_at": f"2026-11-30T1{n}:00:00Z"}}
+              for n, note in enumerate(("recovery naive", "recovery robust"))]
+    for board in (*states, states[0]):                  # the last: the board rewound
+        write_board(clone, board)
+        res = cs.distill()
+    live = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.active]
+    assert len(live) == 1 and "recovery naive" in live[0].content, res
+    assert [r["ref"] for r in res["retired_items"]] == ["ann@2026-11-30T11:00:00Z"]
+    assert cs.distill()["retired"] == 0
+
+
 def test_distill_never_revives_what_a_person_deprecated_after_distill_did(repo):
     """F5: a person deprecating an item distill had retired kept distill's
     retirement, so the entry set active again brought the item back."""
