@@ -6135,8 +6135,8 @@ def _entries_of(data: Any, name: str, where: Path) -> list:
 def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | None:
     """decisions/constraints/pipelines entry lists from a .context/ directory;
     None when the directory does not exist. Raises SubstrateError if a file
-    exists but is not readable JSON, or (root given) leads out of `root`
-    through a symbolic link (of the file or of the directory)."""
+    exists but is not readable JSON, is a link to nothing, or (root given)
+    leads out of `root` through a symbolic link (of the file or of the directory)."""
     if not path.is_dir():
         return None
     base = os.path.realpath(root) if root is not None else None
@@ -6160,6 +6160,10 @@ def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | 
             text = utf8_or_noted(read_regular(real, MAX_SUBSTRATE_BYTES, nofollow=True),
                                  str(f)).removeprefix("\ufeff")
         except FileNotFoundError:
+            if f.is_symlink():             # (a dangling link read as "no decisions")
+                raise SubstrateError(f"cannot read {f}: it is a link to {real}, which does "
+                                     "not exist; cambium did not read it (the link is left "
+                                     "as it is).") from None
             out[name] = []
             continue
         except OSError as e:

@@ -13542,6 +13542,18 @@ def test_distill_cuts_a_long_task_and_keeps_note_and_files():
     assert huge.startswith("T" * (cs.MIN_TASK_CHARS_KEPT - 1) + "…")
 
 
+def test_distill_refuses_a_dangling_context_link_instead_of_reading_no_decisions(repo):
+    """A .context/decisions.json linked to a file that is gone was read as "no
+    decisions", without a word: it is no regular file, a substrate error."""
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").symlink_to("gone.json")
+    (repo / ".context" / "constraints.json").write_text(json.dumps([
+        {"id": "con-001", "rule": "Never write prod from CI", "status": "active"}]))
+    with pytest.raises(cs.SubstrateError, match="gone.json, which does not exist"):
+        cs.distill()
+    assert (repo / ".context" / "decisions.json").is_symlink()
+
+
 @pytest.mark.parametrize("linked", ["file", "dir", "empty dir"])
 def test_distill_does_not_follow_a_context_link_out_of_the_repo(repo, tmp_path, linked):
     """D3: a .context/decisions.json (or a .context/) linked to a file outside
