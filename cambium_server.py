@@ -5983,9 +5983,9 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
                "the claim was released or re-claimed before it was marked done")
     why += "." + (" Captured at release time from cambium's last-seen snapshot." if released
                   else "")
-    tags = ["agentsync", f"agent:{'-'.join(agent.split())}"[:MAX_TAG_CHARS]]   # one tag
+    tags = ["agentsync", _claim_tag("agent", agent)]
     if branch:
-        tags.append(f"branch:{'-'.join(branch.split())}"[:MAX_TAG_CHARS])
+        tags.append(_claim_tag("branch", branch))
     if not done:
         tags.append("released-before-done")
     source = {"system": "agentsync", "ref": f"{agent}@{stamp or 'unstamped'}",
@@ -6003,6 +6003,15 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
                  kind="outcome" if done else "progress", tags=tags, source=source,
                  key=key,
                  code_refs=changed_files_refs(claim.get("changed_files")))
+
+
+def _claim_tag(name: str, value: str) -> str:
+    """One tag for a claim's agent id or branch: spaces and commas become `-`
+    (tags split at both: `feat/a,b` was two tags), lowercased before the cut to
+    MAX_TAG_CHARS (a capital İ lowercases to two characters: a cut tag grew past
+    the limit and the claim was refused)."""
+    joined = "-".join(re.split(r"[,\s]+", value.strip()))
+    return f"{name}:{joined}".lower()[:MAX_TAG_CHARS]
 
 
 def _entry_tags(entry: dict, extra: list[str]) -> list[str]:

@@ -9525,6 +9525,18 @@ def test_import_of_many_bad_records_holds_a_count_not_every_reason(repo, tmp_pat
     assert peak < 8 * 2**20, peak                   # (every reason kept: over 20 MB)
 
 
+def test_a_claims_agent_and_branch_stay_one_tag_each_with_commas_or_a_long_capital_i():
+    """A comma in an agent id or branch (legal in git) split its tag in two; an
+    agent id of capital İs, cut to 64 characters and lowercased after (each İ
+    two characters), went past the tag limit and the claim was refused."""
+    claim = {**DONE_CLAIM, "branch": "feat/a,b"}
+    d = cs.claim_to_draft("ann,bob", claim)
+    assert d.tags == ["agentsync", "agent:ann-bob", "branch:feat/a-b"]
+    long = cs.claim_to_draft("İ" * 70, claim)
+    item = cs.new_item(long.content, tags=long.tags)
+    assert item.tags[1].startswith("agent:i̇") and len(item.tags[1]) <= cs.MAX_TAG_CHARS
+
+
 def test_distill_says_what_it_cut_or_skipped_and_keeps_one_tag_per_agent(
         tmp_path, monkeypatch):
     """A 30,000-character task was cut to the limit with its note lost and no
