@@ -5952,8 +5952,9 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     raw_agent = agent
     key, agent = claim_key(agent, claim), plain_text(agent).strip() or "unnamed"
     task = _str(claim.get("task"))
-    if not task:
-        return Skip(f"agentsync claim of {agent}", "no task")
+    if not task or not holds_word(f"{task} {_str(claim.get('note'))}"):   # ("---", "\u200b")
+        return Skip(f"agentsync claim of {agent}", "its task and note hold no word (no "
+                                                   "letter or digit)" if task else "no task")
     status = plain_text(_str(claim.get("status"))) or "unknown"
     note = _str(claim.get("note"))
     branch = plain_text(_str(claim.get("branch")))
@@ -6003,6 +6004,13 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
                  kind="outcome" if done else "progress", tags=tags, source=source,
                  key=key,
                  code_refs=changed_files_refs(claim.get("changed_files")))
+
+
+def holds_word(text: str) -> bool:
+    """Whether a source's text, as it would be stored, holds a letter or digit:
+    capture and import refuse a body that holds none ("---", "."), and distill
+    stored them."""
+    return bool(_WORD.search(plain_text(text)))
 
 
 def _claim_tag(name: str, value: str) -> str:
@@ -6119,6 +6127,9 @@ def context_entry_to_draft(kind: str, entry: Any) -> Draft | Skip | None:
     if not content:
         return Skip(f"context-keeper {eid}", f"{kind} without text" + (
             " (a name and steps with an action)" if kind == "pipeline" else ""))
+    if not holds_word(re.sub(r"(?:(?<=: )|(?<=; ))\d+\. ", "", content)):  # (steps' numbers
+        return Skip(f"context-keeper {eid}", f"its {kind} text holds no word (no letter "
+                                             "or digit)")                # are not its words)
     source = {"system": "context-keeper", "ref": eid, "kind": kind,
               **({"source_ts": _str(entry["created_at"])} if _str(entry.get("created_at")) else {})}
     why = " ".join(filter(None, why_parts))

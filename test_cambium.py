@@ -9525,6 +9525,28 @@ def test_import_of_many_bad_records_holds_a_count_not_every_reason(repo, tmp_pat
     assert peak < 8 * 2**20, peak                   # (every reason kept: over 20 MB)
 
 
+def test_distill_skips_a_record_whose_text_holds_no_word(tmp_path, monkeypatch):
+    """A decision "---" and a claim whose task is only invisible characters
+    (stored as ".") were imported, where capture and import refuse a body that
+    holds no letter or digit; both are named as skipped instead."""
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": {**DONE_CLAIM, "task": "\u200b\u200b", "note": "",
+                                "changed_files": []}})
+    (clone / ".context").mkdir()
+    (clone / ".context" / "decisions.json").write_text(json.dumps([
+        {"id": "dec-001", "summary": "---", "status": "active"}]))
+    (clone / ".context" / "pipelines.json").write_text(json.dumps([
+        {"id": "pipe-001", "name": "...", "status": "active", "steps": ["--", "-"]}]))
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    res = cs.distill()
+    assert res["imported"] == 0, res["items"]
+    said = " ".join(res["warnings"])
+    assert "claim of ann: its task and note hold no word" in said
+    assert "dec-001: its decision text holds no word" in said and "pipe-001: its" in said
+    assert "could not be used" in res["sources"]["context-keeper"]["reason"]
+
+
 def test_a_claims_agent_and_branch_stay_one_tag_each_with_commas_or_a_long_capital_i():
     """A comma in an agent id or branch (legal in git) split its tag in two; an
     agent id of capital İs, cut to 64 characters and lowercased after (each İ
