@@ -6422,9 +6422,11 @@ _WRAPPER_KEYS = ("memories", "items", "records", "data", "entries")
 
 
 def _first(rec: dict, keys: tuple) -> Any:
+    """The value of the first of `keys` the record fills: a blank string is
+    none (a `content` of " " hid the body its `text` held)."""
     for k in keys:
         v = rec.get(k)
-        if v not in (None, "", []):
+        if v not in (None, "", []) and not (isinstance(v, str) and not v.strip()):
             return v
     return None
 

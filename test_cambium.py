@@ -9484,6 +9484,18 @@ def test_import_bounds_provenance_and_leaves_retired_records_and_huge_lines_out(
     assert again["imported"] == 0
 
 
+def test_import_reads_past_a_blank_content_to_the_text_that_holds_the_body(repo, tmp_path):
+    """A whitespace-only `content` counted as present: the record's real body
+    in `text` was never read, and the record skipped as having no body."""
+    jsonl = tmp_path / "mem.jsonl"
+    jsonl.write_text(json.dumps({"id": "m1", "content": " \n", "text": "Real body in text",
+                                 "why": "  ", "rationale": "the why behind it"}) + "\n")
+    res = cs.import_memory("json", str(jsonl))
+    assert res["imported"] == 1, res
+    (item,) = cs.store(cs.require_config(), "local").read().items
+    assert (item.content, item.why) == ("Real body in text", "the why behind it")
+
+
 def test_distill_says_what_it_could_not_use_instead_of_all_imported_earlier(tmp_path):
     _, clone = make_origin_and_clone(tmp_path)
     write_board(clone, {"dan": {**DONE_CLAIM, "task": 7}, "alice": "not a claim"})
