@@ -16766,9 +16766,16 @@ def argument_error(tool: str, errors: list[dict], arguments: dict) -> tuple[str,
             name
     if err.get("type") == "missing":
         return f"{name} is required: {param.doc[:1].lower()}{param.doc[1:]}", name
-    got = arguments.get(name)
-    shown = json.dumps(got) if got is None or isinstance(got, bool) else repr(got)   # JSON's words
-    return f"{name} must be {param.allowed()}; got {shown}.", name
+    return f"{name} must be {param.allowed()}; got {json_words(arguments.get(name))}.", name
+
+
+def json_words(value: Any) -> str:
+    """A value a client sent, as JSON spells it (null, true, NaN, {"a": 1}:
+    Python's repr said None, True, nan, {'a': 1}); the message is cut later."""
+    try:
+        return json_text(value)           # (a lone surrogate as its escape)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
 
 
 def unknown_argument_problem(tool: str, arguments: Any) -> tuple[str, str] | None:
@@ -16807,8 +16814,7 @@ def loose_type_problem(tool: str, arguments: Any) -> tuple[str, str] | None:
         if v is None or p.base not in (bool, int):
             continue
         if isinstance(v, bool) != (p.base is bool) or not isinstance(v, int):
-            shown = json.dumps(v) if isinstance(v, (bool, str, float)) else repr(v)
-            return f"{p.name} must be {p.allowed()}; got {shown}.", p.name
+            return f"{p.name} must be {p.allowed()}; got {json_words(v)}.", p.name
     return None
 
 
@@ -17399,9 +17405,19 @@ async def _read_body(scope: dict, receive: Callable, limit: int) -> bytes | None
     return b"".join(chunks)
 
 
+MCP_HTTP_PATH = "/mcp"      #: the SDK's streamable HTTP endpoint
+
+
+async def _respond(send: Callable, status: int, body: bytes, kind: bytes) -> None:
+    """One whole HTTP answer through ASGI's `send`."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", kind)]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def answer_as_stdio_does(app: Callable, guard: Any = None,
                          limit: int = MAX_HTTP_BODY) -> Callable:
-    """ASGI wrapper: a POSTed message gets what the same line gets on stdio, once
+    """ASGI wrapper: a message POSTed to /mcp gets what the same line gets on stdio, once
     `guard` (rebinding_guard's Host/Origin check) has passed it and its body is
     within `limit` (else 413, unread). Lone
     surrogate escapes are repaired (the SDK's parser called them a parse error),
@@ -17412,11 +17428,13 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     a message nested too deep; a refused notification, which stdio leaves
     unanswered, an Invalid Request with id null. Anything else reaches MCP
     unchanged."""
+    import asyncio
     from mcp_types import jsonrpc_message_adapter
     parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("method") != "POST" or \
+                scope.get("path") != MCP_HTTP_PATH:     # (elsewhere: the SDK's 404)
             return await app(scope, receive, send)
         if guard is not None:                    # before the body: a foreign page gets 421
             from mcp.server.transport_security import TransportSecurityMiddleware
@@ -17425,12 +17443,12 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
                 Request(scope), is_post=True)
             if refused is not None:
                 return await refused(scope, receive, send)
-        body = await _read_body(scope, receive, limit)
+        try:
+            body = await _read_body(scope, receive, limit)
+        except asyncio.CancelledError:   # shutdown's 20 s ran out on a client
+            return                    # stalled mid-body: nothing to answer (no traceback)
         if body is None:                         # too large (or the client went away)
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"text/plain")]})
-            await send({"type": "http.response.body", "body": b"Request body too large"})
-            return
+            return await _respond(send, 413, b"Request body too large", b"text/plain")
         text = repair_surrogate_escapes(body.decode("utf-8", "replace")).removeprefix(
             "\ufeff")                            # as stdio reads (a byte-order mark skipped)
         body = text.encode("utf-8")              # bytes that are no UTF-8: U+FFFD, \ud800 too
@@ -17441,10 +17459,7 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             reply = reply or {"jsonrpc": "2.0", "id": None, "error": {
                 "code": -32600, "message": "Invalid request: a notification that is no "
                                            "JSON-RPC 2.0 message."}}
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
-            return
+            return await _respond(send, 400, json.dumps(reply).encode(), b"application/json")
         replayed = False
 
         async def replay() -> dict:
@@ -17482,7 +17497,7 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     Returns the exit code: 1 when the address cannot be bound."""
     import anyio
     import uvicorn
-    url = f"http://{url_host(host)}:{port}/mcp"
+    url = f"http://{url_host(host)}:{port}{MCP_HTTP_PATH}"
     try:
         sock = bind_http(host, port)
     except OSError as e:
@@ -17494,7 +17509,8 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         return 1
     guard = rebinding_guard(host)
     app = answer_as_stdio_does(
-        server.streamable_http_app(host=host, transport_security=guard), guard)
+        server.streamable_http_app(host=host, transport_security=guard,
+                                   streamable_http_path=MCP_HTTP_PATH), guard)
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",   # a client that
@@ -17619,6 +17635,8 @@ def _cli_int(param: Param) -> Callable[[str], int]:
     """argparse type for a whole-number argument, holding it to the schema's bounds."""
     def parse(text: str) -> int:
         try:
+            if not re.fullmatch(r"-?[0-9]+", text):     # int() took "1_0", " 5" and "٣"
+                raise ValueError(text)
             return param.check(int(text))
         except (ValueError, InputError):
             raise argparse.ArgumentTypeError(

@@ -10463,11 +10463,11 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
         assert structured["error"] == "invalid_argument" and "Error" not in text
     texts = [t for t, _ in out.values()]
     assert texts[0] == "limit must be a whole number from 1 to 50; got 99."
-    assert texts[1] == "scope must be one of auto, local, team, org; got 'galaxy'."
+    assert texts[1] == "scope must be one of auto, local, team, org; got \"galaxy\"."
     assert texts[2].startswith("limit must be a whole number")
     assert texts[3].startswith("limit must be a whole number") and "true" in texts[3]
     assert texts[4].startswith("query is required: what you want to know")
-    assert texts[5] == "type must be one of memory, need, skill; got 'rumour'."
+    assert texts[5] == "type must be one of memory, need, skill; got \"rumour\"."
     for text, structured in out.values():
         assert "pydantic" not in text and "http" not in text and "Error" not in text
         assert text.count(". ") == 0 and text.endswith((".", "words."))
@@ -14992,6 +14992,7 @@ def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
             cs.time.sleep(0.5)
             proc.terminate()
             assert proc.wait(timeout=cs.SIGNAL_EXIT_S + 20) == 0
+        assert "Traceback" not in proc.stderr.read()    # (uvicorn logged the cancellation)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -15013,6 +15014,7 @@ def test_http_checks_host_and_body_size_before_reading_the_body(repo):
                                                 "Origin": "http://evil.example"})
         assert c.getresponse().status == 421
         c.close()
+        assert _http_post(url.replace("/mcp", "/not-mcp"), "{}")[0] == 404  # (was JSON-RPC's 400)
         with socket.create_connection(("127.0.0.1", port), 20) as sock:   # declared: at once
             sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
                          f"application/json\r\nContent-Length: {400 * 2**20}\r\n\r\n"
@@ -15026,6 +15028,20 @@ def test_http_checks_host_and_body_size_before_reading_the_body(repo):
                 for _ in range(cs.MAX_HTTP_BODY // len(chunk) + 2):
                     sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
             assert sock.recv(64).startswith(b"HTTP/1.1 413")
+
+
+def test_refused_values_are_shown_in_json_words_and_cli_numbers_are_ascii_digits(repo):
+    """A refused argument was shown as Python spells it (nan, inf, {'a': 1},
+    None), and the CLI took `--limit 1_0`, `--limit ' 5'` and an Arabic-Indic
+    digit, where the environment and MCP refuse them."""
+    said = [cs.argument_error("recall", [{"loc": ("query",), "type": "string_type"}],
+                              {"query": v})[0] for v in (float("nan"), {"a": 1}, None)]
+    assert [x.rsplit("got ", 1)[1] for x in said] == ["NaN.", '{"a": 1}.', "null."]
+    assert cs.json_words("\ud800") == '"\\ud800"'
+    for bad in ("1_0", " 5", "\u0663"):
+        out = cli("recall", "anything", "--limit", bad)
+        assert out.returncode == 2 and "limit" in out.stderr, (bad, out.stderr)
+    assert cli("recall", "anything", "--limit", "3").returncode == 0
 
 
 def test_http_token_with_surrounding_space_is_refused_at_start():
