@@ -4668,6 +4668,33 @@ def carried_over(above: Item, below: Item) -> Item | None:
         None, above.updated_at or None, below.updated_at or None) or "") if out else None
 
 
+def gained_since(below: Item, above: Item) -> Item:
+    """`below` as it counts against `above`, the copy a merged pull request
+    landed: only what it gained after that copy was made (above.promoted_at)
+    (endorsements and verifications stamped later, a later last_verified, a
+    retirement), the rest as `above` has it, so carried_over(above, this)
+    never puts back what a reviewer took out before merging: the merged copy
+    is the copy (pure). An item that waits on no pull request is itself."""
+    if not below.pr_url:
+        return below
+    since = time_key(above.promoted_at)
+
+    def later(entries: Any) -> list:
+        return [e for e in entries if isinstance(e, dict) and time_key(e.get("at")) > since] \
+            if isinstance(entries, list) else []
+
+    return dataclasses.replace(
+        below, trust={**below.trust, "endorsements": later(below.trust.get("endorsements"))},
+        verifications=later(below.verifications), authority=above.authority,
+        last_verified=below.last_verified if time_key(below.last_verified) > since else None)
+
+
+def news_over(above: Item, below: Item) -> Item | None:
+    """carried_over(above, below), of a copy below that waits on a pull
+    request only what it gained since `above` was made (gained_since) (pure)."""
+    return carried_over(above, gained_since(below, above))
+
+
 def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
     """A three-way merge item by item: `ours` (the scope's tip) with what
     `theirs` (a pull request's side branch) changed since `base` (where the two
@@ -12080,7 +12107,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                 clash.add(it.id)
                 verdicts[it.id] = Verdict(False, "id_conflict", ID_CONFLICT.format(
                     id=it.id, src=src, dst=dst))
-        news = {i: gated(new) for i in joined if (new := carried_over(above[i], made[i]))}
+        news = {i: gated(new) for i in joined if (new := news_over(above[i], made[i]))}
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
@@ -12101,7 +12128,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held or marking:
         def lift(source: Item, there: Item) -> Item:     # the dst copy with source's change
-            return gated(carried_over(there, source) or there if source.id in joined
+            return gated(news_over(there, source) or there if source.id in joined
                          else copy(source))
 
         try:
@@ -12252,8 +12279,9 @@ def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str,
             seen.add(it.id)
         return dataclasses.replace(doc, items=items) if items != doc.items else None
 
-    if changed:
-        mutate(cfg, dst, apply, f"carry the change made meanwhile to {', '.join(sorted(changed))}")
+    if changed:                          # (org in PR mode: proposed, as every org change)
+        mutate(cfg, dst, apply, f"carry the change made meanwhile to {', '.join(sorted(changed))}",
+               pr_branch=pr_branch(cfg, dst, "updates"))
     return dict(out)
 
 
@@ -12309,11 +12337,12 @@ def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None
                    ) -> tuple[list[str], list[str]]:
     """settle_org_prs when org scope is on, and a warning instead of a failure
     when a scope below cannot be written now (a team remote down failed every
-    promote and review)."""
+    promote and review), or one item cannot be settled now (the others are)."""
+    failed: list[str] = []
     try:
-        return settle_org_prs(cfg, docs), []
+        return settle_org_prs(cfg, docs, failed), failed
     except CambiumError as e:
-        return [], [f"merged org PRs not settled now: {e}"]
+        return [], failed + [f"merged org PRs not settled now: {e}"]
 
 
 def org_copy(cfg: Config, item_id: str) -> Item | None:
@@ -12327,22 +12356,67 @@ def _awaiting_merge(item: Item) -> Verdict:
     return Verdict(False, "pr_pending", f"waits for {item.pr_url} to merge")
 
 
-def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None) -> list[str]:
+def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
+                   failed: list[str] | None = None) -> list[str]:
     """Finish moves whose org pull request has merged: once org scope holds the
     item, drop the source copy that waited (annotated with pr_url). Returns ids.
-    docs: local and team as the caller just read them (else read here)."""
+    docs: local, team and org as the caller just read them (else read here).
+    Each item is settled on its own (_settle_merged): one that cannot be now (a
+    protected branch, a refused push) is a line in `failed` and holds up no
+    other; with failed None, the first such failure is raised."""
     if cfg.org_repo is None:
         return []
     if docs is None:
         docs, _ = read_scopes(cfg, ("local", "team"), digest=True)  # move() re-reads for real
+    waiting = [(s, it) for s in ("local", "team") if s in docs for it in docs[s].items
+               if it.pr_url]
+    held = _org_held(cfg, docs) if waiting else {}
     settled: list[str] = []
-    for scope, doc in ((s, docs[s]) for s in ("local", "team") if s in docs):
-        waiting = [it for it in doc.items if it.pr_url]
-        if waiting:
-            moved = move(cfg, waiting, scope, "org", gate=_awaiting_merge, copy=lambda it: it,
-                         message="settle merged org PRs")
-            settled += sorted(it.id for it in moved.landed)
+    for scope, it in ((s, it) for s, it in waiting if it.id in held):
+        try:
+            settled += _settle_merged(cfg, scope, it, held[it.id])
+        except CambiumError as e:
+            if failed is None:
+                raise
+            failed.append(f"merged org PRs not settled now: {it.id} keeps waiting, and the "
+                          f"next review tries again: {e}")
     return settled + settle_unmarked(cfg, docs)
+
+
+def _org_held(cfg: Config, docs: dict[str, Doc]) -> dict[str, Item]:
+    """id -> org's copy, org as the caller read it, else as fetched now."""
+    org = docs.get("org") or store(cfg, "org").read()
+    return {it.id: it for it in first_copies(org.items)}
+
+
+def _settle_merged(cfg: Config, scope: str, item: Item, there: Item) -> list[str]:
+    """One item waiting on an org pull request whose copy org's tip holds
+    (`there`): the merged copy is the copy, whatever words the reviewer gave
+    it, so the copy below leaves, carrying up only what it gained since that
+    copy was made (gained_since). In PR mode nothing is pushed to org's own
+    branch: that goes through the cambium/updates pull request, the copy below
+    waiting for its merge (as _finish_held_move); one such pull request holds
+    it already: it keeps waiting. Returns [id] when the copy below left."""
+    branch = None
+    if cfg.org_pr and news_over(there, item) is not None:
+        if _updates_propose(cfg, item):
+            return []
+        branch = pr_branch(cfg, "org", "updates")
+    moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
+                 message=f"settle the merged org PR of {item.id}", pr_branch=branch,
+                 pr_body=PR_BODY)
+    return [] if branch else [it.id for it in moved.landed]
+
+
+def _updates_propose(cfg: Config, item: Item) -> bool:
+    """Whether the cambium/updates branch, not yet merged, holds what `item`
+    would add to org's copy (a copy below waiting on that pull request)."""
+    org, branch = store(cfg, "org"), pr_branch_name("updates")
+    side = org._remote_branch_tip(branch)
+    if side is None or not org.proposes(branch, side):
+        return False
+    there = next((it for it in first_copies(org.doc_at(side).items) if it.id == item.id), None)
+    return there is not None and news_over(there, item) is None
 
 
 def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
@@ -15590,9 +15664,13 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     """A retired item whose org copy a move left behind (another clone's move
     cut short between its org push and its drop, then the copy below retired):
     the retirement is carried to org and the copy below leaves. None when org
-    holds no copy (the item is simply retired)."""
-    if not _find_item(store(cfg, "org").read(), item.id):
+    holds no copy (the item is simply retired). In PR mode the retirement goes
+    through the cambium/updates pull request, the copy below waiting for its
+    merge (_finish_held_move): nothing is pushed to org's own branch."""
+    if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
+    if cfg.org_pr:
+        return _finish_held_move(cfg, scope, item, found[1], restated=False)
     moved = move(cfg, [item], scope, "org", gate=lambda it: _awaiting_merge(it),
                  copy=lambda it: it, message=f"carry {item.id}'s retirement to org")
     if not moved.landed:

@@ -5786,6 +5786,143 @@ def test_pr_mode_a_pull_request_the_reviewer_reworded_settles_when_merged(shared
     assert org["content"] == "Prefer idempotent retries with exponential backoff and jitter"
 
 
+def _protect_main(bare: Path) -> None:
+    """Branch protection on a bare remote: a direct push to main is refused
+    (a reviewer's merges landed before)."""
+    hook = bare / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\nwhile read o n r; do [ \"$r\" = refs/heads/main ] && "
+                    "{ echo 'protected branch' >&2; exit 1; }; done; exit 0\n")
+    hook.chmod(0o755)
+
+
+def test_pr_mode_settling_a_merged_pr_pushes_nothing_to_org_s_branch(shared, monkeypatch,
+                                                                      tmp_path):
+    """A reviewer who merged the promotion but took an endorsement out of it:
+    the settle pushed it back straight onto org's branch (with a protected
+    branch it was refused on every review, and the copy below stayed for good).
+    The merged copy is the copy: the one below leaves, org's branch untouched."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Keep database migrations backward compatible for one release")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "mallory")
+    cs.endorse(item, note="shill")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.promote(item, to_scope="org")["status"] == "pr_opened"
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "checkout", "-q", f"origin/cambium/promote-{item}")
+    doc = json.loads((merger / "knowledge.json").read_text())
+    trust = doc["items"][0]["trust"]
+    trust["endorsements"] = [e for e in trust["endorsements"] if e["by"] != "mallory"]
+    (merger / "knowledge.json").write_text(json.dumps(doc))
+    git(merger, "commit", "-qam", "reviewer: not that endorsement")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    _protect_main(shared["org_bare"])
+    merged = git(shared["org_bare"], "rev-parse", "main")
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [item] and not review.get("warnings"), review
+    assert git(shared["org_bare"], "rev-parse", "main") == merged
+    assert item not in {i["id"] for i in local_items(shared["a"])}
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert [e["by"] for e in org["trust"]["endorsements"]] == ["ada"]
+
+
+def test_a_merged_pr_that_cannot_settle_now_holds_up_no_other(shared, monkeypatch, tmp_path):
+    """All the merged pull requests of a scope settled in one move: one whose
+    change for org's branch was refused (a protected branch) left every other
+    waiting too. Here the copy below gained an endorsement after its copy was
+    made (a hand edit), which a direct-mode settle carries to org's branch."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    stuck = _endorsed("Log every authorization decision with its reason")
+    free = _endorsed("Every queue has a dead-letter queue")
+    for item in (stuck, free):
+        assert cs.promote(item, to_scope="org")["status"] == "pr_opened"
+    merger = _merge_on_org(shared, tmp_path, f"cambium/promote-{stuck}")
+    doc = json.loads((merger / "knowledge.json").read_text())     # the second, merged by hand
+    doc["items"] += remote_json(shared["org_bare"], f"cambium/promote-{free}")["items"]
+    (merger / "knowledge.json").write_text(json.dumps(doc))
+    git(merger, "commit", "-qam", f"merge the PR of {free}")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    _protect_main(shared["org_bare"])
+    hour = (datetime.now(timezone.utc) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    later = {"by": "cy", "note": "everywhere", "at": hour}
+    path = _store_path(shared["a"])
+    data = json.loads(path.read_text())
+    for it in data["items"]:
+        if it["id"] == stuck:
+            it["trust"]["endorsements"].append(later)
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")           # org's branch is written directly
+    review = cs.review_promotions()
+    assert review["settled_org_prs"] == [free], review
+    assert any(w.startswith(f"merged org PRs not settled now: {stuck} keeps waiting")
+               for w in review["warnings"])
+    assert {i["id"] for i in local_items(shared["a"])} == {stuck}
+
+
+def test_pr_mode_a_retirement_a_cut_short_move_left_below_goes_through_a_pr(
+        shared, monkeypatch, tmp_path):
+    """A team -> org move cut short after its org push, and the team copy
+    deprecated since (by a teammate without org): a PR-mode promote pushed the
+    retirement straight onto org's branch. It is proposed on cambium/updates,
+    the team copy waits for that merge, and leaves once it merged."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Always set timeouts on outbound network calls")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    left = clone(shared["origin"], shared["tmp"] / "fixer")     # the copy the kill left
+    git(left, "checkout", "-q", "cambium")
+    doc = json.loads((left / "knowledge.json").read_text())
+    doc["items"].append(dict(remote_json(shared["org_bare"], "main")["items"][0], scope="team"))
+    (left / "knowledge.json").write_text(json.dumps(doc))
+    git(left, "commit", "-qam", "a copy a killed move left")
+    git(left, "push", "-q", "origin", "cambium")
+    monkeypatch.delenv("CAMBIUM_ORG_REPO")
+    assert cs.deprecate(item, reason="no longer true")["item"]["scope"] == "team"
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    main = git(shared["org_bare"], "rev-parse", "main")
+    res = cs.promote(item, to_scope="org")
+    assert res["status"] == "pr_opened" and res["branch"] == "cambium/updates", res
+    assert git(shared["org_bare"], "rev-parse", "main") == main
+    assert remote_json(shared["org_bare"], "cambium/updates")["items"][0]["status"] == \
+        "deprecated"
+    assert "settled_org_prs" not in cs.review_promotions()      # it waits for the merge
+    assert item in team_ids(shared["origin"])
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, res["pr_url"], "MERGED")
+    merged = git(shared["org_bare"], "rev-parse", "main")
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    assert item not in team_ids(shared["origin"])
+    assert git(shared["org_bare"], "rev-parse", "main") == merged
+
+
+def test_pr_mode_a_change_a_settling_drop_met_goes_up_through_a_pr(shared, monkeypatch,
+                                                                   tmp_path):
+    """A teammate's endorsement of the team copy (from a clone without org) in
+    the second between a PR-mode settle's org check and its team drop was
+    carried up straight onto org's branch. It is proposed on cambium/updates."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Every queue has a dead-letter queue")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    left = clone(shared["origin"], shared["tmp"] / "fixer")     # a copy a killed move left
+    git(left, "checkout", "-q", "cambium")
+    doc = json.loads((left / "knowledge.json").read_text())
+    doc["items"].append(dict(remote_json(shared["org_bare"], "main")["items"][0], scope="team"))
+    (left / "knowledge.json").write_text(json.dumps(doc))
+    git(left, "commit", "-qam", "a copy a killed move left")
+    git(left, "push", "-q", "origin", "cambium")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    main = git(shared["org_bare"], "rev-parse", "main")
+    _peer_acts_before_our_push(monkeypatch, "team", shared["b"], "endorse", item, "--note",
+                               "ours too", CAMBIUM_ORG_REPO="")
+    cs.review_promotions()
+    assert git(shared["org_bare"], "rev-parse", "main") == main
+    (proposed,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert "bob" in {e["by"] for e in proposed["trust"]["endorsements"]}
+
+
 def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monkeypatch,
                                                                       tmp_path):
     log = make_stub_gh(tmp_path)
