@@ -271,6 +271,15 @@ class GitError(CambiumError):
         super().__init__(f"`{' '.join(shown)}` {how}: {tail}".rstrip(": "))
 
 
+class GhNotAsked(GitError):
+    """A gh call not made: one timed out earlier in the same review (gh_gives_up)."""
+
+    def __init__(self, cmd: list[str]):
+        super().__init__(cmd, None, "")
+        self.args = (f"`{' '.join(cmd[:4])}` not run: a gh call timed out earlier in this "
+                     "review (CAMBIUM_GIT_TIMEOUT), so gh is not asked again until the next",)
+
+
 class DamagedRef(GitError):
     """cambium's private ref of a shared scope named no commit (emptied by a
     crash, an edit): removed, so the next fetch writes it afresh."""
@@ -2588,6 +2597,27 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
     return path if age >= (REF_LOCK_STALE_S if quick else timeout_s + 5.0) else None
 
 
+_GH_CALLS = threading.local()    #: .hung within gh_gives_up(): whether a gh call timed out
+
+
+@contextlib.contextmanager
+def gh_gives_up() -> Iterator[None]:
+    """Within it (a review), once a gh call timed out no further one is made
+    (_run raises GhNotAsked at once): a hanging gh cost one CAMBIUM_GIT_TIMEOUT
+    per question, and a review far more than its 20 s plus one timeout."""
+    before = getattr(_GH_CALLS, "hung", None)
+    _GH_CALLS.hung = False
+    try:
+        yield
+    finally:
+        _GH_CALLS.hung = before
+
+
+def gh_timed_out() -> bool:
+    """Whether a gh call timed out within this thread's gh_gives_up()."""
+    return bool(getattr(_GH_CALLS, "hung", None))
+
+
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
          input: str | None = None, env: dict | None = None, binary: bool = False,
          own_locks: bool = False, retried: bool = False, raced: int = 0
@@ -2599,6 +2629,8 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
     until a person did). A fetch that lost a race for its destination ref to
     another process of the clone (_REF_MOVED) runs again, a few times: it
     failed writes with git_failed, and its failure stamp paused every reader."""
+    if cmd[0] == "gh" and gh_timed_out():
+        raise GhNotAsked(cmd)
     try:
         proc = run_bounded(cmd, cwd=cwd, env=env or _git_env(cwd), timeout_s=timeout_s,
                            input=input.encode("utf-8") if input is not None else None)
@@ -2606,6 +2638,8 @@ def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = Tr
         if not binary:
             proc.stdout = proc.stdout.decode("utf-8", "replace")
     except subprocess.TimeoutExpired:
+        if cmd[0] == "gh" and getattr(_GH_CALLS, "hung", None) is False:
+            _GH_CALLS.hung = True
         raise GitError(cmd, None, f"timed out after {timeout_s:g}s "
                        "(CAMBIUM_GIT_TIMEOUT)") from None
     except FileNotFoundError as e:
@@ -12496,6 +12530,7 @@ class PrCheck:
 
 
 PR_CHECK_BUDGET_S = 20.0   #: review_promotions asks gh about pull requests this long at most
+HUNG_GH = "a gh call timed out, and gh was not asked again in this review"
 SHARED_PR_TOPICS = ("updates", "generalize", "knowledge-md")   #: see pr_branch
 
 
@@ -12516,6 +12551,9 @@ class Budget:
 
     def __init__(self, seconds: float) -> None:
         self.deadline, self.asked, self.left = time.monotonic() + seconds, 0, 0
+
+    def spent(self) -> bool:
+        return time.monotonic() >= self.deadline
 
     def take(self) -> bool:
         fits = time.monotonic() < self.deadline
@@ -12539,20 +12577,30 @@ def check_org_prs(cfg: Config, docs: dict[str, Doc], settled: set[str]) -> PrChe
         if budget.take():
             _check_shared(cfg, branch, out)
     if cfg.org_pr:
-        _propose_credits(cfg, out)
+        _propose_credits(cfg, out, budget)
     if budget.left:
         out.warnings.append(f"checked {budget.asked} of {budget.asked + budget.left} org pull "
                             f"requests within {PR_CHECK_BUDGET_S:g} s; review again for the rest")
     if out.unanswered:
+        why = HUNG_GH if gh_timed_out() else "is gh installed, logged in, online?"
         out.warnings.append(f"gh could not say what became of the org pull request(s) of "
-                            f"{', '.join(out.unanswered)} (is gh installed, logged in, online?): "
-                            "they keep waiting, and a closed one is withdrawn only once gh says")
+                            f"{', '.join(out.unanswered)} ({why}): they keep waiting, and a "
+                            "closed one is withdrawn only once gh says")
     return out
 
 
-def _propose_credits(cfg: Config, out: PrCheck) -> None:
+def _propose_credits(cfg: Config, out: PrCheck, budget: Budget) -> None:
     """Org PR mode: the journaled org recall credits onto the cambium/updates
-    pull request (carry_org_credits); a failure is a warning (they stay)."""
+    pull request (carry_org_credits); a failure is a warning (they stay). Not
+    once the review's budget is spent or a gh call of it timed out (its two gh
+    calls would hang as well): they stay journaled for the next review."""
+    if gh_timed_out() or budget.spent():
+        if any(r.get("scope") == "org" for r in read_credits(credits_path(cfg))):
+            why = "a gh call of this review timed out" if gh_timed_out() else \
+                f"this review's {PR_CHECK_BUDGET_S:g} s for gh were spent"
+            out.warnings.append(f"recall credits of org items not proposed now ({why}): "
+                                "they stay journaled, and the next review proposes them")
+        return
     try:
         if (proposed := carry_org_credits(cfg)) is not None:
             out.credits.append(proposed)
@@ -15910,6 +15958,16 @@ def _restatement_body(it: Item, item_id: str, content: str | None, why: str | No
     return text
 
 
+def _settle_and_check(cfg: Config, docs: dict[str, Doc]
+                      ) -> tuple[list[str], list[str], PrCheck]:
+    """review_promotions' network part: settle_quietly, then check_org_prs,
+    a gh that hangs asked once (gh_gives_up). (settled, warnings, the check)."""
+    with gh_gives_up():
+        settled, unsettled = settle_quietly(cfg, docs)
+        return settled, unsettled, (check_org_prs(cfg, docs, set(settled)) if cfg.org_repo
+                                    else PrCheck())
+
+
 REVIEW_LIMIT, MAX_REVIEW_LIMIT = 50, 1000   #: review_promotions' entries a list: default, most
 
 
@@ -15934,8 +15992,7 @@ def review_promotions(limit: Annotated[int, Field(
     cfg = require_config()
     check_arg(review_promotions, "limit", limit)
     docs, warnings = read_scopes(cfg, SCOPES)
-    settled, unsettled = settle_quietly(cfg, docs)
-    prs = check_org_prs(cfg, docs, set(settled)) if cfg.org_repo else PrCheck()
+    settled, unsettled, prs = _settle_and_check(cfg, docs)
     if settled or prs.withdrawn:                  # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
     pending = read_credits(credits_path(cfg))

@@ -5923,6 +5923,38 @@ def test_pr_mode_a_change_a_settling_drop_met_goes_up_through_a_pr(shared, monke
     assert "bob" in {e["by"] for e in proposed["trust"]["endorsements"]}
 
 
+def test_a_review_asks_a_hanging_gh_once_and_leaves_org_credits_journaled(
+        shared, monkeypatch, tmp_path):
+    """With gh hanging, a review asked it about every waiting pull request
+    (one CAMBIUM_GIT_TIMEOUT each), then made two more hanging calls to
+    propose the journaled org credits, and its warning said their branch was
+    on the org remote with the change: far past 20 s plus one timeout. After
+    one timeout it asks gh nothing more; the credits stay journaled, and
+    nothing goes onto cambium/updates."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    org_item = _endorsed("Prefer composition over inheritance in object models")
+    cs.promote(org_item, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    for n in (1, 2):
+        waiting = _endorsed(f"Every queue consumer must be idempotent, rule {n}")
+        assert cs.promote(waiting, to_scope="org")["status"] == "pr_opened"
+    cfg = cs.resolve_config()
+    credit = {"item": org_item, "scope": "org", "agent": "dan", "day": cs._today(),
+              "project": cfg.project, "at": cs._now()}
+    cs.append_credits(cs.credits_path(cfg), [credit])
+    calls = tmp_path / "hung-calls"
+    (tmp_path / "bin" / "gh").write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\nexec sleep 60\n")
+    monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", "2")
+    review = cs.review_promotions()
+    assert len(calls.read_text().splitlines()) == 1, calls.read_text()
+    assert any("recall credits of org items not proposed now (a gh call of this review "
+               "timed out)" in w for w in review["warnings"]), review["warnings"]
+    assert "org_credit_prs" not in review
+    assert [r["item"] for r in cs.read_credits(cs.credits_path(cfg))] == [org_item]
+    assert "cambium/updates" not in _remote_branches(shared["org_bare"])
+
+
 def test_pr_mode_opens_pr_keeps_team_copy_then_settles_after_merge(shared, monkeypatch,
                                                                       tmp_path):
     log = make_stub_gh(tmp_path)
