@@ -3948,7 +3948,7 @@ def _restored_into(live: Item, back: Item, now: str) -> Item | None:
     status or timestamps: a copy's `updated_at` says nothing a hand cannot
     write (9999-12-31 replaced the live item whole, and brought a retired one
     back active), and the file keeps the copy as it was (pure)."""
-    more = carried_over(live, back)
+    more = carried_over(live, back, holds=())        # (its status is the store's anyway)
     if more is None:
         return None
     more = dataclasses.replace(more, status=live.status, deprecated=live.deprecated,
@@ -4670,12 +4670,15 @@ def merged_item(before: Item | None, mine: Item, theirs: Item) -> Item | None:
     return dataclasses.replace(mine, **out)
 
 
-def carried_over(above: Item, below: Item) -> Item | None:
+def carried_over(above: Item, below: Item, *, holds: Collection[str]) -> Item | None:
     """`above` (the copy a scope above holds) with what the source copy `below`
     holds that it lacks: endorsements (one per agent, the later), verifications,
-    the later last_verified, the higher authority, and a retirement (deprecated
-    or superseded). None when above lacks none of it (pure). Only adds: for a
-    copy another clone moved up while this one changed the source."""
+    the later last_verified, the higher authority, and a retirement (deprecated,
+    or superseded by an item whose id the scope above `holds`: by one only the
+    scope below held, org's only copy was retired for an item org never
+    received, and recall there found nothing). None when above lacks none of
+    it (pure). Only adds: for a copy another clone moved up while this one
+    changed the source."""
     out: dict[str, Any] = {}
     mine = {agent_key(e.get("by")): e for e in above.trust.get("endorsements") or []
             if isinstance(e, dict)}                   # (one agent however spelled)
@@ -4695,7 +4698,7 @@ def carried_over(above: Item, below: Item) -> Item | None:
         out["last_verified"] = below.last_verified
     if _higher(None, above.authority, below.authority) != above.authority:
         out["authority"] = below.authority
-    if above.active and not below.active:
+    if above.active and not below.active and not replacement_missing(below, holds):
         out.update(status=below.status, deprecated=below.deprecated,
                    superseded_by=below.superseded_by)
     return dataclasses.replace(above, **out, updated_at=_later(
@@ -4723,10 +4726,25 @@ def gained_since(below: Item, above: Item) -> Item:
         last_verified=below.last_verified if time_key(below.last_verified) > since else None)
 
 
-def news_over(above: Item, below: Item) -> Item | None:
+def news_over(above: Item, below: Item, *, holds: Collection[str]) -> Item | None:
     """carried_over(above, below), of a copy below that waits on a pull
     request only what it gained since `above` was made (gained_since) (pure)."""
-    return carried_over(above, gained_since(below, above))
+    return carried_over(above, gained_since(below, above), holds=holds)
+
+
+def replacement_missing(item: Item, holds: Collection[str]) -> bool:
+    """Whether `item` is superseded by an item not among the ids `holds` (pure)."""
+    return item.status == "superseded" and _superseded_by(item) not in holds
+
+
+def kept_live(new: Item, there: Item, holds: Collection[str]) -> Item:
+    """`new`, the copy a scope above is to hold in place of `there`, with
+    there's status when `new` is superseded by an item that scope lacks and
+    `there` is active (carried_over's rule, for a copy made afresh; pure)."""
+    if not there.active or not replacement_missing(new, holds):
+        return new
+    return dataclasses.replace(new, status=there.status, deprecated=there.deprecated,
+                               superseded_by=there.superseded_by)
 
 
 def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
@@ -12141,7 +12159,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                 clash.add(it.id)
                 verdicts[it.id] = Verdict(False, "id_conflict", ID_CONFLICT.format(
                     id=it.id, src=src, dst=dst))
-        news = {i: gated(new) for i in joined if (new := news_over(above[i], made[i]))}
+        tip = {it.id for it in doc.items}         # (ids: a supersession needs its replacement)
+        news = {i: gated(n) for i in joined if (n := news_over(above[i], made[i], holds=tip))}
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
@@ -12161,10 +12180,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
     elif held or marking:
-        def lift(source: Item, there: Item) -> Item:     # the dst copy with source's change
-            return gated(news_over(there, source) or there if source.id in joined
-                         else copy(source))
-
+        lift = functools.partial(_lifted, gated, copy, joined)
         try:
             kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
         except (CambiumError, OSError) as e:
@@ -12172,6 +12188,15 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                                       CambiumError(error_text(e)), src, dst, held, write) from None
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
     return Moved(write, landed, planned.refused)
+
+
+def _lifted(gated: Callable[[Item], Item], copy: Callable[[Item], Item], joined: set[str],
+            source: Item, there: Item, holds: set[str]) -> Item:
+    """A move's dst copy `there` with what its source copy changed since it was
+    made: carried over onto a copy dst held already (`joined`), else copied
+    afresh; a supersession only when dst `holds` the replacement (carried_over)."""
+    return gated(news_over(there, source, holds=holds) or there if source.id in joined
+                 else kept_live(copy(source), there, holds))
 
 
 ID_CONFLICT = ("{dst} scope holds another item under the id {id} (its words differ: a hand "
@@ -12225,12 +12250,12 @@ CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy mea
 
 
 def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
-                made: dict[str, Item], above: Doc, lift: Callable[[Item, Item], Item]
-                ) -> list[str]:
+                made: dict[str, Item], above: Doc,
+                lift: Callable[[Item, Item, set[str]], Item]) -> list[str]:
     """Drop from src the copies that landed in dst. A source copy changed since
     its copy was made (a teammate's endorse, deprecate or correct from another
     clone, a credit fold, in the second between the two writes) is not dropped
-    as it stands: the change is carried up first, lift(source, dst copy) over
+    as it stands: the change is carried up first, lift(source, dst copy, dst's ids) over
     a dst copy that nobody changed since; then it leaves. Returns the ids whose
     change could not be carried (both copies kept, named in the answer). The
     recall credits a source copy gained that its dst copy lacks are journaled
@@ -12298,18 +12323,19 @@ def days_left_behind(source: Item, copy: Item) -> list[tuple[str, str]]:
 
 
 def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str, Item],
-              lift: Callable[[Item, Item], Item]) -> dict[str, Item]:
+              lift: Callable[[Item, Item, set[str]], Item]) -> dict[str, Item]:
     """Replace in dst each copy that still reads as `copied` left it with
-    lift(the source's changed version, that copy); returns the new copies (id
-    -> item; one that needed nothing from the source is itself)."""
+    lift(the source's changed version, that copy, the ids dst holds); returns
+    the new copies (id -> item; one that needed nothing from the source is
+    itself)."""
     out: dict[str, Item] = {}
 
     def apply(doc: Doc) -> Doc | None:
         out.clear()
-        items, seen = list(doc.items), set()
+        items, seen, holds = list(doc.items), set(), {it.id for it in doc.items}
         for n, it in enumerate(items):
             if it.id in changed and it.id not in seen and it == copied.get(it.id):
-                items[n] = out[it.id] = lift(changed[it.id], it)
+                items[n] = out[it.id] = lift(changed[it.id], it, holds)
             seen.add(it.id)
         return dataclasses.replace(doc, items=items) if items != doc.items else None
 
@@ -12432,7 +12458,7 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item) -> list[str
     waiting for its merge (as _finish_held_move); one such pull request holds
     it already: it keeps waiting. Returns [id] when the copy below left."""
     branch = None
-    if cfg.org_pr and news_over(there, item) is not None:
+    if cfg.org_pr and news_over(there, item, holds=_org_ids_for(cfg, item)) is not None:
         if _updates_propose(cfg, item):
             return []
         branch = pr_branch(cfg, "org", "updates")
@@ -12442,6 +12468,13 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item) -> list[str
     return [] if branch else [it.id for it in moved.landed]
 
 
+def _org_ids_for(cfg: Config, item: Item) -> Collection[str]:
+    """The ids org's tip holds, when they can matter to carrying `item` up (it
+    is superseded: only a replacement org holds is carried); else none, unread."""
+    return {it.id for it in store(cfg, "org").read().items} \
+        if replacement_missing(item, ()) else ()
+
+
 def _updates_propose(cfg: Config, item: Item) -> bool:
     """Whether the cambium/updates branch, not yet merged, holds what `item`
     would add to org's copy (a copy below waiting on that pull request)."""
@@ -12449,8 +12482,10 @@ def _updates_propose(cfg: Config, item: Item) -> bool:
     side = org._remote_branch_tip(branch)
     if side is None or not org.proposes(branch, side):
         return False
-    there = next((it for it in first_copies(org.doc_at(side).items) if it.id == item.id), None)
-    return there is not None and news_over(there, item) is None
+    doc = org.doc_at(side)
+    there = next((it for it in first_copies(doc.items) if it.id == item.id), None)
+    return there is not None and \
+        news_over(there, item, holds={it.id for it in doc.items}) is None
 
 
 def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
@@ -13638,18 +13673,57 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
     """Duplicate groups among the active items of `scopes`, with every item's
     trust. An item on its way up stays out: through a pull request, or a move a
     crash cut short (its local copy still marked moving; folding that copy
-    into a look-alike left the move unfinishable, in a loop of supersessions)."""
+    into a look-alike left the move unfinishable, in a loop of supersessions),
+    or a copy a scope above holds (held_above)."""
+    scopes = tuple(scopes)
     docs, warnings = read_scopes(cfg, scopes)
     moving = meta_map(docs["local"].meta, MOVING_META) if "local" in docs else {}
+    above = held_above(cfg, scopes, docs, warnings)
     pool = [it for it in first_copies(federated_items(docs))   # (an empty body, e.g. a
             if it.active and not it.pr_url and it.content.strip()  # hand-edited non-string)
-            and not (it.scope == "local" and it.id in moving)]
+            and not (it.scope == "local" and it.id in moving) and not above(it)]
     pending = read_credits(credits_path(cfg))
     trusts = {it.id: effective_trust(it, pending) for it in pool}
     found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))
     groups = [Group(pool[s], [(pool[m], sim, how) for m, sim, how in members])
               for s, members in found]
     return groups, trusts, warnings
+
+
+def held_above(cfg: Config, asked: tuple[str, ...], docs: dict[str, Doc],
+               warnings: list[str]) -> Callable[[Item], bool]:
+    """Whether a scope above an item's own holds its id: the copy a move cut
+    short left below (killed between its push and its drop, or another clone's
+    still in flight). Folded into a look-alike only its scope held, it was
+    carried up by the next promote: org's only copy ended superseded by an item
+    org never received. Reads the scopes above those asked for. A team -> org
+    move marks nothing (a local copy is marked moving), so while org is set up
+    but unreadable every team item is held back, and `warnings` says so."""
+    higher = [s for s in SCOPES if s not in asked and any(s in SCOPES_ABOVE[a] for a in asked)]
+    extra, more = read_scopes(cfg, higher)
+    warnings += more
+    ids = {s: {it.id for it in d.items} for s, d in {**docs, **extra}.items()}
+    blind = "team" in docs and "org" not in ids and _set_up(cfg, "org")
+    if blind:
+        warnings.append("org scope could not be read, so no team item is folded this time "
+                        "(one org holds, left behind by a move to org, would be lost from "
+                        "org): consolidate again once org answers")
+
+    def held(it: Item) -> bool:
+        return (blind and it.scope == "team") or any(
+            it.id in ids.get(s, ()) for s in SCOPES_ABOVE.get(it.scope, ()))
+    return held
+
+
+def _set_up(cfg: Config, scope: str) -> bool:
+    """Whether `scope` is set up here (misconfigured counts: it is meant to be)."""
+    try:
+        store(cfg, scope)
+    except ScopeOff:
+        return False
+    except ConfigError:
+        return True
+    return True
 
 
 def _semantic_opinion(cfg: Config, pool: list[Item]
@@ -15714,7 +15788,9 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     the retirement is carried to org and the copy below leaves. None when org
     holds no copy (the item is simply retired). In PR mode the retirement goes
     through the cambium/updates pull request, the copy below waiting for its
-    merge (_finish_held_move): nothing is pushed to org's own branch."""
+    merge (_finish_held_move): nothing is pushed to org's own branch. A
+    supersession by an item org lacks is not carried (carried_over): org's
+    copy stays active, with a warning."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
     if cfg.org_pr:
@@ -15723,9 +15799,17 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
                  copy=lambda it: it, message=f"carry {item.id}'s retirement to org")
     if not moved.landed:
         return None
-    return {"status": "already_promoted", "scope": "org", "item": item_view(moved.landed[0]),
-            "note": f"a move to org had been cut short, and the {scope} copy was "
-                    f"{item.status} since: that is carried to org, and the {scope} copy left"}
+    there = moved.landed[0]
+    out = {"status": "already_promoted", "scope": "org", "item": item_view(there),
+           "note": f"a move to org had been cut short, and the {scope} copy was "
+                   f"{item.status} since: that is carried to org, and the {scope} copy left"}
+    if there.active:
+        out["note"] = f"a move to org had been cut short: the {scope} copy left"
+        out["warnings"] = [f"{item.id} was superseded in {scope} scope by "
+                           f"{_superseded_by(item)}, which org does not hold, so org's copy "
+                           "stays active (retired there, org would lose what it says); "
+                           "consolidate() folds the two if they say the same"]
+    return out
 
 
 def _org_kind(kind: str | None) -> str | None:
@@ -15801,7 +15885,8 @@ def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *
     if there is not None and not copy_of(there, item) and not item.pr_url:
         return _org_refusal(item, Verdict(False, "id_conflict", ID_CONFLICT.format(
             id=item.id, src=scope, dst="org")))
-    news = there is not None and carried_over(there, item) is not None
+    news = there is not None and \
+        carried_over(there, item, holds=_org_ids_for(cfg, item)) is not None
     branch = pr_branch(cfg, "org", "updates") if news else None
     moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
                  pr_branch=branch, pr_body=PR_BODY,

@@ -5634,6 +5634,99 @@ def test_direct_mode_finishes_a_copy_a_cut_short_move_left_below(shared, monkeyp
     assert other not in team_ids(shared["origin"])
 
 
+def _left_in_team(shared, item_id: str, edit=lambda it: it) -> None:
+    """Put org's copy of item_id back on the team branch (edit(it) as it lands),
+    as a team -> org move killed between its org push and its team drop, or
+    another clone's still in flight, leaves it."""
+    n = len(list(shared["tmp"].glob("left-*")))
+    left = clone(shared["origin"], shared["tmp"] / f"left-{n}")
+    git(left, "checkout", "-q", "cambium")
+    doc = json.loads((left / "knowledge.json").read_text())
+    org = next(i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id)
+    doc["items"].append(edit(dict(org, scope="team")))
+    (left / "knowledge.json").write_text(json.dumps(doc))
+    git(left, "commit", "-q", "-am", "a copy a move to org left in team")
+    git(left, "push", "-q", "origin", "cambium")
+
+
+RETRY = "Retry flaky network calls with exponential backoff and jitter between attempts"
+
+
+def _team_look_alike(shared, monkeypatch) -> str:
+    """A team item, endorsed by two, saying what RETRY says in a word more."""
+    look = _endorsed(RETRY.replace("Retry flaky", "Retry the flaky"))
+    cs.promote(look, force=True)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.endorse(look, note="agreed")
+    as_agent(monkeypatch, shared["a"], "ada")
+    return look
+
+
+def test_consolidate_of_team_leaves_out_a_copy_org_holds(shared, monkeypatch):
+    """A team -> org move cut short leaves its team copy (unmarked); a
+    consolidate(scope="team") folded it into a look-alike only team held, and
+    the next promote carried that supersession up: org's only copy retired for
+    an item org never received, and org's recall found nothing."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed(RETRY)
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    look = _team_look_alike(shared, monkeypatch)
+    _left_in_team(shared, item)
+    assert item in team_ids(shared["origin"])
+    assert cs.consolidate(scope="team")["count"] == 0
+    assert cs.consolidate(apply=True, scope="team").get("superseded", []) == []
+    assert cs.promote(item, to_scope="org")["status"] == "already_promoted"
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert org["id"] == item and org["status"] == "active"
+    assert [r["id"] for r in cs.recall("retry flaky network backoff", scope="org")["results"]
+            ] == [item]
+    assert look in team_ids(shared["origin"]) and item not in team_ids(shared["origin"])
+    _left_in_team(shared, item)                           # and org unreadable: nothing folds
+    bad = clone(shared["org_bare"], shared["tmp"] / "org-breaker")
+    (bad / "knowledge.json").write_text("{not json")
+    git(bad, "commit", "-q", "-am", "a broken hand edit")
+    git(bad, "push", "-q", "origin", "HEAD:main")
+    for scope in ("team", "auto"):
+        plan = cs.consolidate(apply=True, scope=scope)
+        assert plan["count"] == 0 and plan.get("superseded", []) == [], plan
+        assert any("no team item is folded" in w for w in plan["warnings"]), plan
+
+
+def test_a_supersession_org_cannot_follow_is_not_carried_to_org():
+    """carried_over took a supersession up whatever it named: the copy a move
+    to org left in team, folded into an item only team held, retired org's only
+    copy for an item org never received."""
+    above = cs.Item(id="k-aaaaaaaaaaaa", content="Retries back off", scope="org")
+    below = dataclasses.replace(above, scope="team", status="superseded",
+                                superseded_by={"id": "k-bbbbbbbbbbbb", "by": "ada"})
+    assert cs.carried_over(above, below, holds={above.id}) is None
+    assert cs.carried_over(above, below, holds={above.id, "k-bbbbbbbbbbbb"}).status \
+        == "superseded"
+    gone = dataclasses.replace(below, status="deprecated", superseded_by=None,
+                               deprecated={"by": "ada", "why": "wrong"})
+    assert cs.carried_over(above, gone, holds=()).status == "deprecated"
+    assert cs.kept_live(below, above, ()).status == "active"          # a copy made afresh
+    assert cs.kept_live(below, above, {"k-bbbbbbbbbbbb"}).status == "superseded"
+
+
+def test_promote_keeps_org_active_when_the_team_copy_went_to_an_item_org_lacks(
+        shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed(RETRY)
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    look = _team_look_alike(shared, monkeypatch)
+    _left_in_team(shared, item, lambda it: dict(it, status="superseded", superseded_by={
+        "id": look, "by": "ada", "at": "2026-01-01T00:00:00Z", "why": "consolidated"}))
+    res = cs.promote(item, to_scope="org")
+    assert res["status"] == "already_promoted" and res["item"]["status"] == "active", res
+    assert any(f"superseded in team scope by {look}" in w for w in res["warnings"])
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert org["id"] == item and org["status"] == "active"
+    assert item not in team_ids(shared["origin"])
+
+
 def test_a_refusal_names_no_pull_request_outside_pr_mode(repo):
     item = cs.capture("Caches hold for five minutes")["item"]["id"]
     _hand_edit(repo, lambda i: dataclasses.replace(
