@@ -11864,16 +11864,18 @@ class Changed:
     item: Item
 
 
-def change_item(cfg: Config, scope: str, item_id: str, change: Callable[[Item], Item | None],
-                message: str, *, topic: str = "updates") -> tuple[Item, Write]:
+def change_item(cfg: Config, scope: str, item_id: str, change: Callable[..., Item | None],
+                message: str, *, topic: str = "updates", with_tip: bool = False
+                ) -> tuple[Item, Write]:
     """Apply change(item) -> new item (None: nothing to do) where the item lives,
     through mutate(); in org PR mode onto the `topic` pull request (pr_branch).
+    with_tip: change(item, doc), for a change judged on the whole tip it lands on.
     Returns the item after the change and the write."""
     def plan(doc: Doc) -> Changed:
         hit = _find_item(doc, item_id)
         if hit is None:
             raise LeftScope(f"No item {item_id} in {scope} scope any more; recall lists ids.")
-        new = change(hit[1])
+        new = change(hit[1], doc) if with_tip else change(hit[1])
         return Changed(None if new is None else _replace_item(doc, hit[0], new), new or hit[1])
 
     branch = pr_branch(cfg, scope, topic)
@@ -15980,7 +15982,9 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     With none of them, the item's latest endorsement note restates the
     content, when it reads cross-project. Restated words with a tell are
     refused (needs_generalization, with the tells), as promote and correct
-    refuse them, unless force=True. note: why. Writes through
+    refuse them, unless force=True; words org corrected or deprecated are
+    refused whatever force says (corrected_before, deprecated_before; nothing
+    is written), as promote and capture refuse them. note: why. Writes through
     the org path: a direct push, or one shared `cambium/generalize` pull
     request when CAMBIUM_ORG_PR=1 (repeated calls batch into it). Idempotent:
     restating to the same text changes nothing.
@@ -15996,30 +16000,45 @@ def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
     now = _now()
     changed, refused = [], []                      # (what apply found on the tip it judged)
 
-    def apply(it: Item) -> Item | None:             # judged on the tip the write lands on
+    def apply(it: Item, doc: Doc) -> Item | None:   # judged on the tip the write lands on
         text = _restatement_body(it, item_id, content, why, kind)
-        refused[:] = [tells] if (tells := restatement_tells(
-            it, content=text, why=why, kind=kind)) and not force else []
-        new = it if refused else restated(it, content=text, why=why, kind=kind)
+        new, verdict = _judged_restatement(cfg, doc, it, force, content=text, why=why, kind=kind)
+        refused[:] = [verdict] if verdict else []
         changed.append(new is not it)
         return None if new is it else dataclasses.replace(
             new, updated_at=now, extra={**it.extra, "generalized": {
                 "by": cfg.agent, "at": now, "note": note}})
 
     try:
-        new, write = change_item(cfg, "org", item_id, apply,
-                                 f"{cfg.agent} generalizes {item_id}", topic="generalize")
+        new, write = change_item(cfg, "org", item_id, apply, f"{cfg.agent} generalizes "
+                                 f"{item_id}", topic="generalize", with_tip=True)
     except NotFound:
         raise NotFound(f"No item {item_id} in org scope; generalize() restates org items "
                        "(review_promotions lists the ones that need it).") from None
     if refused:
-        return {"status": "needs_generalization", "tells": refused[0], "item": item_view(new),
-                "reason": "org scope is read by every project and the restatement reads "
-                          "project-specific: state the rule in general terms, or pass "
-                          "force=True to restate it as it is."}
+        return {"status": refused[0].status, "item": item_view(new), "reason": refused[0].reason,
+                **({"tells": refused[0].tells} if refused[0].tells else {})}
     changed_now = write is not None and write.commit is not None and changed[-1]
     return proposed({"status": "generalized" if changed_now else "unchanged",
                      "item": item_view(new), "tells_left": org_tells(new)}, write)
+
+
+def _judged_restatement(cfg: Config, doc: Doc, it: Item, force: bool, **restate: str | None
+                        ) -> tuple[Item, Verdict | None]:
+    """generalize()'s `it` restated on org's tip `doc`, or `it` itself with
+    the refusal: the restatement reads project-specific (unless forced), or
+    org corrected or deprecated its words (_said_in, as for promote's
+    restatement, and force never passes it: generalize brought words back
+    live that promote and capture refuse)."""
+    tells = restatement_tells(it, **restate)
+    if tells and not force:
+        return it, Verdict(False, "needs_generalization", "org scope is read by every project "
+                           "and the restatement reads project-specific: state the rule in "
+                           "general terms, or pass force=True to restate it as it is.",
+                           tells=tells)
+    new = restated(it, **restate)
+    said = _said_in(cfg, "org", doc, new) if new is not it else None
+    return (it, said) if said else (new, None)
 
 
 def _restatement_body(it: Item, item_id: str, content: str | None, why: str | None,

@@ -7451,6 +7451,36 @@ def test_generalize_refuses_a_retired_org_item(shared, monkeypatch):
     assert old["content"] == "Time out every outbound call"
 
 
+def test_generalize_never_brings_back_words_org_deprecated_or_a_person_corrected(
+        shared, monkeypatch):
+    """promote(org_content=...) and capture refused words org had deprecated or
+    a person had corrected (deprecated_before, corrected_before), but
+    generalize(org_content=...) published them live again, force or not."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    ids = []
+    for text in ("Pin every service dependency to an exact version in the lockfile",
+                 "Store all timestamps as local wall clock time in the database",
+                 "Review database migrations with a second engineer before merging them"):
+        ids.append(_endorsed(text))
+        cs.promote(ids[-1], to_scope="org", force=True)
+    dep, cor, other = ids
+    cs.deprecate(dep, reason="we float minor versions now")
+    cs.correct(cor, "Store all timestamps in UTC in the database", "the DBA said so",
+               force=True)
+    before = remote_json(shared["org_bare"], "main")
+    for words, status in (("Pin every service dependency to an exact version in the "
+                           "lockfile.", "deprecated_before"),
+                          ("store all timestamps as local wall clock time in the database",
+                           "corrected_before")):
+        for force in (False, True):
+            out = cs.generalize(other, org_content=words, force=force)
+            assert out["status"] == status, out
+            assert out["item"]["content"].startswith("Review database migrations")
+    assert remote_json(shared["org_bare"], "main") == before          # nothing written
+    assert cs.generalize(other, org_content="Have a second engineer review every database "
+                         "migration before it merges")["status"] == "generalized"
+
+
 def test_generalize_refuses_empty_text_rather_than_taking_the_endorsement_note(
         shared, monkeypatch):
     """org_content="" read as omitted: the org item's content became the latest
