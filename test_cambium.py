@@ -6953,7 +6953,7 @@ def test_agent_ids_that_differ_in_case_or_width_are_one_agent(repo, monkeypatch)
         {"by": "Ada", "note": "a", "at": "2026-12-01T00:00:00Z"}]})    # endorsement an agent
     new = cs.Item(id="k-2", content="y", trust={"endorsements": [
         {"by": "ada", "note": "b", "at": "2026-12-02T00:00:00Z"}, {"by": ["odd"], "at": "x"}]})
-    merged = cs.carried_over(old, new)
+    merged = cs.carried_over(old, new, holds=())
     assert [e["note"] for e in merged.trust["endorsements"] if e.get("by") != ["odd"]] == ["b"]
     assert [e["by"] for e in cs._one_per_agent(old.trust["endorsements"],
                                                new.trust["endorsements"])] == ["ada", ["odd"]]
