@@ -14578,9 +14578,11 @@ def test_the_module_hook_never_runs_a_project_file_named_like_a_standard_module(
     json.py or signal.py ran instead of the standard library's, and the hook
     ended in a traceback (or printed the project's output before its JSON)."""
     cs.capture("Never deploy on Fridays", kind="pitfall")
-    for name in ("json", "typing", "signal", "struct", "inspect", "heapq"):
+    names = ("json", "typing", "signal", "struct", "inspect", "heapq") + \
+        (("__future__",) if sys.version_info >= (3, 11) else ())   # (PYTHONSAFEPATH: 3.11+)
+    for name in names:
         (repo / f"{name}.py").write_text(f"print('PROJECT {name} RAN')\nraise SystemExit(3)\n")
-    env = {**child_env(), "PYTHONPATH": str(SERVER.parent)}
+    env = {**child_env(), "PYTHONPATH": str(SERVER.parent), "PYTHONSAFEPATH": "1"}
     env.pop("CAMBIUM_REPO", None)
     out = subprocess.run([sys.executable, "-m", "cambium_server", "primer", "--hook"],
                          cwd=repo, input=json.dumps({"cwd": str(repo)}), text=True,
