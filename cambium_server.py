@@ -2072,7 +2072,21 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
         problems.append({"setting": "CAMBIUM_REPO", "origin": "cwd", "problem": gone,
                          "cost": f"{gone} → every tool is unavailable",
                          "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
+    _team_map_fix(problems, file_values, values.get("CAMBIUM_REPO"), path)
     return Config(values, origins, path, problems, file_error)
+
+
+def _team_map_fix(problems: list[dict], file_values: dict, repo: Any, path: Path) -> None:
+    """A bad team branch that setup's per-repo map gave is corrected there: the
+    fix named a CAMBIUM_TEAM_BRANCH key the file did not have (one added was
+    still overridden by the map's entry)."""
+    if not _given(_repo_team_branch(file_values, repo)):
+        return
+    for p in problems:
+        if p["setting"] == "CAMBIUM_TEAM_BRANCH" and p["origin"] == "file":
+            p["fix"] = (f"correct {TEAM_BRANCHES}[{json_text(os.path.realpath(repo))}] "
+                        f"({p['problem']}) in {path}, or run setup again with a valid "
+                        "team branch")
 
 
 def not_text(key: str, value: str) -> bool:
@@ -2137,6 +2151,9 @@ def config_gaps(cfg: Config) -> list[dict]:
                      f"({p['problem']}); cambium will not use it", "fix": p.get("fix") or
                      f"correct {p['setting']} ({p['problem']}) in "
                      f"{'the environment' if p['origin'] == 'env' else cfg.config_file}"})
+    if cfg.origins.get("CAMBIUM_REPO") == "env":      # (setup writes the file, which it wins)
+        repo_fix = ("correct or unset CAMBIUM_REPO in the environment (an MCP client's "
+                    '"env", the shell): it wins over what setup records')
     if not cfg.repo:
         gaps.append({"setting": "CAMBIUM_REPO", "cost": "no project repo → cambium has no "
                      "substrate; every tool is unavailable", "fix": repo_fix})
@@ -14348,8 +14365,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         raise
     cfg = resolve_config(env)
     binding = repo_binding(cfg)
-    out = {"configured_now": True, "config_file": str(cfg_path), "written": updates,
-           "binding": binding, "status": status()}
+    now = status()                            # (a setting setup does not write can block it)
+    out = {"configured_now": bool(now.get("configured")), "config_file": str(cfg_path),
+           "written": updates, "binding": binding, "status": now}
     warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
         ignore_note + _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s) \
         + ([f"the config file {cfg_path} was not a JSON object: moved aside to {moved}, and "
@@ -14464,7 +14482,12 @@ def _setup_warnings(env: Any, updates: dict[str, Any], binding: dict, root: Path
                 and _normalize_value(k, env.get(k)) != given[k]]   # (true is 1)
     warnings = [f"{k} is also set in the environment, which wins over the config file; "
                 "unset it to use the value just written." for k in shadowed]
-    if binding["repo"] is None or os.path.realpath(binding["repo"]) != os.path.realpath(root):
+    if binding["from"] == "env" and (binding["repo"] is None or os.path.realpath(
+            binding["repo"]) != os.path.realpath(root)):
+        warnings.append(f"CAMBIUM_REPO is set in the environment ({env.get('CAMBIUM_REPO')}), "
+                        f"which wins over the config file: unset it (or set it to {root}) "
+                        "for this process to work there.")
+    elif binding["repo"] is None or os.path.realpath(binding["repo"]) != os.path.realpath(root):
         warnings.append(f"this process works in {binding['repo']} ({binding['because']}); "
                         f"{root} is used only by processes started outside any git repo.")
     return warnings

@@ -1320,6 +1320,36 @@ def test_a_path_setting_with_a_name_too_long_is_a_gap_not_a_failure(repo, tmp_pa
         assert err.value.argument == bad
 
 
+def test_first_day_fix_texts_fix_what_they_name(tmp_path, monkeypatch):
+    """A CAMBIUM_REPO from the environment naming a moved clone got "run
+    setup" as its fix, and setup answered configured_now: true though the
+    environment still won; a config file blocking it otherwise (a git timeout
+    of 0) got configured_now: true too; a bad team branch from setup's per-repo
+    map named a CAMBIUM_TEAM_BRANCH key the file did not have."""
+    a = make_repo(tmp_path, "alpha")
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("CAMBIUM_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("CAMBIUM_REPO", str(tmp_path / "moved-away"))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    (gap,) = [g for g in cs.status()["gaps"] if g["setting"] == "CAMBIUM_REPO"]
+    assert "unset CAMBIUM_REPO in the environment" in gap["fix"]
+    out = cs.setup(str(a), "ada")
+    assert out["configured_now"] is False
+    assert any("CAMBIUM_REPO is set in the environment" in w for w in out["warnings"])
+    monkeypatch.delenv("CAMBIUM_REPO")
+    monkeypatch.chdir(a)
+    assert cs.setup(str(a), "ada")["configured_now"] is True
+    config = home / ".cambium" / "config.json"
+    held = json.loads(config.read_text())
+    config.write_text(json.dumps({**held, "CAMBIUM_GIT_TIMEOUT": "0"}))
+    assert cs.setup(str(a), "ada")["configured_now"] is False
+    config.write_text(json.dumps({"CAMBIUM_AGENT_ID": "ada", "team_branches": {
+        os.path.realpath(a): "HEAD"}}))
+    (gap,) = [g for g in cs.status()["gaps"] if g["setting"] == "CAMBIUM_TEAM_BRANCH"]
+    assert gap["fix"].startswith(f'correct team_branches["{os.path.realpath(a)}"]'), gap
+
+
 def test_a_process_working_in_a_bare_repository_binds_no_repo(tmp_path, monkeypatch):
     """A working directory in a bare repository (a git repo with no work tree)
     bound the repo setup recorded, which only a process outside any git repo
