@@ -14672,9 +14672,11 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                 f"gh repo view {owner}/{name} >/dev/null 2>&1 || gh repo create "
                 f"{owner}/{name} --private --description 'org knowledge (cambium)'",
                 f"gh repo clone {owner}/{name} {clone}",
-                f"cd {clone} && {{ [ -e knowledge.json ] || {{ printf '{{\"items\": []}}\\n' "
-                "> knowledge.json && git add knowledge.json && git commit -m 'cambium: org "
-                "knowledge store' && git push -u origin HEAD; }; }",
+                f"cd {clone} && {{ git cat-file -e '@{{u}}:knowledge.json' 2>/dev/null || {{ {{ "
+                "git cat-file -e HEAD:knowledge.json 2>/dev/null || { { [ -e knowledge.json ] "
+                "|| printf '{\"items\": []}\\n' > knowledge.json; } && git add knowledge.json "
+                "&& git commit -m 'cambium: org knowledge store'; }; } && git push -u origin "
+                "HEAD; }; }",
             ],
             "safe_to_repeat": "a repository that exists is cloned, never created again, and "
                               "its knowledge.json is never overwritten: every teammate runs "

@@ -1102,6 +1102,14 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge", str(fresh))],
                    check=True, capture_output=True)
     assert json.loads((fresh / "knowledge.json").read_text()) == {"items": []}
+    empty = tmp_path / "org-empty.git"                    # a first run whose commit failed
+    git(tmp_path, "init", "-q", "--bare", str(empty))     # (no git identity): run again,
+    half = clone(empty, tmp_path / "half")                # it commits and pushes (it used to
+    (half / "knowledge.json").write_text('{"items": []}\n')   # see the file and stop)
+    git(half, "add", "knowledge.json")
+    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge", str(half))],
+                   check=True, capture_output=True)
+    assert "knowledge.json" in git(empty, "ls-tree", "-r", "--name-only", "HEAD")
     subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge",
                                                str(tmp_path / "no-such-clone"))],
                    cwd=org, capture_output=True)         # a clone that is not there: nothing
