@@ -3115,11 +3115,35 @@ def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
     return False
 
 
+def _mode_of(path: Path) -> int:
+    """The permission bits `path` has, or what the umask gives a new file."""
+    try:
+        return _stat.S_IMODE(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return 0o666 & ~_umask()
+
+
+@functools.lru_cache(maxsize=1)
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it for
+    every thread at once); 0o022 where /proc does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    return 0o022
+
+
 def atomic_write(path: Path, data: str | bytes | Callable[[Any], None],
-                 mode: int = 0o644, *, durable: bool = True) -> None:
+                 mode: int | None = None, *, durable: bool = True) -> None:
     """Replace `path` atomically and durably with text, bytes, or whatever
     data(binary file) writes (streamed: a large store is never joined in memory).
-    durable=False: atomically only, no fsync (a cache file, rebuilt if torn)."""
+    durable=False: atomically only, no fsync (a cache file, rebuilt if torn).
+    The file keeps the mode it had (a store a person made 0600 came back 0644
+    at every rewrite); a new one takes the umask's, unless `mode` says."""
+    if mode is None:
+        mode = _mode_of(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=TMP_SUFFIX,
                                dir=path.parent)
@@ -3399,8 +3423,8 @@ def _salvage(data: bytes, where: str) -> Parsed:
         body = line.strip().rstrip(b",")
         if body.startswith(b'"meta": '):
             meta = _json(body[len(b'"meta": '):])
-            if isinstance(meta, dict):
-                out.doc.meta = meta
+            if isinstance(meta, dict) and not out.doc.meta:   # (a second one, two stores
+                out.doc.meta = meta                          # joined: set aside, not lost)
                 continue
         d = _json(body)
         if isinstance(d, dict) and isinstance(d.get("content"), str):
@@ -3782,17 +3806,36 @@ class LocalStore(Store):
         served as it parsed and left as it is."""
         if self._read_only():
             return parsed.doc
-        if parsed.bad:
-            aside = self.path.with_name(self.path.name + QUARANTINE_TAG + _stamp())
-            atomic_write(aside, b"\n".join(parsed.bad) + b"\n")
-        seen = _Seen(key, parsed.doc, parsed.spans or array("q"), None) \
-            if parsed.spans is not None else None
-        self._remember(seen)
-        self._rewrite(parsed.doc)
+        aside = self.path.with_name(self.path.name + QUARANTINE_TAG + _stamp())
+        try:
+            if parsed.bad:
+                atomic_write(aside, b"\n".join(parsed.bad) + b"\n", _mode_of(self.path))
+            seen = _Seen(key, parsed.doc, parsed.spans or array("q"), None) \
+                if parsed.spans is not None else None
+            self._remember(seen)
+            self._rewrite(parsed.doc)
+        except OSError as e:        # a full disk, a file size limit: serve what parsed, as a
+            with contextlib.suppress(OSError):      # read-only store is, and keep no copy
+                aside.unlink()                      # of lines the store still holds
+            self._remember(None)
+            note_for_call(f"{self.path}: {len(parsed.bad)} damaged line(s) not set aside "
+                          f"({e.strerror or e}); the lines that parse are served")
         return parsed.doc
 
     def _read_only(self) -> bool:
-        return self.path.exists() and not os.access(self.path, os.W_OK)
+        """Whether a person made the store read-only: its mode's write bits, not
+        os.access (which says yes to root: a chmod 444 store was written and
+        its mode reset)."""
+        try:
+            return not os.stat(self.path).st_mode & 0o222
+        except OSError:
+            return False
+
+    def _refuse_read_only(self) -> None:
+        if self._read_only():
+            raise PermissionError(errno.EACCES, "the store is read-only (its mode forbids "
+                                  "writing; make it writable to let cambium write)",
+                                  str(self.path))
 
     def _move_aside(self) -> Doc:
         """Nothing parses: move the whole file aside (never overwrite it), start empty."""
@@ -3829,6 +3872,7 @@ class LocalStore(Store):
         return Write(doc=new if new is not None else doc)
 
     def _append(self, seen: _Seen, added: list, new: Doc) -> None:
+        self._refuse_read_only()
         lines = [_stored_json_line(it).encode("utf-8", "surrogateescape") for it in added]
         data = b",\n" + b",\n".join(lines) + STORE_TAIL
         fd = os.open(self.path, os.O_WRONLY | NOFOLLOW)
@@ -3888,10 +3932,7 @@ class LocalStore(Store):
             if new.items:
                 out.write(STORE_TAIL)
 
-        if self._read_only():                  # (as an append finds it)
-            raise PermissionError(errno.EACCES, "the store is read-only (its mode forbids "
-                                  "writing; make it writable to let cambium write)",
-                                  str(self.path))
+        self._refuse_read_only()               # (as an append does)
         atomic_write(self.path, write)
         with contextlib.suppress(OSError):     # (a directory there is no hint: left alone)
             os.unlink(self.appends)            # records of the old inode: no use now
