@@ -9445,8 +9445,9 @@ class Semantic:
                 failed = f"the reranker failed: {type(e).__name__}: {e}"
             else:
                 score = reranked(np, score, top, logits, set(exact))
-        hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else
-                    lexical_relevance(confidence_bm25(index, terms, it)))  # as lexical recall's
+        hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] and
+                    model_reads(emb.tokenizer, it.content) else   # (else as lexical recall's)
+                    lexical_relevance(confidence_bm25(index, terms, it)))
                 for i in best_slots(np, score, items, pool + tie_slack(index))
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
         ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
@@ -9557,6 +9558,15 @@ def joined_notes(*notes: str | None) -> str | None:
     return " ".join(n for n in notes if n) or None
 
 
+@functools.lru_cache(maxsize=4096)
+def model_reads(tokenizer: Any, content: str) -> bool:
+    """Whether the model can read an item's content (WordPiece.reads, as for
+    a query): one in a script it lacks embeds as unknown pieces, near any
+    short query (a Thai note answered "hello" at 0.52 and was credited), so
+    its relevance is its shared words', as an item not embedded yet."""
+    return tokenizer.reads(content)
+
+
 def lifted(score: Any, slots: list[int]) -> Any:
     """The score with `slots` lifted above every other (by EXACT_LIFT, or by
     more than the scores' own spread when it is wider: second_blend's z-scores)."""
@@ -9663,7 +9673,7 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
             reranker, rnote = reranker_for(cfg)
             ranking = engine.rank(index, query, limit, reranker)
             ranking.note = joined_notes(ranking.note, rnote, second_note(cfg, engine))
-            return ranking
+            return own_words_first(index, query, ranking, limit)
         except SemanticUnavailable as e:
             note = _fallback_note(str(e), always=mode == "semantic")
         except QueryUnreadable as e:
@@ -9676,7 +9686,50 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
                     f"vector cache in .cambium/{VECTORS_DIR}/ can be deleted, it is rebuilt.")
     ranking = score_query(index, query, limit)
     ranking.note = note
+    return own_words_first(index, query, ranking, limit)
+
+
+def own_words_first(index: Index, query: str, ranking: Ranking, limit: int) -> Ranking:
+    """The ranking with the items whose content is the query itself (case,
+    punctuation and spacing aside) first, as results: items holding its words
+    and more (a tail, tags, a long why) outscored the item a query quoted,
+    and five such left it out altogether, in both modes. Each keeps its own
+    relevance when it is a result already, else takes the best result's (or
+    the floor's): it is what was asked for."""
+    said = _words_of(query)
+    slots = _same_words_slots(index, list(dict.fromkeys(tokenize(query))), said) \
+        if said else []
+    if not slots:
+        return ranking
+    had = {h.item.id: h for h in ranking.hits + ranking.weak}
+    top = max([h.confidence for h in ranking.hits] + [RELEVANCE_FLOOR])
+    first = [h if (h := had.get(it.id)) is not None and h in ranking.hits
+             else Hit(it, math.inf, max(top, h.confidence if h else 0.0))
+             for it in sorted((index.items[i] for i in slots), key=lambda it: -it.authority_rank)]
+    ids = {h.item.id for h in first}
+    ranking.hits = (first + [h for h in ranking.hits if h.item.id not in ids])[:limit]
+    ranking.weak = [h for h in ranking.weak if h.item.id not in ids]
+    ranking.confidence = max(ranking.confidence, top)
     return ranking
+
+
+def _words_of(text: str) -> str:
+    """A text's words (a script's vowel signs and tone marks kept), lowercased:
+    what normalized_text compares, without the type."""
+    return " ".join(_WORDS_AND_MARKS.findall(plain_text(text).lower()))
+
+
+def _same_words_slots(index: Index, terms: list[str], said: str) -> list[int]:
+    """Live slots whose item's content is `said` in words (_words_of); their
+    rarest term's posting list walked, as every_term_slots does."""
+    lists = [index.postings.get(t) for t in terms]
+    if not terms or any(p is None for p in lists):
+        return []
+    rarest = min((p[0] for p in lists), key=len)
+    if len(rarest) > EVERY_TERM_MAX_POSTINGS:
+        return []
+    return [i for i in rarest if (it := index.items[i]) is not None and it.active
+            and _words_of(it.content) == said][:RESULT_HEAD]
 
 
 def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
@@ -15275,8 +15328,8 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
                                        round(h.confidence, 3), detail) for h in hits],
                "no_confident_match": False, **({"warnings": [unjournaled]} if unjournaled
                                                else {})}
-    nearest = sorted((h for h in ranking.weak if h.confidence > 0),   # (0.0 is no near
-                     key=lambda h: -h.confidence)[:3]                 # miss; the nearest first)
+    nearest = sorted((h for h in ranking.weak if shown_relevance(h.confidence, False) > 0),
+                     key=lambda h: -h.confidence)[:3]   # (0.0 as shown is no near miss)
     out["weak_matches"] = [{"id": h.item.id, "content": h.item.content[:160],
                             "relevance": shown_relevance(h.confidence, False)}
                            for h in nearest]

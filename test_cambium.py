@@ -11789,6 +11789,52 @@ def _engine(repo: Path) -> cs.Semantic:
     return cs.runtime().engines[str(repo / ".cambium" / cs.VECTORS_DIR)]
 
 
+def _own_words_store() -> str:
+    quoted = cs.capture("Redis cache keys need a TTL", tags="incident,memory")["item"]["id"]
+    for tail in ("in staging", "in prod", "for sessions", "always", "set by the client"):
+        cs.capture(f"Redis cache keys need a TTL {tail}")
+    return quoted
+
+
+def test_a_query_in_an_items_own_words_finds_it_first_lexically(repo):
+    """Five items holding the query's words and a tail outscored the item the
+    query quoted (its tags weigh on its length), and it was left out."""
+    quoted = _own_words_store()
+    for query, limit in (("Redis cache keys need a TTL", 5), ("redis cache keys, need a ttl!", 1)):
+        res = cs.recall(query, limit=limit)
+        assert res["results"][0]["id"] == quoted, res["results"]
+        assert len(res["results"]) == limit
+
+
+def test_a_query_in_an_items_own_words_finds_it_first_semantically(semantic):
+    quoted = _own_words_store()
+    res = cs.recall("Redis cache keys need a TTL")
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == quoted, res["results"]
+
+
+def test_an_item_the_model_cannot_read_is_judged_by_its_shared_words(semantic):
+    """A note in a script the model lacks embeds as unknown pieces, near any
+    short query: it answered "hello" and "xyz" at 0.52-0.61, and was credited."""
+    for text in ("Invoices are immutable once sent", "Deploys need a canary"):
+        cs.capture(text)
+    thai = cs.capture("ห้ามรีสตาร์ทเซิร์ฟเวอร์ตอนกลางวัน")["item"]["id"]
+    for query in ("hello", "xyz", "0", "-1", "ﬁle", "ß"):
+        assert thai not in [r["id"] for r in cs.recall(query)["results"]], query
+    assert cs.recall("ห้ามรีสตาร์ทเซิร์ฟเวอร์ตอนกลางวัน")["results"][0]["id"] == thai
+    journal = semantic / ".cambium" / "credits.jsonl"
+    assert [c["item"] for c in cs.read_credits(journal)].count(thai) <= 1   # (its own words')
+
+
+def test_no_weak_match_is_shown_at_relevance_zero(repo):
+    """A near miss scored just above 0 was listed at relevance 0.0."""
+    export = repo.parent / "widgets.jsonl"
+    export.write_text("".join(json.dumps({"id": f"w{n}", "content": f"widget number {n} in "
+                                          "the catalogue"}) + "\n" for n in range(210)))
+    cs.import_memory("json", str(export))
+    res = cs.recall("widget zebra")
+    assert all(w["relevance"] > 0 for w in res.get("weak_matches", [])), res["weak_matches"]
+
+
 def test_an_index_follows_a_list_that_shifted_by_id_not_by_position(monkeypatch):
     """A promote takes one item out of the local list and puts one in the
     team list: the federated list keeps its length, and every position after
