@@ -14129,11 +14129,19 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     exit, not on the pipe's end: what it leaves in the background (`sleep &`,
     even a `setsid` child that escapes its group) neither holds the answer
     past the timeout nor turns a pass into one. Its process group is killed
-    once the answer is in, so a check leaves nothing running."""
-    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                            env={k: v for k, v in os.environ.items() if k not in _HOOK_GIT_VARS})
+    once the answer is in, so a check leaves nothing running. A check that
+    cannot start (a NUL in a hand-edited command, one over the system's
+    argument limit) answers `error`: it neither passed nor failed, and one
+    such check stopped the whole run, with the results already in."""
+    try:
+        proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={k: v for k, v in os.environ.items()
+                                     if k not in _HOOK_GIT_VARS})
+    except (ValueError, OSError) as e:
+        return {"cmd": cmd, "passed": False, "exit": None, "output": "",
+                "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
     try:
         output = check_output_tail(proc, timeout_s)
         code = proc.poll()                          # None: still running, timed out
@@ -14196,13 +14204,18 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
             cmd = check_cmd(it)
             if not cmd or not it.active or (item_id and it.id != item_id):
                 continue
-            if it.check.get("project") not in (None, cfg.project):
-                skipped.append({"id": it.id, "reason": "attached in project "
-                                f"{it.check.get('project')}; it runs there"})
+            if why := not_to_run(cfg, scope, it):
+                skipped.append({"id": it.id, "reason": why})
                 continue
-            outcomes[it.id] = run_check(cmd, cfg.repo, timeout_s)
-            results.append({"id": it.id, "scope": scope, **outcomes[it.id]})
-        _record_checks(cfg, outcomes)
+            outcome = run_check(cmd, cfg.repo, timeout_s)
+            if "error" in outcome:
+                skipped.append({"id": it.id, "reason": f"its check could not start "
+                                f"({outcome['error']}); nothing recorded: `{_prog()} "
+                                f"verify-cmd {it.id} CMD` replaces it"})
+                continue
+            outcomes[it.id] = outcome
+            results.append({"id": it.id, "scope": scope, **outcome})
+        skipped += _record_checks(cfg, outcomes)
     if item_id and not results and not skipped:
         _no_check_to_run(item_id, [it for doc in docs.values() for it in doc.items
                                    if it.id == item_id], warnings)
@@ -14216,6 +14229,24 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
     return out
 
 
+def not_to_run(cfg: Config, scope: str, item: Item) -> str | None:
+    """Why verify --run leaves an item's check alone here, if it does."""
+    if item.check.get("project") not in (None, cfg.project):
+        return f"attached in project {item.check.get('project')}; it runs there"
+    return waiting_copy(scope, item)
+
+
+def waiting_copy(scope: str, item: Item) -> str | None:
+    """Why a check outcome is not written on this copy: it waits on its org
+    pull request (_refuse_while_waiting's copy), and the merge drops it; a
+    `failing` written there was lost, the org copy served unflagged (pure)."""
+    if item.pr_url and scope != "org":
+        return (f"its {scope} copy waits on its org pull request {item.pr_url}: a result "
+                "written there is lost when it merges; the check runs on the org copy "
+                "once review_promotions settles the merge")
+    return None
+
+
 def _no_check_to_run(item_id: str, copies: list[Item], warnings: list[str]) -> None:
     """Why `verify --run ID` ran nothing, as the error it is (it said ran: 0)."""
     if not copies:
@@ -14227,15 +14258,17 @@ def _no_check_to_run(item_id: str, copies: list[Item], warnings: list[str]) -> N
                   "CMD` attaches one.")
 
 
-def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> None:
+def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
     """Write check outcomes onto their items, one write per scope they live in
     now: a check runs for a while, and its item may have moved up meanwhile
     (recorded where locate finds it, as every change is). An item that left
     the scope between locate and the write (another clone's promote) is found
     again for real and followed, as every change follows a move; a passing
-    result was lost to an empty commit. A retired item is not stamped."""
+    result was lost to an empty commit. A retired item is not stamped. Returns
+    the outcomes not recorded, each with why (not_recorded)."""
+    dropped: dict[str, str] = {}
     if not outcomes:
-        return
+        return []
     now = _now()
     with moves_lock(cfg):
         pending, fresh = dict(outcomes), False
@@ -14247,27 +14280,51 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> None:
                     where.setdefault(here, {})[item_id] = outcome
             pending, fresh = {}, True
             for here, found in where.items():
-                pending.update(_record_in(cfg, here, found, now))
+                missed, why = _record_in(cfg, here, found, now)
+                pending.update(missed)
+                dropped.update(why)
             if not pending:
-                return
+                break
+    return [{"id": i, "reason": why} for i, why in dropped.items()]
 
 
-def _record_in(cfg: Config, scope: str, found: dict[str, dict], now: str) -> dict[str, dict]:
+def not_recorded(scope: str, item: Item, outcome: dict) -> str | None:
+    """Why an outcome is not written on the item as it is now (pure): its copy
+    waits on an org pull request, or its check changed while the old command
+    ran (a pass of a check someone removed or replaced was credited)."""
+    if check_cmd(item) != outcome["cmd"]:
+        return ("its check was changed or removed while it ran: this result, of the "
+                "command it had then, is not recorded")
+    return waiting_copy(scope, item)
+
+
+def _record_in(cfg: Config, scope: str, found: dict[str, dict],
+               now: str) -> tuple[dict[str, dict], dict[str, str]]:
     """One scope's write of check outcomes; returns the outcomes of items the
-    scope no longer held when the write landed."""
+    scope no longer held when the write landed, and why the others it did not
+    record were left out (not_recorded)."""
     missed: dict[str, dict] = {}
+    dropped: dict[str, str] = {}
+
+    def one(it: Item) -> Item:
+        if it.id not in found or not it.active:
+            return it
+        if why := not_recorded(scope, it, found[it.id]):
+            dropped[it.id] = why
+            return it
+        return checked(it, found[it.id], now=now)
 
     def apply(doc: Doc) -> Doc | None:
         held = {it.id for it in doc.items}
         missed.clear()
+        dropped.clear()
         missed.update((i, o) for i, o in found.items() if i not in held)
-        items = [checked(it, found[it.id], now=now) if it.id in found and it.active else it
-                 for it in doc.items]
+        items = [one(it) for it in doc.items]
         return None if items == doc.items else dataclasses.replace(doc, items=items)
 
     mutate(cfg, scope, apply, f"{cfg.agent} records {len(found)} check result(s)",
            pr_branch=pr_branch(cfg, scope, "updates"))
-    return dict(missed)
+    return dict(missed), dict(dropped)
 
 
 # =============================================================================

@@ -8947,6 +8947,70 @@ def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
     assert out.returncode == 1 and "is deprecated; it cannot be checked" in out.stderr
 
 
+def test_verify_run_leaves_a_copy_waiting_on_its_org_pr_alone(shared, monkeypatch, tmp_path):
+    """verify --run wrote `failing` on a copy that waits on its org pull request
+    (verify-cmd refuses to change it): the merge dropped that copy, and org
+    served the item unflagged."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff")
+    assert cli("verify-cmd", item_id, "echo broke; exit 3").returncode == 0
+    assert cs.promote(item_id, to_scope="org", force=True)["status"] == "pr_opened"
+    run = cs.run_checks()
+    assert run["ran"] == 0 and run["skipped"][0]["id"] == item_id
+    assert "waits on its org pull request" in run["skipped"][0]["reason"]
+    failed = {"cmd": "echo broke; exit 3", "passed": False, "exit": 3, "output": "broke"}
+    (why,) = cs._record_checks(cs.resolve_config(), {item_id: failed})   # (it went up
+    assert why["id"] == item_id and "waits on its org" in why["reason"]  # while it ran)
+    (local,) = cs.store(cs.resolve_config(), "local").read().items
+    assert local.pr_url and local.failing is None
+
+
+def test_a_check_that_cannot_start_is_skipped_and_the_others_are_recorded(repo):
+    """A NUL in a hand-edited check gave a traceback (Popen's ValueError), one
+    over the argument limit an "Argument list too long" blamed on the file
+    system; either stopped verify --run, and the results already in were lost."""
+    ids = [cs.capture(t)["item"]["id"] for t in (
+        "The nightly job compacts the audit tables", "The index rebuild needs much memory",
+        "The cache warms up within a minute")]
+    for item_id in ids:
+        cs.attach_check(item_id, "true")
+    store = repo / ".cambium" / "knowledge.json"
+    doc = json.loads(store.read_text())
+    bad = {ids[0]: "echo a\0b", ids[1]: ": " * 100_000 + "true"}
+    for it in doc["items"]:
+        it["check"]["cmd"] = bad.get(it["id"], it["check"]["cmd"])
+    store.write_text(json.dumps(doc))
+    run = cs.run_checks()
+    assert run["ran"] == 1 and run["passed"] == 1 and run["results"][0]["id"] == ids[2]
+    reasons = {s["id"]: s["reason"] for s in run["skipped"]}
+    assert "could not start (embedded null byte)" in reasons[ids[0]]
+    assert "Argument list too long" in reasons[ids[1]]
+    items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert items[ids[2]].authority == "verified"
+    assert all(items[i].failing is None and items[i].last_verified is None for i in ids[:2])
+
+
+def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
+    """A person replaced (or removed) a check while verify --run ran the old
+    one: the old command's pass was credited (authority verified)."""
+    item_id = cs.capture("The smoke test finishes within a minute")["item"]["id"]
+    cs.attach_check(item_id, "true")
+    real = cs.run_check
+
+    def meanwhile(cmd: str, cwd: Path, timeout_s: float) -> dict:
+        out = real(cmd, cwd, timeout_s)
+        cs.attach_check(item_id, "exit 1")          # replaced as it ran
+        return out
+
+    monkeypatch.setattr(cs, "run_check", meanwhile)
+    run = cs.run_checks()
+    assert run["passed"] == 1 and run["skipped"][0]["id"] == item_id
+    assert "changed or removed while it ran" in run["skipped"][0]["reason"]
+    (it,) = cs.store(cs.resolve_config(), "local").read().items
+    assert it.check["cmd"] == "exit 1" and it.authority is None
+    assert not it.verifications and it.last_verified is None and it.failing is None
+
+
 def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
     seen = cs.capture("Rotate API tokens every ninety days", tags="security")["item"]["id"]
     cs.capture("Unrelated fact about office plants")
