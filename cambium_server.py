@@ -1821,6 +1821,10 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     elif key == "CAMBIUM_AGENT_ID":
         if value.startswith("-") or not re.fullmatch(r"[\w.@\-]{1,64}", value):
             return f"{label} must be 1-64 letters, digits, '.', '_', '-' or '@'"
+        if agent_key(value) == "distill":          # (the sweep's own acts: distill_retired)
+            return (f"{label} is reserved: the distill sweep records its own acts under it, "
+                    "and takes an agent's retirement or correction by that name for its own "
+                    "(it brings the item back); choose another id")
     elif key in PATH_SETTINGS:
         if "\0" in value:
             return f"{label} holds a NUL byte, which no file path can contain"

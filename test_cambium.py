@@ -7008,6 +7008,25 @@ def test_a_project_named_in_another_case_is_the_same_project_everywhere():
     assert not cs.org_item_relevant(it, "shopping", set())
 
 
+def test_distill_is_a_reserved_agent_id(repo, monkeypatch):
+    """An agent whose id was "distill" (a legal id) deprecated or corrected a
+    distilled item, and the next distill took that for its own act and
+    brought the item back: the id is refused, in any case or width."""
+    item_id = cs.capture("Cache product pages for five minutes at the edge")["item"]["id"]
+    for agent in ("distill", "Distill", "ＤＩＳＴＩＬＬ"):
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+        cs.runtime().reset()
+        with pytest.raises(cs.Unconfigured) as unset:
+            cs.deprecate(item_id, reason="we cache for one minute now")
+        (gap,) = [g for g in unset.value.guidance["gaps"] if g["setting"] == "CAMBIUM_AGENT_ID"]
+        assert "is reserved" in gap["cost"] and "choose another id" in gap["fix"], gap
+        with pytest.raises(cs.InputError, match="agent_id .* is reserved") as refused:
+            cs.setup(str(repo), agent)
+        assert refused.value.argument == "agent_id"
+    (it,) = local_items(repo)
+    assert it["status"] == "active"
+
+
 def test_agent_ids_that_differ_in_case_or_width_are_one_agent(repo, monkeypatch):
     """ada, Ada and full-width ＡＤＡ endorsed one item three times, and "Ada"
     verified ada's own item as a peer (authority raised to verified)."""
