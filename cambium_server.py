@@ -10586,11 +10586,22 @@ def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
                   org_kind: str | None = None) -> Item:
     """The item as it lands in a higher scope. Promotion is a verification."""
     checks = list(item.verifications or []) + [{"by": agent, "at": now,
-                                                 "note": f"promoted to {scope}"}]
+                                                 "note": promotion_note(scope)}]
     return dataclasses.replace(restated(item, content=org_content, why=org_why, kind=org_kind),
                                scope=scope,
                                trust=trust, promoted_at=now, last_verified=now,
                                verifications=checks, updated_at=now, pr_url=None)
+
+
+def promotion_note(scope: str) -> str:
+    """The note of the verification a promotion records (promoted_copy)."""
+    return f"promoted to {scope}"
+
+
+def promotion_record(verification: dict) -> bool:
+    """Whether a verification is the one a promotion recorded: it vouches for
+    nothing, whoever promoted (vouched) (pure)."""
+    return verification.get("note") in {promotion_note(s) for s in SCOPES[1:]}
 
 
 def raised(item: Item, authority: str) -> str | None:
@@ -12997,12 +13008,13 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
     person's or another agent's word (authority), an endorsement (a
     deliberate act, its author's too), a recall by an agent other than its
     author, use in a second project, a verification by another agent in the
-    last 90 days (not the one a promotion records as its promoter, nor the
-    author's own: self-verification raises no authority either). Recalls count
+    last 90 days (not the one a promotion records, whoever promoted it: another
+    agent's promote listed an item as trusted; nor the author's own:
+    self-verification raises no authority either). Recalls count
     from VOUCHING_RECALLERS agents other than its author ("recalled by several
     agents"): its author recalling it once put it among the most trusted."""
     recent = [v for v in item.verifications or [] if isinstance(v, dict)
-              and not same_agent(v.get("by"), item.created_by)   # (a promote: its author)
+              and not same_agent(v.get("by"), item.created_by) and not promotion_record(v)
               and (at := _parse_ts(v.get("at"))) is not None
               and now - at <= RECENTLY_VERIFIED]
     stamp = _parse_ts(item.last_verified) if isinstance(item.last_verified, str) else None

@@ -5668,6 +5668,18 @@ def test_a_promotions_stamp_is_no_vouching_in_the_primer(repo, monkeypatch):
     assert item in text[text.index("Most trusted notes:"):text.index("Other notes")]
 
 
+def test_a_promotion_by_another_agent_is_no_vouching_in_the_primer(repo, monkeypatch):
+    """vouched dropped only the author's verifications, taking the promoter
+    for the author: bob's promote of ada's item listed it as trusted."""
+    item = cs.capture("Deploy windows close at four")["item"]["id"]
+    cs.capture("Another plain note about builds")
+    git(repo, "remote", "add", "origin", str(make_origin(repo.parent, "team")))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.promote(item, force=True)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.session_primer()["sections"] == {"notes": 2}
+
+
 def test_consolidate_brings_no_anchor_tag_or_premise_into_an_org_survivor(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     x = _endorsed("Prefer idempotent retries with exponential backoff and jitter",
