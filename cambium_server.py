@@ -10739,11 +10739,24 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
                     out.append(f"  - example: {md_line(it.example)}")
                 for note in endorsement_notes(it):
                     out.append(f"  - endorsed as: {md_line(note)}")
+                if check_cmd(it):
+                    out.append(f"  - check: {check_line(it)}")
             out.append("")
     if len(out) == 4:
         out.append("_No knowledge in this scope yet._")
     return terminal_safe("\n".join(out).rstrip() + "\n")   # (a hand-edited store's escapes:
                                                         # never published, never printed)
+
+
+def check_line(item: Item) -> str:
+    """An item's attached check as KNOWLEDGE.md shows it: the command as code,
+    who attached it, in which project. README sends operators to read checks
+    in `export` before `verify --run` runs them, and it never showed one (pure)."""
+    cmd = md_line(check_cmd(item) or "")
+    fence = "`" * (max(map(len, re.findall("`+", cmd)), default=0) + 1)
+    pad = " " if cmd.startswith("`") or cmd.endswith("`") else ""
+    by, project = (md_line(str(item.check.get(k) or "?")) for k in ("by", "project"))
+    return f"{fence}{pad}{cmd}{pad}{fence} (attached by {by}, project {project})"
 
 
 def md_line(text: str) -> str:
