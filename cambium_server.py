@@ -6817,7 +6817,7 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
                 continue
             whole, first = first, False        # (the first record may be a whole file)
             try:
-                rec = json.loads(line)
+                rec = json.loads(line, parse_int=_import_int)
             except (ValueError, RecursionError) as e:
                 yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60, one_line=True)})")
                 continue
@@ -6856,12 +6856,19 @@ def _draft_noted(rec: Draft | Skip, note: str | None) -> Draft | Skip:
     return dataclasses.replace(rec, notes=rec.notes + (note,))
 
 
+def _import_int(text: str) -> int | float:
+    """An export's whole number; one past the digits Python converts (4,300)
+    kept as its text (BigNumber): in a field import never reads, it sank the
+    whole document ("not valid JSON"), every record with it."""
+    return int(text) if len(text) <= 4_000 else BigNumber(text)
+
+
 def _json_document(path: Path) -> Iterator[Draft | Skip]:
     """The records of one JSON document: an array, or an object wrapping one
     or more (every list under a wrapper key is read, each record named by it)."""
     text, replaced = utf8_or_replaced(path.read_bytes())
     try:
-        data = json.loads(text.removeprefix("\ufeff"))
+        data = json.loads(text.removeprefix("\ufeff"), parse_int=_import_int)
     except (ValueError, RecursionError) as e:
         yield Skip("file", f"not valid JSON ({json_problem(e)}); for JSONL put one object "
                            "per line")
@@ -10722,15 +10729,16 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
         by_project: dict[str, list] = {}
         for it, trust in pairs:
             by_project.setdefault(it.project or "(no project)", []).append((it, trust))
-        for project in sorted(by_project):
-            out += [f"### {project}", ""]
+        for project in sorted(by_project):        # (every stored value one line: md_line;
+            out += [f"### {md_line(project)}", ""]    # a store another clone wrote, or an
             for it, trust in sorted(by_project[project], key=lambda p: p[0].created_at):
-                summary = md_line(it.content)
+                summary = md_line(it.content)          # import's provenance, forged headings)
                 bits = [f"kind: {it.kind}" if it.type == "memory" else f"type: {it.type}, kind: "
                         f"{it.kind}", f"provenance: {_provenance(it, scope == 'org')}",
                         f"recalls: {trust.get('recalls', 0)}"]
                 if it.promoted_at:
                     bits.append(f"promoted: {it.promoted_at[:10]}")
+                bits = [md_line(b) for b in bits]
                 out.append(f"- **{summary}**")
                 out.append(f"  - {' · '.join(bits)}")
                 if it.why:
