@@ -8633,13 +8633,31 @@ VECTOR_INDEX_BYTES = 256 * 2**20    #: a larger vectors/index.json is discarded,
 @contextlib.contextmanager
 def locked_if_possible(path: Path) -> Iterator[None]:
     """file_lock(path) for a reader, or no lock where none can be taken (a
-    read-only directory): a cache load read index.json, and another process's
-    save removed the .npy it named before the load opened it, so the whole
-    cache was thrown away."""
+    read-only directory) or within CACHE_LOCK_WAIT_S (a saver stopped mid-save
+    held a recall 300 s, then failed it): a cache load read index.json, and
+    another process's save removed the .npy it named before the load opened
+    it, so the whole cache was thrown away."""
     with contextlib.ExitStack() as stack:
-        with contextlib.suppress(OSError):
-            stack.enter_context(file_lock(path))
+        with contextlib.suppress(OSError, ConflictError):
+            stack.enter_context(cache_lock(path))
         yield
+
+
+CACHE_LOCK_WAIT_S = 2.0     #: a cache's lock is waited for this long: a cache can wait
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """file_lock(path), waited for CACHE_LOCK_WAIT_S at most (ConflictError)."""
+    token = LOCK_WAIT.set(CACHE_LOCK_WAIT_S)
+    try:
+        with file_lock(path):
+            LOCK_WAIT.reset(token)
+            token = None
+            yield
+    finally:
+        if token is not None:
+            LOCK_WAIT.reset(token)
 
 
 class VectorCache:
@@ -8723,7 +8741,7 @@ class VectorCache:
         mat = (np.concatenate(list(rows.values())) if rows
                else np.zeros((0, EMBED_DIM), np.float16)).astype(np.float16, copy=False)
         name = f"vectors-{os.urandom(6).hex()}.npy"
-        with file_lock(self.dir / "index.json"):
+        with cache_lock(self.dir / "index.json"):
             fd, tmp = tempfile.mkstemp(prefix=f".vectors.{os.getpid()}.", suffix=TMP_SUFFIX,
                                        dir=self.dir)
             try:
@@ -9264,6 +9282,9 @@ class Semantic:
             self.cache.save(keep)
             if keep is not None and self.tokens is not None:
                 self.tokens.prune(keep)
+        except ConflictError:        # another process holds it (mid-save, stopped): later
+            self.last_save = time.monotonic()
+            return
         except OSError as e:
             print(f"cambium: could not save the vector cache: {e}", file=sys.stderr)
         self.last_save, self.unsaved = time.monotonic(), 0
@@ -9689,9 +9710,9 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
             note = _fallback_note(str(e), always=mode == "semantic")
         except QueryUnreadable as e:
             note = f"Recall is lexical (shared words only) for this query: {e}."
-        except (ValueError, IndexError, TypeError, KeyError, ArithmeticError) as e:
-            # a cache or model output no check foresaw (a hand-edited vector cache
-            # made every recall a traceback): this answer is lexical, saying why
+        except Exception as e:  # noqa: BLE001 - whatever the semantic path did not foresee
+            # (a hand-edited vector cache made every recall a traceback; a cache lock
+            # another process held failed it): this answer is lexical, saying why
             note = (f"Recall is lexical (shared words only) for this query: semantic "
                     f"ranking failed ({type(e).__name__}: {str(e)[:160]}); a damaged "
                     f"vector cache in .cambium/{VECTORS_DIR}/ can be deleted, it is rebuilt.")

@@ -11978,6 +11978,33 @@ def test_no_weak_match_is_shown_at_relevance_zero(repo):
     assert all(w["relevance"] > 0 for w in res.get("weak_matches", [])), res["weak_matches"]
 
 
+def test_a_vector_cache_lock_another_process_holds_costs_a_recall_seconds(semantic):
+    """A saver stopped mid-save (SIGSTOP) holding .cambium/vectors/index.json's
+    lock kept a recall waiting the whole lock wait (300 s), and then failed it
+    with a ConflictError, where any semantic failure answers lexically."""
+    for text, why, tags in NOTES:
+        cs.capture(text, why=why, tags=tags)
+    assert cs.recall(PARAPHRASE)["mode"] == "semantic"
+    _engine(semantic).wait_idle(60)
+    lock = semantic / ".cambium" / cs.VECTORS_DIR / "index.json.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               f"f = open({str(lock)!r}, 'a')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True)\ntime.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    token = cs.LOCK_WAIT.set(30)                      # (300 s in the server)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cs.runtime().engines.clear()                   # a new process's first recall
+        cs.capture("Queue consumers must be idempotent")   # (one to embed and save)
+        res = cs.recall(PARAPHRASE)
+        assert res["results"], res
+        _engine(semantic).wait_idle(60)
+    finally:
+        cs.LOCK_WAIT.reset(token)
+        holder.kill()
+        holder.wait()
+
+
 def test_an_index_follows_a_list_that_shifted_by_id_not_by_position(monkeypatch):
     """A promote takes one item out of the local list and puts one in the
     team list: the federated list keeps its length, and every position after
