@@ -2142,8 +2142,19 @@ def _repo_team_branch(file_values: dict, repo: str | None) -> Any:
     branches = file_values.get(TEAM_BRANCHES)
     if not repo or not isinstance(branches, dict):
         return None
+    if not all(isinstance(k, str) and os.path.isabs(k) and k == os.path.realpath(k)
+               for k in branches):        # a key written by hand: "~/proj", "/proj/"
+        branches = {_real_key(k): v for k, v in branches.items() if isinstance(k, str)}
     return branches.get(os.path.realpath(repo)) or \
         branches.get(os.path.realpath(store_root(Path(repo))))   # (the clone's: a worktree)
+
+
+def _real_key(key: str) -> str:
+    """A team_branches key as setup writes it: the real path (~ expanded)."""
+    try:
+        return os.path.realpath(expand_user(key))
+    except (OSError, ValueError):
+        return key
 
 
 def config_gaps(cfg: Config) -> list[dict]:
@@ -11722,7 +11733,7 @@ def item_history(item: Item) -> list[dict]:
         events.append({"at": item.deprecated.get("at"), "event": "deprecated",
                        "by": item.deprecated.get("by"), "note": item.deprecated.get("reason")})
     events = [{k: v for k, v in e.items() if v not in (None, "")} for e in events]
-    return sorted(events, key=lambda e: str(e.get("at", "")))
+    return sorted(events, key=lambda e: time_key(e.get("at")))   # (offsets: by instant)
 
 
 def _today() -> str:

@@ -1356,6 +1356,9 @@ def test_first_day_fix_texts_fix_what_they_name(tmp_path, monkeypatch):
         os.path.realpath(a): "HEAD"}}))
     (gap,) = [g for g in cs.status()["gaps"] if g["setting"] == "CAMBIUM_TEAM_BRANCH"]
     assert gap["fix"].startswith(f'correct team_branches["{os.path.realpath(a)}"]'), gap
+    config.write_text(json.dumps({"CAMBIUM_AGENT_ID": "ada", "team_branches": {
+        os.path.realpath(a) + "/": "kb"}}))            # a key written by hand
+    assert cs.resolve_config().team_branch == "kb"
 
 
 def test_a_process_working_in_a_bare_repository_binds_no_repo(tmp_path, monkeypatch):
@@ -1596,6 +1599,16 @@ def test_a_rewrite_keeps_the_stores_mode_and_a_set_aside_copy_takes_it(repo):
     cs.recall("signing key")
     (aside,) = [p for p in path.parent.iterdir() if cs.QUARANTINE_TAG in p.name]
     assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(aside.stat().st_mode) == 0o600
+
+
+def test_an_items_history_is_ordered_by_instant_not_by_text():
+    """Stamps with offsets were ordered as text: an endorsement at 15:00+05:30
+    (09:30Z) came after a verification at 10:00Z."""
+    item = dataclasses.replace(
+        cs.new_item("Rotate keys yearly", project="p", agent="ada", now="2026-01-01T08:00:00Z"),
+        trust={"recalls": 0, "endorsements": [{"by": "bob", "at": "2026-01-01T15:00:00+05:30"}]},
+        verifications=[{"by": "cy", "at": "2026-01-01T10:00:00Z", "note": "holds"}])
+    assert [e["event"] for e in cs.item_history(item)] == ["created", "endorsed", "verified"]
 
 
 def test_a_second_meta_line_of_joined_stores_is_set_aside_not_dropped():
