@@ -6109,6 +6109,18 @@ def test_a_merged_pr_that_cannot_settle_now_holds_up_no_other(shared, monkeypatc
     assert {i["id"] for i in local_items(shared["a"])} == {stuck}
 
 
+
+def _leave_team_copy_of_org_item(shared: dict) -> None:
+    """Push back onto team the copy of org's first item a team -> org move
+    killed between its org push and its team drop leaves behind."""
+    left = clone(shared["origin"], shared["tmp"] / "fixer")
+    git(left, "checkout", "-q", "cambium")
+    doc = json.loads((left / "knowledge.json").read_text())
+    doc["items"].append(dict(remote_json(shared["org_bare"], "main")["items"][0], scope="team"))
+    (left / "knowledge.json").write_text(json.dumps(doc))
+    git(left, "commit", "-qam", "a copy a killed move left")
+    git(left, "push", "-q", "origin", "cambium")
+
 def test_pr_mode_a_retirement_a_cut_short_move_left_below_goes_through_a_pr(
         shared, monkeypatch, tmp_path):
     """A team -> org move cut short after its org push, and the team copy
@@ -6120,13 +6132,7 @@ def test_pr_mode_a_retirement_a_cut_short_move_left_below_goes_through_a_pr(
     item = _endorsed("Always set timeouts on outbound network calls")
     cs.promote(item)
     cs.promote(item, to_scope="org", force=True)
-    left = clone(shared["origin"], shared["tmp"] / "fixer")     # the copy the kill left
-    git(left, "checkout", "-q", "cambium")
-    doc = json.loads((left / "knowledge.json").read_text())
-    doc["items"].append(dict(remote_json(shared["org_bare"], "main")["items"][0], scope="team"))
-    (left / "knowledge.json").write_text(json.dumps(doc))
-    git(left, "commit", "-qam", "a copy a killed move left")
-    git(left, "push", "-q", "origin", "cambium")
+    _leave_team_copy_of_org_item(shared)                 # the copy the kill left
     monkeypatch.delenv("CAMBIUM_ORG_REPO")
     assert cs.deprecate(item, reason="no longer true")["item"]["scope"] == "team"
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
@@ -6157,13 +6163,7 @@ def test_pr_mode_a_change_a_settling_drop_met_goes_up_through_a_pr(shared, monke
     item = _endorsed("Every queue has a dead-letter queue")
     cs.promote(item)
     cs.promote(item, to_scope="org", force=True)
-    left = clone(shared["origin"], shared["tmp"] / "fixer")     # a copy a killed move left
-    git(left, "checkout", "-q", "cambium")
-    doc = json.loads((left / "knowledge.json").read_text())
-    doc["items"].append(dict(remote_json(shared["org_bare"], "main")["items"][0], scope="team"))
-    (left / "knowledge.json").write_text(json.dumps(doc))
-    git(left, "commit", "-qam", "a copy a killed move left")
-    git(left, "push", "-q", "origin", "cambium")
+    _leave_team_copy_of_org_item(shared)                 # a copy a killed move left
     monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
     main = git(shared["org_bare"], "rev-parse", "main")
     _peer_acts_before_our_push(monkeypatch, "team", shared["b"], "endorse", item, "--note",
