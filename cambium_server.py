@@ -2279,6 +2279,7 @@ class GitScope:
     pushed: str | None = None           # the last commit this process pushed here
     hand_written: frozenset = frozenset()   # rendered files last left as a person wrote them
     rewind_touched: tuple | None = None     # ((base, tip), ids changed since a rewind)
+    rewound_doc: tuple[str, Doc] | None = None   # (the kept tip, its doc): not `doc`'s slot
 
 
 class Runtime:
@@ -4891,6 +4892,9 @@ def _later_state(kept: Item, now: Item) -> bool:
         str(kept.updated_at or "") > str(now.updated_at or "")
 
 
+REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop naming its losses
+
+
 class GitStore(Store):
     """knowledge.json on `branch` of `remote`, in the clone at `repo`.
 
@@ -5292,7 +5296,9 @@ class GitStore(Store):
     def _touched_since(self, base: str, tip: str | None) -> frozenset[str]:
         """The ids in lines of the store that commits since `base` (reachable
         from `tip`) added or removed: items someone changed or moved after the
-        rewind, whose state then is theirs, not the kept tip's."""
+        rewind, whose state then is theirs, not the kept tip's. GitError past
+        REWIND_WALK_MAX such commits: the walk grew with every team write, and
+        at 2,000 it timed out every read of the scope."""
         if not tip or tip == base:
             return frozenset()
         key = (base, tip)
@@ -5300,6 +5306,10 @@ class GitStore(Store):
             cached = self._state.rewind_touched
         if cached and cached[0] == key:
             return cached[1]
+        since = self.git("rev-list", "--count", tip, "--not", base, "--", STORE_FILE,
+                         check=False).stdout.strip()
+        if since.isdigit() and int(since) > REWIND_WALK_MAX:
+            raise GitError(["git", "log", "-p"], None, f"{since} commits since the rewind")
         out = self.git("log", "-p", "--format=", "--no-color", "--no-ext-diff", tip, "--not",
                        base, "--", STORE_FILE, check=False).stdout
         seen: dict[str, list[set]] = {}           # id -> [lines removed, lines added]
@@ -5322,14 +5332,15 @@ class GitStore(Store):
         if not (tip_kept := self._kept(self._rewound_ref)):
             return []
         try:
-            old = self.doc_at(tip_kept)
+            old = self._rewound_doc(tip_kept)
+            touched = self._touched_since(self._kept(self._rewound_ref + "-at") or tip_kept,
+                                          tip)
         except CorruptStore:                       # (a kept tip whose store is malformed
             self._drop_rewound()                   # holds nothing to put back)
             return []
-        except CambiumError:                       # (git failed: asked again next read)
-            return []
+        except CambiumError:                       # (git failed, or the branch moved on too
+            return []                              # far: a warning's cost, never the scope)
         held = {it.id: it for it in first_copies(doc.items)}
-        touched = self._touched_since(self._kept(self._rewound_ref + "-at") or tip_kept, tip)
         lost = [it for it in first_copies(old.items) if it.id not in touched and
                 (it.id not in held or _later_state(it, held[it.id]))]
         if not lost:
@@ -5356,6 +5367,20 @@ class GitStore(Store):
         except (OSError, IndexError):
             return None
         return tip if OID.fullmatch(tip or "") else None
+
+    def _rewound_doc(self, commit: str) -> Doc:
+        """The doc at the kept tip, in a cache slot of its own: through doc_at's
+        one slot, it put out the tip's doc, and each read parsed both."""
+        with self._state.lock:
+            held = self._state.rewound_doc
+        if held and held[0] == commit:
+            return held[1]
+        with self._state.lock:
+            tip_doc = self._state.doc
+        doc = self.doc_at(commit)
+        with self._state.lock:
+            self._state.rewound_doc, self._state.doc = (commit, doc), tip_doc
+        return doc
 
     def doc_at(self, commit: str | None) -> Doc:
         """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""

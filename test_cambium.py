@@ -16078,6 +16078,33 @@ def _promoted_then_rewound(shared: dict) -> tuple[str, str]:
     return first, later
 
 
+def test_a_rewind_long_past_costs_reads_nothing_and_its_doc_is_parsed_once(shared,
+                                                                             monkeypatch):
+    """Every read walked `git log -p` over all commits since a rewind: at 2,000
+    it timed out, and the team scope was skipped, writes refused. And the kept
+    tip's doc took the tip's cache slot: each read parsed both stores."""
+    first, later = _promoted_then_rewound(shared)
+    out = cs.recall("alerts page the on-call engineer")
+    assert any("rewound or replaced" in w for w in out["warnings"])
+    parses, real = [], cs.parse_store
+    monkeypatch.setattr(cs, "parse_store", lambda *a, **k: parses.append(1) or real(*a, **k))
+    cs.recall("alerts page the on-call engineer")
+    cs.recall("health endpoint")
+    assert parses == []                                   # (the tip did not move)
+    monkeypatch.setattr(cs, "REWIND_WALK_MAX", 3)
+    b = shared["b"]
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    for n in range(4):                                    # teammates' writes since
+        (b / "knowledge.json").write_text((b / "knowledge.json").read_text() + " " * (n + 1))
+        git(b, "commit", "-qam", f"teammate {n}")
+    git(b, "push", "-q", "origin", "cambium")
+    out = cs.recall("health endpoint")
+    assert [r["id"] for r in out["results"]] == [first]
+    assert not any("rewound" in w for w in out.get("warnings", []))
+    assert "cambium-rewound" in git(shared["a"], "for-each-ref", "refs/cambium/")   # (kept)
+
+
 def test_a_team_branch_rewound_by_a_force_push_says_what_it_lost_and_how_to_get_it_back(
         shared, monkeypatch, tmp_path):
     """An old clone's `git push --force` set the team branch back: an item
