@@ -9416,9 +9416,8 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
     assert "not valid JSON (nested too deep to parse)" in res["reasons"][0]
     (big := tmp_path / "big.json").write_text('[{"content": "a number past int()", "n": '
                                               + "9" * 5000 + "}]")
-    res = cs.import_memory("json", str(big))  # (the reason was cut off mid-word)
-    assert res["reasons"][0].endswith("a number in it has over 4,300 digits, more than can "
-                                      "be read); for JSONL put one object per line"), res
+    res = cs.import_memory("json", str(big))  # (a number import does not read: no matter)
+    assert res["imported"] == 1, res
     lines = tmp_path / "deep.jsonl"           # one line too deep: named, the others imported
     lines.write_text(json.dumps({"content": "kept beside a deep line"}) + "\n"
                      + '{"content": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
