@@ -12979,10 +12979,13 @@ def trust_score(item: Item, trust: dict, now: datetime) -> float:
     """How much the team has vouched for an item: its authority first (a
     person's correction outranks any agent item, however endorsed; it was
     filed as unvouched and could drop out of the primer), then endorsements,
-    distinct agents who recalled it, projects that used it, a recent verification."""
+    distinct agents who recalled it, projects that used it, a recent verification.
+    A `verified` authority counts while its verification is under 90 days old,
+    as vouched() reads it (a stale one outranked every endorsed item)."""
     verified = _parse_ts(item.last_verified)
     recent = verified is not None and now - verified <= RECENTLY_VERIFIED
-    return (AUTHORITY_WEIGHT * item.authority_rank
+    rank = item.authority_rank if item.authority == "human" or recent else 0
+    return (AUTHORITY_WEIGHT * rank
             + 3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
             + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
             + 0.1 * min(int(trust.get("recalls") or 0), 20))
@@ -13009,9 +13012,11 @@ def primer_section(item: Item, now: datetime) -> str | None:
 
 
 def project_tags(items: Iterable[Item]) -> set[str]:
-    """The project's own topic tags (bookkeeping tags left out)."""
+    """The project's own topic tags (bookkeeping tags left out, and the
+    section markers, `pitfall` and its like: no topic, one such tag here drew
+    every org pitfall of every project into this primer)."""
     seen = {t for it in items if it.active for t in it.tags}
-    return {t for t in seen if not _MACHINE_TAGS.match(t)}
+    return {t for t in seen if not _MACHINE_TAGS.match(t) and t not in PITFALL_KINDS}
 
 
 def org_item_relevant(item: Item, project: str, tags: set[str],

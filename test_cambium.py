@@ -14711,6 +14711,32 @@ def test_a_verification_vouches_for_ninety_days_not_for_good():
     assert cs.vouched(dataclasses.replace(stale, authority="human"), {}, now)
 
 
+def test_a_stale_verification_outranks_no_endorsed_item_in_the_primer():
+    """A `verified` item kept authority's weight after its verification passed
+    90 days: a stale verified pitfall came first, and alone at limit 1, above
+    an endorsed one (vouched() already let it go)."""
+    now = datetime(2026, 12, 6, tzinfo=timezone.utc)
+    base = cs.new_item("Never run the migration twice", kind="pitfall", project="p",
+                       agent="ada", now="2026-05-01T00:00:00Z")
+    stale = dataclasses.replace(base, authority="verified", last_verified="2026-05-20T00:00:00Z")
+    fresh = dataclasses.replace(stale, last_verified="2026-12-01T00:00:00Z")
+    endorsed = {"recalls": 0, "endorsements": [{"by": "bob", "at": "2026-12-01T00:00:00Z"}]}
+    assert cs.trust_score(stale, {}, now) < cs.trust_score(base, endorsed, now)
+    assert cs.trust_score(fresh, {}, now) > cs.trust_score(base, endorsed, now)
+    human = dataclasses.replace(base, authority="human")
+    assert cs.trust_score(human, {}, now) > cs.trust_score(base, endorsed, now)
+
+
+def test_a_section_marker_tag_draws_no_org_item_into_the_primer():
+    """One local item tagged `pitfall` made every org pitfall of every other
+    project "relevant": the marker is no topic."""
+    mine = [cs.new_item("Retry webhooks", tags="pitfall,payments", project="shop", agent="a")]
+    tags = cs.project_tags(mine)
+    assert tags == {"payments"}
+    other = cs.new_item("Pin transitive versions", tags="pitfall", project="other", agent="b")
+    assert not cs.org_item_relevant(other, "shop", tags)
+
+
 def test_notes_nobody_vouched_for_get_the_primers_room_last():
     """The room other sections left went in section order, so unvouched notes
     took it before stale premises and open needs: at limit 10, 8 such notes
