@@ -15086,6 +15086,12 @@ def _landing(cfg: Config, scope: str, doc: Doc, it: Item, verdict: Verdict,
     return (_said_in(cfg, scope, doc, copy(it)) or verdict) if verdict.allowed else verdict
 
 
+def _refused_in(cfg: Config, scope: str, docs: dict[str, Doc], it: Item) -> bool:
+    """Whether promote would refuse `it` in `scope` for its words (_said_in):
+    review listed such items as ready, and each promote refused them again."""
+    return scope in docs and _said_in(cfg, scope, docs[scope], it) is not None
+
+
 def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
     """Why `it` must not land in `scope` (doc: its tip, in a move's plan): the
     scope holds its words (case, spacing and a final stop aside: said_key)
@@ -16394,7 +16400,7 @@ def review_promotions(limit: Annotated[int, Field(
     for it in (it for it in docs["local"].items if it.id not in to_org):
         trust = effective_trust(it, pending)
         verdict = team_verdict(it, trust, cfg.promote_recalls)
-        if verdict.allowed:
+        if verdict.allowed and not _refused_in(cfg, "team", docs, it):
             out["team_eligible"].append({**item_view(it, trust=trust),
                                          "because": verdict.reason})
     in_org = {it.id for it in docs.get("org", Doc(items=[])).items}
@@ -16406,7 +16412,7 @@ def review_promotions(limit: Annotated[int, Field(
                                                **({"pr_state": prs.states[it.id]}
                                                   if it.id in prs.states else {})})
             elif scope == "team" and it.active and it.trust.get("endorsements") \
-                    and it.id not in in_org:          # (a copy a move cut short left below)
+                    and it.id not in in_org and not _refused_in(cfg, "org", docs, it):
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
                                                 "draft": general_note(it)})
     for it in docs.get("org", Doc(items=[])).items:

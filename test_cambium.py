@@ -9384,6 +9384,22 @@ def test_imported_items_start_untrusted_and_import_promotes_nothing(repo, tmp_pa
     assert cs.review_promotions()["team_eligible"] == []
 
 
+def test_review_lists_no_item_promote_refuses_for_its_words(shared, monkeypatch):
+    """review_promotions listed as ready items whose words team (or org) holds
+    only as deprecated: promote refused them (deprecated_before) every time,
+    and the next review listed them again."""
+    old = _endorsed("Lint config lives in setup.cfg")
+    cs.promote(old)
+    cs.deprecate(old, reason="moved to pyproject.toml")
+    again = cs.capture("Lint config lives in setup.cfg!")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.endorse(again, note="holds")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.promote()["refused"][0]["status"] == "deprecated_before"
+    review = cs.review_promotions()
+    assert again not in [e["id"] for e in review["team_eligible"]], review["team_eligible"]
+
+
 def test_review_promotions_bounds_each_list_and_counts_them_all(repo):
     """10,000 promotable items made a 16.7 MB answer (stale_report had its
     limit; review had none)."""
