@@ -10754,7 +10754,8 @@ def stale_items(items: Iterable[Item], *, now: datetime, project: str | None = N
                              _parse_ts(r[0].last_verified) or now, -(r[1] or 0), r[0].id))
     return [{"id": it.id, "scope": it.scope, "project": it.project, "content": it.content,
              "valid_while": it.valid_while, "last_verified": it.last_verified,
-             "never_verified": not verified(it), "age_days": age,
+             "never_verified": it.scope in ("team", "org") and not verified(it),  # (a local
+             "age_days": age,          # item, listed for its failing check, was counted)
              "recalls": it.trust.get("recalls", 0), "failing": bool(it.failing)}
             for it, age in rows]
 

@@ -9845,6 +9845,19 @@ def _item(id, content, scope="team", last_verified=None, status="active", tags=(
                    status=status, tags=list(tags))
 
 
+def test_a_local_item_listed_for_its_failing_check_is_not_counted_never_verified():
+    """stale_report lists a local item whose check fails, and counted it among
+    the promoted items never verified (README: never_verified is team and org's)."""
+    now = datetime(2026, 12, 6, tzinfo=timezone.utc)
+    local = dataclasses.replace(cs.new_item("Ports above 1024 only", project="p", agent="a",
+                                            now="2026-11-01T00:00:00Z"),
+                                failing={"exit": 3, "at": "2026-12-01T00:00:00Z"})
+    team = dataclasses.replace(local, id="k-bbbbbbbbbbbb", scope="team", failing=None)
+    rows = cs.stale_items([local, team], now=now)
+    assert {(r["scope"], r["never_verified"]) for r in rows} == {("local", False),
+                                                                  ("team", True)}
+
+
 def test_stale_prompt_orders_never_verified_then_oldest_and_filters():
     items = [
         _item("k-new", "parser tokens are cached per file", last_verified="2026-09-01T00:00:00Z"),
