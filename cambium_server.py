@@ -5439,9 +5439,9 @@ class GitStore(Store):
         doc = self.doc_at(tip)
         with self._state.lock:
             error = self._state.fetch_error
-        behind = f"{self.scope} scope may be behind: {error}"
-        if error and behind not in self._warnings:
-            self._warnings.append(behind)
+        behind = f"{self.scope} scope may be behind: "     # (said once: the fetch may
+        if error and not any(w.startswith(behind) for w in self._warnings):   # have said why)
+            self._warnings.append(behind + error)
         if lost := self.rewound_items(doc, tip):  # (the branch decides: said, not undone)
             self._warnings.append(self._rewound_warning(lost))
         if self.checkout:

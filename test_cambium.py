@@ -5155,6 +5155,18 @@ def test_a_failed_fetch_is_not_retried_by_every_process_for_a_while(shared):
     assert "may be behind" not in after.stdout, after.stdout  # the success cleared it
 
 
+def test_one_failed_fetch_is_one_warning(shared):
+    """A recall after a failed fetch said the team scope may be behind twice:
+    once with when the fetch failed, once with git's error again."""
+    _endorsed("Queue consumers must be idempotent", "queues")
+    cs.promote()
+    git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    for _ in range(3):                       # (one process: a server's recalls)
+        said = [w for w in cs.recall("idempotent queue consumers").get("warnings", [])
+                if w.startswith("team scope may be behind")]
+        assert len(said) == 1, said
+
+
 def test_a_failed_fetch_through_one_remote_holds_back_no_other_remote(shared):
     """The fetch stamps were named by scope and branch alone: one failed
     fetch through origin made reads through upstream answer from an old tip
