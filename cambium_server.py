@@ -13436,8 +13436,9 @@ def judge_context(read: SourceRead, imported: list[Item], retired: int,
     if n or retired or back:
         status, reason = ("imported" if n else "retired" if retired else "revived",
                           f"imported {n}, retired {retired} of {seen} entries"
-                          + (f", brought back {back} retired earlier (active again at the "
-                             "source)" if back else ""))
+                          + (f", brought back {back} retired earlier (their words live "
+                             "again at the source)" if back else ""))   # (the same entry, or
+                                                                         # another saying them)
     elif not seen:
         status, reason = "empty", f"{info['path']} holds no decisions, constraints or pipelines"
     else:
@@ -18471,12 +18472,14 @@ def _text(value: Any, indent: str = "") -> str:
 
 
 def _word(value: Any) -> str:
-    """One scalar for people: yes/no, none for nothing."""
+    """One scalar for people: yes/no, none for nothing; one line (a stored CR
+    or LF, U+2028 too, printed raw, forged an entry below its key, or moved
+    the cursor back over what the line said)."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if value is None or value == [] or value == {}:
         return "none"
-    return str(value)
+    return " ".join(str(value).splitlines()) if isinstance(value, str) else str(value)
 
 
 def _emit(result: Any, fmt: str, file: Any = None) -> None:
@@ -18491,8 +18494,15 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
                 if said:
                     print(f"{_prog()}: {valid_unicode(str(said))}", file=sys.stderr)
     else:
-        out = json_text(result, indent=2)
+        out = _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text(result, indent=2))
     _say(out, file)
+
+
+#: Characters a terminal acts on or hides, which JSON output leaves raw (C1
+#: controls such as U+009B, bidi overrides, zero-width ones): escaped in a
+#: command's JSON, which reads back the same (a store's are data, not output).
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u200b\u202a-\u202e\u2066-\u2069\ufeff]")  # (ZWJ,
+#: ZWNJ and the marks scripts need stay, as stored text keeps them)
 
 
 def _say(text: str, file: Any = None) -> None:
