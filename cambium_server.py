@@ -2084,13 +2084,13 @@ def _team_map_fix(problems: list[dict], file_values: dict, repo: Any, path: Path
     """A bad team branch that setup's per-repo map gave is corrected there: the
     fix named a CAMBIUM_TEAM_BRANCH key the file did not have (one added was
     still overridden by the map's entry)."""
-    if not _given(_repo_team_branch(file_values, repo)):
+    bad = [p for p in problems if p["setting"] == "CAMBIUM_TEAM_BRANCH"
+           and p["origin"] == "file"]
+    if not bad or not _given(_repo_team_branch(file_values, repo)):
         return
-    for p in problems:
-        if p["setting"] == "CAMBIUM_TEAM_BRANCH" and p["origin"] == "file":
-            p["fix"] = (f"correct {TEAM_BRANCHES}[{json_text(os.path.realpath(repo))}] "
-                        f"({p['problem']}) in {path}, or run setup again with a valid "
-                        "team branch")
+    for p in bad:
+        p["fix"] = (f"correct {TEAM_BRANCHES}[{json_text(os.path.realpath(repo))}] "
+                    f"({p['problem']}) in {path}, or run setup again with a valid team branch")
 
 
 def not_text(key: str, value: str) -> bool:
@@ -2142,11 +2142,12 @@ def _repo_team_branch(file_values: dict, repo: str | None) -> Any:
     branches = file_values.get(TEAM_BRANCHES)
     if not repo or not isinstance(branches, dict):
         return None
-    if not all(isinstance(k, str) and os.path.isabs(k) and k == os.path.realpath(k)
-               for k in branches):        # a key written by hand: "~/proj", "/proj/"
-        branches = {_real_key(k): v for k, v in branches.items() if isinstance(k, str)}
-    return branches.get(os.path.realpath(repo)) or \
-        branches.get(os.path.realpath(store_root(Path(repo))))   # (the clone's: a worktree)
+    keys = (os.path.realpath(repo), os.path.realpath(store_root(Path(repo))))  # (a worktree:
+    found = next((branches[k] for k in keys if branches.get(k)), None)       # the clone's)
+    if found is None:                     # a key written by hand: "~/proj", "/proj/"
+        real = {_real_key(k): v for k, v in branches.items() if isinstance(k, str)}
+        found = next((real[k] for k in keys if real.get(k)), None)
+    return found
 
 
 def _real_key(key: str) -> str:
@@ -3064,15 +3065,15 @@ _STRUCTURAL = frozenset((b"", b"{", b"}", b"[", b"]", b"]}", b"],", b'"items": [
 
 
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path, wait: float | None = None) -> Iterator[None]:
     """Exclusive lock on `<path>.lock`, across threads and processes, waited
-    for at most LOCK_WAIT.get() seconds (then ConflictError: a holder stopped
-    mid-write, SIGSTOP, kept every other writer waiting for ever)."""
+    for at most `wait`, else LOCK_WAIT.get(), seconds (then ConflictError: a
+    holder stopped mid-write, SIGSTOP, kept every other writer waiting for ever)."""
     with runtime().thread_lock(str(path)):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
         try:
-            _flock_within(fd, path, LOCK_WAIT.get())
+            _flock_within(fd, path, LOCK_WAIT.get() if wait is None else wait)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -5238,8 +5239,9 @@ class GitStore(Store):
         repository, not a force push. Warns so, once, and keeps no rewound tip
         (that advice would have copied every team item into the fork). The URL
         read at each fetch is kept beside the stamp."""
-        url = self.git("config", "--get", f"remote.{self.remote}.url",
-                       check=False).stdout.strip()
+        url = ""
+        with contextlib.suppress(CambiumError):         # (cached until the config changes)
+            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
         seen = self._stamp().with_name(self._stamp().name + ".url")
         try:
             known = seen.read_text(encoding="utf-8", errors="replace").strip()
@@ -5375,15 +5377,14 @@ class GitStore(Store):
             held = self._state.rewound_doc
         if held and held[0] == commit:
             return held[1]
+        doc = self.doc_at(commit, remember=False)
         with self._state.lock:
-            tip_doc = self._state.doc
-        doc = self.doc_at(commit)
-        with self._state.lock:
-            self._state.rewound_doc, self._state.doc = (commit, doc), tip_doc
+            self._state.rewound_doc = (commit, doc)
         return doc
 
-    def doc_at(self, commit: str | None) -> Doc:
-        """Parse knowledge.json at a commit (cached per commit); CorruptStore if unreadable."""
+    def doc_at(self, commit: str | None, *, remember: bool = True) -> Doc:
+        """Parse knowledge.json at a commit (cached per commit, unless not
+        `remember`: the cache holds one); CorruptStore if unreadable."""
         if commit is None:
             return Doc(items=[])
         state = self._state
@@ -5411,7 +5412,8 @@ class GitStore(Store):
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
                 it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)
                 for it in doc.items])
-        self._remember(commit, doc)
+        if remember:
+            self._remember(commit, doc)
         return doc
 
     def _refuse_no_file(self, commit: str, where: str, blob: str = "") -> None:
@@ -8675,25 +8677,12 @@ def locked_if_possible(path: Path) -> Iterator[None]:
     it, so the whole cache was thrown away."""
     with contextlib.ExitStack() as stack:
         with contextlib.suppress(OSError, ConflictError):
-            stack.enter_context(cache_lock(path))
+            stack.enter_context(file_lock(path, CACHE_LOCK_WAIT_S))
         yield
 
 
 CACHE_LOCK_WAIT_S = 2.0     #: a cache's lock is waited for this long: a cache can wait
 
-
-@contextlib.contextmanager
-def cache_lock(path: Path) -> Iterator[None]:
-    """file_lock(path), waited for CACHE_LOCK_WAIT_S at most (ConflictError)."""
-    token = LOCK_WAIT.set(CACHE_LOCK_WAIT_S)
-    try:
-        with file_lock(path):
-            LOCK_WAIT.reset(token)
-            token = None
-            yield
-    finally:
-        if token is not None:
-            LOCK_WAIT.reset(token)
 
 
 class VectorCache:
@@ -8777,7 +8766,7 @@ class VectorCache:
         mat = (np.concatenate(list(rows.values())) if rows
                else np.zeros((0, EMBED_DIM), np.float16)).astype(np.float16, copy=False)
         name = f"vectors-{os.urandom(6).hex()}.npy"
-        with cache_lock(self.dir / "index.json"):
+        with file_lock(self.dir / "index.json", CACHE_LOCK_WAIT_S):
             fd, tmp = tempfile.mkstemp(prefix=f".vectors.{os.getpid()}.", suffix=TMP_SUFFIX,
                                        dir=self.dir)
             try:
@@ -9514,8 +9503,8 @@ class Semantic:
             else:
                 score = reranked(np, score, top, logits, set(exact))
         hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] and
-                    model_reads(emb.tokenizer, it.content) else   # (else as lexical recall's)
-                    lexical_relevance(confidence_bm25(index, terms, it)))
+                    model_reads(emb.tokenizer, it.content[:READS_CHARS]) else   # (else as
+                    lexical_relevance(confidence_bm25(index, terms, it)))       # lexical's)
                 for i in best_slots(np, score, items, pool + tie_slack(index))
                 if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
         ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
@@ -9624,6 +9613,9 @@ def semantic_blend(np: Any, sim: Any, usable: Any, lex: dict[int, float], *,
 def joined_notes(*notes: str | None) -> str | None:
     """A recall's notes in one (None when there are none)."""
     return " ".join(n for n in notes if n) or None
+
+
+READS_CHARS = 2_000     #: the opening of an item's content model_reads judges (and caches)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -9789,15 +9781,20 @@ def _words_of(text: str) -> str:
 
 def _same_words_slots(index: Index, terms: list[str], said: str) -> list[int]:
     """Live slots whose item's content is `said` in words (_words_of); their
-    rarest term's posting list walked, as every_term_slots does."""
+    rarest term's posting list walked, as every_term_slots does, and only an
+    item holding every term, its content not far longer than the words said,
+    is read again (every recall runs this: reading each item of a common
+    word's list cost milliseconds)."""
     lists = [index.postings.get(t) for t in terms]
     if not terms or any(p is None for p in lists):
         return []
-    rarest = min((p[0] for p in lists), key=len)
+    rarest, *others = sorted((p[0] for p in lists), key=len)
     if len(rarest) > EVERY_TERM_MAX_POSTINGS:
         return []
-    return [i for i in rarest if (it := index.items[i]) is not None and it.active
-            and _words_of(it.content) == said][:RESULT_HEAD]
+    longest = 4 * len(said) + 64                 # (punctuation and spacing aside)
+    return [i for i in rarest if all(_posted(o, i) for o in others)
+            and (it := index.items[i]) is not None and it.active
+            and len(it.content) <= longest and _words_of(it.content) == said][:RESULT_HEAD]
 
 
 def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:
