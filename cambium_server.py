@@ -11533,9 +11533,9 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     path, symbol = ref["path"], ref.get("symbol")
     out: dict[str, Any] = {"path": path, **({"symbol": symbol} if symbol else {})}
     full = _inside_repo(root_real, path)
-    if full is not None and not os.path.exists(full) and not path.isascii():
-        for form in ("NFC", "NFD"):            # a name decomposed on disk (a macOS checkout)
-            other = _inside_repo(root_real, unicodedata.normalize(form, path))
+    if full is not None and not os.path.exists(full):
+        for form in name_forms(path)[1:]:      # a name decomposed on disk (a macOS checkout)
+            other = _inside_repo(root_real, form)
             if other is not None and os.path.exists(other):
                 full = other
                 break
@@ -11558,13 +11558,19 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     return {**out, "at": f"{path}:{line}", "line": line}
 
 
+def name_forms(path: str) -> tuple[str, ...]:
+    """A stored path, then its other Unicode forms (NFC, NFD) as a file system
+    may hold them: what an anchor resolves, and so what its stamp reads."""
+    if path.isascii():
+        return (path,)
+    return tuple(dict.fromkeys((path, *(unicodedata.normalize(f, path) for f in ("NFC", "NFD")))))
+
+
 def path_stamp(root: str | Path, path: str) -> list:
     """[mtime_ns, size] of a file under root; [] when it cannot be read. The
     file resolution reads: a name decomposed on disk too (stamped as always
     missing, its anchor's cached line outlived every edit and its deletion)."""
-    forms = (path,) if path.isascii() else \
-        dict.fromkeys((path, *(unicodedata.normalize(f, path) for f in ("NFC", "NFD"))))
-    for form in forms:
+    for form in name_forms(path):
         try:
             st = os.stat(os.path.join(root, form))
         except (OSError, ValueError):
