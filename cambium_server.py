@@ -10061,10 +10061,12 @@ def distill_superseded(item: Item) -> bool:
 def _same_entry(old: Item, new: Item) -> bool:
     """Whether two items of one context-keeper id come from the same entry,
     edited (its created_at, which update_entry keeps, is the same), rather than
-    from an id handed out again to another entry (pure)."""
+    from an id handed out again to another entry (pure). Only an item distill
+    made is its entry's: an imported record of that system, id and time whose
+    words the entry said is another item, never superseded by the edit."""
     a, b = old.source.get("source_ts"), new.source.get("source_ts")
     return old.source.get("system") == new.source.get("system") == "context-keeper" \
-        and isinstance(a, str) and bool(a) and a == b
+        and isinstance(a, str) and bool(a) and a == b and distill_made(old)
 
 
 MAX_ALSO_SOURCES = 20     #: an item records at most this many further sources of its text
@@ -10218,7 +10220,7 @@ class _Revising:
             self.adm.notes.append(
                 f"{item.source.get('system')} {item.source.get('ref')} says what "
                 f"{'' if t.active else t.status + ' '}item {twin.id} "
-                f"({twin.source.get('ref') or 'another source'}) says: not stored twice, "
+                f"({_origin_words(twin)}) says: not stored twice, "
                 "recorded under that item's source.also")
 
 
@@ -13208,39 +13210,82 @@ MAX_LISTED_ITEMS = 50           #: a distill result lists at most this many new 
 ProgressFn = Callable[[int, int, str], None]
 
 
-def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
-                     live: set[str] | frozenset = frozenset()
-                     ) -> tuple[Doc | None, list[dict], list[dict]]:
-    """Deprecate local items whose source entry no longer stands (pure).
+def distill_made(item: Item) -> bool:
+    """Whether distill itself made this item from an agentsync or context-keeper
+    record, the only items its retirements may retire: not import_memory's
+    record that names that system (`source.imported`: its id collided with an
+    entry's), not a capture or a correction whose words an entry also says, and
+    never a person's (authority human), whoever made it."""
+    return item.source.get("system") in ("agentsync", "context-keeper") \
+        and not item.source.get("imported") and item.authority != "human"
 
-    reasons: watermark key -> reason. live: ids of items a live source record
-    maps to, never retired (their text still stands at the source). A key whose
-    watermark is no id (hand-edited) or is gone (a torn meta line set aside)
-    names the local item of that source record, by its provenance.
-    Returns (new doc or None when nothing changes, retired, elsewhere).
-    `elsewhere` lists items that were imported but are no longer active in local
-    scope under that id (promoted on, or removed): the scope that holds them now
-    must retire them.
-    """
+
+def _origin_words(item: Item) -> str:
+    """Where an item came from, in words for a warning that names it: the
+    source.ref of a correction is the id it corrects, not the item's own."""
+    system, ref = item.source.get("system"), item.source.get("ref")
+    who = "a person's " if item.authority == "human" else ""
+    if system == "correction":
+        return f"{who or 'a '}correction of item {ref}" if ref else f"{who or 'a '}correction"
+    where = " ".join(str(v) for v in (system, ref) if v) or "another source"
+    return who + ("imported from " if item.source.get("imported") else "") + (
+        "captured" if where == "capture" else where)
+
+
+def _retirement_targets(doc: Doc, reasons: dict[str, str], live: set[str] | frozenset
+                        ) -> dict[str, tuple[str, str]]:
+    """Item id -> (watermark key, reason) of what the dead entries name: the
+    item a key's watermark names, else (no id: hand-edited, or lost with a torn
+    meta line) the local items distill made of that entry, by provenance."""
     marks = meta_map(doc.meta, "watermarks")
     by_source: dict[str, list[str]] | None = None
     wanted: dict[str, tuple[str, str]] = {}
     for k, r in reasons.items():
         ids = [marks[k]] if isinstance(marks.get(k), str) else []
-        if not ids:                     # hand-edited, or lost with a torn meta line: the
-            if by_source is None:       # local item of that source record, by provenance
+        if not ids:
+            if by_source is None:
                 by_source = {}
                 for it in doc.items:
-                    if it.scope == "local" and it.active and it.source.get("system"):
+                    if it.scope == "local" and it.active and distill_made(it):
                         by_source.setdefault(_source_key(it), []).append(it.id)
             ids = by_source.get(k, [])
         for iid in ids:
             if iid not in live:
                 wanted.setdefault(iid, (k, r))
-    if not wanted:
-        return None, [], []
+    return wanted
+
+
+def kept_note(item: Item, key: str, reason: str) -> str:
+    """The warning for an item a dead entry's watermark names that distill did
+    not make (its words only matched the entry's): left live."""
+    return (f"{reason}, but item {item.id} ({_origin_words(item)}), which its words "
+            f"matched, is not one distill made: left live (distill retires only the items "
+            f"it made; a source.also record of {key.split(':', 1)[1]} is provenance only)")
+
+
+def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
+                     live: set[str] | frozenset = frozenset(), unmark: Iterable[str] = ()
+                     ) -> tuple[Doc | None, list[dict], list[dict], list[str]]:
+    """Deprecate local items whose source entry no longer stands (pure).
+
+    reasons: watermark key -> reason. live: ids of items a live source record
+    maps to, never retired (their text still stands at the source). A key whose
+    watermark is no id (hand-edited) or is gone (a torn meta line set aside)
+    names the local item distill made of that source record, by its provenance.
+    An item distill did not make (distill_made) is left live, its key dropped
+    from the watermarks (said once), as are `unmark`'s keys (such items found
+    in team or org). Returns (new doc or None when nothing changes, retired,
+    elsewhere, warnings). `elsewhere` lists items that were imported but are no
+    longer active in local scope under that id (promoted on, or removed): the
+    scope that holds them now must retire them.
+    """
+    wanted = _retirement_targets(doc, reasons, live)
+    if not wanted and not unmark:
+        return None, [], [], []
     items = list(doc.items)
     retired: list[dict] = []
+    notes: list[str] = []
+    dropped = set(unmark)
     handled: set[str] = set()
     for i, it in enumerate(items):
         hit = wanted.get(it.id)
@@ -13249,13 +13294,21 @@ def plan_retirements(doc: Doc, reasons: dict[str, str], *, now: str,
         handled.add(it.id)
         if not it.active:
             continue
+        if not distill_made(it):
+            notes.append(kept_note(it, *hit))
+            dropped.add(hit[0])
+            continue
         items[i] = dataclasses.replace(it, status="deprecated", updated_at=now,
                                        deprecated={"by": "distill", "at": now, "reason": hit[1]})
         retired.append({"id": it.id, "ref": hit[0].split(":", 1)[1], "reason": hit[1]})
     elsewhere = [{"id": iid, "ref": key.split(":", 1)[1], "reason": reason}
                  for iid, (key, reason) in wanted.items() if iid not in handled]
-    new = dataclasses.replace(doc, items=items) if retired else None
-    return new, retired, elsewhere
+    marks = meta_map(doc.meta, "watermarks")
+    if not retired and not dropped & marks.keys():
+        return None, [], elsewhere, notes
+    meta = marks_meta(doc.meta, {k: v for k, v in marks.items() if k not in dropped}) \
+        if dropped & marks.keys() else doc.meta
+    return dataclasses.replace(doc, items=items, meta=meta), retired, elsewhere, notes
 
 
 SNAPSHOT_MAX_FILES = 200     #: changed_files a remembered claim keeps (anchors use fewer)
@@ -13458,14 +13511,15 @@ def _skip_warning(source: str, count: int, first: list[tuple[str, str]]) -> str:
 
 
 def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
-                      ) -> tuple[list[dict], list[dict], list[str]]:
+                      ) -> tuple[list[dict], list[dict], list[str], list[str]]:
     """Retire items that moved up to team/org after their source entry died.
 
-    Returns (retired now, still pending, warnings). A scope that cannot be
-    written leaves its items pending (reported), to be retried next distill.
+    Returns (retired now, still pending, warnings, the watermark keys of items
+    left live: distill did not make them). A scope that cannot be written
+    leaves its items pending (reported), to be retried next distill.
     """
     docs, warnings = read_scopes(cfg, ("team", "org"))
-    retired, pending = [], []
+    retired, pending, kept = [], [], []
     for entry in entries:
         where = next((s for s in ("org", "team") if s in docs
                       and _find_item(docs[s], entry["id"])), None)
@@ -13474,6 +13528,10 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
             continue
         item = _find_item(docs[where], entry["id"])[1]
         if not item.active:
+            continue
+        if not distill_made(item):                 # its words only matched the entry's
+            kept.append(f"context-keeper:{entry['ref']}")
+            warnings.append(kept_note(item, kept[-1], entry["reason"]))
             continue
         if item.pr_url and where != "org":         # the merge would drop the retirement
             pending.append(entry)
@@ -13505,7 +13563,7 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
             f"{entry['id']} waits on the pull request "
             + (write.pr_url or f"on {write.branch}, which could not be opened yet (the next "
                "distill tries again)") + ", and org serves it as active until that merges")
-    return retired, pending, warnings
+    return retired, pending, warnings, kept
 
 
 def substrate_state(cfg: Config, doc: Doc) -> dict:
@@ -13545,6 +13603,7 @@ class Sweep:
     errors: list                                  # (source, CambiumError): unreadable sources
     retired_elsewhere: list = field(default_factory=list)   # moved-up items retired now
     pending_elsewhere: list = field(default_factory=list)   # ... and those still waiting
+    kept_elsewhere: list = field(default_factory=list)      # keys of theirs distill did not make
     elsewhere: Callable[[str], bool] | None = None          # shared_texts(): held above
     adding_only: bool = False     # a linked worktree: its .context/ is its branch's (below)
 
@@ -13590,9 +13649,10 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     adm = admit(doc, prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys,
                 elsewhere=sweep.elsewhere)
     admitted = adm.doc or doc                     # retired after: by the marks admit left
-    retiring, retired, _ = plan_retirements(
+    retiring, retired, _, kept = plan_retirements(
         admitted, _retire_reasons(sweep.ours()), now=sweep.stamp,
-        live=_live_ids(meta_map(admitted.meta, "watermarks"), keys))
+        live=_live_ids(meta_map(admitted.meta, "watermarks"), keys),
+        unmark=sweep.kept_elsewhere)
     base = retiring or admitted
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
@@ -13606,7 +13666,7 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
             refused.get("context-keeper", 0))
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
-    warnings = sweep.warnings + adm.notes         # ... and what this write kept beside what
+    warnings = sweep.warnings + adm.notes + kept  # ... and what this write kept beside what
     ok = "distilled_with_warnings" if warnings else "distilled"
     last = {"at": sweep.stamp, "status": "failed" if sweep.errors else ok,
             "imported": len(adm.fresh), "retired": len(retired),
@@ -13730,12 +13790,12 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     elsewhere = plan_retirements(doc, _retire_reasons(ours), now=stamp,
                                  live=_live_ids(meta_map(doc.meta, "watermarks"),
                                                 _live_keys(ours)))[2]
-    moved, pending, problems = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
-        else ([], [], [])
+    moved, pending, problems, kept = _retire_elsewhere(cfg, elsewhere, stamp) if elsewhere \
+        else ([], [], [], [])
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
-                  errors, moved, pending, shared_texts(cfg), adding_only)
+                  errors, moved, pending, kept, shared_texts(cfg), adding_only)
     _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
                           "distill")
     embed_soon(cfg, plan.imported)

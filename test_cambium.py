@@ -9909,7 +9909,8 @@ def test_stale_prompt_orders_never_verified_then_oldest_and_filters():
 
 
 def test_plan_retirements_deprecates_local_and_lists_elsewhere():
-    local = cs.new_item("store claims in git")
+    local = dataclasses.replace(cs.new_item("store claims in git"), source={
+        "system": "context-keeper", "ref": "dec-001", "kind": "decision"})
     team = dataclasses.replace(cs.new_item("constraint text"), scope="team")
     doc = cs.Doc(items=[local, team], meta={"watermarks": {
         "context-keeper:dec-001": local.id, "context-keeper:con-001": team.id,
@@ -9918,7 +9919,7 @@ def test_plan_retirements_deprecates_local_and_lists_elsewhere():
                "context-keeper:con-001": "context-keeper con-001 is deprecated",
                "context-keeper:dec-002": "context-keeper dec-002 is deprecated",
                "context-keeper:dec-999": "never imported"}
-    new, retired, elsewhere = cs.plan_retirements(doc, reasons, now="2026-01-01T00:00:00Z")
+    new, retired, elsewhere, _ = cs.plan_retirements(doc, reasons, now="2026-01-01T00:00:00Z")
     assert new.items[0].status == "deprecated"
     assert new.items[0].deprecated == {"by": "distill", "at": "2026-01-01T00:00:00Z",
                                        "reason": "context-keeper dec-001 is superseded by dec-004"}
@@ -9926,12 +9927,12 @@ def test_plan_retirements_deprecates_local_and_lists_elsewhere():
     assert retired == [{"id": local.id, "ref": "dec-001", "reason": reasons[
         "context-keeper:dec-001"]}]
     assert {e["ref"] for e in elsewhere} == {"con-001", "dec-002"}
-    again, retired2, _ = cs.plan_retirements(new, reasons, now="2026-01-02T00:00:00Z")
+    again, retired2, _, _ = cs.plan_retirements(new, reasons, now="2026-01-02T00:00:00Z")
     assert again is None and retired2 == []
     lost = dataclasses.replace(cs.new_item("use postgres for orders"), source={
         "system": "context-keeper", "ref": "dec-007"})
     torn = cs.Doc(items=[lost], meta={})          # a torn meta line took every watermark
-    new, retired, _ = cs.plan_retirements(torn, {"context-keeper:dec-007": "deprecated"},
+    new, retired, _, _ = cs.plan_retirements(torn, {"context-keeper:dec-007": "deprecated"},
                                           now="2026-01-03T00:00:00Z")
     assert new.items[0].status == "deprecated" and retired[0]["id"] == lost.id
 
@@ -10834,6 +10835,29 @@ def test_distill_retires_a_promoted_item_when_its_decision_is_superseded(shared)
     assert "retire_elsewhere" not in res["sources"]["context-keeper"]
     again = cs.distill()                                 # nothing left to do
     assert again["retired"] == 0 and again["imported"] == 0
+
+
+def test_distill_leaves_a_promoted_correction_live_when_an_entry_of_its_words_dies(shared):
+    """The team copy of a person's correction was deprecated by distill when a
+    context-keeper entry saying its words, recorded on it, was superseded."""
+    ctx = shared["a"] / ".context"
+    ctx.mkdir()
+    text = "Deploy with blue-green switches"
+    old = cs.capture("Deploy with rolling restarts", kind="decision")["item"]["id"]
+    fix = cs.correct(old, text, "the lead said so")["item"]["id"]
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", text)]))
+    assert cs.distill()["duplicates"] == 1
+    cs.promote(fix, force=True)
+    assert fix in team_ids(shared["origin"])
+    (ctx / "decisions.json").write_text(json.dumps([
+        _decision("dec-001", text, "superseded", "dec-002"),
+        _decision("dec-002", "Deploy with rolling canaries")]))
+    res = cs.distill()
+    assert res["retired"] == 0 and "retire_elsewhere" not in res["sources"]["context-keeper"]
+    assert any(fix in w and "left live" in w for w in res["warnings"]), res
+    (held,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == fix]
+    assert held["status"] == "active"
+    assert not any(fix in w for w in cs.distill()["warnings"])         # said once
 
 
 def test_distill_waits_to_retire_an_item_whose_org_pull_request_is_open(
@@ -14521,6 +14545,77 @@ def test_distill_keeps_an_item_live_while_a_live_record_says_it(repo):
         own = (it.source.get("system"), it.source.get("ref"))
         assert own not in [(a.get("system"), a.get("ref")) for a in it.source.get("also", [])]
     assert cs.distill()["sources"]["context-keeper"]["status"] == "up_to_date"
+
+
+def test_distill_never_retires_an_imported_item_whose_ref_is_a_dead_entrys_id(repo, tmp_path):
+    """An import_memory record naming system context-keeper and id dec-002 was
+    deprecated by distill when .context/ held a superseded dec-002 it never
+    imported: the provenance fallback took every item of that key for its own."""
+    export = tmp_path / "export.jsonl"
+    export.write_text(json.dumps({"system": "context-keeper", "id": "dec-002",
+                                  "content": "Retry flaky network calls three times"}) + "\n")
+    (imported,) = cs.import_memory("json", str(export))["items"]
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([
+        _decision("dec-001", "Use Postgres for the event store"),
+        _decision("dec-002", "Use MongoDB for the event store", "superseded", "dec-001")]))
+    res = cs.distill()
+    assert res["imported"] == 1 and res["retired"] == 0, res
+    (it,) = [i for i in _items_by_ref("dec-002") if i.id == imported["id"]]
+    assert it.active and it.deprecated is None
+    lost = dataclasses.replace(cs.new_item("use postgres for orders"), source={
+        "system": "context-keeper", "ref": "dec-007", "kind": "decision"})
+    torn = cs.Doc(items=[lost, it], meta={})      # a torn meta line took every watermark:
+    new, retired, _, _ = cs.plan_retirements(torn, {   # distill's own item is still found
+        "context-keeper:dec-007": "gone", "context-keeper:dec-002": "gone"}, now="2026-01-03")
+    assert [r["id"] for r in retired] == [lost.id] and new.items[1] is it
+
+
+def test_distill_never_supersedes_an_imported_item_when_an_entry_of_its_words_is_edited(
+        repo, tmp_path):
+    """An import_memory record of the same system, id, time and words as a
+    context-keeper entry was superseded by distill when the entry was edited."""
+    dec = _decision("dec-001", "Use Postgres for the event store")
+    export = tmp_path / "export.jsonl"
+    export.write_text(json.dumps({"system": "context-keeper", "id": "dec-001",
+                                  "created_at": dec["created_at"],
+                                  "content": dec["summary"]}) + "\n")
+    (imported,) = cs.import_memory("json", str(export))["items"]
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps([dec]))
+    assert cs.distill()["duplicates"] == 1
+    (repo / ".context" / "decisions.json").write_text(json.dumps(
+        [{**dec, "summary": "Use Postgres 16 for the event store"}]))
+    res = cs.distill()
+    assert res["imported"] == 1 and res["retired"] == 0, res
+    assert [i.status for i in _items_by_ref("dec-001") if i.id == imported["id"]] == ["active"]
+
+
+def test_distill_leaves_a_persons_correction_live_when_an_entry_of_its_words_dies(repo):
+    """A correction (authority human) whose words a context-keeper entry also
+    said was deprecated by distill once that entry was superseded; and the
+    warning recording the entry on it read "item k-new (k-old)", the id it
+    corrects looking like a second item's."""
+    text = "Use Postgres for the event store"
+    old = cs.capture("Use MySQL for the event store", kind="decision")["item"]["id"]
+    fix = cs.correct(old, text, "the team lead said so")["item"]["id"]
+    (repo / ".context").mkdir()
+    path = repo / ".context" / "decisions.json"
+    path.write_text(json.dumps([_decision("dec-001", text)]))
+    res = cs.distill()
+    assert any(f"item {fix} (a person's correction of item {old})" in w
+               for w in res["warnings"]), res
+    path.write_text(json.dumps([_decision("dec-001", text, "superseded", "dec-002"),
+                                _decision("dec-002", "Use Kafka as the event store")]))
+    res = cs.distill()
+    assert res["imported"] == 1 and res["retired"] == 0, res
+    (note,) = [w for w in res["warnings"] if fix in w]
+    assert "dec-001 is superseded by dec-002" in note and "left live" in note
+    (held,) = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.id == fix]
+    assert held.active and held.authority == "human"
+    assert [a["ref"] for a in held.source["also"]] == ["dec-001"]    # provenance, as it was
+    again = cs.distill()                                               # said once
+    assert again["retired"] == 0 and not any(fix in w for w in again["warnings"]), again
 
 
 def test_distill_brings_back_an_earlier_text_edited_back_at_its_source(
