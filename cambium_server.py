@@ -4852,6 +4852,9 @@ def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
     return dataclasses.replace(ours, items=list(out.values()))
 
 
+_PUSH_RACY = ("lock", "already exists", "failed to update ref", "incorrect old value")
+
+
 def _push_outcome(out: str) -> str:
     """Classify `git push --porcelain` output: ok | race | refused."""
     for line in out.splitlines():
@@ -4860,12 +4863,21 @@ def _push_outcome(out: str) -> str:
             # peer moved the branch. "[remote rejected]" is a hook or a policy (final)
             # unless the remote lost a ref-lock race with a simultaneous push.
             if "[remote rejected]" in line:
-                racy = ("lock", "already exists", "failed to update ref", "incorrect old value")
-                return "race" if any(r in line for r in racy) else "refused"
+                return "race" if _racy_reason(line) else "refused"
             return "race"
         if line[:1] in ("*", " ", "+", "-", "=") and "\t" in line:
             return "ok"
     return "refused"
+
+
+def _racy_reason(line: str) -> bool:
+    """Whether a `[remote rejected]` porcelain line's reason says the remote
+    lost a ref-lock race. Only its summary is read (the fields are tab
+    separated, `flag<TAB>from:to<TAB>summary`; a ref name holds no tab), and
+    without the names it quotes: a branch named `kb-blocklist` made every
+    hook's refusal a lost race, replayed for 120 s."""
+    summary = line.split("\t", 2)[-1]
+    return any(r in re.sub(r"'[^']*'", "''", summary) for r in _PUSH_RACY)
 
 
 def _write_commit(objects: Path, entries: list[tuple[str, str, str]], parent: str | None,

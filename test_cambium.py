@@ -3558,6 +3558,32 @@ def test_push_outcome_tells_race_from_refusal():
     assert cs._push_outcome(lock) == "race"
 
 
+def test_a_refusal_on_a_branch_whose_name_says_lock_is_no_race():
+    """The racy words were matched over the whole line, refspec included: a
+    branch named kb-blocklist (or a reason quoting it) made a hook's refusal a
+    lost race, replayed for 120 s and answered `conflict`."""
+    hook = "!\tabc:refs/heads/kb-blocklist\t[remote rejected] (pre-receive hook declined)"
+    assert cs._push_outcome(hook) == "refused"
+    quoted = ("!\tabc:refs/heads/lock\t[remote rejected] (deny updating "
+              "'refs/heads/kb-blocklist')")
+    assert cs._push_outcome(quoted) == "refused"
+    lock = ("!\tabc:refs/heads/kb-blocklist\t[remote rejected] (cannot lock ref "
+            "'refs/heads/kb-blocklist': is at 1111 but expected 2222)")
+    assert cs._push_outcome(lock) == "race"
+
+
+def test_a_hook_refusal_on_a_lock_named_team_branch_fails_at_once(shared, monkeypatch):
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb-blocklist")
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'policy: frozen' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    item_id = _endorsed("Never deploy on Fridays")
+    started = cs.time.monotonic()
+    with pytest.raises(cs.GitError, match="policy: frozen"):
+        cs.promote(item_id, force=True)
+    assert cs.time.monotonic() - started < 20          # (it was replayed for 120 s)
+
+
 def test_a_missing_gh_says_how_to_get_one_or_do_without(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))                 # (it said: not found on PATH)
     with pytest.raises(cs.GitError, match="install gh and run `gh auth login`, or set "
