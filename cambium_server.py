@@ -5715,9 +5715,18 @@ class GitStore(Store):
                 if done is not None:
                     break
         if done is not None:
+            if target == self.branch:
+                self._name_rewound(done)
             return done
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
+
+    def _name_rewound(self, done: Write) -> None:
+        """A write's answer names what a rewind of the branch dropped, as a read
+        does (rewound_items): its fetch kept the earlier tip, and the agent,
+        told only "endorsed", never learned that a teammate's items were gone."""
+        if lost := self.rewound_items(done.doc, done.commit or self.local_tip()):
+            note_for_call(self._rewound_warning(lost))
 
     def _attempt(self, fn: Callable[[Doc], Doc | None], message: str, target: str,
                  side: str | None, ensure_files: bool, guess: str | None = None

@@ -16329,6 +16329,27 @@ def test_a_team_branch_rewound_by_a_force_push_says_what_it_lost_and_how_to_get_
     assert not any("rewound" in w for w in cs.recall("health endpoint").get("warnings", []))
 
 
+def test_a_writes_answer_names_what_a_rewind_of_the_team_branch_dropped(shared):
+    """The write's fetch kept the rewound tip, but only a recall named what it
+    lost: an agent told "endorsed" or "promoted" never learned a teammate's
+    item was gone from team (README: a write's answer names it too)."""
+    first, later = _promoted_then_rewound(shared)
+
+    def rewound(out: dict) -> list[str]:
+        return [w for w in out.get("warnings", []) if "rewound or replaced" in w]
+
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.endorse(first, note="holds at every service"))
+    assert out["status"] == "endorsed" and later in rewound(out)[0]
+    new = _endorsed("Dashboards live in the shared folder")
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(new, force=True))
+    assert out["status"] == "promoted" and later in rewound(out)[0]
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.deprecate(new, "the folder moved"))
+    assert out["status"] == "deprecated" and later in rewound(out)[0]
+
+
 def test_import_never_brings_back_words_team_deprecated(shared, tmp_path, monkeypatch):
     export = tmp_path / "mem.jsonl"
     export.write_text(json.dumps({"id": "m1", "content": "Use pgbouncer in transaction mode"})
