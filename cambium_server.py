@@ -310,13 +310,26 @@ def _may_have_landed(err: CambiumError) -> bool:
                                           or getattr(err, "after_push", False))
 
 
+def _landing_noted(err: CambiumError) -> CambiumError:
+    """A shared write's error, saying the change may be in place when its push
+    timed out (or ran and could not be checked after): a correct or endorse
+    answered a bare "timed out", though the change was live on team."""
+    if not _may_have_landed(err) or hasattr(err, "unnoted"):
+        return err
+    err.unnoted = err.args                          # type: ignore[attr-defined]
+    return _noted(err, "the push may still land on the remote: the change may be in place "
+                       "there although this call failed (recall shows whether it is)")
+
+
 def _unmoved(err: CambiumError, where: str, what: str = "the item(s) stay") -> CambiumError:
     """A failed move's error, saying where its items are. A push that timed out
     may still land on the remote: the items stay where they were until the
-    next call, which finishes the move without a second copy."""
+    next call, which finishes the move without a second copy (its own note,
+    in place of a write's _landing_noted)."""
     if getattr(err, "copied", False):               # it did move: _move said where
         return err
     if _may_have_landed(err):
+        err.args = getattr(err, "unnoted", err.args)
         return _noted(err, f"the push may still land on the remote: {what} {where} "
                            "for now; run the same promote again to finish the move (an "
                            "item the push did land is not copied twice).")
@@ -12175,7 +12188,11 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
     if pr_branch == pr_branch_name("updates"):      # org credits ride in its pull request
         fn = with_credits(fn, [r for r in read_credits(credits_path(cfg))
                                if r.get("scope") == "org"])
-    write = st.mutate(fn, f"cambium: {message}", branch=pr_branch, ensure_files=ensure_files)
+    try:
+        write = st.mutate(fn, f"cambium: {message}", branch=pr_branch,
+                          ensure_files=ensure_files)
+    except GitError as e:
+        raise _landing_noted(e)
     if pr_branch is None:
         climb_credits(cfg, scope, write.doc)
     if pr_branch and write.branch == pr_branch and (
@@ -16683,10 +16700,12 @@ def _correct(cfg: Config, item_id: str, content: Any, why: Any, force: bool) -> 
 def _correct_once(cfg: Config, item_id: str, content: Any, why: Any, force: bool,
                   fresh: bool) -> dict:
     scope, old = locate(cfg, item_id, highest=True, fresh=fresh, changing=True)
-    _require_active(old, "corrected")
-    _refuse_while_waiting(scope, old)
     now = _now()
     new = correction_of(old, content, why, agent=cfg.agent, project=cfg.project, now=now)
+    if done := _corrected_already(cfg, scope, old, new):
+        return done
+    _require_active(old, "corrected")
+    _refuse_while_waiting(scope, old)
     tells = org_tells(new) if scope == "org" else []
     if tells and not force:
         return {"status": "needs_generalization", "scope": scope, "tells": tells,
@@ -16713,6 +16732,26 @@ def _correct_once(cfg: Config, item_id: str, content: Any, why: Any, force: bool
     embed_soon(cfg, made)
     return proposed({"status": "corrected", "scope": scope, "item": item_view(made[0]),
                      "superseded": item_id}, write)
+
+
+def _corrected_already(cfg: Config, scope: str, old: Item, new: Item) -> dict | None:
+    """correct()'s answer when the scope (as locate just read it) holds this
+    very correction of `old` already, else None: a correct whose push timed
+    out but landed, run again, was refused as if another's correction
+    superseded the item ("that one can be corrected")."""
+    if old.status != "superseded":
+        return None
+    try:
+        doc = store(cfg, scope).peek()
+    except CambiumError:
+        return None
+    prior = _same_correction(doc, old, new) if doc is not None else None
+    if prior is None:
+        return None
+    return {"status": "corrected", "scope": scope, "item": item_view(prior),
+            "superseded": old.id,
+            "note": f"already corrected: {prior.id} is this correction (by {prior.created_by} "
+                    f"at {prior.created_at}), in {scope} scope; nothing was written"}
 
 
 def _same_correction(doc: Doc, old: Item, new: Item) -> Item | None:

@@ -7912,6 +7912,32 @@ def test_after_the_remote_is_renamed_this_clones_own_items_are_not_another_proje
     assert all("project" not in r for r in results), results
 
 
+def test_a_change_whose_push_timed_out_says_it_may_have_landed_and_a_retry_finds_it(
+        shared, monkeypatch):
+    """correct and endorse answered a bare "timed out" where promote said the
+    push may still land; the correct run again was refused as if another's
+    correction superseded the item ("that one can be corrected"), though the
+    correction was its own, live on team."""
+    item_id = _endorsed("Never deploy on Fridays")
+    cs.promote(item_id, force=True)
+    hook = shared["origin"] / "hooks" / "post-receive"   # runs once the ref has moved
+    hook.write_text("#!/bin/sh\nexec sleep 30\n")
+    hook.chmod(0o755)
+    monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", "2")
+    with pytest.raises(cs.GitError, match="timed out.*the push may still land"):
+        cs.endorse(item_id, note="holds at every service")
+    with pytest.raises(cs.GitError, match="timed out.*the push may still land"):
+        cs.correct(item_id, "Deploy on Fridays only with a rollback plan", "the lead said")
+    hook.unlink()
+    (fix,) = [i for i in remote_json(shared["origin"], "cambium")["items"]
+              if i.get("corrects") == item_id]                  # it landed after all
+    again = cs.correct(item_id, "Deploy on Fridays only with a rollback plan", "the lead said")
+    assert again["status"] == "corrected" and again["item"]["id"] == fix["id"]
+    assert again["note"].startswith(f"already corrected: {fix['id']} is this correction")
+    with pytest.raises(cs.Refused, match="that one can be corrected"):   # another's words
+        cs.correct(item_id, "Never deploy after Thursday noon", "the lead said")
+
+
 def test_a_push_that_ran_but_could_not_be_checked_may_have_landed(shared, monkeypatch):
     """The remote went away between the push and its check (ls-remote): the
     answer said "nothing moved" and cleared the move's mark, though the team
