@@ -297,6 +297,12 @@ class ConflictError(CambiumError):
     """Lost the compare-and-swap race on every retry."""
 
 
+class FetchBusy(ConflictError):
+    """Another process of the clone held the branch's fetch lock past the wait
+    (fetching it, or stopped mid-fetch): a read answers from the tip fetched
+    before, a write gives up (nothing changed)."""
+
+
 def _noted(err: CambiumError, note: str) -> CambiumError:
     """The same error with a note on what it means for the caller appended."""
     err.args = (f"{err} — {note}",)
@@ -2285,6 +2291,7 @@ class GitScope:
     refreshed: threading.Event = field(default_factory=threading.Event)  # ...it ended
     refresh_started: float = 0.0        # when it began (monotonic)
     fetch_error: str | None = None      # the last background fetch failed with this
+    refresh_busy: str | None = None     # ...or found another process fetching (this)
     doc: tuple[str, Doc] | None = None  # (commit, parsed knowledge.json at it)
     checked_out: str | None = None      # the org clone's checkout is at this commit
     attempt_s: float = 0.0              # how long a write attempt takes here (smoothed)
@@ -4595,6 +4602,9 @@ def effective_trust(item: Item, pending: list[dict]) -> dict:
 PUSH_RETRY_S = 120.0        #: replay a lost race for this long before ConflictError
 PUSH_CONTENDED_S = 3.0      #: peers seen writing this recently make writes take turns
 REFRESH_WAIT_S = 0.5        #: a read waits this long (from its start) for a due refresh
+FETCH_LOCK_WAIT_S = 2.0     #: a read waits this long for another process's fetch of the
+                            #: branch (then answers from the tip fetched before); a write
+                            #: waits as long as a fetch may take (CAMBIUM_GIT_TIMEOUT)
 FETCH_BACKOFF_S = 300.0     #: after a failed fetch, a digest read by any process answers
                             #: from the last fetched tip this long before trying again
                             #: (a hung remote cost each CLI recall the whole git timeout)
@@ -5051,7 +5061,7 @@ class GitStore(Store):
             if due and background and state.tip_known:
                 if not state.refreshing:
                     state.refreshing, state.refresh_started = True, time.monotonic()
-                    state.refreshed = threading.Event()
+                    state.refreshed, state.refresh_busy = threading.Event(), None
                     self._rt.spawn(self._refresh, f"cambium-fetch-{self.scope}")
                 due, refreshing = False, True
         if due:
@@ -5068,7 +5078,9 @@ class GitStore(Store):
         thread fetching (the server's warm-up) answers from the last fetched tip
         at once, with a warning; any other waits, and takes a fetch that ended
         while it waited as its own (its failure too, warned about, when there
-        is a fetched tip to answer from; else it tries itself, and raises)."""
+        is a fetched tip to answer from; else it tries itself, and raises). A
+        read with a fetched tip that finds another process of the clone fetching
+        the branch (FETCH_LOCK_WAIT_S) answers from that tip, with a warning."""
         state = self._state
         asked = time.time()
         if not state.fetching.acquire(blocking=not background):
@@ -5085,7 +5097,11 @@ class GitStore(Store):
                     self._warnings.append(f"{self.scope} scope may be behind: {error}")
                 return
             try:
-                self._fetch_now()
+                self._fetch_now(patient=force or self.local_tip() is None)
+            except FetchBusy as e:          # (another process fetches: no failure to note)
+                if force or self.local_tip() is None:
+                    raise ConflictError(f"{e}: nothing was changed, try again") from None
+                self._warnings.append(f"{self.scope} scope may be behind: {e}")
             except GitError as e:
                 with state.lock:
                     state.fetched_at = time.time()          # don't hammer a dead remote
@@ -5109,11 +5125,14 @@ class GitStore(Store):
                                   f"{self.remote} is still running")
             return
         with state.lock:
-            error = state.fetch_error
+            error = state.fetch_error or state.refresh_busy
         if error:
             self._warnings.append(f"{self.scope} scope may be behind: {error}")
 
     def _refresh(self) -> None:
+        """The server's background fetch. Another process of the clone fetching
+        the branch (FetchBusy) is no failure: that fetch moves the stamp, which
+        every read here follows; only the reads waiting on this one are told."""
         state = self._state
         try:
             with state.fetching:
@@ -5121,6 +5140,9 @@ class GitStore(Store):
             tip = self.local_tip()
             with state.lock:
                 state.tip, state.tip_known = tip, True
+        except FetchBusy as e:
+            with state.lock:
+                state.refresh_busy = str(e)
         except GitError as e:
             with state.lock:
                 state.fetched_at = time.time()
@@ -5220,18 +5242,19 @@ class GitStore(Store):
         return (f"cambium's copy of the {self.scope} scope's remote tip ({self.ref}) is "
                 f"damaged (it holds {value[:24]!r})")
 
-    def _fetch_now(self) -> None:
+    def _fetch_now(self, patient: bool = False) -> None:
         """Fetch the branch into the private ref (a missing branch clears it).
         While peers write here, git's auto maintenance is left to a quiet fetch
         (it costs a process per fetch, in every attempt of a contended write).
         The processes of a clone fetch a branch in turn (a file lock beside the
-        stamp): git fails a fetch whose ref another fetch moved meanwhile."""
+        stamp): git fails a fetch whose ref another fetch moved meanwhile.
+        FetchBusy when another holds it past the wait (_fetch_lock)."""
         quiet = time.monotonic() - self._state.contended_at >= PUSH_CONTENDED_S  # `fetching` held
         before = None
         with contextlib.suppress(CambiumError, OSError):
             before = self.local_tip()
         for _ in range(2):
-            with file_lock(self._stamp().with_name("fetch-" + self._stamp().name)):
+            with self._fetch_lock(patient):
                 proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
                                 "--quiet", "--no-tags", "--", self.remote,
                                 f"+refs/heads/{self.branch}:{self.ref}", check=False)
@@ -5256,6 +5279,23 @@ class GitStore(Store):
             self._state.fetched_at = time.time()
             self._state.fetch_error = None
             self._state.tip_known = False
+
+    def _fetch_lock(self, patient: bool) -> contextlib.ExitStack:
+        """The clone's lock on fetching this branch, waited for FETCH_LOCK_WAIT_S,
+        or when `patient` (a write; a read with no tip to answer from) as long as
+        another's fetch may take: LOCK_WAIT_S kept a read waiting 300 s behind a
+        process stopped mid-fetch (Ctrl-Z), then failed it. FetchBusy past it."""
+        path = self._stamp().with_name("fetch-" + self._stamp().name)
+        wait = min(LOCK_WAIT.get(), self.timeout_s + FETCH_LOCK_WAIT_S if patient
+                   else FETCH_LOCK_WAIT_S)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(file_lock(path, wait))
+        except ConflictError:
+            raise FetchBusy(f"another process of this clone has been fetching the "
+                            f"{self.scope} branch '{self.branch}' from {self.remote} for "
+                            f"{wait:g} s (or was stopped mid-fetch)") from None
+        return stack
 
     def _remote_moved(self, before: str | None) -> bool:
         """Whether the remote's URL changed since the last fetch (a fork's

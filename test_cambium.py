@@ -5193,6 +5193,40 @@ def test_one_failed_fetch_is_one_warning(shared):
         assert len(said) == 1, said
 
 
+def test_a_process_stopped_mid_fetch_never_stalls_a_read(shared):
+    """A process of the clone holding the branch's fetch lock (a CLI recall
+    stopped with Ctrl-Z mid-fetch) made every other recall wait 300 s for it,
+    then fail whole, its local results too; the server's background fetch held
+    a write queued behind it as long, and the write 300 s more for the lock."""
+    item_id = _endorsed("Run the migrations before starting the api server", "migrations")
+    cs.promote()
+    mine = cs.capture("Seed the api server database from the fixtures")["item"]["id"]
+    lock, = (shared["a"] / ".git" / "cambium").glob("fetch-fetched-team-*.lock")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    busy = "team scope may be behind: another process of this clone has been fetching"
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = cs.time.monotonic()
+        out = cli("recall", "api server", CAMBIUM_GIT_TIMEOUT="1")    # (a fetch is due)
+        assert out.returncode == 0, out.stderr
+        assert {r["id"] for r in json.loads(out.stdout)["results"]} == {item_id, mine}
+        assert busy in out.stdout and cs.time.monotonic() - started < 5
+        write = cli("endorse", item_id, "--note", "still true", CAMBIUM_GIT_TIMEOUT="1")
+        assert write.returncode != 0 and "nothing was changed" in write.stderr, write.stderr
+        cs.runtime().long_running.set()                 # the server: a background fetch
+        res = cs.recall("api server")
+        assert {r["id"] for r in res["results"]} == {item_id, mine}
+        assert any(w.startswith("team scope may be behind") for w in res["warnings"]), res
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cs.endorse(item_id, note="still true")["status"] == "endorsed"
+
+
 def test_a_failed_fetch_through_one_remote_holds_back_no_other_remote(shared):
     """The fetch stamps were named by scope and branch alone: one failed
     fetch through origin made reads through upstream answer from an old tip
