@@ -1258,7 +1258,7 @@ def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) ->
     if value is None:
         value = ""
     if not isinstance(value, str):
-        raise InputError(f"{name} must be text; got {json_kind(value)}.")
+        raise InputError(f"{name} must be text; got {json_kind(value)}.", name)
     if len(value) > RAW_TEXT_SLACK * limit:        # (refused before the cleaning's cost)
         raise InputError(f"{name} is {len(value)} characters, over the limit of {limit}: "
                          "capture the durable point, not the whole document.")
@@ -1288,10 +1288,11 @@ def normalize_tags(tags: Any) -> list[str]:
         parts = []
         for t in tags:
             if not isinstance(t, str):
-                raise InputError(f"tags must be strings; got {t!r}.")
+                raise InputError(f"tags must be strings; got {t!r}.", "tags")
             parts.extend(re.split(r"[,\s]+", t))
     else:
-        raise InputError("tags must be a list of strings or a comma/space separated string.")
+        raise InputError("tags must be a list of strings or a comma/space separated string.",
+                         "tags")
     out: dict[str, None] = {}
     for p in parts:
         p = plain_text(p).strip().lower().lstrip("#")
@@ -1299,11 +1300,12 @@ def normalize_tags(tags: Any) -> list[str]:
         if not p:
             continue
         if len(p) > MAX_TAG_CHARS:
-            raise InputError(f"tag {p[:20]!r}... is longer than {MAX_TAG_CHARS} characters.")
+            raise InputError(f"tag {p[:20]!r}... is longer than {MAX_TAG_CHARS} characters.",
+                             "tags")
         out[p] = None
         if len(out) > MAX_TAGS:              # (refused at once: not after 100,000 more)
             raise InputError(f"tags has more than {MAX_TAGS} tags ({len(parts)} given); at "
-                             f"most {MAX_TAGS} are allowed.")
+                             f"most {MAX_TAGS} are allowed.", "tags")
     return list(out)
 
 
@@ -1413,7 +1415,7 @@ def _one_code_ref(ref: Any) -> dict:
     if odd := [k for k in ref if k not in ("path", "symbol")]:   # (a misspelt symbol was
         near = difflib.get_close_matches(str(odd[0]), ["path", "symbol"], 1)  # dropped)
         raise InputError(f"code_refs entries take path and symbol; got {str(odd[0])!r:.40}"
-                         + (f" (did you mean {near[0]!r}?)." if near else "."))
+                         + (f" (did you mean {near[0]!r}?)." if near else "."), "code_refs")
     path = _without_line(ref["path"].strip().replace("\\", "/"))
     if "://" not in path:                             # (a URL is no anchor: refused)
         path = re.sub(r"/(?:\.?/)+", "/", path)      # a//b, a/./b: a/b
@@ -1450,7 +1452,7 @@ def normalize_code_refs(refs: Any) -> list[dict] | None:
     elif isinstance(refs, dict):
         refs = [refs]
     if not isinstance(refs, (list, tuple)):
-        raise InputError("code_refs must be a list of {path, symbol?} objects.")
+        raise InputError("code_refs must be a list of {path, symbol?} objects.", "code_refs")
     out = _distinct_refs(_one_code_ref(ref) for ref in refs)
     if len(out) > MAX_CODE_REFS:
         raise InputError(f"{len(out)} code_refs; at most {MAX_CODE_REFS}.")
@@ -10032,6 +10034,7 @@ class IngestResult:
     imported: list = field(default_factory=list)     # new Items
     duplicates: int = 0                              # every draft not stored, as below
     skipped: Tally = field(default_factory=Tally)    # of (label, reason)
+    refusal: InputError | None = None                # the first skip's, its argument kept
     changed: list = field(default_factory=list)      # known key, other text: {id, ref, where}
     same_content: int = 0                            # a new key whose text is stored already
 
@@ -10042,6 +10045,7 @@ class Prepared:
     items: list = field(default_factory=list)        # (watermark key, Item)
     skipped: Tally = field(default_factory=Tally)    # of (label, reason)
     skipped_from: dict = field(default_factory=dict)  # source system -> how many skipped
+    refusal: InputError | None = None                # the first skip's (capture raises it)
     duplicates: int = 0                              # watermarked already when prepared
     where: dict = field(default_factory=dict)        # item id -> position in its source
     clipped: set = field(default_factory=set)        # ids of items whose text was cut
@@ -10088,6 +10092,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                             code_refs=d.code_refs)
         except InputError as e:
             out.skipped.add((d.where or str((d.source or {}).get("ref") or n), str(e)))
+            out.refusal = out.refusal or e
             system = str((d.source or {}).get("system"))
             out.skipped_from[system] = out.skipped_from.get(system, 0) + 1
             continue
@@ -10490,7 +10495,8 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
     Drafts that fail validation are tallied in `skips` (when given) and `skipped`."""
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress,
                               skips=skips)
-    result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped)
+    result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped,
+                          refusal=prepared.refusal)
     if prepared.items:
         local = store(cfg, "local")
         elsewhere = shared_texts(cfg, retired_too) if shared else None
@@ -15197,8 +15203,8 @@ def capture(content: Annotated[str, Field(
     res = ingest(cfg, [Draft(content=content, why=why, type=type, kind=kind, tags=tags,
                              valid_while=valid_while, source={"system": "capture"},
                              supersedes=supersedes, code_refs=code_refs)], shared=False)
-    if res.skipped.count:
-        raise InputError(res.skipped.first[0][1])
+    if res.refusal:                          # (itself: the argument it names is kept)
+        raise res.refusal
     if res.imported:
         out = {"status": "captured", "item": item_view(res.imported[0])}
         if warnings := anchor_warnings(resolve_anchors(cfg.repo, res.imported[0].code_refs)):

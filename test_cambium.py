@@ -2534,6 +2534,21 @@ def test_code_refs_refusal_names_what_the_schema_allows():
     assert tags.allowed() == "text or a list of text"
 
 
+def test_a_refused_code_ref_or_tag_names_its_argument_through_capture(repo):
+    """capture(code_refs=[{"path": 1}]) answered invalid_argument with no
+    `argument`: capture raised the skipped draft's message again, not its error."""
+    for refs in ([{"path": 1}], [{}], [{"path": "app.py", "zz": 1}], 5):
+        with pytest.raises(cs.InputError) as e:
+            cs.capture("Name the refused argument", code_refs=refs)
+        assert e.value.argument == "code_refs", (refs, e.value)
+    for kwargs in ({"tags": ["db", 1]}, {"why": 5}, {"kind": ["x"]}, {"tags": "x" * 65}):
+        with pytest.raises(cs.InputError) as e:
+            cs.capture("Name the refused argument", **kwargs)
+        assert e.value.argument == next(iter(kwargs)), kwargs
+    answer = cs._error_result("capture", {}, e.value).structured_content
+    assert answer["error"] == "invalid_argument" and answer["argument"] == "tags"
+
+
 def test_a_file_in_another_tools_layout_is_no_store_to_write_into():
     """An org knowledge.json {"entries": [...]} read as an empty store, and the
     first promotion wrote cambium's items into it beside the other tool's."""
