@@ -1274,25 +1274,50 @@ def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) ->
     return text
 
 
-def normalize_tags(tags: Any) -> list[str]:
-    """Tags from a list or a comma/space separated string: trimmed, lowercased, unique."""
-    if tags is None or tags == "":
-        return []
+RAW_TAG_PARTS = RAW_TEXT_SLACK * MAX_TAGS                     #: tags given, repeats too
+RAW_TAG_CHARS = RAW_TEXT_SLACK * MAX_TAGS * MAX_TAG_CHARS     #: their characters
+
+
+def raw_over(name: str, what: str, count: int, limit: int, allowed: str) -> None:
+    """InputError when `count` of a list argument's raw `what` (its entries,
+    its characters) is over `limit`: refused before each is cleaned, as a text
+    over RAW_TEXT_SLACK times its limit is (one tag repeated 2,000,000 times
+    took 13 s to read as one tag)."""
+    if count > limit:
+        raise InputError(f"{name} {'is' if what == 'characters' else 'has'} {count:,} {what}, "
+                         f"over the limit of {limit:,} "
+                         f"(at most {allowed} are allowed).", name)
+
+
+def tag_parts(tags: Any) -> list[str]:
+    """The raw tags of a list or a comma/space separated string, each split at
+    commas and spaces; InputError for any other value or one too big to read."""
+    allowed = f"{MAX_TAGS} distinct tags of up to {MAX_TAG_CHARS} characters"
+    if isinstance(tags, str):
+        raw_over("tags", "characters", len(tags), RAW_TAG_CHARS, allowed)
     if isinstance(tags, str) and tags.lstrip().startswith("["):   # the JSON list, as text
         with contextlib.suppress(ValueError, RecursionError):    # (the CLI's --tags)
             listed = json.loads(tags)
             tags = listed if isinstance(listed, list) else tags
-    if isinstance(tags, str):
-        parts = re.split(r"[,\s]+", tags)
-    elif isinstance(tags, (list, tuple)):
-        parts = []
-        for t in tags:
-            if not isinstance(t, str):
-                raise InputError(f"tags must be strings; got {t!r}.", "tags")
-            parts.extend(re.split(r"[,\s]+", t))
-    else:
+    if isinstance(tags, (list, tuple)):
+        raw_over("tags", "tags", len(tags), RAW_TAG_PARTS, allowed)
+        if bad := [t for t in tags if not isinstance(t, str)]:
+            raise InputError(f"tags must be strings; got {bad[0]!r}.", "tags")
+        raw_over("tags", "characters", sum(map(len, tags)), RAW_TAG_CHARS, allowed)
+        tags = ",".join(tags)
+    if not isinstance(tags, str):
         raise InputError("tags must be a list of strings or a comma/space separated string.",
                          "tags")
+    parts = re.split(r"[,\s]+", tags)
+    raw_over("tags", "tags", sum(1 for p in parts if p), RAW_TAG_PARTS, allowed)
+    return parts
+
+
+def normalize_tags(tags: Any) -> list[str]:
+    """Tags from a list or a comma/space separated string: trimmed, lowercased, unique."""
+    if tags is None or tags == "":
+        return []
+    parts = tag_parts(tags)
     out: dict[str, None] = {}
     for p in parts:
         p = plain_text(p).strip().lower().lstrip("#")
@@ -1312,10 +1337,15 @@ def normalize_tags(tags: Any) -> list[str]:
 def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
     """The tags a foreign record gives (import, distill), keeping every valid
     one: (tags, what was left out or None). A tag that is not text or is longer
-    than MAX_TAG_CHARS is left out; the caller caps the count (pure)."""
+    than MAX_TAG_CHARS is left out; the caller caps the count (pure). Only
+    the first RAW_TAG_PARTS tags or RAW_TAG_CHARS characters are read, as
+    capture refuses more: one tag repeated 2,000,000 times took 13 s."""
     if raw is None or raw == "":
         return [], None
-    if isinstance(raw, str) and raw.lstrip().startswith("["):   # a JSON list as text
+    cut = isinstance(raw, str) and len(raw) > RAW_TAG_CHARS
+    if cut:
+        raw = raw[:RAW_TAG_CHARS]
+    elif isinstance(raw, str) and raw.lstrip().startswith("["):   # a JSON list as text
         with contextlib.suppress(ValueError, RecursionError):
             if isinstance(parsed := json.loads(raw), list):
                 raw = parsed
@@ -1324,8 +1354,9 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
     out: dict[str, None] = {}
     bad = unread = 0
     parts = re.split(r"[,\s]+", raw.strip("[] ")) if isinstance(raw, str) else raw
+    parts = parts[:-1] if cut else parts         # (the last one read may be cut: left out)
     for n, part in enumerate(parts):
-        if len(out) >= SALVAGE_TAGS_READ:      # (the callers keep MAX_TAGS at most)
+        if len(out) >= SALVAGE_TAGS_READ or n >= RAW_TAG_PARTS:   # (callers keep MAX_TAGS)
             unread = len(parts) - n
             break
         part = part.strip("\"'") if isinstance(part, str) else part
@@ -1334,7 +1365,8 @@ def salvage_tags(raw: Any) -> tuple[list[str], str | None]:
         except InputError:
             bad += 1
     said = [f"{bad} not text or over {MAX_TAG_CHARS} characters" if bad else "",
-            f"{unread} more not read past the first {SALVAGE_TAGS_READ}" if unread else ""]
+            f"{unread} more not read past the first {n}" if unread else "",
+            f"what follows its first {RAW_TAG_CHARS:,} characters not read" if cut else ""]
     return list(out), "; ".join(filter(None, said)) or None
 
 
@@ -1439,20 +1471,43 @@ def _one_code_ref(ref: Any) -> dict:
     return out
 
 
+RAW_CODE_REF_CHARS = RAW_TEXT_SLACK * MAX_CODE_REFS * (MAX_CODE_PATH_CHARS + MAX_CODE_SYMBOL_CHARS)
+
+
+def split_outside_calls(text: str) -> list[str]:
+    """`text` split at each comma whose next parenthesis is not a `)` (one
+    inside a call, total(a, b), is not a break), in one pass from the end: a
+    look-ahead per comma read the rest of the text again for each (5 s for
+    20,000 commas) (pure)."""
+    parts, end, closing = [], len(text), False
+    for i in range(len(text) - 1, -1, -1):
+        if text[i] in "()":
+            closing = text[i] == ")"
+        elif text[i] == "," and not closing:
+            parts.append(text[i + 1:end])
+            end = i
+    parts.append(text[:end])
+    return parts[::-1]
+
+
 def normalize_code_refs(refs: Any) -> list[dict] | None:
     """Code anchors from a list of {path, symbol?} (or "path#symbol" strings):
     validated, deduplicated, at most MAX_CODE_REFS. None when there are none."""
     if refs in (None, "", []):
         return None
+    allowed = f"{MAX_CODE_REFS} distinct code refs"
+    if isinstance(refs, str):
+        raw_over("code_refs", "characters", len(refs), RAW_CODE_REF_CHARS, allowed)
     if isinstance(refs, str) and refs.lstrip()[:1] in ("[", "{"):   # the JSON form, as text
         with contextlib.suppress(ValueError, RecursionError):      # (the CLI's --code-ref)
             refs = json.loads(refs)
     if isinstance(refs, str):                # (not at a comma inside a call: total(a, b))
-        refs = [r for r in re.split(r",(?![^()]*\))", refs) if r.strip()]
+        refs = [r for r in split_outside_calls(refs) if r.strip()]
     elif isinstance(refs, dict):
         refs = [refs]
     if not isinstance(refs, (list, tuple)):
         raise InputError("code_refs must be a list of {path, symbol?} objects.", "code_refs")
+    raw_over("code_refs", "entries", len(refs), RAW_TEXT_SLACK * MAX_CODE_REFS, allowed)
     out = _distinct_refs(_one_code_ref(ref) for ref in refs)
     if len(out) > MAX_CODE_REFS:
         raise InputError(f"{len(out)} code_refs; at most {MAX_CODE_REFS}.")
