@@ -1627,7 +1627,8 @@ def normalized_text(item: Item) -> str:
 # every call: cheap (one small file read) and setup() applies at once.
 # =============================================================================
 
-_BAD_REF = re.compile(r"(^[-./])|(\.\.)|([\x00-\x20~^:?*\[\\\x7f])|(@\{)|(//)|([./]$)|(\.lock$)|(/\.)|(\.lock/)")
+_BAD_REF = re.compile(r"(^[-./])|(\.\.)|([\x00-\x20~^:?*\[\\\x7f-\x9f\u2028\u2029])|(@\{)|(//)|([./]$)"
+                      r"|(\.lock$)|(/\.)|(\.lock/)")
 
 
 MAX_BRANCH_BYTES = 200   #: cambium names a lock and a ref after the branch: a file name
@@ -1636,7 +1637,9 @@ MAX_BRANCH_BYTES = 200   #: cambium names a lock and a ref after the branch: a f
 
 def is_valid_branch(name: str) -> bool:
     """git check-ref-format --branch rules, plus no leading '-' (option
-    injection), and at most MAX_BRANCH_BYTES (UTF-8)."""
+    injection), no C1 control or U+2028/U+2029 (line breaks to a str.splitlines
+    reader: a team branch "t\u2028x" hid the team store once its ref was
+    packed), and at most MAX_BRANCH_BYTES (UTF-8)."""
     return (bool(name) and name not in ("@", "HEAD") and not _BAD_REF.search(name)
             and len(name.encode("utf-8", "surrogatepass")) <= MAX_BRANCH_BYTES)
 
@@ -1715,7 +1718,7 @@ def _gitfile_names_bare(root: Path) -> bool:
 def _core_bare(config: str) -> bool:
     """core.bare from a git config file's text (true, yes, on or 1)."""
     section, bare = "", False
-    for line in config.splitlines():
+    for line in git_lines(config):
         line = line.split("#", 1)[0].split(";", 1)[0].strip()
         if line.startswith("["):
             section = line.strip("[] \t").split()[0].lower() if line.strip("[] \t") else ""
@@ -2729,6 +2732,14 @@ def gh_timed_out() -> bool:
     return bool(getattr(_GH_CALLS, "hung", None))
 
 
+def git_lines(text: str) -> list[str]:
+    """Lines of git's output or of a file git writes, split at "\n" only (pure):
+    str.splitlines also splits at U+2028, U+2029, U+0085, FS, GS, RS, VT and FF,
+    which a branch name or a path may hold (a team branch "t\u2028x" read from
+    packed-refs named no commit, and the team store looked empty)."""
+    return text.removesuffix("\n").split("\n") if text else []
+
+
 def _run(cmd: list[str], cwd: Path | None, timeout_s: float, *, check: bool = True,
          input: str | None = None, env: dict | None = None, binary: bool = False,
          own_locks: bool = False, retried: bool = False, raced: int = 0
@@ -3005,7 +3016,8 @@ def _ref_value(root: Path, ref: str) -> str:
         if (base / ref).is_file():
             return (base / ref).read_text().strip()
     with contextlib.suppress(FileNotFoundError):
-        for ln in (common / "packed-refs").read_text().splitlines():
+        for ln in git_lines((common / "packed-refs").read_text(encoding="utf-8",
+                                                               errors="replace")):
             if ln.endswith(" " + ref):
                 return ln.split()[0]
     return ""
@@ -3101,7 +3113,7 @@ def commit_authors(objects: Path, tip: str, known: str, limit: int) -> set[str]:
         obj = loose_object(objects, commit)
         if obj is None or obj[0] != "commit":
             break
-        head = obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace").splitlines()
+        head = git_lines(obj[1].split(b"\n\n", 1)[0].decode("utf-8", "replace"))
         seen |= {ln[7:].split(">", 1)[0] for ln in head if ln.startswith("author ")}
         parents = [ln[7:] for ln in head if ln.startswith("parent ")]
         if not parents or parents[0] == known:
@@ -5588,7 +5600,7 @@ class GitStore(Store):
         """The remote default branch's tip (fetched), the parent of a new branch."""
         proc = self.git("ls-remote", "--symref", "--", self.remote, "HEAD")
         head = None
-        for line in proc.stdout.splitlines():
+        for line in git_lines(proc.stdout):
             if line.startswith("ref: ") and line.endswith("\tHEAD"):
                 head = line[5:-5]
         if head is None:
@@ -5715,7 +5727,7 @@ class GitStore(Store):
         """The remote's branches matching `pattern` (a glob: `cambium/*`), in one
         `git ls-remote`. Raises GitError."""
         listed = self.git("ls-remote", "--heads", "--", self.remote, f"refs/heads/{pattern}")
-        return {line.split("\trefs/heads/", 1)[1] for line in listed.stdout.splitlines()
+        return {line.split("\trefs/heads/", 1)[1] for line in git_lines(listed.stdout)
                 if "\trefs/heads/" in line}
 
     def _side_base(self, tip: str | None, side_tip: str | None
@@ -5913,7 +5925,7 @@ class GitStore(Store):
         branch of someone else's: the project's code); [] when it has the file.
         At org, only what looks like code (ORG_CODE) counts: a knowledge repo
         is often made with a README, a LICENSE and notes beside it."""
-        names = self.git("ls-tree", "--name-only", commit).stdout.splitlines()
+        names = git_lines(self.git("ls-tree", "--name-only", commit).stdout)
         if STORE_FILE in names:
             return []
         return [n for n in names if self.scope != "org" or ORG_CODE.fullmatch(n)]
@@ -6589,7 +6601,7 @@ def _same_project(board: Path, repo: Path, t: float) -> bool:
             out = _run(["git", "config", "--get-regexp", r"^remote\..*\.url$"], at, t,
                        check=False).stdout
             return {line.split(" ", 1)[1].rstrip("/").removesuffix(".git")
-                    for line in out.splitlines() if " " in line}
+                    for line in git_lines(out) if " " in line}
         return set()
     return bool(urls(board) & urls(repo))
 
@@ -12012,8 +12024,8 @@ def _holds_code(org: Path) -> str | None:
     commit holds code and no store: ORG_CODE), or None (also when it has no
     commit yet or git cannot read it)."""
     with contextlib.suppress(GitError, OSError):
-        names = _run(["git", "ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
-                     check=False).stdout.splitlines()
+        names = git_lines(_run(["git", "ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
+                               check=False).stdout)
         code = [n for n in names if ORG_CODE.fullmatch(n) and not _ORG_MAYBE.fullmatch(n)]
         if code and STORE_FILE not in names:
             return (f"holds code ({', '.join(code[:3])}) and no {STORE_FILE}: it looks like a "
@@ -12077,8 +12089,8 @@ def _own_branch_for_origin(org: Path, timeout_s: float) -> str | None:
     the remote before it makes a branch (_refuse_a_moved_default)."""
     own = _git(["symbolic-ref", "--quiet", "--short", "HEAD"], org, timeout_s,
                check=False).stdout.strip()
-    known = _git(["for-each-ref", "--format=%(refname:lstrip=3)", "refs/remotes/origin/"],
-                 org, timeout_s, check=False).stdout.split()
+    known = git_lines(_git(["for-each-ref", "--format=%(refname:lstrip=3)",
+                            "refs/remotes/origin/"], org, timeout_s, check=False).stdout)
     return own if own and (own in known or not known) else None
 
 
@@ -12089,7 +12101,7 @@ def remote_head(repo: Path, remote: str, timeout_s: float) -> str | None:
         proc = _git(["ls-remote", "--symref", "--", remote, "HEAD"], repo, timeout_s)
     except GitError:
         return None
-    heads = [ln[5:].split("\t")[0] for ln in proc.stdout.splitlines() if ln.startswith("ref: ")]
+    heads = [ln[5:].split("\t")[0] for ln in git_lines(proc.stdout) if ln.startswith("ref: ")]
     return heads[0].removeprefix("refs/heads/") if heads else None
 
 
@@ -14871,13 +14883,13 @@ def team_stores_elsewhere(repo: Path, remote: str, branch: str, timeout_s: float
     cambium store at their root, when it has none named `branch`; else []."""
     with contextlib.suppress(GitError, OSError):
         prefix = f"refs/remotes/{remote}/"
-        refs = _git(["for-each-ref", "--format=%(refname)", prefix], repo,
-                    timeout_s).stdout.split()
+        refs = git_lines(_git(["for-each-ref", "--format=%(refname)", prefix], repo,
+                              timeout_s).stdout)
         if not refs or prefix + branch in refs:
             return []
         refs = [r for r in refs if r != prefix + "HEAD"]
-        probe = _git(["cat-file", "--batch-check"], repo, timeout_s, check=False,
-                     input="".join(f"{r}:{STORE_FILE}\n" for r in refs)).stdout.splitlines()
+        probe = git_lines(_git(["cat-file", "--batch-check"], repo, timeout_s, check=False,
+                               input="".join(f"{r}:{STORE_FILE}\n" for r in refs)).stdout)
         with_file = [r for r, ln in zip(refs, probe) if " blob " in ln + " "]
         return [r[len(prefix):] for r in with_file[:20] if _only_a_store(repo, r, timeout_s)]
     return []

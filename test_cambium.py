@@ -636,7 +636,10 @@ def test_a_setting_int_cannot_read_is_a_gap_not_a_crash(repo, tmp_path):
 
 @pytest.mark.parametrize("name, ok", [("cambium", True), ("team/knowledge", True),
                                       ("-x", False), ("a..b", False), ("a.lock", False),
-                                      ("a b", False), ("a:b", False), ("@", False)])
+                                      ("a b", False), ("a:b", False), ("@", False),
+                                      ("t\u2028x", False), ("t\u2029x", False),
+                                      ("t\x85x", False), ("t\x9fx", False),
+                                      ("caf\u00e9", True), ("t\u00a0x", True)])
 def test_is_valid_branch(name, ok):
     assert cs.is_valid_branch(name) is ok
 
@@ -4950,6 +4953,30 @@ def test_refs_of_a_reftable_clone_are_never_read_from_files(tmp_path):
     with pytest.raises(OSError):
         cs._ref_value(repo, "refs/heads/main")
     assert cs._sha1_objects(repo) is None
+
+
+def test_a_ref_named_with_a_line_separator_is_read_whole_from_git(shared):
+    """str.splitlines split packed-refs at U+2028 (a team branch "t\u2028x"
+    hid the team store after `git pack-refs`, and promote spun 120 s), and
+    str.split the remote's branches at a no-break space. Now git's output is
+    split at "\n" only, and setup refuses such a branch name for cambium's own."""
+    a, origin = shared["a"], shared["origin"]
+    git(a, "checkout", "-q", "-b", "feat\u2028x")
+    git(a, "push", "-q", "origin", "HEAD:refs/heads/cambium/t\u2028x")
+    git(a, "pack-refs", "--all")
+    tip = git(a, "rev-parse", "HEAD").strip()
+    assert cs._git_head(a) == tip == cs._ref_value(a, "refs/heads/feat\u2028x")
+    assert cs.store(cs.resolve_config(), "team").branches("cambium/*") == {"cambium/t\u2028x"}
+    (a / "knowledge.json").write_text('{"cambium": 1, "items": []}\n')
+    git(a, "add", "knowledge.json")
+    git(a, "commit", "-q", "-m", "a store")
+    git(a, "push", "-q", "origin", "HEAD:refs/heads/kb\u00a0x")
+    git(a, "fetch", "-q", "origin")
+    assert cs.team_stores_elsewhere(a, "origin", "cambium", 10) == ["kb\u00a0x"]
+    with pytest.raises(cs.InputError, match="is not a valid git branch name") as e:
+        cs.setup(str(a), "ada", team_branch="t\u2028x")
+    assert e.value.argument == "team_branch"
+    assert git(origin, "branch", "--list", "cambium").strip() == ""     # nothing made
 
 
 def test_store_accessor_gives_every_scope_one_contract(shared, monkeypatch):
