@@ -4063,7 +4063,7 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
     it was promoted since the file was set aside, and lives on there, retired
     or not) is not brought back (held_above).
     Pure and idempotent."""
-    at = {it.id: i for i, it in enumerate(doc.items)}
+    at = _first_index(doc)                         # an id held twice: its first copy's
     items = list(doc.items)
     twins: dict[str, int] = {}
     for i, it in enumerate(items):                 # per text: its active copy, else the last
@@ -14213,7 +14213,7 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
     afresh on each attempt: a push that lost its race replays on a tip where
     a survivor may have gone."""
     def apply(doc: Doc) -> Doc | None:
-        items, at = list(doc.items), {it.id: i for i, it in enumerate(doc.items)}
+        items, at = list(doc.items), _first_index(doc)   # an id held twice: the first copy
         changed = False
         late.clear()
         retired.clear()

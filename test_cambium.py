@@ -8746,6 +8746,47 @@ def test_consolidate_keeps_the_duplicates_code_anchors_tags_and_premise(repo):
     assert kept["valid_while"] == "payments use http"
 
 
+def _doubled_store(repo: Path, *items: dict) -> None:
+    """A local store written by hand holding `items` (an id twice, say), one a line."""
+    lines = ",\n".join(json.dumps({"status": "active", **it}) for it in items)
+    _store_path(repo).parent.mkdir(exist_ok=True)
+    _store_path(repo).write_text('{"cambium": 1,\n"meta": {},\n"items": [\n' + lines + "\n]}\n")
+    cs.runtime().reset()
+
+
+def test_consolidate_apply_retires_the_first_copy_of_a_doubled_id_and_keeps_the_other(repo):
+    """The write looked a doubled id up by its last copy: the plan named the
+    first (the copy every tool reads) and the fold retired the second, words
+    no other copy says, while the first stayed active beside its survivor."""
+    second = "SECOND COPY of k-1 with other words entirely"
+    _doubled_store(repo, {"id": "k-1", "content": "ripgrep is faster than grep here"},
+                   {"id": "k-2", "content": "ripgrep is faster than grep here.",
+                    "trust": {"recalls": 5, "projects": ["p"]}},
+                   {"id": "k-1", "content": second})
+    done = cs.consolidate(apply=True)
+    assert done["groups"][0]["survivor"]["id"] == "k-2" and done["superseded"] == ["k-1"]
+    first, _, other = local_items(repo)
+    assert first["content"] == "ripgrep is faster than grep here"
+    assert first["status"] == "superseded" and first["superseded_by"]["id"] == "k-2"
+    assert other == {"id": "k-1", "content": second, "status": "active"}   # as it was
+
+
+def test_restore_into_a_doubled_id_adds_to_its_first_copy_and_keeps_the_other(repo):
+    """A set-aside copy's endorsement landed on the store's last copy of its
+    id, which no tool reads, and live_kept counted the words of that copy."""
+    second = "SECOND COPY of k-1 with other words"
+    _doubled_store(repo, {"id": "k-1", "content": "ripgrep is faster than grep here"},
+                   {"id": "k-1", "content": second})
+    f = repo / ".cambium" / "knowledge.json.quarantine-20260101T000000000000"
+    f.write_text(json.dumps({"id": "k-1", "content": "ripgrep is faster than grep here",
+                             "status": "active", "trust": {"endorsements": [
+                                 {"by": "bob", "at": "2026-01-01T00:00:00Z", "note": "ok"}]}}))
+    out = cs.restore(str(f))
+    assert (out["updated"], out["live_kept"]) == (1, 0)
+    assert [e["by"] for e in local_items(repo)[0]["trust"]["endorsements"]] == ["bob"]
+    assert local_items(repo)[1] == {"id": "k-1", "content": second, "status": "active"}
+
+
 def test_consolidate_across_team_and_local_writes_the_survivor_first(shared):
     team_id = _endorsed("Every service exposes a health endpoint at /healthz")
     cs.promote()
