@@ -3369,6 +3369,22 @@ def _is_newer(marker: Any) -> bool:
             and marker > STORE_FORMAT)
 
 
+#: a file's first object opening with its format marker, as every cambium writes it
+_MARKER_AT_START = re.compile(rb'\A(?:\xef\xbb\xbf)?\s*\{\s*"cambium"\s*:\s*(-?[0-9][0-9.eE+-]{0,30})')
+MARKER_SPAN = 4096                   #: how much of a file's start newer_marker looks at
+
+
+def newer_marker(start: bytes) -> Any:
+    """The format marker a file opens with (its first bytes), when it names a
+    newer format than this one; else None. Read from the bytes, not the parse:
+    a newer cambium's store whose head line is damaged, or whose layout this
+    version cannot read, is still a newer cambium's (never set aside, moved
+    or rewritten in this format: newer_format)."""
+    m = _MARKER_AT_START.match(start[:MARKER_SPAN])
+    marker = _json(m.group(1)) if m else None
+    return marker if _is_newer(marker) else None
+
+
 def refuse_newer_format(doc: Doc, where: str) -> None:
     """Raise NewerFormat when `doc` was read from a store a newer cambium wrote:
     rewriting it in this format would drop what this version does not know."""
@@ -3522,8 +3538,11 @@ def _json_and_keys_twice(data: bytes) -> tuple[Any, list[str], list[str]]:
 
 
 def _salvage(data: bytes, where: str) -> Parsed:
-    """Not JSON as a whole: keep every line that is an item (or the meta line)."""
-    out = Parsed(Doc(items=[]))
+    """Not JSON as a whole: keep every line that is an item (or the meta line),
+    and a newer format's marker from the file's start (its head line, with the
+    marker, may be one this cannot parse)."""
+    marker = newer_marker(data)
+    out = Parsed(Doc(items=[], raw={} if marker is None else {"cambium": marker}))
     for line in data.split(b"\n"):
         line = line.rstrip(b"\r")
         body = line.strip().rstrip(b",")
@@ -3890,6 +3909,8 @@ class LocalStore(Store):
                 parsed = parse_file(f, str(self.path))
                 stable = _stat_key(os.fstat(f.fileno())) == key
         except CorruptStore:
+            if (newer := self._newer_unread()) is not None:
+                return newer
             return self._move_aside() if locked else None
         if any(it.scope != "local" for it in parsed.doc.items):   # a scope set by hand:
             parsed.doc.items[:] = [it if it.scope == "local" else  # the item is where it is
@@ -3897,6 +3918,10 @@ class LocalStore(Store):
                                    for it in parsed.doc.items]
         if (parsed.bad or not parsed.closed) and "cambium" not in parsed.doc.raw:
             return self._set_aside(parsed, key) if locked else None
+        if parsed.bad or not parsed.closed:     # a newer cambium's: left as it is
+            note_for_call(f"{self.path} is in store format {parsed.doc.raw['cambium']} (a "
+                          f"newer cambium's): {len(parsed.bad) or 1} line(s) this cambium "
+                          "cannot read are left as they are; the lines that parse are served")
         if stable:                              # else a writer was busy: parse again next time
             self._remember(_Seen(key, parsed.doc, parsed.spans or array("q"), parsed.tail_at))
         return parsed.doc
@@ -3942,6 +3967,22 @@ class LocalStore(Store):
             raise PermissionError(errno.EACCES, "the store is read-only (its mode forbids "
                                   "writing; make it writable to let cambium write)",
                                   str(self.path))
+
+    def _newer_unread(self) -> Doc | None:
+        """A newer cambium's store none of whose items this version can read
+        (another layout): served empty and left as it is, never moved aside,
+        so every write fails newer_format. None: no newer marker opens it."""
+        try:
+            with open(self.path, "rb", opener=open_regular) as f:
+                marker = newer_marker(f.read(MARKER_SPAN))
+        except OSError:
+            return None
+        if marker is None:
+            return None
+        note_for_call(f"{self.path} is in store format {marker} (a newer cambium's) and this "
+                      "cambium reads none of its items: it is left as it is. Upgrade cambium "
+                      "to read it.")
+        return Doc(items=[], raw={"cambium": marker})
 
     def _move_aside(self) -> Doc:
         """Nothing parses: move the whole file aside (never overwrite it), start empty."""

@@ -1701,14 +1701,20 @@ def test_a_whole_file_store_whose_meta_is_no_object_gets_it_quarantined(repo):
     assert any("quarantine" in w for w in cs.status()["warnings"])
 
 
-@pytest.mark.parametrize("layout", ["lines", "whole", "lines-damaged"])
+@pytest.mark.parametrize("layout", ["lines", "whole", "lines-damaged", "one-head-line-damaged"])
 def test_a_store_in_a_newer_format_is_read_but_never_rewritten(repo, layout):
+    """one-head-line-damaged: the head (marker, meta, items key) on one line is
+    no line layout; the file was salvaged line by line, the marker's line with
+    the torn one set aside, and the rest rewritten in format 1."""
     path = repo / ".cambium" / "knowledge.json"
     cs.capture("Feature flags carry an owner and an expiry date", tags="flags")
     text = path.read_text().replace('{"cambium": 1,', '{"cambium": 2, "shards": ["a"],')
     if layout == "whole":
         text = json.dumps(json.loads(text), indent=1)
     elif layout == "lines-damaged":
+        text = text.replace("\n]}", ",\n{torn\n]}")
+    elif layout == "one-head-line-damaged":
+        text = text.replace(',\n"meta": ', ', "meta": ', 1).replace(',\n"items": [', ', "items": [', 1)
         text = text.replace("\n]}", ",\n{torn\n]}")
     path.write_text(text)
     cs.runtime().reset()
@@ -1719,6 +1725,22 @@ def test_a_store_in_a_newer_format_is_read_but_never_rewritten(repo, layout):
     assert out.returncode != 0 and "newer cambium" in out.stdout + out.stderr
     assert path.read_text() == text                                   # never rewritten
     assert not list(path.parent.glob("knowledge.json.*-2*"))         # nor set aside
+
+
+def test_a_newer_format_store_this_version_cannot_read_is_left_where_it_is(repo):
+    """Valid JSON with a newer marker whose items this version cannot take
+    (keyed by id) was moved to .corrupt-<time> and a fresh store started."""
+    path = repo / ".cambium" / "knowledge.json"
+    path.parent.mkdir()
+    text = '{"cambium": 2, "meta": {}, "items": {"k-aaa": {"content": "ripgrep is fast"}}}\n'
+    path.write_text(text)
+    with cs.collecting_notes():                   # (as a tool call: its notes are warnings)
+        out = cs.with_store_warnings(cs.recall("ripgrep"))
+    assert not out["results"] and any("store format 2" in w and "left as it is" in w
+                                      for w in out["warnings"])
+    with pytest.raises(cs.NewerFormat, match="store format 2"):
+        cs.capture("fd is faster than find")
+    assert path.read_text() == text and not list(path.parent.glob("knowledge.json.*-2*"))
 
 
 def test_two_processes_capture_concurrently_lose_nothing(repo):
