@@ -4509,14 +4509,22 @@ def take_credits(path: Path | None, scope: str
     Call commit() only after the credits are durably in their store; until then
     they stay in the journal (applying a credit twice is harmless: see credit()).
     A write passes those it landed or found counted (landed_credits): the rest
-    stay, for a write that can land them or for climb_credits.
+    stay, for a write that can land them or for climb_credits. commit runs
+    after the write landed, so a journal it cannot rewrite (a full disk, a
+    file size limit) is a warning, never the write's failure: the credits stay
+    journaled, and a later write finds them counted (credit() takes one twice
+    as once) and drops them.
     """
     mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
     if not mine or path is None:
         return mine, _nothing_taken
 
     def commit(done: Iterable[dict] | None = None) -> None:
-        rewrite_credits(path, {credit_key(r): [] for r in (mine if done is None else done)})
+        try:
+            rewrite_credits(path, {credit_key(r): [] for r in (mine if done is None else done)})
+        except OSError as e:
+            note_for_call(f"{path}: the recall credits this write counted stay journaled "
+                          f"too ({e.strerror or e}); a later write drops them, counted once")
     return mine, commit
 
 

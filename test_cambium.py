@@ -2720,6 +2720,39 @@ def test_a_capture_that_fails_on_a_full_disk_leaves_the_store_byte_for_byte(repo
     assert len(json.loads(path.read_text())["items"]) == 2
 
 
+def test_a_write_that_landed_is_reported_landed_when_its_credit_journal_cannot_shrink(repo):
+    """The store's rewrite was durable, then dropping the credits it folded from
+    a large journal hit the file size limit: endorse said "File too large"
+    (rc 1) though the store held the endorsement, and a retry endorsed again."""
+    a = cs.capture("Pin the toolchain version in CI")["item"]["id"]
+    b = cs.capture("Cache the dependency downloads")["item"]["id"]
+    journal, day = repo / ".cambium" / "credits.jsonl", cs._today()
+    cs.append_credits(journal, [{"item": b, "agent": "bob", "day": day, "scope": "local"}] + [
+        {"item": f"k-team{i:07d}", "agent": "bob", "day": day, "scope": "team"}
+        for i in range(600)])                        # (they wait for team: kept)
+    limit = _store_path(repo).stat().st_size + 2048
+    assert journal.stat().st_size > limit
+    script = textwrap.dedent(f"""
+        import json, resource, sys; sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
+        with cs.collecting_notes():
+            print(json.dumps(cs.with_store_warnings(cs.endorse({a!r}, note="holds"))))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env=child_env(), text=True,
+                         capture_output=True, timeout=60)
+    res = json.loads(out.stdout or "null") or out.stderr
+    assert isinstance(res, dict) and res["status"] == "endorsed", res
+    assert any("stay journaled" in w for w in res["warnings"])
+    items = {i["id"]: i for i in local_items(repo)}
+    assert [e["note"] for e in items[a]["trust"]["endorsements"]] == ["holds"]
+    assert items[b]["trust"]["recalls"] == 1 and b in journal.read_text()
+    cs.runtime().reset()
+    cs.endorse(b, note="and this")                   # the next write drops it, counted once
+    assert {i["id"]: i for i in local_items(repo)}[b]["trust"]["recalls"] == 1
+    assert b not in journal.read_text()
+
+
 def test_kill_9_at_random_points_loses_no_acknowledged_capture(repo):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
