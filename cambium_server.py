@@ -3785,6 +3785,15 @@ def ignore_local_dir(local_dir: Path) -> None:
             atomic_write(gi, "*\n")
 
 
+def _as_local(items: list[Item]) -> list[Item]:
+    """The local store's items, one with a scope set by hand read as local
+    (the item is where it is); `items` itself when none has."""
+    if all(it.scope == "local" for it in items):
+        return items
+    return [it if it.scope == "local" else dataclasses.replace(it, scope="local")
+            for it in items]
+
+
 class LocalStore(Store):
     """<repo>/.cambium/knowledge.json. The parsed copy is cached per file
     version and extended by recorded appends, so a hand edit is picked up on
@@ -3808,8 +3817,31 @@ class LocalStore(Store):
         doc = self._current(locked=False)
         if doc is not None:
             return doc
-        with file_lock(self.path):             # damaged, or a writer is mid-append
+        with contextlib.ExitStack() as stack:  # damaged, or a writer is mid-append
+            try:
+                stack.enter_context(file_lock(self.path))
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                return self._unlocked(e)
             return self._current(locked=True)
+
+    def _unlocked(self, e: OSError) -> Doc:
+        """read's answer when the lock cannot be taken (a read-only directory
+        or mount with no lock file in it): the lines that parse, served as a
+        read-only store's are, and nothing set aside (a writer is refused
+        anyway: it needs the lock). A file no line of parses serves nothing."""
+        try:
+            doc, bad = self.salvage()
+        except CorruptStore:
+            if (newer := self._newer_unread()) is not None:
+                return newer
+            note_for_call(f"{self.path} does not parse and cannot be moved aside "
+                          f"({e.strerror or e}): none of it is served")
+            return Doc(items=[])
+        note_for_call(f"{self.path}: {bad} damaged line(s) not set aside "
+                      f"({e.strerror or e}); the lines that parse are served")
+        return dataclasses.replace(doc, items=_as_local(doc.items))
 
     def peek(self) -> Doc | None:
         """The doc as the file stands, read without the lock and without
@@ -3912,10 +3944,8 @@ class LocalStore(Store):
             if (newer := self._newer_unread()) is not None:
                 return newer
             return self._move_aside() if locked else None
-        if any(it.scope != "local" for it in parsed.doc.items):   # a scope set by hand:
-            parsed.doc.items[:] = [it if it.scope == "local" else  # the item is where it is
-                                   dataclasses.replace(it, scope="local")
-                                   for it in parsed.doc.items]
+        if (local := _as_local(parsed.doc.items)) is not parsed.doc.items:
+            parsed.doc.items[:] = local
         if (parsed.bad or not parsed.closed) and "cambium" not in parsed.doc.raw:
             return self._set_aside(parsed, key) if locked else None
         if parsed.bad or not parsed.closed:     # a newer cambium's: left as it is

@@ -16153,6 +16153,33 @@ def test_recall_on_a_read_only_store_answers_uncredited(repo):
     assert any("uncredited" in w for w in answer["warnings"])
 
 
+def test_a_damaged_store_on_a_read_only_mount_is_served_without_its_lock(repo):
+    """A damaged store takes the lock to set its damage aside; on a read-only
+    mount (or directory) with no lock file in it, every read failed
+    "Permission denied: ...knowledge.json.lock". Now the lines that parse
+    are served, with a warning, and nothing is set aside."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a read-only bind mount")
+    cli("capture", "Deploys freeze on Fridays after noon")
+    path = _store_path(repo)
+    path.write_text(path.read_text().replace("\n]}", ",\n{torn line\n]}"))
+    for lock in path.parent.glob("*.lock"):
+        lock.unlink()
+    before = sorted(p.name for p in path.parent.iterdir())
+    script = (f"mount --bind -o ro {path.parent} {path.parent} && "
+              f"{sys.executable} {SERVER} recall 'deploys freeze fridays'")
+    out = subprocess.run(["unshare", "-m", "bash", "-c", script], cwd=repo, text=True,
+                         capture_output=True, timeout=120)
+    if "mount" in out.stderr and out.returncode != 0 and "results" not in out.stdout:
+        pytest.skip(f"no read-only bind mount here: {out.stderr[:200]}")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out
+    answer = json.loads(out.stdout)
+    assert [r["line"].split(" ", 1)[1] for r in answer["results"]] == [
+        "memory/note Deploys freeze on Fridays after noon"]
+    assert any("1 damaged line(s) not set aside" in w for w in answer["warnings"])
+    assert sorted(p.name for p in path.parent.iterdir()) == before
+
+
 def test_cli_small_contracts_hold(repo, tmp_path):
     """export -o printed a plain line under --format json; --host/--port without
     --http served stdio; `capture -` stored "-"; `primer --hoo` ran the plain
