@@ -4403,6 +4403,9 @@ def _adopt_legacy_journal(path: Path) -> None:
                 data = f.read()
         except FileNotFoundError:
             return                          # another thread adopted it first
+        except OSError as e:                # (a directory of that name: no journal to take)
+            _legacy_unread(legacy, e)
+            return
         if data.strip():
             _append_durably(path, data if data.endswith(b"\n") else data + b"\n")
         os.unlink(legacy)                   # a crash before this repeats credits: harmless
@@ -4417,11 +4420,23 @@ def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:
         _adopt_legacy_journal(path)
         return list(_journal(path))
     records = list(_journal(path))
-    with contextlib.suppress(FileNotFoundError):
-        with open(path.with_name(LEGACY_CREDITS_FILE), encoding="utf-8",
-                  opener=open_regular) as f:
+    legacy = path.with_name(LEGACY_CREDITS_FILE)
+    try:
+        with open(legacy, encoding="utf-8", opener=open_regular) as f:
             records += _credit_records(f.read())
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        _legacy_unread(legacy, e)
     return records
+
+
+def _legacy_unread(legacy: Path, e: OSError) -> None:
+    """A legacy journal that cannot be read (a directory in its place) holds
+    no credit to take: a warning, never the failure of the write or read
+    that looked for it."""
+    note_for_call(f"{legacy}: an old name of the credit journal, but it cannot be read "
+                  f"({e.strerror or e}); it is left as it is (remove it if it is not yours)")
 
 
 def _is_credit(rec: Any) -> bool:

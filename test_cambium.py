@@ -3317,6 +3317,22 @@ def test_expand_counts_a_legacy_journals_credits_without_moving_it(repo):
     assert legacy.exists()
 
 
+def test_a_directory_named_like_the_legacy_journal_fails_no_write(repo):
+    """A stray directory .cambium/usage.jsonl failed every write ("Is a
+    directory") and every expand: now it is a warning and the write lands."""
+    (repo / ".cambium").mkdir(exist_ok=True)
+    (repo / ".cambium" / "usage.jsonl").mkdir()
+    with cs.collecting_notes():
+        res = cs.with_store_warnings(cs.capture("Queue consumers ack after the write commits"))
+    assert res["status"] == "captured"
+    assert any("usage.jsonl" in w and "left as it is" in w for w in res["warnings"])
+    with cs.collecting_notes():
+        shown = cs.with_store_warnings(cs.expand(res["item"]["id"]))
+    assert shown["id"] == res["item"]["id"] and any("usage.jsonl" in w for w in shown["warnings"])
+    cs.endorse(res["item"]["id"], note="holds")
+    assert (repo / ".cambium" / "usage.jsonl").is_dir()
+
+
 def test_background_fold_waits_longer_after_a_slow_fold(repo):
     """The server's credit fold runs CREDIT_FOLD_DELAY_S after a recall, or
     CREDIT_FOLD_DUTY times the last fold's cost when that is longer (a store
