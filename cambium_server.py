@@ -17600,10 +17600,13 @@ def error_code(err: BaseException) -> str:
 
 
 def error_text(err: BaseException) -> str:
-    """What went wrong, for a person or a model: no Python class names."""
+    """What went wrong, for a person or a model: no Python class names. A
+    file system error says no file is half-written (a store or journal is
+    replaced whole or appended whole, and a read writes nothing), not that
+    stores are replaced whole: a failed read or append said so too."""
     if isinstance(err, OSError) and err.strerror:
         where = f": {err.filename}" if err.filename else ""
-        return clip_message(f"{err.strerror}{where} (stores are only ever replaced whole; fix "
+        return clip_message(f"{err.strerror}{where} (no file is left half-written; fix "
                             "the file system problem and retry).")
     return clip_message(str(err))
 

@@ -3333,6 +3333,14 @@ def test_a_directory_named_like_the_legacy_journal_fails_no_write(repo):
     assert (repo / ".cambium" / "usage.jsonl").is_dir()
 
 
+def test_a_file_system_error_claims_nothing_about_how_stores_are_written():
+    """Every file system error said "stores are only ever replaced whole",
+    a failed read of a lock file and a failed append alike."""
+    text = cs.error_text(PermissionError(13, "Permission denied", "k.json.lock"))
+    assert text == ("Permission denied: k.json.lock (no file is left half-written; fix the "
+                    "file system problem and retry).")
+
+
 def test_background_fold_waits_longer_after_a_slow_fold(repo):
     """The server's credit fold runs CREDIT_FOLD_DELAY_S after a recall, or
     CREDIT_FOLD_DUTY times the last fold's cost when that is longer (a store
