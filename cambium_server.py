@@ -3940,9 +3940,11 @@ class LocalStore(Store):
                 key = _stat_key(os.fstat(f.fileno()))
                 parsed = parse_file(f, str(self.path))
                 stable = _stat_key(os.fstat(f.fileno())) == key
-        except CorruptStore:
+        except CorruptStore as e:
             if (newer := self._newer_unread()) is not None:
                 return newer
+            if locked and self._read_only():
+                return self._unparsed_read_only(e)
             return self._move_aside() if locked else None
         if (local := _as_local(parsed.doc.items)) is not parsed.doc.items:
             parsed.doc.items[:] = local
@@ -4013,6 +4015,17 @@ class LocalStore(Store):
                       "cambium reads none of its items: it is left as it is. Upgrade cambium "
                       "to read it.")
         return Doc(items=[], raw={"cambium": marker})
+
+    def _unparsed_read_only(self, e: CorruptStore) -> Doc:
+        """A read-only store nothing of which parses: served empty and left as
+        it is, never moved aside (a person made it read-only: a fresh writable
+        store beside it took every write since). Not remembered, so every
+        write reaches _rewrite, which refuses it."""
+        note_for_call(f"{e}; the store is read-only (its mode forbids writing), so it is "
+                      "left as it is: none of it is served and every write refuses. Repair "
+                      "it, or make it writable to let cambium move it aside and start a "
+                      "fresh store.")
+        return Doc(items=[])
 
     def _move_aside(self) -> Doc:
         """Nothing parses: move the whole file aside (never overwrite it), start empty."""

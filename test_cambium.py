@@ -1589,6 +1589,31 @@ def test_a_read_only_store_is_refused_by_a_rewrite_as_by_an_append(repo, monkeyp
     assert path.read_bytes().endswith(b'{"torn')                                 # left as is
 
 
+def test_a_read_only_store_nothing_of_which_parses_is_left_as_it_is(repo):
+    """A read-only (0444) store where nothing parses, or holding `"items"`
+    twice, was moved to .corrupt-<time> by a status or a capture, and a fresh
+    writable store took the capture: the person's read-only store was set
+    aside. Now it is served empty, with a warning, and every write refuses."""
+    path = repo / ".cambium" / "knowledge.json"
+    path.parent.mkdir(exist_ok=True)
+    twice = json.dumps({"meta": {}, "items": []})[:-1] + ', "items": []}'
+    for text in ("this is not json at all\n", twice):
+        path.write_text(text)
+        path.chmod(0o444)
+        cs.runtime().reset()
+        with cs.collecting_notes():               # (as a tool call: its notes are warnings)
+            st = cs.with_store_warnings(cs.status())
+        assert st["scopes"]["local"]["items"] == 0
+        assert any("read-only" in w and "none of it is served" in w for w in st["warnings"])
+        with pytest.raises(PermissionError, match="read-only"):
+            cs.capture("Another note about the build cache being stale")
+        assert cli("capture", "A note that must not land").returncode == 1
+        assert [p.name for p in path.parent.glob("knowledge.json*")
+                if not p.name.endswith(".lock")] == ["knowledge.json"]
+        assert path.read_text() == text and stat.S_IMODE(path.stat().st_mode) == 0o444
+        path.chmod(0o644)
+
+
 def test_a_rewrite_keeps_the_stores_mode_and_a_set_aside_copy_takes_it(repo):
     """Every rewrite made the store 0644 again (one a person made 0600 after
     putting secrets in it), and a set-aside copy of its damaged lines too."""
