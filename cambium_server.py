@@ -14112,8 +14112,15 @@ def _shown_path(cfg: Config) -> Path:
     return cfg.local_dir / SHOWN_FILE
 
 
+JOURNAL_LOCK_WAIT_S = 1.0   #: a read waits this long for a bookkeeping journal's lock (the
+                            #: usage journal, its recall credits), then answers without it:
+                            #: a process stopped mid-append held a hook's primer 300 s
+
+
 def note_shown(cfg: Config, ids: list[str], via: str) -> None:
-    """Journal that the current session was shown `ids` (no session: nothing)."""
+    """Journal that the current session was shown `ids` (no session: nothing).
+    Bookkeeping never holds an answer back: a journal locked for longer than
+    JOURNAL_LOCK_WAIT_S loses these lines, said in one line on stderr."""
     sid = current_session()
     if not sid or not ids:
         return
@@ -14123,7 +14130,7 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
     path = _shown_path(cfg)
     try:                  # attribution only: a journal it cannot write fails no answer
         path.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(path):
+        with file_lock(path, JOURNAL_LOCK_WAIT_S):
             ignore_local_dir(path.parent)
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size > SHOWN_MAX_BYTES:
@@ -14132,6 +14139,9 @@ def note_shown(cfg: Config, ids: list[str], via: str) -> None:
     except OSError as e:
         print(f"cambium: usage attribution not journaled ({e.filename or path}: "
               f"{e.strerror or e})", file=sys.stderr, flush=True)
+    except ConflictError:
+        print(f"cambium: usage attribution not journaled ({path}.lock held by another "
+              f"process for {JOURNAL_LOCK_WAIT_S:g} s)", file=sys.stderr, flush=True)
 
 
 _SHOWN_BY_ASKING = re.compile(r'"item":\s*"([^"\\\n]{1,64})",\s*"via":\s*"(?:recall|expand)"')
@@ -15807,6 +15817,11 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
             pending, unjournaled = [], (f"recall credits could not be journaled in "
                                         f"{credits_path(cfg).parent} ({e.strerror or e}): the "
                                         "results stand, uncredited")
+        except ConflictError:           # a process stopped mid-append holds its lock
+            pending, unjournaled = [], (f"recall credits could not be journaled: "
+                                        f"{credits_path(cfg)}.lock is held by another process "
+                                        "(one stopped while it writes?): the results stand, "
+                                        "uncredited")
         note_shown(cfg, [h.item.id for h in hits], "recall")
         _schedule_credit_fold(cfg)
         out = {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
@@ -16025,7 +16040,17 @@ def expand(item_id: ItemId) -> dict:
 
 
 def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
-    """Journal one credit per (item, agent, day) not yet credited; return pending."""
+    """Journal one credit per (item, agent, day) not yet credited; return pending.
+    The journal's lock is waited for JOURNAL_LOCK_WAIT_S only (then ConflictError):
+    a recall is a read, and a credit is bookkeeping."""
+    token = LOCK_WAIT.set(min(LOCK_WAIT.get(), JOURNAL_LOCK_WAIT_S))
+    try:
+        return _journal_new_credits(cfg, items)
+    finally:
+        LOCK_WAIT.reset(token)
+
+
+def _journal_new_credits(cfg: Config, items: list[Item]) -> list[dict]:
     path = credits_path(cfg)
     day = _today()
     pending = read_credits(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import json
 import random
 import os
@@ -2636,6 +2637,36 @@ def test_a_usage_journal_that_cannot_be_written_fails_no_answer(repo, monkeypatc
     assert cs.recall("deploy fridays")["results"][0]["id"] == item_id
     assert item_id in cs.session_primer()["primer"]
     assert "usage attribution not journaled" in capsys.readouterr().err
+
+
+def test_a_held_journal_lock_holds_back_no_answer(repo, monkeypatch, capsys):
+    """A process stopped while it appended to shown.jsonl (or credits.jsonl)
+    held `primer --hook` 300 s (its SessionStart timeout is 10 s), and every
+    recall 300 s, then failed: a read waits a moment for its bookkeeping, then
+    answers without it (the credits uncredited, with a warning)."""
+    item_id = cs.capture("Never deploy on Fridays", kind="pitfall")["item"]["id"]
+    monkeypatch.setattr(cs, "current_session", lambda: "session-1")
+    cfg = cs.resolve_config()
+    held = []
+    for name in ("shown.jsonl.lock", "credits.jsonl.lock"):
+        fd = os.open(repo / ".cambium" / name, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)          # (another open file: another holder)
+        held.append(fd)
+    token = cs.LOCK_WAIT.set(8.0)               # (a writer's wait, shortened)
+    try:
+        start = time.monotonic()
+        answer = cs.recall("deploy fridays")
+        assert item_id in cs.cached_primer(cfg, cs.PRIMER_LIMIT)["primer"]
+        assert item_id in cs.session_primer()["primer"]
+        assert time.monotonic() - start < 7
+    finally:
+        cs.LOCK_WAIT.reset(token)
+        for fd in held:
+            os.close(fd)
+    assert answer["results"][0]["id"] == item_id
+    assert any("uncredited" in w and "credits.jsonl.lock" in w for w in answer["warnings"])
+    assert capsys.readouterr().err.count("usage attribution not journaled") == 3
+    assert not cs.read_shown(cfg)
 
 
 def test_usage_of_a_session_names_the_first_copy_of_a_doubled_id(repo, monkeypatch):
