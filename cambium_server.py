@@ -14957,7 +14957,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     try:
         ignore_note = _scaffold_local(root)
     except OSError:                           # ...and a clone it cannot write is not recorded
-        _put_back_config(cfg_path, prior)
+        _put_back_config(cfg_path, prior, moved)
         raise
     cfg = resolve_config(env)
     binding = repo_binding(cfg)
@@ -15159,12 +15159,16 @@ def _config_bytes(path: Path) -> bytes | None:
         return None
 
 
-def _put_back_config(path: Path, prior: bytes | None) -> None:
-    """Undo setup's config write (its scaffolding failed): the bytes it found,
-    or no file when there was none. A link is written through, as written."""
+def _put_back_config(path: Path, prior: bytes | None, moved: Path | None = None) -> None:
+    """Undo setup's config write (its scaffolding failed): the file it moved
+    aside moved back (one over MAX_CONFIG_BYTES, or unreadable, has no `prior`:
+    deleting the new file lost it), else the bytes it found, or no file when
+    there was none. A link is written through, as written."""
     target = Path(os.path.realpath(path))
     with file_lock(path), contextlib.suppress(OSError):
-        if prior is None:
+        if moved is not None:
+            os.replace(moved, target)
+        elif prior is None:
             target.unlink()
         else:
             atomic_write(target, prior, mode=0o600)

@@ -1086,6 +1086,25 @@ def test_setup_whose_scaffolding_fails_records_nothing(tmp_path):
     assert config.read_bytes() == before
 
 
+@pytest.mark.parametrize("old", ["big", "not json"])
+def test_setup_whose_scaffolding_fails_puts_back_a_config_it_moved_aside(tmp_path, old):
+    """A config file over 1 MB (or not JSON) is moved aside by setup's write;
+    a scaffold failure then deleted the new file and left the old one aside:
+    no config file at all, where README says it is left as it was."""
+    r = make_repo(tmp_path)
+    (r / ".cambium").write_text("not a folder")
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    config.parent.mkdir(parents=True, exist_ok=True)
+    body = (json.dumps({"CAMBIUM_AGENT_ID": "ada", "notes": "n" * (cs.MAX_CONFIG_BYTES + 10)})
+            if old == "big" else "{not json")
+    config.write_text(body)
+    with pytest.raises(OSError):
+        cs.setup(str(r), "bob")
+    assert config.read_text() == body
+    assert sorted(p.name for p in config.parent.iterdir()
+                  if p.name.startswith(config.name)) == [config.name, config.name + ".lock"]
+
+
 def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     r = make_repo(tmp_path)
     out = cs.setup(str(r), "ada", org_repo="acme/knowledge")
