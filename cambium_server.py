@@ -18568,14 +18568,27 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command; what
-    is left to write to stdout is written before the exit status is final."""
+    is left to write to stdout is written before the exit status is final.
+    As a process's entry (no argv given), a Ctrl-C from then on is ignored:
+    the work is done, and one in the interpreter's shutdown printed a
+    threading traceback, or killed the process (-2) without a word."""
     if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_interrupted_early":
         signal.signal(signal.SIGINT, signal.default_int_handler)      # (the module's top)
+    code = None
     try:
         code = _main(sys.argv[1:] if argv is None else argv)
-    except KeyboardInterrupt:                   # before a command ran (argparse, a hook)
-        print(f"{_prog()}: interrupted; nothing was written.", file=sys.stderr)
-        return 130
+        code = _flush_answer(code)
+        if argv is None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)   # (a pending one is dropped too)
+    except KeyboardInterrupt:                   # before a command ran (argparse, a hook),
+        print(f"{_prog()}: interrupted; " + ("nothing was written." if code is None else
+                                             "its answer may be cut short."), file=sys.stderr)
+        return 130                              # or as its answer was being written
+    return code
+
+
+def _flush_answer(code: int) -> int:
+    """Write what is left of the answer: `code`, or 1 when stdout failed."""
     try:
         if sys.stdout is not None:
             sys.stdout.flush()

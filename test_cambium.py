@@ -1020,6 +1020,21 @@ def test_ctrl_c_before_a_command_runs_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.endswith(": interrupted; nothing was written.\n")
 
 
+def test_ctrl_c_once_the_answer_is_written_is_ignored(repo):
+    """A Ctrl-C as the process shut down, its answer printed, died by SIGINT
+    (-2) without a word or printed a traceback from threading's shutdown:
+    once the answer is out the command's own exit status stands."""
+    probe = ("import os, signal, sys, time\n"
+             f"sys.path.insert(0, {str(SERVER.parent)!r})\nimport cambium_server as cs\n"
+             "sys.argv = ['cambium', 'status']\ncode = cs.main()\n"
+             "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.3)\n"   # Ctrl-C as it exits
+             "sys.exit(code)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=child_env(), timeout=60, cwd=repo)
+    assert out.returncode == 0 and out.stderr == "", out
+    assert json.loads(out.stdout)["configured"] is True
+
+
 def test_setup_appends_to_gitignore_without_rewriting_it(tmp_path):
     r = make_repo(tmp_path)
     original = b"build/\n# caf\xe9 (latin-1 comment)\n*.log"
