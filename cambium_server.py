@@ -18327,7 +18327,9 @@ async def _respond(send: Callable, status: int, body: bytes, kind: bytes) -> Non
 
 def answer_as_stdio_does(app: Callable, guard: Any = None,
                          limit: int = MAX_HTTP_BODY) -> Callable:
-    """ASGI wrapper: a message POSTed to /mcp gets what the same line gets on stdio, once
+    """ASGI wrapper: any path but /mcp gets 404 (a trailing slash too: Starlette
+    redirected it, to a location built from the Host header); a message POSTed
+    to /mcp gets what the same line gets on stdio, once
     `guard` (rebinding_guard's Host/Origin check) has passed it and its body is
     within `limit` (else 413, unread). Lone
     surrogate escapes are repaired (the SDK's parser called them a parse error),
@@ -18343,8 +18345,9 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or \
-                scope.get("path") != MCP_HTTP_PATH:     # (elsewhere: the SDK's 404)
+        if scope["type"] == "http" and scope.get("path") != MCP_HTTP_PATH:   # /mcp/ got
+            return await _respond(send, 404, b"Not Found", b"text/plain")   # Starlette's
+        if scope["type"] != "http" or scope.get("method") != "POST":       # 307 to /mcp
             return await app(scope, receive, send)
         if guard is not None:                    # before the body: a foreign page gets 421
             from mcp.server.transport_security import TransportSecurityMiddleware

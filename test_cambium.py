@@ -16108,6 +16108,25 @@ def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
             proc.wait()
 
 
+def test_http_answers_404_for_every_path_but_mcp(repo):
+    """POST /mcp/ got Starlette's 307, its location built from the Host header
+    (http://evil.com/mcp), where README says any other path gets 404."""
+    import http.client
+    with http_server(repo, None) as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        got = {}
+        for method, path in (("POST", "/mcp/"), ("GET", "/mcp/"), ("POST", "/mcp/x"),
+                             ("GET", "/"), ("POST", "/MCP")):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+            c.request(method, path, "{}" if method == "POST" else None, {
+                "Host": "evil.com", "Content-Type": "application/json"})
+            resp = c.getresponse()
+            got[method, path] = (resp.status, resp.getheader("location"))
+            c.close()
+        assert set(got.values()) == {(404, None)}, got
+        assert _http_post(url, "{}")[0] == 400          # /mcp itself: still served
+
+
 def test_http_checks_host_and_body_size_before_reading_the_body(repo):
     """A foreign Host with an unparsable body got cambium's 400 Parse error (the
     Host check ran after the body was parsed), and a 400 MB body was held in
