@@ -18166,12 +18166,16 @@ def serve(http: Annotated[bool, Field(
         print(f"cambium: serving MCP needs the MCP SDK ({e.name or 'mcp'} is missing): "
               "pip install 'mcp>=2.3,<3'", file=sys.stderr)
         return 2
-    token = os.environ.get(HTTP_TOKEN_ENV) or None
-    problem = http_bind_problem(host, token) if http else None if sys.stdin and sys.stdout \
+    raw = os.environ.get(HTTP_TOKEN_ENV)
+    token = http_token(raw)
+    problem = http_bind_problem(host, raw) if http else None if sys.stdin and sys.stdout \
         else "serving MCP over stdio needs stdin and stdout open (one of them is closed)"
     if problem:
         print(f"cambium: {problem}", file=sys.stderr)
         return 2
+    if http and raw and token is None:               # (loopback: no token needed) said,
+        print(f"cambium: {HTTP_TOKEN_ENV} is blank, so it counts as unset: requests "
+              "need no token", file=sys.stderr)      # never served open without a word
     rt = runtime()
     rt.long_running.set()
     tune_malloc()
@@ -18234,16 +18238,25 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def http_bind_problem(host: str, token: str | None) -> str | None:
-    """Why `serve --http` must not bind `host` with this token, or None (pure).
-    (The port's range is serve's Field, which the CLI parser checks.)"""
+def http_token(raw: str | None) -> str | None:
+    """CAMBIUM_HTTP_TOKEN as serve uses it: an empty or blank one is unset, as
+    every setting is (pure)."""
+    return raw if raw and raw.strip() else None
+
+
+def http_bind_problem(host: str, raw: str | None) -> str | None:
+    """Why `serve --http` must not bind `host` with this CAMBIUM_HTTP_TOKEN
+    value, or None (pure). A blank one is unset: refused off loopback as
+    unset is. (The port's range is serve's Field, which the CLI parser checks.)"""
+    token = http_token(raw)
     if token is not None and token != token.strip():
         return (f"{HTTP_TOKEN_ENV} starts or ends with white space, which HTTP strips from "
                 "the header a client sends, so no request could match it: set it without.")
     if not is_loopback(host) and not token:
+        blank = " (it is blank, which counts as unset)" if raw else ""
         return (f"refusing to serve on {host}: a non-loopback bind is reachable from other "
-                f"machines, so it needs {HTTP_TOKEN_ENV} set (then every request must send "
-                f"'Authorization: Bearer <token>'). Use --host 127.0.0.1 to stay local.")
+                f"machines, so it needs {HTTP_TOKEN_ENV} set{blank} (then every request must "
+                f"send 'Authorization: Bearer <token>'). Use --host 127.0.0.1 to stay local.")
     return None
 
 

@@ -16206,9 +16206,33 @@ def test_refused_values_are_shown_in_json_words_and_cli_numbers_are_ascii_digits
 def test_http_token_with_surrounding_space_is_refused_at_start():
     """HTTP strips white space around a header value, so such a token could
     never match: every request got 401 with no hint why."""
-    for token in (" padded ", "   ", "tab\t"):
+    for token in (" padded ", "tab\t"):
         assert "white space" in cs.http_bind_problem("0.0.0.0", token)
     assert cs.http_bind_problem("0.0.0.0", "fine-token") is None
+
+
+def test_a_blank_http_token_counts_as_unset(repo):
+    """CAMBIUM_HTTP_TOKEN=' ' was refused for its white space, where a blank
+    setting counts as unset: off loopback it is refused as unset is (never
+    served open), on loopback it serves as unset does, and says so."""
+    for blank in (" ", "\t ", ""):
+        said = cs.http_bind_problem("0.0.0.0", blank)
+        assert "needs CAMBIUM_HTTP_TOKEN set" in said and "white space" not in said
+        assert ("blank" in said) == bool(blank)
+        assert cs.http_bind_problem("127.0.0.1", blank) is None
+    out = cli("serve", "--http", "--host", "0.0.0.0", "--port", str(_free_port()),
+              CAMBIUM_HTTP_TOKEN=" ")
+    assert out.returncode == 2 and "it is blank, which counts as unset" in out.stderr, out
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
+                             str(port)], env={**_mcp_env(repo), "CAMBIUM_HTTP_TOKEN": " "},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "is blank, so it counts as unset" in proc.stderr.readline()
+        assert "serving MCP on" in proc.stderr.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_a_user_with_no_home_gets_answers_and_setup_never_writes_into_the_project():
