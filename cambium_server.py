@@ -5970,7 +5970,7 @@ class GitStore(Store):
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
         if problem := self.foreign_problem(tip, doc):
             raise ConfigError(problem)
-        if self.default_branch and tip is None and not side:
+        if self.default_branch and tip is None:     # (a pull request's branch too)
             self._refuse_a_moved_default()
         pending, commit_credits = take_credits(None if side else self.credits, self.scope)
         try:
@@ -5989,7 +5989,7 @@ class GitStore(Store):
                 held = side_tip if side else tip       # does `target` exist?
                 return Write(doc=doc, commit=None, branch=target if held else None)
             new = doc
-        parent = base if base is not None else self.default_tip()
+        parent = base if base is not None else self._new_branch_parent(side)
         files = {STORE_FILE: render_store(new), **self._rendered(new, parent)}
         commit = self._commit(parent, files, message, merge=merge)
         lease = side_tip if side else tip      # exact CAS: the tip read, or absent
@@ -6054,6 +6054,21 @@ class GitStore(Store):
                 "CAMBIUM_TEAM_BRANCH at a branch of cambium's own (setup(project_repo, "
                 "agent_id, team_branch='cambium-knowledge')); if its store was deleted, "
                 f"restore {STORE_FILE} from the branch's history.")
+
+    def _new_branch_parent(self, side: str | None) -> str | None:
+        """The parent of a branch this write starts: the remote default's tip. A
+        pull request's branch is built on the scope's doc, read as empty here
+        (its branch missing): on a parent holding items, its merge would delete
+        them all, so that refuses (nothing written)."""
+        parent = self.default_tip()
+        if side and parent and (held := len(self.doc_at(parent, remember=False).items)):
+            raise ConflictError(
+                f"the {self.scope} branch '{self.branch}' is not on {self.remote}, but the "
+                f"branch its HEAD names holds {held} item(s): nothing was written (a pull "
+                f"request built without them would delete them when merged). Run it again; "
+                f"if it refuses again, `git -C {shlex.quote(str(self.repo))} remote set-head "
+                f"{self.remote} --auto` records the remote's default branch.")
+        return parent
 
     def _refuse_a_moved_default(self) -> None:
         """Before the first write creates the branch: when the remote's HEAD now

@@ -5972,6 +5972,49 @@ def test_a_renamed_org_default_branch_is_followed_not_forked(shared, monkeypatch
     assert {i["id"] for i in remote_json(bare, "trunk")["items"]} == {first, second}  # goes on)
 
 
+def _rename_org_default(bare: Path) -> None:
+    """main renamed trunk on the org remote, its HEAD following (GitHub's rename)."""
+    git(bare, "branch", "-m", "main", "trunk")
+    git(bare, "symbolic-ref", "HEAD", "refs/heads/trunk")
+
+
+def test_a_pr_branch_write_refuses_once_when_orgs_default_was_renamed(shared, monkeypatch,
+                                                                       tmp_path):
+    """A write to a pull request's branch skipped the check a direct write makes
+    when org's branch is gone (_refuse_a_moved_default): it started a branch
+    without org's items. Here the store was built before the rename."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    cs.promote(_endorsed("Prefer idempotent retries with backoff and jitter"), to_scope="org",
+               force=True)
+    org = cs.store(cs.resolve_config(), "org")
+    _rename_org_default(shared["org_bare"])
+    with pytest.raises(cs.ConflictError, match="default branch is now 'trunk', not 'main'"):
+        org.mutate(lambda doc: dataclasses.replace(doc, meta={"x": 1}), "a change",
+                   branch="cambium/updates")
+    assert _remote_branches(shared["org_bare"]) == {"trunk"}
+    assert cs.store(cs.resolve_config(), "org").branch == "trunk"
+
+
+def test_a_pr_branch_is_never_built_empty_on_a_parent_holding_items(shared, monkeypatch,
+                                                                     tmp_path):
+    """A pull request's branch started while org's branch is missing was built
+    from an empty store on the default branch's tip: its merge deleted every
+    item there. Here the remote's HEAD goes unread, so no rename is seen."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    first = _endorsed("Prefer idempotent retries with backoff and jitter")
+    cs.promote(first, to_scope="org", force=True)
+    _rename_org_default(shared["org_bare"])
+    monkeypatch.setattr(cs, "remote_head", lambda *a: None)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    second = _endorsed("Every feature flag gets an owner and an expiry date")
+    with pytest.raises(cs.ConflictError, match=r"holds 1 item\(s\): nothing was written"):
+        cs.promote(second, to_scope="org", force=True)
+    assert _remote_branches(shared["org_bare"]) == {"trunk"}
+    assert {i["id"] for i in local_items(shared["a"])} == {second}
+
+
 def test_an_org_items_endorsement_notes_pass_the_org_gate_too(shared, monkeypatch):
     """An endorsement note naming a project's files reached org two ways the
     gate never saw: endorse() of an org item, and consolidate() folding a
