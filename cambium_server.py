@@ -5124,6 +5124,7 @@ class GitStore(Store):
         self.scope, self.repo, self.remote, self.branch = scope, repo, remote, branch
         self.own_branch = own_branch              # a tip without a store is not ours (team)
         self.default_branch = default_branch      # `branch` is the remote's HEAD as recorded (org)
+        self.moved_to: str | None = None          # the default renamed to this (_branch_gone)
         self.timeout_s, self.fetch_interval_s, self.agent = timeout_s, fetch_interval_s, agent
         self.extra_files = extra_files
         self.credits = credits                    # the journal whose credits this scope folds
@@ -5444,9 +5445,10 @@ class GitStore(Store):
             err = proc.stderr or ""
             if "couldn't find remote ref" in err or "could not find remote ref" in err:
                 self.git("update-ref", "-d", self.ref, check=False)
+                self._branch_gone()
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
-        if not self._remote_moved(before):
+        if not self._remote_moved(before) and not self.moved_to:   # (renamed: not dropped)
             self._note_rewind(before)
         self._touch_stamp()
         with contextlib.suppress(OSError):
@@ -6070,15 +6072,35 @@ class GitStore(Store):
                 f"{self.remote} --auto` records the remote's default branch.")
         return parent
 
+    def _follow_default(self, head: str) -> None:
+        """Record `head`, which the remote's HEAD names now, as its default
+        branch (the org store is built on it from the next call: moved_to)."""
+        record_remote_head(self.repo, self.remote, head, self.timeout_s)
+        runtime().org_branches.pop(str(self.repo), None)
+        self.moved_to = head
+
+    def _branch_gone(self) -> None:
+        """A fetch found no branch: at org (the remote's default as recorded),
+        when the remote's HEAD names another now (the default renamed), follow
+        it, with a warning, rather than read the scope as empty unsaid."""
+        head = remote_head(self.repo, self.remote, self.timeout_s) if self.default_branch \
+            else None
+        if head is None or head == self.branch:
+            return
+        self._follow_default(head)
+        self._warnings.append(f"the {self.scope} repo's default branch is now '{head}', not "
+                              f"'{self.branch}' (renamed?): '{self.branch}' is gone from "
+                              f"{self.remote}; cambium records '{head}' and reads the "
+                              f"{self.scope} scope there from now on")
+
     def _refuse_a_moved_default(self) -> None:
         """Before the first write creates the branch: when the remote's HEAD now
         names another branch (the default renamed), record it and refuse, so
         no second branch starts without the items on the first."""
-        head = remote_head(self.repo, self.remote, self.timeout_s)
+        head = self.moved_to or remote_head(self.repo, self.remote, self.timeout_s)
         if head is None or head == self.branch:
             return
-        record_remote_head(self.repo, self.remote, head, self.timeout_s)
-        runtime().org_branches.pop(str(self.repo), None)
+        self._follow_default(head)
         raise ConflictError(f"the {self.scope} repo's default branch is now '{head}', not "
                             f"'{self.branch}' (renamed?): nothing was written; cambium "
                             f"records '{head}' from now on. Run it again.")
@@ -12227,6 +12249,24 @@ def remote_head(repo: Path, remote: str, timeout_s: float) -> str | None:
     return heads[0].removeprefix("refs/heads/") if heads else None
 
 
+def read_following(cfg: Config, scope: str, *, digest: bool = False
+                   ) -> tuple[Doc, list[str]]:
+    """One scope's doc and warnings (Store.read); when the read found org's
+    default branch renamed, read again on the branch the remote names now."""
+    st = store(cfg, scope)
+    doc, warnings = st.read(digest=digest), list(st.warnings)
+    if (now := followed(cfg, scope, st)) is not st:
+        doc = now.read(digest=digest)
+        warnings += now.warnings
+    return doc, warnings
+
+
+def followed(cfg: Config, scope: str, st: Store) -> Store:
+    """st; or, when its fetch found org's default branch renamed (moved_to:
+    recorded), the store of the branch the remote names now."""
+    return store(cfg, scope) if getattr(st, "moved_to", None) else st
+
+
 def record_remote_head(repo: Path, remote: str, branch: str, timeout_s: float) -> None:
     """Record the remote's default branch in the clone, as `git clone` does."""
     _git(["symbolic-ref", f"refs/remotes/{remote}/HEAD", f"refs/remotes/{remote}/{branch}"],
@@ -12245,9 +12285,8 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False,
     warnings: list[str] = []
     for scope in scopes:
         try:
-            st = store(cfg, scope)
-            docs[scope] = st.read(digest=digest)
-            warnings += st.warnings
+            docs[scope], said = read_following(cfg, scope, digest=digest)
+            warnings += said
         except ScopeOff:
             continue
         except (CorruptStore, GitError, ConfigError) as e:
@@ -12905,9 +12944,18 @@ def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None
 
 def org_copy(cfg: Config, item_id: str) -> Item | None:
     """The copy org's tip, fetched now, holds of the id (retired or not), or None."""
+    org, tip = org_now(cfg)
+    return next((it for it in org.doc_at(tip).items if it.id == item_id), None)
+
+
+def org_now(cfg: Config) -> tuple[GitStore, str | None]:
+    """org's store and its tip, fetched now (None: no branch), on the branch
+    the remote names now when its default was renamed (followed)."""
     org = store(cfg, "org")
-    return next((it for it in org.doc_at(org.fetch(fresh=True)).items if it.id == item_id),
-                None)
+    tip = org.fetch(fresh=True)
+    if (now := followed(cfg, "org", org)) is not org:
+        org, tip = now, now.fetch(fresh=True)
+    return org, tip
 
 
 def _awaiting_merge(item: Item) -> Verdict:
@@ -13023,10 +13071,18 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
     clear the item's pr_url, so promote(to_scope="org") may open a new PR.
     Only the annotation and that branch go: the item stays in `scope`.
     Returns {"id", "scope", "pr_url", "pr_state", "note"}; None when it is not
-    undone (still open, or org holds the item after all: settle_org_prs's)."""
+    undone (still open, or org holds the item after all: settle_org_prs's).
+    Merged while org's branch is missing (a renamed default is followed
+    first): ConflictError, nothing undone (a merge cannot be told reverted)."""
     url, what = item.pr_url, state.state
-    org = store(cfg, "org")
-    if what not in PR_UNDONE or (what == "MERGED" and org_copy(cfg, item.id) is not None):
+    if what not in PR_UNDONE:
+        return None
+    org, tip = org_now(cfg) if what == "MERGED" else (store(cfg, "org"), None)
+    if what == "MERGED" and tip is None:        # (no branch to say it was reverted)
+        raise ConflictError(f"gh says {url} merged, but org's branch '{org.branch}' is not on "
+                            f"{org.remote} (renamed or deleted?): nothing was withdrawn, the "
+                            "item keeps waiting on it")
+    if what == "MERGED" and any(it.id == item.id for it in org.doc_at(tip).items):
         return None
     if state.head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
         org.drop_side_branch(state.head, at=state.oid)
@@ -14911,6 +14967,9 @@ def _shared_scope_status(cfg: Config) -> dict:
             info["mode"] = "pull request" if cfg.org_pr else "direct push"
         try:
             tip = st.fetch(force=True)
+            if (now := followed(cfg, scope, st)) is not st:    # (org's default renamed)
+                info.update(branch=now.branch, warnings=st.warnings)
+                st, tip = now, now.fetch(force=True)
             info["reachable"] = True
         except GitError as e:
             info.update(reachable=False, error=str(e))
@@ -15744,8 +15803,8 @@ def recall_index(cfg: Config, scope: str) -> tuple[dict[str, Doc], list[str], In
     """What a recall of `scope` reads: the scopes' documents, their warnings,
     and the index over their active items (one per set of scopes read)."""
     if scope in ("team", "org"):            # the one scope asked for: off, unreadable or
-        st = store(cfg, scope)              # unreachable, its own error says which
-        docs, warnings = {scope: st.read(digest=True)}, list(st.warnings)
+        doc, warnings = read_following(cfg, scope, digest=True)   # unreachable: its own
+        docs = {scope: doc}                                          # error says which
     else:
         docs, warnings = read_scopes(cfg, SCOPES if scope == "auto" else (scope,), digest=True)
     key = str(cfg.local_dir / STORE_FILE) + ("" if list(docs) == ["local"] else

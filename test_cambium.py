@@ -5978,6 +5978,25 @@ def _rename_org_default(bare: Path) -> None:
     git(bare, "symbolic-ref", "HEAD", "refs/heads/trunk")
 
 
+def test_pr_mode_a_renamed_org_default_branch_is_followed_not_emptied(shared, monkeypatch,
+                                                                      tmp_path):
+    """After org's main was renamed trunk, a PR-mode promote built its branch on
+    trunk's tip from an empty store (main gone): merging it deleted every org
+    item, and it asked to merge into the gone main."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    first = _endorsed("Prefer idempotent retries with backoff and jitter")
+    cs.promote(first, to_scope="org", force=True)
+    _rename_org_default(shared["org_bare"])
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    second = _endorsed("Every feature flag gets an owner and an expiry date")
+    assert cs.promote(second, to_scope="org", force=True)["status"] == "pr_opened"
+    proposed = remote_json(shared["org_bare"], f"cambium/promote-{second}")["items"]
+    assert {i["id"] for i in proposed} == {first, second}
+    create = [c for c in map(json.loads, log.read_text().splitlines()) if c[:2] == ["pr", "create"]]
+    assert create[-1][create[-1].index("--base") + 1] == "trunk"
+
+
 def test_a_pr_branch_write_refuses_once_when_orgs_default_was_renamed(shared, monkeypatch,
                                                                        tmp_path):
     """A write to a pull request's branch skipped the check a direct write makes
@@ -6013,6 +6032,59 @@ def test_a_pr_branch_is_never_built_empty_on_a_parent_holding_items(shared, monk
         cs.promote(second, to_scope="org", force=True)
     assert _remote_branches(shared["org_bare"]) == {"trunk"}
     assert {i["id"] for i in local_items(shared["a"])} == {second}
+
+
+def test_a_merged_org_pr_is_not_withdrawn_while_orgs_branch_is_missing(shared, monkeypatch,
+                                                                       tmp_path):
+    """With org's branch gone from its remote, a review called a merged pull
+    request reverted: it deleted the PR's branch and cleared the item's
+    pr_url, and the next promote opened another one from an empty store."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Every queue needs a dead-letter queue with alerting")
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    set_pr_state(tmp_path, url, "MERGED")
+    git(shared["org_bare"], "update-ref", "-d", "refs/heads/main")     # (HEAD still names it)
+    review = cs.review_promotions()
+    assert "closed_org_prs" not in review and "settled_org_prs" not in review
+    assert any("nothing was withdrawn" in w for w in review["warnings"]), review["warnings"]
+    assert [i["pr_url"] for i in local_items(shared["a"])] == [url]
+    assert f"cambium/promote-{item}" in _remote_branches(shared["org_bare"])
+    with pytest.raises(cs.ConflictError, match="nothing was withdrawn"):
+        cs.promote(item, to_scope="org")
+
+
+def test_reads_and_reviews_follow_a_renamed_org_default_branch(shared, monkeypatch, tmp_path):
+    """After org's main was renamed trunk, org read as empty with no warning,
+    and a review called the pull request merged into trunk reverted."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Every queue needs a dead-letter queue with alerting")
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    set_pr_state(tmp_path, url, "MERGED")
+    _rename_org_default(shared["org_bare"])
+    found = cs.recall("dead-letter queue alerting", scope="org")
+    assert [r["id"] for r in found["results"]] == [item]
+    assert any("default branch is now 'trunk', not 'main'" in w for w in found["warnings"])
+    assert cs.status()["scopes"]["org"]["branch"] == "trunk"
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    assert local_items(shared["a"]) == []
+
+
+def test_a_read_calls_a_renamed_org_default_no_rewind(shared, monkeypatch):
+    """Direct mode keeps what a force push drops: a read that finds main
+    renamed trunk follows it, and does not call main rewound (its items are
+    on trunk, and restoring them from the kept tip would copy them twice)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    cs.promote(item, to_scope="org", force=True)
+    cs.recall("idempotent retries", scope="org")
+    _rename_org_default(shared["org_bare"])
+    found = cs.recall("idempotent retries backoff", scope="org")
+    assert [r["id"] for r in found["results"]] == [item]
+    (said,) = found["warnings"]
+    assert said.startswith("the org repo's default branch is now 'trunk', not 'main'")
+    assert "warnings" not in cs.recall("idempotent retries backoff", scope="org")
 
 
 def test_an_org_items_endorsement_notes_pass_the_org_gate_too(shared, monkeypatch):
