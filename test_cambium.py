@@ -14375,6 +14375,42 @@ def test_find_definition_splits_no_long_line_every_way():
     assert cs.find_definition("func (s *Srv) total() {\n}\n", "Srv.total", ".go") == 1
 
 
+#: what the definition patterns are made of, each repeated along a line below
+ADVERSARIAL_PREFIXES = ["", "total", "total:", "total = ", "const total:", "export ", "def ",
+                        "int total", "int total::total", "func (", "impl<T> ", "async total",
+                        "total: (", "a.total"]
+ADVERSARIAL_UNITS = [" ():", ": =", "(x) =>", "(x):", "function ", "::", "\t", " ", "a.",
+                     "a::", "export ", "<a>", "(", ")", "=", ":", "{", ";", "total:",
+                     "total(", "func (", "self."]
+
+
+def test_every_definition_pattern_reads_any_line_in_linear_time():
+    """The third pattern (`total: function`) let its annotation stop at every
+    `:` and the arrow's own annotation scan the rest of the line from each:
+    `total:` and ` ():` 12,000 times (48 KB) held a recall 12.7 s and the
+    primer hook past its timeout. Every pattern, each of its pieces repeated
+    along a line: 200 KB in well under 2 s (quadratic: hours); shorter lines
+    first, so a quadratic pattern fails in seconds."""
+    patterns = {p.pattern: p for ext in (".c", ".sh", ".js")       # (.py: a subset)
+                for p in cs._definition_kinds("total", ext)}
+    patterns.update({p.pattern: p for p in (*cs._owner_patterns("total"),
+                                            cs._receiver_pattern("total", "total"))})
+    for size in (3_125, 12_500, 50_000, 200_000):
+        for prefix, unit in [(p, u) for p in ADVERSARIAL_PREFIXES for u in ADVERSARIAL_UNITS]:
+            line = prefix + unit * (size // len(unit)) + "\n"
+            for pattern in patterns.values():
+                started = time.process_time()
+                pattern.match(line)
+                took = time.process_time() - started
+                assert took < 2, (prefix, unit, size, pattern.pattern)
+    started = time.process_time()
+    line = "total:" + " ():" * 50_000 + "\n"
+    assert cs.find_definition(line + "def total(): 0\n", "total", ".py") == 2
+    assert cs.find_definition("const api = {\n  total: (a): number => a,\n", "total", ".ts") == 2
+    assert cs.find_definition("total: Callable[[int], int] = lambda a: a\n", "total") == 1
+    assert time.process_time() - started < 2
+
+
 def test_find_definition_reads_only_the_lines_that_hold_the_name():
     """Every pattern was tried at every offset of the file (a lookbehind before
     `^`), each over the whole file: a recall resolving anchors in a 2 MB file
