@@ -14703,6 +14703,7 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
     docs, warnings = read_scopes(cfg, SCOPES)
     results: list[dict] = []
     skipped: list[dict] = []
+    unrecorded: list[dict] = []                 # results run but not written
     for scope, doc in docs.items():
         outcomes = {}
         for it in doc.items:
@@ -14720,12 +14721,24 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
                 continue
             outcomes[it.id] = outcome
             results.append({"id": it.id, "scope": scope, **outcome})
-        skipped += _record_checks(cfg, outcomes)
+        unrecorded += _record_checks(cfg, outcomes)
     if item_id and not results and not skipped:
         _no_check_to_run(item_id, [it for doc in docs.values() for it in doc.items
                                    if it.id == item_id], warnings)
-    out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in results),
-                           "failed": [r["id"] for r in results if not r["passed"]],
+    return _checks_answer(results, skipped + unrecorded, {s["id"] for s in unrecorded},
+                          warnings)
+
+
+def _checks_answer(results: list[dict], skipped: list[dict], dropped: set[str],
+                   warnings: list[str]) -> dict:
+    """verify --run's answer (pure): `ran` counts the checks run, `passed` and
+    `failed` only the results recorded (a failure of an item deprecated as
+    its check ran was counted as failed, its item never flagged); a result
+    not recorded (`dropped`) is marked so and listed under `skipped` with why."""
+    results = [{**r, "recorded": False} if r["id"] in dropped else r for r in results]
+    kept = [r for r in results if "recorded" not in r]
+    out: dict[str, Any] = {"ran": len(results), "passed": sum(r["passed"] for r in kept),
+                           "failed": [r["id"] for r in kept if not r["passed"]],
                            "results": results}
     if skipped:
         out["skipped"] = skipped
@@ -14770,7 +14783,8 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
     the scope between locate and the write (another clone's promote) is found
     again for real and followed, as every change follows a move; a passing
     result was lost to an empty commit. A retired item is not stamped. Returns
-    the outcomes not recorded, each with why (not_recorded)."""
+    the outcomes not recorded, each with why (not_recorded, retired_as_it_ran;
+    one no scope holds any more, or that moved again, is listed too)."""
     dropped: dict[str, str] = {}
     if not outcomes:
         return []
@@ -14780,9 +14794,13 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
         for _ in range(2):
             where: dict[str, dict[str, dict]] = {}
             for item_id, outcome in pending.items():
-                with contextlib.suppress(NotFound):     # gone meanwhile: nothing to mark
+                try:
                     here = locate(cfg, item_id, highest=True, fresh=fresh, changing=True)[0]
-                    where.setdefault(here, {})[item_id] = outcome
+                except NotFound:                        # gone meanwhile: nothing to mark
+                    dropped[item_id] = ("no readable scope holds the item any more: this "
+                                        "result is not recorded")
+                    continue
+                where.setdefault(here, {})[item_id] = outcome
             pending, fresh = {}, True
             for here, found in where.items():
                 missed, why = _record_in(cfg, here, found, now)
@@ -14790,6 +14808,8 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
                 dropped.update(why)
             if not pending:
                 break
+    dropped.update((i, "the item moved scope again while this result was written: it is "
+                    "not recorded") for i in pending)
     return [{"id": i, "reason": why} for i, why in dropped.items()]
 
 
@@ -14803,6 +14823,16 @@ def not_recorded(scope: str, item: Item, outcome: dict) -> str | None:
     return waiting_copy(scope, item)
 
 
+def retired_as_it_ran(item: Item) -> str | None:
+    """Why an outcome is not written on an item retired while its check ran
+    (pure): it was answered as passed or failed, yet nothing was recorded."""
+    if item.active:
+        return None
+    by = _superseded_by(item) if item.status == "superseded" else None
+    return (f"the item was {item.status}" + (f" by {by}" if by else "") +
+            " while its check ran: this result is not recorded")
+
+
 def _record_in(cfg: Config, scope: str, found: dict[str, dict],
                now: str) -> tuple[dict[str, dict], dict[str, str]]:
     """One scope's write of check outcomes; returns the outcomes of items the
@@ -14812,9 +14842,9 @@ def _record_in(cfg: Config, scope: str, found: dict[str, dict],
     dropped: dict[str, str] = {}
 
     def one(it: Item) -> Item:
-        if it.id not in found or not it.active:
+        if it.id not in found:
             return it
-        if why := not_recorded(scope, it, found[it.id]):
+        if why := retired_as_it_ran(it) or not_recorded(scope, it, found[it.id]):
             dropped[it.id] = why
             return it
         return checked(it, found[it.id], now=now)

@@ -9561,11 +9561,51 @@ def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
 
     monkeypatch.setattr(cs, "run_check", meanwhile)
     run = cs.run_checks()
-    assert run["passed"] == 1 and run["skipped"][0]["id"] == item_id
+    assert run["ran"] == 1 and run["passed"] == 0 and run["skipped"][0]["id"] == item_id
+    assert run["results"][0]["recorded"] is False
     assert "changed or removed while it ran" in run["skipped"][0]["reason"]
     (it,) = cs.store(cs.resolve_config(), "local").read().items
     assert it.check["cmd"] == "exit 1" and it.authority is None
     assert not it.verifications and it.last_verified is None and it.failing is None
+
+
+def test_an_item_retired_or_gone_while_its_check_ran_is_listed_as_skipped(repo, monkeypatch):
+    """An item deprecated (or corrected, or dropped from its store) while its
+    check ran: verify --run answered `failed: [id]` or `passed: 1`, nothing
+    recorded and nothing under `skipped`."""
+    texts = ("The smoke test finishes within a minute", "The index rebuild needs much memory",
+             "The cache warms up within a minute")
+    ids = [cs.capture(t)["item"]["id"] for t in texts]
+    for item_id, cmd in zip(ids, ("exit 1", "true", "true")):
+        cs.attach_check(item_id, cmd)
+    real, store, fixed = cs.run_check, repo / ".cambium" / "knowledge.json", []
+
+    def drop_the_third() -> None:
+        doc = json.loads(store.read_text())
+        doc["items"] = [it for it in doc["items"] if it["id"] != ids[2]]
+        store.write_text(json.dumps(doc))
+
+    meanwhile_of = iter([lambda: cs.deprecate(ids[0], reason="the smoke test is gone"),
+                         lambda: fixed.append(cs.correct(
+                             ids[1], "The index rebuild needs little memory")["item"]["id"]),
+                         drop_the_third])
+
+    def meanwhile(cmd: str, cwd: Path, timeout_s: float) -> dict:
+        out = real(cmd, cwd, timeout_s)
+        next(meanwhile_of)()
+        return out
+
+    monkeypatch.setattr(cs, "run_check", meanwhile)
+    run = cs.run_checks()
+    assert run["ran"] == 3 and run["passed"] == 0 and run["failed"] == []
+    assert all(r["recorded"] is False for r in run["results"])
+    reasons = {s["id"]: s["reason"] for s in run["skipped"]}
+    assert reasons[ids[0]] == ("the item was deprecated while its check ran: this result is "
+                               "not recorded")
+    assert f"superseded by {fixed[0]} while its check ran" in reasons[ids[1]]
+    assert "no readable scope holds the item any more" in reasons[ids[2]]
+    items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert all(items[i].failing is None and items[i].last_verified is None for i in ids[:2])
 
 
 def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
