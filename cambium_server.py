@@ -3174,6 +3174,9 @@ LOCK_WAIT_S = 300.0     #: a writer waits this long for another's lock (a shared
                         #: then it gives up, and the lock is never broken
 LOCK_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar("cambium_lock_wait",
                                                                   default=LOCK_WAIT_S)
+STORE_READ_LOCK_WAIT_S = 2.0   #: a read waits this long for the local store's lock (taken
+                               #: when the file is damaged or a writer is mid-append), then
+                               #: serves the file as it stands, with a warning
 
 
 def _flock_within(fd: int, path: Path, wait_s: float) -> None:
@@ -3817,30 +3820,46 @@ class LocalStore(Store):
         doc = self._current(locked=False)
         if doc is not None:
             return doc
+        wait = min(LOCK_WAIT.get(), STORE_READ_LOCK_WAIT_S)
         with contextlib.ExitStack() as stack:  # damaged, or a writer is mid-append
             try:
-                stack.enter_context(file_lock(self.path))
+                stack.enter_context(file_lock(self.path, wait))
+            except ConflictError:
+                return self._held(wait)
             except OSError as e:
                 if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise
-                return self._unlocked(e)
+                return self._unlocked(str(e.strerror or e))
             return self._current(locked=True)
 
-    def _unlocked(self, e: OSError) -> Doc:
+    def _held(self, wait: float) -> Doc:
+        """read's answer when another process holds the lock past `wait` (a
+        writer mid-append, or one stopped while it writes, Ctrl-Z: a recall or
+        a status waited LOCK_WAIT_S, 300 s, then failed): the file as it
+        stands, its damage, if any, not set aside, with one warning."""
+        why = (f"{self.path.name}.lock has been held by another process for {wait:g} s: a "
+               "write in progress, or a process stopped while it writes")
+        doc = self.peek()
+        if doc is None:
+            return self._unlocked(why)
+        note_for_call(f"{self.path}: {why}; the store is served as it stands")
+        return doc
+
+    def _unlocked(self, why: str) -> Doc:
         """read's answer when the lock cannot be taken (a read-only directory
-        or mount with no lock file in it): the lines that parse, served as a
-        read-only store's are, and nothing set aside (a writer is refused
-        anyway: it needs the lock). A file no line of parses serves nothing."""
+        or mount with no lock file in it, or another process holds it): the
+        lines that parse, served as a read-only store's are, and nothing set
+        aside (a writer needs the lock). A file no line of parses serves nothing."""
         try:
             doc, bad = self.salvage()
         except CorruptStore:
             if (newer := self._newer_unread()) is not None:
                 return newer
             note_for_call(f"{self.path} does not parse and cannot be moved aside "
-                          f"({e.strerror or e}): none of it is served")
+                          f"({why}): none of it is served")
             return Doc(items=[])
         note_for_call(f"{self.path}: {bad} damaged line(s) not set aside "
-                      f"({e.strerror or e}); the lines that parse are served")
+                      f"({why}); the lines that parse are served")
         return dataclasses.replace(doc, items=_as_local(doc.items))
 
     def peek(self) -> Doc | None:

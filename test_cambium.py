@@ -7562,6 +7562,52 @@ def test_a_lock_a_stopped_process_holds_is_waited_for_a_bounded_time(repo):
     assert cs.capture("Rotate the signing keys yearly")["status"] == "captured"   # kept
 
 
+def _hold_lock(path: Path) -> subprocess.Popen:
+    """A child process holding `path`'s flock (as file_lock takes it), stopped
+    in place as a Ctrl-Z'd writer is; kill() it to let go."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_read_of_a_torn_store_whose_lock_is_held_answers_within_seconds(repo):
+    """A store with a torn last line (a writer mid-append) is read under its
+    lock, to set the damage aside; a writer stopped there (Ctrl-Z) held every
+    recall, status and expand LOCK_WAIT_S (300 s), then failed them whole.
+    A read waits STORE_READ_LOCK_WAIT_S, then serves the lines that parse,
+    nothing set aside, with one warning; a write still waits, then conflicts."""
+    item_id = cs.capture("Pin the base image by digest")["item"]["id"]
+    path = _store_path(repo)
+    path.write_text(path.read_text().replace("\n]}", ',\n{"id": "k-torn", "cont'))
+    holder = _hold_lock(path.with_name(path.name + ".lock"))
+    try:
+        start = time.monotonic()
+        answers = []
+        for tool, args in ((cs.recall, ("base image digest",)), (cs.status, ()),
+                           (cs.expand, (item_id,))):
+            with cs.collecting_notes():           # (as a tool call: its notes are warnings)
+                answers.append(cs.with_store_warnings(tool(*args)))
+        assert time.monotonic() - start < 3 * cs.STORE_READ_LOCK_WAIT_S + 2
+        token = cs.LOCK_WAIT.set(0.5)                 # (a writer's wait, shortened)
+        try:
+            with pytest.raises(cs.ConflictError, match="held by another process"):
+                cs.capture("Rotate the signing keys yearly")
+        finally:
+            cs.LOCK_WAIT.reset(token)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert answers[0]["results"][0]["id"] == item_id and answers[2]["id"] == item_id
+    for answer in answers:
+        held = [w for w in answer["warnings"] if "held by another process" in w]
+        assert len(held) == 1 and "1 damaged line(s) not set aside" in held[0]
+    assert not list(path.parent.glob("*.quarantine*")) and "k-torn" in path.read_text()
+
+
 def test_words_a_person_retired_stay_retired_whatever_type_brings_them_back(repo, tmp_path):
     """A deprecated skill's or need's words, or a corrected skill's, came back
     live as a memory (capture with another type, or an import: exports carry no
