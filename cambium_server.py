@@ -4800,6 +4800,8 @@ REFRESH_WAIT_S = 0.5        #: a read waits this long (from its start) for a due
 FETCH_LOCK_WAIT_S = 2.0     #: a read waits this long for another process's fetch of the
                             #: branch (then answers from the tip fetched before); a write
                             #: waits as long as a fetch may take (CAMBIUM_GIT_TIMEOUT)
+CHECKOUT_LOCK_WAIT_S = 2.0  #: the org clone's checkout lock is waited for this long: the
+                            #: checkout is a convenience no write needs, left for a later read
 FETCH_BACKOFF_S = 300.0     #: after a failed fetch, a digest read by any process answers
                             #: from the last fetched tip this long before trying again
                             #: (a hung remote cost each CLI recall the whole git timeout)
@@ -6219,21 +6221,31 @@ class GitStore(Store):
         one process at a time: an index.lock found then was left by a checkout
         that a crash or the git timeout ended, and is removed (stale_lock).
         Never over someone's work (_checkout_hazard): the checkout is then
-        left as it is, with a warning; writes never need it."""
+        left as it is, with a warning; writes never need it. Its lock is waited
+        for CHECKOUT_LOCK_WAIT_S (a process stopped mid-checkout, Ctrl-Z, held
+        every org read LOCK_WAIT_S, 300 s, then failed it): then the checkout
+        is left for a later read, with a warning."""
         state = self._state
         with state.lock:
             tip = state.tip
             if not tip or state.checked_out == tip:
                 return
-            with file_lock(self._meta_dir() / "checkout"):
-                if hazard := self._checkout_hazard(tip):
-                    left = f"the {self.scope} clone {self.repo}'s checkout was left as it is: "
-                    if left + hazard not in self._warnings:
-                        self._warnings.append(left + hazard)
-                else:
-                    _run(["git", "checkout", "--quiet", "--force", "-B", self.branch, tip],
-                         self.repo, self.timeout_s, own_locks=True)
+            left = f"the {self.scope} clone {self.repo}'s checkout was left as it is: "
+            try:
+                with file_lock(self._meta_dir() / "checkout", CHECKOUT_LOCK_WAIT_S):
+                    if hazard := self._checkout_hazard(tip):
+                        self._warn_once(left + hazard)
+                    else:
+                        _run(["git", "checkout", "--quiet", "--force", "-B", self.branch, tip],
+                             self.repo, self.timeout_s, own_locks=True)
+            except ConflictError as e:
+                self._warn_once(f"{left}{str(e).split(';')[0]}; a later read syncs it")
+                return
             state.checked_out = tip
+
+    def _warn_once(self, text: str) -> None:
+        if text not in self._warnings:
+            self._warnings.append(text)
 
     def _checkout_hazard(self, tip: str) -> str | None:
         """Why a forced checkout of `tip` could destroy someone's work, or None:

@@ -16647,6 +16647,35 @@ def test_an_org_clone_holding_code_or_someones_work_is_never_checked_out_by_forc
     assert any("left as it is" in w and "uncommitted" in w for w in out.get("warnings", []))
 
 
+def test_a_held_org_checkout_lock_holds_back_no_read(shared, monkeypatch):
+    """Every read of the org scope syncs the org clone's checkout under a lock;
+    a process stopped mid-checkout (Ctrl-Z) held each recall there 300 s, then
+    failed it. The read waits CHECKOUT_LOCK_WAIT_S, answers with a warning and
+    leaves the checkout for a later read."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Every service exposes a health endpoint")
+    cs.promote(item_id)
+    assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
+    org = shared["org"]
+    tip = git(shared["org_bare"], "rev-parse", "main").strip()
+    git(org, "checkout", "-q", "--detach", tip + "~1")        # (the checkout behind the tip)
+    cs.runtime().reset()
+    holder = _hold_lock(org / ".git" / "cambium" / "checkout.lock")
+    try:
+        start = time.monotonic()
+        out = cs.recall("health endpoint", scope="org")
+        assert time.monotonic() - start < cs.CHECKOUT_LOCK_WAIT_S + 4
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [r["id"] for r in out["results"]] == [item_id]
+    assert [w for w in out["warnings"] if "checkout.lock has been held" in w and
+            "a later read syncs it" in w]
+    assert git(org, "rev-parse", "HEAD").strip() != tip
+    cs.recall("health endpoint", scope="org")
+    assert git(org, "rev-parse", "HEAD").strip() == tip
+
+
 def test_export_o_never_replaces_another_projects_store(repo, tmp_path):
     other = make_repo(tmp_path, "other")
     store_file = other / ".cambium" / "knowledge.json"
