@@ -4425,22 +4425,35 @@ def _no_room(path: Path) -> int:
 
 
 def _adopt_legacy_journal(path: Path) -> None:
-    """Move the credits of a journal written under its old name into `path`."""
+    """Move the credits of a journal written under its old name into `path`.
+    The journal's lock is waited for JOURNAL_LOCK_WAIT_S (a process stopped
+    mid-append held status, export and review LOCK_WAIT_S, 300 s): then the
+    legacy journal is left for a later call, its credits not counted in this
+    one (never twice), with a warning."""
     legacy = path.with_name(LEGACY_CREDITS_FILE)
     if not legacy.exists():
         return
-    with file_lock(path):
-        try:
-            with open(legacy, "rb", opener=open_regular) as f:
-                data = f.read()
-        except FileNotFoundError:
-            return                          # another thread adopted it first
-        except OSError as e:                # (a directory of that name: no journal to take)
-            _legacy_unread(legacy, e)
-            return
-        if data.strip():
-            _append_durably(path, data if data.endswith(b"\n") else data + b"\n")
-        os.unlink(legacy)                   # a crash before this repeats credits: harmless
+    try:
+        with file_lock(path, min(LOCK_WAIT.get(), JOURNAL_LOCK_WAIT_S)):
+            _adopt_locked(path, legacy)
+    except ConflictError as e:
+        note_for_call(f"{legacy}: an old name of the credit journal, left for a later call: "
+                      f"{str(e).split(';')[0]}; its credits are not counted in this answer")
+
+
+def _adopt_locked(path: Path, legacy: Path) -> None:
+    """_adopt_legacy_journal's move, under the journal's lock."""
+    try:
+        with open(legacy, "rb", opener=open_regular) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return                          # another thread adopted it first
+    except OSError as e:                # (a directory of that name: no journal to take)
+        _legacy_unread(legacy, e)
+        return
+    if data.strip():
+        _append_durably(path, data if data.endswith(b"\n") else data + b"\n")
+    os.unlink(legacy)                   # a crash before this repeats credits: harmless
 
 
 def read_credits(path: Path | None, *, adopt: bool = True) -> list[dict]:

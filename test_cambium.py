@@ -3392,6 +3392,29 @@ def test_legacy_usage_journal_is_adopted_and_folded(repo):
     assert not (repo / ".cambium" / "credits.jsonl").read_text().strip()
 
 
+def test_a_held_journal_lock_leaves_the_legacy_journal_for_later(repo):
+    """status, export and review adopt a journal under its old name under the
+    journal's lock: a process stopped mid-append held them 300 s. They wait
+    JOURNAL_LOCK_WAIT_S, then answer without the legacy credits, with a
+    warning; the next call adopts them, counted once."""
+    item = cs.capture("Queue consumers ack after the write commits")["item"]
+    legacy = repo / ".cambium" / "usage.jsonl"             # the journal's old name
+    legacy.write_text(json.dumps({"item": item["id"], "scope": "local", "agent": "old",
+                                  "day": "2026-01-02", "project": repo.name}) + "\n")
+    holder = _hold_lock(repo / ".cambium" / "credits.jsonl.lock")
+    try:
+        start = time.monotonic()
+        with cs.collecting_notes():
+            out = cs.with_store_warnings(cs.status())
+        assert time.monotonic() - start < cs.JOURNAL_LOCK_WAIT_S + 3
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out["pending_recall_credits"] == 0 and legacy.exists()
+    assert any("usage.jsonl" in w and "left for a later call" in w for w in out["warnings"])
+    assert cs.status()["pending_recall_credits"] == 1 and not legacy.exists()
+
+
 def test_expand_counts_a_legacy_journals_credits_without_moving_it(repo):
     """A read-only tool reads both journals where they lie: the current one
     through the incremental reader, the legacy one beside it, untouched."""
