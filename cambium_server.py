@@ -3157,16 +3157,24 @@ _STRUCTURAL = frozenset((b"", b"{", b"}", b"[", b"]", b"]}", b"],", b'"items": [
 def file_lock(path: Path, wait: float | None = None) -> Iterator[None]:
     """Exclusive lock on `<path>.lock`, across threads and processes, waited
     for at most `wait`, else LOCK_WAIT.get(), seconds (then ConflictError: a
-    holder stopped mid-write, SIGSTOP, kept every other writer waiting for ever)."""
-    with runtime().thread_lock(str(path)):
+    holder stopped mid-write, SIGSTOP, kept every other writer waiting for ever).
+    The wait counts this process's other threads too: a read waited on one
+    (a server's credit fold) that waited LOCK_WAIT_S on a stopped process."""
+    wait_s = LOCK_WAIT.get() if wait is None else wait
+    deadline, mine = time.monotonic() + wait_s, runtime().thread_lock(str(path))
+    if not mine.acquire(timeout=wait_s):
+        raise _held_error(path, wait_s)
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
         try:
-            _flock_within(fd, path, LOCK_WAIT.get() if wait is None else wait)
+            _flock_within(fd, path, max(0.0, deadline - time.monotonic()), wait_s)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+    finally:
+        mine.release()
 
 
 LOCK_WAIT_S = 300.0     #: a writer waits this long for another's lock (a shared scope's
@@ -3179,8 +3187,9 @@ STORE_READ_LOCK_WAIT_S = 2.0   #: a read waits this long for the local store's l
                                #: serves the file as it stands, with a warning
 
 
-def _flock_within(fd: int, path: Path, wait_s: float) -> None:
-    """flock(fd) exclusively, polling, for at most wait_s (0: one try)."""
+def _flock_within(fd: int, path: Path, wait_s: float, said: float | None = None) -> None:
+    """flock(fd) exclusively, polling, for at most wait_s (0: one try); the
+    error says `said` seconds (the whole wait) when given."""
     deadline, pause = time.monotonic() + wait_s, 0.005
     while True:
         try:
@@ -3188,11 +3197,15 @@ def _flock_within(fd: int, path: Path, wait_s: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise ConflictError(f"{path.name}.lock has been held by another process for "
-                                    f"{wait_s:g} s (a long import, or a process stopped while "
-                                    "it writes); nothing was changed, try again") from None
+                raise _held_error(path, wait_s if said is None else said) from None
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.1)
+
+
+def _held_error(path: Path, wait_s: float) -> ConflictError:
+    return ConflictError(f"{path.name}.lock has been held by another process for {wait_s:g} s "
+                         "(a long import, or a process stopped while it writes); nothing was "
+                         "changed, try again")
 
 
 TMP_SUFFIX = ".tmp"     #: atomic_write's copy in the making: <name>.<pid>.<random>.tmp

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import fcntl
 import json
@@ -7629,6 +7630,40 @@ def test_a_read_of_a_torn_store_whose_lock_is_held_answers_within_seconds(repo):
         held = [w for w in answer["warnings"] if "held by another process" in w]
         assert len(held) == 1 and "1 damaged line(s) not set aside" in held[0]
     assert not list(path.parent.glob("*.quarantine*")) and "k-torn" in path.read_text()
+
+
+def test_a_read_waits_no_longer_on_a_thread_that_waits_for_the_stores_lock(repo):
+    """In the server a credit fold (another thread) waiting on the store's lock
+    a stopped process holds kept the per-path thread lock all the while: a
+    recall of a torn store then waited on that thread, unbounded, before its
+    own short wait for the file lock even began."""
+    item_id = cs.capture("Pin the base image by digest")["item"]["id"]
+    path = _store_path(repo)
+    path.write_text(path.read_text().replace("\n]}", ',\n{"id": "k-torn", "cont'))
+    holder = _hold_lock(path.with_name(path.name + ".lock"))
+    waiting = threading.Event()
+
+    def fold() -> None:
+        with contextlib.suppress(cs.ConflictError):
+            waiting.set()
+            with cs.file_lock(path, 30):
+                pass
+
+    folder = threading.Thread(target=contextvars.copy_context().run, args=(fold,))
+    folder.start()
+    try:
+        assert waiting.wait(5)
+        time.sleep(0.2)
+        start = time.monotonic()
+        with cs.collecting_notes():
+            out = cs.with_store_warnings(cs.recall("base image digest"))
+        assert time.monotonic() - start < cs.STORE_READ_LOCK_WAIT_S + 2
+    finally:
+        holder.kill()
+        holder.wait()
+        folder.join(10)
+    assert out["results"][0]["id"] == item_id
+    assert any("held by another process" in w for w in out["warnings"])
 
 
 def test_words_a_person_retired_stay_retired_whatever_type_brings_them_back(repo, tmp_path):
