@@ -4624,10 +4624,12 @@ def take_credits(path: Path | None, scope: str
 
     def commit(done: Iterable[dict] | None = None) -> None:
         try:
-            rewrite_credits(path, {credit_key(r): [] for r in (mine if done is None else done)})
-        except OSError as e:
+            rewrite_credits(path, {credit_key(r): [] for r in (mine if done is None else done)},
+                            wait=min(LOCK_WAIT.get(), JOURNAL_LOCK_WAIT_S))
+        except (OSError, ConflictError) as e:
+            why = e.strerror or e if isinstance(e, OSError) else "its lock is held"
             note_for_call(f"{path}: the recall credits this write counted stay journaled "
-                          f"too ({e.strerror or e}); a later write drops them, counted once")
+                          f"too ({why}); a later write drops them, counted once")
     return mine, commit
 
 
@@ -4640,13 +4642,15 @@ def credit_key(record: dict) -> str:
     return json.dumps(record, sort_keys=True)
 
 
-def rewrite_credits(path: Path, replace: dict[str, list[dict]]) -> None:
-    """Rewrite the journal under its lock, each line whose record's credit_key
-    is in `replace` replaced by those records (none: dropped); every other
-    line, one that does not parse too, is kept byte for byte."""
+def rewrite_credits(path: Path, replace: dict[str, list[dict]], *,
+                    wait: float | None = None) -> None:
+    """Rewrite the journal under its lock (waited for `wait` seconds, else
+    LOCK_WAIT), each line whose record's credit_key is in `replace` replaced
+    by those records (none: dropped); every other line, one that does not
+    parse too, is kept byte for byte."""
     if not replace:
         return
-    with file_lock(path):
+    with file_lock(path, wait):
         with open(path, "rb", opener=open_regular) as f:
             lines = f.read().split(b"\n")
         keep = []

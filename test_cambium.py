@@ -2844,6 +2844,34 @@ def test_a_write_that_landed_is_reported_landed_when_its_credit_journal_cannot_s
     assert b not in journal.read_text()
 
 
+def test_a_write_that_landed_is_reported_landed_when_its_credit_journals_lock_is_held(repo):
+    """Dropping the credits a write folded waited LOCK_WAIT_S (300 s) for the
+    journal's lock held by a stopped process, then said "nothing was changed,
+    try again" though the store held the endorsement and the folded credit."""
+    a = cs.capture("Pin the toolchain version in CI")["item"]["id"]
+    journal = repo / ".cambium" / "credits.jsonl"
+    cs.append_credits(journal, [{"item": a, "agent": "bob", "day": cs._today(),
+                                 "scope": "local"}])
+    holder = _hold_lock(journal.with_name(journal.name + ".lock"))
+    try:
+        started = time.monotonic()
+        with cs.collecting_notes():
+            res = cs.with_store_warnings(cs.endorse(a, note="holds"))
+        assert time.monotonic() - started < 30
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res["status"] == "endorsed", res
+    assert any("stay journaled" in w and "lock is held" in w for w in res["warnings"])
+    item = {i["id"]: i for i in local_items(repo)}[a]
+    assert [e["note"] for e in item["trust"]["endorsements"]] == ["holds"]
+    assert item["trust"]["recalls"] == 1 and a in journal.read_text()
+    cs.runtime().reset()
+    cs.endorse(a, note="and this")                   # the next write drops it, counted once
+    assert {i["id"]: i for i in local_items(repo)}[a]["trust"]["recalls"] == 1
+    assert a not in journal.read_text()
+
+
 def test_kill_9_at_random_points_loses_no_acknowledged_capture(repo):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
