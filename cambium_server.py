@@ -17152,9 +17152,10 @@ def _correct_once(cfg: Config, item_id: str, content: Any, why: Any, force: bool
 
 def _corrected_already(cfg: Config, scope: str, old: Item, new: Item) -> dict | None:
     """correct()'s answer when the scope (as locate just read it) holds this
-    very correction of `old` already, else None: a correct whose push timed
-    out but landed, run again, was refused as if another's correction
-    superseded the item ("that one can be corrected")."""
+    very correction of `old` already, still live, else None: a correct whose
+    push timed out but landed, run again, was refused as if another's
+    correction superseded the item ("that one can be corrected"). A
+    correction deprecated or corrected since is no answer: it is not live."""
     if old.status != "superseded":
         return None
     try:
@@ -17162,7 +17163,7 @@ def _corrected_already(cfg: Config, scope: str, old: Item, new: Item) -> dict | 
     except CambiumError:
         return None
     prior = _same_correction(doc, old, new) if doc is not None else None
-    if prior is None:
+    if prior is None or not prior.active:    # (retired since: refused below, as before)
         return None
     return {"status": "corrected", "scope": scope, "item": item_view(prior),
             "superseded": old.id,

@@ -17558,6 +17558,23 @@ def test_correcting_a_deprecated_item_says_what_to_do_instead(repo):
         cs.correct(item, "Deploys run at any hour")
 
 
+def test_the_same_correction_again_is_no_answer_once_that_correction_is_retired(repo):
+    """correct() run again with a correction's own words answers 'already
+    corrected' only while that correction is live: one deprecated (or
+    corrected) since was handed back as 'corrected', a recall finding nothing."""
+    item = cs.capture("Builds use gradle 7")["item"]["id"]
+    first = cs.correct(item, "Builds use gradle 8")["item"]["id"]
+    again = cs.correct(item, "Builds use gradle 8")
+    assert again["status"] == "corrected" and again["item"]["id"] == first
+    cs.deprecate(first, reason="gradle 8 was reverted")
+    with pytest.raises(cs.Refused, match="deprecated"):
+        cs.correct(item, "Builds use gradle 8")
+    second = cs.correct(cs.capture("Builds use gradle 9")["item"]["id"], "Builds use gradle 10")
+    cs.correct(second["item"]["id"], "Builds use gradle 11")
+    with pytest.raises(cs.Refused, match="superseded"):
+        cs.correct(second["superseded"], "Builds use gradle 10")
+
+
 def _workers(argv: list[str]) -> list[str]:
     """Two pytest-xdist workers when it is installed and the caller chose none:
     most tests wait on git and server subprocesses, so two halve the wall time
