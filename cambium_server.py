@@ -9786,7 +9786,8 @@ class Semantic:
         else:                   # relevance: the two cosines' mean, on its own floor
             score, rel = semantic_blend(np, sim, usable, lex, boost=0.0, floor=SEM_SECOND_FLOOR,
                                         first=(1 - SEM_SECOND_MIX) * head + SEM_SECOND_MIX * second)
-        score = feedback_scores(np, first, q, sim, score, usable)
+        if not stand_in_among(np, score, usable, SEM_FEEDBACK_POOL):
+            score = feedback_scores(np, first, q, sim, score, usable)
         if second is not None:
             score = second_blend(np, score, second, usable)
         return score, rel, second is not None, failed
@@ -9796,7 +9797,8 @@ class Semantic:
         """The best SEM_LATE_POOL scored again with late interaction
         (late_blend; `in_tail`: the slots a tail window found). An embedded
         item found without token vectors (a torn file, a cache from before
-        them) is queued to be embedded again, once, unless they cannot be written."""
+        them) is queued to be embedded again, once, unless they cannot be written.
+        A pool holding an item not embedded yet is left as it is (stand_in_among)."""
         pool = best_slots(np, score, items, SEM_LATE_POOL)
         keys = [self.key(items[i]) for i in pool]
         stored = [self.tokens.get(np, k) for k in keys]
@@ -9807,6 +9809,8 @@ class Semantic:
             with self.cv:
                 self.token_requeued.update(k for _, k in lost)
                 self._enqueue([it for it, _ in lost])
+        if not usable[pool].all():
+            return score
         return late_blend(np, score, pool, late_scores(np, qtok, stored), tail=in_tail[pool],
                           weight=SEM_LATE_WEIGHT)
 
@@ -9850,26 +9854,49 @@ class Semantic:
                 failed = f"the reranker failed: {type(e).__name__}: {e}"
             else:
                 score = reranked(np, score, top, logits, set(exact))
+        slots = best_slots(np, score, items, pool + tie_slack(index))
         hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] and
                     model_reads(emb.tokenizer, it.content[:READS_CHARS]) else   # (else as
                     lexical_relevance(confidence_bm25(index, terms, it)))       # lexical's)
-                for i in best_slots(np, score, items, pool + tie_slack(index))
-                if (it := items[i]) is not None]    # (None: killed by a sync meanwhile)
+                for i in slots if (it := items[i]) is not None]   # (None: killed meanwhile)
+        head = None if usable[slots[:RESULT_HEAD]].all() else 0     # (stand_in_among)
         ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
-                                         unknown=unknown_names(index, query)),
+                                         unknown=unknown_names(index, query), head=head),
                               hits[pool:], terms, index, pool)
         ranking.hits = ranking.hits[:limit]   # abstained beside a result at 0.517)
         ranking.reranked = reranker is not None and failed is None
         ranking.second = second
-        if waiting:
-            ranking.note = (f"{waiting} of {index.live} items are not embedded yet (being "
-                            "embedded in the background): they are ranked by shared words")
-        if failed:
-            ranking.note = joined_notes(ranking.note, f"Not reranked: {failed}.")
-        if second_failed:
-            ranking.note = joined_notes(ranking.note,
-                                        f"Ranked by the bi-encoder alone: {second_failed}.")
+        ranking.note = semantic_notes(waiting, index.live, failed, second_failed)
         return ranking
+
+
+def semantic_notes(waiting: int, live: int, failed: str | None,
+                   second_failed: str | None) -> str | None:
+    """A semantic ranking's note: the backlog ranked by shared words, and
+    which model failed (the rest of the ranking still answered)."""
+    return joined_notes(
+        f"{waiting} of {live} items are not embedded yet (being embedded in the "
+        "background): they are ranked by shared words" if waiting else None,
+        f"Not reranked: {failed}." if failed else None,
+        f"Ranked by the bi-encoder alone: {second_failed}." if second_failed else None)
+
+
+def stand_in_among(np: Any, score: Any, usable: Any, pool: int) -> bool:
+    """Whether any of the best `pool` finite slots is an item not embedded
+    yet, standing in by its shared words (semantic_blend). Feedback, late
+    interaction and the head rule (split_at_floor) then leave the ranking as
+    it is: they re-score embedded items alone, on scales a stand-in's score
+    is not on (a query-independent feedback term, z-scores with the stand-ins
+    at the mean), and a backlog's few embedded items, unrelated, outranked
+    the items naming what was asked and were lifted to results at 0.5. A
+    fully embedded store has no stand-in: its ranking is unchanged."""
+    finite = np.isfinite(score)
+    late = finite & ~usable
+    if not late.any():
+        return False
+    if int(finite.sum()) <= pool:
+        return True
+    return bool((score[late] >= np.partition(score[finite], -pool)[-pool]).any())
 
 
 def item_cosines(np: Any, head: Any, q: Any, tails: tuple) -> tuple[Any, Any]:

@@ -13405,6 +13405,44 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
 
 
 @needs_extra
+def test_a_backlog_s_few_embedded_items_never_outrank_its_lexical_matches(
+        semantic, monkeypatch, tmp_path):
+    """Mid-backlog, the items not embedded yet stand in by their shared words:
+    feedback and late interaction re-scored the few embedded ones (unrelated)
+    on other scales, above them, and the head rule lifted them to results at
+    0.5, credited, beside the matches, or pushed the matches out of the
+    places judged and recall abstained."""
+    _capture_notes()
+    for n in range(8):
+        cs.capture(f"Budget review {n}: spending is compared with the plan each quarter")
+    cs.recall(UNRELATED)                             # these 13 are embedded
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    gate = threading.Event()
+    real = cs.Semantic._embed_items
+    monkeypatch.setattr(cs.Semantic, "_embed_items",
+                        lambda self, emb, chunk: gate.wait(30) and real(self, emb, chunk))
+    rows = [{"id": f"m{i}", "type": "memory", "content": f"external-dns {i} updates the "
+             "DNS records of each ingress host, installed from its Helm chart"}
+            for i in range(3)]
+    rows += [{"id": f"f{i}", "type": "memory",
+              "content": f"Note {i} about the ledger export format"} for i in range(40)]
+    export = tmp_path / "backlog.jsonl"
+    export.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cs.import_memory("json", str(export))
+    eng.rate = 1e-3                                  # never waited for
+    try:
+        res = cs.recall("external-dns for DNS record management installed with a Helm chart")
+    finally:
+        gate.set()
+    assert "43 of 56 items are not embedded yet" in res["note"], res
+    found = sorted(r["line"].split("external-dns ")[-1][:1] for r in res["results"])
+    assert found == ["0", "1", "2"], res                 # the matches, and no note
+    credited = {c["item"] for c in cs.read_credits(cs.credits_path(cs.require_config()))}
+    assert credited == {r["id"] for r in res["results"]}
+
+
+@needs_extra
 def test_late_interaction_knows_which_items_a_tail_window_found(monkeypatch):
     """Late interaction reads an item's first window only, so the engine
     tells late_blend which pool items a tail window found (the clamp itself:
