@@ -9440,6 +9440,7 @@ class Semantic:
         self.tokens: TokenStore | None = None    # items' token vectors (None: no late interaction)
         self.token_error: str | None = None      # why token vectors could not be stored
         self.token_requeued: set[str] = set()    # keys queued again for lost token vectors
+        self.token_failed: set[str] = set()      # keys whose token vectors could not be written
         self.slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
@@ -9598,6 +9599,7 @@ class Semantic:
                 if not self.token_error:
                     print(f"cambium: could not store token vectors: {e}", file=sys.stderr)
                 self.token_error = str(e)
+                self.token_failed.add(key)
 
     def _work(self) -> None:
         with self.cv:
@@ -9797,14 +9799,14 @@ class Semantic:
         """The best SEM_LATE_POOL scored again with late interaction
         (late_blend; `in_tail`: the slots a tail window found). An embedded
         item found without token vectors (a torn file, a cache from before
-        them) is queued to be embedded again, once, unless they cannot be written.
-        A pool holding an item not embedded yet is left as it is (stand_in_among)."""
+        them) is queued to be embedded again, once, unless its own could not be
+        written (failing again: embedding again won't do). A pool holding an
+        item not embedded yet is left as it is (stand_in_among)."""
         pool = best_slots(np, score, items, SEM_LATE_POOL)
         keys = [self.key(items[i]) for i in pool]
         stored = [self.tokens.get(np, k) for k in keys]
-        lost = [] if self.token_error else [     # (writes failing: embedding again won't do)
-            (items[i], k) for i, k, t in zip(pool, keys, stored)
-            if t is None and usable[i] and k not in self.token_requeued]
+        lost = [(items[i], k) for i, k, t in zip(pool, keys, stored) if t is None
+                and usable[i] and k not in self.token_requeued and k not in self.token_failed]
         if lost:
             with self.cv:
                 self.token_requeued.update(k for _, k in lost)

@@ -13405,6 +13405,36 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
 
 
 @needs_extra
+def test_one_token_file_that_cannot_be_written_leaves_the_others_repaired(
+        semantic, monkeypatch):
+    """An item whose token file cannot be written is not embedded again for
+    it; another item's torn token file still is, in the same process (one
+    failed write switched the repair off for every item)."""
+    monkeypatch.setattr(cs, "TOKENS_RECENT", 0)      # every recall reads the files
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    _engine(semantic).wait_idle(30)
+    items = {it.id: it for it in cs.store(cs.require_config(), "local").read().items}
+    a, b = (_engine(semantic).key(items[ids[NOTES[n][0]]]) for n in (0, 1))
+    tok_dir = semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR
+    (tok_dir / cs.TokenStore.name(a)).unlink()
+    (tok_dir / cs.TokenStore.name(a)).mkdir()        # a's file cannot be written
+    cs.runtime().engines.clear()
+    cs.recall(PARAPHRASE)                            # a embedded again: its write fails
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    assert eng.token_error and eng.embedded == 1
+    torn = tok_dir / cs.TokenStore.name(b)
+    torn.write_bytes(torn.read_bytes()[:-100])
+    cs.recall(PARAPHRASE)                            # b's torn file: embedded again
+    eng.wait_idle(30)
+    assert eng.embedded == 2 and eng.tokens.get(eng.ready().np, b) is not None
+    cs.recall(PARAPHRASE)
+    eng.wait_idle(30)
+    assert eng.embedded == 2                         # and a never again
+
+
+@needs_extra
 def test_a_backlog_s_few_embedded_items_never_outrank_its_lexical_matches(
         semantic, monkeypatch, tmp_path):
     """Mid-backlog, the items not embedded yet stand in by their shared words:
