@@ -15888,8 +15888,9 @@ def corrections_first(cfg: Config, hits: list[Hit], docs: dict[str, Doc]) -> lis
     """The hits with an agent's copy of words a person corrected (in any scope
     read: a teammate's clone kept its copy while the team item was corrected)
     replaced by the live correction, in its place and at its relevance, or
-    dropped when the correction is a hit already: the stale copy ranked above
-    the correction."""
+    dropped when the correction is a hit already (the stale copy ranked above
+    the correction) or was retired since (the words it corrected stay retired,
+    as capture and promote hold them: corrected_before)."""
     if not hits:
         return hits
     fixed = correction_for(cfg, docs)
@@ -15898,17 +15899,19 @@ def corrections_first(cfg: Config, hits: list[Hit], docs: dict[str, Doc]) -> lis
         fix = fixed(h.item)
         if fix is None:
             out.append(h)
-        elif fix.id not in ids:
+        elif fix.active and fix.id not in ids:
             ids.add(fix.id)
             out.append(dataclasses.replace(h, item=fix))
     return out
 
 
 def correction_for(cfg: Config, docs: dict[str, Doc]) -> Callable[[Item], Item | None]:
-    """item -> the live correction of the words it says, when a person
-    corrected them in any of `docs` and it is another item (an agent's copy
-    that outlived the correction), else None. Cheap per item: only words some
-    item was superseded for are looked up."""
+    """item -> the correction of the words it says, when a person corrected
+    them in any of `docs` and it is another item (an agent's copy that
+    outlived the correction), else None: the live one at the end of its
+    chain, else its retired end (the correction deprecated since: the words
+    stay retired too). Cheap per item: only words some item was superseded
+    for are looked up."""
     maps = [words for scope, doc in docs.items()      # (cached per store: no set is
             if (words := corrections(f"{scope}:{cfg.repo}", doc.items)[0])]   # built per call)
 
@@ -15917,7 +15920,7 @@ def correction_for(cfg: Config, docs: dict[str, Doc]) -> Callable[[Item], Item |
                 not any(content_key(it) in words for words in maps):
             return None
         fix = _correction_of_text(cfg, it.content, it.type, docs)
-        return fix if fix is not None and fix.active and fix.id != it.id else None
+        return fix if fix is not None and fix.id != it.id else None
     return fixed
 
 

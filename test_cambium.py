@@ -17355,6 +17355,11 @@ def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_pri
     assert fix["id"] in ids and mine not in ids
     cs.consolidate(apply=True)                       # (a consolidate survivor is no copy)
     assert cs.recall("public API rate limit")["results"][0]["id"] == fix["id"]
+    cs.deprecate(fix["id"], reason="the limit is under review")  # the correction retired:
+    assert cs.capture(words)["status"] == "corrected_before"    # its words stay retired,
+    got = [r["id"] for r in cs.recall("public API rate limit requests per minute")["results"]]
+    assert mine not in got and fix["id"] not in got, got        # in recall (they came back)
+    assert mine not in json.dumps(cs.session_primer())          # and in the primer
 
 
 def test_the_same_verification_again_at_once_is_recorded_once(repo, monkeypatch):
