@@ -16845,10 +16845,29 @@ def test_export_o_never_replaces_another_projects_store(repo, tmp_path):
     config = repo / ".git" / "config"                 # `export -o .git/config` replaced it
     before = config.read_text()
     out = cli("export", "-o", str(config), cwd=repo)
-    assert out.returncode == 1 and "inside a .git folder" in out.stderr, out
+    assert out.returncode == 1 and "git's own" in out.stderr, out
     assert config.read_text() == before
     ok = cli("export", "-o", str(tmp_path / "notes.md"), cwd=repo)
     assert ok.returncode == 0 and "integer cents" in (tmp_path / "notes.md").read_text()
+
+
+def test_export_o_never_replaces_a_worktrees_git_link_file(repo, tmp_path):
+    """`export -o <worktree>/.git` replaced the worktree's 'gitdir: ...' link
+    file (only folders above the target were checked): git could no longer
+    open the worktree. A target named .git (or .cambium) is refused."""
+    cs.capture("Money is kept in integer cents")
+    wt = tmp_path / "wt"
+    git(repo, "worktree", "add", "-q", "-b", "feat", str(wt))
+    link = (wt / ".git").read_text()
+    out = cli("export", "-o", str(wt / ".git"), cwd=wt)
+    assert out.returncode == 1 and "git's own" in out.stderr, out
+    assert (wt / ".git").read_text() == link
+    assert git(wt, "rev-parse", "--abbrev-ref", "HEAD").strip() == "feat"
+    stray = tmp_path / ".cambium"
+    stray.write_text("x\n")
+    out = cli("export", "-o", str(stray), cwd=repo)
+    assert out.returncode == 1 and "cambium's own files" in out.stderr, out
+    assert stray.read_text() == "x\n"
 
 
 def test_restore_of_another_projects_quarantine_file_is_refused_naming_where_to_run_it(
