@@ -15486,22 +15486,38 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
 
 
 def _scaffold_local(root: Path) -> list[str]:
-    """Create .cambium/ with an empty store, and ignore it in .gitignore once.
+    """Create .cambium/ with an empty store, and ignore it in .gitignore once:
+    both in the checkout that holds the store (a linked worktree's is its main
+    checkout's, so the worktree's own .gitignore, its branch's, stays as it
+    is). Returns the warnings of _ignore_in_gitignore."""
+    base = store_root(root)
+    d = base / LOCAL_DIR
+    d.mkdir(exist_ok=True)
+    ignore_local_dir(d)
+    store = d / STORE_FILE
+    if not store.exists():
+        atomic_write(store, render_store(Doc(items=[])))
+    return _ignore_in_gitignore(base)
+
+
+def _ignore_in_gitignore(base: Path) -> list[str]:
+    """Append `.cambium/` to base's .gitignore unless a line there says it.
     A .gitignore that is not a regular file (a link, a FIFO, a directory) is
-    left alone: the warning returned says to add the line by hand."""
-    gi = root / ".gitignore"
+    left alone: the warning returned says to add the line by hand. One git
+    tracks that a sparse checkout leaves out is never created: a new file of
+    one line reads to git as the team's ignore rules replaced (.cambium/'s own
+    `*` keeps the store out of git)."""
+    gi = base / ".gitignore"
     try:
         st = os.lstat(gi)
     except FileNotFoundError:
         st = None
     odd = None if st is None or _stat.S_ISREG(st.st_mode) else \
         "it is a symbolic link" if _stat.S_ISLNK(st.st_mode) else "it is not a regular file"
-    d = store_root(root) / LOCAL_DIR
-    d.mkdir(exist_ok=True)
-    ignore_local_dir(d)                       # (a worktree's store is its main checkout's)
-    store = d / STORE_FILE
-    if not store.exists():
-        atomic_write(store, render_store(Doc(items=[])))
+    if st is None and _git_tracks(base, ".gitignore"):
+        return [f"{gi} is tracked by git but not in this checkout (a sparse checkout?): it was "
+                f"not created ({LOCAL_DIR}/.gitignore keeps the store out of git); to ignore "
+                f"'{LOCAL_DIR}/' there too, add the line where the file is checked out"]
     try:
         if odd:
             raise OSError(odd)
@@ -15515,6 +15531,13 @@ def _scaffold_local(root: Path) -> list[str]:
             f.write((b"\n" if raw and not raw.endswith(b"\n") else b"") +
                     LOCAL_DIR.encode() + b"/\n")
     return []
+
+
+def _git_tracks(root: Path, name: str, timeout_s: float = 10.0) -> bool:
+    """Whether git's index in root holds `name` (False when git cannot say)."""
+    with contextlib.suppress(GitError, OSError):
+        return bool(_git(["ls-files", "-z", "--", name], root, timeout_s).stdout.strip("\0"))
+    return False
 
 
 _NOT_THERE = (None, "not in the working tree")   #: _resolve_one's why for a missing file

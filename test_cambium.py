@@ -1045,6 +1045,42 @@ def test_setup_appends_to_gitignore_without_rewriting_it(tmp_path):
     assert (r / ".gitignore").read_bytes() == original + b"\n.cambium/\n"
 
 
+def test_setup_never_creates_a_gitignore_a_sparse_checkout_leaves_out(tmp_path):
+    """In a sparse checkout without the tracked .gitignore, setup created one
+    holding `.cambium/` alone: git read it as the team's ignore rules deleted
+    (`git diff`: -*.log -build/ +.cambium/). It is left out, with a warning;
+    .cambium/'s own .gitignore keeps the store out of git."""
+    r = make_repo(tmp_path)
+    (r / ".gitignore").write_text("*.log\nbuild/\n")
+    (r / "src").mkdir()
+    (r / "src" / "a.py").write_text("x = 1\n")
+    git(r, "add", ".")
+    git(r, "commit", "-q", "-m", "ignore rules")
+    git(r, "sparse-checkout", "set", "--no-cone", "/src/")
+    assert not (r / ".gitignore").exists()
+    out = cs.setup(str(r), "ada")
+    assert not (r / ".gitignore").exists()
+    assert any("tracked by git but not in this checkout" in w for w in out["warnings"]), out
+    assert git(r, "status", "--porcelain") == ""
+
+
+def test_setup_in_a_linked_worktree_ignores_the_store_where_it_is(tmp_path):
+    """setup in a linked worktree appended `.cambium/` to the worktree's own
+    .gitignore (its branch's: a change to commit there), though the store is
+    the main checkout's; it goes to the main checkout's .gitignore."""
+    r = make_repo(tmp_path)
+    (r / ".gitignore").write_text("*.log\n")
+    git(r, "add", ".gitignore")
+    git(r, "commit", "-q", "-m", "ignore rules")
+    wt = tmp_path / "wt"
+    git(r, "worktree", "add", "-q", "-b", "feat", str(wt))
+    cs.setup(str(wt), "ada")
+    assert (wt / ".gitignore").read_text() == "*.log\n"
+    assert (r / ".gitignore").read_text() == "*.log\n.cambium/\n"
+    assert (r / ".cambium" / "knowledge.json").exists() and not (wt / ".cambium").exists()
+    assert git(wt, "status", "--porcelain") == ""
+
+
 def test_setup_rejects_missing_and_non_git_paths(tmp_path):
     with pytest.raises(cs.InputError, match="does not exist"):
         cs.setup(str(tmp_path / "nope"), "ada")
