@@ -2200,10 +2200,12 @@ def _missing(path: Path) -> bool:
 def clone_root(path: Any) -> Any:
     """A folder inside a clone as the clone's root, as setup() records it and
     git reads it (CAMBIUM_REPO=<clone>/services/api, a monorepo's habit, left
-    every tool unavailable: "not a git clone"); anything else as it is."""
+    every tool unavailable: "not a git clone"); anything else as it is. A
+    folder whose .git git walks past (an empty or stray .git directory, no
+    HEAD) is inside the clone around it, as a working directory there is."""
     try:
         p = Path(path)
-        if p.is_dir() and not os.path.lexists(p / ".git"):
+        if p.is_dir() and dotgit_problem(p) is not None:
             return str(_find_git_root(p) or path)
     except (OSError, TypeError, ValueError):
         pass

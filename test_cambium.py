@@ -865,6 +865,26 @@ def test_cambium_repo_inside_a_clone_binds_the_clone_and_a_missing_one_says_so(
     assert "does not exist" in gap["cost"], gap
 
 
+def test_cambium_repo_at_a_folder_with_a_stray_git_directory_binds_the_clone(
+        tmp_path, monkeypatch):
+    """CAMBIUM_REPO=<clone>/sub, where sub holds an empty .git directory (no
+    HEAD: git walks past it), bound nothing ("its .git directory holds no
+    HEAD"), though a working directory there and setup(<clone>/sub) both
+    take the clone around it."""
+    r = make_repo(tmp_path)
+    (r / "sub" / ".git").mkdir(parents=True)
+    monkeypatch.setenv("CAMBIUM_REPO", str(r / "sub"))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    st = cs.status()
+    assert st["configured"] is True and st["repo"] == str(r), st
+    alone = make_repo(tmp_path, "alone")                 # (with no clone around it: said so)
+    (alone / ".git").rename(tmp_path / "moved.git")
+    (alone / ".git").mkdir()
+    monkeypatch.setenv("CAMBIUM_REPO", str(alone))
+    gap = next(g for g in cs.status()["gaps"] if g["setting"] == "CAMBIUM_REPO")
+    assert "holds no HEAD" in gap["cost"], gap
+
+
 def test_the_module_defines_each_top_level_name_once():
     """A second `_noted` (an import helper) silently replaced the error helper
     of that name, and every "the push may still land" note was dropped."""
