@@ -16390,11 +16390,14 @@ def _schedule_credit_fold(cfg: Config) -> None:
 
 def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = CREDIT_SCOPES) -> None:
     """fold_credits_now, reporting a failure on stderr: the credits stay journaled
-    and the next write to their store folds them."""
+    and the next write to their store folds them. A held lock is named without
+    its "nothing was changed, try again" (after a recall that answered, it read
+    as if the recall had failed)."""
     try:
         fold_credits_now(cfg, scopes)
     except (CambiumError, OSError) as e:
-        print(f"cambium: recall credits {what}: {e}", file=sys.stderr)
+        why = str(e).split(";")[0] if isinstance(e, ConflictError) else str(e)
+        print(f"cambium: recall credits {what}: {why}", file=sys.stderr)
 
 
 def endorse(item_id: ItemId, note: Annotated[str, Field(

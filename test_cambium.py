@@ -7664,6 +7664,7 @@ def test_a_lock_a_stopped_process_holds_is_waited_for_a_bounded_time(repo):
         out = cli("recall", "base image digest", cwd=repo)          # answers, and ends
         assert out.returncode == 0 and "base image" in out.stdout
         assert "stay journaled" in out.stderr and (repo / ".cambium" / "credits.jsonl").exists()
+        assert "try again" not in out.stderr, out.stderr    # (the recall answered)
     finally:
         holder.kill()
         holder.wait()
