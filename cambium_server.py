@@ -15237,14 +15237,12 @@ def tracked_store_warning(repo: Path, timeout_s: float) -> list[str]:
     and every local write here dirties a tracked file that the next
     `git commit -a` publishes."""
     root = store_root(repo)
-    with contextlib.suppress(GitError, OSError):
-        tracked = _git(["ls-files", "-z", "--", LOCAL_DIR], root, timeout_s).stdout
-        if tracked.strip("\0"):
-            return [f"git tracks {LOCAL_DIR}/ in {root} (someone committed a local store): its "
-                    "notes are served as this clone's local scope, and local writes change a "
-                    f"tracked file the next `git commit -a` publishes. Run `git rm -r --cached "
-                    f"{LOCAL_DIR}` there and commit, so it stays out of git."]
-    return []
+    if not _git_tracks(root, LOCAL_DIR, timeout_s):
+        return []
+    return [f"git tracks {LOCAL_DIR}/ in {root} (someone committed a local store): its "
+            "notes are served as this clone's local scope, and local writes change a "
+            f"tracked file the next `git commit -a` publishes. Run `git rm -r --cached "
+            f"{LOCAL_DIR}` there and commit, so it stays out of git."]
 
 
 def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> str:
@@ -15536,7 +15534,8 @@ def _ignore_in_gitignore(base: Path) -> list[str]:
 
 
 def _git_tracks(root: Path, name: str, timeout_s: float = 10.0) -> bool:
-    """Whether git's index in root holds `name` (False when git cannot say)."""
+    """Whether git's index in root holds `name`, a file or anything under a
+    folder (False when git cannot say)."""
     with contextlib.suppress(GitError, OSError):
         return bool(_git(["ls-files", "-z", "--", name], root, timeout_s).stdout.strip("\0"))
     return False
