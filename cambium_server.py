@@ -478,13 +478,15 @@ def _now() -> str:
 
 
 def _parse_ts(value: str | None) -> datetime | None:
-    """Parse an ISO-8601 timestamp (Z or offset); None when absent, invalid or
+    """Parse an ISO-8601 timestamp (Z or offset; z and t as RFC 3339 allows:
+    a hand's lower-case z read as no stamp at all); None when absent, invalid or
     later than tomorrow (a typo such as 2062: a verification that never ages
     vouched for an item for decades)."""
     if not value or not isinstance(value, str):
         return None
     try:
-        dt = datetime.fromisoformat(_LEAP_SECOND.sub(r"\g<1>59", value.replace("Z", "+00:00")))
+        dt = datetime.fromisoformat(_LEAP_SECOND.sub(
+            r"\g<1>59", value.upper().replace("Z", "+00:00")))
     except ValueError:                     # (a leap second, 23:59:60, read as 23:59:59)
         return None
     dt = dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)

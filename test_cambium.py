@@ -7575,6 +7575,16 @@ def test_ordering_by_time_reads_offsets_and_never_lets_a_far_future_stamp_win():
         assert cs.vouched(it, {"recalls": 0}, now) is vouches, ago     # "in the last 90 days"
 
 
+def test_a_timestamp_with_a_lower_case_z_or_t_is_a_time():
+    """RFC 3339 allows 't' and 'z': a hand's last_verified ending in 'z' read
+    as no stamp, and stale_report called the item never verified."""
+    assert cs._parse_ts("2024-03-01t10:00:00z") == cs._parse_ts("2024-03-01T10:00:00Z")
+    assert cs._parse_ts("2024-03-01T10:00:00z") is not None
+    assert cs._parse_ts("2016-12-31t23:59:60z") == cs._parse_ts("2016-12-31T23:59:59Z")
+    it = cs.Item(id="k-z", content="x", last_verified="2024-03-01T10:00:00z")
+    assert cs.latest_stamp(it.last_verified, "soon") == "2024-03-01T10:00:00z"
+
+
 def test_a_project_named_in_another_case_is_the_same_project_everywhere():
     """One repo reached as Shop.git and shop.git: the primer left its org item
     out, stale_report(project=) missed it, and a credit listed the project twice."""
