@@ -16977,7 +16977,7 @@ def review_promotions(limit: Annotated[int, Field(
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
     to_org = moving_to(docs["local"], "org")
-    for it in (it for it in docs["local"].items if it.id not in to_org):
+    for it in (it for it in first_copies(docs["local"].items) if it.id not in to_org):
         trust = effective_trust(it, pending)
         verdict = team_verdict(it, trust, cfg.promote_recalls)
         if verdict.allowed and not _refused_in(cfg, "team", docs, it):
@@ -16985,7 +16985,7 @@ def review_promotions(limit: Annotated[int, Field(
                                          "because": verdict.reason})
     in_org = {it.id for it in docs.get("org", Doc(items=[])).items}
     for scope in ("local", "team"):
-        for it in docs.get(scope, Doc(items=[])).items:
+        for it in first_copies(docs.get(scope, Doc(items=[])).items):
             if it.pr_url:
                 out["pending_org_prs"].append({"id": it.id, "scope": scope, "pr_url": it.pr_url,
                                                "content": it.content,
@@ -16995,7 +16995,7 @@ def review_promotions(limit: Annotated[int, Field(
                     and it.id not in in_org and not _refused_in(cfg, "org", docs, it):
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
                                                 "draft": general_note(it)})
-    for it in docs.get("org", Doc(items=[])).items:
+    for it in first_copies(docs.get("org", Doc(items=[])).items):
         tells = org_tells(it) if it.active and it.authority != "human" else []
         if tells:                                   # (a person's words: not restated)
             out["org_needs_generalization"].append({

@@ -9254,6 +9254,17 @@ def test_consolidate_apply_retires_the_first_copy_of_a_doubled_id_and_keeps_the_
     assert other == {"id": "k-1", "content": second, "status": "active"}   # as it was
 
 
+def test_review_lists_for_team_only_what_the_first_copy_of_a_doubled_id_earns(repo):
+    """A hand-doubled id whose second copy is endorsed: review listed it as
+    team-eligible, and promote (reading the first copy, unendorsed) refused."""
+    _doubled_store(repo, {"id": "k-1", "content": "Prefer idempotent queue consumers"},
+                   {"id": "k-1", "content": "Keep migrations backward compatible",
+                    "trust": {"recalls": 0, "endorsements": [
+                        {"by": "bob", "at": "2026-12-01T00:00:00Z", "note": "holds"}]}})
+    assert cs.review_promotions()["team_eligible"] == []
+    assert cs.promote()["status"] == "nothing_eligible"
+
+
 def test_restore_into_a_doubled_id_adds_to_its_first_copy_and_keeps_the_other(repo):
     """A set-aside copy's endorsement landed on the store's last copy of its
     id, which no tool reads, and live_kept counted the words of that copy."""
