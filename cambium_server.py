@@ -17062,7 +17062,7 @@ def _said_just_now(checks: list, agent: str, note: str, now: str) -> bool:
     (pure)."""
     last = checks[-1] if checks and isinstance(checks[-1], dict) else {}
     at, then = _parse_ts(str(last.get("at") or "")), _parse_ts(now)
-    return (last.get("by") == agent and str(last.get("note") or "") == note and
+    return (same_agent(last.get("by"), agent) and str(last.get("note") or "") == note and
             at is not None and then is not None and 0 <= (then - at).total_seconds()
             <= VERIFY_RETRY_S)
 

@@ -17476,6 +17476,18 @@ def test_the_same_verification_again_at_once_is_recorded_once(repo, monkeypatch)
     assert not cs._said_just_now(old, "bob", "n", "2026-01-01T00:01:00Z")
 
 
+def test_the_same_verification_again_is_recorded_once_however_the_agent_id_is_spelled(
+        repo, monkeypatch):
+    """bob, BOB and bob verifying with one note at once (one agent, as the
+    peer check reads it) recorded three verifications."""
+    item = cs.capture("Rotate signing keys on a fixed schedule")["item"]["id"]
+    for agent in ("bob", "BOB", "bob"):
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+        cs.verify_entry(item, note="checked")
+    (it,) = cs.store(cs.resolve_config(), "local").read().items
+    assert [v["by"] for v in it.verifications] == ["bob"]
+
+
 def test_import_says_when_a_why_or_kind_that_is_not_text_was_left_out(repo, tmp_path):
     export = tmp_path / "mem.jsonl"
     export.write_text(json.dumps({"id": "a", "content": "Pin base images by digest",
