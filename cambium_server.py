@@ -11550,11 +11550,12 @@ def merged_recalls(trusts: list[dict]) -> int:
     credits one agent earned on one day from several copies (one recall that
     returned them all is one agent-day of the merged item); never fewer than
     the most any copy had. Only each agent's last day is known, so an older
-    overlap still counts twice."""
+    overlap still counts twice. One agent however spelled (ada on one copy,
+    ADA on the other, one day: counted twice)."""
     counts = [int(t.get("recalls") or 0) for t in trusts]
     days = collections.Counter(
-        (agent, str(day)) for t in trusts if isinstance(t.get("recalled_by"), dict)
-        for agent, day in t["recalled_by"].items())
+        key for t in trusts if isinstance(t.get("recalled_by"), dict)
+        for key in {(agent_key(agent), str(day)) for agent, day in t["recalled_by"].items()})
     merged = max(sum(counts) - sum(n - 1 for n in days.values()), max(counts, default=0))
     return min(merged, MAX_TRUST_COUNT)
 
@@ -11611,14 +11612,21 @@ def later_days(recalled: dict, trust: dict) -> int:
     """Take into `recalled` (agent -> last credited day) the days of `trust`'s
     recalled_by that are later than its own; returns how many: the agent-days
     a copy merged before gained since (credited as credit() would, so a rerun
-    never counts one twice)."""
+    never counts one twice; one agent however spelled, as credit() finds it)."""
     by = trust.get("recalled_by")
     n = 0
     for agent, day in (by.items() if isinstance(by, dict) else ()):
-        if str(day) > str(recalled.get(agent, "")):
-            recalled[agent] = str(day)
+        if str(day) > last_day(recalled, agent):
+            recalled[next((a for a in recalled if same_agent(a, agent)), agent)] = str(day)
             n += 1
     return n
+
+
+def last_day(recalled: Any, agent: Any) -> str:
+    """The latest day `recalled` (agent -> last credited day) holds for the
+    agent `agent` names, however spelled ("" when none) (pure)."""
+    return max((str(d) for a, d in (recalled.items() if isinstance(recalled, dict) else ())
+                if same_agent(a, agent)), default="")
 
 
 def publishable_notes(it: Item) -> Item:
@@ -12950,9 +12958,8 @@ def days_left_behind(source: Item, copy: Item) -> list[tuple[str, str]]:
     """(agent, day) of `source`'s recalled_by later than `copy`'s day for that
     agent: what the source copy was credited after its copy was made (pure)."""
     have, by = copy.trust.get("recalled_by"), source.trust.get("recalled_by")
-    have = have if isinstance(have, dict) else {}
     return [(str(a), str(d)) for a, d in (by.items() if isinstance(by, dict) else ())
-            if str(d) > str(have.get(a, ""))]
+            if str(d) > last_day(have, a)]           # (ADA's day is ada's)
 
 
 def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str, Item],

@@ -9041,6 +9041,26 @@ def test_merged_copies_count_one_agents_recall_of_them_all_once():
                               {"recalls": 0, "recalled_by": {"x": "d"}}]) == 3
 
 
+def test_merged_copies_count_one_agents_day_once_however_the_id_is_spelled():
+    """ada recalled one near-duplicate and ADA (the same agent) the other, the
+    same day: consolidate counted two agent-days (recalls 2, recalled_by
+    {ada, ADA}), and review called the survivor team-eligible at
+    CAMBIUM_PROMOTE_RECALLS=2. A rerun's later day and a member's day its
+    survivor holds under the other spelling were new too."""
+    low = {"recalls": 1, "recalled_by": {"ada": "2026-12-01"}}
+    up = {"recalls": 1, "recalled_by": {"ADA": "2026-12-01"}}
+    assert cs.merged_recalls([low, up]) == 1
+    surv = dataclasses.replace(cs.new_item("Set a timeout on every outbound call"), trust=low)
+    dup = dataclasses.replace(cs.new_item("Set a timeout on each outbound call"), trust=up)
+    merged = cs.merged_survivor(surv, surv.trust, [(dup, dup.trust)], now="2026-12-02T00:00:00Z")
+    assert merged.trust["recalls"] == 1 and merged.trust["recalled_by"] == {"ada": "2026-12-01"}
+    recalled = {"ada": "2026-12-01"}
+    assert cs.later_days(recalled, {"recalled_by": {"ADA": "2026-12-01"}}) == 0
+    assert cs.later_days(recalled, {"recalled_by": {"ADA": "2026-12-03"}}) == 1
+    assert recalled == {"ada": "2026-12-03"}
+    assert cs.days_left_behind(dup, surv) == [] and not cs._keeps_more(dup, surv)
+
+
 def test_a_rerun_counts_the_agent_days_a_merged_duplicate_gained_since_once():
     """A duplicate merged before (its fold waited on an org pull request) gained
     a teammate's credit: the rerun added the agent to the survivor's
