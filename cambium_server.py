@@ -9510,8 +9510,10 @@ class Semantic:
 
     def _pause(self) -> None:
         """Between model batches: step aside for a recall, or end the chunk
-        (_Stopped) when the process is exiting."""
-        if self.stopping:
+        (_Stopped) when the process is exiting, or when the server is ending
+        and this is a waiting recall's chunk (_help): the recall ends now."""
+        if self.stopping or (SERVER_STOP.is_set()
+                             and threading.current_thread() is not self.worker):
             raise _Stopped
         self._step_aside()
 
@@ -9627,8 +9629,9 @@ class Semantic:
         the background thread: the model runs on one core per call and
         releases the GIL, so the wait is about halved on two cores. It starts
         no chunk within EMBED_HELP_STOP_S of the deadline: a chunk it starts it
-        finishes, and one begun late overran the cap by seconds on a busy machine."""
-        while time.monotonic() < deadline - EMBED_HELP_STOP_S:
+        finishes, and one begun late overran the cap by seconds on a busy machine.
+        It stops when the server is ending (SERVER_STOP)."""
+        while time.monotonic() < deadline - EMBED_HELP_STOP_S and not SERVER_STOP.is_set():
             with self.cv:
                 chunk = self._take_chunk()
             if not chunk:
@@ -9673,16 +9676,17 @@ class Semantic:
             return len(self.queued)
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block until the backlog is embedded (True) or the timeout passes:
-        nothing queued or in flight (`queued` keeps a chunk's keys until it
-        is done, whichever thread embeds it)."""
+        """Block until the backlog is embedded (True) or the timeout passes or
+        the server is ending (SERVER_STOP: a recall waiting here held its exit
+        for up to EMBED_WAIT_MAX_S): nothing queued or in flight (`queued`
+        keeps a chunk's keys until it is done, whichever thread embeds it)."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             while self.queued or self.worker is not None:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or SERVER_STOP.is_set():
                     return False
-                self.cv.wait(left)
+                self.cv.wait(min(left, STDIO_POLL_S))
         return True
 
     # -- ranking -------------------------------------------------------------
@@ -18103,6 +18107,11 @@ def unparsable_reply(line: str, parse: Callable[[str], Any]) -> tuple[bool, dict
 
 
 STDIO_STOP = threading.Event()   #: set by SIGINT or SIGTERM: the stdio session's input ends
+#: set once the server is ending (its stdin ended, SIGINT or SIGTERM, serve()
+#: returning): a request waiting for the embedding backlog stops waiting, as
+#: when its wait runs out (a handler's thread cannot be abandoned: its wait
+#: held the exit, the credit fold and the next primer for up to 50 s)
+SERVER_STOP = threading.Event()
 STDIO_POLL_S = 0.25              #: how often a reader waiting for input looks at STDIO_STOP
 
 
@@ -18144,7 +18153,10 @@ class _RepairedStdin:
         cancel, and Ctrl-C did nothing until the client closed stdin)."""
         sel = self._selector()
         if sel is None:
-            return self._buffer.readline()
+            line = self._buffer.readline()
+            if not line:
+                SERVER_STOP.set()
+            return line
         seen = 0                                # (a 32 MB line is scanned once, not per read)
         while (cut := self._pending.find(b"\n", seen)) < 0:
             seen = len(self._pending)
@@ -18153,7 +18165,8 @@ class _RepairedStdin:
             if not sel.select(STDIO_POLL_S):
                 continue
             chunk = os.read(self._fd, 1 << 16)
-            if not chunk:                                  # end of input
+            if not chunk:                                  # end of input: the server ends
+                SERVER_STOP.set()
                 line, self._pending = bytes(self._pending), bytearray()
                 return line
             self._pending += chunk
@@ -18414,6 +18427,7 @@ def serve(http: Annotated[bool, Field(
               "need no token", file=sys.stderr)      # never served open without a word
     rt = runtime()
     rt.long_running.set()
+    SERVER_STOP.clear()
     tune_malloc()
     give_back_memory()
     warm_recall_soon()
@@ -18422,6 +18436,7 @@ def serve(http: Annotated[bool, Field(
             return serve_http(server, host, port, token)
         return run_stdio(server)
     finally:
+        SERVER_STOP.set()
         rt.long_running.clear()
         rt.cancel_fold()
         _fold_on_exit(warm=True)
@@ -18445,6 +18460,7 @@ def run_stdio(server: Any) -> int:
             os._exit(code)
         caught.append(signum)
         STDIO_STOP.set()
+        SERVER_STOP.set()
         last = threading.Timer(SIGNAL_EXIT_S, os._exit, (code,))  # whatever holds the exit
         last.daemon = True                                        # up, a signal ends it
         last.start()

@@ -14514,6 +14514,47 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
     assert kept.rows and not kept.discarded          # what was embedded before each exit
 
 
+@pytest.mark.parametrize("how", ["close", "term"])
+def test_server_told_to_stop_while_a_recall_waits_for_the_backlog_exits_at_once(
+        semantic, tmp_path, how):
+    """A recall waiting for the embedding backlog (up to EMBED_WAIT_MAX_S, in a
+    handler thread nothing can abandon) held the exit: stdin closed, the
+    server left 50 s later; SIGTERM, it was killed (143) after SIGNAL_EXIT_S,
+    unfolded. The wait now ends when the server is told to stop."""
+    import signal
+    export = tmp_path / "long.jsonl"
+    export.write_text("".join(json.dumps({"id": f"r{i}", "content": f"Decision {i}: shard the "
+                                          f"queue by tenant {i}", "why": "because " * 150})
+                              + "\n" for i in range(2000)))      # a backlog of minutes
+    assert cs.import_memory("json", str(export))["imported"] == 2000
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    env = dict(_mcp_env(semantic), CAMBIUM_RECALL_MODE="semantic")
+    waits = "import sys, cambium_server as cs; cs.EMBED_RATE_GUESS = 1e9; sys.exit(cs.main())"
+    proc = subprocess.Popen([sys.executable, "-c", waits], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
+        {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {   # waits: the
+            "name": "recall", "arguments": {"query": "queue shards per tenant"}}})).encode())
+    proc.stdin.flush()                                # backlog looks instant to embed
+    assert "result" in json.loads(proc.stdout.readline())
+    time.sleep(3)                                     # the model loads, the recall waits
+    if how == "close":
+        proc.stdin.close()
+    else:
+        proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert proc.wait(60) == 0, proc.stderr.read().decode()[-500:]
+    assert time.monotonic() - t0 < 10
+    proc.stdout.close()
+    proc.stderr.close()
+    if how == "term":
+        proc.stdin.close()
+
+
 def test_server_closed_while_a_capture_loads_the_model_exits_cleanly(semantic):
     """A capture starts loading the model in the background (embed_soon); a
     server closed then aborted ('terminate called ...', SIGABRT) in 7 of 10
