@@ -18337,7 +18337,8 @@ async def serve_stdio(low: Any) -> None:
 def build_server() -> MCPServer:
     """The MCP server with every tool of the API table registered and annotated."""
     from mcp.server.mcpserver import MCPServer
-    from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+    from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError, \
+        UnexpectedToolError
     from mcp.types import ToolAnnotations
 
     class CambiumServer(MCPServer):
@@ -18348,6 +18349,8 @@ def build_server() -> MCPServer:
             token = SESSION.set(mcp_session_id(context))   # the primer resource journals
             try:                                          # what it shows, as the tool does
                 return await super().read_resource(uri, context)
+            except ResourceNotFoundError as e:
+                raise unknown_resource_error(e, uri) from None
             finally:
                 SESSION.reset(token)
 
@@ -18371,7 +18374,8 @@ def build_server() -> MCPServer:
                     raise
                 return _error_result(name, arguments, e)
 
-    server = CambiumServer("cambium", instructions=SERVER_INSTRUCTIONS, version=__version__)
+    server = CambiumServer("cambium", instructions=SERVER_INSTRUCTIONS, version=__version__,
+                           log_level="WARNING")    # (INFO: a line per request on stderr)
     for tool in mcp_tools():
         server.add_tool(_mcp_tool(tool.fn), name=tool.tool_name,
                         annotations=ToolAnnotations(**EFFECTS[tool.effect]))
@@ -18384,6 +18388,15 @@ def build_server() -> MCPServer:
 
 
 PRIMER_URI = "cambium://primer"
+
+
+def unknown_resource_error(err: Exception, uri: Any) -> Exception:
+    """The error for a URI no resource has, the URI clipped: the SDK's echoed
+    it whole, twice (a 100 KB URI made a 200 KB error, and its log line more)."""
+    from mcp.shared.exceptions import MCPError
+    from mcp_types import INVALID_PARAMS
+    return MCPError(code=INVALID_PARAMS, message=clip_message(str(err)),
+                    data={"uri": clip_message(str(uri))})
 
 
 def primer_resource() -> str:

@@ -16405,6 +16405,26 @@ def test_mcp_primer_tool_resource_expand_and_instructions(coderepo):
     assert asyncio.run(_mcp_session(_mcp_env(coderepo), body))
 
 
+def test_mcp_unknown_resource_error_clips_the_uri_and_logs_nothing(repo):
+    """A 100 KB URI no resource has was echoed whole in the error's message and
+    data.uri, and the SDK logged it at INFO on stderr (438 KB of it)."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    uri = "cambium://" + "a" * 100_000
+    proc = subprocess.run([sys.executable, str(SERVER)], env=_mcp_env(repo), timeout=60,
+                          capture_output=True, input="".join(json.dumps(m) + "\n" for m in (
+        {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 1, "method": "resources/read", "params": {"uri": uri}}
+    )).encode())
+    err = json.loads(proc.stdout.decode().splitlines()[1])["error"]
+    assert err["code"] == -32602 and err["message"].startswith("Unknown resource: cambium://a")
+    assert len(err["message"]) <= cs.MAX_MESSAGE_CHARS and "characters cut" in err["message"]
+    assert err["data"]["uri"].startswith(uri[:100]) and len(err["data"]["uri"]) <= 2_000
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr[:500]
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
