@@ -12119,7 +12119,7 @@ def trust_marks(item: Item, trust: dict) -> list[str]:
         marks.append("endorsed" + (f"×{ends}" if ends > 1 else ""))
     if item.authority == "verified":          # the authority, not a stamp: a promotion's
         marks.append("verified")              # own last_verified confirms nobody's word
-    agents = len(trust.get("recalled_by") or {})
+    agents = recalling_agents(trust)
     if agents > 1:
         marks.append(f"recalled×{agents}")
     if item.scope != "local":
@@ -13428,7 +13428,7 @@ def trust_score(item: Item, trust: dict, now: datetime) -> float:
     recent = verified is not None and now - verified <= RECENTLY_VERIFIED
     rank = item.authority_rank if item.authority == "human" or recent else 0
     return (AUTHORITY_WEIGHT * rank
-            + 3.0 * len(trust.get("endorsements") or []) + len(trust.get("recalled_by") or {})
+            + 3.0 * len(trust.get("endorsements") or []) + recalling_agents(trust)
             + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
             + 0.1 * min(int(trust.get("recalls") or 0), 20))
 
@@ -13484,6 +13484,14 @@ def agent_key(agent: Any) -> str:
     list, a number, none) as a key no id can be (pure)."""
     return unicodedata.normalize("NFKC", agent).casefold() if isinstance(agent, str) else \
         f"\0{agent!r}"
+
+
+def recalling_agents(trust: dict) -> int:
+    """How many agents recalled an item: its recalled_by keys as same_agent
+    reads them (a store holding "ada" and "ADA", as merges wrote before they
+    read ids that way, counted one agent twice in trust marks and scores)."""
+    by = trust.get("recalled_by")
+    return len({agent_key(a) for a in by}) if isinstance(by, dict) else 0
 
 
 def same_project(a: Any, b: Any) -> bool:

@@ -15733,6 +15733,22 @@ def test_a_stale_verification_outranks_no_endorsed_item_in_the_primer():
     assert cs.trust_score(human, {}, now) > cs.trust_score(base, endorsed, now)
 
 
+def test_one_agent_recalled_under_two_spellings_counts_once_in_marks_and_score():
+    """A store merged before merges read ids as same_agent holds "ada" and
+    "ADA" in recalled_by: trust marks said recalled×2 and the primer's score
+    counted two agents."""
+    now = datetime(2026, 12, 6, tzinfo=timezone.utc)
+    it = cs.new_item("Never run the migration twice", kind="pitfall", project="p",
+                     agent="bob", now="2026-05-01T00:00:00Z")
+    one = {"recalls": 2, "recalled_by": {"ada": "2026-12-01"}}
+    twice = {"recalls": 2, "recalled_by": {"ada": "2026-12-01", "ADA": "2026-12-02"}}
+    two = {"recalls": 2, "recalled_by": {"ada": "2026-12-01", "cy": "2026-12-02"}}
+    assert not any(m.startswith("recalled×") for m in cs.trust_marks(it, twice))
+    assert "recalled×2" in cs.trust_marks(it, two)
+    assert cs.trust_score(it, twice, now) == cs.trust_score(it, one, now) \
+        < cs.trust_score(it, two, now)
+
+
 def test_a_section_marker_tag_draws_no_org_item_into_the_primer():
     """One local item tagged `pitfall` made every org pitfall of every other
     project "relevant": the marker is no topic."""
