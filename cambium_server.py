@@ -3192,14 +3192,18 @@ STORE_READ_LOCK_WAIT_S = 2.0   #: a read waits this long for the local store's l
 
 
 def _flock_within(fd: int, path: Path, wait_s: float, said: float | None = None) -> None:
-    """flock(fd) exclusively, polling, for at most wait_s (0: one try); the
-    error says `said` seconds (the whole wait) when given."""
+    """flock(fd) exclusively, polling, for at most wait_s (0: one try), and at
+    most EXIT_LOCK_WAIT_S more once the server is told to stop (SERVER_STOP:
+    a call waiting on a stopped process's lock held a closed session's exit
+    for minutes); the error says `said` seconds (the whole wait) when given."""
     deadline, pause = time.monotonic() + wait_s, 0.005
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
+            if SERVER_STOP.is_set():
+                deadline = min(deadline, time.monotonic() + EXIT_LOCK_WAIT_S)
             if time.monotonic() >= deadline:
                 raise _held_error(path, wait_s if said is None else said) from None
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))

@@ -12304,6 +12304,41 @@ def test_a_signal_ends_a_stdio_server_whose_client_keeps_stdin_open(repo, sig, c
     assert _stored_recalls(repo, item_id) == 1                # the shutdown folded it
 
 
+def test_a_closed_session_waits_no_longer_on_a_lock_a_stopped_process_holds(repo):
+    """A call waiting for the store's lock, which a stopped process held,
+    kept the server running LOCK_WAIT_S (300 s) after its client closed stdin:
+    once told to stop, a lock is waited for EXIT_LOCK_WAIT_S more at most."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    item_id = cs.capture("Migrations run before the deploy")["item"]["id"]
+    store = _store_path(repo)
+    holder = _hold_lock(store.with_name(store.name + ".lock"))
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"))
+    try:
+        proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
+            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "endorse", "arguments": {"item_id": item_id}}})).encode())
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["id"] == 0
+        time.sleep(1.5)                                       # (the endorse waits on the lock)
+        proc.stdin.close()
+        assert proc.wait(20) == 0
+        assert "Traceback" not in proc.stderr.read().decode()
+    finally:
+        holder.kill()
+        holder.wait()
+        proc.kill()
+        proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
 def test_cli_recall_folds_its_local_credits_before_exiting(repo, monkeypatch):
     item_id = cs.capture("Logs carry the request id", tags="logging")["item"]["id"]
     out = cli("recall", "request id logs", CAMBIUM_RECALL_MODE="lexical")
