@@ -3166,7 +3166,7 @@ def file_lock(path: Path, wait: float | None = None) -> Iterator[None]:
     (a server's credit fold) that waited LOCK_WAIT_S on a stopped process."""
     wait_s = LOCK_WAIT.get() if wait is None else wait
     deadline, mine = time.monotonic() + wait_s, runtime().thread_lock(str(path))
-    if not mine.acquire(timeout=wait_s):
+    if not _acquire_within(mine, deadline):
         raise _held_error(path, wait_s)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -3191,19 +3191,36 @@ STORE_READ_LOCK_WAIT_S = 2.0   #: a read waits this long for the local store's l
                                #: serves the file as it stands, with a warning
 
 
+def _stop_capped(deadline: float) -> float:
+    """A lock wait's deadline, cut to EXIT_LOCK_WAIT_S after the server was
+    told to stop (SERVER_STOP): a call waiting on a stopped process's lock held
+    a closed session's exit for minutes, and calls queued behind it for the
+    same lock each waited in turn."""
+    stopped = SERVER_STOP.at
+    return deadline if stopped is None else min(deadline, stopped + EXIT_LOCK_WAIT_S)
+
+
+def _acquire_within(lock: Any, deadline: float) -> bool:
+    """Take a thread lock by `deadline` (stop-capped, checked every 0.25 s)."""
+    while True:
+        left = _stop_capped(deadline) - time.monotonic()
+        if lock.acquire(timeout=max(0.0, min(left, 0.25))):
+            return True
+        if left <= 0.25:
+            return False
+
+
 def _flock_within(fd: int, path: Path, wait_s: float, said: float | None = None) -> None:
-    """flock(fd) exclusively, polling, for at most wait_s (0: one try), and at
-    most EXIT_LOCK_WAIT_S more once the server is told to stop (SERVER_STOP:
-    a call waiting on a stopped process's lock held a closed session's exit
-    for minutes); the error says `said` seconds (the whole wait) when given."""
+    """flock(fd) exclusively, polling, for at most wait_s (0: one try), stop-
+    capped (_stop_capped); the error says `said` seconds (the whole wait)
+    when given."""
     deadline, pause = time.monotonic() + wait_s, 0.005
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if SERVER_STOP.is_set():
-                deadline = min(deadline, time.monotonic() + EXIT_LOCK_WAIT_S)
+            deadline = _stop_capped(deadline)
             if time.monotonic() >= deadline:
                 raise _held_error(path, wait_s if said is None else said) from None
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
@@ -18123,7 +18140,21 @@ STDIO_STOP = threading.Event()   #: set by SIGINT or SIGTERM: the stdio session'
 #: returning): a request waiting for the embedding backlog stops waiting, as
 #: when its wait runs out (a handler's thread cannot be abandoned: its wait
 #: held the exit, the credit fold and the next primer for up to 50 s)
-SERVER_STOP = threading.Event()
+class _StopEvent(threading.Event):
+    """An Event that knows when it was first set (`at`, time.monotonic())."""
+    at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+        super().set()
+
+    def clear(self) -> None:
+        self.at = None
+        super().clear()
+
+
+SERVER_STOP = _StopEvent()
 STDIO_POLL_S = 0.25              #: how often a reader waiting for input looks at STDIO_STOP
 
 
