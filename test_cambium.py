@@ -12275,20 +12275,10 @@ def test_a_signal_ends_a_stdio_server_whose_client_keeps_stdin_open(repo, sig, c
     """Ctrl-C did nothing until the client closed stdin (the SDK's reader
     waited in a thread nothing cancels); SIGTERM killed it unfolded (-15)."""
     import signal as _signal
-    from mcp_types import LATEST_PROTOCOL_VERSION
     item_id = cs.capture("Migrations run before the deploy", tags="deploy")["item"]["id"]
-    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"))
+    proc = _raw_stdio_server(repo, [
+        {"name": "recall", "arguments": {"query": "migrations before deploy"}}])
     try:
-        proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
-            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-                "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
-                "clientInfo": {"name": "raw", "version": "0"}}},
-            {"jsonrpc": "2.0", "method": "notifications/initialized"},
-            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-                "name": "recall", "arguments": {"query": "migrations before deploy"}}})).encode())
-        proc.stdin.flush()
         replies = [json.loads(proc.stdout.readline()) for _ in range(2)]
         assert replies[1]["result"]["structuredContent"]["results"][0]["id"] == item_id
         proc.send_signal(getattr(_signal, sig))               # stdin stays open
@@ -12296,12 +12286,34 @@ def test_a_signal_ends_a_stdio_server_whose_client_keeps_stdin_open(repo, sig, c
         err = proc.stderr.read().decode()
         assert "Traceback" not in err and ("interrupted" in err) == (sig == "SIGINT"), err
     finally:
-        proc.kill()
-        proc.wait()
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            with contextlib.suppress(OSError):
-                f.close()
+        _end_process(proc)
     assert _stored_recalls(repo, item_id) == 1                # the shutdown folded it
+
+
+def _raw_stdio_server(repo, calls: list[dict]) -> subprocess.Popen:
+    """A lexical stdio server sent initialize, initialized and a tools/call
+    of each of `calls` (its params; ids 1, 2, ...), raw."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"))
+    proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
+        {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        *({"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": call}
+          for n, call in enumerate(calls, 1)))).encode())
+    proc.stdin.flush()
+    return proc
+
+
+def _end_process(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        with contextlib.suppress(OSError):
+            f.close()
 
 
 def test_a_closed_session_waits_no_longer_on_a_lock_a_stopped_process_holds(repo):
@@ -12309,23 +12321,13 @@ def test_a_closed_session_waits_no_longer_on_a_lock_a_stopped_process_holds(repo
     kept the server running LOCK_WAIT_S (300 s) after its client closed stdin:
     once told to stop, a lock is waited for EXIT_LOCK_WAIT_S more at most,
     by all the calls queued for it at once (each waited its 2 s in turn)."""
-    from mcp_types import LATEST_PROTOCOL_VERSION
     item_id = cs.capture("Migrations run before the deploy")["item"]["id"]
     store = _store_path(repo)
     holder = _hold_lock(store.with_name(store.name + ".lock"))
-    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"))
+    proc = _raw_stdio_server(repo, [
+        {"name": "endorse", "arguments": {"item_id": item_id, "note": f"n{n}"}}
+        for n in range(10)])
     try:
-        proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
-            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-                "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
-                "clientInfo": {"name": "raw", "version": "0"}}},
-            {"jsonrpc": "2.0", "method": "notifications/initialized"},
-            *({"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": {
-                "name": "endorse", "arguments": {"item_id": item_id, "note": f"n{n}"}}}
-              for n in range(1, 11)))).encode())
-        proc.stdin.flush()
         assert json.loads(proc.stdout.readline())["id"] == 0
         time.sleep(1.5)                                  # (the endorsements wait on the lock)
         proc.stdin.close()
@@ -12334,11 +12336,7 @@ def test_a_closed_session_waits_no_longer_on_a_lock_a_stopped_process_holds(repo
     finally:
         holder.kill()
         holder.wait()
-        proc.kill()
-        proc.wait()
-        for f in (proc.stdout, proc.stderr):
-            with contextlib.suppress(OSError):
-                f.close()
+        _end_process(proc)
 
 
 def test_cli_recall_folds_its_local_credits_before_exiting(repo, monkeypatch):
@@ -14506,16 +14504,21 @@ def test_server_start_warm_up_in_an_unconfigured_place_does_nothing(tmp_path, mo
     assert not cs.runtime().indexes and not (tmp_path / ".cambium").exists()
 
 
+def _import_a_backlog_of_minutes(tmp_path) -> None:
+    """2,000 long records imported: minutes of embedding on these cores."""
+    export = tmp_path / "long.jsonl"
+    export.write_text("".join(json.dumps({"id": f"r{i}", "content": f"Decision {i}: shard the "
+                                          f"queue by tenant {i}", "why": "because " * 150})
+                              + "\n" for i in range(2000)))
+    assert cs.import_memory("json", str(export))["imported"] == 2000
+
+
 def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedded(
         semantic, tmp_path):
     """A server told to stop (stdin closed) while the background thread was
     inside the model aborted ('terminate called without an active exception',
     SIGABRT) in about 3 of 4 exits; the embedder now ends its batch first."""
-    export = tmp_path / "long.jsonl"
-    export.write_text("".join(json.dumps({"id": f"r{i}", "content": f"Decision {i}: shard the "
-                                          f"queue by tenant {i}", "why": "because " * 150})
-                              + "\n" for i in range(2000)))      # a backlog of minutes
-    assert cs.import_memory("json", str(export))["imported"] == 2000
+    _import_a_backlog_of_minutes(tmp_path)
     from mcp_types import LATEST_PROTOCOL_VERSION
     env = dict(_mcp_env(semantic), CAMBIUM_RECALL_MODE="auto")
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
@@ -14559,11 +14562,7 @@ def test_server_told_to_stop_while_a_recall_waits_for_the_backlog_exits_at_once(
     server left 50 s later; SIGTERM, it was killed (143) after SIGNAL_EXIT_S,
     unfolded. The wait now ends when the server is told to stop."""
     import signal
-    export = tmp_path / "long.jsonl"
-    export.write_text("".join(json.dumps({"id": f"r{i}", "content": f"Decision {i}: shard the "
-                                          f"queue by tenant {i}", "why": "because " * 150})
-                              + "\n" for i in range(2000)))      # a backlog of minutes
-    assert cs.import_memory("json", str(export))["imported"] == 2000
+    _import_a_backlog_of_minutes(tmp_path)
     from mcp_types import LATEST_PROTOCOL_VERSION
     env = dict(_mcp_env(semantic), CAMBIUM_RECALL_MODE="semantic")
     waits = "import sys, cambium_server as cs; cs.EMBED_RATE_GUESS = 1e9; sys.exit(cs.main())"
