@@ -18757,8 +18757,22 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     # fold. This one ends it as a normal exit, so that fold runs.
     signal.signal(signal.SIGTERM, _exit_quietly)
     with sock:
-        anyio.run(functools.partial(uvicorn.Server(config).serve, sockets=[sock]))
+        anyio.run(functools.partial(stopping_server(config).serve, sockets=[sock]))
     return 0
+
+
+def stopping_server(config: Any) -> Any:
+    """A uvicorn server that tells cambium's waits it is stopping (SERVER_STOP)
+    as soon as a signal asks it to: a call waiting on a stopped process's lock,
+    or for the embedding backlog, held its graceful shutdown, and the process,
+    for minutes after SIGTERM."""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            SERVER_STOP.set()
+            super().handle_exit(sig, frame)
+    return StoppingServer(config)
 
 
 def _exit_quietly(signum: int, frame: Any) -> None:

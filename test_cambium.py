@@ -16522,6 +16522,39 @@ def test_http_serving_line_comes_once_a_client_can_connect(repo):
         proc.stderr.close()
 
 
+def test_sigterm_ends_an_http_server_whose_call_waits_on_a_held_lock(repo):
+    """serve --http, SIGTERM while an endorse waited for the store's lock a
+    stopped process held: uvicorn's graceful shutdown waited on that call's
+    thread, and the process ran on for minutes. A signal now tells cambium's
+    waits it is stopping (SERVER_STOP), as the stdio server's does."""
+    item_id = cs.capture("Deploys freeze on Fridays")["item"]["id"]
+    store = _store_path(repo)
+    holder = _hold_lock(store.with_name(store.name + ".lock"))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
+                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert "serving MCP on" in proc.stderr.readline()
+
+        async def endorse(session):
+            return await session.call_tool("endorse", {"item_id": item_id})
+
+        def call() -> None:
+            with contextlib.suppress(BaseException):      # (its answer is lost at stop)
+                asyncio.run(_http_session(f"http://127.0.0.1:{port}/mcp", None, endorse))
+        threading.Thread(target=call, daemon=True).start()
+        time.sleep(3)                                         # (the endorse waits on the lock)
+        proc.terminate()
+        assert proc.wait(15) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
 async def _http_session(url: str, token: str | None, body):
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
