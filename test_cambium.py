@@ -16505,13 +16505,20 @@ def http_server(repo: Path, token: str | None, host: str = "127.0.0.1"):
         proc.wait(timeout=20)
 
 
-def test_http_serving_line_comes_once_a_client_can_connect(repo):
-    """`serve --http` printed "serving MCP on ..." before its socket listened:
-    a client that connected on that line was refused (3 of 3 runs)."""
+def _serving_http(repo: Path) -> tuple[subprocess.Popen, int]:
+    """`serve --http` on a free port (its stderr a pipe, its first line the
+    serving line), and that port."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
                              str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    return proc, port
+
+
+def test_http_serving_line_comes_once_a_client_can_connect(repo):
+    """`serve --http` printed "serving MCP on ..." before its socket listened:
+    a client that connected on that line was refused (3 of 3 runs)."""
+    proc, port = _serving_http(repo)
     try:
         line = proc.stderr.readline()
         assert "serving MCP on" in line, line
@@ -16530,10 +16537,7 @@ def test_sigterm_ends_an_http_server_whose_call_waits_on_a_held_lock(repo):
     item_id = cs.capture("Deploys freeze on Fridays")["item"]["id"]
     store = _store_path(repo)
     holder = _hold_lock(store.with_name(store.name + ".lock"))
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
-                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc, port = _serving_http(repo)
     try:
         assert "serving MCP on" in proc.stderr.readline()
 
@@ -16724,10 +16728,7 @@ def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
     """A client that sent 10 of the 100 bytes it declared kept `serve --http`
     running after SIGTERM (and a second one) until it closed its socket."""
     import socket
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
-                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc, port = _serving_http(repo)
     try:
         assert "serving MCP on" in proc.stderr.readline()
         with socket.create_connection(("127.0.0.1", port), 20) as sock:
