@@ -2363,7 +2363,8 @@ class GitScope:
     contended_at: float = -math.inf     # when it last saw a peer write or lost a race
     pushed: str | None = None           # the last commit this process pushed here
     hand_written: frozenset = frozenset()   # rendered files last left as a person wrote them
-    rewind_touched: tuple | None = None     # ((base, tip), ids changed since a rewind)
+    rewind_touched: tuple | None = None     # ((base, tip), ids changed since a rewind,
+                                            #: or why the walk is too far to take)
     rewound_doc: tuple[str, Doc] | None = None   # (the kept tip, its doc): not `doc`'s slot
 
 
@@ -5626,11 +5627,16 @@ class GitStore(Store):
         with self._state.lock:
             cached = self._state.rewind_touched
         if cached and cached[0] == key:
+            if isinstance(cached[1], str):           # (too far, counted once: not a git
+                raise GitError(["git", "log", "-p"], None, cached[1])   # process a read)
             return cached[1]
         since = self.git("rev-list", "--count", tip, "--not", base, "--", STORE_FILE,
                          check=False).stdout.strip()
         if since.isdigit() and int(since) > REWIND_WALK_MAX:
-            raise GitError(["git", "log", "-p"], None, f"{since} commits since the rewind")
+            why = f"{since} commits since the rewind"
+            with self._state.lock:
+                self._state.rewind_touched = (key, why)
+            raise GitError(["git", "log", "-p"], None, why)
         out = self.git("log", "-p", "--format=", "--no-color", "--no-ext-diff", tip, "--not",
                        base, "--", STORE_FILE, check=False).stdout
         seen: dict[str, list[set]] = {}           # id -> [lines removed, lines added]

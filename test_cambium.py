@@ -17374,6 +17374,11 @@ def test_a_rewind_long_past_costs_reads_nothing_and_its_doc_is_parsed_once(share
     assert [r["id"] for r in out["results"]] == [first]
     assert not any("rewound" in w for w in out.get("warnings", []))
     assert "cambium-rewound" in git(shared["a"], "for-each-ref", "refs/cambium/")   # (kept)
+    walks, real_git = [], cs.GitStore.git
+    monkeypatch.setattr(cs.GitStore, "git", lambda self, *a, **k: walks.append(a[0]) or
+                        real_git(self, *a, **k))
+    cs.recall("health endpoint")                          # (too far: counted once, not
+    assert "rev-list" not in walks and "log" not in walks   # again at every read)
 
 
 def test_a_team_branch_rewound_by_a_force_push_says_what_it_lost_and_how_to_get_it_back(
