@@ -4273,18 +4273,24 @@ def _back_beside_its_copy(it: Item, items: list[Item], twins: dict[str, int],
                           now: str) -> Item:
     """merge_restored's item the store lacks, as it comes back: a younger
     active copy of its text in `items` is superseded by it and folded into it
-    (renamed: copy id -> its id); a retired one retires it the same way."""
+    (renamed: copy id -> its id); a retired one retires it the same way. A
+    copy distill retired is folded into it too, and it is retired by distill:
+    the entry's revival brings back the original with its trust, never the
+    copy (stamped with the restoring agent, the retirement was a person's)."""
     t = twins.get(content_key(it)) if it.active else None
     copy = items[t] if t is not None and items[t].created_at >= it.created_at else None
-    if copy is not None and copy.active:
+    by_distill = copy is not None and (distill_retired(copy) or distill_superseded(copy))
+    if copy is not None and (copy.active or by_distill):
         items[t] = supersede(copy, it.id, agent=agent, now=now,
                              why="restored: this is a copy of it, made while it was set aside")
         renamed[copy.id] = it.id
-        counts["copies_folded"] += 1
-        return merged_survivor(it, it.trust, [(copy, copy.trust)], now=now)
+        it = merged_survivor(it, it.trust, [(copy, copy.trust)], now=now)
+        if copy.active:
+            counts["copies_folded"] += 1
+            return it
     if copy is not None:                           # its copy was retired meanwhile: so is it
         counts["retired_like_copy"] += 1
-        return retired_like(it, copy, agent=agent, now=now)
+        return retired_like(it, copy, agent="distill" if by_distill else agent, now=now)
     return it
 
 
@@ -10641,14 +10647,22 @@ class _Revising:
 
 def _stored_texts(doc: Doc) -> dict[str, Item]:
     """Content key -> its active item, else one held back (_held_back), else
-    one distill superseded (a live record of its words revives it)."""
+    one distill superseded (a live record of its words revives it). A copy
+    restore folded into its original (superseded by it) gives way to it."""
     out: dict[str, Item] = {}
     for it in doc.items:
         k = content_key(it)
         if it.active or (_held_back(it) and (k not in out or distill_superseded(out[k]))) or \
-                (k not in out and distill_superseded(it)):
+                (k not in out and distill_superseded(it)) or _folded_into(out.get(k), it):
             out[k] = it
     return out
+
+
+def _folded_into(copy: Item | None, item: Item) -> bool:
+    """Whether `copy` (of item's text) was superseded by `item` itself: restore
+    folded a copy made while the original was set aside into it."""
+    by = copy.superseded_by if copy is not None and copy.status == "superseded" else None
+    return isinstance(by, dict) and by.get("id") == item.id
 
 
 def _held_back(item: Item) -> bool:

@@ -2634,6 +2634,52 @@ def test_restore_brings_an_original_back_retired_when_its_copy_was_retired_meanw
     assert not cs.recall("billing cron midnight")["results"]
 
 
+def test_restore_beside_a_copy_distill_retired_lets_distill_revive_the_original(repo,
+                                                                                monkeypatch):
+    """While the store was set aside, distill made copies of two entries and
+    retired them (one entry deprecated, one edited). restore brought the
+    originals back retired by the restoring agent, as a person's retirement:
+    the entries' return revived only the copies, without the originals'
+    endorsements, which stayed retired (or nothing came back at all)."""
+    ctx = repo / ".context" / "decisions.json"
+    ctx.parent.mkdir()
+    entries = [{"id": "dec-001", "summary": "Keep invoice money in integer cents",
+                "status": "active", "created_at": "2026-01-05T09:00:00+00:00"},
+               {"id": "dec-002", "summary": "Deploy from the release branch only",
+                "status": "active", "created_at": "2026-01-06T09:00:00+00:00"}]
+
+    def put(**changes: dict) -> None:
+        ctx.write_text(json.dumps([{**e, **changes.get(e["id"], {})} for e in entries]))
+    put()
+    cs.distill()
+    originals = {i.source["ref"]: i.id for i in cs.store(cs.require_config(), "local").read().items}
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    for iid in originals.values():
+        cs.endorse(iid, note="holds")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    path = _store_path(repo)
+    good = path.read_bytes()
+    path.write_bytes(b"garbage\n")
+    cs.runtime().reset()
+    with contextlib.suppress(cs.CambiumError):
+        cs.distill()                                    # copies of both entries
+    put(**{"dec-001": {"status": "deprecated"},
+           "dec-002": {"summary": "Deploy from any green branch"}})
+    cs.distill()                                        # retires both copies
+    (aside,) = path.parent.glob("knowledge.json.corrupt-*")
+    aside.write_bytes(good)
+    assert cs.restore(str(aside))["retired_like_copy"] == 2
+    items = {i.id: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert all(cs.distill_retired(items[i]) or cs.distill_superseded(items[i])
+               for i in originals.values())
+    put()                                               # both entries stand again
+    back = cs.distill()
+    assert sorted(r["id"] for r in back["revived_items"]) == sorted(originals.values())
+    live = [i for i in cs.store(cs.require_config(), "local").read().items if i.active]
+    assert sorted(i.id for i in live) == sorted(originals.values())
+    assert all(i.trust["endorsements"][0]["by"] == "bob" for i in live)
+
+
 def test_restore_refuses_the_live_store_and_renames_only_what_cambium_set_aside(repo):
     """Pointed at the store itself, restore refuses (it used to rename the live
     store away, emptying local scope); a copy the user made is merged but left
