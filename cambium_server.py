@@ -13700,9 +13700,25 @@ def distill_made(item: Item) -> bool:
     record, the only items its retirements may retire: not import_memory's
     record that names that system (`source.imported`: its id collided with an
     entry's), not a capture or a correction whose words an entry also says, and
-    never a person's (authority human), whoever made it."""
-    return item.source.get("system") in ("agentsync", "context-keeper") \
-        and not item.source.get("imported") and item.authority != "human"
+    never a person's (authority human), whoever made it; nor one consolidate
+    merged such an item into (absorbed_by_merge): it says that item's words too."""
+    return _distill_source(item.source) and item.authority != "human" \
+        and not absorbed_by_merge(item)
+
+
+def _distill_source(source: Any) -> bool:
+    """Whether a provenance is a record distill read (not an import naming it)."""
+    return isinstance(source, dict) and source.get("system") in ("agentsync", "context-keeper") \
+        and not source.get("imported")
+
+
+def absorbed_by_merge(item: Item) -> list[str]:
+    """The ids of the items consolidate merged into this one that distill did
+    not make (a capture, an imported record, a correction): superseded by it,
+    they live on only as its words, so its entry's death must not retire them."""
+    merged = item.extra.get("merged_from")          # (any JSON: a hand edit's)
+    return [str(m.get("id")) for m in (merged if isinstance(merged, list) else [merged])
+            if isinstance(m, dict) and not _distill_source(m.get("source"))]
 
 
 def _origin_words(item: Item) -> str:
@@ -13742,7 +13758,12 @@ def _retirement_targets(doc: Doc, reasons: dict[str, str], live: set[str] | froz
 
 def kept_note(item: Item, key: str, reason: str) -> str:
     """The warning for an item a dead entry's watermark names that distill did
-    not make (its words only matched the entry's): left live."""
+    not make (its words only matched the entry's), or into which consolidate
+    merged an item distill did not make: left live."""
+    if others := absorbed_by_merge(item):
+        return (f"{reason}, but item {item.id} holds the words of {', '.join(others)}, "
+                f"which distill did not make (consolidate merged them into it): left live "
+                f"(distill retires only the items it made; deprecate it if it no longer stands)")
     return (f"{reason}, but item {item.id} ({_origin_words(item)}), which its words "
             f"matched, is not one distill made: left live (distill retires only the items "
             f"it made; a source.also record of {key.split(':', 1)[1]} is provenance only)")

@@ -11629,6 +11629,33 @@ def test_distill_leaves_a_promoted_correction_live_when_an_entry_of_its_words_di
     assert not any(fix in w for w in cs.distill()["warnings"])         # said once
 
 
+def test_distill_leaves_live_a_survivor_consolidate_merged_a_capture_into(repo, monkeypatch):
+    """consolidate made distill's item of an entry the survivor of an agent's
+    capture saying nearly the same; once the entry was superseded, distill
+    deprecated the survivor, and the capture's statement (superseded by it)
+    left recall: a capture stays live when an entry of its words dies."""
+    text = "Compute invoice money in integer cents and never in floats for billing totals"
+    (repo / ".context").mkdir()
+    path = repo / ".context" / "decisions.json"
+    path.write_text(json.dumps([_decision("dec-001", text)]))
+    cs.distill()
+    (made,) = cs.store(cs.resolve_config(), "local").read().items
+    said = cs.capture(text.replace("for billing", "for the billing"), kind="decision")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.endorse(made.id, note="right")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    done = cs.consolidate(apply=True)
+    assert done["superseded"] == [said["item"]["id"]], done
+    path.write_text(json.dumps([_decision("dec-001", text, "superseded", "dec-002")]))
+    res = cs.distill()
+    assert res["retired"] == 0, res
+    (note,) = [w for w in res["warnings"] if made.id in w]
+    assert said["item"]["id"] in note and "left live" in note
+    assert [r["id"] for r in cs.recall("invoice money integer cents floats")["results"]] \
+        == [made.id]
+    assert not any(made.id in w for w in cs.distill()["warnings"])      # said once
+
+
 def test_distill_waits_to_retire_an_item_whose_org_pull_request_is_open(
         shared, monkeypatch, tmp_path):
     """distill retired the team copy of an item waiting on its org PR; the
