@@ -19150,10 +19150,11 @@ def _export_target(output: str) -> Path:
     if cfg.repo and _within(path, Path(os.path.realpath(cfg.local_dir))):
         raise InputError(f"-o {output}: that is inside {cfg.local_dir}, where cambium keeps "
                          "its own files (the markdown would replace one); write it elsewhere.")
-    if ".cambium" in path.parts or _is_a_store(path):
-        raise InputError(f"-o {output}: that is one of cambium's own files (a store, or "
-                         "inside a .cambium folder, maybe another project's): the markdown "
-                         "would replace it; write it elsewhere.")
+    if ".cambium" in path.parts or _is_a_store(path) or \
+            path == Path(os.path.realpath(cfg.config_file)):   # (CAMBIUM_CONFIG_FILE's too)
+        raise InputError(f"-o {output}: that is one of cambium's own files (a store, its "
+                         "config file, or inside a .cambium folder, maybe another "
+                         "project's): the markdown would replace it; write it elsewhere.")
     if ".git" in path.parts:                   # a worktree's or submodule's .git link file too
         raise InputError(f"-o {output}: that is git's own (a .git folder or the .git file "
                          "linking a worktree or submodule to its repository: the markdown "

@@ -17169,6 +17169,24 @@ def test_export_o_never_replaces_another_projects_store(repo, tmp_path):
     assert ok.returncode == 0 and "integer cents" in (tmp_path / "notes.md").read_text()
 
 
+def test_export_o_never_replaces_cambiums_config_file(repo, tmp_path):
+    """A CAMBIUM_CONFIG_FILE outside any .cambium folder was no file of
+    cambium's to export -o: the markdown replaced the agent id, repo and team
+    branch it records, and a symlink to it was written through."""
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    config.write_text(json.dumps({"agent_id": "ada", "repo": str(repo)}) + "\n")
+    before = config.read_text()
+    cs.capture("Money is kept in integer cents")
+    link = tmp_path / "link-to-config.json"
+    link.symlink_to(config)
+    for target in (config, link):
+        out = cli("export", "--scope", "local", "-o", str(target), cwd=repo)
+        assert out.returncode == 1 and "config file" in out.stderr, out
+        assert config.read_text() == before
+    ok = cli("export", "--scope", "local", "-o", str(tmp_path / "notes.md"), cwd=repo)
+    assert ok.returncode == 0 and "integer cents" in (tmp_path / "notes.md").read_text()
+
+
 def test_export_o_never_replaces_a_worktrees_git_link_file(repo, tmp_path):
     """`export -o <worktree>/.git` replaced the worktree's 'gitdir: ...' link
     file (only folders above the target were checked): git could no longer
