@@ -1457,7 +1457,8 @@ def _one_code_ref(ref: Any) -> dict:
         path = path[2:]
     problem = code_path_problem(path)
     if problem:
-        raise InputError(f"code_refs path {ref['path']!r:.80} {problem}.")
+        raise InputError(f"code_refs path {json_text(ref['path'])[:80]} {problem}.",
+                         "code_refs")
     out = {"path": path.rstrip("/") or path}
     symbol = ref.get("symbol")
     if isinstance(symbol, str) and _CALL_PARENS.sub("", symbol).strip():
@@ -1465,10 +1466,11 @@ def _one_code_ref(ref: Any) -> dict:
     if symbol not in (None, ""):
         if isinstance(symbol, str) and len(symbol.strip()) > MAX_CODE_SYMBOL_CHARS:
             raise InputError(f"code_refs symbol is {len(symbol.strip()):,} characters, over "
-                             f"the limit of {MAX_CODE_SYMBOL_CHARS}: name a definition.")
+                             f"the limit of {MAX_CODE_SYMBOL_CHARS}: name a definition.",
+                             "code_refs")
         if not isinstance(symbol, str) or not _SYMBOL.fullmatch(symbol.strip()):
-            raise InputError(f"code_refs symbol {symbol!r:.60} should be an identifier such "
-                             "as parse_store or Item.from_dict.")
+            raise InputError(f"code_refs symbol {json_text(symbol)[:60]} should be an "
+                             "identifier such as parse_store or Item.from_dict.", "code_refs")
         out["symbol"] = symbol.strip()
     return out
 

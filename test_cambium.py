@@ -2737,6 +2737,22 @@ def test_a_refused_code_ref_or_tag_names_its_argument_through_capture(repo):
     assert answer["error"] == "invalid_argument" and answer["argument"] == "tags"
 
 
+def test_a_refused_code_ref_path_or_symbol_names_its_argument_in_json(repo):
+    """A symbol of another type was shown as a Python repr ({'x': 1}) and a
+    path or symbol refused for its value answered with no `argument`."""
+    cases = [({"path": "app.py", "symbol": {"x": 1}}, 'symbol {"x": 1} should'),
+             ({"path": "app.py", "symbol": True}, "symbol true should"),
+             ({"path": "app.py", "symbol": "a" * (cs.MAX_CODE_SYMBOL_CHARS + 1)}, "over"),
+             ({"path": "src/../../x"}, 'path "src/../../x" must not leave'),
+             ({"path": "/etc/x"}, 'path "/etc/x" must be relative')]
+    for ref, said in cases:
+        with pytest.raises(cs.InputError) as e:
+            cs.capture("Name the refused code ref", code_refs=[ref])
+        assert e.value.argument == "code_refs" and said in str(e.value), (ref, e.value)
+    answer = cs._error_result("capture", {}, e.value).structured_content
+    assert answer["error"] == "invalid_argument" and answer["argument"] == "code_refs"
+
+
 def test_a_file_in_another_tools_layout_is_no_store_to_write_into():
     """An org knowledge.json {"entries": [...]} read as an empty store, and the
     first promotion wrote cambium's items into it beside the other tool's."""
