@@ -16598,8 +16598,7 @@ def promote(item_id: Annotated[str | None, Field(
     if org_why is not None:
         org_why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) or None
     restate = {"org_content": org_content, "org_why": org_why, "org_kind": _org_kind(org_kind)}
-    given = [k for k, v in (("org_content", org_content), ("org_why", org_why),
-                            ("org_kind", org_kind)) if v]
+    given = [k for k, v in restate.items() if v]     # (blank, like omitted: all three alike)
     if to_scope == "team" and given:             # was: promoted to team, the restatement dropped
         raise InputError(f"{given[0]} restates an item for org: promote(item_id, "
                          f"to_scope='org', {given[0]}=...); a team copy keeps its words.",

@@ -4020,6 +4020,19 @@ def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     assert res["results"][0]["scope"] == "team"
 
 
+def test_promote_reads_a_blank_restatement_as_omitted_all_three_alike(shared):
+    """A blank org_kind ("   ") with to_scope="team" was refused as a
+    restatement for org while a blank org_content or org_why was read as
+    omitted: clients that send "" for every optional field promote alike."""
+    moved = set()
+    for name in ("org_content", "org_why", "org_kind"):
+        for n, blank in enumerate(("", "   ", "\u200b")):
+            item = cs.capture(f"Blank {name} {n} rounds half-even in cents")["item"]["id"]
+            assert cs.promote(item, force=True, **{name: blank})["status"] == "promoted"
+            moved.add(item)
+    assert moved <= team_ids(shared["origin"])
+
+
 def test_promote_to_team_refuses_a_restatement_for_org(shared):
     """org_content with the default to_scope="team" promoted to team in the
     item's own words, the restatement dropped without a word."""
