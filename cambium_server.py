@@ -1269,7 +1269,7 @@ def _clean_text(value: Any, name: str, limit: int, *, required: bool = False) ->
         what = ("holds only control characters, terminal escapes and invisible "
                 "characters, which are never stored" if value.strip() else "is empty")
         ask = "say what should be remembered" if name == "content" else f"give the {name}"
-        raise InputError(f"{name} {what}; {ask}.")
+        raise InputError(f"{name} {what}; {ask}.", name)
     if len(text) > limit:
         raise InputError(f"{name} is {len(text)} characters, over the limit of {limit}: "
                          "capture the durable point, not the whole document.")

@@ -4020,6 +4020,16 @@ def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     assert res["results"][0]["scope"] == "team"
 
 
+def test_an_empty_text_argument_is_refused_naming_its_argument(repo):
+    """capture's empty content, deprecate's blank reason and generalize's
+    blank org_content were refused with no `argument` in the answer."""
+    for call, name in ((lambda: cs.capture("   "), "content"),
+                       (lambda: cs.deprecate("k-x", reason=" "), "reason")):
+        with pytest.raises(cs.InputError, match=f"{name} is empty") as e:
+            call()
+        assert e.value.argument == name
+
+
 def test_promote_reads_a_blank_restatement_as_omitted_all_three_alike(shared):
     """A blank org_kind ("   ") with to_scope="team" was refused as a
     restatement for org while a blank org_content or org_why was read as
