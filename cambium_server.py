@@ -7328,7 +7328,7 @@ def _looks_like_jsonl(path: Path) -> bool:
                 return False         # no record is that long: one document (size-checked)
             if line.strip():
                 try:
-                    first = json.loads(line)
+                    first = json.loads(line, parse_int=_import_int)
                 except (ValueError, RecursionError):
                     return False
                 if not isinstance(first, dict):
@@ -7358,7 +7358,7 @@ def _later_lines_are_records(path: Path, probe: int = 20) -> bool:
             if seen > probe:
                 return False
             with contextlib.suppress(ValueError, RecursionError):
-                if isinstance(json.loads(line), dict):
+                if isinstance(json.loads(line, parse_int=_import_int), dict):
                     return True
     return False
 
@@ -7369,7 +7369,8 @@ def _parses_whole(path: Path, size: int) -> bool:
     if size > MAX_IMPORT_BYTES:
         return False
     try:
-        json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+        json.loads(path.read_text(encoding="utf-8-sig", errors="replace"),
+                   parse_int=_import_int)
         return True
     except (ValueError, RecursionError):
         return False

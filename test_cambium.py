@@ -10267,6 +10267,26 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
         {"where": "line 3", "reason": "not an object (null)"}]
 
 
+def test_import_format_detection_reads_numbers_past_int_digits(repo, tmp_path):
+    """A number over 4,300 digits in a field import does not read costs nothing
+    in the probes that tell JSONL from one document too: a JSONL file with it on
+    every line was refused whole ("not valid JSON"), and a wrapper written one
+    record per line was read as JSONL (one imported, the other lines skipped)."""
+    big = "9" * 5000
+    jsonl = tmp_path / "export.jsonl"
+    jsonl.write_text(f'{{"id": "m1", "content": "first big-number memory", "sum": {big}}}\n'
+                     f'{{"id": "m2", "content": "second big-number memory", "sum": {big}}}\n')
+    res = cs.import_memory("json", str(jsonl))
+    assert res["imported"] == 2 and not res.get("skipped"), res
+    wrapped = tmp_path / "export.json"
+    wrapped.write_text('{"exported_by": "tool", "hash": ' + big + ', "memories": [\n'
+                       '{"id": "w1", "content": "first wrapped memory"},\n'
+                       '{"id": "w2", "content": "second wrapped memory"},\n'
+                       '{"id": "w3", "content": "third wrapped memory"}\n]}\n')
+    res = cs.import_memory("json", str(wrapped))
+    assert res["imported"] == 3 and not res["skipped"], res
+
+
 def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
     legacy = {"items": [{"id": "k-old", "type": "memory", "kind": "note",
                          "content": "legacy items keep working", "why": "", "tags": ["legacy"],
