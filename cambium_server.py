@@ -13828,8 +13828,43 @@ def _snapshot_of(claims: dict[str, dict]) -> dict[str, dict]:
     bounded: text fields as text of at most an item's size, changed_files as
     up to SNAPSHOT_MAX_FILES paths (a 12 MB note and 200,000 files made the
     store 20 MB for one item; a list nested 980 deep failed every distill)."""
-    return {agent: {k: _snapshot_value(k, c.get(k)) for k in SNAPSHOT_FIELDS if k in c}
-            for agent, c in sorted(claims.items()) if is_capture_worthy(c)}
+    return {agent: _remembered(agent, c) for agent, c in sorted(claims.items())
+            if is_capture_worthy(c)}
+
+
+def _remembered(agent: str, claim: dict) -> dict:
+    """One claim as the snapshot keeps it. When the trim changes what its draft
+    says (over SNAPSHOT_MAX_FILES files, a note over an item's size), also the
+    whole claim's watermark key and text key (`said`): its capture at release
+    then knows the item imported from the whole claim says this very state (it
+    was taken for an edit: the endorsed item superseded by a trimmed copy)."""
+    kept = {k: _snapshot_value(k, claim.get(k)) for k in SNAPSHOT_FIELDS if k in claim}
+    whole, trimmed = claim_to_draft(agent, claim), claim_to_draft(agent, kept)
+    if isinstance(whole, Draft) and isinstance(trimmed, Draft) and \
+            (whole.content, whole.key) != (trimmed.content, trimmed.key):
+        kept["said"] = {"key": whole.key, "text": text_key(whole.type, whole.content.strip())}
+    return kept
+
+
+def _captured_draft(doc: Doc, agent: str, claim: dict) -> Draft | Skip:
+    """A churned claim's draft from the snapshot. A claim the snapshot trimmed
+    whose item (under the whole claim's watermark) says what the whole claim
+    said is drafted as that item's text: the same state lands once, while a
+    claim since edited under the same updated_at is still a revision."""
+    draft = claim_to_draft(agent, claim, released=True)
+    said = claim.get("said")
+    if not isinstance(draft, Draft) or not isinstance(said, dict) or \
+            not isinstance(said.get("key"), str):
+        return draft
+    iid = _mark_id(meta_map(doc.meta, "watermarks"), said["key"])
+    if iid is None:
+        return draft
+    stored = next((it for it in first_copies(doc.items) if it.id == iid), None)
+    if stored is None:                # promoted on: its watermark says it landed
+        return dataclasses.replace(draft, key=said["key"])
+    if content_key(stored) != said.get("text"):
+        return draft
+    return dataclasses.replace(draft, content=stored.content, key=said["key"])
 
 
 def _snapshot_value(key: str, value: Any) -> Any:
@@ -13896,7 +13931,7 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
     snapshot = None
     if cfg.release_capture:
         churned = _churned_claims(doc, board, claims) if claims is not None else {}
-        made += [claim_to_draft(a, c, released=True) for a, c in churned.items()]
+        made += [_captured_draft(doc, a, c) for a, c in churned.items()]
         info["release_capture"] = {"churned": [plain_text(a) for a in churned]}
         if claims is not None:
             snapshot = {"board": _board_key(board), "branch": board.branch, "at": stamp,

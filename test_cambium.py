@@ -11776,6 +11776,40 @@ def test_a_remembered_claim_is_bounded_text_and_paths(tmp_path):
     assert len(json.dumps(kept)) < 100_000
 
 
+def test_a_released_claim_the_snapshot_trimmed_lands_once(tmp_path, monkeypatch):
+    """A done claim of 300 changed files (the snapshot keeps 200) or a 25,000-
+    character note (it keeps 20,000) was captured at release a second time: its
+    text rebuilt from the trimmed snapshot said "+160 more" (or "of 20,034"),
+    under the same watermark, so it was taken for an edit and the imported,
+    endorsed item superseded. A claim edited under the same updated_at is still
+    a revision."""
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
+    files = [{"path": f"src/m{n}.py", "status": "M"} for n in range(300)]
+    claims = {"ann": {**DONE_CLAIM, "changed_files": files},
+              "ben": {**DONE_CLAIM, "task": "write the guide", "note": "long " * 5000}}
+    write_board(clone, claims)
+    assert cs.distill()["imported"] == 2
+    write_board(clone, {})                                  # both released
+    res = cs.distill()
+    assert (res["imported"], res["retired"]) == (0, 0), res.get("retired_items")
+    items = cs.store(cs.resolve_config(), "local").read().items
+    assert len(items) == 2 and all(i.active for i in items)
+    assert any("(+260 more)" in i.content for i in items)
+    write_board(clone, {"cy": {**DONE_CLAIM, "task": "tune", "changed_files": files}})
+    cs.distill()
+    edited = {**DONE_CLAIM, "task": "tune", "status": "review", "note": "reverted half",
+              "changed_files": files}                       # same updated_at, not done
+    write_board(clone, {"cy": edited})
+    assert cs.distill()["imported"] == 0
+    write_board(clone, {})
+    res = cs.distill()
+    assert res["imported"] == 1 and "reverted half" in res["items"][0]["content"]
+    assert any("now says something else" in w for w in res["warnings"])
+
+
 def test_import_reads_jsonl_exports_joined_each_with_a_byte_order_mark(repo, tmp_path):
     f = tmp_path / "joined.jsonl"
     f.write_bytes(b"".join(b"\xef\xbb\xbf" + json.dumps({"id": f"m{n}", "content":
