@@ -10407,6 +10407,7 @@ class Admission:
     retired: list = field(default_factory=list)      #: revise: {id, ref, reason} superseded
     revived: list = field(default_factory=list)      #: revise: {id, ref} brought back
     notes: list = field(default_factory=list)        #: revise: warnings on what was kept
+    kept: dict = field(default_factory=dict)         #: revise: such a note -> the id it kept
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
@@ -10551,13 +10552,21 @@ class _Revising:
                 self.retire(old, new, f"context-keeper {ref} was edited at its source; its "
                                       f"text now is item {new.id}")
             elif system == "context-keeper" and old.active and old.id not in self.live:
-                self.adm.notes.append(
+                self.kept_note(old.id, (
                     f"context-keeper {ref} now says something else than its item {old.id}: it "
                     f"may be the entry edited or the id handed out again to another entry "
                     f"(after a branch switch or a delete); " + (
                         f"imported the new text as {new.id}" if new is item else
                         f"its new text is item {new.id} already") +
-                    f" and kept {old.id}: deprecate the one that no longer stands")
+                    f" and kept {old.id}: deprecate the one that no longer stands"))
+
+    def kept_note(self, iid: str | None, note: str) -> None:
+        """A warning that item `iid` (None: none) was kept beside a new text;
+        plan_distill leaves it out when this write retires that item after all
+        (it said "kept" of an item deprecated in the same write)."""
+        self.adm.notes.append(note)
+        if iid is not None:
+            self.adm.kept[note] = iid
 
     def older_claim_states(self, states: list) -> None:
         """The older states of one done claim (its lineage) superseded by the
@@ -10591,13 +10600,13 @@ class _Revising:
             if item.source.get("system") != "agentsync" or not old.active:
                 continue
             done = self.cur(old.id).status == "superseded"
-            self.adm.notes.append(
+            self.kept_note(None if done else old.id, (
                 f"agentsync {item.source.get('ref')} now says something else than its item "
                 f"{old.id} under the same updated_at: " + (
                     f"its text now is item {new.id}, which superseded {old.id}" if done else
                     f"its text now is item {new.id}; kept {old.id}" + (
                         ", which another live record still says" if old.id in self.live else
-                        ": deprecate it if it no longer stands")))
+                        ": deprecate it if it no longer stands"))))
 
     def revive(self) -> None:
         """Bring back what distill retired that a live record says again: an
@@ -14198,6 +14207,8 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
         live=_live_ids(meta_map(admitted.meta, "watermarks"), keys),
         unmark=sweep.kept_elsewhere)
     base = retiring or admitted
+    gone = {r["id"] for r in retired}             # (a note that kept one retired now: out)
+    notes = [n for n in adm.notes if adm.kept.get(n) not in gone]
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
     refused = sweep.prepared.skipped_from
@@ -14210,7 +14221,7 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
             refused.get("context-keeper", 0))
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
-    warnings = sweep.warnings + adm.notes + kept  # ... and what this write kept beside what
+    warnings = sweep.warnings + notes + kept      # ... and what this write kept beside what
     ok = "distilled_with_warnings" if warnings else "distilled"
     last = {"at": sweep.stamp, "status": "failed" if sweep.errors else ok,
             "imported": len(adm.fresh), "retired": len(retired),

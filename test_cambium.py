@@ -15750,6 +15750,27 @@ def test_distill_never_revives_what_a_person_deprecated_after_distill_did(repo):
     assert "revived_items" not in res and not _items_by_ref("con-001")[0].active
 
 
+def test_distill_says_kept_of_no_item_it_retires_in_the_same_write(repo):
+    """Two entries of one text share an item; the first deprecated, then the
+    second edited: its old item was deprecated in that write (nothing says its
+    text any more), yet the warning said "kept k-…: deprecate the one that no
+    longer stands"."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+    first = {"id": "dec-001", "summary": "Use Postgres", "status": "active",
+             "created_at": "2026-01-01T00:00:00Z"}
+    second = {**first, "id": "dec-002", "created_at": "2026-01-02T00:00:00Z"}
+    write = lambda *es: (ctx / "decisions.json").write_text(json.dumps(list(es)))  # noqa
+    write(first, second)
+    cs.distill()
+    write({**first, "status": "deprecated"}, second)
+    assert cs.distill()["retired"] == 0                 # dec-002 still says it
+    write({**first, "status": "deprecated"}, {**second, "summary": "Use MySQL"})
+    res = cs.distill()
+    (old,) = [r["id"] for r in res["retired_items"]]
+    assert res["imported"] == 1 and not any(f"kept {old}" in w for w in res["warnings"]), res
+
+
 def test_distill_never_stores_a_retired_items_text_again_as_a_new_item(repo):
     """The stored-text check saw active items only: a new entry stating the text
     of an item distill had retired was stored again, and reviving the first left
