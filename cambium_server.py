@@ -13703,6 +13703,7 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
 PROGRESS_MIN_RECORDS = 500      #: sources with fewer records report no progress
 SNAPSHOT_FIELDS = ("task", "branch", "status", "note", "updated_at", "changed_files")
 MAX_LISTED_ITEMS = 50           #: a distill result lists at most this many new items
+#                                  (and retired, revived; notes on what it kept or recorded)
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -14194,6 +14195,17 @@ def _live_keys(reads: list[SourceRead]) -> set[str]:
     return {d.key for r in reads for d in r.drafts if d.key}
 
 
+def _bounded_notes(notes: list[str]) -> list[str]:
+    """admit's notes (one a twin recorded, an item kept beside a new text), the
+    first MAX_LISTED_ITEMS of them and a count of the rest: one a record made
+    thousands of warnings."""
+    if len(notes) <= MAX_LISTED_ITEMS:
+        return notes
+    return notes[:MAX_LISTED_ITEMS] + [
+        f"… and {len(notes) - MAX_LISTED_ITEMS:,} more notes like these (a record's text "
+        "recorded under an item's source.also, or an item kept beside a new text)"]
+
+
 def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     """Retire, admit and judge on `doc`, and record the result in its meta (pure,
     but for the cached index): the one local write a distill makes."""
@@ -14208,7 +14220,7 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
         unmark=sweep.kept_elsewhere)
     base = retiring or admitted
     gone = {r["id"] for r in retired}             # (a note that kept one retired now: out)
-    notes = [n for n in adm.notes if adm.kept.get(n) not in gone]
+    notes = _bounded_notes([n for n in adm.notes if adm.kept.get(n) not in gone])
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
     refused = sweep.prepared.skipped_from
@@ -14295,13 +14307,20 @@ def distill_result(plan: DistillPlan, sweep: Sweep, store_warnings: list[str]) -
         "items": [{"id": it.id, "kind": it.kind, "ref": it.source.get("ref"),
                    "content": it.content[:120]} for it in plan.imported[:MAX_LISTED_ITEMS]],
     }
-    if plan.retired:
-        result["retired_items"] = plan.retired
-    if plan.revived:
-        result["revived_items"] = plan.revived
+    _listed(result, "retired_items", plan.retired)
+    _listed(result, "revived_items", plan.revived)
     if store_warnings:
         result["store_warnings"] = store_warnings
     return result
+
+
+def _listed(result: dict, name: str, entries: list) -> None:
+    """entries under `name`, the first MAX_LISTED_ITEMS of them, and how many
+    more under `<name>_more` (5,000 deprecated entries made a 490 KB answer)."""
+    if entries:
+        result[name] = entries[:MAX_LISTED_ITEMS]
+    if len(entries) > MAX_LISTED_ITEMS:
+        result[f"{name}_more"] = len(entries) - MAX_LISTED_ITEMS
 
 
 def _verify_prompt(cfg: Config, result: dict, imported: list[Item]) -> None:

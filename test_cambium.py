@@ -15771,6 +15771,33 @@ def test_distill_says_kept_of_no_item_it_retires_in_the_same_write(repo):
     assert res["imported"] == 1 and not any(f"kept {old}" in w for w in res["warnings"]), res
 
 
+def test_distill_lists_at_most_fifty_retired_revived_and_noted_items(repo, monkeypatch):
+    """distill listed every item it retired (5,000 deprecated entries: a 490 KB
+    answer) and a warning for every record of a stored text, while new items
+    were capped at 50: each list now keeps 50 and counts the rest (here 3)."""
+    n, cap = 5, 3
+    monkeypatch.setattr(cs, "MAX_LISTED_ITEMS", cap)
+    ctx = repo / ".context"
+    ctx.mkdir()
+    entries = [{"id": f"dec-{i:03d}", "summary": f"Decision number {i}", "status": "active"}
+               for i in range(n)]
+    write = lambda es: (ctx / "decisions.json").write_text(json.dumps(es))  # noqa
+    write(entries)
+    assert cs.distill()["imported"] == n
+    write([{**e, "status": "deprecated"} for e in entries])
+    res = cs.distill()
+    assert res["retired"] == n and len(res["retired_items"]) == cap
+    assert res["retired_items_more"] == n - cap
+    write(entries)
+    res = cs.distill()
+    assert len(res["revived_items"]) == cap and res["revived_items_more"] == n - cap
+    twins = [{**e, "id": f"dec-{i + n:03d}"} for i, e in enumerate(entries)]
+    write(entries + twins)                              # each says what an item says
+    res = cs.distill()
+    noted = [w for w in res["warnings"] if "source.also" in w]
+    assert len(noted) == cap + 1 and noted[-1].startswith(f"… and {n - cap:,} more"), noted[-1]
+
+
 def test_distill_never_stores_a_retired_items_text_again_as_a_new_item(repo):
     """The stored-text check saw active items only: a new entry stating the text
     of an item distill had retired was stored again, and reviving the first left
