@@ -11623,7 +11623,9 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
     verifications, projects and provenance (`merged_from`); a member already
     merged (a rerun after a partial failure, or while a pull request waits)
     is not counted twice: its credits are not, and what it gained since (an
-    endorsement, a verification) is carried (a rerun dropped it)."""
+    endorsement, a verification, a check, an anchor or tag the survivor lacks)
+    is carried (a rerun dropped it; a duplicate that waited for it, _keeps_more,
+    waited for good)."""
     prior = survivor.extra.get("merged_from")        # an unknown key: any JSON (hand edits)
     prior = prior if isinstance(prior, list) else [] if prior is None else [prior]
     done = {m.get("id") for m in prior if isinstance(m, dict) and isinstance(m.get("id"), str)}
@@ -11660,8 +11662,8 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {})},
         extra={**survivor.extra, "merged_from": prior
-               + origins}, **merged_pointers(survivor, [m for m, _ in fresh]),
-        **merged_reason(survivor, [m for m, _ in fresh]))
+               + origins}, **merged_pointers(survivor, [m for m, _ in members]),
+        **merged_reason(survivor, [m for m, _ in members]))
     return survivor if merged == survivor else dataclasses.replace(merged, updated_at=now)
 
 
@@ -14771,8 +14773,9 @@ def _leaves_now(planned: Item, now: Item, above: Item | None) -> bool:
 def _keeps_more(member: Item, survivor: Item) -> bool:
     """Whether `member` holds what `survivor` (its copy a scope holds) lacks: a
     recall credit (an agent's later day), an endorsement (an agent's, or its
-    later one) or a person's verification (not a check's run: one lands each
-    time the check passes, and a member checked daily would never leave).
+    later one), a person's verification (not a check's run: one lands each
+    time the check passes, and a member checked daily would never leave), or
+    what a fold would take besides trust (_adds_to).
     Superseded, the member would keep them where nothing reads them (pure)."""
     if days_left_behind(member, survivor):
         return True
@@ -14784,7 +14787,18 @@ def _keeps_more(member: Item, survivor: Item) -> bool:
         return True
     checks = survivor.verifications or []
     return any(v not in checks for v in member.verifications or []
-               if not (isinstance(v, dict) and v.get("by") == "check"))
+               if not (isinstance(v, dict) and v.get("by") == "check")) or \
+        _adds_to(survivor, member)
+
+
+def _adds_to(survivor: Item, member: Item) -> bool:
+    """Whether folding `member` gives `survivor` more than trust: an operator
+    check or a failing flag, a code anchor, tag, premise, why or kind it lacks
+    (merged_pointers, merged_reason). A check a person attached to a duplicate
+    while consolidate ran, its survivor merged already elsewhere, was lost with
+    the superseded copy, the claim served unflagged (pure)."""
+    return bool(merged_reason(survivor, [member])) or \
+        merged_pointers(survivor, [member]) != merged_pointers(survivor, [])
 
 
 def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict]) -> dict:
@@ -14830,7 +14844,7 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
         out["waiting"] = waiting
     if late:
         out["changed_meanwhile"] = sorted(late)
-        out["note"] = ("endorsed, verified, recalled, moved or retired while consolidate ran, so "
+        out["note"] = ("endorsed, verified, recalled, checked, moved or retired while consolidate ran, so "
                        "left as they are: consolidate again to fold in what is still a duplicate")
     if pr_urls:
         out["pr_urls"] = sorted(set(pr_urls))

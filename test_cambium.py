@@ -9436,6 +9436,28 @@ def test_consolidate_keeps_an_endorsement_made_between_its_plan_and_its_write(
     assert again["superseded"] == [third]
 
 
+def test_consolidate_leaves_a_duplicate_checked_meanwhile_for_the_next_run(shared):
+    """A check a person attached to a local duplicate (and ran, failing) after
+    the plan, its team survivor merged from the plan's copy, stayed on the
+    superseded duplicate: the team claim served unflagged, its check never run
+    again. Now the duplicate stays active, named, and the next run carries
+    the check and its failing flag up."""
+    team_id = cs.capture("Retry the payment gateway call three times with backoff",
+                         kind="decision")["item"]["id"]
+    cs.promote(team_id, force=True)
+    dup = cs.capture("retry the payment gateway call three times with backoff!")["item"]["id"]
+    cfg = cs.require_config()
+    groups, trusts, _ = cs.plan_consolidation(cfg, cs.SCOPES)
+    assert cli("verify-cmd", dup, "exit 3").returncode == 0       # after the plan
+    assert json.loads(cli("verify", "--run", dup).stdout)["failed"] == [dup]
+    done = cs.apply_consolidation(cfg, groups, trusts)
+    assert done["superseded"] == [] and done["changed_meanwhile"] == [dup]
+    assert {i.id: i for i in cs.store(cfg, "local").read().items}[dup].active
+    assert cs.consolidate(apply=True)["superseded"] == [dup]
+    (kept,) = remote_json(shared["origin"], "cambium")["items"]
+    assert kept["check"]["cmd"] == "exit 3" and kept["failing"]["exit"] == 3
+
+
 def _peer_acts_before_our_push(monkeypatch, scope: str, peer: Path, *args: str,
                                **env: str) -> None:
     """Once: right after this process's write to `scope` planned, and before its
