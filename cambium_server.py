@@ -14658,11 +14658,7 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
             s = at.get(g.survivor.id)
             here = g.survivor.scope == scope and s is not None and items[s].active
             if here:                          # a member here is merged as it stands now
-                # members of this scope it no longer holds active (one folded into
-                # this survivor by an earlier run is no such member)
-                gone = {m.id for m, _, _ in g.members if m.scope == scope and not (
-                    m.id in at and (items[at[m.id]].active or
-                                    _superseded_by(items[at[m.id]]) == g.survivor.id))}
+                gone = _left_out(scope, g, items, at)
                 late.update(gone)
                 merged = merged_survivor(items[s], items[s].trust, [
                     (items[at[m.id]], items[at[m.id]].trust) if m.scope == scope
@@ -14676,6 +14672,8 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
             for m, sim, how in members:
                 i = at.get(m.id)
                 if m.scope != scope or i is None or not items[i].active:
+                    if m.scope == scope and not _held_for(items, at, m.id, g.survivor.id):
+                        late.add(m.id)        # left its scope, or retired, meanwhile
                     continue
                 if not here and not _leaves_now(m, items[i], premerged.get(
                         m.id, held.get(g.survivor.id))):
@@ -14688,6 +14686,23 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
                 changed = True
         return dataclasses.replace(doc, items=items) if changed else None
     return apply
+
+
+def _left_out(scope: str, g: Group, items: list[Item], at: dict[str, int]) -> set[str]:
+    """The members a write to `scope`, the survivor's, leaves out of its merge
+    (named in changed_meanwhile): one planned here that it no longer holds
+    active, and one planned in another scope that sits here now (promoted
+    meanwhile: merged as planned, it stayed active beside the survivor that
+    counted its endorsements too, superseded by no write) (pure)."""
+    return {m.id for m, _, _ in g.members if m.id in at and m.scope != scope
+            or m.scope == scope and not _held_for(items, at, m.id, g.survivor.id)}
+
+
+def _held_for(items: list[Item], at: dict[str, int], mid: str, sid: str) -> bool:
+    """Whether a scope's items (`at`: id -> index) hold member `mid` active, or
+    folded into survivor `sid` already (an earlier run's: nothing changed) (pure)."""
+    i = at.get(mid)
+    return i is not None and (items[i].active or _superseded_by(items[i]) == sid)
 
 
 def _consolidated_so_far(scope: str, done: dict[str, str], retired: set[str],

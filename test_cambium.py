@@ -9458,6 +9458,46 @@ def test_consolidate_leaves_a_duplicate_checked_meanwhile_for_the_next_run(share
     assert kept["check"]["cmd"] == "exit 3" and kept["failing"]["exit"] == 3
 
 
+def test_consolidate_leaves_a_duplicate_promoted_meanwhile_and_names_it(shared, monkeypatch):
+    """A local duplicate promoted to its survivor's scope (team) after the
+    plan was merged into the team survivor as planned (its endorsement counted
+    there too) and stayed active beside it, named nowhere. Now it is neither
+    merged nor superseded, named in changed_meanwhile, and the next run folds
+    the two (team holds both)."""
+    team_id = cs.capture("Retry the payment gateway call three times with backoff",
+                         kind="decision")["item"]["id"]
+    cs.promote(team_id, force=True)
+    dup = cs.capture("retry the payment gateway call three times with backoff!")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.endorse(dup, note="bob likes it")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    cfg = cs.require_config()
+    groups, trusts, _ = cs.plan_consolidation(cfg, cs.SCOPES)
+    cs.promote(dup, force=True)                                    # after the plan
+    done = cs.apply_consolidation(cfg, groups, trusts)
+    assert done["superseded"] == [] and done["changed_meanwhile"] == [dup]
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert "merged_from" not in team[team_id] and not team[team_id]["trust"].get("endorsements")
+    assert team[dup]["status"] == "active"
+    assert len(cs.consolidate(apply=True)["superseded"]) == 1     # now one scope's pair
+
+
+def test_consolidate_names_a_duplicate_retired_in_its_own_scope_meanwhile(shared):
+    """A local duplicate deprecated after the plan, its team survivor merged
+    already, was passed over by the local write unnamed: changed_meanwhile
+    now names it, and it stays deprecated."""
+    team_id = cs.capture("Retry the payment gateway call three times with backoff",
+                         kind="decision")["item"]["id"]
+    cs.promote(team_id, force=True)
+    dup = cs.capture("retry the payment gateway call three times with backoff!")["item"]["id"]
+    cfg = cs.require_config()
+    groups, trusts, _ = cs.plan_consolidation(cfg, cs.SCOPES)
+    cs.deprecate(dup, reason="wrong gateway")                     # after the plan
+    done = cs.apply_consolidation(cfg, groups, trusts)
+    assert done["superseded"] == [] and done["changed_meanwhile"] == [dup]
+    assert {i.id: i for i in cs.store(cfg, "local").read().items}[dup].status == "deprecated"
+
+
 def _peer_acts_before_our_push(monkeypatch, scope: str, peer: Path, *args: str,
                                **env: str) -> None:
     """Once: right after this process's write to `scope` planned, and before its
