@@ -2394,8 +2394,8 @@ class Runtime:
         self.remotes: dict[tuple[str, str], tuple[float, str | None]] = {}
         self.indexes: dict[str, Index] = {}
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
-        self.corrections: dict[str, tuple[list, dict, dict]] = {}   # store -> corrections()
-        self.texts: dict[str, tuple[list, dict]] = {}   # shared store -> active_texts()
+        self.corrections: dict[str, tuple[list, dict, dict, dict]] = {}   # -> correction_maps()
+        self.texts: dict[str, tuple[list, dict]] = {}   # store -> active_texts()
         self.retired: dict[str, tuple[list, dict]] = {}  # store -> deprecated_texts()
         self.used_here: dict[str, tuple[list, frozenset]] = {}   # journal -> used_here()
         self.federated: dict[tuple, tuple[tuple, list]] = {}   # scopes -> (their lists, merged)
@@ -15898,8 +15898,14 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
         return {"status": "duplicate", "item": item_view(held),
                 "note": f"{held.scope} scope holds an active item with this content; endorse "
                         "it instead of capturing it again"}
+    end = _folded_end_of_text(cfg, content, type, docs)
+    if end is not None and end.active:
+        return {"status": "duplicate", "item": item_view(end),
+                "note": f"an item with this content was superseded by {end.id} (folded into it "
+                        "by consolidate, or replaced by it), which stands: endorse it instead "
+                        "of capturing the words again"}
     said = plain_text(content).strip()
-    gone = next((hit for t in types for scope, doc in docs.items() if (hit := deprecated_texts(
+    gone = end if end is not None else next((hit for t in types for scope, doc in docs.items() if (hit := deprecated_texts(
         f"{scope}:{cfg.repo}", doc.items).get(text_key(t, said)))), None)
     key = content_key(gone) if gone is not None else None
     if gone is not None and not any(it.active and content_key(it) == key    # (rare: a walk
@@ -15920,19 +15926,61 @@ def _correction_of_text(cfg: Config, content: str, type: str,
     active), at the end of its chain: a correction that was promoted, corrected
     again or folded into a survivor by consolidate still answers; with none
     live, the retired end of a chain (a correction deprecated since: the words
-    it corrected came back active). `docs`: scopes as last read (a capture
-    never waits on the network)."""
+    it corrected came back active). The item that said it may have been
+    folded by consolidate into a survivor a person corrected since (_fold_chain).
+    `docs`: scopes as last read (a capture never waits on the network)."""
     key = text_key(type, plain_text(content).strip())
-    maps = [corrections(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
+    maps = [correction_maps(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
     retired = None
-    for corrected in (i for words, _ in maps for i in words.get(key, ())):
-        fix = next((fixes[corrected] for _, fixes in maps if corrected in fixes), None)
+    for corrected in (i for words, _, _ in maps for i in words.get(key, ())):
+        fix = _fold_chain(corrected, maps)[0]
         if fix is not None and not fix.active and (nxt := _superseded_by(fix)):
             fix = _replacements(fix.id, nxt, docs)[1]
         if fix is not None and fix.active:
             return fix
         retired = retired or fix
     return retired        # (its correction retired since: the words stay retired too)
+
+
+def _fold_chain(first: str, maps: list[tuple[dict, dict, dict]]) -> tuple[Item | None, str]:
+    """From superseded item `first` along superseded_by, through the superseded
+    items of every scope read (correction_maps): the first person's correction
+    met (of `first` itself, or of the survivor consolidate folded it into: its
+    words were captured live again, above the correction), else None; and the
+    last id reached (live, retired, or in no scope read) (pure, dict lookups)."""
+    cur, seen = first, set()
+    while cur not in seen and len(seen) < 50:
+        seen.add(cur)
+        if (fix := next((f[cur] for _, f, _ in maps if cur in f), None)) is not None:
+            return fix, cur
+        it = next((g[cur] for _, _, g in maps if cur in g), None)
+        if it is None or (nxt := _superseded_by(it)) is None:
+            break
+        cur = nxt
+    return None, cur
+
+
+def _folded_end_of_text(cfg: Config, content: str, type: str,
+                        docs: dict[str, Doc]) -> Item | None:
+    """Where the words `content` went when only superseded items say them and no
+    person's correction is on their chain (_correction_of_text answers that):
+    the item at its end, active (consolidate folded them into it: a capture
+    stored them live again beside it), else a deprecated one. None when an
+    active item says them (it is the duplicate). `docs`: scopes as last read."""
+    key = text_key(type, plain_text(content).strip())
+    maps = [correction_maps(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
+    ids = [i for words, _, _ in maps for i in words.get(key, ())]
+    if not ids or any(key in active_texts(f"{scope}:{cfg.repo}", doc.items)
+                      for scope, doc in docs.items()):
+        return None
+    ends = []
+    for gone in ids:
+        it = next((g[gone] for _, _, g in maps if gone in g), None)
+        if _fold_chain(gone, maps)[0] is None and it is not None and \
+                (first := _superseded_by(it)) is not None:
+            ends.append(_replacements(gone, first, docs)[1])   # (rare: a walk is fine)
+    return next((e for e in ends if e is not None and e.active), None) or next(
+        (e for e in ends if e is not None and e.status == "deprecated"), None)
 
 
 def _shared_copy_of_text(cfg: Config, content: str, type: str,
@@ -15985,27 +16033,37 @@ def deprecated_texts(key: str, items: list) -> dict[str, Item]:
 
 def corrections(key: str, items: list) -> tuple[dict[str, tuple], dict[str, Item]]:
     """({content key of a superseded item: the ids of such items}, {corrected id:
-    its correction}) of a store's items, kept per store and brought up to date by
-    the items a capture appended (a correction or a supersession is a rewrite:
-    built again), so a capture of a 100,000-item store does not walk them all.
-    The words hold every superseded item: the correction of one may be in
-    another scope (promoted) than the item it corrected."""
+    its correction}) of a store's items: correction_maps without the third."""
+    words, fixes, _ = correction_maps(key, items)
+    return words, fixes
+
+
+def correction_maps(key: str, items: list
+                    ) -> tuple[dict[str, tuple], dict[str, Item], dict[str, Item]]:
+    """({content key of a superseded item: the ids of such items}, {corrected id:
+    its correction}, {superseded id: its item}) of a store's items, kept per store
+    and brought up to date by the items a capture appended (a correction or a
+    supersession is a rewrite: built again), so a capture of a 100,000-item store
+    does not walk them all. The words hold every superseded item: the correction
+    of one may be in another scope (promoted) than the item it corrected."""
     rt = runtime()
     with rt.index_lock:
-        src, words, fixes = rt.corrections.get(key, (None, {}, {}))
+        src, words, fixes, gone = rt.corrections.get(key, (None, {}, {}, {}))
         if src is not items:
             grown = src is not None and extends(items, src)
             fresh = [x for x in (items[len(src):] if grown else items)
                      if isinstance(x.corrects, str) or x.status == "superseded"]
             if not grown or fresh:                  # (copied: a reader may hold the old)
-                words, fixes = (dict(words), dict(fixes)) if grown else ({}, {})
+                words, fixes, gone = (dict(words), dict(fixes), dict(gone)) if grown \
+                    else ({}, {}, {})
                 for x in fresh:
                     if isinstance(x.corrects, str):
                         fixes[x.corrects] = x
                     if x.status == "superseded":
                         words[content_key(x)] = (*words.get(content_key(x), ()), x.id)
-            rt.corrections[key] = (items, words, fixes)
-    return words, fixes
+                        gone.setdefault(x.id, x)
+            rt.corrections[key] = (items, words, fixes, gone)
+    return words, fixes, gone
 
 
 def _find_duplicate(cfg: Config, content: str, type: str) -> Item | None:

@@ -9692,6 +9692,28 @@ def test_corrected_words_stay_corrected_when_the_correction_moved_up_or_was_fold
         assert again["status"] == "corrected_before" and again["item"]["id"] == survivor
 
 
+def test_a_folded_duplicates_words_answer_with_where_they_went(repo):
+    """Consolidate folded a duplicate into its survivor, then a person corrected
+    the survivor: capturing the duplicate's exact words stored them live again,
+    outranking the correction in recall (import held them back). Now they
+    answer corrected_before with the correction; with no correction on the
+    way, duplicate with the live survivor; nothing is stored."""
+    words = "Cache exchange rates for five minutes in the pricing service"
+    survivor = _trusted("Cache the exchange rates for five minutes in the pricing service",
+                        recalls=3, endorsers=("bob",))
+    dup = cs.capture(words)["item"]["id"]
+    assert cs.consolidate(apply=True)["superseded"] == [dup]
+    again = cs.capture(words)
+    assert again["status"] == "duplicate" and again["item"]["id"] == survivor
+    fixed = cs.correct(survivor, "Exchange rates in pricing are cached for sixty seconds",
+                       "the pricing lead said so")["item"]["id"]
+    again = cs.capture(words)
+    assert again["status"] == "corrected_before" and again["item"]["id"] == fixed
+    assert [i["id"] for i in local_items(repo) if i["status"] == "active"] == [fixed]
+    hits = cs.recall("cache exchange rates pricing five minutes")["results"]
+    assert [h["id"] for h in hits] == [fixed]
+
+
 def test_generalize_never_puts_an_agents_words_under_a_persons_authority(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     item = _endorsed("Retry idempotent calls with backoff")
