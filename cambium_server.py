@@ -250,6 +250,15 @@ class CorruptStore(CambiumError):
     """A knowledge.json could not be parsed; it is preserved, never overwritten."""
 
 
+class DamageKept(OSError):
+    """A damaged local store whose bad lines found no room to be set aside (a
+    full disk, a file size limit): a read serves `doc`, the lines that parse,
+    with `warning`; a write refuses (file_system), since rewriting the store
+    without those lines would lose them for good."""
+    doc: Any = None
+    warning: str = ""
+
+
 class ScopeOff(ConfigError):
     """The scope is not set up here (a federated read just leaves it out)."""
 
@@ -3871,7 +3880,11 @@ class LocalStore(Store):
                 if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise
                 return self._unlocked(str(e.strerror or e))
-            return self._current(locked=True)
+            try:
+                return self._current(locked=True)
+            except DamageKept as kept:             # (a write refuses: mutate)
+                note_for_call(kept.warning)
+                return kept.doc
 
     def _held(self, wait: float) -> Doc:
         """read's answer when another process holds the lock past `wait` (a
@@ -4026,7 +4039,8 @@ class LocalStore(Store):
     def _set_aside(self, parsed: Parsed, key: tuple) -> Doc:
         """Keep the bad lines verbatim beside the store, then rewrite it with
         every line that parsed (copied byte for byte). A read-only store is
-        served as it parsed and left as it is."""
+        served as it parsed and left as it is; so is one with no room for
+        either step, by raising DamageKept (read serves it, a write refuses)."""
         if self._read_only():
             return parsed.doc
         aside = self.path.with_name(self.path.name + QUARANTINE_TAG + _stamp())
@@ -4041,8 +4055,14 @@ class LocalStore(Store):
             with contextlib.suppress(OSError):      # read-only store is, and keep no copy
                 aside.unlink()                      # of lines the store still holds
             self._remember(None)
-            note_for_call(f"{self.path}: {len(parsed.bad)} damaged line(s) not set aside "
-                          f"({e.strerror or e}); the lines that parse are served")
+            bad = len(parsed.bad) or 1                      # (1: the file ends early)
+            kept = DamageKept(e.errno, f"{bad} damaged line(s) could not be set aside "
+                              f"({e.strerror or e}), so the store refuses writes (each "
+                              "would lose them) and is left as it is", str(self.path))
+            kept.doc, kept.warning = parsed.doc, (
+                f"{self.path}: {bad} damaged line(s) not set aside ({e.strerror or e}); "
+                "the lines that parse are served")
+            raise kept from e
         return parsed.doc
 
     def _read_only(self) -> bool:

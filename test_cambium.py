@@ -1765,6 +1765,47 @@ def test_a_damaged_store_on_a_full_disk_is_served_and_leaves_no_copies(repo, tmp
     assert path.read_bytes().endswith(b'{"torn')
 
 
+def test_a_damaged_line_with_no_room_to_be_set_aside_makes_every_write_refuse(repo):
+    """A ~300 KB damaged line a file size limit kept from being set aside was
+    lost by the next write: capture, endorse or a credit fold rewrote the
+    store with the lines that parse and said "captured", the line kept
+    nowhere. Each now refuses (file_system) and changes nothing; with room,
+    the next write sets the line aside."""
+    ids = [cs.capture(f"Valid fact {i} about the heron{i} queue")["item"]["id"]
+           for i in range(3)]
+    path = _store_path(repo)
+    broken = '{"id":"k-handwritten","content":"' + "runbook text " * 23000 + ',"type":"memory"},'
+    lines = path.read_text().split("\n")
+    lines.insert(3, broken)
+    path.write_text("\n".join(lines))
+    before = path.read_bytes()
+    cs.append_credits(repo / ".cambium" / "credits.jsonl", [
+        {"item": ids[0], "scope": "local", "agent": "bob", "day": cs._today()}])
+    script = textwrap.dedent(f"""
+        import resource, sys; sys.path.insert(0, {str(HERE)!r})
+        import cambium_server as cs
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        for write in (lambda: cs.capture("A new fact about the egret queue"),
+                      lambda: cs.endorse({ids[1]!r}, note="holds"),
+                      lambda: cs.fold_credits_now(cs.require_config())):
+            try:
+                write()
+                print("wrote")
+            except OSError as e:
+                print("refused", cs.error_code(e), "not be set aside" in cs.error_text(e))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env=child_env(), text=True,
+                         capture_output=True, timeout=60)
+    assert out.stdout.splitlines() == ["refused file_system True"] * 3, out.stdout + out.stderr
+    assert path.read_bytes() == before
+    assert not list(path.parent.glob("knowledge.json.quarantine-*"))
+    cs.runtime().reset()
+    cs.endorse(ids[1], note="holds")
+    (aside,) = path.parent.glob("knowledge.json.quarantine-*")
+    assert aside.read_text() == broken + "\n"
+    assert [i["id"] for i in local_items(repo)] == ids
+
+
 def test_an_item_line_holding_a_key_twice_is_set_aside_whole_not_read_as_its_last(repo):
     """A bad merge left an item line with "content" twice: it was read as the
     last, and the next rewrite (an endorsement of another item) lost the first
