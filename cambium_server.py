@@ -4622,6 +4622,11 @@ def _journal(path: Path) -> list[dict]:
             done, mark, records, data = _journal_growth(f, seen, now)
     except FileNotFoundError:
         return []
+    except OSError as e:
+        if e.errno not in JOURNAL_NOT_A_FILE:
+            raise
+        _journal_unread(path, e)
+        return []
     end = data.rfind(b"\n") + 1
     records = records + _credit_records(data[:end].decode("utf-8", "replace"))
     # a line not ended (torn, or being appended) is read again next time
@@ -4630,6 +4635,20 @@ def _journal(path: Path) -> list[dict]:
     with rt.lock:
         rt.journals[str(path)] = JournalSeen(now, done + end, mark, records, last)
     return records + last if last else records
+
+
+#: why open_regular refuses a journal that is no file: a directory, a FIFO or
+#: device, a symbolic link (EISDIR, EINVAL, ELOOP)
+JOURNAL_NOT_A_FILE = (errno.EISDIR, errno.EINVAL, errno.ELOOP)
+
+
+def _journal_unread(path: Path, e: OSError) -> None:
+    """A journal that is no file (a directory in its place) holds no credit to
+    take, as a legacy one does not (_legacy_unread): a warning, never the
+    failure of the write, status or read that looked for it; it is left as it
+    is, and the credits a recall earns meanwhile are not journaled."""
+    note_for_call(f"pending recall credits not read ({path}: {e.strerror or e}); it is "
+                  "left as it is (make it a file again to let recalls credit items)")
 
 
 def _journal_growth(f: Any, seen: JournalSeen | None, now: tuple

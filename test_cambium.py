@@ -3634,6 +3634,25 @@ def test_a_directory_named_like_the_legacy_journal_fails_no_write(repo):
     assert (repo / ".cambium" / "usage.jsonl").is_dir()
 
 
+def test_a_directory_in_place_of_the_credit_journal_fails_no_write_nor_status(repo):
+    """A directory .cambium/credits.jsonl failed status and every write that
+    is no append (endorse, deprecate: "Is a directory", file_system); now each
+    warns, as for a legacy journal, and lands, and the directory is left."""
+    item = cs.capture("Queue consumers ack after the write commits")["item"]["id"]
+    journal = repo / ".cambium" / "credits.jsonl"
+    journal.unlink(missing_ok=True)
+    journal.mkdir()
+    (journal / "kept").write_text("a person's")
+    for call in (lambda: cs.endorse(item, note="holds"), cs.status,
+                 lambda: cs.deprecate(item, reason="replaced by the outbox")):
+        with cs.collecting_notes():
+            res = cs.with_store_warnings(call())
+        assert any("credits.jsonl" in w and "left as it is" in w for w in res["warnings"]), res
+    (done,) = local_items(repo)
+    assert done["status"] == "deprecated" and done["trust"]["endorsements"]
+    assert (journal / "kept").read_text() == "a person's"
+
+
 def test_a_file_system_error_claims_nothing_about_how_stores_are_written():
     """Every file system error said "stores are only ever replaced whole",
     a failed read of a lock file and a failed append alike."""
