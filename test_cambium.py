@@ -14864,6 +14864,45 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
     assert kept.rows and not kept.discarded          # what was embedded before each exit
 
 
+def test_an_import_a_signal_cuts_short_lands_whole_or_not_at_all_and_a_reimport_brings_it(
+        repo, tmp_path):
+    """README said a long import_memory "lands whole" when the server stops; a
+    SIGTERM during a 150,000-record import ended the process SIGNAL_EXIT_S
+    later and none of it landed. It lands whole or not at all (one
+    replacement of the store), and a re-import brings what did not land."""
+    import signal
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    kept = cs.capture("Queue consumers ack after the write commits")["item"]["id"]
+    export = tmp_path / "export.jsonl"
+    export.write_text("".join(json.dumps({"content": f"imported record {i} about the yak{i} "
+                                          "ledger and its reconciliation"}) + "\n"
+                              for i in range(12_000)))
+    quick = "import sys, cambium_server as cs; cs.SIGNAL_EXIT_S = 1.0; sys.exit(cs.main())"
+    proc = subprocess.Popen([sys.executable, "-c", quick], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=child_env(PYTHONPATH=str(HERE)))
+    proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
+        {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "import_memory", "arguments": {"path": str(export)}}})).encode())
+    proc.stdin.flush()
+    assert "result" in json.loads(proc.stdout.readline())
+    time.sleep(0.5)                                   # the import is under way
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    proc.stdin.close()
+    proc.stdout.close()
+    landed = [i["id"] for i in local_items(repo)]
+    assert landed[0] == kept and len(landed) in (1, 12_001), len(landed)
+    res = cs.import_memory(path=str(export))
+    assert res["imported"] + res["duplicates"] == 12_000
+    assert len(local_items(repo)) == 12_001
+    assert not [p.name for p in (repo / ".cambium").iterdir() if p.name.endswith(cs.TMP_SUFFIX)]
+
+
 @pytest.mark.parametrize("how", ["close", "term"])
 def test_server_told_to_stop_while_a_recall_waits_for_the_backlog_exits_at_once(
         semantic, tmp_path, how):
