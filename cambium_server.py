@@ -6346,6 +6346,8 @@ class GitStore(Store):
                     else:
                         _run(["git", "checkout", "--quiet", "--force", "-B", self.branch, tip],
                              self.repo, self.timeout_s, own_locks=True)
+                        with contextlib.suppress(OSError):
+                            atomic_write(self._checked_out_file(), tip + "\n", durable=False)
             except ConflictError as e:
                 self._warn_once(f"{left}{str(e).split(';')[0]}; a later read syncs it")
                 return
@@ -6358,8 +6360,9 @@ class GitStore(Store):
     def _checkout_hazard(self, tip: str) -> str | None:
         """Why a forced checkout of `tip` could destroy someone's work, or None:
         the tip is code rather than a store (the clone is another project's),
-        or tracked files hold uncommitted changes (a switch of branch loses no
-        commit: the branch keeps them)."""
+        tracked files hold uncommitted changes, or the branch holds commits the
+        tip lacks (_unpushed). A switch from another branch loses no commit:
+        that branch keeps them."""
         if names := self._foreign_files(tip):
             return self._not_ours(names)
         dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], self.repo,
@@ -6367,7 +6370,37 @@ class GitStore(Store):
         if dirty.strip():
             return ("its tracked files hold uncommitted changes (the org clone is cambium's "
                     "own: don't work in it; commit or discard them)")
-        return None
+        return self._unpushed(tip)
+
+    def _unpushed(self, tip: str) -> str | None:
+        """Why `checkout -B` would drop commits of the local branch, or None.
+        -B resets the branch (even from another one), so a commit made there and
+        not pushed was left in the reflog only. Commits cambium put there itself
+        (the tip it last checked out, since force-pushed away or on another
+        remote) are not someone's work: they don't count. One git call; a
+        branch not made yet holds none (--ignore-missing)."""
+        last = ""
+        with contextlib.suppress(OSError):
+            last = self._checked_out_file().read_text(encoding="utf-8").strip()
+        proc = _run(["git", "rev-list", "--count", "--ignore-missing",
+                     f"refs/heads/{self.branch}", "--not", tip,
+                     *([last] if OID.fullmatch(last) else [])],
+                    self.repo, self.timeout_s, check=False)
+        count = proc.stdout.strip()
+        if proc.returncode or not count.isdigit():
+            return (f"git could not tell whether its branch '{self.branch}' holds commits "
+                    f"the published tip lacks ({(proc.stderr or count).strip()[:200]})")
+        if count == "0":
+            return None
+        many, them = ("a commit", "it") if count == "1" else (f"{count} commits", "them")
+        return (f"its branch '{self.branch}' holds {many} the published tip lacks "
+                "(committed, not pushed; the org clone is cambium's own: don't work in it; "
+                f"push {them}, or move {them} to another branch and reset '{self.branch}' "
+                f"to {self.remote}/{self.branch})")
+
+    def _checked_out_file(self) -> Path:
+        """Where the tip cambium last checked out in this clone is kept."""
+        return self._meta_dir() / "checked-out"
 
 
 # =============================================================================

@@ -17443,6 +17443,50 @@ def test_an_org_clone_holding_code_or_someones_work_is_never_checked_out_by_forc
     assert any("left as it is" in w and "uncommitted" in w for w in out.get("warnings", []))
 
 
+def test_an_unpushed_commit_in_the_org_clone_is_never_reset_away(shared, monkeypatch):
+    """The org sync (`checkout --force -B main <tip>`) reset a local branch holding
+    a commit someone made in the org clone and did not push, even with another
+    branch checked out: the commit was left in the reflog only and its file left
+    the work tree, with no warning. It is left as it is now, with a warning; a
+    branch behind the tip, or holding only the tip cambium checked out there
+    (since force-pushed away), still syncs."""
+    org, bare = shared["org"], shared["org_bare"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+
+    def to_org(text: str) -> str:
+        item_id = _endorsed(text)
+        cs.promote(item_id)
+        assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
+        return git(bare, "rev-parse", "main").strip()
+
+    def synced(text: str) -> list[str]:
+        cs.runtime().reset()
+        warned = cs.recall(text, scope="org").get("warnings", [])
+        return [w for w in warned if "left as it is" in w]
+
+    tip1 = to_org("Every service exposes a health endpoint")
+    assert not synced("health endpoint") and git(org, "rev-parse", "main").strip() == tip1
+    (org / "NOTES.md").write_text("my notes, committed, not pushed yet\n")
+    git(org, "add", "NOTES.md")
+    git(org, "commit", "-q", "-m", "my notes")
+    mine = git(org, "rev-parse", "HEAD").strip()
+    tip2 = to_org("Retries are idempotent, with backoff and jitter")
+    for step in ("on main", "on another branch"):
+        if step != "on main":
+            git(org, "checkout", "-q", "-b", "feature", tip1)
+        warned = synced("idempotent retries")
+        assert git(org, "rev-parse", "main").strip() == mine, step
+        assert [w for w in warned if "branch 'main' holds a commit the published tip lacks"
+                in w and "push it" in w], (step, warned)
+    git(org, "checkout", "-q", "main")
+    assert (org / "NOTES.md").exists()
+    git(org, "branch", "-q", "notes", mine)                    # (moved aside, as advised)
+    git(org, "reset", "-q", "--hard", tip1)
+    assert not synced("idempotent retries") and git(org, "rev-parse", "main").strip() == tip2
+    git(bare, "update-ref", "refs/heads/main", tip1)           # a force push drops tip2
+    assert not synced("health endpoint") and git(org, "rev-parse", "main").strip() == tip1
+
+
 def test_a_held_org_checkout_lock_holds_back_no_read(shared, monkeypatch):
     """Every read of the org scope syncs the org clone's checkout under a lock;
     a process stopped mid-checkout (Ctrl-Z) held each recall there 300 s, then
