@@ -18008,12 +18008,18 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
 def _publish_org_markdown(cfg: Config) -> dict:
     """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's.
     In PR mode the branch may hold the new rendering already, its pull request
-    never opened (gh failed): while org's own file is stale, that PR opens now."""
+    never opened (gh failed): while org's own file is stale, that PR opens now.
+    An org store in a newer format is read, never written: the export still
+    answers its render, and `note` says why nothing was published."""
     branch = pr_branch(cfg, "org", "knowledge-md")
-    write = mutate(cfg, "org", lambda d: None, "re-render KNOWLEDGE.md", ensure_files=True,
-                   pr_branch=branch,
-                   pr_body="KNOWLEDGE.md re-rendered from knowledge.json by cambium.",
-                   ensure_pr=bool(branch) and store(cfg, "org").files_stale_at_tip())
+    try:
+        write = mutate(cfg, "org", lambda d: None, "re-render KNOWLEDGE.md", ensure_files=True,
+                       pr_branch=branch,
+                       pr_body="KNOWLEDGE.md re-rendered from knowledge.json by cambium.",
+                       ensure_pr=bool(branch) and store(cfg, "org").files_stale_at_tip())
+    except NewerFormat as e:
+        return {"file": "KNOWLEDGE.md", "changed": False, "commit": None,
+                "note": f"not published: {e}"}
     out = {"file": "KNOWLEDGE.md", "changed": write.commit is not None, "commit": write.commit}
     if write.pr_url:
         out["pr_url"] = write.pr_url

@@ -5807,6 +5807,29 @@ def test_a_team_store_in_a_newer_format_is_read_but_never_pushed_over(shared):
     assert cs.status()["scopes"]["team"]["items"] == 1
 
 
+def test_exporting_an_org_store_in_a_newer_format_renders_it_and_publishes_nothing(
+        shared, monkeypatch):
+    """export_markdown(scope="org") over an org store a newer cambium wrote failed
+    whole (newer_format), though such a store is read and served and only the
+    KNOWLEDGE.md publish is a write: the render is answered, `published` says
+    why nothing landed, and the org branch is left as it was."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    person = clone(shared["org_bare"], shared["tmp"] / "a-person")
+    (person / "knowledge.json").write_text(
+        '{"cambium": 2, "meta": {}, "items": [\n'
+        '{"id": "k-org1", "content": "Future items come from a newer cambium"}\n]}\n')
+    git(person, "add", "knowledge.json")
+    git(person, "commit", "-qm", "a newer cambium wrote this")
+    git(person, "push", "-q", "origin", "HEAD:main")
+    tip = git(shared["org_bare"], "rev-parse", "main")
+    out = cs.export_markdown("org")
+    assert "Future items come from a newer cambium" in out["markdown"] and out["items"] == 1
+    assert out["published"]["changed"] is False and out["published"]["commit"] is None
+    assert "not published" in out["published"]["note"] and "store format 2" in \
+        out["published"]["note"]
+    assert git(shared["org_bare"], "rev-parse", "main") == tip
+
+
 def test_an_empty_team_file_reads_as_an_empty_store_and_the_next_write_fills_it(shared):
     b = shared["b"]
     git(b, "checkout", "-q", "--orphan", "cambium")
