@@ -72,7 +72,11 @@ from __future__ import annotations
 if __name__ == "__main__":
     import os as _os            # (sys is built in, os loaded at startup: never a project's)
     import sys as _sys
-    if __spec__ is not None and _sys.path and _sys.path[0] in ("", _os.getcwd()):
+    try:
+        _cwd = _os.getcwd()
+    except OSError:             # no working directory (removed under a hook): nothing
+        _cwd = ""               # of a project's there to keep off the search path
+    if __spec__ is not None and _sys.path and _sys.path[0] in ("", _cwd):
         # `python3 -m cambium_server` (the SessionStart hook) searches the working
         # directory first: a project's json.py or signal.py ran in place of the
         # standard library's. Search this module's folder instead, as a script does.

@@ -16456,6 +16456,25 @@ def test_primer_hook_runs_as_a_module_too(repo, tmp_path, monkeypatch):
     assert "Rotate the signing key yearly" in ctx
 
 
+def test_the_module_hook_answers_from_a_removed_working_directory(repo, tmp_path, monkeypatch):
+    """`python3 -m cambium_server primer --hook` started in a directory removed
+    under it (a worktree deleted, its session still open) ended in a traceback,
+    exit 1, before any of its code ran: finding the working directory to keep
+    off the search path raised. The hook says nothing wrong and exits 0."""
+    cs.capture("Rotate the signing key yearly", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    gone = tmp_path / "gone"
+    for safe in ("1", ""):
+        gone.mkdir()
+        env = child_env(PYTHONPATH=str(SERVER.parent), PYTHONSAFEPATH=safe)
+        out = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m cambium_server '
+                              'primer --hook', "sh", str(gone), sys.executable],
+                             input=json.dumps({"cwd": str(repo)}), text=True,
+                             capture_output=True, env=env, timeout=60)
+        assert (out.returncode, out.stderr) == (0, "") and not gone.exists(), (safe, out)
+        assert "Rotate the signing key yearly" in out.stdout, out
+
+
 def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, monkeypatch):
     cs.capture("Pin the base image digest", kind="pitfall")
     monkeypatch.delenv("CAMBIUM_REPO")
