@@ -1668,7 +1668,8 @@ def dotgit_problem(root: Path) -> str | None:
     serves none of it rather than guess its project from the directory name."""
     dotgit = root / ".git"       # (os.path's checks: a 300-character name raised from Path's)
     if os.path.isdir(dotgit):
-        return None if os.path.exists(dotgit / "HEAD") else "its .git directory holds no HEAD"
+        lacks = _git_dir_lacks(dotgit)
+        return f"its .git directory holds no {lacks}" if lacks else None
     try:
         head = read_regular(dotgit, 4096).decode("utf-8", "replace")
     except (OSError, ValueError):            # (ValueError: a path no file system can hold)
@@ -1694,8 +1695,8 @@ def _find_git_root(start: Path) -> Path | None:
 def _clone_above(start: Path) -> tuple[Path | None, bool]:
     """(the clone `start` is in, whether it is in a git repository with no work
     tree instead), as git finds them walking up (no subprocess): a .git
-    directory holding HEAD (git walks past an empty or stray one, and so does
-    this), or a .git file (a worktree or submodule; one whose gitdir is gone is
+    directory git takes for a git directory (HEAD, objects/ and refs/: git walks
+    past an empty, stray or half-made one, and so does this), or a .git file (a worktree or submodule; one whose gitdir is gone is
     still the root: git stops there and refuses). A git directory met on the
     way that is no clone's .git (a bare repository nested in a clone's tree, a
     submodule's directory under .git/modules) stops the walk, and so does a .git
@@ -1705,7 +1706,7 @@ def _clone_above(start: Path) -> tuple[Path | None, bool]:
         if p.name != ".git" and _is_git_dir(p):
             return None, True
         dotgit = p / ".git"
-        if (dotgit / "HEAD").exists():
+        if _is_git_dir(dotgit):
             return p, False
         if dotgit.exists() and not dotgit.is_dir():
             return (None, True) if _gitfile_names_bare(p) else (p, False)
@@ -1714,7 +1715,18 @@ def _clone_above(start: Path) -> tuple[Path | None, bool]:
 
 def _is_git_dir(p: Path) -> bool:
     """Whether `p` is itself a git directory (HEAD, objects/ and refs/)."""
-    return (p / "HEAD").is_file() and (p / "objects").is_dir() and (p / "refs").is_dir()
+    return _git_dir_lacks(p) is None
+
+
+def _git_dir_lacks(p: Path) -> str | None:
+    """What `p` lacks that git's own test of a git directory asks for (HEAD,
+    objects/, refs/), else None: a .git holding HEAD alone (a half-made clone)
+    is walked past by git, its root found above it. One stat each, stopping at
+    the first missing (os.path's checks: a too-long name is no git directory)."""
+    if not os.path.isfile(p / "HEAD"):
+        return "HEAD"
+    return next((f"{name}/" for name in ("objects", "refs")
+                 if not os.path.isdir(p / name)), None)
 
 
 def _gitfile_names_bare(root: Path) -> bool:
@@ -2218,8 +2230,8 @@ def clone_root(path: Any) -> Any:
     """A folder inside a clone as the clone's root, as setup() records it and
     git reads it (CAMBIUM_REPO=<clone>/services/api, a monorepo's habit, left
     every tool unavailable: "not a git clone"); anything else as it is. A
-    folder whose .git git walks past (an empty or stray .git directory, no
-    HEAD) is inside the clone around it, as a working directory there is."""
+    folder whose .git git walks past (an empty, stray or half-made .git
+    directory: no HEAD, objects/ or refs/) is inside the clone around it, as a working directory there is."""
     try:
         p = Path(path)
         if p.is_dir() and dotgit_problem(p) is not None:

@@ -885,6 +885,26 @@ def test_cambium_repo_at_a_folder_with_a_stray_git_directory_binds_the_clone(
     assert "holds no HEAD" in gap["cost"], gap
 
 
+def test_a_half_made_dot_git_directory_is_walked_past_as_git_walks_past_it(tmp_path):
+    """A .git directory holding HEAD but no objects/ or refs/ (a clone cut
+    short) inside a clone: git takes the clone around it for the root, and so
+    did setup, but a working directory there bound the folder itself: its
+    local store apart from the team scope of the clone setup recorded."""
+    r = make_repo(tmp_path)
+    half, norefs = r / "half", r / "norefs"
+    (half / ".git").mkdir(parents=True)
+    (norefs / ".git" / "objects").mkdir(parents=True)
+    for where in (half, norefs):
+        (where / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+        assert git(where, "rev-parse", "--show-toplevel").strip() == str(r.resolve())
+        home = {"HOME": str(tmp_path / "home")}
+        cfg = cs.resolve_config(env=home, cwd=where)
+        assert (cfg.repo, cfg.origins["CAMBIUM_REPO"]) == (r.resolve(), "cwd"), where
+        assert cs.resolve_config(env={**home, "CAMBIUM_REPO": str(where)}).repo == r, where
+    assert "holds no objects/" in cs.dotgit_problem(half)
+    assert "holds no refs/" in cs.dotgit_problem(norefs)
+
+
 def test_the_module_defines_each_top_level_name_once():
     """A second `_noted` (an import helper) silently replaced the error helper
     of that name, and every "the push may still land" note was dropped."""
