@@ -1665,7 +1665,10 @@ def dotgit_problem(root: Path) -> str | None:
     """Why git cannot open the clone at `root` by its .git entry, else None
     (no subprocess): a .git file whose `gitdir:` is gone (a worktree whose main
     clone moved), or no .git at all. git refuses such a clone, so cambium
-    serves none of it rather than guess its project from the directory name."""
+    serves none of it rather than guess its project from the directory name.
+    A .git file naming a bare repository (the root of a bare clone that
+    worktrees hang off) is no clone either: a working directory there binds
+    nothing, and CAMBIUM_REPO there kept a store no worktree's session reads."""
     dotgit = root / ".git"       # (os.path's checks: a 300-character name raised from Path's)
     if os.path.isdir(dotgit):
         lacks = _git_dir_lacks(dotgit)
@@ -1680,6 +1683,9 @@ def dotgit_problem(root: Path) -> str | None:
     if not os.path.exists(root / target / "HEAD"):
         return (f"its .git points to {target}, which does not exist (was the main clone "
                 "moved? `git worktree repair` there fixes it)")
+    if _gitfile_names_bare(root):
+        return (f"its .git points to {target}, a bare repository, which has no work tree: "
+                "a worktree beside it is a clone")
     return None
 
 

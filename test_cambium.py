@@ -1552,6 +1552,39 @@ def test_a_bare_repository_inside_a_clone_or_behind_a_gitfile_binds_no_repo(tmp_
     assert cs.resolve_config(env=home, cwd=a / "vendor").repo == a.resolve()
 
 
+def test_cambium_repo_at_a_bare_clone_root_binds_nothing_and_writes_nothing(tmp_path,
+                                                                            monkeypatch):
+    """CAMBIUM_REPO=proj, where proj/.git is a file naming proj/.bare (a bare
+    clone that worktrees hang off), bound proj, though setup refuses it and a
+    working directory there binds nothing: a capture wrote proj/.cambium, a
+    store no session in the worktree proj/main reads (it has its own)."""
+    a = make_repo(tmp_path, "alpha")
+    proj = tmp_path / "proj"
+    subprocess.run(["git", "clone", "-q", "--bare", str(a), str(proj / ".bare")], check=True)
+    (proj / ".git").write_text("gitdir: ./.bare\n")
+    git(proj, "worktree", "add", "-q", str(proj / "main"), "main")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    for how in ("env", "file"):
+        if how == "env":
+            monkeypatch.setenv("CAMBIUM_REPO", str(proj))
+        else:
+            monkeypatch.delenv("CAMBIUM_REPO")
+            cs.config_file_path(os.environ).parent.mkdir(parents=True, exist_ok=True)
+            cs.config_file_path(os.environ).write_text(json.dumps(
+                {"CAMBIUM_REPO": str(proj), "CAMBIUM_AGENT_ID": "ada"}))
+        with pytest.raises(cs.Unconfigured):
+            cs.capture("Pin every base image by digest")
+        st = cs.status()
+        gap = next(g for g in st["gaps"] if g["setting"] == "CAMBIUM_REPO")
+        assert st["configured"] is False and "a bare repository" in gap["cost"], (how, gap)
+        assert not (proj / ".cambium").exists(), how
+    monkeypatch.setenv("CAMBIUM_REPO", str(proj / "main"))     # the worktree: a clone
+    assert cs.status()["configured"] is True
+
+
 def test_an_empty_dot_git_is_walked_past_and_a_broken_worktree_is_named(tmp_path):
     """An empty .git in a vendored folder bound that folder (git uses the repo
     around it); a worktree whose main clone moved was served, its project named
