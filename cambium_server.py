@@ -9280,6 +9280,8 @@ class VectorCache:
 TOKENS_MAGIC = b"cambtok1"          #: a token file: magic, uint32 count, int8 rows, float32 scales
 TOKENS_MAGIC_KEYED = b"cambtok2"    #: ...and then the first 16 bytes of its key's sha256
 TOKENS_KEY_BYTES = 16
+#: the largest token file: a full window's tokens and the key
+TOKENS_FILE_MAX = len(TOKENS_MAGIC_KEYED) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4) + TOKENS_KEY_BYTES
 
 
 def _key_digest(key: str) -> bytes:
@@ -9393,14 +9395,34 @@ class TokenStore:
         if self.dir is None:
             return unpack_tokens(np, self.mem[key], key) if key in self.mem else None
         name = self.name(key)
-        limit = len(TOKENS_MAGIC) + 4 + EMBED_WINDOW_TOKENS * (EMBED_DIM + 4) + TOKENS_KEY_BYTES
         try:
-            out = unpack_tokens(np, read_regular(self.dir / name, limit, nofollow=True), key)
+            out = unpack_tokens(np, read_regular(self.dir / name, TOKENS_FILE_MAX, nofollow=True),
+                                key)
         except (OSError, ValueError):
             self.names.discard(name)
             return None
         self.names.add(name)
         return out
+
+    def unwritable(self) -> str | None:
+        """Why no token file can be written here, or None when one of the
+        largest size can (written and removed): the directory cannot be made
+        (a file in its place) or written, the disk is full, a file size
+        limit (`ulimit -f`). Asked once per process: without it each new
+        process embedded every item again for token files it could not keep."""
+        if self.dir is None:
+            return None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".probe.", suffix=TMP_SUFFIX, dir=self.dir)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(bytes(TOKENS_FILE_MAX))
+            finally:
+                os.unlink(tmp)
+        except OSError as e:
+            return str(e)
+        return None
 
     def prune(self, keep: set[str]) -> None:
         """Remove the files of keys not in `keep` (edited or deleted items)."""
@@ -9575,12 +9597,16 @@ class Semantic:
         self.token_error: str | None = None      # why token vectors could not be stored
         self.token_requeued: set[str] = set()    # keys queued again for lost token vectors
         self.token_failed: set[str] = set()      # keys whose token vectors could not be written
+        self.tokens_ok: bool | None = None       # whether token files can be written (asked once)
         self.slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
         self.queued: set[str] = set()
+        self.retoken: collections.deque = collections.deque()   # queued for token files alone
+        self.unvectored: set[str] = set()    # queued keys without vectors: what a recall waits for
         self.worker: threading.Thread | None = None
         self.pending = 0                     # embed_cost of the queued (waiting or in flight)
+        self.pending_new = 0                 # ...of the unvectored alone
         self.verdict: str | None = None      # this backlog, as the first recall to meet it judged
         self.judged = (0.0, 0)               # ...when (monotonic) and its pending then
         self.rate = EMBED_RATE_GUESS         # characters/s per thread, measured as it drains
@@ -9613,15 +9639,42 @@ class Semantic:
 
     # -- the backlog ---------------------------------------------------------
     def _enqueue(self, items: list[Item]) -> None:
+        """Queue items to embed (under self.cv): those without vectors first,
+        then those with vectors that lack their token file (self.retoken: they
+        rank meanwhile, without late interaction, and no recall waits for
+        them), unless no token file can be written here (_tokens_writable)."""
         for it in items:
             key = self.key(it)
-            if key not in self.queued:
-                self.queued.add(key)
-                self.pending += embed_cost(it)
-                self.queue.append(it)
-        if self.queue and not self.stopping and (self.worker is None
-                                                 or not self.worker.is_alive()):
+            if key in self.queued:
+                continue
+            fresh = self.cache.get(key) is None
+            if not fresh and not self._tokens_writable():
+                continue
+            self.queued.add(key)
+            self.pending += embed_cost(it)
+            if fresh:
+                self.unvectored.add(key)
+                self.pending_new += embed_cost(it)
+            (self.queue if fresh else self.retoken).append(it)
+        if self.queued and not self.stopping and (self.worker is None
+                                                  or not self.worker.is_alive()):
             self.worker = self.rt.spawn(self._work, "cambium-embed")
+
+    def _tokens_writable(self) -> bool:
+        """Whether token files can be written (under self.cv), asked once per
+        engine when an item with vectors is first queued for its token file
+        (TokenStore.unwritable); when not, it says why once, as a failed
+        write does, and no item is embedded again for a token file."""
+        if self.tokens is None:
+            return False
+        if self.tokens_ok is None:
+            why = self.tokens.unwritable()
+            self.tokens_ok = why is None
+            if why is not None:
+                if not self.token_error:
+                    print(f"cambium: could not store token vectors: {why}", file=sys.stderr)
+                self.token_error = why
+        return self.tokens_ok
 
     def halt(self) -> threading.Thread | None:
         """Tell the background embedder to stop after the batch in flight, and
@@ -9667,16 +9720,21 @@ class Semantic:
         return {k: emb.np.vstack([vecs[s:s + n], more[j:j + 1]])
                 for j, (k, s, n) in enumerate(spans)}, toks
 
-    def _drain_s(self, threads: int = 1) -> float:
-        """Seconds the backlog should take to embed with `threads` at work."""
-        return self.pending / (self.rate * threads)
+    def _drain_s(self, threads: int = 1, new_only: bool = False) -> float:
+        """Seconds the backlog (`new_only`: its items without vectors) should
+        take to embed with `threads` at work."""
+        return (self.pending_new if new_only else self.pending) / (self.rate * threads)
 
-    def _take_chunk(self) -> list[Item]:
+    def _take_chunk(self, new_only: bool = False) -> list[Item]:
         """Next items to embed, under self.cv: up to EMBED_CHUNK_ITEMS of them
-        or EMBED_CHUNK_CHARS of text (at least one item)."""
+        or EMBED_CHUNK_CHARS of text (at least one item), those without
+        vectors first (`new_only`: them alone)."""
         chunk, size = [], 0
-        while self.queue and len(chunk) < EMBED_CHUNK_ITEMS and size < EMBED_CHUNK_CHARS:
-            it = self.queue.popleft()
+        while len(chunk) < EMBED_CHUNK_ITEMS and size < EMBED_CHUNK_CHARS:
+            src = self.queue if self.queue or new_only else self.retoken
+            if not src:
+                break
+            it = src.popleft()
             if not self._embedded(it):
                 chunk.append(it)
                 size += embed_cost(it)
@@ -9696,7 +9754,10 @@ class Semantic:
             if key in self.queued:
                 self.queued.discard(key)
                 self.pending -= embed_cost(it)
-        if not self.queued:                  # drained: the next backlog is new
+            if key in self.unvectored:
+                self.unvectored.discard(key)
+                self.pending_new -= embed_cost(it)
+        if not self.unvectored:              # drained: the next backlog is new
             self.verdict, self.judged = None, (0.0, 0)
 
     def _embed_chunk(self, emb: Embedder, chunk: list[Item]) -> None:
@@ -9763,7 +9824,7 @@ class Semantic:
         It stops when the server is ending (SERVER_STOP)."""
         while time.monotonic() < deadline - EMBED_HELP_STOP_S and not SERVER_STOP.is_set():
             with self.cv:
-                chunk = self._take_chunk()
+                chunk = self._take_chunk(new_only=True)
             if not chunk:
                 return
             self._embed_chunk(emb, chunk)
@@ -9805,14 +9866,15 @@ class Semantic:
         with self.cv:
             return len(self.queued)
 
-    def wait_idle(self, timeout_s: float) -> bool:
+    def wait_idle(self, timeout_s: float, new_only: bool = False) -> bool:
         """Block until the backlog is embedded (True) or the timeout passes or
         the server is ending (SERVER_STOP: a recall waiting here held its exit
         for up to EMBED_WAIT_MAX_S): nothing queued or in flight (`queued`
-        keeps a chunk's keys until it is done, whichever thread embeds it)."""
+        keeps a chunk's keys until it is done, whichever thread embeds it);
+        `new_only`: no item without vectors (those for a token file aside)."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
-            while self.queued or self.worker is not None:
+            while self.unvectored if new_only else (self.queued or self.worker is not None):
                 left = deadline - time.monotonic()
                 if left <= 0 or SERVER_STOP.is_set():
                     return False
@@ -9824,7 +9886,9 @@ class Semantic:
         """The index's slot vectors, synced; the not-yet-embedded are queued,
         and a backlog judged worth waiting for (_waits) is waited for, at most
         EMBED_WAIT_MAX_S and never past EMBED_WAIT_TOTAL_S after its judgement,
-        this thread helping to embed it."""
+        this thread helping to embed it. Items with vectors that lack only
+        their token file are never waited for: they rank now (a store whose
+        token files could not be written waited for all of them each process)."""
         emb = self.ready()
         with self.cv:
             sv = self.slots.get(index)
@@ -9835,13 +9899,13 @@ class Semantic:
                 todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
-            wait = bool(self.queued) and self._waits(helpers)
+            wait = bool(self.unvectored) and self._waits(helpers)
             until = self.judged[0] + EMBED_WAIT_TOTAL_S     # (the backlog's whole wait)
         if wait:
             deadline = min(time.monotonic() + EMBED_WAIT_MAX_S, until)
             if helpers > 1:
                 self._help(emb, deadline)
-            self.wait_idle(max(0.0, deadline - time.monotonic()))
+            self.wait_idle(max(0.0, deadline - time.monotonic()), new_only=True)
             with self.cv:
                 sv.sync(index, self.cache)
         return sv
@@ -9856,10 +9920,10 @@ class Semantic:
         slower rate made a second recall answer by shared words from a backlog
         the first had waited for, and every later one after it."""
         now = time.monotonic()
-        if self.verdict is None or (self.verdict == "wait" and self.pending > self.judged[1]):
-            self.verdict = "wait" if self._drain_s(helpers) <= EMBED_WAIT_S else "declined"
+        if self.verdict is None or (self.verdict == "wait" and self.pending_new > self.judged[1]):
+            self.verdict = "wait" if self._drain_s(helpers, True) <= EMBED_WAIT_S else "declined"
             self.judged = (self.judged[0] if self.verdict == "wait" and self.judged[0]
-                           else now, self.pending)     # (a grown backlog keeps its start)
+                           else now, self.pending_new)  # (a grown backlog keeps its start)
         return self.verdict == "wait" and now - self.judged[0] < EMBED_WAIT_TOTAL_S
 
     @contextlib.contextmanager

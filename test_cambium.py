@@ -13924,6 +13924,58 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
 
 
 @needs_extra
+def test_items_lacking_only_their_token_files_rank_at_once_and_get_them_later(
+        semantic, monkeypatch):
+    """A recall waited (helping embed) for every item that had its vectors and
+    lacked only its token file: each new process over a store whose token
+    files could not be written waited seconds, up to the 50 s cap. They rank
+    at once without late interaction, and their files come in the background."""
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    _engine(semantic).wait_idle(30)
+    tok_dir = semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR
+    for p in tok_dir.glob("*.tok"):
+        p.unlink()
+    cs.runtime().engines.clear()
+    waited = []
+    for name in ("wait_idle", "_help"):
+        real = getattr(cs.Semantic, name)
+        monkeypatch.setattr(cs.Semantic, name, lambda self, *a, _real=real, _n=name, **k:
+                            (waited.append(_n), _real(self, *a, **k))[1])
+    res = cs.recall(PARAPHRASE)
+    assert waited == [], waited                          # the recall never waited
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    assert "not embedded yet" not in (res.get("note") or "")
+    eng = _engine(semantic)
+    assert eng.wait_idle(30) and eng.embedded == len(NOTES)
+    assert len(list(tok_dir.glob("*.tok"))) == len(NOTES)
+
+
+@needs_extra
+def test_a_token_dir_that_cannot_be_written_is_not_embedded_again_by_each_process(
+        semantic, capsys):
+    """Token files failing to be written were remembered for one process: each
+    new one embedded the whole store again for files it could not keep either
+    (a CLI recall took 4-5 s instead of 1.2). Whether they can be written is
+    asked once per process, by writing one of the largest size."""
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    _engine(semantic).wait_idle(30)
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    shutil.rmtree(vec_dir / cs.TOKENS_DIR)
+    (vec_dir / cs.TOKENS_DIR).write_text("a file where the directory should be")
+    for _ in range(2):                                   # two new processes
+        cs.runtime().engines.clear()
+        res = cs.recall(PARAPHRASE)
+        assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+        eng = _engine(semantic)
+        assert eng.wait_idle(30) and eng.embedded == 0 and not eng.queued
+        assert "could not be stored" in cs.status()["semantic"]["late_interaction"]["error"]
+    assert "could not store token vectors" in capsys.readouterr().err
+    assert (vec_dir / cs.TOKENS_DIR).is_file()
+
+
+@needs_extra
 def test_one_token_file_that_cannot_be_written_leaves_the_others_repaired(
         semantic, monkeypatch):
     """An item whose token file cannot be written is not embedded again for
