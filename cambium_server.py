@@ -8873,7 +8873,8 @@ class Embedder(PooledModel):
         asked, and their [UNK] came out near every item made mostly of unknown
         pieces: `deploy 🚀` found an unrelated Thai note at relevance 0.55.
         A word in a script the model lacks stays: an item in that script is
-        found through it (`restart 服务器 safely` finds a Chinese note)."""
+        found through it (`restart 服务器 safely during deploy` finds a
+        Chinese note; without `during deploy` the query is not read, reads)."""
         tok = self.tokenizer
         kept = "".join(ch for ch in query if not unknown_symbol(tok, ch))
         return self.first_window(kept if kept.strip() else query)

@@ -13392,6 +13392,18 @@ def test_semantic_abstains_on_an_unrelated_query(semantic):
     assert res["top_relevance"] < cs.RELEVANCE_FLOOR
 
 
+def test_the_readmes_chinese_query_examples_are_read_as_it_says():
+    """README named `restart 服务器 safely` a query the model reads, its
+    Chinese word kept: each Han character is an unknown word to the model
+    (three against two), so it is ranked by shared words. Counting the run as
+    one word made it read, and unrelated Chinese notes came out as results."""
+    tok = cs.WordPiece.from_text(cs.load_vocab())
+    readme = (SERVER.parent / "README.md").read_text()
+    for query, read in (("restart 服务器 safely during deploy", True),
+                        ("restart 服务器 safely", False)):
+        assert f"`{query}`" in readme and tok.reads(query) is read, query
+
+
 def test_semantic_abstains_on_a_query_the_model_cannot_read(semantic):
     """A query of emoji, or in a script the model's vocabulary lacks, is mostly
     [UNK] to it: its vector sat near any item of unknown pieces (a Japanese
