@@ -8558,6 +8558,9 @@ class WordPiece:
         self.vocab = vocab
         self.unk, self.cls, self.sep = vocab["[UNK]"], vocab["[CLS]"], vocab["[SEP]"]
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._counts: dict[str, int] = {}        # a raw word's reads() counts (_word_counts)
+        self._ascii_whole = all(c in vocab and "##" + c in vocab for c in _ASCII_ALNUM) and \
+            all(c in vocab for c in _ASCII_PUNCT)   # no ASCII piece of <= 100 is [UNK]
 
     @classmethod
     def from_text(cls, text: str) -> WordPiece:
@@ -8644,7 +8647,27 @@ class WordPiece:
         and no more words unknown to it ([UNK]: emoji, a script it lacks)
         than such words (`deploy 🚀` reads, `the 🚀` does not). A query it cannot
         read came out near any item of unknown pieces (`the 🚀`, a Thai
-        phrase after `what is`: an unrelated Thai note at relevance 0.86)."""
+        phrase after `what is`: an unrelated Thai note at relevance 0.86).
+        Recall judges every item's content too (_SlotVectors), so it goes
+        word by word, each word's counts kept, and stops once the words
+        known outnumber all the text could hold unknown (_unknown_bound): at
+        about 1 ms a text, a store of 10,000 items took seconds to judge."""
+        if _SPLIT_UNLIKE_BERT.search(text):      # (a control str.split splits at: whole)
+            known, unknown = self._piece_counts(text)
+            return known > 0 and known >= unknown
+        bound = self._unknown_bound(text)
+        known = unknown = 0
+        for word in text.split():
+            both = self._counts.get(word)
+            if both is None:
+                both = self._word_counts(word)
+            known, unknown = known + (both >> 20), unknown + (both & 0xFFFFF)
+            if known and known >= bound:
+                return True
+        return known > 0 and known >= unknown
+
+    def _piece_counts(self, text: str) -> tuple[int, int]:
+        """(pieces known and meaningful, pieces [UNK]) of a text."""
         known = unknown = 0
         for word in self._normalize(text).split():
             for piece in self._split_punct(word):
@@ -8652,7 +8675,35 @@ class WordPiece:
                     unknown += 1
                 elif piece.isalnum() and piece not in _STOPWORDS:
                     known += 1
-        return known > 0 and known >= unknown
+        return known, unknown
+
+    def _word_counts(self, word: str) -> int:
+        """_piece_counts of one whitespace-free word, as known << 20 | unknown
+        (a word has fewer than 2**20 pieces), kept: normalizing goes character
+        by character, and a word's pieces are the same in any text."""
+        known, unknown = self._piece_counts(word)
+        both = (known << 20) + unknown
+        if len(self._counts) < 200_000:
+            self._counts[word] = both
+        return both
+
+    def _unknown_bound(self, text: str) -> float:
+        """At least the [UNK] pieces of the text: with every ASCII letter,
+        digit and punctuation mark in the vocabulary, a piece is [UNK] only
+        when longer than 100 characters or holding a non-ASCII one (each in
+        one piece at most); without them, unbounded."""
+        if not self._ascii_whole:
+            return math.inf
+        wide = 0 if text.isascii() else len(text) - len(text.encode("ascii", "ignore"))
+        return wide + sum(len(w) // 101 for w in _LONG_WORD.findall(text))
+
+
+_ASCII_ALNUM = "abcdefghijklmnopqrstuvwxyz0123456789"
+_ASCII_PUNCT = "".join(chr(c) for c in (*range(33, 48), *range(58, 65), *range(91, 97),
+                                        *range(123, 127)))
+#: characters str.split splits at that BERT's normalizer drops (controls)
+_SPLIT_UNLIKE_BERT = re.compile("[\x0b\x0c\x1c-\x1f\x85]")
+_LONG_WORD = re.compile(r"\S{101,}")       #: a word that may hold a piece of over 100
 
 
 def unknown_symbol(tok: WordPiece, ch: str) -> bool:
@@ -9445,11 +9496,21 @@ class _SlotVectors:
     vector of an item's first window, `tails` the rest (with their slots).
     Slots only grow (the Index appends and kills), so sync() looks at new
     slots and at the vectors embedded since it last looked, nothing else: a
-    recall during a 10,000-item backlog must not walk the backlog."""
+    recall during a 10,000-item backlog must not walk the backlog. `reads[slot]`:
+    whether the model reads the item's content (WordPiece.reads, as a query;
+    `reads_fn`, judged once per slot; None: every item reads). One it cannot
+    read, in a script it lacks, embeds as unknown pieces, near any short
+    query: it ranks as an item not embedded yet, by its shared words
+    (stand_in_among). Its relevance alone was its shared words': a Thai note
+    answered "hello" at 0.52, and ranked by its cosine above `emoji`'s
+    results it was made one at 0.5 (the result head), and credited."""
 
-    def __init__(self, np: Any, second: bool = False):
+    def __init__(self, np: Any, second: bool = False,
+                 reads_fn: Callable[[str], bool] | None = None):
         self.np = np
         self.second = second                 # rows end with the second encoder's vector
+        self.reads_fn = reads_fn
+        self.reads = np.ones(0, bool)
         self.first = np.zeros((0, EMBED_DIM), np.float32)
         self.other = np.zeros((0, EMBED_DIM), np.float32)   # ...kept here by slot
         self.has = np.zeros(0, bool)
@@ -9481,7 +9542,9 @@ class _SlotVectors:
         has[:len(self.has)] = self.has
         alive = np.zeros(cap, bool)
         alive[:len(self.alive)] = self.alive
-        self.first, self.has, self.alive = first, has, alive
+        reads = np.ones(cap, bool)
+        reads[:len(self.reads)] = self.reads
+        self.first, self.has, self.alive, self.reads = first, has, alive, reads
 
     def _place(self, slot: int, item: Item, rows: Any) -> None:
         """rows: the item's windows, then its extra_vectors (then, in an
@@ -9508,6 +9571,8 @@ class _SlotVectors:
             if it is None:
                 continue
             self.alive[slot] = True
+            if self.reads_fn is not None:
+                self.reads[slot] = self.reads_fn(it.content[:READS_CHARS])
             key = vector_key(it, self.second)
             rows = cache.get(key)
             if rows is not None and len(rows) < 1 + self.second:   # (a hand-edited cache: one
@@ -9894,7 +9959,8 @@ class Semantic:
         with self.cv:
             sv = self.slots.get(index)
             if sv is None:
-                sv = self.slots[index] = _SlotVectors(emb.np, self.second is not None)
+                sv = self.slots[index] = _SlotVectors(emb.np, self.second is not None,
+                                                      emb.tokenizer.reads)
             todo = sv.sync(index, self.cache, self.tokens)
             if not todo and not self.queue and self.worker is None:
                 todo = sv.stranded(index.items, self.cache)
@@ -10026,12 +10092,13 @@ class Semantic:
         pool = max(limit, RESULT_HEAD)   # judged at the default limit, cut after (limit 1
         with self.cv:                        # a consistent snapshot of the slots
             n = sv.filled
-            first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n]
+            first, usable = sv.first[:n], sv.has[:n] & sv.alive[:n] & sv.reads[:n]
             other = sv.other[:n] if sv.second else None
             tails = sv.tails()
             waiting = len(sv.missing)
+            unread = not sv.reads[:n][sv.alive[:n]].all()   # (stand-ins too: their words)
         lex = {}                 # BM25 by slot: only read for slots without vectors, at 0 weights
-        if terms and (waiting or SEM_LEXICAL_WEIGHT or SEM_LEXICAL_BOOST):
+        if terms and (waiting or unread or SEM_LEXICAL_WEIGHT or SEM_LEXICAL_BOOST):
             lex = {i: v for i, v in bm25_scores(index, terms).items() if i < n}  # (grown since)
         q, qtok = np.zeros(EMBED_DIM, np.float32), None
         try:
@@ -10060,9 +10127,8 @@ class Semantic:
             else:
                 score = reranked(np, score, top, logits, set(exact))
         slots = best_slots(np, score, items, pool + tie_slack(index))
-        hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] and
-                    model_reads(emb.tokenizer, it.content[:READS_CHARS]) else   # (else as
-                    lexical_relevance(confidence_bm25(index, terms, it)))       # lexical's)
+        hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else   # (else as
+                    lexical_relevance(confidence_bm25(index, terms, it)))    # lexical's)
                 for i in slots if (it := items[i]) is not None]   # (None: killed meanwhile)
         head = None if usable[slots[:RESULT_HEAD]].all() else 0     # (stand_in_among)
         ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
@@ -10088,7 +10154,8 @@ def semantic_notes(waiting: int, live: int, failed: str | None,
 
 def stand_in_among(np: Any, score: Any, usable: Any, pool: int) -> bool:
     """Whether any of the best `pool` finite slots is an item not embedded
-    yet, standing in by its shared words (semantic_blend). Feedback, late
+    yet (or one the model cannot read: _SlotVectors.reads), standing in by
+    its shared words (semantic_blend). Feedback, late
     interaction and the head rule (split_at_floor) then leave the ranking as
     it is: they re-score embedded items alone, on scales a stand-in's score
     is not on (a query-independent feedback term, z-scores with the stand-ins
@@ -10195,16 +10262,7 @@ def joined_notes(*notes: str | None) -> str | None:
     return " ".join(n for n in notes if n) or None
 
 
-READS_CHARS = 2_000     #: the opening of an item's content model_reads judges (and caches)
-
-
-@functools.lru_cache(maxsize=4096)
-def model_reads(tokenizer: Any, content: str) -> bool:
-    """Whether the model can read an item's content (WordPiece.reads, as for
-    a query): one in a script it lacks embeds as unknown pieces, near any
-    short query (a Thai note answered "hello" at 0.52 and was credited), so
-    its relevance is its shared words', as an item not embedded yet."""
-    return tokenizer.reads(content)
+READS_CHARS = 2_000     #: the opening of an item's content the model must read (_SlotVectors)
 
 
 def lifted(score: Any, slots: list[int]) -> Any:

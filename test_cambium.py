@@ -13189,6 +13189,42 @@ def test_an_item_the_model_cannot_read_is_judged_by_its_shared_words(semantic):
     assert [c["item"] for c in cs.read_credits(journal)].count(thai) <= 1   # (its own words')
 
 
+def test_an_item_the_model_cannot_read_ranks_by_its_shared_words(semantic):
+    """Its relevance was its shared words', but it ranked by its cosine, near
+    any short query: above `emoji`'s result, and the result head made it one
+    at 0.5 (a Thai and an Amharic note for `x y`, no word shared), credited."""
+    th = cs.capture("สวัสดีครับ ฐานข้อมูลต้องสำรองทุกวัน")["item"]["id"]
+    am = cs.capture("ሰላም የውሂብ ጎታ በየቀኑ መቀመጥ አለበት")["item"]["id"]
+    for text in ("🚀🚀🚀 rocket", "Connection pool size is 20 per pod",
+                 "Kafka consumers commit offsets after processing", "Deploys happen on Tuesdays"):
+        cs.capture(text)
+    cs.capture("x", why="y" * 3000, tags="t")
+    for query in ("emoji", "x y"):
+        res = cs.recall(query)
+        assert res["mode"] == "semantic" and res["results"], (query, res)
+        assert not {th, am} & {r["id"] for r in res["results"]}, (query, res["results"])
+    assert cs.recall("ฐานข้อมูลต้องสำรองทุกวัน")["results"][0]["id"] == th   # (its own words)
+    credited = [c["item"] for c in cs.read_credits(semantic / ".cambium" / "credits.jsonl")]
+    assert credited.count(th) <= 1 and am not in credited     # (its own words')
+
+
+def test_the_model_reads_an_item_word_by_word_as_its_whole_text():
+    """reads() counts word by word and stops once sure (a store's every item
+    is judged); it answers as the count over the whole text."""
+    tok = cs.WordPiece.from_text(cs.load_vocab())
+    assert tok._ascii_whole
+    texts = ["สวัสดีครับ ฐานข้อมูล", "🚀🚀🚀 rocket", "the 🚀", "x", "the and of", "a" * 150,
+             "ok " + "b" * 250, "ok " + "b" * 250 + " go", "服务器重启前先通知运维团队", "ab\x1ccd the",
+             "ΟΔΟΣ", "café naïve", "\u037e;x", "가나다" * 50, "e\u0301 \u0301x", "x\x00y", "K\u212a",
+             "a\u2028b", "\ufffd ok", "don’t “quote” — dash", "", "🚀!", "what is สวัสดีครับ"]
+    rng = random.Random(3)
+    alpha = [*"abc xyz 🚀กሰé\u0301,.;’—\t\n\x01\x1c\x85\u00a0\u2028服", "the", "deploy", " "]
+    texts += ["".join(rng.choice(alpha) for _ in range(rng.randint(0, 30))) for _ in range(3000)]
+    for text in texts:
+        known, unknown = tok._piece_counts(text)
+        assert tok.reads(text) == (known > 0 and known >= unknown), repr(text)
+
+
 def test_no_weak_match_is_shown_at_relevance_zero(repo):
     """A near miss scored just above 0 was listed at relevance 0.0."""
     export = repo.parent / "widgets.jsonl"
