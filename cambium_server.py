@@ -10070,7 +10070,10 @@ class Semantic:
         item found without token vectors (a torn file, a cache from before
         them) is queued to be embedded again, once, unless its own could not be
         written (failing again: embedding again won't do). A pool holding an
-        item not embedded yet is left as it is (stand_in_among)."""
+        item not embedded yet (stand_in_among) or one without token vectors is
+        left as it is: the one standing at the pool's mean of late scores,
+        others passed it (a torn file took a 0.611 answer out of the 5 judged
+        places, and recall abstained); a healthy store's pool has all of them."""
         pool = best_slots(np, score, items, SEM_LATE_POOL)
         keys = [self.key(items[i]) for i in pool]
         stored = [self.tokens.get(np, k) for k in keys]
@@ -10080,7 +10083,7 @@ class Semantic:
             with self.cv:
                 self.token_requeued.update(k for _, k in lost)
                 self._enqueue([it for it, _ in lost])
-        if not usable[pool].all():
+        if not usable[pool].all() or any(t is None for t in stored):
             return score
         return late_blend(np, score, pool, late_scores(np, qtok, stored), tail=in_tail[pool],
                           weight=SEM_LATE_WEIGHT)
