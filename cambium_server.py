@@ -15448,7 +15448,7 @@ def _status(cfg: Config) -> dict:
                  for name, info in out["scopes"].items() if info.get("duplicate_ids_note")]
     if not out["scopes"].get("team", {}).get("items"):   # (an empty team: set by hand?)
         warnings += _team_store_elsewhere(cfg)
-    warnings += tracked_store_warning(cfg.repo, cfg.git_timeout_s)
+    warnings += tracked_store_warning(cfg.repo, cfg.git_timeout_s, cfg.config_file)
     if warnings:
         out["warnings"] = warnings
     return out
@@ -15563,7 +15563,8 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     out = {"configured_now": bool(now.get("configured")), "config_file": str(cfg_path),
            "written": updates, "binding": binding, "status": now}
     warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
-        ignore_note + _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s) \
+        ignore_note + _team_store_elsewhere(cfg) + \
+        tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
         + ([f"the config file {cfg_path} was not a JSON object: moved aside to {moved}, and "
             "the settings it held no longer apply (copy back the ones you want)"] if moved
            else [])
@@ -15630,19 +15631,24 @@ def _only_a_store(repo: Path, ref: str, timeout_s: float) -> bool:
     return False
 
 
-def tracked_store_warning(repo: Path, timeout_s: float) -> list[str]:
+def tracked_store_warning(repo: Path, timeout_s: float, config_file: Path) -> list[str]:
     """status's and setup's warning when git tracks files in the clone's
     .cambium/ (someone committed a store): ignore rules do nothing for a
     tracked file, so the committer's local notes are served as this clone's,
     and every local write here dirties a tracked file that the next
-    `git commit -a` publishes."""
+    `git commit -a` publishes. The user's config file and its lock are no
+    store: a project at HOME whose dotfiles repo tracks ~/.cambium/config.json
+    was told to untrack it, and the command given left them out of git too."""
     root = store_root(repo)
-    if not _git_tracks(root, LOCAL_DIR, timeout_s):
+    mine = sorted(_config_names(root / LOCAL_DIR, config_file))
+    keep = [f":(exclude){LOCAL_DIR}/{name}" for name in mine]
+    if not _git_tracks(root, LOCAL_DIR, timeout_s, keep):
         return []
+    command = " ".join([f"git rm -r --cached {LOCAL_DIR}", *map(shlex.quote, keep)])
     return [f"git tracks {LOCAL_DIR}/ in {root} (someone committed a local store): its "
             "notes are served as this clone's local scope, and local writes change a "
-            f"tracked file the next `git commit -a` publishes. Run `git rm -r --cached "
-            f"{LOCAL_DIR}` there and commit, so it stays out of git."]
+            f"tracked file the next `git commit -a` publishes. Run `{command}` there and "
+            "commit, so it stays out of git."]
 
 
 def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> str:
@@ -15933,11 +15939,14 @@ def _ignore_in_gitignore(base: Path) -> list[str]:
     return []
 
 
-def _git_tracks(root: Path, name: str, timeout_s: float = 10.0) -> bool:
+def _git_tracks(root: Path, name: str, timeout_s: float = 10.0,
+                but: Collection[str] = ()) -> bool:
     """Whether git's index in root holds `name`, a file or anything under a
-    folder (False when git cannot say)."""
+    folder, leaving out what the pathspecs `but` match (False when git cannot
+    say)."""
     with contextlib.suppress(GitError, OSError):
-        return bool(_git(["ls-files", "-z", "--", name], root, timeout_s).stdout.strip("\0"))
+        return bool(_git(["ls-files", "-z", "--", name, *but], root,
+                         timeout_s).stdout.strip("\0"))
     return False
 
 

@@ -993,6 +993,30 @@ def test_a_local_store_git_tracks_is_named_by_status_and_setup_with_the_fix(tmp_
     assert any("git tracks .cambium/" in w for w in cs.setup(str(r), "ada")["warnings"])
 
 
+def test_a_dotfiles_repo_at_home_tracking_the_config_file_is_no_committed_store(
+        tmp_path, monkeypatch):
+    """HOME is a dotfiles repo that tracks ~/.cambium/config.json: status and
+    setup warned that someone committed a local store and said to run `git rm
+    -r --cached .cambium`, which untracks the user's config from the dotfiles."""
+    home = make_repo(tmp_path, "dotfiles")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("CAMBIUM_CONFIG_FILE")              # ~/.cambium/config.json
+    config = home / ".cambium" / "config.json"
+    monkeypatch.chdir(home)
+    config.parent.mkdir()
+    config.write_text(json.dumps({"CAMBIUM_AGENT_ID": "ada"}))
+    git(home, "add", ".cambium/config.json")
+    git(home, "commit", "-q", "-m", "dotfiles: cambium config")
+    assert not [w for w in cs.setup(str(home), "ada").get("warnings", []) if "git tracks" in w]
+    assert not [w for w in cs.status().get("warnings", []) if "git tracks" in w]
+    git(home, "add", "-f", ".cambium/knowledge.json")      # a store committed as well
+    git(home, "commit", "-q", "-m", "oops: the local store")
+    said = [w for w in cs.status().get("warnings", []) if "git tracks .cambium/" in w]
+    assert len(said) == 1
+    subprocess.run(re.search(r"Run `([^`]+)`", said[0])[1], shell=True, cwd=home, check=True)
+    assert git(home, "ls-files", ".cambium").split() == [".cambium/config.json"]
+
+
 def test_setup_cold_start_takes_effect_in_process(tmp_path):
     r = make_repo(tmp_path)
     assert cs.status()["configured"] is False
