@@ -15550,12 +15550,12 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     cfg_path = config_file_path(env)
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
         raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
-    before, prior = resolve_config(env), _config_bytes(cfg_path)
-    moved = _write_config(cfg_path, updates)  # first: a config it cannot write leaves no trace
+    before = resolve_config(env)
+    wrote = _write_config(cfg_path, updates)  # first: a config it cannot write leaves no trace
     try:
         ignore_note = _scaffold_local(root)
     except OSError:                           # ...and a clone it cannot write is not recorded
-        _put_back_config(cfg_path, prior, moved)
+        _put_back_config(cfg_path, wrote)
         raise
     cfg = resolve_config(env)
     binding = repo_binding(cfg)
@@ -15565,9 +15565,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
         ignore_note + _team_store_elsewhere(cfg) + \
         tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
-        + ([f"the config file {cfg_path} was not a JSON object: moved aside to {moved}, and "
-            "the settings it held no longer apply (copy back the ones you want)"] if moved
-           else [])
+        + ([f"the config file {cfg_path} was not a JSON object: moved aside to {wrote.aside}, "
+            "and the settings it held no longer apply (copy back the ones you want)"]
+           if wrote.aside else [])
     org_now = out["status"].get("scopes", {}).get("org", {})
     if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
@@ -15712,12 +15712,30 @@ def _rebound(before: Config, after: Config) -> list[str]:
             "CAMBIUM_AGENT_ID in their own server's environment, or run it in their clone."]
 
 
-def _write_config(path: Path, updates: dict[str, Any]) -> Path | None:
+def _file_settings(raw: bytes | None) -> dict:
+    """The settings a config file's bytes hold ({}: none, or not a JSON object)."""
+    with contextlib.suppress(ValueError, RecursionError):
+        loaded = json.loads((raw or b"{}").decode("utf-8-sig"))
+        return loaded if isinstance(loaded, dict) else {}
+    return {}
+
+
+class ConfigWrite(NamedTuple):
+    """What _write_config did, for _put_back_config to undo: where an unreadable
+    file went (None: nowhere), the bytes it found under the lock (None: no
+    file), the bytes it wrote and the settings it merged in."""
+    aside: Path | None
+    prior: bytes | None
+    wrote: bytes
+    updates: dict[str, Any]
+
+
+def _write_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
     """Merge updates into the config file, owner-only, under its lock (two setups
     at once keep both's settings); an unreadable one is moved aside, never over
-    an earlier one (returned: where it went). A link is written through: a
-    dotfiles manager's link stays (its lock stays beside the link, not in the
-    dotfiles). What is no regular file (a device, a folder) is refused."""
+    an earlier one. A link is written through: a dotfiles manager's link stays
+    (its lock stays beside the link, not in the dotfiles). What is no regular
+    file (a device, a folder) is refused."""
     lock = path
     if path.is_symlink():
         path = Path(os.path.realpath(path))
@@ -15731,10 +15749,11 @@ def _write_config(path: Path, updates: dict[str, Any]) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)   # there (/etc, dotfiles) is left
         with contextlib.suppress(OSError):              # as it is
             os.chmod(path.parent, 0o700)
-    aside = None
+    aside, prior = None, None
     with file_lock(lock):
         current: dict = {}
         if os.path.lexists(path):
+            prior = _config_bytes(path)
             try:
                 current = json.loads(_read_config_file(path))
             except (OSError, ValueError, RecursionError):
@@ -15749,8 +15768,9 @@ def _write_config(path: Path, updates: dict[str, Any]) -> Path | None:
             held = current.get(key)
             current[key] = {**held, **value} if isinstance(value, dict) and \
                 isinstance(held, dict) else value
-        atomic_write(path, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
-    return aside
+        text = (json.dumps(current, indent=2, sort_keys=True) + "\n").encode()
+        atomic_write(path, text, mode=0o600)
+    return ConfigWrite(aside, prior, text, updates)
 
 
 def _config_bytes(path: Path) -> bytes | None:
@@ -15761,19 +15781,49 @@ def _config_bytes(path: Path) -> bytes | None:
         return None
 
 
-def _put_back_config(path: Path, prior: bytes | None, moved: Path | None = None) -> None:
+def _put_back_config(path: Path, done: ConfigWrite) -> None:
     """Undo setup's config write (its scaffolding failed): the file it moved
     aside moved back (one over MAX_CONFIG_BYTES, or unreadable, has no `prior`:
-    deleting the new file lost it), else the bytes it found, or no file when
-    there was none. A link is written through, as written."""
+    deleting the new file lost it), else the bytes it found under the lock, or
+    no file when there was none. Only while the file still holds what it wrote:
+    another setup that wrote since merged its settings over these, and putting
+    the old bytes back lost them while that setup answered configured (then
+    _undo_entries). A link is written through, as written."""
     target = Path(os.path.realpath(path))
     with file_lock(path), contextlib.suppress(OSError):
-        if moved is not None:
-            os.replace(moved, target)
-        elif prior is None:
+        if (now := _config_bytes(target)) != done.wrote:
+            _undo_entries(target, now, done)
+            return
+        if done.aside is not None:
+            os.replace(done.aside, target)
+        elif done.prior is None:
             target.unlink()
         else:
-            atomic_write(target, prior, mode=0o600)
+            atomic_write(target, done.prior, mode=0o600)
+
+
+def _undo_entries(target: Path, now: bytes | None, done: ConfigWrite) -> None:
+    """Undo what a failed setup wrote after another setup wrote over it: only
+    the map entries it added (its clone's team branch, which no other clone's
+    setup writes) go back to what they were, where they still hold its value;
+    the repo, the agent id and user-wide settings are the newer setup's."""
+    current, prior = _file_settings(now), _file_settings(done.prior)
+    changed = False
+    for key, value in done.updates.items():
+        held, was = current.get(key), prior.get(key)
+        if not isinstance(value, dict) or not isinstance(held, dict):
+            continue
+        was = was if isinstance(was, dict) else {}
+        for sub in [sub for sub, v in value.items() if held.get(sub) == v]:
+            changed = True
+            if sub in was:
+                held[sub] = was[sub]
+            else:
+                del held[sub]
+        if not held and key not in prior:
+            del current[key]
+    if changed:
+        atomic_write(target, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
 
 
 def repo_binding(cfg: Config) -> dict:

@@ -1221,6 +1221,38 @@ def test_setup_whose_scaffolding_fails_puts_back_a_config_it_moved_aside(tmp_pat
                   if p.name.startswith(config.name)) == [config.name, config.name + ".lock"]
 
 
+def test_a_failing_setup_never_puts_back_over_another_setups_settings(tmp_path, monkeypatch):
+    """Three setups of a clone they could not scaffold raced four good ones:
+    the failing one put back the bytes it had read before its write, and the
+    config held two of the four team branches the good setups answered
+    configured for. Here the other write lands after this one's (and, second,
+    between its read and its write): either way, it stays."""
+    bad, good = make_repo(tmp_path, "bad"), make_repo(tmp_path, "good")
+    (bad / ".cambium").write_text("not a folder")
+    config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    theirs = {"CAMBIUM_REPO": str(good), "CAMBIUM_AGENT_ID": "bob",
+              "team_branches": {os.path.realpath(good): "kb"}}
+    scaffold, write = cs._scaffold_local, cs._write_config
+
+    def another_setup_then_scaffold(root):
+        write(config, theirs)                  # a good setup's locked write, just after
+        return scaffold(root)
+    monkeypatch.setattr(cs, "_scaffold_local", another_setup_then_scaffold)
+    with pytest.raises(OSError):
+        cs.setup(str(bad), "ada", team_branch="kb-bad")
+    assert json.loads(config.read_text()) == theirs
+    monkeypatch.setattr(cs, "_scaffold_local", scaffold)
+    config.unlink()
+
+    def another_setup_then_write(path, updates):
+        write(config, theirs)                  # ...and just before
+        return write(path, updates)
+    monkeypatch.setattr(cs, "_write_config", another_setup_then_write)
+    with pytest.raises(OSError):
+        cs.setup(str(bad), "ada", team_branch="kb-bad")
+    assert json.loads(config.read_text()) == theirs
+
+
 def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     r = make_repo(tmp_path)
     out = cs.setup(str(r), "ada", org_repo="acme/knowledge")
