@@ -2442,6 +2442,7 @@ class Runtime:
         self.climbed = False            #: credits climbed to org here: the CLI folds them too
         self.file_locks: dict[str, threading.RLock] = {}
         self.anchors: dict[str, tuple[str, dict]] = {}    #: code anchors per repo, per HEAD
+        self.file_bound: tuple[str, str | None] | None = None   #: _file_binding_moved's
 
     def reset(self) -> None:
         """Forget everything (tests): cancel a pending credit fold, drop every
@@ -15377,8 +15378,27 @@ def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
         return result
     have = result.get("warnings") or []
     extra = [w for w in [*(CALL_NOTES.get() or []), *set_aside_warnings(
-        cfg.local_dir / STORE_FILE)] if w not in have]
+        cfg.local_dir / STORE_FILE), *_file_binding_moved(cfg)] if w not in have]
     return {**result, "warnings": [*have, *extra]} if extra else result
+
+
+def _file_binding_moved(cfg: Config) -> list[str]:
+    """Once, the warning that the config file's repo or agent id, which bind
+    this process (it runs outside any git repo), changed since its last call:
+    a setup run elsewhere (a terminal in another clone) moved it, its answer
+    warned that terminal, and this process's writes went on in the new repo
+    without a word. setup() in this process records its own change."""
+    if cfg.origins.get("CAMBIUM_REPO") != "file":
+        return []
+    rt, now = runtime(), (str(cfg.repo), cfg.agent)
+    with rt.lock:
+        was, rt.file_bound = rt.file_bound, now
+    if was is None or was == now:
+        return []
+    return [f"the config file now binds this process to {now[0]} as agent {now[1]!r} (it "
+            f"was {was[0]} as {was[1]!r}): a setup run since moved every process started "
+            "outside a git repo, and this call worked there. Run setup with your repo "
+            "again, or set CAMBIUM_REPO and CAMBIUM_AGENT_ID in this server's environment."]
 
 
 def _count(doc: Doc) -> dict:
@@ -15558,13 +15578,13 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         _put_back_config(cfg_path, wrote)
         raise
     cfg = resolve_config(env)
-    binding = repo_binding(cfg)
+    binding, _ = repo_binding(cfg), _file_binding_moved(cfg)   # (its own move: said below)
     now = status()                            # (a setting setup does not write can block it)
     out = {"configured_now": bool(now.get("configured")), "config_file": str(cfg_path),
            "written": updates, "binding": binding, "status": now}
-    warnings = _setup_warnings(env, updates, binding, root) + _rebound(before, cfg) + \
-        ignore_note + _team_store_elsewhere(cfg) + \
-        tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
+    warnings = _setup_warnings(env, updates, binding, root) + \
+        _rebound(_file_settings(wrote.prior), updates, before) + ignore_note + \
+        _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
         + ([f"the config file {cfg_path} was not a JSON object: moved aside to {wrote.aside}, "
             "and the settings it held no longer apply (copy back the ones you want)"]
            if wrote.aside else [])
@@ -15691,23 +15711,26 @@ def _setup_warnings(env: Any, updates: dict[str, Any], binding: dict, root: Path
     return warnings
 
 
-def _rebound(before: Config, after: Config) -> list[str]:
-    """A warning when setup() moved what the config file binds under a process
-    that was already bound by it: every process started outside a git repo,
-    an HTTP server's other clients among them, now writes elsewhere or as
-    someone else, and nothing else tells them."""
-    if before.origins.get("CAMBIUM_REPO") != "file" or not before.repo:
-        return []
+def _rebound(was: dict, updates: dict[str, Any], before: Config) -> list[str]:
+    """A warning when setup() changed the repo or agent id the config file held
+    (`was`: its settings just before the write): every process started outside
+    a git repo, a server's every client among them, now writes elsewhere or as
+    someone else, and nothing else tells them. Whatever bound the caller: a
+    setup run from a terminal in another repo moves them just the same."""
+    old_repo, old_agent = was.get("CAMBIUM_REPO"), was.get("CAMBIUM_AGENT_ID")
     moved = []
-    if after.repo and os.path.realpath(after.repo) != os.path.realpath(before.repo):
-        moved.append(f"in {after.repo} (was {before.repo})")
-    if before.origins.get("CAMBIUM_AGENT_ID") == "file" and before.agent and \
-            before.agent != after.agent:
-        moved.append(f"as agent {after.agent!r} (was {before.agent!r})")
+    if isinstance(old_repo, str) and old_repo.strip() and os.path.realpath(
+            expand_user(old_repo.strip())) != os.path.realpath(updates["CAMBIUM_REPO"]):
+        moved.append(f"in {updates['CAMBIUM_REPO']} (was {old_repo.strip()})")
+    if isinstance(old_agent, str) and old_agent.strip() and \
+            old_agent.strip() != updates["CAMBIUM_AGENT_ID"]:
+        moved.append(f"as agent {updates['CAMBIUM_AGENT_ID']!r} (was {old_agent.strip()!r})")
     if not moved:
         return []
-    return [f"every process started outside a git repo (this one, and every other client "
-            f"of this server) now works {' and '.join(moved)}: the config file binds them all. "
+    who = "this one, and every other client of this server" if before.origins.get(
+        "CAMBIUM_REPO") == "file" else "not this one: a server or hook started outside one"
+    return [f"every process started outside a git repo ({who}) now works "
+            f"{' and '.join(moved)}: the config file binds them all. "
             "Agents that share one server should each set CAMBIUM_REPO and "
             "CAMBIUM_AGENT_ID in their own server's environment, or run it in their clone."]
 

@@ -1454,6 +1454,29 @@ def test_setup_that_moves_every_process_bound_by_the_config_file_says_so(tmp_pat
     assert not any("every process" in w for w in cs.setup(str(b), "bob").get("warnings", []))
 
 
+def test_setup_from_another_repo_that_moves_the_config_files_binding_says_so(tmp_path,
+                                                                            monkeypatch):
+    """A server started outside any repo was bound to A by the config file;
+    `setup B` from a terminal in B said nothing (only a caller bound by the
+    file was warned), and the server's next capture landed in B's store."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    cs.setup(str(a), "ada")
+    assert cs.capture("a note for alpha")["item"]["project"] == "alpha"
+    monkeypatch.chdir(b)                                   # the terminal in B
+    told = [w for w in cs.setup(str(b), "ada").get("warnings", [])
+            if "every process started outside" in w]
+    assert len(told) == 1 and f"in {b} (was {a})" in told[0] and "not this one" in told[0]
+    monkeypatch.chdir(outside)                             # the server's next call
+    out = cs.capture("a second note, meant for alpha")
+    said = [w for w in out.get("warnings", []) if "the config file now binds" in w]
+    assert len(said) == 1 and f"to {b} as agent 'ada' (it was {a} as 'ada')" in said[0]
+    assert not any("the config file now binds" in w
+                   for w in cs.capture("a third note").get("warnings", []))   # once
+
+
 def test_a_process_whose_working_directory_is_gone_binds_no_repo(tmp_path, monkeypatch):
     """A server started in a worktree that `git worktree remove` deleted: status
     failed with an unexplained file_system error, and falling back to the
