@@ -7610,6 +7610,8 @@ class Index:
         self.lens: list = []                       # slot -> weighted length
         self.postings: dict[str, tuple] = {}       # term -> (slots, weighted tfs), live only
         self.slot_of: dict[str, int] = {}          # item id -> live slot
+        self.first_of: dict[str, int] = {}         # item id -> its first copy's position in
+                                                   # `source`, live or retired (that copy counts)
         self.total_len = 0.0                       # exact: weights are multiples of 1/8
         self.keys: dict[str, int] = {}             # content_key -> live items saying it
         self.source: list | None = None            # the item list last synced
@@ -7716,9 +7718,10 @@ class Index:
     def _sync(self, items: list, fresh: bool) -> Index:
         src = self.source
         if src is not None and extends(items, src):
-            for it in items[len(src):]:                # appended only: the common case
-                if it.active and it.id not in self.slot_of:   # (a live id again: a
-                    self._put(it)                              # hand-made duplicate)
+            for pos in range(len(src), len(items)):    # appended only: the common case
+                it = items[pos]                        # (an id again, live or retired: a
+                if self.first_of.setdefault(it.id, pos) == pos and it.active:   # hand-made
+                    self._put(it)                                               # duplicate)
             self.source = items
             return self._compacted(items, fresh)
         if src is not None and len(items) == len(src):
@@ -7730,11 +7733,10 @@ class Index:
     def _resync(self, items: list, fresh: bool) -> Index:
         """sync() for any other list: each item looked at by id."""
         seen: set[int] = set()
-        ids: set[str] = set()
-        for it in items:
-            if it.id in ids:                           # an id twice: its first copy counts,
+        first: dict[str, int] = {}
+        for pos, it in enumerate(items):
+            if first.setdefault(it.id, pos) != pos:    # an id twice: its first copy counts,
                 continue                               # live or retired, as for every tool
-            ids.add(it.id)
             if not it.active:
                 continue
             slot = self.slot_of.get(it.id)
@@ -7746,7 +7748,7 @@ class Index:
                 if self.items[slot] is not None:
                     self._kill(slot)
                 del self.slot_of[item_id]
-        self.source = items
+        self.source, self.first_of = items, first
         return self._compacted(items, fresh)
 
     def _compacted(self, items: list, fresh: bool) -> Index:
@@ -7771,7 +7773,7 @@ class Index:
             if mine and not (new.active and new.id == old.id):
                 self._kill(slot)
                 del self.slot_of[old.id]
-            if new.active and (mine or new.id not in self.slot_of):
+            if new.active and self.first_of[new.id] == i:   # (not a later copy)
                 self._put(new)
         self.source = items
         return self._compacted(items, fresh)

@@ -3287,6 +3287,29 @@ def test_index_grown_item_by_item_ranks_exactly_like_a_fresh_build():
         assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
 
 
+def test_an_id_whose_first_copy_is_retired_is_indexed_by_neither_a_grown_nor_a_fresh_index():
+    """A store holding an id twice is read as its first copy: the grown index
+    took in a live copy appended after a retired first one (or one replaced in
+    place there), which a fresh index leaves out."""
+    first = cs.new_item("the billing ledger reconciles nightly")
+    retired = dataclasses.replace(first, status="deprecated",
+                                  deprecated={"by": "x", "at": "", "reason": "r"})
+    other = cs.new_item("deploy with helm atomic")
+    again = dataclasses.replace(first, content="the billing ledger reconciles hourly now")
+    grown = cs.Index().sync([retired, other])
+    final = [retired, other, again]
+    grown = grown.sync(final)                                    # appended
+    assert first.id not in grown.slot_of
+    final = [retired, other, dataclasses.replace(again, why="seen in the logs")]
+    grown = grown.sync(final)                                    # replaced in place
+    fresh = cs.build_index(final)
+    assert first.id not in grown.slot_of and first.id not in fresh.slot_of
+    assert cs.score_query(grown, "billing ledger", 5).hits == \
+        cs.score_query(fresh, "billing ledger", 5).hits == []
+    live = [dataclasses.replace(retired, status="active", deprecated=None)] + final[1:]
+    assert grown.sync(live).items[grown.slot_of[first.id]] is live[0]   # its first copy
+
+
 def _skewed_items(n: int, seed: int) -> list:
     """Items over a skewed vocabulary: a few words in most items (long postings
     that pruning can skip), a tail of rare ones, lengths that vary."""
