@@ -10195,13 +10195,23 @@ def item_cosines(np: Any, head: Any, q: Any, tails: tuple) -> tuple[Any, Any]:
 
 def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
     """The `limit` best finite scores, ties broken by item id (as top_slots)."""
-    finite = np.flatnonzero(np.isfinite(score))
-    k = min(len(finite), 4 * limit)
-    if not k:
-        return []
-    cand = finite[np.argpartition(-score[finite], k - 1)[:k]]
+    cand = best_finite(np, score, 4 * limit)
     near = [(i, it) for i in cand.tolist() if (it := items[i]) is not None]
     return [i for i, _ in sorted(near, key=lambda p: _order(float(score[p[0]]), p[1]))[:limit]]
+
+
+def best_finite(np: Any, score: Any, k: int) -> Any:
+    """The slots whose finite score is among the best `k`, and every one tied
+    with the k-th (to 6 places, as _order): an argpartition cut among ties
+    kept whichever its slot order put first, so twenty identical items
+    answered by the index's history, not by authority and id."""
+    finite = np.flatnonzero(np.isfinite(score))
+    if k <= 0:
+        return finite[:0]
+    if len(finite) <= k:
+        return finite
+    kth = np.partition(score[finite], len(finite) - k)[len(finite) - k]
+    return finite[score[finite] >= kth - 1e-6]
 
 
 def feedback_scores(np: Any, first: Any, q: Any, sim: Any, score: Any, usable: Any, *,
@@ -10287,13 +10297,13 @@ def exact_slots(np: Any, index: Index, terms: list[str], score: Any,
     """The slots among the best `pool` whose item's content and tags hold every
     word of the query (holds_every_term): lifted above every other (lifted), a
     query in an item's own words finds it first, as lexical recall would. The
-    postings rule most candidates out at one binary search a word."""
-    finite = np.flatnonzero(np.isfinite(score))
+    postings rule most candidates out at one binary search a word. Items tied
+    at the pool's cut are all looked at (best_finite): which were was the
+    slots' order, the index's history."""
     posts = [index.postings.get(t) for t in terms]
-    if not terms or not len(finite) or any(p is None for p in posts):
+    if not terms or any(p is None for p in posts):
         return []
-    k = min(pool, len(finite))
-    cand = finite[np.argpartition(-score[finite], k - 1)[:k]].tolist()
+    cand = best_finite(np, score, pool).tolist()
     return [i for i in cand if all(_posted(p[0], i) for p in posts)
             and (it := index.items[i]) is not None and holds_every_term(it, terms)]
 
@@ -10375,7 +10385,7 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
         try:
             engine.ready()              # first: no reranker loads for a lexical fallback
             reranker, rnote = reranker_for(cfg)
-            ranking = engine.rank(index, query, limit, reranker)
+            ranking = engine.rank(index, query, max(limit, RESULT_HEAD), reranker)
             ranking.note = joined_notes(ranking.note, rnote, second_note(cfg, engine))
             return own_words_first(index, query, ranking, limit)
         except SemanticUnavailable as e:
@@ -10388,33 +10398,45 @@ def rank(index: Index, query: str, limit: int, *, cfg: Config | None = None,
             note = (f"Recall is lexical (shared words only) for this query: semantic "
                     f"ranking failed ({type(e).__name__}: {str(e)[:160]}); a damaged "
                     f"vector cache in .cambium/{VECTORS_DIR}/ can be deleted, it is rebuilt.")
-    ranking = score_query(index, query, limit)
-    ranking.note = note
-    return own_words_first(index, query, ranking, limit)
+    ranking = score_query(index, query, max(limit, RESULT_HEAD))   # (own_words_first cuts:
+    ranking.note = note                                           # a smaller limit shows
+    return own_words_first(index, query, ranking, limit)          # the default's first)
 
 
 def own_words_first(index: Index, query: str, ranking: Ranking, limit: int) -> Ranking:
-    """The ranking with the items whose content is the query itself (case,
+    """The ranking (judged at the default limit at least, as rank() asks)
+    cut to `limit`, with the items whose content is the query itself (case,
     punctuation and spacing aside) first, as results: items holding its words
     and more (a tail, tags, a long why) outscored the item a query quoted,
     and five such left it out altogether, in both modes. Each keeps its own
     relevance when it is a result already, else takes the best result's (or
-    the floor's): it is what was asked for."""
+    the floor's): it is what was asked for. Among them (up to RESULT_HEAD)
+    higher authority, then relevance, then the item id come first: not the
+    slots' order, which is the index's history."""
     said = _words_of(query)
     slots = _same_words_slots(index, list(dict.fromkeys(tokenize(query))), said) \
         if said else []
-    if not slots:
-        return ranking
-    had = {h.item.id: h for h in ranking.hits + ranking.weak}
-    top = max([h.confidence for h in ranking.hits] + [RELEVANCE_FLOOR])
-    first = [h if (h := had.get(it.id)) is not None and h in ranking.hits
-             else Hit(it, math.inf, max(top, h.confidence if h else 0.0))
-             for it in sorted((index.items[i] for i in slots), key=lambda it: -it.authority_rank)]
-    ids = {h.item.id for h in first}
-    ranking.hits = (first + [h for h in ranking.hits if h.item.id not in ids])[:limit]
-    ranking.weak = [h for h in ranking.weak if h.item.id not in ids]
-    ranking.confidence = max(ranking.confidence, top)
+    if slots:
+        top = max([h.confidence for h in ranking.hits] + [RELEVANCE_FLOOR])
+        first = heapq.nsmallest(RESULT_HEAD, _own_words_hits(index, slots, ranking, top),
+                                key=lambda h: (-h.item.authority_rank,
+                                               -round(h.confidence, 6), h.item.id))
+        ids = {h.item.id for h in first}
+        ranking.hits = first + [h for h in ranking.hits if h.item.id not in ids]
+        ranking.weak = [h for h in ranking.weak if h.item.id not in ids]
+        ranking.confidence = max(ranking.confidence, top)
+    ranking.hits = ranking.hits[:limit]
     return ranking
+
+
+def _own_words_hits(index: Index, slots: list[int], ranking: Ranking, top: float
+                    ) -> list[Hit]:
+    """The items in `slots` as hits: a result as it is, any other at the
+    relevance `top` (or its own weak match's, when higher)."""
+    hits = {h.item.id: h for h in ranking.hits}
+    weak = {h.item.id: h.confidence for h in ranking.weak}
+    return [hits[it.id] if it.id in hits else Hit(it, math.inf, max(top, weak.get(it.id, 0.0)))
+            for it in map(index.items.__getitem__, slots)]
 
 
 def _words_of(text: str) -> str:
@@ -10424,11 +10446,13 @@ def _words_of(text: str) -> str:
 
 
 def _same_words_slots(index: Index, terms: list[str], said: str) -> list[int]:
-    """Live slots whose item's content is `said` in words (_words_of); their
-    rarest term's posting list walked, as every_term_slots does, and only an
-    item holding every term, its content not far longer than the words said,
-    is read again (every recall runs this: reading each item of a common
-    word's list cost milliseconds)."""
+    """Live slots whose item's content is `said` in words (_words_of), every
+    one (own_words_first picks among them: cut here, in slot order, which
+    were kept depended on the index's history); their rarest term's posting
+    list walked, as every_term_slots does (none past EVERY_TERM_MAX_POSTINGS),
+    and only an item holding every term, its content not far longer than the
+    words said, is read again (every recall runs this: reading each item of a
+    common word's list cost milliseconds)."""
     lists = [index.postings.get(t) for t in terms]
     if not terms or any(p is None for p in lists):
         return []
@@ -10438,7 +10462,7 @@ def _same_words_slots(index: Index, terms: list[str], said: str) -> list[int]:
     longest = 4 * len(said) + 64                 # (punctuation and spacing aside)
     return [i for i in rarest if all(_posted(o, i) for o in others)
             and (it := index.items[i]) is not None and it.active
-            and len(it.content) <= longest and _words_of(it.content) == said][:RESULT_HEAD]
+            and len(it.content) <= longest and _words_of(it.content) == said]
 
 
 def reranker_for(cfg: Config) -> tuple[Reranker | None, str | None]:

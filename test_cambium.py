@@ -13278,6 +13278,34 @@ def test_a_query_in_an_items_own_words_finds_it_first_semantically(semantic):
     assert res["mode"] == "semantic" and res["results"][0]["id"] == quoted, res["results"]
 
 
+def test_items_in_the_querys_own_words_rank_alike_in_a_grown_and_a_fresh_index(repo):
+    """Items whose content is the query kept the index's slot order among them
+    (and, past five, which five did): a long-running server and a fresh CLI
+    answered limit 1 with different items, and a copy whose why changed moved.
+    They go by authority, then relevance, then id, and limit 1 shows limit 5's
+    first."""
+    query = "deploy freeze on fridays"
+    a = dataclasses.replace(cs.new_item("Deploy freeze on Fridays"), id="k-aaaaaaaaaaaa")
+    b = dataclasses.replace(cs.new_item("deploy freeze on fridays!"), id="k-bbbbbbbbbbbb")
+    twins = [dataclasses.replace(cs.new_item("Deploy freeze, on Fridays"), id=f"k-{c * 12}")
+             for c in "987654"]                         # lower ids in later slots
+    others = [cs.new_item(f"deploy freeze on fridays except hotfix {i} approved by oncall")
+              for i in range(8)]
+    grown = cs.build_index([a, b] + others)
+    final = [dataclasses.replace(a, why="decided at retro"), b] + others   # a: a new slot
+    grown = grown.sync(final)
+    fresh = cs.build_index(final)
+    shown = lambda ix, k: [(h.item.id, round(h.confidence, 3)) for h in cs.rank(ix, query, k).hits]
+    for k in (1, 2, 5):
+        assert shown(grown, k) == shown(fresh, k) == shown(fresh, 5)[:k]
+    assert [i for i, _ in shown(fresh, 2)] == [b.id, a.id]      # b is the more relevant
+    grown = grown.sync(final + twins)
+    fresh = cs.build_index(final + twins[::-1])
+    for k in (1, 5):
+        assert shown(grown, k) == shown(fresh, k)
+    assert [i for i, _ in shown(fresh, 5)] == [f"k-{c * 12}" for c in "45678"]   # (b ties)
+
+
 def test_an_item_the_model_cannot_read_is_judged_by_its_shared_words(semantic):
     """A note in a script the model lacks embeds as unknown pieces, near any
     short query: it answered "hello" and "xyz" at 0.52-0.61, and was credited."""
@@ -13654,6 +13682,21 @@ def test_exact_first_lifts_only_items_whose_content_and_tags_hold_every_word():
     assert (exact_first(np, index, terms, score, pool=2) == score).all()   # not in the pool
     assert (exact_first(np, index, terms + ["zebra"], score) == score).all()
     assert (exact_first(np, index, [], score) == score).all()
+
+
+def test_semantic_cuts_take_every_item_tied_at_the_cut_not_the_first_slots():
+    """Identical items tie exactly in semantic mode: the exact-first pool and
+    best_slots' candidates were cut among them by argpartition, in slot order,
+    so which came first depended on the index's history, not on the id."""
+    np = pytest.importorskip("numpy")
+    items = [dataclasses.replace(cs.new_item("Deploy freeze on Fridays"), id=f"k-{n:012d}")
+             for n in range(30, 0, -1)]                         # lowest ids in the last slots
+    index = cs.build_index(items)
+    score = np.full(len(index.items), 0.8)
+    terms = list(dict.fromkeys(cs.tokenize("deploy freeze on fridays")))
+    assert sorted(cs.exact_slots(np, index, terms, score, pool=2)) == list(range(30))
+    best = cs.best_slots(np, score, index.items, 5)
+    assert [index.items[i].id for i in best] == [f"k-{n:012d}" for n in range(1, 6)]
 
 
 def test_semantic_relevance_reads_the_first_window_when_given():
