@@ -3436,8 +3436,10 @@ def _json(raw: bytes) -> Any:
 
 def _raw_keys(head: dict) -> dict:
     """A store's top-level keys to keep as they are: all but the format marker,
-    which stays only when it names a newer format (newer_format)."""
-    return {k: v for k, v in head.items() if k != "cambium" or _is_newer(v)}
+    which stays only when it names a newer format (newer_format), and the
+    local store's rewrite token (each rewrite writes its own: LocalStore)."""
+    return {k: v for k, v in head.items()
+            if (k != "cambium" or _is_newer(v)) and k != REWRITE_KEY}
 
 
 def _is_newer(marker: Any) -> bool:
@@ -3653,9 +3655,11 @@ def _stored_json_line(item: Item) -> str:
     return derived(item, "line", lambda it: json_text(it.to_dict(), separators=(",", ":")))
 
 
-def store_head(doc: Doc) -> bytes:
-    """The lines before the items: format and unknown keys, meta, the items key."""
-    head = {"cambium": STORE_FORMAT, **doc.raw}
+def store_head(doc: Doc, token: str | None = None) -> bytes:
+    """The lines before the items: format, the rewrite token if any (the local
+    store's, right after the format: rewrite_token), unknown keys, meta, the
+    items key."""
+    head = {"cambium": STORE_FORMAT, **({REWRITE_KEY: token} if token else {}), **doc.raw}
     lines = ["{" + json_text(head)[1:-1] + ",",
              '"meta": ' + json_text(doc.meta, sort_keys=True) + ",",
              '"items": [' if doc.items else '"items": []}']
@@ -3736,7 +3740,9 @@ def mutate_plan(mutate: Callable[..., Any], plan: Callable[[Doc], Any], message:
 # (inode, size and mtime before and after), so a reader holding a parsed copy
 # that finds the same file grown by recorded appends parses only the new tail;
 # anything else (a hand edit, an unrecorded change) is parsed whole. Rarer
-# changes rewrite the file, copying unchanged items' bytes from the old one.
+# changes rewrite the file, copying unchanged items' bytes from the old one,
+# with a new random token in the head line: a parsed copy is trusted only
+# while stat (ctime included) and that token still match (rewrite_token).
 # Lines that do not parse (a torn tail after a crash, a bad hand edit) are set
 # aside verbatim in knowledge.json.quarantine-<time> and the rest keeps
 # serving; only a file where nothing parses is moved aside whole (.corrupt-).
@@ -3750,17 +3756,41 @@ RESTORED_SUFFIX = ".restored"        #: what restore renames a file it brought b
 APPENDS_READ_MAX = 256 * 1024        #: bytes of the append record a reader looks at
 
 
+REWRITE_KEY = "rewrite"     #: the head key of the local store's rewrite token
+REWRITE_HEAD = 128          #: bytes of the file's start rewrite_token looks at
+_REWRITE_AT_START = re.compile(rb'\A\{"cambium": [0-9]{1,9}, "' + REWRITE_KEY.encode() +
+                               rb'": "([0-9a-f]{16})"')
+
+
 @dataclass
 class _Seen:
     """One version of the local file as this process parsed it."""
-    key: tuple                  # (inode, size, mtime_ns)
+    key: tuple                  # (inode, size, mtime_ns, ctime_ns, rewrite token): _file_key
     doc: Doc
     spans: array                # items[i]'s JSON is at bytes spans[2i]:spans[2i+1]
     tail_at: int | None         # STORE_TAIL starts here (None: not appendable)
 
 
 def _stat_key(st: os.stat_result) -> tuple:
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+    """What stat says of a version of the file. ctime too: an edit in place
+    that kept the size and set the mtime back (a tool preserving mtimes)
+    matched inode, size and mtime, and a write put a stale parsed copy back."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def rewrite_token(start: bytes) -> str | None:
+    """The random token the local store's head line opens with after the
+    format marker (every rewrite writes a new one), or None (a store an older
+    cambium or a hand wrote). ext4 dates files in ~4 ms ticks and reuses a
+    freed inode at once, so a later rewrite of the same size could match a
+    parsed copy's stat key; its token does not."""
+    m = _REWRITE_AT_START.match(start)
+    return m.group(1).decode("ascii") if m else None
+
+
+def _file_key(fd: int) -> tuple:
+    """An open store's version: its stat key and its head's rewrite token."""
+    return (*_stat_key(os.fstat(fd)), rewrite_token(os.pread(fd, REWRITE_HEAD, 0)))
 
 
 def _stamp() -> str:
@@ -3959,7 +3989,7 @@ class LocalStore(Store):
         whole) grew by an append not yet recorded or changed while a writer of
         this process holds the lock."""
         try:
-            key = _stat_key(os.stat(self.path))
+            key = self._version()
         except FileNotFoundError:
             self._remember(None)
             return Doc(items=[])
@@ -3968,7 +3998,7 @@ class LocalStore(Store):
         if seen is not None and seen.key == key:
             return seen.doc
         grown = seen is not None and seen.tail_at is not None and key[0] == seen.key[0] \
-            and key[1] > seen.key[1]
+            and key[1] > seen.key[1] and key[4] == seen.key[4]     # (an append keeps the head)
         if grown and self._appends_lead(seen.key, key):
             doc = self._read_tail(seen, key)
             if doc is not None:
@@ -3981,6 +4011,16 @@ class LocalStore(Store):
             if seen is not None and seen.key == key:
                 return seen.doc
             return self._parse(locked=locked)
+
+    def _version(self) -> tuple:
+        """The file's version as it stands (_file_key): one open, one fstat and
+        a read of its first bytes (about 10 us), so a parsed copy is trusted,
+        and a write made from it, only when the token matches too."""
+        fd = open_regular(self.path)
+        try:
+            return _file_key(fd)
+        finally:
+            os.close(fd)
 
     def _being_written(self) -> bool:
         """Whether another thread of this process holds the store's lock: a
@@ -4015,6 +4055,8 @@ class LocalStore(Store):
     def _read_tail(self, seen: _Seen, key: tuple) -> Doc | None:
         """Extend the parsed copy by the appended lines; None if they do not parse."""
         with open(self.path, "rb", opener=open_regular) as f:
+            if _file_key(f.fileno()) != key:        # replaced since it was looked at
+                return None
             f.seek(seen.tail_at)
             data = f.read(key[1] - seen.tail_at)
         if not data.startswith(b",\n") or not data.endswith(STORE_TAIL):
@@ -4033,9 +4075,9 @@ class LocalStore(Store):
         """Parse the whole file; damage is set aside under the lock."""
         try:
             with open(self.path, "rb", opener=open_regular) as f:
-                key = _stat_key(os.fstat(f.fileno()))
+                key = _file_key(f.fileno())
                 parsed = parse_file(f, str(self.path))
-                stable = _stat_key(os.fstat(f.fileno())) == key
+                stable = _stat_key(os.fstat(f.fileno())) == key[:4]
         except CorruptStore as e:
             if (newer := self._newer_unread()) is not None:
                 return newer
@@ -4174,7 +4216,7 @@ class LocalStore(Store):
             while done < len(data):
                 done += os.pwrite(fd, data[done:], seen.tail_at + done)
             os.fsync(fd)
-            key = _stat_key(os.fstat(fd))
+            key = (*_stat_key(os.fstat(fd)), seen.key[4])     # (the head is as it was)
         except OSError:                      # a full disk, a file size limit: put the old
             with contextlib.suppress(OSError):   # tail back, so no fragment of an item that
                 os.pwrite(fd, STORE_TAIL, seen.tail_at)  # was never acknowledged is left
@@ -4207,9 +4249,10 @@ class LocalStore(Store):
         with self.lock:
             seen = self._seen
         with contextlib.suppress(FileNotFoundError):
-            if seen is not None and _stat_key(os.stat(self.path)) != seen.key:
+            if seen is not None and self._version() != seen.key:
                 seen = None                  # not the file those spans describe: render all
-        head = store_head(new)
+        token = os.urandom(8).hex()          # this version's: rewrite_token
+        head = store_head(new, token)
         pieces, spans = _item_pieces(new.items, seen, len(head))
 
         def write(out: Any) -> None:
@@ -4229,7 +4272,7 @@ class LocalStore(Store):
         atomic_write(self.path, write)
         with contextlib.suppress(OSError):     # (a directory there is no hint: left alone)
             os.unlink(self.appends)            # records of the old inode: no use now
-        key = _stat_key(os.stat(self.path))
+        key = (*_stat_key(os.stat(self.path)), token)
         self._remember(_Seen(key, new, spans, key[1] - len(STORE_TAIL) if new.items else None))
 
 

@@ -2495,6 +2495,69 @@ def test_capture_appends_and_another_reader_parses_only_the_tail(repo, monkeypat
     assert [i.id for i in items][-1] == new["id"] and len(items) == 4 and not parsed
 
 
+def _endorsed_notes(repo: Path) -> dict:
+    """Each item's content and endorsement notes, as the file holds them."""
+    doc = json.loads(_store_path(repo).read_bytes())
+    return {d["id"]: (d["content"], [e.get("note") for e in d.get("trust", {}).get(
+        "endorsements", [])]) for d in doc["items"]}
+
+
+def test_an_in_place_edit_that_keeps_size_and_mtime_is_not_served_from_the_parsed_copy(repo):
+    """A process trusted its parsed copy whenever the file's inode, size and
+    mtime matched: an edit in place of the same length whose tool restored the
+    mtime (or a rewrite in the same ~4 ms tick on an inode the kernel reused)
+    was never read, and that process's next write put its stale copy back.
+    ctime, which no tool can set back, is part of the key now."""
+    a = cs.capture("Retries use exponential backoff with alpha jitter")["item"]["id"]
+    cs.capture("Deploys need two approvals before release")
+    path = _store_path(repo)
+    other = cs.Runtime()                       # another process's view of the same file
+    with cs.use_runtime(other):
+        cs.store(cs.resolve_config(), "local").read()
+    st, data = os.stat(path), path.read_bytes()
+    with open(path, "r+b") as f:               # the same length, written in place
+        f.write(data.replace(b"alpha jitter", b"omega jitter"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_ino, os.stat(path).st_size, os.stat(path).st_mtime_ns) == \
+        (st.st_ino, st.st_size, st.st_mtime_ns)
+    with cs.use_runtime(other):
+        (got,) = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.id == a]
+        assert "omega" in got.content
+        cs.endorse(a, note="holds")
+    assert _endorsed_notes(repo)[a] == (
+        "Retries use exponential backoff with omega jitter", ["holds"])
+
+
+@pytest.mark.parametrize("then", ["rewritten", "appended"])
+def test_a_parsed_copy_whose_key_a_later_store_matches_is_not_written_back(repo, then):
+    """ext4 reuses a freed inode at once and dates files in ~4 ms ticks, so a
+    later rewrite of the same size can match a process's parsed copy by inode,
+    size, mtime and ctime: its next write (a fold, an endorse) rewrote the store
+    from that copy, losing what others wrote since (or spliced their appends
+    onto it). The collision is made here by giving the copy the new file's stat
+    key; the token every rewrite puts in the store's head line tells them apart."""
+    a = cs.capture("Retries use exponential backoff with jitter")["item"]["id"]
+    b = cs.capture("Deploys need two approvals before release")["item"]["id"]
+    path = _store_path(repo)
+    other = cs.Runtime()                       # another process's view of the same file
+    with cs.use_runtime(other):
+        st = cs.store(cs.resolve_config(), "local")
+        st.read()
+    cs.endorse(b, note="checked twice")        # a rewrite: a new file
+    forged = (*cs._stat_key(os.stat(path)), *st._seen.key[4:])     # its own token kept
+    if then == "appended":
+        c = cs.capture("Migrations run before the deploy step")["item"]["id"]
+    st._seen = dataclasses.replace(st._seen, key=forged, tail_at=forged[1] - len(cs.STORE_TAIL))
+    with cs.use_runtime(other):
+        items = {i.id: i for i in st.read().items}
+        assert items[b].trust.get("endorsements")
+        cs.endorse(a, note="holds")
+    held = _endorsed_notes(repo)
+    assert held[b][1] == ["checked twice"] and held[a][1] == ["holds"]
+    assert then == "rewritten" or c in held
+    assert not cs.set_aside_warnings(path)
+
+
 def test_a_killed_rewrites_copy_is_deleted_and_nothing_else(repo):
     """kill -9 during a rewrite of a 20 MB store left its 20 MB temporary copy
     in .cambium/ for good; each later kill added one."""
