@@ -14044,6 +14044,7 @@ def _retirement_targets(doc: Doc, reasons: dict[str, str], live: set[str] | froz
     item a key's watermark names, else (no id: hand-edited, or lost with a torn
     meta line) the local items distill made of that entry, by provenance."""
     marks = meta_map(doc.meta, "watermarks")
+    live = merged_into(doc, live)
     by_source: dict[str, list[str]] | None = None
     wanted: dict[str, tuple[str, str]] = {}
     for k, r in reasons.items():
@@ -14059,6 +14060,26 @@ def _retirement_targets(doc: Doc, reasons: dict[str, str], live: set[str] | froz
             if iid not in live:
                 wanted.setdefault(iid, (k, r))
     return wanted
+
+
+def merged_into(doc: Doc, live: set[str] | frozenset) -> set[str]:
+    """`live` and the local items consolidate merged any of them into, along
+    every later merge (merged_from): a live entry's item superseded by a
+    survivor says its words there only, so the survivor stays live while any
+    such entry is (its own entry's death retired it, and the member with it)."""
+    into: dict[str, list[str]] = {}
+    for it in doc.items:
+        merged = it.extra.get("merged_from") if it.scope == "local" else None
+        for m in merged if isinstance(merged, list) else [merged]:
+            if isinstance(m, dict) and isinstance(m.get("id"), str):
+                into.setdefault(m["id"], []).append(it.id)
+    out, todo = set(live), list(live)
+    while todo:
+        for sid in into.get(todo.pop(), ()):
+            if sid not in out:
+                out.add(sid)
+                todo.append(sid)
+    return out
 
 
 def kept_note(item: Item, key: str, reason: str) -> str:

@@ -12100,6 +12100,36 @@ def test_distill_leaves_live_a_survivor_consolidate_merged_a_capture_into(repo, 
     assert not any(made.id in w for w in cs.distill()["warnings"])      # said once
 
 
+def test_distill_leaves_live_a_survivor_while_a_merged_entry_is_live(repo, monkeypatch):
+    """consolidate merged distill's items of two entries saying nearly the same
+    (the survivor dec-001's, the member dec-002's); once dec-001 was superseded,
+    distill retired the survivor and the member went with it, though dec-002
+    still said its words: the survivor stays live while dec-002 is live, and
+    retires once it dies too."""
+    text = "Compute invoice money in integer cents and never in floats for billing totals"
+    (repo / ".context").mkdir()
+    path = repo / ".context" / "decisions.json"
+    twin = _decision("dec-002", text.replace("for billing", "for the billing"))
+    path.write_text(json.dumps([_decision("dec-001", text), twin]))
+    made = {i["ref"]: i["id"] for i in cs.distill()["items"]}
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.endorse(made["dec-001"], note="right")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    done = cs.consolidate(apply=True)
+    assert done["superseded"] == [made["dec-002"]], done
+    path.write_text(json.dumps([_decision("dec-001", text, "superseded", "dec-003"), twin]))
+    for _ in range(2):
+        res = cs.distill()
+        assert res["retired"] == 0, res
+        assert [r["id"] for r in cs.recall("invoice money integer cents floats")["results"]] \
+            == [made["dec-001"]]
+    path.write_text(json.dumps([_decision("dec-001", text, "superseded", "dec-003"),
+                                {**twin, "status": "deprecated"}]))
+    res = cs.distill()
+    assert [r["id"] for r in res["retired_items"]] == [made["dec-001"]], res
+    assert cs.recall("invoice money integer cents floats")["results"] == []
+
+
 def test_distill_waits_to_retire_an_item_whose_org_pull_request_is_open(
         shared, monkeypatch, tmp_path):
     """distill retired the team copy of an item waiting on its org PR; the
