@@ -18317,7 +18317,8 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
     out: dict[str, Any] = {"scope": scope, "markdown": render_markdown(groups),
                            "items": sum(len(v) for v in groups.values())}
     if scope == "org" and "org" in docs:
-        out["published"] = _publish_org_markdown(cfg)
+        out["published"], failed = _publish_org_markdown(cfg)
+        warnings = [*warnings, *failed]
     if note:
         out["note"] = note
     if warnings:
@@ -18325,27 +18326,30 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
     return out
 
 
-def _publish_org_markdown(cfg: Config) -> dict:
+def _publish_org_markdown(cfg: Config) -> tuple[dict, list[str]]:
     """Re-render the org KNOWLEDGE.md and land it if it differs from the repo's.
     In PR mode the branch may hold the new rendering already, its pull request
     never opened (gh failed): while org's own file is stale, that PR opens now.
-    An org store in a newer format is read, never written: the export still
-    answers its render, and `note` says why nothing was published."""
+    A publish that fails (an org store in a newer format, read but never
+    written; a push the remote refuses; the remote unreachable) loses no
+    render: the export still answers it, `note` and a warning say why nothing
+    was published. Returns (published, warnings)."""
     branch = pr_branch(cfg, "org", "knowledge-md")
     try:
         write = mutate(cfg, "org", lambda d: None, "re-render KNOWLEDGE.md", ensure_files=True,
                        pr_branch=branch,
                        pr_body="KNOWLEDGE.md re-rendered from knowledge.json by cambium.",
                        ensure_pr=bool(branch) and store(cfg, "org").files_stale_at_tip())
-    except NewerFormat as e:
-        return {"file": "KNOWLEDGE.md", "changed": False, "commit": None,
-                "note": f"not published: {e}"}
+    except (CambiumError, OSError) as e:
+        why = f"not published: {str(e).rstrip('.') or type(e).__name__}"
+        return ({"file": "KNOWLEDGE.md", "changed": False, "commit": None, "note": why},
+                [f"KNOWLEDGE.md {why}; the markdown answered is the render"])
     out = {"file": "KNOWLEDGE.md", "changed": write.commit is not None, "commit": write.commit}
     if write.pr_url:
         out["pr_url"] = write.pr_url
     if "KNOWLEDGE.md" in store(cfg, "org").hand_written:
         out["note"] = hand_written_note("KNOWLEDGE.md")
-    return out
+    return out, []
 
 
 #: MCP tool annotations by what a tool may change: ToolAnnotations keyword arguments.

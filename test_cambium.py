@@ -9005,6 +9005,34 @@ def _org_main_holds(shared: dict, path: str, text: str) -> Path:
     return editor
 
 
+def test_export_org_answers_its_render_when_the_publish_fails(shared, monkeypatch):
+    """export_markdown(scope="org") failed whole when the KNOWLEDGE.md publish
+    did (the org remote refused the push, or was gone), so the user got no
+    markdown: the render is answered, `published` and a warning say why."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Keep secrets out of logs")
+    cs.promote(item_id, to_scope="org")
+    _org_main_holds(shared, "KNOWLEDGE.md", f"# Knowledge\n\n{cs.RENDER_MARK}_\n\nstale\n")
+    hook = shared["org_bare"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'main is protected'\nexit 1\n")
+    hook.chmod(0o755)
+    tip = git(shared["org_bare"], "rev-parse", "main")
+    out = cs.export_markdown("org")
+    assert "Keep secrets out of logs" in out["markdown"] and out["items"] == 1
+    assert out["published"]["changed"] is False and out["published"]["commit"] is None
+    assert "not published" in out["published"]["note"] and \
+        "main is protected" in out["published"]["note"], out
+    assert any("KNOWLEDGE.md not published" in w for w in out["warnings"]), out
+    assert git(shared["org_bare"], "rev-parse", "main") == tip
+    hook.unlink()
+    shared["org_bare"].rename(shared["tmp"] / "org-moved.git")          # then: gone
+    out = cs.export_markdown("org")
+    assert "Keep secrets out of logs" in out["markdown"] and out["items"] == 1
+    assert out["published"]["changed"] is False and "could not read from remote" in \
+        out["published"]["note"].lower(), out
+    assert any("KNOWLEDGE.md not published" in w for w in out["warnings"]), out
+
+
 def test_a_knowledge_md_a_person_wrote_is_never_replaced(shared, monkeypatch):
     """An org repo that starts with its own KNOWLEDGE.md (no render mark): the
     first org promotion lands knowledge.json beside it and says so; export
@@ -9074,8 +9102,11 @@ def test_pr_mode_export_after_gh_failed_opens_the_knowledge_md_pr_once(
     git(editor, "push", "-q", "origin", "HEAD:main")
     real_gh = (tmp_path / "bin" / "gh").read_text()
     (tmp_path / "bin" / "gh").write_text("#!/bin/sh\necho 'gh: auth required' >&2\nexit 1\n")
-    with pytest.raises(cs.GitError, match="auth required"):
-        cs.export_markdown()
+    failed = cs.export_markdown()                  # the render answered all the same
+    assert "Keep secrets out of logs" in failed["markdown"]
+    assert failed["published"]["changed"] is False and "auth required" in \
+        failed["published"]["note"] and "opens its pull request" in failed["published"]["note"]
+    assert any("KNOWLEDGE.md not published" in w for w in failed["warnings"])
     assert "Keep secrets out of logs" in remote_json(shared["org_bare"], "cambium/knowledge-md",
                                                      "KNOWLEDGE.md")
     (tmp_path / "bin" / "gh").write_text(real_gh)
