@@ -4664,7 +4664,7 @@ JOURNAL_MARK_BYTES = 64     #: bytes before where a journal was read to, checked
 
 class JournalSeen(NamedTuple):
     """How far a process has read a credit journal."""
-    stat: tuple          # (inode, size, mtime_ns) when it was read
+    stat: tuple          # _stat_key (ctime included) when it was read, and None
     read_to: int         # the end of its last complete line
     mark: bytes          # the bytes just before read_to (to check they did not change)
     records: list        # the records of the complete lines
@@ -4682,7 +4682,7 @@ def _journal(path: Path) -> list[dict]:
     try:
         with open(path, "rb", opener=open_regular) as f:
             st = os.fstat(f.fileno())
-            now = (st.st_ino, st.st_size, st.st_mtime_ns)
+            now = (*_stat_key(st), None)    # (ctime too: an edit in place, mtime set back)
             if seen is not None and seen.stat == now:
                 return seen.records + seen.tail if seen.tail else seen.records
             done, mark, records, data = _journal_growth(f, seen, now)

@@ -3711,6 +3711,23 @@ def test_credit_journal_is_parsed_once_then_only_its_new_lines(repo, monkeypatch
     assert [r["item"] for r in cs.read_credits(path)] == ["k-0x", "k-1x", "k-2x"]
 
 
+def test_a_credit_journal_edited_in_place_with_its_mtime_set_back_is_read_again(repo):
+    """The parsed journal was trusted while inode, size and mtime matched: an
+    edit in place of the same length whose tool set the mtime back served the
+    old records (a credit for another item, one already taken)."""
+    path = cs.credits_path(cs.resolve_config())
+    rec = {"item": "k-aaaa", "scope": "local", "agent": "ada", "day": "2026-01-01"}
+    cs.append_credits(path, [rec])
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-aaaa"]
+    st = os.stat(path)
+    time.sleep(0.02)                                    # (the next ctime tick)
+    with open(path, "r+b") as f:
+        f.write(path.read_bytes().replace(b"k-aaaa", b"k-bbbb"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert [r["item"] for r in cs.read_credits(path)] == ["k-bbbb"]
+
+
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     a = cs.capture("feature flags live in the flags service", tags="flags")
     for _ in range(3):
