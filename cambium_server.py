@@ -8177,8 +8177,8 @@ def top_slots(scores: dict[int, float], items: list, limit: int) -> list[int]:
     return [i for i, _ in sorted(near, key=lambda p: _order(scores[p[0]], p[1]))[:limit]]
 
 
-def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0
-                   ) -> tuple[list[Hit], list[Hit]]:
+def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0,
+                   shown: Callable[[Hit], Any] | None = None) -> tuple[list[Hit], list[Hit]]:
     """(results, weak matches) of hits in ranking order: only hits at or
     above the floor are results. Two kinds of hit are at the floor at least:
     - an item that has every word of the query: a short query (one word, a
@@ -8191,7 +8191,11 @@ def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0
       leaves out an item ranked above one of its results. Such items come
       after the results that reach the floor on their own (in ranking order
       each: an item relevance doubts is less often the answer than one it
-      vouches for). The best relevance, and so abstention, is unchanged."""
+      vouches for). The best relevance, and so abstention, is unchanged.
+    With `shown` (a sort key: the cross-encoder's order), the hits are judged
+    in the order given and presented in that key's: the results reaching the
+    floor, the lifted ones and the weak matches each reordered among
+    themselves, none moved from one to another (reranking is order alone)."""
     hits = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR)
             if h.confidence < RELEVANCE_FLOOR and holds_every_term(h.item, terms) else h
             for h in hits]
@@ -8199,24 +8203,29 @@ def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0
                 if h.confidence >= RELEVANCE_FLOOR), default=0)
     lifted = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR) for h in hits[:last]
               if not h.confidence >= RELEVANCE_FLOOR]        # (a NaN too: every hit is kept)
-    return ([h for h in hits if h.confidence >= RELEVANCE_FLOOR] + lifted,
-            [h for h in hits[last:] if not h.confidence >= RELEVANCE_FLOOR])
+    parts = ([h for h in hits if h.confidence >= RELEVANCE_FLOOR], lifted,
+             [h for h in hits[last:] if not h.confidence >= RELEVANCE_FLOOR])
+    ok, up, weak = (sorted(p, key=shown) for p in parts) if shown else parts
+    return ok + up, weak
 
 
 def ranking_of(hits: list[Hit], terms: list[str], index: Index,
                mode: str = "lexical", unknown: list[str] | None = None,
-               head: int | None = None) -> Ranking:
+               head: int | None = None, shown: Callable[[Hit], Any] | None = None
+               ) -> Ranking:
     """The Ranking of scored hits, split at the floor (split_at_floor); its
     confidence is the best relevance after that split, so it is at the floor
     whenever there is a result. A hit whose words a higher-authority item
     says too is that item's (with_better_copies). When the query names
     something no item mentions (`unknown`: unknown_names), every relevance
-    is first multiplied by the mode's NAME_PENALTY."""
+    is first multiplied by the mode's NAME_PENALTY. `shown`: the order the
+    results and weak matches are presented in (split_at_floor)."""
     if unknown:
         penalty = SEM_NAME_PENALTY if mode == "semantic" else NAME_PENALTY
         hits = [dataclasses.replace(h, confidence=h.confidence * penalty) for h in hits]
     head = (RESULT_HEAD if mode == "semantic" else 0) if head is None else head
-    results, weak = split_at_floor(with_better_copies(hits, index), terms, head=head)
+    results, weak = split_at_floor(with_better_copies(hits, index), terms, head=head,
+                                   shown=shown)
     best = max((h.confidence for h in results + weak), default=0.0)
     ranked = authority_first(results + weak)        # (a near miss may take a result's
     ok = [h.confidence >= RELEVANCE_FLOOR for h in ranked]      # place, and its relevance)
@@ -10134,6 +10143,25 @@ class Semantic:
         return late_blend(np, score, pool, late_scores(np, qtok, stored), tail=in_tail[pool],
                           weight=SEM_LATE_WEIGHT)
 
+    def _reranked(self, emb: Embedder, reranker: Reranker | None, query: str, score: Any,
+                  items: list, exact: list[int]) -> tuple[Any, str | None]:
+        """(the score in the cross-encoder's order over the best RERANK_TOP
+        (reranked), why it failed): `score` itself without a reranker or when
+        it fails. It orders what is shown only: _rank judges results, weak
+        matches, abstention and the result head on `score`, the bi-encoder's
+        order, so reranking moves no item into or out of the results (its
+        reordering of the best 10 lifted an item it put above a result to
+        0.5, and pushed a result out of the first places)."""
+        if reranker is None:
+            return score, None
+        top = best_slots(emb.np, score, items, RERANK_TOP)
+        texts = [embed_text(it) if (it := items[i]) is not None else "" for i in top]
+        try:
+            logits = reranker.scores(emb.tokenizer, query, texts)
+        except Exception as e:  # noqa: BLE001 - the bi-encoder's order still answers
+            return score, f"the reranker failed: {type(e).__name__}: {e}"
+        return reranked(emb.np, score, top, logits, set(exact)), None
+
     def _rank(self, emb: Embedder, sv: _SlotVectors, index: Index, query: str,
               limit: int, reranker: Reranker | None = None) -> Ranking:
         np = emb.np
@@ -10165,29 +10193,28 @@ class Semantic:
         exact = exact_slots(np, index, terms, score) if SEM_EXACT_FIRST else []
         score = lifted(score, exact)
         items = index.items
-        failed = None
-        if reranker is not None:
-            top = best_slots(np, score, items, RERANK_TOP)
-            texts = [embed_text(it) if (it := items[i]) is not None else "" for i in top]
-            try:
-                logits = reranker.scores(emb.tokenizer, query, texts)
-            except Exception as e:  # noqa: BLE001 - the bi-encoder's order still answers
-                failed = f"the reranker failed: {type(e).__name__}: {e}"
-            else:
-                score = reranked(np, score, top, logits, set(exact))
-        slots = best_slots(np, score, items, pool + tie_slack(index))
-        hits = [Hit(it, float(score[i]), float(rel[i]) if usable[i] else   # (else as
+        shown, failed = self._reranked(emb, reranker, query, score, items, exact)
+        slots = best_slots(np, score, items, pool + tie_slack(index))  # (judged in this order)
+        hits = [Hit(it, float(shown[i]), float(rel[i]) if usable[i] else   # (else as
                     lexical_relevance(confidence_bm25(index, terms, it)))    # lexical's)
                 for i in slots if (it := items[i]) is not None]   # (None: killed meanwhile)
         head = None if usable[slots[:RESULT_HEAD]].all() else 0     # (stand_in_among)
         ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
-                                         unknown=unknown_names(index, query), head=head),
+                                         unknown=unknown_names(index, query), head=head,
+                                         shown=None if shown is score else by_shown_score),
                               hits[pool:], terms, index, pool)
         ranking.hits = ranking.hits[:limit]   # abstained beside a result at 0.517)
         ranking.reranked = reranker is not None and failed is None
         ranking.second = second
         ranking.note = semantic_notes(waiting, index.live, failed, second_failed)
         return ranking
+
+
+def by_shown_score(hit: Hit) -> float:
+    """The order a reranked recall presents its results and weak matches in:
+    its Hit's score, the cross-encoder's (ties keep the bi-encoder's order,
+    as _order rounds)."""
+    return -round(hit.score, 6)
 
 
 def semantic_notes(waiting: int, live: int, failed: str | None,

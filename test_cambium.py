@@ -14898,6 +14898,48 @@ def test_rerank_ranks_a_grown_index_as_a_fresh_one():
         assert [h.item.id for h in a.weak] == [h.item.id for h in b.weak]
 
 
+#: short notes alike enough (a service, a habit) that the cross-encoder
+#: reorders the bi-encoder's best 10, and of these queries' results too
+SERVICE_NOTES = [f"{s} {v}" for s in ("postgres", "redis", "kafka", "terraform", "kubernetes")
+                 for v in ("must be pinned to a version", "needs a timeout on every call",
+                           "is configured through env vars only",
+                           "should be restarted with a rolling update",
+                           "keeps its state in a separate volume", "logs in JSON with request ids")]
+SERVICE_QUERIES = ("how do I restart redis safely", "kafka volume state",
+                   "which services need timeouts", "kubernetes rolling restart")
+
+
+@needs_rerank
+def test_rerank_moves_no_item_into_or_out_of_the_results():
+    """The cross-encoder reordered the bi-encoder's best 10 before the
+    results were judged, so its order decided them: the result head lifted
+    an item it put above a result to 0.5, a result it pushed past the first 5
+    places was dropped, a weak match likewise. Results, weak matches,
+    relevances and abstention are now the bi-encoder's (as CAMBIUM_RERANK=
+    second's); only the order is the cross-encoder's, and a limit of 1 shows
+    the first of the results judged at the default limit."""
+    index = cs.build_index([cs.Item(id=f"k-{n}", content=c, why="long rationale " * 30)
+                            for n, c in enumerate(SERVICE_NOTES)])
+    eng = _second_engine(True)
+    eng.rank(index, SERVICE_QUERIES[0], 5)
+    eng.wait_idle(120)
+    rr = cs.load_reranker()
+
+    def judged(r: cs.Ranking) -> tuple:
+        return ({(h.item.id, h.confidence) for h in r.hits},
+                {(h.item.id, h.confidence) for h in r.weak}, r.confidence, r.abstains())
+
+    moved = 0
+    for query in SERVICE_QUERIES:
+        plain, again = eng.rank(index, query, 5), eng.rank(index, query, 5, rr)
+        assert again.reranked and not plain.reranked and again.second
+        assert judged(again) == judged(plain), query
+        moved += [h.item.id for h in again.hits] != [h.item.id for h in plain.hits]
+        one = eng.rank(index, query, 1, rr)
+        assert [h.item.id for h in one.hits] == [h.item.id for h in again.hits][:1], query
+    assert moved            # the cross-encoder did reorder results
+
+
 def test_second_blend_adds_z_scores_and_the_exact_lift_still_clears_them():
     np = pytest.importorskip("numpy")
     score = np.array([0.9, 0.5, -np.inf, 0.1, 0.3])
