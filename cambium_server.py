@@ -18780,6 +18780,18 @@ class _StopEvent(threading.Event):
 
 SERVER_STOP = _StopEvent()
 STDIO_POLL_S = 0.25              #: how often a reader waiting for input looks at STDIO_STOP
+#: how long the end of stdin is held back from the SDK (which cancels the
+#: handlers still running when its input ends) while requests read before it
+#: are unanswered: a client that pipes its requests and closes stdin gets its
+#: answers (an import of many records takes tens of seconds)
+EOF_ANSWER_WAIT_S = 120.0
+
+
+def _request_key(rid: Any) -> Any:
+    """A request id as the SDK correlates it (a notifications/cancelled naming
+    "7" cancels request 7)."""
+    from mcp.shared.dispatcher import coerce_request_id
+    return coerce_request_id(rid)
 
 
 def _fileno(stream: Any) -> int | None:
@@ -18797,7 +18809,11 @@ class _RepairedStdin:
     where such a request is made answerable: a line nested too deep for the
     SDK's parser, or one the SDK's own parser rejects (too_deep_reply,
     unparsable_reply), is answered here (through `reply`, the transport's write
-    side, set once it is open) and never handed on."""
+    side, set once it is open) and never handed on.
+    At the end of input the SDK cancels the handlers still running, so the end
+    is held back (up to EOF_ANSWER_WAIT_S, or until a signal or the session's
+    end) while a request handed on is open: not yet answered (`settle`, called
+    for each response the server writes) nor cancelled by the client."""
 
     def __init__(self, buffer: Any):
         from mcp_types import jsonrpc_message_adapter
@@ -18808,6 +18824,10 @@ class _RepairedStdin:
         self._reply: Callable[[dict], Any] | None = None
         self._ready = threading.Event()
         self._parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
+        self._parsed: Any = None
+        self._open: collections.Counter = collections.Counter()   # request key -> times open
+        self._settled = threading.Condition()
+        self._over = threading.Event()
 
     def answer_with(self, reply: Callable[[dict], Any]) -> None:
         """Set the coroutine function that writes a JSON-RPC message to the client."""
@@ -18854,18 +18874,62 @@ class _RepairedStdin:
                 self._fd = None
         return self._sel
 
+    def _parse_kept(self, line: str) -> Any:
+        """The SDK's parse of a line, kept for _note (the line is parsed once here)."""
+        self._parsed = None
+        self._parsed = self._parse(line)
+        return self._parsed
+
+    def _note(self, msg: Any) -> None:
+        """Open a request about to be handed on; a notifications/cancelled settles
+        the request it names (the SDK never answers a cancelled request)."""
+        if type(msg).__name__ == "JSONRPCRequest":
+            with self._settled:
+                self._open[_request_key(msg.id)] += 1
+        elif type(msg).__name__ == "JSONRPCNotification" and msg.method == "notifications/cancelled":
+            rid = msg.params.get("requestId") if isinstance(msg.params, dict) else None
+            if isinstance(rid, (int, str)) and not isinstance(rid, bool):
+                self.settle(rid)
+
+    def settle(self, rid: Any) -> None:
+        """A request was answered (or cancelled): it no longer holds the end of input."""
+        key = _request_key(rid)
+        with self._settled:
+            if self._open[key] > 1:
+                self._open[key] -= 1
+            else:
+                self._open.pop(key, None)
+            self._settled.notify_all()
+
+    def session_over(self) -> None:
+        """The session ended (its writes failed, or it returned): nothing is held."""
+        self._over.set()
+        with self._settled:
+            self._settled.notify_all()
+
+    def _await_answers(self) -> None:
+        """At the end of input, wait until no request handed on is open, a
+        signal (STDIO_STOP) or the session's end, or EOF_ANSWER_WAIT_S."""
+        end = time.monotonic() + EOF_ANSWER_WAIT_S
+        with self._settled:
+            while (self._open and not STDIO_STOP.is_set() and not self._over.is_set()
+                   and time.monotonic() < end):
+                self._settled.wait(STDIO_POLL_S)
+
     def readline(self, *_: Any) -> str:
         while True:
             raw = self._raw_line()
             if not raw:
+                self._await_answers()
                 return ""                                  # end of input
             line = repair_surrogate_escapes(raw.decode("utf-8", "replace").removeprefix("\ufeff"))
             if not line.strip():
                 continue                                   # a stray blank line
             refused, reply = too_deep_reply(line)
             if not refused:
-                refused, reply = unparsable_reply(line, self._parse)
+                refused, reply = unparsable_reply(line, self._parse_kept)
             if not refused:
+                self._note(self._parsed)
                 return line
             print(f"cambium: refused a JSON-RPC message of {len(line)} characters: "
                   f"{(reply or {}).get('error', {}).get('message', 'a notification')}"[:300],
@@ -18980,6 +19044,36 @@ def mcp_session_id(ctx: Any) -> str | None:
 STDIO_SESSION: list[str] = []
 
 
+class _SettlingWrites:
+    """The stdio transport's write stream as the SDK sees it: each response or
+    error it writes settles its request (`settle`: _RepairedStdin.settle), so
+    the end of input waits for exactly the answers still to come."""
+
+    def __init__(self, inner: Any, settle: Callable[[Any], None]):
+        self._inner = inner
+        self._settle = settle
+
+    async def send(self, item: Any) -> None:
+        msg = getattr(item, "message", None)
+        try:
+            await self._inner.send(item)
+        finally:                    # (a send cut short is not retried: the SDK is done)
+            if type(msg).__name__ in ("JSONRPCResponse", "JSONRPCError") and msg.id is not None:
+                self._settle(msg.id)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def __aenter__(self) -> "_SettlingWrites":
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        await self.aclose()
+
+
 async def serve_stdio(low: Any) -> None:
     """Run the SDK's low-level server over stdio, its input read by
     _RepairedStdin (which answers what the SDK would drop), as one session."""
@@ -18995,7 +19089,11 @@ async def serve_stdio(low: Any) -> None:
                 await write.send(SessionMessage(jsonrpc_message_adapter.validate_python(msg)))
 
             repaired.answer_with(reply)
-            await low.run(read, write, low.create_initialization_options())
+            try:
+                await low.run(read, _SettlingWrites(write, repaired.settle),
+                              low.create_initialization_options())
+            finally:
+                repaired.session_over()
     except BaseException as e:               # the client closed our stdout: its session
         if not only_broken_pipes(e):          # ended (an ExceptionGroup from the SDK's
             raise                             # task group held a traceback and exit 1)

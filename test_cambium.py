@@ -12947,6 +12947,83 @@ def _end_process(proc: subprocess.Popen) -> None:
             f.close()
 
 
+def _export_of(path: Path, n: int) -> str:
+    """An export of n distinct records (an import of a few thousand takes seconds)."""
+    path.write_text("".join(json.dumps({"content": f"imported record {i} about the yak{i} "
+                                        "ledger and its reconciliation"}) + "\n"
+                            for i in range(n)))
+    return str(path)
+
+
+def _answers(proc: subprocess.Popen) -> dict:
+    """The stdio server's answers by id, read to the end of its output."""
+    return {m["id"]: m for m in map(json.loads, proc.stdout.read().decode().splitlines())
+            if "id" in m}
+
+
+def test_a_client_that_closes_stdin_after_its_requests_gets_every_answer(repo, tmp_path):
+    """A client piping its requests and closing stdin (printf ... | cambium)
+    lost the answers of the calls still running: at the end of input the SDK
+    cancels its handlers. The end is held back until every request is answered."""
+    proc = _raw_stdio_server(repo, [
+        {"name": "capture", "arguments": {"content": "Migrations run before the deploy"}},
+        {"name": "import_memory", "arguments": {"path": _export_of(tmp_path / "e.jsonl", 3000)}},
+        {"name": "recall", "arguments": {"query": "migrations before deploy"}}])
+    try:
+        proc.stdin.write(b'{"jsonrpc": "2.0", "id": "p", "method": "ping"}\n')
+        proc.stdin.close()                               # at once: all still running
+        answers = _answers(proc)
+        assert proc.wait(60) == 0
+        assert sorted(map(str, answers)) == ["0", "1", "2", "3", "p"], answers.keys()
+        assert all("result" in a and not a["result"].get("isError") for a in answers.values())
+        assert answers[2]["result"]["structuredContent"]["imported"] == 3000
+        assert "Traceback" not in proc.stderr.read().decode()
+    finally:
+        _end_process(proc)
+
+
+def test_a_request_the_client_cancelled_does_not_hold_the_end_of_its_session(repo, tmp_path):
+    """A request the client cancels is never answered (the SDK's rule), so the
+    end of input waits for it no longer: the server leaves as its import ends."""
+    proc = _raw_stdio_server(repo, [
+        {"name": "import_memory", "arguments": {"path": _export_of(tmp_path / "e.jsonl", 3000)}},
+        {"name": "recall", "arguments": {"query": "yak ledger"}}])
+    try:
+        proc.stdin.write(b'{"jsonrpc": "2.0", "method": "notifications/cancelled", '
+                         b'"params": {"requestId": "1"}}\n')  # (the SDK takes "1" for 1)
+        proc.stdin.close()
+        t0 = time.monotonic()
+        answers = _answers(proc)
+        assert proc.wait(60) == 0
+        assert time.monotonic() - t0 < cs.EOF_ANSWER_WAIT_S / 4
+        assert sorted(answers) == [0, 2], answers.keys()
+    finally:
+        _end_process(proc)
+
+
+def test_a_signal_ends_a_session_held_open_for_its_answers(repo, tmp_path):
+    """SIGTERM while the end of input waits for answers ends the wait at once:
+    the session closes (the call's answer is lost) and the process exits 0,
+    as a signal did before the end was held."""
+    import signal
+    proc = _raw_stdio_server(repo, [
+        {"name": "import_memory", "arguments": {"path": _export_of(tmp_path / "e.jsonl", 12_000)}}])
+    try:
+        proc.stdin.close()
+        assert json.loads(proc.stdout.readline())["id"] == 0
+        time.sleep(1)                                    # the import is under way
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(60) == 0
+        assert time.monotonic() - t0 < cs.SIGNAL_EXIT_S
+        lost = _answers(proc).get(1, {})                 # (at most a "Connection closed")
+        assert "result" not in lost, lost
+        assert "Traceback" not in proc.stderr.read().decode()
+    finally:
+        _end_process(proc)
+    assert len(local_items(repo)) in (0, 12_000)         # whole or not at all
+
+
 def test_a_closed_session_waits_no_longer_on_a_lock_a_stopped_process_holds(repo):
     """A call waiting for the store's lock, which a stopped process held,
     kept the server running LOCK_WAIT_S (300 s) after its client closed stdin:
