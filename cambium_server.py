@@ -3014,6 +3014,17 @@ def _git_dirs(root: Path) -> tuple[Path, Path]:
     return gitdir, common
 
 
+def _detached_head(root: Path) -> str | None:
+    """The commit a detached HEAD of the clone at root names, "" when HEAD is
+    on a branch, None when .git cannot tell (unreadable, a reftable clone):
+    read from the HEAD file, without spawning git."""
+    try:
+        head = (_git_dirs(root)[0] / "HEAD").read_text(encoding="utf-8").strip()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+    return "" if head.startswith("ref:") else head if OID.fullmatch(head) else None
+
+
 def store_root(repo: Path) -> Path:
     """_store_root(repo), asked again when the worktree's .git file changes
     (`git worktree repair` after its main checkout moved)."""
@@ -6427,7 +6438,8 @@ class GitStore(Store):
         """Why a forced checkout of `tip` could destroy someone's work, or None:
         the tip is code rather than a store (the clone is another project's),
         tracked files hold uncommitted changes, or the branch holds commits the
-        tip lacks (_unpushed). A switch from another branch loses no commit:
+        tip lacks (_unpushed), or a detached HEAD holds commits no branch
+        holds (_detached_work). A switch from another branch loses no commit:
         that branch keeps them."""
         if names := self._foreign_files(tip):
             return self._not_ours(names)
@@ -6436,7 +6448,7 @@ class GitStore(Store):
         if dirty.strip():
             return ("its tracked files hold uncommitted changes (the org clone is cambium's "
                     "own: don't work in it; commit or discard them)")
-        return self._unpushed(tip)
+        return self._unpushed(tip) or self._detached_work(tip)
 
     def _unpushed(self, tip: str) -> str | None:
         """Why `checkout -B` would drop commits of the local branch, or None.
@@ -6445,12 +6457,8 @@ class GitStore(Store):
         (the tip it last checked out, since force-pushed away or on another
         remote) are not someone's work: they don't count. One git call; a
         branch not made yet holds none (--ignore-missing)."""
-        last = ""
-        with contextlib.suppress(OSError):
-            last = self._checked_out_file().read_text(encoding="utf-8").strip()
         proc = _run(["git", "rev-list", "--count", "--ignore-missing",
-                     f"refs/heads/{self.branch}", "--not", tip,
-                     *([last] if OID.fullmatch(last) else [])],
+                     f"refs/heads/{self.branch}", "--not", tip, *self._last_checked_out()],
                     self.repo, self.timeout_s, check=False)
         count = proc.stdout.strip()
         if proc.returncode or not count.isdigit():
@@ -6463,6 +6471,39 @@ class GitStore(Store):
                 "(committed, not pushed; the org clone is cambium's own: don't work in it; "
                 f"push {them}, or move {them} to another branch and reset '{self.branch}' "
                 f"to {self.remote}/{self.branch})")
+
+    def _detached_work(self, tip: str) -> str | None:
+        """Why `checkout -B` would strand commits made on a detached HEAD, or
+        None: it moves HEAD off them, and one no branch holds was left in the
+        reflog only. Commits the published tip or the tip cambium last checked
+        out hold are no one's work. HEAD on a branch (read from .git/HEAD, no
+        git call) holds none; a detached one costs one git call."""
+        head, last = _detached_head(self.repo), self._last_checked_out()
+        if head == "" or head in (tip, *last):
+            return None
+        proc = _run(["git", "rev-list", "--count", "--ignore-missing", "HEAD", "--not", tip,
+                     *last, "--branches"],
+                    self.repo, self.timeout_s, check=False)
+        count = proc.stdout.strip()
+        if proc.returncode or not count.isdigit():
+            return ("git could not tell whether its detached HEAD holds commits no branch "
+                    f"holds ({(proc.stderr or count).strip()[:200]})")
+        if count == "0":
+            return None
+        head = head or self.git("rev-parse", "HEAD", check=False).stdout.strip()
+        many, them = ("a commit", "it") if count == "1" else (f"{count} commits", "them")
+        return (f"its HEAD is detached at {head[:12]}, with {many} no branch holds and "
+                "the published tip lacks (committed on a detached HEAD; the org clone "
+                f"is cambium's own: don't work in it; keep {them} on a branch: "
+                f"git branch <name> {head[:12]}, then push {them} or leave {them} there)")
+
+    def _last_checked_out(self) -> list[str]:
+        """The tip cambium last checked out in this clone, as a list (empty when
+        none is recorded): its commits are cambium's, not someone's work."""
+        last = ""
+        with contextlib.suppress(OSError):
+            last = self._checked_out_file().read_text(encoding="utf-8").strip()
+        return [last] if OID.fullmatch(last) else []
 
     def _checked_out_file(self) -> Path:
         """Where the tip cambium last checked out in this clone is kept."""

@@ -18126,6 +18126,53 @@ def test_an_unpushed_commit_in_the_org_clone_is_never_reset_away(shared, monkeyp
     assert not synced("health endpoint") and git(org, "rev-parse", "main").strip() == tip1
 
 
+def test_commits_on_a_detached_head_in_the_org_clone_are_never_left_behind(
+        shared, monkeypatch):
+    """The org sync (`checkout --force -B main <tip>`) moved a detached HEAD off
+    commits someone made there: they were left in the reflog only, with no
+    warning. The checkout is left as it is now, with a warning naming the
+    commit; once a branch holds them, or on a detached HEAD at an old published
+    commit, it syncs as before."""
+    org, bare = shared["org"], shared["org_bare"]
+    other = clone(bare, shared["tmp"] / "other-org-clone")
+
+    def to_org(text: str) -> str:                   # promoted from another org clone
+        monkeypatch.setenv("CAMBIUM_ORG_REPO", str(other))
+        cs.runtime().reset()
+        item_id = _endorsed(text)
+        cs.promote(item_id)
+        assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
+        return git(bare, "rev-parse", "main").strip()
+
+    def synced(text: str) -> list[str]:
+        monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+        cs.runtime().reset()
+        warned = cs.recall(text, scope="org").get("warnings", [])
+        return [w for w in warned if "left as it is" in w]
+
+    tip1 = to_org("Every service exposes a health endpoint")
+    assert not synced("health endpoint") and git(org, "rev-parse", "HEAD").strip() == tip1
+    git(org, "checkout", "-q", "--detach")
+    for n in (1, 2):
+        (org / "NOTES.md").write_text(f"my notes, take {n}\n")
+        git(org, "add", "NOTES.md")
+        git(org, "commit", "-q", "-m", f"my notes {n}")
+    mine = git(org, "rev-parse", "HEAD").strip()
+    tip2 = to_org("Retries are idempotent, with backoff and jitter")
+    warned = synced("idempotent retries")
+    assert git(org, "rev-parse", "HEAD").strip() == mine
+    assert [w for w in warned if f"HEAD is detached at {mine[:12]}, with 2 commits no branch"
+            in w and f"git branch <name> {mine[:12]}" in w], warned
+    git(org, "branch", "-q", "notes", mine)                    # (kept on a branch, as advised)
+    assert not synced("idempotent retries")
+    assert git(org, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
+    assert git(org, "rev-parse", "HEAD").strip() == tip2
+    git(org, "checkout", "-q", "--detach", tip1)               # an old published commit
+    tip3 = to_org("Feature flags are removed within a quarter")
+    assert not synced("feature flags") and git(org, "rev-parse", "HEAD").strip() == tip3
+    assert git(org, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
+
+
 def test_a_held_org_checkout_lock_holds_back_no_read(shared, monkeypatch):
     """Every read of the org scope syncs the org clone's checkout under a lock;
     a process stopped mid-checkout (Ctrl-Z) held each recall there 300 s, then
