@@ -6475,14 +6475,15 @@ class GitStore(Store):
     def _detached_work(self, tip: str) -> str | None:
         """Why `checkout -B` would strand commits made on a detached HEAD, or
         None: it moves HEAD off them, and one no branch holds was left in the
-        reflog only. Commits the published tip or the tip cambium last checked
-        out hold are no one's work. HEAD on a branch (read from .git/HEAD, no
+        reflog only. Commits the published tip, the tip cambium last checked
+        out or a remote-tracking branch (`origin/feature`: published) hold are
+        no one's work. HEAD on a branch (read from .git/HEAD, no
         git call) holds none; a detached one costs one git call."""
         head, last = _detached_head(self.repo), self._last_checked_out()
         if head == "" or head in (tip, *last):
             return None
         proc = _run(["git", "rev-list", "--count", "--ignore-missing", "HEAD", "--not", tip,
-                     *last, "--branches"],
+                     *last, "--branches", "--remotes"],   # (a remote's: published)
                     self.repo, self.timeout_s, check=False)
         count = proc.stdout.strip()
         if proc.returncode or not count.isdigit():

@@ -18171,6 +18171,16 @@ def test_commits_on_a_detached_head_in_the_org_clone_are_never_left_behind(
     tip3 = to_org("Feature flags are removed within a quarter")
     assert not synced("feature flags") and git(org, "rev-parse", "HEAD").strip() == tip3
     assert git(org, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
+    git(other, "checkout", "-q", "-b", "feature")              # published on another branch
+    (other / "FEATURE.md").write_text("a teammate's published work\n")
+    git(other, "add", "FEATURE.md")
+    git(other, "commit", "-q", "-m", "feature work")
+    git(other, "push", "-q", "origin", "feature")
+    git(org, "fetch", "-q", "origin")
+    git(org, "checkout", "-q", "--detach", "origin/feature")   # only origin/feature holds it
+    git(other, "checkout", "-q", "main")
+    tip4 = to_org("Logs carry a request id end to end")
+    assert not synced("request id logs") and git(org, "rev-parse", "HEAD").strip() == tip4
 
 
 def test_a_held_org_checkout_lock_holds_back_no_read(shared, monkeypatch):
