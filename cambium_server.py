@@ -10767,6 +10767,7 @@ class Admission:
     revived: list = field(default_factory=list)      #: revise: {id, ref} brought back
     notes: list = field(default_factory=list)        #: revise: warnings on what was kept
     kept: dict = field(default_factory=dict)         #: revise: such a note -> the id it kept
+    asks: set = field(default_factory=set)           #: revise: the notes asking a person to act
 
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
@@ -10848,9 +10849,15 @@ def _same_entry(old: Item, new: Item) -> bool:
     from an id handed out again to another entry (pure). Only an item distill
     made is its entry's: an imported record of that system, id and time whose
     words the entry said is another item, never superseded by the edit."""
+    return _same_record(old, new) and distill_made(old)
+
+
+def _same_record(old: Item, new: Item) -> bool:
+    """Whether two items of one context-keeper id carry the same created_at:
+    the same entry, edited, whoever made the old item (pure)."""
     a, b = old.source.get("source_ts"), new.source.get("source_ts")
     return old.source.get("system") == new.source.get("system") == "context-keeper" \
-        and isinstance(a, str) and bool(a) and a == b and distill_made(old)
+        and isinstance(a, str) and bool(a) and a == b
 
 
 MAX_ALSO_SOURCES = 20     #: an item records at most this many further sources of its text
@@ -10879,6 +10886,25 @@ def _revisions(doc: Doc, fresh: list, revised: list, twins: list, states: list,
     r.revive()
     r.record_twins(twins)
     return r.out
+
+
+def _kept_beside_edit(old: Item, item: Item, new: Item) -> str:
+    """The warning for an entry's old item kept beside its new text (`new`: the
+    item that holds it; `item`: the record's). Its entry edited, the old item
+    stays only when consolidate merged into it words distill did not make
+    (absorbed_by_merge): superseding it would take them out of recall too."""
+    ref = item.source.get("ref")
+    held = f"imported the new text as {new.id}" if new is item else \
+        f"its new text is item {new.id} already"
+    if _same_record(old, item) and (others := absorbed_by_merge(old)):
+        return (f"context-keeper {ref} was edited at its source; {held}, and kept its old "
+                f"item {old.id}: consolidate merged into it the words of "
+                f"{', '.join(others)}, which distill did not make, so distill does not "
+                f"supersede it: deprecate it if it no longer stands")
+    return (f"context-keeper {ref} now says something else than its item {old.id}: it "
+            f"may be the entry edited or the id handed out again to another entry "
+            f"(after a branch switch or a delete); {held} and kept {old.id}: deprecate "
+            f"the one that no longer stands")
 
 
 class _Revising:
@@ -10911,21 +10937,18 @@ class _Revising:
                 self.retire(old, new, f"context-keeper {ref} was edited at its source; its "
                                       f"text now is item {new.id}")
             elif system == "context-keeper" and old.active and old.id not in self.live:
-                self.kept_note(old.id, (
-                    f"context-keeper {ref} now says something else than its item {old.id}: it "
-                    f"may be the entry edited or the id handed out again to another entry "
-                    f"(after a branch switch or a delete); " + (
-                        f"imported the new text as {new.id}" if new is item else
-                        f"its new text is item {new.id} already") +
-                    f" and kept {old.id}: deprecate the one that no longer stands"))
+                self.kept_note(old.id, _kept_beside_edit(old, item, new), ask=True)
 
-    def kept_note(self, iid: str | None, note: str) -> None:
+    def kept_note(self, iid: str | None, note: str, ask: bool = False) -> None:
         """A warning that item `iid` (None: none) was kept beside a new text;
         plan_distill leaves it out when this write retires that item after all
-        (it said "kept" of an item deprecated in the same write)."""
+        (it said "kept" of an item deprecated in the same write), and lists it
+        before the routine notes when it asks a person to act (`ask`)."""
         self.adm.notes.append(note)
         if iid is not None:
             self.adm.kept[note] = iid
+        if ask:
+            self.adm.asks.add(note)
 
     def older_claim_states(self, states: list) -> None:
         """The older states of one done claim (its lineage) superseded by the
@@ -10959,13 +10982,14 @@ class _Revising:
             if item.source.get("system") != "agentsync" or not old.active:
                 continue
             done = self.cur(old.id).status == "superseded"
+            ask = not done and old.id not in self.live
             self.kept_note(None if done else old.id, (
                 f"agentsync {item.source.get('ref')} now says something else than its item "
                 f"{old.id} under the same updated_at: " + (
                     f"its text now is item {new.id}, which superseded {old.id}" if done else
                     f"its text now is item {new.id}; kept {old.id}" + (
                         ", which another live record still says" if old.id in self.live else
-                        ": deprecate it if it no longer stands"))))
+                        ": deprecate it if it no longer stands"))), ask=ask)
 
     def revive(self) -> None:
         """Bring back what distill retired that a live record says again: an
@@ -14577,10 +14601,12 @@ def _live_keys(reads: list[SourceRead]) -> set[str]:
     return {d.key for r in reads for d in r.drafts if d.key}
 
 
-def _bounded_notes(notes: list[str]) -> list[str]:
-    """admit's notes (one a twin recorded, an item kept beside a new text), the
-    first MAX_LISTED_ITEMS of them and a count of the rest: one a record made
-    thousands of warnings."""
+def _bounded_notes(notes: list[str], asks: set[str] | frozenset = frozenset()) -> list[str]:
+    """admit's notes (one a twin recorded, an item kept beside a new text), those
+    asking a person to act (`asks`) first, the first MAX_LISTED_ITEMS of them and
+    a count of the rest: one a record made thousands of warnings, and 50 twins
+    recorded hid the one item kept that a person must deprecate."""
+    notes = [n for n in notes if n in asks] + [n for n in notes if n not in asks]
     if len(notes) <= MAX_LISTED_ITEMS:
         return notes
     return notes[:MAX_LISTED_ITEMS] + [
@@ -14602,7 +14628,7 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
         unmark=sweep.kept_elsewhere)
     base = retiring or admitted
     gone = {r["id"] for r in retired}             # (a note that kept one retired now: out)
-    notes = _bounded_notes([n for n in adm.notes if adm.kept.get(n) not in gone])
+    notes = _bounded_notes([n for n in adm.notes if adm.kept.get(n) not in gone], adm.asks)
     retired = retired + adm.retired + sweep.retired_elsewhere
     sources: dict[str, dict] = {}
     refused = sweep.prepared.skipped_from

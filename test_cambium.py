@@ -12150,6 +12150,33 @@ def test_distill_leaves_live_a_survivor_consolidate_merged_a_capture_into(repo, 
     assert not any(made.id in w for w in cs.distill()["warnings"])      # said once
 
 
+def test_distill_says_why_it_kept_a_survivor_whose_entry_was_edited(repo, monkeypatch):
+    """consolidate merged an agent's capture into distill's item of dec-001;
+    dec-001 then edited at its source kept that survivor beside the new text
+    (its words are the capture's too), but the warning said the id may have
+    been handed out again to another entry: it now says why it was kept."""
+    text = "Compute invoice money in integer cents and never in floats for billing totals"
+    (repo / ".context").mkdir()
+    path = repo / ".context" / "decisions.json"
+    path.write_text(json.dumps([_decision("dec-001", text)]))
+    cs.distill()
+    (made,) = cs.store(cs.resolve_config(), "local").read().items
+    said = cs.capture(text.replace("for billing", "for the billing"), kind="decision")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.endorse(made.id, note="right")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.consolidate(apply=True)["superseded"] == [said["item"]["id"]]
+    path.write_text(json.dumps([_decision("dec-001", "Keep invoice money as Decimal values "
+                                                     "rounded half-even at each billing step")]))
+    res = cs.distill()
+    (new,) = [i["id"] for i in res["items"]]
+    (note,) = [w for w in res["warnings"] if made.id in w]
+    assert "handed out again" not in note and "was edited at its source" in note, note
+    assert said["item"]["id"] in note and new in note and "consolidate merged" in note, note
+    items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert res["retired"] == 0 and items[made.id].status == "active"
+
+
 def test_distill_leaves_live_a_survivor_while_a_merged_entry_is_live(repo, monkeypatch):
     """consolidate merged distill's items of two entries saying nearly the same
     (the survivor dec-001's, the member dec-002's); once dec-001 was superseded,
@@ -16599,6 +16626,36 @@ def test_distill_lists_at_most_fifty_retired_revived_and_noted_items(repo, monke
     res = cs.distill()
     noted = [w for w in res["warnings"] if "source.also" in w]
     assert len(noted) == cap + 1 and noted[-1].startswith(f"… and {n - cap:,} more"), noted[-1]
+
+
+def test_distill_lists_a_note_asking_to_act_within_the_bounded_notes(repo, monkeypatch):
+    """admit's notes were cut at 50 in the order made: a note asking a person
+    to deprecate an item kept beside a new text could fall behind 50 routine
+    ones (a twin recorded under source.also) and be counted, not shown. Notes
+    asking to act come first, then the rest, still bounded."""
+    n, cap = 5, 3
+    monkeypatch.setattr(cs, "MAX_LISTED_ITEMS", cap)
+    routine = [f"twin {i} recorded under source.also" for i in range(n)]
+    ask = "kept k-1: deprecate the one that no longer stands"
+    out = cs._bounded_notes([*routine, ask], {ask})
+    assert out[0] == ask and out[1:cap] == routine[:cap - 1] and len(out) == cap + 1
+    assert out[-1].startswith(f"… and {n + 1 - cap:,} more")
+    ctx = repo / ".context"
+    ctx.mkdir()
+    entries = [{"id": f"dec-{i:03d}", "summary": f"Decision number {i}", "status": "active",
+                "created_at": "2026-01-01T00:00:00+00:00"} for i in range(n)]
+    write = lambda es: (ctx / "decisions.json").write_text(json.dumps(es))  # noqa
+    write(entries)
+    cs.distill()
+    again = {**entries[0], "summary": "Another decision under an id handed out again",
+             "created_at": "2026-02-01T00:00:00+00:00"}
+    twins = [{**e, "id": f"dec-{i + n:03d}"} for i, e in enumerate(entries[1:])]   # n - 1 > cap
+    write([again, *entries[1:], *twins])
+    res = cs.distill()
+    (kept,) = [w for w in res["warnings"] if "deprecate the one that no longer stands" in w]
+    noted = [w for w in res["warnings"] if "source.also" in w]
+    assert len(noted) == cap and noted[-1].startswith("… and "), noted
+    assert res["warnings"].index(kept) < res["warnings"].index(noted[0])
 
 
 def test_distill_never_stores_a_retired_items_text_again_as_a_new_item(repo):
