@@ -16420,7 +16420,7 @@ def _correction_of_text(cfg: Config, content: str, type: str,
     maps = [correction_maps(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
     retired = None
     for corrected in (i for words, _, _ in maps for i in words.get(key, ())):
-        fix = _fold_chain(corrected, maps)[0]
+        fix = _fold_chain(corrected, maps)
         if fix is not None and not fix.active and (nxt := _superseded_by(fix)):
             fix = _replacements(fix.id, nxt, docs)[1]
         if fix is not None and fix.active:
@@ -16429,22 +16429,22 @@ def _correction_of_text(cfg: Config, content: str, type: str,
     return retired        # (its correction retired since: the words stay retired too)
 
 
-def _fold_chain(first: str, maps: list[tuple[dict, dict, dict]]) -> tuple[Item | None, str]:
+def _fold_chain(first: str, maps: list[tuple[dict, dict, dict]]) -> Item | None:
     """From superseded item `first` along superseded_by, through the superseded
     items of every scope read (correction_maps): the first person's correction
     met (of `first` itself, or of the survivor consolidate folded it into: its
-    words were captured live again, above the correction), else None; and the
-    last id reached (live, retired, or in no scope read) (pure, dict lookups)."""
+    words were captured live again, above the correction), else None (pure,
+    dict lookups)."""
     cur, seen = first, set()
     while cur not in seen and len(seen) < 50:
         seen.add(cur)
         if (fix := next((f[cur] for _, f, _ in maps if cur in f), None)) is not None:
-            return fix, cur
+            return fix
         it = next((g[cur] for _, _, g in maps if cur in g), None)
         if it is None or (nxt := _superseded_by(it)) is None:
             break
         cur = nxt
-    return None, cur
+    return None
 
 
 def _folded_end_of_text(cfg: Config, content: str, type: str,
@@ -16461,10 +16461,9 @@ def _folded_end_of_text(cfg: Config, content: str, type: str,
                       for scope, doc in docs.items()):
         return None
     ends = []
-    for gone in ids:
-        it = next((g[gone] for _, _, g in maps if gone in g), None)
-        if _fold_chain(gone, maps)[0] is None and it is not None and \
-                (first := _superseded_by(it)) is not None:
+    for gone in ids:                  # (each is a superseded item's: in its map's third)
+        it = next(g[gone] for _, _, g in maps if gone in g)
+        if _fold_chain(gone, maps) is None and (first := _superseded_by(it)) is not None:
             ends.append(_replacements(gone, first, docs)[1])   # (rare: a walk is fine)
     return next((e for e in ends if e is not None and e.active), None) or next(
         (e for e in ends if e is not None and e.status == "deprecated"), None)
@@ -18908,10 +18907,7 @@ class _RepairedStdin:
         cancel, and Ctrl-C did nothing until the client closed stdin)."""
         sel = self._selector()
         if sel is None:
-            line = self._buffer.readline()
-            if not line:
-                SERVER_STOP.set()
-            return line
+            return self._buffer.readline()
         seen = 0                                # (a 32 MB line is scanned once, not per read)
         while (cut := self._pending.find(b"\n", seen)) < 0:
             seen = len(self._pending)
@@ -18921,7 +18917,6 @@ class _RepairedStdin:
                 continue
             chunk = os.read(self._fd, 1 << 16)
             if not chunk:                                  # end of input: the server ends
-                SERVER_STOP.set()
                 line, self._pending = bytes(self._pending), bytearray()
                 return line
             self._pending += chunk
@@ -18987,9 +18982,10 @@ class _RepairedStdin:
     def readline(self, *_: Any) -> str:
         while True:
             raw = self._raw_line()
-            if not raw:
+            if not raw:                                    # end of input: the server ends
+                SERVER_STOP.set()
                 self._await_answers()
-                return ""                                  # end of input
+                return ""
             line = repair_surrogate_escapes(raw.decode("utf-8", "replace").removeprefix("\ufeff"))
             if not line.strip():
                 continue                                   # a stray blank line
