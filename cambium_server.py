@@ -4675,7 +4675,7 @@ JOURNAL_MARK_BYTES = 64     #: bytes before where a journal was read to, checked
 
 class JournalSeen(NamedTuple):
     """How far a process has read a credit journal."""
-    stat: tuple          # _stat_key (ctime included) when it was read, and None
+    stat: tuple          # _stat_key (ctime included) when it was read
     read_to: int         # the end of its last complete line
     mark: bytes          # the bytes just before read_to (to check they did not change)
     records: list        # the records of the complete lines
@@ -4693,7 +4693,7 @@ def _journal(path: Path) -> list[dict]:
     try:
         with open(path, "rb", opener=open_regular) as f:
             st = os.fstat(f.fileno())
-            now = (*_stat_key(st), None)    # (ctime too: an edit in place, mtime set back)
+            now = _stat_key(st)             # (ctime too: an edit in place, mtime set back)
             if seen is not None and seen.stat == now:
                 return seen.records + seen.tail if seen.tail else seen.records
             done, mark, records, data = _journal_growth(f, seen, now)
@@ -6448,55 +6448,64 @@ class GitStore(Store):
         if dirty.strip():
             return ("its tracked files hold uncommitted changes (the org clone is cambium's "
                     "own: don't work in it; commit or discard them)")
-        return self._unpushed(tip) or self._detached_work(tip)
+        last = self._last_checked_out()
+        return self._unpushed(tip, last) or self._detached_work(tip, last)
 
-    def _unpushed(self, tip: str) -> str | None:
+    def _unpushed(self, tip: str, last: list[str]) -> str | None:
         """Why `checkout -B` would drop commits of the local branch, or None.
         -B resets the branch (even from another one), so a commit made there and
         not pushed was left in the reflog only. Commits cambium put there itself
-        (the tip it last checked out, since force-pushed away or on another
-        remote) are not someone's work: they don't count. One git call; a
-        branch not made yet holds none (--ignore-missing)."""
-        proc = _run(["git", "rev-list", "--count", "--ignore-missing",
-                     f"refs/heads/{self.branch}", "--not", tip, *self._last_checked_out()],
-                    self.repo, self.timeout_s, check=False)
-        count = proc.stdout.strip()
-        if proc.returncode or not count.isdigit():
-            return (f"git could not tell whether its branch '{self.branch}' holds commits "
-                    f"the published tip lacks ({(proc.stderr or count).strip()[:200]})")
-        if count == "0":
+        (`last`: the tip it last checked out, since force-pushed away or on
+        another remote) are not someone's work: they don't count. A branch not
+        made yet, or at the tip or `last` (read from .git, no git call), holds
+        none; else one git call."""
+        with contextlib.suppress(OSError, IndexError):       # (unreadable: ask git)
+            if _ref_value(self.repo, f"refs/heads/{self.branch}") in ("", tip, *last):
+                return None
+        count = self._commits_beyond([f"refs/heads/{self.branch}", "--not", tip, *last])
+        if count == 0:
             return None
-        many, them = ("a commit", "it") if count == "1" else (f"{count} commits", "them")
+        if isinstance(count, str):
+            return f"git could not tell whether its branch '{self.branch}' holds " \
+                   f"commits the published tip lacks ({count})"
+        many, them = _commits_phrase(count)
         return (f"its branch '{self.branch}' holds {many} the published tip lacks "
                 "(committed, not pushed; the org clone is cambium's own: don't work in it; "
                 f"push {them}, or move {them} to another branch and reset '{self.branch}' "
                 f"to {self.remote}/{self.branch})")
 
-    def _detached_work(self, tip: str) -> str | None:
+    def _detached_work(self, tip: str, last: list[str]) -> str | None:
         """Why `checkout -B` would strand commits made on a detached HEAD, or
         None: it moves HEAD off them, and one no branch holds was left in the
         reflog only. Commits the published tip, the tip cambium last checked
-        out or a remote-tracking branch (`origin/feature`: published) hold are
-        no one's work. HEAD on a branch (read from .git/HEAD, no
-        git call) holds none; a detached one costs one git call."""
-        head, last = _detached_head(self.repo), self._last_checked_out()
+        out (`last`) or a remote-tracking branch (`origin/feature`: published)
+        hold are no one's work. HEAD on a branch (read from .git/HEAD, no git
+        call) holds none; a detached one costs one git call."""
+        head = _detached_head(self.repo)
         if head == "" or head in (tip, *last):
             return None
-        proc = _run(["git", "rev-list", "--count", "--ignore-missing", "HEAD", "--not", tip,
-                     *last, "--branches", "--remotes"],   # (a remote's: published)
-                    self.repo, self.timeout_s, check=False)
-        count = proc.stdout.strip()
-        if proc.returncode or not count.isdigit():
-            return ("git could not tell whether its detached HEAD holds commits no branch "
-                    f"holds ({(proc.stderr or count).strip()[:200]})")
-        if count == "0":
+        count = self._commits_beyond(["HEAD", "--not", tip, *last, "--branches", "--remotes"])
+        if count == 0:
             return None
+        if isinstance(count, str):
+            return ("git could not tell whether its detached HEAD holds commits no branch "
+                    f"holds ({count})")
         head = head or self.git("rev-parse", "HEAD", check=False).stdout.strip()
-        many, them = ("a commit", "it") if count == "1" else (f"{count} commits", "them")
+        many, them = _commits_phrase(count)
         return (f"its HEAD is detached at {head[:12]}, with {many} no branch holds and "
                 "the published tip lacks (committed on a detached HEAD; the org clone "
                 f"is cambium's own: don't work in it; keep {them} on a branch: "
                 f"git branch <name> {head[:12]}, then push {them} or leave {them} there)")
+
+    def _commits_beyond(self, revs: list[str]) -> int | str:
+        """How many commits `git rev-list --count --ignore-missing <revs>`
+        counts, or why git could not tell (its words, clipped)."""
+        proc = _run(["git", "rev-list", "--count", "--ignore-missing", *revs],
+                    self.repo, self.timeout_s, check=False)
+        count = proc.stdout.strip()
+        if proc.returncode or not count.isdigit():
+            return (proc.stderr or count).strip()[:200]
+        return int(count)
 
     def _last_checked_out(self) -> list[str]:
         """The tip cambium last checked out in this clone, as a list (empty when
@@ -6509,6 +6518,11 @@ class GitStore(Store):
     def _checked_out_file(self) -> Path:
         """Where the tip cambium last checked out in this clone is kept."""
         return self._meta_dir() / "checked-out"
+
+
+def _commits_phrase(count: int) -> tuple[str, str]:
+    """("a commit", "it") or ("N commits", "them"), for a warning (pure)."""
+    return ("a commit", "it") if count == 1 else (f"{count} commits", "them")
 
 
 # =============================================================================
