@@ -14289,7 +14289,8 @@ def _captured_draft(doc: Doc, agent: str, claim: dict) -> Draft | Skip:
     iid = _mark_id(meta_map(doc.meta, "watermarks"), said["key"])
     if iid is None:
         return draft
-    stored = next((it for it in first_copies(doc.items) if it.id == iid), None)
+    found = _find_item(doc, iid)       # (an id's first copy, as every tool reads it)
+    stored = found[1] if found else None
     if stored is None:                # promoted on: its watermark says it landed
         return dataclasses.replace(draft, key=said["key"])
     if content_key(stored) != said.get("text"):
