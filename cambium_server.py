@@ -310,6 +310,21 @@ class ConflictError(CambiumError):
     """Lost the compare-and-swap race on every retry."""
 
 
+class LockHeld(ConflictError):
+    """Another process held a lock past the wait (_held_error); `held` says so
+    without the advice to try again, for a caller that goes on without it."""
+
+    def __init__(self, held: str):
+        super().__init__(f"{held}; nothing was changed, try again")
+        self.held = held
+
+
+def held_words(e: ConflictError) -> str:
+    """A conflict in words for a warning: a held lock without "try again"
+    (the call it is reported in went on), anything else whole."""
+    return e.held if isinstance(e, LockHeld) else str(e)
+
+
 class FetchBusy(ConflictError):
     """Another process of the clone held the branch's fetch lock past the wait
     (fetching it, or stopped mid-fetch): a read answers from the tip fetched
@@ -3273,10 +3288,9 @@ def _flock_within(fd: int, path: Path, wait_s: float, said: float | None = None)
             pause = min(pause * 2, 0.1)
 
 
-def _held_error(path: Path, wait_s: float) -> ConflictError:
-    return ConflictError(f"{path.name}.lock has been held by another process for {wait_s:g} s "
-                         "(a long import, or a process stopped while it writes); nothing was "
-                         "changed, try again")
+def _held_error(path: Path, wait_s: float) -> LockHeld:
+    return LockHeld(f"{path.name}.lock has been held by another process for {wait_s:g} s "
+                    "(a long import, or a process stopped while it writes)")
 
 
 TMP_SUFFIX = ".tmp"     #: atomic_write's copy in the making: <name>.<pid>.<random>.tmp
@@ -4582,7 +4596,7 @@ def _adopt_legacy_journal(path: Path) -> None:
             _adopt_locked(path, legacy)
     except ConflictError as e:
         note_for_call(f"{legacy}: an old name of the credit journal, left for a later call: "
-                      f"{str(e).split(';')[0]}; its credits are not counted in this answer")
+                      f"{held_words(e)}; its credits are not counted in this answer")
 
 
 def _adopt_locked(path: Path, legacy: Path) -> None:
@@ -6426,7 +6440,7 @@ class GitStore(Store):
                         with contextlib.suppress(OSError):
                             atomic_write(self._checked_out_file(), tip + "\n", durable=False)
             except ConflictError as e:
-                self._warn_once(f"{left}{str(e).split(';')[0]}; a later read syncs it")
+                self._warn_once(f"{left}{held_words(e)}; a later read syncs it")
                 return
             state.checked_out = tip
 
@@ -17130,11 +17144,11 @@ def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = CREDIT_SCOPES)
     """fold_credits_now, reporting a failure on stderr: the credits stay journaled
     and the next write to their store folds them. A held lock is named without
     its "nothing was changed, try again" (after a recall that answered, it read
-    as if the recall had failed)."""
+    as if the recall had failed); any other conflict keeps its advice."""
     try:
         fold_credits_now(cfg, scopes)
     except (CambiumError, OSError) as e:
-        why = str(e).split(";")[0] if isinstance(e, ConflictError) else str(e)
+        why = held_words(e) if isinstance(e, ConflictError) else str(e)
         print(f"cambium: recall credits {what}: {why}", file=sys.stderr)
 
 

@@ -3730,6 +3730,21 @@ def test_a_credit_journal_edited_in_place_with_its_mtime_set_back_is_read_again(
     assert [r["item"] for r in cs.read_credits(path)] == ["k-bbbb"]
 
 
+def test_a_failed_background_fold_names_a_held_lock_without_try_again_and_keeps_other_advice(
+        repo, monkeypatch, capsys):
+    """_fold_quietly cut every conflict at its first ';' to drop a held lock's
+    "nothing was changed, try again": a lost push race lost its "Try again",
+    a renamed default branch its remedy."""
+    cfg = cs.resolve_config()
+    for err, said in ((cs._held_error(Path("credits.jsonl"), 1), "held by another process"),
+                      (cs.ConflictError("lost the race; other writers are busy. Try again"),
+                       "lost the race; other writers are busy. Try again")):
+        monkeypatch.setattr(cs, "fold_credits_now", lambda *a, e=err: (_ for _ in ()).throw(e))
+        cs._fold_quietly(cfg, "not folded")
+        out = capsys.readouterr().err
+        assert said in out and "nothing was changed" not in out, out
+
+
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     a = cs.capture("feature flags live in the flags service", tags="flags")
     for _ in range(3):
