@@ -14142,9 +14142,15 @@ def absorbed_by_merge(item: Item) -> list[str]:
     """The ids of the items consolidate merged into this one that distill did
     not make (a capture, an imported record, a correction): superseded by it,
     they live on only as its words, so its entry's death must not retire them."""
-    merged = item.extra.get("merged_from")          # (any JSON: a hand edit's)
-    return [str(m.get("id")) for m in (merged if isinstance(merged, list) else [merged])
-            if isinstance(m, dict) and not _distill_source(m.get("source"))]
+    return [str(m.get("id")) for m in merged_records(item)
+            if not _distill_source(m.get("source"))]
+
+
+def merged_records(item: Item) -> list[dict]:
+    """The records of an item's merged_from (any JSON there: a hand edit's),
+    one alone as a list of it (pure)."""
+    merged = item.extra.get("merged_from")
+    return [m for m in (merged if isinstance(merged, list) else [merged]) if isinstance(m, dict)]
 
 
 def _origin_words(item: Item) -> str:
@@ -14190,9 +14196,8 @@ def merged_into(doc: Doc, live: set[str] | frozenset) -> set[str]:
     such entry is (its own entry's death retired it, and the member with it)."""
     into: dict[str, list[str]] = {}
     for it in doc.items:
-        merged = it.extra.get("merged_from") if it.scope == "local" else None
-        for m in merged if isinstance(merged, list) else [merged]:
-            if isinstance(m, dict) and isinstance(m.get("id"), str):
+        for m in merged_records(it) if it.scope == "local" else ():
+            if isinstance(m.get("id"), str):
                 into.setdefault(m["id"], []).append(it.id)
     out, todo = set(live), list(live)
     while todo:
