@@ -17448,9 +17448,23 @@ def _org_kind(kind: str | None) -> str | None:
     return None if kind is None else _clean_text(kind, "org_kind", 40) or None
 
 
+def _finish_team_move(cfg: Config, item_id: str) -> bool:
+    """Whether a move of the item to team that a crash cut short (team holds
+    its copy, the local one keeps its mark) was finished here, as promote()
+    finishes one, the local copy's news carried up. A promote to org sent the
+    local copy up as it stood, though a change since (a deprecate, a correct)
+    lands on the team copy: org got the item active, team had it retired. Org
+    now judges the team copy, the one that stays."""
+    if item_id not in _cut_short_marks(cfg, item_id)[1]:
+        return False
+    _promote_to_team(cfg, item_id, force=True)
+    return True
+
+
 def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> dict:
     """restate: org_content, org_why, org_kind (None: kept as it is)."""
-    scope, item = locate(cfg, item_id)
+    finished = _finish_team_move(cfg, item_id)     # (a copy both hold: team's, the one kept)
+    scope, item = locate(cfg, item_id, highest=finished)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}
     if not item.active and (done := _finish_cut_short(cfg, scope, item)):

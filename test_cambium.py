@@ -5350,6 +5350,77 @@ def test_a_forced_promote_cut_short_after_its_push_is_finished_by_the_next_promo
     assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]] == [item_id]
 
 
+def _cut_short_to_team(monkeypatch, text: str) -> str:
+    """An endorsed item whose promote to team died after its team push and
+    before its local drop: team holds it, the local copy keeps its mark."""
+    item_id = _endorsed(text)
+    real = cs._drop_moved
+
+    def killed(*args, **kwargs):
+        raise OSError("killed between the team push and the local drop")
+
+    monkeypatch.setattr(cs, "_drop_moved", killed)
+    with pytest.raises(cs.CambiumError, match="copied to team"):
+        cs.promote(item_id, force=True)
+    monkeypatch.setattr(cs, "_drop_moved", real)
+    assert cs.moving_to(cs.store(cs.require_config(), "local").read(), "team") == {item_id}
+    return item_id
+
+
+@pytest.mark.parametrize("act", ["deprecate", "correct"])
+def test_an_org_promote_after_a_cut_short_team_move_never_sends_the_stale_local_copy(
+        shared, monkeypatch, act):
+    """A team move cut short, then a teammate retired the team copy (as the
+    README says a change lands there): promote(to org) answered promoted and
+    sent the stale local copy, active, to org, where recall served it; the
+    retirement was lost in org for good. The team move is finished first now,
+    and the retired team copy is refused as any retired item is."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _cut_short_to_team(monkeypatch, "Prefer idempotent retries with backoff")
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.runtime().reset()
+    done = cs.deprecate(item_id, "retries must be bounded") if act == "deprecate" else \
+        cs.correct(item_id, "Bound every retry loop by a deadline")
+    assert done["scope"] == "team"
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
+    status = "deprecated" if act == "deprecate" else "superseded"
+    with pytest.raises(cs.Refused, match=f"{item_id} is {status}|superseded by"):
+        cs.promote(item_id, to_scope="org")
+    assert item_id not in team_ids(shared["org_bare"], "main")
+    assert item_id not in {i["id"] for i in local_items(shared["a"])}     # the move finished
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
+    assert team["status"] == status
+    assert item_id not in {r["id"] for r in cs.recall("idempotent retries backoff")["results"]}
+
+
+def test_an_org_promote_after_a_cut_short_team_move_sends_the_team_copy(shared, monkeypatch):
+    """With nothing retired, the cut-short team move is finished and the team
+    copy goes on to org: no copy is left behind in team."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _cut_short_to_team(monkeypatch, "Prefer idempotent retries with backoff")
+    out = cs.promote(item_id, to_scope="org", force=True)
+    assert out["status"] == "promoted", out
+    assert item_id in team_ids(shared["org_bare"], "main")
+    assert item_id not in {i["id"] for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert item_id not in {i["id"] for i in local_items(shared["a"])}
+
+
+def test_pr_mode_an_org_promote_after_a_cut_short_team_move_opens_no_pr_for_a_stale_copy(
+        shared, monkeypatch, tmp_path):
+    """PR mode: the stale local copy went up in a pull request, whose merge
+    published the item active in org though team had deprecated it."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _cut_short_to_team(monkeypatch, "Prefer idempotent retries with backoff")
+    assert cs.deprecate(item_id, "retries must be bounded")["scope"] == "team"
+    with pytest.raises(cs.Refused, match=f"{item_id} is deprecated"):
+        cs.promote(item_id, to_scope="org")
+    assert f"cambium/promote-{item_id}" not in _remote_branches(shared["org_bare"])
+    assert item_id not in {i["id"] for i in local_items(shared["a"])}
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item_id]
+    assert team["status"] == "deprecated"
+
+
 def test_a_move_mark_whose_copy_never_landed_is_cleared_and_never_passes_the_org_gate(shared,
                                                                                        monkeypatch):
     """A promote to org killed before its push left a mark: `promote ID` (to
