@@ -4545,6 +4545,8 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
 # to .cambium/credits.jsonl (a legacy usage.jsonl is adopted into it) and
 # folded into the item's own store by that store's next write, whatever the
 # scope. A credit counts once per agent per item per day, wherever it lands.
+# A journal's first line holds a rewrite token, as the local store's head does
+# (journal_head): a parsed copy is trusted only while stat and token match.
 # =============================================================================
 
 
@@ -4575,6 +4577,29 @@ def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def journal_head() -> bytes:
+    """A new journal version's first line: a fresh token that rewrite_token
+    reads as it reads the local store's (no credit: _is_credit skips it).
+    Every rewrite writes one, and so does an append that starts the file, so
+    a rewrite in the same clock tick on a reused inode, of the same size, is
+    never taken for the version a process parsed (_journal)."""
+    token = os.urandom(8).hex()
+    return (json_text({"cambium": STORE_FORMAT, REWRITE_KEY: token}) + "\n").encode("ascii")
+
+
+#: a journal line that is a journal_head, nothing more (a rewrite writes a new one)
+_JOURNAL_HEAD = re.compile(_REWRITE_AT_START.pattern + rb"\}\r?\Z")
+
+
+def _append_credit_lines(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """_append_durably to the credit journal, a journal_head first when the
+    file is empty or new (the caller holds its lock)."""
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_size:
+            return _append_durably(path, data, sync=sync)
+    _append_durably(path, journal_head() + data, sync=sync)
 
 
 def _no_room(path: Path) -> int:
@@ -4610,7 +4635,7 @@ def _adopt_locked(path: Path, legacy: Path) -> None:
         _legacy_unread(legacy, e)
         return
     if data.strip():
-        _append_durably(path, data if data.endswith(b"\n") else data + b"\n")
+        _append_credit_lines(path, data if data.endswith(b"\n") else data + b"\n")
     os.unlink(legacy)                   # a crash before this repeats credits: harmless
 
 
@@ -4689,7 +4714,7 @@ JOURNAL_MARK_BYTES = 64     #: bytes before where a journal was read to, checked
 
 class JournalSeen(NamedTuple):
     """How far a process has read a credit journal."""
-    stat: tuple          # _stat_key (ctime included) when it was read
+    key: tuple           # _file_key (ctime and journal_head's token) when it was read
     read_to: int         # the end of its last complete line
     mark: bytes          # the bytes just before read_to (to check they did not change)
     records: list        # the records of the complete lines
@@ -4706,9 +4731,8 @@ def _journal(path: Path) -> list[dict]:
         seen = rt.journals.get(str(path))
     try:
         with open(path, "rb", opener=open_regular) as f:
-            st = os.fstat(f.fileno())
-            now = _stat_key(st)             # (ctime too: an edit in place, mtime set back)
-            if seen is not None and seen.stat == now:
+            now = _file_key(f.fileno())     # (ctime: an edit in place, mtime set back; the
+            if seen is not None and seen.key == now:     # token: a rewrite, inode reused)
                 return seen.records + seen.tail if seen.tail else seen.records
             done, mark, records, data = _journal_growth(f, seen, now)
     except FileNotFoundError:
@@ -4747,7 +4771,8 @@ def _journal_growth(f: Any, seen: JournalSeen | None, now: tuple
     """(offset, the bytes just before it, records before it, bytes from it):
     from where `seen` was read to when the file only grew since, else from
     the start (rewritten: a fold took credits, or another file has that inode)."""
-    if seen is not None and seen.stat[0] == now[0] and now[1] > seen.stat[1]:
+    if seen is not None and seen.key[0] == now[0] and now[1] > seen.key[1] and \
+            seen.key[4] == now[4]:
         done, mark = seen.read_to, seen.mark
         f.seek(done - len(mark))
         data = f.read()
@@ -4765,7 +4790,7 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
     data = "".join(json_text(r, separators=(",", ":")) + "\n" for r in records)
     with file_lock(path):
         ignore_local_dir(path.parent)
-        _append_durably(path, data.encode("utf-8"), sync=durable)
+        _append_credit_lines(path, data.encode("utf-8"), sync=durable)
 
 
 def take_credits(path: Path | None, scope: str
@@ -4811,14 +4836,17 @@ def rewrite_credits(path: Path, replace: dict[str, list[dict]], *,
     """Rewrite the journal under its lock (waited for `wait` seconds, else
     LOCK_WAIT), each line whose record's credit_key is in `replace` replaced
     by those records (none: dropped); every other line, one that does not
-    parse too, is kept byte for byte."""
+    parse too, is kept byte for byte, after a new journal_head (none when no
+    line is left: an empty file has one version)."""
     if not replace:
         return
     with file_lock(path, wait):
         with open(path, "rb", opener=open_regular) as f:
             lines = f.read().split(b"\n")
+        if _JOURNAL_HEAD.match(lines[0]):
+            del lines[0]                    # (this version's: the new one gets its own)
         keep = []
-        for line in lines[:-1] if lines[-1] == b"" else lines:
+        for line in lines[:-1] if lines and lines[-1] == b"" else lines:
             try:
                 key = credit_key(json.loads(line))
             except (ValueError, RecursionError):   # invalid UTF-8 too (a ValueError)
@@ -4828,7 +4856,7 @@ def rewrite_credits(path: Path, replace: dict[str, list[dict]], *,
                 continue
             keep += [(json_text(r, separators=(",", ":")) + "\n").encode("utf-8")
                      for r in replace[key]]
-        atomic_write(path, b"".join(keep))
+        atomic_write(path, b"".join([journal_head(), *keep]) if keep else b"")
 
 
 def credit(item: Item, agent: str, day: str, project: str) -> Item:

@@ -3661,6 +3661,13 @@ def test_lexical_recall_finds_japanese_text(repo, monkeypatch):
     assert cs.tokenize("ＡＰＩ接続") == ["api", "接続"]     # full-width folded, runs split
 
 
+def _past_head(data: bytes) -> bytes:
+    """A credit journal's bytes after its first line, a journal_head (its token)."""
+    head, _, rest = data.partition(b"\n")
+    assert cs._JOURNAL_HEAD.match(head), head
+    return rest
+
+
 def test_a_fold_keeps_the_journal_lines_it_cannot_parse_byte_for_byte(tmp_path):
     """A line of invalid UTF-8 was written back with U+FFFD in place of its
     bytes (and a CRLF line lost its CR): the original was nowhere."""
@@ -3672,7 +3679,7 @@ def test_a_fold_keeps_the_journal_lines_it_cannot_parse_byte_for_byte(tmp_path):
     mine, commit = cs.take_credits(path, "local")
     assert mine == [ours]
     commit()
-    assert path.read_bytes() == b"\n".join(odd) + b"\n"
+    assert _past_head(path.read_bytes()) == b"\n".join(odd) + b"\n"
     inside = {**ours, "project": "shop\u2028east"}       # splitlines() cut it in two:
     cs.append_credits(path, [inside])                      # never folded, never dropped
     assert cs.take_credits(path, "local")[0] == [inside]
@@ -3730,6 +3737,29 @@ def test_a_credit_journal_edited_in_place_with_its_mtime_set_back_is_read_again(
     assert [r["item"] for r in cs.read_credits(path)] == ["k-bbbb"]
 
 
+def test_a_parsed_journal_whose_key_a_later_rewrite_matches_is_read_again(repo):
+    """The parsed journal was trusted while inode, size, mtime and ctime
+    matched: a fold's rewrite in the same ~4 ms tick, on the inode the kernel
+    had just freed, of the same size, served the records it had taken (a
+    credit counted twice, another's missed). The collision is made here by
+    giving the parsed copy the new file's stat key; the token journal_head
+    puts in the journal's first line tells them apart."""
+    path = cs.credits_path(cs.resolve_config())
+    recs = [{"item": f"k-{n}aaa", "scope": "local", "agent": "ada", "day": "2026-01-01"}
+            for n in range(3)]
+    cs.append_credits(path, recs[:2])
+    other = cs.Runtime()                       # another process's view of the same journal
+    with cs.use_runtime(other):
+        assert [r["item"] for r in cs.read_credits(path)] == ["k-0aaa", "k-1aaa"]
+    cs.rewrite_credits(path, {cs.credit_key(recs[0]): [recs[2]]})    # the same size
+    seen = other.journals[str(path)]
+    forged = (*cs._stat_key(os.stat(path)), *seen[0][4:])            # its own token kept
+    other.journals[str(path)] = seen._replace(**{seen._fields[0]: forged})
+    with cs.use_runtime(other):
+        assert [r["item"] for r in cs.read_credits(path)] == ["k-2aaa", "k-1aaa"]
+    assert cs.rewrite_token(path.read_bytes()[:128])
+
+
 def test_a_failed_background_fold_names_a_held_lock_without_try_again_and_keeps_other_advice(
         repo, monkeypatch, capsys):
     """_fold_quietly cut every conflict at its first ';' to drop a held lock's
@@ -3772,7 +3802,7 @@ def test_usage_journal_keeps_lines_it_cannot_parse(repo):
     with open(journal, "a") as f:
         f.write('{"item": "k-torn", "sco\n')             # a torn append from a crash
     cs.endorse(cs.capture("another item")["item"]["id"], note="a rewrite folds the credits")
-    assert journal.read_text() == '{"item": "k-torn", "sco\n'
+    assert _past_head(journal.read_bytes()) == b'{"item": "k-torn", "sco\n'
 
 
 def test_junk_credit_records_are_never_folded_and_a_deep_line_is_skipped(repo):
@@ -3797,7 +3827,7 @@ def test_junk_credit_records_are_never_folded_and_a_deep_line_is_skipped(repo):
     stored = _stored(_store_path(repo), item["id"])
     assert stored["trust"]["recalls"] == 1 and stored["trust"]["recalled_by"] == {
         "bob": "2026-01-02"}
-    left = journal.read_text().splitlines()          # what was not folded stays, verbatim
+    left = _past_head(journal.read_bytes()).decode().splitlines()   # not folded: verbatim
     assert deep in left and json.dumps(good) not in left and len(left) == len(junk) + 1
 
 
@@ -7656,7 +7686,7 @@ def test_pr_mode_a_credit_journaled_twice_is_proposed_once_and_lands_once(
     journal holds twice is one, and a second review while its pull request
     waits proposes nothing more; merged, org counts one recall."""
     item, journal = _bob_credit_climbed_to_org(shared, monkeypatch, tmp_path)
-    (line,) = journal.read_text(encoding="utf-8").splitlines()
+    (line,) = _past_head(journal.read_bytes()).decode("utf-8").splitlines()
     journal.write_text(f"{line}\n{line}\n", encoding="utf-8")
     assert [(r["item"], r["scope"]) for r in cs.read_credits(journal)] == [(item, "org")] * 2
     review = cs.review_promotions()
