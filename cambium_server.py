@@ -16964,8 +16964,7 @@ def primer_key(cfg: Config, limit: int) -> str | None:
                    str(cfg.org_repo)]
     try:
         for path in (cfg.local_dir / STORE_FILE, credits_path(cfg)):
-            st = os.stat(path) if path.exists() else None
-            parts.append(st and (st.st_ino, st.st_size, st.st_mtime_ns))
+            parts.append(_named_version(path))
         for scope in ("team", "org"):
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
@@ -16976,6 +16975,24 @@ def primer_key(cfg: Config, limit: int) -> str | None:
     except (OSError, IndexError, CambiumError):
         return None
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+
+def _named_version(path: Path) -> tuple | None:
+    """A file's version as the store's own parsed copy is keyed (its stat key,
+    ctime included, and its head's rewrite token), None when it is absent: an
+    edit in place that set the mtime back, or a same-tick rewrite on a reused
+    inode, matched (inode, size, mtime), and a session started on the primer
+    of the store before it. A link or FIFO: OSError (no cache)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return _file_key(fd)
+    finally:
+        os.close(fd)
 
 
 def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:

@@ -17270,6 +17270,28 @@ def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, mon
         json.loads(_hook(tmp_path, payload).stdout)["hookSpecificOutput"]["additionalContext"]
 
 
+def test_primer_hook_cache_follows_an_edit_that_keeps_size_and_mtime(repo, tmp_path,
+                                                                      monkeypatch):
+    """The cache was named by the store's (inode, size, mtime): an edit in place
+    of the same length that set the mtime back (a tool preserving mtimes) kept
+    the name, and the next session started on the words the edit replaced."""
+    cs.capture("Pin the base image digest", kind="pitfall")
+    monkeypatch.delenv("CAMBIUM_REPO")
+    payload = json.dumps({"cwd": str(repo), "session_id": "s3", "source": "startup"})
+    assert "Pin the base image digest" in _hook(tmp_path, payload).stdout
+    store = repo / ".cambium" / cs.STORE_FILE
+    before = os.stat(store)
+    raw = store.read_bytes()
+    with open(store, "r+b") as f:                  # same inode, same size
+        f.write(raw.replace(b"Pin the base image digest", b"Pin the BASE image digest"))
+    os.utime(store, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(store)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == \
+        (before.st_ino, before.st_size, before.st_mtime_ns)
+    out = _hook(tmp_path, payload).stdout
+    assert "Pin the BASE image digest" in out and "Pin the base image digest" not in out
+
+
 def test_primer_hook_makes_afresh_a_cached_primer_of_another_shape(repo, tmp_path,
                                                                     monkeypatch):
     """A cache whose key matched was served whatever it held: a number as the
