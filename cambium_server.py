@@ -69,9 +69,21 @@ hygiene (usage attribution, consolidation writes, operator checks), tools
 """
 from __future__ import annotations
 
+import os as _os                # (sys is built in, os loaded at startup: never a project's)
+import sys as _sys
+
+
+def _loaded_by_console_script() -> bool:
+    """Whether the console script (pyproject's cambium-mcp) is importing this
+    module to call main(): its load is the process's start, as with -m, so a
+    Ctrl-C in it gets the same one line. A library import (tests, a host's
+    script) never changes the process's SIGINT handling."""
+    script = getattr(_sys.modules.get("__main__"), "__file__", None)
+    return __name__ != "__main__" and isinstance(script, str) and \
+        _os.path.basename(script) == "cambium-mcp"
+
+
 if __name__ == "__main__":
-    import os as _os            # (sys is built in, os loaded at startup: never a project's)
-    import sys as _sys
     try:
         _cwd = _os.getcwd()
     except OSError:             # no working directory (removed under a hook): nothing
@@ -82,6 +94,7 @@ if __name__ == "__main__":
         # standard library's. Search this module's folder instead, as a script does.
         _sys.path[0] = _os.path.dirname(_os.path.abspath(__file__))
 
+if __name__ == "__main__" or _loaded_by_console_script():
     import signal as _signal    # Ctrl-C while the modules below load: one line, no traceback
 
     def _interrupted_early(*_: object) -> None:
@@ -2605,8 +2618,10 @@ def extends(items: list, base: list) -> bool:
     return len(items) >= len(base) and all(map(operator.is_, items, base))
 
 
-@atexit.register
 def _save_vector_caches() -> None:
+    """At exit: keep each runtime's vectors (registered at the module's end:
+    a load cut short by Ctrl-C has none, and save_vectors' constants are not
+    defined yet, which printed a NameError from atexit)."""
     for rt in list(_LIVE_RUNTIMES):
         rt.save_vectors()
 
@@ -20539,6 +20554,8 @@ def _demo_substrates(repo: Path) -> None:
                           "hot path"}], "tags": ["billing"], "status": "active",
         "superseded_by": None, "created_at": "2026-01-05T09:00:00+00:00"}], indent=2))
 
+
+atexit.register(_save_vector_caches)            # (last: see its docstring)
 
 if __name__ == "__main__":
     sys.exit(main())

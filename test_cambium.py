@@ -1077,6 +1077,60 @@ def test_ctrl_c_while_the_module_loads_is_one_line(tmp_path, ignored):
         assert proc.stderr == "cambium: interrupted before it started; nothing was written.\n"
 
 
+#: A Ctrl-C once the module being loaded defines NAME (sys.settrace, before any
+#: other import: deterministic where a timed kill is not on a loaded machine).
+SIGINT_AT_NAME = """
+import os, signal, sys
+NAME = os.environ["CAMBIUM_TEST_SIGINT_AT"]
+def line(frame, event, arg):
+    if NAME in frame.f_globals:
+        sys.settrace(None)
+        frame.f_trace = None
+        os.kill(os.getpid(), signal.SIGINT)
+    return line
+def call(frame, event, arg):
+    if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "cambium_server":
+        return line
+sys.settrace(call)
+"""
+
+
+@pytest.mark.parametrize("at", ["fcntl", "_save_vector_caches", "main"])
+def test_ctrl_c_while_the_console_script_loads_is_one_line(tmp_path, at):
+    """The console script imports the module as cambium_server (not __main__):
+    the early SIGINT handler was never installed, so a Ctrl-C as it loaded
+    printed a traceback, exited 1 at times, and once the atexit hook was
+    registered added a NameError (its constant not defined yet)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SIGINT_AT_NAME)
+    script = tmp_path / "bin" / "cambium-mcp"       # pip's console script, verbatim
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+                      "from cambium_server import main\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      "    sys.exit(main())\n")
+    env = child_env(CAMBIUM_TEST_SIGINT_AT=at, PYTHONPATH=f"{site}{os.pathsep}{SERVER.parent}")
+    proc = subprocess.run([sys.executable, str(script), "status"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130 and proc.stdout == "", proc
+    assert proc.stderr == "cambium: interrupted before it started; nothing was written.\n"
+
+
+def test_ctrl_c_while_a_library_imports_the_module_leaves_no_atexit_error(tmp_path):
+    """A host that imports cambium and survives a Ctrl-C in the import keeps
+    its own SIGINT handling (KeyboardInterrupt) and exits without the atexit
+    hook's NameError: the hook is registered once the module has loaded."""
+    probe = SIGINT_AT_NAME + ("try:\n    import cambium_server\nexcept KeyboardInterrupt:\n"
+                              "    print('interrupted')\n")
+    env = child_env(CAMBIUM_TEST_SIGINT_AT="_save_vector_caches",
+                    PYTHONPATH=str(SERVER.parent))
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "interrupted\n", ""), proc
+
+
 def test_ctrl_c_before_a_command_runs_is_one_line(monkeypatch, capsys):
     def interrupted(argv):
         raise KeyboardInterrupt
