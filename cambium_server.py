@@ -20316,7 +20316,8 @@ def hook_cwd(given: Any) -> tuple[str | None, str | None]:
     """(the directory a hook's `cwd` names, None) or (None, why it names
     none): a relative path (relative to what?), a non-string, a path that is
     no directory (a removed worktree). `~` is the user's home, as a shell reads
-    it. (None, None) when the payload gives no cwd."""
+    it. (None, None) when the payload gives no cwd. The path is shown as repr
+    shows it: the payload's control characters (an ESC) never reach stderr raw."""
     if not _given(given):
         return None, None
     if not isinstance(given, str):
@@ -20325,7 +20326,7 @@ def hook_cwd(given: Any) -> tuple[str | None, str | None]:
     if not os.path.isabs(path):
         return None, f"{given!r} is not an absolute path"
     if not os.path.isdir(path):
-        return None, f"{given} is no directory (a removed worktree?)"
+        return None, f"{given!r} is no directory (a removed worktree?)"
     return path, None
 
 

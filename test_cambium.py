@@ -469,6 +469,20 @@ def test_a_hook_cwd_that_names_no_absolute_directory_gets_nothing_never_the_reco
     assert "beta" in json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
 
 
+def test_a_hook_cwd_that_is_no_directory_is_shown_escaped(tmp_path):
+    """primer/distill --hook wrote a missing cwd to stderr raw: a payload's
+    NUL, ESC[2J (clear screen) or bidi override reached the terminal."""
+    given = f"{tmp_path}/x\x00y\x1b[2Jz\u202eq\nr"
+    assert cs.hook_cwd(given) == (None, f"{given!r} is no directory (a removed worktree?)")
+    hook = subprocess.run([sys.executable, "-m", "cambium_server", "primer", "--hook"],
+                          input=json.dumps({"cwd": given}), text=True, capture_output=True,
+                          env=child_env(PYTHONPATH=str(SERVER.parent)), cwd=tmp_path,
+                          timeout=60)
+    assert hook.returncode == 0 and hook.stdout == "", hook
+    assert "x\\x00y\\x1b[2Jz\\u202eq\\nr' is no directory" in hook.stderr, hook.stderr
+    assert not re.search("[\x00-\x1f\u202e]", hook.stderr.rstrip("\n")), hook.stderr
+
+
 @pytest.mark.parametrize("url, name", [
     ("https://github.com/acme/shop.git", "shop"), ("git@github.com:acme/shop", "shop"),
     ("ssh://git@host:2222/acme/shop.git/", "shop"), ("/srv/git/shop.git", "shop"),
