@@ -12287,12 +12287,15 @@ def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Patter
     ending in `;`, so neither a prototype nor a call), or GNU style's name at
     column 0 under its return type; `owner` (`Cart`, `ns::Cart`) requires that
     qualifier. In shell `total() {`; in JavaScript and TypeScript a method,
-    `async total(id): Promise<T> {`, its parameters on its line."""
+    `async total(id): Promise<T> {`, its parameters on its line. A doc
+    comment's line (` * Computes total(items) {@link}`) is neither: a type
+    starts with a word character, a generator's `*` is glued to its name."""
     n = re.escape(name)
     if ext in TYPED_EXTS:
         qualified = r"(?:[\w$]+::)*" + (re.escape(owner) + "::" if owner else "") + n
-        return (re.compile(r"^[ \t]*" + _NOT_A_TYPE + r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}"
-                           r"[*&]*" + qualified + _SIGNATURE_REST, re.M),
+        return (re.compile(r"^[ \t]*" + _NOT_A_TYPE + r"(?=[\w$])"      # not a comment's `*`
+                           r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}[*&]*" + qualified + _SIGNATURE_REST,
+                           re.M),
                 re.compile(r"^(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))" + qualified + _SIGNATURE_REST,
                            re.M))                      # `^` first: tried at line starts only
     if owner:
@@ -12300,8 +12303,9 @@ def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Patter
     if ext in SHELL_EXTS:
         return (re.compile(r"^[ \t]*" + n + r"[ \t]*\(\)", re.M),)
     if ext in SCRIPT_EXTS:
-        return (re.compile(r"^[ \t]*(?:(?:async|static|get|set|public|private|protected|"
-                           r"override|abstract)[ \t]+)*(?:\*[ \t]*)?" + n + r"[ \t]*(?:<[^>\n]*>)?"
+        return (re.compile(r"^[ \t]*(?:(?:(?:async|static|get|set|public|private|protected|"
+                           r"override|abstract)[ \t]+)+(?:\*[ \t]*)?|\*(?![ \t]))?" + n +
+                           r"[ \t]*(?:<[^>\n]*>)?"
                            r"\([^;()\n]*\)[ \t]*(?::[^;{}=\n]*)?\{", re.M),)
     return ()
 

@@ -15944,6 +15944,27 @@ def test_find_definition_prefers_methods_and_functions_over_variables(text, symb
     assert cs.find_definition(text, symbol, ext) == line
 
 
+@pytest.mark.parametrize("text, symbol, ext, line", [
+    ("public class Cart {\n    /**\n     * Computes total(items) for the cart.\n     */\n"
+     "    public int total(List<Item> items) {\n        return 0;\n    }\n}\n", "total", ".java", 5),
+    ("/*\n * Cart::total(a) sums\n */\nint Cart::total(int a) {\n}\n", "Cart::total", ".cpp", 4),
+    ("/*\n *total(a) sums\n */\nint total(int a) {\n}\n", "total", ".c", 4),
+    ("// int total(a) adds\nint total(int a) {\n}\n", "total", ".c", 2),
+    ("class A {\n  /**\n   * total(a) {@link Cart}\n   */\n  total(a: number): number {\n"
+     "  }\n}\n", "total", ".ts", 5),
+    ("// total(items) adds\nfunc total(a int) int {\n}\n", "total", ".go", 2),
+    ("/// total(items) adds\nfn total(a: i32) {\n}\n", "total", ".rs", 2),
+    ("# def total(x):\ndef total(a):\n    pass\n", "total", ".py", 2),
+    ("class A {\n  *total(a) {\n  }\n}\n", "total", ".ts", 2),    # a generator is still one
+    ("class A {\n  async * total(a) {\n  }\n}\n", "total", ".js", 2),
+])
+def test_find_definition_skips_a_comment_that_mentions_the_name(text, symbol, ext, line):
+    """A Javadoc line ` * Computes total(items) for the cart.` above the method
+    was taken for its definition: the comment's `*` passed for a type (Java,
+    C) or for a generator's star (JavaScript, TypeScript)."""
+    assert cs.find_definition(text, symbol, ext) == line
+
+
 def test_find_definition_scans_each_line_once():
     """A file of modifier-only lines (`export` alone on each) made the search
     quadratic: a 1 MB file held a recall, and the server, for over 30 s."""
