@@ -12481,15 +12481,19 @@ def name_forms(path: str) -> tuple[str, ...]:
 
 
 def path_stamp(root: str | Path, path: str) -> list:
-    """[mtime_ns, size] of a file under root; [] when it cannot be read. The
-    file resolution reads: a name decomposed on disk too (stamped as always
-    missing, its anchor's cached line outlived every edit and its deletion)."""
+    """[mtime_ns, size, real path] of a file under root; [] when it cannot be
+    read. The file resolution reads: a name decomposed on disk too (stamped as
+    always missing, its anchor's cached line outlived every edit and its
+    deletion). The real path is where its links lead: a folder moved out of
+    the repo and linked back keeps the file's stat, and its cached anchor
+    resolved outside the repo."""
     for form in name_forms(path):
+        full = os.path.join(root, form)
         try:
-            st = os.stat(os.path.join(root, form))
+            st = os.stat(full)
         except (OSError, ValueError):
             continue
-        return [st.st_mtime_ns, st.st_size]
+        return [st.st_mtime_ns, st.st_size, os.path.realpath(full)]
     return []
 
 

@@ -16101,6 +16101,23 @@ def test_anchors_resolve_to_live_lines_and_never_leave_the_repo(coderepo, tmp_pa
     assert cs.is_stale_code(escaped) and not cs.is_stale_code(got)
 
 
+def test_a_folder_moved_out_and_linked_back_stops_resolving_in_the_caches(coderepo,
+                                                                          tmp_path):
+    """A folder moved out of the repo and linked back keeps its files' inode,
+    size and mtime: the server's anchor cache and the hook's primer cache,
+    stamped by the file's stat alone, kept it resolved inside the repo."""
+    cs.capture("Ledger totals are computed once", kind="pitfall",
+               code_refs=[{"path": "src/billing.py", "symbol": "Ledger"}])
+    refs = [{"path": "src/billing.py", "symbol": "Ledger"}]
+    assert cs.resolve_anchors(coderepo, refs)[0]["resolved"]
+    assert "src/billing.py:4" in cs.cached_primer(cs.resolve_config(), 20)["primer"]
+    (coderepo / "src").rename(tmp_path / "outside")
+    (coderepo / "src").symlink_to(tmp_path / "outside")
+    (got,) = cs.resolve_anchors(coderepo, refs)
+    assert not got["resolved"] and got["why"] == "outside the repo"
+    assert "src/billing.py:4" not in cs.cached_primer(cs.resolve_config(), 20)["primer"]
+
+
 def test_an_anchor_symbol_is_a_name_not_a_file(coderepo):
     """A symbol had no length limit: 20 symbols of 500,000 characters made one
     capture a 10 MB store and its expand took 50 s."""
