@@ -15511,8 +15511,11 @@ def _checks_answer(results: list[dict], skipped: list[dict], dropped: set[str],
 
 
 def not_to_run(cfg: Config, scope: str, item: Item) -> str | None:
-    """Why verify --run leaves an item's check alone here, if it does."""
-    if item.check.get("project") not in (None, cfg.project):
+    """Why verify --run leaves an item's check alone here, if it does. The
+    project it was attached in is this one case aside (same_project): a
+    teammate's clone of Acme/Shop is project `shop` in one written `acme/shop`."""
+    attached = item.check.get("project")
+    if attached is not None and not same_project(attached, cfg.project):
         return f"attached in project {item.check.get('project')}; it runs there"
     return waiting_copy(scope, item)
 

@@ -10481,6 +10481,27 @@ def test_a_check_that_cannot_start_is_skipped_and_the_others_are_recorded(repo):
     assert all(items[i].failing is None and items[i].last_verified is None for i in ids[:2])
 
 
+def test_verify_run_takes_a_check_attached_in_this_project_named_in_another_case(repo):
+    """verify --run compared the project a check was attached in exactly, while
+    every other project comparison (anchors, trust, the primer) sets case
+    aside: a teammate's clone of Acme/Shop, named `shop` in a clone of
+    acme/shop, skipped the check as another project's."""
+    ids = [cs.capture(t)["item"]["id"] for t in (
+        "The nightly job compacts the audit tables", "The cache warms up within a minute")]
+    for item_id in ids:
+        cs.attach_check(item_id, "true")
+    store = repo / ".cambium" / "knowledge.json"
+    doc = json.loads(store.read_text())
+    here = cs.resolve_config().project
+    for it, project in zip(doc["items"], (here.swapcase(), "elsewhere")):
+        it["check"]["project"] = project
+    store.write_text(json.dumps(doc))
+    run = cs.run_checks()
+    assert run["ran"] == 1 and run["passed"] == 1
+    assert [s["id"] for s in run["skipped"]] == [doc["items"][1]["id"]]
+    assert "attached in project elsewhere" in run["skipped"][0]["reason"]
+
+
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
     """A person replaced (or removed) a check while verify --run ran the old
     one: the old command's pass was credited (authority verified)."""
