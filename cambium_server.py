@@ -15856,7 +15856,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     out = {"configured_now": bool(now.get("configured")), "config_file": str(cfg_path),
            "written": updates, "binding": binding, "status": now}
     warnings = _setup_warnings(env, updates, binding, root) + \
-        _rebound(_file_settings(wrote.prior), updates, before) + ignore_note + \
+        _rebound(wrote.found, updates, before) + ignore_note + \
         _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
         + ([f"the config file {cfg_path} was not a JSON object: moved aside to {wrote.aside}, "
             "and the settings it held no longer apply (copy back the ones you want)"]
@@ -16019,11 +16019,13 @@ def _file_settings(raw: bytes | None) -> dict:
 class ConfigWrite(NamedTuple):
     """What _write_config did, for _put_back_config to undo: where an unreadable
     file went (None: nowhere), the bytes it found under the lock (None: no
-    file), the bytes it wrote and the settings it merged in."""
+    file), the bytes it wrote, the settings it merged in and the settings it
+    found ({}: none, or not a JSON object)."""
     aside: Path | None
     prior: bytes | None
     wrote: bytes
     updates: dict[str, Any]
+    found: dict
 
 
 def _write_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
@@ -16049,10 +16051,10 @@ def _write_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
     with file_lock(lock):
         current: dict = {}
         if os.path.lexists(path):
-            prior = _config_bytes(path)
+            prior = _config_bytes(path)          # (read once: None when unreadable)
             try:
-                current = json.loads(_read_config_file(path))
-            except (OSError, ValueError, RecursionError):
+                current = None if prior is None else json.loads(prior.decode("utf-8-sig"))
+            except (ValueError, RecursionError):
                 current = None
             if not isinstance(current, dict):
                 aside = path.with_name(path.name + ".bad")
@@ -16060,13 +16062,14 @@ def _write_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
                     aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
                 os.replace(path, aside)
                 current = {}
+        found = dict(current)
         for key, value in updates.items():          # a map (team_branches) is merged
             held = current.get(key)
             current[key] = {**held, **value} if isinstance(value, dict) and \
                 isinstance(held, dict) else value
         text = (json.dumps(current, indent=2, sort_keys=True) + "\n").encode()
         atomic_write(path, text, mode=0o600)
-    return ConfigWrite(aside, prior, text, updates)
+    return ConfigWrite(aside, prior, text, updates, found)
 
 
 def _config_bytes(path: Path) -> bytes | None:
@@ -16103,7 +16106,7 @@ def _undo_entries(target: Path, now: bytes | None, done: ConfigWrite) -> None:
     the map entries it added (its clone's team branch, which no other clone's
     setup writes) go back to what they were, where they still hold its value;
     the repo, the agent id and user-wide settings are the newer setup's."""
-    current, prior = _file_settings(now), _file_settings(done.prior)
+    current, prior = _file_settings(now), done.found
     changed = False
     for key, value in done.updates.items():
         held, was = current.get(key), prior.get(key)
