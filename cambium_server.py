@@ -1711,7 +1711,7 @@ def dotgit_problem(root: Path) -> str | None:
     if not os.path.exists(root / target / "HEAD"):
         return (f"its .git points to {target}, which does not exist (was the main clone "
                 "moved? `git worktree repair` there fixes it)")
-    if _gitfile_names_bare(root):
+    if _gitdir_is_bare(root / target):       # (the .git file read once, above)
         return (f"its .git points to {target}, a bare repository, which has no work tree: "
                 "a worktree beside it is a clone")
     return None
@@ -1770,10 +1770,19 @@ def _gitfile_names_bare(root: Path) -> bool:
     try:
         head = read_regular(root / ".git", 4096).decode("utf-8", "replace")
         target = root / head.split("gitdir:", 1)[1].strip()
+    except (OSError, ValueError, IndexError):
+        return False
+    return _gitdir_is_bare(target)
+
+
+def _gitdir_is_bare(target: Path) -> bool:
+    """Whether the git dir a .git file names is a bare repository's (core.bare
+    in its config); a worktree's (it has a commondir) is not."""
+    try:
         if (target / "commondir").exists():
             return False
         config = read_regular(target / "config", 1 << 16).decode("utf-8", "replace")
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return False
     return _core_bare(config)
 
