@@ -3058,10 +3058,16 @@ def _detached_head(root: Path) -> str | None:
     on a branch, None when .git cannot tell (unreadable, a reftable clone):
     read from the HEAD file, without spawning git."""
     try:
-        head = (_git_dirs(root)[0] / "HEAD").read_text(encoding="utf-8").strip()
+        head = _head_file(root)
     except (OSError, IndexError, UnicodeDecodeError):
         return None
     return "" if head.startswith("ref:") else head if OID.fullmatch(head) else None
+
+
+def _head_file(root: Path) -> str:
+    """The text of the HEAD file of the clone at root, stripped (a ref: line or
+    a commit); OSError/IndexError/UnicodeDecodeError when unreadable (_git_dirs)."""
+    return (_git_dirs(root)[0] / "HEAD").read_text(encoding="utf-8").strip()
 
 
 def store_root(repo: Path) -> Path:
@@ -3116,7 +3122,7 @@ def _git_head(root: Path) -> str | None:
     """The commit HEAD points at, read from .git without spawning git (None:
     not readable that way; then nothing is cached across calls)."""
     try:
-        head = (_git_dirs(root)[0] / "HEAD").read_text().strip()
+        head = _head_file(root)
         return _ref_value(root, head[5:]) or head if head.startswith("ref: ") else head
     except (OSError, IndexError, ValueError):
         return None
