@@ -3263,7 +3263,8 @@ def file_lock(path: Path, wait: float | None = None) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
         try:
-            _flock_within(fd, path, max(0.0, deadline - time.monotonic()), wait_s)
+            if not _flock_within(fd, deadline):
+                raise _held_error(path, wait_s)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -3301,19 +3302,18 @@ def _acquire_within(lock: Any, deadline: float) -> bool:
             return False
 
 
-def _flock_within(fd: int, path: Path, wait_s: float, said: float | None = None) -> None:
-    """flock(fd) exclusively, polling, for at most wait_s (0: one try), stop-
-    capped (_stop_capped); the error says `said` seconds (the whole wait)
-    when given."""
-    deadline, pause = time.monotonic() + wait_s, 0.005
+def _flock_within(fd: int, deadline: float) -> bool:
+    """flock(fd) exclusively by `deadline` (stop-capped, polling; one try when
+    it is past); False when it could not."""
+    pause = 0.005
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
             deadline = _stop_capped(deadline)
             if time.monotonic() >= deadline:
-                raise _held_error(path, wait_s if said is None else said) from None
+                return False
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.1)
 
