@@ -3278,6 +3278,12 @@ LOCK_WAIT_S = 300.0     #: a writer waits this long for another's lock (a shared
                         #: then it gives up, and the lock is never broken
 LOCK_WAIT: contextvars.ContextVar[float] = contextvars.ContextVar("cambium_lock_wait",
                                                                   default=LOCK_WAIT_S)
+def lock_wait_under(cap: float) -> float:
+    """This context's lock wait (LOCK_WAIT), cut to `cap` seconds: a read or
+    bookkeeping waits no longer, and a shorter wait set around it still wins."""
+    return min(LOCK_WAIT.get(), cap)
+
+
 STORE_READ_LOCK_WAIT_S = 2.0   #: a read waits this long for the local store's lock (taken
                                #: when the file is damaged or a writer is mid-append), then
                                #: serves the file as it stands, with a warning
@@ -3978,7 +3984,7 @@ class LocalStore(Store):
         doc = self._current(locked=False)
         if doc is not None:
             return doc
-        wait = min(LOCK_WAIT.get(), STORE_READ_LOCK_WAIT_S)
+        wait = lock_wait_under(STORE_READ_LOCK_WAIT_S)
         with contextlib.ExitStack() as stack:  # damaged, or a writer is mid-append
             try:
                 stack.enter_context(file_lock(self.path, wait))
@@ -4647,7 +4653,7 @@ def _adopt_legacy_journal(path: Path) -> None:
     if not legacy.exists():
         return
     try:
-        with file_lock(path, min(LOCK_WAIT.get(), JOURNAL_LOCK_WAIT_S)):
+        with file_lock(path, lock_wait_under(JOURNAL_LOCK_WAIT_S)):
             _adopt_locked(path, legacy)
     except ConflictError as e:
         note_for_call(f"{legacy}: an old name of the credit journal, left for a later call: "
@@ -4844,7 +4850,7 @@ def take_credits(path: Path | None, scope: str
     def commit(done: Iterable[dict] | None = None) -> None:
         try:
             rewrite_credits(path, {credit_key(r): [] for r in (mine if done is None else done)},
-                            wait=min(LOCK_WAIT.get(), JOURNAL_LOCK_WAIT_S))
+                            wait=lock_wait_under(JOURNAL_LOCK_WAIT_S))
         except (OSError, ConflictError) as e:
             why = e.strerror or e if isinstance(e, OSError) else "its lock is held"
             note_for_call(f"{path}: the recall credits this write counted stay journaled "
@@ -5737,8 +5743,8 @@ class GitStore(Store):
         another's fetch may take: LOCK_WAIT_S kept a read waiting 300 s behind a
         process stopped mid-fetch (Ctrl-Z), then failed it. FetchBusy past it."""
         path = self._stamp().with_name("fetch-" + self._stamp().name)
-        wait = min(LOCK_WAIT.get(), self.timeout_s + FETCH_LOCK_WAIT_S if patient
-                   else FETCH_LOCK_WAIT_S)
+        wait = lock_wait_under(self.timeout_s + FETCH_LOCK_WAIT_S if patient
+                               else FETCH_LOCK_WAIT_S)
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(file_lock(path, wait))
@@ -17117,7 +17123,7 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
     """Journal one credit per (item, agent, day) not yet credited; return pending.
     The journal's lock is waited for JOURNAL_LOCK_WAIT_S only (then ConflictError):
     a recall is a read, and a credit is bookkeeping."""
-    token = LOCK_WAIT.set(min(LOCK_WAIT.get(), JOURNAL_LOCK_WAIT_S))
+    token = LOCK_WAIT.set(lock_wait_under(JOURNAL_LOCK_WAIT_S))
     try:
         return _journal_new_credits(cfg, items)
     finally:
