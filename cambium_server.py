@@ -276,6 +276,12 @@ class DamageKept(OSError):
     warning: str = ""
 
 
+def not_set_aside(path: Path, bad: int, why: str) -> str:
+    """The warning of a read that serves a damaged local store's lines that
+    parse without setting the others aside (no lock, no room: `why`)."""
+    return f"{path}: {bad} damaged line(s) not set aside ({why}); the lines that parse are served"
+
+
 class ScopeOff(ConfigError):
     """The scope is not set up here (a federated read just leaves it out)."""
 
@@ -3325,8 +3331,13 @@ def _flock_within(fd: int, deadline: float) -> bool:
 
 
 def _held_error(path: Path, wait_s: float) -> LockHeld:
-    return LockHeld(f"{path.name}.lock has been held by another process for {wait_s:g} s "
-                    "(a long import, or a process stopped while it writes)")
+    return LockHeld(f"{lock_held(path, wait_s)} (a long import, or a process stopped while "
+                    "it writes)")
+
+
+def lock_held(path: Path, wait_s: float) -> str:
+    """How a lock held past a wait is said (file_lock's error, a read's warning)."""
+    return f"{path.name}.lock has been held by another process for {wait_s:g} s"
 
 
 TMP_SUFFIX = ".tmp"     #: atomic_write's copy in the making: <name>.<pid>.<random>.tmp
@@ -4005,8 +4016,8 @@ class LocalStore(Store):
         writer mid-append, or one stopped while it writes, Ctrl-Z: a recall or
         a status waited LOCK_WAIT_S, 300 s, then failed): the file as it
         stands, its damage, if any, not set aside, with one warning."""
-        why = (f"{self.path.name}.lock has been held by another process for {wait:g} s: a "
-               "write in progress, or a process stopped while it writes")
+        why = (f"{lock_held(self.path, wait)}: a write in progress, or a process stopped "
+               "while it writes")
         doc = self.peek()
         if doc is None:
             return self._unlocked(why)
@@ -4026,8 +4037,7 @@ class LocalStore(Store):
             note_for_call(f"{self.path} does not parse and cannot be moved aside "
                           f"({why}): none of it is served")
             return Doc(items=[])
-        note_for_call(f"{self.path}: {bad} damaged line(s) not set aside "
-                      f"({why}); the lines that parse are served")
+        note_for_call(not_set_aside(self.path, bad, why))
         return dataclasses.replace(doc, items=_as_local(doc.items))
 
     def peek(self) -> Doc | None:
@@ -4185,9 +4195,8 @@ class LocalStore(Store):
             kept = DamageKept(e.errno, f"{bad} damaged line(s) could not be set aside "
                               f"({e.strerror or e}), so the store refuses writes (each "
                               "would lose them) and is left as it is", str(self.path))
-            kept.doc, kept.warning = parsed.doc, (
-                f"{self.path}: {bad} damaged line(s) not set aside ({e.strerror or e}); "
-                "the lines that parse are served")
+            kept.doc, kept.warning = parsed.doc, not_set_aside(self.path, bad,
+                                                               str(e.strerror or e))
             raise kept from e
         return parsed.doc
 
