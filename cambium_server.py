@@ -15579,8 +15579,8 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
     the scope between locate and the write (another clone's promote) is found
     again for real and followed, as every change follows a move; a passing
     result was lost to an empty commit. A retired item is not stamped. Returns
-    the outcomes not recorded, each with why (not_recorded, retired_as_it_ran;
-    one no scope holds any more, or that moved again, is listed too)."""
+    the outcomes not recorded, each with why (not_recorded; one no scope
+    holds any more, or that moved again, is listed too)."""
     dropped: dict[str, str] = {}
     if not outcomes:
         return []
@@ -15610,23 +15610,19 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
 
 
 def not_recorded(scope: str, item: Item, outcome: dict) -> str | None:
-    """Why an outcome is not written on the item as it is now (pure): its copy
-    waits on an org pull request, or its check changed while the old command
-    ran (a pass of a check someone removed or replaced was credited)."""
+    """Why an outcome is not written on the item as it is now (pure): it was
+    retired while its check ran (answered as passed or failed, yet nothing
+    was recorded), its check changed while the old command ran (a pass of a
+    check someone removed or replaced was credited), or its copy waits on an
+    org pull request."""
+    if not item.active:
+        by = _superseded_by(item) if item.status == "superseded" else None
+        return (f"the item was {item.status}" + (f" by {by}" if by else "") +
+                " while its check ran: this result is not recorded")
     if check_cmd(item) != outcome["cmd"]:
         return ("its check was changed or removed while it ran: this result, of the "
                 "command it had then, is not recorded")
     return waiting_copy(scope, item)
-
-
-def retired_as_it_ran(item: Item) -> str | None:
-    """Why an outcome is not written on an item retired while its check ran
-    (pure): it was answered as passed or failed, yet nothing was recorded."""
-    if item.active:
-        return None
-    by = _superseded_by(item) if item.status == "superseded" else None
-    return (f"the item was {item.status}" + (f" by {by}" if by else "") +
-            " while its check ran: this result is not recorded")
 
 
 def _record_in(cfg: Config, scope: str, found: dict[str, dict],
@@ -15640,7 +15636,7 @@ def _record_in(cfg: Config, scope: str, found: dict[str, dict],
     def one(it: Item) -> Item:
         if it.id not in found:
             return it
-        if why := retired_as_it_ran(it) or not_recorded(scope, it, found[it.id]):
+        if why := not_recorded(scope, it, found[it.id]):
             dropped[it.id] = why
             return it
         return checked(it, found[it.id], now=now)
