@@ -9935,10 +9935,15 @@ class Semantic:
             why = self.tokens.unwritable()
             self.tokens_ok = why is None
             if why is not None:
-                if not self.token_error:
-                    print(f"cambium: could not store token vectors: {why}", file=sys.stderr)
-                self.token_error = why
+                self._token_trouble(why)
         return self.tokens_ok
+
+    def _token_trouble(self, why: str) -> None:
+        """Record why token vectors could not be stored (status says it), said
+        on stderr the first time only."""
+        if not self.token_error:
+            print(f"cambium: could not store token vectors: {why}", file=sys.stderr)
+        self.token_error = why
 
     def halt(self) -> threading.Thread | None:
         """Tell the background embedder to stop after the batch in flight, and
@@ -10057,9 +10062,7 @@ class Semantic:
             try:
                 self.tokens.put(np, key, t)
             except OSError as e:
-                if not self.token_error:
-                    print(f"cambium: could not store token vectors: {e}", file=sys.stderr)
-                self.token_error = str(e)
+                self._token_trouble(str(e))
                 self.token_failed.add(key)
 
     def _work(self) -> None:
