@@ -16580,11 +16580,12 @@ def _folded_end_of_text(cfg: Config, content: str, type: str,
     if not ids or any(key in active_texts(f"{scope}:{cfg.repo}", doc.items)
                       for scope, doc in docs.items()):
         return None
-    ends = []
+    ends, copies = [], None
     for gone in ids:                  # (each is a superseded item's: in its map's third)
         it = next(g[gone] for _, _, g in maps if gone in g)
         if _fold_chain(gone, maps) is None and (first := _superseded_by(it)) is not None:
-            ends.append(_replacements(gone, first, docs)[1])   # (rare: a walk is fine)
+            copies = _live_copies(docs) if copies is None else copies   # (rare: one walk)
+            ends.append(_chain_end(gone, first, copies)[1])
     return next((e for e in ends if e is not None and e.active), None) or next(
         (e for e in ends if e is not None and e.status == "deprecated"), None)
 
@@ -18185,18 +18186,31 @@ def _replacements(item_id: str, first: str, docs: dict[str, Doc] | None = None
     `docs`: the scopes as the caller just read them so), and the last one's
     item when some scope holds it. A loop ends the list with the first id met
     again (or item_id: the chain came back to it)."""
-    ids = [first]
     if first == item_id:
-        return ids, None
+        return [first], None
     try:
         docs = docs if docs is not None else read_scopes_offline(resolve_config())[0]
     except (CambiumError, OSError):
-        return ids, None
+        return [first], None
+    return _chain_end(item_id, first, _live_copies(docs))
+
+
+def _live_copies(docs: dict[str, Doc]) -> dict[str, Item]:
+    """{id: its item} over every scope in `docs`, a live copy winning (pure)."""
     copies: dict[str, Item] = {}
     for doc in docs.values():
         for it in doc.items:
-            if it.id not in copies or it.active:        # a live copy wins
+            if it.id not in copies or it.active:
                 copies[it.id] = it
+    return copies
+
+
+def _chain_end(item_id: str, first: str, copies: dict[str, Item]
+               ) -> tuple[list[str], Item | None]:
+    """_replacements' walk over `copies` (_live_copies), pure."""
+    ids = [first]
+    if first == item_id:
+        return ids, None
     end = copies.get(first)
     while end is not None and (nxt := _superseded_by(end) if end.status == "superseded"
                                else None) and len(ids) < 50:
