@@ -6063,10 +6063,8 @@ class GitStore(Store):
 
     def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
         """Push commit to branch: "ok", "race" (replay), or GitError (final)."""
-        args = ["push", "--porcelain"]
-        if lease is not None:
-            args.append(f"--force-with-lease=refs/heads/{branch}:{lease}")
-        proc = self.git(*args, "--", self.remote, f"{commit}:refs/heads/{branch}", check=False)
+        lease_opt = [] if lease is None else [f"--force-with-lease=refs/heads/{branch}:{lease}"]
+        proc = self._push_git(*lease_opt, f"{commit}:refs/heads/{branch}")
         outcome = _push_outcome(proc.stdout)
         if outcome == "race" or (outcome == "ok" and proc.returncode == 0):
             return outcome
@@ -6079,6 +6077,16 @@ class GitStore(Store):
                               f"reads it, but git also reported: {failed}")
                 return "ok"
         raise failed
+
+    def _push_git(self, *args: str) -> subprocess.CompletedProcess:
+        """Every push cambium runs: `git push --porcelain` of `args` (options,
+        then one refspec) to the remote, unchecked (the caller reads the
+        porcelain). --no-follow-tags: with the user's `push.followTags`, each
+        team write also published their annotated tags not pushed yet (a
+        release candidate kept local) to the team's remote."""
+        *opts, refspec = args
+        return self.git("push", "--porcelain", "--no-follow-tags", *opts, "--", self.remote,
+                        refspec, check=False)
 
     def verify(self, commit: str, branch: str) -> None:
         """Raise unless the remote's branch holds `commit` (at the tip or below it).
@@ -6118,8 +6126,8 @@ class GitStore(Store):
         tip = listed.split("\t", 1)[0].strip()
         if not tip or (at is not None and tip != at):
             return False
-        proc = self.git("push", "--porcelain", f"--force-with-lease=refs/heads/{branch}:{tip}",
-                        "--", self.remote, f":refs/heads/{branch}", check=False)
+        proc = self._push_git(f"--force-with-lease=refs/heads/{branch}:{tip}",
+                              f":refs/heads/{branch}")
         if _push_outcome(proc.stdout) != "ok" or proc.returncode != 0:
             raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
                            (proc.stdout + proc.stderr).strip() or "delete refused")

@@ -4407,6 +4407,20 @@ def test_a_push_that_landed_where_cambium_reads_is_a_success_whatever_else_faile
                            if i.active}
 
 
+def test_a_team_write_never_publishes_the_users_tags(shared, tmp_path, monkeypatch):
+    """With the user's `push.followTags`, a team write pushed their annotated
+    tag not published yet (on a commit origin holds) along with the store."""
+    glob = tmp_path / "gitconfig-global"
+    glob.write_text("[push]\n\tfollowTags = true\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(glob))
+    a = shared["a"]
+    git(a, "tag", "-a", "secret-rc1", "-m", "local, unpublished release candidate")
+    item_id = _endorsed("Release candidates are tagged by the release job only")
+    assert cs.promote(item_id, to_scope="team")["status"] == "promoted"
+    assert team_ids(shared["origin"]) == {item_id}
+    assert "secret-rc1" not in git(shared["origin"], "tag", "--list")
+
+
 def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     a = shared["a"]
     (a / "wip.txt").write_text("uncommitted user work\n")
