@@ -6516,14 +6516,26 @@ class GitStore(Store):
                     if hazard := self._checkout_hazard(tip):
                         self._warn_once(left + hazard)
                     else:
-                        _run(["git", "checkout", "--quiet", "--force", "-B", self.branch, tip],
-                             self.repo, self.timeout_s, own_locks=True)
+                        _run(["git", *self._no_hooks(), "checkout", "--quiet", "--force",
+                              "-B", self.branch, tip], self.repo, self.timeout_s,
+                             own_locks=True)
                         with contextlib.suppress(OSError):
                             atomic_write(self._checked_out_file(), tip + "\n", durable=False)
             except ConflictError as e:
                 self._warn_once(f"{left}{held_words(e)}; a later read syncs it")
                 return
             state.checked_out = tip
+
+    def _no_hooks(self) -> list[str]:
+        """git options that run no hook: the org clone's checkout is cambium's
+        own. A post-checkout hook that failed (git-lfs's, with git-lfs not on
+        the server's PATH; a global core.hooksPath's) failed the checkout that
+        had happened, so it was never recorded: every read skipped org, and
+        ran it again. core.hooksPath names an empty directory cambium keeps."""
+        empty = self._meta_dir() / "no-hooks"
+        with contextlib.suppress(OSError):
+            empty.mkdir(parents=True, exist_ok=True)
+        return ["-c", f"core.hooksPath={empty}"]
 
     def _warn_once(self, text: str) -> None:
         if text not in self._warnings:

@@ -18548,6 +18548,36 @@ def test_a_held_org_checkout_lock_holds_back_no_read(shared, monkeypatch):
     assert git(org, "rev-parse", "HEAD").strip() == tip
 
 
+@pytest.mark.parametrize("where", ["clone", "global"])
+def test_a_failing_post_checkout_hook_hides_no_org_item(shared, tmp_path, monkeypatch, where):
+    """A post-checkout hook that fails in the org clone (git-lfs's with git-lfs
+    not on PATH, or a global core.hooksPath's) failed each sync of its
+    checkout, which had happened: every read skipped the org scope, every
+    time. The org clone is cambium's own: its checkout runs no hook."""
+    org, ran = shared["org"], tmp_path / "hook-ran"
+    hooks = org / ".git" / "hooks" if where == "clone" else tmp_path / "global-hooks"
+    hooks.mkdir(exist_ok=True)
+    hook = hooks / "post-checkout"
+    hook.write_text(f"#!/bin/sh\ntouch '{ran}'\necho 'git-lfs was not found' >&2\nexit 2\n")
+    hook.chmod(0o755)
+    if where == "global":
+        glob = tmp_path / "gitconfig-global"
+        glob.write_text(f"[core]\n\thooksPath = {hooks}\n")
+        monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(glob))
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    item_id = _endorsed("Pin dependencies with hashes in lock files")
+    cs.promote(item_id)
+    assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
+    for _ in range(2):
+        cs.runtime().reset()
+        out = cs.recall("pin dependencies hashes", scope="org")
+        assert [r["id"] for r in out["results"]] == [item_id], out
+        assert not [w for w in out.get("warnings", []) if "skipped" in w], out
+    assert git(org, "rev-parse", "HEAD").strip() == \
+        git(shared["org_bare"], "rev-parse", "main").strip()
+    assert not ran.exists()
+
+
 def test_export_o_never_replaces_another_projects_store(repo, tmp_path):
     other = make_repo(tmp_path, "other")
     store_file = other / ".cambium" / "knowledge.json"
