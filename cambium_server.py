@@ -5421,6 +5421,7 @@ class GitStore(Store):
         self.ref = f"refs/cambium/{scope}/{remote}/{branch}"
         self._warnings: list[str] = []            # this instance's read notes
         self._objects_dir: Path | None | bool = False     # not looked up yet
+        self._push_target: tuple[str, str] | None = None  # (where pushes go, why: _push_to)
         self._meta: Path | None = None            # stamps and locks (_meta_dir)
         self._rt = runtime()
         self._state = self._rt.git_scope(repo, remote, branch)
@@ -6068,8 +6069,9 @@ class GitStore(Store):
         outcome = _push_outcome(proc.stdout)
         if outcome == "race" or (outcome == "ok" and proc.returncode == 0):
             return outcome
-        failed = GitError(["git", "push", self.remote, branch], proc.returncode,
-                          (proc.stdout + proc.stderr).strip() or "push refused")
+        why = "; ".join(filter(None, [(proc.stdout + proc.stderr).strip() or "push refused",
+                                      self._push_to()[1]]))
+        failed = GitError(["git", "push", self.remote, branch], proc.returncode, why)
         if outcome == "ok":                  # landed, yet git failed: a second push URL?
             with contextlib.suppress(GitError):
                 self.verify(commit, branch)          # where cambium reads: it stands
@@ -6085,8 +6087,31 @@ class GitStore(Store):
         team write also published their annotated tags not pushed yet (a
         release candidate kept local) to the team's remote."""
         *opts, refspec = args
-        return self.git("push", "--porcelain", "--no-follow-tags", *opts, "--", self.remote,
-                        refspec, check=False)
+        return self.git("push", "--porcelain", "--no-follow-tags", *opts, "--",
+                        self._push_to()[0], refspec, check=False)
+
+    def _push_to(self) -> tuple[str, str]:
+        """Where pushes go: (the remote, "") when one of its push URLs names the
+        repository cambium fetches from (any spelling: remote_key; an ssh
+        pushurl beside an https url is one repository), else (its fetch URL,
+        why). A push URL of another repository (`git remote set-url --push
+        origin <fork>`) took the writes where no read looks: the lease was
+        checked against the fork, the first write "did not land", and every
+        later one lost the lease, replayed as a lost race for 120 s. The
+        scope's branch lives where the team reads it. Asked once per store."""
+        if self._push_target is None:
+            self._push_target = (self.remote, "")
+            fetch = remote_url(self.repo, self.remote, self.timeout_s)
+            proc = self.git("remote", "get-url", "--push", "--all", "--", self.remote,
+                            check=False)
+            pushes = git_lines(proc.stdout) if proc.returncode == 0 else []
+            if fetch and pushes and remote_key(fetch, self.repo) not in \
+                    {remote_key(u, self.repo) for u in pushes}:
+                self._push_target = (fetch, (
+                    f"cambium pushes the {self.scope} branch to {self.remote}'s fetch URL "
+                    f"{fetch}, where it reads it, not to its push URL {', '.join(pushes)} "
+                    "(another repository)"))
+        return self._push_target
 
     def verify(self, commit: str, branch: str) -> None:
         """Raise unless the remote's branch holds `commit` (at the tip or below it).

@@ -4421,6 +4421,32 @@ def test_a_team_write_never_publishes_the_users_tags(shared, tmp_path, monkeypat
     assert "secret-rc1" not in git(shared["origin"], "tag", "--list")
 
 
+def test_a_push_url_of_another_repository_takes_no_team_write_away(shared, tmp_path):
+    """With `git remote set-url --push origin <fork>` the lease was checked
+    against the fork: the first team write said the remote did not hold its
+    commit, the next replayed a "lost race" for 120 s. Writes go where reads
+    look: the fetch URL. A push URL that spells the same repository (ssh
+    beside https, file:// beside a path) is still pushed to as it is."""
+    a, origin = shared["a"], shared["origin"]
+    fork = tmp_path / "fork.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(origin), str(fork)], check=True)
+    git(a, "remote", "set-url", "--push", "origin", f"file://{origin}/")
+    assert cs.store(cs.resolve_config(), "team")._push_to() == ("origin", "")
+    git(a, "remote", "set-url", "--push", "origin", str(fork))
+    started = time.monotonic()
+    first = _endorsed("Sessions live in redis, never in process memory")
+    assert cs.promote(first, to_scope="team")["status"] == "promoted"
+    second = _endorsed("Every queue consumer is idempotent")
+    assert cs.promote(second, to_scope="team")["status"] == "promoted"
+    assert time.monotonic() - started < 20
+    assert team_ids(origin) == {first, second}
+    assert remote_json(fork, "cambium") is None
+    git(a, "remote", "set-url", "--push", "origin", str(tmp_path / "gone.git"))
+    git(a, "remote", "set-url", "origin", str(tmp_path / "nowhere.git"))
+    with pytest.raises(cs.GitError, match="fetch URL"):
+        cs.store(cs.resolve_config(), "team")._push("0" * 40, "cambium")
+
+
 def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     a = shared["a"]
     (a / "wip.txt").write_text("uncommitted user work\n")
