@@ -15546,12 +15546,13 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
     skipped: list[dict] = []
     unrecorded: list[dict] = []                 # results run but not written
     for scope, doc in docs.items():
-        outcomes = {}
+        outcomes, seen = {}, set()
         for it in doc.items:
             cmd = check_cmd(it)
+            first = not (it.id in seen or seen.add(it.id))
             if not cmd or not it.active or (item_id and it.id != item_id):
                 continue
-            if why := not_to_run(cfg, scope, it):
+            if why := not_to_run(cfg, scope, it, first):
                 skipped.append({"id": it.id, "reason": why})
                 continue
             outcome = run_check(cmd, cfg.repo, timeout_s)
@@ -15588,10 +15589,17 @@ def _checks_answer(results: list[dict], skipped: list[dict], dropped: set[str],
     return out
 
 
-def not_to_run(cfg: Config, scope: str, item: Item) -> str | None:
-    """Why verify --run leaves an item's check alone here, if it does. The
-    project it was attached in is this one case aside (same_project): a
-    teammate's clone of Acme/Shop is project `shop` in one written `acme/shop`."""
+def not_to_run(cfg: Config, scope: str, item: Item, first: bool = True) -> str | None:
+    """Why verify --run leaves an item's check alone here, if it does. `first`
+    false: the item is a later copy of an id the store holds twice, which every
+    tool reads as its first (show and export showed the first copy's check, and
+    this one's ran unseen). The project it was attached in is this one case
+    aside (same_project): a teammate's clone of Acme/Shop is project `shop` in
+    one written `acme/shop`."""
+    if not first:
+        return (f"a later copy of an id the {scope} store holds twice (a hand edit, a bad "
+                "merge): every tool reads its first copy, so this copy's check is not run; "
+                "merge the copies by hand")
     attached = item.check.get("project")
     if attached is not None and not same_project(attached, cfg.project):
         return f"attached in project {item.check.get('project')}; it runs there"
@@ -15677,7 +15685,9 @@ def _record_in(cfg: Config, scope: str, found: dict[str, dict],
                now: str) -> tuple[dict[str, dict], dict[str, str]]:
     """One scope's write of check outcomes; returns the outcomes of items the
     scope no longer held when the write landed, and why the others it did not
-    record were left out (not_recorded)."""
+    record were left out (not_recorded). An id held twice is written on its
+    first copy, the one whose check ran: its other copy's check read as one
+    changed while it ran, and the result written was reported unrecorded."""
     missed: dict[str, dict] = {}
     dropped: dict[str, str] = {}
 
@@ -15694,7 +15704,8 @@ def _record_in(cfg: Config, scope: str, found: dict[str, dict],
         missed.clear()
         dropped.clear()
         missed.update((i, o) for i, o in found.items() if i not in held)
-        items = [one(it) for it in doc.items]
+        firsts = {id(it) for it in first_copies(doc.items)}   # (an id held twice: the
+        items = [one(it) if id(it) in firsts else it for it in doc.items]   # copy that ran)
         return None if items == doc.items else dataclasses.replace(doc, items=items)
 
     mutate(cfg, scope, apply, f"{cfg.agent} records {len(found)} check result(s)",

@@ -10542,6 +10542,45 @@ def test_verify_run_takes_a_check_attached_in_this_project_named_in_another_case
     assert "attached in project elsewhere" in run["skipped"][0]["reason"]
 
 
+def _teammate_edits_team(shared, edit) -> None:
+    """A teammate's hand edit of the team branch, pushed with plain git:
+    edit(items) gives the items it leaves there."""
+    mate = clone(shared["origin"], shared["tmp"] / f"mate-{len(list(shared['tmp'].glob('mate-*')))}")
+    git(mate, "checkout", "-q", "cambium")
+    doc = json.loads((mate / "knowledge.json").read_text())
+    doc["items"] = edit(doc["items"])
+    (mate / "knowledge.json").write_text(json.dumps(doc))
+    git(mate, "commit", "-q", "-am", "a teammate's hand edit")
+    git(mate, "push", "-q", "origin", "cambium")
+
+
+def test_verify_run_runs_only_the_first_copy_of_an_id_a_store_holds_twice(shared, tmp_path):
+    """A teammate's second copy of a team item: show and export showed the first
+    copy's check, and verify --run ran the hidden second copy's command too."""
+    item_id = _endorsed("The build needs the cache warmed before the tests run")
+    cs.promote(item_id, force=True)
+    assert cli("verify-cmd", item_id, "echo benign").returncode == 0
+    flag = tmp_path / "pwned"
+
+    pushed = []
+
+    def doubled(items: list) -> list:
+        (it,) = items
+        pushed.append({**it, "check": {**it["check"], "cmd": f"touch {flag}; echo evil"}})
+        return [it, *pushed]
+
+    _teammate_edits_team(shared, doubled)
+    assert "echo benign" in cli("export", "--scope", "team").stdout   # what a person read
+    run = json.loads(cli("verify", "--run", item_id).stdout)
+    assert not flag.exists()
+    assert run["ran"] == 1 and run["passed"] == 1 and "recorded" not in run["results"][0]
+    (skip,) = run["skipped"]                     # (not "changed or removed while it ran")
+    assert skip["id"] == item_id and "holds twice" in skip["reason"], skip
+    first, second = remote_json(shared["origin"], "cambium")["items"]
+    assert first["authority"] == "verified" and first["check"]["cmd"] == "echo benign"
+    assert [second] == pushed                    # left as the teammate wrote it
+
+
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
     """A person replaced (or removed) a check while verify --run ran the old
     one: the old command's pass was credited (authority verified)."""
