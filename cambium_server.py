@@ -1290,6 +1290,23 @@ def terminal_safe(text: str) -> str:
     return _INVISIBLE.sub("", text)
 
 
+#: every character terminal_safe drops or turns into a space (its escapes' ESC,
+#: controls, invisible ones): what visible_text shows as an escape instead
+_HIDDEN_CHAR = re.compile(f"{_CONTROL.pattern}|{_LINE_CONTROL.pattern}|{_INVISIBLE.pattern}")
+
+
+def visible_text(text: str) -> str:
+    """Text with each character a terminal would act on or hide shown as its
+    escape (ESC as `\\x1b`), the rest as it is: how a check's command is shown.
+    terminal_safe drops an escape sequence whole, its words too, so a hand-edited
+    `echo ok\\x1b]; touch X \\x07` read as `echo ok` while verify --run ran the
+    touch (pure)."""
+    def escape(m: re.Match) -> str:
+        c = ord(m.group())
+        return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"
+    return _HIDDEN_CHAR.sub(escape, valid_unicode(text))
+
+
 def plain_text(value: str) -> str:
     """Text as stored: valid Unicode in its composed form (NFC: "café" typed
     two ways is one text, so duplicates match), mojibake repaired, and no
@@ -11790,8 +11807,9 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
 def check_line(item: Item) -> str:
     """An item's attached check as KNOWLEDGE.md shows it: the command as code,
     who attached it, in which project. README sends operators to read checks
-    in `export` before `verify --run` runs them, and it never showed one (pure)."""
-    cmd = md_line(check_cmd(item) or "")
+    in `export` before `verify --run` runs them, and it never showed one. The
+    command's hidden characters are shown as escapes (visible_text) (pure)."""
+    cmd = md_line(visible_text(check_cmd(item) or ""))
     fence = "`" * (max(map(len, re.findall("`+", cmd)), default=0) + 1)
     pad = " " if cmd.startswith("`") or cmd.endswith("`") else ""
     by, project = (md_line(str(item.check.get(k) or "?")) for k in ("by", "project"))
@@ -15593,7 +15611,8 @@ def not_to_run(cfg: Config, scope: str, item: Item, first: bool = True) -> str |
     """Why verify --run leaves an item's check alone here, if it does. `first`
     false: the item is a later copy of an id the store holds twice, which every
     tool reads as its first (show and export showed the first copy's check, and
-    this one's ran unseen). The project it was attached in is this one case
+    this one's ran unseen); or its command is not the plain text verify-cmd
+    stores (hidden_in_cmd). The project it was attached in is this one case
     aside (same_project): a teammate's clone of Acme/Shop is project `shop` in
     one written `acme/shop`."""
     if not first:
@@ -15603,7 +15622,22 @@ def not_to_run(cfg: Config, scope: str, item: Item, first: bool = True) -> str |
     attached = item.check.get("project")
     if attached is not None and not same_project(attached, cfg.project):
         return f"attached in project {item.check.get('project')}; it runs there"
-    return waiting_copy(scope, item)
+    return hidden_in_cmd(item) or waiting_copy(scope, item)
+
+
+def hidden_in_cmd(item: Item) -> str | None:
+    """Why a check is not run when its command holds what verify-cmd never
+    stores (plain_text drops it: a terminal escape, a control or invisible
+    character, a NUL): a hand edit, where `export` and `show` may not show what
+    would run (pure)."""
+    cmd = check_cmd(item) or ""
+    if cmd == plain_text(cmd):
+        return None
+    return ("its command is not text verify-cmd stores (it holds a terminal escape, a "
+            "control or invisible character, or text verify-cmd would have changed: a hand "
+            "edit), so what export and show print may not be all that would run; it was not "
+            f"run: read it in `{_prog()} export` (such characters shown escaped), and "
+            f"`{_prog()} verify-cmd {item.id} CMD` replaces it")
 
 
 def waiting_copy(scope: str, item: Item) -> str | None:
@@ -20192,7 +20226,9 @@ def _cli_value(value: str) -> str:
 
 
 def _text(value: Any, indent: str = "") -> str:
-    """A readable rendering of a JSON-like result for people: no Python literals."""
+    """A readable rendering of a JSON-like result for people: no Python literals.
+    A check's command (`cmd`) shows its hidden characters as escapes (visible_text):
+    the terminal_safe that follows dropped an escape sequence with its words."""
     if isinstance(value, dict):
         lines = []
         for k, v in value.items():
@@ -20200,6 +20236,7 @@ def _text(value: Any, indent: str = "") -> str:
                 lines.append(f"{indent}{k}:")
                 lines.append(_text(v, indent + "  "))
             else:
+                v = visible_text(v) if k == "cmd" and isinstance(v, str) else v
                 lines.append(f"{indent}{k}: {_word(v)}")
         return "\n".join(lines)
     if isinstance(value, list):

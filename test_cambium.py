@@ -10514,7 +10514,8 @@ def test_a_check_that_cannot_start_is_skipped_and_the_others_are_recorded(repo):
     run = cs.run_checks()
     assert run["ran"] == 1 and run["passed"] == 1 and run["results"][0]["id"] == ids[2]
     reasons = {s["id"]: s["reason"] for s in run["skipped"]}
-    assert "could not start (embedded null byte)" in reasons[ids[0]]
+    assert "not text verify-cmd stores" in reasons[ids[0]]      # (never run: a NUL is
+    assert "could not start" not in reasons[ids[0]]             # no text verify-cmd keeps)
     assert "Argument list too long" in reasons[ids[1]]
     items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
     assert items[ids[2]].authority == "verified"
@@ -10579,6 +10580,30 @@ def test_verify_run_runs_only_the_first_copy_of_an_id_a_store_holds_twice(shared
     first, second = remote_json(shared["origin"], "cambium")["items"]
     assert first["authority"] == "verified" and first["check"]["cmd"] == "echo benign"
     assert [second] == pushed                    # left as the teammate wrote it
+
+
+def test_a_check_command_hiding_words_in_an_escape_is_shown_and_never_run(shared, tmp_path):
+    """A teammate's hand-edited check `echo ok<OSC>; touch X; true <BEL>` read
+    `echo ok` in export and show (terminal_safe drops an escape sequence with
+    its words), and verify --run ran the touch."""
+    item_id = _endorsed("The build needs the cache warmed before the tests run")
+    cs.promote(item_id, force=True)
+    assert cli("verify-cmd", item_id, "echo ok").returncode == 0
+    flag = tmp_path / "pwned"
+    hidden = f"echo ok\x1b]; touch {flag}; true \x07"
+    _teammate_edits_team(shared, lambda items: [
+        {**it, "check": {**it["check"], "cmd": hidden}} for it in items])
+    shown = f"echo ok\\x1b]; touch {flag}; true \\x07"
+    export = cli("export", "--scope", "team", "--format", "text").stdout
+    assert f"check: `{shown}`" in export and "\x1b" not in export
+    out = cli("show", item_id, "--format", "text").stdout
+    assert f"cmd: {shown}" in out and "\x1b" not in out
+    run = json.loads(cli("verify", "--run", item_id).stdout)
+    assert not flag.exists() and run["ran"] == 0
+    (skip,) = run["skipped"]
+    assert skip["id"] == item_id and "not text verify-cmd stores" in skip["reason"]
+    (team,) = remote_json(shared["origin"], "cambium")["items"]
+    assert not team.get("failing") and team.get("authority") != "verified"
 
 
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
