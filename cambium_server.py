@@ -15496,28 +15496,52 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     once the answer is in, so a check leaves nothing running. A check that
     cannot start (a NUL in a hand-edited command, one over the system's
     argument limit) answers `error`: it neither passed nor failed, and one
-    such check stopped the whole run, with the results already in."""
-    try:
-        proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={k: v for k, v in os.environ.items()
-                                     if k not in _HOOK_GIT_VARS})
-    except (ValueError, OSError) as e:
-        return {"cmd": cmd, "passed": False, "exit": None, "output": "",
-                "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
-    try:
-        output = check_output_tail(proc, timeout_s)
-        code = proc.poll()                          # None: still running, timed out
-    finally:
-        with contextlib.suppress(OSError):          # the whole group: timed out or leftovers
-            os.killpg(proc.pid, 9)
-        proc.stdout.close()
-        proc.wait()
+    such check stopped the whole run, with the results already in. A SIGTERM
+    or SIGHUP ends the run through that kill too (signals_raise)."""
+    with signals_raise():
+        try:
+            proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    env={k: v for k, v in os.environ.items()
+                                         if k not in _HOOK_GIT_VARS})
+        except (ValueError, OSError) as e:
+            return {"cmd": cmd, "passed": False, "exit": None, "output": "",
+                    "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
+        try:
+            output = check_output_tail(proc, timeout_s)
+            code = proc.poll()                      # None: still running, timed out
+        finally:
+            with contextlib.suppress(OSError):      # the whole group: timed out or leftovers
+                os.killpg(proc.pid, 9)
+            proc.stdout.close()
+            proc.wait()
     if code is None:
         output += f"\n[timed out after {timeout_s:g} s]".encode()
     text = plain_text(output.decode("utf-8", "replace"))[-CHECK_OUTPUT_CHARS:]
     return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """While a check runs, SIGTERM and SIGHUP raise SystemExit (143, 129), so
+    run_check's `finally` kills the check's process group: their default
+    action ended the interpreter at once, and the check, in its own session,
+    which no signal to cambium reaches, ran on with no time limit (a CI job's
+    timeout). One ignored (nohup) stays ignored; off the main thread, where no
+    handler can be set, nothing changes. The handlers before are put back."""
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
+               if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 CHECK_DRAIN_S = 0.5   #: after a check exits, its output is read for at most this long more

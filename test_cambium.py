@@ -17,6 +17,7 @@ import os
 import stat
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -10604,6 +10605,37 @@ def test_a_check_command_hiding_words_in_an_escape_is_shown_and_never_run(shared
     assert skip["id"] == item_id and "not text verify-cmd stores" in skip["reason"]
     (team,) = remote_json(shared["origin"], "cambium")["items"]
     assert not team.get("failing") and team.get("authority") != "verified"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, sig):
+    """A CI job's timeout sent verify --run SIGTERM: the interpreter died at once,
+    and its check (`sleep 317`, in its own session) ran on with no time limit."""
+    marker = f"61.{sig:04d}"
+    item_id = cs.capture("The soak test runs for about a minute")["item"]["id"]
+    assert cli("verify-cmd", item_id, f"sleep {marker}; echo late").returncode == 0
+    run = subprocess.Popen([sys.executable, str(SERVER), "verify", "--run", item_id,
+                            "--timeout", "30"], env=child_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_running(marker), run.stderr
+        run.send_signal(sig)
+        run.communicate(timeout=30)
+        assert run.returncode == 128 + sig
+        deadline = time.monotonic() + 5
+        while _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_running(marker) == []
+    finally:
+        run.kill()
+        run.communicate()
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
 
 
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
