@@ -4560,7 +4560,7 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
         with contextlib.suppress(OSError):
             names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub))
                       if LINK_TAG in n or ODD_TAG in n]
-    out = []
+    out = [] if knowledge_only else lock_dir_warnings(path.parent, names)
     if path.parent.is_symlink() and not knowledge_only:
         with contextlib.suppress(OSError):
             out.append(f"{path.parent} is a symbolic link to {os.readlink(path.parent)}: "
@@ -4598,6 +4598,25 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
             out.append(f"{path.name} did not parse at all and was moved to "
                        f"{path.parent / name}; cambium started a fresh store. Repair it and "
                        f"run `{_prog()} restore {path.parent / name}`.")
+    return out
+
+
+def lock_dir_warnings(folder: Path, names: list[str]) -> list[str]:
+    """A warning for each `<name>.lock` in `folder` that is a directory: file_lock
+    cannot open it (EISDIR), so every write that takes that lock (a capture,
+    a promote, a credit fold, for knowledge.json.lock) failed while status and
+    recall said nothing. It is left as it is, as a directory in place of
+    credits.jsonl is (it may hold a person's files); a link or FIFO there is
+    already set aside by set_aside_links."""
+    out = []
+    for name in names:
+        with contextlib.suppress(OSError):
+            if name.endswith(".lock") and "/" not in name and \
+                    _stat.S_ISDIR(os.lstat(folder / name).st_mode):
+                out.append(f"{folder / name} is a directory, where cambium takes the lock "
+                           f"of {name[:-len('.lock')]}, so every write that needs that lock "
+                           "fails (Is a directory); it is left as it is: move it out of "
+                           f"{folder} to let those writes run again.")
     return out
 
 

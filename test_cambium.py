@@ -4004,6 +4004,29 @@ def test_a_directory_in_place_of_the_credit_journal_fails_no_write_nor_status(re
     assert (journal / "kept").read_text() == "a person's"
 
 
+def test_a_directory_in_place_of_a_lock_file_is_named_by_status_and_recall(repo):
+    """A directory .cambium/knowledge.json.lock failed every capture, promote
+    and credit fold (EISDIR) while status said ok with no warning and recall
+    warned nothing; now every tool's warnings name it, and it is left as it is."""
+    cs.capture("Deploys need a green pipeline")
+    lock = repo / ".cambium" / "knowledge.json.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    (lock / "kept").write_text("a person's")
+    out = cli("capture", "Staging mirrors production data nightly")
+    assert out.returncode != 0 and "Is a directory" in out.stderr
+    status = json.loads(cli("status").stdout)
+    found = json.loads(cli("recall", "green pipeline deploys").stdout)
+    for res in (status, found):
+        assert any(str(lock) in w and "is a directory" in w for w in res["warnings"]), res
+    assert (lock / "kept").read_text() == "a person's"
+    lock.joinpath("kept").unlink()
+    lock.rmdir()
+    assert json.loads(cli("capture", "Staging mirrors production data")
+                      .stdout)["status"] == "captured"
+    assert not any("is a directory" in w for w in cs.status().get("warnings") or [])
+
+
 def test_a_file_system_error_claims_nothing_about_how_stores_are_written():
     """Every file system error said "stores are only ever replaced whole",
     a failed read of a lock file and a failed append alike."""
