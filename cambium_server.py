@@ -11137,7 +11137,11 @@ class _Revising:
 
     def older_claim_states(self, states: list) -> None:
         """The older states of one done claim (its lineage) superseded by the
-        newest, whose text may live as a twin."""
+        newest, whose text may live as a twin. A state a live record says (the
+        board holds it) is newer than every one none says, whatever the stamps:
+        a new state stamped with no time (hour 25) or later than tomorrow sorted
+        first, and the old one kept as the newest left both live (retire never
+        takes a live record's item)."""
         lines: dict[str, list[tuple[str, str, Item]]] = {}   # lineage -> (ts, at, its item)
         for item, target in states:
             lines.setdefault(item.source["lineage"], []).append(
@@ -11151,8 +11155,9 @@ class _Revising:
                 lines[it.source["lineage"]].append(
                     (str(it.source.get("source_ts") or ""), it.created_at, it))
         for lineage, line in lines.items():
-            line.sort(key=lambda t: (time_key(t[0]), t[0], time_key(t[1]), t[1]))   # by time:
-            #                          "15:00+05:30" is before "10:00Z", ".250Z" after "Z"
+            line.sort(key=lambda t: (t[2].id in self.live, time_key(t[0]), t[0],
+                                     time_key(t[1]), t[1]))   # then by time: "15:00+05:30"
+            #                          is before "10:00Z", ".250Z" after "Z"
             newest = line[-1][2]
             for _, _, old in line[:-1]:
                 if old.source.get("lineage") == lineage:

@@ -16733,6 +16733,30 @@ def test_distill_takes_the_newer_claim_state_by_time_not_by_text(tmp_path, monke
                                                                 (True, "active")]
 
 
+@pytest.mark.parametrize("stamps", [
+    ("2026-11-30T10:00:00Z", "2026-11-30T25:10:00Z"),       # no hour 25: no time
+    ("2026-11-30T10:00:00Z", "2062-11-30T10:00:00Z"),       # later than tomorrow: absent
+    ("2026-11-30T25:10:00Z", "2026-11-30T24:10:00Z"),       # both none: text said older
+    ("2026-11-30T10:00:00Z", "2026-11-30T09:00:00Z")])      # the board's clock went back
+def test_distill_retires_a_claims_older_state_whatever_its_new_stamp_says(
+        tmp_path, monkeypatch, stamps):
+    """A claim's new state stamped with no time (hour 25) or one later than
+    tomorrow sorted before the state it replaced, so the state the board no
+    longer holds was kept as the newest and the board's own could not be
+    retired (a live record says it): both stayed live."""
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    for stamp, note in zip(stamps, ("tests were green", "correction: tests were flaky")):
+        write_board(clone, {"ann": {**DONE_CLAIM, "note": note, "updated_at": stamp}})
+        res = cs.distill()
+    outs = [i for i in cs.store(cs.resolve_config(), "local").read().items
+            if i.source.get("system") == "agentsync"]
+    assert [("flaky" in i.content, i.status) for i in outs] == [(False, "superseded"),
+                                                                (True, "active")], res
+    assert cs.distill()["retired"] == 0
+
+
 def test_distill_keeps_one_live_item_per_claim_and_records_a_second_source(
         tmp_path, monkeypatch):
     """D2: the same done claim with a new note left two active outcomes (the
