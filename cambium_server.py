@@ -11092,6 +11092,56 @@ def _kept_beside_edit(old: Item, item: Item, new: Item) -> str:
             f"the one that no longer stands")
 
 
+def _also_claims(item: Item) -> list[tuple[str, str, str]]:
+    """The claim states recorded under item's source.also, as (lineage, stamp,
+    ref); one recorded before entries carried their lineage gives lineage ""
+    (its claim is not known) (pure)."""
+    held = item.source.get("also")
+    out = []
+    for entry in held if isinstance(held, list) else [held]:    # (a hand edit's one entry)
+        if isinstance(entry, dict) and entry.get("system") == "agentsync":
+            line = entry.get("lineage")
+            out.append((line if isinstance(line, str) else "",
+                        str(entry.get("source_ts") or ""), str(entry.get("ref"))))
+    return out
+
+
+def _claim_time(ts: str) -> tuple[float, str]:
+    return time_key(ts), ts
+
+
+def _newest_claim_states(items: Iterable[Item]) -> dict[str, tuple[float, str]]:
+    """Lineage -> the time of its newest state any of these items (any status)
+    is, or holds under source.also (pure)."""
+    out: dict[str, tuple[float, str]] = {}
+    for it in items:
+        line = it.source.get("lineage")
+        states = [(line, str(it.source.get("source_ts") or ""))] if isinstance(line, str) \
+            else []
+        for line, ts in [*states, *((a, t) for a, t, _ in _also_claims(it) if a)]:
+            if line not in out or _claim_time(ts) > out[line]:
+                out[line] = _claim_time(ts)
+    return out
+
+
+def _claims_moved_on(item: Item, newest: dict[str, tuple[float, str]]) -> bool:
+    """Whether every claim that said item's text (its own, those under its
+    source.also) has a newer state than the one that said it: a claim that left
+    the board with these words keeps them live (pure). An agentsync item or
+    entry without a lineage (stored before there was one) is a claim not known."""
+    said: dict[str, tuple[float, str]] = {}
+    line = item.source.get("lineage")
+    if isinstance(line, str):
+        said[line] = _claim_time(str(item.source.get("source_ts") or ""))
+    elif item.source.get("system") == "agentsync":
+        return False
+    for line, ts, _ in _also_claims(item):
+        if not line:
+            return False
+        said[line] = max(said.get(line, _claim_time(ts)), _claim_time(ts))
+    return all(line in newest and newest[line] > at for line, at in said.items())
+
+
 class _Revising:
     """The items _revisions() changes, each read as changed so far (cur)."""
 
@@ -11141,19 +11191,29 @@ class _Revising:
         board holds it) is newer than every one none says, whatever the stamps:
         a new state stamped with no time (hour 25) or later than tomorrow sorted
         first, and the old one kept as the newest left both live (retire never
-        takes a live record's item)."""
+        takes a live record's item). An older state that said another claim's
+        item (it is under that item's source.also) supersedes it too once every
+        claim that said it has a newer state (_claims_moved_on) and no live
+        record names it: kept live only because this claim still said it."""
         lines: dict[str, list[tuple[str, str, Item]]] = {}   # lineage -> (ts, at, its item)
         for item, target in states:
             lines.setdefault(item.source["lineage"], []).append(
                 (str(item.source.get("source_ts") or ""), item.created_at, target))
         if not lines:
             return
+        said: dict[tuple[str, str], str] = {}    # (lineage, item id) -> the ref that said it
         for it in list(self.doc.items) + self.fresh:        # (a hand edit's lineage may be
             lineage = it.source.get("lineage")               # a list: unhashable)
-            if isinstance(lineage, str) and lineage in lines and it.active \
-                    and it.scope == "local":
-                lines[it.source["lineage"]].append(
-                    (str(it.source.get("source_ts") or ""), it.created_at, it))
+            if not (it.active and it.scope == "local"):
+                continue
+            if isinstance(lineage, str) and lineage in lines:
+                lines[lineage].append((str(it.source.get("source_ts") or ""), it.created_at, it))
+            for line, ts, ref in _also_claims(it):
+                if line in lines:
+                    lines[line].append((ts, it.created_at, it))
+                    said[(line, it.id)] = ref
+        newest_known = _newest_claim_states([*self.doc.items, *self.fresh,
+                                             *(item for item, _ in states)])
         for lineage, line in lines.items():
             line.sort(key=lambda t: (t[2].id in self.live, time_key(t[0]), t[0],
                                      time_key(t[1]), t[1]))   # then by time: "15:00+05:30"
@@ -11165,6 +11225,12 @@ class _Revising:
                                              f"state of the same claim (agent, task and "
                                              f"branch); its newest state's text is item "
                                              f"{newest.id}")
+                elif (lineage, old.id) in said and _claims_moved_on(old, newest_known):
+                    self.retire(old, newest, f"agentsync: {said[(lineage, old.id)]} said what "
+                                             f"item {old.id} says and is an older state of its "
+                                             f"claim (agent, task and branch), whose newest "
+                                             f"state's text is item {newest.id}; every claim "
+                                             f"that said {old.id} has a newer state")
 
     def claims_changed_in_place(self, revised: list) -> None:
         """A note for a claim whose text changed under the same updated_at."""
@@ -11219,10 +11285,13 @@ class _Revising:
                      if item.source.get(k)}          # entries as they are (a note, a 7)
             if item.why and item.why != twin.why:
                 entry["why"] = item.why
-            if entry in also or sum(isinstance(a, dict) for a in also) >= MAX_ALSO_SOURCES:
-                continue
+            lined = {**entry, "lineage": item.source["lineage"]} if item.source.get(
+                "lineage") else entry    # a claim's: its newer state may retire the twin
+            if entry in also or lined in also or \
+                    sum(isinstance(a, dict) for a in also) >= MAX_ALSO_SOURCES:
+                continue                 # (older_claim_states; an entry of before, unlined)
             self.out[twin.id] = dataclasses.replace(
-                t, source={**t.source, "also": also + [entry]}, updated_at=self.now)
+                t, source={**t.source, "also": also + [lined]}, updated_at=self.now)
             self.adm.notes.append(
                 f"{item.source.get('system')} {item.source.get('ref')} says what "
                 f"{'' if t.active else t.status + ' '}item {twin.id} "

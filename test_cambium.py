@@ -17156,6 +17156,87 @@ def test_distill_supersedes_a_claims_older_state_whose_newer_text_is_another_age
         cs.claim_to_draft("alice\x1b[1m", claim).source["lineage"]
 
 
+def _twin_claims_moved_on(tmp_path, monkeypatch, agents):
+    """`agents` mark "fix the flaky test" done with one note (one item, the rest
+    under its source.also), then ann corrects hers; returns (a board writer
+    that distills, the outcomes)."""
+    _, clone = make_origin_and_clone(tmp_path)
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    claim = {**DONE_CLAIM, "task": "fix the flaky test", "note": "root cause was a race"}
+    board = {a: {**claim, "updated_at": f"2026-11-30T10:0{n}:00Z"} for n, a in enumerate(agents)}
+
+    def say(agent, note, minute):            # (note None: the claim leaves the board)
+        board[agent] = {**claim, "note": note, "updated_at": f"2026-11-30T11:{minute}:00Z"}
+        if note is None:
+            del board[agent]
+        write_board(clone, board)
+        return cs.distill()
+
+    def outs():
+        return [i for i in cs.store(cs.resolve_config(), "local").read().items
+                if i.source.get("system") == "agentsync"]
+
+    write_board(clone, board)
+    assert cs.distill()["imported"] == 1
+    res = say("ann", "root cause was a race in setup", "00")
+    assert res["retired"] == 0 and len([i for i in outs() if i.active]) == 2   # bob says it
+    return say, outs
+
+
+def test_a_twin_claim_moving_on_retires_the_item_its_older_state_said(tmp_path, monkeypatch):
+    """ann and bob finished one task with one note (bob under source.also); ann
+    corrected hers (the old item kept: bob still said it); bob then corrected
+    his the same way: no live record said the old note, yet both items stayed
+    live on every distill (only bob's own claim states were looked at)."""
+    say, outs = _twin_claims_moved_on(tmp_path, monkeypatch, ("ann", "bob"))
+    old = next(i for i in outs() if "in setup" not in i.content)
+    res = say("bob", "root cause was a race in setup", "01")
+    live = [i for i in outs() if i.active]
+    assert len(live) == 1 and "in setup" in live[0].content, res
+    (gone,) = [i for i in outs() if not i.active]
+    assert gone.id == old.id and gone.superseded_by["id"] == live[0].id
+    assert [r["id"] for r in res["retired_items"]] == [old.id]
+    assert [a["agent"] for a in live[0].source["also"]] == ["bob"]
+    again = cs.distill()
+    assert again["retired"] == 0 and "revived_items" not in again and again["imported"] == 0
+
+
+def test_twin_claims_moving_on_apart_leave_one_live_outcome_each(tmp_path, monkeypatch):
+    """The same, bob correcting his note to something else: two claims left
+    three live outcomes. The old item stays while any live claim (cy's) says it."""
+    say, outs = _twin_claims_moved_on(tmp_path, monkeypatch, ("ann", "bob", "cy"))
+    old = next(i for i in outs() if "in setup" not in i.content)
+    res = say("bob", "root cause was a stale cache", "01")
+    assert res["retired"] == 0 and len([i for i in outs() if i.active]) == 3   # cy says it
+    res = say("cy", "root cause was a stale cache", "02")
+    live = [i for i in outs() if i.active]
+    assert sorted(("in setup" in i.content, "stale cache" in i.content) for i in live) == [
+        (False, True), (True, False)], res
+    (gone,) = [i for i in outs() if not i.active]
+    cache = next(i for i in live if "stale cache" in i.content)
+    assert gone.id == old.id and gone.superseded_by["id"] == cache.id
+    assert cs.distill()["retired"] == 0 and len([i for i in outs() if i.active]) == 2
+
+
+def test_a_claim_that_left_the_board_keeps_the_words_a_twin_claim_moved_on_from(
+        tmp_path, monkeypatch):
+    """The old item is retired by a twin claim's newer state only once every
+    claim that said it has a newer state: bob's claim left the board with those
+    words (a claim's outcome stays), so cy correcting hers retires nothing; a
+    person's deprecation stands."""
+    say, outs = _twin_claims_moved_on(tmp_path, monkeypatch, ("ann", "bob", "cy"))
+    old = next(i for i in outs() if "in setup" not in i.content)
+    say("bob", None, "01")
+    res = say("cy", "root cause was a stale cache", "02")
+    assert res["retired"] == 0 and old.id in [i.id for i in outs() if i.active], res
+    cs.deprecate(old.id, reason="a person says it is wrong")
+    res = say("bob", "root cause was a stale cache", "03")     # bob back, moved on: the
+    assert res["retired"] == 0 and cs.distill()["retired"] == 0   # person's word stands
+    (gone,) = [i for i in outs() if i.id == old.id]
+    assert gone.status == "deprecated" and gone.deprecated["by"] != "distill"
+
+
 def _hand_edit(repo: Path, change) -> None:
     path = repo / ".cambium" / "knowledge.json"
     doc = cs.parse_store(path.read_text(), str(path))
