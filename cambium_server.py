@@ -5182,6 +5182,16 @@ def _united(before: Any, mine: Any, theirs: Any) -> Any:
     return mine + [x for x in theirs if x not in mine]
 
 
+def _united_projects(before: Any, mine: Any, theirs: Any) -> Any:
+    """trust.projects both sides added to, united as _united does, a name
+    theirs holds in another case (Remote, remote) left out: one project, the
+    first spelling kept (two spellings vouched for an item as two projects)."""
+    out = _united(before, mine, theirs)
+    if out is _CONFLICT:
+        return out
+    return mine + [x for x in out[len(mine):] if not any(same_project(x, y) for y in mine)]
+
+
 def _later(before: Any, mine: Any, theirs: Any) -> Any:
     return latest_stamp(mine, theirs)
 
@@ -5234,7 +5244,7 @@ def _merged_trust(before: dict, mine: dict, theirs: dict) -> Any:
         elif v is _CONFLICT and k == "endorsements":
             v = _one_per_agent(m, t)
         elif v is _CONFLICT and k == "projects":
-            v = _united(b, m, t)
+            v = _united_projects(b, m, t)
         if v is _CONFLICT:
             return _CONFLICT
         out[k] = v
@@ -12289,7 +12299,8 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
                 ends[agent_key(e.get("by"))] = publishable_endorsement(e, survivor, m)
         if m.id in done:          # ... its agent-days since, counted (the rest were)
             recalls = min(recalls + later_days(recalled, t), MAX_TRUST_COUNT)
-        projects += [p for p in t.get("projects") or [] if p not in projects]
+        projects += [p for p in t.get("projects") or []      # (Remote is remote: one)
+                     if p not in projects and not any(same_project(p, q) for q in projects)]
     origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
                 "created_by": m.created_by, "created_at": m.created_at} for m, _ in fresh]
     top = max((m for m, _ in members), key=lambda m: m.authority_rank)
@@ -14135,7 +14146,7 @@ def trust_score(item: Item, trust: dict, now: datetime) -> float:
     rank = item.authority_rank if item.authority == "human" or recent else 0
     return (AUTHORITY_WEIGHT * rank
             + 3.0 * len(trust.get("endorsements") or []) + recalling_agents(trust)
-            + max(0, len(trust.get("projects") or []) - 1) + (2.0 if recent else 0.0)
+            + max(0, project_count(trust) - 1) + (2.0 if recent else 0.0)
             + 0.1 * min(int(trust.get("recalls") or 0), 20))
 
 
@@ -14200,6 +14211,15 @@ def recalling_agents(trust: dict) -> int:
     return len({agent_key(a) for a in by}) if isinstance(by, dict) else 0
 
 
+def project_count(trust: dict) -> int:
+    """How many projects used an item: its trust.projects as same_project reads
+    them (a store holding "Remote" and "remote", as merges wrote before they
+    read names that way, vouched for an item as used by two projects) (pure)."""
+    projects = trust.get("projects")
+    return len({p.casefold() if isinstance(p, str) else repr(p) for p in projects}) \
+        if isinstance(projects, list) else 0
+
+
 def same_project(a: Any, b: Any) -> bool:
     """Whether two project names are one project: case aside, as remotes'
     hosts read them (pure)."""
@@ -14262,7 +14282,7 @@ def vouched(item: Item, trust: dict, now: datetime) -> bool:
                 or trust.get("endorsements") or recent          # verified": not for good
                 or len({agent_key(a) for a in trust.get("recalled_by") or {}}
                        - {agent_key(item.created_by)}) >= VOUCHING_RECALLERS
-                or len(trust.get("projects") or []) > 1)
+                or project_count(trust) > 1)
 
 
 def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:

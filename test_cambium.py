@@ -8477,6 +8477,28 @@ def test_merged_docs_applies_a_side_branch_s_changes_item_by_item():
     assert cs.merged_docs(doc(), doc(c), doc(d)).items == [c, d]           # no common base
 
 
+def test_merges_read_a_project_named_in_two_cases_as_one(repo):
+    """Two clones' remotes named the project Remote and remote: consolidate
+    merged trust.projects ['Remote', 'remote'], and the primer listed the
+    survivor as most trusted (vouched: used in two projects) with a higher
+    score. Merges keep the first spelling; a store holding both reads one."""
+    rep = dataclasses.replace
+    surv = rep(cs.new_item("Run migrations before deploying the api"), trust={
+        "recalls": 1, "endorsements": [], "projects": ["Remote"]})
+    dup = rep(cs.new_item("Run the migrations before deploying the api."), trust={
+        "recalls": 1, "endorsements": [], "projects": ["remote"]})
+    merged = cs.merged_survivor(surv, surv.trust, [(dup, dup.trust)], now="2026-12-02T00:00:00Z")
+    assert merged.trust["projects"] == ["Remote"]
+    theirs = rep(surv, trust={**surv.trust, "projects": ["Remote", "remote", "other"]})
+    mine = rep(surv, trust={**surv.trust, "projects": ["Remote", "REMOTE"]})
+    assert cs.merged_item(surv, mine, theirs).trust["projects"] == ["Remote", "REMOTE", "other"]
+    now = cs.datetime.now(cs.timezone.utc)
+    both = {**surv.trust, "projects": ["Remote", "remote"]}
+    assert not cs.vouched(surv, both, now)
+    assert cs.trust_score(surv, both, now) == cs.trust_score(surv, surv.trust, now)
+    assert cs.vouched(surv, {**both, "projects": ["Remote", "shop"]}, now)
+
+
 def test_merged_item_reconciles_what_both_sides_added_and_refuses_the_rest():
     rep = cs.dataclasses.replace
     v0, v1, v2 = ({"by": w, "at": f"2026-0{n}-01T00:00:00Z", "note": w}
