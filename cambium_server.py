@@ -4944,7 +4944,8 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     """The item after one recall credit; unchanged if `agent` was credited `day`
     or a later day: only each agent's last credited day is kept, so an older
     credit folded late (journaled in another clone) may be one already counted
-    (it set the day back, and the next day counted again)."""
+    (it set the day back, and the next day counted again). recalled_days
+    counts the agent's days (counted_day): what a merge of copies needs."""
     trust = item.trust
     by = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
@@ -4954,13 +4955,39 @@ def credit(item: Item, agent: str, day: str, project: str) -> Item:
     if not isinstance(last, str) or not _credit_day_ok(last) or day > last:   # is none: it
         by[agent] = day                                  # held back every later real day
         trust = {**trust, "recalls": min(int(trust.get("recalls", 0)) + 1, MAX_TRUST_COUNT),
-                 "recalled_by": by}
+                 "recalled_by": by, RECALLED_DAYS: counted_day(trust, agent)}
         changed = True
     if project and not any(same_project(p, project) for p in projects):
         projects.append(project)
         trust = {**trust, "projects": projects}
         changed = True
     return dataclasses.replace(item, trust=trust) if changed else item
+
+
+RECALLED_DAYS = "recalled_days"   #: trust key: agent -> how many days it was credited
+
+
+def counted_day(trust: dict, agent: str) -> dict[str, int]:
+    """`trust`'s recalled_days with one more day for `agent` (spelled as its
+    recalled_by spells it; another spelling of it dropped) (pure)."""
+    days = trust.get(RECALLED_DAYS)
+    days = days if isinstance(days, dict) else {}
+    n = min(credited_days(trust, agent) + 1, MAX_TRUST_COUNT)
+    return {**{a: d for a, d in days.items() if not same_agent(a, agent)}, agent: n}
+
+
+def credited_days(trust: dict, agent: Any) -> int:
+    """How many days `agent` (however spelled) was credited on an item: its
+    recalled_days count, at least 1 when recalled_by names the agent (an item
+    credited before counts were kept, or a count a hand broke, reads as one
+    day: its last), 0 when it does not (pure). A merge needs it: only the
+    last day is kept, and one agent's older days on two copies were two."""
+    by = trust.get("recalled_by")
+    if not isinstance(by, dict) or not any(same_agent(a, agent) for a in by):
+        return 0
+    days = trust.get(RECALLED_DAYS)
+    return min(max([1, *(n for a, n in (days.items() if isinstance(days, dict) else ())
+                        if same_agent(a, agent) and n.__class__ is int)]), MAX_TRUST_COUNT)
 
 
 SCOPES_ABOVE = {"local": ("team", "org"), "team": ("org",), "org": ()}   #: nearest first
@@ -12256,18 +12283,49 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
 
 
 def merged_recalls(trusts: list[dict]) -> int:
-    """The recall credits of copies merged into one item: their sum, less the
-    credits one agent earned on one day from several copies (one recall that
-    returned them all is one agent-day of the merged item); never fewer than
-    the most any copy had. Only each agent's last day is known, so an older
-    overlap still counts twice. One agent however spelled (ada on one copy,
-    ADA on the other, one day: counted twice)."""
+    """The recall credits of copies merged into one item (merged_days)."""
+    return merged_days(trusts)[1]
+
+
+def merged_days(trusts: list[dict]) -> tuple[dict[str, int], int]:
+    """The recall credits of copies merged into one item: agent_key -> its
+    days, and the total: each copy's credits, one agent's days on several
+    copies counted as the fewest they can be (near-duplicates are recalled
+    together: one recall that returned them all is one agent-day of the
+    merged item, and so is an older day, as recalled_days counts them), the
+    credits no agent is named for added up; never fewer than the most any
+    copy had. Erring low: days that were one never promote. One agent
+    however spelled (ada on one copy, ADA on the other, one day: once)."""
+    per = [copy_days(t) for t in trusts]
+    days = {k: fewest_days([c[k] for c in per if k in c]) for c in per for k in c}
+    rest = sum(max(0, int(t.get("recalls") or 0) - sum(n for _, n in c.values()))
+               for t, c in zip(trusts, per))
     counts = [int(t.get("recalls") or 0) for t in trusts]
-    days = collections.Counter(
-        key for t in trusts if isinstance(t.get("recalled_by"), dict)
-        for key in {(agent_key(agent), str(day)) for agent, day in t["recalled_by"].items()})
-    merged = max(sum(counts) - sum(n - 1 for n in days.values()), max(counts, default=0))
-    return min(merged, MAX_TRUST_COUNT)
+    return days, min(max(sum(days.values()) + rest, max(counts, default=0)), MAX_TRUST_COUNT)
+
+
+def fewest_days(held: list[tuple[str, int]]) -> int:
+    """The fewest days one agent can have been credited on copies merged,
+    given each copy's (last day, days credited): the most one copy has, plus
+    the other copies' last days later than all of its own (pure)."""
+    lasts = {d for d, _ in held}
+    return min(max(n + sum(1 for d in lasts if d > last) for last, n in held), MAX_TRUST_COUNT)
+
+
+def copy_days(trust: dict) -> dict[str, tuple[str, int]]:
+    """agent_key -> (last credited day, days credited) of one copy's trust
+    (credited_days; one agent's days under several spellings each a day at
+    least); counts adding up to more than its recalls (a hand edit, recalls
+    at their cap) read as one a day (pure)."""
+    by = trust.get("recalled_by")
+    seen: dict[str, set[str]] = {}
+    for a, d in (by.items() if isinstance(by, dict) else ()):
+        seen.setdefault(agent_key(a), set()).add(str(d))
+    names = {agent_key(a): a for a in by} if seen else {}
+    out = {k: (max(ds), max(len(ds), credited_days(trust, names[k]))) for k, ds in seen.items()}
+    if sum(n for _, n in out.values()) > int(trust.get("recalls") or 0):
+        out = {k: (max(ds), len(ds)) for k, ds in seen.items()}
+    return out
 
 
 def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,
@@ -12289,16 +12347,19 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
             if isinstance(e, dict)}                   # (one agent however spelled)
     recalled = dict(trust.get("recalled_by") or {})
     projects = list(trust.get("projects") or [])
-    recalls = merged_recalls([trust, *(t for _, t in fresh)])   # (credits: once only)
+    days, recalls = merged_days([trust, *(t for _, t in fresh)])   # (credits: once only)
     for _, t in fresh:
         later_days(recalled, t)
+    days = {a: days[agent_key(a)] for a in recalled if agent_key(a) in days}
+    counted = bool(fresh) or RECALLED_DAYS in trust    # (a rerun's survivor stays as it is)
     for m, t in members:          # a member merged before brings what it gained since
         for e in t.get("endorsements") or []:
             if isinstance(e, dict) and str(e.get("at", "")) >= str(
                     ends.get(agent_key(e.get("by")), {}).get("at", "")):
                 ends[agent_key(e.get("by"))] = publishable_endorsement(e, survivor, m)
         if m.id in done:          # ... its agent-days since, counted (the rest were)
-            recalls = min(recalls + later_days(recalled, t), MAX_TRUST_COUNT)
+            gained = later_days(recalled, t, days)
+            recalls, counted = min(recalls + gained, MAX_TRUST_COUNT), counted or bool(gained)
         projects += [p for p in t.get("projects") or []      # (Remote is remote: one)
                      if p not in projects and not any(same_project(p, q) for q in projects)]
     origins = [{"id": m.id, "scope": m.scope, "project": m.project, "source": m.source,
@@ -12314,23 +12375,28 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         verifications=checks or survivor.verifications,
         last_verified=latest_stamp(*stamps) if stamps else survivor.last_verified,
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
-               "projects": projects, **({"recalled_by": recalled} if recalled else {})},
+               "projects": projects, **({"recalled_by": recalled} if recalled else {}),
+               **({RECALLED_DAYS: days} if recalled and counted else {})},
         extra={**survivor.extra, "merged_from": prior
                + origins}, **merged_pointers(survivor, [m for m, _ in members]),
         **merged_reason(survivor, [m for m, _ in members]))
     return survivor if merged == survivor else dataclasses.replace(merged, updated_at=now)
 
 
-def later_days(recalled: dict, trust: dict) -> int:
+def later_days(recalled: dict, trust: dict, days: dict | None = None) -> int:
     """Take into `recalled` (agent -> last credited day) the days of `trust`'s
-    recalled_by that are later than its own; returns how many: the agent-days
+    recalled_by that are later than its own, one more day each in `days`
+    (agent -> days credited) when given; returns how many: the agent-days
     a copy merged before gained since (credited as credit() would, so a rerun
     never counts one twice; one agent however spelled, as credit() finds it)."""
     by = trust.get("recalled_by")
     n = 0
     for agent, day in (by.items() if isinstance(by, dict) else ()):
         if str(day) > last_day(recalled, agent):
-            recalled[next((a for a in recalled if same_agent(a, agent)), agent)] = str(day)
+            key = next((a for a in recalled if same_agent(a, agent)), agent)
+            recalled[key] = str(day)
+            if days is not None:
+                days[key] = min(days.get(key, 0) + 1, MAX_TRUST_COUNT)
             n += 1
     return n
 

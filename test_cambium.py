@@ -9747,6 +9747,40 @@ def test_merged_copies_count_one_agents_recall_of_them_all_once():
                               {"recalls": 0, "recalled_by": {"x": "d"}}]) == 3
 
 
+def test_merged_copies_count_one_agents_older_days_on_them_all_once(repo, monkeypatch):
+    """ag1 recalled two near-duplicates yesterday and today (each recall
+    returned both): two agent-days. Only the last day is kept, so
+    consolidate counted yesterday's twice (recalls 3) and promote sent the
+    survivor to team "recalled 3 times". recalled_days counts an agent's
+    days; a merge takes one agent's days on the copies as the fewest."""
+    d1 = cs.capture("Always run database migrations before deploying the api service to "
+                    "production")["item"]["id"]
+    d2 = cs.capture("Always run the database migrations before deploying the api service to "
+                    "production.")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ag1")
+    for day in ("2026-12-01", "2026-12-02"):
+        monkeypatch.setattr(cs, "_today", lambda day=day: day)
+        assert {r["id"] for r in cs.recall("database migrations deploying api")["results"]} \
+            == {d1, d2}
+        assert cs.fold_credits_now(cs.resolve_config()) == 2
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "boss")
+    assert cs.consolidate(apply=True)["count"] == 1
+    live = [i for i in cs.store(cs.resolve_config(), "local").read().items if i.active]
+    assert [i.trust["recalls"] for i in live] == [2]
+    assert live[0].trust["recalled_days"] == {"ag1": 2}
+    assert cs.review_promotions()["team_eligible"] == []
+    one_each = {"recalls": 1, "recalled_by": {"ag1": "2026-12-01"}}   # other days: two
+    assert cs.merged_recalls([one_each, {"recalls": 1, "recalled_by": {"ag1": "2026-12-02"}}]) \
+        == 2
+    assert cs.merged_recalls([{**one_each, "recalls": 3, "recalled_days": {"ag1": 3}},
+                              {"recalls": 1, "recalled_by": {"ag1": "2026-12-03"}}]) == 4
+    one_each = {**one_each, "endorsements": [], "projects": []}
+    dup = dataclasses.replace(cs.new_item("Pin the base image"), trust=one_each)
+    old = dataclasses.replace(cs.new_item("Pin the base image."), trust=one_each,
+                              extra={"merged_from": [{"id": dup.id}]})   # counted before
+    assert cs.merged_survivor(old, old.trust, [(dup, dup.trust)], now=cs._now()) is old
+
+
 def test_merged_copies_count_one_agents_day_once_however_the_id_is_spelled():
     """ada recalled one near-duplicate and ADA (the same agent) the other, the
     same day: consolidate counted two agent-days (recalls 2, recalled_by
