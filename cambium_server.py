@@ -19333,12 +19333,14 @@ class _RepairedStdin:
     The SDK drops a request it cannot parse without answering it, so this is
     where such a request is made answerable: a line nested too deep for the
     SDK's parser, or one the SDK's own parser rejects (too_deep_reply,
-    unparsable_reply), is answered here (through `reply`, the transport's write
-    side, set once it is open) and never handed on.
+    unparsable_reply), is answered here (queued for `write_refusals`, the
+    session's task writing to the transport, so the reader never waits on a
+    full stdout) and never handed on.
     At the end of input the SDK cancels the handlers still running, so the end
     is held back (up to EOF_ANSWER_WAIT_S, or until a signal or the session's
     end) while a request handed on is open: not yet answered (`settle`, called
-    for each response the server writes) nor cancelled by the client."""
+    for each response the server writes) nor cancelled by the client, or a
+    refusal's answer is queued and not yet written."""
 
     def __init__(self, buffer: Any):
         from mcp_types import jsonrpc_message_adapter
@@ -19346,7 +19348,8 @@ class _RepairedStdin:
         self._fd = _fileno(buffer)          # read directly, so a signal can end the wait
         self._sel: Any = None
         self._pending = bytearray()
-        self._reply: Callable[[dict], Any] | None = None
+        self._outbox: Any = None            # refusals' answers, for write_refusals
+        self._unsent = 0                    # answers queued and not yet written
         self._ready = threading.Event()
         self._parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
         self._parsed: Any = None
@@ -19354,10 +19357,38 @@ class _RepairedStdin:
         self._settled = threading.Condition()
         self._over = threading.Event()
 
-    def answer_with(self, reply: Callable[[dict], Any]) -> None:
-        """Set the coroutine function that writes a JSON-RPC message to the client."""
-        self._reply = reply
+    async def write_refusals(self, reply: Callable[[dict], Any]) -> None:
+        """Write, in the order they were refused, the answers the reader queued,
+        through `reply` (a coroutine function writing one JSON-RPC message),
+        until cancelled. The reader waited for each write itself: once stdout's
+        pipe was full (a client that writes everything before it reads) it
+        stopped reading stdin, and client and server waited on each other."""
+        import anyio
+        self._outbox, answers = anyio.create_memory_object_stream(math.inf)
         self._ready.set()
+        async with answers:
+            async for msg in answers:
+                try:
+                    with contextlib.suppress(Exception):   # the client went away
+                        await reply(msg)
+                finally:
+                    self._written()
+
+    def _queue_refusal(self, reply: dict) -> None:
+        """Hand a refusal's answer to write_refusals without waiting for its write."""
+        import anyio.from_thread
+        with self._settled:
+            self._unsent += 1
+        try:
+            anyio.from_thread.run_sync(self._outbox.send_nowait, reply)
+        except Exception:                               # the session is over
+            self._written()
+
+    def _written(self) -> None:
+        """A queued answer was written (or never will be): it no longer holds the end."""
+        with self._settled:
+            self._unsent -= 1
+            self._settled.notify_all()
 
     def _raw_line(self) -> bytes:
         """The next line of input, b"" at its end, or once STDIO_STOP is set (a
@@ -19429,11 +19460,13 @@ class _RepairedStdin:
             self._settled.notify_all()
 
     def _await_answers(self) -> None:
-        """At the end of input, wait until no request handed on is open, a
-        signal (STDIO_STOP) or the session's end, or EOF_ANSWER_WAIT_S."""
+        """At the end of input, wait until no request handed on is open and no
+        refusal's answer is unwritten, a signal (STDIO_STOP) or the session's
+        end, or EOF_ANSWER_WAIT_S."""
         end = time.monotonic() + EOF_ANSWER_WAIT_S
         with self._settled:
-            while (self._open and not STDIO_STOP.is_set() and not self._over.is_set()
+            while ((self._open or self._unsent) and not STDIO_STOP.is_set()
+                   and not self._over.is_set()
                    and time.monotonic() < end):
                 self._settled.wait(STDIO_POLL_S)
 
@@ -19457,9 +19490,7 @@ class _RepairedStdin:
                   f"{(reply or {}).get('error', {}).get('message', 'a notification')}"[:300],
                   file=sys.stderr)
             if reply is not None and self._ready.wait(30):
-                import anyio.from_thread
-                with contextlib.suppress(Exception):       # the client went away
-                    anyio.from_thread.run(self._reply, reply)
+                self._queue_refusal(reply)
 
 
 def _no_bool_for_int(value: Any) -> Any:
@@ -19610,12 +19641,14 @@ async def serve_stdio(low: Any) -> None:
             async def reply(msg: dict) -> None:
                 await write.send(SessionMessage(jsonrpc_message_adapter.validate_python(msg)))
 
-            repaired.answer_with(reply)
-            try:
-                await low.run(read, _SettlingWrites(write, repaired.settle),
-                              low.create_initialization_options())
-            finally:
-                repaired.session_over()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(repaired.write_refusals, reply)
+                try:
+                    await low.run(read, _SettlingWrites(write, repaired.settle),
+                                  low.create_initialization_options())
+                finally:
+                    repaired.session_over()
+                    tg.cancel_scope.cancel()
     except BaseException as e:               # the client closed our stdout: its session
         if not only_broken_pipes(e):          # ended (an ExceptionGroup from the SDK's
             raise                             # task group held a traceback and exit 1)

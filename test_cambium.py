@@ -13177,6 +13177,43 @@ def test_mcp_lines_the_sdk_cannot_parse_get_an_error_and_the_server_keeps_servin
     assert len(every) == 12                 # initialize, 10 answered lines, the capture
 
 
+def test_a_refused_line_never_stops_a_client_that_writes_everything_before_reading(repo):
+    """A refused line's answer was written by the stdin reader itself: with the
+    stdout pipe full (a client that reads nothing until it has written all) the
+    reader waited on the write, stdin stopped being read, and both sides hung."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}}
+    lines = [json.dumps(init), '{"jsonrpc": "2.0", "method": "notifications/initialized"}',
+             *('{"jsonrpc": "2.0", "id": %d, "method": "tools/list"}' % k for k in range(1, 9)),
+             '{"jsonrpc": "2.0", "id": "bad", "method": "ping"} x',   # ~240 KB answered before
+             *('{"jsonrpc": "2.0", "id": %d, "method": "ping"}%s' % (k, " " * 4096)
+               for k in range(9, 49))]                                # ~160 KB still to write
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=_mcp_env(repo))
+    written = threading.Event()
+
+    def write_all() -> None:
+        with contextlib.suppress(OSError):
+            proc.stdin.write("".join(line + "\n" for line in lines).encode())
+            proc.stdin.close()
+        written.set()
+
+    threading.Thread(target=write_all, daemon=True).start()
+    try:
+        assert written.wait(45), "the server stopped reading stdin"
+        answers = [json.loads(line) for line in proc.stdout.read().splitlines()]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [a.get("id") for a in answers if "error" in a] == ["bad"]
+    assert {a.get("id") for a in answers} == {"bad", *range(49)}
+
+
 def test_stored_lone_surrogates_are_read_served_and_written_back_unchanged(shared):
     """`"\\ud800"` in knowledge.json is valid JSON but not Unicode: hashing the
     text raised UnicodeEncodeError (recall, capture, endorse all failed), and a
