@@ -19196,25 +19196,31 @@ def repair_surrogate_escapes(line: str) -> str:
 
 
 MAX_MESSAGE_DEPTH = 128   #: the SDK's JSON parser drops, unanswered, a message over 200 levels
-_JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+#: a string, a run of openers (with all between them but strings and closers),
+#: or a run of closers: 4 MiB of `[` is one token (one by one it took seconds)
+_JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{][^"\]}]*|[\]}][^"\[{]*')
 _JSON_COLON = re.compile(r"\s*:")
 _JSON_SCALAR = re.compile(r'\s*:\s*(-?\d+(?![.eE\d])|"[^"\\]*(?:\\.[^"\\]*)*")')
 
 
-def _top_level_keys(line: str) -> tuple[int, dict[str, Any]]:
+def _top_level_keys(line: str, limit: int | None = None) -> tuple[int, dict[str, Any]]:
     """(deepest nesting, {'"id"': value, '"method"': value}) of a JSON-RPC line,
     read by a scan that needs no parse (pure): a key counts only at the top
-    level of an object, with a scalar value, and only its first occurrence."""
+    level of an object, with a scalar value, and only its first occurrence.
+    Once nesting passes `limit` with no key left to find, the scan stops there
+    (the deepest it returns is then only known to be over `limit`)."""
     depth = deepest = 0
     keys: dict[str, Any] = {}
     is_object = line.lstrip().startswith("{")
     for m in _JSON_NESTING.finditer(line):
         tok = m.group(0)
-        if tok in "[{":
-            depth += 1
+        if tok[0] in "[{":
+            depth += tok.count("[") + tok.count("{")
             deepest = max(deepest, depth)
-        elif tok in "]}":
-            depth -= 1
+            if limit is not None and deepest > limit and (not is_object or len(keys) == 2):
+                break
+        elif tok[0] in "]}":
+            depth -= tok.count("]") + tok.count("}")
         elif depth == 1 and is_object and tok in ('"id"', '"method"') and tok not in keys:
             if not _JSON_COLON.match(line, m.end()):
                 continue                    # a string value "id", not the key
@@ -19236,14 +19242,15 @@ def _rpc_error(keys: dict[str, Any], code: int, text: str) -> dict | None:
     return {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": text}}
 
 
-def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dict | None]:
+def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH,
+                   scan: Callable[[str], tuple] = _top_level_keys) -> tuple[bool, dict | None]:
     """(refused, reply) for one JSON-RPC line (pure): a message nested deeper
     than `limit` is refused, answered with an Invalid Request error for its id
     when its top-level "id" can be read, a Parse error (id null) when it
     cannot, and not answered when it is a notification (a "method", no "id")."""
     if line.count("[") + line.count("{") <= limit:          # the common case: no scan
         return False, None
-    deepest, keys = _top_level_keys(line)
+    deepest, keys = scan(line)
     if deepest <= limit:
         return False, None
     why = (f"message nested deeper than {limit} levels (JSON arrays and objects inside "
@@ -19253,7 +19260,8 @@ def too_deep_reply(line: str, limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dic
     return True, _rpc_error(keys, -32700, f"Parse error: {why}.")
 
 
-def unparsable_reply(line: str, parse: Callable[[str], Any]) -> tuple[bool, dict | None]:
+def unparsable_reply(line: str, parse: Callable[[str], Any],
+                     scan: Callable[[str], tuple] = _top_level_keys) -> tuple[bool, dict | None]:
     """(refused, reply) for one JSON-RPC line that `parse` (the SDK's own message
     parser) may reject; the SDK drops such a line unanswered. Not JSON: a Parse
     error; JSON but no JSON-RPC 2.0 message, or a request whose id is neither a
@@ -19266,7 +19274,7 @@ def unparsable_reply(line: str, parse: Callable[[str], Any]) -> tuple[bool, dict
         try:
             doc = json.loads(line)
         except (ValueError, RecursionError) as bad:
-            _, keys = _top_level_keys(line)
+            _, keys = scan(line)
             return True, _rpc_error(keys, -32700, f"Parse error: {json_problem(bad, 120)}.")
         keys = ({f'"{k}"': doc[k] for k in ("id", "method") if k in doc}
                 if isinstance(doc, dict) else {})
@@ -19282,6 +19290,18 @@ def unparsable_reply(line: str, parse: Callable[[str], Any]) -> tuple[bool, dict
                 return True, _rpc_error({}, -32600, "Invalid request: id must be a string "
                                         f"or an integer, not {json.dumps(doc['id'])[:40]}.")
     return False, None
+
+
+def refusal_reply(line: str, parse: Callable[[str], Any],
+                  limit: int = MAX_MESSAGE_DEPTH) -> tuple[bool, dict | None]:
+    """(refused, reply) for one JSON-RPC line: too_deep_reply's, else
+    unparsable_reply's (pure but `parse`). The line is scanned once at most
+    (an unparsable line with many brackets was scanned by each)."""
+    scan = functools.lru_cache(maxsize=1)(functools.partial(_top_level_keys, limit=limit))
+    refused, reply = too_deep_reply(line, limit, scan)
+    if not refused:
+        refused, reply = unparsable_reply(line, parse, scan)
+    return refused, reply
 
 
 STDIO_STOP = threading.Event()   #: set by SIGINT or SIGTERM: the stdio session's input ends
@@ -19480,9 +19500,7 @@ class _RepairedStdin:
             line = repair_surrogate_escapes(raw.decode("utf-8", "replace").removeprefix("\ufeff"))
             if not line.strip():
                 continue                                   # a stray blank line
-            refused, reply = too_deep_reply(line)
-            if not refused:
-                refused, reply = unparsable_reply(line, self._parse_kept)
+            refused, reply = refusal_reply(line, self._parse_kept)
             if not refused:
                 self._note(self._parsed)
                 return line
@@ -19923,6 +19941,26 @@ async def _respond(send: Callable, status: int, body: bytes, kind: bytes) -> Non
     await send({"type": "http.response.body", "body": body})
 
 
+HTTP_CHECK_INLINE = 16 * 1024   #: a body larger is checked in a worker thread
+#: at most this many such checks run at once: one client's many large bodies
+#: keep neither the event loop nor the worker threads tool calls run in
+HTTP_CHECKS_AT_ONCE = 2
+_HTTP_CHECKS: list = []         #: the CapacityLimiter those checks share, made once
+
+
+async def refusal_off_loop(text: str, parse: Callable[[str], Any]) -> tuple[bool, dict | None]:
+    """refusal_reply for an HTTP body, a large one in a worker thread: the scan
+    is pure Python, and on the event loop 8 bodies of 4 MiB of `[` from one
+    client held every other client's requests (a ping took 15 s)."""
+    import anyio.to_thread
+    if len(text) <= HTTP_CHECK_INLINE:
+        return refusal_reply(text, parse)
+    if not _HTTP_CHECKS:
+        _HTTP_CHECKS.append(anyio.CapacityLimiter(HTTP_CHECKS_AT_ONCE))
+    return await anyio.to_thread.run_sync(refusal_reply, text, parse,
+                                          limiter=_HTTP_CHECKS[0])
+
+
 def answer_as_stdio_does(app: Callable, guard: Any = None,
                          limit: int = MAX_HTTP_BODY) -> Callable:
     """ASGI wrapper: any path but /mcp gets 404 (a trailing slash too: Starlette
@@ -19931,7 +19969,7 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     `guard` (rebinding_guard's Host/Origin check) has passed it and its body is
     within `limit` (else 413, unread). Lone
     surrogate escapes are repaired (the SDK's parser called them a parse error),
-    and a message stdio refuses (too_deep_reply, unparsable_reply) gets 400 with
+    and a message stdio refuses (refusal_reply) gets 400 with
     the error stdio answers: an id that is neither a string nor an integer
     (`"id": 1.5`, which the SDK took for a notification: 202 and no answer), a
     batch, a `jsonrpc` other than "2.0" (the SDK's -32602 and pydantic's text),
@@ -19963,9 +20001,7 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
         text = repair_surrogate_escapes(body.decode("utf-8", "replace")).removeprefix(
             "\ufeff")                            # as stdio reads (a byte-order mark skipped)
         body = text.encode("utf-8")              # bytes that are no UTF-8: U+FFFD, \ud800 too
-        refused, reply = too_deep_reply(text)
-        if not refused:
-            refused, reply = unparsable_reply(text, parse)
+        refused, reply = await refusal_off_loop(text, parse)
         if refused:                              # (a notification stdio leaves unanswered)
             reply = reply or {"jsonrpc": "2.0", "id": None, "error": {
                 "code": -32600, "message": "Invalid request: a notification that is no "

@@ -18459,6 +18459,41 @@ def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
             proc.wait()
 
 
+def test_an_http_body_is_checked_off_the_event_loop_and_scanned_once(monkeypatch):
+    """The depth and parse checks scanned each body in pure Python on the event
+    loop (an unparsable one twice): one client's bodies of 4 MiB of `[` held
+    every other client's requests, a ping took 15 s."""
+    import anyio
+    scans, plain = [], cs._top_level_keys
+
+    def counted(line, *args, **kwargs):
+        scans.append(threading.current_thread() is threading.main_thread())
+        return plain(line, *args, **kwargs)
+
+    monkeypatch.setattr(cs, "_top_level_keys", counted)
+    sent: list = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def receive():
+        return {"type": "http.request", "body": b"[]" * 20_000 + b" x", "more_body": False}
+
+    async def app(*_):
+        raise AssertionError("a refused body reached MCP")
+
+    scope = {"type": "http", "method": "POST", "path": cs.MCP_HTTP_PATH, "headers": []}
+    anyio.run(cs.answer_as_stdio_does(app), scope, receive, send)
+    assert sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"])["error"]["code"] == -32700
+    assert scans == [False], scans               # once, in a worker thread
+    refused, reply = cs.too_deep_reply("[" * 4 * 2**20)   # (its brackets: one token)
+    assert refused and reply["id"] is None and reply["error"]["code"] == -32700
+    assert cs._top_level_keys('{"a": [1, [2, {"b": "]]"}]], "id": 7}') == (4, {'"id"': 7})
+    deep = '{"p": %s, "id": 3, "method": "m"}' % ("[" * 200 + "]" * 200)
+    assert cs._top_level_keys(deep, limit=128)[1] == {'"id"': 3, '"method"': "m"}
+
+
 def test_http_answers_404_for_every_path_but_mcp(repo):
     """POST /mcp/ got Starlette's 307, its location built from the Host header
     (http://evil.com/mcp), where README says any other path gets 404."""
