@@ -147,7 +147,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import (TYPE_CHECKING, Annotated, Any, Callable, Collection, Iterable,
-                    Iterator, Literal,
+                    Iterator, Literal, Mapping,
                     NamedTuple, get_args, get_origin, get_type_hints)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -5101,9 +5101,21 @@ def with_credits(fn: Callable[[Doc], Doc | None], pending: list[dict]
     return apply
 
 
-def effective_trust(item: Item, pending: list[dict]) -> dict:
-    """An item's trust with its not-yet-folded credits applied (read side)."""
-    mine = [r for r in pending if r["item"] == item.id]
+def credits_by_item(records: Iterable[dict]) -> dict[str, list[dict]]:
+    """Pending credits grouped by the item they name, in journal order: what
+    effective_trust takes, made once per call (pure)."""
+    out: dict[str, list[dict]] = {}
+    for rec in records:
+        out.setdefault(rec["item"], []).append(rec)
+    return out
+
+
+def effective_trust(item: Item, pending: Mapping[str, list[dict]]) -> dict:
+    """An item's trust with its not-yet-folded credits applied (read side).
+    `pending` is credits_by_item's grouping, never the journal's list: a tool
+    that looks at every item (review, export, consolidate, promote) scanned
+    the whole journal for each one (10k items by 10k credits took seconds)."""
+    mine = pending.get(item.id)
     if not mine:
         return item.trust
     for r in mine:
@@ -14317,7 +14329,7 @@ def primer_candidates(docs: dict[str, Doc], pending: dict[str, list], *, project
                 (it.scope == "org" and not org_item_relevant(it, project, tags, used)) or \
                 corrected(it):
             continue
-        trust = effective_trust(it, pending.get(it.id, []))
+        trust = effective_trust(it, pending)
         score = trust_score(it, trust, now)
         section = primer_section(it, now)
         out.append(PrimerEntry(it, trust, "notes" if section == "trusted" and not vouched(
@@ -15324,7 +15336,7 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
     pool = [it for it in first_copies(federated_items(docs))   # (an empty body, e.g. a
             if it.active and not it.pr_url and it.content.strip()  # hand-edited non-string)
             and not (it.scope == "local" and it.id in moving) and not above(it)]
-    pending = read_credits(credits_path(cfg))
+    pending = credits_by_item(read_credits(credits_path(cfg)))
     trusts = {it.id: effective_trust(it, pending) for it in pool}
     found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))
     groups = [Group(pool[s], [(pool[m], sim, how) for m, sim, how in members])
@@ -17189,7 +17201,8 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
                                         "uncredited")
         note_shown(cfg, [h.item.id for h in hits], "recall")
         _schedule_credit_fold(cfg)
-        out = {"results": [result_view(cfg, h.item, effective_trust(h.item, pending),
+        by_item = credits_by_item(pending)
+        out = {"results": [result_view(cfg, h.item, effective_trust(h.item, by_item),
                                        round(h.confidence, 3), detail) for h in hits],
                "no_confident_match": False, **({"warnings": [unjournaled]} if unjournaled
                                                else {})}
@@ -17266,14 +17279,12 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
                                                knowledge_only=True)  # not "nothing known yet"
                  if w not in warnings]
     now = datetime.now(timezone.utc)
-    pending: dict[str, list] = {}
     try:
         credits = read_credits(credits_path(cfg), adopt=False)
     except OSError as e:                     # not a regular file (in a linked .cambium)
         credits = []
         warnings.append(f"pending recall credits not read ({e.filename}: {e.strerror or e})")
-    for rec in credits:
-        pending.setdefault(rec["item"], []).append(rec)
+    pending = credits_by_item(credits)
     entries = primer_candidates(docs, pending, project=cfg.project, now=now,
                                 used=used_here(cfg) if "org" in docs else frozenset(),
                                 corrected=correction_for(cfg, docs))
@@ -17406,7 +17417,8 @@ def expand(item_id: ItemId) -> dict:
     cfg = require_config()
     item_id = _check_id(item_id)
     scope, item = locate(cfg, item_id, highest=True)
-    trust = effective_trust(item, read_credits(credits_path(cfg), adopt=False))
+    trust = effective_trust(item, credits_by_item(read_credits(credits_path(cfg),
+                                                               adopt=False)))
     anchors = anchors_for(cfg, item)
     out = {**item_view(item, trust=trust), "scope": scope,
            "line": item_line(item, trust=trust, anchors=anchors),
@@ -17437,9 +17449,9 @@ def _journal_new_credits(cfg: Config, items: list[Item]) -> list[dict]:
     day = _today()
     pending = read_credits(path)
     seen = {(r["item"], r.get("agent"), r.get("day")) for r in pending}
-    new = []
+    by_item, new = credits_by_item(pending), []
     for it in items:
-        trust = effective_trust(it, pending)
+        trust = effective_trust(it, by_item)
         already = any(same_agent(a, cfg.agent) and d == day
                       for a, d in (trust.get("recalled_by") or {}).items())
         in_projects = any(same_project(p, cfg.project) for p in trust.get("projects") or [])
@@ -17688,7 +17700,7 @@ def promote(item_id: Annotated[str | None, Field(
 
 
 def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
-    pending = read_credits(credits_path(cfg))
+    pending = credits_by_item(read_credits(credits_path(cfg)))
 
     doc, finishing = _cut_short_marks(cfg, item_id)
     to_org = moving_to(doc, "org")
@@ -17886,7 +17898,7 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
 
     if not (verdict := gate(item)).allowed:
         return _org_refusal(item, verdict)
-    pending = read_credits(credits_path(cfg))
+    pending = credits_by_item(read_credits(credits_path(cfg)))
     now = _now()
 
     def copy(it: Item) -> Item:
@@ -18139,7 +18151,7 @@ def review_promotions(limit: Annotated[int, Field(
     settled, unsettled, prs = _settle_and_check(cfg, docs)
     if settled or prs.withdrawn:                  # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
-    pending = read_credits(credits_path(cfg))
+    pending = credits_by_item(read_credits(credits_path(cfg)))
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
     to_org = moving_to(docs["local"], "org")
@@ -18863,7 +18875,7 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
     if scope in ("team", "org"):
         store(cfg, scope)
     docs, warnings = read_scopes(cfg, wanted, strict=scope != "all")
-    pending = read_credits(credits_path(cfg))
+    pending = credits_by_item(read_credits(credits_path(cfg)))
     groups = {s: [(it, effective_trust(it, pending)) for it in first_copies(d.items)
                   if it.active] for s, d in docs.items()}
     out: dict[str, Any] = {"scope": scope, "markdown": render_markdown(groups),

@@ -5907,6 +5907,40 @@ def test_store_accessor_gives_every_scope_one_contract(shared, monkeypatch):
     assert not [r for r in cs.read_credits(cs.credits_path(cfg)) if r["scope"] != "org"]
 
 
+def test_tools_that_look_at_every_item_read_pending_credits_grouped_by_item(shared,
+                                                                            monkeypatch):
+    """review_promotions, export_markdown, consolidate's plan and promote's gate
+    scanned the whole credit journal once for each item (effective_trust took
+    the list): 10k items by 10k pending credits took 7-8 s of CPU each. They
+    group the credits once and hand effective_trust that grouping; the trust
+    figures each tool sees stay those of the credits each item has."""
+    ids = [cs.capture(text)["item"]["id"] for text in (
+        "Pin the toolchain version in CI", "Cache the dependency downloads",
+        "Deploys pause during the quarterly freeze")]
+    day = cs._today()
+    cs.append_credits(cs.credits_path(cs.resolve_config()), [
+        {"item": item, "scope": "local", "agent": agent, "day": day, "project": "shop"}
+        for item, agents in zip(ids, (("bob", "carol", "dave"), ("bob",), ()))
+        for agent in agents] + [{"item": "k-elsewhere", "scope": "team", "agent": "bob",
+                                 "day": day}])
+    seen: list[tuple[str, object, int]] = []
+    real = cs.effective_trust
+
+    def spy(item, pending):
+        trust = real(item, pending)
+        seen.append((item.id, pending, trust.get("recalls", 0)))
+        return trust
+    monkeypatch.setattr(cs, "effective_trust", spy)
+    want = dict(zip(ids, (3, 1, 0)))
+    for tool in (cs.review_promotions, lambda: cs.export_markdown("local"), cs.consolidate,
+                 cs.promote):
+        seen.clear()
+        out = tool()
+        assert seen and all(isinstance(p, dict) for _, p, _ in seen), seen
+        assert {i: n for i, _, n in seen if i in want} == want
+    assert [p["id"] for p in out["promoted"]] == [ids[0]]
+
+
 def test_usage_credits_from_recall_reach_the_team_branch(shared, monkeypatch):
     item_id = _endorsed("Rotate signing keys every ninety days", "rotate keys on a schedule")
     cs.promote()
