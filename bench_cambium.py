@@ -201,7 +201,7 @@ def bench_cli() -> None:
                 t0 = time.perf_counter()
                 subprocess.run(cmd, env=env, capture_output=True, check=True)
                 times.append(time.perf_counter() - t0)
-            print(f"{label}: median {statistics.median(times):.3f} s")
+            print(f"{label}, 1,000 local items: median {statistics.median(times):.3f} s")
         if not script:
             print("cambium-mcp not on PATH (pip install -e . to measure the console script)")
 

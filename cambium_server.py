@@ -20312,7 +20312,7 @@ CLI_EMBED_EXIT_S = 10.0     #: a CLI recall finishes a backlog this short before
 def _cli_recall(args: argparse.Namespace, kwargs: dict) -> int:
     """`recall`: print, then fold its credits into knowledge.json (a store up
     to CLI_FOLD_MAX_BYTES; a larger one's credits stay journaled for the next
-    write or server), and finish a short embedding backlog (token files the
+    rewrite (a capture only appends) or server), and finish a short embedding backlog (token files the
     ranking found torn), before exiting."""
     code = _cli_print(args, kwargs)
     if _local_store_bytes() <= CLI_FOLD_MAX_BYTES:     # a fold rewrites the whole store:
