@@ -20311,25 +20311,32 @@ CLI_EMBED_EXIT_S = 10.0     #: a CLI recall finishes a backlog this short before
 
 def _cli_recall(args: argparse.Namespace, kwargs: dict) -> int:
     """`recall`: print, then fold its credits into knowledge.json (a store up
-    to CLI_FOLD_MAX_BYTES; a larger one's credits stay journaled for the next
-    rewrite (a capture only appends) or server), and finish a short embedding backlog (token files the
+    to CLI_FOLD_MAX_BYTES, or any store once the journal reaches
+    CLI_FOLD_JOURNAL_BYTES; else they stay journaled for the next rewrite (a
+    capture only appends) or server), and finish a short embedding backlog (token files the
     ranking found torn), before exiting."""
     code = _cli_print(args, kwargs)
-    if _local_store_bytes() <= CLI_FOLD_MAX_BYTES:     # a fold rewrites the whole store:
-        _fold_on_exit(("local",))                     # 73 MB, 10 s, at 100,000 items
+    if _local_store_bytes() <= CLI_FOLD_MAX_BYTES or \
+            _local_store_bytes(CREDITS_FILE) >= CLI_FOLD_JOURNAL_BYTES:
+        _fold_on_exit(("local",))      # a fold rewrites the whole store: 73 MB, 10 s, at
+                                       # 100,000 items; an unfolded journal is read whole by
+                                       # every process (1M credits: 50 s and 1.5 GB a recall)
     _embed_on_exit()
     return code
 
 
 CLI_FOLD_MAX_BYTES = 4 * 2**20   #: a CLI recall folds its credits itself up to this store size
+CLI_FOLD_JOURNAL_BYTES = 2**20   #: ...and into any store once the journal is this large (some
+                                 #: 9,000 credits, 0.3 s to read in every process)
 
 
-def _local_store_bytes() -> int:
-    """The local knowledge.json's size (0 when there is none or no config)."""
+def _local_store_bytes(name: str = STORE_FILE) -> int:
+    """The size of the local knowledge.json (or another file of .cambium/: the
+    credit journal); 0 when there is none or no config."""
     with contextlib.suppress(CambiumError, OSError):
         cfg = resolve_config()
         if cfg.configured:
-            return os.stat(cfg.local_dir / STORE_FILE).st_size
+            return os.stat(cfg.local_dir / name).st_size
     return 0
 
 

@@ -13582,6 +13582,31 @@ def test_cli_recall_folds_its_local_credits_before_exiting(repo, monkeypatch):
                                                             "credits.jsonl"))
 
 
+def test_cli_recall_folds_into_a_large_store_once_the_credit_journal_is_large(repo,
+                                                                            monkeypatch):
+    """Past CLI_FOLD_MAX_BYTES a CLI recall never folded, and nothing else did
+    without a server or a rewrite: the journal grew with every hook's recall
+    and every process read it whole (1M credits: 50 s and 1.5 GB a recall).
+    Once the journal reaches CLI_FOLD_JOURNAL_BYTES, the recall folds anyway."""
+    item_id = cs.capture("Logs carry the request id", tags="logging")["item"]["id"]
+    journal = repo / ".cambium" / "credits.jsonl"
+    cs.append_credits(journal, [{"item": item_id, "scope": "local", "agent": f"a{i}",
+                                 "day": cs._today()} for i in range(5)])
+    monkeypatch.setattr(cs, "CLI_FOLD_MAX_BYTES", 10)        # a large store
+    monkeypatch.setattr(cs, "CLI_FOLD_JOURNAL_BYTES", journal.stat().st_size + 10**6)
+    args = {"query": "request id logs", "scope": "auto", "limit": 5, "detail": "lines"}
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    assert cs._cli_recall(cs._cli_parser().parse_args(["recall", "request id logs"]),
+                          args) == 0
+    assert _stored_recalls(repo, item_id) == 0 and len(cs.read_credits(journal)) == 6
+    monkeypatch.setattr(cs, "CLI_FOLD_JOURNAL_BYTES", journal.stat().st_size)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "carol")
+    cs.runtime().reset()
+    assert cs._cli_recall(cs._cli_parser().parse_args(["recall", "request id logs"]),
+                          args) == 0
+    assert _stored_recalls(repo, item_id) == 7 and not cs.read_credits(journal)
+
+
 # =============================================================================
 # CLI
 # =============================================================================
