@@ -14898,12 +14898,39 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
     return retired, pending, warnings, kept
 
 
+DISTILL_SEEN_FILE = "distill-seen.json"   #: under .cambium/: the last distill that wrote nothing
+
+
+def distill_record(cfg: Config, doc: Doc) -> dict:
+    """meta.distill_last, with the time of a later distill that found the same
+    and so left the store as it was (.cambium/distill-seen.json, which names
+    the record it repeated: a store restored or edited since keeps its own)."""
+    last = doc.meta.get("distill_last") if isinstance(doc.meta.get("distill_last"), dict) \
+        else {}
+    seen: Any = None
+    with contextlib.suppress(OSError, ValueError, RecursionError):
+        seen = json.loads(read_regular(cfg.local_dir / DISTILL_SEEN_FILE, 4096))
+    if isinstance(seen, dict) and last and seen.get("same_as") == last.get("at") and \
+            time_key(seen.get("at")) > time_key(last.get("at")):
+        return {**last, "at": seen["at"]}
+    return last
+
+
+def note_distill_seen(cfg: Config, plan: "DistillPlan") -> None:
+    """A distill that wrote nothing: when it ran, beside the store (a hint,
+    never fsynced; a read-only checkout keeps the older time)."""
+    if plan.same_as is None:
+        return
+    with contextlib.suppress(OSError):
+        atomic_write(cfg.local_dir / DISTILL_SEEN_FILE, json_text(
+            {"at": plan.last["at"], "same_as": plan.same_as}), durable=False)
+
+
 def substrate_state(cfg: Config, doc: Doc) -> dict:
     """What distill would read and what it last found, without network (status())."""
     assert cfg.repo is not None
     board = resolve_board(cfg, network=False)
-    last = doc.meta.get("distill_last") if isinstance(doc.meta.get("distill_last"), dict) \
-        else {}
+    last = distill_record(cfg, doc)
     last_sources = last.get("sources") if isinstance(last.get("sources"), dict) else {}
     ck = cfg.repo / CONTEXT_DIR
     agentsync = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
@@ -14952,8 +14979,9 @@ class Sweep:
 
 @dataclass
 class DistillPlan:
-    """plan_distill()'s decision: the local doc to store and the report of it."""
-    doc: Doc
+    """plan_distill()'s decision: the local doc to store (None: the store as
+    it is) and the report of it."""
+    doc: Doc | None
     imported: list
     duplicates: int
     retired: list                                 # all retirements, local and moved-up
@@ -14961,6 +14989,7 @@ class DistillPlan:
     last: dict                                    # what status() shows of this distill
     revived: list = field(default_factory=list)   # distill-retired items live again
     warnings: list = field(default_factory=list)  # the sweep's and the write's
+    same_as: str | None = None    # doc None: the time of the stored record it repeats
 
 
 def _retire_reasons(reads: list[SourceRead]) -> dict[str, str]:
@@ -15023,9 +15052,26 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     meta = {**base.meta, "distill_last": last}
     if board is not None and board.snapshot is not None:
         meta["agentsync_snapshot"] = board.snapshot
-    return DistillPlan(dataclasses.replace(base, meta=meta), adm.fresh,
+    new = dataclasses.replace(base, meta=meta)
+    same = only_restamped(doc, new)               # found nothing new: no write (below)
+    return DistillPlan(None if same else new, adm.fresh,
                        adm.duplicates + sweep.prepared.duplicates, retired, sources, last,
-                       adm.revived, warnings)
+                       adm.revived, warnings,
+                       str(doc.meta["distill_last"].get("at")) if same else None)
+
+
+def only_restamped(old: Doc, new: Doc) -> bool:
+    """Whether `new` differs from `old` in no more than the times a distill
+    stamps on its record and the release snapshot: a distill that found
+    nothing new, whose write would replace a store of any size (a warm server
+    then parsed it again) at every commit's hook (pure)."""
+    def unstamped(meta: dict) -> dict:
+        return {k: {f: x for f, x in v.items() if f != "at"}
+                if k in ("distill_last", "agentsync_snapshot") and isinstance(v, dict) else v
+                for k, v in meta.items()}
+    return isinstance(old.meta.get("distill_last"), dict) and new.raw == old.raw and \
+        (new.items is old.items or new.items == old.items) and \
+        unstamped(new.meta) == unstamped(old.meta)
 
 
 def decided_here(reads: list[SourceRead], adding_only: bool) -> list[SourceRead]:
@@ -15152,6 +15198,7 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
                   errors, moved, pending, kept, shared_texts(cfg), adding_only)
     _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
                           "distill")
+    note_distill_seen(cfg, plan)
     embed_soon(cfg, plan.imported)
     result = distill_result(plan, sweep, store_warnings)
     if cfg.release_capture:

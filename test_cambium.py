@@ -11727,6 +11727,43 @@ def test_distill_writes_the_local_store_once(repo, monkeypatch):
     assert doc.meta["distill_last"]["retired"] == 1 and len(doc.meta["watermarks"]) == 2
 
 
+def test_a_distill_that_finds_nothing_new_leaves_the_store_as_it_was(repo):
+    """A distill that imported and retired nothing replaced the whole
+    knowledge.json (12 MB at 20,000 items) only to restamp meta.distill_last.at,
+    at every commit's hook, and a warm server parsed it all again. Now it writes
+    nothing there; status's last distill time comes from .cambium/distill-seen.json,
+    which names the record it repeats; pending credits are still folded."""
+    (repo / ".context").mkdir()
+    (repo / ".context" / "decisions.json").write_text(json.dumps(
+        [_decision("dec-001", "Pin every base image by digest")]))
+    cfg = cs.resolve_config()
+    item = cs.distill_sweep(cfg, now="2026-12-01T10:00:00Z")["items"][0]["id"]
+    cs.distill_sweep(cfg, now="2026-12-01T10:01:00Z")     # imported 1 -> 0: a new record
+    path = _store_path(repo)
+    before, ino = path.read_bytes(), path.stat().st_ino
+    res = cs.distill_sweep(cfg, now="2026-12-01T10:02:00Z")
+    assert res["imported"] == 0 and res["retired"] == 0 and res["duplicates"] == 1
+    assert path.stat().st_ino == ino and path.read_bytes() == before
+    last = cs.status()["substrates"]["last_distill"]
+    assert last == {"at": "2026-12-01T10:02:00Z", "status": "distilled_with_warnings",
+                    "imported": 0, "retired": 0}
+    cs.append_credits(cs.credits_path(cfg), [
+        {"item": item, "scope": "local", "agent": "bob", "day": cs._today()}])
+    cs.distill_sweep(cfg, now="2026-12-01T10:03:00Z")     # the credit: folded, one write
+    assert path.stat().st_ino != ino and cs.expand(item)["trust"]["recalls"] == 1
+    assert cs.status()["substrates"]["last_distill"]["at"] == "2026-12-01T10:03:00Z"
+    doc = cs.store(cfg, "local").read()
+    assert doc.meta["distill_last"]["at"] == "2026-12-01T10:01:00Z"
+    text = path.read_text().replace("2026-12-01T10:01:00Z", "2026-12-01T09:00:00Z")
+    path.write_text(text)                  # an older record (a restore): its own time
+    assert cs.status()["substrates"]["last_distill"]["at"] == "2026-12-01T09:00:00Z"
+    (repo / ".context" / "decisions.json").write_text(json.dumps([       # news: written
+        _decision("dec-001", "Pin every base image by digest"),
+        _decision("dec-002", "Build every image from a pinned lockfile")]))
+    assert cs.distill_sweep(cfg, now="2026-12-01T10:04:00Z")["imported"] == 1
+    assert cs.status()["substrates"]["last_distill"]["at"] == "2026-12-01T10:04:00Z"
+
+
 def test_distill_sees_an_edit_past_the_cut_and_says_a_long_why_was_cut(repo):
     """A 25,000-character decision was cut at the limit; an edit past the cut
     left the two cut copies equal, and distill said up_to_date."""
