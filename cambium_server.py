@@ -16367,26 +16367,35 @@ def _setup_warnings(env: Any, updates: dict[str, Any], binding: dict, root: Path
 
 def _rebound(was: dict, updates: dict[str, Any], before: Config) -> list[str]:
     """A warning when setup() changed the repo or agent id the config file held
-    (`was`: its settings just before the write): every process started outside
-    a git repo, a server's every client among them, now writes elsewhere or as
-    someone else, and nothing else tells them. Whatever bound the caller: a
-    setup run from a terminal in another repo moves them just the same."""
+    (`was`: its settings just before the write): every process the file binds,
+    a server's every client among them, now writes elsewhere or as someone
+    else, and nothing else tells them. Whatever bound the caller: a setup run
+    from a terminal in another repo moves them just the same. The repo and the
+    agent id are judged apart: a server started in its clone keeps its repo,
+    but takes its agent id from the file all the same."""
     old_repo, old_agent = was.get("CAMBIUM_REPO"), was.get("CAMBIUM_AGENT_ID")
     moved = []
     if isinstance(old_repo, str) and old_repo.strip() and os.path.realpath(
             expand_user(old_repo.strip())) != os.path.realpath(updates["CAMBIUM_REPO"]):
-        moved.append(f"in {updates['CAMBIUM_REPO']} (was {old_repo.strip()})")
+        who = "this one, and every other client of this server" if before.origins.get(
+            "CAMBIUM_REPO") == "file" else "not this one: a server or hook started outside one"
+        moved.append(f"every process started outside a git repo ({who}) now works in "
+                     f"{updates['CAMBIUM_REPO']} (was {old_repo.strip()}); CAMBIUM_REPO in a "
+                     "process's environment, or starting it in its clone, keeps its repo apart")
     if isinstance(old_agent, str) and old_agent.strip() and \
             old_agent.strip() != updates["CAMBIUM_AGENT_ID"]:
-        moved.append(f"as agent {updates['CAMBIUM_AGENT_ID']!r} (was {old_agent.strip()!r})")
+        who = "this one and every client of it included" if before.origins.get(
+            "CAMBIUM_AGENT_ID") == "file" else "not this one: its CAMBIUM_AGENT_ID is " \
+            "set in its environment"
+        moved.append(f"every process that takes its agent id from the config file ({who}) "
+                     f"now works as agent {updates['CAMBIUM_AGENT_ID']!r} (was "
+                     f"{old_agent.strip()!r}); only CAMBIUM_AGENT_ID in a process's "
+                     "environment keeps its agent id apart (its clone does not)")
     if not moved:
         return []
-    who = "this one, and every other client of this server" if before.origins.get(
-        "CAMBIUM_REPO") == "file" else "not this one: a server or hook started outside one"
-    return [f"every process started outside a git repo ({who}) now works "
-            f"{' and '.join(moved)}: the config file binds them all. "
-            "Agents that share one server should each set CAMBIUM_REPO and "
-            "CAMBIUM_AGENT_ID in their own server's environment, or run it in their clone."]
+    return ["; ".join(moved) + ". The config file binds them all: agents that share one "
+            "server should each run a server of their own with CAMBIUM_REPO and "
+            "CAMBIUM_AGENT_ID in its environment."]
 
 
 def _file_settings(raw: bytes | None) -> dict:

@@ -1523,6 +1523,26 @@ def test_setup_that_moves_every_process_bound_by_the_config_file_says_so(tmp_pat
     assert not any("every process" in w for w in cs.setup(str(b), "bob").get("warnings", []))
 
 
+def test_setup_that_moves_the_files_agent_id_warns_a_caller_started_in_its_clone(
+        tmp_path, monkeypatch):
+    """A server started in its clone (repo from its cwd, agent id from the config
+    file): a client's setup(agent_id=bob) said every process started outside a
+    git repo, "not this one", works as bob and to run it in a clone, while this
+    server and all its clients now acted as bob."""
+    a = make_repo(tmp_path, "alpha")
+    monkeypatch.chdir(a)
+    cs.setup(str(a), "ada")
+    told = [w for w in cs.setup(str(a), "bob").get("warnings", []) if "every process" in w]
+    assert len(told) == 1 and "takes its agent id from the config file (this one" in told[0]
+    assert "as agent 'bob' (was 'ada')" in told[0] and "outside a git repo" not in told[0]
+    assert "its clone does not" in told[0] and "run it in their clone" not in told[0]
+    st = cs.status()
+    assert st["agent_id"] == "bob" and st["settings"]["CAMBIUM_AGENT_ID"]["from"] == "file"
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "carol")       # its own id: this one stays carol
+    told = [w for w in cs.setup(str(a), "dan").get("warnings", []) if "every process" in w]
+    assert len(told) == 1 and "(not this one: its CAMBIUM_AGENT_ID is set" in told[0]
+
+
 def test_setup_from_another_repo_that_moves_the_config_files_binding_says_so(tmp_path,
                                                                             monkeypatch):
     """A server started outside any repo was bound to A by the config file;
