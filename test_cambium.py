@@ -18555,6 +18555,47 @@ def test_http_serve_on_any_loopback_address_checks_host_and_origin(repo):
     assert cs.rebinding_guard("10.0.0.5") is None
 
 
+def _post_init_with(port: int, **headers: str | bytes) -> int:
+    """The status a raw initialize POST with these extra headers gets."""
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    c.putrequest("POST", "/mcp", skip_host="Host" in headers, skip_accept_encoding=True)
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}).encode()
+    for k, v in {"Content-Type": "application/json", "Content-Length": str(len(body)),
+                 "Accept": "application/json, text/event-stream", **headers}.items():
+        c.putheader(k, v)
+    c.endheaders(body)
+    status = c.getresponse().status
+    c.close()
+    return status
+
+
+def test_http_refused_host_and_origin_leave_stderr_alone(repo):
+    """The SDK wrote every refused Host or Origin whole to stderr: 20 POSTs with
+    a 15 KB Origin made 938 KB of log, and an Origin holding ESC[2J reached the
+    operator's terminal raw."""
+    proc, port = _serving_http(repo)
+    lines: list[str] = []
+    try:
+        assert "serving MCP on" in proc.stderr.readline()
+        drain = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        drain.start()                       # (a full pipe held the server on its log)
+        for _ in range(20):
+            assert _post_init_with(port, Origin="http://evil.example/" + "A" * 15000) == 403
+        assert _post_init_with(port, Origin=b"http://e\x1b]0;PWNED\x07\x1b[2J") == 403
+        assert _post_init_with(port, Host="evil.example\x1b[2J") == 421
+        assert _post_init_with(port) == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    drain.join(20)
+    err = "".join(lines)
+    assert "\x1b" not in err and "PWNED" not in err and "AAAA" not in err, err[:500]
+    assert len(err) < 2000, err[:500]
+
+
 def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
     """A client that sent 10 of the 100 bytes it declared kept `serve --http`
     running after SIGTERM (and a second one) until it closed its socket."""
