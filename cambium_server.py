@@ -20053,7 +20053,7 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             return await _respond(send, 404, b"Not Found", b"text/plain")   # Starlette's
         if scope["type"] != "http" or scope.get("method") != "POST":       # 307 to /mcp
             return await app(scope, receive, send)
-        if guard is not None:                    # before the body: a foreign page gets 421
+        if guard is not None:                    # before the body: a foreign page gets 421/403
             from mcp.server.transport_security import TransportSecurityMiddleware
             from starlette.requests import Request
             refused = await TransportSecurityMiddleware(guard).validate_request(

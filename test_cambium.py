@@ -18685,6 +18685,10 @@ def test_http_checks_host_and_body_size_before_reading_the_body(repo):
                                                 "Origin": "http://evil.example"})
         assert c.getresponse().status == 421
         c.close()
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)   # Origin alone: 403
+        c.request("POST", "/mcp", "{not json", {**headers, "Origin": "http://evil.example"})
+        assert c.getresponse().status == 403
+        c.close()
         assert _http_post(url.replace("/mcp", "/not-mcp"), "{}")[0] == 404  # (was JSON-RPC's 400)
         with socket.create_connection(("127.0.0.1", port), 20) as sock:   # declared: at once
             sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
