@@ -1301,10 +1301,13 @@ def visible_text(text: str) -> str:
     terminal_safe drops an escape sequence whole, its words too, so a hand-edited
     `echo ok\\x1b]; touch X \\x07` read as `echo ok` while verify --run ran the
     touch (pure)."""
-    def escape(m: re.Match) -> str:
-        c = ord(m.group())
-        return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"
-    return _HIDDEN_CHAR.sub(escape, valid_unicode(text))
+    return _HIDDEN_CHAR.sub(lambda m: char_escape(m.group()), valid_unicode(text))
+
+
+def char_escape(char: str) -> str:
+    """One character as its Python escape: \\xNN, \\uNNNN or \\UNNNNNNNN (pure)."""
+    c = ord(char)
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"
 
 
 def plain_text(value: str) -> str:
@@ -15237,18 +15240,35 @@ def current_session() -> str | None:
 MAX_SESSION_CHARS = 200    #: a longer session id is journaled as its start and a hash
 
 
+#: what a session key writes as an escape: a backslash (so no id's text reads as
+#: another's escape), a control or invisible character, a lone surrogate
+_SESSION_ESCAPE = re.compile(rf"\\|{_HIDDEN_CHAR.pattern}|{_SURROGATE.pattern}")
+
+
 def session_key(sid: str) -> str | None:
-    """The form a session id is journaled and looked up in: plain text (a
-    control character, an escape's ESC included, written as \\xNN, so `x` and
-    `x<ESC>y` stay two sessions), and a long one cut to its start plus a hash
-    of the whole, so two long ids that share a start stay two sessions (pure).
-    None for an empty one."""
-    shown = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", valid_unicode(sid))
-    text = plain_text(shown).strip()
+    """The form a session id is journaled and looked up in: the id as it came,
+    a backslash written as \\\\, a control character (an escape's ESC included)
+    as \\xNN and an invisible one or a lone surrogate as \\uNNNN, so `x` and
+    `x<ESC>y` stay two sessions and so do two ids whose bytes differ (no text
+    repair: `caf\\xe9` and its UTF-8 read as Latin-1 are two); surrounding blanks
+    trimmed; a long one cut to its start plus a hash of the whole, so two long
+    ids that share a start stay two sessions (pure). None for an empty one. An
+    id of plain ASCII with no backslash keeps the key it always had."""
+    text = _SESSION_ESCAPE.sub(lambda m: "\\\\" if m[0] == "\\" else char_escape(m[0]),
+                               sid).strip()
     if len(text) <= MAX_SESSION_CHARS:
         return text or None
     digest = hashlib.sha256(utf8(text)).hexdigest()[:16]
     return f"{text[:MAX_SESSION_CHARS - 18].rstrip()}…~{digest}"
+
+
+def journaled_session(records: list[dict], given: str) -> str:
+    """The journal's form of a session usage() was given: the text itself when
+    a record has it (a key as usage() listed it: `x\\x1by`, ESC escaped, is its
+    own key no more, its backslash escaped), else the given id's key."""
+    listed = given.strip()
+    return listed if any(r.get("session") == listed for r in records) else \
+        session_key(given) or ""
 
 
 def _shown_path(cfg: Config) -> Path:
@@ -18649,7 +18669,7 @@ def usage(session: Annotated[str | None, Field(
     if session:
         if not isinstance(session, str):
             raise InputError(f"session must be text; got {json_kind(session)}.")
-        session = session_key(session) or ""     # as journaled (control characters kept apart)
+        session = journaled_session(records, session)   # (control characters kept apart)
         rows = shown_by(records, "session", session, "item")
         docs, warnings = read_scopes(cfg, SCOPES, digest=True)
         known = {it.id: it for it in first_copies(federated_items(docs))}

@@ -18139,6 +18139,33 @@ def test_session_ids_that_differ_by_a_control_character_stay_two_sessions(repo, 
         sorted([(first, 1), (second, 1)])
 
 
+def test_session_ids_that_differ_in_any_way_stay_two_sessions(repo, monkeypatch):
+    """session_key repaired mojibake, dropped invisible characters and wrote
+    ESC as `\\x1b` without escaping a backslash: the header bytes `caf\\xc3\\xa9`
+    and `caf\\xe9`, `a<soft hyphen>b` and `ab`, `x<ESC>y` and the text `x\\x1by`
+    were each journaled as one session."""
+    item = cs.capture("Never deploy on Fridays", kind="pitfall")["item"]["id"]
+    pairs = [("caf\u00c3\u00a9", "caf\u00e9"), ("a\u00adb", "ab"), ("x\x1by", "x\\x1by"),
+             ("a\udcff", "a\ufffd"), ("e\u0301", "\u00e9")]
+    for one, other in pairs:
+        assert cs.session_key(one) != cs.session_key(other), (one, other)
+        for sid in (one, other):
+            monkeypatch.setenv("CAMBIUM_SESSION_ID", sid)
+            cs.session_primer()
+    monkeypatch.delenv("CAMBIUM_SESSION_ID")
+    assert cs.usage()["count"] == 2 * len(pairs)
+    for sid in (s for pair in pairs for s in pair):        # as usage listed it, or by the id
+        asked = cs.usage(session=cs.session_key(sid))
+        assert asked["session"] == cs.session_key(sid) and \
+            [(r["item"], r["times"]) for r in asked["items"]] == [(item, 1)], sid
+        if "\\" not in sid:                          # (the text `x\\x1by` is x<ESC>y's key)
+            assert cs.usage(session=sid)["session"] == cs.session_key(sid), sid
+    assert [cs.session_key(s) for s in ("abc-123", " s 1\t", "x\x07")] == \
+        ["abc-123", "s 1", "x\\x07"]                     # keys journaled before stay theirs
+    assert cs.session_key("x" * 300) == "x" * 182 + "…~" + cs.hashlib.sha256(
+        b"x" * 300).hexdigest()[:16]
+
+
 def test_journal_warning_names_the_lock_it_could_not_open(repo, monkeypatch, capsys):
     cs.capture("Never deploy on Fridays", kind="pitfall")
     (repo / ".cambium" / "shown.jsonl.lock").mkdir()
