@@ -956,6 +956,7 @@ class Draft:
     code_refs: Any = None
     where: str | None = None          # its 1-based position in the source ("line 3")
     notes: tuple = ()                 # what was repaired on the way in, for the report
+    old_keys: tuple = ()              # its key as earlier versions spelled it (_earlier_key)
 
 
 @dataclass
@@ -7570,7 +7571,10 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
                  key=bounded_key(f"import:{_key_part(own or origin or system)}:" + (
                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
                          utf8(body + "\0" + (why if isinstance(why, str) else ""))
-                     ).hexdigest()[:24])))
+                     ).hexdigest()[:24])),
+                 old_keys=tuple(dict.fromkeys(
+                     f"import:{name}:id:{ref}" for name in (system, own or origin or system)))
+                 if ref else ())
 
 
 def bounded_key(key: str) -> str:
@@ -11020,6 +11024,9 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     seen_marks = meta_map(doc.meta, "watermarks")
     by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
+        if d.key and d.key not in seen_marks and d.old_keys:
+            by_id = by_id or {it.id: it for it in first_copies(doc.items)}
+            d = dataclasses.replace(d, key=_earlier_key(d, seen_marks, by_id) or d.key)
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in first_copies(doc.items)}
             mark = _mark_id(seen_marks, d.key)       # (None: a hand edit's, marking nothing)
@@ -11047,6 +11054,22 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
         if on_progress and n % 500 == 0:
             on_progress(n)
     return out
+
+
+def _earlier_key(draft: Draft, marks: dict, by_id: dict[str, Item]) -> str | None:
+    """The watermark an earlier version wrote for this record, if any (pure):
+    before 3bacc1e an import's key named the import format (`import:json:id:m-1`),
+    not the record's system, and before 8e7a78a a system was neither quoted nor
+    the key bounded. Without it, an edited record re-imported after an upgrade
+    became a second live item. The mark counts when the item it names (if still
+    here) is of the record's id."""
+    ref = (draft.source or {}).get("ref")
+    for key in draft.old_keys:
+        mark = _mark_id(marks, key)
+        stored = by_id.get(mark) if mark is not None else None
+        if mark is not None and (stored is None or stored.source.get("ref") == ref):
+            return key
+    return None
 
 
 def _mark_id(marks: dict, key: str) -> str | None:

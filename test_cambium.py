@@ -4224,6 +4224,38 @@ def test_import_keys_of_systems_with_colons_do_not_collide(repo, tmp_path):
     assert cs._key_part("agentsync") == "agentsync"               # old keys stay the same
 
 
+def test_import_knows_the_records_an_earlier_version_imported_under_the_format_name(
+        repo, tmp_path):
+    """Before 3bacc1e an import's watermark named the import format
+    (`import:json:id:m-1`), not the record's system: after an upgrade the edited
+    record came in as a second live item instead of being reported as changed."""
+    old = {"id": "k-1bdea9b24df1", "type": "memory", "kind": "note",
+           "content": "The build cache lives in /var/cache/ci for one week", "why": "",
+           "tags": ["imported", "json"], "scope": "local", "project": "proj",
+           "source": {"system": "json", "ref": "m-1", "imported": True, "source_ts": None},
+           "created_by": "alice", "created_at": "2026-12-06T20:43:09Z",
+           "updated_at": "2026-12-06T20:43:09Z", "status": "active",
+           "trust": {"recalls": 0, "endorsements": [], "projects": []}}
+    _store_path(repo).parent.mkdir(exist_ok=True)      # as 2c90753 wrote it
+    _store_path(repo).write_text('{"cambium": 1,\n"meta": {"watermarks": '
+                                 '{"import:json:id:m-1": "k-1bdea9b24df1"}},\n"items": [\n'
+                                 + json.dumps(old, separators=(",", ":")) + "\n]}\n")
+    cs.runtime().reset()
+    same = _jsonl(tmp_path / "export.json", {"id": "m-1", "source": "mem0",
+                                             "content": old["content"]})
+    assert (cs.import_memory("json", same)["imported"]) == 0
+    edited = _jsonl(tmp_path / "export2.json", {"id": "m-1", "source": "mem0",
+                                                "content": "The build cache lives in "
+                                                           "/var/cache/ci for one day"})
+    res = cs.import_memory("json", edited)
+    assert (res["imported"], res["changed"]) == (0, [{"id": old["id"], "ref": "m-1",
+                                                      "where": "line 1"}]), res
+    other = _jsonl(tmp_path / "export3.json", {"id": "m-2", "source": "mem0",
+                                               "content": "Deploys freeze on Fridays"})
+    assert cs.import_memory("json", other)["imported"] == 1    # another id is another record
+    assert len(local_items(repo)) == 2
+
+
 def test_import_answer_clips_the_refs_of_changed_records(repo, tmp_path):
     path = tmp_path / "long.jsonl"
     refs = [f"{i}-" + "r" * 20_000 for i in range(20)]
