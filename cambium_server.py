@@ -1918,6 +1918,20 @@ class Config:
         return project_name(self.repo, self.remote, self.git_timeout_s) if self.repo else ""
 
     @property
+    def former_project(self) -> str:
+        """The name versions before f4cacc5 gave this project, the clone's
+        directory name, when it is not `project`: the credits they counted in
+        `trust.projects` are this project's (credit's `was`), not a second one's."""
+        old = self.repo.name if self.repo else ""
+        return old if old and not same_project(old, self.project) else ""
+
+    def credit_project(self) -> dict:
+        """A credit record's project fields: the project, and the name an
+        earlier version gave it (`was`) when that differs."""
+        return {"project": self.project,
+                **({"was": self.former_project} if self.former_project else {})}
+
+    @property
     def local_dir(self) -> Path:
         assert self.repo is not None
         return store_root(self.repo) / LOCAL_DIR
@@ -4944,16 +4958,20 @@ def rewrite_credits(path: Path, replace: dict[str, list[dict]], *,
         atomic_write(path, b"".join([journal_head(), *keep]) if keep else b"")
 
 
-def credit(item: Item, agent: str, day: str, project: str) -> Item:
+def credit(item: Item, agent: str, day: str, project: str, was: str = "") -> Item:
     """The item after one recall credit; unchanged if `agent` was credited `day`
     or a later day: only each agent's last credited day is kept, so an older
     credit folded late (journaled in another clone) may be one already counted
     (it set the day back, and the next day counted again). recalled_days
-    counts the agent's days (counted_day): what a merge of copies needs."""
+    counts the agent's days (counted_day): what a merge of copies needs.
+    `was`: the name an earlier version gave `project`
+    (Config.former_project), taken for it."""
     trust = item.trust
     by = dict(trust.get("recalled_by") or {})
-    projects = list(trust.get("projects") or [])
-    changed = False
+    projects = renamed_project(list(trust.get("projects") or []), project, was)
+    changed = projects != list(trust.get("projects") or [])
+    if changed:
+        trust = {**trust, "projects": projects}
     agent = next((a for a in by if same_agent(a, agent)), agent)   # (Ada is ada: one agent)
     last = by.get(agent)      # a last day later than tomorrow (a fast clock's) or unpadded
     if not isinstance(last, str) or not _credit_day_ok(last) or day > last:   # is none: it
@@ -4992,6 +5010,25 @@ def credited_days(trust: dict, agent: Any) -> int:
     days = trust.get(RECALLED_DAYS)
     return min(max([1, *(n for a, n in (days.items() if isinstance(days, dict) else ())
                         if same_agent(a, agent) and n.__class__ is int)]), MAX_TRUST_COUNT)
+
+
+def renamed_project(projects: list, project: str, was: str) -> list:
+    """`projects` with the entry naming `was` (this project under the name an
+    earlier version gave it: its clone's directory) read as `project`: in its
+    place, or dropped when `project` is there too (pure). Without it, one
+    project counted as two after an upgrade (vouched, the primer's bonus)."""
+    if not (project and was) or same_project(project, was) or \
+            not any(same_project(p, was) for p in projects):
+        return projects
+    known = any(same_project(p, project) for p in projects)
+    out: list = []
+    for p in projects:
+        if not same_project(p, was):
+            out.append(p)
+        elif not known:
+            out.append(project)
+            known = True
+    return out
 
 
 SCOPES_ABOVE = {"local": ("team", "org"), "team": ("org",), "org": ()}   #: nearest first
@@ -5053,10 +5090,16 @@ def fold_credits(doc: Doc, records: list[dict]) -> Doc | None:
         if i is None:
             continue                              # (it waits: climb_credits)
         new = credit(items[i], str(r.get("agent", "")), str(r.get("day", "")),
-                     str(r.get("project", "")))
+                     str(r.get("project", "")), _was(r))
         if new is not items[i]:
             items[i], changed = new, True
     return dataclasses.replace(doc, items=items) if changed else None
+
+
+def _was(record: dict) -> str:
+    """A credit record's `was` (Config.credit_project), "" when none or not text."""
+    was = record.get("was")
+    return was if isinstance(was, str) else ""
 
 
 def landed_credits(doc: Doc, records: list[dict]) -> list[dict]:
@@ -5124,7 +5167,7 @@ def effective_trust(item: Item, pending: Mapping[str, list[dict]]) -> dict:
         return item.trust
     for r in mine:
         item = credit(item, str(r.get("agent", "")), str(r.get("day", "")),
-                      str(r.get("project", "")))
+                      str(r.get("project", "")), _was(r))
     return item.trust
 
 
@@ -13771,7 +13814,7 @@ def journal_left_behind(cfg: Config, dst: str, leaving: dict[str, Item],
     drop, so a crash between loses none; one the drop then never makes counts
     on both copies, as each holds it."""
     now = _now()
-    records = [{"item": i, "scope": dst, "agent": agent, "day": day, "project": cfg.project,
+    records = [{"item": i, "scope": dst, "agent": agent, "day": day, **cfg.credit_project(),
                 "at": now} for i, it in leaving.items() if i in copies
                for agent, day in days_left_behind(it, copies[i])]
     if records:
@@ -15629,8 +15672,8 @@ def journal_for_survivors(cfg: Config, scope: str, groups: list[Group],
             planned = dataclasses.replace(m, trust=trusts.get(m.id, m.trust))
             for agent, day in days_left_behind(planned, copy):
                 records.append({"item": copy.id, "scope": scope, "agent": agent, "day": day,
-                                "project": cfg.project, "at": now})
-                copy = credit(copy, agent, day, cfg.project)
+                                **cfg.credit_project(), "at": now})
+                copy = credit(copy, agent, day, cfg.project, cfg.former_project)
             out[m.id] = copy
     if records:
         append_credits(credits_path(cfg), records)
@@ -17553,11 +17596,13 @@ def _journal_new_credits(cfg: Config, items: list[Item]) -> list[dict]:
         trust = effective_trust(it, by_item)
         already = any(same_agent(a, cfg.agent) and d == day
                       for a, d in (trust.get("recalled_by") or {}).items())
-        in_projects = any(same_project(p, cfg.project) for p in trust.get("projects") or [])
+        projects = list(trust.get("projects") or [])     # (an earlier version's name: renamed)
+        in_projects = any(same_project(p, cfg.project) for p in projects) and \
+            renamed_project(projects, cfg.project, cfg.former_project) == projects
         if (already and in_projects) or (it.id, cfg.agent, day) in seen:
             continue
         new.append({"item": it.id, "scope": it.scope, "agent": cfg.agent, "day": day,
-                    "project": cfg.project, "at": _now()})
+                    **cfg.credit_project(), "at": _now()})
     append_credits(path, new, durable=not runtime().long_running.is_set())
     return pending + new
 

@@ -17534,6 +17534,38 @@ def test_an_authors_own_recall_is_no_vouching_in_the_primer(repo, monkeypatch):
     assert mine in text[text.index("Other notes"):]
 
 
+def test_an_upgrade_from_the_folder_named_project_counts_one_project_not_two(repo, tmp_path):
+    """Before f4cacc5 a project was named after its clone's folder ("proj"); now
+    after its remote ("team"). A credit folded after the upgrade added "team"
+    beside "proj": one project read as two, its author's own recall listed the
+    note as "Most trusted"."""
+    git(repo, "remote", "add", "origin", str(make_origin(tmp_path, "team")))
+    old = [{"id": "k-0a1b2c3d4e5f", "type": "memory", "kind": "note",
+            "content": "The payments sandbox rejects amounts above 9999 cents", "why": "",
+            "tags": [], "scope": "local", "project": "proj", "source": None,
+            "created_by": "ada", "created_at": "2026-12-01T10:00:00Z",
+            "updated_at": "2026-12-01T10:00:00Z", "status": "active",      # as 2c90753 wrote
+            "trust": {"recalls": 1, "endorsements": [], "projects": ["proj"],
+                      "recalled_by": {"ada": "2026-12-01"}}},
+           {"id": "k-99aa88bb77cc", "type": "memory", "kind": "note",
+            "content": "Unrelated note about the build", "why": "", "tags": [],
+            "scope": "local", "project": "proj", "source": None, "created_by": "ada",
+            "created_at": "2026-12-01T10:00:00Z", "updated_at": "2026-12-01T10:00:00Z",
+            "status": "active", "trust": {"recalls": 0, "endorsements": [], "projects": []}}]
+    _doubled_store(repo, *old)
+    assert cs.resolve_config().project == "team"
+    assert cs.recall("payments sandbox amounts")["results"][0]["id"] == old[0]["id"]
+    assert cs.session_primer()["sections"] == {"notes": 2}         # pending: not trusted
+    cs.fold_credits_now(cs.resolve_config(), ("local",))
+    held = {i["id"]: i for i in local_items(repo)}[old[0]["id"]]
+    assert held["trust"]["projects"] == ["team"], held["trust"]
+    assert cs.session_primer()["sections"] == {"notes": 2}
+    # a store an unfixed version credited heals; another project's entry stays
+    assert cs.renamed_project(["proj", "team"], "team", "proj") == ["team"]
+    assert cs.renamed_project(["other", "proj"], "team", "proj") == ["other", "team"]
+    assert cs.renamed_project(["proj"], "team", "") == ["proj"]
+
+
 def test_primer_never_calls_a_note_nobody_vouched_for_trusted(repo):
     """In a small store every plain note went under "Most trusted notes",
     though nobody had endorsed, recalled or verified any of them; and such
