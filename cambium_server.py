@@ -4734,6 +4734,8 @@ def _adopt_locked(path: Path, legacy: Path) -> None:
         _legacy_unread(legacy, e)
         return
     if data.strip():
+        if (marker := journal_marker(path)) is not None:
+            return _journal_newer(path, marker, f"{legacy}, its old name, is not moved in")
         _append_credit_lines(path, data if data.endswith(b"\n") else data + b"\n")
     os.unlink(legacy)                   # a crash before this repeats credits: harmless
 
@@ -4830,6 +4832,9 @@ def _journal(path: Path) -> list[dict]:
         seen = rt.journals.get(str(path))
     try:
         with open(path, "rb", opener=open_regular) as f:
+            if (marker := newer_marker(os.pread(f.fileno(), MARKER_SPAN, 0))) is not None:
+                _journal_newer(path, marker, "its credits are not counted here")
+                return []
             now = _file_key(f.fileno())     # (ctime: an edit in place, mtime set back; the
             if seen is not None and seen.key == now:     # token: a rewrite, inode reused)
                 return seen.records + seen.tail if seen.tail else seen.records
@@ -4849,6 +4854,26 @@ def _journal(path: Path) -> list[dict]:
     with rt.lock:
         rt.journals[str(path)] = JournalSeen(now, done + end, mark, records, last)
     return records + last if last else records
+
+
+def _journal_newer(path: Path, marker: Any, what: str) -> None:
+    """The warning for a credit journal a newer cambium wrote (its head line's
+    format marker, as newer_marker reads a store's): this version neither
+    reads, folds, rewrites nor appends to it, as it never rewrites a store in a
+    newer format (its lines may mean what this one does not know)."""
+    note_for_call(f"{path} is in format {marker}, written by a newer cambium; this one "
+                  f"writes format {STORE_FORMAT}, so it leaves that journal as it is: {what}. "
+                  "Upgrade cambium to count them.")
+
+
+def journal_marker(path: Path) -> Any:
+    """A credit journal's newer format marker (newer_marker), None when it has
+    none or cannot be read (the read that follows says why)."""
+    try:
+        with open(path, "rb", opener=open_regular) as f:
+            return newer_marker(f.read(MARKER_SPAN))
+    except OSError:
+        return None
 
 
 #: why open_regular refuses a journal that is no file: a directory, a FIFO or
@@ -4889,6 +4914,10 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
     data = "".join(json_text(r, separators=(",", ":")) + "\n" for r in records)
     with file_lock(path):
         ignore_local_dir(path.parent)
+        if (marker := journal_marker(path)) is not None:
+            _journal_newer(path, marker, f"{len(records)} new recall credit(s) are not "
+                                         "journaled (they count in this answer only)")
+            return
         _append_credit_lines(path, data.encode("utf-8"), sync=durable)
 
 
@@ -4941,7 +4970,10 @@ def rewrite_credits(path: Path, replace: dict[str, list[dict]], *,
         return
     with file_lock(path, wait):
         with open(path, "rb", opener=open_regular) as f:
-            lines = f.read().split(b"\n")
+            data = f.read()
+        if (marker := newer_marker(data)) is not None:       # (one since read: left as is)
+            return _journal_newer(path, marker, "its credits are not counted here")
+        lines = data.split(b"\n")
         if _JOURNAL_HEAD.match(lines[0]):
             del lines[0]                    # (this version's: the new one gets its own)
         keep = []

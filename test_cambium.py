@@ -2122,6 +2122,28 @@ def test_a_newer_format_store_this_version_cannot_read_is_left_where_it_is(repo)
     assert path.read_text() == text and not list(path.parent.glob("knowledge.json.*-2*"))
 
 
+def test_a_credit_journal_in_a_newer_format_is_neither_folded_rewritten_nor_appended_to(repo):
+    """A journal whose head line says `"cambium": 2` was rewritten by the next
+    fold as format 1: its credits counted as this version's, a field it did not
+    know ("weight") and a line it could not read dropped."""
+    item = cs.capture("Queue consumers ack after the write commits", tags="queues")["item"]
+    journal = cs.credits_path(cs.resolve_config())
+    text = ('{"cambium": 2, "rewrite": "0123456789abcdef"}\n' + json.dumps(
+        {"item": item["id"], "scope": "local", "agent": "fut", "day": "2026-01-03",
+         "project": repo.name, "weight": 5}) + "\n" + '{"v2_batch": [{"agent": "x"}]}\n')
+    journal.write_text(text)
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.recall("queue consumers ack"))
+    assert out["results"][0]["id"] == item["id"]                     # the recall answers
+    assert any("format 2" in w and "newer cambium" in w for w in out["warnings"])
+    cs.endorse(item["id"], note="holds")                              # a rewrite of the store
+    cs.fold_credits_now(cs.resolve_config())
+    assert journal.read_text() == text                                 # left as it is
+    held = {i["id"]: i for i in local_items(repo)}[item["id"]]
+    assert "fut" not in held["trust"].get("recalled_by", {})          # not counted as format 1
+    assert cs.read_credits(journal) == []
+
+
 def test_two_processes_capture_concurrently_lose_nothing(repo):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
