@@ -2501,6 +2501,7 @@ class Runtime:
         self.git_scopes: dict[tuple[str, str, str], GitScope] = {}
         self.org_branches: dict[str, str] = {}
         self.remotes: dict[tuple[str, str], tuple[float, str | None]] = {}
+        self.push_urls: dict[tuple[str, str], tuple[float, list[str]]] = {}
         self.indexes: dict[str, Index] = {}
         self.key_sets: dict[str, tuple[list, set[str]]] = {}   # stores with no index yet
         self.corrections: dict[str, tuple[list, dict, dict, dict]] = {}   # -> correction_maps()
@@ -2913,15 +2914,33 @@ def _git(args: list[str], cwd: Path, timeout_s: float = 25.0, *, check: bool = T
 
 def remote_url(repo: Path, remote: str, timeout_s: float) -> str | None:
     """The URL of `repo`'s remote (None: no such remote); cached until its git
-    config changes (the common dir's: a linked worktree's .git is a file)."""
+    config changes."""
+    return _until_config_changes(runtime().remotes, repo, remote,
+                                 lambda: _ask_remote_url(repo, remote, timeout_s))
+
+
+def remote_push_urls(repo: Path, remote: str, timeout_s: float) -> list[str]:
+    """The push URLs of `repo`'s remote, as `git push` would use them ([]: git
+    could not say); cached like remote_url: stores are built per call, and
+    each shared write asked git again."""
+    def ask() -> list[str]:
+        proc = _git(["remote", "get-url", "--push", "--all", "--", remote], repo, timeout_s,
+                    check=False)
+        return git_lines(proc.stdout) if proc.returncode == 0 else []
+    return _until_config_changes(runtime().push_urls, repo, remote, ask)
+
+
+def _until_config_changes(cache: dict, repo: Path, remote: str, ask: Callable):
+    """cache[(repo, remote)], asked again when `repo`'s git config changed (the
+    common dir's: a linked worktree's .git is a file)."""
     try:
         stamp = (_git_dirs(repo)[1] / "config").stat().st_mtime
     except (OSError, IndexError):
         stamp = -1.0
-    key, remotes = (str(repo), remote), runtime().remotes
-    hit = remotes.get(key)
+    key = (str(repo), remote)
+    hit = cache.get(key)
     if hit is None or hit[0] != stamp:
-        hit = remotes[key] = (stamp, _ask_remote_url(repo, remote, timeout_s))  # (atomic)
+        hit = cache[key] = (stamp, ask())  # (atomic)
     return hit[1]
 
 
@@ -6256,25 +6275,23 @@ class GitStore(Store):
 
     def _push_to(self) -> tuple[str, str]:
         """Where pushes go: (the remote, "") when one of its push URLs names the
-        repository cambium fetches from (any spelling: remote_key; an ssh
-        pushurl beside an https url is one repository), else (its fetch URL,
-        why). A push URL of another repository (`git remote set-url --push
-        origin <fork>`) took the writes where no read looks: the lease was
+        repository cambium fetches from (repository_key: an ssh host alias for a
+        second account beside anonymous https is one repository), else (its
+        fetch URL, why). A push URL of another repository (`git remote set-url
+        --push origin <fork>`) took the writes where no read looks: the lease was
         checked against the fork, the first write "did not land", and every
         later one lost the lease, replayed as a lost race for 120 s. The
         scope's branch lives where the team reads it. Asked once per store."""
         if self._push_target is None:
             self._push_target = (self.remote, "")
             fetch = remote_url(self.repo, self.remote, self.timeout_s)
-            proc = self.git("remote", "get-url", "--push", "--all", "--", self.remote,
-                            check=False)
-            pushes = git_lines(proc.stdout) if proc.returncode == 0 else []
-            if fetch and pushes and remote_key(fetch, self.repo) not in \
-                    {remote_key(u, self.repo) for u in pushes}:
+            pushes = remote_push_urls(self.repo, self.remote, self.timeout_s)
+            if fetch and pushes and repository_key(fetch, self.repo) not in \
+                    {repository_key(u, self.repo) for u in pushes}:
                 self._push_target = (fetch, (
                     f"cambium pushes the {self.scope} branch to {self.remote}'s fetch URL "
                     f"{fetch}, where it reads it, not to its push URL {', '.join(pushes)} "
-                    "(another repository)"))
+                    "(another repository: its path differs)"))
         return self._push_target
 
     def verify(self, commit: str, branch: str) -> None:
@@ -13153,13 +13170,33 @@ def remote_key(url: str, repo: Path) -> str:
     """One spelling of a remote's address: a local path (or file://) made
     absolute from `repo` and resolved; a network address as host/path, its
     scheme, user, port-less `host:` form, trailing `/` and `.git` aside."""
-    local = url.removeprefix("file://") if url.startswith("file://") else \
-        url if "://" not in url and ":" not in url.split("/", 1)[0] else None
+    local = _local_remote(url)
     if local is not None:
         return os.path.realpath(os.path.join(repo, os.path.expanduser(local)))
     rest = re.sub(r"^([^/:]+):\d+/", r"\1/", url.split("://", 1)[-1].rsplit("@", 1)[-1]) \
         if "://" in url else url.split("@", 1)[-1].replace(":", "/", 1)   # (a port aside)
     return rest.rstrip("/").removesuffix(".git").lower()
+
+
+def _local_remote(url: str) -> str | None:
+    """The path a remote URL names on this machine (a path, `file://`), or
+    None for a network address (`scheme://`, scp-like `host:path`)."""
+    return url.removeprefix("file://") if url.startswith("file://") else \
+        url if "://" not in url and ":" not in url.split("/", 1)[0] else None
+
+
+def repository_key(url: str, repo: Path) -> tuple[str, str]:
+    """Which repository a remote URL names, to tell a push URL of the fetched
+    repository from a fork's: a local one by its resolved path (remote_key); a
+    network one by its path after the host alone (`org/repo`: case, `.git`
+    and trailing `/` aside). The host is not compared: fetching anonymous
+    `https://github.com/org/repo.git` and pushing to `git@gh-work:org/repo.git`
+    (an ssh host alias, for a second account) is one repository, while
+    `me/repo` beside `org/repo` is a fork."""
+    key = remote_key(url, repo)
+    if _local_remote(url) is not None:
+        return ("path", key)
+    return ("url", key.partition("/")[2].strip("/"))
 
 
 #: ORG_CODE entries a fresh knowledge repo may hold too (a Makefile that renders

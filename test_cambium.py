@@ -4545,6 +4545,23 @@ def test_a_push_url_of_another_repository_takes_no_team_write_away(shared, tmp_p
         cs.store(cs.resolve_config(), "team")._push("0" * 40, "cambium")
 
 
+def test_a_push_url_at_an_ssh_host_alias_is_the_same_repository(shared):
+    """Fetching anonymous https and pushing over an ssh host alias (a second
+    GitHub account: `git@gh-work:org/repo.git`) is one repository: team
+    writes went to the anonymous https URL and failed to authenticate. The
+    path after the host is compared; another owner or name is a fork."""
+    a = shared["a"]
+    git(a, "remote", "set-url", "origin", "https://github.com/Org/Repo.git")
+    for push in ("git@gh-work:org/repo.git", "ssh://git@gh-work:22/org/repo/",
+                 "https://me@github.com/org/repo"):
+        git(a, "remote", "set-url", "--push", "origin", push)
+        assert cs.store(cs.resolve_config(), "team")._push_to() == ("origin", ""), push
+    for fork in ("git@gh-work:me/repo.git", "git@github.com:org/repo-fork.git"):
+        git(a, "remote", "set-url", "--push", "origin", fork)
+        target, why = cs.store(cs.resolve_config(), "team")._push_to()
+        assert target == "https://github.com/Org/Repo.git" and fork in why, fork
+
+
 def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     a = shared["a"]
     (a / "wip.txt").write_text("uncommitted user work\n")
