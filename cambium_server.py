@@ -4683,17 +4683,21 @@ def credits_path(cfg: Config) -> Path:
     return cfg.local_dir / CREDITS_FILE
 
 
-def _append_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
+def _append_durably(path: Path, data: bytes, *, sync: bool = True, first: bytes = b"") -> None:
     """Append whole lines to a journal and fsync them (the caller holds its
-    lock). All or nothing: a short write (a full disk, a file size limit) is
-    written on, and one that fails is cut back off and raised, so no partial
-    line is left for the next append to be glued onto (the next agent's credit
-    was lost so); a line a crash left torn is ended first."""
+    lock), `first` before them when the file is empty or new (the credit
+    journal's journal_head). All or nothing: a short write (a full disk, a
+    file size limit) is written on, and one that fails is cut back off and
+    raised, so no partial line is left for the next append to be glued onto
+    (the next agent's credit was lost so); a line a crash left torn is ended
+    first."""
     fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
         if start and os.pread(fd, 1, start - 1) != b"\n":
             data = b"\n" + data
+        elif not start:
+            data = first + data
         try:
             view = memoryview(data)
             while view:
@@ -4720,15 +4724,6 @@ def journal_head() -> bytes:
 
 #: a journal line that is a journal_head, nothing more (a rewrite writes a new one)
 _JOURNAL_HEAD = re.compile(_REWRITE_AT_START.pattern + rb"\}\r?\Z")
-
-
-def _append_credit_lines(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """_append_durably to the credit journal, a journal_head first when the
-    file is empty or new (the caller holds its lock)."""
-    with contextlib.suppress(FileNotFoundError):
-        if os.stat(path).st_size:
-            return _append_durably(path, data, sync=sync)
-    _append_durably(path, journal_head() + data, sync=sync)
 
 
 def _no_room(path: Path) -> int:
@@ -4766,7 +4761,8 @@ def _adopt_locked(path: Path, legacy: Path) -> None:
     if data.strip():
         if (marker := journal_marker(path)) is not None:
             return _journal_newer(path, marker, f"{legacy}, its old name, is not moved in")
-        _append_credit_lines(path, data if data.endswith(b"\n") else data + b"\n")
+        _append_durably(path, data if data.endswith(b"\n") else data + b"\n",
+                        first=journal_head())
     os.unlink(legacy)                   # a crash before this repeats credits: harmless
 
 
@@ -4948,7 +4944,7 @@ def append_credits(path: Path, records: list[dict], *, durable: bool = True) -> 
             _journal_newer(path, marker, f"{len(records)} new recall credit(s) are not "
                                          "journaled (they count in this answer only)")
             return
-        _append_credit_lines(path, data.encode("utf-8"), sync=durable)
+        _append_durably(path, data.encode("utf-8"), sync=durable, first=journal_head())
 
 
 def take_credits(path: Path | None, scope: str
