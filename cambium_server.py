@@ -16052,14 +16052,16 @@ def not_to_run(cfg: Config, scope: str, item: Item, first: bool = True) -> str |
 def hidden_in_cmd(item: Item) -> str | None:
     """Why a check is not run when its command holds what verify-cmd never
     stores (plain_text drops it: a terminal escape, a control or invisible
-    character, a NUL): a hand edit, where `export` and `show` may not show what
-    would run (pure)."""
+    character, a NUL, a lone surrogate): a hand edit, where `export` and `show`
+    may not show what would run (pure). Not `cmd == plain_text(cmd)`: its
+    mojibake repair undoes one layer a call, so a command verify-cmd stored
+    (`grep 'cafÃ©'`, typed `cafÃƒÂ©`) read as a hand edit and never ran."""
     cmd = check_cmd(item) or ""
-    if cmd == plain_text(cmd):
+    if not _HIDDEN_CHAR.search(cmd) and valid_unicode(cmd) == cmd:
         return None
-    return ("its command is not text verify-cmd stores (it holds a terminal escape, a "
-            "control or invisible character, or text verify-cmd would have changed: a hand "
-            "edit), so what export and show print may not be all that would run; it was not "
+    return ("its command is not text verify-cmd stores (it holds a terminal escape, or a "
+            "control or invisible character: a hand edit), so what export and show print "
+            "may not be all that would run; it was not "
             f"run: read it in `{_prog()} export` (such characters shown escaped), and "
             f"`{_prog()} verify-cmd {item.id} CMD` replaces it")
 

@@ -10826,6 +10826,20 @@ def test_a_check_command_over_two_lines_shows_its_line_break(repo, tmp_path):
     assert json.loads(cli("verify", "--run", item_id).stdout)["ran"] == 1 and flag.exists()
 
 
+def test_a_check_verify_cmd_stored_runs_though_its_text_reads_as_mojibake(repo, tmp_path):
+    """The hidden-command rule compared a command with plain_text of it, whose
+    mojibake repair undoes one layer a call: `cafÃƒÂ©` typed is stored as
+    `cafÃ©`, which plain_text would make `café` again, so the check verify-cmd
+    itself stored was skipped as a hand edit, every time."""
+    item_id = cs.capture("The docs keep the accented product name")["item"]["id"]
+    flag = tmp_path / "ran"
+    assert cli("verify-cmd", item_id, f"echo 'cafÃƒÂ©' > {flag}").returncode == 0
+    (it,) = json.loads((repo / ".cambium" / "knowledge.json").read_text())["items"]
+    assert cs.plain_text(it["check"]["cmd"]) != it["check"]["cmd"]    # the case at hand
+    run = json.loads(cli("verify", "--run", item_id).stdout)
+    assert run["ran"] == 1 and not run.get("skipped") and flag.exists()
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, sig):
