@@ -14027,6 +14027,10 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
     settled: list[str] = []
     for scope, it in ((s, it) for s, it in waiting if it.id in held):
         try:
+            if not _merged_copy(cfg, it, held[it.id]):
+                if failed is not None:
+                    failed.append(PR_ID_CONFLICT.format(id=it.id, url=it.pr_url, src=scope))
+                continue
             settled += _settle_merged(cfg, scope, it, held[it.id])
         except CambiumError as e:
             if failed is None:
@@ -14034,6 +14038,30 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
             failed.append(f"merged org PRs not settled now: {it.id} keeps waiting, and the "
                           f"next review tries again: {e}")
     return settled + settle_unmarked(cfg, docs)
+
+
+PR_ID_CONFLICT = ("{id} waits on {url}, but org's tip holds other words under its id (a "
+                  "hand edit, an id given twice) and that pull request is not known to have "
+                  "merged: status id_conflict, not settled, both copies kept ({src} and "
+                  "org). Give one of them a new id by hand (or deprecate the one that is "
+                  "wrong)")
+
+
+def _merged_copy(cfg: Config, item: Item, there: Item) -> bool:
+    """Whether `there`, org's item under the id of `item` (waiting on an org
+    pull request), is its copy: the same words (copy_of), or its pull request
+    merged, whatever words a reviewer gave it (its promote branch's tip is in
+    org's tip, or gh says MERGED: a squash, a deleted branch). Anything else is
+    another item under the same id: settling would drop the only copy of the
+    item's words (they were on its pull request's branch alone)."""
+    if copy_of(there, item):
+        return True
+    org, tip = org_now(cfg)
+    side = org._remote_branch_tip(pr_branch_name(f"promote-{item.id}"))
+    if tip and side and org._holds(tip, side):
+        return True
+    state = pr_state(cfg, item.pr_url or "")
+    return state is not None and state.state == "MERGED"
 
 
 def _org_held(cfg: Config, docs: dict[str, Doc]) -> dict[str, Item]:

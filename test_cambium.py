@@ -7321,6 +7321,61 @@ def test_pr_mode_a_pull_request_the_reviewer_reworded_settles_when_merged(shared
     assert org["content"] == "Prefer idempotent retries with exponential backoff and jitter"
 
 
+@pytest.mark.parametrize("scope", ["local", "team"])
+def test_pr_mode_a_waiting_copy_whose_id_org_holds_for_other_words_is_kept(
+        shared, monkeypatch, tmp_path, scope):
+    """A person gave org's item the id of an item waiting on its open promote
+    PR (a hand edit): the review settled it, the copy below was dropped and
+    its words were left on the PR's branch alone. It is an id_conflict: both
+    copies kept, the item still waiting."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    other = _endorsed("Pin container base images by digest rather than tag")
+    cs.promote(other, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    item = _endorsed("Prefer idempotent retries with exponential backoff")
+    if scope == "team":
+        cs.promote(item, force=True)
+    assert cs.promote(item, to_scope="org")["status"] == "pr_opened"
+    person = clone(shared["org_bare"], tmp_path / "person")
+    doc = json.loads((person / "knowledge.json").read_text())
+    doc["items"][0]["id"] = item
+    (person / "knowledge.json").write_text(json.dumps(doc))
+    git(person, "commit", "-qam", "hand edit: an id given twice")
+    git(person, "push", "-q", "origin", "HEAD:main")
+    review = cs.review_promotions()
+    assert "settled_org_prs" not in review, review
+    assert [p["id"] for p in review["pending_org_prs"]] == [item]
+    assert any(item in w and "id_conflict" in w for w in review["warnings"])
+    below = local_items(shared["a"]) if scope == "local" else \
+        remote_json(shared["origin"], "cambium")["items"]
+    assert [i["content"] for i in below if i["id"] == item] == \
+        ["Prefer idempotent retries with exponential backoff"]
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert org["content"] == "Pin container base images by digest rather than tag"
+
+
+def test_pr_mode_a_squashed_pr_the_reviewer_reworded_settles(shared, monkeypatch, tmp_path):
+    """Squash-merged with the reviewer's words, its branch deleted: org's copy
+    is no copy of the words below, and no branch tip is in org's tip; gh says
+    MERGED, so it is the copy, and the copy below leaves."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Prefer idempotent retries with backoff")
+    url = cs.promote(item, to_scope="org")["pr_url"]
+    branch = f"cambium/promote-{item}"
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    doc = remote_json(shared["org_bare"], branch)
+    doc["items"][0]["content"] = "Prefer idempotent retries with exponential backoff"
+    (merger / "knowledge.json").write_text(json.dumps(doc))
+    git(merger, "add", "knowledge.json")
+    git(merger, "commit", "-qm", "Squash: promote (#7)")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    set_pr_state(tmp_path, url, "MERGED")
+    git(merger, "push", "-q", "origin", f":{branch}")
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    assert item not in {i["id"] for i in local_items(shared["a"])}
+
+
 def _protect_main(bare: Path) -> None:
     """Branch protection on a bare remote: a direct push to main is refused
     (a reviewer's merges landed before)."""
