@@ -13575,14 +13575,16 @@ def scopes_holding(cfg: Config, scopes: Iterable[str], ids: set[str]) -> dict[st
 
 def drop_declined(cfg: Config, st: GitStore, branch: str) -> None:
     """Before a write to a shared PR branch: when its last pull request was
-    closed without merging at the branch's tip, delete the branch, so the write
-    starts from org's tip (it built on the declined change, and the next pull
-    request proposed it again). When gh cannot say, the write goes on as before."""
+    closed without merging, or merged, at the branch's tip, delete the branch,
+    so the write starts from org's tip (it built on the declined change, and
+    the next pull request proposed it again; a merged one has nothing left to
+    propose, and a squash-merge reverted since was proposed again by the item
+    merge onto org's tip). When gh cannot say, the write goes on as before."""
     with contextlib.suppress(GitError):
         if open_pr_url(cfg, st, branch):
             return
         last = last_pr_of(cfg, st, branch)
-        if last and last.state == "CLOSED":
+        if last and last.state in ("CLOSED", "MERGED"):
             st.drop_side_branch(branch, at=last.oid)
 
 

@@ -7804,6 +7804,30 @@ def test_pr_mode_a_write_after_a_declined_shared_pr_starts_from_orgs_tip(
     assert not any(i.get("corrects") == a for i in branch)
 
 
+def test_pr_mode_a_squash_merged_shared_pr_reverted_is_not_proposed_again(
+        shared, monkeypatch, tmp_path):
+    """cambium/updates squash-merged, then reverted on org: the branch stayed
+    at the PR's head, the next write built on it, and the item merge onto
+    org's tip put the reverted endorsement in the next pull request again. A
+    shared branch whose last PR merged as it stands starts over from org's tip."""
+    _, a, b = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "mallory")
+    url = cs.endorse(a, note="shill endorsement")["pr_url"]
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--squash", "origin/cambium/updates")
+    git(merger, "commit", "-qm", "Squash: updates (#7)")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    set_pr_state(tmp_path, url, "MERGED")
+    git(merger, "revert", "--no-edit", "HEAD")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    cs.review_promotions()
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.verify_entry(b, note="still true")["pr_url"] != url
+    proposed = {i["id"]: i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    assert [e["by"] for e in proposed[a]["trust"]["endorsements"]] == ["ada"]
+    assert proposed[b]["verifications"][-1]["note"] == "still true"
+
+
 def test_an_unmarked_copy_of_an_item_org_holds_is_settled_by_review(shared, monkeypatch,
                                                                      tmp_path):
     """A PR-mode promote killed once gh had opened its pull request never
