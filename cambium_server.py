@@ -13624,7 +13624,11 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
     if not urls:
         raise GitError(["gh", "pr", "create"], made.returncode,
                        f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
-    return urls[-1]
+    return next((u for u in urls if PR_PATH.search(u)), urls[-1])
+
+
+PR_PATH = re.compile(r"/pull/\d+/?$")     #: a pull request's web address ends so (a warning's
+                                          #: link gh prints after it does not)
 
 
 PR_STATES = ("OPEN", "CLOSED", "MERGED")     #: what gh says of a pull request

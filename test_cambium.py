@@ -8262,6 +8262,26 @@ def test_pr_branch_names_are_branches_git_takes_for_any_item_id(tmp_path):
     assert cs.pr_branch_name("updates") == "cambium/updates"   # existing branches keep names
 
 
+def test_pr_mode_keeps_the_pull_request_url_gh_create_printed_before_a_warning(
+        shared, monkeypatch, tmp_path):
+    """gh pr create printing a warning with a link after the PR's URL: the
+    item was annotated with the warning's link (the last URL printed), and
+    every later check asked gh about a page that is no pull request."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    wrapper = tmp_path / "wrap"
+    wrapper.mkdir()
+    (wrapper / "gh").write_text(
+        f"#!/bin/sh\n{tmp_path / 'bin' / 'gh'} \"$@\" || exit $?\n"
+        "[ \"$1 $2\" = 'pr create' ] && echo 'Warning: 1 uncommitted change "
+        "https://docs.github.com/x'\nexit 0\n")
+    (wrapper / "gh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper}{os.pathsep}{os.environ['PATH']}")
+    item = _endorsed("Prefer idempotent retries with exponential backoff")
+    assert cs.promote(item, to_scope="org")["pr_url"] == PR_URL + "7"
+    (waiting,) = local_items(shared["a"])
+    assert waiting["pr_url"] == PR_URL + "7"
+
+
 def test_pr_mode_promotes_an_item_whose_id_no_branch_name_may_hold(shared, monkeypatch,
                                                                    tmp_path):
     _pr_mode(monkeypatch, tmp_path, shared)
