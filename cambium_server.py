@@ -16022,10 +16022,10 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
     skipped: list[dict] = []
     unrecorded: list[dict] = []                 # results run but not written
     for scope, doc in docs.items():
-        outcomes, seen = {}, set()
+        outcomes, firsts = {}, {id(it) for it in first_copies(doc.items)}
         for it in doc.items:
             cmd = check_cmd(it)
-            first = not (it.id in seen or seen.add(it.id))
+            first = id(it) in firsts
             if not cmd or not it.active or (item_id and it.id != item_id):
                 continue
             if why := not_to_run(cfg, scope, it, first):
