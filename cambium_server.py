@@ -11386,8 +11386,8 @@ class _Revising:
                 if line in lines:
                     lines[line].append((ts, it.created_at, it))
                     said[(line, it.id)] = ref
-        newest_known = _newest_claim_states([*self.doc.items, *self.fresh,
-                                             *(item for item, _ in states)])
+        newest_known = _newest_claim_states([   # (read only for an item another claim said)
+            *self.doc.items, *self.fresh, *(item for item, _ in states)]) if said else {}
         for lineage, line in lines.items():
             line.sort(key=lambda t: (t[2].id in self.live, time_key(t[0]), t[0],
                                      time_key(t[1]), t[1]))   # then by time: "15:00+05:30"
