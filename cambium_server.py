@@ -12419,11 +12419,6 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
     return groups
 
 
-def merged_recalls(trusts: list[dict]) -> int:
-    """The recall credits of copies merged into one item (merged_days)."""
-    return merged_days(trusts)[1]
-
-
 def merged_days(trusts: list[dict]) -> tuple[dict[str, int], int]:
     """The recall credits of copies merged into one item: agent_key -> its
     days, and the total: each copy's credits, one agent's days on several

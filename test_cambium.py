@@ -2551,7 +2551,7 @@ def test_a_recall_count_too_long_to_write_plus_one_saturates_and_is_kept(repo):
     assert cs.credit(cs.Item.from_dict({"id": "k-1", "content": "x", "trust": {
         "recalls": cs.MAX_TRUST_COUNT}}), "ada", "2026-12-05", "").trust["recalls"] == \
         cs.MAX_TRUST_COUNT
-    assert cs.merged_recalls([{"recalls": cs.MAX_TRUST_COUNT}] * 2) == cs.MAX_TRUST_COUNT
+    assert cs.merged_days([{"recalls": cs.MAX_TRUST_COUNT}] * 2)[1] == cs.MAX_TRUST_COUNT
 
 
 def test_correct_and_deprecate_write_their_values_over_mistyped_ones(repo):
@@ -9963,12 +9963,12 @@ def test_merged_copies_count_one_agents_recall_of_them_all_once():
     """One recall returned three same-text copies: three credits, one agent-day.
     Merged, they made the survivor team-eligible on one recall."""
     dan = {"recalls": 1, "recalled_by": {"dan": "2026-12-01"}}
-    assert cs.merged_recalls([dan, dict(dan), dict(dan)]) == 1
+    assert cs.merged_days([dan, dict(dan), dict(dan)])[1] == 1
     ann = {"recalls": 4, "recalled_by": {"ann": "2026-11-30", "dan": "2026-12-01"}}
-    assert cs.merged_recalls([dan, ann]) == 4          # dan's day once: 1 + 4 - 1
-    assert cs.merged_recalls([{"recalls": 2}, {"recalls": 5}]) == 7    # nothing shared
-    assert cs.merged_recalls([{"recalls": 3, "recalled_by": {"x": "d"}},
-                              {"recalls": 0, "recalled_by": {"x": "d"}}]) == 3
+    assert cs.merged_days([dan, ann])[1] == 4          # dan's day once: 1 + 4 - 1
+    assert cs.merged_days([{"recalls": 2}, {"recalls": 5}])[1] == 7    # nothing shared
+    assert cs.merged_days([{"recalls": 3, "recalled_by": {"x": "d"}},
+                           {"recalls": 0, "recalled_by": {"x": "d"}}])[1] == 3
 
 
 def test_merged_copies_count_one_agents_older_days_on_them_all_once(repo, monkeypatch):
@@ -9994,10 +9994,10 @@ def test_merged_copies_count_one_agents_older_days_on_them_all_once(repo, monkey
     assert live[0].trust["recalled_days"] == {"ag1": 2}
     assert cs.review_promotions()["team_eligible"] == []
     one_each = {"recalls": 1, "recalled_by": {"ag1": "2026-12-01"}}   # other days: two
-    assert cs.merged_recalls([one_each, {"recalls": 1, "recalled_by": {"ag1": "2026-12-02"}}]) \
+    assert cs.merged_days([one_each, {"recalls": 1, "recalled_by": {"ag1": "2026-12-02"}}])[1] \
         == 2
-    assert cs.merged_recalls([{**one_each, "recalls": 3, "recalled_days": {"ag1": 3}},
-                              {"recalls": 1, "recalled_by": {"ag1": "2026-12-03"}}]) == 4
+    assert cs.merged_days([{**one_each, "recalls": 3, "recalled_days": {"ag1": 3}},
+                           {"recalls": 1, "recalled_by": {"ag1": "2026-12-03"}}])[1] == 4
     one_each = {**one_each, "endorsements": [], "projects": []}
     dup = dataclasses.replace(cs.new_item("Pin the base image"), trust=one_each)
     old = dataclasses.replace(cs.new_item("Pin the base image."), trust=one_each,
@@ -10013,7 +10013,7 @@ def test_merged_copies_count_one_agents_day_once_however_the_id_is_spelled():
     survivor holds under the other spelling were new too."""
     low = {"recalls": 1, "recalled_by": {"ada": "2026-12-01"}}
     up = {"recalls": 1, "recalled_by": {"ADA": "2026-12-01"}}
-    assert cs.merged_recalls([low, up]) == 1
+    assert cs.merged_days([low, up])[1] == 1
     surv = dataclasses.replace(cs.new_item("Set a timeout on every outbound call"), trust=low)
     dup = dataclasses.replace(cs.new_item("Set a timeout on each outbound call"), trust=up)
     merged = cs.merged_survivor(surv, surv.trust, [(dup, dup.trust)], now="2026-12-02T00:00:00Z")
