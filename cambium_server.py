@@ -3930,6 +3930,19 @@ def _file_key(fd: int) -> tuple:
     return (*_stat_key(os.fstat(fd)), rewrite_token(os.pread(fd, REWRITE_HEAD, 0)))
 
 
+def file_version(path: str | os.PathLike) -> tuple:
+    """A file's version as a store's parsed copy is keyed (_file_key: its stat
+    key, ctime included, and its head's rewrite token): one open, one fstat and
+    a read of its first bytes (about 10 us). OSError for a link, a FIFO or a
+    directory (open_regular: never followed, never waited on), FileNotFoundError
+    when it is absent."""
+    fd = open_regular(path)
+    try:
+        return _file_key(fd)
+    finally:
+        os.close(fd)
+
+
 def _stamp() -> str:
     return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}"
 
@@ -4149,14 +4162,9 @@ class LocalStore(Store):
             return self._parse(locked=locked)
 
     def _version(self) -> tuple:
-        """The file's version as it stands (_file_key): one open, one fstat and
-        a read of its first bytes (about 10 us), so a parsed copy is trusted,
-        and a write made from it, only when the token matches too."""
-        fd = open_regular(self.path)
-        try:
-            return _file_key(fd)
-        finally:
-            os.close(fd)
+        """The file's version as it stands (file_version), so a parsed copy is
+        trusted, and a write made from it, only when the token matches too."""
+        return file_version(self.path)
 
     def _being_written(self) -> bool:
         """Whether another thread of this process holds the store's lock: a
@@ -17569,14 +17577,19 @@ def primer_key(cfg: Config, limit: int) -> str | None:
     store or spawning git for a ref: the settings, the hour (ages: a premise
     turns 30 days old, a verification 90, at any time of day; the day alone
     served a stale digest until midnight), the local file and credit journal
-    as they stand, the last fetched team and org tips, and HEAD (anchors).
-    None when a part cannot be named that way."""
+    as they stand (file_version, as a parsed store is keyed: an edit in place
+    that set the mtime back, or a same-tick rewrite on a reused inode, matched
+    (inode, size, mtime)), the last fetched team and org tips, and HEAD
+    (anchors). None when a part cannot be named that way (a link, a FIFO)."""
     hour = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H")
     parts: list = [__version__, limit, hour, cfg.project, cfg.remote, cfg.team_branch,
                    str(cfg.org_repo)]
     try:
         for path in (cfg.local_dir / STORE_FILE, credits_path(cfg)):
-            parts.append(_named_version(path))
+            try:
+                parts.append(file_version(path))
+            except FileNotFoundError:
+                parts.append(None)
         for scope in ("team", "org"):
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
@@ -17587,24 +17600,6 @@ def primer_key(cfg: Config, limit: int) -> str | None:
     except (OSError, IndexError, CambiumError):
         return None
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
-
-
-def _named_version(path: Path) -> tuple | None:
-    """A file's version as the store's own parsed copy is keyed (its stat key,
-    ctime included, and its head's rewrite token), None when it is absent: an
-    edit in place that set the mtime back, or a same-tick rewrite on a reused
-    inode, matched (inode, size, mtime), and a session started on the primer
-    of the store before it. A link or FIFO: OSError (no cache)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    try:
-        if not _stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return _file_key(fd)
-    finally:
-        os.close(fd)
 
 
 def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
