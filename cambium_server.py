@@ -17446,19 +17446,18 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
         # org items have finished climbing: their use is not counted (spec)
         unjournaled = None
         try:
-            pending = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
+            by_item = _credit_hits(cfg, [h.item for h in hits if h.item.scope != "org"])
         except OSError as e:            # a read-only checkout: the answer stands, uncredited
-            pending, unjournaled = [], (f"recall credits could not be journaled in "
+            by_item, unjournaled = {}, (f"recall credits could not be journaled in "
                                         f"{credits_path(cfg).parent} ({e.strerror or e}): the "
                                         "results stand, uncredited")
         except ConflictError:           # a process stopped mid-append holds its lock
-            pending, unjournaled = [], (f"recall credits could not be journaled: "
+            by_item, unjournaled = {}, (f"recall credits could not be journaled: "
                                         f"{credits_path(cfg)}.lock is held by another process "
                                         "(one stopped while it writes?): the results stand, "
                                         "uncredited")
         note_shown(cfg, [h.item.id for h in hits], "recall")
         _schedule_credit_fold(cfg)
-        by_item = credits_by_item(pending)
         out = {"results": [result_view(cfg, h.item, effective_trust(h.item, by_item),
                                        round(h.confidence, 3), detail) for h in hits],
                "no_confident_match": False, **({"warnings": [unjournaled]} if unjournaled
@@ -17677,8 +17676,9 @@ def expand(item_id: ItemId) -> dict:
     return out
 
 
-def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
-    """Journal one credit per (item, agent, day) not yet credited; return pending.
+def _credit_hits(cfg: Config, items: list[Item]) -> dict[str, list[dict]]:
+    """Journal one credit per (item, agent, day) not yet credited; return the
+    pending ones, these included, grouped by item (credits_by_item).
     The journal's lock is waited for JOURNAL_LOCK_WAIT_S only (then ConflictError):
     a recall is a read, and a credit is bookkeeping."""
     token = LOCK_WAIT.set(lock_wait_under(JOURNAL_LOCK_WAIT_S))
@@ -17688,12 +17688,10 @@ def _credit_hits(cfg: Config, items: list[Item]) -> list[dict]:
         LOCK_WAIT.reset(token)
 
 
-def _journal_new_credits(cfg: Config, items: list[Item]) -> list[dict]:
+def _journal_new_credits(cfg: Config, items: list[Item]) -> dict[str, list[dict]]:
     path = credits_path(cfg)
     day = _today()
-    pending = read_credits(path)
-    seen = {(r["item"], r.get("agent"), r.get("day")) for r in pending}
-    by_item, new = credits_by_item(pending), []
+    by_item, new = credits_by_item(read_credits(path)), []
     for it in items:
         trust = effective_trust(it, by_item)
         already = any(same_agent(a, cfg.agent) and d == day
@@ -17701,12 +17699,15 @@ def _journal_new_credits(cfg: Config, items: list[Item]) -> list[dict]:
         projects = list(trust.get("projects") or [])     # (an earlier version's name: renamed)
         in_projects = any(same_project(p, cfg.project) for p in projects) and \
             renamed_project(projects, cfg.project, cfg.former_project) == projects
-        if (already and in_projects) or (it.id, cfg.agent, day) in seen:
+        if (already and in_projects) or any(r.get("agent") == cfg.agent and r.get("day") == day
+                                            for r in by_item.get(it.id, ())):
             continue
         new.append({"item": it.id, "scope": it.scope, "agent": cfg.agent, "day": day,
                     **cfg.credit_project(), "at": _now()})
     append_credits(path, new, durable=not runtime().long_running.is_set())
-    return pending + new
+    for rec in new:                     # (after the walk: a hit held twice is judged
+        by_item.setdefault(rec["item"], []).append(rec)   # on the journal alone)
+    return by_item
 
 
 CREDIT_SCOPES = ("local", "team", "org")    #: the scopes a fold writes (org: climbed credits)
