@@ -17946,13 +17946,14 @@ def promote(item_id: Annotated[str | None, Field(
     return out
 
 
-def _promote_to_team(cfg: Config, item_id: str | None, force: bool) -> dict:
-    pending = credits_by_item(read_credits(credits_path(cfg)))
-
-    doc, finishing = _cut_short_marks(cfg, item_id)
+def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
+                     marks: tuple[Doc, set[str]] | None = None) -> dict:
+    """marks: _cut_short_marks(cfg, item_id), when the caller has them."""
+    doc, finishing = marks or _cut_short_marks(cfg, item_id)
     to_org = moving_to(doc, "org")
     if item_id in to_org:                      # a move to org cut short: finished there
         return _promote_to_org(cfg, item_id, force=True, restate={})
+    pending = credits_by_item(read_credits(credits_path(cfg)))
 
     def gate(it: Item) -> Verdict:             # (a move cut short was judged when it began)
         return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
@@ -18104,22 +18105,37 @@ def _org_kind(kind: str | None) -> str | None:
     return None if kind is None else _clean_text(kind, "org_kind", 40) or None
 
 
-def _finish_team_move(cfg: Config, item_id: str) -> bool:
-    """Whether a move of the item to team that a crash cut short (team holds
-    its copy, the local one keeps its mark) was finished here, as promote()
-    finishes one, the local copy's news carried up. A promote to org sent the
-    local copy up as it stood, though a change since (a deprecate, a correct)
-    lands on the team copy: org got the item active, team had it retired. Org
-    now judges the team copy, the one that stays."""
-    if item_id not in _cut_short_marks(cfg, item_id)[1]:
-        return False
-    _promote_to_team(cfg, item_id, force=True)
-    return True
+def _finish_team_move(cfg: Config, item_id: str) -> dict | None:
+    """A move of the item to team that a crash cut short (team holds its copy,
+    the local one keeps its mark) finished as promote() finishes one, the
+    local copy's news carried up: that promote's answer, None when no such
+    move was cut short. A promote to org sent the local copy up as it stood,
+    though a change since (a deprecate, a correct) lands on the team copy:
+    org got the item active, team had it retired. Org now judges the team
+    copy, the one that stays."""
+    marks = _cut_short_marks(cfg, item_id)
+    if item_id not in marks[1]:
+        return None
+    return _promote_to_team(cfg, item_id, force=True, marks=marks)
 
 
 def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> dict:
-    """restate: org_content, org_why, org_kind (None: kept as it is)."""
-    finished = _finish_team_move(cfg, item_id)     # (a copy both hold: team's, the one kept)
+    """restate: org_content, org_why, org_kind (None: kept as it is). A move
+    to team a crash cut short is finished first (_finish_team_move), its
+    warnings (both copies kept) carried into the answer; refused (the local
+    copy waits on a pull request), that refusal is the answer: the team copy
+    went on to org as if the move were done, the local one left behind."""
+    team = _finish_team_move(cfg, item_id)
+    if team is not None and team["status"] != "promoted":
+        return team
+    return answer_of(_promote_item_to_org(cfg, item_id, force, restate, team is not None),
+                     {"warnings": (team or {}).get("warnings", [])})
+
+
+def _promote_item_to_org(cfg: Config, item_id: str, force: bool, restate: dict,
+                         finished: bool) -> dict:
+    """_promote_to_org once a cut-short move to team is finished (`finished`:
+    the item's copy both held is team's, the one kept)."""
     scope, item = locate(cfg, item_id, highest=finished)
     if scope == "org":
         return {"status": "already_promoted", "scope": "org", "item": item_view(item)}

@@ -5659,6 +5659,24 @@ def test_an_org_promote_after_a_cut_short_team_move_sends_the_team_copy(shared, 
     assert item_id not in {i["id"] for i in local_items(shared["a"])}
 
 
+def test_an_org_promote_stops_where_the_cut_short_team_move_it_finishes_is_refused(
+        shared, monkeypatch):
+    """The local copy of a team move cut short names an org pull request (a
+    hand edit): the promote that finishes the move refuses it (pr_pending),
+    and the org promote, which never looked at that answer, went on as if the
+    move were done: the team copy went to org, the local one stayed marked."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _cut_short_to_team(monkeypatch, "Prefer idempotent retries with backoff")
+    cs.store(cs.require_config(), "local").mutate(lambda d: dataclasses.replace(d, items=[
+        dataclasses.replace(i, pr_url="https://example.invalid/pull/7") if i.id == item_id
+        else i for i in d.items]), "a hand edit")
+    out = cs.promote(item_id, to_scope="org", force=True)
+    assert out["status"] == "pr_pending" and "pull/7" in out["reason"], out
+    org = shared["org"] / "knowledge.json"
+    assert not org.exists() or item_id not in org.read_text()
+    assert item_id in {i["id"] for i in remote_json(shared["origin"], "cambium")["items"]}
+
+
 def test_pr_mode_an_org_promote_after_a_cut_short_team_move_opens_no_pr_for_a_stale_copy(
         shared, monkeypatch, tmp_path):
     """PR mode: the stale local copy went up in a pull request, whose merge
