@@ -5223,6 +5223,12 @@ def credits_by_item(records: Iterable[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def pending_by_item(cfg: Config, *, adopt: bool = True) -> dict[str, list[dict]]:
+    """The project's journaled credits grouped by item (read_credits: adopt=False
+    reads a legacy journal where it lies)."""
+    return credits_by_item(read_credits(credits_path(cfg), adopt=adopt))
+
+
 def effective_trust(item: Item, pending: Mapping[str, list[dict]]) -> dict:
     """An item's trust with its not-yet-folded credits applied (read side).
     `pending` is credits_by_item's grouping, never the journal's list: a tool
@@ -15582,7 +15588,7 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
     pool = [it for it in first_copies(federated_items(docs))   # (an empty body, e.g. a
             if it.active and not it.pr_url and it.content.strip()  # hand-edited non-string)
             and not (it.scope == "local" and it.id in moving) and not above(it)]
-    pending = credits_by_item(read_credits(credits_path(cfg)))
+    pending = pending_by_item(cfg)
     trusts = {it.id: effective_trust(it, pending) for it in pool}
     found = duplicate_groups(pool, trusts, semantic=_semantic_opinion(cfg, pool))
     groups = [Group(pool[s], [(pool[m], sim, how) for m, sim, how in members])
@@ -17660,8 +17666,7 @@ def expand(item_id: ItemId) -> dict:
     cfg = require_config()
     item_id = _check_id(item_id)
     scope, item = locate(cfg, item_id, highest=True)
-    trust = effective_trust(item, credits_by_item(read_credits(credits_path(cfg),
-                                                               adopt=False)))
+    trust = effective_trust(item, pending_by_item(cfg, adopt=False))
     anchors = anchors_for(cfg, item)
     out = {**item_view(item, trust=trust), "scope": scope,
            "line": item_line(item, trust=trust, anchors=anchors),
@@ -17691,7 +17696,7 @@ def _credit_hits(cfg: Config, items: list[Item]) -> dict[str, list[dict]]:
 def _journal_new_credits(cfg: Config, items: list[Item]) -> dict[str, list[dict]]:
     path = credits_path(cfg)
     day = _today()
-    by_item, new = credits_by_item(read_credits(path)), []
+    by_item, new = pending_by_item(cfg), []
     for it in items:
         trust = effective_trust(it, by_item)
         already = any(same_agent(a, cfg.agent) and d == day
@@ -17953,7 +17958,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
     to_org = moving_to(doc, "org")
     if item_id in to_org:                      # a move to org cut short: finished there
         return _promote_to_org(cfg, item_id, force=True, restate={})
-    pending = credits_by_item(read_credits(credits_path(cfg)))
+    pending = pending_by_item(cfg)
 
     def gate(it: Item) -> Verdict:             # (a move cut short was judged when it began)
         return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
@@ -18161,7 +18166,7 @@ def _promote_item_to_org(cfg: Config, item_id: str, force: bool, restate: dict,
 
     if not (verdict := gate(item)).allowed:
         return _org_refusal(item, verdict)
-    pending = credits_by_item(read_credits(credits_path(cfg)))
+    pending = pending_by_item(cfg)
     now = _now()
 
     def copy(it: Item) -> Item:
@@ -18414,7 +18419,7 @@ def review_promotions(limit: Annotated[int, Field(
     settled, unsettled, prs = _settle_and_check(cfg, docs)
     if settled or prs.withdrawn:                  # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
-    pending = credits_by_item(read_credits(credits_path(cfg)))
+    pending = pending_by_item(cfg)
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
                            "org_needs_generalization": []}
     to_org = moving_to(docs["local"], "org")
@@ -19138,7 +19143,7 @@ def export_markdown(scope: Annotated[Literal["local", "team", "org", "all"], Fie
     if scope in ("team", "org"):
         store(cfg, scope)
     docs, warnings = read_scopes(cfg, wanted, strict=scope != "all")
-    pending = credits_by_item(read_credits(credits_path(cfg)))
+    pending = pending_by_item(cfg)
     groups = {s: [(it, effective_trust(it, pending)) for it in first_copies(d.items)
                   if it.active] for s, d in docs.items()}
     out: dict[str, Any] = {"scope": scope, "markdown": render_markdown(groups),
