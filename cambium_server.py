@@ -20225,7 +20225,13 @@ HTTP_CHECK_INLINE = 16 * 1024   #: a body larger is checked in a worker thread
 #: at most this many such checks run at once: one client's many large bodies
 #: keep neither the event loop nor the worker threads tool calls run in
 HTTP_CHECKS_AT_ONCE = 2
-_HTTP_CHECKS: list = []         #: the CapacityLimiter those checks share, made once
+
+
+@functools.cache
+def _http_checks() -> Any:
+    """The anyio.CapacityLimiter those checks share, made once, on first use."""
+    import anyio
+    return anyio.CapacityLimiter(HTTP_CHECKS_AT_ONCE)
 
 
 async def refusal_off_loop(text: str, parse: Callable[[str], Any]) -> tuple[bool, dict | None]:
@@ -20235,10 +20241,7 @@ async def refusal_off_loop(text: str, parse: Callable[[str], Any]) -> tuple[bool
     import anyio.to_thread
     if len(text) <= HTTP_CHECK_INLINE:
         return refusal_reply(text, parse)
-    if not _HTTP_CHECKS:
-        _HTTP_CHECKS.append(anyio.CapacityLimiter(HTTP_CHECKS_AT_ONCE))
-    return await anyio.to_thread.run_sync(refusal_reply, text, parse,
-                                          limiter=_HTTP_CHECKS[0])
+    return await anyio.to_thread.run_sync(refusal_reply, text, parse, limiter=_http_checks())
 
 
 def answer_as_stdio_does(app: Callable, guard: Any = None,
