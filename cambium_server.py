@@ -19610,6 +19610,10 @@ STDIO_POLL_S = 0.25              #: how often a reader waiting for input looks a
 #: are unanswered: a client that pipes its requests and closes stdin gets its
 #: answers (an import of many records takes tens of seconds)
 EOF_ANSWER_WAIT_S = 120.0
+#: refusals' answers queued unwritten past which the stdin reader waits for
+#: one to be written: a client that never reads stdout and sends junk lines
+#: without end grew the queue without bound (below it, the reader never waits)
+MAX_QUEUED_REFUSALS = 10_000
 
 
 def _request_key(rid: Any) -> Any:
@@ -19675,9 +19679,14 @@ class _RepairedStdin:
                     self._written()
 
     def _queue_refusal(self, reply: dict) -> None:
-        """Hand a refusal's answer to write_refusals without waiting for its write."""
+        """Hand a refusal's answer to write_refusals without waiting for its
+        write, unless MAX_QUEUED_REFUSALS wait unwritten already (then until one
+        is written, a signal or the session's end)."""
         import anyio.from_thread
         with self._settled:
+            while (self._unsent >= MAX_QUEUED_REFUSALS and not STDIO_STOP.is_set()
+                   and not self._over.is_set()):
+                self._settled.wait(STDIO_POLL_S)
             self._unsent += 1
         try:
             anyio.from_thread.run_sync(self._outbox.send_nowait, reply)

@@ -13522,6 +13522,43 @@ def test_a_refused_line_never_stops_a_client_that_writes_everything_before_readi
     assert {a.get("id") for a in answers} == {"bad", *range(49)}
 
 
+def test_a_client_that_never_reads_stops_being_read_past_the_refusal_cap(monkeypatch):
+    """A client that never read stdout and sent junk lines without end grew the
+    queue of refusals' answers without bound; past MAX_QUEUED_REFUSALS the
+    reader now waits for one to be written (below it, it never waits)."""
+    import io
+    import anyio
+    monkeypatch.setattr(cs, "MAX_QUEUED_REFUSALS", 3)
+    monkeypatch.setattr(cs, "SERVER_STOP", cs._StopEvent())    # (its end of input sets it)
+    stdin = cs._RepairedStdin(io.BytesIO(b"junk\n" * 10))
+    seen: dict = {}
+
+    async def main() -> None:
+        gate, written = anyio.Event(), []
+
+        async def reply(msg: dict) -> None:             # stdout's reader: not reading yet
+            await gate.wait()
+            written.append(msg)
+
+        async def read() -> None:
+            seen["line"] = await anyio.to_thread.run_sync(stdin.readline)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stdin.write_refusals, reply)
+            tg.start_soon(read)
+            await anyio.sleep(1.0)
+            seen.update(unsent=stdin._unsent, read=stdin._buffer.tell())
+            gate.set()                                  # it reads: every answer is written
+            with anyio.fail_after(30):
+                while "line" not in seen:
+                    await anyio.sleep(0.05)
+            seen["written"] = len(written)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert seen == {"unsent": 3, "read": 4 * len(b"junk\n"), "line": "", "written": 10}
+
+
 def test_stored_lone_surrogates_are_read_served_and_written_back_unchanged(shared):
     """`"\\ud800"` in knowledge.json is valid JSON but not Unicode: hashing the
     text raised UnicodeEncodeError (recall, capture, endorse all failed), and a
