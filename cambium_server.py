@@ -4444,7 +4444,8 @@ def merge_restored(doc: Doc, back: Doc, *, agent: str, now: str,
         if it.active or k not in twins or not items[twins[k]].active:
             twins[k] = i
     counts = {"restored": 0, "updated": 0, "already_here": 0, "live_kept": 0,
-              "copies_folded": 0, "retired_like_copy": 0, "held_above": 0, "not_item_ids": 0}
+              "copies_folded": 0, "retired_like_copy": 0, "folded_like_copy": 0,
+              "kept_beside_survivor": 0, "held_above": 0, "not_item_ids": 0}
     renamed: dict[str, str] = {}
     for it in back.items:
         if not isinstance(it.id, str) or not ITEM_ID.fullmatch(it.id) or \
@@ -4519,10 +4520,42 @@ def _back_beside_its_copy(it: Item, items: list[Item], twins: dict[str, int],
         if copy.active:
             counts["copies_folded"] += 1
             return it
+    if copy is not None and (sid := folded_into(copy)) is not None:
+        return _folded_like_copy(it, copy, sid, items, counts, agent=agent, now=now)
     if copy is not None:                           # its copy was retired meanwhile: so is it
         counts["retired_like_copy"] += 1
         return retired_like(it, copy, agent="distill" if by_distill else agent, now=now)
     return it
+
+
+def _folded_like_copy(it: Item, copy: Item, sid: str, items: list[Item],
+                      counts: dict[str, int], *, agent: str, now: str) -> Item:
+    """A restored item whose younger copy consolidate folded into survivor `sid`
+    while it was set aside, folded into that survivor as consolidate would
+    (its endorsements, credits, tags, anchors and why the survivor lacks: a
+    plain supersession left them on a retired item). The survivor is followed
+    along its own folds in `items`; one a person retired since retires it as
+    its copy was (retired_like). One living in team or org is not written from
+    here: the item stays active beside it, and the next consolidate folds it
+    (kept_beside_survivor)."""
+    seen: set[str] = set()
+    while sid not in seen:
+        seen.add(sid)
+        s = next((i for i, x in enumerate(items) if x.id == sid), None)
+        if s is None:
+            counts["kept_beside_survivor"] += 1
+            return it
+        if items[s].active:
+            items[s] = merged_survivor(items[s], items[s].trust, [(it, it.trust)], now=now)
+            counts["folded_like_copy"] += 1
+            return supersede(it, sid, agent=agent, now=now,
+                             why=f"consolidated: restored after its copy {copy.id} was "
+                                 f"folded into {sid}")
+        if (nxt := folded_into(items[s])) is None:
+            break
+        sid = nxt
+    counts["retired_like_copy"] += 1
+    return retired_like(it, copy, agent=agent, now=now)
 
 
 def retired_like(item: Item, copy: Item, *, agent: str, now: str) -> Item:
@@ -19013,6 +19046,14 @@ def _restored_already(p: Path) -> dict | None:
             "note": f"restored already: the file was renamed {done}"}
 
 
+def _kept_beside(counts: dict[str, int]) -> dict:
+    """restore's next step when an item came back active beside the team or org
+    survivor its copy was folded into (restore writes the local store only)."""
+    return {"next_step": "an item whose copy consolidate folded into a team or org item came "
+            "back active beside it: consolidate(apply=True) folds it there"} \
+        if counts.get("kept_beside_survivor") else {}
+
+
 def restore(path: Annotated[str, Field(
         "A file set aside beside the store: knowledge.json.quarantine-<time> (repair its "
         "lines first) or knowledge.json.corrupt-<time>.")]) -> dict:
@@ -19061,7 +19102,7 @@ def restore(path: Annotated[str, Field(
     store(cfg, "local").mutate(apply, f"restore {p.name}")
     out: dict[str, Any] = {"status": "restored" if counts["restored"] or counts["updated"]
                            else "nothing_to_restore", "file": str(p), **counts,
-                           "unparseable_lines": len(parsed.bad)}
+                           "unparseable_lines": len(parsed.bad), **_kept_beside(counts)}
     if unread:                  # a copy it holds may have come back: promote() settles it
         out["warnings"] = [*unread, "items a scope above may hold were restored here as "
                            "well; promote() drops a local copy that scope holds"]

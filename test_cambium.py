@@ -2983,6 +2983,41 @@ def test_restore_brings_an_original_back_retired_when_its_copy_was_retired_meanw
     assert not cs.recall("billing cron midnight")["results"]
 
 
+def test_restore_beside_a_copy_consolidate_folded_folds_the_original_into_its_survivor(
+        repo, monkeypatch):
+    """While the store was set aside, two copies of an endorsed item were
+    captured and consolidate folded one into the other. restore superseded the
+    original by that survivor without carrying anything: the endorsement, tag
+    and why stayed on a retired item, and no later consolidate looked there."""
+    text = "Feature flags for checkout live in LaunchDarkly project web-checkout"
+    orig = cs.capture(text, why="the env file is not read in prod", tags=["flags"])["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "dave")
+    cs.endorse(orig, note="dave vouches")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    path = _store_path(repo)
+    good = path.read_bytes()
+    path.write_bytes(b"garbage\n")
+    cs.runtime().reset()
+    with contextlib.suppress(cs.CambiumError):
+        cs.capture(text, tags=["checkout"])
+    cs.capture(text, tags=["checkout"])
+    sid = cs.capture(text + ".")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "erin")
+    cs.endorse(sid, note="erin too")                   # the survivor: the copy is folded
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.consolidate(apply=True)["superseded"]
+    (aside,) = path.parent.glob("knowledge.json.corrupt-*")
+    aside.write_bytes(good)
+    res = cs.restore(str(aside))
+    assert res["restored"] == 1 and res["folded_like_copy"] == 1, res
+    items = {i.id: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert items[orig].status == "superseded" and items[orig].superseded_by["id"] == sid
+    live = items[sid]
+    assert sorted(e["by"] for e in live.trust["endorsements"]) == ["dave", "erin"]
+    assert "flags" in live.tags and live.why == "the env file is not read in prod"
+    assert orig in [m["id"] for m in live.extra["merged_from"]]
+
+
 def test_restore_beside_a_copy_distill_retired_lets_distill_revive_the_original(repo,
                                                                                 monkeypatch):
     """While the store was set aside, distill made copies of two entries and
