@@ -17059,7 +17059,29 @@ def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
 def said_key(it: Item) -> str:
     """content_key without the text's final punctuation ("G." and "G!" say G;
     "< 30s" and "> 30s" stay two) (pure)."""
-    return text_key(it.type, plain_text(it.content).strip().rstrip(".!?…;:,").strip())
+    return said_text_key(it.type, it.content)
+
+
+def said_text_key(type: str, content: str) -> str:
+    """said_key of words not stored yet (a capture's, a recalled copy's) (pure)."""
+    return text_key(type, plain_text(content).strip().rstrip(".!?…;:,").strip())
+
+
+def corrected_said(key: str, items: list) -> dict[str, tuple]:
+    """{said_key of a superseded item: the ids of such items} of a store's
+    items: correction_maps' words read as promote and consolidate read words,
+    a final stop aside ("T." corrected, a live "T" is the corrected words too),
+    kept while the store's superseded items stay the same."""
+    gone = correction_maps(key, items)[2]
+    rt = runtime()
+    with rt.index_lock:
+        src, said = rt.texts.get("said:" + key, (None, {}))
+        if src is not gone:
+            said = {}
+            for x in gone.values():
+                said[said_key(x)] = (*said.get(said_key(x), ()), x.id)
+            rt.texts["said:" + key] = (gone, said)
+        return said
 
 
 def words_held(key: str, items: list) -> dict[str, Item]:
@@ -17129,18 +17151,19 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
 
 def _correction_of_text(cfg: Config, content: str, type: str,
                         docs: dict[str, Doc]) -> Item | None:
-    """The live correction of an item of any scope that said exactly `content`
-    (capturing the words a person corrected stored the wrong statement again,
-    active), at the end of its chain: a correction that was promoted, corrected
+    """The live correction of an item of any scope that said `content` (a final
+    stop aside: said_key, as promote and consolidate read words; capturing the
+    words a person corrected stored the wrong statement again, active), at the end of its chain: a correction that was promoted, corrected
     again or folded into a survivor by consolidate still answers; with none
     live, the retired end of a chain (a correction deprecated since: the words
     it corrected came back active). The item that said it may have been
     folded by consolidate into a survivor a person corrected since (_fold_chain).
     `docs`: scopes as last read (a capture never waits on the network)."""
-    key = text_key(type, plain_text(content).strip())
+    key = said_text_key(type, content)          # (a final stop aside: said_key)
     maps = [correction_maps(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
+    said = [corrected_said(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
     retired = None
-    for corrected in (i for words, _, _ in maps for i in words.get(key, ())):
+    for corrected in (i for words in said for i in words.get(key, ())):
         fix = _fold_chain(corrected, maps)
         if fix is not None and not fix.active and (nxt := _superseded_by(fix)):
             fix = _replacements(fix.id, nxt, docs)[1]
@@ -17383,11 +17406,11 @@ def correction_for(cfg: Config, docs: dict[str, Doc]) -> Callable[[Item], Item |
     stay retired too). Cheap per item: only words some item was superseded
     for are looked up."""
     maps = [words for scope, doc in docs.items()      # (cached per store: no set is
-            if (words := corrections(f"{scope}:{cfg.repo}", doc.items)[0])]   # built per call)
+            if (words := corrected_said(f"{scope}:{cfg.repo}", doc.items))]   # built per call)
 
     def fixed(it: Item) -> Item | None:
         if not maps or it.authority == "human" or \
-                not any(content_key(it) in words for words in maps):
+                not any(said_key(it) in words for words in maps):
             return None
         fix = _correction_of_text(cfg, it.content, it.type, docs)
         return fix if fix is not None and fix.id != it.id else None
