@@ -17049,11 +17049,29 @@ def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
         return None                                          # folds the two)
     if held.status == "superseded":
         fix = corrections(tag, doc.items)[1].get(held.id)
+        fix = _correction_end(fix, doc.items) if fix is not None else None
         return Verdict(False, "corrected_before", f"{scope} holds these words as {held.id}, "
-                       + (f"corrected by {fix.id}; that correction stands" if fix else
-                          "superseded") + ": they are not published again")
+                       + ("superseded" if fix is None else
+                          f"corrected by {fix.id}; that correction stands" if fix.active else
+                          f"corrected by {fix.id}, {fix.status} since")
+                       + ": they are not published again")
     return Verdict(False, "deprecated_before", f"{scope} deprecated these words ({held.id}); "
                    "they stay retired: capture what changed in your own words instead")
+
+
+def _correction_end(fix: Item, items: list) -> Item:
+    """A correction followed along superseded_by through a store's items to
+    its live end (corrected again, or folded by consolidate), else the last
+    item met: _said_in named a correction retired since as the one that
+    stands (pure; a walk per refusal)."""
+    seen = {fix.id}
+    while not fix.active and (nxt := _superseded_by(fix)) is not None and nxt not in seen:
+        seen.add(nxt)
+        found = next((x for x in items if x.id == nxt), None)
+        if found is None:
+            break
+        fix = found
+    return fix
 
 
 def said_key(it: Item) -> str:

@@ -20055,6 +20055,24 @@ def test_words_a_person_corrected_stay_corrected_in_a_copy_without_the_final_sto
         assert res["status"] == "corrected_before" and res["item"]["id"] == fix, said
 
 
+def test_promote_refusing_corrected_words_names_the_correction_that_stands(shared,
+                                                                           monkeypatch):
+    """Team's item was corrected, and the correction corrected again: promote
+    of a local copy of the first words named the first correction, retired,
+    as the one that stands."""
+    words = "The payment webhook must retry three times with backoff before alerting"
+    mine = cs.capture(words + ".")["item"]["id"]
+    as_agent(monkeypatch, shared["b"], "bob")
+    theirs = cs.capture(words)["item"]["id"]
+    assert cs.promote(theirs, force=True)["status"] == "promoted"
+    first = cs.correct(theirs, "The payment webhook must retry 4 times with jitter")["item"]["id"]
+    live = cs.correct(first, "The payment webhook must retry 5 times with jitter")["item"]["id"]
+    as_agent(monkeypatch, shared["a"], "ada")
+    res = cs.promote(mine, force=True)
+    assert res["status"] == "corrected_before", res
+    assert f"corrected by {live}; that correction stands" in res["reason"], res["reason"]
+
+
 def test_the_same_verification_again_at_once_is_recorded_once(repo, monkeypatch):
     """A PR-mode verify whose pull request gh failed to open, run again as the
     error says, recorded the verification twice."""
