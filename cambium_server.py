@@ -11559,7 +11559,7 @@ def _source_key(item: Item) -> str:
 
 def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
           now: str | None = None, live_keys: Iterable[str] = (),
-          retired_too: bool = False, elsewhere: Callable[[str], bool] | None = None
+          retired_too: bool = False, elsewhere: Callable[..., bool] | None = None
           ) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
@@ -11577,7 +11577,7 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
         ckey = content_key(item)
         if key and key in run.marks and run.passed_over(key, item, ckey):
             continue
-        if run.says(ckey, item) or elsewhere is not None and elsewhere(ckey):
+        if run.says(ckey, item) or elsewhere is not None and elsewhere(ckey, item.content):
             run.same_text(key, item, ckey)
         else:
             run.take(key, item, ckey)
@@ -11646,8 +11646,9 @@ class _Admitting:
                             for t in ITEM_TYPES}
         if self.stored(ckey) or ckey in self.retired:
             return True
-        return self.all_types and item is not None and any(
+        return self.all_types and item is not None and (any(
             self.stored(text_key(t, item.content)) for t in ITEM_TYPES if t != item.type)
+            or said_corrected(corrected_said(self.index_key, self.doc.items), item.content))
 
     def same_text(self, key: str, item: Item, ckey: str) -> None:
         """A record whose text is held already: a duplicate; in revise, its key
@@ -11695,19 +11696,30 @@ class _Admitting:
         return self.adm
 
 
-def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[[str], bool]:
+def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[..., bool]:
     """Whether team or org, as last read (no network), holds an active item
     saying a content key (with retired_too, also words deprecated, corrected or
-    superseded there: a retired statement stays retired for everyone)."""
+    superseded there: a retired statement stays retired for everyone; given the
+    record's `content`, words corrected there a final stop aside too)."""
     docs, _ = read_scopes_offline(cfg)
     maps: list = []
+    saids: list = []
     for scope in ("team", "org"):
         if scope in docs:
             key, items = f"{scope}:{cfg.repo}", docs[scope].items
             maps.append(active_texts(key, items))
             if retired_too:
                 maps += [deprecated_texts(key, items), corrections(key, items)[0]]
-    return lambda ckey: any(ckey in m for m in maps)
+                saids.append(corrected_said(key, items))
+    return lambda ckey, content=None: any(ckey in m for m in maps) or (
+        content is not None and any(said_corrected(s, content) for s in saids))
+
+
+def said_corrected(said: dict[str, tuple], content: str) -> bool:
+    """Whether `said` (corrected_said of a store) holds these words as any
+    type, a final stop aside: import of "T." brought the "T" a person
+    corrected back live, where capture answered corrected_before (pure)."""
+    return any(said_text_key(t, content) in said for t in ITEM_TYPES)
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
@@ -15184,7 +15196,7 @@ class Sweep:
     retired_elsewhere: list = field(default_factory=list)   # moved-up items retired now
     pending_elsewhere: list = field(default_factory=list)   # ... and those still waiting
     kept_elsewhere: list = field(default_factory=list)      # keys of theirs distill did not make
-    elsewhere: Callable[[str], bool] | None = None          # shared_texts(): held above
+    elsewhere: Callable[..., bool] | None = None            # shared_texts(): held above
     adding_only: bool = False     # a linked worktree: its .context/ is its branch's (below)
 
     def read(self, name: str) -> SourceRead | None:

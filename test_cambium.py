@@ -19844,6 +19844,32 @@ def test_import_never_brings_back_words_team_deprecated(shared, tmp_path, monkey
     assert out["imported"] == 0 and out["same_content"] == 1, out
 
 
+def test_import_never_brings_back_corrected_words_a_final_stop_aside(
+        shared, tmp_path, monkeypatch):
+    """Capture of "T." answered corrected_before once "T" was corrected, but
+    import of it was imported live: it matched retired words only exactly,
+    locally and in team."""
+    wrong = "The build uses gradle seven for the android app"
+    item = cs.capture(wrong)["item"]["id"]
+    cs.correct(item, "The build uses gradle eight for the android app", why="upgraded")
+    export = tmp_path / "mem.jsonl"
+    export.write_text("".join(json.dumps({"id": f"r{n}", "content": text}) + "\n" for n, text in
+                              enumerate([wrong + ".", " the build uses GRADLE seven  for the "
+                                                        "android app! "])))
+    out = cs.import_memory("json", str(export))
+    assert out["imported"] == 0 and out["same_content"] == 2, out
+    pooled = "Pool database connections with pgbouncer"
+    shared_item = cs.capture(pooled)["item"]["id"]
+    cs.endorse(shared_item, note="holds")
+    assert cs.promote(shared_item)["status"] == "promoted"
+    cs.correct(shared_item, "Pool database connections in the app", why="pgbouncer went")
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.recall("pgbouncer")                          # (bob's clone has read team since)
+    export.write_text(json.dumps({"id": "t1", "content": pooled + "."}) + "\n")
+    out = cs.import_memory("json", str(export))
+    assert out["imported"] == 0 and out["same_content"] == 1, out
+
+
 def test_import_reads_tags_given_as_a_json_list_in_text():
     assert cs.salvage_tags('["db", "pool"]') == (["db", "pool"], None)
     assert cs.salvage_tags("db, pool") == (["db", "pool"], None)
