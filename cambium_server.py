@@ -7614,6 +7614,7 @@ def _without_surrogates(rec: dict, where: str) -> tuple[dict, tuple]:
 
 
 RETIRED_STATUSES = ("deprecated", "superseded", "retired", "deleted", "archived", "obsolete")
+DELETED_TEXTS = ("true", "yes", "1")     # `deleted` as text (case and spaces aside)
 
 
 def retired_record(rec: dict) -> str | None:
@@ -7623,7 +7624,21 @@ def retired_record(rec: dict) -> str | None:
     status = rec.get("status")
     if isinstance(status, str) and status.strip().lower() in RETIRED_STATUSES:
         return f"status {status.strip()!r}"
-    return "deleted: true" if rec.get("deleted") is True else None
+    flag = rec.get("deleted")
+    if not _marked_deleted(flag):
+        return None
+    return f"deleted: {json.dumps(flag.strip() if isinstance(flag, str) else flag)}"
+
+
+def _marked_deleted(flag: Any) -> bool:
+    """`deleted` as exports write it: true, 1 (SQLite's booleans), or the text
+    "true", "yes" or "1"; 0, false and "false" leave the record live (pure).
+    `deleted: 1` and `"true"` were read as no mark: the record came back live."""
+    if isinstance(flag, bool):
+        return flag
+    if isinstance(flag, int):
+        return flag == 1
+    return isinstance(flag, str) and flag.strip().lower() in DELETED_TEXTS
 
 
 def _record_value(value: Any, number: Callable[[float], str]) -> tuple[str | None, str | None]:

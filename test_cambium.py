@@ -12084,6 +12084,22 @@ def test_import_bounds_provenance_and_leaves_retired_records_and_huge_lines_out(
     assert again["imported"] == 0
 
 
+def test_import_leaves_out_records_marked_deleted_as_one_or_text(repo, tmp_path):
+    """`deleted: 1` (SQLite's booleans) and `deleted: "true"` were read as no
+    mark: only `deleted: true` kept a deleted record out of the store."""
+    jsonl = tmp_path / "del.jsonl"
+    flags = [1, "true", " Yes ", "1", True, 0, "false", False, "no"]
+    jsonl.write_text("".join(json.dumps({"id": f"d{n}", "content": f"record number {n}",
+                                         "deleted": f}) + "\n" for n, f in enumerate(flags)))
+    res = cs.import_memory("json", str(jsonl))
+    assert res["imported"] == 4, res
+    reasons = [r["reason"] for r in res["skipped_reasons"]]
+    assert [r.split(" in its source")[0] for r in reasons] == [
+        "deleted: 1", 'deleted: "true"', 'deleted: "Yes"', 'deleted: "1"', "deleted: true"]
+    live = {i.content for i in cs.store(cs.require_config(), "local").read().items}
+    assert live == {f"record number {n}" for n in (5, 6, 7, 8)}
+
+
 def test_import_reads_past_a_blank_content_to_the_text_that_holds_the_body(repo, tmp_path):
     """A whitespace-only `content` counted as present: the record's real body
     in `text` was never read, and the record skipped as having no body."""
