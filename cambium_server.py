@@ -4576,15 +4576,18 @@ LINK_TAG = ".symlink-"    #: credits.jsonl.symlink-<time>: a link found in .camb
 ODD_TAG = ".not-a-file-"  #: knowledge.json.not-a-file-<time>: a FIFO, socket or device there
 
 
-def _stray_tag(entry: os.DirEntry) -> str | None:
+def _stray_tag(entry: os.DirEntry, dir_too: bool = False) -> str | None:
     """The tag an entry of .cambium/ is set aside with, or None to keep it: a
     symbolic link, or anything neither a regular file nor a directory (reading
-    a FIFO blocks for ever, a device never ends)."""
+    a FIFO blocks for ever, a device never ends). dir_too: a directory too,
+    where only a file of cambium's belongs (the vector cache's index.json: a
+    directory there failed every save, so each start embedded the whole store)."""
     if LINK_TAG in entry.name or ODD_TAG in entry.name:
         return None
     if entry.is_symlink():
         return LINK_TAG
-    if entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False):
+    if entry.is_file(follow_symlinks=False) or \
+            (entry.is_dir(follow_symlinks=False) and not dir_too):
         return None
     return ODD_TAG
 
@@ -4615,7 +4618,8 @@ def set_aside_links(local_dir: Path, config_file: Path) -> None:
                 with contextlib.suppress(OSError):
                     os.unlink(e.path)           # a rewrite's copy its killed process left
                 continue
-            tag = None if d == local_dir and e.name in mine else _stray_tag(e)
+            tag = None if d == local_dir and e.name in mine else \
+                _stray_tag(e, dir_too=d.name == VECTORS_DIR and e.name == "index.json")
             if tag:
                 with contextlib.suppress(OSError):
                     os.rename(e.path, f"{e.path}{tag}{_stamp()}")
@@ -4672,8 +4676,10 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
         if ODD_TAG in name:
             if knowledge_only:
                 continue
-            out.append(f"{path.parent / name.split(ODD_TAG)[0]} was not a regular file (a "
-                       "FIFO, socket or device), which cambium cannot read or write, so it "
+            kind = "a directory" if (path.parent / name).is_dir() and \
+                not (path.parent / name).is_symlink() else "a FIFO, socket or device"
+            out.append(f"{path.parent / name.split(ODD_TAG)[0]} was not a regular file "
+                       f"({kind}), which cambium cannot read or write, so it "
                        f"moved it to {path.parent / name}: delete it once you know what made "
                        "it.")
             continue
@@ -10157,6 +10163,7 @@ class Semantic:
         self.second: SecondEncoder | None = None
         self.tokens: TokenStore | None = None    # items' token vectors (None: no late interaction)
         self.token_error: str | None = None      # why token vectors could not be stored
+        self.save_error: str | None = None       # why the last save of the vectors failed
         self.token_requeued: set[str] = set()    # keys queued again for lost token vectors
         self.token_failed: set[str] = set()      # keys whose token vectors could not be written
         self.tokens_ok: bool | None = None       # whether token files can be written (asked once)
@@ -10418,13 +10425,15 @@ class Semantic:
             keep = live
         try:
             self.cache.save(keep)
+            self.save_error = None
             if keep is not None and self.tokens is not None:
                 self.tokens.prune(keep)
         except ConflictError:        # another process holds it (mid-save, stopped): later
             self.last_save = time.monotonic()
             return
-        except OSError as e:
+        except OSError as e:         # (status says it: each start embedded everything again)
             print(f"cambium: could not save the vector cache: {e}", file=sys.stderr)
+            self.save_error = str(e)
         self.last_save, self.unsaved = time.monotonic(), 0
 
     def backlog(self) -> int:
@@ -11043,6 +11052,8 @@ def recall_mode_report(cfg: Config) -> dict:
                     embedded_this_process=eng.embedded)
         if eng.cache.discarded:
             info["cache_discarded"] = eng.cache.discarded
+        if eng.save_error:
+            info["cache_error"] = f"the vector cache could not be saved: {eng.save_error}"
     return {"recall_mode": "semantic", "semantic": info}
 
 

@@ -14985,6 +14985,43 @@ def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
 
 
 @needs_extra
+def test_a_directory_at_the_vector_index_is_set_aside_and_a_failed_save_is_in_status(
+        semantic, capsys):
+    """A directory at vectors/index.json failed every save (Is a directory), so
+    each start embedded the whole store again, and status said nothing. The
+    sweep moves it aside as a FIFO there is; a save that fails is in status."""
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    _engine(semantic).wait_idle(30)
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    (vec_dir / "index.json").unlink()
+    (vec_dir / "index.json").mkdir()
+    (vec_dir / "index.json" / "a-persons-file").write_text("kept")
+    for embedded in (len(NOTES), 0):          # rebuilt once, then read
+        cs.runtime().engines.clear()
+        assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+        eng = _engine(semantic)
+        eng.wait_idle(30)
+        assert eng.embedded == embedded and (vec_dir / "index.json").is_file()
+    aside = list(vec_dir.glob("index.json" + cs.ODD_TAG + "*"))
+    assert len(aside) == 1 and (aside[0] / "a-persons-file").read_text() == "kept"
+    assert any(str(aside[0]) in w and "(a directory)" in w for w in cs.status()["warnings"])
+    (vec_dir / "index.json").unlink()             # made behind the sweep's back
+    (vec_dir / "index.json").mkdir()
+    with eng.cv:
+        eng.cache.dirty = True
+        eng._save_locked()
+    assert "could not save the vector cache" in capsys.readouterr().err
+    sem = cs.status()["semantic"]                 # (whose sweep moves it aside)
+    assert "could not be saved: [Errno 21] Is a directory" in sem["cache_error"]
+    with eng.cv:
+        eng.cache.dirty = True
+        eng._save_locked()
+    assert "cache_error" not in cs.status()["semantic"]
+    assert len(list(vec_dir.glob("index.json" + cs.ODD_TAG + "*"))) == 2
+
+
+@needs_extra
 def test_semantic_vectors_rank_the_same_fresh_and_reloaded_from_disk(semantic):
     """The cache keeps vectors as float16 in memory, as on disk: half the
     memory, and a new process ranks exactly as the one that embedded them."""
