@@ -9897,11 +9897,13 @@ class TokenStore:
 
     @staticmethod
     def _listed(d: Path) -> set[str]:
-        """The token files in `d`; a write a killed process left is deleted
+        """The token files in `d`, regular files only (a FIFO or a directory
+        named like one is no token file: status counted it as one, and it
+        reads as missing); a write a killed process left is deleted
         (leftover_tmp: this directory is listed here, not by every call's sweep)."""
         names, now = set(), time.time()
         for e in os.scandir(d):
-            if e.name.endswith(".tok"):
+            if e.name.endswith(".tok") and e.is_file(follow_symlinks=False):
                 names.add(e.name)
             elif e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
                 with contextlib.suppress(OSError):

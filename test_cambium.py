@@ -15315,6 +15315,21 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
     assert "could not store token vectors" in capsys.readouterr().err
 
 
+def test_a_fifo_or_directory_named_like_a_token_file_is_not_counted_as_one(tmp_path):
+    """status' items_with_token_vectors counted a FIFO or a directory named
+    `<key>.tok` as an item's token vectors; they are listed as missing."""
+    np = pytest.importorskip("numpy")
+    store = cs.TokenStore(tmp_path)
+    store.put(np, "k:1", np.eye(2, cs.EMBED_DIM, dtype=np.float32))
+    os.mkfifo(store.dir / cs.TokenStore.name("k:2"))
+    (store.dir / cs.TokenStore.name("k:3")).mkdir()
+    again = cs.TokenStore(tmp_path)
+    assert again.names == {cs.TokenStore.name("k:1")}
+    assert again.has("k:1") and not again.has("k:2") and not again.has("k:3")
+    again.put(np, "k:2", np.eye(2, cs.EMBED_DIM, dtype=np.float32))   # written over
+    assert cs.TokenStore(tmp_path).names == {cs.TokenStore.name(k) for k in ("k:1", "k:2")}
+
+
 @needs_extra
 def test_items_lacking_only_their_token_files_rank_at_once_and_get_them_later(
         semantic, monkeypatch):
