@@ -13852,7 +13852,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     held = {it.id for it in landed}
     if pr_branch:
         _annotate_pr(cfg, src, held, write.pr_url)
-    elif held or marking:
+        return Moved(write, landed, planned.refused, joined=sorted(joined & held))
+    if held or marking:
         lift = functools.partial(_lifted, gated, copy, joined)
         try:
             kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
@@ -14065,14 +14066,14 @@ def _annotate_pr(cfg: Config, scope: str, ids: set[str], url: str | None) -> Non
         mutate(cfg, scope, apply, f"annotate {', '.join(sorted(ids))} with its org PR")
 
 
-def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None
-                   ) -> tuple[list[str], list[str]]:
+def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None,
+                   repointed: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     """settle_org_prs when org scope is on, and a warning instead of a failure
     when a scope below cannot be written now (a team remote down failed every
     promote and review), or one item cannot be settled now (the others are)."""
     failed: list[str] = []
     try:
-        return settle_org_prs(cfg, docs, failed), failed
+        return settle_org_prs(cfg, docs, failed, repointed), failed
     except CambiumError as e:
         return [], failed + [f"merged org PRs not settled now: {e}"]
 
@@ -14098,13 +14099,15 @@ def _awaiting_merge(item: Item) -> Verdict:
 
 
 def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
-                   failed: list[str] | None = None) -> list[str]:
+                   failed: list[str] | None = None,
+                   repointed: dict[str, str] | None = None) -> list[str]:
     """Finish moves whose org pull request has merged: once org scope holds the
     item, drop the source copy that waited (annotated with pr_url). Returns ids.
     docs: local, team and org as the caller just read them (else read here).
     Each item is settled on its own (_settle_merged): one that cannot be now (a
     protected branch, a refused push) is a line in `failed` and holds up no
-    other; with failed None, the first such failure is raised."""
+    other; with failed None, the first such failure is raised. `repointed`
+    gets id -> URL of each item whose news now waits on cambium/updates."""
     if cfg.org_repo is None:
         return []
     if docs is None:
@@ -14119,7 +14122,7 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
                 if failed is not None:
                     failed.append(PR_ID_CONFLICT.format(id=it.id, url=it.pr_url, src=scope))
                 continue
-            settled += _settle_merged(cfg, scope, it, held[it.id])
+            settled += _settle_merged(cfg, scope, it, held[it.id], repointed)
         except CambiumError as e:
             if failed is None:
                 raise
@@ -14158,14 +14161,16 @@ def _org_held(cfg: Config, docs: dict[str, Doc]) -> dict[str, Item]:
     return {it.id: it for it in first_copies(org.items)}
 
 
-def _settle_merged(cfg: Config, scope: str, item: Item, there: Item) -> list[str]:
+def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
+                   repointed: dict[str, str] | None = None) -> list[str]:
     """One item waiting on an org pull request whose copy org's tip holds
     (`there`): the merged copy is the copy, whatever words the reviewer gave
     it, so the copy below leaves, carrying up only what it gained since that
     copy was made (gained_since). In PR mode nothing is pushed to org's own
     branch: that goes through the cambium/updates pull request, the copy below
     waiting for its merge (as _finish_held_move); one such pull request holds
-    it already: it keeps waiting. Returns [id] when the copy below left."""
+    it already: it keeps waiting. Returns [id] when the copy below left; one
+    sent to wait on cambium/updates goes in `repointed` with that PR's URL."""
     branch = None
     if cfg.org_pr and news_over(there, item, holds=_org_ids_for(cfg, item)) is not None:
         if _updates_propose(cfg, item):
@@ -14174,6 +14179,8 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item) -> list[str
     moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
                  message=f"settle the merged org PR of {item.id}", pr_branch=branch,
                  pr_body=PR_BODY)
+    if branch and repointed is not None and moved.write.pr_url:
+        repointed.update((it.id, moved.write.pr_url) for it in moved.landed)
     return [] if branch else [it.id for it in moved.landed]
 
 
@@ -18304,6 +18311,8 @@ def _promote_item_to_org(cfg: Config, item_id: str, force: bool, restate: dict,
     if not moved.landed:
         raise NotFound(f"item {item_id} left {scope} scope while it was being promoted; "
                        "recall shows where it is now.")
+    if branch and item_id in moved.joined and _words(moved.landed[0]) != _words(copy(item)):
+        return _pr_joined(moved, restated=any(restate.values()))
     extra = {**({"forced": True} if verdict.forced else {}),
              **({"closed_pr": declined["pr_url"]} if declined else {})}
     return _org_promoted(cfg, moved, scope, branch, extra,
@@ -18333,6 +18342,25 @@ def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *
         raise NotFound(f"item {item.id} left org while its move was finished; recall shows "
                        "where it is now.")
     return _org_promoted(cfg, moved, scope, branch, {}, restated=restated)
+
+
+def _words(it: Item) -> tuple[str, str, str]:
+    return it.content, it.why, it.kind
+
+
+def _pr_joined(moved: Moved, *, restated: bool) -> dict:
+    """PR mode, a promote whose branch held the item already in other words:
+    another promote (a peer's, racing this one, or an earlier attempt) opened
+    the pull request, so this one waits on it, its own words not applied (an
+    answer of pr_opened gave the PR's words as if they were this one's)."""
+    note = ("another promote opened this pull request already (its branch held the item), so "
+            "this one waits on it: merge it (or close it to decline); the next promote or "
+            "review_promotions finishes the move")
+    if restated:
+        note += ("; the org_content/org_why/org_kind given here were not applied: once it "
+                 "merges, restate it with generalize()")
+    return {"status": "pr_pending", "pr_url": moved.write.pr_url,
+            "item": item_view(moved.landed[0]), "note": note}
 
 
 def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, extra: dict, *,
@@ -18496,14 +18524,25 @@ def _restatement_body(it: Item, item_id: str, content: str | None, why: str | No
     return text
 
 
-def _settle_and_check(cfg: Config, docs: dict[str, Doc]
+def _settle_and_check(cfg: Config, docs: dict[str, Doc], repointed: dict[str, str]
                       ) -> tuple[list[str], list[str], PrCheck]:
     """review_promotions' network part: settle_quietly, then check_org_prs,
-    a gh that hangs asked once (gh_gives_up). (settled, warnings, the check)."""
+    a gh that hangs asked once (gh_gives_up). (settled, warnings, the check).
+    An item settling sent to wait on cambium/updates (`repointed`) is not
+    checked: its merged promote PR, as `docs` name it, is not its PR now."""
     with gh_gives_up():
-        settled, unsettled = settle_quietly(cfg, docs)
-        return settled, unsettled, (check_org_prs(cfg, docs, set(settled)) if cfg.org_repo
-                                    else PrCheck())
+        settled, unsettled = settle_quietly(cfg, docs, repointed)
+        return settled, unsettled, (check_org_prs(cfg, docs, {*settled, *repointed})
+                                    if cfg.org_repo else PrCheck())
+
+
+def updates_waits(repointed: dict[str, str]) -> list[dict]:
+    """review_promotions' updates_org_prs: items whose org PR merged while
+    news (an endorsement, a deprecation) reached the copy below; that news
+    goes up through cambium/updates, and the copy waits on it (pure)."""
+    return [{"id": i, "pr_url": url, "note": "its promote PR merged; what it gained meanwhile "
+             "goes up through this pull request, and the copy below waits on it now"}
+            for i, url in sorted(repointed.items())]
 
 
 REVIEW_LIMIT, MAX_REVIEW_LIMIT = 50, 1000   #: review_promotions' entries a list: default, most
@@ -18530,8 +18569,9 @@ def review_promotions(limit: Annotated[int, Field(
     cfg = require_config()
     check_arg(review_promotions, "limit", limit)
     docs, warnings = read_scopes(cfg, SCOPES)
-    settled, unsettled, prs = _settle_and_check(cfg, docs)
-    if settled or prs.withdrawn:                  # items moved or changed: read what is now
+    repointed: dict[str, str] = {}
+    settled, unsettled, prs = _settle_and_check(cfg, docs, repointed)
+    if settled or prs.withdrawn or repointed:     # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
     pending = pending_by_item(cfg)
     out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
@@ -18562,8 +18602,8 @@ def review_promotions(limit: Annotated[int, Field(
                 "id": it.id, "content": it.content, "project": it.project, "tells": tells,
                 "suggested": general_note(it),
                 "fix": generalization_fix(it.id, tells)})
-    for key, got in (("settled_org_prs", settled), *prs.reported(),
-                     ("warnings", [*warnings, *unsettled, *prs.warnings])):
+    for key, got in (("settled_org_prs", settled), ("updates_org_prs", updates_waits(repointed)),
+                     *prs.reported(), ("warnings", [*warnings, *unsettled, *prs.warnings])):
         if got:
             out[key] = got
     return bounded_lists(out, ("team_eligible", "endorsed_for_org", "pending_org_prs",

@@ -7682,6 +7682,60 @@ def test_a_pr_mode_promote_without_gh_says_what_it_left_and_what_to_do(
     assert f"cambium/promote-{item_id}" in _remote_branches(shared["org_bare"])
 
 
+def test_pr_mode_a_promote_racing_another_for_the_same_item_waits_on_its_pr(
+        shared, monkeypatch, tmp_path):
+    """Two promotes of one team item to org at once, each restating it: the
+    loser answered pr_opened with the winner's PR, the winner's words as its
+    item, and nothing of its own restatement not being applied."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Retry HTTP 503 in the shop client with backoff")
+    cs.promote()
+    real_move = cs.move
+
+    def raced(*args, **kwargs):          # the other promote lands first, between read and move
+        monkeypatch.setattr(cs, "move", real_move)
+        won = cs.promote(item_id, to_scope="org",
+                         org_content="Retry HTTP 503 with exponential backoff plus jitter")
+        assert won["status"] == "pr_opened"
+        return real_move(*args, **kwargs)
+
+    monkeypatch.setattr(cs, "move", raced)
+    lost = cs.promote(item_id, to_scope="org",
+                      org_content="Back off exponentially with jitter when a service answers 503")
+    assert lost["status"] == "pr_pending" and lost["pr_url"].endswith("/pull/7")
+    assert lost["item"]["content"] == "Retry HTTP 503 with exponential backoff plus jitter"
+    assert "not applied" in lost["note"] and "generalize()" in lost["note"]
+    branch_doc = remote_json(shared["org_bare"], f"cambium/promote-{item_id}")
+    assert [i["content"] for i in branch_doc["items"]] == [lost["item"]["content"]]
+
+
+def test_pr_mode_a_review_names_the_updates_pr_a_merged_promote_s_news_waits_on(
+        shared, monkeypatch, tmp_path):
+    """News reached a copy waiting on its promote PR (an endorsement from
+    another clone), then the PR merged: review_promotions opened the
+    cambium/updates PR for that news but listed the item as pending on the
+    merged promote PR and named the new one nowhere."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Every queue has a dead-letter queue")
+    promoted = cs.promote(item, to_scope="org")
+    assert promoted["status"] == "pr_opened"
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    hour = (datetime.now(timezone.utc) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    path = _store_path(shared["a"])
+    data = json.loads(path.read_text())
+    for it in data["items"]:
+        if it["id"] == item:
+            it["trust"]["endorsements"].append({"by": "cy", "note": "everywhere", "at": hour})
+    path.write_text(json.dumps(data))
+    review = cs.review_promotions()
+    (updates,) = review["updates_org_prs"]
+    assert updates["id"] == item and updates["pr_url"] != promoted["pr_url"], review
+    assert [(p["id"], p["pr_url"]) for p in review["pending_org_prs"]] == \
+        [(item, updates["pr_url"])]
+    (held,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert [e["by"] for e in held["trust"]["endorsements"]][-1] == "cy"
+
+
 def _pr_mode(monkeypatch, tmp_path, shared) -> Path:
     log = make_stub_gh(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
