@@ -17144,7 +17144,8 @@ def corrected_said(key: str, items: list) -> dict[str, tuple]:
         if src is not gone:
             said = {}
             for x in gone.values():
-                said[said_key(x)] = (*said.get(said_key(x), ()), x.id)
+                k = said_key(x)             # (plain_text of the content: once an item)
+                said[k] = (*said.get(k, ()), x.id)
             rt.texts["said:" + key] = (gone, said)
         return said
 
