@@ -5,7 +5,8 @@
     python3 bench_cambium.py --big      # ...with the scale figures at 100,000 items too
     python3 bench_cambium.py recall     # one section: recall capture cli memory concurrency
                                         # import team distill consolidate duplicates
-                                        # tokens primer anchors pending
+                                        # tokens primer anchors pending (pending also
+                                        # folds BENCH_FOLD_CREDITS=200000 credits in chunks)
     python3 bench_cambium.py semantic   # needs the [semantic] extra; embeds 10,000 items
                                         # first (several minutes on 2 cores)
     python3 bench_cambium.py backlog    # the extra again: recall latency while 10,000
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -920,6 +922,49 @@ def bench_pending() -> None:
             print(f"{label}, 10,000 local items, 10,000 pending credits: "
                   f"{time.perf_counter() - t0:.2f} s, CPU {time.process_time() - c0:.2f} s "
                   "(target <= 2 s; 7-8 s when each item scanned the journal)")
+    bench_chunked_fold(int(os.environ.get("BENCH_FOLD_CREDITS", "200000")))
+
+
+def bench_chunked_fold(n: int) -> None:
+    """A fold of a large journal into 1,000 local items, CREDIT_FOLD_CHUNK
+    credits a step under the store's lock, with a capture every 0.2 s while
+    it runs: each step's time, and the longest a capture waited (behind the
+    one-step fold, a capture waited for all of it: 120 s at 1,000,000)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = make_env(Path(tmp))
+        seed_store(Path(env["CAMBIUM_REPO"]), 1_000)
+        ids, rng = [it.id for it in synth_items(1_000)], random.Random(5)
+        cfg = cs.require_config()
+        cs.append_credits(cs.credits_path(cfg), [
+            {"item": rng.choice(ids), "scope": "local", "agent": f"a{i % 7}",
+             "day": f"2026-01-{1 + i * 28 // n:02d}", "project": "repo"} for i in range(n)])
+        cs.runtime().reset()
+        steps, real = [], cs.LocalStore.mutate
+
+        def timed(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real(self, *a, **k)
+            finally:
+                if threading.current_thread() is not threading.main_thread():
+                    steps.append(time.perf_counter() - t0)
+        cs.LocalStore.mutate = timed
+        try:
+            fold = threading.Thread(target=cs.fold_credits_now, args=(cfg, ("local",)))
+            t0, waits = time.perf_counter(), []
+            fold.start()
+            while fold.is_alive():
+                c0 = time.perf_counter()
+                cs.capture(f"capture {len(waits)} during the fold of the journal")
+                waits.append(time.perf_counter() - c0)
+                time.sleep(0.2)
+            total = time.perf_counter() - t0
+        finally:
+            cs.LocalStore.mutate = real
+        print(f"fold of {n:,} journaled credits, 1,000 local items, {cs.CREDIT_FOLD_CHUNK:,} "
+              f"a locked step: {total:.1f} s in all, {len(steps)} steps, median "
+              f"{statistics.median(steps):.2f} s, longest {max(steps):.2f} s; {len(waits)} "
+              f"captures meanwhile, longest wait {max(waits):.2f} s (target: one step)")
 
 
 SECTIONS = {"recall": bench_recall, "capture": bench_capture, "cli": bench_cli,

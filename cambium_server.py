@@ -5011,20 +5011,69 @@ def take_credits(path: Path | None, scope: str
     mine = [r for r in read_credits(path) if r.get("scope", "local") == scope]
     if not mine or path is None:
         return mine, _nothing_taken
+    if (window := FOLD_WINDOW.get()) is not None:
+        return window.take(mine), window.keep      # (fold_in_chunks drops them at its end)
 
     def commit(done: Iterable[dict] | None = None) -> None:
-        try:
-            rewrite_credits(path, {credit_key(r): [] for r in (mine if done is None else done)},
-                            wait=lock_wait_under(JOURNAL_LOCK_WAIT_S))
-        except (OSError, ConflictError) as e:
-            why = e.strerror or e if isinstance(e, OSError) else "its lock is held"
-            note_for_call(f"{path}: the recall credits this write counted stay journaled "
-                          f"too ({why}); a later write drops them, counted once")
+        drop_credits(path, mine if done is None else done)
     return mine, commit
 
 
 def _nothing_taken(done: Iterable[dict] | None = None) -> None:
     return None
+
+
+def drop_credits(path: Path, done: Iterable[dict]) -> None:
+    """Drop the credits of `done` from the journal, once they are durably in
+    their store: a journal that cannot be rewritten (a full disk, its lock
+    held) keeps them, with a warning; a later write drops them, counted once."""
+    try:
+        rewrite_credits(path, {credit_key(r): [] for r in done},
+                        wait=lock_wait_under(JOURNAL_LOCK_WAIT_S))
+    except (OSError, ConflictError) as e:
+        why = e.strerror or e if isinstance(e, OSError) else "its lock is held"
+        note_for_call(f"{path}: the recall credits this write counted stay journaled "
+                      f"too ({why}); a later write drops them, counted once")
+
+
+CREDIT_FOLD_CHUNK = 10_000   #: a fold (fold_in_chunks) takes this many credits per locked step
+
+
+class FoldWindow:
+    """Where a chunked fold (fold_in_chunks) is in its scope's journaled
+    credits: each write takes the next `limit` of them (take), and gathers
+    those it landed (keep), dropped from the journal once, after the last
+    chunk. The place is kept in this process only, and needs no more: folding
+    a credit again is harmless (credit() counts an agent's day once), so a
+    process that dies between chunks loses no credit and counts none twice:
+    the journal still holds them all, and the next fold starts over."""
+
+    def __init__(self, limit: int):
+        self.limit, self.start, self.took = max(1, limit), 0, 0
+        self.last: dict | None = None       # the last credit taken (the same object
+        self.chunk: list[dict] = []         # while the journal only grew since)
+        self.landed: list[dict] = []
+
+    def take(self, mine: list[dict]) -> list[dict]:
+        """The next chunk of `mine` (read_credits' records of the scope, in
+        journal order); from the first again when the journal was rewritten
+        since (another process's write dropped what it folded)."""
+        if self.start and (self.start > len(mine) or mine[self.start - 1] is not self.last):
+            self.start = 0
+        self.chunk = mine[self.start:self.start + self.limit]
+        self.start += len(self.chunk)
+        self.took = len(self.chunk)
+        self.last = self.chunk[-1] if self.chunk else None
+        return self.chunk
+
+    def keep(self, done: Iterable[dict] | None = None) -> None:
+        """take_credits' commit for a chunk: gathered, not yet dropped."""
+        self.landed.extend(self.chunk if done is None else done)
+
+
+#: the chunked fold under way in this context (take_credits takes its next chunk)
+FOLD_WINDOW: contextvars.ContextVar[FoldWindow | None] = contextvars.ContextVar(
+    "cambium_fold_window", default=None)
 
 
 def credit_key(record: dict) -> str:
@@ -17865,10 +17914,34 @@ def fold_credits_now(cfg: Config, scopes: Iterable[str] = CREDIT_SCOPES) -> int:
         if scope == "org" and cfg.org_pr:
             drop_counted_credits(path, "org", st.read(digest=True))
         else:
-            write = st.mutate(lambda doc: None, f"cambium: fold {len(mine)} recall credits")
+            message = f"cambium: fold {len(mine)} recall credits"
+            write = fold_in_chunks(st, path, message) if scope == "local" else \
+                st.mutate(lambda doc: None, message)        # (team, org: one push for all)
             climb_credits(cfg, scope, write.doc)
         total += sum(r.get("scope", "local") == scope for r in pending)
     return total
+
+
+def fold_in_chunks(st: Store, path: Path, message: str) -> Write:
+    """Fold the local store's journaled credits CREDIT_FOLD_CHUNK at a time,
+    each chunk one write under the store's lock, so a capture waits behind
+    one chunk at most (it waited behind the whole fold: 120 s at 1,000,000
+    credits). The journal is read before each chunk, outside that lock (a
+    journal rewritten meanwhile is read whole again), and the credits landed
+    are dropped from it once, after the last chunk or a chunk that failed:
+    each drop rewrites the journal, which every process then reads whole."""
+    window = FoldWindow(CREDIT_FOLD_CHUNK)
+    token = FOLD_WINDOW.set(window)
+    try:
+        while True:
+            read_credits(path)
+            window.took = 0
+            write = st.mutate(lambda doc: None, message)
+            if window.took < window.limit:
+                return write
+    finally:
+        FOLD_WINDOW.reset(token)
+        drop_credits(path, window.landed)
 
 
 def drop_counted_credits(path: Path, scope: str, doc: Doc) -> None:

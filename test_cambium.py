@@ -3640,6 +3640,131 @@ def test_credit_fold_replaces_items_in_their_index_slots_without_retokenizing(re
     assert ids[0] not in [r["id"] for r in cs.recall("ledger invoices", limit=10)["results"]]
 
 
+def _journal_for_chunks(repo: Path) -> tuple[list[str], list[dict], dict[str, dict]]:
+    """Four items and 48 journaled credits for them: each item credited by
+    3-6 agents on one day, agent a0 again the next day, every credit replayed
+    later (in another chunk) and an earlier day late: what one fold of them
+    all makes (fold_credits, pure) is what a chunked fold must store."""
+    ids = [cs.capture(f"ledger rule {n}: invoices are stored in integer cents",
+                      tags="ledger")["item"]["id"] for n in range(4)]
+    first = [{"item": i, "scope": "local", "agent": f"a{a}", "day": "2026-01-05",
+              "project": "proj"} for a in range(6) for n, i in enumerate(ids) if a < 3 + n]
+    second = [{**first[0], "item": i, "day": "2026-01-06"} for i in ids]
+    late = [{**first[0], "item": i, "agent": "a1", "day": "2026-01-04"} for i in ids]
+    records = first + second + (first + second)[::-1] + late
+    cs.append_credits(cs.credits_path(cs.resolve_config()), records)
+    doc = cs.store(cs.resolve_config(), "local").read()
+    want = {it.id: it.trust for it in cs.fold_credits(doc, records).items}
+    assert [want[i]["recalls"] for i in ids] == [4, 5, 6, 7]
+    return ids, records, want
+
+
+def _stored_trust(repo: Path) -> dict[str, dict]:
+    data = json.loads(_store_path(repo).read_text())
+    return {i["id"]: i["trust"] for i in data["items"]}
+
+
+def _counting_rewrites(monkeypatch) -> list[int]:
+    """The local store's rewrites, counted (one per chunk of a fold)."""
+    done: list[int] = []
+    real = cs.LocalStore._rewrite
+    monkeypatch.setattr(cs.LocalStore, "_rewrite",
+                        lambda self, new: (real(self, new), done.append(len(done)))[0])
+    return done
+
+
+def test_a_credit_fold_takes_a_large_journal_in_chunks_with_exact_counts(repo, monkeypatch):
+    """A server's fold took the whole journal in one step under the store's
+    lock (1,000,000 credits: a capture waited 120 s behind it). It takes
+    CREDIT_FOLD_CHUNK credits a step now, and stores what one step stored."""
+    ids, records, want = _journal_for_chunks(repo)
+    monkeypatch.setattr(cs, "CREDIT_FOLD_CHUNK", 5)
+    rewrites = _counting_rewrites(monkeypatch)
+    assert cs.fold_credits_now(cs.resolve_config(), ("local",)) == len(records)
+    assert len(rewrites) >= 3                  # (chunks that change nothing rewrite nothing)
+    assert {i: _stored_trust(repo)[i] for i in ids} == want
+    assert not cs.read_credits(cs.credits_path(cs.resolve_config()))
+    assert not (repo / ".cambium" / "credits.jsonl").read_text().strip()
+    assert cs.fold_credits_now(cs.resolve_config(), ("local",)) == 0
+
+
+CRASH_AFTER_CHUNKS = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, sys.argv[1])
+    import cambium_server as cs
+    cs.CREDIT_FOLD_CHUNK = 5
+    real, done = cs.LocalStore._rewrite, []
+    def rewrite(self, new):
+        real(self, new)
+        done.append(1)
+        if len(done) == 2:
+            os._exit(9)                  # killed between chunks: no cleanup, no finally
+    cs.LocalStore._rewrite = rewrite
+    cs.fold_credits_now(cs.resolve_config(), ("local",))
+""")
+
+
+def test_a_fold_killed_between_chunks_loses_no_credit_and_counts_none_twice(repo,
+                                                                            monkeypatch):
+    """The journal is dropped from only after the last chunk; a process killed
+    before leaves it whole, and the next fold takes every credit again,
+    those stored already counted once (an agent's day counts once)."""
+    ids, records, want = _journal_for_chunks(repo)
+    journal = repo / ".cambium" / "credits.jsonl"
+    before = journal.read_bytes()
+    proc = subprocess.run([sys.executable, "-c", CRASH_AFTER_CHUNKS, str(SERVER.parent)],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    stored = _stored_trust(repo)
+    assert 0 < sum(stored[i]["recalls"] for i in ids) < sum(w["recalls"] for w in want.values())
+    assert journal.read_bytes() == before                  # every credit still journaled
+    cfg = cs.resolve_config()
+    pending = cs.pending_by_item(cfg)
+    for it in cs.store(cfg, "local").read().items:         # read: counted once already
+        assert cs.effective_trust(it, pending) == want[it.id]
+    monkeypatch.setattr(cs, "CREDIT_FOLD_CHUNK", 5)
+    assert cs.fold_credits_now(cfg, ("local",)) == len(records)     # the next process
+    assert {i: _stored_trust(repo)[i] for i in ids} == want
+    assert not journal.read_text().strip()
+
+
+def test_a_capture_waits_behind_one_chunk_of_a_long_fold_not_the_whole_fold(repo,
+                                                                            monkeypatch):
+    """A capture issued while the first chunk holds the store's lock gets it
+    when that chunk ends: the rest of the fold comes after it (it waited for
+    the whole fold). Its item is kept, and every credit is counted once."""
+    ids, records, want = _journal_for_chunks(repo)
+    monkeypatch.setattr(cs, "CREDIT_FOLD_CHUNK", 5)
+    events: list[str] = []
+    captured = threading.Event()
+
+    def capture() -> None:
+        events.append(cs.capture("the deploy window closes on Fridays")["status"])
+        captured.set()
+
+    real_rewrite, real_mutate = cs.LocalStore._rewrite, cs.LocalStore.mutate
+
+    def rewrite(self, new):
+        real_rewrite(self, new)
+        events.append("chunk")
+        if events == ["chunk"]:                  # the capture comes while the lock is held
+            threading.Thread(target=capture, daemon=True).start()
+
+    def mutate(self, *a, **k):
+        out = real_mutate(self, *a, **k)
+        if events[:1] == ["chunk"] and threading.current_thread() is threading.main_thread():
+            captured.wait(30)                    # (the capture's turn: the lock is free)
+        return out
+
+    monkeypatch.setattr(cs.LocalStore, "_rewrite", rewrite)
+    monkeypatch.setattr(cs.LocalStore, "mutate", mutate)
+    cs.fold_credits_now(cs.resolve_config(), ("local",))
+    assert events[:2] == ["chunk", "captured"] and events.count("chunk") >= 3, events
+    stored = _stored_trust(repo)
+    assert {i: stored[i] for i in ids} == want and len(stored) == len(ids) + 1
+    assert not cs.read_credits(cs.credits_path(cs.resolve_config()))
+
+
 def test_a_query_matching_only_an_items_why_is_a_near_miss(repo):
     told = "Nightly exports run after the reconciliation job, the dashboard gets slow meanwhile"
     rationale = cs.capture("Invoices are rounded per line, never on the total",
