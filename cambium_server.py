@@ -16561,12 +16561,10 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
         raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
     before = resolve_config(env)
-    wrote = _write_config(cfg_path, updates)  # first: a config it cannot write leaves no trace
-    try:
-        ignore_note = _scaffold_local(root)
-    except OSError:                           # ...and a clone it cannot write is not recorded
-        _put_back_config(cfg_path, wrote)
-        raise
+    # The config first (one it cannot write leaves no trace), its lock held until the
+    # clone is scaffolded (one it cannot write is not recorded; another setup waits)
+    with _config_written(cfg_path, updates) as wrote:
+        ignore_note = _scaffold_for_setup(root, cfg_path)
     cfg = resolve_config(env)
     binding, _ = repo_binding(cfg), _file_binding_moved(cfg)   # (its own move: said below)
     now = status()                            # (a setting setup does not write can block it)
@@ -16734,32 +16732,42 @@ def _rebound(was: dict, updates: dict[str, Any], before: Config) -> list[str]:
             "CAMBIUM_AGENT_ID in its environment."]
 
 
-def _file_settings(raw: bytes | None) -> dict:
-    """The settings a config file's bytes hold ({}: none, or not a JSON object)."""
-    with contextlib.suppress(ValueError, RecursionError):
-        loaded = json.loads((raw or b"{}").decode("utf-8-sig"))
-        return loaded if isinstance(loaded, dict) else {}
-    return {}
-
-
 class ConfigWrite(NamedTuple):
-    """What _write_config did, for _put_back_config to undo: where an unreadable
+    """What _merge_config did, for _put_back_config to undo: where an unreadable
     file went (None: nowhere), the bytes it found under the lock (None: no
-    file), the bytes it wrote, the settings it merged in and the settings it
-    found ({}: none, or not a JSON object)."""
+    file), the bytes it wrote, and the settings it found ({}: none, or not a
+    JSON object)."""
     aside: Path | None
     prior: bytes | None
     wrote: bytes
-    updates: dict[str, Any]
     found: dict
 
 
-def _write_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
+def _scaffold_for_setup(root: Path, cfg_path: Path) -> list[str]:
+    """_scaffold_local, its failure (a read-only checkout) said as setup's:
+    what failed, and that the config file is as it was (_config_written puts
+    it back as this error leaves its block)."""
+    try:
+        return _scaffold_local(root)
+    except OSError as e:
+        raise OSError(e.errno, f"setup could not scaffold {e.filename or root}: "
+                      f"{e.strerror or e}; nothing was recorded: the config file "
+                      f"{cfg_path} is as it was") from e
+
+
+@contextlib.contextmanager
+def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite]:
     """Merge updates into the config file, owner-only, under its lock (two setups
-    at once keep both's settings); an unreadable one is moved aside, never over
-    an earlier one. A link is written through: a dotfiles manager's link stays
-    (its lock stays beside the link, not in the dotfiles). What is no regular
-    file (a device, a folder) is refused."""
+    at once keep both's settings), held through the with block (setup's
+    scaffold: local files, no network): a block that raises puts the file back
+    as it was found, under the same lock, so no other setup wrote in between.
+    A setup that failed kept its settings the other did not write (and taking
+    back those it did write, the same org_repo, took back the other's); a
+    second setup now waits for the lock (LOCK_WAIT, then LockHeld) instead.
+    An unreadable file is moved aside, never over an earlier one. A link is
+    written through: a dotfiles manager's link stays (its lock stays beside
+    the link, not in the dotfiles). What is no regular file (a device, a
+    folder) is refused."""
     lock = path
     if path.is_symlink():
         path = Path(os.path.realpath(path))
@@ -16773,29 +16781,40 @@ def _write_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
         path.parent.mkdir(parents=True, exist_ok=True)   # there (/etc, dotfiles) is left
         with contextlib.suppress(OSError):              # as it is
             os.chmod(path.parent, 0o700)
-    aside, prior = None, None
     with file_lock(lock):
-        current: dict = {}
-        if os.path.lexists(path):
-            prior = _config_bytes(path)          # (read once: None when unreadable)
-            try:
-                current = None if prior is None else json.loads(prior.decode("utf-8-sig"))
-            except (ValueError, RecursionError):
-                current = None
-            if not isinstance(current, dict):
-                aside = path.with_name(path.name + ".bad")
-                if os.path.lexists(aside):
-                    aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
-                os.replace(path, aside)
-                current = {}
-        found = dict(current)
-        for key, value in updates.items():          # a map (team_branches) is merged
-            held = current.get(key)
-            current[key] = {**held, **value} if isinstance(value, dict) and \
-                isinstance(held, dict) else value
-        text = (json.dumps(current, indent=2, sort_keys=True) + "\n").encode()
-        atomic_write(path, text, mode=0o600)
-    return ConfigWrite(aside, prior, text, updates, found)
+        done = _merge_config(path, updates)
+        try:
+            yield done
+        except BaseException:
+            _put_back_config(path, done)
+            raise
+
+
+def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
+    """Merge updates into the config file at `path` (its lock held): a map
+    (team_branches) entry by entry; a file that is no JSON object is moved
+    aside first, never over an earlier one."""
+    aside, prior, current = None, None, {}
+    if os.path.lexists(path):
+        prior = _config_bytes(path)          # (read once: None when unreadable)
+        try:
+            current = None if prior is None else json.loads(prior.decode("utf-8-sig"))
+        except (ValueError, RecursionError):
+            current = None
+        if not isinstance(current, dict):
+            aside = path.with_name(path.name + ".bad")
+            if os.path.lexists(aside):
+                aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
+            os.replace(path, aside)
+            current = {}
+    found = dict(current)
+    for key, value in updates.items():
+        held = current.get(key)
+        current[key] = {**held, **value} if isinstance(value, dict) and \
+            isinstance(held, dict) else value
+    text = (json.dumps(current, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write(path, text, mode=0o600)
+    return ConfigWrite(aside, prior, text, found)
 
 
 def _config_bytes(path: Path) -> bytes | None:
@@ -16807,48 +16826,21 @@ def _config_bytes(path: Path) -> bytes | None:
 
 
 def _put_back_config(path: Path, done: ConfigWrite) -> None:
-    """Undo setup's config write (its scaffolding failed): the file it moved
-    aside moved back (one over MAX_CONFIG_BYTES, or unreadable, has no `prior`:
-    deleting the new file lost it), else the bytes it found under the lock, or
-    no file when there was none. Only while the file still holds what it wrote:
-    another setup that wrote since merged its settings over these, and putting
-    the old bytes back lost them while that setup answered configured (then
-    _undo_entries). A link is written through, as written."""
-    target = Path(os.path.realpath(path))
-    with file_lock(path), contextlib.suppress(OSError):
-        if (now := _config_bytes(target)) != done.wrote:
-            _undo_entries(target, now, done)
+    """Undo setup's config write (its scaffolding failed), its lock still held
+    (_config_written): the file it moved aside moved back (one over
+    MAX_CONFIG_BYTES, or unreadable, has no `prior`: deleting the new file lost
+    it), else the bytes it found, or no file when there was none. Only while
+    the file holds what it wrote: a hand edit since (no cambium write, which
+    waits for the lock) is left as it is."""
+    with contextlib.suppress(OSError):
+        if _config_bytes(path) != done.wrote:
             return
         if done.aside is not None:
-            os.replace(done.aside, target)
+            os.replace(done.aside, path)
         elif done.prior is None:
-            target.unlink()
+            path.unlink()
         else:
-            atomic_write(target, done.prior, mode=0o600)
-
-
-def _undo_entries(target: Path, now: bytes | None, done: ConfigWrite) -> None:
-    """Undo what a failed setup wrote after another setup wrote over it: only
-    the map entries it added (its clone's team branch, which no other clone's
-    setup writes) go back to what they were, where they still hold its value;
-    the repo, the agent id and user-wide settings are the newer setup's."""
-    current, prior = _file_settings(now), done.found
-    changed = False
-    for key, value in done.updates.items():
-        held, was = current.get(key), prior.get(key)
-        if not isinstance(value, dict) or not isinstance(held, dict):
-            continue
-        was = was if isinstance(was, dict) else {}
-        for sub in [sub for sub, v in value.items() if held.get(sub) == v]:
-            changed = True
-            if sub in was:
-                held[sub] = was[sub]
-            else:
-                del held[sub]
-        if not held and key not in prior:
-            del current[key]
-    if changed:
-        atomic_write(target, json.dumps(current, indent=2, sort_keys=True) + "\n", mode=0o600)
+            atomic_write(path, done.prior, mode=0o600)
 
 
 def repo_binding(cfg: Config) -> dict:

@@ -1290,36 +1290,52 @@ def test_setup_whose_scaffolding_fails_puts_back_a_config_it_moved_aside(tmp_pat
                   if p.name.startswith(config.name)) == [config.name, config.name + ".lock"]
 
 
-def test_a_failing_setup_never_puts_back_over_another_setups_settings(tmp_path, monkeypatch):
-    """Three setups of a clone they could not scaffold raced four good ones:
-    the failing one put back the bytes it had read before its write, and the
-    config held two of the four team branches the good setups answered
-    configured for. Here the other write lands after this one's (and, second,
-    between its read and its write): either way, it stays."""
+def _waits_on_lock(thread: threading.Thread, path: Path) -> bool:
+    """Whether `thread` is waiting in file_lock for `path`'s lock now (its stack)."""
+    frame, names, locked = sys._current_frames().get(thread.ident), set(), False
+    while frame is not None:
+        names.add(frame.f_code.co_name)
+        locked |= frame.f_code.co_name == "file_lock" and frame.f_locals.get("path") == path
+        frame = frame.f_back
+    return locked and bool(names & {"_acquire_within", "_flock_within"})
+
+
+def test_a_failing_setup_leaves_no_setting_of_its_own_and_every_one_of_a_racing_setup(
+        tmp_path, monkeypatch):
+    """A setup whose scaffold failed after another setup wrote the config took
+    back only its team branch entry: its org_pr stayed, under the other's
+    settings (taking back its org_repo too would have removed the other's, the
+    same clone). The config lock is now held from the write through the
+    scaffold: the other setup (same org_repo, real clones of a bare remote)
+    waits on it, and writes once this one's settings are gone."""
     bad, good = make_repo(tmp_path, "bad"), make_repo(tmp_path, "good")
-    (bad / ".cambium").write_text("not a folder")
+    (bad / ".cambium").write_text("not a folder")          # its scaffold fails
+    org = clone(make_origin(tmp_path, "org"), tmp_path / "org-clone")
     config = Path(os.environ["CAMBIUM_CONFIG_FILE"])
-    theirs = {"CAMBIUM_REPO": str(good), "CAMBIUM_AGENT_ID": "bob",
-              "team_branches": {os.path.realpath(good): "kb"}}
-    scaffold, write = cs._scaffold_local, cs._write_config
+    scaffold, other = cs._scaffold_local, {}
 
-    def another_setup_then_scaffold(root):
-        write(config, theirs)                  # a good setup's locked write, just after
+    def run_other() -> None:
+        try:
+            other["out"] = cs.setup(str(good), "bob", org_repo=str(org))
+        except Exception as e:                              # (said by the assert below)
+            other["error"] = e
+
+    def race_then_scaffold(root):
+        if root.name == "bad":
+            t = other["thread"] = threading.Thread(target=run_other)
+            t.start()
+            deadline = time.monotonic() + 60
+            while t.is_alive() and not _waits_on_lock(t, config) and time.monotonic() < deadline:
+                time.sleep(0.02)
         return scaffold(root)
-    monkeypatch.setattr(cs, "_scaffold_local", another_setup_then_scaffold)
-    with pytest.raises(OSError):
-        cs.setup(str(bad), "ada", team_branch="kb-bad")
-    assert json.loads(config.read_text()) == theirs
-    monkeypatch.setattr(cs, "_scaffold_local", scaffold)
-    config.unlink()
-
-    def another_setup_then_write(path, updates):
-        write(config, theirs)                  # ...and just before
-        return write(path, updates)
-    monkeypatch.setattr(cs, "_write_config", another_setup_then_write)
-    with pytest.raises(OSError):
-        cs.setup(str(bad), "ada", team_branch="kb-bad")
-    assert json.loads(config.read_text()) == theirs
+    monkeypatch.setattr(cs, "_scaffold_local", race_then_scaffold)
+    with pytest.raises(OSError, match=r"setup could not scaffold .*bad.*: File exists; nothing "
+                                      r"was recorded: the config file .* is as it was"):
+        cs.setup(str(bad), "ada", org_repo=str(org), org_pr=True, team_branch="kb-bad")
+    other["thread"].join(60)
+    assert "error" not in other and other["out"]["configured_now"]
+    assert other["out"]["written"]["CAMBIUM_ORG_REPO"] == str(org.resolve())
+    assert json.loads(config.read_text()) == other["out"]["written"]
 
 
 def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
@@ -1466,15 +1482,21 @@ def test_setup_that_cannot_write_its_config_leaves_the_repo_untouched(tmp_path, 
     assert not (r / ".cambium").exists() and not (r / ".gitignore").exists()
 
 
+def write_config(path: Path, updates: dict) -> None:
+    """setup's config write, with nothing done under its lock after it."""
+    with cs._config_written(path, updates):
+        pass
+
+
 def test_config_writes_keep_every_setting_and_every_set_aside_file(tmp_path):
     path = tmp_path / "cfg" / "cambium.json"
     path.parent.mkdir()
     for text in ("{ first broken", "{ second broken"):
         path.write_text(text)
-        cs._write_config(path, {"CAMBIUM_AGENT_ID": "ada"})
+        write_config(path, {"CAMBIUM_AGENT_ID": "ada"})
     kept = sorted(p.read_text() for p in path.parent.glob("cambium.json.bad*"))
     assert kept == ["{ first broken", "{ second broken"]
-    threads = [threading.Thread(target=cs._write_config, args=(path, {f"K{i}": str(i)}))
+    threads = [threading.Thread(target=write_config, args=(path, {f"K{i}": str(i)}))
                for i in range(8)]
     for t in threads:
         t.start()
