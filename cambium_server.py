@@ -11725,7 +11725,7 @@ class _Admitting:
             return True
         return self.all_types and item is not None and (any(
             self.stored(text_key(t, item.content)) for t in ITEM_TYPES if t != item.type)
-            or said_corrected(corrected_said(self.index_key, self.doc.items), item.content))
+            or said_retired(self.index_key, self.doc.items, item.content))
 
     def same_text(self, key: str, item: Item, ckey: str) -> None:
         """A record whose text is held already: a duplicate; in revise, its key
@@ -11777,7 +11777,7 @@ def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[..., bool]:
     """Whether team or org, as last read (no network), holds an active item
     saying a content key (with retired_too, also words deprecated, corrected or
     superseded there: a retired statement stays retired for everyone; given the
-    record's `content`, words corrected there a final stop aside too)."""
+    record's `content`, words corrected or deprecated there a final stop aside too)."""
     docs, _ = read_scopes_offline(cfg)
     maps: list = []
     saids: list = []
@@ -11787,16 +11787,24 @@ def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[..., bool]:
             maps.append(active_texts(key, items))
             if retired_too:
                 maps += [deprecated_texts(key, items), corrections(key, items)[0]]
-                saids.append(corrected_said(key, items))
+                saids += [corrected_said(key, items), deprecated_said(key, items)]
     return lambda ckey, content=None: any(ckey in m for m in maps) or (
         content is not None and any(said_corrected(s, content) for s in saids))
 
 
-def said_corrected(said: dict[str, tuple], content: str) -> bool:
-    """Whether `said` (corrected_said of a store) holds these words as any
-    type, a final stop aside: import of "T." brought the "T" a person
-    corrected back live, where capture answered corrected_before (pure)."""
+def said_corrected(said: dict, content: str) -> bool:
+    """Whether `said` (corrected_said or deprecated_said of a store) holds
+    these words as any type, a final stop aside: import of "T." brought the
+    "T" a person corrected back live, where capture answered corrected_before (pure)."""
     return any(said_text_key(t, content) in said for t in ITEM_TYPES)
+
+
+def said_retired(key: str, items: list, content: str) -> bool:
+    """Whether a store's words a person corrected or deprecated hold `content`
+    as any type, a final stop aside, as promote reads them (import of "T."
+    after "T" was deprecated imported it live)."""
+    return said_corrected(corrected_said(key, items), content) or \
+        said_corrected(deprecated_said(key, items), content)
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
@@ -17241,11 +17249,10 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
                 "note": f"an item with this content was superseded by {end.id} (folded into it "
                         "by consolidate, or replaced by it), which stands: endorse it instead "
                         "of capturing the words again"}
-    said = plain_text(content).strip()
-    gone = end if end is not None else next((hit for t in types for scope, doc in docs.items() if (hit := deprecated_texts(
-        f"{scope}:{cfg.repo}", doc.items).get(text_key(t, said)))), None)
-    key = content_key(gone) if gone is not None else None
-    if gone is not None and not any(it.active and content_key(it) == key    # (rare: a walk
+    gone = end if end is not None else next((hit for t in types for scope, doc in docs.items() if (hit := deprecated_said(
+        f"{scope}:{cfg.repo}", doc.items).get(said_text_key(t, content)))), None)
+    key = said_key(gone) if gone is not None else None       # (a final stop aside, as promote)
+    if gone is not None and not any(it.active and said_key(it) == key      # (rare: a walk
                                     for doc in docs.values() for it in doc.items):  # is fine)
         why = gone.deprecated if isinstance(gone.deprecated, dict) else {}
         return {"status": "deprecated_before", "item": item_view(gone),
@@ -17367,6 +17374,23 @@ def deprecated_texts(key: str, items: list) -> dict[str, Item]:
                     texts.setdefault(content_key(it), it)
             rt.retired[key] = (items, texts)
         return texts
+
+
+def deprecated_said(key: str, items: list) -> dict[str, Item]:
+    """{said_key: the first deprecated item saying it} of a store's items:
+    deprecated_texts' words read as promote reads them, a final stop aside
+    (capture and import of "T." after "T" was deprecated stored it live),
+    kept while deprecated_texts of the store stays the same."""
+    dead = deprecated_texts(key, items)
+    rt = runtime()
+    with rt.index_lock:
+        src, said = rt.texts.get("dsaid:" + key, (None, {}))
+        if src is not dead:
+            said = {}
+            for x in dead.values():
+                said.setdefault(said_key(x), x)
+            rt.texts["dsaid:" + key] = (dead, said)
+        return said
 
 
 def corrections(key: str, items: list) -> tuple[dict[str, tuple], dict[str, Item]]:

@@ -20141,6 +20141,38 @@ def test_import_never_brings_back_corrected_words_a_final_stop_aside(
     assert out["imported"] == 0 and out["same_content"] == 1, out
 
 
+def test_capture_and_import_never_bring_back_deprecated_words_a_final_stop_aside(
+        shared, tmp_path, monkeypatch):
+    """Promote of "T." answered deprecated_before once "T" was deprecated, but
+    capture and import of it stored it live: they matched deprecated words
+    only case and spacing aside, locally and in team."""
+    dead = "Staging is reset every night at midnight"
+    item = cs.capture(dead)["item"]["id"]
+    cs.deprecate(item, reason="staging is kept now")
+    out = cs.capture(dead + ".")
+    assert out["status"] == "deprecated_before" and out["item"]["id"] == item, out
+    assert cs.capture("  staging is RESET every night at midnight!", type="need"
+                      )["status"] == "deprecated_before"
+    export = tmp_path / "mem.jsonl"
+    export.write_text(json.dumps({"id": "r1", "content": dead + "?"}) + "\n")
+    out = cs.import_memory("json", str(export))
+    assert out["imported"] == 0 and out["same_content"] == 1, out
+    pooled = "Pool database connections with pgbouncer"
+    shared_item = cs.capture(pooled)["item"]["id"]
+    cs.endorse(shared_item, note="holds")
+    assert cs.promote(shared_item)["status"] == "promoted"
+    cs.deprecate(shared_item, reason="pgbouncer went")
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.recall("pgbouncer")                          # (bob's clone has read team since)
+    assert cs.capture(pooled + ".")["status"] == "deprecated_before"
+    export.write_text(json.dumps({"id": "t1", "content": pooled + "!"}) + "\n")
+    out = cs.import_memory("json", str(export))
+    assert out["imported"] == 0 and out["same_content"] == 1, out
+    kept = cs.capture(pooled + " in transaction mode")["item"]["id"]    # (an active item
+    cs.correct(kept, pooled + "!", why="the mode does not matter")      # holding the words
+    assert cs.capture(pooled + ".")["status"] != "deprecated_before"    # wins)
+
+
 def test_import_reads_tags_given_as_a_json_list_in_text():
     assert cs.salvage_tags('["db", "pool"]') == (["db", "pool"], None)
     assert cs.salvage_tags("db, pool") == (["db", "pool"], None)
