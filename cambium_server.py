@@ -11789,22 +11789,29 @@ def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[..., bool]:
                 maps += [deprecated_texts(key, items), corrections(key, items)[0]]
                 saids += [corrected_said(key, items), deprecated_said(key, items)]
     return lambda ckey, content=None: any(ckey in m for m in maps) or (
-        content is not None and any(said_corrected(s, content) for s in saids))
+        content is not None and said_hit(saids, content) is not None)
 
 
-def said_corrected(said: dict, content: str) -> bool:
-    """Whether `said` (corrected_said or deprecated_said of a store) holds
-    these words as any type, a final stop aside: import of "T." brought the
-    "T" a person corrected back live, where capture answered corrected_before (pure)."""
-    return any(said_text_key(t, content) in said for t in ITEM_TYPES)
+def said_hit(saids: list[dict], content: str, types: Iterable[str] = ITEM_TYPES) -> Any:
+    """The first entry of `saids` (corrected_said or deprecated_said maps)
+    holding these words as one of `types` (in that order), a final stop aside,
+    else None: import of "T." brought the "T" a person corrected back live,
+    where capture answered corrected_before. The words are read once, and
+    only when a map holds any: a capture refused for its arguments read them
+    for nothing (pure)."""
+    if not any(saids):
+        return None
+    words = said_text(content)
+    return next((hit for t in types for said in saids if (hit := said.get(text_key(t, words)))),
+                None)
 
 
 def said_retired(key: str, items: list, content: str) -> bool:
     """Whether a store's words a person corrected or deprecated hold `content`
     as any type, a final stop aside, as promote reads them (import of "T."
     after "T" was deprecated imported it live)."""
-    return said_corrected(corrected_said(key, items), content) or \
-        said_corrected(deprecated_said(key, items), content)
+    return said_hit([corrected_said(key, items), deprecated_said(key, items)],
+                    content) is not None
 
 
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
@@ -17178,7 +17185,13 @@ def said_key(it: Item) -> str:
 
 def said_text_key(type: str, content: str) -> str:
     """said_key of words not stored yet (a capture's, a recalled copy's) (pure)."""
-    return text_key(type, plain_text(content).strip().rstrip(".!?…;:,").strip())
+    return text_key(type, said_text(content))
+
+
+def said_text(content: str) -> str:
+    """The words said_text_key hashes: the text without its final punctuation
+    (pure; read once, text_key per type)."""
+    return plain_text(content).strip().rstrip(".!?…;:,").strip()
 
 
 def corrected_said(key: str, items: list) -> dict[str, tuple]:
@@ -17249,8 +17262,8 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
                 "note": f"an item with this content was superseded by {end.id} (folded into it "
                         "by consolidate, or replaced by it), which stands: endorse it instead "
                         "of capturing the words again"}
-    gone = end if end is not None else next((hit for t in types for scope, doc in docs.items() if (hit := deprecated_said(
-        f"{scope}:{cfg.repo}", doc.items).get(said_text_key(t, content)))), None)
+    gone = end if end is not None else said_hit([deprecated_said(   # (a final stop aside)
+        f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()], content, types)
     key = said_key(gone) if gone is not None else None       # (a final stop aside, as promote)
     if gone is not None and not any(it.active and said_key(it) == key      # (rare: a walk
                                     for doc in docs.values() for it in doc.items):  # is fine)

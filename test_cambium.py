@@ -11572,8 +11572,10 @@ def test_review_lists_no_item_promote_refuses_for_its_words(shared, monkeypatch)
     and the next review listed them again."""
     old = _endorsed("Lint config lives in setup.cfg")
     cs.promote(old)
+    out = cs.capture("Lint config lives in setup.cfg!")     # (a copy kept from before the
+    assert out["status"] == "captured", out                 # deprecation: capture refuses
+    again = out["item"]["id"]                               # the words once it is made)
     cs.deprecate(old, reason="moved to pyproject.toml")
-    again = cs.capture("Lint config lives in setup.cfg!")["item"]["id"]
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
     cs.endorse(again, note="holds")
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
@@ -19845,6 +19847,9 @@ def test_promote_never_lands_a_second_copy_or_words_team_retired(shared, monkeyp
     assert out["status"] == "corrected_before" and first in out["reason"], out
     gone = _endorsed("Deploys wait for the nightly batch")
     twice = _endorsed("Feature flags live in the config service")
+    out = cs.capture("Deploys wait for the nightly batch!")     # (a copy kept from before
+    assert out["status"] == "captured", out                     # the deprecation: capture
+    again_punct = out["item"]["id"]                             # refuses the words after it)
     as_agent(monkeypatch, a, "ada")
     again = _endorsed("Deploys wait for the nightly batch")
     held = _endorsed("Feature flags live in the config service")
@@ -19863,7 +19868,6 @@ def test_promote_never_lands_a_second_copy_or_words_team_retired(shared, monkeyp
                                      "Feature flags live in the config service",
                                      "Feature flags live in the config service"])
     assert cs.consolidate(scope="team", apply=True)["superseded"] in ([held], [twice])
-    again_punct = cs.capture("Deploys wait for the nightly batch!")["item"]["id"]
     out = cs.promote(again_punct, force=True)
     assert out["status"] == "deprecated_before", out                 # (punctuation aside)
 
@@ -20145,10 +20149,11 @@ def test_capture_and_import_never_bring_back_deprecated_words_a_final_stop_aside
         shared, tmp_path, monkeypatch):
     """Promote of "T." answered deprecated_before once "T" was deprecated, but
     capture and import of it stored it live: they matched deprecated words
-    only case and spacing aside, locally and in team."""
+    only case and spacing aside, locally, in team and in org."""
     dead = "Staging is reset every night at midnight"
     item = cs.capture(dead)["item"]["id"]
     cs.deprecate(item, reason="staging is kept now")
+    before = _store_path(shared["a"]).read_bytes()
     out = cs.capture(dead + ".")
     assert out["status"] == "deprecated_before" and out["item"]["id"] == item, out
     assert cs.capture("  staging is RESET every night at midnight!", type="need"
@@ -20157,6 +20162,8 @@ def test_capture_and_import_never_bring_back_deprecated_words_a_final_stop_aside
     export.write_text(json.dumps({"id": "r1", "content": dead + "?"}) + "\n")
     out = cs.import_memory("json", str(export))
     assert out["imported"] == 0 and out["same_content"] == 1, out
+    assert [i["content"] for i in json.loads(_store_path(shared["a"]).read_bytes())["items"]
+            ] == [i["content"] for i in json.loads(before)["items"]]     # (nothing stored)
     pooled = "Pool database connections with pgbouncer"
     shared_item = cs.capture(pooled)["item"]["id"]
     cs.endorse(shared_item, note="holds")
@@ -20170,7 +20177,16 @@ def test_capture_and_import_never_bring_back_deprecated_words_a_final_stop_aside
     assert out["imported"] == 0 and out["same_content"] == 1, out
     kept = cs.capture(pooled + " in transaction mode")["item"]["id"]    # (an active item
     cs.correct(kept, pooled + "!", why="the mode does not matter")      # holding the words
-    assert cs.capture(pooled + ".")["status"] != "deprecated_before"    # wins)
+    assert cs.capture(pooled + ".")["status"] == "captured"             # wins)
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))          # org, as last read
+    rule = "Retry idempotent requests with exponential backoff"
+    org_item = _endorsed(rule)
+    assert cs.promote(org_item, to_scope="org", force=True)["status"] == "promoted"
+    cs.deprecate(org_item, reason="the client library retries")
+    assert cs.capture(rule + "?", type="skill")["status"] == "deprecated_before"
+    export.write_text(json.dumps({"id": "o1", "content": rule + "."}) + "\n")
+    out = cs.import_memory("json", str(export))
+    assert out["imported"] == 0 and out["same_content"] == 1, out
 
 
 def test_import_reads_tags_given_as_a_json_list_in_text():
