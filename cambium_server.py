@@ -16766,8 +16766,8 @@ def _scaffold_for_setup(root: Path, cfg_path: Path) -> list[str]:
         return _scaffold_local(root)
     except OSError as e:
         raise OSError(e.errno, f"setup could not scaffold {e.filename or root}: "
-                      f"{e.strerror or e}; nothing was recorded: the config file "
-                      f"{cfg_path} is as it was") from e
+                      f"{e.strerror or e}; nothing was recorded: setup puts the config "
+                      f"file {cfg_path} back as it was") from e
 
 
 @contextlib.contextmanager
@@ -17265,8 +17265,9 @@ def _said_before(cfg: Config, content: Any, type: str, *, disputing: bool = Fals
     gone = end if end is not None else said_hit([deprecated_said(   # (a final stop aside)
         f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()], content, types)
     key = said_key(gone) if gone is not None else None       # (a final stop aside, as promote)
-    if gone is not None and not any(it.active and said_key(it) == key      # (rare: a walk
-                                    for doc in docs.values() for it in doc.items):  # is fine)
+    if gone is not None and not any(
+            (w := words_held(f"{scope}:{cfg.repo}", doc.items).get(key)) is not None
+            and w.active for scope, doc in docs.items()):     # (an active one ranks first)
         why = gone.deprecated if isinstance(gone.deprecated, dict) else {}
         return {"status": "deprecated_before", "item": item_view(gone),
                 "deprecated": {k: why[k] for k in ("by", "at", "reason") if k in why},
@@ -17286,9 +17287,11 @@ def _correction_of_text(cfg: Config, content: str, type: str,
     it corrected came back active). The item that said it may have been
     folded by consolidate into a survivor a person corrected since (_fold_chain).
     `docs`: scopes as last read (a capture never waits on the network)."""
+    said = [corrected_said(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
+    if not any(said):                           # (the words read only when some map holds any)
+        return None
     key = said_text_key(type, content)          # (a final stop aside: said_key)
     maps = [correction_maps(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
-    said = [corrected_said(f"{scope}:{cfg.repo}", doc.items) for scope, doc in docs.items()]
     retired = None
     for corrected in (i for words in said for i in words.get(key, ())):
         fix = _fold_chain(corrected, maps)

@@ -1330,7 +1330,7 @@ def test_a_failing_setup_leaves_no_setting_of_its_own_and_every_one_of_a_racing_
         return scaffold(root)
     monkeypatch.setattr(cs, "_scaffold_local", race_then_scaffold)
     with pytest.raises(OSError, match=r"setup could not scaffold .*bad.*: File exists; nothing "
-                                      r"was recorded: the config file .* is as it was"):
+                                      r"was recorded: setup puts the config file .* back as it was"):
         cs.setup(str(bad), "ada", org_repo=str(org), org_pr=True, team_branch="kb-bad")
     other["thread"].join(60)
     assert "error" not in other and other["out"]["configured_now"]
