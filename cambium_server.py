@@ -3434,6 +3434,19 @@ def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
     return False
 
 
+def sweep_leftover_tmp(d: Path) -> None:
+    """Delete in `d` what writes a killed process cut short left (leftover_tmp):
+    the fetch and checkout stamps in a clone's git dir go through atomic_write
+    too, and set_aside_links sweeps `.cambium/` only (a kill there left them
+    for good)."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for e in os.scandir(d):
+            if e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
+
+
 def _mode_of(path: Path) -> int:
     """The permission bits `path` has, or what the umask gives a new file."""
     try:
@@ -5775,6 +5788,7 @@ class GitStore(Store):
                 common = self.repo / proc.stdout.strip() if proc.returncode == 0 \
                     else self.repo / ".git"
             self._meta = Path(os.path.abspath(common)) / "cambium"
+            sweep_leftover_tmp(self._meta)      # (once a process: its stamps' cut-short copies)
         return self._meta
 
     def fetch(self, force: bool = False, background: bool = False,

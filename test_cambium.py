@@ -2715,6 +2715,26 @@ def test_a_killed_rewrites_copy_is_deleted_and_nothing_else(repo):
     assert len(cs.store(cs.resolve_config(), "local").read().items) == 1
 
 
+def test_a_killed_stamp_writes_copy_in_the_git_dir_is_deleted_too(shared):
+    """A kill just before the org clone's checked-out stamp (or a fetch stamp)
+    was renamed into place left its copy in <git-dir>/cambium/ for good: the
+    sweep looked in .cambium/ only."""
+    cs.capture("seed fact about git dir stamps")
+    cs.status()
+    meta = shared["a"] / ".git" / "cambium"
+    assert meta.is_dir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    old = time.time() - 2 * cs.TMP_LEFTOVER_S
+    dead, young = meta / f"checked-out.{gone}.plv774cx.tmp", meta / f"seen.{gone}.abc.tmp"
+    for f in (dead, young):
+        f.write_text("partial")
+    os.utime(dead, (old, old))
+    with cs.use_runtime(cs.Runtime()):          # another process's first look at the clone
+        cs.store(cs.resolve_config(), "team").read()
+    assert not dead.exists() and young.exists()
+
+
 def test_a_directory_where_the_append_record_goes_fails_no_write_that_landed(repo):
     """The append record is a hint. A directory in its place made a capture
     that had landed (fsynced) answer a file_system error, and every later call
