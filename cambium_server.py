@@ -7941,7 +7941,7 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
     or more (every list under a wrapper key is read, each record named by it)."""
     text, replaced = utf8_or_replaced(path.read_bytes())
     try:
-        data = json.loads(text.removeprefix("\ufeff"), parse_int=_import_int)
+        data = _load_document(text.removeprefix("\ufeff"))
     except (ValueError, RecursionError) as e:
         yield Skip("file", f"not valid JSON ({json_problem(e)}); for JSONL put one object "
                            "per line")
@@ -7958,10 +7958,144 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
     first, whole = True, isinstance(data, dict) and not keys      # (the one record)
     for prefix, records in lists:
         for i, rec in enumerate(records, 1):
-            yield _draft_noted(json_record_to_draft(rec, f"{prefix}record {i}", origin=path.name,
-                                                    whole=whole),
+            where = f"{prefix}record {i}"
+            yield _draft_noted(Skip(where, TOO_DEEP_REASON) if _too_deep(rec) else
+                               json_record_to_draft(rec, where, origin=path.name, whole=whole),
                                f"the file: {NOT_UTF8}" if replaced and first else None)
             first = False
+
+
+class _TooDeep:
+    """A value nested past what json's parser can take, read past unparsed
+    (_shallow_document): it stands for the record that held it."""
+
+    def __repr__(self) -> str:
+        return "TOO_DEEP"
+
+
+TOO_DEEP = _TooDeep()
+TOO_DEEP_REASON = "nested too deep to parse (a record of plain fields is expected)"
+_JSON_RECORDS = json.JSONDecoder(parse_int=_import_int)
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _too_deep(rec: Any) -> bool:
+    """Whether a document's record is, or holds, a value too deep to parse (pure)."""
+    return rec is TOO_DEEP or isinstance(rec, dict) and any(v is TOO_DEEP for v in rec.values())
+
+
+def _load_document(text: str) -> Any:
+    """One JSON document, whole numbers as _import_int reads them. One nested
+    past the parser's depth is read again shallowly (_shallow_document): a
+    record in it nested ~1,000 deep (in a field import never reads) sank the
+    whole document, every record with it. ValueError: no JSON document."""
+    try:
+        return json.loads(text, parse_int=_import_int)
+    except RecursionError:
+        return _shallow_document(text)
+
+
+def _shallow_document(text: str) -> Any:
+    """A JSON document whose top-level array's elements, or top-level object's
+    members (each element of a wrapper key's list), are parsed one by one, one
+    too deep to parse standing as TOO_DEEP; memory and time grow with the
+    text, never with its depth. ValueError: no JSON document."""
+    i = _JSON_SPACE.match(text).end()
+    if text.startswith("[", i):
+        data, i = _shallow_array(text, i)
+    elif text.startswith("{", i):
+        data, i = _shallow_object(text, i)
+    else:
+        data, i = _JSON_RECORDS.raw_decode(text, i)
+    i = _JSON_SPACE.match(text, i).end()
+    if i != len(text):
+        raise json.JSONDecodeError("Extra data", text, i)
+    return data
+
+
+def _json_next(text: str, i: int, close: str) -> tuple[bool, int]:
+    """After a value in an array or object: whether `close` ends it, and where
+    the next value (or the end) is; ValueError when neither `,` nor it follows."""
+    i = _JSON_SPACE.match(text, i).end()
+    if text.startswith(close, i):
+        return True, i + 1
+    if not text.startswith(",", i):
+        raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+    return False, _JSON_SPACE.match(text, i + 1).end()
+
+
+def _shallow_array(text: str, i: int) -> tuple[list, int]:
+    """The array at `i` and its end, each element parsed on its own (_shallow_value)."""
+    items: list = []
+    i = _JSON_SPACE.match(text, i + 1).end()
+    done, i = (True, i + 1) if text.startswith("]", i) else (False, i)
+    while not done:
+        value, i = _shallow_value(text, i)
+        items.append(value)
+        done, i = _json_next(text, i, "]")
+    return items, i
+
+
+def _shallow_object(text: str, i: int) -> tuple[dict, int]:
+    """The object at `i` and its end, each member parsed on its own, a wrapper
+    key's list element by element (as json.loads, a repeated key's last wins)."""
+    members: dict = {}
+    i = _JSON_SPACE.match(text, i + 1).end()
+    done, i = (True, i + 1) if text.startswith("}", i) else (False, i)
+    while not done:
+        if not text.startswith('"', i):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes",
+                                       text, i)
+        key, i = json.decoder.scanstring(text, i + 1)
+        i = _JSON_SPACE.match(text, i).end()
+        if not text.startswith(":", i):
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        i = _JSON_SPACE.match(text, i + 1).end()
+        wrapped = key in _WRAPPER_KEYS and text.startswith("[", i)
+        members[key], i = (_shallow_array if wrapped else _shallow_value)(text, i)
+        done, i = _json_next(text, i, "}")
+    return members, i
+
+
+def _shallow_value(text: str, i: int) -> tuple[Any, int]:
+    """The value at `i` and its end; TOO_DEEP for one nested past the parser's
+    depth (only an array or object can be), read past by _past_container."""
+    try:
+        return _JSON_RECORDS.raw_decode(text, i)
+    except RecursionError:
+        return TOO_DEEP, _past_container(text, i)
+
+
+def _past_container(text: str, start: int) -> int:
+    """The end of the array or object at `start`, read past without parsing:
+    the opening brackets up to each string or closing bracket pushed on a
+    stack of one byte a level, strings skipped (a bracket in one is text), and
+    each run of closing brackets matched against the stack's top: no recursion,
+    and a step per string or run of brackets, none per level.
+    ValueError: a mismatched bracket, a string or a bracket never closed."""
+    opened, i = bytearray(), start
+    while m := _JSON_STOP.search(text, i):
+        opened += _JSON_NOT_OPENER.sub("", text[i:m.start()]).encode()
+        if m.group() == '"':
+            i = json.decoder.scanstring(text, m.end(), False)[1]
+            continue
+        run = _JSON_CLOSERS.match(text, m.start()).group()
+        n = min(len(run), len(opened))
+        inner, closed = opened[len(opened) - n:][::-1], run[:n].translate(_OPENERS).encode()
+        if inner != closed:
+            at = m.start() + len(os.path.commonprefix([bytes(inner), closed]))
+            raise json.JSONDecodeError("Mismatched closing bracket", text, at)
+        del opened[len(opened) - n:]
+        if not opened:
+            return m.start() + n
+        i = m.start() + n
+    raise json.JSONDecodeError("Unterminated array or object", text, start)
+
+
+_JSON_STOP = re.compile(r'[\]}"]')
+_JSON_CLOSERS = re.compile(r"[\]}]+")
+_JSON_NOT_OPENER = re.compile(r"[^\[{]+")
+_OPENERS = str.maketrans("]}", "[{")
 
 
 MAX_FIRST_LINE_CHARS = 32 * 1024 * 1024   #: a longer first line is no JSONL record
@@ -8017,8 +8151,7 @@ def _parses_whole(path: Path, size: int) -> bool:
     if size > MAX_IMPORT_BYTES:
         return False
     try:
-        json.loads(path.read_text(encoding="utf-8-sig", errors="replace"),
-                   parse_int=_import_int)
+        _load_document(path.read_text(encoding="utf-8-sig", errors="replace"))
         return True
     except (ValueError, RecursionError):
         return False

@@ -11633,7 +11633,8 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
     deep.write_text("[" * 100_000 + "]" * 100_000)
     res = cs.import_memory("json", str(deep))
     assert res["status"] == "nothing_imported"
-    assert "not valid JSON (nested too deep to parse)" in res["reasons"][0]
+    assert res["reasons"] == ["record 1: nested too deep to parse (a record of plain fields "
+                              "is expected)"]     # (the one record: the file said not valid JSON)
     (big := tmp_path / "big.json").write_text('[{"content": "a number past int()", "n": '
                                               + "9" * 5000 + "}]")
     res = cs.import_memory("json", str(big))  # (a number import does not read: no matter)
@@ -11669,6 +11670,38 @@ def test_import_format_detection_reads_numbers_past_int_digits(repo, tmp_path):
                        '{"id": "w3", "content": "third wrapped memory"}\n]}\n')
     res = cs.import_memory("json", str(wrapped))
     assert res["imported"] == 3 and not res["skipped"], res
+
+
+def test_import_of_a_document_skips_only_the_record_nested_too_deep(repo, tmp_path):
+    """A record nested 1,000 deep in a field import never reads sank the whole
+    JSON document ("file: not valid JSON (nested too deep to parse)"), the
+    good records with it, where JSONL skipped just that line. Also a wrapper
+    written a record a line (read as JSONL when the document would not parse),
+    brackets in strings, and a deep document that is no JSON at all."""
+    deep = "[" * 1000 + "]" * 1000
+    arr = tmp_path / "export.json"
+    arr.write_text('[{"content": "good record one"}, {"content": "deep record", "meta": '
+                   + deep + '}, {"content": "good record three"}]')
+    res = cs.import_memory("json", str(arr))
+    assert res["imported"] == 2 and res["skipped_reasons"] == [
+        {"where": "record 2", "reason": "nested too deep to parse (a record of plain fields "
+                                        "is expected)"}], res
+    assert {cs.expand(i["id"])["content"] for i in res["items"]} == {
+        "good record one", "good record three"}
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text('{"exported_by": "tool", "meta": ' + '{"a": ' * 1000 + '1' + '}' * 1000
+                       + ',\n"memories": [\n{"content": "wrapped memory one"},\n'
+                       '{"content": "deep one", "m": "]}[{\\"", "x": ' + deep + '},\n'
+                       '{"content": "wrapped memory three"}\n]}\n')
+    res = cs.import_memory("json", str(wrapped))
+    assert res["imported"] == 2 and [r["where"] for r in res["skipped_reasons"]] == [
+        "record 2"], res
+    broken = tmp_path / "broken.json"       # deep, and a bracket that closes none: no JSON
+    broken.write_text('[{"content": "fine"}, {"meta": ' + "[" * 1000 + "]" * 999 + "}}]")
+    res = cs.import_memory("json", str(broken))
+    assert res["status"] == "nothing_imported" and res["reasons"] == [
+        "file: not valid JSON (Mismatched closing bracket: line 1 column 2031); for JSONL "
+        "put one object per line"], res
 
 
 def test_store_written_before_optional_fields_still_loads_and_recalls(repo):
