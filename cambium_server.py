@@ -16194,6 +16194,7 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
 # =============================================================================
 
 CHECK_TIMEOUT_S = 120          #: default seconds per check (verify --run --timeout)
+CHECK_TIMEOUT_RANGE = (0.1, 86_400.0)   #: --timeout's bounds: 1e-9 failed every passing check
 CHECK_OUTPUT_CHARS = 2_000     #: tail of a failing check's output kept on the item
 
 
@@ -19689,8 +19690,10 @@ def api_table() -> tuple[Tool, ...]:
              cli_optional=("item_id",), cli_args=(
                  (("--run",), {"action": "store_true", "help": "operator only: run the shell "
                                "checks attached with verify-cmd (all, or ITEM_ID's)"}),
-                 (("--timeout",), {"type": float, "default": CHECK_TIMEOUT_S, "help":
-                                   f"seconds per check (default {CHECK_TIMEOUT_S})"}))),
+                 (("--timeout",), {"type": _cli_seconds, "default": CHECK_TIMEOUT_S, "help":
+                                   f"seconds per check, an ASCII decimal number from "
+                                   f"{CHECK_TIMEOUT_RANGE[0]:g} to {CHECK_TIMEOUT_RANGE[1]:g} "
+                                   f"(default {CHECK_TIMEOUT_S})"}))),
         Tool(attach_check, name="verify_cmd"),
         Tool(stale_report, "read_remote", aliases=("stale",)),
         Tool(deprecate, "remote", positional=("item_id",)),
@@ -20910,6 +20913,15 @@ def _cli_joined(value: Any) -> Any:
     return ",".join(value) if isinstance(value, list) else value
 
 
+def _cli_seconds(text: str) -> float:
+    """argparse type for a number of seconds: an ASCII decimal (_is_decimal),
+    as CAMBIUM_GIT_TIMEOUT takes; float() took '١٢', '5_0' and ' 5 '."""
+    if not _is_decimal(text):
+        raise argparse.ArgumentTypeError(
+            f"must be an ASCII decimal number of seconds (like 30 or 2.5); got {text!r}")
+    return float(text)
+
+
 def _cli_int(param: Param) -> Callable[[str], int]:
     """argparse type for a whole-number argument, holding it to the schema's bounds."""
     def parse(text: str) -> int:
@@ -20926,8 +20938,9 @@ def _cli_int(param: Param) -> Callable[[str], int]:
 def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
     """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
     if args.run:
-        if not 0 < args.timeout <= 86_400:
-            raise InputError("--timeout must be more than 0 and at most 86400 seconds.")
+        lo, hi = CHECK_TIMEOUT_RANGE
+        if not lo <= args.timeout <= hi:
+            raise InputError(f"--timeout must be from {lo:g} to {hi:g} seconds.")
         return _cli_print(args, {"item_id": args.item_id, "timeout_s": args.timeout},
                           run_checks)
     if args.item_id is None:

@@ -11045,9 +11045,13 @@ def test_operator_check_timeout_is_a_failure_and_bad_usage_is_refused(repo):
     assert json.loads(cli("verify", "--run").stdout)["ran"] == 0
     for args, why in (((item_id,), f"item {item_id} has no check attached"),   # (these said
                       (("k-000000000000",), "No item k-000000000000"),          # ran: 0, exit 0)
-                      (("--timeout", "0"), "more than 0 and at most 86400")):
+                      (("--timeout", "0"), "from 0.1 to 86400 seconds"),
+                      (("--timeout", "1e-9"), "from 0.1 to 86400 seconds")):
         out = cli("verify", "--run", *args)
         assert out.returncode == 1 and why in out.stderr, (args, out.stderr)
+    for bad in ("\u0661\u0662", "5_0", " 5 ", "-1", "nan", "inf"):   # float() took the first 3
+        out = cli("verify", "--run", "--timeout", bad)
+        assert out.returncode == 2 and "ASCII decimal number" in out.stderr, (bad, out.stderr)
     assert cli("verify-cmd", item_id, "true").returncode == 0
     cs.deprecate(item_id, reason="the smoke test is gone")
     out = cli("verify-cmd", item_id, "true")         # the same check again: refused too
