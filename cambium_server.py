@@ -14855,8 +14855,10 @@ def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
     return picked
 
 
-def _render_primer(lines: dict[str, list[str]], project: str, total: int) -> str:
-    body = []
+def _render_primer(lines: dict[str, list[str]], project: str, total: int,
+                   skipped: Collection[str] = ()) -> str:
+    body = [f"{' and '.join(skipped)} knowledge could not be read now (status() says why): "
+            "these are the rest."] if skipped else []
     for name, heading, _ in PRIMER_SECTIONS:
         if lines[name]:
             body += [f"{heading}:"] + [f"- {line}" for line in lines[name]]
@@ -14882,14 +14884,16 @@ def with_stated_size(text: str) -> str:
 
 def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
                  project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET,
-                 unread: bool = False, failing: int = 0) -> dict:
+                 unread: bool = False, failing: int = 0, skipped: Collection[str] = ()
+                 ) -> dict:
     """The digest (pure but for line_of, which renders one chosen entry).
 
     Within a section higher score first, then newer. Lines are dropped from the
     fullest section (the later one on a tie) until the text fits `budget`.
     unread: part of the knowledge could not be read (the answer's warnings say
     what), and failing: items left out for a failing check, so an empty digest
-    does not claim that nothing is known.
+    does not claim that nothing is known. skipped: the scopes not read (team,
+    org), named in a digest of the rest (a hook's reader sees no warnings).
     """
     if not entries:
         text = (f"cambium: no item to show for {project}, but some of its knowledge could "
@@ -14910,12 +14914,12 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
     lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
     ids = {name: [e.item.id for e in chosen] for name, chosen in picked.items()}
     names = [name for name, _, _ in PRIMER_SECTIONS]
-    text = _render_primer(lines, project, len(entries))
+    text = _render_primer(lines, project, len(entries), skipped)
     while approx_tokens(text) > budget and any(lines.values()):
         fullest = max(reversed(names), key=lambda n: len(lines[n]))
         lines[fullest].pop()
         ids[fullest].pop()
-        text = _render_primer(lines, project, len(entries))
+        text = _render_primer(lines, project, len(entries), skipped)
     return {"primer": text, "ids": [i for name in names for i in ids.get(name, [])],
             "entries": sum(map(len, lines.values())),
             "candidates": len(entries), "tokens": approx_tokens(text),
@@ -17916,8 +17920,10 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
         return line
 
     failing = 0 if entries else sum(1 for it in federated_items(docs) if it.failing)
+    skipped = [s for s in ("team", "org") if any(w.startswith(f"{s} scope skipped")
+                                                 for w in warnings)]
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
-                          unread=bool(warnings), failing=failing),
+                          unread=bool(warnings), failing=failing, skipped=skipped),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings

@@ -6383,6 +6383,28 @@ def test_changing_a_team_item_in_a_fresh_clone_leaves_nothing_for_git_to_add(sha
     assert ".cambium" not in untracked, untracked
 
 
+def test_a_primer_missing_an_unreadable_team_scope_says_so_in_its_text(shared, tmp_path):
+    """A team knowledge.json that does not parse: the hook's digest read
+    "1 of 1 items" with the team pitfall gone and nothing saying so (the hook
+    drops the answer's warnings: an agent sees only the text)."""
+    _endorsed("Team pitfall: the staging database resets nightly", "staging")
+    cs.promote()
+    cs.capture("Local pitfall: the fixtures folder is generated", tags="fixtures")
+    assert "team knowledge could not be read" not in cs.session_primer()["primer"]
+    work = clone(shared["origin"], tmp_path / "vandal")
+    git(work, "checkout", "-q", "cambium")
+    (work / "knowledge.json").write_text('{"items": [ {"id": "x", ')
+    git(work, "commit", "-q", "-am", "bad hand edit")
+    git(work, "push", "-q", "origin", "cambium")
+    cs.recall("staging database")                       # fetches the broken tip
+    primer = cs.session_primer()["primer"]
+    assert "team knowledge could not be read now" in primer and "Local pitfall" in primer
+    out = cli("primer", "--hook", cwd=shared["a"])
+    context = json.loads(out.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert "team knowledge could not be read now" in context and "Local pitfall" in context
+    assert "staging database" not in context
+
+
 def test_a_fresh_clones_first_primer_reads_the_team_branch_git_clone_fetched(shared, monkeypatch):
     """A teammate's new clone, bound through the user-level config (no setup,
     no cambium fetch yet): its first session's primer and hook said nothing
