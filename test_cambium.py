@@ -36,6 +36,17 @@ import cambium_server as cs  # noqa: E402
 
 GIT_ID = ["-c", "user.name=Test", "-c", "user.email=test@example.invalid"]
 
+# A suite started as a background job (`nohup`, `cmd &` in a script) inherits
+# SIGINT ignored, and so would every process it starts: the tests that press
+# Ctrl-C in a child saw nothing happen. Its children get a terminal's default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _hangup_default() -> None:
+    """preexec_fn: SIGHUP as a terminal's child has it (nohup ignores it)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
 
 # =============================================================================
 # Fixtures: hermetic environment, real git repos
@@ -11249,7 +11260,7 @@ def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, s
     assert cli("verify-cmd", item_id, f"sleep {marker}; echo late").returncode == 0
     run = subprocess.Popen([sys.executable, str(SERVER), "verify", "--run", item_id,
                             "--timeout", "30"], env=child_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, preexec_fn=_hangup_default)
     try:
         deadline = time.monotonic() + 30
         while not _processes_running(marker) and time.monotonic() < deadline:
