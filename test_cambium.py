@@ -20818,5 +20818,17 @@ def _workers(argv: list[str]) -> list[str]:
     return ["-n", str(min(2, os.cpu_count() or 1))]
 
 
+def _cache_bytecode() -> None:
+    """Let this run keep bytecode even under PYTHONDONTWRITEBYTECODE (set in
+    some shells and sandboxes): without it each worker rewrote and compiled
+    this 1 MB file again on every run, about 10 s of CPU before its first test
+    (and each subprocess importing cambium compiled it). The suite writes the
+    git-ignored __pycache__ anyway (cli()); pytest and the import system write
+    a .pyc atomically, so two workers compiling at once are safe."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)    # the workers and their children
+    sys.dont_write_bytecode = False
+
+
 if __name__ == "__main__":
+    _cache_bytecode()
     sys.exit(pytest.main([__file__, "-q", *_workers(sys.argv[1:]), *sys.argv[1:]]))
