@@ -19047,12 +19047,15 @@ def http_server(repo: Path, token: str | None, host: str = "127.0.0.1"):
         proc.wait(timeout=20)
 
 
-def _serving_http(repo: Path) -> tuple[subprocess.Popen, int]:
+def _serving_http(repo: Path, exit_s: float | None = None) -> tuple[subprocess.Popen, int]:
     """`serve --http` on a free port (its stderr a pipe, its first line the
-    serving line), and that port."""
+    serving line), and that port; `exit_s`: its SIGNAL_EXIT_S (a test of the
+    stop bound need not wait the 20 s a user gets)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
-                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
+    quick = f"import sys, cambium_server as cs; cs.SIGNAL_EXIT_S = {exit_s}; sys.exit(cs.main())"
+    start = [str(SERVER)] if exit_s is None else ["-c", quick]
+    proc = subprocess.Popen([sys.executable, *start, "serve", "--http", "--port", str(port)],
+                            env=_mcp_env(repo), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     return proc, port
 
@@ -19311,7 +19314,7 @@ def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
     """A client that sent 10 of the 100 bytes it declared kept `serve --http`
     running after SIGTERM (and a second one) until it closed its socket."""
     import socket
-    proc, port = _serving_http(repo)
+    proc, port = _serving_http(repo, exit_s=1.0)
     try:
         assert "serving MCP on" in proc.stderr.readline()
         with socket.create_connection(("127.0.0.1", port), 20) as sock:
