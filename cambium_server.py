@@ -4587,22 +4587,37 @@ def retired_like(item: Item, copy: Item, *, agent: str, now: str) -> Item:
 
 LINK_TAG = ".symlink-"    #: credits.jsonl.symlink-<time>: a link found in .cambium/, set aside
 ODD_TAG = ".not-a-file-"  #: knowledge.json.not-a-file-<time>: a FIFO, socket or device there
+DIR_TAG = ".not-a-directory-"   #: vectors.not-a-directory-<time>: a file where a directory belongs
 
 
-def _stray_tag(entry: os.DirEntry, dir_too: bool = False) -> str | None:
+def _stray_tag(entry: os.DirEntry, dir_too: bool = False, file_too: bool = False) -> str | None:
     """The tag an entry of .cambium/ is set aside with, or None to keep it: a
     symbolic link, or anything neither a regular file nor a directory (reading
     a FIFO blocks for ever, a device never ends). dir_too: a directory too,
     where only a file of cambium's belongs (the vector cache's index.json: a
-    directory there failed every save, so each start embedded the whole store)."""
-    if LINK_TAG in entry.name or ODD_TAG in entry.name:
+    directory there failed every save, so each start embedded the whole store).
+    file_too: a regular file too, where only a directory of cambium's belongs
+    (`vectors`, `vectors/tokens`: the same cost, every save failing)."""
+    if LINK_TAG in entry.name or ODD_TAG in entry.name or DIR_TAG in entry.name:
         return None
     if entry.is_symlink():
         return LINK_TAG
-    if entry.is_file(follow_symlinks=False) or \
-            (entry.is_dir(follow_symlinks=False) and not dir_too):
+    if entry.is_file(follow_symlinks=False):
+        return DIR_TAG if file_too else None
+    if entry.is_dir(follow_symlinks=False) and not dir_too:
         return None
     return ODD_TAG
+
+
+def _kind_owned(folder: Path, local_dir: Path, name: str) -> str | None:
+    """'file' or 'dir' where cambium keeps only that kind at `folder/name`
+    (the vector cache: its directory, its index, its token files' directory),
+    else None: anything else in .cambium/ may be a person's own."""
+    if folder == local_dir:
+        return "dir" if name == VECTORS_DIR else None
+    if folder.name == VECTORS_DIR and folder.parent == local_dir:
+        return {"index.json": "file", TOKENS_DIR: "dir"}.get(name)
+    return None
 
 
 def set_aside_links(local_dir: Path, config_file: Path) -> None:
@@ -4611,7 +4626,10 @@ def set_aside_links(local_dir: Path, config_file: Path) -> None:
     `<name>.symlink-<time>`: the link itself, never its target. cambium writes
     and reads its own files only; a link there (a hostile clone can commit one)
     would send appends, locks and rewrites to a file outside the repo. A FIFO,
-    socket or device there goes aside too, as `<name>.not-a-file-<time>`. A
+    socket or device there goes aside too, as `<name>.not-a-file-<time>`
+    (so does a directory at `vectors/index.json`), and a regular file where
+    the vector cache keeps a directory (`vectors`, `vectors/tokens`), as
+    `<name>.not-a-directory-<time>` (_kind_owned). A
     `.cambium` that is itself a link is left alone: nothing in a directory
     elsewhere is ever renamed (set_aside_warnings says where files go). The
     user's config file, its lock and what setup set aside are never touched:
@@ -4631,8 +4649,9 @@ def set_aside_links(local_dir: Path, config_file: Path) -> None:
                 with contextlib.suppress(OSError):
                     os.unlink(e.path)           # a rewrite's copy its killed process left
                 continue
+            kind = _kind_owned(d, local_dir, e.name)
             tag = None if d == local_dir and e.name in mine else \
-                _stray_tag(e, dir_too=d.name == VECTORS_DIR and e.name == "index.json")
+                _stray_tag(e, dir_too=kind == "file", file_too=kind == "dir")
             if tag:
                 with contextlib.suppress(OSError):
                     os.rename(e.path, f"{e.path}{tag}{_stamp()}")
@@ -4665,7 +4684,7 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
     for sub in ("vectors", "imports"):
         with contextlib.suppress(OSError):
             names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub))
-                      if LINK_TAG in n or ODD_TAG in n]
+                      if LINK_TAG in n or ODD_TAG in n or DIR_TAG in n]
     out = [] if knowledge_only else lock_dir_warnings(path.parent, names)
     if path.parent.is_symlink() and not knowledge_only:
         with contextlib.suppress(OSError):
@@ -4686,15 +4705,9 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
                            f"follows no link in {path.parent}, so it moved the link to {link} "
                            f"and left its target untouched: {fix}.")
             continue
-        if ODD_TAG in name:
-            if knowledge_only:
-                continue
-            kind = "a directory" if (path.parent / name).is_dir() and \
-                not (path.parent / name).is_symlink() else "a FIFO, socket or device"
-            out.append(f"{path.parent / name.split(ODD_TAG)[0]} was not a regular file "
-                       f"({kind}), which cambium cannot read or write, so it "
-                       f"moved it to {path.parent / name}: delete it once you know what made "
-                       "it.")
+        if ODD_TAG in name or DIR_TAG in name:
+            if not knowledge_only:
+                out.append(_wrong_kind_warning(path.parent, name))
             continue
         if not name.startswith(path.name + ".") or name.endswith(RESTORED_SUFFIX):
             continue
@@ -4707,6 +4720,21 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
                        f"{path.parent / name}; cambium started a fresh store. Repair it and "
                        f"run `{_prog()} restore {path.parent / name}`.")
     return out
+
+
+def _wrong_kind_warning(folder: Path, name: str) -> str:
+    """The warning for `name` in `folder`, set aside as not a regular file
+    (ODD_TAG) or not a directory (DIR_TAG) where cambium keeps one."""
+    moved = folder / name
+    if DIR_TAG in name:
+        return (f"{folder / name.split(DIR_TAG)[0]} was not a directory (a regular file), "
+                "where cambium keeps its vector cache, so every save of it failed; cambium "
+                f"moved it to {moved}: delete it once you know what made it.")
+    was = name.split(ODD_TAG)[0]
+    kind = "a directory" if moved.is_dir() and not moved.is_symlink() \
+        else "a FIFO, socket or device"
+    return (f"{folder / was} was not a regular file ({kind}), which cambium cannot read or "
+            f"write, so it moved it to {moved}: delete it once you know what made it.")
 
 
 def lock_dir_warnings(folder: Path, names: list[str]) -> list[str]:

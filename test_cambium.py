@@ -15314,6 +15314,42 @@ def test_a_directory_at_the_vector_index_is_set_aside_and_a_failed_save_is_in_st
     assert len(list(vec_dir.glob("index.json" + cs.ODD_TAG + "*"))) == 2
 
 
+def _restart_and_check(repo: Path, embedded: int) -> dict:
+    """A new process (engine) recalls and drains its backlog: it embedded
+    `embedded` items, and status shows no failed save of the vector cache
+    or its token files, every item with its token vectors. Its status."""
+    cs.runtime().engines.clear()
+    assert cs.recall(PARAPHRASE)["mode"] == "semantic"
+    eng = _engine(repo)
+    assert eng.wait_idle(30) and eng.embedded == embedded
+    st = cs.status()
+    assert "cache_error" not in st["semantic"], st["semantic"]
+    late = st["semantic"]["late_interaction"]
+    assert "error" not in late and late["items_with_token_vectors"] == len(NOTES), late
+    return st
+
+
+@needs_extra
+@pytest.mark.parametrize("where", [cs.VECTORS_DIR, f"{cs.VECTORS_DIR}/{cs.TOKENS_DIR}"])
+def test_a_file_where_the_vector_cache_keeps_a_directory_is_set_aside(semantic, where):
+    """A regular file at .cambium/vectors failed every save of the cache (File
+    exists), one at vectors/tokens every token file: each start embedded the
+    whole store again, late interaction never ran, and no warning said why.
+    The sweep moves it aside whole, as `<name>.not-a-directory-<time>`."""
+    _capture_notes()
+    cs.recall(PARAPHRASE)
+    _engine(semantic).wait_idle(30)
+    target = semantic / ".cambium" / where
+    shutil.rmtree(target)
+    target.write_text("a person's notes")
+    _restart_and_check(semantic, len(NOTES))          # its cache is gone: rebuilt once
+    st = _restart_and_check(semantic, 0)              # then read
+    aside = list(target.parent.glob(target.name + cs.DIR_TAG + "*"))
+    assert len(aside) == 1 and aside[0].read_text() == "a person's notes" and target.is_dir()
+    assert any(f"{target} was not a directory" in w and str(aside[0]) in w
+               for w in st["warnings"]), st["warnings"]
+
+
 @needs_extra
 def test_semantic_vectors_rank_the_same_fresh_and_reloaded_from_disk(semantic):
     """The cache keeps vectors as float16 in memory, as on disk: half the
@@ -15593,7 +15629,7 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
     """Late interaction is an addition: when its files cannot be written,
     items are still embedded and ranked semantically, and status says why."""
     ids = _capture_notes()
-    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    vec_dir = _linked_local(semantic) / cs.VECTORS_DIR
     vec_dir.mkdir(parents=True, exist_ok=True)
     (vec_dir / cs.TOKENS_DIR).write_text("a file where the directory should be")
     assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
@@ -15606,6 +15642,16 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
     late = cs.status()["semantic"]["late_interaction"]
     assert late["items_with_token_vectors"] == 0 and "could not be stored" in late["error"]
     assert "could not store token vectors" in capsys.readouterr().err
+
+
+def _linked_local(repo: Path) -> Path:
+    """Make the repo's .cambium a link to a directory beside it, and return
+    the link: nothing in a linked .cambium is set aside, so a file made in
+    place of `vectors/tokens` stays, as an unwritable one would (a full disk)."""
+    local = repo / ".cambium"
+    local.rename(repo / "elsewhere")
+    local.symlink_to(repo / "elsewhere")
+    return local
 
 
 def test_a_fifo_or_directory_named_like_a_token_file_is_not_counted_as_one(tmp_path):
@@ -15661,7 +15707,7 @@ def test_a_token_dir_that_cannot_be_written_is_not_embedded_again_by_each_proces
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
     _engine(semantic).wait_idle(30)
-    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    vec_dir = _linked_local(semantic) / cs.VECTORS_DIR
     shutil.rmtree(vec_dir / cs.TOKENS_DIR)
     (vec_dir / cs.TOKENS_DIR).write_text("a file where the directory should be")
     for _ in range(2):                                   # two new processes
