@@ -4724,13 +4724,17 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
 
 def _wrong_kind_warning(folder: Path, name: str) -> str:
     """The warning for `name` in `folder`, set aside as not a regular file
-    (ODD_TAG) or not a directory (DIR_TAG) where cambium keeps one."""
+    (ODD_TAG) or not a directory (DIR_TAG) where cambium keeps one. A token
+    file's directory is moved up, from vectors/tokens/ to vectors/
+    (TokenStore._listed): every call lists vectors/, never tokens/."""
     moved = folder / name
     if DIR_TAG in name:
         return (f"{folder / name.split(DIR_TAG)[0]} was not a directory (a regular file), "
                 "where cambium keeps its vector cache, so every save of it failed; cambium "
                 f"moved it to {moved}: delete it once you know what made it.")
     was = name.split(ODD_TAG)[0]
+    if was.startswith(VECTORS_DIR + "/") and was.endswith(TOKEN_SUFFIX):
+        was = f"{VECTORS_DIR}/{TOKENS_DIR}/{was.split('/', 1)[1]}"
     kind = "a directory" if moved.is_dir() and not moved.is_symlink() \
         else "a FIFO, socket or device"
     return (f"{folder / was} was not a regular file ({kind}), which cambium cannot read or "
@@ -9157,6 +9161,7 @@ SEM_LATE_WEIGHT = 6.0               #: ranking: z(score) + this x z(late interac
 SEM_LATE_POOL = 50                  #: ...over the best this many (>= MAX_RECALL_LIMIT)
 TOKENS_RECENT = 256                 #: token files kept in memory once read (25 MB at most)
 TOKENS_DIR = "tokens"               #: token vectors' files (late interaction), in the vector cache
+TOKEN_SUFFIX = ".tok"               #: tokens/<sha256 of the vector key, 32 hex>.tok
 SEM_LEXICAL_BOOST = 0.0             #: relevance = cosine + this x raw BM25
 SEM_FLOOR = 0.289                   #: relevance RELEVANCE_FLOOR: cosine (+ boost) reaches this
 SEM_NAME_PENALTY = 0.9              #: relevance times this when the query names something
@@ -10124,11 +10129,21 @@ class TokenStore:
         """The token files in `d`, regular files only (a FIFO or a directory
         named like one is no token file: status counted it as one, and it
         reads as missing); a write a killed process left is deleted
-        (leftover_tmp: this directory is listed here, not by every call's sweep)."""
+        (leftover_tmp: this directory is listed here, not by every call's sweep).
+        A directory named like one is moved whole to `d`'s parent, as
+        `<name>.not-a-file-<time>` (where every call's warnings look): no
+        write replaces it, so its item was embedded again by each start, and
+        every recall whose best 50 held it lost late interaction (not in a
+        linked .cambium: nothing in its target is renamed, as set_aside_links).
+        A FIFO or a link is replaced by the next write."""
         names, now = set(), time.time()
+        moves = not d.parent.parent.is_symlink()
         for e in os.scandir(d):
-            if e.name.endswith(".tok") and e.is_file(follow_symlinks=False):
+            if e.name.endswith(TOKEN_SUFFIX) and e.is_file(follow_symlinks=False):
                 names.add(e.name)
+            elif moves and e.name.endswith(TOKEN_SUFFIX) and e.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.rename(e.path, d.parent / f"{e.name}{ODD_TAG}{_stamp()}")
             elif e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
                 with contextlib.suppress(OSError):
                     os.unlink(e.path)
@@ -10136,7 +10151,7 @@ class TokenStore:
 
     @staticmethod
     def name(key: str) -> str:
-        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32] + ".tok"
+        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32] + TOKEN_SUFFIX
 
     def has(self, key: str) -> bool:
         return key in self.mem if self.dir is None else self.name(key) in self.names

@@ -15351,6 +15351,29 @@ def test_a_file_where_the_vector_cache_keeps_a_directory_is_set_aside(semantic, 
 
 
 @needs_extra
+def test_a_directory_at_a_token_file_is_set_aside_and_its_item_embedded_once(semantic):
+    """A directory at vectors/tokens/<key>.tok: no write could replace it, so
+    its item was embedded again by each start and every recall whose best 50
+    held it lost late interaction. The token store's listing moves it up to
+    vectors/, as `<name>.not-a-file-<time>` (where warnings look)."""
+    _capture_notes()
+    cs.recall(PARAPHRASE)
+    _engine(semantic).wait_idle(30)
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    tok = sorted((vec_dir / cs.TOKENS_DIR).glob("*" + cs.TOKEN_SUFFIX))[0]
+    tok.unlink()
+    tok.mkdir()
+    (tok / "a-persons-file").write_text("kept")
+    _restart_and_check(semantic, 1)                   # its item, for its token file
+    st = _restart_and_check(semantic, 0)
+    aside = list(vec_dir.glob(tok.name + cs.ODD_TAG + "*"))
+    assert len(aside) == 1 and (aside[0] / "a-persons-file").read_text() == "kept"
+    assert tok.is_file()
+    assert any(f"{tok} was not a regular file (a directory)" in w and str(aside[0]) in w
+               for w in st["warnings"]), st["warnings"]
+
+
+@needs_extra
 def test_semantic_vectors_rank_the_same_fresh_and_reloaded_from_disk(semantic):
     """The cache keeps vectors as float16 in memory, as on disk: half the
     memory, and a new process ranks exactly as the one that embedded them."""
@@ -15665,8 +15688,21 @@ def test_a_fifo_or_directory_named_like_a_token_file_is_not_counted_as_one(tmp_p
     again = cs.TokenStore(tmp_path)
     assert again.names == {cs.TokenStore.name("k:1")}
     assert again.has("k:1") and not again.has("k:2") and not again.has("k:3")
+    assert list(tmp_path.glob(cs.TokenStore.name("k:3") + cs.ODD_TAG + "*"))   # (moved up)
     again.put(np, "k:2", np.eye(2, cs.EMBED_DIM, dtype=np.float32))   # written over
     assert cs.TokenStore(tmp_path).names == {cs.TokenStore.name(k) for k in ("k:1", "k:2")}
+
+
+def test_a_directory_at_a_token_file_in_a_linked_local_dir_is_left_where_it_is(tmp_path):
+    """Nothing in a linked .cambium's target is renamed (set_aside_links):
+    the token store's listing moves no directory there either."""
+    pytest.importorskip("numpy")
+    real = tmp_path / "real" / cs.VECTORS_DIR / cs.TOKENS_DIR
+    real.mkdir(parents=True)
+    (real / ("x" + cs.TOKEN_SUFFIX)).mkdir()
+    (tmp_path / ".cambium").symlink_to(tmp_path / "real")
+    assert not cs.TokenStore(tmp_path / ".cambium" / cs.VECTORS_DIR).names
+    assert (real / ("x" + cs.TOKEN_SUFFIX)).is_dir() and len(list(real.parent.iterdir())) == 1
 
 
 @needs_extra
@@ -15735,8 +15771,9 @@ def test_one_token_file_that_cannot_be_written_leaves_the_others_repaired(
     a, b = (_engine(semantic).key(items[ids[NOTES[n][0]]]) for n in (0, 1))
     tok_dir = semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR
     (tok_dir / cs.TokenStore.name(a)).unlink()
-    (tok_dir / cs.TokenStore.name(a)).mkdir()        # a's file cannot be written
     cs.runtime().engines.clear()
+    cs.semantic_engine(tok_dir.parent).ready()       # lists the token files (a's is missing)
+    (tok_dir / cs.TokenStore.name(a)).mkdir()        # behind its back: a's cannot be written
     cs.recall(PARAPHRASE)                            # a embedded again: its write fails
     eng = _engine(semantic)
     eng.wait_idle(30)
