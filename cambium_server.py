@@ -5820,7 +5820,8 @@ class GitStore(Store):
                 common = self.repo / proc.stdout.strip() if proc.returncode == 0 \
                     else self.repo / ".git"
             self._meta = Path(os.path.abspath(common)) / "cambium"
-            sweep_leftover_tmp(self._meta)      # (once a process: its stamps' cut-short copies)
+            if runtime().first_time(f"swept {self._meta}"):   # (once a process: a store
+                sweep_leftover_tmp(self._meta)                  # object is made each call)
         return self._meta
 
     def fetch(self, force: bool = False, background: bool = False,
@@ -8103,7 +8104,9 @@ def _past_container(text: str, start: int) -> int:
     the opening brackets up to each string or closing bracket pushed on a
     stack of one byte a level, strings skipped (a bracket in one is text), and
     each run of closing brackets matched against the stack's top: no recursion,
-    and a step per string or run of brackets, none per level.
+    and a step per string or run of brackets, none per level. Only brackets
+    and strings are checked: other text inside is not (the record is skipped,
+    never imported; every record imported went through the real decoder).
     ValueError: a mismatched bracket, a string or a bracket never closed."""
     opened, i = bytearray(), start
     while m := _JSON_STOP.search(text, i):
