@@ -4597,7 +4597,8 @@ def _stray_tag(entry: os.DirEntry, dir_too: bool = False, file_too: bool = False
     where only a file of cambium's belongs (the vector cache's index.json: a
     directory there failed every save, so each start embedded the whole store).
     file_too: a regular file too, where only a directory of cambium's belongs
-    (`vectors`, `vectors/tokens`: the same cost, every save failing)."""
+    (`vectors`, `vectors/tokens`: the same cost, every save failing; `imports`:
+    no import could write its id map)."""
     if LINK_TAG in entry.name or ODD_TAG in entry.name or DIR_TAG in entry.name:
         return None
     if entry.is_symlink():
@@ -4611,10 +4612,11 @@ def _stray_tag(entry: os.DirEntry, dir_too: bool = False, file_too: bool = False
 
 def _kind_owned(folder: Path, local_dir: Path, name: str) -> str | None:
     """'file' or 'dir' where cambium keeps only that kind at `folder/name`
-    (the vector cache: its directory, its index, its token files' directory),
-    else None: anything else in .cambium/ may be a person's own."""
+    (the vector cache: its directory, its index, its token files' directory;
+    the imports' id maps' directory), else None: anything else in .cambium/
+    may be a person's own."""
     if folder == local_dir:
-        return "dir" if name == VECTORS_DIR else None
+        return "dir" if name in (VECTORS_DIR, "imports") else None
     if folder.name == VECTORS_DIR and folder.parent == local_dir:
         return {"index.json": "file", TOKENS_DIR: "dir"}.get(name)
     return None
@@ -4628,8 +4630,8 @@ def set_aside_links(local_dir: Path, config_file: Path) -> None:
     would send appends, locks and rewrites to a file outside the repo. A FIFO,
     socket or device there goes aside too, as `<name>.not-a-file-<time>`
     (so does a directory at `vectors/index.json`), and a regular file where
-    the vector cache keeps a directory (`vectors`, `vectors/tokens`), as
-    `<name>.not-a-directory-<time>` (_kind_owned). A
+    the vector cache or imports keep a directory (`vectors`, `vectors/tokens`,
+    `imports`), as `<name>.not-a-directory-<time>` (_kind_owned). A
     `.cambium` that is itself a link is left alone: nothing in a directory
     elsewhere is ever renamed (set_aside_warnings says where files go). The
     user's config file, its lock and what setup set aside are never touched:
@@ -4729,9 +4731,10 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
     (TokenStore._listed): every call lists vectors/, never tokens/."""
     moved = folder / name
     if DIR_TAG in name:
-        return (f"{folder / name.split(DIR_TAG)[0]} was not a directory (a regular file), "
-                "where cambium keeps its vector cache, so every save of it failed; cambium "
-                f"moved it to {moved}: delete it once you know what made it.")
+        was = name.split(DIR_TAG)[0]
+        return (f"{folder / was} was not a directory (a regular file), where cambium keeps "
+                f"{_dir_keeps(was)}; cambium moved it to {moved}: delete it once you know "
+                "what made it.")
     was = name.split(ODD_TAG)[0]
     if was.startswith(VECTORS_DIR + "/") and was.endswith(TOKEN_SUFFIX):
         was = f"{VECTORS_DIR}/{TOKENS_DIR}/{was.split('/', 1)[1]}"
@@ -4739,6 +4742,14 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
         else "a FIFO, socket or device"
     return (f"{folder / was} was not a regular file ({kind}), which cambium cannot read or "
             f"write, so it moved it to {moved}: delete it once you know what made it.")
+
+
+def _dir_keeps(was: str) -> str:
+    """What cambium keeps in the directory at `was` (under .cambium/), and what
+    failed while something else sat there (_kind_owned's 'dir' places)."""
+    if was.split("/")[0] == "imports":
+        return "the id map of each import, so no import could write its map"
+    return "its vector cache, so every save of it failed"
 
 
 def lock_dir_warnings(folder: Path, names: list[str]) -> list[str]:

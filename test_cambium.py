@@ -11590,7 +11590,8 @@ def test_import_keeps_the_valid_tags_says_what_it_left_and_lists_skips_in_file_o
 
 def test_import_whose_id_map_cannot_be_written_still_answers_what_it_stored(repo, tmp_path):
     (repo / ".cambium").mkdir(exist_ok=True)
-    (repo / ".cambium" / "imports").write_text("a file where the directory goes")
+    local = _linked_local(repo)                   # not swept: the file stays, unwritable
+    (local / "imports").write_text("a file where the directory goes")
     jsonl = tmp_path / "mem.jsonl"
     jsonl.write_text('{"id": "1", "content": "first record"}\n')
     res = cs.import_memory("json", str(jsonl))
@@ -11598,7 +11599,29 @@ def test_import_whose_id_map_cannot_be_written_still_answers_what_it_stored(repo
     assert any("id map could not be written" in w for w in res["warnings"])
     assert [i.content for i in cs.store(cs.require_config(), "local").read().items] == [
         "first record"]
-    assert (repo / ".cambium" / "imports").read_text() == "a file where the directory goes"
+    assert (local / "imports").read_text() == "a file where the directory goes"
+
+
+def test_a_file_where_imports_keep_their_id_maps_is_set_aside(repo, tmp_path):
+    """A regular file at .cambium/imports (where each import writes its id
+    map) failed every import's map (File exists), and no warning said why
+    beyond that import's. The sweep moves it aside whole, as
+    `imports.not-a-directory-<time>`, names it, and the map is written."""
+    (repo / ".cambium").mkdir(exist_ok=True)
+    target = repo / ".cambium" / "imports"
+    target.write_text("a person's notes")
+    jsonl = tmp_path / "mem.jsonl"
+    jsonl.write_text('{"id": "1", "content": "first record"}\n')
+    res = cs.import_memory("json", str(jsonl))
+    assert res["status"] == "imported" and res["imported"] == 1, res
+    rows = [json.loads(ln) for ln in Path(res["id_map"]).read_text().splitlines()]
+    assert [r["ref"] for r in rows] == ["1"] and Path(res["id_map"]).parent == target
+    aside = list(target.parent.glob("imports" + cs.DIR_TAG + "*"))
+    assert len(aside) == 1 and aside[0].read_text() == "a person's notes"
+    for warnings in (res["warnings"], cs.status()["warnings"]):
+        assert any(f"{target} was not a directory (a regular file)" in w and "id map" in w
+                   and str(aside[0]) in w for w in warnings), warnings
+
 
 
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
