@@ -4726,16 +4726,17 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
 
 def _wrong_kind_warning(folder: Path, name: str) -> str:
     """The warning for `name` in `folder`, set aside as not a regular file
-    (ODD_TAG) or not a directory (DIR_TAG) where cambium keeps one. A token
+    (ODD_TAG) or not a directory (DIR_TAG) where cambium keeps one; a FIFO
+    where cambium keeps a directory (_kind_owned) was not a directory. A token
     file's directory is moved up, from vectors/tokens/ to vectors/
     (TokenStore._listed): every call lists vectors/, never tokens/."""
     moved = folder / name
-    if DIR_TAG in name:
-        was = name.split(DIR_TAG)[0]
-        return (f"{folder / was} was not a directory (a regular file), where cambium keeps "
+    was = name.split(DIR_TAG if DIR_TAG in name else ODD_TAG)[0]
+    if DIR_TAG in name or _kind_owned((folder / was).parent, folder, Path(was).name) == "dir":
+        kind = "a regular file" if DIR_TAG in name else "a FIFO, socket or device"
+        return (f"{folder / was} was not a directory ({kind}), where cambium keeps "
                 f"{_dir_keeps(was)}; cambium moved it to {moved}: delete it once you know "
                 "what made it.")
-    was = name.split(ODD_TAG)[0]
     if was.startswith(VECTORS_DIR + "/") and was.endswith(TOKEN_SUFFIX):
         was = f"{VECTORS_DIR}/{TOKENS_DIR}/{was.split('/', 1)[1]}"
     kind = "a directory" if moved.is_dir() and not moved.is_symlink() \

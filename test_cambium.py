@@ -11623,6 +11623,22 @@ def test_a_file_where_imports_keep_their_id_maps_is_set_aside(repo, tmp_path):
                    and str(aside[0]) in w for w in warnings), warnings
 
 
+@pytest.mark.parametrize("where", [cs.VECTORS_DIR, f"{cs.VECTORS_DIR}/{cs.TOKENS_DIR}",
+                                   "imports"])
+def test_a_fifo_where_cambium_keeps_a_directory_is_named_as_not_a_directory(repo, where):
+    """A FIFO at .cambium/vectors (vectors/tokens, imports) is set aside as a
+    FIFO anywhere is, but its warning said it was not a regular file: cambium
+    keeps a directory there, so it says it was not a directory (a FIFO...)."""
+    target = repo / ".cambium" / where
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(target)
+    warnings = cs.status()["warnings"]
+    aside = list(target.parent.glob(target.name + cs.ODD_TAG + "*"))
+    assert len(aside) == 1 and stat.S_ISFIFO(os.lstat(aside[0]).st_mode)
+    assert any(f"{target} was not a directory (a FIFO, socket or device)" in w
+               and str(aside[0]) in w for w in warnings), warnings
+    assert not any("was not a regular file" in w for w in warnings), warnings
+
 
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
