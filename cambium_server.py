@@ -20679,6 +20679,9 @@ def require_bearer(app: Callable, token: str) -> Callable:
 
 
 MAX_HTTP_BODY = 4 * 1024 * 1024     #: a POST body over this is refused (413), as the SDK does
+#: the SDK's own limit on the body cambium replays to it: each byte that is no
+#: UTF-8 is replayed as U+FFFD (3 bytes), so a 1.5 MB body of them got the SDK's 413
+HTTP_REPLAY_MAX = 3 * MAX_HTTP_BODY + 1024
 
 
 async def _read_body(scope: dict, receive: Callable, limit: int) -> bytes | None:
@@ -20755,6 +20758,8 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":             # (LOCALHOST got 421: a host name's case
+            scope = {**scope, "headers": _hosts_lowered(scope.get("headers") or [])}   # is none)
         if scope["type"] == "http" and scope.get("path") != MCP_HTTP_PATH:   # /mcp/ got
             return await _respond(send, 404, b"Not Found", b"text/plain")   # Starlette's
         if scope["type"] != "http" or scope.get("method") != "POST":       # 307 to /mcp
@@ -20795,6 +20800,12 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     return guarded
 
 
+def _hosts_lowered(headers: list) -> list:
+    """An ASGI scope's headers, Host and Origin lower-cased (pure): the SDK
+    compares them with its allowed list as written, and host names have no case."""
+    return [(k, v.lower()) if k in (b"host", b"origin") else (k, v) for k, v in headers]
+
+
 def bind_http(host: str, port: int) -> Any:
     """The listening socket `serve --http` serves on, bound and listening here
     (not by uvicorn, which exits 3 with a log line) so a taken port or an
@@ -20832,7 +20843,8 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     quiet_refusals()
     app = answer_as_stdio_does(
         server.streamable_http_app(host=host, transport_security=guard,
-                                   streamable_http_path=MCP_HTTP_PATH), guard)
+                                   streamable_http_path=MCP_HTTP_PATH,
+                                   max_request_body_size=HTTP_REPLAY_MAX), guard)
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",   # a client that

@@ -19541,6 +19541,33 @@ def test_http_checks_host_and_body_size_before_reading_the_body(repo):
             assert sock.recv(64).startswith(b"HTTP/1.1 413")
 
 
+def test_http_takes_a_host_in_any_case_and_a_body_of_bytes_no_utf8_within_its_limit(repo):
+    """`Host: LOCALHOST:<port>` got 421 (the SDK compares host names as
+    written); a 1.5 MB body of bytes that are no UTF-8, well within the 4 MiB
+    limit, got 413 (each is replayed to the SDK as U+FFFD, three bytes)."""
+    import http.client
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}}
+    headers = {"Content-Type": "application/json",
+               "Accept": "application/json, text/event-stream"}
+    with http_server(repo, None) as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        for host in (f"LOCALHOST:{port}", f"LocalHost:{port}", "LOCALHOST"):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+            c.request("POST", "/mcp", json.dumps(init), {**headers, "Host": host,
+                                                         "Origin": f"http://LOCALHOST:{port}"})
+            assert c.getresponse().status == 200, host
+            c.close()
+        bad = json.dumps({**init, "params": {**init["params"], "clientInfo": {
+            "name": "PLACEHOLDER", "version": "0"}}}).encode()
+        body = bad.replace(b"PLACEHOLDER", bytes([0xFF]) * 1_500_000)
+        assert len(body) < cs.MAX_HTTP_BODY
+        status, answer = _http_post(url, body)
+        assert status == 200 and "result" in answer, (status, str(answer)[:200])
+
+
 def test_the_install_line_names_the_checkout_cambium_runs_from(tmp_path):
     """The extras' install line said `pip install 'cambium-mcp[semantic]'` to
     a user running a checkout: that installs whatever the index serves under
