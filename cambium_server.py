@@ -20648,7 +20648,7 @@ def rebinding_guard(host: str) -> Any:
     if not is_loopback(host):
         return None
     from mcp.server.transport_security import TransportSecuritySettings
-    hosts = {"127.0.0.1", "localhost", "[::1]", url_host(host)}
+    hosts = {"127.0.0.1", "localhost", "[::1]", url_host(host).lower()}
     return TransportSecuritySettings(
         enable_dns_rebinding_protection=True,
         allowed_hosts=sorted([*hosts, *(f"{h}:*" for h in hosts)]),   # (no port: 80, as
@@ -20678,7 +20678,7 @@ def require_bearer(app: Callable, token: str) -> Callable:
     return guarded
 
 
-MAX_HTTP_BODY = 4 * 1024 * 1024     #: a POST body over this is refused (413), as the SDK does
+MAX_HTTP_BODY = 4 * 1024 * 1024     #: a request body over this is refused (413)
 #: the SDK's own limit on the body cambium replays to it: each byte that is no
 #: UTF-8 is replayed as U+FFFD (3 bytes), so a 1.5 MB body of them got the SDK's 413
 HTTP_REPLAY_MAX = 3 * MAX_HTTP_BODY + 1024
@@ -20744,7 +20744,7 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     redirected it, to a location built from the Host header); a message POSTed
     to /mcp gets what the same line gets on stdio, once
     `guard` (rebinding_guard's Host/Origin check) has passed it and its body is
-    within `limit` (else 413, unread). Lone
+    within `limit` (else 413, unread; any other method's body too). Lone
     surrogate escapes are repaired (the SDK's parser called them a parse error),
     and a message stdio refuses (refusal_reply) gets 400 with
     the error stdio answers: an id that is neither a string nor an integer
@@ -20762,8 +20762,13 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             scope = {**scope, "headers": _hosts_lowered(scope.get("headers") or [])}   # is none)
         if scope["type"] == "http" and scope.get("path") != MCP_HTTP_PATH:   # /mcp/ got
             return await _respond(send, 404, b"Not Found", b"text/plain")   # Starlette's
-        if scope["type"] != "http" or scope.get("method") != "POST":       # 307 to /mcp
+        if scope["type"] != "http":                                        # 307 to /mcp
             return await app(scope, receive, send)
+        if scope.get("method") != "POST":       # (a GET or DELETE has no body: one is held
+            body = await _read_body(scope, receive, limit)    # to cambium's limit, as a
+            if body is None:                                  # POST's: the SDK's is 3x it)
+                return await _respond(send, 413, b"Request body too large", b"text/plain")
+            return await app(scope, _replaying(body, receive), send)
         if guard is not None:                    # before the body: a foreign page gets 421/403
             from mcp.server.transport_security import TransportSecurityMiddleware
             from starlette.requests import Request
@@ -20786,18 +20791,24 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
                 "code": -32600, "message": "Invalid request: a notification that is no "
                                            "JSON-RPC 2.0 message."}}
             return await _respond(send, 400, json.dumps(reply).encode(), b"application/json")
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await app(scope, replay, send)
+        await app(scope, _replaying(body, receive), send)
 
     return guarded
+
+
+def _replaying(body: bytes, receive: Callable) -> Callable:
+    """An ASGI `receive` that gives the body already read, whole, then what
+    `receive` gives (a client's disconnect)."""
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def _hosts_lowered(headers: list) -> list:

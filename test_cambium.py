@@ -19566,6 +19566,12 @@ def test_http_takes_a_host_in_any_case_and_a_body_of_bytes_no_utf8_within_its_li
         assert len(body) < cs.MAX_HTTP_BODY
         status, answer = _http_post(url, body)
         assert status == 200 and "result" in answer, (status, str(answer)[:200])
+        import socket                           # the SDK's own limit is now 3x: a GET or
+        for method in ("GET", "DELETE"):        # DELETE body is held to cambium's 4 MiB too
+            with socket.create_connection(("127.0.0.1", port), 20) as sock:
+                sock.sendall(f"{method} /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                             f"Content-Length: {8 * 2**20}\r\n\r\n".encode() + b"x" * 1024)
+                assert sock.recv(64).startswith(b"HTTP/1.1 413"), method
 
 
 def test_the_install_line_names_the_checkout_cambium_runs_from(tmp_path):
