@@ -7832,6 +7832,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
                                                      f"{room} beside {', '.join(mine)}")))
     if left_out:
         notes += (f"{where}: some tags were left out ({left_out})",)
+    notes += _records_within(rec, where)
     tags = given[:room] + mine
     ref, ref_note = record_ref(_first(rec, _REF_KEYS))
     ts, ts_note = record_timestamp(_first(rec, _TS_KEYS))
@@ -7850,6 +7851,18 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
                  old_keys=tuple(dict.fromkeys(
                      f"import:{name}:id:{ref}" for name in (system, own or origin or system)))
                  if ref else ())
+
+
+def _records_within(rec: dict, where: str) -> tuple[str, ...]:
+    """A note for each list of records a record holds under a wrapper key
+    (pure): a JSONL line `{"content": …, "data": [{…}]}` was imported as its
+    own record, and the records in its list were dropped without a word
+    (records in a list are read only at a document's top level)."""
+    return tuple(
+        f"{where}: its `{k}` list of {n} record(s) was not imported: a list of records "
+        "is read only as the whole document or its top-level wrapper"
+        for k in _WRAPPER_KEYS if isinstance(rec.get(k), list)
+        and (n := sum(isinstance(r, dict) for r in rec[k])))
 
 
 def bounded_key(key: str) -> str:

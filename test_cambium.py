@@ -11728,6 +11728,22 @@ def test_import_refuses_non_regular_files_and_relative_paths(repo, tmp_path):
         {"where": "line 3", "reason": "not an object (null)"}]
 
 
+def test_a_record_holding_a_list_of_records_says_they_were_not_imported(repo, tmp_path):
+    """A JSONL line `{"content": …, "data": [{…}]}` was imported as its own
+    record and the records in its list dropped without a word."""
+    src = tmp_path / "nested.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in (
+        {"content": "top record about the billing queue", "data": [
+            {"content": "inner record one"}, {"content": "inner record two"}, "a string"]},
+        {"content": "plain record about the release train", "tags": ["a"]},
+        {"content": "record with a data list of plain values", "data": [1, 2]})) + "\n")
+    res = cs.import_memory("json", str(src))
+    assert res["imported"] == 3
+    said = [w for w in res.get("warnings", []) if "was not imported" in w]
+    assert said == ["line 1: its `data` list of 2 record(s) was not imported: a list of "
+                    "records is read only as the whole document or its top-level wrapper"]
+
+
 def test_import_format_detection_reads_numbers_past_int_digits(repo, tmp_path):
     """A number over 4,300 digits in a field import does not read costs nothing
     in the probes that tell JSONL from one document too: a JSONL file with it on
