@@ -3434,6 +3434,16 @@ def leftover_tmp(entry: os.DirEntry, now: float) -> bool:
     return False
 
 
+def dropped_leftover(entry: os.DirEntry, now: float) -> bool:
+    """Delete `entry` when it is a write a killed process cut short
+    (leftover_tmp); whether it was one."""
+    if not entry.name.endswith(TMP_SUFFIX) or not leftover_tmp(entry, now):
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(entry.path)
+    return True
+
+
 def sweep_leftover_tmp(d: Path) -> None:
     """Delete in `d` what writes a killed process cut short left (leftover_tmp):
     the fetch and checkout stamps in a clone's git dir go through atomic_write
@@ -3442,9 +3452,7 @@ def sweep_leftover_tmp(d: Path) -> None:
     now = time.time()
     with contextlib.suppress(OSError):
         for e in os.scandir(d):
-            if e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
-                with contextlib.suppress(OSError):
-                    os.unlink(e.path)
+            dropped_leftover(e, now)
 
 
 def _mode_of(path: Path) -> int:
@@ -4647,9 +4655,7 @@ def set_aside_links(local_dir: Path, config_file: Path) -> None:
             continue
         now = time.time()
         for e in entries:
-            if e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
-                with contextlib.suppress(OSError):
-                    os.unlink(e.path)           # a rewrite's copy its killed process left
+            if dropped_leftover(e, now):        # a rewrite's copy its killed process left
                 continue
             kind = _kind_owned(d, local_dir, e.name)
             tag = None if d == local_dir and e.name in mine else \
@@ -10172,9 +10178,8 @@ class TokenStore:
             elif moves and e.name.endswith(TOKEN_SUFFIX) and e.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.rename(e.path, d.parent / f"{e.name}{ODD_TAG}{_stamp()}")
-            elif e.name.endswith(TMP_SUFFIX) and leftover_tmp(e, now):
-                with contextlib.suppress(OSError):
-                    os.unlink(e.path)
+            else:
+                dropped_leftover(e, now)
         return names
 
     @staticmethod
