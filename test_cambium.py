@@ -31,6 +31,11 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 SERVER = HERE / "cambium_server.py"
+#: How tests start cambium: `python -m cambium_server` is the same main() as
+#: `python cambium_server.py` with its bytecode cached, where the script path
+#: compiles 21k lines in every process (0.4 s of CPU). The hermetic fixture puts
+#: HERE on PYTHONPATH; a few tests run the script path itself (SERVER).
+RUN = [sys.executable, "-m", "cambium_server"]
 sys.path.insert(0, str(HERE))
 import cambium_server as cs  # noqa: E402
 
@@ -67,6 +72,8 @@ def hermetic(tmp_path, monkeypatch):
     monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(home / "cambium-config.json"))
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
     monkeypatch.setenv("GIT_TERMINAL_PROMPT", "0")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (
+        str(HERE), os.environ.get("PYTHONPATH")))))                  # for RUN
     monkeypatch.setenv("GIT_AUTHOR_NAME", "Test")
     monkeypatch.setenv("GIT_AUTHOR_EMAIL", "test@example.invalid")
     monkeypatch.setenv("GIT_COMMITTER_NAME", "Test")
@@ -420,7 +427,7 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
         (repo / ".context" / "decisions.json").write_text(json.dumps([{
             "id": "dec-001", "summary": f"{repo.name} decided to log in JSON",
             "rationale": "grep-able", "status": "active"}]))
-        hook = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"],
+        hook = subprocess.run([*RUN, "distill", "--hook"],
                               input=json.dumps({"cwd": str(repo / "sub")}), text=True,
                               capture_output=True, env=child_env(), cwd=outside, timeout=60)
         assert hook.returncode == 0 and "imported 1" in hook.stderr, hook.stderr
@@ -430,7 +437,7 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
     (outside / ".context").mkdir()
     before = _items_in(a)
     for command in ("distill", "primer"):
-        hook = subprocess.run([sys.executable, str(SERVER), command, "--hook"], input=gone,
+        hook = subprocess.run([*RUN, command, "--hook"], input=gone,
                               text=True, capture_output=True, env=child_env(), cwd=outside,
                               timeout=60)
         assert hook.returncode == 0 and hook.stdout == "", hook
@@ -446,7 +453,7 @@ def test_one_setup_binds_each_repo_to_itself(tmp_path):
     assert json.loads(env_bound.stdout)["item"]["project"] == "beta"
 
     async def server_in(repo: Path):                # one user-level MCP entry, started per repo
-        async with peer_session([sys.executable, str(SERVER)], {
+        async with peer_session([*RUN], {
                 "CAMBIUM_CONFIG_FILE": os.environ["CAMBIUM_CONFIG_FILE"],
                 "CAMBIUM_RECALL_MODE": "lexical"}, repo / "sub", "cambium") as server:
             return await server.call("capture", content=f"served in {repo.name}")
@@ -466,7 +473,7 @@ def test_a_hook_cwd_that_names_no_absolute_directory_gets_nothing_never_the_reco
     home = Path(os.environ["HOME"])
 
     def primer_hook(cwd) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SERVER), "primer", "--hook"],
+        return subprocess.run([*RUN, "primer", "--hook"],
                               input=json.dumps({"cwd": cwd}), text=True, capture_output=True,
                               env=child_env(), cwd=tmp_path, timeout=60)
 
@@ -1693,7 +1700,7 @@ def test_a_process_working_in_a_bare_repository_binds_no_repo(tmp_path, monkeypa
             cs.capture("must not land in alpha")
     assert cs.repo_binding(cs.resolve_config())["because"].startswith(
         "this process's working directory is in a git repository with no work tree")
-    out = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"], cwd=tmp_path,
+    out = subprocess.run([*RUN, "distill", "--hook"], cwd=tmp_path,
                          input=json.dumps({"cwd": str(bare)}), text=True,
                          capture_output=True, env=child_env(), timeout=120)
     assert out.returncode == 0 and _items_in(a) == [] and \
@@ -4167,7 +4174,7 @@ def test_deeply_nested_json_in_side_files_is_treated_as_unreadable(repo):
     (cfg.local_dir / cs.SHOWN_FILE).write_text(deep + "\n")
     assert "Queue consumers" in cs.session_primer()["primer"]
     assert cs.usage()["count"] == 0
-    out = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], input=deep,
+    out = subprocess.run([*RUN, "primer", "--hook"], input=deep,
                          text=True, capture_output=True, env=child_env(), timeout=60)
     assert out.returncode == 0 and "Traceback" not in out.stderr
 
@@ -5015,7 +5022,7 @@ def test_a_change_during_a_cut_short_move_lands_on_the_copy_that_stays(shared, a
     (wrap / "git").write_text(f"#!/bin/sh\n{real} \"$@\"; rc=$?\n"
                               "case \" $* \" in *\" push \"*) kill -9 $PPID;; esac\nexit $rc\n")
     (wrap / "git").chmod(0o755)
-    out = subprocess.run([sys.executable, str(SERVER), "promote", item_id, "--force"],
+    out = subprocess.run([*RUN, "promote", item_id, "--force"],
                          env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == -9, out.stderr
@@ -5105,7 +5112,7 @@ def test_a_change_made_while_a_promote_is_between_push_and_drop_waits_and_lands(
                               f"case \" $* \" in *\" push \"*) touch {mark}; sleep 2;; esac\n"
                               "exit $rc\n")
     (wrap / "git").chmod(0o755)
-    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--force"],
+    slow = subprocess.Popen([*RUN, "promote", item_id, "--force"],
                             env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = cs.time.time() + 60
@@ -5141,7 +5148,7 @@ def _org_promote_paused_after_push(tmp_path: Path, item_id: str):
     """A CLI promote of item_id to org, returned once its org push landed, while
     it waits before its team drop until the test touches tmp_path / "go"."""
     wrap, mark, _ = _git_pausing_after_push(tmp_path)
-    slow = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--to", "org",
+    slow = subprocess.Popen([*RUN, "promote", item_id, "--to", "org",
                              "--force"],
                             env=child_env(PATH=f"{wrap}{os.pathsep}{os.environ['PATH']}"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -5169,7 +5176,7 @@ def test_a_teammates_change_in_another_clone_during_a_team_to_org_move_is_carrie
     env_b = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
                                         CAMBIUM_AGENT_ID="bob").items()
              if k != "CAMBIUM_ORG_REPO"}                 # B has no org: it sees the team copy
-    dep = subprocess.run([sys.executable, str(SERVER), "deprecate", item_id, "--reason",
+    dep = subprocess.run([*RUN, "deprecate", item_id, "--reason",
                           "we build from source now"], env=env_b, cwd=shared["b"],
                          capture_output=True, text=True, timeout=60)
     assert dep.returncode == 0 and json.loads(dep.stdout)["scope"] == "team", dep.stderr
@@ -5198,10 +5205,10 @@ def test_a_move_keeps_both_copies_when_both_changed_meanwhile(shared, monkeypatc
     env_c = {**base, "CAMBIUM_AGENT_ID": "cy", "CAMBIUM_ORG_REPO": str(org_c)}
     for args in (["recall", "release changelog", "--scope", "org"],     # C fetches org
                  ["endorse", item_id, "--note", "yes"]):
-        end = subprocess.run([sys.executable, str(SERVER), *args], env=env_c, cwd=shared["b"],
+        end = subprocess.run([*RUN, *args], env=env_c, cwd=shared["b"],
                              capture_output=True, text=True, timeout=60)
     no_org = {k: v for k, v in base.items() if k != "CAMBIUM_ORG_REPO"}
-    dep = subprocess.run([sys.executable, str(SERVER), "deprecate", item_id, "--reason",
+    dep = subprocess.run([*RUN, "deprecate", item_id, "--reason",
                           "superseded by the release bot"], env={**no_org,
                           "CAMBIUM_AGENT_ID": "bob"}, cwd=shared["b"], capture_output=True,
                          text=True, timeout=60)
@@ -5233,7 +5240,7 @@ def test_a_change_follows_an_item_another_clone_moved_up_between_finding_and_wri
     def other_clone_moves_it_first(cfg, scope, *args, **kw):
         if not moved and scope == "team":
             moved.append(subprocess.run(
-                [sys.executable, str(SERVER), "promote", item_id, "--to", "org", "--force"],
+                [*RUN, "promote", item_id, "--to", "org", "--force"],
                 env=child_env(CAMBIUM_REPO=str(shared["a"]), CAMBIUM_AGENT_ID="ada",
                               CAMBIUM_ORG_REPO=str(shared["org"])),
                 capture_output=True, text=True, timeout=60).returncode)
@@ -5338,7 +5345,7 @@ def test_peer_push_between_fetch_and_push_is_replayed(shared, monkeypatch, branc
     as_agent(monkeypatch, shared["a"], "ada")
     def peer_promotes() -> None:
         peer = subprocess.run(
-            [sys.executable, str(SERVER), "promote"], capture_output=True, text=True,
+            [*RUN, "promote"], capture_output=True, text=True,
             env=child_env(CAMBIUM_REPO=str(shared["b"]), CAMBIUM_AGENT_ID="bob"))
         assert json.loads(peer.stdout)["status"] == "promoted", peer.stderr
 
@@ -5539,7 +5546,7 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
         pushing.unlink()
 
     item_id = _endorsed("Never deploy on Fridays")
-    cli_proc = subprocess.Popen([sys.executable, str(SERVER), "promote", item_id, "--force"],
+    cli_proc = subprocess.Popen([*RUN, "promote", item_id, "--force"],
                                 env=child_env(), start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     when_pushing()
@@ -5549,7 +5556,7 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
     assert item_id not in team_ids(shared["origin"])
     import signal                                    # a terminal's foreground process (a
     ctrl_c = subprocess.Popen(                       # SIGINT ignored here is inherited)
-        [sys.executable, str(SERVER), "promote", item_id, "--force"], env=child_env(),
+        [*RUN, "promote", item_id, "--force"], env=child_env(),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     when_pushing()
@@ -5595,7 +5602,7 @@ def test_a_check_outcome_lands_on_the_copy_its_item_moved_to_while_it_ran(shared
     item_id = _endorsed("The nightly export finishes before six")
     flag = tmp_path / "running"
     assert cli("verify-cmd", item_id, f"touch {flag}; sleep 2; exit 7").returncode == 0
-    run = subprocess.Popen([sys.executable, str(SERVER), "verify", "--run"], env=child_env(),
+    run = subprocess.Popen([*RUN, "verify", "--run"], env=child_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = cs.time.time() + 30
     while not flag.exists() and cs.time.time() < deadline:
@@ -6966,7 +6973,7 @@ def test_decisions_use_the_current_tip_not_the_fetch_interval(shared, monkeypatc
                 "CAMBIUM_FETCH_INTERVAL": "3600", "CAMBIUM_RECALL_MODE": "lexical"}
 
     async def peer_endorses():
-        async with peer_session([sys.executable, str(SERVER)], peer_env, shared["b"],
+        async with peer_session([*RUN], peer_env, shared["b"],
                                 "bob") as bob:
             return await bob.call("endorse", item_id=rule, note="holds for any remote call")
 
@@ -11004,12 +11011,12 @@ def test_the_cli_says_it_could_not_write_its_answer_and_never_ends_in_a_tracebac
     with open("/dev/full", "w") as full:
         for args in (("status",), ("export", "--scope", "local", "--format", "text"),
                      ("export", "--scope", "local", "-o", str(repo / "k.md")), ("distill",)):
-            out = subprocess.run([sys.executable, str(SERVER), *args], stdout=full, text=True,
+            out = subprocess.run([*RUN, *args], stdout=full, text=True,
                                  stderr=subprocess.PIPE, env=env, cwd=repo, timeout=60)
             assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
             assert out.stderr.count("\n") == 1 and "could not write" in out.stderr and \
                 "No space left on device" in out.stderr and "stores" not in out.stderr, out.stderr
-    proc = subprocess.Popen([sys.executable, str(SERVER), "recall", "fact writing answers",
+    proc = subprocess.Popen([*RUN, "recall", "fact writing answers",
                              "--limit", "50", "--detail", "full"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, cwd=repo)
     proc.stdout.read(10)
@@ -11258,7 +11265,7 @@ def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, s
     marker = f"61.{sig:04d}"
     item_id = cs.capture("The soak test runs for about a minute")["item"]["id"]
     assert cli("verify-cmd", item_id, f"sleep {marker}; echo late").returncode == 0
-    run = subprocess.Popen([sys.executable, str(SERVER), "verify", "--run", item_id,
+    run = subprocess.Popen([*RUN, "verify", "--run", item_id,
                             "--timeout", "30"], env=child_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, preexec_fn=_hangup_default)
     try:
@@ -12770,7 +12777,7 @@ def test_cli_distill_quiet_summary_json_and_hook_mode(tmp_path, monkeypatch):
     assert "cambium distill: imported 0" in out.stderr and "agentsync up_to_date" in out.stderr
     plain = tmp_path / "not-a-repo"
     plain.mkdir()
-    out = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"],
+    out = subprocess.run([*RUN, "distill", "--hook"],
                          input=json.dumps({"cwd": str(plain)}), text=True, capture_output=True,
                          env=child_env(), cwd=plain, timeout=60)
     assert out.returncode == 0 and out.stdout == "" and "not configured here" in out.stderr
@@ -12787,7 +12794,7 @@ def test_hook_stdin_nested_too_deep_is_ignored_like_malformed_json(tmp_path):
     env = child_env(CAMBIUM_REPO=str(r), CAMBIUM_AGENT_ID="ada")
     for payload in (deep, "{not json", "[1, 2, 3]"):
         for cmd in ("distill", "primer"):
-            out = subprocess.run([sys.executable, str(SERVER), cmd, "--hook"], input=payload,
+            out = subprocess.run([*RUN, cmd, "--hook"], input=payload,
                                  text=True, capture_output=True, env=env, cwd=tmp_path,
                                  timeout=60)
             assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
@@ -12870,7 +12877,7 @@ async def peer_session(argv: list[str], env: dict, cwd: Path, name: str):
         "HOME": os.environ["HOME"], "PATH": os.environ.get("PATH", ""),
         "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
         "XYLEM_ACTIVE_PROJECT_FILE": os.path.join(os.environ["HOME"], "no-xylem.json"),
-        **PEER_GIT_ID, **env})
+        "PYTHONPATH": str(HERE), **PEER_GIT_ID, **env})
     with tempfile.TemporaryFile("w+") as errlog:
         async with stdio_client(params, errlog=errlog) as (read, write):
             async with ClientSession(read, write) as session:
@@ -13487,10 +13494,13 @@ def _mcp_env(repo: Path) -> dict:
             "GIT_CONFIG_NOSYSTEM": "1", "PYTHONPATH": str(HERE), "CAMBIUM_RERANK": "off"}
 
 
-async def _mcp_session(env: dict, body):
+async def _mcp_session(env: dict, body, script: bool = False):
+    """`body(session, init)` on a real stdio server (`script`: started as README's
+    MCP config starts it, by the path of cambium_server.py)."""
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
-    params = StdioServerParameters(command=sys.executable, args=[str(SERVER)], env=env)
+    params = StdioServerParameters(command=sys.executable, env=env,
+                                   args=[str(SERVER)] if script else RUN[1:])
     with open(os.devnull, "w") as errlog:
         async with stdio_client(params, errlog=errlog) as (read, write):
             async with ClientSession(read, write) as session:
@@ -13528,7 +13538,7 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         assert bad.structured_content["error"] == "not_found"
         return True
 
-    assert asyncio.run(_mcp_session(_mcp_env(repo), body))
+    assert asyncio.run(_mcp_session(_mcp_env(repo), body, script=True))
 
 
 def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
@@ -13679,7 +13689,7 @@ def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30,
         "clientInfo": {"name": "raw", "version": "0"}}}
     lines = [json.dumps(init), '{"jsonrpc": "2.0", "method": "notifications/initialized"}',
              *lines]
-    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     proc.stdin.write("".join(line + "\n" for line in lines).encode())
     proc.stdin.flush()
@@ -13749,7 +13759,7 @@ def test_mcp_default_client_is_one_usage_session_and_sees_no_prompts(repo):
     from mcp.client.stdio import StdioServerParameters
 
     async def run():
-        async with Client(StdioServerParameters(command=sys.executable, args=[str(SERVER)],
+        async with Client(StdioServerParameters(command=sys.executable, args=[*RUN[1:]],
                                                 env=_mcp_env(repo)), mode="auto") as c:
             for k in range(3):
                 await c.call_tool("capture", {"content": f"fact {k} about gizmo{k} wiring"})
@@ -13787,7 +13797,7 @@ def test_mcp_odd_messages_get_their_standard_answers(repo):
 
 
 def test_a_stdio_client_that_closes_our_stdout_ends_the_session_quietly(repo):
-    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_mcp_env(repo))
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {},
@@ -13897,7 +13907,7 @@ def test_a_refused_line_never_stops_a_client_that_writes_everything_before_readi
              '{"jsonrpc": "2.0", "id": "bad", "method": "ping"} x',   # ~240 KB answered before
              *('{"jsonrpc": "2.0", "id": %d, "method": "ping"}%s' % (k, " " * 4096)
                for k in range(9, 49))]                                # ~160 KB still to write
-    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env=_mcp_env(repo))
     written = threading.Event()
@@ -14122,7 +14132,7 @@ def test_a_stdio_server_reads_a_file_or_dev_null_as_its_input(repo, tmp_path):
         "clientInfo": {"name": "raw", "version": "0"}}}) + "\n")
     for source in (lines, Path(os.devnull)):
         with open(source, "rb") as stdin:
-            out = subprocess.run([sys.executable, str(SERVER)], stdin=stdin,
+            out = subprocess.run([*RUN], stdin=stdin,
                                  capture_output=True, env=_mcp_env(repo), timeout=60)
         assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr[-400:]
         if source == lines:
@@ -14153,7 +14163,7 @@ def _raw_stdio_server(repo, calls: list[dict]) -> subprocess.Popen:
     """A lexical stdio server sent initialize, initialized and a tools/call
     of each of `calls` (its params; ids 1, 2, ...), raw."""
     from mcp_types import LATEST_PROTOCOL_VERSION
-    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"))
     proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
@@ -14366,7 +14376,7 @@ def test_os_errors_reach_the_client_as_clear_tool_errors(repo):
 
 
 def test_undecodable_cli_bytes_are_stored_not_crashed_on(repo):
-    raw = [sys.executable, str(SERVER), "capture", b"caf\xe9 latte notes".decode(
+    raw = [*RUN, "capture", b"caf\xe9 latte notes".decode(
         "utf-8", "surrogateescape")]
     out = subprocess.run(raw, capture_output=True, text=True, env=child_env(), timeout=60)
     assert out.returncode == 0, out.stderr
@@ -16847,7 +16857,7 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
     status = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
               "params": {"name": "status", "arguments": {}}}
     for until_embedded in (False, False, True):      # the last waits for a chunk embedded
-        proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
             init, {"jsonrpc": "2.0", "method": "notifications/initialized"}, recall)).encode())
@@ -16965,7 +16975,7 @@ def test_server_closed_while_a_capture_loads_the_model_exits_cleanly(semantic):
             "name": "capture", "arguments": {"content": "Close DB sessions in teardown"}}}))
     for wait in (0.2, 0.5):                  # a fresh HOME: onnxruntime's first load there
         env["HOME"] = tempfile.mkdtemp(dir=semantic.parent)       # is the slow one
-        proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         proc.stdin.write(lines.encode())
         proc.stdin.flush()
@@ -18684,7 +18694,7 @@ def test_primer_hook_serves_its_cache_until_an_input_changes(repo, tmp_path, mon
     fresh = _hook(tmp_path, payload).stdout          # the store changed: made afresh
     assert "FROM-CACHE" not in fresh and "Rotate the signing key yearly" in fresh
     cache.unlink()
-    end = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"], cwd=tmp_path,
+    end = subprocess.run([*RUN, "distill", "--hook"], cwd=tmp_path,
                          input=payload, text=True, capture_output=True, env=child_env(),
                          timeout=120)
     assert end.returncode == 0 and end.stdout == "" and cache.exists()  # session end warms it
@@ -18781,7 +18791,7 @@ def test_hooks_read_a_payload_whose_pipe_stays_open(repo, tmp_path, monkeypatch)
     payload = b"\xef\xbb\xbf" + json.dumps({"cwd": str(repo), "session_id": "open-1"}).encode()
     for cmd, payload in (("primer", payload), ("distill", payload),
                          ("primer", payload[3:] + b"\n-- and then some noise {")):
-        proc = subprocess.Popen([sys.executable, str(SERVER), cmd, "--hook"], cwd=tmp_path,
+        proc = subprocess.Popen([*RUN, cmd, "--hook"], cwd=tmp_path,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=child_env())
         proc.stdin.write(payload)                    # (a byte-order mark first: still JSON)
@@ -18803,7 +18813,7 @@ def test_hooks_read_a_payload_whose_pipe_stays_open(repo, tmp_path, monkeypatch)
     assert cs.usage(session="open-1")["items"][0]["times"] == 2
     assert cs.first_json_value(b'\xef\xbb\xbf {"a": 1} trailing') == {"a": 1}
     assert cs.first_json_value(b'{"a": ') is None and cs.first_json_value(b"[1] x") == [1]
-    big = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], cwd=tmp_path,
+    big = subprocess.run([*RUN, "primer", "--hook"], cwd=tmp_path,
                          input=b'{"cwd": "' + b"x" * cs.HOOK_STDIN_MAX + b'"}',
                          capture_output=True, env=child_env(), timeout=60)
     assert big.returncode == 0                        # (the payload ignored, its cwd too)
@@ -18816,10 +18826,10 @@ def test_hooks_with_stderr_closed_print_no_diagnostic_on_stdout(repo, tmp_path, 
     monkeypatch.delenv("CAMBIUM_REPO")
     closed = dict(cwd=tmp_path, stdout=subprocess.PIPE, text=True,
                   env=child_env(), timeout=60, preexec_fn=lambda: os.close(2))
-    bad = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], input="not json",
+    bad = subprocess.run([*RUN, "primer", "--hook"], input="not json",
                          **closed)
     assert (bad.returncode, bad.stdout) == (0, "")
-    end = subprocess.run([sys.executable, str(SERVER), "distill", "--hook"],
+    end = subprocess.run([*RUN, "distill", "--hook"],
                          input=json.dumps({"cwd": str(repo)}), **closed)
     assert (end.returncode, end.stdout) == (0, "")
 
@@ -18852,7 +18862,7 @@ def test_primer_serves_the_lines_that_parse_of_a_damaged_local_file(repo):
         assert "nothing known yet" not in out["primer"], out     # (it said so, and the
         assert "could not be read" in out["primer"]              # hook told the agent)
         assert any("restore" in w for w in out["warnings"])
-    hook = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], text=True,
+    hook = subprocess.run([*RUN, "primer", "--hook"], text=True,
                           input=json.dumps({"cwd": str(repo), "session_id": "s1"}),
                           capture_output=True, env=child_env(), timeout=60)
     assert hook.returncode == 0 and hook.stdout == "", hook.stdout
@@ -18868,7 +18878,7 @@ def test_lines_set_aside_keep_the_session_start_primer_of_the_rest(repo):
     store.write_text("\n".join(lines[:-2] + ['  {"id": broken},'] + lines[-2:]) + "\n")
     cs.recall("base image")                       # sets the line aside
     assert list(store.parent.glob("knowledge.json.quarantine-*"))
-    hook = subprocess.run([sys.executable, str(SERVER), "primer", "--hook"], text=True,
+    hook = subprocess.run([*RUN, "primer", "--hook"], text=True,
                           input=json.dumps({"cwd": str(repo), "session_id": "s1"}),
                           capture_output=True, env=child_env(), timeout=60)
     text = json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
@@ -18905,7 +18915,7 @@ def test_a_fifo_in_a_linked_local_dir_blocks_no_primer_hook_or_usage(
     os.mkfifo(target / name)
 
     def run(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SERVER), *args], cwd=repo, input=stdin,
+        return subprocess.run([*RUN, *args], cwd=repo, input=stdin,
                               text=True, capture_output=True, env=child_env(**env), timeout=20)
 
     primer = run("primer", "--format", "json", CAMBIUM_SESSION_ID="fifo-1")
@@ -19142,7 +19152,7 @@ def test_mcp_unknown_resource_error_clips_the_uri_and_logs_nothing(repo):
     data.uri, and the SDK logged it at INFO on stderr (438 KB of it)."""
     from mcp_types import LATEST_PROTOCOL_VERSION
     uri = "cambium://" + "a" * 100_000
-    proc = subprocess.run([sys.executable, str(SERVER)], env=_mcp_env(repo), timeout=60,
+    proc = subprocess.run([*RUN], env=_mcp_env(repo), timeout=60,
                           capture_output=True, input="".join(json.dumps(m) + "\n" for m in (
         {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
             "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
@@ -19168,7 +19178,7 @@ def _free_port() -> int:
 def http_server(repo: Path, token: str | None, host: str = "127.0.0.1"):
     port = _free_port()
     env = {**_mcp_env(repo), **({"CAMBIUM_HTTP_TOKEN": token} if token else {})}
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--host", host,
+    proc = subprocess.Popen([*RUN, "serve", "--http", "--host", host,
                              "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -19191,7 +19201,7 @@ def _serving_http(repo: Path, exit_s: float | None = None) -> tuple[subprocess.P
     stop bound need not wait the 20 s a user gets)."""
     port = _free_port()
     quick = f"import sys, cambium_server as cs; cs.SIGNAL_EXIT_S = {exit_s}; sys.exit(cs.main())"
-    start = [str(SERVER)] if exit_s is None else ["-c", quick]
+    start = RUN[1:] if exit_s is None else ["-c", quick]
     proc = subprocess.Popen([sys.executable, *start, "serve", "--http", "--port", str(port)],
                             env=_mcp_env(repo), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -19291,7 +19301,7 @@ def test_http_serve_stopped_by_sigterm_folds_its_credits_and_exits_cleanly(repo)
     journaled) and exited -15."""
     item_id = cs.capture("Pin every base image by digest")["item"]["id"]
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port", str(port)],
+    proc = subprocess.Popen([*RUN, "serve", "--http", "--port", str(port)],
                             env=_mcp_env(repo), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -19656,7 +19666,7 @@ def test_a_blank_http_token_counts_as_unset(repo):
               CAMBIUM_HTTP_TOKEN=" ")
     assert out.returncode == 2 and "it is blank, which counts as unset" in out.stderr, out
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "serve", "--http", "--port",
+    proc = subprocess.Popen([*RUN, "serve", "--http", "--port",
                              str(port)], env={**_mcp_env(repo), "CAMBIUM_HTTP_TOKEN": " "},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -19717,7 +19727,7 @@ def test_a_stdout_that_cannot_encode_the_answer_gets_it_escaped_not_a_traceback(
 def test_serving_stdio_with_stdin_or_stdout_closed_is_one_clear_error(repo):
     for closed in ({"stdin": subprocess.DEVNULL, "preexec_fn": lambda: os.close(0)},
                    {"preexec_fn": lambda: os.close(1)}):
-        out = subprocess.run([sys.executable, str(SERVER), "serve"], stderr=subprocess.PIPE,
+        out = subprocess.run([*RUN, "serve"], stderr=subprocess.PIPE,
                              text=True, timeout=60, **closed)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out
         assert "stdin and stdout open" in out.stderr
@@ -19779,7 +19789,7 @@ def test_cli_small_contracts_hold(repo, tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout)["written"] == str(tmp_path / "K.md")
     text = cli("export", "-o", str(tmp_path / "K.md"), "--format", "text")
     assert text.stdout.startswith("cambium_server.py export: wrote")
-    served = subprocess.run([sys.executable, str(SERVER), "serve", "--port", "17999"],
+    served = subprocess.run([*RUN, "serve", "--port", "17999"],
                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
                             timeout=60, cwd=repo)
     assert served.returncode == 2 and "add --http" in served.stderr
@@ -20266,7 +20276,7 @@ def test_distill_exits_0_when_its_stderr_reader_has_gone(repo):
     for args in (["distill"], ["distill", "--hook"]):
         r, w = os.pipe()
         os.close(r)
-        proc = subprocess.run([sys.executable, str(SERVER), *args], cwd=repo, stderr=w,
+        proc = subprocess.run([*RUN, *args], cwd=repo, stderr=w,
                               stdout=subprocess.DEVNULL, env=child_env(), timeout=120)
         os.close(w)
         assert proc.returncode == 0, args
