@@ -13715,12 +13715,16 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False,
     return docs, warnings
 
 
-def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
+def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None
+                        ) -> tuple[dict[str, Doc], list[str]]:
     """Every scope as last seen, with no fetch and no write: local as on disk
     (an unparseable file is reported, not moved aside), team and org at their
-    last fetched tip. For the primer, which must never stall or change a thing."""
+    last fetched tip. For the primer, which must never stall or change a thing.
+    A scope not read is entered in `skipped` (when given) with its warning, so
+    the primer names it without parsing the warning's text."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
+    skipped = {} if skipped is None else skipped
     for scope in SCOPES:
         try:
             st = store(cfg, scope)
@@ -13733,9 +13737,11 @@ def read_scopes_offline(cfg: Config) -> tuple[dict[str, Doc], list[str]]:
         except ScopeOff:
             continue
         except CambiumError as e:
-            warnings.append(f"{scope} scope skipped: {e}")
+            skipped[scope] = f"{scope} scope skipped: {e}"
+            warnings.append(skipped[scope])
         except OSError as e:                 # not a regular file (in a linked .cambium)
-            warnings.append(f"{scope} scope skipped: {e.filename or scope}: {e.strerror or e}")
+            skipped[scope] = f"{scope} scope skipped: {e.filename or scope}: {e.strerror or e}"
+            warnings.append(skipped[scope])
     return docs, warnings
 
 
@@ -17959,15 +17965,18 @@ def primer_for(cfg: Config, limit: int = PRIMER_LIMIT) -> dict:
     session is noted as shown its entries."""
     out = _make_primer(cfg, limit)
     note_shown(cfg, out.pop("ids", []), "primer")
+    out.pop("skipped", None)
     return out
 
 
 def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = None) -> dict:
-    """The primer, with the ids of its entries under "ids"; the paths its
-    lines point at go into `anchored` when given, each with its path_stamp
-    taken before it is resolved (taken after, an edit made meanwhile was
-    cached as seen)."""
-    docs, warnings = read_scopes_offline(cfg)
+    """The primer, with the ids of its entries under "ids" and the shared
+    scopes it could not read under "skipped" (each with its warning); the
+    paths its lines point at go into `anchored` when given, each with its
+    path_stamp taken before it is resolved (taken after, an edit made
+    meanwhile was cached as seen)."""
+    not_read: dict[str, str] = {}
+    docs, warnings = read_scopes_offline(cfg, not_read)
     warnings += [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE,  # awaiting restore:
                                                knowledge_only=True)  # not "nothing known yet"
                  if w not in warnings]
@@ -17996,13 +18005,14 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
         return line
 
     failing = 0 if entries else sum(1 for it in federated_items(docs) if it.failing)
-    skipped = [s for s in ("team", "org") if any(w.startswith(f"{s} scope skipped")
-                                                 for w in warnings)]
+    skipped = {s: not_read[s] for s in ("team", "org") if s in not_read}
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
-                          unread=bool(warnings), failing=failing, skipped=skipped),
+                          unread=bool(warnings), failing=failing, skipped=list(skipped)),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings
+    if skipped:                              # (popped by primer_for; never cached: it
+        out["skipped"] = skipped             # comes with a warning)
     return out
 
 
@@ -21205,8 +21215,8 @@ def primer_hook(argv: list[str]) -> int:
             if not any("damaged line" in w for w in unread):
                 break
             time.sleep(0.05 * (attempt + 1))
-        unread = [w for w in unread if not w.startswith(("team scope skipped",   # the digest
-                                                         "org scope skipped"))]  # says so
+        said = out.pop("skipped", {}).values()  # shared scopes not read: the digest says so
+        unread = [w for w in unread if w not in said]
         torn = [w for w in unread if "damaged line" in w]   # (a crash's torn line: the rest
         unread = [w for w in unread if w not in torn]       # of the store is the digest)
         if unread or (aside and not out["entries"]):   # the local store unread, or all of
