@@ -4596,6 +4596,8 @@ def retired_like(item: Item, copy: Item, *, agent: str, now: str) -> Item:
 LINK_TAG = ".symlink-"    #: credits.jsonl.symlink-<time>: a link found in .cambium/, set aside
 ODD_TAG = ".not-a-file-"  #: knowledge.json.not-a-file-<time>: a FIFO, socket or device there
 DIR_TAG = ".not-a-directory-"   #: vectors.not-a-directory-<time>: a file where a directory belongs
+UP_TAG = ODD_TAG + "in-tokens-"  #: vectors/<key>.tok.not-a-file-in-tokens-<time>: a directory
+                                 #: moved up from vectors/tokens/ (TokenStore._listed)
 
 
 def _stray_tag(entry: os.DirEntry, dir_too: bool = False, file_too: bool = False) -> str | None:
@@ -4735,7 +4737,9 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
     (ODD_TAG) or not a directory (DIR_TAG) where cambium keeps one; a FIFO
     where cambium keeps a directory (_kind_owned) was not a directory. A token
     file's directory is moved up, from vectors/tokens/ to vectors/
-    (TokenStore._listed): every call lists vectors/, never tokens/."""
+    (TokenStore._listed: every call lists vectors/, never tokens/), tagged
+    UP_TAG: its name says where it was found (a person's own `x.tok` set aside
+    in vectors/ itself was found there)."""
     moved = folder / name
     was = name.split(DIR_TAG if DIR_TAG in name else ODD_TAG)[0]
     if DIR_TAG in name or _kind_owned((folder / was).parent, folder, Path(was).name) == "dir":
@@ -4743,8 +4747,8 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
         return (f"{folder / was} was not a directory ({kind}), where cambium keeps "
                 f"{_dir_keeps(was)}; cambium moved it to {moved}: delete it once you know "
                 "what made it.")
-    if was.startswith(VECTORS_DIR + "/") and was.endswith(TOKEN_SUFFIX):
-        was = f"{VECTORS_DIR}/{TOKENS_DIR}/{was.split('/', 1)[1]}"
+    if UP_TAG in name:
+        was = f"{VECTORS_DIR}/{TOKENS_DIR}/{Path(was).name}"
     kind = "a directory" if moved.is_dir() and not moved.is_symlink() \
         else "a FIFO, socket or device"
     return (f"{folder / was} was not a regular file ({kind}), which cambium cannot read or "
@@ -10165,10 +10169,11 @@ class TokenStore:
         reads as missing); a write a killed process left is deleted
         (leftover_tmp: this directory is listed here, not by every call's sweep).
         A directory named like one is moved whole to `d`'s parent, as
-        `<name>.not-a-file-<time>` (where every call's warnings look): no
-        write replaces it, so its item was embedded again by each start, and
-        every recall whose best 50 held it lost late interaction (not in a
-        linked .cambium: nothing in its target is renamed, as set_aside_links).
+        `<name>.not-a-file-in-tokens-<time>` (where every call's warnings
+        look, UP_TAG): no write replaces it, so its item was embedded again
+        by each start, and every recall whose best 50 held it lost late
+        interaction (not in a linked .cambium: nothing in its target is
+        renamed, as set_aside_links).
         A FIFO or a link is replaced by the next write."""
         names, now = set(), time.time()
         moves = not d.parent.parent.is_symlink()
@@ -10177,7 +10182,7 @@ class TokenStore:
                 names.add(e.name)
             elif moves and e.name.endswith(TOKEN_SUFFIX) and e.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):
-                    os.rename(e.path, d.parent / f"{e.name}{ODD_TAG}{_stamp()}")
+                    os.rename(e.path, d.parent / f"{e.name}{UP_TAG}{_stamp()}")
             else:
                 dropped_leftover(e, now)
         return names

@@ -11647,6 +11647,24 @@ def test_a_fifo_where_cambium_keeps_a_directory_is_named_as_not_a_directory(repo
     assert not any("was not a regular file" in w for w in warnings), warnings
 
 
+def test_a_token_named_thing_set_aside_is_named_where_it_was_found(repo):
+    """A person's own FIFO `vectors/notes.tok`, set aside by the sweep in
+    vectors/ itself, was reported as `vectors/tokens/notes.tok` (its suffix
+    was read as the token store's). A directory the token store moves up from
+    vectors/tokens/ is still named there."""
+    vec_dir = repo / ".cambium" / cs.VECTORS_DIR
+    (vec_dir / cs.TOKENS_DIR).mkdir(parents=True)
+    os.mkfifo(vec_dir / "notes.tok")
+    tok = vec_dir / cs.TOKENS_DIR / cs.TokenStore.name("k:1")
+    tok.mkdir()
+    cs.TokenStore(vec_dir)                                  # moves the directory up
+    warnings = cs.status()["warnings"]
+    assert any(f"{vec_dir / 'notes.tok'} was not a regular file (a FIFO" in w
+               for w in warnings), warnings
+    assert any(f"{tok} was not a regular file (a directory)" in w for w in warnings), warnings
+    assert not any(f"{cs.TOKENS_DIR}/notes.tok" in w for w in warnings), warnings
+
+
 def test_import_dedupes_by_content_hash_without_ids(repo, tmp_path):
     f = tmp_path / "noids.jsonl"
     f.write_text(json.dumps({"text": "always set a statement timeout"}) + "\n" +
