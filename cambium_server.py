@@ -4626,7 +4626,7 @@ def _kind_owned(folder: Path, local_dir: Path, name: str) -> str | None:
     the imports' id maps' directory), else None: anything else in .cambium/
     may be a person's own."""
     if folder == local_dir:
-        return "dir" if name in (VECTORS_DIR, "imports") else None
+        return "dir" if name in KEPT_DIRS else None
     if folder.name == VECTORS_DIR and folder.parent == local_dir:
         return {"index.json": "file", TOKENS_DIR: "dir"}.get(name)
     return None
@@ -4650,7 +4650,7 @@ def set_aside_links(local_dir: Path, config_file: Path) -> None:
     if local_dir.is_symlink():
         return
     mine = _config_names(local_dir, config_file)
-    for d in (local_dir, *(local_dir / sub for sub in ("vectors", "imports"))):
+    for d in (local_dir, *(local_dir / sub for sub in KEPT_DIRS)):
         try:
             entries = list(os.scandir(d))
         except OSError:
@@ -4691,7 +4691,7 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
         names = sorted(os.listdir(path.parent))
     except OSError:
         return []
-    for sub in ("vectors", "imports"):
+    for sub in KEPT_DIRS:
         with contextlib.suppress(OSError):
             names += [f"{sub}/{n}" for n in sorted(os.listdir(path.parent / sub))
                       if LINK_TAG in n or ODD_TAG in n or DIR_TAG in n]
@@ -4757,10 +4757,8 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
 
 def _dir_keeps(was: str) -> str:
     """What cambium keeps in the directory at `was` (under .cambium/), and what
-    failed while something else sat there (_kind_owned's 'dir' places)."""
-    if was.split("/")[0] == "imports":
-        return "the id map of each import, so no import could write its map"
-    return "its vector cache, so every save of it failed"
+    failed while something else sat there (KEPT_DIRS, _kind_owned's 'dir' places)."""
+    return KEPT_DIRS.get(was.split("/")[0], KEPT_DIRS[VECTORS_DIR])
 
 
 def lock_dir_warnings(folder: Path, names: list[str]) -> list[str]:
@@ -9182,6 +9180,13 @@ EMBED_HELP_STOP_S = 10.0            #: a waiting recall starts no chunk this clo
 EMBED_RATE_GUESS = 8_000.0          #: characters/s per thread assumed before one is measured
                                     #: (12,000-15,000 measured on an idle core)
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
+IMPORTS_DIR = "imports"             #: under .cambium/: each import's id map
+#: The directories cambium keeps in .cambium/ (_kind_owned), each with what it keeps
+#: there and what failed while something else sat there (_dir_keeps).
+KEPT_DIRS = {
+    VECTORS_DIR: "its vector cache, so every save of it failed",
+    IMPORTS_DIR: "the id map of each import, so no import could write its map",
+}
 VECTORS_SAVE_EVERY_S = 30.0         #: during a long backlog, save progress this often
 VECTORS_IDLE_SAVE_S = 600.0         #: after it, save once 5% of the rows are new, or this old
 SEM_LEXICAL_WEIGHT = 0.0            #: ranking score = cosine + this x BM25 / the query's best
@@ -19597,7 +19602,7 @@ def write_id_map(cfg: Config, source: str, items: list[Item]) -> Path:
     """.cambium/imports/<time>-<source>.jsonl: one {ref, id, system} per new item,
     so an answer stays small (under 100 KB) whatever the size of the import."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", source)[:40] or "import"
-    path = cfg.local_dir / "imports" / f"{_stamp()}-{name}.jsonl"
+    path = cfg.local_dir / IMPORTS_DIR / f"{_stamp()}-{name}.jsonl"
 
     def write(out: Any) -> None:
         for it in items:
