@@ -4742,7 +4742,7 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
     in vectors/ itself was found there)."""
     moved = folder / name
     was = name.split(DIR_TAG if DIR_TAG in name else ODD_TAG)[0]
-    if DIR_TAG in name or _kind_owned((folder / was).parent, folder, Path(was).name) == "dir":
+    if _kind_owned((folder / was).parent, folder, Path(was).name) == "dir":   # (DIR_TAG's too)
         kind = "a regular file" if DIR_TAG in name else "a FIFO, socket or device"
         return (f"{folder / was} was not a directory ({kind}), where cambium keeps "
                 f"{_dir_keeps(was)}; cambium moved it to {moved}: delete it once you know "
@@ -4758,7 +4758,7 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
 def _dir_keeps(was: str) -> str:
     """What cambium keeps in the directory at `was` (under .cambium/), and what
     failed while something else sat there (KEPT_DIRS, _kind_owned's 'dir' places)."""
-    return KEPT_DIRS.get(was.split("/")[0], KEPT_DIRS[VECTORS_DIR])
+    return KEPT_DIRS[was.split("/")[0]]
 
 
 def lock_dir_warnings(folder: Path, names: list[str]) -> list[str]:
