@@ -2753,6 +2753,31 @@ def test_a_killed_stamp_writes_copy_in_the_git_dir_is_deleted_too(shared):
     assert not dead.exists() and young.exists()
 
 
+def test_the_git_dirs_leftover_sweep_runs_once_a_process(shared):
+    """<git-dir>/cambium/ is swept once a process (a store object is made each
+    call: a scandir of it each call otherwise): a copy that becomes old enough
+    after the first sweep is left to the next process."""
+    cs.capture("seed fact about the sweep's guard")
+    cs.status()
+    meta = shared["a"] / ".git" / "cambium"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    left = meta / f"seen.{gone}.abc.tmp"
+    left.write_text("partial")                   # too young to judge at the first sweep
+    this = cs.Runtime()
+    with cs.use_runtime(this):
+        cs.store(cs.resolve_config(), "team").read()
+    assert left.exists()
+    old = time.time() - 2 * cs.TMP_LEFTOVER_S
+    os.utime(left, (old, old))
+    with cs.use_runtime(this):                   # the same process: swept already
+        cs.store(cs.resolve_config(), "team").read()
+    assert left.exists()
+    with cs.use_runtime(cs.Runtime()):           # the next process sweeps it
+        cs.store(cs.resolve_config(), "team").read()
+    assert not left.exists()
+
+
 def test_a_directory_where_the_append_record_goes_fails_no_write_that_landed(repo):
     """The append record is a hint. A directory in its place made a capture
     that had landed (fsynced) answer a file_system error, and every later call
