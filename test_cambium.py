@@ -14382,8 +14382,8 @@ def _status_probe(**env: str) -> tuple[list[str], dict]:
         sys.argv = ["cambium_server.py", "status"]
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            try:
-                runpy.run_path({str(SERVER)!r}, run_name="__main__")
+            try:                                  # (as RUN does: bytecode cached)
+                runpy.run_module("cambium_server", run_name="__main__", alter_sys=True)
             except SystemExit as e:
                 assert e.code == 0, e.code
         heavy = [m for m in ("mcp", "pydantic", "numpy", "onnxruntime") if m in sys.modules]
@@ -18594,8 +18594,8 @@ def _hook(cwd: Path, stdin: str, *args: str, **env: str) -> subprocess.Completed
     probe = textwrap.dedent(f"""
         import sys, runpy
         sys.argv = ["cambium_server.py", "primer", "--hook", *{list(args)!r}]
-        try:
-            runpy.run_path({str(SERVER)!r}, run_name="__main__")
+        try:                                      # (as RUN does: bytecode cached)
+            runpy.run_module("cambium_server", run_name="__main__", alter_sys=True)
         except SystemExit as e:
             code = e.code
         heavy = [m for m in ("mcp", "pydantic", "uvicorn") if m in sys.modules]
