@@ -2410,6 +2410,12 @@ def org_setup_call(cfg: Config) -> str:
             f'agent_id="{cfg.agent or "your-id"}", org_repo="/abs/path/to/org-knowledge-clone")')
 
 
+def org_off_message(cfg: Config) -> str:
+    """What every call that needs org scope says when it is off: one wording,
+    with the setup call that turns it on."""
+    return f"org scope is off: set CAMBIUM_ORG_REPO ({org_setup_call(cfg)})."
+
+
 def unconfigured_guidance(cfg: Config) -> dict:
     """The structured answer every tool gives before cambium is configured."""
     gaps = config_gaps(cfg)
@@ -13503,7 +13509,7 @@ def _org_store(cfg: Config) -> GitStore:
     """The default branch of the org clone's origin."""
     org = cfg.org_repo
     if org is None:
-        raise ScopeOff(f"org scope is off: set CAMBIUM_ORG_REPO ({org_setup_call(cfg)}).")
+        raise ScopeOff(org_off_message(cfg))
     if not os.path.exists(org / ".git"):
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")
@@ -18606,7 +18612,11 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
     to team a crash cut short is finished first (_finish_team_move), its
     warnings (both copies kept) carried into the answer; refused (the local
     copy waits on a pull request), that refusal is the answer: the team copy
-    went on to org as if the move were done, the local one left behind."""
+    went on to org as if the move were done, the local one left behind. Org
+    scope off is the answer before anything else: the gate asked for a
+    restatement first, and only the restated call said org was off."""
+    if cfg.org_repo is None:
+        raise ScopeOff(org_off_message(cfg))
     team = _finish_team_move(cfg, item_id)
     if team is not None and team["status"] != "promoted":
         return team
@@ -18962,8 +18972,19 @@ def review_promotions(limit: Annotated[int, Field(
                      *prs.reported(), ("warnings", [*warnings, *unsettled, *prs.warnings])):
         if got:
             out[key] = got
-    return bounded_lists(out, ("team_eligible", "endorsed_for_org", "pending_org_prs",
-                               "org_needs_generalization"), limit)
+    return bounded_lists(with_org_off_warning(cfg, out), (
+        "team_eligible", "endorsed_for_org", "pending_org_prs", "org_needs_generalization"), limit)
+
+
+def with_org_off_warning(cfg: Config, out: dict) -> dict:
+    """review_promotions' answer, warned when org scope is off and
+    endorsed_for_org lists items: promote(to_scope='org') moves none of them
+    until it is on, and the list alone read as ready to go."""
+    if cfg.org_repo is None and (n := len(out["endorsed_for_org"])):
+        out.setdefault("warnings", []).append(
+            f"{org_off_message(cfg)} Until then promote(item_id, to_scope='org') moves none "
+            f"of the {n} item(s) endorsed_for_org lists.")
+    return out
 
 
 def bounded_lists(out: dict, keys: tuple[str, ...], limit: int) -> dict:

@@ -9998,6 +9998,28 @@ def test_an_org_scope_that_is_off_hints_a_whole_setup_command(repo):
         cs.recall("anything", scope="org")
 
 
+def test_promote_to_org_with_org_off_says_so_before_the_gate(shared, monkeypatch):
+    """With org scope off, promote --to org answered needs_generalization (exit
+    0) with a retry asking for a restatement, and only the restated call said
+    org was off; review listed the item under endorsed_for_org without a word."""
+    item_id = _endorsed("Retry payment webhooks in webhooks/retry.py with backoff",
+                        "Retry transient failures with backoff")
+    assert cs.promote(item_id)["status"] == "promoted"            # to team
+    review = cs.review_promotions()
+    assert [i["id"] for i in review["endorsed_for_org"]] == [item_id]    # still listed
+    (said,) = [w for w in review.get("warnings", []) if "org scope is off" in w]
+    assert "setup(project_repo=" in said and "endorsed_for_org" in said
+    with pytest.raises(cs.ScopeOff, match="org scope is off: set CAMBIUM_ORG_REPO"):
+        cs.promote(item_id, to_scope="org")
+    out = cli("promote", item_id, "--to", "org", cwd=shared["a"])
+    assert out.returncode == 1 and "org scope is off" in out.stderr, out
+    assert f"setup {shared['a']} ada --org-repo" in out.stderr
+    assert item_id in team_ids(shared["origin"])                   # nothing moved
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))     # on: the gate, no warning
+    assert not [w for w in cs.review_promotions().get("warnings", []) if "org scope" in w]
+    assert cs.promote(item_id, to_scope="org")["status"] == "needs_generalization"
+
+
 # =============================================================================
 # Import, staleness and retirement
 # =============================================================================
