@@ -13824,7 +13824,19 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
         scope, err = failed[0]
         raise _noted(err, f"item {item_id} is in no scope that could be read, and "
                           f"{scope} scope could not be: it may be there")
-    raise NotFound(f"No item {item_id} in any readable scope; recall lists ids.")
+    raise NotFound(f"No item {item_id} in any readable scope; recall lists ids."
+                   f"{moved_to_org_hint(cfg)}")
+
+
+def moved_to_org_hint(cfg: Config) -> str:
+    """locate's word, with org scope off, on an id no scope holds: a move to
+    org (a teammate's promote) drops the item from team and local and keeps
+    no trace in either store, so a clone reading no org could not tell a move
+    from a wrong id, and said only "No item"."""
+    if cfg.org_repo is not None:
+        return ""
+    return (" It may have moved to org (a promote to org takes it out of team and local), "
+            f"which this clone does not read: {org_off_message(cfg)}")
 
 
 @dataclass

@@ -10020,6 +10020,30 @@ def test_promote_to_org_with_org_off_says_so_before_the_gate(shared, monkeypatch
     assert cs.promote(item_id, to_scope="org")["status"] == "needs_generalization"
 
 
+def test_show_of_an_item_a_teammate_moved_to_org_says_it_may_be_there(shared, monkeypatch):
+    """A teammate with team scope only lost an item another promoted to org:
+    the team store keeps no trace of the move, and `show ID` said only "No
+    item ... in any readable scope". With org off it says where it may be."""
+    item_id = _endorsed("Retry transient failures with capped exponential backoff")
+    cs.promote(item_id)
+    as_agent(monkeypatch, shared["b"], "bob")                      # bob: team only
+    assert cs.expand(item_id)["scope"] == "team"
+    as_agent(monkeypatch, shared["a"], "ada")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
+    monkeypatch.delenv("CAMBIUM_ORG_REPO")
+    as_agent(monkeypatch, shared["b"], "bob")
+    with pytest.raises(cs.NotFound, match=r"may have moved to org.*org scope is off"):
+        cs.expand(item_id)
+    out = cli("show", item_id, cwd=shared["b"])
+    assert out.returncode == 1 and "may have moved to org" in out.stderr, out
+    assert f"setup {shared['b']} bob --org-repo" in out.stderr
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))     # org on: no such guess
+    with pytest.raises(cs.NotFound) as missing:
+        cs.expand("k-000000000000")
+    assert "moved to org" not in str(missing.value)
+
+
 # =============================================================================
 # Import, staleness and retirement
 # =============================================================================
