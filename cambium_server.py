@@ -4714,7 +4714,7 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
                 target, was = os.readlink(link), name.split(LINK_TAG)[0]
                 if knowledge_only and was != path.name:
                     continue
-                fix = (f"run `{_prog()} restore {target}` to bring its items in, then delete "
+                fix = (f"run `{_cli_command()} restore {target}` to bring its items in, then delete "
                        "the link" if was == path.name else
                        "copy what you need from the target, then delete the link")
                 out.append(f"{path.parent / was} was a symbolic link to {target}; cambium "
@@ -4730,11 +4730,11 @@ def set_aside_warnings(path: Path, *, knowledge_only: bool = False) -> list[str]
         if name.startswith(path.name + QUARANTINE_TAG):
             out.append(f"lines of {path.name} that did not parse were set aside verbatim in "
                        f"{path.parent / name} (every other item is served). Repair them and "
-                       f"run `{_prog()} restore {path.parent / name}`, or delete the file.")
+                       f"run `{_cli_command()} restore {path.parent / name}`, or delete the file.")
         elif name.startswith(path.name + CORRUPT_TAG):
             out.append(f"{path.name} did not parse at all and was moved to "
                        f"{path.parent / name}; cambium started a fresh store. Repair it and "
-                       f"run `{_prog()} restore {path.parent / name}`.")
+                       f"run `{_cli_command()} restore {path.parent / name}`.")
     return out
 
 
@@ -6359,7 +6359,7 @@ class GitStore(Store):
                 f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
                 f"before are gone from it or set back ({ids}). cambium kept the earlier tip: "
                 f"to bring them back here, `git -C {shlex.quote(str(self.repo))} show {kept} > "
-                f"/tmp/rewound.json` and `{_prog()} restore /tmp/rewound.json` (what the scope "
+                f"/tmp/rewound.json` and `{_cli_command()} restore /tmp/rewound.json` (what the scope "
                 "still holds stays there), then promote them again; if the rewind was meant, "
                 f"`git -C {shlex.quote(str(self.repo))} update-ref -d {self._rewound_ref}` ends "
                 "this warning")
@@ -16332,7 +16332,7 @@ def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
 
     out = _update_anywhere(cfg, item_id, apply, f"{cfg.agent} sets the check of {item_id}",
                            "check_set" if cmd else "check_removed")
-    out["note"] = "run it with: cambium_server.py verify --run"
+    out["note"] = f"run it with: {_cli_command()} verify --run"
     return out
 
 
@@ -16449,7 +16449,7 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
             outcome = run_check(cmd, cfg.repo, timeout_s)
             if "error" in outcome:
                 skipped.append({"id": it.id, "reason": f"its check could not start "
-                                f"({outcome['error']}); nothing recorded: `{_prog()} "
+                                f"({outcome['error']}); nothing recorded: `{_cli_command()} "
                                 f"verify-cmd {it.id} CMD` replaces it"})
                 continue
             outcomes[it.id] = outcome
@@ -16511,8 +16511,8 @@ def hidden_in_cmd(item: Item) -> str | None:
     return ("its command is not text verify-cmd stores (it holds a terminal escape, or a "
             "control or invisible character: a hand edit), so what export and show print "
             "may not be all that would run; it was not "
-            f"run: read it in `{_prog()} export` (such characters shown escaped), and "
-            f"`{_prog()} verify-cmd {item.id} CMD` replaces it")
+            f"run: read it in `{_cli_command()} export` (such characters shown escaped), and "
+            f"`{_cli_command()} verify-cmd {item.id} CMD` replaces it")
 
 
 def waiting_copy(scope: str, item: Item) -> str | None:
@@ -16533,7 +16533,7 @@ def _no_check_to_run(item_id: str, copies: list[Item], warnings: list[str]) -> N
         raise NotFound(f"No item {item_id} in any readable scope{unread}; recall lists ids.")
     it = next((c for c in copies if c.active), copies[0])
     _require_active(it, "checked")            # (a superseded one names what replaced it)
-    raise Refused(f"item {item_id} has no check attached: `{_prog()} verify-cmd {item_id} "
+    raise Refused(f"item {item_id} has no check attached: `{_cli_command()} verify-cmd {item_id} "
                   "CMD` attaches one.")
 
 
@@ -21008,6 +21008,31 @@ def _prog() -> str:
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "cambium"
 
 
+#: The program hints in an MCP server's answers name: nobody typed a command to
+#: start it (a client did), so they name the one form the README documents.
+MCP_HINT_PROGRAM = "cambium_server.py"
+
+
+def invoked_as(argv0: str, main_module: str | None) -> str:
+    """The command that runs the CLI again the way this process was started
+    (pure): `python3 -m cambium_server` for -m, whose argv[0] is the module's
+    path (`cambium_server.py ...` was not runnable as written); else argv[0]'s
+    name, as argparse names it: the console script's `cambium-mcp`, a script's
+    file name."""
+    if main_module == "cambium_server":
+        return "python3 -m cambium_server"
+    return os.path.basename(argv0) if argv0 else "cambium"
+
+
+def _cli_command() -> str:
+    """The program a hint's command line names: as invoked, or over MCP
+    (a server running) MCP_HINT_PROGRAM."""
+    if runtime().long_running.is_set():
+        return MCP_HINT_PROGRAM
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return invoked_as(sys.argv[0] if sys.argv else "", getattr(spec, "name", None))
+
+
 def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser: every command, or only `command`'s when it names one (a hook
     runs one command, and building the rest costs it milliseconds)."""
@@ -21356,7 +21381,7 @@ def cli_syntax(text: str) -> str:
         tool = find_tool(m.group(1))
         if tool is None or not tool.cli or m.group(1) != tool.tool_name:
             return m.group(0)
-        return " ".join([_prog(), tool.command, *_cli_words(tool, m.group(2))])
+        return " ".join([_cli_command(), tool.command, *_cli_words(tool, m.group(2))])
 
     def kwarg(m: re.Match) -> str:
         tool = next((t for t in api_table() for p in t.params if p.name == m.group(1)), None)

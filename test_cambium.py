@@ -14598,7 +14598,7 @@ def test_cli_answers_speak_cli_and_mcp_answers_speak_calls(repo, tmp_path):
         "Call recall(query) before promote(force=True) in scripts"   # item text stays
     out = cli("recall", "x", cwd=tmp_path, CAMBIUM_REPO="", CAMBIUM_AGENT_ID="")
     step = json.loads(out.stdout)["next_step"]
-    assert step.startswith("cambium_server.py setup ") and "project_repo=" not in step
+    assert step.startswith("python3 -m cambium_server setup ") and "project_repo=" not in step
     assert cs.cli_syntax("restate with org_content=... or pass force=True") == \
         "restate with --org-content ... or pass --force"
     assert cs.cli_syntax("generalize('k-1', org_content=<the rule>)").endswith(
@@ -14626,6 +14626,44 @@ def test_cli_usage_names_the_program_as_invoked(tmp_path):
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert run.returncode == 2 and run.stderr.startswith("usage: kb recall")
     assert "--limit: must be a whole number from 1 to 50; got '0'" in run.stderr
+
+
+def _console_script(tmp_path: Path) -> Path:
+    """A file like the console script pip writes for `cambium-mcp`."""
+    script = tmp_path / "bin" / "cambium-mcp"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(f"#!{sys.executable}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+                      "from cambium_server import main\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      "    sys.exit(main())\n")
+    return script
+
+
+def test_cli_hints_name_the_command_the_way_it_was_invoked(tmp_path, monkeypatch):
+    """A hint said `cambium_server.py setup ...` when the CLI was started as
+    `python3 -m cambium_server` or `cambium-mcp`: not runnable as written."""
+    env = child_env(CAMBIUM_REPO="", CAMBIUM_AGENT_ID="",
+                    PYTHONPATH=os.pathsep.join(filter(None, (str(SERVER.parent),
+                                                             os.environ.get("PYTHONPATH")))))
+    forms = {"python3 -m cambium_server": [*RUN], "cambium_server.py": [sys.executable,
+                                                                        str(SERVER)],
+             "cambium-mcp": [sys.executable, str(_console_script(tmp_path))]}
+    for prog, argv in forms.items():
+        out = subprocess.run([*argv, "recall", "x"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert json.loads(out.stdout)["next_step"].startswith(f"{prog} setup "), (prog, out)
+    assert cs.invoked_as("/x/cambium_server.py", "cambium_server") == \
+        "python3 -m cambium_server"
+    assert cs.invoked_as("/venv/bin/cambium-mcp", None) == "cambium-mcp"
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cambium-mcp"])
+    rt = cs.runtime()
+    rt.long_running.set()                        # a server: nobody typed a command
+    try:
+        assert cs._cli_command() == cs.MCP_HINT_PROGRAM == "cambium_server.py"
+    finally:
+        rt.long_running.clear()
+    assert cs._cli_command() == "cambium-mcp"
 
 
 def test_cli_export_to_a_file_prints_what_it_wrote(repo, tmp_path):
@@ -14772,7 +14810,7 @@ def test_cli_demo_runs_the_loop():
     narration = out.stderr                             # for people: words, CLI syntax
     assert "configured: no" in narration and "True" not in narration
     assert "{'" not in narration and "('" not in narration
-    assert "next_step: cambium_server.py setup" in narration
+    assert "next_step: python3 -m cambium_server setup" in narration
     assert "integer cents" in steps["distill"]["recall_top"]
     assert "capture()" in out.stderr and "distill()" in out.stderr
 
