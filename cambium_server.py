@@ -20627,6 +20627,7 @@ def serve(http: Annotated[bool, Field(
     try:
         if http:
             return serve_http(server, host, port, token)
+        say_serving_to_a_terminal()
         return run_stdio(server)
     finally:
         SERVER_STOP.set()
@@ -20634,6 +20635,17 @@ def serve(http: Annotated[bool, Field(
         rt.cancel_fold()
         _fold_on_exit(warm=True)
     return 0
+
+
+def say_serving_to_a_terminal() -> None:
+    """One line on stderr when stdin is a terminal: a person who ran the server
+    to see if it works saw a silent hang. Never for a pipe (an MCP client's),
+    and never on stdout, which carries only JSON-RPC."""
+    with contextlib.suppress(OSError, ValueError):
+        if os.isatty(0):
+            print(f"{_prog()}: serving MCP over stdio, for an MCP client to talk to (it "
+                  "reads JSON-RPC, not commands); Ctrl-D or Ctrl-C stops it; "
+                  f"`{_as_invoked()} --help` lists the commands.", file=sys.stderr)
 
 
 SIGNAL_EXIT_S = 20.0    #: after SIGINT/SIGTERM the stdio server exits within this, folded or not
@@ -21027,8 +21039,11 @@ def invoked_as(argv0: str, main_module: str | None) -> str:
 def _cli_command() -> str:
     """The program a hint's command line names: as invoked, or over MCP
     (a server running) MCP_HINT_PROGRAM."""
-    if runtime().long_running.is_set():
-        return MCP_HINT_PROGRAM
+    return MCP_HINT_PROGRAM if runtime().long_running.is_set() else _as_invoked()
+
+
+def _as_invoked() -> str:
+    """invoked_as for this process."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return invoked_as(sys.argv[0] if sys.argv else "", getattr(spec, "name", None))
 

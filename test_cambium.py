@@ -14248,6 +14248,33 @@ def test_a_signal_ends_a_stdio_server_whose_client_keeps_stdin_open(repo, sig, c
     assert _stored_recalls(repo, item_id) == 1                # the shutdown folded it
 
 
+def test_a_stdio_server_started_in_a_terminal_says_so_on_stderr_only(repo):
+    """Run in a terminal with no arguments, the server waited in silence (a
+    person checking it works saw a hang): with stdin a TTY it says, in one
+    line on stderr, what it is doing, how to stop it and where usage is; with
+    stdin a pipe (an MCP client's) it says nothing, and stdout stays empty."""
+    env = dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical")
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen([*RUN], stdin=slave, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env)
+        os.close(slave)
+        os.write(master, b"\x04")            # Ctrl-D: the terminal's end of input, kept
+        try:                                  # for the server's first read
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        os.close(master)
+    line = err.decode()
+    assert proc.returncode == 0 and out == b"", (proc.returncode, out, line)
+    assert "serving MCP over stdio" in line and "Ctrl-D or Ctrl-C" in line, line
+    assert "`python3 -m cambium_server --help`" in line and line.count("\n") == 1
+    piped = subprocess.run([*RUN], input=b"", capture_output=True, env=env, timeout=60)
+    assert (piped.returncode, piped.stdout, piped.stderr) == (0, b"", b""), piped
+
+
 def _raw_stdio_server(repo, calls: list[dict]) -> subprocess.Popen:
     """A lexical stdio server sent initialize, initialized and a tools/call
     of each of `calls` (its params; ids 1, 2, ...), raw."""
