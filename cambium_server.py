@@ -15297,6 +15297,12 @@ def _board_key(board: Board) -> str:
     return str(store_root(board.repo)) if board.repo is not None else ""
 
 
+#: The note of a source never set up in this project (no board named anywhere, no
+#: .context/): absent, not broken, so not a warning: every distill of a project
+#: that uses neither said "2 warnings" where status said nothing is missing.
+NOT_IN_USE = "not in use here (never set up in this project); nothing is missing"
+
+
 def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
     """Read the board: drafts for done claims (and churned ones, if enabled)."""
     board = resolve_board(cfg)
@@ -15309,6 +15315,8 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
             "board_source": board.source, "branch": board.branch,
             "claims_seen": len(claims or {}), "done_claims": len(done),
             "reason": board.reason, "fix": board.fix}
+    if board.status == "absent" and board.source == "none":   # no board named anywhere
+        info["note"] = NOT_IN_USE
     snapshot = None
     if cfg.release_capture:
         churned = _churned_claims(doc, board, claims) if claims is not None else {}
@@ -15368,7 +15376,8 @@ def read_context(cfg: Config) -> SourceRead:
     if not read.found:
         read.info.update(status="absent", reason=f"no {CONTEXT_DIR}/ directory in {cfg.repo}",
                          fix="if this project records decisions with context-keeper, run it "
-                             f"with {cfg.repo} as its project; otherwise nothing is missing")
+                             f"with {cfg.repo} as its project; otherwise nothing is missing",
+                         note=NOT_IN_USE)
     return read
 
 
@@ -15704,7 +15713,7 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
     for r in reads:
         if r.name == "context-keeper":
             out += problems
-        if not r.found:
+        if not r.found and r.info.get("note") != NOT_IN_USE:
             out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}.")
         out += r.warnings
         out += clipped_warnings(prepared, r.name, "claim" if r.name == "agentsync" else "entry")
@@ -21576,8 +21585,9 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
 
 def distill_summary(result: dict) -> str:
     """The one line a hook prints: counts, then each source's status."""
-    per = "; ".join(f"{name} {info['status']}" + (f" ({info['imported']} new)"
-                                                   if info.get("imported") else "")
+    per = "; ".join(f"{name} " + ("not in use" if info.get("note") == NOT_IN_USE else
+                                  info["status"]) + (f" ({info['imported']} new)"
+                                                     if info.get("imported") else "")
                     for name, info in result["sources"].items())
     n = len(result["warnings"])
     return (f"cambium distill: imported {result['imported']}, retired {result['retired']}; "
