@@ -10746,8 +10746,9 @@ class Semantic:
         return True
 
     # -- ranking -------------------------------------------------------------
-    def vectors(self, index: Index) -> _SlotVectors:
-        """The index's slot vectors, synced; the not-yet-embedded are queued,
+    def vectors(self, index: Index) -> tuple[_SlotVectors, str | None]:
+        """The index's slot vectors, synced, and the note of a wait for the
+        backlog (backlog_wait_note); the not-yet-embedded are queued,
         and a backlog judged worth waiting for (_waits) is waited for, at most
         EMBED_WAIT_MAX_S and never past EMBED_WAIT_TOTAL_S after its judgement,
         this thread helping to embed it. Items with vectors that lack only
@@ -10766,14 +10767,17 @@ class Semantic:
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
             wait = bool(self.unvectored) and self._waits(helpers)
             until = self.judged[0] + EMBED_WAIT_TOTAL_S     # (the backlog's whole wait)
-        if wait:
-            deadline = min(time.monotonic() + EMBED_WAIT_MAX_S, until)
-            if helpers > 1:
-                self._help(emb, deadline)
-            self.wait_idle(max(0.0, deadline - time.monotonic()), new_only=True)
-            with self.cv:
-                sv.sync(index, self.cache)
-        return sv
+            before, t0 = len(self.unvectored), time.monotonic()
+        if not wait:
+            return sv, None
+        deadline = min(t0 + EMBED_WAIT_MAX_S, until)
+        if helpers > 1:
+            self._help(emb, deadline)
+        self.wait_idle(max(0.0, deadline - time.monotonic()), new_only=True)
+        with self.cv:
+            sv.sync(index, self.cache)
+            left = len(self.unvectored)
+        return sv, backlog_wait_note(time.monotonic() - t0, before - left, left)
 
     def _waits(self, helpers: int) -> bool:
         """Whether a recall waits for the backlog (under self.cv): as the first
@@ -10830,9 +10834,11 @@ class Semantic:
             raise QueryUnreadable("the model cannot read this query (stopwords only, or more "
                                   "words unknown to its vocabulary, emoji or a script it "
                                   "lacks, than words it knows); it is ranked by shared words")
-        sv = self.vectors(index)
+        sv, waited = self.vectors(index)
         with self.serving():
-            return self._rank(emb, sv, index, query, limit, reranker)
+            ranking = self._rank(emb, sv, index, query, limit, reranker)
+        ranking.note = joined_notes(waited, ranking.note)
+        return ranking
 
     def _scores(self, emb: Embedder, query: str, q: Any, cosines: tuple, usable: Any,
                 lex: dict[int, float], other: Any) -> tuple[Any, Any, bool, str | None]:
@@ -10958,6 +10964,21 @@ def by_shown_score(hit: Hit) -> float:
     its Hit's score, the cross-encoder's (ties keep the bi-encoder's order,
     as _order rounds)."""
     return -round(hit.score, 6)
+
+
+BACKLOG_NOTE_S = 1.0    #: a recall's wait for the backlog this long or longer is said in its note
+
+
+def backlog_wait_note(seconds: float, embedded: int, left: int) -> str | None:
+    """What a recall that waited for the embedding backlog says of it (pure):
+    the first CLI recall after an import of 1,000 items waited 34 s without a
+    word. None for a wait too short to notice (BACKLOG_NOTE_S) or one that
+    embedded nothing."""
+    if seconds < BACKLOG_NOTE_S or embedded <= 0:
+        return None
+    items = f"{embedded:,} new item{'' if embedded == 1 else 's'}"
+    return (f"This recall waited {seconds:.0f} s to embed {items} first"
+            + ("; later recalls will not wait for them." if not left else "."))
 
 
 def semantic_notes(waiting: int, live: int, failed: str | None,

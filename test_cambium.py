@@ -16238,6 +16238,27 @@ def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(mon
 
 
 @needs_extra
+def test_a_recall_that_waited_for_the_backlog_says_so_in_its_note(monkeypatch):
+    """The first CLI recall after an import of 1,000 items waited 34 s for
+    their embedding without a word: a wait long enough to notice is said,
+    with what it embedded; the recall after it, which did not wait, says nothing."""
+    monkeypatch.setattr(cs, "BACKLOG_NOTE_S", 0.5)
+    eng, _, index, gate = _engine_with_a_held_backlog(monkeypatch)
+    eng.rate = 1e9                                  # looks instant: worth waiting for
+    release = threading.Timer(0.6, gate.set)        # ...and takes 0.6 s and more
+    release.start()
+    first = cs.rank(index, "ledger export", 3, engine=eng)
+    assert re.fullmatch(r"This recall waited [1-9]\d* s to embed 6 new items first; later "
+                        r"recalls will not wait for them\.", first.note or ""), first.note
+    assert cs.rank(index, "ledger export", 3, engine=eng).note is None
+    assert cs.backlog_wait_note(0.4, 6, 0) is None          # too short to notice
+    assert cs.backlog_wait_note(34.2, 1000, 0).startswith(
+        "This recall waited 34 s to embed 1,000 new items first; later recalls")
+    assert cs.backlog_wait_note(50.0, 700, 300) == \
+        "This recall waited 50 s to embed 700 new items first."
+
+
+@needs_extra
 def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_while(
         monkeypatch):
     """The first recall to meet a backlog judges it once: worth waiting for, and
