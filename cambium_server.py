@@ -13822,12 +13822,14 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
     error (corrupt_store, git_failed), not not_found: it may be there."""
     found: tuple[str, Item] | None = None
     failed: list[tuple[str, CambiumError]] = []
+    off: set[str] = set()
     fetch_above = False                  # a cut-short move: the copy above, fetched for real
     for scope in SCOPES:
         try:
             st = store(cfg, scope)
             doc = st.read() if found is None or fetch_above or fresh else st.peek()
         except ScopeOff:
+            off.add(scope)
             continue
         except (CorruptStore, GitError, ConfigError) as e:
             failed.append((scope, e))
@@ -13846,16 +13848,15 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
         raise _noted(err, f"item {item_id} is in no scope that could be read, and "
                           f"{scope} scope could not be: it may be there")
     raise NotFound(f"No item {item_id} in any readable scope; recall lists ids."
-                   f"{moved_to_org_hint(cfg)}")
+                   f"{moved_to_org_hint(cfg) if 'org' in off and 'team' not in off else ''}")
 
 
 def moved_to_org_hint(cfg: Config) -> str:
-    """locate's word, with org scope off, on an id no scope holds: a move to
-    org (a teammate's promote) drops the item from team and local and keeps
+    """locate's word on an id no scope holds, with team on and org off: a move
+    to org (a teammate's promote) drops the item from team and local and keeps
     no trace in either store, so a clone reading no org could not tell a move
-    from a wrong id, and said only "No item"."""
-    if cfg.org_repo is not None:
-        return ""
+    from a wrong id, and said only "No item" (a clone with neither shares
+    nothing a teammate could move)."""
     return (" It may have moved to org (a promote to org takes it out of team and local), "
             f"which this clone does not read: {org_off_message(cfg)}")
 
@@ -18655,10 +18656,10 @@ def _promote_to_org(cfg: Config, item_id: str, force: bool, restate: dict) -> di
     warnings (both copies kept) carried into the answer; refused (the local
     copy waits on a pull request), that refusal is the answer: the team copy
     went on to org as if the move were done, the local one left behind. Org
-    scope off is the answer before anything else: the gate asked for a
-    restatement first, and only the restated call said org was off."""
-    if cfg.org_repo is None:
-        raise ScopeOff(org_off_message(cfg))
+    scope off or set wrong (no clone there) is the answer before anything
+    else: the gate asked for a restatement first, and only the restated call
+    said so."""
+    store(cfg, "org")                    # raises ScopeOff / ConfigError
     team = _finish_team_move(cfg, item_id)
     if team is not None and team["status"] != "promoted":
         return team
@@ -19509,7 +19510,7 @@ def import_memory(source: Annotated[str, Field(
             out["id_map"] = str(write_id_map(cfg, source, res.imported))
         except OSError as e:                  # the items are stored: say so, fail nothing
             out.setdefault("warnings", []).append(
-                f"the id map could not be written under {cfg.local_dir / 'imports'} "
+                f"the id map could not be written under {cfg.local_dir / IMPORTS_DIR} "
                 f"({e.strerror or e}); the {len(res.imported)} item(s) are stored, and "
                 "'items' lists the first")
     return with_store_warnings(out, cfg)

@@ -10015,6 +10015,11 @@ def test_promote_to_org_with_org_off_says_so_before_the_gate(shared, monkeypatch
     assert out.returncode == 1 and "org scope is off" in out.stderr, out
     assert f"setup {shared['a']} ada --org-repo" in out.stderr
     assert item_id in team_ids(shared["origin"])                   # nothing moved
+    wrong = shared["a"].parent / "no-clone-here"
+    wrong.mkdir()
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(wrong))             # set wrong: said first too
+    with pytest.raises(cs.ConfigError, match="is not a git clone"):
+        cs.promote(item_id, to_scope="org")
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))     # on: the gate, no warning
     assert not [w for w in cs.review_promotions().get("warnings", []) if "org scope" in w]
     assert cs.promote(item_id, to_scope="org")["status"] == "needs_generalization"
@@ -10039,6 +10044,14 @@ def test_show_of_an_item_a_teammate_moved_to_org_says_it_may_be_there(shared, mo
     assert out.returncode == 1 and "may have moved to org" in out.stderr, out
     assert f"setup {shared['b']} bob --org-repo" in out.stderr
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))     # org on: no such guess
+    with pytest.raises(cs.NotFound) as missing:
+        cs.expand("k-000000000000")
+    assert "moved to org" not in str(missing.value)
+
+
+def test_an_unknown_id_in_a_clone_sharing_nothing_gets_no_org_guess(repo):
+    """With team and org both off nothing a teammate did can have moved an
+    item away: a mistyped id is just not found, with no org setup advert."""
     with pytest.raises(cs.NotFound) as missing:
         cs.expand("k-000000000000")
     assert "moved to org" not in str(missing.value)
