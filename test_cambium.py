@@ -17052,7 +17052,7 @@ def test_server_exits_cleanly_while_its_embedder_works_and_keeps_what_it_embedde
               "params": {"name": "recall", "arguments": {"query": "queue shards per tenant"}}}
     status = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
               "params": {"name": "status", "arguments": {}}}
-    for until_embedded in (False, False, True):      # the last waits for a chunk embedded
+    for until_embedded in (False, True):             # the last waits for a chunk embedded
         proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
