@@ -10767,17 +10767,18 @@ class Semantic:
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
             wait = bool(self.unvectored) and self._waits(helpers)
             until = self.judged[0] + EMBED_WAIT_TOTAL_S     # (the backlog's whole wait)
-            before, t0 = len(self.unvectored), time.monotonic()
+            e0, t0 = self.embedded, time.monotonic()
         if not wait:
             return sv, None
         deadline = min(t0 + EMBED_WAIT_MAX_S, until)
         if helpers > 1:
             self._help(emb, deadline)
         self.wait_idle(max(0.0, deadline - time.monotonic()), new_only=True)
-        with self.cv:
+        with self.cv:       # (a failed embedding empties the backlog too: count what was embedded)
             sv.sync(index, self.cache)
-            left = len(self.unvectored)
-        return sv, backlog_wait_note(time.monotonic() - t0, before - left, left)
+            embedded = self.embedded - e0
+            left = len(sv.missing)           # this index's items still without vectors
+        return sv, backlog_wait_note(time.monotonic() - t0, embedded, left)
 
     def _waits(self, helpers: int) -> bool:
         """Whether a recall waits for the backlog (under self.cv): as the first

@@ -16272,6 +16272,26 @@ def test_a_recall_that_waited_for_the_backlog_says_so_in_its_note(monkeypatch):
 
 
 @needs_extra
+def test_a_recall_whose_wait_ended_in_a_failed_embedding_claims_nothing_embedded(monkeypatch):
+    """The wait note counted the backlog's shrinking, and a failed embedding
+    empties it too: a recall whose items all failed said it embedded them and
+    that later recalls would not wait. Failed items are not embedded."""
+    monkeypatch.setattr(cs, "BACKLOG_NOTE_S", 0.5)
+    eng, _, index, gate = _engine_with_a_held_backlog(monkeypatch)
+
+    def failing(self, emb, chunk):                  # holds, then the model fails
+        gate.wait(30)
+        raise RuntimeError("the model ran out of memory")
+
+    monkeypatch.setattr(cs.Semantic, "_embed_items", failing)
+    eng.rate = 1e9                                  # looks instant: worth waiting for
+    release = threading.Timer(0.6, gate.set)
+    release.start()
+    note = cs.rank(index, "ledger export", 3, engine=eng).note or ""
+    assert eng.embedded == 0 and "to embed" not in note and "will not wait" not in note, note
+
+
+@needs_extra
 def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_while(
         monkeypatch):
     """The first recall to meet a backlog judges it once: worth waiting for, and
