@@ -15293,10 +15293,18 @@ class SourceRead:
     warnings: list = field(default_factory=list)
     retire: dict = field(default_factory=dict)    # watermark key -> why its entry died
     snapshot: dict | None = None                  # claims to remember (release capture)
+    in_use: bool = True                           # False: never set up here (not_in_use)
 
     @property
     def records(self) -> int:
         return sum(v for k, v in self.info.items() if k.endswith("_seen"))
+
+    def not_in_use(self) -> "SourceRead":
+        """Mark a source never set up in this project: absent, not broken, so
+        no warning (sweep_warnings); its info carries the NOT_IN_USE note."""
+        self.in_use = False
+        self.info["note"] = NOT_IN_USE
+        return self
 
 
 def _split_drafts(made: Iterable[Draft | Skip]) -> tuple[list[Draft], list[Skip]]:
@@ -15326,6 +15334,14 @@ def _board_key(board: Board) -> str:
 NOT_IN_USE = "not in use here (never set up in this project); nothing is missing"
 
 
+def board_named(cfg: Config) -> bool:
+    """Whether any setting names an agentsync board or branch: a board named
+    but missing (CAMBIUM_AGENTSYNC_BRANCH set to a branch that is nowhere) is
+    a warning, never "not in use"."""
+    return any(cfg.get(k) and cfg.origins.get(k, "default") != "default"
+               for k in (*BOARD_SETTINGS, "CAMBIUM_AGENTSYNC_BRANCH"))
+
+
 def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
     """Read the board: drafts for done claims (and churned ones, if enabled)."""
     board = resolve_board(cfg)
@@ -15338,8 +15354,6 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
             "board_source": board.source, "branch": board.branch,
             "claims_seen": len(claims or {}), "done_claims": len(done),
             "reason": board.reason, "fix": board.fix}
-    if board.status == "absent" and board.source == "none":   # no board named anywhere
-        info["note"] = NOT_IN_USE
     snapshot = None
     if cfg.release_capture:
         churned = _churned_claims(doc, board, claims) if claims is not None else {}
@@ -15349,8 +15363,11 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
             snapshot = {"board": _board_key(board), "branch": board.branch, "at": stamp,
                         "claims": _snapshot_of(claims)}
     drafts, skips = _split_drafts(made)
-    return SourceRead("agentsync", claims is not None, info, drafts, skips,
+    read = SourceRead("agentsync", claims is not None, info, drafts, skips,
                       warnings, snapshot=snapshot)
+    if board.status == "absent" and board.source == "none" and not board_named(cfg):
+        read.not_in_use()
+    return read
 
 
 def clipped_warnings(prepared: Prepared, system: str, what: str) -> list[str]:
@@ -15397,11 +15414,30 @@ def read_context(cfg: Config) -> SourceRead:
                 read.retire[f"context-keeper:{context_entry_id(e)}"] = \
                     retirement_reason(e) or ""
     if not read.found:
-        read.info.update(status="absent", reason=f"no {CONTEXT_DIR}/ directory in {cfg.repo}",
-                         fix="if this project records decisions with context-keeper, run it "
-                             f"with {cfg.repo} as its project; otherwise nothing is missing",
-                         note=NOT_IN_USE)
+        _context_absent(read, path, cfg.repo)
     return read
+
+
+def _context_absent(read: SourceRead, path: Path, repo: Path) -> None:
+    """Why .context/ was not read: not there at all is "not in use"; a file,
+    a dangling link or a link loop in its place is a warning, as it was
+    before "not in use" (which had made them silent)."""
+    read.info.update(status="absent")
+    if not os.path.lexists(path):
+        read.info.update(reason=f"no {CONTEXT_DIR}/ directory in {repo}",
+                         fix="if this project records decisions with context-keeper, run it "
+                             f"with {repo} as its project; otherwise nothing is missing")
+        read.not_in_use()
+        return
+    try:
+        os.stat(path)
+        why = "exists but is not a directory"
+    except OSError as e:
+        why = (f"is a symbolic link to {os.readlink(path)} that cannot be followed"
+               if os.path.islink(path) else "cannot be read") + f" ({e.strerror or e})"
+    read.info.update(reason=f"{path} {why}, so there is no {CONTEXT_DIR}/ directory to read",
+                     fix=f"put the directory context-keeper writes at {path}, or remove what "
+                         "is there if this project does not use context-keeper")
 
 
 def judge_agentsync(read: SourceRead, imported: list[Item], unusable: int = 0) -> dict:
@@ -15736,7 +15772,7 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
     for r in reads:
         if r.name == "context-keeper":
             out += problems
-        if not r.found and r.info.get("note") != NOT_IN_USE:
+        if not r.found and r.in_use:
             out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}.")
         out += r.warnings
         out += clipped_warnings(prepared, r.name, "claim" if r.name == "agentsync" else "entry")
@@ -21607,10 +21643,12 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
 
 
 def distill_summary(result: dict) -> str:
-    """The one line a hook prints: counts, then each source's status."""
-    per = "; ".join(f"{name} " + ("not in use" if info.get("note") == NOT_IN_USE else
-                                  info["status"]) + (f" ({info['imported']} new)"
-                                                     if info.get("imported") else "")
+    """The one line a hook prints: counts, then each source's status ("not in
+    use" for one absent with a note: only SourceRead.not_in_use gives an absent
+    source a note)."""
+    per = "; ".join(f"{name} " + ("not in use" if info["status"] == "absent" and
+                                  info.get("note") else info["status"])
+                    + (f" ({info['imported']} new)" if info.get("imported") else "")
                     for name, info in result["sources"].items())
     n = len(result["warnings"])
     return (f"cambium distill: imported {result['imported']}, retired {result['retired']}; "

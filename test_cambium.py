@@ -12703,6 +12703,40 @@ def test_distill_no_board_no_context_is_a_note_not_a_warning(repo, monkeypatch):
     assert [w for w in named["warnings"] if w.startswith("agentsync skipped (")]
 
 
+@pytest.mark.parametrize("odd", ["file", "dangling", "loop"])
+def test_distill_warns_of_a_context_that_is_there_but_no_directory(repo, odd):
+    """A .context that is a file, a link to nothing or a link loop warned
+    until "not in use" came, which took anything not a directory for never
+    set up: only a .context that is not there at all is not in use."""
+    ctx = repo / ".context"
+    if odd == "file":
+        ctx.write_text("decisions live elsewhere\n")
+    elif odd == "dangling":
+        ctx.symlink_to(repo / "gone")
+    else:
+        ctx.symlink_to(ctx)
+    res = cs.distill()
+    c = res["sources"]["context-keeper"]
+    assert c["status"] == "absent" and "note" not in c, c
+    assert res["status"] == "distilled_with_warnings"
+    warned = [w for w in res["warnings"] if w.startswith("context-keeper skipped (absent): ")]
+    assert warned and str(ctx) in warned[0], res["warnings"]
+    assert ("exists but is not a directory" if odd == "file" else
+            "is a symbolic link to ") in c["reason"], c["reason"]
+    assert cs.distill_summary(res).endswith("; context-keeper absent; 1 warning")
+
+
+def test_distill_warns_of_an_agentsync_branch_named_but_nowhere(repo, monkeypatch):
+    """A CAMBIUM_AGENTSYNC_BRANCH naming a branch that exists nowhere (no board
+    repo set) was shown as "not in use": a board named but missing warns."""
+    monkeypatch.setenv("CAMBIUM_AGENTSYNC_BRANCH", "coordination")
+    res = cs.distill()
+    a = res["sources"]["agentsync"]
+    assert a["status"] == "absent" and "note" not in a and "'coordination'" in a["reason"]
+    assert [w for w in res["warnings"] if w.startswith("agentsync skipped (absent): ")]
+    assert "agentsync absent" in cs.distill_summary(res)
+
+
 def test_distill_board_nothing_done_then_imported_then_up_to_date(tmp_path, monkeypatch):
     _, clone = make_origin_and_clone(tmp_path)
     write_board(clone, {"ann": {**DONE_CLAIM, "status": "in-progress", "note": None}})
