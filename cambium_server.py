@@ -21083,31 +21083,47 @@ EXIT_LOCK_WAIT_S = 2.0   #: the fold a process makes as it ends waits this long 
 FAILURE_STATUSES = ("nothing_imported",)
 
 
+def program_name(argv0: str) -> str:
+    """argv[0]'s name, as argparse names the program in the usage line (pure)."""
+    return os.path.basename(argv0) if argv0 else "cambium"
+
+
 def _prog() -> str:
     """The program as it was invoked, as argparse names it in the usage line."""
-    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "cambium"
+    return program_name(sys.argv[0] if sys.argv else "")
 
 
-#: The program hints in an MCP server's answers name: nobody typed a command to
-#: start it (a client did), so they name the one form the README documents.
+#: The program a hint names when the way this process started names none that
+#: runs (argv[0] empty or `-c`), and in an MCP server's answers when it was
+#: started with -m (runnable only where the module is importable): the one form
+#: the README documents.
 MCP_HINT_PROGRAM = "cambium_server.py"
 
 
 def invoked_as(argv0: str, main_module: str | None) -> str:
     """The command that runs the CLI again the way this process was started
-    (pure): `python3 -m cambium_server` for -m, whose argv[0] is the module's
-    path (`cambium_server.py ...` was not runnable as written); else argv[0]'s
-    name, as argparse names it: the console script's `cambium-mcp`, a script's
-    file name."""
-    if main_module == "cambium_server":
-        return "python3 -m cambium_server"
-    return os.path.basename(argv0) if argv0 else "cambium"
+    (pure): `python3 -m cambium_server` for -m (`python3 -m pkg.cambium_server`
+    from a package), whose argv[0] is the module's path (`cambium_server.py
+    ...` was not runnable as written); MCP_HINT_PROGRAM for an argv[0] that
+    names no program (empty, `-c`); else argv[0]'s name, as argparse names it:
+    the console script's `cambium-mcp`, a script's file name."""
+    if main_module and main_module.rpartition(".")[2] == "cambium_server":
+        return f"python3 -m {main_module}"
+    if argv0 in ("", "-c"):
+        return MCP_HINT_PROGRAM
+    return program_name(argv0)
+
+
+def hint_program(invoked: str, serving: bool) -> str:
+    """The program a hint's command line names (pure): as invoked, but for a
+    server (nobody typed its command: a client did) started with -m,
+    MCP_HINT_PROGRAM; a server started as `cambium-mcp` names `cambium-mcp`."""
+    return MCP_HINT_PROGRAM if serving and invoked.startswith("python3 -m ") else invoked
 
 
 def _cli_command() -> str:
-    """The program a hint's command line names: as invoked, or over MCP
-    (a server running) MCP_HINT_PROGRAM."""
-    return MCP_HINT_PROGRAM if runtime().long_running.is_set() else _as_invoked()
+    """hint_program for this process."""
+    return hint_program(_as_invoked(), runtime().long_running.is_set())
 
 
 def _as_invoked() -> str:

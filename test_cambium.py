@@ -14738,13 +14738,23 @@ def test_cli_hints_name_the_command_the_way_it_was_invoked(tmp_path, monkeypatch
     assert cs.invoked_as("/x/cambium_server.py", "cambium_server") == \
         "python3 -m cambium_server"
     assert cs.invoked_as("/venv/bin/cambium-mcp", None) == "cambium-mcp"
+    assert cs.invoked_as("/x/pkg/cambium_server.py", "pkg.cambium_server") == \
+        "python3 -m pkg.cambium_server"                # (-m from a package)
+    assert cs.invoked_as("/x/pkg/other.py", "pkg.other") == "other.py"
+    for nothing in ("", "-c"):                  # (python3 -c ...: `-c restore X` ran nothing)
+        assert cs.invoked_as(nothing, None) == cs.MCP_HINT_PROGRAM == "cambium_server.py"
+    assert cs.hint_program("python3 -m cambium_server", True) == cs.MCP_HINT_PROGRAM
+    assert cs.hint_program("python3 -m cambium_server", False) == "python3 -m cambium_server"
     monkeypatch.setattr(sys, "argv", ["/venv/bin/cambium-mcp"])
     rt = cs.runtime()
-    rt.long_running.set()                        # a server: nobody typed a command
-    try:
-        assert cs._cli_command() == cs.MCP_HINT_PROGRAM == "cambium_server.py"
+    rt.long_running.set()                        # a server: nobody typed a command, but
+    try:                                         # the console script is one that runs
+        assert cs._cli_command() == "cambium-mcp"
+        monkeypatch.setattr(sys, "argv", [""])
+        assert cs._cli_command() == cs.MCP_HINT_PROGRAM
     finally:
         rt.long_running.clear()
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cambium-mcp"])
     assert cs._cli_command() == "cambium-mcp"
 
 
