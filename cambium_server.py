@@ -20711,7 +20711,7 @@ def say_serving_to_a_terminal() -> None:
     and never on stdout, which carries only JSON-RPC."""
     with contextlib.suppress(OSError, ValueError):
         if os.isatty(0):
-            print(f"{_prog()}: serving MCP over stdio, for an MCP client to talk to (it "
+            print(f"{_as_invoked()}: serving MCP over stdio, for an MCP client to talk to (it "
                   "reads JSON-RPC, not commands); Ctrl-D or Ctrl-C stops it; "
                   f"`{_as_invoked()} --help` lists the commands.", file=sys.stderr)
 

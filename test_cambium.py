@@ -14326,6 +14326,7 @@ def test_a_stdio_server_started_in_a_terminal_says_so_on_stderr_only(repo):
     assert proc.returncode == 0 and out == b"", (proc.returncode, out, line)
     assert "serving MCP over stdio" in line and "Ctrl-D or Ctrl-C" in line, line
     assert "`python3 -m cambium_server --help`" in line and line.count("\n") == 1
+    assert line.startswith("python3 -m cambium_server: serving"), line     # (as the hint)
     piped = subprocess.run([*RUN], input=b"", capture_output=True, env=env, timeout=60)
     assert (piped.returncode, piped.stdout, piped.stderr) == (0, b"", b""), piped
 
