@@ -13822,10 +13822,11 @@ def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
 
 
 def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30,
-               every: list | None = None) -> dict:
+               every: list | None = None, total: int = 0) -> dict:
     """Write JSON-RPC lines to a real stdio server as raw bytes (a client library
     would refuse to encode some of them); {id: response} for the ids in `want`
-    (and every response, in order, appended to `every`)."""
+    (and every response, in order, appended to `every`, read until it holds
+    `total`: answers without an id may come after those with one)."""
     import selectors
     from mcp_types import LATEST_PROTOCOL_VERSION
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
@@ -13841,7 +13842,8 @@ def _raw_stdio(env: dict, lines: list[str], want: set, timeout: float = 30,
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
     try:
-        while not want <= set(answers) and sel.select(max(0.0, deadline - time.monotonic())):
+        while not (want <= set(answers) and len(every or ()) >= total) and \
+                sel.select(max(0.0, deadline - time.monotonic())):
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
                 break
@@ -14022,7 +14024,7 @@ def test_mcp_lines_the_sdk_cannot_parse_get_an_error_and_the_server_keeps_servin
         '{"jsonrpc": "2.0", "id": 12, "method": "tools/call", "params": {"name": "capture", '
         '"arguments": {"content": "answers keep coming after refused lines"}}}']
     every: list = []
-    answers = _raw_stdio(_mcp_env(repo), lines, {1, 2, 3, 4, 6, 7, 12}, every=every)
+    answers = _raw_stdio(_mcp_env(repo), lines, {1, 2, 3, 4, 6, 7, 12}, every=every, total=12)
     assert "\x01" in lines[1] and lines[5].startswith("\ufeff")
     for rid in (1, 2, 3, 7):
         assert answers[rid]["error"]["code"] == -32700, answers.get(rid)
@@ -21252,15 +21254,16 @@ def test_the_same_correction_again_is_no_answer_once_that_correction_is_retired(
 
 
 def _workers(argv: list[str]) -> list[str]:
-    """Two pytest-xdist workers when it is installed and the caller chose none:
-    most tests wait on git and server subprocesses, so two halve the wall time
-    on a 2-core machine. `-n 0` runs everything in this one process."""
+    """pytest-xdist workers, when it is installed and the caller chose none: one
+    more than the cores (at most 9), since a test waits on a subprocess or a
+    timeout part of its time (two workers kept 1.5 of 2 cores busy: 343 s; three,
+    about 300 s). `-n 0` runs everything in this one process."""
     import importlib.util
     if importlib.util.find_spec("xdist") is None:
         return []
     if any(a.startswith(("-n", "--numprocesses")) or a.endswith("no:xdist") for a in argv):
         return []
-    return ["-n", str(min(2, os.cpu_count() or 1))]
+    return ["-n", str(min(os.cpu_count() or 1, 8) + 1)]
 
 
 def _cache_bytecode() -> None:
