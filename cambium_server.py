@@ -9647,7 +9647,7 @@ class PooledModel:
 
 class Embedder(PooledModel):
     """The sentence embedder: 384-d, mean-pooled, L2-normalized float32 rows.
-    Load is explicit (about 0.3 s, about 230 MB resident); raises
+    Load is explicit (about 0.5 s, about 230 MB resident); raises
     SemanticUnavailable naming what is missing or wrong."""
     _worded: set[int] | None = None          # vocab ids with a letter or digit (worded)
 
@@ -11355,7 +11355,7 @@ def recall_mode_report(cfg: Config) -> dict:
                             "loaded": rt.embedder is not None,
                             "vector_cache": str(cfg.local_dir / VECTORS_DIR)}
     if rt.embedder is None:
-        info["note"] = "the model loads on the first recall (about 0.3 s)"
+        info["note"] = "the model loads on the first recall (about 0.5 s)"
     info["rerank"] = rerank_report(cfg, rt)
     info["second_encoder"] = second_report(cfg, rt, eng)
     info["late_interaction"] = late_report(cfg, eng)
