@@ -10470,6 +10470,7 @@ class Semantic:
         self.judged = (0.0, 0)               # ...when (monotonic) and its pending then
         self.rate = EMBED_RATE_GUESS         # characters/s per thread, measured as it drains
         self.embedded = 0                    # items embedded by this process
+        self.embedded_new = 0                # ... of them, ones that had no vectors yet
         self.busy = 0                        # recalls ranking right now
         self.last_save = time.monotonic()
         self.unsaved = 0                     # rows put in the cache since it was saved
@@ -10641,6 +10642,7 @@ class Semantic:
         with self.cv:                        # item's rows finds its token vectors too
             for k, v in done.items():
                 self.cache.put(k, v)
+            self.embedded_new += sum(k in self.unvectored for k in done)   # (not retokened)
             self._settle(chunk)
             self.embedded += len(done)
             dt = max(time.monotonic() - t0, 1e-3)
@@ -10767,7 +10769,7 @@ class Semantic:
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
             wait = bool(self.unvectored) and self._waits(helpers)
             until = self.judged[0] + EMBED_WAIT_TOTAL_S     # (the backlog's whole wait)
-            e0, t0 = self.embedded, time.monotonic()
+            e0, t0 = self.embedded_new, time.monotonic()
         if not wait:
             return sv, None
         deadline = min(t0 + EMBED_WAIT_MAX_S, until)
@@ -10776,7 +10778,7 @@ class Semantic:
         self.wait_idle(max(0.0, deadline - time.monotonic()), new_only=True)
         with self.cv:       # (a failed embedding empties the backlog too: count what was embedded)
             sv.sync(index, self.cache)
-            embedded = self.embedded - e0
+            embedded = self.embedded_new - e0
             left = len(sv.missing)           # this index's items still without vectors
         return sv, backlog_wait_note(time.monotonic() - t0, embedded, left)
 
@@ -15335,11 +15337,11 @@ NOT_IN_USE = "not in use here (never set up in this project); nothing is missing
 
 
 def board_named(cfg: Config) -> bool:
-    """Whether any setting names an agentsync board or branch: a board named
-    but missing (CAMBIUM_AGENTSYNC_BRANCH set to a branch that is nowhere) is
-    a warning, never "not in use"."""
-    return any(cfg.get(k) and cfg.origins.get(k, "default") != "default"
-               for k in (*BOARD_SETTINGS, "CAMBIUM_AGENTSYNC_BRANCH"))
+    """Whether a setting names the agentsync branch, where resolve_board found
+    no board setting (its source "none"): a board named but missing is a
+    warning, never "not in use"."""
+    key = "CAMBIUM_AGENTSYNC_BRANCH"
+    return bool(cfg.get(key)) and cfg.origins.get(key, "default") != "default"
 
 
 def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
@@ -15433,7 +15435,10 @@ def _context_absent(read: SourceRead, path: Path, repo: Path) -> None:
         os.stat(path)
         why = "exists but is not a directory"
     except OSError as e:
-        why = (f"is a symbolic link to {os.readlink(path)} that cannot be followed"
+        target = "?"
+        with contextlib.suppress(OSError):           # (gone meanwhile)
+            target = os.readlink(path)
+        why = (f"is a symbolic link to {target} that cannot be followed"
                if os.path.islink(path) else "cannot be read") + f" ({e.strerror or e})"
     read.info.update(reason=f"{path} {why}, so there is no {CONTEXT_DIR}/ directory to read",
                      fix=f"put the directory context-keeper writes at {path}, or remove what "
