@@ -12352,7 +12352,9 @@ def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str
     """A person's correction of `old`: a new human-authority item in old's scope
     that links back to it (old gets superseded_by; see supersede()), about the
     same code and under the same premise (old's code_refs and valid_while: the
-    pointer and the premise were lost with the corrected item). A shared item's
+    pointer and the premise were lost with the corrected item), held to the
+    same check (old's operator check and its failing flag, as consolidate
+    carries them: a correction dropped a failing check without a word). A shared item's
     correction keeps its project and the projects it served: corrected from
     another project, it named the wrong project's code and left the primer
     of the project it came from."""
@@ -12366,7 +12368,8 @@ def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str
     projects = old.trust.get("projects") if isinstance(old.trust, dict) else None
     return dataclasses.replace(
         new, scope=old.scope, authority="human", corrects=old.id, code_refs=old.code_refs,
-        valid_while=old.valid_while, project=old.project if shared else new.project,
+        valid_while=old.valid_while, check=old.check, failing=old.failing,
+        project=old.project if shared else new.project,
         trust={**new.trust, "projects": list(projects)} if isinstance(projects, list) and
         projects else new.trust)
 
@@ -19083,7 +19086,7 @@ def bounded_lists(out: dict, keys: tuple[str, ...], limit: int) -> dict:
         out[k] = out[k][:limit]
     if cut:
         sizes = ", ".join(f"{out['counts'][k]} {k}" for k in cut)
-        out["note"] = (f"the first {limit} of {sizes}: raise limit (at most "
+        out["note"] = (f"the first {limit} of {sizes}: raise limit=... (at most "
                        f"{MAX_REVIEW_LIMIT}) to see more")
     return out
 
@@ -19164,8 +19167,8 @@ def stale_report(project: Annotated[str | None, Field(
                            "never_verified": sum(1 for r in rows if r["never_verified"]),
                            "scopes_read": list(docs)}
     if len(rows) > limit:         # (10,000 team items answered 8 MB)
-        out["note"] = (f"the first {limit} of {len(rows)}: raise limit (at most "
-                       f"{MAX_STALE_LIMIT}), or narrow with project or older_than_days")
+        out["note"] = (f"the first {limit} of {len(rows)}: raise limit=... (at most "
+                       f"{MAX_STALE_LIMIT}), or narrow with project=... or older_than_days=...")
     if warnings:
         out["warnings"] = warnings
     return out

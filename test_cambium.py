@@ -10195,6 +10195,36 @@ def test_a_correction_keeps_the_code_it_is_about_and_its_premise(repo):
     assert line["line"].endswith("→ billing.py:1")
 
 
+def test_a_correction_keeps_the_check_of_what_it_corrects_and_its_failing_flag(repo):
+    """correct() dropped the corrected item's operator check and failing flag:
+    a failing claim left stale_report once reworded, and `verify --run OLD`
+    sent the operator to the correction, which had no check to run."""
+    wrong = cs.capture("The nightly export writes to /srv/export")["item"]["id"]
+    assert cli("verify-cmd", wrong, "exit 3").returncode == 0
+    assert json.loads(cli("verify", "--run", wrong).stdout)["failed"] == [wrong]
+    fixed = cs.correct(wrong, "The nightly export writes to /srv/exports")["item"]["id"]
+    (row, *_) = cs.stale_report()["entries"]
+    assert row["id"] == fixed and row["failing"], row
+    ran = json.loads(cli("verify", "--run", fixed).stdout)
+    assert ran["failed"] == [fixed]                      # its check runs, and still fails
+
+
+def test_a_cut_stale_list_names_the_cli_flags_on_the_cli(repo):
+    """stale --limit 2 said "raise limit (at most 1000), or narrow with project
+    or older_than_days": the MCP argument names, where README says the CLI's
+    hints use its own syntax."""
+    for n in range(3):
+        item = cs.capture(f"The export job {n} writes its file before midnight")["item"]["id"]
+        assert cli("verify-cmd", item, "exit 1").returncode == 0
+        assert json.loads(cli("verify", "--run", item).stdout)["failed"] == [item]
+    note = cs.stale_report(limit=2)["note"]
+    assert "limit=" in note and "older_than_days=" in note          # MCP: call syntax
+    out = cli("stale", "--limit", "2")
+    assert out.returncode == 0, out.stderr
+    assert "--limit" in out.stdout and "--older-than-days" in out.stdout, out.stdout
+    assert "older_than_days" not in out.stdout
+
+
 def test_capturing_the_words_a_person_corrected_answers_with_the_correction(repo):
     """Duplicate detection looked at active items only: capturing the exact
     statement a person had corrected stored the wrong one again, active."""
