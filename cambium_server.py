@@ -16918,12 +16918,13 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     # The config first (one it cannot write leaves no trace), its lock held until the
     # clone is scaffolded (one it cannot write is not recorded; another setup waits)
     with _config_written(cfg_path, updates) as wrote:
-        ignore_note = _scaffold_for_setup(root, cfg_path)
+        ignore_note, ignored_in = _scaffold_for_setup(root, cfg_path)
     cfg = resolve_config(env)
     binding, _ = repo_binding(cfg), _file_binding_moved(cfg)   # (its own move: said below)
     now = status()                            # (a setting setup does not write can block it)
     out = {"configured_now": bool(now.get("configured")), "config_file": str(cfg_path),
-           "written": updates, "binding": binding, "status": now}
+           "written": updates, "binding": binding, "status": now,
+           **({"gitignore": gitignore_note(ignored_in)} if ignored_in else {})}
     warnings = _setup_warnings(env, updates, binding, root) + \
         _rebound(wrote.found, updates, before) + ignore_note + \
         _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
@@ -16936,6 +16937,16 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
                                                "the new clone's path"}   # and it works
     return {**out, **({"warnings": warnings} if warnings else {}),
             **({"org_setup": org_offer} if org_offer else {})}
+
+
+def gitignore_note(path: Path) -> str:
+    """setup's word on the line it added to the project's .gitignore: said
+    nowhere, a teammate who ran setup before pulling the commit of the same
+    line had `git pull` stop on their own uncommitted copy."""
+    return (f"added '{LOCAL_DIR}/' to {path}: commit it for the team. A teammate whose own "
+            "setup added it before your commit reached them has `git pull` stop on their "
+            "uncommitted copy: `git checkout -- .gitignore` (or delete the file if git does "
+            "not track it yet; yours holds the same line) and pull again")
 
 
 def _team_store_elsewhere(cfg: Config) -> list[str]:
@@ -17097,7 +17108,7 @@ class ConfigWrite(NamedTuple):
     found: dict
 
 
-def _scaffold_for_setup(root: Path, cfg_path: Path) -> list[str]:
+def _scaffold_for_setup(root: Path, cfg_path: Path) -> tuple[list[str], Path | None]:
     """_scaffold_local, its failure (a read-only checkout) said as setup's:
     what failed, and that the config file is as it was (_config_written puts
     it back as this error leaves its block)."""
@@ -17312,11 +17323,11 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                      "GitHub owner/name.", "org_repo")
 
 
-def _scaffold_local(root: Path) -> list[str]:
+def _scaffold_local(root: Path) -> tuple[list[str], Path | None]:
     """Create .cambium/ with an empty store, and ignore it in .gitignore once:
     both in the checkout that holds the store (a linked worktree's is its main
     checkout's, so the worktree's own .gitignore, its branch's, stays as it
-    is). Returns the warnings of _ignore_in_gitignore."""
+    is). Returns what _ignore_in_gitignore does."""
     base = store_root(root)
     d = base / LOCAL_DIR
     d.mkdir(exist_ok=True)
@@ -17327,8 +17338,9 @@ def _scaffold_local(root: Path) -> list[str]:
     return _ignore_in_gitignore(base)
 
 
-def _ignore_in_gitignore(base: Path) -> list[str]:
-    """Append `.cambium/` to base's .gitignore unless a line there says it.
+def _ignore_in_gitignore(base: Path) -> tuple[list[str], Path | None]:
+    """Append `.cambium/` to base's .gitignore unless a line there says it:
+    (warnings, the .gitignore when the line was added to it).
     A .gitignore that is not a regular file (a link, a FIFO, a directory) is
     left alone: the warning returned says to add the line by hand. One git
     tracks that a sparse checkout leaves out is never created: a new file of
@@ -17344,20 +17356,21 @@ def _ignore_in_gitignore(base: Path) -> list[str]:
     if st is None and _git_tracks(base, ".gitignore"):
         return [f"{gi} is tracked by git but not in this checkout (a sparse checkout?): it was "
                 f"not created ({LOCAL_DIR}/.gitignore keeps the store out of git); to ignore "
-                f"'{LOCAL_DIR}/' there too, add the line where the file is checked out"]
+                f"'{LOCAL_DIR}/' there too, add the line where the file is checked out"], None
     try:
         if odd:
             raise OSError(odd)
         raw = read_regular(gi, 64 * MAX_CONFIG_BYTES) if st is not None else b""
     except OSError as e:
-        return [f"{gi} was left alone ({e}): add '{LOCAL_DIR}/' to your ignore rules by hand"]
+        return [f"{gi} was left alone ({e}): add '{LOCAL_DIR}/' to your ignore rules by hand"], \
+            None
     entries = {line.strip().rstrip(b"/") for line in raw.splitlines()}
-    if not entries & {LOCAL_DIR.encode(), b"/" + LOCAL_DIR.encode()}:
-        fd = os.open(gi, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        with open(fd, "ab") as f:                   # append: the user's lines stay as they are
-            f.write((b"\n" if raw and not raw.endswith(b"\n") else b"") +
-                    LOCAL_DIR.encode() + b"/\n")
-    return []
+    if entries & {LOCAL_DIR.encode(), b"/" + LOCAL_DIR.encode()}:
+        return [], None
+    fd = os.open(gi, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with open(fd, "ab") as f:                       # append: the user's lines stay as they are
+        f.write((b"\n" if raw and not raw.endswith(b"\n") else b"") + LOCAL_DIR.encode() + b"/\n")
+    return [], gi
 
 
 def _git_tracks(root: Path, name: str, timeout_s: float = 10.0,

@@ -1196,6 +1196,32 @@ def test_setup_appends_to_gitignore_without_rewriting_it(tmp_path):
     assert (r / ".gitignore").read_bytes() == original + b"\n.cambium/\n"
 
 
+def test_setup_says_it_added_the_ignore_line_and_how_a_teammates_pull_gets_past_it(tmp_path):
+    """setup's answer never said it wrote .gitignore: a teammate whose own
+    setup added the line before the commit of it reached them had `git pull`
+    stop on their uncommitted copy, with no word of why or what to do."""
+    origin = tmp_path / "origin.git"
+    git(tmp_path, "init", "-q", "--bare", str(origin))
+    a = make_repo(tmp_path, "a")
+    git(a, "remote", "add", "origin", str(origin))
+    git(a, "push", "-q", "origin", "HEAD:main")
+    git(tmp_path, "clone", "-q", "-b", "main", str(origin), "b")
+    b = tmp_path / "b"
+    said = cs.setup(str(a), "ada")["gitignore"]
+    assert said.startswith(f"added '.cambium/' to {a / '.gitignore'}: commit it")
+    assert "gitignore" not in cs.setup(str(a), "ada")           # said once: the line is there
+    git(a, "add", ".gitignore")
+    git(a, *GIT_ID, "commit", "-q", "-m", "ignore cambium")
+    git(a, "push", "-q", "origin", "HEAD:main")
+    assert "gitignore" in cs.setup(str(b), "bob")              # bob's own copy, untracked
+    pull = subprocess.run(["git", "pull", "-q", "origin", "main"], cwd=b, capture_output=True,
+                          text=True)
+    assert pull.returncode != 0 and ".gitignore" in pull.stderr    # what the note is for
+    (b / ".gitignore").unlink()                                      # its advice, followed
+    git(b, "pull", "-q", "origin", "main")
+    assert (b / ".gitignore").read_text() == ".cambium/\n"
+
+
 def test_setup_never_creates_a_gitignore_a_sparse_checkout_leaves_out(tmp_path):
     """In a sparse checkout without the tracked .gitignore, setup created one
     holding `.cambium/` alone: git read it as the team's ignore rules deleted
