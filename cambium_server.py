@@ -14112,6 +14112,7 @@ class Moved:
     refused: dict
     kept: list = field(default_factory=list)   # changed below meanwhile: both copies kept
     joined: list = field(default_factory=list)  # ids dst held already (a move cut short)
+    notes_held: list = field(default_factory=list)  # landed without a note org's gate held
 
 
 _MOVES_HELD = threading.local()
@@ -14148,22 +14149,22 @@ def move(cfg: Config, items: list[Item], src: str, dst: str, *,
     to that pull request and the src items are annotated with its URL instead;
     they leave src once it merges (settle_org_prs).
     """
+    held_back: set[str] = set()
     with moves_lock(cfg):
-        return _move(cfg, items, src, dst, gate=gate, copy=copy, message=message,
-                     pr_branch=pr_branch, pr_body=pr_body)
+        moved = _move(cfg, items, src, dst, gate=gate, copy=copy, message=message,
+                      pr_branch=pr_branch, pr_body=pr_body, held_back=held_back)
+    moved.notes_held = sorted(held_back & {it.id for it in moved.landed})
+    return moved
 
 
 def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
           gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
-          pr_branch: str | None, pr_body: str | None) -> Moved:
+          pr_branch: str | None, pr_body: str | None, held_back: set[str]) -> Moved:
     ids = {it.id for it in items}
-
     made: dict[str, Item] = {}      # id -> the source version its copy was made from
     joined: set[str] = set()        # ids dst held already: the source's news added to them
     clash: set[str] = set()         # ids dst holds for other words: neither copy moves
-
-    def gated(it: Item) -> Item:    # what lands in org: its endorsement notes gated
-        return publishable_notes(it) if dst == "org" else it
+    gated = functools.partial(_gated, dst, held_back)   # what lands: into org, notes gated
 
     def plan(doc: Doc) -> MovePlan:
         above = {it.id: it for it in first_copies(doc.items) if it.id in ids}
@@ -14212,6 +14213,19 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                                       CambiumError(error_text(e)), src, dst, held, write) from None
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
     return Moved(write, landed, planned.refused)
+
+
+def _gated(dst: str, held_back: set[str], it: Item) -> Item:
+    """What of a source copy's news lands in dst: into org, its endorsement
+    notes gated (publishable_notes), the ids whose notes were held back
+    entered in `held_back`: a teammate's note naming a file, given while the
+    move ran, went up without it and neither answer said so."""
+    if dst != "org":
+        return it
+    out = publishable_notes(it)
+    if out is not it:
+        held_back.add(it.id)
+    return out
 
 
 def _lifted(gated: Callable[[Item], Item], copy: Callable[[Item], Item], joined: set[str],
@@ -18621,6 +18635,18 @@ def _cut_short_marks(cfg: Config, item_id: str | None) -> tuple[Doc, set[str]]:
                  and i not in stale}
 
 
+def notes_held(moved: Moved) -> dict:
+    """The warning for items that went up to org without an endorsement note
+    given while they moved (_gated)."""
+    if not moved.notes_held:
+        return {}
+    return {"warnings": [
+        f"{', '.join(moved.notes_held)}: an endorsement given while it moved had a note that "
+        "reads project-specific (a file, a test, ...): the endorsement went up to org, its "
+        "note did not (org takes notes only through its gate); endorse it again in general "
+        "terms if the note matters"]}
+
+
 def kept_both(moved: Moved, src: str, dst: str) -> dict:
     """The warning for items changed in src while they moved (see _drop_moved)."""
     if not moved.kept:
@@ -18848,10 +18874,12 @@ def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, ext
             note += "; its text stays as org has it: restate it with generalize()"
         return answer_of({"status": "already_promoted", "scope": "org",
                           "item": item_view(there), "note": note},
-                         kept_both(moved, scope, "org"), retired_meanwhile(there))
+                         kept_both(moved, scope, "org"), retired_meanwhile(there),
+                         notes_held(moved))
     return answer_of({"status": "promoted", "to_scope": "org", "commit": moved.write.commit,
                       "item": item_view(there), **extra}, published_files(cfg),
-                     kept_both(moved, scope, "org"), retired_meanwhile(there))
+                     kept_both(moved, scope, "org"), retired_meanwhile(there),
+                     notes_held(moved))
 
 
 def answer_of(*parts: dict) -> dict:

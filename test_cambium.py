@@ -5210,6 +5210,31 @@ def _org_promote_paused_after_push(tmp_path: Path, item_id: str):
     return slow
 
 
+def test_a_note_org_holds_back_from_an_endorsement_given_during_a_move_is_said(
+        shared, monkeypatch, tmp_path):
+    """Clone B endorsed a team item with a note naming a file while clone A
+    moved it to org: the endorsement went up, its note did not (org's gate for
+    notes), and neither answer said so. A's promote now warns, naming it."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Pin every base image by digest")
+    cs.promote()
+    slow = _org_promote_paused_after_push(tmp_path, item_id)
+    env_b = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
+                                        CAMBIUM_AGENT_ID="bob").items()
+             if k != "CAMBIUM_ORG_REPO"}                 # B has no org: it sees the team copy
+    end = subprocess.run([*RUN, "endorse", item_id, "--note", "see ci/images/pin.sh"],
+                         env=env_b, cwd=shared["b"], capture_output=True, text=True, timeout=60)
+    assert end.returncode == 0 and json.loads(end.stdout)["scope"] == "team", end.stderr
+    (tmp_path / "go").touch()
+    out, err = slow.communicate(timeout=90)
+    assert slow.returncode == 0, err
+    said = json.loads(out).get("warnings", [])
+    assert any(w.startswith(f"{item_id}: an endorsement given while it moved") for w in said), out
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    (bob,) = [e for e in org["trust"]["endorsements"] if e["by"] == "bob"]
+    assert bob["note"] == ""
+
+
 def test_a_teammates_change_in_another_clone_during_a_team_to_org_move_is_carried_up(
         shared, monkeypatch, tmp_path):
     """Clone B deprecated a team item in the second between clone A's org push
