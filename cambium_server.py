@@ -14147,7 +14147,8 @@ def move(cfg: Config, items: list[Item], src: str, dst: str, *,
     holds counts as landed without a new copy (a retry, a merged pull request).
     Only what dst is verified to hold leaves src. With pr_branch the copies go
     to that pull request and the src items are annotated with its URL instead;
-    they leave src once it merges (settle_org_prs).
+    they leave src once it merges (settle_org_prs). Into org, an endorsement
+    note the gate reads as project-specific stays behind: Moved.notes_held.
     """
     held_back: set[str] = set()
     with moves_lock(cfg):
