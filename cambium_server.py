@@ -4751,20 +4751,14 @@ def _wrong_kind_warning(folder: Path, name: str) -> str:
     if _kind_owned((folder / was).parent, folder, Path(was).name) == "dir":   # (DIR_TAG's too)
         kind = "a regular file" if DIR_TAG in name else "a FIFO, socket or device"
         return (f"{folder / was} was not a directory ({kind}), where cambium keeps "
-                f"{_dir_keeps(was)}; cambium moved it to {moved}: delete it once you know "
-                "what made it.")
+                f"{KEPT_DIRS[was.split('/')[0]]}; cambium moved it to {moved}: delete it once "
+                "you know what made it.")
     if UP_TAG in name:
         was = f"{VECTORS_DIR}/{TOKENS_DIR}/{Path(was).name}"
     kind = "a directory" if moved.is_dir() and not moved.is_symlink() \
         else "a FIFO, socket or device"
     return (f"{folder / was} was not a regular file ({kind}), which cambium cannot read or "
             f"write, so it moved it to {moved}: delete it once you know what made it.")
-
-
-def _dir_keeps(was: str) -> str:
-    """What cambium keeps in the directory at `was` (under .cambium/), and what
-    failed while something else sat there (KEPT_DIRS, _kind_owned's 'dir' places)."""
-    return KEPT_DIRS[was.split("/")[0]]
 
 
 def lock_dir_warnings(folder: Path, names: list[str]) -> list[str]:
@@ -9189,7 +9183,7 @@ EMBED_RATE_GUESS = 8_000.0          #: characters/s per thread assumed before on
 VECTORS_DIR = "vectors"             #: under .cambium/; gitignored, never committed
 IMPORTS_DIR = "imports"             #: under .cambium/: each import's id map
 #: The directories cambium keeps in .cambium/ (_kind_owned), each with what it keeps
-#: there and what failed while something else sat there (_dir_keeps).
+#: there and what failed while something else sat there (_wrong_kind_warning).
 KEPT_DIRS = {
     VECTORS_DIR: "its vector cache, so every save of it failed",
     IMPORTS_DIR: "the id map of each import, so no import could write its map",
@@ -20762,9 +20756,10 @@ def say_serving_to_a_terminal() -> None:
     and never on stdout, which carries only JSON-RPC."""
     with contextlib.suppress(OSError, ValueError):
         if os.isatty(0):
-            print(f"{_as_invoked()}: serving MCP over stdio, for an MCP client to talk to (it "
-                  "reads JSON-RPC, not commands); Ctrl-D or Ctrl-C stops it; "
-                  f"`{_as_invoked()} --help` lists the commands.", file=sys.stderr)
+            me = _as_invoked()
+            print(f"{me}: serving MCP over stdio, for an MCP client to talk to (it reads "
+                  "JSON-RPC, not commands); Ctrl-D or Ctrl-C stops it; "
+                  f"`{me} --help` lists the commands.", file=sys.stderr)
 
 
 SIGNAL_EXIT_S = 20.0    #: after SIGINT/SIGTERM the stdio server exits within this, folded or not
@@ -21711,10 +21706,9 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
 
 def distill_summary(result: dict) -> str:
     """The one line a hook prints: counts, then each source's status ("not in
-    use" for one absent with a note: only SourceRead.not_in_use gives an absent
-    source a note)."""
-    per = "; ".join(f"{name} " + ("not in use" if info["status"] == "absent" and
-                                  info.get("note") else info["status"])
+    use" for one SourceRead.not_in_use marked)."""
+    per = "; ".join(f"{name} " + ("not in use" if info.get("note") == NOT_IN_USE
+                                  else info["status"])
                     + (f" ({info['imported']} new)" if info.get("imported") else "")
                     for name, info in result["sources"].items())
     n = len(result["warnings"])
