@@ -21135,8 +21135,11 @@ def program_name(argv0: str) -> str:
 
 
 def _prog() -> str:
-    """The program as it was invoked, as argparse names it in the usage line."""
-    return program_name(sys.argv[0] if sys.argv else "")
+    """The program as it was invoked, naming the usage line and the CLI's
+    messages: `python3 -m cambium_server` for -m, as the hints do (argparse's
+    own default, argv[0]'s name, said `cambium_server.py`, a command that does
+    not run where only the module is installed)."""
+    return _as_invoked()
 
 
 #: The program a hint names when the way this process started names none that
@@ -21182,7 +21185,7 @@ def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser: every command, or only `command`'s when it names one (a hook
     runs one command, and building the rest costs it milliseconds)."""
     ap = argparse.ArgumentParser(
-        description="cambium knowledge server. With no command it serves MCP over stdio; "
+        prog=_prog(), description="cambium knowledge server. With no command it serves MCP over stdio; "
         "with a command it runs that tool once and prints JSON.", allow_abbrev=False)
     ap.add_argument("--version", action="version", version=__version__)
     sub = ap.add_subparsers(dest="command", metavar="command")

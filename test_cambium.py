@@ -14785,7 +14785,7 @@ def test_cli_text_format_has_no_python_literals(repo):
 
 def test_cli_usage_names_the_program_as_invoked(tmp_path):
     out = cli("recall")
-    assert out.returncode == 2 and out.stderr.startswith("usage: cambium_server.py recall")
+    assert out.returncode == 2 and out.stderr.startswith("usage: python3 -m cambium_server recall")
     link = tmp_path / "kb"
     link.symlink_to(SERVER)
     run = subprocess.run([sys.executable, str(link), "recall", "x", "--limit", "0"],
@@ -14950,7 +14950,7 @@ def test_cli_capture_recall_json_and_text(repo):
 def test_cli_error_exits_nonzero_with_message(repo):
     out = cli("endorse", "k-nope")
     assert out.returncode == 1 and not out.stdout
-    assert out.stderr.startswith("cambium_server.py endorse: No item k-nope")
+    assert out.stderr.startswith("python3 -m cambium_server endorse: No item k-nope")
 
 
 def test_cli_unconfigured_exits_nonzero_with_guidance(tmp_path):
@@ -20132,7 +20132,7 @@ def test_cli_small_contracts_hold(repo, tmp_path):
     out = cli("export", "-o", str(tmp_path / "K.md"))
     assert out.returncode == 0 and json.loads(out.stdout)["written"] == str(tmp_path / "K.md")
     text = cli("export", "-o", str(tmp_path / "K.md"), "--format", "text")
-    assert text.stdout.startswith("cambium_server.py export: wrote")
+    assert text.stdout.startswith("python3 -m cambium_server export: wrote")
     served = subprocess.run([*RUN, "serve", "--port", "17999"],
                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
                             timeout=60, cwd=repo)
