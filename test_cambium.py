@@ -7586,7 +7586,7 @@ def make_stub_gh(tmp: Path) -> Path:
     bindir.mkdir(exist_ok=True)
     log = tmp / "gh-calls.jsonl"
     (bindir / "gh").write_text(textwrap.dedent(f"""\
-        #!{sys.executable}
+        #!{sys.executable} -S
         import json, os, subprocess, sys
         with open({str(log)!r}, "a") as f:
             f.write(json.dumps(sys.argv[1:]) + "\\n")
