@@ -16017,14 +16017,18 @@ def used_here(cfg: Config) -> frozenset[str]:
 def read_shown(cfg: Config) -> list[dict]:
     """Every readable record, oldest first (the rotated file, then the live one);
     a torn or foreign line is skipped, never rewritten, and a file that cannot
-    be read (not a regular file: a FIFO would block) is skipped."""
+    be read (not a regular file: a FIFO would block) is skipped, named in the
+    call's warnings: a directory in its place answered "no sessions"."""
     out: list[dict] = []
     path = _shown_path(cfg)
     for p in (path.with_name(SHOWN_FILE + ".1"), path):
         try:
             with open(p, encoding="utf-8", errors="replace", opener=open_regular) as f:
                 text = f.read()
-        except OSError:
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            _shown_unread(p, e)
             continue
         for line in text.split("\n"):      # (U+2028 is text inside a JSON string)
             with contextlib.suppress(ValueError, RecursionError):
@@ -16033,6 +16037,26 @@ def read_shown(cfg: Config) -> list[dict]:
                         and isinstance(rec.get("session"), str):
                     out.append(rec)
     return out
+
+
+def _shown_unread(path: Path, e: OSError) -> None:
+    """A usage journal that is no file (a directory in its place) is named, as
+    an unreadable credit journal is (_journal_unread): usage() would otherwise
+    answer no sessions, and status ok."""
+    note_for_call(f"usage journal not read ({path}: {e.strerror or e}); it is left as "
+                  "it is (make it a file again to let usage list what sessions were shown)")
+
+
+def check_shown(cfg: Config) -> None:
+    """Name a usage journal file that cannot be opened (status: without reading it)."""
+    path = _shown_path(cfg)
+    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+        try:
+            os.close(open_regular(p))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            _shown_unread(p, e)
 
 
 def shown_by(records: list[dict], key: str, value: str, group: str) -> list[dict]:
@@ -16817,6 +16841,7 @@ def _status(cfg: Config) -> dict:
     warnings = local.warnings
     if cfg.file_error:
         warnings.append(cfg.file_error)
+    check_shown(cfg)                     # (its note joins the answer's warnings)
     warnings += [f"{name} scope: {info['duplicate_ids_note']}"
                  for name, info in out["scopes"].items() if info.get("duplicate_ids_note")]
     if not out["scopes"].get("team", {}).get("items"):   # (an empty team: set by hand?)

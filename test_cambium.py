@@ -4317,6 +4317,27 @@ def test_a_directory_in_place_of_the_credit_journal_fails_no_write_nor_status(re
     assert (journal / "kept").read_text() == "a person's"
 
 
+def test_a_directory_in_place_of_the_usage_journal_is_named_by_usage_and_status(repo,
+                                                                                monkeypatch):
+    """A directory .cambium/shown.jsonl made usage() answer no sessions, with
+    no warning, and status ok: read_shown swallowed every OSError. Now usage's
+    and status's warnings name it, as for the credit journal, and it is left."""
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "s-1")
+    item = cs.capture("Rotate API keys every month")["item"]["id"]
+    cs.recall("rotate api keys")
+    assert cs.usage()["count"] == 1
+    journal = repo / ".cambium" / "shown.jsonl"
+    journal.unlink()
+    journal.mkdir()
+    (journal / "kept").write_text("a person's")
+    for call in (cs.usage, lambda: cs.usage(item_id=item), cs.status):
+        with cs.collecting_notes():
+            res = cs.with_store_warnings(call())
+        assert any(str(journal) in w and "usage journal not read" in w
+                   for w in res.get("warnings", [])), res
+    assert (journal / "kept").read_text() == "a person's"
+
+
 def test_a_directory_in_place_of_a_lock_file_is_named_by_status_and_recall(repo):
     """A directory .cambium/knowledge.json.lock failed every capture, promote
     and credit fold (EISDIR) while status said ok with no warning and recall
