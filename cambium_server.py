@@ -18941,8 +18941,8 @@ def hand_written_note(name: str) -> str:
 
 
 def generalize(item_id: ItemId, org_content: Annotated[str | None, Field(
-                   "The content restated in general terms; with neither this nor org_why: "
-                   "the latest endorsement note.")] = None,
+                   "The content restated in general terms; with none of this, org_why and "
+                   "org_kind: the latest endorsement note.")] = None,
                org_why: Annotated[str | None, Field(
                    "The why restated in general terms.")] = None,
                org_kind: Annotated[str | None, Field(

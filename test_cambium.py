@@ -14738,6 +14738,14 @@ def test_each_tool_describes_its_own_arguments():
             assert prop.get("description"), (t.name, arg)
 
 
+def test_generalize_schema_says_the_note_stands_in_only_with_none_of_the_three():
+    """org_content's description said the endorsement note stands in 'with
+    neither this nor org_why', but org_kind alone also stops it (_restatement_body)."""
+    tools = {t.name: t for t in asyncio.run(cs.build_server().list_tools())}
+    text = tools["generalize"].input_schema["properties"]["org_content"]["description"]
+    assert "org_why" in text and "org_kind" in text and "neither" not in text
+
+
 def _readme_signature(param) -> str:
     """How README's tools table writes an argument: bare when required, `name?`
     when it defaults to nothing (None, ""), else `name=default`."""
