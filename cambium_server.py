@@ -16936,7 +16936,8 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     """
     env = os.environ
     root = _project_root(project_repo)
-    agent_id = _checked_setup_args(root, agent_id, team_branch)
+    org_repo, team_branch = (v if _given(v) else None for v in (org_repo, team_branch))  # (as
+    agent_id = _checked_setup_args(root, agent_id, team_branch)   # "": " " was refused as empty)
     updates: dict[str, Any] = {"CAMBIUM_REPO": str(root), "CAMBIUM_AGENT_ID": agent_id}
     if team_branch:
         updates[TEAM_BRANCHES] = {os.path.realpath(store_root(root)): team_branch}

@@ -1459,6 +1459,20 @@ def test_setup_accepts_local_org_clone(tmp_path):
     assert cs.resolve_config().org_pr is True
 
 
+def test_setup_takes_a_blank_org_repo_or_team_branch_as_omitted(tmp_path):
+    """org_repo="" counted as omitted but " " was refused ("org_repo is empty"),
+    and team_branch "" or " " as no valid branch name; a blank value counts as
+    unset (README), so each blank one now leaves its setting as it was."""
+    r = make_repo(tmp_path)
+    org = make_repo(tmp_path, "org-knowledge")
+    cs.setup(str(r), "ada", org_repo=str(org))
+    for blank in ("", " ", "\t"):
+        out = cs.setup(str(r), "ada", org_repo=blank, team_branch=blank)
+        assert set(out["written"]) == {"CAMBIUM_REPO", "CAMBIUM_AGENT_ID"}, blank
+        assert cs.resolve_config().org_repo == org.resolve()
+        assert cs.resolve_config().team_branch == "cambium"
+
+
 def test_setup_refuses_the_project_itself_as_the_org_clone(tmp_path, monkeypatch):
     """org_repo = the project (or a folder in it) was accepted, and the org
     store force-synced the project's own checkout: branch switched, uncommitted
