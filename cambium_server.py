@@ -14466,7 +14466,8 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
     Each item is settled on its own (_settle_merged): one that cannot be now (a
     protected branch, a refused push) is a line in `failed` and holds up no
     other; with failed None, the first such failure is raised. `repointed`
-    gets id -> URL of each item whose news now waits on cambium/updates."""
+    gets id -> URL of each item whose news now waits on cambium/updates;
+    a note org's gate held back from that news is a line in `failed` too."""
     if cfg.org_repo is None:
         return []
     if docs is None:
@@ -14481,7 +14482,7 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
                 if failed is not None:
                     failed.append(PR_ID_CONFLICT.format(id=it.id, url=it.pr_url, src=scope))
                 continue
-            settled += _settle_merged(cfg, scope, it, held[it.id], repointed)
+            settled += _settle_merged(cfg, scope, it, held[it.id], repointed, failed)
         except CambiumError as e:
             if failed is None:
                 raise
@@ -14521,7 +14522,8 @@ def _org_held(cfg: Config, docs: dict[str, Doc]) -> dict[str, Item]:
 
 
 def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
-                   repointed: dict[str, str] | None = None) -> list[str]:
+                   repointed: dict[str, str] | None = None,
+                   said: list[str] | None = None) -> list[str]:
     """One item waiting on an org pull request whose copy org's tip holds
     (`there`): the merged copy is the copy, whatever words the reviewer gave
     it, so the copy below leaves, carrying up only what it gained since that
@@ -14529,7 +14531,9 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     branch: that goes through the cambium/updates pull request, the copy below
     waiting for its merge (as _finish_held_move); one such pull request holds
     it already: it keeps waiting. Returns [id] when the copy below left; one
-    sent to wait on cambium/updates goes in `repointed` with that PR's URL."""
+    sent to wait on cambium/updates goes in `repointed` with that PR's URL; a
+    note org's gate held back from what it gained (a teammate endorsed it with
+    a note naming a file while its promote ran) is a warning in `said`."""
     branch = None
     if cfg.org_pr and news_over(there, item, holds=_org_ids_for(cfg, item)) is not None:
         if _updates_propose(cfg, item):
@@ -14540,6 +14544,8 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
                  pr_body=PR_BODY)
     if branch and repointed is not None and moved.write.pr_url:
         repointed.update((it.id, moved.write.pr_url) for it in moved.landed)
+    if said is not None:
+        said += notes_held(moved).get("warnings", [])
     return [] if branch else [it.id for it in moved.landed]
 
 
@@ -18884,10 +18890,10 @@ def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, ext
     or already_promoted (org held it already: a move cut short)."""
     if branch:
         hand = published_files(cfg).get("warnings")
-        return {"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch,
-                "item": item_view(moved.landed[0]), **extra, "source_scope": scope,
-                "note": f"the {scope} copy stays until the PR merges",
-                **({"warnings": hand} if hand else {})}
+        return answer_of({"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch,
+                          "item": item_view(moved.landed[0]), **extra, "source_scope": scope,
+                          "note": f"the {scope} copy stays until the PR merges",
+                          **({"warnings": hand} if hand else {})}, notes_held(moved))
     (there,) = as_landed(cfg, "org", moved)
     if there.id in moved.joined or moved.write.commit is None:   # (a peer's landed first)
         note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")

@@ -7884,6 +7884,59 @@ def test_pr_mode_a_change_a_settling_drop_met_goes_up_through_a_pr(shared, monke
     assert "bob" in {e["by"] for e in proposed["trust"]["endorsements"]}
 
 
+def test_pr_mode_a_note_org_holds_back_from_an_endorsement_given_during_a_promote_is_said(
+        shared, monkeypatch, tmp_path):
+    """PR mode: clone B endorsed a team item with a note naming a file while
+    clone A's promote opened its org pull request. The PR went without the
+    endorsement (the team copy kept it); once it merged, review proposed it on
+    cambium/updates without its note (org's gate for notes) and said nothing,
+    as a direct push's promote did before notes_held. The review warns."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item)
+    _peer_acts_before_our_push(monkeypatch, "org", shared["b"], "endorse", item, "--note",
+                               "see ci/images/pin.sh", CAMBIUM_ORG_REPO="")
+    res = cs.promote(item, to_scope="org", force=True)
+    assert res["status"] == "pr_opened" and "warnings" not in res, res   # nothing held yet
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    set_pr_state(tmp_path, res["pr_url"], "MERGED")
+    review = cs.review_promotions()
+    assert [u["id"] for u in review["updates_org_prs"]] == [item]
+    assert any(w.startswith(f"{item}: an endorsement given while it moved")
+               for w in review.get("warnings", [])), review
+    (up,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    (bob,) = [e for e in up["trust"]["endorsements"] if e["by"] == "bob"]
+    assert bob["note"] == ""
+
+
+def test_pr_mode_a_promote_whose_updates_pr_holds_back_a_note_says_so(
+        shared, monkeypatch, tmp_path):
+    """PR mode, a cut-short move's team copy endorsed with a note naming a file,
+    then deprecated (by a teammate without org): promote proposed both on
+    cambium/updates, the note held back by org's gate, and its pr_opened answer
+    said nothing of it, where a direct push's answer warns (notes_held)."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Always set timeouts on outbound network calls")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared)                 # the copy the kill left
+    monkeypatch.delenv("CAMBIUM_ORG_REPO")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    assert cs.endorse(item, note="see src/net/client.py")["scope"] == "team"
+    cs.deprecate(item, reason="no longer true")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    res = cs.promote(item, to_scope="org")
+    assert res["status"] == "pr_opened" and res["branch"] == "cambium/updates", res
+    assert any(w.startswith(f"{item}: an endorsement given while it moved")
+               for w in res.get("warnings", [])), res
+    (up,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    (bob,) = [e for e in up["trust"]["endorsements"] if e["by"] == "bob"]
+    assert bob["note"] == "" and up["status"] == "deprecated"
+
+
 def test_a_review_asks_a_hanging_gh_once_and_leaves_org_credits_journaled(
         shared, monkeypatch, tmp_path):
     """With gh hanging, a review asked it about every waiting pull request
