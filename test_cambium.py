@@ -16496,6 +16496,40 @@ def test_a_recall_that_waited_for_the_backlog_says_so_in_its_note(monkeypatch):
 
 
 @needs_extra
+def test_a_recall_s_wait_note_counts_only_items_that_had_no_vectors(monkeypatch):
+    """A backlog of three new items and three that lacked only their token
+    file, embedded in one chunk while a recall waited: its note said it had
+    embedded 6 new items, counting the three retokenized ones (they had
+    vectors and ranked meanwhile, and no recall waits for them). It says 3."""
+    monkeypatch.setattr(cs, "BACKLOG_NOTE_S", 0.5)
+    monkeypatch.setattr(cs.Semantic, "_help", lambda self, emb, deadline: None)  # one chunk
+    old = [cs.Item(id=f"o-{i}", content=f"Note {i} on the ledger export format", tags=["x"])
+           for i in range(3)]
+    new = [cs.Item(id=f"n-{i}", content=f"Note {i} on the invoice retry policy", tags=["y"])
+           for i in range(3)]
+    eng = cs.Semantic(None)
+    eng.ready()
+    eng.rate = 1e9                                  # looks instant: worth waiting for
+    cs.rank(cs.build_index(old), "ledger export", 3, engine=eng)
+    assert eng.wait_idle(120) and eng.tokens is not None and eng.embedded == 3
+    eng.tokens.mem.clear()                          # vectors kept, token files lost
+    gate, real = threading.Event(), cs.Semantic._embed_items
+
+    def held(self, emb, chunk):                     # the embedder holds until released
+        gate.wait(30)
+        return real(self, emb, chunk)
+
+    monkeypatch.setattr(cs.Semantic, "_embed_items", held)
+    release = threading.Timer(0.6, gate.set)
+    release.start()
+    note = cs.rank(cs.build_index(old + new), "invoice retry", 3, engine=eng).note or ""
+    assert eng.embedded == 3 + 6, eng.embedded      # the three retokenized in the same wait
+    assert re.fullmatch(r"This recall waited [1-9]\d* s to embed 3 new items first; later "
+                        r"recalls will not wait for them\.", note), note
+    assert eng.wait_idle(120) and all(eng.tokens.has(eng.key(it)) for it in old)
+
+
+@needs_extra
 def test_a_recall_whose_wait_ended_in_a_failed_embedding_claims_nothing_embedded(monkeypatch):
     """The wait note counted the backlog's shrinking, and a failed embedding
     empties it too: a recall whose items all failed said it embedded them and
