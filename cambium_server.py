@@ -14545,7 +14545,7 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     if branch and repointed is not None and moved.write.pr_url:
         repointed.update((it.id, moved.write.pr_url) for it in moved.landed)
     if said is not None:
-        said += notes_held(moved).get("warnings", [])
+        said += notes_held(moved, proposed=bool(branch)).get("warnings", [])
     return [] if branch else [it.id for it in moved.landed]
 
 
@@ -18662,14 +18662,15 @@ def _cut_short_marks(cfg: Config, item_id: str | None) -> tuple[Doc, set[str]]:
                  and i not in stale}
 
 
-def notes_held(moved: Moved) -> dict:
-    """The warning for items that went up to org without an endorsement note
-    given while they moved (_gated)."""
+def notes_held(moved: Moved, proposed: bool = False) -> dict:
+    """The warning for items that went up to org (or, `proposed`, into org's
+    pull request) without an endorsement note given while they moved (_gated)."""
     if not moved.notes_held:
         return {}
+    went = "is proposed to org" if proposed else "went up to org"
     return {"warnings": [
         f"{', '.join(moved.notes_held)}: an endorsement given while it moved had a note that "
-        "reads project-specific (a file, a test, ...): the endorsement went up to org, its "
+        f"reads project-specific (a file, a test, ...): the endorsement {went}, its "
         "note did not (org takes notes only through its gate); endorse it again in general "
         "terms if the note matters"]}
 
@@ -18893,7 +18894,7 @@ def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, ext
         return answer_of({"status": "pr_opened", "pr_url": moved.write.pr_url, "branch": branch,
                           "item": item_view(moved.landed[0]), **extra, "source_scope": scope,
                           "note": f"the {scope} copy stays until the PR merges",
-                          **({"warnings": hand} if hand else {})}, notes_held(moved))
+                          **({"warnings": hand} if hand else {})}, notes_held(moved, proposed=True))
     (there,) = as_landed(cfg, "org", moved)
     if there.id in moved.joined or moved.write.commit is None:   # (a peer's landed first)
         note = CUT_SHORT_NOTE.format(dst="org", src=scope, what="this item")
