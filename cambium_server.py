@@ -12713,14 +12713,56 @@ def decides_differently(a: Item, b: Item) -> bool:
     other lacks: 2 retries, 7 retries), or two short rules where one says
     not and the other does not: never the same thing, however close their
     words (pure). A figure or a "not" one side leaves out is no difference:
-    a paraphrase often drops a detail of a long item."""
+    a paraphrase often drops a detail of a long item. A qualifier one side
+    adds to the other's words is one (adds_a_qualifier)."""
     def facts(it: Item) -> tuple:
         text = it.content.lower()
         return (collections.Counter(_FIGURE.findall(text)), bool(_NEGATION.search(text)),
                 len(text.split()) <= SHORT_RULE_WORDS)
     (fa, na, sa), (fb, nb, sb) = facts(a), facts(b)   # (a figure said twice counts twice)
     return bool(fa - fb and fb - fa) or (sa and sb and na != nb) or \
-        swaps_a_choice(a.content, b.content) or turns_a_preference(a.content, b.content)
+        swaps_a_choice(a.content, b.content) or turns_a_preference(a.content, b.content) \
+        or adds_a_qualifier(a.content, b.content)
+
+
+#: Words that open a phrase saying where, when, for whom or on what condition a
+#: claim holds (prepositions, subordinators). Not "to", "so", "as", "because",
+#: "since": a purpose or a reason restricts nothing
+_QUALIFIER_WORDS = frozenset("""
+in on at for of per within during under inside outside across from with by behind except
+excluding unless if when whenever while where once until after before between among beyond
+against through throughout via upon into onto""".split())
+#: Content words that make such a phrase an adverbial idiom, no restriction
+#: ("for example", "in general", "in practice", "of course")
+_IDIOM_WORDS = frozenset("example instance general practice fact course short addition "
+                         "principle effect".split())
+
+
+def adds_a_qualifier(a: str, b: str) -> bool:
+    """One text holding every content word of the other and adding a phrase
+    that restricts it: a qualifier word the other does not say there, whose
+    object (its next content word) the other lacks ("the cache TTL is 300
+    seconds" and "... in staging"; "expires after 15 minutes" and "... of
+    inactivity"; "... when the index is cold"). The shorter holds always, the
+    longer only there: a fold kept one alone. Words added without such a
+    phrase ("always run the linter") are a rewording, and so is a phrase whose
+    object the other says already (moved, as a paraphrase reorders) (pure)."""
+    ta, tb = set(tokenize(a)), set(tokenize(b))
+    if not (ta < tb or tb < ta):
+        return False                  # (each has a word the other lacks: no qualifier added)
+    (short, shorter), (_, longer) = sorted(((ta, a), (tb, b)), key=lambda p: len(p[0]))
+    ws, wl = _WORD.findall(fold(shorter)), _WORD.findall(fold(longer))
+    match = difflib.SequenceMatcher(None, [stem(w) for w in ws], [stem(w) for w in wl],
+                                    autojunk=False)
+    for tag, i1, i2, j1, j2 in match.get_opcodes():
+        added = wl[j1:j2]
+        for k, w in enumerate(added):
+            if tag == "equal" or w not in _QUALIFIER_WORDS or w in ws[i1:i2]:
+                continue
+            head = next((x for x in added[k + 1:] if x not in _STOPWORDS), None)
+            if head and stem(head) not in short and head not in _IDIOM_WORDS:
+                return True
+    return False
 
 
 def turns_a_preference(a: str, b: str) -> bool:

@@ -10487,11 +10487,40 @@ def test_consolidate_never_groups_rules_that_state_different_figures_or_a_not():
     same = [cs.new_item("Retry failed jobs 3 times, not only once"),
             cs.new_item("Retry failed jobs 3 times (not only once).")]
     assert len(cs.duplicate_groups(same, {})) == 1
-    long = cs.new_item("Rotate the signing keys every 90 days and keep the previous key "
-                       "for 7 days so tokens signed just before a rotation still verify")
-    short = cs.new_item("Rotate the signing keys every 90 days and keep the previous key "
+    long = cs.new_item("Rotate the signing keys every 90 days and keep the 2 previous keys "
+                       "so tokens signed just before a rotation still verify")
+    short = cs.new_item("Rotate the signing keys every 90 days and keep the previous keys "
                         "so tokens signed just before a rotation still verify")
     assert not cs.decides_differently(long, short)      # a detail left out differs in nothing
+    held = cs.new_item("Rotate the signing keys every 90 days and keep the previous keys "
+                       "for 7 days so tokens signed just before a rotation still verify")
+    assert cs.decides_differently(held, short)          # ... but a qualifier does
+
+
+def test_consolidate_never_folds_a_claim_into_the_same_claim_with_a_qualifier(repo):
+    """In a store of 40 items "the cache TTL is 300 seconds" and the same
+    "in staging" scored 0.93 and were folded: the claim went on without its
+    qualifier, or with it, alone. A word added with no such phrase still folds."""
+    for team in ("billing", "search", "ledger", "identity", "payments", "mobile", "data", "infra"):
+        for thing in ("dashboard", "runbook", "pager rota", "roadmap", "budget"):
+            cs.capture(f"The {team} team owns the {thing}")
+    pairs = [("The session cache TTL is 300 seconds",
+              "The session cache TTL is 300 seconds in staging"),
+             ("Access tokens expire after 15 minutes",
+              "Access tokens expire after 15 minutes of inactivity"),
+             ("Nightly builds publish signed artifacts to the release bucket",
+              "Nightly builds publish signed artifacts to the release bucket per tenant")]
+    ids = [cs.capture(text)["item"]["id"] for pair in pairs for text in pair]
+    same = {cs.capture("Run the full linter suite before pushing to main")["item"]["id"],
+            cs.capture("Always run the full linter suite before pushing to main")["item"]["id"]}
+    for a, b in pairs:
+        assert cs.adds_a_qualifier(a, b) and cs.adds_a_qualifier(b, a), (a, b)
+    plan = cs.consolidate()
+    assert [{g["survivor"]["id"], *(d["id"] for d in g["duplicates"])}
+            for g in plan["groups"]] == [same], plan
+    cs.consolidate(apply=True)
+    items = {i.id: i for i in cs.store(cs.require_config(), "local").read().items}
+    assert all(items[i].active for i in ids)
 
 
 def test_consolidate_never_groups_rules_that_swap_one_choice():
