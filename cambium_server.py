@@ -14688,16 +14688,34 @@ class PrCheck:
     unanswered: list = field(default_factory=list)  # ids whose PR gh could not say anything of
     warnings: list = field(default_factory=list)    # what failed (that item keeps waiting)
     credits: list = field(default_factory=list)     # org recall credits proposed (PR mode)
+    open_prs: list = field(default_factory=list)    # shared branches' open PRs (note_open)
 
     def reported(self) -> tuple[tuple[str, list], ...]:
         """review_promotions' keys for what this found (an empty one is left out)."""
         return (("closed_org_prs", self.withdrawn), ("caught_up_org_prs", self.caught_up),
-                ("opened_org_prs", self.opened), ("org_credit_prs", self.credits))
+                ("opened_org_prs", self.opened), ("org_credit_prs", self.credits),
+                ("open_org_prs", self.open_prs))
+
+    def note_open(self, branch: str, url: str | None) -> None:
+        """Note a shared branch's open pull request for open_org_prs, once: an
+        org item's endorse, verify, deprecate, correct or generalize answers
+        that review_promotions lists it, and it waits on no item's pr_url, so
+        pending_org_prs never named it."""
+        if url and all(e["branch"] != branch for e in self.open_prs):
+            topic = branch.removeprefix(PR_PREFIX)
+            self.open_prs.append({"branch": branch, "pr_url": url,
+                                  "proposes": SHARED_PR_PROPOSES[topic]})
 
 
 PR_CHECK_BUDGET_S = 20.0   #: review_promotions asks gh about pull requests this long at most
 HUNG_GH = "a gh call timed out, and gh was not asked again in this review"
 SHARED_PR_TOPICS = ("updates", "generalize", "knowledge-md")   #: see pr_branch
+SHARED_PR_PROPOSES = {       #: what each shared branch's pull request carries (open_org_prs)
+    "updates": "changes to org items (endorsements, verifications, deprecations, corrections, "
+               "consolidations, check results, news of merged promotions) and org recall "
+               "credits",
+    "generalize": "org items restated as cross-project rules (generalize)",
+    "knowledge-md": "org's KNOWLEDGE.md rendered again from knowledge.json"}
 
 
 def _shared_pr_branches(cfg: Config, warnings: list[str]) -> list[str]:
@@ -14770,6 +14788,7 @@ def _propose_credits(cfg: Config, out: PrCheck, budget: Budget) -> None:
     try:
         if (proposed := carry_org_credits(cfg)) is not None:
             out.credits.append(proposed)
+            out.note_open(proposed["branch"], proposed["pr_url"])
     except CambiumError as e:
         out.warnings.append(f"recall credits of org items not proposed now (they stay "
                             f"journaled): {e}")
@@ -14803,7 +14822,8 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
     (gh failed once the branch was pushed)."""
     org = store(cfg, "org")
     try:
-        if open_pr_url(cfg, org, branch):
+        if url := open_pr_url(cfg, org, branch):
+            out.note_open(branch, url)
             if org.catch_up_side(branch):
                 out.caught_up.append(branch)
             return
@@ -14819,6 +14839,7 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
         elif org.proposes(branch, side):
             out.opened.append({"branch": branch, "pr_url": open_pr(
                 cfg, org, branch, f"cambium: {branch.rsplit('/', 1)[-1]}", PR_BODY)})
+            out.note_open(branch, out.opened[-1]["pr_url"])
     except CambiumError as e:
         out.warnings.append(f"{branch}: its org PR could not be brought up to org's tip: {e}")
 
@@ -18546,7 +18567,8 @@ def _update_anywhere(cfg: Config, item_id: str, change: Callable[[Item], Item | 
 
 
 PROPOSED_NOTE = ("proposed in org's pull request, not done yet: org serves what it held "
-                 "until a person merges it (review_promotions lists the open ones)")
+                 "until a person merges it (review_promotions lists the open ones: "
+                 "open_org_prs)")
 
 
 def proposed(out: dict, write: Write | None) -> dict:
@@ -19112,6 +19134,8 @@ def updates_waits(repointed: dict[str, str]) -> list[dict]:
 
 
 REVIEW_LIMIT, MAX_REVIEW_LIMIT = 50, 1000   #: review_promotions' entries a list: default, most
+REVIEW_LISTS = ("team_eligible", "endorsed_for_org", "pending_org_prs",   #: its lists always
+                "org_needs_generalization")                               #: there, cut to limit
 
 
 def review_promotions(limit: Annotated[int, Field(
@@ -19122,8 +19146,9 @@ def review_promotions(limit: Annotated[int, Field(
     Returns team_eligible (local items that promote() would move now),
     endorsed_for_org (team items endorsed and ready for promote(to_scope="org")),
     pending_org_prs (items waiting on an org pull request, with pr_state when
-    gh can say), and org_needs_generalization (org items whose body still reads
-    project-specific, each with the tells and a suggested restatement for
+    gh can say), open_org_prs (PR mode: the shared branches' open PRs, where
+    changes to org items wait), and org_needs_generalization (org items whose
+    body reads project-specific, with tells and a suggested restatement for
     generalize()). Also finishes moves whose org pull request has merged
     (settled_org_prs), withdraws those whose pull request was closed without
     merging, or merged and reverted (closed_org_prs: the item stays where it
@@ -19140,8 +19165,7 @@ def review_promotions(limit: Annotated[int, Field(
     if settled or prs.withdrawn or repointed:     # items moved or changed: read what is now
         docs, warnings = read_scopes(cfg, SCOPES)
     pending = pending_by_item(cfg)
-    out: dict[str, Any] = {"team_eligible": [], "endorsed_for_org": [], "pending_org_prs": [],
-                           "org_needs_generalization": []}
+    out: dict[str, Any] = {key: [] for key in REVIEW_LISTS}
     to_org = moving_to(docs["local"], "org")
     for it in (it for it in first_copies(docs["local"].items) if it.id not in to_org):
         trust = effective_trust(it, pending)
@@ -19172,8 +19196,7 @@ def review_promotions(limit: Annotated[int, Field(
                      *prs.reported(), ("warnings", [*warnings, *unsettled, *prs.warnings])):
         if got:
             out[key] = got
-    return bounded_lists(with_org_off_warning(cfg, out), (
-        "team_eligible", "endorsed_for_org", "pending_org_prs", "org_needs_generalization"), limit)
+    return bounded_lists(with_org_off_warning(cfg, out), REVIEW_LISTS, limit)
 
 
 def with_org_off_warning(cfg: Config, out: dict) -> dict:

@@ -8265,6 +8265,30 @@ def test_a_consolidate_cut_short_keeps_what_its_duplicate_gained_before_the_reru
         "verified in staging"
 
 
+def test_pr_mode_review_lists_the_open_shared_prs_an_org_change_waits_in(
+        shared, monkeypatch, tmp_path):
+    """An endorse of an org item in PR mode said review_promotions lists the
+    open pull requests, but it listed only those an item's pr_url names: the
+    cambium/updates PR it went into appeared nowhere. Listed until merged."""
+    _, a, b = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    said = cs.endorse(a, note="bob agrees")
+    assert said["pending"] is True and "open_org_prs" in said["note"]
+    restated = cs.generalize(b, org_content="Pin container base images by digest")
+    review = cs.review_promotions()
+    assert [(p["branch"], p["pr_url"]) for p in review["open_org_prs"]] == [
+        ("cambium/updates", said["pr_url"]), ("cambium/generalize", restated["pr_url"])]
+    assert all(p["proposes"] for p in review["open_org_prs"])
+    assert review["pending_org_prs"] == []
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, said["pr_url"], "MERGED")
+    assert [p["branch"] for p in cs.review_promotions()["open_org_prs"]] == \
+        ["cambium/generalize"]
+    _merge_on_org(shared, tmp_path, "cambium/generalize")
+    set_pr_state(tmp_path, restated["pr_url"], "MERGED")
+    assert "open_org_prs" not in cs.review_promotions()
+
+
 def test_pr_mode_a_write_after_a_declined_shared_pr_starts_from_orgs_tip(
         shared, monkeypatch, tmp_path):
     """A write to cambium/updates before anyone ran review built on the
