@@ -5628,7 +5628,9 @@ def gained_since(below: Item, above: Item) -> Item:
     """`below` as it counts against `above`, the copy a merged pull request
     landed: only what it gained after that copy was made (above.promoted_at)
     (endorsements and verifications stamped later, a later last_verified, a
-    retirement), the rest as `above` has it, so carried_over(above, this)
+    retirement; in that same second too: stamps are to the second, and one
+    given in the second the copy was made must not leave with the copy
+    below), the rest as `above` has it, so carried_over(above, this)
     never puts back what a reviewer took out before merging: the merged copy
     is the copy (pure). An item that waits on no pull request is itself."""
     if not below.pr_url:
@@ -5636,13 +5638,13 @@ def gained_since(below: Item, above: Item) -> Item:
     since = time_key(above.promoted_at)
 
     def later(entries: Any) -> list:
-        return [e for e in entries if isinstance(e, dict) and time_key(e.get("at")) > since] \
+        return [e for e in entries if isinstance(e, dict) and time_key(e.get("at")) >= since] \
             if isinstance(entries, list) else []
 
     return dataclasses.replace(
         below, trust={**below.trust, "endorsements": later(below.trust.get("endorsements"))},
         verifications=later(below.verifications), authority=above.authority,
-        last_verified=below.last_verified if time_key(below.last_verified) > since else None)
+        last_verified=below.last_verified if time_key(below.last_verified) >= since else None)
 
 
 def news_over(above: Item, below: Item, *, holds: Collection[str]) -> Item | None:

@@ -7523,6 +7523,26 @@ def test_a_supersession_org_cannot_follow_is_not_carried_to_org():
     assert cs.kept_live(below, above, {"k-bbbbbbbbbbbb"}).status == "superseded"
 
 
+def test_an_endorsement_stamped_in_the_second_its_promote_copy_was_made_is_news():
+    """Stamps are to the second. A teammate's endorsement of the copy below,
+    given in the second a PR-mode promote made org's copy (after it read the
+    item), counted as already in the merged copy (not later than promoted_at):
+    the merge settled with nothing to carry and the endorsement left with the
+    copy below (a flaky PR-mode test caught it). One from before that second
+    stays out: the reviewer's copy decides."""
+    at = "2026-03-01T10:00:00Z"
+    above = cs.Item(id="k-aaaaaaaaaaaa", content="Pin base images by digest", scope="org",
+                    promoted_at=at, trust={"recalls": 0, "endorsements": []})
+    bob = {"by": "bob", "at": at, "note": ""}
+    earlier = {"by": "cy", "at": "2026-03-01T09:59:59Z", "note": ""}
+    below = dataclasses.replace(above, scope="team", pr_url=PR_URL + "7",
+                                trust={"recalls": 0, "endorsements": [earlier, bob]})
+    news = cs.news_over(above, below, holds={above.id})
+    assert news is not None and [e["by"] for e in news.trust["endorsements"]] == ["bob"]
+    assert cs.news_over(above, dataclasses.replace(
+        below, trust={"recalls": 0, "endorsements": [earlier]}), holds={above.id}) is None
+
+
 def test_promote_keeps_org_active_when_the_team_copy_went_to_an_item_org_lacks(
         shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
@@ -7761,11 +7781,15 @@ def test_pr_mode_settling_a_merged_pr_pushes_nothing_to_org_s_branch(shared, mon
     """A reviewer who merged the promotion but took an endorsement out of it:
     the settle pushed it back straight onto org's branch (with a protected
     branch it was refused on every review, and the copy below stayed for good).
-    The merged copy is the copy: the one below leaves, org's branch untouched."""
+    The merged copy is the copy: the one below leaves, org's branch untouched.
+    (Mallory's stamp is a second before the promote's: one in its very second
+    counts as news, see gained_since.)"""
     _pr_mode(monkeypatch, tmp_path, shared)
     item = _endorsed("Keep database migrations backward compatible for one release")
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "mallory")
-    cs.endorse(item, note="shill")
+    with monkeypatch.context() as m:
+        m.setattr(cs, "_now", lambda: "2020-01-01T00:00:00Z")
+        cs.endorse(item, note="shill")
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
     assert cs.promote(item, to_scope="org")["status"] == "pr_opened"
     merger = clone(shared["org_bare"], tmp_path / "merger")
