@@ -12762,7 +12762,7 @@ def adds_a_qualifier(a: str, b: str) -> bool:
             if tag == "equal" or w not in _QUALIFIER_WORDS or w in ws[i1:i2]:
                 continue
             head = next((x for x in added[k + 1:] if x not in _STOPWORDS), None)
-            if head and stem(head) not in short and head not in _IDIOM_WORDS:
+            if head and not set(_word_terms(head)) <= short and head not in _IDIOM_WORDS:
                 return True
     return False
 
@@ -14711,13 +14711,13 @@ class PrCheck:
 
 PR_CHECK_BUDGET_S = 20.0   #: review_promotions asks gh about pull requests this long at most
 HUNG_GH = "a gh call timed out, and gh was not asked again in this review"
-SHARED_PR_TOPICS = ("updates", "generalize", "knowledge-md")   #: see pr_branch
 SHARED_PR_PROPOSES = {       #: what each shared branch's pull request carries (open_org_prs)
     "updates": "changes to org items (endorsements, verifications, deprecations, corrections, "
                "consolidations, check results, news of merged promotions) and org recall "
                "credits",
     "generalize": "org items restated as cross-project rules (generalize)",
     "knowledge-md": "org's KNOWLEDGE.md rendered again from knowledge.json"}
+SHARED_PR_TOPICS = tuple(SHARED_PR_PROPOSES)   #: see pr_branch
 
 
 def _shared_pr_branches(cfg: Config, warnings: list[str]) -> list[str]:
@@ -16022,6 +16022,12 @@ def _shown_path(cfg: Config) -> Path:
     return cfg.local_dir / SHOWN_FILE
 
 
+def _shown_files(cfg: Config) -> tuple[Path, Path]:
+    """The usage journal's files, oldest first: the rotated one, then the live one."""
+    path = _shown_path(cfg)
+    return path.with_name(SHOWN_FILE + ".1"), path
+
+
 JOURNAL_LOCK_WAIT_S = 1.0   #: a read waits this long for a bookkeeping journal's lock (the
                             #: usage journal, its recall credits), then answers without it:
                             #: a process stopped mid-append held a hook's primer 300 s
@@ -16061,8 +16067,8 @@ def used_here(cfg: Config) -> frozenset[str]:
     """Ids sessions of this clone were shown by a recall or an expand (the
     usage journal: a primer's own entries are no use), read without parsing
     each line: the primer's org items this project used."""
-    path = _shown_path(cfg)
-    files = (path.with_name(SHOWN_FILE + ".1"), path)
+    files = _shown_files(cfg)
+    path = files[1]
     stamp = []
     for p in files:                      # read once per version of the journal: the
         try:                             # hook's cache key and its primer both ask
@@ -16091,8 +16097,7 @@ def read_shown(cfg: Config) -> list[dict]:
     be read (not a regular file: a FIFO would block) is skipped, named in the
     call's warnings: a directory in its place answered "no sessions"."""
     out: list[dict] = []
-    path = _shown_path(cfg)
-    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+    for p in _shown_files(cfg):
         try:
             with open(p, encoding="utf-8", errors="replace", opener=open_regular) as f:
                 text = f.read()
@@ -16120,8 +16125,7 @@ def _shown_unread(path: Path, e: OSError) -> None:
 
 def check_shown(cfg: Config) -> None:
     """Name a usage journal file that cannot be opened (status: without reading it)."""
-    path = _shown_path(cfg)
-    for p in (path.with_name(SHOWN_FILE + ".1"), path):
+    for p in _shown_files(cfg):
         try:
             os.close(open_regular(p))
         except FileNotFoundError:
@@ -20895,7 +20899,7 @@ def run_stdio(server: Any) -> int:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if caught[:1] == [signal.SIGINT]:
-        print(f"{_prog()}: interrupted; the session ended and its recall credits are being "
+        print(f"{_as_invoked()}: interrupted; the session ended and its recall credits are being "
               "folded.", file=sys.stderr)
         return 130
     return 0
@@ -21234,14 +21238,6 @@ def program_name(argv0: str) -> str:
     return os.path.basename(argv0) if argv0 else "cambium"
 
 
-def _prog() -> str:
-    """The program as it was invoked, naming the usage line and the CLI's
-    messages: `python3 -m cambium_server` for -m, as the hints do (argparse's
-    own default, argv[0]'s name, said `cambium_server.py`, a command that does
-    not run where only the module is installed)."""
-    return _as_invoked()
-
-
 #: The program a hint names when the way this process started names none that
 #: runs (argv[0] empty or `-c`), and in an MCP server's answers when it was
 #: started with -m (runnable only where the module is importable): the one form
@@ -21276,7 +21272,10 @@ def _cli_command() -> str:
 
 
 def _as_invoked() -> str:
-    """invoked_as for this process."""
+    """invoked_as for this process: what the CLI's usage line, its messages and
+    its hints name (argparse's own default, argv[0]'s name, said
+    `cambium_server.py` under -m, a command that does not run where only the
+    module is installed)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return invoked_as(sys.argv[0] if sys.argv else "", getattr(spec, "name", None))
 
@@ -21285,7 +21284,7 @@ def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser: every command, or only `command`'s when it names one (a hook
     runs one command, and building the rest costs it milliseconds)."""
     ap = argparse.ArgumentParser(
-        prog=_prog(), description="cambium knowledge server. With no command it serves MCP over stdio; "
+        prog=_as_invoked(), description="cambium knowledge server. With no command it serves MCP over stdio; "
         "with a command it runs that tool once and prints JSON.", allow_abbrev=False)
     ap.add_argument("--version", action="version", version=__version__)
     sub = ap.add_subparsers(dest="command", metavar="command")
@@ -21394,7 +21393,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)   # (a pending one is dropped too)
     except KeyboardInterrupt:                   # before a command ran (argparse, a hook),
-        print(f"{_prog()}: interrupted; " + ("nothing was written." if code is None else
+        print(f"{_as_invoked()}: interrupted; " + ("nothing was written." if code is None else
                                              "its answer may be cut short."), file=sys.stderr)
         return 130                              # or as its answer was being written
     return code
@@ -21409,7 +21408,7 @@ def _flush_answer(code: int) -> int:
         _drop_stdout()
     except (OSError, ValueError) as e:
         _drop_stdout()
-        print(f"{_prog()}: could not write to stdout ({getattr(e, 'strerror', None) or e})",
+        print(f"{_as_invoked()}: could not write to stdout ({getattr(e, 'strerror', None) or e})",
               file=sys.stderr)
         return 1
     return code
@@ -21437,10 +21436,10 @@ def _main(argv: list[str]) -> int:
         _emit(u.guidance, fmt)
         return 1
     except (CambiumError, OSError) as e:
-        print(f"{_prog()} {args.command}: {cli_syntax(error_text(e))}", file=sys.stderr)
+        print(f"{_as_invoked()} {args.command}: {cli_syntax(error_text(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:                   # Ctrl-C: one line, the shell's 130
-        print(f"{_prog()} {args.command}: interrupted. Each write is all or nothing; a "
+        print(f"{_as_invoked()} {args.command}: interrupted. Each write is all or nothing; a "
               "promote cut short is finished by running it again.", file=sys.stderr)
         return 130
 
@@ -21504,7 +21503,7 @@ def _embed_on_exit() -> None:
 
 def _cli_serve(args: argparse.Namespace, kwargs: dict) -> int:
     if not kwargs.get("http") and any(a.startswith(("--host", "--port")) for a in sys.argv):
-        print(f"{_prog()} serve: --host and --port are for HTTP: add --http (without it, "
+        print(f"{_as_invoked()} serve: --host and --port are for HTTP: add --http (without it, "
               "cambium serves MCP over stdio)", file=sys.stderr)
         return 2
     return serve(**kwargs)
@@ -21564,10 +21563,10 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
                         **({"note": cli_syntax(res["note"])} if res.get("note") else {})},
                        indent=2))
     else:
-        _say(f"{_prog()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
+        _say(f"{_as_invoked()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
              f"{res['scope']}{note})")
     for w in res.get("warnings", []):
-        print(f"{_prog()}: warning: {w}", file=sys.stderr)
+        print(f"{_as_invoked()}: warning: {w}", file=sys.stderr)
     return 0
 
 
@@ -21706,7 +21705,7 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
         if text is not None:                                      # escapes reach no terminal)         # stdout stays the document; what it leaves out, stderr
             for said in [result.get("note"), *(result.get("warnings") or [])]:
                 if said:
-                    print(f"{_prog()}: {valid_unicode(str(said))}", file=sys.stderr)
+                    print(f"{_as_invoked()}: {valid_unicode(str(said))}", file=sys.stderr)
     else:
         out = _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text(result, indent=2))
     _say(out, file)

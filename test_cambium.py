@@ -10545,6 +10545,16 @@ def test_consolidate_never_groups_rules_that_state_different_figures_or_a_not():
     assert cs.decides_differently(held, short)          # ... but a qualifier does
 
 
+def test_a_moved_phrase_is_no_qualifier_in_any_script():
+    """A phrase a rewording moved says nothing new: its object is a word the
+    other text holds. A CJK object was compared whole against the other's
+    two-character terms, never matched, and read as a qualifier added."""
+    assert not cs.adds_a_qualifier("キャッシュ TTL is 300 seconds",
+                                   "TTL is 300 seconds always for キャッシュ")
+    assert not cs.adds_a_qualifier("cache TTL is 300 seconds", "TTL is 300 seconds for cache")
+    assert cs.adds_a_qualifier("キャッシュ TTL is 300 seconds", "キャッシュ TTL is 300 seconds in 本番")
+
+
 def test_consolidate_never_folds_a_claim_into_the_same_claim_with_a_qualifier(repo):
     """In a store of 40 items "the cache TTL is 300 seconds" and the same
     "in staging" scored 0.93 and were folded: the claim went on without its
