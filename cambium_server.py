@@ -1741,8 +1741,9 @@ def dotgit_problem(root: Path) -> str | None:
         return f"its .git directory holds no {lacks}" if lacks else None
     try:
         head = read_regular(dotgit, 4096).decode("utf-8", "replace")
-    except (OSError, ValueError):            # (ValueError: a path no file system can hold)
-        return "it has no .git"
+    except (OSError, ValueError) as e:       # (ValueError: a path no file system can hold)
+        return "its .git is a FIFO, socket or device, neither a directory nor a file" \
+            if isinstance(e, OSError) and e.errno == errno.EINVAL else "it has no .git"
     target = head.split("gitdir:", 1)[1].strip() if head.startswith("gitdir:") else ""
     if not target:
         return "its .git file is no gitdir link git can read"
@@ -3116,14 +3117,41 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
     return Path(top) if proc.returncode == 0 and top.strip() else None
 
 
+MAX_GIT_FILE_BYTES = 64 * 1024   #: a .git file, HEAD or loose ref above this: git is asked
+
+
+def git_file_text(path: Path, limit: int = MAX_GIT_FILE_BYTES) -> str:
+    """The text of a small file git keeps (a .git file, HEAD, commondir, a
+    loose ref, cambium's stamps beside them), read by read_regular: a FIFO
+    there held the tool call for good, and bytes that are not UTF-8 (or a NUL)
+    escaped every caller's `except OSError` as a traceback. OSError for all of
+    them, so the caller asks git or says the clone cannot be read."""
+    try:
+        text = read_regular(path, limit).decode("utf-8")
+    except ValueError as e:               # (UnicodeDecodeError; a NUL in the path)
+        raise OSError(errno.EINVAL, f"not a file git wrote ({e})", str(path)) from None
+    if "\0" in text:
+        raise OSError(errno.EINVAL, "not a file git wrote (it holds a NUL byte)", str(path))
+    return text
+
+
+def read_git_bytes(path: Path) -> bytes:
+    """All of a file under .git that may be large (packed-refs, a loose
+    object): only a regular file is read (open_regular: a FIFO blocks), OSError
+    else."""
+    with open(path, "rb", opener=functools.partial(open_regular, follow=True)) as f:
+        return f.read()
+
+
 def _git_dirs(root: Path) -> tuple[Path, Path]:
     """(git dir, common dir) of the clone or linked worktree at root, read from
-    .git without spawning git. Raises OSError/IndexError when unreadable, and
-    for a clone whose refs are not files (reftable), so no ref is misread."""
+    .git without spawning git (git_file_text). Raises OSError/IndexError when
+    unreadable, and for a clone whose refs are not files (reftable), so no ref
+    is misread."""
     dotgit = root / ".git"
     gitdir = dotgit if dotgit.is_dir() else \
-        (root / dotgit.read_text().split("gitdir:", 1)[1].strip()).resolve()
-    common = gitdir / (gitdir / "commondir").read_text().strip() \
+        (root / git_file_text(dotgit).split("gitdir:", 1)[1].strip()).resolve()
+    common = gitdir / git_file_text(gitdir / "commondir").strip() \
         if (gitdir / "commondir").exists() else gitdir
     if (common / "reftable").is_dir():     # refs not in files: every caller asks git then
         raise OSError(f"{root} keeps its refs in a reftable")
@@ -3143,8 +3171,8 @@ def _detached_head(root: Path) -> str | None:
 
 def _head_file(root: Path) -> str:
     """The text of the HEAD file of the clone at root, stripped (a ref: line or
-    a commit); OSError/IndexError/UnicodeDecodeError when unreadable (_git_dirs)."""
-    return (_git_dirs(root)[0] / "HEAD").read_text(encoding="utf-8").strip()
+    a commit); OSError/IndexError when unreadable (_git_dirs, git_file_text)."""
+    return git_file_text(_git_dirs(root)[0] / "HEAD").strip()
 
 
 def store_root(repo: Path) -> Path:
@@ -3182,14 +3210,14 @@ OID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")     #: a git object id (SHA-1 or 
 
 def _ref_value(root: Path, ref: str) -> str:
     """The commit a ref names ("" when there is no such ref), read from .git
-    without spawning git. Raises OSError/IndexError when unreadable."""
+    without spawning git. Raises OSError/IndexError when unreadable (a FIFO
+    for packed-refs too: read_git_bytes)."""
     gitdir, common = _git_dirs(root)
     for base in (gitdir, common):
         if (base / ref).is_file():
-            return (base / ref).read_text().strip()
+            return git_file_text(base / ref).strip()
     with contextlib.suppress(FileNotFoundError):
-        for ln in git_lines((common / "packed-refs").read_text(encoding="utf-8",
-                                                               errors="replace")):
+        for ln in git_lines(read_git_bytes(common / "packed-refs").decode("utf-8", "replace")):
             if ln.endswith(" " + ref):
                 return ln.split()[0]
     return ""
@@ -3211,7 +3239,7 @@ def _sha1_objects(root: Path) -> Path | None:
     contended push loop saves a git process (3 to 30 ms) per step this way."""
     try:
         common = _git_dirs(root)[1]
-        config = (common / "config").read_text(encoding="utf-8", errors="replace")
+        config = read_regular(common / "config", MAX_CONFIG_BYTES).decode("utf-8", "replace")
     except (OSError, IndexError, ValueError):
         return None
     if re.search(r"(?im)^\s*(objectformat|refstorage)\s*=", config):
@@ -3222,7 +3250,7 @@ def _sha1_objects(root: Path) -> Path | None:
 def loose_object(objects: Path, sha: str) -> tuple[str, bytes] | None:
     """(kind, body) of a loose object, or None (packed, absent or unreadable)."""
     try:
-        raw = zlib.decompress((objects / sha[:2] / sha[2:]).read_bytes())
+        raw = zlib.decompress(read_git_bytes(objects / sha[:2] / sha[2:]))
     except (OSError, ValueError, zlib.error):
         return None
     head, _, body = raw.partition(b"\0")
@@ -5826,7 +5854,8 @@ class GitStore(Store):
             return None                                                     # a fast clock's)
         error = ""
         with contextlib.suppress(OSError):
-            error = self._failed_stamp().read_text(encoding="utf-8", errors="replace").strip()
+            error = read_regular(self._failed_stamp(), MAX_GIT_FILE_BYTES).decode(
+                "utf-8", "replace").strip()
         return (f"the last fetch from {self.remote} failed {int(ago)} s ago ({error}); reads "
                 f"try again {int(FETCH_BACKOFF_S)} s after it, writes at once")
 
@@ -6057,7 +6086,8 @@ class GitStore(Store):
         offline read, which cannot fetch it again, leaves it for the next)."""
         try:
             path = _git_dirs(self.repo)[1] / self.ref
-            value = path.read_text(errors="replace").strip() if path.is_file() else None
+            value = read_regular(path, MAX_GIT_FILE_BYTES).decode("utf-8", "replace").strip() \
+                if path.is_file() else None
             if value is None or OID.fullmatch(value):
                 return None
             if remove:
@@ -6137,7 +6167,7 @@ class GitStore(Store):
             url = remote_url(self.repo, self.remote, self.timeout_s) or ""
         seen = self._stamp().with_name(self._stamp().name + ".url")
         try:
-            known = seen.read_text(encoding="utf-8", errors="replace").strip()
+            known = read_regular(seen, MAX_GIT_FILE_BYTES).decode("utf-8", "replace").strip()
         except OSError:
             known = ""
         if url and url != known:
@@ -7003,7 +7033,7 @@ class GitStore(Store):
         none is recorded): its commits are cambium's, not someone's work."""
         last = ""
         with contextlib.suppress(OSError):
-            last = self._checked_out_file().read_text(encoding="utf-8").strip()
+            last = git_file_text(self._checked_out_file()).strip()
         return [last] if OID.fullmatch(last) else []
 
     def _checked_out_file(self) -> Path:
@@ -7470,22 +7500,8 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
     fix_set = ("set AGENTSYNC_BOARD_REPO=/abs/path/to/the/board/clone in the environment "
                "of this project's server and hooks")
     for key in ("AGENTSYNC_BOARD_REPO", "AGENTSYNC_REPO"):
-        value = cfg.get(key)
-        if not value:
-            continue
-        source = f"{key} ({cfg.origins.get(key)})"
-        path = Path(value)
-        if cfg.origins.get(key) == "file" and cfg.repo and os.path.exists(path / ".git") and \
-                not _same_project(path, cfg.repo, t):
-            note_for_call(f"{key}={path} comes from the user-wide {cfg.config_file} and is "
-                          "neither this project's clone nor a clone of its remote: its board's "
-                          "claims are read into this project. If it is another project's, set "
-                          f"{key} in this project's server and hook environment instead")
-        if not os.path.exists(path / ".git"):
-            return Board(None, source, branch, remote, "misconfigured",
-                         f"{key}={path} is not a git clone, so there is no board to read",
-                         f"point {key} at a clone of the repo agentsync coordinates through")
-        return Board(path, source, branch, remote)
+        if value := cfg.get(key):
+            return _named_board(cfg, key, Path(value), branch, remote)
     repo = cfg.repo
     assert repo is not None
     if _has_ref(repo, f"refs/heads/{branch}", t) or \
@@ -7517,6 +7533,48 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
     return Board(None, "CAMBIUM_REPO", branch, remote, "unreachable",
                  f"could not ask '{remote}' whether it has a '{branch}' board ({detail})",
                  f"check the network or the remote; or {fix_set}")
+
+
+def _named_board(cfg: Config, key: str, path: Path, branch: str, remote: str) -> Board:
+    """The board AGENTSYNC_BOARD_REPO or AGENTSYNC_REPO (`key`) names:
+    `misconfigured` when it is no clone git can read (board_clone_problem:
+    before any git call, which would wait on a FIFO there until its timeout)."""
+    source = f"{key} ({cfg.origins.get(key)})"
+    if not os.path.exists(path / ".git"):
+        return Board(None, source, branch, remote, "misconfigured",
+                     f"{key}={path} is not a git clone, so there is no board to read",
+                     f"point {key} at a clone of the repo agentsync coordinates through")
+    if (broken := board_clone_problem(path)) is not None:
+        return Board(None, source, branch, remote, "misconfigured",
+                     f"{key}={path} is not a git clone git can read ({broken}), so there "
+                     "is no board to read", f"repair that clone or point {key} at "
+                     "another clone of the repo agentsync coordinates through")
+    if cfg.origins.get(key) == "file" and cfg.repo and \
+            not _same_project(path, cfg.repo, cfg.git_timeout_s):
+        note_for_call(f"{key}={path} comes from the user-wide {cfg.config_file} and is "
+                      "neither this project's clone nor a clone of its remote: its board's "
+                      "claims are read into this project. If it is another project's, set "
+                      f"{key} in this project's server and hook environment instead")
+    return Board(path, source, branch, remote)
+
+
+def board_clone_problem(root: Path) -> str | None:
+    """Why git cannot read the board clone at root, else None (no subprocess):
+    dotgit_problem's reasons (a .git file of stray bytes, a FIFO for .git), or
+    a file git opens on every call there (HEAD, config, packed-refs) that is
+    not a regular file: git waits on a FIFO until its timeout, so each of
+    distill's git calls there would wait that long. A clone whose .git cambium
+    cannot read itself (a reftable one) is left to git."""
+    if (problem := dotgit_problem(root)) is not None:
+        return problem
+    try:
+        gitdir, common = _git_dirs(root)
+    except (OSError, IndexError):
+        return None
+    for f in (gitdir / "HEAD", common / "config", common / "packed-refs"):
+        if os.path.lexists(f) and not os.path.isfile(f):
+            return f"{f} is a FIFO, socket or device, not a file: git would wait on it"
+    return None
 
 
 def _same_project(board: Path, repo: Path, t: float) -> bool:
@@ -13707,7 +13765,7 @@ def _org_default_branch(org: Path, timeout_s: float) -> str:
     when the clone has none, its own branch (_own_branch_for_origin), else
     asked of the remote once and recorded there, as `git clone` would have."""
     with contextlib.suppress(OSError, IndexError):
-        head = (_git_dirs(org)[1] / "refs/remotes/origin/HEAD").read_text().strip()
+        head = git_file_text(_git_dirs(org)[1] / "refs/remotes/origin/HEAD").strip()
         if head.startswith("ref: refs/remotes/origin/"):
             return head.removeprefix("ref: refs/remotes/origin/")
     proc = _git(["symbolic-ref", "--quiet", "--short", "refs/remotes/origin/HEAD"], org,

@@ -13065,6 +13065,97 @@ def test_a_relative_board_setting_is_read_against_the_working_directory_like_age
             in out.stderr
 
 
+def _odd_dotgit_boards(tmp_path: Path) -> dict[str, Path]:
+    """Board clones git cannot read: a .git file of stray bytes, a FIFO for
+    .git, a real clone (the board pushed) whose packed-refs is a FIFO."""
+    garbage, fifo = tmp_path / "garbage", tmp_path / "fifo"
+    garbage.mkdir()
+    (garbage / ".git").write_bytes(b"\xff\xfegitdir: x\n")
+    fifo.mkdir()
+    os.mkfifo(fifo / ".git")
+    _, packed = make_origin_and_clone(tmp_path, "packed")
+    write_board(packed, {"ann": DONE_CLAIM})
+    os.mkfifo(packed / ".git" / "packed-refs")
+    return {"its .git file is no gitdir link": garbage, "its .git is a FIFO": fifo,
+            "packed-refs is a FIFO, socket or device": packed}
+
+
+def test_a_board_clone_with_an_odd_dotgit_is_misconfigured_not_a_hang_or_traceback(
+        repo, tmp_path):
+    """AGENTSYNC_BOARD_REPO naming a folder whose .git is stray bytes ended
+    distill in a traceback (over MCP "Error executing tool distill"); one whose
+    .git or packed-refs is a FIFO never answered (a SessionEnd hook waited out
+    its timeout), and status said `found`. Each is `misconfigured` now, at once:
+    the CLI, the hook (exit 0) and an MCP call."""
+    boards = _odd_dotgit_boards(tmp_path)
+    for why, board in boards.items():
+        env = child_env(AGENTSYNC_BOARD_REPO=str(board), PYTHONPATH=str(HERE))
+        out = subprocess.run([*RUN, "distill", "--format", "json"], text=True, timeout=30,
+                             capture_output=True, env=env)
+        a = json.loads(out.stdout)["sources"]["agentsync"]
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert a["status"] == "misconfigured" and why in a["reason"], a
+        hook = subprocess.run([*RUN, "distill", "--hook"], input=json.dumps({"cwd": str(repo)}),
+                              text=True, capture_output=True, env=env, timeout=30)
+        assert hook.returncode == 0 and "agentsync" in hook.stderr, hook.stderr
+        st = subprocess.run([*RUN, "status"], text=True, capture_output=True, env=env,
+                            timeout=30)
+        assert json.loads(st.stdout)["substrates"]["agentsync"]["status"] == "misconfigured"
+
+    async def body(session, init):
+        res = await asyncio.wait_for(session.call_tool("distill", {}), 30)
+        assert not res.is_error, res.content
+        return res.structured_content["sources"]["agentsync"]
+
+    for why, board in boards.items():
+        a = asyncio.run(_mcp_session({**_mcp_env(repo), "AGENTSYNC_BOARD_REPO": str(board)},
+                                     body))
+        assert a["status"] == "misconfigured" and why in a["reason"], a
+
+
+def _unblock_later(fifo: Path) -> threading.Timer:
+    """Open the FIFO's other end in 10 s: a read that blocks on it (the defect)
+    then ends, and the test fails instead of hanging the suite."""
+    def other_end():
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    timer = threading.Timer(10, other_end)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def test_reads_under_dot_git_refuse_fifos_and_stray_bytes_so_git_is_asked(tmp_path):
+    """cambium reads .git itself (the .git file, HEAD, refs, packed-refs) in
+    the project's clone, the org clone and the board: a FIFO there blocked the
+    call for good, stray bytes raised UnicodeDecodeError past every `except
+    OSError`. Both are an OSError now, which each caller answers by asking git."""
+    boards = _odd_dotgit_boards(tmp_path)
+    garbage, fifo, packed = boards.values()
+    for root in (garbage, fifo):
+        timer = _unblock_later(root / ".git")
+        with pytest.raises(OSError):
+            cs._git_dirs(root)
+        assert cs._detached_head(root) is None and cs._git_head(root) is None
+        assert cs.store_root(root) == root and not cs._same_clone(root, packed)
+        timer.cancel()
+    timer = _unblock_later(packed / ".git" / "packed-refs")
+    with pytest.raises(OSError):
+        cs._ref_value(packed, "refs/heads/no-such-branch")
+    timer.cancel()
+    (packed / ".git" / "refs" / "heads" / "stray").write_bytes(b"\xff\xfe\n")
+    with pytest.raises(OSError):
+        cs._ref_value(packed, "refs/heads/stray")
+    (packed / ".git" / "packed-refs").unlink()
+    (packed / ".git" / "refs" / "remotes" / "origin" / "HEAD").write_bytes(b"ref: \xff\n")
+    assert isinstance(cs._org_default_branch(packed, 10), str)   # (git asked: no traceback)
+    (packed / ".git" / "HEAD").unlink()
+    os.mkfifo(packed / ".git" / "HEAD")
+    timer = _unblock_later(packed / ".git" / "HEAD")
+    assert cs._git_head(packed) is None and cs._detached_head(packed) is None
+    timer.cancel()
+
+
 def test_distill_unreachable_remote_warns_and_falls_back_to_last_fetch(tmp_path, monkeypatch):
     bare, clone = make_origin_and_clone(tmp_path)
     write_board(clone, {"ann": DONE_CLAIM})
