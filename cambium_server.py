@@ -3120,17 +3120,18 @@ def git_toplevel(path: Path, timeout_s: float = 10.0) -> Path | None:
 MAX_GIT_FILE_BYTES = 64 * 1024   #: a .git file, HEAD or loose ref above this: git is asked
 
 
-def git_file_text(path: Path, limit: int = MAX_GIT_FILE_BYTES) -> str:
+def git_file_text(path: Path, limit: int = MAX_GIT_FILE_BYTES, errors: str = "strict") -> str:
     """The text of a small file git keeps (a .git file, HEAD, commondir, a
     loose ref, cambium's stamps beside them), read by read_regular: a FIFO
     there held the tool call for good, and bytes that are not UTF-8 (or a NUL)
     escaped every caller's `except OSError` as a traceback. OSError for all of
-    them, so the caller asks git or says the clone cannot be read."""
+    them, so the caller asks git or says the clone cannot be read; with
+    errors="replace" (a stamp only cambium reads) stray bytes are read as U+FFFD."""
     try:
-        text = read_regular(path, limit).decode("utf-8")
+        text = read_regular(path, limit).decode("utf-8", errors)
     except ValueError as e:               # (UnicodeDecodeError; a NUL in the path)
         raise OSError(errno.EINVAL, f"not a file git wrote ({e})", str(path)) from None
-    if "\0" in text:
+    if "\0" in text and errors == "strict":
         raise OSError(errno.EINVAL, "not a file git wrote (it holds a NUL byte)", str(path))
     return text
 
@@ -3164,7 +3165,7 @@ def _detached_head(root: Path) -> str | None:
     read from the HEAD file, without spawning git."""
     try:
         head = _head_file(root)
-    except (OSError, IndexError, UnicodeDecodeError):
+    except (OSError, IndexError):
         return None
     return "" if head.startswith("ref:") else head if OID.fullmatch(head) else None
 
@@ -5854,8 +5855,7 @@ class GitStore(Store):
             return None                                                     # a fast clock's)
         error = ""
         with contextlib.suppress(OSError):
-            error = read_regular(self._failed_stamp(), MAX_GIT_FILE_BYTES).decode(
-                "utf-8", "replace").strip()
+            error = git_file_text(self._failed_stamp(), errors="replace").strip()
         return (f"the last fetch from {self.remote} failed {int(ago)} s ago ({error}); reads "
                 f"try again {int(FETCH_BACKOFF_S)} s after it, writes at once")
 
@@ -6086,8 +6086,7 @@ class GitStore(Store):
         offline read, which cannot fetch it again, leaves it for the next)."""
         try:
             path = _git_dirs(self.repo)[1] / self.ref
-            value = read_regular(path, MAX_GIT_FILE_BYTES).decode("utf-8", "replace").strip() \
-                if path.is_file() else None
+            value = git_file_text(path, errors="replace").strip() if path.is_file() else None
             if value is None or OID.fullmatch(value):
                 return None
             if remove:
@@ -6167,7 +6166,7 @@ class GitStore(Store):
             url = remote_url(self.repo, self.remote, self.timeout_s) or ""
         seen = self._stamp().with_name(self._stamp().name + ".url")
         try:
-            known = read_regular(seen, MAX_GIT_FILE_BYTES).decode("utf-8", "replace").strip()
+            known = git_file_text(seen, errors="replace").strip()
         except OSError:
             known = ""
         if url and url != known:
@@ -7572,7 +7571,12 @@ def board_clone_problem(root: Path) -> str | None:
     except (OSError, IndexError):
         return None
     for f in (gitdir / "HEAD", common / "config", common / "packed-refs"):
-        if os.path.lexists(f) and not os.path.isfile(f):
+        try:                     # (a dangling link git reads as absent, a folder: no wait)
+            mode = os.stat(f).st_mode
+        except (OSError, ValueError):
+            continue
+        if _stat.S_ISFIFO(mode) or _stat.S_ISSOCK(mode) or _stat.S_ISCHR(mode) \
+                or _stat.S_ISBLK(mode):
             return f"{f} is a FIFO, socket or device, not a file: git would wait on it"
     return None
 

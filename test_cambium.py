@@ -13125,6 +13125,19 @@ def _unblock_later(fifo: Path) -> threading.Timer:
     return timer
 
 
+def test_a_board_clone_with_a_dangling_packed_refs_link_is_no_problem(tmp_path):
+    """git reads a dangling packed-refs (or config) link as absent and works;
+    the board check called it a FIFO and turned the board off as misconfigured."""
+    board = make_repo(tmp_path)
+    (board / ".git" / "packed-refs").unlink(missing_ok=True)
+    (board / ".git" / "packed-refs").symlink_to(tmp_path / "nowhere")
+    git(board, "rev-parse", "HEAD")                    # git works there
+    assert cs.board_clone_problem(board) is None
+    (board / ".git" / "packed-refs").unlink()
+    os.mkfifo(board / ".git" / "packed-refs")
+    assert "FIFO" in cs.board_clone_problem(board)
+
+
 def test_reads_under_dot_git_refuse_fifos_and_stray_bytes_so_git_is_asked(tmp_path):
     """cambium reads .git itself (the .git file, HEAD, refs, packed-refs) in
     the project's clone, the org clone and the board: a FIFO there blocked the
