@@ -3668,7 +3668,9 @@ def refuse_newer_format(doc: Doc, where: str) -> None:
 
 def _head_of(first: list[bytes]) -> tuple[dict, dict, list[bytes]] | None:
     """(raw keys, meta, bad lines) of a line-layout file's first three lines;
-    None when the file has another layout."""
+    None when the file has another layout. A head line that does not parse
+    keeps a newer format's marker, read from its bytes (newer_marker): without
+    it the store was set aside and rewritten in this format."""
     lines = [ln.rstrip(b"\r\n") for ln in first]
     if len(lines) < 3 or not lines[0].startswith(b'{"cambium"') or lines[2] != b'"items": [':
         return None
@@ -3680,7 +3682,9 @@ def _head_of(first: list[bytes]) -> tuple[dict, dict, list[bytes]] | None:
         bad.append(lines[0])
     if not isinstance(meta, dict):
         bad.append(lines[1])
-    raw = _raw_keys(head) if isinstance(head, dict) else {}
+    marker = None if isinstance(head, dict) else newer_marker(lines[0])
+    raw = _raw_keys(head) if isinstance(head, dict) else \
+        {} if marker is None else {"cambium": marker}
     return raw, meta if isinstance(meta, dict) else {}, bad
 
 

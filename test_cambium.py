@@ -2186,6 +2186,34 @@ def test_a_store_in_a_newer_format_is_read_but_never_rewritten(repo, layout):
     assert not list(path.parent.glob("knowledge.json.*-2*"))         # nor set aside
 
 
+@pytest.mark.parametrize("head", ['{"cambium": 2, "rewrite": "0123456789abcdef", "limit": Infinity2,',
+                                  '{"cambium": 2, "shards": {"a": 1,},'])
+def test_a_newer_store_whose_head_line_this_version_cannot_parse_is_never_rewritten(repo, head):
+    """A line-layout store of a newer cambium whose first line holds syntax
+    this version cannot parse lost its marker: every call, status included,
+    set that line aside and rewrote the store as format 1."""
+    path = repo / ".cambium" / "knowledge.json"
+    kept = cs.capture("Feature flags carry an owner and an expiry date", tags="flags")["item"]
+    lines = path.read_bytes().split(b"\n")
+    lines[0] = head.encode()
+    text = b"\n".join(lines)
+    path.write_bytes(text)
+    cs.runtime().reset()
+    assert cli("status").returncode == 0
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.recall("feature flags owner expiry"))
+    assert out["results"][0]["id"] == kept["id"]                     # the rest is served
+    assert any("store format 2" in w and "left as they are" in w for w in out["warnings"])
+    with pytest.raises(cs.NewerFormat, match="store format 2"):
+        cs.capture("Another fact")
+    with pytest.raises(cs.NewerFormat, match="store format 2"):
+        cs.fold_credits_now(cs.resolve_config())                       # the recall's credit
+    out = cli("capture", "Another fact")
+    assert out.returncode != 0 and "newer cambium" in out.stdout + out.stderr
+    assert path.read_bytes() == text                                    # never rewritten
+    assert not list(path.parent.glob("knowledge.json.*-2*"))          # nor set aside
+
+
 def test_a_newer_format_store_this_version_cannot_read_is_left_where_it_is(repo):
     """Valid JSON with a newer marker whose items this version cannot take
     (keyed by id) was moved to .corrupt-<time> and a fresh store started."""
