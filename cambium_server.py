@@ -4310,7 +4310,8 @@ class LocalStore(Store):
         every line that parsed (copied byte for byte). A read-only store is
         served as it parsed and left as it is; so is one with no room for
         either step, by raising DamageKept (read serves it, a write refuses)."""
-        if self._read_only():
+        if self._read_only():             # (said: the lines left out were hidden unseen)
+            note_for_call(self.unrepaired(len(parsed.bad) or 1))
             return parsed.doc
         aside = self.path.with_name(self.path.name + QUARANTINE_TAG + _stamp())
         try:
@@ -4332,6 +4333,16 @@ class LocalStore(Store):
                                                                str(e.strerror or e))
             raise kept from e
         return parsed.doc
+
+    def unrepaired(self, bad: int) -> str:
+        """The warning of a read that serves the lines that parse of this damaged
+        store and leaves the `bad` others out, unrepaired: a read-only store
+        never sets them aside, any other's next locked read does."""
+        if self._read_only():
+            return not_set_aside(self.path, bad, "the store is read-only: its mode "
+                                 "forbids writing; make it writable to let cambium set them aside")
+        return (f"{self.path}: {bad} damaged line(s) left out of this answer; the next "
+                "recall or capture sets them aside")
 
     def _read_only(self) -> bool:
         """Whether a person made the store read-only: its mode's write bits, not
@@ -13879,8 +13890,7 @@ def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None
             doc = st.peek()
             if doc is None:                  # (only the local file is repaired, by a write)
                 doc, bad = st.salvage()
-                warnings.append(f"{st.path}: {bad} damaged line(s) left out of this answer; "
-                                "the next recall or capture sets them aside")
+                warnings.append(st.unrepaired(bad))
             docs[scope] = doc
         except ScopeOff:
             continue

@@ -2007,6 +2007,28 @@ def test_a_read_only_store_nothing_of_which_parses_is_left_as_it_is(repo):
         path.chmod(0o644)
 
 
+def test_a_read_only_store_with_a_damaged_line_says_so_in_every_answer(repo):
+    """A read-only (0444) store with a damaged line left that line's item out
+    of status and recall without a word, and the primer said the next recall
+    or capture sets it aside, which no call does to a read-only store."""
+    item = cs.capture("Pin the base image by digest")["item"]["id"]
+    path = repo / ".cambium" / "knowledge.json"
+    text = path.read_bytes().replace(b"\n]}", b',\n{"id": "k-torn", "content": "half\n]}')
+    path.write_bytes(text)
+    path.chmod(0o444)
+    cs.runtime().reset()
+    with cs.collecting_notes():                   # (as a tool call: its notes are warnings)
+        answers = [cs.with_store_warnings(cs.status()),
+                   cs.with_store_warnings(cs.recall("base image digest"))]
+    answers.append(cs.session_primer())
+    assert [r["id"] for r in answers[1]["results"]] == [item]
+    for out in answers:
+        said = [w for w in out.get("warnings", []) if "damaged line" in w]
+        assert said and "read-only" in said[0] and "not set aside" in said[0], out
+        assert "sets them aside" not in " ".join(said)
+    assert path.read_bytes() == text and not list(path.parent.glob("knowledge.json.*-2*"))
+
+
 def test_a_rewrite_keeps_the_stores_mode_and_a_set_aside_copy_takes_it(repo):
     """Every rewrite made the store 0644 again (one a person made 0600 after
     putting secrets in it), and a set-aside copy of its damaged lines too."""
