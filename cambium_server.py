@@ -3847,6 +3847,28 @@ def parse_store(text: str, where: str) -> Doc:
     return parsed.doc
 
 
+def newer_shared_doc(text: str, where: str) -> Doc | None:
+    """A shared store parse_store refused, when a newer cambium wrote it (the
+    marker read from its first bytes: newer_marker): its lines that parse,
+    served with a warning as the local store's are, the marker kept so every
+    write fails newer_format. It was reported corrupt, "fix the file by hand":
+    a person invited to repair a newer cambium's file down. None: no newer
+    marker opens it (the shared scope's damage is a person's to fix)."""
+    data = text.encode("utf-8", "surrogatepass")
+    if (marker := newer_marker(data)) is None:
+        return None
+    said = f"{where} is in store format {marker} (a newer cambium's)"
+    try:
+        parsed = parse_file(io.BytesIO(data), where)
+    except CorruptStore:
+        note_for_call(f"{said} and this cambium reads none of its items: it is left as it "
+                      "is. Upgrade cambium to read it.")
+        return Doc(items=[], raw={"cambium": marker})
+    note_for_call(f"{said}: {len(parsed.bad) or 1} line(s) this cambium cannot read are left "
+                  "as they are; the lines that parse are served. Upgrade cambium to read them.")
+    return dataclasses.replace(parsed.doc, raw={**parsed.doc.raw, "cambium": marker})
+
+
 def _stored_json_line(item: Item) -> str:
     """One item's JSON line, cached per (immutable) item object."""
     return derived(item, "line", lambda it: json_text(it.to_dict(), separators=(",", ":")))
@@ -6349,7 +6371,9 @@ class GitStore(Store):
             doc = parse_store(text, where)
         except CorruptStore:
             self._refuse_no_file(commit, where, text)   # a symbolic link: its target's path
-            raise
+            if (newer := newer_shared_doc(text, where)) is None:
+                raise
+            doc, remember = newer, False        # (parsed again: each read says why)
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
                 it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)

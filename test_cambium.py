@@ -6838,6 +6838,43 @@ def test_a_team_store_in_a_newer_format_is_read_but_never_pushed_over(shared):
     assert cs.status()["scopes"]["team"]["items"] == 1
 
 
+@pytest.mark.parametrize("layout", ["a-line-of-newer-syntax", "items-keyed-by-id"])
+def test_a_team_store_in_a_newer_format_this_version_cannot_parse_is_served_not_repaired(
+        shared, layout):
+    """A newer cambium's team store holding a line this version cannot parse
+    (or items in a layout it cannot read) was reported corrupt: recall skipped
+    the scope asking a person to fix the file by hand, and promote and endorse
+    failed corrupt_store. It is served (the lines that parse) with a warning,
+    and every write fails newer_format."""
+    first = _endorsed("Canary every deploy for ten minutes", "canary")
+    cs.promote()
+    b = shared["b"]
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    text = (b / "knowledge.json").read_text().replace('{"cambium": 1,', '{"cambium": 2,')
+    if layout == "items-keyed-by-id":
+        text = '{"cambium": 2, "meta": {}, "items": {"k-aaa": {"content": "canary deploys"}}}\n'
+    else:
+        text = text.replace("\n]}", ',\n{"id": "k-future00001", "content": "x", @ref: "y"}\n]}')
+    (b / "knowledge.json").write_text(text)
+    git(b, "commit", "-qam", "a newer cambium wrote this")
+    git(b, "push", "-q", "origin", "cambium")
+    tip = git(shared["origin"], "rev-parse", "cambium")
+    with cs.collecting_notes():
+        res = cs.with_store_warnings(cs.recall("canary deploys ten minutes", scope="team"))
+    served = [r["id"] for r in res["results"]]
+    assert served == ([] if layout == "items-keyed-by-id" else [first])
+    assert any("store format 2" in w and "Upgrade cambium" in w for w in res["warnings"])
+    assert not any("by hand" in w for w in res["warnings"])
+    _endorsed("Roll back on the first failed health check", "rollback")
+    with pytest.raises(cs.NewerFormat, match="store format 2"):
+        cs.promote()
+    if served:                                   # (an item it cannot read is not found)
+        with pytest.raises(cs.NewerFormat, match="store format 2"):
+            cs.endorse(first, note="still holds")
+    assert git(shared["origin"], "rev-parse", "cambium") == tip
+
+
 def test_exporting_an_org_store_in_a_newer_format_renders_it_and_publishes_nothing(
         shared, monkeypatch):
     """export_markdown(scope="org") over an org store a newer cambium wrote failed
