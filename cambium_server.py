@@ -7798,7 +7798,15 @@ def _no_body(rec: dict, body: Any, whole: bool) -> str:
 
 def _wrapper_hint(rec: dict) -> str:
     """For a body-less object that holds lists or objects: which keys, since it
-    was read as one record (no memories/items/records/data/entries list)."""
+    was read as one record (no memories/items/records/data/entries list). One
+    that holds such a list is a JSONL file's first line (a document's wrapper is
+    read as one): its records were not imported, said as _records_within says
+    it; it was told it holds no such list, naming the one it held."""
+    if lists := [(k, sum(isinstance(r, dict) for r in rec[k])) for k in _WRAPPER_KEYS
+                 if isinstance(rec.get(k), list)]:
+        return "".join(f"; its `{k}` list of {n} record(s) was not imported" for k, n in lists) \
+            + (": a list of records is read only as the whole document, and this file was "
+               "read as JSONL (one record a line)")
     held = [str(k) for k, v in rec.items() if isinstance(v, (list, dict))]
     return (f"; it was read as one record, as it holds no list under "
             f"{'/'.join(_WRAPPER_KEYS)} (it has: {', '.join(held[:5])})") if held else ""

@@ -4661,6 +4661,18 @@ def test_import_reads_a_growing_jsonl_file_as_it_was_at_the_start(repo, tmp_path
     assert [d.content for d in [first, *rest]] == ["fact 0", "fact 1", "fact 2"]
 
 
+def test_a_jsonl_first_line_wrapping_records_says_they_were_not_imported(repo, tmp_path):
+    """A JSONL file's first line `{"memories": [{...}]}` was told "it was read
+    as one record, as it holds no list under memories/... (it has: memories)"."""
+    lines = _jsonl(tmp_path / "w.jsonl", {"memories": [{"id": "w1", "content": "wrapped"}]},
+                   {"id": "w2", "content": "second line record"})
+    out = cs.import_memory("json", lines)
+    reason = out["skipped_reasons"][0]["reason"]
+    assert out["imported"] == 1 and "holds no list" not in reason, reason
+    assert "its `memories` list of 1 record(s) was not imported: a list of records is read " \
+           "only as the whole document" in reason
+
+
 def test_a_first_line_too_long_for_a_record_is_no_jsonl(tmp_path, monkeypatch):
     """Refusing a one-line wrapper document over the size limit parsed it whole
     first (as a possible JSONL record): 700 MB of memory for a 209 MB file."""
