@@ -146,7 +146,7 @@ from array import array
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import (TYPE_CHECKING, Annotated, Any, Callable, Collection, Iterable,
+from typing import (TYPE_CHECKING, Annotated, Any, BinaryIO, Callable, Collection, Iterable,
                     Iterator, Literal, Mapping,
                     NamedTuple, get_args, get_origin, get_type_hints)
 
@@ -8028,52 +8028,96 @@ def _regular_file(path: Path) -> None:
         raise InputError(f"{path} is not a regular file.")
 
 
+def _open_followed(path: str | os.PathLike, flags: int) -> int:
+    """An `opener` for open() of a path the user gave: open_regular (never
+    blocks, refuses anything but a regular file), following a symbolic link."""
+    return open_regular(path, flags, follow=True)
+
+
+def _open_export(path: Path) -> BinaryIO:
+    """The export file, opened once: every look at it (the sniff, the JSONL
+    probes, the document or its lines) goes through this one descriptor. It was
+    checked by name (os.stat), then opened by name again up to five times: a
+    FIFO swapped in between hung the import for good, and a 210 MB document
+    swapped in was read whole past the 200 MB limit. InputError: no regular file.
+    (restore reads the file it names through it too.)"""
+    try:
+        return open(path, "rb", opener=_open_followed)
+    except FileNotFoundError:
+        raise InputError(f"No file at {path}.") from None
+    except OSError as e:
+        if isinstance(e, IsADirectoryError) or e.errno == errno.EINVAL:
+            raise InputError(f"{path} is not a regular file.") from None
+        raise InputError(f"Cannot read {path}: {e}.") from None
+
+
+def _document_too_big(path: Path, size: int) -> InputError:
+    return InputError(f"path {path} is {size // 2**20} MB, over the "
+                      f"{MAX_IMPORT_BYTES // 2**20} MB limit of a single JSON document: "
+                      "export it as JSONL (one object per line), which is streamed.")
+
+
+def _first_byte(f: BinaryIO, head: bytes) -> bytes:
+    """The file's first byte past a byte-order mark and leading whitespace, read
+    on from `head` (its start) in chunks, none kept: a document after 4 KB of
+    blank lines sniffed as JSONL and imported nothing. Past MAX_IMPORT_BYTES of
+    whitespace no document can be read anyway: b"" (the JSONL branch)."""
+    seen, rest = len(head), head.lstrip(b"\xef\xbb\xbf").lstrip()
+    while not rest and seen <= MAX_IMPORT_BYTES and (chunk := f.read(64 * 1024)):
+        seen, rest = seen + len(chunk), chunk.lstrip()
+    return rest[:1]
+
+
 def json_adapter(path: Path) -> Iterator[Draft | Skip]:
     """Generic JSON/JSONL memory export: array, wrapper object, or one object per
-    line. Positions are 1-based: `record 3` of a document, `line 3` of JSONL."""
-    _regular_file(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    line. Positions are 1-based: `record 3` of a document, `line 3` of JSONL.
+    The file is opened once (_open_export); each step rewinds it."""
+    with _open_export(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(4096)
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head[1:2] == b"\0" == head[3:4]:
-        raise InputError(f"{path} is UTF-16 text (as PowerShell and Notepad may save it): "
-                         "save or convert it as UTF-8 and import it again.", "path")
-    head = head.lstrip(b"\xef\xbb\xbf").lstrip()
-    first = head[:1]
-    if first == b"[" or (first == b"{" and not _looks_like_jsonl(path)
-                         and not (_later_lines_are_records(path) and not _parses_whole(path, size))):
-        if size > MAX_IMPORT_BYTES:
-            raise InputError(f"path {path} is {size // 2**20} MB, over the "
-                             f"{MAX_IMPORT_BYTES // 2**20} MB limit of a single JSON document: "
-                             "export it as JSONL (one object per line), which is streamed.")
-        yield from _json_document(path)
-        return
-    if size > MAX_IMPORT_JSONL_BYTES:
-        raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
-                         f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
-    with open(path, "rb") as f:               # up to the size it had: a file still
-        left, first = size, True               # growing is read as it was at the start
-        for n, raw in enumerate(_bounded_lines(f, MAX_FIRST_LINE_CHARS), 1):
-            if left <= 0:
-                break
-            left -= len(raw) if raw is not None else MAX_FIRST_LINE_CHARS
-            if raw is None:
-                yield Skip(f"line {n}", f"over {_size_text(MAX_FIRST_LINE_CHARS)} in one line: "
-                                        "no record (not read into memory)")
-                continue
-            # a byte-order mark on any line: exports joined, each with its own
-            line, replaced = utf8_or_replaced(raw.removeprefix(b"\xef\xbb\xbf"))
-            if not line.strip():
-                continue
-            whole, first = first, False        # (the first record may be a whole file)
-            try:
-                rec = json.loads(line, parse_int=_import_int)
-            except (ValueError, RecursionError) as e:
-                yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60, one_line=True)})")
-                continue
-            yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=path.name,
-                                                    whole=whole),
-                               f"line {n}: {NOT_UTF8}" if replaced else None)
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head[1:2] == b"\0" == head[3:4]:
+            raise InputError(f"{path} is UTF-16 text (as PowerShell and Notepad may save it): "
+                             "save or convert it as UTF-8 and import it again.", "path")
+        first = _first_byte(f, head)
+        if first == b"[" or (first == b"{" and not _looks_like_jsonl(f)
+                             and not (_later_lines_are_records(f) and not _parses_whole(f, size))):
+            if size > MAX_IMPORT_BYTES:
+                raise _document_too_big(path, size)
+            if (data := _bounded_read(f, MAX_IMPORT_BYTES)) is None:    # (grown meanwhile)
+                raise _document_too_big(path, os.fstat(f.fileno()).st_size)
+            yield from _json_document(data, path.name)
+            return
+        if size > MAX_IMPORT_JSONL_BYTES:
+            raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
+                             f"{MAX_IMPORT_JSONL_BYTES // 2**20} MB: split the file.")
+        yield from _jsonl_records(f, size, path.name)
+
+
+def _jsonl_records(f: BinaryIO, size: int, name: str) -> Iterator[Draft | Skip]:
+    """The records of a JSONL file `f` (from its start), one a line."""
+    f.seek(0)                              # up to the size it had: a file still
+    left, first = size, True               # growing is read as it was at the start
+    for n, raw in enumerate(_bounded_lines(f, MAX_FIRST_LINE_CHARS), 1):
+        if left <= 0:
+            break
+        left -= len(raw) if raw is not None else MAX_FIRST_LINE_CHARS
+        if raw is None:
+            yield Skip(f"line {n}", f"over {_size_text(MAX_FIRST_LINE_CHARS)} in one line: "
+                                    "no record (not read into memory)")
+            continue
+        # a byte-order mark on any line: exports joined, each with its own
+        line, replaced = utf8_or_replaced(raw.removeprefix(b"\xef\xbb\xbf"))
+        if not line.strip():
+            continue
+        whole, first = first, False        # (the first record may be a whole file)
+        try:
+            rec = json.loads(line, parse_int=_import_int)
+        except (ValueError, RecursionError) as e:
+            yield Skip(f"line {n}", f"malformed JSON ({json_problem(e, 60, one_line=True)})")
+            continue
+        yield _draft_noted(json_record_to_draft(rec, f"line {n}", origin=name,
+                                                whole=whole),
+                           f"line {n}: {NOT_UTF8}" if replaced else None)
 
 
 def _bounded_lines(f: Any, limit: int) -> Iterator[bytes | None]:
@@ -8113,10 +8157,19 @@ def _import_int(text: str) -> int | float:
     return int(text) if len(text) <= 4_000 else BigNumber(text)
 
 
-def _json_document(path: Path) -> Iterator[Draft | Skip]:
-    """The records of one JSON document: an array, or an object wrapping one
-    or more (every list under a wrapper key is read, each record named by it)."""
-    text, replaced = utf8_or_replaced(path.read_bytes())
+def _bounded_read(f: BinaryIO, limit: int) -> bytes | None:
+    """The whole of `f` from its start, None when it is over `limit` bytes
+    (no more than one byte past it is read)."""
+    f.seek(0)
+    data = f.read(limit + 1)
+    return data if len(data) <= limit else None
+
+
+def _json_document(data: bytes, name: str) -> Iterator[Draft | Skip]:
+    """The records of one JSON document, `data` of the file `name`: an array,
+    or an object wrapping one or more (every list under a wrapper key is read,
+    each record named by it)."""
+    text, replaced = utf8_or_replaced(data)
     try:
         data = _load_document(text.removeprefix("\ufeff"))
     except (ValueError, RecursionError) as e:
@@ -8137,7 +8190,7 @@ def _json_document(path: Path) -> Iterator[Draft | Skip]:
         for i, rec in enumerate(records, 1):
             where = f"{prefix}record {i}"
             yield _draft_noted(Skip(where, TOO_DEEP_REASON) if _too_deep(rec) else
-                               json_record_to_draft(rec, where, origin=path.name, whole=whole),
+                               json_record_to_draft(rec, where, origin=name, whole=whole),
                                f"the file: {NOT_UTF8}" if replaced and first else None)
             first = False
 
@@ -8280,11 +8333,23 @@ _OPENERS = str.maketrans("]}", "[{")
 MAX_FIRST_LINE_CHARS = 32 * 1024 * 1024   #: a longer first line is no JSONL record
 
 
-def _looks_like_jsonl(path: Path) -> bool:
+@contextlib.contextmanager
+def _text_of(f: BinaryIO) -> Iterator[io.TextIOWrapper]:
+    """The binary file `f` read as text from its start (UTF-8, a BOM dropped,
+    bad bytes replaced), `f` left open for the next look."""
+    f.seek(0)
+    text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace")
+    try:
+        yield text
+    finally:
+        text.detach()
+
+
+def _looks_like_jsonl(f: BinaryIO) -> bool:
     """True when the first non-empty line is a complete JSON object on its own
     that is a record (a one-line wrapper object is a document, not JSONL)."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for line in iter(lambda: f.readline(MAX_FIRST_LINE_CHARS + 1), ""):
+    with _text_of(f) as text:
+        for line in iter(lambda: text.readline(MAX_FIRST_LINE_CHARS + 1), ""):
             if len(line) > MAX_FIRST_LINE_CHARS:
                 return False         # no record is that long: one document (size-checked)
             if line.strip():
@@ -8299,16 +8364,16 @@ def _looks_like_jsonl(path: Path) -> bool:
     return False
 
 
-def _later_lines_are_records(path: Path, probe: int = 20) -> bool:
+def _later_lines_are_records(f: BinaryIO, probe: int = 20) -> bool:
     """True when one of the non-empty lines after the first, up to the
     `probe`-th, is a JSON object on its own: likely a JSONL file whose first
     line is malformed (a pretty-printed record has no such line)."""
     seen = 0
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for line in iter(lambda: f.readline(MAX_FIRST_LINE_CHARS + 1), ""):
+    with _text_of(f) as text:
+        for line in iter(lambda: text.readline(MAX_FIRST_LINE_CHARS + 1), ""):
             if len(line) > MAX_FIRST_LINE_CHARS:     # no record: read past it (a first
                 while not line.endswith("\n") and line:   # line of 40 MB hid the records
-                    line = f.readline(MAX_FIRST_LINE_CHARS + 1)    # after it)
+                    line = text.readline(MAX_FIRST_LINE_CHARS + 1)    # after it)
                 seen += 1
                 continue
             if not line.strip():
@@ -8324,13 +8389,13 @@ def _later_lines_are_records(path: Path, probe: int = 20) -> bool:
     return False
 
 
-def _parses_whole(path: Path, size: int) -> bool:
+def _parses_whole(f: BinaryIO, size: int) -> bool:
     """True when the file is one JSON document (False above MAX_IMPORT_BYTES:
     a file that big whose lines are records is read as JSONL)."""
-    if size > MAX_IMPORT_BYTES:
+    if size > MAX_IMPORT_BYTES or (data := _bounded_read(f, MAX_IMPORT_BYTES)) is None:
         return False
     try:
-        _load_document(path.read_text(encoding="utf-8-sig", errors="replace"))
+        _load_document(data.decode("utf-8-sig", "replace"))
         return True
     except (ValueError, RecursionError):
         return False
@@ -19914,8 +19979,8 @@ def restore(path: Annotated[str, Field(
                          f"knowledge.json{CORRUPT_TAG}<time>).")
     _restorable_layout(p)
     _refuse_another_projects(p, cfg)
-    try:
-        with open(p, "rb") as f:
+    try:                                 # (a FIFO swapped in since the check: refused)
+        with _open_export(p) as f:
             parsed = parse_file(f, str(p))
     except CorruptStore as e:
         raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "

@@ -3443,6 +3443,34 @@ def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(re
     assert cs.expand("k-bbbbbbbbbbbb")["scope"] == "local"
 
 
+def test_restore_of_a_file_swapped_for_a_fifo_after_its_check_refuses_it(repo, tmp_path,
+                                                                         monkeypatch):
+    """restore checked the path (a regular file), then opened it by name: a
+    FIFO swapped in between hung it for good. It is refused now."""
+    path = tmp_path / "knowledge.json.quarantine-x"
+    path.write_text(json.dumps({"cambium": 1, "items": [{"id": "k-cccccccccccc",
+                                                         "content": "swapped away"}]}))
+    layout = cs._restorable_layout
+
+    def check_then_swap(p):
+        layout(p)
+        os.mkfifo(tmp_path / "fifo")
+        os.replace(tmp_path / "fifo", p)
+    monkeypatch.setattr(cs, "_restorable_layout", check_then_swap)
+    done = threading.Event()
+
+    def unblock():                  # a reader blocked on the FIFO sees its end
+        while not done.wait(5):
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    threading.Thread(target=unblock, daemon=True).start()
+    try:
+        with pytest.raises(cs.InputError, match="is not a regular file"):
+            cs.restore(str(path))
+    finally:
+        done.set()
+
+
 def test_restore_never_brings_back_an_item_promoted_since_the_file_was_set_aside(shared):
     """An older copy of the store came back with an item since promoted (and
     deprecated) at team: it was live local knowledge again, exported as such."""
@@ -4661,6 +4689,73 @@ def test_import_reads_a_growing_jsonl_file_as_it_was_at_the_start(repo, tmp_path
     assert [d.content for d in [first, *rest]] == ["fact 0", "fact 1", "fact 2"]
 
 
+@pytest.mark.parametrize("layout", ["document", "jsonl"])
+def test_import_reads_the_file_it_opened_when_the_path_is_swapped(repo, tmp_path, monkeypatch,
+                                                                   layout):
+    """The export was checked by name, then opened by name again up to five
+    times (sniff, JSONL probes, the document read): a FIFO swapped in between
+    hung the import for good, and a document over the limit was read whole.
+    Here the path becomes a FIFO right after the first open, in layouts that
+    take every probe; a reopen by name would block (unblock ends it) or fail."""
+    path = tmp_path / "export.json"
+    lines = [json.dumps({"id": f"s{i}", "content": f"swap fact {i}"}) for i in (1, 2)]
+    path.write_text('{"memories": [\n' + "\n,".join(lines) + "\n]}\n" if layout == "document"
+                    else "{not json\n" + "\n".join(lines) + "\n")
+    fifo = tmp_path / "fifo"
+    opened = cs._open_export
+
+    def open_then_swap(p):
+        f = opened(p)
+        os.mkfifo(fifo)
+        os.replace(fifo, p)
+        return f
+    monkeypatch.setattr(cs, "_open_export", open_then_swap)
+
+    done = threading.Event()
+
+    def unblock():                  # a reader blocked on the FIFO sees its end
+        while not done.wait(5):
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    threading.Thread(target=unblock, daemon=True).start()
+    try:
+        out = cs.import_memory("json", str(path))
+    finally:
+        done.set()
+    assert out["imported"] == 2 and stat.S_ISFIFO(os.lstat(path).st_mode), out
+
+
+def test_import_reads_no_more_of_a_document_than_its_limit(tmp_path, monkeypatch):
+    """A document that grew past the limit after its size was taken was read
+    whole: the read stops one byte past the limit and refuses it."""
+    monkeypatch.setattr(cs, "MAX_IMPORT_BYTES", 2000)
+    path = tmp_path / "grows.json"
+    path.write_text(json.dumps([{"content": "a small document"}]))
+    sniffed = cs._first_byte
+
+    def sniff_then_grow(f, head):
+        with open(path, "a") as w:
+            w.write(" " * 5000)
+        return sniffed(f, head)
+    monkeypatch.setattr(cs, "_first_byte", sniff_then_grow)
+    with pytest.raises(cs.InputError, match="limit of a single JSON document"):
+        list(cs.json_adapter(path))
+
+
+@pytest.mark.parametrize("blank", ["\n", " ", "\r\n"])
+def test_a_document_after_4_kb_of_blank_space_is_read_as_one(repo, tmp_path, blank):
+    """The sniff read 4 KB: a document after more whitespace than that (and a
+    BOM) took the JSONL branch, and nothing was imported."""
+    path = tmp_path / "spaced.json"
+    path.write_bytes(b"\xef\xbb\xbf" + blank.encode() * 5000 + json.dumps(
+        {"memories": [{"id": "w1", "content": "wrapped after blank space"},
+                      {"id": "w2", "content": "a second wrapped record"}]}, indent=2).encode())
+    out = cs.import_memory("json", str(path))
+    assert out["imported"] == 2 and out["skipped"] == 0, out
+    path.write_text(" " * 5000 + "\n" * 5000)             # blank only: nothing, no error
+    assert cs.import_memory("json", str(path))["status"] == "nothing_imported"
+
+
 def test_a_jsonl_first_line_wrapping_records_says_they_were_not_imported(repo, tmp_path):
     """A JSONL file's first line `{"memories": [{...}]}` was told "it was read
     as one record, as it holds no list under memories/... (it has: memories)"."""
@@ -4679,12 +4774,14 @@ def test_a_first_line_too_long_for_a_record_is_no_jsonl(tmp_path, monkeypatch):
     monkeypatch.setattr(cs, "MAX_FIRST_LINE_CHARS", 100)
     path = tmp_path / "one-line.json"
     path.write_text(json.dumps({"memories": [{"content": "x" * 50}, {"content": "y" * 50}]}))
-    assert not cs._looks_like_jsonl(path) and not cs._later_lines_are_records(path)
+    with open(path, "rb") as f:
+        assert not cs._looks_like_jsonl(f) and not cs._later_lines_are_records(f)
     assert [d.content for d in cs.json_adapter(path)] == ["x" * 50, "y" * 50]
     jsonl = tmp_path / "long-first.jsonl"      # records after a first line that long: JSONL,
     later = [json.dumps({"content": f"fact {n} about the ledger"}) for n in (1, 2, 3)]
     jsonl.write_text(json.dumps({"content": "z" * 300}) + "\n" + "\n".join(later) + "\n")
-    assert cs._later_lines_are_records(jsonl)             # not one document failing to parse
+    with open(jsonl, "rb") as f:                         # not one document failing to parse
+        assert cs._later_lines_are_records(f)
     assert [d.content for d in cs.json_adapter(jsonl) if isinstance(d, cs.Draft)][-3:] == [
         f"fact {n} about the ledger" for n in (1, 2, 3)]
 
