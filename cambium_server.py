@@ -5740,9 +5740,12 @@ def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
     parted) applied: the items it added (after ours'), changed or dropped.
     An item both changed is merged field by field (merged_item). None when
     that fails, or one side dropped an item the other changed: a person
-    merges that."""
+    merges that; so does a side in a newer format than the tip (its marker
+    would be lost, and with it what this version could not read there)."""
     if any(len(first_copies(d.items)) != len(d.items) for d in (base, ours, theirs)):
         return None                                # an id held twice: by id, one copy would go
+    if "cambium" not in ours.raw and any("cambium" in d.raw for d in (base, theirs)):
+        return None
     was = {it.id: it for it in base.items}
     now = {it.id: it for it in ours.items}
     out = {it.id: it for it in ours.items}
@@ -8160,8 +8163,11 @@ def _import_int(text: str) -> int | float:
 def _bounded_read(f: BinaryIO, limit: int) -> bytes | None:
     """The whole of `f` from its start, None when it is over `limit` bytes
     (no more than one byte past it is read)."""
+    size = os.fstat(f.fileno()).st_size
     f.seek(0)
-    data = f.read(limit + 1)
+    data = f.read(min(size, limit) + 1)          # (read(limit + 1) reserved it all up front)
+    if len(data) > size and len(data) <= limit:  # (grown since: read on, to the limit)
+        data += f.read(limit + 1 - len(data))
     return data if len(data) <= limit else None
 
 

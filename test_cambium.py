@@ -7702,6 +7702,21 @@ def test_consolidate_of_team_leaves_out_a_copy_org_holds(shared, monkeypatch):
         assert any("no team item is folded" in w for w in plan["warnings"]), plan
 
 
+def test_a_side_branch_in_a_newer_format_is_not_merged_into_this_formats_tip():
+    """merged_docs kept the tip's top-level keys: a pull request's side branch
+    a newer cambium wrote (served, its unreadable lines left out) merged into
+    this format's tip lost its marker, so the write to it went through and
+    dropped what this version could not read. A person merges that."""
+    item = cs.Item(id="k-aaaaaaaaaaaa", content="Retries back off", scope="org")
+    changed = dataclasses.replace(item, content="Retries back off exponentially")
+    ours, base = cs.Doc(items=[item]), cs.Doc(items=[item])
+    newer = cs.Doc(items=[changed], raw={"cambium": cs.STORE_FORMAT + 1})
+    assert cs.merged_docs(base, ours, cs.Doc(items=[changed])) is not None
+    assert cs.merged_docs(base, ours, newer) is None
+    assert "cambium" in cs.merged_docs(base, dataclasses.replace(ours, raw=newer.raw),
+                                       newer).raw
+
+
 def test_a_supersession_org_cannot_follow_is_not_carried_to_org():
     """carried_over took a supersession up whatever it named: the copy a move
     to org left in team, folded into an item only team held, retired org's only
