@@ -21244,18 +21244,18 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             return await _respond(send, 404, b"Not Found", b"text/plain")   # Starlette's
         if scope["type"] != "http":                                        # 307 to /mcp
             return await app(scope, receive, send)
+        if guard is not None:       # before any body, whatever the method: a foreign page
+            from mcp.server.transport_security import TransportSecurityMiddleware   # gets
+            from starlette.requests import Request            # 421/403 (a GET's declared
+            refused = await TransportSecurityMiddleware(guard).validate_request(   # body
+                Request(scope), is_post=scope.get("method") == "POST")    # was waited for)
+            if refused is not None:
+                return await refused(scope, receive, send)
         if scope.get("method") != "POST":       # (a GET or DELETE has no body: one is held
             body = await _read_body(scope, receive, limit)    # to cambium's limit, as a
             if body is None:                                  # POST's: the SDK's is 3x it)
                 return await _respond(send, 413, b"Request body too large", b"text/plain")
             return await app(scope, _replaying(body, receive), send)
-        if guard is not None:                    # before the body: a foreign page gets 421/403
-            from mcp.server.transport_security import TransportSecurityMiddleware
-            from starlette.requests import Request
-            refused = await TransportSecurityMiddleware(guard).validate_request(
-                Request(scope), is_post=True)
-            if refused is not None:
-                return await refused(scope, receive, send)
         try:
             body = await _read_body(scope, receive, limit)
         except asyncio.CancelledError:   # shutdown's 20 s ran out on a client

@@ -20443,6 +20443,23 @@ def test_http_checks_host_and_body_size_before_reading_the_body(repo):
             assert sock.recv(64).startswith(b"HTTP/1.1 413")
 
 
+def test_http_checks_host_and_origin_of_a_get_or_delete_before_its_body(repo):
+    """A GET or DELETE with a foreign Host or Origin that declared a body it
+    never sent waited for that body before its 421/403 (a POST's was at once)."""
+    import socket
+    with http_server(repo, None) as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        for method in ("GET", "DELETE"):
+            for header, status in ((f"Host: evil.example:{port}", b"421"),
+                                   ("Origin: http://evil.example", b"403")):
+                host = "" if header.startswith("Host") else f"Host: 127.0.0.1:{port}\r\n"
+                with socket.create_connection(("127.0.0.1", port), 5) as sock:
+                    sock.sendall(f"{method} /mcp HTTP/1.1\r\n{host}{header}\r\nAccept: "
+                                 "application/json, text/event-stream\r\nContent-Length: "
+                                 "1000\r\n\r\n".encode())
+                    assert sock.recv(64).startswith(b"HTTP/1.1 " + status), (method, header)
+
+
 def test_http_takes_a_host_in_any_case_and_a_body_of_bytes_no_utf8_within_its_limit(repo):
     """`Host: LOCALHOST:<port>` got 421 (the SDK compares host names as
     written); a 1.5 MB body of bytes that are no UTF-8, well within the 4 MiB
