@@ -21332,6 +21332,7 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         return 1
     guard = rebinding_guard(host)
     quiet_refusals()
+    quiet_accept_failures()
     app = answer_as_stdio_does(
         server.streamable_http_app(host=host, transport_security=guard,
                                    streamable_http_path=MCP_HTTP_PATH,
@@ -21339,8 +21340,9 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     if token:
         app = require_bearer(app, token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",   # a client that
-                            timeout_graceful_shutdown=SIGNAL_EXIT_S)    # stalls mid-body:
-                                                                        # no endless stop
+                            timeout_graceful_shutdown=SIGNAL_EXIT_S,    # stalls mid-body:
+                            limit_concurrency=http_connection_cap(raise_fd_limit()))  # no
+                                                                        # endless stop
     print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
     # uvicorn shuts down on SIGTERM, then raises it again under the handler it
@@ -21360,6 +21362,69 @@ def quiet_refusals() -> None:
     page's bytes."""
     import logging
     logging.getLogger("mcp.server.transport_security").setLevel(logging.ERROR)
+    logging.getLogger("uvicorn.error").addFilter(quiet_refusals_of_upgrades)
+
+
+def quiet_refusals_of_upgrades(record: Any) -> bool:
+    """A logging filter for uvicorn's log: False for the two lines it writes per
+    Upgrade request it cannot serve (a foreign page's WebSocket, refused 403,
+    still wrote them to stderr, before cambium saw the request)."""
+    return not str(record.msg).startswith(("Unsupported upgrade request",
+                                           "No supported WebSocket library"))
+
+
+ACCEPT_FAILURE_EVERY_S = 60.0   #: a failing accept() is said at most once in this long
+
+
+def quiet_accept_failures(every_s: float = ACCEPT_FAILURE_EVERY_S) -> None:
+    """asyncio's log through a plain handler, an accept() that fails (out of file
+    descriptors: clients holding idle connections) in one line at most once per
+    `every_s`. Through the SDK's rich handler, whose traceback module it imported
+    on that first line, the import failed (no descriptor left) and the server
+    exited 1; imported already, it wrote 8 MB of "Logging error" in 3 s."""
+    import logging
+    last = [-every_s]
+
+    def one_line(record: Any) -> bool:
+        if not str(record.msg).startswith("socket.accept() out of system resource"):
+            return True
+        if time.monotonic() - last[0] < every_s:
+            return False
+        last[0] = time.monotonic()
+        why = record.exc_info[1] if record.exc_info else None
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            f"cambium: cannot accept a connection ({getattr(why, 'strerror', why)}); "
+            "those waiting are accepted as open ones close", (), None, None)
+        return True
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(one_line)
+    log = logging.getLogger("asyncio")
+    log.handlers[:], log.propagate = [handler], False
+
+
+HTTP_MAX_CONNECTIONS = 100   #: past this many connections, a request gets 503
+
+
+def http_connection_cap(fd_limit: int) -> int:
+    """How many connections `serve --http` serves at once (pure): at most
+    HTTP_MAX_CONNECTIONS, and half the open-file limit, so the other half is
+    left for the git processes, stores and locks the requests need."""
+    return max(1, min(HTTP_MAX_CONNECTIONS, fd_limit // 2))
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft open-file limit to its hard one, best effort
+    (1024 is a common soft limit: that many idle connections used every
+    descriptor); returns the soft limit now in force."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        soft = want
+    return soft
 
 
 def stopping_server(config: Any) -> Any:

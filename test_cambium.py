@@ -20324,14 +20324,56 @@ def test_http_refused_host_and_origin_leave_stderr_alone(repo):
             assert _post_init_with(port, Origin="http://evil.example/" + "A" * 15000) == 403
         assert _post_init_with(port, Origin=b"http://e\x1b]0;PWNED\x07\x1b[2J") == 403
         assert _post_init_with(port, Host="evil.example\x1b[2J") == 421
+        for _ in range(3):                  # a foreign page's WebSocket: uvicorn's two lines
+            assert _post_init_with(port, Origin="http://evil.example", Upgrade="websocket",
+                                   Connection="Upgrade") == 403
         assert _post_init_with(port) == 200
     finally:
         proc.terminate()
         proc.wait(timeout=20)
     drain.join(20)
     err = "".join(lines)
+    assert "upgrade" not in err.lower() and "WebSocket" not in err, err[:500]
     assert "\x1b" not in err and "PWNED" not in err and "AAAA" not in err, err[:500]
     assert len(err) < 2000, err[:500]
+
+
+def test_http_serve_outlives_more_idle_connections_than_it_has_file_descriptors(repo):
+    """Clients holding as many idle connections as the open-file limit killed
+    `serve --http` (exit 1: the SDK's log handler imported a module on the first
+    failed accept() and found no descriptor left), or, that module loaded, it
+    wrote megabytes of "Logging error". Now past its connection cap a request
+    gets 503, past the descriptors a connection waits (one line on stderr), and
+    once they close, requests are served again."""
+    import resource
+    import socket
+    port = _free_port()
+    proc = subprocess.Popen([*RUN, "serve", "--http", "--port", str(port)], env=_mcp_env(repo),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                  (128, 128)))
+    held: list = []
+    try:
+        assert "serving MCP on" in proc.stderr.readline()
+        held += [socket.create_connection(("127.0.0.1", port), 5) for _ in range(70)]
+        cs.time.sleep(0.5)
+        assert _post_init_with(port) == 503     # over the cap: refused, not served
+        held += [socket.create_connection(("127.0.0.1", port), 5) for _ in range(130)]
+        cs.time.sleep(2.5)                      # (accept() failing: out of descriptors)
+        assert proc.poll() is None
+        for sock in held:
+            sock.close()
+        cs.time.sleep(1.5)
+        assert _post_init_with(port) == 200
+    finally:
+        for sock in held:
+            sock.close()
+        proc.terminate()
+        err = proc.communicate(timeout=20)[1]
+    assert proc.returncode == 0, err[-500:]
+    assert "Traceback" not in err and "Logging error" not in err, err[:500]
+    assert err.count("cannot accept a connection") == 1 and len(err) < 1000, err[:500]
+    assert cs.http_connection_cap(128) == 64 and cs.http_connection_cap(1 << 20) == 100
 
 
 def test_http_serve_stops_on_sigterm_while_a_client_stalls_mid_body(repo):
