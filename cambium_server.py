@@ -8088,7 +8088,8 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
                 raise _document_too_big(path, size)
             if (data := _bounded_read(f, MAX_IMPORT_BYTES)) is None:    # (grown meanwhile)
                 raise _document_too_big(path, os.fstat(f.fileno()).st_size)
-            yield from _json_document(data, path.name)
+            records, data = _json_document(data, path.name), None   # (its bytes its own)
+            yield from records
             return
         if size > MAX_IMPORT_JSONL_BYTES:
             raise InputError(f"path {path} is {size // 2**20} MB, over the JSONL limit of "
@@ -8176,8 +8177,10 @@ def _json_document(data: bytes, name: str) -> Iterator[Draft | Skip]:
     or an object wrapping one or more (every list under a wrapper key is read,
     each record named by it)."""
     text, replaced = utf8_or_replaced(data)
+    del data                     # (the bytes and text die once parsed: not held while it yields)
     try:
         data = _load_document(text.removeprefix("\ufeff"))
+        del text
     except (ValueError, RecursionError) as e:
         yield Skip("file", f"not valid JSON ({json_problem(e)}); for JSONL put one object "
                            "per line")
