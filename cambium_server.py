@@ -21211,6 +21211,34 @@ def _http_checks() -> Any:
     return anyio.CapacityLimiter(HTTP_CHECKS_AT_ONCE)
 
 
+HTTP_BODIES_AT_ONCE = 100   #: POSTs read and answered at once; past it a POST gets 503
+
+
+@functools.cache
+def _http_bodies() -> Any:
+    """The anyio.CapacityLimiter POSTs share (made once, on first use)."""
+    import anyio
+    return anyio.CapacityLimiter(HTTP_BODIES_AT_ONCE)
+
+
+async def one_of_few(limiter: Any, send: Callable, answer: Callable) -> None:
+    """Run answer() holding one of `limiter`'s places, or answer 503 at once
+    when none is free: each POST holds its body (up to 4 MiB, several times
+    that decoded) until answered, and 30 such bodies at once took 1.1 GB. Only
+    requests that passed the token and Host/Origin checks take a place: idle
+    connections and refused requests never do."""
+    import anyio
+    try:
+        limiter.acquire_nowait()
+    except anyio.WouldBlock:
+        return await _respond(send, 503, b"Too many requests at once: try again shortly",
+                              b"text/plain")
+    try:
+        await answer()
+    finally:
+        limiter.release()
+
+
 async def refusal_off_loop(text: str, parse: Callable[[str], Any]) -> tuple[bool, dict | None]:
     """refusal_reply for an HTTP body, a large one in a worker thread: the scan
     is pure Python, and on the event loop 8 bodies of 4 MiB of `[` from one
@@ -21238,7 +21266,9 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     unchanged."""
     import asyncio
     from mcp_types import jsonrpc_message_adapter
+    from mcp.server.transport_security import TransportSecurityMiddleware
     parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
+    validate = TransportSecurityMiddleware(guard).validate_request if guard else None
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":             # (LOCALHOST got 421: a host name's case
@@ -21247,11 +21277,10 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             return await _respond(send, 404, b"Not Found", b"text/plain")   # Starlette's
         if scope["type"] != "http":                                        # 307 to /mcp
             return await app(scope, receive, send)
-        if guard is not None:       # before any body, whatever the method: a foreign page
-            from mcp.server.transport_security import TransportSecurityMiddleware   # gets
-            from starlette.requests import Request            # 421/403 (a GET's declared
-            refused = await TransportSecurityMiddleware(guard).validate_request(   # body
-                Request(scope), is_post=scope.get("method") == "POST")    # was waited for)
+        if validate is not None:    # before any body, whatever the method: a foreign page
+            from starlette.requests import Request      # gets 421/403 (a GET's declared
+            refused = await validate(Request(scope),                  # body was waited for)
+                                     is_post=scope.get("method") == "POST")
             if refused is not None:
                 return await refused(scope, receive, send)
         if scope.get("method") != "POST":       # (a GET or DELETE has no body: one is held
@@ -21259,6 +21288,9 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             if body is None:                                  # POST's: the SDK's is 3x it)
                 return await _respond(send, 413, b"Request body too large", b"text/plain")
             return await app(scope, _replaying(body, receive), send)
+        await one_of_few(_http_bodies(), send, lambda: answer_post(scope, receive, send))
+
+    async def answer_post(scope: dict, receive: Callable, send: Callable) -> None:
         try:
             body = await _read_body(scope, receive, limit)
         except asyncio.CancelledError:   # shutdown's 20 s ran out on a client
@@ -21342,10 +21374,10 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
                                    max_request_body_size=HTTP_REPLAY_MAX), guard)
     if token:
         app = require_bearer(app, token)
+    raise_fd_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",   # a client that
-                            timeout_graceful_shutdown=SIGNAL_EXIT_S,    # stalls mid-body:
-                            limit_concurrency=http_connection_cap(raise_fd_limit()))  # no
-                                                                        # endless stop
+                            timeout_graceful_shutdown=SIGNAL_EXIT_S)    # stalls mid-body:
+                                                                        # no endless stop
     print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
     # uvicorn shuts down on SIGTERM, then raises it again under the handler it
@@ -21405,29 +21437,23 @@ def quiet_accept_failures(every_s: float = ACCEPT_FAILURE_EVERY_S) -> None:
     log.handlers[:], log.propagate = [handler], False
 
 
-HTTP_MAX_CONNECTIONS = 100   #: past this many connections, a request gets 503
+FD_LIMIT_WANTED = 1 << 16   #: `serve --http` raises its soft open-file limit this far
 
 
-def http_connection_cap(fd_limit: int) -> int:
-    """How many connections `serve --http` serves at once (pure): at most
-    HTTP_MAX_CONNECTIONS, and half the open-file limit, so the other half is
-    left for the git processes, stores and locks the requests need."""
-    return max(1, min(HTTP_MAX_CONNECTIONS, fd_limit // 2))
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's soft open-file limit to its hard one, best effort
-    (1024 is a common soft limit: that many idle connections used every
-    descriptor); returns the soft limit now in force."""
+def raise_fd_limit() -> None:
+    """Raise this process's soft open-file limit toward FD_LIMIT_WANTED, within
+    its hard limit, best effort: 1024 is a common soft limit, and that many
+    idle connections used every descriptor. Not to the hard limit itself
+    (524,288 under systemd, 1,048,576 in Docker): operator checks and git
+    inherit it, and a tool that closes every descriptor up to it makes a
+    million calls."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 1 << 20
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft == resource.RLIM_INFINITY or soft >= FD_LIMIT_WANTED:
+        return
+    want = FD_LIMIT_WANTED if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_WANTED)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        soft = want
-    return soft
 
 
 def stopping_server(config: Any) -> Any:
