@@ -14693,7 +14693,8 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
     protected branch, a refused push) is a line in `failed` and holds up no
     other; with failed None, the first such failure is raised. `repointed`
     gets id -> URL of each item whose news now waits on cambium/updates;
-    a note org's gate held back from that news is a line in `failed` too."""
+    a note org's gate held back from that news is a line in `failed` too, and
+    so are the warnings of a move settle_unmarked finishes."""
     if cfg.org_repo is None:
         return []
     if docs is None:
@@ -14714,7 +14715,7 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
                 raise
             failed.append(f"merged org PRs not settled now: {it.id} keeps waiting, and the "
                           f"next review tries again: {e}")
-    return settled + settle_unmarked(cfg, docs)
+    return settled + settle_unmarked(cfg, docs, failed)
 
 
 PR_ID_CONFLICT = ("{id} waits on {url}, but org's tip holds other words under its id (a "
@@ -14795,13 +14796,19 @@ def _updates_propose(cfg: Config, item: Item) -> bool:
         news_over(there, item, holds={it.id for it in doc.items}) is None
 
 
-def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
+def settle_unmarked(cfg: Config, docs: dict[str, Doc],
+                    said: list[str] | None = None) -> list[str]:
     """Active copies below of items org's tip holds that wait on no pull
     request: a PR-mode promote killed after gh opened its pull request (or gh
     timing out after GitHub made it) never marked its copy, and after the
     merge the item stayed active in org and below for good. Each finishes its
     move as promote() would (_finish_held_move); in direct mode too (a team
-    to org move killed after its org push left such a team copy for good)."""
+    to org move killed after its org push left such a team copy for good).
+    The warnings promote's answer would give go in `said`, all of them: the
+    answer that holds `said` (the review's, or any promote's) is the only one
+    to tell of the move (a note org's gate held back, notes_held; both copies
+    kept, kept_both; a retirement it carried up; org's hand-written
+    KNOWLEDGE.md left as it is)."""
     try:                                  # org as just read, else as last fetched
         org_doc = docs.get("org") or store(cfg, "org").peek()
     except CambiumError:
@@ -14813,6 +14820,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc]) -> list[str]:
             if it.id in held and it.active and not it.pr_url and copy_of(held[it.id], it):
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
                 done += [it.id] if out.get("status") == "already_promoted" else []
+                if said is not None:
+                    said += out.get("warnings", [])
     return done
 
 

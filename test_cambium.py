@@ -8172,6 +8172,34 @@ def test_pr_mode_a_promote_whose_updates_pr_holds_back_a_note_says_so(
     assert bob["note"] == "" and up["status"] == "deprecated"
 
 
+@pytest.mark.parametrize("pr", ["0", "1"])
+def test_a_review_finishing_a_leftover_move_says_the_note_org_holds_back(
+        shared, monkeypatch, tmp_path, pr):
+    """A team -> org move killed after its org push left a team copy that waits
+    on no pull request; a teammate endorsed it with a note naming a file. The
+    review finished its move (settle_unmarked), the note held back by org's
+    gate, and threw that answer's warning away: nothing said. It warns."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Every cron job logs when it starts and ends")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared)                 # the copy the kill left
+    monkeypatch.delenv("CAMBIUM_ORG_REPO")
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    assert cs.endorse(item, note="see src/x.py")["scope"] == "team"
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", pr)
+    review = cs.review_promotions()
+    went = "is proposed to org" if pr == "1" else "went up to org"
+    assert any(w.startswith(f"{item}: an endorsement given while it moved") and went in w
+               for w in review.get("warnings", [])), review
+    (up,) = remote_json(shared["org_bare"], "cambium/updates" if pr == "1" else "main")["items"]
+    (bob,) = [e for e in up["trust"]["endorsements"] if e["by"] == "bob"]
+    assert bob["note"] == ""
+
+
 def test_a_review_asks_a_hanging_gh_once_and_leaves_org_credits_journaled(
         shared, monkeypatch, tmp_path):
     """With gh hanging, a review asked it about every waiting pull request
