@@ -1734,11 +1734,12 @@ def dotgit_problem(root: Path) -> str | None:
     serves none of it rather than guess its project from the directory name.
     A .git file naming a bare repository (the root of a bare clone that
     worktrees hang off) is no clone either: a working directory there binds
-    nothing, and CAMBIUM_REPO there kept a store no worktree's session reads."""
+    nothing, and CAMBIUM_REPO there kept a store no worktree's session reads.
+    Nor is one git would wait on (_git_waits_on: a FIFO for its config)."""
     dotgit = root / ".git"       # (os.path's checks: a 300-character name raised from Path's)
     if os.path.isdir(dotgit):
         lacks = _git_dir_lacks(dotgit)
-        return f"its .git directory holds no {lacks}" if lacks else None
+        return f"its .git directory holds no {lacks}" if lacks else _git_waits_on(root)
     try:
         head = read_regular(dotgit, 4096).decode("utf-8", "replace")
     except (OSError, ValueError) as e:       # (ValueError: a path no file system can hold)
@@ -1753,6 +1754,28 @@ def dotgit_problem(root: Path) -> str | None:
     if _gitdir_is_bare(root / target):       # (the .git file read once, above)
         return (f"its .git points to {target}, a bare repository, which has no work tree: "
                 "a worktree beside it is a clone")
+    return _git_waits_on(root)
+
+
+def _git_waits_on(root: Path) -> str | None:
+    """A file git opens on every call in the clone at root (HEAD, config,
+    packed-refs) that is a FIFO, socket or device, else None: git waits on it
+    until CAMBIUM_GIT_TIMEOUT, so each git call there (a status or recall
+    makes several) took that long, then failed. A dangling link (git reads it
+    as absent) or a folder (git fails at once) is no wait; a clone whose .git
+    cambium cannot read itself (a reftable one) is left to git."""
+    try:
+        gitdir, common = _git_dirs(root)
+    except (OSError, IndexError):
+        return None
+    for f in (gitdir / "HEAD", common / "config", common / "packed-refs"):
+        try:
+            mode = os.stat(f).st_mode
+        except (OSError, ValueError):
+            continue
+        if _stat.S_ISFIFO(mode) or _stat.S_ISSOCK(mode) or _stat.S_ISCHR(mode) \
+                or _stat.S_ISBLK(mode):
+            return f"{f} is a FIFO, socket or device, not a file: git would wait on it"
     return None
 
 
@@ -2383,8 +2406,8 @@ def config_gaps(cfg: Config) -> list[dict]:
         gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} does not exist → every "
                      "tool is unavailable", "fix": repo_fix})
     elif (broken := dotgit_problem(cfg.repo)) is not None:
-        gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} is not a git clone "
-                     f"({broken}) → every tool is unavailable", "fix": repo_fix})
+        gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} is not a git clone git "
+                     f"can read ({broken}) → every tool is unavailable", "fix": repo_fix})
     if not cfg.agent:
         gaps.append({"setting": "CAMBIUM_AGENT_ID", "cost": "no agent id → captures and "
                      "endorsements cannot say who made them; every tool is unavailable",
@@ -7578,14 +7601,14 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
 
 def _named_board(cfg: Config, key: str, path: Path, branch: str, remote: str) -> Board:
     """The board AGENTSYNC_BOARD_REPO or AGENTSYNC_REPO (`key`) names:
-    `misconfigured` when it is no clone git can read (board_clone_problem:
+    `misconfigured` when it is no clone git can read (dotgit_problem:
     before any git call, which would wait on a FIFO there until its timeout)."""
     source = f"{key} ({cfg.origins.get(key)})"
     if not os.path.exists(path / ".git"):
         return Board(None, source, branch, remote, "misconfigured",
                      f"{key}={path} is not a git clone, so there is no board to read",
                      f"point {key} at a clone of the repo agentsync coordinates through")
-    if (broken := board_clone_problem(path)) is not None:
+    if (broken := dotgit_problem(path)) is not None:
         return Board(None, source, branch, remote, "misconfigured",
                      f"{key}={path} is not a git clone git can read ({broken}), so there "
                      "is no board to read", f"repair that clone or point {key} at "
@@ -7597,30 +7620,6 @@ def _named_board(cfg: Config, key: str, path: Path, branch: str, remote: str) ->
                       "claims are read into this project. If it is another project's, set "
                       f"{key} in this project's server and hook environment instead")
     return Board(path, source, branch, remote)
-
-
-def board_clone_problem(root: Path) -> str | None:
-    """Why git cannot read the board clone at root, else None (no subprocess):
-    dotgit_problem's reasons (a .git file of stray bytes, a FIFO for .git), or
-    a file git opens on every call there (HEAD, config, packed-refs) that is
-    not a regular file: git waits on a FIFO until its timeout, so each of
-    distill's git calls there would wait that long. A clone whose .git cambium
-    cannot read itself (a reftable one) is left to git."""
-    if (problem := dotgit_problem(root)) is not None:
-        return problem
-    try:
-        gitdir, common = _git_dirs(root)
-    except (OSError, IndexError):
-        return None
-    for f in (gitdir / "HEAD", common / "config", common / "packed-refs"):
-        try:                     # (a dangling link git reads as absent, a folder: no wait)
-            mode = os.stat(f).st_mode
-        except (OSError, ValueError):
-            continue
-        if _stat.S_ISFIFO(mode) or _stat.S_ISSOCK(mode) or _stat.S_ISCHR(mode) \
-                or _stat.S_ISBLK(mode):
-            return f"{f} is a FIFO, socket or device, not a file: git would wait on it"
-    return None
 
 
 def _same_project(board: Path, repo: Path, t: float) -> bool:
@@ -13762,6 +13761,9 @@ def _org_store(cfg: Config) -> GitStore:
     if not os.path.exists(org / ".git"):
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone; clone the org "
                           "knowledge repo there or fix the setting (status() shows it).")
+    if (broken := dotgit_problem(org)) is not None:     # (before git waits on a FIFO there)
+        raise ConfigError(f"CAMBIUM_ORG_REPO={org} is not a git clone git can read "
+                          f"({broken}); repair it or clone the org knowledge repo again.")
     if cfg.repo is not None and (problem := org_clone_problem(org, cfg.repo)):
         raise ConfigError(f"CAMBIUM_ORG_REPO={org} {problem}")
     if not _has_remote(org, "origin", cfg.git_timeout_s):
@@ -17532,6 +17534,7 @@ def _project_root(project_repo: str) -> Path:
                          "path of your project's git clone.", "project_repo")
     if not os.path.isdir(path):
         raise InputError(f"project_repo {path} is not a directory.", "project_repo")
+    refuse_clone_git_waits_on(path, "project_repo")
     root = git_toplevel(path)
     if root is None and _in_git_dir(path):        # a .git dir: its clone, as the binding reads it
         if _git(["rev-parse", "--is-bare-repository"], path, 10.0).stdout.strip() == "true":
@@ -17543,6 +17546,16 @@ def _project_root(project_repo: str) -> Path:
         raise InputError(f"project_repo {path} is not a git repository; run `git init` there "
                          "or pass your clone's path.", "project_repo")
     return root
+
+
+def refuse_clone_git_waits_on(path: Path, argument: str) -> None:
+    """InputError for a setup path in a clone git would wait on (_git_waits_on:
+    a FIFO for its config): git_toplevel waited out its 10 s there, then setup
+    said "not a git repository, run git init"."""
+    clone = _find_git_root(path)
+    if clone is not None and (waits := _git_waits_on(clone)) is not None:
+        raise InputError(f"{argument} {path} is in a clone git cannot read ({waits}): "
+                         "repair that clone, or pass another.", argument)
 
 
 def _in_git_dir(path: Path) -> bool:
@@ -17582,6 +17595,8 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
     clone. The offer's `then` is setup() again for root and agent."""
     candidate = Path(expand_user(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and os.path.exists(candidate):
+        if os.path.isdir(candidate):
+            refuse_clone_git_waits_on(candidate, "org_repo")
         root = git_toplevel(candidate) if os.path.isdir(candidate) else None
         if root is None:
             raise InputError(f"org_repo {candidate} is not a git clone"

@@ -119,7 +119,8 @@ def child_env(**extra: str) -> dict:
     return env
 
 
-def cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path | None = None, timeout: float = 120,
+        **env: str) -> subprocess.CompletedProcess:
     """One CLI command, run as `python -m cambium_server` with bytecode caching on:
     the same main() as the script path, without compiling 12k lines each time
     (0.3 s a call; a few tests run the script path itself)."""
@@ -127,7 +128,7 @@ def cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.Completed
            "PYTHONPATH": os.pathsep.join(filter(None, (str(SERVER.parent),
                                                        os.environ.get("PYTHONPATH"))))}
     return subprocess.run([sys.executable, "-m", "cambium_server", *args], cwd=cwd, text=True,
-                          capture_output=True, env=env, timeout=120)
+                          capture_output=True, env=env, timeout=timeout)
 
 
 # =============================================================================
@@ -13371,10 +13372,40 @@ def test_a_board_clone_with_a_dangling_packed_refs_link_is_no_problem(tmp_path):
     (board / ".git" / "packed-refs").unlink(missing_ok=True)
     (board / ".git" / "packed-refs").symlink_to(tmp_path / "nowhere")
     git(board, "rev-parse", "HEAD")                    # git works there
-    assert cs.board_clone_problem(board) is None
+    assert cs.dotgit_problem(board) is None
     (board / ".git" / "packed-refs").unlink()
     os.mkfifo(board / ".git" / "packed-refs")
-    assert "FIFO" in cs.board_clone_problem(board)
+    assert "FIFO" in cs.dotgit_problem(board)
+
+
+def test_a_clone_git_would_wait_on_is_named_at_once(shared):
+    """A FIFO packed-refs in the project's clone (a FIFO config in the org
+    clone): cambium's own reads under .git refuse it, but every git call there
+    waited out CAMBIUM_GIT_TIMEOUT (25 s): a status took 50 s, a recall
+    minutes, then named a timeout (and setup called it no clone, 10 s on).
+    dotgit_problem names the file before any git call, so each answers at
+    once (a hang past 15 s fails the test)."""
+    org_config = shared["org"] / ".git" / "config"
+    kept = org_config.read_bytes()
+    org_config.unlink()
+    os.mkfifo(org_config)
+    env = {"CAMBIUM_GIT_TIMEOUT": "25", "CAMBIUM_ORG_REPO": str(shared["org"])}
+    st = json.loads(cli("status", cwd=shared["a"], timeout=15, **env).stdout)
+    assert f"{org_config} is a FIFO, socket or device" in st["scopes"]["org"]["error"], st
+    with pytest.raises(cs.InputError, match="org_repo .* is in a clone git cannot read"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(shared["org"]))   # (not "no clone")
+    org_config.unlink()
+    org_config.write_bytes(kept)
+    packed = shared["a"] / ".git" / "packed-refs"
+    packed.unlink(missing_ok=True)
+    os.mkfifo(packed)
+    st = json.loads(cli("status", cwd=shared["a"], timeout=15, **env).stdout)
+    (gap,) = [g for g in st["gaps"] if g["setting"] == "CAMBIUM_REPO"]
+    assert f"git can read ({packed} is a FIFO, socket or device" in gap["cost"], st
+    out = cli("recall", "timeouts", cwd=shared["a"], timeout=15, **env)
+    assert out.returncode != 0 and f"{packed} is a FIFO" in out.stdout, out
+    with pytest.raises(cs.InputError, match="project_repo .* is in a clone git cannot read"):
+        cs.setup(str(shared["a"] / ".git"), "ada")          # (its clone found, as git finds it)
 
 
 def test_reads_under_dot_git_refuse_fifos_and_stray_bytes_so_git_is_asked(tmp_path):
