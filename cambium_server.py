@@ -1479,7 +1479,8 @@ def salvage_kind(raw: str) -> tuple[str, str | None]:
     return kind, f"kind {_clip(text, 60)!r} read as {kind!r}"
 
 
-_SYMBOL = re.compile(r"[A-Za-z_$][\w$]*(?:(?:\.|::)[A-Za-z_$][\w$]*){0,7}")
+_NAME_START = r"(?:[^\W\d]|\$)"    #: a letter in any script, `_` or `$`: éclair, Ünit.λ
+_SYMBOL = re.compile(_NAME_START + r"[\w$]*(?:(?:\.|::)" + _NAME_START + r"[\w$]*){0,7}")
 
 
 def code_path_problem(path: str) -> str | None:
@@ -1496,7 +1497,7 @@ def code_path_problem(path: str) -> str | None:
 
 
 _LINE_SUFFIX = re.compile(r"(?::\d+){1,2}$")   #: a pointer's line: a.py:12, a.tsx:12:5
-_FILE_HASH_NAME = re.compile(r"\.\w{1,8}#[A-Za-z_$][\w$.:]*(?:\([^()]*\))?\s*$")
+_FILE_HASH_NAME = re.compile(r"\.\w{1,8}#" + _NAME_START + r"[\w$.:]*(?:\([^()]*\))?\s*$")
 #: a file with an extension, then #name: a symbol given in the path
 _CALL_PARENS = re.compile(r"\([^()]*\)\s*$")      #: total() or total(a, b) names total
 

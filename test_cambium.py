@@ -18258,6 +18258,27 @@ def test_an_anchor_symbol_is_a_name_not_a_file(coderepo):
     assert got["at"] == "src/billing.py" and got["symbol_found"] is False   # a hand-written store
 
 
+def test_a_symbol_may_start_with_a_letter_of_any_script(coderepo):
+    """A symbol's first letter had to be ASCII: `uni.py#éclair` was stored as
+    the path `uni.py#éclair` (no such file: stale_code from the start) and
+    {symbol: "Ünit.λ"} was refused, while `café` was taken."""
+    (coderepo / "uni.py").write_text("def café():\n    pass\n\ndef éclair():\n    pass\n\n"
+                                     "class Ünit:\n    def λ(self): pass\n", encoding="utf-8")
+    assert cs.normalize_code_refs(["uni.py#éclair", {"path": "uni.py", "symbol": "Ünit.λ"},
+                                   "uni.py#$el", "uni.py#_x"]) == [
+        {"path": "uni.py", "symbol": "éclair"}, {"path": "uni.py", "symbol": "Ünit.λ"},
+        {"path": "uni.py", "symbol": "$el"}, {"path": "uni.py", "symbol": "_x"}]
+    assert cs.normalize_code_refs([{"path": "uni.py#éclair()"}]) == [
+        {"path": "uni.py", "symbol": "éclair"}]
+    for bad in ("1abc", "a.1b", "é-clair"):
+        with pytest.raises(cs.InputError, match="should be an identifier"):
+            cs.normalize_code_refs([{"path": "uni.py", "symbol": bad}])
+    got = cs.capture("The eclair helper and the unit's lambda live in uni.py",
+                     code_refs=["uni.py#éclair", "uni.py#Ünit.λ"])
+    assert not got.get("warnings"), got
+    assert [a.get("line") for a in cs.resolve_anchors(coderepo, got["item"]["code_refs"])] == [4, 8]
+
+
 def test_anchors_never_resolve_into_a_git_dir_however_they_reach_it(coderepo):
     """`.git` was refused only as a path's first part: a link to it, a nested
     repo's .git and a submodule's .git file resolved, and a symbol search there
