@@ -13497,8 +13497,10 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
         return {**out, "resolved": False, "at": None,
                 "why": "a directory now, not the file that defined it"}
     out.update(resolved=True, at=path)
-    if not symbol or not os.path.isfile(full) or os.path.getsize(full) > MAX_ANCHOR_FILE_BYTES:
+    if not symbol:
         return out
+    if unsearched := _unsearched(full):
+        return {**out, "unsearched": unsearched}
     if len(symbol) > MAX_CODE_SYMBOL_CHARS:        # a store written by hand: not searched
         return {**out, "symbol_found": False}
     with open(full, "rb") as f:
@@ -13507,6 +13509,18 @@ def _resolve_one(root_real: str, ref: dict) -> dict:
     if line is None:
         return {**out, "symbol_found": False}
     return {**out, "at": f"{path}:{line}", "line": line}
+
+
+def _unsearched(full: str) -> str | None:
+    """Why a symbol is not looked for in the file at `full`, or None: a FIFO or
+    device would block or never end, and a file over MAX_ANCHOR_FILE_BYTES (a
+    generated amalgamation) costs too much to read per resolution. Said, not
+    silent: such an anchor read like one without a symbol."""
+    if not os.path.isfile(full):
+        return "not a regular file"
+    if os.path.getsize(full) > MAX_ANCHOR_FILE_BYTES:
+        return f"over {MAX_ANCHOR_FILE_BYTES // (1024 * 1024)} MB"
+    return None
 
 
 def name_forms(path: str) -> tuple[str, ...]:
@@ -17707,7 +17721,8 @@ _NOT_THERE = (None, "not in the working tree")   #: _resolve_one's why for a mis
 def anchor_warnings(anchors: list[dict]) -> list[str]:
     """What capture says of its resolved anchors (pure): a file that is not in
     the working tree (the item is stale_code until it is), apart from a name
-    not found in a file that is there (the anchor points at the file)."""
+    not found in a file that is there, or not searched for in one too big or
+    not a regular file (the anchor points at the file)."""
     def named(a: dict) -> str:
         return a["path"] + (f"#{a['symbol']}" if a.get("symbol") else "")
     out = []
@@ -17724,6 +17739,9 @@ def anchor_warnings(anchors: list[dict]) -> list[str]:
         out.append(f"code_refs {', '.join(unnamed[:3])}: the file is there but that name is not "
                    "found as a definition in it (a typo? not written yet?), so the anchor "
                    "points at the file")
+    for a in (a for a in anchors if a["resolved"] and a.get("unsearched")):
+        out.append(f"code_refs {named(a)}: the file is {a['unsearched']}, so that name is not "
+                   "searched for in it and the anchor points at the file")
     return out
 
 

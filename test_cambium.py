@@ -18279,6 +18279,30 @@ def test_a_symbol_may_start_with_a_letter_of_any_script(coderepo):
     assert [a.get("line") for a in cs.resolve_anchors(coderepo, got["item"]["code_refs"])] == [4, 8]
 
 
+def test_a_symbol_in_a_file_too_big_or_not_regular_is_said_unsearched(coderepo):
+    """A symbol anchor into a file over MAX_ANCHOR_FILE_BYTES (or a FIFO) was
+    never searched, yet read like an anchor without a symbol: no line, no
+    symbol_found: false, no warning from capture."""
+    body = "/* generated */\n" * (cs.MAX_ANCHOR_FILE_BYTES // 16) + "int open_db(int a) {\n}\n"
+    (coderepo / "big.c").write_text(body)
+    (coderepo / "small.c").write_text(body[-100_000:])
+    os.mkfifo(coderepo / "pipe.c")
+    got = cs.capture("The amalgamation opens databases via open_db",
+                     code_refs=["big.c#open_db", "small.c#open_db", "pipe.c#open_db"])
+    big, small, pipe = cs.resolve_anchors(coderepo, got["item"]["code_refs"])
+    assert big == {"path": "big.c", "symbol": "open_db", "resolved": True, "at": "big.c",
+                   "unsearched": "over 2 MB"}
+    assert small["line"] > 1 and "unsearched" not in small
+    assert pipe["at"] == "pipe.c" and pipe["unsearched"] == "not a regular file"
+    assert got["warnings"] == [
+        "code_refs big.c#open_db: the file is over 2 MB, so that name is not searched for in "
+        "it and the anchor points at the file",
+        "code_refs pipe.c#open_db: the file is not a regular file, so that name is not searched "
+        "for in it and the anchor points at the file"]
+    assert cs.resolve_anchors(coderepo, [{"path": "big.c"}])[0] == {
+        "path": "big.c", "resolved": True, "at": "big.c"}
+
+
 def test_anchors_never_resolve_into_a_git_dir_however_they_reach_it(coderepo):
     """`.git` was refused only as a path's first part: a link to it, a nested
     repo's .git and a submodule's .git file resolved, and a symbol search there
