@@ -11639,6 +11639,42 @@ def test_operator_check_fails_then_passes_through_the_cli(repo):
     assert cs.stale_report()["count"] == 0
 
 
+def test_a_passing_check_keeps_one_short_entry_however_often_it_passes(repo):
+    """Each pass appended a verification holding the whole command: 300 passes
+    of a 1,900-character check made the store 595 KB and expand 603 K
+    characters of 301 history entries. A pass now replaces that check's earlier
+    pass, its note the command cut with a hash of the whole."""
+    item_id = cs.capture("The api schema stays backward compatible with v1 clients")["item"]["id"]
+    cmd = "true # " + "x" * 1_900
+    assert cli("verify-cmd", item_id, cmd).returncode == 0
+    firsts = []
+    for _ in range(3):
+        assert cs.run_checks(item_id, 10)["passed"] == 1
+        firsts.append(cs.expand(item_id)["last_verified"])
+    item = cs.expand(item_id)
+    created, run = item["history"]
+    assert run == {"at": item["last_verified"], "event": "verified", "by": "check",
+                   "note": "check passed: " + cs.clip_marked(cmd, cs.CHECK_NOTE_CHARS)}
+    assert item["last_verified"] == firsts[-1] and len(run["note"]) < 250
+    assert (repo / ".cambium" / "knowledge.json").stat().st_size < 4_000
+
+
+def test_a_check_pass_replaces_only_that_checks_earlier_passes():
+    """A person's verification, another check's pass stay; that check's passes
+    as they were written (the whole command) give way to one, at the later
+    stamp (pure)."""
+    person = {"by": "ana", "at": "2026-01-01T00:00:00Z", "note": "looked"}
+    other = {"by": "check", "at": "2026-01-02T00:00:00Z", "note": "check passed: make lint"}
+    old = [{"by": "check", "at": f"2026-01-0{d}T00:00:00Z", "note": "check passed: make test"}
+           for d in (3, 4)]
+    got = cs.check_passed([person, *old, other], "make test", "2026-01-05T00:00:00Z")
+    assert got == [person, other, {"by": "check", "at": "2026-01-05T00:00:00Z",
+                                   "note": "check passed: make test"}]
+    late = {"by": "check", "at": "2026-02-01T00:00:00Z", "note": "check passed: make test"}
+    assert cs.check_passed([late], "make test", "2026-01-05T00:00:00Z") == [late]
+    assert cs.check_passed(None, "make test", "2026-01-05T00:00:00Z")[0]["by"] == "check"
+
+
 def test_operator_check_on_a_team_item_is_recorded_through_the_push(shared):
     item_id = _endorsed("The shop repository has a README")
     cs.promote()
