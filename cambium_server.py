@@ -16847,12 +16847,13 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
     unrecorded: list[dict] = []                 # results run but not written
     for scope, doc in docs.items():
         outcomes, firsts = {}, {id(it) for it in first_copies(doc.items)}
+        unfetched = unfetched_scope(scope, warnings)
         for it in doc.items:
             cmd = check_cmd(it)
             first = id(it) in firsts
             if not cmd or not it.active or (item_id and it.id != item_id):
                 continue
-            if why := not_to_run(cfg, scope, it, first):
+            if why := not_to_run(cfg, scope, it, first) or unfetched:
                 skipped.append({"id": it.id, "reason": why})
                 continue
             outcome = run_check(cmd, cfg.repo, timeout_s)
@@ -16887,6 +16888,16 @@ def _checks_answer(results: list[dict], skipped: list[dict], dropped: set[str],
     if warnings:
         out["warnings"] = warnings
     return out
+
+
+def unfetched_scope(scope: str, warnings: list[str]) -> str | None:
+    """Why no check of a shared scope whose fetch failed is run, if it did
+    (pure): its result could not be written (the write fetches and pushes),
+    so the check ran for nothing, and its write's git error ended the run."""
+    said = next((w for w in warnings if w.startswith(f"{scope} scope may be behind: ")), None)
+    return None if said is None else (
+        f"not run: {said}; its result could not be recorded there, so run it again once "
+        f"the {scope} remote answers")
 
 
 def not_to_run(cfg: Config, scope: str, item: Item, first: bool = True) -> str | None:
@@ -16973,7 +16984,10 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
                 where.setdefault(here, {})[item_id] = outcome
             pending, fresh = {}, True
             for here, found in where.items():
-                missed, why = _record_in(cfg, here, found, now)
+                try:
+                    missed, why = _record_in(cfg, here, found, now)
+                except CambiumError as e:          # (the team remote down): the other
+                    missed, why = {}, unwritable(here, found, e)   # scopes' still land
                 pending.update(missed)
                 dropped.update(why)
             if not pending:
@@ -16981,6 +16995,15 @@ def _record_checks(cfg: Config, outcomes: dict[str, dict]) -> list[dict]:
     dropped.update((i, "the item moved scope again while this result was written: it is "
                     "not recorded") for i in pending)
     return [{"id": i, "reason": why} for i, why in dropped.items()]
+
+
+def unwritable(scope: str, found: dict[str, dict], error: CambiumError) -> dict[str, str]:
+    """Why each outcome of a scope whose write failed is not recorded (pure):
+    the git error escaped verify --run, which then answered nothing, not even
+    the results other scopes had recorded, and ran no check after it."""
+    why = (f"{scope} scope could not be written ({error}): this result is not recorded; "
+           "run the check again once it can be")
+    return dict.fromkeys(found, why)
 
 
 def not_recorded(scope: str, item: Item, outcome: dict) -> str | None:

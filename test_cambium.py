@@ -11965,6 +11965,46 @@ def test_an_item_retired_or_gone_while_its_check_ran_is_listed_as_skipped(repo, 
     assert all(items[i].failing is None and items[i].last_verified is None for i in ids[:2])
 
 
+def test_verify_run_with_the_team_remote_down_records_and_reports_the_rest(shared,
+                                                                          monkeypatch):
+    """With the team remote down, verify --run ran the team item's check, its
+    write's git error escaped: exit 1, no answer at all (the local result was
+    recorded, not reported) and org's checks never ran. A team remote down
+    from the start: its checks are not run, and listed under skipped; one gone
+    while its check ran: the result is listed as not recorded, the rest go on."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    team = _endorsed("The staging deploy needs the vpn profile loaded first")
+    cs.promote(team, force=True)
+    org = _endorsed("Retry idempotent calls with jittered backoff")
+    cs.promote(org, to_scope="org", force=True)
+    local = cs.capture("The local cache directory must be writable by the ci user")["item"]["id"]
+    for item_id, cmd in ((team, "exit 2"), (org, "true"), (local, "exit 1")):
+        cs.attach_check(item_id, cmd)
+    away = shared["tmp"] / "gone.git"
+    shared["origin"].rename(away)                        # the team remote is down
+    run = cs.run_checks()
+    assert run["ran"] == 2 and run["failed"] == [local] and run["passed"] == 1
+    (skip,) = run["skipped"]
+    assert skip["id"] == team and skip["reason"].startswith("not run: team scope may be behind")
+    away.rename(shared["origin"])
+    real = cs.run_check
+
+    def meanwhile(cmd: str, cwd: Path, timeout_s: float) -> dict:
+        out = real(cmd, cwd, timeout_s)
+        if cmd == "exit 2":                              # down while the team check ran
+            shared["origin"].rename(away)
+        return out
+
+    monkeypatch.setattr(cs, "run_check", meanwhile)
+    run = cs.run_checks()
+    assert run["ran"] == 3 and run["failed"] == [local] and run["passed"] == 1
+    (skip,) = run["skipped"]
+    assert skip["id"] == team and "team scope could not be written" in skip["reason"]
+    assert [r["id"] for r in run["results"] if r.get("recorded") is False] == [team]
+    away.rename(shared["origin"])
+    assert remote_json(shared["origin"], "cambium")["items"][0].get("failing") is None
+
+
 def test_usage_attribution_through_the_cli_and_bounded_journal(repo, monkeypatch):
     seen = cs.capture("Rotate API tokens every ninety days", tags="security")["item"]["id"]
     cs.capture("Unrelated fact about office plants")
