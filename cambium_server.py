@@ -16734,8 +16734,8 @@ def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
     def apply(it: Item) -> Item | None:
         if cmd:                                   # verify --run would never run it
             _require_active(it, "given a check")
-        if (check_cmd(it) or "") == cmd:
-            return None
+        if (check_cmd(it) or "") == cmd and not (cmd and _attached_elsewhere(it, cfg)):
+            return None                           # (another project's: restamped here)
         return dataclasses.replace(it, check=check, failing=None if not cmd else it.failing,
                                    updated_at=now)
 
@@ -16743,6 +16743,14 @@ def attach_check(item_id: ItemId, cmd: Annotated[str, Field(
                            "check_set" if cmd else "check_removed")
     out["note"] = f"run it with: {_cli_command()} verify --run"
     return out
+
+
+def _attached_elsewhere(item: Item, cfg: Config) -> bool:
+    """Whether an item's check names a project other than this one (pure): the
+    same command given again restamps it here (it was a no-op, and a check
+    attached before a rename, or an org one, stayed another project's)."""
+    attached = item.check.get("project") if isinstance(item.check, dict) else None
+    return isinstance(attached, str) and not same_project(attached, cfg.project)
 
 
 def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
@@ -16905,15 +16913,17 @@ def not_to_run(cfg: Config, scope: str, item: Item, first: bool = True) -> str |
     false: the item is a later copy of an id the store holds twice, which every
     tool reads as its first (show and export showed the first copy's check, and
     this one's ran unseen); or its command is not the plain text verify-cmd
-    stores (hidden_in_cmd). The project it was attached in is this one case
-    aside (same_project): a teammate's clone of Acme/Shop is project `shop` in
-    one written `acme/shop`."""
+    stores (hidden_in_cmd). An org item's check runs in the project it was
+    attached in, case aside (same_project): a teammate's clone of Acme/Shop is
+    project `shop` in one written `acme/shop`. A local or team item's runs
+    whatever project it names, as learned_elsewhere reads it: this project's,
+    after a remote or folder was renamed (its check was skipped for good)."""
     if not first:
         return (f"a later copy of an id the {scope} store holds twice (a hand edit, a bad "
                 "merge): every tool reads its first copy, so this copy's check is not run; "
                 "merge the copies by hand")
     attached = item.check.get("project")
-    if attached is not None and not same_project(attached, cfg.project):
+    if scope == "org" and attached is not None and not same_project(attached, cfg.project):
         return f"attached in project {item.check.get('project')}; it runs there"
     return hidden_in_cmd(item) or waiting_copy(scope, item)
 

@@ -11775,10 +11775,37 @@ def test_verify_run_takes_a_check_attached_in_this_project_named_in_another_case
     for it, project in zip(doc["items"], (here.swapcase(), "elsewhere")):
         it["check"]["project"] = project
     store.write_text(json.dumps(doc))
+    run = cs.run_checks()                     # (a local item's runs whatever it names)
+    assert run["ran"] == 2 and run["passed"] == 2 and "skipped" not in run
+
+
+def test_verify_run_runs_a_local_or_team_check_whatever_project_it_names(shared, monkeypatch):
+    """Once the project's name changed (its remote renamed, or one added to a
+    clone named by its folder), a local or team item's check was skipped for
+    good as "attached in project shop; it runs there", and verify-cmd with the
+    same command changed nothing; such an item is this project's whatever it
+    names (learned_elsewhere). An org item's still runs where it was attached,
+    until verify-cmd gives it again here."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    team = _endorsed("The staging deploy needs the vpn profile loaded first")
+    cs.promote(team, force=True)
+    org = _endorsed("Retry idempotent calls with jittered backoff")
+    cs.promote(org, to_scope="org", force=True)
+    local = cs.capture("The local cache directory must be writable by the ci user")["item"]["id"]
+    for item_id in (team, org, local):
+        cs.attach_check(item_id, "true")
+    renamed = shared["origin"].rename(shared["tmp"] / "storefront.git")   # the remote renamed
+    git(shared["a"], "remote", "set-url", "origin", str(renamed))
+    cs.runtime().reset()
+    assert cs.resolve_config().project == "storefront"
     run = cs.run_checks()
-    assert run["ran"] == 1 and run["passed"] == 1
-    assert [s["id"] for s in run["skipped"]] == [doc["items"][1]["id"]]
-    assert "attached in project elsewhere" in run["skipped"][0]["reason"]
+    assert sorted(r["id"] for r in run["results"]) == sorted([team, local])
+    (skip,) = run["skipped"]
+    assert skip["id"] == org and "attached in project shop; it runs there" in skip["reason"]
+    assert cs.attach_check(org, "true")["item"]["check"]["project"] == "storefront"
+    assert cs.run_checks()["passed"] == 3
+    stamped = cs.attach_check(local, "true")["item"]["check"]      # restamped too
+    assert stamped["project"] == "storefront" and stamped["by"] == "ada"
 
 
 def _teammate_edits_team(shared, edit) -> None:
