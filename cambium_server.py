@@ -12567,13 +12567,16 @@ def check_cmd(item: Item) -> str | None:
 
 def checked(item: Item, outcome: dict, *, now: str) -> Item:
     """The item after its check ran: a pass stamps last_verified, raises authority
-    to verified and clears `failing`; a failure marks it failing (kept, flagged)."""
+    to verified and clears `failing`; a failure marks it failing (kept, flagged).
+    Stamped when the run started (`started`, else now): what it judged is the
+    tree then, and a run started earlier never overwrites it (overtaken)."""
+    at = outcome.get("started") or now
     if outcome["passed"]:
-        runs = check_passed(item.verifications, outcome["cmd"], now)
-        return dataclasses.replace(item, last_verified=now, verifications=runs, failing=None,
+        runs = check_passed(item.verifications, outcome["cmd"], at)
+        return dataclasses.replace(item, last_verified=at, verifications=runs, failing=None,
                                    authority=raised(item, "verified"), updated_at=now)
     return dataclasses.replace(item, updated_at=now, failing={
-        "at": now, "exit": outcome["exit"], "output": outcome["output"]})
+        "at": at, "exit": outcome["exit"], "output": outcome["output"]})
 
 
 CHECK_NOTE_CHARS = 200   #: a pass's note holds its command cut to this, with a hash of the whole
@@ -16864,13 +16867,13 @@ def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -
             if why := not_to_run(cfg, scope, it, first) or unfetched:
                 skipped.append({"id": it.id, "reason": why})
                 continue
-            outcome = run_check(cmd, cfg.repo, timeout_s)
+            started, outcome = _now(), run_check(cmd, cfg.repo, timeout_s)
             if "error" in outcome:
                 skipped.append({"id": it.id, "reason": f"its check could not start "
                                 f"({outcome['error']}); nothing recorded: `{_cli_command()} "
                                 f"verify-cmd {it.id} CMD` replaces it"})
                 continue
-            outcomes[it.id] = outcome
+            outcomes[it.id] = {**outcome, "started": started}
             results.append({"id": it.id, "scope": scope, **outcome})
         unrecorded += _record_checks(cfg, outcomes)
     if item_id and not results and not skipped:
@@ -17029,7 +17032,29 @@ def not_recorded(scope: str, item: Item, outcome: dict) -> str | None:
     if check_cmd(item) != outcome["cmd"]:
         return ("its check was changed or removed while it ran: this result, of the "
                 "command it had then, is not recorded")
-    return waiting_copy(scope, item)
+    return overtaken(item, outcome) or waiting_copy(scope, item)
+
+
+def overtaken(item: Item, outcome: dict) -> str | None:
+    """Why an outcome is not written over a newer one (pure): a run started
+    after this one (the fix landed) finished first; this run's failure, from
+    before the fix, flagged the item failing over that pass."""
+    started, newer = _parse_ts(outcome.get("started")), last_check_at(item)
+    if started is None or newer is None or newer <= started:
+        return None
+    newer_at = newer.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return (f"a newer result of its check (of a run started at {newer_at}) was recorded "
+            f"while this one, started at {outcome['started']}, ran: this result is not "
+            "recorded")
+
+
+def last_check_at(item: Item) -> datetime | None:
+    """When the run behind an item's latest check outcome started (`failing.at`,
+    a check's verification), if any can be read (pure)."""
+    stamps = [item.failing.get("at")] if isinstance(item.failing, dict) else []
+    stamps += [v.get("at") for v in item.verifications or []
+               if isinstance(v, dict) and v.get("by") == "check"]
+    return max(filter(None, map(_parse_ts, stamps)), default=None)
 
 
 def _record_in(cfg: Config, scope: str, found: dict[str, dict],

@@ -11992,6 +11992,34 @@ def test_an_item_retired_or_gone_while_its_check_ran_is_listed_as_skipped(repo, 
     assert all(items[i].failing is None and items[i].last_verified is None for i in ids[:2])
 
 
+def test_a_run_started_before_a_newer_recorded_result_does_not_overwrite_it(repo, monkeypatch):
+    """Run A started before the fix and failed slowly; run B, started after the
+    fix, passed and was recorded first; A's failure, recorded last, flagged the
+    item failing over B's pass. Results are stamped when their run started, and
+    one from a run started before the item's latest check result is skipped."""
+    item_id = cs.capture("The fixture file must exist before the integration tests")["item"]["id"]
+    cs.attach_check(item_id, "test -f fixed")
+    real = cs.run_check
+
+    def run_a(cmd: str, cwd: Path, timeout_s: float) -> dict:
+        out = real(cmd, cwd, timeout_s)                  # fails: not fixed yet
+        time.sleep(1.1)
+        (repo / "fixed").write_text("")                  # the fix lands
+        monkeypatch.setattr(cs, "run_check", real)
+        assert cs.run_checks()["passed"] == 1            # run B passes, recorded first
+        return out
+
+    monkeypatch.setattr(cs, "run_check", run_a)
+    run = cs.run_checks()
+    assert run["failed"] == [] and run["results"][0]["recorded"] is False
+    assert "a newer result of its check" in run["skipped"][0]["reason"]
+    (it,) = cs.store(cs.resolve_config(), "local").read().items
+    assert it.failing is None and it.authority == "verified"
+    (repo / "fixed").unlink()
+    time.sleep(1.1)
+    assert cs.run_checks()["failed"] == [item_id]        # a later run's failure lands
+
+
 def test_verify_run_with_the_team_remote_down_records_and_reports_the_rest(shared,
                                                                           monkeypatch):
     """With the team remote down, verify --run ran the team item's check, its
