@@ -16767,17 +16767,19 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     argument limit) answers `error`: it neither passed nor failed, and one
     such check stopped the whole run, with the results already in. A SIGTERM
     or SIGHUP ends the run through that kill too (signals_raise)."""
-    with signals_raise():
+    with signals_raise() as stops:
         try:
-            proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True,
-                                    env={k: v for k, v in os.environ.items()
-                                         if k not in _HOOK_GIT_VARS})
+            with stops.held():
+                proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True,
+                                        env={k: v for k, v in os.environ.items()
+                                             if k not in _HOOK_GIT_VARS})
         except (ValueError, OSError) as e:
             return {"cmd": cmd, "passed": False, "exit": None, "output": "",
                     "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
         try:
+            stops.deliver()                         # (one that came while it started)
             output = check_output_tail(proc, timeout_s)
             code = proc.poll()                      # None: still running, timed out
         finally:
@@ -16791,23 +16793,49 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
 
 
+class _Stops:
+    """A SIGTERM or SIGHUP handler that raises SystemExit (128 + the signal),
+    or, while held (the check starting), keeps it for deliver(): raised inside
+    Popen, after the check had started but before its process was known, it
+    left the check running with no time limit (seen under load)."""
+
+    def __init__(self) -> None:
+        self.holding, self.got = False, None
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        if self.holding:
+            self.got = signum
+        else:
+            raise SystemExit(128 + signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+
+    def deliver(self) -> None:
+        if self.got is not None:
+            raise SystemExit(128 + self.got)
+
+
 @contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
+def signals_raise() -> Iterator[_Stops]:
     """While a check runs, SIGTERM and SIGHUP raise SystemExit (143, 129), so
     run_check's `finally` kills the check's process group: their default
     action ended the interpreter at once, and the check, in its own session,
     which no signal to cambium reaches, ran on with no time limit (a CI job's
     timeout). One ignored (nohup) stays ignored; off the main thread, where no
     handler can be set, nothing changes. The handlers before are put back."""
-    def stop(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
+    stop = _Stops()
     old = {}
     if threading.current_thread() is threading.main_thread():
         old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
-        yield
+        yield stop
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -11900,6 +11900,26 @@ def test_a_check_verify_cmd_stored_runs_though_its_text_reads_as_mojibake(repo, 
     assert run["ran"] == 1 and not run.get("skipped") and flag.exists()
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers need the main thread")
+def test_a_signal_while_a_check_starts_still_stops_the_check(tmp_path, monkeypatch):
+    """A SIGTERM that came inside Popen, once the check had started but before
+    its process was known (the suite saw it under load), raised there: nothing
+    killed the check's group, and it ran on with no time limit. It is held
+    until the process is known, then ends the run through the kill."""
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        os.kill(os.getpid(), signal.SIGTERM)            # as the check starts
+        return started[-1]
+    monkeypatch.setattr(cs.subprocess, "Popen", popen)
+    with pytest.raises(SystemExit) as stopped:
+        cs.run_check("sleep 61.5151", tmp_path, 30)
+    assert stopped.value.code == 143
+    assert started[0].wait(timeout=10) == -9            # its group was killed
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, sig):
