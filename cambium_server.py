@@ -13299,7 +13299,16 @@ _FUNCTION_VALUE = (r"[ \t]*(?:async[ \t]+)?(?:function\b|lambda\b|"
 
 
 @functools.lru_cache(maxsize=512)
-def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+def _definition_patterns(name: str) -> tuple[re.Pattern, ...]:
+    """_definition_sources compiled."""
+    return _compiled(_definition_sources(name))
+
+
+def _compiled(sources: tuple[str, ...]) -> tuple[re.Pattern, ...]:
+    return tuple(re.compile(source, re.M) for source in sources)
+
+
+def _definition_sources(name: str) -> tuple[str, str, str]:
     """(a keyword definition of `name`, a function declared with its name:
     `const total = (a) =>`, a function given its name: `exports.total =
     function`, `total: function(` in an object, `total = lambda`). The last
@@ -13308,21 +13317,20 @@ def _definition_patterns(name: str) -> tuple[re.Pattern, re.Pattern, re.Pattern]
     at the first `=`, never at a `:`: stopping at each `:` of a line and
     scanning the rest from each made it quadratic (a 48 KB line, 12 s)."""
     n = re.escape(name)
-    return (re.compile(_DEF_PREFIX + n + r"\b", re.M),
-            re.compile(_DEF_MODIFIERS + r"(?:const|let|var)[ \t]+" + n +
-                       r"[ \t]*(?::[^=\n]*)?=" + _FUNCTION_VALUE, re.M),
-            re.compile(_DEF_MODIFIERS + r"(?:[\w$]+\.)*" + n +
-                       r"[ \t]*(?::[^=\n]*=|[:=])" + _FUNCTION_VALUE, re.M))
+    return (_DEF_PREFIX + n + r"\b",
+            _DEF_MODIFIERS + r"(?:const|let|var)[ \t]+" + n +
+            r"[ \t]*(?::[^=\n]*)?=" + _FUNCTION_VALUE,
+            _DEF_MODIFIERS + r"(?:[\w$]+\.)*" + n +
+            r"[ \t]*(?::[^=\n]*=|[:=])" + _FUNCTION_VALUE)
 
 
-@functools.lru_cache(maxsize=512)
-def _variable_patterns(name: str) -> tuple[re.Pattern, re.Pattern]:
+def _variable_sources(name: str) -> tuple[str, str]:
     """(a variable declaration of `name`, an assignment to it at line start):
     a definition too, but after the functions and classes of that name (a
     method's local `let total = 0` is not the method `total() {`)."""
     n = re.escape(name)
-    return (re.compile(_DEF_MODIFIERS + r"(?:const|let|var|val)[ \t]+" + n + r"\b", re.M),
-            re.compile(r"^[ \t]*(?:export[ \t]+)?" + n + r"[ \t]*(?::[^=\n]*)?=(?!=)", re.M))
+    return (_DEF_MODIFIERS + r"(?:const|let|var|val)[ \t]+" + n + r"\b",
+            r"^[ \t]*(?:export[ \t]+)?" + n + r"[ \t]*(?::[^=\n]*)?=(?!=)")
 
 
 #: files whose functions are declared by their type, not a keyword (C, C++, Java, C#, ...)
@@ -13338,6 +13346,11 @@ _SIGNATURE_REST = r"[ \t]*\([^;{\n]*(?:\{.*)?$"     # its parameters; no `;`: no
 
 @functools.lru_cache(maxsize=512)
 def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Pattern, ...]:
+    """_signature_sources compiled."""
+    return _compiled(_signature_sources(name, ext, owner))
+
+
+def _signature_sources(name: str, ext: str, owner: str = "") -> tuple[str, ...]:
     """Definitions a keyword does not open. In C-like files a typed signature
     (`public static int total(int a) {`, `int Cart::total(int a)` on a line not
     ending in `;`, so neither a prototype nor a call), or GNU style's name at
@@ -13349,20 +13362,19 @@ def _signature_patterns(name: str, ext: str, owner: str = "") -> tuple[re.Patter
     n = re.escape(name)
     if ext in TYPED_EXTS:
         qualified = r"(?:[\w$]+::)*" + (re.escape(owner) + "::" if owner else "") + n
-        return (re.compile(r"^[ \t]*" + _NOT_A_TYPE + r"(?=[\w$])"      # not a comment's `*`
-                           r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}[*&]*" + qualified + _SIGNATURE_REST,
-                           re.M),
-                re.compile(r"^(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))" + qualified + _SIGNATURE_REST,
-                           re.M))                      # `^` first: tried at line starts only
+        return (r"^[ \t]*" + _NOT_A_TYPE + r"(?=[\w$])"                 # not a comment's `*`
+                r"(?:[\w$<>\[\],.?*&:]+[ \t]+){1,6}[*&]*" + qualified + _SIGNATURE_REST,
+                r"^(?:(?<=[\w*&]\n)|(?<=[\w*&]\r\n))" + qualified + _SIGNATURE_REST)
+        # (`^` first: tried at line starts only)
     if owner:
         return ()
     if ext in SHELL_EXTS:
-        return (re.compile(r"^[ \t]*" + n + r"[ \t]*\(\)", re.M),)
+        return (r"^[ \t]*" + n + r"[ \t]*\(\)",)
     if ext in SCRIPT_EXTS:
-        return (re.compile(r"^[ \t]*(?:(?:(?:async|static|get|set|public|private|protected|"
-                           r"override|abstract)[ \t]+)+(?:\*[ \t]*)?|\*(?![ \t]))?" + n +
-                           r"[ \t]*(?:<[^>\n]*>)?"
-                           r"\([^;()\n]*\)[ \t]*(?::[^;{}=\n]*)?\{", re.M),)
+        return (r"^[ \t]*(?:(?:(?:async|static|get|set|public|private|protected|"
+                r"override|abstract)[ \t]+)+(?:\*[ \t]*)?|\*(?![ \t]))?" + n +
+                r"[ \t]*(?:<[^>\n]*>)?"
+                r"\([^;()\n]*\)[ \t]*(?::[^;{}=\n]*)?\{",)
     return ()
 
 
@@ -13417,10 +13429,10 @@ def _definition_kinds(name: str, ext: str) -> tuple[re.Pattern, ...]:
     function(`, which a call's keyword argument looks like), then variables
     and assignments. Each kind is one pattern, its forms' alternation: one
     match a line."""
-    keyword, declared, given = _definition_patterns(name)
-    kinds = ((keyword, declared) + _signature_patterns(name, ext), (given,),
-             _variable_patterns(name))
-    return tuple(re.compile("|".join(f"(?:{p.pattern})" for p in kind), re.M) for kind in kinds)
+    keyword, declared, given = _definition_sources(name)     # (sources: each compiled only
+    kinds = ((keyword, declared) + _signature_sources(name, ext), (given,),   # in its kind's
+             _variable_sources(name))                                         # alternation)
+    return _compiled(tuple("|".join(f"(?:{p})" for p in kind) for kind in kinds))
 
 
 @functools.lru_cache(maxsize=512)
