@@ -13298,12 +13298,6 @@ _FUNCTION_VALUE = (r"[ \t]*(?:async[ \t]+)?(?:function\b|lambda\b|"
                    r"\([^()\n]*\)[ \t]*(?::[^=\n]*)?=>|[\w$]+[ \t]*=>)")
 
 
-@functools.lru_cache(maxsize=512)
-def _definition_patterns(name: str) -> tuple[re.Pattern, ...]:
-    """_definition_sources compiled."""
-    return _compiled(_definition_sources(name))
-
-
 def _compiled(sources: tuple[str, ...]) -> tuple[re.Pattern, ...]:
     return tuple(re.compile(source, re.M) for source in sources)
 
@@ -13476,7 +13470,7 @@ def _owner_patterns(name: str) -> tuple[re.Pattern, ...]:
     """What opens the members of `name`: its keyword definition, or a Rust impl
     of it (`impl<T> Srv<T>`, `impl Display for Srv`)."""
     n = re.escape(name)
-    return (_definition_patterns(name)[0],
+    return (re.compile(_definition_sources(name)[0], re.M),
             re.compile(r"^[ \t]*(?:unsafe[ \t]+)?impl(?:<[^>\n]*>)?[ \t]+(?:[\w:]+(?:<[^>\n]*>)?"
                        r"[ \t]+for[ \t]+)?(?:\w+::)*" + n + r"\b", re.M))
 
@@ -16780,14 +16774,15 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     such check stopped the whole run, with the results already in. A SIGTERM
     or SIGHUP ends the run through that kill too (signals_raise)."""
     with signals_raise() as stops:
+        stops.holding = True                        # (until its process is known)
         try:
-            with stops.held():
-                proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        start_new_session=True,
-                                        env={k: v for k, v in os.environ.items()
-                                             if k not in _HOOK_GIT_VARS})
+            proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    env={k: v for k, v in os.environ.items()
+                                         if k not in _HOOK_GIT_VARS})
         except (ValueError, OSError) as e:
+            stops.deliver()
             return {"cmd": cmd, "passed": False, "exit": None, "output": "",
                     "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
         try:
@@ -16795,10 +16790,12 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
             output = check_output_tail(proc, timeout_s)
             code = proc.poll()                      # None: still running, timed out
         finally:
+            stops.holding = True                    # (nothing may skip the kill)
             with contextlib.suppress(OSError):      # the whole group: timed out or leftovers
                 os.killpg(proc.pid, 9)
             proc.stdout.close()
             proc.wait()
+        stops.deliver()
     if code is None:
         output += f"\n[timed out after {timeout_s:g} s]".encode()
     text = plain_text(output.decode("utf-8", "replace"))[-CHECK_OUTPUT_CHARS:]
@@ -16807,9 +16804,11 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
 
 class _Stops:
     """A SIGTERM or SIGHUP handler that raises SystemExit (128 + the signal),
-    or, while held (the check starting), keeps it for deliver(): raised inside
-    Popen, after the check had started but before its process was known, it
-    left the check running with no time limit (seen under load)."""
+    or, while `holding` (the check starting, its group being killed), keeps it
+    for deliver(): raised inside Popen, after the check had started but before
+    its process was known, it left the check running with no time limit (seen
+    under load), and raised before the kill, it skipped it. One kept while a
+    SystemExit is already on its way out is dropped: that one ends the run."""
 
     def __init__(self) -> None:
         self.holding, self.got = False, None
@@ -16820,15 +16819,9 @@ class _Stops:
         else:
             raise SystemExit(128 + signum)
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        self.holding = True
-        try:
-            yield
-        finally:
-            self.holding = False
-
     def deliver(self) -> None:
+        """Stop holding; raise for a signal kept meanwhile."""
+        self.holding = False
         if self.got is not None:
             raise SystemExit(128 + self.got)
 
@@ -21319,6 +21312,9 @@ def require_bearer(app: Callable, token: str) -> Callable:
 
 
 MAX_HTTP_BODY = 4 * 1024 * 1024     #: a request body over this is refused (413)
+#: a GET's or DELETE's body over this is refused (413): MCP's carry none, and they
+#: take none of the places POSTs share (a GET's stream lives as long as its session)
+MAX_HTTP_BODY_NOT_POST = 64 * 1024
 #: the SDK's own limit on the body cambium replays to it: each byte that is no
 #: UTF-8 is replayed as U+FFFD (3 bytes), so a 1.5 MB body of them got the SDK's 413
 HTTP_REPLAY_MAX = 3 * MAX_HTTP_BODY + 1024
@@ -21410,12 +21406,11 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
                          limit: int = MAX_HTTP_BODY) -> Callable:
     """ASGI wrapper: any path but /mcp gets 404 (a trailing slash too: Starlette
     redirected it, to a location built from the Host header); a message POSTed
-    to /mcp gets what the same line gets on stdio, once
-    `guard` (rebinding_guard's Host/Origin check) has passed it and its body is
-    within `limit` (else 413, unread; any other method's body too). Lone
-    surrogate escapes are repaired (the SDK's parser called them a parse error),
-    and a message stdio refuses (refusal_reply) gets 400 with
-    the error stdio answers: an id that is neither a string nor an integer
+    to /mcp gets what the same line gets on stdio, once `guard` (rebinding_guard's
+    Host/Origin check) has passed it and its body is within `limit` (else 413,
+    unread; any other method's body too). Lone surrogate escapes are repaired
+    (the SDK's parser called them a parse error), and a message stdio refuses
+    (refusal_reply) gets 400 with the error stdio answers: an id that is neither a string nor an integer
     (`"id": 1.5`, which the SDK took for a notification: 202 and no answer), a
     batch, a `jsonrpc` other than "2.0" (the SDK's -32602 and pydantic's text),
     a message nested too deep; a refused notification, which stdio leaves
@@ -21423,9 +21418,9 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     unchanged."""
     import asyncio
     from mcp_types import jsonrpc_message_adapter
-    from mcp.server.transport_security import TransportSecurityMiddleware
+    from mcp.server.transport_security import TransportSecurityMiddleware as Guard
     parse = functools.partial(jsonrpc_message_adapter.validate_json, by_name=False)
-    validate = TransportSecurityMiddleware(guard).validate_request if guard else None
+    validate = Guard(guard).validate_request if guard else None
 
     async def guarded(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":             # (LOCALHOST got 421: a host name's case
@@ -21440,9 +21435,9 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
                                      is_post=scope.get("method") == "POST")
             if refused is not None:
                 return await refused(scope, receive, send)
-        if scope.get("method") != "POST":       # (a GET or DELETE has no body: one is held
-            body = await _read_body(scope, receive, limit)    # to cambium's limit, as a
-            if body is None:                                  # POST's: the SDK's is 3x it)
+        if scope.get("method") != "POST":   # (a GET or DELETE has no body: held to 64 KiB)
+            body = await _read_body(scope, receive, min(limit, MAX_HTTP_BODY_NOT_POST))
+            if body is None:
                 return await _respond(send, 413, b"Request body too large", b"text/plain")
             return await app(scope, _replaying(body, receive), send)
         await one_of_few(_http_bodies(), send, lambda: answer_post(scope, receive, send))
@@ -21458,6 +21453,7 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             "\ufeff")                            # as stdio reads (a byte-order mark skipped)
         body = text.encode("utf-8")              # bytes that are no UTF-8: U+FFFD, \ud800 too
         refused, reply = await refusal_off_loop(text, parse)
+        del text                                 # (not held while the call is answered)
         if refused:                              # (a notification stdio leaves unanswered)
             reply = reply or {"jsonrpc": "2.0", "id": None, "error": {
                 "code": -32600, "message": "Invalid request: a notification that is no "

@@ -11919,6 +11919,14 @@ def test_a_signal_while_a_check_starts_still_stops_the_check(tmp_path, monkeypat
     assert stopped.value.code == 143
     assert started[0].wait(timeout=10) == -9            # its group was killed
 
+    def popen_fails(*args, **kwargs):                   # a signal, then a start that fails:
+        os.kill(os.getpid(), signal.SIGHUP)             # the signal was kept, then dropped
+        raise OSError(7, "Argument list too long")      # (E2BIG) with the error's answer
+    monkeypatch.setattr(cs.subprocess, "Popen", popen_fails)
+    with pytest.raises(SystemExit) as stopped:
+        cs.run_check("true", tmp_path, 30)
+    assert stopped.value.code == 129
+
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -20812,11 +20820,12 @@ def test_http_takes_a_host_in_any_case_and_a_body_of_bytes_no_utf8_within_its_li
         status, answer = _http_post(url, body)
         assert status == 200 and "result" in answer, (status, str(answer)[:200])
         import socket                           # the SDK's own limit is now 3x: a GET or
-        for method in ("GET", "DELETE"):        # DELETE body is held to cambium's 4 MiB too
-            with socket.create_connection(("127.0.0.1", port), 20) as sock:
-                sock.sendall(f"{method} /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                             f"Content-Length: {8 * 2**20}\r\n\r\n".encode() + b"x" * 1024)
-                assert sock.recv(64).startswith(b"HTTP/1.1 413"), method
+        for method in ("GET", "DELETE"):        # DELETE body is held to 64 KiB (MCP's carry
+            for size in (8 * 2**20, 100_000):  # none; they take no place POSTs share)
+                with socket.create_connection(("127.0.0.1", port), 20) as sock:
+                    sock.sendall(f"{method} /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                                 f"Content-Length: {size}\r\n\r\n".encode() + b"x" * 1024)
+                    assert sock.recv(64).startswith(b"HTTP/1.1 413"), (method, size)
 
 
 def test_the_install_line_names_the_checkout_cambium_runs_from(tmp_path):
