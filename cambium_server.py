@@ -6397,9 +6397,9 @@ class GitStore(Store):
         try:
             doc = parse_store(text, where)
         except CorruptStore:
-            self._refuse_no_file(commit, where, text)   # a symbolic link: its target's path
-            if (newer := newer_shared_doc(text, where)) is None:
-                raise
+            if (newer := newer_shared_doc(text, where)) is None:   # (a link's text names no
+                self._refuse_no_file(commit, where, text)   # format) a symbolic link: its
+                raise                                       # target's path
             doc, remember = newer, False        # (parsed again: each read says why)
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
@@ -15072,9 +15072,9 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
                                           "recall credits, and duplicates a consolidate rerun "
                                           "finds still waiting, are proposed again"})
         elif org.proposes(branch, side):
-            out.opened.append({"branch": branch, "pr_url": open_pr(
-                cfg, org, branch, f"cambium: {branch.rsplit('/', 1)[-1]}", PR_BODY)})
-            out.note_open(branch, out.opened[-1]["pr_url"])
+            url = open_pr(cfg, org, branch, f"cambium: {branch.rsplit('/', 1)[-1]}", PR_BODY)
+            out.opened.append({"branch": branch, "pr_url": url})
+            out.note_open(branch, url)
     except CambiumError as e:
         out.warnings.append(f"{branch}: its org PR could not be brought up to org's tip: {e}")
 
@@ -15612,16 +15612,19 @@ class SourceRead:
     warnings: list = field(default_factory=list)
     retire: dict = field(default_factory=dict)    # watermark key -> why its entry died
     snapshot: dict | None = None                  # claims to remember (release capture)
-    in_use: bool = True                           # False: never set up here (not_in_use)
 
     @property
     def records(self) -> int:
         return sum(v for k, v in self.info.items() if k.endswith("_seen"))
 
+    @property
+    def in_use(self) -> bool:
+        """False for a source never set up here: its note is NOT_IN_USE."""
+        return self.info.get("note") != NOT_IN_USE
+
     def not_in_use(self) -> "SourceRead":
         """Mark a source never set up in this project: absent, not broken, so
         no warning (sweep_warnings); its info carries the NOT_IN_USE note."""
-        self.in_use = False
         self.info["note"] = NOT_IN_USE
         return self
 
@@ -16958,8 +16961,7 @@ def not_to_run(cfg: Config, scope: str, item: Item, first: bool = True) -> str |
         return (f"a later copy of an id the {scope} store holds twice (a hand edit, a bad "
                 "merge): every tool reads its first copy, so this copy's check is not run; "
                 "merge the copies by hand")
-    attached = item.check.get("project")
-    if scope == "org" and attached is not None and not same_project(attached, cfg.project):
+    if scope == "org" and _attached_elsewhere(item, cfg):
         return f"attached in project {item.check.get('project')}; it runs there"
     return hidden_in_cmd(item) or waiting_copy(scope, item)
 
