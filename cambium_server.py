@@ -17719,12 +17719,12 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
     clone. The offer's `then` is setup() again for root and agent."""
     candidate = Path(expand_user(path_arg("org_repo", org_repo)))
     if candidate.is_absolute() and os.path.exists(candidate):
-        if os.path.isdir(candidate):
+        if is_dir := os.path.isdir(candidate):
             refuse_clone_git_waits_on(candidate, "org_repo")
-        root = git_toplevel(candidate) if os.path.isdir(candidate) else None
+        root = git_toplevel(candidate) if is_dir else None
         if root is None:
             raise InputError(f"org_repo {candidate} is not a git clone"
-                             f"{'' if os.path.isdir(candidate) else ' (not even a directory)'}: "
+                             f"{'' if is_dir else ' (not even a directory)'}: "
                              "pass the path of your clone of the org knowledge repo, or its "
                              "GitHub owner/name.", "org_repo")
         return None, root
@@ -21360,20 +21360,22 @@ HTTP_CHECKS_AT_ONCE = 2
 
 
 @functools.cache
-def _http_checks() -> Any:
-    """The anyio.CapacityLimiter those checks share, made once, on first use."""
+def _limiter(name: str, places: int) -> Any:
+    """The anyio.CapacityLimiter called `name`, of `places` places its users
+    share, made once, on first use (in the event loop)."""
     import anyio
-    return anyio.CapacityLimiter(HTTP_CHECKS_AT_ONCE)
+    return anyio.CapacityLimiter(places)
+
+
+def _http_checks() -> Any:
+    return _limiter("checks", HTTP_CHECKS_AT_ONCE)
 
 
 HTTP_BODIES_AT_ONCE = 100   #: POSTs read and answered at once; past it a POST gets 503
 
 
-@functools.cache
 def _http_bodies() -> Any:
-    """The anyio.CapacityLimiter POSTs share (made once, on first use)."""
-    import anyio
-    return anyio.CapacityLimiter(HTTP_BODIES_AT_ONCE)
+    return _limiter("bodies", HTTP_BODIES_AT_ONCE)
 
 
 async def one_of_few(limiter: Any, send: Callable, answer: Callable) -> None:
