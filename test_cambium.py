@@ -22219,16 +22219,19 @@ def test_the_same_correction_again_is_no_answer_once_that_correction_is_retired(
 
 
 def _workers(argv: list[str]) -> list[str]:
-    """pytest-xdist workers, when it is installed and the caller chose none: one
-    more than the cores (at most 9), since a test waits on a subprocess or a
-    timeout part of its time (two workers kept 1.5 of 2 cores busy: 343 s; three,
-    about 300 s). `-n 0` runs everything in this one process."""
+    """pytest-xdist workers, when it is installed and the caller chose none: two
+    a core and one more (at most 9), stealing work from each other. Most tests
+    wait on a subprocess, a server's start or a timeout most of their time (the
+    suite's CPU is about 340 s of its 1,000 s summed over tests): three workers
+    kept under half of 2 cores busy (320-360 s); five, a worker that finds its
+    queue empty takes half of a busy one's rather than sit out the tail. `-n 0`
+    runs everything in this one process."""
     import importlib.util
     if importlib.util.find_spec("xdist") is None:
         return []
     if any(a.startswith(("-n", "--numprocesses")) or a.endswith("no:xdist") for a in argv):
         return []
-    return ["-n", str(min(os.cpu_count() or 1, 8) + 1)]
+    return ["-n", str(min(2 * (os.cpu_count() or 1), 8) + 1), "--dist", "worksteal"]
 
 
 def _cache_bytecode() -> None:
