@@ -2185,6 +2185,8 @@ def read_regular(path: Path, limit: int, *, nofollow: bool = False) -> bytes:
     there is refused too."""
     fd = open_regular(path, follow=not nofollow)
     try:
+        if os.fstat(fd).st_size > limit:     # (not read at all)
+            raise OSError(f"it is over the {_size_text(limit)} limit")
         data = os.read(fd, limit + 1)
         while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
             data += chunk
@@ -3160,12 +3162,15 @@ def git_file_text(path: Path, limit: int = MAX_GIT_FILE_BYTES, errors: str = "st
     return text
 
 
+MAX_GIT_READ_BYTES = 64 * 2**20   #: packed-refs or a loose object above this: git is asked
+
+
 def read_git_bytes(path: Path) -> bytes:
     """All of a file under .git that may be large (packed-refs, a loose
-    object): only a regular file is read (open_regular: a FIFO blocks), OSError
-    else."""
-    with open(path, "rb", opener=functools.partial(open_regular, follow=True)) as f:
-        return f.read()
+    object), read_regular: only a regular file (a FIFO blocks, /dev/zero never
+    ends) of at most MAX_GIT_READ_BYTES (a packed-refs of 100,000 refs is about
+    6 MB; a file of many GB was read whole), OSError else: the caller asks git."""
+    return read_regular(path, MAX_GIT_READ_BYTES)
 
 
 def _git_dirs(root: Path) -> tuple[Path, Path]:
@@ -3273,10 +3278,15 @@ def _sha1_objects(root: Path) -> Path | None:
 
 
 def loose_object(objects: Path, sha: str) -> tuple[str, bytes] | None:
-    """(kind, body) of a loose object, or None (packed, absent or unreadable)."""
+    """(kind, body) of a loose object, or None (packed, absent, unreadable, or
+    over MAX_GIT_READ_BYTES read or inflated: a few KB of zeros inflate to GBs)."""
     try:
-        raw = zlib.decompress(read_git_bytes(objects / sha[:2] / sha[2:]))
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(read_git_bytes(objects / sha[:2] / sha[2:]),
+                                 MAX_GIT_READ_BYTES + 64)            # (+ its header)
     except (OSError, ValueError, zlib.error):
+        return None
+    if inflate.unconsumed_tail:
         return None
     head, _, body = raw.partition(b"\0")
     kind, _, size = head.decode("ascii", "replace").partition(" ")

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 import fcntl
+import hashlib
 import json
 import random
 import os
@@ -24,6 +25,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 from datetime import datetime, timedelta, timezone
 
@@ -6460,6 +6462,39 @@ def test_refs_of_a_reftable_clone_are_never_read_from_files(tmp_path):
     with pytest.raises(OSError):
         cs._ref_value(repo, "refs/heads/main")
     assert cs._sha1_objects(repo) is None
+
+
+def test_a_giant_packed_refs_or_loose_object_is_left_to_git_not_read_whole(repo):
+    """read_git_bytes read packed-refs or a loose object whole, whatever its
+    size (a giant file under .git's name: many GB into memory), and a loose
+    object was inflated whole (70 KB of zeros inflate to 64 MB). Past
+    MAX_GIT_READ_BYTES, read or inflated, each is an OSError or None: git is
+    asked, as for any .git file cambium cannot read itself."""
+    bound = getattr(cs, "MAX_GIT_READ_BYTES", 64 * 2**20)
+    git(repo, "pack-refs", "--all")
+    packed = repo / ".git" / "packed-refs"
+    tip = git(repo, "rev-parse", "HEAD").strip()
+    assert cs._ref_value(repo, "refs/heads/main") == tip
+    with packed.open("r+b") as f:                 # (sparse: no disk, no time)
+        f.truncate(bound + 1)
+    with pytest.raises(OSError, match="over the 64 MB limit"):
+        cs._ref_value(repo, "refs/heads/main")
+    assert cs._git_head(repo) is None             # (its callers ask git)
+    packed.unlink()
+    objects = repo / ".git" / "objects"
+    header = f"blob {bound + 100}\0".encode()
+    sha, deflate, chunk = hashlib.sha1(header), zlib.compressobj(1), bytes(2**20)
+    parts = [deflate.compress(header)]
+    for n in range(bound // len(chunk) + 1):
+        part = chunk if n < bound // len(chunk) else chunk[:100]
+        sha.update(part)
+        parts.append(deflate.compress(part))
+    path = objects / sha.hexdigest()[:2] / sha.hexdigest()[2:]
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"".join(parts) + deflate.flush())
+    assert path.stat().st_size < 2**20
+    assert cs.loose_object(objects, sha.hexdigest()) is None
+    assert git(repo, "cat-file", "-s", sha.hexdigest()).strip() == str(bound + 100)
 
 
 def test_a_ref_named_with_a_line_separator_is_read_whole_from_git(shared):
