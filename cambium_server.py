@@ -8029,18 +8029,6 @@ def path_arg(name: str, value: str) -> str:
     return value
 
 
-def _regular_file(path: Path) -> None:
-    """Refuse anything but a readable regular file (a FIFO would block forever)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise InputError(f"No file at {path}.") from None
-    except OSError as e:
-        raise InputError(f"Cannot read {path}: {e}.") from None
-    if not _stat.S_ISREG(st.st_mode):
-        raise InputError(f"{path} is not a regular file.")
-
-
 def _open_followed(path: str | os.PathLike, flags: int) -> int:
     """An `opener` for open() of a path the user gave: open_regular (never
     blocks, refuses anything but a regular file), following a symbolic link."""
@@ -20074,11 +20062,11 @@ IMPORT_LISTED = 20          #: an import answer lists this many new items; id_ma
 IMPORT_REASONS = 5          #: ... and this many skip reasons (and repair notes), the first
 
 
-def _refuse_another_projects(p: Path, cfg: Config) -> None:
+def _refuse_another_projects(p: Path, folder: Path, cfg: Config) -> None:
     """A file set aside in another project's .cambium/ is that project's: restoring
     it here would put its items in this project's store (and leave them missing
-    there). A worktree's own clone counts as this project."""
-    folder = Path(os.path.realpath(p)).parent          # (a link to it: where it is)
+    there). A worktree's own clone counts as this project. `folder`: where
+    the file restore opened is (_opened_folder)."""
     if folder.name != ".cambium" or not (owner := folder.parent).is_dir():
         return
     with contextlib.suppress(OSError):
@@ -20089,21 +20077,65 @@ def _refuse_another_projects(p: Path, cfg: Config) -> None:
                      "run the same command), so its items go back to its own store.", "path")
 
 
-def _restorable_layout(p: Path) -> None:
+def _opened_folder(f: BinaryIO, p: Path) -> Path:
+    """The folder of the file open as `f`, as its descriptor tells (Linux's
+    /proc/self/fd, macOS's F_GETPATH: the kernel's word, even once the name
+    is gone), else the real path of `p` while it is still that file (same
+    device and inode); InputError when neither can tell."""
+    fd = f.fileno()
+    with contextlib.suppress(OSError):
+        if os.path.isabs(where := os.readlink(f"/proc/self/fd/{fd}")):
+            return Path(where.removesuffix(" (deleted)")).parent
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        asked = fcntl.fcntl(fd, fcntl.F_GETPATH, bytes(1024))      # (macOS)
+        if os.path.isabs(where := os.fsdecode(asked.split(b"\0", 1)[0])):
+            return Path(where).parent
+    with contextlib.suppress(OSError):
+        if os.path.samestat(os.stat(where := os.path.realpath(p)), os.fstat(fd)):
+            return Path(where).parent
+    raise InputError(f"{p} changed while restore opened it: run restore again.", "path")
+
+
+def _restorable_layout(f: BinaryIO, p: Path) -> None:
     """Refuse a set-aside file over MAX_IMPORT_BYTES whose first line has no
     end within MAX_FIRST_LINE_CHARS: one line is read whole (a 400 MB file of
     one line took 1.25 GB of memory before it was found not to be JSON). A
-    store or quarantine file, one item per line, is taken at any size."""
-    if p.stat().st_size <= MAX_IMPORT_BYTES:
+    store or quarantine file, one item per line, is taken at any size. Read
+    through `f`, the file restore opened, and rewound."""
+    size = os.fstat(f.fileno()).st_size
+    if size <= MAX_IMPORT_BYTES:
         return
-    with open(p, "rb", opener=open_regular) as f:
-        first = f.readline(MAX_FIRST_LINE_CHARS)
+    first = f.readline(MAX_FIRST_LINE_CHARS)
+    f.seek(0)
     if first.endswith(b"\n"):
         return
-    raise InputError(f"{p} is {p.stat().st_size // 2**20} MB and its first line is over "
+    raise InputError(f"{p} is {size // 2**20} MB and its first line is over "
                      f"{_size_text(MAX_FIRST_LINE_CHARS)}: it is not one item per line, and "
                      "restore would read it whole. Split it into lines (one item each) and "
                      "run restore again.", "path")
+
+
+def _read_restorable(p: Path, cfg: Config) -> tuple[Parsed, os.stat_result]:
+    """The parsed file restore was given, and what it was (its stat), opened
+    once (_open_export): every check (a regular file, not the live store, one
+    item per line past 200 MB, this project's) looks at the file it reads. They
+    were made by name before it was opened: a path swapped in between was read
+    unchecked (the live store, another project's set-aside file)."""
+    live = cfg.local_dir / STORE_FILE
+    with _open_export(p) as f:
+        opened = os.fstat(f.fileno())
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(live), opened):
+                raise InputError(f"{p} is the local store itself: restore takes a file set "
+                                 f"aside beside it (knowledge.json{QUARANTINE_TAG}<time> or "
+                                 f"knowledge.json{CORRUPT_TAG}<time>).")
+        _restorable_layout(f, p)
+        _refuse_another_projects(p, _opened_folder(f, p), cfg)
+        try:
+            return parse_file(f, str(p)), opened
+        except CorruptStore as e:
+            raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "
+                             "item per line) and run restore again.") from None
 
 
 def _restored_already(p: Path) -> dict | None:
@@ -20142,20 +20174,7 @@ def restore(path: Annotated[str, Field(
         raise InputError(f"path {path!r} must be absolute.")
     if again := _restored_already(p):
         return again
-    _regular_file(p)
-    live = cfg.local_dir / STORE_FILE
-    if live.exists() and p.samefile(live):
-        raise InputError(f"{p} is the local store itself: restore takes a file set aside "
-                         f"beside it (knowledge.json{QUARANTINE_TAG}<time> or "
-                         f"knowledge.json{CORRUPT_TAG}<time>).")
-    _restorable_layout(p)
-    _refuse_another_projects(p, cfg)
-    try:                                 # (a FIFO swapped in since the check: refused)
-        with _open_export(p) as f:
-            parsed = parse_file(f, str(p))
-    except CorruptStore as e:
-        raise InputError(f"{e}: nothing in it can be restored yet. Repair it by hand (one "
-                         "item per line) and run restore again.") from None
+    parsed, opened = _read_restorable(p, cfg)
     try:                                 # its items may hold what this version would drop
         refuse_newer_format(parsed.doc, str(p))
     except NewerFormat as e:
@@ -20181,10 +20200,24 @@ def restore(path: Annotated[str, Field(
         out["note"] = (f"{len(parsed.bad)} line(s) still do not parse; repair them and run "
                        "restore again (what came back is not duplicated), or delete the file.")
     elif _set_aside(p.name) and p.parent.samefile(cfg.local_dir):   # else the user's: left
-        done_path = p.with_name(p.name + RESTORED_SUFFIX)
-        os.replace(p, done_path)
-        out["moved_to"] = str(done_path)
+        out.update(_mark_restored(p, opened))
     return with_store_warnings(out, cfg)
+
+
+def _mark_restored(p: Path, opened: os.stat_result) -> dict:
+    """Rename the set-aside file restore read `*.restored`: only while `p` is
+    still that file (another file put there since keeps its name, and its
+    warnings, until it is restored too)."""
+    try:
+        same = os.path.samestat(os.stat(p), opened)
+    except OSError:
+        same = False
+    if not same:
+        return {"note": f"{p} is no longer the file restore read (it changed meanwhile): "
+                        "it keeps its name; run restore on it again"}
+    done_path = p.with_name(p.name + RESTORED_SUFFIX)
+    os.replace(p, done_path)
+    return {"moved_to": str(done_path)}
 
 
 def _set_aside(name: str) -> bool:

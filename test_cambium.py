@@ -3446,6 +3446,22 @@ def test_restore_skips_records_without_an_item_id_and_brings_items_back_local(re
     assert cs.expand("k-bbbbbbbbbbbb")["scope"] == "local"
 
 
+def _swap_at_open(monkeypatch, path: Path, swap, *, after: bool) -> None:
+    """restore's one open of its file (_open_export): `swap` the path just
+    before it opens (where by-name checks made before would pass the old file),
+    or just `after` (the file it opened is the one it reads)."""
+    opened = cs._open_export
+
+    def open_and_swap(p):
+        if p == path and not after:
+            swap()
+        f = opened(p)
+        if p == path and after:
+            swap()
+        return f
+    monkeypatch.setattr(cs, "_open_export", open_and_swap)
+
+
 def test_restore_of_a_file_swapped_for_a_fifo_after_its_check_refuses_it(repo, tmp_path,
                                                                          monkeypatch):
     """restore checked the path (a regular file), then opened it by name: a
@@ -3453,13 +3469,11 @@ def test_restore_of_a_file_swapped_for_a_fifo_after_its_check_refuses_it(repo, t
     path = tmp_path / "knowledge.json.quarantine-x"
     path.write_text(json.dumps({"cambium": 1, "items": [{"id": "k-cccccccccccc",
                                                          "content": "swapped away"}]}))
-    layout = cs._restorable_layout
 
-    def check_then_swap(p):
-        layout(p)
+    def to_fifo():
         os.mkfifo(tmp_path / "fifo")
-        os.replace(tmp_path / "fifo", p)
-    monkeypatch.setattr(cs, "_restorable_layout", check_then_swap)
+        os.replace(tmp_path / "fifo", path)
+    _swap_at_open(monkeypatch, path, to_fifo, after=False)
     done = threading.Event()
 
     def unblock():                  # a reader blocked on the FIFO sees its end
@@ -3472,6 +3486,43 @@ def test_restore_of_a_file_swapped_for_a_fifo_after_its_check_refuses_it(repo, t
             cs.restore(str(path))
     finally:
         done.set()
+
+
+def test_restore_checks_the_file_it_opened_not_the_name_it_was_given(repo, tmp_path,
+                                                                     monkeypatch):
+    """restore checked its file by name (not the live store, this project's,
+    one item per line past 200 MB), then opened the name again: another
+    project's set-aside file or the live store swapped in between was read
+    unchecked, its items restored here. Every check now looks at the one file
+    it opened; and once read, only that file is renamed *.restored (another
+    file swapped in after the open kept its items and lost its name)."""
+    other = make_repo(tmp_path, "other")
+    theirs = other / ".cambium" / "knowledge.json.quarantine-20261206T000000"
+    theirs.parent.mkdir()
+    theirs.write_text(json.dumps(cs.new_item("Beta retries webhooks three times").to_dict())
+                      + "\n")
+    cs.capture("Alpha keeps money in integer cents")
+    live = _store_path(repo)
+    path = tmp_path / "knowledge.json.quarantine-x"
+    for target, refused in ((theirs, "run restore there"), (live, "local store itself")):
+        path.write_text(json.dumps(cs.new_item("Gamma pins base images").to_dict()) + "\n")
+        _swap_at_open(monkeypatch, path, lambda: (path.unlink(), path.symlink_to(target)),
+                      after=False)
+        with pytest.raises(cs.InputError, match=refused):
+            cs.restore(str(path))
+        path.unlink()
+    assert [it.content for it in cs.store(cs.resolve_config(), "local").read().items] == \
+        ["Alpha keeps money in integer cents"]
+    aside = live.with_name("knowledge.json.quarantine-20261207T000000")
+    aside.write_text(json.dumps(cs.new_item("Delta tags every release").to_dict()) + "\n")
+    later = tmp_path / "later"
+    later.write_text(json.dumps(cs.new_item("Epsilon signs every tag").to_dict()) + "\n")
+    _swap_at_open(monkeypatch, aside, lambda: os.replace(later, aside), after=True)
+    out = cs.restore(str(aside))
+    assert out["restored"] == 1 and "moved_to" not in out and "no longer the file" in out["note"]
+    assert "Epsilon" in aside.read_text()                  # (not renamed *.restored)
+    assert "Delta tags every release" in [
+        it.content for it in cs.store(cs.resolve_config(), "local").read().items]
 
 
 def test_restore_never_brings_back_an_item_promoted_since_the_file_was_set_aside(shared):
