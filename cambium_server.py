@@ -21818,10 +21818,13 @@ def _cli_joined(value: Any) -> Any:
 
 def _cli_seconds(text: str) -> float:
     """argparse type for a number of seconds: an ASCII decimal (_is_decimal),
-    as CAMBIUM_GIT_TIMEOUT takes; float() took '١٢', '5_0' and ' 5 '."""
+    as CAMBIUM_GIT_TIMEOUT takes; float() took '١٢', '5_0' and ' 5 '. The
+    refusal names the bounds: '-1' and '1e400' read as numbers to a person."""
     if not _is_decimal(text):
+        lo, hi = CHECK_TIMEOUT_RANGE
         raise argparse.ArgumentTypeError(
-            f"must be an ASCII decimal number of seconds (like 30 or 2.5); got {text!r}")
+            f"must be an ASCII decimal number of seconds from {lo:g} to {hi:g} (like 30 or "
+            f"2.5); got {_clip(text, 40)!r}")
     return float(text)
 
 
@@ -21833,8 +21836,11 @@ def _cli_int(param: Param) -> Callable[[str], int]:
                 raise ValueError(text)
             return param.check(int(text))
         except (ValueError, InputError):
+            many = len(text.lstrip("-")) > sys.get_int_max_str_digits() > 0 and \
+                text.lstrip("-").isdigit()       # (int() refuses it: not "a whole number"?)
             raise argparse.ArgumentTypeError(
-                f"must be {param.allowed()}; got {text!r}") from None
+                f"must be {param.allowed()}; got {_clip(text, 40)!r}" +
+                (f" ({len(text.lstrip('-')):,} digits)" if many else "")) from None
     return parse
 
 

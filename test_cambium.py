@@ -20959,6 +20959,23 @@ def test_refused_values_are_shown_in_json_words_and_cli_numbers_are_ascii_digits
     assert cli("recall", "anything", "--limit", "3").returncode == 0
 
 
+def test_cli_numbers_out_of_reach_are_refused_naming_the_bounds_in_a_short_line(repo):
+    """`verify --timeout 1e400` (or -1) was refused as not "an ASCII decimal
+    number", which it reads as to a person; a whole number over Python's 4,300
+    digits was "not a whole number of at least 0", echoed whole (5,000
+    characters on one line). Each names its bounds (and the digits) now, the
+    value cut short. MCP refuses such values as invalid_argument already."""
+    for bad in ("1e400", "-1", "nan"):
+        out = cli("verify", "--run", "--timeout", bad)
+        assert out.returncode == 2 and "argument --timeout: must be an ASCII decimal number " \
+            "of seconds from 0.1 to 86400" in out.stderr, (bad, out.stderr)
+    out = cli("stale", "--older-than-days", "9" * 5000)
+    said = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and len(said) < 200, out.stderr
+    assert "--older-than-days: must be a whole number of at least 0" in said and \
+        "(5,000 digits)" in said, said
+
+
 def test_http_token_with_surrounding_space_is_refused_at_start():
     """HTTP strips white space around a header value, so such a token could
     never match: every request got 401 with no hint why."""
