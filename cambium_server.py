@@ -16779,7 +16779,7 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
         try:
             proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True,
+                                    start_new_session=True, preexec_fn=_die_with_parent(),
                                     env={k: v for k, v in os.environ.items()
                                          if k not in _HOOK_GIT_VARS})
         except (ValueError, OSError) as e:
@@ -16801,6 +16801,41 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
         output += f"\n[timed out after {timeout_s:g} s]".encode()
     text = plain_text(output.decode("utf-8", "replace"))[-CHECK_OUTPUT_CHARS:]
     return {"cmd": cmd, "passed": code == 0, "exit": code, "output": text}
+
+
+PR_SET_PDEATHSIG = 1   #: Linux prctl: the signal a process gets when its parent thread ends
+
+
+@functools.cache
+def _prctl() -> Any:
+    """Linux's prctl, through ctypes (None elsewhere, or where it cannot be had)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    return prctl
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn for a check: on Linux its shell gets SIGKILL when the
+    thread that started it ends (a SIGKILL of verify --run, which no handler
+    sees, left it running with no time limit), and one whose parent is gone
+    before it asked dies at once. None where prctl cannot be had. (Only the
+    shell: what it starts is orphaned, not killed; README Limitations.)"""
+    prctl, parent = _prctl(), os.getpid()
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
 
 
 class _Stops:

@@ -12045,6 +12045,49 @@ def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, s
                 os.kill(pid, 9)
 
 
+def _named(pids: list[int], name: str) -> list[int]:
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                out.append(pid)
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_verify_run_killed_by_sigkill_takes_its_checks_shell_with_it(repo):
+    """A SIGKILL of verify --run (no handler sees it: an OOM kill, `kill -9`)
+    left its check's shell running, in its own session, with no time limit.
+    On Linux the shell dies with it now (PR_SET_PDEATHSIG). What the shell
+    started is orphaned, not killed (README Limitations): this test kills it."""
+    marker = "61.0009"
+    item_id = cs.capture("The soak test runs for about a minute")["item"]["id"]
+    assert cli("verify-cmd", item_id, f"sleep {marker} & sleep {marker}; echo late"
+               ).returncode == 0
+    run = subprocess.Popen([*RUN, "verify", "--run", item_id, "--timeout", "60"],
+                           env=child_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_named(_processes_running(marker), "sleep")) < 2 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        (shell,) = _named(_processes_running(marker), "sh")
+        run.kill()
+        assert run.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while _named(_processes_running(marker), "sh") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _named(_processes_running(marker), "sh") == []
+        assert len(_named(_processes_running(marker), "sleep")) == 2     # (the limit)
+    finally:
+        run.kill()
+        run.wait()
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
     """A person replaced (or removed) a check while verify --run ran the old
     one: the old command's pass was credited (authority verified)."""
