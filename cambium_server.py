@@ -16773,7 +16773,8 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     cannot start (a NUL in a hand-edited command, one over the system's
     argument limit) answers `error`: it neither passed nor failed, and one
     such check stopped the whole run, with the results already in. A SIGTERM
-    or SIGHUP ends the run through that kill too (signals_raise)."""
+    or SIGHUP ends the run through that kill too (signals_raise), and a SIGKILL
+    through a guard (_group_guard, _die_with_parent)."""
     with signals_raise() as stops:
         stops.holding = True                        # (until its process is known)
         try:
@@ -16786,6 +16787,7 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
             stops.deliver()
             return {"cmd": cmd, "passed": False, "exit": None, "output": "",
                     "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
+        guard = _group_guard(proc.pid)
         try:
             stops.deliver()                         # (one that came while it started)
             output = check_output_tail(proc, timeout_s)
@@ -16796,6 +16798,7 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
                 os.killpg(proc.pid, 9)
             proc.stdout.close()
             proc.wait()
+            _stand_down(guard)
         stops.deliver()
     if code is None:
         output += f"\n[timed out after {timeout_s:g} s]".encode()
@@ -16826,7 +16829,7 @@ def _die_with_parent() -> Callable[[], None] | None:
     thread that started it ends (a SIGKILL of verify --run, which no handler
     sees, left it running with no time limit), and one whose parent is gone
     before it asked dies at once. None where prctl cannot be had. (Only the
-    shell: what it starts is orphaned, not killed; README Limitations.)"""
+    shell: what it started, the group guard kills: _group_guard.)"""
     prctl, parent = _prctl(), os.getpid()
     if prctl is None:
         return None
@@ -16836,6 +16839,37 @@ def _die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
     return preexec
+
+
+#: The guard of a check's process group ($1): a line "ok" on its stdin stands it
+#: down; the end of its stdin without one (its parent is gone) kills the group.
+GROUP_GUARD = 'read -r word; [ "$word" = ok ] || kill -KILL "-$1" 2>/dev/null'
+
+
+def _group_guard(group: int) -> subprocess.Popen | None:
+    """A `sh` in a session of its own that kills the check's process group if
+    cambium ends without standing it down (_stand_down): a SIGKILL of verify
+    --run, which no handler sees, left the check and all it started running
+    with no time limit. Its stdin's other end is cambium's alone, so the
+    kernel ends it when cambium ends. None if it cannot start (then only the
+    shell dies with cambium: _die_with_parent)."""
+    try:
+        return subprocess.Popen(["/bin/sh", "-c", GROUP_GUARD, "cambium-guard", str(group)],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    except (OSError, ValueError):
+        return None
+
+
+def _stand_down(guard: subprocess.Popen | None) -> None:
+    """Tell a group guard the check is over (its group killed already)."""
+    if guard is None:
+        return
+    with contextlib.suppress(OSError):
+        guard.stdin.write(b"ok\n")
+    with contextlib.suppress(OSError):
+        guard.stdin.close()
+    guard.wait()
 
 
 class _Stops:
