@@ -21906,7 +21906,7 @@ def _cli_int(param: Param) -> Callable[[str], int]:
             return param.check(int(text))
         except (ValueError, InputError):
             many = len(text.lstrip("-")) > sys.get_int_max_str_digits() > 0 and \
-                text.lstrip("-").isdigit()       # (int() refuses it: not "a whole number"?)
+                text.lstrip("-").isdigit()       # (int() refuses so many: say why)
             raise argparse.ArgumentTypeError(
                 f"must be {param.allowed()}; got {_clip(text, 40)!r}" +
                 (f" ({len(text.lstrip('-')):,} digits)" if many else "")) from None
