@@ -13836,27 +13836,56 @@ def org_clone_problem(org: Path, project: Path) -> str | None:
 def org_remote_problem(org: Path, project: Path, remote: str, timeout_s: float) -> str | None:
     """Why a clone cannot be the org clone: its origin is the project's own
     remote, so org writes would land on the project's default branch, or on
-    the team branch itself, where moving an item up would drop its only copy."""
+    the team branch itself, where moving an item up would drop its only copy.
+    "The same repository" as repository_key says: a local one by the git
+    directory git reaches there (`/w/P` reaches `/w/P.git`), a network one by
+    its path after the host (`acme/api`) whatever the host (an ssh host alias,
+    `www.`): the same owner and name on another host is refused too."""
     with contextlib.suppress(CambiumError, OSError):
         theirs, mine = remote_url(org, "origin", timeout_s), remote_url(project, remote, timeout_s)
-        if theirs and mine and remote_key(theirs, org) == remote_key(mine, project):
-            return (f"clones the project's own remote ({mine}); the org scope needs a "
-                    "repository of its own (the org knowledge repo), or org writes would "
-                    "land in the project's repository and an item moved up from team "
+        if theirs and mine and repository_key(theirs, org) == repository_key(mine, project):
+            spelled = "" if theirs == mine else f", as its origin {theirs} names it"
+            return (f"clones the project's own remote ({mine}{spelled}: one repository to git, "
+                    "or the same owner/name after the host, whatever the host); the org scope "
+                    "needs a repository of its own (the org knowledge repo), or org writes "
+                    "would land in the project's repository and an item moved up from team "
                     "would leave its only copy.")
     return None
 
 
 def remote_key(url: str, repo: Path) -> str:
     """One spelling of a remote's address: a local path (or file://) made
-    absolute from `repo` and resolved; a network address as host/path, its
-    scheme, user, port-less `host:` form, trailing `/` and `.git` aside."""
+    absolute from `repo`, as the repository git reaches there (_reached_repo:
+    `/w/P` for `/w/P.git`, `/w/P/.git` for `/w/P`), else resolved as given; a
+    network address as host/path, its scheme, user, port-less `host:` form, a
+    `www.` before the host, trailing `/` and `.git` aside."""
     local = _local_remote(url)
     if local is not None:
-        return os.path.realpath(os.path.join(repo, os.path.expanduser(local)))
+        path = os.path.join(repo, os.path.expanduser(local))
+        return _reached_repo(path) or os.path.realpath(path)
     rest = re.sub(r"^([^/:]+):\d+/", r"\1/", url.split("://", 1)[-1].rsplit("@", 1)[-1]) \
         if "://" in url else url.split("@", 1)[-1].replace(":", "/", 1)   # (a port aside)
-    return rest.rstrip("/").removesuffix(".git").lower()
+    return rest.rstrip("/").removesuffix(".git").lower().removeprefix("www.")
+
+
+def _reached_repo(path: str) -> str | None:
+    """The repository a local remote path reaches, found as git's upload-pack
+    finds it (enter_repo: `p/.git`, `p`, `p.git/.git`, `p.git`, the first that
+    is a git directory or a `.git` file): its common git directory, resolved
+    (a worktree's is its clone's). None when git would find none there."""
+    base = path.rstrip("/") or "/"
+    for candidate in (base + "/.git", base, base + ".git/.git", base + ".git"):
+        p = Path(candidate)
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if os.path.isfile(p):
+                p = p.parent / git_file_text(p).split("gitdir:", 1)[1].strip()
+            elif not _is_git_dir(p):
+                continue
+            if os.path.isfile(p / "commondir"):
+                p = p / git_file_text(p / "commondir").strip()
+            if _is_git_dir(p):
+                return os.path.realpath(p)
+    return None
 
 
 def _local_remote(url: str) -> str | None:

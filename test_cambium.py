@@ -9173,6 +9173,65 @@ def test_an_org_clone_of_the_projects_own_remote_is_refused(shared, monkeypatch)
     assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
 
 
+def test_an_org_clone_of_the_projects_remote_as_git_finds_it_is_refused(shared, monkeypatch):
+    """The guard compared spellings: an org clone whose origin named the
+    project's remote without `.git` (git finds `<path>.git`), on the team
+    branch, was taken as org; promote team->org found the item "already in
+    org" (the team copy itself), dropped it from team and answered "No item
+    ... in any readable scope": its only copy was gone. A `git clone` of that
+    spelling (on main) put org's files on the project's main (an audit)."""
+    bare = shared["tmp"] / "srv" / "shop"                    # (tmp/shop is clone a)
+    git(shared["tmp"], "clone", "-q", "--bare", str(shared["origin"]), f"{bare}.git")
+    git(shared["a"], "remote", "set-url", "origin", f"{bare}.git")
+    item = _endorsed("The release train leaves every Tuesday")
+    assert cs.promote(item, to_scope="team")["status"] == "promoted"
+    org = shared["tmp"] / "kb"
+    git(shared["tmp"], "init", "-q", str(org))
+    git(org, "remote", "add", "origin", str(bare))
+    git(org, "fetch", "-q", "origin")
+    git(org, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    with pytest.raises(cs.ConfigError, match="project's own remote"):
+        cs.promote(item, to_scope="org", force=True)
+    assert team_ids(Path(f"{bare}.git")) == {item}
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(clone(bare, shared["tmp"] / "kb2")))
+    assert "project's own remote" in cs.status()["scopes"]["org"]["error"]
+    with pytest.raises(cs.ConfigError, match="project's own remote"):
+        cs.promote(item, to_scope="org", force=True)
+    assert git(Path(f"{bare}.git"), "ls-tree", "--name-only", "main").split() == ["README.md"]
+
+
+def test_one_repository_is_one_remote_key_as_git_reaches_it(tmp_path):
+    """A local remote is the repository git reaches there (its DWIM: `p/.git`,
+    `p`, `p.git/.git`, `p.git`; a worktree's is its clone's), and a network
+    one is the same repository to the org guard whatever the host (an ssh
+    host alias, `www.`): each of these was taken for another repository."""
+    bare = tmp_path / "api.git"
+    git(tmp_path, "init", "-q", "--bare", str(bare))
+    work = make_repo(tmp_path, "work.git")                 # a work tree whose name ends .git
+    git(work, "commit", "-q", "--allow-empty", "-m", "x")
+    git(work, "worktree", "add", "-q", str(tmp_path / "wt"))
+
+    def key(url: str) -> str:
+        return cs.remote_key(url, tmp_path)
+    assert key(str(tmp_path / "api")) == key(f"file://{bare}/") == key(str(bare)) == \
+        os.path.realpath(bare)
+    assert key(str(tmp_path / "work")) == key(f"{work}/.git") == key(str(tmp_path / "wt")) \
+        == key(str(work)) == os.path.realpath(work / ".git")
+    assert key(str(tmp_path / "nothing")) == os.path.realpath(tmp_path / "nothing")
+    spellings = ("git@github.com:acme/api.git", "git@gh-work:acme/api.git",
+                 "https://www.github.com/acme/api.git", "ssh://git@github.com/acme/api")
+    assert {cs.repository_key(u, tmp_path) for u in spellings} == {("url", "acme/api")}
+    assert cs.remote_key(spellings[2], tmp_path) == "github.com/acme/api"
+    project, org = make_repo(tmp_path, "p"), make_repo(tmp_path, "o")
+    git(project, "remote", "add", "origin", spellings[0])
+    git(org, "remote", "add", "origin", spellings[0])
+    for url, refused in ((spellings[1], True), (spellings[2], True),
+                         ("git@github.com:acme/knowledge.git", False)):
+        git(org, "remote", "set-url", "origin", url)
+        assert bool(cs.org_remote_problem(org, project, "origin", 10)) is refused, url
+
+
 def test_remote_key_spells_one_remote_one_way(tmp_path):
     gh = {cs.remote_key(u, tmp_path) for u in ("git@github.com:acme/kb.git",
                                                 "https://github.com/acme/kb",
