@@ -3939,11 +3939,13 @@ def render_store(doc: Doc) -> str:
 class Write:
     """What a write did: the resulting doc, and for a shared scope the commit
     (None when nothing changed), the branch that holds `doc` (None: it does not
-    exist yet) and the pull request, if any."""
+    exist yet), the pull request, if any, and the commit `doc` was read at
+    when nothing was written (a move checks where its copy stands: _move)."""
     doc: Doc
     commit: str | None = None
     pr_url: str | None = None
     branch: str | None = None
+    read_at: str | None = None
 
 
 class Store:
@@ -6684,6 +6686,12 @@ class GitStore(Store):
         return self.git("merge-base", "--is-ancestor", ancestor, commit,
                         check=False).returncode == 0
 
+    def holds_now(self, commit: str) -> bool:
+        """Whether the branch, fetched now, holds `commit` (at its tip or below
+        it); a commit this clone has never seen is not held. Raises GitError."""
+        tip = self.fetch(force=True)
+        return bool(tip) and (tip == commit or self._holds(tip, commit))
+
     def catch_up_side(self, branch: str) -> str | None:
         """Bring side branch `branch` up to the scope's tip (_side_base), so its
         pull request merges without conflict, by a fast-forward push leased on
@@ -6779,7 +6787,8 @@ class GitStore(Store):
                 if landed:                          # each counted here already
                     commit_credits(landed)
                 held = side_tip if side else tip       # does `target` exist?
-                return Write(doc=doc, commit=None, branch=target if held else None)
+                return Write(doc=doc, commit=None, branch=target if held else None,
+                             read_at=held)
             new = doc
         parent = base if base is not None else self._new_branch_parent(side)
         files = {STORE_FILE: render_store(new), **self._rendered(new, parent)}
@@ -14479,6 +14488,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
 
+    _refuse_one_branch(cfg, src, dst)
     marking = src == "local" and not pr_branch     # a crash from here on leaves two copies
     if marking:
         mutate(cfg, src, lambda d: _marked_moving(d, ids, dst), f"moving {len(ids)} to {dst}")
@@ -14497,12 +14507,57 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
     if held or marking:
         lift = functools.partial(_lifted, gated, copy, joined)
         try:
+            _refuse_dropping_itself(cfg, src, dst, write)
             kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
         except (CambiumError, OSError) as e:
             raise _copied_not_dropped(e if isinstance(e, CambiumError) else
                                       CambiumError(error_text(e)), src, dst, held, write) from None
         return Moved(write, landed, planned.refused, kept, sorted(joined & held))
     return Moved(write, landed, planned.refused)
+
+
+ONE_BRANCH = ("the {src} and {dst} scopes {how}: an item moved up would be found "
+              "\"already in {dst}\" (the {src} copy itself) and dropped, its only copy. "
+              "Nothing was dropped: the item(s) stay in {src}. Give {dst} a repository of "
+              "its own (for org, CAMBIUM_ORG_REPO: a clone of the org knowledge repo)")
+
+
+def _refuse_one_branch(cfg: Config, src: str, dst: str) -> None:
+    """Refuse a move between two scopes that read and write one branch of one
+    repository (repository_key of each remote's URL, and the branch): the org
+    clone's guard (org_remote_problem) is one place; a move that drops copies
+    checks for itself."""
+    here = _branch_reached(store(cfg, src))
+    if here is not None and here == _branch_reached(store(cfg, dst)):
+        raise ConfigError(ONE_BRANCH.format(src=src, dst=dst, how=(
+            f"are one branch, '{here[1]}' of one repository ({here[0][1]})")))
+
+
+def _branch_reached(st: Store) -> tuple | None:
+    """(repository_key of a shared store's remote URL, its branch); None for the
+    local store or a remote whose URL git does not give."""
+    if not isinstance(st, GitStore):
+        return None
+    with contextlib.suppress(CambiumError, OSError):
+        url = remote_url(st.repo, st.remote, st.timeout_s)
+        return (repository_key(url, st.repo), st.branch) if url else None
+    return None
+
+
+def _refuse_dropping_itself(cfg: Config, src: str, dst: str, write: Write) -> None:
+    """Before a move drops its source copies: refuse when the dst commit that
+    holds their copies (the one written, or the tip read when dst held them
+    already) is in the source branch's own history, fetched now. Then the two
+    are one branch reached two ways that no URL tells apart (a renamed
+    repository's redirect, a second mount of one disk), and the copy
+    "verified" in dst is the very one about to be dropped. Both stay."""
+    st, there = store(cfg, src), write.commit or write.read_at
+    if isinstance(st, GitStore) and there and st.holds_now(there):
+        err = ConfigError(ONE_BRANCH.format(src=src, dst=dst, how=(
+            f"read one branch: the {dst} commit {there[:12]} that holds the copies is in "
+            f"the {src} branch's own history")))
+        err.one_branch = True            # type: ignore[attr-defined]
+        raise err
 
 
 def _gated(dst: str, held_back: set[str], it: Item) -> Item:
@@ -14553,7 +14608,10 @@ def _copied_not_dropped(err: CambiumError, src: str, dst: str, held: set[str],
                         write: Write) -> CambiumError:
     """A move whose copy landed in dst but whose source copy could not be
     dropped (the source's remote refused or went away): it said "nothing
-    moved" though dst held and published the item."""
+    moved" though dst held and published the item. Not when src and dst were
+    found to be one branch: no second call would finish that move."""
+    if getattr(err, "one_branch", False):
+        return err
     where = f" (commit {write.commit[:12]})" if write.commit else ""
     err = _noted(err, f"copied to {dst}{where}: {', '.join(sorted(held))} is in {dst} scope "
                       f"now, and stays in {src} scope too until the same call runs again "

@@ -9232,6 +9232,30 @@ def test_one_repository_is_one_remote_key_as_git_reaches_it(tmp_path):
         assert bool(cs.org_remote_problem(org, project, "origin", 10)) is refused, url
 
 
+def test_a_move_never_drops_the_copy_it_found_in_its_own_branch(shared, monkeypatch):
+    """Behind the org guard, a move checks for itself: src and dst one branch
+    of one repository refuses; and when no URL tells them apart (a renamed
+    repository's redirect, a second mount of one disk), the drop refuses on
+    finding the dst commit that holds the copy in src's own history: "held in
+    dst" was the source copy itself, and dropping it dropped the only copy."""
+    item = _endorsed("Prefer idempotency keys on every payment call")
+    assert cs.promote(item, to_scope="team")["status"] == "promoted"
+    same = clone(shared["origin"], shared["tmp"] / "kb")
+    git(same, "checkout", "-q", "-B", "cambium", "origin/cambium")
+    git(same, "remote", "set-head", "origin", "cambium")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(same))
+    monkeypatch.setattr(cs, "org_remote_problem", lambda *a: None)   # a spelling it misses
+    with pytest.raises(cs.ConfigError, match="one branch, 'cambium' of one repository"):
+        cs.promote(item, to_scope="org", force=True)
+    assert team_ids(shared["origin"]) == {item}
+    monkeypatch.setattr(cs, "_refuse_one_branch", lambda *a: None)    # ...and one URLs miss
+    with pytest.raises(cs.ConfigError, match="in the team branch's own history") as e:
+        cs.promote(item, to_scope="org", force=True)
+    assert "stays in team scope too until the same call" not in str(e.value)
+    assert team_ids(shared["origin"]) == {item}
+    assert [r["id"] for r in cs.recall("idempotency keys payment")["results"]] == [item]
+
+
 def test_remote_key_spells_one_remote_one_way(tmp_path):
     gh = {cs.remote_key(u, tmp_path) for u in ("git@github.com:acme/kb.git",
                                                 "https://github.com/acme/kb",
