@@ -5899,12 +5899,24 @@ class GitStore(Store):
         return _git(list(args), self.repo, self.timeout_s, check=check, input=input,
                     binary=binary)
 
-    def _stamp(self) -> Path:
-        """The fetch stamp of this branch through this remote, like the private
-        ref: one remote's failed fetch held every other remote's reads back."""
+    def _stamp(self, branch: str | None = None) -> Path:
+        """The fetch stamp of this branch (or `branch`) through this remote,
+        like the private ref: one remote's failed fetch held every other
+        remote's reads back."""
         remote = hashlib.sha1(self.remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-        return self._meta_dir() / \
-            f"fetched-{self.scope}-{self.branch.replace('/', '_')}-{remote}"
+        branch = self.branch if branch is None else branch
+        return self._meta_dir() / f"fetched-{self.scope}-{branch.replace('/', '_')}-{remote}"
+
+    def _scratch(self, kind: str, branch: str = "") -> str:
+        """A ref cambium writes and reads back within one step (`new`: fast-import's
+        commit; `default`: the remote's default tip; `side`: a side branch's tip;
+        `verify`: a pushed branch's), under refs/cambium/scratch/: beside the private refs
+        (refs/cambium/<team|org>/...) no branch name can reach it. They were
+        `<remote>/new`, `__default`, `side/<b>` and `<branch>-verify` there, so a
+        team branch named `new` was its own scratch ref: a refused push left the
+        cached tip at the commit it refused."""
+        return f"refs/cambium/scratch/{kind}/{self.scope}/{self.remote}" + \
+            (f"/{branch}" if branch else "")
 
     def _failed_stamp(self) -> Path:
         stamp = self._stamp()
@@ -6263,7 +6275,7 @@ class GitStore(Store):
             "merge-base", "--is-ancestor", before, now, check=False).returncode == 0)
 
     def _note_rewind(self, before: str | None) -> None:
-        """Keep the tip fetched before (`<ref>-rewound`) when the branch no longer
+        """Keep the tip fetched before (_rewound_ref) when the branch no longer
         descends from it: a force push (an old clone's `push --force --all`) or a
         deleted branch dropped what cambium had read there. The branch decides
         (a write applies only its own change on what the branch holds); reads
@@ -6272,14 +6284,36 @@ class GitStore(Store):
         if not before or not self.rewinds or not self._left_behind(before):
             return
         now = self.local_tip()
+        self._adopt_old_rewound()
         if not self._kept(self._rewound_ref):
             self.git("update-ref", self._rewound_ref, before, check=False)
             if now:                               # (the tip the rewind left: what changed
-                self.git("update-ref", self._rewound_ref + "-at", now, check=False)  # since)
+                self.git("update-ref", self._rewound_at_ref, now, check=False)    # since)
 
     @property
     def _rewound_ref(self) -> str:
-        return f"{self.ref}-rewound"
+        """Where a rewound tip is kept: refs/cambium/rewound/<scope>/<remote>/<branch>."""
+        return f"refs/cambium/rewound/{self.scope}/{self.remote}/{self.branch}"
+
+    @property
+    def _rewound_at_ref(self) -> str:
+        return f"refs/cambium/rewound-at/{self.scope}/{self.remote}/{self.branch}"
+
+    def _adopt_old_rewound(self) -> None:
+        """Move a tip an earlier version kept at `<ref>-rewound` (and what it
+        named `-rewound-at`) to _rewound_ref, once a process: that name was also
+        the private ref of a branch named `<branch>-rewound`, so it stays where
+        it is when this clone has fetched such a branch (its fetch stamp is
+        there: the ref may be that branch's tip, not a kept one)."""
+        old = f"{self.ref}-rewound"
+        if not self._rt.first_time(f"adopt {self.repo} {old}") or not self._kept(old) or \
+                self._kept(self._rewound_ref) or \
+                self._stamp(f"{self.branch}-rewound").exists():
+            return
+        for new, was in ((self._rewound_ref, old), (self._rewound_at_ref, old + "-at")):
+            if (value := self._kept(was)) and self.git(
+                    "update-ref", new, value, "", check=False).returncode == 0:
+                self.git("update-ref", "-d", was, value, check=False)
 
     def _kept(self, ref: str) -> str:
         """The commit a ref of cambium's names ("" when there is none), read
@@ -6290,7 +6324,7 @@ class GitStore(Store):
             return self.git("rev-parse", "--verify", "--quiet", ref, check=False).stdout.strip()
 
     def _drop_rewound(self) -> None:
-        for ref in (self._rewound_ref, self._rewound_ref + "-at"):
+        for ref in (self._rewound_ref, self._rewound_at_ref):
             self.git("update-ref", "-d", ref, check=False)
 
     def _touched_since(self, base: str, tip: str | None) -> frozenset[str]:
@@ -6329,16 +6363,17 @@ class GitStore(Store):
         return ids
 
     def rewound_items(self, doc: Doc, tip: str | None) -> list[Item]:
-        """The items of the tip kept in `<ref>-rewound` that `doc` (at `tip`)
+        """The items of the tip kept in _rewound_ref that `doc` (at `tip`)
         lost: those it holds no copy of, and those whose kept version is later
         (a deprecation or a correction the rewind undid), but for items changed
         or moved on the branch since the rewind (a promote to org took one).
         [] when nothing was rewound (the refs are then dropped)."""
+        self._adopt_old_rewound()
         if not (tip_kept := self._kept(self._rewound_ref)):
             return []
         try:
             old = self._rewound_doc(tip_kept)
-            touched = self._touched_since(self._kept(self._rewound_ref + "-at") or tip_kept,
+            touched = self._touched_since(self._kept(self._rewound_at_ref) or tip_kept,
                                           tip)
         except CorruptStore:                       # (a kept tip whose store is malformed
             self._drop_rewound()                   # holds nothing to put back)
@@ -6476,7 +6511,7 @@ class GitStore(Store):
                 head = line[5:-5]
         if head is None:
             return None
-        ref = f"refs/cambium/{self.scope}/{self.remote}/__default"
+        ref = self._scratch("default")
         self.git("fetch", "--quiet", "--no-tags", "--", self.remote, f"+{head}:{ref}")
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
@@ -6504,7 +6539,7 @@ class GitStore(Store):
     def _fast_import(self, parent: str | None, files: dict[str, str], stamp: str,
                      message: str, merge: str | None = None) -> str:
         msg = valid_unicode(message).encode("utf-8")
-        out = [f"commit refs/cambium/{self.scope}/{self.remote}/new\nmark :1\n"
+        out = [f"commit {self._scratch('new')}\nmark :1\n"
                f"author {stamp}\ncommitter {stamp}\ndata {len(msg)}\n".encode(), msg, b"\n"]
         if parent:
             out.append(f"from {parent}\n".encode())
@@ -6597,7 +6632,7 @@ class GitStore(Store):
             return
         if remote_tip:
             self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
-                     f"+refs/heads/{branch}:{self.ref}-verify")
+                     f"+refs/heads/{branch}:{self._scratch('verify')}")
             ok = self.git("merge-base", "--is-ancestor", commit, remote_tip, check=False)
             if ok.returncode == 0:
                 return
@@ -6983,7 +7018,7 @@ class GitStore(Store):
             return self._state.hand_written
 
     def _remote_branch_tip(self, branch: str) -> str | None:
-        ref = f"refs/cambium/{self.scope}/{self.remote}/side/{branch}"
+        ref = self._scratch("side", branch)
         proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
                         f"+refs/heads/{branch}:{ref}", check=False)
         if proc.returncode != 0:

@@ -4968,6 +4968,33 @@ def test_a_hook_refusal_on_a_lock_named_team_branch_fails_at_once(shared, monkey
     assert cs.time.monotonic() - started < 20          # (it was replayed for 120 s)
 
 
+def test_a_team_branch_named_like_a_scratch_ref_keeps_its_own_cached_tip(shared, monkeypatch):
+    """A team branch named `new` was also fast-import's scratch ref (as
+    `__default`, `side/<x>`, `<b>-verify` and `<b>-rewound` were others'): a
+    push the remote refused left the cached tip at the refused commit, so
+    recall and the primer served the item as team's and the next fetch called
+    the branch rewound. Scratch refs live under refs/cambium/scratch/."""
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "new")
+    first = _endorsed("Staging resets nightly")
+    assert cs.promote(first)["status"] == "promoted"
+    a, tip = shared["a"], git(shared["origin"], "rev-parse", "new").strip()
+    git(a, "gc", "-q")                          # (packed: the next commit is fast-import's)
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'refusing all pushes' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    second = _endorsed("Refused by the remote")
+    with pytest.raises(cs.GitError, match="refusing all pushes"):
+        cs.promote(second, force=True)
+    assert git(a, "rev-parse", "refs/cambium/team/origin/new").strip() == tip
+    assert git(a, "for-each-ref", "--format=%(refname)", "refs/cambium/team/").split() == [
+        "refs/cambium/team/origin/new"]
+    assert "refs/cambium/scratch/new/team/origin" in git(a, "for-each-ref", "refs/cambium/")
+    out = cs.recall("refused by the remote", scope="team")
+    assert second not in [r["id"] for r in out["results"]]
+    assert not any("rewound" in w for w in out.get("warnings", []))
+    assert [i.id for i in cs.store(cs.resolve_config(), "team").peek().items] == [first]
+
+
 def test_a_missing_gh_says_how_to_get_one_or_do_without(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))                 # (it said: not found on PATH)
     with pytest.raises(cs.GitError, match="install gh and run `gh auth login`, or set "
@@ -6998,7 +7025,7 @@ def test_a_remote_pointed_at_another_repository_is_no_force_push(shared):
     out = cs.recall("idempotent queue consumers")
     warnings = " ".join(out.get("warnings", []))
     assert "now points at" in warnings and "rewound" not in warnings, warnings
-    assert "rewound" not in git(a, "for-each-ref", "refs/cambium/team/origin/")
+    assert "rewound" not in git(a, "for-each-ref", "refs/cambium/")
     assert not any("rewound" in w for w in cs.recall("idempotent").get("warnings", []))
 
 
@@ -21787,7 +21814,8 @@ def test_a_rewind_long_past_costs_reads_nothing_and_its_doc_is_parsed_once(share
     out = cs.recall("health endpoint")
     assert [r["id"] for r in out["results"]] == [first]
     assert not any("rewound" in w for w in out.get("warnings", []))
-    assert "cambium-rewound" in git(shared["a"], "for-each-ref", "refs/cambium/")   # (kept)
+    assert "refs/cambium/rewound/team/origin/cambium" in git(shared["a"], "for-each-ref",
+                                                              "refs/cambium/")    # (kept)
     walks, real_git = [], cs.GitStore.git
     monkeypatch.setattr(cs.GitStore, "git", lambda self, *a, **k: walks.append(a[0]) or
                         real_git(self, *a, **k))
@@ -21806,12 +21834,40 @@ def test_a_team_branch_rewound_by_a_force_push_says_what_it_lost_and_how_to_get_
     assert later not in [r["id"] for r in out["results"]]
     (warning,) = [w for w in out["warnings"] if "rewound or replaced" in w]
     assert later in warning and first not in warning.split("(")[1]
-    kept = git(shared["a"], "show", "refs/cambium/team/origin/cambium-rewound:knowledge.json")
+    kept = git(shared["a"], "show", "refs/cambium/rewound/team/origin/cambium:knowledge.json")
     (tmp_path / "rewound.json").write_text(kept)
     assert cs.restore(str(tmp_path / "rewound.json"))["restored"] == 1     # (first: held above)
     assert cs.promote(later, force=True)["status"] == "promoted"
     assert team_ids(shared["origin"]) == {first, later}
     assert not any("rewound" in w for w in cs.recall("health endpoint").get("warnings", []))
+
+
+def test_a_rewound_tip_an_earlier_version_kept_is_still_read_and_moved_where_it_is_kept_now(
+        shared):
+    """The kept tip moved from `<ref>-rewound` (also the private ref of a
+    branch named `<branch>-rewound`) to refs/cambium/rewound/...: one an
+    earlier version kept is moved there and named as before; while this clone
+    has fetched a branch of that name, the ref may be its tip and stays put."""
+    first, later = _promoted_then_rewound(shared)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    a, new, old = shared["a"], "refs/cambium/rewound/team/origin/cambium", \
+        "refs/cambium/team/origin/cambium-rewound"
+    kept, at = (git(a, "rev-parse", ref).strip() for ref in (new, new.replace("d/", "d-at/", 1)))
+    for ref, value in ((old, kept), (old + "-at", at)):         # as an earlier version left it
+        git(a, "update-ref", ref, value)
+    git(a, "update-ref", "-d", new)
+    git(a, "update-ref", "-d", new.replace("d/", "d-at/", 1))
+    cs.store(cs.resolve_config(), "team")._stamp("cambium-rewound").touch()   # ambiguous:
+    cs.runtime().reset()
+    assert not any(later in w for w in cs.recall("alerts on-call").get("warnings", []))
+    assert git(a, "rev-parse", old).strip() == kept                          # ...left alone
+    cs.store(cs.resolve_config(), "team")._stamp("cambium-rewound").unlink()
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"] if "rewound" in w]
+    assert later in warning and f"{new}:knowledge.json" in warning
+    assert [git(a, "rev-parse", ref).strip() for ref in (new, new.replace("d/", "d-at/", 1))
+            ] == [kept, at]
+    assert old not in git(a, "for-each-ref", "refs/cambium/")
 
 
 def test_a_writes_answer_names_what_a_rewind_of_the_team_branch_dropped(shared):
