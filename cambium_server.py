@@ -321,6 +321,16 @@ class DamagedRef(GitError):
         self.cmd, self.code, self.stderr = ["git", "fetch"], 1, message
 
 
+class RemoteMoved(GitError):
+    """A shared scope's remote now points at another URL than the one its last
+    fetch read (`git remote set-url`), and it was not fetched from there: the
+    tip cambium holds is another repository's, never read as this project's."""
+
+    def __init__(self, message: str):
+        CambiumError.__init__(self, message)
+        self.cmd, self.code, self.stderr = ["git", "fetch"], 1, message
+
+
 class OutputError(CambiumError):
     """The CLI could not write its answer (stdout on a full disk)."""
 
@@ -2976,11 +2986,15 @@ def remote_push_urls(repo: Path, remote: str, timeout_s: float) -> list[str]:
 
 def _until_config_changes(cache: dict, repo: Path, remote: str, ask: Callable):
     """cache[(repo, remote)], asked again when `repo`'s git config changed (the
-    common dir's: a linked worktree's .git is a file)."""
+    common dir's: a linked worktree's .git is a file). Changed: another inode
+    (git writes it through config.lock and a rename), size or time: by the
+    mtime alone, a `git remote set-url` within the clock tick of the last write
+    (coarse file times) kept the old URL for the life of a server."""
     try:
-        stamp = (_git_dirs(repo)[1] / "config").stat().st_mtime
+        st = (_git_dirs(repo)[1] / "config").stat()
+        stamp: tuple | None = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except (OSError, IndexError):
-        stamp = -1.0
+        stamp = None
     key = (str(repo), remote)
     hit = cache.get(key)
     if hit is None or hit[0] != stamp:
@@ -5980,10 +5994,12 @@ class GitStore(Store):
         damaged = self._drop_damaged_ref()
         if damaged:
             self._warnings.append(f"{damaged}: it was removed and fetched again")
+        elsewhere = self.url_moved()        # (the tip held is another repository's)
         stamp = 0.0
         with contextlib.suppress(OSError):
             stamp = self._stamp().stat().st_mtime
-        failed = None if damaged or force or fresh else self._recent_failure(stamp)
+        failed = None if damaged or elsewhere or force or fresh else \
+            self._recent_failure(stamp)
         with state.lock:
             moved, state.stamp_seen = stamp != state.stamp_seen, stamp
         if moved:         # another process fetched or pushed: the ref it moved is read
@@ -5997,19 +6013,19 @@ class GitStore(Store):
             # unreachable scope never reads as an empty one
             unread = state.fetch_error is not None and self.local_tip() is None
             since = time.time() - last              # (a stamp in the future, left by a fast
-            due = damaged or force or fresh or unread or \
+            due = damaged or elsewhere or force or fresh or unread or \
                 not -1.0 < since < self.fetch_interval_s    # clock, is due: not for hours)
             if due and failed is not None:
                 due = False
                 self._warnings.append(f"{self.scope} scope may be behind: {failed}")
-            if due and background and state.tip_known:
+            if due and background and state.tip_known and not elsewhere:
                 if not state.refreshing:
                     state.refreshing, state.refresh_started = True, time.monotonic()
                     state.refreshed, state.refresh_busy = threading.Event(), None
                     self._rt.spawn(self._refresh, f"cambium-fetch-{self.scope}")
                 due, refreshing = False, True
         if due:
-            self._fetch_or_wait(force, background)
+            self._fetch_or_wait(force, background, elsewhere)
         if refreshing:
             self._await_refresh()
         with state.lock:
@@ -6017,18 +6033,20 @@ class GitStore(Store):
                 state.tip, state.tip_known = self.local_tip(), True
             return state.tip
 
-    def _fetch_or_wait(self, force: bool, background: bool) -> None:
+    def _fetch_or_wait(self, force: bool, background: bool, moved: str | None = None) -> None:
         """Fetch now, one fetch at a time. A background read that finds another
         thread fetching (the server's warm-up) answers from the last fetched tip
         at once, with a warning; any other waits, and takes a fetch that ended
         while it waited as its own (its failure too, warned about, when there
         is a fetched tip to answer from; else it tries itself, and raises). A
         read with a fetched tip that finds another process of the clone fetching
-        the branch (FETCH_LOCK_WAIT_S) answers from that tip, with a warning."""
+        the branch (FETCH_LOCK_WAIT_S) answers from that tip, with a warning.
+        `moved` (url_moved): the fetched tip is another repository's, no tip to
+        answer from: a fetch that fails raises RemoteMoved."""
         state = self._state
         asked = time.time()
         if not state.fetching.acquire(blocking=not background):
-            if self.local_tip() is not None:
+            if self._answers(moved):
                 self._warnings.append(f"{self.scope} scope may be behind: a fetch from "
                                       f"{self.remote} is still running")
                 return
@@ -6036,26 +6054,40 @@ class GitStore(Store):
         try:
             with state.lock:
                 ended, error = state.fetched_at >= asked, state.fetch_error
-            if ended and not force and (not error or self.local_tip() is not None):
+            if ended and not force and not moved and (not error or self._answers(moved)):
                 if error:
                     self._warnings.append(f"{self.scope} scope may be behind: {error}")
                 return
             try:
-                self._fetch_now(patient=force or self.local_tip() is None)
-            except FetchBusy as e:          # (another process fetches: no failure to note)
-                if force or self.local_tip() is None:
-                    raise ConflictError(f"{e}: nothing was changed, try again") from None
-                self._warnings.append(f"{self.scope} scope may be behind: {e}")
-            except GitError as e:
-                with state.lock:
-                    state.fetched_at = time.time()          # don't hammer a dead remote
-                    state.fetch_error = str(e)
-                self._note_failure(str(e))                  # nor let other processes
-                if force or self.local_tip() is None:
-                    raise
-                self._warnings.append(f"{self.scope} scope may be behind: {e}")
+                self._fetch_now(patient=force or not self._answers(moved))
+            except (FetchBusy, GitError) as e:
+                self._fetch_failed(e, force, self._answers(moved), moved)
         finally:
             state.fetching.release()
+
+    def _answers(self, moved: str | None) -> bool:
+        """Whether a fetched tip is there to answer a read from (not one of
+        another repository's: url_moved)."""
+        return moved is None and self.local_tip() is not None
+
+    def _fetch_failed(self, e: CambiumError, force: bool, held: bool,
+                      moved: str | None) -> None:
+        """A fetch that failed: another process fetching (FetchBusy) is no
+        failure to note; either way a read with a tip `held` answers from it
+        with a warning, and a write, or a read with none, raises."""
+        if not isinstance(e, FetchBusy):
+            with self._state.lock:
+                self._state.fetched_at = time.time()          # don't hammer a dead remote
+                self._state.fetch_error = str(e)
+            self._note_failure(str(e))                        # nor let other processes
+        if moved:
+            raise RemoteMoved(f"{moved}, and it was not fetched from there ({e}): its items "
+                              "are not read until it is") from None
+        if isinstance(e, FetchBusy) and (force or not held):
+            raise ConflictError(f"{e}: nothing was changed, try again") from None
+        if force or not held:
+            raise e
+        self._warnings.append(f"{self.scope} scope may be behind: {e}")
 
     def _await_refresh(self) -> None:
         """Give a background refresh until REFRESH_WAIT_S after it began to end
@@ -6242,17 +6274,37 @@ class GitStore(Store):
                             f"{wait:g} s (or was stopped mid-fetch)") from None
         return stack
 
+    def _url_record(self) -> Path:
+        """Where the remote's URL read at the last fetch is kept, beside the stamp."""
+        return self._stamp().with_name(self._stamp().name + ".url")
+
+    def url_moved(self) -> str | None:
+        """What to say when the remote's URL is not the one the last fetch read
+        there (`git remote set-url origin <another>`): the tip held is then
+        another repository's, read as this project's by no read until a fetch
+        from the new URL. None when it is the same, or none was recorded."""
+        try:
+            known = git_file_text(self._url_record(), errors="replace").strip()
+        except OSError:
+            return None
+        url = ""
+        with contextlib.suppress(CambiumError):         # (cached until the config changes)
+            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
+        if not (url and known and url != known):
+            return None
+        return (f"{self.remote} now points at {url}, not at {known} where cambium last read "
+                f"the {self.scope} scope")
+
     def _remote_moved(self, before: str | None) -> bool:
         """Whether the remote's URL changed since the last fetch (a fork's
         `git remote rename origin upstream; git remote add origin <fork>`) and
         the branch fetched now does not descend from the tip read there: another
         repository, not a force push. Warns so, once, and keeps no rewound tip
         (that advice would have copied every team item into the fork). The URL
-        read at each fetch is kept beside the stamp."""
-        url = ""
+        read at each fetch is kept beside the stamp (url_moved)."""
+        url, seen = "", self._url_record()
         with contextlib.suppress(CambiumError):         # (cached until the config changes)
             url = remote_url(self.repo, self.remote, self.timeout_s) or ""
-        seen = self._stamp().with_name(self._stamp().name + ".url")
         try:
             known = git_file_text(seen, errors="replace").strip()
         except OSError:
@@ -6392,6 +6444,9 @@ class GitStore(Store):
         damaged private ref, removed: GitError, as no tip is known then)."""
         if damaged := self._drop_damaged_ref(remove=False):
             raise DamagedRef(f"{damaged}: the next recall or write fetches it again")
+        if moved := self.url_moved():
+            raise RemoteMoved(f"{moved}: its items are not read until a recall or a write "
+                              "fetches them from there")
         return self.doc_at(self.local_tip() or self.cloned_tip())
 
     def cloned_tip(self) -> str | None:
@@ -17477,6 +17532,8 @@ def _shared_scope_status(cfg: Config) -> dict:
         except GitError as e:
             info.update(reachable=False, error=str(e))
             try:
+                if isinstance(e, RemoteMoved):     # (what it holds is another repository's)
+                    raise e
                 tip = st.local_tip()
             except GitError:
                 out[scope] = info
@@ -18778,8 +18835,9 @@ def primer_key(cfg: Config, limit: int) -> str | None:
     served a stale digest until midnight), the local file and credit journal
     as they stand (file_version, as a parsed store is keyed: an edit in place
     that set the mtime back, or a same-tick rewrite on a reused inode, matched
-    (inode, size, mtime)), the last fetched team and org tips, and HEAD
-    (anchors). None when a part cannot be named that way (a link, a FIFO)."""
+    (inode, size, mtime)), the last fetched team and org tips (and their
+    clones' git config: a remote's URL), and HEAD (anchors). None when a part
+    cannot be named that way (a link, a FIFO)."""
     hour = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H")
     parts: list = [__version__, limit, hour, cfg.project, cfg.remote, cfg.team_branch,
                    str(cfg.org_repo)]
@@ -18792,7 +18850,8 @@ def primer_key(cfg: Config, limit: int) -> str | None:
         for scope in ("team", "org"):
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
-                parts.append((scope, _ref_value(st.repo, st.ref) or st.cloned_tip()))
+                parts.append((scope, _ref_value(st.repo, st.ref) or st.cloned_tip(),
+                              file_version(_git_dirs(st.repo)[1] / "config")))  # (its URL)
         parts.append(_git_head(cfg.repo))
         if cfg.org_repo:                      # the org items sessions here were shown
             parts.append(sorted(used_here(cfg)))

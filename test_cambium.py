@@ -4881,6 +4881,14 @@ def make_origin(tmp: Path, name: str = "origin") -> Path:
     return bare
 
 
+def cut_off(repo: Path, remote: str = "origin") -> None:
+    """Make `remote` unreachable from `repo` (fetch and push fail as git's
+    would for a server gone) with its URL unchanged: a changed URL is another
+    repository, whose tip cambium never answers from (url_moved)."""
+    git(repo, "config", f"remote.{remote}.uploadpack", "false")
+    git(repo, "config", f"remote.{remote}.receivepack", "false")
+
+
 def clone(bare: Path, dest: Path) -> Path:
     subprocess.run(["git", "clone", "-q", str(bare), str(dest)], check=True, capture_output=True)
     return dest
@@ -6904,7 +6912,7 @@ def test_one_failed_fetch_is_one_warning(shared):
     once with when the fetch failed, once with git's error again."""
     _endorsed("Queue consumers must be idempotent", "queues")
     cs.promote()
-    git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    cut_off(shared["a"])
     for _ in range(3):                       # (one process: a server's recalls)
         said = [w for w in cs.recall("idempotent queue consumers").get("warnings", [])
                 if w.startswith("team scope may be behind")]
@@ -6957,7 +6965,7 @@ def test_a_failed_fetch_through_one_remote_holds_back_no_other_remote(shared):
     env = {"CAMBIUM_FETCH_INTERVAL": "0.001"}
     assert item_id in cli("recall", "idempotent queue consumers", CAMBIUM_REMOTE="upstream",
                           **env).stdout
-    git(a, "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    cut_off(a)
     failed = cli("recall", "idempotent queue consumers", **env)
     assert "may be behind" in failed.stdout
     up = cli("recall", "idempotent queue consumers", CAMBIUM_REMOTE="upstream", **env)
@@ -7027,6 +7035,53 @@ def test_a_remote_pointed_at_another_repository_is_no_force_push(shared):
     assert "now points at" in warnings and "rewound" not in warnings, warnings
     assert "rewound" not in git(a, "for-each-ref", "refs/cambium/")
     assert not any("rewound" in w for w in cs.recall("idempotent").get("warnings", []))
+
+
+def test_a_remote_set_to_another_url_never_serves_the_old_repositorys_items(shared,
+                                                                           monkeypatch):
+    """After `git remote set-url origin <another repository>`, recall (until
+    CAMBIUM_FETCH_INTERVAL passed), the server's background refresh, the
+    primer and the SessionStart hook's cached primer (until something
+    fetched) served the old repository's team items as this project's,
+    unsaid. A read now sees the URL is not the one its last fetch read: recall
+    fetches from the new one at once; the primer skips the scope, saying why;
+    a new URL it cannot fetch is skipped too, never answered from the old tip."""
+    a = shared["a"]
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "3600")
+    _endorsed("Payroll rotation is monthly in the old repository", "payroll")
+    cs.promote()
+    cs.runtime().long_running.set()                        # a server: the tip is known
+    assert cs.recall("payroll rotation monthly", scope="team")["results"]
+    assert "Payroll rotation" in cli("primer", "--hook", cwd=a).stdout   # (cached)
+    other = make_origin(shared["tmp"], "other")
+    git(a, "remote", "set-url", "origin", str(other))
+    assert "Payroll rotation" not in cli("primer", "--hook", cwd=a).stdout
+    primer = cs.session_primer()
+    assert "Payroll rotation" not in primer["primer"], primer
+    assert any("now points at" in w for w in primer.get("warnings", [])), primer
+    out = cs.recall("payroll rotation monthly", scope="team")
+    assert not out["results"] and "now points at" in " ".join(out.get("warnings", [])), out
+    assert "Payroll rotation" not in cs.session_primer()["primer"]   # read from there now
+    git(a, "remote", "set-url", "origin", str(shared["origin"]))     # back: fetched again
+    assert cs.recall("payroll rotation monthly", scope="team")["results"]
+    git(a, "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    out = cs.recall("payroll rotation monthly")
+    assert not out["results"], out
+    assert any(w.startswith("team scope skipped: origin now points at")
+               for w in out["warnings"]), out
+
+
+def test_a_remote_url_read_again_after_a_set_url_in_the_same_clock_tick(shared):
+    """The remote's URL was cached until the config's mtime changed: a
+    `git remote set-url` within the clock tick of the config's last write
+    (coarse file times) kept the old URL for the life of a server."""
+    a = shared["a"]
+    config = a / ".git" / "config"
+    assert cs.remote_url(a, "origin", 30) == str(shared["origin"])
+    before = config.stat()
+    git(a, "remote", "set-url", "origin", str(shared["tmp"] / "elsewhere.git"))
+    os.utime(config, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert cs.remote_url(a, "origin", 30) == str(shared["tmp"] / "elsewhere.git")
 
 
 def test_status_reports_scopes_and_reachability(shared, monkeypatch):
@@ -7259,7 +7314,7 @@ def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared
     item_id = _endorsed("Cache invalidation goes through the event bus", "bus")
     cs.promote()
     cs.runtime().reset()                                 # a new process, same clone
-    git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    cut_off(shared["a"])
     res = cs.recall("cache invalidation event bus", detail="full")
     assert res["results"][0]["id"] == item_id and res["results"][0]["scope"] == "team"
     assert any("team scope may be behind" in w for w in res["warnings"])
@@ -10415,7 +10470,7 @@ def test_a_team_to_org_move_says_where_the_item_is_when_team_refuses_or_is_gone(
     assert item_id not in team_ids(shared["origin"])                   # one copy, in org
     other = _endorsed("Rotate credentials every ninety days")
     cs.promote(other)
-    git(shared["a"], "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    cut_off(shared["a"])
     with pytest.raises(cs.GitError, match="nothing moved"):
         cs.promote(other, to_scope="org")
     assert other not in {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]}
