@@ -1985,7 +1985,8 @@ class Config:
     @property
     def configured(self) -> bool:
         return bool(self.repo and self.agent and not self.problems
-                    and dotgit_problem(self.repo) is None)
+                    and dotgit_problem(self.repo) is None
+                    and local_link_problem(self.repo) is None)
 
 
 #: CAMBIUM_GIT_TIMEOUT's bounds in seconds: below one second no git call can
@@ -2421,6 +2422,9 @@ def config_gaps(cfg: Config) -> list[dict]:
     elif (broken := dotgit_problem(cfg.repo)) is not None:
         gaps.append({"setting": "CAMBIUM_REPO", "cost": f"{cfg.repo} is not a git clone git "
                      f"can read ({broken}) → every tool is unavailable", "fix": repo_fix})
+    elif (linked := local_link_problem(cfg.repo)) is not None:
+        gaps.append({"setting": LOCAL_DIR, "cost": f"{linked[0]} → every tool is unavailable "
+                     "(nothing was read or written through it)", "fix": linked[1]})
     if not cfg.agent:
         gaps.append({"setting": "CAMBIUM_AGENT_ID", "cost": "no agent id → captures and "
                      "endorsements cannot say who made them; every tool is unavailable",
@@ -3247,6 +3251,78 @@ def _store_root(repo: Path, *_version: int) -> Path:
             or (main / ".git").resolve() != common.resolve():
         return repo
     return main
+
+
+def local_link_problem(repo: Path) -> tuple[str, str] | None:
+    """(what is wrong, the fix) when the clone's `.cambium` is a symbolic link
+    cambium must not follow, else None (one lstat when it is no link): one git
+    tracks (the repository brought it: a clone that committed `.cambium ->
+    ../A/.cambium` had cambium read A's private notes and write into A's
+    store), or one into another git repository (_other_repository). A link
+    made by hand to a folder of its own elsewhere is used as it is. Config.
+    configured asks, so it is refused before anything there is read or written."""
+    root = store_root(repo)
+    try:
+        st = os.lstat(root / LOCAL_DIR)
+        if not _stat.S_ISLNK(st.st_mode):
+            return None
+        target = os.readlink(root / LOCAL_DIR)
+    except (OSError, ValueError):
+        return None
+    index = None
+    with contextlib.suppress(OSError, IndexError):
+        ist = os.stat(_git_dirs(root)[0] / "index")
+        index = (ist.st_ino, ist.st_size, ist.st_mtime_ns)
+    return _link_problem(str(root), target, st.st_ino, st.st_ctime_ns, index)
+
+
+@functools.lru_cache(maxsize=64)
+def _link_problem(root: str, target: str, *_versions: Any) -> tuple[str, str] | None:
+    """local_link_problem's answer, asked again when the link or git's index changes."""
+    link = os.path.join(root, LOCAL_DIR)
+    said = f"{link} is a symbolic link to {target}"
+    listed = ""
+    with contextlib.suppress(CambiumError, OSError):
+        listed = _git(["ls-files", "-s", "--", LOCAL_DIR], Path(root), 10.0, check=False).stdout
+    if any(ln.startswith("120000 ") for ln in git_lines(listed)):
+        return (f"{said} that the repository itself holds (git tracks it): cambium follows "
+                "no link a clone brings, which could have it read and write another "
+                "repository's files",
+                f"remove the link from the repository (`git rm {LOCAL_DIR}`, and commit; "
+                "cambium then starts a fresh local store), or ask whoever added it")
+    if (other := _other_repository(root, os.path.realpath(link))) is not None:
+        return (f"{said}, in {other}: cambium would read and write that repository's files "
+                "as this clone's local store",
+                f"delete the link (`rm {shlex.quote(link)}`: cambium starts a fresh local store "
+                "there), or point it at a folder of its own outside any other repository")
+    return None
+
+
+def _other_repository(root: str, real: str) -> str | None:
+    """What `real` (the resolved target of root's `.cambium`) lies in when that
+    is another repository's, else None: a git directory; a repository's root
+    (the clone's own too), its `.git` or `.cambium`; anything in a work tree
+    other than this clone's, unless that work tree holds the clone (a dotfiles
+    repository at HOME: a folder there is the user's own)."""
+    mine, parts = os.path.realpath(root), Path(real).parts
+    if ".git" in parts:
+        return f"the git directory {Path(*parts[:parts.index('.git') + 1])}"
+    top = real
+    while not (os.path.lexists(os.path.join(top, ".git")) or _looks_bare(top)):
+        if (up := os.path.dirname(top)) == top:
+            return None
+        top = up
+    first = os.path.relpath(real, top).split(os.sep)[0]
+    if real == top or first in (".git", LOCAL_DIR) or _looks_bare(top):
+        return f"the repository at {top}"
+    if top == mine or mine.startswith(top.rstrip(os.sep) + os.sep):
+        return None
+    return f"the repository at {top}"
+
+
+def _looks_bare(path: str) -> bool:
+    """Whether `path` holds a git directory's own layout (a bare repository)."""
+    return all(os.path.exists(os.path.join(path, n)) for n in ("HEAD", "objects", "refs"))
 
 
 OID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")     #: a git object id (SHA-1 or SHA-256)
@@ -17705,6 +17781,9 @@ def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> s
         "agent_id is required"
     if problem:
         raise InputError(problem + ".", "agent_id")
+    if (linked := local_link_problem(root)) is not None:     # (before the scaffold: nothing
+        raise InputError(f"{linked[0]}; nothing was written. Fix: {linked[1]}.",  # through it)
+                         "project_repo")
     if team_branch is not None and (why := _validate("CAMBIUM_TEAM_BRANCH", team_branch,
                                                      "team_branch")):
         raise InputError(why + ".", "team_branch")

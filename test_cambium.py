@@ -20370,6 +20370,45 @@ def test_a_fifo_in_a_linked_local_dir_blocks_no_primer_hook_or_usage(
     assert stat.S_ISFIFO(os.lstat(target / name).st_mode)        # left where it is
 
 
+def test_a_cambium_link_the_clone_brought_or_into_another_repository_is_never_followed(
+        repo, tmp_path, monkeypatch):
+    """A clone that committed `.cambium -> ../A/.cambium` had cambium read A's
+    private notes and write this clone's into A's store (a link to a neighbour
+    repository's root replaced its tracked knowledge.json), warning only after
+    the write. Such a link is refused before anything is read or written:
+    every tool is unconfigured, naming it, and setup writes nothing through it.
+    A link made by hand to a folder of its own is still used (README)."""
+    cs.capture("A private: the signing key lives in vault path secret/a")
+    a_store = (repo / ".cambium" / "knowledge.json").read_bytes()
+    a_files = sorted(os.listdir(repo / ".cambium"))
+    b = make_repo(tmp_path, "B")
+    (b / ".cambium").symlink_to(Path("..") / "proj" / ".cambium")
+    git(b, "add", ".cambium")
+    git(b, "commit", "-qm", "a link")
+    monkeypatch.setenv("CAMBIUM_REPO", str(b))
+    for call in (lambda: cs.capture("B note: B uses grpc"), lambda: cs.recall("signing key")):
+        with pytest.raises(cs.Unconfigured) as refused:
+            call()
+        gap = refused.value.guidance["gaps"][0]
+        assert gap["setting"] == ".cambium" and "git tracks it" in gap["cost"], gap
+    with pytest.raises(cs.InputError, match="nothing was written"):
+        cs.setup(project_repo=str(b), agent_id="bo")
+    git(b, "rm", "-q", "--cached", ".cambium")                 # made by hand: still A's
+    assert "in the repository at" in cs.status()["gaps"][0]["cost"]
+    assert (repo / ".cambium" / "knowledge.json").read_bytes() == a_store
+    assert sorted(os.listdir(repo / ".cambium")) == a_files
+    (b / ".cambium").unlink()
+    (b / ".cambium").symlink_to(tmp_path / "own-store")         # a folder of its own: used
+    (tmp_path / "own-store").mkdir()
+    assert cs.capture("B note: B uses grpc")["status"] == "captured"
+    dots = make_repo(tmp_path, "dots")                         # a dotfiles repo holding B
+    inner = make_repo(dots, "proj")
+    (dots / "stores").mkdir()
+    assert cs._other_repository(str(inner), str(dots / "stores")) is None
+    for bad in (dots, dots / ".cambium", dots / ".git" / "x", b / "sub", inner):
+        assert cs._other_repository(str(inner if bad != inner else b), str(bad)), bad
+
+
 def test_primer_resource_journals_what_the_mcp_session_was_shown(repo):
     """SESSION was set only around tool calls: reading cambium://primer
     journaled nothing, though it shows the session the same entries."""
