@@ -1874,16 +1874,47 @@ def _core_bare(config: str) -> bool:
     return bare
 
 
-def _up_to_ceiling(start: Path) -> Iterator[Path]:
+def _up_to_ceiling(start: Path, device: Callable[[Path], int] | None = None
+                   ) -> Iterator[Path]:
     """`start` (resolved) and the directories above it, as git walks them: never
-    up into a directory GIT_CEILING_DIRECTORIES lists."""
+    up into a directory GIT_CEILING_DIRECTORIES lists, nor, unless
+    GIT_DISCOVERY_ACROSS_FILESYSTEM is true, onto another file system than the
+    first directory's (git: "not a git repository (or any parent up to mount
+    point …)"; a project on a mount under a dotfiles repository at HOME bound
+    that repository). `device`: a directory's st_dev (os.stat's; tests)."""
     ceilings = {os.path.realpath(c) for c in
                 os.environ.get("GIT_CEILING_DIRECTORIES", "").split(os.pathsep)
                 if os.path.isabs(c)}
+    across = _git_true(os.environ.get("GIT_DISCOVERY_ACROSS_FILESYSTEM"))
+    device = device or (lambda p: os.stat(p).st_dev)
+    first: int | None = None                   # (a start not there yet: its first parent's)
     for n, p in enumerate((start, *start.parents)):
         if n and str(p) in ceilings:
             return
+        if not across:
+            try:
+                dev = device(p)
+            except OSError:
+                if first is None:
+                    yield p
+                    continue
+                return
+            if first is not None and dev != first:
+                return
+            first = dev
         yield p
+
+
+def _git_true(value: str | None) -> bool:
+    """A boolean environment variable as git reads it: true, yes, on or a
+    nonzero number (pure)."""
+    v = (value or "").strip().lower()
+    if v in ("true", "yes", "on"):
+        return True
+    try:
+        return int(v, 0) != 0
+    except ValueError:
+        return False
 
 
 @dataclass

@@ -18,6 +18,7 @@ import os
 import stat
 import re
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -21732,6 +21733,50 @@ def test_the_git_root_walk_stops_at_git_ceiling_directories(tmp_path, monkeypatc
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(home))
     assert cs._find_git_root(scratch) is None
     assert cs._find_git_root(home) == home                  # (the ceiling itself: found)
+
+
+def test_the_git_root_walk_stops_at_a_file_system_boundary(tmp_path, monkeypatch):
+    """git stops looking for a repository where the file system changes
+    (unless GIT_DISCOVERY_ACROSS_FILESYSTEM is true); cambium walked on and
+    bound the repository above the mount point (a dotfiles repo at HOME took
+    the captures of a project on a mounted disk)."""
+    home = make_repo(tmp_path, "dothome")
+    mount = home / "mnt"
+    (mount / "proj").mkdir(parents=True)
+    start = (mount / "proj").resolve()
+
+    def device(p: Path) -> int:                 # mnt is another file system
+        return 2 if p == mount.resolve() or mount.resolve() in p.parents else 1
+    assert list(cs._up_to_ceiling(start, device)) == [start, mount.resolve()]
+    for value in ("1", "true", "Yes", "on"):
+        monkeypatch.setenv("GIT_DISCOVERY_ACROSS_FILESYSTEM", value)
+        assert home.resolve() in cs._up_to_ceiling(start, device), value
+    monkeypatch.setenv("GIT_DISCOVERY_ACROSS_FILESYSTEM", "0")
+    assert home.resolve() not in cs._up_to_ceiling(start, device)
+    gone = start / "not-made-yet"               # (its first existing parent's device)
+    assert list(cs._up_to_ceiling(gone, device)) == [gone, start, mount.resolve()]
+
+
+def test_a_project_on_a_mount_below_a_repository_binds_nothing_above_it(tmp_path):
+    """The same through a real mount (a tmpfs in a mount namespace of its
+    own; skipped where unshare or mounting is not allowed)."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and unshare -m")
+    outer = make_repo(tmp_path, "outer")
+    (outer / "mnt").mkdir()
+    env = {**{k: v for k, v in child_env().items() if k != "CAMBIUM_REPO"},
+           "CAMBIUM_AGENT_ID": "ada"}
+    script = (f"mount -t tmpfs none {shlex.quote(str(outer / 'mnt'))} && mkdir "
+              f"{shlex.quote(str(outer / 'mnt' / 'proj'))} && cd "
+              f"{shlex.quote(str(outer / 'mnt' / 'proj'))} && exec "
+              + " ".join(map(shlex.quote, [*RUN, "status"])))
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode in (0, 1) and "Traceback" not in out.stderr, out.stderr
+    st = json.loads(out.stdout)
+    assert [g["setting"] for g in st.get("gaps", [])][:1] == ["CAMBIUM_REPO"], st
+    assert not (outer / ".cambium").exists()
 
 
 def test_a_relative_home_is_named_as_such():
