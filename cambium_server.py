@@ -22734,12 +22734,14 @@ def bind_hook() -> dict | None:
         SESSION.set(sid.strip())             # usage attribution: what this session was shown
     cwd, why = hook_cwd(payload.get("cwd"))
     if cwd is not None:
-        with contextlib.suppress(OSError):
+        try:
             os.chdir(cwd)
-    elif why and not _given(os.environ.get("CAMBIUM_REPO")):   # never the repo setup
-        print(f"cambium: the hook's cwd {why}; nothing done",  # recorded instead: a removed
-              file=sys.stderr)                                 # worktree's session wrote there
-        return HOOK_CWD_GONE
+        except OSError as e:            # (run on here, it served this process's own repo)
+            cwd, why = None, f"{payload.get('cwd')!r} cannot be entered ({e.strerror or e})"
+    if cwd is None and why and not _given(os.environ.get("CAMBIUM_REPO")):   # never the
+        print(f"cambium: the hook's cwd {why}; nothing done",  # repo setup recorded instead:
+              file=sys.stderr)                                 # a removed worktree's session
+        return HOOK_CWD_GONE                                   # wrote there
     return payload
 
 

@@ -492,6 +492,33 @@ def test_a_hook_cwd_that_names_no_absolute_directory_gets_nothing_never_the_reco
     assert "beta" in json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
 
 
+def test_a_hook_cwd_that_cannot_be_entered_gets_nothing_never_the_processs_own_repo(
+        tmp_path):
+    """A hook whose cwd exists but cannot be entered (no search permission)
+    ran for the repo the process was started in: primer --hook put A's notes
+    into B's session, distill --hook distilled A. It is now a cwd gone."""
+    a, b = make_repo(tmp_path, "alpha"), make_repo(tmp_path, "beta")
+    cs.setup(str(a), "ada")
+    cs.capture("Alpha secret: the billing export runs at 2am")
+    drop = [] if os.geteuid() else ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if drop and not shutil.which("setpriv"):
+        pytest.skip("root without setpriv: every directory can be entered")
+    b.chmod(0o600)
+    try:
+        if subprocess.run([*drop, sys.executable, "-c", f"import os; os.chdir({str(b)!r})"],
+                          capture_output=True).returncode == 0:
+            pytest.skip("this process can enter any directory")
+        for command in ("primer", "distill"):
+            hook = subprocess.run([*drop, *RUN, command, "--hook"], text=True, timeout=60,
+                                  input=json.dumps({"cwd": str(b), "session_id": "s-8"}),
+                                  capture_output=True, env=child_env(), cwd=a)
+            assert hook.returncode == 0 and hook.stdout == "", hook
+            assert "cannot be entered" in hook.stderr and "nothing done" in hook.stderr, hook
+    finally:
+        b.chmod(0o755)
+    assert not (a / ".cambium" / "shown.jsonl").exists()
+
+
 def test_a_hook_cwd_that_is_no_directory_is_shown_escaped(tmp_path):
     """primer/distill --hook wrote a missing cwd to stderr raw: a payload's
     NUL, ESC[2J (clear screen) or bidi override reached the terminal."""
