@@ -1709,10 +1709,33 @@ _MARKS_CLASS = "".join(sorted(SCRIPT_MARKS))
 _WORDS_AND_MARKS = re.compile(rf"(?:\w|[{_MARKS_CLASS}])+")
 
 
+_SYMBOL_CHARS = "<>=!+#@%-"
+#: The words of a text (_WORDS_AND_MARKS) and the runs of symbols that carry
+#: meaning (!= and ==, C++ and C, > 500 and < 500, -3 and 3, -> and <-, 18+ and
+#: 18, @internal and internal, --dry-run=false): a run holding one of <>=+#@%, a
+#: leading sign or flag dash (-3, --force: none before it, a word after it), a
+#: "!" before a word (!ready). A hyphen inside a word (read-only), a dash
+#: standing alone and a sentence's "!" are punctuation.
+_SAID_TOKENS = re.compile(rf"(?:\w|[{_MARKS_CLASS}])+|[<>=!+#@%-]*[<>=+#@%][<>=!+#@%-]*"
+                          r"|(?<!\w)-+(?=\w)|!+(?=\w)")
+
+
+def said_tokens(text: str) -> list[str]:
+    """A lowercased text's words and meaning-bearing symbols (_SAID_TOKENS)."""
+    return _SAID_TOKENS.findall(text.lower())
+
+
+def symbol_tokens(text: str) -> list[str]:
+    """The meaning-bearing symbol runs of a text (_SAID_TOKENS), in order."""
+    return [t for t in said_tokens(text) if t[0] in _SYMBOL_CHARS]
+
+
 def normalized_text(item: Item) -> str:
     """Type plus the body's words (a script's vowel signs and tone marks kept
-    in them), lowercased: punctuation and spacing ignored."""
-    return item.type + "\0" + " ".join(_WORDS_AND_MARKS.findall(item.content.lower()))
+    in them) and meaning-bearing symbols (said_tokens), lowercased: other
+    punctuation and spacing ignored. Compared in memory only (consolidate's
+    same text, recall's same words); no id or stored key is made from it."""
+    return item.type + "\0" + " ".join(said_tokens(item.content))
 
 
 # =============================================================================
@@ -11662,8 +11685,9 @@ def _own_words_hits(index: Index, slots: list[int], ranking: Ranking, top: float
 
 def _words_of(text: str) -> str:
     """A text's words (a script's vowel signs and tone marks kept), lowercased:
-    what normalized_text compares, without the type."""
-    return " ".join(_WORDS_AND_MARKS.findall(plain_text(text).lower()))
+    what normalized_text compares, without the type: symbols that carry
+    meaning kept (C++ is not C)."""
+    return " ".join(said_tokens(plain_text(text)))
 
 
 def _same_words_slots(index: Index, terms: list[str], said: str) -> list[int]:
@@ -12993,9 +13017,10 @@ SCOPE_RANK = {"local": 0, "team": 1, "org": 2}
 
 
 def dup_vectors(items: list[Item]) -> list[dict[str, float]]:
-    """Unit TF-IDF vectors of the items' bodies, IDF taken over these items."""
-    terms = [derived(it, "body_terms", lambda i: collections.Counter(tokenize(i.content)))
-             for it in items]
+    """Unit TF-IDF vectors of the items' bodies (their terms and the symbols
+    that carry meaning, symbol_tokens: != is not ==), IDF taken over these items."""
+    terms = [derived(it, "body_terms", lambda i: collections.Counter(
+        tokenize(i.content) + symbol_tokens(i.content))) for it in items]
     df: collections.Counter = collections.Counter()
     for tf in terms:
         df.update(tf.keys())
@@ -13094,10 +13119,11 @@ def _components(n: int, edges: Iterable[tuple[int, int]]) -> list[list[int]]:
     return [c for c in comps.values() if len(c) > 1]
 
 
-_FIGURE = re.compile(r"\d+(?:[.,:]\d+)*")
+_FIGURE = re.compile(r"(?:(?<!\w)[-+])?\d+(?:[.,:]\d+)*")   # (-3 is not 3; 3-5 is 3 and 5)
 _NEGATION = re.compile(r"\b(?:not(?! (?:only|just|merely)\b)|never|no|none|nor|without|avoid|"
                        r"(?:do|does|is|are|wo|ca|should|must|did|was|were|have|has|need)n['’]?t|"
-                       r"cannot)\b")                      # "not only" contrasts, it negates not
+                       r"cannot)\b"                        # "not only" contrasts, it negates not
+                       r"|\bnon-(?=\w)|=\s*(?:false|0|off|no)\b")   # non-strict, --dry-run=false
 SHORT_RULE_WORDS = 40      #: a rule this short that says "not" where its look-alike doesn't differs
 #: Stopwords that carry a decision, by meaning: one swapped for another of
 #: another meaning changes it (before the commit, after the commit; must,
@@ -13122,7 +13148,11 @@ def decides_differently(a: Item, b: Item) -> bool:
     not and the other does not: never the same thing, however close their
     words (pure). A figure or a "not" one side leaves out is no difference:
     a paraphrase often drops a detail of a long item. A qualifier one side
-    adds to the other's words is one (adds_a_qualifier)."""
+    adds to the other's words is one (adds_a_qualifier), and so is a symbol
+    that carries meaning one says and the other does not (!= and ==, C++ and
+    C, -> and <-, 18+ and 18: symbol_tokens)."""
+    if set(symbol_tokens(a.content)) != set(symbol_tokens(b.content)):
+        return True
     def facts(it: Item) -> tuple:
         text = it.content.lower()
         return (collections.Counter(_FIGURE.findall(text)), bool(_NEGATION.search(text)),

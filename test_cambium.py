@@ -11064,6 +11064,58 @@ def test_consolidate_never_groups_rules_that_state_different_figures_or_a_not():
     assert cs.decides_differently(held, short)          # ... but a qualifier does
 
 
+def test_consolidate_never_groups_texts_whose_meaning_bearing_symbols_differ():
+    """normalized_text dropped every symbol, so "use != null" and "use == null"
+    (C++ and C, > 500 and < 500, -3 and 3, -> and <-, 18+ and 18, @internal and
+    internal) were "same text" at 1.0, and a person's local correction "!="
+    was folded into a team copy saying "==", which took the person's
+    authority. "non-" and "=false" were no "not": idempotent and
+    non-idempotent, --dry-run and --dry-run=false were grouped lexically."""
+    pairs = [("Write the audio codec in C++ for the embedded target",
+              "Write the audio codec in C for the embedded target"),
+             ("Feature flag checks use != null, not truthiness",
+              "Feature flag checks use == null, not truthiness"),
+             ("Page the on-call when queue depth > 500 messages",
+              "Page the on-call when queue depth < 500 messages"),
+             ("Set the replica offset to -3 during backfills",
+              "Set the replica offset to 3 during backfills"),
+             ("Events flow ledger -> billing", "Events flow ledger <- billing"),
+             ("Builds need Node 18+ on every runner", "Builds need Node 18 on every runner"),
+             ("Use the @internal scope for shared npm packages",
+              "Use the internal scope for shared npm packages"),
+             ("Start the payment worker with the --dry-run flag in staging",
+              "Start the payment worker with the --dry-run=false flag in staging"),
+             ("Payments must be idempotent across client retries of the checkout call",
+              "Payments must be non-idempotent across client retries of the checkout call"),
+             ("Use strict mode in every TypeScript package of the monorepo",
+              "Use non-strict mode in every TypeScript package of the monorepo")]
+    for a, b in pairs:
+        ia, ib = cs.new_item(a), cs.new_item(b)
+        assert cs.duplicate_groups([ia, ib], {}) == [], a
+        human = dataclasses.replace(ia, authority="human")
+        team = dataclasses.replace(ib, scope="team")
+        assert cs.outranks_in_other_words(human, team), a
+    assert cs._FIGURE.findall("-3 and 3-5 and +2") == ["-3", "3", "5", "+2"]
+    same = [cs.new_item("Never push to main!"), cs.new_item("never push to main"),
+            cs.new_item("Use a read-only token - always")]
+    assert [m for _, ms in cs.duplicate_groups(same[:2], {}) for m, _, _ in ms] == [0]
+    assert cs.normalized_text(same[2]) == cs.normalized_text(
+        cs.new_item("use a read only token, always"))
+
+
+def test_recall_of_an_agent_items_exact_words_never_answers_with_a_symbol_apart(repo):
+    """A person's "Write the audio codec in C++ ..." and an agent's "... in C
+    ...": recall(limit=1) of the agent item's exact words answered with the
+    person's, taken for the same words."""
+    first = cs.capture("Audio codec implementation language is undecided")["item"]["id"]
+    cs.correct(first, "Write the audio codec in C++ for the embedded target")
+    cs.capture("Write the audio codec in C for the embedded target")
+    for limit in (1, 5):
+        got = cs.recall("write the audio codec in C for the embedded target", limit=limit,
+                        detail="full")["results"]
+        assert got[0]["content"] == "Write the audio codec in C for the embedded target"
+
+
 def test_a_moved_phrase_is_no_qualifier_in_any_script():
     """A phrase a rewording moved says nothing new: its object is a word the
     other text holds. A CJK object was compared whole against the other's
