@@ -13290,8 +13290,10 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
     vecs = dup_vectors(items)
     floor = min(threshold, CONSOLIDATE_SEMANTIC_FLOOR) if semantic is not None else threshold
     pairs = candidate_pairs(items, vecs, floor)
+    apart = disputed_pairs(items)
     pairs = {(a, b): s for (a, b), s in pairs.items()     # the floor first: the regexes
-             if s >= floor and not decides_differently(items[a], items[b])}   # cost half
+             if s >= floor and frozenset((items[a].id, items[b].id)) not in apart
+             and not decides_differently(items[a], items[b])}   # cost half
     accepted = {(a, b): (s, "same text" if normalized_text(items[a]) == normalized_text(
         items[b]) else "lexical") for (a, b), s in pairs.items() if s >= threshold}
     ask = [p for p, s in pairs.items() if CONSOLIDATE_SEMANTIC_FLOOR <= s < threshold]
@@ -13306,9 +13308,39 @@ def duplicate_groups(items: list[Item], trusts: dict[str, dict], *,
         members = [(m, *accepted[(min(m, best), max(m, best))]) for m in comp
                    if m != best and (min(m, best), max(m, best)) in accepted
                    and not outranks_in_other_words(items[m], items[best])]
+        members = _undisputed(members, items, apart)
         if members:
             groups.append((best, members))
     return groups
+
+
+def disputed_pairs(items: list[Item]) -> set[frozenset[str]]:
+    """{counter-claim id, disputed id} for every capture(supersedes=) among
+    `items`, its chain followed (a counter-claim of a counter-claim is apart
+    from both): "both stay recallable until a person decides", so consolidate
+    never settles the dispute by folding one side into the other (pure)."""
+    named = {it.id: it.supersedes for it in items if isinstance(it.supersedes, str)}
+    out: set[frozenset[str]] = set()
+    for start, at in named.items():
+        seen = {start}
+        while at is not None and at not in seen:
+            out.add(frozenset((start, at)))
+            seen.add(at)
+            at = named.get(at)
+    return out
+
+
+def _undisputed(members: list[tuple], items: list[Item], apart: set[frozenset[str]]
+                ) -> list[tuple]:
+    """A group's members but any disputing one kept before it (two sides of a
+    dispute, each a look-alike of a third, were folded into it together)."""
+    if not apart:
+        return members
+    kept: list[tuple] = []
+    for m in members:
+        if all(frozenset((items[m[0]].id, items[k[0]].id)) not in apart for k in kept):
+            kept.append(m)
+    return kept
 
 
 def merged_days(trusts: list[dict]) -> tuple[dict[str, int], int]:

@@ -11116,6 +11116,26 @@ def test_recall_of_an_agent_items_exact_words_never_answers_with_a_symbol_apart(
         assert got[0]["content"] == "Write the audio codec in C for the embedded target"
 
 
+def test_consolidate_never_folds_a_counter_claim_and_what_it_disputes():
+    """capture(supersedes=X) outranks nothing and both stay until a person
+    decides; consolidate grouped the two when their words were close, so the
+    machine settled the dispute and moved X's endorsements onto its rival."""
+    said = "Run database migrations {}from the CI pipeline before deploying the application servers"
+    filler = [cs.new_item(f"The {w} service logs to the shared {w} bucket") for w in
+              ("billing", "search", "ledger", "auth", "media", "mail")]
+    x = cs.new_item(said.format(""))
+    claim = cs.new_item(said.format("manually "), supersedes=x.id)
+    assert cs.duplicate_groups([*filler, x, dataclasses.replace(claim, supersedes=None)], {})
+    assert cs.duplicate_groups([*filler, x, claim], {}) == []
+    again = cs.new_item(said.format("always "), supersedes=claim.id)   # a chain: apart
+    assert cs.duplicate_groups([*filler, x, claim, again], {}) == []  # from both
+    third = dataclasses.replace(cs.new_item(said.replace("database", "the database")
+                                            .format("")), scope="team")
+    for pool in ([*filler, x, claim, third], [*filler, claim, x, third]):
+        groups = cs.duplicate_groups(pool, {})   # each side a look-alike of a third
+        assert [len(ms) for _, ms in groups] == [1]
+
+
 def test_a_moved_phrase_is_no_qualifier_in_any_script():
     """A phrase a rewording moved says nothing new: its object is a word the
     other text holds. A CJK object was compared whole against the other's
