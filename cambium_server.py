@@ -331,6 +331,15 @@ class RemoteMoved(GitError):
         self.cmd, self.code, self.stderr = ["git", "fetch"], 1, message
 
 
+class NotFetched(GitError):
+    """A shared scope's branch this clone has never seen (GitStore.never_seen):
+    unread, not empty (the primer, which never fetches, says so)."""
+
+    def __init__(self, message: str):
+        CambiumError.__init__(self, message)
+        self.cmd, self.code, self.stderr = ["git", "fetch"], None, message
+
+
 class OutputError(CambiumError):
     """The CLI could not write its answer (stdout on a full disk)."""
 
@@ -6003,6 +6012,18 @@ def _later_state(kept: Item, now: Item) -> bool:
 REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop naming its losses
 
 
+def _refspec_takes(spec: str, ref: str) -> bool:
+    """Whether a fetch refspec's source (one `*` at most, as git allows) names
+    `ref`; a negative one (^...) takes nothing (pure)."""
+    src = spec.lstrip("+").split(":")[0]
+    if src.startswith("^"):
+        return False
+    if "*" not in src:
+        return src == ref
+    pre, post = src.split("*", 1)
+    return len(ref) > len(pre) + len(post) and ref.startswith(pre) and ref.endswith(post)
+
+
 class GitStore(Store):
     """knowledge.json on `branch` of `remote`, in the clone at `repo`.
 
@@ -6578,6 +6599,23 @@ class GitStore(Store):
             raise RemoteMoved(f"{moved}: its items are not read until a recall or a write "
                               "fetches them from there")
         return self.doc_at(self.local_tip() or self.cloned_tip())
+
+    def never_seen(self) -> str | None:
+        """Why this clone holds no sight of the branch at all, else None: no
+        fetch of cambium's (no stamp), no ref of git's, and git's own fetches
+        of the remote never ask for the branch (a --single-branch or shallow
+        clone: CI, sandboxes). Its scope is then unread, not empty: a clone
+        whose fetch asks for every branch and got none of this name saw a
+        remote without it (empty). No network: a config read, only then."""
+        if os.path.exists(self._stamp()) or self.cloned_tip() is not None:
+            return None
+        specs = self.git("config", "--get-all", f"remote.{self.remote}.fetch",
+                         check=False).stdout.split()
+        if any(_refspec_takes(s, f"refs/heads/{self.branch}") for s in specs):
+            return None
+        return (f"{self.remote}/{self.branch} was never fetched in this clone (git fetches "
+                f"only {', '.join(specs) or 'no branch'} of {self.remote} here); recall() or "
+                "status() fetches it")
 
     def cloned_tip(self) -> str | None:
         """The branch as git itself last fetched it (`git clone`, `git fetch`:
@@ -14330,6 +14368,8 @@ def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None
     for scope in SCOPES:
         try:
             st = store(cfg, scope)
+            if isinstance(st, GitStore) and (why := st.never_seen()):
+                raise NotFetched(why)
             doc = st.peek()
             if doc is None:                  # (only the local file is repaired, by a write)
                 doc, bad = st.salvage()

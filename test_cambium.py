@@ -6862,6 +6862,37 @@ def test_a_fresh_clones_first_primer_reads_the_team_branch_git_clone_fetched(sha
     assert cs.capture("Never run migrations during deploy windows")["status"] == "captured"
 
 
+def test_a_single_branch_clones_primer_says_the_unfetched_team_scope_was_not_read(shared,
+                                                                                 monkeypatch):
+    """A --single-branch clone (CI, a sandbox) never saw the team branch: its
+    primer said "nothing known yet", team among scopes_read, while status and
+    recall (which fetch) served the team's items. An empty team (a full
+    clone of a remote without the branch) is no skipped one."""
+    empty = clone(shared["origin"], shared["tmp"] / "early" / "shop")
+    _endorsed("Never run the schema migration twice in one deploy", "deploys")
+    cs.promote()
+    ci = shared["tmp"] / "ci" / "shop"
+    subprocess.run(["git", "clone", "-q", "--single-branch", "--branch", "main",
+                    str(shared["origin"]), str(ci)], check=True, capture_output=True)
+    as_agent(monkeypatch, ci, "ci")
+    cs.runtime().reset()
+    out = cs.session_primer()
+    assert out["scopes_read"] == ["local"] and "nothing known yet" not in out["primer"]
+    assert "could not be read" in out["primer"]
+    assert any("never fetched in this clone" in w for w in out["warnings"])
+    assert [r["content"] for r in cs.recall("schema migration deploy",
+                                            detail="full")["results"]][:1] == \
+        ["Never run the schema migration twice in one deploy"]
+    assert "schema migration" in cs.session_primer()["primer"]   # as recall, once fetched
+    as_agent(monkeypatch, empty, "cy")             # git clone fetched every branch: none
+    cs.runtime().reset()                           # was there, so team is empty, not unread
+    out = cs.session_primer()
+    assert out["scopes_read"] == ["local", "team"] and "nothing known yet" in out["primer"]
+    assert cs._refspec_takes("+refs/heads/*:refs/remotes/origin/*", "refs/heads/cambium")
+    assert not cs._refspec_takes("+refs/heads/main:refs/remotes/origin/main",
+                                 "refs/heads/cambium")
+
+
 def test_capturing_a_promoted_items_words_again_answers_duplicate(shared, monkeypatch):
     """After a promote the same capture stored a second local copy, recalled
     beside the team one until consolidate ran."""
