@@ -6893,6 +6893,21 @@ def test_a_single_branch_clones_primer_says_the_unfetched_team_scope_was_not_rea
                                  "refs/heads/cambium")
 
 
+def test_an_items_own_author_recalling_it_on_three_days_makes_it_eligible(shared, monkeypatch):
+    """The specification counts every recall as promotion's trust signal
+    (recalls >= N agent-days, or an endorsement); README said an agent could
+    not promote its own item by recalling it, true only within a day. The
+    code follows the spec; README now says so (this test pins it)."""
+    item_id = cs.capture("Bundle the worker with esbuild, not webpack",
+                         kind="decision")["item"]["id"]
+    for day in ("2026-12-01", "2026-12-01", "2026-12-02", "2026-12-03"):
+        monkeypatch.setattr(cs, "_today", lambda day=day: day)
+        assert cs.recall("bundle the worker esbuild")["results"]
+        cs.fold_credits_now(cs.resolve_config())
+    out = cs.promote()
+    assert item_id in json.dumps(out) and item_id in team_ids(shared["origin"]), out
+
+
 def test_capturing_a_promoted_items_words_again_answers_duplicate(shared, monkeypatch):
     """After a promote the same capture stored a second local copy, recalled
     beside the team one until consolidate ran."""
