@@ -22164,8 +22164,10 @@ EXIT_LOCK_WAIT_S = 2.0   #: the fold a process makes as it ends waits this long 
 # ID`) where the MCP answers speak calls. No MCP import on this path.
 # =============================================================================
 
-#: A result whose status is one of these is a failure: the CLI exits 1.
-FAILURE_STATUSES = ("nothing_imported",)
+#: A result whose status is one of these is a failure: the CLI exits 1 (the
+#: answer still printed). needs_generalization: the org gate refused a correct
+#: or a promote and nothing was recorded (a script read exit 0 as recorded).
+FAILURE_STATUSES = ("nothing_imported", "needs_generalization")
 
 
 def program_name(argv0: str) -> str:

@@ -11026,6 +11026,22 @@ def test_correct_at_team_scope_goes_through_the_cas_push(shared):
     assert [h["id"] for h in cs.recall("team standup time")["results"]] == [res["item"]["id"]]
 
 
+def test_cli_correct_or_promote_the_org_gate_refuses_exits_1(shared, monkeypatch):
+    """CLI correct answered needs_generalization with exit 0, though nothing
+    was recorded: a hook or script read it as done."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    wrong = _endorsed("Prefer retries without backoff")
+    cs.promote(wrong, to_scope="org")
+    out = cli("correct", wrong, "Set retries in config/retry.yaml")
+    assert out.returncode == 1 and json.loads(out.stdout)["status"] == "needs_generalization"
+    item = cs.capture("Time out every outbound HTTP call",
+                      why="shop/billing.py hung for an hour on a dead peer")["item"]["id"]
+    cs.endorse(item, note="Any call without a deadline can hang forever")
+    out = cli("promote", item, "--to", "org")
+    assert out.returncode == 1 and json.loads(out.stdout)["status"] == "needs_generalization"
+    assert cs.expand(wrong)["status"] == "active"                 # nothing recorded
+
+
 def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch, tmp_path):
     log = make_stub_gh(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
