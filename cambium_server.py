@@ -18562,9 +18562,11 @@ def _fold_chain(first: str, maps: list[tuple[dict, dict, dict]]) -> Item | None:
     items of every scope read (correction_maps): the first person's correction
     met (of `first` itself, or of the survivor consolidate folded it into: its
     words were captured live again, above the correction), else None (pure,
-    dict lookups)."""
+    dict lookups). The seen-set ends the walk: each id is met once, so it is
+    bounded by the items read, however long the chain (a fixed 50 read a
+    longer one's 50th link as its end)."""
     cur, seen = first, set()
-    while cur not in seen and len(seen) < 50:
+    while cur not in seen:
         seen.add(cur)
         if (fix := next((f[cur] for _, f, _ in maps if cur in f), None)) is not None:
             return fix
@@ -20272,7 +20274,8 @@ def _require_active(item: Item, verb: str) -> None:
         raise Refused(f"item {item.id} is superseded by {first}, in a loop of corrections "
                       f"({' → '.join([item.id, *ids])}): nothing there can be {verb}; fix "
                       "superseded_by by hand.")
-    via = ids[-1] + (f" (through {', '.join(ids[:-1])})" if len(ids) > 1 else "")
+    links = ids[:-1] if len(ids) <= 6 else [*ids[:2], f"… {len(ids) - 4} more", *ids[-3:-1]]
+    via = ids[-1] + (f" (through {', '.join(links)})" if len(ids) > 1 else "")
     if end is not None and not end.active:
         raise Refused(f"item {item.id} is superseded by {via}, which is {end.status}; "
                       f"nothing there can be {verb}.")
@@ -20334,16 +20337,19 @@ def _live_copies(docs: dict[str, Doc]) -> dict[str, Item]:
 
 def _chain_end(item_id: str, first: str, copies: dict[str, Item]
                ) -> tuple[list[str], Item | None]:
-    """_replacements' walk over `copies` (_live_copies), pure."""
-    ids = [first]
+    """_replacements' walk over `copies` (_live_copies), pure: to the chain's
+    end however long (each id met once, so bounded by the items read: a
+    fixed 50 links took a longer chain's 50th, superseded, for its end)."""
+    ids, seen = [first], {first}
     if first == item_id:
         return ids, None
     end = copies.get(first)
     while end is not None and (nxt := _superseded_by(end) if end.status == "superseded"
-                               else None) and len(ids) < 50:
+                               else None):
         ids.append(nxt)
-        if nxt in ids[:-1] or nxt == item_id:
+        if nxt in seen or nxt == item_id:
             return ids, None
+        seen.add(nxt)
         end = copies.get(nxt)
     return ids, end
 

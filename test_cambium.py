@@ -11959,6 +11959,35 @@ def test_restore_skips_ids_no_tool_takes_and_refuses_a_huge_file_of_another_layo
         cs.restore(str(huge))
 
 
+def test_a_chain_of_more_than_50_corrections_is_followed_to_its_live_end(repo):
+    """_chain_end and _fold_chain stopped at 50 links: correct of the first
+    link said "superseded by <50th>, which is superseded; nothing there can be
+    corrected", and a capture of its words said the correction was retired,
+    though the chain's live end existed."""
+    first = cs.capture("Queue visibility timeout is 30 seconds", kind="constraint")["item"]
+    now = first["created_at"]
+
+    def chain(doc: cs.Doc) -> cs.Doc:             # 57 corrections in one write (each
+        items, old = [], doc.items[0]              # correct() took 0.8 s)
+        for n in range(31, 88):
+            new = cs.correction_of(old, f"Queue visibility timeout is {n} seconds", "",
+                                   agent="ada", project="p", now=now)
+            items.append(cs.supersede(old, new.id, agent="ada", now=now, why=""))
+            old = new
+        return cs.Doc(items=[*items, old], meta=doc.meta, raw=doc.raw)
+
+    cs.store(cs.resolve_config(), "local").mutate(chain, "a long chain")
+    (cur,) = [i["id"] for i in local_items(repo) if i["status"] == "active"]
+    first = first["id"]
+    with pytest.raises(cs.Refused) as refused:
+        cs.correct(first, "Queue visibility timeout is 99 seconds")
+    said = str(refused.value)
+    assert f"superseded by {cur} (through " in said and "that one can be corrected" in said
+    assert "53 more" in said and len(said) < 400
+    again = cs.capture("Queue visibility timeout is 30 seconds", kind="constraint")
+    assert again["status"] == "corrected_before" and again["item"]["id"] == cur, again
+
+
 def test_cli_correct_and_consolidate(repo):
     wrong = cs.capture("The nightly backup runs at two")["item"]["id"]
     fixed = json.loads(cli("correct", wrong, "The nightly backup runs at three",
