@@ -8827,6 +8827,8 @@ class Index:
         self._dirty: set[str] = set()              # terms whose postings hold a dead slot
         self.vouched: dict[str, set[int]] = {}     # normalized_text -> live slots of items
                                                    # above agent authority (few)
+        self.whole = False                         # its last scope-auto read (recall_index)
+                                                   # read every scope that is on (Semantic._keep)
 
     def _vouch(self, slot: int, it: Item, add: bool) -> None:
         """Keep `vouched` in step for a verified or a person's item."""
@@ -10878,6 +10880,9 @@ class _SlotVectors:
         return self.tail_mat, self.tail_slot, self.tail_disc, self.tail_win
 
 
+VECTORS_PRUNE_SLACK = 1000     #: a save drops dead keys' vectors once rows > 2 x live + this
+
+
 class _Stopped(Exception):
     """Internal: the background embedder ends its chunk because the process exits."""
 
@@ -11152,14 +11157,27 @@ class Semantic:
         return self.unsaved * 20 >= len(self.cache.rows) or \
             (self.unsaved > 0 and age > VECTORS_IDLE_SAVE_S)
 
+    def _keep(self) -> set[str] | None:
+        """The keys a save keeps (None: all of them), under self.cv: the live
+        items' of every index ranked here, and every key this process put,
+        once the rows outnumber those live keys (VECTORS_PRUNE_SLACK); only
+        when one of those indexes read every scope that is on (Index.whole),
+        and never none. A partial view pruned what it did not see: a session
+        that only captured, or recalled `--scope local`, or only queries the
+        model cannot read, left a 1,500-item store with 0 to 5 vectors, and
+        the next recall embedded it all again (43 s)."""
+        indexes = list(self.slots.keys())
+        if not any(index.whole for index in indexes):
+            return None
+        live = {self.key(it) for index in indexes for it in index.items if it is not None}
+        if not live or len(self.cache.rows) <= 2 * len(live) + VECTORS_PRUNE_SLACK:
+            return None
+        return live.union(self.cache.added)      # (embedded since those indexes were read)
+
     def _save_locked(self) -> None:
         """Save the cache; drop vectors of edited or deleted items once they
-        outnumber the live ones (a vector of any scope's live item is kept)."""
-        keep = None
-        live = {self.key(it) for index in list(self.slots.keys())
-                for it in index.items if it is not None}
-        if len(self.cache.rows) > 2 * len(live) + 1000:
-            keep = live
+        outnumber the live ones (_keep)."""
+        keep = self._keep()
         try:
             self.cache.save(keep)
             self.save_error = None
@@ -14331,13 +14349,15 @@ def record_remote_head(repo: Path, remote: str, branch: str, timeout_s: float) -
 
 
 def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False,
-                strict: bool = False) -> tuple[dict[str, Doc], list[str]]:
+                strict: bool = False, off: set[str] | None = None
+                ) -> tuple[dict[str, Doc], list[str]]:
     """Docs of the readable scopes among `scopes`; an unreadable one is skipped
     with a warning (a corrupt file or an unreachable remote never hides the rest),
     or, strict, raises (a call about that one scope must not answer "empty").
     Shared scopes are read at their freshly fetched tip, for every tool that
     decides or reports; digest=True (recall and other read-only digests) lets
-    CAMBIUM_FETCH_INTERVAL apply instead (Store.read)."""
+    CAMBIUM_FETCH_INTERVAL apply instead (Store.read). A scope not set up is
+    added to `off` when given."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     for scope in scopes:
@@ -14345,6 +14365,8 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False,
             docs[scope], said = read_following(cfg, scope, digest=digest)
             warnings += said
         except ScopeOff:
+            if off is not None:
+                off.add(scope)
             continue
         except (CorruptStore, GitError, ConfigError) as e:
             if strict:
@@ -18822,15 +18844,22 @@ def correction_for(cfg: Config, docs: dict[str, Doc]) -> Callable[[Item], Item |
 
 def recall_index(cfg: Config, scope: str) -> tuple[dict[str, Doc], list[str], Index]:
     """What a recall of `scope` reads: the scopes' documents, their warnings,
-    and the index over their active items (one per set of scopes read)."""
+    and the index over their active items (one per set of scopes read). A
+    scope-auto read that skipped no scope (one not set up aside) marks its
+    index whole: the vector cache prunes only from such a view (Semantic._keep)."""
+    off: set[str] = set()
     if scope in ("team", "org"):            # the one scope asked for: off, unreadable or
         doc, warnings = read_following(cfg, scope, digest=True)   # unreachable: its own
         docs = {scope: doc}                                          # error says which
     else:
-        docs, warnings = read_scopes(cfg, SCOPES if scope == "auto" else (scope,), digest=True)
+        docs, warnings = read_scopes(cfg, SCOPES if scope == "auto" else (scope,), digest=True,
+                                     off=off)
     key = str(cfg.local_dir / STORE_FILE) + ("" if list(docs) == ["local"] else
                                              "|" + "+".join(docs))
-    return docs, warnings, store_index(key, federated_items(docs))
+    index = store_index(key, federated_items(docs))
+    if scope == "auto":
+        index.whole = len(docs) + len(off) == len(SCOPES)
+    return docs, warnings, index
 
 
 WARM_INDEX_ITEMS = 200      #: an ingest storing this many items indexes them in the

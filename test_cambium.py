@@ -17157,6 +17157,56 @@ def test_embedding_keeps_each_items_token_vectors_and_a_cache_without_them_gets_
     assert late["on"] is True and late["items_with_token_vectors"] == len(NOTES)
 
 
+def _saved_at_exit(repo: Path) -> tuple[set, int]:
+    """A process's engine saves at exit with rows to save (as a server's that
+    embedded a capture, embed_soon); the keys and token files left on disk."""
+    vec_dir = repo / ".cambium" / cs.VECTORS_DIR
+    eng = cs.semantic_engine(vec_dir)
+    eng.ready()
+    eng.wait_idle(30)
+    eng.cache.dirty = True
+    cs.runtime().save_vectors()
+    cs.runtime().engines.clear()
+    return set(cs.VectorCache(vec_dir).rows), len(list((vec_dir / cs.TOKENS_DIR).glob("*.tok")))
+
+
+@needs_extra
+def test_a_save_prunes_the_vector_cache_only_from_a_view_of_every_scope(
+        semantic, monkeypatch, tmp_path):
+    """A save kept only the keys of the indexes its process had ranked: a
+    session that only captured, recalled `--scope local` (team on), or only a
+    query the model cannot read pruned every other vector and token file (a
+    1,500-item store left with 0), and the next recall embedded it all again.
+    Only a process that ranked a read of every scope prunes, and keeps what it embedded."""
+    import numpy as np
+    _capture_notes()
+    git(semantic, "remote", "add", "origin", str(make_origin(tmp_path, "team")))   # team on
+    cs.recall(PARAPHRASE)
+    eng = _engine(semantic)
+    eng.wait_idle(30)
+    live = set(eng.cache.rows)
+    elsewhere = {f"k-elsewhere{i:04d}:x" for i in range(20)}   # as a team item's, or deleted
+    row = np.eye(1, cs.EMBED_DIM, dtype=np.float32)
+    with eng.cv:
+        for key in elsewhere:
+            eng.cache.put(key, row)
+            eng.tokens.put(np, key, row)
+        eng._save_locked()                  # 25 rows: within 2 x 5 live + 1000
+    cs.runtime().engines.clear()
+    monkeypatch.setattr(cs, "VECTORS_PRUNE_SLACK", 0)
+    sessions = (lambda: cs.capture("Pin the base image digest in every Dockerfile"),
+                lambda: cs.recall(PARAPHRASE, scope="local"),
+                lambda: cs.recall("what is it"))
+    for session in sessions:
+        session()
+        keys, tok_files = _saved_at_exit(semantic)
+        assert keys >= live | elsewhere and tok_files == len(keys), (len(keys), tok_files)
+    assert cs.recall(PARAPHRASE)["mode"] == "semantic"      # every scope read: pruned
+    items = cs.store(cs.require_config(), "local").read().items
+    assert len(items) == len(NOTES) + 1
+    assert _saved_at_exit(semantic) == ({cs.vector_key(it) for it in items}, len(items))
+
+
 DECISIONS = ["postgres connection pooling with pgbouncer", "blue-green deploys behind the load "
              "balancer", "rotate TLS certificates with cert-manager", "redis cache keys versioned "
              "per tenant", "CI caches node_modules on lockfile hash", "feature flags are cleaned "
