@@ -10760,6 +10760,7 @@ class _SlotVectors:
         self.by_key: dict[str, set[int]] = {}   # ...and the other way round
         self.added_seen = 0                  # cache.added looked at so far
         self.requeued = -1                   # cache.version when `missing` was last requeued
+        self.reconciled: Any = None          # index.source the backlog was last reconciled with
         self.tail_parts: list = []           # [(slot, rows, extra vectors' discounts)]
         self.tail_mat: Any = None
         self.tail_slot: Any = None
@@ -11035,6 +11036,28 @@ class Semantic:
         return {k: emb.np.vstack([vecs[s:s + n], more[j:j + 1]])
                 for j, (k, s, n) in enumerate(spans)}, toks
 
+    def _drop_gone(self, index: Index) -> None:
+        """Drop from the backlog (under self.cv) the items waiting in it that
+        `index`, a read of every scope (Index.whole) just synced, does not hold
+        live: gone from the store since they were queued (an import reverted,
+        a hand edit, another process). A recall waited 27-46 s to "embed 1,500
+        new items" that were no longer there, and the background thread
+        embedded them all. A chunk in flight is left to finish."""
+        gone = [it for it in itertools.chain(self.queue, self.retoken)
+                if not self._holds(index, it)]
+        if not gone:
+            return
+        ids = set(map(id, gone))
+        self.queue = collections.deque(it for it in self.queue if id(it) not in ids)
+        self.retoken = collections.deque(it for it in self.retoken if id(it) not in ids)
+        self._settle(gone)
+
+    def _holds(self, index: Index, item: Item) -> bool:
+        """Whether `index` holds `item` live (its id's live item has its key)."""
+        slot = index.slot_of.get(item.id)
+        now = None if slot is None else index.items[slot]
+        return now is not None and (now is item or self.key(now) == self.key(item))
+
     def _drain_s(self, threads: int = 1, new_only: bool = False) -> float:
         """Seconds the backlog (`new_only`: its items without vectors) should
         take to embed with `threads` at work."""
@@ -11229,6 +11252,9 @@ class Semantic:
             if not todo and not self.queue and self.worker is None:
                 todo = sv.stranded(index.items, self.cache)
             self._enqueue(todo)
+            if index.whole and sv.reconciled is not index.source:
+                sv.reconciled = index.source
+                self._drop_gone(index)
             helpers = 2 if (os.cpu_count() or 1) > 1 else 1
             wait = bool(self.unvectored) and self._waits(helpers)
             until = self.judged[0] + EMBED_WAIT_TOTAL_S     # (the backlog's whole wait)

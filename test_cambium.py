@@ -17207,6 +17207,32 @@ def test_a_save_prunes_the_vector_cache_only_from_a_view_of_every_scope(
     assert _saved_at_exit(semantic) == ({cs.vector_key(it) for it in items}, len(items))
 
 
+@needs_extra
+def test_a_recall_drops_from_the_backlog_items_no_longer_in_the_store(semantic):
+    """Items queued to embed and then gone from the store (an import reverted
+    by hand) stayed in the backlog: a recall waited 27-46 s "to embed 1,500
+    new items" that were no longer there, and status counted them. A recall
+    reading every scope drops them unembedded; the store's own still rank."""
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    eng = _engine(semantic)
+    assert eng.wait_idle(30)
+    path = semantic / ".cambium" / cs.STORE_FILE
+    before = path.read_bytes()
+    gone = [cs.store(cs.require_config(), "local").read().items[-1] for i in range(3)
+            if cs.capture(f"Imported then reverted note number {i} about queues")]
+    with eng.cv:                    # (the embedder the queue starts waits for the lock)
+        eng._enqueue(gone)          # (as the server's embed_soon queues what it stored)
+        assert eng.backlog() == len({it.id for it in gone}) == 3
+        path.write_bytes(before)    # reverted by hand
+        res = cs.recall(PARAPHRASE)
+        assert eng.backlog() == 0 and eng.pending == eng.pending_new == 0
+        assert cs.status()["semantic"]["embedding_backlog"] == 0
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    assert "waited" not in res.get("note", "")
+    assert eng.wait_idle(30) and not any(eng.key(it) in eng.cache.rows for it in gone)
+
+
 DECISIONS = ["postgres connection pooling with pgbouncer", "blue-green deploys behind the load "
              "balancer", "rotate TLS certificates with cert-manager", "redis cache keys versioned "
              "per tenant", "CI caches node_modules on lockfile hash", "feature flags are cleaned "
