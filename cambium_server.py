@@ -10614,6 +10614,7 @@ class TokenStore:
         self.dir = None if directory is None else directory / TOKENS_DIR
         self.mem: dict[str, bytes] = {}          # without a directory
         self.names: set[str] = set()             # files present (listed once, kept in step)
+        self.written: set[str] | None = set()    # files this process wrote (None: no more)
         self.recent: collections.OrderedDict = collections.OrderedDict()  # key -> get()'s
         self.lock = threading.Lock()             # (recent: recalls run in several threads)
         if self.dir is not None:
@@ -10662,7 +10663,23 @@ class TokenStore:
             return
         name = self.name(key)
         atomic_write(self.dir / name, data, durable=False)
+        with self.lock:
+            if self.written is None:             # (forsaken meanwhile: a full disk)
+                with contextlib.suppress(OSError):
+                    (self.dir / name).unlink()
+                return
+            self.written.add(name)
         self.names.add(name)
+
+    def forsake(self) -> None:
+        """Remove every file this process wrote, and write none again (put
+        then leaves its file behind on no disk): the disk is full."""
+        with self.lock:
+            written, self.written = self.written or set(), None
+        for name in written:
+            with contextlib.suppress(OSError):
+                (self.dir / name).unlink()      # type: ignore[operator]
+            self.names.discard(name)
 
     def get(self, np: Any, key: str) -> tuple[Any, Any] | None:
         """(int8 rows, scales) of the key, None when missing or unreadable
@@ -10881,6 +10898,8 @@ class _SlotVectors:
         return self.tail_mat, self.tail_slot, self.tail_disc, self.tail_win
 
 
+#: a cache write failing with one of these stops this process writing the cache
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 VECTORS_PRUNE_SLACK = 1000     #: a save drops dead keys' vectors once rows > 2 x live + this
 
 
@@ -10905,6 +10924,7 @@ class Semantic:
         self.tokens: TokenStore | None = None    # items' token vectors (None: no late interaction)
         self.token_error: str | None = None      # why token vectors could not be stored
         self.save_error: str | None = None       # why the last save of the vectors failed
+        self.disk_full: str | None = None        # a cache write found no room: none more
         self.token_requeued: set[str] = set()    # keys queued again for lost token vectors
         self.token_failed: set[str] = set()      # keys whose token vectors could not be written
         self.tokens_ok: bool | None = None       # whether token files can be written (asked once)
@@ -11127,13 +11147,36 @@ class Semantic:
 
     def _keep_tokens(self, np: Any, toks: dict) -> None:
         """Store token vectors; one that cannot be written leaves its item
-        without late interaction (said once on stderr), its vectors kept."""
+        without late interaction (said once on stderr), its vectors kept; a
+        full disk stops the writing (_disk_full)."""
         for key, t in toks.items():
             try:
+                if self.disk_full:
+                    raise OSError(errno.ENOSPC, self.disk_full)
                 self.tokens.put(np, key, t)
             except OSError as e:
-                self._token_trouble(str(e))
+                if e.errno in DISK_FULL_ERRNOS:
+                    with self.cv:
+                        self._disk_full(e)
+                else:
+                    self._token_trouble(str(e))
                 self.token_failed.add(key)
+
+    def _disk_full(self, e: OSError) -> None:
+        """A cache write found the disk (or the file size limit) full, under
+        self.cv: this process writes no more of the cache, removes the token
+        files it wrote, and says so once (stderr, status); recall goes on
+        from the vectors in memory. The cache's files took the disk's last
+        free bytes and every capture failed (ENOSPC) after them."""
+        if self.disk_full:
+            return
+        self.disk_full = (f"{e.strerror or e}: this process writes no vector cache or token "
+                          "file, and removed those it wrote; recall keeps its vectors in memory")
+        self.tokens_ok, self.save_error = False, self.disk_full
+        if self.tokens is not None:
+            self.token_error = self.disk_full
+            self.tokens.forsake()
+        print(f"cambium: {self.disk_full}", file=sys.stderr)
 
     def _work(self) -> None:
         with self.cv:
@@ -11202,16 +11245,20 @@ class Semantic:
         outnumber the live ones (_keep)."""
         keep = self._keep()
         try:
-            self.cache.save(keep)
-            self.save_error = None
+            if not self.disk_full:
+                self.cache.save(keep)
+                self.save_error = None
             if keep is not None and self.tokens is not None:
                 self.tokens.prune(keep)
         except ConflictError:        # another process holds it (mid-save, stopped): later
             self.last_save = time.monotonic()
             return
         except OSError as e:         # (status says it: each start embedded everything again)
-            print(f"cambium: could not save the vector cache: {e}", file=sys.stderr)
-            self.save_error = str(e)
+            if e.errno in DISK_FULL_ERRNOS:
+                self._disk_full(e)
+            else:
+                print(f"cambium: could not save the vector cache: {e}", file=sys.stderr)
+                self.save_error = str(e)
         self.last_save, self.unsaved = time.monotonic(), 0
 
     def backlog(self) -> int:

@@ -17233,6 +17233,37 @@ def test_a_recall_drops_from_the_backlog_items_no_longer_in_the_store(semantic):
     assert eng.wait_idle(30) and not any(eng.key(it) in eng.cache.rows for it in gone)
 
 
+@needs_extra
+def test_a_cache_write_that_finds_no_room_removes_what_this_process_wrote(semantic, capsys):
+    """Token files took a nearly full disk's last bytes and were never let go
+    once the cache could not be kept: every capture after failed with ENOSPC.
+    A cache write failing for room (here EFBIG: a file size limit, as `ulimit
+    -f`; ENOSPC and EDQUOT alike) removes the token files this process wrote,
+    writes no more cache, says so once, and recall keeps answering."""
+    import resource
+    ids = _capture_notes()            # short notes: token files of a few KB, written first
+    cs.capture("We keep a runbook for every alert " + " ".join(
+        f"step{i} checks the dashboard panel {i} before paging" for i in range(80)))
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR   # (its 256 tokens: a 99 KB file)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, hard))
+    try:
+        res = cs.recall(PARAPHRASE)
+        eng = _engine(semantic)
+        assert eng.wait_idle(60)
+        cs.runtime().save_vectors()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    assert not list(vec_dir.rglob("*.tok")) and not (vec_dir / "index.json").exists()
+    assert capsys.readouterr().err.count("this process writes no vector cache") == 1
+    sem = cs.status()["semantic"]
+    assert "File too large: this process writes no vector cache" in sem["cache_error"]
+    assert "this process writes no" in sem["late_interaction"]["error"]
+    assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
+    assert cs.capture("Captures still land")["status"] == "captured"
+
+
 DECISIONS = ["postgres connection pooling with pgbouncer", "blue-green deploys behind the load "
              "balancer", "rotate TLS certificates with cert-manager", "redis cache keys versioned "
              "per tenant", "CI caches node_modules on lockfile hash", "feature flags are cleaned "
