@@ -10671,6 +10671,19 @@ class TokenStore:
             self.written.add(name)
         self.names.add(name)
 
+    def count(self, keys: set[str]) -> int:
+        """How many of `keys` have a token file (a regular file) now: the
+        directory is listed again, so a file deleted meanwhile is not counted."""
+        if self.dir is None:
+            return sum(k in self.mem for k in keys)
+        try:
+            with os.scandir(self.dir) as entries:
+                there = {e.name for e in entries
+                         if e.name.endswith(TOKEN_SUFFIX) and e.is_file(follow_symlinks=False)}
+        except OSError:
+            return 0
+        return sum(self.name(k) in there for k in keys)
+
     def forsake(self) -> None:
         """Remove every file this process wrote, and write none again (put
         then leaves its file behind on no disk): the disk is full."""
@@ -11264,6 +11277,18 @@ class Semantic:
     def backlog(self) -> int:
         with self.cv:
             return len(self.queued)
+
+    def items_with_tokens(self) -> int | None:
+        """How many live items of the indexes ranked here have their token
+        file on disk now (this engine's keys: not another kind's, nor a file
+        deleted meanwhile; status counted every file ever listed, 234 where 3
+        were); None before this process ranked any, or without late interaction."""
+        with self.cv:
+            indexes = list(self.slots.keys())
+            if not indexes or self.tokens is None:
+                return None
+            keys = {self.key(it) for index in indexes for it in index.items if it is not None}
+        return self.tokens.count(keys)
 
     def wait_idle(self, timeout_s: float, new_only: bool = False) -> bool:
         """Block until the backlog is embedded (True) or the timeout passes or
@@ -11938,7 +11963,8 @@ def late_report(cfg: Config, eng: Semantic | None) -> dict:
         return {"on": False, "reason": f"CAMBIUM_LATE_INTERACTION=0{when}"}
     out: dict[str, Any] = {"on": True, "pool": SEM_LATE_POOL, "weight": SEM_LATE_WEIGHT}
     if eng is not None and eng.tokens is not None:
-        out["items_with_token_vectors"] = len(eng.tokens.names or eng.tokens.mem)
+        if (n := eng.items_with_tokens()) is not None:
+            out["items_with_token_vectors"] = n
         if eng.token_error:
             out["error"] = f"token vectors could not be stored: {eng.token_error}"
     return out

@@ -17343,6 +17343,26 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
     assert "could not store token vectors" in capsys.readouterr().err
 
 
+@needs_extra
+def test_status_counts_the_token_files_there_for_the_items_recalled(semantic):
+    """status' items_with_token_vectors was every token file name listed at
+    start or written since: another engine kind's, an item's no longer there,
+    and files deleted behind the server's back all counted (234 where 3 were)."""
+    import numpy as np
+    _capture_notes()
+    cs.recall(PARAPHRASE)
+    eng = _engine(semantic)
+    assert eng.wait_idle(30)
+    items = cs.store(cs.require_config(), "local").read().items
+    row = np.eye(1, cs.EMBED_DIM, dtype=np.float32)
+    eng.tokens.put(np, cs.vector_key(items[0], eng.second is None), row)   # the other kind's
+    eng.tokens.put(np, "k-gone:1", row)                                     # a deleted item's
+    for it in items[1:3]:                                # deleted behind the server's back
+        (eng.tokens.dir / cs.TokenStore.name(eng.key(it))).unlink()
+    late = cs.status()["semantic"]["late_interaction"]
+    assert late["items_with_token_vectors"] == len(NOTES) - 2, late
+
+
 def _linked_local(repo: Path) -> Path:
     """Make the repo's .cambium a link to a directory beside it, and return
     the link: nothing in a linked .cambium is set aside, so a file made in
