@@ -10427,6 +10427,7 @@ def late_blend(np: Any, score: Any, pool: list[int], late: Any, *, tail: Any = N
 
 
 VECTOR_INDEX_BYTES = 256 * 2**20    #: a larger vectors/index.json is discarded, not read
+VECTOR_CACHE_FORMAT = 1             #: vectors/index.json's `format`; a newer one is left alone
 
 
 @contextlib.contextmanager
@@ -10458,6 +10459,7 @@ class VectorCache:
         self.rows: dict[str, Any] = {}       # key -> float16 rows (windows, EMBED_DIM)
         self.dirty = False
         self.discarded: str | None = None    # why the on-disk cache was thrown away
+        self.newer: str | None = None        # why it is neither read nor written (newer format)
         self.version = 0                     # bumped by every put()
         self.added: list[str] = []           # keys put, in order (sync reads the new ones)
         self._load()
@@ -10469,6 +10471,8 @@ class VectorCache:
         try:                             # (open_regular: a FIFO there must not block)
             with locked_if_possible(self.dir / "index.json"):   # a save replaces both
                 meta = json.loads(read_regular(self.dir / "index.json", VECTOR_INDEX_BYTES))
+                if self._newer(meta.get("format", VECTOR_CACHE_FORMAT)):
+                    return
                 if meta.get("model") != MODEL_ID or meta.get("dim") != EMBED_DIM:
                     raise ValueError(f"made by another model ({meta.get('model')})")
                 name = str(meta["file"])
@@ -10498,6 +10502,21 @@ class VectorCache:
             why = e if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
             self.discarded = f"vector cache in {self.dir} discarded ({why})"
 
+    def _newer(self, fmt: Any) -> bool:
+        """Whether index.json's `format` is a newer one than this cambium's
+        (`newer` then says so: such a cache is neither read, its layout may
+        be another, nor ever written over, as a newer store is not); ValueError
+        for one that is no format (discarded)."""
+        if type(fmt) is int and fmt > VECTOR_CACHE_FORMAT:
+            self.newer = (f"the vector cache in {self.dir} is in a newer format ({fmt}) than "
+                          f"this cambium's ({VECTOR_CACHE_FORMAT}): it is neither read nor "
+                          "written by this process, which embeds in memory; a newer cambium "
+                          "reads it")
+            return True
+        if type(fmt) is not int or fmt != VECTOR_CACHE_FORMAT:
+            raise ValueError(f"format {str(fmt)[:40]!r}")
+        return False
+
     def get(self, key: str) -> Any:
         return self.rows.get(key)
 
@@ -10513,7 +10532,7 @@ class VectorCache:
     def save(self, keep: set[str] | None = None) -> None:
         """Write the cache (only `keep`'s keys when given) atomically."""
         import numpy as np
-        if self.dir is None or not self.dirty:
+        if self.dir is None or not self.dirty or self.newer:
             return
         rows = {k: v for k, v in self.rows.items() if keep is None or k in keep}
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -10542,7 +10561,7 @@ class VectorCache:
                 raise
             try:
                 atomic_write(self.dir / "index.json", json.dumps(
-                    {"format": 1, "model": MODEL_ID, "dim": EMBED_DIM, "file": name,
+                    {"format": VECTOR_CACHE_FORMAT, "model": MODEL_ID, "dim": EMBED_DIM, "file": name,
                      "keys": keys}, separators=(",", ":")))
             except BaseException:               # (a directory there: each save left a
                 with contextlib.suppress(OSError):      # whole cache's .npy behind)
@@ -10937,7 +10956,8 @@ class Semantic:
         self.tokens: TokenStore | None = None    # items' token vectors (None: no late interaction)
         self.token_error: str | None = None      # why token vectors could not be stored
         self.save_error: str | None = None       # why the last save of the vectors failed
-        self.disk_full: str | None = None        # a cache write found no room: none more
+        self.cache_off: str | None = None        # why this process writes no cache (no room,
+                                                 # a newer format's)
         self.token_requeued: set[str] = set()    # keys queued again for lost token vectors
         self.token_failed: set[str] = set()      # keys whose token vectors could not be written
         self.tokens_ok: bool | None = None       # whether token files can be written (asked once)
@@ -10975,6 +10995,9 @@ class Semantic:
                         self.second_mode = False
                 self.cache = VectorCache(self.cache_dir)
                 self.tokens = TokenStore(self.cache_dir) if late_wanted(cfg) else None
+                if self.cache.newer:             # (rank says it in each answer's warnings)
+                    self.cache_off, self.tokens_ok = self.cache.newer, False
+                    print(f"cambium: {self.cache.newer}", file=sys.stderr)
         return emb
 
     def key(self, item: Item) -> str:
@@ -11163,9 +11186,10 @@ class Semantic:
         without late interaction (said once on stderr), its vectors kept; a
         full disk stops the writing (_disk_full)."""
         for key, t in toks.items():
+            if self.cache_off:
+                self.token_failed.add(key)
+                continue
             try:
-                if self.disk_full:
-                    raise OSError(errno.ENOSPC, self.disk_full)
                 self.tokens.put(np, key, t)
             except OSError as e:
                 if e.errno in DISK_FULL_ERRNOS:
@@ -11181,15 +11205,15 @@ class Semantic:
         files it wrote, and says so once (stderr, status); recall goes on
         from the vectors in memory. The cache's files took the disk's last
         free bytes and every capture failed (ENOSPC) after them."""
-        if self.disk_full:
+        if self.cache_off:
             return
-        self.disk_full = (f"{e.strerror or e}: this process writes no vector cache or token "
+        self.cache_off = (f"{e.strerror or e}: this process writes no vector cache or token "
                           "file, and removed those it wrote; recall keeps its vectors in memory")
-        self.tokens_ok, self.save_error = False, self.disk_full
+        self.tokens_ok, self.save_error = False, self.cache_off
         if self.tokens is not None:
-            self.token_error = self.disk_full
+            self.token_error = self.cache_off
             self.tokens.forsake()
-        print(f"cambium: {self.disk_full}", file=sys.stderr)
+        print(f"cambium: {self.cache_off}", file=sys.stderr)
 
     def _work(self) -> None:
         with self.cv:
@@ -11258,11 +11282,11 @@ class Semantic:
         outnumber the live ones (_keep)."""
         keep = self._keep()
         try:
-            if not self.disk_full:
+            if not self.cache_off:
                 self.cache.save(keep)
                 self.save_error = None
-            if keep is not None and self.tokens is not None:
-                self.tokens.prune(keep)
+                if keep is not None and self.tokens is not None:
+                    self.tokens.prune(keep)
         except ConflictError:        # another process holds it (mid-save, stopped): later
             self.last_save = time.monotonic()
             return
@@ -11392,6 +11416,8 @@ class Semantic:
         recall never waits for a long backlog. Raises SemanticUnavailable when
         the model cannot be used."""
         emb = self.ready()
+        if self.cache.newer:
+            note_for_call(self.cache.newer)
         if index.live == 0:
             return Ranking([], 0.0, mode="semantic", unknown=unknown_names(index, query))
         if not emb.tokenizer.reads(query):
@@ -11928,8 +11954,9 @@ def recall_mode_report(cfg: Config) -> dict:
                     embedded_this_process=eng.embedded)
         if eng.cache.discarded:
             info["cache_discarded"] = eng.cache.discarded
-        if eng.save_error:
-            info["cache_error"] = f"the vector cache could not be saved: {eng.save_error}"
+        if eng.cache.newer or eng.save_error:
+            info["cache_error"] = (eng.cache.newer or
+                                   f"the vector cache could not be saved: {eng.save_error}")
     return {"recall_mode": "semantic", "semantic": info}
 
 

@@ -17363,6 +17363,36 @@ def test_status_counts_the_token_files_there_for_the_items_recalled(semantic):
     assert late["items_with_token_vectors"] == len(NOTES) - 2, late
 
 
+@needs_extra
+def test_a_vector_cache_in_a_newer_format_is_neither_read_nor_written(semantic, capsys):
+    """vectors/index.json's `format` was never looked at: a newer release's
+    cache was read as this one's whenever model and dim matched, and saved
+    over in format 1. Like a newer store, it is left as it is (recall embeds
+    in memory), and each recall says so in its warnings."""
+    ids = _capture_notes()
+    cs.recall(PARAPHRASE)
+    assert _engine(semantic).wait_idle(30)
+    cs.runtime().save_vectors()
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    meta = json.loads((vec_dir / "index.json").read_text())
+    (vec_dir / "index.json").write_text(json.dumps({**meta, "format": 2}))
+    before = {p: p.read_bytes() for p in vec_dir.rglob("*") if p.is_file()}
+    cs.runtime().engines.clear()
+    cs.capture("Pin the base image digest in every Dockerfile")    # new rows to save
+    with cs.collecting_notes():                   # (as a tool call: its notes are warnings)
+        res = cs.with_store_warnings(cs.recall(PARAPHRASE))
+    assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
+    assert any("newer format (2)" in w for w in res["warnings"]), res.get("warnings")
+    eng = _engine(semantic)
+    assert eng.wait_idle(30) and not eng.cache.discarded and len(eng.cache.rows) == len(NOTES) + 1
+    cs.runtime().save_vectors()
+    assert {p: p.read_bytes() for p in vec_dir.rglob("*") if p.is_file()} == before
+    assert "newer format (2)" in cs.status()["semantic"]["cache_error"]
+    assert capsys.readouterr().err.count("newer format") == 1
+    (vec_dir / "index.json").write_text(json.dumps({**meta, "format": "one"}))
+    assert "format 'one'" in cs.VectorCache(vec_dir).discarded      # no format: rebuilt
+
+
 def _linked_local(repo: Path) -> Path:
     """Make the repo's .cambium a link to a directory beside it, and return
     the link: nothing in a linked .cambium is set aside, so a file made in
