@@ -16265,6 +16265,20 @@ def test_a_query_in_an_items_own_words_finds_it_first_semantically(semantic):
     assert res["mode"] == "semantic" and res["results"][0]["id"] == quoted, res["results"]
 
 
+def test_an_item_in_the_querys_own_words_of_stopwords_alone_is_not_found_as_readme_says(repo):
+    """README said an item whose content is the query always comes first, as
+    a result: not when every word of it is a stopword (no word to find it by,
+    in either mode). README now says so."""
+    cs.capture("what is it")
+    cs.capture("The the the")
+    for query in ("what is it", "The the the"):
+        res = cs.recall(query)
+        assert not res["results"] and not res["weak_matches"], res
+    said = " ".join((HERE / "README.md").read_text().split("In both modes an item whose")[1]
+                    .split("Up to five such")[0].split())
+    assert "all stopwords: `what is it`" in said and "finds nothing in either mode" in said
+
+
 def test_items_in_the_querys_own_words_rank_alike_in_a_grown_and_a_fresh_index(repo):
     """Items whose content is the query kept the index's slot order among them
     (and, past five, which five did): a long-running server and a fresh CLI
