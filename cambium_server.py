@@ -5974,6 +5974,19 @@ def _push_outcome(out: str) -> str:
     return "refused"
 
 
+def _push_blocks(out: str) -> list[tuple[str, str]]:
+    """`git push --porcelain` output per destination: (the URL of its `To <url>`
+    line, "" for lines before any, and its lines). git pushes to each push URL
+    of a remote in turn and prints a block for each it reached."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in out.splitlines():
+        if line.startswith("To ") or not blocks:
+            blocks.append((line[3:].strip(), []) if line.startswith("To ") else ("", [line]))
+        else:
+            blocks[-1][1].append(line)
+    return [(url, "\n".join(lines)) for url, lines in blocks]
+
+
 def _racy_reason(line: str) -> bool:
     """Whether a `[remote rejected]` porcelain line's reason says the remote
     lost a ref-lock race. Only its summary is read (the fields are tab
@@ -6792,19 +6805,49 @@ class GitStore(Store):
         """Push commit to branch: "ok", "race" (replay), or GitError (final)."""
         lease_opt = [] if lease is None else [f"--force-with-lease=refs/heads/{branch}:{lease}"]
         proc = self._push_git(*lease_opt, f"{commit}:refs/heads/{branch}")
-        outcome = _push_outcome(proc.stdout)
-        if outcome == "race" or (outcome == "ok" and proc.returncode == 0):
+        here, others = self._pushed_here(proc.stdout)
+        outcome = _push_outcome(proc.stdout if here is None else here)
+        if here is not None and (outcome == "race" or outcome == "ok" and (
+                proc.returncode == 0 or others)):
+            if outcome == "ok" and others:          # (the caller verifies it)
+                note_for_call(f"the push to {self.remote}/{branch} landed where cambium "
+                              f"reads it, but git also reported: {'; '.join(others)}")
             return outcome
         why = "; ".join(filter(None, [(proc.stdout + proc.stderr).strip() or "push refused",
                                       self._push_to()[1]]))
         failed = GitError(["git", "push", self.remote, branch], proc.returncode, why)
-        if outcome == "ok":                  # landed, yet git failed: a second push URL?
-            with contextlib.suppress(GitError):
+        if outcome == "ok" or here is None:  # landed, yet git failed (a second push URL?),
+            with contextlib.suppress(GitError):   # or which URL said what is not known
                 self.verify(commit, branch)          # where cambium reads: it stands
                 note_for_call(f"the push to {self.remote}/{branch} landed where cambium "
                               f"reads it, but git also reported: {failed}")
                 return "ok"
         raise failed
+
+    def _pushed_here(self, out: str) -> tuple[str | None, list[str]]:
+        """A push's porcelain (_push_blocks) for where cambium reads, and the
+        failures at the remote's other push URLs. With several push URLs it is
+        the block whose URL names the fetch URL's repository (remote_key, else
+        repository_key if that singles one out), None when none does (git
+        stopped before it, or two match); else all of `out`. A backup mirror
+        listed first, one commit behind, answered every push `[rejected]
+        (stale info)`: read as a lost race of the whole push, each replay
+        landed on the real branch, hundreds in 120 s, then "lost the race"."""
+        if self._push_to()[1] or len(remote_push_urls(self.repo, self.remote,
+                                                      self.timeout_s)) < 2:
+            return out, []
+        fetch, blocks = remote_url(self.repo, self.remote, self.timeout_s) or "", \
+            [b for b in _push_blocks(out) if b[0]]
+        here = None
+        for key in (remote_key, repository_key) if fetch else ():
+            if len(hits := [b for b in blocks if key(b[0], self.repo) ==
+                            key(fetch, self.repo)]) == 1:
+                here = hits[0]
+                break
+        others = [f"{url}: " + next((ln.split("\t")[-1] for ln in text.splitlines()
+                                     if ln.startswith("!")), text.strip() or "failed")
+                  for url, text in blocks if (url, text) != here and _push_outcome(text) != "ok"]
+        return (None if here is None else here[1]), others
 
     def _push_git(self, *args: str) -> subprocess.CompletedProcess:
         """Every push cambium runs: `git push --porcelain` of `args` (options,
@@ -6877,7 +6920,8 @@ class GitStore(Store):
             return False
         proc = self._push_git(f"--force-with-lease=refs/heads/{branch}:{tip}",
                               f":refs/heads/{branch}")
-        if _push_outcome(proc.stdout) != "ok" or proc.returncode != 0:
+        here, others = self._pushed_here(proc.stdout)
+        if here is None or _push_outcome(here) != "ok" or proc.returncode != 0 and not others:
             raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
                            (proc.stdout + proc.stderr).strip() or "delete refused")
         return True

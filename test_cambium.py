@@ -5087,6 +5087,73 @@ def test_a_push_that_landed_where_cambium_reads_is_a_success_whatever_else_faile
                            if i.active}
 
 
+def _mirror_first(clone: Path, bare: Path) -> Path:
+    """Give `clone`'s origin (`bare`) two push URLs: its backup mirror (made by
+    a bare clone on the first call) first, then `bare` itself. The mirror."""
+    mirror = bare.with_name(bare.stem + "-mirror.git")
+    if not mirror.exists():
+        subprocess.run(["git", "clone", "-q", "--bare", str(bare), str(mirror)], check=True)
+    subprocess.run(["git", "config", "--unset-all", "remote.origin.pushurl"], cwd=clone)
+    url = git(clone, "remote", "get-url", "origin").strip()
+    assert os.path.samefile(url, bare)
+    git(clone, "remote", "set-url", "--add", "--push", "origin", str(mirror))
+    git(clone, "remote", "set-url", "--add", "--push", "origin", url)
+    return mirror
+
+
+def test_a_second_push_url_listed_first_never_decides_where_cambium_reads(
+        shared, monkeypatch):
+    """The push was judged by the porcelain's first line, whichever URL it was
+    for: a backup mirror listed first, one commit behind, answered each push
+    `[rejected] (stale info)`, read as a lost race: one endorse replayed for
+    120 s, landed hundreds of commits on the real branch, then failed. A
+    read-only mirror first made promote say "nothing moved" of an item team
+    held. Team and org (direct) writes alike are judged where cambium reads."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    origin, org_bare = shared["origin"], shared["org_bare"]
+    first = _endorsed("Prefer idempotent retries with exponential backoff")
+    cs.promote(first)
+    for clone_, bare in ((shared["a"], origin), (shared["org"], org_bare)):
+        _mirror_first(clone_, bare)                      # (made, in step; then the org move
+        subprocess.run(["git", "config", "--unset-all", "remote.origin.pushurl"],  # writes
+                       cwd=clone_, check=True)                        # both past
+    cs.promote(first, to_scope="org", force=True)                       # them: they lag)
+    mirror = _mirror_first(shared["a"], origin)
+    _mirror_first(shared["org"], org_bare)
+    for words in ("Always bound outbound calls with timeouts", "Pin base images by digest"):
+        team_before = int(git(origin, "rev-list", "--count", "cambium"))
+        with cs.collecting_notes():
+            res = cs.with_store_warnings(cs.promote(_endorsed(words), to_scope="team"))
+        assert res["status"] == "promoted", res
+        assert int(git(origin, "rev-list", "--count", "cambium")) == team_before + 1
+        assert any("shop-mirror" in w and "stale info" in w for w in res["warnings"]), res
+    second = res["promoted"][0]["id"]
+    team_before = int(git(origin, "rev-list", "--count", "cambium"))
+    assert cs.endorse(second, note="checked again")["scope"] == "team"   # (120 s: 785 commits)
+    assert int(git(origin, "rev-list", "--count", "cambium")) == team_before + 1
+    org_before = int(git(org_bare, "rev-list", "--count", "main"))
+    with cs.collecting_notes():
+        res = cs.with_store_warnings(cs.promote(second, to_scope="org", force=True))
+    assert res["status"] == "promoted" and second in team_ids(org_bare, "main"), res
+    assert int(git(org_bare, "rev-list", "--count", "main")) == org_before + 1
+    assert any("org-mirror" in w and "stale info" in w for w in res["warnings"]), res
+    git(origin, "push", "-q", "--force", str(mirror), "cambium")      # (caught up, then
+    hook = mirror / "hooks" / "pre-receive"                 # read-only: its hook refuses)
+    hook.write_text("#!/bin/sh\necho read-only >&2\nexit 1\n")
+    hook.chmod(0o755)
+    third = _endorsed("Alerts carry a runbook link")
+    with cs.collecting_notes():
+        res = cs.with_store_warnings(cs.promote(third, to_scope="team"))
+    assert res["status"] == "promoted" and third in team_ids(origin), res
+    assert any("pre-receive hook declined" in w for w in res["warnings"]), res
+    hook.unlink()                 # a lost race where cambium reads is one (replayed), though
+    git(origin, "push", "-q", "--force", str(mirror), "cambium~1:refs/heads/cambium")   # the
+    st = cs.store(cs.resolve_config(), "team")                        # mirror took the push
+    old, lease = (git(origin, "rev-parse", r).strip() for r in ("cambium~2", "cambium~1"))
+    assert st._push(old, "cambium", lease=lease) == "race"
+    assert git(mirror, "rev-parse", "cambium").strip() == old
+
+
 def test_a_team_write_never_publishes_the_users_tags(shared, tmp_path, monkeypatch):
     """With the user's `push.followTags`, a team write pushed their annotated
     tag not published yet (on a commit origin holds) along with the store."""
