@@ -6022,6 +6022,15 @@ def _later_state(kept: Item, now: Item) -> bool:
         str(kept.updated_at or "") > str(now.updated_at or "")
 
 
+def _rewind_lost(old: Doc, doc: Doc, touched: frozenset[str]) -> list[Item]:
+    """The items of a rewound tip's `old` doc that `doc` lost: those it holds no
+    copy of, and those whose kept version is later (_later_state), but for the
+    `touched` ids (changed or moved on the branch since the rewind). Pure."""
+    held = {it.id: it for it in first_copies(doc.items)}
+    return [it for it in first_copies(old.items) if it.id not in touched and
+            (it.id not in held or _later_state(it, held[it.id]))]
+
+
 REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop naming its losses
 
 
@@ -6501,10 +6510,48 @@ class GitStore(Store):
             return
         now = self.local_tip()
         self._adopt_old_rewound()
-        if not self._kept(self._rewound_ref):
-            self.git("update-ref", self._rewound_ref, before, check=False)
-            if now:                               # (the tip the rewind left: what changed
-                self.git("update-ref", self._rewound_at_ref, now, check=False)    # since)
+        kept = self._kept(self._rewound_ref)
+        if kept and self._holds(kept, before):
+            return
+        if kept:          # (a second rewind while one is kept: each kept what it dropped)
+            try:
+                before = self._kept_both(kept, before)
+            except (CambiumError, OSError) as e:
+                self._warnings.append(
+                    f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound "
+                    f"again; cambium could not keep the tip it dropped beside the one it "
+                    f"kept ({e}): `git -C {shlex.quote(str(self.repo))} branch rewound-again "
+                    f"{before}` keeps it")
+                return
+        self.git("update-ref", self._rewound_ref, before, check=False)
+        self.git(*(("update-ref", self._rewound_at_ref, now) if now else   # (the tip
+                   ("update-ref", "-d", self._rewound_at_ref)), check=False)  # the
+                                                        # rewind left: what changed since)
+
+    def _kept_both(self, kept: str, before: str) -> str:
+        """A commit keeping both tips rewinds dropped: `before`'s tree and its
+        store plus what the kept tip held that `before` had lost (rewound_items
+        there: not what a teammate changed or moved since the first rewind),
+        the kept tip its second parent, so `git log` and `restore` reach both.
+        A second rewind was ignored while one was kept: what was written between
+        the two was gone, named nowhere. Raises CambiumError, OSError."""
+        try:
+            old = self._rewound_doc(kept)
+        except CorruptStore:                   # (nothing readable kept: the later tip is)
+            return before
+        at = self.doc_at(before, remember=False)
+        try:
+            touched = self._touched_since(self._kept(self._rewound_at_ref) or kept,
+                                          before)
+        except GitError:                       # (too far to tell: all it lost)
+            touched = frozenset()
+        lost = {it.id: it for it in _rewind_lost(old, at, touched)}
+        if not lost:
+            return before
+        union = dataclasses.replace(at, items=[it for it in at.items if it.id not in lost] +
+                                    list(lost.values()))
+        return self._commit(before, {STORE_FILE: render_store(union)},
+                            f"cambium: what rewinds of {self.branch} dropped", merge=kept)
 
     @property
     def _rewound_ref(self) -> str:
@@ -6596,10 +6643,7 @@ class GitStore(Store):
             return []
         except CambiumError:                       # (git failed, or the branch moved on too
             return []                              # far: a warning's cost, never the scope)
-        held = {it.id: it for it in first_copies(doc.items)}
-        lost = [it for it in first_copies(old.items) if it.id not in touched and
-                (it.id not in held or _later_state(it, held[it.id]))]
-        if not lost:
+        if not (lost := _rewind_lost(old, doc, touched)):
             self._drop_rewound()
         return lost
 
@@ -6731,7 +6775,7 @@ class GitStore(Store):
         kept = shlex.quote(f"{self._rewound_ref}:{STORE_FILE}")
         return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
                 f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
-                f"before are gone from it or set back ({ids}). cambium kept the earlier tip: "
+                f"before are gone from it or set back ({ids}). cambium kept the earlier tip(s): "
                 f"to bring them back here, `git -C {shlex.quote(str(self.repo))} show {kept} > "
                 f"/tmp/rewound.json` and `{_cli_command()} restore /tmp/rewound.json` (what the scope "
                 "still holds stays there), then promote them again; if the rewind was meant, "

@@ -22437,6 +22437,40 @@ def test_a_rewound_tip_an_earlier_version_kept_is_still_read_and_moved_where_it_
     assert old not in git(a, "for-each-ref", "refs/cambium/")
 
 
+@pytest.mark.parametrize("how", ["force", "delete"])
+def test_a_second_rewind_keeps_what_each_rewind_dropped(shared, tmp_path, how):
+    """The first rewind's tip was kept, and a later one was ignored while it
+    was: an item promoted between two force pushes (or two deletions) of the
+    team branch had left local, was gone from team, and was named nowhere,
+    with only an unreachable object left. The kept ref now reaches every tip
+    a rewind dropped, names what each lost, and restore brings all back."""
+    origin, a = shared["origin"], shared["a"]
+    first, later = _promoted_then_rewound(shared)
+    tip = git(origin, "rev-parse", "cambium").strip()
+    if how == "delete":
+        git(origin, "update-ref", "-d", "refs/heads/cambium")
+    between = _endorsed("Feature flags need an owner and an expiry date")
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(between, force=True))
+    assert out["status"] == "promoted" and later in " ".join(out["warnings"])
+    dropped = git(origin, "rev-parse", "cambium").strip()
+    git(origin, *(("update-ref", "refs/heads/cambium", tip) if how == "force" else
+                  ("update-ref", "-d", "refs/heads/cambium")))            # the second rewind
+    last = _endorsed("Alerts carry a runbook link")
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(last, force=True))
+    (warning,) = [w for w in out["warnings"] if "rewound or replaced" in w]
+    assert later in warning and between in warning and last not in warning
+    assert (first in warning) == (how == "delete")
+    ref = "refs/cambium/rewound/team/origin/cambium"
+    assert git(a, "merge-base", "--is-ancestor", dropped, ref) == ""     # (git log reaches it)
+    (tmp_path / "rewound.json").write_text(git(a, "show", f"{ref}:knowledge.json"))
+    assert cs.restore(str(tmp_path / "rewound.json"))["restored"] == 1 + (how == "delete") + 1
+    assert cs.promote(force=True)["status"] == "promoted"
+    assert team_ids(origin) == {first, later, between, last}
+    assert not any("rewound" in w for w in cs.recall("alerts").get("warnings", []))
+
+
 def test_a_writes_answer_names_what_a_rewind_of_the_team_branch_dropped(shared):
     """The write's fetch kept the rewound tip, but only a recall named what it
     lost: an agent told "endorsed" or "promoted" never learned a teammate's
