@@ -6524,9 +6524,8 @@ class GitStore(Store):
                     f"{before}` keeps it")
                 return
         self.git("update-ref", self._rewound_ref, before, check=False)
-        self.git(*(("update-ref", self._rewound_at_ref, now) if now else   # (the tip
-                   ("update-ref", "-d", self._rewound_at_ref)), check=False)  # the
-                                                        # rewind left: what changed since)
+        at = self._rewound_at_ref         # (the tip the rewind left: what changed since)
+        self.git("update-ref", *((at, now) if now else ("-d", at)), check=False)
 
     def _kept_both(self, kept: str, before: str) -> str:
         """A commit keeping both tips rewinds dropped: `before`'s tree and its

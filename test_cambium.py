@@ -22894,6 +22894,11 @@ def test_a_rewind_that_undoes_a_deprecation_or_a_correction_says_so(shared):
     git(shared["origin"], "update-ref", "refs/heads/cambium", tip)          # the force push
     warned = " ".join(cs.recall("public API rate limit requests")["warnings"])
     assert gone in warned and old in warned and "set back" in warned
+    between = _endorsed("Canary deploys run for an hour")       # (a second rewind keeps
+    cs.promote(between)                                         # the set-back state too;
+    git(shared["origin"], "update-ref", "refs/heads/cambium", tip)   # `old`, credited by
+    warned = " ".join(cs.recall("canary deploys")["warnings"])       # that recall, counts
+    assert gone in warned and between in warned                       # as changed since)
 
 
 def test_restore_through_a_link_to_another_projects_file_is_refused(repo, tmp_path):
