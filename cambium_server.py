@@ -14945,6 +14945,8 @@ class Moved:
     kept: list = field(default_factory=list)   # changed below meanwhile: both copies kept
     joined: list = field(default_factory=list)  # ids dst held already (a move cut short)
     notes_held: list = field(default_factory=list)  # landed without a note org's gate held
+    replaced: dict = field(default_factory=dict)  # kept: id -> (the replacement dst lacks,
+    #                                               whether it is a correction of it)
 
 
 _MOVES_HELD = threading.local()
@@ -15043,10 +15045,13 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         try:
             _refuse_dropping_itself(cfg, src, dst, write)
             kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
+            waits = _carry_corrections(cfg, src, dst, kept) if kept else {}
         except (CambiumError, OSError) as e:
             raise _copied_not_dropped(e if isinstance(e, CambiumError) else
                                       CambiumError(error_text(e)), src, dst, held, write) from None
-        return Moved(write, landed, planned.refused, kept, sorted(joined & held))
+        return Moved(write, landed, planned.refused,       # (None: its correction went up)
+                     [i for i in kept if waits.get(i, ()) is not None], sorted(joined & held),
+                     replaced={k: v for k, v in waits.items() if v})
     return Moved(write, landed, planned.refused)
 
 
@@ -15092,6 +15097,53 @@ def _refuse_dropping_itself(cfg: Config, src: str, dst: str, write: Write) -> No
             f"the {src} branch's own history")))
         err.one_branch = True            # type: ignore[attr-defined]
         raise err
+
+
+def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
+                       ) -> dict[str, tuple[str, bool] | None]:
+    """Of the ids a move kept in both scopes (_drop_moved), those whose source
+    copy was superseded while it moved by an item dst lacks: id -> (that item's
+    id, whether it is a correction of it), None for one finished after all: a
+    person's correction of it (another clone's correct()) follows it up (a move
+    of its own, through dst's gate for a correction, org_tells, as correct()
+    would have judged it at org), then the supersession is carried to dst's
+    copy and the source copy leaves. Any other stays in both, its answer naming
+    the replacement (kept_both): a consolidate fold's survivor is an item of its
+    own, never promoted unasked. (In PR mode a merge's settle carries it.)"""
+    below = {it.id: it for it in first_copies(_source_doc(cfg, src).items)}
+    out: dict[str, tuple[str, bool] | None] = {}
+    for i in kept:
+        old = below.get(i)
+        if old is None or old.status != "superseded" or not (by := _superseded_by(old)):
+            continue
+        new = below.get(by)
+        out[i] = by, new is not None and new.corrects == i
+        if pr_branch(cfg, dst, "updates") or (up := _correction_up(cfg, src, dst, old, new)) \
+                is None or by not in {it.id for it in up.landed} or up.kept:
+            continue
+        again = move(cfg, [old], src, dst, gate=_awaiting_merge, copy=lambda it: it,
+                     message=f"carry {i}'s correction to {dst}")
+        if i in {it.id for it in again.landed} and not again.kept:
+            out[i] = None
+    return out
+
+
+def _correction_up(cfg: Config, src: str, dst: str, old: Item, new: Item | None
+                   ) -> Moved | None:
+    """`new`, a person's correction of `old` made in src while `old` moved to
+    dst (or waited on its org pull request), moved up to dst as correct() would
+    have made it there: through dst's gate for a correction (org_tells), in org
+    PR mode proposed through the `cambium/updates` pull request. None, nothing
+    moved, when `new` is no such live correction or that gate turns it away."""
+    if new is None or new.corrects != old.id or not new.active or new.pr_url or \
+            dst == "org" and org_tells(new):
+        return None
+    now = _now()
+    return move(cfg, [new], src, dst, copy=lambda it: promoted_copy(
+                    it, dst, trust=it.trust, agent=cfg.agent, now=now),
+                gate=lambda it: Verdict(True, "promotable", "a person's correction"),
+                message=f"{cfg.agent} carries {new.id}, the correction of {old.id}, to {dst}",
+                pr_branch=pr_branch(cfg, dst, "updates"), pr_body=PR_BODY)
 
 
 def _gated(dst: str, held_back: set[str], it: Item) -> Item:
@@ -15177,7 +15229,10 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
     clone, a credit fold, in the second between the two writes) is not dropped
     as it stands: the change is carried up first, lift(source, dst copy, dst's ids) over
     a dst copy that nobody changed since; then it leaves. Returns the ids whose
-    change could not be carried (both copies kept, named in the answer). The
+    change could not be carried (both copies kept, named in the answer): the dst
+    copy changed too, or the source copy was superseded by an item dst lacks (a
+    correction, a consolidate fold: its dst copy stays active, and dropping the
+    source copy lost the correction there, kept_both names the replacement). The
     recall credits a source copy gained that its dst copy lacks are journaled
     for dst first (journal_left_behind)."""
     made = {k: v for k, v in made.items() if k in held}
@@ -15206,8 +15261,9 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
             return sorted(kept)
         pending = set(changed)
         recopied = _carry_up(cfg, dst, changed, copied, lift)
-        kept |= pending - recopied.keys()
-        pending &= recopied.keys()
+        unretired = {k for k, it in recopied.items() if it.active and not changed[k].active}
+        kept |= pending - recopied.keys() | unretired
+        pending &= recopied.keys() - unretired
         made = {k: changed[k] for k in pending}
         copied = {k: recopied[k] for k in pending}
         if not pending:
@@ -15422,6 +15478,10 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     sent to wait on cambium/updates goes in `repointed` with that PR's URL; a
     note org's gate held back from what it gained (a teammate endorsed it with
     a note naming a file while its promote ran) is a warning in `said`."""
+    if (waits := _correction_waits(cfg, scope, item, there)) is not None:
+        if said is not None:
+            said.append(waits)
+        return []
     branch = None
     if cfg.org_pr and news_over(there, item, holds=_org_ids_for(cfg, item)) is not None:
         if _updates_propose(cfg, item):
@@ -15435,6 +15495,32 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     if said is not None:
         said += notes_held(moved, proposed=bool(branch)).get("warnings", [])
     return [] if branch else [it.id for it in moved.landed]
+
+
+def _correction_waits(cfg: Config, scope: str, item: Item, there: Item) -> str | None:
+    """Why a copy below whose org pull request merged cannot leave yet, or None:
+    it was superseded (a teammate's correct() or consolidate fold while its
+    promote ran, its pull request built from the tip before) by an item org
+    lacks, and org's copy (`there`) is active. Settling dropped it and org kept
+    the old words active for good. A correction of it goes up first
+    (_correction_up: in PR mode proposed through `cambium/updates`, the copy
+    below waiting for that to merge); a fold's survivor, or a correction org's
+    gate turns away, waits for a person (uncarried says what to do)."""
+    if not there.active or not replacement_missing(item, _org_ids_for(cfg, item)):
+        return None
+    by = _superseded_by(item) or ""
+    new = (_find_item(store(cfg, scope).read(), by) or (0, None))[1]
+    if new is not None and new.pr_url:
+        return (f"{item.id} waits in {scope} scope for {by}, which supersedes it, to reach "
+                f"org through {new.pr_url}: once that merges, review_promotions() carries "
+                "the supersession to org")
+    if (up := _correction_up(cfg, scope, "org", item, new)) and up.landed:
+        return None if not up.write.pr_url else (
+            f"{item.id} was corrected in {scope} scope by {by} while its org pull request "
+            f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
+            "copy waits for that to merge; then review_promotions() carries the supersession")
+    return uncarried(item.id, by, new is not None and new.corrects == item.id, scope, "org",
+                     moving=False)
 
 
 def _org_ids_for(cfg: Config, item: Item) -> Collection[str]:
@@ -19787,10 +19873,35 @@ def kept_both(moved: Moved, src: str, dst: str) -> dict:
     """The warning for items changed in src while they moved (see _drop_moved)."""
     if not moved.kept:
         return {}
+    both = [i for i in moved.kept if i not in moved.replaced]
     return {"kept_both": moved.kept, "warnings": [
-        f"{', '.join(moved.kept)} changed in {src} scope while moving to {dst}, and the "
+        f"{', '.join(both)} changed in {src} scope while moving to {dst}, and the "
         f"{dst} copy changed too: both copies are kept, the {dst} one is served; make the "
-        f"{src} change again (it now lands on the {dst} copy) and promote to finish"]}
+        f"{src} change again (it now lands on the {dst} copy) and promote to finish"
+        for _ in both[:1]] + [uncarried(i, *by, src, dst, moving=True)
+                              for i, by in sorted(moved.replaced.items())]}
+
+
+def uncarried(item_id: str, by: str, correction: bool, src: str, dst: str, *,
+              moving: bool) -> str:
+    """The warning for a copy kept in src because `by`, the item that superseded
+    it there while it moved (`moving`) or waited on its org pull request, is not
+    in dst: dropped, dst's copy would keep the old words active for good.
+    `correction`: `by` is a person's correction of it, which dst's gate turned
+    away (else it went up: _carry_corrections) (pure)."""
+    what = ("a correction org's gate turns away" if correction else
+            "an item of its own: a consolidate fold, a capture that supersedes it")
+    when = f"while it moved to {dst}" if moving else "while its org pull request was open"
+    stays = (f"{dst}'s copy of {item_id} stays active and the {src} copy stays too"
+             if moving else f"the {src} copy keeps waiting")
+    then = (f"correct({item_id!r}, <the correction in general terms>) corrects {dst}'s "
+            "copy through its gate" if correction else
+            f"promote({by!r}, to_scope={dst!r}) brings {by} up")
+    finish = (f"promote({item_id!r}, to_scope={dst!r}) then finishes the move" if moving
+              else "review_promotions() then settles it")
+    return (f"{item_id} was superseded in {src} scope by {by} ({what}) {when}, and {dst} "
+            f"does not hold {by}: {stays} (dropping it would lose the supersession at "
+            f"{dst}). {then}; {finish}")
 
 
 def _org_refusal(item: Item, verdict: Verdict) -> dict:

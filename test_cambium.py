@@ -5679,6 +5679,121 @@ def test_a_move_keeps_both_copies_when_both_changed_meanwhile(shared, monkeypatc
     assert org["status"] == "active" and "cy" in {e["by"] for e in org["trust"]["endorsements"]}
 
 
+def _bob_in_the_window(monkeypatch, shared, where: str, *args: str) -> list:
+    """Run cambium `args` once in clone B (as bob, org scope off there: B sees
+    the team copy) when this clone's move to org reaches `where` (_drop_moved:
+    its org push landed, the team drop not made; _annotate_pr: its pull
+    request opened, the team copy not yet marked). The move lock is per clone."""
+    ran: list = []
+    real = getattr(cs, where)
+
+    def window(cfg, *rest):
+        if not ran and (where == "_annotate_pr" or rest[1] == "org"):
+            env = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
+                                              CAMBIUM_AGENT_ID="bob").items()
+                   if k not in ("CAMBIUM_ORG_REPO", "CAMBIUM_ORG_PR")}
+            ran.append(subprocess.run([*RUN, *args], env=env, cwd=shared["b"],
+                                      capture_output=True, text=True, timeout=60))
+            assert ran[0].returncode == 0, ran[0].stderr
+        return real(cfg, *rest)
+
+    monkeypatch.setattr(cs, where, window)
+    return ran
+
+
+def test_a_correction_made_in_another_clone_during_a_team_to_org_move_goes_up_too(
+        shared, monkeypatch):
+    """Bob corrected the team item between Ada's org push and her team drop:
+    the drop carried up only what org could hold (org lacked the correction,
+    so org's copy stayed active), then dropped the superseded team copy. Org
+    served the old words for good and the answer said nothing. The correction
+    now follows the item up and the supersession lands on org's copy."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote()
+    ran = _bob_in_the_window(monkeypatch, shared, "_drop_moved", "correct", item_id,
+                             "Retry only idempotent calls, with capped backoff")
+    res = cs.promote(item_id, to_scope="org", force=True)
+    fix = json.loads(ran[0].stdout)["item"]["id"]
+    assert res["status"] == "promoted" and "kept_both" not in res, res
+    assert any(f"superseded by {fix}" in w for w in res["warnings"]), res
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item_id]["status"] == "superseded" and \
+        org[item_id]["superseded_by"]["id"] == fix
+    assert org[fix]["status"] == "active" and org[fix]["corrects"] == item_id
+    assert org[fix]["content"] == "Retry only idempotent calls, with capped backoff"
+    assert team_ids(shared["origin"]) == set()
+
+
+@pytest.mark.parametrize("act", ["correct", "consolidate"])
+def test_a_supersession_org_cannot_take_during_a_move_keeps_the_team_copy_and_says_so(
+        shared, monkeypatch, act):
+    """As above, but the replacement cannot go up with the item: a correction
+    org's gate turns away (it names a file), or a consolidate fold's survivor
+    (an item of its own, never promoted unasked). The superseded team copy was
+    dropped and org kept the old words active, silently; it now stays in team,
+    named in kept_both with a warning whose calls finish the move."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    if act == "consolidate":
+        other = _endorsed("prefer idempotent retries with exponential backoff and jitter!")
+        cs.promote(other, force=True)
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", "cy")
+        cs.endorse(other, note="same here")
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id, force=True)
+    args = ["consolidate", "--apply", "--scope", "team"] if act == "consolidate" else \
+        ["correct", item_id, "Retry only the calls listed in src/net/retry.py"]
+    _bob_in_the_window(monkeypatch, shared, "_drop_moved", *args)
+    res = cs.promote(item_id, to_scope="org", force=True)
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    by = team[item_id]["superseded_by"]["id"]
+    assert res["kept_both"] == [item_id] and team[by]["status"] == "active", res
+    (said,) = res["warnings"]
+    fix = f"correct({item_id!r}, " if act == "correct" else f"promote({by!r}, to_scope='org')"
+    assert said.startswith(f"{item_id} was superseded in team scope by {by}") and fix in said
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert org["id"] == item_id and org["status"] == "active"
+    if act == "correct":                              # what the warning says settles it
+        now = cs.correct(item_id, content="Retry only idempotent calls")
+        assert now["status"] == "corrected" and now["scope"] == "org", now
+    else:
+        assert cs.promote(by, to_scope="org")["status"] == "promoted"
+    assert cs.promote(item_id, to_scope="org")["status"] == "already_promoted"
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item_id]["status"] == "superseded"
+    assert item_id not in team_ids(shared["origin"])
+
+
+def test_pr_mode_a_correction_made_while_the_promote_pr_opened_reaches_org(
+        shared, monkeypatch, tmp_path):
+    """PR mode: Bob corrected the team item after Ada's promote built its pull
+    request, before it marked the team copy. The merge's settle dropped the
+    superseded team copy and org kept the old words active. The correction
+    now goes up through cambium/updates, the copy below waiting for it, and
+    the next settle carries the supersession there too."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id, force=True)
+    ran = _bob_in_the_window(monkeypatch, shared, "_annotate_pr", "correct", item_id,
+                             "Retry only idempotent calls, with capped backoff")
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
+    fix = json.loads(ran[0].stdout)["item"]["id"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item_id}")
+    review = cs.review_promotions()
+    assert review.get("settled_org_prs", []) == [], review
+    assert any(w.startswith(f"{item_id} was corrected in team scope by {fix}")
+               for w in review["warnings"]), review
+    assert item_id in team_ids(shared["origin"])
+    for _ in range(2):                          # the correction, then the supersession
+        _merge_on_org(shared, tmp_path, "cambium/updates")
+        cs.review_promotions()
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item_id]["status"] == "superseded" and org[fix]["status"] == "active"
+    assert org[item_id]["superseded_by"]["id"] == fix
+    assert team_ids(shared["origin"]) == set()
+
+
 @pytest.mark.parametrize("act", ["deprecate", "correct"])
 def test_a_change_follows_an_item_another_clone_moved_up_between_finding_and_writing(
         shared, monkeypatch, act):
