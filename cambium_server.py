@@ -2598,6 +2598,7 @@ class GitScope:
     rewind_touched: tuple | None = None     # ((base, tip), ids changed since a rewind,
                                             #: or why the walk is too far to take)
     rewound_doc: tuple[str, Doc] | None = None   # (the kept tip, its doc): not `doc`'s slot
+    foreign: tuple[str, str | None] | None = None  # (a tip, why it is not cambium's or None)
 
 
 class Runtime:
@@ -6654,7 +6655,26 @@ class GitStore(Store):
         if moved := self.url_moved():
             raise RemoteMoved(f"{moved}: its items are not read until a recall or a write "
                               "fetches them from there")
-        return self.doc_at(self.local_tip() or self.cloned_tip())
+        doc = self.doc_at(tip := self.local_tip() or self.cloned_tip())
+        self._say_not_ours(tip, doc)
+        return doc
+
+    def _say_not_ours(self, tip: str | None, doc: Doc) -> None:
+        """Warn a read that the branch's tip is not cambium's (foreign_problem:
+        other files and no store, as a teammate's `git rm knowledge.json`
+        leaves it): writes refuse, and reads served every team item gone with
+        no word (only status named it). Asked once per tip (a git ls-tree of
+        an empty store's tip, remembered)."""
+        if not (self.own_branch and tip and not doc.items):
+            return
+        with self._state.lock:
+            seen = self._state.foreign
+        if seen is None or seen[0] != tip:
+            seen = tip, self.foreign_problem(tip, doc)
+            with self._state.lock:
+                self._state.foreign = seen
+        if seen[1]:
+            self._warn_once(f"{self.scope} scope reads as empty: {seen[1]}")
 
     def never_seen(self) -> str | None:
         """Why this clone holds no sight of the branch at all, else None: no
@@ -6758,6 +6778,7 @@ class GitStore(Store):
         CorruptStore."""
         tip = self.fetch(fresh=not digest, background=digest and self._rt.long_running.is_set())
         doc = self.doc_at(tip)
+        self._say_not_ours(tip, doc)
         with self._state.lock:
             error = self._state.fetch_error
         behind = f"{self.scope} scope may be behind: "     # (said once: the fetch may
@@ -14610,6 +14631,7 @@ def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None
                 doc, bad = st.salvage()
                 warnings.append(st.unrepaired(bad))
             docs[scope] = doc
+            warnings += st.warnings if isinstance(st, GitStore) else []   # (_say_not_ours)
         except ScopeOff:
             continue
         except CambiumError as e:

@@ -7491,6 +7491,25 @@ def test_a_team_branch_holding_code_is_never_written(shared, monkeypatch, how):
     assert "holds other files" in team["error"] and team["items"] == 0
 
 
+def test_a_team_store_a_teammate_removed_is_named_by_every_read(shared):
+    """A teammate's `git rm knowledge.json` on the team branch: writes refused
+    and status named it, but recall, stale_report, review_promotions and the
+    primer served team as empty with no word: all team knowledge gone, silently."""
+    item = _endorsed("Canary every deploy")
+    cs.promote(item, force=True)
+    b = shared["b"]
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    git(b, "rm", "-q", "knowledge.json")
+    git(b, "commit", "-qm", "cleanup")
+    git(b, "push", "-q", "origin", "cambium")
+    said = "team scope reads as empty: the team branch 'cambium' on 'origin' holds other files"
+    for out in (cs.recall("canary deploy"), cs.stale_report(), cs.review_promotions()):
+        assert any(w.startswith(said) for w in out.get("warnings", [])), out
+    primer = cs.session_primer()
+    assert said in json.dumps(primer) and item not in json.dumps(primer), primer
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
