@@ -19962,10 +19962,16 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     holds no copy (the item is simply retired). In PR mode the retirement goes
     through the cambium/updates pull request, the copy below waiting for its
     merge (_finish_held_move): nothing is pushed to org's own branch. A
-    supersession by an item org lacks is not carried (carried_over): org's
-    copy stays active, with a warning."""
+    supersession by an item org lacks is not carried (carried_over): a
+    person's correction goes up first (_correction_waits); any other leaves
+    org's copy active, with a warning, but a copy waiting on its merged pull
+    request waits on (review_promotions' rule: dropped, it lost the
+    supersession at org with no word)."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
+    if (waits := _correction_waits(cfg, scope, item, found[1])) and item.pr_url:
+        return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
+                "warnings": [waits]}          # (as review_promotions would settle it)
     if cfg.org_pr:
         return _finish_held_move(cfg, scope, item, found[1], restated=False)
     moved = move(cfg, [item], scope, "org", gate=lambda it: _awaiting_merge(it),

@@ -5780,9 +5780,13 @@ def test_pr_mode_a_correction_made_while_the_promote_pr_opened_reaches_org(
     assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
     fix = json.loads(ran[0].stdout)["item"]["id"]
     _merge_on_org(shared, tmp_path, f"cambium/promote-{item_id}")
+    again = cs.promote(item_id, to_scope="org")         # (it settled the merge silently too)
+    assert again["status"] == "pr_pending", again
+    assert any(w.startswith(f"{item_id} was corrected in team scope by {fix}")
+               for w in again["warnings"]), again
     review = cs.review_promotions()
     assert review.get("settled_org_prs", []) == [], review
-    assert any(w.startswith(f"{item_id} was corrected in team scope by {fix}")
+    assert any(w.startswith(f"{item_id} waits in team scope for {fix}")
                for w in review["warnings"]), review
     assert item_id in team_ids(shared["origin"])
     for _ in range(2):                          # the correction, then the supersession
