@@ -15028,10 +15028,9 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         below = [it for it in first_copies(_source_doc(cfg, src).items) if it.id in ids]
         current = [it for it in below if it.id not in above]
         verdicts = {it.id: _landing(cfg, dst, doc, it, gate(it), copy) for it in current}
-        made.clear()
+        for last_plans in (made, joined, clash):        # (a retry plans afresh)
+            last_plans.clear()
         made.update((it.id, it) for it in current if verdicts[it.id].allowed)
-        joined.clear()
-        clash.clear()
         for it in (it for it in below if it.id in above):   # (a merged PR: the reviewer's
             if copy_of(above[it.id], it) or it.pr_url:       # edit is its copy too)
                 joined.add(it.id)

@@ -11365,7 +11365,8 @@ def test_consolidate_never_groups_texts_whose_meaning_bearing_symbols_differ():
     assert cs._FIGURE.findall("-3 and 3-5 and +2") == ["-3", "3", "5", "+2"]
     same = [cs.new_item("Never push to main!"), cs.new_item("never push to main"),
             cs.new_item("Use a read-only token - always")]
-    assert [m for _, ms in cs.duplicate_groups(same[:2], {}) for m, _, _ in ms] == [0]
+    (survivor, members), = cs.duplicate_groups(same[:2], {})   # (either may survive: a tie)
+    assert {survivor, *(m for m, _, _ in members)} == {0, 1}
     assert cs.normalized_text(same[2]) == cs.normalized_text(
         cs.new_item("use a read only token, always"))
 
