@@ -17515,8 +17515,9 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
             stops.deliver()
             return {"cmd": cmd, "passed": False, "exit": None, "output": "",
                     "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
-        guard = _group_guard(proc.pid)
+        guard = None                                # (a Ctrl-C as it starts: still killed)
         try:
+            guard = _group_guard(proc.pid)
             stops.deliver()                         # (one that came while it started)
             output = check_output_tail(proc, timeout_s)
             code = proc.poll()                      # None: still running, timed out

@@ -12650,6 +12650,39 @@ def test_verify_run_killed_by_sigkill_takes_its_check_and_all_it_started_with_it
                 os.kill(pid, 9)
 
 
+def _gone(marker: str) -> list[int]:
+    """The processes still running with `marker` (waits up to 10 s for a kill to land)."""
+    deadline = time.monotonic() + 10
+    while _processes_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _processes_running(marker)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_ctrl_c_while_a_checks_guard_starts_still_kills_the_check(tmp_path, monkeypatch):
+    """The guard was started outside the try whose finally kills the check's
+    group: a Ctrl-C during its start (a fork and exec of /bin/sh) left all the
+    check had started running, with no time limit."""
+    marker = "61.0013"
+
+    def interrupted(group: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(_named(_processes_running(marker), "sleep")) < 2 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cs, "_group_guard", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cs.run_check(f"sleep {marker} & sleep {marker}; echo late", tmp_path, 60)
+        assert _gone(marker) == []
+    finally:
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
     """A person replaced (or removed) a check while verify --run ran the old
     one: the old command's pass was credited (authority verified)."""
