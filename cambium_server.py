@@ -17520,14 +17520,14 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
             guard = _group_guard(proc.pid)
             stops.deliver()                         # (one that came while it started)
             output = check_output_tail(proc, timeout_s)
-            code = proc.poll()                      # None: still running, timed out
+            code = _exit_unreaped(proc)             # None: still running, timed out
         finally:
             stops.holding = True                    # (nothing may skip the kill)
             with contextlib.suppress(OSError):      # the whole group: timed out or leftovers
                 os.killpg(proc.pid, 9)
-            proc.stdout.close()
-            proc.wait()
-            _stand_down(guard)
+            _stand_down(guard)                      # (before the wait: the unreaped
+            proc.stdout.close()                     # leader holds the group's id, so a
+            proc.wait()                             # guard never kills a reused one)
         stops.deliver()
     if code is None:
         output += f"\n[timed out after {timeout_s:g} s]".encode()
@@ -17659,7 +17659,7 @@ def check_output_tail(proc: subprocess.Popen, timeout_s: float) -> bytes:
         sel.register(fd, selectors.EVENT_READ)
         while True:
             now = time.monotonic()
-            if exited is None and proc.poll() is not None:
+            if exited is None and _exit_unreaped(proc) is not None:
                 exited = now
             until = deadline if exited is None else min(deadline, exited + CHECK_DRAIN_S)
             if now >= until:
@@ -17670,12 +17670,29 @@ def check_output_tail(proc: subprocess.Popen, timeout_s: float) -> bytes:
             except BlockingIOError:
                 continue
             if chunk == b"":                # the pipe ended: wait for the exit alone
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(max(0.0, deadline - time.monotonic()))
+                while _exit_unreaped(proc) is None and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 return bytes(tail)
             if chunk:
                 tail += chunk
                 del tail[:-keep]
+
+
+def _exit_unreaped(proc: subprocess.Popen) -> int | None:
+    """A check's exit status (as Popen's returncode) once it has exited, else
+    None, leaving it unreaped where os.waitid can (WNOWAIT): its pid, and so its
+    group's id, stays taken until run_check has killed the group and stood its
+    guard down (reaped first, the id was free to be reused by an unrelated
+    group that a SIGKILL of cambium then had the guard kill)."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.poll()
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def run_checks(item_id: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> dict:

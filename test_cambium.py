@@ -12683,6 +12683,23 @@ def test_a_ctrl_c_while_a_checks_guard_starts_still_kills_the_check(tmp_path, mo
                 os.kill(pid, 9)
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_checks_guard_stands_down_while_its_group_id_is_still_held(tmp_path, monkeypatch):
+    """The guard's all-clear was written after the check's leader was reaped:
+    a SIGKILL of cambium in between had the guard kill a group number that was
+    free to be reused by an unrelated process."""
+    real, held = cs._stand_down, []
+
+    def standing_down(guard: subprocess.Popen | None) -> None:
+        group = int(guard.args[-1])
+        held.append(Path(f"/proc/{group}").exists())     # (a zombie still has its entry)
+        real(guard)
+
+    monkeypatch.setattr(cs, "_stand_down", standing_down)
+    assert cs.run_check("true", tmp_path, 30)["passed"] is True
+    assert held == [True]
+
+
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
     """A person replaced (or removed) a check while verify --run ran the old
     one: the old command's pass was credited (authority verified)."""
