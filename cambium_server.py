@@ -17497,7 +17497,8 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     exit, not on the pipe's end: what it leaves in the background (`sleep &`,
     even a `setsid` child that escapes its group) neither holds the answer
     past the timeout nor turns a pass into one. Its process group is killed
-    once the answer is in, so a check leaves nothing running. A check that
+    once the answer is in, and (on Linux) the rest of its session
+    (_kill_session), so a check leaves nothing running but a `setsid` one. A check that
     cannot start (a NUL in a hand-edited command, one over the system's
     argument limit) answers `error`: it neither passed nor failed, and one
     such check stopped the whole run, with the results already in. A SIGTERM
@@ -17525,6 +17526,7 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
             stops.holding = True                    # (nothing may skip the kill)
             with contextlib.suppress(OSError):      # the whole group: timed out or leftovers
                 os.killpg(proc.pid, 9)
+            _kill_session(proc.pid)                 # (what left the group: `timeout`)
             _stand_down(guard)                      # (before the wait: the unreaped
             proc.stdout.close()                     # leader holds the group's id, so a
             proc.wait()                             # guard never kills a reused one)
@@ -17570,9 +17572,15 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-#: The guard of a check's process group ($1): a line "ok" on its stdin stands it
-#: down; the end of its stdin without one (its parent is gone) kills the group.
-GROUP_GUARD = 'read -r word; [ "$word" = ok ] || kill -KILL "-$1" 2>/dev/null'
+#: The guard of a check's process group ($1, also its session's id): a line "ok"
+#: on its stdin stands it down; the end of its stdin without one (its parent is
+#: gone) kills the group, then twice over each process /proc shows in the session
+#: (a check's `timeout CMD` or `set -m` job moved to a group of its own).
+GROUP_GUARD = ('read -r word; [ "$word" = ok ] && exit; g=$1; kill -KILL "-$g" 2>/dev/null; '
+               'for pass in 1 2; do for f in /proc/[0-9]*/stat; do '
+               'read -r line < "$f" 2>/dev/null || continue; set -- ${line##*)}; '
+               '[ "$4" = "$g" ] || continue; p=${f#/proc/}; kill -KILL "${p%/stat}" 2>/dev/null; '
+               'done; done')
 
 
 def _group_guard(group: int) -> subprocess.Popen | None:
@@ -17588,6 +17596,36 @@ def _group_guard(group: int) -> subprocess.Popen | None:
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     except (OSError, ValueError):
         return None
+
+
+def _session_members(sid: int) -> list[int]:
+    """The live processes in session `sid`, from /proc (none where there is no /proc)."""
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        with contextlib.suppress(OSError, ValueError):
+            fields = Path(f"/proc/{name}/stat").read_bytes().rpartition(b")")[2].split()
+            if fields[0] != b"Z" and int(fields[3]) == sid and int(name) != os.getpid():
+                out.append(int(name))
+    return out
+
+
+def _kill_session(sid: int) -> None:
+    """Kill what is left in a check's session once its group is killed: a
+    `timeout CMD` or `set -m` job in the check moved to a group of its own, out
+    of the group's kill, and ran on. Only that session (its id is the check's
+    unreaped leader's, so it is no one else's); a process that started its own
+    (`setsid`) is not in it. A few passes, for one forked during the last."""
+    for _ in range(5):
+        members = _session_members(sid)
+        if not members:
+            return
+        for pid in members:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
 
 
 def _stand_down(guard: subprocess.Popen | None) -> None:

@@ -12700,6 +12700,38 @@ def test_a_checks_guard_stands_down_while_its_group_id_is_still_held(tmp_path, m
     assert held == [True]
 
 
+def _moves_out_of_its_group(marker: str) -> str:
+    """A check that starts a process in a group of its own (as `timeout CMD`
+    and `set -m` jobs do), waits until it has moved, and passes."""
+    code = f"import os, time; os.setpgid(0, 0); open('moved', 'w').close(); time.sleep({marker})"
+    return (f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} & "
+            "while [ ! -e moved ]; do sleep 0.02; done; echo moved")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_check_that_moved_a_process_out_of_its_group_leaves_nothing_running(tmp_path):
+    """`timeout 600 pytest` as a check: GNU timeout calls setpgid, so it and
+    what it ran escaped the kill of the check's group, after a pass, a timeout,
+    and a SIGKILL of verify --run alike (the guard killed the group only).
+    They stay in the check's session, and that is killed too."""
+    marker = "61.0014"
+    try:
+        assert cs.run_check(_moves_out_of_its_group(marker), tmp_path, 30)["passed"] is True
+        assert _gone(marker) == []
+        (tmp_path / "moved").unlink()
+        check = subprocess.Popen(["sh", "-c", _moves_out_of_its_group(marker) + "; sleep 61"],
+                                 cwd=tmp_path, stdout=subprocess.PIPE, start_new_session=True)
+        assert check.stdout.readline() == b"moved\n"
+        guard = cs._group_guard(check.pid)
+        guard.stdin.close()                              # cambium gone, no "ok"
+        assert guard.wait(timeout=30) == 0 and check.wait(timeout=30) == -9
+        assert _gone(marker) == []
+    finally:
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
 def test_a_check_changed_while_it_ran_has_its_result_dropped(repo, monkeypatch):
     """A person replaced (or removed) a check while verify --run ran the old
     one: the old command's pass was credited (authority verified)."""
