@@ -14460,11 +14460,14 @@ def repository_key(url: str, repo: Path) -> tuple[str, str]:
     and trailing `/` aside). The host is not compared: fetching anonymous
     `https://github.com/org/repo.git` and pushing to `git@gh-work:org/repo.git`
     (an ssh host alias, for a second account) is one repository, while
-    `me/repo` beside `org/repo` is a fork."""
+    `me/repo` beside `org/repo` is a fork. An address with no path after its
+    host is compared whole: in AWS CodeCommit's `codecommit::us-east-1://api`
+    the name is all there is, and every such repository was one (empty) path."""
     key = remote_key(url, repo)
     if _local_remote(url) is not None:
         return ("path", key)
-    return ("url", key.partition("/")[2].strip("/"))
+    path = key.partition("/")[2].strip("/")
+    return ("url", path) if path else ("address", key)
 
 
 #: ORG_CODE entries a fresh knowledge repo may hold too (a Makefile that renders

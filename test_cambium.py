@@ -9591,6 +9591,13 @@ def test_one_repository_is_one_remote_key_as_git_reaches_it(tmp_path):
                          ("git@github.com:acme/knowledge.git", False)):
         git(org, "remote", "set-url", "origin", url)
         assert bool(cs.org_remote_problem(org, project, "origin", 10)) is refused, url
+    # no path after the host (AWS CodeCommit: the name is all there is): all were one
+    git(project, "remote", "set-url", "origin", "codecommit::us-east-1://api")
+    for url, refused in (("codecommit::us-east-1://acme-knowledge", False),
+                         ("codecommit://profile@knowledge", False),
+                         ("https://git.corp", False), ("codecommit://profile@api", True)):
+        git(org, "remote", "set-url", "origin", url)
+        assert bool(cs.org_remote_problem(org, project, "origin", 10)) is refused, url
 
 
 def test_a_move_never_drops_the_copy_it_found_in_its_own_branch(shared, monkeypatch):
