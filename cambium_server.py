@@ -3440,7 +3440,7 @@ def loose_object(objects: Path, sha: str) -> tuple[str, bytes] | None:
                                  MAX_GIT_READ_BYTES + 64)            # (+ its header)
     except (OSError, ValueError, zlib.error):
         return None
-    if inflate.unconsumed_tail:
+    if inflate.unconsumed_tail or not inflate.eof:      # (cut short, its checksum too)
         return None
     head, _, body = raw.partition(b"\0")
     kind, _, size = head.decode("ascii", "replace").partition(" ")

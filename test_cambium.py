@@ -6795,6 +6795,12 @@ def test_a_giant_packed_refs_or_loose_object_is_left_to_git_not_read_whole(repo)
     assert path.stat().st_size < 2**20
     assert cs.loose_object(objects, sha.hexdigest()) is None
     assert git(repo, "cat-file", "-s", sha.hexdigest()).strip() == str(bound + 100)
+    small = git(repo, "rev-parse", f"{tip}:README.md").strip()
+    loose = objects / small[:2] / small[2:]
+    assert cs.loose_object(objects, small)[0] == "blob"
+    loose.chmod(0o644)
+    loose.write_bytes(loose.read_bytes()[:-2])     # cut in its adler32 trailer
+    assert cs.loose_object(objects, small) is None   # (was read unchecked)
 
 
 def test_a_ref_named_with_a_line_separator_is_read_whole_from_git(shared):
