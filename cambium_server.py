@@ -22728,9 +22728,10 @@ def _cli_joined(value: Any) -> Any:
 def _cli_seconds(text: str) -> float:
     """argparse type for a number of seconds: an ASCII decimal (_is_decimal),
     as CAMBIUM_GIT_TIMEOUT takes; float() took '١٢', '5_0' and ' 5 '. The
-    refusal names the bounds: '-1' and '1e400' read as numbers to a person."""
-    if not _is_decimal(text):
-        lo, hi = CHECK_TIMEOUT_RANGE
+    refusal names the bounds: '-1' and '1e400' read as numbers to a person. One
+    out of them is refused here too (exit 2, one message: `0` exited 1 with another)."""
+    lo, hi = CHECK_TIMEOUT_RANGE
+    if not _is_decimal(text) or not lo <= float(text) <= hi:
         raise argparse.ArgumentTypeError(
             f"must be an ASCII decimal number of seconds from {lo:g} to {hi:g} (like 30 or "
             f"2.5); got {_clip(text, 40)!r}")
@@ -22755,10 +22756,7 @@ def _cli_int(param: Param) -> Callable[[str], int]:
 
 def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
     """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
-    if args.run:
-        lo, hi = CHECK_TIMEOUT_RANGE
-        if not lo <= args.timeout <= hi:
-            raise InputError(f"--timeout must be from {lo:g} to {hi:g} seconds.")
+    if args.run:                                # (--timeout: bounded by _cli_seconds)
         return _cli_print(args, {"item_id": args.item_id, "timeout_s": args.timeout},
                           run_checks)
     if args.item_id is None:
