@@ -21114,9 +21114,13 @@ def restore(path: Annotated[str, Field(
 def _mark_restored(p: Path, opened: os.stat_result) -> dict:
     """Rename the set-aside file restore read `*.restored`: only while `p` is
     still that file (another file put there since keeps its name, and its
-    warnings, until it is restored too)."""
+    warnings, until it is restored too). Narrowed, not closed: a file swapped
+    in between this check and the rename is renamed too. One removed since it
+    was read is said to be gone."""
     try:
         same = os.path.samestat(os.stat(p), opened)
+    except FileNotFoundError:
+        return {"note": f"{p} was removed after restore read it: there is nothing to rename"}
     except OSError:
         same = False
     if not same:

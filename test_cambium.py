@@ -3549,6 +3549,11 @@ def test_restore_checks_the_file_it_opened_not_the_name_it_was_given(repo, tmp_p
     out = cs.restore(str(aside))
     assert out["restored"] == 1 and "moved_to" not in out and "no longer the file" in out["note"]
     assert "Epsilon" in aside.read_text()                  # (not renamed *.restored)
+    gone = live.with_name("knowledge.json.quarantine-20261208T000000")
+    gone.write_text(json.dumps(cs.new_item("Zeta rotates keys monthly").to_dict()) + "\n")
+    _swap_at_open(monkeypatch, gone, gone.unlink, after=True)
+    out = cs.restore(str(gone))                    # (said: "it keeps its name; run again")
+    assert out["restored"] == 1 and "was removed after restore read it" in out["note"]
     assert "Delta tags every release" in [
         it.content for it in cs.store(cs.resolve_config(), "local").read().items]
 
