@@ -15116,9 +15116,15 @@ def _refuse_dropping_itself(cfg: Config, src: str, dst: str, write: Write) -> No
     "verified" in dst is the very one about to be dropped. Both stay."""
     st, there = store(cfg, src), write.commit or write.read_at
     if isinstance(st, GitStore) and there and st.holds_now(there):
-        err = ConfigError(ONE_BRANCH.format(src=src, dst=dst, how=(
-            f"read one branch: the {dst} commit {there[:12]} that holds the copies is in "
-            f"the {src} branch's own history")))
+        err = ConfigError(
+            f"the {dst} commit {there[:12]} that holds the copies is in the {src} branch's "
+            f"own history: either the two scopes read one branch, where the {dst} copy is the "
+            f"{src} copy itself and dropping it would drop the only copy, or {dst}'s branch "
+            f"was started from a copy of {src}'s history and has no commit of its own since. "
+            f"Nothing was dropped: the item(s) stay in {src}. In the second case one {dst} "
+            f"commit of its own (such as moving another item up to {dst}) ends this; in the "
+            f"first, give {dst} a repository of its own (for org, CAMBIUM_ORG_REPO: a clone "
+            "of the org knowledge repo)")
         err.one_branch = True            # type: ignore[attr-defined]
         raise err
 

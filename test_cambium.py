@@ -9631,6 +9631,8 @@ def test_a_move_never_drops_the_copy_it_found_in_its_own_branch(shared, monkeypa
     with pytest.raises(cs.ConfigError, match="in the team branch's own history") as e:
         cs.promote(item, to_scope="org", force=True)
     assert "stays in team scope too until the same call" not in str(e.value)
+    assert "or org's branch was started from a copy of team's history" in str(e.value)
+    assert "one org commit of its own (such as moving another item up" in str(e.value)
     assert team_ids(shared["origin"]) == {item}
     assert [r["id"] for r in cs.recall("idempotency keys payment")["results"]] == [item]
 
