@@ -6304,6 +6304,7 @@ class GitStore(Store):
 
     def local_tip(self) -> str | None:
         """The last fetched tip (None: no branch), read from .git when it can be."""
+        self._drop_old_scratch()
         with contextlib.suppress(OSError, IndexError):
             if self._objects() is not None:
                 return _ref_value(self.repo, self.ref) or None
@@ -6577,6 +6578,24 @@ class GitStore(Store):
             if (value := self._kept(was)) and self.git(
                     "update-ref", new, value, "", check=False).returncode == 0:
                 self.git("update-ref", "-d", was, value, check=False)
+
+    def _drop_old_scratch(self) -> None:
+        """Delete, once a process, a scratch ref an earlier version wrote at this
+        branch's private ref: fast-import's `<remote>/new`, `__default`,
+        `side/<x>` and `<b>-verify` sat beside the private refs, so after a
+        switch to a team branch of such a name the leftover was read as its
+        cached tip (another branch's items served as its own, then a false
+        rewind kept). Only when this clone never fetched that branch (no fetch
+        stamp: every private ref cambium sets is stamped), so a fetched tip is
+        never dropped."""
+        name = self.branch
+        if not (name in ("new", "__default") or name.startswith("side/") or
+                name.endswith("-verify")) or \
+                not self._rt.first_time(f"old scratch {self.repo} {self.ref}") or \
+                os.path.exists(self._stamp()):
+            return
+        if value := self._kept(self.ref):
+            self.git("update-ref", "-d", self.ref, value, check=False)
 
     def _kept(self, ref: str) -> str:
         """The commit a ref of cambium's names ("" when there is none), read

@@ -5036,6 +5036,34 @@ def test_a_team_branch_named_like_a_scratch_ref_keeps_its_own_cached_tip(shared,
     assert [i.id for i in cs.store(cs.resolve_config(), "team").peek().items] == [first]
 
 
+def test_a_scratch_ref_an_earlier_version_left_is_not_read_as_a_branch_of_its_name(
+        shared, monkeypatch):
+    """An earlier version's scratch refs (`<remote>/new`, `__default`,
+    `side/<x>`, `<b>-verify`) were left where they were: after a switch to a
+    team branch of that name, the leftover was read as its cached tip, the old
+    branch's items served as the new one's, and a fetch called it rewound.
+    One this clone never fetched (no fetch stamp) is deleted at its first read."""
+    first = _endorsed("Payroll rotation is monthly")
+    assert cs.promote(first)["status"] == "promoted"
+    a, tip = shared["a"], git(shared["origin"], "rev-parse", "cambium").strip()
+    for name in ("new", "side/x", "cambium-verify"):            # (as the old version left them)
+        git(a, "update-ref", f"refs/cambium/team/origin/{name}", tip)
+    git(a, "update-ref", "refs/cambium/team/origin/kept", tip)   # (fetched: stamped)
+    (cs.store(cs.resolve_config(), "team")._stamp("kept")).touch()
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "new")
+    assert cs.store(cs.resolve_config(), "team").peek().items == []
+    out = cs.recall("payroll rotation", scope="team")
+    assert first not in [r["id"] for r in out["results"]]
+    assert not any("rewound" in w for w in out.get("warnings", []))
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "side/x")
+    assert cs.store(cs.resolve_config(), "team").peek().items == []
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kept")
+    assert [i.id for i in cs.store(cs.resolve_config(), "team").peek().items] == [first]
+    assert git(a, "for-each-ref", "--format=%(refname)", "refs/cambium/team/").split() == [
+        "refs/cambium/team/origin/cambium", "refs/cambium/team/origin/cambium-verify",
+        "refs/cambium/team/origin/kept"]
+
+
 def test_a_missing_gh_says_how_to_get_one_or_do_without(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))                 # (it said: not found on PATH)
     with pytest.raises(cs.GitError, match="install gh and run `gh auth login`, or set "
