@@ -6453,22 +6453,32 @@ class GitStore(Store):
         """Where the remote's URL read at the last fetch is kept, beside the stamp."""
         return self._stamp().with_name(self._stamp().name + ".url")
 
-    def url_moved(self) -> str | None:
-        """What to say when the remote's URL is not the one the last fetch read
-        there (`git remote set-url origin <another>`): the tip held is then
-        another repository's, read as this project's by no read until a fetch
-        from the new URL. None when it is the same, or none was recorded."""
-        try:
-            known = git_file_text(self._url_record(), errors="replace").strip()
-        except OSError:
-            return None
-        url = ""
+    def _url_change(self) -> tuple[str, str, bool]:
+        """(the remote's URL now, the one recorded at the last fetch, whether
+        they name two repositories): one repository however spelled (remote_key:
+        `P`, `P.git`, `P.git/`, `file://`, a user's insteadOf, another token in
+        an https URL) is no move. The one rule url_moved and _remote_moved ask."""
+        url = known = ""
         with contextlib.suppress(CambiumError):         # (cached until the config changes)
             url = remote_url(self.repo, self.remote, self.timeout_s) or ""
-        if not (url and known and url != known):
-            return None
-        return (f"{self.remote} now points at {url}, not at {known} where cambium last read "
-                f"the {self.scope} scope")
+        with contextlib.suppress(OSError):
+            known = git_file_text(self._url_record(), errors="replace").strip()
+        return url, known, bool(url and known and url != known and
+                                remote_key(url, self.repo) != remote_key(known, self.repo))
+
+    def url_moved(self) -> str | None:
+        """What to say when the remote's URL names another repository than the
+        one the last fetch read there (`git remote set-url origin <another>`):
+        the tip held is then another repository's, read as this project's by no
+        read until a fetch from the new URL. None when it is the same
+        repository (_url_change), or none was recorded."""
+        url, known, moved = self._url_change()
+        return self._moved_said(url, known) if moved else None
+
+    def _moved_said(self, url: str, known: str) -> str:
+        """The remote's move, its URLs without a user or token (shown_url)."""
+        return (f"{self.remote} now points at {shown_url(url)}, not at {shown_url(known)} "
+                f"where cambium last read the {self.scope} scope")
 
     def _remote_moved(self, before: str | None) -> bool:
         """Whether the remote's URL changed since the last fetch (a fork's
@@ -6476,23 +6486,17 @@ class GitStore(Store):
         the branch fetched now does not descend from the tip read there: another
         repository, not a force push. Warns so, once, and keeps no rewound tip
         (that advice would have copied every team item into the fork). The URL
-        read at each fetch is kept beside the stamp (url_moved)."""
-        url, seen = "", self._url_record()
-        with contextlib.suppress(CambiumError):         # (cached until the config changes)
-            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
-        try:
-            known = git_file_text(seen, errors="replace").strip()
-        except OSError:
-            known = ""
-        if url and url != known:
+        read at each fetch is kept beside the stamp (url_moved), without a user
+        or token (shown_url)."""
+        url, known, moved = self._url_change()
+        if url and shown_url(url) != known:
             with contextlib.suppress(OSError):
-                atomic_write(seen, url + "\n", durable=False)
-        if not (url and known and url != known and before and self._left_behind(before)):
+                atomic_write(self._url_record(), shown_url(url) + "\n", durable=False)
+        if not (moved and before and self._left_behind(before)):
             return False
         self._warnings.append(
-            f"{self.remote} now points at {url}, not at {known} where cambium last read the "
-            f"{self.scope} scope: another repository, so its items are read from there now; "
-            f"what {known} holds stays there")
+            f"{self._moved_said(url, known)}: another repository, so its items are read from "
+            f"there now; what {shown_url(known)} holds stays there")
         return True
 
     def _left_behind(self, before: str) -> bool:
@@ -14421,8 +14425,8 @@ def org_remote_problem(org: Path, project: Path, remote: str, timeout_s: float) 
     with contextlib.suppress(CambiumError, OSError):
         theirs, mine = remote_url(org, "origin", timeout_s), remote_url(project, remote, timeout_s)
         if theirs and mine and repository_key(theirs, org) == repository_key(mine, project):
-            spelled = "" if theirs == mine else f", as its origin {theirs} names it"
-            return (f"clones the project's own remote ({mine}{spelled}: one repository to git, "
+            spelled = "" if theirs == mine else f", as its origin {shown_url(theirs)} names it"
+            return (f"clones the project's own remote ({shown_url(mine)}{spelled}: one repository to git, "
                     "or the same owner/name after the host, whatever the host); the org scope "
                     "needs a repository of its own (the org knowledge repo), or org writes "
                     "would land in the project's repository and an item moved up from team "
@@ -14443,6 +14447,20 @@ def remote_key(url: str, repo: Path) -> str:
     rest = re.sub(r"^([^/:]+):\d+/", r"\1/", url.split("://", 1)[-1].rsplit("@", 1)[-1]) \
         if "://" in url else url.split("@", 1)[-1].replace(":", "/", 1)   # (a port aside)
     return rest.rstrip("/").removesuffix(".git").lower().removeprefix("www.")
+
+
+def shown_url(url: str) -> str:
+    """`url` as a message shows it (pure): the user and password or token
+    before the host left out, as git leaves them out of its own messages
+    (transport_anonymize_url); a local path as it is."""
+    if _local_remote(url) is not None or "@" not in url:
+        return url
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        authority, slash, path = rest.partition("/")
+        return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
+    host = url.partition("@")[2]
+    return host if ":" in host.split("/", 1)[0] else url
 
 
 def _reached_repo(path: str) -> str | None:

@@ -7370,6 +7370,37 @@ def test_a_remote_set_to_another_url_never_serves_the_old_repositorys_items(shar
                for w in out["warnings"]), out
 
 
+def test_a_remote_url_spelled_another_way_is_no_move_and_no_token_is_shown(shared):
+    """URLs were compared as strings: `P.git` becoming `../P.git`, `P.git/`,
+    `file://…/P.git`, an insteadOf rule, or a new token in an https URL read as
+    a move, and the primer (and the SessionStart hook) skipped team; the
+    warning held both tokens. One repository however spelled is no move
+    (remote_key), and a warning shows no user or token."""
+    a, origin = shared["a"], shared["origin"]
+    _endorsed("Payroll rotation is monthly in this repository", "payroll")
+    cs.promote()
+    assert cs.recall("payroll rotation monthly", scope="team")["results"]   # URL recorded
+    for spelled in (os.path.relpath(origin, a), str(origin) + "/", f"file://{origin}"):
+        git(a, "remote", "set-url", "origin", spelled)
+        primer = cs.session_primer()
+        assert "Payroll rotation" in primer["primer"], (spelled, primer)
+        assert not any("now points at" in w for w in primer.get("warnings", [])), primer
+    git(a, "remote", "set-url", "origin", "mirror:shop.git")
+    git(a, "config", f"url.{origin.parent}/.insteadOf", "mirror:")
+    assert "Payroll rotation" in cs.session_primer()["primer"]
+    team = _team_store(a)
+    team._url_record().write_text("https://ada:OLDSECRET111@git.example/g/p.git\n")
+    git(a, "config", "--unset", f"url.{origin.parent}/.insteadOf")
+    git(a, "remote", "set-url", "origin", "https://ada:NEWSECRET222@git.example/g/p")
+    assert team.url_moved() is None
+    git(a, "remote", "set-url", "origin", "https://ada:NEWSECRET222@elsewhere.example/g/p")
+    said = team.url_moved()
+    assert said and "elsewhere.example/g/p" in said and "git.example/g/p.git" in said, said
+    assert "SECRET" not in said and "ada" not in said, said
+    assert cs.shown_url("git@host:org/r.git") == "host:org/r.git"
+    assert cs.shown_url("/srv/a@b/P.git") == "/srv/a@b/P.git"
+
+
 def test_a_remote_url_read_again_after_a_set_url_in_the_same_clock_tick(shared):
     """The remote's URL was cached until the config's mtime changed: a
     `git remote set-url` within the clock tick of the config's last write
