@@ -6111,29 +6111,42 @@ class GitStore(Store):
         return stamp.with_name(stamp.name + ".failed")
 
     def _note_failure(self, error: str) -> None:
-        """Record a failed fetch for every process of this clone (best effort)."""
+        """Record a failed fetch for every process of this clone (best effort),
+        with the URL it was fetched from (`url: <url>` on the first line, without
+        a user or token): a failure counts for that URL alone (_recent_failure)."""
+        url = ""
+        with contextlib.suppress(CambiumError):
+            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
         with contextlib.suppress(OSError):
-            atomic_write(self._failed_stamp(), clip_message(error, 500), durable=False)
+            atomic_write(self._failed_stamp(), (f"url: {shown_url(url)}\n" if url else "") +
+                         clip_message(error, 500), durable=False)
 
-    def _recent_failure(self, fetched: float) -> str | None:
-        """What a fetch that failed within FETCH_BACKOFF_S (in any process, and
-        after the last that succeeded: the stamp's mtime `fetched`) said, when a
-        fetched tip is there to answer from instead; else None (a fetch is
-        tried when due)."""
+    def _recent_failure(self, fetched: float, moved: bool = False) -> str | None:
+        """What a fetch from the remote's URL as it is now that failed within
+        FETCH_BACKOFF_S (in any process, and after the last that succeeded: the
+        stamp's mtime `fetched`) said, when a fetched tip is there to answer from
+        instead, or the URL `moved` (url_moved: no tip answers, the scope is
+        skipped, as every read until then would wait for a fetch there); else
+        None (a fetch is tried when due)."""
         try:
             at = self._failed_stamp().stat().st_mtime
+            text = git_file_text(self._failed_stamp(), errors="replace").strip()
         except OSError:
             return None
         ago = time.time() - at
-        if fetched > at:
+        if fetched > at or not -1.0 < ago < FETCH_BACKOFF_S:   # (a future one: a fast
+            return None                                         # clock's)
+        failed_at, error = text.partition("\n")[::2] if text.startswith("url: ") else ("", text)
+        url = ""
+        with contextlib.suppress(CambiumError):
+            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
+        if (moved or failed_at) and not (url and failed_at and remote_key(
+                failed_at[5:], self.repo) == remote_key(url, self.repo)):
+            return None                          # (a failure of another URL's)
+        if not moved and self.local_tip() is None:
             return None
-        if not -1.0 < ago < FETCH_BACKOFF_S or self.local_tip() is None:   # (a future one:
-            return None                                                     # a fast clock's)
-        error = ""
-        with contextlib.suppress(OSError):
-            error = git_file_text(self._failed_stamp(), errors="replace").strip()
-        return (f"the last fetch from {self.remote} failed {int(ago)} s ago ({error}); reads "
-                f"try again {int(FETCH_BACKOFF_S)} s after it, writes at once")
+        return (f"the last fetch from {self.remote} failed {int(ago)} s ago ({error.strip()}); "
+                f"reads try again {int(FETCH_BACKOFF_S)} s after it, writes at once")
 
     def _meta_dir(self) -> Path:
         """Where the fetch stamps and write locks live: `cambium/` in the clone's
@@ -6172,8 +6185,8 @@ class GitStore(Store):
         stamp = 0.0
         with contextlib.suppress(OSError):
             stamp = self._stamp().stat().st_mtime
-        failed = None if damaged or elsewhere or force or fresh else \
-            self._recent_failure(stamp)
+        failed = None if damaged or force or fresh else \
+            self._recent_failure(stamp, bool(elsewhere))
         with state.lock:
             moved, state.stamp_seen = stamp != state.stamp_seen, stamp
         if moved:         # another process fetched or pushed: the ref it moved is read
@@ -6189,6 +6202,9 @@ class GitStore(Store):
             since = time.time() - last              # (a stamp in the future, left by a fast
             due = damaged or elsewhere or force or fresh or unread or \
                 not -1.0 < since < self.fetch_interval_s    # clock, is due: not for hours)
+            if due and failed is not None and elsewhere:   # (backed off as any failure)
+                raise RemoteMoved(f"{elsewhere}: its items are not read until they are "
+                                  f"fetched from there, and {failed}")
             if due and failed is not None:
                 due = False
                 self._warnings.append(f"{self.scope} scope may be behind: {failed}")

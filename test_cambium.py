@@ -7401,6 +7401,34 @@ def test_a_remote_url_spelled_another_way_is_no_move_and_no_token_is_shown(share
     assert cs.shown_url("/srv/a@b/P.git") == "/srv/a@b/P.git"
 
 
+def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(shared):
+    """A remote set to a URL that cannot be fetched skipped the back-off every
+    failed fetch gets: each read (a server's too) fetched in the foreground
+    again, waiting up to CAMBIUM_GIT_TIMEOUT each time. A failure recorded for
+    that URL now skips the scope at once for FETCH_BACKOFF_S (never serving
+    the old repository's items); a failure of another URL holds no read back."""
+    a = shared["a"]
+    _endorsed("Payroll rotation is monthly in the old repository", "payroll")
+    cs.promote()
+    assert cs.recall("payroll rotation monthly", scope="team")["results"]   # URL recorded
+    git(a, "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))
+    out = cs.recall("payroll rotation monthly")
+    assert not out["results"] and any("not fetched from there" in w for w in out["warnings"])
+    failed = _team_store(a)._failed_stamp()
+    first = failed.stat()
+    for fresh_process in (False, True):
+        if fresh_process:
+            cs.runtime().reset()
+        out = cs.recall("payroll rotation monthly")
+        assert not out["results"], out
+        said = [w for w in out["warnings"] if w.startswith("team scope skipped: origin now")]
+        assert said and "the last fetch from origin failed" in said[0], out["warnings"]
+        assert failed.stat().st_ino == first.st_ino          # no fetch was tried again
+    git(a, "remote", "set-url", "origin", str(shared["origin"]))   # its failure is not origin's
+    out = cs.recall("payroll rotation monthly")
+    assert out["results"] and not any("failed" in w for w in out.get("warnings", [])), out
+
+
 def test_a_remote_url_read_again_after_a_set_url_in_the_same_clock_tick(shared):
     """The remote's URL was cached until the config's mtime changed: a
     `git remote set-url` within the clock tick of the config's last write
