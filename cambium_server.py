@@ -3322,8 +3322,9 @@ def local_link_problem(repo: Path) -> tuple[str, str] | None:
     cambium must not follow, else None (one lstat when it is no link): one git
     tracks (the repository brought it: a clone that committed `.cambium ->
     ../A/.cambium` had cambium read A's private notes and write into A's
-    store), or one into another git repository (_other_repository). A link
-    made by hand to a folder of its own elsewhere is used as it is. Config.
+    store), or one made by hand where a store would lose or expose a
+    repository's files (_other_repository). Any other link made by hand is
+    used as it is. Config.
     configured asks, so it is refused before anything there is read or written."""
     root = store_root(repo)
     try:
@@ -3345,43 +3346,79 @@ def _link_problem(root: str, target: str, *_versions: Any) -> tuple[str, str] | 
     """local_link_problem's answer, asked again when the link or git's index changes."""
     link = os.path.join(root, LOCAL_DIR)
     said = f"{link} is a symbolic link to {target}"
-    listed = ""
-    with contextlib.suppress(CambiumError, OSError):
-        listed = _git(["ls-files", "-s", "--", LOCAL_DIR], Path(root), 10.0, check=False).stdout
-    if any(ln.startswith("120000 ") for ln in git_lines(listed)):
+    if _tracked_link(root):
         return (f"{said} that the repository itself holds (git tracks it): cambium follows "
                 "no link a clone brings, which could have it read and write another "
                 "repository's files",
                 f"remove the link from the repository (`git rm {LOCAL_DIR}`, and commit; "
                 "cambium then starts a fresh local store), or ask whoever added it")
-    if (other := _other_repository(root, os.path.realpath(link))) is not None:
-        return (f"{said}, in {other}: cambium would read and write that repository's files "
-                "as this clone's local store",
-                f"delete the link (`rm {shlex.quote(link)}`: cambium starts a fresh local store "
-                "there), or point it at a folder of its own outside any other repository")
+    if (where := _other_repository(root, os.path.realpath(link))) is not None:
+        return (f"{said}, {where}",
+                f"point the link at a folder of its own outside any repository's root, git "
+                f"directory or {LOCAL_DIR} (move the store's files there first to keep them), "
+                f"or delete it (`rm {shlex.quote(link)}`: cambium starts a fresh local store)")
     return None
 
 
+def _tracked_link(root: str) -> bool:
+    """Whether git tracks root's `.cambium` as a symbolic link, the name's case
+    aside (`:(icase)`: on a case-insensitive file system a tracked `.CAMBIUM` is
+    this link; one of another case counts when it is this very file)."""
+    listed = ""
+    with contextlib.suppress(CambiumError, OSError):     # (magic on whatever the user set)
+        listed = _run(["git", "ls-files", "-s", "-z", "--", f":(icase){LOCAL_DIR}"], Path(root),
+                      10.0, check=False, env={**_git_env(Path(root)),
+                                              "GIT_LITERAL_PATHSPECS": "0"}).stdout
+    for entry in listed.split("\0"):
+        mode, name = entry.split(" ", 1)[0], entry.partition("\t")[2]
+        if mode == "120000" and (name == LOCAL_DIR or _same_file(root, name, LOCAL_DIR)):
+            return True
+    return False
+
+
+def _same_file(root: str, a: str, b: str) -> bool:
+    """Whether two names under root are one file (a link itself, not followed)."""
+    try:
+        one, two = os.lstat(os.path.join(root, a)), os.lstat(os.path.join(root, b))
+    except OSError:
+        return False
+    return (one.st_dev, one.st_ino) == (two.st_dev, two.st_ino)
+
+
 def _other_repository(root: str, real: str) -> str | None:
-    """What `real` (the resolved target of root's `.cambium`) lies in when that
-    is another repository's, else None: a git directory; a repository's root
-    (the clone's own too), its `.git` or `.cambium`; anything in a work tree
-    other than this clone's, unless that work tree holds the clone (a dotfiles
-    repository at HOME: a folder there is the user's own)."""
-    mine, parts = os.path.realpath(root), Path(real).parts
+    """Where `real` (the resolved target of root's `.cambium`) lies, when a store
+    there would lose or expose a repository's files, else None: a git directory
+    not the clone's own (another's `.git`, a bare repository), a repository's
+    root (the clone's own too: its store among the files git tracks there), or
+    another repository's `.cambium` (its local store). Anything else is the
+    user's choice (a folder in a dotfiles repository at HOME or in a private
+    notes repository, ~/.cambium/<project>, the clone's own .git): used, and
+    named in warnings (set_aside_warnings)."""
+    mine, own = os.path.realpath(root), set()
+    with contextlib.suppress(OSError, IndexError):
+        own = {os.path.realpath(d) for d in _git_dirs(Path(root))}
+    if any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in own):
+        return None
+    parts, files = Path(real).parts, "cambium would read and write that repository's files"
     if ".git" in parts:
-        return f"the git directory {Path(*parts[:parts.index('.git') + 1])}"
+        return (f"in the git directory {Path(*parts[:parts.index('.git') + 1])}: {files} as "
+                "this clone's local store")
     top = real
     while not (os.path.lexists(os.path.join(top, ".git")) or _looks_bare(top)):
         if (up := os.path.dirname(top)) == top:
             return None
         top = up
-    first = os.path.relpath(real, top).split(os.sep)[0]
-    if real == top or first in (".git", LOCAL_DIR) or _looks_bare(top):
-        return f"the repository at {top}"
-    if top == mine or mine.startswith(top.rstrip(os.sep) + os.sep):
-        return None
-    return f"the repository at {top}"
+    if not os.path.lexists(os.path.join(top, ".git")):
+        return f"in the git directory {top}: {files} as this clone's local store"
+    if real == top == mine:
+        return ("this clone's own root: cambium would write its store among the files git "
+                "tracks here")
+    if real == top:
+        return f"the root of the repository at {top}: {files} as this clone's local store"
+    if real == os.path.join(top, LOCAL_DIR) and top != mine:
+        return (f"the local store of the repository at {top}: cambium would read its notes "
+                "and write this clone's among them")
+    return None
 
 
 def _looks_bare(path: str) -> bool:

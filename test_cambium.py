@@ -21151,7 +21151,7 @@ def test_a_cambium_link_the_clone_brought_or_into_another_repository_is_never_fo
     with pytest.raises(cs.InputError, match="nothing was written"):
         cs.setup(project_repo=str(b), agent_id="bo")
     git(b, "rm", "-q", "--cached", ".cambium")                 # made by hand: still A's
-    assert "in the repository at" in cs.status()["gaps"][0]["cost"]
+    assert "the local store of the repository at" in cs.status()["gaps"][0]["cost"]
     assert (repo / ".cambium" / "knowledge.json").read_bytes() == a_store
     assert sorted(os.listdir(repo / ".cambium")) == a_files
     (b / ".cambium").unlink()
@@ -21162,8 +21162,50 @@ def test_a_cambium_link_the_clone_brought_or_into_another_repository_is_never_fo
     inner = make_repo(dots, "proj")
     (dots / "stores").mkdir()
     assert cs._other_repository(str(inner), str(dots / "stores")) is None
-    for bad in (dots, dots / ".cambium", dots / ".git" / "x", b / "sub", inner):
+    for bad in (dots, dots / ".cambium", dots / ".git" / "x", inner):
         assert cs._other_repository(str(inner if bad != inner else b), str(bad)), bad
+
+
+def test_a_cambium_link_made_by_hand_is_refused_only_where_it_loses_or_exposes_files(
+        repo, tmp_path, monkeypatch):
+    """Refusing every `.cambium` link into another work tree made documented,
+    working setups unconfigured (a review): a folder in a dotfiles repository
+    at HOME with the clone outside HOME, a private notes repository,
+    ~/.cambium/<project>, the clone's own .git (said to be "that repository's
+    files"). Only a tracked link (its name's case aside), another repository's
+    root, a git directory not the clone's own, and another repository's
+    .cambium are refused; the rest is used, named in warnings."""
+    dots = make_repo(tmp_path, "dotfiles")              # HOME a dotfiles repo, clone outside
+    notes = make_repo(dots, "notes")                    # a private notes repository
+    bare = tmp_path / "bare.git"
+    git(tmp_path, "init", "-q", "--bare", str(bare))
+    for mine in (dots / "cambium-stores" / "proj", notes / "cambium" / "proj",
+                 dots / ".cambium" / "proj", repo / ".git" / "cambium-store"):
+        mine.mkdir(parents=True)
+        assert cs._other_repository(str(repo), str(mine)) is None, mine
+        if (repo / ".cambium").is_symlink():
+            (repo / ".cambium").unlink()
+        (repo / ".cambium").symlink_to(mine)
+        out = cs.capture(f"A note kept in {mine.name} under {mine.parent.name}")
+        assert out["status"] == "captured", out
+        assert any("symbolic link" in w for w in out.get("warnings", [])), out
+    for bad in (notes, notes / ".git", bare, bare / "refs", notes / ".cambium", repo):
+        assert cs._other_repository(str(repo), str(bad)), bad
+    for name, target in ((".cambium", tmp_path / "plain"), (".CAMBIUM", tmp_path / "plain")):
+        (tmp_path / "plain").mkdir(exist_ok=True)
+        (repo / ".cambium").unlink()
+        (repo / name).symlink_to(target)
+        git(repo, "add", name)
+        git(repo, "commit", "-qm", "a link")
+        if name != ".cambium":          # a case-insensitive file system: one file, two names
+            os.link(repo / name, repo / ".cambium", follow_symlinks=False)
+        with pytest.raises(cs.Unconfigured) as refused:
+            cs.recall("note")
+        assert "git tracks it" in refused.value.guidance["gaps"][0]["cost"]
+        git(repo, "rm", "-q", "--cached", name)
+        git(repo, "commit", "-qm", "no link")
+        if name != ".cambium":
+            (repo / name).unlink()
 
 
 def test_primer_resource_journals_what_the_mcp_session_was_shown(repo):
