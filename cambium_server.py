@@ -1938,15 +1938,22 @@ def _up_to_ceiling(start: Path, device: Callable[[Path], int] | None = None
 
 
 def _git_true(value: str | None) -> bool:
-    """A boolean environment variable as git reads it: true, yes, on or a
-    nonzero number (pure)."""
-    v = (value or "").strip().lower()
+    """A boolean environment variable as git reads it (git_parse_maybe_bool,
+    pure): true, yes or on (any case, nothing around them), or a whole number
+    as C's strtoimax reads it (leading whitespace and a sign; `010` octal,
+    `0x10` hex) times a k, m or g factor that is not 0 and fits an int. false,
+    no, off, 0 and "" are false, and so is any other value: git stops on it
+    ("bad boolean config value"); cambium takes the safe reading."""
+    v = (value or "").lower()
     if v in ("true", "yes", "on"):
         return True
-    try:
-        return int(v, 0) != 0
-    except ValueError:
+    number = re.fullmatch(r"[ \t\n\v\f\r]*([+-]?)(0x[0-9a-f]+|0[0-7]*|[1-9][0-9]*)([kmg]?)", v)
+    if not number:
         return False
+    digits, unit = number.group(2, 3)
+    n = int(digits, 16 if digits.startswith("0x") else 8 if digits.startswith("0") else 10)
+    n *= 1024 ** " kmg".index(unit or " ")
+    return 0 < n <= 2 ** 31 - 1          # (git bounds -n by INT_MAX too: the sign aside)
 
 
 @dataclass

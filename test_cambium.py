@@ -22537,7 +22537,8 @@ def test_the_git_root_walk_stops_at_a_file_system_boundary(tmp_path, monkeypatch
     """git stops looking for a repository where the file system changes
     (unless GIT_DISCOVERY_ACROSS_FILESYSTEM is true); cambium walked on and
     bound the repository above the mount point (a dotfiles repo at HOME took
-    the captures of a project on a mounted disk)."""
+    the captures of a project on a mounted disk). The value is read as git
+    reads it (`010`, `1k` true; ` true` false; what git refuses: false)."""
     home = make_repo(tmp_path, "dothome")
     mount = home / "mnt"
     (mount / "proj").mkdir(parents=True)
@@ -22551,6 +22552,12 @@ def test_the_git_root_walk_stops_at_a_file_system_boundary(tmp_path, monkeypatch
         assert home.resolve() in cs._up_to_ceiling(start, device), value
     monkeypatch.setenv("GIT_DISCOVERY_ACROSS_FILESYSTEM", "0")
     assert home.resolve() not in cs._up_to_ceiling(start, device)
+    for value, git_reads in (("010", True), ("1k", True), ("0x10", True), (" 1", True),
+                             ("-1", True), ("1g", True), (" true", False), ("true ", False),
+                             ("2g", False), ("08", False), ("0k", False), ("", False),
+                             ("off", False), ("maybe", False)):
+        monkeypatch.setenv("GIT_DISCOVERY_ACROSS_FILESYSTEM", value)  # (as git reads it)
+        assert (home.resolve() in cs._up_to_ceiling(start, device)) == git_reads, value
     gone = start / "not-made-yet"               # (its first existing parent's device)
     assert list(cs._up_to_ceiling(gone, device)) == [gone, start, mount.resolve()]
 
