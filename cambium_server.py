@@ -19575,8 +19575,10 @@ def primer_key(cfg: Config, limit: int) -> str | None:
         for scope in ("team", "org"):
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
-                parts.append((scope, _ref_value(st.repo, st.ref) or st.cloned_tip(),
-                              file_version(_git_dirs(st.repo)[1] / "config")))  # (its URL)
+                config = os.stat(_git_dirs(st.repo)[1] / "config")      # (its URL; a link
+                parts.append((scope, _ref_value(st.repo, st.ref) or st.cloned_tip(),  # followed)
+                              (config.st_ino, config.st_size, config.st_mtime_ns,
+                               config.st_ctime_ns)))
         parts.append(_git_head(cfg.repo))
         if cfg.org_repo:                      # the org items sessions here were shown
             parts.append(sorted(used_here(cfg)))

@@ -20647,6 +20647,21 @@ def test_the_cli_primer_states_the_size_of_the_text_it_prints(repo):
     assert int(stated.group(1)) == out["tokens"] == cs.approx_tokens(out["primer"])
 
 
+def test_a_clone_whose_git_config_is_a_link_still_gets_a_primer_cache(shared):
+    """The primer's cache key read the clone's git config through file_version,
+    which refuses a link: with `.git/config` a symbolic link (a dotfiles
+    setup) the key was None and every session start parsed the stores."""
+    a = shared["a"]
+    (a / ".git" / "config").rename(a / ".git" / "config.real")
+    (a / ".git" / "config").symlink_to("config.real")
+    cfg = cs.resolve_config()
+    key = cs.primer_key(cfg, cs.PRIMER_LIMIT)
+    assert key is not None and key == cs.primer_key(cfg, cs.PRIMER_LIMIT)
+    git(a, "remote", "set-url", "origin", str(shared["tmp"] / "elsewhere.git"))
+    assert (a / ".git" / "config").is_symlink()
+    assert cs.primer_key(cfg, cs.PRIMER_LIMIT) not in (key, None)   # (its URL is in it)
+
+
 def test_the_primer_cache_is_named_by_the_hour(repo, monkeypatch):
     """Named by the day, a digest made at 09:00 was served until midnight,
     though a premise turned 30 days old (or a verification 90) at 09:30."""
