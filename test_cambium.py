@@ -7429,6 +7429,25 @@ def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(s
     assert out["results"] and not any("failed" in w for w in out.get("warnings", [])), out
 
 
+def test_a_remote_re_pointed_before_cambiums_first_fetch_is_a_limitation_readme_states(
+        shared, monkeypatch):
+    """No URL is recorded before cambium's first fetch in a clone: the primer
+    read git's own copy of the branch from the old remote after a set-url,
+    unsaid (a review). README's Limitations says so; the first recall fetches
+    from the new URL and the primer follows."""
+    _endorsed("Payroll rotation is monthly in the old repository", "payroll")
+    cs.promote()
+    fresh = clone(shared["origin"], shared["tmp"] / "fresh")
+    git(fresh, "remote", "set-url", "origin", str(make_origin(shared["tmp"], "other")))
+    monkeypatch.setenv("CAMBIUM_REPO", str(fresh))
+    cs.runtime().reset()
+    assert "Payroll rotation" in cs.session_primer()["primer"]       # the limitation
+    cs.recall("payroll rotation monthly")                             # (never fetched: due)
+    assert "Payroll rotation" not in cs.session_primer()["primer"]
+    text = " ".join((HERE / "README.md").read_text().split())
+    assert "A remote re-pointed before cambium's first fetch in a clone is not noticed" in text
+
+
 def test_a_remote_url_read_again_after_a_set_url_in_the_same_clock_tick(shared):
     """The remote's URL was cached until the config's mtime changed: a
     `git remote set-url` within the clock tick of the config's last write
