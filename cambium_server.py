@@ -6079,18 +6079,6 @@ def _rewind_lost(old: Doc, doc: Doc, touched: frozenset[str]) -> list[Item]:
 REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop naming its losses
 
 
-def _refspec_takes(spec: str, ref: str) -> bool:
-    """Whether a fetch refspec's source (one `*` at most, as git allows) names
-    `ref`; a negative one (^...) takes nothing (pure)."""
-    src = spec.lstrip("+").split(":")[0]
-    if src.startswith("^"):
-        return False
-    if "*" not in src:
-        return src == ref
-    pre, post = src.split("*", 1)
-    return len(ref) > len(pre) + len(post) and ref.startswith(pre) and ref.endswith(post)
-
-
 class GitStore(Store):
     """knowledge.json on `branch` of `remote`, in the clone at `repo`.
 
@@ -6761,20 +6749,17 @@ class GitStore(Store):
 
     def never_seen(self) -> str | None:
         """Why this clone holds no sight of the branch at all, else None: no
-        fetch of cambium's (no stamp), no ref of git's, and git's own fetches
-        of the remote never ask for the branch (a --single-branch or shallow
-        clone: CI, sandboxes). Its scope is then unread, not empty: a clone
-        whose fetch asks for every branch and got none of this name saw a
-        remote without it (empty). No network: a config read, only then."""
+        fetch of cambium's (no stamp) and no ref of git's. Its scope is then
+        unread, not empty, whatever git's refspecs ask for: asking for every
+        branch is no fetch that found none of this name (a checkout that
+        fetched one ref, as GitHub Actions makes; a clone made before a teammate
+        created the branch). Only cambium's own fetch, which touches the stamp
+        also when the remote lacks the branch, shows the scope empty. No
+        network, no subprocess."""
         if os.path.exists(self._stamp()) or self.cloned_tip() is not None:
             return None
-        specs = self.git("config", "--get-all", f"remote.{self.remote}.fetch",
-                         check=False).stdout.split()
-        if any(_refspec_takes(s, f"refs/heads/{self.branch}") for s in specs):
-            return None
-        return (f"{self.remote}/{self.branch} was never fetched in this clone (git fetches "
-                f"only {', '.join(specs) or 'no branch'} of {self.remote} here); recall() or "
-                "status() fetches it")
+        return (f"{self.remote}/{self.branch} was never fetched here (no fetch of cambium's, "
+                "and git holds no ref of it); recall() or status() fetches it")
 
     def cloned_tip(self) -> str | None:
         """The branch as git itself last fetched it (`git clone`, `git fetch`:

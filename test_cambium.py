@@ -7091,31 +7091,42 @@ def test_a_single_branch_clones_primer_says_the_unfetched_team_scope_was_not_rea
                                                                                  monkeypatch):
     """A --single-branch clone (CI, a sandbox) never saw the team branch: its
     primer said "nothing known yet", team among scopes_read, while status and
-    recall (which fetch) served the team's items. An empty team (a full
-    clone of a remote without the branch) is no skipped one."""
-    empty = clone(shared["origin"], shared["tmp"] / "early" / "shop")
+    recall (which fetch) served the team's items. So did a full clone made
+    before a teammate created the branch, and a checkout that fetched one ref
+    (GitHub Actions: a refspec asking for every branch, one fetched): asking
+    is no fetch. Only cambium's own fetch, finding no branch, shows it empty."""
+    empty = clone(shared["origin"], shared["tmp"] / "empty" / "shop")
+    as_agent(monkeypatch, empty, "cy")
+    cs.runtime().reset()
+    cs.recall("schema migration deploy")           # cambium fetched: the remote has none
+    out = cs.session_primer()
+    assert out["scopes_read"] == ["local", "team"] and "nothing known yet" in out["primer"]
+    early = clone(shared["origin"], shared["tmp"] / "early" / "shop")   # before the branch
+    as_agent(monkeypatch, shared["a"], "ada")
+    cs.runtime().reset()
     _endorsed("Never run the schema migration twice in one deploy", "deploys")
     cs.promote()
     ci = shared["tmp"] / "ci" / "shop"
     subprocess.run(["git", "clone", "-q", "--single-branch", "--branch", "main",
                     str(shared["origin"]), str(ci)], check=True, capture_output=True)
-    as_agent(monkeypatch, ci, "ci")
-    cs.runtime().reset()
-    out = cs.session_primer()
-    assert out["scopes_read"] == ["local"] and "nothing known yet" not in out["primer"]
-    assert "could not be read" in out["primer"]
-    assert any("never fetched in this clone" in w for w in out["warnings"])
+    actions = shared["tmp"] / "actions" / "shop"           # actions/checkout's own steps
+    actions.mkdir(parents=True)
+    for step in (["init", "-q"], ["remote", "add", "origin", str(shared["origin"])],
+                 ["fetch", "-q", "--depth=1", "origin",
+                  "+refs/heads/main:refs/remotes/origin/main"],
+                 ["checkout", "-q", "-B", "main", "refs/remotes/origin/main"]):
+        git(actions, *step)
+    for where in (early, actions, ci):
+        as_agent(monkeypatch, where, "ci")
+        cs.runtime().reset()
+        out = cs.session_primer()
+        assert out["scopes_read"] == ["local"] and "nothing known yet" not in out["primer"], where
+        assert "could not be read" in out["primer"], where
+        assert any("never fetched here" in w for w in out["warnings"])
     assert [r["content"] for r in cs.recall("schema migration deploy",
                                             detail="full")["results"]][:1] == \
         ["Never run the schema migration twice in one deploy"]
     assert "schema migration" in cs.session_primer()["primer"]   # as recall, once fetched
-    as_agent(monkeypatch, empty, "cy")             # git clone fetched every branch: none
-    cs.runtime().reset()                           # was there, so team is empty, not unread
-    out = cs.session_primer()
-    assert out["scopes_read"] == ["local", "team"] and "nothing known yet" in out["primer"]
-    assert cs._refspec_takes("+refs/heads/*:refs/remotes/origin/*", "refs/heads/cambium")
-    assert not cs._refspec_takes("+refs/heads/main:refs/remotes/origin/main",
-                                 "refs/heads/cambium")
 
 
 def test_an_items_own_author_recalling_it_on_three_days_makes_it_eligible(shared, monkeypatch):
