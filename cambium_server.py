@@ -20803,7 +20803,7 @@ def _require_active(item: Item, verb: str) -> None:
         raise Refused(f"item {item.id} is superseded by {first}, in a loop of corrections "
                       f"({' → '.join([item.id, *ids])}): nothing there can be {verb}; fix "
                       "superseded_by by hand.")
-    links = ids[:-1] if len(ids) <= 6 else [*ids[:2], f"… {len(ids) - 4} more", *ids[-3:-1]]
+    links = ids[:-1] if len(ids) <= 6 else [*ids[:2], f"… {len(ids) - 5} more", *ids[-3:-1]]
     via = ids[-1] + (f" (through {', '.join(links)})" if len(ids) > 1 else "")
     if end is not None and not end.active:
         raise Refused(f"item {item.id} is superseded by {via}, which is {end.status}; "
