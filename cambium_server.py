@@ -10693,6 +10693,18 @@ class VectorCache:
             raise ValueError(f"format {str(fmt)[:40]!r}")
         return False
 
+    def _newer_now(self) -> bool:
+        """Whether index.json is, now, in a newer format (`newer` then says so):
+        a newer cambium may have written it after this process loaded (an old
+        server still running through an upgrade), and a save wrote format 1
+        over it and deleted its vectors file. Unreadable: no (written over)."""
+        try:
+            fmt = json.loads(read_regular(self.dir / "index.json",     # type: ignore[operator]
+                                          VECTOR_INDEX_BYTES)).get("format")
+        except (OSError, ValueError, AttributeError):
+            return False
+        return type(fmt) is int and fmt > VECTOR_CACHE_FORMAT and self._newer(fmt)
+
     def get(self, key: str) -> Any:
         return self.rows.get(key)
 
@@ -10723,6 +10735,8 @@ class VectorCache:
                else np.zeros((0, EMBED_DIM), np.float16)).astype(np.float16, copy=False)
         name = f"vectors-{os.urandom(6).hex()}.npy"
         with file_lock(self.dir / "index.json", CACHE_LOCK_WAIT_S):
+            if self._newer_now():
+                return
             fd, tmp = tempfile.mkstemp(prefix=f".vectors.{os.getpid()}.", suffix=TMP_SUFFIX,
                                        dir=self.dir)
             try:
@@ -11461,7 +11475,10 @@ class Semantic:
             if not self.cache_off:
                 self.cache.save(keep)
                 self.save_error = None
-                if keep is not None and self.tokens is not None:
+                if self.cache.newer:         # (written since this process loaded it)
+                    self.cache_off, self.tokens_ok = self.cache.newer, False
+                    print(f"cambium: {self.cache.newer}", file=sys.stderr)
+                elif keep is not None and self.tokens is not None:
                     self.tokens.prune(keep)
         except ConflictError:        # another process holds it (mid-save, stopped): later
             self.last_save = time.monotonic()

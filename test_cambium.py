@@ -17833,6 +17833,44 @@ def test_a_vector_cache_in_a_newer_format_is_neither_read_nor_written(semantic, 
     assert "format 'one'" in cs.VectorCache(vec_dir).discarded      # no format: rebuilt
 
 
+def test_a_vector_cache_a_newer_cambium_wrote_after_this_process_loaded_is_not_saved_over(
+        semantic):
+    """The newer format was looked for only at load: a process that loaded
+    format 1 (or nothing), while a newer cambium wrote the cache meanwhile (an
+    old server still running through an upgrade), saved format 1 over it and
+    deleted its vectors file. A save reads the format again under its lock;
+    the process then writes no cache or token file, and prunes none."""
+    np = pytest.importorskip("numpy")
+    d = semantic / "bare-cache"
+    early = cs.VectorCache(d)                       # nothing there yet
+    d.mkdir()
+    newer = {"format": cs.VECTOR_CACHE_FORMAT + 1, "model": cs.MODEL_ID, "layout": "new"}
+    (d / "index.json").write_text(json.dumps(newer))
+    (d / "vectors-newer.npy").write_bytes(b"a newer cambium's rows")
+    v = np.ones((1, cs.EMBED_DIM), np.float32) / np.sqrt(cs.EMBED_DIM)
+    early.put("k", v)
+    early.save()
+    assert json.loads((d / "index.json").read_text()) == newer
+    assert [p.name for p in d.glob("*vectors*")] == ["vectors-newer.npy"]   # (nor a tmp)
+    assert "newer format" in early.newer
+    _capture_notes()                                # the engine: loaded no cache
+    cs.recall(PARAPHRASE)
+    eng = _engine(semantic)
+    assert eng.wait_idle(30)
+    vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
+    for old in vec_dir.glob("vectors-*.npy"):       # a newer cambium writes the cache
+        old.unlink()
+    (vec_dir / "index.json").write_text(json.dumps({**newer, "format": 2}))
+    (vec_dir / "vectors-newer.npy").write_bytes(b"a newer cambium's rows")
+    before = {p: p.read_bytes() for p in vec_dir.glob("*") if p.is_file()}
+    cs.capture("Pin the base image digest in every Dockerfile")    # new rows to save
+    cs.recall(PARAPHRASE)
+    assert eng.wait_idle(30) and eng.cache.dirty
+    cs.runtime().save_vectors()
+    assert {p: p.read_bytes() for p in vec_dir.glob("*") if p.is_file()} == before
+    assert eng.cache_off and "newer format (2)" in cs.status()["semantic"]["cache_error"]
+
+
 def _linked_local(repo: Path) -> Path:
     """Make the repo's .cambium a link to a directory beside it, and return
     the link: nothing in a linked .cambium is set aside, so a file made in
