@@ -10823,7 +10823,8 @@ class TokenStore:
         self.dir = None if directory is None else directory / TOKENS_DIR
         self.mem: dict[str, bytes] = {}          # without a directory
         self.names: set[str] = set()             # files present (listed once, kept in step)
-        self.written: set[str] | None = set()    # files this process wrote (None: no more)
+        self.written: dict[str, tuple[int, int]] | None = {}   # name -> (dev, ino) of the
+        # file this process wrote (None: it writes no more; a name is a key's, shared)
         self.recent: collections.OrderedDict = collections.OrderedDict()  # key -> get()'s
         self.lock = threading.Lock()             # (recent: recalls run in several threads)
         if self.dir is not None:
@@ -10870,15 +10871,30 @@ class TokenStore:
         if self.dir is None:
             self.mem[key] = data
             return
-        name = self.name(key)
-        atomic_write(self.dir / name, data, durable=False)
+        name, made = self.name(key), []
+
+        def write(f: Any) -> None:               # (the temporary file's inode is the file's)
+            f.write(data)
+            st = os.fstat(f.fileno())
+            made.append((st.st_dev, st.st_ino))
+        atomic_write(self.dir / name, write, durable=False)
         with self.lock:
             if self.written is None:             # (forsaken meanwhile: a full disk)
-                with contextlib.suppress(OSError):
-                    (self.dir / name).unlink()
+                self._unlink_own(name, made[0])
                 return
-            self.written.add(name)
+            self.written[name] = made[0]
         self.names.add(name)
+
+    def _unlink_own(self, name: str, made: tuple[int, int]) -> bool:
+        """Remove `name` if it is still the file this process wrote (`made`:
+        its device and inode): another process embedding the same item writes
+        the same name, and a full disk here removed the file it relied on."""
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.dir / name)          # type: ignore[operator]
+            if (st.st_dev, st.st_ino) == made:
+                os.unlink(self.dir / name)          # type: ignore[operator]
+                return True
+        return False
 
     def count(self, keys: set[str]) -> int:
         """How many of `keys` have a token file (a regular file) now: the
@@ -10894,14 +10910,15 @@ class TokenStore:
         return sum(self.name(k) in there for k in keys)
 
     def forsake(self) -> None:
-        """Remove every file this process wrote, and write none again (put
-        then leaves its file behind on no disk): the disk is full."""
+        """Remove every file this process wrote that is still the one it wrote
+        (not another process's write of the same name since), and write none
+        again, for the process's life (put then leaves no file behind on no
+        disk): the disk is full."""
         with self.lock:
-            written, self.written = self.written or set(), None
-        for name in written:
-            with contextlib.suppress(OSError):
-                (self.dir / name).unlink()      # type: ignore[operator]
-            self.names.discard(name)
+            written, self.written = self.written or {}, None
+        for name, made in written.items():
+            if self._unlink_own(name, made):
+                self.names.discard(name)
 
     def get(self, np: Any, key: str) -> tuple[Any, Any] | None:
         """(int8 rows, scales) of the key, None when missing or unreadable

@@ -17704,6 +17704,24 @@ def test_a_cache_write_that_finds_no_room_removes_what_this_process_wrote(semant
     assert cs.capture("Captures still land")["status"] == "captured"
 
 
+def test_a_full_disk_removes_only_the_token_files_this_process_wrote_still_there(tmp_path):
+    """A token file's name is its key's, shared by every process: two servers
+    embedding the same item write the same name. The one whose disk filled
+    removed the other's file (and its put, forsaken meanwhile, did too). Only
+    a file this process wrote, still that file (device and inode), goes."""
+    np = pytest.importorskip("numpy")
+    toks = np.eye(3, cs.EMBED_DIM, dtype=np.float32)
+    a, b = cs.TokenStore(tmp_path), cs.TokenStore(tmp_path)
+    a.put(np, "k:shared", toks)              # A wrote it first, then B wrote it again
+    b.put(np, "k:shared", toks)
+    a.put(np, "k:own", toks)
+    a.forsake()                              # A's disk is full
+    assert b.get(np, "k:shared") is not None
+    assert not (a.dir / a.name("k:own")).exists()
+    a.put(np, "k:late", toks)                # a put that finds A forsaken: its own goes
+    assert not (a.dir / a.name("k:late")).exists() and b.get(np, "k:shared") is not None
+
+
 DECISIONS = ["postgres connection pooling with pgbouncer", "blue-green deploys behind the load "
              "balancer", "rotate TLS certificates with cert-manager", "redis cache keys versioned "
              "per tenant", "CI caches node_modules on lockfile hash", "feature flags are cleaned "
