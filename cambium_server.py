@@ -1729,9 +1729,24 @@ _SAID_TOKENS = re.compile(rf"(?:\w|[{_MARKS_CLASS}])+|[<>=!+#@%-]*[<>=+#@%][<>=!
                           r"|(?<!\w)-+(?=\w)|!+(?=\w)")
 
 
+#: A Markdown heading's marks at a line's start (`## Release tagging`): punctuation,
+#: not a "#" that means something (C#, #42).
+_HEADING_MARKS = re.compile(r"(?m)^[ \t]*#{1,6}(?=[ \t])")
+#: An en or em dash just before a word, no word before it (`git push —force`): what
+#: a smart-dash autocorrect made of a flag's "--", read as that.
+_SMART_FLAG = re.compile(r"(?<!\w)[\u2013\u2014](?=[^\W\d_])")
+
+
 def said_tokens(text: str) -> list[str]:
-    """A lowercased text's words and meaning-bearing symbols (_SAID_TOKENS)."""
-    return _SAID_TOKENS.findall(text.lower())
+    """A lowercased text's words and meaning-bearing symbols (_SAID_TOKENS),
+    a heading's leading marks left out and a smart dash before a word read as
+    a flag's "--"."""
+    text = text.lower()
+    if "#" in text:
+        text = _HEADING_MARKS.sub(" ", text)
+    if "\u2013" in text or "\u2014" in text:
+        text = _SMART_FLAG.sub("--", text)
+    return _SAID_TOKENS.findall(text)
 
 
 def symbol_tokens(text: str) -> list[str]:

@@ -11508,6 +11508,26 @@ def test_consolidate_never_groups_texts_whose_meaning_bearing_symbols_differ():
         cs.new_item("use a read only token, always"))
 
 
+def test_a_markdown_headings_marks_and_a_smart_dash_before_a_flag_are_no_symbol_apart():
+    """A Markdown heading's leading `#` and the em dash a smart-dash autocorrect
+    makes of a flag's "--" (`git push —force`) were meaning-bearing symbols, so
+    a note pasted with its heading, or typed in an editor that swaps "--" for
+    "—", stayed apart from the same words (the review's paraphrases). A "#"
+    inside a line (C#, #42) still means something."""
+    pairs = [("## Release tagging\nTag every release from main after the changelog is merged",
+              "Release tagging: tag every release from main after the changelog is merged"),
+             ("Never run git push —force on a shared branch; use --force-with-lease",
+              "Never run git push --force on a shared branch; use --force-with-lease"),
+             ("Never run git push –force on a shared branch", "Never run git push --force "
+              "on a shared branch")]
+    for a, b in pairs:
+        (survivor, members), = cs.duplicate_groups([cs.new_item(a), cs.new_item(b)], {})
+        assert {survivor, *(m for m, _, _ in members)} == {0, 1}, a
+    assert cs.symbol_tokens("Write the worker in C#, see #42") == ["#", "#"]
+    assert cs.symbol_tokens("# of retries is 3") == []      # (a heading's mark, as written)
+    assert cs.symbol_tokens("Deploys — never on Fridays") == []
+
+
 def test_recall_of_an_agent_items_exact_words_never_answers_with_a_symbol_apart(repo):
     """A person's "Write the audio codec in C++ ..." and an agent's "... in C
     ...": recall(limit=1) of the agent item's exact words answered with the
