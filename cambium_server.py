@@ -2975,20 +2975,22 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
     return path if age >= (REF_LOCK_STALE_S if quick else timeout_s + 5.0) else None
 
 
-_GH_CALLS = threading.local()    #: .hung within gh_gives_up(): whether a gh call timed out
+_GH_CALLS = threading.local()    #: within gh_gives_up(): .hung (a gh call timed out), .states
 
 
 @contextlib.contextmanager
 def gh_gives_up() -> Iterator[None]:
     """Within it (a review), once a gh call timed out no further one is made
     (_run raises GhNotAsked at once): a hanging gh cost one CAMBIUM_GIT_TIMEOUT
-    per question, and a review far more than its 20 s plus one timeout."""
-    before = getattr(_GH_CALLS, "hung", None)
-    _GH_CALLS.hung = False
+    per question, and a review far more than its 20 s plus one timeout. Each
+    pull request's state is asked once (pr_state): its settle and its check
+    ask about the same ones."""
+    before = getattr(_GH_CALLS, "hung", None), getattr(_GH_CALLS, "states", None)
+    _GH_CALLS.hung, _GH_CALLS.states = False, {}
     try:
         yield
     finally:
-        _GH_CALLS.hung = before
+        _GH_CALLS.hung, _GH_CALLS.states = before
 
 
 def gh_timed_out() -> bool:
@@ -15071,9 +15073,13 @@ def pr_state(cfg: Config, url: str) -> PrState | None:
     """What GitHub says of the pull request at `url`; None when gh cannot say
     (not installed, not logged in, offline, an answer it does not recognise, or
     `url` no web address: a hand-edited store must not hand gh an option).
-    Nothing is decided on None: the item keeps waiting."""
+    Nothing is decided on None: the item keeps waiting. Within a review
+    (gh_gives_up) an answer is asked once."""
     if not re.fullmatch(r"https?://[^\s]+", url or ""):
         return None
+    asked = getattr(_GH_CALLS, "states", None)
+    if asked is not None and url in asked:
+        return asked[url]
     try:
         proc = _run(["gh", "pr", "view", url, "--json", "state,headRefName,headRefOid",
                      "--jq", '.state + " " + .headRefName + " " + .headRefOid'],
@@ -15084,7 +15090,10 @@ def pr_state(cfg: Config, url: str) -> PrState | None:
     if proc.returncode != 0 or len(words) != 3 or words[0] not in PR_STATES \
             or not OID.fullmatch(words[2]):
         return None
-    return PrState(*words)
+    state = PrState(*words)
+    if asked is not None:
+        asked[url] = state
+    return state
 
 
 @dataclass
@@ -15105,7 +15114,7 @@ class Moved:
     joined: list = field(default_factory=list)  # ids dst held already (a move cut short)
     notes_held: list = field(default_factory=list)  # landed without a note org's gate held
     replaced: dict = field(default_factory=dict)  # kept: id -> (the replacement dst lacks,
-    #                                               whether it is a correction of it)
+    #                                               why that correction stayed: _why_kept)
 
 
 _MOVES_HELD = threading.local()
@@ -15264,24 +15273,25 @@ def _refuse_dropping_itself(cfg: Config, src: str, dst: str, write: Write) -> No
 
 
 def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
-                       ) -> dict[str, tuple[str, bool] | None]:
+                       ) -> dict[str, tuple[str, str | None] | None]:
     """Of the ids a move kept in both scopes (_drop_moved), those whose source
     copy was superseded while it moved by an item dst lacks: id -> (that item's
-    id, whether it is a correction of it), None for one finished after all: a
-    person's correction of it (another clone's correct()) follows it up (a move
-    of its own, through dst's gate for a correction, org_tells, as correct()
-    would have judged it at org), then the supersession is carried to dst's
+    id, why it stayed when it is a correction of it: _why_kept), None for one
+    finished after all: a person's correction of it (another clone's correct())
+    follows it up (a move of its own, through dst's gate for a correction,
+    org_tells, as correct() would have judged it at org), then the
+    supersession is carried to dst's
     copy and the source copy leaves. Any other stays in both, its answer naming
     the replacement (kept_both): a consolidate fold's survivor is an item of its
     own, never promoted unasked. (In PR mode a merge's settle carries it.)"""
     below = {it.id: it for it in first_copies(_source_doc(cfg, src).items)}
-    out: dict[str, tuple[str, bool] | None] = {}
+    out: dict[str, tuple[str, str | None] | None] = {}
     for i in kept:
         old = below.get(i)
         if old is None or old.status != "superseded" or not (by := _superseded_by(old)):
             continue
         new = below.get(by)
-        out[i] = by, new is not None and new.corrects == i
+        out[i] = by, _why_kept(old, new, dst)
         if pr_branch(cfg, dst, "updates") or (up := _correction_up(cfg, src, dst, old, new)) \
                 is None or by not in {it.id for it in up.landed} or up.kept:
             continue
@@ -15298,9 +15308,10 @@ def _correction_up(cfg: Config, src: str, dst: str, old: Item, new: Item | None
     dst (or waited on its org pull request), moved up to dst as correct() would
     have made it there: through dst's gate for a correction (org_tells), in org
     PR mode proposed through the `cambium/updates` pull request. None, nothing
-    moved, when `new` is no such live correction or that gate turns it away."""
+    moved, when `new` is no such live correction, that gate turns it away, or
+    org's reviewers declined it (_withdrawn: it is not proposed again)."""
     if new is None or new.corrects != old.id or not new.active or new.pr_url or \
-            dst == "org" and org_tells(new):
+            "declined" in new.extra or dst == "org" and org_tells(new):
         return None
     now = _now()
     return move(cfg, [new], src, dst, copy=lambda it: promoted_copy(
@@ -15669,11 +15680,12 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item) -> str |
     the old words active for good. A correction of it goes up first
     (_correction_up: in PR mode proposed through `cambium/updates`, the copy
     below waiting for that to merge); a fold's survivor, or a correction org's
-    gate turns away, waits for a person (uncarried says what to do)."""
+    gate turns away or its reviewers declined, waits for a person (uncarried
+    says what to do)."""
     if not there.active or not replacement_missing(item, _org_ids_for(cfg, item)):
         return None
     by = _superseded_by(item) or ""
-    new = (_find_item(store(cfg, scope).read(), by) or (0, None))[1]
+    new = _replacement_now(cfg, scope, by)
     if new is not None and new.pr_url:
         return (f"{item.id} waits in {scope} scope for {by}, which supersedes it, to reach "
                 f"org through {new.pr_url}: once that merges, review_promotions() carries "
@@ -15683,8 +15695,32 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item) -> str |
             f"{item.id} was corrected in {scope} scope by {by} while its org pull request "
             f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
             "copy waits for that to merge; then review_promotions() carries the supersession")
-    return uncarried(item.id, by, new is not None and new.corrects == item.id, scope, "org",
-                     moving=False)
+    return uncarried(item.id, by, _why_kept(item, new, "org"), scope, "org", moving=False)
+
+
+def _replacement_now(cfg: Config, scope: str, by: str) -> Item | None:
+    """The item `by` as `scope` holds it now; its org pull request withdrawn
+    first when gh says it was closed unmerged (withdraw_pr: a correction
+    declined there is not proposed again), so the warning never names a
+    closed pull request as the one it waits on."""
+    new = (_find_item(store(cfg, scope).read(), by) or (0, None))[1]
+    if new is None or not new.pr_url or (state := pr_state(cfg, new.pr_url)) is None \
+            or state.state != "CLOSED":
+        return new
+    withdraw_pr(cfg, scope, new, state)
+    return (_find_item(store(cfg, scope).read(), by) or (0, None))[1]
+
+
+def _why_kept(old: Item, new: Item | None, dst: str) -> str | None:
+    """Why `new`, the item that superseded `old` below, did not follow it up
+    to dst, in uncarried's words; None when it is no person's correction of
+    it (pure)."""
+    if new is None or new.corrects != old.id:
+        return None
+    if isinstance(said := new.extra.get("declined"), dict):
+        return (f"a correction {dst}'s reviewers declined: {said.get('pr_url')} was closed "
+                "without merging, and it is not proposed again")
+    return f"a correction {dst}'s gate turns away"
 
 
 def _org_ids_for(cfg: Config, item: Item) -> Collection[str]:
@@ -15749,7 +15785,9 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
     at the PR's head (a branch that moved on carries another clone's new pull
     request: it stays), so a new promotion starts from org's tip and carries
     what the item says then, and
-    clear the item's pr_url, so promote(to_scope="org") may open a new PR.
+    clear the item's pr_url, so promote(to_scope="org") may open a new PR (a
+    person's correction closed unmerged keeps the URL as `declined`: never
+    carried up on its own again, _correction_up).
     Only the annotation and that branch go: the item stays in `scope`.
     Returns {"id", "scope", "pr_url", "pr_state", "note"}; None when it is not
     undone (still open, or org holds the item after all: settle_org_prs's).
@@ -15773,13 +15811,23 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
         if not any(it.id == item.id and it.pr_url == url for it in doc.items):
             return None
         return dataclasses.replace(doc, items=[
-            dataclasses.replace(it, pr_url=None, updated_at=now)
-            if it.id == item.id and it.pr_url == url else it for it in doc.items])
+            _withdrawn(it, what, now) if it.id == item.id and it.pr_url == url else it
+            for it in doc.items])
 
     mutate(cfg, scope, apply, f"{item.id}: its org PR {url} was {PR_UNDONE[what]}")
     return {"id": item.id, "scope": scope, "pr_url": url, "pr_state": what.lower(),
             "note": f"{PR_UNDONE[what]}: the item stays in {scope} scope; promote it again "
                     "to open a new pull request"}
+
+
+def _withdrawn(item: Item, state: str, now: str) -> Item:
+    """`item` with its org pull request withdrawn (pr_url cleared); a person's
+    correction whose pull request was closed unmerged (org's reviewers
+    declined it) keeps it in `declined` ({pr_url, at}), so it is not proposed
+    again unasked (pure)."""
+    extra = {**item.extra, "declined": {"pr_url": item.pr_url, "at": now}} \
+        if state == "CLOSED" and item.corrects else item.extra
+    return dataclasses.replace(item, pr_url=None, updated_at=now, extra=extra)
 
 
 @dataclass
@@ -20104,15 +20152,16 @@ def kept_both(moved: Moved, src: str, dst: str) -> dict:
                               for i, by in sorted(moved.replaced.items())]}
 
 
-def uncarried(item_id: str, by: str, correction: bool, src: str, dst: str, *,
+def uncarried(item_id: str, by: str, why: str | None, src: str, dst: str, *,
               moving: bool) -> str:
     """The warning for a copy kept in src because `by`, the item that superseded
     it there while it moved (`moving`) or waited on its org pull request, is not
     in dst: dropped, dst's copy would keep the old words active for good.
-    `correction`: `by` is a person's correction of it, which dst's gate turned
-    away (else it went up: _carry_corrections) (pure)."""
-    what = ("a correction org's gate turns away" if correction else
-            "an item of its own: a consolidate fold, a capture that supersedes it")
+    `why`: `by` is a person's correction of it that did not go up, and why
+    (_why_kept; else it went up: _carry_corrections); None: it is no
+    correction (pure)."""
+    correction = why is not None
+    what = why or "an item of its own: a consolidate fold, a capture that supersedes it"
     when = f"while it moved to {dst}" if moving else "while its org pull request was open"
     stays = (f"{dst}'s copy of {item_id} stays active and the {src} copy stays too"
              if moving else f"the {src} copy keeps waiting")

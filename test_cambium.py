@@ -5831,6 +5831,51 @@ def test_pr_mode_a_correction_made_while_the_promote_pr_opened_reaches_org(
     assert team_ids(shared["origin"]) == set()
 
 
+def test_pr_mode_a_carried_correction_org_declined_is_not_proposed_again(
+        shared, monkeypatch, tmp_path):
+    """As above, but org's reviewers close the correction's cambium/updates pull
+    request unmerged: the next review withdrew it, yet warned that the team
+    copy waited for that closed pull request, and the review after proposed
+    the same correction again in a new one (one every two reviews, for good).
+    Declined, it is remembered (`declined`) and not proposed again; the
+    warning says so, and its advice (correct org's copy) settles the copy."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id, force=True)
+    ran = _bob_in_the_window(monkeypatch, shared, "_annotate_pr", "correct", item_id,
+                             "Retry only idempotent calls, with capped backoff")
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
+    fix = json.loads(ran[0].stdout)["item"]["id"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item_id}")
+    cs.review_promotions()                              # proposes the correction
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    url = team[fix]["pr_url"]
+    set_pr_state(tmp_path, url, "CLOSED")               # org's reviewers decline it
+
+    def creates() -> int:
+        return sum(x[:2] == ["pr", "create"]
+                   for x in map(json.loads, log.read_text().splitlines()))
+    made = creates()
+    said = f"{item_id} was superseded in team scope by {fix} (a correction org's reviewers " \
+           f"declined: {url} was closed without merging"
+    for n in range(3):
+        review = cs.review_promotions()
+        assert [w for w in review.get("warnings", []) if item_id in w][0].startswith(said), review
+        assert not any(url in w and "once that merges" in w for w in review["warnings"])
+        assert [c.get("id") for c in review.get("closed_org_prs", []) if "id" in c] == \
+            ([fix] if n == 0 else []), review
+    assert creates() == made
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[fix]["declined"]["pr_url"] == url and "pr_url" not in team[fix]
+    assert team[item_id]["status"] == "superseded"      # both copies stay
+    cs.correct(item_id, content="Retry only idempotent calls")      # the warning's advice
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    cs.review_promotions()
+    assert item_id not in team_ids(shared["origin"])
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert org["status"] == "superseded"
+
+
 @pytest.mark.parametrize("act", ["deprecate", "correct"])
 def test_a_change_follows_an_item_another_clone_moved_up_between_finding_and_writing(
         shared, monkeypatch, act):
