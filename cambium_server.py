@@ -6971,7 +6971,24 @@ class GitStore(Store):
                 note_for_call(f"the push to {self.remote}/{branch} landed where cambium "
                               f"reads it, but git also reported: {failed}")
                 return "ok"
+            if here is None and self._raced_where_read(proc.stdout):
+                return "race"                      # (not landed: the lease keeps it safe)
         raise failed
+
+    def _raced_where_read(self, out: str) -> bool:
+        """Whether a push that did not land (verify), with no block singled
+        out as where cambium reads (_pushed_here: two push URLs name the
+        fetched repository, the real one at a host alias beside a mirror that
+        keeps its owner/name), lost a race there: some block naming that
+        repository (repository_key) says a lost race and none a refusal. It
+        is replayed (the lease keeps a replay from overwriting anyone's
+        commit, and the write's budget bounds it): it failed instead."""
+        fetch = remote_url(self.repo, self.remote, self.timeout_s)
+        if not fetch:
+            return False
+        said = {_push_outcome(text) for url, text in _push_blocks(out) if url and
+                repository_key(url, self.repo) == repository_key(fetch, self.repo)}
+        return "race" in said and "refused" not in said
 
     def _pushed_here(self, out: str) -> tuple[str | None, list[str]]:
         """A push's porcelain (_push_blocks) for where cambium reads, and the

@@ -5244,6 +5244,68 @@ def test_a_push_url_at_an_ssh_host_alias_is_the_same_repository(shared):
         assert target == "https://github.com/Org/Repo.git" and fork in why, fork
 
 
+def _fake_ssh_hosts(clone_: Path, tmp: Path, hosts: dict[str, Path]) -> None:
+    """Let `clone_` reach `ssh://<host>/<path>` as the repository at
+    hosts[host]/<path> (git's own pack protocol, over a stand-in for ssh)."""
+    ssh = tmp / "fake-ssh"
+    cases = "".join(f"{host}) base={base};; " for host, base in hosts.items())
+    ssh.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$1" in {cases}*) exit 255;; esac
+        set -- $2
+        exec git "${{1#git-}}" "$base$(printf %s "$2" | tr -d "'")"
+        """))
+    ssh.chmod(0o755)
+    git(clone_, "config", "core.sshCommand", str(ssh))
+    git(clone_, "config", "ssh.variant", "simple")
+
+
+@pytest.mark.parametrize("first", ["real", "mirror"])
+def test_a_lost_race_is_replayed_when_two_push_urls_name_the_fetched_repository(
+        shared, tmp_path, first):
+    """The real repository pushed to at another host name (an ssh host alias)
+    beside a backup mirror on another server that keeps its owner/name: no
+    push block was singled out as where cambium reads, and a real lost race
+    there failed the write (`git push origin cambium` exited 1) where it had
+    been replayed. The commit did not land and those blocks say a lost race,
+    none a refusal: it is replayed (the lease keeps that safe), and lands. A
+    refusal there (a hook) still fails the write at once."""
+    a, real, mirror = shared["a"], tmp_path / "gh" / "acme", tmp_path / "backup" / "acme"
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff")
+    cs.promote(item_id)
+    for to in (real, mirror):
+        to.mkdir(parents=True)
+        subprocess.run(["git", "clone", "-q", "--bare", str(shared["origin"]),
+                        str(to / "api.git")], check=True)
+    _fake_ssh_hosts(a, tmp_path, {"github.com": real.parent, "gh-work": real.parent,
+                                  "backup": mirror.parent})
+    git(a, "remote", "set-url", "origin", "ssh://github.com/acme/api.git")
+    pushes = {"real": "ssh://gh-work/acme/api.git", "mirror": "ssh://backup/acme/api.git"}
+    for name in (first, *(n for n in pushes if n != first)):
+        git(a, "remote", "set-url", "--add", "--push", "origin", pushes[name])
+    cs.runtime().reset()
+    bare = real / "api.git"
+    hook = bare / "hooks" / "pre-receive"            # another writer, just before this one
+    hook.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        [ -e {tmp_path}/raced ] && exit 0
+        touch {tmp_path}/raced
+        unset GIT_QUARANTINE_PATH GIT_OBJECT_DIRECTORY GIT_ALTERNATE_OBJECT_DIRECTORIES
+        t=$(git rev-parse refs/heads/cambium)
+        git update-ref refs/heads/cambium $(git commit-tree "$t^{{tree}}" -p $t -m other) $t
+        """))
+    hook.chmod(0o755)
+    assert cs.endorse(item_id, note="checked again")["scope"] == "team"
+    assert git(bare, "log", "-1", "--format=%s", "cambium~1").strip() == "other"
+    (team,) = remote_json(bare, "cambium")["items"]
+    assert [e["note"] for e in team["trust"]["endorsements"]][-1] == "checked again"
+    hook.write_text("#!/bin/sh\necho read-only now >&2\nexit 1\n")
+    before = git(bare, "rev-parse", "cambium")
+    with pytest.raises(cs.CambiumError, match="read-only now"):
+        cs.endorse(item_id, note="and again")
+    assert git(bare, "rev-parse", "cambium") == before
+
+
 def test_promote_moves_endorsed_item_to_team_without_touching_checkout(shared):
     a = shared["a"]
     (a / "wip.txt").write_text("uncommitted user work\n")
