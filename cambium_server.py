@@ -6752,7 +6752,9 @@ class GitStore(Store):
         other files and no store, as a teammate's `git rm knowledge.json`
         leaves it): writes refuse, and reads served every team item gone with
         no word (only status named it). Asked once per tip (a git ls-tree of
-        an empty store's tip, remembered)."""
+        an empty store's tip, remembered), and only of a tip whose store file
+        doc_at did not find: an empty store's file (its last item moved up)
+        cost every process reading it a git call (_knew_ours)."""
         if not (self.own_branch and tip and not doc.items):
             return
         with self._state.lock:
@@ -6838,6 +6840,8 @@ class GitStore(Store):
                 for it in doc.items])
         if remember:
             self._remember(commit, doc)
+        if text and not doc.items:      # the file is there: not foreign (_say_not_ours)
+            self._knew_ours(commit)
         return doc
 
     def _refuse_no_file(self, commit: str, where: str, blob: str = "") -> None:
@@ -6850,11 +6854,20 @@ class GitStore(Store):
                                "is written over it until it reads") from None
 
     def _remember(self, commit: str, doc: Doc, *, tip: bool = False) -> None:
-        """Cache the parsed doc at a commit (and make it the known tip)."""
+        """Cache the parsed doc at a commit (and make it the known tip: one
+        cambium wrote, so its store file is there)."""
         with self._state.lock:
             self._state.doc = (commit, doc)
             if tip:
                 self._state.tip, self._state.tip_known = commit, True
+        if tip and not doc.items:
+            self._knew_ours(commit)
+
+    def _knew_ours(self, commit: str) -> None:
+        """Note that an empty store's commit holds the store file, so it is
+        cambium's (_say_not_ours asks git nothing of it)."""
+        with self._state.lock:
+            self._state.foreign = (commit, None)
 
     def read(self, digest: bool = False) -> Doc:
         """The scope's items at its freshly fetched tip, or for a digest at the tip

@@ -7749,6 +7749,25 @@ def test_a_team_store_a_teammate_removed_is_named_by_every_read(shared):
     assert said in json.dumps(primer) and item not in json.dumps(primer), primer
 
 
+def test_an_empty_store_whose_file_is_there_costs_no_git_call_to_say_so(
+        shared, monkeypatch, tmp_path):
+    """Reading an empty team store (its last item moved to org) ran a git
+    ls-tree of its tip in every process, the primer's included, to find it
+    cambium's: the read had just found its knowledge.json there."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Canary every deploy")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org", force=True)
+    assert remote_json(shared["origin"], "cambium")["items"] == []
+    tip = git(shared["origin"], "rev-parse", "cambium").strip()
+    for n, read in enumerate((lambda: cs.recall("canary deploy"), cs.session_primer)):
+        monkeypatch.setenv("GIT_TRACE", str(trace := tmp_path / f"trace{n}"))
+        cs.runtime().reset()                             # (a process of its own)
+        out = read()
+        assert "reads as empty" not in json.dumps(out), out
+        assert f"ls-tree --name-only {tip}" not in trace.read_text()   # (org's own: its checkout)
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
