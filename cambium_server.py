@@ -15320,10 +15320,11 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
         old = below.get(i)
         if old is None or old.status != "superseded" or not (by := _superseded_by(old)):
             continue
-        new = below.get(by)
-        out[i] = by, _why_kept(old, new, dst)
-        if pr_branch(cfg, dst, "updates") or (up := _correction_up(cfg, src, dst, old, new)) \
-                is None or by not in {it.id for it in up.landed} or up.kept:
+        line = _correction_line(old, below)
+        out[i] = by, _why_kept(line, dst, PROPOSED_AT_REVIEW if pr_branch(
+            cfg, dst, "updates") else f"a correction that did not reach {dst} now")
+        if pr_branch(cfg, dst, "updates") or (up := _correction_up(cfg, src, dst, old, line)) \
+                is None or not {it.id for it in line} <= {it.id for it in up.landed} or up.kept:
             continue
         again = move(cfg, [old], src, dst, gate=_awaiting_merge, copy=lambda it: it,
                      message=f"carry {i}'s correction to {dst}")
@@ -15332,23 +15333,58 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
     return out
 
 
-def _correction_up(cfg: Config, src: str, dst: str, old: Item, new: Item | None
+def _correction_up(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
                    ) -> Moved | None:
-    """`new`, a person's correction of `old` made in src while `old` moved to
-    dst (or waited on its org pull request), moved up to dst as correct() would
-    have made it there: through dst's gate for a correction (org_tells), in org
-    PR mode proposed through the `cambium/updates` pull request. None, nothing
-    moved, when `new` is no such live correction, that gate turns it away, or
-    org's reviewers declined it (_withdrawn: it is not proposed again)."""
-    if new is None or new.corrects != old.id or not new.active or new.pr_url or \
-            "declined" in new.extra or dst == "org" and org_tells(new):
+    """`line` (_correction_line), a person's corrections of `old` made in src
+    while `old` moved to dst (or waited on its org pull request), to the live
+    one (corrected again meanwhile: each of them, so dst holds the chain),
+    moved up to dst as correct() would have made them there: through dst's
+    gate for a correction (org_tells), in org PR mode proposed through the
+    `cambium/updates` pull request. None, nothing moved, when there is no such
+    live correction, or _line_stays says why it stays."""
+    if not line or _line_stays(line, dst):
         return None
-    now = _now()
-    return move(cfg, [new], src, dst, copy=lambda it: promoted_copy(
+    now, end = _now(), line[-1]
+    return move(cfg, line, src, dst, copy=lambda it: promoted_copy(
                     it, dst, trust=it.trust, agent=cfg.agent, now=now),
                 gate=lambda it: Verdict(True, "promotable", "a person's correction"),
-                message=f"{cfg.agent} carries {new.id}, the correction of {old.id}, to {dst}",
+                message=f"{cfg.agent} carries {end.id}, the correction of {old.id}, to {dst}",
                 pr_branch=pr_branch(cfg, dst, "updates"), pr_body=PR_BODY)
+
+
+def _correction_line(old: Item, below: dict[str, Item]) -> list[Item]:
+    """The person's corrections that replaced `old` below (`below`: id ->
+    item), each correcting the one before, to the first that is not
+    superseded: X corrected to R1, then R1 to R2 gives [R1, R2]; [] when what
+    superseded `old` is no correction of it (a consolidate fold) (pure)."""
+    line, at = [], old
+    while at.status == "superseded" and (nxt := below.get(_superseded_by(at) or "")) \
+            is not None and nxt.corrects == at.id and nxt.id != old.id and nxt not in line:
+        line.append(nxt)
+        at = nxt
+    return line
+
+
+PROPOSED_AT_REVIEW = ("a correction made while this ran, which goes to org only through a pull "
+                      "request: the next review_promotions() proposes it")
+
+
+def _line_stays(line: list[Item], dst: str) -> str | None:
+    """Why a person's corrections `line` (_correction_line, not empty) do not
+    go up to dst on their own, in uncarried's words, or None (pure)."""
+    end = line[-1]
+    again = f", corrected again by {end.id}" if len(line) > 1 else ""
+    if said := next((d for it in line if isinstance(d := it.extra.get("declined"), dict)),
+                    None):
+        return (f"a correction{again} {dst}'s reviewers declined: {said.get('pr_url')} was "
+                "closed without merging, and it is not proposed again")
+    if not end.active:
+        return f"a correction{again}, {end.status} since"
+    if waits := next((it.pr_url for it in line if it.pr_url), None):
+        return f"a correction{again} that waits on its own pull request {waits}"
+    if dst == "org" and any(org_tells(it) for it in line):
+        return f"a correction{again} that org's gate turns away"
+    return None
 
 
 def _gated(dst: str, held_back: set[str], it: Item) -> Item:
@@ -15715,42 +15751,42 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item) -> str |
     if not there.active or not replacement_missing(item, _org_ids_for(cfg, item)):
         return None
     by = _superseded_by(item) or ""
-    new = _replacement_now(cfg, scope, by)
-    if new is not None and new.pr_url:
+    below = _replacements_now(cfg, scope, item)
+    line = _correction_line(item, below)
+    if waits := next((it for it in line or [below.get(by)] if it and it.pr_url), None):
         return (f"{item.id} waits in {scope} scope for {by}, which supersedes it, to reach "
-                f"org through {new.pr_url}: once that merges, review_promotions() carries "
+                f"org through {waits.pr_url}: once that merges, review_promotions() carries "
                 "the supersession to org")
-    if (up := _correction_up(cfg, scope, "org", item, new)) and up.landed:
+    if (up := _correction_up(cfg, scope, "org", item, line)) and up.landed:
         return None if not up.write.pr_url else (
             f"{item.id} was corrected in {scope} scope by {by} while its org pull request "
             f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
             "copy waits for that to merge; then review_promotions() carries the supersession")
-    return uncarried(item.id, by, _why_kept(item, new, "org"), scope, "org", moving=False)
+    return uncarried(item.id, by, _why_kept(line, "org", "a correction that did not reach "
+                                            "org now"), scope, "org", moving=False)
 
 
-def _replacement_now(cfg: Config, scope: str, by: str) -> Item | None:
-    """The item `by` as `scope` holds it now; its org pull request withdrawn
-    first when gh says it was closed unmerged (withdraw_pr: a correction
-    declined there is not proposed again), so the warning never names a
-    closed pull request as the one it waits on."""
-    new = (_find_item(store(cfg, scope).read(), by) or (0, None))[1]
-    if new is None or not new.pr_url or (state := pr_state(cfg, new.pr_url)) is None \
-            or state.state != "CLOSED":
-        return new
-    withdraw_pr(cfg, scope, new, state)
-    return (_find_item(store(cfg, scope).read(), by) or (0, None))[1]
+def _replacements_now(cfg: Config, scope: str, item: Item) -> dict[str, Item]:
+    """`scope`'s items as it holds them now (id -> item), the org pull request
+    of each that replaced `item` withdrawn first when gh says it was closed
+    unmerged (withdraw_pr: a correction declined there is not proposed
+    again), so the warning never names a closed pull request as the one it
+    waits on."""
+    below = {it.id: it for it in first_copies(store(cfg, scope).read().items)}
+    line = _correction_line(item, below) or [below.get(_superseded_by(item) or "")]
+    closed = [(it, state) for it in line if it and it.pr_url and
+              (state := pr_state(cfg, it.pr_url)) is not None and state.state == "CLOSED"]
+    for it, state in closed:
+        withdraw_pr(cfg, scope, it, state)
+    return {it.id: it for it in first_copies(store(cfg, scope).read().items)} if closed \
+        else below
 
 
-def _why_kept(old: Item, new: Item | None, dst: str) -> str | None:
-    """Why `new`, the item that superseded `old` below, did not follow it up
-    to dst, in uncarried's words; None when it is no person's correction of
-    it (pure)."""
-    if new is None or new.corrects != old.id:
-        return None
-    if isinstance(said := new.extra.get("declined"), dict):
-        return (f"a correction {dst}'s reviewers declined: {said.get('pr_url')} was closed "
-                "without merging, and it is not proposed again")
-    return f"a correction {dst}'s gate turns away"
+def _why_kept(line: list[Item], dst: str, otherwise: str) -> str | None:
+    """Why a person's corrections `line` (_correction_line) did not follow the
+    item they correct up to dst, in uncarried's words (_line_stays, else
+    `otherwise`); None when it is no correction (pure)."""
+    return (_line_stays(line, dst) or otherwise) if line else None
 
 
 def _org_ids_for(cfg: Config, item: Item) -> Collection[str]:

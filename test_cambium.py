@@ -5820,6 +5820,55 @@ def test_a_correction_made_in_another_clone_during_a_team_to_org_move_goes_up_to
     assert team_ids(shared["origin"]) == set()
 
 
+@pytest.mark.parametrize("then", ["correct", "deprecate"])
+def test_a_correction_corrected_again_during_a_move_goes_up_as_its_chain(
+        shared, monkeypatch, then):
+    """Bob corrected the team item to R1, then R1 to R2, both between Ada's org
+    push and her team drop: the answer kept both copies, warning that R1 was
+    "a correction org's gate turns away" (the gate never saw it: R1 was
+    simply corrected) and asking for the correction to be typed again at
+    org. The chain is followed to its live end and goes up whole (org holds
+    X -> R1 -> R2); a chain that ends retired (R1 deprecated) stays, its
+    warning saying so."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id)
+    env = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
+                                      CAMBIUM_AGENT_ID="bob").items()
+           if k not in ("CAMBIUM_ORG_REPO", "CAMBIUM_ORG_PR")}
+    ran: list = []
+    real = cs._drop_moved
+
+    def window(cfg, *rest):
+        if not ran and rest[1] == "org":
+            for args in (["correct", item_id, "Retry only idempotent calls, capped backoff"],
+                         None):
+                args = args or ([then, json.loads(ran[0].stdout)["item"]["id"]] + (
+                    ["Retry only idempotent calls, capped backoff with jitter"]
+                    if then == "correct" else ["--reason", "we use the retry library now"]))
+                ran.append(subprocess.run([*RUN, *args], env=env, cwd=shared["b"],
+                                          capture_output=True, text=True, timeout=60))
+                assert ran[-1].returncode == 0, ran[-1].stderr
+        return real(cfg, *rest)
+
+    monkeypatch.setattr(cs, "_drop_moved", window)
+    res = cs.promote(item_id, to_scope="org", force=True)
+    r1 = json.loads(ran[0].stdout)["item"]["id"]
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    if then == "deprecate":
+        assert res["kept_both"] == [item_id], res
+        assert any(w.startswith(f"{item_id} was superseded in team scope by {r1} (a "
+                                "correction, deprecated since)") for w in res["warnings"]), res
+        assert not any("gate turns away" in w for w in res["warnings"]), res
+        assert org[item_id]["status"] == "active" and item_id in team_ids(shared["origin"])
+        return
+    r2 = json.loads(ran[1].stdout)["item"]["id"]
+    assert "kept_both" not in res and not any("gate" in w for w in res["warnings"]), res
+    assert org[item_id]["superseded_by"]["id"] == r1 and org[r1]["superseded_by"]["id"] == r2
+    assert org[r2]["status"] == "active" and org[r2]["corrects"] == r1
+    assert team_ids(shared["origin"]) == set()
+
+
 @pytest.mark.parametrize("act", ["correct", "consolidate"])
 def test_a_supersession_org_cannot_take_during_a_move_keeps_the_team_copy_and_says_so(
         shared, monkeypatch, act):
