@@ -6189,8 +6189,8 @@ class GitStore(Store):
         url = ""
         with contextlib.suppress(CambiumError):
             url = remote_url(self.repo, self.remote, self.timeout_s) or ""
-        if (moved or failed_at) and not (url and failed_at and remote_key(
-                failed_at[5:], self.repo) == remote_key(url, self.repo)):
+        if (moved or failed_at) and not (url and failed_at and one_repository(
+                failed_at[5:], url, self.repo)):
             return None                          # (a failure of another URL's)
         if not moved and self.local_tip() is None:
             return None
@@ -6529,7 +6529,7 @@ class GitStore(Store):
         with contextlib.suppress(OSError):
             known = git_file_text(self._url_record(), errors="replace").strip()
         return url, known, bool(url and known and url != known and
-                                remote_key(url, self.repo) != remote_key(known, self.repo))
+                                not one_repository(url, known, self.repo))
 
     def url_moved(self) -> str | None:
         """What to say when the remote's URL names another repository than the
@@ -14567,29 +14567,61 @@ def remote_key(url: str, repo: Path) -> str:
     """One spelling of a remote's address: a local path (or file://) made
     absolute from `repo`, as the repository git reaches there (_reached_repo:
     `/w/P` for `/w/P.git`, `/w/P/.git` for `/w/P`), else resolved as given; a
-    network address as host/path, its scheme, user, port-less `host:` form, a
-    `www.` before the host, trailing `/` and `.git` aside."""
+    network address as host/path, its scheme, user (_url_user: one before the
+    host, never an `@` in the path), port-less `host:` form, a `www.` before
+    the host, trailing `/` and `.git` aside. An ssh user that names another
+    home is compared apart (one_repository)."""
     local = _local_remote(url)
     if local is not None:
         path = os.path.join(repo, os.path.expanduser(local))
         return _reached_repo(path) or os.path.realpath(path)
-    rest = re.sub(r"^([^/:]+):\d+/", r"\1/", url.split("://", 1)[-1].rsplit("@", 1)[-1]) \
-        if "://" in url else url.split("@", 1)[-1].replace(":", "/", 1)   # (a port aside)
+    bare = _url_user(url)[1]
+    rest = re.sub(r"^([^/:]+):\d+/", r"\1/", bare.split("://", 1)[1]) \
+        if "://" in bare else bare.replace(":", "/", 1)   # (a port aside)
     return rest.rstrip("/").removesuffix(".git").lower().removeprefix("www.")
 
 
+def one_repository(a: str, b: str, repo: Path) -> bool:
+    """Whether two remote URLs name one repository (pure but for local paths):
+    one remote_key, and for two ssh addresses that each name a user, one user
+    (`alice@srv:kb.git` and `bob@srv:kb.git` are ~alice/kb.git and ~bob/kb.git).
+    An https user or token is no part of it (a rotated token is no move), nor
+    is ssh beside https (`git@github.com:o/r` and `https://github.com/o/r`)."""
+    users = {_ssh_user(u) for u in (a, b)}
+    return remote_key(a, repo) == remote_key(b, repo) and (len(users) == 1 or "" in users)
+
+
+def _url_user(url: str) -> tuple[str, str]:
+    """(the user info before a network URL's host, the URL without it) (pure):
+    taken from the authority alone (`scheme://` up to the first `/`, an scp-like
+    address before its first `:`), so `https://h/alice/kb@prod` keeps its path."""
+    scheme, sep, body = url.partition("://") if "://" in url else ("", "", url)
+    info, at, _ = (body.partition("/")[0] if sep else body.partition(":")[0]).rpartition("@")
+    return (info, scheme + sep + body[len(info) + 1:]) if at else ("", url)
+
+
+def _ssh_user(url: str) -> str:
+    """The user an ssh address names (scp-like `user@host:path`, `ssh://user@host/…`),
+    its password aside, else "" (none named, or not ssh)."""
+    if _local_remote(url) is not None or ("://" in url and url.partition("://")[0].lower()
+                                          not in ("ssh", "git+ssh", "ssh+git")):
+        return ""
+    return _url_user(url)[0].partition(":")[0]
+
+
 def shown_url(url: str) -> str:
-    """`url` as a message shows it (pure): the user and password or token
-    before the host left out, as git leaves them out of its own messages
-    (transport_anonymize_url); a local path as it is."""
-    if _local_remote(url) is not None or "@" not in url:
+    """`url` as a message (and the URL record) shows it (pure): the user and
+    password or token before an https host left out, as git leaves them out of
+    its own messages (transport_anonymize_url); an ssh address keeps its user
+    (no secret, and part of which repository it names: one_repository), its
+    password aside; a local path as it is."""
+    if _local_remote(url) is not None:
         return url
-    scheme, sep, rest = url.partition("://")
-    if sep:
-        authority, slash, path = rest.partition("/")
-        return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
-    host = url.partition("@")[2]
-    return host if ":" in host.split("/", 1)[0] else url
+    user, bare = _ssh_user(url), _url_user(url)[1]
+    if not user:
+        return bare
+    scheme, sep, rest = bare.partition("://") if "://" in bare else ("", "", bare)
+    return f"{scheme}{sep}{user}@{rest}"
 
 
 def _reached_repo(path: str) -> str | None:

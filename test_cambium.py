@@ -7564,8 +7564,55 @@ def test_a_remote_url_spelled_another_way_is_no_move_and_no_token_is_shown(share
     said = team.url_moved()
     assert said and "elsewhere.example/g/p" in said and "git.example/g/p.git" in said, said
     assert "SECRET" not in said and "ada" not in said, said
-    assert cs.shown_url("git@host:org/r.git") == "host:org/r.git"
+    assert cs.shown_url("git@host:org/r.git") == "git@host:org/r.git"    # (no secret)
     assert cs.shown_url("/srv/a@b/P.git") == "/srv/a@b/P.git"
+
+
+#: a stand-in ssh: `user@host cmd` runs cmd in $FAKEHOMES/<user>, as sshd runs
+#: a home-relative path's command in that user's home
+_HOMES_SSH = """#!/bin/sh
+for a in "$@"; do case "$a" in *@*) user=${a%%@*};; esac; last=$a; done
+cd "$FAKEHOMES/$user" && exec sh -c "$last"
+"""
+
+
+def test_another_ssh_users_repository_on_one_host_is_a_move(shared, monkeypatch):
+    """`alice@srv:shop.git` set to `bob@srv:shop.git` (~alice/shop.git and
+    ~bob/shop.git: two repositories) was no move: the URL comparison and the
+    recorded URL dropped the ssh user, so the primer served alice's items as
+    bob's repository's, and the next fetch called them rewound. An ssh user
+    counts now (one_repository), and the record keeps it; an https user or
+    token still does not, and is never shown; an `@` in a path is the path's."""
+    a, tmp = shared["a"], shared["tmp"]
+    for user, bare in (("alice", shared["origin"]), ("bob", make_origin(tmp, "bobs"))):
+        (tmp / "homes" / user).mkdir(parents=True)
+        (tmp / "homes" / user / "shop.git").symlink_to(bare)
+    (tmp / "homes-ssh").write_text(_HOMES_SSH)
+    (tmp / "homes-ssh").chmod(0o755)
+    monkeypatch.setenv("FAKEHOMES", str(tmp / "homes"))
+    monkeypatch.setenv("GIT_SSH_COMMAND", str(tmp / "homes-ssh"))
+    git(a, "remote", "set-url", "origin", "alice@srv:shop.git")
+    _endorsed("Payroll rotation is monthly in alice's repository", "payroll")
+    cs.promote()
+    assert cs.recall("payroll rotation monthly", scope="team")["results"]     # URL recorded
+    assert _team_store(a)._url_record().read_text().strip() == "alice@srv:shop.git"
+    git(a, "remote", "set-url", "origin", "bob@srv:shop.git")
+    said = _team_store(a).url_moved()
+    assert said and "bob@srv:shop.git" in said and "alice@srv:shop.git" in said, said
+    primer = cs.session_primer()
+    assert "Payroll rotation" not in primer["primer"], primer
+    out = cs.recall("payroll rotation monthly", scope="team")
+    assert not out.get("results") and not any("rewound" in w for w in out.get("warnings", []))
+    assert not git(a, "for-each-ref", "refs/cambium/rewound/").strip()
+    same = [("https://u:A@h/x.git", "https://v:B@h/x"), ("git@github.com:o/r", "https://github.com/o/r"),
+            ("ssh://git:pw@h/o/r", "git@h:o/r")]
+    other = [("ssh://alice@srv/~/kb.git", "ssh://bob@srv/~/kb.git"),
+             ("https://host/alice/kb@prod", "https://host/bob/kb@prod"),
+             ("srv:alice/kb@v1.git", "srv:bob/kb@v1.git")]
+    assert all(cs.one_repository(x, y, a) for x, y in same), same
+    assert not any(cs.one_repository(x, y, a) for x, y in other), other
+    assert cs.shown_url("ssh://ada:pw@h/o/r") == "ssh://ada@h/o/r"
+    assert cs.shown_url("https://h/alice/kb@prod") == "https://h/alice/kb@prod"
 
 
 def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(shared):
