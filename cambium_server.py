@@ -7046,7 +7046,9 @@ class GitStore(Store):
         --push origin <fork>`) took the writes where no read looks: the lease was
         checked against the fork, the first write "did not land", and every
         later one lost the lease, replayed as a lost race for 120 s. The
-        scope's branch lives where the team reads it. Asked once per store."""
+        scope's branch lives where the team reads it. `why` names both URLs
+        without an https token (shown_url): it is in every refused push's error.
+        Asked once per store."""
         if self._push_target is None:
             self._push_target = (self.remote, "")
             fetch = remote_url(self.repo, self.remote, self.timeout_s)
@@ -7055,7 +7057,8 @@ class GitStore(Store):
                     {repository_key(u, self.repo) for u in pushes}:
                 self._push_target = (fetch, (
                     f"cambium pushes the {self.scope} branch to {self.remote}'s fetch URL "
-                    f"{fetch}, where it reads it, not to its push URL {', '.join(pushes)} "
+                    f"{shown_url(fetch)}, where it reads it, not to its push URL "
+                    f"{', '.join(map(shown_url, pushes))} "
                     "(another repository: its path differs)"))
         return self._push_target
 

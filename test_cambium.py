@@ -5244,6 +5244,20 @@ def test_a_push_url_at_an_ssh_host_alias_is_the_same_repository(shared):
         assert target == "https://github.com/Org/Repo.git" and fork in why, fork
 
 
+def test_the_push_url_warning_shows_no_token(shared):
+    """The "fetch URL … not to its push URL …" text (in every refused push's
+    error too) was built from the raw config URLs, tokens and all. Both URLs
+    are shown as shown_url shows them; the push still goes to the raw one."""
+    a = shared["a"]
+    fetch = "https://ada:ghp_FETCHSECRET@github.com/acme/shop.git"
+    git(a, "remote", "set-url", "origin", fetch)
+    git(a, "remote", "set-url", "--push", "origin",
+        "https://ada:ghp_PUSHSECRET@github.com/ada/shop-fork.git")
+    target, why = cs.store(cs.resolve_config(), "team")._push_to()
+    assert target == fetch and "github.com/ada/shop-fork.git" in why, why
+    assert "https://github.com/acme/shop.git" in why and "SECRET" not in why, why
+
+
 def _fake_ssh_hosts(clone_: Path, tmp: Path, hosts: dict[str, Path]) -> None:
     """Let `clone_` reach `ssh://<host>/<path>` as the repository at
     hosts[host]/<path> (git's own pack protocol, over a stand-in for ssh)."""
