@@ -3411,21 +3411,25 @@ def _same_file(root: str, a: str, b: str) -> bool:
 
 def _other_repository(root: str, real: str) -> str | None:
     """Where `real` (the resolved target of root's `.cambium`) lies, when a store
-    there would lose or expose a repository's files, else None: a git directory
-    not the clone's own (another's `.git`, a bare repository), a repository's
+    there would lose or expose a repository's files, else None: inside a git
+    directory (the clone's own too: `.git/refs/knowledge.json` is a broken ref
+    that fails `git gc`; another's `.git`, a bare repository), a repository's
     root (the clone's own too: its store among the files git tracks there), or
     another repository's `.cambium` (its local store). Anything else is the
     user's choice (a folder in a dotfiles repository at HOME or in a private
-    notes repository, ~/.cambium/<project>, the clone's own .git): used, and
-    named in warnings (set_aside_warnings)."""
+    notes repository, ~/.cambium/<project>): used, and named in warnings
+    (set_aside_warnings)."""
     mine, own = os.path.realpath(root), set()
     with contextlib.suppress(OSError, IndexError):
         own = {os.path.realpath(d) for d in _git_dirs(Path(root))}
-    if any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in own):
-        return None
+    for d in sorted(own, key=len, reverse=True):       # (a worktree's own, then its clone's)
+        if real == d or real.startswith(d.rstrip(os.sep) + os.sep):
+            return (f"inside the git directory {d} (this clone's own): cambium's files would "
+                    "lie among git's, which git may take for its own (a knowledge.json in "
+                    "refs is a broken ref that fails `git gc`)")
     parts, files = Path(real).parts, "cambium would read and write that repository's files"
     if ".git" in parts:
-        return (f"in the git directory {Path(*parts[:parts.index('.git') + 1])}: {files} as "
+        return (f"inside the git directory {Path(*parts[:parts.index('.git') + 1])}: {files} as "
                 "this clone's local store")
     top = real
     while not (os.path.lexists(os.path.join(top, ".git")) or _looks_bare(top)):
@@ -3433,7 +3437,7 @@ def _other_repository(root: str, real: str) -> str | None:
             return None
         top = up
     if not os.path.lexists(os.path.join(top, ".git")):
-        return f"in the git directory {top}: {files} as this clone's local store"
+        return f"inside the git directory {top}: {files} as this clone's local store"
     if real == top == mine:
         return ("this clone's own root: cambium would write its store among the files git "
                 "tracks here")

@@ -21529,6 +21529,27 @@ def test_a_cambium_link_the_clone_brought_or_into_another_repository_is_never_fo
         assert cs._other_repository(str(inner if bad != inner else b), str(bad)), bad
 
 
+def test_a_cambium_link_into_the_clones_own_git_directory_is_refused(repo):
+    """A `.cambium` link made by hand into the clone's own git directory (`.git`,
+    `.git/refs`, `.git/objects`, a folder under it) was used: with `.git/refs`
+    knowledge.json became a broken ref and `git gc` failed. It is refused as
+    any git directory is, the link named."""
+    cs.capture("A note kept in the plain local store", kind="pitfall")
+    shutil.move(repo / ".cambium", repo / "kept")
+    (repo / ".git" / "cambium-store").mkdir()
+    for inside in (".git", ".git/refs", ".git/objects", ".git/cambium-store"):
+        if (repo / ".cambium").is_symlink():
+            (repo / ".cambium").unlink()
+        (repo / ".cambium").symlink_to(repo / inside)
+        said = cs.local_link_problem(repo)
+        assert said and str(repo / ".cambium") in said[0] and "inside the git directory" \
+            in said[0], (inside, said)
+        assert cs.status()["configured"] is False
+    assert not (repo / ".git" / "refs" / "knowledge.json").exists()
+    assert "fatal" not in subprocess.run(["git", "-C", str(repo), "gc", "-q"],
+                                         capture_output=True, text=True).stderr
+
+
 def test_a_cambium_link_made_by_hand_is_refused_only_where_it_loses_or_exposes_files(
         repo, tmp_path, monkeypatch):
     """Refusing every `.cambium` link into another work tree made documented,
@@ -21543,7 +21564,7 @@ def test_a_cambium_link_made_by_hand_is_refused_only_where_it_loses_or_exposes_f
     bare = tmp_path / "bare.git"
     git(tmp_path, "init", "-q", "--bare", str(bare))
     for mine in (dots / "cambium-stores" / "proj", notes / "cambium" / "proj",
-                 dots / ".cambium" / "proj", repo / ".git" / "cambium-store"):
+                 dots / ".cambium" / "proj"):
         mine.mkdir(parents=True)
         assert cs._other_repository(str(repo), str(mine)) is None, mine
         if (repo / ".cambium").is_symlink():
