@@ -10918,8 +10918,7 @@ class TokenStore:
         return key in self.mem if self.dir is None else self.name(key) in self.names
 
     def put(self, np: Any, key: str, toks: Any) -> None:
-        """Keep an item's token vectors (an OSError leaves them missing); a
-        readable file of the key there already is kept as it is."""
+        """Keep an item's token vectors (an OSError leaves them missing)."""
         data = pack_tokens(np, toks, key)
         with self.lock:
             self.recent.pop(key, None)
@@ -10927,8 +10926,6 @@ class TokenStore:
             self.mem[key] = data
             return
         name, made = self.name(key), []
-        if self._read(np, key) is not None:     # another process wrote it (a key's file
-            return                              # says the same): never taken for ours
 
         def write(f: Any) -> None:               # (the temporary file's inode is the file's)
             f.write(data)
