@@ -15410,10 +15410,10 @@ def _line_stays(line: list[Item], dst: str) -> str | None:
     go up to dst on their own, in uncarried's words, or None (pure)."""
     end = line[-1]
     again = f", corrected again by {end.id}" if len(line) > 1 else ""
-    if said := next((d for it in line if isinstance(d := it.extra.get("declined"), dict)),
-                    None):
-        return (f"a correction{again} {dst}'s reviewers declined: {said.get('pr_url')} was "
-                "closed without merging, and it is not proposed again")
+    if isinstance(said := end.extra.get("declined"), dict):    # (a link the line's end
+        return (f"a correction{again} that {dst}'s reviewers declined: "  # corrects goes up
+                f"{said.get('pr_url')} was closed without merging, and it is not proposed "
+                "again")                                                 # with it)
     if not end.active:
         return f"a correction{again}, {end.status} since"
     if waits := next((it.pr_url for it in line if it.pr_url), None):

@@ -5956,6 +5956,32 @@ def test_pr_mode_a_correction_made_while_the_promote_pr_opened_reaches_org(
     assert team_ids(shared["origin"]) == set()
 
 
+def test_pr_mode_a_declined_correction_corrected_again_goes_up_with_its_new_words(
+        shared, monkeypatch, tmp_path):
+    """Org's reviewers declined a carried correction R1; a person answered them
+    by correcting R1 again (R2) in team: the whole line was held back as
+    declined, R2 never proposed, and each review warned R2 was declined."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id, force=True)
+    ran = _bob_in_the_window(monkeypatch, shared, "_annotate_pr", "correct", item_id,
+                             "Retry only idempotent calls, with capped backoff")
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
+    fix = json.loads(ran[0].stdout)["item"]["id"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item_id}")
+    cs.review_promotions()
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    set_pr_state(tmp_path, team[fix]["pr_url"], "CLOSED")
+    cs.review_promotions()
+    r2 = cs.correct(fix, content="Retry only idempotent calls, with capped exponential "
+                    "backoff")["item"]["id"]
+    warned = [w for _ in range(2) for w in cs.review_promotions().get("warnings", [])]
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    orgs = {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert team.get(r2, {}).get("pr_url") or r2 in orgs, warned        # proposed
+    assert not any("declined" in w and r2 in w for w in warned), warned
+
+
 def test_pr_mode_a_carried_correction_org_declined_is_not_proposed_again(
         shared, monkeypatch, tmp_path):
     """As above, but org's reviewers close the correction's cambium/updates pull
@@ -5981,7 +6007,7 @@ def test_pr_mode_a_carried_correction_org_declined_is_not_proposed_again(
         return sum(x[:2] == ["pr", "create"]
                    for x in map(json.loads, log.read_text().splitlines()))
     made = creates()
-    said = f"{item_id} was superseded in team scope by {fix} (a correction org's reviewers " \
+    said = f"{item_id} was superseded in team scope by {fix} (a correction that org's reviewers " \
            f"declined: {url} was closed without merging"
     for n in range(3):
         review = cs.review_promotions()
