@@ -23069,6 +23069,7 @@ def main(argv: list[str] | None = None) -> int:
     threading traceback, or killed the process (-2) without a word."""
     if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_interrupted_early":
         signal.signal(signal.SIGINT, signal.default_int_handler)      # (the module's top)
+    _reap_own_children()
     code = None
     try:
         code = _main(sys.argv[1:] if argv is None else argv)
@@ -23080,6 +23081,17 @@ def main(argv: list[str] | None = None) -> int:
                                              "its answer may be cut short."), file=sys.stderr)
         return 130                              # or as its answer was being written
     return code
+
+
+def _reap_own_children() -> None:
+    """SIGCHLD back to its default when this process inherited it ignored (a
+    parent's `signal(SIGCHLD, SIG_IGN)`, some daemons and supervisors): then the
+    kernel reaps every child itself, and Python reads each exit status it never
+    got as 0, so a failed git push and a failed operator check read as success."""
+    sigchld = getattr(signal, "SIGCHLD", None)
+    if sigchld is not None and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(sigchld) == signal.SIG_IGN:
+        signal.signal(sigchld, signal.SIG_DFL)
 
 
 def _flush_answer(code: int) -> int:

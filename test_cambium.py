@@ -12707,6 +12707,23 @@ def test_operator_check_fails_then_passes_through_the_cli(repo):
     assert cs.stale_report()["count"] == 0
 
 
+def test_a_cli_started_with_sigchld_ignored_reads_a_failed_check_as_failed(repo):
+    """A parent that ignores SIGCHLD (some daemons and supervisors) passes that
+    on: the kernel then reaps every child itself and Python reads each exit
+    status as 0, so a failing operator check was recorded as passed (and a
+    failed git command read as success)."""
+    import signal
+    item_id = cs.capture("The build writes its artifact to dist/ok.txt")["item"]["id"]
+    assert cli("verify-cmd", item_id, "echo broke; exit 3").returncode == 0
+    env = {k: v for k, v in child_env(PYTHONPATH=str(HERE)).items()
+           if k != "PYTHONDONTWRITEBYTECODE"}
+    out = subprocess.run([*RUN, "verify", "--run"], env=env, capture_output=True, text=True,
+                         timeout=120, preexec_fn=lambda: signal.signal(signal.SIGCHLD,
+                                                                       signal.SIG_IGN))
+    run = json.loads(out.stdout)
+    assert run["failed"] == [item_id] and run["results"][0]["exit"] == 3, run
+
+
 def test_a_passing_check_keeps_one_short_entry_however_often_it_passes(repo):
     """Each pass appended a verification holding the whole command: 300 passes
     of a 1,900-character check made the store 595 KB and expand 603 K
