@@ -13173,13 +13173,17 @@ def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | No
 def promoted_copy(item: Item, scope: str, *, trust: dict, agent: str, now: str,
                   org_content: str | None = None, org_why: str | None = None,
                   org_kind: str | None = None) -> Item:
-    """The item as it lands in a higher scope. Promotion is a verification."""
+    """The item as it lands in a higher scope. Promotion is a verification; a
+    `declined` mark (a carried correction's closed PR) stays below: the scope
+    it lands in accepted it."""
     checks = list(item.verifications or []) + [{"by": agent, "at": now,
                                                  "note": promotion_note(scope)}]
     return dataclasses.replace(restated(item, content=org_content, why=org_why, kind=org_kind),
                                scope=scope,
                                trust=trust, promoted_at=now, last_verified=now,
-                               verifications=checks, updated_at=now, pr_url=None)
+                               verifications=checks, updated_at=now, pr_url=None,
+                               extra=({k: v for k, v in item.extra.items() if k != "declined"}
+                                      or _EMPTY_DICT) if "declined" in item.extra else item.extra)
 
 
 def promotion_note(scope: str) -> str:

@@ -5956,6 +5956,19 @@ def test_pr_mode_a_correction_made_while_the_promote_pr_opened_reaches_org(
     assert team_ids(shared["origin"]) == set()
 
 
+def test_a_declined_mark_stays_below_when_the_item_is_promoted():
+    """A person's own promote of a correction whose carried PR was declined
+    took the `declined` mark up to org with it, on an item org accepted."""
+    mark = {"pr_url": "https://github.com/acme/knowledge/pull/8", "at": "2026-01-01T00:00:00Z"}
+    item = dataclasses.replace(cs.new_item("Retry only idempotent calls"),
+                               extra={"declined": mark, "x-note": "kept"})
+    up = cs.promoted_copy(item, "org", trust={}, agent="ada", now="2026-01-02T00:00:00Z")
+    assert up.extra == {"x-note": "kept"} and item.extra["declined"] == mark
+    plain = cs.new_item("Retry with jitter")
+    assert cs.promoted_copy(plain, "team", trust={}, agent="ada", now="2026-01-02T00:00:00Z"
+                            ).extra is plain.extra
+
+
 def test_pr_mode_a_declined_correction_corrected_again_goes_up_with_its_new_words(
         shared, monkeypatch, tmp_path):
     """Org's reviewers declined a carried correction R1; a person answered them
