@@ -17905,8 +17905,9 @@ def _session_members(sid: int) -> list[int]:
     for name in names:
         with contextlib.suppress(OSError, ValueError):
             fields = Path(f"/proc/{name}/stat").read_bytes().rpartition(b")")[2].split()
-            if fields[0] != b"Z" and int(fields[3]) == sid and int(name) != os.getpid():
-                out.append(int(name))
+            if (fields[0] != b"Z" or int(fields[17]) > 1) and int(fields[3]) == sid \
+                    and int(name) != os.getpid():       # (Z with threads: its main thread
+                out.append(int(name))                  # left, pthread_exit; the rest run on)
     return out
 
 

@@ -12720,6 +12720,43 @@ def test_operator_check_fails_then_passes_through_the_cli(repo):
     assert cs.stale_report()["count"] == 0
 
 
+def test_a_check_process_whose_main_thread_left_is_still_killed_with_its_session(tmp_path):
+    """/proc reads a process whose main thread called pthread_exit as a zombie
+    (Z) while its other threads run on; the session sweep skipped it, so a
+    check's child in a group of its own (as `timeout` makes) ran on."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc")
+    child = ("import os,threading,time,ctypes; os.setpgid(0,0); "
+             "open('pid','w').write(str(os.getpid())); "
+             "threading.Thread(target=lambda: [time.sleep(0.05) for _ in iter(int, 1)]).start(); "
+             "time.sleep(0.1); ctypes.CDLL(None).pthread_exit(None)")
+    result = cs.run_check(f"{shlex.quote(sys.executable)} -c \"{child}\" & sleep 1; exit 0",
+                          tmp_path, 30)
+    assert result["passed"], result
+    pid = int((tmp_path / "pid").read_text())
+    for _ in range(40):                               # (a killed process is gone in ms)
+        if not _running_threads(pid):
+            break
+        time.sleep(0.05)
+    left = _running_threads(pid)
+    with contextlib.suppress(OSError):
+        os.kill(pid, 9)
+    assert not left, f"the check's child ran on: {left}"
+
+
+def _running_threads(pid: int) -> list[str]:
+    """The threads of `pid` /proc reads as anything but a zombie or dead."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+    states = []
+    for task in tasks:
+        with contextlib.suppress(OSError):
+            states.append((task / "stat").read_bytes().rpartition(b")")[2].split()[0].decode())
+    return [s for s in states if s not in ("Z", "X")]
+
+
 def test_a_cli_started_with_sigchld_ignored_reads_a_failed_check_as_failed(repo):
     """A parent that ignores SIGCHLD (some daemons and supervisors) passes that
     on: the kernel then reaps every child itself and Python reads each exit
