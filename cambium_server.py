@@ -312,32 +312,31 @@ class GhNotAsked(GitError):
                      "review (CAMBIUM_GIT_TIMEOUT), so gh is not asked again until the next",)
 
 
-class DamagedRef(GitError):
-    """cambium's private ref of a shared scope named no commit (emptied by a
-    crash, an edit): removed, so the next fetch writes it afresh."""
+class ScopeNotRead(GitError):
+    """A shared scope's read refused before any git call, said as its fetch
+    failing (`fetch_code`, None: none ran): the subclasses say why."""
+    fetch_code: int | None = 1
 
     def __init__(self, message: str):
         CambiumError.__init__(self, message)
-        self.cmd, self.code, self.stderr = ["git", "fetch"], 1, message
+        self.cmd, self.code, self.stderr = ["git", "fetch"], self.fetch_code, message
 
 
-class RemoteMoved(GitError):
+class DamagedRef(ScopeNotRead):
+    """cambium's private ref of a shared scope named no commit (emptied by a
+    crash, an edit): removed, so the next fetch writes it afresh."""
+
+
+class RemoteMoved(ScopeNotRead):
     """A shared scope's remote now points at another URL than the one its last
     fetch read (`git remote set-url`), and it was not fetched from there: the
     tip cambium holds is another repository's, never read as this project's."""
 
-    def __init__(self, message: str):
-        CambiumError.__init__(self, message)
-        self.cmd, self.code, self.stderr = ["git", "fetch"], 1, message
 
-
-class NotFetched(GitError):
+class NotFetched(ScopeNotRead):
     """A shared scope's branch this clone has never seen (GitStore.never_seen):
     unread, not empty (the primer, which never fetches, says so)."""
-
-    def __init__(self, message: str):
-        CambiumError.__init__(self, message)
-        self.cmd, self.code, self.stderr = ["git", "fetch"], None, message
+    fetch_code = None
 
 
 class OutputError(CambiumError):
