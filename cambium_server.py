@@ -312,6 +312,12 @@ class GhNotAsked(GitError):
                      "review (CAMBIUM_GIT_TIMEOUT), so gh is not asked again until the next",)
 
 
+def behind(scope: str, why: str = "") -> str:
+    """The warning that a shared scope may be behind (its fetch failed or
+    still runs): one wording, which unfetched_scope recognises (pure)."""
+    return f"{scope} scope may be behind: {why}"
+
+
 class ScopeNotRead(GitError):
     """A shared scope's read refused before any git call, said as its fetch
     failing (`fetch_code`, None: none ran): the subclasses say why."""
@@ -6259,7 +6265,7 @@ class GitStore(Store):
                                   f"fetched from there, and {failed}")
             if due and failed is not None:
                 due = False
-                self._warnings.append(f"{self.scope} scope may be behind: {failed}")
+                self._warnings.append(behind(self.scope, failed))
             if due and background and state.tip_known and not elsewhere:
                 if not state.refreshing:
                     state.refreshing, state.refresh_started = True, time.monotonic()
@@ -6289,8 +6295,8 @@ class GitStore(Store):
         asked = time.time()
         if not state.fetching.acquire(blocking=not background):
             if self._answers(moved):
-                self._warnings.append(f"{self.scope} scope may be behind: a fetch from "
-                                      f"{self.remote} is still running")
+                self._warnings.append(behind(self.scope, f"a fetch from {self.remote} "
+                                                          "is still running"))
                 return
             state.fetching.acquire()
         try:
@@ -6298,7 +6304,7 @@ class GitStore(Store):
                 ended, error = state.fetched_at >= asked, state.fetch_error
             if ended and not force and not moved and (not error or self._answers(moved)):
                 if error:
-                    self._warnings.append(f"{self.scope} scope may be behind: {error}")
+                    self._warnings.append(behind(self.scope, error))
                 return
             try:
                 self._fetch_now(patient=force or not self._answers(moved))
@@ -6329,7 +6335,7 @@ class GitStore(Store):
             raise ConflictError(f"{e}: nothing was changed, try again") from None
         if force or not held:
             raise e
-        self._warnings.append(f"{self.scope} scope may be behind: {e}")
+        self._warnings.append(behind(self.scope, str(e)))
 
     def _await_refresh(self) -> None:
         """Give a background refresh until REFRESH_WAIT_S after it began to end
@@ -6339,13 +6345,13 @@ class GitStore(Store):
         with state.lock:
             ended, wait = state.refreshed, state.refresh_started + REFRESH_WAIT_S
         if not ended.wait(max(0.0, wait - time.monotonic())):
-            self._warnings.append(f"{self.scope} scope may be behind: a fetch from "
-                                  f"{self.remote} is still running")
+            self._warnings.append(behind(self.scope, f"a fetch from {self.remote} "
+                                                      "is still running"))
             return
         with state.lock:
             error = state.fetch_error or state.refresh_busy
         if error:
-            self._warnings.append(f"{self.scope} scope may be behind: {error}")
+            self._warnings.append(behind(self.scope, error))
 
     def _refresh(self) -> None:
         """The server's background fetch. Another process of the clone fetching
@@ -6882,9 +6888,9 @@ class GitStore(Store):
         self._say_not_ours(tip, doc)
         with self._state.lock:
             error = self._state.fetch_error
-        behind = f"{self.scope} scope may be behind: "     # (said once: the fetch may
-        if error and not any(w.startswith(behind) for w in self._warnings):   # have said why)
-            self._warnings.append(behind + error)
+        said = behind(self.scope)                          # (said once: the fetch may
+        if error and not any(w.startswith(said) for w in self._warnings):     # have said why)
+            self._warnings.append(said + error)
         if lost := self.rewound_items(doc, tip):  # (the branch decides: said, not undone)
             self._warnings.append(self._rewound_warning(lost))
         if self.checkout:
@@ -18089,7 +18095,7 @@ def unfetched_scope(scope: str, warnings: list[str]) -> str | None:
     """Why no check of a shared scope whose fetch failed is run, if it did
     (pure): its result could not be written (the write fetches and pushes),
     so the check ran for nothing, and its write's git error ended the run."""
-    said = next((w for w in warnings if w.startswith(f"{scope} scope may be behind: ")), None)
+    said = next((w for w in warnings if w.startswith(behind(scope))), None)
     return None if said is None else (
         f"not run: {said}; its result could not be recorded there, so run it again once "
         f"the {scope} remote answers")
