@@ -6186,14 +6186,18 @@ class GitStore(Store):
         instead, or the URL `moved` (url_moved: no tip answers, the scope is
         skipped, as every read until then would wait for a fetch there); else
         None (a fetch is tried when due)."""
+        stamp = self._failed_stamp()
         try:
-            at = self._failed_stamp().stat().st_mtime
-            text = git_file_text(self._failed_stamp(), errors="replace").strip()
+            at = stamp.stat().st_mtime
         except OSError:
             return None
         ago = time.time() - at
         if fetched > at or not -1.0 < ago < FETCH_BACKOFF_S:   # (a future one: a fast
             return None                                         # clock's)
+        try:
+            text = git_file_text(stamp, errors="replace").strip()
+        except OSError:
+            return None
         failed_at, error = text.partition("\n")[::2] if text.startswith("url: ") else ("", text)
         url = ""
         with contextlib.suppress(CambiumError):
@@ -11546,10 +11550,9 @@ class Semantic:
     def _save_locked(self) -> None:
         """Save the cache; drop vectors of edited or deleted items once they
         outnumber the live ones (_keep)."""
-        keep = self._keep()
         try:
             if not self.cache_off:
-                self.cache.save(keep)
+                self.cache.save(keep := self._keep())
                 self.save_error = None
                 if self.cache.newer:         # (written since this process loaded it)
                     self.cache_off, self.tokens_ok = self.cache.newer, False
@@ -13606,7 +13609,7 @@ def decides_differently(a: Item, b: Item) -> bool:
     adds to the other's words is one (adds_a_qualifier), and so is a symbol
     that carries meaning one says and the other does not (!= and ==, C++ and
     C, -> and <-, 18+ and 18: symbol_tokens)."""
-    if set(symbol_tokens(a.content)) != set(symbol_tokens(b.content)):
+    if _symbols_of(a) != _symbols_of(b):
         return True
     def facts(it: Item) -> tuple:
         text = it.content.lower()
@@ -13616,6 +13619,12 @@ def decides_differently(a: Item, b: Item) -> bool:
     return bool(fa - fb and fb - fa) or (sa and sb and na != nb) or \
         swaps_a_choice(a.content, b.content) or turns_a_preference(a.content, b.content) \
         or adds_a_qualifier(a.content, b.content)
+
+
+def _symbols_of(item: Item) -> frozenset:
+    """The item's meaning-bearing symbols (symbol_tokens), once per item: a
+    consolidate run compares each item with many."""
+    return derived(item, "symbols", lambda it: frozenset(symbol_tokens(it.content)))
 
 
 #: Words that open a phrase saying where, when, for whom or on what condition a
@@ -15361,14 +15370,15 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
     own, never promoted unasked. (In PR mode a merge's settle carries it.)"""
     below = {it.id: it for it in first_copies(_source_doc(cfg, src).items)}
     out: dict[str, tuple[str, str | None] | None] = {}
+    by_pr = pr_branch(cfg, dst, "updates")
     for i in kept:
         old = below.get(i)
         if old is None or old.status != "superseded" or not (by := _superseded_by(old)):
             continue
         line = _correction_line(old, below)
-        out[i] = by, _why_kept(line, dst, PROPOSED_AT_REVIEW if pr_branch(
-            cfg, dst, "updates") else f"a correction that did not reach {dst} now")
-        if pr_branch(cfg, dst, "updates") or (up := _correction_up(cfg, src, dst, old, line)) \
+        out[i] = by, _why_kept(line, dst, PROPOSED_AT_REVIEW if by_pr
+                               else f"a correction that did not reach {dst} now")
+        if by_pr or (up := _correction_up(cfg, src, dst, old, line)) \
                 is None or not {it.id for it in line} <= {it.id for it in up.landed} or up.kept:
             continue
         again = move(cfg, [old], src, dst, gate=_awaiting_merge, copy=lambda it: it,
