@@ -11265,9 +11265,7 @@ class Semantic:
                         self.second_mode = False
                 self.cache = VectorCache(self.cache_dir)
                 self.tokens = TokenStore(self.cache_dir) if late_wanted(cfg) else None
-                if self.cache.newer:             # (rank says it in each answer's warnings)
-                    self.cache_off, self.tokens_ok = self.cache.newer, False
-                    print(f"cambium: {self.cache.newer}", file=sys.stderr)
+                self._off_if_newer()             # (rank says it in each answer's warnings)
         return emb
 
     def key(self, item: Item) -> str:
@@ -11530,6 +11528,14 @@ class Semantic:
         return self.unsaved * 20 >= len(self.cache.rows) or \
             (self.unsaved > 0 and age > VECTORS_IDLE_SAVE_S)
 
+    def _off_if_newer(self) -> bool:
+        """Whether the cache is a newer cambium's (found at load or at a save):
+        then it is off for this process, token files too, said once on stderr."""
+        if self.cache.newer:
+            self.cache_off, self.tokens_ok = self.cache.newer, False
+            print(f"cambium: {self.cache.newer}", file=sys.stderr)
+        return bool(self.cache.newer)
+
     def _keep(self) -> set[str] | None:
         """The keys a save keeps (None: all of them), under self.cv: the live
         items' of every index ranked here, and every key this process put,
@@ -11554,10 +11560,8 @@ class Semantic:
             if not self.cache_off:
                 self.cache.save(keep := self._keep())
                 self.save_error = None
-                if self.cache.newer:         # (written since this process loaded it)
-                    self.cache_off, self.tokens_ok = self.cache.newer, False
-                    print(f"cambium: {self.cache.newer}", file=sys.stderr)
-                elif keep is not None and self.tokens is not None:
+                newer = self._off_if_newer()     # (written since this process loaded it)
+                if not newer and keep is not None and self.tokens is not None:
                     self.tokens.prune(keep)
         except ConflictError:        # another process holds it (mid-save, stopped): later
             self.last_save = time.monotonic()
