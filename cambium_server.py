@@ -22446,17 +22446,22 @@ def serve(http: Annotated[bool, Field(
     tune_malloc()
     give_back_memory()
     warm_recall_soon()
-    try:
-        if http:
-            return serve_http(server, host, port, token)
+    if not http:
         say_serving_to_a_terminal()
-        return run_stdio(server)
+        return run_stdio(server, ending=lambda: _end_serving(rt))
+    try:
+        return serve_http(server, host, port, token)
     finally:
-        SERVER_STOP.set()
-        rt.long_running.clear()
-        rt.cancel_fold()
-        _fold_on_exit(warm=True)
-    return 0
+        _end_serving(rt)
+
+
+def _end_serving(rt: Any) -> None:
+    """What a server does as it ends: stop its background work, fold the
+    recall credits and make the next primer."""
+    SERVER_STOP.set()
+    rt.long_running.clear()
+    rt.cancel_fold()
+    _fold_on_exit(warm=True)
 
 
 def say_serving_to_a_terminal() -> None:
@@ -22474,12 +22479,13 @@ def say_serving_to_a_terminal() -> None:
 SIGNAL_EXIT_S = 20.0    #: after SIGINT/SIGTERM the stdio server exits within this, folded or not
 
 
-def run_stdio(server: Any) -> int:
+def run_stdio(server: Any, ending: Callable[[], None]) -> int:
     """Serve stdio until its input ends, or a SIGINT (exit 130, one line) or
-    SIGTERM (0) ends it the same way: the session closes, then serve() folds
-    the credits and makes the next primer. A second signal exits at once, and
-    so does the process SIGNAL_EXIT_S after the first (the journal keeps what
-    was not folded)."""
+    SIGTERM (0) ends it the same way: the session closes, then `ending` folds
+    the credits and makes the next primer. The handlers stay until `ending`
+    is done: a signal during it ended the process by the signal (-15), not 0.
+    A second signal exits at once, and so does the process SIGNAL_EXIT_S after
+    the first (the journal keeps what was not folded)."""
     caught: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
@@ -22499,13 +22505,16 @@ def run_stdio(server: Any) -> int:
         old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
                if signal.getsignal(sig) is not signal.SIG_IGN}    # (a background job's)
     try:
-        server.run("stdio")
+        try:
+            server.run("stdio")
+        finally:
+            ending()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if caught[:1] == [signal.SIGINT]:
-        print(f"{_as_invoked()}: interrupted; the session ended and its recall credits are being "
-              "folded.", file=sys.stderr)
+        print(f"{_as_invoked()}: interrupted; the session ended and its recall credits were "
+              "folded (any a busy store held back stay journaled).", file=sys.stderr)
         return 130
     return 0
 
