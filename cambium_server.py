@@ -286,6 +286,12 @@ class ScopeOff(ConfigError):
     """The scope is not set up here (a federated read just leaves it out)."""
 
 
+class OneBranch(ConfigError):
+    """A move refused because its two scopes read and write one branch (a
+    copy "held above" would be the source copy itself): nothing was dropped,
+    and no second call would finish the move."""
+
+
 class NewerFormat(CorruptStore):
     """A knowledge.json in a newer store format: read, never rewritten."""
 
@@ -15296,14 +15302,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         _annotate_pr(cfg, src, held, write.pr_url)
         return Moved(write, landed, planned.refused, joined=sorted(joined & held))
     if held or marking:
-        lift = functools.partial(_lifted, gated, copy, joined)
-        try:
-            _refuse_dropping_itself(cfg, src, dst, write)
-            kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
-            waits = _carry_corrections(cfg, src, dst, kept) if kept else {}
-        except (CambiumError, OSError) as e:
-            raise _copied_not_dropped(e if isinstance(e, CambiumError) else
-                                      CambiumError(error_text(e)), src, dst, held, write) from None
+        kept, waits = _leave_source(cfg, src, dst, ids, held, made, write,
+                                    functools.partial(_lifted, gated, copy, joined))
         return Moved(write, landed, planned.refused,       # (None: its correction went up)
                      [i for i in kept if waits.get(i, ()) is not None], sorted(joined & held),
                      replaced={k: v for k, v in waits.items() if v})
@@ -15316,6 +15316,26 @@ ONE_BRANCH = ("the {src} and {dst} scopes {how}: an item moved up would be found
               "its own (for org, CAMBIUM_ORG_REPO: a clone of the org knowledge repo)")
 
 
+def _leave_source(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
+                  made: dict[str, Item], write: Write,
+                  lift: Callable[[Item, Item, set[str]], Item]
+                  ) -> tuple[list[str], dict[str, tuple[str, str | None] | None]]:
+    """After a move's copies landed in dst (`write`), the source copies leave
+    (_drop_moved) and the corrections made of them meanwhile follow them up
+    (_carry_corrections): the ids kept in both scopes, and why each stays. A
+    failure says the copies are in dst (_copied_not_dropped); a refusal to
+    drop from one branch (OneBranch) is raised as it is."""
+    try:
+        _refuse_dropping_itself(cfg, src, dst, write)
+        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
+        return kept, (_carry_corrections(cfg, src, dst, kept) if kept else {})
+    except OneBranch:
+        raise
+    except (CambiumError, OSError) as e:
+        raise _copied_not_dropped(e if isinstance(e, CambiumError) else
+                                  CambiumError(error_text(e)), src, dst, held, write) from None
+
+
 def _refuse_one_branch(cfg: Config, src: str, dst: str) -> None:
     """Refuse a move between two scopes that read and write one branch of one
     repository (repository_key of each remote's URL, and the branch): the org
@@ -15323,7 +15343,7 @@ def _refuse_one_branch(cfg: Config, src: str, dst: str) -> None:
     checks for itself."""
     here = _branch_reached(store(cfg, src))
     if here is not None and here == _branch_reached(store(cfg, dst)):
-        raise ConfigError(ONE_BRANCH.format(src=src, dst=dst, how=(
+        raise OneBranch(ONE_BRANCH.format(src=src, dst=dst, how=(
             f"are one branch, '{here[1]}' of one repository ({here[0][1]})")))
 
 
@@ -15347,7 +15367,7 @@ def _refuse_dropping_itself(cfg: Config, src: str, dst: str, write: Write) -> No
     "verified" in dst is the very one about to be dropped. Both stay."""
     st, there = store(cfg, src), write.commit or write.read_at
     if isinstance(st, GitStore) and there and st.holds_now(there):
-        err = ConfigError(
+        raise OneBranch(
             f"the {dst} commit {there[:12]} that holds the copies is in the {src} branch's "
             f"own history: either the two scopes read one branch, where the {dst} copy is the "
             f"{src} copy itself and dropping it would drop the only copy, or {dst}'s branch "
@@ -15356,8 +15376,6 @@ def _refuse_dropping_itself(cfg: Config, src: str, dst: str, write: Write) -> No
             f"commit of its own (such as moving another item up to {dst}) ends this; in the "
             f"first, give {dst} a repository of its own (for org, CAMBIUM_ORG_REPO: a clone "
             "of the org knowledge repo)")
-        err.one_branch = True            # type: ignore[attr-defined]
-        raise err
 
 
 def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
@@ -15494,10 +15512,7 @@ def _copied_not_dropped(err: CambiumError, src: str, dst: str, held: set[str],
                         write: Write) -> CambiumError:
     """A move whose copy landed in dst but whose source copy could not be
     dropped (the source's remote refused or went away): it said "nothing
-    moved" though dst held and published the item. Not when src and dst were
-    found to be one branch: no second call would finish that move."""
-    if getattr(err, "one_branch", False):
-        return err
+    moved" though dst held and published the item."""
     where = f" (commit {write.commit[:12]})" if write.commit else ""
     err = _noted(err, f"copied to {dst}{where}: {', '.join(sorted(held))} is in {dst} scope "
                       f"now, and stays in {src} scope too until the same call runs again "
