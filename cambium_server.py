@@ -15323,17 +15323,19 @@ def _leave_source(cfg: Config, src: str, dst: str, ids: set[str], held: set[str]
     """After a move's copies landed in dst (`write`), the source copies leave
     (_drop_moved) and the corrections made of them meanwhile follow them up
     (_carry_corrections): the ids kept in both scopes, and why each stays. A
-    failure says the copies are in dst (_copied_not_dropped); a refusal to
-    drop from one branch (OneBranch) is raised as it is."""
+    failure says the copies are in dst and which left src before it
+    (_copied_not_dropped); a refusal to drop from one branch (OneBranch) is
+    raised as it is."""
+    left: set[str] = set()          # ids whose source copy is gone: filled as they leave
     try:
         _refuse_dropping_itself(cfg, src, dst, write)
-        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift)
-        return kept, (_carry_corrections(cfg, src, dst, kept) if kept else {})
+        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift, left)
+        return kept, (_carry_corrections(cfg, src, dst, kept, left) if kept else {})
     except OneBranch:
         raise
     except (CambiumError, OSError) as e:
-        raise _copied_not_dropped(e if isinstance(e, CambiumError) else
-                                  CambiumError(error_text(e)), src, dst, held, write) from None
+        raise _copied_not_dropped(e if isinstance(e, CambiumError) else CambiumError(
+            error_text(e)), src, dst, held, write, left) from None
 
 
 def _refuse_one_branch(cfg: Config, src: str, dst: str) -> None:
@@ -15378,7 +15380,7 @@ def _refuse_dropping_itself(cfg: Config, src: str, dst: str, write: Write) -> No
             "of the org knowledge repo)")
 
 
-def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
+def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str], left: set[str]
                        ) -> dict[str, tuple[str, str | None] | None]:
     """Of the ids a move kept in both scopes (_drop_moved), those whose source
     copy was superseded while it moved by an item dst lacks: id -> (that item's
@@ -15389,7 +15391,8 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
     supersession is carried to dst's
     copy and the source copy leaves. Any other stays in both, its answer naming
     the replacement (kept_both): a consolidate fold's survivor is an item of its
-    own, never promoted unasked. (In PR mode a merge's settle carries it.)"""
+    own, never promoted unasked. (In PR mode a merge's settle carries it.)
+    Each id whose source copy left is added to `left` as it leaves."""
     below = {it.id: it for it in first_copies(_source_doc(cfg, src).items)}
     out: dict[str, tuple[str, str | None] | None] = {}
     by_pr = pr_branch(cfg, dst, "updates")
@@ -15407,6 +15410,7 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str]
                      message=f"carry {i}'s correction to {dst}")
         if i in {it.id for it in again.landed} and not again.kept:
             out[i] = None
+            left.add(i)
     return out
 
 
@@ -15509,14 +15513,21 @@ def _source_doc(cfg: Config, src: str) -> Doc:
 
 
 def _copied_not_dropped(err: CambiumError, src: str, dst: str, held: set[str],
-                        write: Write) -> CambiumError:
+                        write: Write, left: set[str]) -> CambiumError:
     """A move whose copy landed in dst but whose source copy could not be
     dropped (the source's remote refused or went away): it said "nothing
-    moved" though dst held and published the item."""
+    moved" though dst held and published the item. Those of `held` whose
+    source copy did leave before the failure (`left`: a drop done, then a
+    correction's carry failed) are said to have left, not to stay."""
     where = f" (commit {write.commit[:12]})" if write.commit else ""
-    err = _noted(err, f"copied to {dst}{where}: {', '.join(sorted(held))} is in {dst} scope "
-                      f"now, and stays in {src} scope too until the same call runs again "
-                      f"and finishes the move (no second copy is made)")
+    gone, stays = sorted(held & left), sorted(held - left)
+    said = f"{', '.join(sorted(held))} is in {dst} scope now, and stays in {src} scope too"
+    if gone:                         # (then stays names the others, if any)
+        said = f"{', '.join(sorted(held))} is in {dst} scope now; {', '.join(gone)} left " \
+               f"{src} scope" + (f", {', '.join(stays)} stays there too" if stays else "")
+    if stays or not gone:
+        said += " until the same call runs again and finishes the move (no second copy is made)"
+    err = _noted(err, f"copied to {dst}{where}: {said}")
     err.copied = True                # type: ignore[attr-defined]
     return err
 
@@ -15538,8 +15549,10 @@ CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy mea
 
 def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
                 made: dict[str, Item], above: Doc,
-                lift: Callable[[Item, Item, set[str]], Item]) -> list[str]:
-    """Drop from src the copies that landed in dst. A source copy changed since
+                lift: Callable[[Item, Item, set[str]], Item],
+                left: set[str] | None = None) -> list[str]:
+    """Drop from src the copies that landed in dst (each added to `left` as
+    the write that drops it is done). A source copy changed since
     its copy was made (a teammate's endorse, deprecate or correct from another
     clone, a credit fold, in the second between the two writes) is not dropped
     as it stands: the change is carried up first, lift(source, dst copy, dst's ids) over
@@ -15572,6 +15585,8 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
 
         mutate(cfg, src, drop,
                f"{len(pending)} item(s) moved to {dst}: {', '.join(sorted(pending))}")
+        if left is not None:
+            left.update(pending - changed.keys())
         if not changed:
             return sorted(kept)
         pending = set(changed)

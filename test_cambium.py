@@ -5923,6 +5923,38 @@ def test_a_supersession_org_cannot_take_during_a_move_keeps_the_team_copy_and_sa
     assert item_id not in team_ids(shared["origin"])
 
 
+def test_a_carry_that_fails_after_the_drop_says_which_team_copies_left(shared, monkeypatch):
+    """A move of two team items to org: A's team copy left, X's stayed (Bob
+    corrected X while it moved), then carrying Bob's correction up failed
+    (org's remote refused it). The error said both "stay in team scope too",
+    though A's team copy was gone. It now says A left team scope, X stays."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    a = _endorsed("Keep secrets out of logs and error messages")
+    x = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(a, force=True)
+    cs.promote(x, force=True)
+    _bob_in_the_window(monkeypatch, shared, "_drop_moved", "correct", x,
+                       "Retry only idempotent calls, capped backoff")
+    real, hook = cs._carry_corrections, shared["org_bare"] / "hooks" / "pre-receive"
+
+    def org_refuses_from_now(*args):
+        hook.write_text("#!/bin/sh\necho 'denied by policy' >&2\nexit 1\n")
+        hook.chmod(0o755)
+        return real(*args)
+
+    monkeypatch.setattr(cs, "_carry_corrections", org_refuses_from_now)
+    cfg = cs.require_config()
+    team = {it.id: it for it in cs.store(cfg, "team").read().items}
+    with pytest.raises(cs.GitError, match="denied by policy") as err:
+        cs.move(cfg, [team[a], team[x]], "team", "org", copy=lambda it: it,
+                gate=lambda it: cs.Verdict(True, "promotable", "test"), message="two up")
+    assert f"is in org scope now; {a} left team scope, {x} stays there too until the same " \
+           "call runs again" in str(err.value), err.value
+    assert "stays in team scope too" not in str(err.value)
+    assert a not in team_ids(shared["origin"]) and x in team_ids(shared["origin"])
+    assert {a, x} <= {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]}
+
+
 def test_pr_mode_a_correction_made_while_the_promote_pr_opened_reaches_org(
         shared, monkeypatch, tmp_path):
     """PR mode: Bob corrected the team item after Ada's promote built its pull
