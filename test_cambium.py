@@ -5988,6 +5988,55 @@ def test_pr_mode_a_correction_made_while_the_promote_pr_opened_reaches_org(
     assert team_ids(shared["origin"]) == set()
 
 
+def test_pr_mode_a_correction_corrected_again_while_the_promote_pr_opened_goes_up_as_its_chain(
+        shared, monkeypatch, tmp_path):
+    """PR mode, as above, but Bob corrected the item to R1 and then R1 to R2
+    while Ada's promote opened its pull request: the whole chain is proposed
+    through cambium/updates (R1 and R2 in one pull request), the team copies
+    wait for it, and once it merges org holds X -> R1 -> R2 and team holds
+    none of them."""
+    log = _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id, force=True)
+    env = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
+                                      CAMBIUM_AGENT_ID="bob").items()
+           if k not in ("CAMBIUM_ORG_REPO", "CAMBIUM_ORG_PR")}
+    ran: list = []
+    real = cs._annotate_pr
+
+    def window(cfg, *rest):
+        if not ran:
+            for text in ("Retry only idempotent calls, capped backoff",
+                         "Retry only idempotent calls, capped backoff with jitter"):
+                fixed = json.loads(ran[-1].stdout)["item"]["id"] if ran else item_id
+                ran.append(subprocess.run([*RUN, "correct", fixed, text], env=env,
+                                          cwd=shared["b"], capture_output=True, text=True,
+                                          timeout=60))
+                assert ran[-1].returncode == 0, ran[-1].stderr
+        return real(cfg, *rest)
+
+    monkeypatch.setattr(cs, "_annotate_pr", window)
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
+    r1, r2 = (json.loads(r.stdout)["item"]["id"] for r in ran)
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item_id}")
+    again = cs.promote(item_id, to_scope="org")
+    assert again["status"] == "pr_pending", again
+    assert any(w.startswith(f"{item_id} was corrected in team scope by {r1} while its org "
+                            "pull request was open: ") for w in again["warnings"]), again
+    updates = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert {r1, r2} <= {i["id"] for i in updates}, updates
+    assert "cambium/updates" in log.read_text()
+    assert cs.review_promotions().get("settled_org_prs", []) == []
+    assert {item_id, r1, r2} <= team_ids(shared["origin"])       # waiting for the merge
+    for _ in range(2):                          # the chain, then the supersession
+        _merge_on_org(shared, tmp_path, "cambium/updates")
+        cs.review_promotions()
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item_id]["superseded_by"]["id"] == r1 and org[r1]["superseded_by"]["id"] == r2
+    assert org[r2]["status"] == "active" and org[r2]["corrects"] == r1
+    assert team_ids(shared["origin"]) == set()
+
+
 def test_a_declined_mark_stays_below_when_the_item_is_promoted():
     """A person's own promote of a correction whose carried PR was declined
     took the `declined` mark up to org with it, on an item org accepted."""
