@@ -3468,11 +3468,12 @@ def _looks_bare(path: str) -> bool:
 OID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")     #: a git object id (SHA-1 or SHA-256)
 
 
-def _ref_value(root: Path, ref: str) -> str:
+def _ref_value(root: Path, ref: str, dirs: tuple[Path, Path] | None = None) -> str:
     """The commit a ref names ("" when there is no such ref), read from .git
-    without spawning git. Raises OSError/IndexError when unreadable (a FIFO
-    for packed-refs too: read_git_bytes)."""
-    gitdir, common = _git_dirs(root)
+    without spawning git (`dirs`: _git_dirs(root), when the caller has it).
+    Raises OSError/IndexError when unreadable (a FIFO for packed-refs too:
+    read_git_bytes)."""
+    gitdir, common = dirs or _git_dirs(root)
     for base in (gitdir, common):
         if (base / ref).is_file():
             return git_file_text(base / ref).strip()
@@ -6170,6 +6171,14 @@ class GitStore(Store):
         return f"refs/cambium/scratch/{kind}/{self.scope}/{self.remote}" + \
             (f"/{branch}" if branch else "")
 
+    def _url_or_blank(self) -> str:
+        """The remote's URL (remote_url: cached until the clone's git config
+        changes), "" when it has none or git cannot say: what a best-effort
+        note or check compares."""
+        with contextlib.suppress(CambiumError):
+            return remote_url(self.repo, self.remote, self.timeout_s) or ""
+        return ""
+
     def _failed_stamp(self) -> Path:
         stamp = self._stamp()
         return stamp.with_name(stamp.name + ".failed")
@@ -6178,9 +6187,7 @@ class GitStore(Store):
         """Record a failed fetch for every process of this clone (best effort),
         with the URL it was fetched from (`url: <url>` on the first line, without
         a user or token): a failure counts for that URL alone (_recent_failure)."""
-        url = ""
-        with contextlib.suppress(CambiumError):
-            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
+        url = self._url_or_blank()
         with contextlib.suppress(OSError):
             atomic_write(self._failed_stamp(), (f"url: {shown_url(url)}\n" if url else "") +
                          clip_message(error, 500), durable=False)
@@ -6205,9 +6212,7 @@ class GitStore(Store):
         except OSError:
             return None
         failed_at, error = text.partition("\n")[::2] if text.startswith("url: ") else ("", text)
-        url = ""
-        with contextlib.suppress(CambiumError):
-            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
+        url = self._url_or_blank()
         if (moved or failed_at) and not (url and failed_at and one_repository(
                 failed_at[5:], url, self.repo)):
             return None                          # (a failure of another URL's)
@@ -6542,9 +6547,7 @@ class GitStore(Store):
         they name two repositories): one repository however spelled (remote_key:
         `P`, `P.git`, `P.git/`, `file://`, a user's insteadOf, another token in
         an https URL) is no move. The one rule url_moved and _remote_moved ask."""
-        url = known = ""
-        with contextlib.suppress(CambiumError):         # (cached until the config changes)
-            url = remote_url(self.repo, self.remote, self.timeout_s) or ""
+        url, known = self._url_or_blank(), ""
         with contextlib.suppress(OSError):
             known = git_file_text(self._url_record(), errors="replace").strip()
         return url, known, bool(url and known and url != known and
@@ -7015,12 +7018,19 @@ class GitStore(Store):
         repository (repository_key) says a lost race and none a refusal. It
         is replayed (the lease keeps a replay from overwriting anyone's
         commit, and the write's budget bounds it): it failed instead."""
-        fetch = remote_url(self.repo, self.remote, self.timeout_s)
-        if not fetch:
-            return False
-        said = {_push_outcome(text) for url, text in _push_blocks(out) if url and
-                repository_key(url, self.repo) == repository_key(fetch, self.repo)}
+        said = {_push_outcome(text) for _, text in self._blocks_naming(
+            _push_blocks(out), remote_url(self.repo, self.remote, self.timeout_s),
+            repository_key)}
         return "race" in said and "refused" not in said
+
+    def _blocks_naming(self, blocks: list[tuple[str, str]], fetch: str | None,
+                       key: Callable[[str, Path], Any]) -> list[tuple[str, str]]:
+        """The push blocks (_push_blocks: url, text) whose URL names the
+        repository of the fetch URL `fetch` by `key` (remote_key,
+        repository_key); none without a fetch URL, or for lines before any
+        URL."""
+        return [b for b in blocks if b[0] and key(b[0], self.repo) == key(fetch, self.repo)] \
+            if fetch else []
 
     def _pushed_here(self, out: str) -> tuple[str | None, list[str]]:
         """A push's porcelain (_push_blocks) for where cambium reads, and the
@@ -7034,14 +7044,10 @@ class GitStore(Store):
         if self._push_to()[1] or len(remote_push_urls(self.repo, self.remote,
                                                       self.timeout_s)) < 2:
             return out, []
-        fetch, blocks = remote_url(self.repo, self.remote, self.timeout_s) or "", \
+        fetch, blocks = remote_url(self.repo, self.remote, self.timeout_s), \
             [b for b in _push_blocks(out) if b[0]]
-        here = None
-        for key in (remote_key, repository_key) if fetch else ():
-            if len(hits := [b for b in blocks if key(b[0], self.repo) ==
-                            key(fetch, self.repo)]) == 1:
-                here = hits[0]
-                break
+        here = next((hits[0] for key in (remote_key, repository_key)
+                     if len(hits := self._blocks_naming(blocks, fetch, key)) == 1), None)
         others = [f"{url}: " + next((ln.split("\t")[-1] for ln in text.splitlines()
                                      if ln.startswith("!")), text.strip() or "failed")
                   for url, text in blocks if (url, text) != here and _push_outcome(text) != "ok"]
@@ -19816,8 +19822,9 @@ def primer_key(cfg: Config, limit: int) -> str | None:
         for scope in ("team", "org"):
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
-                config = os.stat(_git_dirs(st.repo)[1] / "config")      # (its URL; a link
-                parts.append((scope, _ref_value(st.repo, st.ref) or st.cloned_tip(),  # followed)
+                dirs = _git_dirs(st.repo)
+                config = os.stat(dirs[1] / "config")      # (its URL; a link followed)
+                parts.append((scope, _ref_value(st.repo, st.ref, dirs) or st.cloned_tip(),
                               (config.st_ino, config.st_size, config.st_mtime_ns,
                                config.st_ctime_ns)))
         parts.append(_git_head(cfg.repo))
