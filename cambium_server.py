@@ -15331,15 +15331,16 @@ def _leave_source(cfg: Config, src: str, dst: str, ids: set[str], held: set[str]
     (_carry_corrections): the ids kept in both scopes, and why each stays. A
     failure says the copies are in dst and which left src before it
     (_copied_not_dropped); a refusal to drop from one branch (OneBranch) is
-    raised as it is."""
+    raised as it is while nothing has left (a carry's nested move can meet
+    one after the drop: then it is a failure after the drop, said as one)."""
     left: set[str] = set()          # ids whose source copy is gone: filled as they leave
     try:
         _refuse_dropping_itself(cfg, src, dst, write)
         kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift, left)
         return kept, (_carry_corrections(cfg, src, dst, kept, left) if kept else {})
-    except OneBranch:
-        raise
     except (CambiumError, OSError) as e:
+        if isinstance(e, OneBranch) and not left:
+            raise
         raise _copied_not_dropped(e if isinstance(e, CambiumError) else CambiumError(
             error_text(e)), src, dst, held, write, left) from None
 
