@@ -2958,19 +2958,19 @@ def test_reader_waits_for_a_rewrite_of_its_own_process_instead_of_parsing_it(rep
         real_write(target, data, mode)
         if target == path:
             replaced.set()
-            go.wait(10)
+            go.wait(60)
     monkeypatch.setattr(cs, "atomic_write", slow_write)
     monkeypatch.setattr(cs, "parse_file", lambda *a: parsed.append(1) or real_parse(*a))
     endorse = threading.Thread(target=cs.endorse, args=(ids[1],), kwargs={"note": "checked"})
     endorse.start()
-    assert replaced.wait(10)
+    assert replaced.wait(60)
     reader = threading.Thread(target=lambda: got.append(st.read()))
     reader.start()
     reader.join(0.5)
     assert reader.is_alive() and not got             # waits for the writer, parses nothing
     go.set()
-    endorse.join(10)
-    reader.join(10)
+    endorse.join(60)
+    reader.join(60)
     assert got[0] is st.read() and not parsed
     assert got[0].items[1].trust["endorsements"][0]["note"] == "checked"
 
@@ -3030,7 +3030,7 @@ def test_reader_seeing_a_writer_mid_append_waits_for_the_whole_line(repo):
 
     thread = cs.threading.Thread(target=slow_writer)
     thread.start()
-    started.wait(5)
+    assert started.wait(60)                      # (the writer holds the lock, mid-append)
     with cs.use_runtime(reader):
         items = cs.store(cs.resolve_config(), "local").read().items
     thread.join()
@@ -3395,13 +3395,13 @@ def test_a_held_journal_lock_holds_back_no_answer(repo, monkeypatch, capsys):
         fd = os.open(repo / ".cambium" / name, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)          # (another open file: another holder)
         held.append(fd)
-    token = cs.LOCK_WAIT.set(8.0)               # (a writer's wait, shortened)
+    token = cs.LOCK_WAIT.set(60.0)              # (a writer's wait, shortened)
     try:
         start = time.monotonic()
         answer = cs.recall("deploy fridays")
         assert item_id in cs.cached_primer(cfg, cs.PRIMER_LIMIT)["primer"]
         assert item_id in cs.session_primer()["primer"]
-        assert time.monotonic() - start < 7
+        assert time.monotonic() - start < 45      # (a few 1 s waits, however loaded)
     finally:
         cs.LOCK_WAIT.reset(token)
         for fd in held:
@@ -4437,7 +4437,7 @@ def test_a_held_journal_lock_leaves_the_legacy_journal_for_later(repo):
         start = time.monotonic()
         with cs.collecting_notes():
             out = cs.with_store_warnings(cs.status())
-        assert time.monotonic() - start < cs.JOURNAL_LOCK_WAIT_S + 3
+        assert time.monotonic() - start < cs.JOURNAL_LOCK_WAIT_S + 60   # (not LOCK_WAIT_S)
     finally:
         holder.kill()
         holder.wait()
@@ -5078,8 +5078,8 @@ def test_git_calls_are_bounded_and_never_prompt():
     import time as _t
     t0 = _t.time()
     with pytest.raises(cs.GitError, match="timed out"):
-        cs._run(["sleep", "5"], None, 0.3)
-    assert _t.time() - t0 < 3
+        cs._run(["sleep", "60"], None, 0.3)
+    assert _t.time() - t0 < 30
 
 
 def test_git_env_drops_a_hooks_namespace_and_quarantine_and_keeps_the_users_ssh(
@@ -5218,7 +5218,7 @@ def test_a_push_url_of_another_repository_takes_no_team_write_away(shared, tmp_p
     assert cs.promote(first, to_scope="team")["status"] == "promoted"
     second = _endorsed("Every queue consumer is idempotent")
     assert cs.promote(second, to_scope="team")["status"] == "promoted"
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 60              # (a lost race replays for 120 s)
     assert team_ids(origin) == {first, second}
     assert remote_json(fork, "cambium") is None
     git(a, "remote", "set-url", "--push", "origin", str(tmp_path / "gone.git"))
@@ -6320,7 +6320,14 @@ def test_write_turns_first_for_the_longest_waiter():
 
 def test_cas_attempts_wait_only_while_peers_write(monkeypatch):
     slept: list[float] = []
-    monkeypatch.setattr(cs.time, "sleep", slept.append)
+    real_sleep, me = cs.time.sleep, threading.current_thread()
+
+    def sleep(s: float) -> None:       # (time is every module's: a thread an earlier test
+        if threading.current_thread() is me:          # left running sleeps for real)
+            slept.append(s)
+        else:
+            real_sleep(s)
+    monkeypatch.setattr(cs.time, "sleep", sleep)
     pace = cs.GitScope(attempt_s=0.04)
     attempts = cs._cas_attempts(pace)
     assert next(attempts) == 0 and slept == []                  # alone: at once
@@ -6348,9 +6355,10 @@ def test_a_write_sees_which_peers_wrote_since_its_last_tip(shared, monkeypatch):
     assert cs.promote()["status"] == "promoted"
     as_agent(monkeypatch, shared["a"], "ada")
     _endorsed("ada's second fact")
+    before = cs.time.monotonic()
     assert cs.promote()["status"] == "promoted"
     assert set(rt_scope.peers) == {"cambium (bob) <bob@cambium.invalid"}
-    assert cs.time.monotonic() - rt_scope.contended_at < cs.PUSH_CONTENDED_S
+    assert rt_scope.contended_at >= before      # (set by this write: however long it took)
     tip = git(shared["origin"], "rev-parse", "cambium").strip()
     assert git(shared["a"], "rev-parse", "refs/cambium/team/origin/cambium").strip() == tip
     assert _team_store(shared["a"]).local_tip() == tip
@@ -6412,7 +6420,11 @@ def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it
     assert "nothing moved" not in str(err.value) and "promote again" in str(err.value)
     assert item_id in team_ids(shared["origin"])         # the push landed after all
     with contextlib.suppress(FileNotFoundError):          # and its hook is gone (or a zombie)
-        state = Path(f"/proc/{pidfile.read_text().strip()}/stat").read_text().split()[2]
+        stat = Path(f"/proc/{pidfile.read_text().strip()}/stat")
+        deadline = cs.time.monotonic() + 10               # (a SIGKILL lands once the killed
+        while (state := stat.read_text().split()[2]) not in ("Z", "X") and \
+                cs.time.monotonic() < deadline:           # process is scheduled: its 30 s
+            cs.time.sleep(0.05)                           # sleep would still be running)
         assert state in ("Z", "X"), state
     hook.unlink()
     monkeypatch.delenv("CAMBIUM_GIT_TIMEOUT")
@@ -6461,9 +6473,9 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
     assert ctrl_c.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     started = cs.time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        cs.run_bounded(["sh", "-c", "setsid sleep 15 & sleep 30"], cwd=tmp_path,
+        cs.run_bounded(["sh", "-c", "setsid sleep 60 & sleep 90"], cwd=tmp_path,
                        env=dict(os.environ), timeout_s=1)
-    assert cs.time.monotonic() - started < 5
+    assert cs.time.monotonic() - started < 30            # (not the helper's 60 s)
 
 
 def _processes_running(marker: str) -> list[int]:
@@ -6484,8 +6496,7 @@ def test_a_timed_out_command_leaves_no_child_it_forked_while_being_killed(tmp_pa
         with pytest.raises(subprocess.TimeoutExpired):
             cs.run_bounded(["sh", "-c", f"while :; do sleep {marker} & done"], cwd=tmp_path,
                            env=dict(os.environ), timeout_s=0.3)
-        cs.time.sleep(0.2)
-        assert _processes_running(marker) == []
+        assert _gone(marker) == []             # (killed: each dies once it is scheduled)
     finally:
         for pid in _processes_running(marker):
             with contextlib.suppress(OSError):
@@ -7270,11 +7281,11 @@ def test_server_refreshes_a_remote_scope_in_the_background(shared, monkeypatch):
     first = cs.recall("second fact canaries")   # a near remote's refresh ends in time:
     assert first["results"] or any("team scope may be behind" in w   # the new tip; else
                                    for w in first.get("warnings", [])), first  # it says so
-    git(shared["a"], "config", "remote.origin.uploadpack", "sleep 3; git-upload-pack")
+    git(shared["a"], "config", "remote.origin.uploadpack", "sleep 6; git-upload-pack")
     cs.time.sleep(0.05)
     started = cs.time.monotonic()
     slow = cs.recall("first fact rollouts")      # due again, against a slow remote: answers
-    assert cs.time.monotonic() - started < 2.5 and slow["results"]   # from the known tip,
+    assert cs.time.monotonic() - started < 5 and slow["results"]     # from the known tip,
     assert any("team scope may be behind" in w for w in slow["warnings"]), slow  # saying so
     git(shared["a"], "config", "--unset", "remote.origin.uploadpack")
     deadline = cs.time.time() + 30
@@ -7540,7 +7551,7 @@ def test_a_process_stopped_mid_fetch_never_stalls_a_read(shared):
         out = cli("recall", "api server", CAMBIUM_GIT_TIMEOUT="1")    # (a fetch is due)
         assert out.returncode == 0, out.stderr
         assert {r["id"] for r in json.loads(out.stdout)["results"]} == {item_id, mine}
-        assert busy in out.stdout and cs.time.monotonic() - started < 5
+        assert busy in out.stdout and cs.time.monotonic() - started < 60   # (not 300 s)
         write = cli("endorse", item_id, "--note", "still true", CAMBIUM_GIT_TIMEOUT="1")
         assert write.returncode != 0 and "nothing was changed" in write.stderr, write.stderr
         cs.runtime().long_running.set()                 # the server: a background fetch
@@ -7604,7 +7615,10 @@ def test_fetches_of_one_clone_racing_each_other_and_pushes_all_land(shared):
                                                    for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(4)
+    started = time.monotonic()              # 4 s at least, and 20 fetches however slow
+    while time.monotonic() - started < 4 or (len(fetched) <= 20 and not errors and
+                                             time.monotonic() - started < 120):
+        time.sleep(0.05)
     stop.set()
     for t in threads:
         t.join()
@@ -10376,7 +10390,7 @@ def test_a_read_of_a_torn_store_whose_lock_is_held_answers_within_seconds(repo):
                            (cs.expand, (item_id,))):
             with cs.collecting_notes():           # (as a tool call: its notes are warnings)
                 answers.append(cs.with_store_warnings(tool(*args)))
-        assert time.monotonic() - start < 3 * cs.STORE_READ_LOCK_WAIT_S + 2
+        assert time.monotonic() - start < 3 * cs.STORE_READ_LOCK_WAIT_S + 20   # (not 300 s)
         token = cs.LOCK_WAIT.set(0.5)                 # (a writer's wait, shortened)
         try:
             with pytest.raises(cs.ConflictError, match="held by another process"):
@@ -10413,12 +10427,15 @@ def test_a_read_waits_no_longer_on_a_thread_that_waits_for_the_stores_lock(repo)
     folder = threading.Thread(target=contextvars.copy_context().run, args=(fold,))
     folder.start()
     try:
-        assert waiting.wait(5)
-        time.sleep(0.2)
+        assert waiting.wait(60)
+        deadline = time.monotonic() + 60
+        while not _waits_on_lock(folder, path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _waits_on_lock(folder, path)          # the fold waits in file_lock
         start = time.monotonic()
         with cs.collecting_notes():
             out = cs.with_store_warnings(cs.recall("base image digest"))
-        assert time.monotonic() - start < cs.STORE_READ_LOCK_WAIT_S + 2
+        assert time.monotonic() - start < cs.STORE_READ_LOCK_WAIT_S + 10   # (not the fold's 30 s)
     finally:
         holder.kill()
         holder.wait()
@@ -12807,15 +12824,26 @@ def test_a_check_process_whose_main_thread_left_is_still_killed_with_its_session
     check's child in a group of its own (as `timeout` makes) ran on."""
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs /proc")
-    child = ("import os,threading,time,ctypes; os.setpgid(0,0); "
-             "open('pid','w').write(str(os.getpid())); "
-             "threading.Thread(target=lambda: [time.sleep(0.05) for _ in iter(int, 1)]).start(); "
-             "time.sleep(0.1); ctypes.CDLL(None).pthread_exit(None)")
-    result = cs.run_check(f"{shlex.quote(sys.executable)} -c \"{child}\" & sleep 1; exit 0",
-                          tmp_path, 30)
+    (tmp_path / "child.py").write_text(textwrap.dedent("""\
+        import ctypes, os, threading, time
+        os.setpgid(0, 0)
+
+        def run():                      # once /proc reads the process as a zombie, say so
+            while open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                time.sleep(0.01)
+            open("pid.tmp", "w").write(str(os.getpid()))
+            os.rename("pid.tmp", "pid")
+            while True:
+                time.sleep(0.05)
+        threading.Thread(target=run).start()
+        ctypes.CDLL(None).pthread_exit(None)
+    """))
+    result = cs.run_check(f"{shlex.quote(sys.executable)} child.py & n=0; "  # the check ends
+                          "while [ ! -e pid ] && [ $n -lt 1200 ]; do sleep 0.05; "  # once its
+                          "n=$((n+1)); done; exit 0", tmp_path, 90)   # child reads as Z
     assert result["passed"], result
     pid = int((tmp_path / "pid").read_text())
-    for _ in range(40):                               # (a killed process is gone in ms)
+    for _ in range(200):                              # (a killed process is gone in ms)
         if not _running_threads(pid):
             break
         time.sleep(0.05)
@@ -13125,7 +13153,9 @@ def test_a_signal_while_a_check_starts_still_stops_the_check(tmp_path, monkeypat
     until the process is known, then ends the run through the kill."""
     real, started = subprocess.Popen, []
 
-    def popen(*args, **kwargs):
+    def popen(*args, **kwargs):         # (Popen is every module's: a thread an earlier test
+        if threading.current_thread() is not threading.main_thread():     # left running
+            return real(*args, **kwargs)                                  # starts its own)
         started.append(real(*args, **kwargs))
         os.kill(os.getpid(), signal.SIGTERM)            # as the check starts
         return started[-1]
@@ -13136,6 +13166,8 @@ def test_a_signal_while_a_check_starts_still_stops_the_check(tmp_path, monkeypat
     assert started[0].wait(timeout=10) == -9            # its group was killed
 
     def popen_fails(*args, **kwargs):                   # a signal, then a start that fails:
+        if threading.current_thread() is not threading.main_thread():
+            return real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)            # the signal was kept, then dropped
         raise OSError(7, "Argument list too long")      # (E2BIG) with the error's answer
     monkeypatch.setattr(cs.subprocess, "Popen", popen_fails)
@@ -13163,10 +13195,7 @@ def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, s
         run.send_signal(sig)
         run.communicate(timeout=30)
         assert run.returncode == 128 + sig
-        deadline = time.monotonic() + 5
-        while _processes_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _processes_running(marker) == []
+        assert _gone(marker) == []
     finally:
         run.kill()
         run.communicate()
@@ -16231,7 +16260,10 @@ def test_a_client_that_never_reads_stops_being_read_past_the_refusal_cap(monkeyp
         async with anyio.create_task_group() as tg:
             tg.start_soon(stdin.write_refusals, reply)
             tg.start_soon(read)
-            await anyio.sleep(1.0)
+            with anyio.fail_after(60):              # (the reader got to its limit...)
+                while stdin._unsent < 3 or stdin._buffer.tell() < 4 * len(b"junk\n"):
+                    await anyio.sleep(0.02)
+            await anyio.sleep(0.3)                  # (...and stays there)
             seen.update(unsent=stdin._unsent, read=stdin._buffer.tell())
             gate.set()                                  # it reads: every answer is written
             with anyio.fail_after(30):
@@ -16376,7 +16408,7 @@ def test_mcp_server_folds_local_credits_in_the_background(repo):
     item_id = cs.capture("Feature flags are read once per request", tags="flags")["item"]["id"]
 
     async def poll():
-        deadline = cs.time.monotonic() + 5
+        deadline = cs.time.monotonic() + 60         # (CREDIT_FOLD_DELAY_S, then the fold)
         while cs.time.monotonic() < deadline and _stored_recalls(repo, item_id) == 0:
             await asyncio.sleep(0.1)
         return _stored_recalls(repo, item_id)     # while the server still runs
@@ -16463,11 +16495,11 @@ def test_a_stdio_server_started_in_a_terminal_says_so_on_stderr_only(repo):
     assert (piped.returncode, piped.stdout, piped.stderr) == (0, b"", b""), piped
 
 
-def _raw_stdio_server(repo, calls: list[dict]) -> subprocess.Popen:
+def _raw_stdio_server(repo, calls: list[dict], start: list[str] = RUN) -> subprocess.Popen:
     """A lexical stdio server sent initialize, initialized and a tools/call
     of each of `calls` (its params; ids 1, 2, ...), raw."""
     from mcp_types import LATEST_PROTOCOL_VERSION
-    proc = subprocess.Popen([*RUN], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([*start], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"))
     proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
@@ -16582,14 +16614,18 @@ def test_a_signal_while_the_server_folds_at_its_end_still_exits_0(repo):
     cs.capture("Migrations run before the deploy")
     store = _store_path(repo)
     holder = _hold_lock(store.with_name(store.name + ".lock"))
-    proc = _raw_stdio_server(repo, [
-        {"name": "recall", "arguments": {"query": "migrations before the deploy"}}])
+    folds_long = ("import sys, cambium_server as cs; cs.EXIT_LOCK_WAIT_S = 15.0; "
+                  "sys.exit(cs.main())")           # (the signal lands in the fold, however
+    proc = _raw_stdio_server(repo, [                 # slowly this test gets to send it)
+        {"name": "recall", "arguments": {"query": "migrations before the deploy"}}],
+        start=[sys.executable, "-c", folds_long])
     try:
         proc.stdin.close()
         assert json.loads(proc.stdout.readline())["id"] == 0
         assert "result" in json.loads(proc.stdout.readline())   # (a credit to fold)
         time.sleep(0.6)                                  # the fold waits for the store
         proc.send_signal(signal.SIGTERM)
+        holder.kill()                                    # (it folds, and ends)
         assert proc.wait(60) == 0
         assert "Traceback" not in proc.stderr.read().decode()
     finally:
@@ -17119,7 +17155,7 @@ def semantic(repo, monkeypatch):
     cs.runtime().engines.clear()
     yield repo
     for eng in cs.runtime().engines.values():
-        eng.wait_idle(30)
+        eng.wait_idle(120)
     cs.runtime().engines.clear()
 
 
@@ -17262,7 +17298,7 @@ def test_a_vector_cache_lock_another_process_holds_costs_a_recall_seconds(semant
     for text, why, tags in NOTES:
         cs.capture(text, why=why, tags=tags)
     assert cs.recall(PARAPHRASE)["mode"] == "semantic"
-    _engine(semantic).wait_idle(60)
+    _engine(semantic).wait_idle(120)
     lock = semantic / ".cambium" / cs.VECTORS_DIR / "index.json.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
                                f"f = open({str(lock)!r}, 'a')\nfcntl.flock(f, fcntl.LOCK_EX)\n"
@@ -17275,7 +17311,7 @@ def test_a_vector_cache_lock_another_process_holds_costs_a_recall_seconds(semant
         cs.capture("Queue consumers must be idempotent")   # (one to embed and save)
         res = cs.recall(PARAPHRASE)
         assert res["results"], res
-        _engine(semantic).wait_idle(60)
+        _engine(semantic).wait_idle(120)
     finally:
         cs.LOCK_WAIT.reset(token)
         holder.kill()
@@ -17312,13 +17348,13 @@ def test_a_capture_does_not_rewrite_the_vector_cache_each_time(semantic):
         cs.capture(f"Fact {n}: the ledger service {n} keeps its own schema", tags="ledger")
     cs.recall("ledger schema")
     eng = _engine(semantic)
-    eng.wait_idle(60)
+    eng.wait_idle(120)
     vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
     saved = {p.name for p in vec_dir.glob("vectors-*.npy")}
     assert len(json.loads((vec_dir / "index.json").read_text())["keys"]) >= 40
     cs.capture("One more fact about the ledger service", tags="ledger")
     cs.recall("one more fact ledger")
-    eng.wait_idle(60)
+    eng.wait_idle(120)
     assert {p.name for p in vec_dir.glob("vectors-*.npy")} == saved and eng.unsaved >= 1
     cs.runtime().save_vectors()                       # as the process exits
     index = json.loads((vec_dir / "index.json").read_text())
@@ -17430,7 +17466,7 @@ def test_a_cli_recall_mends_the_torn_token_files_it_ranked_with(semantic):
         cs.capture(text)
     cs.recall("rotate credentials")
     for eng in cs.runtime().engines.values():
-        eng.wait_idle(60)
+        eng.wait_idle(120)
     tokens = list((semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR).glob("*.tok"))
     assert len(tokens) == 3
     for f in tokens:
@@ -17632,7 +17668,7 @@ def test_semantic_judges_an_item_not_embedded_yet_as_lexical_recall_does(tmp_pat
     assert [h.item.id for h in ranking.weak] == ["k-why"]
     assert ranking.weak[0].confidence == pytest.approx(
         cs.score_query(index, "nightly exports", 3).weak[0].confidence)
-    assert eng.wait_idle(60)
+    assert eng.wait_idle(120)
 
 
 @needs_extra
@@ -17655,7 +17691,7 @@ def test_semantic_ranking_survives_an_index_grown_while_it_scores(tmp_path, monk
     ranking = cs.rank(index, "ledger exports", 5, engine=eng)
     assert "k-new" not in [h.item.id for h in ranking.hits + ranking.weak]
     monkeypatch.setattr(cs, "bm25_scores", real)
-    assert eng.wait_idle(60)
+    assert eng.wait_idle(120)
 
 
 @needs_extra
@@ -17688,7 +17724,7 @@ def test_a_model_that_fails_on_the_query_answers_lexically(semantic, monkeypatch
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
 
     def fails(batch, tokens=()):
         raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : simulated")
@@ -17707,7 +17743,7 @@ def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
     index = json.loads((vec_dir / "index.json").read_text())
     assert {k.split(":")[0] for k in index["keys"]} == set(ids.values())
@@ -17723,7 +17759,7 @@ def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
     assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
     eng = _engine(semantic)
     assert eng.cache.discarded and eng.embedded == len(NOTES)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert len(json.loads((vec_dir / "index.json").read_text())["keys"]) == len(NOTES)
     assert cs.status()["semantic"]["vectors_cached"] == len(NOTES)
     # vectors of the right shape but not the model's (NaN, scaled) were served
@@ -17736,7 +17772,7 @@ def test_semantic_vectors_are_a_cache_beside_the_store(semantic):
         cs.runtime().engines.clear()
         assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
         assert "not unit length" in _engine(semantic).cache.discarded
-        _engine(semantic).wait_idle(30)
+        _engine(semantic).wait_idle(120)
         npy = next(vec_dir.glob("vectors-*.npy"))
     # in a .cambium that is a link nothing is swept: a FIFO there hung every recall
     local = semantic / ".cambium"
@@ -17757,7 +17793,7 @@ def test_a_directory_at_the_vector_index_is_set_aside_and_a_failed_save_is_in_st
     sweep moves it aside as a FIFO there is; a save that fails is in status."""
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
-    _engine(semantic).wait_idle(30)
+    _engine(semantic).wait_idle(120)
     vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
     (vec_dir / "index.json").unlink()
     (vec_dir / "index.json").mkdir()
@@ -17766,7 +17802,7 @@ def test_a_directory_at_the_vector_index_is_set_aside_and_a_failed_save_is_in_st
         cs.runtime().engines.clear()
         assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
         eng = _engine(semantic)
-        eng.wait_idle(30)
+        eng.wait_idle(120)
         assert eng.embedded == embedded and (vec_dir / "index.json").is_file()
     aside = list(vec_dir.glob("index.json" + cs.ODD_TAG + "*"))
     assert len(aside) == 1 and (aside[0] / "a-persons-file").read_text() == "kept"
@@ -17793,7 +17829,7 @@ def _restart_and_check(repo: Path, embedded: int) -> dict:
     cs.runtime().engines.clear()
     assert cs.recall(PARAPHRASE)["mode"] == "semantic"
     eng = _engine(repo)
-    assert eng.wait_idle(30) and eng.embedded == embedded
+    assert eng.wait_idle(120) and eng.embedded == embedded
     st = cs.status()
     assert "cache_error" not in st["semantic"], st["semantic"]
     late = st["semantic"]["late_interaction"]
@@ -17810,7 +17846,7 @@ def test_a_file_where_the_vector_cache_keeps_a_directory_is_set_aside(semantic, 
     The sweep moves it aside whole, as `<name>.not-a-directory-<time>`."""
     _capture_notes()
     cs.recall(PARAPHRASE)
-    _engine(semantic).wait_idle(30)
+    _engine(semantic).wait_idle(120)
     target = semantic / ".cambium" / where
     shutil.rmtree(target)
     target.write_text("a person's notes")
@@ -17830,7 +17866,7 @@ def test_a_directory_at_a_token_file_is_set_aside_and_its_item_embedded_once(sem
     vectors/, as `<name>.not-a-file-<time>` (where warnings look)."""
     _capture_notes()
     cs.recall(PARAPHRASE)
-    _engine(semantic).wait_idle(30)
+    _engine(semantic).wait_idle(120)
     vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
     tok = sorted((vec_dir / cs.TOKENS_DIR).glob("*" + cs.TOKEN_SUFFIX))[0]
     tok.unlink()
@@ -17852,7 +17888,7 @@ def test_semantic_vectors_rank_the_same_fresh_and_reloaded_from_disk(semantic):
     _capture_notes()
     queries = (PARAPHRASE, UNRELATED, "when do migrations run")
     cs.recall(PARAPHRASE)
-    _engine(semantic).wait_idle(30)
+    _engine(semantic).wait_idle(120)
     before = [cs.recall(q, limit=5) for q in queries]
     assert all(str(v.dtype) == "float16" for v in _engine(semantic).cache.rows.values())
     cs.runtime().engines.clear()                 # a new process: vectors from disk
@@ -17892,7 +17928,7 @@ def test_semantic_team_and_org_items_embedded_and_cached(tmp_path):
     ranking = cs.rank(index, PARAPHRASE, 3, engine=eng)
     assert ranking.mode == "semantic" and not ranking.abstains()
     assert ranking.hits[0].item.content == NOTES[0][0]
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert set(eng.cache.rows) == {cs.vector_key(it) for it in items}
     fresh = cs.Semantic(tmp_path / "vectors")      # read from disk on first use
     assert cs.rank(index, PARAPHRASE, 3, engine=fresh).hits[0].item.content == NOTES[0][0]
@@ -18029,7 +18065,7 @@ def test_embedding_keeps_each_items_token_vectors_and_a_cache_without_them_gets_
     ids = _capture_notes()
     assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     tok_dir = semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR
     keys = set(eng.cache.rows)
     assert len(keys) == len(NOTES)
@@ -18049,7 +18085,7 @@ def test_embedding_keeps_each_items_token_vectors_and_a_cache_without_them_gets_
     assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
     assert "not embedded yet" not in res.get("note", "")
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert eng.embedded == len(NOTES)          # embedded again, for their tokens alone
     assert {cs.TokenStore.name(k) for k in keys} == {p.name for p in tok_dir.glob("*.tok")}
     eng.tokens.put(np, "gone:1", np.eye(2, cs.EMBED_DIM, dtype=np.float32))
@@ -18066,7 +18102,7 @@ def _saved_at_exit(repo: Path) -> tuple[set, int]:
     vec_dir = repo / ".cambium" / cs.VECTORS_DIR
     eng = cs.semantic_engine(vec_dir)
     eng.ready()
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     eng.cache.dirty = True
     cs.runtime().save_vectors()
     cs.runtime().engines.clear()
@@ -18086,7 +18122,7 @@ def test_a_save_prunes_the_vector_cache_only_from_a_view_of_every_scope(
     git(semantic, "remote", "add", "origin", str(make_origin(tmp_path, "team")))   # team on
     cs.recall(PARAPHRASE)
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     live = set(eng.cache.rows)
     elsewhere = {f"k-elsewhere{i:04d}:x" for i in range(20)}   # as a team item's, or deleted
     row = np.eye(1, cs.EMBED_DIM, dtype=np.float32)
@@ -18119,7 +18155,7 @@ def test_a_recall_drops_from_the_backlog_items_no_longer_in_the_store(semantic):
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
     eng = _engine(semantic)
-    assert eng.wait_idle(30)
+    assert eng.wait_idle(120)
     path = semantic / ".cambium" / cs.STORE_FILE
     before = path.read_bytes()
     gone = [cs.store(cs.require_config(), "local").read().items[-1] for i in range(3)
@@ -18133,7 +18169,7 @@ def test_a_recall_drops_from_the_backlog_items_no_longer_in_the_store(semantic):
         assert cs.status()["semantic"]["embedding_backlog"] == 0
     assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
     assert "waited" not in res.get("note", "")
-    assert eng.wait_idle(30) and not any(eng.key(it) in eng.cache.rows for it in gone)
+    assert eng.wait_idle(120) and not any(eng.key(it) in eng.cache.rows for it in gone)
 
 
 @needs_extra
@@ -18153,7 +18189,7 @@ def test_a_cache_write_that_finds_no_room_removes_what_this_process_wrote(semant
     try:
         res = cs.recall(PARAPHRASE)
         eng = _engine(semantic)
-        assert eng.wait_idle(60)
+        assert eng.wait_idle(120)
         cs.runtime().save_vectors()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -18211,7 +18247,7 @@ def test_a_torn_token_file_leaves_its_item_the_place_it_holds(semantic):
     assert healthy["mode"] == "semantic" and healthy["results"], healthy
     gold = healthy["results"][0]["id"]
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     key = eng.key(next(it for it in cs.store(cs.require_config(), "local").read().items
                        if it.id == gold))
     path = eng.tokens.dir / eng.tokens.name(key)
@@ -18231,7 +18267,7 @@ def test_late_interaction_off_stores_no_token_vectors_and_still_ranks(semantic, 
     res = cs.recall(PARAPHRASE)
     assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert eng.tokens is None and len(eng.cache.rows) == len(NOTES)
     assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
     assert not list((semantic / ".cambium" / cs.VECTORS_DIR).glob(f"{cs.TOKENS_DIR}/*"))
@@ -18254,7 +18290,7 @@ def test_token_vectors_that_cannot_be_stored_leave_the_vectors_and_status_says_w
     (vec_dir / cs.TOKENS_DIR).write_text("a file where the directory should be")
     assert cs.recall(PARAPHRASE)["results"][0]["id"] == ids[NOTES[0][0]]
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert len(eng.cache.rows) == len(NOTES) and not eng.tokens.names
     res = cs.recall(PARAPHRASE)
     assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
@@ -18273,7 +18309,7 @@ def test_status_counts_the_token_files_there_for_the_items_recalled(semantic):
     _capture_notes()
     cs.recall(PARAPHRASE)
     eng = _engine(semantic)
-    assert eng.wait_idle(30)
+    assert eng.wait_idle(120)
     items = cs.store(cs.require_config(), "local").read().items
     row = np.eye(1, cs.EMBED_DIM, dtype=np.float32)
     eng.tokens.put(np, cs.vector_key(items[0], eng.second is None), row)   # the other kind's
@@ -18292,7 +18328,7 @@ def test_a_vector_cache_in_a_newer_format_is_neither_read_nor_written(semantic, 
     in memory), and each recall says so in its warnings."""
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
-    assert _engine(semantic).wait_idle(30)
+    assert _engine(semantic).wait_idle(120)
     cs.runtime().save_vectors()
     vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
     meta = json.loads((vec_dir / "index.json").read_text())
@@ -18305,7 +18341,7 @@ def test_a_vector_cache_in_a_newer_format_is_neither_read_nor_written(semantic, 
     assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
     assert any("newer format (2)" in w for w in res["warnings"]), res.get("warnings")
     eng = _engine(semantic)
-    assert eng.wait_idle(30) and not eng.cache.discarded and len(eng.cache.rows) == len(NOTES) + 1
+    assert eng.wait_idle(120) and not eng.cache.discarded and len(eng.cache.rows) == len(NOTES) + 1
     cs.runtime().save_vectors()
     assert {p: p.read_bytes() for p in vec_dir.rglob("*") if p.is_file()} == before
     assert "newer format (2)" in cs.status()["semantic"]["cache_error"]
@@ -18337,7 +18373,7 @@ def test_a_vector_cache_a_newer_cambium_wrote_after_this_process_loaded_is_not_s
     _capture_notes()                                # the engine: loaded no cache
     cs.recall(PARAPHRASE)
     eng = _engine(semantic)
-    assert eng.wait_idle(30)
+    assert eng.wait_idle(120)
     vec_dir = semantic / ".cambium" / cs.VECTORS_DIR
     for old in vec_dir.glob("vectors-*.npy"):       # a newer cambium writes the cache
         old.unlink()
@@ -18346,7 +18382,7 @@ def test_a_vector_cache_a_newer_cambium_wrote_after_this_process_loaded_is_not_s
     before = {p: p.read_bytes() for p in vec_dir.glob("*") if p.is_file()}
     cs.capture("Pin the base image digest in every Dockerfile")    # new rows to save
     cs.recall(PARAPHRASE)
-    assert eng.wait_idle(30) and eng.cache.dirty
+    assert eng.wait_idle(120) and eng.cache.dirty
     cs.runtime().save_vectors()
     assert {p: p.read_bytes() for p in vec_dir.glob("*") if p.is_file()} == before
     assert eng.cache_off and "newer format (2)" in cs.status()["semantic"]["cache_error"]
@@ -18399,7 +18435,7 @@ def test_items_lacking_only_their_token_files_rank_at_once_and_get_them_later(
     at once without late interaction, and their files come in the background."""
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
-    _engine(semantic).wait_idle(30)
+    _engine(semantic).wait_idle(120)
     tok_dir = semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR
     for p in tok_dir.glob("*.tok"):
         p.unlink()
@@ -18414,7 +18450,7 @@ def test_items_lacking_only_their_token_files_rank_at_once_and_get_them_later(
     assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
     assert "not embedded yet" not in (res.get("note") or "")
     eng = _engine(semantic)
-    assert eng.wait_idle(30) and eng.embedded == len(NOTES)
+    assert eng.wait_idle(120) and eng.embedded == len(NOTES)
     assert len(list(tok_dir.glob("*.tok"))) == len(NOTES)
 
 
@@ -18427,7 +18463,7 @@ def test_a_token_dir_that_cannot_be_written_is_not_embedded_again_by_each_proces
     asked once per process, by writing one of the largest size."""
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
-    _engine(semantic).wait_idle(30)
+    _engine(semantic).wait_idle(120)
     vec_dir = _linked_local(semantic) / cs.VECTORS_DIR
     shutil.rmtree(vec_dir / cs.TOKENS_DIR)
     (vec_dir / cs.TOKENS_DIR).write_text("a file where the directory should be")
@@ -18436,7 +18472,7 @@ def test_a_token_dir_that_cannot_be_written_is_not_embedded_again_by_each_proces
         res = cs.recall(PARAPHRASE)
         assert res["mode"] == "semantic" and res["results"][0]["id"] == ids[NOTES[0][0]]
         eng = _engine(semantic)
-        assert eng.wait_idle(30) and eng.embedded == 0 and not eng.queued
+        assert eng.wait_idle(120) and eng.embedded == 0 and not eng.queued
         assert "could not be stored" in cs.status()["semantic"]["late_interaction"]["error"]
     assert "could not store token vectors" in capsys.readouterr().err
     assert (vec_dir / cs.TOKENS_DIR).is_file()
@@ -18451,7 +18487,7 @@ def test_one_token_file_that_cannot_be_written_leaves_the_others_repaired(
     monkeypatch.setattr(cs, "TOKENS_RECENT", 0)      # every recall reads the files
     ids = _capture_notes()
     cs.recall(PARAPHRASE)
-    _engine(semantic).wait_idle(30)
+    _engine(semantic).wait_idle(120)
     items = {it.id: it for it in cs.store(cs.require_config(), "local").read().items}
     a, b = (_engine(semantic).key(items[ids[NOTES[n][0]]]) for n in (0, 1))
     tok_dir = semantic / ".cambium" / cs.VECTORS_DIR / cs.TOKENS_DIR
@@ -18461,15 +18497,15 @@ def test_one_token_file_that_cannot_be_written_leaves_the_others_repaired(
     (tok_dir / cs.TokenStore.name(a)).mkdir()        # behind its back: a's cannot be written
     cs.recall(PARAPHRASE)                            # a embedded again: its write fails
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert eng.token_error and eng.embedded == 1
     torn = tok_dir / cs.TokenStore.name(b)
     torn.write_bytes(torn.read_bytes()[:-100])
     cs.recall(PARAPHRASE)                            # b's torn file: embedded again
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert eng.embedded == 2 and eng.tokens.get(eng.ready().np, b) is not None
     cs.recall(PARAPHRASE)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert eng.embedded == 2                         # and a never again
 
 
@@ -18486,7 +18522,7 @@ def test_a_backlog_s_few_embedded_items_never_outrank_its_lexical_matches(
         cs.capture(f"Budget review {n}: spending is compared with the plan each quarter")
     cs.recall(UNRELATED)                             # these 13 are embedded
     eng = _engine(semantic)
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     gate = threading.Event()
     real = cs.Semantic._embed_items
     monkeypatch.setattr(cs.Semantic, "_embed_items",
@@ -18568,7 +18604,7 @@ def test_semantic_recall_answers_while_backlog_embeds(tmp_path):
     eng.rate = 0.01                        # never wait: the backlog looks hours long
     ranking = cs.rank(cs.build_index(items + [target]), "webhook retries", 3, engine=eng)
     assert ranking.hits[0].item.id == "k-target"   # a lexical top hit, embedded on the spot
-    assert eng.wait_idle(60) and len(eng.cache.rows) == 41
+    assert eng.wait_idle(120) and len(eng.cache.rows) == 41
 
 
 def test_a_new_vector_recipe_re_embeds_every_item(monkeypatch):
@@ -18679,7 +18715,7 @@ def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(mon
     shared words) is not waited for once it shrinks under EMBED_WAIT_S: after
     an import of 3,000 items each recall stalled up to EMBED_WAIT_MAX_S while
     it drained. Once it has drained, the next backlog is judged afresh."""
-    monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 3.0)
+    monkeypatch.setattr(cs, "EMBED_WAIT_MAX_S", 20.0)
     eng, items, index, gate = _engine_with_a_held_backlog(monkeypatch)
     eng.rate = 1e-3                                 # far too long to wait for
     first = cs.rank(index, "ledger export", 3, engine=eng)
@@ -18687,7 +18723,7 @@ def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(mon
     eng.rate = 1e9                                  # now it looks instant
     t0 = time.monotonic()
     again = cs.rank(index, "ledger export", 3, engine=eng)
-    assert time.monotonic() - t0 < 2 and "not embedded yet" in again.note
+    assert time.monotonic() - t0 < 10 and "not embedded yet" in again.note   # (not the 20 s)
     gate.set()
     assert eng.wait_idle(120) and eng.pending == 0 and eng.verdict is None
     more = [cs.Item(id="k-new", content="Webhook retries back off exponentially", tags=["w"])]
@@ -18794,7 +18830,8 @@ def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_
     time.sleep(max(0.0, 4.2 - sum(took)))           # EMBED_WAIT_TOTAL_S since the judgement
     t0 = time.monotonic()
     cs.rank(index, "ledger export", 3, engine=eng)
-    assert time.monotonic() - t0 < 1.0              # waited for long enough in all
+    assert time.monotonic() - t0 < 1.45             # waited for long enough in all (a wait:
+    #                                                 1.5 s at least, the gate is held)
     gate.set()
     assert eng.wait_idle(120) and eng.pending == 0 and eng.verdict is None
 
@@ -18835,7 +18872,7 @@ def test_semantic_embedder_steps_aside_while_a_recall_ranks(tmp_path, monkeypatc
         if sys.platform.startswith("linux"):           # ...and runs niced: a long backlog
             assert os.getpriority(os.PRIO_PROCESS, eng.worker.native_id) == \
                 max(cs.EMBED_NICE, os.getpriority(os.PRIO_PROCESS, 0))
-    assert eng.wait_idle(60) and eng.embedded == 3
+    assert eng.wait_idle(120) and eng.embedded == 3
 
 
 @needs_extra
@@ -19010,7 +19047,7 @@ def test_rerank_puts_the_answer_first_and_leaves_relevance_and_the_floor_alone(m
     monkeypatch.setattr(cs, "SEM_LATE_WEIGHT", 0.0)     # (it finds k-7 by itself: above)
     eng = cs.Semantic(None)
     eng.ready()
-    eng.wait_idle(60)
+    eng.wait_idle(120)
     plain = eng.rank(index, LOG_QUERY, 5)
     again = eng.rank(index, LOG_QUERY, 5, cs.load_reranker())
     assert [h.item.id for h in plain.hits] == ["k-3", "k-7"] and not plain.reranked
@@ -19041,7 +19078,7 @@ def test_rerank_keeps_an_item_holding_every_query_word_first():
 
     eng = cs.Semantic(None)
     eng.ready()
-    eng.wait_idle(60)
+    eng.wait_idle(120)
     plain = eng.rank(index, LOG_QUERY, 5)
     again = eng.rank(index, LOG_QUERY, 5, Contrary())
     assert plain.hits[0].item.id == exact and again.hits[0].item.id == exact and again.reranked
@@ -19062,7 +19099,7 @@ def test_rerank_ranks_a_grown_index_as_a_fresh_one():
     for n in range(1, len(items) + 1):
         grown = grown.sync(items[:n])
         eng.rank(grown, LOG_QUERY, 3, rr)
-    eng.wait_idle(60)
+    eng.wait_idle(120)
     fresh = cs.build_index(items)
     for query in (LOG_QUERY, PARAPHRASE, UNRELATED):
         a, b = eng.rank(grown, query, 5, rr), eng.rank(fresh, query, 5, rr)
@@ -19138,7 +19175,7 @@ def test_second_encoder_relevance_is_the_mean_of_both_cosines_on_its_own_floor()
     index = _log_index()
     eng = _second_engine(True)
     eng.rank(index, LOG_QUERY, 5)
-    eng.wait_idle(60)
+    eng.wait_idle(120)
     res = eng.rank(index, LOG_QUERY, 5)
     assert res.second and res.hits
     emb, two = cs.load_embedder(), cs.load_second()
@@ -19166,7 +19203,7 @@ def test_second_encoder_ranks_a_grown_index_as_a_fresh_one():
     for n in range(1, len(items) + 1):
         grown = grown.sync(items[:n])
         eng.rank(grown, LOG_QUERY, 3)
-    eng.wait_idle(60)
+    eng.wait_idle(120)
     fresh = cs.build_index(items)
     for query in (LOG_QUERY, PARAPHRASE, UNRELATED):
         a, b = eng.rank(grown, query, 5), eng.rank(fresh, query, 5)
@@ -19189,10 +19226,10 @@ def test_vectors_embedded_one_by_one_rank_as_those_embedded_at_once(second):
     for n in range(1, len(items) + 1):
         grown = grown.sync(items[:n])
         one.rank(grown, LOG_QUERY, 3)
-        one.wait_idle(60)
+        one.wait_idle(120)
     fresh = cs.build_index(items)
     bulk.rank(fresh, LOG_QUERY, 3)
-    bulk.wait_idle(60)
+    bulk.wait_idle(120)
     for query in (LOG_QUERY, PARAPHRASE, UNRELATED):
         a, b = one.rank(grown, query, 5), bulk.rank(fresh, query, 5)
         assert a.second == b.second == second
@@ -19213,7 +19250,7 @@ def test_second_encoder_rows_are_cached_beside_the_plain_ones(tmp_path):
     for eng in (plain, both):
         eng.ready()
         eng.rank(index, PARAPHRASE, 3)
-        eng.wait_idle(60)
+        eng.wait_idle(120)
         eng._save_locked()
     again = cs.VectorCache(cache)               # one directory holds both kinds, none discarded
     assert again.discarded is None
@@ -19232,7 +19269,7 @@ def test_second_encoder_failing_on_a_query_leaves_the_bi_encoder_and_says_so(mon
     eng, plain = _second_engine(True), _second_engine(False)
     for e in (eng, plain):
         e.rank(index, LOG_QUERY, 5)
-        e.wait_idle(60)
+        e.wait_idle(120)
 
     def broken(*a, **k):
         raise RuntimeError("onnxruntime exploded")
@@ -19454,7 +19491,7 @@ def test_server_embeds_at_capture_with_the_second_encoder_under_its_own_keys(sem
     wait_for(second)
     assert second <= keys() and not plain & second
     eng = cs.runtime().engines[cache]
-    eng.wait_idle(30)
+    eng.wait_idle(120)
     assert eng.backlog() == 0
     res = cs.recall(PARAPHRASE)
     assert res["second_encoder"] is True and "note" not in res
@@ -19648,7 +19685,7 @@ def test_server_told_to_stop_while_a_recall_waits_for_the_backlog_exits_at_once(
         proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     assert proc.wait(60) == 0, proc.stderr.read().decode()[-500:]
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30               # (not EMBED_WAIT_MAX_S, 50 s)
     proc.stdout.close()
     proc.stderr.close()
     if how == "term":
@@ -19854,11 +19891,11 @@ def test_find_definition_scans_each_line_once():
     quadratic: a 1 MB file held a recall, and the server, for over 30 s."""
     text = "export\n" * 140_000
     nested = "".join("    " * i + "class A:\n" for i in range(60)) + " " * 240 + "def run(): 0\n"
-    started = time.process_time()
+    started = time.thread_time()
     assert cs.find_definition(text, "handler") is None
     assert cs.find_definition(text, "A.handler") is None
     assert cs.find_definition(nested, "A.A.A.A.run") == 61     # each level multiplied it
-    assert time.process_time() - started < 3       # quadratic: minutes; linear: ~0.3 s
+    assert time.thread_time() - started < 3       # quadratic: minutes; linear: ~0.3 s
 
 
 def test_find_definition_splits_no_long_line_every_way():
@@ -19867,10 +19904,10 @@ def test_find_definition_splits_no_long_line_every_way():
     spaces then the name took 20 s, a SessionStart hook past its timeout) and a
     Go receiver (`[^)]*` on both sides of the owner: `func (` and 32,000 words
     took 31 s)."""
-    started = time.process_time()
+    started = time.thread_time()
     assert cs.find_definition(" " * 200_000 + "total\n", "total", ".ts") is None
     assert cs.find_definition("func (" + "Srv " * 32_000 + "\n", "Srv.total", ".go") is None
-    assert time.process_time() - started < 3       # quadratic: minutes; linear: ~0.1 s
+    assert time.thread_time() - started < 3       # quadratic: minutes; linear: ~0.1 s
     assert cs.find_definition("class A {\n  async *total(a) {\n  }\n}\n", "total", ".ts") == 2
     assert cs.find_definition("func (s *Srv) total() {\n}\n", "Srv.total", ".go") == 1
 
@@ -19899,16 +19936,16 @@ def test_every_definition_pattern_reads_any_line_in_linear_time():
         for prefix, unit in [(p, u) for p in ADVERSARIAL_PREFIXES for u in ADVERSARIAL_UNITS]:
             line = prefix + unit * (size // len(unit)) + "\n"
             for pattern in patterns.values():
-                started = time.process_time()
+                started = time.thread_time()
                 pattern.match(line)
-                took = time.process_time() - started
+                took = time.thread_time() - started
                 assert took < 2, (prefix, unit, size, pattern.pattern)
-    started = time.process_time()
+    started = time.thread_time()
     line = "total:" + " ():" * 50_000 + "\n"
     assert cs.find_definition(line + "def total(): 0\n", "total", ".py") == 2
     assert cs.find_definition("const api = {\n  total: (a): number => a,\n", "total", ".ts") == 2
     assert cs.find_definition("total: Callable[[int], int] = lambda a: a\n", "total") == 1
-    assert time.process_time() - started < 2
+    assert time.thread_time() - started < 2
 
 
 def test_find_definition_reads_only_the_lines_that_hold_the_name():
@@ -19919,13 +19956,13 @@ def test_find_definition_reads_only_the_lines_that_hold_the_name():
     unit = "static int\nfunc_%d (int a, int b)\n{\n  int x = helper (a, b);\n  return x;\n}\n"
     text = "int\ntotal (int a)\n{\n}\n" + "".join(unit % i for i in range(40_000))
     assert len(text) > 2_000_000
-    started = time.process_time()
+    started = time.thread_time()
     for _ in range(10):
         assert cs.find_definition(text, "total", ".c") == 2             # GNU style, at the top
         assert cs.find_definition(text, "missing", ".c") is None
         assert cs.find_definition(text, "Cart::total", ".cpp") is None
         assert cs.find_definition(text, "func_39999", ".c") == 240_000    # the last one
-    assert time.process_time() - started < 1.5     # every offset: ~10 s; their lines: ~0.1 s
+    assert time.thread_time() - started < 1.5     # every offset: ~10 s; their lines: ~0.1 s
 
 
 @pytest.fixture
@@ -22933,7 +22970,7 @@ def test_a_held_org_checkout_lock_holds_back_no_read(shared, monkeypatch):
     try:
         start = time.monotonic()
         out = cs.recall("health endpoint", scope="org")
-        assert time.monotonic() - start < cs.CHECKOUT_LOCK_WAIT_S + 4
+        assert time.monotonic() - start < cs.CHECKOUT_LOCK_WAIT_S + 30   # (not 300 s)
     finally:
         holder.kill()
         holder.wait()
@@ -23601,10 +23638,10 @@ def test_tags_and_code_refs_far_over_their_limits_are_refused_before_any_is_read
             cs.capture("Cap raw code ref lists", code_refs=refs)
         assert e.value.argument == "code_refs"
     assert cs.capture("Keep repeated tags", tags=["db"] * 256)["item"]["tags"] == ["db"]
-    started = time.monotonic()                  # 20,000 commas in one call's parentheses
+    started = time.thread_time()                # 20,000 commas in one call's parentheses
     assert cs.normalize_code_refs("a.py#total(" + "a, " * 20_000 + ")") == [
         {"path": "a.py", "symbol": "total"}]
-    assert time.monotonic() - started < 1
+    assert time.thread_time() - started < 1     # (this thread's CPU: no other's, no wait)
     assert cs.salvage_tags(["t"] * 2_000_000) == (["t"], "1999744 more not read past the "
                                                          "first 256")
     assert cs.salvage_tags("db " * 9000 + "pool") == (["db"], "5205 more not read past the "
