@@ -632,7 +632,8 @@ def test_a_clone_git_cannot_read_still_captures_recalls_and_primes_locally(tmp_p
     assert got.returncode == 1 and "bad config line" in got.stderr + got.stdout
 
 
-def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folder(tmp_path):
+def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folder(tmp_path,
+                                                                                  monkeypatch):
     """Another user's clone ("detected dubious ownership"): git refuses every
     call, and cambium read that as "no remote" (status, promote: `git remote
     add origin`) or "not a git repository" (setup: `git init`), and named the
@@ -644,7 +645,8 @@ def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folde
     with pytest.raises(cs.ConfigError, match="git config --global --add safe.directory "
                                              f"{re.escape(str(shop))}"):
         cs.setup(str(shop), "ada")
-    os.environ.update(CAMBIUM_REPO=str(shop), CAMBIUM_AGENT_ID="ada")
+    monkeypatch.setenv("CAMBIUM_REPO", str(shop))       # (os.environ.update outlived the test
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")       # in its worker)
     st = cs.status()
     assert st["status"] == "error" and st["error"] == "config" and st["project"] is None
     assert "dubious ownership" in st["message"] and "safe.directory" in st["message"]
@@ -7662,7 +7664,9 @@ def test_a_remote_set_to_another_url_never_serves_the_old_repositorys_items(shar
     a new URL it cannot fetch is skipped too, never answered from the old tip."""
     a = shared["a"]
     monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "3600")
-    _endorsed("Payroll rotation is monthly in the old repository", "payroll")
+    monkeypatch.setattr(cs, "CREDIT_FOLD_DELAY_S", 3600.0)   # (a fold due 2 s after the
+    _endorsed("Payroll rotation is monthly in the old repository", "payroll")  # recall fetched
+    #   from the new URL when this test ran slowly: the primer then read it, unwarned, as it should)
     cs.promote()
     cs.runtime().long_running.set()                        # a server: the tip is known
     assert cs.recall("payroll rotation monthly", scope="team")["results"]
@@ -15797,18 +15801,28 @@ def _mcp_env(repo: Path) -> dict:
             "GIT_CONFIG_NOSYSTEM": "1", "PYTHONPATH": str(HERE), "CAMBIUM_RERANK": "off"}
 
 
-async def _mcp_session(env: dict, body, script: bool = False):
+async def _mcp_session(env: dict, body, script: bool = False, ends: bool = False):
     """`body(session, init)` on a real stdio server (`script`: started as README's
-    MCP config starts it, by the path of cambium_server.py)."""
+    MCP config starts it, by the path of cambium_server.py). `ends`: the test
+    reads what the server does as it ends, which the SDK gives 2 s once stdin
+    closes, then SIGTERMs its group (a team push it makes then with it) and
+    SIGKILLs it 2 s on: on a loaded machine a fold was cut short. It gets 60 s."""
     from mcp import ClientSession, StdioServerParameters
-    from mcp.client.stdio import stdio_client
+    import mcp.client.stdio as sdk
     params = StdioServerParameters(command=sys.executable, env=env,
                                    args=[str(SERVER)] if script else RUN[1:])
-    with open(os.devnull, "w") as errlog:
-        async with stdio_client(params, errlog=errlog) as (read, write):
-            async with ClientSession(read, write) as session:
-                init = await session.initialize()
-                return await body(session, init)
+    grace = getattr(sdk, "PROCESS_TERMINATION_TIMEOUT", None)
+    if ends and grace is not None:
+        sdk.PROCESS_TERMINATION_TIMEOUT = 60.0
+    try:
+        with open(os.devnull, "w") as errlog:
+            async with sdk.stdio_client(params, errlog=errlog) as (read, write):
+                async with ClientSession(read, write) as session:
+                    init = await session.initialize()
+                    return await body(session, init)
+    finally:
+        if grace is not None:
+            sdk.PROCESS_TERMINATION_TIMEOUT = grace
 
 
 def test_mcp_stdio_initialize_list_status_capture_recall(repo):
@@ -16382,7 +16396,7 @@ def test_mcp_server_publishes_team_credits_on_clean_shutdown(shared):
         assert res.structured_content["results"][0]["id"] == item_id
         return True
 
-    assert asyncio.run(_mcp_session(env, body))
+    assert asyncio.run(_mcp_session(env, body, ends=True))       # (its fold pushes as it ends)
     stored = remote_json(shared["origin"], "cambium")["items"][0]["trust"]
     assert stored["recalls"] == 1 and "carol" in stored["recalled_by"]
 
@@ -16392,8 +16406,9 @@ def _stored_recalls(repo: Path, item_id: str) -> int:
     return next(i for i in data["items"] if i["id"] == item_id)["trust"].get("recalls", 0)
 
 
-def _mcp_recall_then(repo: Path, query: str, item_id: str, then) -> object:
-    """Recall through a real stdio server; return what `then()` says before it stops."""
+def _mcp_recall_then(repo: Path, query: str, item_id: str, then, ends: bool = False) -> object:
+    """Recall through a real stdio server; return what `then()` says before it stops
+    (`ends`: as _mcp_session's)."""
     env = {**_mcp_env(repo), "CAMBIUM_RECALL_MODE": "lexical"}
 
     async def body(session, init):
@@ -16401,7 +16416,7 @@ def _mcp_recall_then(repo: Path, query: str, item_id: str, then) -> object:
         assert res.structured_content["results"][0]["id"] == item_id
         return await then()
 
-    return asyncio.run(_mcp_session(env, body))
+    return asyncio.run(_mcp_session(env, body, ends=ends))
 
 
 def test_mcp_server_folds_local_credits_in_the_background(repo):
@@ -16422,7 +16437,7 @@ def test_mcp_server_folds_local_credits_on_clean_shutdown(repo):
     async def now():
         return _stored_recalls(repo, item_id)     # before the background fold is due
 
-    assert _mcp_recall_then(repo, "migrations before deploy", item_id, now) == 0
+    assert _mcp_recall_then(repo, "migrations before deploy", item_id, now, ends=True) == 0
     assert _stored_recalls(repo, item_id) == 1    # the shutdown folded it
     assert not (repo / ".cambium" / "credits.jsonl").read_text().strip()
     cache = json.loads((repo / ".cambium" / cs.PRIMER_CACHE_FILE).read_text())
@@ -19548,7 +19563,7 @@ def test_server_start_warms_the_recall_index_and_writes_nothing(repo):
                     if ".git" not in p.parts)
     assert cs.warm_recall_soon() is None              # outside the server: nothing
     cs.runtime().long_running.set()
-    cs.warm_recall_soon().join(30)
+    cs.warm_recall_soon().join(120)
     assert len(cs.runtime().indexes[_recall_key(repo)].slot_of) == 5
     after = sorted((p.relative_to(repo), p.stat().st_mtime_ns) for p in repo.rglob("*")
                    if ".git" not in p.parts)
@@ -19560,7 +19575,7 @@ def test_server_start_warm_up_in_an_unconfigured_place_does_nothing(tmp_path, mo
     monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(tmp_path / "none.json"))
     monkeypatch.chdir(tmp_path)
     cs.runtime().long_running.set()
-    cs.warm_recall_soon().join(30)
+    cs.warm_recall_soon().join(120)
     assert not cs.runtime().indexes and not (tmp_path / ".cambium").exists()
 
 
