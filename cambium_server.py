@@ -12287,9 +12287,10 @@ def late_report(cfg: Config, eng: Semantic | None) -> dict:
 
 def second_report(cfg: Config, rt: Runtime, eng: Semantic | None) -> dict:
     """status()'s account of the second encoder (never loads it): on or off
-    and why; an engine already made keeps the mode it was made with."""
+    and why; an engine already made keeps the mode it was made with (on while
+    its ready() loads the model: a failed load turns the mode off)."""
     if eng is not None and eng.second_mode is not None:
-        on = eng.second is not None
+        on = eng.second_mode
     else:
         on = second_wanted(cfg) and rt.encoder2_error is None
     if on:

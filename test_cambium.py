@@ -19366,6 +19366,37 @@ def test_rerank_second_uses_the_second_encoder_and_never_the_cross_encoder(seman
     assert not any(g["setting"] == "CAMBIUM_RERANK" for g in cs.status()["gaps"])
 
 
+def test_status_while_the_second_encoder_loads_says_it_is_on(repo, monkeypatch):
+    """An engine's ready() marks it as one with the second encoder, then loads
+    that model (seconds on a busy machine): a status in between said the
+    second encoder was off, "this engine was made without it (CAMBIUM_RERANK
+    was off then)" (test_rerank_over_mcp_says_so_and_status_reports_it failed
+    so under load). It is on, not loaded yet."""
+    loading, loaded = threading.Event(), threading.Event()
+
+    def slow_second(rt=None):
+        loading.set()
+        loaded.wait(60)
+        return object()                                    # (a stand-in model)
+
+    monkeypatch.setattr(cs, "load_embedder", lambda rt=None: None)
+    monkeypatch.setattr(cs, "second_wanted", lambda cfg=None: True)
+    monkeypatch.setattr(cs, "late_wanted", lambda cfg=None: False)
+    monkeypatch.setattr(cs, "load_second", slow_second)
+    eng = cs.Semantic(None)
+    readying = threading.Thread(target=contextvars.copy_context().run, args=(eng.ready,))
+    readying.start()
+    try:
+        assert loading.wait(60)
+        during = cs.second_report(cs.resolve_config(), cs.runtime(), eng)
+    finally:
+        loaded.set()
+        readying.join(60)
+    assert during["on"] is True and "reason" not in during, during   # ("loaded": the
+    #                                               runtime's model, an earlier test's may be)
+    assert cs.second_report(cs.resolve_config(), cs.runtime(), eng)["on"] is True
+
+
 @needs_rerank
 def test_rerank_over_mcp_says_so_and_status_reports_it(repo):
     async def body(session, init):
