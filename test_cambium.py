@@ -85,6 +85,10 @@ def hermetic(tmp_path, monkeypatch):
     # tests opt back in with the `semantic` fixture.
     monkeypatch.setenv("CAMBIUM_RECALL_MODE", "lexical")
     monkeypatch.setenv("CAMBIUM_RERANK", "off")      # ...and no reranking (needs_rerank tests)
+    # A recall that waited BACKLOG_NOTE_S (1 s) for its backlog says so in its note: a loaded
+    # machine took that long for a dozen items, and tests of an answer with no note failed.
+    # The note's own tests set it (0.5 s, with a wait they hold open).
+    monkeypatch.setattr(cs, "BACKLOG_NOTE_S", 3600.0)
     monkeypatch.chdir(tmp_path)
     cs.runtime().reset()
     yield
@@ -7667,7 +7671,7 @@ def test_a_remote_set_to_another_url_never_serves_the_old_repositorys_items(shar
     monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "3600")
     monkeypatch.setattr(cs, "CREDIT_FOLD_DELAY_S", 3600.0)   # (a fold due 2 s after the
     _endorsed("Payroll rotation is monthly in the old repository", "payroll")  # recall fetched
-    #   from the new URL when this test ran slowly: the primer then read it, unwarned, as it should)
+    #   from the new URL when this test ran slowly: the primer then read it, rightly unwarned)
     cs.promote()
     cs.runtime().long_running.set()                        # a server: the tip is known
     assert cs.recall("payroll rotation monthly", scope="team")["results"]
@@ -18651,11 +18655,17 @@ def test_semantic_recall_helps_embed_a_backlog_it_waits_for(tmp_path, monkeypatc
     waiting recall embeds part of it itself, beside the background thread."""
     monkeypatch.setattr(cs, "EMBED_CHUNK_ITEMS", 2)
     threads = []
-    real = cs.Semantic._embed_items
+    real, main = cs.Semantic._embed_items, threading.main_thread()
+    first = {True: threading.Event(), False: threading.Event()}    # (the recall's, the rest's)
 
     def spy(self, emb, chunk):
-        threads.append(threading.current_thread().name)
-        return real(self, emb, chunk)
+        me = threading.current_thread()
+        threads.append(me.name)
+        out = real(self, emb, chunk)
+        if not first[me is main].is_set():        # each side's first chunk waits for one of
+            first[me is main].set()               # the other's: however the two threads are
+            first[me is not main].wait(10)        # scheduled, neither takes them all
+        return out
 
     monkeypatch.setattr(cs.Semantic, "_embed_items", spy)
     items = [cs.Item(id=f"k-{i}", content=f"Note {i} about the ledger export format",
