@@ -6416,7 +6416,7 @@ def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it
     went on to take it; the item then sat in local and team at once."""
     hook = shared["origin"] / "hooks" / "post-receive"   # runs once the ref has moved
     pidfile = shared["tmp"] / "hook.pid"
-    hook.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 30\n")
+    hook.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 90\n")
     hook.chmod(0o755)
     item_id = _endorsed("Never deploy on Fridays")
     monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", "2")
