@@ -6430,7 +6430,7 @@ def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it
         stat = Path(f"/proc/{pidfile.read_text().strip()}/stat")
         deadline = cs.time.monotonic() + 10               # (a SIGKILL lands once the killed
         while (state := stat.read_text().split()[2]) not in ("Z", "X") and \
-                cs.time.monotonic() < deadline:           # process is scheduled: its 30 s
+                cs.time.monotonic() < deadline:           # process is scheduled: its 90 s
             cs.time.sleep(0.05)                           # sleep would still be running)
         assert state in ("Z", "X"), state
     hook.unlink()
