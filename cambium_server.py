@@ -22114,16 +22114,18 @@ class _RepairedStdin:
             self._settled.notify_all()
 
     def _raw_line(self) -> bytes:
-        """The next line of input, b"" at its end, or once STDIO_STOP is set (a
-        SIGINT or SIGTERM: the SDK's reader waited in a thread nothing could
-        cancel, and Ctrl-C did nothing until the client closed stdin)."""
+        """The next line of input, b"" at its end, once STDIO_STOP is set (a
+        signal: the SDK's reader waited in a thread nothing could cancel, and
+        Ctrl-C did nothing until the client closed stdin), or once the session
+        is over (its writes failed: a client that closed its end of our stdout
+        but not stdin kept the server running until it did)."""
         sel = self._selector()
         if sel is None:
             return self._buffer.readline()
         seen = 0                                # (a 32 MB line is scanned once, not per read)
         while (cut := self._pending.find(b"\n", seen)) < 0:
             seen = len(self._pending)
-            if STDIO_STOP.is_set():
+            if STDIO_STOP.is_set() or self._over.is_set():
                 return b""
             if not sel.select(STDIO_POLL_S):
                 continue
@@ -22371,8 +22373,27 @@ async def serve_stdio(low: Any) -> None:
                     repaired.session_over()
                     tg.cancel_scope.cancel()
     except BaseException as e:               # the client closed our stdout: its session
-        if not only_broken_pipes(e):          # ended (an ExceptionGroup from the SDK's
-            raise                             # task group held a traceback and exit 1)
+        if only_broken_pipes(e):              # ended (an ExceptionGroup from the SDK's
+            return                            # task group held a traceback and exit 1)
+        failed = only_os_errors(e)            # stdout on a full disk (ENOSPC), EIO: the
+        if failed is None:                    # same, said (run_stdio), with exit 1 (its
+            raise                             # traceback was 50 lines)
+        raise StdioFailed(failed.errno, failed.strerror or str(failed)) from None
+
+
+class StdioFailed(OSError):
+    """The stdio client's streams failed (a write of an answer) other than by a
+    broken pipe: the session is over."""
+
+
+def only_os_errors(e: BaseException) -> OSError | None:
+    """The first OSError of an exception (or of every one an exception group
+    holds, all of them OSErrors), else None."""
+    subs = getattr(e, "exceptions", None)
+    if isinstance(e, OSError) or not subs:
+        return e if isinstance(e, OSError) else None
+    found = [only_os_errors(sub) for sub in subs]
+    return None if None in found else found[0]
 
 
 def build_server() -> MCPServer:
@@ -22546,6 +22567,10 @@ def run_stdio(server: Any, ending: Callable[[], None]) -> int:
     try:
         try:
             server.run("stdio")
+        except StdioFailed as e:
+            print(f"{_as_invoked()}: could not talk to its client over stdio "
+                  f"({e.strerror or e}); the session ended.", file=sys.stderr)
+            return 1
         finally:
             ending()
     finally:

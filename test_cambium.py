@@ -16655,6 +16655,39 @@ def test_a_signal_while_the_server_folds_at_its_end_still_exits_0(repo):
     assert len(local_items(repo)) == 1
 
 
+def test_a_stdio_server_whose_client_closed_its_stdout_ends(repo):
+    """A client that closed its end of the server's stdout but kept stdin open:
+    the answers' writes failed and the server ran on until stdin closed (the
+    reader waited for input only); the session is over, so the server ends."""
+    proc = _raw_stdio_server(repo, [])
+    try:
+        assert json.loads(proc.stdout.readline())["id"] == 0
+        proc.stdout.close()
+        proc.stdin.write(b'{"jsonrpc": "2.0", "id": "p", "method": "ping"}\n')
+        proc.stdin.flush()                               # its answer's write fails
+        assert proc.wait(60) == 0
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        _end_process(proc)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_stdio_server_whose_stdout_fails_says_so_in_one_line(repo):
+    """stdout on a full disk (ENOSPC, not a broken pipe) printed the SDK task
+    group's ExceptionGroup, 50 lines of traceback: one line now, exit 1."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    init = json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"}}}) + "\n"
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run([*RUN], input=init.encode(), stdout=full, stderr=subprocess.PIPE,
+                              env=dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical"),
+                              timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "No space left on device" in err, err
+
+
 def test_a_closed_session_waits_no_longer_on_a_lock_a_stopped_process_holds(repo):
     """A call waiting for the store's lock, which a stopped process held,
     kept the server running LOCK_WAIT_S (300 s) after its client closed stdin:
