@@ -97,12 +97,18 @@ if __name__ == "__main__":
 if __name__ == "__main__" or _loaded_by_console_script():
     import signal as _signal    # Ctrl-C while the modules below load: one line, no traceback
 
-    def _interrupted_early(*_: object) -> None:
+    def _interrupted_early(signum: int, _frame: object) -> None:
+        if signum != _signal.SIGINT:        # a server told to stop as it loads: stopped (0)
+            _os._exit(0)
         _os.write(2, b"cambium: interrupted before it started; nothing was written.\n")
         _os._exit(130)
 
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:   # not if ignored
         _signal.signal(_signal.SIGINT, _interrupted_early)
+    if _sys.argv[1:2] in ([], ["serve"]):   # a server: SIGTERM or SIGHUP (a terminal closing)
+        for _sig in (_signal.SIGTERM, _signal.SIGHUP):       # as it loads killed it (-15);
+            if _signal.getsignal(_sig) == _signal.SIG_DFL:   # serve() takes them over
+                _signal.signal(_sig, _interrupted_early)
 
 import argparse
 import atexit
@@ -22484,6 +22490,16 @@ def serve(http: Annotated[bool, Field(
           port: Annotated[int, Field("HTTP port.", ge=1, le=65535)] = HTTP_DEFAULT_PORT
           ) -> int:
     """Serve MCP over stdio (what running with no command does), or over HTTP."""
+    signals = ServerSignals().install()     # first: a signal as it loads stops it cleanly
+    try:
+        return signals.exit_code(_serve_as(http, host, port))
+    finally:
+        signals.put_back()
+
+
+def _serve_as(http: bool, host: str, port: int) -> int:
+    """serve() under its signal handlers: build the server, check the streams
+    or the address, serve, then fold (_end_serving). Returns the exit code."""
     try:
         server = build_server()
     except ImportError as e:                        # the SDK is an install away: say so
@@ -22502,14 +22518,13 @@ def serve(http: Annotated[bool, Field(
               "need no token", file=sys.stderr)      # never served open without a word
     rt = runtime()
     rt.long_running.set()
-    SERVER_STOP.clear()
     tune_malloc()
     give_back_memory()
     warm_recall_soon()
-    if not http:
-        say_serving_to_a_terminal()
-        return run_stdio(server, ending=lambda: _end_serving(rt))
     try:
+        if not http:
+            say_serving_to_a_terminal()
+            return run_stdio(server)
         return serve_http(server, host, port, token)
     finally:
         _end_serving(rt)
@@ -22536,50 +22551,108 @@ def say_serving_to_a_terminal() -> None:
                   f"`{me} --help` lists the commands.", file=sys.stderr)
 
 
-SIGNAL_EXIT_S = 20.0    #: after SIGINT/SIGTERM the stdio server exits within this, folded or not
+SIGNAL_EXIT_S = 20.0    #: after a signal a server exits within this, folded or not
+SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   #: (SIGHUP: a terminal closed)
 
 
-def run_stdio(server: Any, ending: Callable[[], None]) -> int:
-    """Serve stdio until its input ends, or a SIGINT (exit 130, one line) or
-    SIGTERM (0) ends it the same way: the session closes, then `ending` folds
-    the credits and makes the next primer. The handlers stay until `ending`
-    is done: a signal during it ended the process by the signal (-15), not 0.
-    A second signal exits at once, and so does the process SIGNAL_EXIT_S after
-    the first (the journal keeps what was not folded)."""
-    caught: list[int] = []
+class ServerSignals:
+    """A server's SIGINT, SIGTERM and SIGHUP, from before it is built to the
+    process's end. A signal's default action killed it as it loaded, and as
+    it shut down once the handlers were put back (-15, -2: uvicorn raised the
+    signal again after its shutdown); SIGHUP killed it at any time, unfolded;
+    `serve --http` ran on while a call's thread did (an import: minutes) and
+    took no second signal. The first signal ends serving (STDIO_STOP: stdin's
+    reader; SERVER_STOP: uvicorn and the calls' waits); the session closes,
+    the credits are folded, and the exit status is 130 once a SIGINT came
+    (one line), else 0 (code). A second signal exits at once, and so does
+    the process SIGNAL_EXIT_S after the first, whatever holds it, each with
+    one line (_exit_unfolded): the journal keeps the credits not yet folded."""
 
-    def stop(signum: int, _frame: Any) -> None:
-        code = 130 if signum == signal.SIGINT else 143
-        if caught:
-            os._exit(code)
-        caught.append(signum)
+    def __init__(self) -> None:
+        self.caught: list[int] = []
+        self.found: dict[int, Any] = {}
+        self.done = False                   # served and folded: the process is ending
+
+    def install(self) -> "ServerSignals":
+        STDIO_STOP.clear()
+        SERVER_STOP.clear()
+        with contextlib.suppress(ValueError):            # (not the main thread: no handlers)
+            for sig in SERVER_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:   # (a background job's,
+                    self.found[sig] = signal.signal(sig, self.stop)   # nohup's: ignored)
+        atexit.register(self.ignore_at_exit)
+        return self
+
+    def ignore_at_exit(self) -> None:
+        """As the interpreter shuts down (atexit: the calls' threads are done,
+        and so is the fold), the signals these handlers still hold are ignored:
+        Python puts a handled signal back to its default action before it tears
+        its modules down (100-300 ms), and a SIGTERM then killed a server whose
+        work was done (-15). The exit status is the server's own."""
+        for sig in self.found:
+            if getattr(signal.getsignal(sig), "__self__", None) is self:
+                signal.signal(sig, signal.SIG_IGN)
+
+    def stop(self, signum: int, _frame: Any) -> None:
+        if self.done and self.caught:   # (its exit under way, bounded by the first's timer)
+            return
+        self.caught.append(signum)
+        if len(self.caught) > 1:
+            _exit_unfolded(self.code(), "at a second signal")
         STDIO_STOP.set()
         SERVER_STOP.set()
-        last = threading.Timer(SIGNAL_EXIT_S, os._exit, (code,))  # whatever holds the exit
-        last.daemon = True                                        # up, a signal ends it
+        last = threading.Timer(SIGNAL_EXIT_S, lambda: _exit_unfolded(   # whatever holds the
+            self.code(), f"{SIGNAL_EXIT_S:g} s after the signal"))      # exit up, a signal
+        last.daemon = True                                              # ends it
         last.start()
 
-    STDIO_STOP.clear()
-    old = {}
-    with contextlib.suppress(ValueError):            # (not the main thread: no handlers)
-        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
-               if signal.getsignal(sig) is not signal.SIG_IGN}    # (a background job's)
+    def code(self) -> int:
+        """The exit status once signals stopped the server: 130 once one was a
+        SIGINT (Ctrl-C, the shell's), else 0 (SIGTERM, SIGHUP: a stop asked
+        for and done), whichever came first (two pending at once are taken
+        in signal-number order)."""
+        return 130 if signal.SIGINT in self.caught else 0
+
+    def exit_code(self, code: int) -> int:
+        """The server's exit code `code`, or 130 (said) when a SIGINT stopped it."""
+        if code == 0 and self.code() == 130:
+            print(f"{_as_invoked()}: interrupted; serving ended and the recall credits were "
+                  "folded (any a busy store held back stay journaled).", file=sys.stderr)
+            return 130
+        return code
+
+    def put_back(self) -> None:
+        """Put back the handlers found that were a program's own (a host that
+        served in-process); a default action stays replaced to the process's
+        end (its interpreter shutdown: a signal then killed it, work done)."""
+        self.done = True
+        for sig, handler in self.found.items():
+            if callable(handler) and handler is not signal.default_int_handler \
+                    and getattr(handler, "__name__", "") != "_interrupted_early":
+                signal.signal(sig, handler)
+
+
+def _exit_unfolded(code: int, when: str) -> None:
+    """A server's exit at once (a second signal, or SIGNAL_EXIT_S after the
+    first), in one line: os.write, as a handler's print could meet the main
+    thread's. It exited 143 and said nothing (SIGINT: 130, without its line)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (f"{_as_invoked()}: {'interrupted; ' if code == 130 else ''}stopped {when}, "
+                     "before it was done: any call still running was cut short, its answer "
+                     "lost, and recall credits not yet folded stay journaled.\n").encode())
+    os._exit(code)
+
+
+def run_stdio(server: Any) -> int:
+    """Serve stdio until its input ends, or a signal ends it (ServerSignals).
+    Returns 0, or 1 (said) when its client's stdio failed other than by a
+    broken pipe (stdout on a full disk: an ExceptionGroup's traceback)."""
     try:
-        try:
-            server.run("stdio")
-        except StdioFailed as e:
-            print(f"{_as_invoked()}: could not talk to its client over stdio "
-                  f"({e.strerror or e}); the session ended.", file=sys.stderr)
-            return 1
-        finally:
-            ending()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    if caught[:1] == [signal.SIGINT]:
-        print(f"{_as_invoked()}: interrupted; the session ended and its recall credits were "
-              "folded (any a busy store held back stay journaled).", file=sys.stderr)
-        return 130
+        server.run("stdio")
+    except StdioFailed as e:
+        print(f"{_as_invoked()}: could not talk to its client over stdio "
+              f"({e.strerror or e}); the session ended.", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -22877,14 +22950,10 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         app = require_bearer(app, token)
     raise_fd_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",   # a client that
-                            timeout_graceful_shutdown=SIGNAL_EXIT_S)    # stalls mid-body:
+                            timeout_graceful_shutdown=HTTP_GRACE_S)     # stalls mid-body:
                                                                         # no endless stop
     print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
-    # uvicorn shuts down on SIGTERM, then raises it again under the handler it
-    # found: the default one killed the process before serve()'s clean-shutdown
-    # fold. This one ends it as a normal exit, so that fold runs.
-    signal.signal(signal.SIGTERM, _exit_quietly)
     with sock:
         anyio.run(functools.partial(stopping_server(config).serve, sockets=[sock]))
     return 0
@@ -22899,6 +22968,7 @@ def quiet_refusals() -> None:
     import logging
     logging.getLogger("mcp.server.transport_security").setLevel(logging.ERROR)
     logging.getLogger("uvicorn.error").addFilter(quiet_refusals_of_upgrades)
+    logging.getLogger("uvicorn.error").addFilter(quiet_calls_cut_at_stop)
 
 
 def quiet_refusals_of_upgrades(record: Any) -> bool:
@@ -22907,6 +22977,15 @@ def quiet_refusals_of_upgrades(record: Any) -> bool:
     still wrote them to stderr, before cambium saw the request)."""
     return not str(record.msg).startswith(("Unsupported upgrade request",
                                            "No supported WebSocket library"))
+
+
+def quiet_calls_cut_at_stop(record: Any) -> bool:
+    """A logging filter for uvicorn's log: False for the traceback of a call
+    its shutdown cancelled once HTTP_GRACE_S ran out (40 lines per call; the
+    line before it says so, and the exit's own line what was lost)."""
+    import asyncio
+    why = record.exc_info[1] if record.exc_info else None
+    return not (SERVER_STOP.is_set() and isinstance(why, asyncio.CancelledError))
 
 
 ACCEPT_FAILURE_EVERY_S = 60.0   #: a failing accept() is said at most once in this long
@@ -22957,23 +23036,31 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+#: how long `serve --http`, told to stop, waits for open connections: shorter
+#: than SIGNAL_EXIT_S, so a stalled client's leaves time to fold the credits
+HTTP_GRACE_S = 15.0
+
+
 def stopping_server(config: Any) -> Any:
-    """A uvicorn server that tells cambium's waits it is stopping (SERVER_STOP)
-    as soon as a signal asks it to: a call waiting on a stopped process's lock,
-    or for the embedding backlog, held its graceful shutdown, and the process,
-    for minutes after SIGTERM."""
+    """A uvicorn server that stops once serve()'s signal handlers (ServerSignals)
+    set SERVER_STOP, and leaves the signals to them: uvicorn's own took the
+    signal, shut down, then raised it again (killed by its default action, -2
+    or -15, or a traceback from inside the event loop when two came close),
+    and a second signal, which it kept to itself, never ended a shutdown that
+    waited on a call's thread. SERVER_STOP also ends cambium's waits (a call
+    waiting on a stopped process's lock, or for the embedding backlog)."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            SERVER_STOP.set()
-            super().handle_exit(sig, frame)
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+        async def on_tick(self, counter: int) -> bool:
+            if SERVER_STOP.is_set():
+                self.should_exit = True
+            return await super().on_tick(counter)
     return StoppingServer(config)
-
-
-def _exit_quietly(signum: int, frame: Any) -> None:
-    """A signal handler that ends the process as a normal exit (cleanup runs)."""
-    raise SystemExit(0)
 
 
 def _fold_on_exit(scopes: Iterable[str] = CREDIT_SCOPES, *, warm: bool = False) -> None:
@@ -23163,7 +23250,8 @@ def main(argv: list[str] | None = None) -> int:
     is left to write to stdout is written before the exit status is final.
     As a process's entry (no argv given), a Ctrl-C from then on is ignored:
     the work is done, and one in the interpreter's shutdown printed a
-    threading traceback, or killed the process (-2) without a word."""
+    threading traceback, or killed the process (-2) without a word. (A
+    server's own handlers stay instead: ServerSignals.)"""
     if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_interrupted_early":
         signal.signal(signal.SIGINT, signal.default_int_handler)      # (the module's top)
     _reap_own_children()
@@ -23171,7 +23259,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(sys.argv[1:] if argv is None else argv)
         code = _flush_answer(code)
-        if argv is None and threading.current_thread() is threading.main_thread():
+        if argv is None and threading.current_thread() is threading.main_thread() and \
+                not isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None),
+                               ServerSignals):      # (a server's stay, to the end)
             signal.signal(signal.SIGINT, signal.SIG_IGN)   # (a pending one is dropped too)
     except KeyboardInterrupt:                   # before a command ran (argparse, a hook),
         print(f"{_as_invoked()}: interrupted; " + ("nothing was written." if code is None else

@@ -16655,6 +16655,166 @@ def test_a_signal_while_the_server_folds_at_its_end_still_exits_0(repo):
     assert len(local_items(repo)) == 1
 
 
+#: A server (`python -c`) whose import_memory(source="slow") writes the file
+#: CAMBIUM_TEST_MARK and then runs for 10 minutes in its thread (a call nothing
+#: can abandon, as a long import is); SIGNAL_EXIT_S from CAMBIUM_TEST_EXIT_S.
+SLOW_CALL_SERVER = """
+import os, sys, time, cambium_server as cs
+cs.SIGNAL_EXIT_S = float(os.environ["CAMBIUM_TEST_EXIT_S"])
+def slow(path):
+    open(os.environ["CAMBIUM_TEST_MARK"], "w").close()
+    time.sleep(600)
+    yield from ()
+cs.IMPORT_ADAPTERS["slow"] = slow
+sys.exit(cs.main())
+"""
+
+
+def _slow_call_server(repo, tmp_path, args: list[str], exit_s: float) -> subprocess.Popen:
+    env = dict(_mcp_env(repo), CAMBIUM_RECALL_MODE="lexical", CAMBIUM_TEST_EXIT_S=str(exit_s),
+               CAMBIUM_TEST_MARK=str(tmp_path / "running"))
+    return subprocess.Popen([sys.executable, "-c", SLOW_CALL_SERVER, *args], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _until_exists(path: Path, proc: subprocess.Popen) -> None:
+    """Wait (up to 60 s) for `path`, the server still running."""
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-600:]
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sigs, exit_s, code", [(("SIGTERM",), 1.0, 0), (("SIGINT",), 1.0, 130),
+                                                (("SIGHUP", "SIGTERM"), 600.0, 0)])
+def test_a_stdio_server_held_by_a_call_after_a_signal_exits_as_documented(
+        repo, tmp_path, sigs, exit_s, code):
+    """SIGNAL_EXIT_S after a SIGTERM a call still held the server: it exited
+    143, though SIGTERM exits 0 (README), and after a SIGINT 130 without its
+    line; SIGHUP (a terminal closing) killed it at any time, unfolded (-1).
+    Every way out of a signal now exits 0 (SIGINT: 130), said in one line."""
+    import signal
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    proc = _slow_call_server(repo, tmp_path, [], exit_s)
+    try:
+        proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
+            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "import_memory",
+             "arguments": {"source": "slow", "path": str(tmp_path / "x")}}})).encode())
+        proc.stdin.flush()
+        _until_exists(tmp_path / "running", proc)
+        for sig in sigs:
+            proc.send_signal(getattr(signal, sig))
+        assert proc.wait(60) == code
+        err = proc.stderr.read().decode()
+        assert "Traceback" not in err and err.count("stopped") == 1, err
+        assert ("interrupted" in err) == (code == 130), err
+    finally:
+        _end_process(proc)
+
+
+@pytest.mark.parametrize("sigs, exit_s, code", [(("SIGTERM",), 1.0, 0), (("SIGHUP",), 1.0, 0),
+                                                (("SIGTERM", "SIGINT"), 600.0, 130)])
+def test_http_serve_held_by_a_call_after_a_signal_exits_within_the_bound(
+        repo, tmp_path, sigs, exit_s, code):
+    """`serve --http` told to stop ran on as long as a call's thread did (an
+    import: minutes; README: 20 s at most, the import landing nothing) and
+    took no second signal; two signals close together gave -2 or a uvicorn
+    traceback, SIGHUP -1. It has the stdio server's bound and second signal."""
+    import signal
+    port = _free_port()
+    proc = _slow_call_server(repo, tmp_path, ["serve", "--http", "--port", str(port)], exit_s)
+    try:
+        assert "serving MCP on" in proc.stderr.readline().decode()
+
+        async def slow_import(session):
+            return await session.call_tool("import_memory", {"source": "slow", "path": "/x"})
+
+        def call() -> None:
+            with contextlib.suppress(BaseException):      # (its answer is lost at stop)
+                asyncio.run(_http_session(f"http://127.0.0.1:{port}/mcp", None, slow_import))
+        threading.Thread(target=call, daemon=True).start()
+        _until_exists(tmp_path / "running", proc)
+        for sig in sigs:
+            proc.send_signal(getattr(signal, sig))
+        assert proc.wait(60) == code
+        err = proc.stderr.read().decode()
+        assert "Traceback" not in err and err.count("stopped") == 1, err
+        assert ("interrupted" in err) == (code == 130), err
+    finally:
+        _end_process(proc)
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 0), ("SIGHUP", 0), ("SIGINT", 130)])
+def test_a_signal_as_the_stdio_server_is_built_stops_it_cleanly(repo, sig, code):
+    """A SIGTERM before run_stdio put its handlers in (the first second: the
+    server being built) killed the server by the signal (-15; SIGHUP -1)."""
+    import signal
+    builds = ("import os, signal, sys, cambium_server as cs\nbuild = cs.build_server\n"
+              f"def killed():\n    os.kill(os.getpid(), signal.{sig})\n    return build()\n"
+              "cs.build_server = killed\nsys.exit(cs.main())\n")
+    proc = subprocess.run([sys.executable, "-c", builds], stdin=subprocess.PIPE,
+                          capture_output=True, env=_mcp_env(repo), timeout=60)
+    assert (proc.returncode, proc.stdout) == (code, b""), proc
+    assert "Traceback" not in proc.stderr.decode() and \
+        ("interrupted" in proc.stderr.decode()) == (code == 130), proc.stderr
+
+
+EARLY_SIGTERM = EARLY_SIGINT.replace("signal.SIGINT", "signal.SIGTERM").replace(
+    'sys.argv = [sys.argv[1], "status"]', "sys.argv = [sys.argv[1]]")
+
+
+def test_sigterm_while_the_server_module_loads_stops_it_cleanly(repo):
+    """A server started and stopped at once (a client that gives up) died by
+    SIGTERM while the module loaded (-15): from the moment the module runs,
+    as Ctrl-C's one line, SIGTERM and SIGHUP stop a server cleanly (0)."""
+    proc = subprocess.run([sys.executable, "-c", EARLY_SIGTERM, str(SERVER)], env=_mcp_env(repo),
+                          stdin=subprocess.PIPE, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", ""), proc
+
+
+#: A server whose last act, as the interpreter tears its modules down (after
+#: its handlers are put back), sends it `CAMBIUM_TEST_LATE`: deterministic where
+#: a timed kill is not.
+LATE_SIGNAL_SERVER = """
+import os, signal, sys, cambium_server as cs
+class Late:
+    def __del__(self):
+        os.kill(os.getpid(), getattr(signal, os.environ["CAMBIUM_TEST_LATE"]))
+late = Late()
+sys.exit(cs.main())
+"""
+
+
+@pytest.mark.parametrize("args, sig", [([], "SIGTERM"), ([], "SIGHUP"),
+                                       (["serve", "--http"], "SIGINT")])
+def test_a_signal_as_a_server_s_process_ends_leaves_its_exit_status(repo, args, sig):
+    """A client's stdin.close() then terminate(): the server had folded, and
+    the SIGTERM killed it in the interpreter's shutdown (-15, 3-5 runs of 5);
+    `serve --http` stopped by SIGTERM, then a SIGINT, died -2. Python puts a
+    handled signal back to its default action before it tears its modules
+    down: once its work is done, a server ignores them to the end."""
+    import signal
+    env = dict(_mcp_env(repo), CAMBIUM_TEST_LATE=sig, CAMBIUM_RECALL_MODE="lexical")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LATE_SIGNAL_SERVER, *args,
+                             *(["--port", str(port)] if args else [])], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if args:
+            assert b"serving MCP on" in proc.stderr.readline()
+            proc.send_signal(signal.SIGTERM)
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        _end_process(proc)
+
+
 def test_a_stdio_server_whose_client_closed_its_stdout_ends(repo):
     """A client that closed its end of the server's stdout but kept stdin open:
     the answers' writes failed and the server ran on until stdin closed (the
