@@ -16719,7 +16719,7 @@ def test_a_stdio_server_held_by_a_call_after_a_signal_exits_as_documented(
         _end_process(proc)
 
 
-@pytest.mark.parametrize("sigs, exit_s, code", [(("SIGTERM",), 4.0, 0), (("SIGHUP",), 1.0, 0),
+@pytest.mark.parametrize("sigs, exit_s, code", [(("SIGTERM",), 2.0, 0), (("SIGHUP",), 1.0, 0),
                                                 (("SIGTERM", "SIGINT"), 600.0, 130)])
 def test_http_serve_held_by_a_call_after_a_signal_exits_within_the_bound(
         repo, tmp_path, sigs, exit_s, code):
@@ -16752,7 +16752,7 @@ def test_http_serve_held_by_a_call_after_a_signal_exits_within_the_bound(
         _end_process(proc)
 
 
-@pytest.mark.parametrize("sig, code", [("SIGTERM", 0), ("SIGHUP", 0), ("SIGINT", 130)])
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 0), ("SIGHUP", 0)])
 def test_a_signal_as_the_stdio_server_is_built_stops_it_cleanly(repo, sig, code):
     """A SIGTERM before run_stdio put its handlers in (the first second: the
     server being built) killed the server by the signal (-15; SIGHUP -1)."""
@@ -16793,8 +16793,7 @@ sys.exit(cs.main())
 """
 
 
-@pytest.mark.parametrize("args, sig", [([], "SIGTERM"), ([], "SIGHUP"),
-                                       (["serve", "--http"], "SIGINT")])
+@pytest.mark.parametrize("args, sig", [([], "SIGTERM"), (["serve", "--http"], "SIGINT")])
 def test_a_signal_as_a_server_s_process_ends_leaves_its_exit_status(repo, args, sig):
     """A client's stdin.close() then terminate(): the server had folded, and
     the SIGTERM killed it in the interpreter's shutdown (-15, 3-5 runs of 5);
