@@ -22522,6 +22522,8 @@ def _serve_as(http: bool, host: str, port: int) -> int:
     give_back_memory()
     warm_recall_soon()
     try:
+        if SERVER_STOP.is_set():                    # a signal as it was built: stopped
+            return 0                                # (nothing bound, nothing said)
         if not http:
             say_serving_to_a_terminal()
             return run_stdio(server)
