@@ -154,7 +154,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import (TYPE_CHECKING, Annotated, Any, BinaryIO, Callable, Collection, Iterable,
                     Iterator, Literal, Mapping,
-                    NamedTuple, get_args, get_origin, get_type_hints)
+                    NamedTuple, NoReturn, get_args, get_origin, get_type_hints)
 
 if TYPE_CHECKING:  # pragma: no cover
     from mcp.server.mcpserver import MCPServer
@@ -2900,10 +2900,14 @@ def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float
     helpers: killing only the direct child left them running, and the push
     landed later) and raise. The command stays in cambium's process group, so
     a signal to the group (a closing terminal, `timeout`) still reaches it.
-    Bytes in, bytes out."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env,
-                            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    Bytes in, bytes out. Each command is known while it runs (_LIVE_TREES), so
+    an exit that skips this cleanup (_hard_exit) kills its tree too."""
+    with _LIVE_TREES_LOCK:                           # (held by _hard_exit: none starts)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env,
+                                stdin=subprocess.PIPE if input is not None
+                                else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _LIVE_TREES.add(proc)
     try:
         out, err = proc.communicate(input, timeout=timeout_s)
     except BaseException:
@@ -2913,6 +2917,9 @@ def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float
             with contextlib.suppress(OSError, AttributeError):
                 f.close()
         raise
+    finally:                                         # (a command _hard_exit killed: its
+        with _LIVE_TREES_LOCK:                       # caller waits here for the exit, and
+            _LIVE_TREES.discard(proc)                # never acts on the kill)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -2932,6 +2939,34 @@ def _kill_tree(pid: int) -> None:
     for p in frozen:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
+
+
+#: The commands run_bounded is running, each with the tree it starts. Its lock
+#: is held while one starts, and by _hard_exit to the end (reentrant: a signal
+#: handler's _hard_exit may come in a thread starting one).
+_LIVE_TREES: set[subprocess.Popen] = set()
+_LIVE_TREES_LOCK = threading.RLock()
+HARD_EXIT_WAIT_S = 2.0   #: _hard_exit waits this long at most for a command being started
+
+
+def _hard_exit(code: int) -> NoReturn:
+    """os._exit(code), the one way cambium ends without unwinding (a second
+    signal, the SIGNAL_EXIT_S timer), once every command run_bounded is
+    running, in any thread, and all each started (receive-pack, a hook) are
+    killed: its own cleanup runs only where an exception reaches the thread
+    waiting on it, so they outlived the process, and a push landed after it
+    was gone. The lock stays held to the exit: no command starts, and a
+    thread whose command was killed waits in run_bounded rather than act on
+    it. An item whose move was cut short keeps its copy below (a local one
+    marked moving): it leaves only once the copy above is verified, and the
+    next promote finds whether the push landed before the kill."""
+    try:
+        _LIVE_TREES_LOCK.acquire(timeout=HARD_EXIT_WAIT_S)
+        for proc in list(_LIVE_TREES):
+            if proc.returncode is None:              # (reaped: its pid may be reused)
+                _kill_tree(proc.pid)
+    finally:
+        os._exit(code)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -22642,7 +22677,7 @@ def _exit_unfolded(code: int, when: str) -> None:
         os.write(2, (f"{_as_invoked()}: {'interrupted; ' if code == 130 else ''}stopped {when}, "
                      "before it was done: any call still running was cut short, its answer "
                      "lost, and recall credits not yet folded stay journaled.\n").encode())
-    os._exit(code)
+    _hard_exit(code)   # (and the git it runs)
 
 
 def run_stdio(server: Any) -> int:

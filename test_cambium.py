@@ -994,6 +994,20 @@ def test_no_function_in_the_module_exceeds_60_lines_but_the_demo():
     assert long.keys() <= {"run_demo"}, long
 
 
+def test_every_exit_that_skips_the_unwinding_kills_what_run_bounded_runs_first():
+    """os._exit skips run_bounded's cleanup: the stdio server's exits by it (a
+    second signal, the SIGNAL_EXIT_S timer) left a push running, and it landed
+    after the server was gone. _hard_exit kills those first, and is the one
+    user of os._exit, named or called (the module's top has its own, for a
+    Ctrl-C while it loads, before any command can have run)."""
+    import ast
+    tree = ast.parse(Path(cs.__file__).read_text())
+    users = {f.name for f in ast.walk(tree)
+             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f) if isinstance(n, ast.Attribute) and n.attr == "_exit"}
+    assert users == {"_hard_exit", "_interrupted_early"}, users
+
+
 def test_a_blank_setting_is_unset(tmp_path, monkeypatch):
     """CAMBIUM_REPO="   " was an invalid value ('' must be an absolute path)
     and kept the working directory's repo from binding; CAMBIUM_CONFIG_FILE=" "
@@ -6483,6 +6497,48 @@ def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on
         cs.run_bounded(["sh", "-c", "setsid sleep 60 & sleep 90"], cwd=tmp_path,
                        env=dict(os.environ), timeout_s=1)
     assert cs.time.monotonic() - started < 30            # (not the helper's 60 s)
+
+
+def _slow_pre_receive(bare: Path, tmp_path: Path) -> Path:
+    """A pre-receive hook on `bare` that writes its pid to the file returned,
+    then sleeps a minute (a slow remote), then lets the push land."""
+    pid_file = tmp_path / f"hook-{time.monotonic_ns()}.pid"
+    hook = bare / "hooks" / "pre-receive"
+    hook.write_text(f"#!/bin/sh\ncat >/dev/null\necho $$ > {pid_file}\nexec sleep 61.9\n")
+    hook.chmod(0o755)
+    return pid_file
+
+
+def _hook_pid(pid_file: Path) -> int:
+    """The slow hook's pid, once its push has reached it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            return int(pid_file.read_text())
+        time.sleep(0.05)
+    raise AssertionError("the push never reached its hook")
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaps is no longer running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _end_hook(bare: Path, pid_file: Path) -> None:
+    """Remove the slow hook, and end it if it still runs (a failed test's)."""
+    (bare / "hooks" / "pre-receive").unlink()
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _gone_soon(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(pid)
 
 
 def _processes_running(marker: str) -> list[int]:
@@ -16848,6 +16904,51 @@ def test_a_stdio_server_whose_stdout_fails_says_so_in_one_line(repo):
     err = proc.stderr.decode()
     assert proc.returncode == 1 and "Traceback" not in err and err.count("\n") == 1, err
     assert "No space left on device" in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("how", ["timer", "second signal"])
+def test_a_stdio_server_that_exits_mid_push_takes_the_push_with_it(shared, tmp_path, how):
+    """SIGTERM while promote pushed to a slow team remote: the server left
+    SIGNAL_EXIT_S later (or at a second signal) by os._exit, which no cleanup
+    outlives, and git push, receive-pack and the hook ran on: the push landed
+    after the server was gone. They are killed first; the item stays in
+    local, where the next promote finds it and moves it once."""
+    from mcp_types import LATEST_PROTOCOL_VERSION
+    item_id = _endorsed("Never deploy on Fridays")
+    pid_file = _slow_pre_receive(shared["origin"], tmp_path)
+    quick = ("import sys, cambium_server as cs; cs.SIGNAL_EXIT_S = "
+             f"{1.0 if how == 'timer' else 300.0}; sys.exit(cs.main())")
+    proc = subprocess.Popen([sys.executable, "-c", quick], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(_mcp_env(shared["a"]), CAMBIUM_RECALL_MODE="lexical"))
+    try:
+        proc.stdin.write("".join(json.dumps(m) + "\n" for m in (
+            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "promote", "arguments": {"item_id": item_id, "force": True}}})).encode())
+        proc.stdin.flush()
+        hook = _hook_pid(pid_file)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            if how == "second signal":                   # (the first one taken)
+                proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0                      # (SIGTERM: 0 on every path)
+        assert _gone_soon(hook)                           # (it ran on, and then landed)
+    finally:
+        _end_process(proc)
+        _end_hook(shared["origin"], pid_file)
+    assert item_id not in team_ids(shared["origin"])
+    assert [i["scope"] for i in local_items(shared["a"]) if i["id"] == item_id] == ["local"]
+    cs.runtime().reset()
+    assert cs.promote(item_id, force=True)["status"] == "promoted"
+    assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]].count(item_id) == 1
+    assert item_id not in {i["id"] for i in local_items(shared["a"])}
 
 
 def test_a_closed_session_waits_no_longer_on_a_lock_a_stopped_process_holds(repo):
