@@ -18035,13 +18035,21 @@ def _stand_down(guard: subprocess.Popen | None) -> None:
     guard.wait()
 
 
+class SignalStop(SystemExit):
+    """The SystemExit (128 + the signal) a SIGTERM or SIGHUP raises while a CLI
+    command runs (signals_raise): said in one line, the command's exit status."""
+
+
 class _Stops:
-    """A SIGTERM or SIGHUP handler that raises SystemExit (128 + the signal),
+    """A SIGTERM or SIGHUP handler that raises SignalStop (128 + the signal),
     or, while `holding` (the check starting, its group being killed), keeps it
     for deliver(): raised inside Popen, after the check had started but before
     its process was known, it left the check running with no time limit (seen
     under load), and raised before the kill, it skipped it. One kept while a
-    SystemExit is already on its way out is dropped: that one ends the run."""
+    SystemExit is already on its way out is dropped: that one ends the run.
+    One that comes while the SignalStop raised is on its way out exits at once
+    (_hard_exit: what it runs killed first): raised, it cut that cleanup short."""
+    raised = False                  #: one was raised (this run: set back by signals_raise)
 
     def __init__(self) -> None:
         self.holding, self.got = False, None
@@ -18049,25 +18057,32 @@ class _Stops:
     def __call__(self, signum: int, _frame: Any) -> None:
         if self.holding:
             self.got = signum
+        elif _Stops.raised:
+            _hard_exit(128 + signum)
         else:
-            raise SystemExit(128 + signum)
+            _Stops.raised = True
+            raise SignalStop(128 + signum)
 
     def deliver(self) -> None:
         """Stop holding; raise for a signal kept meanwhile."""
         self.holding = False
         if self.got is not None:
-            raise SystemExit(128 + self.got)
+            _Stops.raised = True
+            raise SignalStop(128 + self.got)
 
 
 @contextlib.contextmanager
 def signals_raise() -> Iterator[_Stops]:
-    """While a check runs, SIGTERM and SIGHUP raise SystemExit (143, 129), so
-    run_check's `finally` kills the check's process group: their default
-    action ended the interpreter at once, and the check, in its own session,
-    which no signal to cambium reaches, ran on with no time limit (a CI job's
-    timeout). One ignored (nohup) stays ignored; off the main thread, where no
-    handler can be set, nothing changes. The handlers before are put back."""
-    stop = _Stops()
+    """While a CLI command runs (main), and a check within it, SIGTERM and
+    SIGHUP raise SignalStop (143, 129), so what it runs is cleaned up as a
+    Ctrl-C cleans it up: run_check's `finally` kills the check's process group,
+    run_bounded kills a push and its hook. Their default action ended the
+    interpreter at once, and the check, in its own session, ran on with no
+    time limit (a CI job's timeout), the push landed after the CLI was gone. One
+    ignored (nohup) stays ignored; off the main thread, where no handler can
+    be set, nothing changes. The handlers before are put back, but for one
+    set meanwhile (main's SIG_IGN once the answer is out)."""
+    stop, _Stops.raised = _Stops(), False
     old = {}
     if threading.current_thread() is threading.main_thread():
         old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
@@ -18076,7 +18091,8 @@ def signals_raise() -> Iterator[_Stops]:
         yield stop
     finally:
         for sig, handler in old.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) is stop:
+                signal.signal(sig, handler)
 
 
 CHECK_DRAIN_S = 0.5   #: after a check exits, its output is read for at most this long more
@@ -23285,26 +23301,51 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: serve MCP with no command, else run one CLI command; what
     is left to write to stdout is written before the exit status is final.
-    As a process's entry (no argv given), a Ctrl-C from then on is ignored:
-    the work is done, and one in the interpreter's shutdown printed a
-    threading traceback, or killed the process (-2) without a word. (A
+    While a command runs (not `serve`, which takes signals its own way, nor
+    the primer hook), SIGTERM and SIGHUP end it as Ctrl-C does: one line, exit
+    143 or 129, what it ran killed (signals_raise, _main). As a process's
+    entry (no argv given), a Ctrl-C, SIGTERM or SIGHUP from then on is
+    ignored: the work is done, and one in the interpreter's shutdown printed
+    a threading traceback, or killed the process (-2, -15) without a word. (A
     server's own handlers stay instead: ServerSignals.)"""
     if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_interrupted_early":
         signal.signal(signal.SIGINT, signal.default_int_handler)      # (the module's top)
     _reap_own_children()
+    entry = argv is None and threading.current_thread() is threading.main_thread()
+    argv = sys.argv[1:] if argv is None else argv
     code = None
     try:
-        code = _main(sys.argv[1:] if argv is None else argv)
-        code = _flush_answer(code)
-        if argv is None and threading.current_thread() is threading.main_thread() and \
-                not isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None),
-                               ServerSignals):      # (a server's stay, to the end)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)   # (a pending one is dropped too)
-    except KeyboardInterrupt:                   # before a command ran (argparse, a hook),
-        print(f"{_as_invoked()}: interrupted; " + ("nothing was written." if code is None else
-                                             "its answer may be cut short."), file=sys.stderr)
-        return 130                              # or as its answer was being written
-    return code
+        with signals_raise() if _command_runs(argv) else contextlib.nullcontext():
+            code = _main(argv)
+            code = _flush_answer(code)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if entry else ():
+                if not isinstance(getattr(signal.getsignal(sig), "__self__", None),
+                                  ServerSignals):       # (a server's stay, to the end)
+                    signal.signal(sig, signal.SIG_IGN)  # (a pending one is dropped too)
+    except (KeyboardInterrupt, SignalStop) as e:   # before a command ran (argparse, a
+        said = "interrupted" if isinstance(e, KeyboardInterrupt) else _stopped_by(e)
+        print(f"{_as_invoked()}: {said}; " + ("nothing was written." if code is None else
+                                         "its answer may be cut short."), file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else e.code  # hook), or as its
+    return code                                                       # answer was written
+
+
+def _command_runs(argv: list[str]) -> bool:
+    """Whether argv runs a CLI command (not the server, not the primer hook),
+    for which SIGTERM and SIGHUP raise SignalStop (pure)."""
+    return argv[:1] not in ([], ["serve"]) and not _primer_hook(argv)
+
+
+def _primer_hook(argv: list[str]) -> bool:
+    """Whether argv is the SessionStart hook's, which must never fail (pure)."""
+    return argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv
+
+
+def _stopped_by(stop: SignalStop) -> str:
+    """'stopped by SIGTERM' (or the signal SignalStop's code names) (pure)."""
+    with contextlib.suppress(ValueError):
+        return f"stopped by {signal.Signals(stop.code - 128).name}"
+    return "stopped"
 
 
 def _reap_own_children() -> None:
@@ -23339,7 +23380,7 @@ def _main(argv: list[str]) -> int:
         sys.stderr = open(os.devnull, "w")      # diagnostics to stdout (a hook's protocol)
     elif not isinstance(sys.stderr, _QuietStderr):
         sys.stderr = _QuietStderr(sys.stderr)   # its reader gone: a warning is not an error
-    if argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv:
+    if _primer_hook(argv):
         return primer_hook(argv)                # before argparse: it must never fail
     argv = argv or ["serve"]
     args = _cli_parser(argv[0]).parse_args(argv)
@@ -23357,10 +23398,12 @@ def _main(argv: list[str]) -> int:
     except (CambiumError, OSError) as e:
         print(f"{_as_invoked()} {args.command}: {cli_syntax(error_text(e))}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:                   # Ctrl-C: one line, the shell's 130
-        print(f"{_as_invoked()} {args.command}: interrupted. Each write is all or nothing; a "
-              "promote cut short is finished by running it again.", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, SignalStop) as e:   # Ctrl-C: one line, the shell's 130;
+        stop = isinstance(e, SignalStop)           # SIGTERM, SIGHUP: 143, 129
+        print(f"{_as_invoked()} {args.command}: {_stopped_by(e) if stop else 'interrupted'}. "
+              "Each write is all or nothing; a promote cut short is finished by running it "
+              "again.", file=sys.stderr)
+        return e.code if stop else 130
 
 
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:

@@ -1223,17 +1223,19 @@ def test_ctrl_c_before_a_command_runs_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.endswith(": interrupted; nothing was written.\n")
 
 
-def test_ctrl_c_once_the_answer_is_written_is_ignored(repo):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_once_the_answer_is_written_is_ignored(repo, sig):
     """A Ctrl-C as the process shut down, its answer printed, died by SIGINT
-    (-2) without a word or printed a traceback from threading's shutdown:
-    once the answer is out the command's own exit status stands."""
+    (-2) without a word or printed a traceback from threading's shutdown, and
+    a SIGTERM or SIGHUP then died by it (-15, -1): once the answer is out the
+    command's own exit status stands."""
     probe = ("import os, signal, sys, time\n"
              f"sys.path.insert(0, {str(SERVER.parent)!r})\nimport cambium_server as cs\n"
              "sys.argv = ['cambium', 'status']\ncode = cs.main()\n"
-             "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.3)\n"   # Ctrl-C as it exits
+             f"os.kill(os.getpid(), signal.{sig})\ntime.sleep(0.3)\n"   # as it exits
              "sys.exit(code)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env=child_env(), timeout=60, cwd=repo)
+                         env=child_env(), timeout=60, cwd=repo, preexec_fn=_hangup_default)
     assert out.returncode == 0 and out.stderr == "", out
     assert json.loads(out.stdout)["configured"] is True
 
@@ -6539,6 +6541,36 @@ def _gone_soon(pid: int) -> bool:
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not _running(pid)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_sigterm_or_sighup_to_the_cli_stops_its_push_and_leaves_the_item_in_local(
+        shared, tmp_path, sig):
+    """`kill PID` (a supervisor, a closing terminal's SIGHUP to its pid) of a
+    CLI promote whose push waited in a slow remote's hook: the CLI died by
+    the signal (-15, -1), and git push, receive-pack and the hook ran on: the
+    push landed after the CLI was gone. As Ctrl-C does, the signal now ends
+    the command: its git killed, one line, 143 or 129, the item still local."""
+    item_id = _endorsed("Never deploy on Fridays")
+    pid_file = _slow_pre_receive(shared["origin"], tmp_path)
+    run = subprocess.Popen([*RUN, "promote", item_id, "--force"], env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=_hangup_default)
+    try:
+        hook = _hook_pid(pid_file)
+        run.send_signal(sig)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 128 + sig, (run.returncode, err)
+        assert _gone_soon(hook)                           # (it ran on, and then landed)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        _end_hook(shared["origin"], pid_file)
+    assert err.count("\n") == 1 and f"promote: stopped by {sig.name}." in err, err
+    assert out == "" and item_id not in team_ids(shared["origin"])
+    assert [i["scope"] for i in local_items(shared["a"]) if i["id"] == item_id] == ["local"]
 
 
 def _processes_running(marker: str) -> list[int]:
