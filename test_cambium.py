@@ -6573,6 +6573,44 @@ def test_a_sigterm_or_sighup_to_the_cli_stops_its_push_and_leaves_the_item_in_lo
     assert [i["scope"] for i in local_items(shared["a"]) if i["id"] == item_id] == ["local"]
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_second_sigterm_while_a_command_stops_exits_at_once_its_git_killed_first(tmp_path):
+    """A second SIGTERM raised again while the first one's SignalStop was on its
+    way out, inside whatever cleanup it reached (run_bounded's tree kill,
+    which it cut short): it exits at once now, every command run_bounded runs
+    killed first (here another thread's, which no unwinding reaches)."""
+    marker = "61.8642"
+    probe = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        sys.path.insert(0, {str(SERVER.parent)!r})
+        import cambium_server as cs
+        threading.Thread(target=cs.run_bounded, args=(["sleep", {marker!r}],), kwargs=dict(
+            cwd=None, env=dict(os.environ), timeout_s=120), daemon=True).start()
+        while not cs._LIVE_TREES:                       # (it runs)
+            time.sleep(0.01)
+        with cs.signals_raise():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+            except SystemExit:                          # on its way out: a second one
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+        print("not at once")
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env=child_env(), timeout=60)
+        assert (out.returncode, out.stdout) == (143, ""), out
+        deadline = time.monotonic() + 10
+        while _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_running(marker) == []
+    finally:
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
 def _processes_running(marker: str) -> list[int]:
     out = []
     for name in filter(str.isdigit, os.listdir("/proc")):
