@@ -18974,11 +18974,34 @@ def _setup_org(org_repo: str, root: Path, agent_id: str) -> tuple[dict | None, P
     """setup's org_repo: (the offer for a GitHub owner/name, the clone's path),
     refused as an InputError when the clone cannot be the org clone."""
     org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
+    if org_offer and (own := _names_a_project_remote(org_offer["org_repo"], root)):
+        raise InputError(f"org_repo {org_repo!r} {own}", "org_repo")
     remote = resolve_config().remote         # (the env's, else the config file's, else origin)
     if org_path and (clash := org_clone_problem(org_path, root) or _holds_code(org_path)
                      or org_remote_problem(org_path, root, remote, ORG_HEAD_ASK_S)):
         raise InputError(f"org_repo {org_path} {clash}", "org_repo")
     return org_offer, org_path
+
+
+def _names_a_project_remote(owner_name: str, project: Path) -> str | None:
+    """Why a GitHub owner/name cannot be the org knowledge repo: one of the
+    project's remotes (any, fetch or push URL) is that repository, as
+    repository_key tells it (the path after the host: case, `.git` aside,
+    whatever the host), the rule org_remote_problem applies to a clone's
+    origin. The commands setup hands back would commit knowledge.json onto
+    the project's default branch and push it. Git's config alone, no network."""
+    mine = repository_key(f"https://github.com/{owner_name}", project)
+    with contextlib.suppress(CambiumError, OSError):
+        for line in git_lines(_git(["remote", "-v"], project, 10.0, check=False).stdout):
+            remote, _, rest = line.partition("\t")
+            url = rest.rsplit(" (", 1)[0]
+            if url and repository_key(url, project) == mine:
+                return (f"is the project's own repository (its remote '{remote}' is "
+                        f"{shown_url(url)}: the same owner/name, whatever the host); the org "
+                        "scope needs a repository of its own (the org knowledge repo), or the "
+                        "commands given for it would commit knowledge.json onto the project's "
+                        "default branch and push it. Name another repository (acme/knowledge).")
+    return None
 
 
 def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "your-id"
@@ -19014,21 +19037,36 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                 f"gh repo view {owner}/{name} >/dev/null 2>&1 || gh repo create "
                 f"{owner}/{name} --private --description 'org knowledge (cambium)'",
                 f"gh repo clone {owner}/{name} {clone}",
-                f"cd {clone} && {{ git cat-file -e '@{{u}}:knowledge.json' 2>/dev/null || {{ {{ "
-                "git cat-file -e HEAD:knowledge.json 2>/dev/null || { { [ -e knowledge.json ] "
-                "|| printf '{\"items\": []}\\n' > knowledge.json; } && git add knowledge.json "
-                "&& git commit -m 'cambium: org knowledge store'; }; } && git push -u origin "
-                "HEAD; }; }",
+                _org_seed_command(clone),
             ],
             "safe_to_repeat": "a repository that exists is cloned, never created again, and "
                               "its knowledge.json is never overwritten: every teammate runs "
-                              "the same lines",
+                              "the same lines. The last one commits and pushes only in a "
+                              "clone with no commit yet or no code at its root, and says why "
+                              "when it stops",
             "then": f'setup(project_repo="{root or "/abs/path/to/your/clone"}", '
                     f'agent_id="{agent}", org_repo="{clone}")',
             "note": "cambium never creates or pushes a repository for you.",
         }, None)
     raise InputError(f"org_repo {org_repo!r} is neither an existing absolute path nor a "
                      "GitHub owner/name.", "org_repo")
+
+
+def _org_seed_command(clone: str) -> str:
+    """The shell line setup hands back to put knowledge.json on a new org
+    knowledge repo: in `clone`, only when its tip holds no code at its root
+    (ORG_CODE, all of it: never a commit pushed onto some project's default
+    branch) or it has no commit yet; nothing when the upstream holds the store.
+    The check says why it stopped, and fails."""
+    code = ORG_CODE.pattern.removeprefix("(?i)")
+    code_free = (f"{{ ! git ls-tree --name-only HEAD 2>/dev/null | grep -Eiqx '{code}' || {{ "
+                 f"echo \"{clone} holds code at its root (not an org knowledge repository): "
+                 "nothing committed or pushed\" >&2; false; }; }")
+    return (f"cd {clone} && {{ git cat-file -e '@{{u}}:knowledge.json' "
+            f"2>/dev/null || {{ {code_free} && {{ git cat-file -e HEAD:knowledge.json "
+            "2>/dev/null || { { [ -e knowledge.json ] || printf '{\"items\": []}\\n' > "
+            "knowledge.json; } && git add knowledge.json && git commit -m 'cambium: org "
+            "knowledge store'; }; } && git push -u origin HEAD; }; }")
 
 
 def _scaffold_local(root: Path) -> tuple[list[str], Path | None]:

@@ -1442,29 +1442,27 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     assert any(c.startswith("gh repo view acme/knowledge >/dev/null 2>&1 || gh repo create "
                             "acme/knowledge") for c in offer["commands"])
     seed = offer["commands"][-1]             # an org repo that exists keeps its knowledge.json
-    org = clone(make_origin(tmp_path, "org-existing"), tmp_path / "existing")
+    def seed_in(clone_path):                 # (each origin below ends in acme/knowledge)
+        return seed.replace("~/.cambium/org/knowledge", str(clone_path))
+    org = clone(make_origin(tmp_path / "e", "acme/knowledge"), tmp_path / "existing")
     (org / "knowledge.json").write_text('{"items": [{"id": "k-1", "content": "kept"}]}\n')
     git(org, "add", "knowledge.json")
     git(org, "commit", "-qm", "org knowledge")
-    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge", str(org))],
-                   check=True, capture_output=True)
+    subprocess.run(["bash", "-c", seed_in(org)], check=True, capture_output=True)
     assert "kept" in (org / "knowledge.json").read_text()
     assert git(org, "status", "--porcelain") == ""
     assert git(org, "log", "-1", "--format=%s").strip() == "org knowledge"
-    fresh = clone(make_origin(tmp_path, "org-new"), tmp_path / "new")
-    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge", str(fresh))],
-                   check=True, capture_output=True)
+    fresh = clone(make_origin(tmp_path / "n", "acme/knowledge"), tmp_path / "new")
+    subprocess.run(["bash", "-c", seed_in(fresh)], check=True, capture_output=True)
     assert json.loads((fresh / "knowledge.json").read_text()) == {"items": []}
-    empty = tmp_path / "org-empty.git"                    # a first run whose commit failed
+    empty = tmp_path / "m" / "acme" / "knowledge.git"     # a first run whose commit failed
     git(tmp_path, "init", "-q", "--bare", str(empty))     # (no git identity): run again,
     half = clone(empty, tmp_path / "half")                # it commits and pushes (it used to
     (half / "knowledge.json").write_text('{"items": []}\n')   # see the file and stop)
     git(half, "add", "knowledge.json")
-    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge", str(half))],
-                   check=True, capture_output=True)
+    subprocess.run(["bash", "-c", seed_in(half)], check=True, capture_output=True)
     assert "knowledge.json" in git(empty, "ls-tree", "-r", "--name-only", "HEAD")
-    subprocess.run(["bash", "-c", seed.replace("~/.cambium/org/knowledge",
-                                               str(tmp_path / "no-such-clone"))],
+    subprocess.run(["bash", "-c", seed_in(tmp_path / "no-such-clone")],
                    cwd=org, capture_output=True)         # a clone that is not there: nothing
     assert "kept" in (org / "knowledge.json").read_text()
     assert any("knowledge.json" in c for c in offer["commands"])
@@ -1480,6 +1478,82 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     shutil.rmtree(org)                               # ... and "still" for one that is gone
     gone = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]
     assert gone["org_scope"] == "off until the clone exists"
+
+
+def stub_gh_repos(tmp: Path) -> Path:
+    """A `gh` on PATH (its bin directory returned) that holds GitHub's
+    repositories as bare repos at tmp/gh/<owner>/<name>.git: `repo view` says
+    whether one exists, `repo create` makes an empty one, `repo clone` clones
+    it (its origin ends in owner/name.git, as GitHub's URL does)."""
+    bindir = tmp / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "gh").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$1 $2" in
+          "repo view") [ -d "{tmp}/gh/$3.git" ];;
+          "repo create") git init -q --bare -b main "{tmp}/gh/$3.git";;
+          "repo clone") exec git clone -q "{tmp}/gh/$3.git" "$4";;
+          *) echo "stub gh: unexpected $*" >&2; exit 1;;
+        esac
+        """))
+    (bindir / "gh").chmod(0o755)
+    return bindir
+
+
+def run_org_commands(offer: dict, bindir: Path) -> list[subprocess.CompletedProcess]:
+    """The commands setup handed back, each run by sh as a person would (HOME
+    is the test's: the clone goes under its ~/.cambium/org)."""
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    return [subprocess.run(["sh", "-c", c], env=env, text=True, capture_output=True)
+            for c in offer["commands"]]
+
+
+def test_setup_refuses_an_org_owner_name_that_is_one_of_the_project_remotes(tmp_path):
+    """`setup --org-repo acme/shop` in a clone of acme/shop skipped the guard a
+    local org clone gets: the commands it handed back committed knowledge.json
+    onto the project's default branch and pushed it. Any spelling of any of the
+    project's remotes (a fork's upstream too) is refused now, before an answer."""
+    r = make_repo(tmp_path)
+    git(r, "remote", "add", "origin", "git@github.com:acme/shop.git")
+    git(r, "remote", "add", "upstream", "https://github.com/Upstream/Shop/")
+    for name in ["acme/shop", "Acme/Shop", "acme/shop.git", "upstream/shop"]:
+        with pytest.raises(cs.InputError, match=r"is the project's own repository \(its "
+                                                r"remote '(origin|upstream)' is"):
+            cs.setup(str(r), "ada", org_repo=name)
+    assert cs.resolve_config().repo is None              # (nothing written)
+    assert cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]["commands"]
+    done = cli("setup", str(r), "ada", "--org-repo", "ACME/shop", cwd=r)
+    assert done.returncode != 0 and "the project's own repository" in done.stderr
+    assert "gh repo" not in done.stdout
+
+
+def test_setup_commands_for_an_org_name_never_push_onto_a_code_repository(tmp_path):
+    """The last command committed knowledge.json onto whatever the clone held and
+    pushed it: another project's code repository named by mistake got a commit
+    on its default branch. It commits only in a clone with no commit yet or no
+    code at its root now, and every command stays safe to run again."""
+    bindir, r = stub_gh_repos(tmp_path), make_repo(tmp_path)
+    api = make_origin(tmp_path / "gh", "acme/api")          # some project's code
+    seed = clone(api, tmp_path / "api-work")
+    (seed / "app.py").write_text("print('hi')\n")
+    git(seed, "add", "app.py")
+    git(seed, "commit", "-qm", "code")
+    git(seed, "push", "-q", "origin", "HEAD:main")
+    tip = git(api, "rev-parse", "main")
+    offer = cs.setup(str(r), "ada", org_repo="acme/api")["org_setup"]
+    for _ in range(2):
+        runs = run_org_commands(offer, bindir)
+        assert runs[-1].returncode != 0 and "holds code at its root" in runs[-1].stderr
+        assert git(api, "rev-parse", "main") == tip
+    assert git(api, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
+    offer = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]   # a new one
+    assert [p.returncode for p in run_org_commands(offer, bindir)] == [0, 0, 0]
+    new = tmp_path / "gh" / "acme" / "knowledge.git"
+    assert git(new, "show", "main:knowledge.json") == '{"items": []}\n'
+    first = git(new, "rev-parse", "main")
+    runs = run_org_commands(offer, bindir)            # again: cloned already, nothing pushed
+    assert runs[0].returncode == 0 and runs[2].returncode == 0
+    assert git(new, "rev-parse", "main") == first
 
 
 @pytest.mark.parametrize("name", ["acme/..", "acme/.", "../knowledge"])
