@@ -19030,20 +19030,20 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                                                # cd into ~/.cambium and commit there)
             raise InputError(f"org_repo {org_repo!r}: no GitHub owner or repository is named "
                              "'.' or '..'; pass owner/name (acme/knowledge).", "org_repo")
-        clone = f"~/.cambium/org/{name}"
-        return ({
+        clone = f"~/.cambium/org/{owner}/{name}"      # (the owner too: other/knowledge
+        return ({                                       # is another org's repository)
             "org_repo": org_repo, "org_scope": "off until the clone exists",
             "commands": [
                 f"gh repo view {owner}/{name} >/dev/null 2>&1 || gh repo create "
                 f"{owner}/{name} --private --description 'org knowledge (cambium)'",
                 f"gh repo clone {owner}/{name} {clone}",
-                _org_seed_command(clone),
+                _org_seed_command(owner, name, clone),
             ],
             "safe_to_repeat": "a repository that exists is cloned, never created again, and "
                               "its knowledge.json is never overwritten: every teammate runs "
                               "the same lines. The last one commits and pushes only in a "
-                              "clone with no commit yet or no code at its root, and says why "
-                              "when it stops",
+                              "clone of that owner/name with no commit yet or no code at its "
+                              "root, and says why when it stops",
             "then": f'setup(project_repo="{root or "/abs/path/to/your/clone"}", '
                     f'agent_id="{agent}", org_repo="{clone}")',
             "note": "cambium never creates or pushes a repository for you.",
@@ -19052,17 +19052,23 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                      "GitHub owner/name.", "org_repo")
 
 
-def _org_seed_command(clone: str) -> str:
+def _org_seed_command(owner: str, name: str, clone: str) -> str:
     """The shell line setup hands back to put knowledge.json on a new org
-    knowledge repo: in `clone`, only when its tip holds no code at its root
-    (ORG_CODE, all of it: never a commit pushed onto some project's default
-    branch) or it has no commit yet; nothing when the upstream holds the store.
-    The check says why it stopped, and fails."""
+    knowledge repo: in `clone`, only when its origin names owner/name (a clone
+    of another repository there is left alone), and only when its tip holds no
+    code at its root (ORG_CODE, all of it: never a commit pushed onto some
+    project's default branch) or it has no commit yet; nothing when the
+    upstream holds the store. Each check says why it stopped, and fails."""
+    want = f"{owner}/{name}".lower()
+    origin_ok = (f"case \"$(git remote get-url origin 2>/dev/null | tr '[:upper:]' "
+                 f"'[:lower:]')\" in *[/:]{want}|*[/:]{want}.git|*[/:]{want}/) true;; *) echo \"{clone}: its "
+                 f"origin is not {owner}/{name}; nothing committed or pushed (move it aside and "
+                 "clone again)\" >&2; false;; esac")
     code = ORG_CODE.pattern.removeprefix("(?i)")
     code_free = (f"{{ ! git ls-tree --name-only HEAD 2>/dev/null | grep -Eiqx '{code}' || {{ "
                  f"echo \"{clone} holds code at its root (not an org knowledge repository): "
                  "nothing committed or pushed\" >&2; false; }; }")
-    return (f"cd {clone} && {{ git cat-file -e '@{{u}}:knowledge.json' "
+    return (f"cd {clone} && {origin_ok} && {{ git cat-file -e '@{{u}}:knowledge.json' "
             f"2>/dev/null || {{ {code_free} && {{ git cat-file -e HEAD:knowledge.json "
             "2>/dev/null || { { [ -e knowledge.json ] || printf '{\"items\": []}\\n' > "
             "knowledge.json; } && git add knowledge.json && git commit -m 'cambium: org "

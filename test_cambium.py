@@ -1443,7 +1443,7 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
                             "acme/knowledge") for c in offer["commands"])
     seed = offer["commands"][-1]             # an org repo that exists keeps its knowledge.json
     def seed_in(clone_path):                 # (each origin below ends in acme/knowledge)
-        return seed.replace("~/.cambium/org/knowledge", str(clone_path))
+        return seed.replace("~/.cambium/org/acme/knowledge", str(clone_path))
     org = clone(make_origin(tmp_path / "e", "acme/knowledge"), tmp_path / "existing")
     (org / "knowledge.json").write_text('{"items": [{"id": "k-1", "content": "kept"}]}\n')
     git(org, "add", "knowledge.json")
@@ -1470,7 +1470,7 @@ def test_setup_offers_gh_commands_for_org_name_and_leaves_org_off(tmp_path):
     assert cs.resolve_config().org_repo is None
     assert offer["org_scope"] == "off until the clone exists"
     assert offer["then"] == (f'setup(project_repo="{r}", agent_id="ada", '   # (it said
-                             'org_repo="~/.cambium/org/knowledge")')          # … …)
+                             'org_repo="~/.cambium/org/acme/knowledge")')     # … …)
     org = clone(make_origin(tmp_path, "org"), tmp_path / "org-clone")
     cs.setup(str(r), "ada", org_repo=str(org))       # with a clone set up already, it said
     again = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]   # "off" while
@@ -1554,6 +1554,37 @@ def test_setup_commands_for_an_org_name_never_push_onto_a_code_repository(tmp_pa
     runs = run_org_commands(offer, bindir)            # again: cloned already, nothing pushed
     assert runs[0].returncode == 0 and runs[2].returncode == 0
     assert git(new, "rev-parse", "main") == first
+    assert offer["then"].endswith('org_repo="~/.cambium/org/acme/knowledge")')
+
+
+def test_two_org_repos_of_one_name_get_a_clone_each_and_a_wrong_clone_is_left_alone(
+        tmp_path):
+    """acme/knowledge and other/knowledge were both cloned to
+    ~/.cambium/org/knowledge: other's clone failed (already there), its last
+    command ran in acme's clone and its `then` named acme's clone. The clone
+    path holds the owner now, and the last command checks the clone's origin."""
+    bindir, r = stub_gh_repos(tmp_path), make_repo(tmp_path)
+    home = Path(os.environ["HOME"])
+    offers = [cs.setup(str(r), "ada", org_repo=f"{o}/knowledge")["org_setup"]
+              for o in ("acme", "other")]
+    for offer in offers:
+        assert [p.returncode for p in run_org_commands(offer, bindir)] == [0, 0, 0]
+    for owner in ("acme", "other"):
+        assert git(tmp_path / "gh" / owner / "knowledge.git", "ls-tree", "--name-only",
+                   "main") == "knowledge.json\n"
+        where = git(home / ".cambium" / "org" / owner / "knowledge", "remote", "get-url",
+                    "origin")
+        assert where.strip() == str(tmp_path / "gh" / owner / "knowledge.git")
+    assert offers[0]["then"] != offers[1]["then"]
+    git(tmp_path, "init", "-q", "--bare", "-b", "main", str(tmp_path / "gh/acme/notes.git"))
+    clone(tmp_path / "gh/acme/notes.git", home / ".cambium/org/other/notes")   # (misplaced)
+    offer = cs.setup(str(r), "ada", org_repo="other/notes")["org_setup"]
+    runs = run_org_commands(offer, bindir)
+    assert runs[1].returncode != 0                        # (already there: not cloned)
+    assert runs[2].returncode != 0 and "its origin is not other/notes" in runs[2].stderr
+    for owner in ("acme", "other"):                        # nothing committed, nothing pushed
+        assert git(tmp_path / "gh" / owner / "notes.git", "for-each-ref") == ""
+    assert git(home / ".cambium/org/other/notes", "status", "--porcelain") == ""
 
 
 @pytest.mark.parametrize("name", ["acme/..", "acme/.", "../knowledge"])
