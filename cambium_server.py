@@ -19042,8 +19042,9 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
             "safe_to_repeat": "a repository that exists is cloned, never created again, and "
                               "its knowledge.json is never overwritten: every teammate runs "
                               "the same lines. The last one commits and pushes only in a "
-                              "clone of that owner/name with no commit yet or no code at its "
-                              "root, and says why when it stops",
+                              "clone of that owner/name with no commit yet or nothing at its "
+                              "root but what a new repository holds (README, LICENSE, docs), "
+                              "and says why and what to do when it stops",
             "then": f'setup(project_repo="{root or "/abs/path/to/your/clone"}", '
                     f'agent_id="{agent}", org_repo="{clone}")',
             "note": "cambium never creates or pushes a repository for you.",
@@ -19052,24 +19053,43 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                      "GitHub owner/name.", "org_repo")
 
 
+#: Root entries of a new repository or an org knowledge repository: what the
+#: last command setup hands back for an owner/name lets a clone's tip hold
+#: before it commits knowledge.json onto its default branch and pushes it.
+#: An allow-list (any other name stops it): code comes in too many layouts to
+#: list (Terraform's *.tf, Bazel's WORKSPACE, a Helm chart, a monorepo's
+#: services/) for a push onto someone's default branch. Also a grep -E pattern.
+ORG_SEED_ROOT = re.compile(r"(?i)(readme|licen[cs]e|copying|notice|authors|contributing|"
+                           r"code_of_conduct|security|changelog)([._-].*)?|codeowners|"
+                           r"\.git(ignore|attributes|hub)|\.editorconfig|docs?|notes|"
+                           r"knowledge\.(json|md)")
+
+
 def _org_seed_command(owner: str, name: str, clone: str) -> str:
     """The shell line setup hands back to put knowledge.json on a new org
     knowledge repo: in `clone`, only when its origin names owner/name (a clone
-    of another repository there is left alone), and only when its tip holds no
-    code at its root (ORG_CODE, all of it: never a commit pushed onto some
-    project's default branch) or it has no commit yet; nothing when the
-    upstream holds the store. Each check says why it stopped, and fails."""
+    of another repository there is left alone), and only when it has no commit
+    yet or its tip holds nothing at its root but what a new or knowledge
+    repository holds (ORG_SEED_ROOT: never a commit pushed onto some project's
+    default branch); nothing when the upstream holds the store. Each check
+    says why it stopped and what to do instead, and fails."""
     want = f"{owner}/{name}".lower()
     origin_ok = (f"case \"$(git remote get-url origin 2>/dev/null | tr '[:upper:]' "
                  f"'[:lower:]')\" in *[/:]{want}|*[/:]{want}.git|*[/:]{want}/) true;; *) echo \"{clone}: its "
                  f"origin is not {owner}/{name}; nothing committed or pushed (move it aside and "
                  "clone again)\" >&2; false;; esac")
-    code = ORG_CODE.pattern.removeprefix("(?i)")
-    code_free = (f"{{ ! git ls-tree --name-only HEAD 2>/dev/null | grep -Eiqx '{code}' || {{ "
-                 f"echo \"{clone} holds code at its root (not an org knowledge repository): "
-                 "nothing committed or pushed\" >&2; false; }; }")
+    allowed = ORG_SEED_ROOT.pattern.removeprefix("(?i)")
+    new_only = (f"{{ x=$(git ls-tree --name-only HEAD 2>/dev/null | grep -Eivx '{allowed}' | "
+                "head -n 3 | tr '\\n' ' '); [ -z \"$x\" ] || { echo \""
+                f"{clone}: its root holds ${{x}}beside what a new or knowledge repository "
+                "holds (README, LICENSE, .gitignore, .github, docs): it may be some "
+                "project's code, so nothing committed or pushed. If it is the org "
+                f"knowledge repository, commit a knowledge.json holding {{\\\"items\\\": []}} "
+                f"in {clone} and push it (these lines then do nothing), or run setup with "
+                "a clone of it (its absolute path); if not, name another repository\" >&2; "
+                "false; }; }")
     return (f"cd {clone} && {origin_ok} && {{ git cat-file -e '@{{u}}:knowledge.json' "
-            f"2>/dev/null || {{ {code_free} && {{ git cat-file -e HEAD:knowledge.json "
+            f"2>/dev/null || {{ {new_only} && {{ git cat-file -e HEAD:knowledge.json "
             "2>/dev/null || { { [ -e knowledge.json ] || printf '{\"items\": []}\\n' > "
             "knowledge.json; } && git add knowledge.json && git commit -m 'cambium: org "
             "knowledge store'; }; } && git push -u origin HEAD; }; }")

@@ -1543,7 +1543,7 @@ def test_setup_commands_for_an_org_name_never_push_onto_a_code_repository(tmp_pa
     offer = cs.setup(str(r), "ada", org_repo="acme/api")["org_setup"]
     for _ in range(2):
         runs = run_org_commands(offer, bindir)
-        assert runs[-1].returncode != 0 and "holds code at its root" in runs[-1].stderr
+        assert runs[-1].returncode != 0 and "its root holds app.py beside" in runs[-1].stderr
         assert git(api, "rev-parse", "main") == tip
     assert git(api, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
     offer = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]   # a new one
@@ -1555,6 +1555,66 @@ def test_setup_commands_for_an_org_name_never_push_onto_a_code_repository(tmp_pa
     assert runs[0].returncode == 0 and runs[2].returncode == 0
     assert git(new, "rev-parse", "main") == first
     assert offer["then"].endswith('org_repo="~/.cambium/org/acme/knowledge")')
+
+
+def seed_gh_repo(tmp: Path, owner_name: str, files: list[str]) -> Path:
+    """A repository in stub_gh_repos's store whose main holds README.md and
+    these files (each path's folders made)."""
+    bare = make_origin(tmp / "gh", owner_name)
+    work = clone(bare, tmp / "work" / owner_name)
+    for f in files:
+        (work / f).parent.mkdir(parents=True, exist_ok=True)
+        (work / f).write_text("x\n")
+    git(work, "add", "-A")
+    git(work, "commit", "-qm", "code")
+    git(work, "push", "-q", "origin", "HEAD:main")
+    return bare
+
+
+def test_setup_commands_for_an_org_name_commit_only_beside_what_a_new_repository_holds(
+        tmp_path):
+    """The last command refused only a root entry it knew for code (app.py,
+    Makefile, src/): a Terraform, Bazel or Helm repository, or a monorepo, named
+    by mistake got knowledge.json pushed onto its default branch. It commits now
+    only beside what a new or knowledge repository holds, and when it stops it
+    says how to go on, and that way works."""
+    bindir, r = stub_gh_repos(tmp_path), make_repo(tmp_path)
+    home = Path(os.environ["HOME"])
+    for name, files, shown in [
+            ("acme/infra", ["main.tf", "modules/vpc/main.tf"], "main.tf modules"),
+            ("acme/build", ["WORKSPACE", "BUILD.bazel"], "BUILD.bazel WORKSPACE"),
+            ("acme/chart", ["Chart.yaml", "templates/deploy.yaml"], "Chart.yaml templates"),
+            ("acme/mono", [".github/workflows/ci.yml", "services/a/x", "packages/b/y",
+                           "docker-compose.yml"], "docker-compose.yml packages services"),
+            ("acme/site", ["Makefile", "docs/index.md"], "Makefile")]:
+        bare = seed_gh_repo(tmp_path, name, files)
+        tip = git(bare, "rev-parse", "main")
+        runs = run_org_commands(cs.setup(str(r), "ada", org_repo=name)["org_setup"], bindir)
+        assert runs[2].returncode != 0, name
+        assert f"its root holds {shown} beside what a new" in runs[2].stderr
+        assert "nothing committed or pushed" in runs[2].stderr
+        assert git(bare, "rev-parse", "main") == tip
+        assert git(bare, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
+    site = home / ".cambium/org/acme/site"      # (it is the org repo: the way it names)
+    assert 'commit a knowledge.json holding {"items": []} in ~/.cambium/org/acme/site' \
+        in runs[2].stderr
+    (site / "knowledge.json").write_text('{"items": []}\n')
+    git(site, "add", "knowledge.json")
+    git(site, "commit", "-qm", "org store")
+    git(site, "push", "-q")
+    tip = git(tmp_path / "gh/acme/site.git", "rev-parse", "main")
+    offer = cs.setup(str(r), "ada", org_repo="acme/site")["org_setup"]
+    assert run_org_commands(offer, bindir)[2].returncode == 0        # (nothing to do now)
+    assert git(tmp_path / "gh/acme/site.git", "rev-parse", "main") == tip
+    assert cs.setup(str(r), "ada", org_repo=str(site))["written"]["CAMBIUM_ORG_REPO"] == \
+        str(site)
+    fresh = seed_gh_repo(tmp_path, "acme/notes", ["LICENSE", ".gitignore", "CONTRIBUTING.md",
+                                                  ".github/CODEOWNERS", "docs/index.md"])
+    offer = cs.setup(str(r), "ada", org_repo="acme/notes")["org_setup"]
+    for _ in range(2):                                # (the second run: nothing to push)
+        assert [p.returncode for p in run_org_commands(offer, bindir)][2] == 0
+        assert git(fresh, "show", "main:knowledge.json") == '{"items": []}\n'
+        assert git(fresh, "rev-list", "--count", "main") == "3\n"
 
 
 def test_two_org_repos_of_one_name_get_a_clone_each_and_a_wrong_clone_is_left_alone(
