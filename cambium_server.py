@@ -19076,8 +19076,10 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
     want = f"{owner}/{name}".lower()
     origin_ok = (f"case \"$(git remote get-url origin 2>/dev/null | tr '[:upper:]' "
                  f"'[:lower:]')\" in *[/:]{want}|*[/:]{want}.git|*[/:]{want}/) true;; *) echo \"{clone}: its "
-                 f"origin is not {owner}/{name}; nothing committed or pushed (move it aside and "
-                 "clone again)\" >&2; false;; esac")
+                 f"origin is not {owner}/{name} (git -C {clone} remote get-url origin shows "
+                 f"it); nothing committed or pushed. If {owner}/{name} was renamed to that, run "
+                 f"setup with its new owner/name (or with this clone's path); else move "
+                 f"{clone} aside and run these lines again\" >&2; false;; esac")
     allowed = ORG_SEED_ROOT.pattern.removeprefix("(?i)")
     new_only = (f"{{ x=$(git ls-tree --name-only HEAD 2>/dev/null | grep -Eivx '{allowed}' | "
                 "head -n 3 | tr '\\n' ' '); [ -z \"$x\" ] || { echo \""

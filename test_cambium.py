@@ -1645,6 +1645,26 @@ def test_two_org_repos_of_one_name_get_a_clone_each_and_a_wrong_clone_is_left_al
     for owner in ("acme", "other"):                        # nothing committed, nothing pushed
         assert git(tmp_path / "gh" / owner / "notes.git", "for-each-ref") == ""
     assert git(home / ".cambium/org/other/notes", "status", "--porcelain") == ""
+    assert "else move ~/.cambium/org/other/notes aside and run these lines again" in \
+        runs[2].stderr                                     # (the way on it names works)
+    shutil.move(home / ".cambium/org/other/notes", tmp_path / "aside")
+    assert [p.returncode for p in run_org_commands(offer, bindir)] == [0, 0, 0]
+    assert git(tmp_path / "gh/other/notes.git", "ls-tree", "--name-only", "main") == \
+        "knowledge.json\n"
+    assert git(tmp_path / "gh/acme/notes.git", "for-each-ref") == ""
+    renamed = tmp_path / "gh/xacme/kb.git"                 # acme/kb, now xacme/kb: gh clones
+    git(tmp_path, "init", "-q", "--bare", "-b", "main", str(renamed))   # the new name (and
+    clone(renamed, home / ".cambium/org/acme/kb")          # the name is no tail of xacme/kb)
+    runs = run_org_commands(cs.setup(str(r), "ada", org_repo="acme/kb")["org_setup"], bindir)
+    assert runs[2].returncode != 0 and "its origin is not acme/kb" in runs[2].stderr
+    assert "If acme/kb was renamed to that, run setup with its new owner/name (or with this " \
+        "clone's path)" in runs[2].stderr
+    assert git(renamed, "for-each-ref") == ""
+    offer = cs.setup(str(r), "ada", org_repo="xacme/kb")["org_setup"]
+    assert [p.returncode for p in run_org_commands(offer, bindir)] == [0, 0, 0]
+    assert git(renamed, "ls-tree", "--name-only", "main") == "knowledge.json\n"
+    kb = home / ".cambium/org/acme/kb"
+    assert cs.setup(str(r), "ada", org_repo=str(kb))["written"]["CAMBIUM_ORG_REPO"] == str(kb)
 
 
 @pytest.mark.parametrize("name", ["acme/..", "acme/.", "../knowledge"])
