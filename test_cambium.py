@@ -1516,9 +1516,11 @@ def test_setup_refuses_an_org_owner_name_that_is_one_of_the_project_remotes(tmp_
     r = make_repo(tmp_path)
     git(r, "remote", "add", "origin", "git@github.com:acme/shop.git")
     git(r, "remote", "add", "upstream", "https://github.com/Upstream/Shop/")
-    for name in ["acme/shop", "Acme/Shop", "acme/shop.git", "upstream/shop"]:
+    git(r, "config", "remote.mirror.pushurl", "git@github.com:acme/mirror.git")  # (push URL
+    for name in ["acme/shop", "Acme/Shop", "acme/shop.git", "upstream/shop",      # only)
+                 "acme/mirror"]:
         with pytest.raises(cs.InputError, match=r"is the project's own repository \(its "
-                                                r"remote '(origin|upstream)' is"):
+                                                r"remote '(origin|upstream|mirror)' is"):
             cs.setup(str(r), "ada", org_repo=name)
     assert cs.resolve_config().repo is None              # (nothing written)
     assert cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]["commands"]
