@@ -19044,7 +19044,9 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
                               "the same lines. The last one commits and pushes only in a "
                               "clone of that owner/name with no commit yet or nothing at its "
                               "root but what a new repository holds (README, LICENSE, docs), "
-                              "and says why and what to do when it stops",
+                              "never where its history held a knowledge.json (one deleted "
+                              "since is named by its commit, with how to restore it), and "
+                              "says why and what to do when it stops",
             "then": f'setup(project_repo="{root or "/abs/path/to/your/clone"}", '
                     f'agent_id="{agent}", org_repo="{clone}")',
             "note": "cambium never creates or pushes a repository for you.",
@@ -19071,7 +19073,8 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
     of another repository there is left alone), and only when it has no commit
     yet or its tip holds nothing at its root but what a new or knowledge
     repository holds (ORG_SEED_ROOT: never a commit pushed onto some project's
-    default branch); nothing when the upstream holds the store. Each check
+    default branch), and never where its history held a knowledge.json
+    (_org_never_held); nothing when the upstream holds the store. Each check
     says why it stopped and what to do instead, and fails."""
     want = f"{owner}/{name}".lower()
     origin_ok = (f"case \"$(git remote get-url origin 2>/dev/null | tr '[:upper:]' "
@@ -19091,10 +19094,36 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
                 "a clone of it (its absolute path); if not, name another repository\" >&2; "
                 "false; }; }")
     return (f"cd {clone} && {origin_ok} && {{ git cat-file -e '@{{u}}:knowledge.json' "
-            f"2>/dev/null || {{ {new_only} && {{ git cat-file -e HEAD:knowledge.json "
+            f"2>/dev/null || {{ {_org_never_held(clone)} && {new_only} && {{ git cat-file -e "
+            "HEAD:knowledge.json "
             "2>/dev/null || { { [ -e knowledge.json ] || printf '{\"items\": []}\\n' > "
             "knowledge.json; } && git add knowledge.json && git commit -m 'cambium: org "
             "knowledge store'; }; } && git push -u origin HEAD; }; }")
+
+
+def _org_never_held(clone: str) -> str:
+    """The shell check the seed line runs before it writes a knowledge.json its
+    clone's tip lacks: true only when no first-parent history (HEAD's, its
+    upstream's) ever held one. A store someone deleted (git rm, a merge that
+    resolved it away) is named by its commit, with how to restore it: a fresh
+    empty store pushed over it would end the readers' refusal and the items
+    would be gone from the tip with no word. A shallow clone cannot tell."""
+    stop = "; nothing committed or pushed\" >&2; false"
+    return ("{ git cat-file -e HEAD:knowledge.json 2>/dev/null || { [ \"$(git rev-parse "
+            "--is-shallow-repository 2>/dev/null)\" = false ] || { echo \""
+            f"{clone}: a shallow clone: whether its history held a knowledge.json "
+            f"(deleted since) cannot be told. Run git -C {clone} fetch --unshallow and "
+            f"these lines again{stop}; }} && d= && for r in HEAD '@{{u}}'; do "
+            "git rev-parse -q --verify \"$r^{commit}\" >/dev/null 2>&1 || continue; "
+            "d=$(git rev-list -1 --first-parent \"$r\" -- knowledge.json) || d=-; "
+            "[ -z \"$d\" ] || break; done && case $d in '') true;; -) echo \""
+            f"{clone}: git could not walk its history (git -C {clone} rev-list HEAD -- "
+            f"knowledge.json){stop};; *) echo \"{clone}: its knowledge.json was deleted "
+            f"by commit $d (git -C {clone} show --stat $d): what it held is gone from the "
+            "tip, not from history, and a new empty store would hide that. Restore it: "
+            f"git -C {clone} checkout '$d^' -- knowledge.json && git -C {clone} commit -m "
+            f"'restore knowledge.json' && git -C {clone} push (or git revert $d, -m 1 for "
+            f"a merge){stop};; esac; }}; }}")
 
 
 def _scaffold_local(root: Path) -> tuple[list[str], Path | None]:

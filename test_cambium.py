@@ -1619,6 +1619,74 @@ def test_setup_commands_for_an_org_name_commit_only_beside_what_a_new_repository
         assert git(fresh, "rev-list", "--count", "main") == "3\n"
 
 
+def push_store(work: Path, items: list[str], msg: str) -> str:
+    """Commit a knowledge.json holding these items' contents in `work` (or,
+    for None, git rm it) and push main: the new tip's hash."""
+    if items is None:
+        git(work, "rm", "-q", "knowledge.json")
+    else:
+        (work / "knowledge.json").write_text(json.dumps({"items": [
+            {"id": f"k-{n}", "content": c} for n, c in enumerate(items)]}) + "\n")
+        git(work, "add", "knowledge.json")
+    git(work, "commit", "-qm", msg)
+    git(work, "push", "-q", "origin", "HEAD:main")
+    return git(work, "rev-parse", "HEAD").strip()
+
+
+def test_setup_commands_for_an_org_name_never_seed_over_a_deleted_store(tmp_path):
+    """An org repo whose knowledge.json a teammate deleted (git rm, or a merge
+    resolved as delete) got a new empty store committed and pushed by the last
+    command (it only looked at the tip): the readers' refusal ended and the
+    items were gone from the tip with no word. It names the deleting commit and
+    how to restore it now, and pushes nothing; a shallow clone cannot tell."""
+    bindir, r = stub_gh_repos(tmp_path), make_repo(tmp_path)
+    home = Path(os.environ["HOME"])
+    bare = make_origin(tmp_path / "gh", "acme/knowledge")
+    work = clone(bare, tmp_path / "work")
+    push_store(work, ["pin base images", "never log card numbers"], "org store")
+    gone = push_store(work, None, "tidy up")
+    mine = home / ".cambium/org/acme/knowledge"        # (a shallow clone: its root is the
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{bare}", str(mine)],
+                   check=True)                         # rm, its history cannot tell)
+    offer = cs.setup(str(r), "ada", org_repo="acme/knowledge")["org_setup"]
+    runs = run_org_commands(offer, bindir)
+    assert runs[2].returncode != 0 and "a shallow clone" in runs[2].stderr
+    assert git(bare, "rev-parse", "main").strip() == gone
+    git(mine, "fetch", "-q", "--unshallow")
+    for _ in range(2):
+        runs = run_org_commands(offer, bindir)
+        assert runs[2].returncode != 0, runs[2].stderr
+        assert f"its knowledge.json was deleted by commit {gone}" in runs[2].stderr
+        assert "nothing committed or pushed" in runs[2].stderr
+        assert git(bare, "rev-parse", "main").strip() == gone
+        assert not (mine / "knowledge.json").exists()
+    assert f"git -C ~/.cambium/org/acme/knowledge checkout '{gone}^' -- knowledge.json" \
+        in runs[2].stderr                              # (the way it names works)
+    git(mine, "checkout", f"{gone}^", "--", "knowledge.json")
+    git(mine, "commit", "-qm", "restore knowledge.json")
+    git(mine, "push", "-q")
+    tip = git(bare, "rev-parse", "main")
+    assert "never log card numbers" in git(bare, "show", "main:knowledge.json")
+    assert run_org_commands(offer, bindir)[2].returncode == 0       # (nothing to do now)
+    assert git(bare, "rev-parse", "main") == tip
+    merged = make_origin(tmp_path / "gh", "acme/merged")   # a side branch's rm, merged
+    work = clone(merged, tmp_path / "work2")               # over newer items: the merge
+    push_store(work, ["one", "two"], "org store")          # is named, and its first
+    git(work, "checkout", "-qb", "cleanup")                # parent holds all of them
+    git(work, "rm", "-q", "knowledge.json")
+    git(work, "commit", "-qm", "rm on a side branch")
+    git(work, "checkout", "-q", "main")
+    push_store(work, ["one", "two", "three", "four"], "newer items")
+    subprocess.run(["git", *GIT_ID, "merge", "-q", "cleanup"], cwd=work, capture_output=True)
+    gone = push_store(work, None, "merge cleanup, deleted as it says")
+    runs = run_org_commands(cs.setup(str(r), "ada", org_repo="acme/merged")["org_setup"],
+                            bindir)
+    assert runs[2].returncode != 0
+    assert f"its knowledge.json was deleted by commit {gone}" in runs[2].stderr
+    assert git(merged, "rev-parse", "main").strip() == gone
+    assert "four" in git(merged, "show", f"{gone}^:knowledge.json")
+
+
 def test_two_org_repos_of_one_name_get_a_clone_each_and_a_wrong_clone_is_left_alone(
         tmp_path):
     """acme/knowledge and other/knowledge were both cloned to
