@@ -17058,7 +17058,7 @@ def _slow_call_server(repo, tmp_path, args: list[str], exit_s: float) -> subproc
                CAMBIUM_TEST_MARK=str(tmp_path / "running"))
     return subprocess.Popen([sys.executable, "-c", SLOW_CALL_SERVER, *args], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_hangup_default)
 
 
 def _until_exists(path: Path, proc: subprocess.Popen) -> None:
@@ -17144,7 +17144,8 @@ def test_a_signal_as_the_server_is_built_stops_it_cleanly(repo, sig, http):
               "cs.build_server = killed\nsys.exit(cs.main())\n")
     args = ["serve", "--http", "--port", str(_free_port())] if http else []
     proc = subprocess.run([sys.executable, "-c", builds, *args], stdin=subprocess.PIPE,
-                          capture_output=True, env=_mcp_env(repo), timeout=60)
+                          capture_output=True, env=_mcp_env(repo), timeout=60,
+                          preexec_fn=_hangup_default)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"", b""), proc
 
 
