@@ -7056,28 +7056,21 @@ class GitStore(Store):
         out as where cambium reads (_pushed_here: two push URLs name the
         fetched repository, the real one at a host alias beside a mirror that
         keeps its owner/name), lost a race there: some block naming that
-        repository (repository_key) says a lost race and none a refusal. It
+        repository (same_repository) says a lost race and none a refusal. It
         is replayed (the lease keeps a replay from overwriting anyone's
         commit, and the write's budget bounds it): it failed instead."""
-        said = {_push_outcome(text) for _, text in self._blocks_naming(
-            _push_blocks(out), remote_url(self.repo, self.remote, self.timeout_s),
-            repository_key)}
+        fetch = remote_url(self.repo, self.remote, self.timeout_s)
+        if not fetch:
+            return False
+        said = {_push_outcome(text) for url, text in _push_blocks(out) if url and
+                same_repository(url, fetch, self.repo)}
         return "race" in said and "refused" not in said
-
-    def _blocks_naming(self, blocks: list[tuple[str, str]], fetch: str | None,
-                       key: Callable[[str, Path], Any]) -> list[tuple[str, str]]:
-        """The push blocks (_push_blocks: url, text) whose URL names the
-        repository of the fetch URL `fetch` by `key` (remote_key,
-        repository_key); none without a fetch URL, or for lines before any
-        URL."""
-        return [b for b in blocks if b[0] and key(b[0], self.repo) == key(fetch, self.repo)] \
-            if fetch else []
 
     def _pushed_here(self, out: str) -> tuple[str | None, list[str]]:
         """A push's porcelain (_push_blocks) for where cambium reads, and the
         failures at the remote's other push URLs. With several push URLs it is
-        the block whose URL names the fetch URL's repository (remote_key, else
-        repository_key if that singles one out), None when none does (git
+        the block whose URL names the fetch URL's repository (one_repository,
+        else same_repository if that singles one out), None when none does (git
         stopped before it, or two match); else all of `out`. A backup mirror
         listed first, one commit behind, answered every push `[rejected]
         (stale info)`: read as a lost race of the whole push, each replay
@@ -7087,8 +7080,11 @@ class GitStore(Store):
             return out, []
         fetch, blocks = remote_url(self.repo, self.remote, self.timeout_s), \
             [b for b in _push_blocks(out) if b[0]]
-        here = next((hits[0] for key in (remote_key, repository_key)
-                     if len(hits := self._blocks_naming(blocks, fetch, key)) == 1), None)
+        here = None
+        for same in (one_repository, same_repository) if fetch else ():
+            if len(hits := [b for b in blocks if same(b[0], fetch, self.repo)]) == 1:
+                here = hits[0]
+                break
         others = [f"{url}: " + next((ln.split("\t")[-1] for ln in text.splitlines()
                                      if ln.startswith("!")), text.strip() or "failed")
                   for url, text in blocks if (url, text) != here and _push_outcome(text) != "ok"]
@@ -7106,8 +7102,8 @@ class GitStore(Store):
 
     def _push_to(self) -> tuple[str, str]:
         """Where pushes go: (the remote, "") when one of its push URLs names the
-        repository cambium fetches from (repository_key: an ssh host alias for a
-        second account beside anonymous https is one repository), else (its
+        repository cambium fetches from (same_repository: an ssh host alias for
+        a second account beside anonymous https is one repository), else (its
         fetch URL, why). A push URL of another repository (`git remote set-url
         --push origin <fork>`) took the writes where no read looks: the lease was
         checked against the fork, the first write "did not land", and every
@@ -7119,13 +7115,14 @@ class GitStore(Store):
             self._push_target = (self.remote, "")
             fetch = remote_url(self.repo, self.remote, self.timeout_s)
             pushes = remote_push_urls(self.repo, self.remote, self.timeout_s)
-            if fetch and pushes and repository_key(fetch, self.repo) not in \
-                    {repository_key(u, self.repo) for u in pushes}:
+            if fetch and pushes and not any(same_repository(fetch, u, self.repo)
+                                            for u in pushes):
                 self._push_target = (fetch, (
                     f"cambium pushes the {self.scope} branch to {self.remote}'s fetch URL "
                     f"{shown_url(fetch)}, where it reads it, not to its push URL "
                     f"{', '.join(map(shown_url, pushes))} "
-                    "(another repository: its path differs)"))
+                    "(another repository: another path after the host, or another "
+                    "ssh user's home)"))
         return self._push_target
 
     def verify(self, commit: str, branch: str) -> None:
@@ -14627,13 +14624,15 @@ def org_remote_problem(org: Path, project: Path, remote: str, timeout_s: float) 
     """Why a clone cannot be the org clone: its origin is the project's own
     remote, so org writes would land on the project's default branch, or on
     the team branch itself, where moving an item up would drop its only copy.
-    "The same repository" as repository_key says: a local one by the git
+    "The same repository" as same_repository says: a local one by the git
     directory git reaches there (`/w/P` reaches `/w/P.git`), a network one by
     its path after the host (`acme/api`) whatever the host (an ssh host alias,
-    `www.`): the same owner and name on another host is refused too."""
+    `www.`): the same owner and name on another host is refused too, while
+    another ssh user's home (`bob@srv:kb.git` beside `alice@srv:kb.git`) is
+    another repository."""
     with contextlib.suppress(CambiumError, OSError):
         theirs, mine = remote_url(org, "origin", timeout_s), remote_url(project, remote, timeout_s)
-        if theirs and mine and repository_key(theirs, org) == repository_key(mine, project):
+        if theirs and mine and same_repository(theirs, mine, org, project):
             spelled = "" if theirs == mine else f", as its origin {shown_url(theirs)} names it"
             return (f"clones the project's own remote ({shown_url(mine)}{spelled}: one repository to git, "
                     "or the same owner/name after the host, whatever the host); the org scope "
@@ -14649,8 +14648,9 @@ def remote_key(url: str, repo: Path) -> str:
     `/w/P` for `/w/P.git`, `/w/P/.git` for `/w/P`), else resolved as given; a
     network address as host/path, its scheme, user (_url_user: one before the
     host, never an `@` in the path), port-less `host:` form, a `www.` before
-    the host, trailing `/` and `.git` aside. An ssh user that names another
-    home is compared apart (one_repository)."""
+    the host, a `~/` before a path in the user's home, trailing `/` and
+    `.git` aside. An ssh user that names another home is compared apart
+    (_named_apart): a URL may leave it out."""
     local = _local_remote(url)
     if local is not None:
         path = os.path.join(repo, os.path.expanduser(local))
@@ -14658,17 +14658,50 @@ def remote_key(url: str, repo: Path) -> str:
     bare = _url_user(url)[1]
     rest = re.sub(r"^([^/:]+):\d+/", r"\1/", bare.split("://", 1)[1]) \
         if "://" in bare else bare.replace(":", "/", 1)   # (a port aside)
+    rest = re.sub(r"^([^/]*)/~/", r"\1/", rest)            # (`~/`: the home it is in)
     return rest.rstrip("/").removesuffix(".git").lower().removeprefix("www.")
 
 
 def one_repository(a: str, b: str, repo: Path) -> bool:
-    """Whether two remote URLs name one repository (pure but for local paths):
-    one remote_key, and for two ssh addresses that each name a user, one user
-    (`alice@srv:kb.git` and `bob@srv:kb.git` are ~alice/kb.git and ~bob/kb.git).
-    An https user or token is no part of it (a rotated token is no move), nor
-    is ssh beside https (`git@github.com:o/r` and `https://github.com/o/r`)."""
-    users = {_ssh_user(u) for u in (a, b)}
-    return remote_key(a, repo) == remote_key(b, repo) and (len(users) == 1 or "" in users)
+    """Whether two remote URLs name one repository (pure but for local paths),
+    as a move is judged: one remote_key, and nothing named apart (_named_apart:
+    `alice@srv:kb.git` and `bob@srv:kb.git` are ~alice/kb.git and
+    ~bob/kb.git). An https user or token is no part of
+    it (a rotated token is no move), nor is ssh beside https
+    (`git@github.com:o/r` and `https://github.com/o/r`)."""
+    return remote_key(a, repo) == remote_key(b, repo) and not _named_apart(a, b)
+
+
+def same_repository(a: str, b: str, repo: Path, b_repo: Path | None = None) -> bool:
+    """Whether two remote URLs (`b` read in `b_repo`, else in `repo`) name one
+    repository as a push URL and the org guard judge it: one repository_key
+    (whatever the host: an ssh host alias), and no ssh home named apart."""
+    return repository_key(a, repo) == repository_key(b, b_repo or repo) and \
+        not _named_apart(a, b)
+
+
+def _named_apart(a: str, b: str) -> bool:
+    """Whether two network URLs each name the ssh user whose home their path
+    is in (_home_user), and two users. A user a URL leaves out is unknown
+    (ssh's default user), so it matches any."""
+    x, y = _home_user(a), _home_user(b)
+    return bool(x and y and x != y)
+
+
+def _home_user(url: str) -> str:
+    """The ssh user whose home an ssh address's path is in (`alice@srv:kb.git`,
+    `alice@srv:~/kb.git`, `ssh://alice@srv/~/kb.git`), else "" (pure). An
+    absolute path (`ssh://alice@srv/srv/kb.git`, `alice@srv:/srv/kb.git`,
+    `~bob/kb.git`) is one place whoever logs in, and `git` is the user a
+    hosting service (GitHub, GitLab, Bitbucket, Gitea) serves every owner's
+    repositories as: `git@github.com:o/r`'s path is the service's, no home."""
+    user, bare = _ssh_user(url), _url_user(url)[1]
+    if not user or user == "git":
+        return ""
+    if "://" in bare:
+        return user if bare.split("://", 1)[1].partition("/")[2].startswith("~/") else ""
+    path = bare.partition(":")[2]
+    return user if path.startswith("~/") or not path.startswith(("/", "~")) else ""
 
 
 def _url_user(url: str) -> tuple[str, str]:
@@ -14740,7 +14773,8 @@ def repository_key(url: str, repo: Path) -> tuple[str, str]:
     (an ssh host alias, for a second account) is one repository, while
     `me/repo` beside `org/repo` is a fork. An address with no path after its
     host is compared whole: in AWS CodeCommit's `codecommit::us-east-1://api`
-    the name is all there is, and every such repository was one (empty) path."""
+    the name is all there is, and every such repository was one (empty) path.
+    Compared by same_repository, which tells ssh homes apart too."""
     key = remote_key(url, repo)
     if _local_remote(url) is not None:
         return ("path", key)
@@ -15389,23 +15423,26 @@ def _leave_source(cfg: Config, src: str, dst: str, ids: set[str], held: set[str]
 
 def _refuse_one_branch(cfg: Config, src: str, dst: str) -> None:
     """Refuse a move between two scopes that read and write one branch of one
-    repository (repository_key of each remote's URL, and the branch): the org
+    repository (same_repository of each remote's URL, and the branch): the org
     clone's guard (org_remote_problem) is one place; a move that drops copies
     checks for itself."""
     here = _branch_reached(store(cfg, src))
-    if here is not None and here == _branch_reached(store(cfg, dst)):
+    there = here and _branch_reached(store(cfg, dst))
+    if here and there and here[1] == there[1] and \
+            same_repository(here[0], there[0], here[2], there[2]):
         raise OneBranch(ONE_BRANCH.format(src=src, dst=dst, how=(
-            f"are one branch, '{here[1]}' of one repository ({here[0][1]})")))
+            f"are one branch, '{here[1]}' of one repository "
+            f"({repository_key(here[0], here[2])[1]})")))
 
 
-def _branch_reached(st: Store) -> tuple | None:
-    """(repository_key of a shared store's remote URL, its branch); None for the
-    local store or a remote whose URL git does not give."""
+def _branch_reached(st: Store) -> tuple[str, str, Path] | None:
+    """(a shared store's remote URL, its branch, the clone the URL is read
+    in); None for the local store or a remote whose URL git does not give."""
     if not isinstance(st, GitStore):
         return None
     with contextlib.suppress(CambiumError, OSError):
         url = remote_url(st.repo, st.remote, st.timeout_s)
-        return (repository_key(url, st.repo), st.branch) if url else None
+        return (url, st.branch, st.repo) if url else None
     return None
 
 

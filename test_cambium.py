@@ -8153,6 +8153,50 @@ def test_another_ssh_users_repository_on_one_host_is_a_move(shared, monkeypatch)
     assert cs.shown_url("https://h/alice/kb@prod") == "https://h/alice/kb@prod"
 
 
+def test_a_push_url_in_another_ssh_users_home_is_another_repository(shared, monkeypatch):
+    """Fetch `alice@srv:shop.git`, push URL `bob@srv:shop.git` (~bob/shop.git):
+    repository_key dropped the user, so the push went to bob's while the lease
+    and ls-remote read alice's, and every team write replayed for 120 s and
+    "lost the push race"; the org guard refused an org clone at bob's as the
+    project's own remote. A user counts where the path is in their home
+    (same_repository), not before an absolute path, nor as hosting's `git`."""
+    a, tmp, org = shared["a"], shared["tmp"], shared["org"]
+    bobs = make_origin(tmp, "bobs")
+    for user, bare in (("alice", shared["origin"]), ("bob", bobs)):
+        (tmp / "homes" / user).mkdir(parents=True)
+        (tmp / "homes" / user / "shop.git").symlink_to(bare)
+    (tmp / "homes-ssh").write_text(_HOMES_SSH)
+    (tmp / "homes-ssh").chmod(0o755)
+    monkeypatch.setenv("FAKEHOMES", str(tmp / "homes"))
+    monkeypatch.setenv("GIT_SSH_COMMAND", str(tmp / "homes-ssh"))
+    git(a, "remote", "set-url", "origin", "alice@srv:shop.git")
+    git(a, "remote", "set-url", "--push", "origin", "bob@srv:shop.git")
+    target, why = cs.store(cs.resolve_config(), "team")._push_to()
+    assert target == "alice@srv:shop.git" and "bob@srv:shop.git" in why, why
+    item = _endorsed("Payroll rotation is monthly in alice's repository", "payroll")
+    assert cs.promote(item, to_scope="team")["status"] == "promoted"
+    assert team_ids(shared["origin"]) == {item} and remote_json(bobs, "cambium") is None
+    git(org, "remote", "set-url", "origin", "bob@srv:shop.git")
+    git(org, "symbolic-ref", "refs/remotes/origin/HEAD", "refs/remotes/origin/cambium")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    assert cs.org_remote_problem(org, a, "origin", 10) is None
+    git(org, "remote", "set-url", "origin", "ssh://alice@srv/~/shop.git")
+    assert "project's own remote" in cs.org_remote_problem(org, a, "origin", 10)
+    monkeypatch.setattr(cs, "org_remote_problem", lambda *a: None)   # (a move checks too)
+    with pytest.raises(cs.ConfigError, match="one branch, 'cambium' of one repository"):
+        cs._refuse_one_branch(cs.resolve_config(), "team", "org")
+    git(org, "remote", "set-url", "origin", "bob@srv:shop.git")
+    cs._refuse_one_branch(cs.resolve_config(), "team", "org")        # (two repositories)
+    one = [("ssh://alice@srv/srv/kb.git", "ssh://bob@srv/srv/kb.git"),
+           ("alice@srv:/srv/kb", "bob@srv:/srv/kb"), ("alice@srv:kb", "srv:kb"),
+           ("ssh://alice@srv/~carol/kb", "ssh://bob@srv/~carol/kb"),
+           ("git@srv:o/r", "ada@srv:o/r"), ("alice@srv:~/kb.git", "ssh://alice@srv/~/kb")]
+    two = [("alice@srv:kb.git", "bob@srv:kb"), ("ssh://alice@h:22/~/kb", "bob@h:~/kb")]
+    assert all(cs.one_repository(x, y, a) and cs.same_repository(x, y, a) for x, y in one)
+    assert not any(cs.one_repository(x, y, a) or cs.same_repository(x, y, a) for x, y in two)
+    assert cs.same_repository("git@github.com:acme/kb", "org-7@gh-work:acme/kb.git", a)
+
+
 def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(shared):
     """A remote set to a URL that cannot be fetched skipped the back-off every
     failed fetch gets: each read (a server's too) fetched in the foreground
