@@ -7121,8 +7121,8 @@ class GitStore(Store):
                     f"cambium pushes the {self.scope} branch to {self.remote}'s fetch URL "
                     f"{shown_url(fetch)}, where it reads it, not to its push URL "
                     f"{', '.join(map(shown_url, pushes))} "
-                    "(another repository: another path after the host, or another "
-                    "ssh user's home)"))
+                    "(another repository: another path after the host, another ssh "
+                    "user's home or another CodeCommit region)"))
         return self._push_target
 
     def verify(self, commit: str, branch: str) -> None:
@@ -14628,8 +14628,8 @@ def org_remote_problem(org: Path, project: Path, remote: str, timeout_s: float) 
     directory git reaches there (`/w/P` reaches `/w/P.git`), a network one by
     its path after the host (`acme/api`) whatever the host (an ssh host alias,
     `www.`): the same owner and name on another host is refused too, while
-    another ssh user's home (`bob@srv:kb.git` beside `alice@srv:kb.git`) is
-    another repository."""
+    another ssh user's home (`bob@srv:kb.git` beside `alice@srv:kb.git`) or
+    another CodeCommit region is another repository."""
     with contextlib.suppress(CambiumError, OSError):
         theirs, mine = remote_url(org, "origin", timeout_s), remote_url(project, remote, timeout_s)
         if theirs and mine and same_repository(theirs, mine, org, project):
@@ -14649,8 +14649,9 @@ def remote_key(url: str, repo: Path) -> str:
     network address as host/path, its scheme, user (_url_user: one before the
     host, never an `@` in the path), port-less `host:` form, a `www.` before
     the host, a `~/` before a path in the user's home, trailing `/` and
-    `.git` aside. An ssh user that names another home is compared apart
-    (_named_apart): a URL may leave it out."""
+    `.git` aside (`.GIT` too: lower-cased first). An ssh user that names
+    another home, and an AWS CodeCommit region or profile, are compared
+    apart (_named_apart): a URL may leave them out."""
     local = _local_remote(url)
     if local is not None:
         path = os.path.join(repo, os.path.expanduser(local))
@@ -14659,14 +14660,14 @@ def remote_key(url: str, repo: Path) -> str:
     rest = re.sub(r"^([^/:]+):\d+/", r"\1/", bare.split("://", 1)[1]) \
         if "://" in bare else bare.replace(":", "/", 1)   # (a port aside)
     rest = re.sub(r"^([^/]*)/~/", r"\1/", rest)            # (`~/`: the home it is in)
-    return rest.rstrip("/").removesuffix(".git").lower().removeprefix("www.")
+    return rest.rstrip("/").lower().removesuffix(".git").removeprefix("www.")
 
 
 def one_repository(a: str, b: str, repo: Path) -> bool:
     """Whether two remote URLs name one repository (pure but for local paths),
     as a move is judged: one remote_key, and nothing named apart (_named_apart:
-    `alice@srv:kb.git` and `bob@srv:kb.git` are ~alice/kb.git and
-    ~bob/kb.git). An https user or token is no part of
+    `alice@srv:kb.git` and `bob@srv:kb.git` are ~alice/kb.git and ~bob/kb.git;
+    two CodeCommit regions or profiles). An https user or token is no part of
     it (a rotated token is no move), nor is ssh beside https
     (`git@github.com:o/r` and `https://github.com/o/r`)."""
     return remote_key(a, repo) == remote_key(b, repo) and not _named_apart(a, b)
@@ -14675,17 +14676,21 @@ def one_repository(a: str, b: str, repo: Path) -> bool:
 def same_repository(a: str, b: str, repo: Path, b_repo: Path | None = None) -> bool:
     """Whether two remote URLs (`b` read in `b_repo`, else in `repo`) name one
     repository as a push URL and the org guard judge it: one repository_key
-    (whatever the host: an ssh host alias), and no ssh home named apart."""
+    (whatever the host: an ssh host alias), and no ssh home or CodeCommit
+    region named apart. A CodeCommit profile is, like the host, only how to
+    reach it (a second profile to push with is the same repository)."""
     return repository_key(a, repo) == repository_key(b, b_repo or repo) and \
-        not _named_apart(a, b)
+        not _named_apart(a, b, profile=False)
 
 
-def _named_apart(a: str, b: str) -> bool:
-    """Whether two network URLs each name the ssh user whose home their path
-    is in (_home_user), and two users. A user a URL leaves out is unknown
-    (ssh's default user), so it matches any."""
-    x, y = _home_user(a), _home_user(b)
-    return bool(x and y and x != y)
+def _named_apart(a: str, b: str, profile: bool = True) -> bool:
+    """Whether two network URLs each name a part of which repository they
+    are, and name it differently: the ssh user whose home the path is in
+    (_home_user), an AWS CodeCommit region, and (`profile`) its profile. A
+    part a URL leaves out is unknown (the ssh default user, the profile's
+    region), so it matches any."""
+    x, y = (((_home_user(u),) + (_codecommit(u) or ("", "", ""))[:1 + profile]) for u in (a, b))
+    return any(p and q and p != q for p, q in zip(x, y))
 
 
 def _home_user(url: str) -> str:
@@ -14702,6 +14707,14 @@ def _home_user(url: str) -> str:
         return user if bare.split("://", 1)[1].partition("/")[2].startswith("~/") else ""
     path = bare.partition(":")[2]
     return user if path.startswith("~/") or not path.startswith(("/", "~")) else ""
+
+
+def _codecommit(url: str) -> tuple[str, str, str] | None:
+    """(region, profile, name) of an AWS CodeCommit address (git-remote-codecommit's
+    `codecommit://[profile@]name`, `codecommit::region://[profile@]name`), each
+    lower-cased, "" for one left out; None for any other URL (pure)."""
+    m = re.fullmatch(r"codecommit(?:::([^/]*))?://(?:([^@/]*)@)?([^/]+?)/*", url, re.I)
+    return None if m is None else tuple((g or "").lower() for g in m.groups())  # type: ignore
 
 
 def _url_user(url: str) -> tuple[str, str]:
@@ -14774,7 +14787,7 @@ def repository_key(url: str, repo: Path) -> tuple[str, str]:
     `me/repo` beside `org/repo` is a fork. An address with no path after its
     host is compared whole: in AWS CodeCommit's `codecommit::us-east-1://api`
     the name is all there is, and every such repository was one (empty) path.
-    Compared by same_repository, which tells ssh homes apart too."""
+    Compared by same_repository, which tells ssh homes and regions apart too."""
     key = remote_key(url, repo)
     if _local_remote(url) is not None:
         return ("path", key)

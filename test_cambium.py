@@ -10574,6 +10574,32 @@ def test_remote_key_spells_one_remote_one_way(tmp_path):
     assert cs.remote_key(str(tmp_path / "r"), tmp_path) != local.pop()    # .git kept locally
 
 
+def test_a_GIT_suffix_is_the_same_repository_and_a_codecommit_region_another(tmp_path):
+    """remote_key stripped `.git` before lower-casing, so `…/shop.GIT` was
+    another repository than `…/shop.git` and the org guard let the project's
+    own remote through; an AWS CodeCommit address lost its region and profile,
+    so `shop` in us-east-1 and in eu-west-1 (two repositories) were one: a
+    false refusal, and a region switch no move. A region (and, for a move, a
+    profile) named by both URLs counts; one left out matches any."""
+    project, org = make_repo(tmp_path, "p"), make_repo(tmp_path, "o")
+    git(project, "remote", "add", "origin", "git@github.com:acme/shop.git")
+    git(org, "remote", "add", "origin", "https://github.com/Acme/Shop.GIT")
+    assert "project's own remote" in cs.org_remote_problem(org, project, "origin", 10)
+    assert cs.remote_key("https://github.com/acme/shop.GIT/", tmp_path) == "github.com/acme/shop"
+    us, eu = "codecommit::us-east-1://shop", "codecommit::eu-west-1://shop"
+    git(project, "remote", "set-url", "origin", us)
+    for url, refused in ((eu, False), ("codecommit::EU-WEST-1://prod@shop", False),
+                         ("codecommit::us-east-1://prod@shop/", True),
+                         ("codecommit://shop", True)):
+        git(org, "remote", "set-url", "origin", url)
+        assert bool(cs.org_remote_problem(org, project, "origin", 10)) is refused, url
+    assert not cs.one_repository(us, eu, tmp_path)                   # a region switch: a move
+    assert not cs.one_repository("codecommit://dev@shop", "codecommit://prod@shop", tmp_path)
+    assert cs.one_repository("codecommit://dev@shop", us, tmp_path)
+    assert cs._codecommit("codecommit::EU-west-1://Dev@Shop") == ("eu-west-1", "dev", "shop")
+    assert cs._codecommit("https://codecommit/x") is None
+
+
 def test_restating_twice_keeps_a_version_that_is_the_start_of_one_kept():
     """generalize from "...with backoff and jitter" to "...with backoff", then
     on: the middle version was found inside the first (a substring) and lost."""
