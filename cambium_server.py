@@ -14685,12 +14685,34 @@ def same_repository(a: str, b: str, repo: Path, b_repo: Path | None = None) -> b
 
 def _named_apart(a: str, b: str, profile: bool = True) -> bool:
     """Whether two network URLs each name a part of which repository they
-    are, and name it differently: the ssh user whose home the path is in
-    (_home_user), an AWS CodeCommit region, and (`profile`) its profile. A
-    part a URL leaves out is unknown (the ssh default user, the profile's
-    region), so it matches any."""
-    x, y = (((_home_user(u),) + (_codecommit(u) or ("", "", ""))[:1 + profile]) for u in (a, b))
+    are, and name it differently: where an ssh path is (_ssh_place: a home,
+    or absolute), the ssh user whose home it is in (_home_user), an AWS
+    CodeCommit region, and (`profile`) its profile. A part a URL leaves out
+    is unknown (the ssh default user, the profile's region), so it matches
+    any."""
+    x, y = (((_ssh_place(u), _home_user(u)) + (_codecommit(u) or ("", "", ""))[:1 + profile])
+            for u in (a, b))
     return any(p and q and p != q for p, q in zip(x, y))
+
+
+def _ssh_place(url: str) -> str:
+    """Where an ssh address's path is (pure): "~" in the login user's home (a
+    `~/` path, `srv:~/kb.git`, `ssh://srv/~/kb.git`; and a relative scp-like
+    path of a named user other than `git`: `alice@srv:kb.git`, which git's ssh
+    resolves there), "/" absolute (`ssh://alice@srv/kb.git`, `srv:/kb.git`),
+    else "" (unknown: not ssh, `~carol/`, and a relative path with no user or
+    as `git`, a host alias's configured user or a hosting service's path:
+    `git@github.com:o/r` is `ssh://git@github.com/o/r`). remote_key drops a
+    `~/`, so a home and an absolute path are told apart here."""
+    ssh = _ssh_path(url)
+    if ssh is None:
+        return ""
+    user, path = ssh
+    if path == "~" or path.startswith("~/"):
+        return "~"
+    if path.startswith("/"):
+        return "/"
+    return "" if path.startswith("~") or user in ("", "git") else "~"
 
 
 def _home_user(url: str) -> str:
@@ -14700,13 +14722,28 @@ def _home_user(url: str) -> str:
     `~bob/kb.git`) is one place whoever logs in, and `git` is the user a
     hosting service (GitHub, GitLab, Bitbucket, Gitea) serves every owner's
     repositories as: `git@github.com:o/r`'s path is the service's, no home."""
-    user, bare = _ssh_user(url), _url_user(url)[1]
-    if not user or user == "git":
+    ssh = _ssh_path(url)
+    if ssh is None or ssh[0] in ("", "git"):
         return ""
-    if "://" in bare:
-        return user if bare.split("://", 1)[1].partition("/")[2].startswith("~/") else ""
-    path = bare.partition(":")[2]
-    return user if path.startswith("~/") or not path.startswith(("/", "~")) else ""
+    user, path = ssh
+    return user if path == "~" or path.startswith("~/") or not path.startswith(("/", "~")) \
+        else ""
+
+
+def _ssh_path(url: str) -> tuple[str, str] | None:
+    """(the user, "" for none, and the path) of an ssh address as git sends the
+    path to the server: `ssh://h/~/p` as `~/p`, `ssh://h/p` as `/p`, scp-like
+    `h:p` as `p`; None for any other URL (pure)."""
+    scheme, sep, _ = url.partition("://")
+    if _local_remote(url) is not None or sep and scheme.lower() not in ("ssh", "git+ssh",
+                                                                        "ssh+git"):
+        return None
+    user, bare = _url_user(url)[0].partition(":")[0], _url_user(url)[1]
+    if sep:
+        path = bare.split("://", 1)[1].partition("/")[2]
+        return user, path if path.startswith("~") else "/" + path
+    m = re.match(r"(\[[^\]]*\]|[^:]*):(.*)", bare, re.S)
+    return user, m.group(2) if m else ""
 
 
 def _codecommit(url: str) -> tuple[str, str, str] | None:
@@ -14729,10 +14766,7 @@ def _url_user(url: str) -> tuple[str, str]:
 def _ssh_user(url: str) -> str:
     """The user an ssh address names (scp-like `user@host:path`, `ssh://user@host/…`),
     its password aside, else "" (none named, or not ssh)."""
-    if _local_remote(url) is not None or ("://" in url and url.partition("://")[0].lower()
-                                          not in ("ssh", "git+ssh", "ssh+git")):
-        return ""
-    return _url_user(url)[0].partition(":")[0]
+    return (_ssh_path(url) or ("", ""))[0]
 
 
 def shown_url(url: str) -> str:

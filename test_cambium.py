@@ -8197,6 +8197,62 @@ def test_a_push_url_in_another_ssh_users_home_is_another_repository(shared, monk
     assert cs.same_repository("git@github.com:acme/kb", "org-7@gh-work:acme/kb.git", a)
 
 
+_PLACES_SSH = """#!/bin/sh
+for a in "$@"; do case "$a" in *@*) user=${a%%@*};; esac; last=$a; done
+set -- $last
+p=$(printf %s "$2" | tr -d "'")
+case "$p" in /*) p="$FAKEHOMES/_root$p";; "~/"*) p="$FAKEHOMES/$user/${p#??}";;
+  *) p="$FAKEHOMES/$user/$p";; esac
+exec git "${1#git-}" "$p"
+"""
+
+
+def _ssh_places(tmp: Path, monkeypatch, places: dict[str, Path]) -> None:
+    """An ssh stand-in: `ssh://u@h/~/p` and `u@h:p` reach places["u/p"],
+    `ssh://u@h/p` and `u@h:/p` places["/p"] (a home, and the server's root)."""
+    for where, bare in places.items():
+        link = tmp / "places" / ("_root" + where if where.startswith("/") else where)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(bare)
+    (tmp / "places-ssh").write_text(_PLACES_SSH)
+    (tmp / "places-ssh").chmod(0o755)
+    monkeypatch.setenv("FAKEHOMES", str(tmp / "places"))
+    monkeypatch.setenv("GIT_SSH_COMMAND", str(tmp / "places-ssh"))
+
+
+def test_a_home_path_and_the_same_absolute_path_are_two_repositories(shared, monkeypatch):
+    """remote_key drops a `~/` (so `alice@srv:kb.git` is `ssh://alice@srv/~/kb.git`),
+    which made `ssh://alice@srv/~/git/kb.git` (~alice/git/kb.git) and
+    `ssh://alice@srv/git/kb.git` (/git/kb.git) one key: a push URL at the
+    absolute one took team writes into another repository ("does not hold
+    commit … after the push", then 121 s of lost races), a set-url between them
+    was no move, and the org guard refused one as the other. Where the path
+    is (_ssh_place: a home, absolute) counts now; a relative path as `git` or
+    with no user may be either (`git@github.com:o/r` is `ssh://git@github.com/o/r`)."""
+    a, tmp, org = shared["a"], shared["tmp"], shared["org"]
+    root = make_origin(tmp, "root")
+    _ssh_places(tmp, monkeypatch, {"alice/git/kb.git": shared["origin"], "/git/kb.git": root})
+    home, absolute = "ssh://alice@srv/~/git/kb.git", "ssh://alice@srv/git/kb.git"
+    git(a, "remote", "set-url", "origin", home)
+    git(a, "remote", "set-url", "--push", "origin", absolute)
+    target, why = cs.store(cs.resolve_config(), "team")._push_to()
+    assert target == home and absolute in why, why
+    item = _endorsed("Payroll rotation is monthly in alice's home repository", "payroll")
+    assert cs.promote(item, to_scope="team")["status"] == "promoted"
+    assert team_ids(shared["origin"]) == {item} and remote_json(root, "cambium") is None
+    git(org, "remote", "set-url", "origin", absolute)
+    assert cs.org_remote_problem(org, a, "origin", 10) is None
+    git(org, "remote", "set-url", "origin", "alice@srv:git/kb.git")
+    assert "project's own remote" in cs.org_remote_problem(org, a, "origin", 10)
+    two = [(home, absolute), ("alice@srv:git/kb", "alice@srv:/git/kb"),
+           ("alice@srv:~/kb", "srv:/kb"), ("ssh://srv/~/kb", "ssh://srv/kb"),
+           ("alice@srv:kb", "ssh://alice@srv/kb"), ("git@srv:~/kb", "ssh://git@srv/kb")]
+    one = [("git@github.com:o/r", "ssh://git@github.com/o/r"), ("gh:o/r", "ssh://gh/o/r"),
+           ("ssh://srv/~/kb", "srv:kb"), ("alice@srv:~carol/kb", "ssh://bob@srv/~carol/kb")]
+    assert not any(cs.one_repository(x, y, a) or cs.same_repository(x, y, a) for x, y in two)
+    assert all(cs.one_repository(x, y, a) and cs.same_repository(x, y, a) for x, y in one)
+
+
 def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(shared):
     """A remote set to a URL that cannot be fetched skipped the back-off every
     failed fetch gets: each read (a server's too) fetched in the foreground
