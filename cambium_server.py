@@ -14665,32 +14665,38 @@ def remote_key(url: str, repo: Path) -> str:
 
 def one_repository(a: str, b: str, repo: Path) -> bool:
     """Whether two remote URLs name one repository (pure but for local paths),
-    as a move is judged: one remote_key, and nothing named apart (_named_apart:
-    `alice@srv:kb.git` and `bob@srv:kb.git` are ~alice/kb.git and ~bob/kb.git;
-    two CodeCommit regions or profiles). An https user or token is no part of
-    it (a rotated token is no move), nor is ssh beside https
-    (`git@github.com:o/r` and `https://github.com/o/r`)."""
-    return remote_key(a, repo) == remote_key(b, repo) and not _named_apart(a, b)
+    as a move is judged: one remote_key, and nothing named apart (_named_apart,
+    `git` an ordinary user: `alice@srv:kb.git`, `bob@srv:kb.git` and
+    `git@srv:kb.git` are three homes; a home beside an absolute path; two
+    CodeCommit regions or profiles). An https user or token is no part of it
+    (a rotated token is no move), nor is ssh beside https (`git@github.com:o/r`
+    and `https://github.com/o/r`). A false move costs one foreground fetch (a
+    warning only when the new tip does not descend from the old: _remote_moved),
+    a missed one serves another repository's items and advises restoring them
+    there: so `git@github.com:o/r` beside `org-7@github.com:o/r` is a move."""
+    return remote_key(a, repo) == remote_key(b, repo) and not _named_apart(a, b, move=True)
 
 
 def same_repository(a: str, b: str, repo: Path, b_repo: Path | None = None) -> bool:
     """Whether two remote URLs (`b` read in `b_repo`, else in `repo`) name one
     repository as a push URL and the org guard judge it: one repository_key
-    (whatever the host: an ssh host alias), and no ssh home or CodeCommit
-    region named apart. A CodeCommit profile is, like the host, only how to
-    reach it (a second profile to push with is the same repository)."""
+    (whatever the host: an ssh host alias), and no ssh place or home or
+    CodeCommit region named apart (_named_apart). `git` names no home
+    (`org-7@github.com:o/r`, GitHub's SSH CA spelling, is `git@github.com:o/r`),
+    and a CodeCommit profile is, like the host, only how to reach it (a second
+    profile to push with is the same repository)."""
     return repository_key(a, repo) == repository_key(b, b_repo or repo) and \
-        not _named_apart(a, b, profile=False)
+        not _named_apart(a, b)
 
 
-def _named_apart(a: str, b: str, profile: bool = True) -> bool:
+def _named_apart(a: str, b: str, move: bool = False) -> bool:
     """Whether two network URLs each name a part of which repository they
     are, and name it differently: where an ssh path is (_ssh_place: a home,
-    or absolute), the ssh user whose home it is in (_home_user), an AWS
-    CodeCommit region, and (`profile`) its profile. A part a URL leaves out
-    is unknown (the ssh default user, the profile's region), so it matches
-    any."""
-    x, y = (((_ssh_place(u), _home_user(u)) + (_codecommit(u) or ("", "", ""))[:1 + profile])
+    or absolute), the ssh user whose home it is in (_home_user; `git` too for
+    a `move`), an AWS CodeCommit region, and (a `move`) its profile. A part a
+    URL leaves out is unknown (the ssh default user, the profile's region),
+    so it matches any."""
+    x, y = (((_ssh_place(u), _home_user(u, move)) + (_codecommit(u) or ("", "", ""))[:1 + move])
             for u in (a, b))
     return any(p and q and p != q for p, q in zip(x, y))
 
@@ -14715,15 +14721,15 @@ def _ssh_place(url: str) -> str:
     return "" if path.startswith("~") or user in ("", "git") else "~"
 
 
-def _home_user(url: str) -> str:
+def _home_user(url: str, git: bool = False) -> str:
     """The ssh user whose home an ssh address's path is in (`alice@srv:kb.git`,
     `alice@srv:~/kb.git`, `ssh://alice@srv/~/kb.git`), else "" (pure). An
     absolute path (`ssh://alice@srv/srv/kb.git`, `alice@srv:/srv/kb.git`,
-    `~bob/kb.git`) is one place whoever logs in, and `git` is the user a
-    hosting service (GitHub, GitLab, Bitbucket, Gitea) serves every owner's
-    repositories as: `git@github.com:o/r`'s path is the service's, no home."""
+    `~bob/kb.git`) is one place whoever logs in, and `git` (unless `git`) is
+    the user a hosting service (GitHub, GitLab, Bitbucket, Gitea) serves every
+    owner's repositories as: `git@github.com:o/r`'s path is the service's."""
     ssh = _ssh_path(url)
-    if ssh is None or ssh[0] in ("", "git"):
+    if ssh is None or not ssh[0] or ssh[0] == "git" and not git:
         return ""
     user, path = ssh
     return user if path == "~" or path.startswith("~/") or not path.startswith(("/", "~")) \

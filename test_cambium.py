@@ -8114,29 +8114,33 @@ cd "$FAKEHOMES/$user" && exec sh -c "$last"
 """
 
 
-def test_another_ssh_users_repository_on_one_host_is_a_move(shared, monkeypatch):
+@pytest.mark.parametrize("alice,bob", [("alice", "bob"), ("git", "alice")])
+def test_another_ssh_users_repository_on_one_host_is_a_move(shared, monkeypatch, alice, bob):
     """`alice@srv:shop.git` set to `bob@srv:shop.git` (~alice/shop.git and
     ~bob/shop.git: two repositories) was no move: the URL comparison and the
     recorded URL dropped the ssh user, so the primer served alice's items as
     bob's repository's, and the next fetch called them rewound. An ssh user
     counts now (one_repository), and the record keeps it; an https user or
-    token still does not, and is never shown; an `@` in a path is the path's."""
+    token still does not, and is never shown; an `@` in a path is the path's.
+    `git` is an ordinary user here: `git@srv:shop.git` (~git/shop.git on a
+    plain server) set to `alice@srv:shop.git` was taken for one repository
+    (321dc87), its items "rewound" with advice to restore them into alice's."""
     a, tmp = shared["a"], shared["tmp"]
-    for user, bare in (("alice", shared["origin"]), ("bob", make_origin(tmp, "bobs"))):
+    for user, bare in ((alice, shared["origin"]), (bob, make_origin(tmp, "bobs"))):
         (tmp / "homes" / user).mkdir(parents=True)
         (tmp / "homes" / user / "shop.git").symlink_to(bare)
     (tmp / "homes-ssh").write_text(_HOMES_SSH)
     (tmp / "homes-ssh").chmod(0o755)
     monkeypatch.setenv("FAKEHOMES", str(tmp / "homes"))
     monkeypatch.setenv("GIT_SSH_COMMAND", str(tmp / "homes-ssh"))
-    git(a, "remote", "set-url", "origin", "alice@srv:shop.git")
+    git(a, "remote", "set-url", "origin", f"{alice}@srv:shop.git")
     _endorsed("Payroll rotation is monthly in alice's repository", "payroll")
     cs.promote()
     assert cs.recall("payroll rotation monthly", scope="team")["results"]     # URL recorded
-    assert _team_store(a)._url_record().read_text().strip() == "alice@srv:shop.git"
-    git(a, "remote", "set-url", "origin", "bob@srv:shop.git")
+    assert _team_store(a)._url_record().read_text().strip() == f"{alice}@srv:shop.git"
+    git(a, "remote", "set-url", "origin", f"{bob}@srv:shop.git")
     said = _team_store(a).url_moved()
-    assert said and "bob@srv:shop.git" in said and "alice@srv:shop.git" in said, said
+    assert said and f"{bob}@srv:shop.git" in said and f"{alice}@srv:shop.git" in said, said
     primer = cs.session_primer()
     assert "Payroll rotation" not in primer["primer"], primer
     out = cs.recall("payroll rotation monthly", scope="team")
@@ -8190,11 +8194,13 @@ def test_a_push_url_in_another_ssh_users_home_is_another_repository(shared, monk
     one = [("ssh://alice@srv/srv/kb.git", "ssh://bob@srv/srv/kb.git"),
            ("alice@srv:/srv/kb", "bob@srv:/srv/kb"), ("alice@srv:kb", "srv:kb"),
            ("ssh://alice@srv/~carol/kb", "ssh://bob@srv/~carol/kb"),
-           ("git@srv:o/r", "ada@srv:o/r"), ("alice@srv:~/kb.git", "ssh://alice@srv/~/kb")]
+           ("alice@srv:~/kb.git", "ssh://alice@srv/~/kb")]
     two = [("alice@srv:kb.git", "bob@srv:kb"), ("ssh://alice@h:22/~/kb", "bob@h:~/kb")]
     assert all(cs.one_repository(x, y, a) and cs.same_repository(x, y, a) for x, y in one)
     assert not any(cs.one_repository(x, y, a) or cs.same_repository(x, y, a) for x, y in two)
     assert cs.same_repository("git@github.com:acme/kb", "org-7@gh-work:acme/kb.git", a)
+    assert cs.same_repository("git@srv:o/r", "ada@srv:o/r", a)       # (hosting's `git`:
+    assert not cs.one_repository("git@srv:o/r", "ada@srv:o/r", a)    # a move, to be safe)
 
 
 _PLACES_SSH = """#!/bin/sh
