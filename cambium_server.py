@@ -7058,7 +7058,11 @@ class GitStore(Store):
         keeps its owner/name), lost a race there: some block naming that
         repository (same_repository) says a lost race and none a refusal. It
         is replayed (the lease keeps a replay from overwriting anyone's
-        commit, and the write's budget bounds it): it failed instead."""
+        commit, and the write's budget bounds it): it failed instead. git
+        prints a block's URL without its ssh user (transport_anonymize_url),
+        so there the user rule only matches (a mirror in bob's home names
+        alice's repository too); where the path is (`ssh://srv/kb.git`, an
+        absolute one, beside a home's `ssh://srv/~/kb.git`) still counts."""
         fetch = remote_url(self.repo, self.remote, self.timeout_s)
         if not fetch:
             return False
@@ -7071,7 +7075,9 @@ class GitStore(Store):
         failures at the remote's other push URLs. With several push URLs it is
         the block whose URL names the fetch URL's repository (one_repository,
         else same_repository if that singles one out), None when none does (git
-        stopped before it, or two match); else all of `out`. A backup mirror
+        stopped before it, or two match: git prints a URL without its ssh user,
+        so a mirror in bob's home matches alice's, while an absolute path does
+        not match a home: _raced_where_read); else all of `out`. A backup mirror
         listed first, one commit behind, answered every push `[rejected]
         (stale info)`: read as a lost race of the whole push, each replay
         landed on the real branch, hundreds in 120 s, then "lost the race"."""

@@ -8259,6 +8259,50 @@ def test_a_home_path_and_the_same_absolute_path_are_two_repositories(shared, mon
     assert all(cs.one_repository(x, y, a) and cs.same_repository(x, y, a) for x, y in one)
 
 
+def test_push_blocks_are_told_apart_by_where_the_path_is_not_by_the_ssh_user(
+        shared, monkeypatch):
+    """git prints each push URL's block without its ssh user (`To srv:kb.git`
+    for alice@ and bob@ alike), so the user rule never tells blocks apart;
+    where the path is does: a mirror at the absolute `ssh://alice@srv/kb.git`
+    (refusing, a hook) beside the home repository (a stale lease: a lost race)
+    is not where cambium reads (_pushed_here), nor one of the blocks whose
+    lost race is replayed (_raced_where_read: a refusal among them failed the
+    write). A CodeCommit profile is only how to reach a repository, for a
+    push URL and for the org guard alike."""
+    a, tmp, org = shared["a"], shared["tmp"], shared["org"]
+    root = make_origin(tmp, "root")
+    _ssh_places(tmp, monkeypatch, {"alice/kb.git": shared["origin"], "/kb.git": root})
+    head = git(a, "rev-parse", "HEAD").strip()
+    commit = git(a, "commit-tree", "HEAD^{tree}", "-p", "HEAD", "-m", "team write").strip()
+    git(a, "push", "-q", str(root), f"{head}:refs/heads/cambium")     # (its lease holds)
+    (root / "hooks" / "pre-receive").write_text("#!/bin/sh\necho mirror is read-only >&2\nexit 1\n")
+    (root / "hooks" / "pre-receive").chmod(0o755)
+    git(a, "remote", "set-url", "origin", "ssh://alice@srv/~/kb.git")
+    for push in ("ssh://alice@srv/kb.git", "ssh://alice@srv/~/kb.git"):
+        git(a, "remote", "set-url", "--add", "--push", "origin", push)
+    st = cs.store(cs.resolve_config(), "team")
+    out = st._push_git(f"--force-with-lease=refs/heads/cambium:{head}",
+                       f"{commit}:refs/heads/cambium").stdout
+    assert "To ssh://srv/kb.git" in out and "To ssh://srv/~/kb.git" in out, out
+    here, others = st._pushed_here(out)
+    assert here and "stale info" in here and "read-only" not in here, out
+    assert others and others[0].startswith("ssh://srv/kb.git: "), others
+    assert st._raced_where_read(out)
+    git(a, "remote", "set-url", "--add", "--push", "origin", "alice@srv:kb.git")
+    st = cs.store(cs.resolve_config(), "team")
+    out = st._push_git(f"--force-with-lease=refs/heads/cambium:{head}",
+                       f"{commit}:refs/heads/cambium").stdout
+    assert "To srv:kb.git" in out and st._pushed_here(out)[0] is None, out   # (two name it)
+    assert st._raced_where_read(out)
+    assert st._push(commit, "cambium", lease=head) == "race"
+    git(a, "remote", "set-url", "origin", "codecommit://dev@shop")
+    git(a, "config", "--unset-all", "remote.origin.pushurl")
+    git(a, "remote", "set-url", "--push", "origin", "codecommit://prod@shop")
+    assert cs.store(cs.resolve_config(), "team")._push_to() == ("origin", "")
+    git(org, "remote", "set-url", "origin", "codecommit://prod@shop")
+    assert "project's own remote" in cs.org_remote_problem(org, a, "origin", 10)
+
+
 def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(shared):
     """A remote set to a URL that cannot be fetched skipped the back-off every
     failed fetch gets: each read (a server's too) fetched in the foreground
