@@ -14638,7 +14638,7 @@ def org_remote_problem(org: Path, project: Path, remote: str, timeout_s: float) 
     another CodeCommit region is another repository."""
     with contextlib.suppress(CambiumError, OSError):
         theirs, mine = remote_url(org, "origin", timeout_s), remote_url(project, remote, timeout_s)
-        if theirs and mine and same_repository(theirs, mine, org, project):
+        if theirs and mine and same_repository(theirs, mine, org, project, guard=True):
             spelled = "" if theirs == mine else f", as its origin {shown_url(theirs)} names it"
             return (f"clones the project's own remote ({shown_url(mine)}{spelled}: one repository to git, "
                     "or the same owner/name after the host, whatever the host); the org scope "
@@ -14683,39 +14683,45 @@ def one_repository(a: str, b: str, repo: Path) -> bool:
     return remote_key(a, repo) == remote_key(b, repo) and not _named_apart(a, b, move=True)
 
 
-def same_repository(a: str, b: str, repo: Path, b_repo: Path | None = None) -> bool:
+def same_repository(a: str, b: str, repo: Path, b_repo: Path | None = None,
+                    guard: bool = False) -> bool:
     """Whether two remote URLs (`b` read in `b_repo`, else in `repo`) name one
-    repository as a push URL and the org guard judge it: one repository_key
-    (whatever the host: an ssh host alias), and no ssh place or home or
-    CodeCommit region named apart (_named_apart). `git` names no home
-    (`org-7@github.com:o/r`, GitHub's SSH CA spelling, is `git@github.com:o/r`),
-    and a CodeCommit profile is, like the host, only how to reach it (a second
-    profile to push with is the same repository)."""
+    repository as a push URL and (`guard`) the org guard and a move's
+    one-branch refusal judge it: one repository_key (whatever the host: an
+    ssh host alias), and no ssh place or home or CodeCommit region named
+    apart (_named_apart). `git` names no home (`org-7@github.com:o/r`,
+    GitHub's SSH CA spelling, is `git@github.com:o/r`), and a CodeCommit
+    profile is, like the host, only how to reach it (a second profile to push
+    with is the same repository). A guard refuses in doubt: users whatever
+    their case (`Alice` may log in as `alice`), a relative scp-like path in
+    no known place. Push judging does not: taking two for one pushed into
+    another repository, taking one for two only pushes to the fetch URL."""
     return repository_key(a, repo) == repository_key(b, b_repo or repo) and \
-        not _named_apart(a, b)
+        not _named_apart(a, b, guard=guard)
 
 
-def _named_apart(a: str, b: str, move: bool = False) -> bool:
+def _named_apart(a: str, b: str, move: bool = False, guard: bool = False) -> bool:
     """Whether two network URLs each name a part of which repository they
     are, and name it differently: where an ssh path is (_ssh_place: a home,
     or absolute), the ssh user whose home it is in (_home_user; `git` too for
-    a `move`), an AWS CodeCommit region, and (a `move`) its profile. A part a
-    URL leaves out is unknown (the ssh default user, the profile's region),
-    so it matches any."""
-    x, y = (((_ssh_place(u), _home_user(u, move)) + (_codecommit(u) or ("", "", ""))[:1 + move])
-            for u in (a, b))
+    a `move`, lower-cased for a `guard`), an AWS CodeCommit region, and (a
+    `move`) its profile. A part a URL leaves out is unknown (the ssh default
+    user, the profile's region), so it matches any."""
+    x, y = (((_ssh_place(u, guard), _home_user(u, move, guard)) +
+             (_codecommit(u) or ("", "", ""))[:1 + move]) for u in (a, b))
     return any(p and q and p != q for p, q in zip(x, y))
 
 
-def _ssh_place(url: str) -> str:
+def _ssh_place(url: str, guard: bool = False) -> str:
     """Where an ssh address's path is (pure): "~" in the login user's home (a
     `~/` path, `srv:~/kb.git`, `ssh://srv/~/kb.git`; and a relative scp-like
     path of a named user other than `git`: `alice@srv:kb.git`, which git's ssh
     resolves there), "/" absolute (`ssh://alice@srv/kb.git`, `srv:/kb.git`),
     else "" (unknown: not ssh, `~carol/`, and a relative path with no user or
     as `git`, a host alias's configured user or a hosting service's path:
-    `git@github.com:o/r` is `ssh://git@github.com/o/r`). remote_key drops a
-    `~/`, so a home and an absolute path are told apart here."""
+    `git@github.com:o/r` is `ssh://git@github.com/o/r`; for a `guard`, any:
+    a service such as gitolite serves `kb` and `/kb` as one). remote_key drops
+    a `~/`, so a home and an absolute path are told apart here."""
     ssh = _ssh_path(url)
     if ssh is None:
         return ""
@@ -14724,20 +14730,22 @@ def _ssh_place(url: str) -> str:
         return "~"
     if path.startswith("/"):
         return "/"
-    return "" if path.startswith("~") or user in ("", "git") else "~"
+    return "" if path.startswith("~") or guard or user in ("", "git") else "~"
 
 
-def _home_user(url: str, git: bool = False) -> str:
+def _home_user(url: str, git: bool = False, fold: bool = False) -> str:
     """The ssh user whose home an ssh address's path is in (`alice@srv:kb.git`,
     `alice@srv:~/kb.git`, `ssh://alice@srv/~/kb.git`), else "" (pure). An
     absolute path (`ssh://alice@srv/srv/kb.git`, `alice@srv:/srv/kb.git`,
     `~bob/kb.git`) is one place whoever logs in, and `git` (unless `git`) is
     the user a hosting service (GitHub, GitLab, Bitbucket, Gitea) serves every
-    owner's repositories as: `git@github.com:o/r`'s path is the service's."""
+    owner's repositories as: `git@github.com:o/r`'s path is the service's.
+    `fold`: lower-cased (`GIT` is `git` then)."""
     ssh = _ssh_path(url)
-    if ssh is None or not ssh[0] or ssh[0] == "git" and not git:
+    user, path = ssh or ("", "")
+    user = user.lower() if fold else user
+    if not user or user == "git" and not git:
         return ""
-    user, path = ssh
     return user if path == "~" or path.startswith("~/") or not path.startswith(("/", "~")) \
         else ""
 
@@ -15488,7 +15496,7 @@ def _refuse_one_branch(cfg: Config, src: str, dst: str) -> None:
     here = _branch_reached(store(cfg, src))
     there = here and _branch_reached(store(cfg, dst))
     if here and there and here[1] == there[1] and \
-            same_repository(here[0], there[0], here[2], there[2]):
+            same_repository(here[0], there[0], here[2], there[2], guard=True):
         raise OneBranch(ONE_BRANCH.format(src=src, dst=dst, how=(
             f"are one branch, '{here[1]}' of one repository "
             f"({repository_key(here[0], here[2])[1]})")))

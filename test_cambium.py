@@ -10706,6 +10706,36 @@ def test_a_GIT_suffix_is_the_same_repository_and_a_codecommit_region_another(tmp
     assert cs._codecommit("https://codecommit/x") is None
 
 
+def test_the_org_guard_refuses_in_doubt_where_push_judging_tells_apart(tmp_path):
+    """The org guard compared ssh users case-sensitively, so an org clone at
+    `Alice@srv:kb.git` beside the project's `alice@srv:kb.git` (one home where
+    accounts are case-blind: Windows OpenSSH, AD) passed, and a relative
+    scp-like path beside the same absolute one (`alice@srv:kb` beside
+    `ssh://alice@srv/kb`: one repository to gitolite) passed too. A guard
+    refuses in doubt; push judging keeps them apart (its safe side: the
+    fetch URL, where reads look)."""
+    project, org = make_repo(tmp_path, "p"), make_repo(tmp_path, "o")
+    git(project, "remote", "add", "origin", "alice@srv:kb.git")
+    git(org, "remote", "add", "origin", "x")
+    for url, refused in (("Alice@srv:kb.git", True), ("ssh://alice@srv/kb.git", True),
+                         ("ssh://ALICE@srv/~/kb.git", True), ("bob@srv:kb.git", False),
+                         ("ssh://alice@srv/git/kb.git", False)):
+        git(org, "remote", "set-url", "origin", url)
+        assert bool(cs.org_remote_problem(org, project, "origin", 10)) is refused, url
+    git(project, "remote", "set-url", "origin", "ssh://alice@srv/~/kb.git")
+    git(org, "remote", "set-url", "origin", "ssh://alice@srv/kb.git")
+    assert cs.org_remote_problem(org, project, "origin", 10) is None      # (explicit: two)
+    assert cs.same_repository("GIT@github.com:o/r", "org-7@github.com:o/r", org, guard=True)
+    for fetch, push in (("Alice@srv:kb.git", "alice@srv:kb.git"),
+                        ("alice@srv:kb.git", "ssh://alice@srv/kb.git")):
+        git(project, "remote", "set-url", "origin", fetch)
+        git(project, "remote", "set-url", "--push", "origin", push)
+        st = cs.GitStore("team", project, "origin", "cambium", timeout_s=10,
+                         fetch_interval_s=60, agent="t")
+        assert st._push_to()[0] == fetch, push
+        assert not cs.one_repository(fetch, push, project)                # (a move)
+
+
 def test_restating_twice_keeps_a_version_that_is_the_start_of_one_kept():
     """generalize from "...with backoff and jitter" to "...with backoff", then
     on: the middle version was found inside the first (a substring) and lost."""
