@@ -1517,7 +1517,7 @@ def test_setup_refuses_an_org_owner_name_that_is_one_of_the_project_remotes(tmp_
     git(r, "remote", "add", "origin", "git@github.com:acme/shop.git")
     git(r, "remote", "add", "upstream", "https://github.com/Upstream/Shop/")
     git(r, "config", "remote.mirror.pushurl", "git@github.com:acme/mirror.git")  # (push URL
-    for name in ["acme/shop", "Acme/Shop", "acme/shop.git", "upstream/shop",      # only)
+    for name in ["acme/shop", "Acme/Shop", "acme/shop.git", "acme/shop.GIT", "upstream/shop",      # only)
                  "acme/mirror"]:
         with pytest.raises(cs.InputError, match=r"is the project's own repository \(its "
                                                 r"remote '(origin|upstream|mirror)' is"):
