@@ -19164,9 +19164,12 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
 #: before it commits knowledge.json onto its default branch and pushes it.
 #: An allow-list (any other name stops it): code comes in too many layouts to
 #: list (Terraform's *.tf, Bazel's WORKSPACE, a Helm chart, a monorepo's
-#: services/) for a push onto someone's default branch. Also a grep -E pattern.
+#: services/) for a push onto someone's default branch. The health files'
+#: names take no suffix but a document's extension: security.py,
+#: license_check.sh, changelog-gen.js are code. Also a grep -E pattern.
 ORG_SEED_ROOT = re.compile(r"(?i)(readme|licen[cs]e|copying|notice|authors|contributing|"
-                           r"code_of_conduct|security|changelog)([._-].*)?|codeowners|"
+                           r"code_of_conduct|security|changelog)"
+                           r"(\.(md|markdown|txt|rst|adoc|asciidoc|org|html?))?|codeowners|"
                            r"\.git(ignore|attributes|hub)|\.editorconfig|docs?|notes|"
                            r"knowledge\.(json|md)")
 

@@ -1588,12 +1588,16 @@ def test_setup_commands_for_an_org_name_commit_only_beside_what_a_new_repository
             ("acme/chart", ["Chart.yaml", "templates/deploy.yaml"], "Chart.yaml templates"),
             ("acme/mono", [".github/workflows/ci.yml", "services/a/x", "packages/b/y",
                            "docker-compose.yml"], "docker-compose.yml packages services"),
+            ("acme/gh3", ["security.py", "license_check.sh", "changelog-gen.js",
+                          "readme_render.go"],       # (code under a health file's name;
+             "changelog-gen.js license_check.sh readme_render.go"),  # the first three)
             ("acme/site", ["Makefile", "docs/index.md"], "Makefile")]:
         bare = seed_gh_repo(tmp_path, name, files)
         tip = git(bare, "rev-parse", "main")
         runs = run_org_commands(cs.setup(str(r), "ada", org_repo=name)["org_setup"], bindir)
         assert runs[2].returncode != 0, name
         assert f"its root holds {shown} beside what a new" in runs[2].stderr
+        assert "security.py" not in runs[2].stderr
         assert "nothing committed or pushed" in runs[2].stderr
         assert git(bare, "rev-parse", "main") == tip
         assert git(bare, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
@@ -1611,7 +1615,8 @@ def test_setup_commands_for_an_org_name_commit_only_beside_what_a_new_repository
     assert cs.setup(str(r), "ada", org_repo=str(site))["written"]["CAMBIUM_ORG_REPO"] == \
         str(site)
     fresh = seed_gh_repo(tmp_path, "acme/notes", ["LICENSE", ".gitignore", "CONTRIBUTING.md",
-                                                  ".github/CODEOWNERS", "docs/index.md"])
+                                                  ".github/CODEOWNERS", "docs/index.md",
+                                                  "SECURITY.md", "CHANGELOG.rst"])
     offer = cs.setup(str(r), "ada", org_repo="acme/notes")["org_setup"]
     for _ in range(2):                                # (the second run: nothing to push)
         assert [p.returncode for p in run_org_commands(offer, bindir)][2] == 0
