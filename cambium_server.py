@@ -19140,10 +19140,11 @@ def _resolve_org_repo(org_repo: str, root: Path | None = None, agent: str = "you
             "commands": [
                 f"gh repo view {owner}/{name} >/dev/null 2>&1 || gh repo create "
                 f"{owner}/{name} --private --description 'org knowledge (cambium)'",
-                f"gh repo clone {owner}/{name} {clone}",
+                f"[ -e {clone} ] || gh repo clone {owner}/{name} {clone}",
                 _org_seed_command(owner, name, clone),
             ],
-            "safe_to_repeat": "a repository that exists is cloned, never created again, and "
+            "safe_to_repeat": "a repository that exists is cloned, never created again "
+                              "(nor cloned again where its clone path exists), and "
                               "its knowledge.json is never overwritten: every teammate runs "
                               "the same lines. The last one commits and pushes only in a "
                               "clone of that owner/name with no commit yet or nothing at its "
@@ -19182,7 +19183,8 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
     repository holds (ORG_SEED_ROOT: never a commit pushed onto some project's
     default branch), and never where its history held a knowledge.json
     (_org_never_held); nothing when the upstream holds the store. Each check
-    says why it stopped and what to do instead, and fails."""
+    says why it stopped and what to do instead, and fails. `clone` goes
+    unquoted (~ expands; an owner/name holds no shell character)."""
     want = f"{owner}/{name}".lower()
     origin_ok = (f"case \"$(git remote get-url origin 2>/dev/null | tr '[:upper:]' "
                  f"'[:lower:]')\" in *[/:]{want}|*[/:]{want}.git|*[/:]{want}/) true;; *) echo \"{clone}: its "
