@@ -19193,12 +19193,13 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
                  f"setup with its new owner/name (or with this clone's path); else move "
                  f"{clone} aside and run these lines again\" >&2; false;; esac")
     allowed = ORG_SEED_ROOT.pattern.removeprefix("(?i)")
+    empty = EMPTY_STORE_TEXT.replace('"', '\\"')
     new_only = (f"{{ x=$(git ls-tree --name-only HEAD 2>/dev/null | grep -Eivx '{allowed}' | "
                 "head -n 3 | tr '\\n' ' '); [ -z \"$x\" ] || { echo \""
                 f"{clone}: its root holds ${{x}}beside what a new or knowledge repository "
                 "holds (README, LICENSE, .gitignore, .github, docs): it may be some "
                 "project's code, so nothing committed or pushed. If it is the org "
-                f"knowledge repository, commit a knowledge.json holding {{\\\"items\\\": []}} "
+                f"knowledge repository, commit a knowledge.json holding {empty} "
                 f"in {clone} and push it (these lines then do nothing), or run setup with "
                 "a clone of it (its absolute path); if not, name another repository\" >&2; "
                 "false; }; }")

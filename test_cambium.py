@@ -1603,9 +1603,9 @@ def test_setup_commands_for_an_org_name_commit_only_beside_what_a_new_repository
         assert git(bare, "rev-parse", "main") == tip
         assert git(bare, "for-each-ref", "--format=%(refname)") == "refs/heads/main\n"
     site = home / ".cambium/org/acme/site"      # (it is the org repo: the way it names)
-    assert 'commit a knowledge.json holding {"items": []} in ~/.cambium/org/acme/site' \
-        in runs[2].stderr
-    (site / "knowledge.json").write_text('{"items": []}\n')
+    assert f"commit a knowledge.json holding {cs.EMPTY_STORE_TEXT} in ~/.cambium/org/acme/" \
+        "site" in runs[2].stderr                  # (the text _holds_code's refusal gives)
+    (site / "knowledge.json").write_text(cs.EMPTY_STORE_TEXT + "\n")
     git(site, "add", "knowledge.json")
     git(site, "commit", "-qm", "org store")
     git(site, "push", "-q")
