@@ -19081,10 +19081,31 @@ def _setup_org(org_repo: str, root: Path, agent_id: str) -> tuple[dict | None, P
     if org_offer and (own := _names_a_project_remote(org_offer["org_repo"], root)):
         raise InputError(f"org_repo {org_repo!r} {own}", "org_repo")
     remote = resolve_config().remote         # (the env's, else the config file's, else origin)
-    if org_path and (clash := org_clone_problem(org_path, root) or _holds_code(org_path)
-                     or org_remote_problem(org_path, root, remote, ORG_HEAD_ASK_S)):
+    clash = org_path and org_clone_problem(org_path, root)
+    if org_path and not clash:
+        _refuse_a_folder_in_a_clone(org_repo, org_path)
+        clash = _holds_code(org_path) or org_remote_problem(org_path, root, remote,
+                                                            ORG_HEAD_ASK_S)
+    if clash:
         raise InputError(f"org_repo {org_path} {clash}", "org_repo")
     return org_offer, org_path
+
+
+def _refuse_a_folder_in_a_clone(org_repo: str, top: Path) -> None:
+    """InputError for an org_repo path that is a folder inside the clone at
+    `top`, not its top folder: a leftover folder at ~/.cambium/org/<owner>/<name>
+    in a dotfiles repository at HOME was taken for HOME's clone, and org
+    writes went to the dotfiles repository (a link to the top folder is it)."""
+    given = Path(expand_user(path_arg("org_repo", org_repo)))
+    with contextlib.suppress(OSError):
+        if os.path.samefile(given, top):
+            return
+    raise InputError(f"org_repo {given} is no clone: it is a folder inside the clone at "
+                     f"{top}, not its top folder, and a folder in some clone (a dotfiles "
+                     "repository at HOME) is no org clone. Pass the top folder of your clone "
+                     "of the org knowledge repo; for a leftover folder where the commands "
+                     "setup gives for an owner/name clone it, move it aside and run those "
+                     "lines again.", "org_repo")
 
 
 def _names_a_project_remote(owner_name: str, project: Path) -> str | None:
@@ -19203,12 +19224,24 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
                 f"in {clone} and push it (these lines then do nothing), or run setup with "
                 "a clone of it (its absolute path); if not, name another repository\" >&2; "
                 "false; }; }")
-    return (f"cd {clone} && {origin_ok} && {{ git cat-file -e '@{{u}}:knowledge.json' "
-            f"2>/dev/null || {{ {_org_never_held(clone)} && {new_only} && {{ git cat-file -e "
+    return (f"cd {clone} && {_org_clone_top(clone)} && {origin_ok} && {{ git cat-file -e "
+            f"'@{{u}}:knowledge.json' 2>/dev/null || {{ {_org_never_held(clone)} && {new_only} && {{ git cat-file -e "
             "HEAD:knowledge.json "
             "2>/dev/null || { { [ -e knowledge.json ] || printf '{\"items\": []}\\n' > "
             "knowledge.json; } && git add knowledge.json && git commit -m 'cambium: org "
             "knowledge store'; }; } && git push -u origin HEAD; }; }")
+
+
+def _org_clone_top(clone: str) -> str:
+    """The shell check the seed line runs first, in `clone`: true only when it
+    is the top folder of a clone. A leftover plain folder there inside a
+    dotfiles repo at HOME read as HOME's clone (its origin named by the next
+    check, which then offered setup with this path: org on HOME's repo)."""
+    return ("{ [ \"$(git rev-parse --show-toplevel 2>/dev/null)\" = \"$(pwd -P)\" ] || { echo "
+            f"\"{clone}: it is no clone (not the top folder of a git clone; git -C {clone} "
+            "rev-parse --show-toplevel names the repository it lies in, if any): nothing "
+            f"committed or pushed. Move {clone} aside and run these lines again\" >&2; "
+            "false; }; }")
 
 
 def _org_never_held(clone: str) -> str:

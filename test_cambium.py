@@ -1742,6 +1742,27 @@ def test_two_org_repos_of_one_name_get_a_clone_each_and_a_wrong_clone_is_left_al
     assert git(renamed, "ls-tree", "--name-only", "main") == "knowledge.json\n"
     kb = home / ".cambium/org/acme/kb"
     assert cs.setup(str(r), "ada", org_repo=str(kb))["written"]["CAMBIUM_ORG_REPO"] == str(kb)
+    git(home, "init", "-q")                                # HOME a dotfiles repo, and a
+    git(home, "remote", "add", "origin", "https://github.com/ada/dotfiles.git")  # leftover
+    left = home / ".cambium/org/acme/left"                 # plain folder at a clone path:
+    left.mkdir()                                           # git took HOME's repo for it
+    (left / "old.txt").write_text("x\n")
+    offer = cs.setup(str(r), "ada", org_repo="acme/left")["org_setup"]
+    runs = run_org_commands(offer, bindir)
+    assert runs[2].returncode != 0 and "its origin is not" not in runs[2].stderr
+    assert "~/.cambium/org/acme/left: it is no clone" in runs[2].stderr
+    assert "Move ~/.cambium/org/acme/left aside and run these lines again" in runs[2].stderr
+    assert git(tmp_path / "gh/acme/left.git", "for-each-ref") == ""
+    with pytest.raises(cs.InputError, match=f"org_repo {left} is no clone: it is a folder "
+                                            f"inside the clone at {home}, not its top"):
+        cs.setup(str(r), "ada", org_repo=str(left))      # (it enabled org on HOME's repo)
+    assert cs.resolve_config().org_repo == kb
+    shutil.move(left, tmp_path / "left-aside")             # (the way on it names works)
+    assert [p.returncode for p in run_org_commands(offer, bindir)] == [0, 0, 0]
+    assert git(tmp_path / "gh/acme/left.git", "ls-tree", "--name-only", "main") == \
+        "knowledge.json\n"
+    assert cs.setup(str(r), "ada", org_repo=str(left))["written"]["CAMBIUM_ORG_REPO"] == \
+        str(left)
 
 
 @pytest.mark.parametrize("name", ["acme/..", "acme/.", "../knowledge"])
