@@ -6150,6 +6150,17 @@ def _rewind_lost(old: Doc, doc: Doc, touched: frozenset[str]) -> list[Item]:
             (it.id not in held or _later_state(it, held[it.id]))]
 
 
+def _kept_record_at(path: Path) -> dict | None:
+    """A kept rewound tip's record (GitStore._record_kept), None when there is
+    none or it does not read as one."""
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads(git_file_text(path, errors="replace"))
+        if isinstance(record, dict) and isinstance(record.get("ref"), str) and \
+                isinstance(record.get("at"), str):
+            return record
+    return None
+
+
 REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop naming its losses
 
 
@@ -6618,6 +6629,7 @@ class GitStore(Store):
         or token (shown_url)."""
         url, known, moved = self._url_change()
         if url and shown_url(url) != known:
+            self._claim_slot(known or url)    # (a kept tip is the repository's it was read in)
             with contextlib.suppress(OSError):
                 atomic_write(self._url_record(), shown_url(url) + "\n", durable=False)
         if not (moved and before and self._left_behind(before)):
@@ -6642,14 +6654,15 @@ class GitStore(Store):
         kept tip is where a person brings them back from."""
         if not before or not self.rewinds or not self._left_behind(before):
             return
-        now = self.local_tip()
         self._adopt_old_rewound()
-        kept = self._kept(self._rewound_ref)
+        url = self._url_now()
+        ref, at = self._kept_for(url)     # (this repository's: never another's, _kept_for)
+        kept = self._kept(ref)
         if kept and self._holds(kept, before):
             return
         if kept:          # (a second rewind while one is kept: each kept what it dropped)
             try:
-                before = self._kept_both(kept, before)
+                before = self._kept_both(kept, before, at)
             except (CambiumError, OSError) as e:
                 self._warnings.append(
                     f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound "
@@ -6657,11 +6670,17 @@ class GitStore(Store):
                     f"kept ({e}): `git -C {shlex.quote(str(self.repo))} branch rewound-again "
                     f"{before}` keeps it")
                 return
-        self.git("update-ref", self._rewound_ref, before, check=False)
-        at = self._rewound_at_ref         # (the tip the rewind left: what changed since)
+        self._keep(ref, at, url, before, moved=bool(kept))
+
+    def _keep(self, ref: str, at: str, url: str, before: str, *, moved: bool) -> None:
+        """Point the kept ref at `before` (and its -at ref at the tip the rewind
+        left: what changed since), with its record."""
+        self.git("update-ref", ref, before, check=False)
+        self._record_kept(ref, at, url)
+        now = self.local_tip()
         self.git("update-ref", *((at, now) if now else ("-d", at)), check=False)
 
-    def _kept_both(self, kept: str, before: str) -> str:
+    def _kept_both(self, kept: str, before: str, at_ref: str) -> str:
         """A commit keeping both tips rewinds dropped: `before`'s tree and its
         store plus what the kept tip held that `before` had lost (rewound_items
         there: not what a teammate changed or moved since the first rewind),
@@ -6674,8 +6693,7 @@ class GitStore(Store):
             return before
         at = self.doc_at(before, remember=False)
         try:
-            touched = self._touched_since(self._kept(self._rewound_at_ref) or kept,
-                                          before)
+            touched = self._touched_since(self._kept(at_ref) or kept, before)
         except GitError:                       # (too far to tell: all it lost)
             touched = frozenset()
         lost = {it.id: it for it in _rewind_lost(old, at, touched)}
@@ -6688,12 +6706,99 @@ class GitStore(Store):
 
     @property
     def _rewound_ref(self) -> str:
-        """Where a rewound tip is kept: refs/cambium/rewound/<scope>/<remote>/<branch>."""
-        return f"refs/cambium/rewound/{self.scope}/{self.remote}/{self.branch}"
+        """Where the rewound tip of the repository the remote names now is kept
+        (_kept_for)."""
+        return self._kept_for()[0]
 
     @property
     def _rewound_at_ref(self) -> str:
-        return f"refs/cambium/rewound-at/{self.scope}/{self.remote}/{self.branch}"
+        """The tip that rewind left, beside it: what changed since (_touched_since)."""
+        return self._kept_for()[1]
+
+    def _slot(self) -> tuple[str, str]:
+        """A kept tip's usual name, refs/cambium/rewound/<scope>/<remote>/<branch>,
+        and its -at ref."""
+        tail = f"{self.scope}/{self.remote}/{self.branch}"
+        return f"refs/cambium/rewound/{tail}", f"refs/cambium/rewound-at/{tail}"
+
+    def _kept_for(self, url: str | None = None) -> tuple[str, str]:
+        """(the kept ref, its -at ref) of the repository the remote's URL names
+        now. A kept tip belongs to the repository it was read from (its record,
+        _record_kept): after `git remote set-url origin <another>` its items are
+        no loss there, and its warning's restore advice copied them into the
+        other repository; it stays where it is, named by no read, until the URL
+        names its repository again. The slot when it holds this repository's
+        tip (or one no record names: an earlier version's, _claim_slot), else a
+        recorded one of this repository's, else the slot when free, else a name
+        of this repository's own (_own_kept)."""
+        url = self._url_now() if url is None else url
+        slot = self._slot()
+        held = self._kept(slot[0])
+        if held and self._kept_here(self._read_kept_record(slot[0]), url, slot=True):
+            return slot
+        for rec in self._kept_records():
+            if rec["ref"] != slot[0] and self._kept_here(rec, url) and self._kept(rec["ref"]):
+                return rec["ref"], rec["at"]
+        return self._own_kept(url) if held else slot
+
+    def _url_now(self) -> str:
+        """The remote's URL now ("" when git cannot say)."""
+        with contextlib.suppress(CambiumError):
+            return remote_url(self.repo, self.remote, self.timeout_s) or ""
+        return ""
+
+    def _kept_here(self, record: dict | None, url: str, *, slot: bool = False) -> bool:
+        """Whether a kept tip's record names this scope, remote and branch and
+        the repository `url` names (one_repository). The slot's tip with no
+        record (kept before records were, and never fetched since) is this
+        one's, as is any while the remote's URL cannot be read, or was not when
+        it was kept."""
+        if record is None:
+            return slot
+        kept_at = str(record.get("url") or "")
+        return (record.get("scope"), record.get("remote"), record.get("branch")) == \
+            (self.scope, self.remote, self.branch) and (
+                not url or not kept_at or one_repository(kept_at, url, self.repo))
+
+    def _own_kept(self, url: str) -> tuple[str, str]:
+        """A kept ref of this repository's own, refs/cambium/rewound-kept/<id>
+        (one flat name: no branch's name conflicts with it)."""
+        key = "\0".join((self.scope, self.remote, self.branch, shown_url(url)))
+        tag = hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        return f"refs/cambium/rewound-kept/{tag}", f"refs/cambium/rewound-kept-at/{tag}"
+
+    def _kept_record_path(self, ref: str) -> Path:
+        tag = hashlib.sha1(ref.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        return self._meta_dir() / f"rewound-{tag}.json"
+
+    def _read_kept_record(self, ref: str) -> dict | None:
+        return _kept_record_at(self._kept_record_path(ref))
+
+    def _kept_records(self) -> list[dict]:
+        """Every kept ref's record in this clone (no subprocess)."""
+        try:
+            names = sorted(n for n in os.listdir(self._meta_dir())
+                           if n.startswith("rewound-") and n.endswith(".json"))
+        except OSError:
+            return []
+        return [r for n in names if (r := _kept_record_at(self._meta_dir() / n))]
+
+    def _record_kept(self, ref: str, at: str, url: str) -> None:
+        """Note which repository a kept tip was read from (its URL as the URL
+        record shows it, shown_url), beside the fetch stamps."""
+        with contextlib.suppress(OSError):
+            atomic_write(self._kept_record_path(ref), json.dumps(
+                {"ref": ref, "at": at, "scope": self.scope, "remote": self.remote,
+                 "branch": self.branch, "url": shown_url(url)}) + "\n", durable=False)
+
+    def _claim_slot(self, url: str) -> None:
+        """Record the repository of a tip kept in the slot with no record (an
+        earlier version's, or adopted from `<ref>-rewound`) as `url`, the one
+        the last fetch read: asked before a fetch records a moved URL."""
+        self._adopt_old_rewound()
+        slot = self._slot()
+        if url and not self._kept_record_path(slot[0]).exists() and self._kept(slot[0]):
+            self._record_kept(*slot, url)
 
     def _adopt_old_rewound(self) -> None:
         """Move a tip an earlier version kept at `<ref>-rewound` (and what it
@@ -6701,12 +6806,11 @@ class GitStore(Store):
         the private ref of a branch named `<branch>-rewound`, so it stays where
         it is when this clone has fetched such a branch (its fetch stamp is
         there: the ref may be that branch's tip, not a kept one)."""
-        old = f"{self.ref}-rewound"
+        old, slot = f"{self.ref}-rewound", self._slot()
         if not self._rt.first_time(f"adopt {self.repo} {old}") or not self._kept(old) or \
-                self._kept(self._rewound_ref) or \
-                self._stamp(f"{self.branch}-rewound").exists():
+                self._kept(slot[0]) or self._stamp(f"{self.branch}-rewound").exists():
             return
-        for new, was in ((self._rewound_ref, old), (self._rewound_at_ref, old + "-at")):
+        for new, was in zip(slot, (old, old + "-at")):
             if (value := self._kept(was)) and self.git(
                     "update-ref", new, value, "", check=False).returncode == 0:
                 self.git("update-ref", "-d", was, value, check=False)
@@ -6737,9 +6841,12 @@ class GitStore(Store):
         except (OSError, IndexError):
             return self.git("rev-parse", "--verify", "--quiet", ref, check=False).stdout.strip()
 
-    def _drop_rewound(self) -> None:
-        for ref in (self._rewound_ref, self._rewound_at_ref):
+    def _drop_rewound(self, kept: tuple[str, str]) -> None:
+        """Drop this repository's kept tip (_kept_for), once it is no loss."""
+        for ref in kept:
             self.git("update-ref", "-d", ref, check=False)
+        with contextlib.suppress(OSError):
+            self._kept_record_path(kept[0]).unlink()
 
     def _touched_since(self, base: str, tip: str | None) -> frozenset[str]:
         """The ids in lines of the store that commits since `base` (reachable
@@ -6783,19 +6890,18 @@ class GitStore(Store):
         or moved on the branch since the rewind (a promote to org took one).
         [] when nothing was rewound (the refs are then dropped)."""
         self._adopt_old_rewound()
-        if not (tip_kept := self._kept(self._rewound_ref)):
+        if not (tip_kept := self._kept((kept := self._kept_for())[0])):
             return []
         try:
             old = self._rewound_doc(tip_kept)
-            touched = self._touched_since(self._kept(self._rewound_at_ref) or tip_kept,
-                                          tip)
+            touched = self._touched_since(self._kept(kept[1]) or tip_kept, tip)
         except CorruptStore:                       # (a kept tip whose store is malformed
-            self._drop_rewound()                   # holds nothing to put back)
+            self._drop_rewound(kept)               # holds nothing to put back)
             return []
         except CambiumError:                       # (git failed, or the branch moved on too
             return []                              # far: a warning's cost, never the scope)
         if not (lost := _rewind_lost(old, doc, touched)):
-            self._drop_rewound()
+            self._drop_rewound(kept)
         return lost
 
     def peek(self) -> Doc:

@@ -24391,6 +24391,44 @@ def test_a_second_rewind_keeps_what_each_rewind_dropped(shared, tmp_path, how):
     assert not any("rewound" in w for w in cs.recall("alerts").get("warnings", []))
 
 
+def test_a_rewind_kept_in_one_repository_is_not_named_after_the_remote_moves_to_another(
+        shared):
+    """A rewind kept on repository 1 followed the remote's name: after `git
+    remote set-url origin <repository 2>` every read there said repository 1's
+    items were gone and how to restore and promote them (into repository 2),
+    and a rewind of repository 2 was merged into repository 1's kept tip. A
+    kept tip now belongs to the repository it was read from: kept, named by no
+    read elsewhere, and named again once the URL is back."""
+    a, tmp = shared["a"], shared["tmp"]
+    first, later = _promoted_then_rewound(shared)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    slot = "refs/cambium/rewound/team/origin/cambium"
+    kept = git(a, "rev-parse", slot).strip()
+    other = make_origin(tmp, "other")
+    git(a, "remote", "set-url", "origin", str(other))
+    out = cs.recall("alerts on-call")
+    assert not any("rewound" in w for w in out["warnings"]), out["warnings"]
+    mine = _endorsed("Repository two pins its base images by digest")
+    assert cs.promote(mine)["status"] == "promoted"
+    tip = git(other, "rev-parse", "cambium").strip()
+    dropped = _endorsed("Repository two rotates its keys every quarter")
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(dropped))
+    assert out["status"] == "promoted" and not any("rewound" in w for w in
+                                                    out.get("warnings", []))
+    git(other, "update-ref", "refs/heads/cambium", tip)                   # repository 2's rewind
+    (warning,) = [w for w in cs.recall("rotates keys")["warnings"] if "rewound" in w]
+    assert dropped in warning and later not in warning and slot + ":" not in warning
+    ref = re.search(r"show '?(refs/cambium/\S+?):knowledge\.json", warning).group(1)
+    assert {it["id"] for it in json.loads(git(a, "show", f"{ref}:knowledge.json"))["items"]
+            } == {mine, dropped}                                 # (none of repository 1's)
+    assert git(a, "rev-parse", slot).strip() == kept                       # never lost
+    git(a, "remote", "set-url", "origin", str(shared["origin"]))
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"] if "rewound" in w]
+    assert later in warning and dropped not in warning and slot + ":" in warning
+    assert git(a, "rev-parse", ref).strip()                                # (repository 2's kept)
+
+
 def test_a_writes_answer_names_what_a_rewind_of_the_team_branch_dropped(shared):
     """The write's fetch kept the rewound tip, but only a recall named what it
     lost: an agent told "endorsed" or "promoted" never learned a teammate's
