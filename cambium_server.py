@@ -2998,6 +2998,9 @@ _LOCK_HELD = re.compile(r"Unable to create '([^']+\.lock)': File exists")
 #: fetch read it (another fetch, a push's ref update): a race, not a failure.
 _REF_MOVED = re.compile(r"cannot lock ref '[^']+': is at [0-9a-f]+ but expected [0-9a-f]+")
 REF_MOVED_RETRIES = 4
+#: git's words for a ref that cannot be made because another's name is in the way
+#: (`kb` where `kb/v2` goes, or the reverse), across versions
+_REF_IN_THE_WAY = re.compile(r"exists; cannot create|blocking reference|cannot process '")
 REF_LOCK_STALE_S = 2.0      #: git holds a ref's lock for milliseconds: one this old is a crash's
 
 
@@ -6219,7 +6222,9 @@ class GitStore(Store):
         (refs/cambium/<team|org>/...) no branch name can reach it. They were
         `<remote>/new`, `__default`, `side/<b>` and `<branch>-verify` there, so a
         team branch named `new` was its own scratch ref: a refused push left the
-        cached tip at the commit it refused."""
+        cached tip at the commit it refused. They are fetched with `--refmap=`:
+        git's own refs/remotes/ are left as they are (a stale one of a branch's
+        old name, `kb` where `kb/v2` goes, failed the fetch)."""
         return f"refs/cambium/scratch/{kind}/{self.scope}/{self.remote}" + \
             (f"/{branch}" if branch else "")
 
@@ -6545,17 +6550,16 @@ class GitStore(Store):
         before = None
         with contextlib.suppress(CambiumError, OSError):
             before = self.local_tip()
-        for _ in range(2):
+        refmap: tuple[str, ...] = ()
+        for _ in range(3):
             with self._fetch_lock(patient):
                 proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
-                                "--quiet", "--no-tags", "--", self.remote,
+                                "--quiet", "--no-tags", *refmap, "--", self.remote,
                                 f"+refs/heads/{self.branch}:{self.ref}", check=False)
-            if proc.returncode == 0 or f"bad object {self.ref}" not in (proc.stderr or ""):
+            if proc.returncode == 0 or \
+                    (again := self._fetch_again(proc.stderr or "", refmap)) is None:
                 break
-            self.git("update-ref", "-d", self.ref, check=False)   # names a commit that is
-            self._warnings.append(f"cambium's copy of the {self.scope} scope's remote tip "
-                                  f"({self.ref}) named a commit this clone does not have "
-                                  "(gone): it was removed and fetched again")
+            refmap = again
         if proc.returncode != 0:
             err = proc.stderr or ""
             if "couldn't find remote ref" in err or "could not find remote ref" in err:
@@ -6572,6 +6576,46 @@ class GitStore(Store):
             self._state.fetched_at = time.time()
             self._state.fetch_error = None
             self._state.tip_known = False
+
+    def _fetch_again(self, err: str, refmap: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The options to fetch again with after a failed fetch (None: nothing helps):
+        a private ref naming a commit this clone lacks is removed; a ref in
+        the way of the private ref (a branch renamed `kb` -> `kb/v2`, or back:
+        git keeps no `kb` beside `kb/v2`) is removed when it is one of cambium's
+        caches (_clear_in_the_way), and the fetch made without git's own
+        remote-tracking update (`--refmap=`), where a stale `refs/remotes/`
+        ref of the old name is in the way too, until `git remote prune`."""
+        if f"bad object {self.ref}" in err:
+            self.git("update-ref", "-d", self.ref, check=False)   # names a commit that is
+            self._warnings.append(f"cambium's copy of the {self.scope} scope's remote tip "
+                                  f"({self.ref}) named a commit this clone does not have "
+                                  "(gone): it was removed and fetched again")
+            return refmap
+        if _REF_IN_THE_WAY.search(err) and not refmap:
+            self._clear_in_the_way()
+            return ("--refmap=",)
+        return None
+
+    def _clear_in_the_way(self) -> None:
+        """Delete cambium's private refs of this scope and remote that git
+        cannot keep beside this branch's (`.../kb` where `.../kb/v2` goes, or
+        the reverse): only caches of a branch the remote no longer holds (it
+        cannot hold both names), fetched again when that name is read; their
+        fetch stamps go with them. Kept rewound tips live apart (_kept_for),
+        and a legacy `<b>-rewound` one is never removed."""
+        base = f"refs/cambium/{self.scope}/{self.remote}/"
+        listed = self.git("for-each-ref", "--format=%(refname)", base, check=False).stdout
+        for ref in git_lines(listed):
+            if ref == self.ref or ref.endswith(("-rewound", "-rewound-at")) or not (
+                    self.ref.startswith(ref + "/") or ref.startswith(self.ref + "/")):
+                continue
+            if self.git("update-ref", "-d", ref, check=False).returncode == 0:
+                with contextlib.suppress(OSError):
+                    self._stamp(ref[len(base):]).unlink()
+                self._warnings.append(
+                    f"cambium's copy of the {self.scope} branch '{ref[len(base):]}' ({ref}), "
+                    f"no longer on {self.remote}, was in the way of '{self.branch}' and was "
+                    "removed")
 
     def _fetch_lock(self, patient: bool) -> contextlib.ExitStack:
         """The clone's lock on fetching this branch, waited for FETCH_LOCK_WAIT_S,
@@ -6670,12 +6714,22 @@ class GitStore(Store):
                     f"kept ({e}): `git -C {shlex.quote(str(self.repo))} branch rewound-again "
                     f"{before}` keeps it")
                 return
-        self._keep(ref, at, url, before, moved=bool(kept))
+        self._keep(ref, at, url, before, held=bool(kept))
 
-    def _keep(self, ref: str, at: str, url: str, before: str, *, moved: bool) -> None:
+    def _keep(self, ref: str, at: str, url: str, before: str, *, held: bool) -> None:
         """Point the kept ref at `before` (and its -at ref at the tip the rewind
-        left: what changed since), with its record."""
-        self.git("update-ref", ref, before, check=False)
+        left: what changed since), with its record. A new one that git cannot
+        make at the slot (a ref of a branch's old name is in the way: `kb` kept,
+        now `kb/v2`) is made at this repository's own name (_own_kept): it was
+        dropped, and what the rewind lost was named nowhere."""
+        if self.git("update-ref", ref, before, check=False).returncode != 0 and not held:
+            ref, at = self._own_kept(url)
+            if self.git("update-ref", ref, before, check=False).returncode != 0:
+                self._warnings.append(
+                    f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound; "
+                    f"cambium could not keep the tip it dropped: `git -C "
+                    f"{shlex.quote(str(self.repo))} branch rewound {before}` keeps it")
+                return
         self._record_kept(ref, at, url)
         now = self.local_tip()
         self.git("update-ref", *((at, now) if now else ("-d", at)), check=False)
@@ -6730,7 +6784,8 @@ class GitStore(Store):
         names its repository again. The slot when it holds this repository's
         tip (or one no record names: an earlier version's, _claim_slot), else a
         recorded one of this repository's, else the slot when free, else a name
-        of this repository's own (_own_kept)."""
+        of this repository's own (_own_kept: also where a keep goes when the
+        slot cannot be made, `kb` kept beside a branch now named `kb/v2`)."""
         url = self._url_now() if url is None else url
         slot = self._slot()
         held = self._kept(slot[0])
@@ -7079,7 +7134,8 @@ class GitStore(Store):
         if head is None:
             return None
         ref = self._scratch("default")
-        self.git("fetch", "--quiet", "--no-tags", "--", self.remote, f"+{head}:{ref}")
+        self.git("fetch", "--quiet", "--no-tags", "--refmap=", "--", self.remote,
+                 f"+{head}:{ref}")
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
     def _commit(self, parent: str | None, files: dict[str, str], message: str, *,
@@ -7254,7 +7310,7 @@ class GitStore(Store):
         if remote_tip == commit:
             return
         if remote_tip:
-            self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+            self.git("fetch", "--quiet", "--no-tags", "--refmap=", "--", self.remote,
                      f"+refs/heads/{branch}:{self._scratch('verify')}")
             ok = self.git("merge-base", "--is-ancestor", commit, remote_tip, check=False)
             if ok.returncode == 0:
@@ -7643,7 +7699,7 @@ class GitStore(Store):
 
     def _remote_branch_tip(self, branch: str) -> str | None:
         ref = self._scratch("side", branch)
-        proc = self.git("fetch", "--quiet", "--no-tags", "--", self.remote,
+        proc = self.git("fetch", "--quiet", "--no-tags", "--refmap=", "--", self.remote,
                         f"+refs/heads/{branch}:{ref}", check=False)
         if proc.returncode != 0:
             return None

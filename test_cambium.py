@@ -24265,15 +24265,15 @@ def test_an_unreachable_board_remote_is_reported_by_gits_own_complaint(tmp_path)
     assert not fetched and "does not appear to be a git repository" in detail
 
 
-def _promoted_then_rewound(shared: dict) -> tuple[str, str]:
+def _promoted_then_rewound(shared: dict, branch: str = "cambium") -> tuple[str, str]:
     """Two items promoted to team one after the other, then the branch force-pushed
     back to the first: (the one kept, the one the rewind dropped)."""
     first = _endorsed("Every service exposes a health endpoint")
     assert cs.promote(first)["status"] == "promoted"
-    tip = git(shared["origin"], "rev-parse", "cambium").strip()
+    tip = git(shared["origin"], "rev-parse", branch).strip()
     later = _endorsed("Alerts page the on-call engineer, never a channel")
     assert cs.promote(later)["status"] == "promoted"
-    git(shared["origin"], "update-ref", "refs/heads/cambium", tip)          # the force push
+    git(shared["origin"], "update-ref", f"refs/heads/{branch}", tip)        # the force push
     return first, later
 
 
@@ -24427,6 +24427,41 @@ def test_a_rewind_kept_in_one_repository_is_not_named_after_the_remote_moves_to_
     (warning,) = [w for w in cs.recall("alerts on-call")["warnings"] if "rewound" in w]
     assert later in warning and dropped not in warning and slot + ":" in warning
     assert git(a, "rev-parse", ref).strip()                                # (repository 2's kept)
+
+
+@pytest.mark.parametrize("back", [False, True])
+def test_a_team_branch_renamed_under_a_name_it_had_is_read_and_written(shared, monkeypatch,
+                                                                        back):
+    """Renaming the team branch `kb` -> `kb/v2` (or back) blocked every team read
+    and write: cambium's copy of `kb` (and git's own refs/remotes/origin/kb) is
+    in the way of `kb/v2`, and `git remote prune` left cambium's. A copy in
+    the way, a cache of a branch the remote no longer holds, is removed; a
+    kept rewound tip of the old name is not, and one of the new name is kept
+    beside it."""
+    origin, a = shared["origin"], shared["a"]
+    old, new = ("kb/v2", "kb") if back else ("kb", "kb/v2")
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", old)
+    cs.runtime().reset()
+    first, later = _promoted_then_rewound(shared, old)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])      # old's rewind kept
+    kept = git(a, "for-each-ref", "--format=%(refname) %(objectname)", "refs/cambium/rewound/")
+    tip = git(origin, "rev-parse", old).strip()
+    git(origin, "update-ref", "-d", f"refs/heads/{old}")                  # the rename
+    git(origin, "update-ref", f"refs/heads/{new}", tip)
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", new)
+    cs.runtime().reset()
+    out = cs.recall("health endpoint", scope="team")
+    assert [r["id"] for r in out["results"]] == [first], out
+    base = _endorsed("Deploys freeze on Fridays after noon")
+    assert cs.promote(base)["status"] == "promoted"
+    again = _endorsed("Every queue has a dead letter queue")
+    assert cs.promote(again)["status"] == "promoted"
+    assert team_ids(origin, new) == {first, base, again}
+    git(origin, "update-ref", f"refs/heads/{new}", git(origin, "rev-parse", f"{new}~1").strip())
+    (warning,) = [w for w in cs.recall("dead letter queue")["warnings"] if "rewound" in w]
+    assert again in warning and later not in warning                     # new's rewind kept too
+    refs = git(a, "for-each-ref", "--format=%(refname) %(objectname)", "refs/cambium/")
+    assert kept.strip() and kept.strip() in refs                         # old's never dropped
 
 
 def test_a_writes_answer_names_what_a_rewind_of_the_team_branch_dropped(shared):
