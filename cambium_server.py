@@ -6155,13 +6155,33 @@ def _rewind_lost(old: Doc, doc: Doc, touched: frozenset[str]) -> list[Item]:
 
 def _kept_record_at(path: Path) -> dict | None:
     """A kept rewound tip's record (GitStore._record_kept), None when there is
-    none or it does not read as one."""
+    none or it does not read as one cambium wrote (_kept_pair_ok: a record
+    naming refs/heads/main had a read delete that branch as "no loss")."""
     with contextlib.suppress(OSError, ValueError):
         record = json.loads(git_file_text(path, errors="replace"))
-        if isinstance(record, dict) and isinstance(record.get("ref"), str) and \
-                isinstance(record.get("at"), str):
+        if isinstance(record, dict) and _kept_pair_ok(record) and \
+                path.name == _kept_record_name(record["ref"]):
             return record
     return None
+
+
+def _kept_pair_ok(record: dict) -> bool:
+    """Whether a record's (ref, at) is a pair cambium keeps rewound tips at:
+    its scope/remote/branch's slot (GitStore._slot) or a rewound-kept/<id>
+    one (GitStore._own_kept). Pure."""
+    ref, at = record.get("ref"), record.get("at")
+    if not (isinstance(ref, str) and isinstance(at, str)):
+        return False
+    if re.fullmatch(r"refs/cambium/rewound-kept/[0-9a-f]{16}", ref):
+        return at == ref.replace("/rewound-kept/", "/rewound-kept-at/", 1)
+    tail = "/".join(str(record.get(k)) for k in ("scope", "remote", "branch"))
+    return (ref, at) == (f"refs/cambium/rewound/{tail}", f"refs/cambium/rewound-at/{tail}")
+
+
+def _kept_record_name(ref: str) -> str:
+    """The file name of a kept ref's record, beside the fetch stamps."""
+    tag = hashlib.sha1(ref.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"rewound-{tag}.json"
 
 
 REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop naming its losses
@@ -6823,8 +6843,7 @@ class GitStore(Store):
         return f"refs/cambium/rewound-kept/{tag}", f"refs/cambium/rewound-kept-at/{tag}"
 
     def _kept_record_path(self, ref: str) -> Path:
-        tag = hashlib.sha1(ref.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-        return self._meta_dir() / f"rewound-{tag}.json"
+        return self._meta_dir() / _kept_record_name(ref)
 
     def _read_kept_record(self, ref: str) -> dict | None:
         return _kept_record_at(self._kept_record_path(ref))

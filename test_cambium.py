@@ -24429,6 +24429,29 @@ def test_a_rewind_kept_in_one_repository_is_not_named_after_the_remote_moves_to_
     assert git(a, "rev-parse", ref).strip()                                # (repository 2's kept)
 
 
+def test_a_kept_rewind_record_naming_a_branch_is_not_read(shared):
+    """A rewound-*.json record beside the fetch stamps could name any ref: one
+    naming refs/heads/feature (at refs/heads/main) was read as a kept tip
+    holding no store, so "no loss", and the read deleted both branches. Only
+    the ref pairs cambium keeps rewinds at are read, under their own file name."""
+    a = shared["a"]
+    assert cs.promote(_endorsed("Base images are pinned by digest"))["status"] == "promoted"
+    cs.recall("base images")
+    git(a, "branch", "feature")
+    url = git(a, "remote", "get-url", "origin").strip()
+    heads = git(a, "for-each-ref", "--format=%(refname) %(objectname)", "refs/heads/")
+    meta = a / ".git" / "cambium"
+    for ref, at, branch in (("refs/heads/feature", "refs/heads/main", "cambium"),
+                            ("refs/cambium/rewound/team/origin/x", "refs/heads/main", "x")):
+        rec = {"ref": ref, "at": at, "scope": "team", "remote": "origin", "branch": branch,
+               "url": url}
+        (meta / cs._kept_record_name(ref)).write_text(json.dumps(rec) + "\n")
+        (meta / "rewound-0123456789abcdef.json").write_text(json.dumps(rec) + "\n")
+    cs.runtime().reset()
+    assert not any("rewound" in w for w in cs.recall("base images").get("warnings", []))
+    assert git(a, "for-each-ref", "--format=%(refname) %(objectname)", "refs/heads/") == heads
+
+
 @pytest.mark.parametrize("back", [False, True])
 def test_a_team_branch_renamed_under_a_name_it_had_is_read_and_written(shared, monkeypatch,
                                                                         back):
