@@ -6809,7 +6809,8 @@ class GitStore(Store):
         url = self._url_now() if url is None else url
         slot = self._slot()
         held = self._kept(slot[0])
-        if held and self._kept_here(self._read_kept_record(slot[0]), url, slot=True):
+        if held and not self._kept_unowned(slot[0], url) and \
+                self._kept_here(self._read_kept_record(slot[0]), url, slot=True):
             return slot
         for rec in self._kept_records():
             if rec["ref"] != slot[0] and self._kept_here(rec, url) and self._kept(rec["ref"]):
@@ -6834,6 +6835,24 @@ class GitStore(Store):
         return (record.get("scope"), record.get("remote"), record.get("branch")) == \
             (self.scope, self.remote, self.branch) and (
                 not url or not kept_at or one_repository(kept_at, url, self.repo))
+
+    def _kept_unowned(self, ref: str, url: str) -> bool:
+        """Whether a kept ref's record is there but does not read (emptied by a
+        crash, garbled): which repository it was read from cannot be told, so
+        it is kept, named by no read and never dropped (taken as this one's,
+        another repository's kept tip was dropped there as "no loss"). Said
+        once a process."""
+        path = self._kept_record_path(ref)
+        if not os.path.lexists(path) or self._read_kept_record(ref) is not None:
+            return False
+        if self._rt.first_time(f"unowned {self.repo} {ref}"):
+            self._warnings.append(
+                f"cambium cannot read the record of its kept rewound tip {ref} ({path}), so "
+                f"which repository it was read from is unknown: it is kept, and no read "
+                f"names it. `git -C {shlex.quote(str(self.repo))} show {ref}:{STORE_FILE}` "
+                f"shows what it holds; removing {shlex.quote(str(path))} has reads take it "
+                f"as {shown_url(url) or self.remote}'s")
+        return True
 
     def _own_kept(self, url: str) -> tuple[str, str]:
         """A kept ref of this repository's own, refs/cambium/rewound-kept/<id>
@@ -6863,7 +6882,8 @@ class GitStore(Store):
         with contextlib.suppress(OSError):
             atomic_write(self._kept_record_path(ref), json.dumps(
                 {"ref": ref, "at": at, "scope": self.scope, "remote": self.remote,
-                 "branch": self.branch, "url": shown_url(url)}) + "\n", durable=False)
+                 "branch": self.branch, "url": shown_url(url)}) + "\n")   # (durable:
+                                                        # nothing rebuilds it, _kept_unowned)
 
     def _claim_slot(self, url: str) -> None:
         """Record the repository of a tip kept in the slot with no record (an

@@ -24429,6 +24429,34 @@ def test_a_rewind_kept_in_one_repository_is_not_named_after_the_remote_moves_to_
     assert git(a, "rev-parse", ref).strip()                                # (repository 2's kept)
 
 
+def test_a_kept_rewind_whose_record_does_not_read_is_kept_on_any_repository(shared):
+    """A kept tip whose record was there but did not read (emptied by a crash:
+    it was written without fsync) was taken as the repository's the remote
+    named: after `git remote set-url origin <a fork holding it all>` the first
+    read there found nothing lost and dropped repository 1's kept tip. One
+    whose owner cannot be told is kept, said, and never dropped."""
+    a, tmp = shared["a"], shared["tmp"]
+    first, later = _promoted_then_rewound(shared)
+    fork = tmp / "fork.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(shared["origin"]), str(fork)],
+                   check=True)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    slot = "refs/cambium/rewound/team/origin/cambium"
+    kept = git(a, "rev-parse", slot).strip()
+    git(fork, "fetch", "-q", str(a), f"{slot}:refs/heads/cambium", "--force")   # holds all
+    cs.store(cs.resolve_config(), "team")._kept_record_path(slot).write_text("")
+    git(a, "remote", "set-url", "origin", str(fork))
+    cs.runtime().reset()
+    out = cs.recall("alerts on-call")
+    assert kept in git(a, "for-each-ref", slot)                             # never dropped
+    (said,) = [w for w in out["warnings"] if "cannot read" in w]
+    assert slot in said
+    git(a, "remote", "set-url", "origin", str(shared["origin"]))
+    cs.runtime().reset()
+    cs.recall("alerts on-call")
+    assert git(a, "rev-parse", slot).strip() == kept
+
+
 def test_a_kept_rewind_record_naming_a_branch_is_not_read(shared):
     """A rewound-*.json record beside the fetch stamps could name any ref: one
     naming refs/heads/feature (at refs/heads/main) was read as a kept tip
