@@ -6571,13 +6571,14 @@ class GitStore(Store):
         with contextlib.suppress(CambiumError, OSError):
             before = self.local_tip()
         refmap: tuple[str, ...] = ()
+        cleared: list[str] = []                   # tips of refs in the way, removed
         for _ in range(3):
             with self._fetch_lock(patient):
                 proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
                                 "--quiet", "--no-tags", *refmap, "--", self.remote,
                                 f"+refs/heads/{self.branch}:{self.ref}", check=False)
             if proc.returncode == 0 or \
-                    (again := self._fetch_again(proc.stderr or "", refmap)) is None:
+                    (again := self._fetch_again(proc.stderr or "", refmap, cleared)) is None:
                 break
             refmap = again
         if proc.returncode != 0:
@@ -6588,7 +6589,8 @@ class GitStore(Store):
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
         if not self._remote_moved(before) and not self.moved_to:   # (renamed: not dropped)
-            self._note_rewind(before)
+            for tip in (before, *cleared):        # (a rename made from a stale tip: the
+                self._note_rewind(tip)            # old name's cache held what it lost)
         self._touch_stamp()
         with contextlib.suppress(OSError):
             self._failed_stamp().unlink()
@@ -6597,14 +6599,16 @@ class GitStore(Store):
             self._state.fetch_error = None
             self._state.tip_known = False
 
-    def _fetch_again(self, err: str, refmap: tuple[str, ...]) -> tuple[str, ...] | None:
+    def _fetch_again(self, err: str, refmap: tuple[str, ...],
+                     cleared: list[str]) -> tuple[str, ...] | None:
         """The options to fetch again with after a failed fetch (None: nothing helps):
         a private ref naming a commit this clone lacks is removed; a ref in
         the way of the private ref (a branch renamed `kb` -> `kb/v2`, or back:
         git keeps no `kb` beside `kb/v2`) is removed when it is one of cambium's
         caches (_clear_in_the_way), and the fetch made without git's own
         remote-tracking update (`--refmap=`), where a stale `refs/remotes/`
-        ref of the old name is in the way too, until `git remote prune`."""
+        ref of the old name is in the way too, until `git remote prune`.
+        The removed refs' tips go to `cleared`."""
         if f"bad object {self.ref}" in err:
             self.git("update-ref", "-d", self.ref, check=False)   # names a commit that is
             self._warnings.append(f"cambium's copy of the {self.scope} scope's remote tip "
@@ -6612,30 +6616,38 @@ class GitStore(Store):
                                   "(gone): it was removed and fetched again")
             return refmap
         if _REF_IN_THE_WAY.search(err) and not refmap:
-            self._clear_in_the_way()
+            cleared += self._clear_in_the_way()
             return ("--refmap=",)
         return None
 
-    def _clear_in_the_way(self) -> None:
+    def _clear_in_the_way(self) -> list[str]:
         """Delete cambium's private refs of this scope and remote that git
         cannot keep beside this branch's (`.../kb` where `.../kb/v2` goes, or
-        the reverse): only caches of a branch the remote no longer holds (it
+        the reverse): caches of a branch the remote no longer holds (it
         cannot hold both names), fetched again when that name is read; their
-        fetch stamps go with them. Kept rewound tips live apart (_kept_for),
-        and a legacy `<b>-rewound` one is never removed."""
+        fetch stamps go with them. Their tips, returned, are kept as a
+        rewind's is when the branch fetched does not hold them (_fetch_now: a
+        rename made from a stale tip; the cache was the last ref to reach
+        what it lost). Kept rewound tips live apart (_kept_for), and a legacy
+        `<b>-rewound` one is never removed."""
+        tips = []
         base = f"refs/cambium/{self.scope}/{self.remote}/"
         listed = self.git("for-each-ref", "--format=%(refname)", base, check=False).stdout
         for ref in git_lines(listed):
             if ref == self.ref or ref.endswith(("-rewound", "-rewound-at")) or not (
                     self.ref.startswith(ref + "/") or ref.startswith(self.ref + "/")):
                 continue
+            tip = self._kept(ref)
             if self.git("update-ref", "-d", ref, check=False).returncode == 0:
+                tips += [tip] if tip else []
                 with contextlib.suppress(OSError):
                     self._stamp(ref[len(base):]).unlink()
                 self._warnings.append(
                     f"cambium's copy of the {self.scope} branch '{ref[len(base):]}' ({ref}), "
                     f"no longer on {self.remote}, was in the way of '{self.branch}' and was "
-                    "removed")
+                    f"removed (what it held that '{self.branch}' does not, if anything, is kept as "
+                    "a rewound tip is)")
+        return tips
 
     def _fetch_lock(self, patient: bool) -> contextlib.ExitStack:
         """The clone's lock on fetching this branch, waited for FETCH_LOCK_WAIT_S,

@@ -24515,6 +24515,36 @@ def test_a_team_branch_renamed_under_a_name_it_had_is_read_and_written(shared, m
     assert kept.strip() and kept.strip() in refs                         # old's never dropped
 
 
+def test_a_rename_made_from_a_stale_tip_keeps_what_the_old_names_copy_held(
+        shared, monkeypatch, tmp_path):
+    """`kb` renamed `kb/v2` from a stale tip: the cache of `kb`, in the way of
+    `kb/v2`, was removed though it was the last ref of cambium's to reach an
+    item the remote no longer had (git's stale refs/remotes/origin/kb went
+    at `git remote prune`, then gc took it), named nowhere. Its tip is now
+    kept as a rewound one: named, and restore brings the item back."""
+    origin, a = shared["origin"], shared["a"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    stale = git(origin, "rev-parse", "kb").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    cs.recall("alerts")
+    git(origin, "update-ref", "-d", "refs/heads/kb")                     # the rename
+    git(origin, "update-ref", "refs/heads/kb/v2", stale)
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"]
+                  if "rewound or replaced" in w]
+    assert later in warning and first not in warning
+    ref = re.search(r"show '?(refs/cambium/\S+?):knowledge\.json", warning).group(1)
+    (tmp_path / "rewound.json").write_text(git(a, "show", f"{ref}:knowledge.json"))
+    assert cs.restore(str(tmp_path / "rewound.json"))["restored"] == 1
+    assert cs.promote(force=True)["status"] == "promoted"
+    assert team_ids(origin, "kb/v2") == {first, later}
+
+
 def test_a_writes_answer_names_what_a_rewind_of_the_team_branch_dropped(shared):
     """The write's fetch kept the rewound tip, but only a recall named what it
     lost: an agent told "endorsed" or "promoted" never learned a teammate's
