@@ -6156,8 +6156,9 @@ def _rewind_lost(old: Doc, doc: Doc, touched: frozenset[str]) -> list[Item]:
 def _kept_record_at(path: Path) -> dict | None:
     """A kept rewound tip's record (GitStore._record_kept), None when there is
     none or it does not read as one cambium wrote (_kept_pair_ok: a record
-    naming refs/heads/main had a read delete that branch as "no loss")."""
-    with contextlib.suppress(OSError, ValueError):
+    naming refs/heads/main had a read delete that branch as "no loss"; one
+    nested deep enough to exhaust the parser's stack does not read either)."""
+    with contextlib.suppress(OSError, ValueError, RecursionError):
         record = json.loads(git_file_text(path, errors="replace"))
         if isinstance(record, dict) and _kept_pair_ok(record) and \
                 path.name == _kept_record_name(record["ref"]):

@@ -24457,6 +24457,22 @@ def test_a_kept_rewind_whose_record_does_not_read_is_kept_on_any_repository(shar
     assert git(a, "rev-parse", slot).strip() == kept
 
 
+def test_a_kept_rewind_record_nested_deep_is_an_unreadable_one(shared):
+    """A record of "[" * 60000 (under the 64 KB file limit) made every read of
+    the scope fail with a RecursionError traceback. It is a record that does
+    not read: the tip is kept, and said."""
+    a = shared["a"]
+    first, later = _promoted_then_rewound(shared)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    slot = "refs/cambium/rewound/team/origin/cambium"
+    kept = git(a, "rev-parse", slot).strip()
+    cs.store(cs.resolve_config(), "team")._kept_record_path(slot).write_text("[" * 60000)
+    cs.runtime().reset()
+    out = cs.recall("alerts on-call")
+    assert [w for w in out["warnings"] if "cannot read" in w and slot in w]
+    assert git(a, "rev-parse", slot).strip() == kept
+
+
 def test_a_kept_rewind_record_naming_a_branch_is_not_read(shared):
     """A rewound-*.json record beside the fetch stamps could name any ref: one
     naming refs/heads/feature (at refs/heads/main) was read as a kept tip
