@@ -2638,6 +2638,8 @@ class GitScope:
                                             #: or why the walk is too far to take)
     rewound_doc: tuple[str, Doc] | None = None   # (the kept tip, its doc): not `doc`'s slot
     foreign: tuple[str, str | None] | None = None  # (a tip, why it is not cambium's or None)
+    plain_fetch: bool = False           # git's own stale refs/remotes/ ref is in the way:
+                                        #: fetch without updating refs/remotes/ (`--refmap=`)
 
 
 class Runtime:
@@ -6573,10 +6575,12 @@ class GitStore(Store):
             before = self.local_tip()
         refmap: tuple[str, ...] = ()
         cleared: list[str] = []                   # tips of refs in the way, removed
+        with self._state.lock:
+            plain = ("--refmap=",) if self._state.plain_fetch else ()   # (_git_ref_in_the_way)
         for _ in range(3):
             with self._fetch_lock(patient):
                 proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
-                                "--quiet", "--no-tags", *refmap, "--", self.remote,
+                                "--quiet", "--no-tags", *(refmap or plain), "--", self.remote,
                                 f"+refs/heads/{self.branch}:{self.ref}", check=False)
             if proc.returncode == 0 or \
                     (again := self._fetch_again(proc.stderr or "", refmap, cleared)) is None:
@@ -6618,8 +6622,27 @@ class GitStore(Store):
             return refmap
         if _REF_IN_THE_WAY.search(err) and not refmap:
             cleared += self._clear_in_the_way()
+            self._git_ref_in_the_way(err)
             return ("--refmap=",)
         return None
+
+    def _git_ref_in_the_way(self, err: str) -> None:
+        """When git's own stale remote-tracking ref of the branch's old name is
+        in the way (`refs/remotes/origin/kb` of `kb/v2`), say once a process
+        that each fetch runs twice until `git remote prune` removes it, and
+        fetch without updating refs/remotes/ from now on in this process."""
+        if "refs/remotes/" not in err:
+            return
+        with self._state.lock:
+            said, self._state.plain_fetch = self._state.plain_fetch, True
+        if not said:
+            old = re.search(r"'(refs/remotes/[^']+)' exists", err)
+            self._warnings.append(
+                f"git's own {old.group(1) if old else 'remote-tracking ref'}, of a branch no "
+                f"longer on {self.remote}, is in the way of its copy of '{self.branch}': "
+                f"cambium fetches the {self.scope} branch twice (at each CLI call; once in a "
+                f"server) until `git -C {shlex.quote(str(self.repo))} remote prune "
+                f"{self.remote}` removes it")
 
     def _clear_in_the_way(self) -> list[str]:
         """Delete cambium's private refs of this scope and remote that git

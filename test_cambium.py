@@ -24519,6 +24519,14 @@ def test_a_team_branch_renamed_under_a_name_it_had_is_read_and_written(shared, m
     cs.runtime().reset()
     out = cs.recall("health endpoint", scope="team")
     assert [r["id"] for r in out["results"]] == [first], out
+    assert [w for w in out["warnings"] if "remote prune origin" in w and
+            f"refs/remotes/origin/{'kb/v2' if back else 'kb'}" in w]         # git's, stale
+    fetches, real = [], cs.GitStore.git
+    monkeypatch.setattr(cs.GitStore, "git", lambda self, *a, **k: (
+        fetches.append(a) if "fetch" in a else None) or real(self, *a, **k))
+    cs.store(cs.resolve_config(), "team").fetch(force=True)
+    assert len(fetches) == 1                                  # (not twice: said once)
+    monkeypatch.setattr(cs.GitStore, "git", real)
     base = _endorsed("Deploys freeze on Fridays after noon")
     assert cs.promote(base)["status"] == "promoted"
     again = _endorsed("Every queue has a dead letter queue")
