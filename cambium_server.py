@@ -6652,13 +6652,14 @@ class GitStore(Store):
         fetch stamps go with them. Their tips, returned, are kept as a
         rewind's is when the branch fetched does not hold them (_fetch_now: a
         rename made from a stale tip; the cache was the last ref to reach
-        what it lost). Kept rewound tips live apart (_kept_for), and a legacy
-        `<b>-rewound` one is never removed."""
+        what it lost), as is a legacy `<b>-rewound` kept tip in the way (left
+        there, it blocked the scope for good). Kept rewound tips live apart
+        (_kept_for)."""
         tips = []
         base = f"refs/cambium/{self.scope}/{self.remote}/"
         listed = self.git("for-each-ref", "--format=%(refname)", base, check=False).stdout
         for ref in git_lines(listed):
-            if ref == self.ref or ref.endswith(("-rewound", "-rewound-at")) or not (
+            if ref == self.ref or not (
                     self.ref.startswith(ref + "/") or ref.startswith(self.ref + "/")):
                 continue
             tip = self._kept(ref)
@@ -6666,12 +6667,19 @@ class GitStore(Store):
                 tips += [tip] if tip else []
                 with contextlib.suppress(OSError):
                     self._stamp(ref[len(base):]).unlink()
-                self._warnings.append(
-                    f"cambium's copy of the {self.scope} branch '{ref[len(base):]}' ({ref}), "
-                    f"no longer on {self.remote}, was in the way of '{self.branch}' and was "
-                    f"removed (what it held that '{self.branch}' does not, if anything, is kept as "
-                    "a rewound tip is)")
+                self._warnings.append(self._cleared_said(ref, ref[len(base):]))
         return tips
+
+    def _cleared_said(self, ref: str, name: str) -> str:
+        """The warning for a ref in the way, removed (_clear_in_the_way)."""
+        kept = (f"what it held that '{self.branch}' does not, if anything, is kept as a "
+                "rewound tip is")
+        if legacy := re.fullmatch(r"(.+)-rewound(-at)?", name):
+            return (f"the tip an earlier cambium kept when the {self.scope} branch "
+                    f"'{legacy.group(1)}' was rewound ({ref}) was in the way of "
+                    f"'{self.branch}' and was moved: {kept}")
+        return (f"cambium's copy of the {self.scope} branch '{name}' ({ref}), no longer on "
+                f"{self.remote}, was in the way of '{self.branch}' and was removed ({kept})")
 
     def _fetch_lock(self, patient: bool) -> contextlib.ExitStack:
         """The clone's lock on fetching this branch, waited for FETCH_LOCK_WAIT_S,

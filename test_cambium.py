@@ -24569,6 +24569,36 @@ def test_a_rename_made_from_a_stale_tip_keeps_what_the_old_names_copy_held(
     assert team_ids(origin, "kb/v2") == {first, later}
 
 
+def test_an_earlier_versions_kept_tip_of_an_old_name_neither_blocks_nor_is_lost(
+        shared, monkeypatch):
+    """An earlier version's kept tip of `kb/v2` (refs/cambium/team/origin/kb/v2-rewound,
+    never adopted: `kb/v2` was not read since) blocked every read and write of
+    the team scope for good once the branch was renamed back to `kb` ("cannot
+    lock ref"). It is moved out of the way, what it held kept and named."""
+    origin, a = shared["origin"], shared["a"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    cs.runtime().reset()
+    first, later = _promoted_then_rewound(shared, "kb/v2")
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    slot = "refs/cambium/rewound/team/origin/kb/v2"
+    git(a, "update-ref", "refs/cambium/team/origin/kb/v2-rewound", slot)   # as it was kept
+    st = cs.store(cs.resolve_config(), "team")
+    st._kept_record_path(slot).unlink()
+    for ref in (slot, slot.replace("d/", "d-at/", 1)):
+        git(a, "update-ref", "-d", ref)
+    tip = git(origin, "rev-parse", "kb/v2").strip()
+    git(origin, "update-ref", "-d", "refs/heads/kb/v2")                  # renamed back
+    git(origin, "update-ref", "refs/heads/kb", tip)
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    out = cs.recall("alerts on-call", scope="team")
+    (warning,) = [w for w in out["warnings"] if "rewound or replaced" in w]
+    assert later in warning and first not in warning
+    again = _endorsed("Every queue has a dead letter queue")
+    assert cs.promote(again)["status"] == "promoted"
+    assert team_ids(origin, "kb") == {first, again}
+
+
 def test_a_writes_answer_names_what_a_rewind_of_the_team_branch_dropped(shared):
     """The write's fetch kept the rewound tip, but only a recall named what it
     lost: an agent told "endorsed" or "promoted" never learned a teammate's
