@@ -6574,7 +6574,7 @@ class GitStore(Store):
         with contextlib.suppress(CambiumError, OSError):
             before = self.local_tip()
         refmap: tuple[str, ...] = ()
-        cleared: list[str] = []                   # tips of refs in the way, removed
+        cleared: list[tuple[str, str]] = []       # (tip, URL read) of refs in the way, removed
         with self._state.lock:
             plain = ("--refmap=",) if self._state.plain_fetch else ()   # (_git_ref_in_the_way)
         for _ in range(3):
@@ -6586,6 +6586,7 @@ class GitStore(Store):
                     (again := self._fetch_again(proc.stderr or "", refmap, cleared)) is None:
                 break
             refmap = again
+        self._keep_cleared(cleared)
         if proc.returncode != 0:
             err = proc.stderr or ""
             if "couldn't find remote ref" in err or "could not find remote ref" in err:
@@ -6594,8 +6595,7 @@ class GitStore(Store):
             else:
                 raise GitError(["git", "fetch", self.remote, self.branch], proc.returncode, err)
         if not self._remote_moved(before) and not self.moved_to:   # (renamed: not dropped)
-            for tip in (before, *cleared):        # (a rename made from a stale tip: the
-                self._note_rewind(tip)            # old name's cache held what it lost)
+            self._note_rewind(before)
         self._touch_stamp()
         with contextlib.suppress(OSError):
             self._failed_stamp().unlink()
@@ -6605,7 +6605,7 @@ class GitStore(Store):
             self._state.tip_known = False
 
     def _fetch_again(self, err: str, refmap: tuple[str, ...],
-                     cleared: list[str]) -> tuple[str, ...] | None:
+                     cleared: list[tuple[str, str]]) -> tuple[str, ...] | None:
         """The options to fetch again with after a failed fetch (None: nothing helps):
         a private ref naming a commit this clone lacks is removed; a ref in
         the way of the private ref (a branch renamed `kb` -> `kb/v2`, or back:
@@ -6613,7 +6613,7 @@ class GitStore(Store):
         caches (_clear_in_the_way), and the fetch made without git's own
         remote-tracking update (`--refmap=`), where a stale `refs/remotes/`
         ref of the old name is in the way too, until `git remote prune`.
-        The removed refs' tips go to `cleared`."""
+        The removed refs' tips (and the URL each was read from) go to `cleared`."""
         if f"bad object {self.ref}" in err:
             self.git("update-ref", "-d", self.ref, check=False)   # names a commit that is
             self._warnings.append(f"cambium's copy of the {self.scope} scope's remote tip "
@@ -6644,7 +6644,30 @@ class GitStore(Store):
                 f"server) until `git -C {shlex.quote(str(self.repo))} remote prune "
                 f"{self.remote}` removes it")
 
-    def _clear_in_the_way(self) -> list[str]:
+    def _keep_cleared(self, cleared: list[tuple[str, str]]) -> None:
+        """Keep each tip of a ref in the way, removed (_clear_in_the_way), that
+        the branch fetched does not hold (a rename made from a stale tip: the
+        old name's cache was the last ref to reach what it lost): as a rewind
+        of the branch (_note_rewind) when it was read from the repository the
+        remote names now, else at that repository's own kept name (_own_kept),
+        named there once the URL names it again."""
+        url = self._url_now()
+        for tip, read in cleared:
+            if not (read and url and not one_repository(read, url, self.repo)):
+                self._note_rewind(tip)
+                continue
+            if not self.rewinds or not self._left_behind(tip):
+                continue
+            ref, at = self._own_kept(read)
+            if self.git("update-ref", ref, tip, "", check=False).returncode == 0:
+                self._record_kept(ref, at, read)
+            else:
+                self._warnings.append(
+                    f"cambium could not keep the tip of a ref it removed ({tip}, read from "
+                    f"{shown_url(read)}): `git -C {shlex.quote(str(self.repo))} branch "
+                    f"kept-{tip[:8]} {tip}` keeps it")
+
+    def _clear_in_the_way(self) -> list[tuple[str, str]]:
         """Delete cambium's private refs of this scope and remote that git
         cannot keep beside this branch's (`.../kb` where `.../kb/v2` goes, or
         the reverse): caches of a branch the remote no longer holds (it
@@ -6663,10 +6686,14 @@ class GitStore(Store):
                     self.ref.startswith(ref + "/") or ref.startswith(self.ref + "/")):
                 continue
             tip = self._kept(ref)
+            read = ""
+            with contextlib.suppress(OSError):
+                read = git_file_text(self._url_record(ref[len(base):]), errors="replace").strip()
             if self.git("update-ref", "-d", ref, check=False).returncode == 0:
-                tips += [tip] if tip else []
-                with contextlib.suppress(OSError):
-                    self._stamp(ref[len(base):]).unlink()
+                tips += [(tip, read)] if tip else []
+                for path in (self._stamp(ref[len(base):]), self._url_record(ref[len(base):])):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
                 self._warnings.append(self._cleared_said(ref, ref[len(base):]))
         return tips
 
@@ -6698,9 +6725,9 @@ class GitStore(Store):
                             f"{wait:g} s (or was stopped mid-fetch)") from None
         return stack
 
-    def _url_record(self) -> Path:
+    def _url_record(self, branch: str | None = None) -> Path:
         """Where the remote's URL read at the last fetch is kept, beside the stamp."""
-        return self._stamp().with_name(self._stamp().name + ".url")
+        return self._stamp(branch).with_name(self._stamp(branch).name + ".url")
 
     def _url_change(self) -> tuple[str, str, bool]:
         """(the remote's URL now, the one recorded at the last fetch, whether

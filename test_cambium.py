@@ -24569,6 +24569,38 @@ def test_a_rename_made_from_a_stale_tip_keeps_what_the_old_names_copy_held(
     assert team_ids(origin, "kb/v2") == {first, later}
 
 
+def test_an_old_names_copy_read_from_another_repository_is_kept_as_its(shared, monkeypatch):
+    """The old name's copy removed at a rename is kept as a rewind of the
+    branch read; when the remote's URL moved at the same time (another
+    repository), it was kept as that one's, and reads there named repository
+    1's items and advised copying them in. It is kept as the repository's it
+    was read from, and named once the URL names it again."""
+    origin, a, tmp = shared["origin"], shared["a"], shared["tmp"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    stale = git(origin, "rev-parse", "kb").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    cs.recall("alerts")
+    two = tmp / "two.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(origin), str(two)], check=True)
+    for bare in (origin, two):                            # each renamed from the stale tip
+        git(bare, "update-ref", "-d", "refs/heads/kb")
+        git(bare, "update-ref", "refs/heads/kb/v2", stale)
+    git(a, "remote", "set-url", "origin", str(two))
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    cs.runtime().reset()
+    out = cs.recall("alerts on-call")
+    assert not any("rewound or replaced" in w for w in out["warnings"]), out["warnings"]
+    git(a, "remote", "set-url", "origin", str(origin))
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"]
+                  if "rewound or replaced" in w]
+    assert later in warning and first not in warning
+
+
 def test_an_earlier_versions_kept_tip_of_an_old_name_neither_blocks_nor_is_lost(
         shared, monkeypatch):
     """An earlier version's kept tip of `kb/v2` (refs/cambium/team/origin/kb/v2-rewound,
