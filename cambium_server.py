@@ -6575,8 +6575,7 @@ class GitStore(Store):
             before = self.local_tip()
         refmap: tuple[str, ...] = ()
         cleared: list[tuple[str, str]] = []       # (tip, URL read) of refs in the way, removed
-        with self._state.lock:
-            plain = ("--refmap=",) if self._state.plain_fetch else ()   # (_git_ref_in_the_way)
+        plain = ("--refmap=",) if self._plain_fetch() else ()      # (_git_ref_in_the_way)
         for _ in range(3):
             with self._fetch_lock(patient):
                 proc = self.git(*(() if quiet else ("-c", "maintenance.auto=false")), "fetch",
@@ -6628,21 +6627,44 @@ class GitStore(Store):
 
     def _git_ref_in_the_way(self, err: str) -> None:
         """When git's own stale remote-tracking ref of the branch's old name is
-        in the way (`refs/remotes/origin/kb` of `kb/v2`), say once a process
-        that each fetch runs twice until `git remote prune` removes it, and
-        fetch without updating refs/remotes/ from now on in this process."""
+        in the way (`refs/remotes/origin/kb` of `kb/v2`), say so, with `git
+        remote prune`, and fetch without updating refs/remotes/ while it is
+        there (_plain_fetch; its name is kept beside the stamp): each fetch
+        failed once and ran again, for good, and nothing said why."""
         if "refs/remotes/" not in err:
             return
+        old = re.search(r"'(refs/remotes/[^']+)' exists", err)
         with self._state.lock:
-            said, self._state.plain_fetch = self._state.plain_fetch, True
-        if not said:
-            old = re.search(r"'(refs/remotes/[^']+)' exists", err)
-            self._warnings.append(
-                f"git's own {old.group(1) if old else 'remote-tracking ref'}, of a branch no "
-                f"longer on {self.remote}, is in the way of its copy of '{self.branch}': "
-                f"cambium fetches the {self.scope} branch twice (at each CLI call; once in a "
-                f"server) until `git -C {shlex.quote(str(self.repo))} remote prune "
-                f"{self.remote}` removes it")
+            self._state.plain_fetch = True
+        with contextlib.suppress(OSError):
+            atomic_write(self._plain_record(), (old.group(1) if old else "") + "\n",
+                         durable=False)
+        self._warnings.append(
+            f"git's own {old.group(1) if old else 'remote-tracking ref'}, of a branch no "
+            f"longer on {self.remote}, is in the way of its copy of '{self.branch}': cambium "
+            f"fetches the {self.scope} branch without updating refs/remotes/ until `git -C "
+            f"{shlex.quote(str(self.repo))} remote prune {self.remote}` removes it")
+
+    def _plain_record(self) -> Path:
+        return self._stamp().with_name(self._stamp().name + ".plain")
+
+    def _plain_fetch(self) -> bool:
+        """Whether to fetch without updating refs/remotes/ (`--refmap=`): git's
+        own ref named by _git_ref_in_the_way is still in the way (read from
+        .git, no subprocess; the note goes once it is not)."""
+        with self._state.lock:
+            if self._state.plain_fetch:
+                return True
+        try:
+            old = git_file_text(self._plain_record(), errors="replace").strip()
+        except OSError:
+            return False
+        with contextlib.suppress(OSError, IndexError):
+            if old.startswith("refs/remotes/") and _ref_value(self.repo, old):
+                return True
+        with contextlib.suppress(OSError):
+            self._plain_record().unlink()
+        return False
 
     def _keep_cleared(self, cleared: list[tuple[str, str]]) -> None:
         """Keep each tip of a ref in the way, removed (_clear_in_the_way), that

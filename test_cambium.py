@@ -24524,8 +24524,13 @@ def test_a_team_branch_renamed_under_a_name_it_had_is_read_and_written(shared, m
     fetches, real = [], cs.GitStore.git
     monkeypatch.setattr(cs.GitStore, "git", lambda self, *a, **k: (
         fetches.append(a) if "fetch" in a else None) or real(self, *a, **k))
+    cs.runtime().reset()                                      # (another process)
     cs.store(cs.resolve_config(), "team").fetch(force=True)
     assert len(fetches) == 1                                  # (not twice: said once)
+    git(a, "remote", "prune", "origin")
+    cs.runtime().reset()
+    cs.store(cs.resolve_config(), "team").fetch(force=True)
+    assert "--refmap=" not in fetches[-1] and git(a, "rev-parse", f"origin/{new}")
     monkeypatch.setattr(cs.GitStore, "git", real)
     base = _endorsed("Deploys freeze on Fridays after noon")
     assert cs.promote(base)["status"] == "promoted"
