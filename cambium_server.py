@@ -2912,24 +2912,44 @@ def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float
         _LIVE_TREES.add(proc)
     try:
         out, err = proc.communicate(input, timeout=timeout_s)
-    except BaseException:
-        _kill_tree(proc.pid)
-        proc.wait()                  # (not its pipes: an escaped helper may hold them)
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            with contextlib.suppress(OSError, AttributeError):
-                f.close()
-        raise
+    except BaseException as e:
+        came = _end_tree(proc)
+        if came is None or isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise came from e                            # (a stop asked for as a timeout's kill ran)
     finally:                                         # (a command _hard_exit killed: its
         with _LIVE_TREES_LOCK:                       # caller waits here for the exit, and
             _LIVE_TREES.discard(proc)                # never acts on the kill)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def _end_tree(proc: subprocess.Popen) -> BaseException | None:
+    """Kill `proc` with all it started and reap it, to the end whatever comes
+    meanwhile: an exception a signal raised inside the kill (a Ctrl-C as a
+    timeout's kill ran) cut it short, and the tree was left frozen (SIGSTOP)
+    for good, or the push ran on and landed after cambium was gone. The kill
+    starts again until it is done; the first such exception is returned."""
+    came = None
+    while proc.returncode is None:
+        try:
+            _kill_tree(proc.pid)
+            proc.wait()              # (not its pipes: an escaped helper may hold them)
+        except BaseException as e:   # (reaped meanwhile: wait() reads ECHILD as 0)
+            came = came or e
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        with contextlib.suppress(OSError, AttributeError):
+            f.close()
+    return came
+
+
 def _kill_tree(pid: int) -> None:
     """Kill `pid` and everything below it. The tree is frozen first (SIGSTOP,
     re-read until no process is new): a child forked after one snapshot (git's
-    ssh, a hook's helper) would otherwise escape the kill and run on."""
-    frozen: set[int] = set()
+    ssh, a hook's helper) would otherwise escape the kill and run on. Each
+    process is killed after all below it (`pid` last): one killed first had
+    what it started moved to init, out of reach of a kill that started again
+    once this one was cut short (_hard_exit's), and they stayed frozen for good."""
+    frozen: dict[int, None] = {}                     # (as found: each below its parent)
     for _ in range(50):
         new = [p for p in [pid, *_descendants(pid)] if p not in frozen]
         if not new:
@@ -2937,8 +2957,8 @@ def _kill_tree(pid: int) -> None:
         for p in new:
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGSTOP)
-        frozen.update(new)
-    for p in frozen:
+        frozen.update(dict.fromkeys(new))
+    for p in reversed(frozen):
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
 
@@ -18439,14 +18459,19 @@ class SignalStop(SystemExit):
 
 
 class _Stops:
-    """A SIGTERM or SIGHUP handler that raises SignalStop (128 + the signal),
-    or, while `holding` (the check starting, its group being killed), keeps it
-    for deliver(): raised inside Popen, after the check had started but before
-    its process was known, it left the check running with no time limit (seen
+    """A CLI command's SIGTERM, SIGHUP and SIGINT (signals_raise): the first
+    raises SignalStop (128 + the signal; SIGINT: KeyboardInterrupt, as
+    Python's own handler does) or, while `holding` (a check starting, its
+    group being killed), keeps it for deliver(): raised
+    inside Popen, after the command had started but before its process was
+    known, it left the command running (a check with no time limit: seen
     under load), and raised before the kill, it skipped it. One kept while a
     SystemExit is already on its way out is dropped: that one ends the run.
-    One that comes while the SignalStop raised is on its way out exits at once
-    (_hard_exit: what it runs killed first): raised, it cut that cleanup short."""
+    Any that comes once one was raised, while that stop is on its way out,
+    exits at once (_hard_exit: what it runs killed first): raised, it cut
+    that cleanup short (run_bounded's kill: a SIGINT after a SIGTERM, or a
+    SIGTERM after a Ctrl-C, left the push's tree frozen for good, or the
+    push running on, to land after the command was gone)."""
     raised = False                  #: one was raised (this run: set back by signals_raise)
 
     def __init__(self) -> None:
@@ -18454,19 +18479,19 @@ class _Stops:
 
     def __call__(self, signum: int, _frame: Any) -> None:
         if self.holding:
-            self.got = signum
+            self.got = self.got or signum           # (the first says how it stopped)
         elif _Stops.raised:
             _hard_exit(128 + signum)
         else:
             _Stops.raised = True
-            raise SignalStop(128 + signum)
+            raise KeyboardInterrupt if signum == signal.SIGINT else SignalStop(128 + signum)
 
     def deliver(self) -> None:
-        """Stop holding; raise for a signal kept meanwhile."""
+        """Stop holding; act on a signal kept meanwhile, as on one that comes now."""
         self.holding = False
-        if self.got is not None:
-            _Stops.raised = True
-            raise SignalStop(128 + self.got)
+        got, self.got = self.got, None
+        if got is not None:
+            self(got, None)
 
 
 @contextlib.contextmanager
@@ -18476,21 +18501,33 @@ def signals_raise() -> Iterator[_Stops]:
     Ctrl-C cleans it up: run_check's `finally` kills the check's process group,
     run_bounded kills a push and its hook. Their default action ended the
     interpreter at once, and the check, in its own session, ran on with no
-    time limit (a CI job's timeout), the push landed after the CLI was gone. One
-    ignored (nohup) stays ignored; off the main thread, where no handler can
-    be set, nothing changes. The handlers before are put back, but for one
-    set meanwhile (main's SIG_IGN once the answer is out)."""
+    time limit (a CI job's timeout), the push landed after the CLI was gone.
+    SIGINT is taken too (where Python's KeyboardInterrupt handles it), so a
+    second signal of any kind while the first's stop is on its way out exits
+    at once (_Stops). One ignored (nohup, a background job's SIGINT) stays
+    ignored; off the main thread, where no handler can be set, nothing
+    changes. The handlers before are put back, but for one set meanwhile
+    (main's SIG_IGN once the answer is out)."""
     stop, _Stops.raised = _Stops(), False
     old = {}
     if threading.current_thread() is threading.main_thread():
-        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)
-               if signal.getsignal(sig) is not signal.SIG_IGN}
+        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP,
+                                                         signal.SIGINT) if _takes(sig)}
     try:
         yield stop
     finally:
         for sig, handler in old.items():
             if signal.getsignal(sig) is stop:
                 signal.signal(sig, handler)
+
+
+def _takes(sig: int) -> bool:
+    """Whether signals_raise takes `sig` over: SIGTERM, SIGHUP unless ignored;
+    SIGINT only from Python's own handler (or an outer signals_raise)."""
+    now = signal.getsignal(sig)
+    if sig == signal.SIGINT:
+        return now is signal.default_int_handler or isinstance(now, _Stops)
+    return now is not signal.SIG_IGN
 
 
 CHECK_DRAIN_S = 0.5   #: after a check exits, its output is read for at most this long more

@@ -6894,6 +6894,93 @@ def test_a_second_sigterm_while_a_command_stops_exits_at_once_its_git_killed_fir
                 os.kill(pid, 9)
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("first,second,code", [
+    ("SIGTERM", "SIGINT", 130), ("SIGINT", "SIGTERM", 143), (None, "SIGINT", 0)])
+def test_a_signal_while_run_bounded_kills_its_tree_never_cuts_the_kill_short(
+        first, second, code):
+    """A SIGINT while a SIGTERM's stop killed the command's tree (or a SIGTERM
+    during a Ctrl-C's, or a Ctrl-C during a timeout's kill) raised inside the
+    kill: the tree was left running, or frozen (SIGSTOP) for good, and a push
+    landed after the CLI had exited. A second signal now exits at once, the
+    tree killed first (_hard_exit); one that is the first raises once the
+    kill is done. The second signal lands on the kill's first /proc read."""
+    marker = f"61.42{code:03d}"
+    probe = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(SERVER.parent)!r})
+        import cambium_server as cs
+        real, fired = cs._descendants, []
+        def scan(pid):
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.{second})     # the second signal, mid-kill
+            return real(pid)
+        cs._descendants = scan
+        if {first!r}:
+            signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(),
+                                                             getattr(signal, {first!r})))
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            with cs.signals_raise():
+                cs.run_bounded(["sh", "-c", "sleep {marker}; :"], cwd=None,
+                               env=dict(os.environ), timeout_s=60 if {first!r} else 0.5)
+        except BaseException as e:
+            print(type(e).__name__, end="")
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env=child_env(), timeout=60)
+        said = "KeyboardInterrupt" if first is None else ""
+        assert (out.returncode, out.stdout) == (code, said), out
+        assert _gone(marker) == []                   # (none running, none frozen)
+    finally:
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("killed", [1, 2])
+def test_a_second_signal_once_part_of_the_tree_is_killed_leaves_none_of_it_frozen(killed):
+    """The kill sent SIGKILL to the command first: a second signal that cut it
+    short there (_hard_exit killing the tree again) found the command dead and
+    nothing below it, since what it had started had moved to init, frozen
+    (SIGSTOP) for good. Each process is now killed after all below it. Here
+    the second signal lands once `killed` processes of three are dead."""
+    marker = f"61.43{killed}"
+    probe = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(SERVER.parent)!r})
+        import cambium_server as cs
+        real, dead = os.kill, []
+        def kill(pid, sig):
+            real(pid, sig)
+            if sig == signal.SIGKILL and len(dead) < {killed}:
+                dead.append(pid)
+                while os.path.exists(f"/proc/{{pid}}/stat") and open(
+                        f"/proc/{{pid}}/stat").read().rpartition(")")[2].split()[0] != "Z":
+                    time.sleep(0.01)                     # (it is gone, its children moved)
+                if len(dead) == {killed}:
+                    real(os.getpid(), signal.SIGINT)     # the second signal
+        cs.os.kill = kill
+        signal.signal(signal.SIGALRM, lambda *a: real(os.getpid(), signal.SIGTERM))
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with cs.signals_raise():
+            cs.run_bounded(["sh", "-c", "sh -c 'sleep {marker}; :'; :"], cwd=None,
+                           env=dict(os.environ), timeout_s=60)
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env=child_env(), timeout=60)
+        assert (out.returncode, out.stdout) == (130, ""), out
+        assert _gone(marker) == []                   # (none running, none frozen)
+    finally:
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
 def _processes_running(marker: str) -> list[int]:
     out = []
     for name in filter(str.isdigit, os.listdir("/proc")):
