@@ -2903,14 +2903,24 @@ def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float
     landed later) and raise. The command stays in cambium's process group, so
     a signal to the group (a closing terminal, `timeout`) still reaches it.
     Bytes in, bytes out. Each command is known while it runs (_LIVE_TREES), so
-    an exit that skips this cleanup (_hard_exit) kills its tree too."""
-    with _LIVE_TREES_LOCK:                           # (held by _hard_exit: none starts)
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env,
-                                stdin=subprocess.PIPE if input is not None
-                                else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        _LIVE_TREES.add(proc)
+    an exit that skips this cleanup (_hard_exit) kills its tree too; on the
+    main thread of a CLI command a signal as it starts waits until it is
+    known (_signals_held: raised inside Popen, it left the command running)."""
+    stops = _signals_held()
     try:
+        with _LIVE_TREES_LOCK:                       # (held by _hard_exit: none starts)
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env,
+                                    stdin=subprocess.PIPE if input is not None
+                                    else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            _LIVE_TREES.add(proc)
+    except BaseException:
+        if stops is not None:
+            stops.deliver()
+        raise
+    try:
+        if stops is not None:
+            stops.deliver()                          # (one that came as it started)
         out, err = proc.communicate(input, timeout=timeout_s)
     except BaseException as e:
         came = _end_tree(proc)
@@ -2921,6 +2931,22 @@ def run_bounded(cmd: list[str], *, cwd: Path | None, env: dict, timeout_s: float
         with _LIVE_TREES_LOCK:                       # caller waits here for the exit, and
             _LIVE_TREES.discard(proc)                # never acts on the kill)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _signals_held() -> "_Stops | None":
+    """The handler signals_raise set, now holding what comes (deliver() ends
+    it), when this is the main thread (where handlers run) of a command
+    inside signals_raise and nothing holds them already; else None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        stops = signal.getsignal(sig)
+        if isinstance(stops, _Stops):
+            if stops.holding:
+                return None
+            stops.holding = True
+            return stops
+    return None
 
 
 def _end_tree(proc: subprocess.Popen) -> BaseException | None:
@@ -18461,8 +18487,8 @@ class SignalStop(SystemExit):
 class _Stops:
     """A CLI command's SIGTERM, SIGHUP and SIGINT (signals_raise): the first
     raises SignalStop (128 + the signal; SIGINT: KeyboardInterrupt, as
-    Python's own handler does) or, while `holding` (a check starting, its
-    group being killed), keeps it for deliver(): raised
+    Python's own handler does) or, while `holding` (a check or a git command
+    starting, a check's group being killed), keeps it for deliver(): raised
     inside Popen, after the command had started but before its process was
     known, it left the command running (a check with no time limit: seen
     under load), and raised before the kill, it skipped it. One kept while a

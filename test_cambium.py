@@ -6981,6 +6981,28 @@ def test_a_second_signal_once_part_of_the_tree_is_killed_leaves_none_of_it_froze
                 os.kill(pid, 9)
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers need the main thread")
+def test_a_signal_as_run_bounded_starts_its_command_still_kills_it(monkeypatch):
+    """A SIGTERM that came inside Popen, once git had started but before
+    run_bounded knew its process, raised there: the command was never in
+    _LIVE_TREES, nothing killed it, and a push ran on. It is held until the
+    process is known, then ends the command through the kill."""
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return real(*args, **kwargs)
+        started.append(real(*args, **kwargs))
+        os.kill(os.getpid(), signal.SIGTERM)            # as it starts
+        return started[-1]
+    monkeypatch.setattr(cs.subprocess, "Popen", popen)
+    with pytest.raises(SystemExit) as stopped, cs.signals_raise():
+        cs.run_bounded(["sleep", "61.5252"], cwd=None, env=dict(os.environ), timeout_s=60)
+    assert stopped.value.code == 143
+    assert started[0].returncode == -9 and not cs._LIVE_TREES      # killed and reaped
+
+
 def _processes_running(marker: str) -> list[int]:
     out = []
     for name in filter(str.isdigit, os.listdir("/proc")):
