@@ -23995,10 +23995,25 @@ def _main(argv: list[str]) -> int:
         return 1
     except (KeyboardInterrupt, SignalStop) as e:   # Ctrl-C: one line, the shell's 130;
         stop = isinstance(e, SignalStop)           # SIGTERM, SIGHUP: 143, 129
-        print(f"{_as_invoked()} {args.command}: {_stopped_by(e) if stop else 'interrupted'}. "
-              "Each write is all or nothing; a promote cut short is finished by running it "
-              "again.", file=sys.stderr)
+        print(f"{_as_invoked()} {args.command}: {_stopped_by(e) if stop else 'interrupted'}"
+              f"{_what_stopping_left(args)}", file=sys.stderr)
         return e.code if stop else 130
+
+
+def _what_stopping_left(args: argparse.Namespace) -> str:
+    """The end of the line a command stopped by a signal says: what was cut
+    short (pure). An answer printed already (_cli_print) is whole: only what
+    follows it was (the fold of recall credits, which stay journaled, and
+    embedding a short backlog), and a promote said to be cut short had
+    answered promoted; `verify --run` keeps the outcomes it recorded (each
+    scope's once its checks have run), and no promote is in it."""
+    if getattr(args, "answered", False):
+        return (" after its answer was written, which stands: only what follows an answer "
+                "was cut short (recall credits not yet folded stay journaled).")
+    if args.command == "verify" and getattr(args, "run", False):
+        return (". The check that was running was killed; outcomes are recorded a scope "
+                "at a time, once its checks have run: those recorded stand.")
+    return ". Each write is all or nothing; a promote cut short is finished by running it again."
 
 
 def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = None) -> int:
@@ -24006,6 +24021,7 @@ def _cli_print(args: argparse.Namespace, kwargs: dict, fn: Callable | None = Non
     with collecting_notes():
         result = with_store_warnings((fn or args.tool.fn)(**kwargs))
     _emit(result, getattr(args, "format", "json"))          # (`cambium ... | head` is fine)
+    args.answered = True                    # (a stop from here on: _what_stopping_left)
     if runtime().climbed:                   # a team write sent credits up: land them now
         _fold_on_exit(("org",))
     failed = isinstance(result, dict) and result.get("status") in FAILURE_STATUSES

@@ -1223,6 +1223,24 @@ def test_ctrl_c_before_a_command_runs_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.endswith(": interrupted; nothing was written.\n")
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers need the main thread")
+def test_a_signal_after_a_command_answered_says_its_answer_stands(repo, monkeypatch, capsys):
+    """A SIGTERM while a command folded its credits, its answer already printed
+    (here recall's; a promote's answered promoted), said "a promote cut short
+    is finished by running it again": it said what was cut short, wrongly."""
+    cs.capture("Retry idempotent calls only")
+
+    def fold_stopped(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)             # as the exit fold runs
+    monkeypatch.setattr(cs, "_fold_on_exit", fold_stopped)
+    assert cs.main(["recall", "idempotent calls"]) == 143
+    out, err = capsys.readouterr()
+    assert json.loads(out)["results"]                     # the answer, whole
+    assert err.count("\n") == 1 and "recall: stopped by SIGTERM after its answer was " \
+        "written, which stands" in err and "promote" not in err, err
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_ctrl_c_once_the_answer_is_written_is_ignored(repo, sig):
     """A Ctrl-C as the process shut down, its answer printed, died by SIGINT
@@ -13926,9 +13944,11 @@ def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, s
             time.sleep(0.05)
         assert _processes_running(marker), run.stderr
         run.send_signal(sig)
-        run.communicate(timeout=30)
+        err = run.communicate(timeout=30)[1]
         assert run.returncode == 128 + sig
         assert _gone(marker) == []
+        assert f"verify: stopped by {sig.name}. The check that was running was killed" in err \
+            and "promote" not in err, err                # (it said a promote was cut short)
     finally:
         run.kill()
         run.communicate()
