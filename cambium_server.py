@@ -7715,11 +7715,47 @@ class GitStore(Store):
         return team_stores_elsewhere(self.repo, self.remote, self.branch, self.timeout_s)
 
     def foreign_problem(self, tip: str | None, doc: Doc) -> str | None:
-        """Why this scope's branch is not cambium's to write (_not_ours), or
-        None: a tip holding other files and no items."""
-        if self.own_branch and tip and not doc.items and (names := self._foreign_files(tip)):
-            return self._not_ours(names)
-        return None
+        """Why this scope's branch is not cambium's to write, or None: a tip
+        holding other files and no items (_not_ours), or a tip whose history
+        deleted a store that held items (_deleted_store)."""
+        if not (self.own_branch and tip and not doc.items):
+            return None
+        names = git_lines(self.git("ls-tree", "--name-only", tip).stdout)
+        if STORE_FILE in names:
+            return None
+        if code := self._code_names(names):
+            return self._not_ours(code)
+        return self._deleted_store(tip)
+
+    def _deleted_store(self, tip: str) -> str | None:
+        """Why a tip without the store file (and no code beside it) is no new
+        store: a commit of its history deleted one that held items (a `git rm
+        knowledge.json` on org's default branch, or on a team branch holding
+        only the store). Read as empty with no word, the next write started a
+        store over it, the earlier items gone from the tip. None for a tip
+        without the file whose history never held items (a new branch). One
+        git walk of the store file's history, asked once per tip (_say_not_ours)."""
+        line = self.git("rev-list", "-1", "--parents", tip, "--", STORE_FILE,
+                        check=False).stdout.split()
+        if len(line) < 2:                           # (never held one: a new branch)
+            return None
+        gone, before = line[0], line[1]            # (before: the store as it was last)
+        try:
+            held = len(parse_store(self.file_at(before, STORE_FILE), STORE_FILE).items)
+        except CambiumError:                        # (unreadable there: held, uncounted)
+            held = -1
+        if not held:                                # (an empty store deleted: nothing lost)
+            return None
+        gone, before, held = gone[:10], before[:10], f"the {held}" if held > 0 else "the"
+        on = (f"the org repo's default branch '{self.branch}' ({self.repo})"
+              if self.scope == "org" else f"the {self.scope} branch '{self.branch}' on "
+              f"'{self.remote}'")
+        return (f"{STORE_FILE} was deleted from {on} by commit {gone}, so {held} item(s) it "
+                f"held are not read, and cambium writes nothing to it until the file is back "
+                f"(a write would start a new store over them). Restore it on that branch and "
+                f"push: `git revert {gone}`, or `git checkout {before} -- {STORE_FILE}` and "
+                f"commit; to empty the {self.scope} store on purpose, commit a {STORE_FILE} "
+                f"holding {EMPTY_STORE_TEXT}.")
 
     def _foreign_files(self, commit: str) -> list[str]:
         """The root entries of a commit without the store file at its root (a
@@ -7727,8 +7763,10 @@ class GitStore(Store):
         At org, only what looks like code (ORG_CODE) counts: a knowledge repo
         is often made with a README, a LICENSE and notes beside it."""
         names = git_lines(self.git("ls-tree", "--name-only", commit).stdout)
-        if STORE_FILE in names:
-            return []
+        return [] if STORE_FILE in names else self._code_names(names)
+
+    def _code_names(self, names: list[str]) -> list[str]:
+        """The root entries that make a tree someone else's (_foreign_files)."""
         return [n for n in names if self.scope != "org" or ORG_CODE.fullmatch(n)]
 
     def _not_ours(self, names: list[str]) -> str:

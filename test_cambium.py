@@ -8707,6 +8707,50 @@ def test_an_empty_store_whose_file_is_there_costs_no_git_call_to_say_so(
         assert f"ls-tree --name-only {tip}" not in trace.read_text()   # (org's own: its checkout)
 
 
+def _commit_by_hand(work: Path, message: str, *drop: str) -> None:
+    """A teammate's `git rm` of `drop` on the checked-out branch, pushed."""
+    git(work, "rm", "-q", *drop)
+    git(work, "commit", "-q", "-m", message)
+    git(work, "push", "-q", "origin", "HEAD")
+
+
+@pytest.mark.parametrize("scope", ["org", "team"])
+def test_a_store_deleted_beside_no_code_is_named_and_never_written_over(
+        shared, monkeypatch, scope):
+    """`git rm knowledge.json` on org's default branch (README and KNOWLEDGE.md
+    stay), or on a team branch holding only the store: every read served the
+    scope as empty with no word, and the next promote started a new store
+    over it, every earlier item gone from the tip (KNOWLEDGE.md re-rendered)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    first, later = _endorsed("Pin every base image by digest"), _endorsed("Rotate deploy keys")
+    cs.promote(first, force=True)
+    bare, branch = (shared["org_bare"], "main") if scope == "org" else \
+        (shared["origin"], "cambium")
+    if scope == "org":
+        cs.promote(first, to_scope="org", force=True)
+        cs.promote(later, force=True)               # (in team: the write below is org's)
+    work = clone(bare, shared["tmp"] / "by-hand")
+    git(work, "checkout", "-q", branch)
+    if scope == "team":                             # (a branch holding only the store)
+        _commit_by_hand(work, "only the store", *(set(git(work, "ls-files").split()) -
+                                                  {"knowledge.json"}))
+    _commit_by_hand(work, "oops", "knowledge.json")
+    said = f"{scope} scope reads as empty: knowledge.json was deleted from"
+    out = cs.recall("base image digest", scope=scope)
+    assert any(w.startswith(said) and "git revert" in w for w in out["warnings"]), out
+    assert said in json.dumps(cs.session_primer())
+    assert "the 1 item(s) it held" in cs.status()["scopes"][scope]["error"]
+    tip = git(bare, "rev-parse", branch)
+    with pytest.raises(cs.ConfigError, match="was deleted from"):
+        cs.promote(later, **({"to_scope": "org"} if scope == "org" else {}), force=True)
+    assert git(bare, "rev-parse", branch) == tip                 # nothing written
+    git(work, "revert", "--no-edit", "HEAD")                     # the advice, followed
+    git(work, "push", "-q", "origin", "HEAD")
+    assert "warnings" not in cs.recall("base image digest", scope=scope)
+    cs.promote(later, **({"to_scope": "org"} if scope == "org" else {}), force=True)
+    assert {i["id"] for i in remote_json(bare, branch)["items"]} == {first, later}
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
