@@ -6254,6 +6254,7 @@ class GitStore(Store):
         self.own_branch = own_branch              # a tip without a store is not ours (team)
         self.default_branch = default_branch      # `branch` is the remote's HEAD as recorded (org)
         self.moved_to: str | None = None          # the default renamed to this (_branch_gone)
+        self.moved_from: str | None = None        # this read's word on a URL move (_remote_moved)
         self.timeout_s, self.fetch_interval_s, self.agent = timeout_s, fetch_interval_s, agent
         self.extra_files = extra_files
         self.credits = credits                    # the journal whose credits this scope folds
@@ -6837,9 +6838,9 @@ class GitStore(Store):
                 atomic_write(self._url_record(), shown_url(url) + "\n", durable=False)
         if not (moved and before and self._left_behind(before)):
             return False
-        self._warnings.append(
-            f"{self._moved_said(url, known)}: another repository, so its items are read from "
-            f"there now; what {shown_url(known)} holds stays there")
+        self.moved_from = (f"{self._moved_said(url, known)}: another repository, so its items "
+                           f"are read from there now; what {shown_url(known)} holds stays there")
+        self._warnings.append(self.moved_from)
         return True
 
     def _left_behind(self, before: str) -> bool:
@@ -15440,10 +15441,13 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
     changing (a tool about to change the item): org is fetched for real above
     a team copy, since a team -> org move cut short leaves no mark to read.
     An id in no readable scope while a scope could not be read is that scope's
-    error (corrupt_store, git_failed), not not_found: it may be there."""
+    error (corrupt_store, git_failed), not not_found: it may be there. A
+    not_found names a remote this search found moved to another repository
+    (its old one may hold the id: the move's warning, else lost with the error)."""
     found: tuple[str, Item] | None = None
     failed: list[tuple[str, CambiumError]] = []
     off: set[str] = set()
+    moved: list[str] = []                # a remote this search found moved (_remote_moved)
     fetch_above = False                  # a cut-short move: the copy above, fetched for real
     for scope in SCOPES:
         try:
@@ -15455,6 +15459,8 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
         except (CorruptStore, GitError, ConfigError) as e:
             failed.append((scope, e))
             continue
+        if isinstance(st, GitStore) and st.moved_from:
+            moved.append(f" {st.moved_from} (the id may be among what it holds).")
         if (hit := _find_item(doc, item_id)) is not None:
             found = scope, hit[1]
             if not highest:
@@ -15468,7 +15474,7 @@ def locate(cfg: Config, item_id: str, *, highest: bool = False, fresh: bool = Fa
         scope, err = failed[0]
         raise _noted(err, f"item {item_id} is in no scope that could be read, and "
                           f"{scope} scope could not be: it may be there")
-    raise NotFound(f"No item {item_id} in any readable scope; recall lists ids."
+    raise NotFound(f"No item {item_id} in any readable scope; recall lists ids.{''.join(moved)}"
                    f"{moved_to_org_hint(cfg) if 'org' in off and 'team' not in off else ''}")
 
 

@@ -8707,6 +8707,23 @@ def test_an_empty_store_whose_file_is_there_costs_no_git_call_to_say_so(
         assert f"ls-tree --name-only {tip}" not in trace.read_text()   # (org's own: its checkout)
 
 
+def test_an_id_not_found_after_the_org_remote_moved_names_the_move(shared, monkeypatch):
+    """The org clone's origin set to another reachable repository: expand of
+    an id only the old one holds fetched the new one and answered a bare
+    not_found, the move's warning (its items stay in the old repository)
+    lost with the error."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org", force=True)
+    cs.recall("base image digest")
+    moved = make_origin(shared["tmp"], "org2")
+    git(shared["org"], "remote", "set-url", "origin", str(moved))
+    with pytest.raises(cs.NotFound) as e:
+        cs.expand(item)
+    assert f"now points at {moved}" in str(e.value) and "stays there" in str(e.value)
+
+
 def _commit_by_hand(work: Path, message: str, *drop: str) -> None:
     """A teammate's `git rm` of `drop` on the checked-out branch, pushed."""
     git(work, "rm", "-q", *drop)
