@@ -7735,12 +7735,16 @@ class GitStore(Store):
         only the store). Read as empty with no word, the next write started a
         store over it, the earlier items gone from the tip. None for a tip
         without the file whose history never held items (a new branch). One
-        git walk of the store file's history, asked once per tip (_say_not_ours)."""
-        line = self.git("rev-list", "-1", "--parents", tip, "--", STORE_FILE,
+        git walk of the store file's history along first parents (the branch's
+        own: git's default followed the parent a merge was the same as, a side
+        branch's older `git rm`, or an unrelated history that never held one),
+        asked once per tip (_say_not_ours)."""
+        line = self.git("rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE,
                         check=False).stdout.split()
         if len(line) < 2:                           # (never held one: a new branch)
             return None
         gone, before = line[0], line[1]            # (before: the store as it was last)
+        revert = "git revert -m 1" if len(line) > 2 else "git revert"   # (a merge deleted it)
         try:
             held = len(parse_store(self.file_at(before, STORE_FILE), STORE_FILE).items)
         except CambiumError:                        # (unreadable there: held, uncounted)
@@ -7754,7 +7758,7 @@ class GitStore(Store):
         return (f"{STORE_FILE} was deleted from {on} by commit {gone}, so {held} item(s) it "
                 f"held are not read, and cambium writes nothing to it until the file is back "
                 f"(a write would start a new store over them). Restore it on that branch and "
-                f"push: `git revert {gone}`, or `git checkout {before} -- {STORE_FILE}` and "
+                f"push: `{revert} {gone}`, or `git checkout {before} -- {STORE_FILE}` and "
                 f"commit; to empty the {self.scope} store on purpose, commit a {STORE_FILE} "
                 f"holding {EMPTY_STORE_TEXT}.")
 

@@ -8768,6 +8768,56 @@ def test_a_store_deleted_beside_no_code_is_named_and_never_written_over(
     assert {i["id"] for i in remote_json(bare, branch)["items"]} == {first, later}
 
 
+@pytest.mark.parametrize("merged", ["a branch that deleted it", "an unrelated history"])
+def test_a_store_a_merge_deleted_is_named_with_its_first_parents_items(
+        shared, monkeypatch, merged):
+    """The deleted-store walk followed a merge's side branch (git's history
+    simplification takes the parent a merge is the same as): a cleanup
+    branch's `git rm`, merged after main gained items, was named with the
+    side commit and its older count, and both pieces of advice (`git revert`
+    it, `git checkout` its parent's file) lost main's newer items; a merge of
+    an unrelated history resolved without the store read as never held, and
+    the next promote started a new store. It walks main's first parents now,
+    and a merge that deleted the store is reverted with `-m 1`."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    ids = [_endorsed(t) for t in ("Pin every base image by digest", "Rotate deploy keys",
+                                  "Tag releases from CI only")]
+    cs.promote(ids[0], force=True)
+    cs.promote(ids[0], to_scope="org", force=True)
+    work = clone(shared["org_bare"], shared["tmp"] / "by-hand")
+    if merged == "an unrelated history":
+        git(work, "checkout", "-q", "--orphan", "other")
+        git(work, "rm", "-rqf", ".")
+        (work / "NOTES.md").write_text("notes\n")
+        git(work, "add", "NOTES.md")
+        git(work, "commit", "-q", "-m", "other root")
+    else:
+        git(work, "checkout", "-q", "-b", "other")
+        git(work, "rm", "-q", "knowledge.json")
+        git(work, "commit", "-q", "-m", "cleanup")
+    for item in ids[1:]:                            # (main gains items meanwhile)
+        cs.promote(item, force=True)
+        cs.promote(item, to_scope="org", force=True)
+    git(work, "checkout", "-q", "main")
+    git(work, "pull", "-q", "origin", "main")
+    subprocess.run(["git", *GIT_ID, "merge", "-q", "--no-commit", "--allow-unrelated-histories",
+                    "other"], cwd=work, capture_output=True)       # (a modify/delete conflict)
+    git(work, "rm", "-q", "--ignore-unmatch", "knowledge.json")
+    git(work, "commit", "-q", "-m", "merge other, store dropped")
+    git(work, "push", "-q", "origin", "HEAD:main")
+    merge = git(work, "rev-parse", "HEAD").strip()
+    out = cs.recall("base image digest", scope="org")
+    said = " ".join(out.get("warnings", []))
+    assert f"commit {merge[:10]}" in said and "the 3 item(s) it held" in said, out
+    assert f"`git revert -m 1 {merge[:10]}`" in said, said
+    with pytest.raises(cs.ConfigError, match="was deleted from"):
+        cs.promote(_endorsed("Never log card numbers"), to_scope="org", force=True)
+    git(work, "revert", "--no-edit", "-m", "1", merge)             # the advice, followed
+    git(work, "push", "-q", "origin", "HEAD:main")
+    assert "warnings" not in cs.recall("base image digest", scope="org")
+    assert {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]} == set(ids)
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
