@@ -7718,15 +7718,18 @@ class GitStore(Store):
     def foreign_problem(self, tip: str | None, doc: Doc) -> str | None:
         """Why this scope's branch is not cambium's to write, or None: a tip
         holding other files and no items (_not_ours), or a tip whose history
-        deleted a store that held items (_deleted_store)."""
+        deleted a store that held items (_deleted_store): at org asked first,
+        also beside code-looking files (a knowledge repo's Makefile, tests/),
+        as the code advice (commit an empty store) would start one over them."""
         if not (self.own_branch and tip and not doc.items):
             return None
         names = git_lines(self.git("ls-tree", "--name-only", tip).stdout)
         if STORE_FILE in names:
             return None
-        if code := self._code_names(names):
-            return self._not_ours(code)
-        return self._deleted_store(tip)
+        code = self._code_names(names)
+        if code and self.scope != "org":            # (team: the walk would cross the
+            return self._not_ours(code)             # project's own history)
+        return self._deleted_store(tip) or (self._not_ours(code) if code else None)
 
     def _deleted_store(self, tip: str) -> str | None:
         """Why a tip without the store file (and no code beside it) is no new
@@ -7983,7 +7986,7 @@ class GitStore(Store):
         holds (_detached_work). A switch from another branch loses no commit:
         that branch keeps them."""
         if names := self._foreign_files(tip):
-            return self._not_ours(names)
+            return self._code_problem(tip, names)
         dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], self.repo,
                      self.timeout_s, check=False).stdout
         if dirty.strip():
@@ -7991,6 +7994,15 @@ class GitStore(Store):
                     "own: don't work in it; commit or discard them)")
         last = self._last_checked_out()
         return self._unpushed(tip, last) or self._detached_work(tip, last)
+
+    def _code_problem(self, tip: str, code: list[str]) -> str:
+        """Why a tip holding `code` and no store is not checked out: at org, the
+        deleted store's word when its history deleted one (foreign_problem's,
+        as the read found it), else _not_ours. Its caller holds the state's lock."""
+        seen = self._state.foreign
+        if seen and seen[0] == tip and seen[1]:
+            return seen[1]
+        return (self.scope == "org" and self._deleted_store(tip)) or self._not_ours(code)
 
     def _unpushed(self, tip: str, last: list[str]) -> str | None:
         """Why `checkout -B` would drop commits of the local branch, or None.
@@ -15240,11 +15252,19 @@ _ORG_MAYBE = re.compile(r"(?i)makefile|dockerfile|.+\.sh|src|lib|app|cmd|pkg|int
 def _holds_code(org: Path) -> str | None:
     """Why a clone named as the org clone is some project's code (its checkout's
     commit holds code and no store: ORG_CODE), or None (also when it has no
-    commit yet or git cannot read it)."""
+    commit yet or git cannot read it). A store its history deleted is named,
+    with how to restore it: the advice to commit an empty one lost its items."""
     with contextlib.suppress(GitError, OSError):
         names = git_lines(_run(["git", "ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
                                check=False).stdout)
         code = [n for n in names if ORG_CODE.fullmatch(n) and not _ORG_MAYBE.fullmatch(n)]
+        if code and STORE_FILE not in names and (gone := _run(
+                ["git", "rev-list", "-1", "--first-parent", "HEAD", "--", STORE_FILE], org,
+                ORG_HEAD_ASK_S, check=False).stdout.strip()[:10]):   # (a store deleted here)
+            return (f"holds code ({', '.join(code[:3])}) and no {STORE_FILE}, which its commit "
+                    f"{gone} deleted: if this is the org knowledge repo, restore the file "
+                    f"(`git checkout {gone}^1 -- {STORE_FILE}`, commit and push) rather than "
+                    "commit an empty one over the items it held.")
         if code and STORE_FILE not in names:
             return (f"holds code ({', '.join(code[:3])}) and no {STORE_FILE}: it looks like a "
                     "project's clone, and cambium keeps the org clone's checkout in sync by "

@@ -8818,6 +8818,35 @@ def test_a_store_a_merge_deleted_is_named_with_its_first_parents_items(
     assert {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]} == set(ids)
 
 
+def test_an_org_store_deleted_beside_code_looking_files_is_named_not_called_code(
+        shared, monkeypatch):
+    """An org knowledge repo with a Makefile (or a script, a tests/ folder)
+    whose knowledge.json was deleted: reads, status, the checkout's warning
+    and setup said "it looks like a code repository ... commit an empty
+    knowledge.json", advice that starts a store over the deleted items, and
+    never named the deleting commit. The deleted store is asked first."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    first = _endorsed("Pin every base image by digest")
+    cs.promote(first, force=True)
+    cs.promote(first, to_scope="org", force=True)
+    work = clone(shared["org_bare"], shared["tmp"] / "by-hand")
+    (work / "Makefile").write_text("check:\n\tpython lint.py\n")
+    (work / "lint.py").write_text("import json; json.load(open('knowledge.json'))\n")
+    git(work, "add", "Makefile", "lint.py")
+    git(work, "commit", "-q", "-m", "lint the store")
+    _commit_by_hand(work, "oops", "knowledge.json")
+    gone = git(work, "rev-parse", "--short=10", "HEAD").strip()
+    said = json.dumps([cs.recall("base image digest", scope="org").get("warnings"),
+                       cs.status()["scopes"]["org"].get("error")])
+    assert said.count(f"was deleted from the org repo's default branch 'main' ({shared['org']}) "
+                      f"by commit {gone}") >= 2, said
+    assert "code repository" not in said and "the 1 item(s) it held" in said, said
+    with pytest.raises(cs.ConfigError, match=f"by commit {gone}"):
+        cs.promote(_endorsed("Rotate deploy keys"), to_scope="org", force=True)
+    with pytest.raises(cs.InputError, match=f"which its commit {gone} deleted"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(work))
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
