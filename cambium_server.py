@@ -7742,10 +7742,12 @@ class GitStore(Store):
         own: git's default followed the parent a merge was the same as, a side
         branch's older `git rm`, or an unrelated history that never held one),
         asked once per tip (_say_not_ours)."""
-        line = self.git("rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE,
-                        check=False).stdout.split()
-        if len(line) < 2:                           # (never held one: a new branch)
-            return None
+        walk = self.git("rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE,
+                        check=False)
+        if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
+            shallow = self.git("rev-parse", "--is-shallow-repository").stdout.strip()
+            return self._history_unread("the clone is shallow (a `git clone --depth`: "
+                                        "its history stops short)") if shallow == "true" else None
         gone, before = line[0], line[1]            # (before: the store as it was last)
         revert = "git revert -m 1" if len(line) > 2 else "git revert"   # (a merge deleted it)
         try:
@@ -7764,6 +7766,17 @@ class GitStore(Store):
                 f"push: `{revert} {gone}`, or `git checkout {before} -- {STORE_FILE}` and "
                 f"commit; to empty the {self.scope} store on purpose, commit a {STORE_FILE} "
                 f"holding {EMPTY_STORE_TEXT}.")
+
+    def _history_unread(self, why: str) -> str:
+        """Why a tip without the store file whose history git could not walk is
+        not written: a shallow clone made after a `git rm knowledge.json` (its
+        root the deleting commit), or a damaged repository, read as never held
+        and the next write started a store over the deleted items."""
+        fix = (f"`git -C {shlex.quote(str(self.repo))} fetch --unshallow {self.remote}`"
+               if "shallow" in why else "repair or re-clone it")
+        return (f"{STORE_FILE} is not on {self.remote}/{self.branch}, and whether a commit "
+                f"deleted it could not be read: {why}. cambium writes nothing to it until "
+                f"it can (a write could start a new store over deleted items): {fix}.")
 
     def _foreign_files(self, commit: str) -> list[str]:
         """The root entries of a commit without the store file at its root (a

@@ -8847,6 +8847,35 @@ def test_an_org_store_deleted_beside_code_looking_files_is_named_not_called_code
         cs.setup(str(shared["a"]), "ada", org_repo=str(work))
 
 
+def test_a_shallow_org_clone_made_after_its_store_was_deleted_is_never_written(
+        shared, monkeypatch):
+    """A `git clone --depth 1` of the org repo (actions/checkout's default)
+    made after a `git rm knowledge.json`: the deleting commit is the shallow
+    root, the walk found no store in its history, and promote started a new
+    store over the deleted items, reads saying nothing. Writes refuse now
+    until the clone is deepened, and then the deleting commit is named."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    first = _endorsed("Pin every base image by digest")
+    cs.promote(first, force=True)
+    cs.promote(first, to_scope="org", force=True)
+    work = clone(shared["org_bare"], shared["tmp"] / "by-hand")
+    _commit_by_hand(work, "oops", "knowledge.json")
+    shallow = shared["tmp"] / "org-shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{shared['org_bare']}",
+                    str(shallow)], check=True, capture_output=True)
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shallow))
+    said = " ".join(cs.recall("base image digest", scope="org").get("warnings", []))
+    assert "the clone is shallow" in said and "fetch --unshallow" in said, said
+    tip = git(shared["org_bare"], "rev-parse", "main")
+    with pytest.raises(cs.ConfigError, match="the clone is shallow"):
+        cs.promote(_endorsed("Rotate deploy keys"), to_scope="org", force=True)
+    assert git(shared["org_bare"], "rev-parse", "main") == tip        # nothing written
+    git(shallow, "fetch", "-q", "--unshallow", "origin")
+    cs.runtime().reset()                        # (a new session: the answer is kept per tip)
+    said = " ".join(cs.recall("base image digest", scope="org").get("warnings", []))
+    assert "the 1 item(s) it held" in said, said
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
