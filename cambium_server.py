@@ -7744,6 +7744,8 @@ class GitStore(Store):
         asked once per tip (_say_not_ours)."""
         walk = self.git("rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE,
                         check=False)
+        if walk.returncode:                         # (a damaged repository: fail closed)
+            return self._history_unread(clip_message(walk.stderr.strip(), 300))
         if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
             shallow = self.git("rev-parse", "--is-shallow-repository").stdout.strip()
             return self._history_unread("the clone is shallow (a `git clone --depth`: "

@@ -8876,6 +8876,35 @@ def test_a_shallow_org_clone_made_after_its_store_was_deleted_is_never_written(
     assert "the 1 item(s) it held" in said, said
 
 
+def test_a_deleted_store_whose_history_git_cannot_walk_is_never_written(shared, monkeypatch):
+    """The deleted-store walk ran unchecked: a git failure other than a timeout
+    (a damaged repository, a tree missing from history) gave no output, read
+    as "never held a store", and the next promote started a new store over
+    the deleted items. It fails closed: reads warn, writes refuse."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    first = _endorsed("Pin every base image by digest")
+    cs.promote(first, force=True)
+    cs.promote(first, to_scope="org", force=True)
+    work = clone(shared["org_bare"], shared["tmp"] / "by-hand")
+    _commit_by_hand(work, "oops", "knowledge.json")
+    (work / "NOTES.md").write_text("notes\n")
+    git(work, "add", "NOTES.md")
+    git(work, "commit", "-q", "-m", "notes")
+    git(work, "push", "-q", "origin", "HEAD")
+    cs.recall("base image digest", scope="org")                    # (fetched into the clone)
+    tree = git(work, "rev-parse", "HEAD~1^{tree}").strip()
+    loose = shared["org"] / ".git" / "objects" / tree[:2] / tree[2:]
+    loose.chmod(0o644)
+    loose.unlink()                                                 # (the deleting commit's tree)
+    cs.runtime().reset()
+    said = " ".join(cs.recall("base image digest", scope="org").get("warnings", []))
+    assert "whether a commit deleted it could not be read" in said, said
+    tip = git(shared["org_bare"], "rev-parse", "main")
+    with pytest.raises(cs.ConfigError, match="could not be read"):
+        cs.promote(_endorsed("Rotate deploy keys"), to_scope="org", force=True)
+    assert git(shared["org_bare"], "rev-parse", "main") == tip        # nothing written
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
