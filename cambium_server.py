@@ -2640,6 +2640,7 @@ class GitScope:
     foreign: tuple[str, str | None] | None = None  # (a tip, why it is not cambium's or None)
     plain_fetch: bool = False           # git's own stale refs/remotes/ ref is in the way:
                                         #: fetch without updating refs/remotes/ (`--refmap=`)
+    moved_unsaid: str | None = None         # a URL move no call has said yet (_say_moved)
 
 
 class Runtime:
@@ -2782,6 +2783,11 @@ def use_runtime(rt: Runtime) -> Iterator[Runtime]:
 #: (a push that landed although git also failed), in the answer's `warnings`.
 CALL_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "cambium_call_notes", default=None)
+
+
+#: .on in the server's warm thread (warm_recall_soon): its reads leave what a
+#: call should be told (a URL move: GitStore._say_moved) for the next call
+WARMING = threading.local()
 
 
 def note_for_call(text: str) -> None:
@@ -6838,10 +6844,25 @@ class GitStore(Store):
                 atomic_write(self._url_record(), shown_url(url) + "\n", durable=False)
         if not (moved and before and self._left_behind(before)):
             return False
-        self.moved_from = (f"{self._moved_said(url, known)}: another repository, so its items "
-                           f"are read from there now; what {shown_url(known)} holds stays there")
-        self._warnings.append(self.moved_from)
+        with self._state.lock:
+            self._state.moved_unsaid = (
+                f"{self._moved_said(url, known)}: another repository, so its items are read "
+                f"from there now; what {shown_url(known)} holds stays there")
+        self._say_moved()
         return True
+
+    def _say_moved(self) -> None:
+        """Hand a URL move's warning to this read (moved_from, its warnings),
+        once per process: the server's warm thread (WARMING) fetched first at
+        start and found the move, its word lost with its throwaway store, so
+        no call named it. It stays pending until a call's read takes it."""
+        if getattr(WARMING, "on", False):
+            return
+        with self._state.lock:
+            said, self._state.moved_unsaid = self._state.moved_unsaid, None
+        if said:
+            self.moved_from = said
+            self._warn_once(said)
 
     def _left_behind(self, before: str) -> bool:
         """Whether the fetched tip no longer descends from `before`."""
@@ -7148,6 +7169,7 @@ class GitStore(Store):
                               "fetches them from there")
         doc = self.doc_at(tip := self.local_tip() or self.cloned_tip())
         self._say_not_ours(tip, doc)
+        self._say_moved()
         return doc
 
     def _say_not_ours(self, tip: str | None, doc: Doc) -> None:
@@ -7280,6 +7302,7 @@ class GitStore(Store):
         tip = self.fetch(fresh=not digest, background=digest and self._rt.long_running.is_set())
         doc = self.doc_at(tip)
         self._say_not_ours(tip, doc)
+        self._say_moved()
         with self._state.lock:
             error = self._state.fetch_error
         said = behind(self.scope)                          # (said once: the fetch may
@@ -20345,6 +20368,7 @@ def warm_recall_soon(cfg: Config | None = None) -> threading.Thread | None:
         return None
 
     def run() -> None:
+        WARMING.on = True                   # (a URL move's word waits for a call: _say_moved)
         with contextlib.suppress(Exception):
             now = cfg or resolve_config()
             if now.configured:

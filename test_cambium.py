@@ -8724,6 +8724,28 @@ def test_an_id_not_found_after_the_org_remote_moved_names_the_move(shared, monke
     assert f"now points at {moved}" in str(e.value) and "stays there" in str(e.value)
 
 
+def test_an_org_remote_moved_before_the_server_started_is_named_over_mcp(shared, monkeypatch):
+    """The org clone's origin set to another repository, then a new agent
+    session: the server's warm thread fetched first, found the move and
+    dropped its warning with its own store, so no call (recall, expand's
+    not_found) ever named it. It waits for the first call's read now."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org", force=True)
+    cs.recall("base image digest")
+    moved = make_origin(shared["tmp"], "org2")
+    git(shared["org"], "remote", "set-url", "origin", str(moved))
+
+    async def body(session, init):
+        rec = await session.call_tool("recall", {"query": "base image digest"})
+        return rec.structured_content.get("warnings") or []
+
+    said = asyncio.run(_mcp_session({**_mcp_env(shared["a"]), "CAMBIUM_AGENT_ID": "ada",
+                                     "CAMBIUM_ORG_REPO": str(shared["org"])}, body))
+    assert any(f"now points at {moved}" in w and "stays there" in w for w in said), said
+
+
 def _commit_by_hand(work: Path, message: str, *drop: str) -> None:
     """A teammate's `git rm` of `drop` on the checked-out branch, pushed."""
     git(work, "rm", "-q", *drop)
