@@ -15087,7 +15087,7 @@ def remote_key(url: str, repo: Path) -> str:
     `/w/P` for `/w/P.git`, `/w/P/.git` for `/w/P`), else resolved as given; a
     network address as host/path, its scheme, user (_url_user: one before the
     host, never an `@` in the path), port-less `host:` form, a `www.` before
-    the host, a `~/` before a path in the user's home, trailing `/` and
+    the host, a `~/` before an ssh path in the user's home, trailing `/` and
     `.git` aside (`.GIT` too: lower-cased first). An ssh user that names
     another home, and an AWS CodeCommit region or profile, are compared
     apart (_named_apart): a URL may leave them out."""
@@ -15098,7 +15098,8 @@ def remote_key(url: str, repo: Path) -> str:
     bare = _url_user(url)[1]
     rest = re.sub(r"^([^/:]+):\d+/", r"\1/", bare.split("://", 1)[1]) \
         if "://" in bare else bare.replace(":", "/", 1)   # (a port aside)
-    rest = re.sub(r"^([^/]*)/~/", r"\1/", rest)            # (`~/`: the home it is in)
+    rest = re.sub(r"^([^/]*)/~/", r"\1/", rest) if _ssh_path(url) else rest   # (`~/`: the
+    #  home an ssh login is in; an https or remote-helper `~/` is a path of its own)
     return rest.rstrip("/").lower().removesuffix(".git").removeprefix("www.")
 
 
@@ -15172,15 +15173,16 @@ def _home_user(url: str, git: bool = False, fold: bool = False) -> str:
     absolute path (`ssh://alice@srv/srv/kb.git`, `alice@srv:/srv/kb.git`,
     `~bob/kb.git`) is one place whoever logs in, and `git` (unless `git`) is
     the user a hosting service (GitHub, GitLab, Bitbucket, Gitea) serves every
-    owner's repositories as: `git@github.com:o/r`'s path is the service's.
+    owner's repositories as: `git@github.com:o/r`'s path is the service's;
+    but a `~/` path is the home of whoever logs in, `git` too.
     `fold`: lower-cased (`GIT` is `git` then)."""
     ssh = _ssh_path(url)
     user, path = ssh or ("", "")
     user = user.lower() if fold else user
-    if not user or user == "git" and not git:
+    home = path == "~" or path.startswith("~/")        # (no service serves a `~/` path)
+    if not user or user == "git" and not git and not home:
         return ""
-    return user if path == "~" or path.startswith("~/") or not path.startswith(("/", "~")) \
-        else ""
+    return user if home or not path.startswith(("/", "~")) else ""
 
 
 def _ssh_path(url: str) -> tuple[str, str] | None:

@@ -8407,7 +8407,10 @@ def test_a_home_path_and_the_same_absolute_path_are_two_repositories(shared, mon
     assert "project's own remote" in cs.org_remote_problem(org, a, "origin", 10)
     two = [(home, absolute), ("alice@srv:git/kb", "alice@srv:/git/kb"),
            ("alice@srv:~/kb", "srv:/kb"), ("ssh://srv/~/kb", "ssh://srv/kb"),
-           ("alice@srv:kb", "ssh://alice@srv/kb"), ("git@srv:~/kb", "ssh://git@srv/kb")]
+           ("alice@srv:kb", "ssh://alice@srv/kb"), ("git@srv:~/kb", "ssh://git@srv/kb"),
+           ("ssh://git@srv/~/kb", "ssh://alice@srv/~/kb"),     # (a `~/` is git's home too)
+           ("https://srv/~/kb.git", "https://srv/kb.git"),     # (`~/` a path of its own there)
+           ("gcrypt::ssh://srv/~/kb", "gcrypt::ssh://srv/kb")]
     one = [("git@github.com:o/r", "ssh://git@github.com/o/r"), ("gh:o/r", "ssh://gh/o/r"),
            ("ssh://srv/~/kb", "srv:kb"), ("alice@srv:~carol/kb", "ssh://bob@srv/~carol/kb")]
     assert not any(cs.one_repository(x, y, a) or cs.same_repository(x, y, a) for x, y in two)
