@@ -7774,6 +7774,8 @@ class GitStore(Store):
             return self._history_unread("the clone is shallow (a `git clone --depth`: "
                                         "its history stops short)") if shallow == "true" else None
         gone, before = line[0], line[1]            # (before: the store as it was last)
+        if self._withdrawn(gone, before):
+            return None
         revert = "git revert -m 1" if len(line) > 2 else "git revert"   # (a merge deleted it)
         try:
             held = len(parse_store(self.file_at(before, STORE_FILE), STORE_FILE).items)
@@ -7791,6 +7793,20 @@ class GitStore(Store):
                 f"push: `{revert} {gone}`, or `git checkout {before} -- {STORE_FILE}` and "
                 f"commit; to empty the {self.scope} store on purpose, commit a {STORE_FILE} "
                 f"holding {EMPTY_STORE_TEXT}.")
+
+    def _withdrawn(self, gone: str, before: str) -> bool:
+        """Whether the commit `gone` that deleted the store is a `git revert` of
+        the one that made it, the store unchanged between (`before`, gone's
+        first parent): a merged pull request that brought the store, reverted
+        by its reviewers, is withdrawn, not lost (nothing else was in it); PR
+        mode then withdraws the promotion (_settle_merged)."""
+        made = self.git("log", "-1", "--first-parent", "--diff-filter=A", "--format=%H", before,
+                        "--", STORE_FILE, check=False).stdout.strip()
+        if not made or f"This reverts commit {made}" not in self.git(
+                "log", "-1", "--format=%B", gone, check=False).stdout:
+            return False
+        return not self.git("rev-list", "--first-parent", f"{made}..{before}", "--",
+                            STORE_FILE, check=False).stdout.strip()
 
     def _history_unread(self, why: str) -> str:
         """Why a tip without the store file whose history git could not walk is
