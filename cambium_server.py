@@ -23821,19 +23821,35 @@ def stopping_server(config: Any) -> Any:
     or -15, or a traceback from inside the event loop when two came close),
     and a second signal, which it kept to itself, never ended a shutdown that
     waited on a call's thread. SERVER_STOP also ends cambium's waits (a call
-    waiting on a stopped process's lock, or for the embedding backlog)."""
+    waiting on a stopped process's lock, or for the embedding backlog).
+    It stops through handle_exit, uvicorn's own way, which sse_starlette (the
+    SDK's event streams) patches to learn of a stop: setting should_exit alone
+    left every connected client's idle GET stream open for the whole grace,
+    then uvicorn cancelled it with an ERROR line."""
     import uvicorn
+    _sse_streams_open_again()
 
     class StoppingServer(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            yield
+            yield                                # (so the signal handle_exit records
+                                                 # is never raised again)
 
         async def on_tick(self, counter: int) -> bool:
-            if SERVER_STOP.is_set():
-                self.should_exit = True
+            if SERVER_STOP.is_set() and not self.should_exit:
+                self.handle_exit(signal.SIGTERM, None)
             return await super().on_tick(counter)
     return StoppingServer(config)
+
+
+def _sse_streams_open_again() -> None:
+    """Clear sse_starlette's stop flag, which its handle_exit patch sets for
+    the whole process and nothing clears: a host program's second in-process
+    `serve --http` had every event stream (each POST's answer among them)
+    closed as it opened."""
+    with contextlib.suppress(ImportError):
+        from sse_starlette.sse import AppStatus
+        AppStatus.should_exit = False
 
 
 def _fold_on_exit(scopes: Iterable[str] = CREDIT_SCOPES, *, warm: bool = False) -> None:

@@ -17719,6 +17719,56 @@ def test_http_serve_held_by_a_call_after_a_signal_exits_within_the_bound(
         _end_process(proc)
 
 
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 0), ("SIGINT", 130)])
+def test_http_serve_with_an_idle_client_connected_stops_at_a_signal(repo, tmp_path, sig, code):
+    """A client connected to `serve --http` and idle (initialized, one call
+    made, its GET event stream open, as every real client keeps it) held the
+    stop for the whole grace (15 s of SIGNAL_EXIT_S's 20), then uvicorn's
+    ERROR "Cancel 1 running task(s)"; Ctrl-C gave two lines. The SSE library
+    learns of a stop only through uvicorn's handle_exit, which the server's
+    own signal handling never called. Grace and bound here are 600 s: the
+    stop must not wait on the idle stream at all."""
+    port = _free_port()
+    proc = _slow_call_server(repo, tmp_path, ["serve", "--http", "--port", str(port)], 6000.0)
+    ready = threading.Event()
+
+    async def idle(session):
+        await session.send_ping()
+        ready.set()
+        await asyncio.sleep(600)
+
+    def connect() -> None:
+        with contextlib.suppress(BaseException):      # (its stream ends at the stop)
+            asyncio.run(_http_session(f"http://127.0.0.1:{port}/mcp", None, idle))
+    try:
+        assert "serving MCP on" in proc.stderr.readline().decode()
+        threading.Thread(target=connect, daemon=True).start()
+        assert ready.wait(60)
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(60) == code
+        err = proc.stderr.read().decode()
+        assert "Cancel" not in err and "stopped" not in err and "Traceback" not in err, err
+        assert err.count("\n") == (code == 130) and ("interrupted" in err) == (code == 130), err
+    finally:
+        _end_process(proc)
+
+
+def test_http_serve_opens_its_event_streams_after_an_earlier_stop_in_the_process():
+    """The SSE library's stop flag, which a stop through uvicorn's handle_exit
+    sets for the whole process, is never cleared by it: a host program's next
+    in-process `serve --http` had every event stream closed as it opened, each
+    POST's answer among them (the client's initialize failed). A server
+    clears it as it starts."""
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+    AppStatus.should_exit = True
+    try:
+        cs.stopping_server(uvicorn.Config(app=None))
+        assert AppStatus.should_exit is False
+    finally:
+        AppStatus.should_exit = False
+
+
 @pytest.mark.parametrize("sig, http", [("SIGTERM", False), ("SIGHUP", False), ("SIGTERM", True)])
 def test_a_signal_as_the_server_is_built_stops_it_cleanly(repo, sig, http):
     """A SIGTERM before run_stdio put its handlers in (the first second: the
