@@ -23325,6 +23325,11 @@ def say_serving_to_a_terminal() -> None:
 
 
 SIGNAL_EXIT_S = 20.0    #: after a signal a server exits within this, folded or not
+#: whether this serve is the process's entry (main() with no argv, in the main
+#: thread), whose signal handlers stay to the process's end; a host program's
+#: in-process serve gets its own back (ServerSignals.put_back)
+PROCESS_ENTRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cambium_process_entry", default=False)
 SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   #: (SIGHUP: a terminal closed)
 
 
@@ -23339,12 +23344,17 @@ class ServerSignals:
     the credits are folded, and the exit status is 130 once a SIGINT came
     (one line), else 0 (code). A second signal exits at once, and so does
     the process SIGNAL_EXIT_S after the first, whatever holds it, each with
-    one line (_exit_unfolded): the journal keeps the credits not yet folded."""
+    one line (_exit_unfolded): the journal keeps the credits not yet folded.
+    Served in-process by a host program (not the process's entry: main()
+    given an argv, or serve() called), every handler found is put back as
+    serving returns, and the bound with them (put_back)."""
 
     def __init__(self) -> None:
         self.caught: list[int] = []
         self.found: dict[int, Any] = {}
         self.done = False                   # served and folded: the process is ending
+        self.signalled = threading.Event()  # a first signal came: the bound runs (bound)
+        self.released = threading.Event()   # serving went back to a host: no bound
 
     def install(self) -> "ServerSignals":
         STDIO_STOP.clear()
@@ -23354,7 +23364,17 @@ class ServerSignals:
                 if signal.getsignal(sig) is not signal.SIG_IGN:   # (a background job's,
                     self.found[sig] = signal.signal(sig, self.stop)   # nohup's: ignored)
         atexit.register(self.ignore_at_exit)
+        threading.Thread(target=self.bound, name="cambium-signal-bound", daemon=True).start()
         return self
+
+    def bound(self) -> None:
+        """The process's exit SIGNAL_EXIT_S after the first signal, whatever
+        holds it. Started with the handlers, so that a handler only sets an
+        Event: one that started a timer thread itself waited for good on the
+        lock the main thread held while it started a thread, and never armed it."""
+        self.signalled.wait()
+        if not self.released.wait(SIGNAL_EXIT_S):
+            _exit_unfolded(self.code(), f"{SIGNAL_EXIT_S:g} s after the signal")
 
     def ignore_at_exit(self) -> None:
         """As the interpreter shuts down (atexit: the calls' threads are done,
@@ -23367,17 +23387,14 @@ class ServerSignals:
                 signal.signal(sig, signal.SIG_IGN)
 
     def stop(self, signum: int, _frame: Any) -> None:
-        if self.done and self.caught:   # (its exit under way, bounded by the first's timer)
+        if self.done and self.caught:   # (its exit under way, under the first one's bound)
             return
         self.caught.append(signum)
         if len(self.caught) > 1:
             _exit_unfolded(self.code(), "at a second signal")
         STDIO_STOP.set()
         SERVER_STOP.set()
-        last = threading.Timer(SIGNAL_EXIT_S, lambda: _exit_unfolded(   # whatever holds the
-            self.code(), f"{SIGNAL_EXIT_S:g} s after the signal"))      # exit up, a signal
-        last.daemon = True                                              # ends it
-        last.start()
+        self.signalled.set()                # (the bound: whatever holds the exit up)
 
     def code(self) -> int:
         """The exit status once signals stopped the server: 130 once one was a
@@ -23395,14 +23412,30 @@ class ServerSignals:
         return code
 
     def put_back(self) -> None:
-        """Put back the handlers found that were a program's own (a host that
-        served in-process); a default action stays replaced to the process's
-        end (its interpreter shutdown: a signal then killed it, work done)."""
+        """As serving returns. Served as the process's entry (PROCESS_ENTRY),
+        put back only a program's own handlers: a default action stays
+        replaced to the process's end (its interpreter shutdown: a signal then
+        killed it, work done). Served in-process by a host, put back every
+        handler found, defaults too, and end the bound: the host's Ctrl-C was
+        no KeyboardInterrupt, its SIGTERM exited 0 20 s later (os._exit, with
+        the server's line), and after a signal had stopped serving both were
+        ignored."""
         self.done = True
+        entry = PROCESS_ENTRY.get()
+        if not entry:
+            self.released.set()
+            self.signalled.set()            # (the bound's thread ends)
+            atexit.unregister(self.ignore_at_exit)
         for sig, handler in self.found.items():
-            if callable(handler) and handler is not signal.default_int_handler \
-                    and getattr(handler, "__name__", "") != "_interrupted_early":
+            if handler is not None and (not entry or self.programs_own(handler)):
                 signal.signal(sig, handler)
+
+    @staticmethod
+    def programs_own(handler: Any) -> bool:
+        """Whether a handler found is a program's own: no default action
+        (SIG_DFL, default_int_handler) nor the module top's (_interrupted_early)."""
+        return callable(handler) and handler is not signal.default_int_handler \
+            and getattr(handler, "__name__", "") != "_interrupted_early"
 
 
 def _exit_unfolded(code: int, when: str) -> None:
@@ -24048,6 +24081,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)      # (the module's top)
     _reap_own_children()
     entry = argv is None and threading.current_thread() is threading.main_thread()
+    PROCESS_ENTRY.set(entry)                    # (a server's handlers: its own to the end)
     argv = sys.argv[1:] if argv is None else argv
     code = None
     try:

@@ -17774,15 +17774,79 @@ def test_a_signal_as_the_server_is_built_stops_it_cleanly(repo, sig, http):
     """A SIGTERM before run_stdio put its handlers in (the first second: the
     server being built) killed the server by the signal (-15; SIGHUP -1);
     `serve --http` so stopped died too, or (once it took the signal) still
-    bound its port and said it was serving. It stops, serving nothing."""
-    builds = ("import os, signal, sys, cambium_server as cs\nbuild = cs.build_server\n"
-              f"def killed():\n    os.kill(os.getpid(), signal.{sig})\n    return build()\n"
-              "cs.build_server = killed\nsys.exit(cs.main())\n")
+    bound its port and said it was serving. It stops, serving nothing. The
+    signal lands when no thread can start (a pids or thread limit reached):
+    the handler that started the 20 s bound's timer raised RuntimeError into
+    whatever the main thread ran (a traceback, exit 1). The bound's thread
+    is started with the handlers, and a handler only tells it."""
+    builds = textwrap.dedent(f"""
+        import os, signal, sys, threading, cambium_server as cs
+        build, start = cs.build_server, threading.Thread.start
+        def no_thread(self):
+            raise RuntimeError("can't start new thread")
+        def killed():
+            threading.Thread.start = no_thread
+            try:
+                signal.raise_signal(signal.{sig})   # (its handler runs before it returns)
+            finally:
+                threading.Thread.start = start
+            return build()
+        cs.build_server = killed
+        sys.exit(cs.main())
+        """)
     args = ["serve", "--http", "--port", str(_free_port())] if http else []
     proc = subprocess.run([sys.executable, "-c", builds, *args], stdin=subprocess.PIPE,
                           capture_output=True, env=_mcp_env(repo), timeout=60,
                           preexec_fn=_hangup_default)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"", b""), proc
+
+
+#: A host program that serves in-process (stdin at its end, or a SIGTERM as the
+#: server is built), then looks at its signals and sends itself a SIGINT and a SIGTERM.
+IN_PROCESS_HOST = """
+import os, signal, sys, threading, cambium_server as cs
+cs.SIGNAL_EXIT_S = 600.0
+signal.signal(signal.SIGHUP, lambda *_: print("the host's SIGHUP", flush=True))
+sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+before = [signal.getsignal(s) for s in sigs]
+build = cs.build_server
+def built():
+    if sys.argv[1] == "signal":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return build()
+cs.build_server = built
+print("served", cs.main(["serve"]), flush=True)
+print("handlers back", [signal.getsignal(s) for s in sigs] == before, flush=True)
+for t in threading.enumerate():
+    if t.name == "cambium-signal-bound":
+        t.join(60)
+print("bound ended", not any(t.name == "cambium-signal-bound" for t in threading.enumerate()),
+      flush=True)
+os.kill(os.getpid(), signal.SIGHUP)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("the host's SIGTERM did nothing", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ended_by", ["eof", "signal"])
+def test_serving_in_process_gives_the_host_program_its_signals_back(repo, ended_by):
+    """A host program that called main(["serve"]) kept cambium's handlers
+    after it returned: its Ctrl-C raised no KeyboardInterrupt and its SIGTERM
+    exited 0 20 s later with the server's line (both ignored once a signal had
+    stopped serving). Only a server that is the process's entry keeps them to
+    its end; a host gets every handler back, defaults too, and the 20 s bound
+    ends with serving."""
+    proc = subprocess.run([sys.executable, "-c", IN_PROCESS_HOST, ended_by],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env=_mcp_env(repo), timeout=120, preexec_fn=_hangup_default)
+    assert proc.returncode == -signal.SIGTERM, proc
+    assert proc.stdout.splitlines() == ["served 0", "handlers back True", "bound ended True",
+                                        "the host's SIGHUP", "KeyboardInterrupt"], proc
+    assert proc.stderr == "", proc
 
 
 EARLY_SIGTERM = EARLY_SIGINT.replace("signal.SIGINT", "signal.SIGTERM").replace(
