@@ -23067,10 +23067,27 @@ def _context_class() -> type:
     return Context
 
 
+def leaf_errors(e: BaseException) -> list[BaseException]:
+    """The exceptions `e` stands for: itself, or every one an exception group
+    holds, those of the groups inside it among them (pure)."""
+    subs = getattr(e, "exceptions", None)
+    return [leaf for sub in subs for leaf in leaf_errors(sub)] if subs else [e]
+
+
 def only_broken_pipes(e: BaseException) -> bool:
     """Whether an exception (or every one an exception group holds) is a broken pipe."""
-    subs = getattr(e, "exceptions", None)
-    return isinstance(e, BrokenPipeError) or bool(subs) and all(map(only_broken_pipes, subs))
+    return all(isinstance(leaf, BrokenPipeError) for leaf in leaf_errors(e))
+
+
+def only_os_errors(e: BaseException) -> OSError | None:
+    """The OSError an exception is, or the first of an exception group's when
+    all it holds are OSErrors, a broken pipe only when all are (a group of a
+    broken pipe and a full disk said "Broken pipe"); else None."""
+    leaves = leaf_errors(e)
+    found = [leaf for leaf in leaves if isinstance(leaf, OSError)]
+    if len(found) < len(leaves):
+        return None
+    return next((leaf for leaf in found if not isinstance(leaf, BrokenPipeError)), found[0])
 
 
 def mcp_session_id(ctx: Any) -> str | None:
@@ -23161,16 +23178,6 @@ async def serve_stdio(low: Any) -> None:
 class StdioFailed(OSError):
     """The stdio client's streams failed (a write of an answer) other than by a
     broken pipe: the session is over."""
-
-
-def only_os_errors(e: BaseException) -> OSError | None:
-    """The first OSError of an exception (or of every one an exception group
-    holds, all of them OSErrors), else None."""
-    subs = getattr(e, "exceptions", None)
-    if isinstance(e, OSError) or not subs:
-        return e if isinstance(e, OSError) else None
-    found = [only_os_errors(sub) for sub in subs]
-    return None if None in found else found[0]
 
 
 def build_server() -> MCPServer:

@@ -17932,6 +17932,21 @@ def test_a_stdio_server_whose_stdout_fails_says_so_in_one_line(repo):
     assert "No space left on device" in err, err
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="ExceptionGroup is 3.11+")
+def test_a_stdio_failure_names_what_failed_beside_a_broken_pipe():
+    """only_os_errors gave the first OSError of a group: a broken pipe beside
+    a full disk said "Broken pipe" (exit 1). It names the other error; a
+    group of broken pipes alone, nested or not, is still a client gone."""
+    import errno
+    pipe, full = BrokenPipeError(errno.EPIPE, "Broken pipe"), OSError(errno.ENOSPC, "full")
+    assert cs.only_os_errors(ExceptionGroup("g", [pipe, ExceptionGroup("h", [full])])) is full
+    assert cs.only_os_errors(ExceptionGroup("g", [pipe, ValueError()])) is None
+    assert cs.only_os_errors(ExceptionGroup("g", [pipe])) is pipe and cs.only_os_errors(full)
+    assert cs.only_broken_pipes(ExceptionGroup("g", [pipe, ExceptionGroup("h", [pipe])]))
+    assert not cs.only_broken_pipes(ExceptionGroup("g", [pipe, full]))
+    assert not cs.only_broken_pipes(full) and cs.only_os_errors(ValueError()) is None
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 @pytest.mark.parametrize("how", ["timer", "second signal"])
 def test_a_stdio_server_that_exits_mid_push_takes_the_push_with_it(shared, tmp_path, how):
