@@ -24193,7 +24193,7 @@ def _what_stopping_left(args: argparse.Namespace) -> str:
         return (" after its answer was written, which stands: only what follows an answer "
                 "was cut short (recall credits not yet folded stay journaled).")
     if args.command == "verify" and getattr(args, "run", False):
-        return (". The check that was running was killed; outcomes are recorded a scope "
+        return (". No check it started is left running; outcomes are recorded a scope "
                 "at a time, once its checks have run: those recorded stand.")
     return ". Each write is all or nothing; a promote cut short is finished by running it again."
 

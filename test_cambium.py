@@ -14170,7 +14170,7 @@ def test_verify_run_stopped_by_sigterm_or_sighup_leaves_no_check_running(repo, s
         err = run.communicate(timeout=30)[1]
         assert run.returncode == 128 + sig
         assert _gone(marker) == []
-        assert f"verify: stopped by {sig.name}. The check that was running was killed" in err \
+        assert f"verify: stopped by {sig.name}. No check it started is left running" in err \
             and "promote" not in err, err                # (it said a promote was cut short)
     finally:
         run.kill()
