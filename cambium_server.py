@@ -6719,39 +6719,59 @@ class GitStore(Store):
             self._plain_record().unlink()
         return False
 
-    def _keep_cleared(self, cleared: list[tuple[str, str]]) -> None:
-        """Keep each tip of a ref in the way, removed (_clear_in_the_way), that
-        the branch fetched does not hold (a rename made from a stale tip: the
-        old name's cache was the last ref to reach what it lost): as a rewind
-        of the branch (_note_rewind) when it was read from the repository the
-        remote names now, else at that repository's own kept name (_own_kept),
-        named there once the URL names it again."""
+    def _keep_removed(self, tip: str, read: str) -> None:
+        """Keep the tip of a ref in the way (_clear_in_the_way) BEFORE it is
+        removed: kept only after the fetch again, a retry that raised (a
+        timeout, FetchBusy) or a killed process lost the old name's only copy
+        (a rename made from a stale tip). As a rewind of the branch
+        (_note_rewind: none is fetched yet, so it is kept; a read drops it as
+        no loss once the branch holds it) when it was read from the
+        repository the remote names now, else at that repository's own kept
+        name (_own_kept), named there once the URL names it again."""
         url = self._url_now()
+        if not (read and url and not one_repository(read, url, self.repo)):
+            self._note_rewind(tip)
+            return
+        if not self.rewinds:
+            return
+        ref, at = self._own_kept(read)
+        if self._kept(ref) == tip or \
+                self.git("update-ref", ref, tip, "", check=False).returncode == 0:
+            self._record_kept(ref, at, read)
+        else:
+            self._warnings.append(
+                f"cambium could not keep the tip of a ref it removed ({tip}, read from "
+                f"{shown_url(read)}): `git -C {shlex.quote(str(self.repo))} branch "
+                f"kept-{tip[:8]} {tip}` keeps it")
+
+    def _keep_cleared(self, cleared: list[tuple[str, str]]) -> None:
+        """After the fetch, for each tip kept as it was removed (_keep_removed):
+        one of this repository's gets its -at ref (the tip fetched: what
+        changed since); another repository's is dropped when the branch
+        fetched holds it (a mirror's history: no loss)."""
+        url, now = self._url_now(), self.local_tip()
         for tip, read in cleared:
             if not (read and url and not one_repository(read, url, self.repo)):
-                self._note_rewind(tip)
-                continue
-            if not self.rewinds or not self._left_behind(tip):
+                ref, at = self._kept_for(url)
+                if now and self._kept(ref) and not self._kept(at):
+                    self.git("update-ref", at, now, "", check=False)
                 continue
             ref, at = self._own_kept(read)
-            if self.git("update-ref", ref, tip, "", check=False).returncode == 0:
-                self._record_kept(ref, at, read)
-            else:
-                self._warnings.append(
-                    f"cambium could not keep the tip of a ref it removed ({tip}, read from "
-                    f"{shown_url(read)}): `git -C {shlex.quote(str(self.repo))} branch "
-                    f"kept-{tip[:8]} {tip}` keeps it")
+            if now and self._kept(ref) == tip and not self._left_behind(tip) and \
+                    self.git("update-ref", "-d", ref, tip, check=False).returncode == 0:
+                with contextlib.suppress(OSError):
+                    self._kept_record_path(ref).unlink()
 
     def _clear_in_the_way(self) -> list[tuple[str, str]]:
         """Delete cambium's private refs of this scope and remote that git
         cannot keep beside this branch's (`.../kb` where `.../kb/v2` goes, or
         the reverse): caches of a branch the remote no longer holds (it
         cannot hold both names), fetched again when that name is read; their
-        fetch stamps go with them. Their tips, returned, are kept as a
-        rewind's is when the branch fetched does not hold them (_fetch_now: a
-        rename made from a stale tip; the cache was the last ref to reach
-        what it lost), as is a legacy `<b>-rewound` kept tip in the way (left
-        there, it blocked the scope for good). Kept rewound tips live apart
+        fetch stamps go with them. Each tip is kept as a rewind's is before
+        its ref goes (_keep_removed: a rename made from a stale tip; the
+        cache was the last ref to reach what it lost), as is a legacy
+        `<b>-rewound` kept tip in the way (left there, it blocked the scope
+        for good); reads drop it once the branch holds it. Kept rewound tips live apart
         (_kept_for)."""
         tips = []
         base = f"refs/cambium/{self.scope}/{self.remote}/"
@@ -6764,7 +6784,10 @@ class GitStore(Store):
             read = ""
             with contextlib.suppress(OSError):
                 read = git_file_text(self._url_record(ref[len(base):]), errors="replace").strip()
-            if self.git("update-ref", "-d", ref, check=False).returncode == 0:
+            if tip:
+                self._keep_removed(tip, read)     # (first: a kill or a raise after loses none)
+            if self.git("update-ref", "-d", ref, *([tip] if tip else []),
+                        check=False).returncode == 0:
                 tips += [(tip, read)] if tip else []
                 for path in (self._stamp(ref[len(base):]), self._url_record(ref[len(base):])):
                     with contextlib.suppress(OSError):

@@ -25785,3 +25785,46 @@ def _cache_bytecode() -> None:
 if __name__ == "__main__":
     _cache_bytecode()
     sys.exit(pytest.main([__file__, "-q", *_workers(sys.argv[1:]), *sys.argv[1:]]))
+
+
+@pytest.mark.parametrize("raised", ["timeout", "busy"])
+def test_a_rename_whose_retry_fetch_raises_keeps_what_the_old_names_copy_held(
+        shared, monkeypatch, raised):
+    """The old name's copy, in the way of the renamed branch, was removed
+    before the fetch ran again and its tip kept only after that fetch: a
+    retry that raised (git's timeout, FetchBusy: another process fetching)
+    or a kill lost cambium's only copy of what a rename from a stale tip
+    dropped, and later reads named nothing. It is kept before it is removed."""
+    origin, a = shared["origin"], shared["a"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    stale = git(origin, "rev-parse", "kb").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    cs.recall("alerts")
+    git(origin, "update-ref", "-d", "refs/heads/kb")                     # the rename
+    git(origin, "update-ref", "refs/heads/kb/v2", stale)
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    cs.runtime().reset()
+    real, calls = cs.GitStore._fetch_lock, []
+
+    def lock(self, patient):
+        calls.append(patient)
+        if len(calls) == 2:                                   # the retry, after the clear
+            if raised == "busy":
+                raise cs.FetchBusy("another process of this clone is fetching")
+            raise cs.GitError(["git", "fetch"], None, "timed out")
+        return real(self, patient)
+
+    monkeypatch.setattr(cs.GitStore, "_fetch_lock", lock)
+    with pytest.raises(cs.CambiumError):
+        cs.store(cs.resolve_config(), "team").fetch(force=True)
+    assert len(calls) == 2
+    monkeypatch.setattr(cs.GitStore, "_fetch_lock", real)
+    git(a, "remote", "prune", "origin")
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"]
+                  if "rewound or replaced" in w]
+    assert later in warning and first not in warning
