@@ -6918,25 +6918,45 @@ class GitStore(Store):
                     f"kept ({e}): `git -C {shlex.quote(str(self.repo))} branch rewound-again "
                     f"{before}` keeps it")
                 return
-        self._keep(ref, at, url, before, held=bool(kept))
+        self._keep(ref, at, url, before, held=kept)
 
-    def _keep(self, ref: str, at: str, url: str, before: str, *, held: bool) -> None:
+    def _keep(self, ref: str, at: str, url: str, before: str, *, held: str) -> None:
         """Point the kept ref at `before` (and its -at ref at the tip the rewind
-        left: what changed since), with its record. A new one that git cannot
-        make at the slot (a ref of a branch's old name is in the way: `kb` kept,
-        now `kb/v2`) is made at this repository's own name (_own_kept): it was
-        dropped, and what the rewind lost was named nowhere."""
-        if self.git("update-ref", ref, before, check=False).returncode != 0 and not held:
-            ref, at = self._own_kept(url)
-            if self.git("update-ref", ref, before, check=False).returncode != 0:
+        left: what changed since), with its record, only while it still holds
+        `held` ("": none; another process may have kept a rewind there since
+        this one read it). A new one that git cannot make at the slot (a ref of
+        a branch's old name is in the way: `kb` kept, now `kb/v2`) is made at
+        this repository's own name (_keep_apart): it was dropped, and what the
+        rewind lost was named nowhere."""
+        if self.git("update-ref", ref, before, held, check=False).returncode != 0:
+            kept = None if held else self._keep_apart(url, before)
+            if kept is None:
                 self._warnings.append(
                     f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound; "
                     f"cambium could not keep the tip it dropped: `git -C "
                     f"{shlex.quote(str(self.repo))} branch rewound {before}` keeps it")
                 return
+            ref, at = kept
         self._record_kept(ref, at, url)
         now = self.local_tip()
         self.git("update-ref", *((at, now) if now else ("-d", at)), check=False)
+
+    def _keep_apart(self, url: str, before: str) -> tuple[str, str] | None:
+        """Keep `before` at this repository's own kept name (_own_kept), never
+        over a tip kept there (its record may be gone or unreadable, a crash:
+        it was overwritten): merged with it as a second rewind is
+        (_kept_both). The pair, or None when git could not."""
+        ref, at = self._own_kept(url)
+        held = self._kept(ref)
+        try:
+            if held and not self._holds(held, before):
+                before = self._kept_both(held, before, at)
+        except (CambiumError, OSError):
+            return None
+        if held and self._holds(held, before) or self.git(
+                "update-ref", ref, before, held, check=False).returncode == 0:
+            return ref, at
+        return None
 
     def _kept_both(self, kept: str, before: str, at_ref: str) -> str:
         """A commit keeping both tips rewinds dropped: `before`'s tree and its
@@ -6989,7 +7009,9 @@ class GitStore(Store):
         tip (or one no record names: an earlier version's, _claim_slot), else a
         recorded one of this repository's, else the slot when free, else a name
         of this repository's own (_own_kept: also where a keep goes when the
-        slot cannot be made, `kb` kept beside a branch now named `kb/v2`)."""
+        slot cannot be made, `kb` kept beside a branch now named `kb/v2`; its
+        id names its repository, so one whose record is gone or unreadable
+        is this one's, recorded again: it was named by no read)."""
         url = self._url_now() if url is None else url
         slot = self._slot()
         held = self._kept(slot[0])
@@ -6999,7 +7021,11 @@ class GitStore(Store):
         for rec in self._kept_records():
             if rec["ref"] != slot[0] and self._kept_here(rec, url) and self._kept(rec["ref"]):
                 return rec["ref"], rec["at"]
-        return self._own_kept(url) if held else slot
+        own = self._own_kept(url)
+        if url and self._kept(own[0]) and self._read_kept_record(own[0]) is None:
+            self._record_kept(*own, url)          # (its id names this scope, remote, branch
+            return own                            # and repository: a record a crash lost)
+        return own if held else slot
 
     def _url_now(self) -> str:
         """The remote's URL now ("" when git cannot say)."""
@@ -7037,6 +7063,25 @@ class GitStore(Store):
                 f"shows what it holds; removing {shlex.quote(str(path))} has reads take it "
                 f"as {shown_url(url) or self.remote}'s")
         return True
+
+    def _say_unrecorded_kept(self) -> None:
+        """Warn, once a process, of each refs/cambium/rewound-kept/<id> tip with
+        no record that reads (a crash, an edit) but this scope's own (_kept_for
+        takes it): which repository and branch it was kept for is unknown, and
+        no read named it or said so."""
+        if not self._rt.first_time(f"unrecorded kept {self.repo}"):
+            return
+        listed = self.git("for-each-ref", "--format=%(refname)", "refs/cambium/rewound-kept/",
+                          check=False).stdout
+        url = self._url_now()
+        for ref in git_lines(listed):
+            if ref != self._own_kept(url)[0] and self._read_kept_record(ref) is None:
+                self._warnings.append(
+                    f"cambium kept a rewound tip at {ref}, and its record "
+                    f"({self._kept_record_path(ref)}) is missing or cannot be read: which "
+                    f"repository and branch it was kept for is unknown, so no read names it. "
+                    f"`git -C {shlex.quote(str(self.repo))} show {ref}:{STORE_FILE}` shows "
+                    f"what it holds")
 
     def _own_kept(self, url: str) -> tuple[str, str]:
         """A kept ref of this repository's own, refs/cambium/rewound-kept/<id>
@@ -7119,10 +7164,15 @@ class GitStore(Store):
         except (OSError, IndexError):
             return self.git("rev-parse", "--verify", "--quiet", ref, check=False).stdout.strip()
 
-    def _drop_rewound(self, kept: tuple[str, str]) -> None:
-        """Drop this repository's kept tip (_kept_for), once it is no loss."""
-        for ref in kept:
-            self.git("update-ref", "-d", ref, check=False)
+    def _drop_rewound(self, kept: tuple[str, str], tip: str) -> None:
+        """Drop this repository's kept tip (_kept_for), once it is no loss: only
+        while it is still `tip`, the one read (another process may have kept a
+        second rewind there meanwhile, and it was deleted with the first)."""
+        at = self._kept(kept[1])
+        if self.git("update-ref", "-d", kept[0], tip, check=False).returncode != 0:
+            return
+        if at:
+            self.git("update-ref", "-d", kept[1], at, check=False)
         with contextlib.suppress(OSError):
             self._kept_record_path(kept[0]).unlink()
 
@@ -7168,18 +7218,19 @@ class GitStore(Store):
         or moved on the branch since the rewind (a promote to org took one).
         [] when nothing was rewound (the refs are then dropped)."""
         self._adopt_old_rewound()
+        self._say_unrecorded_kept()
         if not (tip_kept := self._kept((kept := self._kept_for())[0])):
             return []
         try:
             old = self._rewound_doc(tip_kept)
             touched = self._touched_since(self._kept(kept[1]) or tip_kept, tip)
         except CorruptStore:                       # (a kept tip whose store is malformed
-            self._drop_rewound(kept)               # holds nothing to put back)
+            self._drop_rewound(kept, tip_kept)     # holds nothing to put back)
             return []
         except CambiumError:                       # (git failed, or the branch moved on too
             return []                              # far: a warning's cost, never the scope)
         if not (lost := _rewind_lost(old, doc, touched)):
-            self._drop_rewound(kept)
+            self._drop_rewound(kept, tip_kept)
         return lost
 
     def peek(self) -> Doc:

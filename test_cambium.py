@@ -25828,3 +25828,75 @@ def test_a_rename_whose_retry_fetch_raises_keeps_what_the_old_names_copy_held(
     (warning,) = [w for w in cs.recall("alerts on-call")["warnings"]
                   if "rewound or replaced" in w]
     assert later in warning and first not in warning
+
+
+@pytest.mark.parametrize("record", ["emptied", "missing"])
+def test_a_tip_kept_apart_whose_record_is_lost_is_named_and_never_overwritten(
+        shared, monkeypatch, record):
+    """A tip kept at refs/cambium/rewound-kept/<id> (its slot blocked: `kb`
+    kept, the branch now `kb/v2`) whose record a crash emptied or lost was
+    named by no read, with no warning, and the next rewind's keep wrote over
+    it (update-ref with no old value): what the first rewind dropped was gone.
+    Its id names its repository: it is named, and a later keep merges into it.
+    Any other kept-apart tip with no record that reads is warned of."""
+    origin, a = shared["origin"], shared["a"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    stale = git(origin, "rev-parse", "kb").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    both = git(origin, "rev-parse", "kb").strip()
+    third = _endorsed("Deploys freeze on Fridays after noon")
+    assert cs.promote(third)["status"] == "promoted"
+    cs.recall("alerts")
+    git(origin, "update-ref", "refs/heads/kb", both)                      # kb rewound
+    assert third in " ".join(cs.recall("deploys freeze")["warnings"])
+    git(origin, "update-ref", "-d", "refs/heads/kb")                      # renamed, stale
+    git(origin, "update-ref", "refs/heads/kb/v2", stale)
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    cs.runtime().reset()
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    (apart,) = cs.git_lines(git(a, "for-each-ref", "--format=%(refname)",
+                             "refs/cambium/rewound-kept/"))
+    held = git(a, "rev-parse", apart).strip()
+    path = cs.store(cs.resolve_config(), "team")._kept_record_path(apart)
+    path.write_text("") if record == "emptied" else path.unlink()
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"] if "rewound" in w]
+    assert later in warning
+    assert cs.promote(_endorsed("Every queue has a dead letter queue"))["status"] == "promoted"
+    cs.recall("dead letter queue")
+    git(origin, "update-ref", "refs/heads/kb/v2", stale)                  # kb/v2 rewound
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("dead letter queue")["warnings"] if "rewound" in w]
+    assert later in warning
+    git(a, "merge-base", "--is-ancestor", held, apart)                   # never overwritten
+    git(a, "update-ref", "refs/cambium/rewound-kept/0123456789abcdef", held)
+    cs.runtime().reset()
+    assert [w for w in cs.recall("alerts")["warnings"]
+            if "rewound-kept/0123456789abcdef" in w and "cannot be read" in w]
+
+
+def test_a_kept_tip_another_process_kept_a_rewind_into_is_not_dropped(shared, monkeypatch):
+    """A read that found the kept tip no loss deleted it with no old value: a
+    second rewind another process of the clone kept into it meanwhile was
+    deleted too, named nowhere. The drop happens only while it is the tip read."""
+    origin, a = shared["origin"], shared["a"]
+    first, later = _promoted_then_rewound(shared)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    slot = "refs/cambium/rewound/team/origin/cambium"
+    kept = git(a, "rev-parse", slot).strip()
+    git(origin, "update-ref", "refs/heads/cambium", kept)                 # undone: no loss
+    other = git(a, "rev-parse", f"{slot}~1").strip()
+    real = cs.GitStore._drop_rewound
+
+    def drop(self, pair, *tip):
+        git(a, "update-ref", pair[0], other)               # another process's keep, meanwhile
+        return real(self, pair, *tip)
+
+    monkeypatch.setattr(cs.GitStore, "_drop_rewound", drop)
+    cs.runtime().reset()
+    cs.recall("alerts on-call")
+    assert git(a, "rev-parse", slot).strip() == other
