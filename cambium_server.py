@@ -6704,19 +6704,21 @@ class GitStore(Store):
     def _plain_fetch(self) -> bool:
         """Whether to fetch without updating refs/remotes/ (`--refmap=`): git's
         own ref named by _git_ref_in_the_way is still in the way (read from
-        .git, no subprocess; the note goes once it is not)."""
-        with self._state.lock:
-            if self._state.plain_fetch:
-                return True
+        .git, no subprocess; the note goes once it is not, in this process too:
+        a server kept fetching so after `git remote prune`). This process's
+        word stands when the note could not be written or read."""
         try:
             old = git_file_text(self._plain_record(), errors="replace").strip()
         except OSError:
-            return False
+            with self._state.lock:
+                return self._state.plain_fetch
         with contextlib.suppress(OSError, IndexError):
             if old.startswith("refs/remotes/") and _ref_value(self.repo, old):
                 return True
         with contextlib.suppress(OSError):
             self._plain_record().unlink()
+        with self._state.lock:
+            self._state.plain_fetch = False
         return False
 
     def _keep_removed(self, tip: str, read: str) -> None:

@@ -25900,3 +25900,31 @@ def test_a_kept_tip_another_process_kept_a_rewind_into_is_not_dropped(shared, mo
     cs.runtime().reset()
     cs.recall("alerts on-call")
     assert git(a, "rev-parse", slot).strip() == other
+
+
+def test_a_server_fetches_as_usual_once_git_remote_prune_removed_the_stale_ref(
+        shared, monkeypatch):
+    """After a rename, the process that found git's stale refs/remotes/origin/kb
+    in the way kept fetching without updating refs/remotes/ (`--refmap=`) after
+    `git remote prune` removed it, for as long as it ran (a server), and its
+    note stayed; README says only while it is there."""
+    origin, a = shared["origin"], shared["a"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    assert cs.promote(_endorsed("Every service exposes a health endpoint"))["status"] == \
+        "promoted"
+    cs.recall("health endpoint")
+    tip = git(origin, "rev-parse", "kb").strip()
+    git(origin, "update-ref", "-d", "refs/heads/kb")                      # the rename
+    git(origin, "update-ref", "refs/heads/kb/v2", tip)
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    cs.runtime().reset()
+    assert [w for w in cs.recall("health endpoint")["warnings"] if "remote prune" in w]
+    git(a, "remote", "prune", "origin")
+    fetches, real = [], cs.GitStore.git
+    monkeypatch.setattr(cs.GitStore, "git", lambda self, *a, **k: (
+        fetches.append(a) if "fetch" in a else None) or real(self, *a, **k))
+    st = cs.store(cs.resolve_config(), "team")                # (the same process)
+    st.fetch(force=True)
+    assert fetches and "--refmap=" not in fetches[-1]
+    assert not st._plain_record().exists()
