@@ -6692,8 +6692,17 @@ class GitStore(Store):
         with contextlib.suppress(OSError):
             atomic_write(self._plain_record(), (old.group(1) if old else "") + "\n",
                          durable=False)
+        self._say_prune(old.group(1) if old else "")
+
+    def _say_prune(self, old: str) -> None:
+        """Say, once a process while it is in the way (_plain_fetch), that git's
+        stale ref `old` is, with `git remote prune`: said only by the fetch
+        that found it, the word was lost when that call then failed (the
+        retry timed out), and no later read said why refs/remotes/ was left."""
+        if not self._rt.first_time(f"prune {self.repo} {self.ref} {old}"):
+            return
         self._warnings.append(
-            f"git's own {old.group(1) if old else 'remote-tracking ref'}, of a branch no "
+            f"git's own {old or 'remote-tracking ref'}, of a branch no "
             f"longer on {self.remote}, is in the way of its copy of '{self.branch}': cambium "
             f"fetches the {self.scope} branch without updating refs/remotes/ until `git -C "
             f"{shlex.quote(str(self.repo))} remote prune {self.remote}` removes it")
@@ -6714,6 +6723,7 @@ class GitStore(Store):
                 return self._state.plain_fetch
         with contextlib.suppress(OSError, IndexError):
             if old.startswith("refs/remotes/") and _ref_value(self.repo, old):
+                self._say_prune(old)
                 return True
         with contextlib.suppress(OSError):
             self._plain_record().unlink()
