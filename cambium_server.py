@@ -6699,7 +6699,8 @@ class GitStore(Store):
         stale ref `old` is, with `git remote prune`: said only by the fetch
         that found it, the word was lost when that call then failed (the
         retry timed out), and no later read said why refs/remotes/ was left."""
-        if not self._rt.first_time(f"prune {self.repo} {self.ref} {old}"):
+        if getattr(WARMING, "on", False) or not self._rt.first_time(
+                f"prune {self.repo} {self.ref} {old}"):   # (so are the warm read's words)
             return
         self._warnings.append(
             f"git's own {old or 'remote-tracking ref'}, of a branch no "
@@ -6758,14 +6759,19 @@ class GitStore(Store):
 
     def _keep_cleared(self, cleared: list[tuple[str, str]]) -> None:
         """After the fetch, for each tip kept as it was removed (_keep_removed):
-        one of this repository's gets its -at ref (the tip fetched: what
-        changed since); another repository's is dropped when the branch
-        fetched holds it (a mirror's history: no loss)."""
+        one the branch fetched holds is dropped (a rename made from that tip:
+        no loss; kept, a removal made on the new name since read as lost on
+        every read), while it is still that tip alone; else this
+        repository's gets its -at ref (the tip fetched: what changed since);
+        another repository's is dropped when the branch fetched holds it (a
+        mirror's history: no loss)."""
         url, now = self._url_now(), self.local_tip()
         for tip, read in cleared:
             if not (read and url and not one_repository(read, url, self.repo)):
                 ref, at = self._kept_for(url)
-                if now and self._kept(ref) and not self._kept(at):
+                if now and self._kept(ref) == tip and not self._left_behind(tip):
+                    self._drop_rewound((ref, at), tip)      # (a rename from the tip: no loss)
+                elif now and self._kept(ref) and not self._kept(at):
                     self.git("update-ref", at, now, "", check=False)
                 continue
             ref, at = self._own_kept(read)
@@ -7080,8 +7086,11 @@ class GitStore(Store):
         """Warn, once a process, of each refs/cambium/rewound-kept/<id> tip with
         no record that reads (a crash, an edit) but this scope's own (_kept_for
         takes it): which repository and branch it was kept for is unknown, and
-        no read named it or said so."""
-        if not self._rt.first_time(f"unrecorded kept {self.repo}"):
+        no read named it or said so. Not by the server's warm read (WARMING),
+        whose warnings no call sees: the first call's read says it.
+        `git update-ref -d <ref>` ends it."""
+        if getattr(WARMING, "on", False) or not self._rt.first_time(
+                f"unrecorded kept {self.repo}"):    # (the warm read's words are thrown away)
             return
         listed = self.git("for-each-ref", "--format=%(refname)", "refs/cambium/rewound-kept/",
                           check=False).stdout
@@ -7093,7 +7102,8 @@ class GitStore(Store):
                     f"({self._kept_record_path(ref)}) is missing or cannot be read: which "
                     f"repository and branch it was kept for is unknown, so no read names it. "
                     f"`git -C {shlex.quote(str(self.repo))} show {ref}:{STORE_FILE}` shows "
-                    f"what it holds")
+                    f"what it holds; `git -C {shlex.quote(str(self.repo))} update-ref -d {ref}` "
+                    f"ends this warning, and the tip with it")
 
     def _own_kept(self, url: str) -> tuple[str, str]:
         """A kept ref of this repository's own, refs/cambium/rewound-kept/<id>

@@ -24977,6 +24977,40 @@ def test_a_kept_rewind_record_naming_a_branch_is_not_read(shared):
     assert git(a, "for-each-ref", "--format=%(refname) %(objectname)", "refs/heads/") == heads
 
 
+def test_a_rename_from_the_tip_then_a_removal_on_the_new_name_is_no_rewind(shared, monkeypatch,
+                                                                         tmp_path):
+    """A rename made from the branch's tip (`kb` -> `kb/v2`, nothing rewound)
+    kept the old name's copy as a rewound tip and never dropped it: an item a
+    teammate then removed on the new name, on purpose, was named lost by a
+    rewind on every read. The copy kept as the rename cleared it is dropped
+    once the branch fetched holds it."""
+    origin, a = shared["origin"], shared["a"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    x = _endorsed("Pin base images by digest in every Dockerfile")
+    y = _endorsed("Rotate the signing keys every quarter")
+    assert cs.promote(x)["status"] == cs.promote(y)["status"] == "promoted"
+    assert {r["id"] for r in cs.recall("base images digest", scope="team")["results"]} >= {x}
+    tip = git(origin, "rev-parse", "kb").strip()
+    git(origin, "update-ref", "-d", "refs/heads/kb")                    # the rename, from
+    git(origin, "update-ref", "refs/heads/kb/v2", tip)                  # the tip a read
+    edit = tmp_path / "edit"
+    subprocess.run(["git", "clone", "-q", "-b", "kb/v2", str(origin), str(edit)], check=True)
+    doc = json.loads((edit / cs.STORE_FILE).read_text())
+    doc["items"] = [i for i in doc["items"] if i["id"] != y]           # removed on purpose
+    (edit / cs.STORE_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    git(edit, *GIT_ID, "commit", "-qam", "y is no longer true")
+    git(edit, "push", "-q", "origin", "HEAD:kb/v2")
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    for _ in range(2):
+        cs.runtime().reset()
+        out = cs.recall("base images digest", scope="team")
+        assert [r["id"] for r in out["results"]] == [x], out
+        assert not [w for w in out.get("warnings", []) if "was rewound" in w or y in w], \
+            out["warnings"]
+    assert "rewound" not in git(a, "for-each-ref", "--format=%(refname)", "refs/cambium/")
+
+
 @pytest.mark.parametrize("back", [False, True])
 def test_a_team_branch_renamed_under_a_name_it_had_is_read_and_written(shared, monkeypatch,
                                                                         back):
