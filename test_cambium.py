@@ -52,8 +52,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 
 def _hangup_default() -> None:
-    """preexec_fn: SIGHUP as a terminal's child has it (nohup ignores it)."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    """preexec_fn: SIGHUP, SIGINT and SIGTERM as a terminal's child has them
+    (nohup ignores SIGHUP; a background job, or an earlier test of the same
+    xdist worker that served in-process, may have left SIGINT ignored, and a
+    server started with it ignored rightly never takes it: a test's Ctrl-C
+    then waited out its 60 s)."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 # =============================================================================
@@ -17887,7 +17892,8 @@ def test_a_signal_as_a_server_s_process_ends_leaves_its_exit_status(repo, args, 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", LATE_SIGNAL_SERVER, *args,
                              *(["--port", str(port)] if args else [])], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_hangup_default)
     try:
         if args:
             assert b"serving MCP on" in proc.stderr.readline()
