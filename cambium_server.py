@@ -6699,8 +6699,7 @@ class GitStore(Store):
         stale ref `old` is, with `git remote prune`: said only by the fetch
         that found it, the word was lost when that call then failed (the
         retry timed out), and no later read said why refs/remotes/ was left."""
-        if getattr(WARMING, "on", False) or not self._rt.first_time(
-                f"prune {self.repo} {self.ref} {old}"):   # (so are the warm read's words)
+        if not self._say_once(f"prune {self.repo} {self.ref} {old}"):
             return
         self._warnings.append(
             f"git's own {old or 'remote-tracking ref'}, of a branch no "
@@ -6741,7 +6740,7 @@ class GitStore(Store):
         no loss once the branch holds it) when it was read from the
         repository the remote names now, else at that repository's own kept
         name (_own_kept), named there once the URL names it again."""
-        url = self._url_now()
+        url = self._url_or_blank()
         if not (read and url and not one_repository(read, url, self.repo)):
             self._note_rewind(tip)
             return
@@ -6765,7 +6764,9 @@ class GitStore(Store):
         repository's gets its -at ref (the tip fetched: what changed since);
         another repository's is dropped when the branch fetched holds it (a
         mirror's history: no loss)."""
-        url, now = self._url_now(), self.local_tip()
+        if not cleared:
+            return
+        url, now = self._url_or_blank(), self.local_tip()
         for tip, read in cleared:
             if not (read and url and not one_repository(read, url, self.repo)):
                 ref, at = self._kept_for(url)
@@ -6921,7 +6922,7 @@ class GitStore(Store):
         if not before or not self.rewinds or not self._left_behind(before):
             return
         self._adopt_old_rewound()
-        url = self._url_now()
+        url = self._url_or_blank()
         ref, at = self._kept_for(url)     # (this repository's: never another's, _kept_for)
         kept = self._kept(ref)
         if kept and self._holds(kept, before):
@@ -7006,11 +7007,6 @@ class GitStore(Store):
         (_kept_for)."""
         return self._kept_for()[0]
 
-    @property
-    def _rewound_at_ref(self) -> str:
-        """The tip that rewind left, beside it: what changed since (_touched_since)."""
-        return self._kept_for()[1]
-
     def _slot(self) -> tuple[str, str]:
         """A kept tip's usual name, refs/cambium/rewound/<scope>/<remote>/<branch>,
         and its -at ref."""
@@ -7030,7 +7026,7 @@ class GitStore(Store):
         slot cannot be made, `kb` kept beside a branch now named `kb/v2`; its
         id names its repository, so one whose record is gone or unreadable
         is this one's, recorded again: it was named by no read)."""
-        url = self._url_now() if url is None else url
+        url = self._url_or_blank() if url is None else url
         slot = self._slot()
         held = self._kept(slot[0])
         if held and not self._kept_unowned(slot[0], url) and \
@@ -7045,12 +7041,6 @@ class GitStore(Store):
             return own                            # and repository: a record a crash lost)
         return own if held else slot
 
-    def _url_now(self) -> str:
-        """The remote's URL now ("" when git cannot say)."""
-        with contextlib.suppress(CambiumError):
-            return remote_url(self.repo, self.remote, self.timeout_s) or ""
-        return ""
-
     def _kept_here(self, record: dict | None, url: str, *, slot: bool = False) -> bool:
         """Whether a kept tip's record names this scope, remote and branch and
         the repository `url` names (one_repository). The slot's tip with no
@@ -7063,6 +7053,12 @@ class GitStore(Store):
         return (record.get("scope"), record.get("remote"), record.get("branch")) == \
             (self.scope, self.remote, self.branch) and (
                 not url or not kept_at or one_repository(kept_at, url, self.repo))
+
+    def _say_once(self, note: str) -> bool:
+        """Whether a once-a-process warning `note` is said by this read: never
+        by the server's warm read (WARMING), whose warnings no call sees (it
+        took the one time, and the word was lost), once by any other."""
+        return not getattr(WARMING, "on", False) and self._rt.first_time(note)
 
     def _kept_unowned(self, ref: str, url: str) -> bool:
         """Whether a kept ref's record is there but does not read (emptied by a
@@ -7089,12 +7085,11 @@ class GitStore(Store):
         no read named it or said so. Not by the server's warm read (WARMING),
         whose warnings no call sees: the first call's read says it.
         `git update-ref -d <ref>` ends it."""
-        if getattr(WARMING, "on", False) or not self._rt.first_time(
-                f"unrecorded kept {self.repo}"):    # (the warm read's words are thrown away)
+        if not self._say_once(f"unrecorded kept {self.repo}"):
             return
         listed = self.git("for-each-ref", "--format=%(refname)", "refs/cambium/rewound-kept/",
                           check=False).stdout
-        url = self._url_now()
+        url = self._url_or_blank()
         for ref in git_lines(listed):
             if ref != self._own_kept(url)[0] and self._read_kept_record(ref) is None:
                 self._warnings.append(
@@ -12149,7 +12144,7 @@ class Semantic:
         indexes = list(self.slots.keys())
         if not any(index.whole for index in indexes):
             return None
-        live = {self.key(it) for index in indexes for it in index.items if it is not None}
+        live = self._live_keys(indexes)
         if not live or len(self.cache.rows) <= 2 * len(live) + VECTORS_PRUNE_SLACK:
             return None
         return live.union(self.cache.added)      # (embedded since those indexes were read)
@@ -12179,6 +12174,10 @@ class Semantic:
         with self.cv:
             return len(self.queued)
 
+    def _live_keys(self, indexes: Iterable[Index]) -> set[str]:
+        """The keys of the live items of `indexes` (this engine's kind)."""
+        return {self.key(it) for index in indexes for it in index.items if it is not None}
+
     def items_with_tokens(self) -> int | None:
         """How many live items of the indexes ranked here have their token
         file on disk now (this engine's keys: not another kind's, nor a file
@@ -12188,7 +12187,7 @@ class Semantic:
             indexes = list(self.slots.keys())
             if not indexes or self.tokens is None:
                 return None
-            keys = {self.key(it) for index in indexes for it in index.items if it is not None}
+            keys = self._live_keys(indexes)
         return self.tokens.count(keys)
 
     def wait_idle(self, timeout_s: float, new_only: bool = False) -> bool:
@@ -16263,7 +16262,7 @@ CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy mea
 def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
                 made: dict[str, Item], above: Doc,
                 lift: Callable[[Item, Item, set[str]], Item],
-                left: set[str] | None = None) -> list[str]:
+                left: set[str]) -> list[str]:
     """Drop from src the copies that landed in dst (each added to `left` as
     the write that drops it is done). A source copy changed since
     its copy was made (a teammate's endorse, deprecate or correct from another
@@ -16298,8 +16297,7 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
 
         mutate(cfg, src, drop,
                f"{len(pending)} item(s) moved to {dst}: {', '.join(sorted(pending))}")
-        if left is not None:
-            left.update(pending - changed.keys())
+        left.update(pending - changed.keys())
         if not changed:
             return sorted(kept)
         pending = set(changed)
