@@ -7069,7 +7069,7 @@ class GitStore(Store):
         path = self._kept_record_path(ref)
         if not os.path.lexists(path) or self._read_kept_record(ref) is not None:
             return False
-        if self._rt.first_time(f"unowned {self.repo} {ref}"):
+        if self._say_once(f"unowned {self.repo} {ref}"):
             self._warnings.append(
                 f"cambium cannot read the record of its kept rewound tip {ref} ({path}), so "
                 f"which repository it was read from is unknown: it is kept, and no read "
