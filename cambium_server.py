@@ -16262,7 +16262,7 @@ CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy mea
 def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
                 made: dict[str, Item], above: Doc,
                 lift: Callable[[Item, Item, set[str]], Item],
-                left: set[str]) -> list[str]:
+                left: set[str] | None = None) -> list[str]:
     """Drop from src the copies that landed in dst (each added to `left` as
     the write that drops it is done). A source copy changed since
     its copy was made (a teammate's endorse, deprecate or correct from another
@@ -16297,7 +16297,8 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
 
         mutate(cfg, src, drop,
                f"{len(pending)} item(s) moved to {dst}: {', '.join(sorted(pending))}")
-        left.update(pending - changed.keys())
+        if left is not None:                 # (a caller that asks which left)
+            left.update(pending - changed.keys())
         if not changed:
             return sorted(kept)
         pending = set(changed)
