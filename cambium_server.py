@@ -6741,7 +6741,7 @@ class GitStore(Store):
         repository the remote names now, else at that repository's own kept
         name (_own_kept), named there once the URL names it again."""
         url = self._url_or_blank()
-        if not (read and url and not one_repository(read, url, self.repo)):
+        if self._one_or_unknown(read, url):
             self._note_rewind(tip)
             return
         if not self.rewinds:
@@ -6768,7 +6768,7 @@ class GitStore(Store):
             return
         url, now = self._url_or_blank(), self.local_tip()
         for tip, read in cleared:
-            if not (read and url and not one_repository(read, url, self.repo)):
+            if self._one_or_unknown(read, url):
                 ref, at = self._kept_for(url)
                 if now and self._kept(ref) == tip and not self._left_behind(tip):
                     self._drop_rewound((ref, at), tip)      # (a rename from the tip: no loss)
@@ -7051,8 +7051,13 @@ class GitStore(Store):
             return slot
         kept_at = str(record.get("url") or "")
         return (record.get("scope"), record.get("remote"), record.get("branch")) == \
-            (self.scope, self.remote, self.branch) and (
-                not url or not kept_at or one_repository(kept_at, url, self.repo))
+            (self.scope, self.remote, self.branch) and self._one_or_unknown(kept_at, url)
+
+    def _one_or_unknown(self, kept_at: str, url: str) -> bool:
+        """Whether a tip read or kept at `kept_at` is the repository's the
+        remote's URL `url` names now (one_repository), or either URL is unknown
+        (blank: not read, or not recorded): the one rule of a kept tip's owner."""
+        return not (kept_at and url) or one_repository(kept_at, url, self.repo)
 
     def _say_once(self, note: str) -> bool:
         """Whether a once-a-process warning `note` is said by this read: never
