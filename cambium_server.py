@@ -6913,7 +6913,7 @@ class GitStore(Store):
             "merge-base", "--is-ancestor", before, now, check=False).returncode == 0)
 
     def _note_rewind(self, before: str | None) -> None:
-        """Keep the tip fetched before (_rewound_ref) when the branch no longer
+        """Keep the tip fetched before (_kept_for) when the branch no longer
         descends from it: a force push (an old clone's `push --force --all`) or a
         deleted branch dropped what cambium had read there. The branch decides
         (a write applies only its own change on what the branch holds); reads
@@ -7001,12 +7001,6 @@ class GitStore(Store):
         return self._commit(before, {STORE_FILE: render_store(union)},
                             f"cambium: what rewinds of {self.branch} dropped", merge=kept)
 
-    @property
-    def _rewound_ref(self) -> str:
-        """Where the rewound tip of the repository the remote names now is kept
-        (_kept_for)."""
-        return self._kept_for()[0]
-
     def _slot(self) -> tuple[str, str]:
         """A kept tip's usual name, refs/cambium/rewound/<scope>/<remote>/<branch>,
         and its -at ref."""
@@ -7028,15 +7022,16 @@ class GitStore(Store):
         is this one's, recorded again: it was named by no read)."""
         url = self._url_or_blank() if url is None else url
         slot = self._slot()
+        records = {rec["ref"]: rec for rec in self._kept_records()}    # (each parsed once)
         held = self._kept(slot[0])
-        if held and not self._kept_unowned(slot[0], url) and \
-                self._kept_here(self._read_kept_record(slot[0]), url, slot=True):
+        if held and not self._kept_unowned(slot[0], url, records.get(slot[0])) and \
+                self._kept_here(records.get(slot[0]), url, slot=True):
             return slot
-        for rec in self._kept_records():
-            if rec["ref"] != slot[0] and self._kept_here(rec, url) and self._kept(rec["ref"]):
-                return rec["ref"], rec["at"]
+        for ref, rec in records.items():
+            if ref != slot[0] and self._kept_here(rec, url) and self._kept(ref):
+                return ref, rec["at"]
         own = self._own_kept(url)
-        if url and self._kept(own[0]) and self._read_kept_record(own[0]) is None:
+        if url and self._kept(own[0]) and own[0] not in records:
             self._record_kept(*own, url)          # (its id names this scope, remote, branch
             return own                            # and repository: a record a crash lost)
         return own if held else slot
@@ -7065,14 +7060,14 @@ class GitStore(Store):
         took the one time, and the word was lost), once by any other."""
         return not getattr(WARMING, "on", False) and self._rt.first_time(note)
 
-    def _kept_unowned(self, ref: str, url: str) -> bool:
-        """Whether a kept ref's record is there but does not read (emptied by a
-        crash, garbled): which repository it was read from cannot be told, so
-        it is kept, named by no read and never dropped (taken as this one's,
-        another repository's kept tip was dropped there as "no loss"). Said
-        once a process."""
+    def _kept_unowned(self, ref: str, url: str, record: dict | None) -> bool:
+        """Whether a kept ref's record (`record`, as it read) is there but does
+        not read (emptied by a crash, garbled): which repository it was read
+        from cannot be told, so it is kept, named by no read and never dropped
+        (taken as this one's, another repository's kept tip was dropped there
+        as "no loss"). Said once a process."""
         path = self._kept_record_path(ref)
-        if not os.path.lexists(path) or self._read_kept_record(ref) is not None:
+        if not os.path.lexists(path) or record is not None:
             return False
         if self._say_once(f"unowned {self.repo} {ref}"):
             self._warnings.append(
@@ -7147,7 +7142,7 @@ class GitStore(Store):
 
     def _adopt_old_rewound(self) -> None:
         """Move a tip an earlier version kept at `<ref>-rewound` (and what it
-        named `-rewound-at`) to _rewound_ref, once a process: that name was also
+        named `-rewound-at`) to the slot (_slot), once a process: that name was also
         the private ref of a branch named `<branch>-rewound`, so it stays where
         it is when this clone has fetched such a branch (its fetch stamp is
         there: the ref may be that branch's tip, not a kept one)."""
@@ -7233,27 +7228,29 @@ class GitStore(Store):
             self._state.rewind_touched = (key, ids)
         return ids
 
-    def rewound_items(self, doc: Doc, tip: str | None) -> list[Item]:
-        """The items of the tip kept in _rewound_ref that `doc` (at `tip`)
-        lost: those it holds no copy of, and those whose kept version is later
-        (a deprecation or a correction the rewind undid), but for items changed
-        or moved on the branch since the rewind (a promote to org took one).
-        [] when nothing was rewound (the refs are then dropped)."""
+    def rewound_items(self, doc: Doc, tip: str | None) -> tuple[list[Item], str]:
+        """(The items of this repository's kept rewound tip, _kept_for, that
+        `doc` (at `tip`) lost, the kept ref): those it holds no copy of, and
+        those whose kept version is later (a deprecation or a correction the
+        rewind undid), but for items changed or moved on the branch since the
+        rewind (a promote to org took one). No items when nothing was rewound
+        (the refs are then dropped). The kept ref is handed on, not asked
+        again: each asking reads every kept tip's record."""
         self._adopt_old_rewound()
         self._say_unrecorded_kept()
         if not (tip_kept := self._kept((kept := self._kept_for())[0])):
-            return []
+            return [], kept[0]
         try:
             old = self._rewound_doc(tip_kept)
             touched = self._touched_since(self._kept(kept[1]) or tip_kept, tip)
         except CorruptStore:                       # (a kept tip whose store is malformed
             self._drop_rewound(kept, tip_kept)     # holds nothing to put back)
-            return []
+            return [], kept[0]
         except CambiumError:                       # (git failed, or the branch moved on too
-            return []                              # far: a warning's cost, never the scope)
+            return [], kept[0]                     # far: a warning's cost, never the scope)
         if not (lost := _rewind_lost(old, doc, touched)):
             self._drop_rewound(kept, tip_kept)
-        return lost
+        return lost, kept[0]
 
     def peek(self) -> Doc:
         """The doc at the last fetched tip: no fetch, no write (but for a
@@ -7404,22 +7401,24 @@ class GitStore(Store):
         said = behind(self.scope)                          # (said once: the fetch may
         if error and not any(w.startswith(said) for w in self._warnings):     # have said why)
             self._warnings.append(said + error)
-        if lost := self.rewound_items(doc, tip):  # (the branch decides: said, not undone)
-            self._warnings.append(self._rewound_warning(lost))
+        lost, kept = self.rewound_items(doc, tip)   # (the branch decides: said, not undone)
+        if lost:
+            self._warnings.append(self._rewound_warning(lost, kept))
         if self.checkout:
             self.sync_checkout()
         return doc
 
-    def _rewound_warning(self, lost: list[Item]) -> str:
+    def _rewound_warning(self, lost: list[Item], ref: str) -> str:
+        """What a rewind lost (rewound_items), kept at `ref`, and how to bring it back."""
         ids = ", ".join(it.id for it in lost[:5]) + (", …" if len(lost) > 5 else "")
-        kept = shlex.quote(f"{self._rewound_ref}:{STORE_FILE}")
+        kept = shlex.quote(f"{ref}:{STORE_FILE}")
         return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
                 f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
                 f"before are gone from it or set back ({ids}). cambium kept the earlier tip(s): "
                 f"to bring them back here, `git -C {shlex.quote(str(self.repo))} show {kept} > "
                 f"/tmp/rewound.json` and `{_cli_command()} restore /tmp/rewound.json` (what the scope "
                 "still holds stays there), then promote them again; if the rewind was meant, "
-                f"`git -C {shlex.quote(str(self.repo))} update-ref -d {self._rewound_ref}` ends "
+                f"`git -C {shlex.quote(str(self.repo))} update-ref -d {ref}` ends "
                 "this warning")
 
     def default_tip(self) -> str | None:
@@ -7767,8 +7766,9 @@ class GitStore(Store):
         """A write's answer names what a rewind of the branch dropped, as a read
         does (rewound_items): its fetch kept the earlier tip, and the agent,
         told only "endorsed", never learned that a teammate's items were gone."""
-        if lost := self.rewound_items(done.doc, done.commit or self.local_tip()):
-            note_for_call(self._rewound_warning(lost))
+        lost, kept = self.rewound_items(done.doc, done.commit or self.local_tip())
+        if lost:
+            note_for_call(self._rewound_warning(lost, kept))
 
     def _attempt(self, fn: Callable[[Doc], Doc | None], message: str, target: str,
                  side: str | None, ensure_files: bool, guess: str | None = None

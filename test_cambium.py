@@ -24774,7 +24774,13 @@ def test_a_rewind_long_past_costs_reads_nothing_and_its_doc_is_parsed_once(share
     assert any("rewound or replaced" in w for w in out["warnings"])
     parses, real = [], cs.parse_store
     monkeypatch.setattr(cs, "parse_store", lambda *a, **k: parses.append(1) or real(*a, **k))
-    cs.recall("alerts page the on-call engineer")
+    me, records, real_record = threading.get_ident(), [], cs._kept_record_at
+    monkeypatch.setattr(cs, "_kept_record_at", lambda path: (
+        records.append(path.name) if threading.get_ident() == me else None) or
+        real_record(path))                                # (this thread's reads alone)
+    out = cs.recall("alerts page the on-call engineer")
+    assert any("rewound or replaced" in w for w in out["warnings"])
+    assert len(records) == len(set(records)) == 1, records     # (its one record, once)
     cs.recall("health endpoint")
     assert parses == []                                   # (the tip did not move)
     monkeypatch.setattr(cs, "REWIND_WALK_MAX", 3)
