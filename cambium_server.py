@@ -6739,17 +6739,16 @@ class GitStore(Store):
         (_note_rewind: none is fetched yet, so it is kept; a read drops it as
         no loss once the branch holds it) when it was read from the
         repository the remote names now, else at that repository's own kept
-        name (_own_kept), named there once the URL names it again."""
+        name (_keep_apart: merged with a tip kept there before, never written
+        over it), named there once the URL names it again."""
         url = self._url_or_blank()
         if self._one_or_unknown(read, url):
             self._note_rewind(tip)
             return
         if not self.rewinds:
             return
-        ref, at = self._own_kept(read)
-        if self._kept(ref) == tip or \
-                self.git("update-ref", ref, tip, "", check=False).returncode == 0:
-            self._record_kept(ref, at, read)
+        if kept := self._keep_apart(read, tip):
+            self._record_kept(*kept, read)
         else:
             self._warnings.append(
                 f"cambium could not keep the tip of a ref it removed ({tip}, read from "
@@ -6961,10 +6960,13 @@ class GitStore(Store):
         self.git("update-ref", *((at, now) if now else ("-d", at)), check=False)
 
     def _keep_apart(self, url: str, before: str) -> tuple[str, str] | None:
-        """Keep `before` at this repository's own kept name (_own_kept), never
-        over a tip kept there (its record may be gone or unreadable, a crash:
-        it was overwritten): merged with it as a second rewind is
-        (_kept_both). The pair, or None when git could not."""
+        """Keep `before` at the own kept name (_own_kept) of the repository
+        `url` names (this one's, or another's a rename's removed ref was read
+        from: _keep_removed), never over a tip kept there (its record may be
+        gone or unreadable, a crash; or a rename's earlier keep: it was
+        overwritten, or the keep failed and the tip was lost): merged with it
+        as a second rewind is (_kept_both). The pair, or None when git could
+        not."""
         ref, at = self._own_kept(url)
         held = self._kept(ref)
         try:

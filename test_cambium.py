@@ -25133,6 +25133,53 @@ def test_an_old_names_copy_read_from_another_repository_is_kept_as_its(shared, m
     assert later in warning and first not in warning
 
 
+def test_an_old_names_copy_kept_as_another_repositorys_joins_a_tip_kept_there(shared,
+                                                                              monkeypatch):
+    """The old name's copy removed at a rename, read from another repository
+    than the remote's URL names now, was kept at that repository's own kept
+    name only when nothing was kept there (update-ref with no old value):
+    beside an earlier keep it said it could not keep it and removed the ref,
+    and what it held was named nowhere after. It is merged with the tip kept
+    there, as a second rewind is (_keep_apart), and both are named once the
+    URL names that repository again."""
+    origin, a, tmp = shared["origin"], shared["a"], shared["tmp"]
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    cs.runtime().reset()
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    stale = git(origin, "rev-parse", "kb").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    cs.recall("alerts")
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb/v2")
+    cs.runtime().reset()
+    st = cs.store(cs.resolve_config(), "team")
+    read = st._url_record("kb").read_text().strip()              # (kb's copy was read there)
+    base = st.doc_at(stale, remember=False)
+    gone = dataclasses.replace(base.items[0], id=base.items[0].id + "-kept",
+                               content="Every queue has a dead letter queue")
+    held = st._commit(stale, {cs.STORE_FILE: cs.render_store(
+        dataclasses.replace(base, items=[*base.items, gone]))}, "an earlier keep")
+    ref, at = st._own_kept(read)
+    git(a, "update-ref", ref, held)                  # an earlier keep of that repository's
+    st._record_kept(ref, at, read)
+    two = tmp / "two.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(origin), str(two)], check=True)
+    for bare in (origin, two):                            # each renamed from the stale tip
+        git(bare, "update-ref", "-d", "refs/heads/kb")
+        git(bare, "update-ref", "refs/heads/kb/v2", stale)
+    git(a, "remote", "set-url", "origin", str(two))
+    out = cs.recall("alerts on-call")
+    assert not [w for w in out["warnings"] if "could not keep" in w or "rewound or" in w], \
+        out["warnings"]
+    git(a, "merge-base", "--is-ancestor", held, ref)                     # never written over
+    git(a, "remote", "set-url", "origin", str(origin))
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"]
+                  if "rewound or replaced" in w]
+    assert later in warning and gone.id in warning and first + "," not in warning
+
+
 def test_an_earlier_versions_kept_tip_of_an_old_name_neither_blocks_nor_is_lost(
         shared, monkeypatch):
     """An earlier version's kept tip of `kb/v2` (refs/cambium/team/origin/kb/v2-rewound,
