@@ -24966,6 +24966,31 @@ def test_a_kept_rewind_record_nested_deep_is_an_unreadable_one(shared):
     assert git(a, "rev-parse", slot).strip() == kept
 
 
+def test_a_kept_rewind_whose_record_does_not_read_is_said_to_a_servers_first_call(shared):
+    """The once-a-process warning of a kept tip whose record does not read
+    (_kept_unowned) was taken by the server's warm read at start (WARMING),
+    whose warnings no call sees: a server never said it. The first call's
+    read says it, once."""
+    a = shared["a"]
+    first, later = _promoted_then_rewound(shared)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    slot = "refs/cambium/rewound/team/origin/cambium"
+    cs.store(cs.resolve_config(), "team")._kept_record_path(slot).write_text("{")
+    cs.runtime().reset()                                  # a new server process
+    cs.runtime().long_running.set()
+    reads, real = [], cs.GitStore._kept_unowned
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cs.GitStore, "_kept_unowned", lambda self, *a: reads.append(
+            getattr(cs.WARMING, "on", False)) or real(self, *a))
+        cs.warm_recall_soon().join(120)
+    assert True in reads                              # (the warm read found it, said nothing)
+    said = [w for w in cs.recall("alerts on-call").get("warnings", []) if "cannot read" in w]
+    assert len(said) == 1 and slot in said[0], said            # the first call's read
+    again = cs.recall("alerts on-call").get("warnings", [])
+    assert not [w for w in again if "cannot read" in w]         # (once a process)
+    assert git(a, "rev-parse", slot).strip()                               # (kept)
+
+
 def test_a_kept_rewind_record_naming_a_branch_is_not_read(shared):
     """A rewound-*.json record beside the fetch stamps could name any ref: one
     naming refs/heads/feature (at refs/heads/main) was read as a kept tip
