@@ -7026,8 +7026,11 @@ class GitStore(Store):
         slot = self._slot()
         records = {rec["ref"]: rec for rec in self._kept_records()}    # (each parsed once)
         held = self._kept(slot[0])
-        if held and not self._kept_unowned(slot[0], url, records.get(slot[0])) and \
-                self._kept_here(records.get(slot[0]), url, slot=True):
+        mine = records.get(slot[0])
+        if held and mine is None:                 # (a record another process wrote
+            mine = self._read_kept_record(slot[0])  # since the listing reads now)
+        if held and not self._kept_unowned(slot[0], url, mine) and \
+                self._kept_here(mine, url, slot=True):
             return slot
         for ref, rec in records.items():
             if ref != slot[0] and self._kept_here(rec, url) and self._kept(ref):

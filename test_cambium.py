@@ -24966,6 +24966,30 @@ def test_a_kept_rewind_record_nested_deep_is_an_unreadable_one(shared):
     assert git(a, "rev-parse", slot).strip() == kept
 
 
+def test_a_kept_record_another_process_writes_during_a_read_is_read_not_called_unreadable(
+        shared, monkeypatch):
+    """A kept tip's record that another process's keep writes between a read's
+    one listing of the records and its check of the slot's record reads as the
+    record it is: no "cannot read the record" warning, and the rewind is named."""
+    first, later = _promoted_then_rewound(shared)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])
+    slot = "refs/cambium/rewound/team/origin/cambium"
+    path = cs.store(cs.resolve_config(), "team")._kept_record_path(slot)
+    data = path.read_bytes()
+    path.unlink()                                   # (kept, its record not yet written)
+    cs.runtime().reset()
+    real = cs.GitStore._kept_records
+
+    def listed(self):
+        out = real(self)
+        if not path.exists():
+            path.write_bytes(data)                  # (the other process's record lands)
+        return out
+    monkeypatch.setattr(cs.GitStore, "_kept_records", listed)
+    said = " ".join(cs.recall("alerts on-call")["warnings"])
+    assert "cannot read the record" not in said and later in said
+
+
 def test_a_kept_rewind_whose_record_does_not_read_is_said_to_a_servers_first_call(shared):
     """The once-a-process warning of a kept tip whose record does not read
     (_kept_unowned) was taken by the server's warm read at start (WARMING),
