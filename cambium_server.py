@@ -2637,7 +2637,8 @@ class GitScope:
     rewind_touched: tuple | None = None     # ((base, tip), ids changed since a rewind,
                                             #: or why the walk is too far to take)
     rewound_doc: tuple[str, Doc] | None = None   # (the kept tip, its doc): not `doc`'s slot
-    foreign: tuple[str, str | None] | None = None  # (a tip, why it is not cambium's or None)
+    foreign: tuple[tuple, tuple[list, str | None]] | None = None  # ((scope, a tip, shallow
+                                        #: file), GitStore._foreign's answer of it)
     plain_fetch: bool = False           # git's own stale refs/remotes/ ref is in the way:
                                         #: fetch without updating refs/remotes/ (`--refmap=`)
     moved_unsaid: str | None = None         # a URL move no call has said yet (_say_moved)
@@ -6242,6 +6243,68 @@ def _kept_record_name(ref: str) -> str:
 REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop naming its losses
 
 
+class Deletion(NamedTuple):
+    """What store_deleted found: the commit that deleted a store holding items
+    (`gone`), its first parent (`before`: the store as it was last), how many
+    items that held (-1: unreadable there, held uncounted), whether a merge
+    deleted it; or, with `unread` set, why the history could not be told
+    (`shallow`: a shallow clone's, which a `git fetch --unshallow` ends)."""
+    gone: str = ""
+    before: str = ""
+    held: int = 0
+    merge: bool = False
+    unread: str = ""
+    shallow: bool = False
+
+
+SHALLOW_UNREAD = "the clone is shallow (a `git clone --depth`: its history stops short)"
+
+
+def store_deleted(repo: Path, tip: str, timeout_s: float) -> Deletion | None:
+    """Why a tip without the store file is no new store, or None: a commit of
+    its history deleted one that held items (a `git rm knowledge.json`), or
+    the history could not be walked (a damaged repository; a shallow clone
+    made after the deletion, its root the deleting commit): both fail closed.
+    None for a history that never held items (a new branch), held an empty
+    store, or withdrew it (_store_withdrawn). One git walk of the store file
+    along first parents (the branch's own: git's default followed the parent
+    a merge was the same as, a side branch's older `git rm`); GitStore's
+    reads and writes and setup's org clone check ask it alike."""
+    walk = _git(["rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE],
+                repo, timeout_s, check=False)
+    if walk.returncode:                         # (a damaged repository: fail closed)
+        return Deletion(unread=clip_message(walk.stderr.strip(), 300))
+    if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
+        shallow = _git(["rev-parse", "--is-shallow-repository"], repo, timeout_s).stdout
+        return Deletion(unread=SHALLOW_UNREAD, shallow=True) if shallow.strip() == "true" \
+            else None
+    gone, before = line[0], line[1]            # (before: the store as it was last)
+    if _store_withdrawn(repo, gone, before, timeout_s):
+        return None
+    try:
+        held = len(parse_store(_git(["cat-file", "blob", f"{before}:{STORE_FILE}"], repo,
+                                    timeout_s).stdout, STORE_FILE).items)
+    except CambiumError:                        # (unreadable there: held, uncounted)
+        held = -1
+    return Deletion(gone, before, held, len(line) > 2) if held else None  # (an empty one
+    #                                                                       deleted: no loss)
+
+
+def _store_withdrawn(repo: Path, gone: str, before: str, timeout_s: float) -> bool:
+    """Whether the commit `gone` that deleted the store is a `git revert` of
+    the one that made it, the store unchanged between (`before`, gone's
+    first parent): a merged pull request that brought the store, reverted
+    by its reviewers, is withdrawn, not lost (nothing else was in it); PR
+    mode then withdraws the promotion (_settle_merged)."""
+    def git(*args: str) -> str:
+        return _git(list(args), repo, timeout_s, check=False).stdout
+    made = git("log", "-1", "--first-parent", "--diff-filter=A", "--format=%H", before,
+               "--", STORE_FILE).strip()
+    if not made or f"This reverts commit {made}" not in git("log", "-1", "--format=%B", gone):
+        return False
+    return not git("rev-list", "--first-parent", f"{made}..{before}", "--", STORE_FILE).strip()
+
+
 class GitStore(Store):
     """knowledge.json on `branch` of `remote`, in the clone at `repo`.
 
@@ -7274,20 +7337,12 @@ class GitStore(Store):
         """Warn a read that the branch's tip is not cambium's (foreign_problem:
         other files and no store, as a teammate's `git rm knowledge.json`
         leaves it): writes refuse, and reads served every team item gone with
-        no word (only status named it). Asked once per tip (a git ls-tree of
-        an empty store's tip, remembered), and only of a tip whose store file
-        doc_at did not find: an empty store's file (its last item moved up)
-        cost every process reading it a git call (_knew_ours)."""
-        if not (self.own_branch and tip and not doc.items):
-            return
-        with self._state.lock:
-            seen = self._state.foreign
-        if seen is None or seen[0] != tip:
-            seen = tip, self.foreign_problem(tip, doc)
-            with self._state.lock:
-                self._state.foreign = seen
-        if seen[1]:
-            self._warn_once(f"{self.scope} scope reads as empty: {seen[1]}")
+        no word (only status named it). Asked of git once per tip (_foreign,
+        shared with writes, status and the checkout), and only of a tip whose
+        store file doc_at did not find: an empty store's file (its last item
+        moved up) cost every process reading it a git call (_knew_ours)."""
+        if problem := self.foreign_problem(tip, doc):
+            self._warn_once(f"{self.scope} scope reads as empty: {problem}")
 
     def never_seen(self) -> str | None:
         """Why this clone holds no sight of the branch at all, else None: no
@@ -7389,8 +7444,9 @@ class GitStore(Store):
     def _knew_ours(self, commit: str) -> None:
         """Note that an empty store's commit holds the store file, so it is
         cambium's (_say_not_ours asks git nothing of it)."""
+        key = (self.scope, commit, self._shallow_mark())
         with self._state.lock:
-            self._state.foreign = (commit, None)
+            self._state.foreign = (key, ([], None))
 
     def read(self, digest: bool = False) -> Doc:
         """The scope's items at its freshly fetched tip, or for a digest at the tip
@@ -7842,49 +7898,60 @@ class GitStore(Store):
     def foreign_problem(self, tip: str | None, doc: Doc) -> str | None:
         """Why this scope's branch is not cambium's to write, or None: a tip
         holding other files and no items (_not_ours), or a tip whose history
-        deleted a store that held items (_deleted_store): at org asked first,
+        deleted a store that held items (store_deleted): at org asked first,
         also beside code-looking files (a knowledge repo's Makefile, tests/),
-        as the code advice (commit an empty store) would start one over them."""
+        as the code advice (commit an empty store) would start one over them.
+        Asked of git once per tip (_foreign), for reads, writes and status."""
         if not (self.own_branch and tip and not doc.items):
             return None
-        names = git_lines(self.git("ls-tree", "--name-only", tip).stdout)
-        if STORE_FILE in names:
-            return None
-        code = self._code_names(names)
-        if code and self.scope != "org":            # (team: the walk would cross the
-            return self._not_ours(code)             # project's own history)
-        return self._deleted_store(tip) or (self._not_ours(code) if code else None)
+        return self._foreign(tip)[1]
 
-    def _deleted_store(self, tip: str) -> str | None:
-        """Why a tip without the store file (and no code beside it) is no new
-        store: a commit of its history deleted one that held items (a `git rm
-        knowledge.json` on org's default branch, or on a team branch holding
-        only the store). Read as empty with no word, the next write started a
-        store over it, the earlier items gone from the tip. None for a tip
-        without the file whose history never held items (a new branch). One
-        git walk of the store file's history along first parents (the branch's
-        own: git's default followed the parent a merge was the same as, a side
-        branch's older `git rm`, or an unrelated history that never held one),
-        asked once per tip (_say_not_ours)."""
-        walk = self.git("rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE,
-                        check=False)
-        if walk.returncode:                         # (a damaged repository: fail closed)
-            return self._history_unread(clip_message(walk.stderr.strip(), 300))
-        if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
-            shallow = self.git("rev-parse", "--is-shallow-repository").stdout.strip()
-            return self._history_unread("the clone is shallow (a `git clone --depth`: "
-                                        "its history stops short)") if shallow == "true" else None
-        gone, before = line[0], line[1]            # (before: the store as it was last)
-        if self._withdrawn(gone, before):
-            return None
-        revert = "git revert -m 1" if len(line) > 2 else "git revert"   # (a merge deleted it)
+    def _foreign(self, tip: str) -> tuple[list[str], str | None]:
+        """(the code-looking root entries of a tip without the store file, why
+        the tip is not cambium's or None): foreign_problem's answer and the org
+        checkout's (_checkout_hazard), kept per scope, tip and shallow state
+        (_shallow_mark) for every caller: reads, a write and each replay,
+        status and the checkout each asked git up to five times. A shallow
+        clone's answer goes with its shallowness (after `git fetch
+        --unshallow` the refusal held until the tip moved); one git could not
+        walk (a damaged repository, repaired since) is not kept."""
+        key = (self.scope, tip, self._shallow_mark())
+        with self._state.lock:
+            seen = self._state.foreign
+        if seen is not None and seen[0] == key:
+            return seen[1]
+        names = git_lines(self.git("ls-tree", "--name-only", tip).stdout)
+        code = [] if STORE_FILE in names else self._code_names(names)
+        found = None                                # (team: the walk would cross the
+        if STORE_FILE not in names and not (code and self.scope != "org"):   # project's
+            found = store_deleted(self.repo, tip, self.timeout_s)            # history)
+        answer = code, (self._deleted_words(found) if found else None) or \
+            (self._not_ours(code) if code else None)
+        if not (found and found.unread and not found.shallow):
+            with self._state.lock:
+                self._state.foreign = (key, answer)
+        return answer
+
+    def _shallow_mark(self) -> tuple[int, int, int] | None:
+        """The clone's shallow file as it stands (inode, mtime, size; None: a
+        full clone), which `git fetch --unshallow` or `--deepen` change: one
+        stat, no git call."""
         try:
-            held = len(parse_store(self.file_at(before, STORE_FILE), STORE_FILE).items)
-        except CambiumError:                        # (unreadable there: held, uncounted)
-            held = -1
-        if not held:                                # (an empty store deleted: nothing lost)
+            st = os.stat(self._meta_dir().parent / "shallow")
+        except OSError:
             return None
-        gone, before, held = gone[:10], before[:10], f"the {held}" if held > 0 else "the"
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _deleted_words(self, found: Deletion) -> str:
+        """Why a tip without the store file whose history deleted one (or could
+        not be read: _history_unread) is not written. Read as empty with no
+        word, the next write started a store over it, the earlier items gone
+        from the tip."""
+        if found.unread:
+            return self._history_unread(found.unread)
+        gone, before = found.gone[:10], found.before[:10]
+        revert = "git revert -m 1" if found.merge else "git revert"
+        held = f"the {found.held}" if found.held > 0 else "the"
         on = (f"the org repo's default branch '{self.branch}' ({self.repo})"
               if self.scope == "org" else f"the {self.scope} branch '{self.branch}' on "
               f"'{self.remote}'")
@@ -7894,20 +7961,6 @@ class GitStore(Store):
                 f"push: `{revert} {gone}`, or `git checkout {before} -- {STORE_FILE}` and "
                 f"commit; to empty the {self.scope} store on purpose, commit a {STORE_FILE} "
                 f"holding {EMPTY_STORE_TEXT}.")
-
-    def _withdrawn(self, gone: str, before: str) -> bool:
-        """Whether the commit `gone` that deleted the store is a `git revert` of
-        the one that made it, the store unchanged between (`before`, gone's
-        first parent): a merged pull request that brought the store, reverted
-        by its reviewers, is withdrawn, not lost (nothing else was in it); PR
-        mode then withdraws the promotion (_settle_merged)."""
-        made = self.git("log", "-1", "--first-parent", "--diff-filter=A", "--format=%H", before,
-                        "--", STORE_FILE, check=False).stdout.strip()
-        if not made or f"This reverts commit {made}" not in self.git(
-                "log", "-1", "--format=%B", gone, check=False).stdout:
-            return False
-        return not self.git("rev-list", "--first-parent", f"{made}..{before}", "--",
-                            STORE_FILE, check=False).stdout.strip()
 
     def _history_unread(self, why: str) -> str:
         """Why a tip without the store file whose history git could not walk is
@@ -7920,16 +7973,11 @@ class GitStore(Store):
                 f"deleted it could not be read: {why}. cambium writes nothing to it until "
                 f"it can (a write could start a new store over deleted items): {fix}.")
 
-    def _foreign_files(self, commit: str) -> list[str]:
-        """The root entries of a commit without the store file at its root (a
-        branch of someone else's: the project's code); [] when it has the file.
-        At org, only what looks like code (ORG_CODE) counts: a knowledge repo
-        is often made with a README, a LICENSE and notes beside it."""
-        names = git_lines(self.git("ls-tree", "--name-only", commit).stdout)
-        return [] if STORE_FILE in names else self._code_names(names)
-
     def _code_names(self, names: list[str]) -> list[str]:
-        """The root entries that make a tree someone else's (_foreign_files)."""
+        """The root entries that make a tree without the store someone else's
+        (_foreign): all of them, but at org only what looks like code
+        (ORG_CODE): a knowledge repo is often made with a README, a LICENSE
+        and notes beside it."""
         return [n for n in names if self.scope != "org" or ORG_CODE.fullmatch(n)]
 
     def _not_ours(self, names: list[str]) -> str:
@@ -8097,26 +8145,34 @@ class GitStore(Store):
         for CHECKOUT_LOCK_WAIT_S (a process stopped mid-checkout, Ctrl-Z, held
         every org read LOCK_WAIT_S, 300 s, then failed it): then the checkout
         is left for a later read, with a warning."""
-        state = self._state
-        with state.lock:
-            tip = state.tip
-            if not tip or state.checked_out == tip:
-                return
-            left = f"the {self.scope} clone {self.repo}'s checkout was left as it is: "
-            try:
-                with file_lock(self._meta_dir() / "checkout", CHECKOUT_LOCK_WAIT_S):
-                    if hazard := self._checkout_hazard(tip):
-                        self._warn_once(left + hazard)
-                    else:
-                        _run(["git", *self._no_hooks(), "checkout", "--quiet", "--force",
-                              "-B", self.branch, tip], self.repo, self.timeout_s,
-                             own_locks=True)
-                        with contextlib.suppress(OSError):
-                            atomic_write(self._checked_out_file(), tip + "\n", durable=False)
-            except ConflictError as e:
-                self._warn_once(f"{left}{held_words(e)}; a later read syncs it")
-                return
-            state.checked_out = tip
+        if not self._checkout_due():
+            return
+        left = f"the {self.scope} clone {self.repo}'s checkout was left as it is: "
+        try:
+            with file_lock(self._meta_dir() / "checkout", CHECKOUT_LOCK_WAIT_S):
+                if not (tip := self._checkout_due()):   # (another thread synced it)
+                    return
+                if hazard := self._checkout_hazard(tip):
+                    self._warn_once(left + hazard)
+                else:
+                    _run(["git", *self._no_hooks(), "checkout", "--quiet", "--force",
+                          "-B", self.branch, tip], self.repo, self.timeout_s,
+                         own_locks=True)
+                    with contextlib.suppress(OSError):
+                        atomic_write(self._checked_out_file(), tip + "\n", durable=False)
+                with self._state.lock:
+                    self._state.checked_out = tip
+        except ConflictError as e:
+            self._warn_once(f"{left}{held_words(e)}; a later read syncs it")
+
+    def _checkout_due(self) -> str | None:
+        """The tip the checkout is to be synced to, None when it is there (or
+        no tip is known). Read under the state's lock, which no git call runs
+        under (the checkout's lock, across threads too, keeps one sync at a
+        time: its tip is read again once that is held)."""
+        with self._state.lock:
+            tip = self._state.tip
+            return tip if tip and self._state.checked_out != tip else None
 
     def _no_hooks(self) -> list[str]:
         """git options that run no hook: the org clone's checkout is cambium's
@@ -8140,8 +8196,9 @@ class GitStore(Store):
         tip lacks (_unpushed), or a detached HEAD holds commits no branch
         holds (_detached_work). A switch from another branch loses no commit:
         that branch keeps them."""
-        if names := self._foreign_files(tip):
-            return self._code_problem(tip, names)
+        code, problem = self._foreign(tip)
+        if code:                    # (at org, a deleted store's word first: _foreign)
+            return problem
         dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], self.repo,
                      self.timeout_s, check=False).stdout
         if dirty.strip():
@@ -8149,15 +8206,6 @@ class GitStore(Store):
                     "own: don't work in it; commit or discard them)")
         last = self._last_checked_out()
         return self._unpushed(tip, last) or self._detached_work(tip, last)
-
-    def _code_problem(self, tip: str, code: list[str]) -> str:
-        """Why a tip holding `code` and no store is not checked out: at org, the
-        deleted store's word when its history deleted one (foreign_problem's,
-        as the read found it), else _not_ours. Its caller holds the state's lock."""
-        seen = self._state.foreign
-        if seen and seen[0] == tip and seen[1]:
-            return seen[1]
-        return (self.scope == "org" and self._deleted_store(tip)) or self._not_ours(code)
 
     def _unpushed(self, tip: str, last: list[str]) -> str | None:
         """Why `checkout -B` would drop commits of the local branch, or None.

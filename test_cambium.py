@@ -8906,6 +8906,62 @@ def test_a_shallow_org_clone_made_after_its_store_was_deleted_is_never_written(
     assert "the 1 item(s) it held" in said, said
 
 
+def test_a_foreign_tips_answer_is_asked_of_git_once_for_reads_status_writes_and_checkout(
+        shared, monkeypatch, tmp_path):
+    """foreign_problem was remembered only by a read's warning (_say_not_ours):
+    status, a write (each replay too) and the org checkout's hazard check each
+    asked git again (ls-tree, the deleted store's walk, ...) of a tip whose tree
+    lacks the store. One answer per tip now serves every caller."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    first = _endorsed("Pin every base image by digest")
+    cs.promote(first, force=True)
+    cs.promote(first, to_scope="org", force=True)
+    work = clone(shared["org_bare"], shared["tmp"] / "by-hand")
+    (work / "Makefile").write_text("check:\n\tpython lint.py\n")
+    (work / "lint.py").write_text("import json\n")
+    git(work, "add", "Makefile", "lint.py")
+    git(work, "commit", "-q", "-m", "lint the store")
+    _commit_by_hand(work, "oops", "knowledge.json")
+    tip = git(shared["org_bare"], "rev-parse", "main").strip()
+    monkeypatch.setenv("GIT_TRACE", str(trace := tmp_path / "trace"))
+    said = json.dumps([cs.recall("base image digest", scope="org").get("warnings"),
+                       cs.status()["scopes"]["org"].get("error")])
+    with pytest.raises(cs.ConfigError, match="was deleted from"):
+        cs.promote(_endorsed("Rotate deploy keys"), to_scope="org", force=True)
+    assert said.count("was deleted from the org repo's default branch") >= 3, said  # (+ the
+    lines = trace.read_text()                                            # checkout's)
+    assert lines.count(f"ls-tree --name-only {tip}") == 1, lines
+    assert lines.count(f"--first-parent {tip} -- knowledge.json") == 1, lines
+
+
+def test_a_shallow_clones_refusal_ends_in_the_same_process_once_it_is_unshallowed(
+        shared, monkeypatch):
+    """The foreign answer was kept per tip for the process's life: after `git
+    fetch --unshallow` a server still refused every org write and warned every
+    read that the clone is shallow, until the tip moved. It is kept per
+    shallow state now: the same process writes once the history is whole."""
+    work = clone(shared["org_bare"], shared["tmp"] / "by-hand")
+    (work / "NOTES.md").write_text("notes\n")
+    git(work, "add", "NOTES.md")
+    git(work, "commit", "-q", "-m", "notes")                # (two commits: depth 1 cuts)
+    git(work, "push", "-q", "origin", "HEAD")
+    shallow = shared["tmp"] / "org-shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{shared['org_bare']}",
+                    str(shallow)], check=True, capture_output=True)
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shallow))
+    said = json.dumps(cs.recall("base image digest", scope="org").get("warnings"))
+    assert "the clone is shallow" in said, said
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    with pytest.raises(cs.ConfigError, match="the clone is shallow"):
+        cs.promote(item, to_scope="org", force=True)
+    git(shallow, "fetch", "-q", "--unshallow", "origin")
+    assert "shallow" not in json.dumps(cs.recall("base image digest", scope="org"))
+    assert "error" not in cs.status()["scopes"]["org"]
+    assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
+    assert [i["id"] for i in remote_json(shared["org_bare"], "main")["items"]] == [item]
+
+
 def test_a_deleted_store_whose_history_git_cannot_walk_is_never_written(shared, monkeypatch):
     """The deleted-store walk ran unchecked: a git failure other than a timeout
     (a damaged repository, a tree missing from history) gave no output, read
@@ -24257,6 +24313,33 @@ def test_an_org_clone_holding_code_or_someones_work_is_never_checked_out_by_forc
     out = cs.recall("health endpoint")
     assert (org / "README.md").read_text() == "my uncommitted notes\n"
     assert any("left as it is" in w and "uncommitted" in w for w in out.get("warnings", []))
+
+
+def test_the_org_checkout_runs_no_git_under_the_scopes_state_lock(shared, monkeypatch):
+    """sync_checkout held the scope's state lock across its hazard checks (the
+    foreign tip's ls-tree and walk, git status, rev-list) and the checkout
+    itself, so every other thread's read of that scope waited on git. Only
+    the checkout's own lock is held across git now: the tip is read again
+    under it, so one sync still runs at a time."""
+    org, bare = shared["org"], shared["org_bare"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org", force=True)
+    work = clone(bare, shared["tmp"] / "by-hand")
+    (work / "NOTES.md").write_text("notes\n")
+    git(work, "add", "NOTES.md")
+    git(work, "commit", "-q", "-m", "notes")
+    git(work, "push", "-q", "origin", "HEAD")
+    state = next(s for (repo, remote, _), s in cs.runtime().git_scopes.items()
+                 if os.path.samefile(repo, org))
+    locked, real = [], cs._run
+    monkeypatch.setattr(cs, "_run", lambda cmd, *a, **k: locked.append(
+        (cmd[1:4], state.lock.locked())) or real(cmd, *a, **k))
+    cs.recall("base image digest", scope="org")
+    assert git(org, "rev-parse", "HEAD") == git(bare, "rev-parse", "main")   # (synced)
+    assert any("checkout" in cmd for cmd, _ in locked), locked
+    assert [cmd for cmd, held in locked if held] == [], locked
 
 
 def test_an_unpushed_commit_in_the_org_clone_is_never_reset_away(shared, monkeypatch):
