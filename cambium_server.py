@@ -15461,25 +15461,45 @@ _ORG_MAYBE = re.compile(r"(?i)makefile|dockerfile|.+\.sh|src|lib|app|cmd|pkg|int
 def _holds_code(org: Path) -> str | None:
     """Why a clone named as the org clone is some project's code (its checkout's
     commit holds code and no store: ORG_CODE), or None (also when it has no
-    commit yet or git cannot read it). A store its history deleted is named,
-    with how to restore it: the advice to commit an empty one lost its items."""
+    commit yet or git cannot read it). A store its history deleted
+    (store_deleted, as reads and writes find it) is named, with how to restore
+    it: the advice to commit an empty one would start a store over its items."""
     with contextlib.suppress(GitError, OSError):
-        names = git_lines(_run(["git", "ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
+        names = git_lines(_git(["ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
                                check=False).stdout)
-        code = [n for n in names if ORG_CODE.fullmatch(n) and not _ORG_MAYBE.fullmatch(n)]
-        if code and STORE_FILE not in names and (gone := _run(
-                ["git", "rev-list", "-1", "--first-parent", "HEAD", "--", STORE_FILE], org,
-                ORG_HEAD_ASK_S, check=False).stdout.strip()[:10]):   # (a store deleted here)
-            return (f"holds code ({', '.join(code[:3])}) and no {STORE_FILE}, which its commit "
-                    f"{gone} deleted: if this is the org knowledge repo, restore the file "
-                    f"(`git checkout {gone}^1 -- {STORE_FILE}`, commit and push) rather than "
-                    "commit an empty one over the items it held.")
-        if code and STORE_FILE not in names:
-            return (f"holds code ({', '.join(code[:3])}) and no {STORE_FILE}: it looks like a "
-                    "project's clone, and cambium keeps the org clone's checkout in sync by "
-                    "force. Give a clone of the org knowledge repo (if this is it, commit a "
-                    f"{STORE_FILE} holding {EMPTY_STORE_TEXT} to it once).")
+        other = [n for n in names if ORG_CODE.fullmatch(n) and not _ORG_MAYBE.fullmatch(n)]
+        if STORE_FILE in names or not other:
+            return None
+        shown = ", ".join(other[:3]) + (", …" if len(other) > 3 else "")
+        try:
+            found = store_deleted(org, "HEAD", ORG_HEAD_ASK_S)
+        except GitError as e:                      # (a walk past the wait: untold)
+            found = Deletion(unread=clip_message(str(e), 300))
+        if found:
+            return _org_clone_deleted(org, shown, found)
+        return (f"holds code ({shown}) and no {STORE_FILE}: it looks like a "
+                "project's clone, and cambium keeps the org clone's checkout in sync by "
+                "force. Give a clone of the org knowledge repo (if this is it, commit a "
+                f"{STORE_FILE} holding {EMPTY_STORE_TEXT} to it once).")
     return None
+
+
+def _org_clone_deleted(org: Path, shown: str, found: Deletion) -> str:
+    """_holds_code's words for a clone whose history deleted a store that held
+    items, or could not be told (shallow, damaged): restore it, or deepen."""
+    if found.unread:
+        fix = (f"`git -C {shlex.quote(str(org))} fetch --unshallow`" if found.shallow
+               else "repair or re-clone it")
+        return (f"holds {shown} and no {STORE_FILE}, and whether its history deleted one "
+                f"could not be read: {found.unread}. If it is the org knowledge repo, "
+                f"{fix} and run setup again (committing an empty store could start one "
+                "over deleted items); if not, give a clone of that repo.")
+    gone, revert = found.gone[:10], "git revert -m 1" if found.merge else "git revert"
+    held = f"the {found.held} item(s)" if found.held > 0 else "the items"
+    return (f"holds {shown} and no {STORE_FILE}, which its commit {gone} deleted: if this "
+            f"is the org knowledge repo, restore the file (`{revert} {gone}`, or `git "
+            f"checkout {found.before[:10]} -- {STORE_FILE}` and commit; then push) rather "
+            f"than commit an empty one over {held} it held.")
 
 
 def _same_clone(a: Path, b: Path) -> bool:

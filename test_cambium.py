@@ -25924,6 +25924,50 @@ def test_setup_takes_a_fresh_org_knowledge_repo_with_a_makefile_and_tests(shared
     assert "holds code (app.py)" in cs._holds_code(org)
 
 
+def test_setup_names_only_a_deleted_org_store_that_held_items_as_reads_do(shared, tmp_path):
+    """setup's org clone check had a weaker copy of the deleted-store walk: it
+    named any deletion, so it advised restoring a store that held no items or
+    one a reverted pull request withdrew, and took a shallow clone's short
+    history for "never held one" (advising an empty store over deleted items).
+    It asks store_deleted, as reads and writes do."""
+    def org_with(*steps: str) -> Path:
+        (where := tmp_path / "-".join(steps)).mkdir()
+        bare = make_origin(where, "org")
+        work = clone(bare, where / "work")
+        for step in steps:
+            if step in ("empty", "held"):
+                items = [] if step == "empty" else [cs.new_item("Pin base images")]
+                (work / "knowledge.json").write_text(cs.render_store(cs.Doc(items=items)))
+                git(work, "add", "knowledge.json")
+                git(work, "commit", "-q", "-m", "store")
+            elif step == "revert":
+                git(work, "revert", "--no-edit", "HEAD")
+            elif step == "rm":
+                git(work, "rm", "-q", "knowledge.json")
+                git(work, "commit", "-q", "-m", "oops")
+            else:
+                (work / step).write_text("print(1)\n")
+                git(work, "add", step)
+                git(work, "commit", "-q", "-m", step)
+        git(work, "push", "-q", "origin", "HEAD:main")
+        return bare
+
+    for steps in (("empty", "rm", "app.py"), ("held", "revert", "app.py")):
+        said = cs._holds_code(clone(org_with(*steps), tmp_path / "-".join(steps) / "org"))
+        assert "deleted" not in said and "app.py" in said and "no knowledge.json" in said, said
+    bare = org_with("held", "app.py", "rm")
+    gone = git(bare, "rev-parse", "--short=10", "main").strip()
+    said = cs._holds_code(clone(bare, tmp_path / "held-app.py-rm" / "org"))
+    assert f"which its commit {gone} deleted" in said and "the 1 item(s)" in said, said
+    shallow = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{bare}", str(shallow)],
+                   check=True, capture_output=True)
+    said = cs._holds_code(shallow)
+    assert "the clone is shallow" in said and "fetch --unshallow" in said, said
+    git(shallow, "fetch", "-q", "--unshallow", "origin")
+    assert f"which its commit {gone} deleted" in cs._holds_code(shallow)
+
+
 def test_promote_of_all_whose_only_item_is_refused_says_nothing_was_promoted(shared, monkeypatch):
     _endorsed("Deploys wait for the nightly batch")
     as_agent(monkeypatch, shared["b"], "bob")
