@@ -15512,13 +15512,23 @@ def _same_clone(a: Path, b: Path) -> bool:
 
 
 #: Root entries that say a repository holds code: source files, build
-#: manifests and the usual source folders. An org knowledge repository may
-#: hold anything else beside the store (README, LICENSE, notes, docs/).
+#: manifests, infrastructure as code (Terraform, Bazel, a Helm chart, …) and
+#: the usual source folders. An org knowledge repository may hold anything
+#: else beside the store (README, LICENSE, notes, docs/, .github/, templates/,
+#: modules/, any .yaml): only names no knowledge repo would hold are here
+#: (Bazel's WORKSPACE and BUILD and Helm's Chart.yaml as spelled, not a
+#: build/ folder or an org chart's chart.yaml).
 ORG_CODE = re.compile(r"(?i).+\.(py|js|mjs|ts|tsx|jsx|go|rs|java|kt|scala|c|h|cc|cpp|hpp|cs|"
-                      r"rb|php|swift|m|sh|pl|lua|ex|exs|erl|clj|dart|vue|sql)|"
+                      r"rb|php|swift|m|sh|pl|lua|ex|exs|erl|clj|dart|vue|sql|"
+                      r"tf|tfvars|tf\.json|tfvars\.json|hcl|bicep|bzl|"
+                      r"sln|csproj|fsproj|vbproj|vcxproj)|"
                       r"package\.json|pyproject\.toml|setup\.(py|cfg)|requirements.*\.txt|"
-                      r"go\.mod|cargo\.toml|pom\.xml|build\.gradle(\.kts)?|makefile|"
+                      r"go\.mod|cargo\.toml|pom\.xml|(build|settings)\.gradle(\.kts)?|gradlew|"
+                      r"build\.sbt|build\.zig|meson\.build|configure\.ac|pants\.toml|makefile|"
                       r"cmakelists\.txt|dockerfile|gemfile|composer\.json|"
+                      r"(?-i:WORKSPACE|BUILD|BUCK|Chart\.yaml|Chart\.lock)|"
+                      r"(workspace|module|repo|build)\.bazel|\.bazel(rc|version)|"
+                      r"(helmfile|kustomization|pulumi)\.ya?ml|cdk\.json|ansible\.cfg|vagrantfile|"
                       r"src|lib|app|cmd|pkg|internal|tests?|spec")
 EMPTY_STORE_TEXT = '{"cambium": 1, "meta": {}, "items": []}'
 

@@ -25924,6 +25924,46 @@ def test_setup_takes_a_fresh_org_knowledge_repo_with_a_makefile_and_tests(shared
     assert "holds code (app.py)" in cs._holds_code(org)
 
 
+def test_setup_and_org_writes_refuse_a_terraform_bazel_or_helm_clone_by_its_path(
+        shared, monkeypatch):
+    """The org clone check knew code only by source files, manifests and source
+    folders: a Terraform, Bazel or Helm repository's clone named as org_repo
+    was taken, and the first promotion committed knowledge.json onto its
+    default branch. Their markers are code now, at setup and at org writes;
+    a knowledge repo's README, docs/, Makefile, tests/, .github/ still are not."""
+    def repo_with(name: str, files: list[str]) -> Path:
+        bare = make_origin(shared["tmp"], name)
+        seed = shared["tmp"] / f"{name}-seed"
+        for f in files:
+            (seed / f).parent.mkdir(parents=True, exist_ok=True)
+            (seed / f).write_text("x = 1\n")
+        git(seed, "add", "-A")
+        git(seed, "commit", "-q", "-m", "files")
+        git(seed, "push", "-q", "origin", "HEAD:main")
+        return clone(bare, shared["tmp"] / name)
+
+    for name, files, shown in [
+            ("infra", ["main.tf", "variables.tf", "prod.tfvars", "modules/vpc/main.tf",
+                       "docs/runbook.md"], "main.tf, prod.tfvars, variables.tf"),
+            ("build", ["WORKSPACE", "MODULE.bazel", "BUILD.bazel", "tools/defs.bzl"],
+             "BUILD.bazel, MODULE.bazel, WORKSPACE"),
+            ("chart", ["Chart.yaml", "values.yaml", "templates/deploy.yaml"], "Chart.yaml")]:
+        org = repo_with(name, files)
+        with pytest.raises(cs.InputError, match=re.escape(f"holds code ({shown}) and no")):
+            cs.setup(str(shared["a"]), "ada", org_repo=str(org))
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))        # (the chart, set another way)
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    with pytest.raises(cs.ConfigError, match=r"holds code \(Chart.yaml\) .* code repository"):
+        cs.promote(item, to_scope="org", force=True)
+    assert "knowledge.json" not in git(org, "ls-tree", "--name-only", "origin/main").split()
+    kb = repo_with("kb", ["docs/index.md", "Makefile", "tests/check.txt", "notes/a.yaml",
+                          ".github/workflows/ci.yml", "build/index.html", "templates/t.md",
+                          "chart.yaml"])
+    assert cs._holds_code(kb) is None
+    assert cs.setup(str(shared["a"]), "ada", org_repo=str(kb))["written"]["CAMBIUM_ORG_REPO"] \
+        == str(kb)
+
+
 def test_setup_names_only_a_deleted_org_store_that_held_items_as_reads_do(shared, tmp_path):
     """setup's org clone check had a weaker copy of the deleted-store walk: it
     named any deletion, so it advised restoring a store that held no items or
