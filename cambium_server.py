@@ -16031,7 +16031,8 @@ def moves_lock(cfg: Config) -> Iterator[None]:
 
 def move(cfg: Config, items: list[Item], src: str, dst: str, *,
          gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
-         pr_branch: str | None = None, pr_body: str | None = None) -> Moved:
+         pr_branch: str | None = None, pr_body: str | None = None,
+         rides: str | None = None) -> Moved:
     """Move items from scope src up to scope dst: copy up, verify, drop the source.
 
     Every (re)played write to dst re-reads each item as it now stands in src and
@@ -16041,18 +16042,23 @@ def move(cfg: Config, items: list[Item], src: str, dst: str, *,
     to that pull request and the src items are annotated with its URL instead;
     they leave src once it merges (settle_org_prs). Into org, an endorsement
     note the gate reads as project-specific stays behind: Moved.notes_held.
+    `rides`: the id of an item dst holds already that moves only in the commit
+    where every other item lands (the item a person's corrections supersede:
+    its copy there is superseded by them); else it stays where it is, refused.
     """
     held_back: set[str] = set()
     with moves_lock(cfg):
         moved = _move(cfg, items, src, dst, gate=gate, copy=copy, message=message,
-                      pr_branch=pr_branch, pr_body=pr_body, held_back=held_back)
+                      pr_branch=pr_branch, pr_body=pr_body, held_back=held_back,
+                      rides=rides)
     moved.notes_held = sorted(held_back & {it.id for it in moved.landed})
     return moved
 
 
 def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
           gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
-          pr_branch: str | None, pr_body: str | None, held_back: set[str]) -> Moved:
+          pr_branch: str | None, pr_body: str | None, held_back: set[str],
+          rides: str | None = None) -> Moved:
     ids = {it.id for it in items}
     made: dict[str, Item] = {}      # id -> the source version its copy was made from
     joined: set[str] = set()        # ids dst held already: the source's news added to them
@@ -16075,7 +16081,10 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                 clash.add(it.id)
                 verdicts[it.id] = Verdict(False, "id_conflict", ID_CONFLICT.format(
                     id=it.id, src=src, dst=dst))
-        tip = {it.id for it in doc.items}         # (ids: a supersession needs its replacement)
+        if rides in joined and not all(v.allowed for v in verdicts.values()):
+            _hold_rider(rides, dst, joined, made, clash, verdicts)
+        tip = {it.id for it in doc.items} | made.keys()   # (ids this commit holds: a
+        #                         supersession needs its replacement, landing with it counts)
         news = {i: gated(n) for i in joined if (n := news_over(above[i], made[i], holds=tip))}
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
@@ -16104,6 +16113,17 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                      [i for i in kept if waits.get(i, ()) is not None], sorted(joined & held),
                      replaced={k: v for k, v in waits.items() if v})
     return Moved(write, landed, planned.refused)
+
+
+def _hold_rider(rides: str, dst: str, joined: set[str], made: dict[str, Item],
+                clash: set[str], verdicts: dict[str, Verdict]) -> None:
+    """A move's plan when an item its `rides` item needs did not land (move()):
+    that item is held back as a clash is, neither written nor dropped below."""
+    joined.discard(rides)
+    made.pop(rides, None)
+    clash.add(rides)
+    verdicts[rides] = Verdict(False, "not_carried", f"{rides} goes to {dst} only with the "
+                              "corrections that supersede it, and one did not land there")
 
 
 ONE_BRANCH = ("the {src} and {dst} scopes {how}: an item moved up would be found "
@@ -16186,10 +16206,10 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str], left: s
     copy was superseded while it moved by an item dst lacks: id -> (that item's
     id, why it stayed when it is a correction of it: _why_kept), None for one
     finished after all: a person's correction of it (another clone's correct())
-    follows it up (a move of its own, through dst's gate for a correction,
-    org_tells, as correct() would have judged it at org), then the
-    supersession is carried to dst's
-    copy and the source copy leaves. Any other stays in both, its answer naming
+    follows it up (through dst's gate for a correction, org_tells, as
+    correct() would have judged it at org) in the dst commit that carries the
+    supersession to dst's copy, and one src write drops both (_carry_line:
+    it was two moves, two writes each way). Any other stays in both, its answer naming
     the replacement (kept_both): a consolidate fold's survivor is an item of its
     own, never promoted unasked. (In PR mode a merge's settle carries it.)
     Each id whose source copy left is added to `left` as it leaves."""
@@ -16203,15 +16223,34 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str], left: s
         line = _correction_line(old, below)
         out[i] = by, _why_kept(line, dst, PROPOSED_AT_REVIEW if by_pr
                                else f"a correction that did not reach {dst} now")
-        if by_pr or (up := _correction_up(cfg, src, dst, old, line)) \
-                is None or not {it.id for it in line} <= {it.id for it in up.landed} or up.kept:
-            continue
-        again = move(cfg, [old], src, dst, gate=_awaiting_merge, copy=lambda it: it,
-                     message=f"carry {i}'s correction to {dst}")
-        if i in {it.id for it in again.landed} and not again.kept:
+        up = None if by_pr else _carry_line(cfg, src, dst, old, line)
+        if up and i in {it.id for it in up.landed} and i not in up.kept:
             out[i] = None
             left.add(i)
     return out
+
+
+def _carry_line(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
+                ) -> Moved | None:
+    """A direct write's carry (_carry_corrections): `line`, a person's
+    corrections of `old` (_correction_line), and the supersession of dst's
+    copy of `old`, in one move: one dst commit holds the corrections and old's
+    copy superseded by them (its replacement lands with it), then one src
+    write drops them all (each only once dst is verified to hold it). None,
+    nothing moved, when _line_stays says why the line stays (as _correction_up)."""
+    if not line or _line_stays(line, dst):
+        return None
+    now, ids, end = _now(), {it.id for it in line}, line[-1]
+
+    def gate(it: Item) -> Verdict:
+        return Verdict(True, "promotable", "a person's correction") if it.id in ids \
+            else _awaiting_merge(it)
+
+    def copy(it: Item) -> Item:
+        return promoted_copy(it, dst, trust=it.trust, agent=cfg.agent, now=now) \
+            if it.id in ids else it
+    return move(cfg, [*line, old], src, dst, gate=gate, copy=copy, rides=old.id,
+                message=f"{cfg.agent} carries {end.id}, the correction of {old.id}, to {dst}")
 
 
 def _correction_up(cfg: Config, src: str, dst: str, old: Item, line: list[Item]

@@ -6161,6 +6161,37 @@ def test_a_correction_made_in_another_clone_during_a_team_to_org_move_goes_up_to
     assert org[fix]["status"] == "active" and org[fix]["corrects"] == item_id
     assert org[fix]["content"] == "Retry only idempotent calls, with capped backoff"
     assert team_ids(shared["origin"]) == set()
+    # one write each way: the commit that brought the correction to org superseded the
+    # item there (a second push did), and one team write dropped both (two did)
+    for bare, branch in ((shared["org_bare"], "main"), (shared["origin"], "cambium")):
+        for commit in git(bare, "rev-list", branch).split():
+            held = {i["id"]: i for i in (remote_json(bare, commit) or {"items": []})["items"]}
+            if item_id in held and held[item_id]["status"] == "superseded":
+                assert fix in held, (branch, commit)
+            if bare == shared["org_bare"] and fix in held:
+                assert held[item_id]["status"] == "superseded", commit
+
+
+def test_a_correction_org_refuses_during_a_move_leaves_the_item_it_corrects_below(
+        shared, monkeypatch):
+    """The correction and the supersession of org's copy go up in one move
+    (_carry_line): when org turns the correction away (its words were
+    deprecated there), the corrected team copy must stay too, org's copy
+    active, never dropped below with the supersession carried nowhere."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    words = "Retry only idempotent calls, with capped backoff"
+    gone = _endorsed(words)
+    cs.promote(gone, to_scope="org")
+    cs.deprecate(gone, reason="we retry nothing now")
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote()
+    ran = _bob_in_the_window(monkeypatch, shared, "_drop_moved", "correct", item_id, words)
+    res = cs.promote(item_id, to_scope="org", force=True)
+    fix = json.loads(ran[0].stdout)["item"]["id"]
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert fix not in org and org[item_id]["status"] == "active", res
+    assert {item_id, fix} <= team_ids(shared["origin"]), res
+    assert item_id in res.get("kept_both", []), res
 
 
 @pytest.mark.parametrize("then", ["correct", "deprecate"])
