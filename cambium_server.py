@@ -8144,12 +8144,21 @@ class GitStore(Store):
         left as it is, with a warning; writes never need it. Its lock is waited
         for CHECKOUT_LOCK_WAIT_S (a process stopped mid-checkout, Ctrl-Z, held
         every org read LOCK_WAIT_S, 300 s, then failed it): then the checkout
-        is left for a later read, with a warning."""
+        is left for a later read, with a warning when another process holds
+        it. Another call of this server syncing it (a slow checkout: a smudge
+        filter, git-lfs) is waited for as long, then left to it with no
+        warning: it was said to be another process's, yet nothing is amiss,
+        the answer comes from git's objects, not the checkout, and that call
+        warns of its own trouble; a later read syncs a newer tip."""
         if not self._checkout_due():
             return
         left = f"the {self.scope} clone {self.repo}'s checkout was left as it is: "
+        lock = self._meta_dir() / "checkout"
+        ours = runtime().thread_lock(str(lock))             # (file_lock's own: re-entered)
+        if not _acquire_within(ours, time.monotonic() + CHECKOUT_LOCK_WAIT_S):
+            return                                           # (another call syncs it)
         try:
-            with file_lock(self._meta_dir() / "checkout", CHECKOUT_LOCK_WAIT_S):
+            with file_lock(lock, CHECKOUT_LOCK_WAIT_S):
                 if not (tip := self._checkout_due()):   # (another thread synced it)
                     return
                 if hazard := self._checkout_hazard(tip):
@@ -8164,6 +8173,8 @@ class GitStore(Store):
                     self._state.checked_out = tip
         except ConflictError as e:
             self._warn_once(f"{left}{held_words(e)}; a later read syncs it")
+        finally:
+            ours.release()
 
     def _checkout_due(self) -> str | None:
         """The tip the checkout is to be synced to, None when it is there (or

@@ -24373,6 +24373,48 @@ def test_the_org_checkout_runs_no_git_under_the_scopes_state_lock(shared, monkey
     assert [cmd for cmd, held in locked if held] == [], locked
 
 
+def test_a_second_call_of_one_server_waits_on_its_checkout_sync_without_blaming_a_process(
+        shared, monkeypatch):
+    """A read whose wait for the org checkout timed out because another call
+    (thread) of the same server was syncing it (a slow checkout: a smudge
+    filter) warned that "checkout.lock has been held by another process".
+    It waits as long, then leaves the sync to that call with no warning: the
+    answer comes from git's objects, not the checkout."""
+    org, bare = shared["org"], shared["org_bare"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org", force=True)
+    cs.recall("base image digest", scope="org")                       # (synced once)
+    key = next(k for k in cs.runtime().file_locks if k.endswith("/cambium/checkout"))
+    work = clone(bare, shared["tmp"] / "by-hand")
+    (work / "NOTES.md").write_text("notes\n")
+    git(work, "add", "NOTES.md")
+    git(work, "commit", "-q", "-m", "notes")
+    git(work, "push", "-q", "origin", "HEAD")                         # (a sync is due)
+    monkeypatch.setattr(cs, "CHECKOUT_LOCK_WAIT_S", 0.2)
+    held, done = threading.Event(), threading.Event()
+
+    def syncing() -> None:                                # (another call, mid-checkout)
+        with cs.runtime().thread_lock(key):
+            held.set()
+            done.wait(60)
+
+    other = threading.Thread(target=contextvars.copy_context().run, args=(syncing,))
+    other.start()
+    try:
+        assert held.wait(60)
+        out = cs.recall("base image digest", scope="org")
+    finally:
+        done.set()
+        other.join(10)
+    assert [r["id"] for r in out["results"]] == [item]
+    assert "warnings" not in out, out["warnings"]
+    assert git(org, "rev-parse", "HEAD") != git(bare, "rev-parse", "main")   # (left to it)
+    assert "warnings" not in cs.recall("base image digest", scope="org")
+    assert git(org, "rev-parse", "HEAD") == git(bare, "rev-parse", "main")   # (a later read)
+
+
 def test_an_unpushed_commit_in_the_org_clone_is_never_reset_away(shared, monkeypatch):
     """The org sync (`checkout --force -B main <tip>`) reset a local branch holding
     a commit someone made in the org clone and did not push, even with another
