@@ -6246,8 +6246,8 @@ REWIND_WALK_MAX = 200   #: store commits since a rewind past which reads stop na
 class Deletion(NamedTuple):
     """What store_deleted found: the commit that deleted a store holding items
     (`gone`), its first parent (`before`: the store as it was last), how many
-    items that held (-1: unreadable there, held uncounted), whether a merge
-    deleted it; or, with `unread` set, why the history could not be told
+    items that held (-1: it does not parse there, held uncounted), whether a
+    merge deleted it; or, with `unread` set, why the history could not be told
     (`shallow`: a shallow clone's, which a `git fetch --unshallow` ends)."""
     gone: str = ""
     before: str = ""
@@ -6263,28 +6263,34 @@ SHALLOW_UNREAD = "the clone is shallow (a `git clone --depth`: its history stops
 def store_deleted(repo: Path, tip: str, timeout_s: float) -> Deletion | None:
     """Why a tip without the store file is no new store, or None: a commit of
     its history deleted one that held items (a `git rm knowledge.json`), or
-    the history could not be walked (a damaged repository; a shallow clone
-    made after the deletion, its root the deleting commit): both fail closed.
-    None for a history that never held items (a new branch), held an empty
-    store, or withdrew it (_store_withdrawn). One git walk of the store file
-    along first parents (the branch's own: git's default followed the parent
-    a merge was the same as, a side branch's older `git rm`); GitStore's
-    reads and writes and setup's org clone check ask it alike."""
-    walk = _git(["rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE],
-                repo, timeout_s, check=False)
-    if walk.returncode:                         # (a damaged repository: fail closed)
-        return Deletion(unread=clip_message(walk.stderr.strip(), 300))
-    if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
-        shallow = _git(["rev-parse", "--is-shallow-repository"], repo, timeout_s).stdout
-        return Deletion(unread=SHALLOW_UNREAD, shallow=True) if shallow.strip() == "true" \
-            else None
-    gone, before = line[0], line[1]            # (before: the store as it was last)
-    if _store_withdrawn(repo, gone, before, timeout_s):
-        return None
+    the history could not be walked or read (a damaged repository, a missing
+    object, git past its wait; a shallow clone made after the deletion, its
+    root the deleting commit): both fail closed, and an unread answer is not
+    kept (_foreign: a GitError counted as "held, uncounted" was, and refused
+    every write after a repair). None for a history that never held items (a
+    new branch), held an empty store, or withdrew it (_store_withdrawn). One
+    git walk of the store file along first parents (the branch's own: git's
+    default followed the parent a merge was the same as, a side branch's
+    older `git rm`); GitStore's reads and writes and setup's org clone check
+    ask it alike."""
     try:
-        held = len(parse_store(_git(["cat-file", "blob", f"{before}:{STORE_FILE}"], repo,
-                                    timeout_s).stdout, STORE_FILE).items)
-    except CambiumError:                        # (unreadable there: held, uncounted)
+        walk = _git(["rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE],
+                    repo, timeout_s, check=False)
+        if walk.returncode:                         # (a damaged repository: fail closed)
+            return Deletion(unread=clip_message(walk.stderr.strip(), 300))
+        if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
+            shallow = _git(["rev-parse", "--is-shallow-repository"], repo, timeout_s).stdout
+            return Deletion(unread=SHALLOW_UNREAD, shallow=True) \
+                if shallow.strip() == "true" else None
+        gone, before = line[0], line[1]            # (before: the store as it was last)
+        if _store_withdrawn(repo, gone, before, timeout_s):
+            return None
+        text = _git(["cat-file", "blob", f"{before}:{STORE_FILE}"], repo, timeout_s).stdout
+    except GitError as e:                           # (not read: told, fail closed)
+        return Deletion(unread=clip_message(str(e), 300))
+    try:
+        held = len(parse_store(text, STORE_FILE).items)
+    except CorruptStore:                            # (it does not parse: held, uncounted)
         held = -1
     return Deletion(gone, before, held, len(line) > 2) if held else None  # (an empty one
     #                                                                       deleted: no loss)
@@ -6295,9 +6301,11 @@ def _store_withdrawn(repo: Path, gone: str, before: str, timeout_s: float) -> bo
     the one that made it, the store unchanged between (`before`, gone's
     first parent): a merged pull request that brought the store, reverted
     by its reviewers, is withdrawn, not lost (nothing else was in it); PR
-    mode then withdraws the promotion (_settle_merged)."""
+    mode then withdraws the promotion (_settle_merged). A git error raises
+    (GitError: store_deleted's unread; it read as "not withdrawn", and that
+    refusal was kept)."""
     def git(*args: str) -> str:
-        return _git(list(args), repo, timeout_s, check=False).stdout
+        return _git(list(args), repo, timeout_s).stdout
     made = git("log", "-1", "--first-parent", "--diff-filter=A", "--format=%H", before,
                "--", STORE_FILE).strip()
     if not made or f"This reverts commit {made}" not in git("log", "-1", "--format=%B", gone):

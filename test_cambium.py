@@ -9022,6 +9022,43 @@ def test_a_deleted_store_whose_history_git_cannot_walk_is_never_written(shared, 
     assert git(shared["org_bare"], "rev-parse", "main") == tip        # nothing written
 
 
+def test_a_deleted_stores_last_copy_git_cannot_read_refuses_until_repaired_not_for_good(
+        shared, monkeypatch):
+    """store_deleted read the deleted store's last copy with cat-file and took
+    any failure (a missing object, a timeout, an offline partial clone) for
+    "held items, count unknown": an answer the foreign tip cache kept, so
+    after the repository was repaired a running server still refused every
+    org write over an empty store's deletion. git's failure is an unread
+    history now (refused, not kept); only a copy that does not parse counts
+    as held. _store_withdrawn's git calls likewise raise rather than read
+    as "not withdrawn"."""
+    org, bare = shared["org"], shared["org_bare"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    work = clone(bare, shared["tmp"] / "by-hand")
+    (work / "knowledge.json").write_text(cs.render_store(cs.Doc(items=[])))
+    git(work, "add", "knowledge.json")
+    git(work, "commit", "-q", "-m", "empty store")
+    git(work, "push", "-q", "origin", "HEAD")
+    _commit_by_hand(work, "drop the empty store", "knowledge.json")  # (no loss: written)
+    before = git(work, "rev-parse", "HEAD^").strip()
+    blob = git(work, "rev-parse", "HEAD^:knowledge.json").strip()
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    git(org, "fetch", "-q", "origin")
+    loose = org / ".git" / "objects" / blob[:2] / blob[2:]
+    aside = shared["tmp"] / "blob-aside"
+    loose.rename(aside)                                     # (its last copy, unreadable)
+    said = json.dumps(cs.recall("base image digest", scope="org").get("warnings"))
+    assert "whether a commit deleted it could not be read" in said, said
+    with pytest.raises(cs.ConfigError, match="could not be read"):      # (fails closed)
+        cs.promote(item, to_scope="org", force=True)
+    with pytest.raises(cs.GitError):                       # (no "not withdrawn" for it)
+        cs._store_withdrawn(org, "0" * 40, before, 30)
+    aside.rename(loose)                                     # repaired: the same process
+    assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
+    assert [i["id"] for i in remote_json(bare, "main")["items"]] == [item]
+
+
 @pytest.mark.parametrize("kind", ["directory", "submodule", "symbolic link"])
 def test_a_team_store_that_is_no_file_is_named_for_what_it_is(shared, kind):
     """A directory or submodule where knowledge.json goes was a raw git error
