@@ -6248,13 +6248,15 @@ class Deletion(NamedTuple):
     (`gone`), its first parent (`before`: the store as it was last), how many
     items that held (-1: it does not parse there, held uncounted), whether a
     merge deleted it; or, with `unread` set, why the history could not be told
-    (`shallow`: a shallow clone's, which a `git fetch --unshallow` ends)."""
+    (`shallow`: a shallow clone's, which a `git fetch --unshallow` ends;
+    `waited`: the seconds git was given, when it took longer)."""
     gone: str = ""
     before: str = ""
     held: int = 0
     merge: bool = False
     unread: str = ""
     shallow: bool = False
+    waited: float = 0.0
 
 
 SHALLOW_UNREAD = "the clone is shallow (a `git clone --depth`: its history stops short)"
@@ -6287,7 +6289,8 @@ def store_deleted(repo: Path, tip: str, timeout_s: float) -> Deletion | None:
             return None
         text = _git(["cat-file", "blob", f"{before}:{STORE_FILE}"], repo, timeout_s).stdout
     except GitError as e:                           # (not read: told, fail closed)
-        return Deletion(unread=clip_message(str(e), 300))
+        return Deletion(unread=clip_message(str(e), 300),
+                        waited=timeout_s if e.code is None else 0.0)
     try:
         held = len(parse_store(text, STORE_FILE).items)
     except CorruptStore:                            # (it does not parse: held, uncounted)
@@ -6311,6 +6314,26 @@ def _store_withdrawn(repo: Path, gone: str, before: str, timeout_s: float) -> bo
     if not made or f"This reverts commit {made}" not in git("log", "-1", "--format=%B", gone):
         return False
     return not git("rev-list", "--first-parent", f"{made}..{before}", "--", STORE_FILE).strip()
+
+
+def restore_words(found: Deletion) -> tuple[str, str]:
+    """How a store a commit deleted is brought back (`git revert`, `-m 1` for
+    a merge, or the file checked out from the commit before) and what it held
+    ("the 3 item(s)"): a read's and a write's words (GitStore._deleted_words)
+    and setup's (_org_clone_deleted) alike."""
+    revert = "git revert -m 1" if found.merge else "git revert"
+    how = (f"`{revert} {found.gone[:10]}`, or `git checkout {found.before[:10]} -- "
+           f"{STORE_FILE}` and commit")
+    return how, f"the {found.held} item(s)" if found.held > 0 else "the item(s)"
+
+
+def unread_fix(found: Deletion, repo: Path, remote: str = "") -> str:
+    """How a history store_deleted could not read (not one git took too long
+    to walk: its caller says) is made readable: a shallow clone (by the flag)
+    fetches the rest, a damaged one is repaired or cloned again."""
+    if found.shallow:
+        return f"`git -C {shlex.quote(str(repo))} fetch --unshallow{' ' * bool(remote)}{remote}`"
+    return "repair or re-clone it"
 
 
 class GitStore(Store):
@@ -7956,27 +7979,29 @@ class GitStore(Store):
         word, the next write started a store over it, the earlier items gone
         from the tip."""
         if found.unread:
-            return self._history_unread(found.unread)
-        gone, before = found.gone[:10], found.before[:10]
-        revert = "git revert -m 1" if found.merge else "git revert"
-        held = f"the {found.held}" if found.held > 0 else "the"
+            return self._history_unread(found)
+        how, held = restore_words(found)
         on = (f"the org repo's default branch '{self.branch}' ({self.repo})"
               if self.scope == "org" else f"the {self.scope} branch '{self.branch}' on "
               f"'{self.remote}'")
-        return (f"{STORE_FILE} was deleted from {on} by commit {gone}, so {held} item(s) it "
-                f"held are not read, and cambium writes nothing to it until the file is back "
-                f"(a write would start a new store over them). Restore it on that branch and "
-                f"push: `{revert} {gone}`, or `git checkout {before} -- {STORE_FILE}` and "
-                f"commit; to empty the {self.scope} store on purpose, commit a {STORE_FILE} "
-                f"holding {EMPTY_STORE_TEXT}.")
+        return (f"{STORE_FILE} was deleted from {on} by commit {found.gone[:10]}, so {held} "
+                f"it held are not read, and cambium writes nothing to it until the file is "
+                f"back (a write would start a new store over them). Restore it on that branch "
+                f"and push: {how}; to empty the {self.scope} store on purpose, commit a "
+                f"{STORE_FILE} holding {EMPTY_STORE_TEXT}.")
 
-    def _history_unread(self, why: str) -> str:
+    def _history_unread(self, found: Deletion) -> str:
         """Why a tip without the store file whose history git could not walk is
         not written: a shallow clone made after a `git rm knowledge.json` (its
         root the deleting commit), or a damaged repository, read as never held
-        and the next write started a store over the deleted items."""
-        fix = (f"`git -C {shlex.quote(str(self.repo))} fetch --unshallow {self.remote}`"
-               if "shallow" in why else "repair or re-clone it")
+        and the next write started a store over the deleted items; or a walk
+        that took git past CAMBIUM_GIT_TIMEOUT (nothing damaged: asked again)."""
+        why, fix = found.unread, unread_fix(found, self.repo, self.remote)
+        if found.waited:
+            why = (f"walking its history took git longer than {found.waited:g} s "
+                   "(CAMBIUM_GIT_TIMEOUT; a long history or a busy machine)")
+            fix = ("nothing is damaged: a later call asks again; for a history that long, "
+                   "raise CAMBIUM_GIT_TIMEOUT")
         return (f"{STORE_FILE} is not on {self.remote}/{self.branch}, and whether a commit "
                 f"deleted it could not be read: {why}. cambium writes nothing to it until "
                 f"it can (a write could start a new store over deleted items): {fix}.")
@@ -15490,11 +15515,7 @@ def _holds_code(org: Path) -> str | None:
         if STORE_FILE in names or not other:
             return None
         shown = ", ".join(other[:3]) + (", …" if len(other) > 3 else "")
-        try:
-            found = store_deleted(org, "HEAD", ORG_HEAD_ASK_S)
-        except GitError as e:                      # (a walk past the wait: untold)
-            found = Deletion(unread=clip_message(str(e), 300))
-        if found:
+        if found := store_deleted(org, "HEAD", ORG_HEAD_ASK_S):
             return _org_clone_deleted(org, shown, found)
         return (f"holds code ({shown}) and no {STORE_FILE}: it looks like a "
                 "project's clone, and cambium keeps the org clone's checkout in sync by "
@@ -15505,19 +15526,26 @@ def _holds_code(org: Path) -> str | None:
 
 def _org_clone_deleted(org: Path, shown: str, found: Deletion) -> str:
     """_holds_code's words for a clone whose history deleted a store that held
-    items, or could not be told (shallow, damaged): restore it, or deepen."""
+    items, or could not be told (shallow, damaged; a walk past ORG_HEAD_ASK_S:
+    nothing damaged, setup is run again): restore it, or deepen."""
+    if found.waited:
+        return (f"holds {shown} and no {STORE_FILE}, and whether its history deleted one "
+                f"was not told: walking it took git longer than {found.waited:g} s (a long "
+                "history or a busy machine; nothing is damaged). If it is the org knowledge "
+                f"repo, run setup again; should it keep taking that long, `git -C "
+                f"{shlex.quote(str(org))} log --first-parent --diff-filter=D --oneline -- "
+                f"{STORE_FILE}` lists the commits that deleted it: restore the file (`git "
+                "revert <commit>`, `-m 1` for a merge; then push) rather than commit an empty "
+                f"one over its items, or if none did, commit one holding {EMPTY_STORE_TEXT}; "
+                "if not, give a clone of that repo.")
     if found.unread:
-        fix = (f"`git -C {shlex.quote(str(org))} fetch --unshallow`" if found.shallow
-               else "repair or re-clone it")
         return (f"holds {shown} and no {STORE_FILE}, and whether its history deleted one "
                 f"could not be read: {found.unread}. If it is the org knowledge repo, "
-                f"{fix} and run setup again (committing an empty store could start one "
-                "over deleted items); if not, give a clone of that repo.")
-    gone, revert = found.gone[:10], "git revert -m 1" if found.merge else "git revert"
-    held = f"the {found.held} item(s)" if found.held > 0 else "the items"
-    return (f"holds {shown} and no {STORE_FILE}, which its commit {gone} deleted: if this "
-            f"is the org knowledge repo, restore the file (`{revert} {gone}`, or `git "
-            f"checkout {found.before[:10]} -- {STORE_FILE}` and commit; then push) rather "
+                f"{unread_fix(found, org)} and run setup again (committing an empty store "
+                "could start one over deleted items); if not, give a clone of that repo.")
+    how, held = restore_words(found)
+    return (f"holds {shown} and no {STORE_FILE}, which its commit {found.gone[:10]} deleted: "
+            f"if this is the org knowledge repo, restore the file ({how}; then push) rather "
             f"than commit an empty one over {held} it held.")
 
 

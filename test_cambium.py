@@ -26118,6 +26118,40 @@ def test_setup_names_only_a_deleted_org_store_that_held_items_as_reads_do(shared
     assert f"which its commit {gone} deleted" in cs._holds_code(shallow)
 
 
+def test_setup_says_a_history_walk_past_its_wait_is_slow_not_damaged(tmp_path, monkeypatch):
+    """setup's org clone check walks the history for a deleted store within
+    ORG_HEAD_ASK_S; a walk past it was said as git's error ("timed out ...
+    (CAMBIUM_GIT_TIMEOUT)") with "repair or re-clone it": nothing is damaged,
+    and that setting does not bound it. Here a tree of the history is a FIFO
+    no one writes (git waits on it), the clone otherwise sound. A read's
+    words say the same of CAMBIUM_GIT_TIMEOUT, and took an error that only
+    mentions "shallow" for a shallow clone (the flag says now)."""
+    bare = make_origin(tmp_path, "org")
+    work = clone(bare, tmp_path / "work")
+    (work / "app.py").write_text("print(1)\n")
+    git(work, "add", "app.py")
+    git(work, "commit", "-q", "-m", "code")
+    git(work, "push", "-q", "origin", "HEAD:main")
+    org = clone(bare, tmp_path / "org")
+    tree = git(org, "rev-parse", "HEAD^^{tree}").strip()
+    loose = org / ".git" / "objects" / tree[:2] / tree[2:]
+    loose.unlink()
+    os.mkfifo(loose)                                     # (the walk waits on it)
+    monkeypatch.setattr(cs, "ORG_HEAD_ASK_S", 3.0)         # (ls-tree still answers)
+    said = cs._holds_code(org)
+    assert "walking it took git longer than 3 s" in said and "nothing is damaged" in said, said
+    assert "run setup again" in said and "--diff-filter=D" in said, said
+    assert "re-clone" not in said and "CAMBIUM_GIT_TIMEOUT" not in said, said
+    st = cs.GitStore("org", org, "origin", "main", timeout_s=30, fetch_interval_s=0,
+                     agent="ada")
+    said = st._deleted_words(cs.Deletion(unread="`git rev-list` timed out", waited=30.0))
+    assert "longer than 30 s (CAMBIUM_GIT_TIMEOUT" in said and "nothing is damaged" in said
+    assert "re-clone" not in said and "timed out" not in said, said
+    damaged = cs.Deletion(unread="fatal: shallow file has changed since we read it")
+    assert "repair or re-clone it" in st._deleted_words(damaged)
+    assert "fetch --unshallow origin`" in st._deleted_words(damaged._replace(shallow=True))
+
+
 def test_promote_of_all_whose_only_item_is_refused_says_nothing_was_promoted(shared, monkeypatch):
     _endorsed("Deploys wait for the nightly batch")
     as_agent(monkeypatch, shared["b"], "bob")
