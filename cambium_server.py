@@ -24032,8 +24032,8 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         app = require_bearer(app, token)
     raise_fd_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",   # a client that
-                            timeout_graceful_shutdown=HTTP_GRACE_S)     # stalls mid-body:
-                                                                        # no endless stop
+                            timeout_graceful_shutdown=HTTP_GRACE_S,     # stalls mid-body:
+                            http=head_timed_protocol())                 # no endless stop
     print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
     with sock:
@@ -24116,6 +24116,54 @@ def raise_fd_limit() -> None:
     want = FD_LIMIT_WANTED if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_WANTED)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+#: a connection's request head (request line and headers) must arrive whole
+#: within this long of its opening, or of the answer before it on a kept-alive
+#: connection; past it the connection is closed unanswered
+HTTP_HEAD_S = 10.0
+
+
+def head_timed_protocol() -> type:
+    """uvicorn's HTTP protocol (h11, or httptools when installed) with a bound,
+    HTTP_HEAD_S, on each request head: uvicorn times none, so a connection that
+    sent part of a head, or nothing, held its open file until the client closed
+    it, and a few thousand such (slowloris) made every new client wait. A head
+    that arrived ends the wait: a slow body, a long call, an event stream are
+    not timed by it. An idle connection after an answer is uvicorn's to close
+    (its keep-alive, 5 s); one that sends part of its next head meets this bound."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeadTimed(AutoHTTPProtocol):
+        head_wait: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.await_head()
+
+        def on_response_complete(self) -> None:
+            self.await_head()                   # first: a pipelined head it
+            super().on_response_complete()      # then parses ends the wait
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.head_wait is not None:
+                self.head_wait.cancel()
+            super().connection_lost(exc)
+
+        def await_head(self) -> None:
+            if self.head_wait is not None:
+                self.head_wait.cancel()
+            self.head_wait = self.loop.call_later(HTTP_HEAD_S, self.head_late, self.cycle)
+
+        def head_late(self, cycle: Any) -> None:
+            """Close the connection if no head came since the wait began (the
+            cycle then is still the last, answered, or none), unless it became
+            a WebSocket's."""
+            waiting = cycle is self.cycle and (cycle is None or cycle.response_complete)
+            if waiting and self.transport.get_protocol() is self \
+                    and not self.transport.is_closing():
+                self.transport.close()
+    return HeadTimed
 
 
 #: how long `serve --http`, told to stop, waits for open connections: shorter

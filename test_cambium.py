@@ -23647,6 +23647,55 @@ def test_http_serving_line_comes_once_a_client_can_connect(repo):
         proc.stderr.close()
 
 
+def test_http_closes_a_connection_whose_request_head_never_ends(repo):
+    """A connection that sent part of a request head (or nothing) was never
+    timed out: it held an open file until the client closed it, and enough
+    of them (slowloris) made every new client wait. Past HTTP_HEAD_S (here
+    1 s) it is closed, and so is a kept-alive one that starts its next head
+    and stalls; a request whose head arrived is not (its body sent after the
+    bound is answered), nor is another client's MCP session meanwhile."""
+    import socket
+    port = _free_port()
+    quick = "import sys, cambium_server as cs; cs.HTTP_HEAD_S = 1.0; sys.exit(cs.main())"
+    proc = subprocess.Popen([sys.executable, "-c", quick, "serve", "--http", "--port",
+                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    body = b'{"jsonrpc": "1.0", "method": "x"}'
+    head = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    socks = []
+    try:
+        assert "serving MCP on" in proc.stderr.readline()
+        for part in (head, b"", b"POST /mc", head[:-2]):     # whole, none, partial
+            socks.append(socket.create_connection(("127.0.0.1", port), 20))
+            socks[-1].sendall(part)
+
+        async def names(session):
+            return {t.name for t in (await session.list_tools()).tools}
+
+        assert "recall" in asyncio.run(_http_session(f"http://127.0.0.1:{port}/mcp",
+                                                     None, names))
+        for s in socks[1:]:
+            assert s.recv(100) == b""                 # closed, unanswered (else: timeout)
+        socks[0].sendall(body)
+        got = b""
+        while b"-32600" not in got:                   # the answer (400, JSON-RPC's error)
+            got += socks[0].recv(4096) or pytest.fail(f"closed unanswered: {got!r}")
+        assert got.startswith(b"HTTP/1.1 400"), got
+        socks[0].sendall(b"POST /mcp HTTP/1.1\r\nHost")  # kept alive: a next head, stalled
+        while chunk := socks[0].recv(4096):
+            got += chunk
+        assert got.count(b"HTTP/1.1") == 1, got
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=20)
+        err = proc.stderr.read()
+        proc.stderr.close()
+    assert "Traceback" not in err, err
+
+
 def test_sigterm_ends_an_http_server_whose_call_waits_on_a_held_lock(repo):
     """serve --http, SIGTERM while an endorse waited for the store's lock a
     stopped process held: uvicorn's graceful shutdown waited on that call's
