@@ -23647,13 +23647,31 @@ def test_http_serving_line_comes_once_a_client_can_connect(repo):
         proc.stderr.close()
 
 
+def _sent_before_closed(port: int, data: bytes, gap_s: float = 0.3) -> int:
+    """How many bytes of `data`, sent one each `gap_s` on a new connection to
+    `port`, were sent before the server closed it (len(data): it never did)."""
+    import select
+    import socket
+    with socket.create_connection(("127.0.0.1", port), 20) as s:
+        for n in range(len(data)):
+            try:
+                s.sendall(data[n:n + 1])
+                if select.select([s], [], [], gap_s)[0] and s.recv(100) == b"":
+                    return n + 1
+            except ConnectionError:                   # (reset: a byte crossed the close)
+                return n + 1
+    return len(data)
+
+
 def test_http_closes_a_connection_whose_request_head_never_ends(repo):
     """A connection that sent part of a request head (or nothing) was never
     timed out: it held an open file until the client closed it, and enough
     of them (slowloris) made every new client wait. Past HTTP_HEAD_S (here
     1 s) it is closed, and so is a kept-alive one that starts its next head
-    and stalls; a request whose head arrived is not (its body sent after the
-    bound is answered), nor is another client's MCP session meanwhile."""
+    and stalls, and one whose head comes a byte at a time, each within the
+    bound (the wait is for the whole head); a request whose head arrived is
+    not (its body sent after the bound is answered), nor is another client's
+    MCP session meanwhile."""
     import socket
     port = _free_port()
     quick = "import sys, cambium_server as cs; cs.HTTP_HEAD_S = 1.0; sys.exit(cs.main())"
@@ -23677,7 +23695,8 @@ def test_http_closes_a_connection_whose_request_head_never_ends(repo):
                                                      None, names))
         for s in socks[1:]:
             assert s.recv(100) == b""                 # closed, unanswered (else: timeout)
-        socks[0].sendall(body)
+        assert _sent_before_closed(port, head[:-2]) < len(head) - 2   # a head trickled: the
+        socks[0].sendall(body)                        # wait is not begun again per byte
         got = b""
         while b"-32600" not in got:                   # the answer (400, JSON-RPC's error)
             got += socks[0].recv(4096) or pytest.fail(f"closed unanswered: {got!r}")
