@@ -24120,7 +24120,8 @@ def raise_fd_limit() -> None:
 
 #: a connection's request head (request line and headers) must arrive whole
 #: within this long of its opening, or of the answer before it on a kept-alive
-#: connection; past it the connection is closed unanswered
+#: connection; past it the connection is closed unanswered. So is one whose
+#: unanswered request's body is incomplete and sent no byte for this long
 HTTP_HEAD_S = 10.0
 
 
@@ -24129,25 +24130,36 @@ def head_timed_protocol() -> type:
     HTTP_HEAD_S, on each request head: uvicorn times none, so a connection that
     sent part of a head, or nothing, held its open file until the client closed
     it, and a few thousand such (slowloris) made every new client wait. A head
-    that arrived ends the wait: a slow body, a long call, an event stream are
-    not timed by it. An idle connection after an answer is uvicorn's to close
-    (its keep-alive, 5 s); one that sends part of its next head meets this bound."""
+    that arrived ends the wait: a long call, an event stream are not timed by
+    it. A body is timed by its gaps (body_late): one that stalled held its
+    connection, and a POST's place (HTTP_BODIES_AT_ONCE), until the client
+    closed it. An idle connection after an answer is uvicorn's to close (its
+    keep-alive, 5 s); one that sends part of its next head meets this bound."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class HeadTimed(AutoHTTPProtocol):
         head_wait: Any = None
+        body_wait: Any = None
+        byte_at = 0.0                           # when the last bytes came
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self.await_head()
+
+        def data_received(self, data: bytes) -> None:
+            self.byte_at = self.loop.time()
+            super().data_received(data)
+            if self.body_wait is None and body_awaited(self.cycle):
+                self.body_wait = self.loop.call_later(HTTP_HEAD_S, body_late, self)
 
         def on_response_complete(self) -> None:
             self.await_head()                   # first: a pipelined head it
             super().on_response_complete()      # then parses ends the wait
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self.head_wait is not None:
-                self.head_wait.cancel()
+            for wait in (self.head_wait, self.body_wait):
+                if wait is not None:
+                    wait.cancel()
             super().connection_lost(exc)
 
         def await_head(self) -> None:
@@ -24164,6 +24176,30 @@ def head_timed_protocol() -> type:
                     and not self.transport.is_closing():
                 self.transport.close()
     return HeadTimed
+
+
+def body_late(protocol: Any) -> None:
+    """Close a head_timed_protocol connection if its request's body is still
+    awaited and no byte came for HTTP_HEAD_S (time the app's reading is paused
+    counts as bytes coming), its answer's read of the body then ending as at a
+    client's disconnect (one_of_few frees its place); else look again when
+    that could be."""
+    protocol.body_wait = None
+    if not body_awaited(protocol.cycle):
+        return
+    if protocol.flow.read_paused:
+        protocol.byte_at = protocol.loop.time()
+    idle = protocol.loop.time() - protocol.byte_at
+    if idle < HTTP_HEAD_S:
+        protocol.body_wait = protocol.loop.call_later(HTTP_HEAD_S - idle, body_late, protocol)
+    elif protocol.transport.get_protocol() is protocol and not protocol.transport.is_closing():
+        protocol.transport.close()
+
+
+def body_awaited(cycle: Any) -> bool:
+    """Whether uvicorn's request-response `cycle` (or None) is a request not
+    yet answered whose body has not arrived whole (pure)."""
+    return cycle is not None and cycle.more_body and not cycle.response_complete
 
 
 #: how long `serve --http`, told to stop, waits for open connections: shorter

@@ -23669,12 +23669,17 @@ def test_http_closes_a_connection_whose_request_head_never_ends(repo):
     of them (slowloris) made every new client wait. Past HTTP_HEAD_S (here
     1 s) it is closed, and so is a kept-alive one that starts its next head
     and stalls, and one whose head comes a byte at a time, each within the
-    bound (the wait is for the whole head); a request whose head arrived is
-    not (its body sent after the bound is answered), nor is another client's
-    MCP session meanwhile."""
+    bound (the wait is for the whole head). A request whose head arrived and
+    whose body stalled (part of it, or none) held its connection and one of
+    the POST places (here 2) until the client closed it: 2 such made every
+    POST get 503. No byte of it for the bound closes it now and frees its
+    place; a body that keeps coming is answered however long it takes, and
+    another client's MCP session is served meanwhile."""
+    import concurrent.futures
     import socket
     port = _free_port()
-    quick = "import sys, cambium_server as cs; cs.HTTP_HEAD_S = 1.0; sys.exit(cs.main())"
+    quick = ("import sys, cambium_server as cs; cs.HTTP_HEAD_S = 1.0; "
+             "cs.HTTP_BODIES_AT_ONCE = 2; sys.exit(cs.main())")
     proc = subprocess.Popen([sys.executable, "-c", quick, "serve", "--http", "--port",
                              str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -23684,25 +23689,31 @@ def test_http_closes_a_connection_whose_request_head_never_ends(repo):
     socks = []
     try:
         assert "serving MCP on" in proc.stderr.readline()
-        for part in (head, b"", b"POST /mc", head[:-2]):     # whole, none, partial
-            socks.append(socket.create_connection(("127.0.0.1", port), 20))
-            socks[-1].sendall(part)
+        for part in (b"", b"POST /mc", head[:-2], head, head + body[:9]):  # no head, part of
+            socks.append(socket.create_connection(("127.0.0.1", port), 20))  # one; a body
+            socks[-1].sendall(part)                                   # none or part of which
+        for s in socks:                                               # came (2 places held)
+            assert s.recv(100) == b""                 # closed, unanswered (else: timeout)
 
         async def names(session):
             return {t.name for t in (await session.list_tools()).tools}
 
-        assert "recall" in asyncio.run(_http_session(f"http://127.0.0.1:{port}/mcp",
-                                                     None, names))
-        for s in socks[1:]:
-            assert s.recv(100) == b""                 # closed, unanswered (else: timeout)
-        assert _sent_before_closed(port, head[:-2]) < len(head) - 2   # a head trickled: the
-        socks[0].sendall(body)                        # wait is not begun again per byte
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:    # a head trickled: the wait
+            trickled = pool.submit(_sent_before_closed, port, head[:-2])   # is not begun
+            assert "recall" in asyncio.run(_http_session(             # again per byte; POSTs
+                f"http://127.0.0.1:{port}/mcp", None, names))        # have their places back
+            assert trickled.result() < len(head) - 2
+        socks.append(socket.create_connection(("127.0.0.1", port), 20))
+        socks[-1].sendall(head)
+        for at in range(0, len(body), 8):             # a body in 5 parts, 0.3 s apart: it
+            time.sleep(0.3)                           # takes longer than the bound, but no
+            socks[-1].sendall(body[at:at + 8])        # gap does
         got = b""
         while b"-32600" not in got:                   # the answer (400, JSON-RPC's error)
-            got += socks[0].recv(4096) or pytest.fail(f"closed unanswered: {got!r}")
+            got += socks[-1].recv(4096) or pytest.fail(f"closed unanswered: {got!r}")
         assert got.startswith(b"HTTP/1.1 400"), got
-        socks[0].sendall(b"POST /mcp HTTP/1.1\r\nHost")  # kept alive: a next head, stalled
-        while chunk := socks[0].recv(4096):
+        socks[-1].sendall(b"POST /mcp HTTP/1.1\r\nHost")  # kept alive: a next head, stalled
+        while chunk := socks[-1].recv(4096):
             got += chunk
         assert got.count(b"HTTP/1.1") == 1, got
     finally:
