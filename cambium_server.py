@@ -24149,12 +24149,19 @@ def head_timed_protocol() -> type:
         def data_received(self, data: bytes) -> None:
             self.byte_at = self.loop.time()
             super().data_received(data)
-            if self.body_wait is None and body_awaited(self.cycle):
-                self.body_wait = self.loop.call_later(HTTP_HEAD_S, body_late, self)
+            self.await_body()
 
         def on_response_complete(self) -> None:
             self.await_head()                   # first: a pipelined head it
             super().on_response_complete()      # then parses ends the wait
+            self.await_body()                   # (h11) and its body is timed
+
+        def await_body(self) -> None:
+            """Time the body of the request in hand if it is awaited and not
+            yet timed: after bytes came, or after an answer whose pipelined
+            successor's head (and part of its body) h11 had buffered."""
+            if self.body_wait is None and body_awaited(self.cycle):
+                self.body_wait = self.loop.call_later(HTTP_HEAD_S, body_late, self)
 
         def connection_lost(self, exc: Exception | None) -> None:
             for wait in (self.head_wait, self.body_wait):
