@@ -6398,6 +6398,13 @@ class GitStore(Store):
         return f"refs/cambium/scratch/{kind}/{self.scope}/{self.remote}" + \
             (f"/{branch}" if branch else "")
 
+    def _fetch_scratch(self, source: str, ref: str,
+                       check: bool = True) -> subprocess.CompletedProcess:
+        """Fetch the remote's `source` ref into the scratch ref `ref` (_scratch):
+        forced, no tags, refs/remotes/ left as they are (`--refmap=`)."""
+        return self.git("fetch", "--quiet", "--no-tags", "--refmap=", "--", self.remote,
+                        f"+{source}:{ref}", check=check)
+
     def _url_or_blank(self) -> str:
         """The remote's URL (remote_url: cached until the clone's git config
         changes), "" when it has none or git cannot say: what a best-effort
@@ -7523,8 +7530,7 @@ class GitStore(Store):
         if head is None:
             return None
         ref = self._scratch("default")
-        self.git("fetch", "--quiet", "--no-tags", "--refmap=", "--", self.remote,
-                 f"+{head}:{ref}")
+        self._fetch_scratch(head, ref)
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
 
     def _commit(self, parent: str | None, files: dict[str, str], message: str, *,
@@ -7699,8 +7705,7 @@ class GitStore(Store):
         if remote_tip == commit:
             return
         if remote_tip:
-            self.git("fetch", "--quiet", "--no-tags", "--refmap=", "--", self.remote,
-                     f"+refs/heads/{branch}:{self._scratch('verify')}")
+            self._fetch_scratch(f"refs/heads/{branch}", self._scratch("verify"))
             ok = self.git("merge-base", "--is-ancestor", commit, remote_tip, check=False)
             if ok.returncode == 0:
                 return
@@ -8159,8 +8164,7 @@ class GitStore(Store):
 
     def _remote_branch_tip(self, branch: str) -> str | None:
         ref = self._scratch("side", branch)
-        proc = self.git("fetch", "--quiet", "--no-tags", "--refmap=", "--", self.remote,
-                        f"+refs/heads/{branch}:{ref}", check=False)
+        proc = self._fetch_scratch(f"refs/heads/{branch}", ref, check=False)
         if proc.returncode != 0:
             return None
         return self.git("rev-parse", "--verify", ref + "^{commit}").stdout.strip()
