@@ -3024,22 +3024,30 @@ def _hard_exit(code: int) -> NoReturn:
         os._exit(code)
 
 
+def _proc_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """Each process /proc lists (Linux): its pid and the fields of its stat line
+    after the command's name (state, ppid, pgrp, session, ...: proc(5)'s third
+    field on). Nothing where there is no /proc; one gone meanwhile, or whose
+    stat cannot be read, is passed over."""
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return
+    for name in names:
+        try:
+            _, close, rest = Path(f"/proc/{name}/stat").read_bytes().rpartition(b")")
+        except OSError:
+            continue
+        if close:                       # (the name is in parentheses, a `)` in it too)
+            yield int(name), rest.split()
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc (Linux); [] where there is none."""
     children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
+    for child, fields in _proc_stats():
+        with contextlib.suppress(ValueError, IndexError):
+            children.setdefault(int(fields[1]), []).append(child)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), ()):
@@ -18836,17 +18844,12 @@ def _group_guard(group: int) -> subprocess.Popen | None:
 
 def _session_members(sid: int) -> list[int]:
     """The live processes in session `sid`, from /proc (none where there is no /proc)."""
-    try:
-        names = [n for n in os.listdir("/proc") if n.isdigit()]
-    except OSError:
-        return []
     out = []
-    for name in names:
-        with contextlib.suppress(OSError, ValueError):
-            fields = Path(f"/proc/{name}/stat").read_bytes().rpartition(b")")[2].split()
+    for pid, fields in _proc_stats():
+        with contextlib.suppress(ValueError):
             if (fields[0] != b"Z" or int(fields[17]) > 1) and int(fields[3]) == sid \
-                    and int(name) != os.getpid():       # (Z with threads: its main thread
-                out.append(int(name))                  # left, pthread_exit; the rest run on)
+                    and pid != os.getpid():             # (Z with threads: its main thread
+                out.append(pid)                        # left, pthread_exit; the rest run on)
     return out
 
 
