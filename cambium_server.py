@@ -3194,6 +3194,14 @@ def remote_push_urls(repo: Path, remote: str, timeout_s: float) -> list[str]:
     return _until_config_changes(runtime().push_urls, repo, remote, ask)
 
 
+def _config_stamp(common: Path) -> tuple:
+    """What names the state of a clone's git config (`common`: its common git
+    dir, _git_dirs(repo)[1]; a link followed): inode, size, mtime and ctime
+    (git writes it through config.lock and a rename). Raises OSError."""
+    st = os.stat(common / "config")
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _until_config_changes(cache: dict, repo: Path, remote: str, ask: Callable):
     """cache[(repo, remote)], asked again when `repo`'s git config changed (the
     common dir's: a linked worktree's .git is a file). Changed: another inode
@@ -3201,8 +3209,7 @@ def _until_config_changes(cache: dict, repo: Path, remote: str, ask: Callable):
     mtime alone, a `git remote set-url` within the clock tick of the last write
     (coarse file times) kept the old URL for the life of a server."""
     try:
-        st = (_git_dirs(repo)[1] / "config").stat()
-        stamp: tuple | None = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        stamp: tuple | None = _config_stamp(_git_dirs(repo)[1])
     except (OSError, IndexError):
         stamp = None
     key = (str(repo), remote)
@@ -20878,10 +20885,9 @@ def primer_key(cfg: Config, limit: int) -> str | None:
             with contextlib.suppress(ScopeOff):
                 st = store(cfg, scope)
                 dirs = _git_dirs(st.repo)
-                config = os.stat(dirs[1] / "config")      # (its URL; a link followed)
+                config = _config_stamp(dirs[1])           # (its URL)
                 parts.append((scope, _ref_value(st.repo, st.ref, dirs) or st.cloned_tip(),
-                              (config.st_ino, config.st_size, config.st_mtime_ns,
-                               config.st_ctime_ns)))
+                              config))
         parts.append(_git_head(cfg.repo))
         if cfg.org_repo:                      # the org items sessions here were shown
             parts.append(sorted(used_here(cfg)))
