@@ -6392,13 +6392,15 @@ class GitStore(Store):
         return _git(list(args), self.repo, self.timeout_s, check=check, input=input,
                     binary=binary)
 
-    def _stamp(self, branch: str | None = None) -> Path:
+    def _stamp(self, branch: str | None = None, *, prefix: str = "", suffix: str = "") -> Path:
         """The fetch stamp of this branch (or `branch`) through this remote,
         like the private ref: one remote's failed fetch held every other
-        remote's reads back."""
+        remote's reads back. prefix, suffix: a file named after it (its failed
+        fetch's, _failed_stamp; its plain-fetch record; its fetch lock)."""
         remote = hashlib.sha1(self.remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
         branch = self.branch if branch is None else branch
-        return self._meta_dir() / f"fetched-{self.scope}-{branch.replace('/', '_')}-{remote}"
+        return self._meta_dir() / \
+            f"{prefix}fetched-{self.scope}-{branch.replace('/', '_')}-{remote}{suffix}"
 
     def _scratch(self, kind: str, branch: str = "") -> str:
         """A ref cambium writes and reads back within one step (`new`: fast-import's
@@ -6429,8 +6431,7 @@ class GitStore(Store):
         return ""
 
     def _failed_stamp(self) -> Path:
-        stamp = self._stamp()
-        return stamp.with_name(stamp.name + ".failed")
+        return self._stamp(suffix=".failed")
 
     def _note_failure(self, error: str) -> None:
         """Record a failed fetch for every process of this clone (best effort),
@@ -6824,7 +6825,7 @@ class GitStore(Store):
             f"{shlex.quote(str(self.repo))} remote prune {self.remote}` removes it")
 
     def _plain_record(self) -> Path:
-        return self._stamp().with_name(self._stamp().name + ".plain")
+        return self._stamp(suffix=".plain")
 
     def _plain_fetch(self) -> bool:
         """Whether to fetch without updating refs/remotes/ (`--refmap=`): git's
@@ -6945,7 +6946,7 @@ class GitStore(Store):
         or when `patient` (a write; a read with no tip to answer from) as long as
         another's fetch may take: LOCK_WAIT_S kept a read waiting 300 s behind a
         process stopped mid-fetch (Ctrl-Z), then failed it. FetchBusy past it."""
-        path = self._stamp().with_name("fetch-" + self._stamp().name)
+        path = self._stamp(prefix="fetch-")
         wait = lock_wait_under(self.timeout_s + FETCH_LOCK_WAIT_S if patient
                                else FETCH_LOCK_WAIT_S)
         stack = contextlib.ExitStack()
