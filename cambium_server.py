@@ -3528,10 +3528,9 @@ def _tracked_link(root: str) -> bool:
 def _same_file(root: str, a: str, b: str) -> bool:
     """Whether two names under root are one file (a link itself, not followed)."""
     try:
-        one, two = os.lstat(os.path.join(root, a)), os.lstat(os.path.join(root, b))
+        return os.path.samestat(os.lstat(os.path.join(root, a)), os.lstat(os.path.join(root, b)))
     except OSError:
         return False
-    return (one.st_dev, one.st_ino) == (two.st_dev, two.st_ino)
 
 
 def _other_repository(root: str, real: str) -> str | None:
