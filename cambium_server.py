@@ -16274,7 +16274,7 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str], left: s
     finished after all: a person's correction of it (another clone's correct())
     follows it up (through dst's gate for a correction, org_tells, as
     correct() would have judged it at org) in the dst commit that carries the
-    supersession to dst's copy, and one src write drops both (_carry_line:
+    supersession to dst's copy, and one src write drops both (_correction_up:
     it was two moves, two writes each way). Any other stays in both, its answer naming
     the replacement (kept_both): a consolidate fold's survivor is an item of its
     own, never promoted unasked. (In PR mode a merge's settle carries it.)
@@ -16287,26 +16287,33 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str], left: s
         if old is None or old.status != "superseded" or not (by := _superseded_by(old)):
             continue
         line = _correction_line(old, below)
+        up = None if by_pr else _correction_up(cfg, src, dst, old, line)
         out[i] = by, _why_kept(line, dst, PROPOSED_AT_REVIEW if by_pr
                                else f"a correction that did not reach {dst} now")
-        up = None if by_pr else _carry_line(cfg, src, dst, old, line)
         if up and i in {it.id for it in up.landed} and i not in up.kept:
             out[i] = None
             left.add(i)
     return out
 
 
-def _carry_line(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
-                ) -> Moved | None:
-    """A direct write's carry (_carry_corrections): `line`, a person's
-    corrections of `old` (_correction_line), and the supersession of dst's
-    copy of `old`, in one move: one dst commit holds the corrections and old's
-    copy superseded by them (its replacement lands with it), then one src
-    write drops them all (each only once dst is verified to hold it). None,
-    nothing moved, when _line_stays says why the line stays (as _correction_up)."""
+def _correction_up(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
+                   ) -> Moved | None:
+    """`line` (_correction_line), a person's corrections of `old` made in src
+    while `old` moved to dst (or waited on its org pull request), to the live
+    one (corrected again meanwhile: each of them, so dst holds the chain),
+    moved up to dst as correct() would have made them there, through dst's
+    gate for a correction (org_tells). A direct write takes `old` along (it
+    rides: move()): one dst commit holds the chain and old's copy superseded
+    by it, then one src write drops them all, each only once dst is verified
+    to hold it; if dst turns any link away, old stays. In org PR mode
+    the chain alone is proposed through the `cambium/updates` pull request
+    (old's supersession follows once that merged: review_promotions). None,
+    nothing moved, when there is no such live correction, or _line_stays says
+    why it stays."""
     if not line or _line_stays(line, dst):
         return None
     now, ids, end = _now(), {it.id for it in line}, line[-1]
+    branch = pr_branch(cfg, dst, "updates")          # (None: a direct write, old rides)
 
     def gate(it: Item) -> Verdict:
         return Verdict(True, "promotable", "a person's correction") if it.id in ids \
@@ -16315,27 +16322,9 @@ def _carry_line(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
     def copy(it: Item) -> Item:
         return promoted_copy(it, dst, trust=it.trust, agent=cfg.agent, now=now) \
             if it.id in ids else it
-    return move(cfg, [*line, old], src, dst, gate=gate, copy=copy, rides=old.id,
-                message=f"{cfg.agent} carries {end.id}, the correction of {old.id}, to {dst}")
-
-
-def _correction_up(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
-                   ) -> Moved | None:
-    """`line` (_correction_line), a person's corrections of `old` made in src
-    while `old` moved to dst (or waited on its org pull request), to the live
-    one (corrected again meanwhile: each of them, so dst holds the chain),
-    moved up to dst as correct() would have made them there: through dst's
-    gate for a correction (org_tells), in org PR mode proposed through the
-    `cambium/updates` pull request. None, nothing moved, when there is no such
-    live correction, or _line_stays says why it stays."""
-    if not line or _line_stays(line, dst):
-        return None
-    now, end = _now(), line[-1]
-    return move(cfg, line, src, dst, copy=lambda it: promoted_copy(
-                    it, dst, trust=it.trust, agent=cfg.agent, now=now),
-                gate=lambda it: Verdict(True, "promotable", "a person's correction"),
+    return move(cfg, line if branch else [*line, old], src, dst, gate=gate, copy=copy,
                 message=f"{cfg.agent} carries {end.id}, the correction of {old.id}, to {dst}",
-                pr_branch=pr_branch(cfg, dst, "updates"), pr_body=PR_BODY)
+                pr_branch=branch, pr_body=PR_BODY, rides=None if branch else old.id)
 
 
 def _correction_line(old: Item, below: dict[str, Item]) -> list[Item]:
@@ -16713,35 +16702,39 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     sent to wait on cambium/updates goes in `repointed` with that PR's URL; a
     note org's gate held back from what it gained (a teammate endorsed it with
     a note naming a file while its promote ran) is a warning in `said`."""
-    if (waits := _correction_waits(cfg, scope, item, there)) is not None:
+    rode: list[Moved] = []                   # (a direct write: it went up with its correction)
+    if (waits := _correction_waits(cfg, scope, item, there, rode)) is not None:
         if said is not None:
             said.append(waits)
         return []
     branch = None
-    if cfg.org_pr and news_over(there, item, holds=_org_ids_for(cfg, item)) is not None:
+    if not rode and cfg.org_pr and \
+            news_over(there, item, holds=_org_ids_for(cfg, item)) is not None:
         if _updates_propose(cfg, item):
             return []
         branch = pr_branch(cfg, "org", "updates")
-    moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
-                 message=f"settle the merged org PR of {item.id}", pr_branch=branch,
-                 pr_body=PR_BODY)
+    moved = rode[0] if rode else move(
+        cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
+        message=f"settle the merged org PR of {item.id}", pr_branch=branch, pr_body=PR_BODY)
     if branch and repointed is not None and moved.write.pr_url:
         repointed.update((it.id, moved.write.pr_url) for it in moved.landed)
     if said is not None:
         said += notes_held(moved, proposed=bool(branch)).get("warnings", [])
-    return [] if branch else [it.id for it in moved.landed]
+    return [] if branch else [it.id for it in moved.landed if it.id == item.id]
 
 
-def _correction_waits(cfg: Config, scope: str, item: Item, there: Item) -> str | None:
+def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
+                      rode: list[Moved]) -> str | None:
     """Why a copy below whose org pull request merged cannot leave yet, or None:
     it was superseded (a teammate's correct() or consolidate fold while its
     promote ran, its pull request built from the tip before) by an item org
     lacks, and org's copy (`there`) is active. Settling dropped it and org kept
     the old words active for good. A correction of it goes up first
     (_correction_up: in PR mode proposed through `cambium/updates`, the copy
-    below waiting for that to merge); a fold's survivor, or a correction org's
-    gate turns away or its reviewers declined, waits for a person (uncarried
-    says what to do)."""
+    below waiting for that to merge; in a direct write the copy below goes up
+    with it, in one org commit, that move added to `rode`); a fold's survivor,
+    or a correction org's gate turns away or its reviewers declined, waits for
+    a person (uncarried says what to do)."""
     if not there.active or not replacement_missing(item, _org_ids_for(cfg, item)):
         return None
     by = _superseded_by(item) or ""
@@ -16752,6 +16745,8 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item) -> str |
                 f"org through {waits.pr_url}: once that merges, review_promotions() carries "
                 "the supersession to org")
     if (up := _correction_up(cfg, scope, "org", item, line)) and up.landed:
+        if any(it.id == item.id for it in up.landed):
+            rode.append(up)
         return None if not up.write.pr_url else (
             f"{item.id} was corrected in {scope} scope by {by} while its org pull request "
             f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
@@ -21436,22 +21431,24 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     through the cambium/updates pull request, the copy below waiting for its
     merge (_finish_held_move): nothing is pushed to org's own branch. A
     supersession by an item org lacks is not carried (carried_over): a
-    person's correction goes up first (_correction_waits); any other leaves
+    person's correction goes up first (_correction_waits; in a direct write
+    the copy below with it, in one org commit); any other leaves
     org's copy active, with a warning, but a copy waiting on its merged pull
     request waits on (review_promotions' rule: dropped, it lost the
     supersession at org with no word)."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
-    if (waits := _correction_waits(cfg, scope, item, found[1])) and item.pr_url:
+    rode: list[Moved] = []                   # (a direct write: it went up with its correction)
+    if (waits := _correction_waits(cfg, scope, item, found[1], rode)) and item.pr_url:
         return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
     if cfg.org_pr:
         return _finish_held_move(cfg, scope, item, found[1], restated=False)
-    moved = move(cfg, [item], scope, "org", gate=lambda it: _awaiting_merge(it),
-                 copy=lambda it: it, message=f"carry {item.id}'s retirement to org")
-    if not moved.landed:
+    moved = rode[0] if rode else move(
+        cfg, [item], scope, "org", gate=lambda it: _awaiting_merge(it), copy=lambda it: it,
+        message=f"carry {item.id}'s retirement to org")
+    if not (there := next((it for it in moved.landed if it.id == item.id), None)):
         return None
-    there = moved.landed[0]
     out = {"status": "already_promoted", "scope": "org", "item": item_view(there),
            "note": f"a move to org had been cut short, and the {scope} copy was "
                    f"{item.status} since: that is carried to org, and the {scope} copy left"}

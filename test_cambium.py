@@ -6176,7 +6176,7 @@ def test_a_correction_made_in_another_clone_during_a_team_to_org_move_goes_up_to
 def test_a_correction_org_refuses_during_a_move_leaves_the_item_it_corrects_below(
         shared, monkeypatch):
     """The correction and the supersession of org's copy go up in one move
-    (_carry_line): when org turns the correction away (its words were
+    (_correction_up): when org turns the correction away (its words were
     deprecated there), the corrected team copy must stay too, org's copy
     active, never dropped below with the supersession carried nowhere."""
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
@@ -6241,6 +6241,77 @@ def test_a_correction_corrected_again_during_a_move_goes_up_as_its_chain(
     assert "kept_both" not in res and not any("gate" in w for w in res["warnings"]), res
     assert org[item_id]["superseded_by"]["id"] == r1 and org[r1]["superseded_by"]["id"] == r2
     assert org[r2]["status"] == "active" and org[r2]["corrects"] == r1
+    assert team_ids(shared["origin"]) == set()
+
+
+def _bob_runs(shared, *args: str) -> dict:
+    """Run cambium `args` in clone B as bob, org scope off there (B sees the
+    team copy): its JSON answer."""
+    env = {k: v for k, v in child_env(CAMBIUM_REPO=str(shared["b"]),
+                                      CAMBIUM_AGENT_ID="bob").items()
+           if k not in ("CAMBIUM_ORG_REPO", "CAMBIUM_ORG_PR")}
+    ran = subprocess.run([*RUN, *args], env=env, cwd=shared["b"], capture_output=True,
+                         text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(ran.stdout)
+
+
+def _states_since(bare: Path, branch: str, since: str, *ids: str) -> list:
+    """(status of each of `ids`, None when absent) in each commit of `branch` after `since`."""
+    out = []
+    for c in git(bare, "rev-list", "--reverse", f"{since}..{branch}").split():
+        held = {i["id"]: i["status"] for i in (remote_json(bare, c) or {"items": []})["items"]}
+        out.append(tuple(held.get(i) for i in ids))
+    return out
+
+
+def test_a_correction_of_a_copy_a_cut_short_move_left_goes_up_with_it_in_one_org_commit(
+        shared, monkeypatch):
+    """A team -> org move cut short after its org push left the team copy, and
+    Bob corrected it there. promote() finished the move in two moves: the
+    correction up (org commit 1: it beside the item still active), then the
+    item again (org commit 2: its supersession), each with its own team write.
+    The item rides with its correction now: one org commit, one team write."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id)
+    cs.promote(item_id, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared)                 # the copy the kill left
+    fix = _bob_runs(shared, "correct", item_id,
+                    "Retry only idempotent calls, with capped backoff")["item"]["id"]
+    org_at = git(shared["org_bare"], "rev-parse", "main").strip()
+    team_at = git(shared["origin"], "rev-parse", "cambium").strip()
+    res = cs.promote(item_id, to_scope="org")
+    assert res["status"] == "already_promoted" and res["item"]["status"] == "superseded", res
+    assert _states_since(shared["org_bare"], "main", org_at, item_id, fix) == \
+        [("superseded", "active")], res
+    assert _states_since(shared["origin"], "cambium", team_at, item_id, fix) == \
+        [(None, None)], res
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item_id]["superseded_by"]["id"] == fix and org[fix]["corrects"] == item_id
+
+
+def test_a_merged_pr_settled_in_direct_mode_takes_its_correction_up_in_one_org_commit(
+        shared, monkeypatch, tmp_path):
+    """Bob corrected the team item while Ada's promote opened its org pull
+    request; it merged, and PR mode was turned off before the review settled
+    it. The settle moved the correction up (one org commit: the item still
+    active beside it), then the item (a second: its supersession). The item
+    rides with its correction now: one org commit, and it is settled."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id, force=True)
+    ran = _bob_in_the_window(monkeypatch, shared, "_annotate_pr", "correct", item_id,
+                             "Retry only idempotent calls, with capped backoff")
+    assert cs.promote(item_id, to_scope="org")["status"] == "pr_opened"
+    fix = json.loads(ran[0].stdout)["item"]["id"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item_id}")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    org_at = git(shared["org_bare"], "rev-parse", "main").strip()
+    review = cs.review_promotions()
+    assert review.get("settled_org_prs") == [item_id], review
+    assert _states_since(shared["org_bare"], "main", org_at, item_id, fix) == \
+        [("superseded", "active")], review
     assert team_ids(shared["origin"]) == set()
 
 
