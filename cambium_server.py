@@ -16110,7 +16110,8 @@ def move(cfg: Config, items: list[Item], src: str, dst: str, *,
     note the gate reads as project-specific stays behind: Moved.notes_held.
     `rides`: the id of an item dst holds already that moves only in the commit
     where every other item lands (the item a person's corrections supersede:
-    its copy there is superseded by them); else it stays where it is, refused.
+    its copy there is superseded by them); else none of the items moves, each
+    refused (a chain of corrections moves whole: _hold_rider).
     """
     held_back: set[str] = set()
     with moves_lock(cfg):
@@ -16184,12 +16185,19 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
 def _hold_rider(rides: str, dst: str, joined: set[str], made: dict[str, Item],
                 clash: set[str], verdicts: dict[str, Verdict]) -> None:
     """A move's plan when an item its `rides` item needs did not land (move()):
-    that item is held back as a clash is, neither written nor dropped below."""
-    joined.discard(rides)
-    made.pop(rides, None)
-    clash.add(rides)
-    verdicts[rides] = Verdict(False, "not_carried", f"{rides} goes to {dst} only with the "
-                              "corrections that supersede it, and one did not land there")
+    none of its items is written or dropped below, each held back as a clash
+    is. A chain of corrections moves whole or not at all: one link landing
+    alone would be superseded in dst by a link dst lacks, or correct one it
+    lacks, and its item's copy there would stay active."""
+    turned = ", ".join(sorted(i for i, v in verdicts.items() if not v.allowed))
+    for i in made:
+        verdicts[i] = Verdict(False, "not_carried", (
+            f"{rides} goes to {dst} only with the corrections that supersede it"
+            if i == rides else f"{i} goes to {dst} only with the rest of its chain of "
+            "corrections") + f", and {turned} did not land there")
+    clash.update(made)
+    joined.clear()
+    made.clear()
 
 
 ONE_BRANCH = ("the {src} and {dst} scopes {how}: an item moved up would be found "
@@ -16289,7 +16297,7 @@ def _carry_corrections(cfg: Config, src: str, dst: str, kept: list[str], left: s
         line = _correction_line(old, below)
         up = None if by_pr else _correction_up(cfg, src, dst, old, line)
         out[i] = by, _why_kept(line, dst, PROPOSED_AT_REVIEW if by_pr
-                               else f"a correction that did not reach {dst} now")
+                               else _not_reached(line, up, dst))
         if up and i in {it.id for it in up.landed} and i not in up.kept:
             out[i] = None
             left.add(i)
@@ -16305,7 +16313,7 @@ def _correction_up(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
     gate for a correction (org_tells). A direct write takes `old` along (it
     rides: move()): one dst commit holds the chain and old's copy superseded
     by it, then one src write drops them all, each only once dst is verified
-    to hold it; if dst turns any link away, old stays. In org PR mode
+    to hold it; if dst turns any link away, none of them moves. In org PR mode
     the chain alone is proposed through the `cambium/updates` pull request
     (old's supersession follows once that merged: review_promotions). None,
     nothing moved, when there is no such live correction, or _line_stays says
@@ -16342,6 +16350,17 @@ def _correction_line(old: Item, below: dict[str, Item]) -> list[Item]:
 
 PROPOSED_AT_REVIEW = ("a correction made while this ran, which goes to org only through a pull "
                       "request: the next review_promotions() proposes it")
+
+
+def _not_reached(line: list[Item], up: Moved | None, dst: str) -> str:
+    """uncarried's words for a person's corrections `line` that a carry (`up`:
+    _correction_up's move, None when it moved nothing) did not bring to dst,
+    naming the link dst turned away and why (then none of the chain moved)
+    (pure)."""
+    again = f", corrected again by {line[-1].id}," if len(line) > 1 else ""
+    return next((f"a correction{again} that {dst} turned away now ({it.id}: {v.reason})"
+                 for it in line if up and (v := up.refused.get(it.id)) is not None
+                 and v.status != "not_carried"), f"a correction that did not reach {dst} now")
 
 
 def _line_stays(line: list[Item], dst: str) -> str | None:
@@ -16751,8 +16770,8 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
             f"{item.id} was corrected in {scope} scope by {by} while its org pull request "
             f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
             "copy waits for that to merge; then review_promotions() carries the supersession")
-    return uncarried(item.id, by, _why_kept(line, "org", "a correction that did not reach "
-                                            "org now"), scope, "org", moving=False)
+    return uncarried(item.id, by, _why_kept(line, "org", _not_reached(line, up, "org")),
+                     scope, "org", moving=False)
 
 
 def _replacements_now(cfg: Config, scope: str, item: Item) -> dict[str, Item]:

@@ -6315,6 +6315,46 @@ def test_a_merged_pr_settled_in_direct_mode_takes_its_correction_up_in_one_org_c
     assert team_ids(shared["origin"]) == set()
 
 
+@pytest.mark.parametrize("refused", ["R1", "R2"])
+def test_a_correction_chain_org_turns_a_link_of_away_moves_not_at_all(
+        shared, monkeypatch, refused):
+    """Bob corrected the team item to R1, then R1 to R2, between Ada's org push
+    and her team drop, and org had deprecated the words of one link. The
+    other link moved alone: R1 landed in org superseded by an R2 org lacks
+    (or R2 landed correcting an R1 org lacks, and left team), while the
+    warning said org did not hold R1. The chain moves whole or not at all:
+    all three stay in team, org holds none of the chain, and the warning
+    names the link org turned away."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    words = {"R1": "Retry only idempotent calls, with capped backoff",
+             "R2": "Retry only idempotent calls, with capped backoff and a retry budget"}
+    gone = _endorsed(words[refused])
+    cs.promote(gone, to_scope="org")
+    cs.deprecate(gone, reason="we retry nothing now")
+    item_id = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item_id)
+    chain: list = []
+    real = cs._drop_moved
+
+    def window(cfg, *rest):
+        if not chain and rest[1] == "org":
+            chain.append(_bob_runs(shared, "correct", item_id, words["R1"])["item"]["id"])
+            chain.append(_bob_runs(shared, "correct", chain[0], words["R2"])["item"]["id"])
+        return real(cfg, *rest)
+
+    monkeypatch.setattr(cs, "_drop_moved", window)
+    res = cs.promote(item_id, to_scope="org", force=True)
+    r1, r2 = chain
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert r1 not in org and r2 not in org and org[item_id]["status"] == "active", res
+    assert {item_id, r1, r2} <= team_ids(shared["origin"]), res
+    assert res["kept_both"] == [item_id], res
+    bad = r1 if refused == "R1" else r2
+    (said,) = res["warnings"]
+    assert f"org turned away now ({bad}: org deprecated these words ({gone})" in said, said
+    assert f"org does not hold {r1}" in said, said
+
+
 @pytest.mark.parametrize("act", ["correct", "consolidate"])
 def test_a_supersession_org_cannot_take_during_a_move_keeps_the_team_copy_and_says_so(
         shared, monkeypatch, act):
