@@ -7266,10 +7266,10 @@ class GitStore(Store):
         named `-rewound-at`) to the slot (_slot), once a process: that name was also
         the private ref of a branch named `<branch>-rewound`, so it stays where
         it is when this clone has fetched such a branch (its fetch stamp is
-        there: the ref may be that branch's tip, not a kept one)."""
+        there, _stamped: the ref may be that branch's tip, not a kept one)."""
         old, slot = f"{self.ref}-rewound", self._slot()
         if not self._rt.first_time(f"adopt {self.repo} {old}") or not self._kept(old) or \
-                self._kept(slot[0]) or self._stamp(f"{self.branch}-rewound").exists():
+                self._kept(slot[0]) or self._stamped(f"{self.branch}-rewound"):
             return
         for new, was in zip(slot, (old, old + "-at")):
             if (value := self._kept(was)) and self.git(
@@ -7283,13 +7283,13 @@ class GitStore(Store):
         switch to a team branch of such a name the leftover was read as its
         cached tip (another branch's items served as its own, then a false
         rewind kept). Only when this clone never fetched that branch (no fetch
-        stamp: every private ref cambium sets is stamped), so a fetched tip is
-        never dropped."""
+        stamp, also none an earlier version wrote, _stamped: every private ref
+        cambium sets is stamped), so a fetched tip is never dropped."""
         name = self.branch
         if not (name in ("new", "__default") or name.startswith("side/") or
                 name.endswith("-verify")) or \
                 not self._rt.first_time(f"old scratch {self.repo} {self.ref}") or \
-                os.path.exists(self._stamp()):
+                self._stamped(any_branch=True):
             return
         if value := self._kept(self.ref):
             self.git("update-ref", "-d", self.ref, value, check=False)
@@ -7406,7 +7406,7 @@ class GitStore(Store):
         created the branch). Only cambium's own fetch, which touches the stamp
         also when the remote lacks the branch, shows the scope empty. No
         network, no subprocess."""
-        if os.path.exists(self._stamp()) or self.cloned_tip() is not None:
+        if self._fetched_here() or self.cloned_tip() is not None:
             return None
         return (f"{self.remote}/{self.branch} was never fetched here (no fetch of cambium's, "
                 "and git holds no ref of it); recall() or status() fetches it")
@@ -7417,13 +7417,40 @@ class GitStore(Store):
         (its first session's primer said nothing was known); None once cambium
         has fetched (that ref may hold a branch deleted since). Read from .git,
         no subprocess: a capture reads it."""
-        if os.path.exists(self._stamp()):
+        if self._fetched_here():
             return None
         try:
             tip = _ref_value(self.repo, f"refs/remotes/{self.remote}/{self.branch}")
         except (OSError, IndexError):
             return None
         return tip if OID.fullmatch(tip or "") else None
+
+    def _stamped(self, branch: str | None = None, *, any_branch: bool = False) -> bool:
+        """Whether a fetch stamp of this branch (or `branch`) is there: its own
+        (_stamp), or the one a version before 0d40551 wrote (no remote in the
+        name: `fetched-<scope>-<branch>`); any_branch: also 5f74420's
+        `fetched-<scope>`, which names no branch (only where a fetched tip
+        would be dropped). No subprocess."""
+        branch = self.branch if branch is None else branch
+        old = self._meta_dir() / f"fetched-{self.scope}-{branch.replace('/', '_')}"
+        return any(os.path.exists(p) for p in (
+            self._stamp(branch), old, *([old.with_name(f"fetched-{self.scope}")]
+                                        if any_branch else [])))
+
+    def _fetched_here(self) -> bool:
+        """Whether cambium has fetched the branch in this clone: a stamp
+        (_stamped, an earlier version's too), or its private ref (a fetch set
+        it; one an earlier version left at a scratch name is dropped first,
+        _drop_old_scratch). After an upgrade from a version stamping under
+        another name, a clone whose refspec names main alone read as never
+        fetched: the primer left team out. No subprocess (but to drop such
+        a leftover)."""
+        if self._stamped():
+            return True
+        self._drop_old_scratch()
+        with contextlib.suppress(OSError, IndexError):
+            return bool(_ref_value(self.repo, self.ref))
+        return False
 
     def _rewound_doc(self, commit: str) -> Doc:
         """The doc at the kept tip, in a cache slot of its own: through doc_at's

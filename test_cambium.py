@@ -5394,6 +5394,43 @@ def test_a_scratch_ref_an_earlier_version_left_is_not_read_as_a_branch_of_its_na
         "refs/cambium/team/origin/kept"]
 
 
+@pytest.mark.parametrize("branch,old_stamp", [("cambium", "fetched-team-cambium"),
+                                              ("new", "fetched-team-new"),
+                                              ("side/x", "fetched-team")])
+def test_a_branch_an_earlier_version_fetched_is_read_after_the_upgrade(shared, monkeypatch,
+                                                                       branch, old_stamp):
+    """The fetch stamp was `fetched-team-<b>` before 0d40551 (`fetched-team`
+    in 5f74420), now `fetched-team-<b>-<remote>`. After the upgrade, a clone
+    whose refspec names main alone (--single-branch, a CI checkout) read as
+    never fetched: the primer and the SessionStart hook left team out until a
+    recall fetched. And a branch named like an old scratch ref (`new`,
+    `side/<x>`) lost its cached tip, taken for a leftover. A stamp of the old
+    names, or the private ref itself, shows the branch fetched."""
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", branch)
+    first = _endorsed("The release train leaves every other Tuesday")
+    assert cs.promote(first)["status"] == "promoted"
+    a = shared["a"]
+    git(a, "config", "remote.origin.fetch", "+refs/heads/main:refs/remotes/origin/main")
+    subprocess.run(["git", "update-ref", "-d", f"refs/remotes/origin/{branch}"], cwd=a)
+    st = cs.store(cs.resolve_config(), "team")
+    stamp = st._stamp()
+    stamp.rename(stamp.with_name(old_stamp))                 # as the earlier version left it
+    cs.runtime().reset()
+    st = cs.store(cs.resolve_config(), "team")
+    assert st.never_seen() is None and st.cloned_tip() is None
+    out = cs.session_primer()
+    assert "team" in out["scopes_read"] and "release train" in out["primer"]
+    assert not any("never fetched" in w for w in out.get("warnings", []))
+    assert [i.id for i in st.peek().items] == [first]
+    if branch == "cambium":                                  # (the private ref alone)
+        stamp.with_name(old_stamp).unlink()
+        cs.runtime().reset()
+        assert "release train" in cs.session_primer()["primer"]
+        git(a, "update-ref", "-d", st.ref)                   # (nothing: never fetched)
+        cs.runtime().reset()
+        assert "never fetched here" in cs.store(cs.resolve_config(), "team").never_seen()
+
+
 def test_a_missing_gh_says_how_to_get_one_or_do_without(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))                 # (it said: not found on PATH)
     with pytest.raises(cs.GitError, match="install gh and run `gh auth login`, or set "
