@@ -7256,25 +7256,61 @@ class GitStore(Store):
         """Record the repository of a tip kept in the slot with no record (an
         earlier version's, or adopted from `<ref>-rewound`) as `url`, the one
         the last fetch read: asked before a fetch records a moved URL."""
-        self._adopt_old_rewound()
+        self._adopt_old_rewound(url)
         slot = self._slot()
         if url and not self._kept_record_path(slot[0]).exists() and self._kept(slot[0]):
             self._record_kept(*slot, url)
 
-    def _adopt_old_rewound(self) -> None:
+    def _adopt_old_rewound(self, url: str | None = None) -> None:
         """Move a tip an earlier version kept at `<ref>-rewound` (and what it
-        named `-rewound-at`) to the slot (_slot), once a process: that name was also
+        named `-rewound-at`) to the slot (_slot), once a process; when a tip is
+        kept already (an old process, still running during the upgrade, kept a
+        later rewind there), merge it in (_adopt_beside). That name was also
         the private ref of a branch named `<branch>-rewound`, so it stays where
         it is when this clone has fetched such a branch (its fetch stamp is
-        there, _stamped: the ref may be that branch's tip, not a kept one)."""
+        there, _stamped: the ref may be that branch's tip, not a kept one).
+        url: the repository it was read from (_claim_slot's), else the remote's."""
         old, slot = f"{self.ref}-rewound", self._slot()
-        if not self._rt.first_time(f"adopt {self.repo} {old}") or not self._kept(old) or \
-                self._kept(slot[0]) or self._stamped(f"{self.branch}-rewound"):
+        if not self._rt.first_time(f"adopt {self.repo} {old}") or \
+                not (value := self._kept(old)) or self._stamped(f"{self.branch}-rewound"):
+            return
+        if self._kept(slot[0]):
+            self._adopt_beside(old, value, self._url_or_blank() if url is None else url)
             return
         for new, was in zip(slot, (old, old + "-at")):
             if (value := self._kept(was)) and self.git(
                     "update-ref", new, value, "", check=False).returncode == 0:
                 self.git("update-ref", "-d", was, value, check=False)
+
+    def _adopt_beside(self, old: str, value: str, url: str) -> None:
+        """Merge the tip `value` an earlier version kept at `old` into this
+        repository's kept tip (_kept_for) as a second rewind is (_kept_both),
+        with its record. It was left at `old` while the slot held a tip, named
+        by no read, and restore missed its items. `old` and its -at ref are
+        deleted only once the kept tip holds `value`; when git cannot merge,
+        they stay for the next process."""
+        ref, at = self._kept_for(url)
+        held, was_at = self._kept(ref), self._kept(old + "-at")
+        merged = value
+        try:
+            if held and self._holds(held, value):
+                merged = held
+            elif held:
+                merged = self._kept_both(held, value, at)
+        except (CambiumError, OSError):
+            return
+        if merged != held and self.git("update-ref", ref, merged, held,
+                                       check=False).returncode != 0:
+            return
+        if not self._holds(self._kept(ref), value):
+            return
+        if not self._kept_record_path(ref).exists():
+            self._record_kept(ref, at, url)
+        if was_at and not self._kept(at):
+            self.git("update-ref", at, was_at, "", check=False)
+        self.git("update-ref", "-d", old, value, check=False)
+        if was_at:
+            self.git("update-ref", "-d", old + "-at", was_at, check=False)
 
     def _drop_old_scratch(self) -> None:
         """Delete, once a process, a scratch ref an earlier version wrote at this

@@ -25302,6 +25302,41 @@ def test_a_rewound_tip_an_earlier_version_kept_is_still_read_and_moved_where_it_
     assert old not in git(a, "for-each-ref", "refs/cambium/")
 
 
+def test_a_tip_an_old_process_kept_beside_a_new_keep_is_merged_into_it(shared, tmp_path):
+    """An old process (before dbafbb0, still running during the upgrade) kept
+    a second rewind at `<ref>-rewound` while the new one's keep held the
+    slot: it was never adopted, no read named what it dropped, and restore
+    from the slot missed it. It is merged into the kept tip as a second rewind
+    is, and its refs go only once the kept tip holds it."""
+    origin, a = shared["origin"], shared["a"]
+    first, later = _promoted_then_rewound(shared)
+    assert later in " ".join(cs.recall("alerts on-call")["warnings"])       # (slot: later)
+    tip = git(origin, "rev-parse", "cambium").strip()
+    between = _endorsed("Feature flags need an owner and an expiry date")
+    assert cs.promote(between, force=True)["status"] == "promoted"
+    dropped = git(origin, "rev-parse", "cambium").strip()
+    git(origin, "update-ref", "refs/heads/cambium", tip)     # force push 2, the old process's:
+    old, slot = "refs/cambium/team/origin/cambium-rewound", \
+        "refs/cambium/rewound/team/origin/cambium"
+    for ref, value in ((old, dropped), (old + "-at", tip), ("refs/cambium/team/origin/cambium",
+                                                           tip)):
+        git(a, "update-ref", ref, value)                     # (as it left them)
+    cs.runtime().reset()
+    (warning,) = [w for w in cs.recall("alerts on-call")["warnings"] if "rewound" in w]
+    assert later in warning and between in warning and first not in warning
+    assert git(a, "merge-base", "--is-ancestor", dropped, slot) == ""
+    assert old not in git(a, "for-each-ref", "refs/cambium/")
+    kept = json.loads(git(a, "show", f"{slot}:knowledge.json"))
+    assert {later, between} <= {i["id"] for i in kept["items"]}
+    cs.runtime().reset()
+    (again,) = [w for w in cs.recall("alerts on-call")["warnings"] if "rewound" in w]
+    assert later in again and between in again
+    (tmp_path / "rewound.json").write_text(git(a, "show", f"{slot}:knowledge.json"))
+    cs.restore(str(tmp_path / "rewound.json"))
+    assert cs.promote(force=True)["status"] == "promoted"
+    assert team_ids(origin) == {first, later, between}
+
+
 @pytest.mark.parametrize("how", ["force", "delete"])
 def test_a_second_rewind_keeps_what_each_rewind_dropped(shared, tmp_path, how):
     """The first rewind's tip was kept, and a later one was ignored while it
