@@ -7308,8 +7308,8 @@ class GitStore(Store):
             self._record_kept(ref, at, url)
         if was_at and not self._kept(at):
             self.git("update-ref", at, was_at, "", check=False)
-        self.git("update-ref", "-d", old, value, check=False)
-        if was_at:
+        gone = self.git("update-ref", "-d", old, value, check=False).returncode == 0
+        if was_at and gone:                       # (an old process kept there again: both stay)
             self.git("update-ref", "-d", old + "-at", was_at, check=False)
 
     def _drop_old_scratch(self) -> None:
@@ -7320,12 +7320,15 @@ class GitStore(Store):
         cached tip (another branch's items served as its own, then a false
         rewind kept). Only when this clone never fetched that branch (no fetch
         stamp, also none an earlier version wrote, _stamped: every private ref
-        cambium sets is stamped), so a fetched tip is never dropped."""
+        cambium sets is stamped), so a fetched tip is never dropped. 5f74420's
+        `fetched-<scope>` names no branch, and stays beside every later
+        version's leftovers: it proves no fetch of this one (such a tip, if it
+        was one, is fetched again)."""
         name = self.branch
         if not (name in ("new", "__default") or name.startswith("side/") or
                 name.endswith("-verify")) or \
                 not self._rt.first_time(f"old scratch {self.repo} {self.ref}") or \
-                self._stamped(any_branch=True):
+                self._stamped():
             return
         if value := self._kept(self.ref):
             self.git("update-ref", "-d", self.ref, value, check=False)
@@ -7461,27 +7464,26 @@ class GitStore(Store):
             return None
         return tip if OID.fullmatch(tip or "") else None
 
-    def _stamped(self, branch: str | None = None, *, any_branch: bool = False) -> bool:
+    def _stamped(self, branch: str | None = None) -> bool:
         """Whether a fetch stamp of this branch (or `branch`) is there: its own
         (_stamp), or the one a version before 0d40551 wrote (no remote in the
-        name: `fetched-<scope>-<branch>`); any_branch: also 5f74420's
-        `fetched-<scope>`, which names no branch (only where a fetched tip
-        would be dropped). No subprocess."""
+        name: `fetched-<scope>-<branch>`), only where a fetched tip would
+        otherwise be dropped: it names no remote, so it proves no fetch of
+        the one in use now. No subprocess."""
         branch = self.branch if branch is None else branch
         old = self._meta_dir() / f"fetched-{self.scope}-{branch.replace('/', '_')}"
-        return any(os.path.exists(p) for p in (
-            self._stamp(branch), old, *([old.with_name(f"fetched-{self.scope}")]
-                                        if any_branch else [])))
+        return os.path.exists(self._stamp(branch)) or os.path.exists(old)
 
     def _fetched_here(self) -> bool:
-        """Whether cambium has fetched the branch in this clone: a stamp
-        (_stamped, an earlier version's too), or its private ref (a fetch set
-        it; one an earlier version left at a scratch name is dropped first,
-        _drop_old_scratch). After an upgrade from a version stamping under
+        """Whether cambium has fetched the branch in this clone: its stamp, or
+        its private ref, which names the remote (a fetch set it; one an
+        earlier version left at a scratch name is dropped first,
+        _drop_old_scratch; an earlier version's stamp names no remote, and
+        after a switch of CAMBIUM_REMOTE it hid git's own ref of the new one). After an upgrade from a version stamping under
         another name, a clone whose refspec names main alone read as never
         fetched: the primer left team out. No subprocess (but to drop such
         a leftover)."""
-        if self._stamped():
+        if os.path.exists(self._stamp()):
             return True
         self._drop_old_scratch()
         with contextlib.suppress(OSError, IndexError):

@@ -5396,7 +5396,7 @@ def test_a_scratch_ref_an_earlier_version_left_is_not_read_as_a_branch_of_its_na
 
 @pytest.mark.parametrize("branch,old_stamp", [("cambium", "fetched-team-cambium"),
                                               ("new", "fetched-team-new"),
-                                              ("side/x", "fetched-team")])
+                                              ("side/x", "fetched-team-side_x")])
 def test_a_branch_an_earlier_version_fetched_is_read_after_the_upgrade(shared, monkeypatch,
                                                                        branch, old_stamp):
     """The fetch stamp was `fetched-team-<b>` before 0d40551 (`fetched-team`
@@ -5404,8 +5404,8 @@ def test_a_branch_an_earlier_version_fetched_is_read_after_the_upgrade(shared, m
     whose refspec names main alone (--single-branch, a CI checkout) read as
     never fetched: the primer and the SessionStart hook left team out until a
     recall fetched. And a branch named like an old scratch ref (`new`,
-    `side/<x>`) lost its cached tip, taken for a leftover. A stamp of the old
-    names, or the private ref itself, shows the branch fetched."""
+    `side/<x>`) lost its cached tip, taken for a leftover. The private ref
+    shows the branch fetched, kept by a stamp of the old name."""
     monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", branch)
     first = _endorsed("The release train leaves every other Tuesday")
     assert cs.promote(first)["status"] == "promoted"
@@ -5429,6 +5429,46 @@ def test_a_branch_an_earlier_version_fetched_is_read_after_the_upgrade(shared, m
         git(a, "update-ref", "-d", st.ref)                   # (nothing: never fetched)
         cs.runtime().reset()
         assert "never fetched here" in cs.store(cs.resolve_config(), "team").never_seen()
+
+
+def test_an_unnamed_stamp_of_an_early_version_keeps_no_scratch_leftover(shared, monkeypatch):
+    """5f74420's `fetched-team` names no branch, and it stays beside every later
+    version's leftovers: a scratch ref left at the private ref of a branch
+    named `new` is dropped, not served as that branch's items (nor kept as a
+    false rewind of it)."""
+    first = _endorsed("The release train leaves every other Tuesday")
+    assert cs.promote(first)["status"] == "promoted"
+    a = shared["a"]
+    st = cs.store(cs.resolve_config(), "team")
+    (st._meta_dir() / "fetched-team").write_text("")
+    kb_tip = st._kept(st.ref)
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "new")
+    git(a, "config", "remote.origin.fetch", "+refs/heads/main:refs/remotes/origin/main")
+    cs.runtime().reset()
+    st = cs.store(cs.resolve_config(), "team")
+    git(a, "update-ref", st.ref, kb_tip)                      # (the leftover at `new`)
+    assert "never fetched here" in st.never_seen()
+    assert st._kept(st.ref) == ""
+    assert "release train" not in cs.session_primer()["primer"]
+
+
+def test_an_earlier_versions_stamp_hides_no_ref_of_another_remote(shared, monkeypatch):
+    """A stamp from before 0d40551 names no remote: after CAMBIUM_REMOTE moves
+    to another remote, git's own ref of that remote's branch is read (the
+    primer shows its items), not hidden as if cambium had fetched it."""
+    first = _endorsed("The release train leaves every other Tuesday")
+    assert cs.promote(first)["status"] == "promoted"
+    a = shared["a"]
+    st = cs.store(cs.resolve_config(), "team")
+    st._stamp().rename(st._stamp().with_name("fetched-team-cambium"))
+    url = git(a, "remote", "get-url", "origin").strip()
+    git(a, "remote", "add", "upstream", url)
+    git(a, "fetch", "-q", "upstream", "cambium:refs/remotes/upstream/cambium")
+    monkeypatch.setenv("CAMBIUM_REMOTE", "upstream")
+    cs.runtime().reset()
+    st = cs.store(cs.resolve_config(), "team")
+    assert st.never_seen() is None and st.cloned_tip()
+    assert "release train" in cs.session_primer()["primer"]
 
 
 def test_a_missing_gh_says_how_to_get_one_or_do_without(tmp_path, monkeypatch):
