@@ -13905,7 +13905,7 @@ class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
     refused with the reason and what to do. status: promotable, not_eligible,
     deprecated or superseded (retired_verdict), needs_endorsement,
-    needs_generalization, pr_pending or id_conflict."""
+    needs_generalization, pr_pending, id_conflict or needs_review (move())."""
     allowed: bool
     status: str
     reason: str = ""
@@ -16219,6 +16219,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         #                         supersession needs its replacement, landing with it counts)
         news = {i: gated(n) for i in joined if (n := news_over(above[i], made[i], holds=tip))}
         items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
+        if items != doc.items and dst == "org" and cfg.org_pr and not pr_branch:
+            items = _hold_unreviewed(src, doc, joined, made, clash, verdicts)
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
                         {i: v for i, v in verdicts.items() if not v.allowed})
 
@@ -16263,6 +16265,29 @@ def _hold_rider(rides: str, dst: str, joined: set[str], made: dict[str, Item],
     clash.update(made)
     joined.clear()
     made.clear()
+
+
+UNREVIEWED = ("{id} has news for org (something its {src} copy gained since org's copy was "
+              "read: an endorsement, a verification, a retirement; or org lost its copy "
+              "meanwhile) that org in PR mode takes only through a pull request: nothing was "
+              "written to org's own branch, and the {src} copy stays; the next "
+              "review_promotions() or promote() proposes it")
+
+
+def _hold_unreviewed(src: str, doc: Doc, joined: set[str], made: dict[str, Item],
+                     clash: set[str], verdicts: dict[str, Verdict]) -> list[Item]:
+    """A move's plan when it would write to org's own branch in PR mode with
+    no pull request branch (a caller that found nothing to add, then the plan
+    found news a teammate gave meanwhile): nothing is written, and none of
+    its items is dropped below, each held back as a clash is (UNREVIEWED), so
+    the next review or promote, reading the news, proposes it (move()).
+    Returns the items to store: org's as they are."""
+    for i in made:
+        verdicts[i] = Verdict(False, "needs_review", UNREVIEWED.format(id=i, src=src))
+    clash.update(made)
+    joined.clear()
+    made.clear()
+    return doc.items
 
 
 ONE_BRANCH = ("the {src} and {dst} scopes {how}: an item moved up would be found "
@@ -16803,7 +16828,8 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     if branch and repointed is not None and moved.write.pr_url:
         repointed.update((it.id, moved.write.pr_url) for it in moved.landed)
     if said is not None:
-        said += notes_held(moved, proposed=bool(branch)).get("warnings", [])
+        said += notes_held(moved, proposed=bool(branch)).get("warnings", []) + [
+            v.reason for v in moved.refused.values() if v.status == "needs_review"]
     return [] if branch else [it.id for it in moved.landed if it.id == item.id]
 
 
@@ -21660,7 +21686,8 @@ def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *
                  pr_branch=branch, pr_body=PR_BODY,
                  message=f"{cfg.agent} finishes the move of {item.id} to org")
     if item.id in moved.refused:
-        return _org_refusal(item, moved.refused[item.id])
+        return answer_of(_org_refusal(item, v := moved.refused[item.id]), {
+            "warnings": [v.reason] if v.status == "needs_review" else []})
     if not moved.landed:
         raise NotFound(f"item {item.id} left org while its move was finished; recall shows "
                        "where it is now.")

@@ -10795,6 +10795,55 @@ def test_an_unmarked_copy_of_an_item_org_holds_is_settled_by_review(shared, monk
     assert item in review["settled_org_prs"] and review["team_eligible"] == []
     assert item not in {i["id"] for i in local_items(shared["a"])}
 
+def test_pr_mode_a_finished_move_that_finds_news_meanwhile_pushes_nothing_to_org_main(
+        shared, monkeypatch, tmp_path):
+    """PR mode, a promote killed once gh opened its pull request (the team copy
+    never marked), merged: review found no news and finished the move with no
+    pull request branch, and when a teammate endorsed the team copy in between,
+    the move's plan wrote that endorsement straight onto org's main, unreviewed.
+    Now nothing is written there, the team copy stays with a warning, and the
+    next review proposes it through cambium/updates."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item, force=True)
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed")
+    real_annotate = cs._annotate_pr
+    monkeypatch.setattr(cs, "_annotate_pr", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cs.promote(item, to_scope="org")
+    monkeypatch.setattr(cs, "_annotate_pr", real_annotate)
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    for url in json.loads((tmp_path / "gh-prs.json").read_text()):
+        set_pr_state(tmp_path, url, "MERGED")
+    start = git(shared["org_bare"], "rev-parse", "main").strip()
+    real_move, bob = cs.move, []
+
+    def move(cfg, items, src, dst, **kw):
+        if not bob and dst == "org" and kw.get("pr_branch") is None:
+            bob.append(_bob_runs(shared, "endorse", item, "--note", "bob vouches too"))
+        return real_move(cfg, items, src, dst, **kw)
+    monkeypatch.setattr(cs, "move", move)
+
+    def direct() -> list:          # cambium's own commits on org main's first-parent line
+        log = git(shared["org_bare"], "log", "--first-parent", "--format=%s", f"{start}..main")
+        return [ln for ln in log.splitlines() if ln.startswith("cambium:")]
+
+    first = cs.review_promotions()
+    assert bob and direct() == []
+    assert any("nothing was written to org's own branch" in w for w in first["warnings"])
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert "bob" in {e["by"] for e in team[item]["trust"]["endorsements"]}
+    second = cs.review_promotions()
+    assert direct() == []
+    (waits,) = remote_json(shared["origin"], "cambium")["items"]
+    assert waits["pr_url"] in {p["pr_url"] for p in second["open_org_prs"]
+                               if p["branch"] == "cambium/updates"}
+    proposed = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert "bob" in {e["by"] for it in proposed if it["id"] == item
+                     for e in it["trust"]["endorsements"]}
+
 
 def _org_survivor_and_a_waiting_duplicate(shared, monkeypatch, tmp_path):
     """PR mode, an org item (pushed directly) and a local duplicate that a
