@@ -6168,11 +6168,19 @@ def _push_outcome(out: str) -> str:
 def _push_blocks(out: str) -> list[tuple[str, str]]:
     """`git push --porcelain` output per destination: (the URL of its `To <url>`
     line, "" for lines before any, and its lines). git pushes to each push URL
-    of a remote in turn and prints a block for each it reached."""
+    of a remote in turn and prints a block for each it reached. git prints a
+    URL without its user up to the first `@` (transport_anonymize_url), while
+    ssh takes the user up to the last: of `a@b@srv:kb`, printed `b@srv:kb`,
+    `b` is no user but a tail of one, so a URL's user is set aside here too
+    (_url_user; a local path as it is): taken for user `b`, that block named
+    another home than the fetch URL's, and a lost race there failed the write
+    instead of a replay."""
     blocks: list[tuple[str, list[str]]] = []
     for line in out.splitlines():
         if line.startswith("To ") or not blocks:
-            blocks.append((line[3:].strip(), []) if line.startswith("To ") else ("", [line]))
+            url = line[3:].strip()
+            url = url if _local_remote(url) is not None else _url_user(url)[1]
+            blocks.append((url, []) if line.startswith("To ") else ("", [line]))
         else:
             blocks[-1][1].append(line)
     return [(url, "\n".join(lines)) for url, lines in blocks]

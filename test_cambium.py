@@ -8584,7 +8584,7 @@ def test_a_push_url_in_another_ssh_users_home_is_another_repository(shared, monk
 
 
 _PLACES_SSH = """#!/bin/sh
-for a in "$@"; do case "$a" in *@*) user=${a%%@*};; esac; last=$a; done
+for a in "$@"; do case "$a" in *@*) user=${a%@*};; esac; last=$a; done
 set -- $last
 p=$(printf %s "$2" | tr -d "'")
 case "$p" in /*) p="$FAKEHOMES/_root$p";; "~/"*) p="$FAKEHOMES/$user/${p#??}";;
@@ -8684,6 +8684,37 @@ def test_push_blocks_are_told_apart_by_where_the_path_is_not_by_the_ssh_user(
     assert cs.store(cs.resolve_config(), "team")._push_to() == ("origin", "")
     git(org, "remote", "set-url", "origin", "codecommit://prod@shop")
     assert "project's own remote" in cs.org_remote_problem(org, a, "origin", 10)
+
+
+def test_an_ssh_user_holding_an_at_sign_replays_a_race_beside_a_mirror(shared, monkeypatch):
+    """ssh takes the user up to the last `@` (`a@b@srv:kb.git` logs in as
+    `a@b`), while git prints a push URL without its user up to the first
+    (`To b@srv:kb.git`): that block was read as user `b`'s home, another
+    repository than the fetch URL's, so with a refusing mirror beside it a
+    lost race where cambium reads failed the write instead of a replay."""
+    a, tmp = shared["a"], shared["tmp"]
+    root = make_origin(tmp, "root")
+    _ssh_places(tmp, monkeypatch, {"a@b/kb.git": shared["origin"], "/kb.git": root,
+                                   "first.last@corp/kb.git": shared["origin"]})
+    head = git(a, "rev-parse", "HEAD").strip()
+    commit = git(a, "commit-tree", "HEAD^{tree}", "-p", "HEAD", "-m", "team write").strip()
+    git(a, "push", "-q", str(root), f"{head}:refs/heads/cambium")     # (its lease holds)
+    (root / "hooks" / "pre-receive").write_text("#!/bin/sh\necho mirror is read-only >&2\nexit 1\n")
+    (root / "hooks" / "pre-receive").chmod(0o755)
+    for fetch, mirror in (("a@b@srv:kb.git", "ssh://a@b@srv/kb.git"),
+                          ("ssh://first.last@corp@srv/~/kb.git", "first.last@corp@srv:/kb.git")):
+        git(a, "remote", "set-url", "origin", fetch)
+        subprocess.run(["git", "config", "--unset-all", "remote.origin.pushurl"], cwd=a)
+        for push in (mirror, fetch):
+            git(a, "remote", "set-url", "--add", "--push", "origin", push)
+        st = cs.store(cs.resolve_config(), "team")
+        out = st._push_git(f"--force-with-lease=refs/heads/cambium:{head}",
+                           f"{commit}:refs/heads/cambium").stdout
+        assert "read-only" not in out and "stale info" in out, out     # (both blocks there)
+        here, others = st._pushed_here(out)
+        assert here and "stale info" in here and len(others) == 1, (fetch, out)
+        assert st._raced_where_read(out)
+        assert st._push(commit, "cambium", lease=head) == "race"
 
 
 def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(shared):
