@@ -8583,6 +8583,31 @@ def test_a_push_url_in_another_ssh_users_home_is_another_repository(shared, monk
     assert not cs.one_repository("git@srv:o/r", "ada@srv:o/r", a)    # a move, to be safe)
 
 
+def test_a_move_refuses_one_branch_the_guard_takes_for_one_in_doubt(shared, monkeypatch):
+    """_refuse_one_branch judges with same_repository(guard=True), and no test
+    reached that `guard`: the org guard refuses the same setups first. Here the
+    org clone's guard is out of the way (as when the two URLs are read at
+    different moments): `Alice@srv:shop.git` beside the team's
+    `alice@srv:shop.git` (one home where accounts are case-blind), and a
+    relative scp-like path beside the same absolute one (one repository to
+    gitolite), are refused as one branch, which push judging keeps apart;
+    bob's home is another repository, so the move goes on."""
+    a, org = shared["a"], shared["org"]
+    git(a, "remote", "set-url", "origin", "alice@srv:shop.git")
+    git(org, "symbolic-ref", "refs/remotes/origin/HEAD", "refs/remotes/origin/cambium")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    monkeypatch.setattr(cs, "org_remote_problem", lambda *a: None)
+    for url, one in (("Alice@srv:shop.git", True), ("ssh://alice@srv/shop.git", True),
+                     ("bob@srv:shop.git", False), ("ssh://alice@srv/~alice/shop", True)):
+        git(org, "remote", "set-url", "origin", url)
+        assert cs.same_repository(url, "alice@srv:shop.git", a) is (url.endswith("~alice/shop"))
+        if one:
+            with pytest.raises(cs.OneBranch, match="one branch, 'cambium' of one repository"):
+                cs._refuse_one_branch(cs.resolve_config(), "team", "org")
+        else:
+            cs._refuse_one_branch(cs.resolve_config(), "team", "org")
+
+
 _PLACES_SSH = """#!/bin/sh
 for a in "$@"; do case "$a" in *@*) user=${a%@*};; esac; last=$a; done
 set -- $last
