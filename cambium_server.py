@@ -19988,16 +19988,17 @@ def _refuse_a_folder_in_a_clone(org_repo: str, top: Path) -> None:
 def _names_a_project_remote(owner_name: str, project: Path) -> str | None:
     """Why a GitHub owner/name cannot be the org knowledge repo: one of the
     project's remotes (any, fetch or push URL) is that repository, as
-    repository_key tells it (the path after the host: case, `.git` aside,
-    whatever the host), the rule org_remote_problem applies to a clone's
-    origin. The commands setup hands back would commit knowledge.json onto
-    the project's default branch and push it. Git's config alone, no network."""
-    mine = repository_key(f"https://github.com/{owner_name}", project)
+    same_repository tells it for a guard (the path after the host: case,
+    `.git`, escapes aside, whatever the host), the rule org_remote_problem
+    applies to a clone's origin. The commands setup hands back would commit
+    knowledge.json onto the project's default branch and push it. Git's
+    config alone, no network."""
+    mine = f"https://github.com/{owner_name}"
     with contextlib.suppress(CambiumError, OSError):
         for line in git_lines(_git(["remote", "-v"], project, 10.0, check=False).stdout):
             remote, _, rest = line.partition("\t")
             url = rest.rsplit(" (", 1)[0]
-            if url and repository_key(url, project) == mine:
+            if url and same_repository(url, mine, project, guard=True):
                 return (f"is the project's own repository (its remote '{remote}' is "
                         f"{shown_url(url)}: the same owner/name, whatever the host); the org "
                         "scope needs a repository of its own (the org knowledge repo), or the "

@@ -1553,6 +1553,22 @@ def test_setup_refuses_an_org_owner_name_that_is_one_of_the_project_remotes(tmp_
     assert "gh repo" not in done.stdout
 
 
+def test_setup_refuses_an_org_owner_name_as_the_org_guard_would(tmp_path):
+    """_names_a_project_remote compared repository_key alone while its
+    docstring named the org guard's rule (same_repository, guard=True): it
+    judges with that rule now. A GitHub https owner/name beside the
+    project's ssh spellings (scp-like, ssh://, `./`, an escape) is refused,
+    another name is not."""
+    r = make_repo(tmp_path)
+    git(r, "remote", "add", "origin", "git@github.com:acme/shop.git")
+    git(r, "remote", "add", "fork", "ssh://git@github.com/ada/./shop%2Egit")
+    for name, remote in (("acme/shop", "origin"), ("ACME/Shop.git", "origin"),
+                         ("ada/shop", "fork")):
+        assert f"its remote '{remote}' is" in (cs._names_a_project_remote(name, r) or ""), name
+    assert cs._names_a_project_remote("acme/shopfront", r) is None
+    assert cs._names_a_project_remote("acme/knowledge", r) is None
+
+
 def test_setup_commands_for_an_org_name_never_push_onto_a_code_repository(tmp_path):
     """The last command committed knowledge.json onto whatever the clone held and
     pushed it: another project's code repository named by mistake got a commit
