@@ -16842,7 +16842,7 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
 
 
 def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
-                      rode: list[Moved]) -> str | None:
+                      rode: list[Moved], on: list[tuple[str, str]] | None = None) -> str | None:
     """Why a copy below whose org pull request merged cannot leave yet, or None:
     it was superseded (a teammate's correct() or consolidate fold while its
     promote ran, its pull request built from the tip before) by an item org
@@ -16852,19 +16852,23 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
     below waiting for that to merge; in a direct write the copy below goes up
     with it, in one org commit, that move added to `rode`); a fold's survivor,
     or a correction org's gate turns away or its reviewers declined, waits for
-    a person (uncarried says what to do)."""
+    a person (uncarried says what to do). `on` gets (status, url) of the pull
+    request it waits on: pr_pending, or pr_opened when proposed just now."""
     if not there.active or not replacement_missing(item, _org_ids_for(cfg, item)):
         return None
     by = _superseded_by(item) or ""
     below = _replacements_now(cfg, scope, item)
     line = _correction_line(item, below)
     if waits := next((it for it in line or [below.get(by)] if it and it.pr_url), None):
+        (on if on is not None else []).append(("pr_pending", waits.pr_url or ""))
         return (f"{item.id} waits in {scope} scope for {by}, which supersedes it, to reach "
                 f"org through {waits.pr_url}: once that merges, review_promotions() carries "
                 "the supersession to org")
     if (up := _correction_up(cfg, scope, "org", item, line)) and up.landed:
         if any(it.id == item.id for it in up.landed):
             rode.append(up)
+        if up.write.pr_url and on is not None:
+            on.append(("pr_opened", up.write.pr_url))
         return None if not up.write.pr_url else (
             f"{item.id} was corrected in {scope} scope by {by} while its org pull request "
             f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
@@ -16924,6 +16928,9 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     merge the item stayed active in org and below for good. Each finishes its
     move as promote() would (_finish_held_move); in direct mode too (a team
     to org move killed after its org push left such a team copy for good).
+    Such a copy superseded by a person's correction waited for the correction
+    to reach org (_finish_cut_short): once org holds it, the supersession is
+    carried up the same way (_correction_reached).
     The warnings promote's answer would give go in `said`, all of them: the
     answer that holds `said` (the review's, or any promote's) is the only one
     to tell of the move (a note org's gate held back, notes_held; both copies
@@ -16937,12 +16944,26 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     done: list[str] = []
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
-            if it.id in held and it.active and not it.pr_url and copy_of(held[it.id], it):
+            if it.id not in held or it.pr_url or not copy_of(held[it.id], it):
+                continue
+            if it.active:
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
-                done += [it.id] if out.get("status") == "already_promoted" else []
-                if said is not None:
-                    said += out.get("warnings", [])
+            elif _correction_reached(it, held[it.id], held):
+                out = _finish_cut_short(cfg, scope, it) or {}
+            else:
+                continue
+            done += [it.id] if out.get("status") == "already_promoted" else []
+            if said is not None:
+                said += out.get("warnings", [])
     return done
+
+
+def _correction_reached(item: Item, there: Item, held: Collection[str]) -> bool:
+    """Whether `item`, an unmarked copy below superseded while org's copy
+    (`there`) stayed active, waited for its replacement to reach org, and org
+    holds it now (_finish_cut_short then carries the supersession; pure)."""
+    return item.status == "superseded" and there.active and \
+        not replacement_missing(item, held)
 
 
 PR_UNDONE = {"CLOSED": "closed without merging",
@@ -21554,12 +21575,18 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     the copy below with it, in one org commit); any other leaves
     org's copy active, with a warning, but a copy waiting on its merged pull
     request waits on (review_promotions' rule: dropped, it lost the
-    supersession at org with no word)."""
+    supersession at org with no word), and so does an unmarked one whose
+    correction waits on a pull request (a PR-mode promote killed after gh
+    opened its own: left now, org kept the old words active beside the
+    correction for good)."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
-    if (waits := _correction_waits(cfg, scope, item, found[1], rode)) and item.pr_url:
-        return {"status": "pr_pending", "pr_url": item.pr_url, "item": item_view(item),
+    on: list[tuple[str, str]] = []           # (the pull request its correction waits on)
+    if (waits := _correction_waits(cfg, scope, item, found[1], rode, on)) and \
+            (item.pr_url or on):             # (unmarked: it waits too, or org loses it)
+        status, url = ("pr_pending", item.pr_url) if item.pr_url else on[0]
+        return {"status": status, "pr_url": url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
     if cfg.org_pr:
         return _finish_held_move(cfg, scope, item, found[1], restated=False)

@@ -10917,6 +10917,64 @@ def test_pr_mode_a_finished_move_that_finds_news_meanwhile_pushes_nothing_to_org
                      for e in it["trust"]["endorsements"]}
 
 
+@pytest.mark.parametrize("left", ["killed_after_gh", "direct_cut_short"])
+def test_pr_mode_an_unmarked_copy_corrected_below_waits_for_its_correction(
+        shared, monkeypatch, tmp_path, left):
+    """PR mode, a team copy of an item org holds left unmarked (a promote
+    killed once gh opened its pull request, merged; or a direct move cut short
+    before PR mode was turned on), then a teammate corrected it: promote()
+    proposed the correction through cambium/updates but dropped the team copy
+    at once (the supersession was no news while org lacked the correction),
+    so org kept the old words active beside the correction for good. Now the
+    copy waits (pr_opened, naming that pull request), and once it merges the
+    reviews carry the supersession up: org has it superseded, team holds
+    neither, and org's main moves by merges of cambium/updates alone."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    old = "Prefer idempotent retries with exponential backoff and jitter"
+    if left == "direct_cut_short":
+        monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+        item = _endorsed(old)
+        cs.promote(item)
+        cs.promote(item, to_scope="org", force=True)
+        _leave_team_copy_of_org_item(shared)
+        monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    else:
+        item = _endorsed(old)
+        cs.promote(item, force=True)
+
+        def killed(*args):
+            raise KeyboardInterrupt("killed")
+        real_annotate = cs._annotate_pr
+        monkeypatch.setattr(cs, "_annotate_pr", killed)
+        with pytest.raises(KeyboardInterrupt):
+            cs.promote(item, to_scope="org")
+        monkeypatch.setattr(cs, "_annotate_pr", real_annotate)
+        _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+        for url in json.loads((tmp_path / "gh-prs.json").read_text()):
+            set_pr_state(tmp_path, url, "MERGED")
+    fix = _bob_runs(shared, "correct", item, "Retry only idempotent calls, with capped "
+                    "backoff")["item"]["id"]
+    start = git(shared["org_bare"], "rev-parse", "main").strip()
+    res = cs.promote(item, to_scope="org")
+    assert res["status"] == "pr_opened" and fix in res["warnings"][0], res
+    assert item in {i["id"] for i in remote_json(shared["origin"], "cambium")["items"]}
+    for _ in range(3):                         # (the correction, then the supersession)
+        prs = json.loads((tmp_path / "gh-prs.json").read_text())
+        opened = [u for u, p in prs.items() if p["state"] == "OPEN"]
+        if not opened:
+            break
+        _merge_on_org(shared, tmp_path, "cambium/updates")
+        for url in opened:
+            set_pr_state(tmp_path, url, "MERGED")
+        cs.review_promotions()
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item]["status"] == "superseded" and org[fix]["status"] == "active"
+    assert remote_json(shared["origin"], "cambium")["items"] == []
+    assert git(shared["org_bare"], "rev-parse", "main").strip() == start or \
+        git(shared["org_bare"], "merge-base", "--is-ancestor", "main",
+            "cambium/updates") == ""            # (org's main moved by merges alone)
+
+
 def _org_survivor_and_a_waiting_duplicate(shared, monkeypatch, tmp_path):
     """PR mode, an org item (pushed directly) and a local duplicate that a
     consolidate left waiting on its cambium/updates PR: (gh log, duplicate id,
