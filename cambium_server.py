@@ -16958,12 +16958,16 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     return done
 
 
-def _correction_reached(item: Item, there: Item, held: Collection[str]) -> bool:
-    """Whether `item`, an unmarked copy below superseded while org's copy
-    (`there`) stayed active, waited for its replacement to reach org, and org
-    holds it now (_finish_cut_short then carries the supersession; pure)."""
-    return item.status == "superseded" and there.active and \
-        not replacement_missing(item, held)
+def _correction_reached(item: Item, there: Item, held: dict[str, Item]) -> bool:
+    """Whether `item`, an unmarked copy below superseded by a person's
+    correction while org's copy (`there`) stayed active, waited for that
+    correction to reach org, and org holds it now (_finish_cut_short then
+    carries the supersession; pure). A supersession of another kind (a
+    `consolidate` fold, distill's) never goes up unasked, nor does an org item
+    that merely bears the replacement's id."""
+    by = held.get(_superseded_by(item) or "")
+    return item.status == "superseded" and there.active and by is not None and \
+        by.corrects == item.id and not replacement_missing(item, held)
 
 
 PR_UNDONE = {"CLOSED": "closed without merging",

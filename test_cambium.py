@@ -10917,6 +10917,36 @@ def test_pr_mode_a_finished_move_that_finds_news_meanwhile_pushes_nothing_to_org
                      for e in it["trust"]["endorsements"]}
 
 
+def test_a_review_carries_no_fold_of_a_team_copy_up_to_org(shared, monkeypatch):
+    """A team copy of an org item, folded into another org item below (as
+    consolidate folds), is no person's correction: review_promotions never
+    carries that supersession to org unasked (a fold's survivor cannot go up
+    unasked), where the review's settle of a copy superseded by a correction
+    org holds now would carry it (review r9)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    x = _endorsed("Always set timeouts on outbound network calls")
+    cs.promote(x)
+    cs.promote(x, to_scope="org", force=True)
+    s = _endorsed("Pin base images by digest in every Dockerfile")
+    cs.promote(s)
+    cs.promote(s, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared)
+    left = shared["tmp"] / "fixer"
+    git(left, "pull", "-q", "origin", "cambium")
+    doc = json.loads((left / "knowledge.json").read_text())
+    for it in doc["items"]:
+        if it["id"] == x:
+            it["status"] = "superseded"
+            it["superseded_by"] = {"id": s, "by": "cy", "at": "2026-12-07T00:00:00Z",
+                                   "why": "duplicate of " + s}
+    (left / "knowledge.json").write_text(json.dumps(doc))
+    git(left, "commit", "-qam", "consolidate folds x into s")
+    git(left, "push", "-q", "origin", "cambium")
+    cs.review_promotions()
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[x]["status"] == "active"
+
+
 @pytest.mark.parametrize("left", ["killed_after_gh", "direct_cut_short"])
 def test_pr_mode_an_unmarked_copy_corrected_below_waits_for_its_correction(
         shared, monkeypatch, tmp_path, left):
