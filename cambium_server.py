@@ -18895,24 +18895,33 @@ def run_check(cmd: str, cwd: Path, timeout_s: float) -> dict:
     through a guard (_group_guard, _die_with_parent)."""
     with signals_raise() as stops:
         stops.holding = True                        # (until its process is known)
+        gate_r, gate_w = os.pipe()
         try:
-            proc = subprocess.Popen(cmd, shell=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(["/bin/sh", "-c", CHECK_GATE, "sh", cmd], cwd=cwd,
+                                    stdin=gate_r, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_die_with_parent(),
                                     env={k: v for k, v in os.environ.items()
                                          if k not in _HOOK_GIT_VARS})
         except (ValueError, OSError) as e:
+            os.close(gate_w)
             stops.deliver()
             return {"cmd": cmd, "passed": False, "exit": None, "output": "",
                     "error": plain_text(str(e))[:CHECK_OUTPUT_CHARS]}
+        finally:
+            os.close(gate_r)
         guard = None                                # (a Ctrl-C as it starts: still killed)
         try:
             guard = _group_guard(proc.pid)
+            _open_gate(gate_w)                      # (the guard first: then the check runs)
+            gate_w = -1
             stops.deliver()                         # (one that came while it started)
             output = check_output_tail(proc, timeout_s)
             code = _exit_unreaped(proc)             # None: still running, timed out
         finally:
             stops.holding = True                    # (nothing may skip the kill)
+            if gate_w >= 0:                         # (never opened: it runs nothing)
+                os.close(gate_w)
             with contextlib.suppress(OSError):      # the whole group: timed out or leftovers
                 os.killpg(proc.pid, 9)
             _kill_session(proc.pid)                 # (what left the group: `timeout`)
@@ -18959,6 +18968,21 @@ def _die_with_parent() -> Callable[[], None] | None:
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
     return preexec
+
+
+#: What runs a check: `/bin/sh -c CMD` with stdin /dev/null (as shell=True
+#: would), once cambium says "go" on its stdin (the gate), which it does once
+#: the group's guard runs: a SIGKILL of verify --run between the check's start
+#: and its guard's left the check's background children running. A gate that
+#: ends first (cambium gone) runs nothing.
+CHECK_GATE = 'read -r go && [ "$go" = go ] || exit 125; exec /bin/sh -c "$1" </dev/null'
+
+
+def _open_gate(fd: int) -> None:
+    """Let a check run (CHECK_GATE), and close cambium's end of its gate."""
+    with contextlib.suppress(OSError):
+        os.write(fd, b"go\n")
+    os.close(fd)
 
 
 #: The guard of a check's process group ($1, also its session's id): a line "ok"

@@ -14750,6 +14750,37 @@ def test_verify_run_killed_by_sigkill_takes_its_check_and_all_it_started_with_it
                 os.kill(pid, 9)
 
 
+def test_verify_run_killed_before_its_guard_runs_leaves_nothing_of_its_check(repo):
+    """The check started before its group's guard: a SIGKILL of verify --run in
+    between (seen on a loaded CI) left what the check put in the background
+    running, with no time limit. The check now waits for cambium's "go",
+    given once the guard runs; a gate that ends first runs nothing."""
+    marker = "61.0011"
+    item_id = cs.capture("The soak test runs for about a minute")["item"]["id"]
+    assert cli("verify-cmd", item_id, f"sleep {marker} & sleep {marker}; echo late"
+               ).returncode == 0
+    slow = ("import sys, time, cambium_server as cs; g = cs._group_guard; "
+            "cs._group_guard = lambda p: (time.sleep(5), g(p))[1]; "
+            f"sys.exit(cs.main(['verify', '--run', '{item_id}', '--timeout', '60']))")
+    run = subprocess.Popen([sys.executable, "-c", slow], env=child_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_running(marker)                   # (the check's shell)
+        time.sleep(1)                                       # (its sleeps, were it ungated)
+        run.kill()
+        assert run.wait(timeout=30) == -signal.SIGKILL
+        assert _gone(marker) == []
+    finally:
+        run.kill()
+        run.wait()
+        for pid in _processes_running(marker):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+
+
 def _gone(marker: str) -> list[int]:
     """The processes still running with `marker` (waits up to 10 s for a kill to land)."""
     deadline = time.monotonic() + 10
