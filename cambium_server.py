@@ -6811,12 +6811,12 @@ class GitStore(Store):
         if "refs/remotes/" not in err:
             return
         old = re.search(r"'(refs/remotes/[^']+)' exists", err)
+        name = old.group(1) if old else ""
         with self._state.lock:
             self._state.plain_fetch = True
         with contextlib.suppress(OSError):
-            atomic_write(self._plain_record(), (old.group(1) if old else "") + "\n",
-                         durable=False)
-        self._say_prune(old.group(1) if old else "")
+            atomic_write(self._plain_record(), name + "\n", durable=False)
+        self._say_prune(name)
 
     def _say_prune(self, old: str) -> None:
         """Say, once a process while it is in the way (_plain_fetch), that git's
@@ -6967,7 +6967,7 @@ class GitStore(Store):
 
     def _url_record(self, branch: str | None = None) -> Path:
         """Where the remote's URL read at the last fetch is kept, beside the stamp."""
-        return self._stamp(branch).with_name(self._stamp(branch).name + ".url")
+        return self._stamp(branch, suffix=".url")
 
     def _url_change(self) -> tuple[str, str, bool]:
         """(the remote's URL now, the one recorded at the last fetch, whether
@@ -7218,9 +7218,9 @@ class GitStore(Store):
             return
         listed = self.git("for-each-ref", "--format=%(refname)", "refs/cambium/rewound-kept/",
                           check=False).stdout
-        url = self._url_or_blank()
+        own = self._own_kept(self._url_or_blank())[0]
         for ref in git_lines(listed):
-            if ref != self._own_kept(url)[0] and self._read_kept_record(ref) is None:
+            if ref != own and self._read_kept_record(ref) is None:
                 self._warnings.append(
                     f"cambium kept a rewound tip at {ref}, and its record "
                     f"({self._kept_record_path(ref)}) is missing or cannot be read: which "
@@ -7570,7 +7570,7 @@ class GitStore(Store):
     def _knew_ours(self, commit: str) -> None:
         """Note that an empty store's commit holds the store file, so it is
         cambium's (_say_not_ours asks git nothing of it)."""
-        key = (self.scope, commit, self._shallow_mark())
+        key = self._foreign_key(commit)
         with self._state.lock:
             self._state.foreign = (key, ([], None))
 
@@ -8039,7 +8039,7 @@ class GitStore(Store):
         clone's answer goes with its shallowness (after `git fetch
         --unshallow` the refusal held until the tip moved); one git could not
         walk (a damaged repository, repaired since) is not kept."""
-        key = (self.scope, tip, self._shallow_mark())
+        key = self._foreign_key(tip)
         with self._state.lock:
             seen = self._state.foreign
         if seen is not None and seen[0] == key:
@@ -8055,6 +8055,11 @@ class GitStore(Store):
             with self._state.lock:
                 self._state.foreign = (key, answer)
         return answer
+
+    def _foreign_key(self, tip: str) -> tuple:
+        """What a foreign tip's answer (_foreign, _knew_ours) is kept by: the
+        scope, the tip and the clone's shallow state."""
+        return (self.scope, tip, self._shallow_mark())
 
     def _shallow_mark(self) -> tuple[int, int, int] | None:
         """The clone's shallow file as it stands (inode, mtime, size; None: a
@@ -15498,7 +15503,8 @@ def _ssh_path(url: str) -> tuple[str, str] | None:
     if _local_remote(url) is not None or sep and scheme.lower() not in ("ssh", "git+ssh",
                                                                         "ssh+git"):
         return None
-    user, bare = _url_user(url)[0].partition(":")[0], _url_user(url)[1]
+    user, bare = _url_user(url)
+    user = user.partition(":")[0]
     if sep:
         path = bare.split("://", 1)[1].partition("/")[2]
         return user, path if path.startswith("~") else "/" + path
@@ -16860,7 +16866,8 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
     below = _replacements_now(cfg, scope, item)
     line = _correction_line(item, below)
     if waits := next((it for it in line or [below.get(by)] if it and it.pr_url), None):
-        (on if on is not None else []).append(("pr_pending", waits.pr_url or ""))
+        if on is not None:
+            on.append(("pr_pending", waits.pr_url or ""))
         return (f"{item.id} waits in {scope} scope for {by}, which supersedes it, to reach "
                 f"org through {waits.pr_url}: once that merges, review_promotions() carries "
                 "the supersession to org")
@@ -19106,8 +19113,7 @@ def signals_raise() -> Iterator[_Stops]:
     stop, _Stops.raised = _Stops(), False
     old = {}
     if threading.current_thread() is threading.main_thread():
-        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP,
-                                                         signal.SIGINT) if _takes(sig)}
+        old = {sig: signal.signal(sig, stop) for sig in SERVER_SIGNALS if _takes(sig)}
     try:
         yield stop
     finally:
@@ -20044,9 +20050,10 @@ def _names_a_project_remote(owner_name: str, project: Path) -> str | None:
     config alone, no network."""
     mine = f"https://github.com/{owner_name}"
     with contextlib.suppress(CambiumError, OSError):
-        for line in git_lines(_git(["remote", "-v"], project, 10.0, check=False).stdout):
-            remote, _, rest = line.partition("\t")
-            url = rest.rsplit(" (", 1)[0]
+        listed = git_lines(_git(["remote", "-v"], project, 10.0, check=False).stdout)
+        for remote, url in dict.fromkeys((line.partition("\t")[0],    # (fetch and push: once)
+                                          line.partition("\t")[2].rsplit(" (", 1)[0])
+                                         for line in listed):
             if url and same_repository(url, mine, project, guard=True):
                 return (f"is the project's own repository (its remote '{remote}' is "
                         f"{shown_url(url)}: the same owner/name, whatever the host); the org "
@@ -21619,7 +21626,7 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     if cfg.org_pr:
         return _finish_held_move(cfg, scope, item, found[1], restated=False)
     moved = rode[0] if rode else move(
-        cfg, [item], scope, "org", gate=lambda it: _awaiting_merge(it), copy=lambda it: it,
+        cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
         message=f"carry {item.id}'s retirement to org")
     if not (there := next((it for it in moved.landed if it.id == item.id), None)):
         return None
@@ -24640,7 +24647,7 @@ def main(argv: list[str] | None = None) -> int:
         with signals_raise() if _command_runs(argv) else contextlib.nullcontext():
             code = _main(argv)
             code = _flush_answer(code)
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if entry else ():
+            for sig in SERVER_SIGNALS if entry else ():
                 if not isinstance(getattr(signal.getsignal(sig), "__self__", None),
                                   ServerSignals):       # (a server's stay, to the end)
                     signal.signal(sig, signal.SIG_IGN)  # (a pending one is dropped too)
