@@ -7092,15 +7092,26 @@ class GitStore(Store):
         as a second rewind is (_kept_both). The pair, or None when git could
         not."""
         ref, at = self._own_kept(url)
+        return None if self._merge_kept(ref, at, before) is None else (ref, at)
+
+    def _merge_kept(self, ref: str, at: str, tip: str) -> str | None:
+        """Keep `tip` at `ref` (its -at ref `at`) beside the tip kept there:
+        merged with it as a second rewind is (_kept_both), nothing written when
+        it holds `tip` already, and the ref moved by compare-and-swap (another
+        process may have kept a tip there since this one read it). What the ref
+        holds now, or None when git could not merge or the swap lost."""
         held = self._kept(ref)
+        merged = tip
         try:
-            if held and not self._holds(held, before):
-                before = self._kept_both(held, before, at)
+            if held and self._holds(held, tip):
+                merged = held
+            elif held:
+                merged = self._kept_both(held, tip, at)
         except (CambiumError, OSError):
             return None
-        if held and self._holds(held, before) or self.git(
-                "update-ref", ref, before, held, check=False).returncode == 0:
-            return ref, at
+        if merged == held or self.git("update-ref", ref, merged, held,
+                                      check=False).returncode == 0:
+            return merged
         return None
 
     def _kept_both(self, kept: str, before: str, at_ref: str) -> str:
@@ -7298,19 +7309,8 @@ class GitStore(Store):
         deleted only once the kept tip holds `value`; when git cannot merge,
         they stay for the next process."""
         ref, at = self._kept_for(url)
-        held, was_at = self._kept(ref), self._kept(old + "-at")
-        merged = value
-        try:
-            if held and self._holds(held, value):
-                merged = held
-            elif held:
-                merged = self._kept_both(held, value, at)
-        except (CambiumError, OSError):
-            return
-        if merged != held and self.git("update-ref", ref, merged, held,
-                                       check=False).returncode != 0:
-            return
-        if not self._holds(self._kept(ref), value):
+        was_at = self._kept(old + "-at")
+        if self._merge_kept(ref, at, value) is None or not self._holds(self._kept(ref), value):
             return
         if not self._kept_record_path(ref).exists():
             self._record_kept(ref, at, url)
