@@ -6650,12 +6650,21 @@ class GitStore(Store):
 
     def local_tip(self) -> str | None:
         """The last fetched tip (None: no branch), read from .git when it can be."""
-        self._drop_old_scratch()
-        with contextlib.suppress(OSError, IndexError):
-            if self._objects() is not None:
-                return _ref_value(self.repo, self.ref) or None
+        tip = self._ref_read()
+        if tip is not None and self._objects() is not None:
+            return tip or None
         proc = self.git("rev-parse", "--verify", "--quiet", self.ref + "^{commit}", check=False)
         return proc.stdout.strip() or None
+
+    def _ref_read(self) -> str | None:
+        """The private ref's commit read from .git without spawning git ("":
+        no such ref; None: not readable so), once a scratch leftover of an
+        earlier version's there is dropped (_drop_old_scratch): local_tip's
+        and _fetched_here's."""
+        self._drop_old_scratch()
+        with contextlib.suppress(OSError, IndexError):
+            return _ref_value(self.repo, self.ref)
+        return None
 
     def _set_ref(self, commit: str) -> None:
         """Point the scope's private ref at commit: a loose ref file written as
@@ -7491,12 +7500,7 @@ class GitStore(Store):
         another name, a clone whose refspec names main alone read as never
         fetched: the primer left team out. No subprocess (but to drop such
         a leftover)."""
-        if os.path.exists(self._stamp()):
-            return True
-        self._drop_old_scratch()
-        with contextlib.suppress(OSError, IndexError):
-            return bool(_ref_value(self.repo, self.ref))
-        return False
+        return os.path.exists(self._stamp()) or bool(self._ref_read())
 
     def _rewound_doc(self, commit: str) -> Doc:
         """The doc at the kept tip, in a cache slot of its own: through doc_at's
