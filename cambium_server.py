@@ -6358,6 +6358,16 @@ def unread_fix(found: Deletion, repo: Path, remote: str = "") -> str:
     return "repair or re-clone it"
 
 
+def walk_waited(found: Deletion, setup: bool = False) -> str:
+    """How a walk of history that took git past its wait (found.waited) is
+    said: a read's and a write's (_history_unread) name their wait,
+    CAMBIUM_GIT_TIMEOUT; setup's (_org_clone_deleted: ORG_HEAD_ASK_S) say
+    that nothing is damaged (a read's fix does)."""
+    why = "a long history or a busy machine"
+    why = f"{why}; nothing is damaged" if setup else f"CAMBIUM_GIT_TIMEOUT; {why}"
+    return f"took git longer than {found.waited:g} s ({why})"
+
+
 class GitStore(Store):
     """knowledge.json on `branch` of `remote`, in the clone at `repo`.
 
@@ -8100,8 +8110,7 @@ class GitStore(Store):
         that took git past CAMBIUM_GIT_TIMEOUT (nothing damaged: asked again)."""
         why, fix = found.unread, unread_fix(found, self.repo, self.remote)
         if found.waited:
-            why = (f"walking its history took git longer than {found.waited:g} s "
-                   "(CAMBIUM_GIT_TIMEOUT; a long history or a busy machine)")
+            why = f"walking its history {walk_waited(found)}"
             fix = ("nothing is damaged: a later call asks again; for a history that long, "
                    "raise CAMBIUM_GIT_TIMEOUT")
         return (f"{STORE_FILE} is not on {self.remote}/{self.branch}, and whether a commit "
@@ -15632,9 +15641,8 @@ def _org_clone_deleted(org: Path, shown: str, found: Deletion) -> str:
     nothing damaged, setup is run again): restore it, or deepen."""
     if found.waited:
         return (f"holds {shown} and no {STORE_FILE}, and whether its history deleted one "
-                f"was not told: walking it took git longer than {found.waited:g} s (a long "
-                "history or a busy machine; nothing is damaged). If it is the org knowledge "
-                f"repo, run setup again; should it keep taking that long, `git -C "
+                f"was not told: walking it {walk_waited(found, setup=True)}. If it is the org "
+                f"knowledge repo, run setup again; should it keep taking that long, `git -C "
                 f"{shlex.quote(str(org))} log --first-parent --diff-filter=D --oneline -- "
                 f"{STORE_FILE}` lists the commits that deleted it: restore the file (`git "
                 "revert <commit>`, `-m 1` for a merge; then push) rather than commit an empty "
