@@ -24664,11 +24664,11 @@ def main(argv: list[str] | None = None) -> int:
                                   ServerSignals):       # (a server's stay, to the end)
                     signal.signal(sig, signal.SIG_IGN)  # (a pending one is dropped too)
     except (KeyboardInterrupt, SignalStop) as e:   # before a command ran (argparse, a
-        said = "interrupted" if isinstance(e, KeyboardInterrupt) else _stopped_by(e)
+        said, stopped = _stop_said(e)              # hook), or as its answer was written
         print(f"{_as_invoked()}: {said}; " + ("nothing was written." if code is None else
                                          "its answer may be cut short."), file=sys.stderr)
-        return 130 if isinstance(e, KeyboardInterrupt) else e.code  # hook), or as its
-    return code                                                       # answer was written
+        return stopped
+    return code
 
 
 def _command_runs(argv: list[str]) -> bool:
@@ -24682,11 +24682,15 @@ def _primer_hook(argv: list[str]) -> bool:
     return argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv
 
 
-def _stopped_by(stop: SignalStop) -> str:
-    """'stopped by SIGTERM' (or the signal SignalStop's code names) (pure)."""
+def _stop_said(stop: KeyboardInterrupt | SignalStop) -> tuple[str, int]:
+    """How a stop is said and its exit code (pure): Ctrl-C "interrupted", the
+    shell's 130; SignalStop "stopped by SIGTERM" (or the signal its code
+    names), its code (143, 129)."""
+    if not isinstance(stop, SignalStop):
+        return "interrupted", 130
     with contextlib.suppress(ValueError):
-        return f"stopped by {signal.Signals(stop.code - 128).name}"
-    return "stopped"
+        return f"stopped by {signal.Signals(stop.code - 128).name}", stop.code
+    return "stopped", stop.code
 
 
 def _reap_own_children() -> None:
@@ -24740,10 +24744,10 @@ def _main(argv: list[str]) -> int:
         print(f"{_as_invoked()} {args.command}: {cli_syntax(error_text(e))}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalStop) as e:   # Ctrl-C: one line, the shell's 130;
-        stop = isinstance(e, SignalStop)           # SIGTERM, SIGHUP: 143, 129
-        print(f"{_as_invoked()} {args.command}: {_stopped_by(e) if stop else 'interrupted'}"
-              f"{_what_stopping_left(args)}", file=sys.stderr)
-        return e.code if stop else 130
+        said, stopped = _stop_said(e)              # SIGTERM, SIGHUP: 143, 129
+        print(f"{_as_invoked()} {args.command}: {said}{_what_stopping_left(args)}",
+              file=sys.stderr)
+        return stopped
 
 
 def _what_stopping_left(args: argparse.Namespace) -> str:
