@@ -23813,6 +23813,12 @@ PROCESS_ENTRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
 SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   #: (SIGHUP: a terminal closed)
 
 
+def _loading_handler(handler: Any) -> bool:
+    """Whether a signal handler is the one the module's top sets while the
+    module loads (_interrupted_early), known by its name (pure)."""
+    return getattr(handler, "__name__", "") == "_interrupted_early"
+
+
 class ServerSignals:
     """A server's SIGINT, SIGTERM and SIGHUP, from before it is built to the
     process's end. A signal's default action killed it as it loaded, and as
@@ -23915,7 +23921,7 @@ class ServerSignals:
         """Whether a handler found is a program's own: no default action
         (SIG_DFL, default_int_handler) nor the module top's (_interrupted_early)."""
         return callable(handler) and handler is not signal.default_int_handler \
-            and getattr(handler, "__name__", "") != "_interrupted_early"
+            and not _loading_handler(handler)
 
 
 def _exit_unfolded(code: int, when: str) -> None:
@@ -24648,7 +24654,7 @@ def main(argv: list[str] | None = None) -> int:
     ignored: the work is done, and one in the interpreter's shutdown printed
     a threading traceback, or killed the process (-2, -15) without a word. (A
     server's own handlers stay instead: ServerSignals.)"""
-    if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_interrupted_early":
+    if _loading_handler(signal.getsignal(signal.SIGINT)):
         signal.signal(signal.SIGINT, signal.default_int_handler)      # (the module's top)
     _reap_own_children()
     entry = argv is None and threading.current_thread() is threading.main_thread()
