@@ -15463,15 +15463,20 @@ def _named_apart(a: str, b: str, move: bool = False, guard: bool = False) -> boo
     or absolute), the ssh user whose home it is in (_home_user; `git` too for
     a `move`, lower-cased for a `guard`), an AWS CodeCommit region, and (a
     `move`) its profile. A part a URL leaves out is unknown (the ssh default
-    user, the profile's region), so it matches any."""
-    x, y = (((_ssh_place(u, guard), _home_user(u, move, guard)) +
-             (_codecommit(u) or ("", "", ""))[:1 + move]) for u in (a, b))
+    user, the profile's region), so it matches any. Each URL's ssh address
+    is parsed once (_ssh_path), for both."""
+    def parts(url: str) -> tuple[str, ...]:
+        ssh = _ssh_path(url)
+        return (_ssh_place(ssh, guard), _home_user(ssh, move, guard)) + \
+            (_codecommit(url) or ("", "", ""))[:1 + move]
+    x, y = parts(a), parts(b)
     return any(p and q and p != q for p, q in zip(x, y))
 
 
-def _ssh_place(url: str, guard: bool = False) -> str:
-    """Where an ssh address's path is (pure): "~" in the login user's home (a
-    `~/` path, `srv:~/kb.git`, `ssh://srv/~/kb.git`; and a relative scp-like
+def _ssh_place(ssh: tuple[str, str] | None, guard: bool = False) -> str:
+    """Where an ssh address's path is, from its _ssh_path (`ssh`; None: not
+    ssh) (pure): "~" in the login user's home (a `~/` path, `srv:~/kb.git`,
+    `ssh://srv/~/kb.git`; and a relative scp-like
     path of a named user other than `git`: `alice@srv:kb.git`, which git's ssh
     resolves there), "/" absolute (`ssh://alice@srv/kb.git`, `srv:/kb.git`),
     else "" (unknown: not ssh, `~carol/`, and a relative path with no user or
@@ -15479,7 +15484,6 @@ def _ssh_place(url: str, guard: bool = False) -> str:
     `git@github.com:o/r` is `ssh://git@github.com/o/r`; for a `guard`, any:
     a service such as gitolite serves `kb` and `/kb` as one). remote_key drops
     a `~/`, so a home and an absolute path are told apart here."""
-    ssh = _ssh_path(url)
     if ssh is None:
         return ""
     user, path = ssh
@@ -15490,16 +15494,16 @@ def _ssh_place(url: str, guard: bool = False) -> str:
     return "" if path.startswith("~") or guard or user in ("", "git") else "~"
 
 
-def _home_user(url: str, git: bool = False, fold: bool = False) -> str:
-    """The ssh user whose home an ssh address's path is in (`alice@srv:kb.git`,
-    `alice@srv:~/kb.git`, `ssh://alice@srv/~/kb.git`), else "" (pure). An
+def _home_user(ssh: tuple[str, str] | None, git: bool = False, fold: bool = False) -> str:
+    """The ssh user whose home an ssh address's path is in, from its _ssh_path
+    (`ssh`; None: not ssh): `alice@srv:kb.git`, `alice@srv:~/kb.git`,
+    `ssh://alice@srv/~/kb.git`; else "" (pure). An
     absolute path (`ssh://alice@srv/srv/kb.git`, `alice@srv:/srv/kb.git`,
     `~bob/kb.git`) is one place whoever logs in, and `git` (unless `git`) is
     the user a hosting service (GitHub, GitLab, Bitbucket, Gitea) serves every
     owner's repositories as: `git@github.com:o/r`'s path is the service's;
     but a `~/` path is the home of whoever logs in, `git` too.
     `fold`: lower-cased (`GIT` is `git` then)."""
-    ssh = _ssh_path(url)
     user, path = ssh or ("", "")
     user = user.lower() if fold else user
     home = path == "~" or path.startswith("~/")        # (no service serves a `~/` path)
@@ -15542,12 +15546,6 @@ def _url_user(url: str) -> tuple[str, str]:
     return (info, scheme + sep + body[len(info) + 1:]) if at else ("", url)
 
 
-def _ssh_user(url: str) -> str:
-    """The user an ssh address names (scp-like `user@host:path`, `ssh://user@host/…`),
-    its password aside, else "" (none named, or not ssh)."""
-    return (_ssh_path(url) or ("", ""))[0]
-
-
 def shown_url(url: str) -> str:
     """`url` as a message (and the URL record) shows it (pure): the user and
     password or token before an https host left out, as git leaves them out of
@@ -15556,7 +15554,7 @@ def shown_url(url: str) -> str:
     password aside; a local path as it is."""
     if _local_remote(url) is not None:
         return url
-    user, bare = _ssh_user(url), _url_user(url)[1]
+    user, bare = (_ssh_path(url) or ("", ""))[0], _url_user(url)[1]
     if not user:
         return bare
     scheme, sep, rest = bare.partition("://") if "://" in bare else ("", "", bare)
