@@ -6303,9 +6303,8 @@ def store_deleted(repo: Path, tip: str, timeout_s: float) -> Deletion | None:
         if walk.returncode:                         # (a damaged repository: fail closed)
             return Deletion(unread=clip_message(walk.stderr.strip(), 300))
         if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
-            shallow = _git(["rev-parse", "--is-shallow-repository"], repo, timeout_s).stdout
             return Deletion(unread=SHALLOW_UNREAD, shallow=True) \
-                if shallow.strip() == "true" else None
+                if _is_shallow(repo, timeout_s) else None
         gone, before = line[0], line[1]            # (before: the store as it was last)
         if _store_withdrawn(repo, gone, before, timeout_s):
             return None
@@ -6319,6 +6318,19 @@ def store_deleted(repo: Path, tip: str, timeout_s: float) -> Deletion | None:
         held = -1
     return Deletion(gone, before, held, len(line) > 2) if held else None  # (an empty one
     #                                                                       deleted: no loss)
+
+
+def _is_shallow(repo: Path, timeout_s: float) -> bool:
+    """Whether the clone at `repo` is shallow: its shallow file opens, as git
+    judges it (is_repository_shallow), so one look at .git tells (as
+    GitStore._shallow_mark's stat does); git is asked only where .git cannot
+    be read so (a reftable clone, _git_dirs). Raises GitError."""
+    try:
+        common = _git_dirs(repo)[1]
+    except (OSError, IndexError):
+        return _git(["rev-parse", "--is-shallow-repository"], repo,
+                    timeout_s).stdout.strip() == "true"
+    return os.access(common / "shallow", os.R_OK)
 
 
 def _store_withdrawn(repo: Path, gone: str, before: str, timeout_s: float) -> bool:

@@ -9175,7 +9175,8 @@ def test_a_shallow_org_clone_made_after_its_store_was_deleted_is_never_written(
     made after a `git rm knowledge.json`: the deleting commit is the shallow
     root, the walk found no store in its history, and promote started a new
     store over the deleted items, reads saying nothing. Writes refuse now
-    until the clone is deepened, and then the deleting commit is named."""
+    until the clone is deepened, and then the deleting commit is named. Its
+    shallow file says it is shallow (_is_shallow): no git asked."""
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     first = _endorsed("Pin every base image by digest")
     cs.promote(first, force=True)
@@ -9186,8 +9187,11 @@ def test_a_shallow_org_clone_made_after_its_store_was_deleted_is_never_written(
     subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{shared['org_bare']}",
                     str(shallow)], check=True, capture_output=True)
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shallow))
+    monkeypatch.setenv("GIT_TRACE", str(trace := shared["tmp"] / "shallow-trace"))
     said = " ".join(cs.recall("base image digest", scope="org").get("warnings", []))
+    monkeypatch.delenv("GIT_TRACE")
     assert "the clone is shallow" in said and "fetch --unshallow" in said, said
+    assert "--is-shallow-repository" not in trace.read_text()    # (its shallow file tells)
     tip = git(shared["org_bare"], "rev-parse", "main")
     with pytest.raises(cs.ConfigError, match="the clone is shallow"):
         cs.promote(_endorsed("Rotate deploy keys"), to_scope="org", force=True)
