@@ -20164,7 +20164,8 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
     unquoted (~ expands; an owner/name holds no shell character)."""
     want = f"{owner}/{name}".lower()
     origin_ok = (f"case \"$(git remote get-url origin 2>/dev/null | tr '[:upper:]' "
-                 f"'[:lower:]')\" in *[/:]{want}|*[/:]{want}.git|*[/:]{want}/) true;; *) echo \"{clone}: its "
+                 f"'[:lower:]')\" in *[/:]{want}|*[/:]{want}.git|*[/:]{want}/) true;; "
+                 f"*) echo \"{clone}: its "
                  f"origin is not {owner}/{name} (git -C {clone} remote get-url origin shows "
                  f"it); nothing committed or pushed. If {owner}/{name} was renamed to that, run "
                  f"setup with its new owner/name (or with this clone's path); else move "
@@ -20181,7 +20182,8 @@ def _org_seed_command(owner: str, name: str, clone: str) -> str:
                 "a clone of it (its absolute path); if not, name another repository\" >&2; "
                 "false; }; }")
     return (f"cd {clone} && {_org_clone_top(clone)} && {origin_ok} && {{ git cat-file -e "
-            f"'@{{u}}:knowledge.json' 2>/dev/null || {{ {_org_never_held(clone)} && {new_only} && {{ git cat-file -e "
+            f"'@{{u}}:knowledge.json' 2>/dev/null || {{ {_org_never_held(clone)} && "
+            f"{new_only} && {{ git cat-file -e "
             "HEAD:knowledge.json "
             "2>/dev/null || { { [ -e knowledge.json ] || printf '{\"items\": []}\\n' > "
             "knowledge.json; } && git add knowledge.json && git commit -m 'cambium: org "
