@@ -1194,13 +1194,7 @@ def test_ctrl_c_while_the_console_script_loads_is_one_line(tmp_path, at):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SIGINT_AT_NAME)
-    script = tmp_path / "bin" / "cambium-mcp"       # pip's console script, verbatim
-    script.parent.mkdir()
-    script.write_text(f"#!{sys.executable}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
-                      "from cambium_server import main\n"
-                      "if __name__ == '__main__':\n"
-                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
-                      "    sys.exit(main())\n")
+    script = _console_script(tmp_path)              # pip's console script, verbatim
     env = child_env(CAMBIUM_TEST_SIGINT_AT=at, PYTHONPATH=f"{site}{os.pathsep}{SERVER.parent}")
     proc = subprocess.run([sys.executable, str(script), "status"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
