@@ -6330,7 +6330,8 @@ def _is_shallow(repo: Path, timeout_s: float) -> bool:
     except (OSError, IndexError):
         return _git(["rev-parse", "--is-shallow-repository"], repo,
                     timeout_s).stdout.strip() == "true"
-    return os.access(common / "shallow", os.R_OK)
+    shallow = common / "shallow"
+    return os.access(shallow, os.R_OK) and not shallow.is_dir()
 
 
 def _store_withdrawn(repo: Path, gone: str, before: str, timeout_s: float) -> bool:

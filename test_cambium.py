@@ -9196,6 +9196,20 @@ def test_a_shallow_org_clone_made_after_its_store_was_deleted_is_never_written(
     assert "the 1 item(s) it held" in said, said
 
 
+def test_a_directory_named_shallow_in_git_does_not_make_a_full_clone_shallow(tmp_path):
+    """git opens .git/shallow as a file; a directory by that name leaves the
+    clone full (rev-parse --is-shallow-repository says false). _is_shallow's
+    access check alone read it as shallow, so store_deleted would have
+    refused writes with advice (fetch --unshallow) that cannot help."""
+    repo = make_repo(tmp_path / "full")
+    (repo / ".git" / "shallow").mkdir()
+    assert git(repo, "rev-parse", "--is-shallow-repository").strip() == "false"
+    assert cs._is_shallow(repo, 10) is False
+    (repo / ".git" / "shallow").rmdir()
+    (repo / ".git" / "shallow").write_text(git(repo, "rev-parse", "HEAD"))
+    assert cs._is_shallow(repo, 10) is True
+
+
 def test_a_foreign_tips_answer_is_asked_of_git_once_for_reads_status_writes_and_checkout(
         shared, monkeypatch, tmp_path):
     """foreign_problem was remembered only by a read's warning (_say_not_ours):
