@@ -8133,9 +8133,9 @@ class GitStore(Store):
     def _code_names(self, names: list[str]) -> list[str]:
         """The root entries that make a tree without the store someone else's
         (_foreign): all of them, but at org only what looks like code
-        (ORG_CODE): a knowledge repo is often made with a README, a LICENSE
-        and notes beside it."""
-        return [n for n in names if self.scope != "org" or ORG_CODE.fullmatch(n)]
+        (org_code_names, as setup judges it): a knowledge repo is often made
+        with a README, a LICENSE and notes beside it."""
+        return org_code_names(names) if self.scope == "org" else names
 
     def _not_ours(self, names: list[str]) -> str:
         """Why a write onto an existing branch holding `names` and no store refuses."""
@@ -15619,9 +15619,15 @@ def repository_key(url: str, repo: Path) -> tuple[str, str]:
     return ("url", path) if path else ("address", key)
 
 
-#: ORG_CODE entries a fresh knowledge repo may hold too (a Makefile that renders
-#: its docs, a tests/ folder): not enough, alone, to refuse it at setup
-_ORG_MAYBE = re.compile(r"(?i)makefile|dockerfile|.+\.sh|src|lib|app|cmd|pkg|internal|tests?|spec")
+def org_code_names(names: list[str]) -> list[str]:
+    """The root entries (`git ls-tree --name-only`) that make an org clone's
+    tree without the store look like code (ORG_CODE) (pure): the one judgement
+    of setup (_holds_code), org writes, reads and the org checkout (_code_names).
+    A Makefile, a script or a tests/ folder counts too: setup took a clone
+    holding only those (a C project's Makefile and src/, a shell project) and
+    the first org write refused it; a knowledge repo holding one commits its
+    store once."""
+    return [n for n in names if ORG_CODE.fullmatch(n)]
 
 
 def _holds_code(org: Path) -> str | None:
@@ -15633,7 +15639,7 @@ def _holds_code(org: Path) -> str | None:
     with contextlib.suppress(GitError, OSError):
         names = git_lines(_git(["ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
                                check=False).stdout)
-        other = [n for n in names if ORG_CODE.fullmatch(n) and not _ORG_MAYBE.fullmatch(n)]
+        other = org_code_names(names)
         if STORE_FILE in names or not other:
             return None
         shown = ", ".join(other[:3]) + (", …" if len(other) > 3 else "")

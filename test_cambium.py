@@ -26606,18 +26606,55 @@ def test_retired_words_are_matched_without_their_final_punctuation_but_with_thei
     assert cs.generalization_tells("the ~80/20 rule holds", "proj") == []
 
 
-def test_setup_takes_a_fresh_org_knowledge_repo_with_a_makefile_and_tests(shared):
-    org = shared["org"]
-    (org / "Makefile").write_text("docs:\n\techo render\n")
-    (org / "tests").mkdir()
-    (org / "tests" / "check.txt").write_text("x\n")
-    git(org, "add", "-A")
-    git(org, "commit", "-q", "-m", "tooling")
-    assert cs._holds_code(org) is None
-    (org / "app.py").write_text("print(1)\n")
-    git(org, "add", "-A")
-    git(org, "commit", "-q", "-m", "code")
-    assert "holds code (app.py)" in cs._holds_code(org)
+def test_setup_and_org_writes_judge_a_makefile_or_tests_clone_alike(shared, monkeypatch):
+    """setup took an org clone whose only code-looking entries were a Makefile,
+    a Dockerfile, scripts or source/test folders (a C project's Makefile and
+    src/), and the first org write then refused it as code. Both ask one
+    judgement now (org_code_names): such a clone is refused by both, and one
+    holding its knowledge.json beside them is taken by both."""
+    def repo_with(name: str, files: list[str]) -> Path:
+        bare = make_origin(shared["tmp"], name)
+        seed = shared["tmp"] / f"{name}-seed"
+        for f in files:
+            (seed / f).parent.mkdir(parents=True, exist_ok=True)
+            (seed / f).write_text("x\n")
+        git(seed, "add", "-A")
+        git(seed, "commit", "-q", "-m", "files")
+        git(seed, "push", "-q", "origin", "HEAD:main")
+        return clone(bare, shared["tmp"] / name)
+
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    for name, files, shown in [("mk", ["Makefile"], "Makefile"),
+                               ("tst", ["tests/check.txt"], "tests")]:
+        org = repo_with(name, files)
+        with pytest.raises(cs.InputError, match=re.escape(f"holds code ({shown}) and no")):
+            cs.setup(str(shared["a"]), "ada", org_repo=str(org))
+        monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+        with pytest.raises(cs.ConfigError, match=re.escape(f"holds code ({shown}) and no")):
+            cs.promote(item, to_scope="org", force=True)
+        assert "knowledge.json" not in git(org, "ls-tree", "--name-only", "origin/main").split()
+    st = cs.GitStore("org", org, "origin", "main", timeout_s=30, fetch_interval_s=0,
+                     agent="ada")
+    for path in ["Dockerfile", "build.sh", "BUILD", "src/x", "lib/x", "app/x", "cmd/x",
+                 "pkg/x", "internal/x", "test/x", "spec/x"]:   # (each alone beside the README)
+        git(org, "rm", "-rq", "--cached", "--", *(
+            n for n in git(org, "ls-tree", "--name-only", "HEAD").split() if n != "README.md"))
+        entry = path.split("/")[0]
+        (org / path).parent.mkdir(exist_ok=True)
+        (org / path).write_text("x\n")
+        git(org, "add", "--", path)
+        git(org, "commit", "-q", "-m", entry)
+        tip = git(org, "rev-parse", "HEAD").strip()
+        assert st._foreign(tip)[0] == [entry]
+        assert f"holds code ({entry}) and no" in cs._holds_code(org), entry
+    (org / "knowledge.json").write_text(cs.EMPTY_STORE_TEXT)
+    git(org, "add", "knowledge.json")
+    git(org, "commit", "-q", "-m", "store")
+    git(org, "push", "-q", "origin", "HEAD:main")
+    assert st._foreign(git(org, "rev-parse", "HEAD").strip()) == ([], None)
+    assert cs.setup(str(shared["a"]), "ada", org_repo=str(org))["written"]["CAMBIUM_ORG_REPO"] \
+        == str(org)
+    cs.promote(item, to_scope="org", force=True)
 
 
 def test_setup_and_org_writes_refuse_a_terraform_bazel_or_helm_clone_by_its_path(
@@ -26626,7 +26663,7 @@ def test_setup_and_org_writes_refuse_a_terraform_bazel_or_helm_clone_by_its_path
     folders: a Terraform, Bazel or Helm repository's clone named as org_repo
     was taken, and the first promotion committed knowledge.json onto its
     default branch. Their markers are code now, at setup and at org writes;
-    a knowledge repo's README, docs/, Makefile, tests/, .github/ still are not."""
+    a knowledge repo's README, docs/, .github/ still are not."""
     def repo_with(name: str, files: list[str]) -> Path:
         bare = make_origin(shared["tmp"], name)
         seed = shared["tmp"] / f"{name}-seed"
@@ -26652,7 +26689,7 @@ def test_setup_and_org_writes_refuse_a_terraform_bazel_or_helm_clone_by_its_path
     with pytest.raises(cs.ConfigError, match=r"holds code \(Chart.yaml\) .* code repository"):
         cs.promote(item, to_scope="org", force=True)
     assert "knowledge.json" not in git(org, "ls-tree", "--name-only", "origin/main").split()
-    kb = repo_with("kb", ["docs/index.md", "Makefile", "tests/check.txt", "notes/a.yaml",
+    kb = repo_with("kb", ["docs/index.md", "notes/a.yaml",
                           ".github/workflows/ci.yml", "build/index.html", "templates/t.md",
                           "chart.yaml"])
     assert cs._holds_code(kb) is None
