@@ -8147,7 +8147,7 @@ class GitStore(Store):
                     "commit the store onto it. Point CAMBIUM_ORG_REPO at a clone of the org "
                     "knowledge repo (setup(project_repo, agent_id, org_repo=...)); if this "
                     f"is that repo, commit a {STORE_FILE} holding {EMPTY_STORE_TEXT} to it "
-                    "once.")
+                    "and push it (pull first: the branch may have moved since this fetch).")
         return (f"the {self.scope} branch '{self.branch}' on '{self.remote}' holds other files "
                 f"({shown}) and no {STORE_FILE} at its root, so cambium writes nothing to it: "
                 "a write would commit the store onto code. If it is not cambium's, point "
@@ -15622,20 +15622,22 @@ def repository_key(url: str, repo: Path) -> tuple[str, str]:
 def org_code_names(names: list[str]) -> list[str]:
     """The root entries (`git ls-tree --name-only`) that make an org clone's
     tree without the store look like code (ORG_CODE) (pure): the one judgement
-    of setup (_holds_code), org writes, reads and the org checkout (_code_names).
-    A Makefile, a script or a tests/ folder counts too: setup took a clone
-    holding only those (a C project's Makefile and src/, a shell project) and
-    the first org write refused it; a knowledge repo holding one commits its
-    store once."""
+    of setup (_org_tip_problem, offline _holds_code), org writes, reads and the
+    org checkout (_code_names). A Makefile, a script or a tests/ folder counts
+    too: setup took a clone holding only those (a C project's Makefile and
+    src/, a shell project) and the first org write refused it; a knowledge
+    repo holding one commits its store and pushes it."""
     return [n for n in names if ORG_CODE.fullmatch(n)]
 
 
 def _holds_code(org: Path) -> str | None:
     """Why a clone named as the org clone is some project's code (its checkout's
     commit holds code and no store: ORG_CODE), or None (also when it has no
-    commit yet or git cannot read it). A store its history deleted
-    (store_deleted, as reads and writes find it) is named, with how to restore
-    it: the advice to commit an empty one would start a store over its items."""
+    commit yet or git cannot read it): setup's judgement when the remote cannot
+    be fetched (_org_tip_problem), so its words say to pull first. A store its
+    history deleted (store_deleted, as reads and writes find it) is named, with
+    how to restore it: the advice to commit an empty one would start a store
+    over its items."""
     with contextlib.suppress(GitError, OSError):
         names = git_lines(_git(["ls-tree", "--name-only", "HEAD"], org, ORG_HEAD_ASK_S,
                                check=False).stdout)
@@ -15647,8 +15649,9 @@ def _holds_code(org: Path) -> str | None:
             return _org_clone_deleted(org, shown, found)
         return (f"holds code ({shown}) and no {STORE_FILE}: it looks like a "
                 "project's clone, and cambium keeps the org clone's checkout in sync by "
-                "force. Give a clone of the org knowledge repo (if this is it, commit a "
-                f"{STORE_FILE} holding {EMPTY_STORE_TEXT} to it once).")
+                "force. Give a clone of the org knowledge repo (if this is it, pull first: "
+                f"a teammate may have pushed its {STORE_FILE}; if it still has none, commit "
+                f"a {STORE_FILE} holding {EMPTY_STORE_TEXT} to it and push it).")
     return None
 
 
@@ -15674,6 +15677,40 @@ def _org_clone_deleted(org: Path, shown: str, found: Deletion) -> str:
     return (f"holds {shown} and no {STORE_FILE}, which its commit {found.gone[:10]} deleted: "
             f"if this is the org knowledge repo, restore the file ({how}; then push) rather "
             f"than commit an empty one over {held} it held.")
+
+
+def _org_tip_problem(org: Path, agent: str) -> tuple[str | None, list[str]]:
+    """setup's judgement of a clone named as the org clone: (why org writes
+    would refuse it, or None; setup's warnings). It is the writes' own: the
+    remote default branch fetched as a write fetches it (fetch(force=True),
+    CAMBIUM_GIT_TIMEOUT), its tip judged by foreign_problem (code and no
+    store; a store its history deleted, beside code or not). setup judged
+    the checkout's HEAD: a clone made before a teammate pushed the store was
+    refused (and told to commit one: an add/add conflict with theirs), one
+    whose store was committed and not pushed was taken while writes refused
+    it, and a README-only one whose history deleted a store was taken while
+    reads said so. Offline (the fetch fails) the checkout is judged
+    (_holds_code), and a warning says so."""
+    cfg = resolve_config()
+    branch = _org_default_branch(org, cfg.git_timeout_s)
+    for _ in range(2):                          # (a renamed default: followed once)
+        st = GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
+                      fetch_interval_s=cfg.fetch_interval_s, agent=agent,
+                      default_branch=True, own_branch=True)
+        try:
+            tip = st.fetch(force=True)
+        except CambiumError as e:
+            return _holds_code(org), [
+                f"setup could not fetch the org clone {org}'s origin "
+                f"({clip_message(str(e), 300)}), so it judged the clone's checkout (HEAD), "
+                f"which may be behind the remote default branch org writes judge: the "
+                f"first org write fetches that tip and refuses it if it holds code and no "
+                f"{STORE_FILE}, or a history that deleted one"]
+        if not st.moved_to:
+            break
+        branch = st.moved_to
+    problem = st.foreign_problem(tip, Doc(items=[]))
+    return (f"is one org writes refuse: {problem}" if problem else None), []
 
 
 def _same_clone(a: Path, b: Path) -> bool:
@@ -19665,7 +19702,8 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         updates[TEAM_BRANCHES] = {os.path.realpath(store_root(root)): team_branch}
     if org_pr is not None:
         updates["CAMBIUM_ORG_PR"] = "1" if org_pr else "0"
-    org_offer, org_path = _setup_org(org_repo, root, agent_id) if org_repo else (None, None)
+    org_offer, org_path, org_notes = _setup_org(org_repo, root, agent_id) if org_repo \
+        else (None, None, [])
     if org_path:
         updates["CAMBIUM_ORG_REPO"] = str(org_path)
     cfg_path = config_file_path(env)
@@ -19682,7 +19720,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     out = {"configured_now": bool(now.get("configured")), "config_file": str(cfg_path),
            "written": updates, "binding": binding, "status": now,
            **({"gitignore": gitignore_note(ignored_in)} if ignored_in else {})}
-    warnings = _setup_warnings(env, updates, binding, root) + \
+    warnings = org_notes + _setup_warnings(env, updates, binding, root) + \
         _rebound(wrote.found, updates, before) + ignore_note + \
         _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
         + ([f"the config file {cfg_path} was not a JSON object: moved aside to {wrote.aside}, "
@@ -20035,21 +20073,24 @@ def _branch_of_the_project(root: Path, branch: str) -> str | None:
     return None
 
 
-def _setup_org(org_repo: str, root: Path, agent_id: str) -> tuple[dict | None, Path | None]:
-    """setup's org_repo: (the offer for a GitHub owner/name, the clone's path),
-    refused as an InputError when the clone cannot be the org clone."""
+def _setup_org(org_repo: str, root: Path, agent_id: str
+               ) -> tuple[dict | None, Path | None, list[str]]:
+    """setup's org_repo: (the offer for a GitHub owner/name, the clone's path,
+    setup's warnings on it), refused as an InputError when the clone cannot be
+    the org clone."""
     org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
+    notes: list[str] = []
     if org_offer and (own := _names_a_project_remote(org_offer["org_repo"], root)):
         raise InputError(f"org_repo {org_repo!r} {own}", "org_repo")
     remote = resolve_config().remote         # (the env's, else the config file's, else origin)
     clash = org_path and org_clone_problem(org_path, root)
     if org_path and not clash:
         _refuse_a_folder_in_a_clone(org_repo, org_path)
-        clash = _holds_code(org_path) or org_remote_problem(org_path, root, remote,
-                                                            ORG_HEAD_ASK_S)
+        clash, notes = _org_tip_problem(org_path, agent_id)
+        clash = clash or org_remote_problem(org_path, root, remote, ORG_HEAD_ASK_S)
     if clash:
         raise InputError(f"org_repo {org_path} {clash}", "org_repo")
-    return org_offer, org_path
+    return org_offer, org_path, notes
 
 
 def _refuse_a_folder_in_a_clone(org_repo: str, top: Path) -> None:

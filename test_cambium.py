@@ -9159,8 +9159,8 @@ def test_an_org_store_deleted_beside_code_looking_files_is_named_not_called_code
     assert "code repository" not in said and "the 1 item(s) it held" in said, said
     with pytest.raises(cs.ConfigError, match=f"by commit {gone}"):
         cs.promote(_endorsed("Rotate deploy keys"), to_scope="org", force=True)
-    with pytest.raises(cs.InputError, match=f"which its commit {gone} deleted"):
-        cs.setup(str(shared["a"]), "ada", org_repo=str(work))
+    with pytest.raises(cs.InputError, match=f"org writes refuse: .*by commit {gone}"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(work))    # (the write's words)
 
 
 def test_a_shallow_org_clone_made_after_its_store_was_deleted_is_never_written(
@@ -26655,6 +26655,95 @@ def test_setup_and_org_writes_judge_a_makefile_or_tests_clone_alike(shared, monk
     assert cs.setup(str(shared["a"]), "ada", org_repo=str(org))["written"]["CAMBIUM_ORG_REPO"] \
         == str(org)
     cs.promote(item, to_scope="org", force=True)
+
+
+def _org_repo_with_a_makefile(tmp: Path, name: str) -> tuple[Path, Path]:
+    """A knowledge repo whose default branch holds a README and a Makefile and
+    no store yet: (its bare repo, the seed clone a teammate pushes from)."""
+    bare = make_origin(tmp, name)
+    seed = tmp / f"{name}-seed"
+    (seed / "Makefile").write_text("docs:\n\techo render\n")
+    git(seed, "add", "-A")
+    git(seed, "commit", "-q", "-m", "docs tooling")
+    git(seed, "push", "-q", "origin", "HEAD:main")
+    return bare, seed
+
+
+def test_setup_takes_a_behind_org_clone_whose_store_a_teammate_pushed(shared, monkeypatch):
+    """setup judged the org clone's checkout (HEAD), writes the remote default
+    branch's tip: a clone of a knowledge repo holding a Makefile, made before a
+    teammate pushed its knowledge.json, was refused and told to commit one (an
+    add/add conflict with the teammate's store). setup fetches and judges that
+    tip with the writes' own check now: it takes the clone, and promote writes."""
+    bare, seed = _org_repo_with_a_makefile(shared["tmp"], "kb")
+    mine = clone(bare, shared["tmp"] / "kb-mine")          # (made before the store was)
+    (seed / "knowledge.json").write_text(cs.EMPTY_STORE_TEXT + "\n")
+    git(seed, "add", "-A")
+    git(seed, "commit", "-q", "-m", "store")
+    git(seed, "push", "-q", "origin", "HEAD:main")
+    out = cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    assert out["written"]["CAMBIUM_ORG_REPO"] == str(mine)
+    assert "could not fetch" not in json.dumps(out.get("warnings", []))
+    said = cs._holds_code(mine)                   # (its checkout, as judged offline)
+    assert "holds code (Makefile)" in said and "pull first" in said and "push it" in said
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(mine))
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
+    assert [i["content"] for i in remote_json(bare, "main")["items"]] == \
+        ["Prefer idempotent retries with backoff and jitter"]
+
+
+def test_setup_and_org_writes_refuse_a_store_committed_but_not_pushed_alike(
+        shared, monkeypatch):
+    """setup's refusal of a knowledge repo holding a Makefile said "commit a
+    knowledge.json ... to it once": done so (committed, not pushed), setup took
+    the clone (its checkout holds the store) while every org write refused it
+    with the same advice. Both judge the fetched tip and say "and push it"
+    now; offline, setup judges the checkout and says so."""
+    bare, _ = _org_repo_with_a_makefile(shared["tmp"], "kb")
+    mine = clone(bare, shared["tmp"] / "kb-mine")
+    with pytest.raises(cs.InputError, match=r"holds code \(Makefile\) and no .* and push it"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    (mine / "knowledge.json").write_text(cs.EMPTY_STORE_TEXT + "\n")
+    git(mine, "add", "knowledge.json")
+    git(mine, "commit", "-q", "-m", "store")                # (the advice, without a push)
+    with pytest.raises(cs.InputError, match=r"org writes refuse: .*Makefile.* and push it"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(mine))
+    item = _endorsed("Prefer idempotent retries with backoff and jitter")
+    with pytest.raises(cs.ConfigError, match=r"holds code \(Makefile\) .* and push it"):
+        cs.promote(item, to_scope="org", force=True)
+    git(mine, "remote", "set-url", "origin", str(shared["tmp"] / "gone.git"))   # (offline)
+    out = cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    assert "could not fetch the org clone" in out["warnings"][0]
+    assert "judged the clone's checkout (HEAD)" in out["warnings"][0]
+    git(mine, "remote", "set-url", "origin", str(bare))
+    git(mine, "push", "-q", "origin", "HEAD:main")
+    out = cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    assert "could not fetch" not in json.dumps(out.get("warnings", []))
+    assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
+
+
+def test_setup_refuses_a_readme_only_org_clone_whose_history_deleted_its_store(
+        shared, monkeypatch):
+    """setup looked for a deleted store only beside code: a README-only org
+    clone whose knowledge.json (holding items) a commit deleted was taken, and
+    every read then said "org scope reads as empty: knowledge.json was
+    deleted". It asks the writes' own check of the fetched tip: refused,
+    naming the deleting commit."""
+    org = shared["org"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    assert cs.promote(_endorsed("Prefer idempotent retries with backoff and jitter"),
+                      to_scope="org", force=True)["status"] == "promoted"
+    work = clone(shared["org_bare"], shared["tmp"] / "by-hand")
+    git(work, "rm", "-q", "knowledge.json")
+    git(work, "commit", "-q", "-m", "oops")
+    git(work, "push", "-q", "origin", "HEAD:main")
+    gone = git(work, "rev-parse", "--short=10", "HEAD").strip()
+    assert cs._holds_code(work) is None                # (no code: HEAD's check took it)
+    with pytest.raises(cs.InputError, match=f"org writes refuse: .*by commit {gone}, so the "
+                                            r"1 item\(s\) it held"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(work))
 
 
 def test_setup_and_org_writes_refuse_a_terraform_bazel_or_helm_clone_by_its_path(
