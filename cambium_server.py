@@ -8048,7 +8048,8 @@ class GitStore(Store):
 
     def foreign_problem(self, tip: str | None, doc: Doc) -> str | None:
         """Why this scope's branch is not cambium's to write, or None: a tip
-        holding other files and no items (_not_ours), or a tip whose history
+        holding other files and no items (_not_ours), a team tip holding no
+        files that never held the store (_empty_not_ours), or a tip whose history
         deleted a store that held items (store_deleted): at org asked first,
         also beside code-looking files (a knowledge repo's Makefile, tests/),
         as the code advice (commit an empty store) would start one over them.
@@ -8077,7 +8078,7 @@ class GitStore(Store):
         if STORE_FILE not in names and not (code and self.scope != "org"):   # project's
             found = store_deleted(self.repo, tip, self.timeout_s)            # history)
         answer = code, (self._deleted_words(found) if found else None) or \
-            (self._not_ours(code) if code else None)
+            (self._not_ours(code) if code else self._empty_not_ours(names))
         if not (found and found.unread and not found.shallow):
             with self._state.lock:
                 self._state.foreign = (key, answer)
@@ -8154,6 +8155,23 @@ class GitStore(Store):
                 "CAMBIUM_TEAM_BRANCH at a branch of cambium's own (setup(project_repo, "
                 "agent_id, team_branch='cambium-knowledge')); if its store was deleted, "
                 f"restore {STORE_FILE} from the branch's history.")
+
+    def _empty_not_ours(self, names: list[str]) -> str | None:
+        """Why a write onto an existing team branch whose tip holds no files at
+        all refuses (None at org, or for a tip holding the store): cambium
+        starts its branch with the store in its first commit, so a tip with
+        none that never held one (_foreign walked for a deletion) is someone
+        else's, such as a new project's default branch made of one empty commit,
+        which setup refuses too (_branch_of_the_project)."""
+        if self.scope == "org" or names:
+            return None
+        return (f"the {self.scope} branch '{self.branch}' on '{self.remote}' holds no files "
+                f"and never held a {STORE_FILE}, so it is not a branch "
+                "cambium started, and cambium writes nothing to it: a write would commit "
+                "the store onto someone else's branch. Point CAMBIUM_TEAM_BRANCH at a branch "
+                "of cambium's own (setup(project_repo, agent_id, team_branch='cambium-"
+                f"knowledge')); if it is meant for the store, commit a {STORE_FILE} holding "
+                f"{EMPTY_STORE_TEXT} to it once.")
 
     def _new_branch_parent(self, side: str | None) -> str | None:
         """The parent of a branch this write starts: the remote default's tip. A
@@ -19834,10 +19852,9 @@ def _checked_setup_args(root: Path, agent_id: str, team_branch: str | None) -> s
                                                      "team_branch")):
         raise InputError(why + ".", "team_branch")
     if team_branch and (taken := _branch_of_the_project(root, team_branch)):
-        raise InputError(f"team_branch {team_branch!r} is {taken} with your project's files "
-                         f"and no {STORE_FILE}: cambium would commit its store onto it. Give "
-                         "the team store a branch of its own (default 'cambium').",
-                         "team_branch")
+        raise InputError(f"team_branch {team_branch!r} is {taken} and no {STORE_FILE}: "
+                         "cambium would commit its store onto it. Give the team store a "
+                         "branch of its own (default 'cambium').", "team_branch")
     return agent_id
 
 
@@ -20061,7 +20078,8 @@ def _in_git_dir(path: Path) -> bool:
 
 def _branch_of_the_project(root: Path, branch: str) -> str | None:
     """Where `branch` already exists in the project without a cambium store at
-    its root ("a branch in <root>", "a branch on <remote>"), else None."""
+    its root and what it holds ("a branch in <root> with your project's files",
+    "a branch on <remote> holding no files"), else None."""
     remote = resolve_config().remote
     for ref, where in ((f"refs/heads/{branch}", f"a branch in {root}"),
                        (f"refs/remotes/{remote}/{branch}", f"a branch on '{remote}'")):
@@ -20069,7 +20087,10 @@ def _branch_of_the_project(root: Path, branch: str) -> str | None:
                    GIT_TIMEOUT_RANGE[1], check=False)
         if tip.returncode == 0 and _git(["cat-file", "-e", f"{tip.stdout.strip()}:{STORE_FILE}"],
                                         root, GIT_TIMEOUT_RANGE[1], check=False).returncode:
-            return where
+            held = _git(["ls-tree", "--name-only", tip.stdout.strip()], root,
+                        GIT_TIMEOUT_RANGE[1], check=False).stdout.strip()
+            return where + (" with your project's files" if held else
+                            " holding no files")
     return None
 
 

@@ -8963,6 +8963,39 @@ def test_a_team_branch_holding_code_is_never_written(shared, monkeypatch, how):
     assert "holds other files" in team["error"] and team["items"] == 0
 
 
+def test_a_team_branch_of_one_empty_commit_is_never_written_and_setup_says_it_is_empty(
+        shared, monkeypatch):
+    """setup refused an existing branch holding no files (a new project's main
+    of one `--allow-empty` commit), saying it held "your project's files", but
+    the same branch from CAMBIUM_TEAM_BRANCH took a commit of knowledge.json:
+    only a tip holding files counted as not cambium's. cambium starts its own
+    branch with the store in its first commit, so a tip that never held one
+    is someone else's, empty or not."""
+    a, b = shared["a"], shared["b"]
+    empty = git(b, "mktree").strip()                      # (no input: the empty tree)
+    commit = git(b, "commit-tree", empty, "-m", "init").strip()
+    git(b, "push", "-q", "origin", f"{commit}:refs/heads/kb")
+    monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+    item = _endorsed("Queue consumers must be idempotent")
+    with pytest.raises(cs.ConfigError, match="team branch 'kb' on 'origin' holds no files "
+                       "and never held a knowledge.json, so .* cambium writes nothing"):
+        cs.promote(item, force=True)
+    assert git(shared["origin"], "rev-parse", "kb").strip() == commit     # nothing pushed
+    assert any(i.id == item for i in cs.store(cs.resolve_config(), "local").read().items)
+    assert "holds no files" in cs.status()["scopes"]["team"]["error"]
+    git(a, "fetch", "-q", "origin")
+    with pytest.raises(cs.InputError) as err:
+        cs.setup(str(a), "ada", team_branch="kb")
+    assert "is a branch on 'origin' holding no files and no knowledge.json" in str(err.value)
+    assert "project's files" not in str(err.value)
+    monkeypatch.delenv("CAMBIUM_TEAM_BRANCH")             # cambium's own new branch: written
+    cs.runtime().reset()
+    assert cs.promote(item, force=True)["status"] == "promoted"
+    assert team_ids(shared["origin"]) == {item}
+    assert "error" not in cs.status()["scopes"]["team"]
+    assert cs.endorse(item, note="still ours")["scope"] == "team"
+
+
 def test_a_team_store_a_teammate_removed_is_named_by_every_read(shared):
     """A teammate's `git rm knowledge.json` on the team branch: writes refused
     and status named it, but recall, stale_report, review_promotions and the
