@@ -21401,7 +21401,8 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
     An endorsement fast-tracks local -> team promotion and is required for
     team -> org. note: why it is worth trusting, ideally phrased as the
     cross-project rule (that note is offered as the draft when the org gate
-    asks for a general restatement, and recall shows it as `endorsed_as`).
+    asks for a general restatement, and recall with detail="full" shows it
+    as `endorsed_as`; the default detail="lines" result has no such field).
     One endorsement per agent per item; endorsing again updates your note
     (without a note, the one you gave before stays).
     """

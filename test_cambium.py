@@ -4938,6 +4938,11 @@ def test_endorse_surfaces_endorsed_as_in_recall(repo):
     cs.endorse(a["item"]["id"])                          # no note: the earlier one stays
     again = cs.recall("pin sdk version", detail="full")["results"][0]
     assert again["endorsements"] == 1 and again["endorsed_as"] == ["updated note"]
+    lines = cs.recall("pin sdk version")["results"][0]      # the default detail: no notes,
+    assert "endorsed_as" not in lines and "endorsements" not in lines   # as endorse says
+    assert 'recall with detail="full" shows it' in " ".join(cs.endorse.__doc__.split())
+    listed = cs.expand(a["item"]["id"])["endorsements"]    # expand: the list, not a count
+    assert [(e["by"], e["note"]) for e in listed] == [("ada", "updated note")]
 
 
 def test_endorse_unknown_id_is_not_found(repo):
