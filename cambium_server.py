@@ -24716,11 +24716,20 @@ def _cli_int(param: Param) -> Callable[[str], int]:
     return parse
 
 
+CHECK_FAILED_EXIT = 3    #: verify --run's exit status when a check it ran failed (a CI gate)
+
+
 def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
-    """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks."""
+    """`verify ID` confirms by hand; `verify --run [ID]` runs attached checks
+    and exits CHECK_FAILED_EXIT when one of them failed, recorded or not (it
+    exited 0 beside `failed: [id]`, so a CI gate on its status let it pass)."""
     if args.run:                                # (--timeout: bounded by _cli_seconds)
-        return _cli_print(args, {"item_id": args.item_id, "timeout_s": args.timeout},
-                          run_checks)
+        answers: list[dict] = []
+        code = _cli_print(args, {"item_id": args.item_id, "timeout_s": args.timeout},
+                          lambda **kw: answers.append(run_checks(**kw)) or answers[-1])
+        failed = any(not r["passed"] for answer in answers
+                     for r in answer.get("results", []))
+        return CHECK_FAILED_EXIT if code == 0 and failed else code
     if args.item_id is None:
         raise InputError("verify needs an item id, or --run to run the attached checks.")
     return _cli_print(args, kwargs)
