@@ -24225,10 +24225,8 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
         if scope["type"] != "http":                                        # 307 to /mcp
             return await app(scope, receive, send)
         if validate is not None:    # before any body, whatever the method: a foreign page
-            from starlette.requests import Request      # gets 421/403 (a GET's declared
-            refused = await validate(Request(scope),                  # body was waited for)
-                                     is_post=scope.get("method") == "POST")
-            if refused is not None:
+            refused = await _guard_refusal(validate, scope)   # gets 421/403 (a GET's
+            if refused is not None:                           # declared body was waited for)
                 return await refused(scope, receive, send)
         if scope.get("method") != "POST":   # (a GET or DELETE has no body: held to 64 KiB)
             body = await _read_body(scope, receive, min(limit, MAX_HTTP_BODY_NOT_POST))
@@ -24257,6 +24255,19 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
         await app(scope, _replaying(body, receive), send)
 
     return guarded
+
+
+async def _guard_refusal(validate: Callable, scope: dict) -> Any:
+    """The SDK guard's refusal of a request (a response), or None: Host and
+    Origin asked first (421, 403), then a POST's Content-Type (400). The SDK
+    asks Content-Type first, so a foreign page's form POST got 400 where
+    README names 421/403."""
+    from starlette.requests import Request
+    request = Request(scope)
+    refused = await validate(request, is_post=False)
+    if refused is None and scope.get("method") == "POST":
+        refused = await validate(request, is_post=True)
+    return refused
 
 
 def _replaying(body: bytes, receive: Callable) -> Callable:

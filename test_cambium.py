@@ -24639,6 +24639,14 @@ def test_http_checks_host_and_body_size_before_reading_the_body(repo):
         c.request("POST", "/mcp", "{not json", {**headers, "Origin": "http://evil.example"})
         assert c.getresponse().status == 403
         c.close()
+        for foreign, status in (({"Host": "evil.example"}, 421),       # a form's Content-Type:
+                                ({"Origin": "http://evil.example"}, 403),   # was 400 first
+                                ({}, 400)):                   # (a local one: still refused)
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+            c.request("POST", "/mcp", "a=1", {**headers, **foreign, "Content-Type":
+                                               "application/x-www-form-urlencoded"})
+            assert c.getresponse().status == status, foreign
+            c.close()
         assert _http_post(url.replace("/mcp", "/not-mcp"), "{}")[0] == 404  # (was JSON-RPC's 400)
         with socket.create_connection(("127.0.0.1", port), 20) as sock:   # declared: at once
             sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
