@@ -1882,8 +1882,15 @@ def test_setup_leaves_a_gitignore_that_is_no_regular_file_alone(tmp_path, odd):
     assert outside.read_text() == "mine\n" if odd == "link" else not outside.exists()
 
 
-def test_setup_refuses_head_or_a_branch_of_the_project_as_team_branch(tmp_path):
+def test_setup_refuses_head_or_a_branch_of_the_project_as_team_branch(tmp_path, monkeypatch):
     r = make_repo(tmp_path)
+    for key in ("CAMBIUM_TEAM_BRANCH", "CAMBIUM_AGENTSYNC_BRANCH"):   # (README: 200 bytes
+        monkeypatch.setenv(key, "t" * 201)                            # in the environment too)
+        said = json.dumps(cs.resolve_config().problems)
+        assert key in said and "longer than 200 bytes" in said, said
+        monkeypatch.setenv(key, "t" * 200)
+        assert key not in json.dumps(cs.resolve_config().problems)
+        monkeypatch.delenv(key)
     with pytest.raises(cs.InputError, match="team_branch"):
         cs.setup(str(r), "ada", team_branch="HEAD")
     for long in ("t" * 250, "kb/" * 350_000, "é" * 101):  # git takes them; cambium's lock not
