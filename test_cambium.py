@@ -24752,10 +24752,21 @@ def test_cli_output_forges_no_line_and_carries_no_terminal_control(repo):
     assert json.loads(out)["content"].startswith("Deploy \u009b2J \u202evia")
 
 
-def test_refused_values_are_shown_in_json_words_and_cli_numbers_are_ascii_digits(repo):
+def test_refused_values_are_shown_in_json_words_and_cli_numbers_are_ascii_digits(
+        repo, monkeypatch):
     """A refused argument was shown as Python spells it (nan, inf, {'a': 1},
     None), and the CLI took `--limit 1_0`, `--limit ' 5'` and an Arabic-Indic
-    digit, where the environment and MCP refuse them."""
+    digit, where the environment and MCP refuse them. (The environment trims
+    blanks around a value, as README says: ' 5 ' is 5 there, only the CLI
+    refuses it.)"""
+    monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", " 5 ")
+    monkeypatch.setenv("CAMBIUM_PROMOTE_RECALLS", " 5")
+    cfg = cs.resolve_config()
+    assert (cfg.git_timeout_s, cfg.promote_recalls) == (5.0, 5) and cfg.configured
+    monkeypatch.setenv("CAMBIUM_PROMOTE_RECALLS", "1_0")
+    assert "CAMBIUM_PROMOTE_RECALLS" in json.dumps(cs.resolve_config().problems)
+    monkeypatch.delenv("CAMBIUM_GIT_TIMEOUT")
+    monkeypatch.delenv("CAMBIUM_PROMOTE_RECALLS")
     said = [cs.argument_error("recall", [{"loc": ("query",), "type": "string_type"}],
                               {"query": v})[0] for v in (float("nan"), {"a": 1}, None)]
     assert [x.rsplit("got ", 1)[1] for x in said] == ["NaN.", '{"a": 1}.', "null."]
