@@ -6271,7 +6271,8 @@ class Deletion(NamedTuple):
     items that held (-1: it does not parse there, held uncounted), whether a
     merge deleted it; or, with `unread` set, why the history could not be told
     (`shallow`: a shallow clone's, which a `git fetch --unshallow` ends;
-    `waited`: the seconds git was given, when it took longer)."""
+    `waited`: the seconds git was given, when it took longer); or, with
+    `never` set, that the history never held a store (asked for: `never=`)."""
     gone: str = ""
     before: str = ""
     held: int = 0
@@ -6279,12 +6280,14 @@ class Deletion(NamedTuple):
     unread: str = ""
     shallow: bool = False
     waited: float = 0.0
+    never: bool = False
 
 
 SHALLOW_UNREAD = "the clone is shallow (a `git clone --depth`: its history stops short)"
 
 
-def store_deleted(repo: Path, tip: str, timeout_s: float) -> Deletion | None:
+def store_deleted(repo: Path, tip: str, timeout_s: float, *,
+                  never: bool = False) -> Deletion | None:
     """Why a tip without the store file is no new store, or None: a commit of
     its history deleted one that held items (a `git rm knowledge.json`), or
     the history could not be walked or read (a damaged repository, a missing
@@ -6292,19 +6295,22 @@ def store_deleted(repo: Path, tip: str, timeout_s: float) -> Deletion | None:
     root the deleting commit): both fail closed, and an unread answer is not
     kept (_foreign: a GitError counted as "held, uncounted" was, and refused
     every write after a repair). None for a history that never held items (a
-    new branch), held an empty store, or withdrew it (_store_withdrawn). One
-    git walk of the store file along first parents (the branch's own: git's
-    default followed the parent a merge was the same as, a side branch's
-    older `git rm`); GitStore's reads and writes and setup's org clone check
-    ask it alike."""
+    new branch), held an empty store, or withdrew it (_store_withdrawn);
+    `never`: the first of these is Deletion(never=True) instead, told from
+    the walk's own answer (nothing found), not from a walk git did not end
+    (GitStore._foreign's empty team tip). One git walk of the store file
+    along first parents (the branch's own: git's default followed the parent
+    a merge was the same as, a side branch's older `git rm`); GitStore's
+    reads and writes and setup's org clone check ask it alike."""
     try:
         walk = _git(["rev-list", "-1", "--parents", "--first-parent", tip, "--", STORE_FILE],
                     repo, timeout_s, check=False)
         if walk.returncode:                         # (a damaged repository: fail closed)
             return Deletion(unread=clip_message(walk.stderr.strip(), 300))
         if len((line := walk.stdout.split())) < 2:  # (never held one: a new branch)
-            return Deletion(unread=SHALLOW_UNREAD, shallow=True) \
-                if _is_shallow(repo, timeout_s) else None
+            if _is_shallow(repo, timeout_s):
+                return Deletion(unread=SHALLOW_UNREAD, shallow=True)
+            return Deletion(never=True) if never and not line else None
         gone, before = line[0], line[1]            # (before: the store as it was last)
         if _store_withdrawn(repo, gone, before, timeout_s):
             return None
@@ -8076,9 +8082,10 @@ class GitStore(Store):
         code = [] if STORE_FILE in names else self._code_names(names)
         found = None                                # (team: the walk would cross the
         if STORE_FILE not in names and not (code and self.scope != "org"):   # project's
-            found = store_deleted(self.repo, tip, self.timeout_s)            # history)
-        answer = code, (self._deleted_words(found) if found else None) or \
-            (self._not_ours(code) if code else self._empty_not_ours(names))
+            found = store_deleted(self.repo, tip, self.timeout_s,            # history)
+                                  never=self.scope == "team" and not names)  # (never held)
+        why = found and (self._empty_not_ours() if found.never else self._deleted_words(found))
+        answer = code, why or (self._not_ours(code) if code else None)
         if not (found and found.unread and not found.shallow):
             with self._state.lock:
                 self._state.foreign = (key, answer)
@@ -8156,15 +8163,15 @@ class GitStore(Store):
                 "agent_id, team_branch='cambium-knowledge')); if its store was deleted, "
                 f"restore {STORE_FILE} from the branch's history.")
 
-    def _empty_not_ours(self, names: list[str]) -> str | None:
+    def _empty_not_ours(self) -> str:
         """Why a write onto an existing team branch whose tip holds no files at
-        all refuses (None at org, or for a tip holding the store): cambium
-        starts its branch with the store in its first commit, so a tip with
-        none that never held one (_foreign walked for a deletion) is someone
-        else's, such as a new project's default branch made of one empty commit,
-        which setup refuses too (_branch_of_the_project)."""
-        if self.scope == "org" or names:
-            return None
+        all, and whose history (first parents) never held the store, refuses
+        (_foreign: store_deleted's walk found no commit touching it): cambium
+        starts its branch with the store in its first commit, so such a tip is
+        someone else's, such as a new project's default branch made of one
+        empty commit, which setup refuses too (_branch_of_the_project). A tip
+        that held the store once (emptied and removed, or its first commit
+        reverted) is written, as before: nothing is lost."""
         return (f"the {self.scope} branch '{self.branch}' on '{self.remote}' holds no files "
                 f"and never held a {STORE_FILE}, so it is not a branch "
                 "cambium started, and cambium writes nothing to it: a write would commit "

@@ -9009,6 +9009,47 @@ def test_a_team_branch_of_one_empty_commit_is_never_written_and_setup_says_it_is
     assert cs.endorse(item, note="still ours")["scope"] == "team"
 
 
+@pytest.mark.parametrize("how", ["emptied_then_removed", "first_commit_reverted"])
+def test_an_empty_team_tip_whose_history_held_the_store_is_still_written(
+        shared, monkeypatch, how):
+    """A team tip holding no files was refused whenever the deletion walk found
+    no items lost, with "never held a knowledge.json": also a branch that held
+    an empty store then removed (README's way to empty it on purpose), and
+    cambium's own branch after a `git revert` of its first commit in a new
+    project whose main is one empty commit. Both were written before, nothing
+    lost, and are again; only a history that never held the store refuses."""
+    a, b, origin = shared["a"], shared["b"], shared["origin"]
+    if how == "emptied_then_removed":
+        work = shared["tmp"] / "kb-work"
+        git(shared["tmp"], "init", "-q", "-b", "kb", str(work))
+        (work / "knowledge.json").write_text(cs.EMPTY_STORE_TEXT + "\n")
+        git(work, "add", "knowledge.json")
+        git(work, "commit", "-q", "-m", "empty the store on purpose")
+        git(work, "rm", "-q", "knowledge.json")
+        git(work, "commit", "-q", "-m", "then remove it")
+        git(work, "push", "-q", str(origin), "kb")
+        monkeypatch.setenv("CAMBIUM_TEAM_BRANCH", "kb")
+        branch = "kb"
+    else:
+        empty = git(b, "hash-object", "-w", "-t", "tree", "/dev/null").strip()
+        init = git(b, "commit-tree", empty, "-m", "init").strip()
+        git(b, "push", "-q", "-f", "origin", f"{init}:refs/heads/main")
+        git(a, "fetch", "-q", "origin")
+        first = _endorsed("Queue consumers must be idempotent")
+        assert cs.promote(first, force=True)["status"] == "promoted"
+        git(b, "fetch", "-q", "origin")
+        git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+        git(b, "revert", "--no-edit", "HEAD")
+        git(b, "push", "-q", "origin", "cambium")
+        cs.runtime().reset()
+        branch = "cambium"
+    assert git(origin, "ls-tree", "--name-only", branch).strip() == ""     # (no files)
+    assert "error" not in cs.status()["scopes"]["team"]
+    item = _endorsed("Deploys need two approvals before release")
+    assert cs.promote(item, force=True)["status"] == "promoted"
+    assert team_ids(origin, branch) == {item}
+
+
 def test_a_team_store_a_teammate_removed_is_named_by_every_read(shared):
     """A teammate's `git rm knowledge.json` on the team branch: writes refused
     and status named it, but recall, stale_report, review_promotions and the
