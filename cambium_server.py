@@ -15717,25 +15717,33 @@ def _org_tip_problem(org: Path, agent: str) -> tuple[str | None, list[str]]:
     reads said so. Offline (the fetch fails) the checkout is judged
     (_holds_code), and a warning says so."""
     cfg = resolve_config()
-    branch = _org_default_branch(org, cfg.git_timeout_s)
+    if not _has_remote(org, "origin", cfg.git_timeout_s):
+        return _holds_code(org), [
+            f"the org clone {org} has no 'origin' remote: setup judged its checkout, and "
+            "org writes refuse until it has one (`git remote add origin <url>` of the org "
+            "knowledge repo)"]
+    branch, notes = _org_default_branch(org, cfg.git_timeout_s), []
     for _ in range(2):                          # (a renamed default: followed once)
         st = GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
                       fetch_interval_s=cfg.fetch_interval_s, agent=agent,
-                      default_branch=True, own_branch=True)
+                      default_branch=True, own_branch=True, rewinds=not cfg.org_pr)
         try:
             tip = st.fetch(force=True)
         except CambiumError as e:
-            return _holds_code(org), [
+            return _holds_code(org), notes + [
                 f"setup could not fetch the org clone {org}'s origin "
                 f"({clip_message(str(e), 300)}), so it judged the clone's checkout (HEAD), "
                 f"which may be behind the remote default branch org writes judge: the "
                 f"first org write fetches that tip and refuses it if it holds code and no "
                 f"{STORE_FILE}, or a history that deleted one"]
+        notes += st.warnings
         if not st.moved_to:
             break
         branch = st.moved_to
+    if tip is None:                 # (no default branch yet: the checkout is all there is)
+        return _holds_code(org), notes
     problem = st.foreign_problem(tip, Doc(items=[]))
-    return (f"is one org writes refuse: {problem}" if problem else None), []
+    return (f"is one org writes refuse: {problem}" if problem else None), notes
 
 
 def _same_clone(a: Path, b: Path) -> bool:

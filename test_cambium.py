@@ -26778,6 +26778,34 @@ def _org_repo_with_a_makefile(tmp: Path, name: str) -> tuple[Path, Path]:
     return bare, seed
 
 
+def test_setup_refuses_an_unpushed_code_clone_of_an_empty_remote_and_names_a_missing_origin(
+        shared):
+    """Setup judges the org remote's fetched tip; a new, empty remote has none,
+    and setup then took some project's clone whose code (app.py) was not pushed
+    yet, with no warning (the first org write would create that project's main
+    holding the store). With no tip the checkout is judged, as offline. A clone
+    with no origin is taken, and its warning says so (not 'may be behind')."""
+    tmp = shared["tmp"]
+    bare = tmp / "newapi.git"
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(bare)], check=True)
+    code = tmp / "newapi"
+    code.mkdir()
+    git(code, "init", "-q", "-b", "main")
+    (code / "app.py").write_text("print('hello')\n")
+    (code / "pyproject.toml").write_text("[project]\nname='newapi'\n")
+    git(code, "add", "-A")
+    git(code, "commit", "-q", "-m", "app")
+    git(code, "remote", "add", "origin", str(bare))
+    with pytest.raises(cs.InputError, match="app.py|pyproject.toml"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(code))
+    assert git(bare, "for-each-ref").strip() == ""                  # nothing pushed
+    lone = tmp / "lone-org"
+    lone.mkdir()
+    git(lone, "init", "-q", "-b", "main")
+    said = " ".join(cs.setup(str(shared["a"]), "ada", org_repo=str(lone)).get("warnings", []))
+    assert "has no 'origin' remote" in said and "may be behind" not in said, said
+
+
 def test_setup_takes_a_behind_org_clone_whose_store_a_teammate_pushed(shared, monkeypatch):
     """setup judged the org clone's checkout (HEAD), writes the remote default
     branch's tip: a clone of a knowledge repo holding a Makefile, made before a
