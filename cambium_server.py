@@ -2174,6 +2174,18 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
     return None
 
 
+def valid_agent(agent: Any) -> bool:
+    """Whether `agent` is an agent id CAMBIUM_AGENT_ID could be set to
+    (_validate's rule): what a credit's agent must be to count (pure)."""
+    return isinstance(agent, str) and _agent_ok(agent)
+
+
+@functools.lru_cache(maxsize=1024)
+def _agent_ok(agent: str) -> bool:
+    """valid_agent's answer, kept: a journal of 9,000 credits names a few agents."""
+    return _validate("CAMBIUM_AGENT_ID", agent) is None
+
+
 def board_path(value: str, cwd: Path | None = None) -> str:
     """A board setting (~ already expanded) as agentsync reads it: a relative
     path made absolute against the working directory (`cwd`, else the
@@ -5354,16 +5366,18 @@ def _legacy_unread(legacy: Path, e: OSError) -> None:
 
 def _is_credit(rec: Any) -> bool:
     """A credit record as _credit_hits writes it: item, agent and day as
-    non-empty text, scope and project text when present. Anything else (a
-    hand edit, a foreign writer) is never folded into trust."""
+    non-empty text, the agent an id CAMBIUM_AGENT_ID could be (valid_agent: a
+    3,000-character or "two words" agent counted as a recaller, and reached
+    the team store's recalled_by), scope and project text when present.
+    Anything else (a hand edit, a foreign writer) is never folded into trust."""
     if not isinstance(rec, dict):
         return False
     for k in ("item", "agent", "day"):
         v = rec.get(k)
         if not isinstance(v, str) or not v:
             return False
-    return _credit_day_ok(rec["day"]) and all(isinstance(rec.get(k, ""), str)
-                                              for k in ("scope", "project"))
+    return _credit_day_ok(rec["day"]) and valid_agent(rec["agent"]) and \
+        all(isinstance(rec.get(k, ""), str) for k in ("scope", "project"))
 
 
 def _credit_day_ok(day: str) -> bool:
@@ -16737,10 +16751,12 @@ def journal_left_behind(cfg: Config, dst: str, leaving: dict[str, Item],
 
 def days_left_behind(source: Item, copy: Item) -> list[tuple[str, str]]:
     """(agent, day) of `source`'s recalled_by later than `copy`'s day for that
-    agent: what the source copy was credited after its copy was made (pure)."""
+    agent: what the source copy was credited after its copy was made; an agent
+    no credit can name (valid_agent: a hand edit of the source's store) is
+    left out, as the journal would never fold it (pure)."""
     have, by = copy.trust.get("recalled_by"), source.trust.get("recalled_by")
-    return [(str(a), str(d)) for a, d in (by.items() if isinstance(by, dict) else ())
-            if str(d) > last_day(have, a)]           # (ADA's day is ada's)
+    return [(a, str(d)) for a, d in (by.items() if isinstance(by, dict) else ())
+            if valid_agent(a) and str(d) > last_day(have, a)]   # (ADA's day is ada's)
 
 
 def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str, Item],

@@ -4739,6 +4739,31 @@ def test_junk_credit_records_are_never_folded_and_a_deep_line_is_skipped(repo):
     assert deep in left and json.dumps(good) not in left and len(left) == len(junk) + 1
 
 
+def test_a_credit_whose_agent_is_no_agent_id_is_never_folded_nor_carried(repo):
+    """A journal line whose agent no CAMBIUM_AGENT_ID could be (3,000 chars,
+    two words, a line break) counted as a recaller, made the item eligible and
+    reached the team store's recalled_by; a copy's recalled_by holding one (a
+    hand edit of a teammate's store) was journaled for the scope above."""
+    item = cs.capture("Queue consumers ack after the write commits", tags="queues")["item"]
+    journal = cs.credits_path(cs.resolve_config())
+    good = {"item": item["id"], "scope": "local", "agent": "bob", "day": "2026-01-02",
+            "project": repo.name}
+    odd = ["x" * 3000, "two words", "line\nbreak", "-bob", "distill"]
+    journal.write_text("".join(json.dumps({**good, "agent": a}) + "\n" for a in odd)
+                       + json.dumps(good) + "\n")
+    assert cs.read_credits(journal) == [good]
+    trust = cs.expand(item["id"])["trust"]
+    assert trust["recalls"] == 1 and trust["recalled_by"] == {"bob": "2026-01-02"}
+    cs.endorse(item["id"], note="a rewrite folds the credits")
+    assert _stored(_store_path(repo), item["id"])["trust"]["recalled_by"] == {
+        "bob": "2026-01-02"}
+    assert len(_past_head(journal.read_bytes()).decode().splitlines()) == len(odd)   # kept
+    source = cs.Item.from_dict({"id": "k-1", "content": "x", "trust": {
+        "recalls": 3, "recalled_by": dict.fromkeys(odd[:3] + ["bob"], "2026-01-03")}})
+    assert cs.days_left_behind(source, cs.Item.from_dict({"id": "k-1", "content": "x"})) \
+        == [("bob", "2026-01-03")]
+
+
 def test_deeply_nested_json_in_side_files_is_treated_as_unreadable(repo):
     cs.capture("Queue consumers ack after the write commits", tags="queues")
     deep = "[" * 100_000
