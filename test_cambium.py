@@ -4739,6 +4739,13 @@ def test_junk_credit_records_are_never_folded_and_a_deep_line_is_skipped(repo):
     assert deep in left and json.dumps(good) not in left and len(left) == len(junk) + 1
 
 
+def test_an_agent_of_200_kb_is_no_agent_and_is_not_kept_in_the_check_cache():
+    """valid_agent's cache kept every journal line's agent, of any length."""
+    cs._agent_ok.cache_clear()
+    assert not cs.valid_agent("a" * 200_000)
+    assert cs.valid_agent("ada") and cs._agent_ok.cache_info().currsize == 1
+
+
 def test_a_credit_whose_agent_is_no_agent_id_is_never_folded_nor_carried(repo):
     """A journal line whose agent no CAMBIUM_AGENT_ID could be (3,000 chars,
     two words, a line break) counted as a recaller, made the item eligible and
