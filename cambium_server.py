@@ -2333,24 +2333,72 @@ def _read_config_file(path: Path) -> str:
     return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")   # (an editor's BOM)
 
 
+class ConfigUnreadable(ValueError):
+    """Why a config file that json would take is not read (a key held twice, no
+    object): setup's rewrite of what json made of it lost data for good."""
+
+
+def _config_pairs(pairs: list) -> dict:
+    """The config file's object_pairs_hook: a key held twice (a dotfiles merge, a
+    hand edit) makes the file unreadable, the key named. json keeps the last
+    silently, and setup's rewrite dropped the first for good."""
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ConfigUnreadable(f"the key {json_text(twice)[:80]} is held twice, by a merge or a "
+                               "hand edit: cambium reads neither copy rather than guess")
+    return out
+
+
+_CONFIG_DECODER = json.JSONDecoder(object_pairs_hook=_config_pairs)
+
+
+def read_config_object(path: Path) -> tuple[bytes, dict]:
+    """The config file's bytes and settings; OSError (FileNotFoundError: none),
+    ValueError (ConfigUnreadable among them) or RecursionError else."""
+    data = read_regular(path, MAX_CONFIG_BYTES)
+    loaded = _CONFIG_DECODER.decode(data.decode("utf-8-sig"))   # (an editor's BOM)
+    if not isinstance(loaded, dict):
+        raise ConfigUnreadable(f"it holds {json_kind(loaded)}, expected an object")
+    return data, loaded
+
+
+def config_unread_why(e: Exception) -> str:
+    """Why read_config_object failed, in a few words (status and setup alike)."""
+    if isinstance(e, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(e, ConfigUnreadable):
+        return str(e)
+    if isinstance(e, OSError):
+        return str(e.strerror or e)
+    return f"JSON {json_problem(e)}"
+
+
 def _config_file_values(path: Path) -> tuple[dict, str | None]:
     """The config file's settings, and why it was not read (None: it was, or
-    there is none)."""
+    there is none), or what in it is not read."""
     try:
-        loaded = json.loads(_read_config_file(path))
+        loaded = read_config_object(path)[1]
     except FileNotFoundError:
         if path.is_symlink():                 # a dotfiles link whose target is gone
             return {}, f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
         return {}, None
-    except OSError as e:
-        return {}, f"{path} could not be read ({e.strerror or e}); ignored"
-    except UnicodeDecodeError:
-        return {}, f"{path} could not be read (it is not UTF-8 text); ignored"
-    except (ValueError, RecursionError) as e:
-        return {}, f"{path} could not be read (JSON {json_problem(e)}); ignored"
-    if not isinstance(loaded, dict):
-        return {}, f"{path} holds {json_kind(loaded)}, expected an object; ignored"
-    return loaded, unknown_keys_said(path, loaded)
+    except (OSError, ValueError, RecursionError) as e:
+        return {}, f"{path} could not be read ({config_unread_why(e)}); ignored"
+    said = [unknown_keys_said(path, loaded), team_map_said(path, loaded)]
+    return loaded, "; ".join(w for w in said if w) or None
+
+
+def team_map_said(path: Path, values: dict) -> str | None:
+    """A warning when the config file's team_branches is no map (pure): it is
+    not read, and setup refuses to write over it (_team_map_kept)."""
+    held = values.get(TEAM_BRANCHES)
+    if not _given(held) or isinstance(held, dict):
+        return None
+    return (f"{path} holds {TEAM_BRANCHES} as {json_kind(held)}, not a map of a repo's path "
+            "to its team branch: it is not read (and setup records no team branch over it); "
+            "fix it by hand")
 
 
 def unknown_keys_said(path: Path, values: dict) -> str | None:
@@ -19774,9 +19822,9 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
     warnings = org_notes + _setup_warnings(env, updates, binding, root) + \
         _rebound(wrote.found, updates, before) + ignore_note + \
         _team_store_elsewhere(cfg) + tracked_store_warning(root, cfg.git_timeout_s, cfg_path) \
-        + ([f"the config file {cfg_path} was not a JSON object: moved aside to {wrote.aside}, "
-            "and the settings it held no longer apply (copy back the ones you want)"]
-           if wrote.aside else [])
+        + ([f"the config file {cfg_path} could not be read ({wrote.why}): moved aside to "
+            f"{wrote.aside}, and the settings it held no longer apply (copy back the ones "
+            "you want)"] if wrote.aside else [])
     org_now = out["status"].get("scopes", {}).get("org", {})
     if org_offer and cfg.org_repo and org_now.get("enabled"):   # a clone set up already,
         org_offer = {**org_offer, "org_scope": f"still {cfg.org_repo} until setup is given "
@@ -19948,12 +19996,13 @@ def _rebound(was: dict, updates: dict[str, Any], before: Config) -> list[str]:
 class ConfigWrite(NamedTuple):
     """What _merge_config did, for _put_back_config to undo: where an unreadable
     file went (None: nowhere), the bytes it found under the lock (None: no
-    file), the bytes it wrote, and the settings it found ({}: none, or not a
-    JSON object)."""
+    file, or one moved aside), the bytes it wrote, the settings it found ({}:
+    none, or unreadable), and why the file was moved aside (setup's warning)."""
     aside: Path | None
     prior: bytes | None
     wrote: bytes
     found: dict
+    why: str | None = None
 
 
 def _scaffold_for_setup(root: Path, cfg_path: Path) -> tuple[list[str], Path | None]:
@@ -20005,21 +20054,21 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
 
 def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
     """Merge updates into the config file at `path` (its lock held): a map
-    (team_branches) entry by entry; a file that is no JSON object is moved
-    aside first, never over an earlier one."""
-    aside, prior, current = None, None, {}
+    (team_branches) entry by entry; a file it cannot read (no JSON object, a
+    key held twice, over MAX_CONFIG_BYTES) is moved aside first, never over an
+    earlier one; a team_branches that is no map is refused, not replaced
+    (_team_map_kept)."""
+    aside, prior, current, why = None, None, {}, None
     if os.path.lexists(path):
-        prior = _config_bytes(path)          # (read once: None when unreadable)
         try:
-            current = None if prior is None else json.loads(prior.decode("utf-8-sig"))
-        except (ValueError, RecursionError):
-            current = None
-        if not isinstance(current, dict):
+            prior, current = read_config_object(path)      # (read once)
+        except (OSError, ValueError, RecursionError) as e:
+            why, current = config_unread_why(e), {}
             aside = path.with_name(path.name + ".bad")
             if os.path.lexists(aside):
                 aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
             os.replace(path, aside)
-            current = {}
+    _team_map_kept(path, current, updates)
     found = dict(current)
     for key, value in updates.items():
         held = current.get(key)
@@ -20027,7 +20076,19 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
             isinstance(held, dict) else value
     text = (json.dumps(current, indent=2, sort_keys=True) + "\n").encode()
     atomic_write(path, text, mode=0o600)
-    return ConfigWrite(aside, prior, text, found)
+    return ConfigWrite(aside, prior, text, found, why)
+
+
+def _team_map_kept(path: Path, current: dict, updates: dict[str, Any]) -> None:
+    """InputError, nothing written, when setup would record a team branch in a
+    config file whose team_branches is no map (a list, a string): replacing it
+    lost what it held without a word."""
+    held = current.get(TEAM_BRANCHES)
+    if TEAM_BRANCHES in updates and _given(held) and not isinstance(held, dict):
+        raise InputError(f"the config file {path} holds {TEAM_BRANCHES} as {json_kind(held)}, "
+                         "not a map of a repo's path to its team branch, and setup does not "
+                         f"write over it: make it a map (or remove it) by hand, then run setup "
+                         "again; nothing was written.", "team_branch")
 
 
 def _config_bytes(path: Path) -> bytes | None:

@@ -823,6 +823,59 @@ def test_setup_says_when_it_moved_an_unreadable_config_aside(tmp_path, monkeypat
                for w in out["warnings"]), out
 
 
+def test_a_config_key_held_twice_is_unreadable_and_setup_keeps_both_copies(tmp_path):
+    """Two team_branches objects (a dotfiles merge), or an agent id held twice,
+    were read silently as the last copy, and setup's rewrite dropped the first
+    for good. The file is unreadable now, the key named; setup moves it aside
+    whole and says why."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    for text, key in (('{"CAMBIUM_AGENT_ID": "ada", "team_branches": {"/w/other": "kb"},\n'
+                       ' "team_branches": {"/w/third": "kb2"}}', "team_branches"),
+                      ('{"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_AGENT_ID": "bob"}',
+                       "CAMBIUM_AGENT_ID"),
+                      ('{"team_branches": {"/w/a": "kb", "/w/a": "kb2"}}', "/w/a")):
+        for old in cfg.parent.glob(cfg.name + "*"):
+            old.unlink()
+        cfg.write_text(text)
+        said = f'the key "{key}" is held twice'
+        assert said in cs.resolve_config().file_error
+        assert said in cs.status()["config_file_error"]
+        out = cs.setup(str(r), "ada", team_branch="kbx")
+        assert cfg.with_name(cfg.name + ".bad").read_text() == text
+        assert any(said in w and "moved aside to" in w for w in out["warnings"]), out
+        assert json.loads(cfg.read_text())["team_branches"] == {
+            os.path.realpath(r): "kbx"}
+
+
+def test_setup_refuses_to_write_over_a_team_branches_that_is_no_map(tmp_path):
+    """A team_branches list was replaced by setup's map without a word."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    text = '{"CAMBIUM_AGENT_ID": "ada", "team_branches": ["/w/other", "kb"]}'
+    cfg.write_text(text)
+    assert "holds team_branches as a list, not a map" in cs.resolve_config().file_error
+    with pytest.raises(cs.InputError, match="holds team_branches as a list.*nothing was "
+                                            "written") as refused:
+        cs.setup(str(r), "ada", team_branch="kbx")
+    assert refused.value.argument == "team_branch" and cfg.read_text() == text
+    assert not (r / ".cambium").exists()
+    cs.setup(str(r), "ada")                      # no team branch to record: the list stays
+    assert json.loads(cfg.read_text())["team_branches"] == ["/w/other", "kb"]
+
+
+def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
+    """A valid config just over 1 MB was moved aside with 'was not a JSON object'."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    cfg.write_text(json.dumps({"CAMBIUM_AGENT_ID": "bob", "team_branches": {
+        f"/repo/{i:06d}": "kb" for i in range(45_000)}}, indent=2))
+    assert cfg.stat().st_size > cs.MAX_CONFIG_BYTES
+    out = cs.setup(str(r), "ada")
+    said = [w for w in out["warnings"] if "moved aside to" in w]
+    assert said and "over the 1 MB limit" in said[0] and "not a JSON object" not in said[0]
+
+
 def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_traceback(
         tmp_path):
     """A config.json nested 100,000 deep raised RecursionError out of every CLI
@@ -858,8 +911,9 @@ def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_t
     for key, value in (("CAMBIUM_REPO", str(r) + "\\ud800"),
                        ("CAMBIUM_TEAM_BRANCH", "team\\udc80"),
                        ("CAMBIUM_ORG_REPO", "/srv/org\\udfff")):
-        cfg_file.write_text('{"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_REPO": "%s", "%s": "%s"}'
-                            % (r, key, value))
+        repo = "" if key == "CAMBIUM_REPO" else f'"CAMBIUM_REPO": "{r}", '   # (no key twice:
+        cfg_file.write_text('{"CAMBIUM_AGENT_ID": "ada", %s"%s": "%s"}'   # unreadable now)
+                            % (repo, key, value))
         for args in (("status",), ("capture", "a fact")):
             out = cli(*args, cwd=tmp_path)
             assert "Traceback" not in out.stderr, out.stderr
