@@ -2334,8 +2334,8 @@ def _read_config_file(path: Path) -> str:
 
 
 class ConfigUnreadable(ValueError):
-    """Why a config file that json would take is not read (a key held twice, no
-    object): setup's rewrite of what json made of it lost data for good."""
+    """Why a config file that json would take is not read (a key held twice, NaN,
+    no object): setup's rewrite of what json made of it lost data for good."""
 
 
 def _config_pairs(pairs: list) -> dict:
@@ -2351,7 +2351,18 @@ def _config_pairs(pairs: list) -> dict:
     return out
 
 
-_CONFIG_DECODER = json.JSONDecoder(object_pairs_hook=_config_pairs)
+def _config_number(text: str) -> float:
+    """The config file's parse_float and parse_constant: NaN, Infinity and a
+    number too large for a float are no JSON setting (setup wrote them back as
+    NaN and Infinity, which is not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ConfigUnreadable(f"it holds {text[:40]}, not a finite number JSON can hold")
+    return value
+
+
+_CONFIG_DECODER = json.JSONDecoder(object_pairs_hook=_config_pairs, parse_float=_config_number,
+                                   parse_constant=_config_number)
 
 
 def read_config_object(path: Path) -> tuple[bytes, dict]:
@@ -20055,9 +20066,9 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
 def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
     """Merge updates into the config file at `path` (its lock held): a map
     (team_branches) entry by entry; a file it cannot read (no JSON object, a
-    key held twice, over MAX_CONFIG_BYTES) is moved aside first, never over an
-    earlier one; a team_branches that is no map is refused, not replaced
-    (_team_map_kept)."""
+    key held twice, NaN, over MAX_CONFIG_BYTES) is moved aside first, never
+    over an earlier one; a team_branches that is no map is refused, not
+    replaced (_team_map_kept). Never writes what is not JSON."""
     aside, prior, current, why = None, None, {}, None
     if os.path.lexists(path):
         try:
@@ -20074,7 +20085,7 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
         held = current.get(key)
         current[key] = {**held, **value} if isinstance(value, dict) and \
             isinstance(held, dict) else value
-    text = (json.dumps(current, indent=2, sort_keys=True) + "\n").encode()
+    text = (json.dumps(current, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     atomic_write(path, text, mode=0o600)
     return ConfigWrite(aside, prior, text, found, why)
 

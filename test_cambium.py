@@ -864,6 +864,26 @@ def test_setup_refuses_to_write_over_a_team_branches_that_is_no_map(tmp_path):
     assert json.loads(cfg.read_text())["team_branches"] == ["/w/other", "kb"]
 
 
+def test_config_nan_or_infinity_is_unreadable_and_setup_never_writes_it(tmp_path):
+    """A config holding NaN (or Infinity, or 1e400) was read, and setup wrote it
+    back as NaN / Infinity: no JSON."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    for value in ("NaN", "Infinity", "-Infinity", "1e400"):
+        for old in cfg.parent.glob(cfg.name + "*"):
+            old.unlink()
+        text = '{"CAMBIUM_AGENT_ID": "bob", "CAMBIUM_GIT_TIMEOUT": %s}' % value
+        cfg.write_text(text)
+        assert f"it holds {value}, not a finite number" in cs.resolve_config().file_error
+        out = cs.setup(str(r), "ada")
+        json.loads(cfg.read_text(), parse_constant=lambda c: pytest.fail(c))
+        assert "e400" not in cfg.read_text()
+        assert cfg.with_name(cfg.name + ".bad").read_text() == text
+        assert any("not a finite number" in w for w in out["warnings"]), out
+    with pytest.raises(ValueError):               # (what setup writes: never NaN)
+        write_config(cfg, {"CAMBIUM_GIT_TIMEOUT": float("nan")})
+
+
 def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
     """A valid config just over 1 MB was moved aside with 'was not a JSON object'."""
     r = make_repo(tmp_path / "r")
