@@ -2328,37 +2328,57 @@ def _size_text(n: int) -> str:
     return f"{n // 2**20} MB" if n >= 2**20 else f"{n // 1024} KB"
 
 
-def _read_config_file(path: Path) -> str:
-    """The config file's text (read_regular: up to MAX_CONFIG_BYTES); OSError else."""
-    return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")   # (an editor's BOM)
-
-
 class ConfigUnreadable(ValueError):
-    """Why a config file that json would take is not read (a key held twice, NaN,
-    no object): setup's rewrite of what json made of it lost data for good."""
+    """Why a config file that json would take is not read (a key held twice
+    with different values, NaN in a key cambium reads, no object): what json
+    made of it was not what the file said, and setup's rewrite lost the rest."""
 
 
 def _config_pairs(pairs: list) -> dict:
-    """The config file's object_pairs_hook: a key held twice (a dotfiles merge, a
-    hand edit) makes the file unreadable, the key named. json keeps the last
-    silently, and setup's rewrite dropped the first for good."""
-    out = dict(pairs)
-    if len(out) < len(pairs):
-        seen: set = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ConfigUnreadable(f"the key {json_text(twice)[:80]} is held twice, by a merge or a "
-                               "hand edit: cambium reads neither copy rather than guess")
+    """The config file's object_pairs_hook: a key held twice with different
+    values (a dotfiles merge, a hand edit) makes the file unreadable, the key
+    named (json keeps the last silently, and setup's rewrite dropped the first
+    for good); held twice with one value, it is read once (nothing is lost)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out and json.dumps(out[key], sort_keys=True) != json.dumps(value,
+                                                                             sort_keys=True):
+            raise ConfigUnreadable(
+                f"the key {json_text(key)[:80]} is held twice with different values, by a "
+                "merge or a hand edit: a JSON reader keeps the last copy silently, so "
+                "cambium reads neither rather than guess; keep one copy")
+        out[key] = value
     return out
+
+
+class NotFinite(float):
+    """A config number no finite float holds (NaN, Infinity, 1e400), with its
+    text as the file wrote it (`text`)."""
+    text = ""
 
 
 def _config_number(text: str) -> float:
     """The config file's parse_float and parse_constant: NaN, Infinity and a
-    number too large for a float are no JSON setting (setup wrote them back as
-    NaN and Infinity, which is not JSON)."""
+    number past a float's range come back as NotFinite, which
+    read_config_object refuses in a key cambium reads (elsewhere the key is
+    ignored, as every key cambium does not read is)."""
     value = float(text)
-    if not math.isfinite(value):
-        raise ConfigUnreadable(f"it holds {text[:40]}, not a finite number JSON can hold")
-    return value
+    if math.isfinite(value):
+        return value
+    odd = NotFinite(value)
+    odd.text = text
+    return odd
+
+
+def not_finite_in(value: Any) -> NotFinite | None:
+    """The first NaN, Infinity or 1e400 anywhere in a decoded config value (pure)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, NotFinite):
+            return v
+        stack += v.values() if isinstance(v, dict) else v if isinstance(v, list) else []
+    return None
 
 
 _CONFIG_DECODER = json.JSONDecoder(object_pairs_hook=_config_pairs, parse_float=_config_number,
@@ -2372,6 +2392,11 @@ def read_config_object(path: Path) -> tuple[bytes, dict]:
     loaded = _CONFIG_DECODER.decode(data.decode("utf-8-sig"))   # (an editor's BOM)
     if not isinstance(loaded, dict):
         raise ConfigUnreadable(f"it holds {json_kind(loaded)}, expected an object")
+    for key, value in loaded.items():
+        if (key in DEFAULTS or key == TEAM_BRANCHES) and (odd := not_finite_in(value)):
+            raise ConfigUnreadable(f"the key {json_text(key)} holds {odd.text[:40]}, " + (
+                "which is no JSON number" if odd.text in ("NaN", "Infinity", "-Infinity")
+                else "a number no float holds"))
     return data, loaded
 
 
@@ -20066,28 +20091,46 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
 def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
     """Merge updates into the config file at `path` (its lock held): a map
     (team_branches) entry by entry; a file it cannot read (no JSON object, a
-    key held twice, NaN, over MAX_CONFIG_BYTES) is moved aside first, never
-    over an earlier one; a team_branches that is no map is refused, not
-    replaced (_team_map_kept). Never writes what is not JSON."""
+    key held twice with different values, NaN in a key cambium reads, over
+    MAX_CONFIG_BYTES) is moved aside, never over an earlier one, once the new
+    text is made (one that cannot be made moves nothing); a team_branches that
+    is no map is refused, not replaced (_team_map_kept). Never writes what is
+    not JSON."""
     aside, prior, current, why = None, None, {}, None
     if os.path.lexists(path):
         try:
             prior, current = read_config_object(path)      # (read once)
         except (OSError, ValueError, RecursionError) as e:
             why, current = config_unread_why(e), {}
-            aside = path.with_name(path.name + ".bad")
-            if os.path.lexists(aside):
-                aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
-            os.replace(path, aside)
     _team_map_kept(path, current, updates)
     found = dict(current)
     for key, value in updates.items():
         held = current.get(key)
         current[key] = {**held, **value} if isinstance(value, dict) and \
             isinstance(held, dict) else value
-    text = (json.dumps(current, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    text = _config_text(path, current)
+    if why is not None:
+        aside = path.with_name(path.name + ".bad")
+        if os.path.lexists(aside):
+            aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
+        os.replace(path, aside)
     atomic_write(path, text, mode=0o600)
     return ConfigWrite(aside, prior, text, found, why)
+
+
+def _config_text(path: Path, settings: dict) -> bytes:
+    """The config file's new text: JSON (never NaN or Infinity), or InputError,
+    nothing written, when a key cambium does not read holds one (it is ignored
+    on reading; written back it would be no JSON, dropped it would be lost)."""
+    try:
+        return (json.dumps(settings, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+    except ValueError:
+        odd = sorted(str(k) for k, v in settings.items() if not_finite_in(v) is not None or
+                     isinstance(v, float) and not math.isfinite(v))
+        raise InputError(f"the config file {path} holds NaN, Infinity or a number no float "
+                         f"holds in {', '.join(odd) or 'a setting'}, which setup cannot write "
+                         "back as JSON: correct or remove it by hand, then run setup again; "
+                         "nothing was written.") from None
 
 
 def _team_map_kept(path: Path, current: dict, updates: dict[str, Any]) -> None:

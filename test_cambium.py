@@ -874,14 +874,47 @@ def test_config_nan_or_infinity_is_unreadable_and_setup_never_writes_it(tmp_path
             old.unlink()
         text = '{"CAMBIUM_AGENT_ID": "bob", "CAMBIUM_GIT_TIMEOUT": %s}' % value
         cfg.write_text(text)
-        assert f"it holds {value}, not a finite number" in cs.resolve_config().file_error
+        said = f'the key "CAMBIUM_GIT_TIMEOUT" holds {value}, ' + (
+            "a number no float holds" if value == "1e400" else "which is no JSON number")
+        assert said in cs.resolve_config().file_error
         out = cs.setup(str(r), "ada")
         json.loads(cfg.read_text(), parse_constant=lambda c: pytest.fail(c))
         assert "e400" not in cfg.read_text()
         assert cfg.with_name(cfg.name + ".bad").read_text() == text
-        assert any("not a finite number" in w for w in out["warnings"]), out
-    with pytest.raises(ValueError):               # (what setup writes: never NaN)
+        assert any(said in w for w in out["warnings"]), out
+    kept = cfg.read_text()
+    with pytest.raises(cs.InputError, match="CAMBIUM_GIT_TIMEOUT.*nothing was written"):
+        write_config(cfg, {"CAMBIUM_GIT_TIMEOUT": float("nan")})   # (setup writes no NaN)
+    assert cfg.read_text() == kept
+    cfg.write_text("{not json")           # an unreadable file stays where it is: the new text is
+    bad = sorted(cfg.parent.glob(cfg.name + ".bad*"))   # made first (it was moved aside, then
+    with pytest.raises(cs.InputError):                  # the write raised: no live file)
         write_config(cfg, {"CAMBIUM_GIT_TIMEOUT": float("nan")})
+    assert cfg.read_text() == "{not json" and sorted(cfg.parent.glob(cfg.name + ".bad*")) == bad
+
+
+def test_a_config_that_loses_nothing_is_read(tmp_path, monkeypatch):
+    """A key held twice with one value (the same team_branches twice), and NaN
+    in a key cambium does not read, made the whole file unreadable."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    monkeypatch.chdir(r)
+    team = '"team_branches": {"%s": "kb", "/w/x": "kb2"}' % os.path.realpath(r)
+    cfg.write_text('{"CAMBIUM_AGENT_ID": "ada", %s,\n "CAMBIUM_AGENT_ID": "ada",\n %s}'
+                   % (team, team.replace('"kb", "/w/x": "kb2"', '"kb", "/w/x": "kb2" ')))
+    got = cs.resolve_config()
+    assert got.file_error is None and got.configured and got.agent == "ada"
+    assert got.team_branch == "kb"
+    for value in ("NaN", "-Infinity", "1e400"):
+        text = '{"CAMBIUM_AGENT_ID": "ada", "_note": %s, "team_branches": {"/w/x": "kb"}}' \
+            % value
+        cfg.write_text(text)
+        got = cs.resolve_config()
+        assert got.configured and "keys cambium does not read, ignored: _note" in \
+            got.file_error, got.file_error
+        with pytest.raises(cs.InputError, match="_note.*by hand.*nothing was written"):
+            cs.setup(str(r), "ada", team_branch="kb3")   # never written back as no JSON
+        assert cfg.read_text() == text and not cfg.with_name(cfg.name + ".bad").exists()
 
 
 def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
