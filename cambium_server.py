@@ -2271,7 +2271,7 @@ ORIGINS = {"env": "the environment", "cwd": "the git root of the working directo
            "file": "the config file", "default": "cambium's default"}
 
 
-MAX_CONFIG_BYTES = 1024 * 1024   #: a config file above this is ignored, with a config_file_error
+MAX_CONFIG_BYTES = 1024 * 1024   #: a config file above this is not read: a gap, with a config_file_error
 
 
 #: os.open flag that makes opening a symbolic link fail (ELOOP) instead of
@@ -2411,19 +2411,39 @@ def config_unread_why(e: Exception) -> str:
     return f"JSON {json_problem(e)}"
 
 
-def _config_file_values(path: Path) -> tuple[dict, str | None]:
-    """The config file's settings, and why it was not read (None: it was, or
-    there is none), or what in it is not read."""
+def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
+    """The config file's settings, why it was not read (None: it was, or there
+    is none) or what in it is not read, and the gap a regular file that could
+    not be read is (config_file_gap; None: no such file)."""
     try:
         loaded = read_config_object(path)[1]
     except FileNotFoundError:
         if path.is_symlink():                 # a dotfiles link whose target is gone
-            return {}, f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
-        return {}, None
+            return {}, f"{path} is a symbolic link to {os.readlink(path)}, which does not " \
+                "exist", None
+        return {}, None, None
     except (OSError, ValueError, RecursionError) as e:
-        return {}, f"{path} could not be read ({config_unread_why(e)}); ignored"
+        why = config_unread_why(e)
+        if not os.path.isfile(path):          # (a FIFO, a device, a folder: holds no settings)
+            return {}, f"{path} could not be read ({why}); ignored", None
+        return {}, f"{path} could not be read ({why}); no tool runs until it is fixed", \
+            config_file_gap(path, why)
     said = [unknown_keys_said(path, loaded), team_map_said(path, loaded)]
-    return loaded, "; ".join(w for w in said if w) or None
+    return loaded, "; ".join(w for w in said if w) or None, None
+
+
+def config_file_gap(path: Path, why: str) -> dict:
+    """The gap a regular config file that could not be read is, as an invalid
+    value is one: ignored, every setting it holds (team_branches among them)
+    was dropped, and a process with its agent id from the environment and its
+    repo from the working directory ran on defaults (team writes went to a
+    branch nobody read)."""
+    return {"setting": "config file", "origin": "file", "problem": why,
+            "cost": f"{path} could not be read ({why}) → none of its settings (team branches, "
+                    "org repo, agent id, ...) would apply; every tool is unavailable",
+            "fix": f"edit {path} by hand ({why}); or run setup(project_repo=\"/abs/path/to/"
+                   'your/clone", agent_id="your-id"), which moves the file aside to '
+                   f"{path.name}.bad: every setting it holds then no longer applies"}
 
 
 def team_map_said(path: Path, values: dict) -> str | None:
@@ -2474,12 +2494,12 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     """
     env = os.environ if env is None else env
     path = config_file_path(env)
-    file_values, file_error = _config_file_values(path) if path.is_absolute() else \
-        ({}, no_home(env))
+    file_values, file_error, unread = _config_file_values(path) if path.is_absolute() else \
+        ({}, no_home(env), None)
     file_error = file_error or _config_file_setting(env)[1]
     values: dict = {}
     origins: dict = {}
-    problems: list = []
+    problems: list = [unread] if unread else []
     root, gone = None, None
     if not _given(env.get("CAMBIUM_REPO")):
         try:

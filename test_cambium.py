@@ -774,7 +774,8 @@ def test_a_config_file_that_is_no_regular_small_file_is_ignored_not_waited_on(tm
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     guide = json.loads(out.stdout)
     assert str(cfg_file) in guide["config_file_error"]
-    assert "ignored" in guide["config_file_error"]
+    assert ("no tool runs until it is fixed" if kind == "huge" else "ignored") in guide[
+        "config_file_error"]                       # (a regular file too big to read: a gap)
     assert guide["config_file_error"].count(str(cfg_file)) == 1 and "Errno" not in guide[
         "config_file_error"]                       # (it said "[Errno 22] ...: '<the path>'")
     if kind in ("fifo", "directory"):   # setup blocked on a FIFO's read; then it moved what
@@ -891,6 +892,45 @@ def test_config_nan_or_infinity_is_unreadable_and_setup_never_writes_it(tmp_path
     with pytest.raises(cs.InputError):                  # the write raised: no live file)
         write_config(cfg, {"CAMBIUM_GIT_TIMEOUT": float("nan")})
     assert cfg.read_text() == "{not json" and sorted(cfg.parent.glob(cfg.name + ".bad*")) == bad
+
+
+def test_an_unreadable_config_file_is_a_gap_even_with_the_agent_from_the_env(tmp_path,
+                                                                             monkeypatch):
+    """Agent id from the environment (an MCP entry), repo from the working
+    directory: a config file that could not be read was ignored and cambium ran
+    on defaults, its team_branches dropped, so team writes went to a `cambium`
+    branch nobody read. It is a gap now, as an invalid value is: no tool runs,
+    and the fix says to edit it by hand (what is wrong) or run setup (which moves
+    it aside, dropping its settings)."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.chdir(r)
+    team = '"team_branches": {"%s": "kb"}' % os.path.realpath(r)
+    for text, why in (('{%s,}' % team, "line 1 column"),
+                      ('{%s, "CAMBIUM_ORG_PR": "1", "CAMBIUM_ORG_PR": "0"}' % team,
+                       '"CAMBIUM_ORG_PR" is held twice with different values'),
+                      ('{%s, "CAMBIUM_GIT_TIMEOUT": NaN}' % team,
+                       '"CAMBIUM_GIT_TIMEOUT" holds NaN'),
+                      ('[{%s}]' % team, "it holds a list, expected an object"),
+                      ('{%s, "x": "\xe9"}' % team, "not UTF-8"),
+                      ('{%s, "x": "%s"}' % (team, "y" * (1 << 20)), "over the 1 MB limit")):
+        cfg.write_bytes(text.encode("latin-1"))
+        st = cs.status()
+        assert st["configured"] is False, (text[:80], st)
+        gap = next(g for g in st["gaps"] if g["setting"] == "config file")
+        assert why in gap["cost"] and why in gap["fix"] and why in st["config_file_error"]
+        assert f"edit {cfg} by hand" in gap["fix"] and f"{cfg.name}.bad" in gap["fix"]
+        assert "no longer applies" in gap["fix"] and st["next_step"] == gap["fix"]
+        with pytest.raises(cs.Unconfigured):
+            cs.capture("the deploy script needs GNU sed, not BSD sed, on macOS runners")
+    hook_in = json.dumps({"cwd": str(r), "session_id": "s1"})
+    for command in ("primer", "distill"):          # hooks stay quiet, exit 0, as for any gap
+        hook = subprocess.run([*RUN, command, "--hook"], input=hook_in, text=True, cwd=r,
+                              capture_output=True, env=child_env(), timeout=60)
+        assert hook.returncode == 0 and hook.stdout == "" and "Traceback" not in hook.stderr
+    out = cs.setup(str(r), "ada")                  # the other fix: setup moves it aside
+    assert out["configured_now"] is True and cfg.with_name(cfg.name + ".bad").exists()
 
 
 def test_a_config_that_loses_nothing_is_read(tmp_path, monkeypatch):
