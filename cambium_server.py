@@ -2538,6 +2538,10 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
                          "cost": f"{gone} → every tool is unavailable",
                          "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
     _team_map_fix(problems, file_values, values.get("CAMBIUM_REPO"), path)
+    if unread and all(origins[k] != "default" for k in DEFAULTS):   # (no setting it held applies)
+        problems.remove(unread)
+        file_error = file_error.replace("no tool runs until it is fixed",
+                                        "ignored: the environment gives every setting")
     return Config(values, origins, path, problems, file_error)
 
 

@@ -933,6 +933,35 @@ def test_an_unreadable_config_file_is_a_gap_even_with_the_agent_from_the_env(tmp
     assert out["configured_now"] is True and cfg.with_name(cfg.name + ".bad").exists()
 
 
+def test_an_unreadable_config_file_is_no_gap_when_the_env_gives_every_setting(tmp_path,
+                                                                            monkeypatch):
+    """Every setting from the environment (a CI job, a container) and a stale,
+    unreadable dotfile in HOME: the file blocked every tool, though no value in
+    it could apply (env wins per key). It is a warning now; one setting left to
+    the file makes it a gap again."""
+    r, org = make_repo(tmp_path / "r"), make_repo(tmp_path / "o", "org")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    cfg.write_text('{"CAMBIUM_AGENT_ID": "bob",}')
+    env = {"CAMBIUM_REPO": str(r), "CAMBIUM_AGENT_ID": "ada", "CAMBIUM_REMOTE": "origin",
+           "CAMBIUM_GIT_TIMEOUT": "25", "CAMBIUM_TEAM_BRANCH": "kb",
+           "CAMBIUM_AGENTSYNC_BRANCH": "agentsync", "CAMBIUM_ORG_REPO": str(org),
+           "CAMBIUM_ORG_PR": "0", "CAMBIUM_PROMOTE_RECALLS": "3", "CAMBIUM_RELEASE_CAPTURE": "0",
+           "CAMBIUM_FETCH_INTERVAL": "30", "CAMBIUM_LATE_INTERACTION": "0",
+           "AGENTSYNC_BOARD_REPO": str(r), "AGENTSYNC_REPO": str(r)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert {*env, "CAMBIUM_RECALL_MODE", "CAMBIUM_RERANK"} == \
+        set(cs.DEFAULTS), "the test must set every setting"
+    st = cs.status()
+    assert st["configured"] is True and not st["gaps"], st
+    assert any("could not be read" in w and "ignored: the environment gives every setting"
+               in w for w in st["warnings"]), st["warnings"]
+    assert cs.capture("the deploy script needs GNU sed, not BSD sed, on macOS runners")
+    monkeypatch.delenv("CAMBIUM_ORG_PR")           # one setting the file could have held
+    st = cs.status()
+    assert st["configured"] is False and any(g["setting"] == "config file" for g in st["gaps"])
+
+
 def test_a_config_that_loses_nothing_is_read(tmp_path, monkeypatch):
     """A key held twice with one value (the same team_branches twice), and NaN
     in a key cambium does not read, made the whole file unreadable."""
