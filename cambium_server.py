@@ -2334,21 +2334,37 @@ class ConfigUnreadable(ValueError):
     made of it was not what the file said, and setup's rewrite lost the rest."""
 
 
+class HeldTwice(str):
+    """A config key held twice with different values (`key`), in place of its
+    value: unreadable only in a key cambium reads (read_config_object); in
+    another (the `"//"` comment idiom) ignored, and setup refuses to write it
+    back (_config_text). Its text is the copies' JSON, so two equal markers
+    compare equal."""
+    key = ""
+
+
 def _config_pairs(pairs: list) -> dict:
     """The config file's object_pairs_hook: a key held twice with different
-    values (a dotfiles merge, a hand edit) makes the file unreadable, the key
-    named (json keeps the last silently, and setup's rewrite dropped the first
-    for good); held twice with one value, it is read once (nothing is lost)."""
+    values (a dotfiles merge, a hand edit) is kept as HeldTwice, naming the key
+    (json keeps the last silently, and setup's rewrite dropped the first for
+    good); held twice with one value, it is read once (nothing is lost)."""
     out: dict = {}
     for key, value in pairs:
-        if key in out and json.dumps(out[key], sort_keys=True) != json.dumps(value,
-                                                                             sort_keys=True):
-            raise ConfigUnreadable(
-                f"the key {json_text(key)[:80]} is held twice with different values, by a "
-                "merge or a hand edit: a JSON reader keeps the last copy silently, so "
-                "cambium reads neither rather than guess; keep one copy")
+        if key in out and not isinstance(out[key], HeldTwice) and json.dumps(
+                out[key], sort_keys=True) != json.dumps(value, sort_keys=True):
+            marker = HeldTwice(json.dumps([out[key], value], sort_keys=True))
+            marker.key, value = key, marker
+        elif key in out:
+            value = out[key]
         out[key] = value
     return out
+
+
+def held_twice_said(odd: HeldTwice) -> str:
+    """Why a key held twice with different values is not read (pure)."""
+    return (f"the key {json_text(odd.key)[:80]} is held twice with different values, by a "
+            "merge or a hand edit: a JSON reader keeps the last copy silently, so cambium "
+            "reads neither rather than guess; keep one copy")
 
 
 class NotFinite(float):
@@ -2370,12 +2386,13 @@ def _config_number(text: str) -> float:
     return odd
 
 
-def not_finite_in(value: Any) -> NotFinite | None:
-    """The first NaN, Infinity or 1e400 anywhere in a decoded config value (pure)."""
+def not_finite_in(value: Any, kind: type = NotFinite) -> Any:
+    """The first NaN, Infinity or 1e400 (or, kind HeldTwice, key held twice)
+    anywhere in a decoded config value; None if there is none (pure)."""
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, NotFinite):
+        if isinstance(v, kind):
             return v
         stack += v.values() if isinstance(v, dict) else v if isinstance(v, list) else []
     return None
@@ -2393,6 +2410,9 @@ def read_config_object(path: Path) -> tuple[bytes, dict]:
     if not isinstance(loaded, dict):
         raise ConfigUnreadable(f"it holds {json_kind(loaded)}, expected an object")
     for key, value in loaded.items():
+        if (key in DEFAULTS or key == TEAM_BRANCHES) and (twice := not_finite_in(
+                value, HeldTwice)):
+            raise ConfigUnreadable(held_twice_said(twice))
         if (key in DEFAULTS or key == TEAM_BRANCHES) and (odd := not_finite_in(value)):
             raise ConfigUnreadable(f"the key {json_text(key)} holds {odd.text[:40]}, " + (
                 "which is no JSON number" if odd.text in ("NaN", "Infinity", "-Infinity")
@@ -20145,7 +20165,14 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
 def _config_text(path: Path, settings: dict) -> bytes:
     """The config file's new text: JSON (never NaN or Infinity), or InputError,
     nothing written, when a key cambium does not read holds one (it is ignored
-    on reading; written back it would be no JSON, dropped it would be lost)."""
+    on reading; written back it would be no JSON, dropped it would be lost), or
+    holds a key twice with different values (one copy would be lost)."""
+    if twice := sorted(f"{json_text(k)[:80]} ({json_text(odd.key)[:80]})" for k, v in
+                       settings.items() if (odd := not_finite_in(v, HeldTwice)) is not None):
+        raise InputError(f"the config file {path} holds a key twice with different values in "
+                         f"{', '.join(twice)}, which setup cannot write back without losing "
+                         "one copy: keep one copy by hand, then run setup again; nothing was "
+                         "written.")
     try:
         return (json.dumps(settings, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     except ValueError:

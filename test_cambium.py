@@ -986,6 +986,31 @@ def test_a_config_that_loses_nothing_is_read(tmp_path, monkeypatch):
         assert cfg.read_text() == text and not cfg.with_name(cfg.name + ".bad").exists()
 
 
+def test_a_comment_key_held_twice_is_ignored_and_setup_never_writes_it_back(tmp_path,
+                                                                           monkeypatch):
+    """The "//" comment idiom with two different texts made the whole file
+    unreadable (and, since 4e442b7, a gap that blocked every tool), though
+    cambium reads no "//" key. It is ignored as unknown keys are; setup
+    refuses to write it back (one copy would be lost), as for NaN."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    monkeypatch.chdir(r)
+    text = ('{"//": "written by setup", "CAMBIUM_AGENT_ID": "ada", "team_branches": {"%s": '
+            '"kb", "/w/x": "kb2"}, "//": "team branch set by hand, see wiki"}'
+            % os.path.realpath(r))
+    cfg.write_text(text)
+    st = cs.status()
+    assert st["configured"] is True and "config file" not in [g["setting"] for g in st["gaps"]]
+    assert any("keys cambium does not read, ignored: //" in w for w in st["warnings"])
+    assert cs.resolve_config().team_branch == "kb"
+    with pytest.raises(cs.InputError, match=r'twice with different values in "//" \("//"\)'
+                                            r".*keep one copy by hand.*nothing was written"):
+        cs.setup(str(r), "ada", team_branch="kb3")
+    assert cfg.read_text() == text and not cfg.with_name(cfg.name + ".bad").exists()
+    cfg.write_text(text.replace('"/w/x": "kb2"', '"/w/x": "kb2", "/w/x": "kb3"'))
+    assert 'the key "/w/x" is held twice' in cs.resolve_config().file_error   # (a key it reads)
+
+
 def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
     """A valid config just over 1 MB was moved aside with 'was not a JSON object'."""
     r = make_repo(tmp_path / "r")
