@@ -2403,10 +2403,14 @@ _CONFIG_DECODER = json.JSONDecoder(object_pairs_hook=_config_pairs, parse_float=
 
 
 def read_config_object(path: Path) -> tuple[bytes, dict]:
-    """The config file's bytes and settings; OSError (FileNotFoundError: none),
-    ValueError (ConfigUnreadable among them) or RecursionError else."""
+    """The config file's bytes and settings ({} when it is empty or only
+    whitespace); OSError (FileNotFoundError: none), ValueError
+    (ConfigUnreadable among them) or RecursionError else."""
     data = read_regular(path, MAX_CONFIG_BYTES)
-    loaded = _CONFIG_DECODER.decode(data.decode("utf-8-sig"))   # (an editor's BOM)
+    text = data.decode("utf-8-sig")                            # (an editor's BOM)
+    if not text.strip():          # empty (`touch`, `> file`): no settings, as if absent
+        return data, {}
+    loaded = _CONFIG_DECODER.decode(text)
     if not isinstance(loaded, dict):
         raise ConfigUnreadable(f"it holds {json_kind(loaded)}, expected an object")
     for key, value in loaded.items():
@@ -2436,7 +2440,7 @@ def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
     is none) or what in it is not read, and the gap a regular file that could
     not be read is (config_file_gap; None: no such file)."""
     try:
-        loaded = read_config_object(path)[1]
+        data, loaded = read_config_object(path)
     except FileNotFoundError:
         if path.is_symlink():                 # a dotfiles link whose target is gone
             return {}, f"{path} is a symbolic link to {os.readlink(path)}, which does not " \
@@ -2448,6 +2452,8 @@ def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
             return {}, f"{path} could not be read ({why}); ignored", None
         return {}, f"{path} could not be read ({why}); no tool runs until it is fixed", \
             config_file_gap(path, why)
+    if not data.decode("utf-8-sig").strip():
+        return {}, f"{path} is empty (it holds no settings); ignored", None
     said = [unknown_keys_said(path, loaded), team_map_said(path, loaded)]
     return loaded, "; ".join(w for w in said if w) or None, None
 

@@ -1011,6 +1011,27 @@ def test_a_comment_key_held_twice_is_ignored_and_setup_never_writes_it_back(tmp_
     assert 'the key "/w/x" is held twice' in cs.resolve_config().file_error   # (a key it reads)
 
 
+def test_an_empty_config_file_is_read_as_absent_with_a_warning(tmp_path, monkeypatch):
+    """An empty config file (`touch`, `> file`) or one of whitespace only holds
+    no settings, yet since 4e442b7 it was a gap ("JSON Expecting value: line 1
+    column 1") that blocked every tool. It is read as absent, saying it is
+    empty, and setup writes over it with nothing moved aside."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.chdir(r)
+    for text in ("", " \n\t\r\n", "\ufeff\n"):
+        cfg.write_text(text)
+        st = cs.status()
+        assert st["configured"] is True, (text, st)
+        assert "config file" not in [g["setting"] for g in st["gaps"]]
+        assert any(f"{cfg} is empty" in w and "ignored" in w for w in st["warnings"]), st
+    out = cs.setup(str(r), "ada")
+    assert json.loads(cfg.read_text())["CAMBIUM_AGENT_ID"] == "ada"
+    assert not list(cfg.parent.glob(cfg.name + ".bad*")) and \
+        not any("moved aside" in w for w in out.get("warnings", [])), out
+
+
 def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
     """A valid config just over 1 MB was moved aside with 'was not a JSON object'."""
     r = make_repo(tmp_path / "r")
