@@ -2469,7 +2469,9 @@ def config_file_gap(path: Path, why: str) -> dict:
                     "org repo, agent id, ...) would apply; every tool is unavailable",
             "fix": f"edit {path} by hand ({why}); or run setup(project_repo=\"/abs/path/to/"
                    'your/clone", agent_id="your-id"), which moves the file aside to '
-                   f"{path.name}.bad: every setting it holds then no longer applies"}
+                   f"{path.name}.bad" + ("-<time>-<pid> (a .bad is there already)" if
+                                          os.path.lexists(f"{path}.bad") else "") +
+                   ": every setting it holds then no longer applies"}
 
 
 def team_map_said(path: Path, values: dict) -> str | None:
@@ -20176,16 +20178,16 @@ def _config_text(path: Path, settings: dict) -> bytes:
     if twice := sorted(f"{json_text(k)[:80]} ({json_text(odd.key)[:80]})" for k, v in
                        settings.items() if (odd := not_finite_in(v, HeldTwice)) is not None):
         raise InputError(f"the config file {path} holds a key twice with different values in "
-                         f"{', '.join(twice)}, which setup cannot write back without losing "
+                         f"{', '.join(twice[:5])}, which setup cannot write back without losing "
                          "one copy: keep one copy by hand, then run setup again; nothing was "
                          "written.")
     try:
         return (json.dumps(settings, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
     except ValueError:
-        odd = sorted(str(k) for k, v in settings.items() if not_finite_in(v) is not None or
-                     isinstance(v, float) and not math.isfinite(v))
+        odd = sorted(json_text(k)[:80] for k, v in settings.items() if not_finite_in(v)
+                     is not None or isinstance(v, float) and not math.isfinite(v))
         raise InputError(f"the config file {path} holds NaN, Infinity or a number no float "
-                         f"holds in {', '.join(odd) or 'a setting'}, which setup cannot write "
+                         f"holds in {', '.join(odd[:5]) or 'a setting'}, which setup cannot write "
                          "back as JSON: correct or remove it by hand, then run setup again; "
                          "nothing was written.") from None
 

@@ -1032,6 +1032,32 @@ def test_an_empty_config_file_is_read_as_absent_with_a_warning(tmp_path, monkeyp
         not any("moved aside" in w for w in out.get("warnings", [])), out
 
 
+def test_setup_refusal_escapes_keys_and_the_gap_names_the_real_bad_name(tmp_path,
+                                                                       monkeypatch):
+    """setup's refusal to write NaN back put the file's raw keys on stderr (an
+    ESC[2J clear screen, a newline); the gap's fix said `<name>.bad` when a
+    .bad was there and setup would use `<name>.bad-<time>-<pid>`."""
+    r = make_repo(tmp_path / "r")
+    cfg = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    key = "\x1b[2J\x1b[31mPWNED\nline2" + "x" * 200
+    cfg.write_text('{"CAMBIUM_AGENT_ID": "ada", %s: NaN}' % json.dumps(key))
+    with pytest.raises(cs.InputError) as refused:
+        cs.setup(str(r), "ada")
+    said = str(refused.value)
+    assert "\x1b" not in said and "\n" not in said and "x" * 100 not in said, said
+    assert json.dumps(key)[:60] in said and "nothing was written" in said
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.chdir(r)
+    cfg.write_text("{not json")
+    fix = next(g["fix"] for g in cs.status()["gaps"] if g["setting"] == "config file")
+    assert f"aside to {cfg.name}.bad:" in fix, fix
+    cfg.with_name(cfg.name + ".bad").write_text("an earlier one")
+    fix = next(g["fix"] for g in cs.status()["gaps"] if g["setting"] == "config file")
+    assert f"aside to {cfg.name}.bad-<time>-<pid>" in fix, fix
+    cs.setup(str(r), "ada")
+    assert [p.read_text() for p in cfg.parent.glob(cfg.name + ".bad-*-*")] == ["{not json"]
+
+
 def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
     """A valid config just over 1 MB was moved aside with 'was not a JSON object'."""
     r = make_repo(tmp_path / "r")
