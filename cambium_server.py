@@ -386,6 +386,12 @@ class FetchBusy(ConflictError):
     before, a write gives up (nothing changed)."""
 
 
+class RemoteBusy(ConflictError):
+    """Every push of a write was refused because the remote repository held
+    the branch's ref lock (another git's push there, held in a slow hook):
+    nothing was written. cambium never removes a lock in the remote."""
+
+
 def _noted(err: CambiumError, note: str) -> CambiumError:
     """The same error with a note on what it means for the caller appended."""
     err.args = (f"{err} — {note}",)
@@ -3219,15 +3225,15 @@ REF_LOCK_STALE_S = 2.0      #: git holds a ref's lock for milliseconds: one this
 
 def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
                ours: bool = False) -> Path | None:
-    """The lock file a failed git command names as held, when it is left over:
-    a ref's (or packed-refs') still there, unchanged, REF_LOCK_STALE_S after it
-    was made (waited for); any other older than CAMBIUM_GIT_TIMEOUT and 5 s (no
-    git cambium runs lives longer), or, `ours` (the org clone's index.lock while
-    cambium holds that clone's checkout lock), treated as a ref's."""
-    m = _LOCK_HELD.search(stderr or "")
-    if m is None:
+    """The lock file a failed git command names as held in the clone it ran in
+    (_lock_in_clone), when it is left over: a ref's (or packed-refs') still
+    there, unchanged, REF_LOCK_STALE_S after it was made (waited for); any other
+    older than CAMBIUM_GIT_TIMEOUT and 5 s (no git cambium runs lives longer),
+    or, `ours` (the org clone's index.lock while cambium holds that clone's
+    checkout lock), treated as a ref's."""
+    path = _lock_in_clone(stderr, cwd, timeout_s)
+    if path is None:
         return None
-    path = Path(m.group(1)) if os.path.isabs(m.group(1)) else Path(cwd or ".") / m.group(1)
     quick = ours or "/refs/" in path.as_posix() or path.name == "packed-refs.lock"
     try:
         made = path.lstat().st_mtime
@@ -3241,6 +3247,39 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
     except OSError:                                # gone: its git finished
         return None
     return path if age >= (REF_LOCK_STALE_S if quick else timeout_s + 5.0) else None
+
+
+def _lock_in_clone(stderr: str, cwd: Path | None, timeout_s: float) -> Path | None:
+    """The lock file git's `stderr` names as held, when it lies in a git dir of
+    the repository at `cwd` (_own_git_dirs); None for any other. A lock named
+    on a `remote:` line, or anywhere else, is another repository's: a push
+    refused by a bare remote's ref lock (a teammate's push held in a slow hook)
+    had that live lock deleted in the remote, and the teammate's acknowledged
+    push was lost."""
+    for line in re.split(r"[\r\n]", stderr or ""):
+        if not (m := _LOCK_HELD.search(line)) or line.lstrip().startswith("remote:"):
+            continue
+        if cwd is None:
+            return None
+        path = Path(m.group(1)) if os.path.isabs(m.group(1)) else Path(cwd) / m.group(1)
+        where = Path(os.path.realpath(path.parent))
+        return path if any(d == where or d in where.parents
+                           for d in _own_git_dirs(cwd, timeout_s)) else None
+    return None
+
+
+def _own_git_dirs(cwd: Path, timeout_s: float) -> list[Path]:
+    """The git dir and common dir of the repository at `cwd`, links resolved:
+    read from .git (_git_dirs), else asked of git (a bare repository, a
+    reftable clone); [] when neither tells."""
+    try:
+        dirs = list(_git_dirs(cwd))
+    except (OSError, IndexError):
+        proc = _run(["git", "rev-parse", "--absolute-git-dir", "--git-common-dir"], cwd,
+                    timeout_s, check=False, retried=True)
+        dirs = [cwd / d for d in git_lines(proc.stdout.strip())] if proc.returncode == 0 \
+            else []
+    return [Path(os.path.realpath(d)) for d in dirs]
 
 
 _GH_CALLS = threading.local()    #: within gh_gives_up(): .hung (a gh call timed out), .states
@@ -6018,6 +6057,8 @@ FETCH_BACKOFF_S = 300.0     #: after a failed fetch, a digest read by any proces
                             #: from the last fetched tip this long before trying again
                             #: (a hung remote cost each CLI recall the whole git timeout)
 PUSH_SPREAD_MAX_S = 5.0     #: the longest a write waits for its turn
+REMOTE_BUSY_PAUSE_S = (0.1, 2.0)   #: a push refused by the remote's held ref lock is
+                            #: tried again after 0.1 s, doubling up to 2 s (_busy_pause)
 PEER_WALK = 32              #: new commits read per fetch to see who writes
 
 
@@ -6033,6 +6074,15 @@ def _cas_pause(spread_s: float, lost: int, rng: Any) -> float:
     around the spread, and shorter the more races this write has lost, so the
     longest waiter goes first and a fresh write goes last."""
     return spread_s * (0.5 + rng.random()) / (1 + lost)
+
+
+def _busy_pause(refused: int, until: float) -> int:
+    """Wait before pushing again after `refused` pushes in a row were refused
+    by the remote's held ref lock (another git's push there): 0.1 s doubling up
+    to 2 s, never past `until` (the write's PUSH_RETRY_S). The count after."""
+    first, most = REMOTE_BUSY_PAUSE_S
+    time.sleep(max(0.0, min(most, first * 2 ** refused, until - time.monotonic())))
+    return refused + 1
 
 
 def _writers(pace: GitScope, now: float) -> int:
@@ -6338,6 +6388,15 @@ def _push_blocks(out: str) -> list[tuple[str, str]]:
     return [(url, "\n".join(lines)) for url, lines in blocks]
 
 
+def _remote_lock(stderr: str) -> str | None:
+    """The lock a push's `remote:` lines say the remote holds (another git's
+    ref update there), or None (pure)."""
+    for line in re.split(r"[\r\n]", stderr or ""):
+        if line.lstrip().startswith("remote:") and (m := _LOCK_HELD.search(line)):
+            return m.group(1)
+    return None
+
+
 def _racy_reason(line: str) -> bool:
     """Whether a `[remote rejected]` porcelain line's reason says the remote
     lost a ref-lock race. Only its summary is read (the fields are tab
@@ -6567,6 +6626,7 @@ class GitStore(Store):
         self._warnings: list[str] = []            # this instance's read notes
         self._objects_dir: Path | None | bool = False     # not looked up yet
         self._push_target: tuple[str, str] | None = None  # (where pushes go, why: _push_to)
+        self._remote_held: str | None = None      # the remote's lock the last push met (_push)
         self._meta: Path | None = None            # stamps and locks (_meta_dir)
         self._rt = runtime()
         self._state = self._rt.git_scope(repo, remote, branch)
@@ -7862,6 +7922,7 @@ class GitStore(Store):
         proc = self._push_git(*lease_opt, f"{commit}:refs/heads/{branch}")
         here, others = self._pushed_here(proc.stdout)
         outcome = _push_outcome(proc.stdout if here is None else here)
+        self._remote_held = _remote_lock(proc.stderr) if outcome == "race" else None
         if here is not None and (outcome == "race" or outcome == "ok" and (
                 proc.returncode == 0 or others)):
             if outcome == "ok" and others:          # (the caller verifies it)
@@ -8121,14 +8182,24 @@ class GitStore(Store):
             done = self._attempt(fn, message, target, None, ensure_files, guess) \
                 if guess else None
             attempts = _cas_attempts(self._state) if done is None else iter(())
+            until, busy = time.monotonic() + PUSH_RETRY_S, 0
             for _ in attempts:
+                self._remote_held = None
                 done = self._attempt(fn, message, target, side, ensure_files)
                 if done is not None:
                     break
+                busy = _busy_pause(busy, until) if self._remote_held else 0
         if done is not None:
             if target == self.branch:
                 self._name_rewound(done)
             return done
+        if self._remote_held:
+            raise RemoteBusy(
+                f"{self.scope} scope: the remote {self.remote} was busy: for {PUSH_RETRY_S:g} s "
+                f"it refused every push of {target}, its lock {self._remote_held} held by "
+                "another git there (a push in progress, a slow hook, or a lock a crash left "
+                "on the remote); nothing was written. Try again; cambium never removes a "
+                "lock in the remote")
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 

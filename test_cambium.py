@@ -5641,6 +5641,76 @@ def test_a_hook_refusal_on_a_lock_named_team_branch_fails_at_once(shared, monkey
     assert cs.time.monotonic() - started < 20          # (it was replayed for 120 s)
 
 
+def test_a_lock_held_in_the_team_remote_is_left_there_and_the_write_fails_as_busy(
+        shared, monkeypatch):
+    """A push refused by the remote's ref lock (another git's push there, held
+    by a slow hook on a shared file-system remote) had that lock, named on a
+    `remote:` line, deleted in the remote after 2 s and the push run again. It
+    is the remote's live lock: left alone, the push tried again with backoff,
+    and the write fails as busy, nothing written, once the window has passed."""
+    origin = shared["origin"]
+    first = _endorsed("Staging resets nightly")
+    assert cs.promote(first)["status"] == "promoted"
+    tip = git(origin, "rev-parse", "cambium").strip()
+    lock = origin / "refs" / "heads" / "cambium.lock"      # held by a git in the remote
+    lock.write_text("")
+    monkeypatch.setattr(cs, "PUSH_RETRY_S", 3.0)
+    second = _endorsed("Refused while the team remote is busy")
+    with pytest.raises(cs.RemoteBusy, match=r"was busy.*cambium\.lock.*nothing was written") \
+            as caught:
+        cs.promote(second, force=True)
+    assert cs.error_code(caught.value) == "conflict"
+    assert lock.exists() and git(origin, "rev-parse", "cambium").strip() == tip
+    assert [d["id"] for d in remote_json(origin, "cambium")["items"]] == [first]
+    assert second in [i.id for i in cs.store(cs.resolve_config(), "local").peek().items]
+
+
+def test_a_teammates_push_holding_the_remotes_ref_lock_survives_and_the_write_lands_after(
+        shared, tmp_path):
+    """A teammate's plain `git push` held in the remote's slow
+    reference-transaction hook holds the branch's ref lock there: cambium
+    deleted it, and the teammate's push, answered as landed, was lost. Now the
+    lock stays (same file all along), the teammate's commit is in the branch,
+    and cambium's write lands after, tried again until the lock is gone."""
+    origin, b = shared["origin"], shared["b"]
+    first = _endorsed("Staging resets nightly")
+    assert cs.promote(first)["status"] == "promoted"
+    git(b, "fetch", "-q", "origin", "cambium")
+    git(b, "checkout", "-q", "-B", "cambium", "origin/cambium")
+    (b / "NOTES.md").write_text("the teammate's notes\n")
+    git(b, "add", "NOTES.md")
+    git(b, "commit", "-q", "-m", "teammate: notes")
+    theirs = git(b, "rev-parse", "HEAD").strip()
+    hold, held, go, tries = (tmp_path / n for n in ("hold", "held", "go", "tries"))
+    for name, body in (("reference-transaction", f'[ "$1" = prepared ] && [ -e {hold} ] || '
+                        f'exit 0\nrm {hold}; touch {held}\nwhile [ ! -e {go} ]; do sleep 0.05; '
+                        'done\n'), ("pre-receive", f"echo x >> {tries}\n")):
+        (origin / "hooks" / name).write_text(f"#!/bin/sh\ncat >/dev/null\n{body}")
+        (origin / "hooks" / name).chmod(0o755)
+    hold.touch()
+    teammate = subprocess.Popen(["git", "push", "-q", "origin", "cambium"], cwd=b,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lock = origin / "refs" / "heads" / "cambium.lock"
+    while not held.exists():
+        assert teammate.poll() is None, teammate.communicate()[0]
+        time.sleep(0.02)
+    inode, out = lock.stat().st_ino, {}
+    second = _endorsed("Lands once the teammate's push is through")
+    writer = threading.Thread(target=lambda: out.update(res=cs.promote(second, force=True)))
+    writer.start()
+    while writer.is_alive() and len(tries.read_text().split()) < 5:   # refused 4 times
+        assert lock.exists() and lock.stat().st_ino == inode     # never removed meanwhile
+        time.sleep(0.02)
+    assert writer.is_alive() and lock.stat().st_ino == inode
+    go.touch()
+    writer.join(60)
+    assert teammate.wait(60) == 0 and not writer.is_alive()
+    assert out["res"]["status"] == "promoted", out
+    assert git(origin, "merge-base", "--is-ancestor", theirs, "cambium") == ""
+    assert git(origin, "show", "cambium:NOTES.md") == "the teammate's notes\n"
+    assert {d["id"] for d in remote_json(origin, "cambium")["items"]} == {first, second}
+
+
 def test_a_team_branch_named_like_a_scratch_ref_keeps_its_own_cached_tip(shared, monkeypatch):
     """A team branch named `new` was also fast-import's scratch ref (as
     `__default`, `side/<x>`, `<b>-verify` and `<b>-rewound` were others'): a
@@ -9764,13 +9834,14 @@ def test_a_git_lock_a_crash_left_is_removed_and_the_write_goes_on(shared, monkey
 
 def test_stale_lock_leaves_a_lock_a_live_git_may_hold(tmp_path):
     held = "fatal: Unable to create '%s': File exists.\n\nAnother git process seems..."
-    index = tmp_path / "index.lock"
+    (tmp_path / ".git").mkdir()
+    index = tmp_path / ".git" / "index.lock"
     index.write_text("")
     assert cs.stale_lock(held % index, tmp_path, 25.0) is None        # a checkout may run
     old = cs.time.time() - 31
     os.utime(index, (old, old))
     assert cs.stale_lock(held % index, tmp_path, 25.0) == index
-    assert cs.stale_lock(held % (tmp_path / "gone.lock"), tmp_path, 25.0) is None
+    assert cs.stale_lock(held % (tmp_path / ".git" / "gone.lock"), tmp_path, 25.0) is None
     assert cs.stale_lock("fatal: bad object", tmp_path, 25.0) is None
 
 
@@ -12080,15 +12151,15 @@ def test_a_credit_day_later_than_tomorrow_or_unpadded_holds_back_no_real_day():
 def test_a_ref_lock_dated_in_the_future_is_taken_for_a_crashs_after_the_usual_wait(tmp_path):
     """A lock a crash left while the clock ran fast (set back since) made the
     next git call sleep until that time: an hour, for a lock an hour ahead."""
-    lock = tmp_path / "refs" / "remotes" / "origin" / "cambium.lock"
+    lock = tmp_path / ".git" / "refs" / "remotes" / "origin" / "cambium.lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")
     ahead = cs.time.time() + 120
     os.utime(lock, (ahead, ahead))
     said = f"fatal: Unable to create '{lock}': File exists.\n"
     assert cs.stale_lock(said, tmp_path, 5.0) == lock
-    other = tmp_path / "index.lock"       # another lock dated ahead (a file server's clock
-    other.write_text("")                  # a little fast): a live git's may be it, kept
+    other = tmp_path / ".git" / "index.lock"  # another lock dated ahead (a file server's
+    other.write_text("")                     # clock a little fast): a live git's may be it, kept
     os.utime(other, (ahead, ahead))
     assert cs.stale_lock(f"fatal: Unable to create '{other}': File exists.", tmp_path, 5.0) \
         is None
