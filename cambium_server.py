@@ -307,9 +307,10 @@ class GitError(CambiumError):
 
     def __init__(self, cmd: list[str], code: int | None, stderr: str):
         self.cmd, self.code, self.stderr = cmd, code, stderr
-        lines = [ln for ln in (stderr or "").strip().splitlines() if ln.strip()]
+        lines = [ln.rstrip() for ln in (stderr or "").strip().splitlines() if ln.strip()]
+        theirs = [ln for ln in lines if ln.startswith("remote:") and ln[7:].strip()][:3]
         said = [ln for ln in lines if ln.startswith(("fatal:", "error:"))][:2]  # what happened
-        tail = "\n".join(dict.fromkeys(said + lines[-3:]))
+        tail = "\n".join(dict.fromkeys(theirs + said + lines[-3:]))    # the remote's reason first
         how = "timed out" if code is None else f"exited {code}"
         shown = [a for a in cmd if a != "--"][:4]        # (`--` only hid the remote's name)
         super().__init__(f"`{' '.join(shown)}` {how}: {tail}".rstrip(": "))
@@ -6397,6 +6398,14 @@ def _remote_lock(stderr: str) -> str | None:
     return None
 
 
+def _push_said(proc: subprocess.CompletedProcess) -> str:
+    """What a failed `git push --porcelain` printed, for its error: the
+    porcelain without its closing `Done`, then stderr (pure)."""
+    out = git_lines(proc.stdout.strip())
+    out = out[:-1] if out[-1:] == ["Done"] else out
+    return "\n".join([*out, proc.stderr.strip()]).strip()
+
+
 def _racy_reason(line: str) -> bool:
     """Whether a `[remote rejected]` porcelain line's reason says the remote
     lost a ref-lock race. Only its summary is read (the fields are tab
@@ -7929,7 +7938,7 @@ class GitStore(Store):
                 note_for_call(f"the push to {self.remote}/{branch} landed where cambium "
                               f"reads it, but git also reported: {'; '.join(others)}")
             return outcome
-        why = "; ".join(filter(None, [(proc.stdout + proc.stderr).strip() or "push refused",
+        why = "; ".join(filter(None, [_push_said(proc) or "push refused",
                                       self._push_to()[1]]))
         failed = GitError(["git", "push", self.remote, branch], proc.returncode, why)
         if outcome == "ok" or here is None:  # landed, yet git failed (a second push URL?),
@@ -8064,7 +8073,7 @@ class GitStore(Store):
         here, others = self._pushed_here(proc.stdout)
         if here is None or _push_outcome(here) != "ok" or proc.returncode != 0 and not others:
             raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
-                           (proc.stdout + proc.stderr).strip() or "delete refused")
+                           _push_said(proc) or "delete refused")
         return True
 
     def branches(self, pattern: str) -> set[str]:

@@ -5641,6 +5641,21 @@ def test_a_hook_refusal_on_a_lock_named_team_branch_fails_at_once(shared, monkey
     assert cs.time.monotonic() - started < 20          # (it was replayed for 120 s)
 
 
+def test_a_refused_push_says_the_remotes_reason_first_without_the_porcelain_done(shared):
+    """A hook's refusal read "... exited 1: error: failed to push some refs to
+    '…'\\nDone\\nremote: policy: no pushes today": the porcelain's closing
+    `Done` in the error, and the remote's reason last."""
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'policy: no pushes today' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    item_id = _endorsed("Never deploy on Fridays")
+    with pytest.raises(cs.GitError) as caught:
+        cs.promote(item_id, force=True)
+    said = str(caught.value)
+    assert said.startswith("`git push origin cambium` exited 1: remote: policy: no pushes today\n")
+    assert "Done" not in said.splitlines() and "error: failed to push some refs" in said
+
+
 def test_a_lock_held_in_the_team_remote_is_left_there_and_the_write_fails_as_busy(
         shared, monkeypatch):
     """A push refused by the remote's ref lock (another git's push there, held
