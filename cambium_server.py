@@ -388,9 +388,11 @@ class FetchBusy(ConflictError):
 
 
 class RemoteBusy(ConflictError):
-    """Every push of a write was refused because the remote repository held
-    the branch's ref lock (another git's push there, held in a slow hook):
-    nothing was written. cambium never removes a lock in the remote."""
+    """A write's last push was refused because the remote repository held
+    the branch's ref lock (another git's push there, held in a slow hook),
+    until PUSH_RETRY_S ran out, or at once when a path remote's lock looks
+    left over (a killed git's): nothing was written. cambium never removes a
+    lock in the remote."""
 
 
 def _noted(err: CambiumError, note: str) -> CambiumError:
@@ -6060,6 +6062,9 @@ FETCH_BACKOFF_S = 300.0     #: after a failed fetch, a digest read by any proces
 PUSH_SPREAD_MAX_S = 5.0     #: the longest a write waits for its turn
 REMOTE_BUSY_PAUSE_S = (0.1, 2.0)   #: a push refused by the remote's held ref lock is
                             #: tried again after 0.1 s, doubling up to 2 s (_busy_pause)
+REMOTE_LOCK_LEFT_S = 5.0    #: a remote's ref lock (a path remote's) unchanged between two
+                            #: tries and older than CAMBIUM_GIT_TIMEOUT and this looks
+                            #: left over (a killed git's): the write fails at once
 PEER_WALK = 32              #: new commits read per fetch to see who writes
 
 
@@ -8191,26 +8196,68 @@ class GitStore(Store):
             done = self._attempt(fn, message, target, None, ensure_files, guess) \
                 if guess else None
             attempts = _cas_attempts(self._state) if done is None else iter(())
-            until, busy = time.monotonic() + PUSH_RETRY_S, 0
+            until, busy, seen, left = time.monotonic() + PUSH_RETRY_S, 0, None, None
             for _ in attempts:
                 self._remote_held = None
                 done = self._attempt(fn, message, target, side, ensure_files)
                 if done is not None:
                     break
+                stamp = self._held_lock_stamp() if self._remote_held else None
+                if stamp is not None and stamp == seen and \
+                        time.time() - stamp[2] / 1e9 > self.timeout_s + REMOTE_LOCK_LEFT_S:
+                    left = time.time() - stamp[2] / 1e9
+                    break
+                seen = stamp
                 busy = _busy_pause(busy, until) if self._remote_held else 0
         if done is not None:
             if target == self.branch:
                 self._name_rewound(done)
             return done
         if self._remote_held:
-            raise RemoteBusy(
-                f"{self.scope} scope: the remote {self.remote} was busy: for {PUSH_RETRY_S:g} s "
-                f"it refused every push of {target}, its lock {self._remote_held} held by "
-                "another git there (a push in progress, a slow hook, or a lock a crash left "
-                "on the remote); nothing was written. Try again; cambium never removes a "
-                "lock in the remote")
+            raise self._remote_busy(target, busy, left)
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
+
+    def _remote_busy(self, target: str, refused: int, left: float | None) -> RemoteBusy:
+        """The error of a write whose last push the remote's held ref lock
+        refused, `refused` times in a row: busy, or, `left` (its age in
+        seconds), a lock that looks left over, for a person to remove."""
+        lock, where = self._remote_held, f"{self.scope} scope: the remote {self.remote}"
+        if left is not None:                 # (named as found: git's says `x.git/./refs`)
+            lock = os.path.join(os.path.realpath(os.path.dirname(lock)), os.path.basename(lock))
+            return RemoteBusy(
+                f"{where} refused the push of {target}: its lock {lock} has been there, "
+                f"unchanged, for {left:.0f} s, longer than any git cambium runs lives "
+                f"(CAMBIUM_GIT_TIMEOUT + {REMOTE_LOCK_LEFT_S:g} s): it looks left over by a "
+                "git that was killed there (a crash, a kill -9); nothing was written. If no "
+                f"git runs there, remove {lock} and try again; cambium never removes a lock "
+                "in the remote")
+        tries = "the last try was" if refused <= 1 else f"the last {refused} tries were"
+        return RemoteBusy(
+            f"{where} was busy: cambium tried to push {target} for {PUSH_RETRY_S:g} s and "
+            f"{tries} refused, its lock {lock} held by another git there (a push in "
+            "progress, a slow hook, or a lock a crash left on the remote); nothing was "
+            "written. Try again; cambium never removes a lock in the remote")
+
+    def _held_lock_stamp(self) -> tuple[int, int, int] | None:
+        """The remote's ref lock the last push met (_remote_held) as (inode,
+        size, mtime in ns), when it lies in a repository on this machine that
+        the push went to (a path or file:// URL); None when it is gone, or
+        the remote is a network address (its lock cannot be looked at)."""
+        lock = self._remote_held or ""
+        target = self._push_to()[0]
+        urls = [target] if target != self.remote else \
+            remote_push_urls(self.repo, self.remote, self.timeout_s)
+        roots = [remote_key(u, self.repo) for u in urls if _local_remote(u) is not None]
+        where = os.path.realpath(os.path.dirname(lock)) if os.path.isabs(lock) else None
+        if where is None or not any(where == r or where.startswith(r.rstrip(os.sep) + os.sep)
+                                    for r in roots):
+            return None
+        try:
+            st = os.lstat(lock)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def _name_rewound(self, done: Write) -> None:
         """A write's answer names what a rewind of the branch dropped, as a read

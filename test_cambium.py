@@ -5671,8 +5671,8 @@ def test_a_lock_held_in_the_team_remote_is_left_there_and_the_write_fails_as_bus
     lock.write_text("")
     monkeypatch.setattr(cs, "PUSH_RETRY_S", 3.0)
     second = _endorsed("Refused while the team remote is busy")
-    with pytest.raises(cs.RemoteBusy, match=r"was busy.*cambium\.lock.*nothing was written") \
-            as caught:
+    with pytest.raises(cs.RemoteBusy, match=r"was busy.* the last \d+ tries were refused, "
+                       r"its lock .*cambium\.lock.*nothing was written") as caught:
         cs.promote(second, force=True)
     assert cs.error_code(caught.value) == "conflict"
     assert lock.exists() and git(origin, "rev-parse", "cambium").strip() == tip
@@ -5724,6 +5724,31 @@ def test_a_teammates_push_holding_the_remotes_ref_lock_survives_and_the_write_la
     assert git(origin, "merge-base", "--is-ancestor", theirs, "cambium") == ""
     assert git(origin, "show", "cambium:NOTES.md") == "the teammate's notes\n"
     assert {d["id"] for d in remote_json(origin, "cambium")["items"]} == {first, second}
+
+
+def test_a_remote_lock_that_looks_left_over_fails_the_write_at_once_and_stays(
+        shared, monkeypatch):
+    """A ref lock a killed git left in a path remote (older than
+    CAMBIUM_GIT_TIMEOUT and 5 s, unchanged between two tries) had every write
+    from every clone tried again for 120 s, then told "Try again", which
+    cannot help: no git will ever remove it. It fails at once now, saying the
+    lock looks left over and who may remove it; cambium still never does."""
+    origin = shared["origin"]
+    first = _endorsed("Staging resets nightly")
+    assert cs.promote(first)["status"] == "promoted"
+    tip = git(origin, "rev-parse", "cambium").strip()
+    lock = origin / "refs" / "heads" / "cambium.lock"        # a killed git's, an hour ago
+    lock.write_text("")
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setattr(cs, "PUSH_RETRY_S", 6.0)             # (without the fix: busy at 6 s)
+    second = _endorsed("Refused by a lock left in the team remote")
+    with pytest.raises(cs.RemoteBusy) as caught:
+        cs.promote(second, force=True)
+    said = str(caught.value)
+    assert "looks left over" in said and f"If no git runs there, remove {os.path.realpath(lock)} " in said, said
+    assert "was busy" not in said and cs.error_code(caught.value) == "conflict"
+    assert lock.exists() and git(origin, "rev-parse", "cambium").strip() == tip
+    assert second in [i.id for i in cs.store(cs.resolve_config(), "local").peek().items]
 
 
 def test_a_team_branch_named_like_a_scratch_ref_keeps_its_own_cached_tip(shared, monkeypatch):
