@@ -5705,21 +5705,29 @@ def test_a_teammates_push_holding_the_remotes_ref_lock_survives_and_the_write_la
     hold.touch()
     teammate = subprocess.Popen(["git", "push", "-q", "origin", "cambium"], cwd=b,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lock = origin / "refs" / "heads" / "cambium.lock"
-    while not held.exists():
-        assert teammate.poll() is None, teammate.communicate()[0]
-        time.sleep(0.02)
-    inode, out = lock.stat().st_ino, {}
-    second = _endorsed("Lands once the teammate's push is through")
-    writer = threading.Thread(target=lambda: out.update(res=cs.promote(second, force=True)))
-    writer.start()
-    while writer.is_alive() and len(tries.read_text().split()) < 5:   # refused 4 times
-        assert lock.exists() and lock.stat().st_ino == inode     # never removed meanwhile
-        time.sleep(0.02)
-    assert writer.is_alive() and lock.stat().st_ino == inode
-    go.touch()
-    writer.join(60)
-    assert teammate.wait(60) == 0 and not writer.is_alive()
+    lock, writer = origin / "refs" / "heads" / "cambium.lock", None
+    try:
+        while not held.exists():
+            assert teammate.poll() is None, teammate.communicate()[0]
+            time.sleep(0.02)
+        inode, out = lock.stat().st_ino, {}
+        second = _endorsed("Lands once the teammate's push is through")
+        writer = threading.Thread(target=lambda: out.update(res=cs.promote(second, force=True)))
+        writer.start()
+        while writer.is_alive() and len(tries.read_text().split()) < 5:   # refused 4 times
+            assert lock.exists() and lock.stat().st_ino == inode     # never removed meanwhile
+            time.sleep(0.02)
+        assert writer.is_alive() and lock.stat().st_ino == inode
+    finally:                        # (failed: the hook and receive-pack looped for good)
+        go.touch()
+        if writer is not None:
+            writer.join(60)
+        try:
+            teammate.communicate(timeout=60)
+        finally:
+            if teammate.poll() is None:
+                cs._end_tree(teammate)
+    assert teammate.returncode == 0 and not writer.is_alive()
     assert out["res"]["status"] == "promoted", out
     assert git(origin, "merge-base", "--is-ancestor", theirs, "cambium") == ""
     assert git(origin, "show", "cambium:NOTES.md") == "the teammate's notes\n"
