@@ -16528,6 +16528,8 @@ class Moved:
     notes_held: list = field(default_factory=list)  # landed without a note org's gate held
     replaced: dict = field(default_factory=dict)  # kept: id -> (the replacement dst lacks,
     #                                               why that correction stayed: _why_kept)
+    proposed: dict = field(default_factory=dict)  # id -> the cambium/updates PR its news,
+    #                              carried up while it moved, waits on: the copy below waits too
 
 
 _MOVES_HELD = threading.local()
@@ -16633,11 +16635,11 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
         _annotate_pr(cfg, src, held, write.pr_url)
         return Moved(write, landed, planned.refused, joined=sorted(joined & held))
     if held or marking:
-        kept, waits = _leave_source(cfg, src, dst, ids, held, made, write,
-                                    functools.partial(_lifted, gated, copy, joined))
+        lift, proposed = functools.partial(_lifted, gated, copy, joined), {}
+        kept, waits = _leave_source(cfg, src, dst, ids, held, made, write, lift, proposed)
         return Moved(write, landed, planned.refused,       # (None: its correction went up)
                      [i for i in kept if waits.get(i, ()) is not None], sorted(joined & held),
-                     replaced={k: v for k, v in waits.items() if v})
+                     replaced={k: v for k, v in waits.items() if v}, proposed=proposed)
     return Moved(write, landed, planned.refused)
 
 
@@ -16690,11 +16692,12 @@ ONE_BRANCH = ("the {src} and {dst} scopes {how}: an item moved up would be found
 
 def _leave_source(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
                   made: dict[str, Item], write: Write,
-                  lift: Callable[[Item, Item, set[str]], Item]
+                  lift: Callable[[Item, Item, set[str]], Item], proposed: dict[str, str]
                   ) -> tuple[list[str], dict[str, tuple[str, str | None] | None]]:
     """After a move's copies landed in dst (`write`), the source copies leave
     (_drop_moved) and the corrections made of them meanwhile follow them up
-    (_carry_corrections): the ids kept in both scopes, and why each stays. A
+    (_carry_corrections): the ids kept in both scopes, and why each stays
+    (`proposed` gets those waiting on the pull request their news went to). A
     failure says the copies are in dst and which left src before it
     (_copied_not_dropped); a refusal to drop from one branch (OneBranch) is
     raised as it is while nothing has left (a carry's nested move can meet
@@ -16702,7 +16705,7 @@ def _leave_source(cfg: Config, src: str, dst: str, ids: set[str], held: set[str]
     left: set[str] = set()          # ids whose source copy is gone: filled as they leave
     try:
         _refuse_dropping_itself(cfg, src, dst, write)
-        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift, left)
+        kept = _drop_moved(cfg, src, dst, ids, held, made, write.doc, lift, left, proposed)
         return kept, (_carry_corrections(cfg, src, dst, kept, left) if kept else {})
     except (CambiumError, OSError) as e:
         if isinstance(e, OneBranch) and not left:
@@ -16945,13 +16948,16 @@ CARRY_ROUNDS = 3    #: times a move carries a change made to its source copy mea
 def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
                 made: dict[str, Item], above: Doc,
                 lift: Callable[[Item, Item, set[str]], Item],
-                left: set[str] | None = None) -> list[str]:
+                left: set[str] | None = None,
+                proposed: dict[str, str] | None = None) -> list[str]:
     """Drop from src the copies that landed in dst (each added to `left` as
     the write that drops it is done). A source copy changed since
     its copy was made (a teammate's endorse, deprecate or correct from another
     clone, a credit fold, in the second between the two writes) is not dropped
     as it stands: the change is carried up first, lift(source, dst copy, dst's ids) over
-    a dst copy that nobody changed since; then it leaves. Returns the ids whose
+    a dst copy that nobody changed since; then it leaves, unless that change
+    is only proposed (org in PR mode: _wait_on_proposal, the id -> its pull
+    request's URL in `proposed`): then it waits for the merge. Returns the ids whose
     change could not be carried (both copies kept, named in the answer): the dst
     copy changed too, or the source copy was superseded by an item dst lacks (a
     correction, a consolidate fold: its dst copy stays active, and dropping the
@@ -16985,10 +16991,14 @@ def _drop_moved(cfg: Config, src: str, dst: str, ids: set[str], held: set[str],
         if not changed:
             return sorted(kept)
         pending = set(changed)
-        recopied = _carry_up(cfg, dst, changed, copied, lift)
+        recopied, url = _carry_up(cfg, dst, changed, copied, lift)
         unretired = {k for k, it in recopied.items() if it.active and not changed[k].active}
         kept |= pending - recopied.keys() | unretired
         pending &= recopied.keys() - unretired
+        if pr_branch(cfg, dst, "updates"):
+            pending, unproposed = _wait_on_proposal(cfg, src, pending, copied, recopied, url,
+                                                    {} if proposed is None else proposed)
+            kept |= unproposed
         made = {k: changed[k] for k in pending}
         copied = {k: recopied[k] for k in pending}
         if not pending:
@@ -17025,11 +17035,12 @@ def days_left_behind(source: Item, copy: Item) -> list[tuple[str, str]]:
 
 
 def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str, Item],
-              lift: Callable[[Item, Item, set[str]], Item]) -> dict[str, Item]:
+              lift: Callable[[Item, Item, set[str]], Item]
+              ) -> tuple[dict[str, Item], str | None]:
     """Replace in dst each copy that still reads as `copied` left it with
     lift(the source's changed version, that copy, the ids dst holds); returns
     the new copies (id -> item; one that needed nothing from the source is
-    itself)."""
+    itself) and, org in PR mode, the URL of the pull request they went to."""
     out: dict[str, Item] = {}
 
     def apply(doc: Doc) -> Doc | None:
@@ -17041,10 +17052,31 @@ def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str,
             seen.add(it.id)
         return dataclasses.replace(doc, items=items) if items != doc.items else None
 
-    if changed:                          # (org in PR mode: proposed, as every org change)
-        mutate(cfg, dst, apply, f"carry the change made meanwhile to {', '.join(sorted(changed))}",
-               pr_branch=pr_branch(cfg, dst, "updates"))
-    return dict(out)
+    if not changed:
+        return {}, None
+    write = mutate(cfg, dst, apply,     # (org in PR mode: proposed, as every org change)
+                   f"carry the change made meanwhile to {', '.join(sorted(changed))}",
+                   pr_branch=pr_branch(cfg, dst, "updates"), ensure_pr=True)
+    return dict(out), write.pr_url
+
+
+def _wait_on_proposal(cfg: Config, src: str, pending: set[str], copied: dict[str, Item],
+                      recopied: dict[str, Item], url: str | None, proposed: dict[str, str]
+                      ) -> tuple[set[str], set[str]]:
+    """Org in PR mode: of the source copies whose change _carry_up carried,
+    those it gave news (`recopied` differs from org's copy `copied`) are not
+    dropped: the news is only on the cambium/updates branch, and a declined
+    pull request lost it. Each is annotated with that pull request's URL
+    (`url`, entered in `proposed`) and waits on it as a settle's copy does:
+    review_promotions drops it once org's main holds the news, and keeps it,
+    news and all, when the pull request is closed unmerged (withdraw_pr).
+    Returns (the ids to drop now: no news went up; the ids kept with no pull
+    request to wait on, `url` None)."""
+    news = {k for k in pending if recopied[k] != copied[k]}
+    if news and url:
+        _annotate_pr(cfg, src, news, url)
+        proposed.update(dict.fromkeys(news, url))
+    return pending - news, set() if url else news
 
 
 def _replace_first(items: list[Item], new: dict[str, Item]) -> list[Item]:
@@ -17221,10 +17253,13 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
         message=f"settle the merged org PR of {item.id}", pr_branch=branch, pr_body=PR_BODY)
     if branch and repointed is not None and moved.write.pr_url:
         repointed.update((it.id, moved.write.pr_url) for it in moved.landed)
+    if repointed is not None:                 # (news met by its drop: proposed, it waits)
+        repointed.update(moved.proposed)
     if said is not None:
         said += notes_held(moved, proposed=bool(branch)).get("warnings", []) + [
             v.reason for v in moved.refused.values() if v.status == "needs_review"]
-    return [] if branch else [it.id for it in moved.landed if it.id == item.id]
+    return [] if branch else [it.id for it in moved.landed
+                              if it.id == item.id and it.id not in moved.proposed]
 
 
 def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
@@ -22190,7 +22225,17 @@ def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *
     if not moved.landed:
         raise NotFound(f"item {item.id} left org while its move was finished; recall shows "
                        "where it is now.")
+    if url := moved.proposed.get(item.id):
+        return {"status": "pr_opened", "pr_url": url, "branch": pr_branch_name("updates"),
+                "item": item_view(item), "source_scope": scope, "warnings": [
+                    NEWS_MET.format(id=item.id, src=scope, url=url)]}
     return _org_promoted(cfg, moved, scope, branch, {}, restated=restated)
+
+
+NEWS_MET = ("{id} gained news in {src} scope while its move finished (a teammate's "
+            "endorsement, verification, retirement or edit): it is proposed to org through "
+            "{url}, and the {src} copy stays until that merges (declined, the copy stays "
+            "with its news)")
 
 
 def _words(it: Item) -> tuple[str, str, str]:

@@ -10871,6 +10871,54 @@ def test_pr_mode_a_change_a_settling_drop_met_goes_up_through_a_pr(shared, monke
     assert "bob" in {e["by"] for e in proposed["trust"]["endorsements"]}
 
 
+def _news_met_by_a_settling_drop(shared, monkeypatch, tmp_path) -> tuple[str, str, str]:
+    """PR mode: a team copy of an org item (a move cut short) endorsed by bob
+    in the second between a review's org check and its team drop. Returns
+    (the item, org main's commit, the team copy after that review)."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Every queue has a dead-letter queue")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared)                 # a copy a killed move left
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    main = git(shared["org_bare"], "rev-parse", "main")
+    with monkeypatch.context() as m:
+        _peer_acts_before_our_push(m, "team", shared["b"], "endorse", item, "--note",
+                                   "ours too", CAMBIUM_ORG_REPO="")
+        review = cs.review_promotions()
+    assert "settled_org_prs" not in review, review
+    return item, main, _team_copy(shared, item)
+
+
+def _team_copy(shared, item: str) -> dict:
+    (team,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == item]
+    return team
+
+
+def test_pr_mode_news_a_settling_drop_met_stays_below_until_org_main_holds_it(
+        shared, monkeypatch, tmp_path):
+    """PR mode, news a teammate gave a team copy of an org item while a review
+    dropped it: the news was proposed on cambium/updates and the team copy
+    dropped at once, so reviewers who closed that pull request unmerged lost
+    it (neither at org's main nor in team). The team copy now waits on that
+    pull request, and when it is declined it stays, news and all."""
+    item, main, team = _news_met_by_a_settling_drop(shared, monkeypatch, tmp_path)
+    assert git(shared["org_bare"], "rev-parse", "main") == main
+    assert "bob" in {e["by"] for e in team["trust"]["endorsements"]}     # not dropped
+    (proposed,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert "bob" in {e["by"] for e in proposed["trust"]["endorsements"]}
+    assert team["pr_url"] and team["pr_url"] == cs.open_pr_url(
+        cs.resolve_config(), cs.store(cs.resolve_config(), "org"), "cambium/updates")
+    set_pr_state(tmp_path, team["pr_url"], "CLOSED")     # the reviewers decline it
+    closed = cs.review_promotions()["closed_org_prs"]
+    assert [c["id"] for c in closed if "id" in c] == [item], closed
+    cs.review_promotions()
+    team = _team_copy(shared, item)
+    assert "bob" in {e["by"] for e in team["trust"]["endorsements"]}     # the news is kept
+    assert git(shared["org_bare"], "rev-parse", "main") == main
+
+
 def test_pr_mode_a_note_org_holds_back_from_an_endorsement_given_during_a_promote_is_said(
         shared, monkeypatch, tmp_path):
     """PR mode: clone B endorsed a team item with a note naming a file while
