@@ -17352,7 +17352,10 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     to org move killed after its org push left such a team copy for good).
     Such a copy superseded by a person's correction waited for the correction
     to reach org (_finish_cut_short): once org holds it, the supersession is
-    carried up the same way (_correction_reached).
+    carried up the same way (_correction_reached). One whose news org's
+    reviewers declined, and that gained none since, is left (declined_as_is):
+    proposed again unchanged after every decline, it was a pull request for
+    them to close each time.
     The warnings promote's answer would give go in `said`, all of them: the
     answer that holds `said` (the review's, or any promote's) is the only one
     to tell of the move (a note org's gate held back, notes_held; both copies
@@ -17366,7 +17369,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     done: list[str] = []
     for scope in ("local", "team"):
         for it in docs.get(scope, Doc(items=[])).items:
-            if it.id not in held or it.pr_url or not copy_of(held[it.id], it):
+            if it.id not in held or it.pr_url or not copy_of(held[it.id], it) or \
+                    declined_as_is(it):
                 continue
             if it.active:
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
@@ -17426,28 +17430,58 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
     if state.head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
         org.drop_side_branch(state.head, at=state.oid)
     now = _now()
+    news = state.head in map(pr_branch_name, SHARED_PR_TOPICS) and \
+        not item.corrects                  # (its news for org's copy: _finish_held_move's)
 
     def apply(doc: Doc) -> Doc | None:
         if not any(it.id == item.id and it.pr_url == url for it in doc.items):
             return None
         return dataclasses.replace(doc, items=[
-            _withdrawn(it, what, now) if it.id == item.id and it.pr_url == url else it
+            _withdrawn(it, what, now, news) if it.id == item.id and it.pr_url == url else it
             for it in doc.items])
 
     mutate(cfg, scope, apply, f"{item.id}: its org PR {url} was {PR_UNDONE[what]}")
     return {"id": item.id, "scope": scope, "pr_url": url, "pr_state": what.lower(),
-            "note": f"{PR_UNDONE[what]}: the item stays in {scope} scope; promote it again "
-                    "to open a new pull request"}
+            "note": f"{PR_UNDONE[what]}: the item stays in {scope} scope; " + (
+                DECLINED_NEWS if news and what == "CLOSED" else
+                "promote it again to open a new pull request")}
 
 
-def _withdrawn(item: Item, state: str, now: str) -> Item:
+DECLINED_NEWS = ("its news for org's copy (an endorsement, a verification, a retirement) stays "
+                 "with it and is not proposed again as it is: news it gains from now on is, "
+                 "and promote(item_id, to_scope='org') proposes it all again")
+
+
+def _withdrawn(item: Item, state: str, now: str, news: bool = False) -> Item:
     """`item` with its org pull request withdrawn (pr_url cleared); a person's
     correction whose pull request was closed unmerged (org's reviewers
     declined it) keeps it in `declined` ({pr_url, at}), so it is not proposed
-    again unasked (pure)."""
-    extra = {**item.extra, "declined": {"pr_url": item.pr_url, "at": now}} \
-        if state == "CLOSED" and item.corrects else item.extra
+    again unasked; so does a copy of an item org holds whose news waited on a
+    shared pull request (`news`: cambium/updates), with `news`, the digest of
+    that news (news_key), so a review proposes it again only once it gained
+    more (declined_as_is) (pure)."""
+    declined = {"pr_url": item.pr_url, "at": now, **({"news": news_key(item)} if news else {})}
+    extra = {**item.extra, "declined": declined} \
+        if state == "CLOSED" and (item.corrects or news) else item.extra
     return dataclasses.replace(item, pr_url=None, updated_at=now, extra=extra)
+
+
+def news_key(item: Item) -> str:
+    """A digest of what a copy below can carry up to org's copy of it
+    (carried_over's fields: endorsements, verifications, last_verified,
+    authority, and a retirement), not its recall credits, stamps or pull
+    request (pure)."""
+    said = [item.trust.get("endorsements"), item.verifications, item.last_verified,
+            item.authority, item.status, item.deprecated, item.superseded_by]
+    return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def declined_as_is(item: Item) -> bool:
+    """Whether `item`, a copy below of an item org holds, carries just the news
+    org's reviewers declined (_withdrawn): a review leaves it, rather than
+    propose it again unchanged after every decline (pure)."""
+    said = item.extra.get("declined")
+    return isinstance(said, dict) and said.get("news") == news_key(item)
 
 
 @dataclass

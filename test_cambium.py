@@ -10918,6 +10918,76 @@ def test_pr_mode_news_a_settling_drop_met_stays_below_until_org_main_holds_it(
     assert "bob" in {e["by"] for e in team["trust"]["endorsements"]}     # the news is kept
     assert git(shared["org_bare"], "rev-parse", "main") == main
 
+def test_pr_mode_declined_news_is_not_proposed_again_until_it_gains_more(
+        shared, monkeypatch, tmp_path):
+    """PR mode: a team copy's news for org's copy (here bob's endorsement,
+    given while a review dropped it) proposed on cambium/updates and declined
+    by org's reviewers was proposed again, unchanged, by the review after the
+    one that withdrew it, after every decline. It stays with its news now;
+    news it gains after the decline is proposed (with the rest), and once
+    that merges the team copy leaves."""
+    item, main, team = _news_met_by_a_settling_drop(shared, monkeypatch, tmp_path)
+    set_pr_state(tmp_path, team["pr_url"], "CLOSED")     # the reviewers decline it
+    closed = cs.review_promotions()["closed_org_prs"]
+    assert any("not proposed again" in c["note"] for c in closed if c.get("id") == item), closed
+    prs = json.loads((tmp_path / "gh-prs.json").read_text())
+    for _ in range(2):
+        review = cs.review_promotions()
+        assert "open_org_prs" not in review and "updates_org_prs" not in review, review
+    assert json.loads((tmp_path / "gh-prs.json").read_text()) == prs      # no new PR
+    assert _team_copy(shared, item).get("pr_url") is None
+    ran = cli("endorse", item, "--note", "saved us", CAMBIUM_REPO=str(shared["b"]),
+              CAMBIUM_AGENT_ID="cy", CAMBIUM_ORG_REPO="")
+    assert ran.returncode == 0, ran.stderr
+    cs.review_promotions()                               # new news: proposed
+    url = _team_copy(shared, item)["pr_url"]
+    assert url and url not in prs, url
+    (proposed,) = remote_json(shared["org_bare"], "cambium/updates")["items"]
+    assert {"bob", "cy"} <= {e["by"] for e in proposed["trust"]["endorsements"]}
+    assert git(shared["org_bare"], "rev-parse", "main") == main
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, url, "MERGED")
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    assert item not in team_ids(shared["origin"])
+    (org,) = remote_json(shared["org_bare"], "main")["items"]
+    assert {"bob", "cy"} <= {e["by"] for e in org["trust"]["endorsements"]}
+
+
+def test_pr_mode_a_declined_supersession_of_an_unmarked_copy_is_not_proposed_again(
+        shared, monkeypatch, tmp_path):
+    """PR mode, a team copy of an org item (a move cut short) that a teammate
+    corrected: once org holds the correction, a review proposes the copy's
+    supersession on cambium/updates. Org's reviewers declined it, and the
+    review after the one that withdrew it proposed it again, after every
+    decline. It stays below now, superseded, and org's copy as it is."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    fix = _bob_runs(shared, "correct", item, "Retry only idempotent calls, with capped "
+                    "backoff")["item"]["id"]
+    assert cs.promote(item, to_scope="org")["status"] == "pr_opened"   # the correction
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    for url in json.loads((tmp_path / "gh-prs.json").read_text()):
+        set_pr_state(tmp_path, url, "MERGED")
+    cs.review_promotions()                                  # proposes the supersession
+    up = _team_copy(shared, item)["pr_url"]
+    assert up and remote_json(shared["org_bare"], "cambium/updates")["items"][0]["status"] \
+        == "superseded"
+    set_pr_state(tmp_path, up, "CLOSED")                    # the reviewers decline it
+    cs.review_promotions()
+    prs = json.loads((tmp_path / "gh-prs.json").read_text())
+    for _ in range(2):
+        cs.review_promotions()
+    assert json.loads((tmp_path / "gh-prs.json").read_text()) == prs      # no new PR
+    team = _team_copy(shared, item)
+    assert team["status"] == "superseded" and team.get("pr_url") is None
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item]["status"] == "active" and org[fix]["status"] == "active"
+
 
 def test_pr_mode_a_note_org_holds_back_from_an_endorsement_given_during_a_promote_is_said(
         shared, monkeypatch, tmp_path):
