@@ -17128,13 +17128,15 @@ def _annotate_pr(cfg: Config, scope: str, ids: set[str], url: str | None) -> Non
 
 
 def settle_quietly(cfg: Config, docs: dict[str, Doc] | None = None,
-                   repointed: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+                   repointed: dict[str, str] | None = None, *, review: bool = False
+                   ) -> tuple[list[str], list[str]]:
     """settle_org_prs when org scope is on, and a warning instead of a failure
     when a scope below cannot be written now (a team remote down failed every
-    promote and review), or one item cannot be settled now (the others are)."""
+    promote and review), or one item cannot be settled now (the others are).
+    `review`: review_promotions' (_correction_to_propose)."""
     failed: list[str] = []
     try:
-        return settle_org_prs(cfg, docs, failed, repointed), failed
+        return settle_org_prs(cfg, docs, failed, repointed, review=review), failed
     except CambiumError as e:
         return [], failed + [f"merged org PRs not settled now: {e}"]
 
@@ -17161,7 +17163,8 @@ def _awaiting_merge(item: Item) -> Verdict:
 
 def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
                    failed: list[str] | None = None,
-                   repointed: dict[str, str] | None = None) -> list[str]:
+                   repointed: dict[str, str] | None = None, *, review: bool = False
+                   ) -> list[str]:
     """Finish moves whose org pull request has merged: once org scope holds the
     item, drop the source copy that waited (annotated with pr_url). Returns ids.
     docs: local, team and org as the caller just read them (else read here).
@@ -17191,7 +17194,7 @@ def settle_org_prs(cfg: Config, docs: dict[str, Doc] | None = None,
                 raise
             failed.append(f"merged org PRs not settled now: {it.id} keeps waiting, and the "
                           f"next review tries again: {e}")
-    return settled + settle_unmarked(cfg, docs, failed)
+    return settled + settle_unmarked(cfg, docs, failed, review=review)
 
 
 PR_ID_CONFLICT = ("{id} waits on {url}, but org's tip holds other words under its id (a "
@@ -17343,7 +17346,7 @@ def _updates_propose(cfg: Config, item: Item) -> bool:
 
 
 def settle_unmarked(cfg: Config, docs: dict[str, Doc],
-                    said: list[str] | None = None) -> list[str]:
+                    said: list[str] | None = None, *, review: bool = False) -> list[str]:
     """Active copies below of items org's tip holds that wait on no pull
     request: a PR-mode promote killed after gh opened its pull request (or gh
     timing out after GitHub made it) never marked its copy, and after the
@@ -17352,7 +17355,9 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     to org move killed after its org push left such a team copy for good).
     Such a copy superseded by a person's correction waited for the correction
     to reach org (_finish_cut_short): once org holds it, the supersession is
-    carried up the same way (_correction_reached). One whose news org's
+    carried up the same way (_correction_reached); in PR mode a review
+    (`review`: not another item's promote) proposes that correction first,
+    as promote() of the copy would (_correction_to_propose). One whose news org's
     reviewers declined, and that gained none since, is left (declined_as_is):
     proposed again unchanged after every decline, it was a pull request for
     them to close each time.
@@ -17368,13 +17373,15 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     held = {it.id: it for it in first_copies(org_doc.items)}
     done: list[str] = []
     for scope in ("local", "team"):
+        below = {it.id: it for it in first_copies(docs.get(scope, Doc(items=[])).items)}
         for it in docs.get(scope, Doc(items=[])).items:
             if it.id not in held or it.pr_url or not copy_of(held[it.id], it) or \
                     declined_as_is(it):
                 continue
             if it.active:
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
-            elif _correction_reached(it, held[it.id], held):
+            elif _correction_reached(it, held[it.id], held) or \
+                    review and _correction_to_propose(cfg, it, held[it.id], below):
                 out = _finish_cut_short(cfg, scope, it) or {}
             else:
                 continue
@@ -17382,6 +17389,24 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
             if said is not None:
                 said += out.get("warnings", [])
     return done
+
+
+def _correction_to_propose(cfg: Config, item: Item, there: Item, below: dict[str, Item]
+                           ) -> bool:
+    """Org in PR mode: whether `item`, an unmarked copy below of an item org
+    holds active, was superseded by a person's correction org lacks (a
+    teammate's correct() in a clone without org scope) that goes up as it
+    stands (_line_stays: not declined, retired, waiting on a pull request of
+    its own, or turned away by org's gate). A review then proposes it through
+    cambium/updates as promote() of the copy would (_finish_cut_short), the
+    copy waiting; before, only that promote did, and org served the old words
+    for good. Never in direct mode: there it would publish to org's own
+    branch, and a review publishes nothing unasked. `below`: id -> item of
+    the copy's scope."""
+    if not (cfg.org_pr and item.status == "superseded" and there.active):
+        return False
+    line = _correction_line(item, below)
+    return bool(line) and _line_stays(line, "org") is None
 
 
 def _correction_reached(item: Item, there: Item, held: dict[str, Item]) -> bool:
@@ -22461,7 +22486,7 @@ def _settle_and_check(cfg: Config, docs: dict[str, Doc], repointed: dict[str, st
     An item settling sent to wait on cambium/updates (`repointed`) is not
     checked: its merged promote PR, as `docs` name it, is not its PR now."""
     with gh_gives_up():
-        settled, unsettled = settle_quietly(cfg, docs, repointed)
+        settled, unsettled = settle_quietly(cfg, docs, repointed, review=True)
         return settled, unsettled, (check_org_prs(cfg, docs, {*settled, *repointed})
                                     if cfg.org_repo else PrCheck())
 

@@ -10989,6 +10989,42 @@ def test_pr_mode_a_declined_supersession_of_an_unmarked_copy_is_not_proposed_aga
     assert org[item]["status"] == "active" and org[fix]["status"] == "active"
 
 
+def test_pr_mode_a_review_proposes_a_correction_a_teammate_made_of_an_org_items_copy(
+        shared, monkeypatch, tmp_path):
+    """PR mode, a team copy of an org item (a move cut short) corrected by a
+    teammate whose clone has no org scope: only promote(item) proposed the
+    correction, so with nobody calling it org served the old words for good,
+    the team copies waiting. A review proposes it through cambium/updates as
+    promote would, and once that merges the reviews carry the supersession."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    fix = _bob_runs(shared, "correct", item, "Retry only idempotent calls, with capped "
+                    "backoff")["item"]["id"]
+    start = git(shared["org_bare"], "rev-parse", "main")
+    review = cs.review_promotions()
+    assert any(fix in w for w in review.get("warnings", [])), review
+    assert _team_copy(shared, fix)["pr_url"] and _team_copy(shared, item)
+    assert fix in {i["id"] for i in remote_json(shared["org_bare"], "cambium/updates")["items"]}
+    for _ in range(3):                         # (the correction, then the supersession)
+        opened = [u for u, p in json.loads((tmp_path / "gh-prs.json").read_text()).items()
+                  if p["state"] == "OPEN"]
+        if not opened:
+            break
+        _merge_on_org(shared, tmp_path, "cambium/updates")
+        for url in opened:
+            set_pr_state(tmp_path, url, "MERGED")
+        cs.review_promotions()
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item]["status"] == "superseded" and org[fix]["status"] == "active"
+    assert remote_json(shared["origin"], "cambium")["items"] == []
+    assert git(shared["org_bare"], "rev-parse", "main") != start
+
+
 def test_pr_mode_a_note_org_holds_back_from_an_endorsement_given_during_a_promote_is_said(
         shared, monkeypatch, tmp_path):
     """PR mode: clone B endorsed a team item with a note naming a file while
