@@ -17381,7 +17381,7 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
             if it.active:
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
             elif _correction_reached(it, held[it.id], held) or \
-                    review and _correction_to_propose(cfg, it, held[it.id], below):
+                    review and _correction_to_propose(cfg, it, org_doc, below):
                 out = _finish_cut_short(cfg, scope, it) or {}
             else:
                 continue
@@ -17391,22 +17391,26 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     return done
 
 
-def _correction_to_propose(cfg: Config, item: Item, there: Item, below: dict[str, Item]
+def _correction_to_propose(cfg: Config, item: Item, org_doc: Doc, below: dict[str, Item]
                            ) -> bool:
     """Org in PR mode: whether `item`, an unmarked copy below of an item org
-    holds active, was superseded by a person's correction org lacks (a
-    teammate's correct() in a clone without org scope) that goes up as it
-    stands (_line_stays: not declined, retired, waiting on a pull request of
-    its own, or turned away by org's gate). A review then proposes it through
+    (`org_doc`: its tip) holds active, was superseded by a person's
+    correction org lacks (a teammate's correct() in a clone without org
+    scope) that goes up as it stands (_line_stays: not declined, retired,
+    waiting on a pull request of its own, or turned away by org's gate; nor
+    refused where it lands: org said its words before, _said_in, or holds
+    another item by its id). A review then proposes it through
     cambium/updates as promote() of the copy would (_finish_cut_short), the
     copy waiting; before, only that promote did, and org served the old words
     for good. Never in direct mode: there it would publish to org's own
     branch, and a review publishes nothing unasked. `below`: id -> item of
     the copy's scope."""
-    if not (cfg.org_pr and item.status == "superseded" and there.active):
+    there = next((it for it in org_doc.items if it.id == item.id), None)
+    if not (cfg.org_pr and item.status == "superseded" and there and there.active):
         return False
-    line = _correction_line(item, below)
-    return bool(line) and _line_stays(line, "org") is None
+    line, held = _correction_line(item, below), {it.id for it in org_doc.items}
+    return bool(line) and _line_stays(line, "org") is None and not any(
+        it.id in held or _said_in(cfg, "org", org_doc, it) for it in line)
 
 
 def _correction_reached(item: Item, there: Item, held: dict[str, Item]) -> bool:
@@ -22135,7 +22139,10 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     supersession at org with no word), and so does an unmarked one whose
     correction waits on a pull request (a PR-mode promote killed after gh
     opened its own: left now, org kept the old words active beside the
-    correction for good)."""
+    correction for good). In PR mode one whose correction cannot go up (its
+    reviewers declined it, org's gate or its landing refuses it) stays too,
+    needs_review with that warning: it left, and the supersession, its only
+    record, with it, while org served the old words."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
@@ -22145,8 +22152,13 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
         status, url = ("pr_pending", item.pr_url) if item.pr_url else on[0]
         return {"status": status, "pr_url": url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
+    if cfg.org_pr and waits and (corrected := _corrected_below(cfg, scope, item)):
+        return {"status": "needs_review", "item": item_view(item), "warnings": [waits],
+                "note": f"org's copy stays active, and the {scope} copy stays, superseded "
+                        f"by {corrected}: dropped, it lost the supersession for good"}
     if cfg.org_pr:
-        return _finish_held_move(cfg, scope, item, found[1], restated=False)
+        return answer_of(_finish_held_move(cfg, scope, item, found[1], restated=False),
+                         {"warnings": [_left_active(item, scope)] if waits else []})
     moved = rode[0] if rode else move(
         cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
         message=f"carry {item.id}'s retirement to org")
@@ -22157,11 +22169,24 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
                    f"{item.status} since: that is carried to org, and the {scope} copy left"}
     if there.active:
         out["note"] = f"a move to org had been cut short: the {scope} copy left"
-        out["warnings"] = [f"{item.id} was superseded in {scope} scope by "
-                           f"{_superseded_by(item)}, which org does not hold, so org's copy "
-                           "stays active (retired there, org would lose what it says); "
-                           "consolidate() folds the two if they say the same"]
+        out["warnings"] = [_left_active(item, scope)]
     return out
+
+
+def _left_active(item: Item, scope: str) -> str:
+    """The warning for a superseded copy below that leaves while org's copy
+    stays active: what superseded it is not in org (pure)."""
+    return (f"{item.id} was superseded in {scope} scope by {_superseded_by(item)}, which org "
+            "does not hold, so org's copy stays active (retired there, org would lose what it "
+            "says); consolidate() folds the two if they say the same")
+
+
+def _corrected_below(cfg: Config, scope: str, item: Item) -> str | None:
+    """The id of the person's correction that superseded `item` in `scope`
+    (what replaced it there corrects it), or None: a fold, or gone since."""
+    by = _superseded_by(item)
+    fix = next((it for it in store(cfg, scope).read().items if it.id == by), None)
+    return by if fix is not None and fix.corrects == item.id else None
 
 
 def _org_kind(kind: str | None) -> str | None:

@@ -10807,13 +10807,14 @@ def test_a_merged_pr_that_cannot_settle_now_holds_up_no_other(shared, monkeypatc
 
 
 
-def _leave_team_copy_of_org_item(shared: dict) -> None:
-    """Push back onto team the copy of org's first item a team -> org move
-    killed between its org push and its team drop leaves behind."""
+def _leave_team_copy_of_org_item(shared: dict, item: str | None = None) -> None:
+    """Push back onto team the copy of org's first item (or `item`) a team ->
+    org move killed between its org push and its team drop leaves behind."""
     left = clone(shared["origin"], shared["tmp"] / "fixer")
     git(left, "checkout", "-q", "cambium")
     doc = json.loads((left / "knowledge.json").read_text())
-    doc["items"].append(dict(remote_json(shared["org_bare"], "main")["items"][0], scope="team"))
+    org = remote_json(shared["org_bare"], "main")["items"]
+    doc["items"].append(dict(next(i for i in org if item in (None, i["id"])), scope="team"))
     (left / "knowledge.json").write_text(json.dumps(doc))
     git(left, "commit", "-qam", "a copy a killed move left")
     git(left, "push", "-q", "origin", "cambium")
@@ -11023,6 +11024,90 @@ def test_pr_mode_a_review_proposes_a_correction_a_teammate_made_of_an_org_items_
     assert org[item]["status"] == "superseded" and org[fix]["status"] == "active"
     assert remote_json(shared["origin"], "cambium")["items"] == []
     assert git(shared["org_bare"], "rev-parse", "main") != start
+
+
+def _corrected_leftover(shared, monkeypatch, tmp_path, words: str) -> tuple[str, str]:
+    """PR mode: a team copy of an org item a killed move left, corrected by bob
+    (no org scope) to `words`. Returns (the item, bob's correction)."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared, item)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    return item, _bob_runs(shared, "correct", item, words)["item"]["id"]
+
+
+def _kept_superseded(shared, item: str, fix: str) -> None:
+    """Team still holds `item` superseded by `fix`, and org's copy is active."""
+    team = _team_copy(shared, item)
+    assert team["status"] == "superseded" and team["superseded_by"]["id"] == fix, team
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item]["status"] == "active" and fix not in org
+
+
+def test_pr_mode_promote_keeps_a_copy_whose_correction_org_s_gate_turns_away(
+        shared, monkeypatch, tmp_path):
+    """PR mode, a team copy of an org item (a move cut short) corrected by a
+    teammate in words org's gate turns away: promote(item) dropped the team
+    copy, and its supersession (the only record that the words are wrong),
+    answering already_promoted while org kept them active. It stays, and the
+    answer says why (needs_review)."""
+    item, fix = _corrected_leftover(shared, monkeypatch, tmp_path,
+                                    "Retry only idempotent calls; see src/billing/retry.py")
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "needs_review", out
+    assert any(fix in w and "gate" in w for w in out["warnings"]), out
+    _kept_superseded(shared, item, fix)
+
+
+def test_pr_mode_promote_keeps_a_copy_whose_correction_was_declined(
+        shared, monkeypatch, tmp_path):
+    """PR mode: as above, the correction proposed and declined by org's
+    reviewers: promote(item) then dropped the team copy and its
+    supersession. It stays."""
+    item, fix = _corrected_leftover(shared, monkeypatch, tmp_path,
+                                    "Retry only idempotent calls, with capped backoff")
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "pr_opened", out
+    set_pr_state(tmp_path, out["pr_url"], "CLOSED")
+    cs.review_promotions()
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "needs_review", out
+    assert any(fix in w and "declined" in w for w in out["warnings"]), out
+    _kept_superseded(shared, item, fix)
+    assert "settled_org_prs" not in cs.review_promotions()
+    _kept_superseded(shared, item, fix)
+
+
+def test_pr_mode_a_review_keeps_a_copy_whose_correction_org_refuses_for_its_words(
+        shared, monkeypatch, tmp_path):
+    """PR mode, a team copy of an org item corrected by a teammate to words
+    org deprecated: a review proposed the correction, the move refused it
+    (deprecated_before), and the review went on to drop the team copy and its
+    supersession, saying settled while org kept the corrected words active.
+    The review proposes nothing and the copy stays."""
+    words = "Retry only idempotent calls, with capped backoff"
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    old = _endorsed(words)
+    cs.promote(old)
+    cs.promote(old, to_scope="org", force=True)
+    cs.deprecate(old, reason="we said it badly")
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared, item)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    fix = _bob_runs(shared, "correct", item, words)["item"]["id"]
+    review = cs.review_promotions()
+    assert "settled_org_prs" not in review and "updates_org_prs" not in review, review
+    _kept_superseded(shared, item, fix)
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "needs_review" and any(
+        "deprecated these words" in w for w in out["warnings"]), out
+    _kept_superseded(shared, item, fix)
 
 
 def test_pr_mode_a_note_org_holds_back_from_an_endorsement_given_during_a_promote_is_said(
