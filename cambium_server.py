@@ -17459,8 +17459,9 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
     if state.head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
         org.drop_side_branch(state.head, at=state.oid)
     now = _now()
-    news = state.head in map(pr_branch_name, SHARED_PR_TOPICS) and \
-        not item.corrects                  # (its news for org's copy: _finish_held_move's)
+    # its news for org's copy (_finish_held_move's), a correction's too once org holds it
+    news = state.head in map(pr_branch_name, SHARED_PR_TOPICS) and (
+        not item.corrects or _find_item(org.read(), item.id) is not None)
 
     def apply(doc: Doc) -> Doc | None:
         if not any(it.id == item.id and it.pr_url == url for it in doc.items):

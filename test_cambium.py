@@ -10954,6 +10954,34 @@ def test_pr_mode_declined_news_is_not_proposed_again_until_it_gains_more(
     assert {"bob", "cy"} <= {e["by"] for e in org["trust"]["endorsements"]}
 
 
+def test_pr_mode_declined_news_of_a_copy_that_is_a_correction_is_not_proposed_again(
+        shared, monkeypatch, tmp_path):
+    """PR mode, a team copy (a move cut short) of an org item that is itself a
+    correction, endorsed by bob: its news, proposed on cambium/updates and
+    declined, was proposed again by the next review, after every decline
+    (withdraw_pr recorded the news of copies that correct nothing only)."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    fix = cs.correct(item, "Retry only idempotent calls, with capped backoff")["item"]["id"]
+    assert {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}[fix][
+        "corrects"] == item
+    _leave_team_copy_of_org_item(shared, fix)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    _bob_runs(shared, "endorse", fix, "--note", "ours too")
+    urls = []
+    for _ in range(3):
+        cs.review_promotions()
+        if url := _team_copy(shared, fix).get("pr_url"):
+            urls.append(url)
+            set_pr_state(tmp_path, url, "CLOSED")      # the reviewers decline it
+    assert len(urls) == 1, f"proposed again after each decline: {urls}"
+    team = _team_copy(shared, fix)
+    assert team["declined"]["news"] and "bob" in {e["by"] for e in team["trust"]["endorsements"]}
+
+
 def test_pr_mode_a_declined_supersession_of_an_unmarked_copy_is_not_proposed_again(
         shared, monkeypatch, tmp_path):
     """PR mode, a team copy of an org item (a move cut short) that a teammate
