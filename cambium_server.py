@@ -17360,7 +17360,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     as promote() of the copy would (_correction_to_propose). One whose news org's
     reviewers declined, and that gained none since, is left (declined_as_is):
     proposed again unchanged after every decline, it was a pull request for
-    them to close each time.
+    them to close each time; once org holds all of it (gained another way),
+    it leaves as any copy with no news does.
     The warnings promote's answer would give go in `said`, all of them: the
     answer that holds `said` (the review's, or any promote's) is the only one
     to tell of the move (a note org's gate held back, notes_held; both copies
@@ -17376,7 +17377,7 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
         below = {it.id: it for it in first_copies(docs.get(scope, Doc(items=[])).items)}
         for it in docs.get(scope, Doc(items=[])).items:
             if it.id not in held or it.pr_url or not copy_of(held[it.id], it) or \
-                    declined_as_is(it):
+                    declined_as_is(it, held[it.id], org_doc):
                 continue
             if it.active:
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
@@ -17506,12 +17507,15 @@ def news_key(item: Item) -> str:
     return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def declined_as_is(item: Item) -> bool:
-    """Whether `item`, a copy below of an item org holds, carries just the news
-    org's reviewers declined (_withdrawn): a review leaves it, rather than
-    propose it again unchanged after every decline (pure)."""
+def declined_as_is(item: Item, there: Item, org_doc: Doc) -> bool:
+    """Whether `item`, a copy below of an item org (`org_doc`: its tip) holds
+    as `there`, carries just the news org's reviewers declined (_withdrawn),
+    and org still lacks some of it: a review leaves it, rather than propose it
+    again unchanged after every decline; news org gained another way since
+    left nothing to carry, and it stayed below for good (pure)."""
     said = item.extra.get("declined")
-    return isinstance(said, dict) and said.get("news") == news_key(item)
+    return isinstance(said, dict) and said.get("news") == news_key(item) and carried_over(
+        there, item, holds={it.id for it in org_doc.items}) is not None
 
 
 @dataclass

@@ -10982,6 +10982,32 @@ def test_pr_mode_declined_news_of_a_copy_that_is_a_correction_is_not_proposed_ag
     assert team["declined"]["news"] and "bob" in {e["by"] for e in team["trust"]["endorsements"]}
 
 
+def test_pr_mode_a_declined_copy_leaves_once_org_gains_its_news_another_way(
+        shared, monkeypatch, tmp_path):
+    """PR mode: a team copy whose declined news (bob's endorsement) org's main
+    gained another way since (a hand edit) has nothing left to carry, yet the
+    reviews left it for good (declined_as_is). It leaves now."""
+    item, main, team = _news_met_by_a_settling_drop(shared, monkeypatch, tmp_path)
+    set_pr_state(tmp_path, team["pr_url"], "CLOSED")     # the reviewers decline it
+    cs.review_promotions()
+    team = _team_copy(shared, item)
+    assert team["declined"]["news"]
+    hand = clone(shared["org_bare"], tmp_path / "hand")
+    doc = json.loads((hand / "knowledge.json").read_text())
+    for it in doc["items"]:
+        if it["id"] == item:
+            it["trust"]["endorsements"] = team["trust"]["endorsements"]
+            it["verifications"], it["last_verified"] = team.get("verifications"), \
+                team.get("last_verified")
+    (hand / "knowledge.json").write_text(json.dumps(doc))
+    git(hand, "commit", "-qam", "bob's endorsement, by hand")
+    git(hand, "push", "-q", "origin", "HEAD:main")
+    prs = json.loads((tmp_path / "gh-prs.json").read_text())
+    assert cs.review_promotions()["settled_org_prs"] == [item]
+    assert item not in team_ids(shared["origin"])
+    assert json.loads((tmp_path / "gh-prs.json").read_text()) == prs      # no new PR
+
+
 def test_pr_mode_a_declined_supersession_of_an_unmarked_copy_is_not_proposed_again(
         shared, monkeypatch, tmp_path):
     """PR mode, a team copy of an org item (a move cut short) that a teammate
