@@ -17501,9 +17501,12 @@ def news_key(item: Item) -> str:
     """A digest of what a copy below can carry up to org's copy of it
     (carried_over's fields: endorsements, verifications, last_verified,
     authority, and a retirement), not its recall credits, stamps or pull
-    request (pure)."""
-    said = [item.trust.get("endorsements"), item.verifications, item.last_verified,
-            item.authority, item.status, item.deprecated, item.superseded_by]
+    request; its lists in any order (pure)."""
+    def listed(v: Any) -> Any:
+        return sorted(v, key=lambda x: json.dumps(x, sort_keys=True, default=str)) \
+            if isinstance(v, list) else v
+    said = [listed(item.trust.get("endorsements")), listed(item.verifications),
+            item.last_verified, item.authority, item.status, item.deprecated, item.superseded_by]
     return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -11008,6 +11008,18 @@ def test_pr_mode_a_declined_copy_leaves_once_org_gains_its_news_another_way(
     assert json.loads((tmp_path / "gh-prs.json").read_text()) == prs      # no new PR
 
 
+def test_news_key_does_not_depend_on_the_order_of_its_lists():
+    """news_key hashed endorsements and verifications in list order: the same
+    news in another order read as news gained since a decline, and was
+    proposed again."""
+    item = cs.Item.from_dict({"id": "k-1", "content": "Pin base images", "trust": {
+        "endorsements": [{"by": "bob", "at": "1"}, {"by": "cy", "at": "2"}]},
+        "verifications": [{"by": "bob", "at": "1"}, {"by": "cy", "at": "2"}]})
+    turned = dataclasses.replace(item, trust={"endorsements": item.trust["endorsements"][::-1]},
+                                 verifications=item.verifications[::-1])
+    assert cs.news_key(turned) == cs.news_key(item)
+
+
 def test_pr_mode_a_declined_supersession_of_an_unmarked_copy_is_not_proposed_again(
         shared, monkeypatch, tmp_path):
     """PR mode, a team copy of an org item (a move cut short) that a teammate
