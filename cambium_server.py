@@ -14247,7 +14247,7 @@ def restated(item: Item, *, content: str | None = None, why: str | None = None,
 class Verdict:
     """A gate's decision: allowed (and whether only because it was forced), or
     refused with the reason and what to do. status: promotable, not_eligible,
-    deprecated or superseded (retired_verdict), needs_endorsement,
+    deprecated or superseded (retired_verdict), malformed, needs_endorsement,
     needs_generalization, pr_pending, id_conflict or needs_review (move())."""
     allowed: bool
     status: str
@@ -14266,10 +14266,48 @@ def retired_verdict(item: Item) -> Verdict:
     return Verdict(False, str(item.status), f"item {item.id} is {what}; it cannot be promoted.")
 
 
+def why_malformed(item: Item) -> str | None:
+    """What makes `item` one no tool could have written (a hand edit of its
+    store), or None: an id that is no cambium id (ITEM_ID: `../../etc/passwd`,
+    5,000 characters), a text field, or tags, stored as another JSON type
+    (read as a default: content 123 read as ""), an empty content, or content,
+    why or tags over capture's limits (pure)."""
+    if not ITEM_ID.fullmatch(item.id):
+        return f"its id ({len(item.id):,} characters) is not a cambium id"
+    wrong = [k for k in item.mistyped or () if k in _TEXT_FIELDS or k == "tags"]
+    if wrong:
+        return f"its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not text"
+    for name, text, limit in (("content", item.content, MAX_CONTENT_CHARS),
+                              ("why", item.why, MAX_WHY_CHARS)):
+        if len(text) > limit:
+            return f"its {name} is {len(text):,} characters, over the limit of {limit:,}"
+    if not item.content.strip():
+        return "its content is empty"
+    if len(item.tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS for t in item.tags):
+        return f"it has more than {MAX_TAGS} tags, or one over {MAX_TAG_CHARS} characters"
+    return None
+
+
+def malformed_verdict(item: Item) -> Verdict | None:
+    """The gate's refusal of an item no tool could have written (why_malformed):
+    moved up it would reach every teammate's store; it stays where it is."""
+    why = why_malformed(item)
+    return None if why is None else Verdict(
+        False, "malformed", f"item {shown_id(item.id)} was not written by a cambium tool "
+        f"({why}); it stays where it is: fix it there, or capture what it says anew.")
+
+
+def shown_id(item_id: str) -> str:
+    """An id as an answer names it: at most ITEM_ID's 80 characters, a longer
+    one (a hand edit) cut with its length said (pure)."""
+    return item_id if len(item_id) <= 80 else f"{item_id[:80]}… ({len(item_id):,} chars)"
+
+
 def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = False
                  ) -> Verdict:
     """May local `item` go to team? Endorsed, or recalled on enough agent-days;
-    force=True lets any active item through (forced)."""
+    force=True lets any active item through (forced); never one no tool could
+    have written (malformed_verdict)."""
     if not item.active:
         return retired_verdict(item)
     if item.pr_url:                 # (moved to team, the merge would settle nothing: in both)
@@ -14277,12 +14315,12 @@ def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = 
                        f"{item.pr_url}: it moves to org when that merges (close the pull "
                        "request first to send it to team instead).")
     if trust.get("endorsements"):
-        return Verdict(True, "promotable", "endorsed")
+        return malformed_verdict(item) or Verdict(True, "promotable", "endorsed")
     if int(trust.get("recalls", 0)) >= recalls_needed:
-        return Verdict(True, "promotable",
-                       f"recalled {trust.get('recalls')} times (>= {recalls_needed})")
+        return malformed_verdict(item) or Verdict(
+            True, "promotable", f"recalled {trust.get('recalls')} times (>= {recalls_needed})")
     if force:
-        return Verdict(True, "promotable", "forced", forced=True)
+        return malformed_verdict(item) or Verdict(True, "promotable", "forced", forced=True)
     return Verdict(False, "not_eligible", f"needs {recalls_needed} recalls (has "
                                           f"{trust.get('recalls', 0)}) or an endorsement; "
                                           "endorse() it or pass force=True")
@@ -14292,13 +14330,16 @@ def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | No
                 org_kind: str | None = None, force: bool = False) -> Verdict:
     """May `item` enter org scope? Requires an endorsement; then the prose that
     would land (with org_content / org_why / org_kind restating content / why /
-    kind) must read cross-project, unless forced."""
+    kind) must read cross-project, unless forced; never an item no tool could
+    have written (malformed_verdict)."""
     if not item.active:
         return retired_verdict(item)
     if not item.trust.get("endorsements"):
         return Verdict(False, "needs_endorsement",
                        f"org scope needs an endorsement; endorse({item.id!r}, note=...) "
                        "saying why it holds beyond this project, then promote again.")
+    if (bad := malformed_verdict(item)) is not None:
+        return bad
     tells = org_tells(restated(item, content=org_content, why=org_why, kind=org_kind))
     if tells and not force:
         return Verdict(False, "needs_generalization",
@@ -15096,7 +15137,10 @@ def merged_pointers(survivor: Item, fresh: list[Item]) -> dict:
     """What a survivor takes of its duplicates besides trust: their code anchors
     and tags (after its own, within the limits) and a premise when it has none
     (the duplicate's pointer to the code was lost with it). Not into org: an
-    anchor or premise names one project's code, which the org gate refuses."""
+    anchor or premise names one project's code, which the org gate refuses.
+    Nothing of a duplicate no tool could have written (why_malformed: a fold
+    carried a hand edit's words up, as promote no longer does)."""
+    fresh = [it for it in fresh if why_malformed(it) is None]
     if survivor.scope == "org":
         return {}
     refs = _distinct_refs([r for it in (survivor, *fresh) for r in it.code_refs or []
@@ -15113,8 +15157,10 @@ def merged_reason(survivor: Item, fresh: list[Item]) -> dict:
     """A duplicate's why when the survivor has none (not into org: a why may
     name one project's code), and its kind when the survivor is a plain note
     and the duplicate a pitfall or a decision (the primer files it there): a
-    fold lost the reason, and a pitfall became a note."""
+    fold lost the reason, and a pitfall became a note. Nothing of a duplicate
+    no tool could have written (merged_pointers)."""
     out: dict = {}
+    fresh = [it for it in fresh if why_malformed(it) is None]
     if not survivor.why.strip() and survivor.scope != "org":
         if why := next((it.why for it in fresh if it.why.strip()), ""):
             out["why"] = why
@@ -16808,9 +16854,9 @@ def _correction_up(cfg: Config, src: str, dst: str, old: Item, line: list[Item]
     now, ids, end = _now(), {it.id for it in line}, line[-1]
     branch = pr_branch(cfg, dst, "updates")          # (None: a direct write, old rides)
 
-    def gate(it: Item) -> Verdict:
-        return Verdict(True, "promotable", "a person's correction") if it.id in ids \
-            else _awaiting_merge(it)
+    def gate(it: Item) -> Verdict:        # (a link no tool could have written: none moves)
+        return (malformed_verdict(it) or Verdict(True, "promotable", "a person's correction")) \
+            if it.id in ids else _awaiting_merge(it)
 
     def copy(it: Item) -> Item:
         return promoted_copy(it, dst, trust=it.trust, agent=cfg.agent, now=now) \
@@ -21992,10 +22038,11 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
     if item_id is not None and not verdicts[item_id].allowed:
         _require_active(local[0], "promoted")
         return {"status": verdicts[item_id].status, "reason": verdicts[item_id].reason,
-                "item": item_view(local[0], trust=effective_trust(local[0], pending))}
+                "item": item_view(local[0], trust=effective_trust(local[0], pending)),
+                **refused_of(verdicts, "malformed")}
     chosen = [it for it in local if verdicts[it.id].allowed]
-    if not chosen:
-        return {"status": "nothing_eligible", "promoted": [],
+    if not chosen:                             # (a malformed item stays: named in refused)
+        return {"status": "nothing_eligible", "promoted": [], **refused_of(verdicts, "malformed"),
                 "rule": f"local items need {cfg.promote_recalls} recalls or an endorsement"}
     now = _now()
     try:
@@ -22015,15 +22062,23 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
     out = {"status": "promoted" if landed or moved.joined else "nothing_eligible",
            "to_scope": "team", "commit": moved.write.commit,
            "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
-                        for c in landed], **kept_both(moved, "local", "team")}
-    if moved.refused:
-        out["refused"] = [{"id": i, "status": v.status, "reason": v.reason}
-                          for i, v in sorted(moved.refused.items())]
+                        for c in landed], **kept_both(moved, "local", "team"),
+           **refused_of({**{i: v for i, v in verdicts.items() if v.status == "malformed"},
+                         **moved.refused})}
     if moved.joined:
         out["already_there"] = moved.joined
         out["note"] = CUT_SHORT_NOTE.format(dst="team", src="local",
                                             what="the items in already_there")
     return out
+
+
+def refused_of(verdicts: dict[str, Verdict], *statuses: str) -> dict:
+    """promote's `refused`: a list of {id, status, reason}, by id, of the
+    refusals in `verdicts` (of `statuses` only, when given); {} when none (pure)."""
+    out = [{"id": shown_id(i), "status": v.status, "reason": v.reason}
+           for i, v in sorted(verdicts.items())
+           if not v.allowed and (not statuses or v.status in statuses)]
+    return {"refused": out} if out else {}
 
 
 def _cut_short_marks(cfg: Config, item_id: str | None) -> tuple[Doc, set[str]]:
@@ -22104,8 +22159,10 @@ def uncarried(item_id: str, by: str, why: str | None, src: str, dst: str, *,
 
 
 def _org_refusal(item: Item, verdict: Verdict) -> dict:
-    """The answer for an item the org gate turned away."""
-    out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason}
+    """The answer for an item the org gate turned away (one no tool could
+    have written named in `refused` too, as promote() names it)."""
+    out = {"status": verdict.status, "item": item_view(item), "reason": verdict.reason,
+           **refused_of({item.id: verdict}, "malformed")}
     if verdict.tells:
         out.update(tells=verdict.tells, draft=verdict.draft,
                    retry=f"promote({item.id!r}, to_scope='org', {_restating(verdict.tells)})")
@@ -22581,8 +22638,9 @@ def review_promotions(limit: Annotated[int, Field(
                                                "content": it.content,
                                                **({"pr_state": prs.states[it.id]}
                                                   if it.id in prs.states else {})})
-            elif scope == "team" and it.active and it.trust.get("endorsements") \
-                    and it.id not in in_org and not _refused_in(cfg, "org", docs, it):
+            elif scope == "team" and it.active and it.trust.get("endorsements") and \
+                    it.id not in in_org and not _refused_in(cfg, "org", docs, it) and \
+                    why_malformed(it) is None:             # (promote refuses it: malformed)
                 out["endorsed_for_org"].append({**item_view(it), "tells": org_tells(it),
                                                 "draft": general_note(it)})
     for it in first_copies(docs.get("org", Doc(items=[])).items):

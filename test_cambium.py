@@ -27705,6 +27705,45 @@ def test_setup_says_a_history_walk_past_its_wait_is_slow_not_damaged(tmp_path, m
     assert "fetch --unshallow origin`" in st._deleted_words(damaged._replace(shallow=True))
 
 
+def test_promote_refuses_items_no_tool_could_have_written_and_they_stay(shared, monkeypatch):
+    """Hand-edited local items (an id `../../etc/passwd` or of 5,000 chars, a
+    content over the limit, content 123, null or "") were moved to team as they
+    were. Every promote path refuses them now, names them in `refused`, and
+    each stays where it is; review lists none; a fold takes none of their words."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    good = _endorsed("Deploys wait for the nightly batch")
+    path = _store_path(shared["a"])
+    doc = json.loads(path.read_text())
+    base = _stored(path, good)
+    odd = {"../../etc/passwd": "a point", "k-" + "a" * 5000: "b point",
+           "k-big000000001": "x " * cs.MAX_CONTENT_CHARS, "k-num000000001": 123,
+           "k-nil000000001": None, "k-empty0000001": ""}
+    doc["items"] += [{**base, "id": i, "content": c} for i, c in odd.items()]
+    path.write_text(json.dumps(doc))
+    assert [i["id"] for i in cs.review_promotions()["team_eligible"]] == [good]
+    out = cs.promote()
+    assert [p["id"] for p in out["promoted"]] == [good]
+    refused = {r["id"]: r for r in out["refused"]}
+    assert set(refused) == {cs.shown_id(i) for i in odd} and len(refused[
+        cs.shown_id("k-" + "a" * 5000)]["id"]) < 120
+    assert {r["status"] for r in refused.values()} == {"malformed"}
+    assert "content is 40,000 characters" in refused["k-big000000001"]["reason"]
+    assert "content is not text" in refused["k-num000000001"]["reason"]
+    assert [it.id for it in cs.store(cs.resolve_config(), "team").read().items] == [good]
+    one = cs.promote("k-big000000001", force=True)
+    assert one["status"] == "malformed" and one["refused"][0]["id"] == "k-big000000001"
+    up = cs.promote("k-num000000001", to_scope="org", force=True)
+    assert up["status"] == "malformed" and up["refused"][0]["status"] == "malformed"
+    assert cs.promote()["refused"] and not cs.store(cs.resolve_config(), "org").read().items
+    kept = {d["id"]: d["content"] for d in json.loads(path.read_text())["items"]}
+    assert kept == odd                                    # all there, as they were
+    survivor = cs.Item.from_dict({"id": "k-s", "content": "a point", "scope": "team"})
+    member = cs.Item.from_dict({"id": "../x", "content": "a point", "why": "w" * 10,
+                                "tags": ["t"], "valid_while": "v"})
+    assert cs.merged_reason(survivor, [member]) == {}
+    assert cs.merged_pointers(survivor, [member]) == cs.merged_pointers(survivor, [])
+
+
 def test_promote_of_all_whose_only_item_is_refused_says_nothing_was_promoted(shared, monkeypatch):
     _endorsed("Deploys wait for the nightly batch")
     as_agent(monkeypatch, shared["b"], "bob")
