@@ -19060,13 +19060,15 @@ def plan_consolidation(cfg: Config, scopes: Iterable[str]
     trust. An item on its way up stays out: through a pull request, or a move a
     crash cut short (its local copy still marked moving; folding that copy
     into a look-alike left the move unfinishable, in a loop of supersessions),
-    or a copy a scope above holds (held_above)."""
+    or a copy a scope above holds (held_above). So does an item no tool could
+    have written (why_malformed: an empty or non-text body too): made the
+    survivor, it took a good endorsed item's place as one promote refuses."""
     scopes = tuple(scopes)
     docs, warnings = read_scopes(cfg, scopes)
     moving = meta_map(docs["local"].meta, MOVING_META) if "local" in docs else {}
     above = held_above(cfg, scopes, docs, warnings)
-    pool = [it for it in first_copies(federated_items(docs))   # (an empty body, e.g. a
-            if it.active and not it.pr_url and it.content.strip()  # hand-edited non-string)
+    pool = [it for it in first_copies(federated_items(docs))
+            if it.active and not it.pr_url and why_malformed(it) is None
             and not (it.scope == "local" and it.id in moving) and not above(it)]
     pending = pending_by_item(cfg)
     trusts = {it.id: effective_trust(it, pending) for it in pool}

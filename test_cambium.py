@@ -27744,6 +27744,25 @@ def test_promote_refuses_items_no_tool_could_have_written_and_they_stay(shared, 
     assert cs.merged_pointers(survivor, [member]) == cs.merged_pointers(survivor, [])
 
 
+def test_consolidate_never_folds_a_good_item_into_one_no_tool_could_have_written(shared):
+    """A hand-edited copy (a 92-character id, more recalls) of an endorsed
+    item was made consolidate's survivor: the good item was superseded into
+    one promote refuses for good. Such an item is in no group now."""
+    good = _endorsed("Deploys wait for the nightly batch to finish")
+    path = _store_path(shared["a"])
+    doc = json.loads(path.read_text())
+    base = _stored(path, good)
+    doc["items"].append({**base, "id": "k-" + "b" * 90,
+                         "content": "Deploys wait for the nightly batch to finish!",
+                         "trust": {**base["trust"], "recalls": 9}})
+    path.write_text(json.dumps(doc))
+    assert cs.consolidate(apply=True)["count"] == 0
+    assert {d["status"] for d in json.loads(path.read_text())["items"]} == {"active"}
+    out = cs.promote()
+    assert [p["id"] for p in out["promoted"]] == [good]
+    assert [r["status"] for r in out["refused"]] == ["malformed"]
+
+
 def test_promote_of_all_whose_only_item_is_refused_says_nothing_was_promoted(shared, monkeypatch):
     _endorsed("Deploys wait for the nightly batch")
     as_agent(monkeypatch, shared["b"], "bob")
