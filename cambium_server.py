@@ -14268,33 +14268,49 @@ def retired_verdict(item: Item) -> Verdict:
 
 def why_malformed(item: Item) -> str | None:
     """What makes `item` one no tool could have written (a hand edit of its
-    store), or None: an id that is no cambium id (ITEM_ID: `../../etc/passwd`,
-    5,000 characters), a text field, or tags, stored as another JSON type
-    (read as a default: content 123 read as ""), an empty content, or content,
-    why or tags over capture's limits (pure)."""
+    store), or None (malformed_fix)."""
+    found = malformed_fix(item)
+    return found and found[0]
+
+
+def malformed_fix(item: Item) -> tuple[str, str] | None:
+    """(what makes `item` one no tool could have written, what a hand edit must
+    change), or None: an id that is no cambium id (ITEM_ID: `../../etc/passwd`,
+    5,000 characters), one of _TEXT_FIELDS, or tags, stored as another JSON
+    type (read as a default: content 123 read as ""), an empty content, or
+    content, why or tags over capture's limits (pure). Only a hand edit mends
+    it: capture of its words answers `duplicate` with it, and no tool takes
+    such an id."""
     if not ITEM_ID.fullmatch(item.id):
-        return f"its id ({len(item.id):,} characters) is not a cambium id"
+        return (f"its id ({len(item.id):,} characters) is not a cambium id",
+                "give it an unused id of `k-` and 12 hex digits")
     wrong = [k for k in item.mistyped or () if k in _TEXT_FIELDS or k == "tags"]
     if wrong:
-        return f"its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not text"
+        return (f"its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not text",
+                f"store its {', '.join(wrong)} as JSON text" + (
+                    " (tags: a list of strings)" if "tags" in wrong else ""))
     for name, text, limit in (("content", item.content, MAX_CONTENT_CHARS),
                               ("why", item.why, MAX_WHY_CHARS)):
         if len(text) > limit:
-            return f"its {name} is {len(text):,} characters, over the limit of {limit:,}"
+            return (f"its {name} is {len(text):,} characters, over the limit of {limit:,}",
+                    f"cut its {name} to at most {limit:,} characters")
     if not item.content.strip():
-        return "its content is empty"
+        return "its content is empty", "write what it says in its content, or delete it"
     if len(item.tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS for t in item.tags):
-        return f"it has more than {MAX_TAGS} tags, or one over {MAX_TAG_CHARS} characters"
+        return (f"it has more than {MAX_TAGS} tags, or one over {MAX_TAG_CHARS} characters",
+                f"keep at most {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters")
     return None
 
 
 def malformed_verdict(item: Item) -> Verdict | None:
-    """The gate's refusal of an item no tool could have written (why_malformed):
+    """The gate's refusal of an item no tool could have written (malformed_fix):
     moved up it would reach every teammate's store; it stays where it is."""
-    why = why_malformed(item)
-    return None if why is None else Verdict(
+    found = malformed_fix(item)
+    return None if found is None else Verdict(
         False, "malformed", f"item {shown_id(item.id)} was not written by a cambium tool "
-        f"({why}); it stays where it is: fix it there, or capture what it says anew.")
+        f"({found[0]}); it stays where it is: only a hand edit of its "
+        f"{item.scope + ' ' if item.scope in SCOPES else ''}store's knowledge.json mends it: "
+        f"{found[1]}.")
 
 
 def shown_id(item_id: str) -> str:

@@ -27763,6 +27763,25 @@ def test_consolidate_never_folds_a_good_item_into_one_no_tool_could_have_written
     assert [r["status"] for r in out["refused"]] == ["malformed"]
 
 
+def test_a_malformed_items_refusal_says_what_a_hand_edit_must_change():
+    """The refusal advised "capture what it says anew", which answers
+    `duplicate` with the malformed item itself: only a hand edit mends it, and
+    the reason says which field to change and how."""
+    said = {}
+    for name, d in {"id": {"id": "notes/adr 7"}, "type": {"content": 123},
+                    "size": {"why": "w" * (cs.MAX_WHY_CHARS + 1)}, "empty": {"content": " "},
+                    "tags": {"tags": ["t"] * (cs.MAX_TAGS + 1)}}.items():
+        item = cs.Item.from_dict({"id": "k-0123456789ab", "content": "a point", **d})
+        said[name] = cs.malformed_verdict(item).reason
+    assert all("anew" not in r and "only a hand edit of its local store's knowledge.json"
+               in r for r in said.values()), said
+    assert said["id"].endswith("give it an unused id of `k-` and 12 hex digits.")
+    assert said["type"].endswith("store its content as JSON text.")
+    assert said["size"].endswith("cut its why to at most 10,000 characters.")
+    assert said["empty"].endswith("write what it says in its content, or delete it.")
+    assert said["tags"].endswith("keep at most 32 tags of at most 64 characters.")
+
+
 def test_promote_of_all_whose_only_item_is_refused_says_nothing_was_promoted(shared, monkeypatch):
     _endorsed("Deploys wait for the nightly batch")
     as_agent(monkeypatch, shared["b"], "bob")
