@@ -22170,7 +22170,7 @@ def uncarried(item_id: str, by: str, why: str | None, src: str, dst: str, *,
             "copy through its gate" if correction else
             f"promote({by!r}, to_scope={dst!r}) brings {by} up")
     finish = (f"promote({item_id!r}, to_scope={dst!r}) then finishes the move" if moving
-              else "review_promotions() then settles it")
+              else f"promote({item_id!r}, to_scope={dst!r}) then settles it")
     return (f"{item_id} was superseded in {src} scope by {by} ({what}) {when}, and {dst} "
             f"does not hold {by}: {stays} (dropping it would lose the supersession at "
             f"{dst}). {then}; {finish}")

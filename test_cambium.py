@@ -11142,6 +11142,8 @@ def test_pr_mode_promote_keeps_a_copy_whose_correction_was_declined(
     out = cs.promote(item, to_scope="org")
     assert out["status"] == "needs_review", out
     assert any(fix in w and "declined" in w for w in out["warnings"]), out
+    assert any(f"promote({item!r}, to_scope='org') then settles it" in w   # (r1b: a review
+               for w in out["warnings"]), out                           # alone never did)
     _kept_superseded(shared, item, fix)
     assert "settled_org_prs" not in cs.review_promotions()
     _kept_superseded(shared, item, fix)
