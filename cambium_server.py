@@ -957,6 +957,8 @@ class Doc:
     items: list
     meta: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict)          # unknown top-level keys, kept
+    damage: str = ""     # a shared store served without lines it could not parse: why
+                         # (damaged_shared_doc); every write to it refuses (refuse_damaged)
 
 
 def meta_map(meta: Any, key: str) -> dict:
@@ -4439,6 +4441,34 @@ def newer_shared_doc(text: str, where: str) -> Doc | None:
     return dataclasses.replace(parsed.doc, raw={**parsed.doc.raw, "cambium": marker})
 
 
+def damaged_shared_doc(text: str, where: str) -> Doc | None:
+    """A shared store parse_store refused for some lines (an entry that is
+    null, a number or a string; a torn tail), its other lines parsing: those
+    served with a warning naming what was left out, as the local store's are,
+    and marked (Doc.damage) so every write refuses: a write would drop the
+    lines it could not parse. It hid every item of the scope from everyone.
+    None when nothing of it parses (the whole file is a person's to fix)."""
+    try:
+        parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogatepass")), where)
+    except CorruptStore:
+        return None
+    first = parsed.bad[0][:80].decode("utf-8", "replace") if parsed.bad else None
+    what = f"{len(parsed.bad)} line(s) do not parse (first: {first!r})" if parsed.bad \
+        else "the file ends early"
+    damage = (f"{where}: {what}; every write to that scope is refused until a person "
+              "fixes the file by hand (a write would drop what does not parse)")
+    note_for_call(f"{damage}. The {len(parsed.doc.items)} item(s) that parse are served; "
+                  "the rest are left out.")
+    return dataclasses.replace(parsed.doc, damage=damage)
+
+
+def refuse_damaged(doc: Doc) -> None:
+    """Raise CorruptStore when `doc` is a shared store served without lines
+    it could not parse (damaged_shared_doc): nothing is written over them."""
+    if doc.damage:
+        raise CorruptStore(f"{doc.damage}. Nothing was written.")
+
+
 def _stored_json_line(item: Item) -> str:
     """One item's JSON line, cached per (immutable) item object."""
     return derived(item, "line", lambda it: json_text(it.to_dict(), separators=(",", ":")))
@@ -6334,6 +6364,8 @@ def merged_docs(base: Doc, ours: Doc, theirs: Doc) -> Doc | None:
         return None                                # an id held twice: by id, one copy would go
     if "cambium" not in ours.raw and any("cambium" in d.raw for d in (base, theirs)):
         return None
+    if any(d.damage for d in (base, ours, theirs)):   # (what it left out would read as dropped)
+        return None
     was = {it.id: it for it in base.items}
     now = {it.id: it for it in ours.items}
     out = {it.id: it for it in ours.items}
@@ -7389,7 +7421,10 @@ class GitStore(Store):
             old = self._rewound_doc(kept)
         except CorruptStore:                   # (nothing readable kept: the later tip is)
             return before
+        if old.damage:
+            return before
         at = self.doc_at(before, remember=False)
+        refuse_damaged(at)                     # (its union would drop what does not parse)
         try:
             touched = self._touched_since(self._kept(at_ref) or kept, before)
         except GitError:                       # (too far to tell: all it lost)
@@ -7793,7 +7828,8 @@ class GitStore(Store):
         try:
             doc = parse_store(text, where)
         except CorruptStore:
-            if (newer := newer_shared_doc(text, where)) is None:   # (a link's text names no
+            newer = newer_shared_doc(text, where) or damaged_shared_doc(text, where)
+            if newer is None:                               # (a link's text names no
                 self._refuse_no_file(commit, where, text)   # format) a symbolic link: its
                 raise                                       # target's path
             doc, remember = newer, False        # (parsed again: each read says why)
@@ -8278,6 +8314,7 @@ class GitStore(Store):
         doc, base, merge = self._side_base(tip, side_tip) if side else \
             (self.doc_at(tip), tip, None)
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
+        refuse_damaged(doc)
         if problem := self.foreign_problem(tip, doc):
             raise ConfigError(problem)
         if self.default_branch and tip is None:     # (a pull request's branch too)
@@ -16969,7 +17006,9 @@ def _source_doc(cfg: Config, src: str) -> Doc:
     (GitError) when its remote cannot be reached. A stale tip's copy went up,
     and the drop then failed against the same remote."""
     st = store(cfg, src)
-    return st.doc_at(st.fetch(force=True)) if isinstance(st, GitStore) else st.read()
+    doc = st.doc_at(st.fetch(force=True)) if isinstance(st, GitStore) else st.read()
+    refuse_damaged(doc)              # (a move drops its items there, or marks them)
+    return doc
 
 
 def _copied_not_dropped(err: CambiumError, src: str, dst: str, held: set[str],
@@ -20151,6 +20190,8 @@ def _shared_scope_status(cfg: Config) -> dict:
                 info["note"] = "counts from the last successful fetch"
             if problem := st.foreign_problem(tip, doc):
                 info["error"] = problem
+            elif doc.damage:
+                info["error"] = doc.damage
         except CorruptStore as e:
             info["error"] = f"{e}; writes to {scope} scope are refused"
         except GitError as e:

@@ -9291,6 +9291,49 @@ def test_a_team_store_in_a_newer_format_this_version_cannot_parse_is_served_not_
     assert git(shared["origin"], "rev-parse", "cambium") == tip
 
 
+def test_a_team_store_with_a_null_entry_serves_the_rest_and_refuses_every_write(shared):
+    """One team entry that is no object (null, a string, a number: a hand edit)
+    hid every team item from everyone (recall, the primer, stale_report skipped
+    the scope; expand and endorse failed), where a damaged local store serves
+    every line that parses. The lines that parse are served with a warning
+    naming what was left out; every write is refused (corrupt_store), the
+    branch unchanged, and a local item promoted to team stays local."""
+    first = _endorsed("Canary every deploy for ten minutes", "canary")
+    cs.promote()
+    b = shared["b"]
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    text = (b / "knowledge.json").read_text().replace("\n]}", ',\nnull,\n"a string",\n7\n]}')
+    (b / "knowledge.json").write_text(text)
+    git(b, "commit", "-qam", "a hand edit")
+    git(b, "push", "-q", "origin", "cambium")
+    tip = git(shared["origin"], "rev-parse", "cambium")
+    with cs.collecting_notes():
+        res = cs.with_store_warnings(cs.recall("canary deploys ten minutes", scope="team"))
+    assert [r["id"] for r in res["results"]] == [first]
+    assert any("3 line(s) do not parse (first: 'null')" in w and "refused" in w
+               for w in res["warnings"])
+    with cs.collecting_notes():
+        primer = cs.with_store_warnings(cs.session_primer())
+    assert first in primer["primer"] and any("do not parse" in w for w in primer["warnings"])
+    assert [r["id"] for r in cs.stale_report()["entries"]] == [first]
+    assert cs.expand(first)["id"] == first
+    second = _endorsed("Roll back on the first failed health check", "rollback")
+    with pytest.raises(cs.CorruptStore, match="do not parse") as refused:
+        cs.promote(second)
+    assert cs.error_code(refused.value) == "corrupt_store"
+    with pytest.raises(cs.CorruptStore, match="Nothing was written"):
+        cs.endorse(first, note="still holds")
+    with pytest.raises(cs.CorruptStore, match="Nothing was written"):
+        cs.deprecate(first, reason="gone")
+    assert git(shared["origin"], "rev-parse", "cambium") == tip
+    local = cs.store(cs.resolve_config(), "local").read()
+    assert [it.id for it in local.items if it.active] == [second]
+    assert not local.meta.get(cs.MOVING_META)
+    assert cs.status()["scopes"]["team"]["items"] == 1
+    assert "do not parse" in cs.status()["scopes"]["team"]["error"]
+
+
 def test_exporting_an_org_store_in_a_newer_format_renders_it_and_publishes_nothing(
         shared, monkeypatch):
     """export_markdown(scope="org") over an org store a newer cambium wrote failed
