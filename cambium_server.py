@@ -17556,7 +17556,7 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
         raise ConflictError(f"gh says {url} merged, but org's branch '{org.branch}' is not on "
                             f"{org.remote} (renamed or deleted?): nothing was withdrawn, the "
                             "item keeps waiting on it")
-    if what == "MERGED" and any(it.id == item.id for it in org.doc_at(tip).items):
+    if what == "MERGED" and _org_may_hold(org.doc_at(tip), item, url):
         return None
     if state.head == pr_branch_name(f"promote-{item.id}"):     # never a shared branch
         org.drop_side_branch(state.head, at=state.oid)
@@ -17582,6 +17582,20 @@ def withdraw_pr(cfg: Config, scope: str, item: Item, state: PrState) -> dict | N
 DECLINED_NEWS = ("its news for org's copy (an endorsement, a verification, a retirement) stays "
                  "with it and is not proposed again as it is: news it gains from now on is, "
                  "and promote(item_id, to_scope='org') proposes it all again")
+
+
+def _org_may_hold(doc: Doc, item: Item, url: str | None) -> bool:
+    """Whether org's tip (`doc`) holds `item`, its pull request merged: True
+    when it does; CorruptStore when it does not but lines of it do not parse
+    (Doc.damage: the item may sit on one of them, and a merge is never judged
+    reverted on what was left out: the item keeps waiting); False otherwise."""
+    if any(it.id == item.id for it in doc.items):
+        return True
+    if doc.damage:
+        raise CorruptStore(f"{doc.damage}. gh says {url} merged and {item.id} may be on a "
+                           "line left out: it is not judged reverted, nothing was withdrawn, "
+                           "and the item keeps waiting on it")
+    return False
 
 
 def _withdrawn(item: Item, state: str, now: str, news: bool = False) -> Item:

@@ -9334,6 +9334,47 @@ def test_a_team_store_with_a_null_entry_serves_the_rest_and_refuses_every_write(
     assert "do not parse" in cs.status()["scopes"]["team"]["error"]
 
 
+def test_a_merged_org_pr_whose_item_sits_on_an_org_line_that_does_not_parse_keeps_waiting(
+        shared, monkeypatch, tmp_path):
+    """review_promotions called a merged org PR "reverted" when org's tip held
+    its item on a line that does not parse (a hand merge leaving a key twice):
+    the lines that parse are served (Doc.damage), and the item counted as
+    missing: its promote branch was deleted on org and the team copy's pr_url
+    cleared. Nothing is judged reverted on what was left out: the item keeps
+    waiting, the review says why, and once a person fixes org the move settles."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    one = _endorsed("Feature flags get an owner and an expiry date")
+    two = _endorsed("Canary every deploy for ten minutes", "canary")
+    cs.promote()
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    cs.promote(one, to_scope="org")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    url = cs.promote(two, to_scope="org")["pr_url"]
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--no-edit", f"origin/cambium/promote-{two}")
+    good = (merger / "knowledge.json").read_text()
+    lines = good.split("\n")
+    i = next(n for n, line in enumerate(lines) if two in line and line.startswith('{"id"'))
+    lines[i] = lines[i].replace('{"id"', '{"kind":"note","id"', 1)      # a bad hand merge
+    (merger / "knowledge.json").write_text("\n".join(lines))
+    git(merger, "commit", "-qam", "hand merge")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    set_pr_state(tmp_path, url, "MERGED")
+    with cs.collecting_notes():
+        review = cs.with_store_warnings(cs.review_promotions())
+    assert two not in [d.get("id") for d in review.get("closed_org_prs", [])]
+    assert any(two in w and "not judged reverted" in w for w in review["warnings"])
+    assert f"cambium/promote-{two}" in _remote_branches(shared["org_bare"])
+    team = {it["id"]: it for it in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[two]["pr_url"] == url
+    (merger / "knowledge.json").write_text(good)                # a person fixes org
+    git(merger, "commit", "-qam", "fix the hand merge")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    cs.review_promotions()
+    team = {it["id"]: it for it in remote_json(shared["origin"], "cambium")["items"]}
+    assert two not in team                                      # the move settled
+
+
 def test_exporting_an_org_store_in_a_newer_format_renders_it_and_publishes_nothing(
         shared, monkeypatch):
     """export_markdown(scope="org") over an org store a newer cambium wrote failed
