@@ -4413,10 +4413,15 @@ def parse_store(text: str, where: str) -> Doc:
     (a shared scope's file is fixed by hand, never half-read)."""
     parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogatepass")), where)
     if parsed.bad or not parsed.closed:
-        first = parsed.bad[0][:80] if parsed.bad else b"(the file ends early)"
-        raise CorruptStore(f"{where}: {len(parsed.bad) or 1} line(s) do not parse "
-                           f"(first: {first.decode('utf-8', 'replace')!r})")
+        raise lines_not_parsing(parsed, where)
     return parsed.doc
+
+
+def lines_not_parsing(parsed: Parsed, where: str) -> CorruptStore:
+    """parse_store's refusal of a file some lines of which do not parse."""
+    first = parsed.bad[0][:80] if parsed.bad else b"(the file ends early)"
+    return CorruptStore(f"{where}: {len(parsed.bad) or 1} line(s) do not parse "
+                        f"(first: {first.decode('utf-8', 'replace')!r})")
 
 
 def newer_shared_doc(text: str, where: str) -> Doc | None:
@@ -4441,17 +4446,14 @@ def newer_shared_doc(text: str, where: str) -> Doc | None:
     return dataclasses.replace(parsed.doc, raw={**parsed.doc.raw, "cambium": marker})
 
 
-def damaged_shared_doc(text: str, where: str) -> Doc | None:
+def damaged_shared_doc(parsed: Parsed, where: str) -> Doc:
     """A shared store parse_store refused for some lines (an entry that is
-    null, a number or a string; a torn tail), its other lines parsing: those
-    served with a warning naming what was left out, as the local store's are,
-    and marked (Doc.damage) so every write refuses: a write would drop the
-    lines it could not parse. It hid every item of the scope from everyone.
-    None when nothing of it parses (the whole file is a person's to fix)."""
-    try:
-        parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogatepass")), where)
-    except CorruptStore:
-        return None
+    null, a number or a string; a torn tail), its other lines parsing
+    (`parsed`, parse_file's: parsed once): those served with a warning naming
+    what was left out, as the local store's are, and marked (Doc.damage) so
+    every write refuses: a write would drop the lines it could not parse. It
+    hid every item of the scope from everyone. (When nothing of it parses,
+    parse_file raised: the whole file is a person's to fix.)"""
     first = parsed.bad[0][:80].decode("utf-8", "replace") if parsed.bad else None
     what = f"{len(parsed.bad)} line(s) do not parse (first: {first!r})" if parsed.bad \
         else "the file ends early"
@@ -7839,14 +7841,8 @@ class GitStore(Store):
         except GitError:
             self._refuse_no_file(commit, where)     # a directory or a submodule: no blob
             raise
-        try:
-            doc = parse_store(text, where)
-        except CorruptStore:
-            newer = newer_shared_doc(text, where) or damaged_shared_doc(text, where)
-            if newer is None:                               # (a link's text names no
-                self._refuse_no_file(commit, where, text)   # format) a symbolic link: its
-                raise                                       # target's path
-            doc, remember = newer, False        # (parsed again: each read says why)
+        doc, served = self._parsed_doc(commit, where, text)
+        remember = remember and not served      # (served: not cached, each read says why)
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
                 it if it.scope == self.scope else dataclasses.replace(it, scope=self.scope)
@@ -7856,6 +7852,24 @@ class GitStore(Store):
         if text and not doc.items:      # the file is there: not foreign (_say_not_ours)
             self._knew_ours(commit)
         return doc
+
+    def _parsed_doc(self, commit: str, where: str, text: str) -> tuple[Doc, bool]:
+        """The store text at `commit`, parsed once, and whether it was served
+        in part: its lines that parse when some do not, under a newer cambium's
+        marker (newer_shared_doc) or marked damaged (damaged_shared_doc).
+        CorruptStore when nothing parses and no newer marker serves it."""
+        try:
+            parsed = parse_file(io.BytesIO(text.encode("utf-8", "surrogatepass")), where)
+            if not parsed.bad and parsed.closed:
+                return parsed.doc, False
+            refused = lines_not_parsing(parsed, where)
+        except CorruptStore as e:
+            parsed, refused = None, e
+        newer = newer_shared_doc(text, where) or (parsed and damaged_shared_doc(parsed, where))
+        if newer is None:                                   # (a link's text names no
+            self._refuse_no_file(commit, where, text)       # format) a symbolic link: its
+            raise refused                                   # target's path
+        return newer, True
 
     def _refuse_no_file(self, commit: str, where: str, blob: str = "") -> None:
         """CorruptStore naming what the store file is at a commit when it is no

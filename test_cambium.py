@@ -9291,13 +9291,16 @@ def test_a_team_store_in_a_newer_format_this_version_cannot_parse_is_served_not_
     assert git(shared["origin"], "rev-parse", "cambium") == tip
 
 
-def test_a_team_store_with_a_null_entry_serves_the_rest_and_refuses_every_write(shared):
+def test_a_team_store_with_a_null_entry_serves_the_rest_and_refuses_every_write(
+        shared, monkeypatch):
     """One team entry that is no object (null, a string, a number: a hand edit)
     hid every team item from everyone (recall, the primer, stale_report skipped
     the scope; expand and endorse failed), where a damaged local store serves
     every line that parses. The lines that parse are served with a warning
     naming what was left out; every write is refused (corrupt_store), the
-    branch unchanged, and a local item promoted to team stays local."""
+    branch unchanged, and a local item promoted to team stays local. Such a
+    store is parsed once a read (it was twice: parse_store, then
+    damaged_shared_doc, each a whole parse of a large store)."""
     first = _endorsed("Canary every deploy for ten minutes", "canary")
     cs.promote()
     b = shared["b"]
@@ -9308,9 +9311,13 @@ def test_a_team_store_with_a_null_entry_serves_the_rest_and_refuses_every_write(
     git(b, "commit", "-qam", "a hand edit")
     git(b, "push", "-q", "origin", "cambium")
     tip = git(shared["origin"], "rev-parse", "cambium")
+    parses, real = [], cs.parse_file
+    monkeypatch.setattr(cs, "parse_file", lambda *a: parses.append(a[1]) or real(*a))
     with cs.collecting_notes():
         res = cs.with_store_warnings(cs.recall("canary deploys ten minutes", scope="team"))
     assert [r["id"] for r in res["results"]] == [first]
+    assert len([w for w in parses if w.startswith("team")]) == 1, parses
+    monkeypatch.setattr(cs, "parse_file", real)
     assert any("3 line(s) do not parse (first: 'null')" in w and "refused" in w
                for w in res["warnings"])
     with cs.collecting_notes():
