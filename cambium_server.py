@@ -2419,7 +2419,8 @@ def read_config_object(path: Path) -> tuple[bytes, dict]:
     (ConfigUnreadable among them) or RecursionError else."""
     data = read_regular(path, MAX_CONFIG_BYTES)
     text = data.decode("utf-8-sig")                            # (an editor's BOM)
-    if not text.strip():          # empty (`touch`, `> file`): no settings, as if absent
+    if not text.strip(" \t\r\n"):  # empty (`touch`, `> file`; JSON's whitespace only):
+        # no settings, as if absent (an NBSP or a form feed is no JSON: moved aside)
         return data, {}
     loaded = _CONFIG_DECODER.decode(text)
     if not isinstance(loaded, dict):
@@ -2480,9 +2481,16 @@ def config_file_gap(path: Path, why: str) -> dict:
                     "org repo, agent id, ...) would apply; every tool is unavailable",
             "fix": f"edit {path} by hand ({why}); or run setup(project_repo=\"/abs/path/to/"
                    'your/clone", agent_id="your-id"), which moves the file aside to '
-                   f"{path.name}.bad" + ("-<time>-<pid> (a .bad is there already)" if
-                                          os.path.lexists(f"{path}.bad") else "") +
-                   ": every setting it holds then no longer applies"}
+                   f"{config_aside(Path(os.path.realpath(path)), '-<time>-<pid>')}: every "
+                   "setting it holds then no longer applies"}
+
+
+def config_aside(path: Path, stamp: str) -> Path:
+    """Where setup moves an unreadable config file (`path`, a link's target):
+    `<name>.bad`, or `<name>.bad<stamp>` when that is taken (never over an
+    earlier one)."""
+    aside = path.with_name(path.name + ".bad")
+    return path.with_name(f"{path.name}.bad{stamp}") if os.path.lexists(aside) else aside
 
 
 def team_map_said(path: Path, values: dict) -> str | None:
@@ -20542,9 +20550,7 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
             isinstance(held, dict) else value
     text = _config_text(path, current)
     if why is not None:
-        aside = path.with_name(path.name + ".bad")
-        if os.path.lexists(aside):
-            aside = path.with_name(f"{path.name}.bad-{_stamp()}-{os.getpid()}")
+        aside = config_aside(path, f"-{_stamp()}-{os.getpid()}")
         os.replace(path, aside)
     atomic_write(path, text, mode=0o600)
     return ConfigWrite(aside, prior, text, found, why)

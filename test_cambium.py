@@ -1030,6 +1030,10 @@ def test_an_empty_config_file_is_read_as_absent_with_a_warning(tmp_path, monkeyp
     assert json.loads(cfg.read_text())["CAMBIUM_AGENT_ID"] == "ada"
     assert not list(cfg.parent.glob(cfg.name + ".bad*")) and \
         not any("moved aside" in w for w in out.get("warnings", [])), out
+    cfg.write_text("\u00a0\f\n")          # (no JSON whitespace: not empty, kept aside)
+    assert "config file" in [g["setting"] for g in cs.status()["gaps"]]
+    cs.setup(str(r), "ada")
+    assert [p.read_text() for p in cfg.parent.glob(cfg.name + ".bad*")] == ["\u00a0\f\n"]
 
 
 def test_setup_refusal_escapes_keys_and_the_gap_names_the_real_bad_name(tmp_path,
@@ -1050,12 +1054,22 @@ def test_setup_refusal_escapes_keys_and_the_gap_names_the_real_bad_name(tmp_path
     monkeypatch.chdir(r)
     cfg.write_text("{not json")
     fix = next(g["fix"] for g in cs.status()["gaps"] if g["setting"] == "config file")
-    assert f"aside to {cfg.name}.bad:" in fix, fix
+    real = Path(os.path.realpath(cfg))
+    assert f"aside to {real}.bad:" in fix, fix
     cfg.with_name(cfg.name + ".bad").write_text("an earlier one")
     fix = next(g["fix"] for g in cs.status()["gaps"] if g["setting"] == "config file")
-    assert f"aside to {cfg.name}.bad-<time>-<pid>" in fix, fix
+    assert f"aside to {real}.bad-<time>-<pid>" in fix, fix
     cs.setup(str(r), "ada")
     assert [p.read_text() for p in cfg.parent.glob(cfg.name + ".bad-*-*")] == ["{not json"]
+    dots = tmp_path / "dotfiles" / "cambium.json"             # (a dotfiles link: setup
+    dots.parent.mkdir()                                       # moves the link's target)
+    dots.write_text("{not json")
+    cfg.unlink()
+    cfg.symlink_to(dots)
+    fix = next(g["fix"] for g in cs.status()["gaps"] if g["setting"] == "config file")
+    assert f"aside to {dots.resolve()}.bad:" in fix, fix
+    cs.setup(str(r), "ada")
+    assert Path(f"{dots}.bad").read_text() == "{not json"
 
 
 def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
