@@ -7429,11 +7429,12 @@ class GitStore(Store):
         the two was gone, named nowhere. Raises CambiumError, OSError."""
         try:
             old = self._rewound_doc(kept)
-        except CorruptStore:                   # (nothing readable kept: both kept as they are)
-            return self._kept_beside(kept, before)
+        except CorruptStore:                   # (nothing readable kept: the later tip is)
+            return before
+        if old.damage:
+            return before
         at = self.doc_at(before, remember=False)
-        if old.damage or at.damage:            # (a union would drop what does not parse)
-            return self._kept_beside(kept, before)
+        refuse_damaged(at)                     # (its union would drop what does not parse)
         try:
             touched = self._touched_since(self._kept(at_ref) or kept, before)
         except GitError:                       # (too far to tell: all it lost)
@@ -7445,21 +7446,6 @@ class GitStore(Store):
                                     list(lost.values()))
         return self._commit(before, {STORE_FILE: render_store(union)},
                             f"cambium: what rewinds of {self.branch} dropped", merge=kept)
-
-    def _kept_beside(self, kept: str, before: str) -> str:
-        """A commit of `before`'s tree as it is, the kept tip its second parent:
-        a second rewind over a kept tip (or onto a tip) whose store has lines
-        that do not parse (or none that do) builds no union (it would drop
-        them), and the kept ref moving to `before` alone left what the first
-        rewind dropped reachable from no ref. Its items go unnamed by reads:
-        a warning says where they are. Raises CambiumError, OSError."""
-        self._warnings.append(
-            f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound again; "
-            f"a store there has lines that do not parse, so what the earlier rewind dropped "
-            f"is not named: it is kept as {kept} (`git -C {shlex.quote(str(self.repo))} "
-            f"show {kept}:{STORE_FILE}`), the second parent of the tip kept now")
-        return self._commit(before, {}, f"cambium: what rewinds of {self.branch} dropped "
-                            "(a store that does not parse: kept as it is)", merge=kept)
 
     def _slot(self) -> tuple[str, str]:
         """A kept tip's usual name, refs/cambium/rewound/<scope>/<remote>/<branch>,

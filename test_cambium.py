@@ -9355,42 +9355,6 @@ def test_a_team_store_with_a_null_entry_serves_the_rest_and_refuses_every_write(
     assert "do not parse" in cs.status()["scopes"]["team"]["error"]
 
 
-def test_a_second_rewind_over_a_kept_tip_that_does_not_parse_keeps_it_reachable(shared):
-    """A teammate's item C pushed with a `null` line, a force push back (rewind
-    1: C's commit kept), then our item D and another force push back (rewind
-    2): the kept tip, its store damaged, was dropped (_kept_both returned the
-    new tip alone), so C's commit was reachable from no ref. It is kept now:
-    the new kept commit holds the later tip's tree with the earlier kept tip
-    as its second parent, and a warning says where C's commit is."""
-    _endorsed("Canary every deploy for ten minutes", "canary")
-    cs.promote()
-    a, b = shared["a"], shared["b"]
-    git(b, "fetch", "-q", "origin")
-    git(b, "checkout", "-q", "-B", "cambium", "origin/cambium")
-    good = git(b, "rev-parse", "HEAD").strip()
-    text = (b / "knowledge.json").read_text()
-    line = next(x for x in text.split("\n") if x.startswith('{"id"')).rstrip(",")
-    c = {**json.loads(line), "id": "k-0123456789ab", "content": "Teammate item C on canaries"}
-    (b / "knowledge.json").write_text(text.replace(
-        "\n]}", ",\n" + json.dumps(c, separators=(",", ":")) + ",\nnull\n]}"))
-    git(b, "commit", "-qam", "C plus a hand edit")
-    git(b, "push", "-q", "origin", "cambium")
-    damaged = git(b, "rev-parse", "HEAD").strip()
-    cs.recall("canary", scope="team")
-    git(b, "push", "-q", "-f", "origin", f"{good}:refs/heads/cambium")     # rewind 1
-    cs.recall("canary", scope="team")
-    second = _endorsed("Roll back on the first failed health check", "rollback")
-    cs.promote(second)
-    git(b, "push", "-q", "-f", "origin", f"{good}:refs/heads/cambium")     # rewind 2
-    with cs.collecting_notes():
-        res = cs.with_store_warnings(cs.recall("rollback health check", scope="team"))
-    refs = git(a, "for-each-ref", "--format=%(objectname)", "refs/cambium/rewound").split()
-    assert any(subprocess.run(["git", "merge-base", "--is-ancestor", damaged, r],
-                              cwd=a).returncode == 0 for r in refs)
-    assert any(damaged in w and "do not parse" in w for w in res["warnings"])
-    assert any(second in w for w in res["warnings"])     # (the second rewind's item named)
-
-
 def test_a_merged_org_pr_whose_item_sits_on_an_org_line_that_does_not_parse_keeps_waiting(
         shared, monkeypatch, tmp_path):
     """review_promotions called a merged org PR "reverted" when org's tip held
