@@ -14342,12 +14342,13 @@ def malformed_fix(item: Item) -> tuple[str, str] | None:
     such an id."""
     if not ITEM_ID.fullmatch(item.id):
         return (f"its id ({len(item.id):,} characters) is not a cambium id",
-                "give it an unused id of `k-` and 12 hex digits")
+                "give it an unused id of `k-` and 12 hex digits, and put that id wherever "
+                "another item names the old one (superseded_by, corrects, merged_from)")
     wrong = [k for k in item.mistyped or () if k in _TEXT_FIELDS or k == "tags"]
     if wrong:
         return (f"its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not text",
-                f"store its {', '.join(wrong)} as JSON text" + (
-                    " (tags: a list of strings)" if "tags" in wrong else ""))
+                "store " + " and ".join("its tags as a list of strings" if k == "tags" else
+                                        f"its {k} as JSON text" for k in wrong))
     for name, text, limit in (("content", item.content, MAX_CONTENT_CHARS),
                               ("why", item.why, MAX_WHY_CHARS)):
         if len(text) > limit:

@@ -27882,7 +27882,9 @@ def test_a_malformed_items_refusal_says_what_a_hand_edit_must_change():
         said[name] = cs.malformed_verdict(item).reason
     assert all("anew" not in r and "only a hand edit of its local store's knowledge.json"
                in r for r in said.values()), said
-    assert said["id"].endswith("give it an unused id of `k-` and 12 hex digits.")
+    assert said["id"].endswith("give it an unused id of `k-` and 12 hex digits, and put that "
+                               "id wherever another item names the old one (superseded_by, "
+                               "corrects, merged_from).")
     assert said["type"].endswith("store its content as JSON text.")
     assert said["size"].endswith("cut its why to at most 10,000 characters.")
     assert said["empty"].endswith("write what it says in its content, or delete it.")
