@@ -15706,14 +15706,17 @@ def _gone(marker: str) -> list[int]:
 def test_a_ctrl_c_while_a_checks_guard_starts_still_kills_the_check(tmp_path, monkeypatch):
     """The guard was started outside the try whose finally kills the check's
     group: a Ctrl-C during its start (a fork and exec of /bin/sh) left all the
-    check had started running, with no time limit."""
+    check had started running, with no time limit. The check waits at its gate
+    (CHECK_GATE) until the guard runs, so the Ctrl-C comes once the gate's
+    shell is there (waiting for its sleeps, which never start, held the test
+    30 s and made it pass whatever the code did); nothing of it may be left."""
     marker = "61.0013"
 
     def interrupted(group: int) -> None:
         deadline = time.monotonic() + 30
-        while len(_named(_processes_running(marker), "sleep")) < 2 and \
-                time.monotonic() < deadline:
-            time.sleep(0.05)
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _processes_running(marker), "the check's gate never started"
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cs, "_group_guard", interrupted)
