@@ -2464,7 +2464,7 @@ def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
             return {}, f"{path} could not be read ({why}); ignored", None
         return {}, f"{path} could not be read ({why}); no tool runs until it is fixed", \
             config_file_gap(path, why)
-    if not data.decode("utf-8-sig").strip():
+    if not loaded and not data.decode("utf-8-sig").strip(" \t\r\n"):   # (as read_config_object)
         return {}, f"{path} is empty (it holds no settings); ignored", None
     said = [unknown_keys_said(path, loaded), team_map_said(path, loaded)]
     return loaded, "; ".join(w for w in said if w) or None, None
@@ -4432,20 +4432,19 @@ def lines_not_parsing(parsed: Parsed, where: str) -> CorruptStore:
                         f"(first: {first.decode('utf-8', 'replace')!r})")
 
 
-def newer_shared_doc(text: str, where: str) -> Doc | None:
+def newer_shared_doc(text: str, where: str, parsed: Parsed | None) -> Doc | None:
     """A shared store parse_store refused, when a newer cambium wrote it (the
     marker read from its first bytes: newer_marker): its lines that parse,
     served with a warning as the local store's are, the marker kept so every
     write fails newer_format. It was reported corrupt, "fix the file by hand":
     a person invited to repair a newer cambium's file down. None: no newer
-    marker opens it (the shared scope's damage is a person's to fix)."""
+    marker opens it (the shared scope's damage is a person's to fix).
+    `parsed`: the text as parse_file read it, None when nothing parsed."""
     data = text.encode("utf-8", "surrogatepass")
     if (marker := newer_marker(data)) is None:
         return None
     said = f"{where} is in store format {marker} (a newer cambium's)"
-    try:
-        parsed = parse_file(io.BytesIO(data), where)
-    except CorruptStore:
+    if parsed is None:
         note_for_call(f"{said} and this cambium reads none of its items: it is left as it "
                       "is. Upgrade cambium to read it.")
         return Doc(items=[], raw={"cambium": marker})
@@ -7859,7 +7858,8 @@ class GitStore(Store):
             refused = lines_not_parsing(parsed, where)
         except CorruptStore as e:
             parsed, refused = None, e
-        newer = newer_shared_doc(text, where) or (parsed and damaged_shared_doc(parsed, where))
+        newer = newer_shared_doc(text, where, parsed) or \
+            (parsed and damaged_shared_doc(parsed, where))
         if newer is None:                                   # (a link's text names no
             self._refuse_no_file(commit, where, text)       # format) a symbolic link: its
             raise refused                                   # target's path
@@ -8261,9 +8261,9 @@ class GitStore(Store):
                 if done is not None:
                     break
                 stamp = self._held_lock_stamp() if self._remote_held else None
-                if stamp is not None and stamp == seen and \
-                        time.time() - stamp[2] / 1e9 > self.timeout_s + REMOTE_LOCK_LEFT_S:
-                    left = time.time() - stamp[2] / 1e9
+                age = time.time() - stamp[2] / 1e9 if stamp is not None else 0.0
+                if stamp == seen and age > self.timeout_s + REMOTE_LOCK_LEFT_S:
+                    left = age
                     break
                 seen = stamp
                 busy = _busy_pause(busy, until) if self._remote_held else 0
@@ -17176,8 +17176,6 @@ def _carry_up(cfg: Config, dst: str, changed: dict[str, Item], copied: dict[str,
             seen.add(it.id)
         return dataclasses.replace(doc, items=items) if items != doc.items else None
 
-    if not changed:
-        return {}, None
     write = mutate(cfg, dst, apply,     # (org in PR mode: proposed, as every org change)
                    f"carry the change made meanwhile to {', '.join(sorted(changed))}",
                    pr_branch=pr_branch(cfg, dst, "updates"), ensure_pr=True)
@@ -17498,7 +17496,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     held = {it.id: it for it in first_copies(org_doc.items)}
     done: list[str] = []
     for scope in ("local", "team"):
-        below = {it.id: it for it in first_copies(docs.get(scope, Doc(items=[])).items)}
+        below = {it.id: it for it in first_copies(docs.get(scope, Doc(items=[])).items)} \
+            if review else {}                   # (only a review proposes corrections)
         for it in docs.get(scope, Doc(items=[])).items:
             if it.id not in held or it.pr_url or not copy_of(held[it.id], it) or \
                     declined_as_is(it, held[it.id], org_doc):
@@ -17506,7 +17505,7 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
             if it.active:
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
             elif _correction_reached(it, held[it.id], held) or \
-                    review and _correction_to_propose(cfg, it, org_doc, below):
+                    review and _correction_to_propose(cfg, it, held, org_doc, below):
                 out = _finish_cut_short(cfg, scope, it) or {}
             else:
                 continue
@@ -17516,8 +17515,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     return done
 
 
-def _correction_to_propose(cfg: Config, item: Item, org_doc: Doc, below: dict[str, Item]
-                           ) -> bool:
+def _correction_to_propose(cfg: Config, item: Item, held: dict[str, Item], org_doc: Doc,
+                           below: dict[str, Item]) -> bool:
     """Org in PR mode: whether `item`, an unmarked copy below of an item org
     (`org_doc`: its tip) holds active, was superseded by a person's
     correction org lacks (a teammate's correct() in a clone without org
@@ -17529,11 +17528,11 @@ def _correction_to_propose(cfg: Config, item: Item, org_doc: Doc, below: dict[st
     copy waiting; before, only that promote did, and org served the old words
     for good. Never in direct mode: there it would publish to org's own
     branch, and a review publishes nothing unasked. `below`: id -> item of
-    the copy's scope."""
-    there = next((it for it in org_doc.items if it.id == item.id), None)
+    the copy's scope; `held`: id -> org's item, as settle_unmarked read it."""
+    there = held.get(item.id)
     if not (cfg.org_pr and item.status == "superseded" and there and there.active):
         return False
-    line, held = _correction_line(item, below), {it.id for it in org_doc.items}
+    line = _correction_line(item, below)
     return bool(line) and _line_stays(line, "org") is None and not any(
         it.id in held or _said_in(cfg, "org", org_doc, it) for it in line)
 
@@ -17547,7 +17546,7 @@ def _correction_reached(item: Item, there: Item, held: dict[str, Item]) -> bool:
     that merely bears the replacement's id."""
     by = held.get(_superseded_by(item) or "")
     return item.status == "superseded" and there.active and by is not None and \
-        by.corrects == item.id and not replacement_missing(item, held)
+        by.corrects == item.id
 
 
 PR_UNDONE = {"CLOSED": "closed without merging",
@@ -20665,12 +20664,12 @@ def _branch_of_the_project(root: Path, branch: str) -> str | None:
                        (f"refs/remotes/{remote}/{branch}", f"a branch on '{remote}'")):
         tip = _git(["rev-parse", "--verify", "--quiet", ref + "^{commit}", "--"], root,
                    GIT_TIMEOUT_RANGE[1], check=False)
-        if tip.returncode == 0 and _git(["cat-file", "-e", f"{tip.stdout.strip()}:{STORE_FILE}"],
-                                        root, GIT_TIMEOUT_RANGE[1], check=False).returncode:
-            held = _git(["ls-tree", "--name-only", tip.stdout.strip()], root,
-                        GIT_TIMEOUT_RANGE[1], check=False).stdout.strip()
-            return where + (" with your project's files" if held else
-                            " holding no files")
+        if tip.returncode:
+            continue
+        held = _git(["ls-tree", "--name-only", tip.stdout.strip()], root,
+                    GIT_TIMEOUT_RANGE[1], check=False).stdout.splitlines()
+        if STORE_FILE not in held:          # (one git call: what it holds, store or not)
+            return where + (" with your project's files" if held else " holding no files")
     return None
 
 
