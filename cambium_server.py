@@ -3264,7 +3264,7 @@ def stale_lock(stderr: str, cwd: Path | None, timeout_s: float, *,
 
 def _lock_in_clone(stderr: str, cwd: Path | None, timeout_s: float) -> Path | None:
     """The lock file git's `stderr` names as held, when it lies in a git dir of
-    the repository at `cwd` (_own_git_dirs); None for any other. A lock named
+    the repository at `cwd` (_git_dirs_asked); None for any other. A lock named
     on a `remote:` line, or anywhere else, is another repository's: a push
     refused by a bare remote's ref lock (a teammate's push held in a slow hook)
     had that live lock deleted in the remote, and the teammate's acknowledged
@@ -3276,23 +3276,27 @@ def _lock_in_clone(stderr: str, cwd: Path | None, timeout_s: float) -> Path | No
             return None
         path = Path(m.group(1)) if os.path.isabs(m.group(1)) else Path(cwd) / m.group(1)
         where = Path(os.path.realpath(path.parent))
-        return path if any(d == where or d in where.parents
-                           for d in _own_git_dirs(cwd, timeout_s)) else None
+        own = [Path(os.path.realpath(d)) for d in _git_dirs_asked(cwd, timeout_s) or ()]
+        return path if any(d == where or d in where.parents for d in own) else None
     return None
 
 
-def _own_git_dirs(cwd: Path, timeout_s: float) -> list[Path]:
-    """The git dir and common dir of the repository at `cwd`, links resolved:
-    read from .git (_git_dirs), else asked of git (a bare repository, a
-    reftable clone); [] when neither tells."""
+def _git_dirs_asked(repo: Path, timeout_s: float, *,
+                    check: bool = False) -> tuple[Path, Path] | None:
+    """(git dir, common dir) of the repository at `repo`: read from .git
+    (_git_dirs), else asked of git (a bare repository, a reftable clone);
+    None when git cannot tell either (`check`: GitError then; a timeout raises
+    GitError always). Its git is run `retried`: _lock_in_clone asks within
+    _run's look at a failed command's lock. _lock_in_clone, GitStore._meta_dir
+    and _is_shallow find the clone's git dirs alike."""
     try:
-        dirs = list(_git_dirs(cwd))
+        return _git_dirs(repo)
     except (OSError, IndexError):
-        proc = _run(["git", "rev-parse", "--absolute-git-dir", "--git-common-dir"], cwd,
-                    timeout_s, check=False, retried=True)
-        dirs = [cwd / d for d in git_lines(proc.stdout.strip())] if proc.returncode == 0 \
-            else []
-    return [Path(os.path.realpath(d)) for d in dirs]
+        proc = _run(["git", "rev-parse", "--absolute-git-dir", "--git-common-dir"], repo,
+                    timeout_s, check=check, retried=True)
+        dirs = git_lines(proc.stdout.strip())
+        return (repo / dirs[0], repo / dirs[1]) if proc.returncode == 0 and len(dirs) == 2 \
+            else None
 
 
 _GH_CALLS = threading.local()    #: within gh_gives_up(): .hung (a gh call timed out), .states
@@ -6596,13 +6600,11 @@ def _is_shallow(repo: Path, timeout_s: float) -> bool:
     """Whether the clone at `repo` is shallow: its shallow file opens, as git
     judges it (is_repository_shallow), so one look at .git tells (as
     GitStore._shallow_mark's stat does); git is asked only where .git cannot
-    be read so (a reftable clone, _git_dirs). Raises GitError."""
-    try:
-        common = _git_dirs(repo)[1]
-    except (OSError, IndexError):
-        return _git(["rev-parse", "--is-shallow-repository"], repo,
-                    timeout_s).stdout.strip() == "true"
-    shallow = common / "shallow"
+    be read so (a reftable clone, _git_dirs_asked: its common dir, where git
+    keeps the shallow file). Raises GitError."""
+    if (dirs := _git_dirs_asked(repo, timeout_s, check=True)) is None:
+        return False                                # (git said no dirs: not shallow)
+    shallow = dirs[1] / "shallow"
     return os.access(shallow, os.R_OK) and not shallow.is_dir()
 
 
@@ -6779,12 +6781,8 @@ class GitStore(Store):
         common git dir, beside the refs they guard, so every linked worktree of
         a clone shares them and none lands in a working tree."""
         if self._meta is None:
-            try:
-                common = _git_dirs(self.repo)[1]
-            except (OSError, IndexError):
-                proc = self.git("rev-parse", "--git-common-dir", check=False)
-                common = self.repo / proc.stdout.strip() if proc.returncode == 0 \
-                    else self.repo / ".git"
+            dirs = _git_dirs_asked(self.repo, self.timeout_s)
+            common = dirs[1] if dirs else self.repo / ".git"
             self._meta = Path(os.path.abspath(common)) / "cambium"
             if runtime().first_time(f"swept {self._meta}"):   # (once a process: a store
                 sweep_leftover_tmp(self._meta)                  # object is made each call)
