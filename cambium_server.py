@@ -3269,15 +3269,22 @@ def _lock_in_clone(stderr: str, cwd: Path | None, timeout_s: float) -> Path | No
     refused by a bare remote's ref lock (a teammate's push held in a slow hook)
     had that live lock deleted in the remote, and the teammate's acknowledged
     push was lost."""
+    if (named := _lock_named(stderr, remote=False)) is None or cwd is None:
+        return None
+    path = Path(named) if os.path.isabs(named) else Path(cwd) / named
+    where = Path(os.path.realpath(path.parent))
+    own = [Path(os.path.realpath(d)) for d in _git_dirs_asked(cwd, timeout_s) or ()]
+    return path if any(d == where or d in where.parents for d in own) else None
+
+
+def _lock_named(stderr: str, *, remote: bool) -> str | None:
+    """The first lock git's `stderr` says is held (_LOCK_HELD): on a line of
+    the remote's (`remote:`) or, not `remote`, on any other; None when none
+    (pure). _lock_in_clone reads the clone's; GitStore._push the remote's
+    (another git's ref update there)."""
     for line in re.split(r"[\r\n]", stderr or ""):
-        if not (m := _LOCK_HELD.search(line)) or line.lstrip().startswith("remote:"):
-            continue
-        if cwd is None:
-            return None
-        path = Path(m.group(1)) if os.path.isabs(m.group(1)) else Path(cwd) / m.group(1)
-        where = Path(os.path.realpath(path.parent))
-        own = [Path(os.path.realpath(d)) for d in _git_dirs_asked(cwd, timeout_s) or ()]
-        return path if any(d == where or d in where.parents for d in own) else None
+        if (m := _LOCK_HELD.search(line)) and line.lstrip().startswith("remote:") == remote:
+            return m.group(1)
     return None
 
 
@@ -6439,15 +6446,6 @@ def _push_blocks(out: str) -> list[tuple[str, str]]:
     return [(url, "\n".join(lines)) for url, lines in blocks]
 
 
-def _remote_lock(stderr: str) -> str | None:
-    """The lock a push's `remote:` lines say the remote holds (another git's
-    ref update there), or None (pure)."""
-    for line in re.split(r"[\r\n]", stderr or ""):
-        if line.lstrip().startswith("remote:") and (m := _LOCK_HELD.search(line)):
-            return m.group(1)
-    return None
-
-
 def _push_said(proc: subprocess.CompletedProcess) -> str:
     """What a failed `git push --porcelain` printed, for its error: the
     porcelain without its closing `Done`, then stderr (pure)."""
@@ -7992,7 +7990,7 @@ class GitStore(Store):
         proc = self._push_git(*lease_opt, f"{commit}:refs/heads/{branch}")
         here, others = self._pushed_here(proc.stdout)
         outcome = _push_outcome(proc.stdout if here is None else here)
-        self._remote_held = _remote_lock(proc.stderr) if outcome == "race" else None
+        self._remote_held = _lock_named(proc.stderr, remote=True) if outcome == "race" else None
         if here is not None and (outcome == "race" or outcome == "ok" and (
                 proc.returncode == 0 or others)):
             if outcome == "ok" and others:          # (the caller verifies it)
