@@ -4438,9 +4438,18 @@ def parse_store(text: str, where: str) -> Doc:
 
 def lines_not_parsing(parsed: Parsed, where: str) -> CorruptStore:
     """parse_store's refusal of a file some lines of which do not parse."""
-    first = parsed.bad[0][:80] if parsed.bad else b"(the file ends early)"
-    return CorruptStore(f"{where}: {len(parsed.bad) or 1} line(s) do not parse "
-                        f"(first: {first.decode('utf-8', 'replace')!r})")
+    said = _bad_lines_said(parsed) or "1 line(s) do not parse (first: '(the file ends early)')"
+    return CorruptStore(f"{where}: {said}")
+
+
+def _bad_lines_said(parsed: Parsed) -> str | None:
+    """How many lines of `parsed` did not parse and the first of them (its
+    first 80 bytes), as lines_not_parsing and damaged_shared_doc say it; None
+    when none did (the file only ends early) (pure)."""
+    if not parsed.bad:
+        return None
+    first = parsed.bad[0][:80].decode("utf-8", "replace")
+    return f"{len(parsed.bad)} line(s) do not parse (first: {first!r})"
 
 
 def newer_shared_doc(text: str, where: str, parsed: Parsed | None) -> Doc | None:
@@ -4472,9 +4481,7 @@ def damaged_shared_doc(parsed: Parsed, where: str) -> Doc:
     every write refuses: a write would drop the lines it could not parse. It
     hid every item of the scope from everyone. (When nothing of it parses,
     parse_file raised: the whole file is a person's to fix.)"""
-    first = parsed.bad[0][:80].decode("utf-8", "replace") if parsed.bad else None
-    what = f"{len(parsed.bad)} line(s) do not parse (first: {first!r})" if parsed.bad \
-        else "the file ends early"
+    what = _bad_lines_said(parsed) or "the file ends early"
     damage = (f"{where}: {what}; every write to that scope is refused until a person "
               "fixes the file by hand (a write would drop what does not parse)")
     note_for_call(f"{damage}. The {len(parsed.doc.items)} item(s) that parse are served; "
