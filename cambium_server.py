@@ -14394,15 +14394,17 @@ def team_verdict(item: Item, trust: dict, recalls_needed: int, *, force: bool = 
                        f"{item.pr_url}: it moves to org when that merges (close the pull "
                        "request first to send it to team instead).")
     if trust.get("endorsements"):
-        return malformed_verdict(item) or Verdict(True, "promotable", "endorsed")
-    if int(trust.get("recalls", 0)) >= recalls_needed:
-        return malformed_verdict(item) or Verdict(
-            True, "promotable", f"recalled {trust.get('recalls')} times (>= {recalls_needed})")
-    if force:
-        return malformed_verdict(item) or Verdict(True, "promotable", "forced", forced=True)
-    return Verdict(False, "not_eligible", f"needs {recalls_needed} recalls (has "
-                                          f"{trust.get('recalls', 0)}) or an endorsement; "
-                                          "endorse() it or pass force=True")
+        ok = Verdict(True, "promotable", "endorsed")
+    elif int(trust.get("recalls", 0)) >= recalls_needed:
+        ok = Verdict(True, "promotable",
+                     f"recalled {trust.get('recalls')} times (>= {recalls_needed})")
+    elif force:
+        ok = Verdict(True, "promotable", "forced", forced=True)
+    else:
+        return Verdict(False, "not_eligible", f"needs {recalls_needed} recalls (has "
+                                              f"{trust.get('recalls', 0)}) or an endorsement; "
+                                              "endorse() it or pass force=True")
+    return malformed_verdict(item) or ok
 
 
 def org_verdict(item: Item, *, org_content: str | None = None, org_why: str | None = None,
