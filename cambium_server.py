@@ -1878,8 +1878,9 @@ def _clone_above(start: Path) -> tuple[Path | None, bool]:
     """(the clone `start` is in, whether it is in a git repository with no work
     tree instead), as git finds them walking up (no subprocess): a .git
     directory git takes for a git directory (HEAD, objects/ and refs/: git walks
-    past an empty, stray or half-made one, and so does this), or a .git file (a worktree or submodule; one whose gitdir is gone is
-    still the root: git stops there and refuses). A git directory met on the
+    past an empty, stray or half-made one, and so does this), or a .git file (a
+    worktree or submodule; one whose gitdir is gone is still the root: git
+    stops there and refuses). A git directory met on the
     way that is no clone's .git (a bare repository nested in a clone's tree, a
     submodule's directory under .git/modules) stops the walk, and so does a .git
     file naming a bare repository: the clone around them is not theirs. Like
@@ -7798,8 +7799,9 @@ class GitStore(Store):
         its private ref, which names the remote (a fetch set it; one an
         earlier version left at a scratch name is dropped first,
         _drop_old_scratch; an earlier version's stamp names no remote, and
-        after a switch of CAMBIUM_REMOTE it hid git's own ref of the new one). After an upgrade from a version stamping under
-        another name, a clone whose refspec names main alone read as never
+        after a switch of CAMBIUM_REMOTE it hid git's own ref of the new
+        one). After an upgrade from a version stamping under another name, a
+        clone whose refspec names main alone read as never
         fetched: the primer left team out. No subprocess (but to drop such
         a leftover)."""
         return os.path.exists(self._stamp()) or bool(self._ref_read())
@@ -25760,7 +25762,8 @@ def _emit(result: Any, fmt: str, file: Any = None) -> None:
         text = next((result[k] for k in ("markdown", "primer") if k in result), None) \
             if isinstance(result, dict) else None
         out = terminal_safe(_text(result) if text is None else text)   # (a hand-edited item's
-        if text is not None:                                      # escapes reach no terminal)         # stdout stays the document; what it leaves out, stderr
+        if text is not None:                                      # escapes reach no terminal)
+            # stdout stays the document; what it leaves out, stderr
             for said in [result.get("note"), *(result.get("warnings") or [])]:
                 if said:
                     print(f"{_as_invoked()}: {valid_unicode(str(said))}", file=sys.stderr)
