@@ -6689,7 +6689,6 @@ class GitStore(Store):
         self._warnings: list[str] = []            # this instance's read notes
         self._objects_dir: Path | None | bool = False     # not looked up yet
         self._push_target: tuple[str, str] | None = None  # (where pushes go, why: _push_to)
-        self._remote_held: str | None = None      # the remote's lock the last push met (_push)
         self._meta: Path | None = None            # stamps and locks (_meta_dir)
         self._rt = runtime()
         self._state = self._rt.git_scope(repo, remote, branch)
@@ -7993,19 +7992,21 @@ class GitStore(Store):
                            proc.stderr.decode("utf-8", "replace"))
         return commit
 
-    def _push(self, commit: str, branch: str, *, lease: str | None = None) -> str:
-        """Push commit to branch: "ok", "race" (replay), or GitError (final)."""
+    def _push(self, commit: str, branch: str, *, lease: str | None = None
+              ) -> tuple[str, str]:
+        """Push commit to branch: ("ok", ""), ("race", the remote's ref lock that
+        refused it, "" when it names none) to replay, or GitError (final)."""
         lease_opt = [] if lease is None else [f"--force-with-lease=refs/heads/{branch}:{lease}"]
         proc = self._push_git(*lease_opt, f"{commit}:refs/heads/{branch}")
         here, others = self._pushed_here(proc.stdout)
         outcome = _push_outcome(proc.stdout if here is None else here)
-        self._remote_held = _lock_named(proc.stderr, remote=True) if outcome == "race" else None
+        held = (_lock_named(proc.stderr, remote=True) or "") if outcome == "race" else ""
         if here is not None and (outcome == "race" or outcome == "ok" and (
                 proc.returncode == 0 or others)):
             if outcome == "ok" and others:          # (the caller verifies it)
                 note_for_call(f"the push to {self.remote}/{branch} landed where cambium "
                               f"reads it, but git also reported: {'; '.join(others)}")
-            return outcome
+            return outcome, held
         why = "; ".join(filter(None, [_push_said(proc) or "push refused",
                                       self._push_to()[1]]))
         failed = GitError(["git", "push", self.remote, branch], proc.returncode, why)
@@ -8014,9 +8015,9 @@ class GitStore(Store):
                 self.verify(commit, branch)          # where cambium reads: it stands
                 note_for_call(f"the push to {self.remote}/{branch} landed where cambium "
                               f"reads it, but git also reported: {failed}")
-                return "ok"
+                return "ok", ""
             if here is None and self._raced_where_read(proc.stdout):
-                return "race"                      # (not landed: the lease keeps it safe)
+                return "race", held                # (not landed: the lease keeps it safe)
         raise failed
 
     def _raced_where_read(self, out: str) -> bool:
@@ -8233,7 +8234,7 @@ class GitStore(Store):
         files = {STORE_FILE: render_store(doc), **self._rendered(doc, parent)}
         commit = self._commit(parent, files, f"cambium: catch {branch} up with "
                               f"{self.remote}/{self.branch}", merge=merge)
-        if self._push(commit, branch, lease=side) == "race":
+        if self._push(commit, branch, lease=side)[0] == "race":
             return None
         self.verify(commit, branch)
         return commit
@@ -8257,35 +8258,35 @@ class GitStore(Store):
         with file_lock(self._stamp().with_name(f"write-{self.scope}-{target.replace('/', '_')}")):
             guess = None if side else self._own_tip()
             done = self._attempt(fn, message, target, None, ensure_files, guess) \
-                if guess else None
-            attempts = _cas_attempts(self._state) if done is None else iter(())
+                if guess else ""
+            attempts = iter(()) if isinstance(done, Write) else _cas_attempts(self._state)
             until, busy, seen, left = time.monotonic() + PUSH_RETRY_S, 0, None, None
             for _ in attempts:
-                self._remote_held = None
                 done = self._attempt(fn, message, target, side, ensure_files)
-                if done is not None:
+                if isinstance(done, Write):
                     break
-                stamp = self._held_lock_stamp() if self._remote_held else None
+                stamp = self._held_lock_stamp(done) if done else None
                 age = time.time() - stamp[2] / 1e9 if stamp is not None else 0.0
                 if stamp == seen and age > self.timeout_s + REMOTE_LOCK_LEFT_S:
                     left = age
                     break
                 seen = stamp
-                busy = _busy_pause(busy, until) if self._remote_held else 0
-        if done is not None:
+                busy = _busy_pause(busy, until) if done else 0
+        if isinstance(done, Write):
             if target == self.branch:
                 self._name_rewound(done)
             return done
-        if self._remote_held:
-            raise self._remote_busy(target, busy, left)
+        if done:                                  # (the remote's lock refused the last push)
+            raise self._remote_busy(target, done, busy, left)
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 
-    def _remote_busy(self, target: str, refused: int, left: float | None) -> RemoteBusy:
-        """The error of a write whose last push the remote's held ref lock
+    def _remote_busy(self, target: str, lock: str, refused: int, left: float | None
+                     ) -> RemoteBusy:
+        """The error of a write whose last push the remote's held ref `lock`
         refused, `refused` times in a row: busy, or, `left` (its age in
         seconds), a lock that looks left over, for a person to remove."""
-        lock, where = self._remote_held, f"{self.scope} scope: the remote {self.remote}"
+        where = f"{self.scope} scope: the remote {self.remote}"
         if left is not None:                 # (named as found: git's says `x.git/./refs`)
             lock = os.path.join(os.path.realpath(os.path.dirname(lock)), os.path.basename(lock))
             return RemoteBusy(
@@ -8302,12 +8303,11 @@ class GitStore(Store):
             "progress, a slow hook, or a lock a crash left on the remote); nothing was "
             "written. Try again; cambium never removes a lock in the remote")
 
-    def _held_lock_stamp(self) -> tuple[int, int, int] | None:
-        """The remote's ref lock the last push met (_remote_held) as (inode,
-        size, mtime in ns), when it lies in a repository on this machine that
-        the push went to (a path or file:// URL); None when it is gone, or
-        the remote is a network address (its lock cannot be looked at)."""
-        lock = self._remote_held or ""
+    def _held_lock_stamp(self, lock: str) -> tuple[int, int, int] | None:
+        """The remote's ref `lock` a push met (_push) as (inode, size, mtime in
+        ns), when it lies in a repository on this machine that the push went
+        to (a path or file:// URL); None when it is gone, or the remote is a
+        network address (its lock cannot be looked at)."""
         target = self._push_to()[0]
         urls = [target] if target != self.remote else \
             remote_push_urls(self.repo, self.remote, self.timeout_s)
@@ -8332,9 +8332,10 @@ class GitStore(Store):
 
     def _attempt(self, fn: Callable[[Doc], Doc | None], message: str, target: str,
                  side: str | None, ensure_files: bool, guess: str | None = None
-                 ) -> Write | None:
-        """One CAS attempt: the Write, or None to go again (a lost race; or, on a
-        guessed tip, anything but a landed push)."""
+                 ) -> Write | str:
+        """One CAS attempt: the Write, or, to go again (a lost race; or, on a
+        guessed tip, anything but a landed push), the remote's ref lock that
+        refused its push ("" when none did)."""
         started = time.monotonic()
         tip = guess or self._fetch_for_write()
         side_tip = self._remote_branch_tip(side) if side else None
@@ -8351,12 +8352,12 @@ class GitStore(Store):
             new = with_credits(fn, pending)(doc)
         except CambiumError:
             if guess:
-                return None
+                return ""
             raise
         landed = landed_credits(doc, pending)        # (the rest wait: climb_credits)
         if new is None:
             if guess:
-                return None
+                return ""
             if not (ensure_files and self._files_stale(base, doc)):
                 if landed:                          # each counted here already
                     commit_credits(landed)
@@ -8369,10 +8370,10 @@ class GitStore(Store):
         commit = self._commit(parent, files, message, merge=merge)
         lease = side_tip if side else tip      # exact CAS: the tip read, or absent
         others = self._stores_elsewhere() if tip is None and not side else []
-        outcome = self._push(commit, target, lease=lease or "")
+        outcome, held = self._push(commit, target, lease=lease or "")
         self._timed(time.monotonic() - started)
         if outcome == "race":
-            return None
+            return held
         self.verify(commit, target)
         commit_credits(landed)
         if others:                             # (this write started the branch)

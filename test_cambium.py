@@ -6024,7 +6024,7 @@ def test_a_second_push_url_listed_first_never_decides_where_cambium_reads(
     git(origin, "push", "-q", "--force", str(mirror), "cambium~1:refs/heads/cambium")   # the
     st = cs.store(cs.resolve_config(), "team")                        # mirror took the push
     old, lease = (git(origin, "rev-parse", r).strip() for r in ("cambium~2", "cambium~1"))
-    assert st._push(old, "cambium", lease=lease) == "race"
+    assert st._push(old, "cambium", lease=lease)[0] == "race"
     assert git(mirror, "rev-parse", "cambium").strip() == old
 
 
@@ -9136,7 +9136,7 @@ def test_push_blocks_are_told_apart_by_where_the_path_is_not_by_the_ssh_user(
                        f"{commit}:refs/heads/cambium").stdout
     assert "To srv:kb.git" in out and st._pushed_here(out)[0] is None, out   # (two name it)
     assert st._raced_where_read(out)
-    assert st._push(commit, "cambium", lease=head) == "race"
+    assert st._push(commit, "cambium", lease=head)[0] == "race"
     git(a, "remote", "set-url", "origin", "codecommit://dev@shop")
     git(a, "config", "--unset-all", "remote.origin.pushurl")
     git(a, "remote", "set-url", "--push", "origin", "codecommit://prod@shop")
@@ -9173,7 +9173,7 @@ def test_an_ssh_user_holding_an_at_sign_replays_a_race_beside_a_mirror(shared, m
         here, others = st._pushed_here(out)
         assert here and "stale info" in here and len(others) == 1, (fetch, out)
         assert st._raced_where_read(out)
-        assert st._push(commit, "cambium", lease=head) == "race"
+        assert st._push(commit, "cambium", lease=head)[0] == "race"
 
 
 def test_a_moved_url_that_cannot_be_fetched_is_backed_off_as_a_failed_fetch_is(shared):
