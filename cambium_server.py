@@ -24764,6 +24764,37 @@ async def _read_body(scope: dict, receive: Callable, limit: int) -> bytes | None
     return b"".join(chunks)
 
 
+#: a request's body must arrive whole within this long of its head (the request
+#: passed the token and Host/Origin checks), else it is answered 408 and its
+#: connection closed, its POST place freed: a body trickled a byte within every
+#: HTTP_HEAD_S held its connection and a place for as long as the client kept on
+HTTP_BODY_S = 30.0
+
+
+async def _body_or_refusal(scope: dict, receive: Callable, send: Callable,
+                           limit: int) -> bytes | None:
+    """_read_body's body, or None once the request is answered: 413 (too large,
+    or the client went away), or 408 when it did not arrive whole within
+    HTTP_BODY_S, with a JSON-RPC error as the SDK's own refusals carry."""
+    import anyio
+    with anyio.move_on_after(HTTP_BODY_S) as timer:
+        body = await _read_body(scope, receive, limit)
+    if timer.cancelled_caught:
+        late = {"jsonrpc": "2.0", "id": None, "error": {
+            "code": -32600, "message": f"Request timeout: the request body did not arrive "
+                                       f"whole within {HTTP_BODY_S:g} s (HTTP_BODY_S); "
+                                       "send it again, whole"}}
+        body = json.dumps(late).encode()
+        await send({"type": "http.response.start", "status": 408, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+        return None
+    if body is None:
+        await _respond(send, 413, b"Request body too large", b"text/plain")
+    return body
+
+
 MCP_HTTP_PATH = "/mcp"      #: the SDK's streamable HTTP endpoint
 
 
@@ -24833,7 +24864,8 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
     redirected it, to a location built from the Host header); a message POSTed
     to /mcp gets what the same line gets on stdio, once `guard` (rebinding_guard's
     Host/Origin check) has passed it and its body is within `limit` (else 413,
-    unread; any other method's body too). Lone surrogate escapes are repaired
+    unread; any other method's body too) and arrived whole within HTTP_BODY_S
+    (else 408, its connection closed). Lone surrogate escapes are repaired
     (the SDK's parser called them a parse error), and a message stdio refuses
     (refusal_reply) gets 400 with the error stdio answers: an id that is neither a string nor an integer
     (`"id": 1.5`, which the SDK took for a notification: 202 and no answer), a
@@ -24859,19 +24891,20 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             if refused is not None:                           # declared body was waited for)
                 return await refused(scope, receive, send)
         if scope.get("method") != "POST":   # (a GET or DELETE has no body: held to 64 KiB)
-            body = await _read_body(scope, receive, min(limit, MAX_HTTP_BODY_NOT_POST))
-            if body is None:
-                return await _respond(send, 413, b"Request body too large", b"text/plain")
+            body = await _body_or_refusal(scope, receive, send,
+                                          min(limit, MAX_HTTP_BODY_NOT_POST))
+            if body is None:                    # (answered: 413 or 408)
+                return None
             return await app(scope, _replaying(body, receive), send)
         await one_of_few(_http_bodies(), send, lambda: answer_post(scope, receive, send))
 
     async def answer_post(scope: dict, receive: Callable, send: Callable) -> None:
         try:
-            body = await _read_body(scope, receive, limit)
+            body = await _body_or_refusal(scope, receive, send, limit)
         except asyncio.CancelledError:   # shutdown's 20 s ran out on a client
             return                    # stalled mid-body: nothing to answer (no traceback)
-        if body is None:                         # too large (or the client went away)
-            return await _respond(send, 413, b"Request body too large", b"text/plain")
+        if body is None:          # answered: too large (or the client went away), or late
+            return None
         text = repair_surrogate_escapes(body.decode("utf-8", "replace")).removeprefix(
             "\ufeff")                            # as stdio reads (a byte-order mark skipped)
         body = text.encode("utf-8")              # bytes that are no UTF-8: U+FFFD, \ud800 too
@@ -25066,7 +25099,8 @@ def head_timed_protocol() -> type:
     that arrived ends the wait: a long call, an event stream are not timed by
     it. A body is timed by its gaps (body_late): one that stalled held its
     connection, and a POST's place (HTTP_BODIES_AT_ONCE), until the client
-    closed it. An idle connection after an answer is uvicorn's to close (its
+    closed it (and one trickled is answered 408 at HTTP_BODY_S: _body_or_refusal).
+    An idle connection after an answer is uvicorn's to close (its
     keep-alive, 5 s); one that sends part of its next head meets this bound."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 

@@ -25102,6 +25102,80 @@ def test_http_closes_a_connection_whose_request_head_never_ends(repo):
     assert "Traceback" not in err, err
 
 
+def _trickled_answer(port: int, head: bytes, gap_s: float = 0.25, most: int = 80) -> bytes:
+    """What the server answers on a new connection to `port` that sends `head`
+    and then a body one byte each `gap_s` (each gap far within HTTP_HEAD_S), up
+    to `most` bytes (well past a test's HTTP_BODY_S): read until the server
+    closes it (b"": it never answered)."""
+    import select
+    import socket
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), 20) as s:
+        s.sendall(head)
+        with contextlib.suppress(ConnectionError):       # (a byte crossed the close)
+            for _ in range(most):
+                s.sendall(b" ")
+                if select.select([s], [], [], gap_s)[0]:
+                    break
+        with contextlib.suppress(ConnectionError):
+            while chunk := s.recv(4096):                 # to the close (else: timeout)
+                got += chunk
+    return got
+
+
+def test_http_answers_a_trickled_body_408_at_its_deadline_and_frees_its_place(repo):
+    """A client that sent a request head, then its body a byte every few
+    seconds (each gap within HTTP_HEAD_S), held its connection and one of the
+    POST places for as long as it kept on: a few such made every POST get 503.
+    A body not whole HTTP_BODY_S (here 2 s) after its head is answered 408 with
+    a JSON-RPC error and its connection closed. While one trickles another
+    client's MCP session is served; past the deadline its place is free again:
+    3 tricklers at once (here 3 places) are each held and answered 408, none
+    503. A GET's body trickled gets the 408 too."""
+    import concurrent.futures
+    port = _free_port()
+    quick = ("import sys, cambium_server as cs; cs.HTTP_BODY_S = 2.0; "
+             "cs.HTTP_BODIES_AT_ONCE = 3; sys.exit(cs.main())")
+    proc = subprocess.Popen([sys.executable, "-c", quick, "serve", "--http", "--port",
+                             str(port)], env=_mcp_env(repo), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+    def head(method: str = "POST") -> bytes:
+        return (f"{method} /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                "application/json\r\nAccept: application/json, text/event-stream\r\n"
+                "Content-Length: 1000\r\n\r\n").encode()
+
+    def late(got: bytes) -> bool:
+        status, _, body = got.partition(b"\r\n\r\n")
+        error = json.loads(body)["error"] if body.startswith(b"{") else {}
+        return status.startswith(b"HTTP/1.1 408") and error.get("code") == -32600 \
+            and "HTTP_BODY_S" in error.get("message", "")
+
+    async def names(session):           # (initialized: one POST, while one trickles)
+        nonlocal trickled
+        trickled = pool.submit(_trickled_answer, port, head())
+        return {t.name for t in (await session.list_tools()).tools}
+
+    trickled = None
+    try:
+        assert "serving MCP on" in proc.stderr.readline()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert "recall" in asyncio.run(_http_session(f"http://127.0.0.1:{port}/mcp",
+                                                         None, names))
+            got = trickled.result()
+            assert late(got), got                      # (was: never answered)
+            more = [pool.submit(_trickled_answer, port, h)
+                    for h in (head(), head(), head(), head("GET"))]
+            answers = [f.result() for f in more]
+        assert all(map(late, answers)), answers        # its place was given back
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        err = proc.stderr.read()
+        proc.stderr.close()
+    assert "Traceback" not in err, err
+
+
 def test_sigterm_ends_an_http_server_whose_call_waits_on_a_held_lock(repo):
     """serve --http, SIGTERM while an endorse waited for the store's lock a
     stopped process held: uvicorn's graceful shutdown waited on that call's
