@@ -25128,10 +25128,10 @@ def test_http_answers_a_trickled_body_408_at_its_deadline_and_frees_its_place(re
     seconds (each gap within HTTP_HEAD_S), held its connection and one of the
     POST places for as long as it kept on: a few such made every POST get 503.
     A body not whole HTTP_BODY_S (here 2 s) after its head is answered 408 with
-    a JSON-RPC error and its connection closed. While one trickles another
-    client's MCP session is served; past the deadline its place is free again:
-    3 tricklers at once (here 3 places) are each held and answered 408, none
-    503. A GET's body trickled gets the 408 too."""
+    a JSON-RPC error and `Connection: close` (closed at once). While one
+    trickles another client's MCP session is served; past the deadline its
+    place is free again: 3 tricklers at once (here 3 places) are each held and
+    answered 408, none 503. A GET's body trickled gets the 408 too."""
     import concurrent.futures
     port = _free_port()
     quick = ("import sys, cambium_server as cs; cs.HTTP_BODY_S = 2.0; "
@@ -25145,11 +25145,14 @@ def test_http_answers_a_trickled_body_408_at_its_deadline_and_frees_its_place(re
                 "application/json\r\nAccept: application/json, text/event-stream\r\n"
                 "Content-Length: 1000\r\n\r\n").encode()
 
-    def late(got: bytes) -> bool:
-        status, _, body = got.partition(b"\r\n\r\n")
+    def late(got: bytes) -> bool:       # 408, the JSON-RPC error, closed at once
+        head, _, body = got.partition(b"\r\n\r\n")
+        status, *lines = head.split(b"\r\n")
+        headers = dict(line.lower().split(b": ", 1) for line in lines)
         error = json.loads(body)["error"] if body.startswith(b"{") else {}
         return status.startswith(b"HTTP/1.1 408") and error.get("code") == -32600 \
-            and "HTTP_BODY_S" in error.get("message", "")
+            and "HTTP_BODY_S" in error.get("message", "") \
+            and headers.get(b"connection") == b"close"
 
     async def names(session):           # (initialized: one POST, while one trickles)
         nonlocal trickled
