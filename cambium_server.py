@@ -24780,15 +24780,11 @@ async def _body_or_refusal(scope: dict, receive: Callable, send: Callable,
     with anyio.move_on_after(HTTP_BODY_S) as timer:
         body = await _read_body(scope, receive, limit)
     if timer.cancelled_caught:
-        late = {"jsonrpc": "2.0", "id": None, "error": {
-            "code": -32600, "message": f"Request timeout: the request body did not arrive "
-                                       f"whole within {HTTP_BODY_S:g} s (HTTP_BODY_S); "
-                                       "send it again, whole"}}
-        body = json.dumps(late).encode()
-        await send({"type": "http.response.start", "status": 408, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        late = _rpc_error({}, -32600, f"Request timeout: the request body did not arrive "
+                                      f"whole within {HTTP_BODY_S:g} s (HTTP_BODY_S); send it "
+                                      "again, whole")
+        await _respond(send, 408, json.dumps(late).encode(), b"application/json",
+                       ((b"connection", b"close"),))
         return None
     if body is None:
         await _respond(send, 413, b"Request body too large", b"text/plain")
@@ -24798,10 +24794,11 @@ async def _body_or_refusal(scope: dict, receive: Callable, send: Callable,
 MCP_HTTP_PATH = "/mcp"      #: the SDK's streamable HTTP endpoint
 
 
-async def _respond(send: Callable, status: int, body: bytes, kind: bytes) -> None:
-    """One whole HTTP answer through ASGI's `send`."""
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", kind)]})
+async def _respond(send: Callable, status: int, body: bytes, kind: bytes,
+                   more: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """One whole HTTP answer through ASGI's `send`, with `more` headers."""
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", kind), (b"content-length", b"%d" % len(body)), *more]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -24911,9 +24908,8 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
         refused, reply = await refusal_off_loop(text, parse)
         del text                                 # (not held while the call is answered)
         if refused:                              # (a notification stdio leaves unanswered)
-            reply = reply or {"jsonrpc": "2.0", "id": None, "error": {
-                "code": -32600, "message": "Invalid request: a notification that is no "
-                                           "JSON-RPC 2.0 message."}}
+            reply = reply or _rpc_error({}, -32600, "Invalid request: a notification that "
+                                                "is no JSON-RPC 2.0 message.")
             return await _respond(send, 400, json.dumps(reply).encode(), b"application/json")
         await app(scope, _replaying(body, receive), send)
 
