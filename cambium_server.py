@@ -24781,8 +24781,8 @@ async def _body_or_refusal(scope: dict, receive: Callable, send: Callable,
         body = await _read_body(scope, receive, limit)
     if timer.cancelled_caught:
         late = _rpc_error({}, -32600, f"Request timeout: the request body did not arrive "
-                                      f"whole within {HTTP_BODY_S:g} s (HTTP_BODY_S); send it "
-                                      "again, whole")
+                                      f"whole within {HTTP_BODY_S:g} s (HTTP_BODY_S): a body "
+                                      "this size needs a faster link, or send a smaller one")
         await _respond(send, 408, json.dumps(late).encode(), b"application/json",
                        ((b"connection", b"close"),))
         return None

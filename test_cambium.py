@@ -25179,6 +25179,42 @@ def test_http_answers_a_trickled_body_408_at_its_deadline_and_frees_its_place(re
     assert "Traceback" not in err, err
 
 
+def _asgi_answer(app, scope: dict, receive) -> list:
+    """The ASGI messages answer_as_stdio_does(app) sends for one request."""
+    import anyio
+    sent: list = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    anyio.run(cs.answer_as_stdio_does(app), scope, receive, send)
+    return sent
+
+
+def test_http_408_for_a_late_body_says_it_needs_a_faster_link(monkeypatch):
+    """The 408 for a body not whole within HTTP_BODY_S said "send it again,
+    whole": sent again as slowly it failed again. It says the body did not
+    arrive within HTTP_BODY_S s and that a body this size needs a faster link
+    (or a smaller body), and closes its connection."""
+    import anyio
+    monkeypatch.setattr(cs, "HTTP_BODY_S", 0.05)
+    parts = iter([{"type": "http.request", "body": b'{"jsonrpc"', "more_body": True}])
+
+    async def receive():                         # a first part, then nothing more
+        return next(parts, None) or await anyio.sleep_forever()
+
+    async def app(*_):
+        raise AssertionError("a late body reached MCP")
+
+    scope = {"type": "http", "method": "POST", "path": cs.MCP_HTTP_PATH, "headers": []}
+    start, body = _asgi_answer(app, scope, receive)
+    assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
+    error = json.loads(body["body"])["error"]
+    assert error["code"] == -32600, error
+    assert "within 0.05 s (HTTP_BODY_S)" in error["message"], error
+    assert "faster link" in error["message"] and "smaller" in error["message"], error
+
+
 def test_sigterm_ends_an_http_server_whose_call_waits_on_a_held_lock(repo):
     """serve --http, SIGTERM while an endorse waited for the store's lock a
     stopped process held: uvicorn's graceful shutdown waited on that call's
