@@ -25215,6 +25215,37 @@ def test_http_408_for_a_late_body_says_it_needs_a_faster_link(monkeypatch):
     assert "faster link" in error["message"] and "smaller" in error["message"], error
 
 
+def test_http_body_deadline_ends_once_the_body_is_whole(monkeypatch):
+    """HTTP_BODY_S times a request's body only: once it is whole, the answer
+    (a tool call, an event stream) takes as long as it takes. An app that reads
+    the whole body and runs past the deadline (here 0.05 s) finishes and its
+    200 goes out, a POST's and a GET's alike, with no 408."""
+    import anyio
+    monkeypatch.setattr(cs, "HTTP_BODY_S", 0.05)
+    finished = []
+
+    async def app(scope, receive, send):
+        got = await receive()
+        await anyio.sleep(cs.HTTP_BODY_S * 4)            # past the deadline
+        finished.append(scope["method"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": got["body"]})
+
+    ping = b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+    for method, body in (("POST", ping), ("GET", b"")):
+        whole = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive():
+            return next(whole, None) or await anyio.sleep_forever()
+
+        scope = {"type": "http", "method": method, "path": cs.MCP_HTTP_PATH,
+                 "headers": []}
+        sent = _asgi_answer(app, scope, receive)
+        assert [m.get("status") for m in sent] == [200, None], sent
+        assert sent[1]["body"] == body
+    assert finished == ["POST", "GET"]
+
+
 def test_sigterm_ends_an_http_server_whose_call_waits_on_a_held_lock(repo):
     """serve --http, SIGTERM while an endorse waited for the store's lock a
     stopped process held: uvicorn's graceful shutdown waited on that call's
