@@ -2887,6 +2887,15 @@ class Runtime:
     def git_scope(self, repo: Path, remote: str, branch: str) -> GitScope:
         return self._get(self.git_scopes, (str(repo), remote, branch), GitScope)
 
+    def forget_tips(self, repo: Path) -> None:
+        """Drop what this process knows of the tips of `repo`'s scopes (its refs
+        were put back: _put_back_refs): the next read takes them from the refs."""
+        with self.lock:
+            held = [scope for key, scope in self.git_scopes.items() if key[0] == str(repo)]
+        for scope in held:
+            with scope.lock:
+                scope.tip_known = False
+
     def engine(self, cache_dir: Path | None) -> Semantic:
         return self._get(self.engines, str(cache_dir), lambda: Semantic(cache_dir, self))
 
@@ -16113,9 +16122,12 @@ def _org_clone_deleted(org: Path, shown: str, found: Deletion) -> str:
             f"than commit an empty one over {held} it held.")
 
 
-def _org_tip_problem(org: Path, agent: str) -> tuple[str | None, list[str]]:
+def _org_tip_problem(org: Path, agent: str, cfg: Config
+                     ) -> tuple[str | None, list[str], GitError | None]:
     """setup's judgement of a clone named as the org clone: (why org writes
-    would refuse it, or None; setup's warnings). It is the writes' own: the
+    would refuse it, or None; setup's warnings; the fetch's error when the
+    remote could not be reached, which setup's status takes as its own rather
+    than wait on the remote again). It is the writes' own: the
     remote default branch fetched as a write fetches it (fetch(force=True),
     CAMBIUM_GIT_TIMEOUT), its tip judged by foreign_problem (code and no
     store; a store its history deleted, beside code or not). setup judged
@@ -16125,12 +16137,11 @@ def _org_tip_problem(org: Path, agent: str) -> tuple[str | None, list[str]]:
     it, and a README-only one whose history deleted a store was taken while
     reads said so. Offline (the fetch fails) the checkout is judged
     (_holds_code), and a warning says so."""
-    cfg = resolve_config()
     if not _has_remote(org, "origin", cfg.git_timeout_s):
         return _holds_code(org), [
             f"the org clone {org} has no 'origin' remote: setup judged its checkout, and "
             "org writes refuse until it has one (`git remote add origin <url>` of the org "
-            "knowledge repo)"]
+            "knowledge repo)"], None
     branch, notes = _org_default_branch(org, cfg.git_timeout_s), []
     for _ in range(2):                          # (a renamed default: followed once)
         st = GitStore("org", org, "origin", branch, timeout_s=cfg.git_timeout_s,
@@ -16144,15 +16155,16 @@ def _org_tip_problem(org: Path, agent: str) -> tuple[str | None, list[str]]:
                 f"({clip_message(str(e), 300)}), so it judged the clone's checkout (HEAD), "
                 f"which may be behind the remote default branch org writes judge: the "
                 f"first org write fetches that tip and refuses it if it holds code and no "
-                f"{STORE_FILE}, or a history that deleted one"]
+                f"{STORE_FILE}, or a history that deleted one"], \
+                e if isinstance(e, GitError) else None
         notes += st.warnings
         if not st.moved_to:
             break
         branch = st.moved_to
     if tip is None:                 # (no default branch yet: the checkout is all there is)
-        return _holds_code(org), notes
+        return _holds_code(org), notes, None
     problem = st.foreign_problem(tip, Doc(items=[]))
-    return (f"is one org writes refuse: {problem}" if problem else None), notes
+    return (f"is one org writes refuse: {problem}" if problem else None), notes, None
 
 
 def _same_clone(a: Path, b: Path) -> bool:
@@ -20120,11 +20132,19 @@ def status() -> dict:
     distill would read agentsync and context-keeper (no fetch) and what the
     last distill found in each.
     """
+    return status_answer()
+
+
+def status_answer(offline: tuple[Path, GitError] | None = None) -> dict:
+    """status()'s answer. offline: (an org clone, its fetch's error) setup's
+    own fetch just found unreachable: the org scope is read as that fetch
+    failing again, where asking the remote again waited out
+    CAMBIUM_GIT_TIMEOUT a second time."""
     cfg = resolve_config()
     if not cfg.configured:
         return unconfigured_guidance(cfg)
     try:
-        return _status(cfg)
+        return _status(cfg, offline)
     except (CambiumError, OSError) as e:         # a store it cannot read: say so, as an answer
         project = None
         with contextlib.suppress(CambiumError, OSError):   # (git may be what failed)
@@ -20135,7 +20155,7 @@ def status() -> dict:
                 "next_step": "fix what the message names, then call status() again"}
 
 
-def _status(cfg: Config) -> dict:
+def _status(cfg: Config, offline: tuple[Path, GitError] | None = None) -> dict:
     set_aside_links(cfg.local_dir, cfg.config_file)
     local = store(cfg, "local")
     doc = local.read()
@@ -20155,7 +20175,7 @@ def _status(cfg: Config) -> dict:
         "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
                              "by_type": _count(doc), **_waiting_on_prs(doc),
                              **_duplicate_ids(doc)},
-                   **_shared_scope_status(cfg)},
+                   **_shared_scope_status(cfg, offline)},
         "pending_recall_credits": len(read_credits(credits_path(cfg))),
         "watermarks": systems,
         "substrates": substrate_state(cfg, doc),
@@ -20193,8 +20213,9 @@ def _waiting_on_prs(doc: Doc) -> dict:
     return {"waiting_on_org_prs": n, "next": "review_promotions() checks on them"} if n else {}
 
 
-def _shared_scope_status(cfg: Config) -> dict:
-    """Team and org: configured?, where, reachable?, counts. Never raises."""
+def _shared_scope_status(cfg: Config, offline: tuple[Path, GitError] | None = None) -> dict:
+    """Team and org: configured?, where, reachable?, counts. Never raises.
+    offline: (an org clone, why it could not be fetched) status_answer."""
     out: dict[str, Any] = {}
     for scope in ("team", "org"):
         info: dict[str, Any] = {}
@@ -20212,6 +20233,9 @@ def _shared_scope_status(cfg: Config) -> dict:
         if scope == "org":
             info["mode"] = "pull request" if cfg.org_pr else "direct push"
         try:
+            if scope == "org" and offline and \
+                    os.path.realpath(st.repo) == os.path.realpath(offline[0]):
+                raise offline[1]                # (setup's fetch just failed: not waited twice)
             tip = st.fetch(force=True)
             if (now := followed(cfg, scope, st)) is not st:    # (org's default renamed)
                 info.update(branch=now.branch, warnings=st.warnings)
@@ -20271,21 +20295,24 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         updates[TEAM_BRANCHES] = {os.path.realpath(store_root(root)): team_branch}
     if org_pr is not None:
         updates["CAMBIUM_ORG_PR"] = "1" if org_pr else "0"
-    org_offer, org_path, org_notes = _setup_org(org_repo, root, agent_id) if org_repo \
-        else (None, None, [])
-    if org_path:
-        updates["CAMBIUM_ORG_REPO"] = str(org_path)
     cfg_path = config_file_path(env)
     if not cfg_path.is_absolute():             # (~ unexpanded: never a folder in the project)
         raise InputError(f"setup cannot write its config file: {no_home(env)}", "HOME")
     before = resolve_config(env)
+    org = _setup_org(org_repo, root, agent_id, before) if org_repo else OrgSetup()
+    org_offer, org_path, org_notes = org.offer, org.path, org.notes
+    if org_path:
+        updates["CAMBIUM_ORG_REPO"] = str(org_path)
     # The config first (one it cannot write leaves no trace), its lock held until the
     # clone is scaffolded (one it cannot write is not recorded; another setup waits)
-    with _config_written(cfg_path, updates) as wrote:
+    with _refs_put_back_on_error(org_path, org.refs, before.git_timeout_s), \
+            _config_written(cfg_path, updates) as wrote:
         ignore_note, ignored_in = _scaffold_for_setup(root, cfg_path)
     cfg = resolve_config(env)
     binding, _ = repo_binding(cfg), _file_binding_moved(cfg)   # (its own move: said below)
-    now = status()                            # (a setting setup does not write can block it)
+    # (a setting setup does not write can block it; an org remote its fetch found
+    # unreachable is not asked again)
+    now = status_answer((org_path, org.offline) if org_path and org.offline else None)
     out = {"configured_now": bool(now.get("configured")), "config_file": str(cfg_path),
            "written": updates, "binding": binding, "status": now,
            **({"gitignore": gitignore_note(ignored_in)} if ignored_in else {})}
@@ -20681,24 +20708,81 @@ def _branch_of_the_project(root: Path, branch: str) -> str | None:
     return None
 
 
-def _setup_org(org_repo: str, root: Path, agent_id: str
-               ) -> tuple[dict | None, Path | None, list[str]]:
-    """setup's org_repo: (the offer for a GitHub owner/name, the clone's path,
-    setup's warnings on it), refused as an InputError when the clone cannot be
-    the org clone."""
-    org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
+class OrgSetup(NamedTuple):
+    """What setup's org step found (_setup_org): the offer for a GitHub
+    owner/name, the clone's path, setup's warnings on it, the clone's refs as
+    they were before its fetch (_clone_refs: put back should setup fail), and
+    the fetch's error when the remote could not be reached (setup's status
+    takes it rather than wait on the remote a second time)."""
+    offer: dict | None = None
+    path: Path | None = None
     notes: list[str] = []
+    refs: dict[str, str] | None = None
+    offline: GitError | None = None
+
+
+def _setup_org(org_repo: str, root: Path, agent_id: str, cfg: Config) -> OrgSetup:
+    """setup's org_repo (`cfg`: the configuration setup found), refused as an
+    InputError when the clone cannot be the org clone; the refs the fetch
+    wrote are put back then (_refs_put_back_on_error)."""
+    org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
     if org_offer and (own := _names_a_project_remote(org_offer["org_repo"], root)):
         raise InputError(f"org_repo {org_repo!r} {own}", "org_repo")
-    remote = resolve_config().remote         # (the env's, else the config file's, else origin)
-    clash = org_path and org_clone_problem(org_path, root)
-    if org_path and not clash:
-        _refuse_a_folder_in_a_clone(org_repo, org_path)
-        clash, notes = _org_tip_problem(org_path, agent_id)
-        clash = clash or org_remote_problem(org_path, root, remote, ORG_HEAD_ASK_S)
-    if clash:
+    if org_path is None:
+        return OrgSetup(org_offer)
+    if clash := org_clone_problem(org_path, root):
         raise InputError(f"org_repo {org_path} {clash}", "org_repo")
-    return org_offer, org_path, notes
+    _refuse_a_folder_in_a_clone(org_repo, org_path)
+    refs = _clone_refs(org_path, cfg.git_timeout_s)
+    with _refs_put_back_on_error(org_path, refs, cfg.git_timeout_s):
+        clash, notes, offline = _org_tip_problem(org_path, agent_id, cfg)
+        if clash := clash or org_remote_problem(org_path, root, cfg.remote, ORG_HEAD_ASK_S):
+            raise InputError(f"org_repo {org_path} {clash}", "org_repo")
+    return OrgSetup(org_offer, org_path, notes, refs, offline)
+
+
+def _clone_refs(repo: Path, timeout_s: float) -> dict[str, str]:
+    """Every ref of a clone and what it holds: its commit, or `ref: <target>`
+    for a symbolic one (origin/HEAD)."""
+    out = _git(["for-each-ref", "--format=%(refname)%00%(symref)%00%(objectname)"], repo,
+               timeout_s).stdout
+    return {name: f"ref: {target}" if target else sha
+            for name, target, sha in (line.split("\0") for line in git_lines(out))}
+
+
+@contextlib.contextmanager
+def _refs_put_back_on_error(repo: Path | None, refs: dict[str, str] | None,
+                            timeout_s: float) -> Iterator[None]:
+    """A block that raises (setup refused) puts the clone's refs back as
+    `refs` held them: setup's fetch of the org remote (its private ref, git's
+    refs/remotes/, a rewind kept, origin/HEAD recorded) left the clone of a
+    refused setup changed. Nothing to put back without `refs`."""
+    try:
+        yield
+    except BaseException:
+        if repo is not None and refs is not None:
+            with contextlib.suppress(CambiumError, OSError):
+                _put_back_refs(repo, refs, timeout_s)
+        raise
+
+
+def _put_back_refs(repo: Path, refs: dict[str, str], timeout_s: float) -> None:
+    """Make the clone's refs what `refs` (_clone_refs) held: new ones deleted,
+    moved ones moved back (a symbolic one pointed back), in one transaction
+    that fails whole, nothing put back, where another process moved one of
+    them meanwhile; this process's knowledge of the clone's scopes' tips is
+    dropped with them."""
+    now = _clone_refs(repo, timeout_s)
+    was = {ref: "" if held.startswith("ref: ") else f" {held}" for ref, held in now.items()}
+    lines = [f"delete {ref}{was[ref]}\n" for ref in now if ref not in refs]
+    lines += [f"update {ref} {held}{was.get(ref, '')}\n" for ref, held in refs.items()
+              if now.get(ref) != held and not held.startswith("ref: ")]
+    if lines:
+        _git(["update-ref", "--no-deref", "--stdin"], repo, timeout_s, input="".join(lines))
+    for ref, held in refs.items():
+        if now.get(ref) != held and held.startswith("ref: "):
+            _git(["symbolic-ref", ref, held.removeprefix("ref: ")], repo, timeout_s)
+    runtime().forget_tips(repo)
 
 
 def _refuse_a_folder_in_a_clone(org_repo: str, top: Path) -> None:

@@ -27819,6 +27819,48 @@ def test_setup_and_org_writes_refuse_a_store_committed_but_not_pushed_alike(
     assert cs.promote(item, to_scope="org", force=True)["status"] == "promoted"
 
 
+def test_setup_asks_an_unreachable_org_remote_once(shared):
+    """Offline, setup waited out CAMBIUM_GIT_TIMEOUT twice: its judgement of
+    the org clone fetched (and failed), then its status fetched the same
+    remote again. The status takes the first fetch's failure as its own."""
+    org, asked = shared["org"], shared["tmp"] / "asked.log"
+    git(org, "config", "remote.origin.uploadpack", f"echo asked >> {asked}; false")
+    out = cs.setup(str(shared["a"]), "ada", org_repo=str(org))
+    assert asked.read_text().split() == ["asked"]
+    assert "could not fetch the org clone" in out["warnings"][0]
+    said = out["status"]["scopes"]["org"]
+    assert said["enabled"] and not said["reachable"] and "exited 128" in said["error"]
+    assert cs.status()["scopes"]["org"]["reachable"] is False     # (status alone asks)
+    assert asked.read_text().split() == ["asked", "asked"]
+
+
+def _refs(repo: Path) -> str:
+    return git(repo, "for-each-ref", "--format=%(refname) %(symref) %(objectname)")
+
+
+def test_a_refused_setup_leaves_the_org_clone_s_refs_as_it_found_them(shared, monkeypatch):
+    """setup fetched the org remote to judge it, and a setup that then refused
+    (the remote's tip holds code; the config file could not be written) left
+    the refs that fetch wrote (cambium's private ref, git's refs/remotes/)."""
+    bare, _ = _org_repo_with_a_makefile(shared["tmp"], "kb")
+    mine = clone(bare, shared["tmp"] / "kb-mine")            # (as made before the Makefile)
+    git(mine, "reset", "-q", "--hard", "HEAD~1")
+    git(mine, "update-ref", "refs/remotes/origin/main", "HEAD")
+    found = _refs(mine)
+    with pytest.raises(cs.InputError, match=r"holds code \(Makefile\)"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    assert _refs(mine) == found
+    git(mine, "remote", "set-url", "origin", str(shared["org_bare"]))   # (a store-less tip)
+    home = Path(os.environ["HOME"])
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(home))       # (a folder: setup refuses)
+    with pytest.raises(cs.InputError, match="no regular file"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    assert _refs(mine) == found
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(home / "cambium-config.json"))
+    cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
+    assert _refs(mine) != found                               # (a setup that worked keeps them)
+
+
 def test_setup_refuses_a_readme_only_org_clone_whose_history_deleted_its_store(
         shared, monkeypatch):
     """setup looked for a deleted store only beside code: a README-only org
