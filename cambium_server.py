@@ -2449,22 +2449,21 @@ def config_unread_why(e: Exception) -> str:
 
 
 def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
-    """The config file's settings, why it was not read (None: it was, or there
-    is none) or what in it is not read, and the gap a regular file that could
-    not be read is (config_file_gap; None: no such file)."""
+    """The config file's settings, what in it is not read or why a file that
+    holds none is ignored (None: nothing to say), and the gap a config file
+    that could not be read is (config_file_gap: a regular file, or a link to
+    one that is gone; resolve_config words its config_file_error)."""
     try:
         data, loaded = read_config_object(path)
-    except FileNotFoundError:
-        if path.is_symlink():                 # a dotfiles link whose target is gone
-            return {}, f"{path} is a symbolic link to {os.readlink(path)}, which does not " \
-                "exist", None
-        return {}, None, None
     except (OSError, ValueError, RecursionError) as e:
+        if why := config_link_gone(path):     # a dotfiles link whose target is gone: the
+            return {}, None, config_file_gap(path, why)     # user's settings are missing
+        if isinstance(e, FileNotFoundError):
+            return {}, None, None
         why = config_unread_why(e)
         if not os.path.isfile(path):          # (a FIFO, a device, a folder: holds no settings)
             return {}, f"{path} could not be read ({why}); ignored", None
-        return {}, f"{path} could not be read ({why}); no tool runs until it is fixed", \
-            config_file_gap(path, why)
+        return {}, None, config_file_gap(path, why)
     if not loaded and not data.decode("utf-8-sig").strip(" \t\r\n"):   # (as read_config_object)
         return {}, f"{path} is empty (it holds no settings); ignored", None
     said = [unknown_keys_said(path, loaded), team_map_said(path, loaded)]
@@ -2476,14 +2475,29 @@ def config_file_gap(path: Path, why: str) -> dict:
     value is one: ignored, every setting it holds (team_branches among them)
     was dropped, and a process with its agent id from the environment and its
     repo from the working directory ran on defaults (team writes went to a
-    branch nobody read)."""
+    branch nobody read). So is a link to one that is gone (config_link_gone:
+    a dotfiles repository moved), which was a warning and the same defaults;
+    setup moves the link itself aside (a live link's target is moved)."""
+    gone = config_link_gone(path) is not None
+    aside = config_aside(path if gone else Path(os.path.realpath(path)), "-<time>-<pid>")
+    mend = f"restore {os.readlink(path)}, or point the link at your config file" if gone \
+        else f"edit {path} by hand ({why})"
     return {"setting": "config file", "origin": "file", "problem": why,
             "cost": f"{path} could not be read ({why}) → none of its settings (team branches, "
                     "org repo, agent id, ...) would apply; every tool is unavailable",
-            "fix": f"edit {path} by hand ({why}); or run setup(project_repo=\"/abs/path/to/"
-                   'your/clone", agent_id="your-id"), which moves the file aside to '
-                   f"{config_aside(Path(os.path.realpath(path)), '-<time>-<pid>')}: every "
-                   "setting it holds then no longer applies"}
+            "fix": f"{mend}; or run setup(project_repo=\"/abs/path/to/your/clone\", "
+                   f'agent_id="your-id"), which moves the {"link" if gone else "file"} aside '
+                   f"to {aside}: every setting it held then no longer applies"}
+
+
+def config_link_gone(path: Path) -> str | None:
+    """Why a config file path that is a symbolic link reaches no file (its
+    target is gone, or links loop), or None: the user's config is missing,
+    not absent."""
+    with contextlib.suppress(OSError, ValueError):
+        if path.is_symlink() and not os.path.exists(path):
+            return f"it is a symbolic link to {os.readlink(path)}, which does not exist"
+    return None
 
 
 def config_aside(path: Path, stamp: str) -> Path:
@@ -2547,7 +2561,7 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     file_error = file_error or _config_file_setting(env)[1]
     values: dict = {}
     origins: dict = {}
-    problems: list = [unread] if unread else []
+    problems: list = []
     root, gone = None, None
     if not _given(env.get("CAMBIUM_REPO")):
         try:
@@ -2586,11 +2600,22 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
                          "cost": f"{gone} → every tool is unavailable",
                          "fix": "restart the process in your clone (or set CAMBIUM_REPO)"})
     _team_map_fix(problems, file_values, values.get("CAMBIUM_REPO"), path)
-    if unread and all(origins[k] != "default" for k in DEFAULTS):   # (no setting it held applies)
-        problems.remove(unread)
-        file_error = file_error.replace("no tool runs until it is fixed",
-                                        "ignored: the environment gives every setting")
+    if unread:
+        file_error = _unread_config(path, unread, origins, problems)
     return Config(values, origins, path, problems, file_error)
+
+
+def _unread_config(path: Path, gap: dict, origins: dict, problems: list[dict]) -> str:
+    """The config_file_error of a config file that could not be read (`gap`:
+    config_file_gap), its gap put first in `problems`, unless the environment
+    gives every setting (no setting the file could hold would apply): then
+    it is ignored, a warning."""
+    covered = all(origins[k] != "default" for k in DEFAULTS)
+    if not covered:
+        problems.insert(0, gap)
+    return f"{path} could not be read ({gap['problem']}); " + (
+        "ignored: the environment gives every setting" if covered
+        else "no tool runs until it is fixed")
 
 
 def _team_map_fix(problems: list[dict], file_values: dict, repo: Any, path: Path) -> None:
@@ -20525,13 +20550,15 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
     second setup now waits for the lock (LOCK_WAIT, then LockHeld) instead.
     An unreadable file is moved aside, never over an earlier one. A link is
     written through: a dotfiles manager's link stays (its lock stays beside
-    the link, not in the dotfiles). What is no regular file (a device, a
-    folder) is refused."""
-    lock = path
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
+    the link, not in the dotfiles); a link to what is gone (config_link_gone)
+    is unreadable, the link itself moved aside (written through, it silently
+    made a new file where the dotfiles used to be). What is no regular file
+    (a device, a folder) is refused."""
+    lock, gone = path, config_link_gone(path) is not None
+    if path.is_symlink() and not gone:      # (a link to what is gone: _merge_config moves
+        path = Path(os.path.realpath(path))  # it aside, never makes a file there silently)
     with contextlib.suppress(FileNotFoundError):     # /dev/null, a folder: never moved
-        if not _stat.S_ISREG(os.stat(path).st_mode):  # aside nor written over
+        if not gone and not _stat.S_ISREG(os.stat(path).st_mode):   # aside nor written over
             raise InputError(f"the config file {lock} is no regular file"
                              f"{'' if path == lock else f' (it links to {path})'}: setup "
                              "writes only a file; set CAMBIUM_CONFIG_FILE to a file's path "
@@ -20562,7 +20589,7 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
         try:
             prior, current = read_config_object(path)      # (read once)
         except (OSError, ValueError, RecursionError) as e:
-            why, current = config_unread_why(e), {}
+            why, current = config_link_gone(path) or config_unread_why(e), {}
     _team_map_kept(path, current, updates)
     found = dict(current)
     for key, value in updates.items():

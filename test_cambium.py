@@ -824,6 +824,34 @@ def test_setup_says_when_it_moved_an_unreadable_config_aside(tmp_path, monkeypat
                for w in out["warnings"]), out
 
 
+def test_a_config_link_whose_target_is_gone_is_a_gap_and_setup_moves_the_link_aside(
+        tmp_path, monkeypatch):
+    """A config file that is a link to a file that is gone (a dotfiles repo
+    moved) was a warning: every tool ran on defaults, as if the user had no
+    settings, and setup wrote through the link, making a new file where the
+    dotfiles had been. It is a gap now, as an unreadable file is, and setup
+    moves the link itself aside."""
+    r = make_repo(tmp_path / "r")
+    monkeypatch.chdir(r)
+    gone = tmp_path / "dotfiles" / "cambium.json"
+    link = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    link.symlink_to(gone)
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    cfg = cs.resolve_config()
+    assert cfg.file_error == (f"{link} could not be read (it is a symbolic link to {gone}, "
+                              "which does not exist); no tool runs until it is fixed")
+    gap = next(g for g in cs.status()["gaps"] if g["setting"] == "config file")
+    assert f"restore {gone}" in gap["fix"] and f"moves the link aside to {link}.bad" in gap["fix"]
+    out = cs.setup(str(r), "ada")
+    aside = link.with_name(link.name + ".bad")
+    assert aside.is_symlink() and os.readlink(aside) == str(gone)
+    assert not link.is_symlink() and json.loads(link.read_text())["CAMBIUM_AGENT_ID"] == "ada"
+    assert not gone.parent.exists()
+    assert any(f"symbolic link to {gone}, which does not exist" in w and
+               f"moved aside to {aside}" in w for w in out["warnings"]), out["warnings"]
+    assert cs.status()["configured"] is True
+
+
 def test_a_config_key_held_twice_is_unreadable_and_setup_keeps_both_copies(tmp_path):
     """Two team_branches objects (a dotfiles merge), or an agent id held twice,
     were read silently as the last copy, and setup's rewrite dropped the first
