@@ -23752,7 +23752,8 @@ def api_table() -> tuple[Tool, ...]:
         Tool(recall, "write_idempotent", run=_cli_recall),
         Tool(expand, "read_remote", aliases=("show",)),
         Tool(endorse, "remote"),
-        Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",)),
+        Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",),
+             run=_cli_promote),
         Tool(generalize, "remote"),
         Tool(review_promotions, "remote", aliases=("review",)),
         Tool(verify_entry, "remote", aliases=("verify",), run=_cli_verify,
@@ -25514,6 +25515,20 @@ def _cli_verify(args: argparse.Namespace, kwargs: dict) -> int:
         return CHECK_FAILED_EXIT if code == 0 and failed else code
     if args.item_id is None:
         raise InputError("verify needs an item id, or --run to run the attached checks.")
+    return _cli_print(args, kwargs)
+
+
+def _cli_promote(args: argparse.Namespace, kwargs: dict) -> int:
+    """`promote --force` with no item id is a usage error (exit 2, nothing
+    run): --force skips one item's eligibility check (or passes one item's
+    org gate as is), and with no id every eligible item moves and none is
+    forced, so the flag was dropped without a word."""
+    if args.force and args.item_id is None:
+        print(f"{_as_invoked()} promote: --force needs an item id (`promote ITEM_ID "
+              "--force`): it skips that one item's eligibility check, or passes its org "
+              "gate as is; `promote` with no id moves every eligible local item to team "
+              "and forces none. Nothing was promoted.", file=sys.stderr)
+        return 2
     return _cli_print(args, kwargs)
 
 

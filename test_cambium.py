@@ -14196,6 +14196,21 @@ def test_cli_correct_or_promote_the_org_gate_refuses_exits_1(shared, monkeypatch
     assert cs.expand(wrong)["status"] == "active"                 # nothing recorded
 
 
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers need the main thread")
+def test_cli_promote_force_without_an_item_id_is_a_usage_error(shared, capsys):
+    """`promote --force` with no item id promoted what was eligible and
+    dropped --force without a word (it forces one item): a script that meant
+    to force everything up read exit 0. It exits 2 now, nothing run."""
+    item = cs.capture("Pin the Postgres image tag in docker-compose")["item"]["id"]
+    assert cs.main(["promote", "--force"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "promote: --force needs an item id" in err
+    assert cs.expand(item)["scope"] == "local"
+    assert cs.main(["promote", item, "--force"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "promoted"
+
+
 def test_correct_at_org_scope_passes_the_gate_and_opens_a_pr(shared, monkeypatch, tmp_path):
     log = make_stub_gh(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
