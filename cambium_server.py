@@ -2912,15 +2912,6 @@ class Runtime:
     def git_scope(self, repo: Path, remote: str, branch: str) -> GitScope:
         return self._get(self.git_scopes, (str(repo), remote, branch), GitScope)
 
-    def forget_tips(self, repo: Path) -> None:
-        """Drop what this process knows of the tips of `repo`'s scopes (its refs
-        were put back: _put_back_refs): the next read takes them from the refs."""
-        with self.lock:
-            held = [scope for key, scope in self.git_scopes.items() if key[0] == str(repo)]
-        for scope in held:
-            with scope.lock:
-                scope.tip_known = False
-
     def engine(self, cache_dir: Path | None) -> Semantic:
         return self._get(self.engines, str(cache_dir), lambda: Semantic(cache_dir, self))
 
@@ -20330,8 +20321,7 @@ def setup(project_repo: Annotated[str, Field("Absolute path of your project's gi
         updates["CAMBIUM_ORG_REPO"] = str(org_path)
     # The config first (one it cannot write leaves no trace), its lock held until the
     # clone is scaffolded (one it cannot write is not recorded; another setup waits)
-    with _refs_put_back_on_error(org_path, org.refs, before.git_timeout_s), \
-            _config_written(cfg_path, updates) as wrote:
+    with _config_written(cfg_path, updates) as wrote:
         ignore_note, ignored_in = _scaffold_for_setup(root, cfg_path)
     cfg = resolve_config(env)
     binding, _ = repo_binding(cfg), _file_binding_moved(cfg)   # (its own move: said below)
@@ -20737,21 +20727,21 @@ def _branch_of_the_project(root: Path, branch: str) -> str | None:
 
 class OrgSetup(NamedTuple):
     """What setup's org step found (_setup_org): the offer for a GitHub
-    owner/name, the clone's path, setup's warnings on it, the clone's refs as
-    they were before its fetch (_clone_refs: put back should setup fail), and
-    the fetch's error when the remote could not be reached (setup's status
-    takes it rather than wait on the remote a second time)."""
+    owner/name, the clone's path, setup's warnings on it, and the fetch's
+    error when the remote could not be reached (setup's status takes it
+    rather than wait on the remote a second time)."""
     offer: dict | None = None
     path: Path | None = None
     notes: list[str] = []
-    refs: dict[str, str] | None = None
     offline: GitError | None = None
 
 
 def _setup_org(org_repo: str, root: Path, agent_id: str, cfg: Config) -> OrgSetup:
     """setup's org_repo (`cfg`: the configuration setup found), refused as an
-    InputError when the clone cannot be the org clone; the refs the fetch
-    wrote are put back then (_refs_put_back_on_error)."""
+    InputError when the clone cannot be the org clone. The refs its fetch
+    wrote stay, refused or not: they are caches of the remote, as any read's
+    fetch writes them (putting them back could delete a rewound tip another
+    process kept meanwhile, or move a checkout it synced)."""
     org_offer, org_path = _resolve_org_repo(org_repo, root, agent_id)
     if org_offer and (own := _names_a_project_remote(org_offer["org_repo"], root)):
         raise InputError(f"org_repo {org_repo!r} {own}", "org_repo")
@@ -20760,56 +20750,10 @@ def _setup_org(org_repo: str, root: Path, agent_id: str, cfg: Config) -> OrgSetu
     if clash := org_clone_problem(org_path, root):
         raise InputError(f"org_repo {org_path} {clash}", "org_repo")
     _refuse_a_folder_in_a_clone(org_repo, org_path)
-    refs = _clone_refs(org_path, cfg.git_timeout_s)
-    with _refs_put_back_on_error(org_path, refs, cfg.git_timeout_s):
-        clash, notes, offline = _org_tip_problem(org_path, agent_id, cfg)
-        if clash := clash or org_remote_problem(org_path, root, cfg.remote, ORG_HEAD_ASK_S):
-            raise InputError(f"org_repo {org_path} {clash}", "org_repo")
-    return OrgSetup(org_offer, org_path, notes, refs, offline)
-
-
-def _clone_refs(repo: Path, timeout_s: float) -> dict[str, str]:
-    """Every ref of a clone and what it holds: its commit, or `ref: <target>`
-    for a symbolic one (origin/HEAD)."""
-    out = _git(["for-each-ref", "--format=%(refname)%00%(symref)%00%(objectname)"], repo,
-               timeout_s).stdout
-    return {name: f"ref: {target}" if target else sha
-            for name, target, sha in (line.split("\0") for line in git_lines(out))}
-
-
-@contextlib.contextmanager
-def _refs_put_back_on_error(repo: Path | None, refs: dict[str, str] | None,
-                            timeout_s: float) -> Iterator[None]:
-    """A block that raises (setup refused) puts the clone's refs back as
-    `refs` held them: setup's fetch of the org remote (its private ref, git's
-    refs/remotes/, a rewind kept, origin/HEAD recorded) left the clone of a
-    refused setup changed. Nothing to put back without `refs`."""
-    try:
-        yield
-    except BaseException:
-        if repo is not None and refs is not None:
-            with contextlib.suppress(CambiumError, OSError):
-                _put_back_refs(repo, refs, timeout_s)
-        raise
-
-
-def _put_back_refs(repo: Path, refs: dict[str, str], timeout_s: float) -> None:
-    """Make the clone's refs what `refs` (_clone_refs) held: new ones deleted,
-    moved ones moved back (a symbolic one pointed back), in one transaction
-    that fails whole, nothing put back, where another process moved one of
-    them meanwhile; this process's knowledge of the clone's scopes' tips is
-    dropped with them."""
-    now = _clone_refs(repo, timeout_s)
-    was = {ref: "" if held.startswith("ref: ") else f" {held}" for ref, held in now.items()}
-    lines = [f"delete {ref}{was[ref]}\n" for ref in now if ref not in refs]
-    lines += [f"update {ref} {held}{was.get(ref, '')}\n" for ref, held in refs.items()
-              if now.get(ref) != held and not held.startswith("ref: ")]
-    if lines:
-        _git(["update-ref", "--no-deref", "--stdin"], repo, timeout_s, input="".join(lines))
-    for ref, held in refs.items():
-        if now.get(ref) != held and held.startswith("ref: "):
-            _git(["symbolic-ref", ref, held.removeprefix("ref: ")], repo, timeout_s)
-    runtime().forget_tips(repo)
+    clash, notes, offline = _org_tip_problem(org_path, agent_id, cfg)
+    if clash := clash or org_remote_problem(org_path, root, cfg.remote, ORG_HEAD_ASK_S):
+        raise InputError(f"org_repo {org_path} {clash}", "org_repo")
+    return OrgSetup(org_offer, org_path, notes, offline)
 
 
 def _refuse_a_folder_in_a_clone(org_repo: str, top: Path) -> None:

@@ -27877,31 +27877,23 @@ def test_setup_asks_an_unreachable_org_remote_once(shared):
     assert asked.read_text().split() == ["asked", "asked"]
 
 
-def _refs(repo: Path) -> str:
-    return git(repo, "for-each-ref", "--format=%(refname) %(symref) %(objectname)")
+def test_a_refused_setup_leaves_refs_other_processes_wrote_meanwhile(shared, monkeypatch):
+    """A refused setup put the org clone's refs back as it found them before
+    its fetch: a rewound tip another process kept meanwhile was deleted (its
+    items reachable from nothing) and a branch another process synced moved
+    back under its checkout. The refs a fetch writes are caches: they stay."""
+    org = shared["org"]
+    kept, synced = "refs/cambium/rewound/org/origin/main", "refs/heads/elsewhere"
 
-
-def test_a_refused_setup_leaves_the_org_clone_s_refs_as_it_found_them(shared, monkeypatch):
-    """setup fetched the org remote to judge it, and a setup that then refused
-    (the remote's tip holds code; the config file could not be written) left
-    the refs that fetch wrote (cambium's private ref, git's refs/remotes/)."""
-    bare, _ = _org_repo_with_a_makefile(shared["tmp"], "kb")
-    mine = clone(bare, shared["tmp"] / "kb-mine")            # (as made before the Makefile)
-    git(mine, "reset", "-q", "--hard", "HEAD~1")
-    git(mine, "update-ref", "refs/remotes/origin/main", "HEAD")
-    found = _refs(mine)
-    with pytest.raises(cs.InputError, match=r"holds code \(Makefile\)"):
-        cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
-    assert _refs(mine) == found
-    git(mine, "remote", "set-url", "origin", str(shared["org_bare"]))   # (a store-less tip)
-    home = Path(os.environ["HOME"])
-    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(home))       # (a folder: setup refuses)
-    with pytest.raises(cs.InputError, match="no regular file"):
-        cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
-    assert _refs(mine) == found
-    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(home / "cambium-config.json"))
-    cs.setup(str(shared["a"]), "ada", org_repo=str(mine))
-    assert _refs(mine) != found                               # (a setup that worked keeps them)
+    def meanwhile(root, cfg_path):              # (another process, in setup's window)
+        git(org, "update-ref", kept, "HEAD")
+        git(org, "update-ref", synced, "HEAD")
+        raise OSError(30, "Read-only file system", str(root / ".cambium"))
+    monkeypatch.setattr(cs, "_scaffold_for_setup", meanwhile)
+    with pytest.raises(OSError, match="Read-only file system"):
+        cs.setup(str(shared["a"]), "ada", org_repo=str(org))
+    assert set(git(org, "for-each-ref", "--format=%(refname)", kept, synced).split()) == {
+        synced, kept}
 
 
 def test_setup_refuses_a_readme_only_org_clone_whose_history_deleted_its_store(
