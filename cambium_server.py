@@ -2451,13 +2451,13 @@ def config_unread_why(e: Exception) -> str:
 def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
     """The config file's settings, what in it is not read or why a file that
     holds none is ignored (None: nothing to say), and the gap a config file
-    that could not be read is (config_file_gap: a regular file, or a link to
-    one that is gone; resolve_config words its config_file_error)."""
+    that could not be read is (config_file_gap: a regular file, or a link
+    that reaches no file; resolve_config words its config_file_error)."""
     try:
         data, loaded = read_config_object(path)
     except (OSError, ValueError, RecursionError) as e:
-        if why := config_link_gone(path):     # a dotfiles link whose target is gone: the
-            return {}, None, config_file_gap(path, why)     # user's settings are missing
+        if link := config_link_trouble(path):     # a dotfiles link that reaches no file:
+            return {}, None, config_file_gap(path, link.why)    # the user's settings are missing
         if isinstance(e, FileNotFoundError):
             return {}, None, None
         why = config_unread_why(e)
@@ -2475,28 +2475,84 @@ def config_file_gap(path: Path, why: str) -> dict:
     value is one: ignored, every setting it holds (team_branches among them)
     was dropped, and a process with its agent id from the environment and its
     repo from the working directory ran on defaults (team writes went to a
-    branch nobody read). So is a link to one that is gone (config_link_gone:
-    a dotfiles repository moved), which was a warning and the same defaults;
-    setup moves the link itself aside (a live link's target is moved)."""
-    gone = config_link_gone(path) is not None
-    aside = config_aside(path if gone else Path(os.path.realpath(path)), "-<time>-<pid>")
-    mend = f"restore {os.readlink(path)}, or point the link at your config file" if gone \
-        else f"edit {path} by hand ({why})"
+    branch nobody read). So is a link that reaches no file (config_link_trouble:
+    a dotfiles repository moved), which was a warning and the same defaults."""
     return {"setting": "config file", "origin": "file", "problem": why,
             "cost": f"{path} could not be read ({why}) → none of its settings (team branches, "
                     "org repo, agent id, ...) would apply; every tool is unavailable",
-            "fix": f"{mend}; or run setup(project_repo=\"/abs/path/to/your/clone\", "
-                   f'agent_id="your-id"), which moves the {"link" if gone else "file"} aside '
-                   f"to {aside}: every setting it held then no longer applies"}
+            "fix": _config_gap_fix(path, why, config_link_trouble(path))}
 
 
-def config_link_gone(path: Path) -> str | None:
-    """Why a config file path that is a symbolic link reaches no file (its
-    target is gone, or links loop), or None: the user's config is missing,
-    not absent."""
+def _config_gap_fix(path: Path, why: str, link: ConfigLink | None) -> str:
+    """The fix of config_file_gap: setup moves an unreadable file aside (a
+    live link's target), and a link to what is gone or a loop of links (the
+    link itself); it refuses, and says so, a link it cannot follow for want
+    of permission (what it names may be there for another user) and a folder
+    above the file that is a link reaching nothing."""
+    if link is not None and link.above:
+        return (f"{link.link} is a symbolic link to {link.target} ({link.tail}): restore what "
+                "it names, or remove the link (setup then makes a folder there), or set "
+                "CAMBIUM_CONFIG_FILE to another file's path; setup refuses until then")
+    if link is not None and link.kind == "denied":
+        return (f"let your user reach {link.target} (each folder on its way needs search "
+                "permission), or point the link at a config file you can read; setup refuses "
+                "until then, and never moves the link aside: it may reach a file for another user")
+    aside = config_aside(path if link else Path(os.path.realpath(path)), "-<time>-<pid>")
+    mend = f"restore {link.target}, or point the link at your config file" if link \
+        else f"edit {path} by hand ({why})"
+    return (f"{mend}; or run setup(project_repo=\"/abs/path/to/your/clone\", "
+            f'agent_id="your-id"), which moves the {"link" if link else "file"} aside '
+            f"to {aside}: every setting it held then no longer applies")
+
+
+class ConfigLink(NamedTuple):
+    """A symbolic link that keeps the config file from being read
+    (config_link_trouble): `link` (the config path, or a folder above it:
+    `above`), what it names, and why it reaches nothing: `gone` (no such
+    file), `loop` (links that loop), `denied` (a folder on its way this user
+    cannot enter)."""
+    link: Path
+    target: str
+    kind: str
+    above: bool = False
+
+    @property
+    def tail(self) -> str:
+        return {"gone": "which does not exist", "loop": "which is a loop of links",
+                "denied": "which cannot be reached: permission denied"}[self.kind]
+
+    @property
+    def why(self) -> str:
+        return (f"{f'its folder {self.link}' if self.above else 'it'} is a symbolic link to "
+                f"{self.target}, {self.tail}")
+
+
+def config_link_trouble(path: Path) -> ConfigLink | None:
+    """The symbolic link that keeps the config file `path` from being read:
+    the path itself, a link that reaches no file; or, where nothing is at the
+    path, a folder above it that is a link reaching nothing (~/.cambium linked
+    to a dotfiles folder that moved). None: no link is at fault. The user's
+    config is then missing, not absent."""
     with contextlib.suppress(OSError, ValueError):
-        if path.is_symlink() and not os.path.exists(path):
-            return f"it is a symbolic link to {os.readlink(path)}, which does not exist"
+        if path.is_symlink():
+            return _link_reaching_nothing(path)
+        if os.path.lexists(path):
+            return None
+        for above in reversed(path.parents):       # (from the root down)
+            if not os.path.lexists(above):
+                return None
+            if above.is_symlink() and (found := _link_reaching_nothing(above)):
+                return found._replace(above=True)
+    return None
+
+
+def _link_reaching_nothing(link: Path) -> ConfigLink | None:
+    """`link` (a symbolic link) as a ConfigLink when it reaches nothing."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        kind = {errno.ELOOP: "loop", errno.EACCES: "denied"}.get(e.errno, "gone")
+        return ConfigLink(link, os.readlink(link), kind)
     return None
 
 
@@ -20540,11 +20596,16 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
     second setup now waits for the lock (LOCK_WAIT, then LockHeld) instead.
     An unreadable file is moved aside, never over an earlier one. A link is
     written through: a dotfiles manager's link stays (its lock stays beside
-    the link, not in the dotfiles); a link to what is gone (config_link_gone)
-    is unreadable, the link itself moved aside (written through, it silently
-    made a new file where the dotfiles used to be). What is no regular file
-    (a device, a folder) is refused."""
-    lock, gone = path, config_link_gone(path) is not None
+    the link, not in the dotfiles); a link to what is gone or a loop of links
+    (config_link_trouble) is unreadable, the link itself moved aside (written
+    through, it silently made a new file where the dotfiles used to be). One
+    it cannot follow for want of permission, or a folder above the file that
+    is a link reaching nothing, is refused (_config_link_refused), and so is
+    what is no regular file (a device, a folder)."""
+    lock, link = path, config_link_trouble(path)
+    if link is not None and (link.above or link.kind == "denied"):
+        raise InputError(_config_link_refused(path, link), "CAMBIUM_CONFIG_FILE")
+    gone = link is not None
     if path.is_symlink() and not gone:      # (a link to what is gone: _merge_config moves
         path = Path(os.path.realpath(path))  # it aside, never makes a file there silently)
     with contextlib.suppress(FileNotFoundError):     # /dev/null, a folder: never moved
@@ -20566,6 +20627,20 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
             raise
 
 
+def _config_link_refused(path: Path, link: ConfigLink) -> str:
+    """setup's refusal of a config file it cannot reach through a link: one
+    it may not follow (permission denied) is never moved aside as if it were
+    gone, as what it names may be there for another user; a folder above the
+    file that is a link reaching nothing ended in a bare "File exists"."""
+    return (f"setup cannot write the config file {path}: {link.why}. " + (
+        f"Make {link.link} reach a folder you can write (restore what it names, or remove "
+        "the link: setup then makes a folder there)" if link.above else
+        "The link is not moved aside: what it names may be there for another user. Let your "
+        "user reach it (each folder on its way needs search permission)") +
+        ", or set CAMBIUM_CONFIG_FILE to the path of a file you can write; nothing was "
+        "written.")
+
+
 def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
     """Merge updates into the config file at `path` (its lock held): a map
     (team_branches) entry by entry; a file it cannot read (no JSON object, a
@@ -20579,7 +20654,8 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
         try:
             prior, current = read_config_object(path)      # (read once)
         except (OSError, ValueError, RecursionError) as e:
-            why, current = config_link_gone(path) or config_unread_why(e), {}
+            link = config_link_trouble(path)
+            why, current = link.why if link else config_unread_why(e), {}
     _team_map_kept(path, current, updates)
     found = dict(current)
     for key, value in updates.items():

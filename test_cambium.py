@@ -852,6 +852,79 @@ def test_a_config_link_whose_target_is_gone_is_a_gap_and_setup_moves_the_link_as
     assert cs.status()["configured"] is True
 
 
+def test_a_config_link_that_loops_or_cannot_be_reached_is_said_so(tmp_path, monkeypatch):
+    """A config link in a loop, or to a file in a folder this user cannot
+    enter, was said to link to what "does not exist", and setup moved the
+    unreachable one aside as if it were gone, though it may reach a file for
+    another user. A loop is said so (and moved aside); an unreachable link is
+    said so, and setup refuses, the link left where it is."""
+    r = make_repo(tmp_path / "r")
+    link = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    other = link.with_name("other.json")
+    link.symlink_to(other)
+    other.symlink_to(link)
+    assert cs.resolve_config().file_error == (
+        f"{link} could not be read (it is a symbolic link to {other}, which is a loop of "
+        "links); no tool runs until it is fixed")
+    out = cs.setup(str(r), "ada")
+    assert os.readlink(link.with_name(link.name + ".bad")) == str(other)
+    assert any("which is a loop of links): moved aside" in w for w in out["warnings"]), out
+    drop = [] if os.geteuid() else ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if drop and not shutil.which("setpriv"):
+        pytest.skip("root without setpriv: every directory can be entered")
+    shut = tmp_path / "dotfiles"
+    shut.mkdir()
+    (shut / "cambium.json").write_text('{"CAMBIUM_AGENT_ID": "ada"}\n')
+    for name in (link.name, link.name + ".bad"):
+        link.with_name(name).unlink()
+    link.symlink_to(shut / "cambium.json")
+    shut.chmod(0o600)
+    try:
+        run = subprocess.run([*drop, sys.executable, "-c", textwrap.dedent(f"""
+            import json, cambium_server as cs
+            cfg = cs.resolve_config()
+            try:
+                cs.setup({str(r)!r}, "ada")
+                refused = None
+            except cs.InputError as e:
+                refused = str(e)
+            print(json.dumps([cfg.file_error, [g["fix"] for g in cfg.problems], refused]))
+            """)], text=True, capture_output=True, env=child_env(), timeout=120)
+    finally:
+        shut.chmod(0o755)
+    if run.returncode == 0 and json.loads(run.stdout)[0] is None:
+        pytest.skip("this process can enter any directory")
+    assert run.returncode == 0, run
+    said, fixes, refused = json.loads(run.stdout)
+    assert f"{shut / 'cambium.json'}, which cannot be reached: permission denied" in said
+    assert "never moves the link aside" in fixes[0], fixes
+    assert "The link is not moved aside" in refused and "nothing was written" in refused
+    assert os.readlink(link) == str(shut / "cambium.json")
+    assert not list(link.parent.glob(link.name + ".bad*"))
+
+
+def test_a_config_folder_linked_to_what_is_gone_is_a_gap_and_setup_says_what_to_do(
+        tmp_path, monkeypatch):
+    """~/.cambium a link to a dotfiles folder that moved: the config file in it
+    was just absent (every tool ran on defaults), and setup failed with a bare
+    "File exists". It is the gap a link to what is gone is, and setup says how
+    to go on, nothing written."""
+    r = make_repo(tmp_path / "r")
+    folder = tmp_path / "home" / ".cambium"
+    folder.symlink_to(tmp_path / "dotfiles" / "cambium")
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(folder / "config.json"))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    monkeypatch.chdir(r)
+    said = f"its folder {folder} is a symbolic link to {tmp_path / 'dotfiles' / 'cambium'}, " \
+        "which does not exist"
+    assert said in cs.resolve_config().file_error
+    gap = next(g for g in cs.status()["gaps"] if g["setting"] == "config file")
+    assert "remove the link (setup then makes a folder there)" in gap["fix"], gap
+    with pytest.raises(cs.InputError, match=re.escape(said) + ".*remove the link"):
+        cs.setup(str(r), "ada")
+    assert folder.is_symlink() and not (tmp_path / "dotfiles").exists()
+
+
 def test_a_config_key_held_twice_is_unreadable_and_setup_keeps_both_copies(tmp_path):
     """Two team_branches objects (a dotfiles merge), or an agent id held twice,
     were read silently as the last copy, and setup's rewrite dropped the first
