@@ -25542,12 +25542,12 @@ def _cli_promote(args: argparse.Namespace, kwargs: dict) -> int:
     """`promote --force` with no item id is a usage error (exit 2, nothing
     run): --force skips one item's eligibility check (or passes one item's
     org gate as is), and with no id every eligible item moves and none is
-    forced, so the flag was dropped without a word."""
+    forced, so the flag was dropped without a word. The line holds for
+    --to org too (no id there is refused anyway)."""
     if args.force and args.item_id is None:
         print(f"{_as_invoked()} promote: --force needs an item id (`promote ITEM_ID "
-              "--force`): it skips that one item's eligibility check, or passes its org "
-              "gate as is; `promote` with no id moves every eligible local item to team "
-              "and forces none. Nothing was promoted.", file=sys.stderr)
+              "--force`): it forces that one item (to team: skips its eligibility check; "
+              "to org: passes its org gate as is). Nothing was promoted.", file=sys.stderr)
         return 2
     return _cli_print(args, kwargs)
 

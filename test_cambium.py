@@ -14274,12 +14274,18 @@ def test_cli_correct_or_promote_the_org_gate_refuses_exits_1(shared, monkeypatch
 def test_cli_promote_force_without_an_item_id_is_a_usage_error(shared, capsys):
     """`promote --force` with no item id promoted what was eligible and
     dropped --force without a word (it forces one item): a script that meant
-    to force everything up read exit 0. It exits 2 now, nothing run."""
+    to force everything up read exit 0. It exits 2 now, nothing run (the
+    item is endorsed: eligible, a plain `promote` would move it), and the line
+    is true for --to org too (it said `promote` with no id moves every eligible
+    item to team)."""
     item = cs.capture("Pin the Postgres image tag in docker-compose")["item"]["id"]
-    assert cs.main(["promote", "--force"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and "promote: --force needs an item id" in err
-    assert cs.expand(item)["scope"] == "local"
+    cs.endorse(item, note="holds")
+    for extra in ([], ["--to", "org"]):
+        assert cs.main(["promote", "--force", *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert "promote: --force needs an item id" in err and " to team " not in err, err
+        assert cs.expand(item)["scope"] == "local"
     assert cs.main(["promote", item, "--force"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "promoted"
 
