@@ -17513,7 +17513,7 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
             f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
             "copy waits for that to merge; then review_promotions() carries the supersession")
     return uncarried(item.id, by, _why_kept(line, "org", _not_reached(line, up, "org")),
-                     scope, "org", moving=False)
+                     scope, "org", moving=False, pr=bool(item.pr_url))
 
 
 def _replacements_now(cfg: Config, scope: str, item: Item) -> dict[str, Item]:
@@ -22368,18 +22368,21 @@ def kept_both(moved: Moved, src: str, dst: str) -> dict:
 
 
 def uncarried(item_id: str, by: str, why: str | None, src: str, dst: str, *,
-              moving: bool) -> str:
+              moving: bool, pr: bool = True) -> str:
     """The warning for a copy kept in src because `by`, the item that superseded
     it there while it moved (`moving`) or waited on its org pull request, is not
     in dst: dropped, dst's copy would keep the old words active for good.
     `why`: `by` is a person's correction of it that did not go up, and why
     (_why_kept; else it went up: _carry_corrections); None: it is no
-    correction (pure)."""
+    correction. `pr` False: not moving, it waits on no pull request (a copy
+    a move to dst cut short left below; "while its org pull request was
+    open" was said of it in direct mode too) (pure)."""
     correction = why is not None
     what = why or "an item of its own: a consolidate fold, a capture that supersedes it"
-    when = f"while it moved to {dst}" if moving else "while its org pull request was open"
+    when = f"while it moved to {dst}" if moving else "while its org pull request was open" \
+        if pr else f"after a move of it to {dst} was cut short"
     stays = (f"{dst}'s copy of {item_id} stays active and the {src} copy stays too"
-             if moving else f"the {src} copy keeps waiting")
+             if moving or not pr else f"the {src} copy keeps waiting")
     then = (f"correct({item_id!r}, <the correction in general terms>) corrects {dst}'s "
             "copy through its gate" if correction else
             f"promote({by!r}, to_scope={dst!r}) brings {by} up")
@@ -22436,10 +22439,10 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     supersession at org with no word), and so does an unmarked one whose
     correction waits on a pull request (a PR-mode promote killed after gh
     opened its own: left now, org kept the old words active beside the
-    correction for good). In PR mode one whose correction cannot go up (its
-    reviewers declined it, org's gate or its landing refuses it) stays too,
-    needs_review with that warning: it left, and the supersession, its only
-    record, with it, while org served the old words."""
+    correction for good). One whose correction cannot go up (in PR mode its
+    reviewers declined it; in either mode org's gate or its landing refuses
+    it) stays too, needs_review with that warning: it left, and the
+    supersession, its only record, with it, while org served the old words."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
@@ -22449,7 +22452,7 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
         status, url = ("pr_pending", item.pr_url) if item.pr_url else on[0]
         return {"status": status, "pr_url": url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
-    if cfg.org_pr and waits and (corrected := _corrected_below(cfg, scope, item)):
+    if waits and (corrected := _corrected_below(cfg, scope, item)):
         return {"status": "needs_review", "item": item_view(item), "warnings": [waits],
                 "note": f"org's copy stays active, and the {scope} copy stays, superseded "
                         f"by {corrected}: dropped, it lost the supersession for good"}

@@ -11334,6 +11334,40 @@ def test_pr_mode_promote_keeps_a_copy_whose_correction_org_s_gate_turns_away(
     _kept_superseded(shared, item, fix)
 
 
+def _direct_corrected_leftover(shared, monkeypatch) -> tuple[str, str, dict]:
+    """Direct org mode: a team copy of an org item (a move cut short) that bob
+    (no org scope) corrected in words org's gate turns away, then promoted.
+    Returns (the item, bob's correction, that promote's answer)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared, item)
+    fix = _bob_runs(shared, "correct", item,
+                    "Retry only idempotent calls; see src/billing/retry.py")["item"]["id"]
+    main = git(shared["org_bare"], "rev-parse", "main")
+    out = cs.promote(item, to_scope="org")
+    assert git(shared["org_bare"], "rev-parse", "main") == main
+    return item, fix, out
+
+
+def test_direct_promote_keeps_a_copy_whose_correction_org_s_gate_turns_away(
+        shared, monkeypatch):
+    """Direct org mode, a team copy of an org item (a move cut short)
+    corrected by a teammate in words org's gate turns away: promote(item)
+    dropped the team copy, and its supersession (the only record that the
+    words are wrong), while org kept them active, and the warning advised
+    consolidate(). It stays, needs_review, as in PR mode, and the warning
+    says what settles it (no pull request was open: none is named)."""
+    item, fix, out = _direct_corrected_leftover(shared, monkeypatch)
+    assert out["status"] == "needs_review", out
+    assert any(fix in w and "gate" in w and "cut short" in w for w in out["warnings"]), out
+    assert any(f"promote({item!r}, to_scope='org') then settles it" in w
+               for w in out["warnings"]), out
+    assert not any("consolidate" in w or "pull request" in w for w in out["warnings"]), out
+    _kept_superseded(shared, item, fix)
+
+
 def test_pr_mode_promote_keeps_a_copy_whose_correction_was_declined(
         shared, monkeypatch, tmp_path):
     """PR mode: as above, the correction proposed and declined by org's
