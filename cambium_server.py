@@ -17575,7 +17575,10 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
     reviewers declined, and that gained none since, is left (declined_as_is):
     proposed again unchanged after every decline, it was a pull request for
     them to close each time; once org holds all of it (gained another way),
-    it leaves as any copy with no news does.
+    it leaves as any copy with no news does. One a review leaves superseded
+    by a person's correction org lacks while org's copy is active (promote
+    answered needs_review: the correction cannot go up) is a warning in
+    `said` saying what settles it (_held_below): the review said nothing.
     The warnings promote's answer would give go in `said`, all of them: the
     answer that holds `said` (the review's, or any promote's) is the only one
     to tell of the move (a note org's gate held back, notes_held; both copies
@@ -17600,6 +17603,9 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
                     review and _correction_to_propose(cfg, it, held, org_doc, below):
                 out = _finish_cut_short(cfg, scope, it) or {}
             else:
+                if said is not None and (note := review and _held_below(
+                        cfg, scope, it, held, org_doc, below)):
+                    said.append(note)
                 continue
             done += [it.id] if out.get("status") == "already_promoted" else []
             if said is not None:
@@ -17627,6 +17633,33 @@ def _correction_to_propose(cfg: Config, item: Item, held: dict[str, Item], org_d
     line = _correction_line(item, below)
     return bool(line) and _line_stays(line, "org") is None and not any(
         it.id in held or _said_in(cfg, "org", org_doc, it) for it in line)
+
+
+def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_doc: Doc,
+                below: dict[str, Item]) -> str | None:
+    """A review's word on `item`, an unmarked copy below (of org's item in
+    `held`) that it leaves: superseded by a person's correction org lacks
+    while org's copy stays active, the copy is the only record that org's
+    words were corrected, kept until a person acts (a promote answered
+    needs_review), and reviews said nothing of it. What stops the
+    correction (_line_stays, _said_in) and what settles it; None for any
+    other copy, and for one whose correction waits on a pull request of its
+    own (pending_org_prs lists it; once it merges a review settles the copy).
+    `below`, `held`, `org_doc`: as settle_unmarked read them."""
+    line = _correction_line(item, below)
+    if not line or not held[item.id].active or any(it.id in held or it.pr_url for it in line):
+        return None
+    by = line[0].id
+    why = _line_stays(line, "org") or next(
+        (v.reason for it in line if (v := _said_in(cfg, "org", org_doc, it))), None)
+    todo = (f"promote({item.id!r}, to_scope='org') carries {by} up to org with it (a "
+            "review writes nothing to org's own branch unasked)" if why is None else
+            f"correct({item.id!r}, <the correction in general terms>) corrects org's "
+            f"copy through its gate; promote({item.id!r}, to_scope='org') then settles it")
+    return (f"{item.id} stays in {scope} scope superseded by {by}, a person's correction "
+            f"org does not hold ({why or 'not carried up yet'}), while org's copy stays "
+            f"active: needs_review, the {scope} copy kept (dropped, it would take the only "
+            f"record that org's words were corrected). {todo}")
 
 
 def _correction_reached(item: Item, there: Item, held: dict[str, Item]) -> bool:

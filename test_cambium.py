@@ -11368,6 +11368,24 @@ def test_direct_promote_keeps_a_copy_whose_correction_org_s_gate_turns_away(
     _kept_superseded(shared, item, fix)
 
 
+def test_a_review_reports_a_copy_kept_for_a_correction_org_turns_away(shared, monkeypatch):
+    """A team copy kept needs_review (its correction cannot go up, org's copy
+    active) was left by every review without a word: only a promote of it
+    said so. The review warns, naming the correction, why it is stuck and
+    what settles it; doing that settles it."""
+    item, fix, _ = _direct_corrected_leftover(shared, monkeypatch)
+    held = [w for w in cs.review_promotions().get("warnings", []) if w.startswith(item)]
+    assert held and fix in held[0] and "gate" in held[0] and "needs_review" in held[0], held
+    assert f"promote({item!r}, to_scope='org') then settles it" in held[0], held
+    _kept_superseded(shared, item, fix)
+    cs.correct(item, "Retry only idempotent calls, with capped backoff")   # (what it says)
+    assert cs.promote(item, to_scope="org")["status"] == "already_promoted"
+    assert item not in team_ids(shared["origin"])
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item]["status"] == "superseded", org
+    assert not any(w.startswith(item) for w in cs.review_promotions().get("warnings", []))
+
+
 def test_pr_mode_promote_keeps_a_copy_whose_correction_was_declined(
         shared, monkeypatch, tmp_path):
     """PR mode: as above, the correction proposed and declined by org's
@@ -11385,7 +11403,10 @@ def test_pr_mode_promote_keeps_a_copy_whose_correction_was_declined(
     assert any(f"promote({item!r}, to_scope='org') then settles it" in w   # (r1b: a review
                for w in out["warnings"]), out                           # alone never did)
     _kept_superseded(shared, item, fix)
-    assert "settled_org_prs" not in cs.review_promotions()
+    review = cs.review_promotions()
+    assert "settled_org_prs" not in review
+    assert any(w.startswith(item) and "declined" in w and "needs_review" in w
+               for w in review.get("warnings", [])), review        # (it said nothing)
     _kept_superseded(shared, item, fix)
 
 
