@@ -17644,11 +17644,13 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
     needs_review), and reviews said nothing of it. What stops the
     correction (_line_stays, _said_in) and what settles it; None for any
     other copy, and for one whose correction waits on a pull request of its
-    own (pending_org_prs lists it; once it merges a review settles the copy).
+    own (pending_org_prs lists it; once it merges a review settles the copy),
+    or that was retracted since (promote lets it leave: _finish_cut_short).
     `below`, `held`, `org_doc`: as settle_unmarked read them."""
     line = _correction_line(item, below)
-    if not line or not held[item.id].active or any(it.id in held or it.pr_url for it in line):
-        return None
+    if not line or not line[-1].active or not held[item.id].active or \
+            any(it.id in held or it.pr_url for it in line):
+        return None                    # (retracted since: promote lets it leave)
     by = line[0].id
     why = _line_stays(line, "org") or next(
         (v.reason for it in line if (v := _said_in(cfg, "org", org_doc, it))), None)
@@ -22475,7 +22477,11 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     correction for good). One whose correction cannot go up (in PR mode its
     reviewers declined it; in either mode org's gate or its landing refuses
     it) stays too, needs_review with that warning: it left, and the
-    supersession, its only record, with it, while org served the old words."""
+    supersession, its only record, with it, while org served the old words.
+    One whose correction was retracted since (its line's end deprecated, or
+    superseded by no correction of it) leaves as before, org's copy active,
+    with _left_active's warning: kept, it stayed needs_review for good, the
+    advice (correct it at org, then promote) settling nothing."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
@@ -22485,13 +22491,15 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
         status, url = ("pr_pending", item.pr_url) if item.pr_url else on[0]
         return {"status": status, "pr_url": url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
-    if waits and (corrected := _corrected_below(cfg, scope, item)):
+    line = _correction_line_now(cfg, scope, item) if waits else []
+    if line and line[-1].active:             # (retracted since: no supersession to keep)
         return {"status": "needs_review", "item": item_view(item), "warnings": [waits],
                 "note": f"org's copy stays active, and the {scope} copy stays, superseded "
-                        f"by {corrected}: dropped, it lost the supersession for good"}
+                        f"by {line[0].id}: dropped, it lost the supersession for good"}
+    left = [_left_active(item, scope, line[-1] if line else None)] if waits else []
     if cfg.org_pr:
         return answer_of(_finish_held_move(cfg, scope, item, found[1], restated=False),
-                         {"warnings": [_left_active(item, scope)] if waits else []})
+                         {"warnings": left})
     moved = rode[0] if rode else move(
         cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
         message=f"carry {item.id}'s retirement to org")
@@ -22502,24 +22510,34 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
                    f"{item.status} since: that is carried to org, and the {scope} copy left"}
     if there.active:
         out["note"] = f"a move to org had been cut short: the {scope} copy left"
-        out["warnings"] = [_left_active(item, scope)]
+        out["warnings"] = left or [_left_active(item, scope)]
     return out
 
 
-def _left_active(item: Item, scope: str) -> str:
+def _left_active(item: Item, scope: str, retired: Item | None = None) -> str:
     """The warning for a superseded copy below that leaves while org's copy
-    stays active: what superseded it is not in org (pure)."""
+    stays active: what superseded it is not in org. `retired`: the end of the
+    person's corrections that superseded it, retired since (deprecated, or
+    superseded by no correction of it): the copy, kept needs_review for good
+    before, leaves, the advice to correct org's copy kept (pure)."""
+    if retired is not None and not retired.active:
+        by = _superseded_by(item)
+        end = "" if retired.id == by else f", corrected again by {retired.id},"
+        return (f"{item.id} was superseded in {scope} scope by {by}, a person's "
+                f"correction{end} {retired.status} since, which org does "
+                f"not hold: org's copy stays active and the {scope} copy left (a retracted "
+                f"correction is no supersession to keep); if org's words are wrong still, "
+                f"correct({item.id!r}, <the correction in general terms>) corrects them")
     return (f"{item.id} was superseded in {scope} scope by {_superseded_by(item)}, which org "
             "does not hold, so org's copy stays active (retired there, org would lose what it "
             "says); consolidate() folds the two if they say the same")
 
 
-def _corrected_below(cfg: Config, scope: str, item: Item) -> str | None:
-    """The id of the person's correction that superseded `item` in `scope`
-    (what replaced it there corrects it), or None: a fold, or gone since."""
-    by = _superseded_by(item)
-    fix = next((it for it in store(cfg, scope).read().items if it.id == by), None)
-    return by if fix is not None and fix.corrects == item.id else None
+def _correction_line_now(cfg: Config, scope: str, item: Item) -> list[Item]:
+    """The person's corrections that superseded `item` in `scope` as it holds
+    them now (_correction_line): [] for a fold, or one gone since."""
+    return _correction_line(item, {it.id: it for it in first_copies(
+        store(cfg, scope).read().items)})
 
 
 def _org_kind(kind: str | None) -> str | None:

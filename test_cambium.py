@@ -11386,6 +11386,42 @@ def test_a_review_reports_a_copy_kept_for_a_correction_org_turns_away(shared, mo
     assert not any(w.startswith(item) for w in cs.review_promotions().get("warnings", []))
 
 
+def _retracted_copy_leaves(shared, item: str, fix: str) -> None:
+    """`fix`, the correction that kept the team copy of `item` needs_review,
+    is retracted (bob deprecates it): the review no longer warns of the copy,
+    and promote(item) lets it leave, org's copy active, saying so."""
+    assert _bob_runs(shared, "deprecate", fix, "--reason", "was wrong")["status"] == "deprecated"
+    assert not any(w.startswith(item) for w in cs.review_promotions().get("warnings", []))
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] in ("already_promoted", "promoted"), out
+    assert any(fix in w and "deprecated since" in w and "left" in w and "gate" not in w
+               for w in out["warnings"]), out
+    assert item not in team_ids(shared["origin"])
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item]["status"] == "active", org
+
+
+def test_a_copy_kept_for_a_correction_leaves_once_the_correction_is_retracted(
+        shared, monkeypatch):
+    """Direct org mode: a team copy kept needs_review for a correction org's
+    gate turns away stayed needs_review for good once that correction was
+    deprecated (every promote and every review advised correcting it at org,
+    which settled nothing). Retracted, it is no supersession to keep: the
+    copy leaves, as before it was kept."""
+    item, fix, out = _direct_corrected_leftover(shared, monkeypatch)
+    assert out["status"] == "needs_review", out
+    _retracted_copy_leaves(shared, item, fix)
+
+
+def test_pr_mode_a_copy_kept_for_a_correction_leaves_once_it_is_retracted(
+        shared, monkeypatch, tmp_path):
+    """PR mode: as above (the same trap, older there)."""
+    item, fix = _corrected_leftover(shared, monkeypatch, tmp_path,
+                                    "Retry only idempotent calls; see src/billing/retry.py")
+    assert cs.promote(item, to_scope="org")["status"] == "needs_review"
+    _retracted_copy_leaves(shared, item, fix)
+
+
 def test_pr_mode_promote_keeps_a_copy_whose_correction_was_declined(
         shared, monkeypatch, tmp_path):
     """PR mode: as above, the correction proposed and declined by org's
