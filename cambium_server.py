@@ -17642,7 +17642,8 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
     while org's copy stays active, the copy is the only record that org's
     words were corrected, kept until a person acts (a promote answered
     needs_review), and reviews said nothing of it. What stops the
-    correction (_line_stays, _said_in) and what settles it; None for any
+    correction (_line_stays; a link no tool could have written,
+    malformed_verdict, in promote's words; _said_in) and what settles it; None for any
     other copy, and for one whose correction waits on a pull request of its
     own (pending_org_prs lists it; once it merges a review settles the copy),
     or that was retracted since (promote lets it leave: _finish_cut_short).
@@ -17651,8 +17652,10 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
     if not line or not line[-1].active or not held[item.id].active or \
             any(it.id in held or it.pr_url for it in line):
         return None                    # (retracted since: promote lets it leave)
-    by = line[0].id
+    by, again = line[0].id, f", corrected again by {line[-1].id}," if len(line) > 1 else ""
     why = _line_stays(line, "org") or next(
+        (f"a correction{again} that org turned away now ({it.id}: {v.reason})" for it in line
+         if (v := malformed_verdict(it))), None) or next(
         (v.reason for it in line if (v := _said_in(cfg, "org", org_doc, it))), None)
     todo = (f"promote({item.id!r}, to_scope='org') carries {by} up to org with it (a "
             "review writes nothing to org's own branch unasked)" if why is None else

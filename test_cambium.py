@@ -11386,6 +11386,31 @@ def test_a_review_reports_a_copy_kept_for_a_correction_org_turns_away(shared, mo
     assert not any(w.startswith(item) for w in cs.review_promotions().get("warnings", []))
 
 
+def test_a_review_of_a_copy_kept_for_a_hand_edited_correction_says_what_promote_says(
+        shared, monkeypatch):
+    """A team copy kept needs_review whose correction was then hand-edited
+    (content stored as a number: no tool could have written it): the review
+    said promote(item) carries the correction up, while that promote answered
+    needs_review, the correction 'not written by a cambium tool'. The review
+    says the same as promote."""
+    item, fix, _ = _direct_corrected_leftover(shared, monkeypatch)
+    hand = clone(shared["origin"], shared["tmp"] / "hand")
+    git(hand, "checkout", "-q", "cambium")
+    doc = json.loads((hand / "knowledge.json").read_text())
+    for it in doc["items"]:
+        if it["id"] == fix:
+            it["content"] = 123
+    (hand / "knowledge.json").write_text(json.dumps(doc))
+    git(hand, "commit", "-qam", "hand edit")
+    git(hand, "push", "-q", "origin", "cambium")
+    held = [w for w in cs.review_promotions().get("warnings", []) if w.startswith(item)]
+    assert held and "not written by a cambium tool" in held[0], held
+    assert f"correct({item!r}" in held[0] and "carries" not in held[0], held
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "needs_review", out
+    assert "not written by a cambium tool" in out["warnings"][0], out
+
+
 def _retracted_copy_leaves(shared, item: str, fix: str) -> None:
     """`fix`, the correction that kept the team copy of `item` needs_review,
     is retracted (bob deprecates it): the review no longer warns of the copy,
