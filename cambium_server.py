@@ -17590,6 +17590,8 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
         return []
     held = {it.id: it for it in first_copies(org_doc.items)}
     done: list[str] = []
+    kept: list[str] = []                  # (_held_below's words, capped: one per copy)
+    memo: dict = {}
     for scope in ("local", "team"):
         below = {it.id: it for it in first_copies(docs.get(scope, Doc(items=[])).items)} \
             if review else {}                   # (only a review proposes corrections)
@@ -17604,13 +17606,29 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
                 out = _finish_cut_short(cfg, scope, it) or {}
             else:
                 if said is not None and (note := review and _held_below(
-                        cfg, scope, it, held, org_doc, below)):
-                    said.append(note)
+                        cfg, scope, it, held, org_doc, below, memo)):
+                    kept.append(note)
                 continue
             done += [it.id] if out.get("status") == "already_promoted" else []
             if said is not None:
                 said += out.get("warnings", [])
+    if said is not None:
+        said += _held_capped(kept)
     return done
+
+
+MAX_HELD_WARNINGS = 5     #: a review words this many copies kept needs_review, counts the rest
+
+
+def _held_capped(kept: list[str]) -> list[str]:
+    """_held_below's warnings, the first MAX_HELD_WARNINGS of them and a
+    count of the rest: 4,000 such copies made 4,000 warnings of ~450
+    characters each (pure)."""
+    more = len(kept) - MAX_HELD_WARNINGS
+    return kept if more <= 0 else kept[:MAX_HELD_WARNINGS] + [
+        f"… and {more:,} more team or local copies kept like these (needs_review: each "
+        "superseded by a person's correction org does not hold, while org's copy stays "
+        "active); promote(id, to_scope='org') of each says what settles it"]
 
 
 def _correction_to_propose(cfg: Config, item: Item, held: dict[str, Item], org_doc: Doc,
@@ -17636,7 +17654,7 @@ def _correction_to_propose(cfg: Config, item: Item, held: dict[str, Item], org_d
 
 
 def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_doc: Doc,
-                below: dict[str, Item]) -> str | None:
+                below: dict[str, Item], memo: dict | None = None) -> str | None:
     """A review's word on `item`, an unmarked copy below (of org's item in
     `held`) that it leaves: superseded by a person's correction org lacks
     while org's copy stays active, the copy is the only record that org's
@@ -17647,7 +17665,10 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
     other copy, and for one whose correction waits on a pull request of its
     own (pending_org_prs lists it; once it merges a review settles the copy),
     or that was retracted since (promote lets it leave: _finish_cut_short).
-    `below`, `held`, `org_doc`: as settle_unmarked read them."""
+    One whose org copy a correction made at org waits to correct (PR mode:
+    cambium/updates) is said to wait on that pull request: correcting it
+    again is refused until it merges. `below`, `held`, `org_doc`: as
+    settle_unmarked read them; `memo`: _correction_proposed's, for the review."""
     line = _correction_line(item, below)
     if not line or not line[-1].active or not held[item.id].active or \
             any(it.id in held or it.pr_url for it in line):
@@ -17657,6 +17678,8 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
         (f"a correction{again} that org turned away now ({it.id}: {v.reason})" for it in line
          if (v := malformed_verdict(it))), None) or next(
         (v.reason for it in line if (v := _said_in(cfg, "org", org_doc, it))), None)
+    if url := _correction_proposed(cfg, item.id, memo):
+        return _waits_on_org_correction(item.id, scope, by, why or "not carried up yet", url)
     todo = (f"promote({item.id!r}, to_scope='org') carries {by} up to org with it (a "
             "review writes nothing to org's own branch unasked)" if why is None else
             f"correct({item.id!r}, <the correction in general terms>) corrects org's "
@@ -17665,6 +17688,43 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
             f"org does not hold ({why or 'not carried up yet'}), while org's copy stays "
             f"active: needs_review, the {scope} copy kept (dropped, it would take the only "
             f"record that org's words were corrected). {todo}")
+
+
+def _correction_proposed(cfg: Config, item_id: str, memo: dict | None = None) -> str | None:
+    """Org in PR mode: the pull request (its URL, else its branch's name) in
+    which a correction of org's copy of `item_id` waits (correct() at org:
+    cambium/updates, not merged yet), or None. `memo`: that branch's items
+    and its pull request's URL, kept across one review's copies (one fetch,
+    one gh call)."""
+    if not cfg.org_pr:
+        return None
+    memo = {} if memo is None else memo
+    org, branch = store(cfg, "org"), pr_branch_name("updates")
+    if "items" not in memo:
+        memo["items"] = {}
+        with contextlib.suppress(CambiumError):
+            if (side := org._remote_branch_tip(branch)) and org.proposes(branch, side):
+                memo["items"] = {it.id: it for it in first_copies(org.doc_at(side).items)}
+    there = memo["items"].get(item_id)
+    fix = memo["items"].get((there and _superseded_by(there)) or "")
+    if fix is None or fix.corrects != item_id:
+        return None
+    if "url" not in memo:
+        memo["url"] = ""
+        with contextlib.suppress(CambiumError):
+            memo["url"] = open_pr_url(cfg, org, branch)
+    return memo["url"] or f"the {branch} pull request"
+
+
+def _waits_on_org_correction(item_id: str, scope: str, by: str, why: str, url: str) -> str:
+    """The word on a copy below kept for `by`, a person's correction org
+    lacks (`why`), while a correction of org's copy waits on the pull request
+    `url` (_correction_proposed): correct(item_id) again is refused until it
+    merges, so that is not the advice (pure)."""
+    return (f"{item_id} stays in {scope} scope superseded by {by}, a person's correction org "
+            f"does not hold ({why}), while org's copy stays active: a correction of org's "
+            f"copy waits on {url} (correcting it again is refused until then); once that "
+            f"merges, promote({item_id!r}, to_scope='org') settles the {scope} copy")
 
 
 def _correction_reached(item: Item, there: Item, held: dict[str, Item]) -> bool:
@@ -22484,7 +22544,10 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     One whose correction was retracted since (its line's end deprecated, or
     superseded by no correction of it) leaves as before, org's copy active,
     with _left_active's warning: kept, it stayed needs_review for good, the
-    advice (correct it at org, then promote) settling nothing."""
+    advice (correct it at org, then promote) settling nothing. While a
+    correction of org's copy made at org waits on its pull request
+    (_correction_proposed), the warning names that pull request: correcting
+    it again, the advice otherwise, is refused until it merges."""
     if not (found := _find_item(store(cfg, "org").read(), item.id)):
         return None
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
@@ -22496,6 +22559,9 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
                 "warnings": [waits]}          # (as review_promotions would settle it)
     line = _correction_line_now(cfg, scope, item) if waits else []
     if line and line[-1].active:             # (retracted since: no supersession to keep)
+        if url := _correction_proposed(cfg, item.id):   # (correct() again is refused)
+            waits = _waits_on_org_correction(item.id, scope, line[0].id, _line_stays(
+                line, "org") or "a correction that org turned away now", url)
         return {"status": "needs_review", "item": item_view(item), "warnings": [waits],
                 "note": f"org's copy stays active, and the {scope} copy stays, superseded "
                         f"by {line[0].id}: dropped, it lost the supersession for good"}

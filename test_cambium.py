@@ -11411,6 +11411,55 @@ def test_a_review_of_a_copy_kept_for_a_hand_edited_correction_says_what_promote_
     assert "not written by a cambium tool" in out["warnings"][0], out
 
 
+def test_pr_mode_a_copy_kept_while_org_s_correction_waits_names_that_pull_request(
+        shared, monkeypatch, tmp_path):
+    """PR mode: a team copy kept needs_review (its correction org's gate turns
+    away), and org's copy corrected at org as the warning advised: while that
+    correction's cambium/updates pull request was open, the review and
+    promote(item) advised correct(item, ...) again, which is refused (merge or
+    close that first). Both name the pull request it waits on instead; once
+    it merges, promote(item) settles the copy, as they say."""
+    item, fix = _corrected_leftover(shared, monkeypatch, tmp_path,
+                                    "Retry only idempotent calls; see src/billing/retry.py")
+    assert cs.promote(item, to_scope="org")["status"] == "needs_review"
+    url = cs.correct(item, "Retry only idempotent calls, with capped backoff")["pr_url"]
+    held = [w for w in cs.review_promotions().get("warnings", []) if w.startswith(item)]
+    out = cs.promote(item, to_scope="org")
+    assert out["status"] == "needs_review", out
+    for said in (held, out["warnings"]):
+        assert said and f"waits on {url}" in said[0] and fix in said[0], said
+        assert f"correct({item!r}" not in said[0], said
+    _kept_superseded(shared, item, fix)
+    _merge_on_org(shared, tmp_path, "cambium/updates")
+    set_pr_state(tmp_path, url, "MERGED")
+    assert cs.promote(item, to_scope="org")["status"] == "already_promoted"
+    assert item not in team_ids(shared["origin"])
+
+
+def test_a_review_counts_the_copies_kept_needs_review_past_a_few(shared, monkeypatch):
+    """Each team copy kept needs_review was one warning of ~450 characters in
+    every review, however many: 4,000 of them, 4,000 warnings. The first
+    MAX_HELD_WARNINGS are worded, the rest counted."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cfg = cs.require_config()
+    now = "2026-12-07T00:00:00Z"
+    base = cs.new_item("Prefer idempotent retries with jitter", agent="a", project="p",
+                       now=now)
+    org, team = [], []
+    for i in range(cs.MAX_HELD_WARNINGS + 3):
+        x = dataclasses.replace(base, id=f"k-{i:012x}", content=f"org rule {i}", scope="org")
+        fix = dataclasses.replace(x, id=f"k-f{i:011x}", content=f"fixed rule {i}; see src/a.py",
+                                  corrects=x.id, scope="team")
+        org.append(x)
+        team += [dataclasses.replace(x, scope="team", status="superseded",
+                                     superseded_by={"id": fix.id, "by": "bob", "at": now}), fix]
+    said: list[str] = []
+    docs = {"org": cs.Doc(items=org), "team": cs.Doc(items=team), "local": cs.Doc(items=[])}
+    assert cs.settle_unmarked(cfg, docs, said, review=True) == []
+    assert len(said) == cs.MAX_HELD_WARNINGS + 1, said
+    assert said[-1].startswith("… and 3 more") and "needs_review" in said[-1], said
+
+
 def _retracted_copy_leaves(shared, item: str, fix: str) -> None:
     """`fix`, the correction that kept the team copy of `item` needs_review,
     is retracted (bob deprecates it): the review no longer warns of the copy,
