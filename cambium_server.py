@@ -16771,7 +16771,7 @@ def moves_lock(cfg: Config) -> Iterator[None]:
 def move(cfg: Config, items: list[Item], src: str, dst: str, *,
          gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
          pr_branch: str | None = None, pr_body: str | None = None,
-         rides: str | None = None) -> Moved:
+         rides: str | None = None, read_active: bool = False) -> Moved:
     """Move items from scope src up to scope dst: copy up, verify, drop the source.
 
     Every (re)played write to dst re-reads each item as it now stands in src and
@@ -16785,12 +16785,16 @@ def move(cfg: Config, items: list[Item], src: str, dst: str, *,
     where every other item lands (the item a person's corrections supersede:
     its copy there is superseded by them); else none of the items moves, each
     refused (a chain of corrections moves whole: _hold_rider).
+    `read_active`: the caller read the items active; one dst holds already
+    that the move finds superseded since by an item dst lacks, dst's copy
+    active, is refused (needs_review) and stays: joined, dst took nothing of
+    the supersession and the drop took it with the copy (_hold_superseded).
     """
     held_back: set[str] = set()
     with moves_lock(cfg):
         moved = _move(cfg, items, src, dst, gate=gate, copy=copy, message=message,
                       pr_branch=pr_branch, pr_body=pr_body, held_back=held_back,
-                      rides=rides)
+                      rides=rides, read_active=read_active)
     moved.notes_held = sorted(held_back & {it.id for it in moved.landed})
     return moved
 
@@ -16798,7 +16802,7 @@ def move(cfg: Config, items: list[Item], src: str, dst: str, *,
 def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
           gate: Callable[[Item], Verdict], copy: Callable[[Item], Item], message: str,
           pr_branch: str | None, pr_body: str | None, held_back: set[str],
-          rides: str | None = None) -> Moved:
+          rides: str | None = None, read_active: bool = False) -> Moved:
     ids = {it.id for it in items}
     made: dict[str, Item] = {}      # id -> the source version its copy was made from
     joined: set[str] = set()        # ids dst held already: the source's news added to them
@@ -16821,8 +16825,8 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                 clash.add(it.id)
                 verdicts[it.id] = Verdict(False, "id_conflict", ID_CONFLICT.format(
                     id=it.id, src=src, dst=dst))
-        if rides in joined and not all(v.allowed for v in verdicts.values()):
-            _hold_rider(rides, dst, joined, made, clash, verdicts)
+        _hold_back(rides, dst, (src, doc) if read_active else None, joined, made, clash,
+                   verdicts)
         tip = {it.id for it in doc.items} | made.keys()   # (ids this commit holds: a
         #                         supersession needs its replacement, landing with it counts)
         news = {i: gated(n) for i in joined if (n := news_over(above[i], made[i], holds=tip))}
@@ -16855,6 +16859,39 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                      [i for i in kept if waits.get(i, ()) is not None], sorted(joined & held),
                      replaced={k: v for k, v in waits.items() if v}, proposed=proposed)
     return Moved(write, landed, planned.refused)
+
+
+def _hold_back(rides: str | None, dst: str, read: tuple[str, Doc] | None, joined: set[str],
+               made: dict[str, Item], clash: set[str], verdicts: dict[str, Verdict]) -> None:
+    """What a move's plan holds back of what dst holds already: a copy read
+    active that was superseded since (_hold_superseded; `read`: src and dst's
+    doc, when the caller read the items active), then every item when the
+    one that `rides` needs others that did not land (_hold_rider)."""
+    if read is not None:
+        _hold_superseded(read[0], dst, read[1], joined, made, clash, verdicts)
+    if rides in joined and not all(v.allowed for v in verdicts.values()):
+        _hold_rider(rides, dst, joined, made, clash, verdicts)
+
+
+def _hold_superseded(src: str, dst: str, doc: Doc, joined: set[str], made: dict[str, Item],
+                     clash: set[str], verdicts: dict[str, Verdict]) -> None:
+    """A move's plan: each copy the caller read active, that dst (`doc`)
+    holds active already, and that src holds now superseded by an item dst
+    lacks (a teammate's correct() since the read) is held back as a clash,
+    refused needs_review: joined, dst took nothing of the supersession (it
+    lacks the replacement), and the drop took the copy and it, the only
+    record that dst's words were corrected, while dst served them active."""
+    above = {it.id: it for it in first_copies(doc.items)}
+    for i in [i for i in joined if replacement_missing(made[i], above) and above[i].active]:
+        by = _superseded_by(made[i])
+        joined.discard(i)
+        clash.add(i)
+        made.pop(i)
+        verdicts[i] = Verdict(False, "needs_review", (
+            f"{i} was superseded in {src} scope by {by} since it was read, and {dst} does not "
+            f"hold {by}: the {src} copy stays (dropped, it would take the supersession with "
+            f"it while {dst}'s copy stays active); promote({i!r}, to_scope={dst!r}) judges "
+            "it as it stands now"))
 
 
 def _hold_rider(rides: str, dst: str, joined: set[str], made: dict[str, Item],
@@ -22721,7 +22758,7 @@ def _finish_held_move(cfg: Config, scope: str, item: Item, there: Item | None, *
         carried_over(there, item, holds=_org_ids_for(cfg, item)) is not None
     branch = pr_branch(cfg, "org", "updates") if news else None
     moved = move(cfg, [item], scope, "org", gate=_awaiting_merge, copy=lambda it: it,
-                 pr_branch=branch, pr_body=PR_BODY,
+                 pr_branch=branch, pr_body=PR_BODY, read_active=item.active,
                  message=f"{cfg.agent} finishes the move of {item.id} to org")
     if item.id in moved.refused:
         return answer_of(_org_refusal(item, v := moved.refused[item.id]), {

@@ -11460,6 +11460,30 @@ def test_a_review_counts_the_copies_kept_needs_review_past_a_few(shared, monkeyp
     assert said[-1].startswith("… and 3 more") and "needs_review" in said[-1], said
 
 
+def test_a_settle_keeps_a_copy_read_active_and_corrected_before_its_move(
+        shared, monkeypatch):
+    """A review read a team copy of an org item (a move cut short) active;
+    a teammate then corrected it in words org's gate turns away, before the
+    review finished its move: the move re-read it superseded, counted it as
+    landed (org holds the id) and dropped it with its supersession, the only
+    record that org's words were corrected, while org kept them active. It
+    stays, needs_review, as promote(item) then keeps it."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item)
+    cs.promote(item, to_scope="org", force=True)
+    _leave_team_copy_of_org_item(shared, item)
+    cfg = cs.require_config()
+    docs, _ = cs.read_scopes(cfg, cs.SCOPES)               # (the review's read)
+    fix = _bob_runs(shared, "correct", item,
+                    "Retry only idempotent calls; see src/billing/retry.py")["item"]["id"]
+    said: list[str] = []
+    assert cs.settle_unmarked(cfg, docs, said, review=True) == []
+    assert any(fix in w and "since it was read" in w for w in said), said
+    _kept_superseded(shared, item, fix)
+    assert cs.promote(item, to_scope="org")["status"] == "needs_review"
+
+
 def _retracted_copy_leaves(shared, item: str, fix: str) -> None:
     """`fix`, the correction that kept the team copy of `item` needs_review,
     is retracted (bob deprecates it): the review no longer warns of the copy,
