@@ -25955,10 +25955,9 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
     atomic_write(path, res["markdown"], mode)       # replaced whole, its mode kept
     note = f"; {cli_syntax(res['note'])}" if res.get("note") else ""
     n = res["items"]
-    if args.format == "json":                   # (JSON, as every command prints)
+    if args.format == "json":                   # (JSON, as every command prints: one line)
         _say(json_text({"written": str(path), "items": n, "scope": res["scope"],
-                        **({"note": cli_syntax(res["note"])} if res.get("note") else {})},
-                       indent=2))
+                        **({"note": cli_syntax(res["note"])} if res.get("note") else {})}))
     else:
         _say(f"{_as_invoked()} export: wrote {path} ({n} item{'' if n == 1 else 's'}, scope "
              f"{res['scope']}{note})")

@@ -20116,6 +20116,7 @@ def test_cli_export_to_a_file_prints_what_it_wrote(repo, tmp_path):
     target = tmp_path / "KNOWLEDGE.md"
     out = cli("export", "-o", str(target))
     assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\n") == 1          # one summary line (issue 9 §12), JSON too
     said = json.loads(out.stdout)
     assert said["written"] == str(target) and said["items"] == 1
     assert "org scope is off" in said["note"]
