@@ -16372,13 +16372,15 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False,
     return docs, warnings
 
 
-def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None
+def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None,
+                        unfetched: set[str] | None = None
                         ) -> tuple[dict[str, Doc], list[str]]:
     """Every scope as last seen, with no fetch and no write: local as on disk
     (an unparseable file is reported, not moved aside), team and org at their
     last fetched tip. For the primer, which must never stall or change a thing.
     A scope not read is entered in `skipped` (when given) with its warning, so
-    the primer names it without parsing the warning's text."""
+    the primer names it without parsing the warning's text; one this clone has
+    never fetched (NotFetched: nothing is wrong) also in `unfetched`."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     skipped = {} if skipped is None else skipped
@@ -16398,6 +16400,8 @@ def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None
         except CambiumError as e:
             skipped[scope] = f"{scope} scope skipped: {e}"
             warnings.append(skipped[scope])
+            if isinstance(e, NotFetched) and unfetched is not None:
+                unfetched.add(scope)
         except OSError as e:                 # not a regular file (in a linked .cambium)
             skipped[scope] = f"{scope} scope skipped: {e.filename or scope}: {e.strerror or e}"
             warnings.append(skipped[scope])
@@ -18280,9 +18284,12 @@ def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
 
 
 def _render_primer(lines: dict[str, list[str]], project: str, total: int,
-                   skipped: Collection[str] = ()) -> str:
-    body = [f"{' and '.join(skipped)} knowledge could not be read now (status() says why): "
-            "these are the rest."] if skipped else []
+                   skipped: Collection[str] = (), unfetched: Collection[str] = ()) -> str:
+    lead = [f"{' and '.join(skipped)} knowledge could not be read now (status() says why)"
+            ] if skipped else []
+    lead += [f"{' and '.join(unfetched)} knowledge not fetched here yet; recall() or status() "
+             "fetches it"] if unfetched else []
+    body = [f"{'; '.join(lead)}: these are the rest."] if lead else []
     for name, heading, _ in PRIMER_SECTIONS:
         if lines[name]:
             body += [f"{heading}:"] + [f"- {line}" for line in lines[name]]
@@ -18308,8 +18315,8 @@ def with_stated_size(text: str) -> str:
 
 def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
                  project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET,
-                 unread: bool = False, failing: int = 0, skipped: Collection[str] = ()
-                 ) -> dict:
+                 unread: bool = False, failing: int = 0, skipped: Collection[str] = (),
+                 unfetched: Collection[str] = ()) -> dict:
     """The digest (pure but for line_of, which renders one chosen entry).
 
     Within a section higher score first, then newer. Lines are dropped from the
@@ -18317,11 +18324,15 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
     unread: part of the knowledge could not be read (the answer's warnings say
     what), and failing: items left out for a failing check, so an empty digest
     does not claim that nothing is known. skipped: the scopes not read (team,
-    org), named in a digest of the rest (a hook's reader sees no warnings).
+    org), named in a digest of the rest (a hook's reader sees no warnings);
+    unfetched: those this clone has never fetched (not read, nothing wrong).
     """
     if not entries:
         text = (f"cambium: no item to show for {project}, but some of its knowledge could "
                 "not be read (see warnings); status() says more." if unread else
+                f"cambium: no item to show for {project}; {' and '.join(unfetched)} "
+                "knowledge not fetched here yet; recall() or status() fetches it." if unfetched
+                else
                 f"cambium: no item to show for {project}: {failing} item(s) with a failing "
                 "check are left out (recall still finds them, marked failing): fix what "
                 "their check finds until `verify --run` passes, or deprecate(id) what no "
@@ -18338,12 +18349,12 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
     lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
     ids = {name: [e.item.id for e in chosen] for name, chosen in picked.items()}
     names = [name for name, _, _ in PRIMER_SECTIONS]
-    text = _render_primer(lines, project, len(entries), skipped)
+    text = _render_primer(lines, project, len(entries), skipped, unfetched)
     while approx_tokens(text) > budget and any(lines.values()):
         fullest = max(reversed(names), key=lambda n: len(lines[n]))
         lines[fullest].pop()
         ids[fullest].pop()
-        text = _render_primer(lines, project, len(entries), skipped)
+        text = _render_primer(lines, project, len(entries), skipped, unfetched)
     return {"primer": text, "ids": [i for name in names for i in ids.get(name, [])],
             "entries": sum(map(len, lines.values())),
             "candidates": len(entries), "tokens": approx_tokens(text),
@@ -21934,7 +21945,8 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
     path_stamp taken before it is resolved (taken after, an edit made
     meanwhile was cached as seen)."""
     not_read: dict[str, str] = {}
-    docs, warnings = read_scopes_offline(cfg, not_read)
+    unfetched: set[str] = set()          # (never fetched here: said so, no failure)
+    docs, warnings = read_scopes_offline(cfg, not_read, unfetched)
     warnings += [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE,  # awaiting restore:
                                                knowledge_only=True)  # not "nothing known yet"
                  if w not in warnings]
@@ -21964,8 +21976,11 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
 
     failing = 0 if entries else sum(1 for it in federated_items(docs) if it.failing)
     skipped = {s: not_read[s] for s in ("team", "org") if s in not_read}
+    fine = [s for s in skipped if s in unfetched]
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
-                          unread=bool(warnings), failing=failing, skipped=list(skipped)),
+                          unread=bool(set(warnings) - {skipped[s] for s in fine}),
+                          failing=failing, skipped=[s for s in skipped if s not in fine],
+                          unfetched=fine),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings
@@ -22056,6 +22071,24 @@ def warm_primer(cfg: Config | None = None) -> None:
     so the SessionStart hook reads it from the cache. Best effort."""
     with contextlib.suppress(Exception):
         cached_primer(cfg or resolve_config(), PRIMER_LIMIT, shown=False)
+
+
+def fetch_for_next_primer(cfg: Config | None = None) -> None:
+    """`distill --hook` (SessionEnd, which may use the network): fetch team and
+    org once, when due, before the next session's primer is made, so that
+    primer (which never fetches) reads them and is cached: a clone cambium had
+    never fetched said "not fetched here yet" at every session start, and a
+    primer with a scope not read is never cached. Best effort: each git call is
+    bounded by CAMBIUM_GIT_TIMEOUT, org is not tried once team has taken that
+    long, and a failure is left for the next recall or status to report."""
+    with contextlib.suppress(Exception):
+        cfg = cfg or resolve_config()
+        start = time.monotonic()
+        for scope in ("team", "org"):
+            if time.monotonic() - start > cfg.git_timeout_s:
+                break
+            with contextlib.suppress(Exception):
+                read_following(cfg, scope, digest=True)
 
 
 def expand(item_id: ItemId) -> dict:
@@ -26364,6 +26397,7 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     else:
         _emit(result, args.format, file=out)
     if args.hook:
+        fetch_for_next_primer()          # (SessionEnd may fetch; SessionStart never does)
         warm_primer()
     return 1 if result.get("store_warnings") else 0
 

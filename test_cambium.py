@@ -8725,12 +8725,40 @@ def test_a_single_branch_clones_primer_says_the_unfetched_team_scope_was_not_rea
         cs.runtime().reset()
         out = cs.session_primer()
         assert out["scopes_read"] == ["local"] and "nothing known yet" not in out["primer"], where
-        assert "could not be read" in out["primer"], where
+        assert "team knowledge not fetched here yet" in out["primer"], where
+        assert "could not be read" not in out["primer"], where    # nothing is wrong
         assert any("never fetched here" in w for w in out["warnings"])
     assert [r["content"] for r in cs.recall("schema migration deploy",
                                             detail="full")["results"]][:1] == \
         ["Never run the schema migration twice in one deploy"]
     assert "schema migration" in cs.session_primer()["primer"]   # as recall, once fetched
+
+
+def test_a_never_fetched_team_scope_is_said_so_and_the_session_end_hook_fetches_it(
+        shared, monkeypatch):
+    """A clone cambium never fetched (no team branch yet): the primer, the
+    hook's and the CLI's said team knowledge "could not be read now (status()
+    says why)" though nothing was wrong, and `distill --hook` never fetched, so
+    every session start said it again, and (a scope not read) was never cached."""
+    fresh = clone(shared["origin"], shared["tmp"] / "fresh" / "shop")
+    as_agent(monkeypatch, fresh, "cy")
+    cs.runtime().reset()
+    cs.capture("Local pitfall: the fixtures folder is generated", kind="pitfall")
+    said = "team knowledge not fetched here yet; recall() or status() fetches it"
+    out = cs.session_primer()
+    assert said in out["primer"] and "could not be read" not in out["primer"]
+    assert "fixtures folder" in out["primer"]
+    hook = cli("primer", "--hook", cwd=fresh)
+    context = json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert said in context and "could not be read" not in context
+    text = cli("primer", "--format", "text", cwd=fresh).stdout
+    assert "not fetched here yet" in text and "could not be read" not in text
+    assert not (fresh / ".cambium" / cs.PRIMER_CACHE_FILE).exists()
+    assert cli("distill", "--hook", cwd=fresh).returncode == 0
+    assert (fresh / ".cambium" / cs.PRIMER_CACHE_FILE).exists()     # fetched, then cached
+    hook = cli("primer", "--hook", cwd=fresh)
+    context = json.loads(hook.stdout)["hookSpecificOutput"]["additionalContext"]
+    assert "not fetched" not in context and "fixtures folder" in context
 
 
 def test_an_items_own_author_recalling_it_on_three_days_makes_it_eligible(shared, monkeypatch):
