@@ -18283,6 +18283,50 @@ def _quota_pick(ranked: dict[str, list], limit: int) -> dict[str, list]:
     return picked
 
 
+def _most_that_fit(ranked: dict[str, list], limit: int, names: list[str],
+                   render: Callable[[dict], str], budget: int) -> tuple[dict[str, list], str]:
+    """The entries of the digest at `limit` trimmed to `budget` (_trimmed), or
+    of a lower limit's when that shows more (the highest such): the count never
+    falls as the limit grows. One pass when the limit's digest fits."""
+    total = sum(map(len, ranked.values()))
+    picked, text = _trimmed(_quota_pick(ranked, limit), names, render, budget) or ({}, "")
+    shown = sum(map(len, picked.values()))
+    for lim in range(min(limit, total) - 1, shown, -1):    # (only a lim > shown can beat it)
+        if lim > shown and (lower := _trimmed(_quota_pick(ranked, lim), names, render,
+                                              budget, least=shown + 1)):
+            picked, text = lower
+            shown = sum(map(len, picked.values()))
+    return picked, text
+
+
+def _trimmed(picked: dict[str, list], names: list[str], render: Callable[[dict], str],
+             budget: int, least: int = 0) -> tuple[dict[str, list], str] | None:
+    """picked with lines dropped from the fullest section (the later one on a
+    tie) until render's text fits `budget`, and that text; None when fewer than
+    `least` entries would be left. The drops come in a fixed order and the text
+    shrinks with each, so the fewest that fit are found by halving (a digest
+    of 100 long lines was rendered again after each drop)."""
+    counts, order = {n: len(picked[n]) for n in names}, []
+    while any(counts.values()):
+        fullest = max(reversed(names), key=lambda n: counts[n])
+        counts[fullest] -= 1
+        order.append(fullest)
+
+    def after(k: int) -> dict[str, list]:
+        dropped = collections.Counter(order[:k])
+        return {n: picked[n][:len(picked[n]) - dropped[n]] for n in names}
+    low, high = 0, len(order) - least
+    if high < 0 or least and approx_tokens(render(after(high))) > budget:
+        return None
+    while low < high:
+        mid = (low + high) // 2
+        if approx_tokens(render(after(mid))) <= budget:
+            high = mid
+        else:
+            low = mid + 1
+    return after(low), render(after(low))
+
+
 def _render_primer(lines: dict[str, list[str]], project: str, total: int,
                    skipped: Collection[str] = (), unfetched: Collection[str] = ()) -> str:
     lead = [f"{' and '.join(skipped)} knowledge could not be read now (status() says why)"
@@ -18320,7 +18364,10 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
     """The digest (pure but for line_of, which renders one chosen entry).
 
     Within a section higher score first, then newer. Lines are dropped from the
-    fullest section (the later one on a tie) until the text fits `budget`.
+    fullest section (the later one on a tie) until the text fits `budget`; when
+    a lower limit, so trimmed, would show more entries (a larger limit puts more
+    long lines in other sections, and trimming evens them out), that lower
+    limit's digest is given: a larger limit never shows fewer entries.
     unread: part of the knowledge could not be read (the answer's warnings say
     what), and failing: items left out for a failing check, so an empty digest
     does not claim that nothing is known. skipped: the scopes not read (team,
@@ -18345,16 +18392,20 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
     newest = sorted(entries, key=lambda e: e.item.created_at, reverse=True)
     for e in sorted(newest, key=lambda e: -e.score):
         ranked[e.section].append(e)
-    picked = _quota_pick(ranked, limit)
-    lines = {name: [line_of(e) for e in chosen] for name, chosen in picked.items()}
-    ids = {name: [e.item.id for e in chosen] for name, chosen in picked.items()}
     names = [name for name, _, _ in PRIMER_SECTIONS]
-    text = _render_primer(lines, project, len(entries), skipped, unfetched)
-    while approx_tokens(text) > budget and any(lines.values()):
-        fullest = max(reversed(names), key=lambda n: len(lines[n]))
-        lines[fullest].pop()
-        ids[fullest].pop()
-        text = _render_primer(lines, project, len(entries), skipped, unfetched)
+    said: dict[int, str] = {}                # (each entry's line rendered once)
+
+    def said_of(e: PrimerEntry) -> str:
+        if id(e) not in said:
+            said[id(e)] = line_of(e)
+        return said[id(e)]
+
+    def render(picked: dict[str, list]) -> str:
+        lines = {n: [said_of(e) for e in chosen] for n, chosen in picked.items()}
+        return _render_primer(lines, project, len(entries), skipped, unfetched)
+    picked, text = _most_that_fit(ranked, limit, names, render, budget)
+    lines = {n: [said[id(e)] for e in chosen] for n, chosen in picked.items()}
+    ids = {n: [e.item.id for e in chosen] for n, chosen in picked.items()}
     return {"primer": text, "ids": [i for name in names for i in ids.get(name, [])],
             "entries": sum(map(len, lines.values())),
             "candidates": len(entries), "tokens": approx_tokens(text),

@@ -24483,6 +24483,24 @@ def test_the_primer_cache_is_named_by_the_hour(repo, monkeypatch):
     assert at(9) != at(10) and at(9) == at(9)
 
 
+def test_a_larger_primer_limit_never_shows_fewer_entries():
+    """build_primer trimmed the fullest section first, so a larger limit, which
+    put more long lines in the other sections, showed fewer entries: short
+    pitfalls and long other notes gave 22 entries at limit 30 and 21 at 50."""
+    entries = [cs.PrimerEntry(cs.new_item(f"pitfall {i} short", kind="pitfall", project="p"),
+                              {}, "pitfalls", 1.0) for i in range(30)]
+    for section in ("decisions", "trusted", "premises", "needs"):
+        entries += [cs.PrimerEntry(cs.new_item(f"{section} {i} " + "long words " * 30,
+                                               kind="note", project="p"), {}, section, 1.0)
+                    for i in range(30)]
+    outs = [cs.build_primer(entries, lambda e: e.item.content, project="p", limit=limit)
+            for limit in range(1, cs.MAX_PRIMER_LIMIT + 1)]
+    counts = [out["entries"] for out in outs]
+    assert counts == sorted(counts) and counts[19] == 20, counts
+    assert all(out["tokens"] <= cs.PRIMER_TOKEN_BUDGET for out in outs)
+    assert all(len(out["ids"]) == out["entries"] for out in outs)
+
+
 def test_primer_is_bounded_by_limit_and_token_budget(repo):
     items = [cs.new_item(f"Pitfall {i}: " + "word " * 60, kind="pitfall", project="proj")
              for i in range(150)] + \
