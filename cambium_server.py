@@ -20438,8 +20438,8 @@ def _status(cfg: Config, offline: tuple[Path, GitError] | None = None) -> dict:
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
         "config_file": str(cfg.config_file),
         "binding": repo_binding(cfg),
-        "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()
-                     if v is not None},
+        "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()},
+        #           (an unset one too: CAMBIUM_ORG_REPO, null, from default)
         "sources": ORIGINS,
         "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
                              "by_type": _count(doc), **_waiting_on_prs(doc),

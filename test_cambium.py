@@ -24501,6 +24501,15 @@ def test_a_larger_primer_limit_never_shows_fewer_entries():
     assert all(len(out["ids"]) == out["entries"] for out in outs)
 
 
+def test_status_names_every_setting_also_one_left_unset(repo, monkeypatch):
+    """Issue 9 §1 ("status names the source of every setting"): settings left
+    out CAMBIUM_ORG_REPO (and the agentsync board's) when unset."""
+    monkeypatch.delenv("CAMBIUM_ORG_REPO", raising=False)
+    settings = cs.status()["settings"]
+    assert set(settings) == set(cs.DEFAULTS)
+    assert settings["CAMBIUM_ORG_REPO"] == {"value": None, "from": "default"}
+
+
 def test_primer_is_bounded_by_limit_and_token_budget(repo):
     items = [cs.new_item(f"Pitfall {i}: " + "word " * 60, kind="pitfall", project="proj")
              for i in range(150)] + \
