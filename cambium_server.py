@@ -24005,7 +24005,7 @@ def api_table() -> tuple[Tool, ...]:
     (A function, so an entry may name anything in the module, CLI runners included.)"""
     return (
         Tool(status, "read_remote"),
-        Tool(setup, "write_idempotent"),
+        Tool(setup, "remote"),              # (it asks the org and project remotes)
         Tool(session_primer, "read", aliases=("primer",), cli_args=(
             (("--hook",), {"action": "store_true", "help": (
                 "run as a Claude Code SessionStart hook: read its JSON on stdin (uses its "
@@ -24013,7 +24013,7 @@ def api_table() -> tuple[Tool, ...]:
                 "problem print nothing and exit 0")}),)),
         Tool(capture, "write", flags={"code_refs": "--code-ref"}),
         Tool(record_need, "write"),
-        Tool(recall, "write_idempotent", run=_cli_recall),
+        Tool(recall, "remote", run=_cli_recall),   # (fetches team and org; journals credits)
         Tool(expand, "read_remote", aliases=("show",)),
         Tool(endorse, "remote"),
         Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",),

@@ -19144,6 +19144,19 @@ def test_tools_annotated_read_only_never_write(shared, monkeypatch):
     assert cs.find_tool("recall").effect != "read" and item
 
 
+def test_tools_that_may_reach_a_remote_are_annotated_open_world():
+    """recall fetches team and org, and setup asks the org and project remotes,
+    yet both were annotated openWorldHint=False; the rest hold as they are."""
+    hints = {t.tool_name: cs.EFFECTS[t.effect] for t in cs.mcp_tools()}
+    remote = {"status", "setup", "recall", "expand", "endorse", "promote", "generalize",
+              "review_promotions", "verify_entry", "stale_report", "deprecate", "correct",
+              "consolidate", "export_markdown", "distill"}
+    assert {n for n, h in hints.items() if h["open_world_hint"]} == remote
+    assert not hints["recall"]["read_only_hint"] and hints["recall"]["idempotent_hint"]
+    assert {n for n, h in hints.items() if h["read_only_hint"]} == \
+        {"status", "session_primer", "expand", "stale_report", "usage"}
+
+
 def test_mcp_unconfigured_tool_returns_guidance_not_error(tmp_path):
     env = _mcp_env(tmp_path)
     env.pop("CAMBIUM_REPO")
