@@ -24207,6 +24207,23 @@ def _error_result(tool: str, arguments: dict, exc: BaseException) -> Any:
                           structured_content={"error": code, "message": text, **extra})
 
 
+def _failure_as_error(result: Any) -> Any:
+    """A tool's answer as the client gets it; an import that found nothing to
+    import (status nothing_imported: a failure, CLI exit 1) as a tool error
+    (isError), its whole answer kept as the structured content, with `error`
+    and `message` as every error result has (it read as a success)."""
+    from mcp.types import TextContent
+    body = getattr(result, "structured_content", None)
+    if not isinstance(body, dict) or body.get("status") != "nothing_imported":
+        return result
+    text = clip_message(f"nothing imported from {body.get('path')}: "
+                        f"{'; '.join(map(str, body.get('reasons') or []))}")
+    result.is_error = True
+    result.structured_content = {"error": "nothing_imported", "message": text, **body}
+    result.content = [TextContent(type="text", text=text)]
+    return result
+
+
 _JSON_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                           r"|\\u[0-9a-fA-F]{4}|\\.")
 
@@ -24775,7 +24792,7 @@ def build_server() -> MCPServer:
                 refused.structured_content["argument"] = problem[1]
                 return refused
             try:
-                return await super().call_tool(name, arguments, context)
+                return _failure_as_error(await super().call_tool(name, arguments, context))
             except ToolError as e:
                 if isinstance(e, UnexpectedToolError):   # a bug: the SDK logs it, says little
                     raise

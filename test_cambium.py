@@ -18638,6 +18638,13 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         bad = await session.call_tool("endorse", {"item_id": "k-missing"})
         assert bad.is_error and bad.content[0].text.startswith("No item k-missing")
         assert bad.structured_content["error"] == "not_found"
+        empty = repo.parent / "empty.jsonl"            # issue 9: nothing importable is a
+        empty.write_text("")                           # failure (CLI exit 1), an error here
+        imp = await session.call_tool("import_memory", {"path": str(empty)})
+        assert imp.is_error and imp.structured_content["status"] == "nothing_imported"
+        assert imp.structured_content["error"] == "nothing_imported"
+        assert imp.structured_content["reasons"] == ["the file holds no records (it is empty)"]
+        assert "it is empty" in imp.content[0].text
         return True
 
     assert asyncio.run(_mcp_session(_mcp_env(repo), body, script=True))
