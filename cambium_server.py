@@ -26114,6 +26114,9 @@ def _within(path: Path, folder: Path) -> bool:
 
 _CALL = re.compile(r"""\b([a-z][a-z_]*)\(((?:"[^"]*"|'[^']*'|[^()"'])*)\)""")   # ("a (b)")
 _CALL_ARG = re.compile(r"\s*(?:([a-z_]+)=)?('[^']*'|\"[^\"]*\"|<[^<>]*>|[^,]*)\s*(?:,|$)")
+#: a tool named bare (`review_promotions lists them`): only the names with an
+#: underscore, which no English sentence holds (recall, status and the like do)
+_TOOL_NAMED = re.compile(r"(?<![\w/.'\"-])([a-z]+(?:_[a-z]+)+)(?![\w(/'\"-]|\.\w)")
 _KWARG = re.compile(r"(?<![\w.-])([a-z][a-z_]*)=(True\b|'[^']*'|\"[^\"]*\"|<[^<>]*>|\.\.\.|…)?")
 
 
@@ -26135,7 +26138,12 @@ def cli_syntax(text: str) -> str:
         value = m.group(2)
         return flag if value in (None, "True") else f"{flag} {_cli_value(value)}"
 
-    return _KWARG.sub(kwarg, _CALL.sub(call, text))
+    def named(m: re.Match) -> str:          # a tool named, not called: its command
+        tool = find_tool(m.group(1))
+        ok = tool is not None and tool.cli and tool.tool_name == m.group(1)
+        return f"{_cli_command()} {tool.command}" if ok and tool else m.group(0)
+
+    return _TOOL_NAMED.sub(named, _KWARG.sub(kwarg, _CALL.sub(call, text)))
 
 
 def _cli_words(tool: Tool, arg_text: str) -> list[str]:
@@ -26288,9 +26296,10 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
     """A result with the call syntax in its hint fields rewritten (cli_syntax),
     and in a primer's first and last lines (its item lines are item text)."""
     if isinstance(value, str) and key == "primer":
-        lines = value.split("\n")
-        return "\n".join([cli_syntax(lines[0]), *lines[1:-1], cli_syntax(lines[-1])]
-                          if len(lines) > 1 else [cli_syntax(value)])
+        lines = [_cli_primer_words(line) for line in value.split("\n")]
+        return "\n".join([cli_syntax(lines[0]), *[cli_syntax(ln) if ln.endswith(
+            ": these are the rest.") else ln for ln in lines[1:-1]], cli_syntax(lines[-1])]
+                          if len(lines) > 1 else [cli_syntax(lines[0])])
     if isinstance(value, str):
         return cli_syntax(value) if key in HINT_KEYS else value
     if isinstance(value, dict):
@@ -26302,6 +26311,13 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
     if isinstance(value, list):
         return [_cli_answer(v, key) for v in value]
     return value
+
+
+def _cli_primer_words(line: str) -> str:
+    """A primer line's hints as calls the CLI can spell: `expand(id)` read as
+    `expand id` and `capture() what you learn` as a bare `capture` (pure)."""
+    return line.replace("expand(id) gives", "expand(ID) gives").replace(
+        "capture() what you learn", "capture('what you learn')")
 
 
 def distill_summary(result: dict) -> str:

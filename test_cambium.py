@@ -25230,6 +25230,20 @@ def test_cli_repeated_list_options_all_count(coderepo):
     assert set(item["tags"]) == {"ledger", "billing", "totals"}
 
 
+def test_cli_hints_give_a_tool_named_without_a_call_as_its_command():
+    """cli_syntax rewrote only tools written as calls: a CLI `generalize` of an
+    item not in org said "(review_promotions lists the ones that need it)", a
+    tool the CLI user cannot call by that name."""
+    said = cs.cli_syntax("No item k-1 in org scope; generalize() restates org items "
+                         "(review_promotions lists the ones that need it).")
+    assert "review_promotions" not in said and "generalize()" not in said
+    assert f"({cs._cli_command()} review-promotions lists the ones" in said
+    assert "review_promotions" not in cs.cli_syntax(cs.PROPOSED_NOTE)
+    kept = "open_org_prs, updates_org_prs, /x/stale_report.json, 'stale_report'"
+    assert cs.cli_syntax(kept) == kept                  # no tool, a file, a quoted key
+    assert cs.cli_syntax("see `verify_entry`") == f"see `{cs._cli_command()} verify-entry`"
+
+
 def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
               "--kind", "decision")
@@ -25240,7 +25254,8 @@ def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     assert res[0]["content"] == "Ledger totals sum rows"
     text = cli("primer", "--format", "text").stdout
     assert text.startswith("cambium primer for") and f"{iid} memory/decision" in text
-    assert "capture()" not in text and "capture what you learn" in text   # CLI syntax
+    assert "capture()" not in text and "capture 'what you learn'" in text   # CLI syntax
+    assert "expand ID gives one item whole" in text
     bad = cli("capture", "x", "--code-ref", "/etc/passwd")
     assert bad.returncode == 1 and "absolute" in bad.stderr
 
