@@ -22124,22 +22124,49 @@ def warm_primer(cfg: Config | None = None) -> None:
         cached_primer(cfg or resolve_config(), PRIMER_LIMIT, shown=False)
 
 
-def fetch_for_next_primer(cfg: Config | None = None) -> None:
-    """`distill --hook` (SessionEnd, which may use the network): fetch team and
-    org once, when due, before the next session's primer is made, so that
-    primer (which never fetches) reads them and is cached: a clone cambium had
-    never fetched said "not fetched here yet" at every session start, and a
-    primer with a scope not read is never cached. Best effort: each git call is
-    bounded by CAMBIUM_GIT_TIMEOUT, org is not tried once team has taken that
-    long, and a failure is left for the next recall or status to report."""
+#: The whole of `distill --hook` (SessionEnd; Claude Code cancels a hook at 60 s
+#: unless its settings say otherwise): its fetch for the next primer starts no
+#: git fetch once less than one CAMBIUM_GIT_TIMEOUT is left of this, counted
+#: from the hook's start.
+HOOK_BUDGET_S = 45.0
+
+
+def fetch_for_next_primer(cfg: Config | None = None, *, started: float | None = None,
+                          remote_failed: bool = False) -> None:
+    """`distill --hook` (SessionEnd, which may use the network): fetch the team
+    and org scopes this clone has never fetched (read_scopes_offline's
+    NotFetched: the primer, which never fetches, said "not fetched here yet"
+    at every session start, and a primer with a scope not read is never
+    cached). A scope fetched before is read offline at its last tip anyway,
+    and is left alone: its fetch's warnings (origin moved to another URL,
+    org's default branch renamed) are said once, by the fetch that finds them,
+    and this one's are thrown away. Best effort, bounded: nothing when
+    distill's own remote call failed (remote_failed: the remote is dark), and
+    no fetch starts when less than one CAMBIUM_GIT_TIMEOUT is left of
+    HOOK_BUDGET_S from `started` (the hook's start); a failure is left for
+    the next recall or status to report."""
+    started = time.monotonic() if started is None else started
     with contextlib.suppress(Exception):
         cfg = cfg or resolve_config()
-        start = time.monotonic()
+        if remote_failed:
+            return
+        unfetched: set[str] = set()
+        read_scopes_offline(cfg, unfetched=unfetched)
         for scope in ("team", "org"):
-            if time.monotonic() - start > cfg.git_timeout_s:
+            if scope not in unfetched:
+                continue
+            if HOOK_BUDGET_S - (time.monotonic() - started) < cfg.git_timeout_s:
                 break
             with contextlib.suppress(Exception):
                 read_following(cfg, scope, digest=True)
+
+
+def distill_remote_failed(result: dict) -> bool:
+    """Whether distill's own call to a remote (the board's ls-remote or fetch)
+    failed or timed out: its board unreachable, or read as last fetched."""
+    board = (result.get("sources") or {}).get("agentsync") or {}
+    return board.get("status") == "unreachable" or any(
+        w.startswith("agentsync: could not fetch") for w in result.get("warnings") or [])
 
 
 def expand(item_id: ItemId) -> dict:
@@ -26447,6 +26474,7 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     missing or unreachable source); 1 on a real error (an unreadable substrate,
     a failing git command, a corrupt local store that had to be moved aside).
     --hook: nothing on stdout, and an unconfigured directory is skipped, exit 0."""
+    started = time.monotonic()           # (the hook's budget: HOOK_BUDGET_S)
     if args.hook and bind_hook() is HOOK_CWD_GONE:
         return 0
     out = sys.stderr if args.hook else sys.stdout
@@ -26481,7 +26509,8 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     else:
         _emit(result, args.format, file=out)
     if args.hook:
-        fetch_for_next_primer()          # (SessionEnd may fetch; SessionStart never does)
+        fetch_for_next_primer(started=started,   # (SessionEnd may fetch; SessionStart never)
+                              remote_failed=distill_remote_failed(result))
         warm_primer()
     return 1 if result.get("store_warnings") else 0
 

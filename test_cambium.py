@@ -8761,6 +8761,40 @@ def test_a_never_fetched_team_scope_is_said_so_and_the_session_end_hook_fetches_
     assert "not fetched" not in context and "fixtures folder" in context
 
 
+def test_the_session_end_hook_fetches_only_a_scope_never_fetched_here(shared, monkeypatch):
+    """distill --hook fetched team and org whenever due: a fetch's warnings said
+    once (origin moved to another URL, org's default branch renamed) were
+    thrown away, so the next recall said nothing; behind a dark remote the hook
+    waited two or three git timeouts, past Claude Code's 60 s. Only a scope
+    never fetched here is fetched (one fetched before is read offline anyway),
+    none once distill's own remote call failed or the hook's budget is spent."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    fresh = clone(shared["origin"], shared["tmp"] / "fresh" / "shop")
+    as_agent(monkeypatch, fresh, "cy")
+    cs.runtime().reset()
+    calls: list = []
+    real = cs._git
+    monkeypatch.setattr(cs, "_git", lambda args, *a, **k: calls.append(args) or
+                        real(args, *a, **k))
+    fetches = lambda: [c for c in calls if "fetch" in c]       # noqa: E731
+    cs.fetch_for_next_primer(remote_failed=True)
+    cs.fetch_for_next_primer(started=time.monotonic() - cs.HOOK_BUDGET_S)
+    assert not fetches(), calls
+    cs.fetch_for_next_primer()                          # team never fetched; org cloned
+    assert fetches() and all("refs/heads/main" not in " ".join(c) for c in fetches()), calls
+    calls.clear()
+    cs.runtime().reset()
+    cs.fetch_for_next_primer()                          # both fetched before, both due
+    assert not fetches(), calls
+    assert cs.distill_remote_failed({"sources": {"agentsync": {"status": "unreachable"}},
+                                     "warnings": []})
+    assert cs.distill_remote_failed({"sources": {}, "warnings": [
+        "agentsync: could not fetch 'agentsync' from 'origin' (timed out); read the board "
+        "as last fetched (refs/remotes/origin/agentsync), which may be behind."]})
+    assert not cs.distill_remote_failed({"sources": {"agentsync": {"status": "absent"}},
+                                         "warnings": []})
+
+
 def test_an_items_own_author_recalling_it_on_three_days_makes_it_eligible(shared, monkeypatch):
     """The specification counts every recall as promotion's trust signal
     (recalls >= N agent-days, or an endorsement); README said an agent could
