@@ -18304,8 +18304,10 @@ def _trimmed(picked: dict[str, list], names: list[str], render: Callable[[dict],
     """picked with lines dropped from the fullest section (the later one on a
     tie) until render's text fits `budget`, and that text; None when fewer than
     `least` entries would be left. The drops come in a fixed order and the text
-    shrinks with each, so the fewest that fit are found by halving (a digest
-    of 100 long lines was rendered again after each drop)."""
+    shrinks with each from the first on, so the fewest that fit are found by
+    halving (a digest of 100 long lines was rendered again after each drop);
+    not the first: it adds "1 more not shown" (longer than a short line), so a
+    digest that fits whole is asked first, and only then is a drop searched."""
     counts, order = {n: len(picked[n]) for n in names}, []
     while any(counts.values()):
         fullest = max(reversed(names), key=lambda n: counts[n])
@@ -18315,8 +18317,12 @@ def _trimmed(picked: dict[str, list], names: list[str], render: Callable[[dict],
     def after(k: int) -> dict[str, list]:
         dropped = collections.Counter(order[:k])
         return {n: picked[n][:len(picked[n]) - dropped[n]] for n in names}
-    low, high = 0, len(order) - least
-    if high < 0 or least and approx_tokens(render(after(high))) > budget:
+    low, high = 1, len(order) - least
+    if high < 0:
+        return None
+    if approx_tokens(whole := render(after(0))) <= budget or not order:
+        return after(0), whole
+    if high < low or least and approx_tokens(render(after(high))) > budget:
         return None
     while low < high:
         mid = (low + high) // 2

@@ -24555,6 +24555,29 @@ def test_a_larger_primer_limit_never_shows_fewer_entries():
     assert all(len(out["ids"]) == out["entries"] for out in outs)
 
 
+def test_a_primer_digest_that_fits_its_budget_whole_is_never_trimmed():
+    """_trimmed's halving took the text to shrink with each line dropped; the
+    first drop adds "1 more not shown: recall(<topic>) finds them." (longer than
+    a short line), so 12 entries at ~1497 of 1500 tokens were shown as 11."""
+    budget, near = cs.PRIMER_TOKEN_BUDGET, 0
+    line = lambda e: e.item.content                                  # noqa: E731
+    for pad in range(140, 170):
+        entries = [cs.PrimerEntry(cs.new_item(f"pitfall {i}: run make gen", kind="pitfall",
+                                              project="p"), {}, "pitfalls", 1.0)
+                   for i in range(8)]
+        entries += [cs.PrimerEntry(cs.new_item(f"decision {i} " + "word " * 270 +
+                                               "x" * (pad if i == 0 else 0),
+                                               kind="decision", project="p"),
+                                   {}, "decisions", 1.0) for i in range(4)]
+        whole = cs.build_primer(entries, line, project="p", limit=20, budget=10 ** 6)
+        out = cs.build_primer(entries, line, project="p", limit=20)
+        if whole["tokens"] <= budget:
+            near += whole["tokens"] > budget - 10
+            assert out["entries"] == 12 and out["primer"] == whole["primer"], (pad, out)
+        assert out["tokens"] <= budget
+    assert near                                    # (the case: fits, with a few tokens left)
+
+
 def test_status_names_every_setting_also_one_left_unset(repo, monkeypatch):
     """Issue 9 §1 ("status names the source of every setting"): settings left
     out CAMBIUM_ORG_REPO (and the agentsync board's) when unset."""
