@@ -26327,12 +26327,15 @@ HINT_KEYS = frozenset({"reason", "note", "next_step", "fix", "retry", "then", "g
 
 def _cli_answer(value: Any, key: str | None = None) -> Any:
     """A result with the call syntax in its hint fields rewritten (cli_syntax),
-    and in a primer's first and last lines (its item lines are item text)."""
+    and in a primer's first and last lines and its lead (the second line, when
+    it names the scopes not read: a section heading otherwise); its item lines
+    are item text, left as written wherever they read like a hint."""
     if isinstance(value, str) and key == "primer":
-        lines = [_cli_primer_words(line) for line in value.split("\n")]
-        return "\n".join([cli_syntax(lines[0]), *[cli_syntax(ln) if ln.endswith(
-            ": these are the rest.") else ln for ln in lines[1:-1]], cli_syntax(lines[-1])]
-                          if len(lines) > 1 else [cli_syntax(lines[0])])
+        lines = value.split("\n")
+        lead = 2 if len(lines) > 2 and lines[1].endswith(": these are the rest.") else 1
+        said = [cli_syntax(_cli_primer_words(ln)) for ln in lines[:lead]]
+        return "\n".join([*said, *lines[lead:-1], cli_syntax(_cli_primer_words(lines[-1]))]
+                         if len(lines) > 1 else said)
     if isinstance(value, str):
         return cli_syntax(value) if key in HINT_KEYS else value
     if isinstance(value, dict):

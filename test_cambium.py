@@ -25301,6 +25301,23 @@ def test_cli_hints_give_a_tool_named_without_a_call_as_its_command():
     assert cs.cli_syntax("see `verify_entry`") == f"see `{cs._cli_command()} verify-entry`"
 
 
+def test_the_cli_primer_leaves_item_lines_that_read_like_hints_as_written():
+    """The CLI primer rewrote every line's "capture() what you learn" (an item
+    reading so was shown as "capture('what you learn')") and ran cli_syntax on
+    any line ending ": these are the rest.", an item's too: only the first and
+    last lines and the lead (the second, naming the scopes not read) are hints."""
+    texts = ["Say capture() what you learn in the PR", "stale_report(limit=5) lists them: "
+             "these are the rest."]
+    entries = [cs.PrimerEntry(cs.new_item(t, kind="pitfall", project="p"), {}, "pitfalls", 1.0)
+               for t in texts]
+    for lead in ({}, {"unfetched": ["team"]}):
+        out = cs.build_primer(entries, lambda e: e.item.content, project="p", limit=20, **lead)
+        lines = cs._cli_answer(out)["primer"].split("\n")
+        assert [f"- {t}" for t in texts] == [ln for ln in lines if ln.startswith("- ")]
+        assert "capture 'what you learn'" in lines[-1] and "capture()" not in lines[-1]
+        assert not lead or ("recall()" not in lines[1] and "fetches it" in lines[1]), lines
+
+
 def test_cli_primer_show_recall_detail_and_capture_code_refs(coderepo):
     out = cli("capture", "Ledger totals sum rows", "--code-ref", "src/billing.py#Ledger.total",
               "--kind", "decision")
