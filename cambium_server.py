@@ -26089,7 +26089,7 @@ def _cli_export(args: argparse.Namespace, kwargs: dict) -> int:
     atomic_write(path, res["markdown"], mode)       # replaced whole, its mode kept
     note = f"; {cli_syntax(res['note'])}" if res.get("note") else ""
     n = res["items"]
-    if args.format == "json":                   # (JSON, as every command prints: one line)
+    if args.format == "json":                   # (one line of JSON; other commands indent theirs)
         _say(json_text({"written": str(path), "items": n, "scope": res["scope"],
                         **({"note": cli_syntax(res["note"])} if res.get("note") else {})}))
     else:
