@@ -21,7 +21,8 @@ the defaults; resolved on every call so `setup()` applies without a restart):
                               else the repo setup() recorded: see resolve_config)
     CAMBIUM_AGENT_ID          your agent id (required)
     CAMBIUM_REMOTE            git remote, default "origin"
-    CAMBIUM_GIT_TIMEOUT       seconds per git/gh call (1-3600), default 25
+    CAMBIUM_GIT_TIMEOUT       seconds per git/gh call (any positive number; above
+                              3600 it is 3600, with a warning), default 25
     CAMBIUM_TEAM_BRANCH       team branch, default "cambium"
     CAMBIUM_AGENTSYNC_BRANCH  agentsync board branch, default "agentsync"
     CAMBIUM_ORG_REPO          org knowledge repo clone (org scope off without it)
@@ -29,7 +30,8 @@ the defaults; resolved on every call so `setup()` applies without a restart):
     CAMBIUM_PROMOTE_RECALLS   recalls needed for local -> team, default 3
     CAMBIUM_RELEASE_CAPTURE   "1": distill also captures churned agentsync claims
     CAMBIUM_FETCH_INTERVAL    seconds between fetches of a remote scope by recall and
-                              other read-only digests, default 30 (decisions fetch)
+                              other read-only digests, default 30 (0: every read
+                              fetches; decisions always fetch)
     CAMBIUM_RECALL_MODE       auto (semantic when the extra loads) | lexical | semantic
     CAMBIUM_RERANK            auto (semantic recall reranks when the rerank extra is
                               installed) | on | off | second (its second encoder
@@ -2039,7 +2041,13 @@ class Config:
 
     @property
     def git_timeout_s(self) -> float:
-        return self._number("CAMBIUM_GIT_TIMEOUT", float, 25.0)
+        """CAMBIUM_GIT_TIMEOUT: any positive number of seconds (0.5 too), one
+        above GIT_TIMEOUT_RANGE's cap used as the cap, said in the answer."""
+        given, cap = self._number("CAMBIUM_GIT_TIMEOUT", float, 25.0), GIT_TIMEOUT_RANGE[1]
+        if given > cap:
+            note_for_call(f"CAMBIUM_GIT_TIMEOUT={self.values['CAMBIUM_GIT_TIMEOUT']} is above "
+                          f"{cap:g} s: each git/gh call is given {cap:g} s")
+        return min(given, cap)
 
     @property
     def team_branch(self) -> str:
@@ -2103,10 +2111,12 @@ class Config:
                     and local_link_problem(self.repo) is None)
 
 
-#: CAMBIUM_GIT_TIMEOUT's bounds in seconds: below one second no git call can
-#: finish; above an hour a hung remote holds a tool call for longer than any
-#: client waits.
-GIT_TIMEOUT_RANGE = (1.0, 3600.0)
+#: CAMBIUM_GIT_TIMEOUT's (floor, cap) in seconds: a timeout is a number above
+#: the floor (0.5 s is one: a local git answers in milliseconds; 0, nan and inf
+#: are refused); one above the cap is used as the cap, with a warning (above an
+#: hour a hung remote holds a tool call for longer than any client waits, and
+#: a wait of 1e10 s overflows the waits of threading and select).
+GIT_TIMEOUT_RANGE = (0.0, 3600.0)
 
 
 def tree_entry(listed: str) -> tuple[str | None, str | None]:
@@ -2153,12 +2163,12 @@ def _validate(key: str, value: str, name: str | None = None) -> str | None:
         if value.startswith("-") or not re.fullmatch(r"[\w.\-/]+", value):
             return f"{label} is not a valid remote name"
     elif key == "CAMBIUM_GIT_TIMEOUT":
-        if not (_is_decimal(value) and GIT_TIMEOUT_RANGE[0] <= float(value) <= GIT_TIMEOUT_RANGE[1]):
-            lo, hi = GIT_TIMEOUT_RANGE
-            return f"{label} must be a number of seconds from {lo:g} to {hi:g}"
+        if not (_is_decimal(value) and float(value) > GIT_TIMEOUT_RANGE[0]):
+            return (f"{label} must be a positive number of seconds (one above "
+                    f"{GIT_TIMEOUT_RANGE[1]:g} is used as {GIT_TIMEOUT_RANGE[1]:g})")
     elif key == "CAMBIUM_FETCH_INTERVAL":
-        if not (_is_decimal(value) and float(value) > 0):
-            return f"{label} must be a positive number of seconds"
+        if not _is_decimal(value):
+            return f"{label} must be a number of seconds, 0 or more (0: fetch on every read)"
     elif key == "CAMBIUM_PROMOTE_RECALLS":
         if not re.fullmatch(r"[0-9]{1,9}", value) or int(value) < 1:
             return f"{label} must be a whole number >= 1"

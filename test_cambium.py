@@ -670,15 +670,16 @@ def test_a_clone_git_refuses_to_open_is_named_so_and_never_named_after_its_folde
     ("CAMBIUM_TEAM_BRANCH", "has space"),
     ("CAMBIUM_GIT_TIMEOUT", "-3"),
     ("CAMBIUM_GIT_TIMEOUT", "soon"),
-    ("CAMBIUM_GIT_TIMEOUT", "1e-300"),
-    ("CAMBIUM_GIT_TIMEOUT", "0.01"),
-    ("CAMBIUM_GIT_TIMEOUT", "1e9"),
+    ("CAMBIUM_GIT_TIMEOUT", "0"),
+    ("CAMBIUM_GIT_TIMEOUT", "1e-999"),                 # (float() reads 0)
+    ("CAMBIUM_GIT_TIMEOUT", "-0.5"),
     ("CAMBIUM_GIT_TIMEOUT", "inf"),
     ("CAMBIUM_GIT_TIMEOUT", "nan"),                   # setup gave git a timeout of nan
     ("CAMBIUM_GIT_TIMEOUT", "1e999"),
     ("CAMBIUM_GIT_TIMEOUT", "\u0662\u0665"),           # Arabic-Indic 25: float() takes it
     ("CAMBIUM_FETCH_INTERVAL", "1_0"),
     ("CAMBIUM_FETCH_INTERVAL", "nan"),
+    ("CAMBIUM_FETCH_INTERVAL", "-1"),
     ("CAMBIUM_PROMOTE_RECALLS", "0"),
     ("CAMBIUM_PROMOTE_RECALLS", "\u00b2"),              # isdigit() but not int()
     ("CAMBIUM_PROMOTE_RECALLS", "9" * 5000),             # past int()'s digit limit
@@ -694,6 +695,25 @@ def test_invalid_values_are_reported_not_used(repo, monkeypatch, key, value):
     assert any(g["setting"] == key and "invalid" in g["cost"] for g in st["gaps"])
     with pytest.raises(cs.Unconfigured):
         cs.capture("anything")
+
+
+def test_a_sub_second_git_timeout_and_a_fetch_interval_of_0_are_settings(repo, monkeypatch):
+    """Issue 2: "a timeout a positive number". CAMBIUM_GIT_TIMEOUT=0.5 made every
+    tool unavailable (bounded to 1-3600 s), and so did CAMBIUM_FETCH_INTERVAL=0
+    (fetch on every read). A timeout above the cap is used as the cap, said in
+    the answer's warnings, not refused."""
+    monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", "0.5")
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "0")
+    cfg = cs.resolve_config()
+    assert (cfg.git_timeout_s, cfg.fetch_interval_s, cfg.problems) == (0.5, 0.0, [])
+    assert cs.status()["configured"] is True
+    assert cs.capture("A half-second git timeout is a setting")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_GIT_TIMEOUT", "1e9")
+    assert cs.resolve_config().git_timeout_s == 3600.0
+    with cs.collecting_notes():
+        st = cs.with_store_warnings(cs.status())
+    assert st["configured"] is True, st
+    assert any("CAMBIUM_GIT_TIMEOUT=1e9 is above 3600 s" in w for w in st["warnings"]), st
 
 
 def test_a_setting_int_cannot_read_is_a_gap_not_a_crash(repo, tmp_path):
