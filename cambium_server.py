@@ -50,8 +50,9 @@ AGENTSYNC_REPO, else CAMBIUM_REPO if it has the branch) and context-keeper's
 
 The same file is the MCP server (no arguments, or `serve`: stdio) and a CLI for
 hooks and shells. Both are built from one table, api_table(): a command per
-tool (its name with dashes, plus short aliases: review, verify, stale, import,
-export), its arguments, defaults and bounds read from the tool's signature, and
+tool (its name with dashes, plus its own name and short aliases: review, verify,
+stale, import, export), its arguments, defaults and bounds read from the tool's
+signature (a positional also by its name as an option: setup --project-repo), and
 CLI-only commands and options: serve (stdio, or `--http` for several agents),
 demo, `distill --hook` for a session-end hook, `primer --hook` for a
 session-start hook, restore (bring back items set aside from a damaged local
@@ -24010,6 +24011,8 @@ class Tool:
     cli: bool = True                 #: False: MCP only
     cli_optional: tuple[str, ...] = ()   #: required over MCP, optional on the CLI (its
                                          #: runner decides: `verify --run` needs no id)
+    cli_also: tuple[str, ...] = ()   #: options also taken as a word, in signature order
+                                     #: (`endorse ID NOTE`; `import SOURCE PATH`)
 
     @property
     def tool_name(self) -> str:
@@ -24036,6 +24039,17 @@ class Tool:
             return self.positional
         return tuple(p.name for p in self.params if p.required)
 
+    def cli_words(self) -> tuple[str, ...]:
+        """The arguments a command takes as words (positionals), in signature
+        order: its positionals and cli_also (each is also given by its flag)."""
+        return tuple(p.name for p in self.params
+                     if p.name in self.cli_positional() or p.name in self.cli_also)
+
+    def cli_needs(self, name: str) -> bool:
+        """Whether the CLI command needs argument `name`, as a word or its flag."""
+        return any(p.required for p in self.params if p.name == name) and \
+            name not in self.cli_optional
+
     def cli_flags(self, name: str) -> list[str]:
         """The option spellings of argument `name`: --long-name, then the short one."""
         return ["--" + name.replace("_", "-")] + ([self.flags[name]] if name in self.flags
@@ -24058,7 +24072,7 @@ def api_table() -> tuple[Tool, ...]:
         Tool(record_need, "write"),
         Tool(recall, "remote", run=_cli_recall),   # (fetches team and org; journals credits)
         Tool(expand, "read_remote", aliases=("show",)),
-        Tool(endorse, "remote"),
+        Tool(endorse, "remote", cli_also=("note",)),
         Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",),
              run=_cli_promote),
         Tool(generalize, "remote"),
@@ -24073,12 +24087,12 @@ def api_table() -> tuple[Tool, ...]:
                                    f"(default {CHECK_TIMEOUT_S})"}))),
         Tool(attach_check, name="verify_cmd"),
         Tool(stale_report, "read_remote", aliases=("stale",)),
-        Tool(deprecate, "remote", positional=("item_id",)),
+        Tool(deprecate, "remote", positional=("item_id",), cli_also=("reason",)),
         Tool(correct, "remote"),
         Tool(consolidate, "remote"),
         Tool(usage, "read", flags={"item_id": "--item"}),
         Tool(import_memory, "write_idempotent", aliases=("import",), positional=("path",),
-             cli_types={"path": _cli_abspath}),
+             cli_also=("source",), cli_types={"path": _cli_abspath}),
         Tool(export_markdown, "remote", aliases=("export",), run=_cli_export, cli_args=(
             (("-o", "--output"), {"metavar": "FILE", "help": "write the markdown to FILE "
                                   "and print what was written (JSON, or one line with "
@@ -25736,9 +25750,11 @@ def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
     runs one command, and building the rest costs it milliseconds)."""
     ap = argparse.ArgumentParser(
         prog=_as_invoked(), description="cambium knowledge server. With no command it serves MCP over stdio; "
-        "with a command it runs that tool once and prints JSON.", allow_abbrev=False)
+        "with a command it runs that tool once and prints JSON. A command also answers to "
+        "its MCP tool's name (record_need, import_memory), and takes each word by its "
+        "argument's name too (setup --project-repo P --agent-id A).", allow_abbrev=False)
     ap.add_argument("--version", action="version", version=__version__)
-    sub = ap.add_subparsers(dest="command", metavar="command")
+    sub = ap.add_subparsers(dest="command", metavar="command", parser_class=_CommandParser)
     only = find_tool(command) if command else None
     for tool in api_table():
         if tool.cli and (only is None or tool is only):
@@ -25746,23 +25762,126 @@ def _cli_parser(command: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """One command's parser: what it parsed is settled (_settle_words) before
+    anything reads it, so parse_args gives every argument in its place. Words
+    and options may come in any order (`setup P --org-repo O A`): argparse
+    alone gives a word after an option no place once every word is optional
+    (each may come by its flag), so a command with words parses intermixed."""
+    words = False                              #: set by _add_command: it takes words
+    _inner = False                             #: the intermixed parse's own passes
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._inner or not self.words:
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            ns, rest = self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+        _settle_words(self, ns)
+        return ns, rest
+
+
+class _CliWord(argparse.Action):
+    """A command's word (positional), kept in order as typed for _settle_words
+    to place (`import P`: the path; `import json P`: the source, then the
+    path); a word left out sets nothing, so its flag's value stands."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None):
+        namespace.__dict__.setdefault("_words", []).append(values)
+
+
+class _CliFlag(argparse.Action):
+    """The flag of an argument a command also takes as a word: stored, and
+    remembered as given, so that no word goes to it (_settle_words)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None):
+        namespace.__dict__.setdefault("_flagged", set()).add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 def _add_command(sub: Any, tool: Tool) -> None:
     p = sub.add_parser(tool.command, aliases=list(tool.aliases), help=tool.summary,
                        description=tool.summary + ".", allow_abbrev=False)  # (--hoo: not
     # --hook, whose caller is promised exit 0, but an unknown argument)
+    if tool.tool_name != tool.command:         # the MCP tool's name (`import_memory`)
+        sub.choices[tool.tool_name] = p        # answers too, unlisted in --help
     p.set_defaults(tool=tool)
     if tool.formats:
         p.add_argument("--format", choices=tool.formats, default=tool.formats[0],
                        help=f"output format (default: {tool.formats[0]})")
-    positional = tool.cli_positional()
+    words = tool.cli_words()
     for param in tool.params:
-        if param.name in positional:
-            p.add_argument(param.name, metavar=param.name.upper(), **_cli_spec(tool, param))
+        if param.name in words:
+            _add_word(p, tool, param)
         else:
             p.add_argument(*tool.cli_flags(param.name), dest=param.name,
                            **_cli_spec(tool, param, option=True))
     for flags, spec in tool.cli_args:
         p.add_argument(*flags, **spec)
+    p.words = bool(words)
+    if words:                                  # argparse brackets every word: a flag may
+        usage = p.format_usage().removeprefix("usage: ").rstrip("\n")   # give it
+        for name in tool.cli_positional():
+            if tool.cli_needs(name):
+                usage = usage.replace(f"[{name.upper()}]", name.upper())
+        p.usage = usage.replace("%", "%%")
+
+
+def _add_word(p: argparse.ArgumentParser, tool: Tool, param: Param) -> None:
+    """An argument taken as a word or by its flag (its name: `--item-id`, or
+    the documented option of a cli_also one: `endorse ID --note N` or `endorse
+    ID N`). --help shows the documented form and names the other."""
+    spec = _cli_spec(tool, param, option=True)
+    spec.pop("required", None)                 # (_settle_words asks for it either way)
+    flags, name = tool.cli_flags(param.name), param.name.upper()
+    also = param.name in tool.cli_also
+    p.add_argument(name.lower(), metavar=name, nargs="?", default=argparse.SUPPRESS,
+                   action=_CliWord, help=f"the same as {flags[0]}" + (
+                       "; one of the two is needed" if tool.cli_needs(param.name) else "")
+                   if also else f"{spec['help']} Or give it as {flags[0]} {name}.")
+    p.add_argument(*flags, dest=param.name, action=_CliFlag,
+                   **{**spec, **({} if also else {"help": argparse.SUPPRESS})})
+
+
+def _settle_words(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Place a command's words in the arguments its flags did not give, the
+    ones it needs first (`import P`: P is the path; `import json P`: source
+    and path), and refuse, as argparse does (exit 2), a word too many (one
+    its flag gave too) and a needed argument given neither way."""
+    tool = getattr(ns, "tool", None)
+    words, flagged = vars(ns).pop("_words", []), vars(ns).pop("_flagged", set())
+    if tool is None:
+        return
+    slots = [n for n in tool.cli_words() if n not in flagged]
+    if len(words) > len(slots):
+        twice = next(n for n in tool.cli_words() if n in flagged)
+        parser.error(f"argument {twice.upper()}: given twice, as a word and as "
+                     f"{tool.cli_flags(twice)[0]}; give it once")
+    needed = [n for n in slots if tool.cli_needs(n)]
+    chosen = needed[:len(words)] + [n for n in slots if n not in needed][
+        :max(0, len(words) - len(needed))]
+    for name, word in zip([n for n in slots if n in chosen], words):
+        setattr(ns, name, _cli_word_value(parser, tool, name, word))
+    missing = [n for n in tool.cli_words() if tool.cli_needs(n) and getattr(ns, n) is None]
+    if missing:
+        parser.error("the following arguments are required: " + ", ".join(
+            f"{n.upper()} (or {tool.cli_flags(n)[0]})" for n in missing))
+
+
+def _cli_word_value(parser: argparse.ArgumentParser, tool: Tool, name: str, word: str) -> Any:
+    """A word as its argument's value: its CLI type and choices, as argparse
+    applies them to a flag's (a refusal exits 2 naming the word)."""
+    spec = _cli_spec(tool, next(p for p in tool.params if p.name == name))
+    try:
+        value = spec.get("type", str)(word)
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+        parser.error(f"argument {name.upper()}: {e}")
+    if spec.get("choices") and value not in spec["choices"]:
+        parser.error(f"argument {name.upper()}: invalid choice: {value!r} (choose from "
+                     f"{', '.join(map(repr, spec['choices']))})")
+    return value
 
 
 def _cli_spec(tool: Tool, param: Param, option: bool = False) -> dict:
@@ -25897,7 +26016,7 @@ def _command_runs(argv: list[str]) -> bool:
 
 def _primer_hook(argv: list[str]) -> bool:
     """Whether argv is the SessionStart hook's, which must never fail (pure)."""
-    return argv[:1] in (["primer"], ["session-primer"]) and "--hook" in argv
+    return argv[:1] in (["primer"], ["session-primer"], ["session_primer"]) and "--hook" in argv
 
 
 def _stop_said(stop: KeyboardInterrupt | SignalStop) -> tuple[str, int]:
@@ -25978,7 +26097,7 @@ def _what_stopping_left(args: argparse.Namespace) -> str:
     if getattr(args, "answered", False):
         return (" after its answer was written, which stands: only what follows an answer "
                 "was cut short (recall credits not yet folded stay journaled).")
-    if args.command == "verify" and getattr(args, "run", False):
+    if getattr(args, "tool", None) is find_tool("verify") and getattr(args, "run", False):
         return (". No check it started is left running; outcomes are recorded a scope "
                 "at a time, once its checks have run: those recorded stand.")
     return ". Each write is all or nothing; a promote cut short is finished by running it again."

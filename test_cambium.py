@@ -20043,19 +20043,22 @@ def test_cli_and_mcp_describe_the_same_tools_arguments_and_defaults():
         sub, entry = commands[name.replace("_", "-")], entries[name]
         cli_only = {a.dest for a in sub._actions if any(f in a.option_strings for flags, _ in
                                                         entry.cli_args for f in flags)}
-        actions = {a.dest: a for a in sub._actions
-                   if a.dest not in ("help", "format", *cli_only)}
+        actions = {a.dest: a for a in sub._actions      # (an argument taken as a word and
+                   if a.dest not in ("help", "format", *cli_only)    # by its flag: the flag,
+                   and a.option_strings}                             # which types it)
+        words = {a.dest: a for a in sub._actions if isinstance(a, cs._CliWord)}
+        assert set(words) == set(entry.cli_words()), name
         props, required = tool.input_schema["properties"], tool.input_schema.get("required", [])
         assert set(props) == set(actions), name
         for arg, prop in props.items():
             a, facts = actions[arg], _schema_facts(prop)
-            positional = not a.option_strings
-            cli_required = a.required if not positional else a.nargs is None
+            cli_required = entry.cli_needs(arg) if arg in words else a.required
             assert (arg in required) == (cli_required or arg in entry.cli_optional)
             if arg not in required:
                 assert a.default == prop["default"], (name, arg)
             assert list(a.choices or []) == list(facts.get("enum", [])), (name, arg)
-            assert prop["description"] and a.help.startswith(prop["description"])
+            shown = words[arg] if arg in words and arg not in entry.cli_also else a
+            assert prop["description"] and shown.help.startswith(prop["description"])
             if "minimum" in facts:
                 assert a.type(str(facts["minimum"])) == facts["minimum"]
                 with pytest.raises(Exception, match="must be"):
@@ -20066,6 +20069,7 @@ def test_cli_and_mcp_describe_the_same_tools_arguments_and_defaults():
     assert tools["recall"].input_schema["properties"]["limit"]["maximum"] == cs.MAX_RECALL_LIMIT
     for alias in ("review", "verify", "stale", "import", "export"):
         assert alias in commands
+    assert all(t.tool_name in commands for t in cs.api_table() if t.cli)   # (import_memory)
     assert "--to" in commands["promote"]._option_string_actions
 
 
@@ -20152,6 +20156,66 @@ def test_cli_text_format_has_no_python_literals(repo):
         assert out.returncode == 0, out.stderr
         assert not re.search(r"\b(None|True|False)\b|\[\]|\{\}", out.stdout), out.stdout
     assert "no_confident_match: yes" in cli("recall", "quantum", "--format", "text").stdout
+
+
+def _parsed(*argv: str) -> dict:
+    """The CLI's arguments for argv, as the tool is called with them."""
+    args = cs._cli_parser().parse_args(list(argv))
+    return {p.name: getattr(args, p.name) for p in args.tool.params} | {
+        "tool": args.tool.tool_name}
+
+
+def test_cli_takes_the_shapes_of_the_tool_signatures(repo, tmp_path, capsys):
+    """Audit of issue 2: forms a test takes from the tool signatures exited 2:
+    the tool's own name as command (import_memory, record_need), `import json
+    PATH` and `import-memory --source json --path PATH` (source, path),
+    `endorse ID "note"`, `deprecate ID "reason"`, and `setup --project-repo P
+    --agent-id A`. The CLI's own forms stand; words and options mix."""
+    for tool in cs.api_table():
+        if tool.cli and tool.tool_name != tool.command:
+            needs = ["x"] * sum(tool.cli_needs(n) for n in tool.cli_positional())
+            assert _parsed(tool.tool_name, *needs)["tool"] == tool.tool_name
+    f = str(tmp_path / "export.json")
+    for argv in (["import", "json", f], ["import", f], ["import_memory", f],
+                 ["import-memory", "--source", "json", "--path", f], ["import", "--path", f],
+                 ["import", f, "--source", "json"], ["import", "--path", f, "json"]):
+        got = _parsed(*argv)
+        assert (got["source"], got["path"]) == ("json", f), argv
+    assert _parsed("import", "export.json")["path"] == os.path.abspath("export.json")
+    assert _parsed("import", "mem0", "export.json")["source"] == "mem0"   # (the tool says
+    assert _parsed("endorse", "k-1", "it held")["note"] == "it held"     # which it knows)
+    assert _parsed("endorse", "k-1", "--note", "it held")["note"] == "it held"
+    assert _parsed("endorse", "k-1")["note"] == ""
+    assert _parsed("deprecate", "k-1", "gone")["reason"] == "gone"
+    assert _parsed("deprecate", "--reason", "gone", "k-1")["reason"] == "gone"
+    for argv in (["setup", "--project-repo", "/p", "--agent-id", "ada"], ["setup", "/p", "ada"],
+                 ["setup", "/p", "--team-branch", "kb", "ada"]):
+        got = _parsed(*argv)
+        assert (got["project_repo"], got["agent_id"]) == ("/p", "ada"), argv
+    assert _parsed("capture", "--content", "a fact")["content"] == "a fact"
+    assert _parsed("correct", "k-1", "--why", "w", "new text")["content"] == "new text"
+    assert _parsed("verify", "--run")["item_id"] is None
+    for argv, said in ((["endorse", "k-1", "a", "--note", "b"], "NOTE: given twice"),
+                       (["import", "json", f, "--path", f], "PATH: given twice"),
+                       (["deprecate", "k-1"], "required: REASON (or --reason)"),
+                       (["setup", "--agent-id", "ada"], "required: PROJECT_REPO (or"),
+                       (["capture", "a", "--content", "b"], "CONTENT: given twice"),
+                       (["recall", "q", "--limit", "0"], "--limit: must be")):
+        with pytest.raises(SystemExit) as stop:
+            cs._cli_parser().parse_args(argv)
+        assert stop.value.code == 2 and said in capsys.readouterr().err, argv
+    (tmp_path / "export.json").write_text('[{"id": "a1", "content": "Imported fact"}]')
+    item = cs.capture("Queues need idempotent consumers")["item"]["id"]
+    assert cs.main(["record_need", "A runbook for the queue"]) == 0
+    assert cs.main(["import", "json", f]) == 0
+    assert cs.main(["endorse", item, "it held in two projects"]) == 0
+    assert [e.get("note") for e in cs.expand(item)["endorsements"]] == \
+        ["it held in two projects"]
+    assert cs.main(["deprecate", item, "the queue is gone"]) == 0
+    assert cs.expand(item)["status"] == "deprecated"
+    capsys.readouterr()
+    usage = cs._cli_parser("setup")._subparsers._group_actions[0].choices["setup"].format_usage()
+    assert usage.rstrip().endswith("PROJECT_REPO AGENT_ID"), usage
 
 
 def test_cli_usage_names_the_program_as_invoked(tmp_path):
