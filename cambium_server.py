@@ -24013,6 +24013,9 @@ class Tool:
                                          #: runner decides: `verify --run` needs no id)
     cli_also: tuple[str, ...] = ()   #: options also taken as a word, in signature order
                                      #: (`endorse ID NOTE`; `import SOURCE PATH`)
+    word_choices: dict[str, Any] = field(default_factory=dict)   #: argument -> the words
+    #: it takes (checked when parsed, exit 2: `import a.jsonl b.jsonl`); its flag's value
+    #: is the tool's to check
 
     @property
     def tool_name(self) -> str:
@@ -24092,7 +24095,8 @@ def api_table() -> tuple[Tool, ...]:
         Tool(consolidate, "remote"),
         Tool(usage, "read", flags={"item_id": "--item"}),
         Tool(import_memory, "write_idempotent", aliases=("import",), positional=("path",),
-             cli_also=("source",), cli_types={"path": _cli_abspath}),
+             cli_also=("source",), cli_types={"path": _cli_abspath},
+             word_choices={"source": IMPORT_ADAPTERS}),
         Tool(export_markdown, "remote", aliases=("export",), run=_cli_export, cli_args=(
             (("-o", "--output"), {"metavar": "FILE", "help": "write the markdown to FILE "
                                   "and print what was written (JSON, or one line with "
@@ -25767,20 +25771,29 @@ class _CommandParser(argparse.ArgumentParser):
     anything reads it, so parse_args gives every argument in its place. Words
     and options may come in any order (`setup P --org-repo O A`): argparse
     alone gives a word after an option no place once every word is optional
-    (each may come by its flag), so a command with words parses intermixed."""
+    (each may come by its flag), so a command with words parses intermixed.
+    The first `--` still ends the options, as argparse has it (intermixed
+    parsing alone ignored it: `capture -- -x` exited 2, `capture -- --type=skill
+    T` stored a skill): what follows it is words, in order, one per word the
+    command takes; any beyond are unrecognized arguments (exit 2)."""
     words = False                              #: set by _add_command: it takes words
     _inner = False                             #: the intermixed parse's own passes
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         if self._inner or not self.words:
             return super().parse_known_args(args, namespace)
+        args = list(sys.argv[1:] if args is None else args)
+        end = args.index("--") if "--" in args else len(args)
         self._inner = True
         try:
-            ns, rest = self.parse_known_intermixed_args(args, namespace)
+            ns, rest = self.parse_known_intermixed_args(args[:end], namespace)
         finally:
             self._inner = False
+        words = vars(ns).setdefault("_words", [])
+        room = max(0, sum(isinstance(a, _CliWord) for a in self._actions) - len(words))
+        words += args[end + 1:][:room]
         _settle_words(self, ns)
-        return ns, rest
+        return ns, rest + args[end + 1:][room:]
 
 
 class _CliWord(argparse.Action):
@@ -25838,7 +25851,7 @@ def _add_word(p: argparse.ArgumentParser, tool: Tool, param: Param) -> None:
     flags, name = tool.cli_flags(param.name), param.name.upper()
     also = param.name in tool.cli_also
     p.add_argument(name.lower(), metavar=name, nargs="?", default=argparse.SUPPRESS,
-                   action=_CliWord, help=f"the same as {flags[0]}" + (
+                   action=_CliWord, help=f"The same as {flags[0]}" + (
                        "; one of the two is needed" if tool.cli_needs(param.name) else "")
                    if also else f"{spec['help']} Or give it as {flags[0]} {name}.")
     p.add_argument(*flags, dest=param.name, action=_CliFlag,
@@ -25872,15 +25885,16 @@ def _settle_words(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> No
 
 def _cli_word_value(parser: argparse.ArgumentParser, tool: Tool, name: str, word: str) -> Any:
     """A word as its argument's value: its CLI type and choices, as argparse
-    applies them to a flag's (a refusal exits 2 naming the word)."""
+    applies them to a flag's, and its word_choices (a refusal exits 2 naming the word)."""
     spec = _cli_spec(tool, next(p for p in tool.params if p.name == name))
     try:
         value = spec.get("type", str)(word)
     except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
         parser.error(f"argument {name.upper()}: {e}")
-    if spec.get("choices") and value not in spec["choices"]:
+    choices = spec.get("choices") or tool.word_choices.get(name)
+    if choices and value not in choices:
         parser.error(f"argument {name.upper()}: invalid choice: {value!r} (choose from "
-                     f"{', '.join(map(repr, spec['choices']))})")
+                     f"{', '.join(map(repr, choices))})")
     return value
 
 

@@ -20170,7 +20170,10 @@ def test_cli_takes_the_shapes_of_the_tool_signatures(repo, tmp_path, capsys):
     the tool's own name as command (import_memory, record_need), `import json
     PATH` and `import-memory --source json --path PATH` (source, path),
     `endorse ID "note"`, `deprecate ID "reason"`, and `setup --project-repo P
-    --agent-id A`. The CLI's own forms stand; words and options mix."""
+    --agent-id A`. The CLI's own forms stand; words and options mix. The first
+    `--` still ends the options (mixing them ignored it: `capture -- -x` exited
+    2, `capture -- --type=skill T` stored a skill), and a source word that names
+    no adapter is a usage error, as the extra word was before (`import a b`)."""
     for tool in cs.api_table():
         if tool.cli and tool.tool_name != tool.command:
             needs = ["x"] * sum(tool.cli_needs(n) for n in tool.cli_positional())
@@ -20182,8 +20185,14 @@ def test_cli_takes_the_shapes_of_the_tool_signatures(repo, tmp_path, capsys):
         got = _parsed(*argv)
         assert (got["source"], got["path"]) == ("json", f), argv
     assert _parsed("import", "export.json")["path"] == os.path.abspath("export.json")
-    assert _parsed("import", "mem0", "export.json")["source"] == "mem0"   # (the tool says
+    assert _parsed("import", "--source", "mem0", f)["source"] == "mem0"   # (the tool says
     assert _parsed("endorse", "k-1", "it held")["note"] == "it held"     # which it knows)
+    assert _parsed("capture", "--", "-x")["content"] == "-x"
+    assert _parsed("capture", "--why", "w", "--", "-v")["content"] == "-v"
+    assert _parsed("recall", "--", "--no-verify")["query"] == "--no-verify"
+    assert _parsed("show", "--", "-k1")["item_id"] == "-k1"
+    got = _parsed("correct", "--", "k-1", "-new")
+    assert (got["item_id"], got["content"]) == ("k-1", "-new")
     assert _parsed("endorse", "k-1", "--note", "it held")["note"] == "it held"
     assert _parsed("endorse", "k-1")["note"] == ""
     assert _parsed("deprecate", "k-1", "gone")["reason"] == "gone"
@@ -20200,6 +20209,9 @@ def test_cli_takes_the_shapes_of_the_tool_signatures(repo, tmp_path, capsys):
                        (["deprecate", "k-1"], "required: REASON (or --reason)"),
                        (["setup", "--agent-id", "ada"], "required: PROJECT_REPO (or"),
                        (["capture", "a", "--content", "b"], "CONTENT: given twice"),
+                       (["capture", "--", "--type=skill", "text"], "arguments: text"),
+                       (["capture", "--", "-x", "--why", "w"], "arguments: --why w"),
+                       (["import", "a.jsonl", "b.jsonl"], "SOURCE: invalid choice: 'a.jsonl'"),
                        (["recall", "q", "--limit", "0"], "--limit: must be")):
         with pytest.raises(SystemExit) as stop:
             cs._cli_parser().parse_args(argv)
