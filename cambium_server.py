@@ -4566,15 +4566,21 @@ def newer_shared_doc(text: str, where: str, parsed: Parsed | None) -> Doc | None
     return dataclasses.replace(parsed.doc, raw={**parsed.doc.raw, "cambium": marker})
 
 
-def damaged_shared_doc(parsed: Parsed, where: str) -> Doc:
+def damaged_shared_doc(parsed: Parsed, where: str, *, kept: bool = False) -> Doc:
     """A shared store parse_store refused for some lines (an entry that is
     null, a number or a string; a torn tail), its other lines parsing
     (`parsed`, parse_file's: parsed once): those served with a warning naming
     what was left out, as the local store's are, and marked (Doc.damage) so
     every write refuses: a write would drop the lines it could not parse. It
     hid every item of the scope from everyone. (When nothing of it parses,
-    parse_file raised: the whole file is a person's to fix.)"""
+    parse_file raised: the whole file is a person's to fix.) kept: the store
+    of a tip cambium kept when the branch was rewound (_rewound_doc), never
+    written to nor served: marked with what does not parse alone, no warning
+    (rewound_items says it while the tip is kept). A person who fixed the
+    branch by a force push was told every write was refused while they landed."""
     what = _bad_lines_said(parsed) or "the file ends early"
+    if kept:
+        return dataclasses.replace(parsed.doc, damage=f"{where}: {what}")
     damage = (f"{where}: {what}; every write to that scope is refused until a person "
               "fixes the file by hand (a write would drop what does not parse)")
     note_for_call(f"{damage}. The {len(parsed.doc.items)} item(s) that parse are served; "
@@ -7821,7 +7827,21 @@ class GitStore(Store):
             return [], kept[0]                     # far: a warning's cost, never the scope)
         if not (lost := _rewind_lost(old, doc, touched)):
             self._drop_rewound(kept, tip_kept)
+        elif old.damage:
+            note_for_call(self._kept_damage_note(kept[0], old))
         return lost, kept[0]
+
+    def _kept_damage_note(self, ref: str, old: Doc) -> str:
+        """What a kept rewound tip (at `ref`, its doc `old`) holds that does not
+        parse: its own, never the branch's (a person's force push that fixed the
+        branch was the rewind): it holds back no write (the branch's own damage,
+        if any, is said by its read, damaged_shared_doc)."""
+        return (f"the tip cambium kept at {ref} when the {self.scope} branch '{self.branch}' "
+                f"on {self.remote} was rewound has lines that do not parse ({old.damage}): "
+                f"only its {len(old.items)} item(s) that parse are compared with the branch "
+                f"(`git -C {shlex.quote(str(self.repo))} show {shlex.quote(ref + ':' + STORE_FILE)}` "
+                "shows them all). That damage is the kept tip's own, not the branch's: it holds "
+                "back no write to the branch")
 
     def peek(self) -> Doc:
         """The doc at the last fetched tip: no fetch, no write (but for a
@@ -7899,19 +7919,21 @@ class GitStore(Store):
 
     def _rewound_doc(self, commit: str) -> Doc:
         """The doc at the kept tip, in a cache slot of its own: through doc_at's
-        one slot, it put out the tip's doc, and each read parsed both."""
+        one slot, it put out the tip's doc, and each read parsed both. Lines
+        that do not parse there are the kept tip's, no write's (kept)."""
         with self._state.lock:
             held = self._state.rewound_doc
         if held and held[0] == commit:
             return held[1]
-        doc = self.doc_at(commit, remember=False)
+        doc = self.doc_at(commit, remember=False, kept=True)
         with self._state.lock:
             self._state.rewound_doc = (commit, doc)
         return doc
 
-    def doc_at(self, commit: str | None, *, remember: bool = True) -> Doc:
+    def doc_at(self, commit: str | None, *, remember: bool = True, kept: bool = False) -> Doc:
         """Parse knowledge.json at a commit (cached per commit, unless not
-        `remember`: the cache holds one); CorruptStore if unreadable."""
+        `remember`: the cache holds one); CorruptStore if unreadable. kept: a
+        kept rewound tip (damaged_shared_doc's)."""
         if commit is None:
             return Doc(items=[])
         state = self._state
@@ -7930,7 +7952,7 @@ class GitStore(Store):
         except GitError:
             self._refuse_no_file(commit, where)     # a directory or a submodule: no blob
             raise
-        doc, served = self._parsed_doc(commit, where, text)
+        doc, served = self._parsed_doc(commit, where, text, kept)
         remember = remember and not served      # (served: not cached, each read says why)
         if any(it.scope != self.scope for it in doc.items):   # a copy made by hand
             doc = dataclasses.replace(doc, items=[              # keeps its true scope
@@ -7942,7 +7964,8 @@ class GitStore(Store):
             self._knew_ours(commit)
         return doc
 
-    def _parsed_doc(self, commit: str, where: str, text: str) -> tuple[Doc, bool]:
+    def _parsed_doc(self, commit: str, where: str, text: str,
+                    kept: bool = False) -> tuple[Doc, bool]:
         """The store text at `commit`, parsed once, and whether it was served
         in part: its lines that parse when some do not, under a newer cambium's
         marker (newer_shared_doc) or marked damaged (damaged_shared_doc).
@@ -7955,7 +7978,7 @@ class GitStore(Store):
         except CorruptStore as e:
             parsed, refused = None, e
         newer = newer_shared_doc(text, where, parsed) or \
-            (parsed and damaged_shared_doc(parsed, where))
+            (parsed and damaged_shared_doc(parsed, where, kept=kept))
         if newer is None:                                   # (a link's text names no
             self._refuse_no_file(commit, where, text)       # format) a symbolic link: its
             raise refused                                   # target's path

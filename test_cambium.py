@@ -9538,6 +9538,54 @@ def test_a_team_store_with_a_null_entry_serves_the_rest_and_refuses_every_write(
     assert "do not parse" in cs.status()["scopes"]["team"]["error"]
 
 
+def _team_warnings(query: str) -> list[str]:
+    """A team recall's warnings, what the call noted below it included."""
+    with cs.collecting_notes():
+        return cs.with_store_warnings(cs.recall(query, scope="team")).get("warnings", [])
+
+
+def test_a_damaged_team_store_fixed_by_a_force_push_is_no_longer_said_to_refuse_writes(shared):
+    """A person fixed a team store with a line that does not parse by force
+    pushing a good tip: cambium kept the damaged tip it had read (a rewind),
+    and every read that parsed that kept tip warned "every write to that scope
+    is refused", while writes landed. Now a kept tip's damage is said as its
+    own, only while it is still kept (it holds what the branch lost), and
+    never as a refusal; once the branch holds all of it, nothing is said."""
+    origin, b = shared["origin"], shared["b"]
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    before = git(origin, "rev-parse", "cambium").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    text = (b / "knowledge.json").read_text().replace("\n]}", ',\nnull\n]}')
+    (b / "knowledge.json").write_text(text)
+    git(b, "commit", "-qam", "a bad hand edit")
+    git(b, "push", "-q", "origin", "cambium")
+    assert any("refused" in w for w in _team_warnings("health endpoint"))   # (it is, here)
+    git(origin, "update-ref", "refs/heads/cambium", before)    # fixed, from an older clone
+    cs.runtime().reset()
+    warnings = _team_warnings("health endpoint")
+    assert not any("refused" in w for w in warnings), warnings
+    (lost,) = [w for w in warnings if "rewound or replaced" in w]
+    assert later in lost
+    (said,) = [w for w in warnings if "do not parse" in w]
+    assert "refs/cambium/rewound/team/origin/cambium" in said and "holds back no write" in said
+    third = _endorsed("Roll back on the first failed health check")
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(third))
+    assert out["status"] == "promoted" and not any("refused" in w for w in out["warnings"])
+    kept = git(shared["a"], "show", "refs/cambium/rewound/team/origin/cambium:knowledge.json")
+    (shared["tmp"] / "rewound.json").write_text(kept)           # as the warning says
+    assert cs.restore(str(shared["tmp"] / "rewound.json"))["restored"] >= 1
+    assert cs.promote(later, force=True)["status"] == "promoted"
+    cs.runtime().reset()
+    warnings = _team_warnings("health endpoint")
+    assert not any("refused" in w or "do not parse" in w or "rewound" in w
+                   for w in warnings), warnings
+
+
 def test_a_merged_org_pr_whose_item_sits_on_an_org_line_that_does_not_parse_keeps_waiting(
         shared, monkeypatch, tmp_path):
     """review_promotions called a merged org PR "reverted" when org's tip held
@@ -28876,3 +28924,4 @@ def test_a_server_fetches_as_usual_once_git_remote_prune_removed_the_stale_ref(
     st.fetch(force=True)
     assert fetches and "--refmap=" not in fetches[-1]
     assert not st._plain_record().exists()
+
