@@ -8245,20 +8245,33 @@ class GitStore(Store):
         starts from the scope's tip. at: only when that tip is this commit (a
         branch that moved on is someone's newer work: it stays). False: the
         remote had no such branch, or it was not at `at`. Never the scope's own
-        branch. Raises GitError (unreachable, refused)."""
+        branch. Raises GitError (unreachable, refused). A delete the remote's
+        held lock refused (its packed-refs.lock: another git packing refs
+        there; a ref's) is tried again as a write's push is (_busy_pause,
+        within PUSH_RETRY_S; a lock that looks left over, _lock_left, ends it
+        at once), then RemoteBusy; cambium never removes that lock."""
         if branch == self.branch:
             raise ValueError(f"refusing to delete the {self.scope} scope's own branch")
         listed = self.git("ls-remote", "--", self.remote, f"refs/heads/{branch}").stdout
         tip = listed.split("\t", 1)[0].strip()
         if not tip or (at is not None and tip != at):
             return False
-        proc = self._push_git(f"--force-with-lease=refs/heads/{branch}:{tip}",
-                              f":refs/heads/{branch}")
-        here, others = self._pushed_here(proc.stdout)
-        if here is None or _push_outcome(here) != "ok" or proc.returncode != 0 and not others:
-            raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
-                           _push_said(proc) or "delete refused")
-        return True
+        until, busy, seen = time.monotonic() + PUSH_RETRY_S, 0, None
+        while True:
+            proc = self._push_git(f"--force-with-lease=refs/heads/{branch}:{tip}",
+                                  f":refs/heads/{branch}")
+            here, others = self._pushed_here(proc.stdout)
+            outcome = None if here is None else _push_outcome(here)
+            if outcome == "ok" and (proc.returncode == 0 or others):
+                return True
+            held = _lock_named(proc.stderr, remote=True) if outcome == "race" else None
+            if held is None:
+                raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
+                               _push_said(proc) or "delete refused")
+            seen, left = self._lock_left(held, seen)
+            if left is not None or time.monotonic() >= until:
+                raise self._remote_busy(f"the deletion of {branch}", held, busy, left)
+            busy = _busy_pause(busy, until)
 
     def branches(self, pattern: str) -> set[str]:
         """The remote's branches matching `pattern` (a glob: `cambium/*`), in one
@@ -8380,12 +8393,9 @@ class GitStore(Store):
                 done = self._attempt(fn, message, target, side, ensure_files)
                 if isinstance(done, Write):
                     break
-                stamp = self._held_lock_stamp(done) if done else None
-                age = time.time() - stamp[2] / 1e9 if stamp is not None else 0.0
-                if stamp == seen and age > self.timeout_s + REMOTE_LOCK_LEFT_S:
-                    left = age
+                seen, left = self._lock_left(done, seen)
+                if left is not None:
                     break
-                seen = stamp
                 busy = _busy_pause(busy, until) if done else 0
         if isinstance(done, Write):
             if target == self.branch:
@@ -8417,6 +8427,17 @@ class GitStore(Store):
             f"{tries} refused, its lock {lock} held by another git there (a push in "
             "progress, a slow hook, or a lock a crash left on the remote); nothing was "
             "written. Try again; cambium never removes a lock in the remote")
+
+    def _lock_left(self, lock: str, seen: tuple[int, int, int] | None
+                   ) -> tuple[tuple[int, int, int] | None, float | None]:
+        """(The stamp of the remote's `lock` the last push met, _held_lock_stamp,
+        and its age in seconds when it looks left over: the same stamp as
+        `seen`, the try before's, and older than CAMBIUM_GIT_TIMEOUT and
+        REMOTE_LOCK_LEFT_S; else None)."""
+        stamp = self._held_lock_stamp(lock) if lock else None
+        age = time.time() - stamp[2] / 1e9 if stamp is not None else 0.0
+        return stamp, (age if stamp == seen and age > self.timeout_s + REMOTE_LOCK_LEFT_S
+                       else None)
 
     def _held_lock_stamp(self, lock: str) -> tuple[int, int, int] | None:
         """The remote's ref `lock` a push met (_push) as (inode, size, mtime in

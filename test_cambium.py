@@ -5894,6 +5894,65 @@ def test_a_remote_lock_that_looks_left_over_fails_the_write_at_once_and_stays(
     assert second in [i.id for i in cs.store(cs.resolve_config(), "local").peek().items]
 
 
+def _side_branch_on(origin: Path, a: Path, branch: str) -> str:
+    """A side branch pushed to `origin` from clone `a` (its own commit): its tip."""
+    git(a, "commit", "-q", "--allow-empty", "-m", f"{branch}'s change")
+    git(a, "push", "-q", "origin", f"HEAD:refs/heads/{branch}")
+    return git(origin, "rev-parse", branch).strip()
+
+
+def test_a_side_branch_delete_waits_out_the_remotes_packed_refs_lock_and_lands(
+        shared, tmp_path):
+    """Deleting a pull request's side branch takes the remote's packed-refs
+    lock: one held there (another git packing refs, past git's own 1 s wait)
+    failed the delete at once (a declined change was then proposed again),
+    where a write's push is tried again. It is tried again the same way, the
+    lock never removed meanwhile, and the delete lands once the lock is gone."""
+    origin, a = shared["origin"], shared["a"]
+    tip = _side_branch_on(origin, a, "cambium/promote-k-1")
+    tries = tmp_path / "tries"
+    hook = origin / "hooks" / "pre-receive"
+    hook.write_text(f"#!/bin/sh\ncat >/dev/null\necho x >> {tries}\n")
+    hook.chmod(0o755)
+    lock = origin / "packed-refs.lock"                  # held by a git packing refs there
+    lock.write_text("")
+    inode, out = lock.stat().st_ino, {}
+    st = _team_store(a)
+    dropper = threading.Thread(target=lambda: out.update(
+        res=st.drop_side_branch("cambium/promote-k-1", at=tip)))
+    dropper.start()
+    try:
+        while dropper.is_alive() and (not tries.exists() or
+                                      len(tries.read_text().split()) < 3):
+            assert lock.exists() and lock.stat().st_ino == inode    # never removed
+            time.sleep(0.02)
+        assert dropper.is_alive() and lock.stat().st_ino == inode, out
+    finally:
+        lock.unlink()                                   # that git is done
+        dropper.join(60)
+    assert out["res"] is True and not dropper.is_alive()
+    assert "cambium/promote-k-1" not in _remote_branches(origin)
+
+
+def test_a_side_branch_delete_refused_by_a_remote_lock_left_over_fails_at_once(
+        shared, monkeypatch):
+    """A packed-refs.lock a killed git left in a path remote fails the delete
+    at once as a write's push would (RemoteBusy, conflict: it looks left over,
+    remove it if no git runs there); the lock and the branch stay."""
+    origin, a = shared["origin"], shared["a"]
+    tip = _side_branch_on(origin, a, "cambium/updates")
+    lock = origin / "packed-refs.lock"
+    lock.write_text("")
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setattr(cs, "PUSH_RETRY_S", 6.0)        # (without the fix: GitError at once)
+    with pytest.raises(cs.RemoteBusy) as caught:
+        _team_store(a).drop_side_branch("cambium/updates", at=tip)
+    said = str(caught.value)
+    assert "looks left over" in said and os.path.realpath(lock) in said, said
+    assert cs.error_code(caught.value) == "conflict"
+    assert lock.exists() and git(origin, "rev-parse", "cambium/updates").strip() == tip
+
+
 def test_a_team_branch_named_like_a_scratch_ref_keeps_its_own_cached_tip(shared, monkeypatch):
     """A team branch named `new` was also fast-import's scratch ref (as
     `__default`, `side/<x>`, `<b>-verify` and `<b>-rewound` were others'): a
