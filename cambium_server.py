@@ -7533,7 +7533,7 @@ class GitStore(Store):
             return before
         if old.damage:
             return before
-        at = self.doc_at(before, remember=False)
+        at = self.doc_at(before, remember=False, kept=True)   # (dropped: no write's)
         refuse_damaged(at)                     # (its union would drop what does not parse)
         try:
             touched = self._touched_since(self._kept(at_ref) or kept, before)

@@ -9645,6 +9645,43 @@ def test_a_damaged_team_store_fixed_by_a_force_push_is_no_longer_said_to_refuse_
                    for w in warnings), warnings
 
 
+def test_a_second_rewind_dropping_a_damaged_tip_is_not_said_to_refuse_writes(shared):
+    """A second rewind (a person's force push fixing a store with a line that
+    does not parse, while an earlier rewind's tip is kept) parsed the dropped
+    damaged tip as the branch's: "every write to that scope is refused", while
+    the branch parsed and writes landed. The dropped tip is named with the
+    command that keeps it; the earlier kept tip stays, naming what it holds."""
+    origin, b = shared["origin"], shared["b"]
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    t0 = git(origin, "rev-parse", "cambium").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    git(origin, "update-ref", "refs/heads/cambium", t0)        # first rewind: kept
+    cs.runtime().reset()
+    assert any("rewound or replaced" in w for w in _team_warnings("health endpoint"))
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    text = (b / "knowledge.json").read_text().replace("\n]}", ',\nnull\n]}')
+    (b / "knowledge.json").write_text(text)
+    git(b, "commit", "-qam", "a bad hand edit")
+    git(b, "push", "-q", "origin", "cambium")
+    damaged = git(b, "rev-parse", "HEAD").strip()
+    cs.runtime().reset()
+    assert any("refused" in w for w in _team_warnings("health endpoint"))   # (it is, here)
+    git(origin, "update-ref", "refs/heads/cambium", t0)        # fixed: a second rewind
+    cs.runtime().reset()
+    warnings = _team_warnings("health endpoint")
+    assert not any("refused" in w for w in warnings), warnings
+    (again,) = [w for w in warnings if "rewound again" in w]
+    assert f"branch rewound-again {damaged}" in again and "do not parse" in again
+    assert any(later in w for w in warnings if "rewound or replaced" in w)
+    third = _endorsed("Roll back on the first failed health check")
+    with cs.collecting_notes():
+        out = cs.with_store_warnings(cs.promote(third))
+    assert out["status"] == "promoted" and not any("refused" in w for w in out["warnings"])
+
+
 def test_a_merged_org_pr_whose_item_sits_on_an_org_line_that_does_not_parse_keeps_waiting(
         shared, monkeypatch, tmp_path):
     """review_promotions called a merged org PR "reverted" when org's tip held
