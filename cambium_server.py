@@ -7526,12 +7526,13 @@ class GitStore(Store):
         there: not what a teammate changed or moved since the first rewind),
         the kept tip its second parent, so `git log` and `restore` reach both.
         A second rewind was ignored while one was kept: what was written between
-        the two was gone, named nowhere. Raises CambiumError, OSError."""
+        the two was gone, named nowhere. A kept tip with lines that do not parse
+        gives the items that parse, as it does to reads (it was dropped here, so
+        what only it held was named and kept nowhere); a warning names it.
+        Raises CambiumError, OSError."""
         try:
             old = self._rewound_doc(kept)
         except CorruptStore:                   # (nothing readable kept: the later tip is)
-            return before
-        if old.damage:
             return before
         at = self.doc_at(before, remember=False, kept=True)   # (dropped: no write's)
         refuse_damaged(at)                     # (its union would drop what does not parse)
@@ -7540,12 +7541,25 @@ class GitStore(Store):
         except GitError:                       # (too far to tell: all it lost)
             touched = frozenset()
         lost = {it.id: it for it in _rewind_lost(old, at, touched)}
-        if not lost:
-            return before
-        union = dataclasses.replace(at, items=[it for it in at.items if it.id not in lost] +
-                                    list(lost.values()))
-        return self._commit(before, {STORE_FILE: render_store(union)},
-                            f"cambium: what rewinds of {self.branch} dropped", merge=kept)
+        merged = before
+        if lost:
+            union = dataclasses.replace(at, items=[it for it in at.items if it.id not in lost] +
+                                        list(lost.values()))
+            merged = self._commit(before, {STORE_FILE: render_store(union)},
+                                  f"cambium: what rewinds of {self.branch} dropped", merge=kept)
+        if old.damage:
+            self._warnings.append(self._kept_damaged_said(kept, old))
+        return merged
+
+    def _kept_damaged_said(self, kept: str, old: Doc) -> str:
+        """A later rewind's word on the kept tip `kept` (its doc `old`) whose
+        store has lines that do not parse: only its items that parse are kept
+        on, the lines that do not stay only in that commit."""
+        return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound again; "
+                f"the tip cambium kept from the earlier rewind, {kept}, has lines that do not "
+                f"parse ({old.damage}): only its items that parse are kept on (those the "
+                f"branch lacks, in the tip kept now); `git -C {shlex.quote(str(self.repo))} "
+                f"branch rewound-damaged {kept}` keeps it as it is")
 
     def _slot(self) -> tuple[str, str]:
         """A kept tip's usual name, refs/cambium/rewound/<scope>/<remote>/<branch>,

@@ -9682,6 +9682,52 @@ def test_a_second_rewind_dropping_a_damaged_tip_is_not_said_to_refuse_writes(sha
     assert out["status"] == "promoted" and not any("refused" in w for w in out["warnings"])
 
 
+def test_a_later_rewind_over_a_damaged_kept_tip_keeps_what_only_it_held(shared):
+    """A kept tip whose store has lines that do not parse (a damaged store a
+    person fixed by a force push) was swapped for the tip a later rewind
+    dropped (_kept_both: 'if old.damage: return before'), and then dropped as
+    no loss: an item only it held was named and kept nowhere, and nothing
+    said so. Its items that parse are kept on, as a read compares them, with
+    it as the second parent, and a warning names it with the command that
+    keeps it as it is; a third rewind keeps them still."""
+    origin, a, b = shared["origin"], shared["a"], shared["b"]
+    first = _endorsed("Every service exposes a health endpoint")
+    assert cs.promote(first)["status"] == "promoted"
+    t0 = git(origin, "rev-parse", "cambium").strip()
+    later = _endorsed("Alerts page the on-call engineer, never a channel")
+    assert cs.promote(later)["status"] == "promoted"
+    git(b, "fetch", "-q", "origin")
+    git(b, "checkout", "-q", "-b", "cambium", "origin/cambium")
+    text = (b / "knowledge.json").read_text().replace("\n]}", ',\nnull\n]}')
+    (b / "knowledge.json").write_text(text)
+    git(b, "commit", "-qam", "a bad hand edit")
+    git(b, "push", "-q", "origin", "cambium")
+    damaged = git(b, "rev-parse", "HEAD").strip()
+    _team_warnings("health endpoint")
+    git(origin, "update-ref", "refs/heads/cambium", t0)        # fixed: the damaged tip kept
+    cs.runtime().reset()
+    assert any(later in w for w in _team_warnings("health endpoint") if "rewound or" in w)
+    kept_ref = "refs/cambium/rewound/team/origin/cambium"
+    for n in (2, 3):                        # a teammate writes, then a rewind drops it
+        git(b, "fetch", "-q", "origin")
+        git(b, "checkout", "-q", "-B", "cambium", "origin/cambium")
+        (b / f"notes{n}.txt").write_text("x\n")
+        git(b, "add", f"notes{n}.txt")
+        git(b, "commit", "-qm", "a teammate's change")
+        git(b, "push", "-q", "origin", "cambium")
+        cs.runtime().reset()
+        _team_warnings("health endpoint")
+        git(origin, "update-ref", "refs/heads/cambium", t0)
+        cs.runtime().reset()
+        warnings = _team_warnings("health endpoint")
+        assert any(later in w for w in warnings if "rewound or" in w), (n, warnings)
+        said = [w for w in warnings if damaged in w]
+        assert len(said) == (n == 2) and all(
+            f"branch rewound-damaged {damaged}" in w for w in said), (n, warnings)
+        assert later in git(a, "show", kept_ref + ":knowledge.json")
+        git(a, "merge-base", "--is-ancestor", damaged, kept_ref)   # (reached from the ref)
+
+
 def test_a_merged_org_pr_whose_item_sits_on_an_org_line_that_does_not_parse_keeps_waiting(
         shared, monkeypatch, tmp_path):
     """review_promotions called a merged org PR "reverted" when org's tip held
