@@ -6247,6 +6247,39 @@ def _busy_pause(refused: int, until: float) -> int:
     return refused + 1
 
 
+_DELETES = threading.local()    #: within deletes_wait_once(): .until (the shared deadline)
+
+
+@contextlib.contextmanager
+def deletes_wait_once() -> Iterator[None]:
+    """Within it (a review), the side branch deletes a remote's held lock
+    refuses share one PUSH_RETRY_S, from the first refusal (delete_deadline):
+    each waited its own, and a review withdrawing three closed pull requests
+    waited about 6 min on one lock. Once it has passed, a delete is tried
+    once. An inner one shares the outer's."""
+    if getattr(_DELETES, "until", None) is not None:
+        yield
+        return
+    _DELETES.until = []
+    try:
+        yield
+    finally:
+        _DELETES.until = None
+
+
+def delete_deadline() -> tuple[float, bool]:
+    """(The deadline of a delete the remote's held lock refused, whether an
+    earlier delete within this deletes_wait_once() had waited it out): its
+    shared one, started by the first, else PUSH_RETRY_S from now."""
+    until = getattr(_DELETES, "until", None)
+    if until is None:
+        return time.monotonic() + PUSH_RETRY_S, False
+    if not until:
+        until.append(time.monotonic() + PUSH_RETRY_S)
+        return until[0], False
+    return until[0], until[0] <= time.monotonic()
+
+
 def _writers(pace: GitScope, now: float) -> int:
     """Writers of this scope lately, this process included (1: it alone)."""
     with pace.lock:
@@ -8270,7 +8303,7 @@ class GitStore(Store):
         tip = listed.split("\t", 1)[0].strip()
         if not tip or (at is not None and tip != at):
             return False
-        until, busy, seen = time.monotonic() + PUSH_RETRY_S, 0, None
+        until, spent, busy, seen = None, False, 0, None
         while True:
             proc = self._push_git(f"--force-with-lease=refs/heads/{branch}:{tip}",
                                   f":refs/heads/{branch}")
@@ -8283,8 +8316,11 @@ class GitStore(Store):
                 raise GitError(["git", "push", self.remote, f":{branch}"], proc.returncode,
                                _push_said(proc) or "delete refused")
             seen, left = self._lock_left(held, seen)
+            if until is None:                  # (a review's deletes share one: deletes_wait_once)
+                until, spent = delete_deadline()
             if left is not None or time.monotonic() >= until:
-                raise self._remote_busy(f"the deletion of {branch}", held, busy, left)
+                raise self._remote_busy(f"the deletion of {branch}", held, busy, left,
+                                        spent=spent)
             busy = _busy_pause(busy, until)
 
     def branches(self, pattern: str) -> set[str]:
@@ -8420,11 +8456,13 @@ class GitStore(Store):
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
 
-    def _remote_busy(self, target: str, lock: str, refused: int, left: float | None
-                     ) -> RemoteBusy:
+    def _remote_busy(self, target: str, lock: str, refused: int, left: float | None, *,
+                     spent: bool = False) -> RemoteBusy:
         """The error of a write whose last push the remote's held ref `lock`
         refused, `refused` times in a row: busy, or, `left` (its age in
-        seconds), a lock that looks left over, for a person to remove."""
+        seconds), a lock that looks left over, for a person to remove. spent:
+        tried once, an earlier delete of this review having waited out
+        PUSH_RETRY_S (deletes_wait_once)."""
         where = f"{self.scope} scope: the remote {self.remote}"
         if left is not None:                 # (named as found: git's says `x.git/./refs`)
             lock = os.path.join(os.path.realpath(os.path.dirname(lock)), os.path.basename(lock))
@@ -8436,8 +8474,10 @@ class GitStore(Store):
                 f"git runs there, remove {lock} and try again; cambium never removes a lock "
                 "in the remote")
         tries = "the last try was" if refused <= 1 else f"the last {refused} tries were"
+        during = (f"once (an earlier deletion in this review waited out its {PUSH_RETRY_S:g} "
+                  "s on the remote's lock)" if spent else f"for {PUSH_RETRY_S:g} s")
         return RemoteBusy(
-            f"{where} was busy: cambium tried to push {target} for {PUSH_RETRY_S:g} s and "
+            f"{where} was busy: cambium tried to push {target} {during} and "
             f"{tries} refused, its lock {lock} held by another git there (a push in "
             "progress, a slow hook, or a lock a crash left on the remote); nothing was "
             "written. Try again; cambium never removes a lock in the remote")
@@ -23150,10 +23190,12 @@ def _restatement_body(it: Item, item_id: str, content: str | None, why: str | No
 def _settle_and_check(cfg: Config, docs: dict[str, Doc], repointed: dict[str, str]
                       ) -> tuple[list[str], list[str], PrCheck]:
     """review_promotions' network part: settle_quietly, then check_org_prs,
-    a gh that hangs asked once (gh_gives_up). (settled, warnings, the check).
+    a gh that hangs asked once (gh_gives_up), a remote's held lock waited out
+    once across its side branch deletes (deletes_wait_once). (settled,
+    warnings, the check).
     An item settling sent to wait on cambium/updates (`repointed`) is not
     checked: its merged promote PR, as `docs` name it, is not its PR now."""
-    with gh_gives_up():
+    with gh_gives_up(), deletes_wait_once():
         settled, unsettled = settle_quietly(cfg, docs, repointed, review=True)
         return settled, unsettled, (check_org_prs(cfg, docs, {*settled, *repointed})
                                     if cfg.org_repo else PrCheck())

@@ -5953,6 +5953,41 @@ def test_a_side_branch_delete_refused_by_a_remote_lock_left_over_fails_at_once(
     assert lock.exists() and git(origin, "rev-parse", "cambium/updates").strip() == tip
 
 
+def test_a_reviews_side_branch_deletes_share_one_wait_on_the_remotes_lock(
+        shared, monkeypatch, tmp_path):
+    """review_promotions withdrawing closed pull requests waited PUSH_RETRY_S
+    on a held packed-refs.lock for each branch delete (three: about 6 min).
+    Its deletes share one wait: once the first has waited it out, each later
+    one is tried once. Each is still named in a warning, busy, and the
+    branches and the lock stay."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    urls = [cs.promote(_endorsed(text), to_scope="org")["pr_url"]
+            for text in ("Feature flags get an owner", "Secrets rotate every ninety days",
+                         "Every queue has a dead letter queue")]
+    for url in urls:
+        set_pr_state(tmp_path, url, "CLOSED")
+    bare, tries = shared["org_bare"], tmp_path / "tries"
+    hook = bare / "hooks" / "pre-receive"
+    hook.write_text(f"#!/bin/sh\nwhile read old new ref; do echo $ref >> {tries}; done\n")
+    hook.chmod(0o755)
+    branches = {b for b in _remote_branches(bare) if "promote-" in b}
+    assert len(branches) == 3
+    lock = bare / "packed-refs.lock"                  # held by a live git there
+    lock.write_text("")
+    monkeypatch.setattr(cs, "PUSH_RETRY_S", 2.0)
+    try:
+        out = cs.review_promotions()
+    finally:
+        assert lock.exists()
+        lock.unlink()
+    counts = sorted(tries.read_text().split().count(f"refs/heads/{b}") for b in branches)
+    assert counts[:2] == [1, 1] and counts[2] >= 1, counts   # (without: each tried again)
+    busy = [w for w in out.get("warnings", []) if "was busy" in w]
+    assert len(busy) == 3, out.get("warnings")
+    assert sum("tried to push" in w and "once (an earlier deletion" in w for w in busy) == 2
+    assert {b for b in _remote_branches(bare) if "promote-" in b} == branches
+
+
 def test_a_team_branch_named_like_a_scratch_ref_keeps_its_own_cached_tip(shared, monkeypatch):
     """A team branch named `new` was also fast-import's scratch ref (as
     `__default`, `side/<x>`, `<b>-verify` and `<b>-rewound` were others'): a
