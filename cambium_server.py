@@ -6280,6 +6280,15 @@ def delete_deadline() -> tuple[float, bool]:
     return until[0], until[0] <= time.monotonic()
 
 
+def delete_landed() -> None:
+    """A delete landed: the lock that held an earlier one has let go, so the
+    shared wait of deletes_wait_once() starts again at the next refusal (a
+    later delete was tried once, told an earlier one had waited it out in
+    vain, though it had landed)."""
+    if getattr(_DELETES, "until", None):
+        _DELETES.until.clear()
+
+
 def _writers(pace: GitScope, now: float) -> int:
     """Writers of this scope lately, this process included (1: it alone)."""
     with pace.lock:
@@ -8310,6 +8319,7 @@ class GitStore(Store):
             here, others = self._pushed_here(proc.stdout)
             outcome = None if here is None else _push_outcome(here)
             if outcome == "ok" and (proc.returncode == 0 or others):
+                delete_landed()
                 return True
             held = _lock_named(proc.stderr, remote=True) if outcome == "race" else None
             if held is None:

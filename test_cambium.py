@@ -29102,3 +29102,19 @@ def test_a_server_fetches_as_usual_once_git_remote_prune_removed_the_stale_ref(
     assert fetches and "--refmap=" not in fetches[-1]
     assert not st._plain_record().exists()
 
+
+
+def test_a_delete_that_lands_starts_the_reviews_shared_wait_afresh():
+    """Review rv3b of 2f5dddf: a review's side branch deletes share one wait
+    (deletes_wait_once), started at the first refusal; a delete that landed
+    left it running, so a later delete past it was tried once and told an
+    earlier one had waited in vain. A landed delete starts it afresh."""
+    with cs.deletes_wait_once():
+        first, spent = cs.delete_deadline()
+        assert not spent
+        cs._DELETES.until[0] = time.monotonic() - 1      # (the shared wait is over)
+        assert cs.delete_deadline()[1] is True            # (no delete landed: tried once)
+        cs.delete_landed()
+        again, spent = cs.delete_deadline()
+        assert not spent and again > time.monotonic()
+    assert cs.delete_deadline()[1] is False               # (outside a review: its own wait)
