@@ -20474,6 +20474,12 @@ def _record_in(cfg: Config, scope: str, found: dict[str, dict],
 
 
 
+#: A status that says "no warnings" -> the one it becomes once warnings are added
+#: after it was chosen (with_store_warnings): distill answered "distilled" beside
+#: a set-aside store's warning.
+WARNED_STATUS = {"distilled": "distilled_with_warnings"}
+
+
 def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
     """A tool's answer with what the call learned below it (note_for_call) and
     what lies set aside beside the local store added to its `warnings`: every
@@ -20486,7 +20492,11 @@ def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
     have = result.get("warnings") or []
     extra = [w for w in [*(CALL_NOTES.get() or []), *set_aside_warnings(
         cfg.local_dir / STORE_FILE), *_file_binding_moved(cfg)] if w not in have]
-    return {**result, "warnings": [*have, *extra]} if extra else result
+    if not extra:
+        return result
+    status = result.get("status")
+    return {**result, "warnings": [*have, *extra],
+            **({"status": WARNED_STATUS[status]} if status in WARNED_STATUS else {})}
 
 
 def _file_binding_moved(cfg: Config) -> list[str]:

@@ -18156,6 +18156,33 @@ def test_cli_distill_quiet_summary_json_and_hook_mode(tmp_path, monkeypatch):
     assert out.returncode == 1 and json.loads(out.stdout)["configured"] is False
 
 
+def test_distill_status_follows_the_warnings_added_after_it_was_chosen(tmp_path, monkeypatch):
+    """with_store_warnings() added a set-aside store's warning (and a call's
+    notes) to distill's answer after distill_result() had chosen "distilled":
+    "distilled" beside a warning, at the MCP edge and in the CLI alike."""
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    (clone / ".context").mkdir()                           # both sources in use
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    first = cs.with_store_warnings(cs.distill())
+    assert (first["status"], first["warnings"]) == ("distilled", [])
+    _store_path(clone).write_bytes(b'{"items": [ BROKEN')
+    cs.runtime().reset()
+    cs.capture("first item after a damaged store")         # sets the store aside
+    with cs.collecting_notes():                            # (as the MCP wrapper calls it)
+        res = cs.with_store_warnings(cs.distill())
+    assert res["warnings"] and res["status"] == "distilled_with_warnings", res
+    with cs.collecting_notes():                            # a call's note, nothing set aside
+        cs.note_for_call("the push landed where cambium did not look")
+        noted = cs.with_store_warnings({"status": "distilled", "warnings": []})
+    assert noted["status"] == "distilled_with_warnings" and noted["warnings"]
+    out = cli("distill", "--format", "json", CAMBIUM_REPO=str(clone), CAMBIUM_AGENT_ID="ada")
+    res = json.loads(out.stdout)
+    assert out.returncode == 0 and res["warnings"], out.stderr
+    assert res["status"] == "distilled_with_warnings", res
+
+
 def test_hook_stdin_nested_too_deep_is_ignored_like_malformed_json(tmp_path):
     """`distill --hook` fed a payload nested 100,000 deep printed a RecursionError
     traceback and exited 1; a hook's bad input is ignored (exit 0, stdout empty
