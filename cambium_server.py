@@ -18782,8 +18782,9 @@ class SourceRead:
         return self.info.get("note") != NOT_IN_USE
 
     def not_in_use(self) -> "SourceRead":
-        """Mark a source never set up in this project: absent, not broken, so
-        no warning (sweep_warnings); its info carries the NOT_IN_USE note."""
+        """Mark a source never set up in this project: absent, not broken; its
+        info carries the NOT_IN_USE note, its warning says "not in use"
+        (sweep_warnings), never "skipped"."""
         self.info["note"] = NOT_IN_USE
         return self
 
@@ -18810,8 +18811,9 @@ def _board_key(board: Board) -> str:
 
 
 #: The note of a source never set up in this project (no board named anywhere, no
-#: .context/): absent, not broken, so not a warning: every distill of a project
-#: that uses neither said "2 warnings" where status said nothing is missing.
+#: .context/): absent, not broken. It is still a warning of its own words
+#: (not_in_use_warning): a skipped source never looks like success (issue 4.6),
+#: and "not in use" must not read like "skipped" (a source named but missing).
 NOT_IN_USE = "not in use here (never set up in this project); nothing is missing"
 
 
@@ -19249,6 +19251,13 @@ def _read_sources(cfg: Config, doc: Doc, stamp: str
     return reads, errors
 
 
+def not_in_use_warning(read: SourceRead) -> str:
+    """The plain-language warning of a source never set up here (pure)."""
+    return (f"{read.name} not in use here, so nothing was read from it "
+            f"({read.info['reason']}); nothing is missing unless this project uses "
+            f"{read.name}.")
+
+
 def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[str],
                    store_warnings: list[str]) -> list[str]:
     """Every warning a distill reports, per source in order (pure)."""
@@ -19256,8 +19265,9 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
     for r in reads:
         if r.name == "context-keeper":
             out += problems
-        if not r.found and r.in_use:
-            out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}.")
+        if not r.found:
+            out.append(f"{r.name} skipped ({r.info['status']}): {r.info['reason']}."
+                       if r.in_use else not_in_use_warning(r))
         out += r.warnings
         out += clipped_warnings(prepared, r.name, "claim" if r.name == "agentsync" else "entry")
         if r.skips:

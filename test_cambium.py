@@ -17567,8 +17567,8 @@ def test_a_distill_that_finds_nothing_new_leaves_the_store_as_it_was(repo):
     assert res["imported"] == 0 and res["retired"] == 0 and res["duplicates"] == 1
     assert path.stat().st_ino == ino and path.read_bytes() == before
     last = cs.status()["substrates"]["last_distill"]
-    assert last == {"at": "2026-12-01T10:02:00Z", "status": "distilled",
-                    "imported": 0, "retired": 0}
+    assert last == {"at": "2026-12-01T10:02:00Z", "status": "distilled_with_warnings",
+                    "imported": 0, "retired": 0}             # (no board: not in use here)
     cs.append_credits(cs.credits_path(cfg), [
         {"item": item, "scope": "local", "agent": "bob", "day": cs._today()}])
     cs.distill_sweep(cfg, now="2026-12-01T10:03:00Z")     # the credit: folded, one write
@@ -17773,12 +17773,18 @@ def test_messages_name_the_real_problem(repo):
     assert cs._git_complaint("") == "no answer"
 
 
-def test_distill_no_board_no_context_is_a_note_not_a_warning(repo, monkeypatch):
-    """Every distill of a project that uses neither agentsync nor context-keeper
-    said "2 warnings" (status said nothing is missing): a source never set up
-    here is absent with a note; one named but missing still warns."""
+def test_distill_no_board_no_context_warns_not_in_use_never_skipped(repo, monkeypatch):
+    """A source never set up here is absent with a note "not in use"; since
+    503d4c6 it was no warning, so a project using neither source got
+    "distilled" and no warnings (issue 4.6: a skipped source never looks like
+    success). It warns in words of its own, never "skipped", which is for a
+    source named but missing."""
     res = cs.distill()
-    assert res["status"] == "distilled" and res["imported"] == 0 and res["warnings"] == []
+    assert res["status"] == "distilled_with_warnings" and res["imported"] == 0
+    assert [w.split(" not in use here, so nothing was read from it (")[0]
+            for w in res["warnings"]] == ["agentsync", "context-keeper"], res["warnings"]
+    assert not [w for w in res["warnings"] if "skipped" in w]
+    assert cs.status()["substrates"]["last_distill"]["status"] == "distilled_with_warnings"
     a, c = res["sources"]["agentsync"], res["sources"]["context-keeper"]
     assert a["status"] == "absent" and a["board_repo"] is None and a["fix"]
     assert "no agentsync board" in a["reason"] and "no remote 'origin'" in a["reason"]
@@ -17788,7 +17794,8 @@ def test_distill_no_board_no_context_is_a_note_not_a_warning(repo, monkeypatch):
     assert set(c) >= {"status", "path", "decisions_seen", "constraints_seen", "imported",
                       "retired", "reason"}
     assert a["note"] == c["note"] == cs.NOT_IN_USE
-    assert cs.distill_summary(res).endswith("; agentsync not in use; context-keeper not in use")
+    assert cs.distill_summary(res).endswith(
+        "; agentsync not in use; context-keeper not in use; 2 warnings")
     monkeypatch.setenv("AGENTSYNC_BOARD_REPO", str(repo))    # a board named: no branch there
     named = cs.distill()
     assert named["status"] == "distilled_with_warnings" and "note" not in \
@@ -17816,7 +17823,7 @@ def test_distill_warns_of_a_context_that_is_there_but_no_directory(repo, odd):
     assert warned and str(ctx) in warned[0], res["warnings"]
     assert ("exists but is not a directory" if odd == "file" else
             "is a symbolic link to ") in c["reason"], c["reason"]
-    assert cs.distill_summary(res).endswith("; context-keeper absent; 1 warning")
+    assert cs.distill_summary(res).endswith("; context-keeper absent; 2 warnings")  # + board
 
 
 def test_distill_warns_of_an_agentsync_branch_named_but_nowhere(repo, monkeypatch):
@@ -18135,8 +18142,9 @@ def test_cli_distill_quiet_summary_json_and_hook_mode(tmp_path, monkeypatch):
     out = cli("distill", **env)
     assert out.returncode == 0
     assert out.stdout.splitlines() == ["cambium distill: imported 1, retired 0; agentsync "
-                                       "imported (1 new); context-keeper not in use"]
-    assert "warning" not in out.stderr, out.stderr
+                                       "imported (1 new); context-keeper not in use; "
+                                       "1 warning"]
+    assert out.stderr.startswith("cambium: warning: context-keeper not in use here"), out.stderr
     out = cli("distill", "--format", "json", **env)
     assert json.loads(out.stdout)["sources"]["agentsync"]["status"] == "up_to_date"
     hook_input = json.dumps({"session_id": "s1", "cwd": str(clone), "reason": "exit",
