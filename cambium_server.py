@@ -15886,6 +15886,7 @@ def item_view(item: Item, *, trust: dict | None = None) -> dict:
 
 
 LINE_CONTENT_CHARS = 160        #: content shown in a one-line result, then "…"
+LINE_ENDORSED_NOTES = 3         #: endorsement notes a one-line result shows (the newest)
 
 
 def one_line(text: Any, limit: int) -> str:
@@ -21871,7 +21872,8 @@ def recall(query: Annotated[str, Field(
     (semantic: one ranked above a result among the first 5 is one, at 0.5, after the rest).
     detail="lines" (default): each result is its id, relevance and one `line`
     (id, type/kind, trust marks, the content on one line, → the live code
-    path:line); call expand(id) for the one you act on. detail="full": whole
+    path:line), and `endorsed_as` (endorsement notes, newest 3, each on one
+    line) when endorsed; call expand(id) for the one you act on. detail="full": whole
     items (content, why, scope, project, provenance `source`, recall count,
     `endorsed_as`, resolved `code` anchors). When no item reaches the floor:
     `no_confident_match: true`, nothing is known. `weak_matches` are near
@@ -22085,7 +22087,9 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
 
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
                 detail: str = "lines") -> dict:
-    """One recall result: id, relevance and its one-line `line` (plus, for an
+    """One recall result: id, relevance and its one-line `line` (plus its
+    endorsement notes as `endorsed_as`, the newest LINE_ENDORSED_NOTES each on
+    one line clipped as the line's content; for an
     imported item, `source.ref`: the id it had where it came from, so a
     result can be traced back to its record; and the `project` of an item
     learned in another one); with detail="full" also the whole item and its
@@ -22098,6 +22102,9 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
         if anchors:
             out["code"] = anchors
     else:
+        if notes := endorsement_notes(item):     # (issue 2.6: every result carries them)
+            out["endorsed_as"] = [one_line(n, LINE_CONTENT_CHARS)
+                                  for n in notes[-LINE_ENDORSED_NOTES:]]
         if item.source.get("imported") and item.source.get("ref"):
             out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
         if learned_elsewhere(cfg, item):
@@ -22510,8 +22517,8 @@ def endorse(item_id: ItemId, note: Annotated[str, Field(
     An endorsement fast-tracks local -> team promotion and is required for
     team -> org. note: why it is worth trusting, ideally phrased as the
     cross-project rule (that note is offered as the draft when the org gate
-    asks for a general restatement, and recall with detail="full" shows it
-    as `endorsed_as`; the default detail="lines" result has no such field).
+    asks for a general restatement, and recall shows it as `endorsed_as`:
+    whole with detail="full", on one line with the default detail="lines").
     One endorsement per agent per item; endorsing again updates your note
     (without a note, the one you gave before stays).
     """

@@ -5360,11 +5360,36 @@ def test_endorse_surfaces_endorsed_as_in_recall(repo):
     cs.endorse(a["item"]["id"])                          # no note: the earlier one stays
     again = cs.recall("pin sdk version", detail="full")["results"][0]
     assert again["endorsements"] == 1 and again["endorsed_as"] == ["updated note"]
-    lines = cs.recall("pin sdk version")["results"][0]      # the default detail: no notes,
-    assert "endorsed_as" not in lines and "endorsements" not in lines   # as endorse says
-    assert 'recall with detail="full" shows it' in " ".join(cs.endorse.__doc__.split())
+    lines = cs.recall("pin sdk version")["results"][0]      # the default detail: the notes,
+    assert lines["endorsed_as"] == ["updated note"] and "endorsements" not in lines  # no count
+    assert 'recall shows it as `endorsed_as`' in " ".join(cs.endorse.__doc__.split())
     listed = cs.expand(a["item"]["id"])["endorsements"]    # expand: the list, not a count
     assert [(e["by"], e["note"]) for e in listed] == [("ada", "updated note")]
+
+
+def test_default_recall_lines_carry_endorsed_as_on_one_line_each(repo, monkeypatch):
+    """Issue 2.6: each result carries `endorsed_as` when endorsement notes
+    exist; the default detail="lines" result had only id, relevance and line.
+    It carries the newest LINE_ENDORSED_NOTES notes, each on one line clipped
+    as the line's content; full keeps them whole, and no content is added."""
+    iid = cs.capture("Postgres pool must stay below 90 connections on staging",
+                     tags=["postgres"])["item"]["id"]
+    plain = cs.recall("postgres pool connections")["results"][0]
+    assert "endorsed_as" not in plain                         # no notes: no field
+    long_note = "Keep DB pools under\nthe server cap " + "x" * 400
+    for agent, note in (("ada", long_note), ("bob", "second"), ("cy", ""), ("dan", "third"),
+                        ("eve", "fourth")):
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+        cs.endorse(iid, note=note)
+    full = cs.recall("postgres pool connections", detail="full")["results"][0]
+    assert full["endorsed_as"] == [long_note, "second", "third", "fourth"]
+    lines = cs.recall("postgres pool connections")["results"][0]
+    assert lines["endorsed_as"] == ["second", "third", "fourth"]
+    assert "content" not in lines and "endorsements" not in lines
+    monkeypatch.setattr(cs, "LINE_ENDORSED_NOTES", 4)
+    (first, *_) = cs.recall("postgres pool connections")["results"][0]["endorsed_as"]
+    assert first.startswith("Keep DB pools under the server cap xx") and "\n" not in first
+    assert len(first) <= cs.LINE_CONTENT_CHARS and first.endswith("…")
 
 
 def test_endorse_unknown_id_is_not_found(repo):
