@@ -15859,17 +15859,31 @@ def _check_id(item_id: Any, arg: str = "item_id") -> str:
     return item_id
 
 
+def item_trust_view(trust: dict) -> dict:
+    """An item's trust as stored (issue 2.4's `trust {recalls, endorsements,
+    projects}`, and recalled_by/recalled_days), endorsements as the list of
+    entries ({by, note, at}), for item views; a copy (pure)."""
+    return {**trust, "recalls": trust.get("recalls", 0),
+            "endorsements": [e for e in trust.get("endorsements") or []
+                             if isinstance(e, dict)],
+            "projects": list(trust.get("projects") or [])}
+
+
 def item_view(item: Item, *, trust: dict | None = None) -> dict:
-    """The public JSON of an item in tool results."""
+    """The public JSON of an item in tool results: the stored fields (trust
+    as the item's `trust` object), plus, kept for clients that read them, its
+    trust flattened: `recalls`, `endorsements` (a count) and `projects`."""
     trust = trust or item.trust
     out = {
         "id": item.id, "type": item.type, "kind": item.kind, "content": item.content,
         "why": item.why, "tags": item.tags, "scope": item.scope, "project": item.project,
         "source": item.source, "created_by": item.created_by, "created_at": item.created_at,
+        "updated_at": item.updated_at,
         "status": item.status, "authority": AUTHORITIES[item.authority_rank],
         "recalls": trust.get("recalls", 0),
         "endorsements": len(trust.get("endorsements", [])),
         "projects": trust.get("projects", []),
+        "trust": item_trust_view(trust),
     }
     for k in ("valid_while", "last_verified", "example", "promoted_at", "pr_url", "deprecated",
               "superseded_by", "corrects", "supersedes", "check", "failing", "code_refs"):

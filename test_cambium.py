@@ -5392,6 +5392,28 @@ def test_default_recall_lines_carry_endorsed_as_on_one_line_each(repo, monkeypat
     assert len(first) <= cs.LINE_CONTENT_CHARS and first.endswith("…")
 
 
+def test_item_views_carry_updated_at_and_the_trust_object(repo):
+    """Item views (capture, endorse, promote ...) flattened trust to top-level
+    recalls, endorsements (a count) and projects, and had no updated_at:
+    issue 2.4's item schema has updated_at and trust {recalls, endorsements,
+    projects}. They carry both now; the flat keys stay."""
+    cap = cs.capture("Pin the SDK major version in requirements", tags="deps")["item"]
+    assert cap["updated_at"] == cap["created_at"]
+    assert cap["trust"] == {"recalls": 0, "endorsements": [], "projects": []}
+    cs.recall("pin sdk version")                          # a credit, still journaled
+    end = cs.endorse(cap["id"], note="Pin major versions of every SDK")["item"]
+    assert (end["recalls"], end["endorsements"]) == (1, 1)            # flat: counts, as before
+    (entry,) = end["trust"]["endorsements"]
+    assert (entry["by"], entry["note"]) == ("ada", "Pin major versions of every SDK")
+    assert end["trust"]["recalls"] == 1 and end["trust"]["projects"] == end["projects"]
+    assert end["updated_at"] >= cap["updated_at"] and end["trust"]["recalled_by"] == {
+        "ada": cs._today()}
+    stored = cs.store(cs.resolve_config(), "local").read().items[0]
+    assert end["trust"] == stored.trust and end["updated_at"] == stored.updated_at
+    full = cs.recall("pin sdk version", detail="full")["results"][0]
+    assert full["trust"]["endorsements"] == [entry] and full["updated_at"] == end["updated_at"]
+
+
 def test_endorse_unknown_id_is_not_found(repo):
     with pytest.raises(cs.NotFound, match="recall lists ids"):
         cs.endorse("k-doesnotexist")
@@ -18972,6 +18994,9 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
         cap = await session.call_tool("capture", {"content": "Use UTC in every log line",
                                                   "tags": ["logging"]})
         assert cap.structured_content["status"] == "captured"
+        view = cap.structured_content["item"]          # issue 2.4's schema, flat keys kept
+        assert view["updated_at"] == view["created_at"] and view["recalls"] == 0
+        assert view["trust"] == {"recalls": 0, "endorsements": [], "projects": []}
         rec = await session.call_tool("recall", {"query": "log timestamps utc", "detail": "full"})
         assert rec.structured_content["results"][0]["content"] == "Use UTC in every log line"
         bad = await session.call_tool("endorse", {"item_id": "k-missing"})
