@@ -19073,19 +19073,26 @@ def distill_record(cfg: Config, doc: Doc) -> dict:
     with contextlib.suppress(OSError, ValueError, RecursionError):
         seen = json.loads(read_regular(cfg.local_dir / DISTILL_SEEN_FILE, 4096))
     if isinstance(seen, dict) and last and seen.get("same_as") == last.get("at") and \
-            time_key(seen.get("at")) > time_key(last.get("at")):
-        return {**last, "at": seen["at"]}
+            time_key(seen.get("at")) >= time_key(last.get("at")):
+        said = seen.get("status")
+        return {**last, "at": seen["at"],
+                **({"status": said} if said in ("distilled", "distilled_with_warnings") else {})}
     return last
 
 
-def note_distill_seen(cfg: Config, plan: "DistillPlan") -> None:
+def note_distill_seen(cfg: Config, plan: "DistillPlan", status: str) -> None:
     """A distill that wrote nothing: when it ran, beside the store (a hint,
-    never fsynced; a read-only checkout keeps the older time)."""
-    if plan.same_as is None:
+    never fsynced; a read-only checkout keeps the older time); and a distill
+    whose answer's status is not the one its record holds (warnings came after
+    the write: a verify prompt's scope read, a call's notes, a store set
+    aside): that status, for the record it names."""
+    moved = status != plan.last["status"] and plan.last["status"] != "failed"
+    if plan.same_as is None and not moved:
         return
     with contextlib.suppress(OSError):
         atomic_write(cfg.local_dir / DISTILL_SEEN_FILE, json_text(
-            {"at": plan.last["at"], "same_as": plan.same_as}), durable=False)
+            {"at": plan.last["at"], "same_as": plan.same_as or plan.last["at"],
+             **({"status": status} if moved else {})}), durable=False)
 
 
 def substrate_state(cfg: Config, doc: Doc) -> dict:
@@ -19134,9 +19141,12 @@ class Sweep:
     def ours(self) -> list[SourceRead]:
         return decided_here(self.reads, self.adding_only)
 
-    @property
-    def status(self) -> str:
-        return "distilled_with_warnings" if self.warnings else "distilled"
+
+
+def distill_status(warnings: list[str]) -> str:
+    """A distill's status, from its warnings (pure): the record's from what the
+    write knew, the answer's from the final list (finish_distill)."""
+    return "distilled_with_warnings" if warnings else "distilled"
 
 
 @dataclass
@@ -19205,8 +19215,7 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
     warnings = sweep.warnings + notes + kept      # ... and what this write kept beside what
-    ok = "distilled_with_warnings" if warnings else "distilled"
-    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else ok,
+    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else distill_status(warnings),
             "imported": len(adm.fresh), "retired": len(retired),
             "sources": {k: {"status": v["status"], "imported": v["imported"],
                             "reason": v["reason"]} for k, v in sources.items()},
@@ -19294,9 +19303,10 @@ def sweep_warnings(reads: list[SourceRead], prepared: Prepared, problems: list[s
 
 
 def distill_result(plan: DistillPlan, sweep: Sweep, store_warnings: list[str]) -> dict:
-    """The answer distill() documents, from the plan that was written."""
+    """The answer distill() documents, from the plan that was written (its
+    status is finish_distill's, once every warning is in)."""
     result: dict[str, Any] = {
-        "status": "distilled_with_warnings" if plan.warnings else "distilled",
+        "status": None,
         "imported": len(plan.imported), "retired": len(plan.retired),
         "duplicates": plan.duplicates, "sources": plan.sources,
         "warnings": list(plan.warnings),
@@ -19328,6 +19338,17 @@ def _verify_prompt(cfg: Config, result: dict, imported: list[Item]) -> None:
         result["verify_prompt"] = stale_prompt([it for d in docs.values() for it in d.items],
                                                done_texts)
         result["warnings"] += scope_warnings
+
+
+def finish_distill(cfg: Config, plan: DistillPlan, result: dict) -> dict:
+    """The answer's warnings completed with the call's (call_warnings: what
+    with_store_warnings would add at the MCP and CLI edge, which then finds
+    nothing new) and its status chosen, once, from that final list; status()'s
+    record of this distill says the same (note_distill_seen)."""
+    result["warnings"] += call_warnings(cfg, result["warnings"])
+    result["status"] = distill_status(result["warnings"])
+    note_distill_seen(cfg, plan, result["status"])
+    return result
 
 
 def distill_sweep(cfg: Config, *, now: str | None = None,
@@ -19368,7 +19389,6 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
                   errors, moved, pending, kept, shared_texts(cfg), adding_only)
     _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
                           "distill")
-    note_distill_seen(cfg, plan)
     embed_soon(cfg, plan.imported)
     result = distill_result(plan, sweep, store_warnings)
     if cfg.release_capture:
@@ -19381,7 +19401,7 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
         name, err = errors[0]
         raise SubstrateError(f"{name} could not be read: {str(err).rstrip('.')}. "
                              f"The rest of the sweep completed: {done}.")
-    return result
+    return finish_distill(cfg, plan, result)
 
 
 # =============================================================================
@@ -20499,10 +20519,12 @@ def _record_in(cfg: Config, scope: str, found: dict[str, dict],
 
 
 
-#: A status that says "no warnings" -> the one it becomes once warnings are added
-#: after it was chosen (with_store_warnings): distill answered "distilled" beside
-#: a set-aside store's warning.
-WARNED_STATUS = {"distilled": "distilled_with_warnings"}
+def call_warnings(cfg: Config, have: list[str]) -> list[str]:
+    """What the call learned below it (note_for_call), what lies set aside
+    beside the local store and a moved config-file binding, less what `have`
+    says already (distill's status counts them: finish_distill)."""
+    return [w for w in [*(CALL_NOTES.get() or []), *set_aside_warnings(
+        cfg.local_dir / STORE_FILE), *_file_binding_moved(cfg)] if w not in have]
 
 
 def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
@@ -20515,13 +20537,8 @@ def with_store_warnings(result: Any, cfg: Config | None = None) -> Any:
     if not cfg.configured:
         return result
     have = result.get("warnings") or []
-    extra = [w for w in [*(CALL_NOTES.get() or []), *set_aside_warnings(
-        cfg.local_dir / STORE_FILE), *_file_binding_moved(cfg)] if w not in have]
-    if not extra:
-        return result
-    status = result.get("status")
-    return {**result, "warnings": [*have, *extra],
-            **({"status": WARNED_STATUS[status]} if status in WARNED_STATUS else {})}
+    extra = call_warnings(cfg, have)
+    return {**result, "warnings": [*have, *extra]} if extra else result
 
 
 def _file_binding_moved(cfg: Config) -> list[str]:

@@ -18228,14 +18228,51 @@ def test_distill_status_follows_the_warnings_added_after_it_was_chosen(tmp_path,
     with cs.collecting_notes():                            # (as the MCP wrapper calls it)
         res = cs.with_store_warnings(cs.distill())
     assert res["warnings"] and res["status"] == "distilled_with_warnings", res
-    with cs.collecting_notes():                            # a call's note, nothing set aside
+    assert cs.status()["substrates"]["last_distill"]["status"] == res["status"]   # its record
+    for f in _store_path(clone).parent.glob("knowledge.json.*"):
+        f.unlink()                                         # nothing set aside any more
+    with cs.collecting_notes():                            # a call's note only
         cs.note_for_call("the push landed where cambium did not look")
-        noted = cs.with_store_warnings({"status": "distilled", "warnings": []})
-    assert noted["status"] == "distilled_with_warnings" and noted["warnings"]
+        noted = cs.with_store_warnings(cs.distill())
+    assert noted["status"] == "distilled_with_warnings" and noted["warnings"] == [
+        "the push landed where cambium did not look"], noted
+    assert cs.status()["substrates"]["last_distill"]["status"] == noted["status"]
+    assert cs.distill()["status"] == "distilled"           # and back: nothing to warn about
+    assert cs.status()["substrates"]["last_distill"]["status"] == "distilled"
+    _store_path(clone).write_bytes(b'{"items": [ BROKEN')  # set aside again, for the CLI
+    cs.runtime().reset()
+    cs.capture("another item after a damaged store")
     out = cli("distill", "--format", "json", CAMBIUM_REPO=str(clone), CAMBIUM_AGENT_ID="ada")
     res = json.loads(out.stdout)
     assert out.returncode == 0 and res["warnings"], out.stderr
     assert res["status"] == "distilled_with_warnings", res
+
+
+def test_release_capture_verify_prompt_warning_makes_distill_warn(shared, tmp_path,
+                                                                   monkeypatch):
+    """With CAMBIUM_RELEASE_CAPTURE=1 the verify prompt's scope read warned (a
+    damaged team store) after distill_result() had chosen "distilled": the
+    answer said "distilled" beside the warning, and so did status()'s record.
+    The status is chosen once, from the final warnings, and recorded so."""
+    monkeypatch.setenv("CAMBIUM_RELEASE_CAPTURE", "1")
+    (shared["a"] / ".context").mkdir()
+    _endorsed("Invoice totals are computed in integer cents", "money in cents")
+    cs.promote()
+    work = clone(shared["origin"], tmp_path / "vandal")
+    git(work, "checkout", "-q", "cambium")
+    (work / "knowledge.json").write_text('{"items": [ {"id": "x", ')
+    git(work, "commit", "-q", "-am", "bad hand edit")
+    git(work, "push", "-q", "origin", "cambium")
+    write_board(shared["b"], {"bob": {
+        "task": "Fix invoice totals rounding in cents", "touches": [], "requires": [],
+        "branch": "fix/cents", "status": "done", "updated_at": "2026-11-29T10:00:00+00:00",
+        "instance": "i1", "note": "invoice totals now round half-even in cents",
+        "changed_files": []}})
+    cs.runtime().reset()
+    res = cs.with_store_warnings(cs.distill())
+    assert "verify_prompt" in res and any("team scope skipped" in w for w in res["warnings"])
+    assert res["status"] == "distilled_with_warnings", res
+    assert cs.status()["substrates"]["last_distill"]["status"] == "distilled_with_warnings"
 
 
 def test_hook_stdin_nested_too_deep_is_ignored_like_malformed_json(tmp_path):
