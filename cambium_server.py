@@ -14377,10 +14377,17 @@ def endorsement_notes(item: Item) -> list[str]:
             if isinstance(e, dict) and e.get("note")]
 
 
+def noted_endorsements_by_time(item: Item) -> list[dict]:
+    """The endorsements with a note, oldest first by `at` (the list's own order
+    is not time's: consolidate's merge keeps an agent's early place with its
+    newer note)."""
+    ends = [e for e in item.trust.get("endorsements", []) if isinstance(e, dict) and e.get("note")]
+    return sorted(ends, key=lambda e: str(e.get("at", "")))
+
+
 def latest_endorsement_note(item: Item) -> str | None:
     """The newest non-empty endorsement note: the draft for a general restatement."""
-    ends = [e for e in item.trust.get("endorsements", []) if isinstance(e, dict) and e.get("note")]
-    ends.sort(key=lambda e: str(e.get("at", "")))
+    ends = noted_endorsements_by_time(item)
     return ends[-1]["note"] if ends else None
 
 
@@ -21903,7 +21910,7 @@ def recall(query: Annotated[str, Field(
     (semantic: one ranked above a result among the first 5 is one, at 0.5, after the rest).
     detail="lines" (default): each result is its id, relevance and one `line`
     (id, type/kind, trust marks, the content on one line, → the live code
-    path:line), and `endorsed_as` (endorsement notes, newest 3, each on one
+    path:line), and `endorsed_as` (endorsement notes, newest 3 by date, each on one
     line) when endorsed; call expand(id) for the one you act on. detail="full": whole
     items (content, why, scope, project, provenance `source`, recall count,
     `endorsed_as`, resolved `code` anchors). When no item reaches the floor:
@@ -22119,7 +22126,7 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
                 detail: str = "lines") -> dict:
     """One recall result: id, relevance and its one-line `line` (plus its
-    endorsement notes as `endorsed_as`, the newest LINE_ENDORSED_NOTES each on
+    endorsement notes as `endorsed_as`, the newest LINE_ENDORSED_NOTES by time each on
     one line clipped as the line's content; for an
     imported item, `source.ref`: the id it had where it came from, so a
     result can be traced back to its record; and the `project` of an item
@@ -22133,9 +22140,9 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
         if anchors:
             out["code"] = anchors
     else:
-        if notes := endorsement_notes(item):     # (issue 2.6: every result carries them)
-            out["endorsed_as"] = [one_line(n, LINE_CONTENT_CHARS)
-                                  for n in notes[-LINE_ENDORSED_NOTES:]]
+        if ends := noted_endorsements_by_time(item):   # (issue 2.6: every result has them)
+            out["endorsed_as"] = [one_line(e["note"], LINE_CONTENT_CHARS)
+                                  for e in ends[-LINE_ENDORSED_NOTES:]]
         if item.source.get("imported") and item.source.get("ref"):
             out["source"] = {"system": item.source.get("system"), "ref": item.source["ref"]}
         if learned_elsewhere(cfg, item):

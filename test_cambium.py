@@ -5392,6 +5392,31 @@ def test_default_recall_lines_carry_endorsed_as_on_one_line_each(repo, monkeypat
     assert len(first) <= cs.LINE_CONTENT_CHARS and first.endswith("…")
 
 
+def test_default_recall_lines_show_the_newest_notes_by_time_not_list_order(repo, monkeypatch):
+    """A lines result's endorsed_as took the list's last 3 notes; consolidate's
+    merge keeps an agent's early place in the list with its newer note, so the
+    newest note was left out. The newest 3 by `at`, as the restatement draft's."""
+    iid = cs.capture("Every service exposes a health endpoint at /healthz")["item"]["id"]
+    for agent in ("ada", "bob", "cy", "dan"):
+        monkeypatch.setenv("CAMBIUM_AGENT_ID", agent)
+        cs.endorse(iid, note=f"{agent} old note")
+
+    def newest_first(doc):                  # ada's entry first, with the newest note
+        items = []
+        for it in doc.items:
+            if it.id == iid:
+                ends = [dict(e, at=f"2026-12-0{i + 1}T10:00:00Z")
+                        for i, e in enumerate(it.trust["endorsements"])]
+                ends[0] = dict(ends[0], note="ada NEWEST note", at="2026-12-09T10:00:00Z")
+                it = dataclasses.replace(it, trust={**it.trust, "endorsements": ends})
+            items.append(it)
+        return dataclasses.replace(doc, items=items)
+    cs.store(cs.require_config(), "local").mutate(newest_first, "merge-like order")
+    cs.runtime().reset()
+    lines = cs.recall("health endpoint healthz")["results"][0]
+    assert lines["endorsed_as"] == ["cy old note", "dan old note", "ada NEWEST note"], lines
+
+
 def test_item_views_carry_updated_at_and_the_trust_object(repo):
     """Item views (capture, endorse, promote ...) flattened trust to top-level
     recalls, endorsements (a count) and projects, and had no updated_at:
