@@ -15866,19 +15866,24 @@ def _check_id(item_id: Any, arg: str = "item_id") -> str:
     return item_id
 
 
+ENDORSEMENT_VIEW_KEYS = ("by", "note", "at")   #: an endorsement entry in an item view
+
+
 def item_trust_view(trust: dict) -> dict:
-    """An item's trust as stored (issue 2.4's `trust {recalls, endorsements,
-    projects}`, and recalled_by/recalled_days), endorsements as the list of
-    entries ({by, note, at}), for item views; a copy (pure)."""
-    return {**trust, "recalls": trust.get("recalls", 0),
-            "endorsements": [e for e in trust.get("endorsements") or []
-                             if isinstance(e, dict)],
+    """An item's trust for item views, in issue 2.4's shape and nothing else:
+    `{recalls, endorsements, projects}`, endorsements as the list of entries
+    ({by, note, at}; one per endorsing agent). Not recalled_by/recalled_days
+    (one entry per recalling agent: a capture answer at 10,000 agents was
+    470 KB; expand shows them) nor keys a hand edit added (pure)."""
+    return {"recalls": trust.get("recalls", 0),
+            "endorsements": [{k: e[k] for k in ENDORSEMENT_VIEW_KEYS if k in e}
+                             for e in trust.get("endorsements") or [] if isinstance(e, dict)],
             "projects": list(trust.get("projects") or [])}
 
 
 def item_view(item: Item, *, trust: dict | None = None) -> dict:
     """The public JSON of an item in tool results: the stored fields (trust
-    as the item's `trust` object), plus, kept for clients that read them, its
+    as issue 2.4's `trust` object: item_trust_view), plus, kept for clients that read them, its
     trust flattened: `recalls`, `endorsements` (a count) and `projects`."""
     trust = trust or item.trust
     out = {

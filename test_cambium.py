@@ -5431,12 +5431,44 @@ def test_item_views_carry_updated_at_and_the_trust_object(repo):
     (entry,) = end["trust"]["endorsements"]
     assert (entry["by"], entry["note"]) == ("ada", "Pin major versions of every SDK")
     assert end["trust"]["recalls"] == 1 and end["trust"]["projects"] == end["projects"]
-    assert end["updated_at"] >= cap["updated_at"] and end["trust"]["recalled_by"] == {
-        "ada": cs._today()}
+    assert end["updated_at"] >= cap["updated_at"] and set(end["trust"]) == {
+        "recalls", "endorsements", "projects"}
     stored = cs.store(cs.resolve_config(), "local").read().items[0]
-    assert end["trust"] == stored.trust and end["updated_at"] == stored.updated_at
+    assert end["trust"]["endorsements"] == stored.trust["endorsements"]
+    assert end["updated_at"] == stored.updated_at
     full = cs.recall("pin sdk version", detail="full")["results"][0]
     assert full["trust"]["endorsements"] == [entry] and full["updated_at"] == end["updated_at"]
+
+
+def test_item_view_trust_stays_bounded_whatever_the_store_holds(repo):
+    """ffef7b0's item views copied stored trust whole: recalled_by and
+    recalled_days (an entry per recalling agent: a 470 KB capture answer at
+    10,000 agents) and whatever keys a hand edit added. The view's trust is
+    issue 2.4's {recalls, endorsements, projects}, entries {by, note, at}."""
+    iid = cs.capture("Postgres pool must stay below 90 connections on staging")["item"]["id"]
+    cs.endorse(iid, note="the server caps at 100")
+    day = cs._today()
+
+    def crowd(doc):
+        items = []
+        for it in doc.items:
+            if it.id == iid:
+                ends = [dict(e, mood="x" * 500) for e in it.trust["endorsements"]]
+                it = dataclasses.replace(it, trust={
+                    **it.trust, "endorsements": ends, "hand_added": ["y" * 100] * 50,
+                    "recalled_by": {f"agent-{i:05d}": day for i in range(2000)},
+                    "recalled_days": {f"agent-{i:05d}": 3 for i in range(2000)}})
+            items.append(it)
+        return dataclasses.replace(doc, items=items)
+    cs.store(cs.require_config(), "local").mutate(crowd, "a crowd recalled it")
+    cs.runtime().reset()
+    dup = cs.capture("Postgres pool must stay below 90 connections on staging")
+    full = cs.recall("postgres pool connections staging", detail="full")["results"][0]
+    for view in (dup["item"], full, cs.endorse(iid, note="still")["item"]):
+        assert set(view["trust"]) == {"recalls", "endorsements", "projects"}, view["trust"]
+        assert all(set(e) <= {"by", "note", "at"} for e in view["trust"]["endorsements"])
+        assert len(json.dumps(view)) < 4000
+    assert len(cs.expand(iid)["trust"]["recalled_by"]) >= 2000      # expand shows them
 
 
 def test_endorse_unknown_id_is_not_found(repo):
