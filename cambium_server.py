@@ -11021,8 +11021,9 @@ def ranking_of(hits: list[Hit], terms: list[str], index: Index,
     best = max((h.confidence for h in results + weak), default=0.0)
     ranked = authority_first(results + weak)        # (a near miss may take a result's
     ok = [h.confidence >= RELEVANCE_FLOOR for h in ranked]      # place, and its relevance)
-    return Ranking(ties_by_authority(list(itertools.compress(ranked, ok))), best,
-                   [h for h, k in zip(ranked, ok) if not k], mode=mode, unknown=unknown or [])
+    results = ties_by_authority(list(itertools.compress(ranked, ok)), authority_band(mode))
+    return Ranking(results, best, [h for h, k in zip(ranked, ok) if not k], mode=mode,
+                   unknown=unknown or [])
 
 
 def with_better_copies(hits: list[Hit], index: Index) -> list[Hit]:
@@ -11078,12 +11079,37 @@ def shown_relevance(relevance: float, result: bool) -> float:
     return shown if result or shown < RELEVANCE_FLOOR else round(RELEVANCE_FLOOR - 0.001, 3)
 
 
-def ties_by_authority(hits: list[Hit]) -> list[Hit]:
-    """Results whose relevance ties (as shown, to 3 places) take their places
-    among themselves by authority, highest first: a person's correction lifted
-    to the floor beside an agent's item with ten recalls comes first, and a
-    limit of 1 returns it. Other places keep the ranking's order (pure)."""
-    return _by_authority_within(hits, lambda h: round(h.confidence, 3))
+AUTHORITY_BAND = 0.03       #: lexical: a relevance this close counts as a tie for authority
+SEM_AUTHORITY_BAND = 0.05   #: semantic's (cosines): a short why moved a correction 0.044
+
+
+def authority_band(mode: str) -> float:
+    """How close in relevance a result of higher authority must come to one
+    of lower authority to rank above it (ties_by_authority), per mode: a
+    person's correction with a four-word why scored 0.020 to 0.023 below the
+    agent's item it contradicted lexically (its why counts in BM25's length
+    norm), up to 0.044 in semantic mode (README: Authority)."""
+    return SEM_AUTHORITY_BAND if mode == "semantic" else AUTHORITY_BAND
+
+
+def ties_by_authority(hits: list[Hit], band: float) -> list[Hit]:
+    """Results in ranking order with each one of higher authority moved up
+    past the results just above it of lower authority whose relevance is at
+    most `band` above its own (authority_band): a person's
+    correction with a short why scored 0.02 below an agent's item with ten
+    recalls and came second, and a limit of 1 left it out. The band is read
+    from the moving item's own relevance, never chained through others (an
+    agent's item more than `band` above it stops it, and so does one of the
+    same or higher authority); items of equal authority keep their order,
+    so an agents-only ranking is unchanged (pure)."""
+    out: list[Hit] = []
+    for h in hits:
+        at = len(out)
+        while at and out[at - 1].item.authority_rank < h.item.authority_rank \
+                and out[at - 1].confidence - h.confidence <= band:
+            at -= 1
+        out.insert(at, h)
+    return out
 
 
 TIE_SLACK = 10      #: places past the limit searched for a result tied with the last one
@@ -11098,21 +11124,21 @@ def tie_slack(index: Index) -> int:
 
 def tied_at_cut(ranking: Ranking, past: list[Hit], terms: list[str], index: Index,
                 limit: int) -> Ranking:
-    """The ranking with a result from `past` (hits ranked just past the limit)
-    that ties the last result's relevance (as shown) with higher authority
-    taken in, and the ties ordered by authority (ties_by_authority), cut to
-    `limit`: with limit 1, a person's correction at the floor beside an
-    agent's item was left out."""
+    """The ranking with the results from `past` (hits ranked just past the
+    limit) of higher authority than some result taken in, ordered by
+    authority within the mode's band (ties_by_authority), cut to `limit`:
+    with limit 1, a person's correction at the floor beside an agent's item
+    was left out. One that does not come within the band of the results
+    above it stays past the cut."""
     if len(ranking.hits) < limit or not past:
         return ranking
-    cut = round(ranking.hits[-1].confidence, 3)
-    low = min(h.item.authority_rank for h in ranking.hits if round(h.confidence, 3) == cut)
+    low = min(h.item.authority_rank for h in ranking.hits)
     ids = {h.item.id for h in ranking.hits}
     more = [h for h in ranking_of(past, terms, index, ranking.mode, ranking.unknown, head=0).hits
-            if round(h.confidence, 3) == cut and h.item.authority_rank > low
-            and h.item.id not in ids]
+            if h.item.authority_rank > low and h.item.id not in ids]
     if more:
-        ranking.hits = ties_by_authority(ranking.hits + more)[:limit]
+        ranking.hits = ties_by_authority(ranking.hits + more,
+                                         authority_band(ranking.mode))[:limit]
     return ranking
 
 
@@ -23515,8 +23541,10 @@ def correct(item_id: ItemId,
     item's scope (team and org through the same pushes as every write; org
     through its generalization gate, and as a pull request in PR mode); the old
     item is marked superseded, linked both ways, and never recalled again;
-    nothing is deleted. A human correction outranks any agent item, however
-    often recalled or endorsed. If YOU think an item is wrong, do not use this:
+    nothing is deleted. Recall ranks it above an agent's item, however often
+    recalled or endorsed, that says the same words or whose relevance is
+    within 0.03 above its own (0.05 in semantic mode); a long why lowers its
+    relevance, so keep the why short. If YOU think an item is wrong, do not use this:
     capture(content, supersedes=item_id) offers your counter-claim instead.
     content: the right statement. why: what the person said, or why.
     force: org only, pass the generalization gate as is.

@@ -14724,6 +14724,46 @@ def test_human_correction_outranks_a_recalled_and_endorsed_agent_item(repo):
         cs.correct(rival, "  ")
 
 
+def test_a_correction_with_a_why_outranks_the_recalled_agent_item_a_little_above_it(repo):
+    """A person's correction of a sibling item, with a why, scored 0.020 to
+    0.023 below an agent's item with ten recalls and two endorsements (the why
+    counts in BM25's length norm): it came second, and limit 1 left it out."""
+    agent = _trusted("Rotate the staging API keys every 30 days")
+    sibling = cs.capture("Rotate the staging API keys every 7 days")["item"]["id"]
+    human = cs.correct(sibling, "Rotate the staging API keys every 90 days",
+                       why="security team said so")["item"]["id"]
+    for query in ("rotate staging API keys", "staging API keys"):
+        hits = cs.recall(query, limit=5)["results"]
+        assert [h["id"] for h in hits][:2] == [human, agent], hits
+        assert 0 < hits[1]["relevance"] - hits[0]["relevance"] <= cs.AUTHORITY_BAND, hits
+        assert [h["id"] for h in cs.recall(query, limit=1)["results"]] == [human]
+
+
+@pytest.mark.parametrize("mode", ["lexical", "semantic"])
+def test_the_authority_band_is_read_from_each_items_own_relevance_never_chained(mode):
+    """Within the mode's band a higher authority ranks first; an agent's item
+    further above stops a correction (no chain of bands through the items
+    between), as does an item of the same authority; agents keep their order."""
+    band = cs.authority_band(mode)
+    assert band == (cs.SEM_AUTHORITY_BAND if mode == "semantic" else cs.AUTHORITY_BAND)
+
+    def hit(text: str, rel: float, authority: str = "agent") -> cs.Hit:
+        return cs.Hit(dataclasses.replace(cs.new_item(text), authority=authority), rel, rel)
+
+    far, near = hit("far", 0.8), hit("near", 0.8 - band / 2)
+    person = hit("p", 0.8 - band * 1.2, "human")       # within band of `near`, not of `far`
+    assert cs.ties_by_authority([far, near, person], band) == [far, person, near]
+    second = hit("q", 0.8 - band * 1.4, "human")          # the same authority stops it
+    assert cs.ties_by_authority([far, near, person, second], band) == [far, person, second, near]
+    checked = hit("v", 0.8 - band / 2, "verified")
+    person = hit("p", 0.8 - band * 0.9, "human")
+    assert cs.ties_by_authority([far, checked, person], band) == [person, checked, far]
+    agents = [hit(str(n), 0.9 - n * band / 3) for n in range(6)]
+    assert cs.ties_by_authority(agents, band) == agents
+    low = hit("low", 0.8 - band * 1.01, "human")                      # just past the band
+    assert cs.ties_by_authority([far, low], band) == [far, low]
+
+
 def test_agent_counter_claim_outranks_nothing_and_peer_verification_raises_authority(
         repo, monkeypatch):
     old = cs.capture("Cache invalidation runs nightly at midnight")["item"]["id"]
