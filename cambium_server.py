@@ -22156,7 +22156,8 @@ def _recall_results(cfg: Config, ranking: Ranking, detail: str) -> dict:
 
 def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
                 detail: str = "lines") -> dict:
-    """One recall result: id, relevance and its one-line `line` (plus its
+    """One recall result: id, relevance, its one-line `line` and its
+    `authority` (an agent's item too: every result shows it; plus its
     endorsement notes as `endorsed_as`, the newest LINE_ENDORSED_NOTES by time each on
     one line clipped as the line's content; for an
     imported item, `source.ref`: the id it had where it came from, so a
@@ -22166,6 +22167,7 @@ def result_view(cfg: Config, item: Item, trust: dict, relevance: float,
     anchors = anchors_for(cfg, item)
     out: dict[str, Any] = {"id": item.id, "relevance": relevance,
                            "line": item_line(item, trust=trust, anchors=anchors)}
+    out["authority"] = AUTHORITIES[item.authority_rank]
     if detail == "full":
         out = {**item_view(item, trust=trust), **out}
         if anchors:

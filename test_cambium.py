@@ -14764,6 +14764,21 @@ def test_the_authority_band_is_read_from_each_items_own_relevance_never_chained(
     assert cs.ties_by_authority([far, low], band) == [far, low]
 
 
+def test_every_recall_result_shows_its_authority_lines_and_agents_too(repo, monkeypatch):
+    """Line results (the default) had no `authority` and an agent's item no
+    mark: issue 12 asks every result to show its authority."""
+    agent = cs.capture("Deploys are frozen on Fridays")["item"]["id"]
+    checked = cs.capture("Deploys go out through the blue green pipeline")["item"]["id"]
+    sibling = cs.capture("Deploys are frozen on Mondays")["item"]["id"]
+    human = cs.correct(sibling, "Deploys are frozen on Thursdays")["item"]["id"]
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "bob")
+    cs.verify_entry(checked)
+    want = {agent: "agent", checked: "verified", human: "human"}
+    for detail in ("lines", "full"):
+        hits = cs.recall("deploys", limit=5, detail=detail)["results"]
+        assert {h["id"]: h["authority"] for h in hits} == want, hits
+
+
 def test_agent_counter_claim_outranks_nothing_and_peer_verification_raises_authority(
         repo, monkeypatch):
     old = cs.capture("Cache invalidation runs nightly at midnight")["item"]["id"]
@@ -24013,7 +24028,7 @@ def test_recall_lines_by_default_full_on_request_with_anchors(coderepo):
     cs.capture("Ledger rounding lives in the old module", tags="billing",
                code_refs=["src/old_ledger.py"])
     lines = cs.recall("invoice totals cents billing")["results"]
-    assert set(lines[0]) == {"id", "relevance", "line"}
+    assert set(lines[0]) == {"id", "relevance", "line", "authority"}
     assert lines[0]["line"].endswith("→ src/billing.py:9")
     full = cs.recall("invoice totals cents billing", detail="full")["results"]
     assert full[0]["content"] == "Invoice totals are integer cents"
