@@ -20651,6 +20651,7 @@ def _status(cfg: Config, offline: tuple[Path, GitError] | None = None) -> dict:
     out = {
         "configured": True, "status": "ok", "version": __version__,
         "repo": str(cfg.repo), "project": cfg.project, "agent_id": cfg.agent,
+        "session": current_session(),      # (usage(session=...) reads what it was shown)
         "config_file": str(cfg.config_file),
         "binding": repo_binding(cfg),
         "settings": {k: {"value": v, "from": cfg.origins[k]} for k, v in cfg.values.items()},
@@ -23792,7 +23793,8 @@ def usage(session: Annotated[str | None, Field(
     (the MCP session, a hook's session_id, or CAMBIUM_SESSION_ID). session: list
     the items that session was shown, with how often and through which call.
     item_id: list the sessions that were shown that item. Neither: the most
-    recent sessions with how many items each saw. Read-only.
+    recent sessions with how many items each saw. Without session, the answer's
+    `session` is yours (status() says it too). Read-only.
     """
     cfg = require_config()
     session = None if isinstance(session, str) and not session.strip() else session  # (as "")
@@ -23803,7 +23805,8 @@ def usage(session: Annotated[str | None, Field(
     if item_id:
         item_id = _check_id(item_id)
         rows = shown_by(records, "item", item_id, "session")
-        return {"item_id": item_id, "sessions": rows, "count": len(rows)}
+        return {"item_id": item_id, "sessions": rows, "count": len(rows),
+                "session": current_session()}
     if session:
         if not isinstance(session, str):
             raise InputError(f"session must be text; got {json_kind(session)}.")
@@ -23813,6 +23816,7 @@ def usage(session: Annotated[str | None, Field(
         known = {it.id: it for it in first_copies(federated_items(docs))}
         for row in rows:
             it = known.get(row["item"])
+            row["id"] = row["item"]             # (the id, named as every other answer names it)
             row.update(content=_clip(it.content, 160), status=it.status) if it else \
                 row.update(status="unknown")
         out = {"session": session, "items": rows, "count": len(rows)}
@@ -23826,7 +23830,7 @@ def usage(session: Annotated[str | None, Field(
         sessions[rec["session"]] = row
     recent = list(sessions.values())[-20:][::-1]
     return {"sessions": [{**r, "items": len(r["items"])} for r in recent],
-            "count": len(sessions)}
+            "count": len(sessions), "session": current_session()}
 
 
 def import_memory(source: Annotated[str, Field(

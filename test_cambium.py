@@ -19264,9 +19264,14 @@ def test_mcp_correct_consolidate_usage_and_no_way_to_set_a_check(repo):
         hits = rec.structured_content["results"]
         assert hits[0]["id"] == fixed.structured_content["item"]["id"]
         assert hits[0]["authority"] == "human" and wrong not in {h["id"] for h in hits}
-        mine = (await session.call_tool("usage", {})).structured_content["sessions"][0]
+        listed = (await session.call_tool("usage", {})).structured_content
+        mine = listed["sessions"][0]
+        assert listed["session"] == mine["session"]        # a client learns its own id
+        status = (await session.call_tool("status", {})).structured_content
+        assert status["session"] == mine["session"]
         seen = await session.call_tool("usage", {"session": mine["session"]})
         assert [r["item"] for r in seen.structured_content["items"]] == [h["id"] for h in hits]
+        assert [r["id"] for r in seen.structured_content["items"]] == [h["id"] for h in hits]
         return mine["session"], hits[0]["id"]
 
     async def session_two(session, init):
