@@ -11112,11 +11112,12 @@ def ties_by_authority(hits: list[Hit], band: float) -> list[Hit]:
     return out
 
 
-TIE_SLACK = 10      #: places past the limit searched for a result tied with the last one
+TIE_SLACK = 10      #: places past the limit searched for a result of higher authority
+                    #: within the band (tied_at_cut)
 
 
 def tie_slack(index: Index) -> int:
-    """How far past the limit a ranking looks for a tie (tied_at_cut): only a
+    """How far past the limit a ranking looks for a near-tie (tied_at_cut): only a
     store holding verified or a person's items can have one to take in, so
     an agents-only store ranks no more than it shows."""
     return TIE_SLACK if index.vouched else 0
