@@ -10683,6 +10683,8 @@ class Hit:
     item: Item
     score: float          # ranking score (BM25, or the semantic blend)
     confidence: float     # relevance 0..1, comparable across stores; the floor is 0.5
+    claim: float | None = None  # relevance of its content + tags alone, no why: what the
+                                # authority band reads (ties_by_authority); None: confidence
 
 
 @dataclass
@@ -11014,7 +11016,8 @@ def ranking_of(hits: list[Hit], terms: list[str], index: Index,
     results and weak matches are presented in (split_at_floor)."""
     if unknown:
         penalty = SEM_NAME_PENALTY if mode == "semantic" else NAME_PENALTY
-        hits = [dataclasses.replace(h, confidence=h.confidence * penalty) for h in hits]
+        hits = [dataclasses.replace(h, confidence=h.confidence * penalty, claim=None
+                                    if h.claim is None else h.claim * penalty) for h in hits]
     head = (RESULT_HEAD if mode == "semantic" else 0) if head is None else head
     results, weak = split_at_floor(with_better_copies(hits, index), terms, head=head,
                                    shown=shown)
@@ -11106,10 +11109,24 @@ def ties_by_authority(hits: list[Hit], band: float) -> list[Hit]:
     for h in hits:
         at = len(out)
         while at and out[at - 1].item.authority_rank < h.item.authority_rank \
-                and out[at - 1].confidence - h.confidence <= band:
+                and claim_gap(out[at - 1], h) <= band:
             at -= 1
         out.insert(at, h)
     return out
+
+
+def claim_gap(above: Hit, below: Hit) -> float:
+    """How much more relevant `above` is than `below` for the authority band:
+    the smaller of the gap in their relevance as shown and, when both have
+    one, in their claims (Hit.claim: content and tags, no why). A why is
+    rationale: a 39-word one lowered a correction 0.07 (lexical) to 0.19
+    (semantic) below the agent's item though its claim tied; and a claim's
+    words reordered ('..., always.') moved its own cosine 0.07 where its
+    relevance as shown was within the band."""
+    shown = above.confidence - below.confidence
+    if above.claim is None or below.claim is None:
+        return shown
+    return min(shown, above.claim - below.claim)
 
 
 TIE_SLACK = 10      #: places past the limit searched for a result of higher authority
@@ -11201,8 +11218,18 @@ def _every_term_hits(index: Index, terms: list[str], taken: set[int], limit: int
 def lexical_hits(index: Index, terms: list[str], best: list[tuple[Any, float]]) -> list[Hit]:
     """Hits of (item, score) pairs, each item read once: a sync in another
     thread may kill a slot meanwhile (None: left out)."""
-    return [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)))
-            for it, score in best if it is not None]
+    return [Hit(it, score, lexical_relevance(confidence_bm25(index, terms, it)),
+                claim_relevance(index, terms, it)) for it, score in best if it is not None]
+
+
+def claim_relevance(index: Index, terms: list[str], item: Item) -> float | None:
+    """A lexical hit's relevance read from its content and tags alone, its
+    why weighing nothing (same idf and average length): what the authority
+    band compares (ties_by_authority). A person's correction with a 39-word
+    why scored 0.07 below the agent's item it corrected, on the same words.
+    None in a store with no vouched item, where no authority differs."""
+    return lexical_relevance(confidence_bm25(index, terms, item, why=0.0)) \
+        if index.vouched else None
 
 
 EVERY_TERM_MAX_POSTINGS = 5_000   #: every_term_slots walks no longer a list (0.5 s at 100k)
@@ -13231,8 +13258,10 @@ class Semantic:
         items = index.items
         shown, failed = self._reranked(emb, reranker, query, score, items, exact)
         slots = best_slots(np, score, items, pool + tie_slack(index))  # (judged in this order)
+        claims = content_claims(np, tails, q, slots) if index.vouched else {}
         hits = [Hit(it, float(shown[i]), float(rel[i]) if usable[i] else   # (else as
-                    lexical_relevance(confidence_bm25(index, terms, it)))    # lexical's)
+                    lexical_relevance(confidence_bm25(index, terms, it)),    # lexical's)
+                    claims.get(i) if usable[i] else None)
                 for i in slots if (it := items[i]) is not None]   # (None: killed meanwhile)
         head = None if usable[slots[:RESULT_HEAD]].all() else 0     # (stand_in_among)
         ranking = tied_at_cut(ranking_of(hits[:pool], terms, index, mode="semantic",
@@ -13312,6 +13341,25 @@ def item_cosines(np: Any, head: Any, q: Any, tails: tuple) -> tuple[Any, Any]:
         wins = np.maximum.reduceat(np.where(twin, vals, -np.inf), starts)
         in_tail[slots] = wins > head[slots]
     return sim, in_tail
+
+
+def content_claims(np: Any, tails: tuple, q: Any, slots: list[int]) -> dict[int, float]:
+    """slot -> the relevance (semantic_relevance) of the cosine of its item's
+    content + tags vector (extra_vectors: no why) to the query `q`, for the
+    given slots that have one: what the authority band compares (Hit.claim).
+    A person's correction with an 18-word why scored 0.11 to 0.19 below the
+    agent's item it corrected, its first window diluted by the why."""
+    if SEM_CONTENT_TAGS_DISCOUNT is None or not slots:
+        return {}
+    tmat, tslot, _, twin = tails           # the first extra vector of a slot is content + tags
+    rows = np.flatnonzero(~twin & np.isin(tslot, np.array(slots, np.int64)))
+    cos: dict[int, float] = {}
+    for r in rows.tolist():
+        cos.setdefault(int(tslot[r]), float(tmat[r] @ q))
+    if not cos:
+        return {}
+    rel = semantic_relevance(np, np.array(list(cos.values()), np.float64))
+    return dict(zip(cos, rel.tolist()))
 
 
 def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:
@@ -23547,8 +23595,9 @@ def correct(item_id: ItemId,
     item is marked superseded, linked both ways, and never recalled again;
     nothing is deleted. Recall ranks it above an agent's item, however often
     recalled or endorsed, that says the same words or whose relevance is
-    within 0.03 above its own (0.05 in semantic mode); a long why lowers its
-    relevance, so keep the why short. If YOU think an item is wrong, do not use this:
+    within 0.03 above its own (0.05 in semantic mode), read on the content
+    alone too: its why, however long, does not lower it past that item. If
+    YOU think an item is wrong, do not use this:
     capture(content, supersedes=item_id) offers your counter-claim instead.
     content: the right statement. why: what the person said, or why.
     force: org only, pass the generalization gate as is.

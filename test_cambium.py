@@ -14739,6 +14739,63 @@ def test_a_correction_with_a_why_outranks_the_recalled_agent_item_a_little_above
         assert [h["id"] for h in cs.recall(query, limit=1)["results"]] == [human]
 
 
+LONG_WHY = ("The security team reviewed the incident from March where a leaked staging key "
+            "was used for weeks before anyone noticed, and concluded that a ninety day cycle "
+            "with automated alerts is what the compliance audit actually requires of us")
+
+
+def _long_why_correction_outranks(band: float, mode: str) -> None:
+    """A correction with a 39-word why, of a sibling of an agent's item with
+    ten recalls and two endorsements saying the same but the number, comes
+    first at limit 5 and 1 though its relevance as shown is past the band."""
+    agent = _trusted("Rotate the staging API keys every 30 days")
+    sibling = cs.capture("Rotate the staging API keys every 7 days")["item"]["id"]
+    human = cs.correct(sibling, "Rotate the staging API keys every 90 days",
+                       why=LONG_WHY)["item"]["id"]
+    for query in ("rotate staging API keys", "staging API keys"):
+        res = cs.recall(query, limit=5)
+        hits = res["results"]
+        assert res["mode"] == mode and [h["id"] for h in hits][:2] == [human, agent], res
+        assert hits[1]["relevance"] - hits[0]["relevance"] > band, hits   # (the why's doing)
+        assert [h["id"] for h in cs.recall(query, limit=1)["results"]] == [human]
+
+
+def test_a_correction_with_a_long_why_outranks_the_agent_item_its_claim_ties(repo):
+    """Its 39-word why put it 0.069 to 0.072 below the agent's item (BM25's
+    length norm), past the band: it came second, and limit 1 left it out.
+    The band reads content and tags (Hit.claim), where the two tie."""
+    _long_why_correction_outranks(cs.AUTHORITY_BAND, "lexical")
+
+
+def test_a_correction_with_a_long_why_outranks_the_agent_item_semantically(semantic):
+    """Semantic mode: the why, in the first window relevance reads, put the
+    correction 0.12 to 0.19 below; its content + tags vector ties."""
+    _long_why_correction_outranks(cs.SEM_AUTHORITY_BAND, "semantic")
+
+
+def test_the_authority_band_takes_the_smaller_gap_of_claim_and_relevance():
+    """claim_gap: with both claims, the smaller of the two gaps (a why past
+    the band, or words reordered in the claim's own vector, stop nothing the
+    other reading ties); without a claim on either side, relevance alone."""
+    band = cs.AUTHORITY_BAND
+
+    def hit(text: str, rel: float, claim: float | None, authority: str = "agent") -> cs.Hit:
+        return cs.Hit(dataclasses.replace(cs.new_item(text), authority=authority), rel, rel,
+                      claim)
+
+    agent = hit("a", 0.74, 0.74)
+    assert cs.ties_by_authority([agent, hit("p", 0.67, 0.74, "human")], band)[0].item.authority \
+        == "human"                                    # a long why: its claim ties
+    person = hit("p", 0.72, 0.64, "human")            # shown within the band, claim not
+    assert cs.ties_by_authority([agent, person], band) == [person, agent]
+    apart = hit("p", 0.64, 0.65, "human")             # a real gap both ways
+    assert cs.ties_by_authority([agent, apart], band) == [agent, apart]
+    bare = hit("p", 0.67, None, "human")              # no claim: relevance as shown
+    assert cs.ties_by_authority([agent, bare], band) == [agent, bare]
+    assert cs.ties_by_authority([hit("a", 0.74, None), hit("p", 0.67, 0.74, "human")],
+                                band)[0].item.authority == "agent"
+
+
 @pytest.mark.parametrize("mode", ["lexical", "semantic"])
 def test_the_authority_band_is_read_from_each_items_own_relevance_never_chained(mode):
     """Within the mode's band a higher authority ranks first; an agent's item
