@@ -10685,6 +10685,8 @@ class Hit:
     confidence: float     # relevance 0..1, comparable across stores; the floor is 0.5
     claim: float | None = None  # relevance of its content + tags alone, no why: what the
                                 # authority band reads (ties_by_authority); None: confidence
+    lifted: bool = False  # taken to the floor from below it (split_at_floor): never moved
+                          # up by the authority band past results that reached it
 
 
 @dataclass
@@ -10990,12 +10992,13 @@ def split_at_floor(hits: list[Hit], terms: list[str], head: int = 0,
     in the order given and presented in that key's: the results reaching the
     floor, the lifted ones and the weak matches each reordered among
     themselves, none moved from one to another (reranking is order alone)."""
-    hits = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR)
+    hits = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR, lifted=True)
             if h.confidence < RELEVANCE_FLOOR and holds_every_term(h.item, terms) else h
             for h in hits]
     last = max((n for n, h in enumerate(hits[:head])
                 if h.confidence >= RELEVANCE_FLOOR), default=0)
-    lifted = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR) for h in hits[:last]
+    lifted = [dataclasses.replace(h, confidence=RELEVANCE_FLOOR, lifted=True)
+              for h in hits[:last]
               if not h.confidence >= RELEVANCE_FLOOR]        # (a NaN too: every hit is kept)
     parts = ([h for h in hits if h.confidence >= RELEVANCE_FLOOR], lifted,
              [h for h in hits[last:] if not h.confidence >= RELEVANCE_FLOOR])
@@ -11108,7 +11111,7 @@ def ties_by_authority(hits: list[Hit], band: float) -> list[Hit]:
     out: list[Hit] = []
     for h in hits:
         at = len(out)
-        while at and out[at - 1].item.authority_rank < h.item.authority_rank \
+        while at and not h.lifted and out[at - 1].item.authority_rank < h.item.authority_rank \
                 and claim_gap(out[at - 1], h) <= band:
             at -= 1
         out.insert(at, h)
@@ -11117,16 +11120,17 @@ def ties_by_authority(hits: list[Hit], band: float) -> list[Hit]:
 
 def claim_gap(above: Hit, below: Hit) -> float:
     """How much more relevant `above` is than `below` for the authority band:
-    the smaller of the gap in their relevance as shown and, when both have
-    one, in their claims (Hit.claim: content and tags, no why). A why is
-    rationale: a 39-word one lowered a correction 0.07 (lexical) to 0.19
-    (semantic) below the agent's item though its claim tied; and a claim's
-    words reordered ('..., always.') moved its own cosine 0.07 where its
-    relevance as shown was within the band."""
+    `above`'s relevance as shown less the better of `below`'s as shown and,
+    when both have one, its claim's (Hit.claim: content and tags, no why). A
+    why is rationale: a 39-word one lowered a correction 0.07 (lexical) to
+    0.19 (semantic) below the agent's item though its claim tied. `above` is
+    read as shown, why and all: an agent's item that matches by its why alone
+    (its claim far below) kept no band then, and a person's item 0.07-0.14
+    below it took its place."""
     shown = above.confidence - below.confidence
     if above.claim is None or below.claim is None:
         return shown
-    return min(shown, above.claim - below.claim)
+    return above.confidence - max(below.confidence, below.claim)
 
 
 TIE_SLACK = 10      #: places past the limit searched for a result of higher authority

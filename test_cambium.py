@@ -29414,3 +29414,30 @@ def test_a_delete_that_lands_starts_the_reviews_shared_wait_afresh():
         again, spent = cs.delete_deadline()
         assert not spent and again > time.monotonic()
     assert cs.delete_deadline()[1] is False               # (outside a review: its own wait)
+
+
+def test_the_authority_band_reads_the_item_above_as_shown_and_never_moves_a_lifted_hit():
+    """Review rv8 of 56e71ee and f9449e9: (1) claim_gap took the smaller of
+    the two gaps, so an agent's item that matches by its why alone (its claim
+    far below) kept no band, and a person's item 0.065 below it as shown took
+    its place (limit 1: the only result, credited); the item above is read as
+    shown. (2) A hit lifted to the floor from below it (the semantic result
+    head) moved ahead of results up to the band above it, though lifted hits
+    come after the rest."""
+    band = cs.AUTHORITY_BAND
+
+    def hit(text: str, rel: float, claim: float | None, authority: str = "agent") -> cs.Hit:
+        return cs.Hit(dataclasses.replace(cs.new_item(text), authority=authority), rel, rel,
+                      claim)
+
+    by_why = hit("a", 0.575, 0.10)                      # relevant through its why
+    person = hit("p", 0.51, 0.51, "human")
+    assert cs.ties_by_authority([by_why, person], band) == [by_why, person]
+    long_why = hit("p", 0.67, 0.74, "human")            # still: its claim ties the agent's
+    assert cs.ties_by_authority([hit("a", 0.74, 0.74), long_why], band)[0] is long_why
+    a1, a2 = hit("alpha one", 0.54, 0.54), hit("alpha two", 0.53, 0.53)
+    h = hit("gamma human", 0.30, 0.30, "human")
+    index = cs.Index().sync([a1.item, a2.item, h.item])
+    ranked = cs.ranking_of([a1, h, a2], [], index, mode="semantic")
+    assert [x.item.id for x in ranked.hits] == [a1.item.id, a2.item.id, h.item.id]
+    assert ranked.hits[-1].lifted and ranked.hits[-1].confidence == cs.RELEVANCE_FLOOR
