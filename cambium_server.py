@@ -10685,8 +10685,8 @@ class Hit:
     confidence: float     # relevance 0..1, comparable across stores; the floor is 0.5
     claim: float | None = None  # relevance of its content + tags alone, no why: what the
                                 # authority band reads (ties_by_authority); None: confidence
-    lifted: bool = False  # taken to the floor from below it (split_at_floor): never moved
-                          # up by the authority band past results that reached it
+    lifted: bool = False  # taken to the floor from below it (split_at_floor): the band
+                          # reads its claim alone (claim_gap)
 
 
 @dataclass
@@ -11111,7 +11111,7 @@ def ties_by_authority(hits: list[Hit], band: float) -> list[Hit]:
     out: list[Hit] = []
     for h in hits:
         at = len(out)
-        while at and not h.lifted and out[at - 1].item.authority_rank < h.item.authority_rank \
+        while at and out[at - 1].item.authority_rank < h.item.authority_rank \
                 and claim_gap(out[at - 1], h) <= band:
             at -= 1
         out.insert(at, h)
@@ -11126,11 +11126,14 @@ def claim_gap(above: Hit, below: Hit) -> float:
     0.19 (semantic) below the agent's item though its claim tied. `above` is
     read as shown, why and all: an agent's item that matches by its why alone
     (its claim far below) kept no band then, and a person's item 0.07-0.14
-    below it took its place."""
-    shown = above.confidence - below.confidence
+    below it took its place. A hit lifted to the floor (Hit.lifted) is read
+    by its claim alone: the floor is not its relevance (a head-lifted item
+    at 0.30 jumped results at 0.54), but a correction with a long why that
+    holds every query word is lifted, and its claim may tie."""
+    own = -math.inf if below.lifted else below.confidence   # (the floor is not its own)
     if above.claim is None or below.claim is None:
-        return shown
-    return above.confidence - max(below.confidence, below.claim)
+        return above.confidence - own
+    return above.confidence - max(own, below.claim)
 
 
 TIE_SLACK = 10      #: places past the limit searched for a result of higher authority

@@ -29423,7 +29423,8 @@ def test_the_authority_band_reads_the_item_above_as_shown_and_never_moves_a_lift
     its place (limit 1: the only result, credited); the item above is read as
     shown. (2) A hit lifted to the floor from below it (the semantic result
     head) moved ahead of results up to the band above it, though lifted hits
-    come after the rest."""
+    come after the rest; a lifted hit is read by its claim alone (a
+    correction with a long why holding every query word is lifted too)."""
     band = cs.AUTHORITY_BAND
 
     def hit(text: str, rel: float, claim: float | None, authority: str = "agent") -> cs.Hit:
@@ -29441,3 +29442,6 @@ def test_the_authority_band_reads_the_item_above_as_shown_and_never_moves_a_lift
     ranked = cs.ranking_of([a1, h, a2], [], index, mode="semantic")
     assert [x.item.id for x in ranked.hits] == [a1.item.id, a2.item.id, h.item.id]
     assert ranked.hits[-1].lifted and ranked.hits[-1].confidence == cs.RELEVANCE_FLOOR
+    lifted = dataclasses.replace(hit("p", 0.45, 0.623, "human"), confidence=cs.RELEVANCE_FLOOR,
+                                 lifted=True)          # every query word held; a long why
+    assert cs.ties_by_authority([hit("a", 0.606, 0.606), lifted], band)[0] is lifted
