@@ -17939,7 +17939,7 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
     again is refused until it merges. `below`, `held`, `org_doc`: as
     settle_unmarked read them; `memo`: _correction_proposed's, for the review."""
     line = _correction_line(item, below)
-    if not line or not line[-1].active or not held[item.id].active or \
+    if not line or line[-1].status == "deprecated" or not held[item.id].active or \
             any(it.id in held or it.pr_url for it in line):
         return None                    # (retracted since: promote lets it leave)
     by, again = line[0].id, f", corrected again by {line[-1].id}," if len(line) > 1 else ""
@@ -17979,10 +17979,10 @@ def _correction_proposed(cfg: Config, item_id: str, memo: dict | None = None) ->
     if fix is None or fix.corrects != item_id:
         return None
     if "url" not in memo:
-        memo["url"] = ""
+        memo["url"] = f"the {branch} pull request"      # (gh cannot say: the branch names it)
         with contextlib.suppress(CambiumError):
-            memo["url"] = open_pr_url(cfg, org, branch)
-    return memo["url"] or f"the {branch} pull request"
+            memo["url"] = open_pr_url(cfg, org, branch) or None   # (none open: declined)
+    return memo["url"]
 
 
 def _waits_on_org_correction(item_id: str, scope: str, by: str, why: str, url: str) -> str:
@@ -22969,8 +22969,8 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
     reviewers declined it; in either mode org's gate or its landing refuses
     it) stays too, needs_review with that warning: it left, and the
     supersession, its only record, with it, while org served the old words.
-    One whose correction was retracted since (its line's end deprecated, or
-    superseded by no correction of it) leaves as before, org's copy active,
+    One whose correction was retracted since (its line's end deprecated; one
+    folded by consolidate still says its words: kept) leaves as before, org's copy active,
     with _left_active's warning: kept, it stayed needs_review for good, the
     advice (correct it at org, then promote) settling nothing. While a
     correction of org's copy made at org waits on its pull request
@@ -22986,7 +22986,7 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
         return {"status": status, "pr_url": url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
     line = _correction_line_now(cfg, scope, item) if waits else []
-    if line and line[-1].active:             # (retracted since: no supersession to keep)
+    if line and line[-1].status != "deprecated":   # (retracted: no supersession to keep)
         if url := _correction_proposed(cfg, item.id):   # (correct() again is refused)
             waits = _waits_on_org_correction(item.id, scope, line[0].id, _line_stays(
                 line, "org") or "a correction that org turned away now", url)

@@ -29445,3 +29445,42 @@ def test_the_authority_band_reads_the_item_above_as_shown_and_never_moves_a_lift
     lifted = dataclasses.replace(hit("p", 0.45, 0.623, "human"), confidence=cs.RELEVANCE_FLOOR,
                                  lifted=True)          # every query word held; a long why
     assert cs.ties_by_authority([hit("a", 0.606, 0.606), lifted], band)[0] is lifted
+
+
+def test_a_copy_kept_for_a_correction_consolidate_folded_stays_needs_review(shared, monkeypatch):
+    """Review rv1b of f20bcb6: a correction a consolidate fold superseded (a
+    duplicate of its words survives) was taken for a retracted one, so
+    promote(X, to_scope='org') let the team copy leave while org kept X
+    active: the fold still says the correction's words. Only a deprecated
+    correction is retracted; this copy stays needs_review."""
+    item, fix, out = _direct_corrected_leftover(shared, monkeypatch)
+    assert out["status"] == "needs_review"
+    hand = clone(shared["origin"], shared["tmp"] / "hand")
+    git(hand, "checkout", "-q", "cambium")
+    doc = json.loads((hand / "knowledge.json").read_text())
+    c = next(i for i in doc["items"] if i["id"] == fix)
+    twin = dict(c, id="k-0123456789ab", authority="human", trust={
+        **c.get("trust", {}), "endorsements": [{"by": "cy", "note": "yes", "at": c["created_at"]}]})
+    twin.pop("corrects", None)
+    doc["items"].append(twin)
+    (hand / "knowledge.json").write_text(json.dumps(doc))
+    git(hand, "commit", "-qam", "a duplicate of the correction (another clone's capture)")
+    git(hand, "push", "-q", "origin", "cambium")
+    cs.consolidate(apply=True, scope="team")
+    assert cs.promote(item, to_scope="org")["status"] == "needs_review"
+    assert item in {i["id"] for i in remote_json(shared["origin"], "cambium")["items"]}
+
+
+def test_pr_mode_a_correction_declined_at_org_is_not_said_to_wait(shared, monkeypatch, tmp_path):
+    """Review rv1b of cbec144: once the pull request of a correction made at
+    org (as the warning advised) was closed, the first review still said the
+    copy waits on it ('correcting it again is refused until then'), though
+    correct(X) works again at once: gh said no pull request is open, and the
+    branch's name stood in for one."""
+    item, _ = _corrected_leftover(shared, monkeypatch, tmp_path,
+                                  "Retry only idempotent calls; see src/billing/retry.py")
+    cs.promote(item, to_scope="org")
+    made = cs.correct(item, "Retry only idempotent calls, with capped backoff")
+    set_pr_state(tmp_path, made["pr_url"], "CLOSED")
+    said = [w for w in cs.review_promotions().get("warnings", []) if w.startswith(item)]
+    assert said and not any("waits on" in w for w in said), said
