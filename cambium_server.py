@@ -19154,19 +19154,69 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
     return retired, pending, warnings, kept
 
 
-DISTILL_SEEN_FILE = "distill-seen.json"   #: under .cambium/: the last distill that wrote nothing
+DISTILL_SEEN_FILE = "distill-seen.json"   #: under .cambium/: a hint on the store's distill record
+DISTILL_SEEN_BYTES = 4096                 #: a larger hint file is none cambium wrote
+_SEEN_KEYS = frozenset({"at", "record", "status", "same_as"})   # (same_as: an older cambium's)
+
+
+def distill_record_key(record: dict) -> str:
+    """The name a hint gives the distill record it is for (pure): a digest of
+    the record as stored, its random `id` and all, so a record written since
+    (in the same second, with the same counts too), edited or restored is
+    another record, and the hint is not read onto it."""
+    text = json.dumps(record, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def distill_seen_hint(path: Path) -> tuple[dict | None, bool]:
+    """The hint file's entry (None: no file, or none cambium wrote), and
+    whether a file is there that is no such hint (it does not parse, another
+    shape, a key or value cambium never writes, over DISTILL_SEEN_BYTES):
+    cambium never writes over it (seen_file_aside). A link or FIFO there is
+    set_aside_links'."""
+    try:
+        data = read_regular(path, DISTILL_SEEN_BYTES, nofollow=True)
+    except FileNotFoundError:
+        return None, False
+    except OSError:
+        return None, os.path.isfile(path) and not os.path.islink(path)
+    try:
+        seen = json.loads(data)
+    except (ValueError, RecursionError):
+        return None, True
+    ours = isinstance(seen, dict) and set(seen) <= _SEEN_KEYS and \
+        all(isinstance(v, str) for v in seen.values())
+    return (seen if ours else None), not ours
+
+
+def seen_file_aside(cfg: Config) -> list[str]:
+    """Move a distill-seen.json that is no hint cambium wrote aside (as setup
+    moves an unreadable config file: `.bad`, never over an earlier one)
+    before a distill writes its hint, with a warning (nothing cambium writes
+    goes over what it could not parse); none when it is a hint or absent."""
+    path = cfg.local_dir / DISTILL_SEEN_FILE
+    if not distill_seen_hint(path)[1]:
+        return []
+    aside = config_aside(path, f"-{_stamp()}-{os.getpid()}")
+    try:
+        os.replace(path, aside)
+    except OSError:
+        return []
+    return [f"{path} was not a distill hint cambium wrote (it does not parse, or holds what "
+            f"cambium never writes there), so it was moved to {aside} and a new one is written; "
+            "delete the old one once you no longer need it."]
 
 
 def distill_record(cfg: Config, doc: Doc) -> dict:
-    """meta.distill_last, with the time of a later distill that found the same
-    and so left the store as it was (.cambium/distill-seen.json, which names
-    the record it repeated: a store restored or edited since keeps its own)."""
+    """meta.distill_last, with what .cambium/distill-seen.json says of it: the
+    time of a later distill that found the same and so left the store as it
+    was, and the status a distill answered when warnings came after its write.
+    The hint names its record (distill_record_key): a record written, edited
+    or restored since keeps its own time and status."""
     last = doc.meta.get("distill_last") if isinstance(doc.meta.get("distill_last"), dict) \
         else {}
-    seen: Any = None
-    with contextlib.suppress(OSError, ValueError, RecursionError):
-        seen = json.loads(read_regular(cfg.local_dir / DISTILL_SEEN_FILE, 4096))
-    if isinstance(seen, dict) and last and seen.get("same_as") == last.get("at") and \
+    seen = distill_seen_hint(cfg.local_dir / DISTILL_SEEN_FILE)[0]
+    if seen and last and seen.get("record") == distill_record_key(last) and \
             time_key(seen.get("at")) >= time_key(last.get("at")):
         said = seen.get("status")
         return {**last, "at": seen["at"],
@@ -19179,14 +19229,21 @@ def note_distill_seen(cfg: Config, plan: "DistillPlan", status: str) -> None:
     never fsynced; a read-only checkout keeps the older time); and a distill
     whose answer's status is not the one its record holds (warnings came after
     the write: a verify prompt's scope read, a call's notes, a store set
-    aside): that status, for the record it names."""
+    aside): that status. Written under the hint's lock, and only while the
+    record it names is still the store's (another distill may have written
+    its own since, and its hint with it) and the file there is a hint."""
     moved = status != plan.last["status"] and plan.last["status"] != "failed"
     if plan.same_as is None and not moved:
         return
-    with contextlib.suppress(OSError):
-        atomic_write(cfg.local_dir / DISTILL_SEEN_FILE, json_text(
-            {"at": plan.last["at"], "same_as": plan.same_as or plan.last["at"],
-             **({"status": status} if moved else {})}), durable=False)
+    path, key = cfg.local_dir / DISTILL_SEEN_FILE, distill_record_key(plan.stored)
+    with contextlib.suppress(OSError, ConflictError), file_lock(path, CACHE_LOCK_WAIT_S):
+        now = store(cfg, "local").peek()
+        held = now.meta.get("distill_last") if now is not None else None
+        if not isinstance(held, dict) or distill_record_key(held) != key or \
+                distill_seen_hint(path)[1]:
+            return
+        atomic_write(path, json_text({"at": plan.last["at"], "record": key,
+                                      **({"status": status} if moved else {})}), durable=False)
 
 
 def substrate_state(cfg: Config, doc: Doc) -> dict:
@@ -19228,6 +19285,7 @@ class Sweep:
     kept_elsewhere: list = field(default_factory=list)      # keys of theirs distill did not make
     elsewhere: Callable[..., bool] | None = None            # shared_texts(): held above
     adding_only: bool = False     # a linked worktree: its .context/ is its branch's (below)
+    record_id: str = field(default_factory=lambda: os.urandom(6).hex())   # its record's `id`
 
     def read(self, name: str) -> SourceRead | None:
         return next((r for r in self.reads if r.name == name), None)
@@ -19256,6 +19314,7 @@ class DistillPlan:
     revived: list = field(default_factory=list)   # distill-retired items live again
     warnings: list = field(default_factory=list)  # the sweep's and the write's
     same_as: str | None = None    # doc None: the time of the stored record it repeats
+    stored: dict = field(default_factory=dict)    # the record the store holds after it
 
 
 def _retire_reasons(reads: list[SourceRead]) -> dict[str, str]:
@@ -19309,7 +19368,8 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
         if sweep.pending_elsewhere:
             sources["context-keeper"]["retire_elsewhere"] = sweep.pending_elsewhere
     warnings = sweep.warnings + notes + kept      # ... and what this write kept beside what
-    last = {"at": sweep.stamp, "status": "failed" if sweep.errors else distill_status(warnings),
+    last = {"at": sweep.stamp, "id": sweep.record_id,
+            "status": "failed" if sweep.errors else distill_status(warnings),
             "imported": len(adm.fresh), "retired": len(retired),
             "sources": {k: {"status": v["status"], "imported": v["imported"],
                             "reason": v["reason"]} for k, v in sources.items()},
@@ -19322,16 +19382,18 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     return DistillPlan(None if same else new, adm.fresh,
                        adm.duplicates + sweep.prepared.duplicates, retired, sources, last,
                        adm.revived, warnings,
-                       str(doc.meta["distill_last"].get("at")) if same else None)
+                       str(doc.meta["distill_last"].get("at")) if same else None,
+                       doc.meta["distill_last"] if same else last)
 
 
 def only_restamped(old: Doc, new: Doc) -> bool:
     """Whether `new` differs from `old` in no more than the times a distill
-    stamps on its record and the release snapshot: a distill that found
-    nothing new, whose write would replace a store of any size (a warm server
-    then parsed it again) at every commit's hook (pure)."""
+    stamps on its record (and the record's random id) and the release
+    snapshot: a distill that found nothing new, whose write would replace a
+    store of any size (a warm server then parsed it again) at every commit's
+    hook (pure)."""
     def unstamped(meta: dict) -> dict:
-        return {k: {f: x for f, x in v.items() if f != "at"}
+        return {k: {f: x for f, x in v.items() if f not in ("at", "id")}
                 if k in ("distill_last", "agentsync_snapshot") and isinstance(v, dict) else v
                 for k, v in meta.items()}
     return isinstance(old.meta.get("distill_last"), dict) and new.raw == old.raw and \
@@ -19438,7 +19500,9 @@ def finish_distill(cfg: Config, plan: DistillPlan, result: dict) -> dict:
     """The answer's warnings completed with the call's (call_warnings: what
     with_store_warnings would add at the MCP and CLI edge, which then finds
     nothing new) and its status chosen, once, from that final list; status()'s
-    record of this distill says the same (note_distill_seen)."""
+    record of this distill says the same (note_distill_seen). A hint file
+    that is none cambium wrote is set aside first (seen_file_aside)."""
+    result["warnings"] += seen_file_aside(cfg)
     result["warnings"] += call_warnings(cfg, result["warnings"])
     result["status"] = distill_status(result["warnings"])
     note_distill_seen(cfg, plan, result["status"])

@@ -17802,6 +17802,85 @@ def test_a_distill_that_finds_nothing_new_leaves_the_store_as_it_was(repo):
     assert cs.status()["substrates"]["last_distill"]["at"] == "2026-12-01T10:04:00Z"
 
 
+def _hinted_distill(cfg, now: str, note: str | None) -> dict:
+    """A distill with a note from a layer below it (a warning that comes after
+    its write: its answer's status moves), as the MCP and CLI edge finishes it."""
+    with cs.collecting_notes():
+        if note:
+            cs.note_for_call(note)
+        return cs.with_store_warnings(cs.distill_sweep(cfg, now=now))
+
+
+def _hint_setup(tmp_path, monkeypatch) -> Path:
+    _, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    (clone / ".context").mkdir()
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    return clone
+
+
+def test_a_distill_hint_names_its_record_and_is_written_only_while_it_is_current(
+        tmp_path, monkeypatch):
+    """distill-seen.json's status hint named its record by its `at` alone (to the
+    second, read with >=) and was written at the very end, unchecked: two
+    distills in one second read the first's hint onto the second's record, and
+    an overlapping distill (another worktree's session-end hook) overwrote the
+    later one's hint with its own stale one, so status() showed the wrong status.
+    Now the hint names its record by a digest of it (which carries a random id)
+    and is written only while that record is still the store's."""
+    clone = _hint_setup(tmp_path, monkeypatch)
+    cfg = cs.require_config()
+    claim2 = {**DONE_CLAIM, "task": "build the lexer", "touches": ["src/lexer.py"]}
+    t = "2026-12-07T18:00:00Z"
+    d1 = _hinted_distill(cfg, t, "a late note")
+    assert d1["status"] == "distilled_with_warnings"
+    write_board(clone, {"ann": DONE_CLAIM, "bob": claim2})        # something new: a write
+    d2 = _hinted_distill(cfg, t, None)                             # in the same second
+    assert d2["imported"] == 1 and d2["status"] == "distilled"
+    assert cs.status()["substrates"]["last_distill"]["status"] == "distilled"
+    real, box = cs.finish_distill, {}
+
+    def slow_finish(cfg_, plan, result):       # D3's verify-prompt read takes a while ...
+        if not box:                            # ... and D4 runs whole meanwhile
+            box["d4"] = None
+            write_board(clone, {"ann": DONE_CLAIM, "bob": claim2,
+                                "cy": {**claim2, "task": "build the docs"}})
+            box["d4"] = contextvars.Context().run(
+                _hinted_distill, cfg, "2026-12-07T18:00:20Z", "d4's late note")
+        return real(cfg_, plan, result)
+    monkeypatch.setattr(cs, "finish_distill", slow_finish)
+    write_board(clone, {"ann": DONE_CLAIM})
+    d3 = _hinted_distill(cfg, "2026-12-07T18:00:10Z", "d3's late note")
+    assert d3["status"] == box["d4"]["status"] == "distilled_with_warnings"
+    last = cs.status()["substrates"]["last_distill"]
+    assert last["at"] == "2026-12-07T18:00:20Z" and last["status"] == "distilled_with_warnings"
+    assert last["imported"] == box["d4"]["imported"] == 1
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"same_as": 5, "at": {"x": 1}}',
+                                  "x" * 5000, '{"at": "2026-12-07T18:00:05Z", "mine": "keep me"}'])
+def test_a_distill_hint_file_cambium_cannot_read_is_moved_aside_never_written_over(
+        tmp_path, monkeypatch, text):
+    """An unreadable (or hand-edited) .cambium/distill-seen.json was replaced
+    whole by the next distill that wrote a hint: cambium wrote over what it
+    could not parse. Now it is moved aside as setup moves an unreadable config
+    file (`.bad`), with a warning, and the new hint written beside it."""
+    clone = _hint_setup(tmp_path, monkeypatch)
+    cfg = cs.require_config()
+    _hinted_distill(cfg, "2026-12-07T18:00:00Z", None)
+    seen = clone / ".cambium" / cs.DISTILL_SEEN_FILE
+    seen.write_text(text)
+    assert cs.status()["substrates"]["last_distill"]["at"] == "2026-12-07T18:00:00Z"
+    res = _hinted_distill(cfg, "2026-12-07T18:00:10Z", None)      # nothing new: a hint
+    aside = seen.with_name(seen.name + ".bad")
+    assert aside.read_text() == text
+    assert any(str(aside) in w and "moved" in w for w in res["warnings"]), res["warnings"]
+    assert json.loads(seen.read_text())["at"] == "2026-12-07T18:00:10Z"
+    last = cs.status()["substrates"]["last_distill"]
+    assert last["at"] == "2026-12-07T18:00:10Z" and last["status"] == res["status"]
+
+
 def test_distill_sees_an_edit_past_the_cut_and_says_a_long_why_was_cut(repo):
     """A 25,000-character decision was cut at the limit; an edit past the cut
     left the two cut copies equal, and distill said up_to_date."""
