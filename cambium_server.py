@@ -9044,6 +9044,7 @@ class Board:
     status: str = "found"            # found | absent | misconfigured | unreachable
     reason: str = ""
     fix: str | None = None
+    fetch_failed: bool = False       # its remote could not be reached (fetch_board)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -9503,7 +9504,7 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
     detail = _git_complaint(proc.stderr) if proc else "timed out"
     return Board(None, "CAMBIUM_REPO", branch, remote, "unreachable",
                  f"could not ask '{remote}' whether it has a '{branch}' board ({detail})",
-                 f"check the network or the remote; or {fix_set}")
+                 f"check the network or the remote; or {fix_set}", fetch_failed=True)
 
 
 def _named_board(cfg: Config, key: str, path: Path, branch: str, remote: str) -> Board:
@@ -9646,6 +9647,8 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
     ref = tracking if _has_ref(repo, tracking, t) else None
     if ref is None and local:
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
+    if not fetched and not missing:              # (missing: the remote answered)
+        board = dataclasses.replace(board, fetch_failed=True)
     if ref is None:
         return None, [], dataclasses.replace(
             board, status="unreachable",
@@ -18945,7 +18948,8 @@ def read_agentsync(cfg: Config, doc: Doc, stamp: str) -> SourceRead:
     info = {"status": board.status, "board_repo": str(board.repo) if board.repo else None,
             "board_source": board.source, "branch": board.branch,
             "claims_seen": len(claims or {}), "done_claims": len(done),
-            "reason": board.reason, "fix": board.fix}
+            "reason": board.reason, "fix": board.fix,
+            **({"fetch_failed": True} if board.fetch_failed else {})}
     snapshot = None
     if cfg.release_capture:
         churned = _churned_claims(doc, board, claims) if claims is not None else {}
@@ -22507,10 +22511,10 @@ def fetch_for_next_primer(cfg: Config | None = None, *, started: float | None = 
 
 def distill_remote_failed(result: dict) -> bool:
     """Whether distill's own call to a remote (the board's ls-remote or fetch)
-    failed or timed out: its board unreachable, or read as last fetched."""
+    failed or timed out: its board unreachable, or read as last fetched (the
+    agentsync result's `fetch_failed`, set by fetch_board)."""
     board = (result.get("sources") or {}).get("agentsync") or {}
-    return board.get("status") == "unreachable" or any(
-        w.startswith("agentsync: could not fetch") for w in result.get("warnings") or [])
+    return board.get("status") == "unreachable" or board.get("fetch_failed") is True
 
 
 def expand(item_id: ItemId) -> dict:

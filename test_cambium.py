@@ -9006,11 +9006,10 @@ def test_the_session_end_hook_fetches_only_a_scope_never_fetched_here(shared, mo
     assert not fetches(), calls
     assert cs.distill_remote_failed({"sources": {"agentsync": {"status": "unreachable"}},
                                      "warnings": []})
-    assert cs.distill_remote_failed({"sources": {}, "warnings": [
-        "agentsync: could not fetch 'agentsync' from 'origin' (timed out); read the board "
-        "as last fetched (refs/remotes/origin/agentsync), which may be behind."]})
+    assert cs.distill_remote_failed({"sources": {"agentsync": {"status": "up_to_date",
+                                                               "fetch_failed": True}}})
     assert not cs.distill_remote_failed({"sources": {"agentsync": {"status": "absent"}},
-                                         "warnings": []})
+                                         "warnings": []})      # (a real board's: below)
 
 
 def test_an_items_own_author_recalling_it_on_three_days_makes_it_eligible(shared, monkeypatch):
@@ -18343,17 +18342,25 @@ def test_distill_unreachable_remote_warns_and_falls_back_to_last_fetch(tmp_path,
     write_board(clone, {"ann": DONE_CLAIM})
     monkeypatch.setenv("CAMBIUM_REPO", str(clone))
     monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    res = cs.distill()                          # (the remote reached: the hook may fetch)
+    assert "fetch_failed" not in res["sources"]["agentsync"]
+    assert not cs.distill_remote_failed(res)
     git(clone, "branch", "-q", "-D", "agentsync")
     git(clone, "remote", "set-url", "origin", str(tmp_path / "moved-away.git"))
     git(clone, "fetch", "-q", str(bare), "+refs/heads/agentsync:refs/remotes/origin/agentsync")
+    cs.store(cs.resolve_config(), "local").mutate(lambda d: dataclasses.replace(
+        d, items=[], meta={}), "forget")        # (so the board's claim is imported again)
     res = cs.distill()
     assert res["sources"]["agentsync"]["imported"] == 1
     assert any("could not fetch" in w and "as last fetched" in w for w in res["warnings"])
+    assert res["sources"]["agentsync"]["fetch_failed"] is True      # distill --hook reads
+    assert cs.distill_remote_failed(res)        # this flag, not the warning's wording
     git(clone, "update-ref", "-d", "refs/remotes/origin/agentsync")
     monkeypatch.setenv("AGENTSYNC_BOARD_REPO", str(clone))
     res = cs.distill()
     a = res["sources"]["agentsync"]
     assert a["status"] == "unreachable" and "could not fetch" in a["reason"] and a["fix"]
+    assert a["fetch_failed"] is True and cs.distill_remote_failed(res)
     out = cli("distill")
     assert out.returncode == 0 and "agentsync unreachable" in out.stdout
     assert "warning: agentsync skipped (unreachable)" in out.stderr
