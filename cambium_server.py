@@ -14463,11 +14463,13 @@ def endorsement_notes(item: Item) -> list[str]:
 
 
 def noted_endorsements_by_time(item: Item) -> list[dict]:
-    """The endorsements with a note, oldest first by `at` (the list's own order
-    is not time's: consolidate's merge keeps an agent's early place with its
-    newer note)."""
+    """The endorsements with a note, oldest first by `at` read as a time
+    (time_key: an offset read, one unreadable or later than tomorrow first;
+    its text sorted `-08:00` and a typo year wrongly), ties in list order (the
+    list's own order is not time's: consolidate's merge keeps an agent's early
+    place with its newer note)."""
     ends = [e for e in item.trust.get("endorsements", []) if isinstance(e, dict) and e.get("note")]
-    return sorted(ends, key=lambda e: str(e.get("at", "")))
+    return sorted(ends, key=lambda e: time_key(e.get("at")))
 
 
 def latest_endorsement_note(item: Item) -> str | None:

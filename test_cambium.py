@@ -10579,6 +10579,24 @@ def test_org_verdict_requires_endorsement_then_generality():
     assert copy.last_verified == "2026-03-01T00:00:00Z" and copy.scope == "org"
 
 
+def test_endorsement_notes_are_ordered_by_time_read_not_by_their_text():
+    """noted_endorsements_by_time sorted by `at`'s text: a note stamped with an
+    offset (09:30-08:00, the newest) sorted before 10:00Z and was left out of
+    the newest notes, and a typo year (2062) counted as the newest, so the
+    restatement was drafted from it. Now `at` is read as a time (time_key)."""
+    ends = [{"by": "ada", "note": "ada newest", "at": "2026-12-07T09:30:00-08:00"},
+            {"by": "bob", "note": "bob old", "at": "2026-12-07T10:00:00Z"},
+            {"by": "cy", "note": "cy old", "at": "2026-12-07T11:00:00Z"},
+            {"by": "eve", "note": "eve typo year", "at": "2062-12-07T12:00:00Z"}]
+    it = cs.Item.from_dict({"id": "k-1", "type": "memory", "kind": "note", "content": "x",
+                            "scope": "local", "project": "p", "created_by": "a",
+                            "created_at": "2026-12-01T00:00:00Z",
+                            "updated_at": "2026-12-01T00:00:00Z", "status": "active",
+                            "trust": {"recalls": 0, "endorsements": ends, "projects": []}})
+    assert [e["by"] for e in cs.noted_endorsements_by_time(it)] == ["eve", "bob", "cy", "ada"]
+    assert cs.latest_endorsement_note(it) == "ada newest"
+
+
 def test_org_gate_reads_why_and_endorsement_notes_too():
     """Issue 9.10: every text field KNOWLEDGE.md renders passes the gate."""
     it = cs.new_item("Retry transient failures with backoff", project="shop",
