@@ -2545,7 +2545,11 @@ def config_link_trouble(path: Path) -> ConfigLink | None:
     to a dotfiles folder that moved). None: no link is at fault. The user's
     config is then missing, not absent."""
     with contextlib.suppress(OSError, ValueError):
-        if path.is_symlink():
+        try:
+            is_link = _stat.S_ISLNK(os.lstat(path).st_mode)
+        except OSError:          # (a folder above it may be a link this user cannot follow)
+            is_link = False
+        if is_link:
             return _link_reaching_nothing(path)
         if os.path.lexists(path):
             return None
@@ -8329,7 +8333,7 @@ class GitStore(Store):
             if until is None:                  # (a review's deletes share one: deletes_wait_once)
                 until, spent = delete_deadline()
             if left is not None or time.monotonic() >= until:
-                raise self._remote_busy(f"the deletion of {branch}", held, busy, left,
+                raise self._remote_busy(f"the deletion of {branch}", held, busy + 1, left,
                                         spent=spent)
             busy = _busy_pause(busy, until)
 

@@ -898,18 +898,25 @@ def test_a_config_link_that_loops_or_cannot_be_reached_is_said_so(tmp_path, monk
     for name in (link.name, link.name + ".bad"):
         link.with_name(name).unlink()
     link.symlink_to(shut / "cambium.json")
+    (shut / "cam").mkdir()
+    (tmp_path / "folder").symlink_to(shut / "cam")   # (a folder link it cannot follow)
     shut.chmod(0o600)
+    probe = textwrap.dedent(f"""
+        import json, cambium_server as cs
+        cfg = cs.resolve_config()
+        try:
+            cs.setup({str(r)!r}, "ada")
+            refused = None
+        except cs.InputError as e:
+            refused = str(e)
+        print(json.dumps([cfg.file_error, [g["fix"] for g in cfg.problems], refused]))
+        """)
     try:
-        run = subprocess.run([*drop, sys.executable, "-c", textwrap.dedent(f"""
-            import json, cambium_server as cs
-            cfg = cs.resolve_config()
-            try:
-                cs.setup({str(r)!r}, "ada")
-                refused = None
-            except cs.InputError as e:
-                refused = str(e)
-            print(json.dumps([cfg.file_error, [g["fix"] for g in cfg.problems], refused]))
-            """)], text=True, capture_output=True, env=child_env(), timeout=120)
+        run = subprocess.run([*drop, sys.executable, "-c", probe], text=True,
+                             capture_output=True, env=child_env(), timeout=120)
+        above = subprocess.run([*drop, sys.executable, "-c", probe], text=True,
+                               capture_output=True, timeout=120, env=child_env(
+                                   CAMBIUM_CONFIG_FILE=str(tmp_path / "folder" / "c.json")))
     finally:
         shut.chmod(0o755)
     if run.returncode == 0 and json.loads(run.stdout)[0] is None:
@@ -921,6 +928,8 @@ def test_a_config_link_that_loops_or_cannot_be_reached_is_said_so(tmp_path, monk
     assert "The link is not moved aside" in refused and "nothing was written" in refused
     assert os.readlink(link) == str(shut / "cambium.json")
     assert not list(link.parent.glob(link.name + ".bad*"))
+    said, fixes, refused = json.loads(above.stdout)     # (rv29b: it read as no file at all)
+    assert "cannot be reached: permission denied" in said and fixes and refused, above
 
 
 def test_a_config_folder_linked_to_what_is_gone_is_a_gap_and_setup_says_what_to_do(
@@ -29588,3 +29597,33 @@ def test_pr_mode_a_correction_declined_at_org_is_not_said_to_wait(shared, monkey
     set_pr_state(tmp_path, made["pr_url"], "CLOSED")
     said = [w for w in cs.review_promotions().get("warnings", []) if w.startswith(item)]
     assert said and not any("waits on" in w for w in said), said
+
+
+def test_a_side_branch_deletes_busy_message_counts_every_refused_try(shared, tmp_path,
+                                                                     monkeypatch):
+    """Review rv29b of d707bb3: the delete raised before counting its last
+    refusal, so 3 refused tries were told as 'the last 2'."""
+    origin, a = shared["origin"], shared["a"]
+    tip = _side_branch_on(origin, a, "cambium/promote-k-1")
+    tries = tmp_path / "tries"
+    hook = origin / "hooks" / "pre-receive"
+    hook.write_text(f"#!/bin/sh\ncat >/dev/null\necho x >> {tries}\n")
+    hook.chmod(0o755)
+    (origin / "packed-refs.lock").write_text("")
+    monkeypatch.setattr(cs, "PUSH_RETRY_S", 1.5)
+    with pytest.raises(cs.RemoteBusy) as caught:
+        _team_store(a).drop_side_branch("cambium/promote-k-1", at=tip)
+    n = len(tries.read_text().split())
+    assert (f"the last {n} tries were" in str(caught.value)), (n, str(caught.value))
+
+
+def test_a_side_branch_delete_that_lands_restarts_the_reviews_shared_wait(shared):
+    """Review rv29b of b53cf63: its helper test could not fail with the
+    delete_landed() call taken out of drop_side_branch; this one can."""
+    origin, a = shared["origin"], shared["a"]
+    tip = _side_branch_on(origin, a, "cambium/promote-k-2")
+    with cs.deletes_wait_once():
+        cs.delete_deadline()
+        cs._DELETES.until[0] = time.monotonic() - 1       # an earlier delete waited it out
+        assert _team_store(a).drop_side_branch("cambium/promote-k-2", at=tip) is True
+        assert cs.delete_deadline()[1] is False
