@@ -11134,10 +11134,12 @@ def claim_gap(above: Hit, below: Hit) -> float:
     read as shown, why and all: an agent's item that matches by its why alone
     (its claim far below) kept no band then, and a person's item 0.07-0.14
     below it took its place. A hit lifted to the floor (Hit.lifted) is read
-    by its claim alone: the floor is not its relevance (a head-lifted item
-    at 0.30 jumped results at 0.54), but a correction with a long why that
-    holds every query word is lifted, and its claim may tie."""
-    own = -math.inf if below.lifted else below.confidence   # (the floor is not its own)
+    by its claim alone below a result that reached the floor: the floor is
+    not its relevance (a head-lifted item at 0.30 jumped results at 0.54),
+    but a correction with a long why that holds every query word is lifted,
+    and its claim may tie. Two lifted hits tie at the floor."""
+    own = -math.inf if below.lifted and not above.lifted else below.confidence
+    #    (lifted below a result: the floor is not its own; both lifted: a tie at the floor)
     if above.claim is None or below.claim is None:
         return above.confidence - own
     return above.confidence - max(own, below.claim)

@@ -5414,9 +5414,9 @@ def test_default_recall_lines_show_the_newest_notes_by_time_not_list_order(repo,
         items = []
         for it in doc.items:
             if it.id == iid:
-                ends = [dict(e, at=f"2026-12-0{i + 1}T10:00:00Z")
+                ends = [dict(e, at=f"2026-11-0{i + 1}T10:00:00Z")
                         for i, e in enumerate(it.trust["endorsements"])]
-                ends[0] = dict(ends[0], note="ada NEWEST note", at="2026-12-09T10:00:00Z")
+                ends[0] = dict(ends[0], note="ada NEWEST note", at="2026-11-09T10:00:00Z")
                 it = dataclasses.replace(it, trust={**it.trust, "endorsements": ends})
             items.append(it)
         return dataclasses.replace(doc, items=items)
