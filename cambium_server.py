@@ -2468,30 +2468,31 @@ def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
         data, loaded = read_config_object(path)
     except (OSError, ValueError, RecursionError) as e:
         if link := config_link_trouble(path):     # a dotfiles link that reaches no file:
-            return {}, None, config_file_gap(path, link.why)    # the user's settings are missing
+            return {}, None, config_file_gap(path, link.why, link)  # (the settings are missing)
         if isinstance(e, FileNotFoundError):
             return {}, None, None
         why = config_unread_why(e)
         if not os.path.isfile(path):          # (a FIFO, a device, a folder: holds no settings)
             return {}, f"{path} could not be read ({why}); ignored", None
-        return {}, None, config_file_gap(path, why)
+        return {}, None, config_file_gap(path, why, None)
     if not loaded and not data.decode("utf-8-sig").strip(" \t\r\n"):   # (as read_config_object)
         return {}, f"{path} is empty (it holds no settings); ignored", None
     said = [unknown_keys_said(path, loaded), team_map_said(path, loaded)]
     return loaded, "; ".join(w for w in said if w) or None, None
 
 
-def config_file_gap(path: Path, why: str) -> dict:
+def config_file_gap(path: Path, why: str, link: ConfigLink | None) -> dict:
     """The gap a regular config file that could not be read is, as an invalid
     value is one: ignored, every setting it holds (team_branches among them)
     was dropped, and a process with its agent id from the environment and its
     repo from the working directory ran on defaults (team writes went to a
     branch nobody read). So is a link that reaches no file (config_link_trouble:
-    a dotfiles repository moved), which was a warning and the same defaults."""
+    a dotfiles repository moved), which was a warning and the same defaults.
+    `link`: config_link_trouble's answer, as the caller found it."""
     return {"setting": "config file", "origin": "file", "problem": why,
             "cost": f"{path} could not be read ({why}) → none of its settings (team branches, "
                     "org repo, agent id, ...) would apply; every tool is unavailable",
-            "fix": _config_gap_fix(path, why, config_link_trouble(path))}
+            "fix": _config_gap_fix(path, why, link)}
 
 
 def _config_gap_fix(path: Path, why: str, link: ConfigLink | None) -> str:
@@ -17934,7 +17935,7 @@ def _correction_to_propose(cfg: Config, item: Item, held: dict[str, Item], org_d
 
 
 def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_doc: Doc,
-                below: dict[str, Item], memo: dict | None = None) -> str | None:
+                below: dict[str, Item], memo: dict) -> str | None:
     """A review's word on `item`, an unmarked copy below (of org's item in
     `held`) that it leaves: superseded by a person's correction org lacks
     while org's copy stays active, the copy is the only record that org's
@@ -19304,7 +19305,6 @@ class Sweep:
 
     def ours(self) -> list[SourceRead]:
         return decided_here(self.reads, self.adding_only)
-
 
 
 def distill_status(warnings: list[str]) -> str:
@@ -26841,7 +26841,8 @@ def _cli_answer(value: Any, key: str | None = None) -> Any:
 
 def _cli_primer_words(line: str) -> str:
     """A primer line's hints as calls the CLI can spell: `expand(id)` read as
-    `expand id` and `capture() what you learn` as a bare `capture` (pure)."""
+    `expand ID` and `capture() what you learn` as `capture 'what you learn'`
+    (pure)."""
     return line.replace("expand(id) gives", "expand(ID) gives").replace(
         "capture() what you learn", "capture('what you learn')")
 

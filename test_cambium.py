@@ -14800,9 +14800,9 @@ def test_a_correction_with_a_long_why_outranks_the_agent_item_semantically(seman
 
 
 def test_the_authority_band_takes_the_smaller_gap_of_claim_and_relevance():
-    """claim_gap: with both claims, the smaller of the two gaps (a why past
-    the band, or words reordered in the claim's own vector, stop nothing the
-    other reading ties); without a claim on either side, relevance alone."""
+    """claim_gap: with both claims, the item above as shown against the better
+    of the moving item's relevance and its claim's (a why past the band stops
+    nothing its claim ties); without a claim on either side, relevance alone."""
     band = cs.AUTHORITY_BAND
 
     def hit(text: str, rel: float, claim: float | None, authority: str = "agent") -> cs.Hit:
