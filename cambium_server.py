@@ -157,7 +157,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import (TYPE_CHECKING, Annotated, Any, BinaryIO, Callable, Collection, Iterable,
                     Iterator, Literal, Mapping,
-                    NamedTuple, NoReturn, get_args, get_origin, get_type_hints)
+                    NamedTuple, NoReturn, get_args, get_origin)
 
 if TYPE_CHECKING:  # pragma: no cover
     from mcp.server.mcpserver import MCPServer
@@ -535,11 +535,13 @@ class Param:
 @functools.cache
 def api_params(fn: Callable) -> list[Param]:
     """The API arguments of a tool: every parameter annotated with a Field, in
-    order. A parameter without one (on_progress) is internal to the core."""
-    hints = get_type_hints(fn, include_extras=True)
+    order. A parameter without one (on_progress) is internal to the core. The
+    annotations are read as written (eval_str): get_type_hints on Python 3.10
+    wraps one whose default is None in Optional[...], which hid its Field, so
+    every such argument was missing from the CLI and the MCP schema there."""
     out = []
-    for p in inspect.signature(fn).parameters.values():
-        hint = hints.get(p.name)
+    for p in inspect.signature(fn, eval_str=True).parameters.values():
+        hint = p.annotation
         meta = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Field)]
         if not meta:
             continue

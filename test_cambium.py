@@ -20864,6 +20864,46 @@ def test_cli_takes_the_shapes_of_the_tool_signatures(repo, tmp_path, capsys):
     assert usage.rstrip().endswith("PROJECT_REPO AGENT_ID"), usage
 
 
+def test_arguments_defaulting_to_none_are_in_the_cli_and_the_schema():
+    """On Python 3.10 (pyproject: >=3.10) get_type_hints wrapped an annotation
+    whose default is None in Optional[...], which hid its Field: every such
+    argument was missing from the CLI and the MCP schema, so `promote X`,
+    `setup P --team-branch B A` and `capture --tags a -- T` exited 2 there
+    (3.11+ read hints as written). The suite runs on 3.11; run this test under
+    3.10 too (`python3.10 -m pytest test_cambium.py -k defaulting_to_none`)."""
+    import inspect
+    for tool in cs.api_table():
+        assert [p.name for p in tool.params] == [
+            n for n in inspect.signature(tool.fn).parameters if n != "on_progress"], tool.command
+    schema = inspect.signature(cs._mcp_tool(cs.promote)).parameters
+    assert {"item_id", "org_content", "org_why", "org_kind"} <= set(schema)
+    for argv, want in (
+            (["promote", "k-1"], {"item_id": "k-1", "to_scope": "team"}),
+            (["promote", "--force", "k-1"], {"item_id": "k-1", "force": True}),
+            (["promote", "--to", "org", "--", "k-1"], {"item_id": "k-1", "to_scope": "org"}),
+            (["promote", "--item-id", "k-1", "--org-content", "C"],
+             {"item_id": "k-1", "org_content": "C"}),
+            (["setup", "/p", "--team-branch", "kb", "ada"],
+             {"project_repo": "/p", "agent_id": "ada", "team_branch": "kb"}),
+            (["setup", "--org-repo", "o/n", "--", "/p", "ada"],
+             {"project_repo": "/p", "agent_id": "ada", "org_repo": "o/n", "org_pr": None}),
+            (["setup", "/p", "ada", "--no-org-pr"], {"org_pr": False}),
+            (["capture", "--tags", "a", "--", "T"], {"content": "T", "tags": "a"}),
+            (["capture", "--tags", "a", "--tags", "b", "T", "--code-ref", "x.py#f",
+              "--valid-while", "P", "--supersedes", "k-0"],
+             {"content": "T", "tags": "a,b", "code_refs": "x.py#f", "valid_while": "P",
+              "supersedes": "k-0"}),
+            (["record-need", "--tags", "a", "T"], {"content": "T", "tags": "a"}),
+            (["generalize", "--org-content", "C", "--", "k-1"],
+             {"item_id": "k-1", "org_content": "C"}),
+            (["usage", "--item", "k-1"], {"item_id": "k-1", "session": None}),
+            (["usage", "--session", "s1"], {"session": "s1", "item_id": None}),
+            (["stale", "--project", "P", "--older-than-days", "3"],
+             {"project": "P", "older_than_days": 3})):
+        got = {k: cs._cli_joined(v) for k, v in _parsed(*argv).items()}
+        assert {k: got.get(k) for k in want} == want, argv
+
+
 def test_cli_usage_names_the_program_as_invoked(tmp_path):
     out = cli("recall")
     assert out.returncode == 2 and out.stderr.startswith("usage: python3 -m cambium_server recall")
