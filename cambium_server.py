@@ -2500,17 +2500,19 @@ def config_file_gap(path: Path, why: str, link: ConfigLink | None) -> dict:
 def _config_gap_fix(path: Path, why: str, link: ConfigLink | None) -> str:
     """The fix of config_file_gap: setup moves an unreadable file aside (a
     live link's target), and a link to what is gone or a loop of links (the
-    link itself); it refuses, and says so, a link it cannot follow for want
-    of permission (what it names may be there for another user) and a folder
-    above the file that is a link reaching nothing."""
+    link itself); it refuses, and says so, what this user may not read (a
+    link it cannot follow, a folder it cannot enter, a file it cannot read:
+    it may be there for another user) and a folder above the file that is a
+    link reaching nothing."""
+    if link is not None and link.no_permission:
+        return (f"let your user {_reach_words(link)}, or set CAMBIUM_CONFIG_FILE to a config "
+                "file you can read; setup refuses until then, and never moves "
+                f"{'the link' if link.target and not link.above else 'it'} aside or writes "
+                "over it: it may be there for another user")
     if link is not None and link.above:
         return (f"{link.link} is a symbolic link to {link.target} ({link.tail}): restore what "
                 "it names, or remove the link (setup then makes a folder there), or set "
                 "CAMBIUM_CONFIG_FILE to another file's path; setup refuses until then")
-    if link is not None and link.kind == "denied":
-        return (f"let your user reach {link.target} (each folder on its way needs search "
-                "permission), or point the link at a config file you can read; setup refuses "
-                "until then, and never moves the link aside: it may reach a file for another user")
     aside = config_aside(path if link else Path(os.path.realpath(path)), "-<time>-<pid>")
     mend = f"restore {link.target}, or point the link at your config file" if link \
         else f"edit {path} by hand ({why})"
@@ -2519,48 +2521,104 @@ def _config_gap_fix(path: Path, why: str, link: ConfigLink | None) -> str:
             f"to {aside}: every setting it held then no longer applies")
 
 
+def _reach_words(link: ConfigLink) -> str:
+    """What to do about a config file this user may not read
+    (link.no_permission), after "let your user" (the gap's fix, setup's
+    refusal)."""
+    if link.kind == "denied":
+        return (f"reach {link.target} (each folder on its way needs search permission), or "
+                "point the link at a config file you can read")
+    what = "folder" if link.above else "config file"
+    need = "search permission" if link.above else "read permission"
+    if link.target is None:
+        return f"{link.verb} {link.link} ({need})"
+    return (f"{link.verb} {link.target}, the {what} the link {link.link} names ({need}), or "
+            f"point the link at a {what} you can {link.verb}")
+
+
 class ConfigLink(NamedTuple):
-    """A symbolic link that keeps the config file from being read
-    (config_link_trouble): `link` (the config path, or a folder above it:
-    `above`), what it names, and why it reaches nothing: `gone` (no such
+    """What keeps the config file from being read (config_link_trouble): a
+    symbolic link (`link`: the config path, or a folder above it: `above`),
+    what it names (`target`), and why it reaches nothing: `gone` (no such
     file), `loop` (links that loop), `denied` (a folder on its way this user
-    cannot enter)."""
+    cannot enter); or `shut`: a folder on the way this user cannot enter, or
+    the file itself, which it cannot read (`link` is that folder or file;
+    `target` what it links to, None where it is no link)."""
     link: Path
-    target: str
+    target: str | None
     kind: str
     above: bool = False
 
     @property
     def tail(self) -> str:
         return {"gone": "which does not exist", "loop": "which is a loop of links",
-                "denied": "which cannot be reached: permission denied"}[self.kind]
+                "denied": "which cannot be reached: permission denied",
+                "shut": f"which this user cannot {self.verb}: permission denied"}[self.kind]
+
+    @property
+    def verb(self) -> str:
+        return "enter" if self.above else "read"
+
+    @property
+    def no_permission(self) -> bool:
+        """Whether this user may not read what is there: setup refuses, and
+        never moves it aside (it may be there for another user)."""
+        return self.kind in ("denied", "shut")
 
     @property
     def why(self) -> str:
-        return (f"{f'its folder {self.link}' if self.above else 'it'} is a symbolic link to "
-                f"{self.target}, {self.tail}")
+        what = f"its folder {self.link}" if self.above else "it"
+        if self.target is None:
+            done = "entered" if self.above else "read"
+            return f"{what} cannot be {done} by this user: permission denied"
+        return f"{what} is a symbolic link to {self.target}, {self.tail}"
 
 
 def config_link_trouble(path: Path) -> ConfigLink | None:
-    """The symbolic link that keeps the config file `path` from being read:
-    the path itself, a link that reaches no file; or, where nothing is at the
-    path, a folder above it that is a link reaching nothing (~/.cambium linked
-    to a dotfiles folder that moved). None: no link is at fault. The user's
-    config is then missing, not absent."""
+    """What keeps the config file `path` from being read, where a file may be
+    there: the path itself, a link that reaches no file; or, where nothing is
+    at the path, a folder above it that is a link reaching nothing (~/.cambium
+    linked to a dotfiles folder that moved); else a folder on the way this user
+    cannot enter, or the file, which it cannot read (_shut_on_the_way). None:
+    nothing is at fault. The user's config is then missing, not absent."""
     with contextlib.suppress(OSError, ValueError):
         try:
             is_link = _stat.S_ISLNK(os.lstat(path).st_mode)
         except OSError:          # (a folder above it may be a link this user cannot follow)
             is_link = False
-        if is_link:
-            return _link_reaching_nothing(path)
-        if os.path.lexists(path):
-            return None
-        for above in reversed(path.parents):       # (from the root down)
-            if not os.path.lexists(above):
-                return None
+        if is_link and (found := _link_reaching_nothing(path)):
+            return found
+        for above in () if is_link or os.path.lexists(path) else reversed(path.parents):
+            if not os.path.lexists(above):       # (from the root down)
+                break
             if above.is_symlink() and (found := _link_reaching_nothing(above)):
                 return found._replace(above=True)
+        return _shut_on_the_way(path)
+    return None
+
+
+def _shut_on_the_way(path: Path) -> ConfigLink | None:
+    """The folder on the way to `path` this user cannot enter (a link to it:
+    the link, named as such; the first from the root down), or `path` itself,
+    a regular file it cannot read, as a ConfigLink of kind `shut`; None when
+    nothing on the way is denied (ENOENT, ENOTDIR: no file can be there)."""
+    mode = 0
+    for step in (*reversed(path.parents), path):
+        try:
+            mode = os.stat(step).st_mode
+        except PermissionError:
+            if os.path.islink(step) and (found := _link_reaching_nothing(step)):
+                return found._replace(above=step != path)
+            shut = step.parent
+            return ConfigLink(shut, os.readlink(shut) if os.path.islink(shut) else None, "shut",
+                              above=True)
+        except OSError:
+            return None
+    if _stat.S_ISREG(mode):
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except PermissionError:
+            return ConfigLink(path, os.readlink(path) if os.path.islink(path) else None, "shut")
     return None
 
 
@@ -21150,17 +21208,21 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
     is a link reaching nothing, is refused (_config_link_refused), and so is
     what is no regular file (a device, a folder)."""
     lock, link = path, config_link_trouble(path)
-    if link is not None and (link.above or link.kind == "denied"):
+    if link is not None and (link.above or link.no_permission):
         raise InputError(_config_link_refused(path, link), "CAMBIUM_CONFIG_FILE")
     gone = link is not None
     if path.is_symlink() and not gone:      # (a link to what is gone: _merge_config moves
         path = Path(os.path.realpath(path))  # it aside, never makes a file there silently)
-    with contextlib.suppress(FileNotFoundError):     # /dev/null, a folder: never moved
+    try:                                            # /dev/null, a folder: never moved
         if not gone and not _stat.S_ISREG(os.stat(path).st_mode):   # aside nor written over
             raise InputError(f"the config file {lock} is no regular file"
                              f"{'' if path == lock else f' (it links to {path})'}: setup "
                              "writes only a file; set CAMBIUM_CONFIG_FILE to a file's path "
                              "or remove what is there.", "CAMBIUM_CONFIG_FILE")
+    except FileNotFoundError:
+        pass
+    except NotADirectoryError:                      # (~/.cambium a file; HOME=/dev/null)
+        raise InputError(_config_folder_refused(lock), "CAMBIUM_CONFIG_FILE") from None
     if not path.parent.exists():             # a folder it makes is owner-only; one that is
         path.parent.mkdir(parents=True, exist_ok=True)   # there (/etc, dotfiles) is left
         with contextlib.suppress(OSError):              # as it is
@@ -21175,17 +21237,30 @@ def _config_written(path: Path, updates: dict[str, Any]) -> Iterator[ConfigWrite
 
 
 def _config_link_refused(path: Path, link: ConfigLink) -> str:
-    """setup's refusal of a config file it cannot reach through a link: one
-    it may not follow (permission denied) is never moved aside as if it were
-    gone, as what it names may be there for another user; a folder above the
-    file that is a link reaching nothing ended in a bare "File exists"."""
+    """setup's refusal of a config file it cannot reach through a link, or may
+    not read: what this user may not read (a link it may not follow, a folder
+    it cannot enter, a file it cannot read) is never moved aside as if it were
+    gone, or written over, as it may be there for another user; a folder above
+    the file that is a link reaching nothing ended in a bare "File exists"."""
     return (f"setup cannot write the config file {path}: {link.why}. " + (
+        f"{'The link is' if link.target and not link.above else 'It is'} not moved aside or "
+        f"written over: {'what it names' if link.target else 'it'} may be there for another "
+        f"user. Let your user {_reach_words(link)}" if link.no_permission else
         f"Make {link.link} reach a folder you can write (restore what it names, or remove "
-        "the link: setup then makes a folder there)" if link.above else
-        "The link is not moved aside: what it names may be there for another user. Let your "
-        "user reach it (each folder on its way needs search permission)") +
+        "the link: setup then makes a folder there)") +
         ", or set CAMBIUM_CONFIG_FILE to the path of a file you can write; nothing was "
         "written.")
+
+
+def _config_folder_refused(path: Path) -> str:
+    """setup's refusal of a config file under what is no folder (~/.cambium a
+    regular file, HOME=/dev/null): it failed with a bare "Not a directory"."""
+    odd = next((p for p in reversed(path.parents) if os.path.lexists(p)
+                and not os.path.isdir(p)), path.parent)
+    return (f"setup cannot write the config file {path}: {odd} is no folder, so no file can "
+            "be made under it. Set CAMBIUM_CONFIG_FILE to the path of a file you can write "
+            f"(or, if {odd} is a stray file, move it away: setup then makes a folder there); "
+            "nothing was written.")
 
 
 def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
@@ -21202,6 +21277,8 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
             prior, current = read_config_object(path)      # (read once)
         except (OSError, ValueError, RecursionError) as e:
             link = config_link_trouble(path)
+            if link is not None and link.no_permission:   # (since _config_written looked)
+                raise InputError(_config_link_refused(path, link), "CAMBIUM_CONFIG_FILE")
             why, current = link.why if link else config_unread_why(e), {}
     _team_map_kept(path, current, updates)
     found = dict(current)

@@ -932,6 +932,96 @@ def test_a_config_link_that_loops_or_cannot_be_reached_is_said_so(tmp_path, monk
     assert "cannot be reached: permission denied" in said and fixes and refused, above
 
 
+def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
+    """~/.cambium a link to a folder this user cannot enter (mode 000), or a
+    real ~/.cambium it cannot enter, read as no config at all ("could not be
+    read (Permission denied); ignored"): every tool ran on defaults (the
+    team branch the file held dropped) and setup failed with a bare
+    PermissionError. A config.json it cannot read (itself or through a link)
+    was the gap, but setup moved it aside, every setting lost. Each is the
+    gap now, said by every tool (CLI included); setup refuses, nothing
+    written or moved. As root, DAC capabilities are dropped (setpriv)."""
+    drop = [] if os.geteuid() else ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if drop and not shutil.which("setpriv"):
+        pytest.skip("root without setpriv: every folder can be entered, every file read")
+    r = make_repo(tmp_path / "r")
+    settings = '{"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_TEAM_BRANCH": "kb"}\n'
+    shut = {}                                    # case -> (HOME, what gets mode 000, said)
+    for case in ("folder link", "folder", "file", "file link"):
+        home, elsewhere = tmp_path / case / "home", tmp_path / case / "dotfiles"
+        home.mkdir(parents=True)
+        elsewhere.mkdir()
+        cam = elsewhere if case == "folder link" else home / ".cambium"
+        cam.mkdir(exist_ok=True)
+        cfg = (elsewhere / "c.json") if case == "file link" else cam / "config.json"
+        cfg.write_text(settings)
+        if case == "folder link":
+            (home / ".cambium").symlink_to(cam)
+        if case == "file link":
+            (home / ".cambium" / "config.json").symlink_to(cfg)
+        said = {"folder link": f"its folder {home / '.cambium'} is a symbolic link to {cam}, "
+                               "which this user cannot enter: permission denied",
+                "folder": f"its folder {cam} cannot be entered by this user: permission denied",
+                "file": "it cannot be read by this user: permission denied",
+                "file link": f"it is a symbolic link to {cfg}, which this user cannot read: "
+                             "permission denied"}[case]
+        shut[case] = (str(home), str(cam if "folder" in case else cfg), said)
+    before = sorted(str(p) for p in tmp_path.rglob("*") if "r" not in p.relative_to(
+        tmp_path).parts[:1])
+    probe = textwrap.dedent(f"""
+        import contextlib, io, json, os, cambium_server as cs
+        os.environ.pop("CAMBIUM_CONFIG_FILE", None)    # (the default, ~/.cambium/config.json)
+        out = {{}}
+        for case, (home, _, _) in {shut!r}.items():
+            os.environ["HOME"] = home
+            cfg = cs.resolve_config()
+            try:
+                cs.recall("anything")
+                tool = None
+            except cs.Unconfigured as e:
+                tool = e.guidance["gaps"][0]
+            try:
+                cs.setup({str(r)!r}, "ada")
+                refused = None
+            except cs.InputError as e:
+                refused = str(e)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                rc = cs.main(["setup", {str(r)!r}, "ada"])
+            out[case] = [cfg.file_error, tool, refused, rc, err.getvalue()]
+        print(json.dumps(out))
+        """)
+    for _, path, _ in shut.values():
+        os.chmod(path, 0)
+    try:
+        run = subprocess.run([*drop, sys.executable, "-c", probe], text=True, cwd=r,
+                             capture_output=True, env=child_env(CAMBIUM_AGENT_ID="ada",
+                                                                CAMBIUM_RECALL_MODE="lexical"),
+                             timeout=120)
+    finally:
+        for _, path, _ in shut.values():
+            os.chmod(path, 0o700)
+    assert run.returncode == 0, run
+    out = json.loads(run.stdout)
+    if out["file"][0] is None:
+        pytest.skip("this process can read any file")
+    for case, (home, _, said) in shut.items():
+        file_error, tool, refused, rc, err = out[case]
+        path = Path(home) / ".cambium" / "config.json"
+        assert file_error == f"{path} could not be read ({said}); no tool runs until it is " \
+            "fixed", (case, file_error)
+        assert tool["setting"] == "config file" and said in tool["cost"], (case, tool)
+        assert "setup refuses until then, and never moves" in tool["fix"], (case, tool)
+        assert refused.startswith(f"setup cannot write the config file {path}: {said}. ") \
+            and "nothing was written." in refused, (case, refused)
+        assert rc == 1 and said in err and "Traceback" not in err, (case, err)
+    assert sorted(str(p) for p in tmp_path.rglob("*") if "r" not in p.relative_to(
+        tmp_path).parts[:1]) == before                       # (nothing moved, nothing made)
+    for case, (home, _, _) in shut.items():
+        assert json.loads((Path(home) / ".cambium" / "config.json").read_text()) == {
+            "CAMBIUM_AGENT_ID": "ada", "CAMBIUM_TEAM_BRANCH": "kb"}
+
+
 def test_a_config_folder_linked_to_what_is_gone_is_a_gap_and_setup_says_what_to_do(
         tmp_path, monkeypatch):
     """~/.cambium a link to a dotfiles folder that moved: the config file in it
@@ -2301,12 +2391,18 @@ def test_setup_refuses_head_or_a_branch_of_the_project_as_team_branch(tmp_path, 
 
 
 def test_setup_that_cannot_write_its_config_leaves_the_repo_untouched(tmp_path, monkeypatch):
+    """A config file under what is no folder (~/.cambium a regular file,
+    HOME=/dev/null) failed setup with a bare "Not a directory": it refuses,
+    naming what is no folder, nothing written; tools read no config there."""
     r = make_repo(tmp_path)
     (tmp_path / "not-a-dir").write_text("")
     monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(tmp_path / "not-a-dir" / "config.json"))
-    with pytest.raises(OSError):
+    with pytest.raises(cs.InputError, match=re.escape(f"{tmp_path / 'not-a-dir'} is no folder")
+                       + ".*nothing was written"):
         cs.setup(str(r), "ada")
     assert not (r / ".cambium").exists() and not (r / ".gitignore").exists()
+    assert (tmp_path / "not-a-dir").read_text() == ""
+    assert "(Not a directory); ignored" in cs.resolve_config().file_error  # (no file there)
 
 
 def write_config(path: Path, updates: dict) -> None:
