@@ -2405,6 +2405,31 @@ def test_setup_that_cannot_write_its_config_leaves_the_repo_untouched(tmp_path, 
     assert "(Not a directory); ignored" in cs.resolve_config().file_error  # (no file there)
 
 
+def test_setup_under_a_device_or_fifo_says_what_it_is_not_to_move_it(tmp_path, monkeypatch):
+    """HOME=/dev/null: setup's refusal told the user "if /dev/null is a stray
+    file, move it away". That is for a regular file (or a link) only: a
+    device or a FIFO is named as such, and the fix is HOME (for the default
+    path) or CAMBIUM_CONFIG_FILE."""
+    r = make_repo(tmp_path / "r")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.delenv("CAMBIUM_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("HOME", "/dev/null")
+    with pytest.raises(cs.InputError) as dev:
+        cs.setup(str(r), "ada")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(fifo / "config.json"))
+    with pytest.raises(cs.InputError) as pipe:
+        cs.setup(str(r), "ada")
+    for said, what in ((str(dev.value), "/dev/null is a character device, not a folder"),
+                       (str(pipe.value), f"{fifo} is a FIFO, not a folder")):
+        assert "stray file" not in said and "move it away" not in said, said
+        assert what in said and "nothing was written" in said, said
+    assert "Set HOME to your home folder, or CAMBIUM_CONFIG_FILE" in str(dev.value)
+    assert "Set HOME" not in str(pipe.value)           # (HOME would not change that path)
+    assert not (r / ".cambium").exists() and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
 def write_config(path: Path, updates: dict) -> None:
     """setup's config write, with nothing done under its lock after it."""
     with cs._config_written(path, updates):
