@@ -2469,7 +2469,7 @@ def _config_file_values(path: Path) -> tuple[dict, str | None, dict | None]:
     try:
         data, loaded = read_config_object(path)
     except (OSError, ValueError, RecursionError) as e:
-        if link := config_link_trouble(path):     # a dotfiles link that reaches no file:
+        if link := config_link_trouble(path, e):  # a dotfiles link that reaches no file:
             return {}, None, config_file_gap(path, link.why, link)  # (the settings are missing)
         if isinstance(e, FileNotFoundError):
             return {}, None, None
@@ -2574,13 +2574,17 @@ class ConfigLink(NamedTuple):
         return f"{what} is a symbolic link to {self.target}, {self.tail}"
 
 
-def config_link_trouble(path: Path) -> ConfigLink | None:
+def config_link_trouble(path: Path, error: BaseException | None = None) -> ConfigLink | None:
     """What keeps the config file `path` from being read, where a file may be
     there: the path itself, a link that reaches no file; or, where nothing is
     at the path, a folder above it that is a link reaching nothing (~/.cambium
     linked to a dotfiles folder that moved); else a folder on the way this user
     cannot enter, or the file, which it cannot read (_shut_on_the_way). None:
-    nothing is at fault. The user's config is then missing, not absent."""
+    nothing is at fault. The user's config is then missing, not absent.
+    `error`: what reading it raised, if it was read: after FileNotFoundError
+    every folder before the missing one was entered, so nothing is shut (the
+    walk, a stat per step, is skipped: it ran on every tool call without a
+    config file)."""
     with contextlib.suppress(OSError, ValueError):
         try:
             is_link = _stat.S_ISLNK(os.lstat(path).st_mode)
@@ -2593,7 +2597,7 @@ def config_link_trouble(path: Path) -> ConfigLink | None:
                 break
             if above.is_symlink() and (found := _link_reaching_nothing(above)):
                 return found._replace(above=True)
-        return _shut_on_the_way(path)
+        return None if isinstance(error, FileNotFoundError) else _shut_on_the_way(path)
     return None
 
 
@@ -21288,7 +21292,7 @@ def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:
         try:
             prior, current = read_config_object(path)      # (read once)
         except (OSError, ValueError, RecursionError) as e:
-            link = config_link_trouble(path)
+            link = config_link_trouble(path, e)
             if link is not None and link.no_permission:   # (since _config_written looked)
                 raise InputError(_config_link_refused(path, link), "CAMBIUM_CONFIG_FILE")
             why, current = link.why if link else config_unread_why(e), {}

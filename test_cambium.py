@@ -2430,6 +2430,24 @@ def test_setup_under_a_device_or_fifo_says_what_it_is_not_to_move_it(tmp_path, m
     assert not (r / ".cambium").exists() and stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_no_config_file_is_not_walked_for_a_folder_it_cannot_enter(tmp_path, monkeypatch):
+    """With no config file (every setting from the environment), every tool
+    call stat'ed each folder on the config path (_shut_on_the_way) after the
+    read failed with FileNotFoundError, which already says every folder
+    before the missing one was entered: nothing there can be shut. The walk
+    still runs for PermissionError (see the test above for what it finds)."""
+    walked = []
+    real = cs._shut_on_the_way
+    monkeypatch.setattr(cs, "_shut_on_the_way", lambda path: walked.append(path) or real(path))
+    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(tmp_path / "none" / "config.json"))
+    cfg = cs.resolve_config()
+    assert cfg.file_error is None and walked == [], (cfg.file_error, walked)
+    (tmp_path / "none").mkdir()
+    assert cs.resolve_config().file_error is None and walked == []
+    assert cs.config_link_trouble(tmp_path / "none" / "config.json") is None
+    assert walked == [tmp_path / "none" / "config.json"]   # (no error given: it looks)
+
+
 def write_config(path: Path, updates: dict) -> None:
     """setup's config write, with nothing done under its lock after it."""
     with cs._config_written(path, updates):
