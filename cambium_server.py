@@ -2524,16 +2524,16 @@ def _config_gap_fix(path: Path, why: str, link: ConfigLink | None) -> str:
 def _reach_words(link: ConfigLink) -> str:
     """What to do about a config file this user may not read
     (link.no_permission), after "let your user" (the gap's fix, setup's
-    refusal)."""
-    if link.kind == "denied":
-        return (f"reach {link.target} (each folder on its way needs search permission), or "
-                "point the link at a config file you can read")
+    refusal): a folder link (link.above) is pointed at a folder, or removed."""
     what = "folder" if link.above else "config file"
     need = "search permission" if link.above else "read permission"
     if link.target is None:
         return f"{link.verb} {link.link} ({need})"
-    return (f"{link.verb} {link.target}, the {what} the link {link.link} names ({need}), or "
-            f"point the link at a {what} you can {link.verb}")
+    reach = (f"reach {link.target} (each folder on its way needs search permission)"
+             if link.kind == "denied" else
+             f"{link.verb} {link.target}, the {what} the link {link.link} names ({need})")
+    return (f"{reach}, or point the link at a {what} you can {link.verb}" + (   # (no file to
+        ", or remove the link (setup then makes a folder there)" if link.above else ""))  # name)
 
 
 class ConfigLink(NamedTuple):

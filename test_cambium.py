@@ -947,29 +947,40 @@ def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
     r = make_repo(tmp_path / "r")
     settings = '{"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_TEAM_BRANCH": "kb"}\n'
     shut = {}                                    # case -> (HOME, what gets mode 000, said)
-    for case in ("folder link", "folder", "file", "file link"):
+    for case in ("folder link", "denied folder link", "folder", "file", "file link", "home"):
         home, elsewhere = tmp_path / case / "home", tmp_path / case / "dotfiles"
         home.mkdir(parents=True)
         elsewhere.mkdir()
-        cam = elsewhere if case == "folder link" else home / ".cambium"
-        cam.mkdir(exist_ok=True)
+        cam = home / ".cambium" if "folder link" not in case else \
+            elsewhere / "cam" if case == "denied folder link" else elsewhere
         cfg = (elsewhere / "c.json") if case == "file link" else cam / "config.json"
-        cfg.write_text(settings)
-        if case == "folder link":
+        if case != "home":                     # (HOME itself shut, no config file in it)
+            cam.mkdir(exist_ok=True)
+            cfg.write_text(settings)
+        if "folder link" in case:
             (home / ".cambium").symlink_to(cam)
         if case == "file link":
             (home / ".cambium" / "config.json").symlink_to(cfg)
         said = {"folder link": f"its folder {home / '.cambium'} is a symbolic link to {cam}, "
                                "which this user cannot enter: permission denied",
+                "denied folder link": f"its folder {home / '.cambium'} is a symbolic link to "
+                                      f"{cam}, which cannot be reached: permission denied",
                 "folder": f"its folder {cam} cannot be entered by this user: permission denied",
                 "file": "it cannot be read by this user: permission denied",
                 "file link": f"it is a symbolic link to {cfg}, which this user cannot read: "
-                             "permission denied"}[case]
-        shut[case] = (str(home), str(cam if "folder" in case else cfg), said)
+                             "permission denied",
+                "home": f"its folder {home} cannot be entered by this user: permission "
+                        "denied"}[case]
+        shut[case] = (str(home), str({"denied folder link": elsewhere, "home": home}.get(
+            case, cam if "folder" in case else cfg)), said)
+    (tmp_path / "probe").write_text("")      # (mode 000: can this process still read it?)
     before = sorted(str(p) for p in tmp_path.rglob("*") if "r" not in p.relative_to(
         tmp_path).parts[:1])
     probe = textwrap.dedent(f"""
-        import contextlib, io, json, os, cambium_server as cs
+        import contextlib, io, json, os, sys, cambium_server as cs
+        with contextlib.suppress(PermissionError):     # (DAC capabilities kept: skip)
+            open({str(tmp_path / "probe")!r}).close()
+            sys.exit(print("null"))
         os.environ.pop("CAMBIUM_CONFIG_FILE", None)    # (the default, ~/.cambium/config.json)
         out = {{}}
         for case, (home, _, _) in {shut!r}.items():
@@ -991,7 +1002,7 @@ def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
             out[case] = [cfg.file_error, tool, refused, rc, err.getvalue()]
         print(json.dumps(out))
         """)
-    for _, path, _ in shut.values():
+    for path in [*(path for _, path, _ in shut.values()), tmp_path / "probe"]:
         os.chmod(path, 0)
     try:
         run = subprocess.run([*drop, sys.executable, "-c", probe], text=True, cwd=r,
@@ -1003,8 +1014,8 @@ def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
             os.chmod(path, 0o700)
     assert run.returncode == 0, run
     out = json.loads(run.stdout)
-    if out["file"][0] is None:
-        pytest.skip("this process can read any file")
+    if out is None:
+        pytest.skip("this process can read a file of mode 000 (DAC capabilities kept)")
     for case, (home, _, said) in shut.items():
         file_error, tool, refused, rc, err = out[case]
         path = Path(home) / ".cambium" / "config.json"
@@ -1015,9 +1026,21 @@ def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
         assert refused.startswith(f"setup cannot write the config file {path}: {said}. ") \
             and "nothing was written." in refused, (case, refused)
         assert rc == 1 and said in err and "Traceback" not in err, (case, err)
+    for case in ("folder link", "denied folder link"):     # (a folder link: no config file
+        for words in (out[case][1]["fix"], out[case][2]):   # to point it at; removed, setup
+            assert "point the link at a config file" not in words, (case, words)  # makes one)
+            assert "point the link at a folder you can enter, or remove the link (setup then " \
+                "makes a folder there)" in words, (case, words)
+    for words in (out["file link"][1]["fix"], out["file link"][2]):
+        assert "point the link at a config file you can read" in words \
+            and "remove the link" not in words, words
+    assert "or `HOME` itself, even with no config file in it" in (
+        Path(__file__).parent / "README.md").read_text()       # (not only ~/.cambium)
     assert sorted(str(p) for p in tmp_path.rglob("*") if "r" not in p.relative_to(
         tmp_path).parts[:1]) == before                       # (nothing moved, nothing made)
     for case, (home, _, _) in shut.items():
+        if case == "home":
+            continue
         assert json.loads((Path(home) / ".cambium" / "config.json").read_text()) == {
             "CAMBIUM_AGENT_ID": "ada", "CAMBIUM_TEAM_BRANCH": "kb"}
 
