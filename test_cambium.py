@@ -3824,27 +3824,32 @@ def test_a_trimmed_append_record_keeps_a_reader_a_few_appends_behind_incremental
         repo, monkeypatch):
     """The append record is cut back when it grows past 4 x APPENDS_READ_MAX;
     what a reader looks at (its last APPENDS_READ_MAX bytes) survives the cut,
-    so a reader two appends behind still reads only the tail."""
+    so a reader two appends behind still reads only the tail. The record is
+    brought to exactly 4 x APPENDS_READ_MAX after the first append, so the cut
+    falls on the second: capturing pairs until it did by chance never got there
+    when the store's inode number had 8 digits (a record line two bytes longer:
+    every cut fell on the first of a pair)."""
     monkeypatch.setattr(cs, "APPENDS_READ_MAX", 300)
     cs.capture("seed fact about trimmed records", tags="seed")
     other = cs.Runtime()                       # another process's view of the same file
     record = repo / ".cambium" / "knowledge.json.appends"
-    for n in range(40):                        # until the cut falls on the second append
-        with cs.use_runtime(other):
-            cs.store(cs.resolve_config(), "local").read()
-        cs.capture(f"first appended fact number {n}", tags="tail")
-        size = record.stat().st_size
-        cs.capture(f"second appended fact number {n}", tags="tail")
-        cut = record.stat().st_size < size
-        if cut:
-            break
-    assert cut                                 # the reader is two appends behind the cut
+    with cs.use_runtime(other):
+        cs.store(cs.resolve_config(), "local").read()
+    cs.capture("first appended fact about the cut", tags="tail")
+    mine = record.read_bytes()                 # ends with the reader's first step
+    need = 4 * cs.APPENDS_READ_MAX - len(mine)
+    older = b"0 1 1 2 2\n" * (need // 10)      # older lines: records of another file
+    odd = b"0" * (need % 10 - 1) + b"\n" if need % 10 else b""
+    record.write_bytes(odd + older + mine)
+    assert record.stat().st_size == 4 * cs.APPENDS_READ_MAX     # full, not past it
+    cs.capture("second appended fact about the cut", tags="tail")
+    assert record.stat().st_size <= cs.APPENDS_READ_MAX         # the cut fell on the second
     parsed = []
     real = cs.parse_file
     monkeypatch.setattr(cs, "parse_file", lambda *a: parsed.append(1) or real(*a))
     with cs.use_runtime(other):
         items = cs.store(cs.resolve_config(), "local").read().items
-    assert len(items) == 1 + 2 * (n + 1) and not parsed
+    assert len(items) == 3 and not parsed
 
 
 def test_reader_waits_for_a_rewrite_of_its_own_process_instead_of_parsing_it(repo, monkeypatch):
