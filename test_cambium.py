@@ -22881,6 +22881,31 @@ def _engine_with_a_held_backlog(monkeypatch):
     return eng, items, cs.build_index(items), gate
 
 
+def _release_once_a_recall_waits(monkeypatch, gate: threading.Event) -> None:
+    """Set `gate` 0.6 s after a recall began its wait for the backlog (it helps
+    to embed it, or waits for the embedder): a wait it measures lasts that long
+    at least, past BACKLOG_NOTE_S (0.5 s), however slowly it got there (a timer
+    started before the recall left the time up to its wait 0.1 s in all)."""
+    waiting, real_help, real_wait = threading.Event(), cs.Semantic._help, cs.Semantic.wait_idle
+
+    def helps(self, emb, deadline):
+        waiting.set()
+        return real_help(self, emb, deadline)
+
+    def waits(self, timeout_s: float, new_only: bool = False) -> bool:
+        if new_only:                                # (only a recall waits for new items)
+            waiting.set()
+        return real_wait(self, timeout_s, new_only)
+
+    def release() -> None:
+        waiting.wait(60)
+        time.sleep(0.6)
+        gate.set()
+    monkeypatch.setattr(cs.Semantic, "_help", helps)
+    monkeypatch.setattr(cs.Semantic, "wait_idle", waits)
+    threading.Thread(target=release, daemon=True).start()
+
+
 @needs_extra
 def test_a_backlog_a_recall_answered_without_waiting_for_is_never_waited_for(monkeypatch):
     """A backlog first met too long to wait for (the first recalls answered by
@@ -22911,8 +22936,7 @@ def test_a_recall_that_waited_for_the_backlog_says_so_in_its_note(monkeypatch):
     monkeypatch.setattr(cs, "BACKLOG_NOTE_S", 0.5)
     eng, _, index, gate = _engine_with_a_held_backlog(monkeypatch)
     eng.rate = 1e9                                  # looks instant: worth waiting for
-    release = threading.Timer(0.6, gate.set)        # ...and takes 0.6 s and more
-    release.start()
+    _release_once_a_recall_waits(monkeypatch, gate)  # ...and takes 0.6 s and more
     first = cs.rank(index, "ledger export", 3, engine=eng)
     assert re.fullmatch(r"This recall waited [1-9]\d* s to embed 6 new items first; later "
                         r"recalls will not wait for them\.", first.note or ""), first.note
@@ -22949,8 +22973,7 @@ def test_a_recall_s_wait_note_counts_only_items_that_had_no_vectors(monkeypatch)
         return real(self, emb, chunk)
 
     monkeypatch.setattr(cs.Semantic, "_embed_items", held)
-    release = threading.Timer(0.6, gate.set)
-    release.start()
+    _release_once_a_recall_waits(monkeypatch, gate)
     note = cs.rank(cs.build_index(old + new), "invoice retry", 3, engine=eng).note or ""
     assert eng.embedded == 3 + 6, eng.embedded      # the three retokenized in the same wait
     assert re.fullmatch(r"This recall waited [1-9]\d* s to embed 3 new items first; later "
