@@ -23036,7 +23036,7 @@ def test_a_backlog_judged_worth_waiting_for_is_waited_for_by_every_recall_for_a_
     with eng.cv:                                    # EMBED_WAIT_TOTAL_S since the judgement
         eng.judged = (eng.judged[0] - cs.EMBED_WAIT_TOTAL_S, eng.judged[1])
     cs.rank(index, "ledger export", 3, engine=eng)
-    assert sum(waits[2:]) == 0, waits               # waited for long enough in all
+    assert len(waits) == 2, waits                   # waited for long enough in all: no third wait
     gate.set()
     assert eng.wait_idle(120) and eng.pending == 0 and eng.verdict is None
 
