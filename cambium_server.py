@@ -22903,7 +22903,8 @@ def promote(item_id: Annotated[str | None, Field(
 
     With no arguments: promote every eligible local item to team (recalled by
     at least CAMBIUM_PROMOTE_RECALLS agent-days, or endorsed). With item_id and
-    to_scope="team": that one item (force=True skips the eligibility check).
+    to_scope="team": that one item (force=True skips the eligibility check;
+    force=True with no item_id is refused, nothing promoted).
     With to_scope="org": needs an endorsement, and everything org publishes of
     it (content, why, kind, endorsement notes) must read as a cross-project rule:
     text that names a file, a test, a dec-/con- id or its project is refused
@@ -22925,11 +22926,8 @@ def promote(item_id: Annotated[str | None, Field(
     if org_why is not None:
         org_why = _clean_text(org_why, "org_why", MAX_WHY_CHARS) or None
     restate = {"org_content": org_content, "org_why": org_why, "org_kind": _org_kind(org_kind)}
-    given = [k for k, v in restate.items() if v]     # (blank, like omitted: all three alike)
-    if to_scope == "team" and given:             # was: promoted to team, the restatement dropped
-        raise InputError(f"{given[0]} restates an item for org: promote(item_id, "
-                         f"to_scope='org', {given[0]}=...); a team copy keeps its words.",
-                         given[0])
+    _refuse_promote_combos(item_id, to_scope, force,
+                           [k for k, v in restate.items() if v])  # (blank, like omitted)
     settled, unsettled = settle_quietly(cfg)
     if to_scope == "team":
         out = _promote_to_team(cfg, item_id, force)
@@ -22942,6 +22940,23 @@ def promote(item_id: Annotated[str | None, Field(
     if settled:
         out["settled_org_prs"] = settled
     return out
+
+
+def _refuse_promote_combos(item_id: str | None, to_scope: str, force: bool,
+                           given: list[str]) -> None:
+    """promote's arguments that cannot go together, refused before anything is
+    written or settled: force with no item id (every eligible item moved,
+    none forced: force was dropped unseen; the CLI exits 2), and a restatement
+    for org (`given`: the org_* arguments not blank) sent to team (it was
+    promoted to team, the restatement dropped)."""
+    if force and item_id is None:
+        raise InputError("force needs an item id: promote(item_id, force=True) forces that "
+                         "one item (to team: skips its eligibility check; to org: passes its "
+                         "org gate as is). Nothing was promoted.", "force")
+    if to_scope == "team" and given:
+        raise InputError(f"{given[0]} restates an item for org: promote(item_id, "
+                         f"to_scope='org', {given[0]}=...); a team copy keeps its words.",
+                         given[0])
 
 
 def _promote_to_team(cfg: Config, item_id: str | None, force: bool,

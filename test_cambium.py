@@ -19501,7 +19501,18 @@ def test_mcp_stdio_initialize_list_status_capture_recall(repo):
 
 
 def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
+    """promote(force=True) with no item_id promoted every eligible item and
+    dropped force unseen (the CLI's `promote --force` exits 2): refused now,
+    naming force, the endorsed (eligible) item left where it was."""
+    eligible = cs.capture("Pin the Postgres image tag in docker-compose")["item"]["id"]
+    cs.endorse(eligible, note="holds")
+
     async def body(session, init):
+        forced = await session.call_tool("promote", {"force": True})
+        assert forced.is_error and forced.structured_content == {
+            "error": "invalid_argument", "argument": "force",
+            "message": forced.content[0].text}, forced
+        assert forced.content[0].text.startswith("force needs an item id")
         out = {}
         for args in ({"query": "x", "limit": 99}, {"query": "x", "scope": "galaxy"},
                      {"query": "x", "limit": "many"}, {"query": "x", "limit": True}, {}):
@@ -19530,6 +19541,7 @@ def test_mcp_refused_arguments_answer_one_sentence_naming_the_argument(repo):
         return out, [(r.content[0].text, r.structured_content) for r in (long, promote)]
 
     out, core = asyncio.run(_mcp_session(_mcp_env(repo), body))
+    assert cs.expand(eligible)["scope"] == "local"
     assert core[0][0] == ("content is 20001 characters, over the limit of 20000: capture the "
                           "durable point, not the whole document.")
     assert core[1][0].startswith("item_id is required with to_scope='org'")
@@ -28138,7 +28150,7 @@ def test_a_tip_an_old_process_kept_beside_a_new_keep_is_merged_into_it(shared, t
     assert later in again and between in again
     (tmp_path / "rewound.json").write_text(git(a, "show", f"{slot}:knowledge.json"))
     cs.restore(str(tmp_path / "rewound.json"))
-    assert cs.promote(force=True)["status"] == "promoted"
+    assert cs.promote()["status"] == "promoted"
     assert team_ids(origin) == {first, later, between}
 
 
@@ -28171,7 +28183,7 @@ def test_a_second_rewind_keeps_what_each_rewind_dropped(shared, tmp_path, how):
     assert git(a, "merge-base", "--is-ancestor", dropped, ref) == ""     # (git log reaches it)
     (tmp_path / "rewound.json").write_text(git(a, "show", f"{ref}:knowledge.json"))
     assert cs.restore(str(tmp_path / "rewound.json"))["restored"] == 1 + (how == "delete") + 1
-    assert cs.promote(force=True)["status"] == "promoted"
+    assert cs.promote()["status"] == "promoted"
     assert team_ids(origin) == {first, later, between, last}
     assert not any("rewound" in w for w in cs.recall("alerts").get("warnings", []))
 
@@ -28438,7 +28450,7 @@ def test_a_rename_made_from_a_stale_tip_keeps_what_the_old_names_copy_held(
     ref = re.search(r"show '?(refs/cambium/\S+?):knowledge\.json", warning).group(1)
     (tmp_path / "rewound.json").write_text(git(a, "show", f"{ref}:knowledge.json"))
     assert cs.restore(str(tmp_path / "rewound.json"))["restored"] == 1
-    assert cs.promote(force=True)["status"] == "promoted"
+    assert cs.promote()["status"] == "promoted"
     assert team_ids(origin, "kb/v2") == {first, later}
 
 
@@ -29036,7 +29048,7 @@ def test_a_restatement_for_org_is_judged_as_the_words_that_land(shared, monkeypa
     said = "Services expose a health endpoint that checks their dependencies"
     a = _endorsed("The billing service exposes /health checking Postgres")
     b = _endorsed("The search service exposes /health checking Elasticsearch")
-    cs.promote(force=True)
+    cs.promote()
     assert cs.promote(a, to_scope="org", org_content=said)["status"] == "promoted"
     cs.deprecate(a, reason="health checks moved to the mesh")
     out = cs.promote(b, to_scope="org", org_content=said + ".")
