@@ -17798,9 +17798,16 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     it already: it keeps waiting. Returns [id] when the copy below left; one
     sent to wait on cambium/updates goes in `repointed` with that PR's URL; a
     note org's gate held back from what it gained (a teammate endorsed it with
-    a note naming a file while its promote ran) is a warning in `said`."""
+    a note naming a file while its promote ran) is a warning in `said`. One
+    held for a person's correction org lacks leaves as any merged copy once
+    that correction is retracted (deprecated) and waits on no pull request,
+    org's copy active, _left_active's warning in `said`: it was held for good,
+    every review advising a correction at org that settled nothing."""
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
-    if (waits := _correction_waits(cfg, scope, item, there, rode)) is not None:
+    on: list[tuple[str, str]] = []           # (the pull request its correction waits on)
+    gone = None                              # (the retracted correction it was held for)
+    if (waits := _correction_waits(cfg, scope, item, there, rode, on)) is not None and \
+            (on or (gone := _retracted_end(cfg, scope, item)) is None):
         if said is not None:
             said.append(waits)
         return []
@@ -17817,11 +17824,21 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
         repointed.update((it.id, moved.write.pr_url) for it in moved.landed)
     if repointed is not None:                 # (news met by its drop: proposed, it waits)
         repointed.update(moved.proposed)
+    left = [] if branch else [it.id for it in moved.landed
+                              if it.id == item.id and it.id not in moved.proposed]
     if said is not None:
         said += notes_held(moved, proposed=bool(branch)).get("warnings", []) + [
-            v.reason for v in moved.refused.values() if v.status == "needs_review"]
-    return [] if branch else [it.id for it in moved.landed
-                              if it.id == item.id and it.id not in moved.proposed]
+            v.reason for v in moved.refused.values() if v.status == "needs_review"] + [
+            _left_active(item, scope, gone) for _ in left if gone]
+    return left
+
+
+def _retracted_end(cfg: Config, scope: str, item: Item) -> Item | None:
+    """The end of the person's corrections that superseded `item` in `scope`
+    (_correction_line_now) when it was retracted since (deprecated: no
+    supersession to keep, as _finish_cut_short reads it); else None."""
+    line = _correction_line_now(cfg, scope, item)
+    return line[-1] if line and line[-1].status == "deprecated" else None
 
 
 def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,

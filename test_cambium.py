@@ -12124,6 +12124,39 @@ def test_pr_mode_a_copy_kept_for_a_correction_leaves_once_it_is_retracted(
     _retracted_copy_leaves(shared, item, fix)
 
 
+def test_pr_mode_a_copy_marked_by_its_merged_pr_leaves_once_its_correction_is_retracted(
+        shared, monkeypatch, tmp_path):
+    """PR mode: Bob corrected the team item, in words org's gate turns away,
+    while Ada's promote opened its pull request; after the merge the team copy,
+    still marked with that pull request, is kept (pr_pending: the only record
+    that org's words were corrected). Bob then retracts the correction
+    (deprecates it): the copy was held for good, every review and promote
+    giving the same advice (correct it at org). Retracted, nothing holds it: the
+    merged copy is the copy, and the team copy leaves, org's copy active, with
+    a warning saying so, as an unmarked one does."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    item = _endorsed("Prefer idempotent retries with exponential backoff and jitter")
+    cs.promote(item, force=True)
+    ran = _bob_in_the_window(monkeypatch, shared, "_annotate_pr", "correct", item,
+                             "Retry only idempotent calls; see src/billing/retry.py")
+    assert cs.promote(item, to_scope="org")["status"] == "pr_opened"
+    fix = json.loads(ran[0].stdout)["item"]["id"]
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{item}")
+    held = cs.promote(item, to_scope="org")
+    assert held["status"] == "pr_pending" and any(
+        fix in w and "gate" in w for w in held["warnings"]), held
+    _kept_superseded(shared, item, fix)
+    assert _bob_runs(shared, "deprecate", fix, "--reason", "was wrong")["status"] == "deprecated"
+    review = cs.review_promotions()
+    assert review.get("settled_org_prs") == [item], review
+    assert any(fix in w and "deprecated since" in w and "left" in w and "gate" not in w
+               for w in review["warnings"]), review
+    assert item not in team_ids(shared["origin"])
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[item]["status"] == "active" and fix not in org, org
+    assert not any(item in w for w in cs.review_promotions().get("warnings", []))
+
+
 def test_pr_mode_promote_keeps_a_copy_whose_correction_was_declined(
         shared, monkeypatch, tmp_path):
     """PR mode: as above, the correction proposed and declined by org's
