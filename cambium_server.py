@@ -22967,9 +22967,11 @@ def _refuse_promote_combos(item_id: str | None, to_scope: str, force: bool,
     for org (`given`: the org_* arguments not blank) sent to team (it was
     promoted to team, the restatement dropped)."""
     if force and item_id is None:
-        raise InputError("force needs an item id: promote(item_id, force=True) forces that "
-                         "one item (to team: skips its eligibility check; to org: passes its "
-                         "org gate as is). Nothing was promoted.", "force")
+        call = "promote(item_id, to_scope='org', force=True)" if to_scope == "org" \
+            else "promote(item_id, force=True)"
+        raise InputError(f"force needs an item id: {call} forces that one item (to team: "
+                         "skips its eligibility check; to org: passes its org gate as is). "
+                         "Nothing was promoted.", "force")
     if to_scope == "team" and given:
         raise InputError(f"{given[0]} restates an item for org: promote(item_id, "
                          f"to_scope='org', {given[0]}=...); a team copy keeps its words.",

@@ -12124,6 +12124,21 @@ def test_pr_mode_a_copy_kept_for_a_correction_leaves_once_it_is_retracted(
     _retracted_copy_leaves(shared, item, fix)
 
 
+def test_promote_force_with_no_id_is_refused_and_moves_nothing(shared):
+    """promote(force=True) with no item id moved every eligible item to team and
+    dropped force unseen: it is refused (argument force), and an endorsed,
+    eligible item stays local; the org example names to_scope='org'."""
+    item = cs.capture("Retry idempotent writes with jittered backoff")["item"]["id"]
+    cs.endorse(item, note="holds")
+    for kwargs, call in (({}, "promote(item_id, force=True)"),
+                         ({"to_scope": "org"}, "promote(item_id, to_scope='org', force=True)")):
+        with pytest.raises(cs.InputError) as refused:
+            cs.promote(force=True, **kwargs)
+        assert refused.value.argument == "force" and call in str(refused.value)
+    assert item not in team_ids(shared["origin"])
+    assert cs.promote()["promoted"] and item in team_ids(shared["origin"])   # eligible all along
+
+
 def test_pr_mode_a_copy_marked_by_its_merged_pr_leaves_once_its_correction_is_retracted(
         shared, monkeypatch, tmp_path):
     """PR mode: Bob corrected the team item, in words org's gate turns away,
