@@ -13432,15 +13432,15 @@ def content_claims(np: Any, tails: tuple, q: Any, slots: list[int]) -> dict[int,
     agent's item it corrected, its first window diluted by the why."""
     if SEM_CONTENT_TAGS_DISCOUNT is None or not slots:
         return {}
-    tmat, tslot, _, twin = tails           # the first extra vector of a slot is content + tags
-    rows = np.flatnonzero(~twin & np.isin(tslot, np.array(slots, np.int64)))
-    cos: dict[int, float] = {}
-    for r in rows.tolist():
-        cos.setdefault(int(tslot[r]), float(tmat[r] @ q))
-    if not cos:
+    tmat, tslot, _, twin = tails
+    wanted = np.zeros(max(max(slots), int(tslot.max(initial=-1))) + 1, bool)
+    wanted[slots] = True                   # (a table by slot: one pass over the rows)
+    rows = np.flatnonzero(~twin & wanted[tslot])
+    if not len(rows):
         return {}
-    rel = semantic_relevance(np, np.array(list(cos.values()), np.float64))
-    return dict(zip(cos, rel.tolist()))
+    found, first = np.unique(tslot[rows], return_index=True)   # (a slot's first extra
+    rel = semantic_relevance(np, (tmat[rows[first]] @ q).astype(np.float64))  # vector is
+    return dict(zip(found.tolist(), rel.tolist()))                  # content + tags)
 
 
 def best_slots(np: Any, score: Any, items: list, limit: int) -> list[int]:

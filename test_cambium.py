@@ -21644,6 +21644,31 @@ def test_a_vector_cache_index_of_odd_rows_is_discarded_and_a_failed_save_leaves_
     assert sorted(p.name for p in tmp_path.glob("vectors-*.npy")) == before
 
 
+def test_a_claim_is_the_cosine_of_each_wanted_slots_content_and_tags_vector():
+    """content_claims (Hit.claim) reads, of each wanted slot, its first extra
+    vector (content + tags), never a tail window or its why's, and no slot
+    not asked for: found by a table over the rows and one product since
+    (a pass over every row per slot and a product per row before)."""
+    np = pytest.importorskip("numpy")
+    if cs.SEM_CONTENT_TAGS_DISCOUNT is None:
+        pytest.skip("no content + tags vectors")
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal(cs.EMBED_DIM).astype(np.float32)
+    q /= np.linalg.norm(q)
+    tslot = np.array([5, 5, 5, 2, 2, 9, 12], np.int64)      # (slot 9: a tail window only)
+    twin = np.array([True, False, False, False, False, True, False])
+    tmat = rng.standard_normal((len(tslot), cs.EMBED_DIM)).astype(np.float32)
+    tmat[[1, 3]] = [0.8 * q, 0.6 * q]                 # content + tags of slots 5 and 2
+    tmat[[0, 2, 4, 5]] = 0.95 * q                     # windows and whys: not claims
+    tails = (tmat, tslot, np.zeros(len(tslot), np.float32), twin)
+    got = cs.content_claims(np, tails, q, [9, 2, 30, 5])   # (30: past every row's slot)
+    want = cs.semantic_relevance(np, np.array([0.8, 0.6]))
+    assert got.keys() == {5, 2}, got
+    assert got[5] == pytest.approx(float(want[0]), abs=1e-6)
+    assert got[2] == pytest.approx(float(want[1]), abs=1e-6)
+    assert cs.content_claims(np, tails, q, [9]) == {} == cs.content_claims(np, tails, q, [])
+
+
 def test_a_cache_entry_too_short_for_its_engine_is_embedded_again(semantic, monkeypatch):
     """One cache entry of a single row (a hand edit) in an engine whose rows end
     with the second encoder's vector made every recall an IndexError; and any
