@@ -22618,15 +22618,22 @@ def fetch_for_next_primer(cfg: Config | None = None, *, started: float | None = 
         cfg = cfg or resolve_config()
         if remote_failed:
             return
-        unfetched: set[str] = set()
-        read_scopes_offline(cfg, unfetched=unfetched)
-        for scope in ("team", "org"):
-            if scope not in unfetched:
-                continue
+        for scope in [s for s in ("team", "org") if _never_fetched(cfg, s)]:
             if HOOK_BUDGET_S - (time.monotonic() - started) < cfg.git_timeout_s:
                 break
             with contextlib.suppress(Exception):
                 read_following(cfg, scope, digest=True)
+
+
+def _never_fetched(cfg: Config, scope: str) -> bool:
+    """Whether the shared `scope` is set up and this clone has never fetched
+    it (GitStore.never_seen: read_scopes_offline's NotFetched), with no
+    store parsed: fetch_for_next_primer read every scope to learn it."""
+    try:
+        st = store(cfg, scope)
+        return isinstance(st, GitStore) and bool(st.never_seen())
+    except (CambiumError, OSError):          # (off or set wrong: read_scopes_offline's skip)
+        return False
 
 
 def distill_remote_failed(result: dict) -> bool:
