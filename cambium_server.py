@@ -17842,7 +17842,8 @@ def _retracted_end(cfg: Config, scope: str, item: Item) -> Item | None:
 
 
 def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
-                      rode: list[Moved], on: list[tuple[str, str]] | None = None) -> str | None:
+                      rode: list[Moved], on: list[tuple[str, str]] | None = None,
+                      line_read: list[Item] | None = None) -> str | None:
     """Why a copy below whose org pull request merged cannot leave yet, or None:
     it was superseded (a teammate's correct() or consolidate fold while its
     promote ran, its pull request built from the tip before) by an item org
@@ -17853,12 +17854,16 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
     with it, in one org commit, that move added to `rode`); a fold's survivor,
     or a correction org's gate turns away or its reviewers declined, waits for
     a person (uncarried says what to do). `on` gets (status, url) of the pull
-    request it waits on: pr_pending, or pr_opened when proposed just now."""
+    request it waits on: pr_pending, or pr_opened when proposed just now.
+    `line_read` gets the correction line it read (_correction_line; none
+    when it returns None before reading one)."""
     if not there.active or not replacement_missing(item, _org_ids_for(cfg, item)):
         return None
     by = _superseded_by(item) or ""
     below = _replacements_now(cfg, scope, item)
     line = _correction_line(item, below)
+    if line_read is not None:
+        line_read += line
     if waits := next((it for it in line or [below.get(by)] if it and it.pr_url), None):
         if on is not None:
             on.append(("pr_pending", waits.pr_url or ""))
@@ -23192,12 +23197,13 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
         return None
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
     on: list[tuple[str, str]] = []           # (the pull request its correction waits on)
-    if (waits := _correction_waits(cfg, scope, item, found[1], rode, on)) and \
+    line: list[Item] = []                    # (its correction line, as _correction_waits read it)
+    if (waits := _correction_waits(cfg, scope, item, found[1], rode, on, line)) and \
             (item.pr_url or on):             # (unmarked: it waits too, or org loses it)
         status, url = ("pr_pending", item.pr_url) if item.pr_url else on[0]
         return {"status": status, "pr_url": url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
-    line = _correction_line_now(cfg, scope, item) if waits else []
+    line = line if waits else []
     if line and line[-1].status != "deprecated":   # (retracted: no supersession to keep)
         if url := _correction_proposed(cfg, item.id):   # (correct() again is refused)
             waits = _waits_on_org_correction(item.id, scope, line[0].id, _line_stays(
@@ -23240,13 +23246,6 @@ def _left_active(item: Item, scope: str, retired: Item | None = None) -> str:
     return (f"{item.id} was superseded in {scope} scope by {_superseded_by(item)}, which org "
             "does not hold, so org's copy stays active (retired there, org would lose what it "
             "says); consolidate() folds the two if they say the same")
-
-
-def _correction_line_now(cfg: Config, scope: str, item: Item) -> list[Item]:
-    """The person's corrections that superseded `item` in `scope` as it holds
-    them now (_correction_line): [] for a fold, or one gone since."""
-    return _correction_line(item, {it.id: it for it in first_copies(
-        store(cfg, scope).read().items)})
 
 
 def _org_kind(kind: str | None) -> str | None:
