@@ -17969,7 +17969,7 @@ def settle_unmarked(cfg: Config, docs: dict[str, Doc],
             if it.active:
                 out = _finish_held_move(cfg, scope, it, held[it.id], restated=False)
             elif _correction_reached(it, held[it.id], held) or \
-                    review and _correction_to_propose(cfg, it, held, org_doc, below):
+                    review and _correction_to_propose(cfg, it, held, org_doc, below, memo):
                 out = _finish_cut_short(cfg, scope, it) or {}
             else:
                 if said is not None and (note := review and _held_below(
@@ -17999,7 +17999,7 @@ def _held_capped(kept: list[str]) -> list[str]:
 
 
 def _correction_to_propose(cfg: Config, item: Item, held: dict[str, Item], org_doc: Doc,
-                           below: dict[str, Item]) -> bool:
+                           below: dict[str, Item], memo: dict) -> bool:
     """Org in PR mode: whether `item`, an unmarked copy below of an item org
     (`org_doc`: its tip) holds active, was superseded by a person's
     correction org lacks (a teammate's correct() in a clone without org
@@ -18011,13 +18011,29 @@ def _correction_to_propose(cfg: Config, item: Item, held: dict[str, Item], org_d
     copy waiting; before, only that promote did, and org served the old words
     for good. Never in direct mode: there it would publish to org's own
     branch, and a review publishes nothing unasked. `below`: id -> item of
-    the copy's scope; `held`: id -> org's item, as settle_unmarked read it."""
+    the copy's scope; `held`: id -> org's item, as settle_unmarked read it;
+    `memo`: the review's (_line_checks)."""
     there = held.get(item.id)
     if not (cfg.org_pr and item.status == "superseded" and there and there.active):
         return False
     line = _correction_line(item, below)
-    return bool(line) and _line_stays(line, "org") is None and not any(
-        it.id in held or _said_in(cfg, "org", org_doc, it) for it in line)
+    if not line or any(it.id in held for it in line):
+        return False
+    stays, said = _line_checks(cfg, item, line, org_doc, memo)
+    return stays is None and said is None
+
+
+def _line_checks(cfg: Config, item: Item, line: list[Item], org_doc: Doc, memo: dict
+                 ) -> tuple[str | None, Verdict | None]:
+    """(_line_stays(line, "org"), the first _said_in verdict at org among the
+    links of `line`, `item`'s correction line), worked out once per copy in a
+    review: _correction_to_propose, then _held_below, ask both of the same copy
+    (org's gate reads each link's text). `memo` keeps the last copy's."""
+    last = memo.get("line_checks")
+    if last is None or last[0] is not item:
+        last = memo["line_checks"] = (item, _line_stays(line, "org"), next(
+            (v for it in line if (v := _said_in(cfg, "org", org_doc, it))), None))
+    return last[1], last[2]
 
 
 def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_doc: Doc,
@@ -18035,16 +18051,17 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
     One whose org copy a correction made at org waits to correct (PR mode:
     cambium/updates) is said to wait on that pull request: correcting it
     again is refused until it merges. `below`, `held`, `org_doc`: as
-    settle_unmarked read them; `memo`: _correction_proposed's, for the review."""
+    settle_unmarked read them; `memo`: the review's (_correction_proposed,
+    _line_checks)."""
     line = _correction_line(item, below)
     if not line or line[-1].status == "deprecated" or not held[item.id].active or \
             any(it.id in held or it.pr_url for it in line):
         return None                    # (retracted since: promote lets it leave)
     by, again = line[0].id, f", corrected again by {line[-1].id}," if len(line) > 1 else ""
-    why = _line_stays(line, "org") or next(
+    stays, said = _line_checks(cfg, item, line, org_doc, memo)
+    why = stays or next(
         (f"a correction{again} that org turned away now ({it.id}: {v.reason})" for it in line
-         if (v := malformed_verdict(it))), None) or next(
-        (v.reason for it in line if (v := _said_in(cfg, "org", org_doc, it))), None)
+         if (v := malformed_verdict(it))), None) or (said.reason if said else None)
     if url := _correction_proposed(cfg, item.id, memo):
         return _waits_on_org_correction(item.id, scope, by, why or "not carried up yet", url)
     todo = (f"promote({item.id!r}, to_scope='org') carries {by} up to org with it (a "

@@ -12064,6 +12064,43 @@ def test_a_review_counts_the_copies_kept_needs_review_past_a_few(shared, monkeyp
     assert said[-1].startswith("… and 3 more") and "needs_review" in said[-1], said
 
 
+def test_a_review_judges_each_copys_correction_once_and_by_its_own_links(
+        shared, monkeypatch):
+    """A review asked org's gate (_line_stays) and _said_in of a copy's
+    correction line twice, in _correction_to_propose and then _held_below.
+    Asked once now (_line_checks), the answer kept for that copy alone: the
+    next copy, whose correction goes up, is not judged by the last one's."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    cfg = cs.require_config()
+    now = "2026-12-07T00:00:00Z"
+    base = cs.new_item("Prefer idempotent retries with jitter", agent="a", project="p",
+                       now=now)
+    org, below = [], {}
+    for i, words in enumerate(("fixed rule; see src/a.py", "fixed rule in general terms")):
+        x = dataclasses.replace(base, id=f"k-{i:012x}", content=f"org rule {i}", scope="org")
+        fix = dataclasses.replace(x, id=f"k-f{i:011x}", content=words, corrects=x.id,
+                                  scope="team")
+        org.append(x)
+        below[x.id] = dataclasses.replace(x, scope="team", status="superseded",
+                                          superseded_by={"id": fix.id, "by": "bob", "at": now})
+        below[fix.id] = fix
+    held, org_doc = {x.id: x for x in org}, cs.Doc(items=org)
+    gate = cs._line_stays
+    asked: list = []
+    monkeypatch.setattr(cs, "_line_stays", lambda line, dst: asked.append(line[0].id) or
+                        gate(line, dst))
+    memo: dict = {"items": {}}                    # (no cambium/updates side branch)
+    turned, goes = (below[x.id] for x in org)
+    assert not cs._correction_to_propose(cfg, turned, held, org_doc, below, memo)
+    note = cs._held_below(cfg, "team", turned, held, org_doc, below, memo)
+    assert note and "org's gate turns away" in note, note
+    assert asked == ["k-f00000000000"], asked         # (once for the copy, not twice)
+    assert cs._correction_to_propose(cfg, goes, held, org_doc, below, memo)
+    assert "org's gate turns away" in cs._held_below(cfg, "team", turned, held, org_doc,
+                                                      below, memo)
+
+
 def test_a_settle_keeps_a_copy_read_active_and_corrected_before_its_move(
         shared, monkeypatch):
     """A review read a team copy of an org item (a move cut short) active;
