@@ -17805,9 +17805,10 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     every review advising a correction at org that settled nothing."""
     rode: list[Moved] = []                   # (a direct write: it went up with its correction)
     on: list[tuple[str, str]] = []           # (the pull request its correction waits on)
+    line: list[Item] = []                    # (its correction line, as _correction_waits read it)
     gone = None                              # (the retracted correction it was held for)
-    if (waits := _correction_waits(cfg, scope, item, there, rode, on)) is not None and \
-            (on or (gone := _retracted_end(cfg, scope, item)) is None):
+    if (waits := _correction_waits(cfg, scope, item, there, rode, on, line)) is not None and \
+            (on or (gone := _retracted_end(line)) is None):
         if said is not None:
             said.append(waits)
         return []
@@ -17833,11 +17834,10 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     return left
 
 
-def _retracted_end(cfg: Config, scope: str, item: Item) -> Item | None:
-    """The end of the person's corrections that superseded `item` in `scope`
-    (_correction_line_now) when it was retracted since (deprecated: no
-    supersession to keep, as _finish_cut_short reads it); else None."""
-    line = _correction_line_now(cfg, scope, item)
+def _retracted_end(line: list[Item]) -> Item | None:
+    """The end of a correction line (_correction_line: the person's corrections
+    that superseded an item) when it was retracted since (deprecated: no
+    supersession to keep); else None (pure)."""
     return line[-1] if line and line[-1].status == "deprecated" else None
 
 
@@ -23221,7 +23221,7 @@ def _finish_cut_short(cfg: Config, scope: str, item: Item) -> dict | None:
         return {"status": status, "pr_url": url, "item": item_view(item),
                 "warnings": [waits]}          # (as review_promotions would settle it)
     line = line if waits else []
-    if line and line[-1].status != "deprecated":   # (retracted: no supersession to keep)
+    if line and not _retracted_end(line):    # (retracted: no supersession to keep)
         if url := _correction_proposed(cfg, item.id):   # (correct() again is refused)
             waits = _waits_on_org_correction(item.id, scope, line[0].id, _line_stays(
                 line, "org") or "a correction that org turned away now", url)
