@@ -21297,25 +21297,29 @@ def _config_link_refused(path: Path, link: ConfigLink) -> str:
 
 def _config_folder_refused(path: Path) -> str:
     """setup's refusal of a config file under what is no folder (~/.cambium a
-    regular file, HOME=/dev/null): it failed with a bare "Not a directory"."""
+    regular file, HOME=/dev/null): it failed with a bare "Not a directory".
+    The fix is by where that is: HOME itself or a folder above it (the
+    default path only) is HOME to set; below HOME, or on a CAMBIUM_CONFIG_FILE
+    path, a regular file, a link, a FIFO or a socket may be stray, to move
+    away (setup then makes a folder there). A device is never to be moved."""
     odd = next((p for p in reversed(path.parents) if os.path.lexists(p)
                 and not os.path.isdir(p)), path.parent)
     mode = 0
     with contextlib.suppress(OSError):
         mode = os.lstat(odd).st_mode
-    if _stat.S_ISREG(mode) or _stat.S_ISLNK(mode):        # (a device is no stray file)
-        return (f"setup cannot write the config file {path}: {odd} is no folder, so no file "
-                "can be made under it. Set CAMBIUM_CONFIG_FILE to the path of a file you can "
-                f"write (or, if {odd} is a stray file, move it away: setup then makes a folder "
-                "there); nothing was written.")
     what = next((f"{w}, not a folder" for test, w in ((_stat.S_ISCHR, "a character device"), (
         _stat.S_ISBLK, "a block device"), (_stat.S_ISFIFO, "a FIFO"), (
         _stat.S_ISSOCK, "a socket")) if test(mode)), "no folder")
-    home = "HOME to your home folder, or " if path == Path(expand_user(
-        DEFAULT_CONFIG_FILE)) else ""                       # (HOME=/dev/null: the default)
-    return (f"setup cannot write the config file {path}: {odd} is {what}, so "
-            f"no file can be made under it. Set {home}CAMBIUM_CONFIG_FILE to the path of a "
-            "file you can write; nothing was written.")
+    home = Path(expand_user("~"))
+    at_home = path == Path(expand_user(DEFAULT_CONFIG_FILE)) and (   # (HOME=/dev/null,
+        odd == home or odd in home.parents)                         # HOME=~/notes.txt)
+    stray = not at_home and any(test(mode) for test in (
+        _stat.S_ISREG, _stat.S_ISLNK, _stat.S_ISFIFO, _stat.S_ISSOCK))
+    return (f"setup cannot write the config file {path}: {odd} is {what}, so no file can be "
+            f"made under it. Set {'HOME to your home folder, or ' if at_home else ''}"
+            "CAMBIUM_CONFIG_FILE to the path of a file you can write" + (
+                f" (or, if {odd} is stray, move it away: setup then makes a folder there)"
+                if stray else "") + "; nothing was written.")
 
 
 def _merge_config(path: Path, updates: dict[str, Any]) -> ConfigWrite:

@@ -2428,29 +2428,40 @@ def test_setup_that_cannot_write_its_config_leaves_the_repo_untouched(tmp_path, 
     assert "(Not a directory); ignored" in cs.resolve_config().file_error  # (no file there)
 
 
-def test_setup_under_a_device_or_fifo_says_what_it_is_not_to_move_it(tmp_path, monkeypatch):
+def test_setup_under_a_device_or_fifo_says_what_it_is_and_where_the_fix_is(
+        tmp_path, monkeypatch):
     """HOME=/dev/null: setup's refusal told the user "if /dev/null is a stray
-    file, move it away". That is for a regular file (or a link) only: a
-    device or a FIFO is named as such, and the fix is HOME (for the default
-    path) or CAMBIUM_CONFIG_FILE."""
+    file, move it away"; then ~/.cambium a FIFO (HOME right) was told to set
+    HOME, and HOME set to a regular file to move it away, never HOME. The
+    fix is by where it sits: HOME itself or a folder above it (the default
+    path) is HOME to set; below HOME, or on a CAMBIUM_CONFIG_FILE path, a
+    regular file or a FIFO may be moved away; a device never is."""
     r = make_repo(tmp_path / "r")
-    fifo = tmp_path / "fifo"
+    home, notes, fifo = tmp_path / "user", tmp_path / "notes.txt", tmp_path / "fifo"
+    home.mkdir()
+    notes.write_text("mine\n")
     os.mkfifo(fifo)
-    monkeypatch.delenv("CAMBIUM_CONFIG_FILE", raising=False)
-    monkeypatch.setenv("HOME", "/dev/null")
-    with pytest.raises(cs.InputError) as dev:
-        cs.setup(str(r), "ada")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(fifo / "config.json"))
-    with pytest.raises(cs.InputError) as pipe:
-        cs.setup(str(r), "ada")
-    for said, what in ((str(dev.value), "/dev/null is a character device, not a folder"),
-                       (str(pipe.value), f"{fifo} is a FIFO, not a folder")):
-        assert "stray file" not in said and "move it away" not in said, said
+    os.mkfifo(home / ".cambium")
+    for home_is, config, what, set_home, move in (     # (HOME, CAMBIUM_CONFIG_FILE, ...)
+            ("/dev/null", None, "/dev/null is a character device, not a folder", True, False),
+            (notes, None, f"{notes} is no folder", True, False),
+            (home, None, f"{home / '.cambium'} is a FIFO, not a folder", False, True),
+            (home, fifo / "c.json", f"{fifo} is a FIFO, not a folder", False, True),
+            (home, "/dev/null/c.json", "/dev/null is a character device", False, False)):
+        monkeypatch.setenv("HOME", str(home_is))
+        monkeypatch.delenv("CAMBIUM_CONFIG_FILE", raising=False)
+        if config:
+            monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(config))
+        with pytest.raises(cs.InputError) as err:
+            cs.setup(str(r), "ada")
+        said = str(err.value)
         assert what in said and "nothing was written" in said, said
-    assert "Set HOME to your home folder, or CAMBIUM_CONFIG_FILE" in str(dev.value)
-    assert "Set HOME" not in str(pipe.value)           # (HOME would not change that path)
+        assert ("Set HOME to your home folder, or CAMBIUM_CONFIG_FILE" in said) == set_home \
+            and ("HOME" in said) == set_home, said
+        assert ("is stray, move it away: setup then makes a folder there" in said) == move \
+            and ("move" in said) == move, said
     assert not (r / ".cambium").exists() and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert notes.read_text() == "mine\n" and stat.S_ISFIFO(os.lstat(home / ".cambium").st_mode)
 
 
 def test_no_config_file_is_not_walked_for_a_folder_it_cannot_enter(tmp_path, monkeypatch):
