@@ -2505,7 +2505,7 @@ def _config_gap_fix(path: Path, why: str, link: ConfigLink | None) -> str:
     it may be there for another user) and a folder above the file that is a
     link reaching nothing."""
     if link is not None and link.no_permission:
-        return (f"let your user {_reach_words(link)}, or set CAMBIUM_CONFIG_FILE to a config "
+        return (f"let your user {_reach_words(link, path)}, or set CAMBIUM_CONFIG_FILE to a config "
                 "file you can read; setup refuses until then, and never moves "
                 f"{'the link' if link.target and not link.above else 'it'} aside or writes "
                 "over it: it may be there for another user")
@@ -2521,10 +2521,12 @@ def _config_gap_fix(path: Path, why: str, link: ConfigLink | None) -> str:
             f"to {aside}: every setting it held then no longer applies")
 
 
-def _reach_words(link: ConfigLink) -> str:
-    """What to do about a config file this user may not read
+def _reach_words(link: ConfigLink, path: Path) -> str:
+    """What to do about the config file `path` this user may not read
     (link.no_permission), after "let your user" (the gap's fix, setup's
-    refusal): a folder link (link.above) is pointed at a folder, or removed."""
+    refusal): a folder link (link.above) is pointed at a folder, or removed
+    where it is the folder that holds the file (~/.cambium; not HOME, nor a
+    site-wide link further up: removing one is no fix of cambium's)."""
     what = "folder" if link.above else "config file"
     need = "search permission" if link.above else "read permission"
     if link.target is None:
@@ -2533,7 +2535,8 @@ def _reach_words(link: ConfigLink) -> str:
              if link.kind == "denied" else
              f"{link.verb} {link.target}, the {what} the link {link.link} names ({need})")
     return (f"{reach}, or point the link at a {what} you can {link.verb}" + (   # (no file to
-        ", or remove the link (setup then makes a folder there)" if link.above else ""))  # name)
+        ", or remove the link (setup then makes a folder there)"               # name)
+        if link.above and link.link == path.parent else ""))
 
 
 class ConfigLink(NamedTuple):
@@ -21288,7 +21291,7 @@ def _config_link_refused(path: Path, link: ConfigLink) -> str:
     return (f"setup cannot write the config file {path}: {link.why}. " + (
         f"{'The link is' if link.target and not link.above else 'It is'} not moved aside or "
         f"written over: {'what it names' if link.target else 'it'} may be there for another "
-        f"user. Let your user {_reach_words(link)}" if link.no_permission else
+        f"user. Let your user {_reach_words(link, path)}" if link.no_permission else
         f"Make {link.link} reach a folder you can write (restore what it names, or remove "
         "the link: setup then makes a folder there)") +
         ", or set CAMBIUM_CONFIG_FILE to the path of a file you can write; nothing was "

@@ -947,10 +947,14 @@ def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
     r = make_repo(tmp_path / "r")
     settings = '{"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_TEAM_BRANCH": "kb"}\n'
     shut = {}                                    # case -> (HOME, what gets mode 000, said)
-    for case in ("folder link", "denied folder link", "folder", "file", "file link", "home"):
+    for case in ("folder link", "denied folder link", "folder", "file", "file link", "home",
+                 "home link", "shared link"):
         home, elsewhere = tmp_path / case / "home", tmp_path / case / "dotfiles"
-        home.mkdir(parents=True)
-        elsewhere.mkdir()
+        home = home.parent / "shared" / "home" if case == "shared link" else home
+        elsewhere.mkdir(parents=True)
+        if case in ("home link", "shared link"):     # (HOME a link, or under a site-wide
+            (home if case == "home link" else home.parent).symlink_to(elsewhere)   # one)
+        home.mkdir(parents=True, exist_ok=True)
         cam = home / ".cambium" if "folder link" not in case else \
             elsewhere / "cam" if case == "denied folder link" else elsewhere
         cfg = (elsewhere / "c.json") if case == "file link" else cam / "config.json"
@@ -970,9 +974,14 @@ def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
                 "file link": f"it is a symbolic link to {cfg}, which this user cannot read: "
                              "permission denied",
                 "home": f"its folder {home} cannot be entered by this user: permission "
-                        "denied"}[case]
-        shut[case] = (str(home), str({"denied folder link": elsewhere, "home": home}.get(
-            case, cam if "folder" in case else cfg)), said)
+                        "denied",
+                "home link": f"its folder {home} is a symbolic link to {elsewhere}, which "
+                             "this user cannot enter: permission denied",
+                "shared link": f"its folder {home.parent} is a symbolic link to {elsewhere}, "
+                               "which this user cannot enter: permission denied"}[case]
+        shut[case] = (str(home), str({"home": home}.get(case, elsewhere if case in (
+            "denied folder link", "home link", "shared link") else cam if "folder" in case
+            else cfg)), said)
     (tmp_path / "probe").write_text("")      # (mode 000: can this process still read it?)
     before = sorted(str(p) for p in tmp_path.rglob("*") if "r" not in p.relative_to(
         tmp_path).parts[:1])
@@ -1034,6 +1043,10 @@ def test_a_config_this_user_may_not_read_is_a_gap_and_setup_refuses(tmp_path):
     for words in (out["file link"][1]["fix"], out["file link"][2]):
         assert "point the link at a config file you can read" in words \
             and "remove the link" not in words, words
+    for case in ("home link", "shared link"):   # (a link that is not the config file's
+        for words in (out[case][1]["fix"], out[case][2]):   # folder: removing HOME or a
+            assert "point the link at a folder you can enter" in words, (case, words)  # site-
+            assert "remove the link" not in words, (case, words)     # wide link is no fix)
     assert "or `HOME` itself, even with no config file in it" in (
         Path(__file__).parent / "README.md").read_text()       # (not only ~/.cambium)
     assert sorted(str(p) for p in tmp_path.rglob("*") if "r" not in p.relative_to(
