@@ -22575,12 +22575,14 @@ def primer_key(cfg: Config, limit: int) -> str | None:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
+def cached_primer(cfg: Config, limit: int, *, shown: bool = True,
+                  ids_out: list | None = None) -> dict:
     """The primer for a hook: from .cambium/primer-cache.json while nothing it
     is made from has changed (a session start then parses no store), else made
     afresh and cached. The files its code pointers name count too (a working-
     tree edit moves a symbol without a commit). shown: note the session as
-    shown its entries."""
+    shown its entries. ids_out: given the ids of its entries (primer_hook
+    journals them once its output is written)."""
     key, path = primer_key(cfg, limit), cfg.local_dir / PRIMER_CACHE_FILE
     held: Any = None
     with contextlib.suppress(OSError, ValueError, RecursionError):
@@ -22598,6 +22600,8 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
                 atomic_write(path, json_text(    # checkout still gets its digest
                     {"key": key, "primer": out, "anchored": stamps}))
     ids = out.pop("ids", [])
+    if ids_out is not None:
+        ids_out[:] = ids
     if shown:
         with contextlib.suppress(OSError):
             note_shown(cfg, ids, "primer")
@@ -22606,9 +22610,12 @@ def cached_primer(cfg: Config, limit: int, *, shown: bool = True) -> dict:
 
 def _primer_shaped(p: Any) -> bool:
     """Whether a cached primer is one _make_primer made: its text, its counts
-    and the ids it shows (a hand edit or a foreign writer: made afresh)."""
+    and the ids it shows, each an item id (a hand edit or a foreign writer:
+    made afresh; ids of 5, null or {"a": 1} were journaled as shown)."""
+    ids = p.get("ids", []) if isinstance(p, dict) else None
     return isinstance(p, dict) and isinstance(p.get("primer"), str) and \
-        isinstance(p.get("ids", []), list) and all(isinstance(p.get(k), int) and not
+        isinstance(ids, list) and all(isinstance(i, str) and ITEM_ID.fullmatch(i)
+                                      for i in ids) and all(isinstance(p.get(k), int) and not
                                                     isinstance(p.get(k), bool)
                                                     for k in ("entries", "tokens"))
 
@@ -26703,8 +26710,9 @@ def primer_hook(argv: list[str]) -> int:
         if not cfg.configured:                  # (parse_args has checked the limit)
             return 0
         set_aside_links(cfg.local_dir, cfg.config_file)   # as every configured call does
+        ids: list[str] = []                     # (journaled once the digest is written)
         for attempt in range(3):                # a line read while a capture appends it
-            out = cached_primer(cfg, limit)     # reads as damaged: read again
+            out = cached_primer(cfg, limit, shown=False, ids_out=ids)   # reads as damaged
             aside = set_aside_warnings(cfg.local_dir / STORE_FILE, knowledge_only=True)
             unread = [w for w in out.get("warnings", []) if w not in aside]
             if not any("damaged line" in w for w in unread):
@@ -26721,6 +26729,8 @@ def primer_hook(argv: list[str]) -> int:
         sys.stdout.write(json.dumps({"hookSpecificOutput": {    # ASCII: any stdout encoding
             "hookEventName": "SessionStart", "additionalContext": out["primer"]}}) + "\n")
         sys.stdout.flush()
+        with contextlib.suppress(OSError):      # shown only once written (a full or
+            note_shown(cfg, ids, "primer")      # closed stdout shows nothing)
     except BaseException as e:      # noqa: BLE001 - a SessionStart hook must never fail
         with contextlib.suppress(BaseException):
             print(f"cambium primer: skipped ({type(e).__name__}: {e})", file=sys.stderr)

@@ -25872,6 +25872,47 @@ def test_primer_hook_reads_again_a_line_a_capture_was_appending(repo, monkeypatc
         "hookSpecificOutput"]["additionalContext"] and len(calls) == 2
 
 
+def test_primer_hook_journals_its_entries_only_once_they_are_written(repo, monkeypatch,
+                                                                     capsys):
+    """The hook journaled the session as shown its entries (shown.jsonl) before
+    it wrote them: with stdout on a full disk it printed nothing, and `usage`
+    counted the entries as shown."""
+    cs.capture("Never deploy on Fridays", kind="pitfall")
+    monkeypatch.setattr(cs, "bind_hook", lambda: repo)
+
+    class Full:                                  # stdout on /dev/full
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            raise OSError(28, "No space left on device")
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "never-saw-it")
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", Full())
+        assert cs.primer_hook(["primer", "--hook"]) == 0
+    assert cs.usage(session="never-saw-it")["items"] == []
+    monkeypatch.setenv("CAMBIUM_SESSION_ID", "saw-it")
+    assert cs.primer_hook(["primer", "--hook"]) == 0
+    assert "Never deploy on Fridays" in capsys.readouterr().out
+    assert [r["times"] for r in cs.usage(session="saw-it")["items"]] == [1]
+
+
+def test_a_cached_primer_whose_ids_are_not_item_ids_is_made_afresh(repo):
+    """A hand-edited primer-cache.json with ids of 5, null or {"a": 1} passed as
+    cambium's shape: it was served, and those ids journaled as shown."""
+    cs.capture("Pin the base image digest", kind="pitfall")
+    cfg = cs.resolve_config()
+    cs.cached_primer(cfg, cs.PRIMER_LIMIT, shown=False)
+    cache = repo / ".cambium" / cs.PRIMER_CACHE_FILE
+    held = json.loads(cache.read_text())
+    for odd in ([5], [None], [{"a": 1}], ["k-\n\x1bfake"], [held["primer"]["ids"][0], 5]):
+        primer = {**held["primer"], "primer": held["primer"]["primer"] + "\nFROM-CACHE",
+                  "ids": odd}
+        cache.write_text(json.dumps({**held, "primer": primer}))
+        assert "FROM-CACHE" not in cs.cached_primer(cfg, cs.PRIMER_LIMIT, shown=False)[
+            "primer"], odd
+
+
 def test_primer_hook_runs_as_a_module_too(repo, tmp_path, monkeypatch):
     """The README's faster hook form, `python3 -m cambium_server primer --hook`
     (bytecode cached, unlike a script path), answers the same way."""
