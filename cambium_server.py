@@ -6993,6 +6993,28 @@ class GitStore(Store):
         return (f"the last fetch from {self.remote} failed {int(ago)} s ago ({error.strip()}); "
                 f"reads try again {int(FETCH_BACKOFF_S)} s after it, writes at once")
 
+    def last_failure(self) -> tuple[int, str] | None:
+        """(Seconds ago, what it said) of the last failed fetch from the
+        remote's URL as it is now, when none has succeeded since (any age):
+        for a scope never fetched here, which _recent_failure leaves to be
+        tried again (a read of it raises). A read of files, and the remote's
+        URL (cached) only when such a failure is there."""
+        stamp = self._failed_stamp()
+        try:
+            at = stamp.stat().st_mtime
+            text = git_file_text(stamp, errors="replace").strip()
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):
+            if self._stamp().stat().st_mtime > at:
+                return None                                 # (fetched since)
+        failed_at, error = text.partition("\n")[::2]
+        url = self._url_or_blank()
+        if not (url and failed_at.startswith("url: ") and
+                one_repository(failed_at[5:], url, self.repo)):
+            return None
+        return max(0, int(time.time() - at)), error.strip()
+
     def _meta_dir(self) -> Path:
         """Where the fetch stamps and write locks live: `cambium/` in the clone's
         common git dir, beside the refs they guard, so every linked worktree of
@@ -9534,6 +9556,56 @@ def _has_ref(repo: Path, ref: str, timeout_s: float) -> bool:
     return proc.returncode == 0
 
 
+def _board_failed_stamp(repo: Path, remote: str, branch: str, t: float) -> Path:
+    """Where a failed ask of `remote` for the board is recorded: beside the
+    scopes' fetch stamps (GitStore._meta_dir), named like them."""
+    dirs = _git_dirs_asked(repo, t)
+    common = dirs[1] if dirs else repo / ".git"
+    key = hashlib.sha1(remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return Path(os.path.abspath(common)) / "cambium" / \
+        f"board-{branch.replace('/', '_')}-{key}.failed"
+
+
+def board_paused(repo: Path, remote: str, branch: str, t: float) -> str | None:
+    """Why the board's remote is not asked now: a fetch from its URL (as it is
+    now) failed less than FETCH_BACKOFF_S ago, the board's own ask or a
+    scope's fetch not followed by a success of its own (each a stamp in the
+    clone's cambium/ dir, `url: <url>` first); else None. A hung remote cost
+    every distill, the SessionEnd hook's and the post-commit one's, the whole
+    CAMBIUM_GIT_TIMEOUT; scope reads already paused so."""
+    with contextlib.suppress(OSError, CambiumError):
+        meta = _board_failed_stamp(repo, remote, branch, t).parent
+        url, now = None, time.time()
+        for stamp in sorted(meta.glob("*.failed")):
+            with contextlib.suppress(OSError):
+                at = stamp.stat().st_mtime
+                if not -1.0 < now - at < FETCH_BACKOFF_S or \
+                        os.path.exists(ok := stamp.with_suffix("")) and \
+                        os.stat(ok).st_mtime > at:
+                    continue
+                first, error = git_file_text(stamp, errors="replace").strip().partition("\n")[::2]
+                url = remote_url(repo, remote, t) or "" if url is None else url
+                if url and first.startswith("url: ") and one_repository(first[5:], url, repo):
+                    return (f"its last fetch failed {int(now - at)} s ago ({error.strip()}); "
+                            f"distill asks again {int(FETCH_BACKOFF_S)} s after it")
+    return None
+
+
+def note_board_ask(repo: Path, remote: str, branch: str, t: float, error: str | None) -> None:
+    """Record that asking `remote` for the board failed (`error`), with its URL,
+    for board_paused; or, None, that it answered (the record is removed).
+    Best effort."""
+    with contextlib.suppress(OSError, CambiumError):
+        stamp = _board_failed_stamp(repo, remote, branch, t)
+        if error is None:
+            if os.path.exists(stamp):
+                os.unlink(stamp)
+            return
+        url = remote_url(repo, remote, t) or ""
+        atomic_write(stamp, (f"url: {shown_url(url)}\n" if url else "") +
+                     clip_message(error, 500), durable=False)
+
+
 def resolve_board(cfg: Config, *, network: bool = True) -> Board:
     """Which repo holds the agentsync board: AGENTSYNC_BOARD_REPO, else
     AGENTSYNC_REPO (env or config file), else CAMBIUM_REPO only if it really has
@@ -9561,6 +9633,10 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
     if not _has_remote(repo, remote, t):
         absent.reason += f" and no remote '{remote}'"
         return absent
+    if paused := board_paused(repo, remote, branch, t):
+        return Board(None, "CAMBIUM_REPO", branch, remote, "unreachable",
+                     f"did not ask '{remote}' whether it has a '{branch}' board: {paused}",
+                     f"check the network or the remote; or {fix_set}", fetch_failed=True)
     try:
         proc = _git(["ls-remote", "--exit-code", "--heads", remote, f"refs/heads/{branch}"],
                     repo, t, check=False)
@@ -9568,12 +9644,14 @@ def resolve_board(cfg: Config, *, network: bool = True) -> Board:
         if e.code == 127:
             raise
         proc = None
+    answered = proc is not None and proc.returncode in (0, 2)
+    detail = _git_complaint(proc.stderr) if proc else "timed out"
+    note_board_ask(repo, remote, branch, t, None if answered else detail)
     if proc is not None and proc.returncode == 0 and proc.stdout.strip():
         return Board(repo, "CAMBIUM_REPO", branch, remote)
     if proc is not None and proc.returncode == 2:
         absent.reason += f" (neither locally nor on '{remote}')"
         return absent
-    detail = _git_complaint(proc.stderr) if proc else "timed out"
     return Board(None, "CAMBIUM_REPO", branch, remote, "unreachable",
                  f"could not ask '{remote}' whether it has a '{branch}' board ({detail})",
                  f"check the network or the remote; or {fix_set}", fetch_failed=True)
@@ -9624,15 +9702,19 @@ def _fetch_board_branch(repo: Path, remote: str, branch: str, tracking: str, t: 
     the remote has no such branch). A missing git raises GitError."""
     if not _has_remote(repo, remote, t):
         return False, f"no remote '{remote}'", False
+    if paused := board_paused(repo, remote, branch, t):
+        return False, f"not tried: {paused}", False
     try:
         proc = _git(["fetch", "--quiet", "--no-tags", remote,
                      f"+refs/heads/{branch}:{tracking}"], repo, t, check=False)
     except GitError as e:
         if e.code == 127:
             raise
+        note_board_ask(repo, remote, branch, t, str(e))
         return False, str(e), False
     detail = _git_complaint(proc.stderr) if proc.stderr.strip() else f"exit {proc.returncode}"
     missing = proc.returncode != 0 and "couldn't find remote ref" in proc.stderr.lower()
+    note_board_ask(repo, remote, branch, t, None if proc.returncode == 0 or missing else detail)
     return proc.returncode == 0, detail, missing
 
 
@@ -16680,14 +16762,17 @@ def read_scopes(cfg: Config, scopes: Iterable[str], *, digest: bool = False,
 
 
 def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None,
-                        unfetched: set[str] | None = None
+                        unfetched: set[str] | None = None,
+                        unreached: dict[str, int] | None = None
                         ) -> tuple[dict[str, Doc], list[str]]:
     """Every scope as last seen, with no fetch and no write: local as on disk
     (an unparseable file is reported, not moved aside), team and org at their
     last fetched tip. For the primer, which must never stall or change a thing.
     A scope not read is entered in `skipped` (when given) with its warning, so
     the primer names it without parsing the warning's text; one this clone has
-    never fetched (NotFetched: nothing is wrong) also in `unfetched`."""
+    never fetched (NotFetched: nothing is wrong) also in `unfetched`, and, when
+    its last fetch failed (GitStore.last_failure), in `unreached` with how
+    many seconds ago."""
     docs: dict[str, Doc] = {}
     warnings: list[str] = []
     skipped = {} if skipped is None else skipped
@@ -16695,6 +16780,9 @@ def read_scopes_offline(cfg: Config, skipped: dict[str, str] | None = None,
         try:
             st = store(cfg, scope)
             if isinstance(st, GitStore) and (why := st.never_seen()):
+                if unreached is not None and (tried := st.last_failure()):
+                    unreached[scope] = tried[0]
+                    why += f"; its last fetch failed {tried[0]} s ago ({tried[1]})"
                 raise NotFetched(why)
             doc = st.peek()
             if doc is None:                  # (only the local file is repaired, by a write)
@@ -18680,9 +18768,12 @@ def _trimmed(picked: dict[str, list], names: list[str], render: Callable[[dict],
 
 
 def _render_primer(lines: dict[str, list[str]], project: str, total: int,
-                   skipped: Collection[str] = (), unfetched: Collection[str] = ()) -> str:
+                   skipped: Collection[str] = (), unfetched: Collection[str] = (),
+                   unreached: dict[str, int] | None = None) -> str:
     lead = [f"{' and '.join(skipped)} knowledge could not be read now (status() says why)"
             ] if skipped else []
+    lead += [f"{s} knowledge not fetched here: its remote could not be reached (last tried "
+             f"{ago} s ago)" for s, ago in (unreached or {}).items()]
     lead += [f"{' and '.join(unfetched)} knowledge not fetched here yet; recall() or status() "
              "fetches it"] if unfetched else []
     body = [f"{'; '.join(lead)}: these are the rest."] if lead else []
@@ -18712,7 +18803,8 @@ def with_stated_size(text: str) -> str:
 def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], str], *,
                  project: str, limit: int, budget: int = PRIMER_TOKEN_BUDGET,
                  unread: bool = False, failing: int = 0, skipped: Collection[str] = (),
-                 unfetched: Collection[str] = ()) -> dict:
+                 unfetched: Collection[str] = (), unreached: dict[str, int] | None = None
+                 ) -> dict:
     """The digest (pure but for line_of, which renders one chosen entry).
 
     Within a section higher score first, then newer. Lines are dropped from the
@@ -18724,7 +18816,8 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
     what), and failing: items left out for a failing check, so an empty digest
     does not claim that nothing is known. skipped: the scopes not read (team,
     org), named in a digest of the rest (a hook's reader sees no warnings);
-    unfetched: those this clone has never fetched (not read, nothing wrong).
+    unfetched: those this clone has never fetched (not read, nothing wrong);
+    unreached: those never fetched whose fetch failed, with how long ago.
     """
     if not entries:
         text = (f"cambium: no item to show for {project}, but some of its knowledge could "
@@ -18754,7 +18847,7 @@ def build_primer(entries: list[PrimerEntry], line_of: Callable[[PrimerEntry], st
 
     def render(picked: dict[str, list]) -> str:
         lines = {n: [said_of(e) for e in chosen] for n, chosen in picked.items()}
-        return _render_primer(lines, project, len(entries), skipped, unfetched)
+        return _render_primer(lines, project, len(entries), skipped, unfetched, unreached)
     picked, text = _most_that_fit(ranked, limit, names, render, budget)
     lines = {n: [said[id(e)] for e in chosen] for n, chosen in picked.items()}
     ids = {n: [e.item.id for e in chosen] for n, chosen in picked.items()}
@@ -22494,7 +22587,8 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
     meanwhile was cached as seen)."""
     not_read: dict[str, str] = {}
     unfetched: set[str] = set()          # (never fetched here: said so, no failure)
-    docs, warnings = read_scopes_offline(cfg, not_read, unfetched)
+    unreached: dict[str, int] = {}       # (never fetched here, and its fetch failed)
+    docs, warnings = read_scopes_offline(cfg, not_read, unfetched, unreached)
     warnings += [w for w in set_aside_warnings(cfg.local_dir / STORE_FILE,  # awaiting restore:
                                                knowledge_only=True)  # not "nothing known yet"
                  if w not in warnings]
@@ -22524,11 +22618,12 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
 
     failing = 0 if entries else sum(1 for it in federated_items(docs) if it.failing)
     skipped = {s: not_read[s] for s in ("team", "org") if s in not_read}
-    fine = [s for s in skipped if s in unfetched]
+    fine = [s for s in skipped if s in unfetched and s not in unreached]
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
                           unread=bool(set(warnings) - {skipped[s] for s in fine}),
-                          failing=failing, skipped=[s for s in skipped if s not in fine],
-                          unfetched=fine),
+                          failing=failing, skipped=[s for s in skipped if s not in fine
+                                                    and s not in unreached],
+                          unfetched=fine, unreached=unreached),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
         out["warnings"] = warnings
@@ -22647,8 +22742,10 @@ def fetch_for_next_primer(cfg: Config | None = None, *, started: float | None = 
     and this one's are thrown away. Best effort, bounded: nothing when
     distill's own remote call failed (remote_failed: the remote is dark), and
     no fetch starts when less than one CAMBIUM_GIT_TIMEOUT is left of
-    HOOK_BUDGET_S from `started` (the hook's start); a failure is left for
-    the next recall or status to report."""
+    HOOK_BUDGET_S from `started` (the hook's start), nor for a scope whose
+    fetch failed less than FETCH_BACKOFF_S ago (a dark remote cost every
+    session end the whole CAMBIUM_GIT_TIMEOUT); a failure is left for the
+    next recall or status to report (and the primer names it)."""
     started = time.monotonic() if started is None else started
     with contextlib.suppress(Exception):
         cfg = cfg or resolve_config()
@@ -22664,10 +22761,15 @@ def fetch_for_next_primer(cfg: Config | None = None, *, started: float | None = 
 def _never_fetched(cfg: Config, scope: str) -> bool:
     """Whether the shared `scope` is set up and this clone has never fetched
     it (GitStore.never_seen: read_scopes_offline's NotFetched), with no
-    store parsed: fetch_for_next_primer read every scope to learn it."""
+    store parsed: fetch_for_next_primer read every scope to learn it. One
+    whose fetch failed under FETCH_BACKOFF_S ago (GitStore.last_failure) is
+    not asked again yet: a hung remote cost every session end its timeout."""
     try:
         st = store(cfg, scope)
-        return isinstance(st, GitStore) and bool(st.never_seen())
+        if not isinstance(st, GitStore) or not st.never_seen():
+            return False
+        tried = st.last_failure()
+        return tried is None or tried[0] >= FETCH_BACKOFF_S
     except (CambiumError, OSError):          # (off or set wrong: read_scopes_offline's skip)
         return False
 

@@ -9212,6 +9212,48 @@ def test_the_session_end_hook_fetches_only_a_scope_never_fetched_here(shared, mo
                                          "warnings": []})      # (a real board's: below)
 
 
+def test_a_remote_whose_fetch_failed_is_not_asked_again_within_the_pause(shared, monkeypatch):
+    """A dark remote cost every distill (the SessionEnd hook's, the post-commit
+    one's) the whole CAMBIUM_GIT_TIMEOUT: the board's ls-remote and fetch, and
+    the hook's fetch of a team scope never fetched here, ignored the pause a
+    failed fetch gives scope reads (FETCH_BACKOFF_S), and recorded none; the
+    primer said that scope was merely "not fetched here yet". Within the pause
+    the remote is not asked, even once it answers again; after it, it is."""
+    fresh = clone(shared["origin"], shared["tmp"] / "fresh" / "shop")
+    as_agent(monkeypatch, fresh, "cy")
+    cs.runtime().reset()
+    cs.capture("Local pitfall: the fixtures folder is generated", kind="pitfall")
+    gone = shared["tmp"] / "gone.git"
+    git(fresh, "remote", "set-url", "origin", str(gone))
+    calls: list = []
+    real = cs._git
+    monkeypatch.setattr(cs, "_git", lambda args, *a, **k: calls.append(args) or
+                        real(args, *a, **k))
+    asked = lambda: [c for c in calls if "fetch" in c or "ls-remote" in c]   # noqa: E731
+    cs.fetch_for_next_primer()                          # team never fetched: tried, fails
+    assert asked(), calls
+    primer = cs.session_primer()["primer"]
+    assert "team knowledge not fetched here: its remote could not be reached (last tried" \
+        in primer and "not fetched here yet" not in primer and "fixtures folder" in primer
+    assert cs.resolve_board(cs.resolve_config()).status == "unreachable"
+    shutil.copytree(shared["origin"], gone)             # the remote answers again
+    calls.clear()
+    cs.runtime().reset()                                # (another process: the stamps hold)
+    cs.fetch_for_next_primer()
+    board = cs.resolve_board(cs.resolve_config())
+    fetched = cs._fetch_board_branch(fresh, "origin", "agentsync",
+                                     "refs/remotes/origin/agentsync", 10.0)
+    assert not asked(), calls
+    assert board.status == "unreachable" and board.fetch_failed and \
+        "last fetch failed" in board.reason, board
+    assert not fetched[0] and "last fetch failed" in fetched[1], fetched
+    meta = Path(real(["rev-parse", "--git-common-dir"], fresh, 10.0).stdout.strip())
+    old = time.time() - cs.FETCH_BACKOFF_S - 5
+    for stamp in (fresh / meta if not meta.is_absolute() else meta).glob("cambium/*.failed"):
+        os.utime(stamp, (old, old))                     # the pause is over
+    assert cs.resolve_board(cs.resolve_config()).status == "absent" and asked(), calls
+
+
 def test_an_items_own_author_recalling_it_on_three_days_makes_it_eligible(shared, monkeypatch):
     """The specification counts every recall as promotion's trust signal
     (recalls >= N agent-days, or an endorsement); README said an agent could
