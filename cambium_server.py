@@ -25890,6 +25890,18 @@ def _http_checks() -> Any:
 
 
 HTTP_BODIES_AT_ONCE = 100   #: POSTs read and answered at once; past it a POST gets 503
+#: worker threads plain `def` tool calls share over HTTP, set as it starts:
+#: anyio's default, 40, left 40 calls waiting on a held lock (LOCK_WAIT_S)
+#: holding every thread, and every other client's status/recall waiting with them;
+#: more than the POSTs answered at once, so a call always finds one
+HTTP_CALL_THREADS = HTTP_BODIES_AT_ONCE + 28
+#: sessions open at once (the SDK's default: 10,000, kept 30 min idle; that
+#: many abandoned initializes took 380 MB and 503'd every new client for
+#: 30 min); one more initialize gets 503 until one ends or expires
+HTTP_MAX_SESSIONS = 1000
+#: a session with no request in flight and no open event stream (the GET an SDK
+#: client holds open while connected) this long is ended: its id then gets 404
+HTTP_SESSION_IDLE_S = 300.0
 
 
 def _http_bodies() -> Any:
@@ -26055,10 +26067,13 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     guard = rebinding_guard(host)
     quiet_refusals()
     quiet_accept_failures()
+    quiet_session_refusals()
     app = answer_as_stdio_does(
         server.streamable_http_app(host=host, transport_security=guard,
                                    streamable_http_path=MCP_HTTP_PATH,
-                                   max_request_body_size=HTTP_REPLAY_MAX), guard)
+                                   max_request_body_size=HTTP_REPLAY_MAX,
+                                   max_sessions=HTTP_MAX_SESSIONS,
+                                   session_idle_timeout=HTTP_SESSION_IDLE_S), guard)
     if token:
         app = require_bearer(app, token)
     raise_fd_limit()
@@ -26068,8 +26083,17 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
     print(f"cambium: serving MCP on {url}"
           + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)
     with sock:
-        anyio.run(functools.partial(stopping_server(config).serve, sockets=[sock]))
+        anyio.run(_serve_with_threads, stopping_server(config), sock)
     return 0
+
+
+async def _serve_with_threads(http: Any, sock: Any) -> None:
+    """uvicorn's `http` serving on `sock`, plain `def` tool calls given
+    HTTP_CALL_THREADS worker threads first (anyio's default limiter is per
+    event loop, so it is set in it)."""
+    import anyio.to_thread
+    anyio.to_thread.current_default_thread_limiter().total_tokens = HTTP_CALL_THREADS
+    await http.serve(sockets=[sock])
 
 
 def quiet_refusals() -> None:
@@ -26127,6 +26151,31 @@ def quiet_accept_failures(every_s: float = ACCEPT_FAILURE_EVERY_S) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(one_line)
     log = logging.getLogger("asyncio")
+    log.handlers[:], log.propagate = [handler], False
+
+
+def quiet_session_refusals(every_s: float = ACCEPT_FAILURE_EVERY_S) -> None:
+    """The SDK's session manager's log through a plain handler, its refusal of a
+    session past HTTP_MAX_SESSIONS in one line at most once per `every_s`
+    (through its rich handler each refusal took 4 lines: a client retrying
+    filled stderr; the client is told, 503)."""
+    import logging
+    last = [-every_s]
+
+    def one_line(record: Any) -> bool:
+        if not str(record.msg).startswith("Refusing to open a new session"):
+            return True
+        if time.monotonic() - last[0] < every_s:
+            return False
+        last[0] = time.monotonic()
+        record.msg, record.args = (
+            f"cambium: new sessions refused (503): {HTTP_MAX_SESSIONS} are open "
+            f"(HTTP_MAX_SESSIONS; said at most once per {every_s:g} s)", ())
+        return True
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.addFilter(one_line)
+    log = logging.getLogger("mcp.server.streamable_http_manager")
     log.handlers[:], log.propagate = [handler], False
 
 

@@ -27199,6 +27199,41 @@ def test_http_serve_outlives_more_idle_connections_than_it_has_file_descriptors(
     assert err.count("cannot accept a connection") == 1 and len(err) < 1000, err[:500]
 
 
+def test_http_serve_gives_calls_threads_and_bounds_its_sessions(monkeypatch, capsys):
+    """Plain `def` tools ran in anyio's 40 worker threads: 40 calls waiting on a
+    held lock stalled every other client's read. And the SDK kept up to 10,000
+    sessions 30 min idle (abandoned initializes locked new clients out for 30
+    min, 4 log lines per refusal). serve_http now sets the thread limiter in its
+    event loop and passes its own session limits; a refusal is one line a minute."""
+    import anyio.to_thread
+    import logging
+    seen: dict = {}
+
+    class Recorder:
+        def __init__(self, config):
+            seen["app"] = config.app
+
+        async def serve(self, sockets):
+            seen["threads"] = anyio.to_thread.current_default_thread_limiter().total_tokens
+
+    monkeypatch.setattr(cs, "stopping_server", Recorder)
+    for name in ("mcp.server.streamable_http_manager", "asyncio"):   # (serve_http sets
+        kept = logging.getLogger(name)                   # their handlers: given back after)
+        monkeypatch.setattr(kept, "handlers", list(kept.handlers))
+        monkeypatch.setattr(kept, "propagate", kept.propagate)
+    server = cs.build_server()
+    assert cs.serve_http(server, "127.0.0.1", _free_port(), None) == 0
+    assert seen["threads"] == cs.HTTP_CALL_THREADS > cs.HTTP_BODIES_AT_ONCE
+    manager = server.session_manager
+    assert manager.max_sessions == cs.HTTP_MAX_SESSIONS < 10_000
+    assert manager.session_idle_timeout == cs.HTTP_SESSION_IDLE_S < 1800
+    log = logging.getLogger("mcp.server.streamable_http_manager")
+    for _ in range(3):
+        log.warning("Refusing to open a new session: %d sessions are already open", 5)
+    err = capsys.readouterr().err
+    assert err.count("new sessions refused (503)") == 1 and len(err.splitlines()) == 2, err
+
+
 def test_http_posts_past_the_places_they_share_get_503_at_once():
     """Each POST holds its body until answered (30 bodies of 4 MiB took 1.1 GB):
     past HTTP_BODIES_AT_ONCE a POST is answered 503 at once, and a place is
