@@ -25345,8 +25345,11 @@ def only_os_errors(e: BaseException) -> OSError | None:
 
 
 def mcp_session_id(ctx: Any) -> str | None:
-    """The id usage attribution files a tool call under: the transport's
-    Mcp-Session-Id header (HTTP), else one minted per client connection (stdio)."""
+    """The id usage attribution files a tool call under: the HTTP session the
+    SDK's session manager opened (its Mcp-Session-Id), else one minted per
+    client connection (stdio). Never a request's own Mcp-Session-Id header:
+    on the 2026 protocol path, which opens no session, any client filed usage
+    under any id it wrote there (a made-up one too)."""
     try:
         req = ctx.request_context
     except Exception:                        # no request in flight (direct calls)
@@ -25354,9 +25357,7 @@ def mcp_session_id(ctx: Any) -> str | None:
     # the SDK builds a ServerSession per request; the connection under it lasts
     # as long as the client stays connected (mcp 2.3 has no public accessor)
     conn = getattr(req.session, "_connection", None) or req.session
-    headers = getattr(req.request, "headers", None) or {}
-    sid = getattr(conn, "session_id", None) or (
-        headers.get("mcp-session-id") if hasattr(headers, "get") else None)
+    sid = getattr(conn, "session_id", None)
     if sid:
         return str(sid)
     if STDIO_SESSION:                        # a stdio server has one client: one session

@@ -26994,6 +26994,36 @@ def _http_post(url: str, body: str | bytes) -> tuple[int, object]:
         return status, text
 
 
+def test_http_files_no_usage_under_a_session_id_the_client_made_up(repo):
+    """On the 2026 protocol path (no session opened) a call's Mcp-Session-Id
+    header was taken as its session: any client filed usage under any id,
+    where README says such a request journals none."""
+    import http.client
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "m", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+    with http_server(repo, None) as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+
+        def post(headers: dict, name: str = "status") -> tuple[int, str]:
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                    "params": {"name": name, "arguments": {}, "_meta": meta}}
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+            c.request("POST", "/mcp", json.dumps(body), {
+                "Accept": "application/json, text/event-stream", "mcp-method": "tools/call",
+                "mcp-name": name, "MCP-Protocol-Version": "2026-07-28", **headers})
+            resp = c.getresponse()
+            answer = (resp.status, resp.read().decode())
+            c.close()
+            return answer
+        status, text = post({"Content-Type": "application/json",
+                             "Mcp-Session-Id": "someone-elses-session"})
+        assert status == 200 and '\\"session\\": null' in text, text[:300]
+        assert "someone-elses-session" not in text
+        got = asyncio.run(_http_session(url, None, lambda s: s.call_tool("status", {})))
+        assert got.structured_content["session"], got    # an opened session: still its id
+
+
 def test_http_serve_stopped_by_sigterm_folds_its_credits_and_exits_cleanly(repo):
     """uvicorn raised SIGTERM again after its shutdown, under the default
     handler: the process died before the clean-shutdown fold (credits stayed
