@@ -25965,10 +25965,9 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
             return await _respond(send, 404, b"Not Found", b"text/plain")   # Starlette's
         if scope["type"] != "http":                                        # 307 to /mcp
             return await app(scope, receive, send)
-        if validate is not None:    # before any body, whatever the method: a foreign page
-            refused = await _guard_refusal(validate, scope)   # gets 421/403 (a GET's
-            if refused is not None:                           # declared body was waited for)
-                return await refused(scope, receive, send)
+        scope, refused = await _refusal_before_body(validate, scope)   # whatever the method:
+        if refused is not None:   # a foreign page gets 421/403 (a GET's declared body was
+            return await refused(scope, receive, send)   # waited for), a POST not JSON 400
         if scope.get("method") != "POST":   # (a GET or DELETE has no body: held to 64 KiB)
             body = await _body_or_refusal(scope, receive, send,
                                           min(limit, MAX_HTTP_BODY_NOT_POST))
@@ -25996,6 +25995,36 @@ def answer_as_stdio_does(app: Callable, guard: Any = None,
         await app(scope, _replaying(body, receive), send)
 
     return guarded
+
+
+async def _refusal_before_body(validate: Callable | None, scope: dict) -> tuple[dict, Any]:
+    """(scope, None), a POST's Content-Type normalised (_json_typed), or (scope,
+    the refusal to answer): the guard's (when there is one: a loopback bind), then
+    400 for a POST whose media type is not application/json, in any case."""
+    from starlette.responses import Response
+    refused = await _guard_refusal(validate, scope) if validate is not None else None
+    if refused is not None or scope.get("method") != "POST":
+        return scope, refused
+    headers = _json_typed(scope.get("headers") or [])
+    if headers is None:
+        return scope, Response("Invalid Content-Type header", status_code=400)
+    return {**scope, "headers": headers}, None
+
+
+def _json_typed(headers: list) -> list | None:
+    """A POST's ASGI headers, its Content-Type's media type written
+    `application/json` (parameters kept), or None when it has none or another
+    (pure). The SDK compares it case-sensitively (`APPLICATION/JSON` got 415)
+    and its guard by prefix (`application/jsonx` passed, then got 415)."""
+    out, typed = [], False
+    for name, value in headers:
+        if name == b"content-type":
+            media, sep, params = value.partition(b";")
+            if media.strip().lower() != b"application/json":
+                return None
+            value, typed = b"application/json" + sep + params, True
+        out.append((name, value))
+    return out if typed else None
 
 
 async def _guard_refusal(validate: Callable, scope: dict) -> Any:

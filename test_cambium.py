@@ -26881,7 +26881,8 @@ def test_http_408_for_a_late_body_says_it_needs_a_faster_link(monkeypatch):
     async def app(*_):
         raise AssertionError("a late body reached MCP")
 
-    scope = {"type": "http", "method": "POST", "path": cs.MCP_HTTP_PATH, "headers": []}
+    scope = {"type": "http", "method": "POST", "path": cs.MCP_HTTP_PATH, "headers": [
+        (b"content-type", b"application/json")]}
     start, body = _asgi_answer(app, scope, receive)
     assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
     error = json.loads(body["body"])["error"]
@@ -26914,7 +26915,7 @@ def test_http_body_deadline_ends_once_the_body_is_whole(monkeypatch):
             return next(whole, None) or await anyio.sleep_forever()
 
         scope = {"type": "http", "method": method, "path": cs.MCP_HTTP_PATH,
-                 "headers": []}
+                 "headers": [(b"content-type", b"application/json")]}
         sent = _asgi_answer(app, scope, receive)
         assert [m.get("status") for m in sent] == [200, None], sent
         assert sent[1]["body"] == body
@@ -26997,7 +26998,8 @@ def _http_post(url: str, body: str | bytes) -> tuple[int, object]:
 def test_http_files_no_usage_under_a_session_id_the_client_made_up(repo):
     """On the 2026 protocol path (no session opened) a call's Mcp-Session-Id
     header was taken as its session: any client filed usage under any id,
-    where README says such a request journals none."""
+    where README says such a request journals none. (And a POST's Content-Type
+    is judged in any case: the same server answers both.)"""
     import http.client
     meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
             "io.modelcontextprotocol/clientInfo": {"name": "m", "version": "1"},
@@ -27022,6 +27024,20 @@ def test_http_files_no_usage_under_a_session_id_the_client_made_up(repo):
         assert "someone-elses-session" not in text
         got = asyncio.run(_http_session(url, None, lambda s: s.call_tool("status", {})))
         assert got.structured_content["session"], got    # an opened session: still its id
+        # Content-Type: `APPLICATION/JSON` got the SDK's 415, `application/jsonx` passed
+        # cambium's guard then got 415, where README says any other type gets 400
+        for kind, want in (("APPLICATION/JSON", 200), ("Application/Json; charset=utf-8", 200),
+                           ("application/jsonx", 400), ("text/plain", 400), (None, 400)):
+            status, text = post({"Content-Type": kind} if kind else {})
+            assert status == want, (kind, status, text[:200])
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=20)   # (the 2025 path's
+        c.request("POST", "/mcp", json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                  "params": {"protocolVersion": "2025-06-18", "capabilities": {},   # check)
+                             "clientInfo": {"name": "m", "version": "1"}}}),
+                  {"Content-Type": "APPLICATION/JSON",
+                   "Accept": "application/json, text/event-stream"})
+        assert c.getresponse().status == 200
+        c.close()
 
 
 def test_http_serve_stopped_by_sigterm_folds_its_credits_and_exits_cleanly(repo):
@@ -27336,7 +27352,8 @@ def test_an_http_body_is_checked_off_the_event_loop_and_scanned_once(monkeypatch
     async def app(*_):
         raise AssertionError("a refused body reached MCP")
 
-    scope = {"type": "http", "method": "POST", "path": cs.MCP_HTTP_PATH, "headers": []}
+    scope = {"type": "http", "method": "POST", "path": cs.MCP_HTTP_PATH, "headers": [
+        (b"content-type", b"application/json")]}
     anyio.run(cs.answer_as_stdio_does(app), scope, receive, send)
     assert sent[0]["status"] == 400
     assert json.loads(sent[1]["body"])["error"]["code"] == -32700
