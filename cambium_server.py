@@ -17071,11 +17071,11 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
         if raced:
             return raced.group(1)
         raise
-    urls = re.findall(r"https?://\S+", made.stdout)
-    if not urls:
+    urls = [u for u in re.findall(r"https?://\S+", made.stdout) if PR_PATH.search(u)]
+    if not urls:                    # (a compare page's URL is no pull request's)
         raise GitError(["gh", "pr", "create"], made.returncode,
                        f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
-    return next((u for u in urls if PR_PATH.search(u)), urls[-1])
+    return urls[-1]
 
 
 PR_PATH = re.compile(r"/pull/\d+/?$")     #: a pull request's web address ends so (a warning's

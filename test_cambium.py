@@ -14575,6 +14575,13 @@ def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
         cs.promote(item_id, to_scope="org")
     team = remote_json(shared["origin"], "cambium")["items"]
     assert team[0]["id"] == item_id and "pr_url" not in team[0]
+    # a URL that is no pull request's (a compare page): it was stored as the PR
+    (bindir / "gh").write_text("#!/bin/sh\n[ \"$2\" = create ] && echo https://github.com/"
+                               "acme/org/compare/main...x?expand=1\nexit 0\n")
+    with pytest.raises(cs.GitError, match="printed no pull request URL"):
+        cs.promote(item_id, to_scope="org")
+    team = remote_json(shared["origin"], "cambium")["items"]
+    assert team[0]["id"] == item_id and "pr_url" not in team[0]
     (bindir / "gh").write_text("#!/bin/sh\n[ \"$2\" = create ] && "
                                "echo https://github.com/acme/org/pull/7\nexit 0\n")
     res = cs.promote(item_id, to_scope="org")
