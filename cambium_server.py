@@ -276,6 +276,21 @@ class CorruptStore(CambiumError):
     """A knowledge.json could not be parsed; it is preserved, never overwritten."""
 
 
+class SideDamaged(CorruptStore):
+    """The store on a pull request's side branch does not parse (a reviewer's
+    edit of it) while the scope's own branch reads: the branch and its pull
+    request are the person's to fix or close, not the scope's file."""
+
+    def __init__(self, branch: str, damage: str, where: str = "its pull request"):
+        self.branch, self.damage = branch, damage
+        super().__init__(
+            f"{damage}: the store on the pull request branch {branch} does not parse (a "
+            f"person's edit of that branch; org's own branch reads fine). Every change that "
+            f"goes through {branch} is refused until a person fixes {STORE_FILE} on that "
+            f"branch, or closes {where} (the next write or review_promotions then starts "
+            "the branch afresh from org's tip). Nothing was written.")
+
+
 class DamageKept(OSError):
     """A damaged local store whose bad lines found no room to be set aside (a
     full disk, a file size limit): a read serves `doc`, the lines that parse,
@@ -8454,6 +8469,14 @@ class GitStore(Store):
             return self.doc_at(side_tip), side_tip, None
         return merged, tip, side_tip
 
+    def damage_at(self, commit: str | None) -> str:
+        """What does not parse in the store at `commit` ("" when it reads or
+        there is none), said without a call's note (a side branch's tip)."""
+        try:
+            return self.doc_at(commit, kept=True).damage if commit else ""
+        except CorruptStore as e:
+            return str(e)
+
     def _changed_by_hand(self, fork: str | None, side_tip: str) -> bool:
         """Whether a side branch changed, since it parted from the tip, a file
         cambium does not write: anything but the store and its rendered files."""
@@ -8633,6 +8656,8 @@ class GitStore(Store):
         started = time.monotonic()
         tip = guess or self._fetch_for_write()
         side_tip = self._remote_branch_tip(side) if side else None
+        if side_tip and (bad := self.damage_at(side_tip)) and not self.damage_at(tip):
+            raise SideDamaged(side, bad)
         doc, base, merge = self._side_base(tip, side_tip) if side else \
             (self.doc_at(tip), tip, None)
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
@@ -16966,6 +16991,12 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
                           ensure_files=ensure_files)
     except GitError as e:
         raise _landing_noted(e)
+    except SideDamaged as e:
+        url = ""
+        with contextlib.suppress(GitError):
+            url = open_pr_url(cfg, st, e.branch)
+        raise SideDamaged(e.branch, e.damage, f"its pull request {url}" if url else
+                          "its pull request") from None
     if pr_branch is None:
         climb_credits(cfg, scope, write.doc)
     if pr_branch and write.branch == pr_branch and (
@@ -17075,7 +17106,7 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
     if not urls:                    # (a compare page's URL is no pull request's)
         raise GitError(["gh", "pr", "create"], made.returncode,
                        f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
-    return urls[-1]
+    return urls[0]
 
 
 PR_PATH = re.compile(r"/pull/\d+/?$")     #: a pull request's web address ends so (a warning's
@@ -18469,6 +18500,10 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
     try:
         if url := open_pr_url(cfg, org, branch):
             out.note_open(branch, url)
+            side = org._remote_branch_tip(branch)
+            if side and (bad := org.damage_at(side)) and not org.damage_at(org.local_tip()):
+                out.warnings.append(str(SideDamaged(branch, bad, f"its pull request {url}")))
+                return
             if org.catch_up_side(branch):
                 out.caught_up.append(branch)
             return

@@ -13360,6 +13360,28 @@ def test_pr_mode_review_never_catches_up_a_branch_a_reviewer_added_a_file_to(
     assert [(p["id"], p["pr_state"]) for p in review["pending_org_prs"]] == [(b, "open")]
 
 
+def test_pr_mode_a_reviewers_broken_store_on_the_updates_branch_names_that_branch(
+        shared, monkeypatch, tmp_path):
+    """A reviewer's line that does not parse on cambium/updates refused every
+    org write with "org knowledge.json ... until a person fixes the file",
+    naming neither the branch nor its pull request (org's main was fine), and
+    review said nothing of it."""
+    _, a, b = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    url = cs.deprecate(a, reason="old")["pr_url"]
+    reviewer = clone(shared["org_bare"], tmp_path / "reviewer")
+    git(reviewer, "checkout", "-q", "-b", "cambium/updates", "origin/cambium/updates")
+    lines = (reviewer / "knowledge.json").read_text().split("\n")
+    lines = [line[:-3] if f'"id":"{a}"' in line else line for line in lines]
+    (reviewer / "knowledge.json").write_text("\n".join(lines))
+    git(reviewer, "commit", "-qam", "reviewer: typo")
+    git(reviewer, "push", "-q", "origin", "cambium/updates")
+    with pytest.raises(cs.CorruptStore, match=f"branch cambium/updates does not parse.*"
+                                              f"closes its pull request {url}"):
+        cs.verify_entry(b, note="seen")
+    (warning,) = [w for w in cs.review_promotions().get("warnings", []) if "parse" in w]
+    assert "cambium/updates" in warning and url in warning
+
+
 def test_pr_branch_names_are_branches_git_takes_for_any_item_id(tmp_path):
     """An id the tools accept (`ns:item1`, `a..b`, `x.lock`, `end.`) made a PR
     branch name git refused: in PR mode such an item could never reach org."""
