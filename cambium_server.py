@@ -24086,6 +24086,11 @@ def _require_active(item: Item, verb: str) -> None:
     if item.active:
         return
     first = _superseded_by(item) if item.status == "superseded" else None
+    if first is None and (url := _retired_on_pr(item)):
+        raise Refused(f"item {item.id} is pending deprecation: {item.status} only in the org "
+                      f"pull request {url}, which waits for a person (org's own branch still "
+                      f"serves it active); it cannot be {verb} while that waits: merge or "
+                      "close that pull request first.")
     if first is None:
         raise Refused(f"item {item.id} is {item.status}; it cannot be {verb}"
                       + (": if the words hold again, or something else holds in their place, "
@@ -24111,6 +24116,24 @@ def _require_active(item: Item, verb: str) -> None:
                       "(a scope off or unreachable, or a hand edit): that one can be "
                       f"{verb} where it is.")
     raise Refused(f"item {item.id} is superseded by {via}; that one can be {verb}.")
+
+
+def _retired_on_pr(item: Item) -> str | None:
+    """In org PR mode, the pull request (cambium/updates) where org's `item`,
+    as read on that branch, was retired while org's tip, as last fetched,
+    holds it active: that retirement is only proposed. None otherwise."""
+    cfg = resolve_config()
+    if item.scope != "org" or not cfg.org_pr:
+        return None
+    branch = pr_branch_name("updates")
+    try:
+        org = store(cfg, "org")
+        there = _find_item(org.doc_at(org.local_tip()), item.id)
+        if there is None or not there[1].active:
+            return None
+        return open_pr_url(cfg, org, branch) or f"of the branch {branch}"
+    except CambiumError:
+        return None
 
 
 def _fetched(scope: str) -> dict[str, Doc] | None:

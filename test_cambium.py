@@ -13382,6 +13382,20 @@ def test_pr_mode_a_reviewers_broken_store_on_the_updates_branch_names_that_branc
     assert "cambium/updates" in warning and url in warning
 
 
+def test_pr_mode_a_deprecation_only_proposed_is_named_as_pending_in_its_pr(
+        shared, monkeypatch, tmp_path):
+    """After deprecate(a) answered pending (org's main serving a active),
+    correct/endorse/verify of a answered "item a is deprecated ... capture()
+    it in your own words", with no word of the pull request it waits on."""
+    _, a, _ = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    url = cs.deprecate(a, reason="old")["pr_url"]
+    for call in (lambda: cs.correct(a, "Retry idempotent calls at most 3 times", force=True),
+                 lambda: cs.endorse(a, note="holds"), lambda: cs.verify_entry(a, note="holds")):
+        with pytest.raises(cs.Refused, match=f"pending deprecation.*{re.escape(url)}") as e:
+            call()
+        assert "capture()" not in str(e.value) and "merge or close" in str(e.value)
+
+
 def test_pr_branch_names_are_branches_git_takes_for_any_item_id(tmp_path):
     """An id the tools accept (`ns:item1`, `a..b`, `x.lock`, `end.`) made a PR
     branch name git refused: in PR mode such an item could never reach org."""
