@@ -384,6 +384,22 @@ class ConflictError(CambiumError):
     """Lost the compare-and-swap race on every retry."""
 
 
+class SideStuck(ConflictError):
+    """A pull request's side branch cambium cannot catch up with the scope's
+    tip (`reason`: a person's commit of another file on it, or both sides
+    changed an item differently): it lacks what the tip gained since, and it
+    is a person's to resolve or close."""
+
+    def __init__(self, branch: str, reason: str, where: str = "its pull request"):
+        self.branch, self.reason = branch, reason
+        super().__init__(
+            f"the org pull request branch {branch} conflicts with org's own branch ({reason}), "
+            f"so cambium cannot bring it up to org's tip, and it lacks what org gained since "
+            f"(an item that reached org after it parted is not on it). A person resolves the "
+            f"conflict on {where}, or closes it (review_promotions then deletes the branch, "
+            "and the next write starts it afresh from org's tip).")
+
+
 class LockHeld(ConflictError):
     """Another process held a lock past the wait (_held_error); `held` says so
     without the advice to try again, for a caller that goes on without it."""
@@ -8469,6 +8485,42 @@ class GitStore(Store):
             return self.doc_at(side_tip), side_tip, None
         return merged, tip, side_tip
 
+    def side_stuck(self, tip: str | None, side_tip: str | None) -> str:
+        """Why a side branch at `side_tip` cannot be caught up with `tip`
+        (_side_base continues its own tip): "" when it can, or need not be."""
+        if tip is None or side_tip is None or self._holds(side_tip, tip) \
+                or self._holds(tip, side_tip):
+            return ""
+        fork = self.git("merge-base", tip, side_tip, check=False).stdout.strip() or None
+        if hand := self._hand_files(fork, side_tip):
+            return f"a person's commit of {', '.join(hand[:3])} on it, a file cambium does not write"
+        at_fork, ours, theirs = self.doc_at(fork), self.doc_at(tip), self.doc_at(side_tip)
+        if merged_docs(at_fork, ours, theirs) is not None:
+            return ""
+        was, now = ({it.id: it for it in d.items} for d in (at_fork, ours))
+        both = [it.id for it in theirs.items if it.id in was and it != was[it.id]
+                and now.get(it.id, it) != was[it.id] and now.get(it.id) != it]
+        return (f"both changed {', '.join(both[:3])} differently" if both else
+                "both changed its items differently")
+
+    def _on_side(self, fn: Callable[[Doc], Doc | None], side: str, tip: str | None,
+                 side_tip: str | None) -> Callable[[Doc], Doc | None]:
+        """fn for a write to side branch `side` (at `side_tip`): refused when its
+        store does not parse while the tip's does (SideDamaged); an item it
+        lacks on a branch that cannot be caught up (an item the tip gained
+        since) is SideStuck, not NotFound."""
+        if side_tip and (bad := self.damage_at(side_tip)) and not self.damage_at(tip):
+            raise SideDamaged(side, bad)
+
+        def on_side(doc: Doc) -> Doc | None:
+            try:
+                return fn(doc)
+            except NotFound:
+                if reason := self.side_stuck(tip, side_tip):
+                    raise SideStuck(side, reason) from None
+                raise
+        return on_side
+
     def damage_at(self, commit: str | None) -> str:
         """What does not parse in the store at `commit` ("" when it reads or
         there is none), said without a call's note (a side branch's tip)."""
@@ -8480,10 +8532,14 @@ class GitStore(Store):
     def _changed_by_hand(self, fork: str | None, side_tip: str) -> bool:
         """Whether a side branch changed, since it parted from the tip, a file
         cambium does not write: anything but the store and its rendered files."""
+        return bool(self._hand_files(fork, side_tip))
+
+    def _hand_files(self, fork: str | None, side_tip: str) -> list[str]:
+        """The files _changed_by_hand finds."""
         ours = {STORE_FILE, *(self.extra_files(Doc([])) if self.extra_files else {})}
         changed = self.git("diff", "--name-only", "-z", fork, side_tip, "--").stdout.split("\0") \
             if fork else self.git("ls-tree", "-z", "--name-only", side_tip).stdout.split("\0")
-        return any(n and n not in ours for n in changed)
+        return [n for n in changed if n and n not in ours]
 
     def proposes(self, branch: str, side: str | None = None) -> bool:
         """Whether side branch `branch` holds a change the scope's tip lacks:
@@ -8534,6 +8590,8 @@ class GitStore(Store):
         if self._holds(tip, side):      # (merged: the tip holds the branch)
             return None
         doc, parent, merge = self._side_base(tip, side)
+        if merge is None and (reason := self.side_stuck(tip, side)):
+            raise SideStuck(branch, reason)
         if merge is None:   # (caught up even when the tip already says all it does: it
             return None     # would conflict, as a later direct endorsement by its author)
         files = {STORE_FILE: render_store(doc), **self._rendered(doc, parent)}
@@ -8656,8 +8714,8 @@ class GitStore(Store):
         started = time.monotonic()
         tip = guess or self._fetch_for_write()
         side_tip = self._remote_branch_tip(side) if side else None
-        if side_tip and (bad := self.damage_at(side_tip)) and not self.damage_at(tip):
-            raise SideDamaged(side, bad)
+        if side:
+            fn = self._on_side(fn, side, tip, side_tip)
         doc, base, merge = self._side_base(tip, side_tip) if side else \
             (self.doc_at(tip), tip, None)
         refuse_newer_format(doc, f"{STORE_FILE} on {self.remote}/{target}")
@@ -16991,12 +17049,13 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
                           ensure_files=ensure_files)
     except GitError as e:
         raise _landing_noted(e)
-    except SideDamaged as e:
+    except (SideDamaged, SideStuck) as e:
         url = ""
         with contextlib.suppress(GitError):
             url = open_pr_url(cfg, st, e.branch)
-        raise SideDamaged(e.branch, e.damage, f"its pull request {url}" if url else
-                          "its pull request") from None
+        where = f"its pull request {url}" if url else "its pull request"
+        raise SideDamaged(e.branch, e.damage, where) if isinstance(e, SideDamaged) else \
+            SideStuck(e.branch, e.reason, where) from None
     if pr_branch is None:
         climb_credits(cfg, scope, write.doc)
     if pr_branch and write.branch == pr_branch and (
@@ -18504,8 +18563,11 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
             if side and (bad := org.damage_at(side)) and not org.damage_at(org.local_tip()):
                 out.warnings.append(str(SideDamaged(branch, bad, f"its pull request {url}")))
                 return
-            if org.catch_up_side(branch):
-                out.caught_up.append(branch)
+            try:
+                if org.catch_up_side(branch):
+                    out.caught_up.append(branch)
+            except SideStuck as e:
+                out.warnings.append(str(SideStuck(branch, e.reason, f"its pull request {url}")))
             return
         last, side = last_pr_of(cfg, org, branch), org._remote_branch_tip(branch)
         if last and last.state == "MERGED" and side == last.oid:

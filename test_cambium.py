@@ -13396,6 +13396,34 @@ def test_pr_mode_a_deprecation_only_proposed_is_named_as_pending_in_its_pr(
         assert "capture()" not in str(e.value) and "merge or close" in str(e.value)
 
 
+def test_pr_mode_an_updates_branch_that_cannot_be_caught_up_is_said(
+        shared, monkeypatch, tmp_path):
+    """A reviewer's commit of another file to cambium/updates left it behind
+    org's main for good with no word: review listed it as usual, and an endorse
+    or deprecate of an item that reached org since answered not_found "No item
+    X in org scope any more" while recall served it."""
+    _, a, _ = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    url = cs.verify_entry(a, note="ok")["pr_url"]
+    reviewer = clone(shared["org_bare"], tmp_path / "reviewer")
+    git(reviewer, "checkout", "-q", "-b", "cambium/updates", "origin/cambium/updates")
+    (reviewer / "REVIEW-NOTES.md").write_text("reviewed\n")
+    git(reviewer, "add", "-A")
+    git(reviewer, "commit", "-qm", "reviewer: notes")
+    git(reviewer, "push", "-q", "origin", "cambium/updates")
+    x = _endorsed("Feature flags get an owner and an expiry date")
+    promoted = cs.promote(x, to_scope="org")
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{x}")
+    set_pr_state(tmp_path, promoted["pr_url"], "MERGED")
+    (warning,) = [w for w in cs.review_promotions().get("warnings", []) if "conflicts" in w]
+    assert "cambium/updates" in warning and url in warning and "REVIEW-NOTES.md" in warning
+    before = git(shared["org_bare"], "rev-parse", "cambium/updates").strip()
+    for call in (lambda: cs.endorse(x, note="bob agrees"), lambda: cs.deprecate(x, reason="x")):
+        with pytest.raises(cs.ConflictError, match=f"conflicts with org's own branch.*"
+                                                   f"{re.escape(url)}"):
+            call()
+    assert git(shared["org_bare"], "rev-parse", "cambium/updates").strip() == before
+
+
 def test_pr_branch_names_are_branches_git_takes_for_any_item_id(tmp_path):
     """An id the tools accept (`ns:item1`, `a..b`, `x.lock`, `end.`) made a PR
     branch name git refused: in PR mode such an item could never reach org."""
