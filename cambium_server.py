@@ -23227,6 +23227,8 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
     to_org = moving_to(doc, "org")
     if item_id in to_org:                      # a move to org cut short: finished there
         return _promote_to_org(cfg, item_id, force=True, restate={})
+    if item_id is None:                        # a copy below of an org item is org's (its
+        to_org = to_org | _org_ids(cfg)        # news, a declined mark, go up there)
     pending = pending_by_item(cfg)
 
     def gate(it: Item) -> Verdict:             # (a move cut short was judged when it began)
@@ -23284,6 +23286,18 @@ def refused_of(verdicts: dict[str, Verdict], *statuses: str) -> dict:
            for i, v in sorted(verdicts.items())
            if not v.allowed and (not statuses or v.status in statuses)]
     return {"refused": out} if out else {}
+
+
+def _org_ids(cfg: Config) -> set[str]:
+    """The ids org holds, as last read (none with org off or unreadable): a
+    batch promote to team leaves their copies below, or the same id went to
+    team beside org's, its declined mark dropped and proposed again."""
+    if cfg.org_repo is None:
+        return set()
+    try:
+        return {it.id for it in store(cfg, "org").read(digest=True).items}
+    except (CambiumError, OSError):
+        return set()
 
 
 def _cut_short_marks(cfg: Config, item_id: str | None) -> tuple[Doc, set[str]]:
@@ -23849,9 +23863,9 @@ def review_promotions(limit: Annotated[int, Field(
         docs, warnings = read_scopes(cfg, SCOPES)
     pending = pending_by_item(cfg)
     out: dict[str, Any] = {key: [] for key in REVIEW_LISTS}
-    to_org = moving_to(docs["local"], "org")
+    to_org = moving_to(docs["local"], "org") | {it.id for it in docs.get("org", Doc([])).items}
     for it in (it for it in first_copies(docs["local"].items) if it.id not in to_org):
-        trust = effective_trust(it, pending)
+        trust = effective_trust(it, pending)   # (nor a copy below of an org item: org's)
         verdict = team_verdict(it, trust, cfg.promote_recalls)
         if verdict.allowed and not _refused_in(cfg, "team", docs, it):
             out["team_eligible"].append({**item_view(it, trust=trust),

@@ -13424,6 +13424,36 @@ def test_pr_mode_an_updates_branch_that_cannot_be_caught_up_is_said(
     assert git(shared["org_bare"], "rev-parse", "cambium/updates").strip() == before
 
 
+def test_pr_mode_a_declined_copy_below_of_an_org_item_never_goes_to_team(
+        shared, monkeypatch, tmp_path):
+    """A local copy of an org item whose news org's reviewers declined was
+    listed team_eligible, and promote() moved it to team: the same id in team
+    and org, its declined mark dropped, the declined news proposed again."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    x = _endorsed("Feature flags get an owner and an expiry date", note="ada vouches")
+    url = cs.promote(x, to_scope="org")["pr_url"]
+    reviewer = clone(shared["org_bare"], tmp_path / "reviewer")
+    git(reviewer, "checkout", "-q", "-b", "br", f"origin/cambium/promote-{x}")
+    store_file = reviewer / "knowledge.json"
+    doc = json.loads(store_file.read_text())
+    for it in doc["items"]:                     # the reviewer endorses it in ada's place
+        it["trust"]["endorsements"] = [{"by": "lead", "note": "org reviewed",
+                                        "at": "2026-12-07T21:00:00Z"}]
+    store_file.write_text(json.dumps(doc))
+    git(reviewer, "commit", "-qam", "reviewer")
+    git(reviewer, "push", "-q", "origin", f"HEAD:cambium/promote-{x}")
+    _merge_on_org(shared, tmp_path, f"cambium/promote-{x}")
+    set_pr_state(tmp_path, url, "MERGED")
+    set_pr_state(tmp_path, cs.review_promotions()["updates_org_prs"][0]["pr_url"], "CLOSED")
+    cs.review_promotions()
+    assert "declined" in local_items(shared["a"])[0]
+    assert [i["id"] for i in cs.review_promotions()["team_eligible"]] == []
+    assert cs.promote()["status"] == "nothing_eligible"
+    assert "declined" in local_items(shared["a"])[0]
+    assert x not in {i["id"] for i in (remote_json(shared["origin"], "cambium") or
+                                       {"items": []})["items"]}
+
+
 def test_pr_branch_names_are_branches_git_takes_for_any_item_id(tmp_path):
     """An id the tools accept (`ns:item1`, `a..b`, `x.lock`, `end.`) made a PR
     branch name git refused: in PR mode such an item could never reach org."""
