@@ -8635,11 +8635,30 @@ class GitStore(Store):
         if isinstance(done, Write):
             if target == self.branch:
                 self._name_rewound(done)
+                self._sync_after_write()
             return done
         if done:                                  # (the remote's lock refused the last push)
             raise self._remote_busy(target, done, busy, left)
         raise ConflictError(f"{self.scope} scope: lost the push race for {PUSH_RETRY_S:g} s on "
                             f"{self.remote}/{target}; other writers are busy. Try again.")
+
+    def _sync_after_write(self) -> None:
+        """After a write to the scope's own branch, hard-sync a dedicated
+        clone's checkout (the org clone) to the tip it left: a promote answered
+        `published: [knowledge.json, KNOWLEDGE.md]` while the clone's files
+        stayed behind until the next read. Best effort, the write has landed:
+        what stops it (someone's work there, a held lock, a failed checkout)
+        is a warning of the call. A scope without a checkout costs nothing."""
+        if not self.checkout:
+            return
+        before = len(self._warnings)
+        try:
+            self.sync_checkout()
+        except (CambiumError, OSError) as e:
+            self._warn_once(f"the {self.scope} clone {self.repo}'s checkout was left as it "
+                            f"is: {e}; a later read syncs it")
+        for text in self._warnings[before:]:
+            note_for_call(text)
 
     def _remote_busy(self, target: str, lock: str, refused: int, left: float | None, *,
                      spent: bool = False) -> RemoteBusy:

@@ -27853,10 +27853,29 @@ def test_an_org_clone_holding_code_or_someones_work_is_never_checked_out_by_forc
     (org / "README.md").write_text("my uncommitted notes\n")
     item_id = _endorsed("Every service exposes a health endpoint")
     cs.promote(item_id)
-    assert cs.promote(item_id, to_scope="org")["status"] == "promoted"
-    out = cs.recall("health endpoint")
+    with cs.collecting_notes():          # (as a tool call: the write's sync says why it left it)
+        out = cs.with_store_warnings(cs.promote(item_id, to_scope="org"))
+    assert out["status"] == "promoted"
+    cs.recall("health endpoint")
     assert (org / "README.md").read_text() == "my uncommitted notes\n"
     assert any("left as it is" in w and "uncommitted" in w for w in out.get("warnings", []))
+
+
+def test_a_direct_org_promote_leaves_the_org_clones_files_at_what_it_published(
+        shared, monkeypatch):
+    """A direct promote to org answered `published: [knowledge.json, KNOWLEDGE.md]`
+    while the org clone (CAMBIUM_ORG_REPO, which cambium hard-syncs) kept the
+    old knowledge.json and no KNOWLEDGE.md, its HEAD behind origin, until the
+    next read: only reads synced the checkout. The write syncs it now."""
+    org = shared["org"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    item_id = _endorsed("Pin container base images by digest")
+    out = cs.promote(item_id, to_scope="org")
+    assert out["status"] == "promoted" and "KNOWLEDGE.md" in out["published"], out
+    assert item_id in (org / "knowledge.json").read_text()
+    assert "Pin container base images by digest" in (org / "KNOWLEDGE.md").read_text()
+    assert git(org, "rev-parse", "HEAD") == git(shared["org_bare"], "rev-parse", "main")
+    assert not git(org, "status", "--porcelain")
 
 
 def test_the_org_checkout_runs_no_git_under_the_scopes_state_lock(shared, monkeypatch):
