@@ -22898,7 +22898,12 @@ def distill_remote_failed(result: dict) -> bool:
     return board.get("status") == "unreachable" or board.get("fetch_failed") is True
 
 
-def expand(item_id: ItemId) -> dict:
+def expand(item_id: Annotated[str | None, Field(
+               "A cambium item id (k-...), as recall and capture return it; this or id "
+               "is needed.")] = None,
+           id: Annotated[str | None, Field(                     # noqa: A002 (the API's name)
+               "The same as item_id, by the name the primer and recall's hints call it "
+               "(expand(id)); give one of the two.")] = None) -> dict:
     """One item whole, by id (from recall, the primer or capture).
 
     Returns its content, why, provenance (source, author, project), trust
@@ -22909,7 +22914,7 @@ def expand(item_id: ItemId) -> dict:
     resolves). Reads only: expanding an item earns it no recall credit.
     """
     cfg = require_config()
-    item_id = _check_id(item_id)
+    item_id = _expand_id(item_id, id)
     scope, item = locate(cfg, item_id, highest=True)
     trust = effective_trust(item, pending_by_item(cfg, adopt=False))
     anchors = anchors_for(cfg, item)
@@ -22924,6 +22929,20 @@ def expand(item_id: ItemId) -> dict:
         out["stale_code"] = True
     note_shown(cfg, [item.id], "expand")
     return out
+
+
+def _expand_id(item_id: Any, alias: Any) -> str:
+    """expand's id, given as item_id or as id (the name the primer, recall's
+    hints and issue 11 use: `expand(id)` was refused as an unknown argument);
+    both, naming different items, or neither is invalid_argument."""
+    if item_id is not None and alias is not None and item_id != alias:
+        raise InputError(f"expand got item_id={json_words(item_id)} and id="
+                         f"{json_words(alias)}: two different ids; give one of them (id is "
+                         "the same argument as item_id).", "id")
+    if item_id is None and alias is None:
+        raise InputError("expand needs the id of an item: give item_id (or id, the same "
+                         "argument); recall lists ids.", "item_id")
+    return _check_id(item_id, "item_id") if item_id is not None else _check_id(alias, "id")
 
 
 def _credit_hits(cfg: Config, items: list[Item]) -> dict[str, list[dict]]:
@@ -24842,7 +24861,7 @@ def api_table() -> tuple[Tool, ...]:
         Tool(capture, "write", flags={"code_refs": "--code-ref"}),
         Tool(record_need, "write"),
         Tool(recall, "remote", run=_cli_recall),   # (fetches team and org; journals credits)
-        Tool(expand, "read_remote", aliases=("show",)),
+        Tool(expand, "read_remote", aliases=("show",), positional=("item_id",)),
         Tool(endorse, "remote", cli_also=("note",)),
         Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",),
              run=_cli_promote),

@@ -19830,6 +19830,12 @@ def test_mcp_unknown_arguments_are_refused_and_nothing_is_written(repo):
             res = await session.call_tool(tool, args)
             assert res.is_error, (tool, res)
             out.append((res.content[0].text, res.structured_content))
+        assert "id" in tools["expand"].input_schema["properties"]     # issue 11's expand(id)
+        res = await session.call_tool("expand", {"id": kept[1]})      # (was: no argument 'id')
+        assert not res.is_error and res.structured_content["id"] == kept[1], res
+        res = await session.call_tool("expand", {"item_id": kept[0], "id": kept[1]})
+        assert res.is_error and res.structured_content["error"] == "invalid_argument"
+        assert res.structured_content["argument"] == "id"
         return out
 
     out = asyncio.run(_mcp_session(_mcp_env(repo), body))
@@ -24764,6 +24770,22 @@ def test_expand_returns_the_whole_item_and_earns_no_credit(coderepo):
     assert {p.name: p.read_bytes() for p in (coderepo / ".cambium").iterdir()} == before
     with pytest.raises(cs.NotFound):
         cs.expand("k-000000000000")
+
+
+def test_expand_takes_id_as_the_same_argument_as_item_id(repo):
+    """Issue 11, the primer and recall's hints name it expand(id), yet expand
+    took item_id alone: expand(id=...) was refused. Either name gives the item;
+    both naming different ids, or neither, is invalid_argument; `show ID` on
+    the CLI is as it was."""
+    iid = cs.capture("Rotate the signing keys every quarter")["item"]["id"]
+    assert cs.expand(id=iid)["id"] == iid == cs.expand(iid, id=iid)["id"]
+    with pytest.raises(cs.InputError, match="two different ids") as two:
+        cs.expand(iid, id="k-000000000000")
+    assert two.value.argument == "id"
+    with pytest.raises(cs.InputError, match="needs the id of an item"):
+        cs.expand()
+    assert _parsed("show", iid) == {"item_id": iid, "id": None, "tool": "expand"}
+    assert _parsed("show", "--id", iid)["id"] == iid
 
 
 def test_expand_says_each_endorsement_once(repo):
