@@ -10127,7 +10127,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     own = _first(rec, ("system", "source"))
     own = own.strip() if isinstance(own, str) and own.strip() else None
     source = {"system": own or system, "ref": ref, "imported": True,
-              "source_ts": ts,
+              **({"source_ts": ts} if ts is not None else {}),    # (the spec: omitted)
               **({"file": origin} if origin and not own else {})}
     return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
                  tags=tags, source=source, where=where, notes=notes,
