@@ -14696,6 +14696,27 @@ def test_pr_mode_gh_failure_leaves_item_in_place(shared, monkeypatch, tmp_path):
     assert res["status"] == "pr_opened" and res["pr_url"] == "https://github.com/acme/org/pull/7"
 
 
+def test_pr_mode_a_gh_pr_list_printing_no_url_means_no_open_pr(shared, monkeypatch, tmp_path,
+                                                                 capfd):
+    """TRAPS: treat any output of `gh pr list --jq .[0].url` that is not a URL
+    as none. A gh (or a wrapper) that ignores --jq and prints `[]` failed the
+    promote with git_failed ("gh printed no pull request URL: []"); it is no
+    open pull request now, said on stderr, and `gh pr create` opens it."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "gh").write_text('#!/bin/sh\ncase "$1 $2" in "pr list") echo "[]";; '
+                               '"pr create") echo https://github.com/acme/org/pull/9;; esac\n')
+    (bindir / "gh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    item_id = _endorsed("Always set HTTP client timeouts")
+    res = cs.promote(item_id, to_scope="org")
+    assert res["status"] == "pr_opened" and res["pr_url"] == "https://github.com/acme/org/pull/9"
+    assert "printed no pull request URL ('[]'): read as no open pull request" in \
+        capfd.readouterr().err
+
+
 def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeypatch,
                                                                    tmp_path):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
