@@ -21052,11 +21052,15 @@ def _file_binding_moved(cfg: Config) -> list[str]:
 
 
 def _count(doc: Doc) -> dict:
-    counts: dict[str, int] = {}
+    """A scope's counts (pure): `by_type`, its live items per type; `retired`,
+    the others per status (deprecated, superseded). by_type counted a retired
+    item under its status, beside the types (`{memory: 1, deprecated: 1}`)."""
+    by_type: dict[str, int] = {}
+    retired: dict[str, int] = {}
     for it in doc.items:
-        key = it.type if it.active else it.status      # deprecated | superseded
+        counts, key = (by_type, it.type) if it.active else (retired, it.status)
         counts[key] = counts.get(key, 0) + 1
-    return counts
+    return {"by_type": by_type, "retired": retired}
 
 
 def status() -> dict:
@@ -21111,7 +21115,7 @@ def _status(cfg: Config, offline: tuple[Path, GitError] | None = None) -> dict:
         #           (an unset one too: CAMBIUM_ORG_REPO, null, from default)
         "sources": ORIGINS,
         "scopes": {"local": {"path": str(local.path), "items": len(doc.items),
-                             "by_type": _count(doc), **_waiting_on_prs(doc),
+                             **_count(doc), **_waiting_on_prs(doc),
                              **_duplicate_ids(doc)},
                    **_shared_scope_status(cfg, offline)},
         "pending_recall_credits": len(read_credits(credits_path(cfg))),
@@ -21190,7 +21194,7 @@ def _shared_scope_status(cfg: Config, offline: tuple[Path, GitError] | None = No
                 continue
         try:
             doc = st.doc_at(tip)
-            info.update(items=len(doc.items), by_type=_count(doc), **_waiting_on_prs(doc),
+            info.update(items=len(doc.items), **_count(doc), **_waiting_on_prs(doc),
                         **_duplicate_ids(doc))
             if not info["reachable"] and tip:
                 info["note"] = "counts from the last successful fetch"

@@ -15960,9 +15960,24 @@ def test_consolidate_local_dry_run_apply_merge_and_idempotence(repo):
     assert items[survivor]["merged_from"][0]["id"] == loser and items[near]["status"] == "active"
     again = store.read_bytes()
     assert cs.consolidate(apply=True)["count"] == 0 and store.read_bytes() == again
-    assert cs.status()["scopes"]["local"]["by_type"] == {"memory": 2, "superseded": 1}
+    local = cs.status()["scopes"]["local"]
+    assert (local["by_type"], local["retired"]) == ({"memory": 2}, {"superseded": 1})
     assert {h["id"] for h in cs.recall("retry idempotent requests backoff")["results"]} == \
         {survivor, near}
+
+
+def test_status_counts_live_items_by_type_and_retired_ones_apart(repo):
+    """status's by_type counted a retired item under its status, beside the
+    types ({memory: 1, need: 1, deprecated: 1}); the spec asks counts per
+    scope and type. by_type counts live items per type; `retired` the others
+    per status; `items` all of them."""
+    cs.capture("Drain the queues before a deploy")
+    cs.record_need("A runbook for the database failover")
+    gone = cs.capture("The cache is warmed by hand after a deploy")["item"]["id"]
+    cs.deprecate(gone, "the deploy warms it now")
+    local = cs.status()["scopes"]["local"]
+    assert local["by_type"] == {"memory": 1, "need": 1}
+    assert local["retired"] == {"deprecated": 1} and local["items"] == 3
 
 
 def test_consolidate_keeps_the_duplicates_code_anchors_tags_and_premise(repo):
