@@ -17155,27 +17155,44 @@ def _gh_env() -> dict:
 
 def open_pr_url(cfg: Config, store: GitStore, branch: str) -> str:
     """The URL of the open pull request whose head is `branch`, or "" when
-    there is none. Output that is no URL (`[]`, `null`, a gh or wrapper that
-    ignores --jq) is none too, said on stderr and never stored as a PR's URL:
-    it failed the promote (git_failed), though `gh pr create` then opens the
-    PR or names the one that exists. Raises GitError (gh missing, not logged
-    in, offline: a non-zero exit)."""
+    there is none. Raises GitError (gh missing, not logged in, offline: a
+    non-zero exit), and when what gh printed says neither (_listed_pr_url):
+    drop_declined, _correction_proposed and _check_shared then do nothing on
+    a guess (read as none, they deleted an open PR's branch, advised a
+    correction refused next, or opened a PR already open)."""
     listed = _run(["gh", "pr", "list", "--head", branch, "--state", "open", "--json", "url",
                    "--jq", ".[0].url"], store.repo, cfg.git_timeout_s, env=_gh_env())
-    out = listed.stdout.strip()
-    if out and not re.fullmatch(r"https?://\S+", out):
-        print(f"cambium: `gh pr list --head {branch}` printed no pull request URL "
-              f"({valid_unicode(out[:200])!r}): read as no open pull request",
-              file=sys.stderr)
+    url = _listed_pr_url(listed.stdout)
+    if url is None:                                     # never stored as a PR's URL
+        raise GitError(["gh", "pr", "list"], listed.returncode,
+                       f"gh printed no pull request URL: {listed.stdout.strip()[:200]}")
+    return url
+
+
+def _listed_pr_url(printed: str) -> str | None:
+    """What `gh pr list --json url --jq .[0].url` printed, read (pure): "" for
+    none (nothing, `null`, `[]`), the URL (alone, or the first object's `url`
+    of the JSON list a gh or wrapper ignoring --jq prints), else None: gh
+    cannot say."""
+    out = printed.strip()
+    if out in ("", "null", "[]"):
         return ""
-    return out
+    if re.fullmatch(r"https?://\S+", out):
+        return out
+    try:
+        listed = json.loads(out)
+    except ValueError:
+        return None
+    first = listed[0] if isinstance(listed, list) and listed else None
+    url = first.get("url") if isinstance(first, dict) else None
+    return url if isinstance(url, str) and re.fullmatch(r"https?://\S+", url) else None
 
 
 def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) -> str:
     """The URL of the open pull request for `branch`, opening one with gh if needed."""
     timeout = cfg.git_timeout_s
     env = _gh_env()
-    if url := open_pr_url(cfg, store, branch):
+    if url := _open_pr_url_or_none(cfg, store, branch):
         return url
     try:
         made = _run(["gh", "pr", "create", "--head", branch, "--base", store.branch,
@@ -17191,6 +17208,22 @@ def open_pr(cfg: Config, store: GitStore, branch: str, title: str, body: str) ->
         raise GitError(["gh", "pr", "create"], made.returncode,
                        f"gh printed no pull request URL: {made.stdout.strip()[:200]}")
     return urls[0]
+
+
+def _open_pr_url_or_none(cfg: Config, store: GitStore, branch: str) -> str:
+    """open_pr_url for open_pr, where "gh cannot say" (output it cannot read:
+    text, a wrapper's) is none, said on stderr: `gh pr create` is safe then,
+    as GitHub refuses a second open PR with 'already exists: URL', which
+    open_pr takes. A non-zero exit still raises."""
+    try:
+        return open_pr_url(cfg, store, branch)
+    except GitError as e:
+        if e.code != 0:
+            raise
+        print(f"cambium: `gh pr list --head {branch}` printed no pull request URL "
+              f"({valid_unicode(e.stderr.split(': ', 1)[-1])!r}): read as no open pull "
+              "request; `gh pr create` names one that exists", file=sys.stderr)
+        return ""
 
 
 PR_PATH = re.compile(r"/pull/\d+/?$")     #: a pull request's web address ends so (a warning's

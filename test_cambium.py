@@ -14713,8 +14713,93 @@ def test_pr_mode_a_gh_pr_list_printing_no_url_means_no_open_pr(shared, monkeypat
     item_id = _endorsed("Always set HTTP client timeouts")
     res = cs.promote(item_id, to_scope="org")
     assert res["status"] == "pr_opened" and res["pr_url"] == "https://github.com/acme/org/pull/9"
-    assert "printed no pull request URL ('[]'): read as no open pull request" in \
+    assert "printed no pull request URL" not in capfd.readouterr().err     # ([] is none)
+    (bindir / "gh").write_text('#!/bin/sh\ncase "$1 $2" in "pr list") echo "gh: a warning";; '
+                               '"pr create") echo https://github.com/acme/org/pull/9;; esac\n')
+    again = _endorsed("Always set HTTP server timeouts")      # text: gh cannot say, and
+    assert cs.promote(again, to_scope="org")["status"] == "pr_opened"   # create is safe
+    assert "printed no pull request URL ('gh: a warning'): read as no open pull request" in \
         capfd.readouterr().err
+
+
+def _gh_ignoring_jq(tmp_path: Path, open_list: str, all_list: str | None = None) -> None:
+    """Wrap the stub gh as a gh (or wrapper) that ignores --jq: `pr list
+    --state open` prints open_list with URL for the open PR's URL (`[]` when
+    none), `pr list --state all` all_list with LINE for the stub's line;
+    `pr create` refuses a second open PR as GitHub does ('already exists')."""
+    real = tmp_path / "bin" / "gh-real"
+    (tmp_path / "bin" / "gh").rename(real)
+    (tmp_path / "bin" / "gh").write_text(textwrap.dedent(f"""\
+        #!{sys.executable} -S
+        import subprocess, sys
+        args = sys.argv[1:]
+        def real(a):
+            return subprocess.run([{str(real)!r}, *a], capture_output=True, text=True)
+        if args[:2] == ["pr", "list"] and args[args.index("--state") + 1] == "open":
+            url = real(args).stdout.strip()
+            print({open_list!r}.replace("URL", url) if url else "[]")
+        elif args[:2] == ["pr", "list"] and {all_list!r} is not None:
+            print({all_list!r}.replace("LINE", real(args).stdout.strip()))
+        elif args[:2] == ["pr", "create"]:
+            head = args[args.index("--head") + 1]
+            url = real(["pr", "list", "--head", head, "--state", "open"]).stdout.strip()
+            if url:
+                sys.exit('a pull request for branch "%s" into branch "main" already '
+                         'exists:\\n%s' % (head, url))
+            p = real(args); sys.stdout.write(p.stdout); sys.exit(p.returncode)
+        else:
+            p = real(args)
+            sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); sys.exit(p.returncode)
+        """))
+    (tmp_path / "bin" / "gh").chmod(0o755)
+
+
+def test_pr_mode_review_reads_an_open_pr_gh_lists_as_json_as_open(shared, monkeypatch,
+                                                                   tmp_path):
+    """A gh ignoring --jq prints the open PR as [{"url": ...}]: read as no
+    open PR, review_promotions 'opened' it (create answered 'already exists')
+    and left its branch behind org's tip. It is that PR, open."""
+    _, a, _ = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    url = cs.correct(a, "Retry idempotent calls at most five times", "the lead",
+                     force=True)["pr_url"]
+    _gh_ignoring_jq(tmp_path, '[{"url": "URL"}]', "[LINE]")
+    review = cs.review_promotions()
+    assert not review.get("opened_org_prs"), review
+    assert [p["pr_url"] for p in review["open_org_prs"]] == [url], review
+
+
+def test_pr_mode_a_correction_waiting_on_a_pr_gh_lists_as_json_is_not_advised(
+        shared, monkeypatch, tmp_path):
+    """_correction_proposed read [{"url": ...}] as no open PR (declined), and
+    the review advised correct(item) again, which is refused while it waits."""
+    item, _ = _corrected_leftover(shared, monkeypatch, tmp_path,
+                                  "Retry only idempotent calls; see src/billing/retry.py")
+    cs.promote(item, to_scope="org")
+    url = cs.correct(item, "Retry only idempotent calls, with capped backoff")["pr_url"]
+    _gh_ignoring_jq(tmp_path, '[{"url": "URL"}]', "[LINE]")
+    (said,) = [w for w in cs.review_promotions()["warnings"] if w.startswith(item)]
+    assert f"waits on {url} (correcting it again is refused until then)" in said, said
+
+
+def test_pr_mode_drop_declined_drops_nothing_when_gh_lists_open_prs_as_text(
+        shared, monkeypatch, tmp_path):
+    """drop_declined's contract: when gh cannot say, nothing is dropped. Text
+    from `gh pr list --state open` was read as no open PR, and the branch of
+    a reopened PR (its last PR by --state all a closed one at the tip) was
+    deleted."""
+    _, a, _ = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    url = cs.correct(a, "Retry idempotent calls at most five times", "the lead",
+                     force=True)["pr_url"]
+    set_pr_state(tmp_path, url, "CLOSED")              # (records the branch's tip)
+    _gh_ignoring_jq(tmp_path, "gh: warning: something went wrong (URL)")
+    set_pr_state(tmp_path, url, "OPEN")                # reopened: the open list has it
+    prs = json.loads((tmp_path / "gh-prs.json").read_text())
+    prs[PR_URL + "99"] = {**prs[url], "state": "CLOSED"}   # the latest: closed at the tip
+    (tmp_path / "gh-prs.json").write_text(json.dumps(prs))
+    cfg = cs.require_config()
+    assert "cambium/updates" in _remote_branches(shared["org_bare"])
+    cs.drop_declined(cfg, cs.store(cfg, "org"), "cambium/updates")
+    assert "cambium/updates" in _remote_branches(shared["org_bare"])
 
 
 def test_cross_project_recall_of_org_item_carries_origin_project(shared, monkeypatch,
