@@ -24846,6 +24846,9 @@ class Tool:
     word_choices: dict[str, Any] = field(default_factory=dict)   #: argument -> the words
     #: it takes (checked when parsed, exit 2: `import a.jsonl b.jsonl`); its flag's value
     #: is the tool's to check
+    same_as: dict[str, str] = field(default_factory=dict)   #: argument -> the one it is
+    #: another name of (expand's id: item_id); the CLI needs one of the two and refuses
+    #: both naming different values, as a usage error (exit 2: _settle_same)
 
     @property
     def tool_name(self) -> str:
@@ -24904,7 +24907,8 @@ def api_table() -> tuple[Tool, ...]:
         Tool(capture, "write", flags={"code_refs": "--code-ref"}),
         Tool(record_need, "write"),
         Tool(recall, "remote", run=_cli_recall),   # (fetches team and org; journals credits)
-        Tool(expand, "read_remote", aliases=("show",), positional=("item_id",)),
+        Tool(expand, "read_remote", aliases=("show",), positional=("item_id",),
+             same_as={"id": "item_id"}),
         Tool(endorse, "remote", cli_also=("note",)),
         Tool(promote, "remote", flags={"to_scope": "--to"}, positional=("item_id",),
              run=_cli_promote),
@@ -26746,7 +26750,7 @@ def _add_command(sub: Any, tool: Tool) -> None:
     if words:                                  # argparse brackets every word: a flag may
         usage = p.format_usage().removeprefix("usage: ").rstrip("\n")   # give it
         for name in tool.cli_positional():
-            if tool.cli_needs(name):
+            if tool.cli_needs(name) or name in tool.same_as.values():
                 usage = usage.replace(f"[{name.upper()}]", name.upper())
         p.usage = usage.replace("%", "%%")
 
@@ -26786,10 +26790,26 @@ def _settle_words(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> No
         :max(0, len(words) - len(needed))]
     for name, word in zip([n for n in slots if n in chosen], words):
         setattr(ns, name, _cli_word_value(parser, tool, name, word))
+    _settle_same(parser, tool, ns)
     missing = [n for n in tool.cli_words() if tool.cli_needs(n) and getattr(ns, n) is None]
     if missing:
         parser.error("the following arguments are required: " + ", ".join(
             f"{n.upper()} (or {tool.cli_flags(n)[0]})" for n in missing))
+
+
+def _settle_same(parser: argparse.ArgumentParser, tool: Tool, ns: argparse.Namespace) -> None:
+    """An argument and its other name (Tool.same_as: `show ID` or `show --id
+    ID`): neither given, or both naming different values, exits 2 naming it,
+    as for any argument a command needs (the tool's invalid_argument, exit 1,
+    is MCP's)."""
+    for alias, name in tool.same_as.items():
+        value, other = getattr(ns, name, None), getattr(ns, alias, None)
+        flags = f"{tool.cli_flags(name)[0]} or {tool.cli_flags(alias)[0]}"
+        if value is None and other is None:
+            parser.error(f"the following arguments are required: {name.upper()} (or {flags})")
+        if value is not None and other is not None and value != other:
+            parser.error(f"argument {name.upper()}: given twice, as {value} and as "
+                         f"{tool.cli_flags(alias)[0]} {other} (the same argument); give it once")
 
 
 def _cli_word_value(parser: argparse.ArgumentParser, tool: Tool, name: str, word: str) -> Any:

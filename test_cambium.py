@@ -24923,6 +24923,25 @@ def test_expand_takes_id_as_the_same_argument_as_item_id(repo):
     assert _parsed("show", "--id", iid)["id"] == iid
 
 
+def test_cli_show_needs_its_id_one_way_and_two_different_ones_are_usage_errors(repo, capsys):
+    """The CLI's rule (a needed argument given neither way, or given twice,
+    exits 2 naming it): with expand's id, bare `show` and `show ID --id OTHER`
+    were expand's invalid_argument (exit 1), while `show ID --item-id OTHER`
+    exited 2, and the usage line showed [ITEM_ID] as optional."""
+    iid = cs.capture("Rotate the signing keys every quarter")["item"]["id"]
+    for argv, said in ((["show"], "required: ITEM_ID (or --item-id or --id)"),
+                       (["show", iid, "--id", "k-000000000000"], "argument ITEM_ID: given twice"),
+                       (["show", "--item-id", iid, "--id", "k-000000000000"], "given twice")):
+        with pytest.raises(SystemExit) as stop:
+            _parsed(*argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and said in err, (argv, err)
+        assert "[ITEM_ID]" not in err and "ITEM_ID" in err.split("error:")[0], err
+    assert _parsed("show", "--id", iid)["id"] == iid
+    assert _parsed("show", iid, "--id", iid)["item_id"] == iid       # (the same: no conflict)
+    assert cs.main(["show", "--id", iid]) == 0
+
+
 def test_expand_says_each_endorsement_once(repo):
     """`endorsements` holds each endorsement with its note; `history` places it
     in time; neither `trust` nor an `endorsed_as` list repeats them."""
