@@ -7036,6 +7036,8 @@ class GitStore(Store):
             text = git_file_text(stamp, errors="replace").strip()
         except OSError:
             return None
+        if time.time() - at < -1.0:                         # (a future one: a fast clock's,
+            return None                                     # as _recent_failure reads it)
         with contextlib.suppress(OSError):
             if self._stamp().stat().st_mtime > at:
                 return None                                 # (fetched since)

@@ -9262,8 +9262,14 @@ def test_a_remote_whose_fetch_failed_is_not_asked_again_within_the_pause(shared,
         "last fetch failed" in board.reason, board
     assert not fetched[0] and "last fetch failed" in fetched[1], fetched
     meta = Path(real(["rev-parse", "--git-common-dir"], fresh, 10.0).stdout.strip())
+    stamps = list((fresh / meta if not meta.is_absolute() else meta).glob("cambium/*.failed"))
+    assert not cs._never_fetched(cs.resolve_config(), "team")       # (paused)
+    ahead = time.time() + 3600                          # a fast clock's stamp pauses nothing
+    for stamp in stamps:
+        os.utime(stamp, (ahead, ahead))
+    assert cs._never_fetched(cs.resolve_config(), "team")
     old = time.time() - cs.FETCH_BACKOFF_S - 5
-    for stamp in (fresh / meta if not meta.is_absolute() else meta).glob("cambium/*.failed"):
+    for stamp in stamps:
         os.utime(stamp, (old, old))                     # the pause is over
     assert cs.resolve_board(cs.resolve_config()).status == "absent" and asked(), calls
 
