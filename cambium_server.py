@@ -26122,8 +26122,11 @@ HTTP_CALL_THREADS = HTTP_BODIES_AT_ONCE + 28
 #: 30 min); one more initialize gets 503 until one ends or expires
 HTTP_MAX_SESSIONS = 1000
 #: a session with no request in flight and no open event stream (the GET an SDK
-#: client holds open while connected) this long is ended: its id then gets 404
-HTTP_SESSION_IDLE_S = 300.0
+#: client holds open while connected) this long is ended: its id then gets 404.
+#: The SDK's own 30 min: its Python client never initializes again after a 404
+#: (one whose GET stream broke twice, or that opens none, would be cut off for
+#: good sooner), and HTTP_MAX_SESSIONS already bounds what idle sessions hold
+HTTP_SESSION_IDLE_S = 1800.0
 
 
 def _http_bodies() -> Any:
