@@ -370,6 +370,13 @@ class RemoteMoved(ScopeNotRead):
     tip cambium holds is another repository's, never read as this project's."""
 
 
+class FetchUnlockable(ScopeNotRead):
+    """A shared scope's fetch lock the file system would not let cambium take
+    (a read-only checkout, `.git/cambium` not a folder): a read answers as when
+    the remote cannot be reached (the last fetched tip, with a warning; a
+    scope never fetched is skipped); a write refuses, nothing changed."""
+
+
 class NotFetched(ScopeNotRead):
     """A shared scope's branch this clone has never seen (GitStore.never_seen):
     unread, not empty (the primer, which never fetches, says so)."""
@@ -7538,6 +7545,11 @@ class GitStore(Store):
             raise FetchBusy(f"another process of this clone has been fetching the "
                             f"{self.scope} branch '{self.branch}' from {self.remote} for "
                             f"{wait:g} s (or was stopped mid-fetch)") from None
+        except OSError as e:            # (a read-only checkout: read as an unreachable remote)
+            why = "it is not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) \
+                else f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}"
+            raise FetchUnlockable(f"cannot take the {self.scope} branch's fetch lock in "
+                                  f"{path.parent}: {why}") from None
         return stack
 
     def _url_record(self, branch: str | None = None) -> Path:

@@ -10783,6 +10783,55 @@ def test_unreachable_team_remote_serves_last_fetched_items_with_a_warning(shared
         cs.endorse(item_id, note="x")
 
 
+def _meta_dir_a_file(repo: Path) -> None:
+    """Make the clone's `.git/cambium/` (fetch stamps and locks) a plain file,
+    as a read-only checkout refuses it: no fetch lock can be taken there."""
+    meta = repo / ".git" / "cambium"
+    shutil.rmtree(meta, ignore_errors=True)
+    meta.write_text("not a folder\n")
+
+
+def test_a_fetch_lock_the_file_system_refuses_reads_as_an_unreachable_remote(shared,
+                                                                              monkeypatch):
+    """A read-only checkout (or `.git/cambium` a file): recall in auto, expand,
+    stale_report and review failed whole (file_system) and status answered
+    `status: "error"`, as the branch's fetch lock could not be made. Now such
+    a fetch fails as an unreachable remote's does: a read answers from the tip
+    fetched before, or skips a scope never fetched, with a warning; status names
+    the team scope's trouble; a write refuses, nothing changed."""
+    team_id = _endorsed("Cache invalidation goes through the event bus", "bus")
+    cs.promote()
+    local_id = cs.capture("Cache warmers run before the event bus starts")["item"]["id"]
+    _meta_dir_a_file(shared["a"])
+    cs.runtime().reset()                                 # a new process, same clone
+    res = cs.recall("cache event bus")
+    assert {r["id"] for r in res["results"]} == {team_id, local_id}
+    assert any("team scope may be behind" in w and "fetch lock" in w and "not a folder" in w
+               for w in res["warnings"]), res["warnings"]
+    assert cs.expand(team_id)["scope"] == "team"
+    assert team_id in {e["id"] for e in cs.stale_report()["entries"]}
+    assert any("fetch lock" in w for w in cs.review_promotions()["warnings"])
+    answer = cs.status()
+    assert answer["status"] == "ok" and "fetch lock" in answer["scopes"]["team"]["error"]
+    team = remote_json(shared["origin"], "cambium")
+    for write in (lambda: cs.promote(local_id, force=True), lambda: cs.endorse(team_id)):
+        with pytest.raises((OSError, cs.CambiumError)) as refused:
+            write()
+        assert cs.error_code(refused.value) in ("file_system", "git_failed")
+    local = json.loads(_store_path(shared["a"]).read_text())["items"]
+    assert [(i["id"], i["scope"]) for i in local] == [(local_id, "local")]
+    assert remote_json(shared["origin"], "cambium") == team
+    as_agent(monkeypatch, shared["b"], "bob")            # a clone that never fetched team
+    _meta_dir_a_file(shared["b"])
+    cs.runtime().reset()
+    mine = cs.capture("Cache keys carry the tenant id")["item"]["id"]
+    res = cs.recall("cache tenant")
+    assert [r["id"] for r in res["results"]] == [mine] and res["scopes_searched"] == ["local"]
+    assert any(w.startswith("team scope skipped: cannot take the team branch's fetch lock")
+               for w in res["warnings"]), res["warnings"]
+    assert cs.status()["status"] == "ok"
+
+
 # =============================================================================
 # Lifecycle: the org gate, promotion to org, PR mode, generalize, review
 # =============================================================================
@@ -27930,6 +27979,18 @@ def test_recall_on_a_read_only_store_answers_uncredited(repo):
     cli("capture", "Deploys freeze on Fridays after noon")
     answer = _recall_on_a_read_only_mount(repo, repo / ".cambium")
     assert any("uncredited" in w for w in answer["warnings"])
+
+
+def test_recall_in_a_read_only_checkout_skips_the_team_scope_it_cannot_fetch(repo, tmp_path):
+    """A whole checkout mounted read-only, with a team remote: recall in auto
+    failed "Read-only file system: .git/cambium", as the team branch's fetch
+    lock could not be made. Now team is skipped with a warning, local served."""
+    git(repo, "remote", "add", "origin", str(make_origin(tmp_path, "shop")))
+    cli("capture", "Deploys freeze on Fridays after noon")
+    answer = _recall_on_a_read_only_mount(repo, repo)
+    assert answer["scopes_searched"] == ["local"]
+    assert any(w.startswith("team scope skipped: cannot take the team branch's fetch lock")
+               and "Read-only file system" in w for w in answer["warnings"]), answer
 
 
 def _recall_on_a_read_only_mount(repo, folder):
