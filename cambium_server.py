@@ -813,7 +813,8 @@ def _raw_value(raw: Any, default: Any, now: Any) -> Any:
     return now
 
 
-ID_AS_STORED = "id_as_stored"    #: what a hand edit held in `id` (null, a number)
+ID_AS_STORED = "id_as_stored"    #: what a hand edit held in `id` (null, a number, a
+                                  #: text no tool takes as an id: ITEM_ID)
 
 
 def _put_back(d: dict, mistyped: dict) -> None:
@@ -832,6 +833,19 @@ def _put_back(d: dict, mistyped: dict) -> None:
             trust[k[1]] = _raw_value(raw, default, trust.get(k[1]))
         else:
             d[k] = _raw_value(raw, default, d.get(k))
+
+
+def _served_id(item_id: str, content: str, bad: dict | None) -> tuple[str, dict | None]:
+    """The id a stored item is served by, and `bad` (Item.from_dict's mistyped
+    fields): its id as stored, else, when it has none or holds text no tool
+    takes as an id ("team note/1", a path, over 80 characters: ITEM_ID; recall
+    listed it, and every tool refused it), the id derived from its content,
+    alike in every clone, the text entered in `bad` (to_dict stores the served
+    id and keeps the text as id_as_stored: _put_back)."""
+    if item_id and not ITEM_ID.fullmatch(item_id):
+        bad = {**(bad or {}), "id": item_id}
+        item_id = ""
+    return item_id or "k-" + hashlib.sha1(utf8(content)).hexdigest()[:12], bad
 
 
 _ITEM_FIELDS = ("id", "type", "kind", "content", "why", "tags", "scope", "project",
@@ -922,8 +936,7 @@ class Item:
             bad = {k: v for k, v in zip(_TEXT_FIELDS, texts) if not isinstance(v, str)}
             texts = tuple(v if isinstance(v, str) else "" for v in texts)
         item_id, content, why, type_, kind, scope, project, by, created, updated, status = texts
-        if not item_id:
-            item_id = "k-" + hashlib.sha1(utf8(content)).hexdigest()[:12]
+        item_id, bad = _served_id(item_id, content, bad)
         tags, source = d.get("tags"), d.get("source")
         try:
             "".join(tags)                           # TypeError: not a list of text
@@ -14911,9 +14924,11 @@ def malformed_fix(item: Item) -> tuple[str, str] | None:
     type (read as a default: content 123 read as ""), an empty content, or
     content, why or tags over capture's limits (pure). Only a hand edit mends
     it: capture of its words answers `duplicate` with it, and no tool takes
-    such an id."""
-    if not ITEM_ID.fullmatch(item.id):
-        return (f"its id ({len(item.id):,} characters) is not a cambium id",
+    such an id (a text one is served by the id derived from its content, which
+    a tool's change of the item stores: Item.from_dict)."""
+    stored = (item.mistyped or {}).get("id", (item.id,))[0]
+    if isinstance(stored, str) and not ITEM_ID.fullmatch(stored):
+        return (f"its id ({len(stored):,} characters) is not a cambium id",
                 "give it an unused id of `k-` and 12 hex digits, and put that id wherever "
                 "another item names the old one (superseded_by, corrects, merged_from)")
     wrong = [k for k in item.mistyped or () if k in _TEXT_FIELDS or k == "tags"]

@@ -17932,6 +17932,31 @@ def test_an_item_whose_id_a_hand_edit_made_null_keeps_the_id_it_is_served_by(rep
         assert stored["id"] == served[content] and stored["id_as_stored"] == raw, stored
 
 
+def test_an_item_whose_text_id_no_tool_takes_is_served_by_an_id_the_tools_take(repo):
+    """A stored id that is text but no cambium id ("team note/1": a hand edit,
+    a teammate's push) was listed by recall under that id, which show, endorse,
+    deprecate, correct and verify all refuse: the item could never be reached.
+    It is served now as a null id is, by the id derived from its content (every
+    clone derives the same), stored with the raw value beside it on a rewrite."""
+    path = _store_path(repo)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"cambium": 1, "items": [
+        {"id": "team note/1", "content": "Widgets ship in crates of twelve"},
+        {"id": "k-0123456789ab", "content": "Widgets are painted after assembly"}]}))
+    derived = "k-" + hashlib.sha1(b"Widgets ship in crates of twelve").hexdigest()[:12]
+    found = cs.recall("widgets crates twelve", scope="local")["results"]
+    assert found[0]["id"] == derived and found[0]["line"].startswith(derived + " ")
+    cs.runtime().reset()                                 # another process: the same id
+    assert cs.expand(derived)["content"] == "Widgets ship in crates of twelve"
+    cs.endorse(derived, note="rewrites the line")
+    cs.runtime().reset()                                 # another process reads the file
+    stored = json.loads(path.read_text())["items"]
+    assert [(i["id"], i.get("id_as_stored")) for i in stored] == [
+        (derived, "team note/1"), ("k-0123456789ab", None)]
+    assert cs.deprecate(derived, reason="crates changed")["status"] == "deprecated"
+    assert len(json.loads(path.read_text())["items"]) == 2
+
+
 def test_a_hand_edited_lineage_that_is_a_list_does_not_stop_distill():
     """A stored item whose source.lineage a hand edit made a list ended the
     claim-state pass of a distill in TypeError (unhashable: a list)."""
@@ -30132,8 +30157,11 @@ def test_promote_refuses_items_no_tool_could_have_written_and_they_stay(shared, 
     out = cs.promote()
     assert [p["id"] for p in out["promoted"]] == [good]
     refused = {r["id"]: r for r in out["refused"]}
-    assert set(refused) == {cs.shown_id(i) for i in odd} and len(refused[
-        cs.shown_id("k-" + "a" * 5000)]["id"]) < 120
+    served = {i: "k-" + hashlib.sha1(odd[i].encode()).hexdigest()[:12]   # (no tool takes
+              for i in ("../../etc/passwd", "k-" + "a" * 5000)}          # theirs: Item.from_dict)
+    assert set(refused) == {served.get(i, i) for i in odd}
+    assert "its id (5,002 characters) is not a cambium id" in refused[
+        served["k-" + "a" * 5000]]["reason"]
     assert {r["status"] for r in refused.values()} == {"malformed"}
     assert "content is 40,000 characters" in refused["k-big000000001"]["reason"]
     assert "content is not text" in refused["k-num000000001"]["reason"]
@@ -30143,7 +30171,8 @@ def test_promote_refuses_items_no_tool_could_have_written_and_they_stay(shared, 
     up = cs.promote("k-num000000001", to_scope="org", force=True)
     assert up["status"] == "malformed" and up["refused"][0]["status"] == "malformed"
     assert cs.promote()["refused"] and not cs.store(cs.resolve_config(), "org").read().items
-    kept = {d["id"]: d["content"] for d in json.loads(path.read_text())["items"]}
+    kept = {d.get("id_as_stored", d["id"]): d["content"]
+            for d in json.loads(path.read_text())["items"]}
     assert kept == odd                                    # all there, as they were
     survivor = cs.Item.from_dict({"id": "k-s", "content": "a point", "scope": "team"})
     member = cs.Item.from_dict({"id": "../x", "content": "a point", "why": "w" * 10,
