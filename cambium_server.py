@@ -23170,11 +23170,16 @@ def _fold_quietly(cfg: Config, what: str, scopes: Iterable[str] = CREDIT_SCOPES)
     """fold_credits_now, reporting a failure on stderr: the credits stay journaled
     and the next write to their store folds them. A held lock is named without
     its "nothing was changed, try again" (after a recall that answered, it read
-    as if the recall had failed); any other conflict keeps its advice."""
+    as if the recall had failed); any other conflict keeps its advice. A
+    journal that could not be read (`.cambium` a file) is said so, not as
+    credits kept in it ("stay journaled" claimed a journal that was none)."""
     try:
         fold_credits_now(cfg, scopes)
     except (CambiumError, OSError) as e:
         why = held_words(e) if isinstance(e, ConflictError) else str(e)
+        journal = str(credits_path(cfg))
+        if isinstance(e, OSError) and str(e.filename or "").startswith(journal):
+            what, why = "not folded", f"their journal {journal} cannot be used ({e.strerror or e})"
         print(f"cambium: recall credits {what}: {why}", file=sys.stderr)
 
 

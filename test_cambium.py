@@ -5266,6 +5266,20 @@ def test_a_failed_background_fold_names_a_held_lock_without_try_again_and_keeps_
         assert said in out and "nothing was changed" not in out, out
 
 
+def test_a_fold_whose_journal_cannot_be_read_says_so_not_that_credits_stay_journaled(
+        repo, capsys):
+    """`.cambium` a file: the fold a process makes as it ends said "recall
+    credits stay journaled: Not a directory: …/credits.jsonl", where no
+    journal could hold one. Now it says the journal cannot be used."""
+    (repo / ".cambium").write_text("a file, not the folder\n")
+    cfg = cs.resolve_config()
+    cs._fold_quietly(cfg, "stay journaled")
+    said = capsys.readouterr().err
+    assert "stay journaled" not in said and said.startswith(
+        f"cambium: recall credits not folded: their journal {cs.credits_path(cfg)} "
+        "cannot be used (Not a directory)"), said
+
+
 def test_recall_credits_once_per_agent_per_day(repo, monkeypatch):
     a = cs.capture("feature flags live in the flags service", tags="flags")
     for _ in range(3):
