@@ -14918,35 +14918,53 @@ def why_malformed(item: Item) -> str | None:
 
 
 def malformed_fix(item: Item) -> tuple[str, str] | None:
-    """(what makes `item` one no tool could have written, what a hand edit must
-    change), or None: an id that is no cambium id (ITEM_ID: `../../etc/passwd`,
-    5,000 characters), one of _TEXT_FIELDS, or tags, stored as another JSON
-    type (read as a default: content 123 read as ""), an empty content, or
-    content, why or tags over capture's limits (pure). Only a hand edit mends
-    it: capture of its words answers `duplicate` with it, and no tool takes
-    such an id (a text one is served by the id derived from its content, which
-    a tool's change of the item stores: Item.from_dict)."""
+    """(what makes `item` one no tool could have written, what mends it), or
+    None: an id that is no cambium id (ITEM_ID: `../../etc/passwd`, 5,000
+    characters, "team note/1"), one of _TEXT_FIELDS, or tags, stored as another
+    JSON type (read as a default: content 123 read as ""), an empty content, or
+    content, why or tags over capture's limits (pure). Only a hand edit of its
+    store mends most: capture of its words answers `duplicate` with it. Not an
+    id no tool takes, or one not text: the item is served by the id derived
+    from its content (Item.from_dict), which any tool's change of it stores
+    (_put_back), so the reason names the id as stored, the one file holds."""
+    store = f"its {item.scope + ' ' if item.scope in SCOPES else ''}store's knowledge.json"
     stored = (item.mistyped or {}).get("id", (item.id,))[0]
-    if isinstance(stored, str) and not ITEM_ID.fullmatch(stored):
-        return (f"its id ({len(stored):,} characters) is not a cambium id",
-                "give it an unused id of `k-` and 12 hex digits, and put that id wherever "
-                "another item names the old one (superseded_by, corrects, merged_from)")
+    if stored != item.id:
+        return (f"its id as stored, {_stored_id_words(stored)}, is not a cambium id; it is "
+                f"served by {item.id}", f"any change a cambium tool makes to the item "
+                f"(`endorse`, `verify_entry`) stores the id it is served by, which mends the id "
+                f"(where another item names the old id, in superseded_by, corrects or "
+                f"merged_from, a hand edit of {store} puts {item.id} there)")
+    hand = f"only a hand edit of {store} mends it: "
+    if not ITEM_ID.fullmatch(item.id):       # (an Item made so in memory, not from_dict's)
+        return (f"its id ({len(item.id):,} characters) is not a cambium id",
+                hand + "give it an unused id of `k-` and 12 hex digits, and put that id "
+                "wherever another item names the old one (superseded_by, corrects, merged_from)")
     wrong = [k for k in item.mistyped or () if k in _TEXT_FIELDS or k == "tags"]
     if wrong:
         return (f"its {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not text",
-                "store " + " and ".join("its tags as a list of strings" if k == "tags" else
-                                        f"its {k} as JSON text" for k in wrong))
+                hand + "store " + " and ".join("its tags as a list of strings" if k == "tags"
+                                               else f"its {k} as JSON text" for k in wrong))
     for name, text, limit in (("content", item.content, MAX_CONTENT_CHARS),
                               ("why", item.why, MAX_WHY_CHARS)):
         if len(text) > limit:
             return (f"its {name} is {len(text):,} characters, over the limit of {limit:,}",
-                    f"cut its {name} to at most {limit:,} characters")
+                    hand + f"cut its {name} to at most {limit:,} characters")
     if not item.content.strip():
-        return "its content is empty", "write what it says in its content, or delete it"
+        return "its content is empty", hand + "write what it says in its content, or delete it"
     if len(item.tags) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS for t in item.tags):
         return (f"it has more than {MAX_TAGS} tags, or one over {MAX_TAG_CHARS} characters",
-                f"keep at most {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters")
+                hand + f"keep at most {MAX_TAGS} tags of at most {MAX_TAG_CHARS} characters")
     return None
+
+
+def _stored_id_words(raw: Any) -> str:
+    """An id as a hand edit stored it, for a reason (pure): text quoted, cut at
+    80 characters with its length said; another JSON value (null, 123) as JSON."""
+    if isinstance(raw, str):
+        cut = raw if len(raw) <= 80 else raw[:80] + "…"
+        return f"{json.dumps(cut, ensure_ascii=False)} ({len(raw):,} characters)"
+    return clip_message(json.dumps(raw, ensure_ascii=False, default=str), 80)
 
 
 def malformed_verdict(item: Item) -> Verdict | None:
@@ -14955,9 +14973,7 @@ def malformed_verdict(item: Item) -> Verdict | None:
     found = malformed_fix(item)
     return None if found is None else Verdict(
         False, "malformed", f"item {shown_id(item.id)} was not written by a cambium tool "
-        f"({found[0]}); it stays where it is: only a hand edit of its "
-        f"{item.scope + ' ' if item.scope in SCOPES else ''}store's knowledge.json mends it: "
-        f"{found[1]}.")
+        f"({found[0]}); it stays where it is: {found[1]}.")
 
 
 def shown_id(item_id: str) -> str:

@@ -30152,6 +30152,32 @@ def test_setup_says_a_history_walk_past_its_wait_is_slow_not_damaged(tmp_path, m
     assert "fetch --unshallow origin`" in st._deleted_words(damaged._replace(shallow=True))
 
 
+def test_promote_refuses_a_text_id_naming_it_as_stored_and_a_tools_change_mends_it(shared):
+    """An item stored with an id no tool takes ("team note/1"), or none (null),
+    is served by its content's id; promote refused it naming that id as "its
+    id (11 characters)", a text the file does not hold, and said only a hand
+    edit mends it, while endorse stores the served id and mends it. Now the
+    reason quotes the id as stored and says a tool's change stores the id."""
+    path = _store_path(shared["a"])
+    path.parent.mkdir(exist_ok=True)
+    odd = {"team note/1": "Widgets ship in crates of twelve",
+           None: "Widgets are painted after assembly"}
+    path.write_text(json.dumps({"cambium": 1, "items": [
+        {"id": i, "content": c, "why": "seen on the dock"} for i, c in odd.items()]}))
+    served = {raw: "k-" + hashlib.sha1(c.encode()).hexdigest()[:12] for raw, c in odd.items()}
+    for raw, shown in (("team note/1", '"team note/1" (11 characters)'), (None, "null")):
+        out = cs.promote(served[raw], force=True)
+        reason = out["refused"][0]["reason"]
+        assert out["status"] == "malformed" and f"its id as stored, {shown}, is not a " \
+            f"cambium id; it is served by {served[raw]}" in reason, reason
+        assert "only a hand edit" not in reason and "any change a cambium tool makes to " \
+            "the item (`endorse`, `verify_entry`) stores the id it is served by" in reason
+    cs.endorse(served["team note/1"], note="rewrites its line")
+    cs.runtime().reset()
+    for item_id in served.values():
+        assert cs.promote(item_id, force=True)["status"] == "promoted"
+
+
 def test_promote_refuses_items_no_tool_could_have_written_and_they_stay(shared, monkeypatch):
     """Hand-edited local items (an id `../../etc/passwd` or of 5,000 chars, a
     content over the limit, content 123, null or "") were moved to team as they
@@ -30174,8 +30200,8 @@ def test_promote_refuses_items_no_tool_could_have_written_and_they_stay(shared, 
     served = {i: "k-" + hashlib.sha1(odd[i].encode()).hexdigest()[:12]   # (no tool takes
               for i in ("../../etc/passwd", "k-" + "a" * 5000)}          # theirs: Item.from_dict)
     assert set(refused) == {served.get(i, i) for i in odd}
-    assert "its id (5,002 characters) is not a cambium id" in refused[
-        served["k-" + "a" * 5000]]["reason"]
+    assert f'its id as stored, "k-{"a" * 78}…" (5,002 characters), is not a cambium id' \
+        in refused[served["k-" + "a" * 5000]]["reason"]
     assert {r["status"] for r in refused.values()} == {"malformed"}
     assert "content is 40,000 characters" in refused["k-big000000001"]["reason"]
     assert "content is not text" in refused["k-num000000001"]["reason"]
@@ -30225,10 +30251,13 @@ def test_a_malformed_items_refusal_says_what_a_hand_edit_must_change():
         item = cs.Item.from_dict({"id": "k-0123456789ab", "content": "a point", **d})
         said[name] = cs.malformed_verdict(item).reason
     assert all("anew" not in r and "only a hand edit of its local store's knowledge.json"
-               in r for r in said.values()), said
-    assert said["id"].endswith("give it an unused id of `k-` and 12 hex digits, and put that "
-                               "id wherever another item names the old one (superseded_by, "
-                               "corrects, merged_from).")
+               in r for k, r in said.items() if k != "id"), said
+    served = "k-" + hashlib.sha1(b"a point").hexdigest()[:12]    # (a tool's change mends
+    assert 'its id as stored, "notes/adr 7" (11 characters), is not a cambium id; it is ' \
+        f"served by {served}" in said["id"] and said["id"].endswith(   # it: Item.from_dict)
+            "stores the id it is served by, which mends the id (where another item names the "
+            "old id, in superseded_by, corrects or merged_from, a hand edit of its local "
+            f"store's knowledge.json puts {served} there)."), said["id"]
     assert said["type"].endswith("store its content as JSON text.")
     assert said["size"].endswith("cut its why to at most 10,000 characters.")
     assert said["empty"].endswith("write what it says in its content, or delete it.")
