@@ -372,9 +372,11 @@ class RemoteMoved(ScopeNotRead):
 
 class FetchUnlockable(ScopeNotRead):
     """A shared scope's fetch lock the file system would not let cambium take
-    (a read-only checkout, `.git/cambium` not a folder): a read answers as when
-    the remote cannot be reached (the last fetched tip, with a warning; a
-    scope never fetched is skipped); a write refuses, nothing changed."""
+    (a read-only checkout, `.git/cambium` not a folder, EMFILE): a read answers
+    as when the remote cannot be reached (the last fetched tip, with a warning;
+    a scope never fetched is skipped), though no fetch failed is noted (it is
+    no fault of the remote's); a write refuses, nothing changed, `file_system`
+    (no git ran: ERROR_CODES)."""
 
 
 class NotFetched(ScopeNotRead):
@@ -7179,9 +7181,13 @@ class GitStore(Store):
     def _fetch_failed(self, e: CambiumError, force: bool, held: bool,
                       moved: str | None) -> None:
         """A fetch that failed: another process fetching (FetchBusy) is no
-        failure to note; either way a read with a tip `held` answers from it
-        with a warning, and a write, or a read with none, raises."""
-        if not isinstance(e, FetchBusy):
+        failure to note, nor a fetch lock this process could not take
+        (FetchUnlockable: EMFILE, a read-only checkout), the file system's fault,
+        not the remote's (noted, every process of the clone skipped fetching
+        for FETCH_BACKOFF_S, saying the fetch from the remote failed); either
+        way a read with a tip `held` answers from it with a warning, and a
+        write, or a read with none, raises."""
+        if not isinstance(e, (FetchBusy, FetchUnlockable)):
             with self._state.lock:
                 self._state.fetched_at = time.time()          # don't hammer a dead remote
                 self._state.fetch_error = str(e)
@@ -7214,7 +7220,8 @@ class GitStore(Store):
     def _refresh(self) -> None:
         """The server's background fetch. Another process of the clone fetching
         the branch (FetchBusy) is no failure: that fetch moves the stamp, which
-        every read here follows; only the reads waiting on this one are told."""
+        every read here follows; only the reads waiting on this one are told
+        (so too of a fetch lock this process could not take: FetchUnlockable)."""
         state = self._state
         try:
             with state.fetching:
@@ -7222,7 +7229,7 @@ class GitStore(Store):
             tip = self.local_tip()
             with state.lock:
                 state.tip, state.tip_known = tip, True
-        except FetchBusy as e:
+        except (FetchBusy, FetchUnlockable) as e:     # (no failed fetch: _fetch_failed)
             with state.lock:
                 state.refresh_busy = str(e)
         except GitError as e:
@@ -25023,6 +25030,7 @@ ERROR_CODES = {"ConfigError": "config", "InputError": "invalid_argument",
                "NotFound": "not_found", "Refused": "refused", "CorruptStore": "corrupt_store",
                "NewerFormat": "newer_format",
                "GitError": "git_failed", "ConflictError": "conflict",
+               "FetchUnlockable": "file_system",         # (no git ran: a lock's OSError)
                "SubstrateError": "substrate_unreadable"}
 
 

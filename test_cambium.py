@@ -10831,7 +10831,7 @@ def test_a_fetch_lock_the_file_system_refuses_reads_as_an_unreachable_remote(sha
     for write in (lambda: cs.promote(local_id, force=True), lambda: cs.endorse(team_id)):
         with pytest.raises((OSError, cs.CambiumError)) as refused:
             write()
-        assert cs.error_code(refused.value) in ("file_system", "git_failed")
+        assert cs.error_code(refused.value) == "file_system", refused.value
     local = json.loads(_store_path(shared["a"]).read_text())["items"]
     assert [(i["id"], i["scope"]) for i in local] == [(local_id, "local")]
     assert remote_json(shared["origin"], "cambium") == team
@@ -10844,6 +10844,42 @@ def test_a_fetch_lock_the_file_system_refuses_reads_as_an_unreachable_remote(sha
     assert any(w.startswith("team scope skipped: cannot take the team branch's fetch lock")
                for w in res["warnings"]), res["warnings"]
     assert cs.status()["status"] == "ok"
+
+
+def test_a_fetch_lock_only_this_process_cannot_take_is_no_failed_fetch_nor_git_failed(
+        shared, monkeypatch):
+    """Only the team branch's fetch lock refused (its path a folder: EISDIR; so
+    EMFILE, a lock file another user made 0600): the read served behind was
+    noted as a failed fetch from origin, so every other process of the clone
+    skipped fetching for 300 s ("the last fetch from origin failed"), and a
+    write answered git_failed though no git ran. Now nothing is noted (the
+    next process fetches) and the write's code is file_system."""
+    a, b = shared["a"], shared["b"]
+    team_id = _endorsed("Cache invalidation goes through the event bus", "bus")
+    cs.promote()
+    cs.runtime().reset()
+    team = cs.store(cs.resolve_config(), "team")
+    lock = Path(str(team._stamp(prefix="fetch-")) + ".lock")
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    res = cs.recall("cache event bus")
+    assert [r["id"] for r in res["results"]] == [team_id]
+    assert any("team scope may be behind: cannot take the team branch's fetch lock" in w
+               for w in res["warnings"]), res["warnings"]
+    with pytest.raises(cs.CambiumError) as refused:
+        cs.endorse(team_id, note="again")
+    assert cs.error_code(refused.value) == "file_system" and "fetch lock" in str(refused.value)
+    assert not team._failed_stamp().exists()
+    lock.rmdir()
+    as_agent(monkeypatch, b, "bob")                      # a teammate's new team item
+    cs.runtime().reset()
+    new = _endorsed("Cache keys carry the tenant id", "tenant")
+    cs.promote()
+    as_agent(monkeypatch, a, "ada")                      # another process of clone a
+    cs.runtime().reset()
+    res = cs.recall("cache tenant keys")
+    assert new in {r["id"] for r in res["results"]}, res
+    assert not any("may be behind" in w for w in res.get("warnings", ())), res
 
 
 # =============================================================================
