@@ -10764,11 +10764,12 @@ def test_a_git_lock_a_crash_left_is_removed_and_the_write_goes_on(shared, monkey
     index_lock = shared["org"] / ".git" / "index.lock"
     index_lock.write_text("")                              # fresh: waited for, then removed
     cs.runtime().reset()
-    assert cs.promote(other, to_scope="org", force=True)["status"] == "promoted"
     with cs.collecting_notes():                   # (as a tool call: its notes are warnings)
-        found = cs.with_store_warnings(cs.recall("alerts runbook", scope="org"))   # the read
+        moved = cs.with_store_warnings(cs.promote(other, to_scope="org", force=True))
+    assert moved["status"] == "promoted", moved   # (its write syncs the org clone: 7ba924f)
+    found = cs.recall("alerts runbook", scope="org")
     assert [r["id"] for r in found["results"]] == [other] and not index_lock.exists()
-    assert any("removed" in w and "index.lock" in w for w in found["warnings"])
+    assert any("removed" in w and "index.lock" in w for w in moved["warnings"]), moved
     assert json.loads((shared["org"] / "knowledge.json").read_text())["items"]
 
 
@@ -20536,7 +20537,7 @@ def test_tools_annotated_read_only_never_write(shared, monkeypatch):
     roots = (shared["a"] / ".cambium", shared["origin"], shared["org_bare"])
     before = _tree_state(*roots)
     for tool in reads:                                # an id where one is required (expand)
-        tool.fn(**{p.name: item for p in tool.params if p.required})
+        tool.fn(**{p.name: item for p in tool.params if p.required or p.name == "item_id"})
     assert _tree_state(*roots) == before
     assert cs.find_tool("recall").effect != "read" and item
 
