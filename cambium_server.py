@@ -8612,9 +8612,9 @@ class GitStore(Store):
         """Bring side branch `branch` up to the scope's tip (_side_base), so its
         pull request merges without conflict, by a fast-forward push leased on
         the branch's tip. The commit, or None when there is nothing to do (no
-        such branch, it holds the tip already, the tip holds it: merged, or it
-        conflicts) or a push there won the race (the next call looks again).
-        Raises GitError."""
+        such branch, it holds the tip already, the tip holds it: merged) or a
+        push there won the race (the next call looks again). Raises GitError;
+        SideStuck when a person's change on it keeps it from being caught up."""
         if branch == self.branch:
             return None
         tip = self.fetch()              # as the caller's read just fetched it
@@ -14970,8 +14970,8 @@ def _stored_id_words(raw: Any) -> str:
     80 characters with its length said; another JSON value (null, 123) as JSON."""
     if isinstance(raw, str):
         cut = raw if len(raw) <= 80 else raw[:80] + "…"
-        return f"{json.dumps(cut, ensure_ascii=False)} ({len(raw):,} characters)"
-    return clip_message(json.dumps(raw, ensure_ascii=False, default=str), 80)
+        return f"{json_words(cut)} ({len(raw):,} characters)"    # (a lone surrogate escaped)
+    return clip_message(json_words(raw), 80)
 
 
 def malformed_verdict(item: Item) -> Verdict | None:
@@ -22855,7 +22855,9 @@ def primer_key(cfg: Config, limit: int) -> str | None:
     as they stand (file_version, as a parsed store is keyed: an edit in place
     that set the mtime back, or a same-tick rewrite on a reused inode, matched
     (inode, size, mtime)), the last fetched team and org tips (and their
-    clones' git config: a remote's URL), and HEAD (anchors). None when a part
+    clones' git config: a remote's URL, and when a fetch of them last failed:
+    the primer says a never-fetched scope's remote could not be reached), and
+    HEAD (anchors). None when a part
     cannot be named that way (a link, a FIFO)."""
     hour = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H")
     parts: list = [__version__, limit, hour, cfg.project, cfg.remote, cfg.team_branch,
@@ -22871,8 +22873,11 @@ def primer_key(cfg: Config, limit: int) -> str | None:
                 st = store(cfg, scope)
                 dirs = _git_dirs(st.repo)
                 config = _config_stamp(dirs[1])           # (its URL)
+                failed = None                             # (a failed fetch: "not reached")
+                with contextlib.suppress(OSError):
+                    failed = st._failed_stamp().stat().st_mtime
                 parts.append((scope, _ref_value(st.repo, st.ref, dirs) or st.cloned_tip(),
-                              config))
+                              config, failed))
         parts.append(_git_head(cfg.repo))
         if cfg.org_repo:                      # the org items sessions here were shown
             parts.append(sorted(used_here(cfg)))

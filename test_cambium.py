@@ -9240,6 +9240,19 @@ def test_the_session_end_hook_fetches_only_a_scope_never_fetched_here(shared, mo
                                          "warnings": []})      # (a real board's: below)
 
 
+def test_a_cached_primer_is_made_again_once_a_fetch_of_its_scopes_failed(shared):
+    """primer_key named the team and org tips but not their failed fetches, so a
+    primer cached before one kept saying a never-fetched scope was merely "not
+    fetched here yet" (the primer names a remote that could not be reached)."""
+    cfg = cs.resolve_config()
+    before = cs.primer_key(cfg, 20)
+    assert before is not None and cs.primer_key(cfg, 20) == before
+    stamp = cs.store(cfg, "team")._failed_stamp()
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text("url: /gone.git\nfatal: could not read from remote repository")
+    assert cs.primer_key(cfg, 20) not in (None, before)
+
+
 def test_a_remote_whose_fetch_failed_is_not_asked_again_within_the_pause(shared, monkeypatch):
     """A dark remote cost every distill (the SessionEnd hook's, the post-commit
     one's) the whole CAMBIUM_GIT_TIMEOUT: the board's ls-remote and fetch, and
