@@ -10932,6 +10932,23 @@ def test_generalization_tells(text, expected):
     assert cs.generalization_tells(text, "shop") == expected
 
 
+def test_a_project_named_like_a_remote_or_scope_is_no_tell():
+    """A project is named after its remote's repository, so a remote at
+    origin.git or team.git names it "origin" or "team", and the org gate refused
+    "Validate the Origin header" and "The team reviews every migration" for
+    naming their origin project. Such words say nothing of a project; a
+    project's own name still does, in any case."""
+    for project, text in (("origin", "Validate the Origin header on every request"),
+                          ("team", "The team reviews every migration before it ships"),
+                          ("Remote", "Cache the remote config for a minute"),
+                          ("upstream", "Pin upstream images by digest")):
+        assert cs.generalization_tells(text, project) == [], project
+    assert cs.generalization_tells("Teams on shop-api page twice", "shop-api") == \
+        ["names its origin project: shop-api"]
+    assert cs.generalization_tells("The Billing service retries", "billing") == \
+        ["names its origin project: billing"]
+
+
 def test_org_verdict_requires_endorsement_then_generality():
     it = cs.new_item("Retry requests in src/http/client.py with backoff", project="shop")
     v = cs.org_verdict(it, org_content=None, force=False)
