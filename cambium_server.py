@@ -14814,18 +14814,19 @@ def names_a_path(token: str) -> bool:
             or parts[0].lower() in _CODE_DIRS)
 
 
-#: Project names that are the words git and cambium use for a remote, a branch or
-#: a scope (a remote at `origin.git` or `team.git` names its project "origin" or
-#: "team"): such a word in a body says nothing about a project, so it is no tell;
-#: the org gate refused "Validate the Origin header" for a project named origin.
+#: Project names that are the words git and cambium use for a remote or a scope
+#: (a remote at `origin.git` or `team.git` names its project "origin" or "team"):
+#: such a word in a body says nothing about a project, so it is no tell; the org
+#: gate refused "Validate the Origin header" for a project named origin. Names a
+#: real repository takes (shared, main, local, org, api) stay tells.
 GENERIC_PROJECT_NAMES = frozenset({"origin", "upstream", "remote", "remotes", "team",
-                                   "org", "local", "shared", "main", "master", "repo",
-                                   "repository", "bare", "clone"})
+                                   "repo", "repository", "bare", "clone"})
 
 
 def generalization_tells(text: str, project: str) -> list[str]:
     """What makes a body read project-specific: files, test ids, dec-/con- refs,
-    its origin project's name. Empty when it reads as a cross-project rule."""
+    its origin project's name (not one of GENERIC_PROJECT_NAMES). Empty when it
+    reads as a cross-project rule."""
     found: list[str] = []
     for label, rx in _TELLS:
         for m in rx.finditer(text or ""):
@@ -14840,7 +14841,6 @@ def generalization_tells(text: str, project: str) -> list[str]:
             re.search(rf"(?<![\w-]){re.escape(project)}(?![\w-])", text or "", re.IGNORECASE):
         found.append(f"names its origin project: {project}")
     return found
-
 
 
 def org_tells(item: Item) -> list[str]:

@@ -10947,6 +10947,8 @@ def test_a_project_named_like_a_remote_or_scope_is_no_tell():
         ["names its origin project: shop-api"]
     assert cs.generalization_tells("The Billing service retries", "billing") == \
         ["names its origin project: billing"]
+    assert cs.generalization_tells("Import date helpers from shared", "shared") == \
+        ["names its origin project: shared"]                # (a real repository's name)
 
 
 def test_org_verdict_requires_endorsement_then_generality():
