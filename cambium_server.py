@@ -8515,7 +8515,7 @@ class GitStore(Store):
             return self.doc_at(side_tip), side_tip, None
         fork = self.git("merge-base", tip, side_tip, check=False).stdout.strip() or None
         merged = merged_docs(self.doc_at(fork), self.doc_at(tip), self.doc_at(side_tip))
-        if merged is None or self._changed_by_hand(fork, side_tip):
+        if merged is None or self._hand_files(fork, side_tip):
             return self.doc_at(side_tip), side_tip, None
         return merged, tip, side_tip
 
@@ -8563,13 +8563,9 @@ class GitStore(Store):
         except CorruptStore as e:
             return str(e)
 
-    def _changed_by_hand(self, fork: str | None, side_tip: str) -> bool:
-        """Whether a side branch changed, since it parted from the tip, a file
-        cambium does not write: anything but the store and its rendered files."""
-        return bool(self._hand_files(fork, side_tip))
-
     def _hand_files(self, fork: str | None, side_tip: str) -> list[str]:
-        """The files _changed_by_hand finds."""
+        """The files a side branch changed, since it parted from the tip, that
+        cambium does not write: anything but the store and its rendered files."""
         ours = {STORE_FILE, *(self.extra_files(Doc([])) if self.extra_files else {})}
         changed = self.git("diff", "--name-only", "-z", fork, side_tip, "--").stdout.split("\0") \
             if fork else self.git("ls-tree", "-z", "--name-only", side_tip).stdout.split("\0")
@@ -22842,8 +22838,7 @@ def _make_primer(cfg: Config, limit: int, anchored: dict[str, list] | None = Non
     fine = [s for s in skipped if s in unfetched and s not in unreached]
     out = {**build_primer(entries, line_of, project=cfg.project, limit=limit,
                           unread=bool(set(warnings) - {skipped[s] for s in fine}),
-                          failing=failing, skipped=[s for s in skipped if s not in fine
-                                                    and s not in unreached],
+                          failing=failing, skipped=[s for s in skipped if s not in unfetched],
                           unfetched=fine, unreached=unreached),
            "project": cfg.project, "scopes_read": list(docs)}
     if warnings:
