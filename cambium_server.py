@@ -18127,7 +18127,7 @@ def _settle_merged(cfg: Config, scope: str, item: Item, there: Item,
     if said is not None:
         said += notes_held(moved, proposed=bool(branch)).get("warnings", []) + [
             v.reason for v in moved.refused.values() if v.status == "needs_review"] + [
-            _left_active(item, scope, gone) for _ in left if gone]
+            _left_active(item, scope, gone)] * bool(left and gone)
     return left
 
 
@@ -18351,7 +18351,7 @@ def _held_below(cfg: Config, scope: str, item: Item, held: dict[str, Item], org_
     settle_unmarked read them; `memo`: the review's (_correction_proposed,
     _line_checks)."""
     line = _correction_line(item, below)
-    if not line or line[-1].status == "deprecated" or not held[item.id].active or \
+    if not line or _retracted_end(line) or not held[item.id].active or \
             any(it.id in held or it.pr_url for it in line):
         return None                    # (retracted since: promote lets it leave)
     by, again = line[0].id, f", corrected again by {line[-1].id}," if len(line) > 1 else ""
@@ -18938,9 +18938,10 @@ def _most_that_fit(ranked: dict[str, list], limit: int, names: list[str],
     total = sum(map(len, ranked.values()))
     picked, text = _trimmed(_quota_pick(ranked, limit), names, render, budget) or ({}, "")
     shown = sum(map(len, picked.values()))
-    for lim in range(min(limit, total) - 1, shown, -1):    # (only a lim > shown can beat it)
-        if lim > shown and (lower := _trimmed(_quota_pick(ranked, lim), names, render,
-                                              budget, least=shown + 1)):
+    for lim in range(min(limit, total) - 1, shown, -1):
+        if lim <= shown:                       # (only a lim > shown can beat it; shown grows)
+            break
+        if lower := _trimmed(_quota_pick(ranked, lim), names, render, budget, least=shown + 1):
             picked, text = lower
             shown = sum(map(len, picked.values()))
     return picked, text
