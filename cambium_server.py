@@ -9933,7 +9933,8 @@ def fetch_board(cfg: Config, board: Board) -> tuple[dict[str, dict] | None, list
     ref = tracking if _has_ref(repo, tracking, t) else None
     if ref is None and local:
         ref = f"refs/heads/{b}"       # a board that only exists locally (no remote yet)
-    if not fetched and not missing:              # (missing: the remote answered)
+    if not fetched and not missing and _has_remote(repo, remote, t):   # (missing: it answered;
+        #                                      no such remote: nothing was asked, nothing dark)
         board = dataclasses.replace(board, fetch_failed=True)
     if ref is None:
         return None, [], dataclasses.replace(

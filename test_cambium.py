@@ -19081,6 +19081,21 @@ def test_reads_under_dot_git_refuse_fifos_and_stray_bytes_so_git_is_asked(tmp_pa
     timer.cancel()
 
 
+def test_a_board_on_a_clone_with_no_such_remote_is_no_failed_fetch(tmp_path, monkeypatch):
+    """A board that exists only as a local branch, in a clone without the
+    remote, was marked fetch_failed though nothing was asked, so distill --hook
+    took a dark remote for granted and skipped its fetch for the next primer."""
+    _bare, clone = make_origin_and_clone(tmp_path)
+    write_board(clone, {"ann": DONE_CLAIM})
+    git(clone, "remote", "remove", "origin")
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    res = cs.distill()
+    assert res["sources"]["agentsync"]["imported"] == 1, res
+    assert "fetch_failed" not in res["sources"]["agentsync"] and \
+        not cs.distill_remote_failed(res), res
+
+
 def test_distill_unreachable_remote_warns_and_falls_back_to_last_fetch(tmp_path, monkeypatch):
     bare, clone = make_origin_and_clone(tmp_path)
     write_board(clone, {"ann": DONE_CLAIM})
