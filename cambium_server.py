@@ -22971,9 +22971,9 @@ def fetch_for_next_primer(cfg: Config | None = None, *, started: float | None = 
     next recall or status to report (and the primer names it)."""
     started = time.monotonic() if started is None else started
     with contextlib.suppress(Exception):
-        cfg = cfg or resolve_config()
         if remote_failed:
             return
+        cfg = cfg or resolve_config()
         for scope in [s for s in ("team", "org") if _never_fetched(cfg, s)]:
             if HOOK_BUDGET_S - (time.monotonic() - started) < cfg.git_timeout_s:
                 break
@@ -23383,7 +23383,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
 
     def gate(it: Item) -> Verdict:             # (a move cut short was judged when it began)
         return team_verdict(it, effective_trust(it, pending), cfg.promote_recalls,
-                            force=force and item_id is not None or it.id in finishing)
+                            force=force or it.id in finishing)   # (force with no id: refused)
 
     local = [it for it in first_copies(doc.items)  # (never to team as well: two scopes)
              if item_id in (None, it.id) and it.id not in to_org]
@@ -24348,8 +24348,7 @@ def _retired_on_pr(item: Item) -> str | None:
     """In org PR mode, the pull request (cambium/updates) where org's `item`,
     as read on that branch, was retired while org's tip, as last fetched,
     holds it active: that retirement is only proposed. None otherwise."""
-    cfg = resolve_config()
-    if item.scope != "org" or not cfg.org_pr:
+    if item.scope != "org" or not (cfg := resolve_config()).org_pr:
         return None
     branch = pr_branch_name("updates")
     try:
