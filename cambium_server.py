@@ -396,17 +396,28 @@ class ConflictError(CambiumError):
 class SideStuck(ConflictError):
     """A pull request's side branch cambium cannot catch up with the scope's
     tip (`reason`: a person's commit of another file on it, or both sides
-    changed an item differently): it lacks what the tip gained since, and it
-    is a person's to resolve or close."""
+    changed an item differently, with what git's own merge of the two says):
+    it lacks what the tip gained since, and it is a person's to resolve or
+    close. merges: whether git merges the two without conflict (None: this
+    git cannot tell); only a merge that conflicts is called a conflict."""
 
-    def __init__(self, branch: str, reason: str, where: str = "its pull request"):
-        self.branch, self.reason = branch, reason
+    def __init__(self, branch: str, reason: str, where: str = "its pull request",
+                 merges: bool | None = False):
+        self.branch, self.reason, self.merges = branch, reason, merges
+        head = f"conflicts with org's own branch ({reason}), so cambium cannot bring it up " \
+            "to org's tip" if merges is False else f"cannot be caught up with org's own " \
+            f"branch by cambium ({reason}), so it was not brought up to org's tip"
+        fix = f"resolves the conflict on {where}" if merges is False else \
+            f"brings it up to org's tip on {where} (merges org's tip into it)"
         super().__init__(
-            f"the org pull request branch {branch} conflicts with org's own branch ({reason}), "
-            f"so cambium cannot bring it up to org's tip, and it lacks what org gained since "
-            f"(an item that reached org after it parted is not on it). A person resolves the "
-            f"conflict on {where}, or closes it (review_promotions then deletes the branch, "
-            "and the next write starts it afresh from org's tip).")
+            f"the org pull request branch {branch} {head}, and it lacks what org gained since "
+            f"(an item that reached org after it parted is not on it). A person {fix}, or "
+            "closes it (review_promotions then deletes the branch, and the next write starts "
+            "it afresh from org's tip).")
+
+    def at(self, where: str) -> "SideStuck":
+        """The same, saying where its pull request is (`its pull request <url>`)."""
+        return SideStuck(self.branch, self.reason, where, self.merges)
 
 
 class LockHeld(ConflictError):
@@ -8519,23 +8530,43 @@ class GitStore(Store):
             return self.doc_at(side_tip), side_tip, None
         return merged, tip, side_tip
 
-    def side_stuck(self, tip: str | None, side_tip: str | None) -> str:
-        """Why a side branch at `side_tip` cannot be caught up with `tip`
-        (_side_base continues its own tip): "" when it can, or need not be."""
+    def side_stuck(self, tip: str | None, side_tip: str | None, branch: str
+                   ) -> SideStuck | None:
+        """Why side branch `branch` at `side_tip` cannot be caught up with `tip`
+        (_side_base continues its own tip), with what git's own merge of the two
+        says: None when it can, or need not be."""
         if tip is None or side_tip is None or self._holds(side_tip, tip) \
                 or self._holds(tip, side_tip):
-            return ""
+            return None
         fork = self.git("merge-base", tip, side_tip, check=False).stdout.strip() or None
         if hand := self._hand_files(fork, side_tip):
-            return f"a person's commit of {', '.join(hand[:3])} on it, a file cambium does not write"
-        at_fork, ours, theirs = self.doc_at(fork), self.doc_at(tip), self.doc_at(side_tip)
-        if merged_docs(at_fork, ours, theirs) is not None:
-            return ""
-        was, now = ({it.id: it for it in d.items} for d in (at_fork, ours))
-        both = [it.id for it in theirs.items if it.id in was and it != was[it.id]
-                and now.get(it.id, it) != was[it.id] and now.get(it.id) != it]
-        return (f"both changed {', '.join(both[:3])} differently" if both else
-                "both changed its items differently")
+            reason = f"a person's commit of {', '.join(hand[:3])} on it, a file cambium " \
+                "does not write"
+        else:
+            at_fork, ours, theirs = self.doc_at(fork), self.doc_at(tip), self.doc_at(side_tip)
+            if merged_docs(at_fork, ours, theirs) is not None:
+                return None
+            was, now = ({it.id: it for it in d.items} for d in (at_fork, ours))
+            both = [it.id for it in theirs.items if it.id in was and it != was[it.id]
+                    and now.get(it.id, it) != was[it.id] and now.get(it.id) != it]
+            reason = (f"both changed {', '.join(both[:3])} differently" if both else
+                      "both changed its items differently")
+        conflicts = self._merge_conflicts(tip, side_tip)
+        if conflicts is not None:
+            reason += f"; git's merge of the two conflicts in {', '.join(conflicts[:3])}" \
+                if conflicts else "; git merges the two without conflict"
+        return SideStuck(branch, reason, merges=None if conflicts is None else not conflicts)
+
+    def _merge_conflicts(self, tip: str, side_tip: str) -> list[str] | None:
+        """The files git's own merge of `side_tip` into `tip` conflicts in ([]:
+        it merges cleanly); None when this git cannot tell (one before 2.38
+        lacks `merge-tree --write-tree`) or the merge failed."""
+        proc = self.git("merge-tree", "--write-tree", "--name-only", "--no-messages",
+                        tip, side_tip, check=False)
+        if proc.returncode not in (0, 1):
+            return None
+        return sorted({n for n in git_lines(proc.stdout)[1:] if n}) or ["its files"] \
+            if proc.returncode else []
 
     def _on_side(self, fn: Callable[[Doc], Doc | None], side: str, tip: str | None,
                  side_tip: str | None) -> Callable[[Doc], Doc | None]:
@@ -8550,8 +8581,8 @@ class GitStore(Store):
             try:
                 return fn(doc)
             except NotFound:
-                if reason := self.side_stuck(tip, side_tip):
-                    raise SideStuck(side, reason) from None
+                if stuck := self.side_stuck(tip, side_tip, side):
+                    raise stuck from None
                 raise
         return on_side
 
@@ -8620,8 +8651,8 @@ class GitStore(Store):
         if self._holds(tip, side):      # (merged: the tip holds the branch)
             return None
         doc, parent, merge = self._side_base(tip, side)
-        if merge is None and (reason := self.side_stuck(tip, side)):
-            raise SideStuck(branch, reason)
+        if merge is None and (stuck := self.side_stuck(tip, side, branch)):
+            raise stuck
         if merge is None:   # (caught up even when the tip already says all it does: it
             return None     # would conflict, as a later direct endorsement by its author)
         files = {STORE_FILE: render_store(doc), **self._rendered(doc, parent)}
@@ -17133,7 +17164,7 @@ def mutate(cfg: Config, scope: str, fn: Callable[[Doc], Doc | None], message: st
             url = open_pr_url(cfg, st, e.branch)
         where = f"its pull request {url}" if url else "its pull request"
         raise SideDamaged(e.branch, e.damage, where) if isinstance(e, SideDamaged) else \
-            SideStuck(e.branch, e.reason, where) from None
+            e.at(where) from None
     if pr_branch is None:
         climb_credits(cfg, scope, write.doc)
     if pr_branch and write.branch == pr_branch and (
@@ -18659,6 +18690,8 @@ def _check_waiting(cfg: Config, scope: str, item: Item, out: PrCheck) -> None:
         if state.state == "OPEN" and state.head == pr_branch_name(f"promote-{item.id}") \
                 and store(cfg, "org").catch_up_side(state.head):
             out.caught_up.append(state.head)
+    except SideStuck as e:                  # (its pull request named, as a shared one's is)
+        out.warnings.append(f"{item.id}: {e.at(f'its pull request {item.pr_url}')}")
     except CambiumError as e:
         out.warnings.append(f"{item.id}: its org PR is {state.state.lower()}, but "
                             f"{'withdrawing' if state.state in PR_UNDONE else 'updating'} it "
@@ -18684,7 +18717,7 @@ def _check_shared(cfg: Config, branch: str, out: PrCheck) -> None:
                 if org.catch_up_side(branch):
                     out.caught_up.append(branch)
             except SideStuck as e:
-                out.warnings.append(str(SideStuck(branch, e.reason, f"its pull request {url}")))
+                out.warnings.append(str(e.at(f"its pull request {url}")))
             return
         last, side = last_pr_of(cfg, org, branch), org._remote_branch_tip(branch)
         if last and last.state == "MERGED" and side == last.oid:

@@ -13491,7 +13491,7 @@ def test_pr_mode_review_never_catches_up_a_branch_a_reviewer_added_a_file_to(
     a = _endorsed("Feature flags get an owner and an expiry date")
     b = _endorsed("Every alert links to a runbook")
     cs.promote(a, to_scope="org")
-    cs.promote(b, to_scope="org")
+    url = cs.promote(b, to_scope="org")["pr_url"]
     reviewer = clone(shared["org_bare"], tmp_path / "reviewer")
     git(reviewer, "checkout", "-q", f"origin/cambium/promote-{b}")
     (reviewer / "docs").mkdir()
@@ -13505,6 +13505,8 @@ def test_pr_mode_review_never_catches_up_a_branch_a_reviewer_added_a_file_to(
     git(merger, "push", "-q", "origin", "main")
     review = cs.review_promotions()
     assert review["settled_org_prs"] == [a] and "caught_up_org_prs" not in review
+    (stuck,) = [w for w in review["warnings"] if f"cambium/promote-{b}" in w]   # (its PR
+    assert url in stuck and "docs/runbooks.md" in stuck, stuck     # named, as a shared one's)
     assert git(shared["org_bare"], "rev-parse", f"cambium/promote-{b}").strip() == before
     assert cs.promote(b, to_scope="org")["status"] == "pr_pending"    # a retry: the same
     assert git(shared["org_bare"], "show", f"cambium/promote-{b}:docs/runbooks.md") == \
@@ -13574,6 +13576,33 @@ def test_pr_mode_an_updates_branch_that_cannot_be_caught_up_is_said(
                                                    f"{re.escape(url)}"):
             call()
     assert git(shared["org_bare"], "rev-parse", "cambium/updates").strip() == before
+
+
+def test_pr_mode_a_stuck_branch_git_merges_cleanly_is_not_called_a_conflict(
+        shared, monkeypatch, tmp_path):
+    """A reviewer's file on cambium/updates, org's main moved by another file:
+    git merges the two cleanly, yet review said the branch "conflicts with
+    org's own branch" and told a person to resolve a conflict there was none of."""
+    _, a, _ = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    url = cs.verify_entry(a, note="ok")["pr_url"]
+    reviewer = clone(shared["org_bare"], tmp_path / "reviewer")
+    git(reviewer, "checkout", "-q", "-b", "cambium/updates", "origin/cambium/updates")
+    (reviewer / "REVIEW-NOTES.md").write_text("reviewed\n")
+    git(reviewer, "add", "-A")
+    git(reviewer, "commit", "-qm", "reviewer: notes")
+    git(reviewer, "push", "-q", "origin", "cambium/updates")
+    person = clone(shared["org_bare"], tmp_path / "person")
+    (person / "CODEOWNERS").write_text("* @org/leads\n")
+    git(person, "add", "-A")
+    git(person, "commit", "-qm", "owners")
+    git(person, "push", "-q", "origin", "HEAD:main")
+    (warning,) = [w for w in cs.review_promotions().get("warnings", [])
+                  if "cambium/updates" in w]
+    assert url in warning and "REVIEW-NOTES.md" in warning, warning
+    assert "conflicts" not in warning and "without conflict" in warning, warning
+    git(reviewer, "pull", "-q", "--no-rebase", "--no-edit", "origin", "main")   # as told
+    git(reviewer, "push", "-q", "origin", "cambium/updates")
+    assert not [w for w in cs.review_promotions().get("warnings", []) if "cambium/updates" in w]
 
 
 def test_pr_mode_a_declined_copy_below_of_an_org_item_never_goes_to_team(
