@@ -20367,6 +20367,25 @@ def _merge_into(scope: str, groups: list[Group], trusts: dict[str, dict], agent:
     return apply
 
 
+def _side_left_behind(cfg: Config, scope: str, write: Write | None) -> SideStuck | None:
+    """Why the pull request branch `write` went to (a side branch of `scope`)
+    cannot be caught up with the scope's tip, naming its pull request; None
+    when it can, or the write went to the scope's own branch. Such a branch
+    lacks the items that reached the scope since it parted, so consolidate
+    could fold none of them there, and a rerun cannot either until a person
+    settles it."""
+    if write is None or (side := pr_branch(cfg, scope, "updates")) is None \
+            or write.branch != side:
+        return None
+    st = store(cfg, scope)
+    try:
+        found = st.side_stuck(st.local_tip(), st._remote_branch_tip(side), side)
+    except (CambiumError, OSError):
+        return None
+    where = f"its pull request {write.pr_url}" if write.pr_url else "its pull request"
+    return found.at(where) if found else None
+
+
 def _left_out(scope: str, g: Group, items: list[Item], at: dict[str, int]) -> set[str]:
     """The members a write to `scope`, the survivor's, leaves out of its merge
     (named in changed_meanwhile): one planned here that it no longer holds
@@ -20508,6 +20527,7 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
     in_pr: set[str] = set()
     premerged: dict[str, Item] = {}
     held: dict[str, Item] = {}
+    stuck: list[SideStuck] = []
     for scope in survivor_scopes + member_scopes:     # a scope with nothing left: no write
         left: set[str] = set()
         gone: set[str] = set()
@@ -20519,6 +20539,7 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
         except CambiumError as e:             # what the writes before this one did stands
             raise _noted(e, _consolidated_so_far(scope, done, retired, groups)) from None
         late |= left
+        stuck += [e for e in [_side_left_behind(cfg, scope, write)] if e]
         if write is not None and write.pr_url:
             pr_urls.append(write.pr_url)
             for sid in [k for k, v in done.items() if v == scope]:
@@ -20539,7 +20560,12 @@ def apply_consolidation(cfg: Config, groups: list[Group], trusts: dict[str, dict
     if late:
         out["changed_meanwhile"] = sorted(late)
         out["note"] = ("endorsed, verified, recalled, checked, moved or retired while consolidate ran, so "
-                       "left as they are: consolidate again to fold in what is still a duplicate")
+                       "left as they are: consolidate again to fold in what is still a duplicate"
+                       if not stuck else "left as they are: changed while consolidate ran, "
+                       "or items the pull request branch below lacks: " +
+                       " ".join(map(str, stuck)) + " Once it is settled, consolidate again to "
+                       "fold in what is still a duplicate (a rerun before then cannot fold "
+                       "what that branch lacks)")
     if pr_urls:
         out["pr_urls"] = sorted(set(pr_urls))
     return out

@@ -13605,6 +13605,31 @@ def test_pr_mode_a_stuck_branch_git_merges_cleanly_is_not_called_a_conflict(
     assert not [w for w in cs.review_promotions().get("warnings", []) if "cambium/updates" in w]
 
 
+def test_pr_mode_consolidate_on_a_stuck_updates_branch_says_what_settles_it(
+        shared, monkeypatch, tmp_path):
+    """cambium/updates stuck (a reviewer's file on it) lacks an org item that
+    came since: consolidate could not fold its duplicate and told the user to
+    "consolidate again", which changes nothing while the branch stays stuck."""
+    _, a, _ = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    url = cs.verify_entry(a, note="ok")["pr_url"]
+    reviewer = clone(shared["org_bare"], tmp_path / "reviewer")
+    git(reviewer, "checkout", "-q", "-b", "cambium/updates", "origin/cambium/updates")
+    (reviewer / "REVIEW-NOTES.md").write_text("reviewed\n")
+    git(reviewer, "add", "-A")
+    git(reviewer, "commit", "-qm", "reviewer: notes")
+    git(reviewer, "push", "-q", "origin", "cambium/updates")
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    survivor = _endorsed("Secrets never live in env files")
+    cs.promote(survivor, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    dup = cs.capture("Secrets never live in env files!")["item"]["id"]
+    out = cs.consolidate(apply=True)
+    assert dup in out["changed_meanwhile"] and dup not in out["superseded"], out
+    note = out["note"]
+    assert "cambium/updates" in note and url in note and "REVIEW-NOTES.md" in note, note
+    assert "a rerun before then cannot" in note and "closes it" in note, note
+
+
 def test_pr_mode_a_declined_copy_below_of_an_org_item_never_goes_to_team(
         shared, monkeypatch, tmp_path):
     """A local copy of an org item whose news org's reviewers declined was
