@@ -23436,8 +23436,9 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
     to_org = moving_to(doc, "org")
     if item_id in to_org:                      # a move to org cut short: finished there
         return _promote_to_org(cfg, item_id, force=True, restate={})
-    if item_id is None:                        # a copy below of an org item is org's (its
-        to_org = to_org | _org_ids(cfg)        # news, a declined mark, go up there)
+    org = _org_copies(cfg) if item_id is None else {}   # with no id, a copy below of an
+    clash = _org_clashes(doc, org, to_org)     # org item is org's (its news, a declined
+    to_org = to_org | org.keys()               # mark, go up there): named if it clashes
     pending = pending_by_item(cfg)
 
     def gate(it: Item) -> Verdict:             # (a move cut short was judged when it began)
@@ -23446,7 +23447,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
 
     local = [it for it in first_copies(doc.items)  # (never to team as well: two scopes)
              if item_id in (None, it.id) and it.id not in to_org]
-    verdicts = {it.id: gate(it) for it in local}
+    verdicts = {**{it.id: gate(it) for it in local}, **clash}
     if item_id is not None and not local:
         scope, it = locate(cfg, item_id)
         return {"status": "already_promoted" if scope != "local" else "not_eligible",
@@ -23458,7 +23459,8 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
                 **refused_of(verdicts, "malformed")}
     chosen = [it for it in local if verdicts[it.id].allowed]
     if not chosen:                             # (a malformed item stays: named in refused)
-        return {"status": "nothing_eligible", "promoted": [], **refused_of(verdicts, "malformed"),
+        return {"status": "nothing_eligible", "promoted": [],
+                **refused_of(verdicts, "malformed", "id_conflict"),
                 "rule": f"local items need {cfg.promote_recalls} recalls or an endorsement"}
     now = _now()
     try:
@@ -23479,8 +23481,8 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
            "to_scope": "team", "commit": moved.write.commit,
            "promoted": [{**item_view(c), "because": verdicts[c.id].reason}
                         for c in landed], **kept_both(moved, "local", "team"),
-           **refused_of({**{i: v for i, v in verdicts.items() if v.status == "malformed"},
-                         **moved.refused})}
+           **refused_of({**{i: v for i, v in verdicts.items()
+                            if v.status in ("malformed", "id_conflict")}, **moved.refused})}
     if moved.joined:
         out["already_there"] = moved.joined
         out["note"] = CUT_SHORT_NOTE.format(dst="team", src="local",
@@ -23497,16 +23499,28 @@ def refused_of(verdicts: dict[str, Verdict], *statuses: str) -> dict:
     return {"refused": out} if out else {}
 
 
-def _org_ids(cfg: Config) -> set[str]:
-    """The ids org holds, as last read (none with org off or unreadable): a
+def _org_copies(cfg: Config) -> dict[str, Item]:
+    """Org's items by id, as last read (none with org off or unreadable): a
     batch promote to team leaves their copies below, or the same id went to
     team beside org's, its declined mark dropped and proposed again."""
     if cfg.org_repo is None:
-        return set()
+        return {}
     try:
-        return {it.id for it in store(cfg, "org").read(digest=True).items}
+        return {it.id: it for it in first_copies(store(cfg, "org").read(digest=True).items)}
     except (CambiumError, OSError):
-        return set()
+        return {}
+
+
+def _org_clashes(doc: Doc, org: dict[str, Item], moving: set[str]) -> dict[str, Verdict]:
+    """The active local items (not marked `moving` to org, nor waiting on an org
+    pull request) under an id org holds for other words (a hand edit, an id
+    given twice): a batch promote to team leaves them, as it leaves org's
+    copies below, but names each `id_conflict`, both kept (it skipped them
+    without a word) (pure)."""
+    return {it.id: Verdict(False, "id_conflict", ID_CONFLICT.format(
+        id=it.id, src="local", dst="org")) for it in first_copies(doc.items)
+        if it.active and it.id in org and it.id not in moving and not it.pr_url
+        and not copy_of(org[it.id], it)}
 
 
 def _cut_short_marks(cfg: Config, item_id: str | None) -> tuple[Doc, set[str]]:

@@ -13630,6 +13630,27 @@ def test_pr_mode_consolidate_on_a_stuck_updates_branch_says_what_settles_it(
     assert "a rerun before then cannot" in note and "closes it" in note, note
 
 
+def test_batch_promote_names_a_local_id_org_holds_for_other_words(
+        shared, monkeypatch, tmp_path):
+    """A local item under an id org holds for other words (a hand edit): the
+    README says id_conflict, both kept, but promote() with no id skipped it
+    without a word (promote(id) answers id_conflict)."""
+    _, a, _ = _two_org_items_in_pr_mode(monkeypatch, tmp_path, shared)
+    mine = _endorsed("Deploys happen on Tuesdays only", note="bob saw it")
+    path = _store_path(shared["a"])
+    path.write_text(path.read_text().replace(mine, a))
+    cs.runtime().reset()
+    res = cs.promote()
+    assert res["status"] == "nothing_eligible", res
+    (refused,) = res["refused"]
+    assert refused["id"] == a and refused["status"] == "id_conflict", res
+    assert "both are kept" in refused["reason"], res
+    local = cs.store(cs.resolve_config(), "local").read().items
+    assert [i.content for i in local if i.id == a] == ["Deploys happen on Tuesdays only"]
+    assert a in {i["id"] for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert not (remote_json(shared["origin"], "cambium") or {}).get("items")
+
+
 def test_pr_mode_a_declined_copy_below_of_an_org_item_never_goes_to_team(
         shared, monkeypatch, tmp_path):
     """A local copy of an org item whose news org's reviewers declined was
