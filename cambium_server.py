@@ -7059,10 +7059,11 @@ class GitStore(Store):
 
     def last_failure(self) -> tuple[int, str] | None:
         """(Seconds ago, what it said) of the last failed fetch from the
-        remote's URL as it is now, when none has succeeded since (any age):
-        for a scope never fetched here, which _recent_failure leaves to be
-        tried again (a read of it raises). A read of files, and the remote's
-        URL (cached) only when such a failure is there."""
+        remote's URL as it is now, when no fetch through that remote has
+        succeeded since (any age; this scope's, another scope's or the
+        board's: remote_answered_at): for a scope never fetched here, which
+        _recent_failure leaves to be tried again (a read of it raises). A read
+        of files, and the remote's URL (cached) only when such a failure is there."""
         stamp = self._failed_stamp()
         try:
             at = stamp.stat().st_mtime
@@ -7071,9 +7072,8 @@ class GitStore(Store):
             return None
         if time.time() - at < -1.0:                         # (a future one: a fast clock's,
             return None                                     # as _recent_failure reads it)
-        with contextlib.suppress(OSError):
-            if self._stamp().stat().st_mtime > at:
-                return None                                 # (fetched since)
+        if remote_answered_at(self._meta_dir(), self.remote) > at:
+            return None                                     # (fetched since)
         failed_at, error = text.partition("\n")[::2]
         url = self._url_or_blank()
         if not (url and failed_at.startswith("url: ") and
@@ -9729,20 +9729,48 @@ def _board_failed_stamp(repo: Path, remote: str, branch: str, t: float) -> Path:
         f"board-{branch.replace('/', '_')}-{key}.failed"
 
 
+#: Whether this distill was started by a hook (distill --hook, or `distill` with
+#: no terminal on stdin: a git post-commit hook, a script), whose ask of the
+#: board's remote honours board_paused; one asked for (the MCP tool, `distill`
+#: on a terminal) asks the remote at once (_cli_distill sets it).
+HOOK_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("cambium_hook_run",
+                                                                 default=False)
+
+
+def remote_answered_at(meta: Path, remote: str) -> float:
+    """When a fetch (or push, or the board's ask) through `remote` last
+    succeeded in the clone whose cambium/ dir is `meta`: the newest of its
+    success stamps (a scope's `fetched-<scope>-<branch>-<key>`, the board's
+    `board-<branch>-<key>`), 0.0 when none. Any of them ends a pause a failed
+    fetch through that remote began before it (board_paused,
+    GitStore.last_failure): the remote answered since."""
+    key = hashlib.sha1(remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    newest = 0.0
+    for kind in ("fetched", "board"):
+        for stamp in meta.glob(f"{kind}-*-{key}"):
+            with contextlib.suppress(OSError):
+                newest = max(newest, stamp.stat().st_mtime)
+    return newest
+
+
 def board_paused(repo: Path, remote: str, branch: str, t: float) -> str | None:
-    """Why the board's remote is not asked now: a fetch from its URL (as it is
-    now) failed less than FETCH_BACKOFF_S ago, the board's own ask or a
-    scope's fetch not followed by a success of its own (each a stamp in the
-    clone's cambium/ dir, `url: <url>` first); else None. A hung remote cost
-    every distill, the SessionEnd hook's and the post-commit one's, the whole
-    CAMBIUM_GIT_TIMEOUT; scope reads already paused so."""
+    """Why the board's remote is not asked now, by a hook (HOOK_RUN; a distill
+    asked for asks at once): a fetch from its URL (as it is now) failed less
+    than FETCH_BACKOFF_S ago, the board's own ask or a scope's fetch, and no
+    fetch or ask through that remote succeeded since (remote_answered_at; each
+    a stamp in the clone's cambium/ dir, a failure's `url: <url>` first); else
+    None. A hung remote cost every distill, the SessionEnd hook's and the
+    post-commit one's, the whole CAMBIUM_GIT_TIMEOUT; scope reads already
+    paused so."""
+    if not HOOK_RUN.get():
+        return None
     with contextlib.suppress(OSError, CambiumError):
         meta = _board_failed_stamp(repo, remote, branch, t).parent
-        url, now = None, time.time()
+        url, now, answered = None, time.time(), remote_answered_at(meta, remote)
         for stamp in sorted(meta.glob("*.failed")):
             with contextlib.suppress(OSError):
                 at = stamp.stat().st_mtime
-                if not -1.0 < now - at < FETCH_BACKOFF_S or \
+                if not -1.0 < now - at < FETCH_BACKOFF_S or answered > at or \
                         os.path.exists(ok := stamp.with_suffix("")) and \
                         os.stat(ok).st_mtime > at:
                     continue
@@ -9750,19 +9778,21 @@ def board_paused(repo: Path, remote: str, branch: str, t: float) -> str | None:
                 url = remote_url(repo, remote, t) or "" if url is None else url
                 if url and first.startswith("url: ") and one_repository(first[5:], url, repo):
                     return (f"its last fetch failed {int(now - at)} s ago ({error.strip()}); "
-                            f"distill asks again {int(FETCH_BACKOFF_S)} s after it")
+                            f"a hook's distill asks again {int(FETCH_BACKOFF_S)} s after it "
+                            "or once a fetch from it succeeds")
     return None
 
 
 def note_board_ask(repo: Path, remote: str, branch: str, t: float, error: str | None) -> None:
     """Record that asking `remote` for the board failed (`error`), with its URL,
-    for board_paused; or, None, that it answered (the record is removed).
-    Best effort."""
+    for board_paused; or, None, that it answered (the record is removed, and
+    its success stamp touched: remote_answered_at). Best effort."""
     with contextlib.suppress(OSError, CambiumError):
         stamp = _board_failed_stamp(repo, remote, branch, t)
         if error is None:
             if os.path.exists(stamp):
                 os.unlink(stamp)
+            stamp.with_suffix("").touch()
             return
         url = remote_url(repo, remote, t) or ""
         atomic_write(stamp, (f"url: {shown_url(url)}\n" if url else "") +
@@ -27699,6 +27729,14 @@ def hook_cwd(given: Any) -> tuple[str | None, str | None]:
 HOOK_CWD_GONE: dict = {"cwd": None}
 
 
+def _stdin_is_terminal() -> bool:
+    """Whether stdin is a terminal: a person typed the command (a git hook's
+    stdin is /dev/null, a script's a pipe or a file)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return sys.stdin.isatty()
+    return False
+
+
 def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
     """`distill` for hooks: exit 0 on success, with or without warnings (a
     missing or unreachable source); 1 on a real error (an unreadable substrate,
@@ -27715,6 +27753,7 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
         print(f"\rcambium distill: {done}/{total} {message}"[:100].ljust(100), end="",
               file=sys.stderr, flush=True)
 
+    hooked = HOOK_RUN.set(args.hook or not _stdin_is_terminal())   # (board_paused)
     try:
         with collecting_notes():            # (as every other command: notes are warnings)
             result = with_store_warnings(
@@ -27730,6 +27769,7 @@ def _cli_distill(args: argparse.Namespace, kwargs: dict) -> int:
         print(f"cambium distill: {cli_syntax(error_text(e))}", file=sys.stderr)
         return 1
     finally:
+        HOOK_RUN.reset(hooked)
         if shown["progress"]:
             print(file=sys.stderr)
     if args.format == "summary":

@@ -9259,7 +9259,9 @@ def test_a_remote_whose_fetch_failed_is_not_asked_again_within_the_pause(shared,
     the hook's fetch of a team scope never fetched here, ignored the pause a
     failed fetch gives scope reads (FETCH_BACKOFF_S), and recorded none; the
     primer said that scope was merely "not fetched here yet". Within the pause
-    the remote is not asked, even once it answers again; after it, it is."""
+    a hook's distill does not ask the remote, even once it answers again; after
+    it, it does (a distill asked for asks at once: the test below)."""
+    monkeypatch.setattr(cs, "HOOK_RUN", contextvars.ContextVar("hook", default=True))
     fresh = clone(shared["origin"], shared["tmp"] / "fresh" / "shop")
     as_agent(monkeypatch, fresh, "cy")
     cs.runtime().reset()
@@ -9299,6 +9301,49 @@ def test_a_remote_whose_fetch_failed_is_not_asked_again_within_the_pause(shared,
     for stamp in stamps:
         os.utime(stamp, (old, old))                     # the pause is over
     assert cs.resolve_board(cs.resolve_config()).status == "absent" and asked(), calls
+
+
+def test_a_board_pause_ends_once_the_remote_answers_and_never_holds_an_asked_distill(
+        tmp_path, monkeypatch):
+    """After a failed ask of the board's remote, every distill waited out the
+    300 s pause: one asked for (the MCP tool, `distill` on a terminal) too, and
+    a hook's even after a recall had fetched from that remote since (only the
+    board's own success cleared it); and the SessionEnd hook did not fetch a
+    never-fetched team scope once the board's fetch from that remote had
+    succeeded. Only a hook's distill pauses, until a fetch from it succeeds."""
+    bare, work = make_origin_and_clone(tmp_path)
+    write_board(work, {"ann": DONE_CLAIM})
+    as_agent(monkeypatch, work, "ada")
+    monkeypatch.setenv("CAMBIUM_FETCH_INTERVAL", "0.001")
+    failed = lambda res: res["sources"]["agentsync"].get("fetch_failed") is True  # noqa: E731
+
+    def hooks(res_of=cs.distill):
+        token = cs.HOOK_RUN.set(True)
+        try:
+            return res_of()
+        finally:
+            cs.HOOK_RUN.reset(token)
+    assert not failed(cs.distill())                     # fetched; team never fetched
+    away = bare.with_name("away.git")
+    bare.rename(away)                                   # the remote is dark
+    assert failed(hooks()) and failed(cs.distill())
+    hooks(cs.fetch_for_next_primer)                     # team's fetch fails too
+    assert not cs._never_fetched(cs.resolve_config(), "team")        # (paused)
+    away.rename(bare)                                   # it answers again
+    assert failed(hooks())                              # a hook's: not asked yet
+    quiet = subprocess.run([sys.executable, "-m", "cambium_server", "distill"], cwd=work,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(SERVER.parent)})
+    assert "not tried: its last fetch failed" in quiet.stderr, quiet   # (a git hook's)
+    assert not failed(cs.distill())                     # asked for: asked, and answered
+    assert cs._never_fetched(cs.resolve_config(), "team")   # the remote answered since
+    bare.rename(away)
+    assert failed(cs.distill())                         # asked: a new failure
+    away.rename(bare)
+    assert failed(hooks())                              # paused again
+    cs.runtime().reset()
+    cs.recall("parser")                                 # fetches team from that remote
+    assert not failed(hooks())                          # the pause ended with it
 
 
 def test_an_items_own_author_recalling_it_on_three_days_makes_it_eligible(shared, monkeypatch):
