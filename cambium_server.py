@@ -26490,8 +26490,7 @@ def serve_http(server: MCPServer, host: str, port: int, token: str | None) -> in
         return 1
     guard = rebinding_guard(host)
     quiet_refusals()
-    quiet_accept_failures()
-    quiet_session_refusals()
+    quiet_repeated_logs()
     app = answer_as_stdio_does(
         server.streamable_http_app(host=host, transport_security=guard,
                                    streamable_http_path=MCP_HTTP_PATH,
@@ -26549,57 +26548,64 @@ def quiet_calls_cut_at_stop(record: Any) -> bool:
     return not (SERVER_STOP.is_set() and isinstance(why, asyncio.CancelledError))
 
 
-ACCEPT_FAILURE_EVERY_S = 60.0   #: a failing accept() is said at most once in this long
+ACCEPT_FAILURE_EVERY_S = 60.0   #: a line a client can repeat at will is said at most once
+#                                  in this long (quiet_repeated_logs)
 
 
-def quiet_accept_failures(every_s: float = ACCEPT_FAILURE_EVERY_S) -> None:
-    """asyncio's log through a plain handler, an accept() that fails (out of file
-    descriptors: clients holding idle connections) in one line at most once per
-    `every_s`. Through the SDK's rich handler, whose traceback module it imported
-    on that first line, the import failed (no descriptor left) and the server
-    exited 1; imported already, it wrote 8 MB of "Logging error" in 3 s."""
-    import logging
-    last = [-every_s]
-
-    def one_line(record: Any) -> bool:
-        if not str(record.msg).startswith("socket.accept() out of system resource"):
-            return True
-        if time.monotonic() - last[0] < every_s:
-            return False
-        last[0] = time.monotonic()
+def quiet_repeated_logs(every_s: float = ACCEPT_FAILURE_EVERY_S) -> None:
+    """The lines the HTTP server's libraries write once per event a client (or
+    a scanner) repeats at will, each in one line at most once per `every_s`
+    (said_at_most_every): asyncio's failing accept() (out of file descriptors:
+    clients holding idle connections; through the SDK's rich handler, whose
+    traceback module it imported on that first line, the import failed, no
+    descriptor left, and the server exited 1; imported already, it wrote 8 MB
+    of "Logging error" in 3 s); the SDK's refusal of a session past
+    HTTP_MAX_SESSIONS (4 lines each through that handler: a client retrying
+    filled stderr; the client is told, 503); uvicorn's "Invalid HTTP request
+    received." (a line per request that is no HTTP: a port scanner, a TLS
+    hello; the client is told, 400)."""
+    def cannot_accept(record: Any) -> str:
         why = record.exc_info[1] if record.exc_info else None
-        record.msg, record.args, record.exc_info, record.exc_text = (
-            f"cambium: cannot accept a connection ({getattr(why, 'strerror', why)}); "
-            "those waiting are accepted as open ones close", (), None, None)
-        return True
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(one_line)
-    log = logging.getLogger("asyncio")
-    log.handlers[:], log.propagate = [handler], False
+        return (f"cambium: cannot accept a connection ({getattr(why, 'strerror', why)}); "
+                "those waiting are accepted as open ones close")
+    said_at_most_every("asyncio", "socket.accept() out of system resource", cannot_accept,
+                       every_s)
+    said_at_most_every("mcp.server.streamable_http_manager", "Refusing to open a new session",
+                       lambda r: f"cambium: new sessions refused (503): {HTTP_MAX_SESSIONS} are "
+                                 f"open (HTTP_MAX_SESSIONS; said at most once per {every_s:g} s)",
+                       every_s)
+    said_at_most_every("uvicorn.error", "Invalid HTTP request received", lambda r: (
+        "Invalid HTTP request received: answered 400 (a client that does not speak HTTP, "
+        f"or a scanner; said at most once per {every_s:g} s)"), every_s, own_handler=False)
 
 
-def quiet_session_refusals(every_s: float = ACCEPT_FAILURE_EVERY_S) -> None:
-    """The SDK's session manager's log through a plain handler, its refusal of a
-    session past HTTP_MAX_SESSIONS in one line at most once per `every_s`
-    (through its rich handler each refusal took 4 lines: a client retrying
-    filled stderr; the client is told, 503)."""
+def said_at_most_every(name: str, starts: str, line: Callable[[Any], str], every_s: float,
+                       own_handler: bool = True) -> None:
+    """Logger `name`'s records whose message starts with `starts` pass at most
+    once per `every_s`, as the one line `line(record)` (no traceback); its
+    other records pass as they are. own_handler: the logger writes through one
+    plain stderr handler of its own (WARNING and up) that filters so, not
+    propagated (a library's rich handler imports modules as it writes);
+    otherwise the logger itself filters (uvicorn's, whose handler its Config
+    sets up later)."""
     import logging
     last = [-every_s]
 
     def one_line(record: Any) -> bool:
-        if not str(record.msg).startswith("Refusing to open a new session"):
+        if not str(record.msg).startswith(starts):
             return True
         if time.monotonic() - last[0] < every_s:
             return False
         last[0] = time.monotonic()
-        record.msg, record.args = (
-            f"cambium: new sessions refused (503): {HTTP_MAX_SESSIONS} are open "
-            f"(HTTP_MAX_SESSIONS; said at most once per {every_s:g} s)", ())
+        record.msg, record.args, record.exc_info, record.exc_text = line(record), (), None, None
         return True
+    log = logging.getLogger(name)
+    if not own_handler:
+        log.addFilter(one_line)
+        return
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
     handler.addFilter(one_line)
-    log = logging.getLogger("mcp.server.streamable_http_manager")
     log.handlers[:], log.propagate = [handler], False
 
 

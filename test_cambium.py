@@ -27757,7 +27757,9 @@ def _post_init_with(port: int, **headers: str | bytes) -> int:
 def test_http_refused_host_and_origin_leave_stderr_alone(repo):
     """The SDK wrote every refused Host or Origin whole to stderr: 20 POSTs with
     a 15 KB Origin made 938 KB of log, and an Origin holding ESC[2J reached the
-    operator's terminal raw."""
+    operator's terminal raw. And uvicorn wrote "Invalid HTTP request received."
+    once per request that was no HTTP (a scanner's, a TLS hello): once a minute now."""
+    import socket
     proc, port = _serving_http(repo)
     lines: list[str] = []
     try:
@@ -27771,6 +27773,10 @@ def test_http_refused_host_and_origin_leave_stderr_alone(repo):
         for _ in range(3):                  # a foreign page's WebSocket: uvicorn's two lines
             assert _post_init_with(port, Origin="http://evil.example", Upgrade="websocket",
                                    Connection="Upgrade") == 403
+        for _ in range(20):                 # no HTTP at all: 400, and one line for them all
+            with socket.create_connection(("127.0.0.1", port), 10) as raw:
+                raw.sendall(b"\x16\x03\x01 no http here\r\n\r\n")
+                assert raw.recv(4096).startswith(b"HTTP/1.1 400")
         assert _post_init_with(port) == 200
     finally:
         proc.terminate()
@@ -27779,6 +27785,7 @@ def test_http_refused_host_and_origin_leave_stderr_alone(repo):
     err = "".join(lines)
     assert "upgrade" not in err.lower() and "WebSocket" not in err, err[:500]
     assert "\x1b" not in err and "PWNED" not in err and "AAAA" not in err, err[:500]
+    assert err.count("Invalid HTTP request received") == 1, err[:500]
     assert len(err) < 2000, err[:500]
 
 
