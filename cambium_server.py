@@ -9401,13 +9401,43 @@ def said_words(content: str) -> set[str]:
         set(tokenize(CLAIM_NOTE_LEAD))
 
 
+#: a path git's C-style quoting wrote (core.quotePath, on by default): between
+#: double quotes, with \\ \" \a \b \t \n \v \f \r and \NNN (one byte, octal) escapes
+_GIT_QUOTED_PATH = re.compile(r'"((?:[^"\\]|\\(?:[abtnvfr"\\]|[0-3][0-7]{2}))*)"')
+_GIT_PATH_ESCAPE = re.compile(r'\\([0-3][0-7]{2}|.)')
+_GIT_C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+
+
+def git_unquoted_path(path: str) -> str:
+    """A path as git names it, from the form `git diff --name-status` prints
+    without -z (agentsync's changed_files): a name with a byte over 0x7f, a
+    control character, `"` or `\\` comes quoted, `"d\\303\\263cs/a.py"` for
+    `dócs/a.py`, its bytes read as UTF-8 (U+FFFD for any that are not). Any other
+    text is returned as it is (pure)."""
+    m = _GIT_QUOTED_PATH.fullmatch(path)
+    if not m:
+        return path
+    raw = bytearray()
+    for n, part in enumerate(_GIT_PATH_ESCAPE.split(m.group(1))):   # text, escape, text, ...
+        if n % 2 == 0:
+            raw += utf8(part)
+        else:
+            raw.append(_GIT_C_ESCAPES.get(part) or int(part, 8))
+    return raw.decode("utf-8", "replace")
+
+
+def _changed_path(change: dict) -> str:
+    """One changed_files entry's path, unquoted as git quoted it (pure)."""
+    return git_unquoted_path(_str(change.get("path")))
+
+
 def _changed_files_text(changed: Any) -> str:
     if not isinstance(changed, list):
         return ""
     parts = []
     for c in changed:
-        if isinstance(c, dict) and _str(c.get("path")):
-            parts.append(f"{_str(c.get('status')) or '?'} {_str(c.get('path'))}")
+        if isinstance(c, dict) and _changed_path(c):
+            parts.append(f"{_str(c.get('status')) or '?'} {_changed_path(c)}")
     if not parts:
         return ""
     more = len(parts) - MAX_CHANGED_FILES_LISTED
@@ -9418,10 +9448,10 @@ def _changed_files_text(changed: Any) -> str:
 def changed_files_refs(changed: Any) -> list[dict] | None:
     """Code anchors for a claim's changed_files (pure): every path that is still
     meant to exist (deletions are skipped), usable ones only, at most MAX_CODE_REFS."""
-    paths = [_str(c.get("path")) for c in changed if isinstance(c, dict)
+    paths = [_changed_path(c) for c in changed if isinstance(c, dict)
              and not _str(c.get("status")).upper().startswith("D")] \
         if isinstance(changed, list) else []
-    return _usable_refs(paths)
+    return _usable_refs(p for p in paths if "\\" not in p)   # (read as `/`: another file)
 
 
 def _usable_refs(paths: Iterable[str]) -> list[dict] | None:
@@ -9457,18 +9487,18 @@ def context_entry_refs(entry: dict, texts: Iterable[str]) -> list[dict] | None:
 def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft | Skip:
     """One claim version as an item draft (pure). Done: an `outcome` memory;
     a noted claim captured at release before done: a `progress` note. Agent
-    id, branch and stamp are kept as plain text (no terminal escapes: they are
-    printed); the watermark key keeps the id as the board has it."""
+    id, branch, status and stamp are plain text on one line (one_line: they are
+    printed; a line break split a warning); the key keeps the id as it is."""
     raw_agent = agent
-    key, agent = claim_key(agent, claim), plain_text(agent).strip() or "unnamed"
+    key, agent = claim_key(agent, claim), one_line(agent, MAX_WHY_CHARS) or "unnamed"
     task = _str(claim.get("task"))
     if not task or not holds_word(f"{task} {_str(claim.get('note'))}"):   # ("---", "\u200b")
         return Skip(f"agentsync claim of {agent}", "its task and note hold no word (no "
                                                    "letter or digit)" if task else "no task")
-    status = plain_text(_str(claim.get("status"))) or "unknown"
+    status = one_line(_str(claim.get("status")), MAX_WHY_CHARS) or "unknown"
     note = _str(claim.get("note"))
-    branch = plain_text(_str(claim.get("branch")))
-    done = status == "done"
+    branch = one_line(_str(claim.get("branch")), MAX_WHY_CHARS)
+    done = plain_text(_str(claim.get("status"))) == "done"     # ("done " is not done)
     body = task if task.endswith((".", "!", "?")) else task + "."
     files = _changed_files_text(claim.get("changed_files"))
     noted, listed = (f" {CLAIM_NOTE_LEAD} {note}" if note else ""), (f" {files}" if files
@@ -9486,7 +9516,7 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
         body = _clip(body, limit - len(noted) - len(listed))
     body = (body + noted + listed).removesuffix("…") + mark if mark else body + noted + listed
     where = f" on branch {branch}" if branch else ""
-    stamp = plain_text(_str(claim.get("updated_at")))
+    stamp = one_line(_str(claim.get("updated_at")), MAX_WHY_CHARS)
     if done:
         why = f"agentsync: {agent} marked this claim done{where}" + (f" at {stamp}" if stamp else "")
     else:
@@ -19350,12 +19380,22 @@ def _captured_draft(doc: Doc, agent: str, claim: dict) -> Draft | Skip:
 def _snapshot_value(key: str, value: Any) -> Any:
     if key == "changed_files":              # [{path, status}]: text only, a few hundred
         files = value if isinstance(value, list) else []
-        return [{k: c[k][:MAX_CODE_PATH_CHARS * 2] for k in ("path", "status")
-                 if isinstance(c.get(k), str)} for c in files[:SNAPSHOT_MAX_FILES]
+        return [{k: _snapshot_path(c[k]) if k == "path" else c[k][:MAX_CODE_PATH_CHARS * 2]
+                 for k in ("path", "status") if isinstance(c.get(k), str)}
+                for c in files[:SNAPSHOT_MAX_FILES]
                 if isinstance(c, dict) and isinstance(c.get("path"), str)]
     if isinstance(value, str):
         return value[:MAX_CONTENT_CHARS]
     return value if value is None or isinstance(value, (bool, int, float)) else None
+
+
+def _snapshot_path(path: str) -> str:
+    """A changed file's path as the snapshot keeps it: unquoted as git quoted it
+    (cut, a quoted non-ASCII name lost its closing quote and stayed quoted), then
+    cut; a name that would read as quoted again (`"q"`) is kept as git wrote it."""
+    name = git_unquoted_path(path)
+    kept = name if git_unquoted_path(name) == name else path
+    return kept[:MAX_CODE_PATH_CHARS * 2]
 
 
 @dataclass

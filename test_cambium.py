@@ -18376,6 +18376,55 @@ def test_changed_files_are_capped():
     assert "(+5 more)" in cs.claim_to_draft("a", claim).content
 
 
+def test_claim_to_draft_keeps_agent_branch_status_and_stamp_on_one_line():
+    """A line break in a board's agent id, branch, status or updated_at was kept
+    in source.ref, the why and a skip's name (a `cambium: warning:` line split
+    in two); they are one line now, as a folder name is, the key as it was."""
+    claim = {**DONE_CLAIM, "branch": "feat/a\nb", "updated_at": "2026-12-07\u2028T10:00"}
+    d = cs.claim_to_draft("ev\x1b]0;x\x07il\nx", claim)
+    assert d.source["ref"] == "evil x@2026-12-07 T10:00" and d.source["agent"] == "evil x"
+    assert d.source["branch"] == "feat/a b" and d.source["source_ts"] == "2026-12-07 T10:00"
+    assert d.why == "agentsync: evil x marked this claim done on branch feat/a b at " \
+                    "2026-12-07 T10:00."
+    assert d.key == "agentsync:ev\x1b]0;x\x07il\nx:2026-12-07\u2028T10:00"
+    noted = cs.claim_to_draft("a\u2029b", {**claim, "status": "in\nprogress"})
+    assert "while the claim was in progress on branch feat/a b;" in noted.why
+    assert noted.source["status"] == "in progress" and noted.kind == "progress"
+    skip = cs.claim_to_draft("a\r\nb", {"status": "done"})
+    assert skip.where == "agentsync claim of a b"
+
+
+def git_c_quoted(name: str) -> str:
+    """`name` as `git diff --name-status` prints it without -z (core.quotePath)."""
+    esc = {'"': '\\"', "\\": "\\\\", "\t": "\\t", "\n": "\\n"}
+    return '"' + "".join(esc.get(chr(b)) or (chr(b) if 0x20 <= b < 0x7f else f"\\{b:03o}")
+                         for b in name.encode("utf-8", "surrogateescape")) + '"'
+
+
+def test_git_quoted_changed_files_are_unquoted_in_content_anchors_and_snapshot():
+    """agentsync reads `git diff --name-status` without -z, so a name with a
+    byte over 0x7f, a `"` or a `\\` came C-quoted: the anchor was
+    `"d/303/263cs/...`, resolving to nothing, and the content listed the quoted
+    form. The snapshot kept it cut at 600 characters, mid-quote."""
+    long = "\u6587" * 120 + ".py"
+    names = ["d\u00f3cs/gu\u00eda.py", 'we"ird\\name.py', long, '"q"', "\udcff.py"]
+    assert [cs.git_unquoted_path(git_c_quoted(n)) for n in names] == names[:4] + ["\ufffd.py"]
+    for text in ("plain.py", '"', '"a"b"', '"bad\\q"', '"a\\4"', '"open'):
+        assert cs.git_unquoted_path(text) == text
+    assert cs.git_unquoted_path('"\\a\\b\\t\\n\\v\\f\\r\\001\\177"') == "\a\b\t\n\v\f\r\x01\x7f"
+    claim = {**DONE_CLAIM, "changed_files": [{"status": "A", "path": git_c_quoted(n)}
+                                             for n in names[:4]]}
+    d = cs.claim_to_draft("ann", claim)
+    assert d.content.endswith(f'Changed files: A d\u00f3cs/gu\u00eda.py, A we"ird\\name.py, '
+                              f'A {long}, A "q".')
+    assert d.code_refs == [{"path": "d\u00f3cs/gu\u00eda.py"}, {"path": long}, {"path": '"q"'}]
+    kept = cs._remembered("ann", claim)
+    assert [c["path"] for c in kept["changed_files"]] == names[:3] + [git_c_quoted('"q"')]
+    assert "said" not in kept
+    again = cs.claim_to_draft("ann", kept, released=True)
+    assert (again.content, again.code_refs) == (d.content, d.code_refs)
+
+
 @pytest.mark.parametrize("prev, cur, churned", [
     (DONE_CLAIM, None, True),                                              # released
     (DONE_CLAIM, {**DONE_CLAIM, "task": "next thing", "note": None}, True),  # re-claimed
@@ -19585,6 +19634,41 @@ def test_distill_real_agentsync_claim_done_with_note_imported_once(tmp_path, mon
     assert hit["id"] == item["id"]
     assert not (mine / ".git" / "agentsync-wt").exists()          # cambium never checks out
     assert git(mine, "branch", "--list", "agentsync") == ""
+
+
+def test_distill_real_agentsync_changed_files_git_quoted_are_the_files(tmp_path, monkeypatch):
+    """agentsync reads `git diff --name-status` without -z: a name with a byte
+    over 0x7f, a `"` or a `\\` reaches the board C-quoted. The anchor was
+    `"d/303/263cs/gu/303/255a.py"` (not resolved, the file there) and the
+    content read `A "d\\303\\263cs/gu\\303\\255a.py"`; now they are the files."""
+    bare, board = peer_origin(tmp_path)
+    git(board, "checkout", "-q", "-b", "feat/guide")
+    (board / "d\u00f3cs").mkdir()
+    (board / "d\u00f3cs" / "gu\u00eda.py").write_text("def total():\n    return 1\n")
+    (board / 'we"ird\\name.py').write_text("x = 1\n")
+    git(board, "add", "-A")
+    git(board, "commit", "-qm", "guide")
+    git(board, "push", "-q", "-u", "origin", "feat/guide")
+    git(board, "checkout", "-q", "main")
+
+    async def body():
+        async with agentsync(board, "alice") as a:
+            await a.call("claim", task="write the guide's total", touches=["d\u00f3cs"],
+                         branch="feat/guide")
+            return await a.call("update_status", status="done", note="total added")
+
+    done = asyncio.run(body())
+    assert sorted(c["path"] for c in done["claim"]["changed_files"]) == \
+        ['"d\\303\\263cs/gu\\303\\255a.py"', '"we\\"ird\\\\name.py"']   # (as agentsync has it)
+    git(board, "push", "-q", "origin", "feat/guide:main")
+    cambium_clone(bare, tmp_path, "mine", monkeypatch)
+    assert cs.distill()["sources"]["agentsync"]["imported"] == 1
+    item = next(i for i in local_items(tmp_path / "mine") if i["source"]["system"] == "agentsync")
+    assert item["content"] == ("write the guide's total. Note: total added Changed files: "
+                               'A d\u00f3cs/gu\u00eda.py, A we"ird\\name.py.')
+    assert item["code_refs"] == [{"path": "d\u00f3cs/gu\u00eda.py"}]     # (a `\\` reads as `/`)
+    code = cs.expand(item["id"])["code"]
+    assert [(c["path"], c["resolved"]) for c in code] == [("d\u00f3cs/gu\u00eda.py", True)]
 
 
 def test_distill_real_agentsync_reclaim_and_release_capture(tmp_path, monkeypatch):
