@@ -9694,8 +9694,9 @@ def _entries_of(data: Any, name: str, where: Path) -> list:
 
 def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | None:
     """decisions/constraints/pipelines entry lists from a .context/ directory;
-    None when the directory does not exist. Raises SubstrateError if a file
-    exists but is not readable JSON, is a link to nothing, or (root given)
+    None when the directory does not exist; a missing file holds none. Raises
+    SubstrateError if a file exists but is not readable JSON (a blank one too,
+    as context-keeper reads it), is a link to nothing, or (root given)
     leads out of `root` through a symbolic link (of the file or of the directory)."""
     if not path.is_dir():
         return None
@@ -9728,9 +9729,11 @@ def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | 
             continue
         except OSError as e:
             raise SubstrateError(f"cannot read {f}: {e.strerror or e}") from None
-        if not text.strip():
-            out[name] = []
-            continue
+        if not text.strip():             # (a file cut short by a crash: context-keeper
+            raise SubstrateError(f"{f} is empty, no JSON (context-keeper calls it "  # too
+                                 "unparseable and refuses to write to it); restore it, or "
+                                 "delete it if it never held entries (cambium did not "
+                                 "change it).")
         try:
             data = json.loads(text)
         except (ValueError, RecursionError) as e:

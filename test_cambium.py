@@ -18519,6 +18519,20 @@ def test_read_context_dir_absent_empty_wrapped_and_corrupt(tmp_path):
         cs.read_context_dir(d)
 
 
+@pytest.mark.parametrize("text", ["", "  \n", "\ufeff"])
+def test_a_blank_context_file_is_a_substrate_error_and_a_missing_one_is_none(tmp_path, text):
+    """A 0-byte or blank .context/*.json (a write cut short) read as "no entries",
+    with no word, while context-keeper calls it unparseable and refuses to write
+    to it; a missing file is no entries to both."""
+    d = tmp_path / ".context"
+    d.mkdir()
+    (d / "constraints.json").write_text("[]")
+    assert cs.read_context_dir(d) == {"decisions": [], "constraints": [], "pipelines": []}
+    (d / "pipelines.json").write_text(text)
+    with pytest.raises(cs.SubstrateError, match=r"pipelines\.json is empty, no JSON"):
+        cs.read_context_dir(d)
+
+
 def _item(id, content, scope="team", last_verified=None, status="active", tags=()):
     return cs.Item(id=id, content=content, scope=scope, last_verified=last_verified,
                    status=status, tags=list(tags))
