@@ -9811,7 +9811,7 @@ def board_paused(repo: Path, remote: str, branch: str, t: float) -> str | None:
                 url = remote_url(repo, remote, t) or "" if url is None else url
                 if url and first.startswith("url: ") and one_repository(first[5:], url, repo):
                     return (f"its last fetch failed {int(now - at)} s ago ({error.strip()}); "
-                            f"a hook's distill asks again {int(FETCH_BACKOFF_S)} s after it "
+                            f"a hook's or script's distill asks again {int(FETCH_BACKOFF_S)} s after it "
                             "or once a fetch from it succeeds")
     return None
 
@@ -23586,14 +23586,15 @@ def _org_copies(cfg: Config) -> dict[str, Item]:
 
 def _org_clashes(doc: Doc, org: dict[str, Item], moving: set[str]) -> dict[str, Verdict]:
     """The active local items (not marked `moving` to org, nor waiting on an org
-    pull request) under an id org holds for other words (a hand edit, an id
+    pull request, nor a copy whose news org's reviewers `declined`: they may
+    have reworded org's copy) under an id org holds for other words (a hand edit, an id
     given twice): a batch promote to team leaves them, as it leaves org's
     copies below, but names each `id_conflict`, both kept (it skipped them
     without a word) (pure)."""
     return {it.id: Verdict(False, "id_conflict", ID_CONFLICT.format(
         id=it.id, src="local", dst="org")) for it in first_copies(doc.items)
         if it.active and it.id in org and it.id not in moving and not it.pr_url
-        and not copy_of(org[it.id], it)}
+        and "declined" not in it.extra and not copy_of(org[it.id], it)}
 
 
 def _cut_short_marks(cfg: Config, item_id: str | None) -> tuple[Doc, set[str]]:
@@ -26643,7 +26644,10 @@ def said_at_most_every(name: str, starts: str, line: Callable[[Any], str], every
         record.msg, record.args, record.exc_info, record.exc_text = line(record), (), None, None
         return True
     log = logging.getLogger(name)
-    if not own_handler:
+    setattr(one_line, "quiets", starts)
+    if not own_handler:        # a second server in this process replaces its filter
+        for old in [f for f in log.filters if getattr(f, "quiets", None) == starts]:
+            log.removeFilter(old)
         log.addFilter(one_line)
         return
     handler = logging.StreamHandler(sys.stderr)

@@ -13708,7 +13708,8 @@ def test_pr_mode_a_declined_copy_below_of_an_org_item_never_goes_to_team(
     git(reviewer, "checkout", "-q", "-b", "br", f"origin/cambium/promote-{x}")
     store_file = reviewer / "knowledge.json"
     doc = json.loads(store_file.read_text())
-    for it in doc["items"]:                     # the reviewer endorses it in ada's place
+    for it in doc["items"]:       # the reviewer rewords it and endorses it in ada's place
+        it["content"] = "Every feature flag has an owner and an expiry date"
         it["trust"]["endorsements"] = [{"by": "lead", "note": "org reviewed",
                                         "at": "2026-12-07T21:00:00Z"}]
     store_file.write_text(json.dumps(doc))
@@ -13720,7 +13721,8 @@ def test_pr_mode_a_declined_copy_below_of_an_org_item_never_goes_to_team(
     cs.review_promotions()
     assert "declined" in local_items(shared["a"])[0]
     assert [i["id"] for i in cs.review_promotions()["team_eligible"]] == []
-    assert cs.promote()["status"] == "nothing_eligible"
+    res = cs.promote()             # org's reworded copy is no hand-edit id clash
+    assert res["status"] == "nothing_eligible" and not res.get("refused"), res
     assert "declined" in local_items(shared["a"])[0]
     assert x not in {i["id"] for i in (remote_json(shared["origin"], "cambium") or
                                        {"items": []})["items"]}
