@@ -15200,7 +15200,30 @@ def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str
         valid_while=old.valid_while, check=old.check, failing=old.failing,
         project=old.project if shared else new.project,
         trust={**new.trust, "projects": list(projects)} if isinstance(projects, list) and
-        projects else new.trust)
+        projects else new.trust, extra={CORRECTED_KEYS: keys_corrected(old, new)})
+
+
+CORRECTED_KEYS = "corrected_keys"   #: a correction's field: said_keys of the words it corrected
+MAX_CORRECTED_KEYS = 16             #: of them, the nearest kept (a chain corrected again)
+
+
+def keys_corrected(old: Item, new: Item) -> list[str]:
+    """The corrected_keys of `new`, a person's correction of `old`: old's
+    words (said_key: a final stop aside), then those old corrected itself,
+    never new's own words (a flip-flop back), the first MAX_CORRECTED_KEYS.
+    Hashes, not the words: a correction restated for org carries no
+    project's words up past the gate (pure)."""
+    keys = (said_key(old), *corrected_keys(old))
+    return list(dict.fromkeys(k for k in keys if k != said_key(new)))[:MAX_CORRECTED_KEYS]
+
+
+def corrected_keys(it: Item) -> tuple[str, ...]:
+    """The said_keys a person's correction carries of the words it corrected
+    (CORRECTED_KEYS), wherever it went: the item it corrected may be in no
+    scope that holds it (promoted alone from a clone's store). Empty for an
+    item that corrects nothing, or a hand edit's other JSON (pure)."""
+    keys = it.extra.get(CORRECTED_KEYS) if isinstance(it.corrects, str) else None
+    return tuple(k for k in keys if isinstance(k, str)) if isinstance(keys, list) else ()
 
 
 def supersede(item: Item, by: str, *, agent: str, now: str, why: str) -> Item:
@@ -17525,12 +17548,12 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                 clash.add(it.id)
                 verdicts[it.id] = Verdict(False, "id_conflict", ID_CONFLICT.format(
                     id=it.id, src=src, dst=dst))
-        _hold_back(rides, dst, (src, doc) if read_active else None, joined, made, clash,
-                   verdicts)
+        _hold_back(rides, dst, (src, doc) if read_active else None, joined, made, clash, verdicts)
         tip = {it.id for it in doc.items} | made.keys()   # (ids this commit holds: a
         #                         supersession needs its replacement, landing with it counts)
         news = {i: gated(n) for i in joined if (n := news_over(above[i], made[i], holds=tip))}
-        items = _replace_first(doc.items, news) + [copy(made[i]) for i in made if i not in joined]
+        items = retire_corrected(_replace_first(doc.items, news), [
+            copy(made[i]) for i in made if i not in joined], agent=cfg.agent, dst=dst)
         if items != doc.items and dst == "org" and cfg.org_pr and not pr_branch:
             items = _hold_unreviewed(src, doc, joined, made, clash, verdicts)
         return MovePlan(dataclasses.replace(doc, items=items) if items != doc.items else None,
@@ -17559,6 +17582,29 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                      [i for i in kept if waits.get(i, ()) is not None], sorted(joined & held),
                      replaced={k: v for k, v in waits.items() if v}, proposed=proposed)
     return Moved(write, landed, planned.refused)
+
+
+def retire_corrected(items: list[Item], copies: list[Item], *, agent: str, dst: str
+                     ) -> list[Item]:
+    """A move's dst items with its `copies` landing after them, and each
+    active item there, not a person's, that says words a landing person's
+    correction corrected (its corrected_keys) superseded by that correction,
+    in the same write, as correct() would have superseded it there: a
+    teammate's copy of the words, promoted before, stayed live beside the
+    correction (the item it corrected stayed below). Kept, as retired
+    history; a person's item is never retired by another's, and the item a
+    landing link corrects is left to its own supersession (it rides along,
+    or follows once the pull request merged: _correction_up) (pure)."""
+    fix_of = {k: c for c in copies if c.active and c.authority == "human"
+              for k in corrected_keys(c)}
+    if not fix_of:
+        return items + copies
+    now, own = _now(), {c.corrects for c in copies}
+    return [supersede(it, fix.id, agent=agent, now=now,
+                      why=f"says what a person corrected in {fix.id} (promoted to {dst})")
+            if it.active and it.authority != "human" and it.id not in own
+            and (fix := fix_of.get(said_key(it))) is not None else it
+            for it in items] + copies
 
 
 def _hold_back(rides: str | None, dst: str, read: tuple[str, Doc] | None, joined: set[str],
@@ -22323,20 +22369,35 @@ def _said_in(cfg: Config, scope: str, doc: Doc, it: Item) -> Verdict | None:
     only as words that were corrected, superseded or deprecated there: a
     promotion would publish them, live, to everyone again. An active copy
     there is no reason: the two are duplicates, which consolidate folds."""
-    tag = f"{scope}:{cfg.repo}"
-    held = words_held(tag, doc.items).get(said_key(it))     # (a final "." or "!" aside)
-    if held is None or held.id == it.id or held.active:     # (an active copy: consolidate
-        return None                                          # folds the two)
-    if held.status == "superseded":
-        fix = corrections(tag, doc.items)[1].get(held.id)
-        fix = _correction_end(fix, doc.items) if fix is not None else None
-        return Verdict(False, "corrected_before", f"{scope} holds these words as {held.id}, "
-                       + ("superseded" if fix is None else
+    tag, key = f"{scope}:{cfg.repo}", said_key(it)
+    held = words_held(tag, doc.items).get(key)               # (a final "." or "!" aside)
+    if held is not None and (held.id == it.id or held.active):   # (an active copy:
+        return None                                              # consolidate folds the two)
+    if held is None or held.status == "superseded":
+        fix = _fix_held(tag, doc.items, held, key)
+        if held is None and fix is None:
+            return None
+        return Verdict(False, "corrected_before", (
+                       f"{scope} holds these words as {held.id}, " if held else
+                       f"{scope} holds no item saying these words, but a person's correction "
+                       "of them: ") + ("superseded" if fix is None else
                           f"corrected by {fix.id}; that correction stands" if fix.active else
                           f"corrected by {fix.id}, {fix.status} since")
                        + ": they are not published again")
     return Verdict(False, "deprecated_before", f"{scope} deprecated these words ({held.id}); "
                    "they stay retired: capture what changed in your own words instead")
+
+
+def _fix_held(tag: str, items: list, held: Item | None, key: str) -> Item | None:
+    """_said_in's correction of words `key` in a store: that of `held`, the
+    superseded item saying them, else one whose corrected_keys hold them (it
+    came up alone: the item it corrected stayed below), at its live end."""
+    fixes = corrections(tag, items)[1]
+    fix = fixes.get(held.id) if held is not None else None
+    if fix is None:
+        fix = next((fixes[i] for i in corrected_said(tag, items).get(key, ()) if i in fixes
+                    and key in corrected_keys(fixes[i])), None)
+    return _correction_end(fix, items) if fix is not None else None
 
 
 def _correction_end(fix: Item, items: list) -> Item:
@@ -22375,8 +22436,11 @@ def corrected_said(key: str, items: list) -> dict[str, tuple]:
     """{said_key of a superseded item: the ids of such items} of a store's
     items: correction_maps' words read as promote and consolidate read words,
     a final stop aside ("T." corrected, a live "T" is the corrected words too),
-    kept while the store's superseded items stay the same."""
-    gone = correction_maps(key, items)[2]
+    kept while the store's superseded items stay the same (correction_maps
+    builds its three anew together). A correction's corrected_keys are such
+    words too, under the id it corrects (the item may be in no scope read:
+    the correction was promoted alone), so its fix is found (_fold_chain)."""
+    _, fixes, gone = correction_maps(key, items)
     rt = runtime()
     with rt.index_lock:
         src, said = rt.texts.get("said:" + key, (None, {}))
@@ -22385,6 +22449,10 @@ def corrected_said(key: str, items: list) -> dict[str, tuple]:
             for x in gone.values():
                 k = said_key(x)             # (plain_text of the content: once an item)
                 said[k] = (*said.get(k, ()), x.id)
+            for fix in fixes.values():
+                for k in corrected_keys(fix):
+                    if fix.corrects not in said.get(k, ()):
+                        said[k] = (*said.get(k, ()), fix.corrects)
             rt.texts["said:" + key] = (gone, said)
         return said
 
@@ -23560,7 +23628,7 @@ def _promote_to_team(cfg: Config, item_id: str | None, force: bool,
         out["already_there"] = moved.joined
         out["note"] = CUT_SHORT_NOTE.format(dst="team", src="local",
                                             what="the items in already_there")
-    return out
+    return answer_of(out, retired_there(moved, "team"))
 
 
 def refused_of(verdicts: dict[str, Verdict], *statuses: str) -> dict:
@@ -23963,7 +24031,7 @@ def _org_promoted(cfg: Config, moved: Moved, scope: str, branch: str | None, ext
     return answer_of({"status": "promoted", "to_scope": "org", "commit": moved.write.commit,
                       "item": item_view(there), **extra}, published_files(cfg),
                      kept_both(moved, scope, "org"), retired_meanwhile(there),
-                     notes_held(moved))
+                     notes_held(moved), retired_there(moved, "org"))
 
 
 def answer_of(*parts: dict) -> dict:
@@ -23974,6 +24042,20 @@ def answer_of(*parts: dict) -> dict:
         warnings += part.get("warnings", [])
         out.update({k: v for k, v in part.items() if k != "warnings"})
     return {**out, "warnings": warnings} if warnings else out
+
+
+def retired_there(moved: Moved, dst: str) -> dict:
+    """promote's word on the items of dst that a person's correction it
+    landed superseded in the same commit (retire_corrected): `retired`, their
+    ids, and a warning naming the correction; {} when none (pure)."""
+    fixes = {it.id: it for it in moved.landed if it.id not in moved.joined and
+             corrected_keys(it)} if moved.write.commit else {}
+    own = {it.corrects for it in fixes.values()}
+    gone = [(it.id, by) for it in moved.write.doc.items if it.status == "superseded"
+            and (by := _superseded_by(it)) in fixes and it.id not in own]
+    return {"retired": [i for i, _ in gone], "warnings": [
+        f"{i} in {dst} said the words the person's correction {by} corrected: it is "
+        "superseded by it, kept as history" for i, by in gone]} if gone else {}
 
 
 def retired_meanwhile(there: Item) -> dict:

@@ -29910,6 +29910,69 @@ def test_promote_refusing_corrected_words_names_the_correction_that_stands(share
     assert f"corrected by {live}; that correction stands" in res["reason"], res["reason"]
 
 
+def test_a_promoted_correction_retires_a_teammates_copy_of_the_words_it_corrected(
+        shared, monkeypatch):
+    """ada and bob held the same words; ada's copy went to team; a person
+    corrected bob's local copy and bob promoted the correction alone: team
+    held ada's copy active beside it, and ada's recall and primer served
+    both, her capture of the words answering duplicate."""
+    words = "Rotate the staging API keys every 30 days."
+    as_agent(monkeypatch, shared["b"], "bob")
+    mine = cs.capture(words)["item"]["id"]
+    as_agent(monkeypatch, shared["a"], "ada")
+    theirs = _endorsed(words)
+    assert cs.promote(theirs)["status"] == "promoted"
+    as_agent(monkeypatch, shared["b"], "bob")
+    fix = cs.correct(mine, "Rotate the staging API keys every 90 days.", "ops lead")["item"]
+    cs.endorse(fix["id"], note="90 days is policy")
+    res = cs.promote(fix["id"])
+    assert res["status"] == "promoted" and res["retired"] == [theirs], res
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[theirs]["status"] == "superseded", team[theirs]     # kept, as history
+    assert team[theirs]["superseded_by"]["id"] == fix["id"]
+    assert team[fix["id"]]["status"] == "active" and team[fix["id"]]["corrected_keys"]
+    as_agent(monkeypatch, shared["a"], "ada")
+    got = [r["id"] for r in cs.recall("staging API keys every 30 days")["results"]]
+    assert got == [fix["id"]], got
+    primer = json.dumps(cs.session_primer())
+    assert fix["id"] in primer and theirs not in primer
+    again = cs.capture(words)
+    assert again["status"] == "corrected_before" and again["item"]["id"] == fix["id"], again
+
+
+def test_a_correction_promoted_to_org_keeps_the_words_it_corrected_out_of_org(
+        shared, monkeypatch, tmp_path):
+    """A team item corrected in team, the correction promoted to org alone:
+    another project's agent published the corrected words to org (promote
+    read org's tip, which never held them), and org served both. Now the
+    correction carries the words it corrected: a copy org held already is
+    superseded by it in the same commit, and a later one is refused."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    old, new = "Merge requests need two approving reviews.", \
+        "Merge requests need one approving review."
+    item = _endorsed(old, note="reviews")
+    cs.promote(item)
+    billing = clone(make_origin(tmp_path, "billing"), tmp_path / "billing")
+    as_agent(monkeypatch, billing, "bo")
+    early = _endorsed(old, note="Merge requests need two approving reviews")
+    assert cs.promote(early, to_scope="org")["status"] == "promoted"
+    later = _endorsed(old.rstrip("."), note="Merge requests need two approving reviews")
+    as_agent(monkeypatch, shared["a"], "ada")
+    fix = cs.correct(item, new, "eng lead")["item"]["id"]
+    cs.endorse(fix, note="Merge requests need one approving review")
+    res = cs.promote(fix, to_scope="org")
+    assert res["status"] == "promoted" and res["retired"] == [early], res
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[early]["status"] == "superseded" and org[early]["superseded_by"]["id"] == fix
+    assert org[fix]["status"] == "active" and old not in json.dumps(org[fix])   # (hashes)
+    as_agent(monkeypatch, billing, "bo")
+    res = cs.promote(later, to_scope="org", force=True)
+    assert res["status"] == "corrected_before" and fix in res["reason"], res
+    assert cs.capture(old)["status"] == "corrected_before"
+    assert [r["id"] for r in cs.recall("how many approving reviews merge requests")[
+        "results"]] == [fix]
+
+
 def test_the_same_verification_again_at_once_is_recorded_once(repo, monkeypatch):
     """A PR-mode verify whose pull request gh failed to open, run again as the
     error says, recorded the verification twice."""
