@@ -15200,9 +15200,12 @@ def correction_of(old: Item, content: Any, why: Any, *, agent: str, project: str
         valid_while=old.valid_while, check=old.check, failing=old.failing,
         project=old.project if shared else new.project,
         trust={**new.trust, "projects": list(projects)} if isinstance(projects, list) and
-        projects else new.trust, extra={CORRECTED_KEYS: keys_corrected(old, new)})
+        projects else new.trust, last_verified=now,
+        verifications=[{"by": agent, "at": now, "note": CORRECTION_NOTE}],
+        extra={CORRECTED_KEYS: keys_corrected(old, new)})
 
 
+CORRECTION_NOTE = "corrected by a person"   #: the verification a correction is made with
 CORRECTED_KEYS = "corrected_keys"   #: a correction's field: said_keys of the words it corrected
 MAX_CORRECTED_KEYS = 16             #: of them, the nearest kept (a chain corrected again)
 

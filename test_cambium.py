@@ -18288,6 +18288,20 @@ def test_stale_report_reads_team_and_org(shared, monkeypatch):
     assert cs.stale_report(project="elsewhere")["entries"] == []
 
 
+def test_a_persons_correction_made_in_team_is_no_never_verified_entry(shared):
+    """stale_report listed a correction a person made in team seconds ago
+    first, as never verified, while the item it replaced carried its
+    promotion's stamp: a correction is a person's word, checked when said."""
+    item = _endorsed("Use pnpm for frontend dependencies", "pnpm")
+    cs.promote(item)
+    fix = cs.correct(item, "Use pnpm 9 for frontend dependencies", "lead")["item"]["id"]
+    (row,) = cs.stale_report()["entries"]
+    assert row["id"] == fix and not row["never_verified"] and row["last_verified"], row
+    (it,) = [i for i in remote_json(shared["origin"], "cambium")["items"] if i["id"] == fix]
+    assert it["verifications"] == [{"by": "ada", "at": it["last_verified"],
+                                    "note": "corrected by a person"}]
+
+
 def test_deprecated_item_is_not_recalled_promoted_or_exported(repo):
     item = cs.capture("Use the legacy payments gateway", tags="payments")["item"]
     cs.endorse(item["id"], note="was true")
