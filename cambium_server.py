@@ -10634,9 +10634,13 @@ def _text_of(f: BinaryIO) -> Iterator[io.TextIOWrapper]:
 
 def _looks_like_jsonl(f: BinaryIO) -> bool:
     """True when the first non-empty line is a complete JSON object on its own
-    that is a record (a one-line wrapper object is a document, not JSONL)."""
+    that is a record (a one-line wrapper object is a document, not JSONL). One
+    with a body beside its list of records (`{"note": "Exported by …",
+    "memories": [...]}`, as json.dump writes it) is a record only when another
+    line follows: alone, it imported its note as a record and dropped the list."""
     with _text_of(f) as text:
-        for line in iter(lambda: text.readline(MAX_FIRST_LINE_CHARS + 1), ""):
+        lines = iter(lambda: text.readline(MAX_FIRST_LINE_CHARS + 1), "")
+        for line in lines:
             if len(line) > MAX_FIRST_LINE_CHARS:
                 return False         # no record is that long: one document (size-checked)
             if line.strip():
@@ -10646,8 +10650,10 @@ def _looks_like_jsonl(f: BinaryIO) -> bool:
                     return False
                 if not isinstance(first, dict):
                     return False
-                wrapper = any(isinstance(first.get(k), list) for k in _WRAPPER_KEYS)
-                return not wrapper or _first(first, _BODY_KEYS) is not None
+                if not any(isinstance(first.get(k), list) for k in _WRAPPER_KEYS):
+                    return True
+                return _first(first, _BODY_KEYS) is not None and (
+                    not _records_within(first, "") or any(more.strip() for more in lines))
     return False
 
 

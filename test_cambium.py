@@ -29866,6 +29866,26 @@ def test_an_empty_wrapper_list_imports_nothing_and_the_next_list_still_imports(
     assert res["imported"] == 1 and not res.get("skipped")
 
 
+def test_a_one_line_wrapper_with_a_note_is_a_document_not_one_jsonl_record(repo, tmp_path):
+    """json.dump of {"note": "Exported by …", "memories": [...]} (one line)
+    imported its note as a record and dropped the memories, with a warning
+    that lists are read "as its top-level wrapper"; pretty-printed it worked.
+    With a second line it stays JSONL, its list said not imported."""
+    doc = {"note": "Exported by MemoryTool v2",
+           "memories": [{"id": f"m{i}", "content": f"exported memory {i} about queues"}
+                        for i in range(3)]}
+    one = tmp_path / "min.json"
+    one.write_text(json.dumps(doc))
+    res = cs.import_memory("json", str(one))
+    assert res["imported"] == 3 and not res.get("warnings"), res
+    contents = [it.content for it in cs.store(cs.require_config(), "local").read().items]
+    assert not any("Exported by" in c for c in contents), contents
+    two = _jsonl(tmp_path / "two.jsonl", {**doc, "note": "first line is a record"},
+                 {"id": "x", "content": "a second record"})
+    res = cs.import_memory("json", two)
+    assert res["imported"] == 2 and "list of 3 record(s) was not imported" in res["warnings"][0]
+
+
 def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_primer(
         shared, monkeypatch):
     """A teammate's clone kept its copy of words a person corrected on team:
