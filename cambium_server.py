@@ -10292,6 +10292,22 @@ def _key_part(system: str) -> str:
     return json.dumps(system) if ":" in system or system.startswith('"') else system
 
 
+def key_system(key: str) -> str:
+    """The system a watermark key names (pure): an import key's first part
+    after `import:`, read back from JSON when _key_part quoted it (status split
+    `import:"s:id:1":id:2` at its first colon and counted a system `"s`); any
+    other key's first part (`agentsync`, `context-keeper`)."""
+    if not key.startswith("import:"):
+        return key.split(":")[0]
+    rest = key.removeprefix("import:")
+    if rest.startswith('"'):
+        with contextlib.suppress(ValueError):
+            name, end = json.JSONDecoder().raw_decode(rest)
+            if isinstance(name, str) and rest.startswith(":", end):
+                return name
+    return rest.split(":")[0]
+
+
 def _cli_abspath(value: str) -> str:
     """A CLI path made absolute; an empty one stays empty (abspath('') is the
     working directory, which the tool would then refuse as not a file)."""
@@ -21383,7 +21399,7 @@ def _status(cfg: Config, offline: tuple[Path, GitError] | None = None) -> dict:
     marks = meta_map(doc.meta, "watermarks")
     systems: dict[str, int] = {}
     for k in marks:
-        sysname = k.split(":")[1] if k.startswith("import:") else k.split(":")[0]
+        sysname = key_system(k)
         systems[sysname] = systems.get(sysname, 0) + 1
     out = {
         "configured": True, "status": "ok", "version": __version__,

@@ -5814,6 +5814,9 @@ def test_import_keys_of_systems_with_colons_do_not_collide(repo, tmp_path):
     assert res["imported"] == 2 and not res["changed"], res
     assert cs.import_memory(path=str(path))["imported"] == 0          # and re-import adds nothing
     assert cs._key_part("agentsync") == "agentsync"               # old keys stay the same
+    (tmp_path / "export 12:30.jsonl").write_text('{"id": "1", "content": "third fact"}\n')
+    assert cs.import_memory(path=str(tmp_path / "export 12:30.jsonl"))["imported"] == 1
+    assert cs.status()["watermarks"] == {"s:id:1": 1, "s": 1, "export 12:30.jsonl": 1}
 
 
 def test_import_knows_the_records_an_earlier_version_imported_under_the_format_name(
