@@ -15414,10 +15414,17 @@ def _provenance(it: Item, public: bool = False) -> str:
     system, ref = str(src.get("system", "capture")), src.get("ref")
     if public and generalization_tells(system, it.project):
         system = "import"
-    if public and ref and generalization_tells(str(ref), it.project):
+    if public and ref and (generalization_tells(str(ref), it.project)
+                           or _TICKET_REF.search(str(ref))):
         ref = None
     who = f" by {it.created_by}" if it.created_by else ""
     return f"{system} {ref}{who}" if ref else f"{system}{who}"
+
+
+#: A ticket's id in a provenance ref (`PAY-4412`, `#1234`): a project's own,
+#: left out of org's KNOWLEDGE.md as a file-naming ref is (no tell in content:
+#: "UTF-8" or "SHA-256" in a body says nothing of a project).
+_TICKET_REF = re.compile(r"\b[A-Z][A-Z0-9]+-\d+\b|(?<![\w&])#\d+\b")
 
 
 def first_copies(items: Iterable[Item]) -> list[Item]:

@@ -15215,7 +15215,8 @@ def test_org_knowledge_md_leaves_project_specific_provenance_out():
                                    source={"system": system, **({"ref": ref} if ref else {})})
     for system, ref, hidden in (("acme-notes", "src/billing/invoice.py:L42 PAY-1234",
                                  "invoice.py"), ("context-keeper", "dec-004", "dec-004"),
-                                ("acme-billing.jsonl", "m1", "acme-billing.jsonl")):
+                                ("acme-billing.jsonl", "m1", "acme-billing.jsonl"),
+                                ("jira", "PAY-4412", "PAY-4412"), ("github", "#1234", "#1234")):
         md = cs.render_markdown({"org": [(org_item(system, ref), {})]})
         assert hidden not in md and "provenance: " in md, md
         assert hidden in cs.render_markdown({"team": [(org_item(system, ref), {})]})
