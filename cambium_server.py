@@ -10368,13 +10368,38 @@ def _first_byte(f: BinaryIO, head: bytes) -> bytes:
 def json_adapter(path: Path) -> Iterator[Draft | Skip]:
     """Generic JSON/JSONL memory export: array, wrapper object, or one object per
     line. Positions are 1-based: `record 3` of a document, `line 3` of JSONL.
-    The file is opened once (_open_export); each step rewinds it."""
+    A read that fails once the file is open (EIO) is an InputError naming the
+    file: it said "no file is left half-written" (a write's words), and no path."""
+    try:
+        yield from _json_export_records(path)
+    except OSError as e:
+        raise InputError(f"Cannot read {path}: {e.strerror or e} (nothing was imported from "
+                         "it; the file is only read, never changed).", "path") from None
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """"UTF-32" or "UTF-16" when a file's first bytes are such text, by its
+    byte-order mark or, without one, by NULs around its first characters, either
+    byte order (pure): UTF-32's mark (FF FE 00 00) was called UTF-16, and
+    UTF-16BE without one read as malformed JSON."""
+    if head.startswith((b"\xff\xfe\0\0", b"\0\0\xfe\xff")) or b"\0\0\0" in (head[:3], head[1:4]):
+        return "UTF-32"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head[1:2] == b"\0" == head[3:4] \
+            or head[:1] == b"\0" == head[2:3]:
+        return "UTF-16"
+    return None
+
+
+def _json_export_records(path: Path) -> Iterator[Draft | Skip]:
+    """json_adapter's records; the file is opened once (_open_export), and each
+    step rewinds it."""
     with _open_export(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(4096)
-        if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head[1:2] == b"\0" == head[3:4]:
-            raise InputError(f"{path} is UTF-16 text (as PowerShell and Notepad may save it): "
-                             "save or convert it as UTF-8 and import it again.", "path")
+        if wide := _wide_encoding(head):
+            raise InputError(f"{path} is {wide} text" + (
+                " (as PowerShell and Notepad may save it)" if wide == "UTF-16" else "")
+                + ": save or convert it as UTF-8 and import it again.", "path")
         first = _first_byte(f, head)
         if first == b"[" or (first == b"{" and not _looks_like_jsonl(f)
                              and not (_later_lines_are_records(f) and not _parses_whole(f, size))):
@@ -10393,9 +10418,10 @@ def json_adapter(path: Path) -> Iterator[Draft | Skip]:
 
 def _jsonl_records(f: BinaryIO, size: int, name: str) -> Iterator[Draft | Skip]:
     """The records of a JSONL file `f` (from its start), one a line."""
+    lines = (_cr_lines if _cr_only(f) else _bounded_lines)(f, MAX_FIRST_LINE_CHARS)
     f.seek(0)                              # up to the size it had: a file still
     left, first = size, True               # growing is read as it was at the start
-    for n, raw in enumerate(_bounded_lines(f, MAX_FIRST_LINE_CHARS), 1):
+    for n, raw in enumerate(lines, 1):
         if left <= 0:
             break
         left -= len(raw) if raw is not None else MAX_FIRST_LINE_CHARS
@@ -10428,6 +10454,33 @@ def _bounded_lines(f: Any, limit: int) -> Iterator[bytes | None]:
         while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
             pass
         yield None
+
+
+def _cr_only(f: BinaryIO) -> bool:
+    """Whether a file's lines end in a lone CR (classic Mac OS, some exporters):
+    its first MB holds a CR and no LF (a CR is never inside a JSON string, and
+    the probes that told JSONL from a document read it as a line end), so its
+    records, one a CR, were read as one line of "Extra data"."""
+    f.seek(0)
+    head = f.read(2**20)
+    f.seek(0)
+    return b"\r" in head and b"\n" not in head
+
+
+def _cr_lines(f: Any, limit: int) -> Iterator[bytes | None]:
+    """_bounded_lines for lines that end in CR: each line, None for one longer
+    than `limit` bytes (read past, never held whole)."""
+    part, over = b"", False
+    while chunk := f.read(2**20):
+        lines = (part + chunk).split(b"\r")
+        part = lines.pop()
+        for line in lines:
+            yield None if over or len(line) > limit else line + b"\r"
+            over = False
+        if len(part) > limit:
+            part, over = b"", True
+    if part or over:
+        yield None if over or len(part) > limit else part
 
 
 NOT_UTF8 = "bytes that are not UTF-8 were replaced by U+FFFD"

@@ -20191,6 +20191,16 @@ def test_import_says_a_utf16_export_is_utf16(repo, tmp_path):
     f.write_bytes(json.dumps({"id": "m1", "content": "from powershell"}).encode("utf-16"))
     with pytest.raises(cs.InputError, match="UTF-16.*UTF-8"):
         cs.import_memory("json", str(f))
+    rec = json.dumps({"id": "m2", "content": "from a wide export"}) + "\n"
+    for codec, name in (("utf-32", "UTF-32"), ("utf-32-be", "UTF-32"), ("utf-16-be", "UTF-16")):
+        f.write_bytes(rec.encode(codec))   # UTF-32's BOM was called UTF-16; BE without BOM:
+        with pytest.raises(cs.InputError, match=f"is {name} text"):     # malformed JSON
+            cs.import_memory("json", str(f))
+    f.write_bytes(b'{"id": "c1", "content": "one"}\r{"id": "c2", "content": "two"}\r')
+    assert cs.import_memory("json", str(f))["imported"] == 2      # CR-only lines: one line
+    if os.path.exists("/proc/self/mem"):        # opens, then its read fails (EIO)
+        with pytest.raises(cs.InputError, match="Cannot read /proc/self/mem: .*only read"):
+            cs.import_memory("json", "/proc/self/mem")
     out = cli("capture", "Tagged as a list", "--tags", '["ops","queues"]')
     assert json.loads(out.stdout)["item"]["tags"] == ["ops", "queues"], out.stderr
 
