@@ -10458,11 +10458,11 @@ def _bounded_lines(f: Any, limit: int) -> Iterator[bytes | None]:
 
 def _cr_only(f: BinaryIO) -> bool:
     """Whether a file's lines end in a lone CR (classic Mac OS, some exporters):
-    its first MB holds a CR and no LF (a CR is never inside a JSON string, and
+    its first 64 KB hold a CR and no LF (a CR is never inside a JSON string, and
     the probes that told JSONL from a document read it as a line end), so its
     records, one a CR, were read as one line of "Extra data"."""
     f.seek(0)
-    head = f.read(2**20)
+    head = f.read(64 * 1024)
     f.seek(0)
     return b"\r" in head and b"\n" not in head
 
@@ -14272,6 +14272,7 @@ class IngestResult:
     refusal: InputError | None = None                # the first skip's, its argument kept
     changed: list = field(default_factory=list)      # known key, other text: {id, ref, where}
     same_content: int = 0                            # a new key whose text is stored already
+    repeats: int = 0                                 # an id given again in the same batch
 
 
 @dataclass
@@ -14284,6 +14285,8 @@ class Prepared:
     duplicates: int = 0                              # watermarked already when prepared
     where: dict = field(default_factory=dict)        # item id -> position in its source
     clipped: set = field(default_factory=set)        # ids of items whose text was cut
+    repeats: int = 0             # last_wins: a record's id given again in the batch, dropped
+    batch: dict = field(default_factory=dict)        # last_wins: key -> (slot, source_ts)
 
 
 @dataclass
@@ -14303,11 +14306,12 @@ class Admission:
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                    on_progress: Callable[[int], None] | None = None,
-                   skips: Tally | None = None) -> Prepared:
+                   skips: Tally | None = None, last_wins: bool = False) -> Prepared:
     """Normalize drafts through new_item(); a cheap watermark pre-check outside
     the lock (admit() re-checks under it). A draft that fails validation is
     skipped with its reason, tallied in `skips` when given (import shares one
-    with its adapter, so the two kinds of skip stay in file order)."""
+    with its adapter, so the two kinds of skip stay in file order). last_wins
+    (import): of the drafts of one record id, only the last counts (_repeated)."""
     out = Prepared(skipped=skips if skips is not None else Tally())
     project, agent = cfg.project, cfg.agent
     doc = store(cfg, "local").read()
@@ -14317,6 +14321,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
         if d.key and d.key not in seen_marks and d.old_keys:
             by_id = by_id or {it.id: it for it in first_copies(doc.items)}
             d = dataclasses.replace(d, key=_earlier_key(d, seen_marks, by_id) or d.key)
+        if last_wins and _earlier_wins(out, d):
+            continue
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in first_copies(doc.items)}
             mark = _mark_id(seen_marks, d.key)       # (None: a hand edit's, marking nothing)
@@ -14324,6 +14330,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             if mark is not None and _same_text(stored, d) and \
                     not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
+                _repeated(out, d, None) if last_wins else None
                 continue
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
@@ -14337,13 +14344,55 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             out.skipped_from[system] = out.skipped_from.get(system, 0) + 1
             continue
         out.items.append((d.key, item))
+        _repeated(out, d, len(out.items) - 1) if last_wins else None
         if _was_cut(d.content, MAX_CONTENT_CHARS) or _was_cut(d.why, MAX_WHY_CHARS):
             out.clipped.add(item.id)
         if d.where:
             out.where[item.id] = d.where
         if on_progress and n % 500 == 0:
             on_progress(n)
+    if out.batch:
+        out.items = [pair for pair in out.items if pair is not None]
     return out
+
+
+def _record_of(d: Draft) -> tuple[str | None, datetime | None]:
+    """A draft's key when it names its record's id (None without one: a key
+    of its text), and the record's time when it gives one that reads as such."""
+    src = d.source or {}
+    return (d.key if d.key and src.get("ref") else None), _parse_ts(src.get("source_ts"))
+
+
+def _earlier_wins(out: Prepared, d: Draft) -> bool:
+    """Whether a draft of an id the batch gave before is dropped (counted a
+    repeat): only when both give a time and the earlier one's is later."""
+    key, ts = _record_of(d)
+    earlier = out.batch.get(key) if key else None
+    if earlier is None or earlier[1] is None or ts is None or earlier[1] <= ts:
+        return False
+    out.repeats += 1
+    return True
+
+
+def _repeated(out: Prepared, d: Draft, slot: int | None) -> None:
+    """Record that the draft of this id now counts (`slot`: its place in
+    out.items; None, a duplicate of the stored record), dropping the one the
+    batch held for it: an export of a record's history (oldest first) kept its
+    oldest text, the newer said "imported before with other text"."""
+    key, ts = _record_of(d)
+    if key is None:
+        return
+    if key in out.batch:
+        out.repeats += 1
+        earlier = out.batch[key][0]
+        if earlier is None:
+            out.duplicates -= 1
+        else:
+            dropped = out.items[earlier][1]
+            out.items[earlier] = None
+            out.where.pop(dropped.id, None)
+            out.clipped.discard(dropped.id)
+    out.batch[key] = (slot, ts)
 
 
 def _earlier_key(draft: Draft, marks: dict, by_id: dict[str, Item]) -> str | None:
@@ -14884,15 +14933,16 @@ def said_retired(key: str, items: list, content: str) -> bool:
 def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
            on_progress: Callable[[int], None] | None = None,
            retired_too: bool = False, shared: bool = True,
-           skips: Tally | None = None) -> IngestResult:
+           skips: Tally | None = None, last_wins: bool = False) -> IngestResult:
     """Create items from drafts in one locked write; skip watermarked duplicates
     (and with retired_too, texts a retired item holds: admit), and with
     shared, texts team or org holds (capture asked them already: _said_before).
-    Drafts that fail validation are tallied in `skips` (when given) and `skipped`."""
+    Drafts that fail validation are tallied in `skips` (when given) and `skipped`.
+    last_wins: of one record id given twice, the last counts (prepare_drafts)."""
     prepared = prepare_drafts(cfg, drafts, now=now or _now(), on_progress=on_progress,
-                              skips=skips)
+                              skips=skips, last_wins=last_wins)
     result = IngestResult(duplicates=prepared.duplicates, skipped=prepared.skipped,
-                          refusal=prepared.refusal)
+                          refusal=prepared.refusal, repeats=prepared.repeats)
     if prepared.items:
         local = store(cfg, "local")
         elsewhere = shared_texts(cfg, retired_too) if shared else None
@@ -24873,7 +24923,7 @@ def import_memory(source: Annotated[str, Field(
                     repaired.add(note)
                 yield rec
 
-    res = ingest(cfg, drafts(), retired_too=True, skips=skips)
+    res = ingest(cfg, drafts(), retired_too=True, skips=skips, last_wins=True)
     out = import_report(source, p, res)
     if repaired.count:
         more = repaired.count - len(repaired.first)
@@ -24908,6 +24958,12 @@ def import_report(source: str, path: Path, res: IngestResult) -> dict:
         out["note"] = (f"{len(res.changed)} record(s) were imported before with other text; "
                        "the stored items keep theirs: correct or deprecate them to take "
                        "the new text.")
+    if res.repeats:
+        out["repeated_in_file"] = res.repeats
+        out["note"] = " ".join(filter(None, (out.get("note"), (
+            f"{res.repeats} record(s) repeat an id given elsewhere in this file: of each id one "
+            "was read, the last in the file (or, where both give a time, the newest), the "
+            "others left out (repeated_in_file)."))))
     if not recognized:
         out["reasons"] = [_clip(f"{w}: {r}", 300) for w, r in skips.first[:IMPORT_REASONS]] or [
             "the file holds no records (it is empty)"]

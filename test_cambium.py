@@ -5819,6 +5819,22 @@ def test_import_keys_of_systems_with_colons_do_not_collide(repo, tmp_path):
     assert cs.status()["watermarks"] == {"s:id:1": 1, "s": 1, "export 12:30.jsonl": 1}
 
 
+def test_an_id_given_twice_in_one_file_keeps_its_last_or_newest_version(repo, tmp_path):
+    """An export of a record's history (oldest first) kept the oldest text,
+    and the newer was said "imported before with other text"."""
+    hist = _jsonl(tmp_path / "h.jsonl", {"id": "v1", "content": "Timeout is 30s"},
+                  {"id": "v1", "content": "Timeout is 60s"},
+                  {"id": "v2", "content": "Pool of 8", "ts": "2026-06-01T00:00:00Z"},
+                  {"id": "v2", "content": "Pool of 4", "ts": "2026-01-01T00:00:00Z"})
+    res = cs.import_memory(path=hist)
+    assert res["imported"] == 2 and res["repeated_in_file"] == 2 and not res["changed"], res
+    assert "repeat an id given elsewhere in this file" in res["note"]
+    assert sorted(i.content for i in cs.store(cs.require_config(), "local").read().items) == [
+        "Pool of 8", "Timeout is 60s"]
+    again = cs.import_memory(path=hist)
+    assert again["imported"] == 0 and again["duplicates"] == 2 and not again["changed"], again
+
+
 def test_import_knows_the_records_an_earlier_version_imported_under_the_format_name(
         repo, tmp_path):
     """Before 3bacc1e an import's watermark named the import format
