@@ -10309,9 +10309,11 @@ def key_system(key: str) -> str:
 
 
 def _cli_abspath(value: str) -> str:
-    """A CLI path made absolute; an empty one stays empty (abspath('') is the
-    working directory, which the tool would then refuse as not a file)."""
-    return os.path.abspath(value) if value.strip() else value
+    """A CLI path made absolute, `~` expanded first as the tool expands it over
+    MCP (`~/x.jsonl` became <cwd>/~/x.jsonl: no file); an empty one stays empty
+    (abspath('') is the working directory, which the tool would then refuse as
+    not a file)."""
+    return os.path.abspath(expand_user(value)) if value.strip() else value
 
 
 def path_arg(name: str, value: str) -> str:

@@ -17770,6 +17770,9 @@ def test_import_positions_are_one_based_and_nothing_importable_fails(repo, tmp_p
         out = cli("import", str(path))
         assert out.returncode == 1 and json.loads(out.stdout)["status"] == "nothing_imported"
     assert cli("import", str(arr)).returncode == 0
+    (Path(os.environ["HOME"]) / "tilde.jsonl").write_text('{"content": "a home record"}\n')
+    out = cli("import", "~/tilde.jsonl")     # (~ expanded over MCP; the CLI made <cwd>/~/…)
+    assert out.returncode == 0 and json.loads(out.stdout)["imported"] == 1, out.stderr
 
 
 def test_import_cleans_lone_surrogates_imports_the_rest_and_says_where(repo, tmp_path):
