@@ -14275,6 +14275,7 @@ class IngestResult:
     changed: list = field(default_factory=list)      # known key, other text: {id, ref, where}
     same_content: int = 0                            # a new key whose text is stored already
     repeats: int = 0                                 # an id given again in the same batch
+    warnings: list = field(default_factory=list)     # team or org could not be read
 
 
 @dataclass
@@ -14891,12 +14892,21 @@ class _Admitting:
         return self.adm
 
 
-def shared_texts(cfg: Config, retired_too: bool = False) -> Callable[..., bool]:
+def shared_texts(cfg: Config, retired_too: bool = False,
+                 unread: list[str] | None = None) -> Callable[..., bool]:
     """Whether team or org, as last read (no network), holds an active item
     saying a content key (with retired_too, also words deprecated, corrected or
     superseded there: a retired statement stays retired for everyone; given the
-    record's `content`, words corrected or deprecated there a final stop aside too)."""
-    docs, _ = read_scopes_offline(cfg)
+    record's `content`, words corrected or deprecated there a final stop aside too).
+    unread: given, gets the warning of each of team and org that could not be read
+    (a damaged ref), not one this clone never fetched (nothing is wrong): import
+    brought a text team holds in as new, and said nothing."""
+    skipped: dict[str, str] = {}
+    unfetched: set[str] = set()
+    docs, _ = read_scopes_offline(cfg, skipped, unfetched)
+    if unread is not None:
+        unread += [w for scope, w in skipped.items()
+                   if scope in ("team", "org") and scope not in unfetched]
     maps: list = []
     saids: list = []
     for scope in ("team", "org"):
@@ -14947,7 +14957,7 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
                           refusal=prepared.refusal, repeats=prepared.repeats)
     if prepared.items:
         local = store(cfg, "local")
-        elsewhere = shared_texts(cfg, retired_too) if shared else None
+        elsewhere = shared_texts(cfg, retired_too, result.warnings) if shared else None
         _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path),
                                                            retired_too=retired_too,
                                                            elsewhere=elsewhere),
@@ -24931,6 +24941,9 @@ def import_memory(source: Annotated[str, Field(
         more = repaired.count - len(repaired.first)
         out["warnings"] = [_clip(n, 300) for n in repaired.first] + (
             [f"and {more} more note(s) like these"] if more else [])
+    if res.warnings:              # (its same_content judged without that scope's texts)
+        out["warnings"] = out.get("warnings", []) + [
+            f"{w} (records were not checked against its texts)" for w in res.warnings]
     if res.imported:
         try:
             out["id_map"] = str(write_id_map(cfg, source, res.imported))

@@ -3410,6 +3410,12 @@ def test_a_teammates_distill_or_import_of_what_team_holds_adds_no_second_copy(sh
     assert res["imported"] == 0 and res["same_content"] == 1, res
     assert cs.store(cs.resolve_config(), "local").read().items == []
     assert [h["id"] for h in cs.recall("advisory locks ledger")["results"]] == [mine.id]
+    (shared["b"] / ".git/refs/cambium/team/origin/cambium").write_text("01" * 20 + "\n")
+    export.write_text(json.dumps({"id": "m2", "content": entries[0]["summary"]}) + "\n")
+    res = cs.import_memory("json", str(export))     # team unreadable: it said nothing
+    assert res["imported"] == 1 and any(w.startswith("team scope skipped: ") and
+                                        "not checked against its texts" in w
+                                        for w in res.get("warnings", [])), res
 
 
 def test_a_smaller_lexical_limit_shows_the_first_of_the_defaults_results(repo):
