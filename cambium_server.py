@@ -14333,7 +14333,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             if mark is not None and _same_text(stored, d) and \
                     not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
-                _repeated(out, d, None) if last_wins else None
+                if last_wins:
+                    _repeated(out, d, None)
                 continue
         try:
             item = new_item(d.content, type=d.type, kind=d.kind, why=d.why, tags=d.tags,
@@ -14347,7 +14348,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
             out.skipped_from[system] = out.skipped_from.get(system, 0) + 1
             continue
         out.items.append((d.key, item))
-        _repeated(out, d, len(out.items) - 1) if last_wins else None
+        if last_wins:
+            _repeated(out, d, len(out.items) - 1)
         if _was_cut(d.content, MAX_CONTENT_CHARS) or _was_cut(d.why, MAX_WHY_CHARS):
             out.clipped.add(item.id)
         if d.where:
