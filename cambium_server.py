@@ -2342,6 +2342,37 @@ def _config_file_setting(env: dict | None) -> tuple[str | None, str | None]:
     return given, None
 
 
+#: Settings a config file may give as a JSON number (seconds, a count); a 0/1
+#: setting takes a number or true/false too, every other setting text only.
+NUMBER_SETTINGS = ("CAMBIUM_GIT_TIMEOUT", "CAMBIUM_FETCH_INTERVAL", "CAMBIUM_PROMOTE_RECALLS")
+
+
+def _file_setting(key: str, raw: Any, label: str) -> tuple[Any, str | None]:
+    """A config file's value for `key` as the setting's text, and why it is of
+    a JSON type the setting does not take (None when it does). str() made the
+    text "True" of true and "['kb']" of a list: an agent id, a remote and a
+    team branch no gap named. Such a value is not used (the setting keeps its
+    default, behind the gap that names `label` and the type)."""
+    number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+    if (isinstance(raw, str) or (isinstance(raw, bool) and key in BOOL_SETTINGS)
+            or (number and key in NUMBER_SETTINGS + BOOL_SETTINGS)):
+        return _normalize_value(key, raw), None
+    wanted = ("text, a number, or true/false" if key in BOOL_SETTINGS else
+              "text or a number" if key in NUMBER_SETTINGS else "text (a JSON string)")
+    return DEFAULTS[key], f"{label} in the config file is {json_type_name(raw)}, not {wanted}"
+
+
+def json_type_name(value: Any) -> str:
+    """A JSON value's type in JSON's names: "a JSON boolean (true)", "a JSON array"."""
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else f"a JSON boolean ({json.dumps(value)})"
+    if isinstance(value, (int, float)):
+        return "a JSON number"
+    if isinstance(value, str):
+        return "a JSON string"
+    return "a JSON array" if isinstance(value, (list, tuple)) else "a JSON object"
+
+
 def _normalize_value(key: str, value: Any) -> str:
     if isinstance(value, bool) and key in BOOL_SETTINGS:
         return "1" if value else "0"
@@ -2773,29 +2804,18 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
                 gone = CWD_BARE      # a bare repo: a git repo, so not the file's either
         except OSError:              # the working directory was deleted under the process
             gone = CWD_GONE
-    for key, default in DEFAULTS.items():
-        raw = env.get(key)
-        if _given(raw):
-            value, origin = _normalize_value(key, raw), "env"
-        elif key == "CAMBIUM_REPO" and root is not None:
-            value, origin = str(root), "cwd"
-        elif key == "CAMBIUM_TEAM_BRANCH" and _given(mine := _repo_team_branch(
-                file_values, values["CAMBIUM_REPO"])):
-            value, origin = _normalize_value(key, mine), "file"
-        elif _given(file_values.get(key)):
-            value, origin = _normalize_value(key, file_values[key]), "file"
-        else:
-            value, origin = default, "default"
+    for key in DEFAULTS:
+        value, origin, why = _chosen_value(key, env, root, file_values, values)
         if key == "CAMBIUM_REPO" and origin in ("env", "file"):
             value = clone_root(value)
         elif key in BOARD_SETTINGS and origin in ("env", "file") and value:
             value = board_path(value, cwd)
-        if value is not None and origin != "default":
+        if not why and value is not None and origin != "default":
             why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
                    "which is not text" if origin == "file" and not_text(key, value)
                    else _validate(key, value))
-            if why:
-                problems.append({"setting": key, "problem": why, "origin": origin})
+        if why:
+            problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
     if gone:     # never the file's repo instead: a removed worktree's server wrote into it
         values["CAMBIUM_REPO"], origins["CAMBIUM_REPO"] = None, "cwd"
@@ -2806,6 +2826,27 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
     if unread:
         file_error = _unread_config(path, unread, origins, problems)
     return Config(values, origins, path, problems, file_error)
+
+
+def _chosen_value(key: str, env: Any, root: Path | None, file_values: dict,
+                  values: dict) -> tuple[Any, str, str | None]:
+    """One setting's value (env > the working directory's root, for the repo >
+    the config file > default), where it came from (ORIGINS), and why the
+    file's value is of a JSON type the setting does not take (_file_setting)."""
+    raw = env.get(key)
+    if _given(raw):
+        return _normalize_value(key, raw), "env", None
+    if key == "CAMBIUM_REPO" and root is not None:
+        return str(root), "cwd", None
+    repo = values.get("CAMBIUM_REPO")
+    if key == "CAMBIUM_TEAM_BRANCH" and _given(mine := _repo_team_branch(file_values, repo)):
+        value, why = _file_setting(key, mine, f"{TEAM_BRANCHES}"
+                                   f"[{json_text(os.path.realpath(repo))}]")
+        return value, "file", why
+    if _given(file_values.get(key)):
+        value, why = _file_setting(key, file_values[key], key)
+        return value, "file", why
+    return DEFAULTS[key], "default", None
 
 
 def _unread_config(path: Path, gap: dict, origins: dict, problems: list[dict]) -> str:
@@ -2886,10 +2927,10 @@ def _repo_team_branch(file_values: dict, repo: str | None) -> Any:
     if not repo or not isinstance(branches, dict):
         return None
     keys = (os.path.realpath(repo), os.path.realpath(store_root(Path(repo))))  # (a worktree:
-    found = next((branches[k] for k in keys if branches.get(k)), None)       # the clone's)
+    found = next((branches[k] for k in keys if _given(branches.get(k))), None)  # the clone's)
     if found is None:                     # a key written by hand: "~/proj", "/proj/"
         real = {_real_key(k): v for k, v in branches.items() if isinstance(k, str)}
-        found = next((real[k] for k in keys if real.get(k)), None)
+        found = next((real[k] for k in keys if _given(real.get(k))), None)
     return found
 
 

@@ -1340,6 +1340,41 @@ def test_setup_says_a_config_over_1_mb_was_moved_aside_for_its_size(tmp_path):
     assert said and "over the 1 MB limit" in said[0] and "not a JSON object" not in said[0]
 
 
+def test_a_config_value_of_a_json_type_its_setting_does_not_take_is_a_gap(tmp_path,
+                                                                          monkeypatch):
+    """str() made the config file's true the agent id "True", false the remote
+    "False", a team_branches entry true the branch "True" and a list "['kb']":
+    status said ok, with no gap. A 0/1 setting takes true/false and a number,
+    a setting of seconds or a count a number; any other non-text is a gap."""
+    r = make_repo(tmp_path)
+    monkeypatch.chdir(r)
+    cfg_file = Path(os.environ["CAMBIUM_CONFIG_FILE"])
+    cfg_file.write_text(json.dumps({
+        "CAMBIUM_AGENT_ID": True, "CAMBIUM_REMOTE": False, "CAMBIUM_AGENTSYNC_BRANCH": ["kb"],
+        "CAMBIUM_ORG_REPO": {"path": "/srv/org"}, "CAMBIUM_PROMOTE_RECALLS": True,
+        "team_branches": {os.path.realpath(r): True}}))
+    guide = cs.status()
+    assert guide["configured"] is False
+    problems = {g["setting"]: g["cost"] for g in guide["gaps"] if "invalid value" in g["cost"]}
+    assert "CAMBIUM_AGENT_ID in the config file is a JSON boolean (true), not text" \
+        in problems["CAMBIUM_AGENT_ID"]
+    assert "is a JSON boolean (false)" in problems["CAMBIUM_REMOTE"]
+    assert "is a JSON array" in problems["CAMBIUM_AGENTSYNC_BRANCH"]
+    assert "is a JSON object" in problems["CAMBIUM_ORG_REPO"]
+    assert "is a JSON boolean (true), not text or a number" in problems["CAMBIUM_PROMOTE_RECALLS"]
+    assert f"team_branches[{json.dumps(os.path.realpath(r))}] in the config file is a JSON " \
+           "boolean" in problems["CAMBIUM_TEAM_BRANCH"]
+    assert "True" not in json.dumps(guide) and "'kb'" not in json.dumps(guide)
+    cfg_file.write_text(json.dumps({      # (what each of these settings takes: no gap)
+        "CAMBIUM_AGENT_ID": "ada", "CAMBIUM_ORG_PR": 0, "CAMBIUM_RELEASE_CAPTURE": True,
+        "CAMBIUM_LATE_INTERACTION": False, "CAMBIUM_GIT_TIMEOUT": 2.5,
+        "CAMBIUM_FETCH_INTERVAL": 0, "CAMBIUM_PROMOTE_RECALLS": 4}))
+    cfg = cs.resolve_config()
+    assert cfg.problems == [] and cfg.configured
+    assert (cfg.release_capture, cfg.late_interaction, cfg.git_timeout_s,
+            cfg.promote_recalls, cfg.org_pr) == (True, False, 2.5, 4, False)
+
+
 def test_config_file_nested_too_deep_or_with_lone_surrogates_is_reported_not_a_traceback(
         tmp_path):
     """A config.json nested 100,000 deep raised RecursionError out of every CLI
