@@ -24711,6 +24711,23 @@ def test_server_start_warms_the_recall_index_and_writes_nothing(repo):
     assert after == before                            # it only read
 
 
+def test_a_primer_reads_each_items_said_words_once(repo, monkeypatch):
+    """Once any correction exists, a primer asks each item whether it says
+    corrected words (correction_for): it hashed every item's plain text again
+    each primer (0.4 s at 6,000 items); the key is kept on the item."""
+    ids = [cs.capture(f"Service {i} restarts drain the queue first")["item"]["id"]
+           for i in range(6)]
+    cs.correct(ids[0], content="Service 0 restarts never drain the queue")
+    cs.session_primer()
+    hashed: list[str] = []
+    said = cs.said_text_key
+    monkeypatch.setattr(cs, "said_text_key", lambda type, content: hashed.append(content)
+                        or said(type, content))
+    cs.session_primer()
+    stored = {it.content for it in cs.store(cs.resolve_config(), "local").read().items}
+    assert len(stored) == 7 and not stored & set(hashed)
+
+
 def test_server_start_warm_up_in_an_unconfigured_place_does_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("CAMBIUM_REPO", raising=False)
     monkeypatch.setenv("CAMBIUM_CONFIG_FILE", str(tmp_path / "none.json"))
