@@ -15112,9 +15112,15 @@ def generalization_tells(text: str, project: str) -> list[str]:
             if tell not in found:
                 found.append(tell)
     if project and len(project) >= 3 and project.casefold() not in GENERIC_PROJECT_NAMES and \
-            re.search(rf"(?<![\w-]){re.escape(project)}(?![\w-])", text or "", re.IGNORECASE):
+            _project_name_rx(project).search(text or ""):
         found.append(f"names its origin project: {project}")
     return found
+
+
+@functools.lru_cache(maxsize=256)
+def _project_name_rx(project: str) -> re.Pattern:
+    """A project's name as a word of its own, any case (compiled once a project)."""
+    return re.compile(rf"(?<![\w-]){re.escape(project)}(?![\w-])", re.IGNORECASE)
 
 
 def org_tells(item: Item) -> list[str]:
@@ -15122,7 +15128,14 @@ def org_tells(item: Item) -> list[str]:
     content, why, kind and endorsement notes, everything KNOWLEDGE.md renders
     that a person wrote. Exempt: `example` (the concrete version's home) and
     provenance, whose project-specific parts org's render leaves out instead
-    (_provenance): nobody can restate where an item came from."""
+    (_provenance): nobody can restate where an item came from. Memoized on the
+    item (pure: its own fields only): review_promotions asks of every org item
+    each call."""
+    return list(derived(item, "org_tells", _org_tells))
+
+
+def _org_tells(item: Item) -> tuple[str, ...]:
+    """org_tells, computed (pure)."""
     tells = generalization_tells(item.content, item.project)
     for name in ("why", "kind"):
         tells += [f"{name} {t}" for t in generalization_tells(getattr(item, name), item.project)]
@@ -15130,7 +15143,7 @@ def org_tells(item: Item) -> list[str]:
         if isinstance(e, dict) and e.get("note"):
             tells += [f"endorsement note by {e.get('by')} {t}"
                       for t in generalization_tells(str(e["note"]), item.project)]
-    return tells
+    return tuple(tells)
 
 
 def general_note(item: Item) -> str | None:

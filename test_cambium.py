@@ -11696,6 +11696,29 @@ def test_the_fix_offered_for_an_org_items_tells_is_one_that_clears_them():
     assert "; cy endorses again" in both
 
 
+def test_review_reads_each_org_items_wording_once(shared, monkeypatch):
+    """review_promotions judged every org item's wording again each call
+    (generalization_tells three times an item or more, each building the
+    project name's pattern again): the tells are kept on the item."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    cfg = cs.resolve_config()
+    items = [cs.Item(id=f"k-org{i}", scope="org", project="shop", why="seen in shop",
+                     content=f"Edit src/app/config{i}.py before the shop deploys")
+             for i in range(4)]
+    cs.store(cfg, "org").mutate(lambda d: cs.Doc(items=items), "seed")
+    first = cs.review_promotions()["org_needs_generalization"]
+    assert [f["tells"] for f in first] == [[f"names a file: src/app/config{i}.py",
+                                            "names its origin project: shop",
+                                            "why names its origin project: shop"]
+                                           for i in range(4)]
+    read: list[str] = []
+    tells = cs.generalization_tells
+    monkeypatch.setattr(cs, "generalization_tells", lambda text, project: read.append(text)
+                        or tells(text, project))
+    assert cs.review_promotions()["org_needs_generalization"] == first
+    assert not {it.content for it in items} & set(read)
+
+
 def test_org_requires_endorsement_and_force_overrides_gate(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     plain = cs.capture("Edit config.yaml before deploys")["item"]["id"]
