@@ -15535,28 +15535,41 @@ def render_markdown(groups: dict[str, list[tuple[Item, dict]]]) -> str:
         for project in sorted(by_project):        # (every stored value one line: md_line;
             out += [f"### {md_line(project)}", ""]    # a store another clone wrote, or an
             for it, trust in sorted(by_project[project], key=lambda p: p[0].created_at):
-                summary = md_line(it.content)          # import's provenance, forged headings)
-                bits = [f"kind: {it.kind}" if it.type == "memory" else f"type: {it.type}, kind: "
-                        f"{it.kind}", f"provenance: {_provenance(it, scope == 'org')}",
-                        f"recalls: {trust.get('recalls', 0)}"]
-                if it.promoted_at:
-                    bits.append(f"promoted: {it.promoted_at[:10]}")
-                bits = [md_line(b) for b in bits]
-                out.append(f"- **{summary}**")
-                out.append(f"  - {' · '.join(bits)}")
-                if it.why:
-                    out.append(f"  - why: {md_line(it.why)}")
-                if it.example:
-                    out.append(f"  - example: {md_line(it.example)}")
-                for note in endorsement_notes(it):
-                    out.append(f"  - endorsed as: {md_line(note)}")
-                if check_cmd(it):
-                    out.append(f"  - check: {check_line(it)}")
+                out += md_item(it, trust, scope == "org")   # import's provenance, forged headings)
             out.append("")
     if len(out) == 4:
         out.append("_No knowledge in this scope yet._")
     return terminal_safe("\n".join(out).rstrip() + "\n")   # (a hand-edited store's escapes:
                                                         # never published, never printed)
+
+
+def md_item(it: Item, trust: dict, public: bool) -> tuple[str, ...]:
+    """An item's lines in KNOWLEDGE.md (`public`: org's), memoized on the item
+    when `trust` is its own (an org write renders the whole file: its
+    unchanged items' lines are not made again, as their JSON lines are not)."""
+    if trust is not it.trust:
+        return _md_item_lines(it, trust, public)
+    return derived(it, "md_public" if public else "md",
+                   lambda it: _md_item_lines(it, it.trust, public))
+
+
+def _md_item_lines(it: Item, trust: dict, public: bool) -> tuple[str, ...]:
+    """md_item, made (pure)."""
+    bits = [f"kind: {it.kind}" if it.type == "memory" else f"type: {it.type}, kind: "
+            f"{it.kind}", f"provenance: {_provenance(it, public)}",
+            f"recalls: {trust.get('recalls', 0)}"]
+    if it.promoted_at:
+        bits.append(f"promoted: {it.promoted_at[:10]}")
+    out = [f"- **{md_line(it.content)}**", f"  - {' · '.join(md_line(b) for b in bits)}"]
+    if it.why:
+        out.append(f"  - why: {md_line(it.why)}")
+    if it.example:
+        out.append(f"  - example: {md_line(it.example)}")
+    for note in endorsement_notes(it):
+        out.append(f"  - endorsed as: {md_line(note)}")
+    if check_cmd(it):
+        out.append(f"  - check: {check_line(it)}")
+    return tuple(out)
 
 
 def check_line(item: Item) -> str:

@@ -11719,6 +11719,27 @@ def test_review_reads_each_org_items_wording_once(shared, monkeypatch):
     assert not {it.content for it in items} & set(read)
 
 
+def test_an_org_write_makes_only_the_changed_items_knowledge_md_lines(monkeypatch):
+    """Each org write renders KNOWLEDGE.md from every active item: it made every
+    item's lines again (an org write cost 2.5 team writes); they are kept on
+    the item, as its JSON line is, and the file reads the same."""
+    items = [cs.Item(id=f"k-{i}", scope="org", project="shop", created_by="ada",
+                     content=f"Rule {i}: drain the queue first", why="outages",
+                     trust={"recalls": i, "endorsements": [{"by": "bo", "note": f"n{i}"}]})
+             for i in range(5)]
+    first = cs.org_markdown(cs.Doc(items=items))["KNOWLEDGE.md"]
+    made: list[str] = []
+    lines = cs._md_item_lines
+    monkeypatch.setattr(cs, "_md_item_lines", lambda it, trust, public: made.append(it.id)
+                        or lines(it, trust, public))
+    new = dataclasses.replace(items[2], content="Rule 2: drain the queue last")
+    again = cs.org_markdown(cs.Doc(items=[*items[:2], new, *items[3:]]))["KNOWLEDGE.md"]
+    assert made == ["k-2"] and again == first.replace("Rule 2: drain the queue first",
+                                                      "Rule 2: drain the queue last")
+    fresh = [dataclasses.replace(it) for it in [*items[:2], new, *items[3:]]]
+    assert cs.org_markdown(cs.Doc(items=fresh))["KNOWLEDGE.md"] == again
+
+
 def test_org_requires_endorsement_and_force_overrides_gate(shared, monkeypatch):
     monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
     plain = cs.capture("Edit config.yaml before deploys")["item"]["id"]
