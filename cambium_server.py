@@ -14353,12 +14353,15 @@ class Admission:
 
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                    on_progress: Callable[[int], None] | None = None,
-                   skips: Tally | None = None, last_wins: bool = False) -> Prepared:
+                   skips: Tally | None = None, last_wins: bool = False,
+                   above: dict | None = None) -> Prepared:
     """Normalize drafts through new_item(); a cheap watermark pre-check outside
     the lock (admit() re-checks under it). A draft that fails validation is
     skipped with its reason, tallied in `skips` when given (import shares one
     with its adapter, so the two kinds of skip stay in file order). last_wins
-    (import): of the drafts of one record id, only the last counts (_repeated)."""
+    (import): of the drafts of one record id, only the last counts (_repeated).
+    above (distill): id -> the team or org item a watermark names that left
+    this store (marked_above): its text is what the record is compared with."""
     out = Prepared(skipped=skips if skips is not None else Tally())
     project, agent = cfg.project, cfg.agent
     doc = store(cfg, "local").read()
@@ -14373,7 +14376,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in first_copies(doc.items)}
             mark = _mark_id(seen_marks, d.key)       # (None: a hand edit's, marking nothing)
-            stored = by_id.get(mark)
+            stored = by_id.get(mark) or (above or {}).get(mark)
             if mark is not None and _same_text(stored, d) and \
                     not (stored is not None and distill_retired(stored)):
                 out.duplicates += 1
@@ -14801,8 +14804,8 @@ def _source_key(item: Item) -> str:
 
 def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
           now: str | None = None, live_keys: Iterable[str] = (),
-          retired_too: bool = False, elsewhere: Callable[..., bool] | None = None
-          ) -> Admission:
+          retired_too: bool = False, elsewhere: Callable[..., bool] | None = None,
+          above: dict | None = None) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
     watermarked key whose text changed is reported, and the stored item kept.
@@ -14813,8 +14816,12 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
     a text only a retired item holds is stored already too (a person retired it:
     the next export of the same memory must not bring it back). elsewhere:
     whether team or org holds a text active (shared_texts): a teammate's
-    distill of the same committed records made a second copy of it."""
+    distill of the same committed records made a second copy of it. above
+    (revise): id -> the team or org item a watermark names that left the
+    store (marked_above): a record whose text changed since is imported (its
+    copy there is superseded after the write: supersede_above)."""
     run = _Admitting(doc, prepared, index_key, revise, retired_too)
+    run.above = above or {}
     for key, item in prepared.items:
         ckey = content_key(item)
         if key and key in run.marks and run.passed_over(key, item, ckey):
@@ -14849,6 +14856,7 @@ class _Admitting:
         self.stored: Callable[[str], bool] | None = None   # looked up only when needed
         self.live: dict[str, Item] = {}               # admitted here, by id
         self.by_id: dict[str, Item] = {}
+        self.above: dict[str, Item] = {}              # revise: marked_above
         self.fresh: list[Item] = []
         self.adm = Admission(None, self.fresh, 0)
 
@@ -14863,6 +14871,9 @@ class _Admitting:
         known = self.by_id.get(mark) or self.live.get(mark)
         if self.revise and known is not None and content_key(known) != ckey:
             self.revised.append((known, item, item))     # imported, if its text is new
+            return False
+        if self.revise and known is None and mark in self.above and \
+                content_key(self.above[mark]) != ckey:   # it climbed: supersede_above
             return False
         if known is not None and content_key(known) != ckey:
             ref = item.source.get("ref")
@@ -19952,6 +19963,140 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
     return retired, pending, warnings, kept
 
 
+def marked_above(cfg: Config, doc: Doc, drafts: list[Draft]) -> dict[str, Item]:
+    """Id -> the team or org item, as last read (no network), that a live
+    record's watermark names and no local item holds: it climbed (a promote
+    moves an item, its id with it). distill compares the record's text with
+    it: an entry edited since was passed over as unchanged, and its new text
+    landed nowhere while team served the old one (supersede_above)."""
+    marks = meta_map(doc.meta, "watermarks")
+    wanted = {m for d in drafts if d.key and isinstance(m := marks.get(d.key), str)}
+    if wanted:
+        wanted -= {it.id for it in doc.items}
+    if not wanted:
+        return {}
+    docs, _ = read_scopes_offline(cfg)
+    return {it.id: it for scope in ("team", "org") if scope in docs
+            for it in reversed(docs[scope].items) if it.id in wanted}   # (first copies)
+
+
+def stale_above(docs: dict[str, Doc], local: Doc, drafts: list[Draft]
+                ) -> list[tuple[str, Item, Item, str]]:
+    """(scope, item, the item holding its record's text now, why) for each
+    active team or org item distill made that a newer text of its record
+    replaces (pure): a context-keeper entry edited at its source (same id and
+    created_at), or an older state of a done claim (same lineage) no live
+    record names. Read from the records, not the watermarks, so one whose
+    supersession could not be written is found again by the next distill."""
+    marks = meta_map(local.meta, "watermarks")
+    live = _live_ids(marks, (d.key for d in drafts if d.key))
+    records = _records_above(drafts, marks)
+    out = []
+    for scope in ("team", "org"):
+        for it in first_copies(docs[scope].items) if records and scope in docs else ():
+            src = it.source
+            ref, ts, line = src.get("ref"), src.get("source_ts"), src.get("lineage")
+            if src.get("system") == "context-keeper" and isinstance(ref, str) and \
+                    isinstance(ts, str) and (hit := records.get((ref, ts))):
+                why = f"context-keeper {ref} was edited at its source; its text now is item "
+            elif src.get("system") == "agentsync" and isinstance(line, str) and \
+                    (hit := records.get(line)):
+                why = (f"agentsync: {ref} is an older state of the same claim (agent, task and "
+                       f"branch); its newest state's text is item ")
+            else:
+                continue
+            iid, said = hit
+            if not it.active or it.id in live or said == content_key(it) or \
+                    not distill_made(it):
+                continue
+            new = _held_by(iid, local, docs)
+            if new is None or new.id == it.id:          # its text held above by another
+                new = _text_holder(said, local, docs)
+            if new is not None and new.active and content_key(new) != content_key(it):
+                out.append((scope, it, new, why + new.id))
+    return out
+
+
+def _records_above(drafts: list[Draft], marks: dict) -> dict:
+    """(entry id, created_at) of each live context-keeper record, and lineage
+    of each live claim state, -> (the id its watermark names, the text key of
+    what it says) (pure; stale_above)."""
+    out: dict = {}
+    for d in drafts:
+        iid, src = marks.get(d.key) if d.key else None, d.source or {}
+        ref, ts, line = src.get("ref"), src.get("source_ts"), src.get("lineage")
+        said = text_key(d.type, d.content.strip()) if isinstance(d.content, str) else ""
+        if isinstance(iid, str) and src.get("system") == "context-keeper" and \
+                isinstance(ref, str) and isinstance(ts, str) and ts:
+            out[(ref, ts)] = iid, said
+        elif isinstance(iid, str) and src.get("system") == "agentsync" and isinstance(line, str):
+            out[line] = iid, said
+    return out
+
+
+def _held_by(iid: str, local: Doc, docs: dict[str, Doc]) -> Item | None:
+    """Item `iid` in the local store (as written) or a shared scope, if any."""
+    for doc in (local, *(docs[s] for s in ("team", "org") if s in docs)):
+        if (hit := _find_item(doc, iid)) is not None:
+            return hit[1]
+    return None
+
+
+def _text_holder(said: str, local: Doc, docs: dict[str, Doc]) -> Item | None:
+    """An active item saying text key `said` locally, else in team or org: a
+    record whose new text a teammate's item holds keeps its watermark on the
+    old item (admit marks only a local twin)."""
+    for doc in (local, *(docs[s] for s in ("team", "org") if s in docs)):
+        if (hit := next((it for it in doc.items if it.active and content_key(it) == said),
+                        None)) is not None:
+            return hit
+    return None
+
+
+def supersede_above(cfg: Config, drafts: list[Draft], local: Doc, now: str
+                    ) -> tuple[list[dict], list[dict], list[str]]:
+    """After distill's local write: supersede the team and org items whose
+    record's newer text it imported (stale_above), where they live, through
+    the same pushes as every other write (org in PR mode: the `updates` pull
+    request). Returns (superseded now, still pending, warnings); a scope that
+    cannot be written, a team copy waiting on its org pull request, and an
+    org supersession only proposed stay pending, found again next distill."""
+    docs, _ = read_scopes_offline(cfg)
+    done: list[dict] = []
+    pending: list[dict] = []
+    warnings: list[str] = []
+    for scope, old, new, why in stale_above(docs, local, drafts):
+        entry = {"id": old.id, "ref": old.source.get("ref"), "reason": why,
+                 "superseded_by": new.id, "scope": scope}
+        said = f"{why}, but its {scope} item {old.id}"
+        if old.pr_url and scope != "org":          # the merge would drop the supersession
+            pending.append(entry)
+            warnings.append(f"{said} waits on its org pull request {old.pr_url} and is "
+                            "superseded once that settles")
+            continue
+        try:
+            write = change_item(cfg, scope, old.id, lambda it, n=new.id, w=why: supersede(
+                it, n, agent="distill", now=now, why=w) if it.active else None,
+                f"distill supersedes {old.id}")[1]
+        except CambiumError as e:
+            pending.append(entry)
+            warnings.append(f"{said} could not be superseded there: {e} (the next distill "
+                            "tries again)")
+            continue
+        if pr_branch(cfg, scope, "updates") is not None:
+            pending.append({**entry, "pr_url": write.pr_url})
+            warnings.append(f"{said}: superseding it waits on the pull request "
+                            + (write.pr_url or "that could not be opened yet (the next "
+                               "distill tries again)") + ", and org serves it until that merges")
+            continue
+        done.append(entry)
+        if new.scope == "local":
+            warnings.append(f"{why}: its {scope} item {old.id} is superseded there, and the "
+                            f"new text is in this clone's local scope only: promote {new.id} "
+                            f"for {scope} to serve it")
+    return done, pending, warnings
+
+
 DISTILL_SEEN_FILE = "distill-seen.json"   #: under .cambium/: a hint on the store's distill record
 DISTILL_SEEN_BYTES = 4096                 #: a larger hint file is none cambium wrote
 _SEEN_KEYS = frozenset({"at", "record", "status", "same_as"})   # (same_as: an older cambium's)
@@ -20083,6 +20228,7 @@ class Sweep:
     kept_elsewhere: list = field(default_factory=list)      # keys of theirs distill did not make
     elsewhere: Callable[..., bool] | None = None            # shared_texts(): held above
     adding_only: bool = False     # a linked worktree: its .context/ is its branch's (below)
+    above: dict = field(default_factory=dict)     # marked_above(): watermarked, climbed
     record_id: str = field(default_factory=lambda: os.urandom(6).hex())   # its record's `id`
 
     def read(self, name: str) -> SourceRead | None:
@@ -20143,7 +20289,7 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
     keys = _live_keys(sweep.ours())   # a worktree's .context/ neither retires nor revives
     prepared = _branch_news(doc, sweep.prepared) if sweep.adding_only else sweep.prepared
     adm = admit(doc, prepared, index_key, revise=True, now=sweep.stamp, live_keys=keys,
-                elsewhere=sweep.elsewhere)
+                elsewhere=sweep.elsewhere, above=sweep.above)
     admitted = adm.doc or doc                     # retired after: by the marks admit left
     retiring, retired, _, kept = plan_retirements(
         admitted, _retire_reasons(sweep.ours()), now=sweep.stamp,
@@ -20321,18 +20467,20 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     doc = local.read()
     reads, errors = _read_sources(cfg, doc, stamp)
     drafts = [d for r in reads for d in r.drafts]
+    # A linked worktree shares its clone's local scope but reads its own branch's
+    # .context/: its distill only adds, and the main checkout's revises and retires
+    # (two branches' versions of one entry undid each other at every distill).
+    adding_only = store_root(cfg.repo) != cfg.repo
+    ours = decided_here(reads, adding_only)
+    above = marked_above(cfg, doc, [d for r in ours for d in r.drafts])
     records = sum(r.records for r in reads)
     report = on_progress if on_progress and records >= PROGRESS_MIN_RECORDS else None
     total = len(drafts) + 1
     if report:
         report(0, total, f"read {records} source records; importing {len(drafts)}")
     prepared = prepare_drafts(cfg, drafts, now=stamp, on_progress=(
-        lambda n: report(n, total, f"normalized {n} of {len(drafts)}")) if report else None)
-    # A linked worktree shares its clone's local scope but reads its own branch's
-    # .context/: its distill only adds, and the main checkout's revises and retires
-    # (two branches' versions of one entry undid each other at every distill).
-    adding_only = store_root(cfg.repo) != cfg.repo
-    ours = decided_here(reads, adding_only)
+        lambda n: report(n, total, f"normalized {n} of {len(drafts)}")) if report else None,
+        above=above)
     elsewhere = plan_retirements(doc, _retire_reasons(ours), now=stamp,
                                  live=_live_ids(meta_map(doc.meta, "watermarks"),
                                                 _live_keys(ours)))[2]
@@ -20341,11 +20489,15 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
-                  errors, moved, pending, kept, shared_texts(cfg), adding_only)
+                  errors, moved, pending, kept, shared_texts(cfg), adding_only, above)
     _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
                           "distill")
     embed_soon(cfg, plan.imported)
+    up, waiting, said = supersede_above(cfg, [d for r in ours for d in r.drafts],
+                                        plan.doc or local.read(), stamp)
+    plan.retired, plan.warnings = plan.retired + up, plan.warnings + said
     result = distill_result(plan, sweep, store_warnings)
+    _listed(result, "supersede_elsewhere", waiting)
     if cfg.release_capture:
         _verify_prompt(cfg, result, plan.imported)
     if report:

@@ -20080,6 +20080,105 @@ def test_distill_retires_a_promoted_item_when_its_decision_is_superseded(shared)
     assert again["retired"] == 0 and again["imported"] == 0
 
 
+def test_distill_supersedes_a_promoted_item_whose_record_has_a_newer_text(shared):
+    """An entry edited at its source, its item promoted to team, was passed
+    over as unchanged (`duplicates: 1`, no warning): the new text landed
+    nowhere and team served the old decision as current. A done claim's newer
+    state was imported, but its older state's team item stayed live beside it.
+    Both new texts come in, and the team copies are superseded; team refusing
+    the write leaves them pending with a warning, and the next distill ends it."""
+    ctx = shared["a"] / ".context"
+    ctx.mkdir()
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", "Deploy with "
+                                                              "blue-green switches")]))
+    write_board(shared["a"], {"ann": DONE_CLAIM})
+    made = {i["ref"].split("@")[0]: i["id"] for i in cs.distill()["items"]}
+    for item_id in made.values():
+        cs.endorse(item_id, note="right")
+        cs.promote(item_id, force=True)
+    assert team_ids(shared["origin"]) == set(made.values())
+    (ctx / "decisions.json").write_text(json.dumps([_decision(
+        "dec-001", "Deploy with blue-green switches and a smoke test first")]))
+    write_board(shared["a"], {"ann": {**DONE_CLAIM, "note": "parser landed, flaky test fixed",
+                                      "updated_at": "2026-11-30T09:00:00+00:00"}})
+    hook = shared["origin"] / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'policy: frozen' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    res = cs.distill()
+    assert res["imported"] == 2 and res["retired"] == 0, res
+    new = {i["ref"].split("@")[0]: i["id"] for i in res["items"]}
+    assert {w["id"] for w in res["supersede_elsewhere"]} == set(made.values()), res
+    assert all(any(f"team item {i} could not be superseded there" in w and "policy: frozen"
+                   in w for w in res["warnings"]) for i in made.values()), res["warnings"]
+    hook.unlink()
+    res = cs.distill()
+    assert res["imported"] == 0 and "supersede_elsewhere" not in res, res
+    assert {(r["id"], r["superseded_by"], r["scope"]) for r in res["retired_items"]} == \
+        {(made[k], new[k], "team") for k in made}, res
+    assert any(f"promote {new['dec-001']} for team" in w for w in res["warnings"])
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    for k, old in made.items():
+        assert team[old]["status"] == "superseded", team[old]
+        assert team[old]["superseded_by"]["id"] == new[k] and \
+            team[old]["superseded_by"]["by"] == "distill"
+    assert {r["id"] for r in cs.recall("deploy blue-green switches")["results"]} == \
+        {new["dec-001"]}
+    again = cs.distill()
+    assert again["retired"] == 0 and again["imported"] == 0 and not again["warnings"], again
+    cs.promote(new["dec-001"], force=True)               # the chain resolves in team
+    assert new["dec-001"] in team_ids(shared["origin"])
+
+
+def test_distill_supersedes_an_org_item_whose_entry_was_edited(shared, monkeypatch):
+    """The same for an item that climbed on to org (direct mode): org kept
+    serving the old words of an entry edited at its source."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    ctx = shared["a"] / ".context"
+    ctx.mkdir()
+    text = "Pin every container base image by its digest"
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", text)]))
+    item_id = cs.distill()["items"][0]["id"]
+    cs.endorse(item_id, note="reproducible builds")
+    cs.promote(item_id, force=True)
+    assert cs.promote(item_id, to_scope="org", force=True)["status"] == "promoted"
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", text + " and "
+                                                              "renew the digests monthly")]))
+    res = cs.distill()
+    (new,) = [i["id"] for i in res["items"]]
+    assert [(r["id"], r["scope"]) for r in res["retired_items"]] == [(item_id, "org")], res
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert org["status"] == "superseded" and org["superseded_by"]["id"] == new
+    assert cs.distill()["imported"] == 0
+
+
+def test_distill_proposes_superseding_an_org_item_in_pr_mode(shared, monkeypatch, tmp_path):
+    """In PR mode the org copy's supersession is proposed on the updates pull
+    request: not counted retired, listed as pending on every distill until merged."""
+    _pr_mode(monkeypatch, tmp_path, shared)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "0")
+    ctx = shared["a"] / ".context"
+    ctx.mkdir()
+    text = "Pin every container base image by its digest"
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", text)]))
+    item_id = cs.distill()["items"][0]["id"]
+    cs.endorse(item_id, note="reproducible builds")
+    cs.promote(item_id, to_scope="org", force=True)
+    monkeypatch.setenv("CAMBIUM_ORG_PR", "1")
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", text + " and "
+                                                              "renew the digests monthly")]))
+    for n in range(2):
+        res = cs.distill()
+        assert res["imported"] == 1 - n and res["retired"] == 0, res
+        (waiting,) = res["supersede_elsewhere"]
+        assert waiting["id"] == item_id and waiting["scope"] == "org", waiting
+        assert waiting["pr_url"].startswith(PR_URL)
+        assert any("waits on the pull request " + waiting["pr_url"] in w
+                   for w in res["warnings"]), res["warnings"]
+    (org,) = [i for i in remote_json(shared["org_bare"], "cambium/updates")["items"]
+              if i["id"] == item_id]
+    assert org["status"] == "superseded"
+
+
 def test_distill_leaves_a_promoted_correction_live_when_an_entry_of_its_words_dies(shared):
     """The team copy of a person's correction was deprecated by distill when a
     context-keeper entry saying its words, recorded on it, was superseded."""
