@@ -19930,171 +19930,301 @@ def _retire_elsewhere(cfg: Config, entries: list[dict], now: str
             kept.append(f"context-keeper:{entry['ref']}")
             warnings.append(kept_note(item, kept[-1], entry["reason"]))
             continue
-        if item.pr_url and where != "org":         # the merge would drop the retirement
+        how, write = change_above(cfg, where, item, lambda it, r=entry["reason"]: (
+            dataclasses.replace(it, status="deprecated", updated_at=now, deprecated={
+                "by": "distill", "at": now, "reason": r})), f"distill retires {entry['id']}")
+        if how in ("done", "none"):
+            retired.append({**entry, "scope": where})
+        elif how == "waits":                       # the merge would drop the retirement
             pending.append(entry)
             warnings.append(f"context-keeper {entry['ref']} is retired at its source; its "
                             f"{where} item {entry['id']} waits on its org pull request "
                             f"{item.pr_url} and is retired once that settles")
-            continue
-
-        def retire(it: Item, reason: str = entry["reason"]) -> Item | None:
-            if not it.active:
-                return None
-            return dataclasses.replace(it, status="deprecated", updated_at=now, deprecated={
-                "by": "distill", "at": now, "reason": reason})
-
-        try:
-            write = change_item(cfg, where, entry["id"], retire,
-                                f"distill retires {entry['id']}")[1]
-        except CambiumError as e:
+        elif how == "failed":
             pending.append(entry)
             warnings.append(f"context-keeper {entry['ref']} is retired at its source but "
-                            f"its {where} item {entry['id']} could not be retired: {e}")
-            continue
-        if pr_branch(cfg, where, "updates") is None:
-            retired.append({**entry, "scope": where})
-            continue
-        pending.append({**entry, "scope": where, "pr_url": write.pr_url})   # proposed only:
-        warnings.append(                                # org serves it until a person merges
-            f"context-keeper {entry['ref']} is retired at its source; retiring its org item "
-            f"{entry['id']} waits on the pull request "
-            + (write.pr_url or f"on {write.branch}, which could not be opened yet (the next "
-               "distill tries again)") + ", and org serves it as active until that merges")
+                            f"its {where} item {entry['id']} could not be retired: {write}")
+        else:
+            pending.append({**entry, "scope": where, "pr_url": write.pr_url})   # proposed:
+            warnings.append(                            # org serves it until a person merges
+                f"context-keeper {entry['ref']} is retired at its source; retiring its org "
+                f"item {entry['id']} waits on the pull request " + (
+                    write.pr_url or f"on {write.branch}, which could not be opened yet (the "
+                    "next distill tries again)") + ", and org serves it as active until that "
+                "merges")
     return retired, pending, warnings, kept
 
 
+ABOVE_PENDING = "supersede_above"   #: local meta: shared supersessions distill owes
+
+
 def marked_above(cfg: Config, doc: Doc, drafts: list[Draft]) -> dict[str, Item]:
-    """Id -> the team or org item, as last read (no network), that a live
-    record's watermark names and no local item holds: it climbed (a promote
-    moves an item, its id with it). distill compares the record's text with
-    it: an entry edited since was passed over as unchanged, and its new text
-    landed nowhere while team served the old one (supersede_above)."""
+    """Id -> this project's team or org item, as last read (no network), that
+    one of this clone's watermarks names and no local item holds: it climbed
+    (a promote moves an item, its id with it). The watermarks of live records
+    (distill compares the record's text with it: an entry edited since was
+    passed over as unchanged), and those of claim states no live record holds
+    (a newer state of the claim supersedes it: above_owed)."""
     marks = meta_map(doc.meta, "watermarks")
-    wanted = {m for d in drafts if d.key and isinstance(m := marks.get(d.key), str)}
+    live = {d.key for d in drafts if d.key}
+    board = any((d.source or {}).get("system") == "agentsync" for d in drafts)
+    wanted = {m for k, m in marks.items() if isinstance(m, str) and (
+        k in live or board and k.startswith("agentsync:"))}
     if wanted:
         wanted -= {it.id for it in doc.items}
     if not wanted:
         return {}
     docs, _ = read_scopes_offline(cfg)
     return {it.id: it for scope in ("team", "org") if scope in docs
-            for it in reversed(docs[scope].items) if it.id in wanted}   # (first copies)
+            for it in reversed(docs[scope].items)                 # (first copies)
+            if it.id in wanted and it.project == cfg.project}
 
 
-def stale_above(docs: dict[str, Doc], local: Doc, drafts: list[Draft]
-                ) -> list[tuple[str, Item, Item, str]]:
-    """(scope, item, the item holding its record's text now, why) for each
-    active team or org item distill made that a newer text of its record
-    replaces (pure): a context-keeper entry edited at its source (same id and
-    created_at), or an older state of a done claim (same lineage) no live
-    record names. Read from the records, not the watermarks, so one whose
-    supersession could not be written is found again by the next distill."""
-    marks = meta_map(local.meta, "watermarks")
-    live = _live_ids(marks, (d.key for d in drafts if d.key))
-    records = _records_above(drafts, marks)
+def above_owed(doc: Doc, above: dict[str, Item], drafts: list[Draft],
+               entries_too: bool) -> list[dict]:
+    """The shared supersessions this distill owes (pure): each active team or
+    org item distill made that this clone's watermark named before the write
+    (above) and whose record now says something else: the same context-keeper
+    entry edited (its key, same created_at; entries_too: only on the default
+    branch's checkout), or a claim state no live record names that a live
+    state of its lineage is newer than (time_key: a stale board supersedes
+    nothing). Each names the record key whose text supersedes it."""
+    marks = meta_map(doc.meta, "watermarks")
+    named = {_mark_id(marks, d.key) for d in drafts if d.key}
     out = []
-    for scope in ("team", "org"):
-        for it in first_copies(docs[scope].items) if records and scope in docs else ():
-            src = it.source
-            ref, ts, line = src.get("ref"), src.get("source_ts"), src.get("lineage")
-            if src.get("system") == "context-keeper" and isinstance(ref, str) and \
-                    isinstance(ts, str) and (hit := records.get((ref, ts))):
-                why = f"context-keeper {ref} was edited at its source; its text now is item "
-            elif src.get("system") == "agentsync" and isinstance(line, str) and \
-                    (hit := records.get(line)):
-                why = (f"agentsync: {ref} is an older state of the same claim (agent, task and "
-                       f"branch); its newest state's text is item ")
-            else:
-                continue
-            iid, said = hit
-            if not it.active or it.id in live or said == content_key(it) or \
-                    not distill_made(it):
-                continue
-            new = _held_by(iid, local, docs)
-            if new is None or new.id == it.id:          # its text held above by another
-                new = _text_holder(said, local, docs)
-            if new is not None and new.active and content_key(new) != content_key(it):
-                out.append((scope, it, new, why + new.id))
-    return out
-
-
-def _records_above(drafts: list[Draft], marks: dict) -> dict:
-    """(entry id, created_at) of each live context-keeper record, and lineage
-    of each live claim state, -> (the id its watermark names, the text key of
-    what it says) (pure; stale_above)."""
-    out: dict = {}
     for d in drafts:
-        iid, src = marks.get(d.key) if d.key else None, d.source or {}
-        ref, ts, line = src.get("ref"), src.get("source_ts"), src.get("lineage")
-        said = text_key(d.type, d.content.strip()) if isinstance(d.content, str) else ""
-        if isinstance(iid, str) and src.get("system") == "context-keeper" and \
-                isinstance(ref, str) and isinstance(ts, str) and ts:
-            out[(ref, ts)] = iid, said
-        elif isinstance(iid, str) and src.get("system") == "agentsync" and isinstance(line, str):
-            out[line] = iid, said
+        src, said = d.source or {}, text_key(d.type, str(d.content or "").strip())
+        if src.get("system") == "context-keeper":
+            olds = [above.get(_mark_id(marks, d.key) or "")] if entries_too and d.key else []
+            olds = [o for o in olds if o is not None and src.get("source_ts")
+                    and o.source.get("source_ts") == src.get("source_ts")]   # (one entry)
+            why = f"context-keeper {src.get('ref')} was edited at its source"
+        elif src.get("system") == "agentsync" and src.get("lineage"):
+            olds = [o for o in above.values() if o.id not in named
+                    and o.source.get("lineage") == src.get("lineage")
+                    and time_key(o.source.get("source_ts")) < time_key(src.get("source_ts"))]
+            why = f"agentsync: a newer state of this claim ({src.get('ref')}) is on the board"
+        else:
+            continue
+        out += [{"id": o.id, "scope": o.scope, "ref": o.source.get("ref"), "key": d.key,
+                 "said": said, "reason": why} for o in olds
+                if o.active and distill_made(o) and content_key(o) != said]
     return out
 
 
-def _held_by(iid: str, local: Doc, docs: dict[str, Doc]) -> Item | None:
-    """Item `iid` in the local store (as written) or a shared scope, if any."""
+def owed_meta(meta: dict, owed: list[dict]) -> dict:
+    """meta with `owed` added to the shared supersessions pending (pure): one
+    per item id, the first kept (the next distill finishes it)."""
+    held = [e for e in meta.get(ABOVE_PENDING) or [] if isinstance(e, dict)] \
+        if isinstance(meta.get(ABOVE_PENDING), list) else []
+    ids = {e.get("id") for e in held}
+    new = [e for e in owed if e["id"] not in ids and not ids.add(e["id"])]
+    return {**meta, ABOVE_PENDING: held + new} if new else meta
+
+
+def _owed_by(entry: dict, local: Doc, docs: dict[str, Doc]) -> Item | None:
+    """The active item holding the text that supersedes entry's item: the one
+    its record's watermark names now, else any local, team or org item saying
+    it (a teammate's item held it, so the watermark stayed)."""
+    iid = meta_map(local.meta, "watermarks").get(entry.get("key"))
     for doc in (local, *(docs[s] for s in ("team", "org") if s in docs)):
-        if (hit := _find_item(doc, iid)) is not None:
+        hit = _find_item(doc, iid) if isinstance(iid, str) else None
+        if hit is not None and hit[1].active and content_key(hit[1]) == entry.get("said"):
             return hit[1]
-    return None
-
-
-def _text_holder(said: str, local: Doc, docs: dict[str, Doc]) -> Item | None:
-    """An active item saying text key `said` locally, else in team or org: a
-    record whose new text a teammate's item holds keeps its watermark on the
-    old item (admit marks only a local twin)."""
     for doc in (local, *(docs[s] for s in ("team", "org") if s in docs)):
-        if (hit := next((it for it in doc.items if it.active and content_key(it) == said),
-                        None)) is not None:
-            return hit
+        for it in doc.items:
+            if it.active and content_key(it) == entry.get("said"):
+                return it
     return None
 
 
-def supersede_above(cfg: Config, drafts: list[Draft], local: Doc, now: str
-                    ) -> tuple[list[dict], list[dict], list[str]]:
-    """After distill's local write: supersede the team and org items whose
-    record's newer text it imported (stale_above), where they live, through
-    the same pushes as every other write (org in PR mode: the `updates` pull
-    request). Returns (superseded now, still pending, warnings); a scope that
-    cannot be written, a team copy waiting on its org pull request, and an
-    org supersession only proposed stay pending, found again next distill."""
+def change_above(cfg: Config, scope: str, item: Item, change: Callable[[Item], Item],
+                 message: str) -> tuple[str, Any]:
+    """One distill change to a team or org item where it lives (retire_elsewhere,
+    supersede_above): ("waits", None) for a team copy waiting on its org pull
+    request (the merge would drop the change), ("failed", the error),
+    ("proposed", the write) in org PR mode, ("none", the write) when the fresh
+    tip holds it retired already (another clone or a person was first), else
+    ("done", the write)."""
+    if item.pr_url and scope != "org":
+        return "waits", None
+    seen: list[bool] = []
+
+    def once(it: Item) -> Item | None:
+        seen.append(it.active)
+        return change(it) if it.active else None
+
+    try:
+        write = change_item(cfg, scope, item.id, once, message)[1]
+    except CambiumError as e:
+        return "failed", e
+    if pr_branch(cfg, scope, "updates") is not None:
+        return "proposed", write
+    return ("done" if seen and seen[-1] else "none"), write
+
+
+def supersede_above(cfg: Config, local: Doc, now: str
+                    ) -> tuple[list[dict], list[dict], list[str], list[dict]]:
+    """After distill's local write: supersede the team and org items it owes
+    (the store's ABOVE_PENDING: above_owed), where they live, through the
+    same pushes as every other write (org in PR mode: the `updates` pull
+    request). Returns (superseded now, still pending, warnings, the pending
+    entries to keep); one found retired already (as last read, or on the
+    fresh tip) is reported so and dropped."""
+    owed = local.meta.get(ABOVE_PENDING)
+    if not isinstance(owed, list) or not owed:
+        return [], [], [], []
     docs, _ = read_scopes_offline(cfg)
-    done: list[dict] = []
-    pending: list[dict] = []
-    warnings: list[str] = []
-    for scope, old, new, why in stale_above(docs, local, drafts):
-        entry = {"id": old.id, "ref": old.source.get("ref"), "reason": why,
-                 "superseded_by": new.id, "scope": scope}
-        said = f"{why}, but its {scope} item {old.id}"
-        if old.pr_url and scope != "org":          # the merge would drop the supersession
-            pending.append(entry)
-            warnings.append(f"{said} waits on its org pull request {old.pr_url} and is "
-                            "superseded once that settles")
+    done, pending, warnings, keep = [], [], [], []
+    for entry in (e for e in owed if isinstance(e, dict)):
+        scope = next((s for s in (entry.get("scope"), "org", "team") if s in ("team", "org")
+                      and s in docs and _find_item(docs[s], str(entry.get("id")))), None)
+        if scope is None and entry.get("scope") not in docs:
+            keep.append(entry)                # (a scope not read now: tried again next time)
             continue
-        try:
-            write = change_item(cfg, scope, old.id, lambda it, n=new.id, w=why: supersede(
-                it, n, agent="distill", now=now, why=w) if it.active else None,
-                f"distill supersedes {old.id}")[1]
-        except CambiumError as e:
-            pending.append(entry)
-            warnings.append(f"{said} could not be superseded there: {e} (the next distill "
-                            "tries again)")
+        hit = _find_item(docs[scope], str(entry.get("id"))) if scope else None
+        new = _owed_by(entry, local, docs) if hit is not None and hit[1].active else None
+        if new is None:                     # gone, retired there, or its text is nowhere
+            if hit is not None and not hit[1].active and not entry.get("pr_url"):
+                warnings.append(_owed_none(entry, hit[1]))
             continue
-        if pr_branch(cfg, scope, "updates") is not None:
-            pending.append({**entry, "pr_url": write.pr_url})
-            warnings.append(f"{said}: superseding it waits on the pull request "
-                            + (write.pr_url or "that could not be opened yet (the next "
-                               "distill tries again)") + ", and org serves it until that merges")
-            continue
-        done.append(entry)
+        row = {**{k: entry.get(k) for k in ("id", "ref", "reason")}, "scope": scope,
+               "superseded_by": new.id}
+        _owe(cfg, scope, hit[1], new, row, now, (done, pending, warnings, keep), entry)
+    return done, pending, warnings, keep
+
+
+def _owed_none(entry: dict, item: Item) -> str:
+    by = item.superseded_by.get("id") if isinstance(item.superseded_by, dict) else None
+    return (f"{entry.get('reason')}, but its {entry.get('scope')} item {item.id} is "
+            f"{item.status} there already" + (f" (superseded by {by})" if by else "")
+            + ": nothing changed (another clone's distill or a person was first)")
+
+
+def _owe(cfg: Config, scope: str, old: Item, new: Item, row: dict, now: str,
+         out: tuple[list, list, list, list], entry: dict) -> None:
+    """supersede_above's one write, its outcome added to (done, pending,
+    warnings, keep)."""
+    done, pending, warnings, keep = out
+    why = f"{row['reason']}; its text now is item {new.id}"
+    row["reason"] = why
+    said = f"{why}, but its {scope} item {old.id}"
+    how, write = change_above(cfg, scope, old, lambda it: supersede(
+        it, new.id, agent="distill", now=now, why=why), f"distill supersedes {old.id}")
+    if how == "none":
+        warnings.append(_owed_none(entry, _find_item(write.doc, old.id)[1]
+                                   if _find_item(write.doc, old.id) else old))
+        return
+    if how == "done":
+        done.append(row)
         if new.scope == "local":
             warnings.append(f"{why}: its {scope} item {old.id} is superseded there, and the "
                             f"new text is in this clone's local scope only: promote {new.id} "
                             f"for {scope} to serve it")
-    return done, pending, warnings
+        return
+    keep.append({**entry, **({"pr_url": write.pr_url} if how == "proposed" else {})})
+    pending.append({**row, **({"pr_url": write.pr_url} if how == "proposed" else {})})
+    warnings.append(
+        f"{said} waits on its org pull request {old.pr_url} and is superseded once that "
+        "settles" if how == "waits" else
+        f"{said} could not be superseded there: {write} (the next distill tries again)"
+        if how == "failed" else
+        f"{said}: superseding it waits on the pull request " + (
+            write.pr_url or "that could not be opened yet (the next distill tries again)")
+        + ", and org serves it until that merges")
+
+
+def owed_here(cfg: Config, doc: Doc, drafts: list[Draft]
+              ) -> tuple[dict[str, Item], list[dict]]:
+    """marked_above and above_owed for this checkout: off the default branch
+    (on_default_branch), an entry whose words differ from its climbed item's
+    is passed over as unchanged, as before the climb was looked at, and owes
+    nothing: a release branch checked out said its old words over team's
+    newer ones, and switching back left team with no live item."""
+    above = marked_above(cfg, doc, drafts)
+    owed = above_owed(doc, above, drafts, True) if above else []
+    entries = {e["id"] for e in owed if str(e["key"]).startswith("context-keeper:")}
+    if entries and not on_default_branch(cfg):
+        return ({k: v for k, v in above.items() if k not in entries},
+                [e for e in owed if e["id"] not in entries])
+    return above, owed
+
+
+def on_default_branch(cfg: Config) -> bool:
+    """Whether the project checkout is on its remote's default branch (the
+    remote's HEAD as the clone records it, else asked once and recorded, as
+    `git clone` does): only its `.context/` supersedes a shared item (an older
+    branch checked out would put its entries' old words over team's newer
+    ones). A detached HEAD, or no remote to tell, is not."""
+    assert cfg.repo is not None
+    t = cfg.git_timeout_s
+    own = _git(["symbolic-ref", "--quiet", "--short", "HEAD"], cfg.repo, t,
+               check=False).stdout.strip()
+    if not own:
+        return False
+    proc = _git(["symbolic-ref", "--quiet", "--short", f"refs/remotes/{cfg.remote}/HEAD"],
+                cfg.repo, t, check=False)
+    head = proc.stdout.strip().split("/", 1)[-1] if proc.returncode == 0 else ""
+    if not head and (head := remote_head(cfg.repo, cfg.remote, min(t, ORG_HEAD_ASK_S)) or ""):
+        record_remote_head(cfg.repo, cfg.remote, head, t)
+    return own == head
+
+
+def settle_owed(local: Store, plan: "DistillPlan", sweep: "Sweep", keep: list[dict],
+                up: list[dict]) -> None:
+    """After supersede_above: the store keeps only the shared supersessions
+    still owed (keep), and this distill's record counts those done (its
+    `retired`, context-keeper's too), so status() says what the answer says.
+    No write when nothing changed."""
+    doc = plan.doc or local.read()
+    held = doc.meta.get(ABOVE_PENDING)
+    if not isinstance(held, list) or (held == keep and not up):
+        return
+    ids = {e.get("id") for e in held if isinstance(e, dict)}
+    fresh = {e["id"]: e for e in keep}
+    ck = sum(str(r.get("reason", "")).startswith("context-keeper") for r in up)
+
+    def settle(d: Doc) -> Doc:
+        now = d.meta.get(ABOVE_PENDING)
+        left = [fresh.get(e.get("id"), e) for e in (now if isinstance(now, list) else [])
+                if isinstance(e, dict) and (e.get("id") not in ids or e.get("id") in fresh)]
+        meta = {k: v for k, v in d.meta.items() if k != ABOVE_PENDING}
+        meta.update({ABOVE_PENDING: left} if left else {})
+        last = meta.get("distill_last")
+        if up and isinstance(last, dict) and last.get("id") == sweep.record_id:
+            meta["distill_last"] = last = counted_up(last, len(up), ck)
+            plan.last = plan.stored = last
+        return dataclasses.replace(d, meta=meta)
+
+    with contextlib.suppress(CambiumError):
+        local.mutate(settle, "distill settles shared supersessions")
+    if ck and "context-keeper" in plan.sources:
+        info = plan.sources["context-keeper"]
+        plan.sources["context-keeper"] = counted_source(info, ck)
+
+
+def counted_up(last: dict, n: int, ck: int) -> dict:
+    """A distill record with n shared supersessions more retired, ck of them
+    context-keeper's (pure)."""
+    out = {**last, "retired": int(last.get("retired") or 0) + n}
+    src = last.get("sources")
+    if ck and isinstance(src, dict) and isinstance(src.get("context-keeper"), dict):
+        out["sources"] = {**src, "context-keeper": counted_source(src["context-keeper"], ck)}
+    return out
+
+
+def counted_source(info: dict, ck: int) -> dict:
+    """context-keeper's status line with ck more entries' items retired (pure)."""
+    out = {**info, **({"retired": int(info.get("retired") or 0) + ck}
+                      if "retired" in info else {})}
+    if isinstance(info.get("reason"), str) and info.get("status") in ("imported", "revived"):
+        out["reason"] = re.sub(r"retired (\d+) of", lambda m: f"retired {int(m[1]) + ck} of",
+                               info["reason"], count=1)
+        out["status"] = "imported" if info.get("imported") else "retired"
+    elif info.get("status") == "up_to_date":
+        out["status"] = "retired"
+        out["reason"] = f"retired {ck} promoted item(s) whose entries were edited at their source"
+    return out
 
 
 DISTILL_SEEN_FILE = "distill-seen.json"   #: under .cambium/: a hint on the store's distill record
@@ -20229,6 +20359,7 @@ class Sweep:
     elsewhere: Callable[..., bool] | None = None            # shared_texts(): held above
     adding_only: bool = False     # a linked worktree: its .context/ is its branch's (below)
     above: dict = field(default_factory=dict)     # marked_above(): watermarked, climbed
+    owed: list = field(default_factory=list)      # above_owed(): shared supersessions
     record_id: str = field(default_factory=lambda: os.urandom(6).hex())   # its record's `id`
 
     def read(self, name: str) -> SourceRead | None:
@@ -20317,7 +20448,7 @@ def plan_distill(doc: Doc, sweep: Sweep, index_key: str) -> DistillPlan:
             "sources": {k: {"status": v["status"], "imported": v["imported"],
                             "reason": v["reason"]} for k, v in sources.items()},
             **({"errors": [f"{n}: {e}" for n, e in sweep.errors]} if sweep.errors else {})}
-    meta = {**base.meta, "distill_last": last}
+    meta = owed_meta({**base.meta, "distill_last": last}, sweep.owed)
     if board is not None and board.snapshot is not None:
         meta["agentsync_snapshot"] = board.snapshot
     new = dataclasses.replace(base, meta=meta)
@@ -20472,7 +20603,7 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     # (two branches' versions of one entry undid each other at every distill).
     adding_only = store_root(cfg.repo) != cfg.repo
     ours = decided_here(reads, adding_only)
-    above = marked_above(cfg, doc, [d for r in ours for d in r.drafts])
+    above, owed = owed_here(cfg, doc, [d for r in ours for d in r.drafts])
     records = sum(r.records for r in reads)
     report = on_progress if on_progress and records >= PROGRESS_MIN_RECORDS else None
     total = len(drafts) + 1
@@ -20489,13 +20620,13 @@ def distill_sweep(cfg: Config, *, now: str | None = None,
     store_warnings = [w for w in local.warnings if w not in seen_warnings]
     sweep = Sweep(stamp, reads, prepared, sweep_warnings(reads, prepared, problems,
                                                          store_warnings),
-                  errors, moved, pending, kept, shared_texts(cfg), adding_only, above)
+                  errors, moved, pending, kept, shared_texts(cfg), adding_only, above, owed)
     _, plan = mutate_plan(local.mutate, lambda d: plan_distill(d, sweep, str(local.path)),
                           "distill")
     embed_soon(cfg, plan.imported)
-    up, waiting, said = supersede_above(cfg, [d for r in ours for d in r.drafts],
-                                        plan.doc or local.read(), stamp)
+    up, waiting, said, keep = supersede_above(cfg, plan.doc or local.read(), stamp)
     plan.retired, plan.warnings = plan.retired + up, plan.warnings + said
+    settle_owed(local, plan, sweep, keep, up)
     result = distill_result(plan, sweep, store_warnings)
     _listed(result, "supersede_elsewhere", waiting)
     if cfg.release_capture:

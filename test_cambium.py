@@ -20179,6 +20179,95 @@ def test_distill_proposes_superseding_an_org_item_in_pr_mode(shared, monkeypatch
     assert org["status"] == "superseded"
 
 
+def test_distill_leaves_team_s_newer_text_alone_from_a_stale_clone_or_branch(shared,
+                                                                             monkeypatch):
+    """A teammate whose .context/ still held an entry's old words (not pulled
+    yet) superseded team's newer item of it with his own old one, and an older
+    branch checked out did the same: team served no live item. Only an item
+    this clone's watermark names is superseded, and off the default branch an
+    entry's words supersede nothing shared."""
+    text = "Queue invoice emails through the outbox table"
+    for repo in (shared["a"], shared["b"]):
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").write_text(
+            json.dumps([_decision("dec-002", text)]))
+    old = cs.distill()["items"][0]["id"]
+    cs.endorse(old, note="outbox")
+    cs.promote(old, force=True)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.distill()
+    as_agent(monkeypatch, shared["a"], "ada")
+    (shared["a"] / ".context" / "decisions.json").write_text(
+        json.dumps([_decision("dec-002", text + " and retry hourly")]))
+    git(shared["a"], "add", ".context")
+    git(shared["a"], "commit", "-qm", "v2")
+    new = cs.distill()["items"][0]["id"]
+    cs.endorse(new, note="retry")
+    cs.promote(new, force=True)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.recall("invoice emails outbox")                       # bob sees team's new item
+    res = cs.distill()
+    assert res["retired"] == 0 and "supersede_elsewhere" not in res, res
+    as_agent(monkeypatch, shared["a"], "ada")
+    git(shared["a"], "checkout", "-q", "-b", "release-1.4", "HEAD~1")
+    (shared["a"] / ".context").mkdir(exist_ok=True)                  # (its .context/: v1)
+    (shared["a"] / ".context" / "decisions.json").write_text(
+        json.dumps([_decision("dec-002", text)]))
+    res = cs.distill()
+    assert res["retired"] == 0 and res["imported"] == 0, res
+    team = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}
+    assert team[new]["status"] == "active" and team[old]["status"] == "superseded", team
+
+
+def test_distill_never_supersedes_another_project_s_org_item(shared, monkeypatch):
+    """Two projects whose .context/ came from one template (same entry id and
+    created_at), each with its own words: web's first distill superseded
+    shop's org item (the entry's id and time carry no project)."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    web = clone(make_origin(shared["tmp"], "web"), shared["tmp"] / "web")
+    for repo, words in ((shared["a"], "Use Postgres 16 for persistence, one per service"),
+                        (web, "Use Postgres for persistence; read replicas for reports")):
+        (repo / ".context").mkdir()
+        (repo / ".context" / "decisions.json").write_text(
+            json.dumps([_decision("dec-001", words)]))
+    item_id = cs.distill()["items"][0]["id"]
+    cs.endorse(item_id, note="ok")
+    assert cs.promote(item_id, to_scope="org", force=True)["status"] == "promoted"
+    as_agent(monkeypatch, web, "wes")
+    cs.recall("Postgres persistence")
+    res = cs.distill()
+    assert res["imported"] == 1 and res["retired"] == 0, res
+    (org,) = [i for i in remote_json(shared["org_bare"], "main")["items"] if i["id"] == item_id]
+    assert org["status"] == "active" and org["project"] == "shop", org
+
+
+def test_distill_says_a_shared_item_retired_there_already_changed_nothing(shared,
+                                                                          monkeypatch):
+    """The team item a supersession was for was retired on team's fresh tip
+    (a teammate deprecated it after this clone's last fetch): no write, yet
+    the answer counted it retired, superseded by this clone's new item."""
+    ctx = shared["a"] / ".context"
+    ctx.mkdir()
+    text = "Deploy with blue-green switches"
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", text)]))
+    old = cs.distill()["items"][0]["id"]
+    cs.endorse(old, note="right")
+    cs.promote(old, force=True)
+    as_agent(monkeypatch, shared["b"], "bob")
+    cs.deprecate(old, reason="we deploy with canaries now")
+    as_agent(monkeypatch, shared["a"], "ada")
+    (ctx / "decisions.json").write_text(json.dumps([_decision("dec-001", text + " and a "
+                                                              "smoke test first")]))
+    res = cs.distill()
+    assert res["imported"] == 1 and res["retired"] == 0 and "retired_items" not in res, res
+    assert any(f"team item {old} is deprecated there already: nothing changed" in w
+               for w in res["warnings"]), res["warnings"]
+    (team,) = remote_json(shared["origin"], "cambium")["items"]
+    assert team["status"] == "deprecated" and "superseded_by" not in team, team
+    again = cs.distill()
+    assert again["retired"] == 0 and not any(old in w for w in again["warnings"]), again
+
+
 def test_distill_leaves_a_promoted_correction_live_when_an_entry_of_its_words_dies(shared):
     """The team copy of a person's correction was deprecated by distill when a
     context-keeper entry saying its words, recorded on it, was superseded."""
