@@ -14805,7 +14805,8 @@ def _source_key(item: Item) -> str:
 def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
           now: str | None = None, live_keys: Iterable[str] = (),
           retired_too: bool = False, elsewhere: Callable[..., bool] | None = None,
-          above: dict | None = None) -> Admission:
+          above: dict | None = None,
+          shared: Callable[[], dict[str, Item]] | None = None) -> Admission:
     """Add the prepared items that are new to `doc`: neither watermarked nor
     already stored with the same text (pure, but for the cached index). A
     watermarked key whose text changed is reported, and the stored item kept.
@@ -14819,9 +14820,12 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
     distill of the same committed records made a second copy of it. above
     (revise): id -> the team or org item a watermark names that left the
     store (marked_above): a record whose text changed since is imported (its
-    copy there is superseded after the write: supersede_above)."""
+    copy there is superseded after the write: supersede_above). shared
+    (import): id -> the team and org items as last read, asked only when a
+    record's text changed, to follow its item's supersession chain up there
+    (_Admitting.settled)."""
     run = _Admitting(doc, prepared, index_key, revise, retired_too)
-    run.above = above or {}
+    run.above, run.shared = above or {}, shared
     for key, item in prepared.items:
         ckey = content_key(item)
         if key and key in run.marks and run.passed_over(key, item, ckey):
@@ -14857,6 +14861,8 @@ class _Admitting:
         self.live: dict[str, Item] = {}               # admitted here, by id
         self.by_id: dict[str, Item] = {}
         self.above: dict[str, Item] = {}              # revise: marked_above
+        self.shared: Callable[[], dict[str, Item]] | None = None   # import: team, org
+        self.shared_items: dict[str, Item] | None = None      # shared(), once asked
         self.fresh: list[Item] = []
         self.adm = Admission(None, self.fresh, 0)
 
@@ -14875,12 +14881,54 @@ class _Admitting:
         if self.revise and known is None and mark in self.above and \
                 content_key(self.above[mark]) != ckey:   # it climbed: supersede_above
             return False
+        if not self.revise and known is not None and content_key(known) != ckey and \
+                (settled := self.settled(key, known, ckey)) is not None:
+            return settled
         if known is not None and content_key(known) != ckey:
             ref = item.source.get("ref")
             self.adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
                                      "where": self.prepared.where.get(item.id)})
         self.adm.duplicates += 1
         return True
+
+    def settled(self, key: str, known: Item, ckey: str) -> bool | None:
+        """Import: a watermarked record whose text its item no longer says,
+        read along that item's supersession chain (through team and org as
+        last read): an item on it saying the record's text (a person's
+        correction to it) makes it a plain duplicate (True), its watermark
+        re-pointed to the last such item, so the next import is quiet too;
+        a chain that ends deprecated (retired, no successor) lets its text in
+        as a new item (False: take() re-points the watermark). Else None:
+        `changed`, as before (the note asked to correct or deprecate the item,
+        and neither ever settled it)."""
+        chain, ended = self.chain(known)
+        holder = next((it for it in reversed(chain) if content_key(it) == ckey), None)
+        if holder is not None:
+            self.marks[key] = holder.id
+            self.remarked = True
+            self.adm.duplicates += 1
+            return True
+        return False if ended and chain[-1].status == "deprecated" else None
+
+    def chain(self, known: Item) -> tuple[list[Item], bool]:
+        """`known` and the items that replaced it, in order (this store's
+        first, then team's and org's as last read), and whether the last
+        read is the chain's end (False: a link no scope holds, or a loop)."""
+        out, seen, it = [known], {known.id}, known
+        while it.status == "superseded":
+            nxt = _superseded_by(it)
+            if nxt is None or nxt in seen:
+                return out, False
+            seen.add(nxt)
+            found = self.by_id.get(nxt) or self.live.get(nxt)
+            if found is None and self.shared is not None:
+                self.shared_items = self.shared_items if self.shared_items is not None \
+                    else self.shared()
+                found = self.shared_items.get(nxt)
+            if found is None:
+                return out, False
+            out.append(it := found)
+        return out, True
 
     def says(self, ckey: str, item: Item | None = None) -> bool:
         """Whether an item admitted here or stored (retired ones too, in
@@ -15017,7 +15065,8 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         elsewhere = shared_texts(cfg, retired_too, result.warnings) if shared else None
         _, adm = mutate_plan(local.mutate, lambda d: admit(d, prepared, str(local.path),
                                                            retired_too=retired_too,
-                                                           elsewhere=elsewhere),
+                                                           elsewhere=elsewhere,
+                                                           shared=lambda: _shared_copies(cfg)),
                              f"ingest {len(prepared.items)} items")
         result.imported, result.duplicates = adm.fresh, adm.duplicates + prepared.duplicates
         result.changed, result.same_content = adm.changed, adm.same_content
@@ -15025,6 +15074,16 @@ def ingest(cfg: Config, drafts: Iterable[Draft], *, now: str | None = None,
         if len(result.imported) >= WARM_INDEX_ITEMS:
             warm_recall_soon(cfg)        # (and gives back what the import freed)
     return result
+
+
+def _shared_copies(cfg: Config) -> dict[str, Item]:
+    """{id: item} over team and org as last read (no fetch), a live copy
+    winning; {} when neither can be read (ingest: _Admitting.chain)."""
+    try:
+        docs, _ = read_scopes_offline(cfg)
+    except (CambiumError, OSError):
+        return {}
+    return _live_copies({s: d for s, d in docs.items() if s != "local"})
 
 
 # =============================================================================
@@ -25329,8 +25388,9 @@ def import_report(source: str, path: Path, res: IngestResult) -> dict:
     }
     if res.changed:
         out["note"] = (f"{len(res.changed)} record(s) were imported before with other text; "
-                       "the stored items keep theirs: correct or deprecate them to take "
-                       "the new text.")
+                       "the stored items keep theirs: correct one to its record's new text "
+                       "(its next import is then a plain duplicate), or deprecate it (its "
+                       "next import takes the new text as a new item).")
     if res.repeats:
         out["repeated_in_file"] = res.repeats
         out["note"] = " ".join(filter(None, (out.get("note"), (

@@ -5920,6 +5920,80 @@ def test_import_answer_clips_the_refs_of_changed_records(repo, tmp_path):
     assert len(res["changed"]) == 20 and len(json.dumps(res)) < 100_000
 
 
+def _local_marks(repo: Path) -> dict:
+    return json.loads(_store_path(repo).read_text())["meta"]["watermarks"]
+
+
+def test_a_changed_record_settles_once_a_person_corrects_its_item_to_its_text(repo, tmp_path):
+    """`changed` said 'correct or deprecate them to take the new text', but a
+    correction to exactly that text left every later import reporting the
+    same record `changed` with the same note: the watermark still named the
+    corrected item. Now an item on its chain saying the text (the end, or
+    one corrected again since) makes it a plain duplicate, its watermark
+    re-pointed there."""
+    old = "Staging DB caps at 90 connections"
+    path = _jsonl(tmp_path / "exp.jsonl", {"id": "c1", "content": old})
+    first = cs.import_memory(path=path)["items"][0]["id"]
+    _jsonl(tmp_path / "exp.jsonl", {"id": "c1", "content": "Staging DB caps at 120 connections"})
+    res = cs.import_memory(path=path)
+    assert [c["id"] for c in res["changed"]] == [first] and "deprecate it" in res["note"], res
+    fixed = cs.correct(first, "Staging DB caps at 120 connections")["item"]["id"]
+    for _ in range(2):                                  # quiet, and stays quiet
+        res = cs.import_memory(path=path)
+        assert (res["imported"], res["duplicates"], res["changed"]) == (0, 1, []), res
+        assert "note" not in res and "same_content" in res and res["same_content"] == 0
+    key = next(k for k in _local_marks(repo) if k.endswith("c1"))
+    assert _local_marks(repo)[key] == fixed
+    again = cs.correct(fixed, "Staging DB caps at 150 connections")["item"]["id"]
+    _store_path(repo).write_text(json.dumps({**json.loads(_store_path(repo).read_text()), "meta": {
+        **json.loads(_store_path(repo).read_text())["meta"], "watermarks": {key: first}}}))
+    cs.runtime().reset()
+    res = cs.import_memory(path=path)           # its text said mid-chain: the person moved on
+    assert (res["imported"], res["changed"]) == (0, []), res
+    assert _local_marks(repo)[key] == fixed and again != fixed
+    _jsonl(tmp_path / "exp.jsonl", {"id": "c1", "content": "Staging DB caps at 200 connections"})
+    res = cs.import_memory(path=path)                            # a new text: changed again
+    assert [c["id"] for c in res["changed"]] == [fixed], res
+
+
+def test_a_changed_record_comes_in_once_a_person_deprecates_its_item(repo, tmp_path):
+    """`changed` said 'deprecate them to take the new text', but after the
+    deprecation the new text was never imported (recall found nothing) and
+    every import repeated the note. Now a chain that ends deprecated lets the
+    record's new text in as a new item, its watermark naming it."""
+    path = _jsonl(tmp_path / "exp.jsonl", {"id": "c2", "content": "Cache TTL is 5 minutes"})
+    first = cs.import_memory(path=path)["items"][0]["id"]
+    _jsonl(tmp_path / "exp.jsonl", {"id": "c2", "content": "Cache TTL is 15 minutes"})
+    assert cs.import_memory(path=path)["changed"]
+    cs.deprecate(first, reason="outdated")
+    res = cs.import_memory(path=path)
+    assert (res["imported"], res["changed"]) == (1, []) and "note" not in res, res
+    new = res["items"][0]["id"]
+    items = {i.id: i for i in cs.store(cs.resolve_config(), "local").read().items}
+    assert items[new].content == "Cache TTL is 15 minutes" and items[new].active
+    assert items[first].status == "deprecated"                  # the person's word stands
+    assert new in _local_marks(repo).values() and first not in _local_marks(repo).values()
+    res = cs.import_memory(path=path)
+    assert (res["imported"], res["duplicates"], res["changed"]) == (0, 1, []), res
+    _jsonl(tmp_path / "exp.jsonl", {"id": "c2", "content": "Cache TTL is 5 minutes"})
+    res = cs.import_memory(path=path)          # the old words: changed, never revived
+    assert (res["imported"], [c["id"] for c in res["changed"]]) == (0, [new]), res
+
+
+def test_a_changed_record_settles_on_a_correction_that_climbed_to_team(shared, tmp_path):
+    """The chain is followed through team as last read: the correction that
+    says the record's new text was promoted, and the record stayed `changed`."""
+    path = _jsonl(tmp_path / "exp.jsonl", {"id": "c3", "content": "Queue depth caps at 10"})
+    first = cs.import_memory(path=path)["items"][0]["id"]
+    fixed = cs.correct(first, "Queue depth caps at 40")["item"]["id"]
+    assert cs.promote(fixed, force=True)["status"] == "promoted"
+    _jsonl(tmp_path / "exp.jsonl", {"id": "c3", "content": "Queue depth caps at 40"})
+    for _ in range(2):
+        res = cs.import_memory(path=path)
+        assert (res["imported"], res["duplicates"], res["changed"]) == (0, 1, []), res
+    assert fixed in _local_marks(shared["a"]).values()
+
+
 def test_import_reads_a_growing_jsonl_file_as_it_was_at_the_start(repo, tmp_path):
     """A file still being appended to was read to whatever end it reached: an
     import never returned while a writer kept up."""
@@ -25913,6 +25987,39 @@ def test_distill_imports_an_edited_or_reissued_entry_and_revives_what_it_retired
         "brought back 1 retired earlier (their words live again at the source)")  # not "active")
     assert _items_by_ref("con-001")[0].active and not _items_by_ref("con-002")[0].active
     assert cs.distill()["imported"] == 0 and "revived_items" not in cs.distill()
+
+
+def test_distill_settles_an_entry_edited_after_a_person_deprecated_or_corrected_its_item(
+        repo):
+    """As import settles a `changed` record: an entry edited at its source
+    after a person deprecated its item brings its new text in as a new item
+    (the deprecation stands); edited to the words a person's correction of
+    its item says, it is a plain duplicate, its watermark on the correction,
+    and the next distill is quiet."""
+    ctx = repo / ".context"
+    ctx.mkdir()
+
+    def write(*entries):
+        (ctx / "decisions.json").write_text(json.dumps(list(entries)))
+
+    write(_decision("dec-001", "Cache sessions in redis"),
+          _decision("dec-002", "Build images with kaniko"))
+    assert cs.distill()["imported"] == 2
+    (gone,), (fixed,) = _items_by_ref("dec-001"), _items_by_ref("dec-002")
+    cs.deprecate(gone.id, reason="we dropped session caching")
+    right = cs.correct(fixed.id, "Build images with buildkit")["item"]["id"]
+    write(_decision("dec-001", "Cache sessions in memcached"),
+          _decision("dec-002", "Build images with buildkit"))
+    res = cs.distill()
+    assert res["imported"] == 1 and "retired_items" not in res, res
+    old, new = _items_by_ref("dec-001")
+    assert (old.status, new.content, new.active) == ("deprecated", "Cache sessions in memcached",
+                                                     True)
+    assert _local_marks(repo)["context-keeper:dec-001"] == new.id
+    assert _local_marks(repo)["context-keeper:dec-002"] == right
+    again = cs.distill()
+    assert again["imported"] == 0 and again["duplicates"] == 2, again
+    assert not [w for w in again.get("warnings", []) if "dec-00" in w], again
 
 
 def test_distill_brings_back_the_item_of_an_entry_edited_back_with_its_trust(repo):
