@@ -14896,7 +14896,8 @@ class _Admitting:
         read along that item's supersession chain (through team and org as
         last read): an item on it saying the record's text (a person's
         correction to it) makes it a plain duplicate (True), its watermark
-        re-pointed to the last such item, so the next import is quiet too;
+        re-pointed to the last such item this store holds, so the next import
+        is quiet too (one above is found by this walk again);
         a chain that ends deprecated (retired, no successor) lets its text in
         as a new item (False: take() re-points the watermark). Else None:
         `changed`, as before (the note asked to correct or deprecate the item,
@@ -14904,8 +14905,8 @@ class _Admitting:
         chain, ended = self.chain(known)
         holder = next((it for it in reversed(chain) if content_key(it) == ckey), None)
         if holder is not None:
-            self.marks[key] = holder.id
-            self.remarked = True
+            if holder.id in self.by_id or holder.id in self.live:   # never a team or org
+                self.marks[key], self.remarked = holder.id, True    # id: it marks nothing here
             self.adm.duplicates += 1
             return True
         return False if ended and chain[-1].status == "deprecated" else None

@@ -5991,7 +5991,10 @@ def test_a_changed_record_settles_on_a_correction_that_climbed_to_team(shared, t
     for _ in range(2):
         res = cs.import_memory(path=path)
         assert (res["imported"], res["duplicates"], res["changed"]) == (0, 1, []), res
-    assert fixed in _local_marks(shared["a"]).values()
+    assert first in _local_marks(shared["a"]).values()   # a team id would mark nothing here
+    _jsonl(tmp_path / "exp.jsonl", {"id": "c3", "content": "Queue depth caps at 80"})
+    res = cs.import_memory(path=path)             # its next change is reported, not swallowed
+    assert [c["id"] for c in res["changed"]] == [first] and res["note"], res
 
 
 def test_import_reads_a_growing_jsonl_file_as_it_was_at_the_start(repo, tmp_path):
