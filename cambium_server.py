@@ -1076,6 +1076,8 @@ class Draft:
     where: str | None = None          # its 1-based position in the source ("line 3")
     notes: tuple = ()                 # what was repaired on the way in, for the report
     old_keys: tuple = ()              # its key as earlier versions spelled it (_earlier_key)
+    old_content: str | None = None    # its text as earlier versions rendered it, when that
+    #                                   differs (a claim's git-quoted file names: same record)
 
 
 @dataclass
@@ -9470,18 +9472,34 @@ def git_unquoted_path(path: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+#: what a decoded name keeps quoted: a control character (a line break, a tab) or a
+#: line separator would land raw in an item's text, and names no anchor anyway
+_GIT_NAME_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def git_name(path: str) -> str:
+    """A changed file's name: git_unquoted_path, unless the decoded name holds a
+    control character, kept then as git quoted it (pure)."""
+    name = git_unquoted_path(path)
+    return path if name != path and _GIT_NAME_CONTROL.search(name) else name
+
+
 def _changed_path(change: dict) -> str:
     """One changed_files entry's path, unquoted as git quoted it (pure)."""
-    return git_unquoted_path(_str(change.get("path")))
+    return git_name(_str(change.get("path")))
 
 
-def _changed_files_text(changed: Any) -> str:
+def _changed_files_text(changed: Any, *, quoted: bool = False) -> str:
+    """A claim's changed files as its item lists them; quoted: with each name as
+    the board has it, as cambium listed them before it unquoted git's quoting."""
     if not isinstance(changed, list):
         return ""
     parts = []
     for c in changed:
-        if isinstance(c, dict) and _changed_path(c):
-            parts.append(f"{_str(c.get('status')) or '?'} {_changed_path(c)}")
+        path = (_str(c.get("path")) if quoted else _changed_path(c)) \
+            if isinstance(c, dict) else ""
+        if path:
+            parts.append(f"{_str(c.get('status')) or '?'} {path}")
     if not parts:
         return ""
     more = len(parts) - MAX_CHANGED_FILES_LISTED
@@ -9543,22 +9561,12 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
     note = _str(claim.get("note"))
     branch = one_line(_str(claim.get("branch")), MAX_WHY_CHARS)
     done = plain_text(_str(claim.get("status"))) == "done"     # ("done " is not done)
-    body = task if task.endswith((".", "!", "?")) else task + "."
-    files = _changed_files_text(claim.get("changed_files"))
-    noted, listed = (f" {CLAIM_NOTE_LEAD} {note}" if note else ""), (f" {files}" if files
-                                                                        else "")
-    mark = ""
-    if len(body) + len(noted) + len(listed) > MAX_CONTENT_CHARS:
-        # cut the task, keeping note and files; a note too long to fit beside even
-        # the start of the task is cut too (the file list is bounded, always kept);
-        # the mark names the whole text, so an edit past the cut is a new text
-        mark = cut_mark(body + noted + listed, MAX_CONTENT_CHARS)
-        limit = MAX_CONTENT_CHARS - len(mark)
-        room = limit - len(listed) - min(len(body), MIN_TASK_CHARS_KEPT)
-        if len(noted) > room:
-            noted = _clip(noted, room)
-        body = _clip(body, limit - len(noted) - len(listed))
-    body = (body + noted + listed).removesuffix("…") + mark if mark else body + noted + listed
+    changed = claim.get("changed_files")
+    body = _claim_text(task, note, _changed_files_text(changed))
+    quoted = isinstance(changed, list) and any(     # a name git quoted: listed so before
+        isinstance(c, dict) and _str(c.get("path")).startswith('"') for c in changed)
+    legacy = _claim_text(task, note, _changed_files_text(changed, quoted=True)) if quoted \
+        else body
     where = f" on branch {branch}" if branch else ""
     stamp = one_line(_str(claim.get("updated_at")), MAX_WHY_CHARS)
     if done:
@@ -9586,8 +9594,27 @@ def claim_to_draft(agent: str, claim: dict, *, released: bool = False) -> Draft 
         source["captured"] = "release"
     return Draft(content=clip_marked(body, MAX_CONTENT_CHARS), why=_clip(why, MAX_WHY_CHARS),
                  kind="outcome" if done else "progress", tags=tags, source=source,
-                 key=key,
-                 code_refs=changed_files_refs(claim.get("changed_files")))
+                 key=key, code_refs=changed_files_refs(changed),
+                 old_content=clip_marked(legacy, MAX_CONTENT_CHARS) if legacy != body else None)
+
+
+def _claim_text(task: str, note: str, files: str) -> str:
+    """A claim's item text: task, note and changed files (pure). Over the content
+    limit the task is cut, keeping note and files; a note too long to fit beside
+    even the start of the task is cut too (the file list is bounded, always
+    kept); the mark names the whole text, so an edit past the cut is a new text."""
+    body = task if task.endswith((".", "!", "?")) else task + "."
+    noted, listed = (f" {CLAIM_NOTE_LEAD} {note}" if note else ""), (f" {files}" if files
+                                                                        else "")
+    mark = ""
+    if len(body) + len(noted) + len(listed) > MAX_CONTENT_CHARS:
+        mark = cut_mark(body + noted + listed, MAX_CONTENT_CHARS)
+        limit = MAX_CONTENT_CHARS - len(mark)
+        room = limit - len(listed) - min(len(body), MIN_TASK_CHARS_KEPT)
+        if len(noted) > room:
+            noted = _clip(noted, room)
+        body = _clip(body, limit - len(noted) - len(listed))
+    return (body + noted + listed).removesuffix("…") + mark if mark else body + noted + listed
 
 
 def holds_word(text: str) -> bool:
@@ -9739,8 +9766,8 @@ def _entries_of(data: Any, name: str, where: Path) -> list:
 def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | None:
     """decisions/constraints/pipelines entry lists from a .context/ directory;
     None when the directory does not exist; a missing file holds none. Raises
-    SubstrateError if a file exists but is not readable JSON (a blank one too,
-    as context-keeper reads it), is a link to nothing, or (root given)
+    SubstrateError if a file exists but is not readable JSON (a blank one too:
+    context-keeper refuses to record into it), is a link to nothing, or (root given)
     leads out of `root` through a symbolic link (of the file or of the directory)."""
     if not path.is_dir():
         return None
@@ -9773,9 +9800,11 @@ def read_context_dir(path: Path, root: Path | None = None) -> dict[str, list] | 
             continue
         except OSError as e:
             raise SubstrateError(f"cannot read {f}: {e.strerror or e}") from None
-        if not text.strip():             # (a file cut short by a crash: context-keeper
-            raise SubstrateError(f"{f} is empty, no JSON (context-keeper calls it "  # too
-                                 "unparseable and refuses to write to it); restore it, or "
+        if not text.strip():             # (a file cut short by a crash?)
+            raise SubstrateError(f"{f} is empty, no JSON: context-keeper's record, update "
+                                 "and deprecate refuse to write to it, while its reads take "
+                                 "it as empty. Restore it (from git, context-keeper's "
+                                 "import_snapshot, or by recording its entries again), or "
                                  "delete it if it never held entries (cambium did not "
                                  "change it).")
         try:
@@ -14334,6 +14363,7 @@ class Prepared:
     clipped: set = field(default_factory=set)        # ids of items whose text was cut
     repeats: int = 0             # last_wins: a record's id given again in the batch, dropped
     batch: dict = field(default_factory=dict)        # last_wins: key -> (slot, source_ts)
+    old_texts: dict = field(default_factory=dict)    # item id -> its record's Draft.old_content's key
 
 
 @dataclass
@@ -14397,6 +14427,8 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
         out.items.append((d.key, item))
         if last_wins:
             _repeated(out, d, len(out.items) - 1)
+        if d.old_content is not None:
+            out.old_texts[item.id] = text_key(d.type, d.old_content.strip())
         if _was_cut(d.content, MAX_CONTENT_CHARS) or _was_cut(d.why, MAX_WHY_CHARS):
             out.clipped.add(item.id)
         if d.where:
@@ -14471,11 +14503,21 @@ def _mark_id(marks: dict, key: str) -> str | None:
 
 def _same_text(stored: Item | None, draft: Draft) -> bool:
     """Whether a watermarked draft still says what its stored item says (an item
-    that left this store, promoted, is taken as unchanged)."""
+    that left this store, promoted, is taken as unchanged), or what an earlier
+    version rendered of the same record (Draft.old_content)."""
     if stored is None:
         return True
     content = draft.content if isinstance(draft.content, str) else ""
-    return content_key(stored) == text_key(draft.type, content.strip())
+    old = text_key(draft.type, draft.old_content.strip()) if draft.old_content else None
+    return says_record(stored, text_key(draft.type, content.strip()), old)
+
+
+def says_record(stored: Item, ckey: str, old_key: str | None = None) -> bool:
+    """Whether `stored` says a record's text: its content key now (`ckey`), or
+    `old_key`, that of the record's text as an earlier version rendered it
+    (before git-quoted changed files were unquoted): the same record, not an
+    edit to import again (pure)."""
+    return content_key(stored) in (ckey, old_key)
 
 
 def distill_retired(item: Item) -> bool:
@@ -14830,8 +14872,11 @@ def admit(doc: Doc, prepared: Prepared, index_key: str, *, revise: bool = False,
         ckey = content_key(item)
         if key and key in run.marks and run.passed_over(key, item, ckey):
             continue
-        if run.says(ckey, item) or elsewhere is not None and elsewhere(ckey, item.content):
-            run.same_text(key, item, ckey)
+        old = prepared.old_texts.get(item.id)      # (its text as an earlier version said it)
+        held = ckey if run.says(ckey, item) else old if old and run.says(old) else None
+        if held or elsewhere is not None and (elsewhere(ckey, item.content) or
+                                              old is not None and elsewhere(old)):
+            run.same_text(key, item, held or ckey)
         else:
             run.take(key, item, ckey)
     changes: dict[str, Item] = {}
@@ -14875,16 +14920,18 @@ class _Admitting:
             return False
         self.by_id = self.by_id or {it.id: it for it in first_copies(self.doc.items)}
         known = self.by_id.get(mark) or self.live.get(mark)
-        if self.revise and known is not None and content_key(known) != ckey:
+        old = self.prepared.old_texts.get(item.id)   # its text as git-quoted names read
+        same = known is None or says_record(known, ckey, old)
+        if self.revise and not same:
             self.revised.append((known, item, item))     # imported, if its text is new
             return False
         if self.revise and known is None and mark in self.above and \
-                content_key(self.above[mark]) != ckey:   # it climbed: supersede_above
+                not says_record(self.above[mark], ckey, old):   # it climbed: supersede_above
             return False
-        if not self.revise and known is not None and content_key(known) != ckey and \
+        if not self.revise and not same and \
                 (settled := self.settled(key, known, ckey)) is not None:
             return settled
-        if known is not None and content_key(known) != ckey:
+        if not same:
             ref = item.source.get("ref")
             self.adm.changed.append({"id": known.id, "ref": _clip(ref, 200) if ref else ref,
                                      "where": self.prepared.where.get(item.id)})
@@ -19682,15 +19729,19 @@ def _snapshot_of(claims: dict[str, dict]) -> dict[str, dict]:
 
 def _remembered(agent: str, claim: dict) -> dict:
     """One claim as the snapshot keeps it. When the trim changes what its draft
-    says (over SNAPSHOT_MAX_FILES files, a note over an item's size), also the
+    says (over SNAPSHOT_MAX_FILES files, a note over an item's size), or the
+    claim names a file git quoted (`old`: the text key of its text as cambium
+    rendered it before unquoting them), also the
     whole claim's watermark key and text key (`said`): its capture at release
     then knows the item imported from the whole claim says this very state (it
     was taken for an edit: the endorsed item superseded by a trimmed copy)."""
     kept = {k: _snapshot_value(k, claim.get(k)) for k in SNAPSHOT_FIELDS if k in claim}
     whole, trimmed = claim_to_draft(agent, claim), claim_to_draft(agent, kept)
     if isinstance(whole, Draft) and isinstance(trimmed, Draft) and \
-            (whole.content, whole.key) != (trimmed.content, trimmed.key):
+            ((whole.content, whole.key) != (trimmed.content, trimmed.key) or whole.old_content):
         kept["said"] = {"key": whole.key, "text": text_key(whole.type, whole.content.strip())}
+        if whole.old_content:     # (names git quoted, unquoted in the snapshot: as before)
+            kept["said"]["old"] = text_key(whole.type, whole.old_content.strip())
     return kept
 
 
@@ -19711,7 +19762,7 @@ def _captured_draft(doc: Doc, agent: str, claim: dict) -> Draft | Skip:
     stored = found[1] if found else None
     if stored is None:                # promoted on: its watermark says it landed
         return dataclasses.replace(draft, key=said["key"])
-    if content_key(stored) != said.get("text"):
+    if content_key(stored) not in (said.get("text"), said.get("old") or said.get("text")):
         return draft
     return dataclasses.replace(draft, content=stored.content, key=said["key"])
 
@@ -19730,11 +19781,16 @@ def _snapshot_value(key: str, value: Any) -> Any:
 
 def _snapshot_path(path: str) -> str:
     """A changed file's path as the snapshot keeps it: unquoted as git quoted it
-    (cut, a quoted non-ASCII name lost its closing quote and stayed quoted), then
-    cut; a name that would read as quoted again (`"q"`) is kept as git wrote it."""
-    name = git_unquoted_path(path)
-    kept = name if git_unquoted_path(name) == name else path
-    return kept[:MAX_CODE_PATH_CHARS * 2]
+    (git_name; cut, a quoted non-ASCII name lost its closing quote and stayed
+    quoted), then cut; a name that would read as quoted again once cut (`"q"`,
+    or one git_name keeps quoted) is kept as git wrote it when that fits (it is
+    decoded once, when read), else without the quotes that end it."""
+    limit = MAX_CODE_PATH_CHARS * 2
+    kept = git_name(path)[:limit]
+    if git_unquoted_path(kept) == kept:
+        return kept
+    quoted = git_unquoted_path(path) != path
+    return path if quoted and len(path) <= limit else kept.rstrip('"')
 
 
 @dataclass

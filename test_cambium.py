@@ -18621,9 +18621,108 @@ def test_git_quoted_changed_files_are_unquoted_in_content_anchors_and_snapshot()
     assert d.code_refs == [{"path": "d\u00f3cs/gu\u00eda.py"}, {"path": long}, {"path": '"q"'}]
     kept = cs._remembered("ann", claim)
     assert [c["path"] for c in kept["changed_files"]] == names[:3] + [git_c_quoted('"q"')]
-    assert "said" not in kept
+    assert kept["said"] == {"key": d.key, "text": cs.text_key("memory", d.content),
+                            "old": cs.text_key("memory", d.old_content)}   # (as before)
     again = cs.claim_to_draft("ann", kept, released=True)
     assert (again.content, again.code_refs) == (d.content, d.code_refs)
+
+
+def test_a_git_quoted_name_with_a_control_character_stays_quoted_and_a_cut_snapshot_path_too():
+    """A name git quoted for a line break or a tab landed decoded, raw, in the
+    item's text: it stays as git quoted it (no anchor either). The snapshot's
+    check whether a kept name would read as quoted again came before its cut:
+    a name cut to `"..."` was decoded when read back."""
+    names = [git_c_quoted("a\nb.py"), git_c_quoted("t\tab.py")]
+    claim = {**DONE_CLAIM, "changed_files": [{"status": "A", "path": p} for p in names]}
+    d = cs.claim_to_draft("ann", claim)
+    assert d.content.endswith('Changed files: A "a\\nb.py", A "t\\tab.py".')
+    assert d.code_refs is None and d.old_content is None
+    kept = cs._remembered("ann", claim)
+    assert [c["path"] for c in kept["changed_files"]] == names and "said" not in kept
+    assert cs.claim_to_draft("ann", kept, released=True).content == d.content
+    raw = '"' + "x" * (cs.MAX_CODE_PATH_CHARS * 2 - 2) + '"tail.py'   # quoted once cut
+    assert cs.git_unquoted_path(raw) == raw
+    cut = cs._snapshot_path(raw)
+    assert cs.git_unquoted_path(cut) == cut and raw.startswith(cut)
+
+
+def _old_form_claims(n: int) -> tuple[dict, list[str]]:
+    """n done claims each naming a file git quoted, and their items' text as
+    cambium stored it before it unquoted such names."""
+    claims = {f"agent{i}": {**DONE_CLAIM, "task": f"build part {i}", "note": "landed",
+                            "updated_at": f"2026-11-29T15:0{i}:17+00:00",
+                            "changed_files": [{"status": "A", "path": f'"d\\303\\263cs/p{i}.py"'},
+                                              {"status": "M", "path": "README.md"}]}
+              for i in range(n)}
+    return claims, [f'build part {i}. Note: landed Changed files: A "d\\303\\263cs/p{i}.py", '
+                    "M README.md." for i in range(n)]
+
+
+def test_an_item_stored_with_git_quoted_names_before_the_upgrade_is_the_same_record(
+        tmp_path, monkeypatch):
+    """Items an older cambium stored as `Changed files: A "d\\303\\263cs/p1.py"`
+    differed from the new, unquoted draft of the same record (same watermark):
+    the first distill after the upgrade brought back, as a new active item, a
+    claim whose item a person had deprecated (no word of it), superseded an
+    endorsed item by a fresh copy without its endorsements, and warned once per
+    claim that it `now says something else`. The old rendering of the record
+    is the same record now: a duplicate, nothing retired, revived or warned."""
+    _, clone = make_origin_and_clone(tmp_path)
+    claims, old = _old_form_claims(3)
+    write_board(clone, claims)
+    (clone / ".context").mkdir()
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    assert cs.distill()["imported"] == 3
+    path = clone / ".cambium" / "knowledge.json"
+    data = json.loads(path.read_text())
+    ids = {}
+    for it in data["items"]:                           # as the older cambium stored them
+        n = int(it["content"].split()[2].rstrip("."))
+        it["content"], ids[n] = old[n], it["id"]
+    path.write_text(json.dumps(data))
+    cs.deprecate(ids[0], "wrong: it was reverted")
+    cs.endorse(ids[1], "good")
+    res = cs.distill()
+    assert (res["imported"], res["duplicates"], res["retired"], res["warnings"]) == (0, 3, 0, [])
+    items = {it["id"]: it for it in local_items(clone)}
+    assert len(items) == 3 and items[ids[0]]["status"] == "deprecated"
+    assert items[ids[1]]["status"] == "active" and items[ids[1]]["trust"]["endorsements"]
+    assert [items[ids[n]]["content"] for n in range(3)] == old
+    data = json.loads(path.read_text())                # no watermark: judged by its text
+    data["meta"]["watermarks"] = {}
+    path.write_text(json.dumps(data))
+    res = cs.distill()
+    assert (res["imported"], res["retired"]) == (0, 0)
+    assert [it["status"] for it in local_items(clone)] == ["deprecated", "active", "active"]
+
+
+def test_admit_takes_a_records_old_rendering_as_its_watermarked_item(tmp_path, monkeypatch):
+    """admit's own check under the lock (prepare_drafts' outside it passed the
+    record on): the item its watermark names says the record's old rendering."""
+    _, clone = make_origin_and_clone(tmp_path)
+    claims, old = _old_form_claims(1)
+    write_board(clone, claims)
+    (clone / ".context").mkdir()
+    monkeypatch.setenv("CAMBIUM_REPO", str(clone))
+    monkeypatch.setenv("CAMBIUM_AGENT_ID", "ada")
+    cs.distill()
+    path = clone / ".cambium" / "knowledge.json"
+    data = json.loads(path.read_text())
+    data["items"][0]["content"] = old[0]               # as the older cambium stored it
+    path.write_text(json.dumps(data))
+    cfg = cs.require_config()
+    draft = cs.claim_to_draft("agent0", claims["agent0"])
+    assert draft.old_content == old[0]
+    prepared = cs.prepare_drafts(cfg, [dataclasses.replace(draft, old_content=None)],
+                                 now="2026-12-07T00:00:00Z")   # (passed on: admit decides)
+    (key, item), = prepared.items
+    doc = cs.store(cfg, "local").read()
+    adm = cs.admit(doc, prepared, "k", revise=True)
+    assert len(adm.fresh) == 1                   # (without old_texts: an edit, imported)
+    prepared.old_texts[item.id] = cs.text_key("memory", old[0])
+    adm = cs.admit(doc, prepared, "k", revise=True)
+    assert (adm.fresh, adm.duplicates, adm.retired, adm.notes) == ([], 1, [], [])
 
 
 @pytest.mark.parametrize("prev, cur, churned", [
@@ -18732,6 +18831,22 @@ def test_a_blank_context_file_is_a_substrate_error_and_a_missing_one_is_none(tmp
     (d / "pipelines.json").write_text(text)
     with pytest.raises(cs.SubstrateError, match=r"pipelines\.json is empty, no JSON"):
         cs.read_context_dir(d)
+
+
+def test_readme_and_the_error_say_what_context_keeper_does_with_a_blank_file(tmp_path):
+    """README and the error said context-keeper reads a blank .context/ file as
+    cambium does (an error) and refuses to write to it: in context-keeper 0.19.0
+    only record, update and deprecate refuse it, its reads take it as empty and
+    import_snapshot writes over it (a way to restore it)."""
+    readme = " ".join((Path(__file__).parent / "README.md").read_text().split())
+    assert "as context-keeper reads it too" not in readme
+    assert ("reads it as empty, but its `record`, `update` and `deprecate` refuse to write to "
+            "it, while its `import_snapshot` writes over it") in readme
+    (tmp_path / "decisions.json").write_text("")
+    with pytest.raises(cs.SubstrateError) as e:
+        cs.read_context_dir(tmp_path)
+    assert "record, update and deprecate refuse" in str(e.value) and \
+        "its reads take it as empty" in str(e.value) and "import_snapshot" in str(e.value)
 
 
 def _item(id, content, scope="team", last_verified=None, status="active", tags=()):
