@@ -18723,6 +18723,9 @@ def test_admit_takes_a_records_old_rendering_as_its_watermarked_item(tmp_path, m
     prepared.old_texts[item.id] = cs.text_key("memory", old[0])
     adm = cs.admit(doc, prepared, "k", revise=True)
     assert (adm.fresh, adm.duplicates, adm.retired, adm.notes) == ([], 1, [], [])
+    kept = cs._remembered("agent0", claims["agent0"])  # (the snapshot keeps names unquoted)
+    released = cs._captured_draft(doc, "agent0", kept)  # ... its release: the stored item's
+    assert (released.content, released.key) == (old[0], draft.key)
 
 
 @pytest.mark.parametrize("prev, cur, churned", [
