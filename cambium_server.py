@@ -2360,17 +2360,19 @@ def _file_setting(key: str, raw: Any, label: str) -> tuple[Any, str | None]:
     default, behind the gap that names `label` and the type)."""
     number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
     if (isinstance(raw, str) or (isinstance(raw, bool) and key in BOOL_SETTINGS)
-            or (number and key in NUMBER_SETTINGS + BOOL_SETTINGS)):
+            or (number and key in NUMBER_SETTINGS + BOOL_SETTINGS)
+            or (number and isinstance(raw, int))):    # 42: the text "42", exactly
         return _normalize_value(key, raw), None
     wanted = ("text, a number, or true/false" if key in BOOL_SETTINGS else
-              "text or a number" if key in NUMBER_SETTINGS else "text (a JSON string)")
+              "text or a number" if key in NUMBER_SETTINGS else
+              "text (a JSON string) or a whole number")
     return DEFAULTS[key], f"{label} in the config file is {json_type_name(raw)}, not {wanted}"
 
 
 def json_type_name(value: Any) -> str:
     """A JSON value's type in JSON's names: "a JSON boolean (true)", "a JSON array"."""
-    if isinstance(value, bool) or value is None:
-        return "null" if value is None else f"a JSON boolean ({json.dumps(value)})"
+    if isinstance(value, bool):
+        return f"a JSON boolean ({json.dumps(value)})"
     if isinstance(value, (int, float)):
         return "a JSON number"
     if isinstance(value, str):

@@ -1368,9 +1368,15 @@ def test_a_config_value_of_a_json_type_its_setting_does_not_take_is_a_gap(tmp_pa
     cfg_file.write_text(json.dumps({      # (what each of these settings takes: no gap)
         "CAMBIUM_AGENT_ID": "ada", "CAMBIUM_ORG_PR": 0, "CAMBIUM_RELEASE_CAPTURE": True,
         "CAMBIUM_LATE_INTERACTION": False, "CAMBIUM_GIT_TIMEOUT": 2.5,
-        "CAMBIUM_FETCH_INTERVAL": 0, "CAMBIUM_PROMOTE_RECALLS": 4}))
+        "CAMBIUM_FETCH_INTERVAL": 0, "CAMBIUM_PROMOTE_RECALLS": 4,
+        "team_branches": {os.path.realpath(r): 2024}}))
     cfg = cs.resolve_config()
-    assert cfg.problems == [] and cfg.configured
+    assert cfg.problems == [] and cfg.configured and cfg.team_branch == "2024"
+    cfg_file.write_text(json.dumps({"CAMBIUM_AGENT_ID": 42}))   # a whole number: its text
+    assert cs.resolve_config().agent == "42"
+    cfg_file.write_text(json.dumps({"CAMBIUM_AGENT_ID": "ada", "CAMBIUM_REMOTE": 1.5}))
+    assert "is a JSON number, not text (a JSON string) or a whole number" in \
+        " ".join(p["problem"] for p in cs.resolve_config().problems)
     assert (cfg.release_capture, cfg.late_interaction, cfg.git_timeout_s,
             cfg.promote_recalls, cfg.org_pr) == (True, False, 2.5, 4, False)
 
