@@ -10618,14 +10618,29 @@ def _json_document(data: bytes, name: str) -> Iterator[Draft | Skip]:
         yield Skip("file", f"holds {json_kind(data)}; expected an array or an object "
                            "wrapping one")
         return
-    first, whole = True, isinstance(data, dict) and not keys      # (the one record)
+    whole = isinstance(data, dict) and not keys                   # (the one record)
+    said = tuple(filter(None, (f"the file: {NOT_UTF8}" if replaced else None,
+                               isinstance(data, dict) and _wrapper_body_note(data, keys))))
     for prefix, records in lists:
         for i, rec in enumerate(records, 1):
             where = f"{prefix}record {i}"
-            yield _draft_noted(Skip(where, TOO_DEEP_REASON) if _too_deep(rec) else
-                               json_record_to_draft(rec, where, origin=name, whole=whole),
-                               f"the file: {NOT_UTF8}" if replaced and first else None)
-            first = False
+            rec = Skip(where, TOO_DEEP_REASON) if _too_deep(rec) else \
+                json_record_to_draft(rec, where, origin=name, whole=whole)
+            if said and isinstance(rec, Draft):              # (said once, on a record)
+                rec, said = dataclasses.replace(rec, notes=rec.notes + said), ()
+            yield rec
+
+
+def _wrapper_body_note(data: dict, keys: list[str]) -> str | None:
+    """What a wrapper's own body became (pure): not a record, said (its
+    `note` beside `memories` was dropped without a word)."""
+    body = _first(data, _BODY_KEYS)
+    if body is None or not keys:
+        return None
+    key = next(k for k in _BODY_KEYS if data.get(k) is body)
+    return (f"the file: its top-level `{key}` was not imported: beside the "
+            f"`{'`/`'.join(keys)}` list it wraps, it is read as the export's own note, "
+            "not a record")
 
 
 class _TooDeep:
@@ -10782,8 +10797,9 @@ def _looks_like_jsonl(f: BinaryIO) -> bool:
     """True when the first non-empty line is a complete JSON object on its own
     that is a record (a one-line wrapper object is a document, not JSONL). One
     with a body beside its list of records (`{"note": "Exported by …",
-    "memories": [...]}`, as json.dump writes it) is a record only when another
-    line follows: alone, it imported its note as a record and dropped the list."""
+    "memories": [...]}`, as json.dump writes it) is a record when another line
+    follows, or when it is no wrapper (_wraps_records): alone, a wrapper imported
+    its note as a record and dropped the list."""
     with _text_of(f) as text:
         lines = iter(lambda: text.readline(MAX_FIRST_LINE_CHARS + 1), "")
         for line in lines:
@@ -10799,8 +10815,19 @@ def _looks_like_jsonl(f: BinaryIO) -> bool:
                 if not any(isinstance(first.get(k), list) for k in _WRAPPER_KEYS):
                     return True
                 return _first(first, _BODY_KEYS) is not None and (
-                    not _records_within(first, "") or any(more.strip() for more in lines))
+                    not _wraps_records(first) or any(more.strip() for more in lines))
     return False
+
+
+def _wraps_records(rec: dict) -> bool:
+    """Whether an object with a body beside a wrapper key's list is a wrapper
+    of records (pure): it names no id of its own, and its list holds a record
+    with a body. `{"id": "ck1", "content": …, "items": [{"step": …}]}` alone in
+    a JSONL file is one record, as is one with an id over a `memories` list: read
+    as documents, the first imported nothing, the second only its list."""
+    return _first(rec, _REF_KEYS) is None and any(
+        isinstance(r, dict) and isinstance(_first(r, _BODY_KEYS), str)
+        for k in _WRAPPER_KEYS if isinstance(rec.get(k), list) for r in rec[k])
 
 
 def _later_lines_are_records(f: BinaryIO, probe: int = 20) -> bool:

@@ -30434,13 +30434,41 @@ def test_a_one_line_wrapper_with_a_note_is_a_document_not_one_jsonl_record(repo,
     one = tmp_path / "min.json"
     one.write_text(json.dumps(doc))
     res = cs.import_memory("json", str(one))
-    assert res["imported"] == 3 and not res.get("warnings"), res
+    assert res["imported"] == 3 and res["warnings"] == [
+        "the file: its top-level `note` was not imported: beside the `memories` list it "
+        "wraps, it is read as the export's own note, not a record"], res
     contents = [it.content for it in cs.store(cs.require_config(), "local").read().items]
     assert not any("Exported by" in c for c in contents), contents
     two = _jsonl(tmp_path / "two.jsonl", {**doc, "note": "first line is a record"},
                  {"id": "x", "content": "a second record"})
     res = cs.import_memory("json", two)
     assert res["imported"] == 2 and "list of 3 record(s) was not imported" in res["warnings"][0]
+
+
+def test_a_one_line_record_with_an_id_or_a_list_of_non_records_stays_one_record(
+        repo, tmp_path):
+    """A lone JSONL line with a body and a list was read as a wrapper whenever
+    the list held objects: a checklist record imported nothing (exit 1), and a
+    record with an id over a `memories` list lost its own text without a word.
+    A wrapper is a line with no id whose list holds records with a body."""
+    check = _jsonl(tmp_path / "checklist.jsonl", {
+        "id": "ck1", "content": "Release checklist for the payments service",
+        "items": [{"step": "tag the release"}, {"step": "push the image"}]})
+    res = cs.import_memory("json", check)
+    assert res["imported"] == 1 and res["items"][0]["source"]["ref"] == "ck1", res
+    nested = _jsonl(tmp_path / "nested.jsonl", {
+        "id": "r1", "content": "Top-level decision: use retries with jitter",
+        "memories": [{"content": "sub one about caching"}]})
+    res = cs.import_memory("json", nested)
+    assert res["imported"] == 1 and "`memories` list of 1 record(s) was not imported" in \
+        res["warnings"][0], res
+    contents = [it.content for it in cs.store(cs.require_config(), "local").read().items]
+    assert "Top-level decision: use retries with jitter" in contents, contents
+    dumped = tmp_path / "dumped.json"
+    dumped.write_text(json.dumps({"note": "Exported by MemoryTool v2", "memories": [
+        {"content": f"exported fact {i} about the queue"} for i in range(5)]}))
+    res = cs.import_memory("json", str(dumped))
+    assert res["imported"] == 5 and "top-level `note` was not imported" in res["warnings"][0]
 
 
 def test_a_copy_of_corrected_words_gives_way_to_the_correction_in_recall_and_primer(
