@@ -10300,8 +10300,7 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
         return Skip(where, _no_body(rec, body, whole))
     if not _WORD.search(body):                 # ("-", "...": capture refuses them too)
         return Skip(where, "its body holds no word (no letter or digit)")
-    if retired := retired_record(rec):
-        return Skip(where, f"{retired} in its source: not imported as live knowledge")
+    retired = retired_record(rec)              # (a Retired skip, its draft kept: last_wins)
     title = _first(rec, _TITLE_KEYS)
     if isinstance(title, str) and title.strip() and title.strip() not in body:
         body = f"{title.strip()}: {body.strip()}"
@@ -10329,15 +10328,25 @@ def json_record_to_draft(rec: Any, where: str, system: str = "json",
     source = {"system": own or system, "ref": ref, "imported": True,
               **({"source_ts": ts} if ts is not None else {}),    # (the spec: omitted)
               **({"file": origin} if origin and not own else {})}
-    return Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
-                 tags=tags, source=source, where=where, notes=notes,
-                 key=bounded_key(f"import:{_key_part(own or origin or system)}:" + (
-                     f"id:{ref}" if ref else "hash:" + hashlib.sha256(
-                         utf8(body + "\0" + (why if isinstance(why, str) else ""))
-                     ).hexdigest()[:24])),
-                 old_keys=tuple(dict.fromkeys(
-                     f"import:{name}:id:{ref}" for name in (system, own or origin or system)))
-                 if ref else ())
+    draft = Draft(content=body, why=why if isinstance(why, str) else "", kind=kind,
+                  tags=tags, source=source, where=where, notes=notes,
+                  key=bounded_key(f"import:{_key_part(own or origin or system)}:" + (
+                      f"id:{ref}" if ref else "hash:" + hashlib.sha256(
+                          utf8(body + "\0" + (why if isinstance(why, str) else ""))
+                      ).hexdigest()[:24])),
+                  old_keys=tuple(dict.fromkeys(
+                      f"import:{name}:id:{ref}" for name in (system, own or origin or system)))
+                  if ref else ())
+    return Retired(where, f"{retired} in its source: not imported as live knowledge",
+                   draft) if retired else draft
+
+
+@dataclass
+class Retired(Skip):
+    """A record its export marks retired: skipped, its draft kept so that
+    import's last_wins (prepare_drafts) lets it stand as its id's last version:
+    an export's history v1 "30s", "60s", then "60s" deleted imported "60s" live."""
+    draft: Draft | None = None
 
 
 def _records_within(rec: dict, where: str) -> tuple[str, ...]:
@@ -14427,10 +14436,16 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
     seen_marks = meta_map(doc.meta, "watermarks")
     by_id: dict[str, Item] = {}
     for n, d in enumerate(drafts, 1):
+        retired = isinstance(d, Retired)          # (import's: skipped already, its id's last)
+        d = d.draft if retired else d
         if d.key and d.key not in seen_marks and d.old_keys:
             by_id = by_id or {it.id: it for it in first_copies(doc.items)}
             d = dataclasses.replace(d, key=_earlier_key(d, seen_marks, by_id) or d.key)
-        if last_wins and _earlier_wins(out, d):
+        if last_wins and _earlier_wins(out, d, counted=not retired):
+            continue
+        if retired:
+            if last_wins:
+                _repeated(out, d, RETIRED_SLOT)
             continue
         if d.key and d.key in seen_marks:
             by_id = by_id or {it.id: it for it in first_copies(doc.items)}
@@ -14476,35 +14491,43 @@ def _record_of(d: Draft) -> tuple[str | None, datetime | None]:
     return (d.key if d.key and src.get("ref") else None), _parse_ts(src.get("source_ts"))
 
 
-def _earlier_wins(out: Prepared, d: Draft) -> bool:
+def _earlier_wins(out: Prepared, d: Draft, counted: bool = True) -> bool:
     """Whether a draft of an id the batch gave before is dropped (counted a
-    repeat): only when both give a time and the earlier one's is later."""
+    repeat unless `counted` is False: a retired record, skipped already): only
+    when it gives a time older than the newest any earlier version of the id
+    gave (May, no time, Jan kept Jan: only the held version's time was asked)."""
     key, ts = _record_of(d)
     earlier = out.batch.get(key) if key else None
     if earlier is None or earlier[1] is None or ts is None or earlier[1] <= ts:
         return False
-    out.repeats += 1
+    out.repeats += counted
     return True
 
 
-def _repeated(out: Prepared, d: Draft, slot: int | None) -> None:
+RETIRED_SLOT = "retired"     #: _repeated's slot of a retired record (no item: skipped)
+
+
+def _repeated(out: Prepared, d: Draft, slot: int | str | None) -> None:
     """Record that the draft of this id now counts (`slot`: its place in
-    out.items; None, a duplicate of the stored record), dropping the one the
-    batch held for it: an export of a record's history (oldest first) kept its
-    oldest text, the newer said "imported before with other text"."""
+    out.items; None, a duplicate of the stored record; RETIRED_SLOT, a record
+    retired in the file, skipped), dropping the one the batch held for it: an
+    export of a record's history (oldest first) kept its oldest text, the newer
+    said "imported before with other text"; a history ending in a deletion
+    imported the version before it live. The newest time the id gave is kept."""
     key, ts = _record_of(d)
     if key is None:
         return
     if key in out.batch:
-        out.repeats += 1
-        earlier = out.batch[key][0]
+        earlier, newest = out.batch[key]
+        out.repeats += earlier != RETIRED_SLOT          # (a retired one: counted skipped)
         if earlier is None:
             out.duplicates -= 1
-        else:
+        elif earlier != RETIRED_SLOT:
             dropped = out.items[earlier][1]
             out.items[earlier] = None
             out.where.pop(dropped.id, None)
             out.clipped.discard(dropped.id)
+        ts = newest if ts is None or (newest is not None and newest > ts) else ts
     out.batch[key] = (slot, ts)
 
 
@@ -25428,17 +25451,8 @@ def import_memory(source: Annotated[str, Field(
         raise InputError(f"path {path!r} must be absolute.")
     skips, repaired = Tally(IMPORT_REASONS), Tally(IMPORT_REASONS)   # in file order: the
                                               # adapter's and ingest's skips arrive in it
-
-    def drafts() -> Iterator[Draft]:
-        for rec in adapter(p):
-            if isinstance(rec, Skip):
-                skips.add((rec.where, rec.reason))
-            else:
-                for note in rec.notes:
-                    repaired.add(note)
-                yield rec
-
-    res = ingest(cfg, drafts(), retired_too=True, skips=skips, last_wins=True)
+    res = ingest(cfg, _tallied(adapter(p), skips, repaired), retired_too=True, skips=skips,
+                 last_wins=True)
     out = import_report(source, p, res)
     if repaired.count:
         more = repaired.count - len(repaired.first)
@@ -25458,9 +25472,25 @@ def import_memory(source: Annotated[str, Field(
     return with_store_warnings(out, cfg)
 
 
+def _tallied(records: Iterable[Draft | Skip], skips: Tally,
+             repaired: Tally) -> Iterator[Draft | Retired]:
+    """An adapter's drafts, its skips tallied in `skips` and its drafts' notes
+    in `repaired`. A Retired skip is passed on too: it may be its id's last
+    version in the file (prepare_drafts' last_wins)."""
+    for rec in records:
+        if isinstance(rec, Skip):
+            skips.add((rec.where, rec.reason))
+            if isinstance(rec, Retired) and rec.draft is not None:
+                yield rec
+        else:
+            for note in rec.notes:
+                repaired.add(note)
+            yield rec
+
+
 def import_report(source: str, path: Path, res: IngestResult) -> dict:
     """What an import did, for the caller, under 100 KB whatever its size (pure)."""
-    recognized, skips = len(res.imported) + res.duplicates, res.skipped
+    recognized, skips = len(res.imported) + res.duplicates + res.repeats, res.skipped
     out: dict[str, Any] = {
         "status": "imported" if recognized else "nothing_imported", "source": source,
         "path": str(path), "imported": len(res.imported), "skipped": skips.count,

@@ -5882,6 +5882,30 @@ def test_an_id_given_twice_in_one_file_keeps_its_last_or_newest_version(repo, tm
     assert again["imported"] == 0 and again["duplicates"] == 2 and not again["changed"], again
 
 
+def test_an_ids_history_ending_in_a_deletion_imports_nothing_and_the_newest_time_holds(
+        repo, tmp_path):
+    """A retired last version was a skip the last-wins rule never saw: v1 "30s",
+    "60s", then "60s" deleted imported "60s" live. And the newest time was asked
+    only of the version held: May, no time, Jan kept Jan."""
+    t = "2026-0{}-01T00:00:00Z".format
+    tomb = _jsonl(tmp_path / "tomb.jsonl", {"id": "v1", "content": "Timeout is 30s", "ts": t(1)},
+                  {"id": "v1", "content": "Timeout is 60s", "ts": t(2)},
+                  {"id": "v1", "content": "Timeout is 60s", "ts": t(3), "deleted": True})
+    res = cs.import_memory(path=tomb)
+    assert res["status"] == "imported" and res["imported"] == 0, res
+    assert res["skipped"] == 1 and res["repeated_in_file"] == 2, res
+    assert not cs.store(cs.require_config(), "local").read().items
+    pools = _jsonl(tmp_path / "pools.jsonl", {"id": "p", "content": "Pool of 8", "ts": t(5)},
+                   {"id": "p", "content": "Pool of 6"},
+                   {"id": "p", "content": "Pool of 4", "ts": t(1)},
+                   {"id": "q", "content": "Queue is gone", "deleted": True},
+                   {"id": "q", "content": "Queue is back"})
+    res = cs.import_memory(path=pools)
+    assert res["imported"] == 2 and res["repeated_in_file"] == 2 and res["skipped"] == 1, res
+    assert sorted(i.content for i in cs.store(cs.require_config(), "local").read().items) == [
+        "Pool of 6", "Queue is back"]
+
+
 def test_import_knows_the_records_an_earlier_version_imported_under_the_format_name(
         repo, tmp_path):
     """Before 3bacc1e an import's watermark named the import format
