@@ -15769,19 +15769,36 @@ def _provenance(it: Item, public: bool = False) -> str:
     gate refuses it in any field a person wrote; knowledge.json keeps it."""
     src = it.source or {}
     system, ref = str(src.get("system", "capture")), src.get("ref")
+    if public and ref and (generalization_tells(str(ref), it.project)
+                           or _names_a_ticket(system, str(ref))):
+        ref = None
     if public and generalization_tells(system, it.project):
         system = "import"
-    if public and ref and (generalization_tells(str(ref), it.project)
-                           or _TICKET_REF.search(str(ref))):
-        ref = None
     who = f" by {it.created_by}" if it.created_by else ""
     return f"{system} {ref}{who}" if ref else f"{system}{who}"
 
 
-#: A ticket's id in a provenance ref (`PAY-4412`, `#1234`): a project's own,
-#: left out of org's KNOWLEDGE.md as a file-naming ref is (no tell in content:
-#: "UTF-8" or "SHA-256" in a body says nothing of a project).
-_TICKET_REF = re.compile(r"\b[A-Z][A-Z0-9]+-\d+\b|(?<![\w&])#\d+\b")
+#: Systems that are issue trackers (a part of the system's name, any case):
+#: their `KEY-123` refs are tickets.
+TICKET_SYSTEMS = ("jira", "linear", "youtrack", "github", "gitlab", "gitea", "bitbucket",
+                  "redmine", "bugzilla", "shortcut", "asana", "trello", "tracker", "issue",
+                  "ticket")
+_TICKET_KEY = re.compile(r"[A-Z][A-Z0-9]+-\d{1,7}")        # the whole ref: PAY-4412
+_TICKET_NUMBER = re.compile(r"(?<!&)#\d+\b")              # #1234, GH#12, acme/infra#88
+
+
+def _names_a_ticket(system: str, ref: str) -> bool:
+    """Whether a provenance ref names a ticket, a project's own, left out of
+    org's KNOWLEDGE.md as a file-naming ref is (pure): it holds `#` and a
+    number (not an HTML entity's `&#`), or it is, whole, `KEY-123` (capitals,
+    a dash, up to 7 digits) from a tracker (TICKET_SYSTEMS). Any `KEY-123`
+    anywhere hid RFC-7231, UTF-8, SHA-256, GPT-4 and upper-case UUIDs, and
+    `GH#12` or `acme/infra#88` were kept. (No tell in content: "UTF-8" in a body
+    says nothing of a project.)"""
+    if _TICKET_NUMBER.search(ref):
+        return True
+    return bool(_TICKET_KEY.fullmatch(ref.strip())) and any(
+        name in system.lower() for name in TICKET_SYSTEMS)
 
 
 def first_copies(items: Iterable[Item]) -> list[Item]:

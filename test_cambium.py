@@ -15424,12 +15424,19 @@ def test_org_knowledge_md_leaves_project_specific_provenance_out():
     for system, ref, hidden in (("acme-notes", "src/billing/invoice.py:L42 PAY-1234",
                                  "invoice.py"), ("context-keeper", "dec-004", "dec-004"),
                                 ("acme-billing.jsonl", "m1", "acme-billing.jsonl"),
-                                ("jira", "PAY-4412", "PAY-4412"), ("github", "#1234", "#1234")):
+                                ("jira", "PAY-4412", "PAY-4412"), ("github", "#1234", "#1234"),
+                                ("github", "GH#12", "GH#12"), ("notes", "PR#7", "PR#7"),
+                                ("acme-notes", "other/infra#88", "infra#88"),
+                                ("Linear", "ENG-77", "ENG-77")):
         md = cs.render_markdown({"org": [(org_item(system, ref), {})]})
         assert hidden not in md and "provenance: " in md, md
         assert hidden in cs.render_markdown({"team": [(org_item(system, ref), {})]})
-    md = cs.render_markdown({"org": [(org_item("agentsync", "claim-7"), {})]})
-    assert "provenance: agentsync claim-7" in md                 # nothing specific: kept
+    for system, ref in (("agentsync", "claim-7"), ("standards", "RFC-7231"),
+                        ("notes", "ISO-8601"), ("notes", "SHA-256"), ("adr-log", "ADR-0007"),
+                        ("mem0", "550E8400-E29B-41D4-A716-446655440000"),
+                        ("notes", "&#1234;")):    # nothing specific (no ticket): kept
+        md = cs.render_markdown({"org": [(org_item(system, ref), {})]})
+        assert f"provenance: {system} {ref}" in md, md
 
 
 def test_export_org_publishes_knowledge_md(shared, monkeypatch):
