@@ -14419,6 +14419,14 @@ class Admission:
     asks: set = field(default_factory=set)           #: revise: the notes asking a person to act
 
 
+def _draft_refused(out: Prepared, d: Draft, n: int, e: InputError) -> None:
+    """A draft new_item() refused: skipped with its reason, counted for its system."""
+    out.skipped.add((d.where or str((d.source or {}).get("ref") or n), str(e)))
+    out.refusal = out.refusal or e
+    system = str((d.source or {}).get("system"))
+    out.skipped_from[system] = out.skipped_from.get(system, 0) + 1
+
+
 def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                    on_progress: Callable[[int], None] | None = None,
                    skips: Tally | None = None, last_wins: bool = False,
@@ -14463,10 +14471,7 @@ def prepare_drafts(cfg: Config, drafts: Iterable[Draft], *, now: str,
                             valid_while=d.valid_while, now=now, supersedes=d.supersedes,
                             code_refs=d.code_refs)
         except InputError as e:
-            out.skipped.add((d.where or str((d.source or {}).get("ref") or n), str(e)))
-            out.refusal = out.refusal or e
-            system = str((d.source or {}).get("system"))
-            out.skipped_from[system] = out.skipped_from.get(system, 0) + 1
+            _draft_refused(out, d, n, e)
             continue
         out.items.append((d.key, item))
         if last_wins:
