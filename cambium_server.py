@@ -9179,7 +9179,11 @@ class GitStore(Store):
         filter, git-lfs) is waited for as long, then left to it with no
         warning: it was said to be another process's, yet nothing is amiss,
         the answer comes from git's objects, not the checkout, and that call
-        warns of its own trouble; a later read syncs a newer tip."""
+        warns of its own trouble; a later read syncs a newer tip. A checkout
+        that fails (a smudge filter's error, CAMBIUM_GIT_TIMEOUT, a full disk)
+        is a warning too, never the read's error: it skipped the whole scope,
+        whose items git's objects hold; a later read tries it again
+        (_force_checkout's marker lets it past the files it left cut)."""
         if not self._checkout_due():
             return
         left = f"the {self.scope} clone {self.repo}'s checkout was left as it is: "
@@ -9194,17 +9198,65 @@ class GitStore(Store):
                 if hazard := self._checkout_hazard(tip):
                     self._warn_once(left + hazard)
                 else:
-                    _run(["git", *self._no_hooks(), "checkout", "--quiet", "--force",
-                          "-B", self.branch, tip], self.repo, self.timeout_s,
-                         own_locks=True)
-                    with contextlib.suppress(OSError):
-                        atomic_write(self._checked_out_file(), tip + "\n", durable=False)
+                    self._force_checkout(tip)
                 with self._state.lock:
                     self._state.checked_out = tip
         except ConflictError as e:
             self._warn_once(f"{left}{held_words(e)}; a later read syncs it")
+        except (CambiumError, OSError) as e:          # (the answer is git's objects')
+            self._warn_once(f"the {self.scope} clone {self.repo}'s checkout could not be "
+                            f"synced: {e}; the answer comes from git's objects, and a later "
+                            "read tries again")
         finally:
             ours.release()
+
+    def _force_checkout(self, tip: str) -> None:
+        """`checkout --force -B` the branch at `tip`, its target first written to
+        the checking-out marker and the marker removed once the checked-out
+        stamp is: a checkout cut short (killed, timed out, a failed smudge
+        filter, a full disk) left its files deleted or cut, which read as
+        someone's uncommitted work, so every later sync was refused for
+        good; the marker names them cambium's own (_cut_short_only)."""
+        marker = self._checking_out_file()
+        with contextlib.suppress(OSError):
+            tips = dict.fromkeys([*self._checking_out(), tip])
+            atomic_write(marker, "".join(t + "\n" for t in tips), durable=False)
+        _run(["git", *self._no_hooks(), "checkout", "--quiet", "--force",
+              "-B", self.branch, tip], self.repo, self.timeout_s, own_locks=True)
+        with contextlib.suppress(OSError):
+            atomic_write(self._checked_out_file(), tip + "\n", durable=False)
+            marker.unlink(missing_ok=True)
+
+    def _checking_out(self) -> list[str]:
+        """The tips a checkout cut short was going to (the marker _force_checkout
+        writes; empty when none is there)."""
+        text = ""
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            text = git_file_text(self._checking_out_file())
+        return [t for t in text.split() if OID.fullmatch(t)]
+
+    def _checking_out_file(self) -> Path:
+        return self._meta_dir() / "checking-out"
+
+    def _cut_short_only(self, status: str, last: list[str], going: list[str]) -> bool:
+        """Whether every path `git status --porcelain -z` names (`status`) is one
+        a checkout cut short may have left changed: a file that differs between
+        the tip cambium last checked out (else HEAD) and a tip it was going to
+        (`going`). Anything else is someone's work."""
+        entries, paths = iter(status.split("\0")), set()
+        for entry in entries:
+            if len(entry) > 3:
+                paths.add(entry[3:])
+                if {"R", "C"} & set(entry[:2]):            # (a rename's source follows)
+                    paths.add(next(entries, ""))
+        ours: set[str] = set()
+        for base in last or ["HEAD"]:
+            for to in going:
+                proc = _run(["git", "diff", "--name-only", "-z", base, to, "--"],
+                            self.repo, self.timeout_s, check=False)
+                if proc.returncode == 0:
+                    ours.update(p for p in proc.stdout.split("\0") if p)
+        return bool(going) and paths <= ours
 
     def _checkout_due(self) -> str | None:
         """The tip the checkout is to be synced to, None when it is there (or
@@ -9240,12 +9292,13 @@ class GitStore(Store):
         code, problem = self._foreign(tip)
         if code:                    # (at org, a deleted store's word first: _foreign)
             return problem
-        dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], self.repo,
-                     self.timeout_s, check=False).stdout
-        if dirty.strip():
+        dirty = _run(["git", "status", "--porcelain", "-z", "--untracked-files=no"],
+                     self.repo, self.timeout_s, check=False).stdout
+        last, going = self._last_checked_out(), self._checking_out()
+        if dirty.strip("\0 ") and not self._cut_short_only(dirty, last, going):
             return ("its tracked files hold uncommitted changes (the org clone is cambium's "
                     "own: don't work in it; commit or discard them)")
-        last = self._last_checked_out()
+        last = [*last, *going]              # (tips cambium was checking out: no one's work)
         return self._unpushed(tip, last) or self._detached_work(tip, last)
 
     def _unpushed(self, tip: str, last: list[str]) -> str | None:

@@ -29100,6 +29100,63 @@ def test_the_org_checkout_runs_no_git_under_the_scopes_state_lock(shared, monkey
     assert [cmd for cmd, held in locked if held] == [], locked
 
 
+def _org_item_by_hand(bare: Path, work: Path, item_id: str, text: str) -> None:
+    """Another clone adds an org item to knowledge.json and pushes it."""
+    if not work.exists():
+        clone(bare, work)
+    git(work, "pull", "-q", "origin", "main")
+    doc = json.loads((work / "knowledge.json").read_text())
+    doc["items"].append({"id": item_id, "type": "memory", "kind": "note", "content": text,
+                         "scope": "org", "status": "active"})
+    (work / "knowledge.json").write_text(json.dumps(doc, indent=1) + "\n")
+    git(work, "commit", "-q", "-am", item_id)
+    git(work, "push", "-q", "origin", "HEAD:main")
+
+
+def test_an_org_checkout_cut_short_is_served_from_git_and_synced_once_it_can(
+        shared, monkeypatch):
+    """A failed sync of the org clone's checkout (a smudge filter's error here;
+    a kill, CAMBIUM_GIT_TIMEOUT, a full disk alike) skipped the org scope of
+    that read (`org scope skipped: git … checkout …`), and the knowledge.json
+    it left deleted read as someone's uncommitted work: every later read left
+    the checkout as it was, for good. The read answers from git's objects with
+    a warning now, and a later one forces the checkout again over the files
+    the cut checkout left changed, never over a person's other edits."""
+    org, bare = shared["org"], shared["org_bare"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org", force=True)
+    cs.recall("base image digest", scope="org")                       # (synced once)
+    work = shared["tmp"] / "by-hand"
+    _org_item_by_hand(bare, work, "k-other1", "Prefer idempotent retries for payment webhooks")
+    git(org, "config", "filter.bad.smudge", "false")
+    git(org, "config", "filter.bad.required", "true")
+    attributes = org / ".git" / "info" / "attributes"
+    attributes.parent.mkdir(exist_ok=True)
+    attributes.write_text("knowledge.json filter=bad\n")
+    out = cs.recall("idempotent retries payment webhooks", scope="org")
+    assert "k-other1" in [r["id"] for r in out["results"]], out
+    assert any("could not be synced" in w for w in out["warnings"]), out["warnings"]
+    assert git(org, "status", "--porcelain", "--untracked-files=no").strip()   # (cut)
+    attributes.unlink()
+    out = cs.recall("idempotent retries payment webhooks", scope="org")
+    assert "warnings" not in out, out["warnings"]
+    assert git(org, "rev-parse", "HEAD") == git(bare, "rev-parse", "main")
+    assert not git(org, "status", "--porcelain", "--untracked-files=no")
+    assert not (org / ".git" / "cambium" / "checking-out").exists()
+    _org_item_by_hand(bare, work, "k-other2", "Rotate webhook signing secrets quarterly")
+    attributes.write_text("knowledge.json filter=bad\n")               # (cut again)
+    cs.recall("webhook signing secrets", scope="org")
+    (org / "README.md").write_text("my uncommitted notes\n")            # (and a person's edit)
+    attributes.unlink()
+    out = cs.recall("webhook signing secrets", scope="org")
+    assert "k-other2" in [r["id"] for r in out["results"]], out
+    assert any("uncommitted" in w for w in out["warnings"]), out["warnings"]
+    assert (org / "README.md").read_text() == "my uncommitted notes\n"
+    assert git(org, "rev-parse", "HEAD") != git(bare, "rev-parse", "main")
+
+
 def test_a_second_call_of_one_server_waits_on_its_checkout_sync_without_blaming_a_process(
         shared, monkeypatch):
     """A read whose wait for the org checkout timed out because another call
