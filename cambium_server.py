@@ -7318,6 +7318,13 @@ class GitStore(Store):
             return _ref_value(self.repo, self.ref)
         return None
 
+    def _set_ref_landed(self, commit: str) -> None:
+        """_set_ref after a push that landed (checked), best effort: the ref is a
+        cache the next fetch moves, and its failure (a full disk) failed the
+        write, so a move said "nothing moved" of an item the remote held."""
+        with contextlib.suppress(CambiumError, OSError):
+            self._set_ref(commit)
+
     def _set_ref(self, commit: str) -> None:
         """Point the scope's private ref at commit: a loose ref file written as
         git writes one (through <ref>.lock), else by `git update-ref`."""
@@ -8888,7 +8895,7 @@ class GitStore(Store):
                           f"team_branch={others[0]!r} (a moved clone loses the branch setup "
                           "recorded for its old path); its items are not in this one")
         if target == self.branch:
-            self._set_ref(commit)
+            self._set_ref_landed(commit)
             self._remember(commit, new, tip=True)
             with self._state.lock:
                 self._state.pushed = commit
@@ -18032,7 +18039,7 @@ def _move(cfg: Config, items: list[Item], src: str, dst: str, *,
                                      pr_branch=pr_branch, pr_body=pr_body, ensure_pr=True)
     except CambiumError as e:
         if marking and not _may_have_landed(e):     # nothing above: no mark to chase
-            mutate(cfg, src, lambda d: _marked_moving(d, ids, None), f"not moved to {dst}")
+            _unmark_moving(cfg, src, dst, ids)
         raise
     landed = [it for it in write.doc.items if it.id in ids and it.id not in clash]
     held = {it.id for it in landed}
@@ -18069,6 +18076,14 @@ def retire_corrected(items: list[Item], copies: list[Item], *, agent: str, dst: 
             if it.active and it.authority != "human" and it.id not in own
             and (fix := fix_of.get(said_key(it))) is not None else it
             for it in items] + copies
+
+
+def _unmark_moving(cfg: Config, src: str, dst: str, ids: set[str]) -> None:
+    """Take a failed move's marks off its source copies, best effort: a mark
+    left is chased as after a crash, and the move's own error says what
+    failed (this one's, a full disk, took its place)."""
+    with contextlib.suppress(CambiumError, OSError):
+        mutate(cfg, src, lambda d: _marked_moving(d, ids, None), f"not moved to {dst}")
 
 
 def _hold_back(rides: str | None, dst: str, read: tuple[str, Doc] | None, joined: set[str],

@@ -8133,6 +8133,23 @@ def test_a_push_that_times_out_says_it_may_land_and_the_next_promote_finishes_it
     assert [i["id"] for i in remote_json(shared["origin"], "cambium")["items"]].count(item_id) == 1
 
 
+def test_a_landed_promote_whose_local_ref_cannot_be_written_finishes_the_move(shared):
+    """A promote whose push landed (checked) while the disk filled: the update of
+    the clone's private ref to the pushed commit failed, the move answered
+    "nothing moved" (or, its unmark failing too, a bare "No space left on
+    device") though team held the item, and the README promises a landed move
+    says it is in both scopes or finishes. The ref is a cache: the move goes on."""
+    hook = shared["origin"] / "hooks" / "post-receive"   # runs once the ref has moved
+    ref = shared["a"] / ".git" / "refs" / "cambium" / "team" / "origin" / "cambium"
+    hook.write_text(f"#!/bin/sh\nrm -f {ref}\nmkdir -p {ref}\ntouch {ref}/in-the-way\n")
+    hook.chmod(0o755)
+    item_id = _endorsed("Never deploy on Fridays")
+    res = cs.promote(item_id, force=True)
+    assert res["status"] == "promoted" and [c["id"] for c in res["promoted"]] == [item_id]
+    assert item_id in team_ids(shared["origin"])
+    assert item_id not in {i.id for i in cs.store(cs.resolve_config(), "local").read().items}
+
+
 def test_a_signal_to_the_cli_s_group_stops_its_push_and_a_timeout_never_waits_on_helpers(
         shared, tmp_path):
     """git ran in a session of its own for a while: `timeout` (or a closing
