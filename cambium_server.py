@@ -8316,11 +8316,13 @@ class GitStore(Store):
         """What a rewind lost (rewound_items), kept at `ref`, and how to bring it back."""
         ids = ", ".join(it.id for it in lost[:5]) + (", …" if len(lost) > 5 else "")
         kept = shlex.quote(f"{ref}:{STORE_FILE}")
+        to = shlex.quote(str(self._meta_dir() / f"rewound-{self.scope}.json"))  # (not a
+        #                                   shared /tmp path, maybe another user's file)
         return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
                 f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
                 f"before are gone from it or set back ({ids}). cambium kept the earlier tip(s): "
                 f"to bring them back here, `git -C {shlex.quote(str(self.repo))} show {kept} > "
-                f"/tmp/rewound.json` and `{_cli_command()} restore /tmp/rewound.json` (what the scope "
+                f"{to}` and `{_cli_command()} restore {to}` (what the scope "
                 "still holds stays there), then promote them again; if the rewind was meant, "
                 f"`git -C {shlex.quote(str(self.repo))} update-ref -d {ref}` ends "
                 "this warning")

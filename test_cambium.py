@@ -10285,6 +10285,9 @@ def test_a_damaged_team_store_fixed_by_a_force_push_is_no_longer_said_to_refuse_
     assert not any("refused" in w for w in warnings), warnings
     (lost,) = [w for w in warnings if "rewound or replaced" in w]
     assert later in lost
+    show, restore = re.findall(r"`([^`]*(?: show |restore )[^`]*)`", lost)[:2]   # (advised
+    assert "/tmp/rewound" not in show and restore.endswith("/.git/cambium/rewound-team.json")  # in
+    subprocess.run(["sh", "-c", show], check=True)          # the clone, not a shared /tmp)
     (said,) = [w for w in warnings if "do not parse" in w]
     assert "refs/cambium/rewound/team/origin/cambium" in said and "holds back no write" in said
     third = _endorsed("Roll back on the first failed health check")
