@@ -6821,6 +6821,26 @@ def _later_state(kept: Item, now: Item) -> bool:
         str(kept.updated_at or "") > str(now.updated_at or "")
 
 
+def _set_back_advice(kept: Item) -> str:
+    """How to do again the change a rewind set back of an item the branch still
+    holds, as the kept tip's version `kept` says it was made (pure)."""
+    cli = _cli_command()
+    if kept.status == "deprecated":
+        dep = kept.deprecated or {}
+        why = str(dep.get("reason") or "")
+        return (f"{kept.id} was deprecated there by {dep.get('by') or 'someone'} ({why!r}) "
+                f"and is served active again: `{cli} deprecate {kept.id} "
+                f"{shlex.quote(why or 'REASON')}` does it again")
+    if kept.status == "superseded":
+        sup = kept.superseded_by or {}
+        return (f"{kept.id} was corrected there by {sup.get('by') or 'someone'} (by "
+                f"{sup.get('id') or 'another item'}: {str(sup.get('why') or '')!r}) and is "
+                f"served as it was again: `{cli} correct {kept.id} CONTENT WHY` with the "
+                f"kept tip's words of {sup.get('id') or 'it'} does it again")
+    return (f"{kept.id} holds a later change there (updated {kept.updated_at or '?'}) that "
+            "the branch lacks: make it again by hand")
+
+
 def _rewind_lost(old: Doc, doc: Doc, touched: frozenset[str]) -> list[Item]:
     """The items of a rewound tip's `old` doc that `doc` lost: those it holds no
     copy of, and those whose kept version is later (_later_state), but for the
@@ -8307,25 +8327,41 @@ class GitStore(Store):
             self._warnings.append(said + error)
         lost, kept = self.rewound_items(doc, tip)   # (the branch decides: said, not undone)
         if lost:
-            self._warnings.append(self._rewound_warning(lost, kept))
+            self._warnings.append(self._rewound_warning(lost, kept, doc))
         if self.checkout:
             self.sync_checkout()
         return doc
 
-    def _rewound_warning(self, lost: list[Item], ref: str) -> str:
-        """What a rewind lost (rewound_items), kept at `ref`, and how to bring it back."""
-        ids = ", ".join(it.id for it in lost[:5]) + (", …" if len(lost) > 5 else "")
-        kept = shlex.quote(f"{ref}:{STORE_FILE}")
+    def _rewound_warning(self, lost: list[Item], ref: str, doc: Doc) -> str:
+        """What a rewind lost (rewound_items), kept at `ref`, and how to bring it
+        back: an item the branch (`doc`) lacks by `restore` and `promote`; one it
+        holds set back (a deprecation or correction undone) by doing that change
+        again, as the kept tip says it was made (_set_back_advice): restore
+        answered held_above and promote nothing_eligible, and it stayed active."""
+        held = {it.id for it in doc.items}
+        back = [it for it in lost if it.id in held]
+        redone = {(it.superseded_by or {}).get("id") for it in back}   # (a correction done
+        gone = [it for it in lost if it.id not in held | redone]        # again makes its own)
+        repo, kept = shlex.quote(str(self.repo)), shlex.quote(f"{ref}:{STORE_FILE}")
         to = shlex.quote(str(self._meta_dir() / f"rewound-{self.scope}.json"))  # (not a
         #                                   shared /tmp path, maybe another user's file)
-        return (f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
-                f"replaced (a force push, or deleted): {len(lost)} item(s) cambium read there "
-                f"before are gone from it or set back ({ids}). cambium kept the earlier tip(s): "
-                f"to bring them back here, `git -C {shlex.quote(str(self.repo))} show {kept} > "
-                f"{to}` and `{_cli_command()} restore {to}` (what the scope "
-                "still holds stays there), then promote them again; if the rewind was meant, "
-                f"`git -C {shlex.quote(str(self.repo))} update-ref -d {ref}` ends "
-                "this warning")
+        said = [f"the {self.scope} branch '{self.branch}' on {self.remote} was rewound or "
+                "replaced (a force push, or deleted), and cambium kept the earlier tip"]
+        if gone:
+            ids = ", ".join(it.id for it in gone[:5]) + (", …" if len(gone) > 5 else "")
+            said.append(f"{len(gone)} item(s) cambium read there before are gone from it "
+                        f"({ids}): to bring them back here, `git -C {repo} show {kept} > "
+                        f"{to}` and `{_cli_command()} restore {to}` (what the scope still "
+                        "holds stays there), then promote them again")
+        if back:
+            said.append(f"{len(back)} item(s) it still holds are set back to an earlier "
+                        "version, which restore and promote leave as it is: "
+                        + "; ".join(map(_set_back_advice, back[:3]))
+                        + ("; …" if len(back) > 3 else "")
+                        + f" (`git -C {repo} show {kept}` shows the kept versions)")
+        said.append(f"if the rewind was meant, `git -C {repo} update-ref -d {ref}` ends this "
+                    "warning")
+        return ": ".join(said[:2]) + "; " + "; ".join(said[2:])
 
     def default_tip(self) -> str | None:
         """The remote default branch's tip (fetched), the parent of a new branch."""
@@ -8840,7 +8876,7 @@ class GitStore(Store):
         told only "endorsed", never learned that a teammate's items were gone."""
         lost, kept = self.rewound_items(done.doc, done.commit or self.local_tip())
         if lost:
-            note_for_call(self._rewound_warning(lost, kept))
+            note_for_call(self._rewound_warning(lost, kept, done.doc))
 
     def _attempt(self, fn: Callable[[Doc], Doc | None], message: str, target: str,
                  side: str | None, ensure_files: bool, guess: str | None = None

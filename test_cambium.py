@@ -30788,6 +30788,9 @@ def test_a_rewind_that_undoes_a_deprecation_or_a_correction_says_so(shared):
     git(shared["origin"], "update-ref", "refs/heads/cambium", tip)          # the force push
     warned = " ".join(cs.recall("public API rate limit requests")["warnings"])
     assert gone in warned and old in warned and "set back" in warned
+    assert f"deprecate {gone} 'we deploy from main now'` does it again" in warned  # (restore
+    assert f"correct {old} CONTENT WHY" in warned and "gone from it" not in warned  # and
+    assert "restore" not in warned.replace("restore and promote leave", "")   # promote: no-ops)
     between = _endorsed("Canary deploys run for an hour")       # (a second rewind keeps
     cs.promote(between)                                         # the set-back state too;
     git(shared["origin"], "update-ref", "refs/heads/cambium", tip)   # `old`, credited by
