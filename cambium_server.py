@@ -15692,9 +15692,11 @@ def keys_corrected(old: Item, new: Item) -> list[str]:
 def corrected_keys(it: Item) -> tuple[str, ...]:
     """The said_keys a person's correction carries of the words it corrected
     (CORRECTED_KEYS), wherever it went: the item it corrected may be in no
-    scope that holds it (promoted alone from a clone's store). Empty for an
-    item that corrects nothing, or a hand edit's other JSON (pure)."""
-    keys = it.extra.get(CORRECTED_KEYS) if isinstance(it.corrects, str) else None
+    scope that holds it (promoted alone from a clone's store); a consolidate
+    survivor a correction was folded into carries them too, correcting
+    nothing itself (merged_survivor). Empty for an item without them, or a
+    hand edit's other JSON (pure)."""
+    keys = it.extra.get(CORRECTED_KEYS)
     return tuple(k for k in keys if isinstance(k, str)) if isinstance(keys, list) else ()
 
 
@@ -16344,6 +16346,17 @@ def copy_days(trust: dict) -> dict[str, tuple[str, int]]:
     return out
 
 
+def merged_keys(survivor: Item, members: list[Item]) -> dict:
+    """{CORRECTED_KEYS: ...} of a consolidate survivor: its own corrected_keys
+    and its members' (a person's correction folded into it: the words it
+    corrected stayed live where the survivor went, a teammate's copy of them
+    promoted and recalled above it), never the survivor's own words, the
+    first MAX_CORRECTED_KEYS; {} when none has any (pure)."""
+    keys = [k for it in (survivor, *members) for k in corrected_keys(it)]
+    keys = list(dict.fromkeys(k for k in keys if k != said_key(survivor)))
+    return {CORRECTED_KEYS: keys[:MAX_CORRECTED_KEYS]} if keys else {}
+
+
 def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,
                     now: str) -> Item:
     """The survivor carrying its duplicates' recall credits, endorsements,
@@ -16393,8 +16406,9 @@ def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]
         trust={**trust, "recalls": recalls, "endorsements": list(ends.values()),
                "projects": projects, **({"recalled_by": recalled} if recalled else {}),
                **({RECALLED_DAYS: days} if recalled and counted else {})},
-        extra={**survivor.extra, "merged_from": prior
-               + origins}, **merged_pointers(survivor, [m for m, _ in members]),
+        extra={**survivor.extra, "merged_from": prior + origins,
+               **merged_keys(survivor, [m for m, _ in members])},
+        **merged_pointers(survivor, [m for m, _ in members]),
         **merged_reason(survivor, [m for m, _ in members]))
     return survivor if merged == survivor else dataclasses.replace(merged, updated_at=now)
 
@@ -18109,11 +18123,43 @@ def retire_corrected(items: list[Item], copies: list[Item], *, agent: str, dst: 
     if not fix_of:
         return items + copies
     now, own = _now(), {c.corrects for c in copies}
-    return [supersede(it, fix.id, agent=agent, now=now,
-                      why=f"says what a person corrected in {fix.id} (promoted to {dst})")
-            if it.active and it.authority != "human" and it.id not in own
-            and (fix := fix_of.get(said_key(it))) is not None else it
-            for it in items] + copies
+    took: dict[str, list[Item]] = {}
+    out = [supersede(it, fix.id, agent=agent, now=now,
+                     why=f"{RETIRED_BY_CORRECTION} {fix.id} (promoted to {dst})")
+           if it.active and it.authority != "human" and it.id not in own
+           and (fix := fix_of.get(said_key(it))) is not None
+           and not took.setdefault(fix.id, []).append(it) else it
+           for it in items]
+    return out + [took_over(c, took[c.id]) if c.id in took else c for c in copies]
+
+
+RETIRED_BY_CORRECTION = "says what a person corrected in"   #: retire_corrected's why
+
+
+def took_over(fix: Item, retired: list[Item]) -> Item:
+    """A landing correction that retired `retired` (retire_corrected) serving
+    what they served, as correct() of one there would have made it: their
+    projects join its trust.projects (another project's org item retired
+    left that project's primer without the rule), and their check (with its
+    failing flag), code_refs and valid_while are its own where it has none
+    (the first retired item's that has one) (pure)."""
+    trust = fix.trust if isinstance(fix.trust, dict) else {}
+    projects = list(trust.get("projects") or [])
+    for it in retired:
+        theirs = it.trust.get("projects") if isinstance(it.trust, dict) else None
+        for p in [it.project, *(theirs if isinstance(theirs, list) else [])]:
+            if isinstance(p, str) and p.strip() and not same_project(p, fix.project) \
+                    and not any(same_project(p, q) for q in projects):
+                projects.append(p)
+    carried = {}
+    for field, pair in (("check", ("check", "failing")), ("code_refs", ("code_refs",)),
+                        ("valid_while", ("valid_while",))):
+        if not getattr(fix, field):
+            it = next((it for it in retired if getattr(it, field)), None)
+            carried.update({f: getattr(it, f) for f in pair} if it else {})
+    if projects != list(trust.get("projects") or []):
+        carried["trust"] = {**trust, "projects": projects}
+    return dataclasses.replace(fix, **carried) if carried else fix
 
 
 def _unmark_moving(cfg: Config, src: str, dst: str, ids: set[str]) -> None:
@@ -23250,10 +23296,10 @@ def corrected_said(key: str, items: list) -> dict[str, tuple]:
             for x in gone.values():
                 k = said_key(x)             # (plain_text of the content: once an item)
                 said[k] = (*said.get(k, ()), x.id)
-            for fix in fixes.values():
+            for corrected, fix in fixes.items():
                 for k in corrected_keys(fix):
-                    if fix.corrects not in said.get(k, ()):
-                        said[k] = (*said.get(k, ()), fix.corrects)
+                    if corrected not in said.get(k, ()):
+                        said[k] = (*said.get(k, ()), corrected)
             rt.texts["said:" + key] = (gone, said)
         return said
 
@@ -23464,6 +23510,9 @@ def corrections(key: str, items: list) -> tuple[dict[str, tuple], dict[str, Item
     return words, fixes
 
 
+FOLDED_KEYS = "folded:"   #: correction_maps' key of a fold survivor's corrected_keys (no id)
+
+
 def correction_maps(key: str, items: list
                     ) -> tuple[dict[str, tuple], dict[str, Item], dict[str, Item]]:
     """({content key of a superseded item: the ids of such items}, {corrected id:
@@ -23478,13 +23527,16 @@ def correction_maps(key: str, items: list
         if src is not items:
             grown = src is not None and extends(items, src)
             fresh = [x for x in (items[len(src):] if grown else items)
-                     if isinstance(x.corrects, str) or x.status == "superseded"]
+                     if isinstance(x.corrects, str) or x.status == "superseded"
+                     or CORRECTED_KEYS in x.extra]
             if not grown or fresh:                  # (copied: a reader may hold the old)
                 words, fixes, gone = (dict(words), dict(fixes), dict(gone)) if grown \
                     else ({}, {}, {})
                 for x in fresh:
                     if isinstance(x.corrects, str):
                         fixes[x.corrects] = x
+                    elif corrected_keys(x):     # (a fold survivor: under its own mark)
+                        fixes[FOLDED_KEYS + x.id] = x
                     if x.status == "superseded":
                         words[content_key(x)] = (*words.get(content_key(x), ()), x.id)
                         gone.setdefault(x.id, x)

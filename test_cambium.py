@@ -30700,6 +30700,64 @@ def test_a_correction_promoted_to_org_keeps_the_words_it_corrected_out_of_org(
         "results"]] == [fix]
 
 
+def test_a_correction_that_retires_another_projects_org_item_serves_that_project(
+        shared, monkeypatch, tmp_path):
+    """billing published words to org; shop's person corrected shop's team
+    copy and promoted the correction to org, which retired billing's org
+    item: the correction kept project shop alone, so billing's primer lost
+    the rule (correct() of billing's org item keeps billing). Now the
+    retired item's projects join the correction's, and its check, code_refs
+    and valid_while are carried where the correction has none."""
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(shared["org"]))
+    old, new = "Merge requests need two approving reviews.", \
+        "Merge requests need one approving review."
+    item = _endorsed(old, note="reviews")
+    cs.promote(item)
+    billing = clone(make_origin(tmp_path, "billing"), tmp_path / "billing")
+    as_agent(monkeypatch, billing, "bo")
+    theirs = _endorsed(old, note="Merge requests need two approving reviews")
+    assert cs.promote(theirs, to_scope="org")["status"] == "promoted"
+    as_agent(monkeypatch, shared["a"], "ada")
+    fix = cs.correct(item, new, "eng lead")["item"]["id"]
+    cs.endorse(fix, note="Merge requests need one approving review")
+    assert cs.promote(fix, to_scope="org")["retired"] == [theirs]
+    org = {i["id"]: i for i in remote_json(shared["org_bare"], "main")["items"]}
+    assert org[fix]["trust"]["projects"] == ["billing"], org[fix]
+    as_agent(monkeypatch, billing, "bo")
+    primer = json.dumps(cs.session_primer())
+    assert fix in primer and "one approving review" in primer, primer
+    got = cs.took_over(cs.Item.from_dict(org[fix]), [dataclasses.replace(
+        cs.Item.from_dict(org[theirs]), check={"cmd": "true", "by": "op", "at": "t"},
+        code_refs=[{"path": "ci.yml"}], valid_while="CI gates merges")])
+    assert (got.check["cmd"], got.code_refs, got.valid_while) == (
+        "true", [{"path": "ci.yml"}], "CI gates merges")
+
+
+def test_a_correction_folded_by_consolidate_keeps_the_words_it_corrected(
+        shared, monkeypatch, tmp_path):
+    """Team held ada's 90-day item; bob corrected his local 30-day copy to
+    the 90 days and consolidate folded the correction into team's item: the
+    survivor turned human but carried no corrected_keys, so cy's own local
+    30-day copy was recalled first and promoted to team beside it."""
+    old, new = "Rotate the staging API keys every 30 days.", \
+        "Rotate the staging API keys every 90 days."
+    cy = clone(shared["origin"], tmp_path / "cy" / "shop")
+    as_agent(monkeypatch, cy, "cy")
+    mine = _endorsed(old, note="30 days")
+    as_agent(monkeypatch, shared["a"], "ada")
+    team = _endorsed(new, note="90 days")
+    assert cs.promote(team)["status"] == "promoted"
+    as_agent(monkeypatch, shared["b"], "bob")
+    fix = cs.correct(cs.capture(old)["item"]["id"], new, "ops lead")["item"]["id"]
+    assert fix in cs.consolidate(apply=True)["superseded"]
+    held = {i["id"]: i for i in remote_json(shared["origin"], "cambium")["items"]}[team]
+    assert held["authority"] == "human" and held["corrected_keys"], held
+    as_agent(monkeypatch, cy, "cy")
+    got = [r["id"] for r in cs.recall("staging API keys every 30 days")["results"]]
+    assert got[:1] == [team], got
+    assert cs.promote(mine)["status"] == "corrected_before"
+
+
 def test_the_same_verification_again_at_once_is_recorded_once(repo, monkeypatch):
     """A PR-mode verify whose pull request gh failed to open, run again as the
     error says, recorded the verification twice."""
