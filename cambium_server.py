@@ -18881,7 +18881,8 @@ def _correction_waits(cfg: Config, scope: str, item: Item, there: Item,
             f"was open: {by} is proposed to org through {up.write.pr_url}, and the {scope} "
             "copy waits for that to merge; then review_promotions() carries the supersession")
     return uncarried(item.id, by, _why_kept(line, "org", _not_reached(line, up, "org")),
-                     scope, "org", moving=False, pr=bool(item.pr_url))
+                     scope, "org", moving=False, pr=bool(item.pr_url),
+                     retired=retired_by_correction(item))
 
 
 def _replacements_now(cfg: Config, scope: str, item: Item) -> dict[str, Item]:
@@ -24572,8 +24573,15 @@ def kept_both(moved: Moved, src: str, dst: str) -> dict:
                               for i, by in sorted(moved.replaced.items())]}
 
 
+def retired_by_correction(item: Item) -> bool:
+    """Whether `item` was superseded by a landing person's correction of the
+    words it says (retire_corrected's why), not by one of its own (pure)."""
+    sup = item.superseded_by if isinstance(item.superseded_by, dict) else {}
+    return str(sup.get("why") or "").startswith(RETIRED_BY_CORRECTION)
+
+
 def uncarried(item_id: str, by: str, why: str | None, src: str, dst: str, *,
-              moving: bool, pr: bool = True) -> str:
+              moving: bool, pr: bool = True, retired: bool = False) -> str:
     """The warning for a copy kept in src because `by`, the item that superseded
     it there while it moved (`moving`) or waited on its org pull request, is not
     in dst: dropped, dst's copy would keep the old words active for good.
@@ -24581,9 +24589,13 @@ def uncarried(item_id: str, by: str, why: str | None, src: str, dst: str, *,
     (_why_kept; else it went up: _carry_corrections); None: it is no
     correction. `pr` False: not moving, it waits on no pull request (a copy
     a move to dst cut short left below; "while its org pull request was
-    open" was said of it in direct mode too) (pure)."""
+    open" was said of it in direct mode too). `retired`: `by` is a person's
+    correction of the words it says, promoted to src, that retired it there
+    (retire_corrected; the warning named a fold or a capture) (pure)."""
     correction = why is not None
-    what = why or "an item of its own: a consolidate fold, a capture that supersedes it"
+    what = why or (f"a person's correction of the words it says, promoted to {src}, which "
+                   "retired it" if retired else
+                   "an item of its own: a consolidate fold, a capture that supersedes it")
     when = f"while it moved to {dst}" if moving else "while its org pull request was open" \
         if pr else f"after a move of it to {dst} was cut short"
     stays = (f"{dst}'s copy of {item_id} stays active and the {src} copy stays too"

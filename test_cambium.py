@@ -30758,6 +30758,33 @@ def test_a_correction_folded_by_consolidate_keeps_the_words_it_corrected(
     assert cs.promote(mine)["status"] == "corrected_before"
 
 
+def test_a_copy_waiting_on_its_org_pr_retired_by_a_correction_is_warned_as_such(
+        shared, monkeypatch, tmp_path):
+    """ada's team copy waited on its org pull request when bob's correction
+    of the same words, promoted to team, retired it there: review_promotions'
+    warning blamed "an item of its own: a consolidate fold, a capture"."""
+    words = "Rotate the staging API keys every 30 days."
+    as_agent(monkeypatch, shared["b"], "bob")
+    mine = cs.capture(words)["item"]["id"]
+    as_agent(monkeypatch, shared["a"], "ada")
+    theirs = _endorsed(words, note="Rotate the staging API keys every 30 days")
+    assert cs.promote(theirs)["status"] == "promoted"
+    _pr_mode(monkeypatch, tmp_path, shared)
+    res = cs.promote(theirs, to_scope="org")
+    as_agent(monkeypatch, shared["b"], "bob")
+    fix = cs.correct(mine, "Rotate the staging API keys every 90 days.", "ops lead")["item"]
+    cs.endorse(fix["id"], note="90 days is policy")
+    assert cs.promote(fix["id"])["retired"] == [theirs]
+    set_pr_state(tmp_path, res["pr_url"], "MERGED")
+    merger = clone(shared["org_bare"], tmp_path / "merger")
+    git(merger, "merge", "-q", "--no-edit", f"origin/cambium/promote-{theirs}")
+    git(merger, "push", "-q", "origin", "HEAD:main")
+    as_agent(monkeypatch, shared["a"], "ada")
+    with cs.collecting_notes():
+        said = json.dumps(cs.with_store_warnings(cs.review_promotions()))
+    assert "promoted to team, which retired it" in said and "consolidate fold" not in said, said
+
+
 def test_the_same_verification_again_at_once_is_recorded_once(repo, monkeypatch):
     """A PR-mode verify whose pull request gh failed to open, run again as the
     error says, recorded the verification twice."""
