@@ -9261,11 +9261,12 @@ class GitStore(Store):
         stamp is: a checkout cut short (killed, timed out, a failed smudge
         filter, a full disk) left its files deleted or cut, which read as
         someone's uncommitted work, so every later sync was refused for
-        good; the marker names them cambium's own (_cut_short_only)."""
+        good; the marker names them cambium's own (_cut_short_only). A marker
+        that cannot be written (a full disk) starts no checkout: one cut short
+        with none stuck as before. It keeps the last tip it named and this one."""
         marker = self._checking_out_file()
-        with contextlib.suppress(OSError):
-            tips = dict.fromkeys([*self._checking_out(), tip])
-            atomic_write(marker, "".join(t + "\n" for t in tips), durable=False)
+        tips = dict.fromkeys([*self._checking_out()[-1:], tip])
+        atomic_write(marker, "".join(t + "\n" for t in tips), durable=False)
         _run(["git", *self._no_hooks(), "checkout", "--quiet", "--force",
               "-B", self.branch, tip], self.repo, self.timeout_s, own_locks=True)
         with contextlib.suppress(OSError):
@@ -9301,7 +9302,25 @@ class GitStore(Store):
                             self.repo, self.timeout_s, check=False)
                 if proc.returncode == 0:
                     ours.update(p for p in proc.stdout.split("\0") if p)
-        return bool(going) and paths <= ours
+        return bool(going) and paths <= ours and \
+            all(self._as_left(p, [*last, *going]) for p in paths)
+
+    def _as_left(self, path: str, tips: list[str]) -> bool:
+        """Whether the org clone's `path` is as a checkout cut short leaves a
+        file: gone, or some tip's blob, whole or cut (a prefix of it). A file
+        a person edited is neither: it is left, with the warning."""
+        try:
+            have = (self.repo / path).read_bytes()
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        for tip in tips:
+            blob = _run(["git", "cat-file", "blob", f"{tip}:{path}"], self.repo,
+                        self.timeout_s, check=False, binary=True)
+            if blob.returncode == 0 and blob.stdout.startswith(have):
+                return True
+        return False
 
     def _checkout_due(self) -> str | None:
         """The tip the checkout is to be synced to, None when it is there (or

@@ -29134,6 +29134,60 @@ def _org_item_by_hand(bare: Path, work: Path, item_id: str, text: str) -> None:
     git(work, "push", "-q", "origin", "HEAD:main")
 
 
+def _org_checkout_failing(shared, monkeypatch) -> tuple[Path, Path, Path]:
+    """Org holds an item cambium last checked out and one pushed by hand since,
+    and the org clone's smudge filter fails: (org clone, org bare, attributes)."""
+    org, bare = shared["org"], shared["org_bare"]
+    monkeypatch.setenv("CAMBIUM_ORG_REPO", str(org))
+    item = _endorsed("Pin every base image by digest")
+    cs.promote(item, force=True)
+    cs.promote(item, to_scope="org", force=True)
+    cs.recall("base image digest", scope="org")
+    _org_item_by_hand(bare, shared["tmp"] / "by-hand", "k-other1",
+                      "Prefer idempotent retries for payment webhooks")
+    git(org, "config", "filter.bad.smudge", "false")
+    git(org, "config", "filter.bad.required", "true")
+    attributes = org / ".git" / "info" / "attributes"
+    attributes.parent.mkdir(exist_ok=True)
+    attributes.write_text("knowledge.json filter=bad\n")
+    return org, bare, attributes
+
+
+def test_an_org_checkout_whose_marker_cannot_be_written_is_not_started(shared, monkeypatch):
+    """Review: on a full disk the checking-out marker's write failed (ignored)
+    and the checkout ran anyway, cut short with no marker: every later read
+    refused the sync for good, the deleted knowledge.json read as a person's."""
+    org, bare, attributes = _org_checkout_failing(shared, monkeypatch)
+    real = cs.atomic_write
+
+    def full(path, *a, **k):
+        if Path(path).name == "checking-out":
+            raise OSError(28, "No space left on device")
+        return real(path, *a, **k)
+    monkeypatch.setattr(cs, "atomic_write", full)
+    out = cs.recall("idempotent retries payment webhooks", scope="org")
+    assert out["results"] and any("could not be synced" in w for w in out["warnings"])
+    monkeypatch.setattr(cs, "atomic_write", real)           # the disk freed
+    attributes.unlink()
+    cs.recall("idempotent retries payment webhooks", scope="org")
+    assert git(org, "rev-parse", "HEAD") == git(bare, "rev-parse", "main")
+    assert git(org, "status", "--porcelain", "--untracked-files=no") == ""
+
+
+def test_a_hand_edit_in_an_org_checkout_cut_short_is_never_overwritten(shared, monkeypatch):
+    """Review: with the marker there, knowledge.json (which every write
+    changes) counted as a file the cut-short checkout left, whatever it held:
+    a person's edit of it was overwritten without a word."""
+    org, bare, attributes = _org_checkout_failing(shared, monkeypatch)
+    cs.recall("idempotent retries payment webhooks", scope="org")
+    attributes.unlink()
+    assert (org / ".git" / "cambium" / "checking-out").exists()
+    (org / "knowledge.json").write_text('{"my": "hand edit"}\n')
+    out = cs.recall("idempotent retries payment webhooks", scope="org")
+    assert (org / "knowledge.json").read_text() == '{"my": "hand edit"}\n'
+    assert out["results"] and any("left as it is" in w for w in out["warnings"])
+
+
 def test_an_org_checkout_cut_short_is_served_from_git_and_synced_once_it_can(
         shared, monkeypatch):
     """A failed sync of the org clone's checkout (a smudge filter's error here;
