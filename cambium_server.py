@@ -2812,17 +2812,20 @@ def resolve_config(env: dict | None = None, cwd: Path | None = None) -> Config:
         except OSError:              # the working directory was deleted under the process
             gone = CWD_GONE
     for key in DEFAULTS:
-        value, origin, why = _chosen_value(key, env, root, file_values, values)
+        value, origin, bad = _chosen_value(key, env, root, file_values, values)
+        if bad:               # the file's value, of a JSON type it does not take: unused
+            problems.append({"setting": key, "problem": bad, "origin": "file"})
+            origin = "default"
         if key == "CAMBIUM_REPO" and origin in ("env", "file"):
             value = clone_root(value)
         elif key in BOARD_SETTINGS and origin in ("env", "file") and value:
             value = board_path(value, cwd)
-        if not why and value is not None and origin != "default":
+        if value is not None and origin != "default":
             why = (f"{key} in the config file holds a lone surrogate escape (like \\ud800), "
                    "which is not text" if origin == "file" and not_text(key, value)
                    else _validate(key, value))
-        if why:
-            problems.append({"setting": key, "problem": why, "origin": origin})
+            if why:
+                problems.append({"setting": key, "problem": why, "origin": origin})
         values[key], origins[key] = value, origin
     if gone:     # never the file's repo instead: a removed worktree's server wrote into it
         values["CAMBIUM_REPO"], origins["CAMBIUM_REPO"] = None, "cwd"
@@ -9298,8 +9301,7 @@ class GitStore(Store):
         ours: set[str] = set()
         for base in last or ["HEAD"]:
             for to in going:
-                proc = _run(["git", "diff", "--name-only", "-z", base, to, "--"],
-                            self.repo, self.timeout_s, check=False)
+                proc = self.git("diff", "--name-only", "-z", base, to, "--", check=False)
                 if proc.returncode == 0:
                     ours.update(p for p in proc.stdout.split("\0") if p)
         return bool(going) and paths <= ours and \
@@ -9316,8 +9318,7 @@ class GitStore(Store):
         except OSError:
             return False
         for tip in tips:
-            blob = _run(["git", "cat-file", "blob", f"{tip}:{path}"], self.repo,
-                        self.timeout_s, check=False, binary=True)
+            blob = self.git("cat-file", "blob", f"{tip}:{path}", check=False, binary=True)
             if blob.returncode == 0 and blob.stdout.startswith(have):
                 return True
         return False
@@ -18171,10 +18172,10 @@ def took_over(fix: Item, retired: list[Item]) -> Item:
                     and not any(same_project(p, q) for q in projects):
                 projects.append(p)
     carried = {}
-    for field, pair in (("check", ("check", "failing")), ("code_refs", ("code_refs",)),
-                        ("valid_while", ("valid_while",))):
-        if not getattr(fix, field):
-            it = next((it for it in retired if getattr(it, field)), None)
+    for name, pair in (("check", ("check", "failing")), ("code_refs", ("code_refs",)),
+                       ("valid_while", ("valid_while",))):
+        if not getattr(fix, name):
+            it = next((it for it in retired if getattr(it, name)), None)
             carried.update({f: getattr(it, f) for f in pair} if it else {})
     if projects != list(trust.get("projects") or []):
         carried["trust"] = {**trust, "projects": projects}
@@ -20008,7 +20009,7 @@ def _captured_draft(doc: Doc, agent: str, claim: dict) -> Draft | Skip:
     stored = found[1] if found else None
     if stored is None:                # promoted on: its watermark says it landed
         return dataclasses.replace(draft, key=said["key"])
-    if content_key(stored) not in (said.get("text"), said.get("old") or said.get("text")):
+    if not says_record(stored, said.get("text"), said.get("old")):
         return draft
     return dataclasses.replace(draft, content=stored.content, key=said["key"])
 

@@ -1365,6 +1365,8 @@ def test_a_config_value_of_a_json_type_its_setting_does_not_take_is_a_gap(tmp_pa
     assert f"team_branches[{json.dumps(os.path.realpath(r))}] in the config file is a JSON " \
            "boolean" in problems["CAMBIUM_TEAM_BRANCH"]
     assert "True" not in json.dumps(guide) and "'kb'" not in json.dumps(guide)
+    origins = cs.resolve_config().origins          # an unused value is no file's setting
+    assert origins["CAMBIUM_AGENT_ID"] == origins["CAMBIUM_ORG_REPO"] == "default"
     cfg_file.write_text(json.dumps({      # (what each of these settings takes: no gap)
         "CAMBIUM_AGENT_ID": "ada", "CAMBIUM_ORG_PR": 0, "CAMBIUM_RELEASE_CAPTURE": True,
         "CAMBIUM_LATE_INTERACTION": False, "CAMBIUM_GIT_TIMEOUT": 2.5,
