@@ -7054,7 +7054,7 @@ class GitStore(Store):
         like the private ref: one remote's failed fetch held every other
         remote's reads back. prefix, suffix: a file named after it (its failed
         fetch's, _failed_stamp; its plain-fetch record; its fetch lock)."""
-        remote = hashlib.sha1(self.remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        remote = stamp_key(self.remote)
         branch = self.branch if branch is None else branch
         return self._meta_dir() / \
             f"{prefix}fetched-{self.scope}-{branch.replace('/', '_')}-{remote}{suffix}"
@@ -9945,12 +9945,18 @@ def _has_ref(repo: Path, ref: str, timeout_s: float) -> bool:
     return proc.returncode == 0
 
 
+def stamp_key(remote: str) -> str:
+    """A remote's name as the stamps beside the private refs carry it (a
+    scope's fetch stamp, the board's): remote_answered_at finds them by it."""
+    return hashlib.sha1(remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
 def _board_failed_stamp(repo: Path, remote: str, branch: str, t: float) -> Path:
     """Where a failed ask of `remote` for the board is recorded: beside the
     scopes' fetch stamps (GitStore._meta_dir), named like them."""
     dirs = _git_dirs_asked(repo, t)
     common = dirs[1] if dirs else repo / ".git"
-    key = hashlib.sha1(remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    key = stamp_key(remote)
     return Path(os.path.abspath(common)) / "cambium" / \
         f"board-{branch.replace('/', '_')}-{key}.failed"
 
@@ -9970,7 +9976,7 @@ def remote_answered_at(meta: Path, remote: str) -> float:
     `board-<branch>-<key>`), 0.0 when none. Any of them ends a pause a failed
     fetch through that remote began before it (board_paused,
     GitStore.last_failure): the remote answered since."""
-    key = hashlib.sha1(remote.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    key = stamp_key(remote)
     newest = 0.0
     for kind in ("fetched", "board"):
         for stamp in meta.glob(f"{kind}-*-{key}"):
@@ -10464,7 +10470,7 @@ class Retired(Skip):
     """A record its export marks retired: skipped, its draft kept so that
     import's last_wins (prepare_drafts) lets it stand as its id's last version:
     an export's history v1 "30s", "60s", then "60s" deleted imported "60s" live."""
-    draft: Draft | None = None
+    draft: Draft
 
 
 def _records_within(rec: dict, where: str) -> tuple[str, ...]:
@@ -15705,8 +15711,14 @@ def keys_corrected(old: Item, new: Item) -> list[str]:
     never new's own words (a flip-flop back), the first MAX_CORRECTED_KEYS.
     Hashes, not the words: a correction restated for org carries no
     project's words up past the gate (pure)."""
-    keys = (said_key(old), *corrected_keys(old))
-    return list(dict.fromkeys(k for k in keys if k != said_key(new)))[:MAX_CORRECTED_KEYS]
+    return keys_beside(new, (said_key(old), *corrected_keys(old)))
+
+
+def keys_beside(own: Item, keys: Iterable[str]) -> list[str]:
+    """`keys` in order, once each, never `own`'s words, the first
+    MAX_CORRECTED_KEYS: what an item's corrected_keys may hold (pure)."""
+    mine = said_key(own)
+    return list(dict.fromkeys(k for k in keys if k != mine))[:MAX_CORRECTED_KEYS]
 
 
 def corrected_keys(it: Item) -> tuple[str, ...]:
@@ -16372,9 +16384,8 @@ def merged_keys(survivor: Item, members: list[Item]) -> dict:
     corrected stayed live where the survivor went, a teammate's copy of them
     promoted and recalled above it), never the survivor's own words, the
     first MAX_CORRECTED_KEYS; {} when none has any (pure)."""
-    keys = [k for it in (survivor, *members) for k in corrected_keys(it)]
-    keys = list(dict.fromkeys(k for k in keys if k != said_key(survivor)))
-    return {CORRECTED_KEYS: keys[:MAX_CORRECTED_KEYS]} if keys else {}
+    keys = keys_beside(survivor, (k for it in (survivor, *members) for k in corrected_keys(it)))
+    return {CORRECTED_KEYS: keys} if keys else {}
 
 
 def merged_survivor(survivor: Item, trust: dict, members: list[tuple[Item, dict]], *,
@@ -18137,19 +18148,22 @@ def retire_corrected(items: list[Item], copies: list[Item], *, agent: str, dst: 
     correction (the item it corrected stayed below). Kept, as retired
     history; a person's item is never retired by another's, and the item a
     landing link corrects is left to its own supersession (it rides along,
-    or follows once the pull request merged: _correction_up) (pure)."""
+    or follows once the pull request merged: _correction_up)."""
     fix_of = {k: c for c in copies if c.active and c.authority == "human"
               for k in corrected_keys(c)}
     if not fix_of:
         return items + copies
     now, own = _now(), {c.corrects for c in copies}
     took: dict[str, list[Item]] = {}
-    out = [supersede(it, fix.id, agent=agent, now=now,
-                     why=f"{RETIRED_BY_CORRECTION} {fix.id} (promoted to {dst})")
-           if it.active and it.authority != "human" and it.id not in own
-           and (fix := fix_of.get(said_key(it))) is not None
-           and not took.setdefault(fix.id, []).append(it) else it
-           for it in items]
+    out = []
+    for it in items:
+        fix = fix_of.get(said_key(it)) if it.active and it.authority != "human" \
+            and it.id not in own else None
+        if fix is not None:
+            took.setdefault(fix.id, []).append(it)
+            it = supersede(it, fix.id, agent=agent, now=now,
+                           why=f"{RETIRED_BY_CORRECTION} {fix.id} (promoted to {dst})")
+        out.append(it)
     return out + [took_over(c, took[c.id]) if c.id in took else c for c in copies]
 
 
@@ -20343,13 +20357,12 @@ def marked_above(cfg: Config, doc: Doc, drafts: list[Draft]) -> dict[str, Item]:
             if it.id in wanted and it.project == cfg.project}
 
 
-def above_owed(doc: Doc, above: dict[str, Item], drafts: list[Draft],
-               entries_too: bool) -> list[dict]:
+def above_owed(doc: Doc, above: dict[str, Item], drafts: list[Draft]) -> list[dict]:
     """The shared supersessions this distill owes (pure): each active team or
     org item distill made that this clone's watermark named before the write
     (above) and whose record now says something else: the same context-keeper
-    entry edited (its key, same created_at; entries_too: only on the default
-    branch's checkout), or a claim state no live record names that a live
+    entry edited (its key, same created_at; owed_here keeps these only on the
+    default branch's checkout), or a claim state no live record names that a live
     state of its lineage is newer than (time_key: a stale board supersedes
     nothing). Each names the record key whose text supersedes it."""
     marks = meta_map(doc.meta, "watermarks")
@@ -20358,7 +20371,7 @@ def above_owed(doc: Doc, above: dict[str, Item], drafts: list[Draft],
     for d in drafts:
         src, said = d.source or {}, text_key(d.type, str(d.content or "").strip())
         if src.get("system") == "context-keeper":
-            olds = [above.get(_mark_id(marks, d.key) or "")] if entries_too and d.key else []
+            olds = [above.get(_mark_id(marks, d.key) or "")] if d.key else []
             olds = [o for o in olds if o is not None and src.get("source_ts")
                     and o.source.get("source_ts") == src.get("source_ts")]   # (one entry)
             why = f"context-keeper {src.get('ref')} was edited at its source"
@@ -20440,12 +20453,12 @@ def supersede_above(cfg: Config, local: Doc, now: str
     docs, _ = read_scopes_offline(cfg)
     done, pending, warnings, keep = [], [], [], []
     for entry in (e for e in owed if isinstance(e, dict)):
-        scope = next((s for s in (entry.get("scope"), "org", "team") if s in ("team", "org")
-                      and s in docs and _find_item(docs[s], str(entry.get("id")))), None)
+        scope, hit = next(((s, h) for s in (entry.get("scope"), "org", "team")
+                           if s in ("team", "org") and s in docs
+                           and (h := _find_item(docs[s], str(entry.get("id"))))), (None, None))
         if scope is None and entry.get("scope") not in docs:
             keep.append(entry)                # (a scope not read now: tried again next time)
             continue
-        hit = _find_item(docs[scope], str(entry.get("id"))) if scope else None
         new = _owed_by(entry, local, docs) if hit is not None and hit[1].active else None
         if new is None:                     # gone, retired there, or its text is nowhere
             if hit is not None and not hit[1].active and not entry.get("pr_url"):
@@ -20459,7 +20472,7 @@ def supersede_above(cfg: Config, local: Doc, now: str
 
 def _owed_none(entry: dict, item: Item) -> str:
     by = item.superseded_by.get("id") if isinstance(item.superseded_by, dict) else None
-    return (f"{entry.get('reason')}, but its {entry.get('scope')} item {item.id} is "
+    return (f"{entry.get('reason')}, but its {item.scope} item {item.id} is "
             f"{item.status} there already" + (f" (superseded by {by})" if by else "")
             + ": nothing changed (another clone's distill or a person was first)")
 
@@ -20475,8 +20488,8 @@ def _owe(cfg: Config, scope: str, old: Item, new: Item, row: dict, now: str,
     how, write = change_above(cfg, scope, old, lambda it: supersede(
         it, new.id, agent="distill", now=now, why=why), f"distill supersedes {old.id}")
     if how == "none":
-        warnings.append(_owed_none(entry, _find_item(write.doc, old.id)[1]
-                                   if _find_item(write.doc, old.id) else old))
+        fresh = _find_item(write.doc, old.id)
+        warnings.append(_owed_none(entry, fresh[1] if fresh else old))
         return
     if how == "done":
         done.append(row)
@@ -20505,7 +20518,7 @@ def owed_here(cfg: Config, doc: Doc, drafts: list[Draft]
     nothing: a release branch checked out said its old words over team's
     newer ones, and switching back left team with no live item."""
     above = marked_above(cfg, doc, drafts)
-    owed = above_owed(doc, above, drafts, True) if above else []
+    owed = above_owed(doc, above, drafts) if above else []
     entries = {e["id"] for e in owed if str(e["key"]).startswith("context-keeper:")}
     if entries and not on_default_branch(cfg):
         return ({k: v for k, v in above.items() if k not in entries},
@@ -25692,7 +25705,7 @@ def _tallied(records: Iterable[Draft | Skip], skips: Tally,
     for rec in records:
         if isinstance(rec, Skip):
             skips.add((rec.where, rec.reason))
-            if isinstance(rec, Retired) and rec.draft is not None:
+            if isinstance(rec, Retired):
                 yield rec
         else:
             for note in rec.notes:
